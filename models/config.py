@@ -1,0 +1,397 @@
+"""Typed, frozen model configs, settled once at load and passed down.
+
+One config class per architecture family:
+
+* `DeepseekConfig` — DeepSeek-V2 / V2-Lite / V3 (MLA attention, MoE with shared + routed experts).
+* `LlamaConfig`    — Llama-family dense models (GQA, half-split RoPE).
+
+Both are built from an HF ``config.json`` dict by `config_from_hf_dict`, whichever transformers
+version wrote it: older files carry ``rope_theta`` + ``rope_scaling`` (with ``type`` or
+``rope_type``), current ones a ``rope_parameters`` dict holding ``rope_theta`` too. GGUF metadata is
+first turned into such a dict by the GGUF loader, so there is one parser.
+
+Every missing required key or invalid value raises `CheckpointError` naming the key.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from models.loader.errors import CheckpointError
+
+RopeType = Literal["default", "linear", "yarn", "llama3"]
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding over the first `dim` dims of a head.
+
+    `interleaved` chooses the pair layout: DeepSeek rotates pairs (x[2i], x[2i+1]); Llama rotates
+    (x[i], x[i + dim/2]) ("half split"). The angle for pair i at position p is p * inv_freq[i].
+    """
+
+    dim: int
+    theta: float = 10000.0
+    interleaved: bool = False
+    scaling_type: RopeType = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    # YaRN
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    # Llama 3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Router and expert shapes of a DeepSeek MoE layer.
+
+    `scoring_func` softmax (V2) or sigmoid (V3). `topk_method`: ``greedy`` (plain top-k),
+    ``group_limited_greedy`` (V2: groups ranked by their max score) or ``noaux_tc`` (V3: scores plus
+    `e_score_correction_bias` for choosing, groups ranked by the sum of their top-2).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    num_shared_experts: int
+    scoring_func: Literal["softmax", "sigmoid"]
+    topk_method: Literal["greedy", "group_limited_greedy", "noaux_tc"]
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    first_k_dense_replace: int
+    moe_layer_freq: int
+
+
+@dataclass(frozen=True)
+class DeepseekConfig:
+    """DeepSeek-V2/V3 shapes. `q_lora_rank` is None for V2-Lite (plain `q_proj`)."""
+
+    arch: Literal["deepseek_v2", "deepseek_v3"]
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope: RopeConfig
+    moe: MoEConfig | None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Values cached per token per layer: the latent plus the shared RoPE key (576 for V2/V3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """1/sqrt(qk_head_dim), times YaRN's mscale(factor, mscale_all_dim)^2 as DeepSeek does."""
+        scale = self.qk_head_dim**-0.5
+        r = self.rope
+        if r.scaling_type == "yarn" and r.mscale_all_dim:
+            m = yarn_get_mscale(r.factor, r.mscale_all_dim)
+            scale *= m * m
+        return scale
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        m = self.moe
+        return (
+            m is not None
+            and layer_id >= m.first_k_dense_replace
+            and layer_id % m.moe_layer_freq == 0
+        )
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Llama-family dense decoder with grouped-query attention."""
+
+    arch: Literal["llama"]
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    rope: RopeConfig
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim**-0.5
+
+
+ModelConfig = DeepseekConfig | LlamaConfig
+
+# HF `model_type` values accepted, and the family each maps to.
+SUPPORTED_MODEL_TYPES: dict[str, str] = {
+    "deepseek_v2": "deepseek_v2",
+    "deepseek_v3": "deepseek_v3",
+    "llama": "llama",
+    "mistral": "llama",  # same graph when sliding_window is off
+}
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """DeepSeek's YaRN magnitude correction: 0.1·mscale·ln(scale) + 1 for scale > 1."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass
+class _Keys:
+    """Reads keys out of a config dict, raising `CheckpointError` that names the key."""
+
+    d: dict[str, Any]
+    source: str
+    used: set[str] = field(default_factory=set)
+
+    def req(self, key: str, typ: type = int) -> Any:
+        if key not in self.d or self.d[key] is None:
+            raise CheckpointError(self.source, f"config key '{key}' is missing (expected {typ.__name__})")
+        return self._cast(key, self.d[key], typ)
+
+    def opt(self, key: str, default: Any, typ: type = int) -> Any:
+        v = self.d.get(key)
+        return default if v is None else self._cast(key, v, typ)
+
+    def _cast(self, key: str, v: Any, typ: type) -> Any:
+        if typ is bool:
+            if not isinstance(v, bool):
+                raise CheckpointError(self.source, f"config key '{key}' must be a boolean, got {v!r}")
+            return v
+        if typ is int:
+            if isinstance(v, bool) or not isinstance(v, int) and not (isinstance(v, float) and v.is_integer()):
+                raise CheckpointError(self.source, f"config key '{key}' must be an integer, got {v!r}")
+            return int(v)
+        if typ is float:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise CheckpointError(self.source, f"config key '{key}' must be a number, got {v!r}")
+            return float(v)
+        if not isinstance(v, typ):
+            raise CheckpointError(self.source, f"config key '{key}' must be {typ.__name__}, got {v!r}")
+        return v
+
+    def positive(self, key: str, default: Any = None) -> int:
+        v = self.req(key) if default is None else self.opt(key, default)
+        if v <= 0:
+            raise CheckpointError(self.source, f"config key '{key}' must be > 0, got {v}")
+        return v
+
+
+def _rope_from_dict(k: _Keys, dim: int, interleaved: bool) -> RopeConfig:
+    """Reads RoPE settings from either `rope_parameters` (new) or `rope_theta` + `rope_scaling` (old)."""
+    params = k.d.get("rope_parameters")
+    if params is None:
+        params = dict(k.d.get("rope_scaling") or {})
+        if k.d.get("rope_theta") is not None:
+            params.setdefault("rope_theta", k.d["rope_theta"])
+    if not isinstance(params, dict):
+        raise CheckpointError(k.source, f"config key 'rope_parameters' must be an object, got {params!r}")
+    if "full_attention" in params and isinstance(params["full_attention"], dict):
+        params = params["full_attention"]  # per-layer-type form; one type here
+    p = _Keys(params, k.source)
+    rtype = params.get("rope_type") or params.get("type") or "default"
+    theta = p.opt("rope_theta", 10000.0, float)
+    if rtype in ("default", None):
+        return RopeConfig(dim=dim, theta=theta, interleaved=interleaved)
+    if rtype == "linear":
+        return RopeConfig(dim=dim, theta=theta, interleaved=interleaved, scaling_type="linear",
+                          factor=p.req("factor", float))
+    if rtype == "llama3":
+        return RopeConfig(
+            dim=dim, theta=theta, interleaved=interleaved, scaling_type="llama3",
+            factor=p.req("factor", float),
+            low_freq_factor=p.req("low_freq_factor", float),
+            high_freq_factor=p.req("high_freq_factor", float),
+            original_max_position_embeddings=p.req("original_max_position_embeddings"),
+        )
+    if rtype == "yarn":
+        orig = p.req("original_max_position_embeddings")
+        factor = p.opt("factor", None, float)
+        if factor is None:
+            factor = k.req("max_position_embeddings") / orig
+        return RopeConfig(
+            dim=dim, theta=theta, interleaved=interleaved, scaling_type="yarn", factor=factor,
+            original_max_position_embeddings=orig,
+            beta_fast=p.opt("beta_fast", 32.0, float) or 32.0,
+            beta_slow=p.opt("beta_slow", 1.0, float) or 1.0,
+            mscale=p.opt("mscale", None, float),
+            mscale_all_dim=p.opt("mscale_all_dim", None, float),
+            attention_factor=p.opt("attention_factor", None, float),
+            truncate=p.opt("truncate", True, bool),
+        )
+    raise CheckpointError(
+        k.source, f"rope scaling type '{rtype}' is not supported (supported: default, linear, llama3, yarn)"
+    )
+
+
+def _eos_ids(k: _Keys) -> tuple[int, ...]:
+    v = k.d.get("eos_token_id")
+    if v is None:
+        return ()
+    if isinstance(v, int):
+        return (v,)
+    if isinstance(v, list) and all(isinstance(x, int) for x in v):
+        return tuple(v)
+    raise CheckpointError(k.source, f"config key 'eos_token_id' must be an integer or a list, got {v!r}")
+
+
+def _deepseek_from_dict(k: _Keys, arch: Literal["deepseek_v2", "deepseek_v3"]) -> DeepseekConfig:
+    num_heads = k.positive("num_attention_heads")
+    rope_dim = k.positive("qk_rope_head_dim")
+    if rope_dim % 2:
+        raise CheckpointError(k.source, f"config key 'qk_rope_head_dim' must be even, got {rope_dim}")
+    q_lora_rank = k.opt("q_lora_rank", None)
+    if q_lora_rank is not None and q_lora_rank <= 0:
+        raise CheckpointError(k.source, f"config key 'q_lora_rank' must be > 0 or null, got {q_lora_rank}")
+    moe = None
+    num_experts = k.opt("n_routed_experts", None)
+    if num_experts is None:
+        num_experts = k.opt("num_local_experts", None)
+    if num_experts:
+        is_v3 = arch == "deepseek_v3"
+        scoring = k.opt("scoring_func", "sigmoid" if is_v3 else "softmax", str)
+        if scoring not in ("softmax", "sigmoid"):
+            raise CheckpointError(k.source, f"config key 'scoring_func' must be softmax or sigmoid, got {scoring!r}")
+        method = k.opt("topk_method", "noaux_tc" if is_v3 else "greedy", str)
+        if is_v3:
+            method = "noaux_tc"  # V3 always routes with the correction bias and top-2 group scores
+        if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+            raise CheckpointError(
+                k.source, f"config key 'topk_method' must be greedy, group_limited_greedy or noaux_tc, got {method!r}"
+            )
+        n_group = k.opt("n_group", 1) or 1
+        topk_group = k.opt("topk_group", 1) or 1
+        top_k = k.positive("num_experts_per_tok")
+        if num_experts % n_group or topk_group > n_group or top_k > num_experts:
+            raise CheckpointError(
+                k.source,
+                f"MoE routing is inconsistent: n_routed_experts={num_experts}, n_group={n_group}, "
+                f"topk_group={topk_group}, num_experts_per_tok={top_k} (experts must split evenly into groups, "
+                "topk_group <= n_group, num_experts_per_tok <= n_routed_experts)",
+            )
+        moe = MoEConfig(
+            num_experts=num_experts,
+            top_k=top_k,
+            intermediate_size=k.positive("moe_intermediate_size"),
+            num_shared_experts=k.opt("n_shared_experts", 0) or 0,
+            scoring_func=scoring,
+            topk_method=method,
+            n_group=n_group,
+            topk_group=topk_group,
+            norm_topk_prob=k.opt("norm_topk_prob", False, bool),
+            routed_scaling_factor=k.opt("routed_scaling_factor", 1.0, float),
+            first_k_dense_replace=k.opt("first_k_dense_replace", 0),
+            moe_layer_freq=k.opt("moe_layer_freq", 1) or 1,
+        )
+    return DeepseekConfig(
+        arch=arch,
+        vocab_size=k.positive("vocab_size"),
+        hidden_size=k.positive("hidden_size"),
+        intermediate_size=k.positive("intermediate_size"),
+        num_hidden_layers=k.positive("num_hidden_layers"),
+        num_attention_heads=num_heads,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=k.positive("kv_lora_rank"),
+        qk_nope_head_dim=k.positive("qk_nope_head_dim"),
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=k.positive("v_head_dim"),
+        rms_norm_eps=k.opt("rms_norm_eps", 1e-6, float),
+        max_position_embeddings=k.positive("max_position_embeddings", 4096),
+        tie_word_embeddings=k.opt("tie_word_embeddings", False, bool),
+        attention_bias=k.opt("attention_bias", False, bool),
+        rope=_rope_from_dict(k, rope_dim, interleaved=k.opt("rope_interleave", True, bool)),
+        moe=moe,
+        bos_token_id=k.opt("bos_token_id", None),
+        eos_token_ids=_eos_ids(k),
+    )
+
+
+def _llama_from_dict(k: _Keys) -> LlamaConfig:
+    hidden = k.positive("hidden_size")
+    num_heads = k.positive("num_attention_heads")
+    num_kv_heads = k.opt("num_key_value_heads", num_heads)
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise CheckpointError(
+            k.source, f"num_attention_heads={num_heads} must be a multiple of num_key_value_heads={num_kv_heads}"
+        )
+    head_dim = k.opt("head_dim", None)
+    if head_dim is None:
+        if hidden % num_heads:
+            raise CheckpointError(k.source, f"hidden_size={hidden} is not divisible by num_attention_heads={num_heads}")
+        head_dim = hidden // num_heads
+    if head_dim <= 0 or head_dim % 2:
+        raise CheckpointError(k.source, f"config key 'head_dim' must be a positive even number, got {head_dim}")
+    partial = k.opt("partial_rotary_factor", 1.0, float)
+    return LlamaConfig(
+        arch="llama",
+        vocab_size=k.positive("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=k.positive("intermediate_size"),
+        num_hidden_layers=k.positive("num_hidden_layers"),
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=k.opt("rms_norm_eps", 1e-6, float),
+        max_position_embeddings=k.positive("max_position_embeddings", 2048),
+        tie_word_embeddings=k.opt("tie_word_embeddings", False, bool),
+        attention_bias=k.opt("attention_bias", False, bool),
+        mlp_bias=k.opt("mlp_bias", False, bool),
+        rope=_rope_from_dict(k, int(head_dim * partial), interleaved=False),
+        bos_token_id=k.opt("bos_token_id", None),
+        eos_token_ids=_eos_ids(k),
+    )
+
+
+def config_from_hf_dict(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """Builds the typed config from a parsed HF ``config.json`` (or the GGUF loader's equivalent).
+
+    `source` names the file in error messages.
+    """
+    if not isinstance(d, dict):
+        raise CheckpointError(source, "config must be a JSON object")
+    k = _Keys(d, source)
+    model_type = d.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            source,
+            f"unknown architecture: model_type={model_type!r} (supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})",
+        )
+    family = SUPPORTED_MODEL_TYPES[model_type]
+    if family == "llama":
+        if model_type == "mistral" and d.get("sliding_window"):
+            raise CheckpointError(source, "mistral with sliding_window is not supported (set sliding_window to null)")
+        return _llama_from_dict(k)
+    return _deepseek_from_dict(k, family)  # type: ignore[arg-type]
