@@ -1,0 +1,147 @@
+"""Reference attention backend in plain torch; runs on CPU and CUDA and is the oracle for the others.
+
+Per forward it gathers, for every request, the KV slot indices of all its positions
+(`req_to_token[row, :seq_len]`), then each layer attends request by request (extend) or in one
+padded batch (decode). Scores and softmax run in fp32 whatever the cache dtype. Queries are
+processed in chunks so a long prefill never materialises a [H, T, T] score tensor at once.
+
+GQA never repeats K/V: queries are viewed as [Hkv, group, n, D] and matmul'd against [Hkv, D, L].
+MLA never builds per-head K in the absorbed path: scores are two matmuls against views of the latent
+buffer (c_kv columns and k_pe columns), broadcast over heads by matmul itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kernels.attention.base import AttentionBackend, AttentionLayer
+
+if TYPE_CHECKING:
+    from scheduler.forward_batch import ForwardBatch
+
+_QUERY_CHUNK = 1024
+
+
+@dataclass
+class _Metadata:
+    kv_indices: list[torch.Tensor]  # per request: [seq_len] int64 KV slots of positions 0..seq_len-1
+    starts: list[int]  # per request: first packed token
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    decode_indices: torch.Tensor | None  # [B, Lmax] slots, padded with slot 0 (decode only)
+    decode_mask: torch.Tensor | None  # [B, Lmax] True where a position is valid (decode only)
+
+
+def _causal_softmax_attend(
+    scores: torch.Tensor, values: torch.Tensor, prefix_len: int, q_offset: int
+) -> torch.Tensor:
+    """scores [..., n, L] fp32; query j sits at position prefix_len + q_offset + j and sees keys <= it."""
+    n, length = scores.shape[-2], scores.shape[-1]
+    q_pos = torch.arange(n, device=scores.device) + prefix_len + q_offset
+    k_pos = torch.arange(length, device=scores.device)
+    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), values)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def __init__(self, **_: object) -> None:
+        self.meta: _Metadata | None = None
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        table = batch.req_to_token_pool.req_to_token
+        rows = batch.req_pool_indices.tolist()
+        kv_indices = [table[r, :n].to(torch.int64) for r, n in zip(rows, batch.seq_lens_cpu)]
+        decode_indices = decode_mask = None
+        if batch.forward_mode.is_decode():
+            max_len = max(batch.seq_lens_cpu)
+            lens = torch.tensor(batch.seq_lens_cpu, device=table.device)
+            decode_indices = table[batch.req_pool_indices, :max_len].to(torch.int64)
+            decode_mask = torch.arange(max_len, device=table.device)[None, :] < lens[:, None]
+            decode_indices = decode_indices.masked_fill(~decode_mask, 0)
+        self.meta = _Metadata(
+            kv_indices=kv_indices,
+            starts=batch.extend_start_loc_cpu,
+            prefix_lens=list(batch.extend_prefix_lens_cpu),
+            extend_lens=list(batch.extend_seq_lens_cpu),
+            decode_indices=decode_indices,
+            decode_mask=decode_mask,
+        )
+
+    def _requests(self):
+        assert self.meta is not None, "init_forward_metadata must run before attention"
+        m = self.meta
+        return zip(m.kv_indices, m.starts, m.prefix_lens, m.extend_lens)
+
+    # ---- MHA / GQA ----
+    def _gqa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, prefix: int) -> torch.Tensor:
+        """q [n, H, D], k [L, Hkv, D], v [L, Hkv, Dv] -> [n, H, Dv], causal with `prefix` cached keys."""
+        n, h, d = q.shape
+        hkv = k.shape[1]
+        qg = q.float().view(n, hkv, h // hkv, d).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
+        kt = k.float().permute(1, 2, 0).unsqueeze(1)  # [Hkv, 1, D, L]
+        vv = v.float().permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, L, Dv]
+        outs = []
+        for s in range(0, n, _QUERY_CHUNK):
+            scores = torch.matmul(qg[:, :, s : s + _QUERY_CHUNK], kt) * layer.scaling
+            outs.append(_causal_softmax_attend(scores, vv, prefix, s))
+        out = torch.cat(outs, dim=2)  # [Hkv, G, n, Dv]
+        return out.permute(2, 0, 1, 3).reshape(n, h, -1).to(q.dtype)
+
+    def forward_extend(self, q, k, v, layer, batch):
+        pool = batch.token_to_kv_pool
+        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
+        for kv_idx, start, prefix, n in self._requests():
+            out[start : start + n] = self._gqa(q[start : start + n], k_buf[kv_idx], v_buf[kv_idx], layer, prefix)
+        return out
+
+    def forward_decode(self, q, k, v, layer, batch):
+        pool = batch.token_to_kv_pool
+        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        m = self.meta
+        assert m is not None and m.decode_indices is not None
+        b, h, d = q.shape
+        hkv = k_buf.shape[1]
+        keys = k_buf[m.decode_indices].float()  # [B, L, Hkv, D]
+        vals = v_buf[m.decode_indices].float()  # [B, L, Hkv, Dv]
+        qg = q.float().view(b, hkv, h // hkv, d)  # [B, Hkv, G, D]
+        scores = torch.einsum("bkgd,blkd->bkgl", qg, keys) * layer.scaling
+        scores = scores.masked_fill(~m.decode_mask[:, None, None, :], float("-inf"))
+        out = torch.einsum("bkgl,blkd->bkgd", scores.softmax(dim=-1), vals)
+        return out.reshape(b, h, -1).to(q.dtype)
+
+    # ---- MLA ----
+    def set_mla_kv(self, layer, batch, c_kv, k_pe):
+        batch.token_to_kv_pool.set_mla_kv(layer.layer_id, batch.out_cache_loc, c_kv, k_pe)
+
+    def forward_mla_normal(self, q, k, v, layer, batch):
+        out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
+        for _, start, prefix, n in self._requests():
+            if prefix:
+                raise ValueError("forward_mla_normal cannot attend to a cached prefix; use forward_mla_absorb")
+            sl = slice(start, start + n)
+            out[sl] = self._gqa(q[sl], k[sl], v[sl], layer, 0)
+        return out
+
+    def forward_mla_absorb(self, q_latent, q_pe, layer, batch):
+        buf = batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        r = layer.kv_lora_rank
+        out = q_latent.new_empty(q_latent.shape)
+        for kv_idx, start, prefix, n in self._requests():
+            latent = buf[kv_idx].float()  # [L, r + P]: gathered rows of the shared cache, no per-head copy
+            c_kv, k_pe = latent[:, :r], latent[:, r:]
+            ql = q_latent[start : start + n].float().transpose(0, 1)  # [H, n, r]
+            qp = q_pe[start : start + n].float().transpose(0, 1)  # [H, n, P]
+            res = []
+            for s in range(0, n, _QUERY_CHUNK):
+                scores = (
+                    torch.matmul(ql[:, s : s + _QUERY_CHUNK], c_kv.T) + torch.matmul(qp[:, s : s + _QUERY_CHUNK], k_pe.T)
+                ) * layer.scaling
+                res.append(_causal_softmax_attend(scores, c_kv, prefix, s))
+            out[start : start + n] = torch.cat(res, dim=1).transpose(0, 1).to(out.dtype)
+        return out

@@ -1,0 +1,59 @@
+"""DeepSeek MoE routers: router logits -> (top-k weights, top-k expert ids).
+
+* V2 (softmax scores): ``greedy`` takes the top-k scores; ``group_limited_greedy`` first keeps the
+  `topk_group` groups with the highest *max* score, then takes the top-k inside them.
+* V3 (sigmoid scores, ``noaux_tc``): experts are *chosen* on score + `e_score_correction_bias`,
+  groups ranked by the sum of their top-2 biased scores, but the *weights* are the unbiased scores.
+
+Then: optional renormalisation over the chosen k (`norm_topk_prob`), and multiplication by
+`routed_scaling_factor`. Everything in fp32, as the reference implementations do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.config import MoEConfig
+
+
+def _group_mask(choice: torch.Tensor, cfg: MoEConfig, top2_sum: bool) -> torch.Tensor:
+    """Boolean [T, E] mask of experts inside the `topk_group` best groups."""
+    t, e = choice.shape
+    grouped = choice.view(t, cfg.n_group, e // cfg.n_group)
+    if top2_sum:
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
+    else:
+        group_scores = grouped.max(dim=-1).values
+    group_idx = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+    return group_mask.unsqueeze(-1).expand(t, cfg.n_group, e // cfg.n_group).reshape(t, e)
+
+
+def select_experts(
+    router_logits: torch.Tensor,
+    cfg: MoEConfig,
+    correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] fp32 -> (topk_weights [T, K] fp32, topk_ids [T, K] int64)."""
+    logits = router_logits.float()
+    if cfg.scoring_func == "softmax":
+        scores = logits.softmax(dim=-1)
+    else:
+        scores = logits.sigmoid()
+
+    if cfg.topk_method == "noaux_tc":
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        if cfg.n_group > 1:
+            mask = _group_mask(choice, cfg, top2_sum=True)
+            choice = choice.masked_fill(~mask, float("-inf"))
+        topk_ids = torch.topk(choice, k=cfg.top_k, dim=-1, sorted=False)[1]
+        topk_weights = scores.gather(1, topk_ids)
+    elif cfg.topk_method == "group_limited_greedy" and cfg.n_group > 1:
+        mask = _group_mask(scores, cfg, top2_sum=False)
+        topk_weights, topk_ids = torch.topk(scores.masked_fill(~mask, 0.0), k=cfg.top_k, dim=-1, sorted=False)
+    else:
+        topk_weights, topk_ids = torch.topk(scores, k=cfg.top_k, dim=-1, sorted=False)
+
+    if cfg.norm_topk_prob and cfg.top_k > 1:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_weights * cfg.routed_scaling_factor, topk_ids

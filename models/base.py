@@ -1,0 +1,112 @@
+"""What every causal LM here shares: the decoder stack's forward over a `ForwardBatch`, the logits
+head, and strict weight loading by HF parameter names.
+
+Weight loading is strict on purpose: every parameter must be loaded exactly by a tensor of the
+expected shape, and every tensor of the checkpoint must land somewhere; anything else is a
+`CheckpointError` naming the tensor. Routed experts are loaded through their expert backend, from
+per-expert HF names (`mlp.experts.{e}.gate_proj.weight`), stacked names
+(`mlp.experts.gate_proj.weight` [E, ...]) or HF-v5's fused `mlp.experts.gate_up_proj` [E, 2I, H].
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from models.layers import compute_logits
+from models.loader.errors import CheckpointError
+from models.moe import ExpertBackend
+
+if TYPE_CHECKING:
+    from scheduler.forward_batch import ForwardBatch
+
+_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj|gate_up_proj)(\.weight)?$")
+
+
+class CausalLM(nn.Module):
+    """Subclasses define `self.model` (embed_tokens, layers, norm) and `self.lm_head` unless tied."""
+
+    tie_word_embeddings: bool
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Runs the stack over `batch`; returns fp32 logits [N, V] for `batch.logits_indices`
+        (default: the last token of each request)."""
+        batch.attn_backend.init_forward_metadata(batch)
+        hidden = self.model(batch)
+        indices = batch.logits_indices if batch.logits_indices is not None else batch.last_token_indices()
+        return compute_logits(hidden, self.lm_weight(), indices)
+
+    def lm_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    # ---- weights ----
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        """Copies HF-named tensors into the parameters (casting dtype); strict about names and shapes."""
+        params = dict(self.named_parameters())
+        experts = {n: m for n, m in self.named_modules() if isinstance(m, ExpertBackend)}
+        expert_params = {f"{n}.{p}" for n, m in experts.items() for p, _ in m.named_parameters()}
+        loaded: set[str] = set()
+        expert_loaded: set[tuple[str, int, str]] = set()
+        for name, tensor in weights:
+            m = _EXPERT_RE.match(name)
+            if m and m.group(1) in experts:
+                self._load_expert(experts[m.group(1)], m, tensor, source, name, expert_loaded)
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue  # some tied checkpoints store the copy anyway
+            param = params.get(name)
+            if param is None or name in expert_params:
+                raise CheckpointError(source, f"unexpected tensor '{name}' (no such parameter in this architecture)")
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise CheckpointError(
+                    source, f"tensor '{name}' has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                )
+            param.data.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(params) - loaded - expert_params)
+        for prefix, backend in experts.items():
+            for e in range(backend.num_experts):
+                for kind in ("gate_proj", "up_proj", "down_proj"):
+                    if (prefix, e, kind) not in expert_loaded:
+                        missing.append(f"{prefix}.{e}.{kind}.weight")
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise CheckpointError(source, f"missing tensor(s): {', '.join(missing[:5])}{more}")
+        for module in self.modules():
+            if module is not self and hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
+
+    @staticmethod
+    def _load_expert(
+        backend: ExpertBackend,
+        m: re.Match[str],
+        tensor: torch.Tensor,
+        source: str,
+        name: str,
+        done: set[tuple[str, int, str]],
+    ) -> None:
+        prefix, expert, kind = m.group(1), m.group(2), m.group(3)
+        e_count, h, i = backend.num_experts, backend.hidden_size, backend.intermediate_size
+        per_expert = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i), "gate_up_proj": (2 * i, h)}[kind]
+        if expert is not None:
+            expected: tuple[int, ...] = per_expert
+            if int(expert) >= e_count:
+                raise CheckpointError(source, f"tensor '{name}': expert {expert} out of range (model has {e_count})")
+        else:
+            expected = (e_count, *per_expert)
+        if tuple(tensor.shape) != expected:
+            raise CheckpointError(source, f"tensor '{name}' has shape {tuple(tensor.shape)}, expected {expected}")
+        stacked = tensor if expert is None else tensor.unsqueeze(0)
+        ids = range(e_count) if expert is None else [int(expert)]
+        for row, e in zip(stacked, ids):
+            if kind == "gate_up_proj":
+                backend.load_expert(e, "gate_proj", row[:i])
+                backend.load_expert(e, "up_proj", row[i:])
+                done.update({(prefix, e, "gate_proj"), (prefix, e, "up_proj")})
+            else:
+                backend.load_expert(e, kind, row)
+                done.add((prefix, e, kind))

@@ -1,0 +1,45 @@
+"""Building blocks shared by the model families: RMSNorm, gated MLP, and the logits head."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, normalised in fp32 and cast back before the weight (as HF does)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)): Llama's MLP, DeepSeek's dense layers and shared experts."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def compute_logits(hidden: torch.Tensor, lm_weight: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
+    """Logits [N, V] in fp32 for only the rows `indices` of the final hidden states [T, H].
+
+    Computing the vocabulary projection only where a next token is sampled (usually the last token
+    of each request) saves T/B of the largest matmul in prefill.
+    """
+    if indices is not None:
+        hidden = hidden.index_select(0, indices)
+    return F.linear(hidden, lm_weight).float()

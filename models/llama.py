@@ -1,0 +1,79 @@
+"""Llama-family dense decoder (GQA attention through the attention backend, half-split RoPE)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from kernels.attention.base import AttentionLayer
+from kernels.rotary import RotaryEmbedding
+from models.base import CausalLM
+from models.config import LlamaConfig
+from models.layers import GatedMLP, RMSNorm
+
+if TYPE_CHECKING:
+    from scheduler.forward_batch import ForwardBatch
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.rotary_emb = rotary
+        self.layer = AttentionLayer(
+            layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim, cfg.softmax_scale
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        out = batch.attn_backend.forward(q, k, v, self.layer, batch)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer_id, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary_emb = RotaryEmbedding(cfg.rope)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.rotary_emb) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(batch.positions, x, batch)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, cfg: LlamaConfig, expert_backend: str = "torch") -> None:
+        super().__init__()
+        self.config = cfg
+        self.tie_word_embeddings = cfg.tie_word_embeddings
+        self.model = LlamaModel(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

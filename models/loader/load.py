@@ -1,0 +1,125 @@
+"""`load_model`: a model name, HF directory or GGUF file -> a ready model, its config and tokenizer.
+
+The model is built on the meta device (no memory, no random init), materialised empty on the target
+device, then filled tensor by tensor from the checkpoint under a progress bar; strict name and shape
+checks happen in `CausalLM.load_weights`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm import tqdm
+
+from models.base import CausalLM
+from models.builtin import builtin_model_path, builtin_names
+from models.config import ModelConfig, config_from_hf_dict
+from models.loader.errors import CheckpointError
+from models.registry import model_class
+
+if TYPE_CHECKING:
+    from models.loader.tokenizer import TokenizerBundle
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    config: ModelConfig
+    tokenizer: "TokenizerBundle | None"
+    source: Path
+    dtype: torch.dtype
+
+
+def resolve_model_path(model: str | os.PathLike[str]) -> Path:
+    """A built-in name, a `.gguf` file or an HF directory -> its path (checked to exist)."""
+    s = str(model)
+    if s in builtin_names():
+        return builtin_model_path(s)
+    path = Path(s).expanduser()
+    if path.is_dir() or path.is_file():
+        return path
+    raise FileNotFoundError(
+        f"model {s!r} is neither a built-in name ({', '.join(builtin_names())}), an HF directory nor a .gguf file"
+    )
+
+
+def cpu_has_bf16() -> bool:
+    """True when the CPU does bf16 math natively (AVX512-BF16 or AMX-BF16)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """`auto`: bf16 where the hardware does bf16 math (CUDA, AVX512-BF16/AMX), else fp32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r} (choose auto, {', '.join(DTYPES)})")
+    return DTYPES[dtype]
+
+
+def open_checkpoint(path: Path):
+    """HFCheckpoint for a directory, GGUFCheckpoint for a file."""
+    if path.is_dir():
+        from models.loader.safetensors_loader import HFCheckpoint
+
+        return HFCheckpoint(path)
+    from models.loader.gguf_loader import GGUFCheckpoint
+
+    return GGUFCheckpoint(path)
+
+
+def load_model(
+    model: str | os.PathLike[str],
+    *,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = "auto",
+    expert_backend: str = "torch",
+    load_tokenizer: bool = True,
+    progress: bool = True,
+) -> LoadedModel:
+    path = resolve_model_path(model)
+    device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    ckpt = open_checkpoint(path)
+    config = config_from_hf_dict(ckpt.hf_config(), str(path / "config.json" if path.is_dir() else path))
+    cls = model_class(config)
+    with torch.device("meta"):
+        net = cls(config, expert_backend=expert_backend)
+    net = net.to_empty(device=device).to(torch_dtype)
+    for module in net.modules():
+        if getattr(module, "keep_fp32", False):
+            module.float()
+    bar = tqdm(total=ckpt.num_tensors(), desc=f"Loading {path.name}", unit="tensor", disable=not progress, leave=False)
+    with torch.no_grad():
+        net.load_weights(_progress(ckpt.tensors(), bar), str(path))
+    bar.close()
+    net.eval()
+    tokenizer = None
+    if load_tokenizer:
+        from models.loader.tokenizer import load_hf_tokenizer
+
+        tokenizer = load_hf_tokenizer(path) if path.is_dir() else ckpt.tokenizer()
+    return LoadedModel(net, config, tokenizer, path, torch_dtype)
+
+
+def _progress(it, bar: tqdm):
+    for item in it:
+        yield item
+        bar.update(1)
+
+
+__all__ = ["CheckpointError", "LoadedModel", "load_model", "resolve_dtype", "resolve_model_path"]

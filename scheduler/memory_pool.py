@@ -1,0 +1,145 @@
+"""The KV memory managers, each with one job (DESIGN.md §3).
+
+* `ReqToTokenPool`      — int32 table [max_running_requests + 1, max_context_len]: row = request slot,
+                          column = token position, value = KV slot index. Row 0 is reserved (padding
+                          for CUDA-graph dummy requests), so usable rows are 1..size.
+* `TokenSlotAllocator`  — hands out KV slot indices; slot indices 0..page_size-1 are a reserved dummy
+                          page that padded writes may target, so usable slots are page_size..
+* `MLATokenToKVPool`    — per layer [num_slots + page_size, kv_lora_rank + qk_rope_head_dim]: the first
+                          `kv_lora_rank` columns hold the normalised latent c_kv (also the "value"),
+                          the rest the RoPE'd k_pe. Nothing per-head is cached.
+* `MHATokenToKVPool`    — per layer K and V [num_slots + page_size, num_kv_heads, head_dim].
+
+Pools hold tensors only; which request owns which slot is the scheduler's business.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """Maps (request slot, position) -> KV slot index."""
+
+    def __init__(self, size: int, max_context_len: int, device: torch.device | str = "cpu") -> None:
+        self.size = size
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int32, device=device)
+        self._free = list(range(1, size + 1))
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        """One request slot, or None when all are taken."""
+        return self._free.pop(0) if self._free else None
+
+    def free(self, req_pool_idx: int) -> None:
+        if not 1 <= req_pool_idx <= self.size or req_pool_idx in self._free:
+            raise ValueError(f"request slot {req_pool_idx} is not allocated")
+        self._free.append(req_pool_idx)
+
+    def write(self, req_pool_idx: int, start: int, kv_loc: torch.Tensor) -> None:
+        """Records KV slots `kv_loc` for positions start..start+len-1 of a request."""
+        end = start + kv_loc.numel()
+        if end > self.max_context_len:
+            raise ValueError(f"position {end - 1} exceeds max_context_len {self.max_context_len}")
+        self.req_to_token[req_pool_idx, start:end] = kv_loc.to(torch.int32)
+
+
+class TokenSlotAllocator:
+    """Free list of KV slot indices, allocated a token (page_size 1) or a page at a time."""
+
+    def __init__(self, num_slots: int, page_size: int = 1, device: torch.device | str = "cpu") -> None:
+        if num_slots % page_size:
+            raise ValueError(f"num_slots {num_slots} must be a multiple of page_size {page_size}")
+        self.num_slots = num_slots
+        self.page_size = page_size
+        self.device = device
+        self._free = torch.arange(page_size, num_slots + page_size, dtype=torch.int64)
+
+    def available_size(self) -> int:
+        return int(self._free.numel())
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """`n` slot indices (int64 on the pool's device), or None when not enough are free."""
+        if n > self._free.numel():
+            return None
+        out, self._free = self._free[:n], self._free[n:]
+        return out.to(self.device)
+
+    def free(self, loc: torch.Tensor) -> None:
+        if loc.numel():
+            self._free = torch.cat([self._free, loc.detach().to("cpu", torch.int64)])
+
+
+class MLATokenToKVPool:
+    """Latent KV cache: one [num_slots + page_size, kv_lora_rank + rope_dim] buffer per layer."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        page_size: int = 1,
+    ) -> None:
+        self.num_slots = num_slots
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.dtype = dtype
+        self.kv_buffer = [
+            torch.zeros((num_slots + page_size, kv_lora_rank + qk_rope_head_dim), dtype=dtype, device=device)
+            for _ in range(num_layers)
+        ]
+
+    def bytes_per_token(self) -> int:
+        return len(self.kv_buffer) * (self.kv_lora_rank + self.qk_rope_head_dim) * self.kv_buffer[0].element_size()
+
+    def get_kv_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.kv_buffer[layer_id]
+
+    def set_mla_kv(self, layer_id: int, loc: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Stores latent c_kv [T, kv_lora_rank] and k_pe [T, rope_dim] at slots `loc` [T]."""
+        buf = self.kv_buffer[layer_id]
+        buf[loc, : self.kv_lora_rank] = c_kv.to(self.dtype)
+        buf[loc, self.kv_lora_rank :] = k_pe.reshape(k_pe.shape[0], -1).to(self.dtype)
+
+
+class MHATokenToKVPool:
+    """Per-head KV cache for GQA/MHA models: K and V [num_slots + page_size, num_kv_heads, head_dim]."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        page_size: int = 1,
+        v_head_dim: int | None = None,
+    ) -> None:
+        self.num_slots = num_slots
+        self.dtype = dtype
+        shape = (num_slots + page_size, num_kv_heads)
+        self.k_buffer = [torch.zeros((*shape, head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [
+            torch.zeros((*shape, v_head_dim or head_dim), dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+
+    def bytes_per_token(self) -> int:
+        k, v = self.k_buffer[0], self.v_buffer[0]
+        return len(self.k_buffer) * (k[0].numel() + v[0].numel()) * k.element_size()
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffer[layer_id][loc] = k.to(self.dtype)
+        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+
+
+KVPool = MLATokenToKVPool | MHATokenToKVPool

@@ -1,0 +1,145 @@
+"""The model runner: turns "these requests get these new tokens" into a `ForwardBatch`, runs the
+model, and returns logits.
+
+It owns the pools and the attention backend for one model. It allocates KV slots for the new
+tokens and records them in `req_to_token`; freeing slots when a request ends (or caching them in a
+prefix tree) is the scheduler's job, through `free_request`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention import create_attention_backend
+from models.base import CausalLM
+from models.config import DeepseekConfig, ModelConfig
+from scheduler.forward_batch import ForwardBatch, ForwardMode
+from scheduler.memory_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool, TokenSlotAllocator
+
+
+class OutOfKVSlots(RuntimeError):
+    """Not enough free KV slots for the requested forward; the scheduler must free or retract."""
+
+
+@dataclass(frozen=True)
+class RequestSlice:
+    """One request's part of a forward."""
+
+    req_pool_idx: int  # row in req_to_token
+    prefix_len: int  # tokens whose KV is already cached (positions 0..prefix_len-1)
+    input_ids: Sequence[int]  # the new tokens, at positions prefix_len..
+
+
+def create_kv_pool(
+    cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device, page_size: int = 1
+) -> KVPool:
+    """The latent pool for DeepSeek (MLA), per-head K/V for Llama."""
+    if isinstance(cfg, DeepseekConfig):
+        return MLATokenToKVPool(
+            num_slots, cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, device, page_size
+        )
+    return MHATokenToKVPool(
+        num_slots, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype, device, page_size
+    )
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        config: ModelConfig,
+        *,
+        max_total_tokens: int,
+        max_running_requests: int,
+        max_context_len: int | None = None,
+        device: str | torch.device = "cpu",
+        kv_dtype: torch.dtype | None = None,
+        attention_backend: str = "torch",
+        page_size: int = 1,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.device = torch.device(device)
+        kv_dtype = kv_dtype or next(model.parameters()).dtype
+        self.max_context_len = max_context_len or config.max_position_embeddings
+        self.req_to_token_pool = ReqToTokenPool(max_running_requests, self.max_context_len, self.device)
+        self.allocator = TokenSlotAllocator(max_total_tokens, page_size, self.device)
+        self.kv_pool = create_kv_pool(config, max_total_tokens, kv_dtype, self.device, page_size)
+        self.attn_backend = create_attention_backend(attention_backend)
+
+    def build_batch(
+        self, slices: Sequence[RequestSlice], *, all_logits: bool = False, mode: ForwardMode | None = None
+    ) -> ForwardBatch:
+        """Allocates KV slots for the new tokens, records them in req_to_token, packs the batch.
+
+        `all_logits` asks for logits at every new token (prefill scoring) instead of the last only.
+        """
+        if not slices:
+            raise ValueError("empty batch")
+        n_new = [len(s.input_ids) for s in slices]
+        if min(n_new) <= 0:
+            raise ValueError("every request needs at least one new token")
+        total = sum(n_new)
+        loc = self.allocator.alloc(total)
+        if loc is None:
+            raise OutOfKVSlots(f"need {total} KV slots, {self.allocator.available_size()} free")
+        positions, start = [], 0
+        for s, n in zip(slices, n_new):
+            self.req_to_token_pool.write(s.req_pool_idx, s.prefix_len, loc[start : start + n])
+            positions.extend(range(s.prefix_len, s.prefix_len + n))
+            start += n
+        if mode is None:
+            mode = ForwardMode.DECODE if all(n == 1 and s.prefix_len > 0 for s, n in zip(slices, n_new)) else ForwardMode.EXTEND
+        seq_lens = [s.prefix_len + n for s, n in zip(slices, n_new)]
+        dev = self.device
+        return ForwardBatch(
+            forward_mode=mode,
+            batch_size=len(slices),
+            input_ids=torch.tensor([t for s in slices for t in s.input_ids], dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            req_pool_indices=torch.tensor([s.req_pool_idx for s in slices], dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=[s.prefix_len for s in slices],
+            extend_seq_lens_cpu=n_new,
+            out_cache_loc=loc,
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+            logits_indices=torch.arange(total, device=dev) if all_logits else None,
+        )
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    def free_request(self, req_pool_idx: int, seq_len: int) -> None:
+        """Returns a finished request's KV slots and its req_to_token row."""
+        loc = self.req_to_token_pool.req_to_token[req_pool_idx, :seq_len].to(torch.int64)
+        self.allocator.free(loc)
+        self.req_to_token_pool.free(req_pool_idx)
+
+    @torch.no_grad()
+    def generate_greedy(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
+        """Greedy continuation of one prompt through the KV cache: prefill, then one decode per token."""
+        row = self.req_to_token_pool.alloc()
+        if row is None:
+            raise OutOfKVSlots("no free request slot")
+        out: list[int] = []
+        seq_len = 0
+        try:
+            logits = self.forward(self.build_batch([RequestSlice(row, 0, list(prompt_ids))]))
+            seq_len = len(prompt_ids)
+            for _ in range(max_new_tokens):
+                tok = int(logits[-1].argmax())
+                out.append(tok)
+                if tok in stop_ids or len(out) == max_new_tokens:
+                    break
+                logits = self.forward(self.build_batch([RequestSlice(row, seq_len, [tok])]))
+                seq_len += 1
+        finally:
+            self.free_request(row, seq_len)
+        return out

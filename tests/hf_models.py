@@ -1,0 +1,108 @@
+"""Tiny random HF transformers checkpoints (the oracle), written with `save_pretrained`.
+
+Weights are re-drawn with std 1/sqrt(fan_in) and norm weights near (not at) 1, so activations stay
+O(1) through the layers and a mistake anywhere (a missed norm weight, a wrong rope layout, a wrong
+softmax scale) moves the logits visibly; HF's default init (std 0.02) would make them near-uniform.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+COMMON = dict(vocab_size=320, hidden_size=64, num_hidden_layers=3, max_position_embeddings=512, rms_norm_eps=1e-6)
+
+DEEPSEEK_MLA = dict(
+    num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=24, intermediate_size=96, moe_intermediate_size=40, n_shared_experts=1,
+)
+
+CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    # V2-Lite style: no q-LoRA, group-limited greedy routing, YaRN, one dense layer first
+    "v2_lite_yarn_grouped": ("deepseek_v2", dict(
+        DEEPSEEK_MLA, q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=3, topk_method="group_limited_greedy",
+        n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=1.5,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "mscale": 0.707,
+                      "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
+    )),
+    # V2 with q-LoRA, plain greedy routing, no rope scaling, all layers MoE
+    "v2_qlora_greedy": ("deepseek_v2", dict(
+        DEEPSEEK_MLA, q_lora_rank=24, n_routed_experts=6, num_experts_per_tok=2, topk_method="greedy",
+        first_k_dense_replace=0, n_shared_experts=2,
+    )),
+    # V3: sigmoid + correction bias, group-limited noaux_tc, YaRN, dense-first, renormalised, scaled
+    "v3_noaux_yarn": ("deepseek_v3", dict(
+        DEEPSEEK_MLA, q_lora_rank=24, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+        norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=1,
+        rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+                      "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+    )),
+    # V3 without q-LoRA, half-split rope (rope_interleave false), tied embeddings, no groups
+    "v3_tied_halfsplit": ("deepseek_v3", dict(
+        DEEPSEEK_MLA, q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+        norm_topk_prob=False, routed_scaling_factor=1.0, first_k_dense_replace=0, rope_interleave=False,
+        tie_word_embeddings=True,
+    )),
+    # Llama: GQA 4/2, tied embeddings
+    "llama_gqa_tied": ("llama", dict(
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True,
+    )),
+    # Llama: MHA, Llama-3 rope scaling, untied, head_dim != hidden/heads
+    "llama_rope3_untied": ("llama", dict(
+        num_attention_heads=4, num_key_value_heads=4, head_dim=8, intermediate_size=112, tie_word_embeddings=False,
+        rope_theta=50000.0, max_position_embeddings=1024,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 128},
+    )),
+}
+
+
+def build_hf_model(name: str, seed: int = 0):
+    import transformers
+
+    model_type, extra = CONFIGS[name]
+    kwargs = dict(COMMON, **extra)
+    cls_cfg, cls_model = {
+        "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
+        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    }[model_type]
+    torch.manual_seed(seed)
+    config = cls_cfg(**kwargs)
+    model = cls_model(config).float().eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for pname, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if "inv_freq" in pname:
+                continue
+            if "norm" in pname:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif "e_score_correction_bias" in pname:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif p.dim() >= 2:
+                std = 1.0 if "embed" in pname else 1 / math.sqrt(p.shape[-1])
+                p.copy_(std * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    return model
+
+
+def save_hf_model(name: str, out_dir: Path, seed: int = 0):
+    model = build_hf_model(name, seed)
+    model.save_pretrained(out_dir)
+    return model
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Greedy continuation by full re-forward each step (no cache involved on the oracle side)."""
+    ids = list(prompt)
+    for _ in range(n):
+        logits = model(torch.tensor([ids])).logits[0, -1]
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
