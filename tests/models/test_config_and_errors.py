@@ -1,0 +1,197 @@
+"""Config parsing (old and new transformers formats) and the clear errors of malformed HF checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from models.config import DeepseekConfig, LlamaConfig, config_from_hf_dict
+from models.loader.errors import CheckpointError
+from models.loader.load import load_model
+from tests.hf_models import save_hf_model
+
+
+@pytest.fixture(scope="module")
+def v2_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("v2")
+    save_hf_model("v2_lite_yarn_grouped", d)
+    return d
+
+
+def copy_ckpt(src, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def load(path):
+    return load_model(path, dtype="float32", load_tokenizer=False, progress=False)
+
+
+V2_OLD_STYLE = {
+    "model_type": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+    "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "n_shared_experts": 2, "n_routed_experts": 64, "num_experts_per_tok": 6, "routed_scaling_factor": 1.0,
+    "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+    "topk_method": "greedy", "n_group": 1, "topk_group": 1, "norm_topk_prob": False, "scoring_func": "softmax",
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "max_position_embeddings": 163840, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+    "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "bos_token_id": 100000, "eos_token_id": 100001,
+}
+
+
+def test_v2_lite_old_and_new_rope_formats_agree():
+    old = config_from_hf_dict(V2_OLD_STYLE)
+    new_style = {k: v for k, v in V2_OLD_STYLE.items() if k not in ("rope_theta", "rope_scaling")}
+    new_style["rope_parameters"] = dict(V2_OLD_STYLE["rope_scaling"], rope_type="yarn", rope_theta=10000.0)
+    del new_style["rope_parameters"]["type"]
+    new = config_from_hf_dict(new_style)
+    assert isinstance(old, DeepseekConfig) and old == new
+    assert old.q_lora_rank is None and old.kv_cache_dim == 576
+    assert old.rope.scaling_type == "yarn" and old.rope.factor == 40 and old.rope.interleaved
+    assert not old.is_moe_layer(0) and old.is_moe_layer(1)
+    # DeepSeek's softmax scale: 1/sqrt(192) * (0.1 * 0.707 * ln 40 + 1)^2
+    assert old.softmax_scale == pytest.approx(192**-0.5 * (0.1 * 0.707 * torch.log(torch.tensor(40.0)).item() + 1) ** 2)
+
+
+def test_v3_router_fields_and_moe_layer_freq():
+    d = dict(V2_OLD_STYLE, model_type="deepseek_v3", q_lora_rank=1536, topk_method="noaux_tc", n_group=8,
+             topk_group=4, n_routed_experts=256, num_experts_per_tok=8, norm_topk_prob=True,
+             routed_scaling_factor=2.5, first_k_dense_replace=3, moe_layer_freq=2)
+    d.pop("scoring_func")
+    cfg = config_from_hf_dict(d)
+    assert cfg.moe.scoring_func == "sigmoid" and cfg.moe.topk_method == "noaux_tc"
+    assert (cfg.moe.n_group, cfg.moe.topk_group, cfg.moe.routed_scaling_factor) == (8, 4, 2.5)
+    assert [cfg.is_moe_layer(i) for i in range(7)] == [False, False, False, False, True, False, True]
+
+
+def test_llama_gqa_and_rope_scaling():
+    cfg = config_from_hf_dict({
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        "max_position_embeddings": 131072, "tie_word_embeddings": False, "eos_token_id": [128001, 128008, 128009],
+    })
+    assert isinstance(cfg, LlamaConfig)
+    assert (cfg.head_dim, cfg.num_key_value_heads, cfg.rope.scaling_type) == (128, 8, "llama3")
+    assert cfg.eos_token_ids == (128001, 128008, 128009) and not cfg.rope.interleaved
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"model_type": "gpt_neox"}, "unknown architecture"),
+        ({"kv_lora_rank": None}, "'kv_lora_rank' is missing"),
+        ({"hidden_size": "big"}, "'hidden_size' must be an integer"),
+        ({"n_group": 3}, "MoE routing is inconsistent"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope scaling type 'dynamic'"),
+    ],
+)
+def test_bad_config_values_name_the_key(change, needle):
+    with pytest.raises(CheckpointError, match=needle):
+        config_from_hf_dict(dict(V2_OLD_STYLE, **change), "x/config.json")
+
+
+def test_unknown_architecture_at_load(v2_dir, tmp_path):
+    d = copy_ckpt(v2_dir, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "mamba"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config\.json.*unknown architecture: model_type='mamba'"):
+        load(d)
+
+
+def test_missing_tensor(v2_dir, tmp_path):
+    d = copy_ckpt(v2_dir, tmp_path)
+    sd = load_file(d / "model.safetensors")
+    del sd["model.layers.1.self_attn.kv_b_proj.weight"]
+    save_file(sd, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\): model\.layers\.1\.self_attn\.kv_b_proj\.weight"):
+        load(d)
+
+
+def test_missing_expert(v2_dir, tmp_path):
+    d = copy_ckpt(v2_dir, tmp_path)
+    sd = load_file(d / "model.safetensors")
+    del sd["model.layers.2.mlp.experts.5.up_proj.weight"]
+    save_file(sd, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight"):
+        load(d)
+
+
+def test_wrong_shape(v2_dir, tmp_path):
+    d = copy_ckpt(v2_dir, tmp_path)
+    sd = load_file(d / "model.safetensors")
+    sd["model.layers.0.self_attn.o_proj.weight"] = torch.randn(64, 90)
+    save_file(sd, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.self_attn\.o_proj\.weight' has shape \(64, 90\), expected \(64, 96\)"):
+        load(d)
+
+
+def test_unexpected_tensor(v2_dir, tmp_path):
+    d = copy_ckpt(v2_dir, tmp_path)
+    sd = load_file(d / "model.safetensors")
+    sd["model.layers.0.self_attn.q_b_proj.weight"] = torch.randn(8, 8)
+    save_file(sd, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.q_b_proj\.weight'"):
+        load(d)
+
+
+@pytest.mark.parametrize("keep", [0.3, 0.9, 0.999])
+def test_truncated_safetensors(v2_dir, tmp_path, keep):
+    d = copy_ckpt(v2_dir, tmp_path)
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
+        load(d)
+
+
+def test_garbage_safetensors_header(v2_dir, tmp_path):
+    d = copy_ckpt(v2_dir, tmp_path)
+    (d / "model.safetensors").write_bytes(b"\xff" * 8 + b"{not json" + b"\x00" * 100)
+    with pytest.raises(CheckpointError, match="not a valid safetensors file"):
+        load(d)
+
+
+def test_sharded_index_checked(v2_dir, tmp_path):
+    d = copy_ckpt(v2_dir, tmp_path)
+    sd = load_file(d / "model.safetensors")
+    names = sorted(sd)
+    half = len(names) // 2
+    (d / "model.safetensors").unlink()
+    save_file({n: sd[n] for n in names[:half]}, d / "model-00001-of-00002.safetensors")
+    save_file({n: sd[n] for n in names[half:]}, d / "model-00002-of-00002.safetensors")
+    weight_map = {n: ("model-00001-of-00002.safetensors" if i < half else "model-00002-of-00002.safetensors")
+                  for i, n in enumerate(names)}
+    index = d / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert load(d).model is not None  # sharded loads fine
+
+    index.write_text(json.dumps({"weight_map": dict(weight_map, extra="../outside.safetensors")}))
+    with pytest.raises(CheckpointError, match="points outside the model directory"):
+        load(d)
+    bad = dict(weight_map)
+    bad[names[0]] = "model-00002-of-00002.safetensors"  # promised in the wrong shard
+    index.write_text(json.dumps({"weight_map": bad}))
+    with pytest.raises(CheckpointError, match=f"tensor '{names[0]}' is listed in model.safetensors.index.json but not in this shard"):
+        load(d)
+
+
+def test_pickle_checkpoints_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(V2_OLD_STYLE))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
+    with pytest.raises(CheckpointError, match="pickle checkpoints are not loaded"):
+        load(tmp_path)
+
+
+def test_malformed_config_json(tmp_path):
+    (tmp_path / "config.json").write_text("{ nope")
+    with pytest.raises(CheckpointError, match=r"config\.json: not valid JSON"):
+        load(tmp_path)
