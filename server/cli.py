@@ -1,0 +1,65 @@
+"""The `mlaserve` command line.
+
+Subcommands:
+  generate         load a model and greedily continue one prompt (a quick check that a model works)
+  make-checkpoint  write a random synthetic checkpoint (tests, benchmarks) — see models/synthetic.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _generate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="mlaserve generate", description="Greedy generation from one prompt.")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="built-in name, HF directory or .gguf file")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    args = p.parse_args(argv)
+
+    from models.loader.load import load_model
+    from scheduler.model_runner import ModelRunner
+    from server.chat_template import render_chat
+
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    tok = loaded.tokenizer
+    assert tok is not None
+    text = args.prompt
+    if args.chat:
+        text = render_chat(tok.chat_template, [{"role": "user", "content": text}],
+                           bos_token=tok.bos_token, eos_token=tok.eos_token)
+    ids = tok.encode(text, add_special_tokens=not args.chat)
+    runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=len(ids) + args.max_tokens + 1,
+                         max_running_requests=1, max_context_len=len(ids) + args.max_tokens + 1, device=args.device)
+    start = time.perf_counter()
+    out = runner.generate_greedy(ids, args.max_tokens, stop_ids=tok.eos_token_ids)
+    elapsed = time.perf_counter() - start
+    print(tok.decode(out))
+    print(f"[{len(ids)} prompt tokens, {len(out)} generated in {elapsed:.2f}s]", file=sys.stderr)
+    return 0
+
+
+def _make_checkpoint(argv: list[str]) -> int:
+    from models.synthetic import main as make_checkpoint
+
+    return make_checkpoint(argv)
+
+
+COMMANDS = {"generate": _generate, "make-checkpoint": _make_checkpoint}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        print(__doc__.strip(), file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
