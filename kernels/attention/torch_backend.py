@@ -107,12 +107,12 @@ class TorchAttentionBackend(AttentionBackend):
         assert m is not None and m.decode_indices is not None
         b, h, d = q.shape
         hkv = k_buf.shape[1]
-        keys = k_buf[m.decode_indices].float()  # [B, L, Hkv, D]
-        vals = v_buf[m.decode_indices].float()  # [B, L, Hkv, Dv]
+        keys = k_buf[m.decode_indices].float().permute(0, 2, 3, 1)  # [B, Hkv, D, L]
+        vals = v_buf[m.decode_indices].float().transpose(1, 2)  # [B, Hkv, L, Dv]
         qg = q.float().view(b, hkv, h // hkv, d)  # [B, Hkv, G, D]
-        scores = torch.einsum("bkgd,blkd->bkgl", qg, keys) * layer.scaling
+        scores = torch.matmul(qg, keys) * layer.scaling  # [B, Hkv, G, L]
         scores = scores.masked_fill(~m.decode_mask[:, None, None, :], float("-inf"))
-        out = torch.einsum("bkgl,blkd->bkgd", scores.softmax(dim=-1), vals)
+        out = torch.matmul(scores.softmax(dim=-1), vals)  # [B, Hkv, G, Dv]
         return out.reshape(b, h, -1).to(q.dtype)
 
     # ---- MLA ----

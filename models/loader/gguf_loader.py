@@ -1,0 +1,436 @@
+"""Reads a GGUF file (llama.cpp's format) as an HF-style checkpoint: config dict, named tensors, tokenizer.
+
+Flow: `GGUFCheckpoint(path)` memory-maps the file and parses it completely up front — header, every
+metadata value, every tensor's name/shape/type/offset — treating each count, length and offset as
+hostile (checked against the bytes that remain before anything is allocated or sliced). It then
+builds the HF ``config.json``-style dict from the ``<arch>.*`` keys, parses it with
+`config_from_hf_dict`, and checks every tensor name and shape against that config, so a bad file
+fails at open with a `CheckpointError` naming the file and the key or tensor. `tensors()` then
+dequantizes lazily, one tensor at a time, and undoes llama.cpp's layout changes (see
+`gguf_names`): Llama q/k row permutation, DeepSeek ``attn_k_b``/``attn_v_b`` -> ``kv_b_proj``.
+
+File layout (GGUF v2/v3, little-endian): magic ``GGUF``, u32 version, u64 tensor count, u64 KV
+count; KV pairs (string key, u32 type, value); tensor infos (string name, u32 n_dims, n_dims × u64
+ne, u32 ggml type, u64 offset); padding to ``general.alignment`` (default 32); tensor data.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from models.config import LlamaConfig, ModelConfig, config_from_hf_dict
+from models.loader import gguf_names as gn
+from models.loader.errors import CheckpointError
+from models.loader.gguf_quants import dequantize
+
+if TYPE_CHECKING:
+    from models.loader.tokenizer import TokenizerBundle
+
+_MAGIC = b"GGUF"
+_SUPPORTED_VERSIONS = (2, 3)
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_MAX_ARRAY_DEPTH = 3
+# GGUF value types: scalar code -> struct format.
+_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_SCALAR_NP = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
+_STRING, _ARRAY, _FLOAT32, _BOOL = 8, 9, 6, 7
+
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    name: str
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]  # numpy order: ggml ne reversed
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+
+class _Cursor:
+    """Sequential little-endian reads from the mapped file; running past the end is a CheckpointError."""
+
+    def __init__(self, buf: mmap.mmap, path: Path) -> None:
+        self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
+
+    def fail(self, what: str) -> CheckpointError:
+        return CheckpointError(self.path, what)
+
+    def take(self, n: int, what: str) -> memoryview:
+        if n < 0 or self.pos + n > self.size:
+            raise self.fail(
+                f"file is truncated: {what} needs {n} bytes at offset {self.pos}, file size is {self.size}"
+            )
+        view = memoryview(self.buf)[self.pos : self.pos + n]
+        self.pos += n
+        return view
+
+    def scalar(self, code: int, what: str) -> Any:
+        fmt = _SCALAR_FMT[code]
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
+
+    def string(self, what: str) -> str:
+        raw = self.take(self.scalar(10, f"length of {what}"), what)
+        try:
+            return str(raw, "utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} is not valid UTF-8") from None
+
+    def value(self, vtype: int, what: str, depth: int = 0) -> Any:
+        if vtype == _STRING:
+            return self.string(what)
+        if vtype == _FLOAT32:
+            # Shortest decimal that round-trips in float32: 1e-6 stays 1e-6, not 9.99999997e-07.
+            return gn.f32_round(self.scalar(vtype, what))
+        if vtype in _SCALAR_FMT:
+            return self.scalar(vtype, what)
+        if vtype != _ARRAY:
+            raise self.fail(f"{what} has unknown GGUF value type {vtype}")
+        if depth >= _MAX_ARRAY_DEPTH:
+            raise self.fail(f"{what}: arrays nested deeper than {_MAX_ARRAY_DEPTH}")
+        etype = self.scalar(4, f"element type of {what}")
+        count = self.scalar(10, f"length of {what}")
+        if etype in _SCALAR_NP:
+            dt = np.dtype(_SCALAR_NP[etype])
+            data = np.frombuffer(self.take(count * dt.itemsize, f"{count} elements of {what}"), dtype=dt)
+            return data.astype(bool).tolist() if etype == _BOOL else data.tolist()
+        if etype not in (_STRING, _ARRAY):
+            raise self.fail(f"{what} has unknown GGUF array element type {etype}")
+        if count * 8 > self.size - self.pos:  # every string or array element takes at least 8 bytes
+            raise self.fail(f"file is truncated: {what} claims {count} elements, more than the file can hold")
+        return [self.value(etype, f"{what}[{i}]", depth + 1) for i in range(count)]
+
+
+def _parse(buf: mmap.mmap, path: Path) -> tuple[dict[str, Any], dict[str, _TensorInfo]]:
+    """Header, metadata and tensor infos, every offset and size checked against the file."""
+    cur = _Cursor(buf, path)
+    if bytes(cur.take(4, "magic")) != _MAGIC:
+        raise CheckpointError(path, f"not a GGUF file (magic {bytes(buf[:4])!r}, expected {_MAGIC!r})")
+    version = cur.scalar(4, "version")
+    if version not in _SUPPORTED_VERSIONS:
+        hint = " (big-endian files are not supported)" if version & 0xFFFF == 0 else ""
+        raise CheckpointError(path, f"unsupported GGUF version {version}{hint} (supported: 2, 3)")
+    num_tensors = cur.scalar(10, "tensor count")
+    num_kv = cur.scalar(10, "metadata count")
+    metadata: dict[str, Any] = {}
+    for i in range(num_kv):
+        key = cur.string(f"key of metadata entry {i}")
+        if key in metadata:
+            raise CheckpointError(path, f"metadata key '{key}' appears twice")
+        metadata[key] = cur.value(cur.scalar(4, f"type of metadata key '{key}'"), f"metadata key '{key}'")
+    alignment = metadata.get("general.alignment", 32)
+    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
+        raise CheckpointError(path, f"metadata key 'general.alignment' must be a power of two, got {alignment!r}")
+    raw_infos = []
+    for i in range(num_tensors):
+        name = cur.string(f"name of tensor {i}")
+        n_dims = cur.scalar(4, f"tensor '{name}': number of dimensions")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise CheckpointError(path, f"tensor '{name}': {n_dims} dimensions (expected 1..{_MAX_DIMS})")
+        ne = [cur.scalar(10, f"tensor '{name}': dimension {d}") for d in range(n_dims)]
+        type_code = cur.scalar(4, f"tensor '{name}': type")
+        offset = cur.scalar(10, f"tensor '{name}': offset")
+        raw_infos.append((name, ne, type_code, offset))
+    data_start = -(-cur.pos // alignment) * alignment
+    infos: dict[str, _TensorInfo] = {}
+    for name, ne, type_code, offset in raw_infos:
+        if name in infos:
+            raise CheckpointError(path, f"tensor '{name}' appears twice")
+        try:
+            qtype = GGMLQuantizationType(type_code)
+        except ValueError:
+            raise CheckpointError(path, f"tensor '{name}': unknown ggml type {type_code}") from None
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if ne[0] % block:
+            raise CheckpointError(
+                path, f"tensor '{name}': row length {ne[0]} is not a multiple of the {qtype.name} block size {block}"
+            )
+        nbytes = math.prod(ne) // block * type_size
+        if offset % alignment:
+            raise CheckpointError(path, f"tensor '{name}': offset {offset} is not a multiple of the alignment {alignment}")
+        start = data_start + offset
+        if start + nbytes > cur.size:
+            raise CheckpointError(
+                path,
+                f"tensor '{name}': data runs past the end of the file "
+                f"(offset {start} + {nbytes} bytes > file size {cur.size})",
+            )
+        infos[name] = _TensorInfo(name, qtype, tuple(reversed(ne)), start, nbytes)
+    return metadata, infos
+
+
+class GGUFCheckpoint:
+    """An opened GGUF file (memory-mapped, validated)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                size = f.seek(0, 2)
+                if size < 24:
+                    raise CheckpointError(self.path, f"file is truncated: {size} bytes is too short for a GGUF header")
+                self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as e:
+            raise CheckpointError(self.path, f"cannot open: {e.strerror or e}") from None
+        self.metadata, self._infos = _parse(self._buf, self.path)
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise CheckpointError(self.path, f"metadata key 'general.architecture' is missing or not a string: {arch!r}")
+        if arch not in gn.SUPPORTED_ARCHS:
+            raise CheckpointError(
+                self.path, f"unknown architecture '{arch}' in general.architecture (supported: llama, deepseek2)"
+            )
+        self.arch: str = arch
+        self._hf_config = _hf_config(self.metadata, arch, self._infos, self._read, self.path)
+        self._config: ModelConfig = config_from_hf_dict(self._hf_config, str(self.path))
+        self._num_hf_tensors = self._check_tensors()
+
+    # ----------------------------------------------------------------------------------- public
+
+    def hf_config(self) -> dict[str, Any]:
+        """An HF ``config.json``-style dict (`config_from_hf_dict` accepts it)."""
+        return copy.deepcopy(self._hf_config)
+
+    def num_tensors(self) -> int:
+        """How many tensors `tensors()` yields (for progress bars)."""
+        return self._num_hf_tensors
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF parameter name, float32 CPU tensor in HF layout), one at a time, in file order."""
+        cfg = self._config
+        for name, info in self._infos.items():
+            if name == gn.ROPE_FREQS:
+                continue
+            if name in gn.GLOBAL_NAMES:
+                yield gn.GLOBAL_NAMES[name], self._read(info)
+                continue
+            layer_id, short = gn.parse_layer_name(name)  # type: ignore[misc]  # checked at open
+            if short == gn.V_B:
+                continue  # merged into kv_b_proj with attn_k_b
+            if short == gn.K_B:
+                v_b = self._read(self._infos[gn.layer_name(layer_id, gn.V_B)])
+                yield gn.hf_layer_name(layer_id, gn.KV_B_HF), gn.merge_kv_b(self._read(info), v_b)
+            elif short == gn.GATE_UP_EXPS:
+                gate, up = self._read(info).chunk(2, dim=1)
+                yield gn.hf_layer_name(layer_id, "mlp.experts.gate_proj.weight"), gate.contiguous()
+                yield gn.hf_layer_name(layer_id, "mlp.experts.up_proj.weight"), up.contiguous()
+            else:
+                t = self._read(info)
+                if isinstance(cfg, LlamaConfig) and short.split(".")[0] in ("attn_q", "attn_k"):
+                    heads = cfg.num_attention_heads if short.startswith("attn_q") else cfg.num_key_value_heads
+                    t = gn.unpermute_qk(t, heads)
+                yield gn.hf_layer_name(layer_id, gn.LAYER_NAMES[self.arch][short]), t
+
+    def tokenizer(self) -> TokenizerBundle:
+        from models.loader.tokenizer import tokenizer_from_gguf_metadata
+
+        return tokenizer_from_gguf_metadata(self.metadata, str(self.path))
+
+    # -------------------------------------------------------------------------------- internals
+
+    def _read(self, info: _TensorInfo) -> torch.Tensor:
+        raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        return dequantize(raw, info.qtype, info.shape, str(self.path), info.name)
+
+    def _check_tensors(self) -> int:
+        """Every tensor known, in range and of the config's shape; every required one present."""
+        split_kv_b = f"{self.arch}.attention.key_length_mla" in self.metadata  # llama.cpp's rule
+        fused = frozenset(p[0] for p in map(gn.parse_layer_name, self._infos) if p and p[1] == gn.GATE_UP_EXPS)
+        expected, required = gn.expected_tensors(self._config, split_kv_b, fused)
+        count = 0
+        for name, info in self._infos.items():
+            parsed = gn.parse_layer_name(name)
+            if parsed is not None and parsed[0] >= self._config.num_hidden_layers:
+                raise CheckpointError(
+                    self.path,
+                    f"tensor '{name}': layer {parsed[0]} is out of range "
+                    f"({self.arch}.block_count = {self._config.num_hidden_layers})",
+                )
+            if name not in expected:
+                raise CheckpointError(self.path, f"unknown tensor '{name}' for architecture {self.arch}")
+            if info.shape != expected[name]:
+                raise CheckpointError(
+                    self.path,
+                    f"tensor '{name}' has shape {list(info.shape)} but the config expects {list(expected[name])} "
+                    f"(numpy order, i.e. ggml ne reversed)",
+                )
+            short = parsed[1] if parsed else name
+            count += {gn.ROPE_FREQS: 0, gn.V_B: 0, gn.GATE_UP_EXPS: 2}.get(short, 1)
+        for name in required:
+            if name not in self._infos:
+                raise CheckpointError(self.path, f"required tensor '{name}' is missing")
+        return count
+
+
+
+# ------------------------------------------------------------------ metadata -> HF config dict
+
+_MISSING = object()
+
+
+class _Keys:
+    """Typed reads of `<arch>.*` (and `general.*`/`tokenizer.*`) keys; errors name the key."""
+
+    def __init__(self, metadata: dict[str, Any], arch: str, path: Path) -> None:
+        self.md, self.arch, self.path = metadata, arch, path
+
+    def full(self, key: str) -> str:
+        return key if key.startswith(("general.", "tokenizer.")) else f"{self.arch}.{key}"
+
+    def __contains__(self, key: str) -> bool:
+        return self.full(key) in self.md
+
+    def get(self, key: str, typ: type, default: Any = _MISSING) -> Any:
+        full = self.full(key)
+        if full not in self.md:
+            if default is _MISSING:
+                raise CheckpointError(self.path, f"required metadata key '{full}' is missing")
+            return default
+        v = self.md[full]
+        if typ is int and isinstance(v, list) and v and all(x == v[0] for x in v):
+            v = v[0]  # llama.cpp allows per-layer arrays; only uniform ones fit our configs
+        ok = {int: isinstance(v, int) and not isinstance(v, bool),
+              float: isinstance(v, (int, float)) and not isinstance(v, bool)}.get(typ, isinstance(v, typ))
+        if not ok:
+            raise CheckpointError(self.path, f"metadata key '{full}' must be {typ.__name__}, got {str(v)[:80]!r}")
+        return float(v) if typ is float else v
+
+
+def _hf_config(
+    md: dict[str, Any], arch: str, infos: dict[str, _TensorInfo], read: Any, path: Path
+) -> dict[str, Any]:
+    """The HF config.json-style dict llama.cpp's converter would have started from."""
+    k = _Keys(md, arch, path)
+    if "token_embd.weight" not in infos:
+        raise CheckpointError(path, "required tensor 'token_embd.weight' is missing")
+    vocab = infos["token_embd.weight"].shape[0]
+    tokens = md.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, list) and len(tokens) > vocab:
+        raise CheckpointError(
+            path, f"metadata key 'tokenizer.ggml.tokens' has {len(tokens)} tokens, more than the {vocab} rows of token_embd"
+        )
+    hidden, heads = k.get("embedding_length", int), k.get("attention.head_count", int)
+    if heads <= 0:
+        raise CheckpointError(path, f"metadata key '{k.full('attention.head_count')}' must be > 0, got {heads}")
+    ctx = k.get("context_length", int)
+    layers = k.get("block_count", int)
+    if layers > len(infos):  # each layer has tensors: stops a hostile count before any loop over it
+        raise CheckpointError(path, f"metadata key '{k.full('block_count')}' = {layers} but the file has {len(infos)} tensors")
+    d: dict[str, Any] = {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": k.get("feed_forward_length", int),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "rms_norm_eps": k.get("attention.layer_norm_rms_epsilon", float),
+        "max_position_embeddings": ctx,
+        "tie_word_embeddings": "output.weight" not in infos,
+        "bos_token_id": k.get("tokenizer.ggml.bos_token_id", int, None),
+        "eos_token_id": k.get("tokenizer.ggml.eos_token_id", int, None),
+    }
+    theta = k.get("rope.freq_base", float, 10000.0)
+    if arch == gn.ARCH_LLAMA:
+        head_dim = k.get("attention.key_length", int, hidden // heads)
+        rope_dim = k.get("rope.dimension_count", int, head_dim)
+        freqs = None
+        if gn.ROPE_FREQS in infos:
+            if infos[gn.ROPE_FREQS].shape != (rope_dim // 2,):
+                raise CheckpointError(
+                    path, f"tensor '{gn.ROPE_FREQS}' has shape {list(infos[gn.ROPE_FREQS].shape)}, expected [{rope_dim // 2}]"
+                )
+            freqs = read(infos[gn.ROPE_FREQS]).tolist()
+        d.update(
+            model_type="llama", architectures=["LlamaForCausalLM"], head_dim=head_dim,
+            num_key_value_heads=k.get("attention.head_count_kv", int, heads),
+            attention_bias="blk.0.attn_q.bias" in infos, mlp_bias="blk.0.ffn_gate.bias" in infos,
+            rope_parameters=_rope(k, theta, ctx, freqs, rope_dim, mla=False),
+        )
+        if rope_dim != head_dim:
+            d["partial_rotary_factor"] = rope_dim / head_dim
+        return d
+    rope_dim = k.get("rope.dimension_count", int)
+    # Current files keep MLA's true head sizes in *_mla (key_length/value_length then describe the
+    # latent-space MQA view: kv_lora_rank + rope and kv_lora_rank); legacy files in key/value_length.
+    if "attention.key_length_mla" in k or "attention.value_length_mla" in k:
+        qk_key, qk, v = "attention.key_length_mla", k.get("attention.key_length_mla", int), k.get("attention.value_length_mla", int)
+    else:
+        qk_key, qk = "attention.key_length", k.get("attention.key_length", int, hidden // heads)
+        v = k.get("attention.value_length", int, hidden // heads)
+    if qk <= rope_dim:
+        raise CheckpointError(
+            path, f"metadata key '{k.full(qk_key)}' = {qk} must exceed '{k.full('rope.dimension_count')}' = {rope_dim}"
+        )
+    gating = k.get("expert_gating_func", int, 0)  # 1: softmax, 2: sigmoid
+    if gating not in (0, 1, 2):
+        raise CheckpointError(path, f"metadata key '{k.full('expert_gating_func')}' = {gating} is not supported (1 softmax, 2 sigmoid)")
+    is_v3 = gating == 2 or any(n.endswith(".exp_probs_b.bias") for n in infos)
+    # Absent key: llama.cpp assumes softmax, right for V2; V3 (routing bias present) is sigmoid by
+    # design, and its converter only omits the key when config.json omits scoring_func.
+    sigmoid = gating == 2 or gating == 0 and is_v3
+    d.update(
+        model_type="deepseek_v3" if is_v3 else "deepseek_v2",
+        architectures=["DeepseekV3ForCausalLM" if is_v3 else "DeepseekV2ForCausalLM"],
+        num_key_value_heads=heads,
+        q_lora_rank=k.get("attention.q_lora_rank", int, 0) or None,
+        kv_lora_rank=k.get("attention.kv_lora_rank", int),
+        qk_nope_head_dim=qk - rope_dim, qk_rope_head_dim=rope_dim, v_head_dim=v,
+        attention_bias=False, rope_interleave=True,
+        rope_parameters=_rope(k, theta, ctx, None, rope_dim, mla=True),
+    )
+    if k.get("expert_count", int, 0):
+        n_group = k.get("expert_group_count", int, 1) or 1
+        d.update(
+            n_routed_experts=k.get("expert_count", int),
+            num_experts_per_tok=k.get("expert_used_count", int),
+            n_shared_experts=k.get("expert_shared_count", int, 0),
+            moe_intermediate_size=k.get("expert_feed_forward_length", int),
+            first_k_dense_replace=k.get("leading_dense_block_count", int, 0),
+            routed_scaling_factor=k.get("expert_weights_scale", float, 1.0),
+            norm_topk_prob=k.get("expert_weights_norm", bool, False),
+            n_group=n_group,
+            topk_group=k.get("expert_group_used_count", int, 1) or 1,
+            scoring_func="sigmoid" if sigmoid else "softmax",
+            topk_method="noaux_tc" if is_v3 else "group_limited_greedy" if n_group > 1 else "greedy",
+            moe_layer_freq=1,  # llama.cpp has no key for it: every layer after the dense lead is MoE
+        )
+    return d
+
+
+def _rope(k: _Keys, theta: float, ctx: int, freqs: list[float] | None, dim: int, mla: bool) -> dict[str, Any]:
+    """`rope_parameters` from `<arch>.rope.*` keys (llama.cpp: no type + a factor means linear)."""
+    p: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    factor = k.get("rope.scaling.factor", float, None)
+    if factor is None:
+        factor = k.get("rope.scale_linear", float, None)  # older files
+    stype = k.get("rope.scaling.type", str, "linear" if factor else "none")
+    if freqs is not None and stype == "none":
+        llama3 = gn.llama3_from_rope_factors(freqs, theta, dim)
+        if llama3 is None:
+            raise CheckpointError(k.path, f"tensor '{gn.ROPE_FREQS}' does not follow Llama 3 RoPE scaling")
+        return {**p, **llama3}
+    if stype == "none" or stype == "linear" and factor in (None, 1.0):
+        return p
+    if stype == "linear":
+        return {**p, "rope_type": "linear", "factor": factor}
+    if stype != "yarn":
+        raise CheckpointError(
+            k.path, f"rope scaling type '{stype}' in metadata key '{k.full('rope.scaling.type')}' is not supported"
+        )
+    p.update(rope_type="yarn", factor=k.get("rope.scaling.factor", float),
+             original_max_position_embeddings=k.get("rope.scaling.original_context_length", int, ctx))
+    for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"), ("yarn_attn_factor", "attention_factor")):
+        if (val := k.get(f"rope.scaling.{key}", float, None)) is not None:
+            p[hf] = val
+    if mla and (log_mul := k.get("rope.scaling.yarn_log_multiplier", float, None)) is not None:
+        # llama.cpp's converter stores 0.1 * mscale_all_dim and drops mscale; released DeepSeek V2/V3
+        # configs have mscale == mscale_all_dim (0.707 / 1.0), so both are restored from it.
+        p["mscale"] = p["mscale_all_dim"] = gn.f32_round(log_mul / 0.1)
+    return p

