@@ -22,7 +22,6 @@ F16 when their rows are not whole quantization blocks (llama.cpp's fallback).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -35,12 +34,13 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
-from safetensors import safe_open
 from tqdm import tqdm
 
 from models.config import DeepseekConfig, LlamaConfig, ModelConfig, config_from_hf_dict
 from models.loader import gguf_names as gn
 from models.loader.errors import CheckpointError
+from models.loader.jsonfile import read_json
+from models.loader.safetensors_loader import HFCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -65,32 +65,12 @@ class _Planned:
 
 
 class _Safetensors:
-    """HF tensor name -> its safetensors file, read lazily as float32 (never pickle)."""
+    """The HF checkpoint's tensors by name, read as float32, with the names already converted tracked."""
 
     def __init__(self, hf_dir: Path) -> None:
         self.dir = hf_dir
-        index = hf_dir / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = _read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise CheckpointError(index, "key 'weight_map' is missing or not an object")
-            files = sorted(set(weight_map.values()))
-        else:
-            files = sorted(p.name for p in hf_dir.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(hf_dir, "no *.safetensors files (and no model.safetensors.index.json)")
-        self.where: dict[str, Path] = {}
-        self._handles: dict[Path, Any] = {}
-        for fname in files:
-            path = hf_dir / fname
-            if not path.is_file():
-                raise CheckpointError(path, "listed in model.safetensors.index.json but missing")
-            try:
-                handle = self._handles[path] = safe_open(str(path), framework="pt")
-            except Exception as e:  # safetensors raises its own error types on bad headers
-                raise CheckpointError(path, f"not a readable safetensors file: {e}") from None
-            for name in handle.keys():
-                self.where[name] = path
+        self.ckpt = HFCheckpoint(hf_dir)
+        self.where = self.ckpt.where()
         self.used: set[str] = set()
 
     def __contains__(self, name: str) -> bool:
@@ -100,7 +80,7 @@ class _Safetensors:
         """Marks `name` as converted, after checking it exists with the `shape` the config implies."""
         if name not in self.where:
             raise CheckpointError(self.dir, f"required tensor '{name}' is missing from the safetensors files")
-        actual = tuple(self._handles[self.where[name]].get_slice(name).get_shape())
+        actual = self.ckpt.shape(name)
         if actual != tuple(shape):
             raise CheckpointError(
                 self.where[name], f"tensor '{name}' has shape {list(actual)} but config.json implies {list(shape)}"
@@ -109,17 +89,7 @@ class _Safetensors:
         return name
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handles[self.where[name]].get_tensor(name).to(torch.float32)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(path, f"cannot read JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise CheckpointError(path, "must be a JSON object")
-    return d
+        return self.ckpt.get(name).to(torch.float32)
 
 
 def _qtype(s: str, arg: str) -> GGMLQuantizationType:
@@ -142,7 +112,7 @@ def write_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "F32", *, 
 
     hf_dir, out = Path(hf_dir), Path(out_path)
     q, eq = _qtype(qtype, "qtype"), _qtype(expert_qtype or qtype, "expert_qtype")
-    raw = _read_json(hf_dir / "config.json")
+    raw = read_json(hf_dir / "config.json")
     cfg = config_from_hf_dict(raw, str(hf_dir / "config.json"))
     src = _Safetensors(hf_dir)
     plan = _plan(cfg, src, q, eq)

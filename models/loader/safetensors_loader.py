@@ -7,7 +7,6 @@ must really be in that shard.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,17 +15,9 @@ import torch
 from safetensors import safe_open
 
 from models.loader.errors import CheckpointError
+from models.loader.jsonfile import read_json
 
 INDEX_FILE = "model.safetensors.index.json"
-
-
-def read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(path, "file is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(path, f"not valid JSON: {e}") from None
 
 
 class HFCheckpoint:
@@ -37,9 +28,9 @@ class HFCheckpoint:
         if not self.path.is_dir():
             raise CheckpointError(self.path, "not a directory (expected an HF model directory with config.json)")
         self._config = read_json(self.path / "config.json")
-        if not isinstance(self._config, dict):
-            raise CheckpointError(self.path / "config.json", "must hold a JSON object")
         self._shards = self._find_shards()
+        self._handles: dict[Path, Any] = {}
+        self._where: dict[str, Path] | None = None
 
     def hf_config(self) -> dict[str, Any]:
         return dict(self._config)
@@ -48,8 +39,7 @@ class HFCheckpoint:
         """Shard file -> tensor names the index promises in it (None: no index, take what is there)."""
         index_path = self.path / INDEX_FILE
         if index_path.exists():
-            index = read_json(index_path)
-            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            weight_map = read_json(index_path).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise CheckpointError(index_path, "key 'weight_map' must be a non-empty object of tensor -> file")
             shards: dict[Path, list[str] | None] = {}
@@ -79,31 +69,44 @@ class HFCheckpoint:
         except Exception as e:  # safetensors raises its own error types for bad headers/offsets
             raise CheckpointError(shard, f"not a valid safetensors file (truncated or corrupt?): {e}") from None
 
-    def num_tensors(self) -> int:
-        total = 0
-        for shard, names in self._shards.items():
-            if names is None:
-                with self._open(shard) as f:
-                    total += len(list(f.keys()))
-            else:
-                total += len(names)
-        return total
+    def _handle(self, shard: Path):
+        """A shard kept open for random access (the writer converts tensors in its own order)."""
+        if shard not in self._handles:
+            self._handles[shard] = self._open(shard)
+        return self._handles[shard]
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        seen: set[str] = set()
-        for shard, promised in self._shards.items():
-            with self._open(shard) as f:
-                keys = list(f.keys())
+    def where(self) -> dict[str, Path]:
+        """Tensor name -> shard holding it, checked against the index and for duplicates."""
+        if self._where is None:
+            where: dict[str, Path] = {}
+            for shard, promised in self._shards.items():
+                keys = list(self._handle(shard).keys())
                 if promised is not None:
                     absent = sorted(set(promised) - set(keys))
                     if absent:
                         raise CheckpointError(shard, f"tensor '{absent[0]}' is listed in {INDEX_FILE} but not in this shard")
                 for name in keys if promised is None else promised:
-                    if name in seen:
+                    if name in where:
                         raise CheckpointError(shard, f"tensor '{name}' appears in more than one shard")
-                    seen.add(name)
-                    try:
-                        tensor = f.get_tensor(name)
-                    except Exception as e:
-                        raise CheckpointError(shard, f"tensor '{name}' cannot be read: {e}") from None
-                    yield name, tensor
+                    where[name] = shard
+            self._where = where
+        return self._where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self.where()[name]).get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        shard = self.where()[name]
+        try:
+            return self._handle(shard).get_tensor(name)
+        except Exception as e:
+            raise CheckpointError(shard, f"tensor '{name}' cannot be read: {e}") from None
+
+    def num_tensors(self) -> int:
+        return len(self.where())
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor, shard by shard, memory-mapped; shard handles are closed at the end."""
+        for name in self.where():
+            yield name, self.get(name)
+        self._handles.clear()
