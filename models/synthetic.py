@@ -26,8 +26,9 @@ writes them. The ``tiny-*`` ones take under a second to write; ``deepseek-v2-lit
 and ``deepseek-v3`` carry the released layer shapes with few layers (``--layers`` to change; V3's
 first three layers are dense, so it needs ``--layers 4`` for one MoE layer). DeepSeek presets use
 the real DeepSeek-V3 tokenizer (129,280 tokens, bos 0, eos 1) and set no MTP layers (none are
-written). ``deepseek-v2-lite`` keeps its released vocab of 102,400, so that tokenizer can produce
-ids past its embedding for rare text. Llama presets use the built-in SmolLM2 tokenizer (49,152).
+written). ``deepseek-v2-lite`` uses that tokenizer's vocab of 129,280 instead of its released
+102,400 (whose tokenizer we cannot ship), so every id the tokenizer produces has an embedding row;
+its layers keep the released shapes. Llama presets use the built-in SmolLM2 tokenizer (49,152).
 """
 
 from __future__ import annotations

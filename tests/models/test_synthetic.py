@@ -118,8 +118,10 @@ def test_true_shape_presets_match_released_models() -> None:
     assert (v3.hidden_size, v3.num_attention_heads, v3.q_lora_rank, v3.vocab_size) == (7168, 128, 1536, 129280)
     assert (v3.moe.num_experts, v3.moe.top_k, v3.moe.n_group, v3.moe.topk_group) == (256, 8, 8, 4)
     assert v3.moe.first_k_dense_replace == 3 and v3.intermediate_size == 18432
-    # Published totals at full depth: DeepSeek-V2-Lite 15.7B, DeepSeek-V3 671B (without its MTP module).
-    assert round(synthetic.num_parameters("deepseek-v2-lite", 27) / 1e8) == 157
+    # Published totals at full depth: DeepSeek-V2-Lite 15.7B (ours: + 2 x 26,880 x 2048 for the larger
+    # vocab of the tokenizer we ship), DeepSeek-V3 671B (without its MTP module).
+    extra_vocab = 2 * (129280 - 102400) * 2048
+    assert round((synthetic.num_parameters("deepseek-v2-lite", 27) - extra_vocab) / 1e8) == 157
     assert round(synthetic.num_parameters("deepseek-v3", 61) / 1e9) == 671
     assert synthetic.load_preset("deepseek-v3")["num_hidden_layers"] <= 2
 
