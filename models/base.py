@@ -11,13 +11,15 @@ per-expert HF names (`mlp.experts.{e}.gate_proj.weight`), stacked names
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from models.layers import compute_logits
+from kernels.rotary import RotaryEmbedding
+from models.config import ModelConfig
+from models.layers import RMSNorm, compute_logits
 from models.loader.errors import CheckpointError
 from models.moe import ExpertBackend
 
@@ -27,10 +29,48 @@ if TYPE_CHECKING:
 _EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj|gate_up_proj)(\.weight)?$")
 
 
-class CausalLM(nn.Module):
-    """Subclasses define `self.model` (embed_tokens, layers, norm) and `self.lm_head` unless tied."""
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    tie_word_embeddings: bool
+    def __init__(self, hidden_size: int, eps: float, self_attn: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.mlp = mlp
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Token embedding -> decoder layers -> final norm. `make_layer(i, rotary)` builds layer i."""
+
+    def __init__(self, cfg: ModelConfig, make_layer: Callable[[int, RotaryEmbedding], nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary_emb = RotaryEmbedding(cfg.rope)
+        self.layers = nn.ModuleList(make_layer(i, self.rotary_emb) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(batch.positions, x, batch)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    """A `DecoderModel` plus the LM head (the embedding itself when tied), with strict loading."""
+
+    def __init__(self, cfg: ModelConfig, model: DecoderModel) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tie_word_embeddings = cfg.tie_word_embeddings
+        self.model = model
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs the stack over `batch`; returns fp32 logits [N, V] for `batch.logits_indices`

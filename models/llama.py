@@ -9,9 +9,9 @@ from torch import nn
 
 from kernels.attention.base import AttentionLayer
 from kernels.rotary import RotaryEmbedding
-from models.base import CausalLM
+from models.base import CausalLM, DecoderLayer, DecoderModel
 from models.config import LlamaConfig
-from models.layers import GatedMLP, RMSNorm
+from models.layers import GatedMLP
 
 if TYPE_CHECKING:
     from scheduler.forward_batch import ForwardBatch
@@ -41,39 +41,11 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_id, rotary)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary_emb = RotaryEmbedding(cfg.rope)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.rotary_emb) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)
-        for layer in self.layers:
-            x = layer(batch.positions, x, batch)
-        return self.norm(x)
+def llama_layer(cfg: LlamaConfig, layer_id: int, rotary: RotaryEmbedding) -> DecoderLayer:
+    mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+    return DecoderLayer(cfg.hidden_size, cfg.rms_norm_eps, LlamaAttention(cfg, layer_id, rotary), mlp)
 
 
 class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: LlamaConfig, expert_backend: str = "torch") -> None:
-        super().__init__()
-        self.config = cfg
-        self.tie_word_embeddings = cfg.tie_word_embeddings
-        self.model = LlamaModel(cfg)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        super().__init__(cfg, DecoderModel(cfg, lambda i, rotary: llama_layer(cfg, i, rotary)))

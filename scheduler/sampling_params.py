@@ -1,0 +1,66 @@
+"""`SamplingParams`: how one request's tokens are chosen and when it stops.
+
+Validated once when the request enters (server side), so the engine never meets a bad value;
+`validate` raises `ValueError` whose first word is the offending parameter's OpenAI name, which
+the server turns into a 400 with `param` set.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+# Sentinel for "no limit" on top_k, as in vLLM/SGLang.
+TOP_K_ALL = -1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass kept, (0, 1]
+    top_k: int = TOP_K_ALL  # keep the k most likely; -1 = all
+    min_p: float = 0.0  # drop tokens below min_p * p(max), [0, 1]
+    repetition_penalty: float = 1.0  # HF/CTRL style: logits of seen tokens divided (>0) or multiplied (<0)
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from every generated token's logit
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence among generated tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias added to the logit
+    seed: int | None = None  # same seed + same prompt => same tokens, whatever shares the batch
+    n: int = 1  # completions sharing the prompt's KV
+    max_tokens: int | None = None  # None: until the context is full
+    min_tokens: int = 0  # EOS and stop ids are masked until this many tokens exist
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False  # return the chosen token's logprob
+    top_logprobs: int = 0  # and this many alternatives
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self, vocab_size: int) -> None:
+        """Raises ValueError naming the parameter when a value is out of range."""
+        _check(math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0,
+               "temperature must be between 0 and 100")
+        _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
+        _check(self.top_k == TOP_K_ALL or self.top_k >= 1, "top_k must be -1 (all) or >= 1")
+        _check(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]")
+        _check(math.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+               "repetition_penalty must be in (0, 10]")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]")
+        for tok, bias in self.logit_bias.items():
+            _check(0 <= tok < vocab_size, f"logit_bias has token id {tok} outside the vocabulary (0..{vocab_size - 1})")
+            _check(-100.0 <= bias <= 100.0, "logit_bias values must be in [-100, 100]")
+        _check(1 <= self.n <= 128, "n must be in [1, 128]")
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1")
+        _check(self.min_tokens >= 0, "min_tokens must be >= 0")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens")
+        for tok in self.stop_token_ids:
+            _check(0 <= tok < vocab_size, f"stop_token_ids has token id {tok} outside the vocabulary")
+        _check(0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]")
+        _check(self.seed is None or -(2**63) <= self.seed < 2**64, "seed must fit in 64 bits")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
