@@ -1,0 +1,176 @@
+"""`EngineCore`: the model, its pools, the scheduler and the sampler, behind four calls.
+
+It runs inside the engine process (`engine_process.py`), single-threaded: `add_request`, `abort`,
+`step` and `stats` are called from that process's loop only. Requests are checked here once more
+(the server validates first): anything the engine cannot honour becomes an immediate error output
+with a code the server maps to an HTTP status, never an exception in the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import torch
+
+from models.config import DeepseekConfig, ModelConfig
+from models.loader.load import load_model, resolve_dtype
+from scheduler.engine_args import EngineArgs
+from scheduler.io_types import (
+    ERR_CONTEXT,
+    ERR_INVALID,
+    ERR_OVERLOADED,
+    FINISH_ERROR,
+    EngineStats,
+    GenerateRequest,
+    RequestOutput,
+)
+from scheduler.model_runner import ModelRunner
+from scheduler.radix_cache import create_prefix_cache
+from scheduler.request import Req
+from scheduler.sampler import Sampler
+from scheduler.scheduler import Scheduler
+
+logger = logging.getLogger("mlaserve.engine")
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """DeepSeek: (kv_lora_rank + rope_dim) x bytes x layers (576 x 2 x layers in bf16); Llama: K and V per KV head."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    if isinstance(cfg, DeepseekConfig):
+        return cfg.kv_cache_dim * size * cfg.num_hidden_layers
+    return 2 * cfg.num_key_value_heads * cfg.head_dim * size * cfg.num_hidden_layers
+
+
+def available_memory(device: torch.device) -> int:
+    """Free bytes on the device (host RAM available on CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 4 << 30
+
+
+def _mix_seed(seed: int, index: int) -> int:
+    """Distinct, reproducible seeds for the completions of one seeded request."""
+    return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & ((1 << 63) - 1)
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        device = torch.device(args.device)
+        loaded = load_model(args.model, device=device, dtype=args.dtype, expert_backend=args.expert_backend,
+                            progress=False)
+        self.config = cfg = loaded.config
+        self.model_name = Path(str(loaded.source)).name
+        tok = loaded.tokenizer
+        eos = set(cfg.eos_token_ids) | set(tok.eos_token_ids if tok else ())
+        self.context_len = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        kv_dtype = resolve_dtype(args.kv_dtype, device) if args.kv_dtype else loaded.dtype
+        per_token = kv_bytes_per_token(cfg, kv_dtype)
+        num_slots = args.max_total_tokens or int(available_memory(device) * args.mem_fraction // per_token)
+        num_slots = max(args.page_size, num_slots - num_slots % args.page_size)
+        self.runner = ModelRunner(
+            loaded.model, cfg, max_total_tokens=num_slots, max_running_requests=args.max_running_requests,
+            max_context_len=self.context_len, device=device, kv_dtype=kv_dtype,
+            attention_backend=args.attention_backend, page_size=args.page_size,
+        )
+        self.cache = create_prefix_cache(args.enable_prefix_cache, self.runner.allocator)
+        self.scheduler = Scheduler(
+            self.runner, self.cache, Sampler(cfg.vocab_size, device), eos_token_ids=sorted(eos),
+            context_len=self.context_len, max_running_requests=args.max_running_requests,
+            chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.max_prefill_tokens,
+        )
+        self._rng = random.Random(args.seed)
+        self._finished_total: dict[str, int] = {}
+        self.kv_bytes_per_token = per_token
+        logger.info(
+            "KV cache: %d slots x %d bytes/token = %.2f GiB (%s); max_running_requests=%d, context_length=%d, "
+            "prefix cache %s",
+            num_slots, per_token, num_slots * per_token / 2**30,
+            f"MLA latent {cfg.kv_cache_dim} values x {cfg.num_hidden_layers} layers"
+            if isinstance(cfg, DeepseekConfig) else f"K+V {cfg.num_key_value_heads} heads x {cfg.head_dim}",
+            args.max_running_requests, self.context_len, "on" if args.enable_prefix_cache else "off",
+        )
+
+    def describe(self) -> dict:
+        return {
+            "model": self.model_name, "arch": self.config.arch, "vocab_size": self.config.vocab_size,
+            "context_length": self.context_len, "kv_slots": self.runner.allocator.num_slots,
+            "kv_bytes_per_token": self.kv_bytes_per_token, "eos_token_ids": list(self.scheduler.eos_token_ids),
+        }
+
+    # ------------------------------------------------------------------ the four calls
+    def add_request(self, req: GenerateRequest) -> list[RequestOutput]:
+        error = self._check(req)
+        if error:
+            code, message = error
+            return [RequestOutput(req.rid, 0, [], finish_reason=FINISH_ERROR, prompt_tokens=len(req.input_ids),
+                                  error=message, error_code=code, arrival_time=req.arrival_time)]
+        p = req.params
+        base = p.seed if p.seed is not None else self._rng.getrandbits(63)
+        reqs = [Req(req.rid, i, list(req.input_ids), p, _mix_seed(base, i) if i else base,
+                    arrival_time=req.arrival_time or 0.0, waits_for_sibling=i > 0 and self.args.enable_prefix_cache)
+                for i in range(p.n)]
+        self.scheduler.add(reqs)
+        return []
+
+    def _check(self, req: GenerateRequest) -> tuple[str, str] | None:
+        ids, p = req.input_ids, req.params
+        if not ids:
+            return ERR_INVALID, "the prompt is empty"
+        vocab = self.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            return ERR_INVALID, f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})"
+        try:
+            p.validate(vocab)
+        except ValueError as e:
+            return ERR_INVALID, str(e)
+        want = len(ids) + (p.max_tokens or 1)
+        if want > self.context_len:
+            return ERR_CONTEXT, (
+                f"this model's maximum context length is {self.context_len} tokens; the request needs {want} "
+                f"({len(ids)} in the prompt + {p.max_tokens or 1} to generate)"
+            )
+        if len(ids) + 1 > self.runner.allocator.num_slots:
+            return ERR_CONTEXT, f"the prompt ({len(ids)} tokens) does not fit in the KV cache ({self.runner.allocator.num_slots} slots)"
+        if len(self.scheduler.waiting) + p.n > self.args.max_queued_requests:
+            return ERR_OVERLOADED, f"the server is overloaded ({len(self.scheduler.waiting)} requests queued); retry later"
+        return None
+
+    def abort(self, rid: str) -> list[RequestOutput]:
+        return self._outputs(self.scheduler.abort(rid))
+
+    def step(self) -> list[RequestOutput]:
+        return self._outputs(self.scheduler.step())
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self, request_id: int = 0) -> EngineStats:
+        s, c = self.scheduler, self.scheduler.counters
+        return EngineStats(
+            request_id=request_id, num_running=len(s.running), num_waiting=len(s.waiting),
+            kv_slots_used=s.kv_slots_used(), kv_slots_total=self.runner.allocator.num_slots,
+            prefix_cache_hit_tokens_total=c.prefix_cache_hit_tokens, prompt_tokens_total=c.prompt_tokens,
+            generation_tokens_total=c.generation_tokens, retractions_total=c.retractions,
+            aborted_total=c.aborted, finished_total=dict(self._finished_total),
+        )
+
+    def _outputs(self, reqs: list[Req]) -> list[RequestOutput]:
+        out = []
+        for r in reqs:
+            out.append(RequestOutput(
+                r.rid, r.index, r.pending_ids, r.pending_logprobs or None, r.finish_reason,
+                prompt_tokens=len(r.prompt_ids), completion_tokens=len(r.output_ids), cached_tokens=r.cached_tokens,
+                arrival_time=r.arrival_time, first_scheduled_time=r.first_scheduled_time,
+                first_token_time=r.first_token_time,
+            ))
+            r.pending_ids, r.pending_logprobs = [], []
+            if r.finish_reason:
+                self._finished_total[r.finish_reason] = self._finished_total.get(r.finish_reason, 0) + 1
+        return out

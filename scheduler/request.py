@@ -1,0 +1,56 @@
+"""`Req`: one completion being generated (a request with n > 1 becomes n of them), and its KV state.
+
+KV ownership of a running Req (the source of every leak, so stated once here):
+  req_to_token[row, 0 : cache_len]       slots owned by the prefix cache, locked through `node`
+  req_to_token[row, cache_len : kv_len]  slots this Req owns and must free or hand to the cache
+Tokens all_ids[kv_len:] have no KV yet; the next forward feeds them (one token when decoding).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from scheduler.io_types import TokenLogprob
+from scheduler.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    index: int  # completion index within its request (n > 1)
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival_time: float = field(default_factory=time.time)
+    output_ids: list[int] = field(default_factory=list)
+    # KV state (see the module docstring)
+    row: int | None = None
+    kv_len: int = 0
+    cache_len: int = 0
+    node: object = None
+    cached_tokens: int = 0  # prompt tokens that came from the prefix cache at first admission
+    waits_for_sibling: bool = False  # n > 1: siblings wait until completion 0 has prefilled the prompt
+    # what the next RequestOutput carries
+    pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens without KV yet."""
+        return self.seq_len - self.kv_len
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.row is not None and self.num_pending == 1 and self.kv_len > 0

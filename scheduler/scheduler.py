@@ -1,0 +1,295 @@
+"""The scheduler: which tokens of which requests go into the next forward, and what follows from it.
+
+One `step()` reads aloud:  schedule -> run -> update.
+
+schedule  Every decoding request gets its one token (all running requests decode every step, so a
+          long prompt never stalls them). Then prefill work fills a token budget
+          (`max_prefill_tokens`): first the unfinished chunks of requests already admitted, then new
+          requests in arrival order (FCFS), each taking at most `chunked_prefill_size` tokens per
+          step, while request slots and KV slots last. A new request first looks up the longest
+          cached prefix of its tokens in the prefix cache and only computes the rest. Decode and
+          prefill slices share one forward (a MIXED batch) when both exist.
+          KV short: evict unlocked prefix-cache leaves; still short for the decodes: retract the
+          most recently admitted running requests (free their KV, put them back at the head of the
+          queue; their tokens are recomputed later, nothing is lost). A request alone too long for
+          the whole pool finishes with `length`.
+run       `ModelRunner.build_batch` + forward: logits for the last token of every slice.
+update    Slices that completed their request's pending tokens sample the next token; stop checks
+          (EOS, stop ids, max_tokens, context end); finished requests hand their KV to the prefix
+          cache (or free it) at once.
+
+n > 1: completions 1..n-1 wait until completion 0 has prefilled the prompt, which is then inserted
+into the prefix cache, so they start from the shared prompt KV.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.forward_batch import ForwardMode
+from scheduler.io_types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
+from scheduler.model_runner import ModelRunner, RequestSlice
+from scheduler.radix_cache import NoPrefixCache, PrefixCache
+from scheduler.request import Req
+from scheduler.sampler import Sampler, SamplingRow
+
+
+@dataclass
+class SchedulerCounters:
+    prefix_cache_hit_tokens: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    retractions: int = 0
+    aborted: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        cache: PrefixCache,
+        sampler: Sampler,
+        *,
+        eos_token_ids: Sequence[int],
+        context_len: int,
+        max_running_requests: int,
+        chunked_prefill_size: int,
+        max_prefill_tokens: int,
+    ) -> None:
+        self.runner = runner
+        self.cache = cache
+        self.sampler = sampler
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.context_len = context_len
+        self.max_running = max_running_requests
+        self.chunk = chunked_prefill_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.counters = SchedulerCounters()
+
+    # ------------------------------------------------------------------ intake
+    def add(self, reqs: Sequence[Req]) -> None:
+        for r in reqs:
+            self.counters.prompt_tokens += len(r.prompt_ids) if r.index == 0 else 0
+            self.waiting.append(r)
+
+    def abort(self, rid: str) -> list[Req]:
+        """Finishes every completion of `rid` with `abort`, freeing its KV now."""
+        out = []
+        for r in [r for r in self.waiting if r.rid == rid]:
+            self.waiting.remove(r)
+            out.append(r)
+        for r in [r for r in self.running if r.rid == rid]:
+            self._release(r, cache=False)
+            self.running.remove(r)
+            out.append(r)
+        for r in out:
+            r.finish_reason = FINISH_ABORT
+        if out:
+            self.counters.aborted += 1
+            self._unblock_siblings(rid)
+        return out
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[Req]:
+        """Runs one forward; returns the requests with something to report (tokens or an end)."""
+        slices, reqs, finished = self._schedule()
+        if not slices:
+            return finished
+        now = time.time()
+        for r in reqs:
+            r.first_scheduled_time = r.first_scheduled_time or now
+        modes = {len(s.input_ids) == 1 and s.prefix_len > 0 for s in slices}
+        mode = ForwardMode.MIXED if len(modes) == 2 else (ForwardMode.DECODE if True in modes else ForwardMode.EXTEND)
+        logits = self.runner.forward(self.runner.build_batch(slices, mode=mode))
+        return finished + self._update(reqs, slices, logits)
+
+    # ------------------------------------------------------------------ schedule
+    def _schedule(self) -> tuple[list[RequestSlice], list[Req], list[Req]]:
+        slices: list[RequestSlice] = []
+        reqs: list[Req] = []
+        finished: list[Req] = []
+        decoding = [r for r in self.running if r.is_decoding]
+        while decoding and not self._make_room(len(decoding)):
+            victim = max(decoding, key=lambda r: r.first_scheduled_time or 0.0)
+            if len(decoding) == 1:  # alone and still no room: the pool cannot hold a longer sequence
+                self._finish(victim, FINISH_LENGTH)
+                finished.append(victim)
+            else:
+                self._retract(victim)
+            decoding.remove(victim)
+        for r in decoding:
+            slices.append(RequestSlice(r.row, r.kv_len, r.all_ids[r.kv_len :]))
+            reqs.append(r)
+        need = len(decoding)  # KV slots the slices so far will take
+
+        budget = self.max_prefill_tokens
+        for r in [r for r in self.running if not r.is_decoding]:  # unfinished chunks first
+            n = min(r.num_pending, self.chunk, budget)
+            if n <= 0 or not self._make_room(need + n):
+                break
+            slices.append(RequestSlice(r.row, r.kv_len, r.all_ids[r.kv_len : r.kv_len + n]))
+            reqs.append(r)
+            budget -= n
+            need += n
+
+        for r in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_running:
+                break
+            if r.waits_for_sibling:
+                continue
+            if r.seq_len >= self.runner.allocator.num_slots:  # a retracted request grown past the pool
+                self.waiting.remove(r)
+                r.finish_reason = FINISH_LENGTH
+                finished.append(r)
+                continue
+            n = self._admit(r, budget, need)
+            if n is None:
+                break
+            self.waiting.remove(r)
+            self.running.append(r)
+            slices.append(RequestSlice(r.row, r.kv_len, r.all_ids[r.kv_len : r.kv_len + n]))
+            reqs.append(r)
+            budget -= n
+            need += n
+        return slices, reqs, finished
+
+    def _admit(self, r: Req, budget: int, need: int) -> int | None:
+        """Gives `r` a request slot and its cached prefix; returns how many tokens it prefills now,
+        or None when there is no room (`need` slots are already promised to this step's slices)."""
+        match = self.cache.match_prefix(r.all_ids[: r.seq_len - 1])  # keep >= 1 token to compute
+        self.cache.lock(match.node)
+        cached = int(match.kv_indices.numel())
+        n = min(r.seq_len - cached, self.chunk, budget)
+        # room for this chunk plus one decode step of everything already running
+        room = self._make_room(need + n + len(self.running))
+        row = self.runner.req_to_token_pool.alloc() if room else None
+        if row is None:
+            self.cache.unlock(match.node)
+            return None
+        if cached:
+            self.runner.req_to_token_pool.write(row, 0, match.kv_indices)
+        if r.first_scheduled_time is None:
+            r.cached_tokens = cached
+            self.counters.prefix_cache_hit_tokens += cached
+        r.row, r.node, r.cache_len, r.kv_len = row, match.node, cached, cached
+        return n
+
+    def _make_room(self, n: int) -> bool:
+        alloc = self.runner.allocator
+        short = n - alloc.available_size()
+        if short > 0:
+            self.cache.evict(short)
+        return alloc.available_size() >= n
+
+    # ------------------------------------------------------------------ update
+    def _update(self, reqs: list[Req], slices: list[RequestSlice], logits: torch.Tensor) -> list[Req]:
+        complete: list[tuple[Req, int]] = []
+        for i, (r, s) in enumerate(zip(reqs, slices)):
+            r.kv_len += len(s.input_ids)
+            if r.num_pending == 0:
+                complete.append((r, i))
+        if not complete:
+            return []
+        rows = [SamplingRow(r.params, r.seed, len(r.output_ids), r.prompt_ids, r.output_ids, self.eos_token_ids)
+                for r, _ in complete]
+        result = self.sampler(logits[[i for _, i in complete]], rows)
+        now = time.time()
+        out = []
+        for (r, _), tok, lp in zip(complete, result.token_ids, result.logprobs):
+            prefilled_prompt = not r.output_ids
+            r.output_ids.append(tok)
+            r.pending_ids.append(tok)
+            if lp is not None:
+                r.pending_logprobs.append(lp)
+            r.first_token_time = r.first_token_time or now
+            self.counters.generation_tokens += 1
+            if prefilled_prompt and r.index == 0:
+                self._share_prompt(r)
+            reason = self._stop_reason(r, tok)
+            if reason:
+                self._finish(r, reason)
+            out.append(r)
+        return out
+
+    def _stop_reason(self, r: Req, tok: int) -> str | None:
+        p = r.params
+        if len(r.output_ids) >= p.min_tokens:
+            if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+                return FINISH_STOP
+        if p.max_tokens is not None and len(r.output_ids) >= p.max_tokens:
+            return FINISH_LENGTH
+        if r.seq_len >= self.context_len:
+            return FINISH_LENGTH
+        return None
+
+    def _finish(self, r: Req, reason: str) -> None:
+        r.finish_reason = reason
+        self._release(r, cache=True)
+        self.running.remove(r)
+
+    # ------------------------------------------------------------------ KV ownership
+    def _share_prompt(self, r: Req) -> None:
+        """n > 1: puts completion 0's prompt KV into the prefix cache and lets its siblings start."""
+        if r.params.n > 1:
+            self._insert_into_cache(r, finished=False)
+            self._unblock_siblings(r.rid)
+
+    def _unblock_siblings(self, rid: str) -> None:
+        for s in self.waiting:
+            if s.rid == rid:
+                s.waits_for_sibling = False
+
+    def _insert_into_cache(self, r: Req, finished: bool) -> None:
+        """Hands r's own KV to the prefix cache. Duplicates of what the cache already held are freed;
+        unless `finished`, r re-locks the now-longer cached prefix and keeps going."""
+        assert r.row is not None
+        pool = self.runner.req_to_token_pool
+        slots = pool.req_to_token[r.row, : r.kv_len].to(torch.int64)
+        already = self.cache.insert(r.all_ids[: r.kv_len], slots)
+        if isinstance(self.cache, NoPrefixCache):  # it keeps nothing: everything we own stays ours
+            if finished:
+                self.runner.allocator.free(slots[r.cache_len :])
+            return
+        if already > r.cache_len:
+            self.runner.allocator.free(slots[r.cache_len : already])
+        self.cache.unlock(r.node)
+        r.node = None
+        if not finished:
+            match = self.cache.match_prefix(r.all_ids[: r.kv_len])
+            self.cache.lock(match.node)
+            pool.write(r.row, 0, match.kv_indices)
+            r.node, r.cache_len = match.node, int(match.kv_indices.numel())
+
+    def _release(self, r: Req, cache: bool) -> None:
+        """Frees (or caches) all KV of a running request and its request slot."""
+        if r.row is None:
+            return
+        if cache:
+            self._insert_into_cache(r, finished=True)
+        else:
+            slots = self.runner.req_to_token_pool.req_to_token[r.row, r.cache_len : r.kv_len].to(torch.int64)
+            self.runner.allocator.free(slots)
+        if r.node is not None:
+            self.cache.unlock(r.node)
+        self.runner.req_to_token_pool.free(r.row)
+        r.row, r.node, r.cache_len, r.kv_len = None, None, 0, 0
+
+    def _retract(self, r: Req) -> None:
+        self._release(r, cache=False)
+        self.running.remove(r)
+        self.waiting.appendleft(r)
+        self.counters.retractions += 1
+
+    def kv_slots_used(self) -> int:
+        alloc = self.runner.allocator
+        return alloc.num_slots - alloc.available_size() - self.cache.evictable_size()

@@ -1,0 +1,225 @@
+"""The engine core in-process, on tiny synthetic models: batching, prefix cache, chunked prefill,
+retraction under memory pressure, aborts, n > 1, seeds, and its refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from models.synthetic import write_checkpoint
+from scheduler.engine_args import EngineArgs
+from scheduler.engine_core import EngineCore
+from scheduler.io_types import (
+    ERR_CONTEXT,
+    ERR_INVALID,
+    ERR_OVERLOADED,
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    GenerateRequest,
+    RequestOutput,
+)
+from scheduler.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["tiny-deepseek-v3", "tiny-llama"])
+def model_dir(request, tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=11)
+
+
+def make_engine(model_dir, **kw) -> EngineCore:
+    args = dict(model=str(model_dir), dtype="float32", max_total_tokens=4096, max_running_requests=64,
+                chunked_prefill_size=512, max_prefill_tokens=4096)
+    args.update(kw)
+    return EngineCore(EngineArgs(**args))
+
+
+def prompt(n: int, seed: int, vocab: int = 5000) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run_to_end(core: EngineCore, max_steps: int = 10_000) -> dict[tuple[str, int], list[RequestOutput]]:
+    outs: dict[tuple[str, int], list[RequestOutput]] = {}
+    for _ in range(max_steps):
+        for o in core.step():
+            outs.setdefault((o.rid, o.index), []).append(o)
+        if not core.has_work():
+            return outs
+    raise AssertionError("engine did not finish")
+
+
+def tokens(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def alone(core: EngineCore, ids: list[int], params: SamplingParams) -> list[int]:
+    assert core.add_request(GenerateRequest("alone", ids, params)) == []
+    return tokens(run_to_end(core)[("alone", 0)])
+
+
+def assert_no_leak(core: EngineCore) -> None:
+    alloc = core.runner.allocator
+    assert not core.scheduler.running and not core.scheduler.waiting
+    assert core.cache.protected_size() == 0
+    assert alloc.available_size() + core.cache.evictable_size() == alloc.num_slots
+    assert core.runner.req_to_token_pool.available_size() == core.runner.req_to_token_pool.size
+
+
+def test_batch_invariance_staggered(model_dir):
+    core = make_engine(model_dir, enable_prefix_cache=False)
+    reqs = [(f"r{i}", prompt(3 + (i * 7) % 40, i), dataclasses.replace(GREEDY, max_tokens=1 + (i * 5) % 17))
+            for i in range(32)]
+    expected = {rid: alone(core, ids, p) for rid, ids, p in reqs}
+    outs: dict = {}
+    for k in range(0, 32, 4):  # four new requests every three steps
+        for rid, ids, p in reqs[k : k + 4]:
+            assert core.add_request(GenerateRequest(rid, ids, p)) == []
+        for _ in range(3):
+            for o in core.step():
+                outs.setdefault((o.rid, o.index), []).append(o)
+    for key, v in run_to_end(core).items():
+        outs.setdefault(key, []).extend(v)
+    for rid, ids, p in reqs:
+        got = outs[(rid, 0)]
+        assert tokens(got) == expected[rid], rid
+        assert got[-1].finish_reason == FINISH_LENGTH and got[-1].completion_tokens == p.max_tokens
+        assert got[-1].prompt_tokens == len(ids)
+    assert_no_leak(core)
+
+
+def test_prefix_cache_reuses_slots_and_keeps_tokens(model_dir):
+    shared = prompt(48, 100)
+    a, b = shared + prompt(5, 101), shared + prompt(7, 102)
+    params = dataclasses.replace(GREEDY, max_tokens=12)
+    plain = make_engine(model_dir, enable_prefix_cache=False)
+    want_b = alone(plain, b, params)
+
+    core = make_engine(model_dir)
+    alone(core, a, params)
+    hits_before = core.stats().prefix_cache_hit_tokens_total
+    core.add_request(GenerateRequest("b", b, params))
+    outs = run_to_end(core)[("b", 0)]
+    assert tokens(outs) == want_b
+    assert outs[-1].cached_tokens >= len(shared)
+    assert core.stats().prefix_cache_hit_tokens_total - hits_before >= len(shared)
+    assert_no_leak(core)
+
+
+def test_chunked_prefill_same_tokens_and_others_keep_decoding(model_dir):
+    long_ids = prompt(150, 7)
+    params = dataclasses.replace(GREEDY, max_tokens=6)
+    want = alone(make_engine(model_dir, enable_prefix_cache=False), long_ids, params)
+
+    core = make_engine(model_dir, enable_prefix_cache=False, chunked_prefill_size=16, max_prefill_tokens=16)
+    core.add_request(GenerateRequest("short", prompt(4, 8), dataclasses.replace(GREEDY, max_tokens=40)))
+    core.step()  # the short request is prefilled and decoding
+    core.add_request(GenerateRequest("long", long_ids, params))
+    steps_with_short_tokens_before_long = 0
+    outs: dict = {}
+    long_started = False
+    for _ in range(200):
+        step_out = core.step()
+        for o in step_out:
+            outs.setdefault(o.rid, []).append(o)
+        if any(o.rid == "long" and o.new_token_ids for o in step_out):
+            long_started = True
+        if not long_started and any(o.rid == "short" and o.new_token_ids for o in step_out):
+            steps_with_short_tokens_before_long += 1
+        if not core.has_work():
+            break
+    assert tokens(outs["long"]) == want
+    assert steps_with_short_tokens_before_long >= 150 // 16  # decoding went on between the chunks
+    assert_no_leak(core)
+
+
+def test_memory_pressure_retracts_and_completes(model_dir):
+    reqs = [(f"m{i}", prompt(20 + i, 200 + i), dataclasses.replace(GREEDY, max_tokens=24)) for i in range(8)]
+    roomy = make_engine(model_dir, enable_prefix_cache=False)
+    expected = {rid: alone(roomy, ids, p) for rid, ids, p in reqs}
+
+    core = make_engine(model_dir, max_total_tokens=96, enable_prefix_cache=True)
+    for rid, ids, p in reqs:
+        assert core.add_request(GenerateRequest(rid, ids, p)) == []
+    outs = run_to_end(core)
+    for rid, _, _ in reqs:
+        assert tokens(outs[(rid, 0)]) == expected[rid], rid
+    assert core.stats().retractions_total > 0
+    assert_no_leak(core)
+
+
+@pytest.mark.parametrize("stage", ["queued", "mid_prefill", "decoding"])
+def test_abort_frees_everything(model_dir, stage):
+    core = make_engine(model_dir, max_running_requests=1, chunked_prefill_size=8, max_prefill_tokens=8)
+    core.add_request(GenerateRequest("first", prompt(30, 1), dataclasses.replace(GREEDY, max_tokens=50)))
+    core.add_request(GenerateRequest("second", prompt(10, 2), dataclasses.replace(GREEDY, max_tokens=5)))
+    target = {"queued": "second", "mid_prefill": "first", "decoding": "first"}[stage]
+    core.step()  # first: 8 of 30 prompt tokens
+    if stage == "decoding":
+        for _ in range(6):
+            core.step()
+        assert core.scheduler.running[0].output_ids  # really decoding
+    outs = core.abort(target)
+    assert [o.finish_reason for o in outs] == [FINISH_ABORT]
+    assert core.abort(target) == []  # idempotent
+    rest = run_to_end(core)
+    assert (target, 0) not in rest or not tokens(rest[(target, 0)])
+    assert core.stats().aborted_total == 1
+    assert_no_leak(core)
+
+
+def test_n_completions_share_the_prompt(model_dir):
+    core = make_engine(model_dir)
+    ids = prompt(40, 9)
+    p = SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=10, ignore_eos=True)
+    core.add_request(GenerateRequest("n3", ids, p))
+    outs = run_to_end(core)
+    got = [tokens(outs[("n3", i)]) for i in range(3)]
+    assert all(len(t) == 10 for t in got)
+    assert len({tuple(t) for t in got}) == 3  # different completions
+    assert all(outs[("n3", i)][-1].cached_tokens >= 39 for i in (1, 2))  # siblings reused the prompt KV
+    # reproducible: the same seeded request again (alone) gives the same three completions
+    core.add_request(GenerateRequest("again", ids, p))
+    again = run_to_end(core)
+    assert [tokens(again[("again", i)]) for i in range(3)] == got
+    assert_no_leak(core)
+
+
+def test_seeded_sampling_independent_of_batch(model_dir):
+    core = make_engine(model_dir)
+    ids = prompt(12, 77)
+    p = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    want = alone(core, ids, p)
+    core.add_request(GenerateRequest("noise1", prompt(30, 5), SamplingParams(temperature=1.3, max_tokens=20)))
+    core.step()
+    core.add_request(GenerateRequest("seeded", ids, p))
+    core.add_request(GenerateRequest("noise2", prompt(9, 6), SamplingParams(temperature=0.7, seed=9, max_tokens=30)))
+    assert tokens(run_to_end(core)[("seeded", 0)]) == want
+
+
+def test_refusals(model_dir):
+    core = make_engine(model_dir, max_queued_requests=2, context_length=64)
+    long = core.add_request(GenerateRequest("long", prompt(60, 1), SamplingParams(max_tokens=10)))
+    assert long[0].finish_reason == FINISH_ERROR and long[0].error_code == ERR_CONTEXT
+    bad = core.add_request(GenerateRequest("bad", [10**9], SamplingParams()))
+    assert bad[0].error_code == ERR_INVALID and "vocabulary" in bad[0].error
+    badp = core.add_request(GenerateRequest("badp", [5], SamplingParams(top_p=0.0)))
+    assert badp[0].error_code == ERR_INVALID and "top_p" in badp[0].error
+    assert core.add_request(GenerateRequest("q1", prompt(5, 1), SamplingParams(max_tokens=4))) == []
+    assert core.add_request(GenerateRequest("q2", prompt(5, 2), SamplingParams(max_tokens=4))) == []
+    over = core.add_request(GenerateRequest("q3", prompt(5, 3), SamplingParams(max_tokens=4)))
+    assert over[0].error_code == ERR_OVERLOADED
+    outs = run_to_end(core)
+    assert set(outs) == {("q1", 0), ("q2", 0)}
+    assert_no_leak(core)
+
+
+def test_context_end_finishes_with_length(model_dir):
+    core = make_engine(model_dir, context_length=32)
+    core.add_request(GenerateRequest("c", prompt(20, 3), GREEDY))  # no max_tokens: until the context is full
+    out = run_to_end(core)[("c", 0)]
+    assert out[-1].finish_reason == FINISH_LENGTH and out[-1].completion_tokens == 12
+    assert_no_leak(core)
