@@ -71,7 +71,11 @@ class EngineCore:
         self.context_len = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
         kv_dtype = resolve_dtype(args.kv_dtype, device) if args.kv_dtype else loaded.dtype
         per_token = kv_bytes_per_token(cfg, kv_dtype)
-        num_slots = args.max_total_tokens or int(available_memory(device) * args.mem_fraction // per_token)
+        # from the flag, else a share of free memory, but never more than every running request can fill
+        num_slots = args.max_total_tokens or min(
+            int(available_memory(device) * args.mem_fraction // per_token),
+            args.max_running_requests * self.context_len,
+        )
         num_slots = max(args.page_size, num_slots - num_slots % args.page_size)
         self.runner = ModelRunner(
             loaded.model, cfg, max_total_tokens=num_slots, max_running_requests=args.max_running_requests,

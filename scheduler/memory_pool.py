@@ -18,6 +18,14 @@ from __future__ import annotations
 import torch
 
 
+def _kv_buffer(shape: tuple[int, ...], page_size: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Uninitialised KV storage (pages are committed by the OS as they are first written, so a
+    large pool starts instantly), except the reserved dummy page, zeroed: padded reads land there."""
+    buf = torch.empty(shape, dtype=dtype, device=device)
+    buf[:page_size].zero_()
+    return buf
+
+
 class ReqToTokenPool:
     """Maps (request slot, position) -> KV slot index."""
 
@@ -91,7 +99,7 @@ class MLATokenToKVPool:
         self.qk_rope_head_dim = qk_rope_head_dim
         self.dtype = dtype
         self.kv_buffer = [
-            torch.zeros((num_slots + page_size, kv_lora_rank + qk_rope_head_dim), dtype=dtype, device=device)
+            _kv_buffer((num_slots + page_size, kv_lora_rank + qk_rope_head_dim), page_size, dtype, device)
             for _ in range(num_layers)
         ]
 
@@ -125,9 +133,9 @@ class MHATokenToKVPool:
         self.num_slots = num_slots
         self.dtype = dtype
         shape = (num_slots + page_size, num_kv_heads)
-        self.k_buffer = [torch.zeros((*shape, head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_buffer = [_kv_buffer((*shape, head_dim), page_size, dtype, device) for _ in range(num_layers)]
         self.v_buffer = [
-            torch.zeros((*shape, v_head_dim or head_dim), dtype=dtype, device=device) for _ in range(num_layers)
+            _kv_buffer((*shape, v_head_dim or head_dim), page_size, dtype, device) for _ in range(num_layers)
         ]
 
     def bytes_per_token(self) -> int:

@@ -116,10 +116,18 @@ def load_model(
     return LoadedModel(net, config, tokenizer, path, torch_dtype)
 
 
+def load_tokenizer(model: str | os.PathLike[str]) -> "TokenizerBundle":
+    """Only the tokenizer of a model (the HTTP server needs it; the engine process loads the weights)."""
+    from models.loader.tokenizer import load_hf_tokenizer
+
+    path = resolve_model_path(model)
+    return load_hf_tokenizer(path) if path.is_dir() else open_checkpoint(path).tokenizer()
+
+
 def _progress(it, bar: tqdm):
     for item in it:
         yield item
         bar.update(1)
 
 
-__all__ = ["CheckpointError", "LoadedModel", "load_model", "resolve_dtype", "resolve_model_path"]
+__all__ = ["CheckpointError", "LoadedModel", "load_model", "load_tokenizer", "resolve_dtype", "resolve_model_path"]

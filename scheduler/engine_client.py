@@ -1,0 +1,329 @@
+"""`EngineClient`: the server side's handle on the engine core process (see `engine_process`).
+
+    asyncio code ─generate/abort/stats─▶ EngineClient ─writer thread─▶ pipe ─▶ engine core process
+    per-request asyncio.Queue ◀─ loop callback ◀─ reader thread ◀─ pipe ◀──────────┘
+
+Threads and ownership (which calls are safe from where):
+- Every `async` method, and `start`, must run on ONE event loop: the loop that awaited `start()`.
+  The per-request queues, stats futures and the stream table belong to that loop and are touched
+  only by it; there are no locks.
+- `is_alive`, `info`, `pid` and `exitcode` are plain reads, safe from any thread.
+- The reader thread only blocks in `recv` / `multiprocessing.connection.wait` on the pipe and the
+  process sentinel, and hands every message to the loop with `call_soon_threadsafe`; so the event
+  loop never blocks on the pipe, and messages are handled in the order the engine sent them.
+- The writer thread alone calls `conn.send`, fed by a `queue.SimpleQueue`; so a large prompt never
+  stalls the event loop while the engine is busy in a step (and the two sides can never deadlock
+  with both writing into full pipes). Sends keep the order of the calls.
+- The pipe is closed only after both threads have ended.
+
+Request life: `generate(req)` registers a queue, sends the request, and yields `RequestOutput`
+deltas until every completion (0..n-1) has its final output. An error output (`finish_reason ==
+"error"`, e.g. refused as overloaded, or `ERR_ENGINE`) ends the whole request. A consumer that
+stops early (`aclose()`, cancellation, or dropping the iterator) aborts the request in the engine.
+
+Death: EOF on the pipe, the process sentinel, or the engine's own ("fatal", message) marks the
+client dead: every pending request gets an `ERR_ENGINE` error output (nothing hangs), later
+`generate` calls yield the same error at once, and `stats()` raises RuntimeError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import queue
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import wait as mp_wait
+from typing import Any, AsyncIterator
+
+from scheduler.engine_args import EngineArgs
+from scheduler.engine_process import SHUTDOWN, CoreFactory, run_engine_process
+from scheduler.io_types import (
+    ERR_ENGINE,
+    FINISH_ERROR,
+    AbortRequest,
+    EngineStats,
+    GenerateRequest,
+    RequestOutput,
+    StatsRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()  # tells the writer thread to end
+
+
+@dataclass
+class _Stream:
+    req: GenerateRequest
+    queue: asyncio.Queue  # of RequestOutput, filled by the loop callback
+
+
+class EngineClient:
+    """Talks to one engine core process. Build it with `await EngineClient.start(args)`."""
+
+    def __init__(self, proc: Any, conn: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._proc = proc
+        self._conn = conn
+        self._loop = loop
+        self._streams: dict[str, _Stream] = {}
+        self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._next_stats_id = 0
+        self._info: dict = {}
+        self._ready: asyncio.Future = loop.create_future()  # -> describe() result
+        self._exited = asyncio.Event()  # the process is gone and the reader thread has ended
+        self._dead_reason: str | None = None
+        self._shut_down = False
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._writer_main, name="engine-client-writer", daemon=True)
+        self._reader = threading.Thread(target=self._reader_main, name="engine-client-reader", daemon=True)
+        self._writer.start()
+        self._reader.start()
+
+    # ---- life cycle ---------------------------------------------------------------------------
+
+    @classmethod
+    async def start(
+        cls, args: EngineArgs, *, startup_timeout: float = 600, core_factory: CoreFactory | None = None
+    ) -> "EngineClient":
+        """Spawns the engine core process and waits until its model is loaded.
+
+        Raises RuntimeError carrying the child's message when the core cannot start (or does not
+        within `startup_timeout` seconds). `core_factory` (picklable) replaces the real core in tests.
+        """
+        ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        proc = ctx.Process(
+            target=run_engine_process, args=(args, child_conn, core_factory),
+            name="mlaserve-engine-core", daemon=True,
+        )
+        proc.start()
+        child_conn.close()  # only the child holds its end now, so its death gives us EOF
+        client = cls(proc, parent_conn, asyncio.get_running_loop())
+        try:
+            client._info = await asyncio.wait_for(asyncio.shield(client._ready), startup_timeout)
+        except asyncio.TimeoutError:
+            client._ready.cancel()
+            await client._close(timeout=0)
+            raise RuntimeError(f"engine core did not start within {startup_timeout:g} s") from None
+        except RuntimeError:  # the child reported a failure (it exits by itself) or died
+            await client._close(timeout=5)
+            raise
+        except BaseException:  # start() itself was cancelled: do not leave a half-started engine
+            client._ready.cancel()
+            await client._close(timeout=0)
+            raise
+        logger.info("engine core process %d ready", proc.pid)
+        return client
+
+    async def shutdown(self, timeout: float = 10) -> None:
+        """Asks the engine to exit, kills it after `timeout` s; pending requests get an error."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        if self._dead_reason is None:
+            self._send(SHUTDOWN)
+            self._mark_dead("engine core was shut down")
+        await self._close(timeout)
+
+    async def _close(self, timeout: float) -> None:
+        """Waits for the process to end (killing it after `timeout`), then ends both threads."""
+        self._shut_down = True
+        try:
+            await asyncio.wait_for(self._exited.wait(), timeout)
+        except asyncio.TimeoutError:
+            if timeout > 0:
+                logger.warning("engine core process %d did not exit in %g s; killing it", self._proc.pid, timeout)
+            self._proc.kill()
+            await asyncio.wait_for(self._exited.wait(), 10)
+        self._mark_dead("engine core was shut down")
+        self._outbox.put(_STOP)
+        for thread in (self._writer, self._reader):
+            await self._loop.run_in_executor(None, thread.join, 5)
+        if self._writer.is_alive() or self._reader.is_alive():
+            logger.warning("engine client threads did not end; leaving the pipe open")
+        else:
+            self._conn.close()
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Yields the deltas of `req` until every completion has finished (or an error ends it).
+
+        The request is sent when iteration starts. Raises ValueError if `req.rid` is still running.
+        A rid must never be reused: outputs the engine sent before it saw an abort would reach the
+        new request (the server makes a fresh id per request).
+        """
+        if self._dead_reason is not None:
+            yield self._error_output(req)
+            return
+        rid = req.rid
+        if rid in self._streams:
+            raise ValueError(f"request id {rid!r} is already running")
+        stream = _Stream(req, asyncio.Queue())
+        self._streams[rid] = stream
+        unfinished = set(range(req.params.n))
+        try:
+            self._send(req)
+            while True:
+                out = await stream.queue.get()
+                if out.finished:
+                    unfinished.discard(out.index)
+                last = not unfinished or out.finish_reason == FINISH_ERROR
+                if last:  # end now, not when the consumer next asks: frees the rid and the engine
+                    self._end_stream(rid, unfinished)
+                yield out
+                if last:
+                    return
+        finally:
+            if self._streams.get(rid) is stream:  # the consumer stopped early
+                self._end_stream(rid, unfinished)
+
+    def _end_stream(self, rid: str, unfinished: set[int]) -> None:
+        del self._streams[rid]
+        if unfinished and self._dead_reason is None:
+            self._send(AbortRequest(rid))
+
+    async def abort(self, rid: str) -> None:
+        """Ends `rid` in the engine now; its stream then ends with 'abort' outputs."""
+        if self._dead_reason is None:
+            self._send(AbortRequest(rid))
+
+    async def stats(self) -> EngineStats:
+        """The engine's counters; raises RuntimeError when the engine is dead."""
+        if self._dead_reason is not None:
+            raise RuntimeError(self._dead_reason)
+        self._next_stats_id += 1
+        request_id = self._next_stats_id
+        future = self._loop.create_future()
+        self._stats_waiters[request_id] = future
+        try:
+            self._send(StatsRequest(request_id))
+            return await future
+        finally:
+            self._stats_waiters.pop(request_id, None)
+
+    # ---- state --------------------------------------------------------------------------------
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead_reason is None
+
+    @property
+    def info(self) -> dict:
+        """What the core's describe() said at start-up (model name, vocab size, context, KV sizes)."""
+        return dict(self._info)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while the process runs; see engine_process.EXIT_* (negative: killed by that signal)."""
+        return self._proc.exitcode
+
+    # ---- on the event loop: messages from the engine ------------------------------------------
+
+    def _dispatch(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "outputs":
+            for out in msg[1]:
+                stream = self._streams.get(out.rid)
+                if stream is not None:  # else: a late output of a request that was aborted
+                    stream.queue.put_nowait(out)
+        elif kind == "stats":
+            future = self._stats_waiters.pop(msg[1].request_id, None)
+            if future is not None and not future.done():
+                future.set_result(msg[1])
+        elif kind == "ready":
+            if not self._ready.done():
+                self._ready.set_result(msg[1])
+        elif kind == "startup_error":
+            self._mark_dead(f"engine core failed to start: {msg[1]}")
+        elif kind == "fatal":
+            self._mark_dead(msg[1])
+        else:
+            logger.warning("engine client ignores an unknown message %r", kind)
+
+    def _on_exit(self, reason: str | None) -> None:
+        """The process has ended (or its pipe closed, `reason` then says so)."""
+        if reason is None:
+            reason = f"engine core process exited unexpectedly (exit code {self._proc.exitcode})"
+            self._exited.set()
+        self._mark_dead(reason)
+
+    def _mark_dead(self, reason: str) -> None:
+        """Ends everything waiting on the engine with `reason`; the first reason is kept."""
+        if self._dead_reason is not None:
+            return
+        self._dead_reason = reason
+        if not self._shut_down:
+            logger.error("%s", reason)
+        self._outbox.put(_STOP)
+        for stream in self._streams.values():
+            stream.queue.put_nowait(self._error_output(stream.req))
+        for future in self._stats_waiters.values():
+            if not future.done():
+                future.set_exception(RuntimeError(reason))
+        if not self._ready.done():
+            self._ready.set_exception(RuntimeError(reason))
+
+    def _error_output(self, req: GenerateRequest) -> RequestOutput:
+        return RequestOutput(
+            rid=req.rid, index=0, new_token_ids=[], finish_reason=FINISH_ERROR,
+            prompt_tokens=len(req.input_ids), arrival_time=req.arrival_time,
+            error=self._dead_reason, error_code=ERR_ENGINE,
+        )
+
+    # ---- threads ------------------------------------------------------------------------------
+
+    def _send(self, msg: Any) -> None:
+        self._outbox.put(msg)
+
+    def _writer_main(self) -> None:
+        while (msg := self._outbox.get()) is not _STOP:
+            try:
+                self._conn.send(msg)
+            except (OSError, ValueError):  # the engine is gone; the reader reports it
+                return
+
+    def _reader_main(self) -> None:
+        try:
+            self._read_messages()
+        except Exception as exc:  # an undecodable message: the protocol is broken, so the engine must go
+            reason = f"engine client cannot read the engine core's messages: {type(exc).__name__}: {exc}"
+            logger.exception("%s", reason)
+            self._post(self._on_exit, reason)
+            self._proc.kill()
+        self._proc.join()  # the process has ended or been killed: reap it, so that exitcode is known
+        self._post(self._on_exit, None)
+
+    def _read_messages(self) -> None:
+        conn, sentinel = self._conn, self._proc.sentinel
+        while True:
+            ready = mp_wait([conn, sentinel])
+            if conn in ready:
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):  # (ECONNRESET when it died with our messages unread)
+                    # the child is on its way out: wait a little so that the error can tell its exit code
+                    if not mp_wait([sentinel], timeout=1.0):
+                        self._post(self._on_exit, "engine core process closed its pipe")
+                        mp_wait([sentinel])
+                    return
+                self._post(self._dispatch, msg)
+            elif sentinel in ready:
+                try:
+                    while conn.poll(0):  # what it wrote before dying, e.g. its crash report
+                        self._post(self._dispatch, conn.recv())
+                except (EOFError, OSError):
+                    pass
+                return
+
+    def _post(self, fn: Any, *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass

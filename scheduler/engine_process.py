@@ -1,0 +1,245 @@
+"""The engine core process: owns the model and runs the step loop, talking to the server over one pipe.
+
+    server process (EngineClient)                            engine core process (this module)
+        GenerateRequest | AbortRequest | StatsRequest | ("shutdown",)  ──▶
+        ◀──  ("ready", info) | ("startup_error", message)              once, at start-up
+        ◀──  ("outputs", [RequestOutput, ...])                         one message per loop iteration
+        ◀──  ("stats", EngineStats)                                    answer to a StatsRequest
+        ◀──  ("fatal", message)                                        last words after a crash
+
+One loop iteration, read aloud: take every message already waiting (block on the pipe only while
+the core is idle) → apply them in order → `core.step()` if the core has work → send everything
+that came out of this iteration as ONE message.
+
+What the server side relies on:
+- Every completion of every accepted request gets a final output (`finish_reason` set): from the
+  core, or made here when the core answers an abort without one, or an `ERR_ENGINE` error when the
+  core crashes. An error output returned by `add_request` means "refused": the request is not kept.
+- A crash is reported, never hidden: any exception out of the core sends an `ERR_ENGINE` error for
+  every pending completion, then `("fatal", message)`, logs the traceback, and exits with
+  `EXIT_ENGINE_CRASHED`.
+- The process leaves by itself when the server goes away (EOF on the pipe, or its parent pid
+  changes), so a killed server never leaves an engine holding the GPU.
+- SIGINT is ignored here: Ctrl-C reaches the whole process group, and the server decides how to
+  shut the engine down.
+
+The pipe carries Python objects via `multiprocessing.Connection` (pickle under the hood). It is an
+anonymous pipe between a parent and the child it spawned, so nothing untrusted ever reaches it;
+the no-pickle rule is about files read from disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from scheduler.engine_args import EngineArgs
+from scheduler.io_types import (
+    ERR_ENGINE,
+    FINISH_ABORT,
+    FINISH_ERROR,
+    AbortRequest,
+    EngineStats,
+    GenerateRequest,
+    RequestOutput,
+    StatsRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+# exit codes of the engine core process
+EXIT_OK = 0  # asked to shut down
+EXIT_STARTUP_FAILED = 1  # the core could not be built; ("startup_error", message) was sent
+EXIT_ENGINE_CRASHED = 2  # the core raised; errors and ("fatal", message) were sent
+EXIT_PARENT_GONE = 3  # the server went away
+
+SHUTDOWN = ("shutdown",)  # the one control message the server sends
+IDLE_POLL_S = 0.5  # while idle, how often to look whether the parent is still there
+
+
+class EngineCoreLike(Protocol):
+    """What the process needs of the core (`scheduler.engine_core.EngineCore`, or a test double)."""
+
+    def add_request(self, req: GenerateRequest) -> list[RequestOutput]: ...
+    def abort(self, rid: str) -> list[RequestOutput]: ...
+    def step(self) -> list[RequestOutput]: ...
+    def has_work(self) -> bool: ...
+    def stats(self) -> EngineStats: ...
+    def describe(self) -> dict: ...
+
+
+CoreFactory = Callable[[EngineArgs], EngineCoreLike]
+
+
+def default_core_factory(args: EngineArgs) -> EngineCoreLike:
+    """The real core, imported here so that the client side never imports torch or the model code."""
+    from scheduler.engine_core import EngineCore
+
+    return EngineCore(args)
+
+
+def run_engine_process(args: EngineArgs, conn: Any, core_factory: CoreFactory | None = None) -> None:
+    """Main of the engine core process. Returns on a clean shutdown; otherwise exits non-zero.
+
+    `core_factory` must be picklable (a top-level function or class, or a functools.partial of
+    one) because the 'spawn' start method sends it to the child; None means the real EngineCore.
+    """
+    if threading.current_thread() is threading.main_thread():  # a real child process, not a test thread
+        _setup_child_process()
+    code = _EngineLoop(conn, core_factory or default_core_factory).run(args)
+    try:
+        conn.close()
+    except OSError:
+        pass
+    if code != EXIT_OK:
+        sys.exit(code)
+
+
+def _setup_child_process() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not logging.getLogger().handlers:  # a spawned child starts with no logging configured
+        logging.basicConfig(
+            level=logging.INFO,
+            format="%(asctime)s %(levelname)s engine-core[%(process)d] %(name)s: %(message)s",
+        )
+
+
+@dataclass
+class _Pending:
+    """A request the core accepted and has not finished: what is needed to end it ourselves."""
+
+    unfinished: set[int]  # completion indices still without a final output
+    prompt_tokens: int
+    arrival_time: float
+
+    def final(self, rid: str, index: int, reason: str, error: str | None = None) -> RequestOutput:
+        return RequestOutput(
+            rid=rid, index=index, new_token_ids=[], finish_reason=reason,
+            prompt_tokens=self.prompt_tokens, arrival_time=self.arrival_time,
+            error=error, error_code=ERR_ENGINE if error is not None else None,
+        )
+
+
+class _EngineLoop:
+    """The loop of one engine core process; one thread, no locks."""
+
+    def __init__(self, conn: Any, core_factory: CoreFactory) -> None:
+        self.conn = conn
+        self.core_factory = core_factory
+        self.core: EngineCoreLike | None = None
+        self.parent_pid = os.getppid()
+        self.pending: dict[str, _Pending] = {}
+        self.outbox: list[RequestOutput] = []  # outputs of the current iteration, sent at its end
+
+    def run(self, args: EngineArgs) -> int:
+        try:
+            self.core = self.core_factory(args)
+            info = self.core.describe()
+        except Exception as exc:
+            logger.exception("engine core failed to start")
+            self._send(("startup_error", f"{type(exc).__name__}: {exc}"))
+            return EXIT_STARTUP_FAILED
+        if not self._send(("ready", info)):
+            return EXIT_PARENT_GONE
+        logger.info("engine core ready: %s", info)
+        try:
+            while True:
+                code = self._take_messages()
+                if code is not None:
+                    return code
+                if self.core.has_work():
+                    self.outbox.extend(self.core.step())
+                if self.outbox:
+                    outs, self.outbox = self.outbox, []
+                    self._track(outs)
+                    if not self._send(("outputs", outs)):
+                        return EXIT_PARENT_GONE
+        except Exception as exc:
+            return self._crash(exc)
+
+    def _take_messages(self) -> int | None:
+        """Applies every waiting message; blocks up to IDLE_POLL_S only when the core is idle.
+        Returns an exit code when the loop must end."""
+        timeout = 0.0 if self.core.has_work() else IDLE_POLL_S
+        while True:
+            try:
+                if not self.conn.poll(timeout):
+                    break
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                logger.info("server side closed the pipe; engine core exits")
+                return EXIT_PARENT_GONE
+            timeout = 0.0
+            code = self._apply(msg)
+            if code is not None:
+                return code
+        if os.getppid() != self.parent_pid:
+            logger.info("server process is gone; engine core exits")
+            return EXIT_PARENT_GONE
+        return None
+
+    def _apply(self, msg: Any) -> int | None:
+        core = self.core
+        if isinstance(msg, GenerateRequest):
+            self.pending[msg.rid] = _Pending(set(range(msg.params.n)), len(msg.input_ids), msg.arrival_time)
+            outs = core.add_request(msg)
+            if any(o.finish_reason == FINISH_ERROR for o in outs):  # refused: nothing to track
+                del self.pending[msg.rid]
+            self.outbox.extend(outs)
+        elif isinstance(msg, AbortRequest):
+            pending = self.pending.pop(msg.rid, None)
+            if pending is None:  # already finished or refused: nothing to free
+                return None
+            outs = core.abort(msg.rid)
+            self.outbox.extend(outs)
+            ended = {o.index for o in outs if o.rid == msg.rid and o.finished}
+            self.outbox.extend(pending.final(msg.rid, i, FINISH_ABORT) for i in sorted(pending.unfinished - ended))
+        elif isinstance(msg, StatsRequest):
+            stats = dataclasses.replace(core.stats(), request_id=msg.request_id)
+            if not self._send(("stats", stats)):
+                return EXIT_PARENT_GONE
+        elif msg == SHUTDOWN:
+            logger.info("engine core shutting down (%d requests pending)", len(self.pending))
+            return EXIT_OK
+        else:
+            logger.warning("engine core ignores an unknown message of type %s", type(msg).__name__)
+        return None
+
+    def _track(self, outs: list[RequestOutput]) -> None:
+        """Forgets completions that have ended, so a crash or an abort only ends what is still open."""
+        for out in outs:
+            pending = self.pending.get(out.rid)
+            if pending is None or not out.finished:
+                continue
+            pending.unfinished.discard(out.index)
+            if not pending.unfinished:
+                del self.pending[out.rid]
+
+    def _crash(self, exc: Exception) -> int:
+        reason = f"engine core crashed: {type(exc).__name__}: {exc}"
+        logger.error("%s; failing %d pending requests", reason, len(self.pending), exc_info=exc)
+        outs, self.outbox = self.outbox, []
+        self._track(outs)
+        for rid, pending in self.pending.items():
+            outs.extend(pending.final(rid, i, FINISH_ERROR, reason) for i in sorted(pending.unfinished))
+        self.pending.clear()
+        try:
+            self.conn.send(("outputs", outs))
+            self.conn.send(("fatal", reason))
+        except Exception:  # the server is gone or the outputs cannot be sent: the exit code still tells
+            logger.exception("could not report the crash to the server")
+        return EXIT_ENGINE_CRASHED
+
+    def _send(self, msg: tuple) -> bool:
+        """False when the server side is gone."""
+        try:
+            self.conn.send(msg)
+            return True
+        except (OSError, EOFError):
+            return False

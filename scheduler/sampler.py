@@ -1,0 +1,327 @@
+"""Batched sampling: one call per engine step turns the last-position logits of every request that
+needs a token into that token (and its logprobs, when asked).
+
+Per row, in this order (the vLLM/SGLang order):
+
+    raw logits [B, V] ──► logit_bias ──► repetition / frequency / presence penalties ──► min_tokens mask
+        ├─ greedy (temperature 0 or top_k 1) ──► argmax
+        └─ / temperature ──► top_k ──► top_p ──► min_p ──► argmax(x + Gumbel noise)
+    raw logits ──► log_softmax ──► chosen token's logprob + top_logprobs alternatives
+
+Columns >= `vocab_size` (padding of the LM head) are cut off first, so they are never sampled.
+
+Reproducibility (DESIGN.md §4): sampling is Gumbel-max with *counter-based* noise. Row r's uniforms
+come from a `torch.Generator` re-seeded with `noise_seed(seed_r, step_r)` (the step-th output of a
+SplitMix64 stream started at the request's seed) and drawn for exactly `vocab_size` entries. So a
+seeded request's token depends only on (seed, step, its own logits), never on which other rows share
+the batch or in what order. The same seed gives the same tokens on the same kind of device only:
+CPU (mt19937) and CUDA (Philox) generators differ. The CPU one keeps only the low 32 bits of its seed,
+so there two (seed, step) pairs share their noise with chance 2^-32.
+The engine must give each of a request's `n` completions its own seed, or they come out identical.
+
+Vectorized across the batch: bias, penalties and the min_tokens mask each touch only the listed ids
+(one gather/scatter for the whole batch); rows with a top_k share one partial sort (`topk`), rows
+with only a top_p one full sort. Python loops only build index lists, seed the per-row
+generators and unpack results. Penalties rebuild their id lists from prompt + output every step,
+which is O(context) Python work per penalized row.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.io_types import TokenLogprob
+from scheduler.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio, SplitMix64's increment
+# Temperatures below this are raised to it: logits / 1e-5 stay finite in fp32, and such a row is
+# all but greedy anyway.
+_MIN_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingRow:
+    """One request that needs its next token this step."""
+
+    params: SamplingParams
+    seed: int  # the request's seed (the engine assigns one when params.seed is None)
+    step: int  # index of the token being sampled within this completion (0 for the first)
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]  # tokens generated so far in this completion
+    eos_token_ids: Sequence[int]  # model EOS ids, masked (with stop_token_ids) until min_tokens exist
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprob | None]  # per row: None unless params.logprobs or top_logprobs > 0
+
+
+def noise_seed(seed: int, step: int) -> int:
+    """The generator seed for (seed, step): output number `step` of SplitMix64 seeded with `seed`.
+
+    A bijective 64-bit finalizer over seed + (step + 1) * golden, so different steps of one seed never
+    collide, and small seeds with small steps do not either.
+    """
+    z = ((seed & _MASK64) + (step + 1) * _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def apply_logit_processors(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Steps before the sampling choice, on an fp32 copy of `logits` [B, V] (the input is untouched):
+
+    1. logit_bias added;
+    2. repetition_penalty (HF/CTRL: every id in prompt + output, logit / p if logit > 0 else logit * p),
+       then frequency_penalty (minus p * count in output) and presence_penalty (minus p if in output);
+    3. min_tokens: while len(output_ids) < min_tokens, EOS ids and stop_token_ids get -inf.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits must be [num_rows={len(rows)}, V], got {tuple(logits.shape)}")
+    out = logits.to(torch.float32, copy=True)
+    _add_logit_bias(out, rows)
+    _apply_repetition_penalty(out, rows)
+    _apply_frequency_presence_penalties(out, rows)
+    _mask_until_min_tokens(out, rows)
+    return out
+
+
+class Sampler:
+    """Chooses the next token of every row of a batch; stateless apart from cached generators."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu") -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
+        """`logits` [B, V >= vocab_size] on this sampler's device type; one token per row."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [num_rows={len(rows)}, V], got {tuple(logits.shape)}")
+        if logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits have {logits.shape[1]} columns, fewer than vocab_size {self.vocab_size}")
+        if logits.device.type != self.device.type:
+            raise ValueError(f"logits are on {logits.device}, the sampler was made for {self.device}")
+        if not rows:
+            return SampleResult(token_ids=[], logprobs=[])
+
+        raw = logits[:, : self.vocab_size]
+        x = apply_logit_processors(raw, rows)
+        token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+        random = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if greedy:  # before `_sample`, which overwrites x
+            _put(token_ids, greedy, _take(x, greedy).argmax(dim=-1))
+        if random:
+            _put(token_ids, random, self._sample(_take(x, random), [rows[i] for i in random]))
+        tokens = token_ids.tolist()
+        return SampleResult(token_ids=tokens, logprobs=_logprobs(raw, rows, token_ids, tokens))
+
+    def _sample(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Temperature, top_k, top_p, min_p, then Gumbel-max; x [n, V] fp32, overwritten."""
+        temps = _column([max(row.params.temperature, _MIN_TEMPERATURE) for row in rows], x)
+        x = x.div_(temps)
+        x = _top_k_top_p(x, rows)
+        x = _min_p(x, rows)
+        return x.add_(self._gumbel(rows, x.shape[1], x.device)).argmax(dim=-1)
+
+    def _gumbel(self, rows: Sequence[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
+        """Gumbel(0, 1) noise [n, vocab]; row i depends only on (rows[i].seed, rows[i].step)."""
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device)
+        u = torch.empty(len(rows), vocab, dtype=torch.float32, device=device)
+        for i, row in enumerate(rows):
+            gen.manual_seed(noise_seed(row.seed, row.step))
+            u[i].uniform_(generator=gen)
+        # u in [0, 1): keep log(u) finite so even a row with a single kept token picks it.
+        u.clamp_(min=torch.finfo(torch.float32).tiny)
+        return u.log_().neg_().log_().neg_()  # -log(-log(u)), in place: V-wide rows are large
+
+
+# ---- logit processors (steps 1-3) ----------------------------------------------------------------
+
+
+def _add_logit_bias(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    bias: list[float] = []
+    for i, row in enumerate(rows):
+        for tok, b in row.params.logit_bias.items():
+            row_idx.append(i)
+            tok_idx.append(tok)
+            bias.append(b)
+    if row_idx:
+        index = _index(row_idx, tok_idx, x, "logit_bias")
+        x.index_put_(index, torch.tensor(bias, dtype=x.dtype).to(x.device), accumulate=True)
+
+
+def _apply_repetition_penalty(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Gather-transform-scatter over the distinct seen ids only: no [B, V] pass."""
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    penalty: list[float] = []
+    for i, row in enumerate(rows):
+        if row.params.repetition_penalty != 1.0:
+            seen = {*row.prompt_ids, *row.output_ids}
+            row_idx.extend([i] * len(seen))
+            tok_idx.extend(seen)
+            penalty.extend([row.params.repetition_penalty] * len(seen))
+    if row_idx:
+        index = _index(row_idx, tok_idx, x, "prompt/output ids")
+        values = x[index]
+        p = torch.tensor(penalty, dtype=x.dtype).to(x.device, non_blocking=True)
+        x[index] = torch.where(values > 0, values / p, values * p)
+
+
+def _apply_frequency_presence_penalties(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """x[r, t] -= frequency * count + presence, for the distinct ids t of row r's output."""
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    amount: list[float] = []
+    for i, row in enumerate(rows):
+        frequency, presence = row.params.frequency_penalty, row.params.presence_penalty
+        if frequency != 0.0 or presence != 0.0:
+            for tok, count in Counter(row.output_ids).items():
+                row_idx.append(i)
+                tok_idx.append(tok)
+                amount.append(frequency * count + presence)
+    if row_idx:
+        index = _index(row_idx, tok_idx, x, "output ids")
+        x.index_put_(index, -torch.tensor(amount, dtype=x.dtype).to(x.device, non_blocking=True), accumulate=True)
+
+
+def _mask_until_min_tokens(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    for i, row in enumerate(rows):
+        if len(row.output_ids) < row.params.min_tokens:
+            banned = set(row.eos_token_ids) | set(row.params.stop_token_ids)
+            row_idx.extend([i] * len(banned))
+            tok_idx.extend(banned)
+    if row_idx:
+        x[_index(row_idx, tok_idx, x, "EOS/stop ids")] = float("-inf")
+
+
+# ---- sampling transforms (step 5) ----------------------------------------------------------------
+
+
+def _top_k_top_p(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Keep the top_k best, then the smallest best-first set whose mass (after top_k) reaches top_p;
+    the best token is always kept.
+
+    Rows with a top_k need only a partial sort (`topk` of their largest k: nothing beyond survives);
+    the rows with top_p alone share one full sort.
+    """
+    vocab = x.shape[1]
+    with_k = [i for i, row in enumerate(rows) if 1 <= row.params.top_k < vocab]
+    p_only = [i for i, row in enumerate(rows) if not 1 <= row.params.top_k < vocab and row.params.top_p < 1.0]
+    for chosen in (with_k, p_only):
+        if chosen:
+            sub = _take(x, chosen)
+            top_k = [_effective_top_k(rows[i].params.top_k, vocab) for i in chosen]
+            top_p = [rows[i].params.top_p for i in chosen]
+            _put(x, chosen, sub.masked_fill_(_top_k_top_p_removed(sub, top_k, top_p), float("-inf")))
+    return x
+
+
+def _top_k_top_p_removed(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Bool [n, V]: True for the tokens top_k / top_p remove from each row of x [n, V]."""
+    vocab = x.shape[1]
+    width = max(top_k)
+    if width < vocab:
+        sorted_x, order = x.topk(width, dim=-1, sorted=True)
+    else:
+        sorted_x, order = x.sort(dim=-1, descending=True)
+    drop = torch.arange(width, device=x.device)[None, :] >= _column(top_k, x, torch.long)
+    p = _column(top_p, x)
+    probs = sorted_x.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1).roll(1, dims=-1)  # mass of the strictly better tokens
+    mass_before[:, 0] = 0.0
+    drop |= (mass_before >= p) & (p < 1.0)
+    drop[:, 0] = False
+    return torch.ones_like(x, dtype=torch.bool).scatter_(1, order, drop)
+
+
+def _min_p(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Drop tokens with p < min_p * p_max; p / p_max = exp(x - x_max) needs no softmax."""
+    chosen = [i for i, row in enumerate(rows) if row.params.min_p > 0.0]
+    if not chosen:
+        return x
+    sub = _take(x, chosen)
+    ratio = torch.exp(sub - sub.amax(dim=-1, keepdim=True))
+    min_p = _column([rows[i].params.min_p for i in chosen], x)
+    _put(x, chosen, sub.masked_fill_(ratio < min_p, float("-inf")))
+    return x
+
+
+def _effective_top_k(top_k: int, vocab: int) -> int:
+    return top_k if 1 <= top_k < vocab else vocab
+
+
+# ---- logprobs (step 6) ---------------------------------------------------------------------------
+
+
+def _logprobs(raw: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor,
+              tokens: list[int]) -> list[TokenLogprob | None]:
+    """log_softmax of the raw logits: the chosen token's value and the top_logprobs best, best first."""
+    result: list[TokenLogprob | None] = [None] * len(rows)
+    chosen = [i for i, row in enumerate(rows) if row.params.logprobs or row.params.top_logprobs > 0]
+    if not chosen:
+        return result
+    lp = torch.log_softmax(_take(raw, chosen).float(), dim=-1)
+    picked = lp.gather(1, _take(token_ids, chosen)[:, None]).squeeze(1).tolist()
+    num_top = min(max(rows[i].params.top_logprobs for i in chosen), lp.shape[1])
+    top_values: list[list[float]] = [[] for _ in chosen]
+    top_ids: list[list[int]] = [[] for _ in chosen]
+    if num_top > 0:
+        values, ids = lp.topk(num_top, dim=-1)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    for j, i in enumerate(chosen):
+        k = rows[i].params.top_logprobs
+        top = list(zip(top_ids[j][:k], top_values[j][:k]))
+        result[i] = TokenLogprob(token_id=tokens[i], logprob=picked[j], top=top)
+    return result
+
+
+# ---- small tensor helpers ------------------------------------------------------------------------
+
+
+def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows]; no copy when `rows` is every row in order."""
+    if len(rows) == t.shape[0] and rows[-1] == len(rows) - 1:
+        return t
+    return t[torch.tensor(rows, device=t.device)]
+
+
+def _put(t: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
+    """t[rows] = values, in place."""
+    if len(rows) == t.shape[0] and rows[-1] == len(rows) - 1:
+        if values is not t:  # `values` may be `_take`'s no-copy view, changed in place
+            t.copy_(values)
+        return
+    t[torch.tensor(rows, device=t.device)] = values
+
+
+def _column(values: list[float] | list[int], like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A [n, 1] tensor on `like`'s device, to broadcast a per-row parameter."""
+    return torch.tensor(values, dtype=dtype).to(like.device, non_blocking=True)[:, None]
+
+
+def _index(row_idx: list[int], tok_idx: Iterable[int], x: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, token ids) index tensors on x's device, ids checked on the CPU first (a bad id on CUDA
+    would be a device-side assert that kills the process)."""
+    toks = torch.tensor(list(tok_idx), dtype=torch.long)
+    vocab = x.shape[1]
+    if toks.numel() and (int(toks.min()) < 0 or int(toks.max()) >= vocab):
+        raise ValueError(f"{what} contain a token id outside 0..{vocab - 1}")
+    rows_t = torch.tensor(row_idx, dtype=torch.long)
+    return rows_t.to(x.device, non_blocking=True), toks.to(x.device, non_blocking=True)

@@ -1,0 +1,390 @@
+"""The engine core process boundary: EngineClient ⇄ pipe ⇄ run_engine_process, with a fake core.
+
+`FakeCore` is a test double, not a model: completion i of a request echoes its prompt tokens
+shifted by i * OFFSET, one token per step, after a short sleep per step. What is under test is the
+boundary: routing of interleaved deltas, aborts, stats, crash and death reporting, shutdown. One
+engine process is shared by the tests that leave it healthy; the ones that kill it get their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import multiprocessing as mp
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+from scheduler.engine_args import EngineArgs
+from scheduler.engine_client import EngineClient
+from scheduler.engine_process import EXIT_ENGINE_CRASHED, EXIT_OK, EXIT_PARENT_GONE, run_engine_process
+from scheduler.io_types import (
+    ERR_ENGINE,
+    ERR_OVERLOADED,
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    EngineStats,
+    GenerateRequest,
+    RequestOutput,
+)
+from scheduler.sampling_params import SamplingParams
+
+OFFSET = 1_000_000  # completion i's tokens are the prompt's + i * OFFSET
+CRASH_TOKEN = 999_983  # a prompt starting with it makes step() raise
+REFUSE_TOKEN = 999_979  # a prompt starting with it is refused as overloaded by add_request
+
+
+class FakeCore:
+    """Echo core with the EngineCore interface; counts what it saw so tests can ask via stats()."""
+
+    def __init__(self, args: EngineArgs, step_delay: float = 0.002, start_delay: float = 0.0,
+                 fail_start: str | None = None) -> None:
+        time.sleep(start_delay)
+        if fail_start is not None:
+            raise FileNotFoundError(fail_start)
+        self.model = args.model
+        self.step_delay = step_delay
+        self.reqs: dict[str, tuple[GenerateRequest, list[int]]] = {}  # rid -> (req, tokens emitted per index)
+        self.aborted = 0
+        self.finished = 0
+        self.stats_calls = 0
+
+    def add_request(self, req: GenerateRequest) -> list[RequestOutput]:
+        assert req.rid not in self.reqs, "the process sent one rid twice"
+        if req.input_ids[0] == REFUSE_TOKEN:
+            return [RequestOutput(req.rid, 0, [], finish_reason=FINISH_ERROR, error="queue full",
+                                  error_code=ERR_OVERLOADED)]
+        self.reqs[req.rid] = (req, [0] * req.params.n)
+        return []
+
+    def abort(self, rid: str) -> list[RequestOutput]:
+        entry = self.reqs.pop(rid, None)
+        assert entry is not None, "the process aborted a request the core does not hold"
+        self.aborted += 1
+        req, emitted = entry
+        # like a real core may: final outputs for some completions only; the process ends the rest
+        return [RequestOutput(rid, i, [], finish_reason=FINISH_ABORT)
+                for i in range(0, req.params.n, 2) if emitted[i] < req.params.max_tokens]
+
+    def step(self) -> list[RequestOutput]:
+        time.sleep(self.step_delay)
+        outs = []
+        for rid, (req, emitted) in list(self.reqs.items()):
+            if req.input_ids[0] == CRASH_TOKEN:
+                raise ZeroDivisionError("fake core exploded")
+            for i, k in enumerate(emitted):
+                if k == req.params.max_tokens:
+                    continue
+                emitted[i] = k + 1
+                done = emitted[i] == req.params.max_tokens
+                outs.append(RequestOutput(rid, i, [expected_token(req, i, k)], prompt_tokens=len(req.input_ids),
+                                          completion_tokens=k + 1, finish_reason=FINISH_LENGTH if done else None))
+            if all(k == req.params.max_tokens for k in emitted):
+                del self.reqs[rid]
+                self.finished += 1
+        return outs
+
+    def has_work(self) -> bool:
+        return bool(self.reqs)
+
+    def stats(self) -> EngineStats:
+        self.stats_calls += 1
+        return EngineStats(num_running=len(self.reqs), aborted_total=self.aborted,
+                           finished_total={FINISH_LENGTH: self.finished, "stats_calls": self.stats_calls})
+
+    def describe(self) -> dict:
+        return {"model": self.model, "vocab_size": 32000, "pid": os.getpid()}
+
+
+def expected_token(req: GenerateRequest, index: int, k: int) -> int:
+    return req.input_ids[k % len(req.input_ids)] + index * OFFSET
+
+
+def make_req(rng: random.Random, rid: str, *, n: int = 1, max_tokens: int = 8,
+             first: int | None = None) -> GenerateRequest:
+    ids = [rng.randrange(1, 50_000) for _ in range(rng.randrange(1, 12))]
+    if first is not None:
+        ids[0] = first
+    return GenerateRequest(rid, ids, SamplingParams(n=n, max_tokens=max_tokens), arrival_time=time.time())
+
+
+async def collect(client: EngineClient, req: GenerateRequest) -> list[RequestOutput]:
+    return [out async for out in client.generate(req)]
+
+
+def tokens_by_index(outs: list[RequestOutput]) -> dict[int, list[int]]:
+    got: dict[int, list[int]] = {}
+    for out in outs:
+        got.setdefault(out.index, []).extend(out.new_token_ids)
+    return got
+
+
+# ---- fixtures: one event loop and one healthy engine process for the whole module ------------------
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def run(loop: asyncio.AbstractEventLoop, coro, timeout: float = 15):
+    return loop.run_until_complete(asyncio.wait_for(coro, timeout))
+
+
+def start(loop, **fake_kwargs) -> EngineClient:
+    factory = functools.partial(FakeCore, **fake_kwargs)
+    return run(loop, EngineClient.start(EngineArgs(model="fake-model"), startup_timeout=30, core_factory=factory), 40)
+
+
+@pytest.fixture(scope="module")
+def client(loop):
+    client = start(loop)
+    yield client
+    run(loop, client.shutdown())
+
+
+@pytest.fixture
+def rng() -> random.Random:
+    return random.Random()  # fresh inputs every run; a failure prints the tokens involved
+
+
+# ---- the shared engine -----------------------------------------------------------------------------
+
+
+def test_ready_info(client):
+    info = client.info
+    assert info["model"] == "fake-model" and info["vocab_size"] == 32000
+    assert info["pid"] == client.pid != os.getpid()
+    assert client.is_alive and client.exitcode is None
+
+
+def test_concurrent_generate_each_gets_exactly_its_tokens(client, loop, rng):
+    reqs = [make_req(rng, f"c{i}", n=rng.choice([1, 2, 3]), max_tokens=rng.randrange(1, 20)) for i in range(40)]
+
+    async def go():
+        return await asyncio.gather(*(collect(client, r) for r in reqs))
+
+    for req, outs in zip(reqs, run(loop, go())):
+        assert {o.rid for o in outs} == {req.rid}
+        finals = [o for o in outs if o.finished]
+        assert sorted(o.index for o in finals) == list(range(req.params.n)), "one final output per completion"
+        assert all(o.finish_reason == FINISH_LENGTH for o in finals)
+        assert outs[-1].finished, "the stream ends on a final output"
+        want = {i: [expected_token(req, i, k) for k in range(req.params.max_tokens)] for i in range(req.params.n)}
+        assert tokens_by_index(outs) == want
+
+
+def test_abort_mid_stream_stops_request_and_core_sees_it(client, loop, rng):
+    req = make_req(rng, "abort-me", n=3, max_tokens=100_000)
+
+    async def go():
+        before = await client.stats()
+        outs = []
+        async for out in client.generate(req):
+            outs.append(out)
+            if len(outs) == 6:
+                await client.abort(req.rid)
+        return before, outs, await client.stats()
+
+    before, outs, after = run(loop, go())
+    finals = [o for o in outs if o.finished]
+    assert sorted(o.index for o in finals) == [0, 1, 2] and all(o.finish_reason == FINISH_ABORT for o in finals)
+    got = tokens_by_index(outs)
+    for i, toks in got.items():  # a prefix of what the request would have produced, far from the end
+        assert 2 <= len(toks) < 1000 and toks == [expected_token(req, i, k) for k in range(len(toks))]
+    assert after.aborted_total == before.aborted_total + 1 and after.num_running == 0
+
+
+def test_closing_or_cancelling_the_consumer_aborts(client, loop, rng):
+    async def go():
+        base = (await client.stats()).aborted_total
+        gen = client.generate(make_req(rng, "close-me", max_tokens=100_000))
+        await gen.__anext__()
+        await gen.aclose()
+        after_close = await client.stats()
+
+        got_one = asyncio.Event()
+
+        async def consume():
+            async for _ in client.generate(make_req(rng, "cancel-me", n=2, max_tokens=100_000)):
+                got_one.set()
+
+        task = asyncio.create_task(consume())
+        await got_one.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        after_cancel = await client.stats()
+        again = await collect(client, make_req(rng, "after-cancel", max_tokens=3))
+        return base, after_close, after_cancel, again
+
+    base, after_close, after_cancel, again = run(loop, go())
+    assert after_close.aborted_total == base + 1 and after_close.num_running == 0
+    assert after_cancel.aborted_total == base + 2 and after_cancel.num_running == 0
+    assert sum(len(o.new_token_ids) for o in again) == 3
+
+
+def test_stats_round_trip_with_concurrent_calls(client, loop, rng):
+    async def go():
+        running = [asyncio.create_task(collect(client, make_req(rng, f"s{i}", max_tokens=30))) for i in range(5)]
+        replies = await asyncio.gather(*(client.stats() for _ in range(25)))
+        await asyncio.gather(*running)
+        return replies
+
+    replies = run(loop, go())
+    calls = [r.finished_total["stats_calls"] for r in replies]
+    # sent in this order over one pipe, so each caller must get the reply to its own request
+    assert calls == list(range(calls[0], calls[0] + 25))
+    assert len({r.request_id for r in replies}) == 25
+    assert all(isinstance(r, EngineStats) and 0 <= r.num_running <= 5 for r in replies)
+
+
+def test_refused_request_ends_with_its_error(client, loop, rng):
+    outs = run(loop, collect(client, make_req(rng, "refused", n=3, first=REFUSE_TOKEN)))
+    assert len(outs) == 1 and outs[0].error_code == ERR_OVERLOADED and outs[0].finish_reason == FINISH_ERROR
+    assert run(loop, client.stats()).num_running == 0
+
+
+def test_duplicate_running_rid_is_refused(client, loop, rng):
+    async def go():
+        gen = client.generate(make_req(rng, "dup", max_tokens=100_000))
+        await gen.__anext__()
+        with pytest.raises(ValueError, match="dup"):
+            await collect(client, make_req(rng, "dup"))
+        await gen.aclose()
+
+    run(loop, go())
+
+
+# ---- engines that die --------------------------------------------------------------------------
+
+
+def assert_all_failed(results: list[list[RequestOutput]], reqs: list[GenerateRequest], match: str) -> None:
+    for req, outs in zip(reqs, results):
+        last = outs[-1]
+        assert last.rid == req.rid and last.finish_reason == FINISH_ERROR and last.error_code == ERR_ENGINE
+        assert match in last.error, last.error
+        assert all(not o.finished for o in outs[:-1])
+
+
+async def start_streams(client: EngineClient, reqs: list[GenerateRequest]):
+    """Starts every request and returns once each has produced a token, with the collecting tasks."""
+    results: list[list[RequestOutput]] = [[] for _ in reqs]
+    started = [asyncio.Event() for _ in reqs]
+
+    async def consume(i: int) -> list[RequestOutput]:
+        async for out in client.generate(reqs[i]):
+            results[i].append(out)
+            started[i].set()
+        started[i].set()
+        return results[i]
+
+    tasks = [asyncio.create_task(consume(i)) for i in range(len(reqs))]
+    for ev in started:
+        await ev.wait()
+    return tasks
+
+
+def test_crash_in_step_fails_every_pending_request(loop, rng):
+    client = start(loop)
+    reqs = [make_req(rng, f"x{i}", n=2, max_tokens=100_000) for i in range(6)]
+
+    async def go():
+        tasks = await start_streams(client, reqs)
+        t0 = time.monotonic()
+        crash = await collect(client, make_req(rng, "boom", first=CRASH_TOKEN))
+        results = await asyncio.gather(*tasks)
+        elapsed = time.monotonic() - t0
+        later = await collect(client, make_req(rng, "later"))
+        with pytest.raises(RuntimeError, match="exploded"):
+            await client.stats()
+        await client.shutdown()
+        return crash, results, elapsed, later
+
+    crash, results, elapsed, later = run(loop, go())
+    assert elapsed < 2.0
+    assert_all_failed([crash, *results, later], [make_req(rng, "boom"), *reqs, make_req(rng, "later")],
+                      "ZeroDivisionError: fake core exploded")
+    assert not client.is_alive and client.exitcode == EXIT_ENGINE_CRASHED
+
+
+def test_killed_process_fails_every_pending_request(loop, rng):
+    client = start(loop)
+    reqs = [make_req(rng, f"k{i}", max_tokens=100_000) for i in range(5)]
+
+    async def go():
+        tasks = await start_streams(client, reqs)
+        t0 = time.monotonic()
+        os.kill(client.pid, signal.SIGKILL)
+        results = await asyncio.gather(*tasks)
+        elapsed = time.monotonic() - t0
+        later = await collect(client, make_req(rng, "later"))
+        with pytest.raises(RuntimeError, match="exited unexpectedly"):
+            await client.stats()
+        await client.shutdown()
+        return results, elapsed, later
+
+    results, elapsed, later = run(loop, go())
+    assert elapsed < 2.0
+    assert_all_failed([*results, later], [*reqs, make_req(rng, "later")], f"exit code {-signal.SIGKILL}")
+    assert not client.is_alive and client.exitcode == -signal.SIGKILL
+
+
+def test_startup_failure_raises_with_the_childs_message(loop):
+    with pytest.raises(RuntimeError, match=r"failed to start: FileNotFoundError: no such model /nope/m\.gguf"):
+        start(loop, fail_start="no such model /nope/m.gguf")
+
+
+def test_shutdown_exits_cleanly_and_ends_pending_requests(loop, rng):
+    client = start(loop)
+    reqs = [make_req(rng, f"d{i}", max_tokens=100_000) for i in range(3)]
+
+    async def go():
+        tasks = await start_streams(client, reqs)
+        await client.shutdown(timeout=5)
+        return await asyncio.gather(*tasks)
+
+    t0 = time.monotonic()
+    results = run(loop, go())
+    assert time.monotonic() - t0 < 5
+    assert_all_failed(results, reqs, "shut down")
+    assert client.exitcode == EXIT_OK and not client.is_alive
+    run(loop, client.shutdown())  # a second call is a no-op
+
+
+# ---- the loop itself, in a thread: the raw protocol -----------------------------------------------
+
+
+def test_loop_batches_outputs_per_step_and_exits_when_parent_goes(rng):
+    ours, theirs = mp.Pipe()
+    exit_code: list[object] = []
+
+    def child():
+        try:
+            run_engine_process(EngineArgs(model="m"), theirs, functools.partial(FakeCore, start_delay=0.2))
+            exit_code.append(EXIT_OK)
+        except SystemExit as e:
+            exit_code.append(e.code)
+
+    thread = threading.Thread(target=child, daemon=True)
+    thread.start()
+    reqs = [make_req(rng, f"b{i}", max_tokens=5) for i in range(3)]
+    for req in reqs:  # all waiting before the loop's first look at the pipe
+        ours.send(req)
+    assert ours.recv()[0] == "ready"
+    messages = []
+    while sum(o.finished for _, outs in messages for o in outs) < 3:
+        assert ours.poll(5)
+        messages.append(ours.recv())
+    assert all(kind == "outputs" and isinstance(outs, list) for kind, outs in messages)
+    assert len(messages) == 5 and all(len(outs) == 3 for _, outs in messages), "one message per step"
+    ours.close()  # the server goes away
+    thread.join(5)
+    assert exit_code == [EXIT_PARENT_GONE]

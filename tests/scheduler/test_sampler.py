@@ -1,0 +1,384 @@
+"""The batched sampler against references nobody here wrote (HF transformers' logits processors and
+warpers, torch's log_softmax) and against definitions recomputed independently in numpy.
+
+Random logits come from seeded generators, so every statistical check is reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from scheduler.sampler import Sampler, SamplingRow, apply_logit_processors, noise_seed
+from scheduler.sampling_params import SamplingParams
+
+EOS = 3
+
+
+def _logits(rows: int, vocab: int, seed: int, scale: float = 2.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=g) * scale
+
+
+def _row(params: SamplingParams | None = None, seed: int = 0, step: int = 0, prompt=(), output=(),
+         eos=(EOS,)) -> SamplingRow:
+    return SamplingRow(params=params or SamplingParams(), seed=seed, step=step, prompt_ids=list(prompt),
+                       output_ids=list(output), eos_token_ids=list(eos))
+
+
+def _np_softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def _reference_kept(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """Kept-token mask by the definitions, in float64, plus a check that no token sits on a boundary."""
+    z = logits.astype(np.float64) / temperature
+    vocab = z.size
+    order = np.argsort(-z, kind="stable")
+    keep = np.zeros(vocab, dtype=bool)
+    keep[order[: (vocab if top_k < 1 else min(top_k, vocab))]] = True
+    if top_p < 1.0:
+        p = _np_softmax(np.where(keep, z, -np.inf))
+        before = 0.0
+        for tok in order:  # keep the best tokens until their mass reaches top_p
+            if not keep[tok]:
+                continue
+            if before >= top_p:
+                keep[tok] = False
+            assert abs(before - top_p) > 1e-4, "test logits put a token on the top_p boundary"
+            before += p[tok]
+        keep[order[0]] = True
+    if min_p > 0.0:
+        p = _np_softmax(np.where(keep, z, -np.inf))
+        ratio = p / p.max()
+        assert np.all(np.abs(ratio[keep] - min_p) > 1e-4), "test logits put a token on the min_p boundary"
+        keep &= ratio >= min_p
+    return keep
+
+
+def _hf_filtered(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """HF generate's warper chain (temperature, top_k, top_p, min_p) on [B, V] scores."""
+    x = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k >= 1:
+        x = TopKLogitsWarper(top_k)(None, x)
+    if top_p < 1.0:
+        x = TopPLogitsWarper(top_p)(None, x)
+    if min_p > 0.0:
+        x = MinPLogitsWarper(min_p)(None, x)
+    return x
+
+
+def _chi2_critical(df: int, z: float = 3.72) -> float:
+    """Upper quantile of chi-square (Wilson-Hilferty); z = 3.72 is the 1e-4 tail."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def _draw_counts(logits_row: torch.Tensor, params: SamplingParams, draws: int, seed: int,
+                 companion: SamplingParams | None = None) -> np.ndarray:
+    """Counts of `draws` tokens of one seeded request over consecutive steps, sampled as one batch
+    (interleaved with as many rows of `companion` params, whose tokens are not counted)."""
+    vocab = logits_row.numel()
+    rows = [_row(params, seed=seed, step=s) for s in range(draws)]
+    if companion is not None:
+        rows = [r for pair in zip(rows, [_row(companion, seed=s) for s in range(draws)]) for r in pair]
+    tokens = Sampler(vocab)(logits_row.expand(len(rows), vocab), rows).token_ids
+    return np.bincount(tokens[:: 1 if companion is None else 2], minlength=vocab)
+
+
+# ---- greedy ---------------------------------------------------------------------------------------
+
+
+def test_top_k_one_and_temperature_zero_are_argmax() -> None:
+    logits = _logits(16, 50, seed=1)
+    sampler = Sampler(50)
+    expected = logits.numpy().argmax(axis=1).tolist()
+    top_k_1 = [_row(SamplingParams(temperature=1.3, top_k=1), seed=i, step=i) for i in range(16)]
+    temp_0 = [_row(SamplingParams(temperature=0.0, top_p=0.5, min_p=0.2), seed=i) for i in range(16)]
+    assert sampler(logits, top_k_1).token_ids == expected
+    assert sampler(logits, temp_0).token_ids == expected
+    tiny_top_p = [_row(SamplingParams(temperature=1.0, top_p=1e-3), seed=i, step=i) for i in range(16)]
+    assert sampler(logits, tiny_top_p).token_ids == expected  # the best token is always kept
+
+
+def test_greedy_is_argmax_of_processed_logits() -> None:
+    logits = _logits(4, 40, seed=2)
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.7, frequency_penalty=1.5, presence_penalty=0.5,
+                            logit_bias={7: 1.5, 8: -3.0})
+    rows = [_row(params, prompt=[1, 2, 5], output=list(logits[i].topk(3).indices.tolist()) * 2) for i in range(4)]
+    processed = apply_logit_processors(logits, rows)
+    assert Sampler(40)(logits, rows).token_ids == processed.numpy().argmax(axis=1).tolist()
+    assert not torch.equal(processed, logits)  # the penalties did move the chosen tokens
+
+
+# ---- seeded reproducibility -----------------------------------------------------------------------
+
+
+def _mixed_rows(n: int, rng: random.Random) -> list[SamplingRow]:
+    choices = [
+        SamplingParams(),
+        SamplingParams(temperature=0.7, top_k=10),
+        SamplingParams(temperature=1.2, top_p=0.8, logprobs=True, top_logprobs=3),
+        SamplingParams(min_p=0.05, repetition_penalty=1.3, frequency_penalty=0.4),
+        SamplingParams(temperature=0.0, logprobs=True),
+        SamplingParams(top_k=20, top_p=0.9, min_p=0.02, presence_penalty=1.0, logit_bias={4: 2.0}),
+    ]
+    return [_row(rng.choice(choices), seed=rng.randrange(2**63), step=rng.randrange(100),
+                 prompt=[rng.randrange(64) for _ in range(5)], output=[rng.randrange(64) for _ in range(3)])
+            for _ in range(n)]
+
+
+def test_seeded_token_does_not_depend_on_the_batch() -> None:
+    rng = random.Random(3)
+    vocab = 64
+    rows = _mixed_rows(12, rng)
+    logits = _logits(12, vocab, seed=3)
+    sampler = Sampler(vocab)
+    alone = [sampler(logits[i : i + 1], [rows[i]]) for i in range(12)]
+
+    others = _mixed_rows(9, rng)
+    other_logits = _logits(9, vocab, seed=4)
+    batch = [(logits[i], rows[i], i) for i in range(12)] + [(other_logits[j], others[j], None) for j in range(9)]
+    for _ in range(3):
+        rng.shuffle(batch)
+        result = sampler(torch.stack([b[0] for b in batch]), [b[1] for b in batch])
+        for pos, (_, _, i) in enumerate(batch):
+            if i is not None:
+                assert result.token_ids[pos] == alone[i].token_ids[0]
+                assert result.logprobs[pos] == alone[i].logprobs[0]
+
+
+def test_different_seeds_give_different_tokens() -> None:
+    vocab = 100
+    logits = _logits(1, vocab, seed=5, scale=0.3).expand(64, vocab)
+    sampler = Sampler(vocab)
+    a = sampler(logits, [_row(seed=11, step=s) for s in range(64)]).token_ids
+    b = sampler(logits, [_row(seed=12, step=s) for s in range(64)]).token_ids
+    assert sum(x == y for x, y in zip(a, b)) < 8  # about 0.7 expected by chance
+    assert len(set(a)) > 30 and len(set(b)) > 30  # the steps of one seed draw fresh noise too
+    assert sampler(logits, [_row(seed=11, step=s) for s in range(64)]).token_ids == a
+
+
+def test_noise_seeds_do_not_collide_on_small_grids() -> None:
+    seeds = {noise_seed(seed, step) for seed in range(-20, 200) for step in range(200)}
+    assert len(seeds) == 220 * 200
+    assert all(0 <= s < 2**64 for s in seeds)
+
+
+# ---- distribution and filters ---------------------------------------------------------------------
+
+
+def test_draws_follow_softmax_of_logits_over_temperature() -> None:
+    vocab, draws, temperature = 8, 4000, 0.6
+    logits = _logits(1, vocab, seed=6, scale=1.0)[0]
+    counts = _draw_counts(logits, SamplingParams(temperature=temperature), draws, seed=123)
+    expected = _np_softmax(logits.double().numpy() / temperature) * draws
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < _chi2_critical(vocab - 1), (counts, expected)
+    assert 0.5 * np.abs(counts / draws - expected / draws).sum() < 0.05
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "min_p"),
+    [(1.0, 5, 1.0, 0.0), (0.8, -1, 0.7, 0.0), (1.0, 6, 0.7, 0.0), (1.0, -1, 1.0, 0.15),
+     (1.3, 12, 0.85, 0.05), (1.5, 4, 0.99, 0.405)],
+)
+def test_filters_keep_exactly_the_reference_set(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
+    vocab, draws = 32, 3000
+    logits = _logits(1, vocab, seed=7, scale=1.5)[0]
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    keep = _reference_kept(logits.numpy(), temperature, top_k, top_p, min_p)
+    hf_keep = torch.isfinite(_hf_filtered(logits[None], temperature, top_k, top_p, min_p))[0].numpy()
+    np.testing.assert_array_equal(keep, hf_keep)
+    assert 1 < keep.sum() < vocab  # the case does filter something, and keeps a choice
+
+    # companions with a wider top_k share the filtering pass: each row must still get its own top_k
+    companion = SamplingParams(temperature=0.9, top_k=25, top_p=0.95, min_p=0.01)
+    counts = _draw_counts(logits, params, draws, seed=99, companion=companion)
+    assert counts[~keep].sum() == 0, f"excluded tokens drawn: {np.nonzero(counts * ~keep)[0]}"
+    expected = _np_softmax(np.where(keep, logits.double().numpy() / temperature, -np.inf)) * draws
+    frequent = expected > 5
+    assert np.all(counts[frequent] > 0)
+    chi2 = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    assert chi2 < _chi2_critical(max(int(keep.sum()) - 1, 1)), (counts, expected)
+
+
+# ---- logit processors -----------------------------------------------------------------------------
+
+
+def test_logit_bias_forces_and_forbids() -> None:
+    vocab = 30
+    logits = _logits(200, vocab, seed=8, scale=1.0)
+    logits[:, 17] = logits.max(dim=1).values + 5.0  # 17 is everyone's favourite
+    runner_up = torch.cat([logits[:, :17], torch.full((200, 1), -math.inf), logits[:, 18:]], dim=1).argmax(dim=1)
+    sampler = Sampler(vocab)
+    forced = sampler(logits, [_row(SamplingParams(logit_bias={5: 100.0}), seed=i) for i in range(200)])
+    assert set(forced.token_ids) == {5}
+    forbidden = sampler(logits, [_row(SamplingParams(logit_bias={17: -100.0}), seed=i) for i in range(200)])
+    assert 17 not in forbidden.token_ids and len(set(forbidden.token_ids)) > 5
+    greedy = sampler(logits, [_row(SamplingParams(temperature=0.0, logit_bias={17: -100.0})) for _ in range(200)])
+    assert greedy.token_ids == runner_up.tolist()
+
+
+def _reference_processed(logits: list[float], row: SamplingRow) -> list[float]:
+    """Steps 1-3 for one row, straight from the definitions, in Python floats."""
+    p = row.params
+    out = list(logits)
+    for tok, bias in p.logit_bias.items():
+        out[tok] += bias
+    for tok in set(row.prompt_ids) | set(row.output_ids):
+        out[tok] = out[tok] / p.repetition_penalty if out[tok] > 0 else out[tok] * p.repetition_penalty
+    for tok in set(row.output_ids):
+        out[tok] -= p.frequency_penalty * row.output_ids.count(tok) + p.presence_penalty
+    if len(row.output_ids) < p.min_tokens:
+        for tok in set(row.eos_token_ids) | set(p.stop_token_ids):
+            out[tok] = -math.inf
+    return out
+
+
+def test_penalties_follow_the_formulas() -> None:
+    vocab, batch = 48, 10
+    rng = random.Random(9)
+    logits = _logits(batch, vocab, seed=9)
+    rows = []
+    for i in range(batch):
+        params = SamplingParams(
+            repetition_penalty=rng.choice([1.0, 1.3, 0.8, 2.5]),
+            frequency_penalty=rng.choice([0.0, 0.7, -1.2]),
+            presence_penalty=rng.choice([0.0, 1.5, -0.4]),
+            logit_bias={rng.randrange(vocab): rng.uniform(-5, 5) for _ in range(rng.randrange(3))},
+            min_tokens=rng.choice([0, 4]),
+            stop_token_ids=(rng.randrange(vocab),),
+        )
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(12))]
+        output = [rng.randrange(vocab // 3) for _ in range(rng.randrange(8))]  # repeats likely
+        rows.append(_row(params, prompt=prompt, output=output, eos=(EOS, vocab - 1)))
+    rows[0] = _row(SamplingParams(frequency_penalty=0.5), output=[2, 2, 2, 9])  # a fixed case as well
+
+    before = logits.clone()
+    got = apply_logit_processors(logits, rows)
+    assert torch.equal(logits, before)  # the input is not modified
+    for i, row in enumerate(rows):
+        expected = torch.tensor(_reference_processed(logits[i].tolist(), row))
+        torch.testing.assert_close(got[i], expected, rtol=1e-6, atol=1e-5, msg=f"row {i}: {row}")
+    assert got[0, 2] == pytest.approx(logits[0, 2].item() - 1.5)
+
+
+def test_repetition_penalty_matches_transformers() -> None:
+    vocab = 40
+    logits = _logits(3, vocab, seed=10)
+    rng = random.Random(10)
+    rows = [_row(SamplingParams(repetition_penalty=penalty), prompt=[rng.randrange(vocab) for _ in range(9)],
+                 output=[rng.randrange(vocab) for _ in range(6)]) for penalty in (1.2, 0.7, 3.0)]
+    got = apply_logit_processors(logits, rows)
+    for i, row in enumerate(rows):
+        ids = torch.tensor([[*row.prompt_ids, *row.output_ids]])
+        hf = RepetitionPenaltyLogitsProcessor(row.params.repetition_penalty)(ids, logits[i : i + 1].clone())
+        torch.testing.assert_close(got[i], hf[0], rtol=0, atol=0)
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
+    vocab = 20
+    logits = _logits(1, vocab, seed=11, scale=1.0).expand(300, vocab).clone()
+    logits[:, EOS] = 30.0
+    logits[:, 9] = 29.0  # a stop token id, the runner-up
+    sampler = Sampler(vocab)
+    for ignore_eos in (False, True):
+        params = SamplingParams(min_tokens=4, stop_token_ids=(9,), ignore_eos=ignore_eos)
+        early = [_row(params, seed=i, step=i % 4, output=[1] * (i % 4)) for i in range(300)]
+        tokens = sampler(logits, early).token_ids
+        assert EOS not in tokens and 9 not in tokens
+        greedy = replace(params, temperature=0.0)
+        allowed = logits[0].clone()
+        allowed[[EOS, 9]] = -math.inf
+        assert sampler(logits[:1], [_row(greedy, output=[1, 2, 5])]).token_ids == [allowed.argmax().item()]
+        assert sampler(logits[:1], [_row(greedy, output=[1, 2, 5, 6])]).token_ids == [EOS]
+
+
+# ---- logprobs and vocabulary ----------------------------------------------------------------------
+
+
+def test_logprobs_are_log_softmax_of_the_raw_logits() -> None:
+    vocab = 50
+    logits = _logits(6, vocab, seed=12)
+    params = [
+        SamplingParams(logprobs=True),
+        SamplingParams(temperature=0.4, top_k=5, logprobs=True, top_logprobs=5),
+        SamplingParams(temperature=0.0, logit_bias={0: 50.0}, top_logprobs=20),
+        SamplingParams(),
+        SamplingParams(repetition_penalty=2.0, top_p=0.5, top_logprobs=1),
+        SamplingParams(temperature=0.0),
+    ]
+    rows = [_row(p, seed=i, prompt=[1, 2], output=[3, 4]) for i, p in enumerate(params)]
+    result = Sampler(vocab)(logits, rows)
+    reference = torch.log_softmax(logits.double(), dim=-1).numpy()
+    assert result.logprobs[3] is None and result.logprobs[5] is None
+    for i, p in enumerate(params):
+        lp = result.logprobs[i]
+        if lp is None:
+            continue
+        assert lp.token_id == result.token_ids[i]
+        assert lp.logprob == pytest.approx(reference[i, lp.token_id], abs=1e-5)
+        best = np.argsort(-reference[i], kind="stable")[: p.top_logprobs]
+        assert [tok for tok, _ in lp.top] == best.tolist()
+        np.testing.assert_allclose([v for _, v in lp.top], reference[i, best], atol=1e-5)
+    assert result.token_ids[2] == 0 and result.logprobs[2].logprob < -1.0  # bias does not touch logprobs
+    assert result.logprobs[0].top == []
+
+
+def test_padded_columns_are_never_sampled() -> None:
+    vocab, padded = 24, 32
+    logits = _logits(200, padded, seed=13)
+    logits[:, vocab:] = 50.0  # garbage in the padding, larger than anything real
+    rows = [_row(SamplingParams(temperature=2.0, logprobs=True, top_logprobs=3), seed=i) for i in range(100)]
+    rows += [_row(SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)) for _ in range(100)]
+    result = Sampler(vocab)(logits, rows)
+    assert max(result.token_ids) < vocab
+    assert result.token_ids[100:] == logits[100:, :vocab].argmax(dim=1).tolist()
+    reference = torch.log_softmax(logits[:, :vocab], dim=-1)
+    for i, lp in enumerate(result.logprobs):
+        assert all(tok < vocab for tok, _ in lp.top)
+        assert lp.logprob == pytest.approx(reference[i, lp.token_id].item(), abs=1e-5)
+
+
+def test_bad_input_is_refused() -> None:
+    sampler = Sampler(10)
+    with pytest.raises(ValueError, match="fewer than vocab_size"):
+        sampler(_logits(1, 8, seed=14), [_row()])
+    with pytest.raises(ValueError, match="num_rows=2"):
+        sampler(_logits(1, 10, seed=14), [_row(), _row()])
+    with pytest.raises(ValueError, match="logit_bias"):
+        sampler(_logits(1, 12, seed=14), [_row(SamplingParams(logit_bias={11: 1.0}))])
+    assert sampler(torch.empty(0, 10), []).token_ids == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_the_rules() -> None:
+    rng = random.Random(15)
+    vocab = 1000
+    rows = _mixed_rows(32, rng)
+    logits = _logits(32, vocab + 24, seed=15).cuda()
+    sampler = Sampler(vocab, device="cuda")
+    alone = [sampler(logits[i : i + 1], [rows[i]]).token_ids[0] for i in range(32)]
+    order = list(range(32))
+    rng.shuffle(order)
+    shuffled = sampler(logits[order], [rows[i] for i in order]).token_ids
+    assert [shuffled[order.index(i)] for i in range(32)] == alone
+    cpu = Sampler(vocab)(logits.cpu(), rows)
+    for i, row in enumerate(rows):
+        assert alone[i] < vocab
+        if row.params.greedy:
+            assert alone[i] == cpu.token_ids[i]
