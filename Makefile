@@ -1,4 +1,5 @@
-# `make install` sets up .venv; `make test` also installs the test oracles and runs the suite.
+# Quick start: `make serve` sets up .venv and serves the default model on 127.0.0.1:8000;
+# `make test` also installs the test oracles and runs the suite.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -7,7 +8,7 @@ TORCH_CPU := torch==2.13.0
 STAMP  := $(VENV)/.installed
 ORACLES := $(VENV)/.oracles
 
-.PHONY: install test clean
+.PHONY: install serve test clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,15 +27,25 @@ $(STAMP): $(PY) pyproject.toml
 
 install: $(STAMP)
 
+serve: $(STAMP)
+	$(VENV)/bin/mlaserve serve
+
 # llama.cpp (through llama-cpp-python, built from source: a few minutes once, then cached by pip) is
 # the oracle for GGUF models. Best effort: where it cannot build, its tests skip and say so.
+# promtool (from Debian's prometheus package, unpacked into .venv/bin, not installed system-wide)
+# checks the /metrics text. Best effort too.
 $(ORACLES): $(STAMP)
 	$(PIP) install --quiet llama-cpp-python \
 		|| echo "llama-cpp-python could not be installed: the llama.cpp oracle tests will be skipped"
+	@command -v promtool >/dev/null || [ -x $(VENV)/bin/promtool ] || { \
+		tmp=$$(mktemp -d) && cd $$tmp && \
+		{ apt-get download prometheus >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get download prometheus >/dev/null 2>&1; }; } && \
+		dpkg-deb -x prometheus_*.deb x && cp x/usr/bin/promtool $(CURDIR)/$(VENV)/bin/ ; \
+		rm -rf $$tmp; } || echo "promtool could not be fetched: the promtool check of /metrics will be skipped"
 	touch $(ORACLES)
 
 test: $(ORACLES)
-	$(PY) -m pytest -q
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,6 +1,7 @@
 """The `mlaserve` command line.
 
 Subcommands:
+  serve            serve a model over the OpenAI-compatible HTTP API (`mlaserve serve --help`)
   generate         load a model and greedily continue one prompt (a quick check that a model works)
   make-checkpoint  write a random synthetic checkpoint (tests, benchmarks) — see models/synthetic.py
 """
@@ -50,7 +51,16 @@ def _make_checkpoint(argv: list[str]) -> int:
     return make_checkpoint(argv)
 
 
-COMMANDS = {"generate": _generate, "make-checkpoint": _make_checkpoint}
+def _serve(argv: list[str]) -> int:
+    from server.args import parse_serve_args
+
+    args = parse_serve_args(argv)  # --help and flag errors exit here, before heavy imports
+    from server.launch import serve
+
+    return serve(args)
+
+
+COMMANDS = {"serve": _serve, "generate": _generate, "make-checkpoint": _make_checkpoint}
 
 
 def main(argv: list[str] | None = None) -> int:

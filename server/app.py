@@ -1,0 +1,177 @@
+"""The FastAPI application: routes, auth, body limits, error shapes, health and metrics.
+
+Request handling itself lives in `serving.py` (one serializer per API shape). This module owns the
+HTTP concerns:
+  * every error leaves as OpenAI's `{"error": {message, type, param, code}}` — FastAPI's 422s become
+    400 `invalid_request_error` naming the field, unknown routes 404, bodies over the limit 413;
+  * `/v1/*` needs `Authorization: Bearer KEY` when a key is set (compared in constant time);
+    `/health` and `/metrics` stay open;
+  * `/health` is 200 only while the engine is alive and we are not draining for shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from models.loader.tokenizer import TokenizerBundle
+from scheduler.engine_client import EngineClient
+from server.metrics import Metrics
+from server.protocol import ModelCard, ModelList, describe_validation_error, error_body
+
+logger = logging.getLogger("mlaserve.server")
+
+
+@dataclass
+class ServerState:
+    model_name: str  # the id clients use in `model`
+    metrics: Metrics
+    api_key: str | None = None
+    # set once the engine is up (None while loading)
+    engine: EngineClient | None = None
+    tokenizer: TokenizerBundle | None = None
+    context_length: int = 0
+    vocab_size: int = 0
+    start_error: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    shutting_down: bool = False
+    inflight: int = 0  # generation requests not yet answered in full (the drain waits for them)
+
+    def unavailable(self) -> JSONResponse | None:
+        """The 503 to answer with when requests cannot be served now, else None."""
+        if self.shutting_down:
+            return error_response(503, "the server is shutting down", "service_unavailable", code="shutting_down")
+        if self.engine is None:
+            return error_response(503, "the model is still loading; retry shortly", "service_unavailable",
+                                  code="loading", headers={"Retry-After": "5"})
+        if not self.engine.is_alive:
+            return error_response(503, "the engine is not running", "service_unavailable", code="engine_dead",
+                                  headers={"Retry-After": "30"})
+        return None
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+
+
+class BodyLimitMiddleware:
+    """Refuses request bodies over `max_bytes` with 413, whether Content-Length says so or not."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._too_large(scope, receive, send)
+        seen = 0
+        too_large = False
+
+        async def limited() -> Message:
+            nonlocal seen, too_large
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    too_large = True
+                    raise _BodyTooLarge()
+            return msg
+
+        async def guarded_send(msg: Message) -> None:
+            if not too_large:  # the app's reply to a cut-off body is replaced by the 413
+                await send(msg)
+
+        try:
+            await self.app(scope, limited, guarded_send)
+        except _BodyTooLarge:
+            pass
+        if too_large:
+            await self._too_large(scope, receive, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        resp = error_response(413, f"request body larger than {self.max_bytes} bytes", code="request_too_large")
+        await resp(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
+    from server.serving import register_routes
+
+    app = FastAPI(title="mlaserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.s = state
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = describe_validation_error(exc.errors())
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return error_response(404, "no such route", code="not_found")
+        if exc.status_code == 405:
+            return error_response(405, "method not allowed for this route", code="method_not_allowed")
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def on_crash(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error")
+        return error_response(500, f"internal server error: {type(exc).__name__}", "internal_error")
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):
+        if state.api_key and request.url.path.startswith("/v1"):
+            header = request.headers.get("authorization", "")
+            scheme, _, key = header.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), state.api_key.encode()):
+                return error_response(401, "invalid or missing API key (send Authorization: Bearer KEY)",
+                                      "authentication_error", code="invalid_api_key")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return state.unavailable() or JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.engine is not None and state.engine.is_alive:
+            try:
+                state.metrics.update_engine(await asyncio.wait_for(state.engine.stats(), 5))
+            except Exception:  # a dying engine must not break the scrape
+                logger.warning("engine stats unavailable for /metrics")
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse(ModelList(data=[_model_card(state)]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> JSONResponse:
+        if model_id != state.model_name:
+            return error_response(404, f"the model '{model_id}' does not exist", param="model", code="model_not_found")
+        return JSONResponse(_model_card(state).model_dump())
+
+    register_routes(app, state)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    return app
+
+
+def _model_card(state: ServerState) -> ModelCard:
+    return ModelCard(id=state.model_name, created=state.created, max_model_len=state.context_length or None)

@@ -1,0 +1,171 @@
+"""Streaming text out of token ids, in the server process, one pair of objects per completion.
+
+    new token ids --IncrementalDetokenizer.add--> new text --StopStringMatcher.feed--> text to send
+    at the end:     IncrementalDetokenizer.flush --> StopStringMatcher.feed, then StopStringMatcher.flush
+
+What each one holds back, and why:
+
+`IncrementalDetokenizer` decodes a small window of ids, not the whole sequence (the prefix/read
+offset scheme of TGI and vLLM): `ids[prefix:read]` were decoded before and give context, so that
+decoders whose output depends on neighbours (a SentencePiece leading space, byte tokens that only
+form a character together) produce the same text as a full decode; `ids[read:]` are new. The text
+of the window past what was already sent is the delta, and the window then moves on.
+  * Byte-level tokenizers split characters: a token may carry the first bytes of a UTF-8 character
+    whose rest comes with the next tokens. The decoder then ends its text with U+FFFD. While the
+    window's text ends with U+FFFD, the window does not move and the trailing run of U+FFFD is held
+    back (what precedes it cannot change any more, so it is sent).
+  * A sequence that truly contains invalid bytes would hold forever, and the window would grow
+    with every token. So after `MAX_HELD_TOKENS` held tokens we look for the last *sealed* token
+    boundary q (decoding ids before and after q separately gives the same text as decoding them
+    together: no character straddles q), send everything before it, and restart the window at q.
+    If none exists the text is taken as it is. Valid text never takes this path: a character is at
+    most 4 bytes, so it completes (and the window moves) within 4 byte-carrying tokens.
+  * `flush()` sends whatever is held, replacement characters included: the sequence really ended
+    in the middle of a character.
+Positions where the window starts are always sealed, so the concatenated deltas equal
+`tokenizer.decode(all_ids)` (with `prompt_ids`, they equal the text the ids add after the prompt).
+
+`StopStringMatcher` runs one KMP automaton per stop string over the text as it arrives (linear in
+the text, whatever the chunking). It holds back the longest suffix that is a prefix of some stop
+string, since the next text may complete it; everything before that suffix can be sent. The first
+stop string to be *completed* wins (if two complete at the same character, the longer one, which
+starts earlier); text up to its start is sent and nothing after it. When the completion ends
+without a hit, `flush()` sends the held suffix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenizers import decoders
+
+from models.loader.tokenizer import TokenizerBundle
+
+REPLACEMENT = "\ufffd"  # what decoders put where bytes are not (yet) a valid UTF-8 character
+MAX_HELD_TOKENS = 8  # held tokens before we look for a sealed boundary (a character is <= 4 bytes)
+PROMPT_CONTEXT_TOKENS = 5  # prompt ids kept as decoding context when `prompt_ids` is given
+
+
+class IncrementalDetokenizer:
+    """Text deltas of one completion's token ids. Not thread-safe; one per completion."""
+
+    def __init__(self, tokenizer: TokenizerBundle, skip_special_tokens: bool = True,
+                 prompt_ids: Sequence[int] = ()) -> None:
+        """`prompt_ids`: give them to decode the first tokens as they read after the prompt (a
+        SentencePiece leading space is kept); without them the text is `decode(generated ids)`."""
+        self._tok = tokenizer.tokenizer
+        self._skip = skip_special_tokens
+        # lossy UTF-8 over the whole byte stream: a boundary after a replacement character can be sealed
+        self._byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
+        self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
+        self._prefix = 0  # window start: a sealed position; everything before it was sent
+        self._read = len(self._ids)  # sealed; the window's text up to here was sent
+        self._sent = len(self._decode(0, self._read))  # characters of the window's text already sent
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self._tok.decode(self._ids[start:end], skip_special_tokens=self._skip)
+
+    def add(self, ids: Sequence[int]) -> str:
+        """The text that `ids` (appended to those before) add, minus what must wait for later tokens."""
+        if not ids:
+            return ""
+        self._ids.extend(ids)
+        text = self._decode(self._prefix)
+        held = len(self._ids) - self._read
+        if text.endswith(REPLACEMENT):  # the last character may be incomplete
+            if held <= MAX_HELD_TOKENS:
+                return self._send_upto(text, len(text.rstrip(REPLACEMENT)))
+            return self._send_to_sealed_boundary(text)
+        if len(text) <= self._sent and held <= MAX_HELD_TOKENS:
+            return ""  # nothing visible yet (special tokens, a lone SentencePiece space): keep the context
+        return self._send_and_move(text, len(self._ids))
+
+    def flush(self) -> str:
+        """Everything still held; call once when the completion ends."""
+        return self._send_and_move(self._decode(self._prefix), len(self._ids))
+
+    def _send_upto(self, text: str, end: int) -> str:
+        delta = text[self._sent:end]
+        self._sent = max(self._sent, end)
+        return delta
+
+    def _send_and_move(self, text: str, to: int) -> str:
+        """Sends `text` (the window's text up to `to`, sealed) past what was sent, then moves the window
+        on: it now starts at the old read offset (context) and reads from `to`."""
+        delta = text[self._sent:]
+        beyond = max(0, self._sent - len(text))  # sent earlier from text past `to`
+        self._prefix, self._read = self._read, to
+        self._sent = len(self._decode(self._prefix, self._read)) + beyond
+        return delta
+
+    def _send_to_sealed_boundary(self, text: str) -> str:
+        """Held too long: sends up to the last sealed boundary q within reach, and reads on from q."""
+        lowest = max(self._read, len(self._ids) - 2 * MAX_HELD_TOKENS)  # a valid character is <= 4 tokens
+        heads = [(q, self._decode(self._prefix, q)) for q in range(len(self._ids) - 1, lowest, -1)]
+        for q, head in heads:  # after a real character the decoder has nothing pending
+            if head and not head.endswith(REPLACEMENT):
+                return self._send_and_move(head, q)
+        if self._byte_level:  # after a replacement character: sealed if the two sides decode apart alike
+            for q, head in heads:
+                tail = self._decode(q)
+                if tail and head + tail == text:
+                    return self._send_and_move(head, q)
+        return self._send_and_move(text, len(self._ids))  # the replacement characters are for good
+
+
+class StopStringMatcher:
+    """Cuts a completion's text before the first stop string, never sending part of one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = [s for s in dict.fromkeys(stops) if s]  # "" would match before any text
+        self._fail = [_kmp_failure(s) for s in self._stops]
+        self._state = [0] * len(self._stops)  # per stop: length of its prefix the text now ends with
+        self._held = ""
+        self._stopped = False
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to send now, whether a stop string was hit). After a hit: ("", True)."""
+        if self._stopped:
+            return "", True
+        buf = self._held + text
+        base = len(self._held)
+        for i, ch in enumerate(text):
+            hit = 0
+            for n, stop in enumerate(self._stops):
+                k, fail = self._state[n], self._fail[n]
+                while k and stop[k] != ch:
+                    k = fail[k - 1]
+                if stop[k] == ch:
+                    k += 1
+                if k == len(stop):
+                    hit, k = max(hit, k), fail[k - 1]
+                self._state[n] = k
+            if hit:
+                self._stopped, self._held = True, ""
+                return buf[: base + i + 1 - hit], True
+        keep = max(self._state, default=0)
+        self._held = buf[len(buf) - keep:]
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        """The held text, when the completion ended without a stop string ("" after a hit)."""
+        held, self._held = self._held, ""
+        self._state = [0] * len(self._stops)
+        return "" if self._stopped else held
+
+
+def _kmp_failure(s: str) -> list[int]:
+    """fail[i]: length of the longest proper prefix of s[:i+1] that is also its suffix."""
+    fail = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail[i] = k
+    return fail

@@ -1,0 +1,266 @@
+"""Prometheus metrics for `GET /metrics`, in base units, every series labelled `model_name`.
+
+Exported (names are what dashboards and `promtool check metrics` see):
+
+  from the engine's stats (`update_engine`, called by the server before each scrape)
+    mlaserve_num_requests_running            gauge    completions holding KV and being generated
+    mlaserve_num_requests_waiting            gauge    completions queued for admission
+    mlaserve_kv_cache_usage_ratio            gauge    used KV slots / all KV slots, 0..1
+    mlaserve_retractions_total               counter  completions pushed back to the queue under KV pressure
+    mlaserve_prefix_cache_hit_tokens_total   counter  prompt tokens served from the prefix cache
+  from the outputs the server receives (`on_output`, `on_abort`, `on_error`)
+    mlaserve_prompt_tokens_total             counter  prompt tokens of requests whose prefill completed
+    mlaserve_generation_tokens_total         counter  tokens generated
+    mlaserve_request_success_total           counter  completions finished, label finished_reason (stop, length)
+    mlaserve_requests_aborted_total          counter  requests aborted (client gone, shutdown)
+    mlaserve_request_errors_total            counter  requests answered with an error, label code
+    mlaserve_time_to_first_token_seconds     histogram  arrival -> first token, per completion
+    mlaserve_inter_token_latency_seconds     histogram  between successive tokens of a completion
+    mlaserve_e2e_request_latency_seconds     histogram  arrival -> finish, per finished completion
+    mlaserve_request_queue_time_seconds      histogram  arrival -> first scheduled, per completion
+
+Why one custom collector instead of prometheus_client's Counter/Histogram objects: those add a
+`*_created` gauge per series unless switched off process-wide (a global), and the engine's totals
+are already counters that only need exposing. Everything lives in this object's own registry.
+
+Rules the server follows (each event has exactly one source, so nothing is counted twice):
+- `on_output(out, now)` for every RequestOutput delta, with the finish reason the client will see
+  (a stop string found by the server: pass the delta with `finish_reason="stop"`). Deltas that end
+  with `abort` or `error` only free state here; those are counted by `on_abort` / `on_error`.
+- `on_abort(rid)` once when the server aborts a request it had submitted (disconnect, shutdown);
+  not when it aborts the engine's copy itself after a stop string.
+- `on_error(code)` once per request answered with an error (refused by the engine or the server).
+- `on_request_end(rid)` in a `finally`: forgets per-request state, a no-op when already gone.
+A request with n > 1 yields n completions: each is timed and counted by finish reason on its own,
+its prompt tokens count once (completion 0). Methods are thread-safe (one lock).
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from scheduler.io_types import (
+    ERR_CONTEXT,
+    ERR_ENGINE,
+    ERR_INVALID,
+    ERR_OVERLOADED,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineStats,
+    RequestOutput,
+)
+
+# Buckets in seconds: CPU decoding of a large MoE model takes seconds per token, a small model on a
+# GPU milliseconds, so each histogram spans both ends.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+SUCCESS_REASONS = (FINISH_STOP, FINISH_LENGTH)
+KNOWN_ERROR_CODES = (ERR_OVERLOADED, ERR_CONTEXT, ERR_INVALID, ERR_ENGINE)  # exposed at 0 from the start
+MAX_TRACKED_COMPLETIONS = 65536  # safety net: a server bug that never ends requests cannot grow memory forever
+_CODE_RE = re.compile(r"^[a-z0-9_]{1,64}$")
+# The classic text format generate_latest writes (newer prometheus_client advertises 1.0.0 by default).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _Histogram:
+    """Cumulative-bucket histogram state (the exposition wants cumulative counts)."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(sorted(bounds))
+        self.counts = [0] * (len(self.bounds) + 1)  # last: above every bound (+Inf only)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        value = max(0.0, value)  # clocks of two processes may disagree by a hair
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # le: value <= bound
+        self.sum += value
+
+    def family(self, name: str, doc: str, model_name: str) -> HistogramMetricFamily:
+        fam = HistogramMetricFamily(name, doc, labels=["model_name"])
+        buckets, total = [], 0
+        for bound, count in zip((*[repr(float(b)) for b in self.bounds], "+Inf"), self.counts):
+            total += count
+            buckets.append((bound, total))
+        fam.add_metric([model_name], buckets, self.sum)
+        return fam
+
+
+class _MonotonicTotal:
+    """Exposes an engine total as a counter that never goes down, even if the engine restarts at 0."""
+
+    def __init__(self) -> None:
+        self.base = 0
+        self.last = 0
+
+    def update(self, total: int) -> None:
+        if total < self.last:
+            self.base += self.last
+        self.last = total
+
+    @property
+    def value(self) -> int:
+        return self.base + self.last
+
+
+class Metrics(Collector):
+    """The server's metrics; see the module docstring for names and for who calls what when."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self._lock = threading.Lock()
+        # from the engine
+        self._running = 0
+        self._waiting = 0
+        self._kv_usage = 0.0
+        self._retractions = _MonotonicTotal()
+        self._prefix_hits = _MonotonicTotal()
+        # from the outputs
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._success = {reason: 0 for reason in SUCCESS_REASONS}
+        self._aborted = 0
+        self._errors = {code: 0 for code in KNOWN_ERROR_CODES}
+        self._ttft = _Histogram(TTFT_BUCKETS)
+        self._itl = _Histogram(ITL_BUCKETS)
+        self._e2e = _Histogram(E2E_BUCKETS)
+        self._queue = _Histogram(QUEUE_BUCKETS)
+        # (rid, index) -> time the server received the completion's latest token, for inter-token latency
+        self._last_token_at: OrderedDict[tuple[str, int], float] = OrderedDict()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    # ------------------------------------------------------------------ events
+    def on_output(self, out: RequestOutput, now: float) -> None:
+        """One delta received at `now` (time.time(), the clock of the engine's timestamps)."""
+        num_new = len(out.new_token_ids)
+        key = (out.rid, out.index)
+        with self._lock:
+            self._generation_tokens += num_new
+            if num_new and out.completion_tokens <= num_new:  # the delta holding the first token
+                self._on_first_token(out, now)
+            elif num_new:
+                previous = self._last_token_at.get(key)
+                if previous is not None:
+                    gap = (now - previous) / num_new  # a delta may carry several steps' tokens
+                    for _ in range(num_new):
+                        self._itl.observe(gap)
+            if num_new:
+                self._last_token_at[key] = now
+                self._last_token_at.move_to_end(key)
+                while len(self._last_token_at) > MAX_TRACKED_COMPLETIONS:
+                    self._last_token_at.popitem(last=False)
+            if out.finished:
+                self._last_token_at.pop(key, None)
+                if out.finish_reason in SUCCESS_REASONS:
+                    self._success[out.finish_reason] += 1
+                    if out.arrival_time > 0:
+                        self._e2e.observe(now - out.arrival_time)
+
+    def _on_first_token(self, out: RequestOutput, now: float) -> None:
+        if out.index == 0:
+            self._prompt_tokens += out.prompt_tokens
+        if out.arrival_time > 0:
+            first = out.first_token_time if out.first_token_time is not None else now
+            self._ttft.observe(first - out.arrival_time)
+            if out.first_scheduled_time is not None:
+                self._queue.observe(out.first_scheduled_time - out.arrival_time)
+
+    def on_abort(self, rid: str) -> None:
+        """The server aborted request `rid` (its client went away, or shutdown)."""
+        with self._lock:
+            self._aborted += 1
+            self._forget(rid)
+
+    def on_error(self, code: str) -> None:
+        """A request was answered with an error; `code` is the error code sent (ERR_* or OpenAI's)."""
+        code = code if _CODE_RE.match(code or "") else "other"  # bounded label values only
+        with self._lock:
+            self._errors[code] = self._errors.get(code, 0) + 1
+
+    def on_request_end(self, rid: str) -> None:
+        """The server is done with `rid`, however it ended: drop any timing state left for it."""
+        with self._lock:
+            self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        for key in [k for k in self._last_token_at if k[0] == rid]:
+            del self._last_token_at[key]
+
+    def update_engine(self, stats: EngineStats) -> None:
+        """Latest engine stats: gauges take the values, counters follow the engine's totals."""
+        with self._lock:
+            self._running = stats.num_running
+            self._waiting = stats.num_waiting
+            self._kv_usage = stats.kv_usage
+            self._retractions.update(stats.retractions_total)
+            self._prefix_hits.update(stats.prefix_cache_hit_tokens_total)
+
+    @property
+    def num_tracked(self) -> int:
+        """Completions whose inter-token timing state is held (tests check it returns to 0)."""
+        return len(self._last_token_at)
+
+    # ------------------------------------------------------------------ exposition
+    def render(self) -> tuple[bytes, str]:
+        """The body and content type for `GET /metrics` (Prometheus text format 0.0.4)."""
+        return generate_latest(self.registry), CONTENT_TYPE
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:  # a consistent snapshot; the text is written after the lock is released
+            return list(self._families(self.model_name))
+
+    def _families(self, m: str) -> Iterable[Metric]:
+        yield _gauge("mlaserve_num_requests_running", "Completions being generated (holding KV).", m, self._running)
+        yield _gauge("mlaserve_num_requests_waiting", "Completions waiting to be admitted.", m, self._waiting)
+        yield _gauge("mlaserve_kv_cache_usage_ratio", "Fraction of KV cache slots in use (0..1).", m, self._kv_usage)
+        yield _counter("mlaserve_retractions", "Completions retracted to the queue under KV cache pressure.",
+                       m, self._retractions.value)
+        yield _counter("mlaserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
+                       m, self._prefix_hits.value)
+        yield _counter("mlaserve_prompt_tokens", "Prompt tokens of requests whose prefill completed.",
+                       m, self._prompt_tokens)
+        yield _counter("mlaserve_generation_tokens", "Tokens generated.", m, self._generation_tokens)
+        yield _counter("mlaserve_request_success", "Completions finished, by finish reason.", m,
+                       extra_label="finished_reason", by_value=self._success)
+        yield _counter("mlaserve_requests_aborted", "Requests aborted by the server (client gone, shutdown).",
+                       m, self._aborted)
+        yield _counter("mlaserve_request_errors", "Requests answered with an error, by error code.", m,
+                       extra_label="code", by_value=self._errors)
+        yield self._ttft.family("mlaserve_time_to_first_token_seconds",
+                                "Time from arrival to the first generated token.", m)
+        yield self._itl.family("mlaserve_inter_token_latency_seconds",
+                               "Time between successive generated tokens of a completion.", m)
+        yield self._e2e.family("mlaserve_e2e_request_latency_seconds",
+                               "Time from arrival to the end of a finished completion.", m)
+        yield self._queue.family("mlaserve_request_queue_time_seconds",
+                                 "Time from arrival to first being scheduled.", m)
+
+
+def _gauge(name: str, doc: str, model_name: str, value: float) -> GaugeMetricFamily:
+    fam = GaugeMetricFamily(name, doc, labels=["model_name"])
+    fam.add_metric([model_name], value)
+    return fam
+
+
+def _counter(name: str, doc: str, model_name: str, value: float = 0, *, extra_label: str | None = None,
+             by_value: dict[str, int] | None = None) -> CounterMetricFamily:
+    """`name` without `_total` (prometheus_client appends it to the sample)."""
+    if extra_label is None:
+        fam = CounterMetricFamily(name, doc, labels=["model_name"])
+        fam.add_metric([model_name], value)
+        return fam
+    fam = CounterMetricFamily(name, doc, labels=["model_name", extra_label])
+    for label, count in sorted((by_value or {}).items()):
+        fam.add_metric([model_name, label], count)
+    return fam

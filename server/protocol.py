@@ -1,0 +1,490 @@
+"""The OpenAI API as pydantic models: what clients send, what we answer, and the error shape.
+
+    request JSON --ChatCompletionRequest / CompletionRequest--> to_sampling_params --> SamplingParams
+    engine deltas --server--> ChatCompletionResponse | ChatCompletionChunk | CompletionResponse | CompletionChunk
+                  --model_dump_json / sse_data--> the wire
+
+Requests ignore unknown fields (clients send OpenAI fields we do not implement). Every out-of-range
+value fails validation *at its own field*, so the error's `loc` names it; `describe_validation_error`
+turns pydantic's error list into OpenAI's message and `param` ("temperature", "messages.[0].content").
+Ranges are the engine's (`SamplingParams.validate`); checks that need the vocabulary (logit_bias
+ids) are left to `SamplingParams.validate(vocab_size)`.
+
+Responses leave out `None` fields, as OpenAI does, except those OpenAI always sends: `finish_reason`
+and `logprobs` on every choice (`null` on stream chunks until the end), and `param`/`code` on errors.
+vLLM's `return_token_ids` adds `token_ids` to choices and `prompt_token_ids` to responses (chat) or
+choices (completions, where each prompt has its own).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationInfo
+from pydantic import field_validator, model_serializer
+from pydantic_core import PydanticCustomError
+
+from scheduler.sampling_params import TOP_K_ALL, SamplingParams
+
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; a local server can afford more
+MAX_COMPLETION_LOGPROBS = 5  # completions API `logprobs` (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20  # chat API `top_logprobs`
+UNLIKELY_LOGPROB = -9999.0  # what OpenAI sends for a logprob too small to represent
+
+
+def _invalid(message: str) -> PydanticCustomError:
+    """A validation error whose message is exactly `message` (no "Value error, " prefix)."""
+    return PydanticCustomError("invalid_value", message)
+
+
+# ---------------------------------------------------------------- requests
+
+
+class TextContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message of `messages`; content is a string or a list of text parts (no images, audio, files)."""
+
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextContentPart] | None = Field(None, validate_default=True)
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            for i, part in enumerate(value):
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                if kind != "text":
+                    raise _invalid(f"content part {i} has type {kind!r}: only 'text' parts are supported")
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None and info.data.get("role") != "assistant":
+            raise _invalid("content is required (only an assistant message may omit it)")
+        return value
+
+    def text(self) -> str:
+        """The content as one string: text parts joined by newlines (as vLLM does)."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool | None = False
+
+
+def _check_logit_bias(value: dict[str, float] | None) -> dict[str, float] | None:
+    for key, bias in (value or {}).items():
+        _logit_bias_id(key)
+        if not -100.0 <= bias <= 100.0:
+            raise _invalid(f"logit_bias[{key!r}] = {bias}: biases must be in [-100, 100]")
+    return value
+
+
+def _logit_bias_id(key: str) -> int:
+    text = key.strip()
+    if not (text.isascii() and text.isdigit()):
+        raise _invalid(f"logit_bias keys must be token ids (non-negative integers as strings), got {key!r}")
+    return int(text)
+
+
+class _GenerationRequest(BaseModel):
+    """Fields both APIs share. Subclasses add theirs, then `min_tokens` last (it is checked against
+    `max_tokens`, and a field validator only sees fields declared before it)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str | None = None  # None: the served model
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=100.0)  # None: 1.0
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(None, ge=-1)  # -1 or 0: no limit
+    min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)
+    n: StrictInt | None = Field(1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = Field(None, ge=-(2**63), lt=2**64)
+    presence_penalty: StrictFloat | None = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | None = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: StrictFloat | None = Field(1.0, gt=0.0, le=10.0)
+    logit_bias: Annotated[dict[str, StrictFloat] | None, AfterValidator(_check_logit_bias)] = None
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: StrictBool | None = False
+    user: str | None = None
+    return_token_ids: StrictBool | None = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_count(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+            raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(value)}")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise _invalid("stream_options is only allowed when stream is true")
+        return value
+
+    @staticmethod
+    def _check_min_tokens(min_tokens: int | None, max_tokens: int | None) -> int | None:
+        if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
+            raise _invalid(f"min_tokens ({min_tokens}) must not exceed the maximum number of tokens ({max_tokens})")
+        return min_tokens
+
+    def stop_strings(self) -> list[str]:
+        """`stop` as a list, empty strings dropped (they would stop before the first token)."""
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return [s for s in stops if s]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)  # wins over max_tokens
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    min_tokens: StrictInt | None = Field(0, ge=0)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise _invalid("top_logprobs needs logprobs to be true")
+        return value
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_le_max(cls, value: int | None, info: ValidationInfo) -> int | None:
+        limit = info.data.get("max_completion_tokens") or info.data.get("max_tokens")
+        return cls._check_min_tokens(value, limit)
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Messages as chat templates expect them: role and string content (and name, if given)."""
+        out = []
+        for m in self.messages:
+            entry = {"role": m.role, "content": m.text()}
+            if m.name is not None:
+                entry["name"] = m.name
+            out.append(entry)
+        return out
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Prompt
+    max_tokens: StrictInt | None = Field(16, ge=1)  # OpenAI's default for this API
+    echo: StrictBool | None = False
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    min_tokens: StrictInt | None = Field(0, ge=0)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        shape = "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists"
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not value:
+            raise _invalid(f"{shape}; got {'an empty list' if isinstance(value, list) else type(value).__name__}")
+        if all(isinstance(v, str) for v in value):
+            return value
+        rows = value if all(isinstance(v, list) for v in value) else [value]
+        for row in rows:
+            if not row:
+                raise _invalid(f"{shape}; a token-id list is empty")
+            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in row):
+                raise _invalid(f"{shape}; token ids must be non-negative integers")
+        return value
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_le_max(cls, value: int | None, info: ValidationInfo) -> int | None:
+        return cls._check_min_tokens(value, info.data.get("max_tokens"))
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompt as a batch: one entry per prompt, each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        return [p] if isinstance(p[0], int) else p  # type: ignore[list-item,return-value]
+
+
+def parse_logit_bias(logit_bias: Mapping[str, float] | None) -> dict[int, float]:
+    """OpenAI's `{"token id as string": bias}` as `{id: bias}`; ValueError naming logit_bias otherwise."""
+    out: dict[int, float] = {}
+    for key, bias in (logit_bias or {}).items():
+        try:
+            out[_logit_bias_id(str(key))] = float(bias)
+        except PydanticCustomError as e:
+            raise ValueError(e.message()) from None
+    return out
+
+
+def to_sampling_params(
+    req: ChatCompletionRequest | CompletionRequest, *, stop_token_ids: Sequence[int] = ()
+) -> SamplingParams:
+    """The engine's view of a request. Stop *strings* stay with the server (`StopStringMatcher`)."""
+    if isinstance(req, ChatCompletionRequest):
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs, top_logprobs = req.logprobs, req.top_logprobs or 0
+    else:
+        max_tokens = req.max_tokens
+        logprobs, top_logprobs = req.logprobs is not None, req.logprobs or 0
+    return SamplingParams(  # a field sent as null means its default, as in OpenAI's API
+        temperature=_or(req.temperature, 1.0),
+        top_p=_or(req.top_p, 1.0),
+        top_k=TOP_K_ALL if req.top_k in (None, 0, -1) else req.top_k,
+        min_p=_or(req.min_p, 0.0),
+        repetition_penalty=_or(req.repetition_penalty, 1.0),
+        presence_penalty=_or(req.presence_penalty, 0.0),
+        frequency_penalty=_or(req.frequency_penalty, 0.0),
+        logit_bias=parse_logit_bias(req.logit_bias),
+        seed=req.seed,
+        n=_or(req.n, 1),
+        max_tokens=max_tokens,
+        min_tokens=_or(req.min_tokens, 0),
+        stop_token_ids=tuple(int(t) for t in stop_token_ids),
+        ignore_eos=bool(req.ignore_eos),
+        logprobs=bool(logprobs),
+        top_logprobs=top_logprobs,
+    )
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
+    """(message, param) of the first pydantic/FastAPI validation error, OpenAI style.
+
+    `loc` ("body", "messages", 0, "content") becomes param "messages.[0].content"; pydantic's
+    union-branch names (e.g. "str", "list[int]") are dropped.
+    """
+    if not errors:
+        return "invalid request", None
+    err = errors[0]
+    if err.get("type") == "json_invalid":
+        return f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}".rstrip(": "), None
+    parts: list[str] = []
+    for p in err.get("loc", ()):
+        if isinstance(p, int):
+            parts.append(f"[{p}]")
+        elif p != "body" and not ("[" in p or p in ("str", "int", "float", "bool", "function-after")):
+            parts.append(str(p))
+    param = ".".join(parts) or None
+    msg = str(err.get("msg", "invalid value"))
+    if err.get("type") == "missing":
+        return f"'{param}' is a required field", param
+    return (f"invalid value for '{param}': {msg}" if param else msg), param
+
+
+# ---------------------------------------------------------------- responses
+
+Logprob = Annotated[float, AfterValidator(lambda x: x if math.isfinite(x) else UNLIKELY_LOGPROB)]
+FinishReason = Literal["stop", "length"]
+
+
+class _Response(BaseModel):
+    """Serializes without `None` fields, except those named in `keep_null` (OpenAI sends them as null)."""
+
+    keep_null: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _omit_nulls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        return {k: v for k, v in data.items() if v is not None or k in self.keep_null}
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int | None = None
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> UsageInfo:
+        details = PromptTokensDetails(cached_tokens=cached_tokens) if cached_tokens is not None else None
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
+
+
+class TopLogprob(_Response):
+    keep_null = frozenset({"bytes"})
+    token: str
+    logprob: Logprob
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(_Response):
+    keep_null = frozenset({"bytes"})
+    token: str
+    logprob: Logprob
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(_Response):
+    keep_null = frozenset({"content"})
+    content: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(_Response):
+    """Legacy shape: parallel lists; `token_logprobs[0]` is null for an echoed prompt's first token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[Logprob | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, Logprob] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class ChatResponseMessage(_Response):
+    keep_null = frozenset({"content"})
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(_Response):
+    keep_null = frozenset({"logprobs", "finish_reason"})
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class DeltaMessage(_Response):
+    role: Literal["assistant"] | None = None  # only in a choice's first chunk
+    content: str | None = None
+
+
+class ChatCompletionChunkChoice(_Response):
+    keep_null = frozenset({"logprobs", "finish_reason"})
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    token_ids: list[int] | None = None  # ids of this delta
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionChunkChoice]
+    usage: UsageInfo | None = None  # only on the final chunk (`choices: []`) with include_usage
+    system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # first chunk, with return_token_ids
+
+
+class CompletionChoice(_Response):
+    keep_null = frozenset({"logprobs", "finish_reason"})
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # single-prompt requests, with return_token_ids
+
+
+class CompletionChunk(_Response):
+    """Streamed completions share the response's object name ("text_completion"), as OpenAI does."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "mlaserve"
+    max_model_len: int | None = None  # vLLM's extension: the context length
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(_Response):
+    keep_null = frozenset({"param", "code"})
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorInfo
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """`{"error": {"message", "type", "param", "code"}}`, the one error shape of every route."""
+    return ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code)).model_dump()
+
+
+# ---------------------------------------------------------------- server-sent events
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_data(payload: BaseModel | Mapping[str, Any]) -> str:
+    """One SSE event carrying `payload` as JSON (a chunk, or `error_body(...)` for an error mid-stream)."""
+    if isinstance(payload, BaseModel):
+        text = payload.model_dump_json()
+    else:
+        text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text}\n\n"

@@ -1,0 +1,200 @@
+"""One serializer per API shape: chat completions and (legacy) completions, whole or streamed.
+
+A serializer sees text deltas per choice (already detokenized, stop strings applied) and builds the
+OpenAI objects of `server/protocol.py`. Streams follow what the official SDK expects: one `id` and
+`created` for every chunk, the role in each choice's first delta, `finish_reason` on the choice's
+last chunk, and with `stream_options.include_usage` a final chunk with `choices: []` and the usage.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from scheduler.io_types import TokenLogprob
+from server.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionChunkChoice,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+)
+
+if TYPE_CHECKING:
+    from server.app import ServerState
+    from server.serving import EngineRequest
+
+
+class Serializer:
+    prefix = "cmpl"
+
+    def __init__(self, state: ServerState, body: Any, prompts: list[tuple[list[int], str]],
+                 requests: list[EngineRequest]) -> None:
+        self.state, self.body, self.prompts, self.requests = state, body, prompts, requests
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.n = requests[0].choices.__len__() if requests else 1
+        self.texts: dict[int, str] = {}
+        self._token_text: dict[int, str] = {}
+
+    # ---- shared pieces
+    def choice_index(self, r: EngineRequest, index: int) -> int:
+        return r.prompt_index * self.n + index
+
+    def usage(self) -> UsageInfo:
+        prompt = sum(len(r.prompt_ids) for r in self.requests)
+        completion = sum(c.completion_tokens for r in self.requests for c in r.choices)
+        return UsageInfo.of(prompt, completion, sum(r.cached_tokens for r in self.requests))
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            tok = self.state.tokenizer
+            assert tok is not None
+            text = self._token_text[token_id] = tok.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def add(self, r: EngineRequest, index: int, text: str, ids: list[int], lps: list[TokenLogprob]) -> None:
+        i = self.choice_index(r, index)
+        self.texts[i] = self.texts.get(i, "") + text
+
+    # ---- API specific
+    def response(self) -> dict: ...
+    def stream_start(self) -> list[Any]: ...
+    def stream_delta(self, r: EngineRequest, index: int, text: str, ids: list[int], lps: list[TokenLogprob]) -> list[Any]: ...
+
+    def stream_end(self) -> list[Any]:
+        return [self.chunk([], usage=self.usage())] if self.body.include_usage else []
+
+    def chunk(self, choices: list[Any], **extra: Any) -> Any: ...
+
+
+class ChatSerializer(Serializer):
+    prefix = "chatcmpl"
+
+    def chat_logprobs(self, lps: list[TokenLogprob]) -> ChatChoiceLogprobs | None:
+        if not self.body.logprobs:
+            return None
+        content = []
+        for lp in lps:
+            text = self.token_text(lp.token_id)
+            top = [TopLogprob(token=self.token_text(t), logprob=v, bytes=list(self.token_text(t).encode()))
+                   for t, v in lp.top]
+            content.append(ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top))
+        return ChatChoiceLogprobs(content=content)
+
+    def response(self) -> dict:
+        ids = self.body.return_token_ids
+        choices = [
+            ChatCompletionChoice(
+                index=self.choice_index(r, i), message=ChatResponseMessage(content=self.texts.get(self.choice_index(r, i), "")),
+                logprobs=self.chat_logprobs(c.logprobs), finish_reason=c.finish_reason,
+                token_ids=c.token_ids if ids else None,
+            )
+            for r in self.requests for i, c in enumerate(r.choices)
+        ]
+        return ChatCompletionResponse(
+            id=self.id, created=self.created, model=self.state.model_name, choices=choices, usage=self.usage(),
+            prompt_token_ids=self.requests[0].prompt_ids if ids else None,
+        ).model_dump()
+
+    def chunk(self, choices: list[Any], **extra: Any) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.state.model_name, choices=choices, **extra)
+
+    def stream_start(self) -> list[Any]:
+        first = [ChatCompletionChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                 for i in range(len(self.requests) * self.n)]
+        ids = self.requests[0].prompt_ids if self.body.return_token_ids else None
+        return [self.chunk(first, prompt_token_ids=ids)]
+
+    def stream_delta(self, r, index, text, ids, lps):
+        choice = r.choices[index]
+        i = self.choice_index(r, index)
+        out = []
+        if text or (self.body.return_token_ids and ids) or (self.body.logprobs and lps):
+            out.append(self.chunk([ChatCompletionChunkChoice(
+                index=i, delta=DeltaMessage(content=text), logprobs=self.chat_logprobs(lps),
+                token_ids=ids if self.body.return_token_ids else None,
+            )]))
+        if choice.finish_reason is not None:
+            out.append(self.chunk([ChatCompletionChunkChoice(index=i, delta=DeltaMessage(),
+                                                             finish_reason=choice.finish_reason)]))
+        return out
+
+
+class CompletionSerializer(Serializer):
+    prefix = "cmpl"
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        body: CompletionRequest = self.body
+        self.echo = bool(body.echo)
+        self.offsets: dict[int, int] = {}
+
+    def completion_logprobs(self, i: int, lps: list[TokenLogprob]) -> CompletionLogprobs | None:
+        if self.body.logprobs is None:
+            return None
+        out = CompletionLogprobs()
+        offset = self.offsets.get(i, 0)
+        for lp in lps:
+            text = self.token_text(lp.token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append({self.token_text(t): v for t, v in lp.top} if self.body.logprobs else None)
+            out.text_offset.append(offset)
+            offset += len(text)
+        self.offsets[i] = offset
+        return out
+
+    def prompt_text(self, r: EngineRequest) -> str:
+        return self.prompts[r.prompt_index][1] if self.echo else ""
+
+    def response(self) -> dict:
+        ids = self.body.return_token_ids
+        choices = []
+        for r in self.requests:
+            for k, c in enumerate(r.choices):
+                i = self.choice_index(r, k)
+                choices.append(CompletionChoice(
+                    index=i, text=self.prompt_text(r) + self.texts.get(i, ""),
+                    logprobs=self.completion_logprobs(i, c.logprobs), finish_reason=c.finish_reason,
+                    token_ids=c.token_ids if ids else None, prompt_token_ids=r.prompt_ids if ids else None,
+                ))
+        return CompletionResponse(
+            id=self.id, created=self.created, model=self.state.model_name, choices=choices, usage=self.usage(),
+            prompt_token_ids=self.requests[0].prompt_ids if ids and len(self.requests) == 1 else None,
+        ).model_dump()
+
+    def chunk(self, choices: list[Any], **extra: Any) -> CompletionChunk:
+        return CompletionChunk(id=self.id, created=self.created, model=self.state.model_name, choices=choices, **extra)
+
+    def stream_start(self) -> list[Any]:
+        if not self.echo and not self.body.return_token_ids:
+            return []
+        return [self.chunk([
+            CompletionChoice(index=self.choice_index(r, k), text=self.prompt_text(r),
+                             prompt_token_ids=r.prompt_ids if self.body.return_token_ids else None)
+            for r in self.requests for k in range(self.n)
+        ])]
+
+    def stream_delta(self, r, index, text, ids, lps):
+        choice = r.choices[index]
+        i = self.choice_index(r, index)
+        if not (text or choice.finish_reason or (self.body.return_token_ids and ids) or
+                (self.body.logprobs is not None and lps)):
+            return []
+        return [self.chunk([CompletionChoice(
+            index=i, text=text, logprobs=self.completion_logprobs(i, lps), finish_reason=choice.finish_reason,
+            token_ids=ids if self.body.return_token_ids else None,
+        )])]

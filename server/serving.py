@@ -1,0 +1,350 @@
+"""`/v1/chat/completions` and `/v1/completions`: from a validated body to engine requests and back.
+
+Per request: check the model name and availability -> build the prompt ids (chat template, or the
+completions prompt(s)) -> check the context -> one engine request per prompt (each with n
+completions) -> per completion a `ChoiceText` turns token-id deltas into text deltas (incremental
+detokenizer, then stop strings, both holding back what may still change) -> one serializer per API
+shape emits either one JSON response or SSE chunks.
+
+A choice that hits a stop string ends there ("stop"); when every choice of an engine request has
+ended, the request is aborted in the engine so its KV is freed at once. A client that disconnects
+(stream or not) closes the engine stream, which aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from scheduler.io_types import (
+    ERR_CONTEXT,
+    ERR_ENGINE,
+    ERR_OVERLOADED,
+    FINISH_ERROR,
+    GenerateRequest,
+    RequestOutput,
+    TokenLogprob,
+)
+from server.app import ServerState, error_response
+from server.chat_template import ChatTemplateError, render_chat
+from server.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from server.protocol import (
+    SSE_DONE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    sse_data,
+    to_sampling_params,
+)
+from server.responses import ChatSerializer, CompletionSerializer, Serializer
+
+
+class ClientError(Exception):
+    """A request the server refuses: becomes an OpenAI-shaped error response."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type, self.headers = status, message, param, code, type_, headers
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.type, self.param, self.code, self.headers)
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def engine_error(out: RequestOutput) -> ClientError:
+    """Maps an engine refusal or failure to its HTTP error."""
+    if out.error_code == ERR_OVERLOADED:
+        return ClientError(503, out.error or "overloaded", code="overloaded", type_="service_unavailable",
+                           headers={"Retry-After": "1"})
+    if out.error_code == ERR_CONTEXT:
+        return ClientError(400, out.error or "context length exceeded", "messages", "context_length_exceeded")
+    if out.error_code == ERR_ENGINE:
+        return ClientError(503, out.error or "the engine failed", code="engine_error", type_="service_unavailable",
+                           headers={"Retry-After": "30"})
+    return ClientError(400, out.error or "invalid request", code=out.error_code)
+
+
+@dataclasses.dataclass
+class ChoiceText:
+    """Text of one choice as it streams: detokenized, stop strings applied, held back while unsure."""
+
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+
+    def feed(self, out: RequestOutput) -> tuple[str, list[int], list[TokenLogprob]]:
+        """New text, ids and logprobs of this delta (text may lag behind ids while held back)."""
+        if self.finish_reason is not None:
+            return "", [], []
+        text, hit = self.stops.feed(self.detok.add(out.new_token_ids))
+        if not hit and out.finish_reason is not None:
+            tail, hit = self.stops.feed(self.detok.flush())
+            text += tail if hit else tail + self.stops.flush()
+        self.token_ids += out.new_token_ids
+        self.logprobs += out.logprobs or []
+        self.completion_tokens = out.completion_tokens
+        if hit:
+            self.finish_reason = "stop"
+        elif out.finish_reason is not None:
+            self.finish_reason = "length" if out.finish_reason == "length" else "stop"
+        return text, list(out.new_token_ids), list(out.logprobs or [])
+
+
+@dataclasses.dataclass
+class EngineRequest:
+    """One engine request (one prompt) and the choices it feeds."""
+
+    rid: str
+    prompt_index: int
+    prompt_ids: list[int]
+    choices: list[ChoiceText]
+    stream: AsyncIterator[RequestOutput]
+    cached_tokens: int = 0
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+
+def register_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/chat/completions")
+    async def chat(raw: Request, body: ChatCompletionRequest) -> Response:
+        return await counted(raw, state, body, ChatSerializer)
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request, body: CompletionRequest) -> Response:
+        return await counted(raw, state, body, CompletionSerializer)
+
+
+async def counted(raw: Request, state: ServerState, body: Any, serializer_cls: type[Serializer]) -> Response:
+    """`handle`, counted in `state.inflight` until the answer is complete (for streams: sent)."""
+    unavailable = state.unavailable()
+    if unavailable is not None:
+        return unavailable
+    state.inflight += 1
+    streaming = False
+    try:
+        resp = await handle(raw, state, body, serializer_cls)
+        if isinstance(resp, StreamingResponse):
+            streaming = True
+            inner = resp.body_iterator
+
+            async def tracked() -> AsyncIterator[Any]:
+                try:
+                    async for part in inner:
+                        yield part
+                finally:
+                    state.inflight -= 1
+                    with anyio.CancelScope(shield=True):  # a disconnect cancels us: still abort the engine work
+                        await inner.aclose()  # type: ignore[attr-defined]
+
+            resp.body_iterator = tracked()
+        return resp
+    finally:
+        if not streaming:
+            state.inflight -= 1
+
+
+async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: type[Serializer]) -> Response:
+    try:
+        prompts = build_prompts(state, body)
+        requests = start_requests(state, body, prompts)
+    except ClientError as e:
+        return e.response()
+    ser = serializer_cls(state, body, prompts, requests)
+    watch = asyncio.ensure_future(_wait_disconnect(raw))
+    try:
+        # wait for every prompt's first output: engine refusals arrive first and become HTTP errors
+        firsts = await _race(watch, asyncio.gather(*(anext(r.stream, None) for r in requests)))
+        if firsts is None:  # the client left before the first token
+            await _close_all(requests)
+            return Response(status_code=499)
+        refused = next((f for f in firsts if f is not None and f.finish_reason == FINISH_ERROR), None)
+        if refused is not None:
+            await _close_all(requests)
+            state.metrics.on_error(refused.error_code or "engine_error")
+            return engine_error(refused).response()
+        if body.stream:  # from here Starlette notices disconnects and cancels the stream
+            watch.cancel()
+            return StreamingResponse(_sse(ser, _events(state, requests, firsts)), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        result = await _race(watch, _collect(ser, _events(state, requests, firsts)))
+        return Response(status_code=499) if result is None else result
+    finally:
+        watch.cancel()
+
+
+def build_prompts(state: ServerState, body: Any) -> list[tuple[list[int], str]]:
+    """(ids, text) per prompt; chat renders its template, completions take strings or ids."""
+    if body.model and body.model != state.model_name:
+        raise ClientError(404, f"the model '{body.model}' does not exist", "model", "model_not_found")
+    tok = state.tokenizer
+    assert tok is not None
+    if isinstance(body, ChatCompletionRequest):
+        try:
+            text = render_chat(tok.chat_template, body.template_messages(), bos_token=tok.bos_token,
+                               eos_token=tok.eos_token)
+        except ChatTemplateError as e:
+            raise ClientError(400, str(e), "messages") from None
+        return [(tok.encode(text, add_special_tokens=False), text)]
+    out = []
+    for p in body.prompts():
+        if isinstance(p, str):
+            out.append((tok.encode(p), p))
+        else:
+            bad = next((t for t in p if t >= state.vocab_size), None)
+            if bad is not None:
+                raise ClientError(400, f"prompt token id {bad} is outside the vocabulary (0..{state.vocab_size - 1})",
+                                  "prompt")
+            out.append((list(p), tok.decode(p, skip_special_tokens=False)))
+    return out
+
+
+def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int], str]]) -> list[EngineRequest]:
+    try:
+        params = to_sampling_params(body)
+    except ValueError as e:
+        raise ClientError(400, str(e), "logit_bias") from None
+    if isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None:
+        raise ClientError(400, "logprobs together with echo are not supported (prompt logprobs are not computed)",
+                          "echo")
+    engine, tok = state.engine, state.tokenizer
+    assert engine is not None and tok is not None
+    requests = []
+    base = uuid.uuid4().hex
+    for i, (ids, _) in enumerate(prompts):
+        limit = state.context_length - len(ids)
+        if limit <= 0 or (params.max_tokens is not None and params.max_tokens > limit):
+            asked = params.max_tokens or 1
+            raise ClientError(400, f"this model's maximum context length is {state.context_length} tokens; the "
+                              f"request has {len(ids)} prompt tokens and asks for {asked} more",
+                              "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                              "context_length_exceeded")
+        p = params if params.max_tokens is not None else dataclasses.replace(params, max_tokens=limit)
+        try:
+            p.validate(state.vocab_size)
+        except ValueError as e:
+            raise ClientError(400, str(e), str(e).split(" ")[0]) from None
+        req = GenerateRequest(f"{base}-{i}", ids, p, time.time())
+        choices = [ChoiceText(IncrementalDetokenizer(tok, prompt_ids=ids), StopStringMatcher(body.stop_strings()))
+                   for _ in range(p.n)]
+        requests.append(EngineRequest(req.rid, i, ids, choices, engine.generate(req)))
+    return requests
+
+
+async def _events(state: ServerState, requests: list[EngineRequest], firsts: list[RequestOutput | None]):
+    """Yields (engine request, choice index, text, ids, logprobs) as outputs arrive from all prompts.
+
+    One pump task per engine request feeds a queue; closing this generator cancels the pumps, and each
+    pump closes its engine stream (aborting the request in the engine if it is still running)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(r: EngineRequest, first: RequestOutput | None) -> None:
+        try:
+            out = first
+            while out is not None:
+                queue.put_nowait((r, out))
+                if out.finish_reason == FINISH_ERROR:
+                    break
+                out = None if r.done else await anext(r.stream, None)
+        finally:
+            await r.stream.aclose()
+            queue.put_nowait((r, None))
+
+    tasks = [asyncio.ensure_future(pump(r, f)) for r, f in zip(requests, firsts)]
+    pump_of = {id(r): t for r, t in zip(requests, tasks)}
+    live = len(tasks)
+    try:
+        while live:
+            r, out = await queue.get()
+            if out is None:
+                live -= 1
+                continue
+            if out.finish_reason == FINISH_ERROR:
+                state.metrics.on_error(out.error_code or "engine_error")
+                raise engine_error(out)
+            if out.index == 0 and out.cached_tokens:
+                r.cached_tokens = out.cached_tokens
+            choice = r.choices[out.index]
+            if choice.finish_reason is None:
+                text, ids, lps = choice.feed(out)
+                ended_here = choice.finish_reason is not None and out.finish_reason is None  # a stop string
+                state.metrics.on_output(dataclasses.replace(out, finish_reason="stop") if ended_here else out,
+                                        time.time())
+                if r.done:  # every choice has ended (some maybe on stop strings): release the engine now
+                    pump_of[id(r)].cancel()
+                yield r, out.index, text, ids, lps
+    finally:
+        for t in tasks:
+            t.cancel()
+        with anyio.CancelScope(shield=True):  # a cancelled caller must not cut the cleanup short
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for r in requests:
+            if not r.done:
+                state.metrics.on_abort(r.rid)  # the client went away (or an error cut the stream)
+            state.metrics.on_request_end(r.rid)
+
+
+async def _collect(ser: Serializer, events) -> JSONResponse:
+    try:
+        async for r, index, text, ids, lps in events:
+            ser.add(r, index, text, ids, lps)
+    except ClientError as e:
+        return e.response()
+    finally:
+        await events.aclose()
+    return JSONResponse(ser.response())
+
+
+async def _sse(ser: Serializer, events) -> AsyncIterator[str]:
+    try:
+        for chunk in ser.stream_start():
+            yield sse_data(chunk)
+        async for r, index, text, ids, lps in events:
+            for chunk in ser.stream_delta(r, index, text, ids, lps):
+                yield sse_data(chunk)
+        for chunk in ser.stream_end():
+            yield sse_data(chunk)
+        yield SSE_DONE
+    except ClientError as e:
+        yield sse_data(e.body())
+    finally:
+        # on a disconnect Starlette cancels us (anyio: every await would be cancelled again), so the
+        # cleanup that aborts the engine request runs shielded
+        with anyio.CancelScope(shield=True):
+            await events.aclose()
+
+
+async def _close_all(requests: list[EngineRequest]) -> None:
+    for r in requests:
+        await r.stream.aclose()
+
+
+async def _wait_disconnect(raw: Request) -> None:
+    while not await raw.is_disconnected():
+        await asyncio.sleep(0.25)
+
+
+async def _race(watch: asyncio.Future, work: Any) -> Any:
+    """`work`'s result, or None if the client disconnected first (then `work` is cancelled)."""
+    task = asyncio.ensure_future(work)
+    done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)  # let the cancelled work unwind before cleanup
+    return None

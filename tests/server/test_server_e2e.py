@@ -1,0 +1,267 @@
+"""The HTTP contract against a real `mlaserve serve` process with a tiny synthetic model, driven by the
+official OpenAI SDK and by raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import time
+
+import httpx
+import openai
+import pytest
+
+from models.loader.load import load_tokenizer
+from models.synthetic import write_checkpoint
+from tests.server.server_process import ServerProcess
+
+KEY = "test-key-123"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("tinyllama"), "tiny-llama", seed=5)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    srv = ServerProcess(str(model_dir), "--api-key", KEY, "--max-total-tokens", "16384", "--context-length", "4096",
+                        "--max-request-bytes", "65536", log=tmp_path_factory.mktemp("log") / "server.log")
+    srv.wait_ready()
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return load_tokenizer(str(model_dir))
+
+
+def post(server, path, body, key=KEY, **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=60, **kw)
+
+
+def assert_error(resp, status, param=None, code=None):
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+MSG = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the sea."}]
+
+
+def test_health_models_and_auth(server, client):
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/metrics").status_code == 200  # open without a key
+    models = client.models.list()
+    assert [m.id for m in models.data] == [server_model_id(server)]
+    assert client.models.retrieve(server_model_id(server)).id == server_model_id(server)
+    assert_error(httpx.get(server.url + "/v1/models/nope", headers={"Authorization": f"Bearer {KEY}"}), 404,
+                 code="model_not_found")
+    assert_error(httpx.get(server.url + "/v1/models"), 401)
+    assert_error(httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+    assert_error(httpx.get(server.url + "/v1/nothing-here", headers={"Authorization": f"Bearer {KEY}"}), 404)
+
+
+def server_model_id(server) -> str:
+    return httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]["id"]
+
+
+def test_chat_non_streaming_usage_and_token_ids(server, client, tok):
+    r = client.chat.completions.create(model=server_model_id(server), messages=MSG, max_tokens=12, temperature=0,
+                                       extra_body={"return_token_ids": True, "ignore_eos": True})
+    choice = r.choices[0]
+    assert choice.finish_reason == "length"
+    ids = choice.model_extra["token_ids"]
+    assert len(ids) == 12 == r.usage.completion_tokens
+    assert choice.message.content == tok.decode(ids)
+    prompt_ids = r.model_extra["prompt_token_ids"]
+    assert r.usage.prompt_tokens == len(prompt_ids) and r.usage.total_tokens == len(prompt_ids) + 12
+    # deterministic: greedy twice gives the same text
+    again = client.chat.completions.create(model=server_model_id(server), messages=MSG, max_tokens=12, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert again.choices[0].message.content == choice.message.content
+
+
+def test_chat_streaming_matches_non_streaming(server, client):
+    kw = dict(model=server_model_id(server), messages=MSG, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert len({c.id for c in chunks}) == 1 and len({c.created for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert "\ufffd" not in text
+
+
+def test_stream_wire_format(server):
+    with httpx.stream("POST", server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"messages": MSG, "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True},
+                            "return_token_ids": True}, timeout=60) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in resp.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    payloads = [json.loads(e[6:]) for e in events[:-1]]
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] > 0
+    assert "prompt_token_ids" in payloads[0]
+    streamed_ids = [t for p in payloads for c in p["choices"] for t in c.get("token_ids") or []]
+    assert len(streamed_ids) == payloads[-1]["usage"]["completion_tokens"]
+
+
+def test_completions_prompt_forms_echo_logprobs_n(server, client, tok):
+    model = server_model_id(server)
+    one = client.completions.create(model=model, prompt="The sea is", max_tokens=6, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    ids = tok.encode("The sea is")
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == one.choices[0].text
+    many = client.completions.create(model=model, prompt=["The sea is", "Mountains are"], max_tokens=4, n=2,
+                                     temperature=0.8, seed=3, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in many.choices) == [0, 1, 2, 3]
+    assert many.usage.completion_tokens == 16
+    assert many.usage.prompt_tokens == len(ids) + len(tok.encode("Mountains are"))
+    echo = client.completions.create(model=model, prompt="The sea is", max_tokens=3, echo=True, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert echo.choices[0].text.startswith("The sea is")
+    lp = client.completions.create(model=model, prompt="The sea is", max_tokens=4, logprobs=3, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    logprobs = lp.choices[0].logprobs
+    assert len(logprobs.tokens) == 4 and all(len(t) == 3 for t in logprobs.top_logprobs)
+    assert all(v <= 0 for v in logprobs.token_logprobs)
+    # greedy: the chosen token is the most likely one
+    assert all(abs(max(top.values()) - v) < 1e-4 for top, v in zip(logprobs.top_logprobs, logprobs.token_logprobs))
+
+
+def test_chat_logprobs(server, client):
+    r = client.chat.completions.create(model=server_model_id(server), messages=MSG, max_tokens=4, temperature=0,
+                                       logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+
+
+def test_stop_strings_never_leak(server, client):
+    model = server_model_id(server)
+    full = client.completions.create(model=model, prompt="Once upon a time", max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert stop.strip(), full
+    want = full[: full.index(stop)]
+    r = client.completions.create(model=model, prompt="Once upon a time", max_tokens=24, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=model, prompt="Once upon a time", max_tokens=24, temperature=0,
+                                         stop=stop, stream=True, extra_body={"ignore_eos": True})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "body, status, param, code",
+    [
+        ({"messages": MSG, "temperature": 5000}, 400, "temperature", None),
+        ({"messages": MSG, "max_tokens": "many"}, 400, "max_tokens", None),
+        ({"messages": MSG, "top_p": 0}, 400, "top_p", None),
+        ({"messages": MSG, "n": 0}, 400, "n", None),
+        ({"messages": MSG, "logit_bias": {"abc": 1}}, 400, "logit_bias", None),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, 400, None, None),
+        ({}, 400, "messages", None),
+        ({"messages": MSG, "max_tokens": 100000}, 400, None, "context_length_exceeded"),
+        ({"messages": MSG, "model": "not-this-one"}, 404, "model", "model_not_found"),
+    ],
+)
+def test_bad_requests_get_openai_errors(server, body, status, param, code):
+    assert_error(post(server, "/v1/chat/completions", body), status, param, code)
+
+
+def test_bad_json_and_large_body(server):
+    resp = httpx.post(server.url + "/v1/chat/completions", content=b"{not json",
+                      headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
+    assert_error(resp, 400)
+    big = {"messages": [{"role": "user", "content": "x" * 100_000}]}
+    assert_error(post(server, "/v1/chat/completions", big), 413)
+    assert_error(post(server, "/v1/completions", {"prompt": [10**9], "max_tokens": 2}), 400)
+
+
+def test_32_concurrent_streams(server):
+    async def one(i: int, client: openai.AsyncOpenAI):
+        stream = await client.chat.completions.create(
+            model=server_model_id(server), messages=[{"role": "user", "content": f"Count to {i}."}],
+            max_tokens=8 + i % 5, stream=True, stream_options={"include_usage": True}, temperature=0.5, seed=i,
+            extra_body={"ignore_eos": True})
+        text, usage = "", None
+        async for c in stream:
+            if c.choices:
+                text += c.choices[0].delta.content or ""
+            if c.usage:
+                usage = c.usage
+        return i, usage
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+        return await asyncio.gather(*(one(i, client) for i in range(32)))
+
+    results = asyncio.run(main())
+    assert all(u is not None and u.completion_tokens == 8 + i % 5 for i, u in results)
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_disconnect_mid_stream_aborts(server):
+    aborted_before = metric(server, "mlaserve_requests_aborted_total")
+    with httpx.stream("POST", server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": "Go on and on", "max_tokens": 4000, "stream": True, "ignore_eos": True},
+                      timeout=60) as resp:
+        lines = resp.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+    # 4000 tokens take far longer than this wait: the request must have been aborted, not finished
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        if metric(server, "mlaserve_num_requests_running") == 0 and metric(server, "mlaserve_kv_cache_usage_ratio") == 0:
+            break
+        time.sleep(0.2)
+    assert metric(server, "mlaserve_num_requests_running") == 0
+    assert metric(server, "mlaserve_kv_cache_usage_ratio") == 0
+    assert metric(server, "mlaserve_requests_aborted_total") == aborted_before + 1
+
+
+def test_metrics_text(server, tmp_path):
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("mlaserve_num_requests_running", "mlaserve_num_requests_waiting", "mlaserve_kv_cache_usage_ratio",
+                 "mlaserve_prompt_tokens_total", "mlaserve_generation_tokens_total", "mlaserve_request_success_total",
+                 "mlaserve_requests_aborted_total", "mlaserve_retractions_total",
+                 "mlaserve_prefix_cache_hit_tokens_total", "mlaserve_time_to_first_token_seconds_bucket",
+                 "mlaserve_inter_token_latency_seconds_bucket", "mlaserve_e2e_request_latency_seconds_bucket",
+                 "mlaserve_request_queue_time_seconds_bucket"):
+        assert name in text, name
+    assert metric(server, "mlaserve_generation_tokens_total") > 0
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package prometheus)")
+    res = subprocess.run([promtool, "check", "metrics"], input=text.encode(), capture_output=True)
+    assert res.returncode == 0, res.stdout + res.stderr

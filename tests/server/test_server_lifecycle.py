@@ -1,0 +1,115 @@
+"""Server lifecycle against real processes: SIGTERM drain, a full queue, a dying engine, env-var config,
+and the built-in default model answering through the OpenAI SDK."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from models.synthetic import write_checkpoint
+from tests.server.server_process import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("tinyllama"), "tiny-llama", seed=8)
+
+
+def stream_completion(url: str, max_tokens: int, out: dict, key: str) -> None:
+    try:
+        with httpx.stream("POST", url + "/v1/completions", timeout=120,
+                          json={"prompt": "Tell a long story", "max_tokens": max_tokens, "stream": True,
+                                "ignore_eos": True}) as resp:
+            out[key] = [line for line in resp.iter_lines() if line]
+    except httpx.HTTPError as e:
+        out[key] = e
+
+
+def test_sigterm_drains_in_flight_then_exits_0(model_dir, tmp_path):
+    srv = ServerProcess(str(model_dir), "--shutdown-grace", "60", "--context-length", "4096",
+                        log=tmp_path / "log").wait_ready()
+    out: dict = {}
+    t = threading.Thread(target=stream_completion, args=(srv.url, 1500, out, "a"))
+    t.start()
+    time.sleep(1.0)  # the stream is running
+    srv.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    assert httpx.get(srv.url + "/health").status_code == 503  # still listening, not admitting
+    refused = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+    t.join(120)
+    assert out["a"][-1] == "data: [DONE]"  # the in-flight request finished in full
+    assert srv.proc.wait(60) == 0, srv.log()
+
+
+def test_full_queue_gets_503_with_retry_after(model_dir, tmp_path):
+    srv = ServerProcess(str(model_dir), "--max-running-requests", "1", "--max-queued-requests", "1",
+                        "--context-length", "4096", log=tmp_path / "log").wait_ready()
+    try:
+        out: dict = {}
+        threads = [threading.Thread(target=stream_completion, args=(srv.url, 1500, out, k)) for k in ("a", "b")]
+        for th in threads:
+            th.start()
+            time.sleep(0.5)
+        resp = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert resp.status_code == 503, resp.text
+        assert resp.headers.get("retry-after") and resp.json()["error"]["code"] == "overloaded"
+    finally:
+        srv.stop()
+        for th in threads:
+            th.join(30)
+
+
+def test_engine_death_fails_fast_and_health_503(model_dir, tmp_path):
+    srv = ServerProcess(str(model_dir), "--context-length", "4096", log=tmp_path / "log").wait_ready()
+    try:
+        out: dict = {}
+        t = threading.Thread(target=stream_completion, args=(srv.url, 3000, out, "a"))
+        t.start()
+        time.sleep(1.0)
+        engine_pids = [int(p) for p in os.popen(f"pgrep -P {srv.proc.pid}").read().split()]
+        assert engine_pids, "no engine child process"
+        for pid in engine_pids:
+            os.kill(pid, signal.SIGKILL)
+        t.join(15)
+        assert not t.is_alive()  # the stream did not hang
+        lines = out["a"]
+        assert any('"error"' in line for line in lines), lines[-3:]
+        deadline = time.monotonic() + 10
+        while httpx.get(srv.url + "/health").status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert httpx.get(srv.url + "/health").status_code == 503
+        resp = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert resp.status_code == 503 and "error" in resp.json()
+    finally:
+        srv.stop()
+
+
+def test_env_vars_configure_the_server(model_dir, tmp_path):
+    srv = ServerProcess(str(model_dir), env={"MLASERVE_SERVED_MODEL_NAME": "from-env", "MLASERVE_API_KEY": "k1",
+                                             "MLASERVE_CONTEXT_LENGTH": "256"}, log=tmp_path / "log").wait_ready()
+    try:
+        models = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer k1"}).json()
+        assert models["data"][0]["id"] == "from-env" and models["data"][0]["max_model_len"] == 256
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
+    finally:
+        srv.stop()
+
+
+def test_default_gguf_model_chats(tmp_path):
+    srv = ServerProcess("smollm2-135m-instruct", "--dtype", "float32", "--max-total-tokens", "4096",
+                        log=tmp_path / "log").wait_ready()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(model="smollm2-135m-instruct", temperature=0, max_tokens=20,
+                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in r.choices[0].message.content
+        assert r.choices[0].finish_reason in ("stop", "length")
+    finally:
+        assert srv.stop() == 0
