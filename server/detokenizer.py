@@ -6,24 +6,31 @@
 What each one holds back, and why:
 
 `IncrementalDetokenizer` decodes a small window of ids, not the whole sequence (the prefix/read
-offset scheme of TGI and vLLM): `ids[prefix:read]` were decoded before and give context, so that
+offset scheme of TGI and vLLM): `ids[prefix:read]` were sent before and give context, so that
 decoders whose output depends on neighbours (a SentencePiece leading space, byte tokens that only
 form a character together) produce the same text as a full decode; `ids[read:]` are new. The text
-of the window past what was already sent is the delta, and the window then moves on.
+of the window past what was already sent is the delta; the window then moves on (prefix = read,
+read = end), so each call decodes a few tokens, whatever the length of the completion.
   * Byte-level tokenizers split characters: a token may carry the first bytes of a UTF-8 character
     whose rest comes with the next tokens. The decoder then ends its text with U+FFFD. While the
     window's text ends with U+FFFD, the window does not move and the trailing run of U+FFFD is held
     back (what precedes it cannot change any more, so it is sent).
+  * New tokens with no visible text (a skipped special token, a lone SentencePiece `▁`) do not move
+    the window either: a window starting there would strip the space the next word needs.
   * A sequence that truly contains invalid bytes would hold forever, and the window would grow
-    with every token. So after `MAX_HELD_TOKENS` held tokens we look for the last *sealed* token
-    boundary q (decoding ids before and after q separately gives the same text as decoding them
-    together: no character straddles q), send everything before it, and restart the window at q.
-    If none exists the text is taken as it is. Valid text never takes this path: a character is at
-    most 4 bytes, so it completes (and the window moves) within 4 byte-carrying tokens.
+    with every token. So after `MAX_HELD_TOKENS` held tokens we look, among the last few token
+    boundaries, for the last *sealed* one q, where no character straddles q: the text before q ends
+    in a real character (the UTF-8 decoder has nothing pending), or, for byte-level decoders (lossy
+    UTF-8 over the whole byte stream), both sides decoded apart give the text decoded together. We
+    send the text before q and read on from q. If none exists the text is taken as it is. Valid
+    text never takes this path: a character has at most 4 bytes, so it completes (and the window
+    moves) within 4 byte-carrying tokens.
   * `flush()` sends whatever is held, replacement characters included: the sequence really ended
     in the middle of a character.
-Positions where the window starts are always sealed, so the concatenated deltas equal
-`tokenizer.decode(all_ids)` (with `prompt_ids`, they equal the text the ids add after the prompt).
+Window starts are always sealed, so the concatenated deltas equal `tokenizer.decode(all_ids)` (with
+`prompt_ids`: the text the ids add after the prompt). One exception, invalid bytes in SentencePiece
+byte-fallback runs: the HF `ByteFallback` decoder turns a whole run of `<0xNN>` tokens into U+FFFD
+when any byte of it is invalid, so a later stray byte would change text already sent.
 
 `StopStringMatcher` runs one KMP automaton per stop string over the text as it arrives (linear in
 the text, whatever the chunking). It holds back the longest suffix that is a prefix of some stop
@@ -96,6 +103,9 @@ class IncrementalDetokenizer:
         beyond = max(0, self._sent - len(text))  # sent earlier from text past `to`
         self._prefix, self._read = self._read, to
         self._sent = len(self._decode(self._prefix, self._read)) + beyond
+        if self._prefix > 1024:  # ids before the window are never decoded again
+            del self._ids[:self._prefix]
+            self._prefix, self._read = 0, self._read - self._prefix
         return delta
 
     def _send_to_sealed_boundary(self, text: str) -> str:

@@ -289,7 +289,7 @@ def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str,
     for p in err.get("loc", ()):
         if isinstance(p, int):
             parts.append(f"[{p}]")
-        elif p != "body" and not ("[" in p or p in ("str", "int", "float", "bool", "function-after")):
+        elif p != "body" and not ("[" in p or p in ("str", "int", "float", "bool")):
             parts.append(str(p))
     param = ".".join(parts) or None
     msg = str(err.get("msg", "invalid value"))

@@ -18,14 +18,22 @@ from tokenizers import SentencePieceBPETokenizer
 
 from models.builtin import builtin_model_path
 from models.loader.gguf_loader import GGUFCheckpoint
-from models.loader.tokenizer import TokenizerBundle, deepseek_tokenizer_dir, load_hf_tokenizer, tokenizer_from_gguf_metadata
+from models.loader.tokenizer import (
+    TokenizerBundle,
+    deepseek_tokenizer_dir,
+    load_hf_tokenizer,
+    tokenizer_from_gguf_metadata,
+)
 from server.detokenizer import MAX_HELD_TOKENS, IncrementalDetokenizer, StopStringMatcher
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
-    "\u4f60\u597d\uff0c\u4e16\u754c\uff01\u8fd9\u662f\u4e00\u4e2a\u6d4b\u8bd5\u3002\u6570\u5b66\u516c\u5f0f\uff1a\u2211\u222b",
-    "emoji \U0001F600\U0001F389\U0001F44D\U0001F3FD family \U0001F468\u200d\U0001F469\u200d\U0001F467 flags \U0001F1EB\U0001F1F7",
-    "na\u00efve caf\u00e9 \u00fcber e\u0301 \u0436\u0443\u0440\u043d\u0430\u043b \u05e9\u05dc\u05d5\u05dd \u0645\u0631\u062d\u0628\u0627",
+    "\u4f60\u597d\uff0c\u4e16\u754c\uff01\u8fd9\u662f\u4e00\u4e2a\u6d4b\u8bd5\u3002"
+    "\u6570\u5b66\u516c\u5f0f\uff1a\u2211\u222b",
+    "emoji \U0001F600\U0001F389\U0001F44D\U0001F3FD family \U0001F468\u200d\U0001F469\u200d\U0001F467"
+    " flags \U0001F1EB\U0001F1F7",
+    "na\u00efve caf\u00e9 \u00fcber e\u0301 \u0436\u0443\u0440\u043d\u0430\u043b"
+    " \u05e9\u05dc\u05d5\u05dd \u0645\u0631\u062d\u0628\u0627",
     "  spaces\tand\ttabs\n\nnew lines \U0001F9EA\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8 \ud55c\uad6d\uc5b4",
     "def f(x):\n    return {'k': [x ** 2]}  # \u2014 \u201cquoted\u201d \u00bd \u20ac100",
 ]
@@ -110,7 +118,7 @@ def test_real_text_streams_whole_characters(any_tok: TokenizerBundle) -> None:
     rng = random.Random(1)
     for text in TEXTS:
         ids = any_tok.encode(text, add_special_tokens=False)
-        assert any_tok.decode(ids) .strip() == text.strip()
+        assert any_tok.decode(ids).strip() == text.strip()  # SentencePiece drops a leading space
         for chunked in (None, rng):
             deltas = _stream(any_tok, ids, chunked)
             assert "".join(deltas) == any_tok.decode(ids)
@@ -142,7 +150,7 @@ def test_invalid_bytes_match_full_decode(byte_level: TokenizerBundle) -> None:
     path must still agree with the decoder's own replacement characters."""
     rng = random.Random(3)
     byte_ids = _byte_token_ids(byte_level)
-    specials = [byte_level.eos_token_ids[0], *([byte_level.bos_token_id] if byte_level.bos_token_id is not None else [])]
+    specials = [byte_level.eos_token_ids[0]] + [i for i in [byte_level.bos_token_id] if i is not None]
     pool = [i for b, i in byte_ids.items() if b >= 0x80 or b in b"ABC"] + specials
     vocab = byte_level.tokenizer.get_vocab_size()
     for _ in range(400):
@@ -156,10 +164,14 @@ def test_invalid_bytes_match_full_decode(byte_level: TokenizerBundle) -> None:
     assert "".join(deltas) == byte_level.decode(ids) == "\ufffd" * 8 + "\u48bd"
     # a token with a whole character and the start of the next (" " + 3 bytes of an emoji), then stray
     # lead bytes: the space goes out at once, and only once when the held window is cut
-    ids = [*byte_level.encode("A", add_special_tokens=False), byte_level.tokenizer.token_to_id("\u0120\u00f0\u0141\u013a")]
-    ids += [byte_ids[0xF0]] * (MAX_HELD_TOKENS + 3)
-    deltas = _stream(byte_level, ids)
-    assert "".join(deltas) == byte_level.decode(ids) and deltas[:2] == ["A", " "]
+    space_and_emoji_start = byte_level.tokenizer.token_to_id("\u0120\u00f0\u0141\u013a")  # "Ġ" + F0 9F 98
+    ids = [*byte_level.encode("A", add_special_tokens=False), space_and_emoji_start]
+    stray = [byte_ids[0xF0]] * (MAX_HELD_TOKENS + 3)
+    deltas = _stream(byte_level, ids + stray)
+    assert "".join(deltas) == byte_level.decode(ids + stray) and deltas[:2] == ["A", " "]
+    det = IncrementalDetokenizer(byte_level)
+    deltas = [det.add(ids), det.add(stray), det.flush()]
+    assert deltas[0] == "A " and "".join(deltas) == byte_level.decode(ids + stray)
 
 
 def test_random_ids_sentencepiece(spm: TokenizerBundle) -> None:
@@ -189,7 +201,8 @@ def test_truncated_character_flushed_at_the_end(byte_level: TokenizerBundle) -> 
 
 
 def test_special_tokens_kept_or_skipped(deepseek: TokenizerBundle) -> None:
-    ids = [deepseek.bos_token_id, *deepseek.encode("Hi \u4e16\u754c", add_special_tokens=False), deepseek.eos_token_ids[0]]
+    text_ids = deepseek.encode("Hi \u4e16\u754c", add_special_tokens=False)
+    ids = [deepseek.bos_token_id, *text_ids, deepseek.eos_token_ids[0]]
     for skip in (True, False):
         assert "".join(_stream(deepseek, ids, skip_special_tokens=skip)) == deepseek.decode(ids, skip)
     assert deepseek.eos_token in "".join(_stream(deepseek, ids, skip_special_tokens=False))

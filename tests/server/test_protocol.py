@@ -66,8 +66,10 @@ def _param_of_error(kind: type, body: dict) -> tuple[str | None, str]:
 def test_valid_requests_and_unknown_fields_ignored() -> None:
     chat = ChatCompletionRequest.model_validate(
         {**CHAT, "messages": [{"role": "system", "content": "be brief"}, {"role": "developer", "content": "x"},
-                              {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-                              {"role": "assistant", "content": None}, {"role": "tool", "content": "42", "tool_call_id": "t"}],
+                              {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                           {"type": "text", "text": "b"}]},
+                              {"role": "assistant", "content": None},
+                              {"role": "tool", "content": "42", "tool_call_id": "t"}],
          "tools": [{"type": "function"}], "response_format": {"type": "text"}, "some_future_field": 1})
     assert [m["content"] for m in chat.template_messages()] == ["be brief", "x", "a\nb", "", "42"]
     assert not hasattr(chat, "tools") and chat.stop_strings() == []
@@ -245,8 +247,9 @@ def test_chat_response_parses_with_the_sdk() -> None:
     top = sdk.choices[0].logprobs.content[0].top_logprobs
     assert top[1].logprob == -9999.0 and top[1].bytes is None  # -inf is not JSON: OpenAI's stand-in
     assert sdk.choices[0].model_extra["token_ids"] == [5, 6] and sdk.model_extra["prompt_token_ids"] == [1, 2, 3]
-    plain = json.loads(ChatCompletionResponse(id="c", created=1, model="m", usage=UsageInfo.of(3, 0), choices=[
-        ChatCompletionChoice(index=0, message=ChatResponseMessage(content=""), finish_reason="length")]).model_dump_json())
+    choice = ChatCompletionChoice(index=0, message=ChatResponseMessage(content=""), finish_reason="length")
+    plain = json.loads(ChatCompletionResponse(id="c", created=1, model="m", usage=UsageInfo.of(3, 0),
+                                              choices=[choice]).model_dump_json())
     assert plain["choices"][0] == {"index": 0, "message": {"role": "assistant", "content": ""}, "logprobs": None,
                                    "finish_reason": "length"}
     assert plain["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
@@ -306,7 +309,8 @@ def test_sdk_client_streams_chat_chunks() -> None:
 def test_sdk_client_streams_completions_and_errors() -> None:
     lp = CompletionLogprobs(tokens=["a", "b"], token_logprobs=[None, -0.5], top_logprobs=[None, {"b": -0.5, "c": -1.5}],
                             text_offset=[0, 1])
-    chunks = [CompletionChunk(id="cmpl-1", created=5, model="m", choices=[CompletionChoice(index=0, text="ab", logprobs=lp)]),
+    chunks = [CompletionChunk(id="cmpl-1", created=5, model="m",
+                              choices=[CompletionChoice(index=0, text="ab", logprobs=lp)]),
               CompletionChunk(id="cmpl-1", created=5, model="m", choices=[
                   CompletionChoice(index=0, text="", finish_reason="stop", token_ids=[3])]),
               CompletionChunk(id="cmpl-1", created=5, model="m", choices=[], usage=UsageInfo.of(1, 2))]
@@ -326,10 +330,11 @@ def test_sdk_client_streams_completions_and_errors() -> None:
 
 
 def test_completion_response_and_errors_through_the_sdk() -> None:
+    logprobs = CompletionLogprobs(tokens=["h", "i"], token_logprobs=[-0.1, -math.inf],
+                                  top_logprobs=[{"h": -0.1}, {"i": -math.inf}], text_offset=[0, 1])
     resp = CompletionResponse(id="cmpl-2", created=7, model="m", usage=UsageInfo.of(4, 2), choices=[
         CompletionChoice(index=0, text="hi", finish_reason="length", prompt_token_ids=[1, 2, 3, 4], token_ids=[5, 6],
-                         logprobs=CompletionLogprobs(tokens=["h", "i"], token_logprobs=[-0.1, -math.inf],
-                                                     top_logprobs=[{"h": -0.1}, {"i": -math.inf}], text_offset=[0, 1]))])
+                         logprobs=logprobs)])
     sdk = Completion.model_validate_json(resp.model_dump_json())
     assert sdk.choices[0].logprobs.token_logprobs == [-0.1, -9999.0] and sdk.usage.total_tokens == 6
     client = _client(lambda request: httpx.Response(200, json=json.loads(resp.model_dump_json())))

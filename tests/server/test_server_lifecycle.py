@@ -21,23 +21,30 @@ def model_dir(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("tinyllama"), "tiny-llama", seed=8)
 
 
-def stream_completion(url: str, max_tokens: int, out: dict, key: str) -> None:
+def stream_completion(url: str, max_tokens: int, out: dict, key: str,
+                      started: threading.Event | None = None) -> None:
     try:
         with httpx.stream("POST", url + "/v1/completions", timeout=120,
                           json={"prompt": "Tell a long story", "max_tokens": max_tokens, "stream": True,
                                 "ignore_eos": True}) as resp:
-            out[key] = [line for line in resp.iter_lines() if line]
+            lines = out[key] = []
+            for line in resp.iter_lines():
+                if line:
+                    lines.append(line)
+                    if started is not None:
+                        started.set()
     except httpx.HTTPError as e:
-        out[key] = e
+        out[key + "_error"] = e
 
 
 def test_sigterm_drains_in_flight_then_exits_0(model_dir, tmp_path):
     srv = ServerProcess(str(model_dir), "--shutdown-grace", "60", "--context-length", "4096",
                         log=tmp_path / "log").wait_ready()
     out: dict = {}
-    t = threading.Thread(target=stream_completion, args=(srv.url, 1500, out, "a"))
+    started = threading.Event()
+    t = threading.Thread(target=stream_completion, args=(srv.url, 1500, out, "a", started))
     t.start()
-    time.sleep(1.0)  # the stream is running
+    assert started.wait(60)  # the stream is running
     srv.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     assert httpx.get(srv.url + "/health").status_code == 503  # still listening, not admitting
@@ -48,15 +55,27 @@ def test_sigterm_drains_in_flight_then_exits_0(model_dir, tmp_path):
     assert srv.proc.wait(60) == 0, srv.log()
 
 
+def waiting(srv) -> float:
+    for line in httpx.get(srv.url + "/metrics").text.splitlines():
+        if line.startswith("mlaserve_num_requests_waiting{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_full_queue_gets_503_with_retry_after(model_dir, tmp_path):
     srv = ServerProcess(str(model_dir), "--max-running-requests", "1", "--max-queued-requests", "1",
                         "--context-length", "4096", log=tmp_path / "log").wait_ready()
     try:
         out: dict = {}
-        threads = [threading.Thread(target=stream_completion, args=(srv.url, 1500, out, k)) for k in ("a", "b")]
-        for th in threads:
-            th.start()
-            time.sleep(0.5)
+        started = threading.Event()
+        threads = [threading.Thread(target=stream_completion, args=(srv.url, 1500, out, "a", started)),
+                   threading.Thread(target=stream_completion, args=(srv.url, 1500, out, "b"))]
+        threads[0].start()
+        assert started.wait(60)  # "a" runs (the only running slot)
+        threads[1].start()
+        deadline = time.monotonic() + 30
+        while waiting(srv) < 1 and time.monotonic() < deadline:  # "b" waits in the engine's queue
+            time.sleep(0.1)
         resp = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
         assert resp.status_code == 503, resp.text
         assert resp.headers.get("retry-after") and resp.json()["error"]["code"] == "overloaded"
@@ -70,9 +89,10 @@ def test_engine_death_fails_fast_and_health_503(model_dir, tmp_path):
     srv = ServerProcess(str(model_dir), "--context-length", "4096", log=tmp_path / "log").wait_ready()
     try:
         out: dict = {}
-        t = threading.Thread(target=stream_completion, args=(srv.url, 3000, out, "a"))
+        started = threading.Event()
+        t = threading.Thread(target=stream_completion, args=(srv.url, 3000, out, "a", started))
         t.start()
-        time.sleep(1.0)
+        assert started.wait(60)
         engine_pids = [int(p) for p in os.popen(f"pgrep -P {srv.proc.pid}").read().split()]
         assert engine_pids, "no engine child process"
         for pid in engine_pids:
