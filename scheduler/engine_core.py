@@ -82,7 +82,11 @@ class EngineCore:
             max_context_len=self.context_len, device=device, kv_dtype=kv_dtype,
             attention_backend=args.attention_backend, page_size=args.page_size,
         )
-        self.cache = create_prefix_cache(args.enable_prefix_cache, self.runner.allocator)
+        use_cache = args.enable_prefix_cache and args.page_size == 1
+        if args.enable_prefix_cache and not use_cache:
+            logger.warning("the prefix cache works with page size 1 only: off for page size %d", args.page_size)
+        self.cache = create_prefix_cache(use_cache, self.runner.allocator)
+        self.shares_prompts = use_cache
         self.scheduler = Scheduler(
             self.runner, self.cache, Sampler(cfg.vocab_size, device), eos_token_ids=sorted(eos),
             context_len=self.context_len, max_running_requests=args.max_running_requests,
@@ -93,11 +97,11 @@ class EngineCore:
         self.kv_bytes_per_token = per_token
         logger.info(
             "KV cache: %d slots x %d bytes/token = %.2f GiB (%s); max_running_requests=%d, context_length=%d, "
-            "prefix cache %s",
+            "page size %d, prefix cache %s",
             num_slots, per_token, num_slots * per_token / 2**30,
             f"MLA latent {cfg.kv_cache_dim} values x {cfg.num_hidden_layers} layers"
             if isinstance(cfg, DeepseekConfig) else f"K+V {cfg.num_key_value_heads} heads x {cfg.head_dim}",
-            args.max_running_requests, self.context_len, "on" if args.enable_prefix_cache else "off",
+            args.max_running_requests, self.context_len, args.page_size, "on" if use_cache else "off",
         )
 
     def describe(self) -> dict:
@@ -117,7 +121,7 @@ class EngineCore:
         p = req.params
         base = p.seed if p.seed is not None else self._rng.getrandbits(63)
         reqs = [Req(req.rid, i, list(req.input_ids), p, _mix_seed(base, i) if i else base,
-                    arrival_time=req.arrival_time or 0.0, waits_for_sibling=i > 0 and self.args.enable_prefix_cache)
+                    arrival_time=req.arrival_time or 0.0, waits_for_sibling=i > 0 and self.shares_prompts)
                 for i in range(p.n)]
         self.scheduler.add(reqs)
         return []

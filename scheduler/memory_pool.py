@@ -56,29 +56,70 @@ class ReqToTokenPool:
 
 
 class TokenSlotAllocator:
-    """Free list of KV slot indices, allocated a token (page_size 1) or a page at a time."""
+    """Hands out KV slot indices, a token (page_size 1) or a page at a time.
+
+    Paged (page_size P > 1, for kernels that read the cache in P-token pages): a request's tokens
+    fill its last page before it gets a new one, so its slots are P-aligned runs; a page belongs to
+    one request only and returns to the free list when that request frees its slots. Page 0 (slots
+    0..P-1) is the reserved dummy page.
+    """
 
     def __init__(self, num_slots: int, page_size: int = 1, device: torch.device | str = "cpu") -> None:
-        if num_slots % page_size:
-            raise ValueError(f"num_slots {num_slots} must be a multiple of page_size {page_size}")
+        if page_size < 1 or num_slots % page_size:
+            raise ValueError(f"num_slots {num_slots} must be a positive multiple of page_size {page_size}")
         self.num_slots = num_slots
         self.page_size = page_size
         self.device = device
-        self._free = torch.arange(page_size, num_slots + page_size, dtype=torch.int64)
+        # free slots (page_size 1) or free page numbers (paged), page 0 reserved
+        self._free = torch.arange(1, num_slots // page_size + 1, dtype=torch.int64)
 
     def available_size(self) -> int:
-        return int(self._free.numel())
+        """Free slots in whole free pages (a request's part-filled last page is not counted)."""
+        return int(self._free.numel()) * self.page_size
+
+    def slots_needed(self, prefix_len: int, n: int) -> int:
+        """Slots taken from the free list by `n` new tokens after `prefix_len` cached ones."""
+        if self.page_size == 1:
+            return n
+        room = (-prefix_len) % self.page_size  # left in the last page
+        return -(-max(0, n - room) // self.page_size) * self.page_size
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        """`n` slot indices (int64 on the pool's device), or None when not enough are free."""
-        if n > self._free.numel():
+        """`n` fresh slots (page_size 1), or None when not enough are free."""
+        return self.alloc_extend([(-1, n)])
+
+    def alloc_extend(self, requests: list[tuple[int, int]]) -> torch.Tensor | None:
+        """Slots for several requests at once: (slot of the request's last cached token or -1, count).
+        Returns the slots concatenated in request order, or None (nothing taken) when short."""
+        p = self.page_size
+        if p == 1:
+            n = sum(c for _, c in requests)
+            if n > self._free.numel():
+                return None
+            out, self._free = self._free[:n], self._free[n:]
+            return out.to(self.device)
+        pages_needed = sum(self.slots_needed(0 if last < 0 else last % p + 1, c) // p for last, c in requests)
+        if pages_needed > self._free.numel():
             return None
-        out, self._free = self._free[:n], self._free[n:]
-        return out.to(self.device)
+        pages, self._free = self._free[:pages_needed].tolist(), self._free[pages_needed:]
+        out: list[int] = []
+        for last, count in requests:
+            nxt = last + 1 if last >= 0 and (last + 1) % p else None  # continue the last page if it has room
+            for _ in range(count):
+                if nxt is None:
+                    nxt = pages.pop(0) * p
+                out.append(nxt)
+                nxt = nxt + 1 if (nxt + 1) % p else None
+        return torch.tensor(out, dtype=torch.int64, device=self.device)
 
     def free(self, loc: torch.Tensor) -> None:
-        if loc.numel():
-            self._free = torch.cat([self._free, loc.detach().to("cpu", torch.int64)])
+        """Returns slots (page_size 1) or the pages they lie on (paged: the caller owns whole pages)."""
+        if not loc.numel():
+            return
+        loc = loc.detach().to("cpu", torch.int64)
+        if self.page_size > 1:
+            loc = torch.unique(loc // self.page_size)
+        self._free = torch.cat([self._free, loc])
 
 
 class MLATokenToKVPool:

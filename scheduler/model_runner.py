@@ -83,7 +83,9 @@ class ModelRunner:
         if min(n_new) <= 0:
             raise ValueError("every request needs at least one new token")
         total = sum(n_new)
-        loc = self.allocator.alloc(total)
+        table = self.req_to_token_pool.req_to_token
+        last = [int(table[s.req_pool_idx, s.prefix_len - 1]) if s.prefix_len else -1 for s in slices]
+        loc = self.allocator.alloc_extend(list(zip(last, n_new)))
         if loc is None:
             raise OutOfKVSlots(f"need {total} KV slots, {self.allocator.available_size()} free")
         positions, start = [], 0

@@ -118,8 +118,9 @@ class Scheduler:
         slices: list[RequestSlice] = []
         reqs: list[Req] = []
         finished: list[Req] = []
+        alloc = self.runner.allocator
         decoding = [r for r in self.running if r.is_decoding]
-        while decoding and not self._make_room(len(decoding)):
+        while decoding and not self._make_room(sum(alloc.slots_needed(r.kv_len, 1) for r in decoding)):
             victim = max(decoding, key=lambda r: r.first_scheduled_time or 0.0)
             if len(decoding) == 1:  # alone and still no room: the pool cannot hold a longer sequence
                 self._finish(victim, FINISH_LENGTH)
@@ -130,17 +131,18 @@ class Scheduler:
         for r in decoding:
             slices.append(RequestSlice(r.row, r.kv_len, r.all_ids[r.kv_len :]))
             reqs.append(r)
-        need = len(decoding)  # KV slots the slices so far will take
+        need = sum(alloc.slots_needed(r.kv_len, 1) for r in decoding)  # KV slots the slices so far take
 
         budget = self.max_prefill_tokens
         for r in [r for r in self.running if not r.is_decoding]:  # unfinished chunks first
             n = min(r.num_pending, self.chunk, budget)
-            if n <= 0 or not self._make_room(need + n):
+            cost = alloc.slots_needed(r.kv_len, n)
+            if n <= 0 or not self._make_room(need + cost):
                 break
             slices.append(RequestSlice(r.row, r.kv_len, r.all_ids[r.kv_len : r.kv_len + n]))
             reqs.append(r)
             budget -= n
-            need += n
+            need += cost
 
         for r in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_running:
@@ -160,7 +162,7 @@ class Scheduler:
             slices.append(RequestSlice(r.row, r.kv_len, r.all_ids[r.kv_len : r.kv_len + n]))
             reqs.append(r)
             budget -= n
-            need += n
+            need += alloc.slots_needed(r.kv_len, n)
         return slices, reqs, finished
 
     def _admit(self, r: Req, budget: int, need: int) -> int | None:
@@ -170,8 +172,9 @@ class Scheduler:
         self.cache.lock(match.node)
         cached = int(match.kv_indices.numel())
         n = min(r.seq_len - cached, self.chunk, budget)
-        # room for this chunk plus one decode step of everything already running
-        room = self._make_room(need + n + len(self.running))
+        # room for this chunk plus one decode step (one page) of everything already running
+        alloc = self.runner.allocator
+        room = self._make_room(need + alloc.slots_needed(cached, n) + len(self.running) * alloc.page_size)
         row = self.runner.req_to_token_pool.alloc() if room else None
         if row is None:
             self.cache.unlock(match.node)

@@ -58,6 +58,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("dtype", str, "auto", "weights and activations dtype", ("auto", "float32", "bfloat16", "float16")),
     Flag("attention-backend", str, "torch", "attention implementation", ("torch",)),
     Flag("expert-backend", str, "torch", "routed-expert implementation for MoE models", ("torch",)),
+    Flag("page-size", int, 1, "KV slots per page (64 for paged attention kernels; the prefix cache needs 1)"),
+    Flag("kv-dtype", str, "auto", "KV cache dtype (auto: the model's)", ("auto", "float32", "bfloat16", "float16")),
     Flag("disable-prefix-cache", _bool, False, "turn the radix prefix cache off"),
     Flag("max-request-bytes", int, 1 << 20, "largest request body accepted (413 beyond)"),
     Flag("shutdown-grace", float, 30.0, "seconds in-flight requests get to finish after SIGTERM"),
@@ -104,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_serve_args(argv: list[str]) -> ServerArgs:
     ns = build_parser().parse_args(argv)
-    for name in ("port", "max_running_requests", "max_queued_requests", "chunked_prefill_size", "max_request_bytes"):
+    for name in ("port", "max_running_requests", "max_queued_requests", "chunked_prefill_size", "max_request_bytes",
+                 "page_size"):
         if getattr(ns, name) <= 0:
             build_parser().error(f"--{name.replace('_', '-')} must be > 0")
     engine = EngineArgs(
@@ -114,7 +117,8 @@ def parse_serve_args(argv: list[str]) -> ServerArgs:
         max_total_tokens=ns.max_total_tokens, mem_fraction=ns.mem_fraction,
         chunked_prefill_size=ns.chunked_prefill_size,
         max_prefill_tokens=max(ns.chunked_prefill_size, EngineArgs.max_prefill_tokens),
-        enable_prefix_cache=not ns.disable_prefix_cache,
+        enable_prefix_cache=not ns.disable_prefix_cache, page_size=ns.page_size,
+        kv_dtype=None if ns.kv_dtype == "auto" else ns.kv_dtype,
     )
     return ServerArgs(
         host=ns.host, port=ns.port, api_key=ns.api_key or None, served_model_name=ns.served_model_name,

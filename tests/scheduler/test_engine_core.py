@@ -91,6 +91,19 @@ def test_batch_invariance_staggered(model_dir):
     assert_no_leak(core)
 
 
+def test_paged_kv_gives_the_same_tokens(model_dir):
+    """Page size 64 (the layout paged GPU kernels read): same tokens as token-granular slots."""
+    reqs = [(f"p{i}", prompt(5 + 23 * i, 300 + i), dataclasses.replace(GREEDY, max_tokens=70 - 9 * i)) for i in range(6)]
+    flat = make_engine(model_dir, enable_prefix_cache=False)
+    expected = {rid: alone(flat, ids, p) for rid, ids, p in reqs}
+    paged = make_engine(model_dir, page_size=64, max_total_tokens=64 * 12, chunked_prefill_size=40)
+    for rid, ids, p in reqs:
+        paged.add_request(GenerateRequest(rid, ids, p))
+    outs = run_to_end(paged)
+    assert {rid: tokens(outs[(rid, 0)]) for rid, _, _ in reqs} == expected
+    assert_no_leak(paged)
+
+
 def test_prefix_cache_reuses_slots_and_keeps_tokens(model_dir):
     shared = prompt(48, 100)
     a, b = shared + prompt(5, 101), shared + prompt(7, 102)
