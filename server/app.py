@@ -110,6 +110,28 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class AuthMiddleware:
+    """`/v1/*` needs `Authorization: Bearer KEY` when a key is set; compared in constant time.
+
+    Plain ASGI on purpose: Starlette's BaseHTTPMiddleware wraps `receive`, and handlers then never
+    see the client's disconnect (which must abort the request in the engine)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        key = self.state.api_key
+        if scope["type"] == "http" and key and scope.get("path", "").startswith("/v1"):
+            header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+            scheme, _, given = header.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+                resp = error_response(401, "invalid or missing API key (send Authorization: Bearer KEY)",
+                                      "authentication_error", code="invalid_api_key")
+                return await resp(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
     from server.serving import register_routes
 
@@ -133,16 +155,6 @@ def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
     async def on_crash(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("internal error")
         return error_response(500, f"internal server error: {type(exc).__name__}", "internal_error")
-
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        if state.api_key and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            scheme, _, key = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), state.api_key.encode()):
-                return error_response(401, "invalid or missing API key (send Authorization: Bearer KEY)",
-                                      "authentication_error", code="invalid_api_key")
-        return await call_next(request)
 
     @app.get("/health")
     async def health() -> Response:
@@ -170,6 +182,7 @@ def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
 
     register_routes(app, state)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    app.add_middleware(AuthMiddleware, state=state)
     return app
 
 

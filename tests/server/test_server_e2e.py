@@ -44,9 +44,9 @@ def tok(model_dir):
     return load_tokenizer(str(model_dir))
 
 
-def post(server, path, body, key=KEY, **kw):
+def post(server, path, body, key=KEY, timeout=60.0):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.post(server.url + path, json=body, headers=headers, timeout=60, **kw)
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=timeout)
 
 
 def assert_error(resp, status, param=None, code=None):
@@ -265,3 +265,14 @@ def test_metrics_text(server, tmp_path):
         pytest.skip("promtool not installed (Debian package prometheus)")
     res = subprocess.run([promtool, "check", "metrics"], input=text.encode(), capture_output=True)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_disconnect_while_waiting_non_streaming_aborts(server):
+    aborted_before = metric(server, "mlaserve_requests_aborted_total")
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, "/v1/completions", {"prompt": "Go on", "max_tokens": 4000, "ignore_eos": True}, timeout=1.0)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and metric(server, "mlaserve_requests_aborted_total") == aborted_before:
+        time.sleep(0.2)
+    assert metric(server, "mlaserve_requests_aborted_total") == aborted_before + 1
+    assert metric(server, "mlaserve_num_requests_running") == 0
