@@ -276,3 +276,34 @@ def test_disconnect_while_waiting_non_streaming_aborts(server):
         time.sleep(0.2)
     assert metric(server, "mlaserve_requests_aborted_total") == aborted_before + 1
     assert metric(server, "mlaserve_num_requests_running") == 0
+
+
+def test_random_bodies_never_500(server):
+    """Hostile bodies: random types and values for every field. Any answer but a 5xx is fine; the
+    server must stay healthy and every error must have OpenAI's shape."""
+    import random
+
+    rng = random.Random(1234)
+    values = [None, True, -1, 0, 1, 7, 2**70, -3.5, 0.5, 1e308, float("nan"), "", "x", "stop", [], [1, 2], ["a"],
+              [[1], [2]], {}, {"a": 1}, {"include_usage": True}, [{"role": "user", "content": "hi"}],
+              [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], [{"role": "user"}],
+              [{"type": "image_url"}]]
+    fields = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+              "min_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+              "logit_bias", "logprobs", "top_logprobs", "echo", "stream", "stream_options", "ignore_eos",
+              "min_tokens", "user", "return_token_ids", "unknown_field"]
+    for i in range(120):
+        body = {f: rng.choice(values) for f in rng.sample(fields, rng.randint(1, 8))}
+        if rng.random() < 0.6:
+            body["messages" if i % 2 else "prompt"] = [{"role": "user", "content": "hi"}] if i % 2 else "hi"
+        if isinstance(body.get("max_tokens"), int) and not isinstance(body["max_tokens"], bool):
+            body["max_tokens"] = min(body["max_tokens"], 4)
+        body.setdefault("max_tokens", 3)
+        path = "/v1/chat/completions" if i % 2 else "/v1/completions"
+        raw = json.dumps(body, allow_nan=True)
+        resp = httpx.post(server.url + path, content=raw, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
+        assert resp.status_code < 500, (body, resp.status_code, resp.text[:300])
+        if resp.status_code >= 400:
+            assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(server.url + "/health").status_code == 200
