@@ -131,6 +131,8 @@ class TorchAttentionBackend(AttentionBackend):
     def forward_mla_absorb(self, q_latent, q_pe, layer, batch):
         buf = batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         r = layer.kv_lora_rank
+        if batch.forward_mode.is_decode():
+            return self._mla_decode(q_latent, q_pe, buf, layer)
         out = q_latent.new_empty(q_latent.shape)
         for kv_idx, start, prefix, n in self._requests():
             latent = buf[kv_idx].float()  # [L, r + P]: gathered rows of the shared cache, no per-head copy
@@ -145,3 +147,15 @@ class TorchAttentionBackend(AttentionBackend):
                 res.append(_causal_softmax_attend(scores, c_kv, prefix, s))
             out[start : start + n] = torch.cat(res, dim=1).transpose(0, 1).to(out.dtype)
         return out
+
+    def _mla_decode(self, q_latent: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
+        """All requests at once: one query token each against its padded latent rows [B, L, r + P]."""
+        m = self.meta
+        assert m is not None and m.decode_indices is not None
+        r = layer.kv_lora_rank
+        latent = buf[m.decode_indices].float()  # [B, L, r + P], gathered once for all heads
+        c_kv, k_pe = latent[..., :r], latent[..., r:]
+        scores = (torch.matmul(q_latent.float(), c_kv.transpose(1, 2))  # [B, H, r] @ [B, r, L]
+                  + torch.matmul(q_pe.float(), k_pe.transpose(1, 2))) * layer.scaling
+        scores = scores.masked_fill(~m.decode_mask[:, None, :], float("-inf"))
+        return torch.matmul(scores.softmax(dim=-1), c_kv).to(q_latent.dtype)  # [B, H, r]
