@@ -138,11 +138,11 @@ class EngineCore:
             p.validate(vocab)
         except ValueError as e:
             return ERR_INVALID, str(e)
-        want = len(ids) + (p.max_tokens or 1)
+        want = len(ids) + (1 if p.max_tokens is None else p.max_tokens)
         if want > self.context_len:
             return ERR_CONTEXT, (
                 f"this model's maximum context length is {self.context_len} tokens; the request needs {want} "
-                f"({len(ids)} in the prompt + {p.max_tokens or 1} to generate)"
+                f"({len(ids)} in the prompt + {want - len(ids)} to generate)"
             )
         if len(ids) + 1 > self.runner.allocator.num_slots:
             return ERR_CONTEXT, f"the prompt ({len(ids)} tokens) does not fit in the KV cache ({self.runner.allocator.num_slots} slots)"
@@ -172,8 +172,12 @@ class EngineCore:
     def _outputs(self, reqs: list[Req]) -> list[RequestOutput]:
         out = []
         for r in reqs:
+            prompt_logprobs = None
+            if r.prompt_logprobs is not None and not r.prompt_logprobs_sent and not r.scores_prompt:  # complete
+                prompt_logprobs, r.prompt_logprobs_sent = r.prompt_logprobs, True
             out.append(RequestOutput(
-                r.rid, r.index, r.pending_ids, r.pending_logprobs or None, r.finish_reason,
+                r.rid, r.index, r.pending_ids, logprobs=r.pending_logprobs or None, finish_reason=r.finish_reason,
+                prompt_logprobs=prompt_logprobs,
                 prompt_tokens=len(r.prompt_ids), completion_tokens=len(r.output_ids), cached_tokens=r.cached_tokens,
                 arrival_time=r.arrival_time, first_scheduled_time=r.first_scheduled_time,
                 first_token_time=r.first_token_time,

@@ -59,6 +59,7 @@ class RequestOutput:
     index: int  # completion index, 0..n-1
     new_token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None  # one per new token, when asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, completion 0: one per prompt token (first None)
     finish_reason: str | None = None  # set on the last delta of this completion
     prompt_tokens: int = 0
     completion_tokens: int = 0  # total so far for this completion

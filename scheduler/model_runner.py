@@ -46,6 +46,17 @@ def create_kv_pool(
     )
 
 
+def _logits_indices(n_new: list[int], all_logits: bool | Sequence[bool], dev: torch.device) -> torch.Tensor | None:
+    per_slice = [all_logits] * len(n_new) if isinstance(all_logits, bool) else list(all_logits)
+    if not any(per_slice):
+        return None  # the last token of each slice (the model's default)
+    rows, start = [], 0
+    for n, every in zip(n_new, per_slice):
+        rows.extend(range(start, start + n) if every else [start + n - 1])
+        start += n
+    return torch.tensor(rows, dtype=torch.int64, device=dev)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -71,11 +82,16 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(attention_backend)
 
     def build_batch(
-        self, slices: Sequence[RequestSlice], *, all_logits: bool = False, mode: ForwardMode | None = None
+        self,
+        slices: Sequence[RequestSlice],
+        *,
+        all_logits: bool | Sequence[bool] = False,
+        mode: ForwardMode | None = None,
     ) -> ForwardBatch:
         """Allocates KV slots for the new tokens, records them in req_to_token, packs the batch.
 
-        `all_logits` asks for logits at every new token (prefill scoring) instead of the last only.
+        `all_logits` asks for logits at every new token (prompt scoring) instead of the last only:
+        for the whole batch, or per slice. Logits rows then follow the slices in order.
         """
         if not slices:
             raise ValueError("empty batch")
@@ -111,7 +127,7 @@ class ModelRunner:
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
-            logits_indices=torch.arange(total, device=dev) if all_logits else None,
+            logits_indices=_logits_indices(n_new, all_logits, dev),
         )
 
     @torch.no_grad()

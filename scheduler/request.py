@@ -34,6 +34,8 @@ class Req:
     # what the next RequestOutput carries
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # being filled while the prompt is prefilled
+    prompt_logprobs_sent: bool = False
     finish_reason: str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -50,6 +52,13 @@ class Req:
     def num_pending(self) -> int:
         """Tokens without KV yet."""
         return self.seq_len - self.kv_len
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Still prefilling a prompt whose token logprobs were asked for (each position's logits needed)."""
+        if self.params.prompt_logprobs is None:
+            return False
+        return self.prompt_logprobs is None or len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
     def is_decoding(self) -> bool:

@@ -32,6 +32,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False  # return the chosen token's logprob
     top_logprobs: int = 0  # and this many alternatives
+    prompt_logprobs: int | None = None  # logprobs of the prompt tokens too (+ this many alternatives); None = off
 
     @property
     def greedy(self) -> bool:
@@ -52,12 +53,14 @@ class SamplingParams:
             _check(0 <= tok < vocab_size, f"logit_bias has token id {tok} outside the vocabulary (0..{vocab_size - 1})")
             _check(-100.0 <= bias <= 100.0, "logit_bias values must be in [-100, 100]")
         _check(1 <= self.n <= 128, "n must be in [1, 128]")
-        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1")
+        _check(self.max_tokens is None or self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
+               "max_tokens must be >= 1 (0 only when scoring the prompt: echo with logprobs)")
         _check(self.min_tokens >= 0, "min_tokens must be >= 0")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens")
         for tok in self.stop_token_ids:
             _check(0 <= tok < vocab_size, f"stop_token_ids has token id {tok} outside the vocabulary")
         _check(0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "logprobs must be in [0, 20]")
         _check(self.seed is None or -(2**63) <= self.seed < 2**64, "seed must fit in 64 bits")
 
 

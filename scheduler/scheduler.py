@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from scheduler.forward_batch import ForwardMode
-from scheduler.io_types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
+from scheduler.io_types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, TokenLogprob
 from scheduler.model_runner import ModelRunner, RequestSlice
 from scheduler.radix_cache import NoPrefixCache, PrefixCache
 from scheduler.request import Req
@@ -110,8 +110,9 @@ class Scheduler:
             r.first_scheduled_time = r.first_scheduled_time or now
         modes = {len(s.input_ids) == 1 and s.prefix_len > 0 for s in slices}
         mode = ForwardMode.MIXED if len(modes) == 2 else (ForwardMode.DECODE if True in modes else ForwardMode.EXTEND)
-        logits = self.runner.forward(self.runner.build_batch(slices, mode=mode))
-        return finished + self._update(reqs, slices, logits)
+        every = [r.scores_prompt for r in reqs]  # prompt scoring needs the logits of every position
+        logits = self.runner.forward(self.runner.build_batch(slices, mode=mode, all_logits=every))
+        return finished + self._update(reqs, slices, logits, every)
 
     # ------------------------------------------------------------------ schedule
     def _schedule(self) -> tuple[list[RequestSlice], list[Req], list[Req]]:
@@ -168,7 +169,8 @@ class Scheduler:
     def _admit(self, r: Req, budget: int, need: int) -> int | None:
         """Gives `r` a request slot and its cached prefix; returns how many tokens it prefills now,
         or None when there is no room (`need` slots are already promised to this step's slices)."""
-        match = self.cache.match_prefix(r.all_ids[: r.seq_len - 1])  # keep >= 1 token to compute
+        # keep >= 1 token to compute; a prompt to score is computed whole (cached positions have no logits)
+        match = self.cache.match_prefix([] if r.scores_prompt else r.all_ids[: r.seq_len - 1])
         self.cache.lock(match.node)
         cached = int(match.kv_indices.numel())
         n = min(r.seq_len - cached, self.chunk, budget)
@@ -195,19 +197,31 @@ class Scheduler:
         return alloc.available_size() >= n
 
     # ------------------------------------------------------------------ update
-    def _update(self, reqs: list[Req], slices: list[RequestSlice], logits: torch.Tensor) -> list[Req]:
-        complete: list[tuple[Req, int]] = []
-        for i, (r, s) in enumerate(zip(reqs, slices)):
-            r.kv_len += len(s.input_ids)
+    def _update(self, reqs: list[Req], slices: list[RequestSlice], logits: torch.Tensor,
+                every: list[bool]) -> list[Req]:
+        complete: list[tuple[Req, int]] = []  # (request, its next-token logits row)
+        out: list[Req] = []
+        row = 0
+        for r, s, all_rows in zip(reqs, slices, every):
+            n = len(s.input_ids)
+            if all_rows:
+                self._score_prompt(r, logits[row : row + n])
+                row += n
+            else:
+                row += 1
+            r.kv_len += n
             if r.num_pending == 0:
-                complete.append((r, i))
+                if r.params.max_tokens == 0:  # prompt scoring only: nothing to generate
+                    self._finish(r, FINISH_LENGTH)
+                    out.append(r)
+                else:
+                    complete.append((r, row - 1))
         if not complete:
-            return []
+            return out
         rows = [SamplingRow(r.params, r.seed, len(r.output_ids), r.prompt_ids, r.output_ids, self.eos_token_ids)
                 for r, _ in complete]
         result = self.sampler(logits[[i for _, i in complete]], rows)
         now = time.time()
-        out = []
         for (r, _), tok, lp in zip(complete, result.token_ids, result.logprobs):
             prefilled_prompt = not r.output_ids
             r.output_ids.append(tok)
@@ -223,6 +237,23 @@ class Scheduler:
                 self._finish(r, reason)
             out.append(r)
         return out
+
+    def _score_prompt(self, r: Req, logits: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens these rows predict (row j at position p predicts token p+1)."""
+        if r.prompt_logprobs is None:
+            r.prompt_logprobs = [None]  # nothing predicts the first token
+        k = r.params.prompt_logprobs or 0
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        top = torch.topk(logprobs, k, dim=-1) if k else None
+        for j in range(logits.shape[0]):
+            target = r.kv_len + j + 1
+            if target >= len(r.prompt_ids):
+                break
+            if target < len(r.prompt_logprobs):  # scored before a retraction
+                continue
+            tok = r.prompt_ids[target]
+            alts = list(zip(top.indices[j].tolist(), top.values[j].tolist())) if top is not None else []
+            r.prompt_logprobs.append(TokenLogprob(tok, float(logprobs[j, tok]), alts))
 
     def _stop_reason(self, r: Req, tok: int) -> str | None:
         p = r.params

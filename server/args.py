@@ -57,7 +57,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("device", str, "cpu", "cpu or cuda[:N]"),
     Flag("dtype", str, "auto", "weights and activations dtype", ("auto", "float32", "bfloat16", "float16")),
     Flag("attention-backend", str, "torch", "attention implementation", ("torch",)),
-    Flag("expert-backend", str, "torch", "routed-expert implementation for MoE models", ("torch",)),
+    Flag("expert-backend", str, "torch", "routed-expert implementation for MoE models (cpp: the C++ CPU pool; "
+         "GGUF Q8_0/Q4_0 experts stay quantized); ignored by dense models", ("torch", "cpp")),
     Flag("page-size", int, 1, "KV slots per page (64 for paged attention kernels; the prefix cache needs 1)"),
     Flag("kv-dtype", str, "auto", "KV cache dtype (auto: the model's)", ("auto", "float32", "bfloat16", "float16")),
     Flag("disable-prefix-cache", _bool, False, "turn the radix prefix cache off"),

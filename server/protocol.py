@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationInfo
-from pydantic import field_validator, model_serializer
+from pydantic import field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 from scheduler.sampling_params import TOP_K_ALL, SamplingParams
@@ -193,7 +193,7 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(_GenerationRequest):
     prompt: Prompt
-    max_tokens: StrictInt | None = Field(16, ge=1)  # OpenAI's default for this API
+    max_tokens: StrictInt | None = Field(16, ge=0)  # OpenAI's default for this API; 0: score the prompt only
     echo: StrictBool | None = False
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     min_tokens: StrictInt | None = Field(0, ge=0)
@@ -221,6 +221,12 @@ class CompletionRequest(_GenerationRequest):
     def _min_le_max(cls, value: int | None, info: ValidationInfo) -> int | None:
         return cls._check_min_tokens(value, info.data.get("max_tokens"))
 
+    @model_validator(mode="after")
+    def _zero_tokens_only_to_score(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not (self.echo and self.logprobs is not None):
+            raise _invalid("max_tokens may be 0 only with echo and logprobs (scoring the prompt)")
+        return self
+
     def prompts(self) -> list[str] | list[list[int]]:
         """The prompt as a batch: one entry per prompt, each a string or a list of token ids."""
         p = self.prompt
@@ -244,12 +250,15 @@ def to_sampling_params(
     req: ChatCompletionRequest | CompletionRequest, *, stop_token_ids: Sequence[int] = ()
 ) -> SamplingParams:
     """The engine's view of a request. Stop *strings* stay with the server (`StopStringMatcher`)."""
+    prompt_logprobs = None
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs, top_logprobs = req.logprobs, req.top_logprobs or 0
     else:
         max_tokens = req.max_tokens
         logprobs, top_logprobs = req.logprobs is not None, req.logprobs or 0
+        if req.echo and req.logprobs is not None:
+            prompt_logprobs = req.logprobs
     return SamplingParams(  # a field sent as null means its default, as in OpenAI's API
         temperature=_or(req.temperature, 1.0),
         top_p=_or(req.top_p, 1.0),
@@ -267,6 +276,7 @@ def to_sampling_params(
         ignore_eos=bool(req.ignore_eos),
         logprobs=bool(logprobs),
         top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

@@ -141,13 +141,23 @@ class CompletionSerializer(Serializer):
         body: CompletionRequest = self.body
         self.echo = bool(body.echo)
         self.offsets: dict[int, int] = {}
+        self.prompt_first_token: dict[int, str] = {}
 
-    def completion_logprobs(self, i: int, lps: list[TokenLogprob]) -> CompletionLogprobs | None:
+    def completion_logprobs(self, i: int, lps: list[TokenLogprob | None]) -> CompletionLogprobs | None:
+        """The legacy parallel lists for these tokens; `None` entries are an echoed prompt's first token."""
         if self.body.logprobs is None:
             return None
         out = CompletionLogprobs()
         offset = self.offsets.get(i, 0)
         for lp in lps:
+            if lp is None:  # nothing predicts the first prompt token
+                first = self.prompt_first_token.get(i, "")
+                out.tokens.append(first)
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                out.text_offset.append(offset)
+                offset += len(first)
+                continue
             text = self.token_text(lp.token_id)
             out.tokens.append(text)
             out.token_logprobs.append(lp.logprob)
@@ -156,6 +166,14 @@ class CompletionSerializer(Serializer):
             offset += len(text)
         self.offsets[i] = offset
         return out
+
+    def echoed_logprobs(self, r: EngineRequest) -> list[TokenLogprob | None]:
+        """Prompt token logprobs to put first, when echoing with logprobs."""
+        if not (self.echo and self.body.logprobs is not None and r.prompt_logprobs):
+            return []
+        for k in range(self.n):
+            self.prompt_first_token[self.choice_index(r, k)] = self.token_text(r.prompt_ids[0])
+        return list(r.prompt_logprobs)
 
     def prompt_text(self, r: EngineRequest) -> str:
         return self.prompts[r.prompt_index][1] if self.echo else ""
@@ -168,7 +186,8 @@ class CompletionSerializer(Serializer):
                 i = self.choice_index(r, k)
                 choices.append(CompletionChoice(
                     index=i, text=self.prompt_text(r) + self.texts.get(i, ""),
-                    logprobs=self.completion_logprobs(i, c.logprobs), finish_reason=c.finish_reason,
+                    logprobs=self.completion_logprobs(i, self.echoed_logprobs(r) + c.logprobs),
+                    finish_reason=c.finish_reason,
                     token_ids=c.token_ids if ids else None, prompt_token_ids=r.prompt_ids if ids else None,
                 ))
         return CompletionResponse(
@@ -184,6 +203,8 @@ class CompletionSerializer(Serializer):
             return []
         return [self.chunk([
             CompletionChoice(index=self.choice_index(r, k), text=self.prompt_text(r),
+                             logprobs=self.completion_logprobs(self.choice_index(r, k), self.echoed_logprobs(r))
+                             if self.echo else None,
                              prompt_token_ids=r.prompt_ids if self.body.return_token_ids else None)
             for r in self.requests for k in range(self.n)
         ])]

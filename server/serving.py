@@ -114,6 +114,7 @@ class EngineRequest:
     choices: list[ChoiceText]
     stream: AsyncIterator[RequestOutput]
     cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # echo + logprobs: one per prompt token
 
     @property
     def done(self) -> bool:
@@ -173,6 +174,9 @@ async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: ty
         if firsts is None:  # the client left before the first token
             await _close_all(requests)
             return Response(status_code=499)
+        for r, f in zip(requests, firsts):
+            if f is not None and f.prompt_logprobs:
+                r.prompt_logprobs = f.prompt_logprobs
         refused = next((f for f in firsts if f is not None and f.finish_reason == FINISH_ERROR), None)
         if refused is not None:
             await _close_all(requests)
@@ -219,9 +223,6 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
         params = to_sampling_params(body)
     except ValueError as e:
         raise ClientError(400, str(e), "logit_bias") from None
-    if isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None:
-        raise ClientError(400, "logprobs together with echo are not supported (prompt logprobs are not computed)",
-                          "echo")
     engine, tok = state.engine, state.tokenizer
     assert engine is not None and tok is not None
     requests = []
@@ -279,6 +280,8 @@ async def _events(state: ServerState, requests: list[EngineRequest], firsts: lis
                 raise engine_error(out)
             if out.index == 0 and out.cached_tokens:
                 r.cached_tokens = out.cached_tokens
+            if out.prompt_logprobs and r.prompt_logprobs is None:
+                r.prompt_logprobs = out.prompt_logprobs
             choice = r.choices[out.index]
             if choice.finish_reason is None:
                 text, ids, lps = choice.feed(out)

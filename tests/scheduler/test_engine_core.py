@@ -236,3 +236,30 @@ def test_context_end_finishes_with_length(model_dir):
     out = run_to_end(core)[("c", 0)]
     assert out[-1].finish_reason == FINISH_LENGTH and out[-1].completion_tokens == 12
     assert_no_leak(core)
+
+
+def test_prompt_logprobs_equal_log_softmax_of_full_prefill(model_dir):
+    """Prompt scoring (echo + logprobs): each prompt token's logprob under the model, also when the
+    prompt is prefilled in chunks and another request shares the batch; max_tokens 0 generates nothing."""
+    from models.loader.load import load_model
+    from scheduler.model_runner import ModelRunner, RequestSlice
+
+    ids = prompt(41, 55)
+    loaded = load_model(model_dir, dtype="float32", load_tokenizer=False, progress=False)
+    runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=256, max_running_requests=2)
+    row = runner.req_to_token_pool.alloc()
+    full = torch.log_softmax(runner.forward(runner.build_batch([RequestSlice(row, 0, ids)], all_logits=True)), -1)
+    want = [None] + [float(full[i, ids[i + 1]]) for i in range(len(ids) - 1)]
+
+    core = make_engine(model_dir, chunked_prefill_size=16, max_prefill_tokens=16)
+    alone(core, ids[:30], dataclasses.replace(GREEDY, max_tokens=3))  # its prefix is cached: must not be used
+    core.add_request(GenerateRequest("other", prompt(9, 1), dataclasses.replace(GREEDY, max_tokens=20)))
+    core.add_request(GenerateRequest("score", ids, SamplingParams(max_tokens=0, prompt_logprobs=2)))
+    outs = run_to_end(core)[("score", 0)]
+    assert tokens(outs) == [] and outs[-1].finish_reason == FINISH_LENGTH
+    got = next(o.prompt_logprobs for o in outs if o.prompt_logprobs)
+    assert len(got) == len(ids) and got[0] is None
+    assert [g.token_id for g in got[1:]] == ids[1:]
+    assert max(abs(g.logprob - w) for g, w in zip(got[1:], want[1:])) < 1e-4
+    assert all(len(g.top) == 2 and g.top[0][1] >= g.logprob - 1e-6 for g in got[1:])
+    assert_no_leak(core)

@@ -185,7 +185,8 @@ def test_to_sampling_params_maps_every_field() -> None:
     sp = to_sampling_params(chat, stop_token_ids=[2, 7])
     default = SamplingParams()
     for f in dataclasses.fields(SamplingParams):
-        assert getattr(sp, f.name) != getattr(default, f.name), f.name
+        if f.name != "prompt_logprobs":  # completions only (echo + logprobs), checked below
+            assert getattr(sp, f.name) != getattr(default, f.name), f.name
     assert sp == SamplingParams(temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
                                 presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={11: 5.0, 7: -100.0},
                                 seed=1234, n=3, max_tokens=50, min_tokens=2, stop_token_ids=(2, 7), ignore_eos=True,
@@ -197,7 +198,7 @@ def test_to_sampling_params_maps_every_field() -> None:
 
     comp = CompletionRequest.model_validate({**COMPLETION, "logprobs": 3, "max_tokens": 7, "seed": -1, "echo": True})
     sp = to_sampling_params(comp)
-    assert (sp.logprobs, sp.top_logprobs, sp.max_tokens, sp.seed) == (True, 3, 7, -1)
+    assert (sp.logprobs, sp.top_logprobs, sp.max_tokens, sp.seed, sp.prompt_logprobs) == (True, 3, 7, -1, 3)
     sp = to_sampling_params(CompletionRequest.model_validate({**COMPLETION, "logprobs": 0}))
     assert (sp.logprobs, sp.top_logprobs) == (True, 0)
     assert to_sampling_params(CompletionRequest.model_validate(COMPLETION)).logprobs is False

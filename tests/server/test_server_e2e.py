@@ -307,3 +307,25 @@ def test_random_bodies_never_500(server):
         if resp.status_code >= 400:
             assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_echo_with_logprobs_scores_the_prompt(server, client, tok):
+    """lm-eval style scoring: echo + logprobs (+ max_tokens 0). The logprob the server reports for a
+    prompt token equals the logprob it reported when it generated that token."""
+    model = server_model_id(server)
+    ids = tok.encode("The sea is deep and")
+    gen = client.completions.create(model=model, prompt=ids, max_tokens=3, temperature=0, logprobs=1,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    new_ids = gen.choices[0].model_extra["token_ids"]
+    scored = client.completions.create(model=model, prompt=ids + new_ids, max_tokens=0, echo=True, logprobs=1)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None
+    assert "".join(lp.tokens) == scored.choices[0].text
+    for got, want in zip(lp.token_logprobs[-3:], gen.choices[0].logprobs.token_logprobs):
+        assert abs(got - want) < 1e-3
+    streamed = list(client.completions.create(model=model, prompt=ids, max_tokens=2, echo=True, logprobs=0,
+                                              stream=True, temperature=0, extra_body={"ignore_eos": True}))
+    first = streamed[0].choices[0]
+    assert first.text == tok.decode(ids, skip_special_tokens=False) and len(first.logprobs.tokens) == len(ids)
+    assert_error(post(server, "/v1/completions", {"prompt": "x", "max_tokens": 0}), 400)

@@ -38,19 +38,21 @@ def stream_completion(url: str, max_tokens: int, out: dict, key: str,
 
 
 def test_sigterm_drains_in_flight_then_exits_0(model_dir, tmp_path):
-    srv = ServerProcess(str(model_dir), "--shutdown-grace", "60", "--context-length", "4096",
+    srv = ServerProcess(str(model_dir), "--shutdown-grace", "300", "--context-length", "4096",
                         log=tmp_path / "log").wait_ready()
     out: dict = {}
     started = threading.Event()
-    t = threading.Thread(target=stream_completion, args=(srv.url, 1500, out, "a", started))
+    t = threading.Thread(target=stream_completion, args=(srv.url, 800, out, "a", started))
     t.start()
     assert started.wait(60)  # the stream is running
     srv.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while httpx.get(srv.url + "/health").status_code != 503 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert httpx.get(srv.url + "/health").status_code == 503  # still listening, not admitting
     refused = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
-    t.join(120)
+    t.join(300)
     assert out["a"][-1] == "data: [DONE]"  # the in-flight request finished in full
     assert srv.proc.wait(60) == 0, srv.log()
 
