@@ -8,14 +8,14 @@ TORCH_CPU := torch==2.13.0
 STAMP  := $(VENV)/.installed
 ORACLES := $(VENV)/.oracles
 
-.PHONY: install serve test clean
+.PHONY: install serve test clean asan
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # Installs the pinned CPU torch first unless a CUDA torch is already present (GPU hosts keep theirs),
 # so that the project's plain `torch` requirement never pulls the multi-GB CUDA wheels.
-$(STAMP): $(PY) pyproject.toml
+$(STAMP): $(PY) pyproject.toml setup.py $(wildcard cpp_experts/csrc/*)
 	@if $(PY) -c "import torch,sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then \
 		echo "keeping the installed CUDA torch"; \
 	else \
@@ -46,6 +46,17 @@ $(ORACLES): $(STAMP)
 
 test: $(ORACLES)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q
+
+# The cpp_experts extension built with AddressSanitizer into a temp dir, and its tests run on it.
+asan: $(STAMP)
+	@tmp=$$(mktemp -d) && \
+	CFLAGS="-fsanitize=address -fno-omit-frame-pointer -O1 -g" LDFLAGS="-fsanitize=address" \
+		$(PY) setup.py -q build_ext --build-lib $$tmp --build-temp $$tmp/obj && \
+	lib=$$(ls $$tmp/cpp_experts/_C*.so) && \
+	MLASERVE_CPP_EXPERTS_LIB=$$lib \
+		LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libstdc++.so)" \
+		ASAN_OPTIONS=detect_leaks=0 $(PY) -m pytest -q -p no:cacheprovider tests/cpp_experts; \
+	rc=$$?; rm -rf $$tmp; exit $$rc
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -5,7 +5,8 @@ Weight loading is strict on purpose: every parameter must be loaded exactly by a
 expected shape, and every tensor of the checkpoint must land somewhere; anything else is a
 `CheckpointError` naming the tensor. Routed experts are loaded through their expert backend, from
 per-expert HF names (`mlp.experts.{e}.gate_proj.weight`), stacked names
-(`mlp.experts.gate_proj.weight` [E, ...]) or HF-v5's fused `mlp.experts.gate_up_proj` [E, 2I, H].
+(`mlp.experts.gate_proj.weight` [E, ...]) or HF-v5's fused `mlp.experts.gate_up_proj` [E, 2I, H];
+backends with `accepts_raw_blocks` may get GGUF `RawBlocks` for them instead of float tensors.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kernels.rotary import RotaryEmbedding
 from models.config import ModelConfig
 from models.layers import RMSNorm, compute_logits
 from models.loader.errors import CheckpointError
+from models.loader.raw_blocks import RawBlocks
 from models.moe import ExpertBackend
 
 if TYPE_CHECKING:
@@ -84,7 +86,7 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
     # ---- weights ----
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | RawBlocks]], source: str) -> None:
         """Copies HF-named tensors into the parameters (casting dtype); strict about names and shapes."""
         params = dict(self.named_parameters())
         experts = {n: m for n, m in self.named_modules() if isinstance(m, ExpertBackend)}
@@ -124,7 +126,7 @@ class CausalLM(nn.Module):
     def _load_expert(
         backend: ExpertBackend,
         m: re.Match[str],
-        tensor: torch.Tensor,
+        tensor: torch.Tensor | RawBlocks,
         source: str,
         name: str,
         done: set[tuple[str, int, str]],
@@ -140,13 +142,17 @@ class CausalLM(nn.Module):
             expected = (e_count, *per_expert)
         if tuple(tensor.shape) != expected:
             raise CheckpointError(source, f"tensor '{name}' has shape {tuple(tensor.shape)}, expected {expected}")
-        stacked = tensor if expert is None else tensor.unsqueeze(0)
+        # Indexing works alike on tensors and on `RawBlocks` (GGUF blocks a backend keeps quantized).
         ids = range(e_count) if expert is None else [int(expert)]
-        for row, e in zip(stacked, ids):
-            if kind == "gate_up_proj":
-                backend.load_expert(e, "gate_proj", row[:i])
-                backend.load_expert(e, "up_proj", row[i:])
-                done.update({(prefix, e, "gate_proj"), (prefix, e, "up_proj")})
-            else:
-                backend.load_expert(e, kind, row)
-                done.add((prefix, e, kind))
+        try:
+            for e in ids:
+                row = tensor[e] if expert is None else tensor
+                if kind == "gate_up_proj":
+                    backend.load_expert(e, "gate_proj", row[:i])
+                    backend.load_expert(e, "up_proj", row[i:])
+                    done.update({(prefix, e, "gate_proj"), (prefix, e, "up_proj")})
+                else:
+                    backend.load_expert(e, kind, row)
+                    done.add((prefix, e, kind))
+        except ValueError as err:  # the backend refuses the weight (e.g. a format it cannot mix)
+            raise CheckpointError(source, f"tensor '{name}': {err}") from None

@@ -5,12 +5,21 @@ done (the `cpp` backend computes on CPU threads) and `sync()` returns the result
 routed work first, runs the shared experts meanwhile, then syncs — so CPU and GPU overlap when the
 routed experts live on the CPU.
 
-Expert weights are stacked: w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I].
+Backends (`EXPERT_BACKENDS`, chosen once at start-up by `--expert-backend`):
+- `torch` (`TorchExperts`): the reference, on the model's device, in the model's dtype. Stacked
+  weights w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I].
+- `cpp` (`CppExperts`): the `cpp_experts` C++ pool on the CPU (the extension is imported only when
+  this backend is built), weights in the pool's own memory; see the class for formats and devices.
+
+Weights reach a backend one (expert, kind) at a time through `load_expert`, as a float tensor in HF
+layout or, for backends with `accepts_raw_blocks`, as GGUF `RawBlocks` left quantized by the loader.
 """
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,12 +28,16 @@ from torch import nn
 from kernels.moe_routing import select_experts
 from models.config import MoEConfig
 from models.layers import GatedMLP
+from models.loader.raw_blocks import RawBlocks
 
-EXPERT_BACKENDS = ("torch",)
+EXPERT_BACKENDS = ("torch", "cpp")
+logger = logging.getLogger(__name__)
 
 
 class ExpertBackend(nn.Module, ABC):
     """Computes sum_k w[t,k] * expert_{ids[t,k]}(x[t]) for every token t."""
+
+    accepts_raw_blocks = False  # True: `load_expert` takes GGUF `RawBlocks` (the loader skips decoding)
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -33,8 +46,9 @@ class ExpertBackend(nn.Module, ABC):
         self.intermediate_size = intermediate_size
 
     @abstractmethod
-    def load_expert(self, expert_id: int, kind: str, weight: torch.Tensor) -> None:
-        """Loads one expert's `kind` ('gate_proj' | 'up_proj' | 'down_proj') weight in HF layout."""
+    def load_expert(self, expert_id: int, kind: str, weight: torch.Tensor | RawBlocks) -> None:
+        """Loads one expert's `kind` ('gate_proj' | 'up_proj' | 'down_proj') weight in HF layout
+        (gate/up [I, H], down [H, I]); `RawBlocks` only where `accepts_raw_blocks`."""
 
     @abstractmethod
     def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
@@ -58,7 +72,9 @@ class TorchExperts(ExpertBackend):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
         self._result: torch.Tensor | None = None
 
-    def load_expert(self, expert_id: int, kind: str, weight: torch.Tensor) -> None:
+    def load_expert(self, expert_id: int, kind: str, weight: torch.Tensor | RawBlocks) -> None:
+        if isinstance(weight, RawBlocks):
+            weight = weight.dequantize()
         i = self.intermediate_size
         target = {
             "gate_proj": self.w13.data[expert_id, :i],
@@ -92,9 +108,154 @@ class TorchExperts(ExpertBackend):
         return out
 
 
-def create_expert_backend(name: str, num_experts: int, hidden_size: int, intermediate_size: int) -> ExpertBackend:
+class CppExperts(ExpertBackend):
+    """Routed experts in the `cpp_experts` C++ pool, on CPU threads (the GIL is released meanwhile).
+
+    Weight format, chosen per layer from its first expert whose three weights have all arrived:
+    - float tensors (HF checkpoints; GGUF F32/F16/BF16 blocks) -> bf16;
+    - GGUF blocks of a type the pool computes on (`cpp_experts.FORMATS`: Q8_0, Q4_0) -> kept
+      quantized, the file's bytes as they are;
+    - other GGUF block types (Q4_1, Q5_K, Q6_K, ...), or an expert whose gate/up/down types differ
+      (llama.cpp's mixed "_M" files) -> dequantized to bf16 with one logged warning per layer.
+      Chosen over an error so every file the loader reads still serves; the warning names the tensor.
+    Each expert's weights are held until its three are present (GGUF blocks are views of the mapped
+    file, so that costs nothing), then handed over; `process_weights_after_loading` finalizes.
+
+    Activations: bf16 or fp32 (fp16 goes as fp32), as contiguous CPU tensors; a model on CUDA gets
+    its activations copied to pinned host memory and the result back, non-blocking (written, not yet
+    run: there was no GPU to test it on). What `submit` hands the pool stays referenced until `sync`,
+    because the pool reads it while the caller runs on.
+    """
+
+    accepts_raw_blocks = True
+    _KINDS = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, *, top_k: int, num_threads: int | None = None
+    ) -> None:
+        super().__init__(num_experts, hidden_size, intermediate_size)
+        try:
+            import cpp_experts
+        except ImportError as e:
+            raise ImportError(
+                f"--expert-backend cpp needs the cpp_experts extension, which does not import ({e}); "
+                "build it with `pip install -e .` or use --expert-backend torch"
+            ) from e
+        self._ext = cpp_experts
+        self.top_k = top_k
+        self.num_threads = num_threads
+        self.weight_format: str | None = None  # set by the first complete expert
+        self._moe: Any = None  # cpp_experts.MoE, built with the format
+        self._pending: dict[int, dict[str, torch.Tensor | RawBlocks]] = {}  # expert -> kinds so far
+        self._loaded: set[int] = set()  # experts handed to the pool
+        self._warned = False
+        self._inflight: tuple[Any, ...] | None = None  # (device, dtype, tensors the pool may still read)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of expert weights the pool holds (0 before loading)."""
+        return 0 if self._moe is None else int(self._moe.memory_bytes)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, top_k={self.top_k}, weight_format={self.weight_format}"
+
+    # ---- weights ----
+    def load_expert(self, expert_id: int, kind: str, weight: torch.Tensor | RawBlocks) -> None:
+        if not isinstance(weight, RawBlocks):
+            weight = weight.detach().to("cpu", torch.bfloat16).contiguous()
+        parts = self._pending.setdefault(expert_id, {})
+        parts[kind] = weight
+        if len(parts) == len(self._KINDS):
+            self._hand_over(expert_id, parts)
+            del self._pending[expert_id]
+            self._loaded.add(expert_id)
+
+    def _quantized_formats(self) -> set[str]:
+        """The block formats the pool computes on, named like ggml's types in lower case."""
+        return {f for f in self._ext.FORMATS if f != "bf16"}
+
+    def _hand_over(self, expert_id: int, parts: dict[str, torch.Tensor | RawBlocks]) -> None:
+        quantized = self._quantized_formats()
+        formats = {
+            w.qtype.name.lower() if isinstance(w, RawBlocks) and w.qtype.name.lower() in quantized else "bf16"
+            for w in parts.values()
+        }
+        fmt = formats.pop() if len(formats) == 1 else "bf16"
+        if self._moe is None:
+            self.weight_format = fmt
+            self._moe = self._ext.MoE(self.num_experts, self.top_k, self.hidden_size, self.intermediate_size,
+                                      weight_format=fmt, num_threads=self.num_threads)
+        elif fmt != self.weight_format and self.weight_format != "bf16":
+            raise ValueError(f"expert {expert_id} has {fmt} weights but this layer's earlier experts are "
+                             f"{self.weight_format} (the cpp backend keeps one format per layer)")
+        if self.weight_format == "bf16":
+            self._warn_dequantized(parts.values())
+            g, u, d = (w.dequantize().to(torch.bfloat16) if isinstance(w, RawBlocks) else w
+                       for w in (parts[k] for k in self._KINDS))
+        else:
+            g, u, d = (parts[k].to_tensor() for k in self._KINDS)  # type: ignore[union-attr]
+        self._moe.load_expert(expert_id, g, u, d)
+
+    def _warn_dequantized(self, weights: Any) -> None:
+        blocks = [w for w in weights if isinstance(w, RawBlocks) and w.qtype.name not in ("F32", "F16", "BF16")]
+        if blocks and not self._warned:
+            self._warned = True
+            types = ", ".join(sorted({w.qtype.name for w in blocks}))
+            logger.warning(
+                "cpp expert backend: %s (%s) and its layer's other experts are dequantized to bf16: the pool "
+                "keeps only %s quantized (and needs one type for gate, up and down)",
+                blocks[0].name, types, ", ".join(sorted(f.upper() for f in self._quantized_formats())),
+            )
+
+    def process_weights_after_loading(self) -> None:
+        missing = sorted(set(range(self.num_experts)) - self._loaded)
+        if missing:
+            raise RuntimeError(f"cpp experts: expert(s) {missing[:5]} did not get all of gate, up and down")
+        self._moe.finalize()
+
+    # ---- compute ----
+    def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        if self._moe is None:
+            raise RuntimeError("cpp experts used before their weights were loaded")
+        if self._inflight is not None:
+            raise RuntimeError("submit() twice without sync()")
+        x = hidden if hidden.dtype in (torch.float32, torch.bfloat16) else hidden.float()
+        ids, weights = topk_ids, topk_weights.float()
+        out = None
+        if hidden.device.type == "cpu":
+            x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
+        else:  # untested: copy into pinned host memory, wait for the copies, compute, copy back in sync()
+            x, ids, weights = (_pinned_copy(t) for t in (x, ids, weights))
+            torch.cuda.current_stream(hidden.device).synchronize()
+            out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        if x.shape[0] and out is None:
+            self._moe.submit(x, ids, weights)
+        elif x.shape[0]:
+            self._moe.submit(x, ids, weights, out=out)
+        self._inflight = (hidden.device, hidden.dtype, x, ids, weights, out)
+
+    def sync(self) -> torch.Tensor:
+        assert self._inflight is not None, "sync() without submit()"
+        device, dtype, x = self._inflight[:3]
+        self._inflight = None
+        out = self._moe.sync() if x.shape[0] else x.new_zeros(x.shape)
+        if device.type != "cpu":
+            out = out.to(device, non_blocking=True)
+        return out.to(dtype)
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
+def create_expert_backend(
+    name: str, num_experts: int, hidden_size: int, intermediate_size: int, *, top_k: int
+) -> ExpertBackend:
     if name == "torch":
         return TorchExperts(num_experts, hidden_size, intermediate_size)
+    if name == "cpp":
+        return CppExperts(num_experts, hidden_size, intermediate_size, top_k=top_k)
     raise ValueError(f"unknown expert backend {name!r} (available: {', '.join(EXPERT_BACKENDS)})")
 
 
@@ -125,7 +286,9 @@ class DeepseekMoE(nn.Module):
     def __init__(self, cfg: MoEConfig, hidden_size: int, expert_backend: str = "torch") -> None:
         super().__init__()
         self.gate = Router(cfg, hidden_size)
-        self.experts = create_expert_backend(expert_backend, cfg.num_experts, hidden_size, cfg.intermediate_size)
+        self.experts = create_expert_backend(
+            expert_backend, cfg.num_experts, hidden_size, cfg.intermediate_size, top_k=cfg.top_k
+        )
         self.shared_experts = (
             GatedMLP(hidden_size, cfg.intermediate_size * cfg.num_shared_experts) if cfg.num_shared_experts else None
         )

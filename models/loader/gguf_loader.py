@@ -8,6 +8,7 @@ builds the HF ``config.json``-style dict from the ``<arch>.*`` keys, parses it w
 fails at open with a `CheckpointError` naming the file and the key or tensor. `tensors()` then
 dequantizes lazily, one tensor at a time, and undoes llama.cpp's layout changes (see
 `gguf_names`): Llama q/k row permutation, DeepSeek ``attn_k_b``/``attn_v_b`` -> ``kv_b_proj``.
+With ``raw_experts`` the routed experts are not decoded but yielded as `RawBlocks` (mmap views).
 
 File layout (GGUF v2/v3, little-endian): magic ``GGUF``, u32 version, u64 tensor count, u64 KV
 count; KV pairs (string key, u32 type, value); tensor infos (string name, u32 n_dims, n_dims × u64
@@ -32,6 +33,7 @@ from models.config import LlamaConfig, ModelConfig, config_from_hf_dict
 from models.loader import gguf_names as gn
 from models.loader.errors import CheckpointError
 from models.loader.gguf_quants import dequantize
+from models.loader.raw_blocks import RawBlocks
 
 if TYPE_CHECKING:
     from models.loader.tokenizer import TokenizerBundle
@@ -44,6 +46,8 @@ _MAX_ARRAY_DEPTH = 3
 _SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _SCALAR_NP = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY, _FLOAT32, _BOOL = 8, 9, 6, 7
+# Routed-expert tensors `tensors(raw_experts=True)` yields undecoded (besides the fused gate_up form).
+_EXPERT_TENSORS = frozenset({"ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"})
 
 
 @dataclass(frozen=True)
@@ -203,8 +207,12 @@ class GGUFCheckpoint:
         """How many tensors `tensors()` yields (for progress bars)."""
         return self._num_hf_tensors
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF parameter name, float32 CPU tensor in HF layout), one at a time, in file order."""
+    def tensors(self, raw_experts: bool = False) -> Iterator[tuple[str, torch.Tensor | RawBlocks]]:
+        """(HF parameter name, float32 CPU tensor in HF layout), one at a time, in file order.
+
+        `raw_experts`: routed-expert tensors come as `RawBlocks` (the file's blocks, not decoded) for
+        expert backends that keep them quantized; names and shapes are the same either way.
+        """
         cfg = self._config
         for name, info in self._infos.items():
             if name == gn.ROPE_FREQS:
@@ -219,9 +227,15 @@ class GGUFCheckpoint:
                 v_b = self._read(self._infos[gn.layer_name(layer_id, gn.V_B)])
                 yield gn.hf_layer_name(layer_id, gn.KV_B_HF), gn.merge_kv_b(self._read(info), v_b)
             elif short == gn.GATE_UP_EXPS:
-                gate, up = self._read(info).chunk(2, dim=1)
-                yield gn.hf_layer_name(layer_id, "mlp.experts.gate_proj.weight"), gate.contiguous()
-                yield gn.hf_layer_name(layer_id, "mlp.experts.up_proj.weight"), up.contiguous()
+                fused = self._raw(info) if raw_experts else self._read(info)
+                i = fused.shape[1] // 2
+                gate, up = fused[:, :i], fused[:, i:]
+                if not raw_experts:
+                    gate, up = gate.contiguous(), up.contiguous()
+                yield gn.hf_layer_name(layer_id, "mlp.experts.gate_proj.weight"), gate
+                yield gn.hf_layer_name(layer_id, "mlp.experts.up_proj.weight"), up
+            elif raw_experts and short in _EXPERT_TENSORS:
+                yield gn.hf_layer_name(layer_id, gn.LAYER_NAMES[self.arch][short]), self._raw(info)
             else:
                 t = self._read(info)
                 if isinstance(cfg, LlamaConfig) and short.split(".")[0] in ("attn_q", "attn_k"):
@@ -239,6 +253,9 @@ class GGUFCheckpoint:
     def _read(self, info: _TensorInfo) -> torch.Tensor:
         raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         return dequantize(raw, info.qtype, info.shape, str(self.path), info.name)
+
+    def _raw(self, info: _TensorInfo) -> RawBlocks:
+        return RawBlocks.from_buffer(self._buf, info.offset, info.qtype, info.shape, str(self.path), info.name)
 
     def _check_tensors(self) -> int:
         """Every tensor known, in range and of the config's shape; every required one present."""

@@ -19,6 +19,7 @@ from models.base import CausalLM
 from models.builtin import builtin_model_path, builtin_names
 from models.config import ModelConfig, config_from_hf_dict
 from models.loader.errors import CheckpointError
+from models.moe import EXPERT_BACKENDS
 from models.registry import model_class
 
 if TYPE_CHECKING:
@@ -91,6 +92,10 @@ def load_model(
     load_tokenizer: bool = True,
     progress: bool = True,
 ) -> LoadedModel:
+    """`expert_backend` ('torch' | 'cpp') runs a MoE model's routed experts (other models ignore it);
+    with `cpp` a GGUF's quantized experts reach the backend undecoded (`RawBlocks`)."""
+    if expert_backend not in EXPERT_BACKENDS:
+        raise ValueError(f"unknown expert backend {expert_backend!r} (available: {', '.join(EXPERT_BACKENDS)})")
     path = resolve_model_path(model)
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device)
@@ -104,8 +109,10 @@ def load_model(
         if getattr(module, "keep_fp32", False):
             module.float()
     bar = tqdm(total=ckpt.num_tensors(), desc=f"Loading {path.name}", unit="tensor", disable=not progress, leave=False)
+    raw_experts = any(getattr(m, "accepts_raw_blocks", False) for m in net.modules())
+    tensors = ckpt.tensors(raw_experts=True) if raw_experts and not path.is_dir() else ckpt.tensors()
     with torch.no_grad():
-        net.load_weights(_progress(ckpt.tensors(), bar), str(path))
+        net.load_weights(_progress(tensors, bar), str(path))
     bar.close()
     net.eval()
     tokenizer = None

@@ -1,0 +1,245 @@
+"""Routed experts of a DeepSeek-style MoE layer on the CPU: the only door into `cpp_experts._C`.
+
+Why a native pool: decode is bound by reading expert weights, prefill by bf16/int8 dot-product
+throughput; both need all cores busy without the GIL, and the model wants to run shared experts
+while the routed ones compute (`submit` / `sync`). Every entry point checks dtype, device,
+contiguity, rank and sizes here and raises ValueError / TypeError; the native layer checks what
+needs a pass over the data (expert ids in range, finite routing weights and weight scales).
+
+`MLASERVE_CPP_EXPERTS_KERNEL` (`amx`, `avx512`, `portable`) forces a code path;
+`MLASERVE_CPP_EXPERTS_THREADS` sets the default thread count; `MLASERVE_CPP_EXPERTS_PIN=1` pins
+workers to the process's CPUs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+def _load_native():
+    """The extension built in place, or (for `make asan`) the build named by MLASERVE_CPP_EXPERTS_LIB."""
+    lib = os.environ.get("MLASERVE_CPP_EXPERTS_LIB")
+    if not lib:
+        from cpp_experts import _C as native
+
+        return native
+    import importlib.machinery
+    import importlib.util
+    import sys
+
+    loader = importlib.machinery.ExtensionFileLoader("cpp_experts._C", lib)
+    spec = importlib.util.spec_from_file_location("cpp_experts._C", lib, loader=loader)
+    native = importlib.util.module_from_spec(spec)
+    loader.exec_module(native)
+    sys.modules["cpp_experts._C"] = native
+    return native
+
+
+try:
+    _C = _load_native()
+except ImportError as exc:  # pragma: no cover - only on a broken install
+    raise ImportError(
+        "cpp_experts._C is not built: reinstall the project (`pip install -e .`) with a C++17 compiler"
+    ) from exc
+
+__all__ = ["MoE", "info", "FORMATS", "BLOCK_BYTES"]
+
+FORMATS = ("bf16", "q8_0", "q4_0")
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}  # bytes per 32 values in a GGUF block
+_KERNELS = ("amx", "avx512", "portable")
+
+
+def _forced() -> str | None:
+    value = os.environ.get("MLASERVE_CPP_EXPERTS_KERNEL", "").strip().lower()
+    return value or None
+
+
+def info() -> dict:
+    """What the CPU offers, which kernels exist for it, and what each weight format would use."""
+    d = dict(_C.info())
+    forced = _forced()
+    threads = d.pop("default_threads")
+    kernels = d["kernels"]
+    chosen = {}
+    for fmt in FORMATS:
+        q = fmt != "bf16"
+        avx = "avx512_vnni" if q else "avx512_bf16"
+        if forced == "portable" or (forced is None and avx not in kernels):
+            chosen[fmt] = "portable"
+        elif not q and "amx" in kernels and forced in (None, "amx"):
+            chosen[fmt] = "amx+avx512_bf16"  # AMX for experts with > 4 tokens
+        else:
+            chosen[fmt] = avx
+    d["chosen"] = chosen
+    d["forced"] = forced
+    d["num_threads"] = threads
+    return d
+
+
+def _check_tensor(name: str, t: object, rank: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got device {t.device}")
+    if t.dim() != rank:
+        raise ValueError(f"{name} must have {rank} dimensions, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous())")
+    return t
+
+
+class MoE:
+    """Routed experts (SiLU-gated MLPs) with weights packed once for the chosen kernels."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        weight_format: str = "bf16",
+        num_threads: int | None = None,
+        kernel: str | None = None,
+    ) -> None:
+        for name, v in (("num_experts", num_experts), ("top_k", top_k), ("hidden_size", hidden_size),
+                        ("intermediate_size", intermediate_size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if weight_format not in FORMATS:
+            raise ValueError(f"weight_format must be one of {FORMATS}, got {weight_format!r}")
+        if num_threads is not None and (not isinstance(num_threads, int) or num_threads <= 0):
+            raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
+        kernel = kernel if kernel is not None else _forced()
+        if kernel is not None and kernel not in _KERNELS + ("auto",):
+            raise ValueError(f"kernel must be one of {_KERNELS} (or MLASERVE_CPP_EXPERTS_KERNEL unset), got {kernel!r}")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.weight_format = weight_format
+        self._op = _C.MoE(num_experts, top_k, hidden_size, intermediate_size, weight_format,
+                          num_threads or 0, kernel or "")
+        self._pending: tuple | None = None
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of packed expert weights held natively."""
+        return int(self._op.memory_bytes)
+
+    @property
+    def num_threads(self) -> int:
+        return int(self._op.threads)
+
+    @property
+    def kernel(self) -> str:
+        """The kernel path this operator uses for its weight format."""
+        return self._op.kernel_bf16 if self.weight_format == "bf16" else self._op.kernel_q
+
+    def load_expert(self, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        """bf16: float tensors gate/up [I, H], down [H, I]. Quantized: uint8 raw GGUF blocks in ggml
+        row order, gate/up I rows of H/32 blocks, down H rows of I/32 blocks (2-D or flat)."""
+        if not isinstance(expert, int) or not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert must be an int in [0, {self.num_experts}), got {expert!r}")
+        H, I = self.hidden_size, self.intermediate_size
+        if self.weight_format == "bf16":
+            mats = []
+            for name, t, shape in (("gate", gate, (I, H)), ("up", up, (I, H)), ("down", down, (H, I))):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+                if not t.is_floating_point():
+                    raise TypeError(f"{name} must be a float tensor for weight_format 'bf16', got {t.dtype}")
+                if tuple(t.shape) != shape:
+                    raise ValueError(f"expert {expert} {name}: expected shape {shape}, got {tuple(t.shape)}")
+                t = t.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
+                if not torch.isfinite(t).all():
+                    raise ValueError(f"expert {expert} {name}: weights contain NaN or Inf")
+                mats.append(t)
+            self._op.load_bf16(expert, *(m.data_ptr() for m in mats))
+            return
+        bb = BLOCK_BYTES[self.weight_format]
+        mats = []
+        for name, t, rows, k in (("gate", gate, I, H), ("up", up, I, H), ("down", down, H, I)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != torch.uint8:
+                raise TypeError(f"{name} must hold raw {self.weight_format} blocks as torch.uint8, got {t.dtype}")
+            if t.device.type != "cpu":
+                raise ValueError(f"{name} must be on the CPU, got device {t.device}")
+            want = rows * (k // 32) * bb
+            if t.dim() == 2 and tuple(t.shape) != (rows, k // 32 * bb):
+                raise ValueError(f"expert {expert} {name}: expected shape ({rows}, {k // 32 * bb}), got {tuple(t.shape)}")
+            if t.dim() not in (1, 2) or t.numel() != want:
+                raise ValueError(f"expert {expert} {name}: expected {want} bytes ({rows} rows x {k // 32} blocks), "
+                                 f"got shape {tuple(t.shape)}")
+            mats.append(t.contiguous())
+        self._op.load_quant(expert, mats[0].data_ptr(), mats[0].numel(), mats[1].data_ptr(), mats[1].numel(),
+                            mats[2].data_ptr(), mats[2].numel())
+
+    def finalize(self) -> None:
+        """Checks that every expert is loaded (weights are packed as they are loaded)."""
+        self._op.finalize()
+
+    def _args(self, hidden, topk_ids, topk_weights, out) -> tuple:
+        hidden = _check_tensor("hidden", hidden, 2)
+        if hidden.dtype not in (torch.bfloat16, torch.float32):
+            raise TypeError(f"hidden must be bfloat16 or float32, got {hidden.dtype}")
+        T = hidden.shape[0]
+        if hidden.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden must be [T, {self.hidden_size}], got {tuple(hidden.shape)}")
+        topk_ids = _check_tensor("topk_ids", topk_ids, 2)
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+        if tuple(topk_ids.shape) != (T, self.top_k):
+            raise ValueError(f"topk_ids must be [{T}, {self.top_k}], got {tuple(topk_ids.shape)}")
+        topk_weights = _check_tensor("topk_weights", topk_weights, 2)
+        if topk_weights.dtype != torch.float32:
+            raise TypeError(f"topk_weights must be float32, got {topk_weights.dtype}")
+        if tuple(topk_weights.shape) != (T, self.top_k):
+            raise ValueError(f"topk_weights must be [{T}, {self.top_k}], got {tuple(topk_weights.shape)}")
+        if topk_ids.dtype == torch.int64:
+            if T and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= self.num_experts):
+                bad = topk_ids[(topk_ids < 0) | (topk_ids >= self.num_experts)][0].item()
+                raise ValueError(f"topk_ids holds {bad}, out of range [0, {self.num_experts})")
+            topk_ids = topk_ids.to(torch.int32)
+        if out is None:
+            out = torch.empty_like(hidden)
+        else:
+            out = _check_tensor("out", out, 2)
+            if out.dtype != hidden.dtype or tuple(out.shape) != tuple(hidden.shape):
+                raise ValueError(f"out must be {hidden.dtype} {tuple(hidden.shape)}, got {out.dtype} {tuple(out.shape)}")
+        return hidden, topk_ids, topk_weights, out
+
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """out[t] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]); [T, H] in hidden's dtype."""
+        if self._pending is not None:
+            raise RuntimeError("forward() called while a submit() is pending; call sync() first")
+        h, ids, w, out = self._args(hidden, topk_ids, topk_weights, out)
+        bf = h.dtype == torch.bfloat16
+        self._op.forward(h.data_ptr(), bf, h.shape[0], ids.data_ptr(), w.data_ptr(), out.data_ptr(), bf)
+        return out
+
+    __call__ = forward
+
+    def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+               out: torch.Tensor | None = None) -> None:
+        """Starts forward() in the background and returns at once; sync() returns its output.
+        The tensors must not be modified until sync() returns."""
+        if self._pending is not None:
+            raise RuntimeError("submit() called while a previous submit() is pending; call sync() first")
+        h, ids, w, out = self._args(hidden, topk_ids, topk_weights, out)
+        bf = h.dtype == torch.bfloat16
+        self._op.submit(h.data_ptr(), bf, h.shape[0], ids.data_ptr(), w.data_ptr(), out.data_ptr(), bf)
+        self._pending = (h, ids, w, out)  # keeps the buffers alive while the native side uses them
+
+    def sync(self) -> torch.Tensor:
+        """Waits for the submitted work and returns its output."""
+        if self._pending is None:
+            raise RuntimeError("sync() called without a pending submit()")
+        self._op.sync()
+        out = self._pending[3]
+        self._pending = None
+        return out
+
+    def __del__(self) -> None:
+        if getattr(self, "_pending", None) is not None:
+            self._op.sync()

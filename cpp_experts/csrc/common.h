@@ -1,0 +1,102 @@
+// Shared types of the routed-expert operator: packed weight layouts, activation layouts and the
+// kernel table each code path (portable, AVX-512, AMX) fills in.
+//
+// Packed layouts (all dims padded to multiples of 32; padding is zero):
+//  bf16   W[N][K] -> [N/16][K/2][16][2] bf16: one 64-byte line holds one k-pair of 16 output rows,
+//         which is both the vdpbf16ps operand (16 rows in a zmm) and an AMX B tile row.
+//  q8_0   per (rowblock of 16 rows, block of 32 k): 8 groups of [16 rows][4 bytes], byte =
+//         q + 128 (unsigned, for vpdpbusd); scales fp16 [N/16][K/32][16] kept apart.
+//  q4_0   per (rowblock, block): 4 groups of [16][4] bytes, byte (g, r, c) = GGUF qs[4g + c] of
+//         row r, so the low nibbles are k = 4g..4g+3 and the high nibbles k = 16+4g..; the
+//         nibble q in 0..15 is used unsigned and the -8 folded into the activation sums.
+// Activations for the quantized formats are Q8_0 per 32 values: int8 q, fp32 d, int32 sum(q).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace cpx {
+
+enum class Format { BF16 = 0, Q8_0 = 1, Q4_0 = 2 };
+
+inline size_t round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, like torch
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+inline float f16_to_f32(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+  if (exp == 0) {
+    if (man == 0) {
+      u = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      do { ++e; man <<= 1; } while (!(man & 0x400u));
+      u = sign | uint32_t(127 - 15 - e) << 23 | (man & 0x3ffu) << 13;
+    }
+  } else if (exp == 31) {
+    u = sign | 0x7f800000u | man << 13;
+  } else {
+    u = sign | (exp + 112u) << 23 | man << 13;
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// A packed weight matrix: `rows` output rows (padded to 32) of `k` inputs (padded to 32).
+struct Mat {
+  Format fmt = Format::BF16;
+  int rows = 0, k = 0;
+  const uint8_t* data = nullptr;   // bf16 pairs or quant bytes
+  const uint16_t* scales = nullptr;  // fp16, quant formats only
+  size_t rb_stride() const {  // bytes of one rowblock (16 rows) in `data`
+    return fmt == Format::BF16 ? size_t(k) * 32 : size_t(k / 32) * (fmt == Format::Q8_0 ? 512 : 256);
+  }
+};
+
+// Q8_0 activations of `n` rows, `k` values each (k multiple of 32), row-major.
+struct QAct {
+  int8_t* q;      // [n][k]
+  float* d;       // [n][k/32]
+  int32_t* sum;   // [n][k/32]
+  int k;
+};
+
+// C[i * ldc + j] = sum_k W[row0 + j][k] * A[i][k] for j < 16 * nrb, i < ntok.
+using GemmBF16 = void (*)(const Mat& w, int rb0, int nrb, const uint16_t* a, size_t lda, int ntok,
+                          float* c, int ldc);
+using GemmQ = void (*)(const Mat& w, int rb0, int nrb, const QAct& a, int row0, int ntok, float* c,
+                       int ldc);
+// h[i] = silu(g[i]) * u[i]
+using SiluMul = void (*)(const float* g, const float* u, float* h, int n);
+
+struct Kernels {
+  const char* name_bf16;
+  const char* name_q;
+  GemmBF16 gemm_bf16;  // may be null where the path has no bf16 kernel
+  GemmQ gemm_q;        // may be null where the path has no int8 kernel
+  SiluMul silu_mul;
+};
+
+extern const Kernels kPortable;
+extern const Kernels kAvx512;
+bool amx_gemm_bf16(const Mat& w, int rb0, int nrb, const uint16_t* a, size_t lda, int ntok, float* c,
+                   int ldc);  // AMX tiles; ntok > 0; always succeeds (returns true) where compiled
+
+// Q8_0-quantise one row of k floats (k multiple of 32), as ggml's quantize_row_q8_0.
+void quantize_row_q8(const float* x, int k, int8_t* q, float* d, int32_t* sum);
+
+}  // namespace cpx

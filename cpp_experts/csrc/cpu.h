@@ -1,0 +1,19 @@
+// Run-time CPU feature detection (CPUID + XCR0 + the Linux AMX tile-data permission).
+#pragma once
+#include <string>
+#include <vector>
+
+namespace cpx {
+
+struct CpuInfo {
+  bool avx512 = false;       // F + BW + VL + DQ, with the OS saving zmm state
+  bool avx512_bf16 = false;  // and AVX512_BF16
+  bool avx512_vnni = false;  // and AVX512_VNNI
+  bool amx_hw = false;       // AMX-TILE + AMX-BF16 in CPUID and XCR0
+  bool amx_usable = false;   // and the kernel granted XTILEDATA to this process
+  std::vector<std::string> flags;
+};
+
+const CpuInfo& cpu_info();  // detected once
+
+}  // namespace cpx

@@ -1,0 +1,127 @@
+#include "pool.h"
+
+#include <sched.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <map>
+#include <string>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CPX_PAUSE() _mm_pause()
+#else
+#define CPX_PAUSE() std::this_thread::yield()
+#endif
+
+namespace cpx {
+namespace {
+constexpr auto kSpin = std::chrono::microseconds(100);  // spin before sleeping
+
+std::vector<int> allowed_cpus() {
+  std::vector<int> cpus;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    for (int i = 0; i < CPU_SETSIZE; ++i)
+      if (CPU_ISSET(i, &set)) cpus.push_back(i);
+  }
+  return cpus;
+}
+}  // namespace
+
+Pool::Pool(int threads, bool pin) : n_(threads < 1 ? 1 : threads), ranges_(new Range[n_]) {
+  const std::vector<int> cpus = pin ? allowed_cpus() : std::vector<int>{};
+  for (int i = 1; i < n_; ++i) {
+    threads_.emplace_back([this, i] { worker(i); });
+    if (!cpus.empty()) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      CPU_SET(cpus[size_t(i) % cpus.size()], &set);
+      pthread_setaffinity_np(threads_.back().native_handle(), sizeof(set), &set);
+    }
+  }
+}
+
+Pool::~Pool() {
+  {
+    std::lock_guard<std::mutex> lock(sleep_mutex_);
+    stop_ = true;
+    gen_.fetch_add(1, std::memory_order_release);
+  }
+  wake_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+void Pool::work(int id) {
+  const std::function<void(int, int)>& fn = *fn_;
+  for (int k = 0; k < n_; ++k) {
+    Range& r = ranges_[(id + k) % n_];
+    for (int i; (i = r.next.fetch_add(1, std::memory_order_relaxed)) < r.end;) fn(i, id);
+  }
+}
+
+void Pool::worker(int id) {
+  uint64_t seen = 0;
+  for (;;) {
+    const auto start = std::chrono::steady_clock::now();
+    int spins = 0;
+    while (gen_.load(std::memory_order_acquire) == seen) {
+      CPX_PAUSE();
+      if (++spins % 256 == 0 && std::chrono::steady_clock::now() - start > kSpin) {
+        std::unique_lock<std::mutex> lock(sleep_mutex_);
+        wake_.wait(lock, [&] { return gen_.load(std::memory_order_acquire) != seen; });
+        break;
+      }
+    }
+    seen = gen_.load(std::memory_order_acquire);
+    if (stop_) return;
+    work(id);
+    pending_.fetch_sub(1, std::memory_order_acq_rel);
+  }
+}
+
+void Pool::run(int ntasks, const std::function<void(int, int)>& fn) {
+  if (ntasks <= 0) return;
+  std::lock_guard<std::mutex> job(job_mutex_);
+  if (n_ == 1 || ntasks == 1) {
+    for (int i = 0; i < ntasks; ++i) fn(i, 0);
+    return;
+  }
+  for (int p = 0; p < n_; ++p) {
+    ranges_[p].next.store(int(int64_t(ntasks) * p / n_), std::memory_order_relaxed);
+    ranges_[p].end = int(int64_t(ntasks) * (p + 1) / n_);
+  }
+  fn_ = &fn;
+  pending_.store(n_ - 1, std::memory_order_relaxed);
+  {
+    std::lock_guard<std::mutex> lock(sleep_mutex_);
+    gen_.fetch_add(1, std::memory_order_release);
+  }
+  wake_.notify_all();
+  work(0);
+  while (pending_.load(std::memory_order_acquire) != 0) CPX_PAUSE();
+}
+
+int default_threads() {
+  if (const char* env = std::getenv("MLASERVE_CPP_EXPERTS_THREADS")) {
+    const int v = std::atoi(env);
+    if (v > 0) return v;
+  }
+  const size_t n = allowed_cpus().size();
+  return n > 0 ? int(n) : 1;
+}
+
+std::shared_ptr<Pool> get_pool(int threads) {
+  static std::mutex m;
+  static std::map<int, std::shared_ptr<Pool>> pools;
+  std::lock_guard<std::mutex> lock(m);
+  auto& p = pools[threads];
+  if (!p) {
+    const char* pin = std::getenv("MLASERVE_CPP_EXPERTS_PIN");
+    p = std::make_shared<Pool>(threads, pin != nullptr && std::string(pin) == "1");
+  }
+  return p;
+}
+
+}  // namespace cpx

@@ -1,0 +1,55 @@
+// Fixed worker pool with per-thread task ranges and work stealing.
+//
+// run(n, fn) splits tasks [0, n) into one contiguous range per participant; each participant
+// (the calling thread is participant 0) takes tasks from its own range with an atomic fetch_add
+// and, when it runs dry, from the others' ranges the same way: no lock on the hot path. Idle
+// workers spin briefly on a generation counter, then sleep on a condition variable.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace cpx {
+
+class Pool {
+ public:
+  Pool(int threads, bool pin);
+  ~Pool();
+  Pool(const Pool&) = delete;
+  Pool& operator=(const Pool&) = delete;
+
+  int size() const { return n_; }
+  // Runs fn(task, participant) for every task; returns when all are done. fn must not throw.
+  // Calls from different threads are serialised.
+  void run(int ntasks, const std::function<void(int, int)>& fn);
+
+ private:
+  struct alignas(64) Range {
+    std::atomic<int> next{0};
+    int end = 0;
+  };
+  void worker(int id);
+  void work(int id);
+
+  int n_;
+  std::unique_ptr<Range[]> ranges_;
+  const std::function<void(int, int)>* fn_ = nullptr;
+  alignas(64) std::atomic<uint64_t> gen_{0};
+  alignas(64) std::atomic<int> pending_{0};
+  std::mutex sleep_mutex_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  std::mutex job_mutex_;
+  std::vector<std::thread> threads_;
+};
+
+// One shared pool per thread count (created on first use, kept for the process's life).
+std::shared_ptr<Pool> get_pool(int threads);
+int default_threads();  // MLASERVE_CPP_EXPERTS_THREADS, else the CPUs in this process's affinity mask
+
+}  // namespace cpx

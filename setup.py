@@ -1,0 +1,20 @@
+"""Build of the native extension `cpp_experts._C` (everything else is declared in pyproject.toml).
+
+One binary for every x86-64 CPU: the AVX-512 and AMX kernels carry per-function target attributes
+and are chosen at run time from CPUID, so no -march flag is ever passed here.
+"""
+
+from glob import glob
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import setup
+
+ext = Pybind11Extension(
+    "cpp_experts._C",
+    sorted(glob("cpp_experts/csrc/*.cpp")),
+    cxx_std=17,
+    extra_compile_args=["-O3"],
+    depends=sorted(glob("cpp_experts/csrc/*.h")),
+)
+
+setup(ext_modules=[ext], cmdclass={"build_ext": build_ext})

@@ -1,0 +1,106 @@
+"""Shared helpers for the cpp_experts tests: random experts in every weight format and the torch
+fp32 reference (weights decoded by models.loader.gguf_quants, activations quantised by gguf)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cpp_experts
+from models.loader.gguf_quants import dequantize
+
+QTYPE = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+
+
+def available_paths() -> list[str]:
+    kernels = cpp_experts.info()["kernels"]
+    paths = ["portable"]
+    if "avx512_bf16" in kernels or "avx512_vnni" in kernels:
+        paths.append("avx512")
+    if "amx" in kernels:
+        paths.append("amx")
+    return paths
+
+
+def path_params() -> list:
+    """Every kernel path; the ones this CPU lacks are skipped with a message."""
+    have = available_paths()
+    return [p if p in have else pytest.param(p, marks=pytest.mark.skip(reason=f"this CPU has no usable {p} kernels"))
+            for p in ("portable", "avx512", "amx")]
+
+
+def path_supports(path: str, fmt: str) -> bool:
+    kernels = cpp_experts.info()["kernels"]
+    if path == "avx512":
+        return ("avx512_vnni" if fmt != "bf16" else "avx512_bf16") in kernels
+    return True
+
+
+class Experts:
+    """E random experts; `weights[e]` = fp32 (gate, up, down) as the kernel sees them."""
+
+    def __init__(self, fmt: str, E: int, H: int, I: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.fmt, self.E, self.H, self.I = fmt, E, H, I
+        self.raw, self.weights = [], []
+        for _ in range(E):
+            mats = (torch.randn(I, H, generator=g) / H**0.5, torch.randn(I, H, generator=g) / H**0.5,
+                    torch.randn(H, I, generator=g) / I**0.5)
+            if fmt == "bf16":
+                self.raw.append(mats)
+                self.weights.append(tuple(m.bfloat16().float() for m in mats))
+            else:
+                blocks = [gguf.quants.quantize(m.numpy(), QTYPE[fmt]) for m in mats]
+                self.raw.append(tuple(torch.from_numpy(np.ascontiguousarray(b)) for b in blocks))
+                self.weights.append(tuple(dequantize(b, QTYPE[fmt], m.shape) for b, m in zip(blocks, mats)))
+
+    def build(self, top_k: int, threads: int | None, kernel: str) -> cpp_experts.MoE:
+        moe = cpp_experts.MoE(self.E, top_k, self.H, self.I, self.fmt, num_threads=threads, kernel=kernel)
+        for e, (gt, up, dn) in enumerate(self.raw):
+            moe.load_expert(e, gt, up, dn)
+        moe.finalize()
+        return moe
+
+
+def q8_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """x through GGUF's Q8_0 (as the kernels quantise activations), per 32 values of the last dim."""
+    q = gguf.quants.quantize(x.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
+    return torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0).copy()).reshape(x.shape)
+
+
+def reference(ex: Experts, hidden: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+              quant_acts: bool) -> torch.Tensor:
+    """fp32 MoE: every expert on every token, then the routing-weighted sum."""
+    x = hidden.float()
+    if quant_acts:
+        x = q8_roundtrip(x)
+    ys = []
+    for gt, up, dn in ex.weights:
+        h = F.silu(x @ gt.T) * (x @ up.T)
+        if quant_acts:
+            h = q8_roundtrip(h)
+        ys.append(h @ dn.T)
+    Y = torch.stack(ys)  # [E, T, H]
+    T = x.shape[0]
+    out = torch.zeros(T, ex.H)
+    for k in range(ids.shape[1]):
+        out += w[:, k : k + 1] * Y[ids[:, k].long(), torch.arange(T)]
+    return out
+
+
+def routing(T: int, E: int, k: int, mode: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`uniform`: distinct random experts per token, never expert 0 (an expert with no tokens);
+    `skewed`: every token's first choice is expert 3 (k = 1: every token to one expert)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E - 1, generator=g)[:k] + 1 for _ in range(T)])
+    if mode == "skewed":
+        for t in range(T):
+            row = ids[t].tolist()
+            if 3 in row:
+                row.remove(3)
+            ids[t] = torch.tensor([3] + row[: k - 1])
+    w = torch.rand(T, k, generator=g) + 0.05
+    return ids, w

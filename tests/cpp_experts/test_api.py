@@ -1,0 +1,164 @@
+"""cpp_experts API behaviour: submit/sync overlap, the GIL released during forward, and bad input
+raising clear Python exceptions (never a crash or a silent wrong answer)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import cpp_experts
+from tests.cpp_experts.helpers import Experts, reference, routing
+
+E, H, I, K = 8, 256, 256, 6
+
+
+@pytest.fixture(scope="module")
+def ex() -> Experts:
+    return Experts("bf16", E, H, I, seed=11)
+
+
+@pytest.fixture(scope="module")
+def moe(ex: Experts) -> cpp_experts.MoE:
+    return ex.build(K, None, "portable")  # the slowest path: long enough calls to observe
+
+
+def test_submit_sync_overlaps_python_work(ex: Experts, moe: cpp_experts.MoE) -> None:
+    T = 512
+    hidden = torch.randn(T, H, dtype=torch.bfloat16)
+    ids, w = routing(T, E, K, "uniform", seed=1)
+    t0 = time.perf_counter()
+    moe.submit(hidden, ids, w)
+    t_submit = time.perf_counter() - t0
+    side = torch.randn(64, 64) @ torch.randn(64, 64)  # the caller's own work meanwhile
+    y = moe.sync()
+    total = time.perf_counter() - t0
+    assert t_submit < 0.5 * total, f"submit took {t_submit:.4f}s of {total:.4f}s: not asynchronous"
+    assert torch.isfinite(side).all()
+    ref = reference(ex, hidden, ids, w, quant_acts=False)
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 8e-3
+    torch.testing.assert_close(y, moe.forward(hidden, ids, w), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="without a pending submit"):
+        moe.sync()
+    moe.submit(hidden, ids, w)
+    with pytest.raises(RuntimeError, match="pending"):
+        moe.submit(hidden, ids, w)
+    with pytest.raises(RuntimeError, match="pending"):
+        moe.forward(hidden, ids, w)
+    moe.sync()
+
+
+def test_gil_released_during_forward(moe: cpp_experts.MoE) -> None:
+    T = 1024
+    hidden = torch.randn(T, H)
+    ids, w = routing(T, E, K, "uniform", seed=2)
+    count = [0]
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            count[0] += 1
+
+    th = threading.Thread(target=spin)
+    th.start()
+    try:
+        time.sleep(0.01)
+        c0, t0 = count[0], time.perf_counter()
+        moe.forward(hidden, ids, w)
+        c1, dt = count[0], time.perf_counter() - t0
+    finally:
+        stop.set()
+        th.join()
+    assert dt > 0.02, "forward too short to observe"
+    # With the GIL held the thread could only run in the instants around the call.
+    assert c1 - c0 > 10_000, f"python thread made {c1 - c0} steps during a {dt:.3f}s forward"
+
+
+def _good(T: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ids, w = routing(T, E, K, "uniform", seed=3)
+    return torch.randn(T, H), ids, w
+
+
+def test_bad_inputs_raise(moe: cpp_experts.MoE) -> None:
+    x, ids, w = _good()
+    cases = [
+        (ValueError, "hidden must be \\[T, 256\\]", (torch.randn(4, H + 1), ids, w)),
+        (ValueError, "2 dimensions", (x[0], ids, w)),
+        (TypeError, "bfloat16 or float32", (x.double(), ids, w)),
+        (TypeError, "torch.Tensor", (x.numpy(), ids, w)),
+        (ValueError, "contiguous", (torch.randn(H, 4).T, ids, w)),
+        (ValueError, "topk_ids must be \\[4, 6\\]", (x, ids[:, :5].contiguous(), w)),
+        (TypeError, "int32 or int64", (x, ids.float(), w)),
+        (ValueError, "contiguous", (x, ids.T.contiguous().T, w)),
+        (TypeError, "topk_weights must be float32", (x, ids, w.double())),
+        (ValueError, "topk_weights must be \\[4, 6\\]", (x, ids, w[:3].contiguous())),
+    ]
+    for exc, msg, args in cases:
+        with pytest.raises(exc, match=msg):
+            moe.forward(*args)
+    for dtype in (torch.int64, torch.int32):
+        for bad in (E, -1, 1 << 30):
+            b = ids.clone().to(dtype)
+            b[2, 4] = bad
+            with pytest.raises(ValueError, match="out of range"):
+                moe.forward(x, b, w)
+            with pytest.raises(ValueError, match="out of range"):
+                moe.submit(x, b, w)
+    for bad in (float("nan"), float("inf")):
+        bw = w.clone()
+        bw[1, 1] = bad
+        with pytest.raises(ValueError, match="not finite"):
+            moe.forward(x, ids.to(torch.int32), bw)
+    with pytest.raises(ValueError, match="out must be"):
+        moe.forward(x, ids, w, out=torch.empty(4, H, dtype=torch.bfloat16))
+    # still works after all that
+    assert torch.isfinite(moe.forward(x, ids, w)).all()
+
+
+def test_bad_construction_and_loading() -> None:
+    with pytest.raises(ValueError, match="weight_format"):
+        cpp_experts.MoE(4, 2, 64, 64, "q5_k")
+    with pytest.raises(ValueError, match="top_k"):
+        cpp_experts.MoE(4, 5, 64, 64)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        cpp_experts.MoE(4, 2, 64, 48, "q8_0")
+    with pytest.raises(ValueError, match="kernel must be"):
+        cpp_experts.MoE(4, 2, 64, 64, kernel="sse")
+    if "amx" not in cpp_experts.info()["kernels"]:
+        with pytest.raises(RuntimeError, match="amx"):
+            cpp_experts.MoE(4, 2, 64, 64, kernel="amx")
+    m = cpp_experts.MoE(2, 1, 64, 64, "bf16", num_threads=1)
+    g = torch.randn(64, 64)
+    with pytest.raises(ValueError, match="expected shape"):
+        m.load_expert(0, g, g, torch.randn(64, 32))
+    with pytest.raises(TypeError, match="float tensor"):
+        m.load_expert(0, g, g, g.to(torch.uint8))
+    with pytest.raises(ValueError, match="expert must be"):
+        m.load_expert(2, g, g, g)
+    bad = g.clone()
+    bad[3, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        m.load_expert(0, g, bad, g)
+    m.load_expert(0, g, g, g)
+    with pytest.raises(ValueError, match="never loaded"):
+        m.finalize()
+    ids = torch.zeros(1, 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="finalize"):
+        m.forward(torch.randn(1, 64), ids, torch.ones(1, 1))
+
+    q = Experts("q8_0", 1, 64, 64, seed=4)
+    mq = cpp_experts.MoE(1, 1, 64, 64, "q8_0", num_threads=1)
+    gate, up, down = q.raw[0]
+    with pytest.raises(ValueError, match="expected"):
+        mq.load_expert(0, gate[:, :-1].contiguous(), up, down)
+    with pytest.raises(TypeError, match="uint8"):
+        mq.load_expert(0, gate.to(torch.int8), up, down)
+    nan_scale = gate.clone()
+    nan_scale[5, 34:36] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)  # fp16 NaN in block 1's d
+    with pytest.raises(ValueError, match="row 5 block 1 has a non-finite scale"):
+        mq.load_expert(0, nan_scale, up, down)
+    mq.load_expert(0, gate.flatten(), up, down)  # flat bytes are accepted too
+    mq.finalize()
+    assert torch.isfinite(mq.forward(torch.randn(2, 64), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1))).all()

@@ -1,0 +1,111 @@
+"""cpp_experts against the torch fp32 reference, for every kernel path x weight format: token
+counts 1..1024, top-k 1..8, uniform and fully skewed routing, an expert without tokens, 1 and all
+threads, bf16 and fp32 activations, output written into a NaN-poisoned buffer."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.cpp_experts.helpers import Experts, path_params, path_supports, reference, routing
+
+E, H, I = 10, 128, 96  # I = 96: one 64-row task plus a 32-row remainder
+# relative (Frobenius) error bounds per format, against the reference with quantised activations
+TOL = {"bf16": 8e-3, "q8_0": 6e-3, "q4_0": 6e-3}
+# (T, top_k, routing, threads, activation dtype)
+CASES = [
+    (1, 1, "uniform", 1, torch.float32),
+    (1, 8, "uniform", None, torch.bfloat16),
+    (3, 2, "skewed", None, torch.float32),
+    (16, 6, "uniform", 1, torch.bfloat16),
+    (64, 8, "skewed", None, torch.float32),
+    (257, 6, "uniform", None, torch.bfloat16),
+    (257, 1, "skewed", 1, torch.float32),
+    (1024, 6, "uniform", None, torch.float32),
+    (1024, 1, "skewed", None, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("path", path_params())
+def test_matches_reference(path: str, fmt: str) -> None:
+    if not path_supports(path, fmt):
+        pytest.skip(f"this CPU has no {path} kernel for {fmt}")
+    ex = Experts(fmt, E, H, I, seed=hash((path, fmt)) % 1000)
+    ops: dict = {}
+    for i, (T, k, mode, threads, dtype) in enumerate(CASES):
+        moe = ops.get((k, threads)) or ops.setdefault((k, threads), ex.build(k, threads, path))
+        expect = "avx512_vnni" if (path == "amx" and fmt != "bf16") else path  # no AMX int8 kernel
+        assert moe.kernel.startswith(expect), moe.kernel
+        g = torch.Generator().manual_seed(100 + i)
+        hidden = torch.randn(T, H, generator=g).to(dtype)
+        ids, w = routing(T, E, k, mode, seed=i)
+        if i % 2:
+            ids = ids.to(torch.int32)
+        out = torch.full((T, H), float("nan"), dtype=dtype)
+        y = moe.forward(hidden, ids, w, out=out)
+        assert y.data_ptr() == out.data_ptr() and y.dtype == dtype
+        assert torch.isfinite(y).all(), f"case {i}: non-finite output (poisoned buffer not overwritten?)"
+        ref = reference(ex, hidden, ids, w, quant_acts=fmt != "bf16")
+        err = ((y.float() - ref).norm() / ref.norm()).item()
+        assert err < TOL[fmt], f"case {i} (T={T}, k={k}, {mode}, threads={threads}, {dtype}): rel err {err:.2e}"
+        worst = (y.float() - ref).abs().max().item()
+        assert worst < 20 * TOL[fmt] * ref.abs().max().item(), f"case {i}: max abs err {worst:.3e}"
+        if fmt != "bf16":  # also close to the exact fp32 activations, within Q8_0 activation rounding
+            exact = reference(ex, hidden, ids, w, quant_acts=False)
+            assert ((y.float() - exact).norm() / exact.norm()).item() < 3e-2
+
+
+@pytest.mark.parametrize("path", path_params())
+def test_paths_agree_with_each_other(path: str) -> None:
+    """A forced path gives the same result as the portable one (same rounding, other order)."""
+    if not path_supports(path, "q8_0") and not path_supports(path, "bf16"):
+        pytest.skip(f"no {path} kernel")
+    ex = Experts("q8_0", E, H, I, seed=7)
+    T, k = 40, 6
+    hidden = torch.randn(T, H)
+    ids, w = routing(T, E, k, "uniform", seed=3)
+    a = ex.build(k, None, "portable").forward(hidden, ids, w)
+    b = ex.build(k, None, path).forward(hidden, ids, w)
+    # the int8 sums are exact: only the fp32 accumulation order differs
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_env_var_forces_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    import cpp_experts
+
+    monkeypatch.setenv("MLASERVE_CPP_EXPERTS_KERNEL", "portable")
+    assert cpp_experts.info()["forced"] == "portable"
+    assert cpp_experts.info()["chosen"]["bf16"] == "portable"
+    assert cpp_experts.MoE(4, 2, 64, 64).kernel == "portable"
+    monkeypatch.setenv("MLASERVE_CPP_EXPERTS_THREADS", "1")
+    assert cpp_experts.info()["num_threads"] == 1
+    assert os.environ["MLASERVE_CPP_EXPERTS_THREADS"] == "1"
+
+
+def test_info_and_memory() -> None:
+    import cpp_experts
+
+    inf = cpp_experts.info()
+    assert set(inf) >= {"cpu_flags", "amx_usable", "kernels", "chosen", "forced", "num_threads"}
+    assert "portable" in inf["kernels"] and inf["num_threads"] >= 1
+    sizes = {}
+    for fmt in ("bf16", "q8_0", "q4_0"):
+        sizes[fmt] = Experts(fmt, 2, 64, 64, seed=1).build(2, 1, "portable").memory_bytes
+    assert sizes["bf16"] == 2 * 3 * 64 * 64 * 2
+    assert sizes["q8_0"] == 2 * 3 * 64 * 64 * 34 // 32
+    assert sizes["q4_0"] == 2 * 3 * 64 * 64 * 18 // 32
+
+
+def test_odd_sizes_bf16() -> None:
+    """bf16 accepts sizes that are not multiples of 32 (padded internally)."""
+    ex = Experts("bf16", 5, 72, 40, seed=2)
+    for path in ("portable", "avx512") if path_supports("avx512", "bf16") else ("portable",):
+        moe = ex.build(3, None, path)
+        hidden = torch.randn(9, 72)
+        ids, w = routing(9, 5, 3, "uniform", seed=5)
+        y = moe.forward(hidden, ids, w)
+        ref = reference(ex, hidden, ids, w, quant_acts=False)
+        assert ((y - ref).norm() / ref.norm()).item() < TOL["bf16"]

