@@ -6,8 +6,9 @@ Two pair layouts (`RopeConfig.interleaved`):
 * half split (Llama):     dims (x[i], x[i + d/2]) rotate together.
 
 cos/sin are computed in fp32 as `positions * inv_freq` (the same elementwise ops HF uses, so the
-tables agree bit for bit) and multiplied by YaRN's attention factor when it applies. Tables are
-cached up to the largest position seen and grown on demand.
+tables agree bit for bit) and multiplied by YaRN's attention factor when it applies. The table covers
+every position the model allows (`max_positions`), built once, so a forward never has to look at
+the positions on the host (no device sync; CUDA-graph friendly).
 """
 
 from __future__ import annotations
@@ -81,18 +82,19 @@ def rope_inv_freq(cfg: RopeConfig) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding(torch.nn.Module):
     """Applies RoPE to q [T, Hq, dim] and k [T, Hk, dim] (the first `cfg.dim` dims of the last axis)."""
 
-    def __init__(self, cfg: RopeConfig, initial_len: int = 4096) -> None:
+    def __init__(self, cfg: RopeConfig, max_positions: int = 4096) -> None:
         super().__init__()
         self.cfg = cfg
+        self.max_positions = max_positions
         inv_freq, self.attention_factor = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.register_buffer("cos_sin_cache", self._table(initial_len), persistent=False)
+        self.register_buffer("cos_sin_cache", self._table(max_positions), persistent=False)
 
     def process_weights_after_loading(self) -> None:
         """Rebuilds the fp32 tables (after meta-device construction or a dtype cast of the model)."""
         inv_freq, _ = rope_inv_freq(self.cfg)
         self.inv_freq = inv_freq.to(self.inv_freq.device)
-        self.cos_sin_cache = self._table(self.cos_sin_cache.shape[1])
+        self.cos_sin_cache = self._table(self.max_positions)
 
     def _table(self, length: int) -> torch.Tensor:
         t = torch.arange(length, dtype=torch.float32, device=self.inv_freq.device)
@@ -100,10 +102,7 @@ class RotaryEmbedding(torch.nn.Module):
         return torch.stack([freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor])
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, dim/2] in fp32 for the given positions."""
-        need = int(positions.max().item()) + 1 if positions.numel() else 0
-        if need > self.cos_sin_cache.shape[1]:
-            self.cos_sin_cache = self._table(max(need, 2 * self.cos_sin_cache.shape[1]))
+        """cos, sin [T, dim/2] in fp32 for positions (each < max_positions)."""
         table = self.cos_sin_cache[:, positions]
         return table[0], table[1]
 

@@ -52,7 +52,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, make_layer: Callable[[int, RotaryEmbedding], nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary_emb = RotaryEmbedding(cfg.rope)
+        self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.max_position_embeddings)
         self.layers = nn.ModuleList(make_layer(i, self.rotary_emb) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

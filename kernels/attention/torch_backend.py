@@ -27,7 +27,7 @@ _QUERY_CHUNK = 1024
 
 @dataclass
 class _Metadata:
-    kv_indices: list[torch.Tensor]  # per request: [seq_len] int64 KV slots of positions 0..seq_len-1
+    kv_indices: list[torch.Tensor]  # per request (extend only): [seq_len] int64 KV slots of positions 0..seq_len-1
     starts: list[int]  # per request: first packed token
     prefix_lens: list[int]
     extend_lens: list[int]
@@ -52,10 +52,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         table = batch.req_to_token_pool.req_to_token
-        rows = batch.req_pool_indices.tolist()
-        kv_indices = [table[r, :n].to(torch.int64) for r, n in zip(rows, batch.seq_lens_cpu)]
+        kv_indices: list[torch.Tensor] = []
         decode_indices = decode_mask = None
-        if batch.forward_mode.is_decode():
+        if not batch.forward_mode.is_decode():  # decode reads the padded table below instead
+            rows = batch.req_pool_indices.tolist()
+            kv_indices = [table[r, :n].to(torch.int64) for r, n in zip(rows, batch.seq_lens_cpu)]
+        else:
             max_len = max(batch.seq_lens_cpu)
             lens = torch.tensor(batch.seq_lens_cpu, device=table.device)
             decode_indices = table[batch.req_pool_indices, :max_len].to(torch.int64)
