@@ -7,21 +7,30 @@ bandwidth. Prefill (large T) is bound by dot-product throughput: floor = flops /
 Medians of repeats after warm-up. Weights are random (values do not change the time).
 
     .venv/bin/python bench/moe_cpu.py [--threads 2] [--out bench/results/moe_cpu_<host>.json]
+        [--kt-python /path/to/venv-with-kt-kernel/bin/python]
+
+Optional second peer: KTransformers' `kt-kernel` CPU MoE (its raw `kt_kernel_ext` extension, no
+GPU needed), timed in a subprocess run by `--kt-python` (default: $MLASERVE_KT_PYTHON, else this
+interpreter) on the same routing, after our kernels so the two thread pools never overlap. It is
+best installed in its own venv (`pip install torch numpy; pip install --no-deps kt-kernel`); where
+it is missing the JSON says "kt_kernel": "not installed ...".
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-import cpp_experts
 
 E, K, H, I = 64, 6, 2048, 1408
 TOKENS = (1, 4, 16, 64, 256, 1024)
@@ -75,8 +84,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--kt-python", default=os.environ.get("MLASERVE_KT_PYTHON", sys.executable))
+    ap.add_argument("--kt-kernel-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.kt_kernel_worker:
+        return kt_worker(args.threads, args.repeats)
+    import cpp_experts  # here, so the kt-kernel worker runs in a venv without our extension too
+
     g = torch.Generator().manual_seed(0)
     machine = {
         "cpu": platform.processor() or platform.machine(),
@@ -100,11 +115,12 @@ def main() -> None:
     for op in ops.values():
         op.finalize()
 
-    results = []
+    results, routing = [], {}
     for T in args.tokens:
         hidden = torch.randn(T, H, generator=g).bfloat16()
         ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
         weights = torch.rand(T, K, generator=g)
+        routing[T] = (ids.tolist(), weights.tolist())
         touched = ids.unique().numel()
         flops = 2 * 3 * H * I * T * K
         reps = args.repeats if T <= 256 else max(3, args.repeats // 2)
@@ -127,16 +143,128 @@ def main() -> None:
         print(json.dumps(row))
         results.append(row)
 
+    del ops  # free our weights before the peer loads its own copy
+    kt = kt_kernel_peer(args.kt_python, args.threads, args.repeats, routing)
+    if isinstance(kt, dict):
+        for row in results:
+            peer = kt["results"][str(row["T"])]
+            for fmt, ours in (("bf16", "bf16"), ("int8", "q8_0")):
+                row[f"kt_kernel_{fmt}_ms"] = peer[f"{fmt}_ms"]
+                row[f"{ours}_speedup_vs_kt_kernel_{fmt}"] = peer[f"{fmt}_ms"] / row[f"{ours}_ms"]
+            print(json.dumps({k: v for k, v in row.items() if "kt_kernel" in k or k == "T"}))
+        kt = {k: v for k, v in kt.items() if k != "results"}
     report = {
         "layer": {"experts": E, "top_k": K, "hidden": H, "intermediate": I},
         "machine": machine,
         "results": results,
-        "kt_kernel": "not measured: kt-kernel was not installed in this run",
+        "kt_kernel": kt,
     }
     out = Path(args.out or f"bench/results/moe_cpu_{platform.node() or 'host'}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {out}")
+
+
+# --- optional peer: kt-kernel (KTransformers' CPU MoE), timed in a separate process ------------
+
+
+def kt_kernel_peer(python: str, threads: int, repeats: int, routing: dict) -> dict | str:
+    """Time kt-kernel on the same routing in `python`; its report, or why there is none."""
+    cmd = [python, __file__, "--kt-kernel-worker", "--threads", str(threads), "--repeats", str(repeats)]
+    stdin = json.dumps({str(T): r for T, r in routing.items()})
+    try:
+        p = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=3600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"not measured: {python} failed to run: {e}"
+    if p.returncode == 3:
+        return f"not installed: {p.stdout.strip().splitlines()[-1]} (python: {python})"
+    if p.returncode != 0:
+        return f"not measured: kt-kernel worker failed (rc {p.returncode}): {p.stderr[-1500:]}"
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]  # it also prints banners
+    return json.loads(lines[-1])
+
+
+def load_kt_kernel_ext():
+    """kt-kernel's raw extension, chosen by its own CPU detection, without kt_kernel/__init__
+    (that also imports safetensors and the serving wrappers, which this benchmark does not need)."""
+    spec = importlib.util.find_spec("kt_kernel")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the kt_kernel package is not importable")
+    path = Path(list(spec.submodule_search_locations)[0]) / "_cpu_detect.py"
+    det_spec = importlib.util.spec_from_file_location("_kt_cpu_detect", path)
+    det = importlib.util.module_from_spec(det_spec)
+    det_spec.loader.exec_module(det)
+    return det.initialize()
+
+
+def kt_worker(threads: int, repeats: int) -> None:
+    """Subprocess side: read routing from stdin, print one JSON line of kt-kernel timings.
+
+    bf16: AMXBF16_MOE (AVX-512 BF16 backend where AMX is missing), per-expert bf16 weights.
+    int8: AMXInt8_MOE (AVX-512 VNNI where AMX is missing), kt's own per-channel int8, quantized
+    online from the bf16 weights; its llamafile MOE (the GGUF Q8_0 path) needs intermediate % 256
+    == 0 and refuses DeepSeek-V2-Lite's 1408, so this is the nearest peer to our Q8_0.
+    """
+    try:
+        ext, variant = load_kt_kernel_ext()
+    except Exception as e:  # ImportError, or its loader failing on this CPU
+        print(f"kt-kernel could not be loaded: {type(e).__name__}: {e}")
+        sys.exit(3)
+    import tempfile
+    from importlib.metadata import version
+
+    routing = {int(T): r for T, r in json.load(sys.stdin).items()}
+    g = torch.Generator().manual_seed(1)
+    w = [torch.randn(E, *s, generator=g).div_(s[1] ** 0.5).bfloat16() for s in ((I, H), (I, H), (H, I))]
+    cfg = ext.WorkerPoolConfig()
+    cfg.subpool_count, cfg.subpool_numa_map, cfg.subpool_thread_count = 1, [0], [threads]
+    cpu = ext.CPUInfer(cfg)
+    mask = torch.zeros(E, dtype=torch.bool)  # no expert on a GPU
+    p2l = torch.arange(E, dtype=torch.int64)
+    tmp = tempfile.TemporaryDirectory()  # AMXInt8_MOE writes its quantized weights here
+
+    def make(fmt: str):
+        c = ext.moe.MOEConfig(E, K, H, I, mask.data_ptr())
+        c.layer_idx, c.pool, c.max_len = 0, cpu.backend_, -(-max(routing) // 256) * 256  # its tiles
+        if fmt == "bf16":
+            c.gate_projs, c.up_projs, c.down_projs = ([[t[e].data_ptr() for e in range(E)]] for t in w)
+            c.gate_scales = c.up_scales = c.down_scales = [[0] * E]
+            op = ext.moe.AMXBF16_MOE(c)
+        else:
+            c.save, c.load, c.path = True, False, tmp.name
+            c.gate_proj, c.up_proj, c.down_proj = (t.data_ptr() for t in w)
+            op = ext.moe.AMXInt8_MOE(c)
+        cpu.submit(op.load_weights_task(p2l.data_ptr()))
+        cpu.sync()
+        return op
+
+    ops = {fmt: make(fmt) for fmt in ("bf16", "int8")}
+    out_rows, check = {}, {}
+    for T, (ids_l, wts_l) in routing.items():
+        hidden = torch.randn(T, H, generator=g).bfloat16()
+        ids, wts = torch.tensor(ids_l, dtype=torch.int64), torch.tensor(wts_l, dtype=torch.float32)
+        bsz, out = torch.tensor([T], dtype=torch.int32), torch.empty(T, H, dtype=torch.bfloat16)
+        row = {}
+        for fmt, op in ops.items():
+            task = (bsz.data_ptr(), K, ids.data_ptr(), wts.data_ptr(), hidden.data_ptr(), out.data_ptr(), False)
+            def run(op=op, task=task):
+                cpu.submit(op.forward_task(*task))
+                cpu.sync()
+            reps = repeats if T <= 256 else max(3, repeats // 2)
+            row[f"{fmt}_ms"] = median_time(run, reps) * 1e3
+            if T == min(routing):  # proves we drive it right: error against an fp32 reference
+                ref = torch_moe(*(t.float() for t in w), hidden.float(), ids, wts)
+                check[fmt] = ((out.float() - ref).norm() / ref.norm()).item()
+        out_rows[str(T)] = row
+    print(json.dumps({
+        "version": version("kt-kernel"), "cpu_variant": variant,
+        "int8_kernel": getattr(ext, "__int8_kernel__", "unknown"),
+        "bf16_operator": "AMXBF16_MOE", "int8_operator": "AMXInt8_MOE (online per-channel int8)",
+        "threads": threads, "python": sys.executable,
+        "note": "timed via CPUInfer.submit+sync; CPUInfer adds a dispatch thread to its `threads` "
+                "workers, so with threads == cores its times can come in scheduler-tick steps",
+        "rel_err_vs_fp32_at_smallest_T": check, "results": out_rows,
+    }))
 
 
 if __name__ == "__main__":
