@@ -29,8 +29,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+# PyTorch's OpenMP workers busy-wait after each parallel op (libgomp spins ~300k times by default):
+# on a 2-core box that spinner steals a core from the expert pool during the timed call. The engine
+# sets the same for `--expert-backend cpp` (scheduler/engine_client.py). Set before torch loads.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 E, K, H, I = 64, 6, 2048, 1408
 TOKENS = (1, 4, 16, 64, 256, 1024)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import multiprocessing as mp
 import queue
 import threading
@@ -93,6 +94,11 @@ class EngineClient:
         within `startup_timeout` seconds). `core_factory` (picklable) replaces the real core in tests.
         """
         ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads
+        if args.expert_backend == "cpp":
+            # The child inherits this before it imports torch: PyTorch's OpenMP workers then stop
+            # busy-waiting soon after each op instead of stealing cores from the C++ expert pool
+            # (libgomp spins ~300k times by default; on small machines that costs the pool a core).
+            os.environ.setdefault("GOMP_SPINCOUNT", "10000")
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         proc = ctx.Process(
             target=run_engine_process, args=(args, child_conn, core_factory),
