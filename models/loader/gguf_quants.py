@@ -63,7 +63,7 @@ _CHUNK_VALUES = 1 << 22
 
 def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
     """The fp16 field at byte `offset` of every block, as float32 of shape [n_blocks, 1]."""
-    return blocks[:, offset : offset + 2].contiguous().view(torch.float16).float()
+    return blocks[:, offset : offset + 2].clone(memory_format=torch.contiguous_format).view(torch.float16).float()
 
 
 # Bit unpacking works on 64-bit words (8 bytes at once, masks repeated per byte) and interleaves
@@ -76,7 +76,9 @@ def _planes(q: torch.Tensor, width: int) -> torch.Tensor:
     """[..., n] bytes (n % 4 == 0) -> [..., 8 // width, n]: plane k holds bits
     [width * k, width * (k + 1)) of every byte, shifted down to bit 0."""
     wide, mask = (torch.int64, _LOW[width]) if q.shape[-1] % 8 == 0 else (torch.int32, _LOW[width] >> 32)
-    w = q.contiguous().view(wide)
+    # A fresh, densely strided copy: a field slice of the blocks is strided (or, for a single block,
+    # "contiguous" but starting mid-block), and reinterpreting bytes as words needs aligned rows.
+    w = q.clone(memory_format=torch.contiguous_format).view(wide)
     return torch.stack([(w >> (width * k)) & mask for k in range(8 // width)], dim=-2).view(torch.uint8)
 
 

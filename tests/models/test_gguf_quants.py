@@ -37,8 +37,12 @@ _ALL = sorted(SUPPORTED_TYPES)
 
 
 @pytest.fixture
-def rng() -> np.random.Generator:
-    return np.random.default_rng()
+def rng(request: pytest.FixtureRequest) -> np.random.Generator:
+    """Fresh random inputs every run, with the seed in the test report so a failure reproduces."""
+    seed = int(np.random.SeedSequence().entropy % (2**32))
+    request.node.user_properties.append(("seed", seed))
+    print(f"rng seed {seed}")
+    return np.random.default_rng(seed)
 
 
 def _finite_fp16(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -223,3 +227,23 @@ def test_builtin_gguf_tensors_match_reference() -> None:
         ours = dequantize(raw, qtype, (num_rows, row_len), str(path), tensor.name)
         _assert_bit_equal(ours, _reference(np.array(raw), qtype, (num_rows, row_len)))
     assert {T.Q4_1, T.Q8_0, T.F32} <= seen
+
+
+@pytest.mark.parametrize("qtype", _ALL, ids=lambda t: t.name)
+@pytest.mark.parametrize("num_blocks", [1, 2, 3])
+def test_one_block_and_odd_counts(qtype: T, num_blocks: int) -> None:
+    """A single block (a tiny tensor, or a chunk's last block) is a slice starting mid-buffer that is
+    already contiguous: its multi-byte fields must still decode (regression: misaligned word views)."""
+    rng = np.random.default_rng(num_blocks)
+    shape = (1, GGML_QUANT_SIZES[qtype][0] * num_blocks)
+    raw = _random_raw(rng, qtype, shape[1])
+    _assert_bit_equal(dequantize(raw, qtype, shape), _reference(raw, qtype, shape))
+
+
+def test_chunk_tail_of_one_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gguf_quants, "_CHUNK_VALUES", 32 * 4)  # chunks of 4 blocks: 9 blocks end in 1
+    rng = np.random.default_rng(7)
+    for qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
+        shape = (9, 32)
+        raw = _random_raw(rng, qtype, 9 * 32)
+        _assert_bit_equal(dequantize(raw, qtype, shape), _reference(raw, qtype, shape))
