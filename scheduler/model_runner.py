@@ -109,8 +109,9 @@ class ModelRunner:
             self.req_to_token_pool.write(s.req_pool_idx, s.prefix_len, loc[start : start + n])
             positions.extend(range(s.prefix_len, s.prefix_len + n))
             start += n
-        if mode is None:
-            mode = ForwardMode.DECODE if all(n == 1 and s.prefix_len > 0 for s, n in zip(slices, n_new)) else ForwardMode.EXTEND
+        if mode is None:  # decode slices: one new token after a cached prefix
+            decodes = [n == 1 and s.prefix_len > 0 for s, n in zip(slices, n_new)]
+            mode = ForwardMode.DECODE if all(decodes) else ForwardMode.MIXED if any(decodes) else ForwardMode.EXTEND
         seq_lens = [s.prefix_len + n for s, n in zip(slices, n_new)]
         dev = self.device
         return ForwardBatch(

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 
-from scheduler.forward_batch import ForwardMode
 from scheduler.io_types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, TokenLogprob
 from scheduler.model_runner import ModelRunner, RequestSlice
 from scheduler.radix_cache import NoPrefixCache, PrefixCache
@@ -108,10 +107,8 @@ class Scheduler:
         now = time.time()
         for r in reqs:
             r.first_scheduled_time = r.first_scheduled_time or now
-        modes = {len(s.input_ids) == 1 and s.prefix_len > 0 for s in slices}
-        mode = ForwardMode.MIXED if len(modes) == 2 else (ForwardMode.DECODE if True in modes else ForwardMode.EXTEND)
         every = [r.scores_prompt for r in reqs]  # prompt scoring needs the logits of every position
-        logits = self.runner.forward(self.runner.build_batch(slices, mode=mode, all_logits=every))
+        logits = self.runner.forward(self.runner.build_batch(slices, all_logits=every))
         return finished + self._update(reqs, slices, logits, every)
 
     # ------------------------------------------------------------------ schedule

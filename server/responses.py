@@ -44,7 +44,7 @@ class Serializer:
         self.state, self.body, self.prompts, self.requests = state, body, prompts, requests
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.n = requests[0].choices.__len__() if requests else 1
+        self.n = len(requests[0].choices) if requests else 1
         self.texts: dict[int, str] = {}
         self._token_text: dict[int, str] = {}
 

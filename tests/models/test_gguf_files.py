@@ -323,7 +323,6 @@ def test_quantized_write_within_rounding(
     q, eq = T[qtype], T[expert_qtype or qtype]
     path = write_gguf(hf_dirs[case], tmp_path / "q.gguf", qtype, expert_qtype=expert_qtype)
     infos = gguf.GGUFReader(path).tensors
-    types = {t.name: t.tensor_type for t in infos}
     for t in infos:  # llama.cpp's rules: what stays F32, F16 for rows that are not whole blocks
         if t.name.endswith(("norm.weight", ".bias", "ffn_gate_inp.weight", "rope_freqs.weight")):
             assert t.tensor_type == T.F32, t.name
