@@ -56,9 +56,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag("chunked-prefill-size", int, 2048, "most prompt tokens prefilled per request per step"),
     Flag("device", str, "cpu", "cpu or cuda[:N]"),
     Flag("dtype", str, "auto", "weights and activations dtype", ("auto", "float32", "bfloat16", "float16")),
-    Flag("attention-backend", str, "torch", "attention implementation", ("torch",)),
+    Flag("attention-backend", str, "torch", "attention implementation (triton: split-KV MLA decode and extend "
+         "kernels for CUDA, with CUDA-graph decode)", ("torch", "triton")),
     Flag("expert-backend", str, "torch", "routed-expert implementation for MoE models (cpp: the C++ CPU pool; "
-         "GGUF Q8_0/Q4_0 experts stay quantized); ignored by dense models", ("torch", "cpp")),
+         "GGUF Q8_0/Q4_0 experts stay quantized; triton: fused-MoE kernel on the GPU); ignored by dense models",
+         ("torch", "cpp", "triton")),
     Flag("page-size", int, 1, "KV slots per page (64 for paged attention kernels; the prefix cache needs 1)"),
     Flag("kv-dtype", str, "auto", "KV cache dtype (auto: the model's)", ("auto", "float32", "bfloat16", "float16")),
     Flag("disable-prefix-cache", _bool, False, "turn the radix prefix cache off"),

@@ -44,6 +44,10 @@ class AttentionLayer:
 
 
 class AttentionBackend(ABC):
+    #: True when the decode path can be captured in a CUDA graph: its per-forward metadata then lives
+    #: in buffers made by `init_cuda_graph_state` and is rewritten in place before every replay.
+    supports_cuda_graph = False
+
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Computes per-forward metadata once; every layer of this forward reuses it."""
@@ -88,3 +92,19 @@ class AttentionBackend(ABC):
 
         Scores are q_latent·c_kv + q_pe·k_pe; the output is the attention-weighted c_kv.
         """
+
+    # ---- CUDA graphs (decode only) ----
+    def init_cuda_graph_state(self, max_bs: int, max_context_len: int, device: torch.device) -> None:
+        """Allocates, once, every metadata buffer a captured decode reads (sized for `max_bs`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
+        """`init_forward_metadata` for a padded decode batch about to be captured; its tensors are the
+        graph runner's static buffers, and the metadata must be views of the preallocated buffers."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
+        """Rewrites the preallocated metadata in place for the next replay of the graph captured for
+        `batch.batch_size` (the runner has already copied the new inputs into its static buffers).
+        Must not allocate tensors the graph reads, nor synchronize with the device."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
