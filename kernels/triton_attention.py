@@ -29,6 +29,8 @@ no bf16 scalar arithmetic).
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 import torch
@@ -39,6 +41,16 @@ MIN_SPLIT_LEN = 64  # fewest KV positions a split is given (below that, splittin
 def _pow2(n: int, floor: int = 16) -> int:
     """Block width for a dimension of n (tl.dot wants powers of two, at least 16)."""
     return max(floor, triton.next_power_of_2(max(1, n)))
+
+
+def _interpreting() -> bool:
+    """Under TRITON_INTERPRET=1 (CPU tests) dots run in fp32: the interpreter's bf16 tl.dot is wrong."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _unit(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernels index the last dimension densely: make it so (a no-op for the usual views)."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
 @triton.jit
@@ -71,7 +83,7 @@ def _decode_split_kernel(
     DK: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, MIN_SPLIT: tl.constexpr, V_FROM_K: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, MIN_SPLIT: tl.constexpr, V_FROM_K: tl.constexpr, UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0)
     hb = tl.program_id(1)
@@ -91,10 +103,14 @@ def _decode_split_kernel(
         offs_dv = tl.arange(0, BLOCK_DV)
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_dk[None, :],
                     mask=mask_h[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
         if DR > 0:
             offs_dr = tl.arange(0, BLOCK_DR)
             qr = tl.load(QR + b * stride_qrb + heads[:, None] * stride_qrh + offs_dr[None, :],
                          mask=mask_h[:, None] & (offs_dr[None, :] < DR), other=0.0)
+            if UPCAST:
+                qr = qr.to(tl.float32)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
@@ -104,10 +120,14 @@ def _decode_split_kernel(
             slots = _kv_slots(TABLE, row, stride_t, offs_n, mask_n, PAGE_SIZE)
             k = tl.load(K + slots[None, :] * stride_ks + kv_head * stride_kh + offs_dk[:, None],
                         mask=mask_n[None, :] & (offs_dk[:, None] < DK), other=0.0)  # [DK, N]
+            if UPCAST:
+                k = k.to(tl.float32)
             qk = tl.dot(q, k, out_dtype=tl.float32)
             if DR > 0:
                 kr = tl.load(KR + slots[None, :] * stride_krs + kv_head * stride_krh + offs_dr[:, None],
                              mask=mask_n[None, :] & (offs_dr[:, None] < DR), other=0.0)
+                if UPCAST:
+                    kr = kr.to(tl.float32)
                 qk += tl.dot(qr, kr, out_dtype=tl.float32)
             qk = tl.where(mask_n[None, :], qk * sm_scale, float("-inf"))
             if V_FROM_K:
@@ -115,6 +135,8 @@ def _decode_split_kernel(
             else:
                 v = tl.load(V + slots[:, None] * stride_vs + kv_head * stride_vh + offs_dv[None, :],
                             mask=mask_n[:, None] & (offs_dv[None, :] < DV), other=0.0)
+                if UPCAST:
+                    v = v.to(tl.float32)
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.exp(qk - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
@@ -188,6 +210,9 @@ def decode_attention(
     must be the same number they were sized with. Nothing here reads a device value on the host, so
     the call can be captured in a CUDA graph.
     """
+    q, q_rope, k, k_rope, v = (_unit(t) for t in (q, q_rope, k, k_rope, v))
+    if out.stride(-1) != 1:
+        raise ValueError("decode_attention: out needs a unit inner stride")
     bsz, num_heads, dk = q.shape
     num_kv_heads = k.shape[1]
     if num_heads % num_kv_heads:
@@ -212,7 +237,7 @@ def decode_attention(
         sm_scale, max_splits,
         KV_GROUP=group, HEAD_BLOCKS_PER_KV=blocks_per_kv, DK=dk, DR=dr, DV=dv,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DK=_pow2(dk), BLOCK_DR=_pow2(dr), BLOCK_DV=_pow2(dv),
-        PAGE_SIZE=page_size, MIN_SPLIT=MIN_SPLIT_LEN, V_FROM_K=v_from_k,
+        PAGE_SIZE=page_size, MIN_SPLIT=MIN_SPLIT_LEN, V_FROM_K=v_from_k, UPCAST=_interpreting(),
         num_warps=4, num_stages=2,
     )
     _decode_combine_kernel[(bsz, num_heads)](
@@ -235,7 +260,7 @@ def _extend_kernel(
     KV_GROUP: tl.constexpr, DK: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, USE_TABLE: tl.constexpr, V_FROM_K: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, USE_TABLE: tl.constexpr, V_FROM_K: tl.constexpr, UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0)
     mblock = tl.program_id(1)
@@ -252,10 +277,14 @@ def _extend_kernel(
         offs_dv = tl.arange(0, BLOCK_DV)
         q = tl.load(Q + (q_start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_dk[None, :],
                     mask=mask_m[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
         if DR > 0:
             offs_dr = tl.arange(0, BLOCK_DR)
             qr = tl.load(QR + (q_start + offs_m[:, None]) * stride_qrt + h * stride_qrh + offs_dr[None, :],
                          mask=mask_m[:, None] & (offs_dr[None, :] < DR), other=0.0)
+            if UPCAST:
+                qr = qr.to(tl.float32)
         if USE_TABLE:
             row = tl.load(ROWS + b).to(tl.int64)
         else:
@@ -273,10 +302,14 @@ def _extend_kernel(
                 slots = kv_start + (offs_n - prefix).to(tl.int64)  # packed new tokens (no prefix here)
             k = tl.load(K + slots[None, :] * stride_ks + kv_head * stride_kh + offs_dk[:, None],
                         mask=mask_n[None, :] & (offs_dk[:, None] < DK), other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
             qk = tl.dot(q, k, out_dtype=tl.float32)
             if DR > 0:
                 kr = tl.load(KR + slots[None, :] * stride_krs + kv_head * stride_krh + offs_dr[:, None],
                              mask=mask_n[None, :] & (offs_dr[:, None] < DR), other=0.0)
+                if UPCAST:
+                    kr = kr.to(tl.float32)
                 qk += tl.dot(qr, kr, out_dtype=tl.float32)
             visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
             qk = tl.where(visible, qk * sm_scale, float("-inf"))
@@ -285,6 +318,8 @@ def _extend_kernel(
             else:
                 v = tl.load(V + slots[:, None] * stride_vs + kv_head * stride_vh + offs_dv[None, :],
                             mask=mask_n[:, None] & (offs_dv[None, :] < DV), other=0.0)
+                if UPCAST:
+                    v = v.to(tl.float32)
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padded query row sees nothing
             p = tl.exp(qk - m_safe[:, None])
@@ -324,6 +359,9 @@ def extend_attention(
     otherwise they are packed [T, Hkv, ·] tensors of the new tokens (kv_start[b] = first row, no prefix).
     v=None means the value is k (MLA). Integer tensors are per request, on q's device.
     """
+    q, q_rope, k, k_rope, v = (_unit(t) for t in (q, q_rope, k, k_rope, v))
+    if out.stride(-1) != 1:
+        raise ValueError("extend_attention: out needs a unit inner stride")
     total, num_heads, dk = q.shape
     bsz = int(extend_lens.shape[0])
     if total == 0 or bsz == 0:
@@ -349,7 +387,7 @@ def extend_attention(
         sm_scale,
         KV_GROUP=group, DK=dk, DR=dr, DV=dv, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_DK=_pow2(dk), BLOCK_DR=_pow2(dr), BLOCK_DV=_pow2(dv),
-        PAGE_SIZE=page_size, USE_TABLE=use_table, V_FROM_K=v is None,
+        PAGE_SIZE=page_size, USE_TABLE=use_table, V_FROM_K=v is None, UPCAST=_interpreting(),
         num_warps=4, num_stages=1,
     )
     return out

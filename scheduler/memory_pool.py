@@ -136,6 +136,7 @@ class MLATokenToKVPool:
         page_size: int = 1,
     ) -> None:
         self.num_slots = num_slots
+        self.page_size = page_size
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
         self.dtype = dtype
@@ -172,6 +173,7 @@ class MHATokenToKVPool:
         v_head_dim: int | None = None,
     ) -> None:
         self.num_slots = num_slots
+        self.page_size = page_size
         self.dtype = dtype
         shape = (num_slots + page_size, num_kv_heads)
         self.k_buffer = [_kv_buffer((*shape, head_dim), page_size, dtype, device) for _ in range(num_layers)]

@@ -6,7 +6,7 @@ from typing import Any
 
 from kernels.attention.base import AttentionBackend, AttentionLayer
 
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "triton")
 
 
 def create_attention_backend(name: str, **kwargs: Any) -> AttentionBackend:
@@ -15,6 +15,10 @@ def create_attention_backend(name: str, **kwargs: Any) -> AttentionBackend:
         from kernels.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend(**kwargs)
+    if name == "triton":
+        from kernels.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(**kwargs)
     raise ValueError(f"unknown attention backend {name!r} (available: {', '.join(BACKENDS)})")
 
 

@@ -1,0 +1,229 @@
+"""The `triton` attention backend: the kernels of `kernels/triton_attention.py` behind the interface of
+DESIGN.md §4, with the CUDA-graph hooks.
+
+Per forward, `init_forward_metadata` builds what every layer reuses:
+- decode: the KV table and its rows (page size 1: `req_to_token` and `req_pool_indices`; paged: a page
+  table [B, pages] derived from `req_to_token` and rows 0..B-1), `seq_lens`, and `max_splits`;
+- extend/mixed: per-request query starts, prefix and extend lengths as device tensors.
+
+The split plan: `max_splits` depends only on the batch size rounded up to a power of two and on the
+number of head blocks, so an eager decode of B requests and the replay of the graph captured for B's
+padded size split every request identically (the graph sizes include every power of two), and graph
+and eager decode give the same numbers. The per-request number of splits is then computed on the
+device from seq_len.
+
+CUDA graphs: `init_cuda_graph_state` allocates the paged table once; on replay the table is rewritten
+in place from `req_to_token` (one gather into the same buffer); `seq_lens` and `req_pool_indices` are
+the graph runner's own static buffers. Workspace tensors (split partials) are allocated inside the
+forward, which a captured graph turns into fixed addresses of its memory pool.
+
+Needs a CUDA device, or `TRITON_INTERPRET=1` (set before Triton is imported) for CPU testing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kernels.attention.base import AttentionBackend, AttentionLayer
+
+if TYPE_CHECKING:
+    from scheduler.forward_batch import ForwardBatch
+
+_MAX_SPLITS = 64
+_BLOCK_H = 16
+
+
+@dataclass
+class _DecodeMeta:
+    table: torch.Tensor  # req_to_token (page 1) or page table (paged)
+    rows: torch.Tensor  # [B] row of each request in `table`
+    seq_lens: torch.Tensor  # [B]
+    batch_size: int
+
+
+@dataclass
+class _ExtendMeta:
+    table: torch.Tensor
+    rows: torch.Tensor
+    q_start: torch.Tensor  # [B] first packed token of each request
+    prefix_lens: torch.Tensor  # [B]
+    extend_lens: torch.Tensor  # [B]
+    max_extend_len: int
+    has_prefix: bool
+
+
+class TritonAttentionBackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, *, num_sms: int | None = None, **_: object) -> None:
+        """`num_sms` (streaming multiprocessors) sizes the split plan; read from the device when None."""
+        from kernels import triton_attention  # imported here: Triton is needed only when this backend is chosen
+
+        self._k = triton_attention
+        self._num_sms = num_sms
+        self.decode: _DecodeMeta | None = None
+        self.extend: _ExtendMeta | None = None
+        self._page_table: torch.Tensor | None = None  # CUDA graphs, paged: [max_bs, max_pages]
+        self._graph_rows: torch.Tensor | None = None  # CUDA graphs, paged: arange(max_bs)
+
+    # ------------------------------------------------------------------ metadata
+    def _check_device(self, device: torch.device) -> None:
+        if device.type != "cuda" and not self._k._interpreting():
+            raise RuntimeError(
+                "the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1, for testing on CPU); "
+                "use --attention-backend torch on CPU"
+            )
+
+    def _sms(self, device: torch.device) -> int:
+        if self._num_sms is None:
+            self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        return self._num_sms
+
+    def max_splits(self, batch_size: int, head_blocks: int, device: torch.device) -> int:
+        """KV splits per request at most: enough programs for ~4 waves over the SMs, the batch rounded up
+        to a power of two so that padded (graph) and unpadded (eager) batches plan alike."""
+        rounded = 1 << max(0, batch_size - 1).bit_length()
+        want = -(-4 * self._sms(device) // (rounded * head_blocks))
+        return max(1, min(_MAX_SPLITS, want))
+
+    @staticmethod
+    def _paged_table(req_to_token: torch.Tensor, rows: torch.Tensor, page: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, pages] page numbers: the slot of each page's first position, divided by the page size."""
+        firsts = req_to_token[:, ::page]
+        table = torch.index_select(firsts, 0, rows, out=out) if out is not None else firsts.index_select(0, rows)
+        return table.floor_divide_(page)
+
+    def _table(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+        page = batch.token_to_kv_pool.page_size
+        req_to_token = batch.req_to_token_pool.req_to_token
+        if page == 1:
+            return req_to_token, batch.req_pool_indices, 1
+        table = self._paged_table(req_to_token, batch.req_pool_indices, page)
+        return table, torch.arange(batch.batch_size, device=table.device), page
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self._check_device(batch.input_ids.device)
+        table, rows, _ = self._table(batch)
+        if batch.forward_mode.is_decode():
+            self.decode = _DecodeMeta(table, rows, batch.seq_lens, batch.batch_size)
+            self.extend = None
+            return
+        dev = batch.input_ids.device
+        as_dev = lambda xs: torch.tensor(xs, dtype=torch.int32, device=dev)  # noqa: E731
+        self.extend = _ExtendMeta(
+            table=table, rows=rows, q_start=as_dev(batch.extend_start_loc_cpu),
+            prefix_lens=as_dev(batch.extend_prefix_lens_cpu), extend_lens=as_dev(batch.extend_seq_lens_cpu),
+            max_extend_len=max(batch.extend_seq_lens_cpu), has_prefix=batch.has_prefix,
+        )
+        self.decode = None
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def init_cuda_graph_state(self, max_bs: int, max_context_len: int, device: torch.device) -> None:
+        self._check_device(device)
+        self._graph_max_bs = max_bs
+        self._graph_rows = torch.arange(max_bs, device=device)
+        self._max_context_len = max_context_len
+
+    def _graph_decode_meta(self, batch: ForwardBatch) -> None:
+        assert self._graph_rows is not None, "init_cuda_graph_state must run before capture"
+        bs = batch.batch_size
+        page = batch.token_to_kv_pool.page_size
+        req_to_token = batch.req_to_token_pool.req_to_token
+        if page == 1:
+            self.decode = _DecodeMeta(req_to_token, batch.req_pool_indices, batch.seq_lens, bs)
+        else:
+            if self._page_table is None:
+                pages = -(-req_to_token.shape[1] // page)
+                self._page_table = torch.zeros(self._graph_max_bs, pages, dtype=req_to_token.dtype,
+                                               device=req_to_token.device)
+            out = self._page_table[:bs]
+            self._paged_table(req_to_token, batch.req_pool_indices, page, out=out)
+            self.decode = _DecodeMeta(out, self._graph_rows[:bs], batch.seq_lens, bs)
+        self.extend = None
+
+    def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
+        if not batch.forward_mode.is_decode():
+            raise ValueError("only decode batches are captured in CUDA graphs")
+        self._graph_decode_meta(batch)
+
+    def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
+        # page size 1: nothing to do beyond bookkeeping, the graph reads the runner's static buffers;
+        # paged: the page table is regathered into the same buffer the graph reads
+        self._graph_decode_meta(batch)
+
+    # ------------------------------------------------------------------ decode
+    def _decode(
+        self, q: torch.Tensor, q_rope: torch.Tensor | None, k: torch.Tensor, k_rope: torch.Tensor | None,
+        v: torch.Tensor | None, out: torch.Tensor, layer: AttentionLayer, page: int,
+    ) -> torch.Tensor:
+        m = self.decode
+        assert m is not None, "init_forward_metadata must run before attention"
+        num_heads = q.shape[1]
+        group = num_heads // k.shape[1]
+        block_h = min(_BLOCK_H, max(16, 1 << (group - 1).bit_length()))
+        head_blocks = k.shape[1] * -(-group // block_h)
+        splits = self.max_splits(m.batch_size, head_blocks, q.device)
+        o_shape, lse_shape = self._k.decode_partials_shape(m.batch_size, num_heads, splits, out.shape[-1])
+        part_o = torch.empty(o_shape, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        return self._k.decode_attention(
+            q, q_rope, k, k_rope, v, out, m.table, m.rows, m.seq_lens, layer.scaling, splits,
+            part_o, part_lse, page_size=page, block_h=block_h,
+        )
+
+    # ------------------------------------------------------------------ MHA / GQA
+    def forward_extend(self, q, k, v, layer, batch):
+        pool = batch.token_to_kv_pool
+        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        m = self.extend
+        assert m is not None, "init_forward_metadata must run before attention"
+        out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
+        return self._k.extend_attention(
+            q, None, k_buf, None, v_buf, out, q_start=m.q_start, prefix_lens=m.prefix_lens,
+            extend_lens=m.extend_lens, max_extend_len=m.max_extend_len, sm_scale=layer.scaling,
+            table=m.table, rows=m.rows, page_size=pool.page_size,
+        )
+
+    def forward_decode(self, q, k, v, layer, batch):
+        pool = batch.token_to_kv_pool
+        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
+        return self._decode(q, None, k_buf, None, v_buf, out, layer, pool.page_size)
+
+    # ------------------------------------------------------------------ MLA
+    def set_mla_kv(self, layer, batch, c_kv, k_pe):
+        pool = batch.token_to_kv_pool
+        self._k.store_latent(pool.get_kv_buffer(layer.layer_id), batch.out_cache_loc,
+                             c_kv.contiguous(), k_pe.reshape(k_pe.shape[0], -1).contiguous())
+
+    def forward_mla_normal(self, q, k, v, layer, batch):
+        m = self.extend
+        assert m is not None, "init_forward_metadata must run before attention"
+        if m.has_prefix:
+            raise ValueError("forward_mla_normal cannot attend to a cached prefix; use forward_mla_absorb")
+        out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
+        return self._k.extend_attention(
+            q, None, k, None, v, out, q_start=m.q_start, prefix_lens=m.prefix_lens, extend_lens=m.extend_lens,
+            max_extend_len=m.max_extend_len, sm_scale=layer.scaling, kv_start=m.q_start,
+        )
+
+    def forward_mla_absorb(self, q_latent, q_pe, layer, batch):
+        pool = batch.token_to_kv_pool
+        buf = pool.get_kv_buffer(layer.layer_id)
+        r = layer.kv_lora_rank
+        c_kv, k_pe = buf[:, None, :r], buf[:, None, r:]  # column views of the latent rows: one "KV head"
+        out = q_latent.new_empty(q_latent.shape)
+        if batch.forward_mode.is_decode():
+            return self._decode(q_latent, q_pe, c_kv, k_pe, None, out, layer, pool.page_size)
+        m = self.extend
+        assert m is not None, "init_forward_metadata must run before attention"
+        return self._k.extend_attention(
+            q_latent, q_pe, c_kv, k_pe, None, out, q_start=m.q_start, prefix_lens=m.prefix_lens,
+            extend_lens=m.extend_lens, max_extend_len=m.max_extend_len, sm_scale=layer.scaling,
+            table=m.table, rows=m.rows, page_size=pool.page_size,
+        )
