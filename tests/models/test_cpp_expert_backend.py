@@ -41,9 +41,10 @@ NEW_TOKENS = 24
 BF16_LOGIT_TOL = 0.03
 
 
-def runner_for(path, expert_backend: str, dtype: str) -> ModelRunner:
-    loaded = load_model(path, dtype=dtype, expert_backend=expert_backend, load_tokenizer=False, progress=False)
-    return ModelRunner(loaded.model, loaded.config, max_total_tokens=512, max_running_requests=2)
+def runner_for(path, expert_backend: str, dtype: str, device: str = "cpu", **kw) -> ModelRunner:
+    loaded = load_model(path, device=torch.device(device), dtype=dtype, expert_backend=expert_backend,
+                        load_tokenizer=False, progress=False)
+    return ModelRunner(loaded.model, loaded.config, max_total_tokens=512, max_running_requests=2, device=device, **kw)
 
 
 def all_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
@@ -207,6 +208,20 @@ def test_bf16_checkpoint_generates_like_torch(request, preset, prompt_ids):
     bf16_bytes = cfg.num_experts * 3 * cfg.intermediate_size * test.config.hidden_size * 2
     for b in backends:
         assert b.weight_format == "bf16" and bf16_bytes <= b.memory_bytes <= 1.25 * bf16_bytes
+    assert_same_greedy(ref, test, prompt_ids)
+
+
+@needs_cpp
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("preset", ["v2", "v3"])
+@pytest.mark.parametrize("gpu_experts", ["torch", "triton"])
+def test_gpu_hybrid_placement_generates_like_all_gpu(request, preset, gpu_experts, prompt_ids):
+    """Attention, dense layers, router and shared experts on the GPU with routed experts on the CPU
+    (pinned staging, overlap) against everything on the GPU."""
+    d = request.getfixturevalue(preset)
+    ref = runner_for(d, gpu_experts, "bfloat16", "cuda", attention_backend="triton")
+    test = runner_for(d, "cpp", "bfloat16", "cuda", attention_backend="triton")
     assert_same_greedy(ref, test, prompt_ids)
 
 
