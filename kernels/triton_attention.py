@@ -349,7 +349,7 @@ def extend_attention(
     rows: torch.Tensor | None = None,
     kv_start: torch.Tensor | None = None,
     page_size: int = 1,
-    block_m: int = 32,
+    block_m: int | None = None,
     block_n: int = 32,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its prefix and themselves -> out [T, H, Dv].
@@ -358,6 +358,8 @@ def extend_attention(
     `table`/`rows`, k/k_rope/v are pool views [S, Hkv, ·] holding every position (prefix and new);
     otherwise they are packed [T, Hkv, ·] tensors of the new tokens (kv_start[b] = first row, no prefix).
     v=None means the value is k (MLA). Integer tensors are per request, on q's device.
+    `block_m` (queries per program) defaults to 16 for MLA's 512-wide latent, whose fp32 accumulator
+    of BLOCK_M x 512 would otherwise spill registers, and 32 for ordinary head widths.
     """
     q, q_rope, k, k_rope, v = (_unit(t) for t in (q, q_rope, k, k_rope, v))
     if out.stride(-1) != 1:
@@ -375,6 +377,8 @@ def extend_attention(
     qr = q_rope if q_rope is not None else q
     kr = k_rope if k_rope is not None else k
     vv = k if v is None else v
+    if block_m is None:
+        block_m = 16 if max(dk, dv) > 256 else 32
     dummy = q_start
     grid = (bsz, triton.cdiv(max_extend_len, block_m), num_heads)
     _extend_kernel[grid](
@@ -388,7 +392,7 @@ def extend_attention(
         KV_GROUP=group, DK=dk, DR=dr, DV=dv, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_DK=_pow2(dk), BLOCK_DR=_pow2(dr), BLOCK_DV=_pow2(dv),
         PAGE_SIZE=page_size, USE_TABLE=use_table, V_FROM_K=v is None, UPCAST=_interpreting(),
-        num_warps=4, num_stages=1,
+        num_warps=8 if max(dk, dv) > 256 else 4, num_stages=1,
     )
     return out
 
