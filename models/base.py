@@ -78,8 +78,16 @@ class CausalLM(nn.Module):
         """Runs the stack over `batch`; returns fp32 logits [N, V] for `batch.logits_indices`
         (default: the last token of each request)."""
         batch.attn_backend.init_forward_metadata(batch)
+        return self.forward_prepared(batch)
+
+    def forward_prepared(self, batch: ForwardBatch) -> torch.Tensor:
+        """`forward` once the backend's metadata is set: what a CUDA graph captures (the graph runner
+        sets the metadata through the backend's graph hooks). Nothing here may touch the host: in
+        decode every token is its request's last, so no index tensor is built."""
         hidden = self.model(batch)
-        indices = batch.logits_indices if batch.logits_indices is not None else batch.last_token_indices()
+        indices = batch.logits_indices
+        if indices is None and not batch.forward_mode.is_decode():
+            indices = batch.last_token_indices()
         return compute_logits(hidden, self.lm_weight(), indices)
 
     def lm_weight(self) -> torch.Tensor:

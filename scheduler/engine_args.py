@@ -21,5 +21,7 @@ class EngineArgs:
     chunked_prefill_size: int = 2048  # most prompt tokens prefilled per request per step
     max_prefill_tokens: int = 8192  # token budget of one step's prefill work
     page_size: int = 1
+    cuda_graph_max_bs: int = 64  # decode batches up to this size replay captured CUDA graphs
+    disable_cuda_graph: bool = False
     enable_prefix_cache: bool = True
     seed: int = 0  # base seed for requests that bring none

@@ -81,6 +81,7 @@ class EngineCore:
             loaded.model, cfg, max_total_tokens=num_slots, max_running_requests=args.max_running_requests,
             max_context_len=self.context_len, device=device, kv_dtype=kv_dtype,
             attention_backend=args.attention_backend, page_size=args.page_size,
+            cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
         )
         use_cache = args.enable_prefix_cache and args.page_size == 1
         if args.enable_prefix_cache and not use_cache:

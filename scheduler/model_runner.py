@@ -16,6 +16,7 @@ import torch
 from kernels.attention import create_attention_backend
 from models.base import CausalLM
 from models.config import DeepseekConfig, ModelConfig
+from scheduler.cuda_graph_runner import CudaGraphRunner, capture_if_supported
 from scheduler.forward_batch import ForwardBatch, ForwardMode
 from scheduler.memory_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool, TokenSlotAllocator
 
@@ -70,6 +71,8 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         attention_backend: str = "torch",
         page_size: int = 1,
+        cuda_graph_max_bs: int = 64,
+        disable_cuda_graph: bool = False,
     ) -> None:
         self.model = model
         self.config = config
@@ -80,6 +83,10 @@ class ModelRunner:
         self.allocator = TokenSlotAllocator(max_total_tokens, page_size, self.device)
         self.kv_pool = create_kv_pool(config, max_total_tokens, kv_dtype, self.device, page_size)
         self.attn_backend = create_attention_backend(attention_backend)
+        # decode replays captured graphs where it can (CUDA only); None: every forward runs eagerly
+        self.graph_runner: CudaGraphRunner | None = None
+        if not disable_cuda_graph:
+            self.graph_runner = capture_if_supported(self, min(cuda_graph_max_bs, max_running_requests))
 
     def build_batch(
         self,
@@ -133,6 +140,9 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits for `batch`: through a captured graph when one can run it, else eagerly."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch)
         return self.model(batch)
 
     def free_request(self, req_pool_idx: int, seq_len: int) -> None:

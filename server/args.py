@@ -61,6 +61,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("expert-backend", str, "torch", "routed-expert implementation for MoE models (cpp: the C++ CPU pool; "
          "GGUF Q8_0/Q4_0 experts stay quantized; triton: fused-MoE kernel on the GPU); ignored by dense models",
          ("torch", "cpp", "triton")),
+    Flag("cuda-graph-max-bs", int, 64, "largest decode batch run through a captured CUDA graph (CUDA, triton "
+         "attention and, for MoE models, triton experts); larger ones run eagerly"),
+    Flag("disable-cuda-graph", _bool, False, "run every decode eagerly (no CUDA graphs)"),
     Flag("page-size", int, 1, "KV slots per page (64 for paged attention kernels; the prefix cache needs 1)"),
     Flag("kv-dtype", str, "auto", "KV cache dtype (auto: the model's)", ("auto", "float32", "bfloat16", "float16")),
     Flag("disable-prefix-cache", _bool, False, "turn the radix prefix cache off"),
@@ -122,6 +125,7 @@ def parse_serve_args(argv: list[str]) -> ServerArgs:
         max_prefill_tokens=max(ns.chunked_prefill_size, EngineArgs.max_prefill_tokens),
         enable_prefix_cache=not ns.disable_prefix_cache, page_size=ns.page_size,
         kv_dtype=None if ns.kv_dtype == "auto" else ns.kv_dtype,
+        cuda_graph_max_bs=ns.cuda_graph_max_bs, disable_cuda_graph=ns.disable_cuda_graph,
     )
     return ServerArgs(
         host=ns.host, port=ns.port, api_key=ns.api_key or None, served_model_name=ns.served_model_name,

@@ -1,0 +1,348 @@
+"""The CUDA-graph decode runner.
+
+Without a GPU, the capture mechanism is a stand-in whose replay re-runs the model on the runner's
+static buffers (a real graph's Python decisions are frozen at capture too: the stand-in re-runs the
+forward with the batch object of the capture, so anything that read per-batch host values would show).
+That checks the padding, the buffer updates and that the padded static-buffer forward gives the
+eager logits. The `gpu` tests capture real graphs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # Triton kernels run on CPU tensors in its interpreter (set before importing triton)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import dataclasses
+import importlib.util
+from collections.abc import Callable
+
+import pytest
+
+from kernels.attention.torch_backend import TorchAttentionBackend, _Metadata
+from models.config import DeepseekConfig
+from models.loader.load import load_model
+from models.synthetic import write_checkpoint
+from scheduler.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes, graph_off_reason, padded_batch_size
+from scheduler.forward_batch import ForwardBatch
+from scheduler.model_runner import ModelRunner, RequestSlice
+
+MODELS = ["tiny-llama", "tiny-deepseek-v3"]
+MAX_CONTEXT = 64
+
+
+# ---------------------------------------------------------------- test doubles
+def tensor_ptrs(obj: object) -> dict[str, int]:
+    """Addresses of the tensors an object holds, also inside its dataclass fields (metadata records)."""
+    out: dict[str, int] = {}
+    for k, v in vars(obj).items():
+        if isinstance(v, torch.Tensor):
+            out[k] = v.data_ptr()
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            out.update({f"{k}.{f.name}": t.data_ptr() for f in dataclasses.fields(v)
+                        if isinstance(t := getattr(v, f.name), torch.Tensor)})
+    return out
+
+
+class RerunGraph:
+    """Stand-in for a captured CUDA graph: replay re-runs the recorded function and writes its
+    result into the output tensor of the capture, as a real replay rewrites that memory. A real
+    graph reads the metadata at the addresses of its capture, so replay first checks that the
+    backend's metadata tensors are still those."""
+
+    def __init__(self, run: Callable[[], torch.Tensor], out: torch.Tensor, probe: Callable[[], dict[str, int]]) -> None:
+        self.run, self.out, self.probe, self.replays = run, out, probe, 0
+        self.captured = probe()
+
+    def replay(self) -> None:
+        assert self.probe() == self.captured, "the backend's replay hook moved metadata a graph reads"
+        self.out.copy_(self.run())
+        self.replays += 1
+
+
+class RerunCapture:
+    def __init__(self, backend: object) -> None:
+        self.backend = backend
+
+    def __call__(self, run: Callable[[], torch.Tensor]) -> tuple[RerunGraph, torch.Tensor]:
+        out = run()
+        return RerunGraph(run, out, lambda: tensor_ptrs(self.backend)), out
+
+
+class HookedTorchBackend(TorchAttentionBackend):
+    """The torch backend's decode with the CUDA-graph hooks: metadata in buffers allocated once
+    ([max_bs, max_context_len], every row masked to its seq_len) and rewritten in place."""
+
+    supports_cuda_graph = True
+
+    def init_cuda_graph_state(self, max_bs: int, max_context_len: int, device: torch.device) -> None:
+        self.cg_indices = torch.zeros(max_bs, max_context_len, dtype=torch.int64, device=device)
+        self.cg_mask = torch.zeros(max_bs, max_context_len, dtype=torch.bool, device=device)
+        self.cg_arange = torch.arange(max_context_len, device=device)
+
+    def _fill(self, batch: ForwardBatch) -> None:
+        bs = batch.batch_size
+        idx, mask = self.cg_indices[:bs], self.cg_mask[:bs]
+        torch.lt(self.cg_arange[None, :], batch.seq_lens[:, None], out=mask)
+        idx.copy_(batch.req_to_token_pool.req_to_token[batch.req_pool_indices])
+        idx.masked_fill_(~mask, 0)
+        self.meta = _Metadata([], [], [], [], decode_indices=idx, decode_mask=mask)
+
+    def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
+        self._fill(batch)
+
+    def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
+        self._fill(batch)
+
+
+# ---------------------------------------------------------------- helpers
+@pytest.fixture(scope="module", params=MODELS)
+def model(request, tmp_path_factory):
+    path = write_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=5)
+    return load_model(path, dtype="float32", load_tokenizer=False, progress=False)
+
+
+def make_runner(loaded, backend=None, max_bs: int = 8, page_size: int = 1) -> tuple[ModelRunner, CudaGraphRunner]:
+    runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=512, max_running_requests=8,
+                         max_context_len=MAX_CONTEXT, page_size=page_size)
+    assert runner.graph_runner is None  # CPU: graphs off
+    runner.attn_backend = backend or HookedTorchBackend()
+    graphs = CudaGraphRunner(runner, max_bs, RerunCapture(runner.attn_backend))
+    graphs.capture()
+    return runner, graphs
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 4000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def prefill(runner: ModelRunner, lens: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """Prefills one request per length (staggered), returns (rows, seq_lens, next tokens)."""
+    rows = [runner.req_to_token_pool.alloc() for _ in lens]
+    batch = runner.build_batch([RequestSlice(r, 0, prompt(n, seed=n)) for r, n in zip(rows, lens)])
+    toks = runner.forward(batch).argmax(-1).tolist()
+    return rows, list(lens), toks
+
+
+def kv_state(runner: ModelRunner) -> list[torch.Tensor]:
+    pool = runner.kv_pool
+    bufs = pool.kv_buffer if hasattr(pool, "kv_buffer") else pool.k_buffer + pool.v_buffer
+    return [b.clone() for b in bufs]
+
+
+def poison(graphs: CudaGraphRunner, runner: ModelRunner, rows: list[int], seq_lens: list[int]) -> None:
+    """Static rows pointing at real requests and slots: padding that is not rewritten would write there."""
+    g = torch.Generator().manual_seed(0)
+    n = graphs.max_bs
+    table = runner.req_to_token_pool.req_to_token
+    real_slots = torch.cat([table[r, :s] for r, s in zip(rows, seq_lens)]).long()
+    assert real_slots.numel() >= n
+    graphs.req_pool_indices.copy_(torch.tensor(rows * n)[:n])
+    graphs.out_cache_loc.copy_(real_slots[:n])
+    graphs.positions.copy_(torch.randint(0, 8, (n,), generator=g))
+    graphs.input_ids.copy_(torch.randint(3, 4000, (n,), generator=g))
+    graphs.seq_lens.fill_(8)
+
+
+@torch.no_grad()
+def eager(runner: ModelRunner, batch: ForwardBatch) -> torch.Tensor:
+    """The model's own forward, never a graph."""
+    return runner.model(batch)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (the pool is uninitialised memory: NaNs must compare equal to themselves)."""
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+# ---------------------------------------------------------------- pure functions
+def test_capture_batch_sizes():
+    assert capture_batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert capture_batch_sizes(100) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 100]
+    assert capture_batch_sizes(8) == [1, 2, 4, 8]
+    assert capture_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_batch_sizes(3) == [1, 2, 3]
+    assert capture_batch_sizes(1) == [1]
+    assert capture_batch_sizes(0) == []
+
+
+def test_padded_batch_size():
+    sizes = capture_batch_sizes(40)
+    assert [padded_batch_size(b, sizes) for b in (1, 2, 3, 4, 5, 8, 9, 17, 33, 40)] == [1, 2, 4, 4, 8, 8, 16, 24, 40, 40]
+    assert padded_batch_size(41, sizes) is None
+    assert padded_batch_size(1, []) is None
+
+
+def test_graphs_off_reasons(model):
+    runner = ModelRunner(model.model, model.config, max_total_tokens=64, max_running_requests=2, max_context_len=32)
+    assert runner.graph_runner is None
+    cuda = torch.device("cuda")
+    assert "cpu" in graph_off_reason(model.model, HookedTorchBackend(), torch.device("cpu"), 8)
+    assert "cuda-graph-max-bs" in graph_off_reason(model.model, HookedTorchBackend(), cuda, 0)
+    assert "TorchAttentionBackend" in graph_off_reason(model.model, TorchAttentionBackend(), cuda, 8)
+    why = graph_off_reason(model.model, HookedTorchBackend(), cuda, 8)
+    if isinstance(model.config, DeepseekConfig):
+        assert "TorchExperts" in why  # the torch experts sync with the host
+    else:
+        assert why is None
+
+
+# ---------------------------------------------------------------- stand-in graph, hooked torch backend
+def check_replays(runner: ModelRunner, graphs: CudaGraphRunner, lens: list[int], steps: list[list[int]],
+                  tol: float) -> None:
+    """Prefills requests of `lens`, then decodes the requests picked at each step both eagerly and by
+    replay, with the static buffers poisoned before each replay: same logits, padding rows are the
+    dummy request, only the batch's own KV slots (and the dummy page) change, buffers stay in place."""
+    rows, seq_lens, toks = prefill(runner, lens)
+    static_ptrs = tensor_ptrs(graphs)
+    out_ptrs = {bs: o.data_ptr() for bs, o in graphs.outputs.items()}
+    for picked in steps:
+        batch = runner.build_batch([RequestSlice(rows[i], seq_lens[i], [toks[i]]) for i in picked])
+        assert graphs.can_run(batch)
+        want = eager(runner, batch)  # writes the batch's KV; the replay rewrites the same slots
+        before = kv_state(runner)
+        poison(graphs, runner, rows, seq_lens)
+        got = graphs.replay(batch)
+        bs, padded = len(picked), padded_batch_size(len(picked), graphs.batch_sizes)
+        assert got.shape == want.shape and got.data_ptr() == out_ptrs[padded]
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+        assert graphs.req_pool_indices[bs:padded].eq(0).all() and graphs.out_cache_loc[bs:padded].eq(0).all()
+        assert graphs.seq_lens[bs:padded].eq(1).all() and graphs.positions[bs:padded].eq(0).all()
+        touched = torch.zeros(before[0].shape[0], dtype=torch.bool)
+        touched[batch.out_cache_loc] = True
+        touched[: runner.allocator.page_size] = True
+        for old, new in zip(before, kv_state(runner)):
+            assert same_bits(old[~touched], new[~touched])
+            torch.testing.assert_close(new[batch.out_cache_loc], old[batch.out_cache_loc], rtol=tol, atol=tol)
+        assert tensor_ptrs(graphs) == static_ptrs
+        for i, t in zip(picked, want.argmax(-1).tolist()):
+            seq_lens[i] += 1
+            toks[i] = t
+    assert sum(g.replays for g in graphs.graphs.values()) == len(steps)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_replay_matches_eager_and_padding_stays_in_dummy_page(model, page_size):
+    runner, graphs = make_runner(model, page_size=page_size)
+    assert sorted(graphs.graphs) == [1, 2, 4, 8]
+    # the replay hook rewrote the very buffers each graph captured (RerunGraph checks it on replay)
+    assert all({"meta.decode_indices", "meta.decode_mask"} <= set(g.captured) for g in graphs.graphs.values())
+    check_replays(runner, graphs, [3, 9, 14, 6, 11],
+                  [[2], [0, 3, 4], [0, 1, 2, 3, 4], [1, 4, 2], [4], [3, 0, 1, 2, 4]], tol=1e-5)
+
+
+def test_stand_in_notices_moved_metadata(model):
+    """The pointer check is live: a replay hook that allocates fresh metadata is caught."""
+    runner, graphs = make_runner(model)
+    rows, seq_lens, toks = prefill(runner, [4, 6])
+    batch = runner.build_batch([RequestSlice(r, n, [t]) for r, n, t in zip(rows, seq_lens, toks)])
+    backend = runner.attn_backend
+    backend.init_forward_metadata_replay_cuda_graph = backend.init_forward_metadata  # allocates
+    with pytest.raises(AssertionError, match="moved metadata"):
+        graphs.replay(batch)
+
+
+def test_model_runner_forward_dispatch(model):
+    """runner.forward replays for decode batches within the captured sizes, else runs eagerly."""
+    runner, graphs = make_runner(model, max_bs=4)
+    runner.graph_runner = graphs
+    rows, seq_lens, toks = prefill(runner, [4, 7, 5, 8, 6])  # an EXTEND batch: eager
+    assert sum(g.replays for g in graphs.graphs.values()) == 0
+
+    def decode(picked: list[int]) -> torch.Tensor:
+        batch = runner.build_batch([RequestSlice(rows[i], seq_lens[i], [toks[i]]) for i in picked])
+        out = runner.forward(batch)
+        for i, t in zip(picked, out.argmax(-1).tolist()):
+            seq_lens[i] += 1
+            toks[i] = t
+        return out
+
+    decode([0, 1, 2])
+    assert graphs.graphs[4].replays == 1
+    decode([0, 1, 2, 3, 4])  # above max_bs: eager
+    assert graphs.graphs[4].replays == 1
+    scoring = runner.build_batch([RequestSlice(rows[0], seq_lens[0], [toks[0]])], all_logits=True)
+    assert not graphs.can_run(scoring)  # prompt scoring asks for logits indices
+    mixed = runner.build_batch([RequestSlice(rows[1], seq_lens[1], [toks[1]]),
+                                RequestSlice(runner.req_to_token_pool.alloc(), 0, [5, 6])])
+    assert not graphs.can_run(mixed)
+
+
+def greedy_staggered(runner: ModelRunner, lens: list[int], max_new: list[int]) -> list[list[int]]:
+    """Greedy continuations of requests prefilled together and finishing at different steps, so the
+    decode batch shrinks (and runs at several padded sizes)."""
+    rows, seq_lens, toks = prefill(runner, lens)
+    out = [[t] for t in toks]
+    while live := [i for i in range(len(lens)) if len(out[i]) < max_new[i]]:
+        batch = runner.build_batch([RequestSlice(rows[i], seq_lens[i], [toks[i]]) for i in live])
+        for i, t in zip(live, runner.forward(batch).argmax(-1).tolist()):
+            seq_lens[i] += 1
+            toks[i] = t
+            out[i].append(t)
+    for r, n in zip(rows, seq_lens):
+        runner.free_request(r, n)
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_greedy_with_graphs_equals_eager(model, page_size):
+    lens, max_new = [5, 12, 3, 9, 7, 4], [6, 3, 8, 5, 2, 7]
+    eager_runner = ModelRunner(model.model, model.config, max_total_tokens=512, max_running_requests=8,
+                               max_context_len=MAX_CONTEXT, page_size=page_size)
+    runner, graphs = make_runner(model, page_size=page_size)
+    runner.graph_runner = graphs
+    assert greedy_staggered(runner, lens, max_new) == greedy_staggered(eager_runner, lens, max_new)
+    assert {bs for bs, g in graphs.graphs.items() if g.replays} == {8, 4, 2, 1}
+    assert runner.allocator.available_size() == 512
+
+
+# ---------------------------------------------------------------- the triton backends
+_TRITON_ATTENTION = importlib.util.find_spec("triton") is not None and \
+    importlib.util.find_spec("kernels.attention.triton_backend") is not None
+
+
+@pytest.mark.skipif(not _TRITON_ATTENTION, reason="needs triton and kernels/attention/triton_backend.py")
+def test_triton_backend_with_stand_in_graph(model):
+    """The triton attention backend's graph hooks (kernels interpreted on CPU, so few steps): replays
+    of padded batches of staggered requests give the eager logits, and the metadata each graph
+    captured is rewritten in place. Llama runs paged (page 4: the page table is regathered in place),
+    DeepSeek with page size 1 and the triton experts."""
+    from kernels.attention import create_attention_backend
+
+    page_size = 1
+    if isinstance(model.config, DeepseekConfig):
+        model = load_model(model.source, dtype="float32", expert_backend="triton", load_tokenizer=False,
+                           progress=False)
+        assert graph_off_reason(model.model, create_attention_backend("triton"), torch.device("cuda"), 8) is None
+    else:
+        page_size = 4
+    runner, graphs = make_runner(model, backend=create_attention_backend("triton"), max_bs=4, page_size=page_size)
+    assert all(any("." in k for k in g.captured) for g in graphs.graphs.values())  # metadata records were probed
+    check_replays(runner, graphs, [3, 10, 6], [[0, 2, 1], [2, 0]], tol=1e-4)
+
+
+# ---------------------------------------------------------------- real CUDA graphs
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", MODELS)
+def test_cuda_graph_greedy_equals_eager(tmp_path, name):
+    path = write_checkpoint(tmp_path, name, seed=3)
+    loaded = load_model(path, device="cuda", dtype="float32", expert_backend="triton", load_tokenizer=False,
+                        progress=False)
+    kw = dict(max_total_tokens=1024, max_running_requests=16, max_context_len=128, device="cuda",
+              attention_backend="triton")
+    graphed = ModelRunner(loaded.model, loaded.config, cuda_graph_max_bs=8, **kw)
+    eager = ModelRunner(loaded.model, loaded.config, disable_cuda_graph=True, **kw)
+    assert graphed.graph_runner is not None and eager.graph_runner is None
+    graphs = graphed.graph_runner
+    assert sorted(graphs.graphs) == [1, 2, 4, 8]
+    replayed: list[int] = []
+    replay = graphs.replay
+    graphs.replay = lambda batch: (replayed.append(batch.batch_size), replay(batch))[1]
+    lens, max_new = [5, 40, 3, 17, 9, 26, 11, 4, 30, 8], [12, 3, 16, 7, 10, 5, 14, 9, 6, 11]
+    assert greedy_staggered(graphed, lens, max_new) == greedy_staggered(eager, lens, max_new)
+    assert {padded_batch_size(b, graphs.batch_sizes) for b in replayed} == {1, 2, 4, 8}  # 10 and 9 ran eagerly
