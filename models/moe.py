@@ -10,6 +10,8 @@ Backends (`EXPERT_BACKENDS`, chosen once at start-up by `--expert-backend`):
   weights w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I].
 - `cpp` (`CppExperts`): the `cpp_experts` C++ pool on the CPU (the extension is imported only when
   this backend is built), weights in the pool's own memory; see the class for formats and devices.
+- `triton` (`TritonExperts`): the fused-MoE Triton kernels (`kernels/fused_moe.py`) on CUDA, same
+  weights as `torch`; no host sync, so CUDA graphs can capture it (`graph_safe`).
 
 Weights reach a backend one (expert, kind) at a time through `load_expert`, as a float tensor in HF
 layout or, for backends with `accepts_raw_blocks`, as GGUF `RawBlocks` left quantized by the loader.
@@ -30,7 +32,7 @@ from models.config import MoEConfig
 from models.layers import GatedMLP
 from models.loader.raw_blocks import RawBlocks
 
-EXPERT_BACKENDS = ("torch", "cpp")
+EXPERT_BACKENDS = ("torch", "cpp", "triton")
 logger = logging.getLogger(__name__)
 
 
@@ -38,6 +40,7 @@ class ExpertBackend(nn.Module, ABC):
     """Computes sum_k w[t,k] * expert_{ids[t,k]}(x[t]) for every token t."""
 
     accepts_raw_blocks = False  # True: `load_expert` takes GGUF `RawBlocks` (the loader skips decoding)
+    graph_safe = False  # True: `submit`/`sync` never sync with the host, so a CUDA graph may capture them
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -106,6 +109,31 @@ class TorchExperts(ExpertBackend):
         assert self._result is not None, "sync() without submit()"
         out, self._result = self._result, None
         return out
+
+
+class TritonExperts(TorchExperts):
+    """Routed experts through the fused-MoE Triton kernels: tokens sorted into per-expert blocks and
+    one grouped GEMM each for gate+up and down, reading only the weights of experts that got tokens.
+
+    Weights and loading as `TorchExperts` (GGUF blocks are dequantized). Needs CUDA tensors, or CPU
+    tensors under TRITON_INTERPRET=1 (tests). Triton is imported when the backend is built.
+    """
+
+    graph_safe = True
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__(num_experts, hidden_size, intermediate_size)
+        try:
+            from kernels.fused_moe import fused_experts
+        except ImportError as e:
+            raise ImportError(
+                f"--expert-backend triton needs the triton package, which does not import ({e}); install it "
+                "(it comes with CUDA builds of PyTorch) or use --expert-backend torch"
+            ) from e
+        self._fused_experts = fused_experts
+
+    def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        self._result = self._fused_experts(hidden, self.w13, self.w2, topk_weights, topk_ids)
 
 
 class CppExperts(ExpertBackend):
@@ -256,6 +284,8 @@ def create_expert_backend(
         return TorchExperts(num_experts, hidden_size, intermediate_size)
     if name == "cpp":
         return CppExperts(num_experts, hidden_size, intermediate_size, top_k=top_k)
+    if name == "triton":
+        return TritonExperts(num_experts, hidden_size, intermediate_size)
     raise ValueError(f"unknown expert backend {name!r} (available: {', '.join(EXPERT_BACKENDS)})")
 
 

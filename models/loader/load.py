@@ -92,7 +92,7 @@ def load_model(
     load_tokenizer: bool = True,
     progress: bool = True,
 ) -> LoadedModel:
-    """`expert_backend` ('torch' | 'cpp') runs a MoE model's routed experts (other models ignore it);
+    """`expert_backend` ('torch' | 'cpp' | 'triton') runs a MoE model's routed experts (other models ignore it);
     with `cpp` a GGUF's quantized experts reach the backend undecoded (`RawBlocks`)."""
     if expert_backend not in EXPERT_BACKENDS:
         raise ValueError(f"unknown expert backend {expert_backend!r} (available: {', '.join(EXPERT_BACKENDS)})")

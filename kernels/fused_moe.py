@@ -1,0 +1,258 @@
+"""Fused MoE for routed experts on the GPU (`--expert-backend triton`), the vLLM/SGLang scheme.
+
+1. `moe_align_block_size` sorts the T*K (token, slot) pairs by expert and pads every expert's run
+   to a multiple of BLOCK_M, so each block of BLOCK_M sorted entries belongs to one expert.
+2. `_fused_moe_kernel`, a grouped GEMM: one program per (block, column tile) loads the block's rows
+   of A (gathered through the sorted flat indices) and only its expert's slice of the stacked
+   weights B [E, N, Kdim]. Experts without tokens own no block, so their weights are never read.
+3. gate_up GEMM -> `_silu_and_mul_kernel` -> down GEMM (times the routing weight) -> sum over K.
+
+Everything has sizes fixed by (T, K, E, block sizes): no host sync, no data-dependent shapes, so a
+CUDA graph can capture `fused_experts`. The price is a grid sized for the worst case; programs for
+blocks past `num_tokens_post_padded` return at once.
+
+Expert ids must lie in [0, E); they are not checked (that would need a host sync).
+
+On a CPU the kernels run only under Triton's interpreter, which is chosen when this module is
+imported: set TRITON_INTERPRET=1 before the first import of triton.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+#: Whether the kernels below were built for Triton's interpreter (decided when `triton.jit` ran).
+INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [T, K] -> (sorted_token_ids [max_padded] int32, expert_ids [max_blocks] int32,
+    num_tokens_post_padded [1] int32).
+
+    `sorted_token_ids` lists flat indices t*K + k grouped by expert (ascending expert, and in flat
+    order within one expert), each expert's run padded with T*K to a multiple of `block_m`; the
+    tail past `num_tokens_post_padded` is T*K too. `expert_ids[b]` is the expert of block b, -1 for
+    blocks past the used ones. max_padded = T*K + min(E, T*K) * (block_m - 1): at most min(E, T*K)
+    experts get tokens, each wasting at most block_m - 1 pad entries. Pure torch device ops.
+    """
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1)
+    numel = flat.numel()
+    max_padded = numel + min(num_experts, numel) * (block_m - 1)
+    max_blocks = triton.cdiv(max_padded, block_m)
+    flat = flat.long()
+
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync to size its output
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    start = torch.cumsum(counts, 0) - counts
+
+    sorted_experts, order = torch.sort(flat, stable=True)
+    rank = torch.arange(numel, device=device) - start[sorted_experts]  # position inside its expert's run
+    sorted_token_ids = torch.full((max_padded,), numel, dtype=torch.int32, device=device)
+    sorted_token_ids.scatter_(0, padded_start[sorted_experts] + rank, order.to(torch.int32))
+
+    block_start = torch.arange(max_blocks, device=device) * block_m
+    expert_ids = torch.searchsorted(padded_end, block_start, right=True)  # first e whose run ends past it
+    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
+    num_tokens_post_padded = padded_end[-1:].to(torch.int32)
+    return sorted_token_ids, expert_ids, num_tokens_post_padded
+
+
+@triton.jit
+def _cast_out(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 -> dtype, rounding to nearest even as compiled Triton does. The interpreter's fp32 -> bf16
+    cast truncates instead, so there the bits are rounded first (finite values; NaN/inf not handled)."""
+    if INTERPRET and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _fused_moe_kernel(
+    a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
+    N, K, num_padded, num_valid,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    A_ROW_DIV: tl.constexpr,  # flat index // A_ROW_DIV picks A's row: top_k for hidden rows, 1 for [T*K, .]
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,  # work around the interpreter: 16-bit tl.dot is wrong there, bf16 casts truncate
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """C[f, :] = A[f // A_ROW_DIV, :] @ B[expert(f)].T (times topk_weights[f]) for the block's flat
+    indices f, accumulated in fp32 and stored in C's dtype."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(num_padded, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # Groups of GROUP_M row blocks walk the column tiles together: neighbouring blocks mostly share
+    # an expert, so its weight tiles are reused from L2.
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+
+    # Used blocks end at num_tokens_post_padded (a multiple of BLOCK_M, <= len(sorted_token_ids)): no mask.
+    offs_sorted = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    flat_idx = tl.load(sorted_token_ids_ptr + offs_sorted).to(tl.int64)
+    row_mask = flat_idx < num_valid  # pad entries hold num_valid
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_bn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N  # wrapped columns are computed, never stored
+    a_ptrs = a_ptr + (flat_idx[:, None] // A_ROW_DIV) * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + offs_bn[None, :] * stride_bn + offs_k[:, None] * stride_bk
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_left = K - k0
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if INTERPRET:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if MUL_ROUTED_WEIGHT:
+        w = tl.load(topk_weights_ptr + flat_idx, mask=row_mask, other=0.0).to(tl.float32)
+        acc = acc * w[:, None]
+    offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + flat_idx[:, None] * stride_cm + offs_cn[None, :] * stride_cn
+    tl.store(c_ptrs, _cast_out(acc, c_ptr.dtype.element_ty, INTERPRET), mask=row_mask[:, None] & (offs_cn[None, :] < N))
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_xm, stride_om, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    """out[m, :] = silu(x[m, :I]) * x[m, I:], in fp32, rounded once to out's dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    gate = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_xm + I + cols, mask=mask, other=0.0).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * stride_om + cols, _cast_out(y, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+def block_config(num_tokens: int, top_k: int, num_experts: int) -> BlockConfig:
+    """Tile sizes from the mean number of tokens per expert, m = ceil(T*K / E).
+
+    Decode (m <= 16): BLOCK_M = 16, the smallest `tl.dot` tile, so few pad rows are computed; the
+    GEMMs are bound by reading the weights, so long BLOCK_K rows and narrow BLOCK_N tiles give many
+    programs streaming contiguous weight rows. Prefill: BLOCK_M grows with m (32, 64, 128) so each
+    weight tile loaded serves more rows. Starting points in line with vLLM's defaults, not yet tuned
+    on a GPU.
+    """
+    m = triton.cdiv(num_tokens * top_k, num_experts)
+    if m <= 16:
+        return BlockConfig(16, 64, 128, 1, 4, 4)
+    if m <= 64:
+        return BlockConfig(32, 64, 128, 8, 4, 4)
+    if m <= 256:
+        return BlockConfig(64, 128, 64, 8, 4, 3)
+    return BlockConfig(128, 128, 64, 8, 8, 3)
+
+
+def check_device(device: torch.device) -> None:
+    """The kernels need CUDA, or CPU tensors with the interpreter chosen at import."""
+    if device.type == "cuda" or (INTERPRETED and device.type == "cpu"):
+        return
+    raise RuntimeError(
+        f"the triton expert backend needs a CUDA device (got tensors on {device}); use --device cuda, "
+        "or --expert-backend torch/cpp on a CPU (tests run the kernels on CPU with TRITON_INTERPRET=1 set "
+        "before triton is imported)"
+    )
+
+
+def _grouped_gemm(
+    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor | None,
+    align: tuple[torch.Tensor, torch.Tensor, torch.Tensor], a_row_div: int, cfg: BlockConfig,
+) -> None:
+    """c [T*K, N] <- grouped GEMM of a's rows with the experts' b [E, N, Kdim] (see the kernel)."""
+    sorted_token_ids, expert_ids, num_tokens_post_padded = align
+    n, kdim = b.shape[1], b.shape[2]
+    grid = (triton.cdiv(sorted_token_ids.numel(), cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _fused_moe_kernel[grid](
+        a, b, c, topk_weights if topk_weights is not None else c, sorted_token_ids, expert_ids,
+        num_tokens_post_padded, n, kdim, sorted_token_ids.numel(), c.shape[0],
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=topk_weights is not None,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else None, INTERPRET=INTERPRETED,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def fused_experts(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) -> [T, H] in hidden's dtype.
+
+    hidden [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_weights [T, K]
+    (fp32); topk_ids [T, K] int in [0, E). Weights in hidden's dtype. `out` [T, H], if given, gets
+    the result (and is returned). fp32 inputs multiply in IEEE fp32 (no TF32), like torch's default.
+    """
+    check_device(hidden.device)
+    t, h = hidden.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    if w13.shape[2] != h or w2.shape != (num_experts, h, inter) or topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"fused_experts: shapes do not fit: hidden {tuple(hidden.shape)}, w13 {tuple(w13.shape)} "
+            f"(want [E, 2I, H]), w2 {tuple(w2.shape)} (want [E, H, I]), topk_weights "
+            f"{tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)}"
+        )
+    if out is None:
+        out = torch.empty_like(hidden)
+    if t == 0:
+        return out
+
+    cfg = block_config(t, top_k, num_experts)
+    align = moe_align_block_size(topk_ids, num_experts, cfg.block_m)
+    weights = topk_weights.reshape(-1).float().contiguous()
+
+    gate_up = torch.empty(t * top_k, two_i, dtype=hidden.dtype, device=hidden.device)
+    _grouped_gemm(hidden, w13, gate_up, None, align, top_k, cfg)
+    act = torch.empty(t * top_k, inter, dtype=hidden.dtype, device=hidden.device)
+    block = min(triton.next_power_of_2(inter), 1024)
+    _silu_and_mul_kernel[(t * top_k, triton.cdiv(inter, block))](
+        gate_up, act, inter, gate_up.stride(0), act.stride(0), BLOCK=block, INTERPRET=INTERPRETED
+    )
+    down = torch.empty(t * top_k, h, dtype=hidden.dtype, device=hidden.device)
+    _grouped_gemm(act, w2, down, weights, align, 1, cfg)
+    return torch.sum(down.view(t, top_k, h), dim=1, out=out)
+
+
+__all__ = ["BlockConfig", "INTERPRETED", "block_config", "check_device", "fused_experts", "moe_align_block_size"]
