@@ -149,10 +149,16 @@ class CppExperts(ExpertBackend):
     Each expert's weights are held until its three are present (GGUF blocks are views of the mapped
     file, so that costs nothing), then handed over; `process_weights_after_loading` finalizes.
 
-    Activations: bf16 or fp32 (fp16 goes as fp32), as contiguous CPU tensors; a model on CUDA gets
-    its activations copied to pinned host memory and the result back, non-blocking (written, not yet
-    run: there was no GPU to test it on). What `submit` hands the pool stays referenced until `sync`,
-    because the pool reads it while the caller runs on.
+    Activations: bf16 or fp32 (fp16 goes as fp32), as contiguous CPU tensors. Hybrid placement (the
+    model on CUDA, these experts on the CPU): `submit` copies the activations and routing into pinned
+    host buffers with non-blocking copies, waits on an event recorded after them (only those copies,
+    not the whole stream), hands the work to the pool and returns, so the GPU runs the shared experts
+    while the CPU runs the routed ones; `sync` waits for the pool and queues a non-blocking copy of the
+    result back. The pinned buffers are shared by every layer (`_HostStaging`): a layer's submit waits
+    for its own copies, which the stream orders after the previous layer's copy back, so a buffer is
+    never overwritten while a copy still reads it. What `submit` hands the pool stays referenced until
+    `sync`, because the pool reads it while the caller runs on. Not graph-safe: the host work cannot be
+    captured, so decode with these experts runs eagerly.
     """
 
     accepts_raw_blocks = True
@@ -252,10 +258,13 @@ class CppExperts(ExpertBackend):
         out = None
         if hidden.device.type == "cpu":
             x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
-        else:  # untested: copy into pinned host memory, wait for the copies, compute, copy back in sync()
-            x, ids, weights = (_pinned_copy(t) for t in (x, ids, weights))
-            torch.cuda.current_stream(hidden.device).synchronize()
-            out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        else:
+            staging = _HostStaging.get()
+            x, ids, weights = (staging.copy_in(name, t) for name, t in (("x", x), ("ids", ids), ("w", weights)))
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(hidden.device))
+            done.synchronize()  # the three copies have landed; later GPU work keeps running
+            out = staging.buffer("out", x.shape, x.dtype)
         if x.shape[0] and out is None:
             self._moe.submit(x, ids, weights)
         elif x.shape[0]:
@@ -272,9 +281,34 @@ class CppExperts(ExpertBackend):
         return out.to(dtype)
 
 
-def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)
+class _HostStaging:
+    """Pinned host buffers for hybrid placement, one per role, grown on demand and shared by all layers."""
+
+    _instance: _HostStaging | None = None
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def get(cls) -> _HostStaging:
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    def buffer(self, name: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, pin_memory=True)
+            self._bufs[name] = buf
+        return buf[:nbytes].view(dtype).view(shape)
+
+    def copy_in(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A non-blocking device-to-host copy of `t` into the pinned buffer `name`."""
+        return self.buffer(name, t.shape, t.dtype).copy_(t, non_blocking=True)
 
 
 def create_expert_backend(
