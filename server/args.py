@@ -116,6 +116,11 @@ def parse_serve_args(argv: list[str]) -> ServerArgs:
                  "page_size"):
         if getattr(ns, name) <= 0:
             build_parser().error(f"--{name.replace('_', '-')} must be > 0")
+    gpu_only = [f"--{flag}-backend triton" for flag, value in (("attention", ns.attention_backend),
+                                                               ("expert", ns.expert_backend)) if value == "triton"]
+    if gpu_only and not ns.device.startswith("cuda") and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        build_parser().error(f"{' and '.join(gpu_only)} need{'' if len(gpu_only) > 1 else 's'} --device cuda (the Triton kernels run on NVIDIA GPUs); "
+                             "on CPU use the torch backends (and --expert-backend cpp)")
     engine = EngineArgs(
         model=ns.model, device=ns.device, dtype=ns.dtype, attention_backend=ns.attention_backend,
         expert_backend=ns.expert_backend, context_length=ns.context_length,

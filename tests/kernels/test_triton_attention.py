@@ -280,3 +280,18 @@ def test_engine_with_triton_backend_matches_torch(model_dir, page: int) -> None:
         results[backend] = out
     assert all(len(v) == 5 for v in results["torch"].values())
     assert results["triton"] == results["torch"]
+
+
+def test_serve_flags_for_the_gpu_path(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Triton backends on a CPU device are refused at start-up with a message naming the fix."""
+    from server.args import parse_serve_args
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for flags in (["--attention-backend", "triton"], ["--expert-backend", "triton"]):
+        with pytest.raises(SystemExit):
+            parse_serve_args(flags)
+        assert "--device cuda" in capsys.readouterr().err
+    engine = parse_serve_args(["--device", "cuda", "--attention-backend", "triton", "--expert-backend", "triton",
+                               "--cuda-graph-max-bs", "16", "--disable-cuda-graph"]).engine
+    assert (engine.attention_backend, engine.expert_backend, engine.cuda_graph_max_bs, engine.disable_cuda_graph) == (
+        "triton", "triton", 16, True)
