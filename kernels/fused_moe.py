@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-#: Whether the kernels below were built for Triton's interpreter (decided when `triton.jit` ran).
-INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
+from kernels import triton_utils
+from kernels.triton_utils import INTERPRETED, dot_precision
 
 
 def moe_align_block_size(
@@ -181,13 +181,7 @@ def block_config(num_tokens: int, top_k: int, num_experts: int) -> BlockConfig:
 
 def check_device(device: torch.device) -> None:
     """The kernels need CUDA, or CPU tensors with the interpreter chosen at import."""
-    if device.type == "cuda" or (INTERPRETED and device.type == "cpu"):
-        return
-    raise RuntimeError(
-        f"the triton expert backend needs a CUDA device (got tensors on {device}); use --device cuda, "
-        "or --expert-backend torch/cpp on a CPU (tests run the kernels on CPU with TRITON_INTERPRET=1 set "
-        "before triton is imported)"
-    )
+    triton_utils.check_device(device, "the triton expert backend", "--expert-backend torch/cpp")
 
 
 def _grouped_gemm(
@@ -203,7 +197,7 @@ def _grouped_gemm(
         num_tokens_post_padded, n, kdim, sorted_token_ids.numel(), c.shape[0],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=topk_weights is not None,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else None, INTERPRET=INTERPRETED,
+        DOT_PRECISION=dot_precision(a.dtype), INTERPRET=INTERPRETED,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

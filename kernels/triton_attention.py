@@ -23,17 +23,18 @@ through the same slot lookup (the new tokens' KV is stored before attention runs
 mask key_pos <= query_pos. With USE_TABLE=False the keys are packed dense tensors instead (the MLA
 `forward_normal` prefill, whose per-head K/V are never in the pool).
 
-Every kernel accumulates in fp32 and casts loaded values before arithmetic (the Triton interpreter has
-no bf16 scalar arithmetic).
+Every kernel accumulates in fp32; fp32 inputs multiply in IEEE fp32 (not TF32), so an fp32 model matches
+the torch reference. Under the interpreter (UPCAST) the dots run in fp32: its bf16 tl.dot is wrong.
 """
 
 from __future__ import annotations
 
-import os
 
 import triton
 import triton.language as tl
 import torch
+
+from kernels.triton_utils import INTERPRETED, dot_precision
 
 MIN_SPLIT_LEN = 64  # fewest KV positions a split is given (below that, splitting costs more than it saves)
 
@@ -41,11 +42,6 @@ MIN_SPLIT_LEN = 64  # fewest KV positions a split is given (below that, splittin
 def _pow2(n: int, floor: int = 16) -> int:
     """Block width for a dimension of n (tl.dot wants powers of two, at least 16)."""
     return max(floor, triton.next_power_of_2(max(1, n)))
-
-
-def _interpreting() -> bool:
-    """Under TRITON_INTERPRET=1 (CPU tests) dots run in fp32: the interpreter's bf16 tl.dot is wrong."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _unit(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -84,6 +80,7 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE_SIZE: tl.constexpr, MIN_SPLIT: tl.constexpr, V_FROM_K: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     hb = tl.program_id(1)
@@ -120,27 +117,24 @@ def _decode_split_kernel(
             slots = _kv_slots(TABLE, row, stride_t, offs_n, mask_n, PAGE_SIZE)
             k = tl.load(K + slots[None, :] * stride_ks + kv_head * stride_kh + offs_dk[:, None],
                         mask=mask_n[None, :] & (offs_dk[:, None] < DK), other=0.0)  # [DK, N]
-            if UPCAST:
-                k = k.to(tl.float32)
-            qk = tl.dot(q, k, out_dtype=tl.float32)
+            k = k.to(q.dtype)  # a no-op unless the cache dtype differs (or the interpreter upcast q)
+            qk = tl.dot(q, k, out_dtype=tl.float32, input_precision=DOT_PRECISION)
             if DR > 0:
                 kr = tl.load(KR + slots[None, :] * stride_krs + kv_head * stride_krh + offs_dr[:, None],
                              mask=mask_n[None, :] & (offs_dr[:, None] < DR), other=0.0)
-                if UPCAST:
-                    kr = kr.to(tl.float32)
-                qk += tl.dot(qr, kr, out_dtype=tl.float32)
+                kr = kr.to(qr.dtype)
+                qk += tl.dot(qr, kr, out_dtype=tl.float32, input_precision=DOT_PRECISION)
             qk = tl.where(mask_n[None, :], qk * sm_scale, float("-inf"))
             if V_FROM_K:
                 v = tl.trans(k)  # MLA: the value is the c_kv part of the tile already loaded
             else:
                 v = tl.load(V + slots[:, None] * stride_vs + kv_head * stride_vh + offs_dv[None, :],
                             mask=mask_n[:, None] & (offs_dv[None, :] < DV), other=0.0)
-                if UPCAST:
-                    v = v.to(tl.float32)
+                v = v.to(q.dtype)
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.exp(qk - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32, input_precision=DOT_PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
         o_ptr = PART_O + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_dv[None, :]
@@ -237,7 +231,8 @@ def decode_attention(
         sm_scale, max_splits,
         KV_GROUP=group, HEAD_BLOCKS_PER_KV=blocks_per_kv, DK=dk, DR=dr, DV=dv,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DK=_pow2(dk), BLOCK_DR=_pow2(dr), BLOCK_DV=_pow2(dv),
-        PAGE_SIZE=page_size, MIN_SPLIT=MIN_SPLIT_LEN, V_FROM_K=v_from_k, UPCAST=_interpreting(),
+        PAGE_SIZE=page_size, MIN_SPLIT=MIN_SPLIT_LEN, V_FROM_K=v_from_k,
+        UPCAST=INTERPRETED, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4, num_stages=2,
     )
     _decode_combine_kernel[(bsz, num_heads)](
@@ -261,6 +256,7 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE_SIZE: tl.constexpr, USE_TABLE: tl.constexpr, V_FROM_K: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     mblock = tl.program_id(1)
@@ -302,15 +298,13 @@ def _extend_kernel(
                 slots = kv_start + (offs_n - prefix).to(tl.int64)  # packed new tokens (no prefix here)
             k = tl.load(K + slots[None, :] * stride_ks + kv_head * stride_kh + offs_dk[:, None],
                         mask=mask_n[None, :] & (offs_dk[:, None] < DK), other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-            qk = tl.dot(q, k, out_dtype=tl.float32)
+            k = k.to(q.dtype)  # a no-op unless the cache dtype differs (or the interpreter upcast q)
+            qk = tl.dot(q, k, out_dtype=tl.float32, input_precision=DOT_PRECISION)
             if DR > 0:
                 kr = tl.load(KR + slots[None, :] * stride_krs + kv_head * stride_krh + offs_dr[:, None],
                              mask=mask_n[None, :] & (offs_dr[:, None] < DR), other=0.0)
-                if UPCAST:
-                    kr = kr.to(tl.float32)
-                qk += tl.dot(qr, kr, out_dtype=tl.float32)
+                kr = kr.to(qr.dtype)
+                qk += tl.dot(qr, kr, out_dtype=tl.float32, input_precision=DOT_PRECISION)
             visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
             qk = tl.where(visible, qk * sm_scale, float("-inf"))
             if V_FROM_K:
@@ -318,13 +312,12 @@ def _extend_kernel(
             else:
                 v = tl.load(V + slots[:, None] * stride_vs + kv_head * stride_vh + offs_dv[None, :],
                             mask=mask_n[:, None] & (offs_dv[None, :] < DV), other=0.0)
-                if UPCAST:
-                    v = v.to(tl.float32)
+                v = v.to(q.dtype)
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padded query row sees nothing
             p = tl.exp(qk - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32, input_precision=DOT_PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -391,7 +384,8 @@ def extend_attention(
         sm_scale,
         KV_GROUP=group, DK=dk, DR=dr, DV=dv, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_DK=_pow2(dk), BLOCK_DR=_pow2(dr), BLOCK_DV=_pow2(dv),
-        PAGE_SIZE=page_size, USE_TABLE=use_table, V_FROM_K=v is None, UPCAST=_interpreting(),
+        PAGE_SIZE=page_size, USE_TABLE=use_table, V_FROM_K=v is None,
+        UPCAST=INTERPRETED, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=8 if max(dk, dv) > 256 else 4, num_stages=1,
     )
     return out

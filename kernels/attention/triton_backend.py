@@ -71,11 +71,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ metadata
     def _check_device(self, device: torch.device) -> None:
-        if device.type != "cuda" and not self._k._interpreting():
-            raise RuntimeError(
-                "the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1, for testing on CPU); "
-                "use --attention-backend torch on CPU"
-            )
+        from kernels.triton_utils import check_device
+
+        check_device(device, "the triton attention backend", "--attention-backend torch")
 
     def _sms(self, device: torch.device) -> int:
         if self._num_sms is None:

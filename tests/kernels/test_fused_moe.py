@@ -218,7 +218,9 @@ def test_backend_on_cpu_without_interpreter_is_a_clear_error(monkeypatch) -> Non
     gen = torch.Generator().manual_seed(6)
     m = TritonExperts(4, 40, 24)
     ids, weights = routing(2, 2, 4, "uniform", gen)
-    monkeypatch.setattr(fused_moe, "INTERPRETED", False)
+    from kernels import triton_utils
+
+    monkeypatch.setattr(triton_utils, "INTERPRETED", False)
     with pytest.raises(RuntimeError, match="triton expert backend needs a CUDA device"):
         m.submit(torch.randn(2, 40), ids, weights)
 

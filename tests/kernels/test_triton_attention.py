@@ -207,7 +207,9 @@ def test_cuda_graph_hooks_update_metadata_in_place(page: int) -> None:
 
 
 def test_cpu_without_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from kernels import triton_utils
+
+    monkeypatch.setattr(triton_utils, "INTERPRETED", False)
     setup = Setup("mla", 1, torch.float32)
     batch = setup.batch([(3, 1)])
     if DEV.type == "cuda":
