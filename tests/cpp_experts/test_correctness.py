@@ -5,6 +5,7 @@ threads, bf16 and fp32 activations, output written into a NaN-poisoned buffer.""
 from __future__ import annotations
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -12,8 +13,11 @@ import torch
 from tests.cpp_experts.helpers import Experts, path_params, path_supports, reference, routing
 
 E, H, I = 10, 128, 96  # I = 96: one 64-row task plus a 32-row remainder
-# relative (Frobenius) error bounds per format, against the reference with quantised activations
-TOL = {"bf16": 8e-3, "q8_0": 6e-3, "q4_0": 6e-3}
+# relative (Frobenius) error bounds per format, against the reference with quantised activations.
+# Quantized formats: over 150 weight seeds the single-token case (one expert, 128 outputs, where one
+# flipped Q8_0 rounding of the intermediate activation weighs most) has median 1.6e-3 and worst 6.5e-3
+# (Q8_0), 5.4e-3 (Q4_0); the bound leaves twice the worst seen.
+TOL = {"bf16": 8e-3, "q8_0": 1.3e-2, "q4_0": 1.3e-2}
 # (T, top_k, routing, threads, activation dtype)
 CASES = [
     (1, 1, "uniform", 1, torch.float32),
@@ -33,7 +37,7 @@ CASES = [
 def test_matches_reference(path: str, fmt: str) -> None:
     if not path_supports(path, fmt):
         pytest.skip(f"this CPU has no {path} kernel for {fmt}")
-    ex = Experts(fmt, E, H, I, seed=hash((path, fmt)) % 1000)
+    ex = Experts(fmt, E, H, I, seed=zlib.crc32(f"{path}/{fmt}".encode()) % 1000)  # not hash(): salted per run
     ops: dict = {}
     for i, (T, k, mode, threads, dtype) in enumerate(CASES):
         moe = ops.get((k, threads)) or ops.setdefault((k, threads), ex.build(k, threads, path))
