@@ -22,6 +22,15 @@ import torch
 L2_FLUSH_BYTES = 256 << 20  # H100/H200 L2 is 50 MiB; writing 256 MiB evicts it (as triton.testing.do_bench does)
 
 
+def bench_device(smoke: bool) -> torch.device:
+    """The CPU for --smoke runs (kernels interpreted), else the GPU; exits with a message when there is none."""
+    if smoke:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: this benchmark needs a GPU (use --smoke for the CPU smoke run)")
+    return torch.device("cuda")
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)

@@ -38,7 +38,15 @@ if SMOKE:  # before triton is imported anywhere: its kernels then run on CPU ten
 
 import torch  # noqa: E402
 
-from bench_common import Timer, copy_bandwidth, device_slug, machine_info, print_table, write_result  # noqa: E402
+from bench_common import (  # noqa: E402
+    Timer,
+    bench_device,
+    copy_bandwidth,
+    device_slug,
+    machine_info,
+    print_table,
+    write_result,
+)
 from kernels.attention import AttentionLayer, create_attention_backend  # noqa: E402
 from scheduler.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from scheduler.memory_pool import MLATokenToKVPool, ReqToTokenPool  # noqa: E402
@@ -248,12 +256,7 @@ def main() -> int:
                                           if (v := getattr(args, k)) is not None})
     args.repeats = args.repeats or (1 if args.smoke else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
-    if args.smoke:
-        device = torch.device("cpu")
-    elif not torch.cuda.is_available():
-        sys.exit("no CUDA device: this benchmark needs a GPU (use --smoke for the CPU smoke run)")
-    else:
-        device = torch.device("cuda")
+    device = bench_device(args.smoke)
     dtype = torch.bfloat16
     if args.mem_budget_gib is not None:
         budget = int(args.mem_budget_gib * 2**30)

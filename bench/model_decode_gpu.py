@@ -53,7 +53,7 @@ if "--hybrid" in sys.argv:  # as the engine does for --expert-backend cpp: torch
 
 import torch  # noqa: E402
 
-from bench_common import copy_bandwidth, device_slug, machine_info, print_table, write_result  # noqa: E402
+from bench_common import bench_device, copy_bandwidth, device_slug, machine_info, print_table, write_result  # noqa: E402
 from models.base import CausalLM  # noqa: E402
 from models.config import DeepseekConfig, config_from_hf_dict  # noqa: E402
 from models.moe import DeepseekMoE, ExpertBackend  # noqa: E402
@@ -312,12 +312,7 @@ def main() -> int:
     args.repeats = args.repeats or (1 if smoke else 3)
     args.check_steps = 2 if smoke else 4
     args.warmup = args.warmup if args.warmup is not None else (1 if smoke else 3)
-    if smoke:
-        device = torch.device("cpu")
-    elif not torch.cuda.is_available():
-        sys.exit("no CUDA device: this benchmark needs a GPU (use --smoke for the CPU smoke run)")
-    else:
-        device = torch.device("cuda")
+    device = bench_device(smoke)
     dtype = torch.bfloat16
     out_path = Path(args.out) if args.out else RESULTS / f"model_decode_{device_slug(device)}.json"
     cfg = bench_config(args.preset, args.layers)

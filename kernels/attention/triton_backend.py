@@ -123,7 +123,6 @@ class TritonAttentionBackend(AttentionBackend):
         self._check_device(device)
         self._graph_max_bs = max_bs
         self._graph_rows = torch.arange(max_bs, device=device)
-        self._max_context_len = max_context_len
 
     def _graph_decode_meta(self, batch: ForwardBatch) -> None:
         assert self._graph_rows is not None, "init_cuda_graph_state must run before capture"
