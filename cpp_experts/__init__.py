@@ -13,6 +13,8 @@ workers to the process's CPUs.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 
 import torch
@@ -43,7 +45,7 @@ except ImportError as exc:  # pragma: no cover - only on a broken install
         "cpp_experts._C is not built: reinstall the project (`pip install -e .`) with a C++17 compiler"
     ) from exc
 
-__all__ = ["MoE", "info", "FORMATS", "BLOCK_BYTES"]
+__all__ = ["MoE", "HostTask", "info", "cuda_host_launch_error", "FORMATS", "BLOCK_BYTES"]
 
 FORMATS = ("bf16", "q8_0", "q4_0")
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}  # bytes per 32 values in a GGUF block
@@ -178,7 +180,7 @@ class MoE:
         """Checks that every expert is loaded (weights are packed as they are loaded)."""
         self._op.finalize()
 
-    def _args(self, hidden, topk_ids, topk_weights, out) -> tuple:
+    def _args(self, hidden, topk_ids, topk_weights, out, check_values: bool = True) -> tuple:
         hidden = _check_tensor("hidden", hidden, 2)
         if hidden.dtype not in (torch.bfloat16, torch.float32):
             raise TypeError(f"hidden must be bfloat16 or float32, got {hidden.dtype}")
@@ -196,6 +198,8 @@ class MoE:
         if tuple(topk_weights.shape) != (T, self.top_k):
             raise ValueError(f"topk_weights must be [{T}, {self.top_k}], got {tuple(topk_weights.shape)}")
         if topk_ids.dtype == torch.int64:
+            if not check_values:
+                raise TypeError("topk_ids of a host task must be int32 (its contents change after binding)")
             if T and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= self.num_experts):
                 bad = topk_ids[(topk_ids < 0) | (topk_ids >= self.num_experts)][0].item()
                 raise ValueError(f"topk_ids holds {bad}, out of range [0, {self.num_experts})")
@@ -240,6 +244,102 @@ class MoE:
         self._pending = None
         return out
 
+    def host_task(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  out: torch.Tensor) -> HostTask:
+        """Binds one call to these buffers for running from a stream (`HostTask`): each run reads their
+        contents as they are then, so a captured CUDA graph can refill them and run it again. Shapes
+        and dtypes are checked now (topk_ids must be int32), ids and weights on every run."""
+        h, ids, w, out = self._args(hidden, topk_ids, topk_weights, out, check_values=False)
+        if h.shape[0] == 0:
+            raise ValueError("a host task needs at least one token")
+        return HostTask(self, h, ids, w, out)
+
     def __del__(self) -> None:
         if getattr(self, "_pending", None) is not None:
             self._op.sync()
+
+
+_HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class HostTask:
+    """One routed-expert call bound to fixed (pinned) buffers, run in two halves from a CUDA stream.
+
+    `enqueue_submit(stream)` and `enqueue_sync(stream)` put host functions on the stream with
+    `cuLaunchHostFunc`; under stream capture they become host nodes of the graph, so a replay hands
+    the buffers' current contents to the pool and later waits for it, in stream order, without
+    Python. The submit half returns at once, so GPU work enqueued between the two overlaps the CPU
+    experts. `run_submit()` / `run_sync()` call the same native entry points on this thread.
+
+    A failed run (expert id out of range, non-finite routing weight) cannot raise on the driver's
+    thread: its sync half zeroes `out` and `take_error()` returns the message once the stream has
+    been synchronized. The task, its operator and its buffers must outlive every graph that holds it.
+    """
+
+    def __init__(self, moe: MoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 out: torch.Tensor) -> None:
+        bf = hidden.dtype == torch.bfloat16
+        self.tensors = (hidden, topk_ids, topk_weights, out)  # the native task holds their addresses
+        self.moe = moe
+        self.tokens = hidden.shape[0]
+        self._task = _C.HostTask(moe._op, hidden.data_ptr(), bf, hidden.shape[0], topk_ids.data_ptr(),
+                                 topk_weights.data_ptr(), out.data_ptr(), bf, out.numel() * out.element_size())
+        self._submit_fn, self._sync_fn = _C.host_functions()
+
+    @property
+    def runs(self) -> int:
+        """Completed submit+sync pairs (failed ones included)."""
+        return int(self._task.runs)
+
+    def take_error(self) -> str | None:
+        """The first failure since the last call, or None; clears it."""
+        return self._task.take_error() or None
+
+    def run_submit(self) -> None:
+        _HOST_FN(self._submit_fn)(self._task.address)
+
+    def run_sync(self) -> None:
+        _HOST_FN(self._sync_fn)(self._task.address)
+
+    def enqueue_submit(self, stream: int) -> None:
+        """Queues the submit half on a CUDA stream (a `torch.cuda.Stream.cuda_stream` handle)."""
+        _launch_host_func(stream, self._submit_fn, self._task.address)
+
+    def enqueue_sync(self, stream: int) -> None:
+        """Queues the sync half on a CUDA stream."""
+        _launch_host_func(stream, self._sync_fn, self._task.address)
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL | str:
+    """The CUDA driver library with cuLaunchHostFunc bound, or why it cannot be had. The driver API
+    is used (not the runtime's cudaLaunchHostFunc) because libcuda.so.1 is on every host with an
+    NVIDIA driver, whichever runtime PyTorch bundles, and its streams are the runtime's streams."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuLaunchHostFunc
+    except (OSError, AttributeError) as e:
+        return f"the CUDA driver library has no cuLaunchHostFunc ({e})"
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    lib.cuGetErrorString.restype = ctypes.c_int
+    return lib
+
+
+def cuda_host_launch_error() -> str | None:
+    """Why host tasks cannot be queued on CUDA streams here, or None when they can."""
+    lib = _libcuda()
+    return lib if isinstance(lib, str) else None
+
+
+def _launch_host_func(stream: int, fn: int, data: int) -> None:
+    lib = _libcuda()
+    if isinstance(lib, str):
+        raise RuntimeError(f"cannot queue CPU experts on a CUDA stream: {lib}")
+    rc = lib.cuLaunchHostFunc(ctypes.c_void_p(stream), ctypes.c_void_p(fn), ctypes.c_void_p(data))
+    if rc != 0:
+        msg = ctypes.c_char_p()
+        lib.cuGetErrorString(rc, ctypes.byref(msg))
+        raise RuntimeError(f"cuLaunchHostFunc failed with CUDA error {rc}: "
+                           f"{(msg.value or b'unknown').decode(errors='replace')}")

@@ -40,7 +40,8 @@ class ExpertBackend(nn.Module, ABC):
     """Computes sum_k w[t,k] * expert_{ids[t,k]}(x[t]) for every token t."""
 
     accepts_raw_blocks = False  # True: `load_expert` takes GGUF `RawBlocks` (the loader skips decoding)
-    graph_safe = False  # True: `submit`/`sync` never sync with the host, so a CUDA graph may capture them
+    graph_safe = False  # True: a CUDA graph may capture `submit`/`sync` (no host sync, or host work as graph nodes)
+    host_work_in_graph = False  # True: captured graphs run host code (replay_error says how it went)
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -64,6 +65,19 @@ class ExpertBackend(nn.Module, ABC):
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         self.submit(hidden, topk_ids, topk_weights)
         return self.sync()
+
+    def graph_unsafe_reason(self) -> str:
+        """Why a graph cannot capture this backend (asked only when `graph_safe` is False)."""
+        return "it synchronizes with the host"
+
+    def prepare_cuda_graph(self, max_tokens: int) -> None:
+        """Called once before decode graphs of up to `max_tokens` tokens are captured: anything the
+        captures must find already allocated (memory a graph will address) is made here."""
+
+    def replay_error(self) -> str | None:
+        """For `host_work_in_graph` backends, after the stream has been synchronized: what failed in
+        the host work of the replays since the last call, or None."""
+        return None
 
 
 class TorchExperts(ExpertBackend):
@@ -157,8 +171,14 @@ class CppExperts(ExpertBackend):
     result back. The pinned buffers are shared by every layer (`_HostStaging`): a layer's submit waits
     for its own copies, which the stream orders after the previous layer's copy back, so a buffer is
     never overwritten while a copy still reads it. What `submit` hands the pool stays referenced until
-    `sync`, because the pool reads it while the caller runs on. Not graph-safe: the host work cannot be
-    captured, so decode with these experts runs eagerly.
+    `sync`, because the pool reads it while the caller runs on.
+
+    Under CUDA stream capture (decode graphs) the same steps become graph nodes: the copies into
+    pinned buffers reserved by `prepare_cuda_graph` (fixed addresses, shared by all layers), a host
+    node that submits to the pool (`cpp_experts.HostTask`, bound to those buffers once per layer and
+    token count), the shared experts' kernels, a host node that waits for the pool, and the copy
+    back. A replay thus runs the CPU experts in stream order with no Python; the stream is the only
+    thing that waits. Graph-safe wherever the CUDA driver offers `cuLaunchHostFunc`.
     """
 
     accepts_raw_blocks = True
@@ -184,6 +204,16 @@ class CppExperts(ExpertBackend):
         self._loaded: set[int] = set()  # experts handed to the pool
         self._warned = False
         self._inflight: tuple[Any, ...] | None = None  # (device, dtype, tensors the pool may still read)
+        self._graph_tasks: dict[tuple[Any, ...], Any] = {}  # (tokens, dtype, buffer addresses) -> HostTask
+
+    host_work_in_graph = True
+
+    @property
+    def graph_safe(self) -> bool:  # type: ignore[override]
+        return self._ext.cuda_host_launch_error() is None
+
+    def graph_unsafe_reason(self) -> str:
+        return f"{self._ext.cuda_host_launch_error()}, so the CPU experts cannot be queued on the stream"
 
     @property
     def memory_bytes(self) -> int:
@@ -253,6 +283,9 @@ class CppExperts(ExpertBackend):
             raise RuntimeError("cpp experts used before their weights were loaded")
         if self._inflight is not None:
             raise RuntimeError("submit() twice without sync()")
+        if stream_capturing(hidden.device):
+            self._submit_in_graph(hidden, topk_ids, topk_weights)
+            return
         x = hidden if hidden.dtype in (torch.float32, torch.bfloat16) else hidden.float()
         ids, weights = topk_ids, topk_weights.float()
         out = None
@@ -269,31 +302,103 @@ class CppExperts(ExpertBackend):
             self._moe.submit(x, ids, weights)
         elif x.shape[0]:
             self._moe.submit(x, ids, weights, out=out)
-        self._inflight = (hidden.device, hidden.dtype, x, ids, weights, out)
+        self._inflight = (hidden.device, hidden.dtype, x, ids, weights, out, None)
 
     def sync(self) -> torch.Tensor:
         assert self._inflight is not None, "sync() without submit()"
-        device, dtype, x = self._inflight[:3]
+        device, dtype, x, _, _, out, task = self._inflight
         self._inflight = None
+        if task is not None:  # captured: a host node waits for the pool, then the graph copies back
+            _queue(task.enqueue_sync, task.run_sync, device)
+            return (out.clone() if device.type == "cpu" else out.to(device, non_blocking=True)).to(dtype)
         out = self._moe.sync() if x.shape[0] else x.new_zeros(x.shape)
         if device.type != "cpu":
             out = out.to(device, non_blocking=True)
         return out.to(dtype)
 
+    # ---- decode graphs ----
+    def prepare_cuda_graph(self, max_tokens: int) -> None:
+        if self._moe is None:
+            raise RuntimeError("cpp experts: weights must be loaded before graphs are captured")
+        k, h = self.top_k, self.hidden_size
+        _HostStaging.for_graphs().reserve({"x": max_tokens * h * 4, "ids": max_tokens * k * 4,
+                                           "w": max_tokens * k * 4, "out": max_tokens * h * 4})
+
+    def _submit_in_graph(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """The captured submit: copies into the graph's pinned buffers, then a host node that hands
+        them to the pool. One task per token count and buffers, reused by every later capture."""
+        staging = _HostStaging.for_graphs()
+        x = staging.copy_in("x", hidden if hidden.dtype in (torch.float32, torch.bfloat16) else hidden.float())
+        ids = staging.copy_in("ids", topk_ids.to(torch.int32))
+        weights = staging.copy_in("w", topk_weights.float())
+        out = staging.buffer("out", x.shape, x.dtype)
+        key = (x.shape[0], x.dtype, *(t.data_ptr() for t in (x, ids, weights, out)))
+        task = self._graph_tasks.get(key)
+        if task is None:
+            task = self._graph_tasks[key] = self._moe.host_task(x, ids, weights, out)
+        _queue(task.enqueue_submit, task.run_submit, hidden.device)
+        self._inflight = (hidden.device, hidden.dtype, x, ids, weights, out, task)
+
+    def replay_error(self) -> str | None:
+        errors = [e for task in self._graph_tasks.values() if (e := task.take_error())]
+        return errors[0] if errors else None
+
+
+def stream_capturing(device: torch.device) -> bool:
+    """Whether work issued now for `device` is being recorded into a CUDA graph (host work must then
+    be queued on the stream, not done)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _queue(enqueue: Any, run_now: Any, device: torch.device) -> None:
+    """Host work in stream order: on a CUDA device queued on the current stream (a host node under
+    capture); on the CPU (which has no stream) done now."""
+    if device.type == "cuda":
+        enqueue(torch.cuda.current_stream(device).cuda_stream)
+    else:
+        run_now()
+
 
 class _HostStaging:
-    """Pinned host buffers for hybrid placement, one per role, grown on demand and shared by all layers."""
+    """Host buffers (pinned where CUDA is) for hybrid placement, one per role, shared by all layers.
 
-    _instance: _HostStaging | None = None
+    Two instances: `get()` for eager forwards grows on demand; `for_graphs()` is sized by `reserve`
+    before capture. Captured copies and host tasks address its buffers, so a buffer it outgrows is
+    retired, never freed: graphs captured earlier keep working on it.
+    """
 
-    def __init__(self) -> None:
+    _eager: _HostStaging | None = None
+    _graphs: _HostStaging | None = None
+
+    def __init__(self, fixed: bool) -> None:
+        self.fixed = fixed
         self._bufs: dict[str, torch.Tensor] = {}
+        self._retired: list[torch.Tensor] = []
 
     @classmethod
     def get(cls) -> _HostStaging:
-        if cls._instance is None:
-            cls._instance = cls()
-        return cls._instance
+        if cls._eager is None:
+            cls._eager = cls(fixed=False)
+        return cls._eager
+
+    @classmethod
+    def for_graphs(cls) -> _HostStaging:
+        if cls._graphs is None:
+            cls._graphs = cls(fixed=True)
+        return cls._graphs
+
+    def _alloc(self, name: str, nbytes: int) -> None:
+        old = self._bufs.get(name)
+        if old is not None and self.fixed:
+            self._retired.append(old)
+        self._bufs[name] = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+    def reserve(self, sizes: dict[str, int]) -> None:
+        """Makes each named buffer at least this many bytes."""
+        for name, nbytes in sizes.items():
+            buf = self._bufs.get(name)
+            if buf is None or buf.numel() < nbytes:
+                self._alloc(name, nbytes)
 
     def buffer(self, name: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel = 1
@@ -302,12 +407,15 @@ class _HostStaging:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         buf = self._bufs.get(name)
         if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, pin_memory=True)
-            self._bufs[name] = buf
+            if self.fixed:  # growing here, under capture, would allocate pinned memory mid-capture
+                raise RuntimeError(f"graph staging buffer {name!r} needs {nbytes} bytes, "
+                                   f"{0 if buf is None else buf.numel()} reserved: call prepare_cuda_graph first")
+            self._alloc(name, nbytes)
+            buf = self._bufs[name]
         return buf[:nbytes].view(dtype).view(shape)
 
     def copy_in(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """A non-blocking device-to-host copy of `t` into the pinned buffer `name`."""
+        """A non-blocking copy of `t` into the host buffer `name`."""
         return self.buffer(name, t.shape, t.dtype).copy_(t, non_blocking=True)
 
 

@@ -21,6 +21,11 @@ a batch runs padded to the smallest captured size that holds it. Larger batches,
 non-decode forward, run eagerly. Sampling is not captured: it runs on the returned logits, so
 seeded sampling is the same with and without graphs.
 
+Hybrid placement (`--expert-backend cpp` on a CUDA device) is captured too: the CPU experts enter
+the graph as host nodes (`cpp_experts.HostTask`, see `models.moe.CppExperts`), with pinned staging
+that `prepare_cuda_graph` reserves before the first capture. Such a replay then synchronizes the
+stream, so that a failure in the host work is raised for its own batch.
+
 The capture mechanism is injected (`GraphCapture`): `CudaGraphCapture` in production; CPU tests pass
 a stand-in whose replay re-runs the forward on the static buffers.
 """
@@ -102,10 +107,10 @@ def graph_off_reason(model: torch.nn.Module, backend: AttentionBackend, device: 
         return f"--cuda-graph-max-bs is {max_bs}"
     if not backend.supports_cuda_graph:
         return f"the {type(backend).__name__} attention backend cannot be captured (--attention-backend triton can)"
-    unsafe = sorted({type(m).__name__ for m in model.modules()
-                     if isinstance(m, ExpertBackend) and not getattr(m, "graph_safe", False)})
+    unsafe = [m for m in model.modules() if isinstance(m, ExpertBackend) and not m.graph_safe]
     if unsafe:
-        return f"the {', '.join(unsafe)} routed-expert backend cannot be captured (--expert-backend triton can)"
+        return (f"the {type(unsafe[0]).__name__} routed-expert backend cannot be captured: "
+                f"{unsafe[0].graph_unsafe_reason()} (--expert-backend triton can be)")
     return None
 
 
@@ -131,6 +136,10 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int64, device=self.device)
         self.graphs: dict[int, CapturedGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.experts = [m for m in self.model.modules() if isinstance(m, ExpertBackend)]
+        # backends whose graphs run host code (the CPU experts of hybrid placement): a replay waits
+        # for the stream so that a failure there is raised for this batch instead of passing unseen
+        self.host_experts = [e for e in self.experts if e.host_work_in_graph]
 
     def _static_batch(self, bs: int, seq_lens_cpu: list[int], prefix_lens_cpu: list[int]) -> ForwardBatch:
         """A DECODE batch over the first `bs` rows of the static buffers."""
@@ -162,6 +171,8 @@ class CudaGraphRunner:
     def capture(self) -> None:
         """Records one graph per batch size, largest first (the smaller ones reuse its memory)."""
         self.backend.init_cuda_graph_state(self.max_bs, self.max_context_len, self.device)
+        for experts in self.experts:
+            experts.prepare_cuda_graph(self.max_bs)
         self._fill_dummy(0, self.max_bs)
         for bs in reversed(self.batch_sizes):
             batch = self._static_batch(bs, [1] * bs, [0] * bs)
@@ -204,7 +215,17 @@ class CudaGraphRunner:
         )
         self.backend.init_forward_metadata_replay_cuda_graph(static)
         self.graphs[padded].replay()
+        if self.host_experts:
+            self._raise_host_errors()
         return self.outputs[padded][:bs]
+
+    def _raise_host_errors(self) -> None:
+        """Waits for the replay (the sampler would next) and raises what failed in its host work."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        errors = [e for experts in self.host_experts if (e := experts.replay_error())]
+        if errors:
+            raise RuntimeError(f"the CPU routed experts failed during a decode graph replay: {errors[0]}")
 
 
 def capture_if_supported(runner: ModelRunner, max_bs: int) -> CudaGraphRunner | None:

@@ -62,7 +62,7 @@ FLAGS: tuple[Flag, ...] = (
          "GGUF Q8_0/Q4_0 experts stay quantized; triton: fused-MoE kernel on the GPU); ignored by dense models",
          ("torch", "cpp", "triton")),
     Flag("cuda-graph-max-bs", int, 64, "largest decode batch run through a captured CUDA graph (CUDA, triton "
-         "attention and, for MoE models, triton experts); larger ones run eagerly"),
+         "attention and, for MoE models, triton or cpp experts); larger ones run eagerly"),
     Flag("disable-cuda-graph", _bool, False, "run every decode eagerly (no CUDA graphs)"),
     Flag("page-size", int, 1, "KV slots per page (64 for paged attention kernels; the prefix cache needs 1)"),
     Flag("kv-dtype", str, "auto", "KV cache dtype (auto: the model's)", ("auto", "float32", "bfloat16", "float16")),

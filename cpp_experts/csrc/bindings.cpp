@@ -8,9 +8,11 @@
 #include <cstdlib>
 
 #include "cpu.h"
+#include "host_task.h"
 #include "moe.h"
 
 namespace py = pybind11;
+using cpx::HostTask;
 using cpx::MoE;
 
 namespace {
@@ -83,4 +85,21 @@ PYBIND11_MODULE(_C, m) {
            },
            py::call_guard<py::gil_scoped_release>())
       .def("sync", &MoE::sync, py::call_guard<py::gil_scoped_release>());
+  // A call bound to fixed buffers for CUDA host nodes (host_task.h); keeps its MoE alive.
+  py::class_<HostTask>(m, "HostTask")
+      .def(py::init([](MoE& op, uintptr_t h, bool hb, int t, uintptr_t ids, uintptr_t w, uintptr_t out, bool ob,
+                       size_t out_bytes) {
+             return new HostTask(&op, make_job(h, hb, t, ids, w, out, ob), out_bytes);
+           }),
+           py::keep_alive<1, 2>())
+      .def_property_readonly("address", [](HostTask& self) { return reinterpret_cast<uintptr_t>(&self); })
+      .def_property_readonly("runs",
+                             [](HostTask& self) {
+                               std::lock_guard<std::mutex> lock(self.m);
+                               return self.runs;
+                             })
+      .def("take_error", &HostTask::take_error);
+  m.def("host_functions", [] {
+    return py::make_tuple(reinterpret_cast<uintptr_t>(&cpx_host_submit), reinterpret_cast<uintptr_t>(&cpx_host_sync));
+  });
 }

@@ -216,13 +216,18 @@ def test_bf16_checkpoint_generates_like_torch(request, preset, prompt_ids):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("preset", ["v2", "v3"])
 @pytest.mark.parametrize("gpu_experts", ["torch", "triton"])
-def test_gpu_hybrid_placement_generates_like_all_gpu(request, preset, gpu_experts, prompt_ids):
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_gpu_hybrid_placement_generates_like_all_gpu(request, preset, gpu_experts, graphs, prompt_ids):
     """Attention, dense layers, router and shared experts on the GPU with routed experts on the CPU
-    (pinned staging, overlap) against everything on the GPU."""
+    (pinned staging, overlap) against everything on the GPU; decode through CUDA graphs whose host
+    nodes run the CPU experts, and eagerly."""
     d = request.getfixturevalue(preset)
     ref = runner_for(d, gpu_experts, "bfloat16", "cuda", attention_backend="triton")
-    test = runner_for(d, "cpp", "bfloat16", "cuda", attention_backend="triton")
+    test = runner_for(d, "cpp", "bfloat16", "cuda", attention_backend="triton", disable_cuda_graph=not graphs)
+    assert (test.graph_runner is not None) == graphs
     assert_same_greedy(ref, test, prompt_ids)
+    if graphs:
+        assert sum(t.runs for b in cpp_backends(test) for t in b._graph_tasks.values()) > 0
 
 
 E, K, H, I = 6, 2, 64, 32  # one small MoE layer for the format tests
@@ -293,6 +298,40 @@ def test_gguf_expert_formats(caplog, gate_up, down, fmt, warns):
     want = ref(x, ids, w)
     for got in (test(x, ids, w), test(x.bfloat16(), ids, w).float()):
         assert float(norm_err(got, want)) <= 2.5e-2 and float(rel_err(got, want).max()) <= 6e-2
+
+
+@needs_cpp
+def test_captured_path_runs_host_tasks_like_eager(monkeypatch):
+    """The path a CUDA capture records (graph staging, one host task per token count, submit and sync
+    as stream work), run on the CPU where queued host work runs at once: the eager results, the same
+    task on every rerun, and a failure recorded for replay_error with a zeroed result, not raised."""
+    import models.moe
+    from models.moe import CppExperts
+
+    experts = random_expert_blocks(dict.fromkeys(("gate_proj", "up_proj", "down_proj"), "F32"))
+    _, layer = layer_pair(experts)
+    monkeypatch.setattr(models.moe, "stream_capturing", lambda device: True)
+    with pytest.raises(RuntimeError, match="prepare_cuda_graph"):
+        layer.submit(torch.randn(4096, H), *routing(4096))  # larger than any reservation so far
+    layer._inflight = None
+    layer.prepare_cuda_graph(8)
+    assert CppExperts.host_work_in_graph
+    for t in (8, 3, 8, 3):
+        x, (ids, w) = torch.randn(t, H), routing(t)
+        layer.submit(x, ids, w)
+        got = layer.sync()
+        monkeypatch.setattr(models.moe, "stream_capturing", lambda device: False)
+        want = layer(x, ids, w)
+        monkeypatch.setattr(models.moe, "stream_capturing", lambda device: True)
+        assert torch.equal(got, want)
+    assert sorted(k[0] for k in layer._graph_tasks) == [3, 8]  # bound once per token count
+    assert layer.replay_error() is None
+    x, (ids, w) = torch.randn(3, H), routing(3)
+    w[1, 0] = float("nan")
+    layer.submit(x, ids, w)
+    assert torch.equal(layer.sync(), torch.zeros(3, H))
+    assert "not finite" in layer.replay_error()
+    assert layer.replay_error() is None  # reported once
 
 
 @needs_cpp

@@ -325,13 +325,70 @@ def test_triton_backend_with_stand_in_graph(model):
     check_replays(runner, graphs, [3, 10, 6], [[0, 2, 1], [2, 0]], tol=1e-4)
 
 
+# ---------------------------------------------------------------- hybrid placement: CPU experts as host nodes
+_CPP = importlib.util.find_spec("cpp_experts") is not None
+
+
+class HostNodeCapture(RerunCapture):
+    """The stand-in, with the forward run as under stream capture: the CPU experts take their graph
+    path (graph staging, host tasks bound at capture), and their queued host work runs at once on
+    the CPU, in the order a stream would run it. Replays re-run it, so they reuse the bound tasks."""
+
+    def __call__(self, run: Callable[[], torch.Tensor]) -> tuple[RerunGraph, torch.Tensor]:
+        import models.moe
+
+        def captured() -> torch.Tensor:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(models.moe, "stream_capturing", lambda device: True)
+                return run()
+
+        out = captured()
+        return RerunGraph(captured, out, lambda: tensor_ptrs(self.backend)), out
+
+
+@pytest.mark.skipif(not _CPP, reason="needs the cpp_experts extension")
+def test_cpu_experts_as_host_tasks_with_stand_in_graph(tmp_path):
+    """Hybrid placement's graph path: staging reserved before capture, one host task per layer and
+    padded size bound at capture and reused by every replay, replays equal to eager decode, and a
+    failure in the host work raised by the replay of its own batch (the next one runs again)."""
+    from models.moe import CppExperts, DeepseekMoE
+
+    path = write_checkpoint(tmp_path, "tiny-deepseek-v3", seed=5)
+    loaded = load_model(path, dtype="float32", expert_backend="cpp", load_tokenizer=False, progress=False)
+    runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=512, max_running_requests=8,
+                         max_context_len=MAX_CONTEXT)
+    runner.attn_backend = HookedTorchBackend()
+    graphs = CudaGraphRunner(runner, 4, HostNodeCapture(runner.attn_backend))
+    graphs.capture()
+    assert graphs.host_experts and all(isinstance(e, CppExperts) for e in graphs.host_experts)
+    bound = [dict(e._graph_tasks) for e in graphs.host_experts]
+    assert all(sorted(k[0] for k in b) == [1, 2, 4] for b in bound)
+    check_replays(runner, graphs, [3, 9, 6], [[0, 2, 1], [2], [1, 0]], tol=1e-5)
+    assert [dict(e._graph_tasks) for e in graphs.host_experts] == bound  # no task bound after capture
+    assert sum(t.runs for b in bound for t in b.values()) > 0
+
+    rows, seq_lens, toks = prefill(runner, [4, 5])
+    batch = runner.build_batch([RequestSlice(r, n, [t]) for r, n, t in zip(rows, seq_lens, toks)])
+    moe = next(m for m in loaded.model.modules() if isinstance(m, DeepseekMoE))
+    route = moe.gate.forward
+    moe.gate.forward = lambda x: (lambda w, i: (w * float("nan"), i))(*route(x))
+    with pytest.raises(RuntimeError, match="failed during a decode graph replay: .*not finite"):
+        graphs.replay(batch)
+    moe.gate.forward = route
+    torch.testing.assert_close(graphs.replay(batch), eager(runner, batch), rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------- real CUDA graphs
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", MODELS)
-def test_cuda_graph_greedy_equals_eager(tmp_path, name):
+@pytest.mark.parametrize("name, experts", [("tiny-llama", "triton"), ("tiny-deepseek-v3", "triton"),
+                                           pytest.param("tiny-deepseek-v3", "cpp", marks=pytest.mark.skipif(
+                                               not _CPP, reason="needs the cpp_experts extension"))])
+def test_cuda_graph_greedy_equals_eager(tmp_path, name, experts):
+    """Real graphs against eager decode, token for token; with `cpp` the routed experts run on the
+    CPU as host nodes of the graph (hybrid placement)."""
     path = write_checkpoint(tmp_path, name, seed=3)
-    loaded = load_model(path, device="cuda", dtype="float32", expert_backend="triton", load_tokenizer=False,
+    loaded = load_model(path, device="cuda", dtype="float32", expert_backend=experts, load_tokenizer=False,
                         progress=False)
     kw = dict(max_total_tokens=1024, max_running_requests=16, max_context_len=128, device="cuda",
               attention_backend="triton")
@@ -346,3 +403,5 @@ def test_cuda_graph_greedy_equals_eager(tmp_path, name):
     lens, max_new = [5, 40, 3, 17, 9, 26, 11, 4, 30, 8], [12, 3, 16, 7, 10, 5, 14, 9, 6, 11]
     assert greedy_staggered(graphed, lens, max_new) == greedy_staggered(eager, lens, max_new)
     assert {padded_batch_size(b, graphs.batch_sizes) for b in replayed} == {1, 2, 4, 8}  # 10 and 9 ran eagerly
+    if experts == "cpp":
+        assert graphs.host_experts and all(e.replay_error() is None for e in graphs.host_experts)
