@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -42,6 +45,7 @@ class ExpertBackend(nn.Module, ABC):
     accepts_raw_blocks = False  # True: `load_expert` takes GGUF `RawBlocks` (the loader skips decoding)
     graph_safe = False  # True: a CUDA graph may capture `submit`/`sync` (no host sync, or host work as graph nodes)
     host_work_in_graph = False  # True: captured graphs run host code (replay_error says how it went)
+    splits_graph = False  # True: under a split capture (`host_steps`) its host work runs between graph pieces
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -179,6 +183,10 @@ class CppExperts(ExpertBackend):
     token count), the shared experts' kernels, a host node that waits for the pool, and the copy
     back. A replay thus runs the CPU experts in stream order with no Python; the stream is the only
     thing that waits. Graph-safe wherever the CUDA driver offers `cuLaunchHostFunc`.
+
+    The alternative (`splits_graph`): a capture split around the host work (`host_steps`) ends the
+    graph piece at each submit and sync, and runs the eager submit / sync between the pieces'
+    replays. Python then runs twice per layer and step, but nothing waits on a driver thread.
     """
 
     accepts_raw_blocks = True
@@ -205,8 +213,10 @@ class CppExperts(ExpertBackend):
         self._warned = False
         self._inflight: tuple[Any, ...] | None = None  # (device, dtype, tensors the pool may still read)
         self._graph_tasks: dict[tuple[Any, ...], Any] = {}  # (tokens, dtype, buffer addresses) -> HostTask
+        self._split_sync: _SplitSync | None = None  # a split capture's pending sync step
 
     host_work_in_graph = True
+    splits_graph = True
 
     @property
     def graph_safe(self) -> bool:  # type: ignore[override]
@@ -284,8 +294,16 @@ class CppExperts(ExpertBackend):
         if self._inflight is not None:
             raise RuntimeError("submit() twice without sync()")
         if stream_capturing(hidden.device):
-            self._submit_in_graph(hidden, topk_ids, topk_weights)
+            step = _HOST_STEP.get()
+            if step is None:
+                self._submit_in_graph(hidden, topk_ids, topk_weights)
+            else:
+                self._submit_split(step, hidden, topk_ids, topk_weights)
             return
+        self._submit_now(hidden, topk_ids, topk_weights)
+
+    def _submit_now(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """The eager submit (also a host step between split graph pieces)."""
         x = hidden if hidden.dtype in (torch.float32, torch.bfloat16) else hidden.float()
         ids, weights = topk_ids, topk_weights.float()
         out = None
@@ -305,16 +323,38 @@ class CppExperts(ExpertBackend):
         self._inflight = (hidden.device, hidden.dtype, x, ids, weights, out, None)
 
     def sync(self) -> torch.Tensor:
+        split, self._split_sync = self._split_sync, None
+        if split is not None:  # split capture: the piece ends, the wait runs between pieces
+            split.step(split.run)
+            assert split.result is not None
+            return split.result
         assert self._inflight is not None, "sync() without submit()"
         device, dtype, x, _, _, out, task = self._inflight
-        self._inflight = None
         if task is not None:  # captured: a host node waits for the pool, then the graph copies back
+            self._inflight = None
             _queue(task.enqueue_sync, task.run_sync, device)
             return (out.clone() if device.type == "cpu" else out.to(device, non_blocking=True)).to(dtype)
+        return self._sync_now()
+
+    def _sync_now(self, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The eager sync: the result on the activations' device, copied into `into` when given."""
+        assert self._inflight is not None, "sync() without submit()"
+        device, dtype, x = self._inflight[:3]
+        self._inflight = None
         out = self._moe.sync() if x.shape[0] else x.new_zeros(x.shape)
+        if into is not None:
+            return into.copy_(out, non_blocking=True)
         if device.type != "cpu":
             out = out.to(device, non_blocking=True)
         return out.to(dtype)
+
+    def _submit_split(self, step: Callable[[Callable[[], None]], None], hidden: torch.Tensor,
+                      topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """Split capture: the graph piece being captured ends here, and the eager submit runs between
+        it and the next one, on these tensors: the piece's outputs, which each replay rewrites in
+        place. The next piece (the shared experts) then runs on the GPU while the pool works."""
+        step(lambda: self._submit_now(hidden, topk_ids, topk_weights))  # sets _inflight, as at every replay
+        self._split_sync = _SplitSync(self, step)
 
     # ---- decode graphs ----
     def prepare_cuda_graph(self, max_tokens: int) -> None:
@@ -342,6 +382,35 @@ class CppExperts(ExpertBackend):
     def replay_error(self) -> str | None:
         errors = [e for task in self._graph_tasks.values() if (e := task.take_error())]
         return errors[0] if errors else None
+
+
+class _SplitSync:
+    """The sync half of a split capture's host work: waits for the pool and copies the result into
+    one device tensor, made on the first run (at capture, outside any graph) and reused by every
+    replay, so the pieces captured after it read a fixed address."""
+
+    def __init__(self, experts: CppExperts, step: Callable[[Callable[[], None]], None]) -> None:
+        self.experts, self.step = experts, step
+        self.result: torch.Tensor | None = None
+
+    def run(self) -> None:
+        self.result = self.experts._sync_now(self.result)
+
+
+# While a decode capture is split around host work (the alternative to host nodes), `host_step(fn)`
+# of that capture: it ends the graph piece being captured, runs `fn` now and between that piece's
+# and the next one's replays ever after, and begins the next piece.
+_HOST_STEP: ContextVar[Callable[[Callable[[], None]], None] | None] = ContextVar("host_step", default=None)
+
+
+@contextmanager
+def host_steps(step: Callable[[Callable[[], None]], None]) -> Iterator[None]:
+    """Backends with `splits_graph` hand their host work to `step` during this (split) capture."""
+    token = _HOST_STEP.set(step)
+    try:
+        yield
+    finally:
+        _HOST_STEP.reset(token)
 
 
 def stream_capturing(device: torch.device) -> bool:

@@ -21,10 +21,18 @@ a batch runs padded to the smallest captured size that holds it. Larger batches,
 non-decode forward, run eagerly. Sampling is not captured: it runs on the returned logits, so
 seeded sampling is the same with and without graphs.
 
-Hybrid placement (`--expert-backend cpp` on a CUDA device) is captured too: the CPU experts enter
-the graph as host nodes (`cpp_experts.HostTask`, see `models.moe.CppExperts`), with pinned staging
-that `prepare_cuda_graph` reserves before the first capture. Such a replay then synchronizes the
-stream, so that a failure in the host work is raised for its own batch.
+Hybrid placement (`--expert-backend cpp` on a CUDA device) is captured too, in one of two ways
+(`--hybrid-graph-mode`):
+
+* `host-nodes` (default): the CPU experts enter the graph as host nodes (`cpp_experts.HostTask`,
+  see `models.moe.CppExperts`), with pinned staging that `prepare_cuda_graph` reserves before the
+  first capture; one graph launch per step, no Python per layer. Such a replay then synchronizes
+  the stream, so that a failure in the host work is raised for its own batch.
+* `split`: `SplitCudaGraphCapture` cuts the forward into graph pieces where the experts hand over
+  host work (`models.moe.host_steps`) and runs that work eagerly between the pieces' replays: two
+  host steps and three pieces per MoE layer, no host function on a driver thread.
+
+`bench/model_decode_gpu.py --hybrid` times both against eager decode.
 
 The capture mechanism is injected (`GraphCapture`): `CudaGraphCapture` in production; CPU tests pass
 a stand-in whose replay re-runs the forward on the static buffers.
@@ -40,13 +48,16 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from kernels.attention.base import AttentionBackend
-from models.moe import ExpertBackend
+from models.moe import ExpertBackend, host_steps
 from scheduler.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from scheduler.model_runner import ModelRunner
 
 logger = logging.getLogger("mlaserve.cuda_graph")
+
+
+HYBRID_GRAPH_MODES = ("host-nodes", "split")
 
 
 def capture_batch_sizes(max_bs: int) -> list[int]:
@@ -78,12 +89,13 @@ class CudaGraphCapture:
     stream, so they never need it at once)."""
 
     warmup_runs = 2
+    splits_host_work = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
 
-    def __call__(self, run: Callable[[], torch.Tensor]) -> tuple[CapturedGraph, torch.Tensor]:
+    def _warm_up(self, run: Callable[[], torch.Tensor]) -> None:
         # Lazy initialisation (Triton compilation, cuBLAS workspaces) must happen before the
         # capture, on a side stream as PyTorch's graph docs ask.
         side = torch.cuda.Stream(self.device)
@@ -93,21 +105,84 @@ class CudaGraphCapture:
                 run()
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
+
+    def __call__(self, run: Callable[[], torch.Tensor]) -> tuple[CapturedGraph, torch.Tensor]:
+        self._warm_up(run)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = run()
         return graph, out
 
 
-def graph_off_reason(model: torch.nn.Module, backend: AttentionBackend, device: torch.device, max_bs: int) -> str | None:
-    """Why decode cannot run through CUDA graphs here, or None when it can."""
+class SplitGraph:
+    """Graph pieces replayed in order with a host step after each one but the last."""
+
+    def __init__(self, pieces: list[CapturedGraph], steps: list[Callable[[], None]]) -> None:
+        assert len(pieces) == len(steps) + 1
+        self.pieces, self.steps = pieces, steps
+
+    def replay(self) -> None:
+        for piece, step in zip(self.pieces, self.steps):
+            piece.replay()
+            step()
+        self.pieces[-1].replay()
+
+
+class SplitCudaGraphCapture(CudaGraphCapture):
+    """Captures a forward as graph pieces cut where a backend hands over host work (`host_steps`):
+    the piece so far ends, is replayed at once (a capture records without running, and the host
+    step needs the piece's real outputs), the step runs, the next piece begins. All pieces share the
+    pool; tensors a step reads or writes stay referenced by it, so their memory is never reused."""
+
+    splits_host_work = True
+
+    def __call__(self, run: Callable[[], torch.Tensor]) -> tuple[CapturedGraph, torch.Tensor]:
+        self._warm_up(run)
+        pieces: list[torch.cuda.CUDAGraph] = []
+        steps: list[Callable[[], None]] = []
+        current: list[torch.cuda.CUDAGraph] = []
+
+        def begin() -> None:
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=self.pool)
+            current.append(graph)
+
+        def host_step(fn: Callable[[], None]) -> None:
+            graph = current.pop()
+            graph.capture_end()
+            pieces.append(graph)
+            graph.replay()
+            fn()
+            steps.append(fn)
+            begin()
+
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            begin()
+            try:
+                with host_steps(host_step):
+                    out = run()
+            finally:
+                if current:
+                    current[-1].capture_end()
+                    pieces.append(current.pop())
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        return SplitGraph(pieces, steps), out
+
+
+def graph_off_reason(model: torch.nn.Module, backend: AttentionBackend, device: torch.device, max_bs: int,
+                     split: bool = False) -> str | None:
+    """Why decode cannot run through CUDA graphs here, or None when it can (`split`: captures split
+    around host work, which backends with `splits_graph` can do without being `graph_safe`)."""
     if device.type != "cuda":
         return f"the device is {device.type}, not cuda"
     if max_bs < 1:
         return f"--cuda-graph-max-bs is {max_bs}"
     if not backend.supports_cuda_graph:
         return f"the {type(backend).__name__} attention backend cannot be captured (--attention-backend triton can)"
-    unsafe = [m for m in model.modules() if isinstance(m, ExpertBackend) and not m.graph_safe]
+    unsafe = [m for m in model.modules()
+              if isinstance(m, ExpertBackend) and not (m.graph_safe or (split and m.splits_graph))]
     if unsafe:
         return (f"the {type(unsafe[0]).__name__} routed-expert backend cannot be captured: "
                 f"{unsafe[0].graph_unsafe_reason()} (--expert-backend triton can be)")
@@ -139,7 +214,8 @@ class CudaGraphRunner:
         self.experts = [m for m in self.model.modules() if isinstance(m, ExpertBackend)]
         # backends whose graphs run host code (the CPU experts of hybrid placement): a replay waits
         # for the stream so that a failure there is raised for this batch instead of passing unseen
-        self.host_experts = [e for e in self.experts if e.host_work_in_graph]
+        self.host_experts = [] if getattr(capture, "splits_host_work", False) else \
+            [e for e in self.experts if e.host_work_in_graph]
 
     def _static_batch(self, bs: int, seq_lens_cpu: list[int], prefix_lens_cpu: list[int]) -> ForwardBatch:
         """A DECODE batch over the first `bs` rows of the static buffers."""
@@ -228,13 +304,19 @@ class CudaGraphRunner:
             raise RuntimeError(f"the CPU routed experts failed during a decode graph replay: {errors[0]}")
 
 
-def capture_if_supported(runner: ModelRunner, max_bs: int) -> CudaGraphRunner | None:
-    """The runner's captured decode graphs, or None (with one log line saying why) where they cannot work."""
-    reason = graph_off_reason(runner.model, runner.attn_backend, runner.device, max_bs)
+def capture_if_supported(runner: ModelRunner, max_bs: int, hybrid_mode: str = "host-nodes") -> CudaGraphRunner | None:
+    """The runner's captured decode graphs, or None (with one log line saying why) where they cannot
+    work. `hybrid_mode` (HYBRID_GRAPH_MODES) says how CPU experts enter them."""
+    if hybrid_mode not in HYBRID_GRAPH_MODES:
+        raise ValueError(f"hybrid graph mode must be one of {HYBRID_GRAPH_MODES}, got {hybrid_mode!r}")
+    split = hybrid_mode == "split" and any(
+        isinstance(m, ExpertBackend) and m.splits_graph for m in runner.model.modules())
+    reason = graph_off_reason(runner.model, runner.attn_backend, runner.device, max_bs, split=split)
     if reason is not None:
         logger.info("CUDA graphs off: %s", reason)
         return None
     with torch.cuda.device(runner.device):
-        graph_runner = CudaGraphRunner(runner, max_bs, CudaGraphCapture(runner.device))
+        capture = (SplitCudaGraphCapture if split else CudaGraphCapture)(runner.device)
+        graph_runner = CudaGraphRunner(runner, max_bs, capture)
         graph_runner.capture()
     return graph_runner

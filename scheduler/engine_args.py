@@ -23,5 +23,6 @@ class EngineArgs:
     page_size: int = 1
     cuda_graph_max_bs: int = 64  # decode batches up to this size replay captured CUDA graphs
     disable_cuda_graph: bool = False
+    hybrid_graph_mode: str = "host-nodes"  # how CPU experts enter decode graphs: host-nodes | split
     enable_prefix_cache: bool = True
     seed: int = 0  # base seed for requests that bring none

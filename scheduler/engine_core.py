@@ -82,6 +82,7 @@ class EngineCore:
             max_context_len=self.context_len, device=device, kv_dtype=kv_dtype,
             attention_backend=args.attention_backend, page_size=args.page_size,
             cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
+            hybrid_graph_mode=args.hybrid_graph_mode,
         )
         use_cache = args.enable_prefix_cache and args.page_size == 1
         if args.enable_prefix_cache and not use_cache:

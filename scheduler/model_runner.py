@@ -73,6 +73,7 @@ class ModelRunner:
         page_size: int = 1,
         cuda_graph_max_bs: int = 64,
         disable_cuda_graph: bool = False,
+        hybrid_graph_mode: str = "host-nodes",
     ) -> None:
         self.model = model
         self.config = config
@@ -86,7 +87,8 @@ class ModelRunner:
         # decode replays captured graphs where it can (CUDA only); None: every forward runs eagerly
         self.graph_runner: CudaGraphRunner | None = None
         if not disable_cuda_graph:
-            self.graph_runner = capture_if_supported(self, min(cuda_graph_max_bs, max_running_requests))
+            self.graph_runner = capture_if_supported(self, min(cuda_graph_max_bs, max_running_requests),
+                                                     hybrid_graph_mode)
 
     def build_batch(
         self,

@@ -64,6 +64,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("cuda-graph-max-bs", int, 64, "largest decode batch run through a captured CUDA graph (CUDA, triton "
          "attention and, for MoE models, triton or cpp experts); larger ones run eagerly"),
     Flag("disable-cuda-graph", _bool, False, "run every decode eagerly (no CUDA graphs)"),
+    Flag("hybrid-graph-mode", str, "host-nodes", "how --expert-backend cpp on a GPU enters decode graphs: "
+         "host-nodes (the CPU work as host nodes of one graph) or split (graph pieces with the CPU work "
+         "run between them)", ("host-nodes", "split")),
     Flag("page-size", int, 1, "KV slots per page (64 for paged attention kernels; the prefix cache needs 1)"),
     Flag("kv-dtype", str, "auto", "KV cache dtype (auto: the model's)", ("auto", "float32", "bfloat16", "float16")),
     Flag("disable-prefix-cache", _bool, False, "turn the radix prefix cache off"),
@@ -131,6 +134,7 @@ def parse_serve_args(argv: list[str]) -> ServerArgs:
         enable_prefix_cache=not ns.disable_prefix_cache, page_size=ns.page_size,
         kv_dtype=None if ns.kv_dtype == "auto" else ns.kv_dtype,
         cuda_graph_max_bs=ns.cuda_graph_max_bs, disable_cuda_graph=ns.disable_cuda_graph,
+        hybrid_graph_mode=ns.hybrid_graph_mode,
     )
     return ServerArgs(
         host=ns.host, port=ns.port, api_key=ns.api_key or None, served_model_name=ns.served_model_name,

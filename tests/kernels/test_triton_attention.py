@@ -297,3 +297,8 @@ def test_serve_flags_for_the_gpu_path(monkeypatch: pytest.MonkeyPatch, capsys: p
                                "--cuda-graph-max-bs", "16", "--disable-cuda-graph"]).engine
     assert (engine.attention_backend, engine.expert_backend, engine.cuda_graph_max_bs, engine.disable_cuda_graph) == (
         "triton", "triton", 16, True)
+    assert engine.hybrid_graph_mode == "host-nodes"
+    monkeypatch.setenv("MLASERVE_HYBRID_GRAPH_MODE", "split")
+    assert parse_serve_args(["--device", "cuda", "--expert-backend", "cpp"]).engine.hybrid_graph_mode == "split"
+    with pytest.raises(SystemExit):
+        parse_serve_args(["--hybrid-graph-mode", "sometimes"])

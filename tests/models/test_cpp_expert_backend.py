@@ -216,17 +216,18 @@ def test_bf16_checkpoint_generates_like_torch(request, preset, prompt_ids):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("preset", ["v2", "v3"])
 @pytest.mark.parametrize("gpu_experts", ["torch", "triton"])
-@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("graphs", ["host-nodes", "split", "eager"])
 def test_gpu_hybrid_placement_generates_like_all_gpu(request, preset, gpu_experts, graphs, prompt_ids):
     """Attention, dense layers, router and shared experts on the GPU with routed experts on the CPU
-    (pinned staging, overlap) against everything on the GPU; decode through CUDA graphs whose host
-    nodes run the CPU experts, and eagerly."""
+    (pinned staging, overlap) against everything on the GPU; decode through CUDA graphs (the CPU
+    experts as host nodes, or between split graph pieces) and eagerly."""
     d = request.getfixturevalue(preset)
     ref = runner_for(d, gpu_experts, "bfloat16", "cuda", attention_backend="triton")
-    test = runner_for(d, "cpp", "bfloat16", "cuda", attention_backend="triton", disable_cuda_graph=not graphs)
-    assert (test.graph_runner is not None) == graphs
+    mode = {"hybrid_graph_mode": graphs} if graphs != "eager" else {"disable_cuda_graph": True}
+    test = runner_for(d, "cpp", "bfloat16", "cuda", attention_backend="triton", **mode)
+    assert (test.graph_runner is not None) == (graphs != "eager")
     assert_same_greedy(ref, test, prompt_ids)
-    if graphs:
+    if graphs == "host-nodes":
         assert sum(t.runs for b in cpp_backends(test) for t in b._graph_tasks.values()) > 0
 
 

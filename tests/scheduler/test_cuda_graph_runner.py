@@ -26,7 +26,13 @@ from kernels.attention.torch_backend import TorchAttentionBackend, _Metadata
 from models.config import DeepseekConfig
 from models.loader.load import load_model
 from models.synthetic import write_checkpoint
-from scheduler.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes, graph_off_reason, padded_batch_size
+from scheduler.cuda_graph_runner import (
+    CudaGraphRunner,
+    SplitGraph,
+    capture_batch_sizes,
+    graph_off_reason,
+    padded_batch_size,
+)
 from scheduler.forward_batch import ForwardBatch
 from scheduler.model_runner import ModelRunner, RequestSlice
 
@@ -378,21 +384,99 @@ def test_cpu_experts_as_host_tasks_with_stand_in_graph(tmp_path):
     torch.testing.assert_close(graphs.replay(batch), eager(runner, batch), rtol=1e-5, atol=1e-5)
 
 
+class SplitStandIn(RerunCapture):
+    """The stand-in for a split capture: the forward runs under `host_steps`, each step running at
+    once where a real split capture would end one graph piece and begin the next; replays re-run it.
+    Counts the steps of each run."""
+
+    splits_host_work = True
+
+    def __init__(self, backend: object) -> None:
+        super().__init__(backend)
+        self.steps_per_run: list[int] = []
+
+    def __call__(self, run: Callable[[], torch.Tensor]) -> tuple[RerunGraph, torch.Tensor]:
+        import models.moe
+
+        def split_run() -> torch.Tensor:
+            count = [0]
+
+            def step(fn: Callable[[], None]) -> None:
+                count[0] += 1
+                fn()
+
+            with pytest.MonkeyPatch.context() as mp, models.moe.host_steps(step):
+                mp.setattr(models.moe, "stream_capturing", lambda device: True)
+                out = run()
+            self.steps_per_run.append(count[0])
+            return out
+
+        out = split_run()
+        return RerunGraph(split_run, out, lambda: tensor_ptrs(self.backend)), out
+
+
+@pytest.mark.skipif(not _CPP, reason="needs the cpp_experts extension")
+def test_cpu_experts_split_around_with_stand_in_graph(tmp_path):
+    """`--hybrid-graph-mode split`: graphs are allowed without host functions, each MoE layer hands
+    over two host steps (submit, then sync) instead of binding host tasks, and replays equal eager
+    decode. The pieces themselves need CUDA (the gpu test below)."""
+    from models.moe import DeepseekMoE
+
+    path = write_checkpoint(tmp_path, "tiny-deepseek-v3", seed=5)
+    loaded = load_model(path, dtype="float32", expert_backend="cpp", load_tokenizer=False, progress=False)
+    cuda = torch.device("cuda")
+    hooked = HookedTorchBackend()
+    if not torch.cuda.is_available():  # no driver here: host nodes are impossible, a split capture is not
+        assert "cuLaunchHostFunc" in graph_off_reason(loaded.model, hooked, cuda, 4)
+    assert graph_off_reason(loaded.model, hooked, cuda, 4, split=True) is None
+    runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=512, max_running_requests=8,
+                         max_context_len=MAX_CONTEXT)
+    runner.attn_backend = hooked
+    capture = SplitStandIn(hooked)
+    graphs = CudaGraphRunner(runner, 4, capture)
+    graphs.capture()
+    assert graphs.host_experts == []  # no host nodes: nothing to check after a replay
+    moe_layers = sum(isinstance(m, DeepseekMoE) for m in loaded.model.modules())
+    assert moe_layers and capture.steps_per_run == [2 * moe_layers] * 3
+    check_replays(runner, graphs, [3, 9, 6], [[0, 2, 1], [2], [1, 0]], tol=1e-5)
+    assert capture.steps_per_run == [2 * moe_layers] * 6
+    assert all(not e._graph_tasks for e in graphs.experts)
+
+
+def test_split_graph_replays_pieces_and_steps_in_order():
+    log: list[str] = []
+
+    class Piece:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def replay(self) -> None:
+            log.append(self.name)
+
+    graph = SplitGraph([Piece("a"), Piece("b"), Piece("c")], [lambda: log.append("1"), lambda: log.append("2")])
+    graph.replay()
+    graph.replay()
+    assert log == ["a", "1", "b", "2", "c"] * 2
+    with pytest.raises(AssertionError):
+        SplitGraph([Piece("a")], [lambda: None])
+
+
 # ---------------------------------------------------------------- real CUDA graphs
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name, experts", [("tiny-llama", "triton"), ("tiny-deepseek-v3", "triton"),
-                                           pytest.param("tiny-deepseek-v3", "cpp", marks=pytest.mark.skipif(
-                                               not _CPP, reason="needs the cpp_experts extension"))])
-def test_cuda_graph_greedy_equals_eager(tmp_path, name, experts):
+@pytest.mark.parametrize("name, experts, mode", [
+    ("tiny-llama", "triton", "host-nodes"), ("tiny-deepseek-v3", "triton", "host-nodes"),
+    *(pytest.param("tiny-deepseek-v3", "cpp", mode, marks=pytest.mark.skipif(not _CPP, reason="needs cpp_experts"))
+      for mode in ("host-nodes", "split"))])
+def test_cuda_graph_greedy_equals_eager(tmp_path, name, experts, mode):
     """Real graphs against eager decode, token for token; with `cpp` the routed experts run on the
-    CPU as host nodes of the graph (hybrid placement)."""
+    CPU (hybrid placement), as host nodes of the graph or between split graph pieces."""
     path = write_checkpoint(tmp_path, name, seed=3)
     loaded = load_model(path, device="cuda", dtype="float32", expert_backend=experts, load_tokenizer=False,
                         progress=False)
     kw = dict(max_total_tokens=1024, max_running_requests=16, max_context_len=128, device="cuda",
               attention_backend="triton")
-    graphed = ModelRunner(loaded.model, loaded.config, cuda_graph_max_bs=8, **kw)
+    graphed = ModelRunner(loaded.model, loaded.config, cuda_graph_max_bs=8, hybrid_graph_mode=mode, **kw)
     eager = ModelRunner(loaded.model, loaded.config, disable_cuda_graph=True, **kw)
     assert graphed.graph_runner is not None and eager.graph_runner is None
     graphs = graphed.graph_runner
@@ -403,5 +487,7 @@ def test_cuda_graph_greedy_equals_eager(tmp_path, name, experts):
     lens, max_new = [5, 40, 3, 17, 9, 26, 11, 4, 30, 8], [12, 3, 16, 7, 10, 5, 14, 9, 6, 11]
     assert greedy_staggered(graphed, lens, max_new) == greedy_staggered(eager, lens, max_new)
     assert {padded_batch_size(b, graphs.batch_sizes) for b in replayed} == {1, 2, 4, 8}  # 10 and 9 ran eagerly
-    if experts == "cpp":
+    if experts == "cpp" and mode == "host-nodes":
         assert graphs.host_experts and all(e.replay_error() is None for e in graphs.host_experts)
+    if experts == "cpp" and mode == "split":
+        assert all(isinstance(g, SplitGraph) and len(g.pieces) > 1 for g in graphs.graphs.values())
