@@ -244,6 +244,11 @@ class MoE:
         self._pending = None
         return out
 
+    @property
+    def host_failures(self) -> int:
+        """How many runs of this operator's host tasks have failed so far (see `HostTask`)."""
+        return int(self._op.host_failures)
+
     def host_task(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   out: torch.Tensor) -> HostTask:
         """Binds one call to these buffers for running from a stream (`HostTask`): each run reads their

@@ -214,6 +214,7 @@ class CppExperts(ExpertBackend):
         self._inflight: tuple[Any, ...] | None = None  # (device, dtype, tensors the pool may still read)
         self._graph_tasks: dict[tuple[Any, ...], Any] = {}  # (tokens, dtype, buffer addresses) -> HostTask
         self._split_sync: _SplitSync | None = None  # a split capture's pending sync step
+        self._failures_seen = 0  # host-task failures already reported by replay_error
 
     host_work_in_graph = True
     splits_graph = True
@@ -380,6 +381,10 @@ class CppExperts(ExpertBackend):
         self._inflight = (hidden.device, hidden.dtype, x, ids, weights, out, task)
 
     def replay_error(self) -> str | None:
+        failures = self._moe.host_failures  # one read per replay; the tasks are asked only after a failure
+        if failures == self._failures_seen:
+            return None
+        self._failures_seen = failures
         errors = [e for task in self._graph_tasks.values() if (e := task.take_error())]
         return errors[0] if errors else None
 

@@ -74,6 +74,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("threads", &MoE::threads)
       .def_property_readonly("kernel_bf16", &MoE::kernel_bf16)
       .def_property_readonly("kernel_q", &MoE::kernel_q)
+      .def_property_readonly("host_failures", &MoE::host_failures)
       .def("forward",
            [](MoE& self, uintptr_t h, bool hb, int t, uintptr_t ids, uintptr_t w, uintptr_t out, bool ob) {
              self.forward(make_job(h, hb, t, ids, w, out, ob));

@@ -17,8 +17,11 @@ std::string HostTask::take_error() {
 namespace {
 
 void record(cpx::HostTask* t, const char* what) {
-  std::lock_guard<std::mutex> lock(t->m);
-  if (t->error.empty()) t->error = what;
+  {
+    std::lock_guard<std::mutex> lock(t->m);
+    if (t->error.empty()) t->error = what;
+  }
+  t->op->note_host_failure();
 }
 
 }  // namespace

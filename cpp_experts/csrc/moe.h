@@ -2,6 +2,7 @@
 // SiLU·mul, then down with the routing-weighted sum per token) on a shared worker pool, run either
 // on the calling thread (forward) or on a per-operator driver thread (submit/sync).
 #pragma once
+#include <atomic>
 #include <condition_variable>
 #include <cstdlib>
 #include <memory>
@@ -59,6 +60,9 @@ class MoE {
   std::string kernel_bf16() const;
   std::string kernel_q() const;
   int threads() const { return pool_->size(); }
+  // failures recorded by this operator's host tasks (host_task.h): one cheap read per graph replay
+  void note_host_failure() { host_failures_.fetch_add(1, std::memory_order_relaxed); }
+  uint64_t host_failures() const { return host_failures_.load(std::memory_order_relaxed); }
 
  private:
   struct Expert {
@@ -93,6 +97,7 @@ class MoE {
   std::condition_variable dcv_;
   Job job_;
   bool has_job_ = false, busy_ = false, stop_ = false;
+  std::atomic<uint64_t> host_failures_{0};
 };
 
 }  // namespace cpx

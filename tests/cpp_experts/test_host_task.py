@@ -54,10 +54,12 @@ def test_failure_is_recorded_and_output_zeroed(moe: cpp_experts.MoE) -> None:
     ids.copy_(r_ids)
     w.copy_(r_w)
     task = moe.host_task(x, ids, w, out)
+    failures = moe.host_failures
     w[2, 1] = float("nan")
     task.run_submit()  # must not raise: it runs on a CUDA driver thread in production
     task.run_sync()
     assert "topk_weights[2, 1] is not finite" in (task.take_error() or "")
+    assert moe.host_failures == failures + 1
     assert task.take_error() is None  # taken
     assert torch.equal(out, torch.zeros_like(out))
     ids[0, 0] = E
@@ -70,7 +72,7 @@ def test_failure_is_recorded_and_output_zeroed(moe: cpp_experts.MoE) -> None:
     task.run_sync()
     assert task.take_error() is None
     torch.testing.assert_close(out, moe.forward(x, ids, w), rtol=0, atol=0)
-    assert task.runs == 3
+    assert task.runs == 3 and moe.host_failures == failures + 2
 
 
 def test_binding_checks_shapes_and_dtypes(moe: cpp_experts.MoE) -> None:
