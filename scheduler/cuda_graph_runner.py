@@ -318,5 +318,12 @@ def capture_if_supported(runner: ModelRunner, max_bs: int, hybrid_mode: str = "h
     with torch.cuda.device(runner.device):
         capture = (SplitCudaGraphCapture if split else CudaGraphCapture)(runner.device)
         graph_runner = CudaGraphRunner(runner, max_bs, capture)
-        graph_runner.capture()
+        try:
+            graph_runner.capture()
+        except RuntimeError:  # a capture the driver or PyTorch refuses: serve eagerly, and say so loudly
+            logger.exception("CUDA graph capture failed; decode runs eagerly (--disable-cuda-graph skips the "
+                             "attempt%s)", ", --hybrid-graph-mode split avoids host nodes" if graph_runner.host_experts
+                             else "")
+            torch.cuda.synchronize(runner.device)
+            return None
     return graph_runner

@@ -443,6 +443,36 @@ def test_cpu_experts_split_around_with_stand_in_graph(tmp_path):
     assert all(not e._graph_tasks for e in graphs.experts)
 
 
+def test_failed_capture_falls_back_to_eager_and_says_so(model, monkeypatch, caplog):
+    """A capture the driver refuses must not stop the server: the error is logged with its traceback
+    and decode runs eagerly. (The CUDA calls around the capture are stubbed: no GPU here.)"""
+    import contextlib
+    import logging
+
+    import scheduler.cuda_graph_runner as cgr
+
+    class Refused:
+        def __init__(self, device: torch.device) -> None:
+            pass
+
+        def __call__(self, run: Callable[[], torch.Tensor]):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cgr, "graph_off_reason", lambda *a, **k: None)
+    monkeypatch.setattr("scheduler.model_runner.create_attention_backend", lambda name: HookedTorchBackend())
+    monkeypatch.setattr(cgr, "CudaGraphCapture", Refused)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
+    with caplog.at_level(logging.ERROR, logger="mlaserve.cuda_graph"):
+        runner = ModelRunner(model.model, model.config, max_total_tokens=64, max_running_requests=2,
+                             max_context_len=32)
+    assert runner.graph_runner is None
+    [record] = [r for r in caplog.records if "capture failed" in r.getMessage()]
+    assert record.exc_info and "not permitted" in str(record.exc_info[1])
+    row = runner.req_to_token_pool.alloc()
+    assert runner.forward(runner.build_batch([RequestSlice(row, 0, [5, 6, 7])])).shape[0] == 1
+
+
 def test_split_graph_replays_pieces_and_steps_in_order():
     log: list[str] = []
 
