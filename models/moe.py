@@ -224,7 +224,8 @@ class CppExperts(ExpertBackend):
         return self._ext.cuda_host_launch_error() is None
 
     def graph_unsafe_reason(self) -> str:
-        return f"{self._ext.cuda_host_launch_error()}, so the CPU experts cannot be queued on the stream"
+        return (f"{self._ext.cuda_host_launch_error()}, so the CPU experts cannot be queued on the stream "
+                "(--hybrid-graph-mode split needs no host functions)")
 
     @property
     def memory_bytes(self) -> int:
