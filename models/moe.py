@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -211,7 +211,7 @@ class CppExperts(ExpertBackend):
         self._pending: dict[int, dict[str, torch.Tensor | RawBlocks]] = {}  # expert -> kinds so far
         self._loaded: set[int] = set()  # experts handed to the pool
         self._warned = False
-        self._inflight: tuple[Any, ...] | None = None  # (device, dtype, tensors the pool may still read)
+        self._inflight: _Inflight | None = None  # the submitted call, until sync
         self._graph_tasks: dict[tuple[Any, ...], Any] = {}  # (tokens, dtype, buffer addresses) -> HostTask
         self._split_sync: _SplitSync | None = None  # a split capture's pending sync step
         self._failures_seen = 0  # host-task failures already reported by replay_error
@@ -306,8 +306,7 @@ class CppExperts(ExpertBackend):
 
     def _submit_now(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         """The eager submit (also a host step between split graph pieces)."""
-        x = hidden if hidden.dtype in (torch.float32, torch.bfloat16) else hidden.float()
-        ids, weights = topk_ids, topk_weights.float()
+        x, ids, weights = _pool_input(hidden), topk_ids, topk_weights.float()
         out = None
         if hidden.device.type == "cpu":
             x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
@@ -322,7 +321,7 @@ class CppExperts(ExpertBackend):
             self._moe.submit(x, ids, weights)
         elif x.shape[0]:
             self._moe.submit(x, ids, weights, out=out)
-        self._inflight = (hidden.device, hidden.dtype, x, ids, weights, out, None)
+        self._inflight = _Inflight(hidden.device, hidden.dtype, x, ids, weights, out, None)
 
     def sync(self) -> torch.Tensor:
         split, self._split_sync = self._split_sync, None
@@ -330,18 +329,20 @@ class CppExperts(ExpertBackend):
             split.step(split.run)
             assert split.result is not None
             return split.result
-        assert self._inflight is not None, "sync() without submit()"
-        device, dtype, x, _, _, out, task = self._inflight
-        if task is not None:  # captured: a host node waits for the pool, then the graph copies back
+        call = self._inflight
+        assert call is not None, "sync() without submit()"
+        if call.task is not None:  # captured: a host node waits for the pool, then the graph copies back
             self._inflight = None
-            _queue(task.enqueue_sync, task.run_sync, device)
-            return (out.clone() if device.type == "cpu" else out.to(device, non_blocking=True)).to(dtype)
+            _queue(call.task.enqueue_sync, call.task.run_sync, call.device)
+            out = call.out.clone() if call.device.type == "cpu" else call.out.to(call.device, non_blocking=True)
+            return out.to(call.dtype)
         return self._sync_now()
 
     def _sync_now(self, into: torch.Tensor | None = None) -> torch.Tensor:
         """The eager sync: the result on the activations' device, copied into `into` when given."""
-        assert self._inflight is not None, "sync() without submit()"
-        device, dtype, x = self._inflight[:3]
+        call = self._inflight
+        assert call is not None, "sync() without submit()"
+        device, dtype, x = call.device, call.dtype, call.x
         self._inflight = None
         out = self._moe.sync() if x.shape[0] else x.new_zeros(x.shape)
         if into is not None:
@@ -370,7 +371,7 @@ class CppExperts(ExpertBackend):
         """The captured submit: copies into the graph's pinned buffers, then a host node that hands
         them to the pool. One task per token count and buffers, reused by every later capture."""
         staging = _HostStaging.for_graphs()
-        x = staging.copy_in("x", hidden if hidden.dtype in (torch.float32, torch.bfloat16) else hidden.float())
+        x = staging.copy_in("x", _pool_input(hidden))
         ids = staging.copy_in("ids", topk_ids.to(torch.int32))
         weights = staging.copy_in("w", topk_weights.float())
         out = staging.buffer("out", x.shape, x.dtype)
@@ -379,7 +380,7 @@ class CppExperts(ExpertBackend):
         if task is None:
             task = self._graph_tasks[key] = self._moe.host_task(x, ids, weights, out)
         _queue(task.enqueue_submit, task.run_submit, hidden.device)
-        self._inflight = (hidden.device, hidden.dtype, x, ids, weights, out, task)
+        self._inflight = _Inflight(hidden.device, hidden.dtype, x, ids, weights, out, task)
 
     def replay_error(self) -> str | None:
         failures = self._moe.host_failures  # one read per replay; the tasks are asked only after a failure
@@ -388,6 +389,23 @@ class CppExperts(ExpertBackend):
         self._failures_seen = failures
         errors = [e for task in self._graph_tasks.values() if (e := task.take_error())]
         return errors[0] if errors else None
+
+
+class _Inflight(NamedTuple):
+    """A submitted call: the tensors the pool may still read stay referenced here until `sync`."""
+
+    device: torch.device  # of the activations (the result goes back there)
+    dtype: torch.dtype  # of the activations
+    x: torch.Tensor  # what the pool reads (host memory)
+    ids: torch.Tensor
+    weights: torch.Tensor
+    out: torch.Tensor | None  # host buffer the pool writes (None: the pool allocates it)
+    task: Any  # cpp_experts.HostTask under capture with host nodes, else None
+
+
+def _pool_input(hidden: torch.Tensor) -> torch.Tensor:
+    """Activations in a dtype the pool computes on (bf16 or fp32; others go as fp32)."""
+    return hidden if hidden.dtype in (torch.float32, torch.bfloat16) else hidden.float()
 
 
 class _SplitSync:
@@ -425,7 +443,7 @@ def stream_capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _queue(enqueue: Any, run_now: Any, device: torch.device) -> None:
+def _queue(enqueue: Callable[[int], None], run_now: Callable[[], None], device: torch.device) -> None:
     """Host work in stream order: on a CUDA device queued on the current stream (a host node under
     capture); on the CPU (which has no stream) done now."""
     if device.type == "cuda":
