@@ -35,7 +35,7 @@ def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
 
 def bench_ours(model: str, dtype: str, prompt: list[int], n_decode: int, repeats: int) -> dict:
     from models.loader.load import load_model
-    from scheduler.model_runner import ModelRunner, RequestSlice
+    from executor.model_runner import ModelRunner, RequestSlice
 
     loaded = load_model(model, dtype=dtype, progress=False)
     runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=len(prompt) + n_decode + 8,
@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/cpu_model_smollm2.json")
     args = ap.parse_args()
 
-    from models.loader.load import resolve_model_path
+    from models.builtin import resolve_model_path
 
     path = str(resolve_model_path(args.model))
     threads = torch.get_num_threads()

@@ -48,8 +48,8 @@ from bench_common import (  # noqa: E402
     write_result,
 )
 from kernels.attention import AttentionLayer, create_attention_backend  # noqa: E402
-from scheduler.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from scheduler.memory_pool import MLATokenToKVPool, ReqToTokenPool  # noqa: E402
+from executor.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from executor.memory_pool import MLATokenToKVPool, ReqToTokenPool  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SOFTMAX_SCALE = 192**-0.5  # DeepSeek: 1/sqrt(qk_nope + qk_rope); the value does not change the time

@@ -60,8 +60,8 @@ from models.config import DeepseekConfig, config_from_hf_dict  # noqa: E402
 from models.moe import DeepseekMoE, ExpertBackend  # noqa: E402
 from models.registry import model_class  # noqa: E402
 from models.synthetic import load_preset, tensor_plan  # noqa: E402
-from scheduler.cuda_graph_runner import graph_off_reason  # noqa: E402
-from scheduler.model_runner import ModelRunner, RequestSlice  # noqa: E402
+from executor.cuda_graph_runner import graph_off_reason  # noqa: E402
+from executor.model_runner import ModelRunner, RequestSlice  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 V2_LITE_LAYERS = 27  # the released DeepSeek-V2-Lite; the preset keeps its shapes with fewer layers

@@ -31,7 +31,7 @@ from pathlib import Path
 
 # PyTorch's OpenMP workers busy-wait after each parallel op (libgomp spins ~300k times by default):
 # on a 2-core box that spinner steals a core from the expert pool during the timed call. The engine
-# sets the same for `--expert-backend cpp` (scheduler/engine_client.py). Set before torch loads.
+# sets the same for `--expert-backend cpp` (engine/client.py). Set before torch loads.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 import torch  # noqa: E402

@@ -13,20 +13,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from kernels.rotary import RotaryEmbedding
+from kernels.attention.base import ForwardBatch
+from models.rotary import RotaryEmbedding
 from models.config import ModelConfig
 from models.layers import RMSNorm, compute_logits
 from models.loader.errors import CheckpointError
 from models.loader.raw_blocks import RawBlocks
 from models.moe import ExpertBackend
 
-if TYPE_CHECKING:
-    from scheduler.forward_batch import ForwardBatch
 
 _EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj|gate_up_proj)(\.weight)?$")
 

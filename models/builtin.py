@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -36,3 +37,16 @@ def builtin_model_path(name: str) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"built-in model {name!r}: {path} is missing; reinstall '{package}'")
     return path
+
+
+def resolve_model_path(model: str | os.PathLike[str]) -> Path:
+    """A built-in name, a `.gguf` file or an HF directory -> its path (checked to exist)."""
+    s = str(model)
+    if s in builtin_names():
+        return builtin_model_path(s)
+    path = Path(s).expanduser()
+    if path.is_dir() or path.is_file():
+        return path
+    raise FileNotFoundError(
+        f"model {s!r} is neither a built-in name ({', '.join(builtin_names())}), an HF directory nor a .gguf file"
+    )

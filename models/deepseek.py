@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from kernels.rotary import RotaryEmbedding
+from models.rotary import RotaryEmbedding
 from models.base import CausalLM, DecoderLayer, DecoderModel
 from models.config import DeepseekConfig
 from models.layers import GatedMLP

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from kernels.attention.base import AttentionLayer
-from kernels.rotary import RotaryEmbedding
+from kernels.attention.base import AttentionLayer, ForwardBatch
+from models.rotary import RotaryEmbedding
 from models.base import CausalLM, DecoderLayer, DecoderModel
 from models.config import LlamaConfig
 from models.layers import GatedMLP
 
-if TYPE_CHECKING:
-    from scheduler.forward_batch import ForwardBatch
 
 
 class LlamaAttention(nn.Module):

@@ -27,18 +27,15 @@ Both paths compute the same function (up to rounding); tests check they agree.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from kernels.attention.base import AttentionLayer
-from kernels.rotary import RotaryEmbedding
+from kernels.attention.base import AttentionLayer, ForwardBatch
+from models.rotary import RotaryEmbedding
 from models.config import DeepseekConfig
 from models.layers import RMSNorm
 
-if TYPE_CHECKING:
-    from scheduler.forward_batch import ForwardBatch
 
 
 class MLAAttention(nn.Module):

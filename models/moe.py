@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.moe_routing import select_experts
+from models.moe_routing import select_experts
 from models.config import MoEConfig
 from models.layers import GatedMLP
 from models.loader.raw_blocks import RawBlocks

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scheduler.memory_pool import TokenSlotAllocator
+from executor.memory_pool import TokenSlotAllocator
 
 
 @dataclass

@@ -11,8 +11,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from scheduler.io_types import TokenLogprob
+from executor.logprobs import TokenLogprob
 from scheduler.sampling_params import SamplingParams
+
+# finish_reason values the scheduler decides (the engine adds "error": engine.messages.FINISH_ERROR)
+FINISH_STOP = "stop"  # EOS or a stop token id (or a stop string found by the server)
+FINISH_LENGTH = "length"  # max_tokens reached or the context is full
+FINISH_ABORT = "abort"  # aborted by the client (disconnect) or by the server
 
 
 @dataclass(eq=False)

@@ -31,11 +31,11 @@ from dataclasses import dataclass
 
 import torch
 
-from scheduler.io_types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, TokenLogprob
-from scheduler.model_runner import ModelRunner, RequestSlice
+from executor.logprobs import TokenLogprob
+from executor.model_runner import ModelRunner, RequestSlice
 from scheduler.radix_cache import NoPrefixCache, PrefixCache
-from scheduler.request import Req
-from scheduler.sampler import Sampler, SamplingRow
+from scheduler.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Req
+from executor.sampler import Sampler, SamplingRow
 
 
 @dataclass

@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import time
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,45 +21,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from models.loader.tokenizer import TokenizerBundle
-from scheduler.engine_client import EngineClient
-from server.metrics import Metrics
-from server.protocol import ModelCard, ModelList, describe_validation_error, error_body
+from server.protocol import ModelCard, ModelList, describe_validation_error
+from server.serving import register_routes
+from server.state import ServerState, error_response
 
 logger = logging.getLogger("mlaserve.server")
-
-
-@dataclass
-class ServerState:
-    model_name: str  # the id clients use in `model`
-    metrics: Metrics
-    api_key: str | None = None
-    # set once the engine is up (None while loading)
-    engine: EngineClient | None = None
-    tokenizer: TokenizerBundle | None = None
-    context_length: int = 0
-    vocab_size: int = 0
-    start_error: str | None = None
-    created: int = field(default_factory=lambda: int(time.time()))
-    shutting_down: bool = False
-    inflight: int = 0  # generation requests not yet answered in full (the drain waits for them)
-
-    def unavailable(self) -> JSONResponse | None:
-        """The 503 to answer with when requests cannot be served now, else None."""
-        if self.shutting_down:
-            return error_response(503, "the server is shutting down", "service_unavailable", code="shutting_down")
-        if self.engine is None:
-            return error_response(503, "the model is still loading; retry shortly", "service_unavailable",
-                                  code="loading", headers={"Retry-After": "5"})
-        if not self.engine.is_alive:
-            return error_response(503, "the engine is not running", "service_unavailable", code="engine_dead",
-                                  headers={"Retry-After": "30"})
-        return None
-
-
-def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
 class BodyLimitMiddleware:
@@ -133,8 +97,6 @@ class AuthMiddleware:
 
 
 def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
-    from server.serving import register_routes
-
     app = FastAPI(title="mlaserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.s = state
 

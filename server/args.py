@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from models.builtin import DEFAULT_MODEL
-from scheduler.engine_args import EngineArgs
+from engine.args import EngineArgs
 
 
 def _bool(s: str) -> bool:
@@ -70,8 +70,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("page-size", int, 1, "KV slots per page (64 for paged attention kernels; the prefix cache needs 1)"),
     Flag("kv-dtype", str, "auto", "KV cache dtype (auto: the model's)", ("auto", "float32", "bfloat16", "float16")),
     Flag("disable-prefix-cache", _bool, False, "turn the radix prefix cache off"),
-    Flag("max-request-bytes", int, 1 << 20, "largest request body accepted (413 beyond)"),
-    Flag("shutdown-grace", float, 30.0, "seconds in-flight requests get to finish after SIGTERM"),
+    Flag("max-request-bytes", int, None, "largest request body accepted, 413 beyond (default: 16 bytes per "
+         "token of the context length, at least 1 MiB)"),
+    Flag("shutdown-timeout", float, 30.0, "seconds running requests get to finish after SIGTERM/SIGINT before "
+         "they are aborted"),
     Flag("log-level", str, "info", "logging level", ("debug", "info", "warning", "error")),
 )
 
@@ -82,8 +84,8 @@ class ServerArgs:
     port: int
     api_key: str | None
     served_model_name: str | None
-    max_request_bytes: int
-    shutdown_grace: float
+    max_request_bytes: int | None  # None: derived from the context length once the model is known
+    shutdown_timeout: float
     log_level: str
     engine: EngineArgs
 
@@ -115,10 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_serve_args(argv: list[str]) -> ServerArgs:
     ns = build_parser().parse_args(argv)
-    for name in ("port", "max_running_requests", "max_queued_requests", "chunked_prefill_size", "max_request_bytes",
-                 "page_size"):
-        if getattr(ns, name) <= 0:
+    for name in ("port", "max_running_requests", "chunked_prefill_size", "max_request_bytes", "page_size"):
+        if getattr(ns, name) is not None and getattr(ns, name) <= 0:
             build_parser().error(f"--{name.replace('_', '-')} must be > 0")
+    if ns.max_queued_requests < 0:
+        build_parser().error("--max-queued-requests must be >= 0 (0: refuse whatever cannot run at once)")
     gpu_only = [f"--{flag}-backend triton" for flag, value in (("attention", ns.attention_backend),
                                                                ("expert", ns.expert_backend)) if value == "triton"]
     if gpu_only and not ns.device.startswith("cuda") and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
@@ -138,6 +141,6 @@ def parse_serve_args(argv: list[str]) -> ServerArgs:
     )
     return ServerArgs(
         host=ns.host, port=ns.port, api_key=ns.api_key or None, served_model_name=ns.served_model_name,
-        max_request_bytes=ns.max_request_bytes, shutdown_grace=ns.shutdown_grace, log_level=ns.log_level,
+        max_request_bytes=ns.max_request_bytes, shutdown_timeout=ns.shutdown_timeout, log_level=ns.log_level,
         engine=engine,
     )

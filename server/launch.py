@@ -5,7 +5,7 @@ Order of events:
   2. The tokenizer loads here; the engine core process starts and loads the weights.
   3. Ready: `/health` 200.
   4. SIGTERM/SIGINT: `/health` and new requests get 503, in-flight requests get up to
-     `--shutdown-grace` seconds to finish, the engine process is shut down, exit code 0.
+     `--shutdown-timeout` seconds to finish, the engine process is shut down, exit code 0.
   If the engine cannot start, the error is logged and the process exits 1.
 """
 
@@ -20,8 +20,9 @@ from pathlib import Path
 import uvicorn
 
 from models.builtin import builtin_names
-from models.loader.load import load_tokenizer, resolve_model_path
-from scheduler.engine_client import EngineClient
+from models.builtin import resolve_model_path
+from models.loader.tokenizer import load_tokenizer
+from engine.client import EngineClient
 from server.app import ServerState, build_app
 from server.args import ServerArgs
 from server.metrics import Metrics
@@ -85,10 +86,10 @@ async def serve_async(args: ServerArgs) -> int:
     state = ServerState(model_name=args.served_model_name or default_model_name(args.engine.model),
                         metrics=None, api_key=args.api_key)  # type: ignore[arg-type]
     state.metrics = Metrics(state.model_name)
-    app = build_app(state, args.max_request_bytes)
+    app = build_app(state, args.max_request_bytes or 1 << 20)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5, access_log=False)
-    server = _DrainingServer(config, state, args.shutdown_grace)
+    server = _DrainingServer(config, state, args.shutdown_timeout)
     starter = asyncio.create_task(_start_engine(state, args, server))
     await server.serve()
     if not starter.done():

@@ -47,7 +47,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from scheduler.io_types import (
+from engine.messages import (
     ERR_CONTEXT,
     ERR_ENGINE,
     ERR_INVALID,

@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from scheduler.io_types import TokenLogprob
+from engine.messages import TokenLogprob
 from server.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -32,8 +32,8 @@ from server.protocol import (
 )
 
 if TYPE_CHECKING:
-    from server.app import ServerState
-    from server.serving import EngineRequest
+    from server.choices import EngineRequest
+    from server.state import ServerState
 
 
 class Serializer:

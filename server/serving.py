@@ -24,17 +24,16 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from scheduler.io_types import (
+from engine.messages import (
     ERR_CONTEXT,
     ERR_ENGINE,
     ERR_OVERLOADED,
     FINISH_ERROR,
     GenerateRequest,
     RequestOutput,
-    TokenLogprob,
 )
-from server.app import ServerState, error_response
 from server.chat_template import ChatTemplateError, render_chat
+from server.choices import ChoiceText, EngineRequest
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from server.protocol import (
     SSE_DONE,
@@ -45,6 +44,7 @@ from server.protocol import (
     to_sampling_params,
 )
 from server.responses import ChatSerializer, CompletionSerializer, Serializer
+from server.state import ServerState, error_response
 
 
 class ClientError(Exception):
@@ -73,52 +73,6 @@ def engine_error(out: RequestOutput) -> ClientError:
         return ClientError(503, out.error or "the engine failed", code="engine_error", type_="service_unavailable",
                            headers={"Retry-After": "30"})
     return ClientError(400, out.error or "invalid request", code=out.error_code)
-
-
-@dataclasses.dataclass
-class ChoiceText:
-    """Text of one choice as it streams: detokenized, stop strings applied, held back while unsure."""
-
-    detok: IncrementalDetokenizer
-    stops: StopStringMatcher
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
-    completion_tokens: int = 0
-    finish_reason: str | None = None
-
-    def feed(self, out: RequestOutput) -> tuple[str, list[int], list[TokenLogprob]]:
-        """New text, ids and logprobs of this delta (text may lag behind ids while held back)."""
-        if self.finish_reason is not None:
-            return "", [], []
-        text, hit = self.stops.feed(self.detok.add(out.new_token_ids))
-        if not hit and out.finish_reason is not None:
-            tail, hit = self.stops.feed(self.detok.flush())
-            text += tail if hit else tail + self.stops.flush()
-        self.token_ids += out.new_token_ids
-        self.logprobs += out.logprobs or []
-        self.completion_tokens = out.completion_tokens
-        if hit:
-            self.finish_reason = "stop"
-        elif out.finish_reason is not None:
-            self.finish_reason = "length" if out.finish_reason == "length" else "stop"
-        return text, list(out.new_token_ids), list(out.logprobs or [])
-
-
-@dataclasses.dataclass
-class EngineRequest:
-    """One engine request (one prompt) and the choices it feeds."""
-
-    rid: str
-    prompt_index: int
-    prompt_ids: list[int]
-    choices: list[ChoiceText]
-    stream: AsyncIterator[RequestOutput]
-    cached_tokens: int = 0
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # echo + logprobs: one per prompt token
-
-    @property
-    def done(self) -> bool:
-        return all(c.finish_reason is not None for c in self.choices)
 
 
 def register_routes(app: FastAPI, state: ServerState) -> None:

@@ -21,12 +21,66 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from enum import IntEnum, auto
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from scheduler.forward_batch import ForwardBatch
+
+class ForwardMode(IntEnum):
+    EXTEND = auto()  # prefill or extend: any number of new tokens per request, maybe with a cached prefix
+    DECODE = auto()  # exactly one new token per request
+    MIXED = auto()  # extend requests and decode requests in one batch (decode ones have extend_seq_len 1)
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+
+class ReqToTokenTable(Protocol):
+    """The request-slot -> KV-slot table a backend reads (`executor.memory_pool.ReqToTokenPool`)."""
+
+    req_to_token: torch.Tensor  # int32 [rows, max_context_len]
+
+
+class KVCache(Protocol):
+    """What a backend reads and writes of the token-to-KV pool (`executor.memory_pool`'s MHA and MLA pools).
+
+    MHA/GQA pools answer `set_kv` and `get_kv_buffer` -> (K, V); the MLA latent pool answers
+    `set_mla_kv` and `get_kv_buffer` -> its [slots, r + P] buffer."""
+
+    page_size: int
+
+    def get_kv_buffer(self, layer_id: int): ...
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def set_mla_kv(self, layer_id: int, loc: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None: ...
+
+
+class ForwardBatch(Protocol):
+    """What attention backends (and the models above them) read of one forward's batch.
+
+    The executor's `executor.forward_batch.ForwardBatch` dataclass is the one implementation; kernels
+    and models type against this protocol so that they never import the layers above them."""
+
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: list[int]
+    extend_prefix_lens_cpu: list[int]
+    extend_seq_lens_cpu: list[int]
+    out_cache_loc: torch.Tensor
+    req_to_token_pool: ReqToTokenTable
+    token_to_kv_pool: KVCache
+    attn_backend: AttentionBackend
+    logits_indices: torch.Tensor | None
+
+    @property
+    def extend_start_loc_cpu(self) -> list[int]: ...
+    @property
+    def has_prefix(self) -> bool: ...
+    def last_token_indices(self) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)

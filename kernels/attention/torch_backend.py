@@ -13,14 +13,11 @@ buffer (c_kv columns and k_pe columns), broadcast over heads by matmul itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.attention.base import AttentionBackend, AttentionLayer
+from kernels.attention.base import AttentionBackend, AttentionLayer, ForwardBatch
 
-if TYPE_CHECKING:
-    from scheduler.forward_batch import ForwardBatch
 
 _QUERY_CHUNK = 1024
 

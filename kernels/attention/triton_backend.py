@@ -23,14 +23,11 @@ Needs a CUDA device, or `TRITON_INTERPRET=1` (set before Triton is imported) for
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.attention.base import AttentionBackend, AttentionLayer
+from kernels.attention.base import AttentionBackend, AttentionLayer, ForwardBatch
 
-if TYPE_CHECKING:
-    from scheduler.forward_batch import ForwardBatch
 
 _MAX_SPLITS = 64
 _BLOCK_H = 16

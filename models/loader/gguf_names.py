@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from models.config import DeepseekConfig, LlamaConfig, ModelConfig
+from models.loader.gguf_file import f32_round
 
 ARCH_LLAMA = "llama"
 ARCH_DEEPSEEK2 = "deepseek2"
@@ -160,12 +161,6 @@ def llama3_rope_factors(
             out.append(1 / ((1 - smooth) / factor + smooth))
     return out
 
-
-
-def f32_round(x: float) -> float:
-    """The shortest decimal with the same float32 value: GGUF stores settings as float32, and this
-    turns 9.99999997e-07 back into the 1e-06 that was written."""
-    return float(str(np.float32(x)))
 
 
 def llama3_from_rope_factors(factors: list[float], theta: float, dim: int) -> dict[str, Any] | None:

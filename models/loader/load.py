@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from models.base import CausalLM
-from models.builtin import builtin_model_path, builtin_names
+from models.builtin import resolve_model_path
 from models.config import ModelConfig, config_from_hf_dict
 from models.loader.errors import CheckpointError
 from models.moe import EXPERT_BACKENDS
@@ -35,19 +35,6 @@ class LoadedModel:
     tokenizer: "TokenizerBundle | None"
     source: Path
     dtype: torch.dtype
-
-
-def resolve_model_path(model: str | os.PathLike[str]) -> Path:
-    """A built-in name, a `.gguf` file or an HF directory -> its path (checked to exist)."""
-    s = str(model)
-    if s in builtin_names():
-        return builtin_model_path(s)
-    path = Path(s).expanduser()
-    if path.is_dir() or path.is_file():
-        return path
-    raise FileNotFoundError(
-        f"model {s!r} is neither a built-in name ({', '.join(builtin_names())}), an HF directory nor a .gguf file"
-    )
 
 
 def cpu_has_bf16() -> bool:
@@ -123,18 +110,10 @@ def load_model(
     return LoadedModel(net, config, tokenizer, path, torch_dtype)
 
 
-def load_tokenizer(model: str | os.PathLike[str]) -> "TokenizerBundle":
-    """Only the tokenizer of a model (the HTTP server needs it; the engine process loads the weights)."""
-    from models.loader.tokenizer import load_hf_tokenizer
-
-    path = resolve_model_path(model)
-    return load_hf_tokenizer(path) if path.is_dir() else open_checkpoint(path).tokenizer()
-
-
 def _progress(it, bar: tqdm):
     for item in it:
         yield item
         bar.update(1)
 
 
-__all__ = ["CheckpointError", "LoadedModel", "load_model", "load_tokenizer", "resolve_dtype", "resolve_model_path"]
+__all__ = ["CheckpointError", "LoadedModel", "load_model", "resolve_dtype"]

@@ -31,6 +31,7 @@ import contextlib
 import importlib.util
 import json
 import numbers
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,9 @@ from typing import Any
 import gguf
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
 
+from models.builtin import resolve_model_path
 from models.loader.errors import CheckpointError
+from models.loader.gguf_file import read_gguf_metadata
 from models.loader.jsonfile import read_json
 from models.loader.pretokenizers import PRE_TOKENIZERS, byte_level_pre_tokenizer, detect_pre
 
@@ -439,3 +442,14 @@ def _write_spm(writer: gguf.GGUFWriter, tok: Tokenizer, model: dict, tokens: lis
     writer.add_token_scores(scores)
     writer.add_token_types(types)
     writer.add_add_space_prefix(spelled.startswith(_SPACE))
+
+
+def load_tokenizer(model: str | os.PathLike[str]) -> TokenizerBundle:
+    """Only the tokenizer of a model: a built-in name, an HF directory or a GGUF file's metadata.
+
+    The HTTP server calls this (the engine process loads the weights), so it reads no tensor and
+    imports no torch."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return load_hf_tokenizer(path)
+    return tokenizer_from_gguf_metadata(read_gguf_metadata(path), str(path))

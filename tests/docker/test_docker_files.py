@@ -183,7 +183,7 @@ def test_dockerfile_shape(dockerfile):
     entry = [a for w, a in runtime if w == "ENTRYPOINT"]
     assert entry and json.loads(entry[-1]) == ["mlaserve", "serve"], "exec-form ENTRYPOINT running mlaserve serve"
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert re.search(r'^mlaserve\s*=\s*"server\.cli:main"', pyproject, re.M), "the console script the image runs"
+    assert re.search(r'^mlaserve\s*=\s*"mlaserve\.cli:main"', pyproject, re.M), "the console script the image runs"
 
     users = [a for w, a in runtime if w == "USER"]
     assert users and users[-1].split(":")[0] not in ("root", "0"), "the server runs as a non-root user"

@@ -24,7 +24,7 @@ from models.loader.load import load_model  # noqa: E402
 from models.loader.raw_blocks import RawBlocks  # noqa: E402
 from models.moe import EXPERT_BACKENDS, ExpertBackend, TorchExperts, TritonExperts  # noqa: E402
 from models.synthetic import write_checkpoint  # noqa: E402
-from scheduler.model_runner import ModelRunner, RequestSlice  # noqa: E402
+from executor.model_runner import ModelRunner, RequestSlice  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

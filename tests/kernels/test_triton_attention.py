@@ -20,8 +20,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from kernels.attention import AttentionLayer, create_attention_backend  # noqa: E402
-from scheduler.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from scheduler.memory_pool import (  # noqa: E402
+from executor.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from executor.memory_pool import (  # noqa: E402
     MHATokenToKVPool,
     MLATokenToKVPool,
     ReqToTokenPool,
@@ -255,9 +255,9 @@ def model_dir(request, tmp_path_factory):
 def test_engine_with_triton_backend_matches_torch(model_dir, page: int) -> None:
     """Staggered greedy requests (fresh prefills, a prefix-cache hit, chunked prefill mixed with decodes)
     give the same tokens with the triton backend as with the torch backend."""
-    from scheduler.engine_args import EngineArgs
-    from scheduler.engine_core import EngineCore
-    from scheduler.io_types import GenerateRequest
+    from engine.args import EngineArgs
+    from engine.core import EngineCore
+    from engine.messages import GenerateRequest
     from scheduler.sampling_params import SamplingParams
 
     if page == 64 and "llama" in str(model_dir):

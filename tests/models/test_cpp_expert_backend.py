@@ -24,7 +24,7 @@ from models.loader.gguf_writer import write_gguf
 from models.loader.load import load_model
 from models.loader.raw_blocks import RawBlocks
 from models.synthetic import write_checkpoint
-from scheduler.model_runner import ModelRunner, RequestSlice
+from executor.model_runner import ModelRunner, RequestSlice
 from server.args import parse_serve_args
 
 try:

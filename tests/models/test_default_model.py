@@ -7,7 +7,7 @@ import pytest
 
 from models.builtin import DEFAULT_MODEL, builtin_model_path
 from models.loader.load import load_model
-from scheduler.model_runner import ModelRunner, RequestSlice
+from executor.model_runner import ModelRunner, RequestSlice
 from server.chat_template import render_chat
 
 SYSTEM = "You are a helpful assistant."

@@ -7,7 +7,7 @@ import torch
 
 from models.loader.load import load_model
 from models.mla import MLAAttention
-from scheduler.model_runner import ModelRunner, RequestSlice
+from executor.model_runner import ModelRunner, RequestSlice
 from tests.hf_models import CONFIGS, build_hf_model, hf_greedy
 
 NAMES = sorted(CONFIGS)

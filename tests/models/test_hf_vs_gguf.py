@@ -7,7 +7,7 @@ import torch
 
 from models.loader.load import load_model
 from models.synthetic import write_checkpoint
-from scheduler.model_runner import ModelRunner, RequestSlice
+from executor.model_runner import ModelRunner, RequestSlice
 
 PRESETS = ["tiny-deepseek-v2", "tiny-deepseek-v2-qlora", "tiny-deepseek-v3", "tiny-llama"]
 

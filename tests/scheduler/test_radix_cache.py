@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from scheduler.memory_pool import TokenSlotAllocator
+from executor.memory_pool import TokenSlotAllocator
 from scheduler.radix_cache import NoPrefixCache, PrefixCache, RadixCache, create_prefix_cache
 
 

@@ -26,7 +26,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--port", str(self.port),
+        cmd = [sys.executable, "-m", "mlaserve.cli", "serve", "--model", model, "--port", str(self.port),
                "--log-level", "warning", *args]
         out = open(log, "wb") if log else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=out,

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import server.metrics as metrics_mod
-from scheduler.io_types import ERR_OVERLOADED, FINISH_ABORT, FINISH_ERROR, EngineStats, RequestOutput
+from engine.messages import ERR_OVERLOADED, FINISH_ABORT, FINISH_ERROR, EngineStats, RequestOutput
 from server.metrics import Metrics
 
 MODEL = "smollm2-135m-instruct"

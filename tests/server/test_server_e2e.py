@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from models.loader.load import load_tokenizer
+from models.loader.tokenizer import load_tokenizer
 from models.synthetic import write_checkpoint
 from tests.server.server_process import ServerProcess
 

@@ -38,7 +38,7 @@ def stream_completion(url: str, max_tokens: int, out: dict, key: str,
 
 
 def test_sigterm_drains_in_flight_then_exits_0(model_dir, tmp_path):
-    srv = ServerProcess(str(model_dir), "--shutdown-grace", "300", "--context-length", "4096",
+    srv = ServerProcess(str(model_dir), "--shutdown-timeout", "300", "--context-length", "4096",
                         log=tmp_path / "log").wait_ready()
     out: dict = {}
     started = threading.Event()

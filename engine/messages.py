@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from executor.logprobs import TokenLogprob
+from scheduler.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from scheduler.sampling_params import SamplingParams
 
-# finish_reason values
-FINISH_STOP = "stop"  # EOS or a stop token id (or, later, a stop string found by the server)
-FINISH_LENGTH = "length"  # max_tokens reached or the context is full
-FINISH_ABORT = "abort"  # aborted by the client (disconnect) or by the server
+# finish_reason values are scheduler.request's FINISH_* (imported above); FINISH_ERROR is the engine's own
 FINISH_ERROR = "error"  # the engine could not run it; see `error`
 
 # error codes carried by RequestOutput.error_code
@@ -42,13 +41,6 @@ class AbortRequest:
 @dataclass(frozen=True)
 class StatsRequest:
     request_id: int  # echoed in the reply so concurrent stats calls do not mix
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float  # log_softmax of the model's logits (before any sampling transform)
-    top: list[tuple[int, float]] = field(default_factory=list)  # top_logprobs alternatives, best first
 
 
 @dataclass

@@ -20,8 +20,8 @@ What the server side relies on:
   `EXIT_ENGINE_CRASHED`.
 - The process leaves by itself when the server goes away (EOF on the pipe, or its parent pid
   changes), so a killed server never leaves an engine holding the GPU.
-- SIGINT is ignored here: Ctrl-C reaches the whole process group, and the server decides how to
-  shut the engine down.
+- SIGINT and SIGTERM are ignored here: a signal to the process group (Ctrl-C, systemd, docker stop)
+  reaches this process too, and the server alone decides how to drain and when to shut it down.
 
 The pipe carries Python objects via `multiprocessing.Connection` (pickle under the hood). It is an
 anonymous pipe between a parent and the child it spawned, so nothing untrusted ever reaches it;
@@ -31,6 +31,7 @@ the no-pickle rule is about files read from disk.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import os
 import signal
@@ -39,8 +40,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from scheduler.engine_args import EngineArgs
-from scheduler.io_types import (
+from engine.args import EngineArgs
+from engine.messages import (
     ERR_ENGINE,
     FINISH_ABORT,
     FINISH_ERROR,
@@ -64,7 +65,7 @@ IDLE_POLL_S = 0.5  # while idle, how often to look whether the parent is still t
 
 
 class EngineCoreLike(Protocol):
-    """What the process needs of the core (`scheduler.engine_core.EngineCore`, or a test double)."""
+    """What the process needs of the core (`engine.core.EngineCore`, or a test double)."""
 
     def add_request(self, req: GenerateRequest) -> list[RequestOutput]: ...
     def abort(self, rid: str) -> list[RequestOutput]: ...
@@ -77,11 +78,15 @@ class EngineCoreLike(Protocol):
 CoreFactory = Callable[[EngineArgs], EngineCoreLike]
 
 
-def default_core_factory(args: EngineArgs) -> EngineCoreLike:
-    """The real core, imported here so that the client side never imports torch or the model code."""
-    from scheduler.engine_core import EngineCore
+DEFAULT_CORE = "engine.core:EngineCore"  # imported by name, in the engine process only
 
-    return EngineCore(args)
+
+def default_core_factory(args: EngineArgs) -> EngineCoreLike:
+    """The real core. The server side imports this module to spawn the process, and must never load
+    torch or the model code (an import-linter contract says so), so the core is imported by name
+    here, in the child, rather than by an import statement."""
+    module, _, name = DEFAULT_CORE.partition(":")
+    return getattr(importlib.import_module(module), name)(args)
 
 
 def run_engine_process(args: EngineArgs, conn: Any, core_factory: CoreFactory | None = None) -> None:
@@ -102,7 +107,12 @@ def run_engine_process(args: EngineArgs, conn: Any, core_factory: CoreFactory | 
 
 
 def _setup_child_process() -> None:
+    # Ctrl-C, `kill -TERM -- -<pgid>`, systemd's control-group kill and `docker stop` through an init
+    # signal the whole process group. The server coordinates the drain and then sends SHUTDOWN, so
+    # the engine ignores both signals: running requests finish instead of dying with the child.
+    # (SIGKILL of the server still ends this process: EOF on the pipe / the parent pid changes.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if not logging.getLogger().handlers:  # a spawned child starts with no logging configured
         logging.basicConfig(
             level=logging.INFO,

@@ -43,16 +43,14 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
+from executor.forward_batch import ForwardBatch, ForwardMode
+from executor.memory_pool import KVPool, ReqToTokenPool
 from kernels.attention.base import AttentionBackend
 from models.moe import ExpertBackend, host_steps
-from scheduler.forward_batch import ForwardBatch, ForwardMode
-
-if TYPE_CHECKING:
-    from scheduler.model_runner import ModelRunner
 
 logger = logging.getLogger("mlaserve.cuda_graph")
 
@@ -189,10 +187,22 @@ def graph_off_reason(model: torch.nn.Module, backend: AttentionBackend, device: 
     return None
 
 
+class GraphedRunner(Protocol):
+    """What graph capture needs of the model runner (`executor.model_runner.ModelRunner`, which owns
+    and calls this module; typed structurally so the two do not import each other)."""
+
+    model: torch.nn.Module
+    attn_backend: AttentionBackend
+    req_to_token_pool: ReqToTokenPool
+    kv_pool: KVPool
+    max_context_len: int
+    device: torch.device
+
+
 class CudaGraphRunner:
     """Captured decode forwards of one `ModelRunner`, one graph per padded batch size."""
 
-    def __init__(self, runner: ModelRunner, max_bs: int, capture: GraphCapture) -> None:
+    def __init__(self, runner: GraphedRunner, max_bs: int, capture: GraphCapture) -> None:
         self.batch_sizes = capture_batch_sizes(max_bs)
         if not self.batch_sizes:
             raise ValueError(f"CUDA graphs need max_bs >= 1, got {max_bs}")
@@ -304,7 +314,7 @@ class CudaGraphRunner:
             raise RuntimeError(f"the CPU routed experts failed during a decode graph replay: {errors[0]}")
 
 
-def capture_if_supported(runner: ModelRunner, max_bs: int, hybrid_mode: str = "host-nodes") -> CudaGraphRunner | None:
+def capture_if_supported(runner: GraphedRunner, max_bs: int, hybrid_mode: str = "host-nodes") -> CudaGraphRunner | None:
     """The runner's captured decode graphs, or None (with one log line saying why) where they cannot
     work. `hybrid_mode` (HYBRID_GRAPH_MODES) says how CPU experts enter them."""
     if hybrid_mode not in HYBRID_GRAPH_MODES:

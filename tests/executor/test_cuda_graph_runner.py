@@ -26,15 +26,15 @@ from kernels.attention.torch_backend import TorchAttentionBackend, _Metadata
 from models.config import DeepseekConfig
 from models.loader.load import load_model
 from models.synthetic import write_checkpoint
-from scheduler.cuda_graph_runner import (
+from executor.cuda_graph_runner import (
     CudaGraphRunner,
     SplitGraph,
     capture_batch_sizes,
     graph_off_reason,
     padded_batch_size,
 )
-from scheduler.forward_batch import ForwardBatch
-from scheduler.model_runner import ModelRunner, RequestSlice
+from executor.forward_batch import ForwardBatch
+from executor.model_runner import ModelRunner, RequestSlice
 
 MODELS = ["tiny-llama", "tiny-deepseek-v3"]
 MAX_CONTEXT = 64
@@ -449,7 +449,7 @@ def test_failed_capture_falls_back_to_eager_and_says_so(model, monkeypatch, capl
     import contextlib
     import logging
 
-    import scheduler.cuda_graph_runner as cgr
+    import executor.cuda_graph_runner as cgr
 
     class Refused:
         def __init__(self, device: torch.device) -> None:
@@ -459,7 +459,7 @@ def test_failed_capture_falls_back_to_eager_and_says_so(model, monkeypatch, capl
             raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(cgr, "graph_off_reason", lambda *a, **k: None)
-    monkeypatch.setattr("scheduler.model_runner.create_attention_backend", lambda name: HookedTorchBackend())
+    monkeypatch.setattr("executor.model_runner.create_attention_backend", lambda name: HookedTorchBackend())
     monkeypatch.setattr(cgr, "CudaGraphCapture", Refused)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)

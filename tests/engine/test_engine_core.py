@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from models.synthetic import write_checkpoint
-from scheduler.engine_args import EngineArgs
-from scheduler.engine_core import EngineCore
-from scheduler.io_types import (
+from engine.args import EngineArgs
+from engine.core import EngineCore
+from engine.messages import (
     ERR_CONTEXT,
     ERR_INVALID,
     ERR_OVERLOADED,
@@ -242,7 +242,7 @@ def test_prompt_logprobs_equal_log_softmax_of_full_prefill(model_dir):
     """Prompt scoring (echo + logprobs): each prompt token's logprob under the model, also when the
     prompt is prefilled in chunks and another request shares the batch; max_tokens 0 generates nothing."""
     from models.loader.load import load_model
-    from scheduler.model_runner import ModelRunner, RequestSlice
+    from executor.model_runner import ModelRunner, RequestSlice
 
     ids = prompt(41, 55)
     loaded = load_model(model_dir, dtype="float32", load_tokenizer=False, progress=False)

@@ -21,7 +21,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from scheduler.sampler import Sampler, SamplingRow, apply_logit_processors, noise_seed
+from executor.sampler import Sampler, SamplingRow, apply_logit_processors, noise_seed
 from scheduler.sampling_params import SamplingParams
 
 EOS = 3

@@ -12,28 +12,19 @@ kernel from `forward_mode`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import IntEnum, auto
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from kernels.attention.base import AttentionBackend
-    from scheduler.memory_pool import KVPool, ReqToTokenPool
+from executor.memory_pool import KVPool, ReqToTokenPool
+from kernels.attention.base import AttentionBackend, ForwardMode
 
-
-class ForwardMode(IntEnum):
-    EXTEND = auto()  # prefill or extend: any number of new tokens per request, maybe with a cached prefix
-    DECODE = auto()  # exactly one new token per request
-    MIXED = auto()  # extend requests and decode requests in one batch (decode ones have extend_seq_len 1)
-    IDLE = auto()  # no tokens (keeps collective ops in step on multi-device setups)
-
-    def is_decode(self) -> bool:
-        return self == ForwardMode.DECODE
+__all__ = ["ForwardBatch", "ForwardMode"]
 
 
 @dataclass
 class ForwardBatch:
+    """Implements `kernels.attention.base.ForwardBatch`, the protocol the kernels and models read."""
+
     forward_mode: ForwardMode
     batch_size: int
     input_ids: torch.Tensor  # [T] int64

@@ -16,8 +16,8 @@ import torch
 
 from models.config import DeepseekConfig, ModelConfig
 from models.loader.load import load_model, resolve_dtype
-from scheduler.engine_args import EngineArgs
-from scheduler.io_types import (
+from engine.args import EngineArgs
+from engine.messages import (
     ERR_CONTEXT,
     ERR_INVALID,
     ERR_OVERLOADED,
@@ -26,10 +26,10 @@ from scheduler.io_types import (
     GenerateRequest,
     RequestOutput,
 )
-from scheduler.model_runner import ModelRunner
+from executor.model_runner import ModelRunner
 from scheduler.radix_cache import create_prefix_cache
 from scheduler.request import Req
-from scheduler.sampler import Sampler
+from executor.sampler import Sampler
 from scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("mlaserve.engine")
@@ -148,8 +148,16 @@ class EngineCore:
             )
         if len(ids) + 1 > self.runner.allocator.num_slots:
             return ERR_CONTEXT, f"the prompt ({len(ids)} tokens) does not fit in the KV cache ({self.runner.allocator.num_slots} slots)"
-        if len(self.scheduler.waiting) + p.n > self.args.max_queued_requests:
-            return ERR_OVERLOADED, f"the server is overloaded ({len(self.scheduler.waiting)} requests queued); retry later"
+        # Admission: up to max_running_requests completions run and max_queued_requests more wait; a
+        # request counts as its n completions, wherever they are now (both queues are checked, so a
+        # burst that arrives before the next step is admitted exactly as a steady stream would be).
+        admitted = len(self.scheduler.running) + len(self.scheduler.waiting)
+        capacity = self.args.max_running_requests + self.args.max_queued_requests
+        if admitted + p.n > capacity:
+            return ERR_OVERLOADED, (
+                f"the server is overloaded ({len(self.scheduler.running)} running, {len(self.scheduler.waiting)} "
+                f"queued; --max-running-requests {self.args.max_running_requests}, --max-queued-requests "
+                f"{self.args.max_queued_requests}); retry later")
         return None
 
     def abort(self, rid: str) -> list[RequestOutput]:

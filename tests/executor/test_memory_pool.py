@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from scheduler.memory_pool import ReqToTokenPool, TokenSlotAllocator
+from executor.memory_pool import ReqToTokenPool, TokenSlotAllocator
 
 
 def test_req_to_token_rows_and_reserved_row_zero():

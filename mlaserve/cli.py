@@ -24,7 +24,7 @@ def _generate(argv: list[str]) -> int:
     args = p.parse_args(argv)
 
     from models.loader.load import load_model
-    from scheduler.model_runner import ModelRunner
+    from executor.model_runner import ModelRunner
     from server.chat_template import render_chat
 
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)

@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, AsyncIterator
 
-from scheduler.engine_args import EngineArgs
-from scheduler.engine_process import SHUTDOWN, CoreFactory, run_engine_process
-from scheduler.io_types import (
+from engine.args import EngineArgs
+from engine.process import SHUTDOWN, CoreFactory, run_engine_process
+from engine.messages import (
     ERR_ENGINE,
     FINISH_ERROR,
     AbortRequest,

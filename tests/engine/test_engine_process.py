@@ -19,10 +19,10 @@ import time
 
 import pytest
 
-from scheduler.engine_args import EngineArgs
-from scheduler.engine_client import EngineClient
-from scheduler.engine_process import EXIT_ENGINE_CRASHED, EXIT_OK, EXIT_PARENT_GONE, run_engine_process
-from scheduler.io_types import (
+from engine.args import EngineArgs
+from engine.client import EngineClient
+from engine.process import EXIT_ENGINE_CRASHED, EXIT_OK, EXIT_PARENT_GONE, run_engine_process
+from engine.messages import (
     ERR_ENGINE,
     ERR_OVERLOADED,
     FINISH_ABORT,

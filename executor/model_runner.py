@@ -16,9 +16,9 @@ import torch
 from kernels.attention import create_attention_backend
 from models.base import CausalLM
 from models.config import DeepseekConfig, ModelConfig
-from scheduler.cuda_graph_runner import CudaGraphRunner, capture_if_supported
-from scheduler.forward_batch import ForwardBatch, ForwardMode
-from scheduler.memory_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool, TokenSlotAllocator
+from executor.cuda_graph_runner import CudaGraphRunner, capture_if_supported
+from executor.forward_batch import ForwardBatch, ForwardMode
+from executor.memory_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool, TokenSlotAllocator
 
 
 class OutOfKVSlots(RuntimeError):

@@ -31,11 +31,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from scheduler.io_types import TokenLogprob
-from scheduler.sampling_params import SamplingParams
+from executor.logprobs import TokenLogprob
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio, SplitMix64's increment
@@ -44,11 +44,43 @@ _GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio, SplitMix64's increment
 _MIN_TEMPERATURE = 1e-5
 
 
+class SamplingKnobs(Protocol):
+    """What the sampler reads of a request's sampling parameters (`scheduler.sampling_params.SamplingParams`
+    is the one implementation; the executor does not import the scheduler above it)."""
+
+    @property
+    def greedy(self) -> bool: ...
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def min_p(self) -> float: ...
+    @property
+    def repetition_penalty(self) -> float: ...
+    @property
+    def presence_penalty(self) -> float: ...
+    @property
+    def frequency_penalty(self) -> float: ...
+    @property
+    def logit_bias(self) -> dict[int, float]: ...
+    @property
+    def min_tokens(self) -> int: ...
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]: ...
+    @property
+    def logprobs(self) -> bool: ...
+    @property
+    def top_logprobs(self) -> int: ...
+
+
 @dataclass
 class SamplingRow:
     """One request that needs its next token this step."""
 
-    params: SamplingParams
+    params: SamplingKnobs
     seed: int  # the request's seed (the engine assigns one when params.seed is None)
     step: int  # index of the token being sampled within this completion (0 for the first)
     prompt_ids: Sequence[int]

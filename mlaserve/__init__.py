@@ -1,0 +1,1 @@
+"""mlaserve's command line (`mlaserve serve | generate | make-checkpoint`): the top of the layers."""

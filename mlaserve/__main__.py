@@ -1,0 +1,5 @@
+import sys
+
+from mlaserve.cli import main
+
+sys.exit(main())

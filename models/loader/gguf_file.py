@@ -1,0 +1,183 @@
+"""The GGUF container, read safely: header, metadata and tensor infos, with no tensor decoded.
+
+Every count, length and offset in the file is treated as hostile: checked against the bytes that
+remain before anything is allocated or sliced, so a bad file fails with a `CheckpointError` naming
+the file and the field. Free of torch on purpose: the HTTP server reads a GGUF's tokenizer through
+this module without loading the model stack (`models.loader.gguf_loader` decodes the tensors).
+
+File layout (GGUF v2/v3, little-endian): magic ``GGUF``, u32 version, u64 tensor count, u64 KV
+count; KV pairs (string key, u32 type, value); tensor infos (string name, u32 n_dims, n_dims × u64
+ne, u32 ggml type, u64 offset); padding to ``general.alignment`` (default 32); tensor data.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from models.loader.errors import CheckpointError
+
+_MAGIC = b"GGUF"
+_SUPPORTED_VERSIONS = (2, 3)
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_MAX_ARRAY_DEPTH = 3
+# GGUF value types: scalar code -> struct format.
+_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_SCALAR_NP = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
+_STRING, _ARRAY, _FLOAT32, _BOOL = 8, 9, 6, 7
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]  # numpy order: ggml ne reversed
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+
+class _Cursor:
+    """Sequential little-endian reads from the mapped file; running past the end is a CheckpointError."""
+
+    def __init__(self, buf: mmap.mmap, path: Path) -> None:
+        self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
+
+    def fail(self, what: str) -> CheckpointError:
+        return CheckpointError(self.path, what)
+
+    def take(self, n: int, what: str) -> memoryview:
+        if n < 0 or self.pos + n > self.size:
+            raise self.fail(
+                f"file is truncated: {what} needs {n} bytes at offset {self.pos}, file size is {self.size}"
+            )
+        view = memoryview(self.buf)[self.pos : self.pos + n]
+        self.pos += n
+        return view
+
+    def scalar(self, code: int, what: str) -> Any:
+        fmt = _SCALAR_FMT[code]
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
+
+    def string(self, what: str) -> str:
+        raw = self.take(self.scalar(10, f"length of {what}"), what)
+        try:
+            return str(raw, "utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} is not valid UTF-8") from None
+
+    def value(self, vtype: int, what: str, depth: int = 0) -> Any:
+        if vtype == _STRING:
+            return self.string(what)
+        if vtype == _FLOAT32:
+            # Shortest decimal that round-trips in float32: 1e-6 stays 1e-6, not 9.99999997e-07.
+            return f32_round(self.scalar(vtype, what))
+        if vtype in _SCALAR_FMT:
+            return self.scalar(vtype, what)
+        if vtype != _ARRAY:
+            raise self.fail(f"{what} has unknown GGUF value type {vtype}")
+        if depth >= _MAX_ARRAY_DEPTH:
+            raise self.fail(f"{what}: arrays nested deeper than {_MAX_ARRAY_DEPTH}")
+        etype = self.scalar(4, f"element type of {what}")
+        count = self.scalar(10, f"length of {what}")
+        if etype in _SCALAR_NP:
+            dt = np.dtype(_SCALAR_NP[etype])
+            data = np.frombuffer(self.take(count * dt.itemsize, f"{count} elements of {what}"), dtype=dt)
+            return data.astype(bool).tolist() if etype == _BOOL else data.tolist()
+        if etype not in (_STRING, _ARRAY):
+            raise self.fail(f"{what} has unknown GGUF array element type {etype}")
+        if count * 8 > self.size - self.pos:  # every string or array element takes at least 8 bytes
+            raise self.fail(f"file is truncated: {what} claims {count} elements, more than the file can hold")
+        return [self.value(etype, f"{what}[{i}]", depth + 1) for i in range(count)]
+
+
+def parse_gguf(buf: mmap.mmap, path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
+    """Header, metadata and tensor infos, every offset and size checked against the file."""
+    cur = _Cursor(buf, path)
+    if bytes(cur.take(4, "magic")) != _MAGIC:
+        raise CheckpointError(path, f"not a GGUF file (magic {bytes(buf[:4])!r}, expected {_MAGIC!r})")
+    version = cur.scalar(4, "version")
+    if version not in _SUPPORTED_VERSIONS:
+        hint = " (big-endian files are not supported)" if version & 0xFFFF == 0 else ""
+        raise CheckpointError(path, f"unsupported GGUF version {version}{hint} (supported: 2, 3)")
+    num_tensors = cur.scalar(10, "tensor count")
+    num_kv = cur.scalar(10, "metadata count")
+    metadata: dict[str, Any] = {}
+    for i in range(num_kv):
+        key = cur.string(f"key of metadata entry {i}")
+        if key in metadata:
+            raise CheckpointError(path, f"metadata key '{key}' appears twice")
+        metadata[key] = cur.value(cur.scalar(4, f"type of metadata key '{key}'"), f"metadata key '{key}'")
+    alignment = metadata.get("general.alignment", 32)
+    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
+        raise CheckpointError(path, f"metadata key 'general.alignment' must be a power of two, got {alignment!r}")
+    raw_infos = []
+    for i in range(num_tensors):
+        name = cur.string(f"name of tensor {i}")
+        n_dims = cur.scalar(4, f"tensor '{name}': number of dimensions")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise CheckpointError(path, f"tensor '{name}': {n_dims} dimensions (expected 1..{_MAX_DIMS})")
+        ne = [cur.scalar(10, f"tensor '{name}': dimension {d}") for d in range(n_dims)]
+        type_code = cur.scalar(4, f"tensor '{name}': type")
+        offset = cur.scalar(10, f"tensor '{name}': offset")
+        raw_infos.append((name, ne, type_code, offset))
+    data_start = -(-cur.pos // alignment) * alignment
+    infos: dict[str, TensorInfo] = {}
+    for name, ne, type_code, offset in raw_infos:
+        if name in infos:
+            raise CheckpointError(path, f"tensor '{name}' appears twice")
+        try:
+            qtype = GGMLQuantizationType(type_code)
+        except ValueError:
+            raise CheckpointError(path, f"tensor '{name}': unknown ggml type {type_code}") from None
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if ne[0] % block:
+            raise CheckpointError(
+                path, f"tensor '{name}': row length {ne[0]} is not a multiple of the {qtype.name} block size {block}"
+            )
+        nbytes = math.prod(ne) // block * type_size
+        if offset % alignment:
+            raise CheckpointError(path, f"tensor '{name}': offset {offset} is not a multiple of the alignment {alignment}")
+        start = data_start + offset
+        if start + nbytes > cur.size:
+            raise CheckpointError(
+                path,
+                f"tensor '{name}': data runs past the end of the file "
+                f"(offset {start} + {nbytes} bytes > file size {cur.size})",
+            )
+        infos[name] = TensorInfo(name, qtype, tuple(reversed(ne)), start, nbytes)
+    return metadata, infos
+
+
+def f32_round(x: float) -> float:
+    """The shortest decimal with the same float32 value: GGUF stores settings as float32, and this
+    turns 9.99999997e-07 back into the 1e-06 that was written."""
+    return float(str(np.float32(x)))
+
+
+def map_gguf(path: Path) -> mmap.mmap:
+    """The file memory-mapped read-only; a missing, unreadable or too-short file is a CheckpointError."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            if size < 24:
+                raise CheckpointError(path, f"file is truncated: {size} bytes is too short for a GGUF header")
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+        raise CheckpointError(path, f"cannot open: {e.strerror or e}") from None
+
+
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """Only the metadata of a GGUF file (validated as `parse_gguf` does); the mapping is closed after."""
+    path = Path(path)
+    buf = map_gguf(path)
+    try:
+        return parse_gguf(buf, path)[0]
+    finally:
+        buf.close()

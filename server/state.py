@@ -1,0 +1,50 @@
+"""`ServerState`: what the HTTP side knows of the engine and itself; `error_response`: OpenAI's error shape.
+
+Kept apart from `app` so that the routes (`serving`) and serializers (`responses`) can use them
+without importing the application that registers them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from fastapi.responses import JSONResponse
+
+from engine.client import EngineClient
+from models.loader.tokenizer import TokenizerBundle
+from server.metrics import Metrics
+from server.protocol import error_body
+
+
+@dataclass
+class ServerState:
+    model_name: str  # the id clients use in `model`
+    metrics: Metrics
+    api_key: str | None = None
+    # set once the engine is up (None while loading)
+    engine: EngineClient | None = None
+    tokenizer: TokenizerBundle | None = None
+    context_length: int = 0
+    vocab_size: int = 0
+    start_error: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    shutting_down: bool = False
+    inflight: int = 0  # generation requests not yet answered in full (the drain waits for them)
+
+    def unavailable(self) -> JSONResponse | None:
+        """The 503 to answer with when requests cannot be served now, else None."""
+        if self.shutting_down:
+            return error_response(503, "the server is shutting down", "service_unavailable", code="shutting_down")
+        if self.engine is None:
+            return error_response(503, "the model is still loading; retry shortly", "service_unavailable",
+                                  code="loading", headers={"Retry-After": "5"})
+        if not self.engine.is_alive:
+            return error_response(503, "the engine is not running", "service_unavailable", code="engine_dead",
+                                  headers={"Retry-After": "30"})
+        return None
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
