@@ -57,7 +57,8 @@ import torch  # noqa: E402
 from bench_common import bench_device, copy_bandwidth, device_slug, machine_info, print_table, write_result  # noqa: E402
 from models.base import CausalLM  # noqa: E402
 from models.config import DeepseekConfig, config_from_hf_dict  # noqa: E402
-from models.moe import DeepseekMoE, ExpertBackend  # noqa: E402
+from models.experts import ExpertBackend  # noqa: E402
+from models.moe import DeepseekMoE  # noqa: E402
 from models.registry import model_class  # noqa: E402
 from models.synthetic import load_preset, tensor_plan  # noqa: E402
 from executor.cuda_graph_runner import graph_off_reason  # noqa: E402
@@ -393,9 +394,10 @@ def main() -> int:
                                      hybrid_graph_mode="split" if mode == "split" else "host-nodes")
                 if mode != "off" and runner.graph_runner is None:
                     reason = graph_off_reason(model, runner.attn_backend, device, max(args.hybrid_batches),
-                                              split=mode == "split")
+                                              hybrid_mode="split" if mode == "split" else "host-nodes")
                     result["skipped"].append({"hybrid": True, "graphs": mode,
                                               "reason": f"the runner captured no graphs: {reason}"})
+                    runner.close()
                     continue
                 checks[f"hybrid (cpp experts), graphs {mode}"] = check_logits(runner, cfg.vocab_size, args.seed,
                                                                                args.check_steps)
@@ -403,6 +405,7 @@ def main() -> int:
                     row = {"graphs": mode, **decode_run(runner, b, args, cfg.vocab_size, args.seed + b, count_hits=True)}
                     add_floor(row, hwb, row["experts_hit_per_layer"], cfg, hbm_bw, cpu_bw)
                     result["hybrid"].append(row)
+                runner.close()  # its CPU-expert pool: the next mode's runner makes its own
                 del runner
                 release_memory()
             del model

@@ -124,10 +124,11 @@ def main() -> None:
     w_gate = torch.randn(E, I, H, generator=g).div_(H**0.5).bfloat16()
     w_up = torch.randn(E, I, H, generator=g).div_(H**0.5).bfloat16()
     w_down = torch.randn(E, H, I, generator=g).div_(I**0.5).bfloat16()
-    ops = {"bf16": cpp_experts.MoE(E, K, H, I, "bf16", num_threads=args.threads)}
+    pool = cpp_experts.WorkerPool(args.threads)
+    ops = {"bf16": cpp_experts.MoE(E, K, H, I, "bf16", pool=pool)}
     for e in range(E):
         ops["bf16"].load_expert(e, w_gate[e], w_up[e], w_down[e])
-    ops["q8_0"] = cpp_experts.MoE(E, K, H, I, "q8_0", num_threads=args.threads)
+    ops["q8_0"] = cpp_experts.MoE(E, K, H, I, "q8_0", pool=pool)
     for e in range(E):
         ops["q8_0"].load_expert(e, q8_blocks(I, H, g), q8_blocks(I, H, g), q8_blocks(H, I, g))
     for op in ops.values():
@@ -161,7 +162,8 @@ def main() -> None:
         print(json.dumps(row))
         results.append(row)
 
-    del ops  # free our weights before the peer loads its own copy
+    del ops  # free our weights and threads before the peer loads its own copy
+    pool.close()
     kt = kt_kernel_peer(args.kt_python, args.threads, args.repeats, routing)
     if isinstance(kt, dict):
         for row in results:

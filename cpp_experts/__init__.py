@@ -6,6 +6,10 @@ while the routed ones compute (`submit` / `sync`). Every entry point checks dtyp
 contiguity, rank and sizes here and raises ValueError / TypeError; the native layer checks what
 needs a pass over the data (expert ids in range, finite routing weights and weight scales).
 
+Two objects with two owners: a `MoE` operator holds one layer's packed expert weights (made while
+the model loads); a `WorkerPool` holds the threads operators compute on (made and closed by whoever
+runs the model). `MoE.bind(pool)` joins them; there is no process-wide pool.
+
 `MLASERVE_CPP_EXPERTS_KERNEL` (`amx`, `avx512`, `portable`) forces a code path;
 `MLASERVE_CPP_EXPERTS_THREADS` sets the default thread count; `MLASERVE_CPP_EXPERTS_PIN=1` pins
 workers to the process's CPUs.
@@ -45,7 +49,7 @@ except ImportError as exc:  # pragma: no cover - only on a broken install
         "cpp_experts._C is not built: reinstall the project (`pip install -e .`) with a C++17 compiler"
     ) from exc
 
-__all__ = ["MoE", "HostTask", "info", "cuda_host_launch_error", "FORMATS", "BLOCK_BYTES"]
+__all__ = ["MoE", "WorkerPool", "HostTask", "info", "cuda_host_launch_error", "FORMATS", "BLOCK_BYTES"]
 
 FORMATS = ("bf16", "q8_0", "q4_0")
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}  # bytes per 32 values in a GGUF block
@@ -91,8 +95,44 @@ def _check_tensor(name: str, t: object, rank: int) -> torch.Tensor:
     return t
 
 
+class WorkerPool:
+    """Worker threads that bound operators compute on (calls from several operators take turns).
+
+    `num_threads`: default `MLASERVE_CPP_EXPERTS_THREADS`, else the CPUs this process may run on;
+    `pin` (default `MLASERVE_CPP_EXPERTS_PIN=1`) pins each worker to one of those CPUs. `close()`
+    joins the threads; operators still bound to a closed pool refuse to run.
+    """
+
+    def __init__(self, num_threads: int | None = None, pin: bool | None = None) -> None:
+        if num_threads is not None and (not isinstance(num_threads, int) or isinstance(num_threads, bool)
+                                        or num_threads <= 0):
+            raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
+        if pin is None:
+            pin = os.environ.get("MLASERVE_CPP_EXPERTS_PIN", "") == "1"
+        self._pool = _C.Pool(num_threads or int(_C.info()["default_threads"]), bool(pin))
+
+    @property
+    def num_threads(self) -> int:
+        return int(self._pool.threads)
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._pool.closed)
+
+    def close(self) -> None:
+        """Joins the worker threads (after the call under way, if any); idempotent."""
+        self._pool.close()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class MoE:
-    """Routed experts (SiLU-gated MLPs) with weights packed once for the chosen kernels."""
+    """Routed experts (SiLU-gated MLPs) with weights packed once for the chosen kernels. Computing
+    needs a `WorkerPool`: given here or later to `bind`."""
 
     def __init__(
         self,
@@ -101,8 +141,8 @@ class MoE:
         hidden_size: int,
         intermediate_size: int,
         weight_format: str = "bf16",
-        num_threads: int | None = None,
         kernel: str | None = None,
+        pool: WorkerPool | None = None,
     ) -> None:
         for name, v in (("num_experts", num_experts), ("top_k", top_k), ("hidden_size", hidden_size),
                         ("intermediate_size", intermediate_size)):
@@ -110,17 +150,31 @@ class MoE:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if weight_format not in FORMATS:
             raise ValueError(f"weight_format must be one of {FORMATS}, got {weight_format!r}")
-        if num_threads is not None and (not isinstance(num_threads, int) or num_threads <= 0):
-            raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
         kernel = kernel if kernel is not None else _forced()
         if kernel is not None and kernel not in _KERNELS + ("auto",):
             raise ValueError(f"kernel must be one of {_KERNELS} (or MLASERVE_CPP_EXPERTS_KERNEL unset), got {kernel!r}")
         self.num_experts, self.top_k = num_experts, top_k
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.weight_format = weight_format
-        self._op = _C.MoE(num_experts, top_k, hidden_size, intermediate_size, weight_format,
-                          num_threads or 0, kernel or "")
+        self._op = _C.MoE(num_experts, top_k, hidden_size, intermediate_size, weight_format, kernel or "")
         self._pending: tuple | None = None
+        self.pool: WorkerPool | None = None
+        if pool is not None:
+            self.bind(pool)
+
+    def bind(self, pool: WorkerPool) -> None:
+        """Computes on `pool` from now on (after a pending submit completes)."""
+        if not isinstance(pool, WorkerPool):
+            raise TypeError(f"pool must be a cpp_experts.WorkerPool, got {type(pool).__name__}")
+        self._op.bind(pool._pool)
+        self.pool = pool
+
+    def unbind(self) -> None:
+        """Lets the pool go: waits for a pending submit, ends this operator's driver thread."""
+        if self._pending is not None:
+            self.sync()
+        self._op.unbind()
+        self.pool = None
 
     @property
     def memory_bytes(self) -> int:
@@ -129,6 +183,7 @@ class MoE:
 
     @property
     def num_threads(self) -> int:
+        """Threads of the bound pool (0 when unbound)."""
         return int(self._op.threads)
 
     @property
@@ -285,8 +340,6 @@ class HostTask:
                  out: torch.Tensor) -> None:
         bf = hidden.dtype == torch.bfloat16
         self.tensors = (hidden, topk_ids, topk_weights, out)  # the native task holds their addresses
-        self.moe = moe
-        self.tokens = hidden.shape[0]
         self._task = _C.HostTask(moe._op, hidden.data_ptr(), bf, hidden.shape[0], topk_ids.data_ptr(),
                                  topk_weights.data_ptr(), out.data_ptr(), bf, out.numel() * out.element_size())
         self._submit_fn, self._sync_fn = _C.host_functions()

@@ -1,4 +1,4 @@
-"""Decode through captured CUDA graphs (DESIGN.md §4).
+"""Decode through captured CUDA graphs (docs/architecture.md §4).
 
 A decode step of a small batch is launch-bound: hundreds of small kernels whose launches cost more
 than their work. A CUDA graph records the whole decode forward once per padded batch size and
@@ -21,18 +21,24 @@ a batch runs padded to the smallest captured size that holds it. Larger batches,
 non-decode forward, run eagerly. Sampling is not captured: it runs on the returned logits, so
 seeded sampling is the same with and without graphs.
 
-Hybrid placement (`--expert-backend cpp` on a CUDA device) is captured too, in one of two ways
-(`--hybrid-graph-mode`):
+How the forward is captured is read off the `GraphSupport` of the attention backend and of every
+routed-expert backend (`kernels.graph_support`), by `plan_decode_graphs`:
 
-* `host-nodes` (default): the CPU experts enter the graph as host nodes (`cpp_experts.HostTask`,
-  see `models.moe.CppExperts`), with pinned staging that `prepare_cuda_graph` reserves before the
-  first capture; one graph launch per step, no Python per layer. Such a replay then synchronizes
-  the stream, so that a failure in the host work is raised for its own batch.
-* `split`: `SplitCudaGraphCapture` cuts the forward into graph pieces where the experts hand over
-  host work (`models.moe.host_steps`) and runs that work eagerly between the pieces' replays: two
-  host steps and three pieces per MoE layer, no host function on a driver thread.
+* `capture`: every part is device work only; one plain capture.
+* hybrid placement (`--expert-backend cpp` on a CUDA device): the CPU experts do host work, which
+  enters the graph as `--hybrid-graph-mode` says:
+  * `host-nodes` (default): as host nodes (`cpp_experts.HostTask`, see `models.experts.host_calls`),
+    with pinned staging reserved by `prepare_cuda_graph` before the first capture; one graph launch
+    per step, no Python per layer. Such a replay then synchronizes the stream, so that a failure in
+    the host work is raised for its own batch.
+  * `split`: `SplitCudaGraphCapture` cuts the forward into graph pieces where the experts hand over
+    host work (its `host_step`) and runs that work eagerly between the pieces' replays: two host
+    steps and three pieces per MoE layer, no host function on a driver thread.
+* otherwise graphs are off, and the log says which part cannot be captured and why.
 
-`bench/model_decode_gpu.py --hybrid` times both against eager decode.
+Before capturing, the runner asks each expert backend to prepare for that mode; what a backend
+returns (its host tasks, say) the runner keeps as long as its graphs.
+`bench/model_decode_gpu.py --hybrid` times both hybrid modes against eager decode.
 
 The capture mechanism is injected (`GraphCapture`): `CudaGraphCapture` in production; CPU tests pass
 a stand-in whose replay re-runs the forward on the static buffers.
@@ -42,20 +48,21 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Iterable
+from typing import NamedTuple, Protocol
 
 import torch
 
 from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.memory_pool import KVPool, ReqToTokenPool
 from kernels.attention.base import AttentionBackend
-from models.moe import ExpertBackend, host_steps
+from kernels.graph_support import CapturedHostWork, GraphMode, GraphSupport, HostStep
+from models.experts import ExpertBackend
 
 logger = logging.getLogger("mlaserve.cuda_graph")
 
 
-HYBRID_GRAPH_MODES = ("host-nodes", "split")
+HYBRID_GRAPH_MODES = (GraphMode.HOST_NODES.value, GraphMode.SPLIT.value)
 
 
 def capture_batch_sizes(max_bs: int) -> list[int]:
@@ -82,12 +89,11 @@ class GraphCapture(Protocol):
 
 
 class CudaGraphCapture:
-    """`torch.cuda.graph` capture. Every graph shares one memory pool: sizes are captured largest
-    first and the smaller ones reuse its intermediate memory (graphs replay one at a time, on one
-    stream, so they never need it at once)."""
+    """`torch.cuda.graph` capture (modes CAPTURE and HOST_NODES). Every graph shares one memory
+    pool: sizes are captured largest first and the smaller ones reuse its intermediate memory (graphs
+    replay one at a time, on one stream, so they never need it at once)."""
 
     warmup_runs = 2
-    splits_host_work = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -127,64 +133,101 @@ class SplitGraph:
 
 
 class SplitCudaGraphCapture(CudaGraphCapture):
-    """Captures a forward as graph pieces cut where a backend hands over host work (`host_steps`):
+    """Captures a forward as graph pieces cut where a backend hands over host work (`host_step`):
     the piece so far ends, is replayed at once (a capture records without running, and the host
     step needs the piece's real outputs), the step runs, the next piece begins. All pieces share the
     pool; tensors a step reads or writes stay referenced by it, so their memory is never reused."""
 
-    splits_host_work = True
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self._pieces: list[torch.cuda.CUDAGraph] | None = None  # of the capture under way
+        self._steps: list[Callable[[], None]] = []
+        self._open: torch.cuda.CUDAGraph | None = None
+
+    def _begin(self) -> None:
+        self._open = torch.cuda.CUDAGraph()
+        self._open.capture_begin(pool=self.pool)
+
+    def _end(self) -> torch.cuda.CUDAGraph:
+        assert self._pieces is not None and self._open is not None
+        graph, self._open = self._open, None
+        graph.capture_end()
+        self._pieces.append(graph)
+        return graph
+
+    def host_step(self, fn: Callable[[], None]) -> None:
+        if self._pieces is None:
+            raise RuntimeError("a host step outside a split capture")
+        self._end().replay()
+        fn()
+        self._steps.append(fn)
+        self._begin()
 
     def __call__(self, run: Callable[[], torch.Tensor]) -> tuple[CapturedGraph, torch.Tensor]:
         self._warm_up(run)
-        pieces: list[torch.cuda.CUDAGraph] = []
-        steps: list[Callable[[], None]] = []
-        current: list[torch.cuda.CUDAGraph] = []
-
-        def begin() -> None:
-            graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(pool=self.pool)
-            current.append(graph)
-
-        def host_step(fn: Callable[[], None]) -> None:
-            graph = current.pop()
-            graph.capture_end()
-            pieces.append(graph)
-            graph.replay()
-            fn()
-            steps.append(fn)
-            begin()
-
+        self._pieces, self._steps = [], []
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            begin()
-            try:
-                with host_steps(host_step):
+        try:
+            with torch.cuda.stream(stream):
+                self._begin()
+                try:
                     out = run()
-            finally:
-                if current:
-                    current[-1].capture_end()
-                    pieces.append(current.pop())
+                finally:
+                    if self._open is not None:
+                        self._end()
+            graph = SplitGraph(self._pieces, self._steps)
+        finally:
+            self._pieces = None
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        return SplitGraph(pieces, steps), out
+        return graph, out
+
+
+class GraphPlan(NamedTuple):
+    """How decode is captured (`mode`), or why it is not (`off_reason`)."""
+
+    mode: GraphMode | None
+    off_reason: str | None = None
+
+
+def choose_graph_mode(parts: Iterable[tuple[str, GraphSupport]], hybrid_mode: GraphMode) -> GraphPlan:
+    """CAPTURE when every part is device work only; else `hybrid_mode` (HOST_NODES or SPLIT) when
+    every other part allows it; else off, naming the first part that cannot be captured and why."""
+    mode = GraphMode.CAPTURE
+    for name, support in parts:
+        if support.allows(GraphMode.CAPTURE):
+            continue
+        if not support.allows(hybrid_mode):
+            return GraphPlan(None, f"{name} cannot be captured: {support.reason}")
+        mode = hybrid_mode
+    return GraphPlan(mode)
+
+
+def plan_decode_graphs(model: torch.nn.Module, backend: AttentionBackend, device: torch.device, max_bs: int,
+                       hybrid_mode: str = "host-nodes") -> GraphPlan:
+    """How decode graphs of `model` through `backend` are captured on `device`, from the parts'
+    `graph_support` (`hybrid_mode`: how parts with host work enter them, HYBRID_GRAPH_MODES)."""
+    if hybrid_mode not in HYBRID_GRAPH_MODES:
+        raise ValueError(f"hybrid graph mode must be one of {HYBRID_GRAPH_MODES}, got {hybrid_mode!r}")
+    if device.type != "cuda":
+        return GraphPlan(None, f"the device is {device.type}, not cuda")
+    if max_bs < 1:
+        return GraphPlan(None, f"--cuda-graph-max-bs is {max_bs}")
+    attention = [(f"the {type(backend).__name__} attention backend", backend.graph_support)]
+    experts = [(f"the {type(m).__name__} routed-expert backend", m.graph_support)
+               for m in model.modules() if isinstance(m, ExpertBackend)]
+    hints = ((attention, "--attention-backend triton can"), (attention + experts, "--expert-backend triton can be"))
+    for parts, hint in hints:
+        plan = choose_graph_mode(parts, GraphMode(hybrid_mode))
+        if plan.off_reason is not None:
+            return GraphPlan(None, f"{plan.off_reason} ({hint})")
+    return plan
 
 
 def graph_off_reason(model: torch.nn.Module, backend: AttentionBackend, device: torch.device, max_bs: int,
-                     split: bool = False) -> str | None:
-    """Why decode cannot run through CUDA graphs here, or None when it can (`split`: captures split
-    around host work, which backends with `splits_graph` can do without being `graph_safe`)."""
-    if device.type != "cuda":
-        return f"the device is {device.type}, not cuda"
-    if max_bs < 1:
-        return f"--cuda-graph-max-bs is {max_bs}"
-    if not backend.supports_cuda_graph:
-        return f"the {type(backend).__name__} attention backend cannot be captured (--attention-backend triton can)"
-    unsafe = [m for m in model.modules()
-              if isinstance(m, ExpertBackend) and not (m.graph_safe or (split and m.splits_graph))]
-    if unsafe:
-        return (f"the {type(unsafe[0]).__name__} routed-expert backend cannot be captured: "
-                f"{unsafe[0].graph_unsafe_reason()} (--expert-backend triton can be)")
-    return None
+                     hybrid_mode: str = "host-nodes") -> str | None:
+    """Why decode cannot run through CUDA graphs here, or None when it can."""
+    return plan_decode_graphs(model, backend, device, max_bs, hybrid_mode).off_reason
 
 
 class GraphedRunner(Protocol):
@@ -200,9 +243,16 @@ class GraphedRunner(Protocol):
 
 
 class CudaGraphRunner:
-    """Captured decode forwards of one `ModelRunner`, one graph per padded batch size."""
+    """Captured decode forwards of one `ModelRunner`, one graph per padded batch size, captured in
+    `mode` (from `plan_decode_graphs`). SPLIT needs a capture that can be cut around host work: its
+    `host_step(fn)` (a `kernels.graph_support.HostStep`) is what the expert backends get."""
 
-    def __init__(self, runner: GraphedRunner, max_bs: int, capture: GraphCapture) -> None:
+    def __init__(self, runner: GraphedRunner, max_bs: int, capture: GraphCapture,
+                 mode: GraphMode = GraphMode.CAPTURE) -> None:
+        self.mode = mode
+        self._host_step: HostStep | None = getattr(capture, "host_step", None) if mode is GraphMode.SPLIT else None
+        if mode is GraphMode.SPLIT and self._host_step is None:
+            raise ValueError("a split capture needs a capture mechanism with host_step (SplitCudaGraphCapture)")
         self.batch_sizes = capture_batch_sizes(max_bs)
         if not self.batch_sizes:
             raise ValueError(f"CUDA graphs need max_bs >= 1, got {max_bs}")
@@ -222,10 +272,8 @@ class CudaGraphRunner:
         self.graphs: dict[int, CapturedGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.experts = [m for m in self.model.modules() if isinstance(m, ExpertBackend)]
-        # backends whose graphs run host code (the CPU experts of hybrid placement): a replay waits
-        # for the stream so that a failure there is raised for this batch instead of passing unseen
-        self.host_experts = [] if getattr(capture, "splits_host_work", False) else \
-            [e for e in self.experts if e.host_work_in_graph]
+        # what the expert backends prepared for these graphs (host tasks, ...): kept while they are
+        self.host_work: list[CapturedHostWork] = []
 
     def _static_batch(self, bs: int, seq_lens_cpu: list[int], prefix_lens_cpu: list[int]) -> ForwardBatch:
         """A DECODE batch over the first `bs` rows of the static buffers."""
@@ -257,8 +305,8 @@ class CudaGraphRunner:
     def capture(self) -> None:
         """Records one graph per batch size, largest first (the smaller ones reuse its memory)."""
         self.backend.init_cuda_graph_state(self.max_bs, self.max_context_len, self.device)
-        for experts in self.experts:
-            experts.prepare_cuda_graph(self.max_bs)
+        self.host_work = [w for e in self.experts
+                          if (w := e.prepare_cuda_graph(self.max_bs, self.mode, self._host_step)) is not None]
         self._fill_dummy(0, self.max_bs)
         for bs in reversed(self.batch_sizes):
             batch = self._static_batch(bs, [1] * bs, [0] * bs)
@@ -301,15 +349,16 @@ class CudaGraphRunner:
         )
         self.backend.init_forward_metadata_replay_cuda_graph(static)
         self.graphs[padded].replay()
-        if self.host_experts:
+        if self.mode is GraphMode.HOST_NODES and self.host_work:
             self._raise_host_errors()
         return self.outputs[padded][:bs]
 
     def _raise_host_errors(self) -> None:
-        """Waits for the replay (the sampler would next) and raises what failed in its host work."""
+        """Host nodes run on a driver thread, where a failure cannot raise: waits for the replay (the
+        sampler would next) and raises what failed in its host work, for this batch."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        errors = [e for experts in self.host_experts if (e := experts.replay_error())]
+        errors = [e for work in self.host_work if (e := work.replay_error())]
         if errors:
             raise RuntimeError(f"the CPU routed experts failed during a decode graph replay: {errors[0]}")
 
@@ -317,23 +366,19 @@ class CudaGraphRunner:
 def capture_if_supported(runner: GraphedRunner, max_bs: int, hybrid_mode: str = "host-nodes") -> CudaGraphRunner | None:
     """The runner's captured decode graphs, or None (with one log line saying why) where they cannot
     work. `hybrid_mode` (HYBRID_GRAPH_MODES) says how CPU experts enter them."""
-    if hybrid_mode not in HYBRID_GRAPH_MODES:
-        raise ValueError(f"hybrid graph mode must be one of {HYBRID_GRAPH_MODES}, got {hybrid_mode!r}")
-    split = hybrid_mode == "split" and any(
-        isinstance(m, ExpertBackend) and m.splits_graph for m in runner.model.modules())
-    reason = graph_off_reason(runner.model, runner.attn_backend, runner.device, max_bs, split=split)
-    if reason is not None:
-        logger.info("CUDA graphs off: %s", reason)
+    plan = plan_decode_graphs(runner.model, runner.attn_backend, runner.device, max_bs, hybrid_mode)
+    if plan.mode is None:
+        logger.info("CUDA graphs off: %s", plan.off_reason)
         return None
     with torch.cuda.device(runner.device):
-        capture = (SplitCudaGraphCapture if split else CudaGraphCapture)(runner.device)
-        graph_runner = CudaGraphRunner(runner, max_bs, capture)
+        capture = (SplitCudaGraphCapture if plan.mode is GraphMode.SPLIT else CudaGraphCapture)(runner.device)
+        graph_runner = CudaGraphRunner(runner, max_bs, capture, plan.mode)
         try:
             graph_runner.capture()
         except RuntimeError:  # a capture the driver or PyTorch refuses: serve eagerly, and say so loudly
             logger.exception("CUDA graph capture failed; decode runs eagerly (--disable-cuda-graph skips the "
-                             "attempt%s)", ", --hybrid-graph-mode split avoids host nodes" if graph_runner.host_experts
-                             else "")
+                             "attempt%s)", ", --hybrid-graph-mode split avoids host nodes"
+                             if plan.mode is GraphMode.HOST_NODES else "")
             torch.cuda.synchronize(runner.device)
             return None
     return graph_runner

@@ -1,4 +1,4 @@
-"""The KV memory managers, each with one job (DESIGN.md §3).
+"""The KV memory managers, each with one job (docs/architecture.md §3).
 
 * `ReqToTokenPool`      — int32 table [max_running_requests + 1, max_context_len]: row = request slot,
                           column = token position, value = KV slot index. Row 0 is reserved (padding

@@ -1,9 +1,11 @@
 """The model runner: turns "these requests get these new tokens" into a `ForwardBatch`, runs the
 model, and returns logits.
 
-It owns the pools and the attention backend for one model. It allocates KV slots for the new
-tokens and records them in `req_to_token`; freeing slots when a request ends (or caching them in a
-prefix tree) is the scheduler's job, through `free_request`.
+It owns the pools and the attention backend for one model, and, for a model with CPU routed
+experts, the `CpuExpertPool` they run on (worker threads, host staging), which it makes, binds to
+them and releases in `close()`. It allocates KV slots for the new tokens and records them in
+`req_to_token`; the scheduler makes room first (evicting cached prefixes, retracting requests), and
+frees slots when a request ends (or caches them in a prefix tree), through `free_request`.
 """
 
 from __future__ import annotations
@@ -16,13 +18,10 @@ import torch
 from kernels.attention import create_attention_backend
 from models.base import CausalLM
 from models.config import DeepseekConfig, ModelConfig
+from models.experts import CppExperts, CpuExpertPool
 from executor.cuda_graph_runner import CudaGraphRunner, capture_if_supported
 from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.memory_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool, TokenSlotAllocator
-
-
-class OutOfKVSlots(RuntimeError):
-    """Not enough free KV slots for the requested forward; the scheduler must free or retract."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +83,11 @@ class ModelRunner:
         self.allocator = TokenSlotAllocator(max_total_tokens, page_size, self.device)
         self.kv_pool = create_kv_pool(config, max_total_tokens, kv_dtype, self.device, page_size)
         self.attn_backend = create_attention_backend(attention_backend)
+        # CPU routed experts run on this runner's pool (a model shared by several runners runs on the
+        # pool of the one running it: `forward` binds it again when another runner bound its own)
+        self._cpu_experts = [m for m in model.modules() if isinstance(m, CppExperts)]
+        self.expert_pool = CpuExpertPool() if self._cpu_experts else None
+        self._bind_experts()
         # decode replays captured graphs where it can (CUDA only); None: every forward runs eagerly
         self.graph_runner: CudaGraphRunner | None = None
         if not disable_cuda_graph:
@@ -111,8 +115,8 @@ class ModelRunner:
         table = self.req_to_token_pool.req_to_token
         last = [int(table[s.req_pool_idx, s.prefix_len - 1]) if s.prefix_len else -1 for s in slices]
         loc = self.allocator.alloc_extend(list(zip(last, n_new)))
-        if loc is None:
-            raise OutOfKVSlots(f"need {total} KV slots, {self.allocator.available_size()} free")
+        if loc is None:  # the caller makes room first (the scheduler evicts and retracts): a bug if hit
+            raise RuntimeError(f"need {total} KV slots, {self.allocator.available_size()} free")
         positions, start = [], 0
         for s, n in zip(slices, n_new):
             self.req_to_token_pool.write(s.req_pool_idx, s.prefix_len, loc[start : start + n])
@@ -143,9 +147,31 @@ class ModelRunner:
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits for `batch`: through a captured graph when one can run it, else eagerly."""
+        if self._cpu_experts and self._cpu_experts[0].pool is not self.expert_pool:
+            self._bind_experts()
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         return self.model(batch)
+
+    def _bind_experts(self) -> None:
+        if self.expert_pool is None:
+            return
+        if self.expert_pool.closed:
+            raise RuntimeError("this ModelRunner was closed")
+        for m in self._cpu_experts:
+            m.bind(self.expert_pool)
+
+    def close(self) -> None:
+        """Drops the captured graphs and releases the CPU experts' pool (its threads and staging); the
+        model itself stays usable by other runners. Idempotent."""
+        self.graph_runner = None
+        if self.expert_pool is not None:
+            if self.device.type == "cuda":  # copies into or out of the pinned staging may be in flight
+                torch.cuda.synchronize(self.device)
+            for m in self._cpu_experts:
+                if m.pool is self.expert_pool:
+                    m.unbind()
+            self.expert_pool.close()
 
     def free_request(self, req_pool_idx: int, seq_len: int) -> None:
         """Returns a finished request's KV slots and its req_to_token row."""
@@ -158,7 +184,7 @@ class ModelRunner:
         """Greedy continuation of one prompt through the KV cache: prefill, then one decode per token."""
         row = self.req_to_token_pool.alloc()
         if row is None:
-            raise OutOfKVSlots("no free request slot")
+            raise RuntimeError("no free request slot")
         out: list[int] = []
         seq_len = 0
         try:

@@ -10,7 +10,7 @@ Per row, in this order (the vLLM/SGLang order):
 
 Columns >= `vocab_size` (padding of the LM head) are cut off first, so they are never sampled.
 
-Reproducibility (DESIGN.md §4): sampling is Gumbel-max with *counter-based* noise. Row r's uniforms
+Reproducibility (docs/architecture.md §4): sampling is Gumbel-max with *counter-based* noise. Row r's uniforms
 come from a `torch.Generator` re-seeded with `noise_seed(seed_r, step_r)` (the step-th output of a
 SplitMix64 stream started at the request's seed) and drawn for exactly `vocab_size` entries. So a
 seeded request's token depends only on (seed, step, its own logits), never on which other rows share

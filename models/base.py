@@ -6,7 +6,7 @@ expected shape, and every tensor of the checkpoint must land somewhere; anything
 `CheckpointError` naming the tensor. Routed experts are loaded through their expert backend, from
 per-expert HF names (`mlp.experts.{e}.gate_proj.weight`), stacked names
 (`mlp.experts.gate_proj.weight` [E, ...]) or HF-v5's fused `mlp.experts.gate_up_proj` [E, 2I, H];
-backends with `accepts_raw_blocks` may get GGUF `RawBlocks` for them instead of float tensors.
+backends whose `weight_input` is GGUF_BLOCKS may get GGUF `RawBlocks` for them instead of float tensors.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from models.config import ModelConfig
 from models.layers import RMSNorm, compute_logits
 from models.loader.errors import CheckpointError
 from models.loader.raw_blocks import RawBlocks
-from models.moe import ExpertBackend
+from models.experts import ExpertBackend
 
 
 _EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj|gate_up_proj)(\.weight)?$")

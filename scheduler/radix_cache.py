@@ -1,4 +1,4 @@
-"""Prefix cache: requests that share a prompt prefix share its KV slots (DESIGN.md §3).
+"""Prefix cache: requests that share a prompt prefix share its KV slots (docs/architecture.md §3).
 
 `RadixCache` is a radix tree over token ids. Each edge (a `_Node`) holds a run of token ids (`key`)
 and the KV slot of each of them (`value`, int64, same length); children are keyed by the first

@@ -14,6 +14,7 @@
 namespace py = pybind11;
 using cpx::HostTask;
 using cpx::MoE;
+using cpx::Pool;
 
 namespace {
 
@@ -57,8 +58,16 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "Routed-expert MoE worker pool (see cpp_experts/__init__.py for the Python API)";
   py::register_exception<cpx::ArgError>(m, "ArgError", PyExc_ValueError);
   m.def("info", &info);
+  // Worker threads, made and closed by their owner; operators bound to one share it.
+  py::class_<Pool, std::shared_ptr<Pool>>(m, "Pool")
+      .def(py::init<int, bool>())
+      .def_property_readonly("threads", &Pool::size)
+      .def_property_readonly("closed", &Pool::closed)
+      .def("close", &Pool::close, py::call_guard<py::gil_scoped_release>());
   py::class_<MoE>(m, "MoE")
-      .def(py::init<int, int, int, int, const std::string&, int, const std::string&>())
+      .def(py::init<int, int, int, int, const std::string&, const std::string&>())
+      .def("bind", &MoE::bind, py::call_guard<py::gil_scoped_release>())
+      .def("unbind", &MoE::unbind, py::call_guard<py::gil_scoped_release>())
       .def("load_bf16",
            [](MoE& self, int e, uintptr_t g, uintptr_t u, uintptr_t d) {
              self.load_bf16(e, ptr<uint16_t>(g), ptr<uint16_t>(u), ptr<uint16_t>(d));

@@ -93,8 +93,8 @@ struct Kernels {
 
 extern const Kernels kPortable;
 extern const Kernels kAvx512;
-bool amx_gemm_bf16(const Mat& w, int rb0, int nrb, const uint16_t* a, size_t lda, int ntok, float* c,
-                   int ldc);  // AMX tiles; ntok > 0; always succeeds (returns true) where compiled
+void amx_gemm_bf16(const Mat& w, int rb0, int nrb, const uint16_t* a, size_t lda, int ntok, float* c,
+                   int ldc);  // AMX tiles (the operator calls it only where AMX is usable); ntok > 0
 
 // Q8_0-quantise one row of k floats (k multiple of 32), as ggml's quantize_row_q8_0.
 void quantize_row_q8(const float* x, int k, int8_t* q, float* d, int32_t* sum);

@@ -36,7 +36,7 @@ CPX_AMX void configure(int m) {
 
 }  // namespace
 
-CPX_AMX bool amx_gemm_bf16(const Mat& w, int rb0, int nrb, const uint16_t* a, size_t lda, int ntok,
+CPX_AMX void amx_gemm_bf16(const Mat& w, int rb0, int nrb, const uint16_t* a, size_t lda, int ntok,
                            float* c, int ldc) {
   const size_t rbs = w.rb_stride();
   int configured = -1;
@@ -64,7 +64,6 @@ CPX_AMX bool amx_gemm_bf16(const Mat& w, int rb0, int nrb, const uint16_t* a, si
     }
   }
   _tile_release();
-  return true;
 }
 
 }  // namespace cpx

@@ -29,8 +29,7 @@ void Buffer::resize(size_t bytes) {
   n = sz;
 }
 
-MoE::MoE(int experts, int top_k, int hidden, int inter, const std::string& format, int threads,
-         const std::string& kernel)
+MoE::MoE(int experts, int top_k, int hidden, int inter, const std::string& format, const std::string& kernel)
     : E_(experts), K_(top_k), H_(hidden), I_(inter), fmt_(parse_format(format)) {
   if (E_ <= 0 || K_ <= 0 || H_ <= 0 || I_ <= 0) throw ArgError("sizes must be positive");
   if (K_ > E_) throw ArgError("top_k (" + std::to_string(K_) + ") exceeds num_experts (" + std::to_string(E_) + ")");
@@ -60,18 +59,38 @@ MoE::MoE(int experts, int top_k, int hidden, int inter, const std::string& forma
     throw ArgError("kernel must be 'amx', 'avx512', 'portable' or 'auto', got '" + kernel + "'");
   }
   experts_.resize(size_t(E_));
-  pool_ = get_pool(threads > 0 ? threads : default_threads());
-  scratch_.resize(size_t(pool_->size()));
 }
 
 MoE::~MoE() {
-  {
-    std::unique_lock<std::mutex> lock(dm_);
-    dcv_.wait(lock, [&] { return !busy_; });
-    stop_ = true;
-  }
+  std::unique_lock<std::mutex> lock(dm_);
+  stop_driver(lock);
+}
+
+// Waits for the pending job, then ends the driver thread (a later submit starts a new one).
+void MoE::stop_driver(std::unique_lock<std::mutex>& lock) {
+  dcv_.wait(lock, [&] { return !busy_; });
+  if (!driver_.joinable()) return;
+  stop_ = true;
   dcv_.notify_all();
-  if (driver_.joinable()) driver_.join();
+  std::thread t = std::move(driver_);
+  lock.unlock();
+  t.join();
+  lock.lock();
+  stop_ = false;
+}
+
+void MoE::bind(std::shared_ptr<Pool> pool) {
+  if (!pool) throw ArgError("bind needs a pool");
+  std::unique_lock<std::mutex> lock(dm_);
+  dcv_.wait(lock, [&] { return !busy_; });
+  pool_ = std::move(pool);
+  scratch_.resize(size_t(pool_->size()));
+}
+
+void MoE::unbind() {
+  std::unique_lock<std::mutex> lock(dm_);
+  stop_driver(lock);
+  pool_.reset();
 }
 
 std::string MoE::kernel_bf16() const {
@@ -188,6 +207,8 @@ Mat MoE::mat(int e, int which) const {
 
 void MoE::validate(const Job& job) const {
   if (!finalized_) throw ArgError("finalize() must be called after loading the experts and before forward");
+  if (!pool_) throw std::runtime_error("no worker pool is bound to this operator (bind one first)");
+  if (pool_->closed()) throw std::runtime_error("the worker pool bound to this operator was closed");
   const size_t n = size_t(job.tokens) * K_;
   for (size_t i = 0; i < n; ++i) {
     const int32_t id = job.ids[i];

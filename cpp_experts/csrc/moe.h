@@ -1,6 +1,8 @@
 // The routed-expert operator: packed expert weights plus the two-job forward (gate+up fused with
-// SiLU·mul, then down with the routing-weighted sum per token) on a shared worker pool, run either
-// on the calling thread (forward) or on a per-operator driver thread (submit/sync).
+// SiLU·mul, then down with the routing-weighted sum per token) on the worker pool it is bound to, run
+// either on the calling thread (forward) or on a per-operator driver thread (submit/sync). Weights
+// are loaded unbound; `bind` gives the operator a pool to compute on, `unbind` stops its driver
+// thread and lets the pool go (the pool's owner closes it).
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -46,8 +48,7 @@ struct Job {
 
 class MoE {
  public:
-  MoE(int experts, int top_k, int hidden, int inter, const std::string& format, int threads,
-      const std::string& kernel);
+  MoE(int experts, int top_k, int hidden, int inter, const std::string& format, const std::string& kernel);
   ~MoE();
   void load_bf16(int e, const uint16_t* gate, const uint16_t* up, const uint16_t* down);
   void load_quant(int e, const uint8_t* gate, size_t gate_n, const uint8_t* up, size_t up_n,
@@ -59,7 +60,10 @@ class MoE {
   void sync();                   // waits for the submitted job
   std::string kernel_bf16() const;
   std::string kernel_q() const;
-  int threads() const { return pool_->size(); }
+  // after the pending submit (if any) completes; unbind also joins the driver thread
+  void bind(std::shared_ptr<Pool> pool);
+  void unbind();
+  int threads() const { return pool_ ? pool_->size() : 0; }
   // failures recorded by this operator's host tasks (host_task.h): one cheap read per graph replay
   void note_host_failure() { host_failures_.fetch_add(1, std::memory_order_relaxed); }
   uint64_t host_failures() const { return host_failures_.load(std::memory_order_relaxed); }
@@ -71,9 +75,10 @@ class MoE {
     bool loaded = false;
   };
   Mat mat(int e, int which) const;
-  void validate(const Job& job) const;
+  void validate(const Job& job) const;  // also that a pool is bound and open
   void compute(const Job& job);
   void driver();
+  void stop_driver(std::unique_lock<std::mutex>& lock);
   void pack_quant(const uint8_t* src, size_t n, int rows, int k, Expert& ex, int which,
                   const char* name, int e);
 

@@ -4,8 +4,6 @@
 
 #include <chrono>
 #include <cstdlib>
-#include <map>
-#include <string>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -43,7 +41,12 @@ Pool::Pool(int threads, bool pin) : n_(threads < 1 ? 1 : threads), ranges_(new R
   }
 }
 
-Pool::~Pool() {
+Pool::~Pool() { close(); }
+
+void Pool::close() {
+  std::lock_guard<std::mutex> job(job_mutex_);
+  if (closed_) return;
+  closed_ = true;
   {
     std::lock_guard<std::mutex> lock(sleep_mutex_);
     stop_ = true;
@@ -51,6 +54,12 @@ Pool::~Pool() {
   }
   wake_.notify_all();
   for (auto& t : threads_) t.join();
+  threads_.clear();
+}
+
+bool Pool::closed() const {
+  std::lock_guard<std::mutex> job(job_mutex_);
+  return closed_;
 }
 
 void Pool::work(int id) {
@@ -84,7 +93,7 @@ void Pool::worker(int id) {
 void Pool::run(int ntasks, const std::function<void(int, int)>& fn) {
   if (ntasks <= 0) return;
   std::lock_guard<std::mutex> job(job_mutex_);
-  if (n_ == 1 || ntasks == 1) {
+  if (closed_ || n_ == 1 || ntasks == 1) {
     for (int i = 0; i < ntasks; ++i) fn(i, 0);
     return;
   }
@@ -110,18 +119,6 @@ int default_threads() {
   }
   const size_t n = allowed_cpus().size();
   return n > 0 ? int(n) : 1;
-}
-
-std::shared_ptr<Pool> get_pool(int threads) {
-  static std::mutex m;
-  static std::map<int, std::shared_ptr<Pool>> pools;
-  std::lock_guard<std::mutex> lock(m);
-  auto& p = pools[threads];
-  if (!p) {
-    const char* pin = std::getenv("MLASERVE_CPP_EXPERTS_PIN");
-    p = std::make_shared<Pool>(threads, pin != nullptr && std::string(pin) == "1");
-  }
-  return p;
 }
 
 }  // namespace cpx

@@ -4,6 +4,9 @@
 // (the calling thread is participant 0) takes tasks from its own range with an atomic fetch_add
 // and, when it runs dry, from the others' ranges the same way: no lock on the hot path. Idle
 // workers spin briefly on a generation counter, then sleep on a condition variable.
+//
+// A pool is an object its owner makes and closes (the Python side's `cpp_experts.WorkerPool`, made by
+// the executor): operators hold it while bound to it, and there is no process-wide pool.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -25,8 +28,11 @@ class Pool {
 
   int size() const { return n_; }
   // Runs fn(task, participant) for every task; returns when all are done. fn must not throw.
-  // Calls from different threads are serialised.
+  // Calls from different threads are serialised. On a closed pool the caller runs every task.
   void run(int ntasks, const std::function<void(int, int)>& fn);
+  // Joins the workers (after the run under way, if any); idempotent, also done by the destructor.
+  void close();
+  bool closed() const;
 
  private:
   struct alignas(64) Range {
@@ -44,12 +50,11 @@ class Pool {
   std::mutex sleep_mutex_;
   std::condition_variable wake_;
   bool stop_ = false;
-  std::mutex job_mutex_;
+  mutable std::mutex job_mutex_;
+  bool closed_ = false;  // guarded by job_mutex_
   std::vector<std::thread> threads_;
 };
 
-// One shared pool per thread count (created on first use, kept for the process's life).
-std::shared_ptr<Pool> get_pool(int threads);
 int default_threads();  // MLASERVE_CPP_EXPERTS_THREADS, else the CPUs in this process's affinity mask
 
 }  // namespace cpx

@@ -1,4 +1,4 @@
-"""The attention backend interface (DESIGN.md §4).
+"""The attention backend interface (docs/architecture.md §4).
 
 Lifecycle per model forward:
   1. the runner builds a `ForwardBatch` and calls `init_forward_metadata(batch)` once;
@@ -25,6 +25,8 @@ from enum import IntEnum, auto
 from typing import Protocol
 
 import torch
+
+from kernels.graph_support import GraphSupport
 
 
 class ForwardMode(IntEnum):
@@ -98,9 +100,10 @@ class AttentionLayer:
 
 
 class AttentionBackend(ABC):
-    #: True when the decode path can be captured in a CUDA graph: its per-forward metadata then lives
-    #: in buffers made by `init_cuda_graph_state` and is rewritten in place before every replay.
-    supports_cuda_graph = False
+    #: How decode through this backend can enter a CUDA graph: a capturable backend keeps its
+    #: per-forward metadata in buffers made by `init_cuda_graph_state`, rewritten in place before
+    #: every replay (the hooks at the end of this class).
+    graph_support: GraphSupport = GraphSupport.none("it builds its per-forward metadata in fresh tensors")
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

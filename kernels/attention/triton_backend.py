@@ -1,5 +1,5 @@
 """The `triton` attention backend: the kernels of `kernels/triton_attention.py` behind the interface of
-DESIGN.md §4, with the CUDA-graph hooks.
+docs/architecture.md §4, with the CUDA-graph hooks.
 
 Per forward, `init_forward_metadata` builds what every layer reuses:
 - decode: the KV table and its rows (page size 1: `req_to_token` and `req_pool_indices`; paged: a page
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention.base import AttentionBackend, AttentionLayer, ForwardBatch
+from kernels.graph_support import GraphSupport
 
 
 _MAX_SPLITS = 64
@@ -53,7 +54,7 @@ class _ExtendMeta:
 
 
 class TritonAttentionBackend(AttentionBackend):
-    supports_cuda_graph = True
+    graph_support = GraphSupport.device_only()
 
     def __init__(self, *, num_sms: int | None = None, **_: object) -> None:
         """`num_sms` (streaming multiprocessors) sizes the split plan; read from the device when None."""

@@ -19,7 +19,7 @@ from models.base import CausalLM
 from models.builtin import resolve_model_path
 from models.config import ModelConfig, config_from_hf_dict
 from models.loader.errors import CheckpointError
-from models.moe import EXPERT_BACKENDS
+from models.experts import EXPERT_BACKENDS, ExpertBackend, WeightInput
 from models.registry import model_class
 
 if TYPE_CHECKING:
@@ -96,8 +96,9 @@ def load_model(
         if getattr(module, "keep_fp32", False):
             module.float()
     bar = tqdm(total=ckpt.num_tensors(), desc=f"Loading {path.name}", unit="tensor", disable=not progress, leave=False)
-    raw_experts = any(getattr(m, "accepts_raw_blocks", False) for m in net.modules())
-    tensors = ckpt.tensors(raw_experts=True) if raw_experts and not path.is_dir() else ckpt.tensors()
+    raw_experts = not path.is_dir() and any(
+        isinstance(m, ExpertBackend) and m.weight_input is WeightInput.GGUF_BLOCKS for m in net.modules())
+    tensors = ckpt.tensors(raw_experts=True) if raw_experts else ckpt.tensors()
     with torch.no_grad():
         net.load_weights(_progress(tensors, bar), str(path))
     bar.close()

@@ -58,7 +58,9 @@ class Experts:
                 self.weights.append(tuple(dequantize(b, QTYPE[fmt], m.shape) for b, m in zip(blocks, mats)))
 
     def build(self, top_k: int, threads: int | None, kernel: str) -> cpp_experts.MoE:
-        moe = cpp_experts.MoE(self.E, top_k, self.H, self.I, self.fmt, num_threads=threads, kernel=kernel)
+        """An operator with these weights, bound to a pool of its own (`threads`: None = the default)."""
+        moe = cpp_experts.MoE(self.E, top_k, self.H, self.I, self.fmt, kernel=kernel,
+                              pool=cpp_experts.WorkerPool(threads))
         for e, (gt, up, dn) in enumerate(self.raw):
             moe.load_expert(e, gt, up, dn)
         moe.finalize()

@@ -129,7 +129,9 @@ def test_bad_construction_and_loading() -> None:
     if "amx" not in cpp_experts.info()["kernels"]:
         with pytest.raises(RuntimeError, match="amx"):
             cpp_experts.MoE(4, 2, 64, 64, kernel="amx")
-    m = cpp_experts.MoE(2, 1, 64, 64, "bf16", num_threads=1)
+    with pytest.raises(ValueError, match="num_threads"):
+        cpp_experts.WorkerPool(0)
+    m = cpp_experts.MoE(2, 1, 64, 64, "bf16", pool=cpp_experts.WorkerPool(1))
     g = torch.randn(64, 64)
     with pytest.raises(ValueError, match="expected shape"):
         m.load_expert(0, g, g, torch.randn(64, 32))
@@ -149,7 +151,7 @@ def test_bad_construction_and_loading() -> None:
         m.forward(torch.randn(1, 64), ids, torch.ones(1, 1))
 
     q = Experts("q8_0", 1, 64, 64, seed=4)
-    mq = cpp_experts.MoE(1, 1, 64, 64, "q8_0", num_threads=1)
+    mq = cpp_experts.MoE(1, 1, 64, 64, "q8_0", pool=cpp_experts.WorkerPool(1))
     gate, up, down = q.raw[0]
     with pytest.raises(ValueError, match="expected"):
         mq.load_expert(0, gate[:, :-1].contiguous(), up, down)
@@ -162,3 +164,62 @@ def test_bad_construction_and_loading() -> None:
     mq.load_expert(0, gate.flatten(), up, down)  # flat bytes are accepted too
     mq.finalize()
     assert torch.isfinite(mq.forward(torch.randn(2, 64), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1))).all()
+
+
+def _threads() -> int:
+    """Threads of this process (native ones included)."""
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_pool_is_its_owners(ex: Experts) -> None:
+    """No process-wide pool: an operator computes on the pool it is bound to, two operators on two
+    pools are independent, unbinding ends the operator's driver thread, closing joins the workers."""
+    a, b = ex.build(K, 1, "portable"), ex.build(K, 1, "portable")
+    a.unbind()
+    b.unbind()
+    x, ids, w = _good(8)
+    with pytest.raises(RuntimeError, match="no worker pool is bound"):
+        a.forward(x, ids, w)
+    want = reference(ex, x, ids, w, quant_acts=False)
+    before = _threads()
+    pool_a, pool_b = cpp_experts.WorkerPool(3), cpp_experts.WorkerPool(2)
+    assert _threads() == before + 2 + 1 and (pool_a.num_threads, pool_b.num_threads) == (3, 2)
+    a.bind(pool_a)
+    b.bind(pool_b)
+    assert (a.pool, a.num_threads, b.num_threads) == (pool_a, 3, 2)
+    a.submit(x, ids, w)  # starts a's driver thread
+    b.submit(x, ids, w)
+    ya, yb = a.sync(), b.sync()
+    assert _threads() == before + 3 + 2
+    assert torch.equal(ya, yb) and ((ya - want).norm() / want.norm()).item() < 8e-3
+    a.unbind()  # driver joined; the pool keeps its workers for others
+    assert _threads() == before + 3 + 1 and a.pool is None and a.num_threads == 0
+    pool_a.close()
+    assert pool_a.closed and _threads() == before + 1 + 1
+    pool_a.close()  # idempotent
+    assert torch.equal(b.forward(x, ids, w), yb)  # the other pool is untouched
+    a.bind(pool_a)
+    with pytest.raises(RuntimeError, match="was closed"):
+        a.forward(x, ids, w)
+    task_x, task_ids, task_w = x.clone(), ids.to(torch.int32), w.clone()
+    task = a.host_task(task_x, task_ids, task_w, torch.empty_like(task_x))
+    task.run_submit()  # on a closed pool the host task records the failure instead of raising
+    task.run_sync()
+    assert "was closed" in (task.take_error() or "")
+    a.bind(pool_b)  # two operators may share a pool
+    assert torch.equal(a.forward(x, ids, w), yb)
+    b.unbind()
+    a.unbind()
+    with cpp_experts.WorkerPool(2) as scoped:
+        assert not scoped.closed
+    assert scoped.closed
+    with pytest.raises(TypeError, match="WorkerPool"):
+        a.bind(object())
+
+
+def test_default_pool_size_follows_the_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLASERVE_CPP_EXPERTS_THREADS", "3")
+    with cpp_experts.WorkerPool() as pool:
+        assert pool.num_threads == 3

@@ -23,13 +23,16 @@ from collections.abc import Callable
 import pytest
 
 from kernels.attention.torch_backend import TorchAttentionBackend, _Metadata
+from kernels.graph_support import GraphMode, GraphSupport
 from models.config import DeepseekConfig
 from models.loader.load import load_model
 from models.synthetic import write_checkpoint
 from executor.cuda_graph_runner import (
     CudaGraphRunner,
+    GraphPlan,
     SplitGraph,
     capture_batch_sizes,
+    choose_graph_mode,
     graph_off_reason,
     padded_batch_size,
 )
@@ -38,6 +41,9 @@ from executor.model_runner import ModelRunner, RequestSlice
 
 MODELS = ["tiny-llama", "tiny-deepseek-v3"]
 MAX_CONTEXT = 64
+_TRITON_ATTENTION = importlib.util.find_spec("triton") is not None and \
+    importlib.util.find_spec("kernels.attention.triton_backend") is not None
+_CPP = importlib.util.find_spec("cpp_experts") is not None
 
 
 # ---------------------------------------------------------------- test doubles
@@ -82,7 +88,7 @@ class HookedTorchBackend(TorchAttentionBackend):
     """The torch backend's decode with the CUDA-graph hooks: metadata in buffers allocated once
     ([max_bs, max_context_len], every row masked to its seq_len) and rewritten in place."""
 
-    supports_cuda_graph = True
+    graph_support = GraphSupport.device_only()
 
     def init_cuda_graph_state(self, max_bs: int, max_context_len: int, device: torch.device) -> None:
         self.cg_indices = torch.zeros(max_bs, max_context_len, dtype=torch.int64, device=device)
@@ -307,8 +313,6 @@ def test_greedy_with_graphs_equals_eager(model, page_size):
 
 
 # ---------------------------------------------------------------- the triton backends
-_TRITON_ATTENTION = importlib.util.find_spec("triton") is not None and \
-    importlib.util.find_spec("kernels.attention.triton_backend") is not None
 
 
 @pytest.mark.skipif(not _TRITON_ATTENTION, reason="needs triton and kernels/attention/triton_backend.py")
@@ -332,7 +336,6 @@ def test_triton_backend_with_stand_in_graph(model):
 
 
 # ---------------------------------------------------------------- hybrid placement: CPU experts as host nodes
-_CPP = importlib.util.find_spec("cpp_experts") is not None
 
 
 class HostNodeCapture(RerunCapture):
@@ -341,11 +344,11 @@ class HostNodeCapture(RerunCapture):
     the CPU, in the order a stream would run it. Replays re-run it, so they reuse the bound tasks."""
 
     def __call__(self, run: Callable[[], torch.Tensor]) -> tuple[RerunGraph, torch.Tensor]:
-        import models.moe
+        import models.experts.cpp
 
         def captured() -> torch.Tensor:
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(models.moe, "stream_capturing", lambda device: True)
+                mp.setattr(models.experts.cpp, "stream_capturing", lambda device: True)
                 return run()
 
         out = captured()
@@ -357,20 +360,22 @@ def test_cpu_experts_as_host_tasks_with_stand_in_graph(tmp_path):
     """Hybrid placement's graph path: staging reserved before capture, one host task per layer and
     padded size bound at capture and reused by every replay, replays equal to eager decode, and a
     failure in the host work raised by the replay of its own batch (the next one runs again)."""
-    from models.moe import CppExperts, DeepseekMoE
+    from models.experts.host_calls import HostNodeCalls
+    from models.moe import DeepseekMoE
 
     path = write_checkpoint(tmp_path, "tiny-deepseek-v3", seed=5)
     loaded = load_model(path, dtype="float32", expert_backend="cpp", load_tokenizer=False, progress=False)
     runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=512, max_running_requests=8,
                          max_context_len=MAX_CONTEXT)
     runner.attn_backend = HookedTorchBackend()
-    graphs = CudaGraphRunner(runner, 4, HostNodeCapture(runner.attn_backend))
+    graphs = CudaGraphRunner(runner, 4, HostNodeCapture(runner.attn_backend), GraphMode.HOST_NODES)
     graphs.capture()
-    assert graphs.host_experts and all(isinstance(e, CppExperts) for e in graphs.host_experts)
-    bound = [dict(e._graph_tasks) for e in graphs.host_experts]
+    moe_layers = sum(isinstance(m, DeepseekMoE) for m in loaded.model.modules())
+    assert len(graphs.host_work) == moe_layers and all(isinstance(w, HostNodeCalls) for w in graphs.host_work)
+    bound = [dict(w.tasks) for w in graphs.host_work]
     assert all(sorted(k[0] for k in b) == [1, 2, 4] for b in bound)
     check_replays(runner, graphs, [3, 9, 6], [[0, 2, 1], [2], [1, 0]], tol=1e-5)
-    assert [dict(e._graph_tasks) for e in graphs.host_experts] == bound  # no task bound after capture
+    assert [dict(w.tasks) for w in graphs.host_work] == bound  # no task bound after capture
     assert sum(t.runs for b in bound for t in b.values()) > 0
 
     rows, seq_lens, toks = prefill(runner, [4, 5])
@@ -385,30 +390,28 @@ def test_cpu_experts_as_host_tasks_with_stand_in_graph(tmp_path):
 
 
 class SplitStandIn(RerunCapture):
-    """The stand-in for a split capture: the forward runs under `host_steps`, each step running at
-    once where a real split capture would end one graph piece and begin the next; replays re-run it.
-    Counts the steps of each run."""
-
-    splits_host_work = True
+    """The stand-in for a split capture: the forward runs as under capture, and each `host_step`
+    runs its step at once where a real split capture would end one graph piece and begin the next;
+    replays re-run it. Counts the steps of each run."""
 
     def __init__(self, backend: object) -> None:
         super().__init__(backend)
         self.steps_per_run: list[int] = []
+        self._count = 0
+
+    def host_step(self, fn: Callable[[], None]) -> None:
+        self._count += 1
+        fn()
 
     def __call__(self, run: Callable[[], torch.Tensor]) -> tuple[RerunGraph, torch.Tensor]:
-        import models.moe
+        import models.experts.cpp
 
         def split_run() -> torch.Tensor:
-            count = [0]
-
-            def step(fn: Callable[[], None]) -> None:
-                count[0] += 1
-                fn()
-
-            with pytest.MonkeyPatch.context() as mp, models.moe.host_steps(step):
-                mp.setattr(models.moe, "stream_capturing", lambda device: True)
+            self._count = 0
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(models.experts.cpp, "stream_capturing", lambda device: True)
                 out = run()
-            self.steps_per_run.append(count[0])
+            self.steps_per_run.append(self._count)
             return out
 
         out = split_run()
@@ -420,6 +423,7 @@ def test_cpu_experts_split_around_with_stand_in_graph(tmp_path):
     """`--hybrid-graph-mode split`: graphs are allowed without host functions, each MoE layer hands
     over two host steps (submit, then sync) instead of binding host tasks, and replays equal eager
     decode. The pieces themselves need CUDA (the gpu test below)."""
+    from models.experts.host_calls import SplitCalls
     from models.moe import DeepseekMoE
 
     path = write_checkpoint(tmp_path, "tiny-deepseek-v3", seed=5)
@@ -428,19 +432,119 @@ def test_cpu_experts_split_around_with_stand_in_graph(tmp_path):
     hooked = HookedTorchBackend()
     if not torch.cuda.is_available():  # no driver here: host nodes are impossible, a split capture is not
         assert "cuLaunchHostFunc" in graph_off_reason(loaded.model, hooked, cuda, 4)
-    assert graph_off_reason(loaded.model, hooked, cuda, 4, split=True) is None
+    assert graph_off_reason(loaded.model, hooked, cuda, 4, hybrid_mode="split") is None
     runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=512, max_running_requests=8,
                          max_context_len=MAX_CONTEXT)
     runner.attn_backend = hooked
     capture = SplitStandIn(hooked)
-    graphs = CudaGraphRunner(runner, 4, capture)
+    with pytest.raises(ValueError, match="host_step"):
+        CudaGraphRunner(runner, 4, RerunCapture(hooked), GraphMode.SPLIT)
+    graphs = CudaGraphRunner(runner, 4, capture, GraphMode.SPLIT)
     graphs.capture()
-    assert graphs.host_experts == []  # no host nodes: nothing to check after a replay
     moe_layers = sum(isinstance(m, DeepseekMoE) for m in loaded.model.modules())
+    assert len(graphs.host_work) == moe_layers and all(isinstance(w, SplitCalls) for w in graphs.host_work)
     assert moe_layers and capture.steps_per_run == [2 * moe_layers] * 3
     check_replays(runner, graphs, [3, 9, 6], [[0, 2, 1], [2], [1, 0]], tol=1e-5)
     assert capture.steps_per_run == [2 * moe_layers] * 6
-    assert all(not e._graph_tasks for e in graphs.experts)
+    assert all(w.replay_error() is None for w in graphs.host_work)  # host steps raise at once instead
+
+
+# ---------------------------------------------------------------- choosing how decode is captured
+def test_choose_graph_mode_reads_only_the_descriptions():
+    device, none = GraphSupport.device_only(), GraphSupport.none("it syncs")
+    both, split_only = GraphSupport.host_work(), GraphSupport.host_work("no cuLaunchHostFunc")
+    for hybrid in (GraphMode.HOST_NODES, GraphMode.SPLIT):
+        assert choose_graph_mode([("a", device), ("b", device)], hybrid) == GraphPlan(GraphMode.CAPTURE)
+        assert choose_graph_mode([("a", device), ("b", both), ("c", both)], hybrid) == GraphPlan(hybrid)
+        off = GraphPlan(None, "a cannot be captured: it syncs")
+        assert choose_graph_mode([("a", none), ("b", both)], hybrid) == off
+        assert choose_graph_mode([], hybrid) == GraphPlan(GraphMode.CAPTURE)
+    assert choose_graph_mode([("a", device), ("b", split_only)], GraphMode.SPLIT) == GraphPlan(GraphMode.SPLIT)
+    assert choose_graph_mode([("a", device), ("b", split_only)], GraphMode.HOST_NODES) == \
+        GraphPlan(None, "b cannot be captured: no cuLaunchHostFunc")
+    assert both.modes == {GraphMode.HOST_NODES, GraphMode.SPLIT} and not both.allows(GraphMode.CAPTURE)
+    assert split_only.modes == {GraphMode.SPLIT} and none.modes == frozenset()
+    with pytest.raises(ValueError, match="hybrid graph mode"):
+        graph_off_reason(torch.nn.Linear(1, 1), HookedTorchBackend(), torch.device("cuda"), 8, hybrid_mode="sometimes")
+
+
+def test_each_backend_describes_its_graph_support(tmp_path, monkeypatch):
+    """Attention torch/triton and experts torch/triton/cpp, the cpp ones with and without host
+    functions (the driver's cuLaunchHostFunc), as the graph runner reads them."""
+    from models.experts import CppExperts, TorchExperts
+
+    torch_attn = TorchAttentionBackend().graph_support
+    assert torch_attn.modes == frozenset() and torch_attn.reason
+    assert TorchExperts(2, 8, 4).graph_support == GraphSupport.none("it synchronizes with the host")
+    if _TRITON_ATTENTION:
+        from kernels.attention import create_attention_backend
+        from models.experts import TritonExperts
+
+        assert create_attention_backend("triton").graph_support == GraphSupport.device_only()
+        assert TritonExperts(2, 8, 4).graph_support == GraphSupport.device_only()
+    if not _CPP:
+        return
+    import cpp_experts
+
+    cpp = CppExperts(2, 64, 32, top_k=1)
+    monkeypatch.setattr(cpp_experts, "cuda_host_launch_error", lambda: None)
+    assert cpp.graph_support == GraphSupport.host_work()
+    monkeypatch.setattr(cpp_experts, "cuda_host_launch_error", lambda: "the CUDA driver has no cuLaunchHostFunc")
+    support = cpp.graph_support
+    assert support.modes == {GraphMode.SPLIT} and "cuLaunchHostFunc" in support.reason
+    assert "--hybrid-graph-mode split" in support.reason
+
+
+@pytest.mark.skipif(not _CPP, reason="needs the cpp_experts extension")
+@pytest.mark.parametrize("experts, hybrid, host_funcs, want", [
+    ("cpp", "host-nodes", True, "host-nodes"),
+    ("cpp", "split", True, "split"),
+    ("cpp", "split", False, "split"),
+    ("cpp", "host-nodes", False, None),  # no host functions: eager, and the log says to use split
+    ("torch", "host-nodes", True, None),
+])
+def test_capture_if_supported_picks_the_strategy(tmp_path, monkeypatch, caplog, experts, hybrid, host_funcs, want):
+    """`ModelRunner` -> `capture_if_supported` picks the capture from the parts' GraphSupport (the
+    device check aside, faked to cuda): host nodes (the experts' HostNodeCalls bound per size),
+    split pieces (SplitCalls, steps handed to the capture), or eager with the reason logged; greedy
+    decode is the same either way."""
+    import contextlib
+    import logging
+
+    import cpp_experts
+    import executor.cuda_graph_runner as cgr
+    from models.experts.host_calls import HostNodeCalls, SplitCalls
+
+    path = write_checkpoint(tmp_path, "tiny-deepseek-v3", seed=5)
+    loaded = load_model(path, dtype="float32", expert_backend=experts, load_tokenizer=False, progress=False)
+    hooked = HookedTorchBackend()
+    real_plan = cgr.plan_decode_graphs
+    monkeypatch.setattr(cgr, "plan_decode_graphs", lambda model, backend, device, max_bs, mode:
+                        real_plan(model, backend, torch.device("cuda"), max_bs, mode))
+    monkeypatch.setattr(cpp_experts, "cuda_host_launch_error", lambda: None if host_funcs else "no cuLaunchHostFunc")
+    monkeypatch.setattr("executor.model_runner.create_attention_backend", lambda name: hooked)
+    monkeypatch.setattr(cgr, "CudaGraphCapture", lambda device: HostNodeCapture(hooked))
+    monkeypatch.setattr(cgr, "SplitCudaGraphCapture", lambda device: SplitStandIn(hooked))
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    kw = dict(max_total_tokens=512, max_running_requests=4, max_context_len=MAX_CONTEXT)
+    with caplog.at_level(logging.INFO, logger="mlaserve.cuda_graph"):
+        runner = ModelRunner(loaded.model, loaded.config, hybrid_graph_mode=hybrid, **kw)
+    graphs = runner.graph_runner
+    if want is None:
+        assert graphs is None
+        [off] = [r.getMessage() for r in caplog.records if "CUDA graphs off" in r.getMessage()]
+        assert ("cuLaunchHostFunc" in off and "split" in off) if experts == "cpp" else "TorchExperts" in off
+        return
+    kind = {"host-nodes": HostNodeCalls, "split": SplitCalls}[want]
+    assert graphs.mode is GraphMode(want) and sorted(graphs.graphs) == [1, 2, 4]
+    assert graphs.host_work and all(type(w) is kind for w in graphs.host_work)
+    assert isinstance(graphs._capture, SplitStandIn) == (want == "split")
+    eager_runner = ModelRunner(loaded.model, loaded.config, disable_cuda_graph=True, **kw)
+    lens, max_new = [5, 9, 3], [4, 3, 5]
+    assert greedy_staggered(runner, lens, max_new) == greedy_staggered(eager_runner, lens, max_new)
+    assert sum(g.replays for g in graphs.graphs.values()) > 0
+    runner.close()
+    eager_runner.close()
 
 
 def test_failed_capture_falls_back_to_eager_and_says_so(model, monkeypatch, caplog):
@@ -458,7 +562,7 @@ def test_failed_capture_falls_back_to_eager_and_says_so(model, monkeypatch, capl
         def __call__(self, run: Callable[[], torch.Tensor]):
             raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(cgr, "graph_off_reason", lambda *a, **k: None)
+    monkeypatch.setattr(cgr, "plan_decode_graphs", lambda *a, **k: GraphPlan(GraphMode.CAPTURE))
     monkeypatch.setattr("executor.model_runner.create_attention_backend", lambda name: HookedTorchBackend())
     monkeypatch.setattr(cgr, "CudaGraphCapture", Refused)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
@@ -518,6 +622,6 @@ def test_cuda_graph_greedy_equals_eager(tmp_path, name, experts, mode):
     assert greedy_staggered(graphed, lens, max_new) == greedy_staggered(eager, lens, max_new)
     assert {padded_batch_size(b, graphs.batch_sizes) for b in replayed} == {1, 2, 4, 8}  # 10 and 9 ran eagerly
     if experts == "cpp" and mode == "host-nodes":
-        assert graphs.host_experts and all(e.replay_error() is None for e in graphs.host_experts)
+        assert graphs.host_work and all(w.replay_error() is None for w in graphs.host_work)
     if experts == "cpp" and mode == "split":
         assert all(isinstance(g, SplitGraph) and len(g.pieces) > 1 for g in graphs.graphs.values())

@@ -55,13 +55,13 @@ def all_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
 
 
 def cpp_backends(runner: ModelRunner) -> list:
-    from models.moe import CppExperts
+    from models.experts import CppExperts
 
     return [m for m in runner.model.modules() if isinstance(m, CppExperts)]
 
 
 def torch_backends(runner: ModelRunner) -> list:
-    from models.moe import TorchExperts
+    from models.experts import TorchExperts
 
     return [m for m in runner.model.modules() if isinstance(m, TorchExperts)]
 
@@ -228,7 +228,7 @@ def test_gpu_hybrid_placement_generates_like_all_gpu(request, preset, gpu_expert
     assert (test.graph_runner is not None) == (graphs != "eager")
     assert_same_greedy(ref, test, prompt_ids)
     if graphs == "host-nodes":
-        assert sum(t.runs for b in cpp_backends(test) for t in b._graph_tasks.values()) > 0
+        assert sum(t.runs for w in test.graph_runner.host_work for t in w.tasks.values()) > 0
 
 
 E, K, H, I = 6, 2, 64, 32  # one small MoE layer for the format tests
@@ -249,8 +249,21 @@ def random_expert_blocks(qtypes: dict[str, str]) -> list[dict[str, RawBlocks]]:
     return experts
 
 
-def layer_pair(experts: list[dict[str, RawBlocks]]):
-    from models.moe import CppExperts, TorchExperts
+@pytest.fixture(scope="module")
+def cpu_pool():
+    """What an executor would make for the standalone layers here (threads and staging)."""
+    if CPP_ERROR:
+        pytest.skip(CPP_ERROR)
+    from models.experts import CpuExpertPool
+
+    pool = CpuExpertPool(2)
+    yield pool
+    pool.close()
+
+
+def layer_pair(experts: list[dict[str, RawBlocks]], pool=None):
+    """The torch oracle and a cpp layer with the same experts (the cpp one bound to `pool`)."""
+    from models.experts import CppExperts, TorchExperts
 
     ref, test = TorchExperts(E, H, I), CppExperts(E, H, I, top_k=K)
     for e, parts in enumerate(experts):
@@ -258,6 +271,8 @@ def layer_pair(experts: list[dict[str, RawBlocks]]):
             ref.load_expert(e, kind, blocks.dequantize())  # the oracle multiplies gguf's decoded values
             test.load_expert(e, kind, blocks)
     test.process_weights_after_loading()
+    if pool is not None:
+        test.bind(pool)
     return ref, test
 
 
@@ -277,10 +292,10 @@ def routing(t: int) -> tuple[torch.Tensor, torch.Tensor]:
         ("Q4_0", "Q8_0", "bf16", True),  # mixed types in one layer (llama.cpp's *_M files)
     ],
 )
-def test_gguf_expert_formats(caplog, gate_up, down, fmt, warns):
+def test_gguf_expert_formats(caplog, cpu_pool, gate_up, down, fmt, warns):
     experts = random_expert_blocks({"gate_proj": gate_up, "up_proj": gate_up, "down_proj": down})
-    with caplog.at_level(logging.WARNING, logger="models.moe"):
-        ref, test = layer_pair(experts)
+    with caplog.at_level(logging.WARNING, logger="models.experts.cpu_weights"):
+        ref, test = layer_pair(experts, cpu_pool)
     assert test.weight_format == fmt
     warned = [r.getMessage() for r in caplog.records if "dequantized to bf16" in r.getMessage()]
     assert len(warned) == int(warns)  # once per layer
@@ -301,43 +316,123 @@ def test_gguf_expert_formats(caplog, gate_up, down, fmt, warns):
         assert float(norm_err(got, want)) <= 2.5e-2 and float(rel_err(got, want).max()) <= 6e-2
 
 
+def run_as(layer, mode: str, monkeypatch, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """One submit + sync of `layer` the way `mode` runs it on this CPU: "eager"; "host-nodes" and
+    "split" as under a capture (queued host work runs at once here, split steps run at once)."""
+    import models.experts.cpp
+
+    monkeypatch.setattr(models.experts.cpp, "stream_capturing", lambda device: mode != "eager")
+    try:
+        layer.submit(x, ids, w)
+        return layer.sync()
+    finally:
+        monkeypatch.setattr(models.experts.cpp, "stream_capturing", lambda device: False)
+
+
 @needs_cpp
-def test_captured_path_runs_host_tasks_like_eager(monkeypatch):
+@pytest.mark.parametrize("mode", ["host-nodes", "split"])
+def test_strategies_give_the_eager_bits(monkeypatch, cpu_pool, mode):
+    """Each way of running (eager, host nodes, split steps) hands the operator the same call: results
+    bit-identical to eager and to the operator's own forward, over reruns with other token counts."""
+    from kernels.graph_support import GraphMode
+    from models.experts.host_calls import HostNodeCalls, SplitCalls
+
+    experts = random_expert_blocks(dict.fromkeys(("gate_proj", "up_proj", "down_proj"), "Q8_0"))
+    _, layer = layer_pair(experts, cpu_pool)
+    steps: list = []
+
+    def step(fn) -> None:  # a split capture's host step, run at once
+        steps.append(fn)
+        fn()
+
+    calls = layer.prepare_cuda_graph(16, GraphMode(mode), step if mode == "split" else None)
+    assert type(calls) is {"host-nodes": HostNodeCalls, "split": SplitCalls}[mode]
+    for t, dtype in ((16, torch.float32), (5, torch.bfloat16), (1, torch.float16), (16, torch.bfloat16)):
+        x, (ids, w) = torch.randn(t, H).to(dtype), routing(t)
+        got = run_as(layer, mode, monkeypatch, x, ids, w)
+        want = run_as(layer, "eager", monkeypatch, x, ids, w)
+        assert got.dtype == want.dtype == dtype and torch.equal(got, want)
+        own = layer.weights.op.forward(x if dtype != torch.float16 else x.float(), ids, w)
+        assert torch.equal(want, own.to(dtype))
+    assert len(steps) == (8 if mode == "split" else 0)  # a submit and a sync step per call
+    assert calls.replay_error() is None
+
+
+@needs_cpp
+def test_captured_path_runs_host_tasks_like_eager(monkeypatch, cpu_pool):
     """The path a CUDA capture records (graph staging, one host task per token count, submit and sync
     as stream work), run on the CPU where queued host work runs at once: the eager results, the same
     task on every rerun, and a failure recorded for replay_error with a zeroed result, not raised."""
-    import models.moe
-    from models.moe import CppExperts
+    from kernels.graph_support import GraphMode
 
     experts = random_expert_blocks(dict.fromkeys(("gate_proj", "up_proj", "down_proj"), "F32"))
-    _, layer = layer_pair(experts)
-    monkeypatch.setattr(models.moe, "stream_capturing", lambda device: True)
+    _, layer = layer_pair(experts, cpu_pool)
     with pytest.raises(RuntimeError, match="prepare_cuda_graph"):
-        layer.submit(torch.randn(4096, H), *routing(4096))  # larger than any reservation so far
-    layer._inflight = None
-    layer.prepare_cuda_graph(8)
-    assert CppExperts.host_work_in_graph
+        run_as(layer, "host-nodes", monkeypatch, torch.randn(3, H), *routing(3))
+    layer._call = None
+    calls = layer.prepare_cuda_graph(8, GraphMode.HOST_NODES)
+    with pytest.raises(RuntimeError, match="prepare_cuda_graph"):  # more than the reserved staging
+        run_as(layer, "host-nodes", monkeypatch, torch.randn(4096, H), *routing(4096))
+    layer._call = None
     for t in (8, 3, 8, 3):
         x, (ids, w) = torch.randn(t, H), routing(t)
-        layer.submit(x, ids, w)
-        got = layer.sync()
-        monkeypatch.setattr(models.moe, "stream_capturing", lambda device: False)
-        want = layer(x, ids, w)
-        monkeypatch.setattr(models.moe, "stream_capturing", lambda device: True)
-        assert torch.equal(got, want)
-    assert sorted(k[0] for k in layer._graph_tasks) == [3, 8]  # bound once per token count
-    assert layer.replay_error() is None
+        got = run_as(layer, "host-nodes", monkeypatch, x, ids, w)
+        assert torch.equal(got, run_as(layer, "eager", monkeypatch, x, ids, w))
+    assert sorted(k[0] for k in calls.tasks) == [3, 8]  # bound once per token count
+    assert calls.replay_error() is None
     x, (ids, w) = torch.randn(3, H), routing(3)
     w[1, 0] = float("nan")
-    layer.submit(x, ids, w)
-    assert torch.equal(layer.sync(), torch.zeros(3, H))
-    assert "not finite" in layer.replay_error()
-    assert layer.replay_error() is None  # reported once
+    assert torch.equal(run_as(layer, "host-nodes", monkeypatch, x, ids, w), torch.zeros(3, H))
+    assert "not finite" in calls.replay_error()
+    assert calls.replay_error() is None  # reported once
+    with pytest.raises(ValueError, match="host step"):
+        layer.prepare_cuda_graph(8, GraphMode.SPLIT)
+    with pytest.raises(ValueError, match="capture"):
+        layer.prepare_cuda_graph(8, GraphMode.CAPTURE)
+
+
+def _threads() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+@needs_cpp
+def test_the_pool_is_the_runners(v3, monkeypatch):
+    """Each ModelRunner makes its own CpuExpertPool and binds its model's CPU experts to it: two
+    runners never share threads or staging, closing one releases its native pool (worker and driver
+    threads joined) and leaves the other computing as before; a model shared by two runners runs on
+    the pool of the runner that runs it, and closing that one does not break the other."""
+    monkeypatch.setenv("MLASERVE_CPP_EXPERTS_THREADS", "3")
+    ids = torch.randint(100, 120000, (12,)).tolist()
+    a, b = runner_for(v3, "cpp", "float32"), runner_for(v3, "cpp", "float32")
+    assert a.expert_pool is not b.expert_pool and a.expert_pool.workers.num_threads == 3
+    layers_a, layers_b = cpp_backends(a), cpp_backends(b)
+    assert all(m.pool is a.expert_pool for m in layers_a) and all(m.pool is b.expert_pool for m in layers_b)
+    want = all_logits(a, ids)
+    assert torch.equal(all_logits(b, ids), want)  # same weights, own pools
+    before = _threads()
+    a.close()
+    # a's 2 workers (3 threads counting the caller) and one driver thread per MoE layer are gone
+    assert a.expert_pool.closed and _threads() == before - 2 - len(layers_a)
+    assert all(m.pool is None for m in layers_a)
+    with pytest.raises(RuntimeError, match="closed"):
+        all_logits(a, ids)
+    assert torch.equal(all_logits(b, ids), want)
+    a.close()  # idempotent
+
+    shared = ModelRunner(b.model, b.config, max_total_tokens=512, max_running_requests=2)
+    assert all(m.pool is shared.expert_pool for m in layers_b)  # the newest runner bound them
+    assert torch.equal(all_logits(b, ids), want) and all(m.pool is b.expert_pool for m in layers_b)
+    b.close()
+    assert torch.equal(all_logits(shared, ids), want)  # bound to its own pool again
+    assert all(m.pool is shared.expert_pool for m in layers_b)
+    shared.close()
 
 
 @needs_cpp
 def test_one_format_per_layer():
-    from models.moe import CppExperts
+    from models.experts import CppExperts
 
     q8 = random_expert_blocks(dict.fromkeys(("gate_proj", "up_proj", "down_proj"), "Q8_0"))
     layer = CppExperts(E, H, I, top_k=K)
