@@ -44,9 +44,11 @@ def test_mla_decode_smoke(tmp_path: Path) -> None:
     assert (r["kv_lora_rank"], r["qk_rope_head_dim"]) == (32, 16)
     assert {(row["page_size"], row["context"]) for row in r["rows"]} == {(1, 37), (1, 130), (64, 37), (64, 130)}
     for row in r["rows"]:
-        for key in ("heads", "batch", "us", "bytes_moved", "GBps", "fraction_of_copy_bw", "peer_us", "speedup_vs_peer",
-                    "max_abs_diff", "ref_max_abs", "checked_requests", "correct"):
-            assert key in row, key
+        # the derived figures follow from the measured time, the bytes and the copy bandwidth
+        seconds = row["us"] * 1e-6
+        assert row["GBps"] == pytest.approx(row["bytes_moved"] / seconds / 1e9, rel=1e-6)
+        assert row["fraction_of_copy_bw"] == pytest.approx(row["GBps"] / r["copy_bandwidth_GBps"], rel=1e-6)
+        assert row["speedup_vs_peer"] == pytest.approx(row["peer_us"] / row["us"], rel=1e-6)
         assert row["correct"] and row["checked_requests"] == row["batch"]
         # a real comparison: outputs of O(1), bf16-rounding-sized differences
         assert row["ref_max_abs"] > 0.1 and row["max_abs_diff"] < 0.02 * row["ref_max_abs"] + 2e-3
@@ -76,7 +78,8 @@ def test_model_decode_smoke(tmp_path: Path) -> None:
     names = {c["config"] for c in r["checks"]}
     assert names == ({"graphs off", "hybrid (cpp experts), graphs off"} if extra else {"graphs off"})
     for c in r["checks"]:
-        # triton (and cpp) kernels against the torch reference: close, but not the same code
+        # triton (and cpp) kernels against the torch reference: close, but not the same code (a
+        # check that can fail: test_model_check_catches_a_wrong_expert_backend)
         assert c["correct"] and 0 < c["rel_err_vs_ref"] < 0.05, c
     if extra:
         assert [(row["graphs"], row["batch"]) for row in r["hybrid"]] == [("off", 2)]
@@ -119,3 +122,35 @@ def test_mla_reference_on_a_sub_batch_when_torch_does_not_fit(mla_bench) -> None
                              TorchAttentionBackend(), seed=2)
     assert row["checked_requests"] == 1 and row["peer_us"] is None and "peer_skipped" in row
     assert row["correct"] and row["max_abs_diff"] < 1e-3
+
+
+def test_model_check_catches_a_wrong_expert_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model benchmark's correctness check (torch-backend logits as the oracle) passes the same model
+    and fails one whose routed experts are wrong, so its "correct" in the smoke run means something."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    bench = importlib.import_module("model_decode_gpu")
+    from models.experts import TorchExperts
+
+    class Off(TorchExperts):
+        """A kernel bug of the kind the check exists for: every token goes to its neighbour's expert."""
+
+        def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+            super().submit(hidden, (topk_ids + 1) % self.num_experts, topk_weights)
+
+    cfg = bench.bench_config("tiny-deepseek-v2", 2)
+    args = argparse.Namespace(batches=[2], hybrid=False, hybrid_batches=(), prompt_len=8, warmup=0, repeats=1, steps=2)
+    device = torch.device("cpu")
+
+    def logits(model) -> torch.Tensor:
+        runner = bench.make_runner(model, cfg, args, device, attention="torch", graphs=False)
+        return bench.check_logits(runner, cfg.vocab_size, seed=3, steps=2)
+
+    ref = logits(bench.build_model(cfg, device, torch.float32, "torch", seed=4))
+    same = logits(bench.build_model(cfg, device, torch.float32, "torch", seed=4))
+    wrong_model = bench.build_model(cfg, device, torch.float32, "torch", seed=4)
+    for module in wrong_model.modules():
+        if isinstance(module, TorchExperts):
+            module.__class__ = Off
+    assert bench.compare("same", same, ref)["correct"]
+    wrong = bench.compare("off", logits(wrong_model), ref)
+    assert not wrong["correct"] and wrong["rel_err_vs_ref"] > bench.LOGITS_RTOL

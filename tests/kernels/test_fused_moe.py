@@ -22,7 +22,7 @@ from kernels.fused_moe import block_config, fused_experts, moe_align_block_size 
 from models.loader.gguf_writer import write_gguf  # noqa: E402
 from models.loader.load import load_model  # noqa: E402
 from models.loader.raw_blocks import RawBlocks  # noqa: E402
-from models.moe import EXPERT_BACKENDS, ExpertBackend, TorchExperts, TritonExperts  # noqa: E402
+from models.experts import ExpertBackend, TorchExperts, TritonExperts  # noqa: E402
 from models.synthetic import write_checkpoint  # noqa: E402
 from executor.model_runner import ModelRunner, RequestSlice  # noqa: E402
 
@@ -209,9 +209,24 @@ def test_block_config_grows_with_tokens_per_expert() -> None:
 # ------------------------------------------------------------------ the backend
 
 
-def test_triton_backend_is_registered_and_graph_safe() -> None:
-    assert "triton" in EXPERT_BACKENDS
-    assert TritonExperts.graph_safe and not TorchExperts.graph_safe and not ExpertBackend.graph_safe
+@pytest.mark.parametrize("t", [1, 7])
+def test_triton_backend_matches_torch_backend(t: int) -> None:
+    """The backend as a MoE layer uses it (load_expert one HF weight at a time, submit, sync) against
+    the torch reference backend holding the same weights."""
+    gen = torch.Generator().manual_seed(31 + t)
+    e, h, i, k = 6, 40, 24, 2
+    triton_experts, torch_experts = TritonExperts(e, h, i).to(DEVICE), TorchExperts(e, h, i).to(DEVICE)
+    for expert in range(e):
+        for kind, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            w = torch.randn(*shape, generator=gen) / shape[1] ** 0.5
+            triton_experts.load_expert(expert, kind, w.to(DEVICE))
+            torch_experts.load_expert(expert, kind, w.to(DEVICE))
+    ids, weights = routing(t, k, e, "uniform", gen)
+    x = torch.randn(t, h, generator=gen).to(DEVICE)
+    want = torch_experts(x, ids.to(DEVICE), weights.to(DEVICE))
+    got = triton_experts(x, ids.to(DEVICE), weights.to(DEVICE))
+    assert want.abs().max() > 0.1
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_backend_on_cpu_without_interpreter_is_a_clear_error(monkeypatch) -> None:

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from models.config import DeepseekConfig, LlamaConfig, config_from_hf_dict
 from models.loader.errors import CheckpointError
+from models.rotary import rope_inv_freq
 from models.loader.load import load_model
 from tests.hf_models import save_hf_model
 
@@ -55,8 +56,20 @@ def test_v2_lite_old_and_new_rope_formats_agree():
     assert old.q_lora_rank is None and old.kv_cache_dim == 576
     assert old.rope.scaling_type == "yarn" and old.rope.factor == 40 and old.rope.interleaved
     assert not old.is_moe_layer(0) and old.is_moe_layer(1)
-    # DeepSeek's softmax scale: 1/sqrt(192) * (0.1 * 0.707 * ln 40 + 1)^2
-    assert old.softmax_scale == pytest.approx(192**-0.5 * (0.1 * 0.707 * torch.log(torch.tensor(40.0)).item() + 1) ** 2)
+    # the oracle for the YaRN-scaled softmax scale and the rope: HF transformers' own DeepSeek-V2 modules,
+    # built from the same config.json (on the meta device: only their attributes and buffers are read)
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Attention, DeepseekV2RotaryEmbedding
+
+    hf_config = DeepseekV2Config(**V2_OLD_STYLE)
+    with torch.device("meta"):
+        hf_attention = DeepseekV2Attention(hf_config, layer_idx=0)
+    assert old.softmax_scale == pytest.approx(hf_attention.scaling, rel=1e-6)
+    assert old.softmax_scale != pytest.approx(192**-0.5)  # the YaRN mscale is in it
+    hf_rope = DeepseekV2RotaryEmbedding(hf_config)
+    inv_freq, attention_scaling = rope_inv_freq(old.rope)
+    torch.testing.assert_close(inv_freq.float(), hf_rope.inv_freq.float(), rtol=1e-6, atol=0)
+    assert attention_scaling == pytest.approx(hf_rope.attention_scaling, rel=1e-6)
 
 
 def test_v3_router_fields_and_moe_layer_freq():

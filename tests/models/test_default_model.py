@@ -9,6 +9,7 @@ from models.builtin import DEFAULT_MODEL, builtin_model_path
 from models.loader.load import load_model
 from executor.model_runner import ModelRunner, RequestSlice
 from server.chat_template import render_chat
+from tests.llama_cpp_oracle import open_llama
 
 SYSTEM = "You are a helpful assistant."
 PROMPTS = [
@@ -59,8 +60,8 @@ def llama_cpp_greedy(llama_cpp, ids: list[int], n: int) -> list[int]:
     """Greedy tokens from llama.cpp, on a fresh context (reset() keeps stale KV cells in new versions)."""
     import numpy as np
 
-    llm = llama_cpp.Llama(model_path=str(builtin_model_path(DEFAULT_MODEL)), n_ctx=256, n_threads=2,
-                          verbose=False, logits_all=True)
+    llm = open_llama(builtin_model_path(DEFAULT_MODEL), n_ctx=256, n_threads=2,
+                     verbose=False, logits_all=True)
     llm.eval(ids)
     out = []
     for _ in range(n):

@@ -38,6 +38,7 @@ from models.loader import gguf_loader
 from models.loader.errors import CheckpointError
 from models.loader.gguf_loader import GGUFCheckpoint
 from models.loader.gguf_writer import write_gguf
+from tests.llama_cpp_oracle import open_llama
 
 _UNCARRIED = {"DeepseekConfig": ("moe.moe_layer_freq", "rope.mscale", "rope.truncate", "attention_bias"),
               "LlamaConfig": ("rope.truncate",)}
@@ -346,12 +347,12 @@ def test_quantized_write_within_rounding(
 
 @pytest.mark.parametrize("case", ["llama", "v3"])
 def test_llama_cpp_runs_written_file_like_hf(hf_dirs: dict[str, Path], tmp_path: Path, case: str) -> None:
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     from transformers import AutoModelForCausalLM
 
     path = write_gguf(hf_dirs[case], tmp_path / "m.gguf")
     ids = [0, 5, 17, 44, 100, 250, 33, 7]
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=32, logits_all=True, verbose=False, n_threads=2,
+    llm = open_llama(path, n_ctx=32, logits_all=True, verbose=False, n_threads=2,
                           type_k=0, type_v=0)  # F32 KV cache: compare fp32 with fp32
     llm.eval(ids)
     got = torch.tensor(np.array(llm.scores[: len(ids)]))

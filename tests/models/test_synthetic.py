@@ -213,7 +213,6 @@ def test_bad_requests_are_refused(tmp_path: Path) -> None:
 
 
 def test_gguf_option_writes_a_file_the_loader_opens(tmp_path: Path) -> None:
-    pytest.importorskip("models.loader.gguf_writer")
     from models.loader.gguf_loader import GGUFCheckpoint
 
     path = synthetic.write_checkpoint(tmp_path / "v3", "tiny-deepseek-v3", seed=1, gguf=True, gguf_qtype="Q8_0")

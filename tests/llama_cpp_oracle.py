@@ -1,0 +1,32 @@
+"""llama.cpp (llama-cpp-python) as an oracle: one way to open a GGUF file with it.
+
+Opened without llama.cpp's "extra" weight buffers (repacked and AMX tile layouts): on a host with AMX,
+llama-cpp-python 0.3.36 built natively crashes (SIGSEGV) in its first eval through them. The plain CPU
+kernels it falls back to compute the same model; they are the oracle here, not a speed reference.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def open_llama(path: str | os.PathLike[str], **kwargs: Any) -> Any:
+    """`llama_cpp.Llama(model_path=path, **kwargs)` with `use_extra_bufts` off (the binding has no
+    argument for it, so its default-params function is wrapped while the model loads)."""
+    import llama_cpp
+    from llama_cpp import llama as llama_module
+
+    defaults = llama_module.llama_cpp.llama_model_default_params
+
+    def params() -> Any:
+        p = defaults()
+        if hasattr(p, "use_extra_bufts"):
+            p.use_extra_bufts = False
+        return p
+
+    llama_module.llama_cpp.llama_model_default_params = params
+    try:
+        return llama_cpp.Llama(model_path=str(path), **kwargs)
+    finally:
+        llama_module.llama_cpp.llama_model_default_params = defaults
