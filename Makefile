@@ -48,7 +48,10 @@ $(ORACLES): $(STAMP)
 		rm -rf $$tmp; } || echo "promtool could not be fetched: the promtool check of /metrics will be skipped"
 	touch $(ORACLES)
 
+# lint-imports checks the import-linter contracts in pyproject.toml (one-way layers, no torch on the
+# HTTP side) before the suite runs.
 test: $(ORACLES)
+	$(VENV)/bin/lint-imports
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q
 
 # The cpp_experts extension built with AddressSanitizer into a temp dir, and its tests run on it.

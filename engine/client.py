@@ -21,8 +21,8 @@ deltas until every completion (0..n-1) has its final output. An error output (`f
 "error"`, e.g. refused as overloaded, or `ERR_ENGINE`) ends the whole request. A consumer that
 stops early (`aclose()`, cancellation, or dropping the iterator) aborts the request in the engine.
 
-Death: EOF on the pipe, the process sentinel, or the engine's own ("fatal", message) marks the
-client dead: every pending request gets an `ERR_ENGINE` error output (nothing hangs), later
+Death: EOF on the pipe, the process sentinel, the engine's own `Fatal`, or a message that does not
+decode as a `FromEngine` (the protocol is broken: the process is killed) marks the client dead: every pending request gets an `ERR_ENGINE` error output (nothing hangs), later
 `generate` calls yield the same error at once, and `stats()` raises RuntimeError.
 """
 
@@ -39,15 +39,27 @@ from multiprocessing.connection import wait as mp_wait
 from typing import Any, AsyncIterator
 
 from engine.args import EngineArgs
-from engine.process import SHUTDOWN, CoreFactory, run_engine_process
+from engine.process import CoreFactory, run_engine_process
 from engine.messages import (
     ERR_ENGINE,
+    ERR_SHUTDOWN,
     FINISH_ERROR,
     AbortRequest,
+    EngineInfo,
+    EngineReady,
     EngineStats,
+    Fatal,
+    FromEngine,
     GenerateRequest,
+    Outputs,
     RequestOutput,
+    Shutdown,
+    StartupError,
+    Stats,
     StatsRequest,
+    ToEngine,
+    decode_from_engine,
+    encode,
 )
 
 logger = logging.getLogger(__name__)
@@ -71,8 +83,8 @@ class EngineClient:
         self._streams: dict[str, _Stream] = {}
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._next_stats_id = 0
-        self._info: dict = {}
-        self._ready: asyncio.Future = loop.create_future()  # -> describe() result
+        self._info: EngineInfo | None = None
+        self._ready: asyncio.Future = loop.create_future()  # -> the EngineInfo of EngineReady
         self._exited = asyncio.Event()  # the process is gone and the reader thread has ended
         self._dead_reason: str | None = None
         self._shut_down = False
@@ -129,7 +141,7 @@ class EngineClient:
             return
         self._shut_down = True
         if self._dead_reason is None:
-            self._send(SHUTDOWN)
+            self._send(Shutdown())
             self._mark_dead("engine core was shut down")
         await self._close(timeout)
 
@@ -196,6 +208,19 @@ class EngineClient:
         if self._dead_reason is None:
             self._send(AbortRequest(rid))
 
+    def abort_all(self, reason: str) -> int:
+        """Ends every running request now: its stream yields an `ERR_SHUTDOWN` error saying `reason`,
+        and ending the stream aborts it in the engine (which frees its KV). For a server that must stop
+        before they finish. Returns how many were running."""
+        streams = list(self._streams.values())
+        for stream in streams:
+            stream.queue.put_nowait(RequestOutput(
+                rid=stream.req.rid, index=0, new_token_ids=[], finish_reason=FINISH_ERROR,
+                prompt_tokens=len(stream.req.input_ids), arrival_time=stream.req.arrival_time,
+                error=reason, error_code=ERR_SHUTDOWN,
+            ))
+        return len(streams)
+
     async def stats(self) -> EngineStats:
         """The engine's counters; raises RuntimeError when the engine is dead."""
         if self._dead_reason is not None:
@@ -217,9 +242,11 @@ class EngineClient:
         return self._dead_reason is None
 
     @property
-    def info(self) -> dict:
-        """What the core's describe() said at start-up (model name, vocab size, context, KV sizes)."""
-        return dict(self._info)
+    def info(self) -> EngineInfo:
+        """What the engine said when it was ready (model, vocab size, context, KV sizes, pid)."""
+        if self._info is None:
+            raise RuntimeError("the engine has not started")
+        return self._info
 
     @property
     def pid(self) -> int | None:
@@ -232,26 +259,23 @@ class EngineClient:
 
     # ---- on the event loop: messages from the engine ------------------------------------------
 
-    def _dispatch(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "outputs":
-            for out in msg[1]:
+    def _dispatch(self, msg: FromEngine) -> None:
+        if isinstance(msg, Outputs):
+            for out in msg.items:
                 stream = self._streams.get(out.rid)
                 if stream is not None:  # else: a late output of a request that was aborted
                     stream.queue.put_nowait(out)
-        elif kind == "stats":
-            future = self._stats_waiters.pop(msg[1].request_id, None)
+        elif isinstance(msg, Stats):
+            future = self._stats_waiters.pop(msg.stats.request_id, None)
             if future is not None and not future.done():
-                future.set_result(msg[1])
-        elif kind == "ready":
+                future.set_result(msg.stats)
+        elif isinstance(msg, EngineReady):
             if not self._ready.done():
-                self._ready.set_result(msg[1])
-        elif kind == "startup_error":
-            self._mark_dead(f"engine core failed to start: {msg[1]}")
-        elif kind == "fatal":
-            self._mark_dead(msg[1])
-        else:
-            logger.warning("engine client ignores an unknown message %r", kind)
+                self._ready.set_result(msg.info)
+        elif isinstance(msg, StartupError):
+            self._mark_dead(f"engine core failed to start: {msg.message}")
+        elif isinstance(msg, Fatal):
+            self._mark_dead(msg.reason)
 
     def _on_exit(self, reason: str | None) -> None:
         """The process has ended (or its pipe closed, `reason` then says so)."""
@@ -285,13 +309,13 @@ class EngineClient:
 
     # ---- threads ------------------------------------------------------------------------------
 
-    def _send(self, msg: Any) -> None:
+    def _send(self, msg: ToEngine) -> None:
         self._outbox.put(msg)
 
     def _writer_main(self) -> None:
         while (msg := self._outbox.get()) is not _STOP:
             try:
-                self._conn.send(msg)
+                self._conn.send_bytes(encode(msg))
             except (OSError, ValueError):  # the engine is gone; the reader reports it
                 return
 
@@ -312,18 +336,18 @@ class EngineClient:
             ready = mp_wait([conn, sentinel])
             if conn in ready:
                 try:
-                    msg = conn.recv()
+                    data = conn.recv_bytes()
                 except (EOFError, OSError):  # (ECONNRESET when it died with our messages unread)
                     # the child is on its way out: wait a little so that the error can tell its exit code
                     if not mp_wait([sentinel], timeout=1.0):
                         self._post(self._on_exit, "engine core process closed its pipe")
                         mp_wait([sentinel])
                     return
-                self._post(self._dispatch, msg)
+                self._post(self._dispatch, decode_from_engine(data))  # a DecodeError: see _reader_main
             elif sentinel in ready:
                 try:
                     while conn.poll(0):  # what it wrote before dying, e.g. its crash report
-                        self._post(self._dispatch, conn.recv())
+                        self._post(self._dispatch, decode_from_engine(conn.recv_bytes()))
                 except (EOFError, OSError):
                     pass
                 return

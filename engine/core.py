@@ -1,9 +1,12 @@
 """`EngineCore`: the model, its pools, the scheduler and the sampler, behind four calls.
 
 It runs inside the engine process (`engine_process.py`), single-threaded: `add_request`, `abort`,
-`step` and `stats` are called from that process's loop only. Requests are checked here once more
-(the server validates first): anything the engine cannot honour becomes an immediate error output
-with a code the server maps to an HTTP status, never an exception in the loop.
+`step` and `stats` are called from that process's loop only. Parameters are validated at the server
+edge (`SamplingParams.validate`, `validate_prompt_ids`), where a `ParamError` becomes a 400 naming
+the parameter. The core runs the same two functions again only as a guard — one bad token id would
+crash the step that batches every other request — and checks what only it knows (the KV cache's
+size, its queues): anything it cannot honour becomes an immediate error output with a code the
+server maps to an HTTP status, never an exception in the loop.
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ from engine.messages import (
     ERR_INVALID,
     ERR_OVERLOADED,
     FINISH_ERROR,
+    EngineInfo,
     EngineStats,
     GenerateRequest,
     RequestOutput,
 )
+from scheduler.sampling_params import ParamError, validate_prompt_ids
 from executor.model_runner import ModelRunner
 from scheduler.radix_cache import create_prefix_cache
 from scheduler.request import Req
@@ -69,7 +74,7 @@ class EngineCore:
         tok = loaded.tokenizer
         eos = set(cfg.eos_token_ids) | set(tok.eos_token_ids if tok else ())
         self.context_len = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        kv_dtype = resolve_dtype(args.kv_dtype, device) if args.kv_dtype else loaded.dtype
+        kv_dtype = loaded.dtype if args.kv_dtype == "auto" else resolve_dtype(args.kv_dtype, device)
         per_token = kv_bytes_per_token(cfg, kv_dtype)
         # from the flag, else a share of free memory, but never more than every running request can fill
         num_slots = args.max_total_tokens or min(
@@ -84,8 +89,8 @@ class EngineCore:
             cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
             hybrid_graph_mode=args.hybrid_graph_mode,
         )
-        use_cache = args.enable_prefix_cache and args.page_size == 1
-        if args.enable_prefix_cache and not use_cache:
+        use_cache = not args.disable_prefix_cache and args.page_size == 1
+        if not args.disable_prefix_cache and not use_cache:
             logger.warning("the prefix cache works with page size 1 only: off for page size %d", args.page_size)
         self.cache = create_prefix_cache(use_cache, self.runner.allocator)
         self.shares_prompts = use_cache
@@ -106,12 +111,12 @@ class EngineCore:
             args.max_running_requests, self.context_len, args.page_size, "on" if use_cache else "off",
         )
 
-    def describe(self) -> dict:
-        return {
-            "model": self.model_name, "arch": self.config.arch, "vocab_size": self.config.vocab_size,
-            "context_length": self.context_len, "kv_slots": self.runner.allocator.num_slots,
-            "kv_bytes_per_token": self.kv_bytes_per_token, "eos_token_ids": list(self.scheduler.eos_token_ids),
-        }
+    def describe(self) -> EngineInfo:
+        return EngineInfo(
+            model=self.model_name, arch=self.config.arch, vocab_size=self.config.vocab_size,
+            context_length=self.context_len, kv_slots=self.runner.allocator.num_slots,
+            kv_bytes_per_token=self.kv_bytes_per_token, eos_token_ids=[int(t) for t in self.scheduler.eos_token_ids],
+        )
 
     # ------------------------------------------------------------------ the four calls
     def add_request(self, req: GenerateRequest) -> list[RequestOutput]:
@@ -130,16 +135,11 @@ class EngineCore:
 
     def _check(self, req: GenerateRequest) -> tuple[str, str] | None:
         ids, p = req.input_ids, req.params
-        if not ids:
-            return ERR_INVALID, "the prompt is empty"
-        vocab = self.config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            return ERR_INVALID, f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})"
         try:
-            p.validate(vocab)
-        except ValueError as e:
-            return ERR_INVALID, str(e)
+            validate_prompt_ids(ids, self.config.vocab_size)
+            p.validate(self.config.vocab_size)
+        except ParamError as e:
+            return ERR_INVALID, e.message
         want = len(ids) + (1 if p.max_tokens is None else p.max_tokens)
         if want > self.context_len:
             return ERR_CONTEXT, (

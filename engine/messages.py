@@ -1,19 +1,35 @@
-"""What crosses the boundary between the server side and the engine core process.
+"""What crosses the pipe between the server side (`engine.client`) and the engine process.
 
-Server -> engine:  `GenerateRequest` (a new request), `AbortRequest`, `StatsRequest`.
-Engine -> server:  `RequestOutput` (a delta of new tokens of one completion, or its end, or an error),
-                   `EngineStats` (answer to StatsRequest).
+Server -> engine (`ToEngine`):  `GenerateRequest`, `AbortRequest`, `StatsRequest`, `Shutdown`.
+Engine -> server (`FromEngine`): `EngineReady` (with `EngineInfo`) or `StartupError` once at start-up;
+                                 `Outputs` (deltas of `RequestOutput`) once per loop iteration;
+                                 `Stats` (an `EngineStats`, the answer to a StatsRequest);
+                                 `Fatal` (last words after a crash).
 
-All are plain dataclasses of ints, floats, strings and lists, cheap to send over a pipe.
+Every message is a msgspec Struct, sent as msgpack bytes (`encode`) and read back by a decoder typed
+with the union of what that direction may carry (`decode_to_engine`, `decode_from_engine`). Nothing is
+unpickled: a message of an unknown kind, a field one side does not know, or a value of the wrong type
+is a `msgspec.ValidationError` / `DecodeError` on the reading side, never a silent default.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import Union
+
+import msgspec
 
 from executor.logprobs import TokenLogprob
 from scheduler.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from scheduler.sampling_params import SamplingParams
+
+__all__ = [
+    "FINISH_ABORT", "FINISH_LENGTH", "FINISH_STOP", "FINISH_ERROR",
+    "ERR_OVERLOADED", "ERR_CONTEXT", "ERR_INVALID", "ERR_ENGINE", "ERR_SHUTDOWN",
+    "GenerateRequest", "AbortRequest", "StatsRequest", "Shutdown", "ToEngine",
+    "EngineInfo", "RequestOutput", "EngineStats",
+    "EngineReady", "StartupError", "Outputs", "Stats", "Fatal", "FromEngine",
+    "encode", "decode_to_engine", "decode_from_engine",
+]
 
 # finish_reason values are scheduler.request's FINISH_* (imported above); FINISH_ERROR is the engine's own
 FINISH_ERROR = "error"  # the engine could not run it; see `error`
@@ -23,28 +39,55 @@ ERR_OVERLOADED = "overloaded"  # queue full: retry later (HTTP 503)
 ERR_CONTEXT = "context_length_exceeded"  # prompt (+ max_tokens) longer than the context (HTTP 400)
 ERR_INVALID = "invalid_request"  # a value the engine cannot honour (HTTP 400)
 ERR_ENGINE = "engine_error"  # the engine crashed or died (HTTP 500/503)
+ERR_SHUTDOWN = "shutting_down"  # the server is shutting down and ended it (HTTP 503)
 
 
-@dataclass(frozen=True)
-class GenerateRequest:
+class _Message(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """Base of the messages on the pipe: tagged with the class name, so a decoder knows the kind."""
+
+
+# ---- server -> engine ----------------------------------------------------------------------------
+
+
+class GenerateRequest(_Message, frozen=True):
     rid: str  # unique id chosen by the server
     input_ids: list[int]  # prompt token ids
     params: SamplingParams
     arrival_time: float = 0.0  # time.time() when the server received it
 
 
-@dataclass(frozen=True)
-class AbortRequest:
+class AbortRequest(_Message, frozen=True):
     rid: str
 
 
-@dataclass(frozen=True)
-class StatsRequest:
+class StatsRequest(_Message, frozen=True):
     request_id: int  # echoed in the reply so concurrent stats calls do not mix
 
 
-@dataclass
-class RequestOutput:
+class Shutdown(_Message, frozen=True):
+    """Finish nothing more: the engine process exits (the server has drained what it wanted)."""
+
+
+ToEngine = Union[GenerateRequest, AbortRequest, StatsRequest, Shutdown]
+
+
+# ---- engine -> server ----------------------------------------------------------------------------
+
+
+class EngineInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the engine tells the server once it is ready."""
+
+    model: str  # the path or built-in name it loaded
+    arch: str  # "deepseek" | "llama"
+    vocab_size: int
+    context_length: int  # longest prompt + completion, in tokens
+    kv_slots: int  # tokens the KV pool holds
+    kv_bytes_per_token: int
+    eos_token_ids: list[int]
+    pid: int = 0  # the engine process (set by the process loop, not the core)
+
+
+class RequestOutput(msgspec.Struct, forbid_unknown_fields=True):
     """A delta for completion `index` of request `rid`: tokens since the previous delta."""
 
     rid: str
@@ -68,8 +111,7 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-@dataclass
-class EngineStats:
+class EngineStats(msgspec.Struct, forbid_unknown_fields=True):
     request_id: int = 0
     num_running: int = 0
     num_waiting: int = 0
@@ -80,8 +122,52 @@ class EngineStats:
     generation_tokens_total: int = 0
     retractions_total: int = 0
     aborted_total: int = 0
-    finished_total: dict[str, int] = field(default_factory=dict)  # by finish_reason
+    finished_total: dict[str, int] = {}  # by finish_reason (msgspec copies the default)
 
     @property
     def kv_usage(self) -> float:
         return self.kv_slots_used / self.kv_slots_total if self.kv_slots_total else 0.0
+
+
+class EngineReady(_Message, frozen=True):
+    info: EngineInfo
+
+
+class StartupError(_Message, frozen=True):
+    message: str
+
+
+class Outputs(_Message, frozen=True):
+    items: list[RequestOutput]
+
+
+class Stats(_Message, frozen=True):
+    stats: EngineStats
+
+
+class Fatal(_Message, frozen=True):
+    reason: str
+
+
+FromEngine = Union[EngineReady, StartupError, Outputs, Stats, Fatal]
+
+
+# ---- the codec -------------------------------------------------------------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+_to_engine = msgspec.msgpack.Decoder(ToEngine)
+_from_engine = msgspec.msgpack.Decoder(FromEngine)
+
+
+def encode(msg: _Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_to_engine(data: bytes) -> ToEngine:
+    """Raises msgspec.DecodeError (a ValidationError among them) for anything but a ToEngine message."""
+    return _to_engine.decode(data)
+
+
+def decode_from_engine(data: bytes) -> FromEngine:
+    """Raises msgspec.DecodeError (a ValidationError among them) for anything but a FromEngine message."""
+    return _from_engine.decode(data)

@@ -1,11 +1,11 @@
 """The engine core process: owns the model and runs the step loop, talking to the server over one pipe.
 
     server process (EngineClient)                            engine core process (this module)
-        GenerateRequest | AbortRequest | StatsRequest | ("shutdown",)  ──▶
-        ◀──  ("ready", info) | ("startup_error", message)              once, at start-up
-        ◀──  ("outputs", [RequestOutput, ...])                         one message per loop iteration
-        ◀──  ("stats", EngineStats)                                    answer to a StatsRequest
-        ◀──  ("fatal", message)                                        last words after a crash
+        GenerateRequest | AbortRequest | StatsRequest | Shutdown   ──▶
+        ◀──  EngineReady(EngineInfo) | StartupError               once, at start-up
+        ◀──  Outputs([RequestOutput, ...])                         one message per loop iteration
+        ◀──  Stats(EngineStats)                                    answer to a StatsRequest
+        ◀──  Fatal(reason)                                         last words after a crash
 
 One loop iteration, read aloud: take every message already waiting (block on the pipe only while
 the core is idle) → apply them in order → `core.step()` if the core has work → send everything
@@ -15,22 +15,20 @@ What the server side relies on:
 - Every completion of every accepted request gets a final output (`finish_reason` set): from the
   core, or made here when the core answers an abort without one, or an `ERR_ENGINE` error when the
   core crashes. An error output returned by `add_request` means "refused": the request is not kept.
-- A crash is reported, never hidden: any exception out of the core sends an `ERR_ENGINE` error for
-  every pending completion, then `("fatal", message)`, logs the traceback, and exits with
-  `EXIT_ENGINE_CRASHED`.
+- A crash is reported, never hidden: any exception out of the core (or a message that does not
+  decode: the protocol is broken) sends an `ERR_ENGINE` error for every pending completion, then
+  `Fatal(reason)`, logs the traceback, and exits with `EXIT_ENGINE_CRASHED`.
 - The process leaves by itself when the server goes away (EOF on the pipe, or its parent pid
   changes), so a killed server never leaves an engine holding the GPU.
 - SIGINT and SIGTERM are ignored here: a signal to the process group (Ctrl-C, systemd, docker stop)
   reaches this process too, and the server alone decides how to drain and when to shut it down.
 
-The pipe carries Python objects via `multiprocessing.Connection` (pickle under the hood). It is an
-anonymous pipe between a parent and the child it spawned, so nothing untrusted ever reaches it;
-the no-pickle rule is about files read from disk.
+The pipe carries msgpack frames (`engine.messages.encode` / `decode_*`, typed msgspec Structs) with
+`Connection.send_bytes` / `recv_bytes`: nothing is pickled or unpickled on it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import logging
 import os
@@ -40,27 +38,37 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+import msgspec
+
 from engine.args import EngineArgs
 from engine.messages import (
     ERR_ENGINE,
     FINISH_ABORT,
     FINISH_ERROR,
     AbortRequest,
+    EngineInfo,
+    EngineReady,
     EngineStats,
+    Fatal,
     GenerateRequest,
+    Outputs,
     RequestOutput,
+    Shutdown,
+    StartupError,
+    Stats,
     StatsRequest,
+    decode_to_engine,
+    encode,
 )
 
 logger = logging.getLogger(__name__)
 
 # exit codes of the engine core process
 EXIT_OK = 0  # asked to shut down
-EXIT_STARTUP_FAILED = 1  # the core could not be built; ("startup_error", message) was sent
-EXIT_ENGINE_CRASHED = 2  # the core raised; errors and ("fatal", message) were sent
+EXIT_STARTUP_FAILED = 1  # the core could not be built; StartupError was sent
+EXIT_ENGINE_CRASHED = 2  # the core raised (or a message did not decode); errors and Fatal were sent
 EXIT_PARENT_GONE = 3  # the server went away
 
-SHUTDOWN = ("shutdown",)  # the one control message the server sends
 IDLE_POLL_S = 0.5  # while idle, how often to look whether the parent is still there
 
 
@@ -72,7 +80,7 @@ class EngineCoreLike(Protocol):
     def step(self) -> list[RequestOutput]: ...
     def has_work(self) -> bool: ...
     def stats(self) -> EngineStats: ...
-    def describe(self) -> dict: ...
+    def describe(self) -> EngineInfo: ...
 
 
 CoreFactory = Callable[[EngineArgs], EngineCoreLike]
@@ -150,12 +158,12 @@ class _EngineLoop:
     def run(self, args: EngineArgs) -> int:
         try:
             self.core = self.core_factory(args)
-            info = self.core.describe()
+            info = msgspec.structs.replace(self.core.describe(), pid=os.getpid())
         except Exception as exc:
             logger.exception("engine core failed to start")
-            self._send(("startup_error", f"{type(exc).__name__}: {exc}"))
+            self._send(StartupError(f"{type(exc).__name__}: {exc}"))
             return EXIT_STARTUP_FAILED
-        if not self._send(("ready", info)):
+        if not self._send(EngineReady(info)):
             return EXIT_PARENT_GONE
         logger.info("engine core ready: %s", info)
         try:
@@ -168,7 +176,7 @@ class _EngineLoop:
                 if self.outbox:
                     outs, self.outbox = self.outbox, []
                     self._track(outs)
-                    if not self._send(("outputs", outs)):
+                    if not self._send(Outputs(outs)):
                         return EXIT_PARENT_GONE
         except Exception as exc:
             return self._crash(exc)
@@ -181,12 +189,12 @@ class _EngineLoop:
             try:
                 if not self.conn.poll(timeout):
                     break
-                msg = self.conn.recv()
+                data = self.conn.recv_bytes()
             except (EOFError, OSError):
                 logger.info("server side closed the pipe; engine core exits")
                 return EXIT_PARENT_GONE
             timeout = 0.0
-            code = self._apply(msg)
+            code = self._apply(decode_to_engine(data))  # a DecodeError ends the loop as a crash
             if code is not None:
                 return code
         if os.getppid() != self.parent_pid:
@@ -194,7 +202,7 @@ class _EngineLoop:
             return EXIT_PARENT_GONE
         return None
 
-    def _apply(self, msg: Any) -> int | None:
+    def _apply(self, msg: GenerateRequest | AbortRequest | StatsRequest | Shutdown) -> int | None:
         core = self.core
         if isinstance(msg, GenerateRequest):
             self.pending[msg.rid] = _Pending(set(range(msg.params.n)), len(msg.input_ids), msg.arrival_time)
@@ -211,14 +219,12 @@ class _EngineLoop:
             ended = {o.index for o in outs if o.rid == msg.rid and o.finished}
             self.outbox.extend(pending.final(msg.rid, i, FINISH_ABORT) for i in sorted(pending.unfinished - ended))
         elif isinstance(msg, StatsRequest):
-            stats = dataclasses.replace(core.stats(), request_id=msg.request_id)
-            if not self._send(("stats", stats)):
+            stats = msgspec.structs.replace(core.stats(), request_id=msg.request_id)
+            if not self._send(Stats(stats)):
                 return EXIT_PARENT_GONE
-        elif msg == SHUTDOWN:
+        elif isinstance(msg, Shutdown):
             logger.info("engine core shutting down (%d requests pending)", len(self.pending))
             return EXIT_OK
-        else:
-            logger.warning("engine core ignores an unknown message of type %s", type(msg).__name__)
         return None
 
     def _track(self, outs: list[RequestOutput]) -> None:
@@ -240,16 +246,16 @@ class _EngineLoop:
             outs.extend(pending.final(rid, i, FINISH_ERROR, reason) for i in sorted(pending.unfinished))
         self.pending.clear()
         try:
-            self.conn.send(("outputs", outs))
-            self.conn.send(("fatal", reason))
+            self.conn.send_bytes(encode(Outputs(outs)))
+            self.conn.send_bytes(encode(Fatal(reason)))
         except Exception:  # the server is gone or the outputs cannot be sent: the exit code still tells
             logger.exception("could not report the crash to the server")
         return EXIT_ENGINE_CRASHED
 
-    def _send(self, msg: tuple) -> bool:
+    def _send(self, msg: EngineReady | StartupError | Outputs | Stats) -> bool:
         """False when the server side is gone."""
         try:
-            self.conn.send(msg)
+            self.conn.send_bytes(encode(msg))
             return True
         except (OSError, EOFError):
             return False

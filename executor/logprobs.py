@@ -1,16 +1,16 @@
 """`TokenLogprob`: one sampled (or prompt) token's log-probability, as the sampler reports it.
 
 Kept apart from the sampler (and free of torch) because it travels all the way up: the scheduler
-stores it per request, the engine sends it to the server, the server renders OpenAI's `logprobs`.
+stores it per request, the engine sends it to the server (a msgspec Struct inside
+`engine.messages.RequestOutput`, typed on the pipe), the server renders OpenAI's `logprobs`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
+class TokenLogprob(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     token_id: int
-    logprob: float  # log_softmax of the model's logits (before any sampling transform)
-    top: list[tuple[int, float]] = field(default_factory=list)  # top_logprobs alternatives, best first
+    logprob: float  # log_softmax of the model's logits (before any sampling transform); may be -inf
+    top: list[tuple[int, float]] = []  # top_logprobs alternatives, best first (msgspec copies the default)

@@ -14,14 +14,17 @@ import time
 
 
 def _generate(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="mlaserve generate", description="Greedy generation from one prompt.")
-    p.add_argument("--model", default="smollm2-135m-instruct", help="built-in name, HF directory or .gguf file")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    args = p.parse_args(argv)
+    from engine.args import EngineArgs
+    from server.args import flags_of, parse_flags
+
+    def own(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--prompt", required=True)
+        p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
+        p.add_argument("--max-tokens", type=int, default=64)
+
+    # the engine's flags (and MLASERVE_* variables) are serve's: one definition in EngineArgs
+    args = parse_flags("mlaserve generate", "Greedy generation from one prompt.",
+                       flags_of(EngineArgs, ["model", "device", "dtype"]), argv, extra=own)
 
     from models.loader.load import load_model
     from executor.model_runner import ModelRunner

@@ -1,21 +1,38 @@
-"""`SamplingParams`: how one request's tokens are chosen and when it stops.
+"""`SamplingParams`: how one request's tokens are chosen and when it stops; `ParamError`: a bad one.
 
-Validated once when the request enters (server side), so the engine never meets a bad value;
-`validate` raises `ValueError` whose first word is the offending parameter's OpenAI name, which
-the server turns into a 400 with `param` set.
+Validated once, at the server edge, where the vocabulary size is known: `validate` raises
+`ParamError(param, message)` naming the offending OpenAI parameter, and the server turns it into a
+400 whose `param` is `ParamError.param` (never parsed back out of the message). `validate_prompt_ids`
+is the same check for the prompt's token ids. The engine runs neither as a validation of its own (see
+`engine.core`): what reaches it was checked here.
+
+`SamplingParams` is a frozen msgspec Struct: it crosses the server -> engine pipe inside
+`engine.messages.GenerateRequest`, typed, and a field the decoder does not know is an error.
+Copy with changes: `msgspec.structs.replace(params, max_tokens=8)`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+
+import msgspec
 
 # Sentinel for "no limit" on top_k, as in vLLM/SGLang.
 TOP_K_ALL = -1
 
 
-@dataclass(frozen=True)
-class SamplingParams:
+class ParamError(ValueError):
+    """A request parameter the server refuses: `param` is its OpenAI name ("top_p", "logit_bias",
+    "stop_token_ids", "prompt", ...), `message` the text for the client (it names the parameter too)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # nucleus mass kept, (0, 1]
     top_k: int = TOP_K_ALL  # keep the k most likely; -1 = all
@@ -23,11 +40,13 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF/CTRL style: logits of seen tokens divided (>0) or multiplied (<0)
     presence_penalty: float = 0.0  # OpenAI: subtracted once from every generated token's logit
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence among generated tokens
-    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias added to the logit
+    logit_bias: dict[int, float] = {}  # token id -> bias added to the logit (msgspec copies the default)
     seed: int | None = None  # same seed + same prompt => same tokens, whatever shares the batch
     n: int = 1  # completions sharing the prompt's KV
     max_tokens: int | None = None  # None: until the context is full
     min_tokens: int = 0  # EOS and stop ids are masked until this many tokens exist
+    # Generation ends ("stop") right after one of these ids is sampled. The id is part of the
+    # completion's token ids and usage; the server leaves its text out (as vLLM does by default).
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False  # return the chosen token's logprob
@@ -39,31 +58,41 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     def validate(self, vocab_size: int) -> None:
-        """Raises ValueError naming the parameter when a value is out of range."""
+        """Raises ParamError naming the OpenAI parameter when a value is out of range."""
         _check(math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0,
-               "temperature must be between 0 and 100")
-        _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
-        _check(self.top_k == TOP_K_ALL or self.top_k >= 1, "top_k must be -1 (all) or >= 1")
-        _check(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]")
+               "temperature", "temperature must be between 0 and 100")
+        _check(0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
+        _check(self.top_k == TOP_K_ALL or self.top_k >= 1, "top_k", "top_k must be -1 (all) or >= 1")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]")
         _check(math.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
-               "repetition_penalty must be in (0, 10]")
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]")
+               "repetition_penalty", "repetition_penalty must be in (0, 10]")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be in [-2, 2]")
         for tok, bias in self.logit_bias.items():
-            _check(0 <= tok < vocab_size, f"logit_bias has token id {tok} outside the vocabulary (0..{vocab_size - 1})")
-            _check(-100.0 <= bias <= 100.0, "logit_bias values must be in [-100, 100]")
-        _check(1 <= self.n <= 128, "n must be in [1, 128]")
+            _check(0 <= tok < vocab_size, "logit_bias",
+                   f"logit_bias has token id {tok} outside the vocabulary (0..{vocab_size - 1})")
+            _check(-100.0 <= bias <= 100.0, "logit_bias", "logit_bias values must be in [-100, 100]")
+        _check(1 <= self.n <= 128, "n", "n must be in [1, 128]")
         _check(self.max_tokens is None or self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
-               "max_tokens must be >= 1 (0 only when scoring the prompt: echo with logprobs)")
-        _check(self.min_tokens >= 0, "min_tokens must be >= 0")
-        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens")
+               "max_tokens", "max_tokens must be >= 1 (0 only when scoring the prompt: echo with logprobs)")
+        _check(self.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               "min_tokens must be <= max_tokens")
         for tok in self.stop_token_ids:
-            _check(0 <= tok < vocab_size, f"stop_token_ids has token id {tok} outside the vocabulary")
-        _check(0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]")
-        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "logprobs must be in [0, 20]")
-        _check(self.seed is None or -(2**63) <= self.seed < 2**64, "seed must fit in 64 bits")
+            _check(0 <= tok < vocab_size, "stop_token_ids",
+                   f"stop_token_ids has token id {tok} outside the vocabulary (0..{vocab_size - 1})")
+        _check(0 <= self.top_logprobs <= 20, "top_logprobs", "top_logprobs must be in [0, 20]")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "logprobs", "logprobs must be in [0, 20]")
+        _check(self.seed is None or -(2**63) <= self.seed < 2**64, "seed", "seed must fit in 64 bits")
 
 
-def _check(ok: bool, message: str) -> None:
+def validate_prompt_ids(input_ids: Sequence[int], vocab_size: int, param: str = "prompt") -> None:
+    """Raises ParamError(param, ...) for an empty prompt or a token id outside the vocabulary."""
+    _check(len(input_ids) > 0, param, "the prompt is empty")
+    bad = next((t for t in input_ids if not 0 <= t < vocab_size), None)
+    _check(bad is None, param, f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+
+
+def _check(ok: bool, param: str, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise ParamError(param, message)

@@ -28,19 +28,34 @@ from server.state import ServerState, error_response
 logger = logging.getLogger("mlaserve.server")
 
 
-class BodyLimitMiddleware:
-    """Refuses request bodies over `max_bytes` with 413, whether Content-Length says so or not."""
+MIN_BODY_LIMIT = 1 << 20  # bytes: the derived limit never goes below this
+BODY_BYTES_PER_CONTEXT_TOKEN = 16  # a token is ~4 bytes of text, more as JSON-escaped text or as ids
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+
+def body_limit(fixed: int | None, context_length: int) -> int:
+    """`--max-request-bytes` when given, else derived from the model's context: a prompt that fits the
+    context must fit the body (16 bytes per token of context, at least 1 MiB)."""
+    if fixed is not None:
+        return fixed
+    return max(MIN_BODY_LIMIT, BODY_BYTES_PER_CONTEXT_TOKEN * context_length)
+
+
+class BodyLimitMiddleware:
+    """Refuses request bodies over the limit with 413, whether Content-Length says so or not. The limit
+    is read per request: derived, it follows the context length the engine reports once loaded."""
+
+    def __init__(self, app: ASGIApp, state: ServerState, fixed: int | None) -> None:
         self.app = app
-        self.max_bytes = max_bytes
+        self.state = state
+        self.fixed = fixed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = body_limit(self.fixed, self.state.context_length)
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._too_large(scope, receive, send)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return await self._too_large(scope, receive, send, limit)
         seen = 0
         too_large = False
 
@@ -49,7 +64,7 @@ class BodyLimitMiddleware:
             msg = await receive()
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
-                if seen > self.max_bytes:
+                if seen > limit:
                     too_large = True
                     raise _BodyTooLarge()
             return msg
@@ -63,10 +78,13 @@ class BodyLimitMiddleware:
         except _BodyTooLarge:
             pass
         if too_large:
-            await self._too_large(scope, receive, send)
+            await self._too_large(scope, receive, send, limit)
 
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        resp = error_response(413, f"request body larger than {self.max_bytes} bytes", code="request_too_large")
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
+        how = "set by --max-request-bytes" if self.fixed is not None else (
+            f"derived from the model's context, {BODY_BYTES_PER_CONTEXT_TOKEN} bytes per token, at least 1 MiB")
+        resp = error_response(413, f"request body larger than the limit of {limit} bytes ({how}); start the server "
+                              f"with a larger --max-request-bytes to accept it", code="request_too_large")
         await resp(scope, receive, send)
 
 
@@ -96,7 +114,8 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
+def build_app(state: ServerState, max_request_bytes: int | None = None) -> FastAPI:
+    """The app; `max_request_bytes` None derives the body limit from the context (`body_limit`)."""
     app = FastAPI(title="mlaserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.s = state
 
@@ -143,7 +162,7 @@ def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
         return JSONResponse(_model_card(state).model_dump())
 
     register_routes(app, state)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    app.add_middleware(BodyLimitMiddleware, state=state, fixed=max_request_bytes)
     app.add_middleware(AuthMiddleware, state=state)
     return app
 

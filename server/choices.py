@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncIterator
 
-from engine.messages import RequestOutput, TokenLogprob
+from engine.messages import FINISH_STOP, RequestOutput, TokenLogprob
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
@@ -18,6 +18,7 @@ class ChoiceText:
 
     detok: IncrementalDetokenizer
     stops: StopStringMatcher
+    stop_token_ids: frozenset[int] = frozenset()  # the request's: a final one is left out of the text
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     completion_tokens: int = 0
@@ -27,7 +28,10 @@ class ChoiceText:
         """New text, ids and logprobs of this delta (text may lag behind ids while held back)."""
         if self.finish_reason is not None:
             return "", [], []
-        text, hit = self.stops.feed(self.detok.add(out.new_token_ids))
+        ids = out.new_token_ids
+        if out.finish_reason == FINISH_STOP and ids and ids[-1] in self.stop_token_ids:
+            ids = ids[:-1]  # as vLLM: the id stays in token_ids and usage, its text is not shown
+        text, hit = self.stops.feed(self.detok.add(ids))
         if not hit and out.finish_reason is not None:
             tail, hit = self.stops.feed(self.detok.flush())
             text += tail if hit else tail + self.stops.flush()

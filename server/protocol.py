@@ -24,14 +24,13 @@ from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationInfo
-from pydantic import field_validator, model_serializer, model_validator
+from pydantic import field_validator, model_serializer
 from pydantic_core import PydanticCustomError
 
-from scheduler.sampling_params import TOP_K_ALL, SamplingParams
+from scheduler.sampling_params import TOP_K_ALL, ParamError, SamplingParams
 
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; a local server can afford more
 MAX_COMPLETION_LOGPROBS = 5  # completions API `logprobs` (OpenAI's limit)
-MAX_TOP_LOGPROBS = 20  # chat API `top_logprobs`
 UNLIKELY_LOGPROB = -9999.0  # what OpenAI sends for a logprob too small to represent
 
 
@@ -103,23 +102,26 @@ def _logit_bias_id(key: str) -> int:
 
 
 class _GenerationRequest(BaseModel):
-    """Fields both APIs share. Subclasses add theirs, then `min_tokens` last (it is checked against
-    `max_tokens`, and a field validator only sees fields declared before it)."""
+    """Fields both APIs share: their JSON types and the rules of the API's shape. The ranges of the
+    sampling values are not checked here but once, by `SamplingParams.validate` (a `ParamError`
+    naming the parameter), on the `SamplingParams` that `to_sampling_params` makes."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None  # None: the served model
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    temperature: StrictFloat | None = Field(None, ge=0.0, le=100.0)  # None: 1.0
-    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
-    top_k: StrictInt | None = Field(None, ge=-1)  # -1 or 0: no limit
-    min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)
-    n: StrictInt | None = Field(1, ge=1, le=128)
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None  # None: 1.0
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None  # -1 or 0: no limit
+    min_p: StrictFloat | None = None
+    n: StrictInt | None = 1
     stop: str | list[str] | None = None
-    seed: StrictInt | None = Field(None, ge=-(2**63), lt=2**64)
-    presence_penalty: StrictFloat | None = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: StrictFloat | None = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: StrictFloat | None = Field(1.0, gt=0.0, le=10.0)
+    # vLLM's extension: generation ends right after one of these ids (its text is left out)
+    stop_token_ids: list[StrictInt] | None = None
+    seed: StrictInt | None = None
+    presence_penalty: StrictFloat | None = 0.0
+    frequency_penalty: StrictFloat | None = 0.0
+    repetition_penalty: StrictFloat | None = 1.0
     logit_bias: Annotated[dict[str, StrictFloat] | None, AfterValidator(_check_logit_bias)] = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
@@ -141,12 +143,6 @@ class _GenerationRequest(BaseModel):
             raise _invalid("stream_options is only allowed when stream is true")
         return value
 
-    @staticmethod
-    def _check_min_tokens(min_tokens: int | None, max_tokens: int | None) -> int | None:
-        if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
-            raise _invalid(f"min_tokens ({min_tokens}) must not exceed the maximum number of tokens ({max_tokens})")
-        return min_tokens
-
     def stop_strings(self) -> list[str]:
         """`stop` as a list, empty strings dropped (they would stop before the first token)."""
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -159,10 +155,10 @@ class _GenerationRequest(BaseModel):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)  # wins over max_tokens
+    max_completion_tokens: StrictInt | None = None  # wins over max_tokens
     logprobs: StrictBool | None = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    min_tokens: StrictInt | None = Field(0, ge=0)
+    top_logprobs: StrictInt | None = None
+    min_tokens: StrictInt | None = 0
 
     @field_validator("top_logprobs")
     @classmethod
@@ -170,12 +166,6 @@ class ChatCompletionRequest(_GenerationRequest):
         if value and not info.data.get("logprobs"):
             raise _invalid("top_logprobs needs logprobs to be true")
         return value
-
-    @field_validator("min_tokens")
-    @classmethod
-    def _min_le_max(cls, value: int | None, info: ValidationInfo) -> int | None:
-        limit = info.data.get("max_completion_tokens") or info.data.get("max_tokens")
-        return cls._check_min_tokens(value, limit)
 
     def template_messages(self) -> list[dict[str, str]]:
         """Messages as chat templates expect them: role and string content (and name, if given)."""
@@ -193,10 +183,10 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(_GenerationRequest):
     prompt: Prompt
-    max_tokens: StrictInt | None = Field(16, ge=0)  # OpenAI's default for this API; 0: score the prompt only
+    max_tokens: StrictInt | None = 16  # OpenAI's default for this API; 0: score the prompt only
     echo: StrictBool | None = False
-    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
-    min_tokens: StrictInt | None = Field(0, ge=0)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)  # this API's own limit
+    min_tokens: StrictInt | None = 0
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -216,17 +206,6 @@ class CompletionRequest(_GenerationRequest):
                 raise _invalid(f"{shape}; token ids must be non-negative integers")
         return value
 
-    @field_validator("min_tokens")
-    @classmethod
-    def _min_le_max(cls, value: int | None, info: ValidationInfo) -> int | None:
-        return cls._check_min_tokens(value, info.data.get("max_tokens"))
-
-    @model_validator(mode="after")
-    def _zero_tokens_only_to_score(self) -> CompletionRequest:
-        if self.max_tokens == 0 and not (self.echo and self.logprobs is not None):
-            raise _invalid("max_tokens may be 0 only with echo and logprobs (scoring the prompt)")
-        return self
-
     def prompts(self) -> list[str] | list[list[int]]:
         """The prompt as a batch: one entry per prompt, each a string or a list of token ids."""
         p = self.prompt
@@ -236,19 +215,17 @@ class CompletionRequest(_GenerationRequest):
 
 
 def parse_logit_bias(logit_bias: Mapping[str, float] | None) -> dict[int, float]:
-    """OpenAI's `{"token id as string": bias}` as `{id: bias}`; ValueError naming logit_bias otherwise."""
+    """OpenAI's `{"token id as string": bias}` as `{id: bias}`; ParamError("logit_bias", ...) otherwise."""
     out: dict[int, float] = {}
     for key, bias in (logit_bias or {}).items():
         try:
             out[_logit_bias_id(str(key))] = float(bias)
         except PydanticCustomError as e:
-            raise ValueError(e.message()) from None
+            raise ParamError("logit_bias", e.message()) from None
     return out
 
 
-def to_sampling_params(
-    req: ChatCompletionRequest | CompletionRequest, *, stop_token_ids: Sequence[int] = ()
-) -> SamplingParams:
+def to_sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
     """The engine's view of a request. Stop *strings* stay with the server (`StopStringMatcher`)."""
     prompt_logprobs = None
     if isinstance(req, ChatCompletionRequest):
@@ -272,12 +249,27 @@ def to_sampling_params(
         n=_or(req.n, 1),
         max_tokens=max_tokens,
         min_tokens=_or(req.min_tokens, 0),
-        stop_token_ids=tuple(int(t) for t in stop_token_ids),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=bool(req.ignore_eos),
         logprobs=bool(logprobs),
         top_logprobs=top_logprobs,
         prompt_logprobs=prompt_logprobs,
     )
+
+
+def checked_sampling_params(req: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> SamplingParams:
+    """`to_sampling_params`, then `SamplingParams.validate`: the one check of the sampling values'
+    ranges. Raises ParamError naming the OpenAI parameter (the server's 400 carries it in `param`)."""
+    params = to_sampling_params(req)
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        try:
+            params.validate(vocab_size)
+        except ParamError as e:  # the chat API's own name for the limit that was used
+            raise ParamError("max_completion_tokens", e.message.replace("max_tokens", "max_completion_tokens")) \
+                if e.param == "max_tokens" else e
+        return params
+    params.validate(vocab_size)
+    return params
 
 
 def _or(value: Any, default: Any) -> Any:

@@ -14,13 +14,13 @@ ended, the request is aborted in the engine so its KV is freed at once. A client
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -28,6 +28,7 @@ from engine.messages import (
     ERR_CONTEXT,
     ERR_ENGINE,
     ERR_OVERLOADED,
+    ERR_SHUTDOWN,
     FINISH_ERROR,
     GenerateRequest,
     RequestOutput,
@@ -40,11 +41,12 @@ from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
+    checked_sampling_params,
     sse_data,
-    to_sampling_params,
 )
 from server.responses import ChatSerializer, CompletionSerializer, Serializer
 from server.state import ServerState, error_response
+from scheduler.sampling_params import ParamError, validate_prompt_ids
 
 
 class ClientError(Exception):
@@ -61,6 +63,11 @@ class ClientError(Exception):
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
 
+    @classmethod
+    def bad_param(cls, e: ParamError) -> ClientError:
+        """The 400 for a parameter `SamplingParams.validate` (or a prompt check) refused; `param` is its name."""
+        return cls(400, e.message, e.param)
+
 
 def engine_error(out: RequestOutput) -> ClientError:
     """Maps an engine refusal or failure to its HTTP error."""
@@ -69,6 +76,9 @@ def engine_error(out: RequestOutput) -> ClientError:
                            headers={"Retry-After": "1"})
     if out.error_code == ERR_CONTEXT:
         return ClientError(400, out.error or "context length exceeded", "messages", "context_length_exceeded")
+    if out.error_code == ERR_SHUTDOWN:
+        return ClientError(503, out.error or "the server is shutting down", code="shutting_down",
+                           type_="service_unavailable", headers={"Retry-After": "5"})
     if out.error_code == ERR_ENGINE:
         return ClientError(503, out.error or "the engine failed", code="engine_error", type_="service_unavailable",
                            headers={"Retry-After": "30"})
@@ -164,19 +174,19 @@ def build_prompts(state: ServerState, body: Any) -> list[tuple[list[int], str]]:
         if isinstance(p, str):
             out.append((tok.encode(p), p))
         else:
-            bad = next((t for t in p if t >= state.vocab_size), None)
-            if bad is not None:
-                raise ClientError(400, f"prompt token id {bad} is outside the vocabulary (0..{state.vocab_size - 1})",
-                                  "prompt")
+            try:
+                validate_prompt_ids(p, state.vocab_size, "prompt")
+            except ParamError as e:
+                raise ClientError.bad_param(e) from None
             out.append((list(p), tok.decode(p, skip_special_tokens=False)))
     return out
 
 
 def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int], str]]) -> list[EngineRequest]:
     try:
-        params = to_sampling_params(body)
-    except ValueError as e:
-        raise ClientError(400, str(e), "logit_bias") from None
+        params = checked_sampling_params(body, state.vocab_size)
+    except ParamError as e:
+        raise ClientError.bad_param(e) from None
     engine, tok = state.engine, state.tokenizer
     assert engine is not None and tok is not None
     requests = []
@@ -189,13 +199,10 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
                               f"request has {len(ids)} prompt tokens and asks for {asked} more",
                               "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
                               "context_length_exceeded")
-        p = params if params.max_tokens is not None else dataclasses.replace(params, max_tokens=limit)
-        try:
-            p.validate(state.vocab_size)
-        except ValueError as e:
-            raise ClientError(400, str(e), str(e).split(" ")[0]) from None
+        p = params if params.max_tokens is not None else msgspec.structs.replace(params, max_tokens=limit)
         req = GenerateRequest(f"{base}-{i}", ids, p, time.time())
-        choices = [ChoiceText(IncrementalDetokenizer(tok, prompt_ids=ids), StopStringMatcher(body.stop_strings()))
+        choices = [ChoiceText(IncrementalDetokenizer(tok, prompt_ids=ids), StopStringMatcher(body.stop_strings()),
+                              frozenset(p.stop_token_ids))
                    for _ in range(p.n)]
         requests.append(EngineRequest(req.rid, i, ids, choices, engine.generate(req)))
     return requests
@@ -240,7 +247,7 @@ async def _events(state: ServerState, requests: list[EngineRequest], firsts: lis
             if choice.finish_reason is None:
                 text, ids, lps = choice.feed(out)
                 ended_here = choice.finish_reason is not None and out.finish_reason is None  # a stop string
-                state.metrics.on_output(dataclasses.replace(out, finish_reason="stop") if ended_here else out,
+                state.metrics.on_output(msgspec.structs.replace(out, finish_reason="stop") if ended_here else out,
                                         time.time())
                 if r.done:  # every choice has ended (some maybe on stop strings): release the engine now
                     pump_of[id(r)].cancel()

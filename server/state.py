@@ -35,7 +35,8 @@ class ServerState:
     def unavailable(self) -> JSONResponse | None:
         """The 503 to answer with when requests cannot be served now, else None."""
         if self.shutting_down:
-            return error_response(503, "the server is shutting down", "service_unavailable", code="shutting_down")
+            return error_response(503, "the server is shutting down", "service_unavailable", code="shutting_down",
+                                  headers={"Retry-After": "5"})
         if self.engine is None:
             return error_response(503, "the model is still loading; retry shortly", "service_unavailable",
                                   code="loading", headers={"Retry-After": "5"})

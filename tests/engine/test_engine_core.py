@@ -3,7 +3,7 @@ retraction under memory pressure, aborts, n > 1, seeds, and its refusals."""
 
 from __future__ import annotations
 
-import dataclasses
+import msgspec
 
 import pytest
 import torch
@@ -70,8 +70,8 @@ def assert_no_leak(core: EngineCore) -> None:
 
 
 def test_batch_invariance_staggered(model_dir):
-    core = make_engine(model_dir, enable_prefix_cache=False)
-    reqs = [(f"r{i}", prompt(3 + (i * 7) % 40, i), dataclasses.replace(GREEDY, max_tokens=1 + (i * 5) % 17))
+    core = make_engine(model_dir, disable_prefix_cache=True)
+    reqs = [(f"r{i}", prompt(3 + (i * 7) % 40, i), msgspec.structs.replace(GREEDY, max_tokens=1 + (i * 5) % 17))
             for i in range(32)]
     expected = {rid: alone(core, ids, p) for rid, ids, p in reqs}
     outs: dict = {}
@@ -93,8 +93,8 @@ def test_batch_invariance_staggered(model_dir):
 
 def test_paged_kv_gives_the_same_tokens(model_dir):
     """Page size 64 (the layout paged GPU kernels read): same tokens as token-granular slots."""
-    reqs = [(f"p{i}", prompt(5 + 23 * i, 300 + i), dataclasses.replace(GREEDY, max_tokens=70 - 9 * i)) for i in range(6)]
-    flat = make_engine(model_dir, enable_prefix_cache=False)
+    reqs = [(f"p{i}", prompt(5 + 23 * i, 300 + i), msgspec.structs.replace(GREEDY, max_tokens=70 - 9 * i)) for i in range(6)]
+    flat = make_engine(model_dir, disable_prefix_cache=True)
     expected = {rid: alone(flat, ids, p) for rid, ids, p in reqs}
     paged = make_engine(model_dir, page_size=64, max_total_tokens=64 * 12, chunked_prefill_size=40)
     for rid, ids, p in reqs:
@@ -107,8 +107,8 @@ def test_paged_kv_gives_the_same_tokens(model_dir):
 def test_prefix_cache_reuses_slots_and_keeps_tokens(model_dir):
     shared = prompt(48, 100)
     a, b = shared + prompt(5, 101), shared + prompt(7, 102)
-    params = dataclasses.replace(GREEDY, max_tokens=12)
-    plain = make_engine(model_dir, enable_prefix_cache=False)
+    params = msgspec.structs.replace(GREEDY, max_tokens=12)
+    plain = make_engine(model_dir, disable_prefix_cache=True)
     want_b = alone(plain, b, params)
 
     core = make_engine(model_dir)
@@ -124,11 +124,11 @@ def test_prefix_cache_reuses_slots_and_keeps_tokens(model_dir):
 
 def test_chunked_prefill_same_tokens_and_others_keep_decoding(model_dir):
     long_ids = prompt(150, 7)
-    params = dataclasses.replace(GREEDY, max_tokens=6)
-    want = alone(make_engine(model_dir, enable_prefix_cache=False), long_ids, params)
+    params = msgspec.structs.replace(GREEDY, max_tokens=6)
+    want = alone(make_engine(model_dir, disable_prefix_cache=True), long_ids, params)
 
-    core = make_engine(model_dir, enable_prefix_cache=False, chunked_prefill_size=16, max_prefill_tokens=16)
-    core.add_request(GenerateRequest("short", prompt(4, 8), dataclasses.replace(GREEDY, max_tokens=40)))
+    core = make_engine(model_dir, disable_prefix_cache=True, chunked_prefill_size=16, max_prefill_tokens=16)
+    core.add_request(GenerateRequest("short", prompt(4, 8), msgspec.structs.replace(GREEDY, max_tokens=40)))
     core.step()  # the short request is prefilled and decoding
     core.add_request(GenerateRequest("long", long_ids, params))
     steps_with_short_tokens_before_long = 0
@@ -150,11 +150,11 @@ def test_chunked_prefill_same_tokens_and_others_keep_decoding(model_dir):
 
 
 def test_memory_pressure_retracts_and_completes(model_dir):
-    reqs = [(f"m{i}", prompt(20 + i, 200 + i), dataclasses.replace(GREEDY, max_tokens=24)) for i in range(8)]
-    roomy = make_engine(model_dir, enable_prefix_cache=False)
+    reqs = [(f"m{i}", prompt(20 + i, 200 + i), msgspec.structs.replace(GREEDY, max_tokens=24)) for i in range(8)]
+    roomy = make_engine(model_dir, disable_prefix_cache=True)
     expected = {rid: alone(roomy, ids, p) for rid, ids, p in reqs}
 
-    core = make_engine(model_dir, max_total_tokens=96, enable_prefix_cache=True)
+    core = make_engine(model_dir, max_total_tokens=96, disable_prefix_cache=False)
     for rid, ids, p in reqs:
         assert core.add_request(GenerateRequest(rid, ids, p)) == []
     outs = run_to_end(core)
@@ -167,8 +167,8 @@ def test_memory_pressure_retracts_and_completes(model_dir):
 @pytest.mark.parametrize("stage", ["queued", "mid_prefill", "decoding"])
 def test_abort_frees_everything(model_dir, stage):
     core = make_engine(model_dir, max_running_requests=1, chunked_prefill_size=8, max_prefill_tokens=8)
-    core.add_request(GenerateRequest("first", prompt(30, 1), dataclasses.replace(GREEDY, max_tokens=50)))
-    core.add_request(GenerateRequest("second", prompt(10, 2), dataclasses.replace(GREEDY, max_tokens=5)))
+    core.add_request(GenerateRequest("first", prompt(30, 1), msgspec.structs.replace(GREEDY, max_tokens=50)))
+    core.add_request(GenerateRequest("second", prompt(10, 2), msgspec.structs.replace(GREEDY, max_tokens=5)))
     target = {"queued": "second", "mid_prefill": "first", "decoding": "first"}[stage]
     core.step()  # first: 8 of 30 prompt tokens
     if stage == "decoding":
@@ -214,7 +214,7 @@ def test_seeded_sampling_independent_of_batch(model_dir):
 
 
 def test_refusals(model_dir):
-    core = make_engine(model_dir, max_queued_requests=2, context_length=64)
+    core = make_engine(model_dir, max_running_requests=1, max_queued_requests=1, context_length=64)
     long = core.add_request(GenerateRequest("long", prompt(60, 1), SamplingParams(max_tokens=10)))
     assert long[0].finish_reason == FINISH_ERROR and long[0].error_code == ERR_CONTEXT
     bad = core.add_request(GenerateRequest("bad", [10**9], SamplingParams()))
@@ -223,6 +223,7 @@ def test_refusals(model_dir):
     assert badp[0].error_code == ERR_INVALID and "top_p" in badp[0].error
     assert core.add_request(GenerateRequest("q1", prompt(5, 1), SamplingParams(max_tokens=4))) == []
     assert core.add_request(GenerateRequest("q2", prompt(5, 2), SamplingParams(max_tokens=4))) == []
+    # admitted: 1 running + 1 queued, counted before any step has moved a request to running
     over = core.add_request(GenerateRequest("q3", prompt(5, 3), SamplingParams(max_tokens=4)))
     assert over[0].error_code == ERR_OVERLOADED
     outs = run_to_end(core)
@@ -252,8 +253,8 @@ def test_prompt_logprobs_equal_log_softmax_of_full_prefill(model_dir):
     want = [None] + [float(full[i, ids[i + 1]]) for i in range(len(ids) - 1)]
 
     core = make_engine(model_dir, chunked_prefill_size=16, max_prefill_tokens=16)
-    alone(core, ids[:30], dataclasses.replace(GREEDY, max_tokens=3))  # its prefix is cached: must not be used
-    core.add_request(GenerateRequest("other", prompt(9, 1), dataclasses.replace(GREEDY, max_tokens=20)))
+    alone(core, ids[:30], msgspec.structs.replace(GREEDY, max_tokens=3))  # its prefix is cached: must not be used
+    core.add_request(GenerateRequest("other", prompt(9, 1), msgspec.structs.replace(GREEDY, max_tokens=20)))
     core.add_request(GenerateRequest("score", ids, SamplingParams(max_tokens=0, prompt_logprobs=2)))
     outs = run_to_end(core)[("score", 0)]
     assert tokens(outs) == [] and outs[-1].finish_reason == FINISH_LENGTH

@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 
+import msgspec
 import pytest
 
 from engine.args import EngineArgs
@@ -28,10 +29,22 @@ from engine.messages import (
     FINISH_ABORT,
     FINISH_ERROR,
     FINISH_LENGTH,
+    AbortRequest,
+    EngineInfo,
+    EngineReady,
     EngineStats,
+    Fatal,
     GenerateRequest,
+    Outputs,
     RequestOutput,
+    Shutdown,
+    Stats,
+    StatsRequest,
+    decode_from_engine,
+    decode_to_engine,
+    encode,
 )
+from executor.logprobs import TokenLogprob
 from scheduler.sampling_params import SamplingParams
 
 OFFSET = 1_000_000  # completion i's tokens are the prompt's + i * OFFSET
@@ -97,8 +110,9 @@ class FakeCore:
         return EngineStats(num_running=len(self.reqs), aborted_total=self.aborted,
                            finished_total={FINISH_LENGTH: self.finished, "stats_calls": self.stats_calls})
 
-    def describe(self) -> dict:
-        return {"model": self.model, "vocab_size": 32000, "pid": os.getpid()}
+    def describe(self) -> EngineInfo:
+        return EngineInfo(model=self.model, arch="fake", vocab_size=32000, context_length=4096, kv_slots=0,
+                          kv_bytes_per_token=0, eos_token_ids=[])
 
 
 def expected_token(req: GenerateRequest, index: int, k: int) -> int:
@@ -160,8 +174,8 @@ def rng() -> random.Random:
 
 def test_ready_info(client):
     info = client.info
-    assert info["model"] == "fake-model" and info["vocab_size"] == 32000
-    assert info["pid"] == client.pid != os.getpid()
+    assert info.model == "fake-model" and info.vocab_size == 32000
+    assert info.pid == client.pid != os.getpid()
     assert client.is_alive and client.exitcode is None
 
 
@@ -377,14 +391,84 @@ def test_loop_batches_outputs_per_step_and_exits_when_parent_goes(rng):
     thread.start()
     reqs = [make_req(rng, f"b{i}", max_tokens=5) for i in range(3)]
     for req in reqs:  # all waiting before the loop's first look at the pipe
-        ours.send(req)
-    assert ours.recv()[0] == "ready"
+        ours.send_bytes(encode(req))
+    assert isinstance(decode_from_engine(ours.recv_bytes()), EngineReady)
     messages = []
-    while sum(o.finished for _, outs in messages for o in outs) < 3:
+    while sum(o.finished for m in messages for o in m.items) < 3:
         assert ours.poll(5)
-        messages.append(ours.recv())
-    assert all(kind == "outputs" and isinstance(outs, list) for kind, outs in messages)
-    assert len(messages) == 5 and all(len(outs) == 3 for _, outs in messages), "one message per step"
+        messages.append(decode_from_engine(ours.recv_bytes()))
+    assert all(isinstance(m, Outputs) for m in messages)
+    assert len(messages) == 5 and all(len(m.items) == 3 for m in messages), "one message per step"
     ours.close()  # the server goes away
     thread.join(5)
     assert exit_code == [EXIT_PARENT_GONE]
+
+
+# ---- the typed codec on the pipe ---------------------------------------------------------------------
+
+
+def test_every_message_round_trips_typed(rng):
+    params = SamplingParams(temperature=0.7, top_k=5, logit_bias={3: -2.5, 17: 1.0}, seed=2**63 + 5, n=2,
+                            max_tokens=9, stop_token_ids=(4, 8), logprobs=True, top_logprobs=2, prompt_logprobs=1)
+    lp = TokenLogprob(7, float("-inf"), [(7, float("-inf")), (2, -0.25)])
+    out = RequestOutput("r", 1, [5, 6], logprobs=[lp, TokenLogprob(6, -1.5)], prompt_logprobs=[None, lp],
+                        finish_reason=FINISH_LENGTH, prompt_tokens=3, completion_tokens=2, first_token_time=1.5)
+    info = EngineInfo(model="m", arch="deepseek", vocab_size=320, context_length=64, kv_slots=128,
+                      kv_bytes_per_token=1152, eos_token_ids=[1, 2], pid=77)
+    to_engine = [GenerateRequest("r", [1, 2, 3], params, 12.5), AbortRequest("r"), StatsRequest(4), Shutdown()]
+    from_engine = [EngineReady(info), Outputs([out]), Stats(EngineStats(request_id=4, finished_total={"stop": 2})),
+                   Fatal("boom")]
+    for msg in to_engine:
+        assert decode_to_engine(encode(msg)) == msg
+    for msg in from_engine:
+        assert decode_from_engine(encode(msg)) == msg
+    back = decode_from_engine(encode(Outputs([out]))).items[0]
+    assert back.logprobs[0].logprob == float("-inf") and back.logprobs[0].top[1] == (2, -0.25)
+    # each direction decodes only its own messages
+    with pytest.raises(msgspec.ValidationError):
+        decode_to_engine(encode(Fatal("x")))
+    with pytest.raises(msgspec.ValidationError):
+        decode_from_engine(encode(Shutdown()))
+
+
+def test_unknown_fields_and_kinds_are_errors():
+    good = msgspec.msgpack.decode(encode(StatsRequest(1)))
+    with pytest.raises(msgspec.ValidationError, match="extra"):
+        decode_to_engine(msgspec.msgpack.encode({**good, "extra": 1}))
+    with pytest.raises(msgspec.ValidationError):
+        decode_to_engine(msgspec.msgpack.encode({**good, "type": "Reboot"}))
+    with pytest.raises(msgspec.ValidationError):  # a field of the wrong type is not coerced
+        decode_to_engine(msgspec.msgpack.encode({**good, "request_id": "1"}))
+    req = msgspec.msgpack.decode(encode(GenerateRequest("r", [1], SamplingParams())))
+    req["params"]["temprature"] = 0.5  # a typo in a nested struct
+    with pytest.raises(msgspec.ValidationError, match="temprature"):
+        decode_to_engine(msgspec.msgpack.encode(req))
+
+
+def test_undecodable_message_is_a_reported_crash_not_a_hang(rng):
+    """The engine loop meets bytes that are not a ToEngine message: the protocol is broken, so it fails
+    what is pending with an engine error, says Fatal and exits as crashed."""
+    ours, theirs = mp.Pipe()
+    exit_code: list[object] = []
+
+    def child():
+        try:
+            run_engine_process(EngineArgs(model="m"), theirs, functools.partial(FakeCore, step_delay=0.05))
+            exit_code.append(EXIT_OK)
+        except SystemExit as e:
+            exit_code.append(e.code)
+
+    thread = threading.Thread(target=child, daemon=True)
+    thread.start()
+    assert isinstance(decode_from_engine(ours.recv_bytes()), EngineReady)
+    ours.send_bytes(encode(make_req(rng, "pending", max_tokens=1000)))
+    ours.send_bytes(msgspec.msgpack.encode({"type": "Reboot"}))
+    got = []
+    while not got or not isinstance(got[-1], Fatal):
+        assert ours.poll(5), "the engine loop went silent"
+        got.append(decode_from_engine(ours.recv_bytes()))
+    errors = [o for m in got if isinstance(m, Outputs) for o in m.items if o.finish_reason == FINISH_ERROR]
+    assert [o.rid for o in errors] == ["pending"] and errors[0].error_code == ERR_ENGINE
+    assert "Reboot" in got[-1].reason or "type" in got[-1].reason
+    thread.join(5)
+    assert exit_code == [EXIT_ENGINE_CRASHED]

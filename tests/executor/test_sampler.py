@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import replace
+from msgspec.structs import replace
 
 import numpy as np
 import pytest

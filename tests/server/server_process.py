@@ -22,7 +22,10 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: str, *args: str, env: dict[str, str] | None = None, log: Path | None = None) -> None:
+    def __init__(self, model: str, *args: str, env: dict[str, str] | None = None, log: Path | None = None,
+                 new_session: bool = False) -> None:
+        """`new_session`: the server leads its own process group (and session), as a service manager or
+        a terminal starts it, so a test can signal the whole group (`os.killpg(proc.pid, sig)`)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
@@ -30,7 +33,7 @@ class ServerProcess:
                "--log-level", "warning", *args]
         out = open(log, "wb") if log else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=out,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, start_new_session=new_session)
 
     def wait_ready(self, timeout: float = 180) -> ServerProcess:
         deadline = time.monotonic() + timeout

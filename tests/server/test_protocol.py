@@ -6,7 +6,6 @@ Oracle for the shapes: the official `openai` SDK, both its pydantic types and it
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import random
@@ -43,21 +42,29 @@ from server.protocol import (
     describe_validation_error,
     error_body,
     parse_logit_bias,
+    checked_sampling_params,
     sse_data,
     to_sampling_params,
 )
+from scheduler.sampling_params import ParamError
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "m", "prompt": "hi"}
 
 
 def _param_of_error(kind: type, body: dict) -> tuple[str | None, str]:
-    with pytest.raises(ValidationError) as info:
-        kind.model_validate(body)
-    # FastAPI reports the same errors with "body" in front of the location
-    errors = [dict(e, loc=("body", *e["loc"])) for e in info.value.errors()]
-    message, param = describe_validation_error(errors)
-    return param, message
+    """(param, message) of the 400 the server answers `body` with: the JSON shape is pydantic's check,
+    the sampling values' ranges are `checked_sampling_params`'s (a ParamError)."""
+    try:
+        req = kind.model_validate(body)
+    except ValidationError as e:
+        # FastAPI reports the same errors with "body" in front of the location
+        errors = [dict(err, loc=("body", *err["loc"])) for err in e.errors()]
+        message, param = describe_validation_error(errors)
+        return param, message
+    with pytest.raises(ParamError) as info:
+        checked_sampling_params(req, vocab_size=1000)
+    return info.value.param, info.value.message
 
 
 # ---------------------------------------------------------------- requests
@@ -181,12 +188,12 @@ def test_to_sampling_params_maps_every_field() -> None:
         **CHAT, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1,
         "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {"11": 5.0, " 7": -100},
         "seed": 1234, "n": 3, "max_tokens": 999, "max_completion_tokens": 50, "min_tokens": 2,
-        "ignore_eos": True, "logprobs": True, "top_logprobs": 4, "stop": "x", "user": "u"})
-    sp = to_sampling_params(chat, stop_token_ids=[2, 7])
+        "ignore_eos": True, "logprobs": True, "top_logprobs": 4, "stop": "x", "user": "u", "stop_token_ids": [2, 7]})
+    sp = to_sampling_params(chat)
     default = SamplingParams()
-    for f in dataclasses.fields(SamplingParams):
-        if f.name != "prompt_logprobs":  # completions only (echo + logprobs), checked below
-            assert getattr(sp, f.name) != getattr(default, f.name), f.name
+    for name in SamplingParams.__struct_fields__:
+        if name != "prompt_logprobs":  # completions only (echo + logprobs), checked below
+            assert getattr(sp, name) != getattr(default, name), name
     assert sp == SamplingParams(temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
                                 presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={11: 5.0, 7: -100.0},
                                 seed=1234, n=3, max_tokens=50, min_tokens=2, stop_token_ids=(2, 7), ignore_eos=True,
@@ -221,7 +228,7 @@ def test_random_valid_requests_pass_the_engine_check() -> None:
 def test_parse_logit_bias() -> None:
     assert parse_logit_bias({"0": 1, "128000": -2.5}) == {0: 1.0, 128000: -2.5}
     assert parse_logit_bias(None) == {}
-    with pytest.raises(ValueError, match="logit_bias keys must be token ids.*'1.5'"):
+    with pytest.raises(ParamError, match="logit_bias keys must be token ids.*'1.5'"):
         parse_logit_bias({"1.5": 1.0})
     with pytest.raises(ValueError, match="logit_bias"):
         parse_logit_bias({"token": 1.0})

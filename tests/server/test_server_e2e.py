@@ -174,10 +174,42 @@ def test_stop_strings_never_leak(server, client):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_stop_token_ids_end_the_completion(server, client, tok):
+    """vLLM's `stop_token_ids`: generation ends right after one of them, with finish_reason "stop"; its
+    text is left out, as vLLM does."""
+    model = server_model_id(server)
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    full = post(server, "/v1/completions", body).json()["choices"][0]
+    assert full["finish_reason"] == "length" and len(full["token_ids"]) == 24
+    k = 5
+    stop_id = full["token_ids"][k]
+    choice = post(server, "/v1/completions", {**body, "stop_token_ids": [stop_id]}).json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    first = full["token_ids"].index(stop_id)  # greedy: the same tokens up to the first stop id
+    assert choice["token_ids"] == full["token_ids"][: first + 1]
+    assert choice["text"] == tok.decode(full["token_ids"][:first])  # the stop token's text is left out
+    for stream_flag in (False, True):
+        resp = client.chat.completions.create(model=model, messages=MSG, max_tokens=24, temperature=0,
+                                              stream=stream_flag, extra_body={"stop_token_ids": [stop_id], "ignore_eos": True})
+        if stream_flag:
+            resp = list(resp)
+            assert resp[-1].choices[0].finish_reason in ("stop", "length")
+        else:
+            assert resp.choices[0].finish_reason in ("stop", "length")
+
+
 @pytest.mark.parametrize(
     "body, status, param, code",
     [
         ({"messages": MSG, "temperature": 5000}, 400, "temperature", None),
+        ({"messages": MSG, "top_k": -5}, 400, "top_k", None),
+        ({"messages": MSG, "min_p": 2.0}, 400, "min_p", None),
+        ({"messages": MSG, "presence_penalty": 3.0}, 400, "presence_penalty", None),
+        ({"messages": MSG, "max_tokens": 4, "min_tokens": 9}, 400, "min_tokens", None),
+        ({"messages": MSG, "seed": 2**70}, 400, "seed", None),
+        ({"messages": MSG, "stop_token_ids": [10**9]}, 400, "stop_token_ids", None),
+        ({"messages": MSG, "stop_token_ids": ["a"]}, 400, None, None),
         ({"messages": MSG, "max_tokens": "many"}, 400, "max_tokens", None),
         ({"messages": MSG, "top_p": 0}, 400, "top_p", None),
         ({"messages": MSG, "n": 0}, 400, "n", None),
@@ -198,7 +230,7 @@ def test_bad_json_and_large_body(server):
     assert_error(resp, 400)
     big = {"messages": [{"role": "user", "content": "x" * 100_000}]}
     assert_error(post(server, "/v1/chat/completions", big), 413)
-    assert_error(post(server, "/v1/completions", {"prompt": [10**9], "max_tokens": 2}), 400)
+    assert_error(post(server, "/v1/completions", {"prompt": [10**9], "max_tokens": 2}), 400, "prompt")
 
 
 def test_32_concurrent_streams(server):

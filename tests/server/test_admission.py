@@ -1,0 +1,77 @@
+"""Admission through the real server: with --max-running-requests R and --max-queued-requests Q, of
+many concurrent requests exactly R + Q are admitted (R run, Q wait) and the rest get 503 `overloaded`
+with Retry-After, at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from models.synthetic import write_checkpoint
+from tests.server.server_process import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("tinyllama"), "tiny-llama", seed=12)
+
+
+def long_stream(url: str, key: int, out: dict, release: threading.Event) -> None:
+    """A long streamed completion: records its status (200 once it runs, 503 when refused) and holds the
+    connection until `release` (closing it aborts the request in the engine)."""
+    try:
+        with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
+                "prompt": f"request {key}", "max_tokens": 3000, "stream": True, "ignore_eos": True}) as resp:
+            out[key] = (resp.status_code, resp.headers.get("retry-after"),
+                        resp.read().decode() if resp.status_code != 200 else "")
+            if resp.status_code == 200:
+                release.wait(120)
+    except httpx.HTTPError as e:
+        out[key] = (None, None, repr(e))
+
+
+def running_and_waiting(srv: ServerProcess) -> tuple[float, float]:
+    values = {}
+    for line in httpx.get(srv.url + "/metrics", timeout=10).text.splitlines():
+        for name in ("mlaserve_num_requests_running", "mlaserve_num_requests_waiting"):
+            if line.startswith(name + "{"):
+                values[name] = float(line.rsplit(" ", 1)[1])
+    return values["mlaserve_num_requests_running"], values["mlaserve_num_requests_waiting"]
+
+
+@pytest.mark.parametrize(("running", "queued"), [(1, 2), (2, 0), (4, 4)])
+def test_exactly_running_plus_queued_are_admitted(model_dir, tmp_path, running, queued):
+    srv = ServerProcess(str(model_dir), "--max-running-requests", str(running), "--max-queued-requests", str(queued),
+                        "--context-length", "4096", log=tmp_path / "log").wait_ready()
+    total = running + queued + 4
+    out: dict = {}
+    release = threading.Event()
+    threads = [threading.Thread(target=long_stream, args=(srv.url, i, out, release), daemon=True) for i in range(total)]
+    try:
+        for t in threads:
+            t.start()
+        # refusals answer at once and the running requests start streaming; the queued ones wait for a slot
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            refused = [k for k, v in out.items() if v[0] == 503]
+            streaming = [k for k, v in out.items() if v[0] == 200]
+            if len(refused) + len(streaming) >= total - queued:
+                break
+            time.sleep(0.05)
+        time.sleep(0.5)  # nothing else may answer while the admitted ones still run
+        refused = [k for k, v in out.items() if v[0] == 503]
+        streaming = [k for k, v in out.items() if v[0] == 200]
+        assert len(streaming) == running and len(refused) == total - running - queued, (out, srv.log())
+        assert len(out) == running + len(refused), "a queued request was answered while nothing finished"
+        assert running_and_waiting(srv) == (running, queued)
+        for k in refused:
+            status, retry_after, body = out[k]
+            assert retry_after and '"code":"overloaded"' in body.replace(" ", ""), body
+    finally:
+        release.set()
+        for t in threads:
+            t.join(60)
+        assert srv.stop() == 0, srv.log()
