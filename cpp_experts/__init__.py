@@ -1,4 +1,5 @@
-"""Routed experts of a DeepSeek-style MoE layer on the CPU: the only door into `cpp_experts._C`.
+"""Routed experts of a DeepSeek-style MoE layer, and dense layers on GGUF-quantised weights
+(`QuantLinear`), on the CPU: the only door into `cpp_experts._C`.
 
 Why a native pool: decode is bound by reading expert weights, prefill by bf16/int8 dot-product
 throughput; both need all cores busy without the GIL, and the model wants to run shared experts
@@ -6,9 +7,10 @@ while the routed ones compute (`submit` / `sync`). Every entry point checks dtyp
 contiguity, rank and sizes here and raises ValueError / TypeError; the native layer checks what
 needs a pass over the data (expert ids in range, finite routing weights and weight scales).
 
-Two objects with two owners: a `MoE` operator holds one layer's packed expert weights (made while
-the model loads); a `WorkerPool` holds the threads operators compute on (made and closed by whoever
-runs the model). `MoE.bind(pool)` joins them; there is no process-wide pool.
+Two kinds of objects with two owners: operators (a `MoE` holds one layer's packed expert weights, a
+`QuantLinear` one dense weight; made while the model loads); a `WorkerPool` holds the threads
+operators compute on (made and closed by whoever runs the model). `bind(pool)` joins them; there is
+no process-wide pool.
 
 `MLASERVE_CPP_EXPERTS_KERNEL` (`amx`, `avx512`, `portable`) forces a code path;
 `MLASERVE_CPP_EXPERTS_THREADS` sets the default thread count; `MLASERVE_CPP_EXPERTS_PIN=1` pins
@@ -21,6 +23,7 @@ import ctypes
 import functools
 import os
 
+import numpy as np
 import torch
 
 def _load_native():
@@ -49,7 +52,8 @@ except ImportError as exc:  # pragma: no cover - only on a broken install
         "cpp_experts._C is not built: reinstall the project (`pip install -e .`) with a C++17 compiler"
     ) from exc
 
-__all__ = ["MoE", "WorkerPool", "HostTask", "info", "cuda_host_launch_error", "FORMATS", "BLOCK_BYTES"]
+__all__ = ["MoE", "QuantLinear", "WorkerPool", "HostTask", "info", "cuda_host_launch_error", "FORMATS", "BLOCK_BYTES",
+           "LINEAR_FORMATS", "LINEAR_BLOCKS"]
 
 FORMATS = ("bf16", "q8_0", "q4_0")
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}  # bytes per 32 values in a GGUF block
@@ -317,6 +321,205 @@ class MoE:
     def __del__(self) -> None:
         if getattr(self, "_pending", None) is not None:
             self._op.sync()
+
+
+# ggml type ids (gguf.GGMLQuantizationType values) -> QuantLinear weight format; the float types are
+# held as bf16.
+_GGML_TYPES = {0: "f32", 1: "f16", 30: "bf16", 8: "q8_0", 2: "q4_0", 3: "q4_1", 12: "q4_k", 13: "q5_k", 14: "q6_k"}
+LINEAR_FORMATS = ("bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
+# GGUF block of each quantised format: (values, bytes)
+LINEAR_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144), "q5_k": (256, 176),
+                 "q6_k": (256, 210)}
+_FLOAT_NP = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
+
+
+def _ggml_format(ggml_type: object) -> str:
+    """A ggml type (gguf.GGMLQuantizationType, its int value, or its name such as "Q4_1") -> our format name."""
+    if isinstance(ggml_type, str):
+        name = ggml_type.lower()
+        if name in _GGML_TYPES.values():
+            return name
+    elif isinstance(ggml_type, int) and not isinstance(ggml_type, bool) and int(ggml_type) in _GGML_TYPES:
+        return _GGML_TYPES[int(ggml_type)]
+    names = ", ".join(n.upper() for n in _GGML_TYPES.values())
+    raise ValueError(f"ggml type {ggml_type!r} is not supported by QuantLinear (supported: {names})")
+
+
+def _byte_view(data: object, what: str) -> np.ndarray:
+    """`data` (torch.Tensor, numpy array or a bytes-like object) as a flat uint8 numpy view of its bytes,
+    copied only where it is not contiguous."""
+    if isinstance(data, torch.Tensor):
+        if data.device.type != "cpu":
+            raise ValueError(f"{what} must be on the CPU, got device {data.device}")
+        if data.dtype == torch.bfloat16:  # numpy has no bf16: reinterpret its bytes first
+            data = data.view(torch.int16)
+        data = data.detach().contiguous().numpy()
+    elif not isinstance(data, np.ndarray):
+        try:
+            data = np.frombuffer(memoryview(data), dtype=np.uint8)
+        except TypeError:
+            raise TypeError(f"{what} must be a torch.Tensor, numpy array or bytes-like object, "
+                            f"got {type(data).__name__}") from None
+    return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+
+
+class QuantLinear:
+    """A dense layer `y = x @ W.T + b` on the CPU whose weight W stays in its GGUF block format.
+
+    Why: decoding runs each linear layer on a few rows of x, so its time is the time to read W once.
+    torch's eager bf16 F.linear on dequantized weights reads 2 bytes per weight at about a quarter of
+    the memory bandwidth; this reads the GGUF blocks themselves (0.56 bytes per weight for Q4_0, 0.63
+    for Q4_1, 1.06 for Q8_0), repacked once at construction so that one pass streams them, with int8
+    dot products (AVX-512 VNNI) on activations quantised per 32 values to int8 (Q8_0, fp32 scales),
+    as llama.cpp computes them; AMX int8 tiles from 12 rows of x where the CPU has them. The product
+    is accumulated in fp32. bf16 weights ("bf16", and GGUF F16/F32/BF16 tensors) use bf16 dot products
+    on x rounded to bf16 (AMX bf16 tiles from 5 rows of x).
+
+    Make one per weight at load with `from_gguf` (raw GGUF bytes as they are in the file) or
+    `from_float` (held as bf16); computing needs a `WorkerPool`, given here or to `bind` (as `MoE`),
+    whose threads split the output features. `forward(x)` takes fp32 or bf16 [..., in_features] and
+    returns [..., out_features] in x's dtype; several layers may share one pool (calls take turns).
+    `kernel` (default `MLASERVE_CPP_EXPERTS_KERNEL`, else the best this CPU has, AMX included):
+    "amx", "avx512" (AVX-512 VNNI / BF16 only) or "portable".
+    """
+
+    def __init__(self, weight_format: str, data: object, out_features: int, in_features: int, *,
+                 bias: torch.Tensor | None = None, kernel: str | None = None, pool: WorkerPool | None = None) -> None:
+        """Low level: `data` holds `out_features` rows of raw `weight_format` blocks, or for "bf16" a
+        [out_features, in_features] bf16 tensor. Prefer `from_gguf` / `from_float`."""
+        for name, v in (("out_features", out_features), ("in_features", in_features)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if weight_format not in LINEAR_FORMATS:
+            raise ValueError(f"weight_format must be one of {LINEAR_FORMATS}, got {weight_format!r}")
+        kernel = kernel if kernel is not None else _forced()
+        if kernel is not None and kernel not in _KERNELS + ("auto",):
+            raise ValueError(f"kernel must be one of {_KERNELS} (or MLASERVE_CPP_EXPERTS_KERNEL unset), got {kernel!r}")
+        if weight_format == "bf16":
+            if not isinstance(data, torch.Tensor) or data.dtype != torch.bfloat16:
+                raise TypeError("bf16 weights must be a torch.bfloat16 tensor (use QuantLinear.from_float)")
+            if tuple(data.shape) != (out_features, in_features):
+                raise ValueError(f"weight must be [{out_features}, {in_features}], got {tuple(data.shape)}")
+            raw = _byte_view(data, "weight")
+        else:
+            if isinstance(data, (torch.Tensor, np.ndarray)) and data.dtype not in (torch.uint8, torch.int8, np.uint8,
+                                                                                   np.int8):
+                raise TypeError(f"{weight_format} weights must be raw GGUF blocks (uint8), got dtype {data.dtype}")
+            values, size = LINEAR_BLOCKS[weight_format]
+            if in_features % values:
+                raise ValueError(f"{weight_format} needs in_features divisible by its block size {values}, "
+                                 f"got {in_features}")
+            raw = _byte_view(data, "weight")
+            blocks = in_features // values
+            if raw.nbytes != out_features * blocks * size:
+                raise ValueError(f"{weight_format} weight of {out_features} x {in_features} needs "
+                                 f"{out_features * blocks * size} bytes ({out_features} rows x {blocks} blocks of "
+                                 f"{size}), got {raw.nbytes}")
+        if bias is not None:
+            if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+                raise TypeError(f"bias must be a float torch.Tensor, got {type(bias).__name__}")
+            if tuple(bias.shape) != (out_features,):
+                raise ValueError(f"bias must be [{out_features}], got {tuple(bias.shape)}")
+            bias = bias.detach().to(device="cpu", dtype=torch.float32).contiguous()
+            if not torch.isfinite(bias).all():
+                raise ValueError("bias contains NaN or Inf")
+        self.weight_format, self.out_features, self.in_features = weight_format, out_features, in_features
+        self.bias = bias
+        self._op = _C.QuantLinear(weight_format, out_features, in_features, raw.ctypes.data, raw.nbytes,
+                                  bias.data_ptr() if bias is not None else 0, kernel or "")
+        self.pool: WorkerPool | None = None
+        if pool is not None:
+            self.bind(pool)
+
+    @classmethod
+    def from_gguf(cls, data: object, ggml_type: object, out_features: int, in_features: int, *,
+                  bias: torch.Tensor | None = None, kernel: str | None = None,
+                  pool: WorkerPool | None = None) -> QuantLinear:
+        """From a GGUF tensor as stored: `data` its bytes (e.g. `gguf.GGUFReader(...).tensors[i].data`,
+        a torch uint8 tensor, or bytes), `ggml_type` its type (`tensor.tensor_type`, an int or a name
+        like "Q4_1"); the tensor's ggml shape is (in_features, out_features), rows of in_features."""
+        fmt = _ggml_format(ggml_type)
+        if fmt in _FLOAT_NP:
+            raw = _byte_view(data, "weight")
+            want = out_features * in_features * np.dtype(_FLOAT_NP[fmt]).itemsize
+            if raw.nbytes != want:
+                raise ValueError(f"{fmt.upper()} weight of {out_features} x {in_features} needs {want} bytes, "
+                                 f"got {raw.nbytes}")
+            values = torch.from_numpy(raw.view(_FLOAT_NP[fmt]).copy()).reshape(out_features, in_features)
+            w = values.view(torch.bfloat16) if fmt == "bf16" else values
+            return cls.from_float(w, bias=bias, kernel=kernel, pool=pool)
+        return cls(fmt, data, out_features, in_features, bias=bias, kernel=kernel, pool=pool)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, *, bias: torch.Tensor | None = None, kernel: str | None = None,
+                   pool: WorkerPool | None = None) -> QuantLinear:
+        """From a float [out_features, in_features] tensor (an nn.Linear's weight), held as bf16."""
+        if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+            raise TypeError(f"weight must be a float torch.Tensor, got "
+                            f"{weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+        if weight.dim() != 2:
+            raise ValueError(f"weight must be [out_features, in_features], got shape {tuple(weight.shape)}")
+        w = weight.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
+        if not torch.isfinite(w).all():
+            raise ValueError("weight contains NaN or Inf")
+        return cls("bf16", w, w.shape[0], w.shape[1], bias=bias, kernel=kernel, pool=pool)
+
+    def bind(self, pool: WorkerPool) -> None:
+        """Computes on `pool` from now on."""
+        if not isinstance(pool, WorkerPool):
+            raise TypeError(f"pool must be a cpp_experts.WorkerPool, got {type(pool).__name__}")
+        self._op.bind(pool._pool)
+        self.pool = pool
+
+    def unbind(self) -> None:
+        """Lets the pool go (after a call under way)."""
+        self._op.unbind()
+        self.pool = None
+
+    @property
+    def kernel(self) -> str:
+        """The code path: "amx_int8+avx512_vnni", "avx512_vnni", "amx+avx512_bf16", "avx512_bf16" or "portable"."""
+        return self._op.kernel
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes held natively: the packed weight (and the bias)."""
+        return int(self._op.memory_bytes)
+
+    @property
+    def num_threads(self) -> int:
+        """Threads of the bound pool (0 when unbound)."""
+        return int(self._op.threads)
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in_features] fp32 or bf16 -> x @ W.T + b, [..., out_features] in x's dtype (into `out`,
+        when given: contiguous, that shape and dtype)."""
+        # Decode calls this hundreds of times per token: the checks use the cheapest tensor queries.
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        dtype, shape = x.dtype, x.shape
+        if dtype is not torch.float32 and dtype is not torch.bfloat16:
+            raise TypeError(f"x must be float32 or bfloat16, got {dtype}")
+        if not x.is_cpu:
+            raise ValueError(f"x must be on the CPU, got device {x.device}")
+        if not shape or shape[-1] != self.in_features:
+            raise ValueError(f"x must be [..., {self.in_features}], got shape {tuple(shape)}")
+        if not x.is_contiguous():
+            raise ValueError("x must be contiguous (call .contiguous())")
+        out_shape = (*shape[:-1], self.out_features)
+        if out is None:
+            out = x.new_empty(out_shape)
+        elif (not isinstance(out, torch.Tensor) or out.dtype is not dtype or out.shape != out_shape
+              or not out.is_cpu or not out.is_contiguous()):
+            raise ValueError(f"out must be a contiguous CPU {dtype} tensor of shape {out_shape}")
+        self._op.forward(x.data_ptr(), dtype is torch.bfloat16, x.numel() // self.in_features, out.data_ptr())
+        return out
+
+    __call__ = forward
+
+    def __repr__(self) -> str:
+        return (f"QuantLinear({self.weight_format}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.bias is not None}, kernel={self.kernel!r})")
 
 
 _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)

@@ -1,9 +1,11 @@
 """`EngineArgs`: every setting of the engine, settled once at start-up and passed down.
 
 Each field that a user sets carries its command-line flag in its metadata (`flag(...)`: help, choices,
-how a string becomes the value, what range is valid). `server.args` builds `mlaserve serve`'s flags and
-`MLASERVE_*` variables from these fields, and `mlaserve generate` its engine flags: a default, a choice
-list or a range lives here once. Torch-free and plain data: it is sent to the engine process.
+how a string becomes the value, what range is valid); a field nobody sets is marked `internal(...)` with
+the reason, so a forgotten flag is a test failure rather than a silent default. `server.args` builds
+`mlaserve serve`'s flags and `MLASERVE_*` variables from these fields, and `mlaserve generate` its engine
+flags: a default, a choice list or a range lives here once. Torch-free and plain data: it is pickled to
+the engine process (the specs live on the class's fields, not on instances).
 """
 
 from __future__ import annotations
@@ -12,7 +14,17 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from models.builtin import DEFAULT_MODEL
+
+# Choice lists. Their torch-side twins (models.loader.load.DTYPES, kernels.attention.BACKENDS,
+# models.experts.EXPERT_BACKENDS, executor.cuda_graph_runner.HYBRID_GRAPH_MODES) cannot be imported here
+# without torch; tests/server/test_args.py keeps them equal.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("torch", "triton")
+EXPERT_BACKENDS = ("torch", "cpp", "triton")
+HYBRID_GRAPH_MODES = ("host-nodes", "split")
+
+Check = Callable[[Any], "str | None"]  # the problem with a parsed value ("must be > 0"), or None
 
 
 @dataclass(frozen=True)
@@ -22,14 +34,24 @@ class FlagSpec:
     help: str
     choices: tuple[str, ...] | None = None
     parse: Callable[[str], Any] | None = None  # None: from the field's type (str, int, float, bool)
-    check: Callable[[Any], str | None] | None = None  # the problem with a parsed value, or None
+    check: Check | None = None
     name: str | None = None  # default: the field name, "_" -> "-"
+    metavar: str | None = None  # default: N (int), X (float), BOOL, {choices} or the name in capitals
+    default_text: str | None = None  # how --help states a default that is derived later (a None field)
 
 
 def flag(default: Any, help: str, *, choices: tuple[str, ...] | None = None, parse: Callable[[str], Any] | None = None,
-         check: Callable[[Any], str | None] | None = None, name: str | None = None) -> Any:
-    """A dataclass field with a default that is also a command-line flag."""
-    return dataclasses.field(default=default, metadata={"flag": FlagSpec(help, choices, parse, check, name)})
+         check: Check | None = None, name: str | None = None, metavar: str | None = None,
+         default_text: str | None = None) -> Any:
+    """A dataclass field with a default that is also a command-line flag and an `MLASERVE_*` variable."""
+    spec = FlagSpec(help, choices, parse, check, name, metavar, default_text)
+    return dataclasses.field(default=default, metadata={"flag": spec})
+
+
+def internal(why: str, *, default: Any = dataclasses.MISSING,
+             default_factory: Callable[[], Any] | Any = dataclasses.MISSING) -> Any:
+    """A settings field that is deliberately not a flag (derived from others, or nested); `why` says so."""
+    return dataclasses.field(default=default, default_factory=default_factory, metadata={"internal": why})
 
 
 def positive(value: int | float | None) -> str | None:
@@ -44,6 +66,11 @@ def fraction(value: float) -> str | None:
     return None if 0.0 < value <= 1.0 else "must be in (0, 1]"
 
 
+def non_empty(value: str) -> str | None:
+    # an empty MLASERVE_MODEL would otherwise be the current directory, found only after the port is bound
+    return None if value.strip() else "must not be empty"
+
+
 def device_name(value: str) -> str | None:
     kind, _, index = value.partition(":")
     if kind == "cpu" and not index or kind == "cuda" and (not index or index.isdigit()):
@@ -53,27 +80,29 @@ def device_name(value: str) -> str | None:
 
 @dataclass(frozen=True)
 class EngineArgs:
-    model: str = flag("smollm2-135m-instruct", "built-in model name, HF directory or .gguf file")
-    device: str = flag("cpu", "cpu or cuda[:N]", check=device_name)
-    dtype: str = flag("auto", "weights and activations dtype", choices=DTYPES)
+    model: str = flag(DEFAULT_MODEL, "built-in model name, HF directory or .gguf file", check=non_empty,
+                      metavar="MODEL")
+    device: str = flag("cpu", "cpu or cuda[:N]", check=device_name, metavar="DEVICE")
+    dtype: str = flag("auto", "weights and activations dtype (auto: bfloat16 where the hardware does bf16 "
+                      "math, else float32 on CPU, float16 on CUDA)", choices=DTYPES)
     kv_dtype: str = flag("auto", "KV cache dtype (auto: the model's)", choices=DTYPES)
     attention_backend: str = flag("torch", "attention implementation (triton: split-KV MLA decode and extend "
-                                  "kernels for CUDA, with CUDA-graph decode)", choices=("torch", "triton"))
+                                  "kernels for CUDA, with CUDA-graph decode)", choices=ATTENTION_BACKENDS)
     expert_backend: str = flag("torch", "routed-expert implementation for MoE models (cpp: the C++ CPU pool; GGUF "
                                "Q8_0/Q4_0 experts stay quantized; triton: fused-MoE kernel on the GPU); ignored by "
-                               "dense models", choices=("torch", "cpp", "triton"))
-    context_length: int | None = flag(None, "maximum prompt + completion tokens (default: the model's)",
-                                      check=positive)
+                               "dense models", choices=EXPERT_BACKENDS)
+    context_length: int | None = flag(None, "maximum prompt + completion tokens", check=positive,
+                                      default_text="the model's")
     max_running_requests: int = flag(64, "requests decoded together at most", check=positive)
     max_queued_requests: int = flag(1024, "waiting requests beyond which new ones get 503 overloaded (0: refuse "
                                     "whatever cannot run at once)", check=non_negative)
-    max_total_tokens: int | None = flag(None, "KV cache size in tokens (default: --mem-fraction of free memory)",
-                                        check=positive)
+    max_total_tokens: int | None = flag(None, "KV cache size in tokens", check=positive,
+                                        default_text="--mem-fraction of free memory")
     mem_fraction: float = flag(0.3, "share of free memory (host RAM on CPU) for the KV cache when "
-                               "--max-total-tokens is unset", check=fraction)
+                               "--max-total-tokens is unset", check=fraction, metavar="FRACTION")
     chunked_prefill_size: int = flag(2048, "most prompt tokens prefilled per request per step", check=positive)
-    # the token budget of one step's prefill work: at least one chunk (server.args derives it)
-    max_prefill_tokens: int = 8192
+    max_prefill_tokens: int = internal("the token budget of one step's prefill work: server.args derives it "
+                                       "from --chunked-prefill-size (at least one chunk)", default=8192)
     page_size: int = flag(1, "KV slots per page (64 for paged attention kernels; the prefix cache needs 1)",
                           check=positive)
     cuda_graph_max_bs: int = flag(64, "largest decode batch run through a captured CUDA graph (CUDA, triton "
@@ -82,6 +111,6 @@ class EngineArgs:
     disable_cuda_graph: bool = flag(False, "run every decode eagerly (no CUDA graphs)")
     hybrid_graph_mode: str = flag("host-nodes", "how --expert-backend cpp on a GPU enters decode graphs: host-nodes "
                                   "(the CPU work as host nodes of one graph) or split (graph pieces with the CPU "
-                                  "work run between them)", choices=("host-nodes", "split"))
+                                  "work run between them)", choices=HYBRID_GRAPH_MODES)
     disable_prefix_cache: bool = flag(False, "turn the radix prefix cache off")
     seed: int = flag(0, "base seed of the requests that bring none")

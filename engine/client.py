@@ -64,6 +64,19 @@ from engine.messages import (
 
 logger = logging.getLogger(__name__)
 
+
+def set_cpu_wait_policy(environ: Any) -> None:
+    """How long torch's OpenMP threads spin before they sleep between parallel regions, for a process
+    that has not imported torch yet (a value the user set is kept).
+
+    libgomp's default spins ~300k iterations. On a machine whose cores are shared (the server's own
+    threads, the C++ expert pool, any other busy process) a spinning worker holds a core that the
+    thread everyone waits for needs. Measured by bench/cpu_contention.py on 2 cores, 64 tokens, one
+    competing `yes`: libgomp's default 22x slower than quiet; OMP_WAIT_POLICY=PASSIVE no slowdown but
+    +73% when quiet (every wake-up pays); 10k spins 3.4x, +4% when quiet: the default here.
+    """
+    environ.setdefault("GOMP_SPINCOUNT", "10000")
+
 _STOP = object()  # tells the writer thread to end
 
 
@@ -106,11 +119,7 @@ class EngineClient:
         within `startup_timeout` seconds). `core_factory` (picklable) replaces the real core in tests.
         """
         ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads
-        if args.expert_backend == "cpp":
-            # The child inherits this before it imports torch: PyTorch's OpenMP workers then stop
-            # busy-waiting soon after each op instead of stealing cores from the C++ expert pool
-            # (libgomp spins ~300k times by default; on small machines that costs the pool a core).
-            os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+        set_cpu_wait_policy(os.environ)  # the child inherits it before it imports torch
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         proc = ctx.Process(
             target=run_engine_process, args=(args, child_conn, core_factory),

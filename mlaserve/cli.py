@@ -9,8 +9,20 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+
+
+def _positive_int(text: str) -> int:
+    """argparse type of a count that must be > 0 (a bad one exits 2 naming the flag)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    return value
 
 
 def _generate(argv: list[str]) -> int:
@@ -18,14 +30,18 @@ def _generate(argv: list[str]) -> int:
     from server.args import flags_of, parse_flags
 
     def own(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--prompt", required=True)
+        p.add_argument("--prompt", required=True, help="the text to continue")
         p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
-        p.add_argument("--max-tokens", type=int, default=64)
+        p.add_argument("--max-tokens", type=_positive_int, default=64, metavar="N",
+                       help="tokens to generate at most (default: 64)")
 
     # the engine's flags (and MLASERVE_* variables) are serve's: one definition in EngineArgs
     args = parse_flags("mlaserve generate", "Greedy generation from one prompt.",
                        flags_of(EngineArgs, ["model", "device", "dtype"]), argv, extra=own)
 
+    from engine.client import set_cpu_wait_policy
+
+    set_cpu_wait_policy(os.environ)  # before torch is imported below
     from models.loader.load import load_model
     from executor.model_runner import ModelRunner
     from server.chat_template import render_chat

@@ -42,7 +42,9 @@ def body_limit(fixed: int | None, context_length: int) -> int:
 
 class BodyLimitMiddleware:
     """Refuses request bodies over the limit with 413, whether Content-Length says so or not. The limit
-    is read per request: derived, it follows the context length the engine reports once loaded."""
+    is read per request: derived, it follows the context length the engine reports once loaded. Until
+    then (context length 0) the derived limit is not known: a body over the 1 MiB floor gets the 503 of
+    a loading server rather than a 413 that would wrongly tell the client its request can never fit."""
 
     def __init__(self, app: ASGIApp, state: ServerState, fixed: int | None) -> None:
         self.app = app
@@ -55,7 +57,7 @@ class BodyLimitMiddleware:
         limit = body_limit(self.fixed, self.state.context_length)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            return await self._too_large(scope, receive, send, limit)
+            return await self._refuse(scope, receive, send, limit)
         seen = 0
         too_large = False
 
@@ -78,11 +80,19 @@ class BodyLimitMiddleware:
         except _BodyTooLarge:
             pass
         if too_large:
-            await self._too_large(scope, receive, send, limit)
+            await self._refuse(scope, receive, send, limit)
 
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
+        """413 naming the flag and the limit; 503 while the derived limit is not known yet."""
+        context = self.state.context_length
+        if self.fixed is None and not context:  # the limit will be known once the model has loaded
+            resp = self.state.unavailable() or error_response(
+                503, "the model is still loading; retry shortly", "service_unavailable", code="loading",
+                headers={"Retry-After": "5"})
+            return await resp(scope, receive, send)
         how = "set by --max-request-bytes" if self.fixed is not None else (
-            f"derived from the model's context, {BODY_BYTES_PER_CONTEXT_TOKEN} bytes per token, at least 1 MiB")
+            f"derived from the model's {context}-token context: {BODY_BYTES_PER_CONTEXT_TOKEN} bytes per token, "
+            f"at least 1 MiB")
         resp = error_response(413, f"request body larger than the limit of {limit} bytes ({how}); start the server "
                               f"with a larger --max-request-bytes to accept it", code="request_too_large")
         await resp(scope, receive, send)

@@ -3,9 +3,14 @@
 Each settings field declared with `engine.args.flag(...)` is a flag `--<name>` and an environment
 variable `MLASERVE_<NAME>` (`--max-total-tokens` <-> `MLASERVE_MAX_TOTAL_TOKENS`), with the field's
 default, help, choices and range check: those live on the field, once. A flag given on the command
-line wins over its variable, which wins over the default. Environment values are parsed and checked
-exactly like flags, before anything starts: a bad one ends the command with one line naming the
-variable (exit 2), never a traceback or a server that binds its port and then dies.
+line wins over its variable, which wins over the default.
+
+Environment values go through the very parser and checks of their flag, before anything starts: an
+environment value is never handed to argparse as a default (argparse checks neither the type nor the
+choices of a default), so a bad one ends the command with one line naming the variable (exit 2), never
+a traceback or a server that binds its port and then dies. Every `MLASERVE_*` value a command reads is
+checked, also one that a flag overrides: a wrong value in the environment is a mistake either way.
+Constraints between settings are checked in `combination_problem`, after both sources are merged.
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ import os
 import sys
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping, NoReturn
 
-from engine.args import EngineArgs, FlagSpec, flag, non_negative, positive
+from engine.args import EngineArgs, FlagSpec, flag, internal, non_empty, non_negative, positive
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # logging's and uvicorn's names
 
 
 def parse_bool(s: str) -> bool:
+    """A boolean from a flag or variable: 1/0, true/false, yes/no, on/off in any case; nothing else."""
     v = s.strip().lower()
     if v in ("1", "true", "yes", "on"):
         return True
@@ -36,16 +44,20 @@ def port_number(value: int) -> str | None:
 
 @dataclass(frozen=True)
 class ServerArgs:
-    host: str = flag("127.0.0.1", "address to listen on")
-    port: int = flag(8000, "port to listen on", check=port_number)
-    api_key: str | None = flag(None, "require `Authorization: Bearer KEY` on /v1 routes")
-    served_model_name: str | None = flag(None, "model id shown by /v1/models (default: the model's name)")
-    max_request_bytes: int | None = flag(None, "largest request body accepted, 413 beyond (default: 16 bytes per "
-                                         "token of the context length, at least 1 MiB)", check=positive)
+    host: str = flag("127.0.0.1", "address to listen on", check=non_empty, metavar="ADDR")
+    port: int = flag(8000, "port to listen on", check=port_number, metavar="PORT")
+    api_key: str | None = flag(None, "require `Authorization: Bearer KEY` on /v1 routes (empty: no key)",
+                               metavar="KEY", default_text="no key")
+    served_model_name: str | None = flag(None, "model id shown by /v1/models (empty: the default)", metavar="NAME",
+                                         default_text="the model's name")
+    # None: derived from the context length once the model is known (server.launch)
+    max_request_bytes: int | None = flag(None, "largest request body accepted, 413 beyond", check=positive,
+                                         metavar="BYTES",
+                                         default_text="16 bytes per token of the context length, at least 1 MiB")
     shutdown_timeout: float = flag(30.0, "seconds running requests get to finish after SIGTERM/SIGINT before they "
-                                   "are ended with an error", check=non_negative)
-    log_level: str = flag("info", "logging level", choices=("debug", "info", "warning", "error"))
-    engine: EngineArgs = dataclasses.field(default_factory=EngineArgs)
+                                   "are ended with an error", check=non_negative, metavar="SECONDS")
+    log_level: str = flag("info", "logging level", choices=LOG_LEVELS)
+    engine: EngineArgs = internal("the engine's settings: flags of their own", default_factory=EngineArgs)
 
 
 @dataclass(frozen=True)
@@ -66,8 +78,22 @@ class Flag:
     def env(self) -> str:
         return "MLASERVE_" + self.name.upper().replace("-", "_")
 
+    @property
+    def metavar(self) -> str:
+        if self.spec.metavar:
+            return self.spec.metavar
+        if self.spec.choices:
+            return "{" + ",".join(self.spec.choices) + "}"
+        return {int: "N", float: "X", bool: "BOOL"}.get(self.kind, self.field.upper())
+
+    @property
+    def help(self) -> str:
+        """The field's help, its variable and its default, as `--help` prints them."""
+        default = self.spec.default_text or (str(self.default).lower() if self.kind is bool else self.default)
+        return f"{self.spec.help} [{self.env}] (default: {default})".replace("%", "%%")
+
     def parse(self, text: str) -> Any:
-        """The value of `text`, or ValueError saying what is wrong with it."""
+        """The value of `text`, or ValueError saying what is wrong with it (flags and variables alike)."""
         try:
             value = (self.spec.parse or (parse_bool if self.kind is bool else self.kind))(text)
         except ValueError as e:
@@ -92,7 +118,9 @@ def flags_of(cls: type, only: Iterable[str] | None = None) -> list[Flag]:
             continue
         kinds = [k for k in typing.get_args(hints[f.name]) or (hints[f.name],) if k is not type(None)]
         assert len(kinds) == 1 and kinds[0] in (str, int, float, bool), f"{cls.__name__}.{f.name}: unsupported type"
+        assert f.default is not None or spec.default_text, f"{cls.__name__}.{f.name}: say what None means"
         out.append(Flag(cls, f.name, spec, kinds[0], f.default))
+    assert wanted is None or wanted == {f.field for f in out}, f"{cls.__name__} has no flag {wanted}"
     return out
 
 
@@ -104,7 +132,7 @@ class BadSetting(Exception):
     """A flag or environment value that cannot be used; the message names it."""
 
 
-def environment_defaults(flags: Iterable[Flag], environ: typing.Mapping[str, str]) -> dict[str, Any]:
+def environment_values(flags: Iterable[Flag], environ: Mapping[str, str]) -> dict[str, Any]:
     """{field: value} of the flags set in the environment, parsed and checked like flags; BadSetting
     naming the variable for the first bad one."""
     out = {}
@@ -119,8 +147,9 @@ def environment_defaults(flags: Iterable[Flag], environ: typing.Mapping[str, str
     return out
 
 
-def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], defaults: dict[str, Any]) -> None:
-    """`--<name>` for each flag; the default shown is the field's, the default used is `defaults`' when set."""
+def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag]) -> None:
+    """`--<name>` for each flag, parsed by `Flag.parse`. Nothing is stored for a flag not given (the
+    caller fills in the variable or the field's default), so a given flag can be told from the rest."""
     for f in flags:
         def typed(text: str, f: Flag = f) -> Any:
             try:
@@ -128,49 +157,97 @@ def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], defaults: 
             except ValueError as e:
                 raise argparse.ArgumentTypeError(str(e)) from None
 
-        kw: dict[str, Any] = {"type": typed, "dest": f.field, "default": defaults.get(f.field, f.default),
-                              "help": f"{f.spec.help} [{f.env}] (default: {f.default})"}
-        if f.spec.choices:
-            kw["metavar"] = "{" + ",".join(f.spec.choices) + "}"
+        kw: dict[str, Any] = {"type": typed, "dest": f.field, "default": argparse.SUPPRESS, "help": f.help,
+                              "metavar": f.metavar}
         if f.kind is bool:
-            kw.update(nargs="?", const=True)
+            kw.update(nargs="?", const=True)  # `--disable-cuda-graph` or `--disable-cuda-graph false`
         parser.add_argument(f"--{f.name}", **kw)
 
 
-def parse_flags(prog: str, description: str, flags: list[Flag], argv: list[str],
-                environ: typing.Mapping[str, str] | None = None,
-                extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
-    """Parses `argv` against `flags` (and `extra` arguments), environment values first. A bad value, in a
-    flag or a variable, exits 2 with one line naming it."""
+def refuse(prog: str, message: str) -> NoReturn:
+    """Ends the command as argparse does for a bad flag (exit 2), in one line."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+@dataclass
+class Parsed:
+    """Parsed settings and where each came from: `--<name>`, `MLASERVE_<NAME>` or (absent) the default."""
+
+    ns: argparse.Namespace
+    source: dict[str, str]
+    flags: dict[str, Flag]
+
+    def describe(self, field: str) -> str:
+        """A setting as the user gave it, for messages: `--device cpu (the default)`, `MLASERVE_DEVICE='cpu'`."""
+        f, value, source = self.flags[field], getattr(self.ns, field), self.source.get(field)
+        if source == f.env:
+            return f"{f.env}={value!r}"
+        return f"--{f.name} {value}" + ("" if source else " (the default)")
+
+
+def parse_settings(prog: str, description: str, flags: list[Flag], argv: list[str],
+                   environ: Mapping[str, str] | None = None,
+                   extra: Callable[[argparse.ArgumentParser], None] | None = None) -> Parsed:
+    """Parses `argv` against `flags` (and `extra` arguments), then every flag's variable. A bad value,
+    in a flag or a variable, exits 2 with a message naming it; `--help` works whatever the environment."""
     parser = argparse.ArgumentParser(
         prog=prog, description=f"{description} Every setting can also be given by the environment variable "
-        "in brackets; a flag on the command line wins.")
-    try:
-        defaults = environment_defaults(flags, os.environ if environ is None else environ)
-    except BadSetting as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    add_flags(parser, flags, defaults)
+        "in brackets, checked like the flag; a flag on the command line wins.")
+    add_flags(parser, flags)
     if extra is not None:
         extra(parser)
-    return parser.parse_args(argv)
+    ns = parser.parse_args(argv)
+    try:
+        from_env = environment_values(flags, os.environ if environ is None else environ)
+    except BadSetting as e:
+        refuse(prog, str(e))
+    source = {}
+    for f in flags:
+        if f.field in vars(ns):
+            source[f.field] = f"--{f.name}"
+        elif f.field in from_env:
+            setattr(ns, f.field, from_env[f.field])
+            source[f.field] = f.env
+        else:
+            setattr(ns, f.field, f.default)
+    return Parsed(ns, source, {f.field: f for f in flags})
+
+
+def parse_flags(prog: str, description: str, flags: list[Flag], argv: list[str],
+                environ: Mapping[str, str] | None = None,
+                extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """`parse_settings`' values alone (for commands with no constraints between settings)."""
+    return parse_settings(prog, description, flags, argv, environ, extra).ns
+
+
+def combination_problem(parsed: Parsed, environ: Mapping[str, str]) -> str | None:
+    """The first broken constraint between settings, naming how each was given, or None. (A setting's
+    own type, choices and range are checked by its flag spec; this is what no single field can say.)"""
+    ns = parsed.ns
+    triton = [f for f in ("attention_backend", "expert_backend") if getattr(ns, f) == "triton"]
+    if triton and not ns.device.startswith("cuda") and environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return (f"{' and '.join(parsed.describe(f) for f in triton)} need{'s' if len(triton) == 1 else ''} "
+                f"--device cuda, not {parsed.describe('device')}: the Triton kernels run on NVIDIA GPUs; on CPU use "
+                "the torch backends (and --expert-backend cpp)")
+    return None
 
 
 def _settings(cls: type, ns: argparse.Namespace, **more: Any) -> Any:
     return cls(**{f.field: getattr(ns, f.field) for f in flags_of(cls)}, **more)
 
 
-def parse_serve_args(argv: list[str], environ: typing.Mapping[str, str] | None = None) -> ServerArgs:
-    ns = parse_flags("mlaserve serve", "Serve a model over an OpenAI-compatible HTTP API.", SERVE_FLAGS, argv,
-                     environ)
-    gpu_only = [f"--{flag}-backend triton" for flag, value in (("attention", ns.attention_backend),
-                                                               ("expert", ns.expert_backend)) if value == "triton"]
+def parse_serve_args(argv: list[str], environ: Mapping[str, str] | None = None) -> ServerArgs:
+    """`mlaserve serve`'s settings from `argv` and the environment (`os.environ` unless given); exits 2
+    on any bad value or combination, before anything is started."""
+    prog = "mlaserve serve"
     env = os.environ if environ is None else environ
-    if gpu_only and not ns.device.startswith("cuda") and env.get("TRITON_INTERPRET", "0") in ("", "0"):
-        print(f"mlaserve serve: error: {' and '.join(gpu_only)} need{'' if len(gpu_only) > 1 else 's'} --device cuda "
-              "(the Triton kernels run on NVIDIA GPUs); on CPU use the torch backends (and --expert-backend cpp)",
-              file=sys.stderr)
-        raise SystemExit(2)
+    parsed = parse_settings(prog, "Serve a model over an OpenAI-compatible HTTP API.", SERVE_FLAGS, argv, env)
+    problem = combination_problem(parsed, env)
+    if problem:
+        refuse(prog, problem)
+    ns = parsed.ns
     engine = _settings(EngineArgs, ns, max_prefill_tokens=max(ns.chunked_prefill_size, EngineArgs.max_prefill_tokens))
     args = _settings(ServerArgs, ns, engine=engine)
-    return dataclasses.replace(args, api_key=args.api_key or None)
+    # empty means unset: a compose file or Dockerfile may pass a variable with no value
+    return dataclasses.replace(args, api_key=args.api_key or None, served_model_name=args.served_model_name or None)

@@ -8,17 +8,25 @@ Order of events:
      both: the server decides): `/health` and new requests get 503 with Retry-After, in-flight
      requests get up to `--shutdown-timeout` seconds to finish; what still runs then is ended with
      a `shutting_down` error; the engine process is shut down; exit code 0. A second signal stops
-     at once (in-flight streams are cut, the engine gets a short grace, then is killed).
-  If the engine cannot start, the error is logged and the process exits 1.
+     at once (what still runs ends with a `shutting_down` error, the engine gets a short grace,
+     then is killed; a signal while the engine is being shut down kills it).
+  A signal while the model is still loading stops the load and exits 0. If the engine cannot start,
+  the error is logged and the process exits 1.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import signal
+import socket
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
 
@@ -32,36 +40,56 @@ from server.metrics import Metrics
 
 logger = logging.getLogger("mlaserve.server")
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
 
 class _DrainingServer(uvicorn.Server):
     """First SIGTERM/SIGINT: keep listening but answer 503 to new work, let in-flight requests
     finish (up to `grace` seconds), end the rest with an error, then stop. A second signal stops at
-    once."""
+    once.
+
+    uvicorn's own handler is not called: it would stop at once (its graceful wait is a fixed few
+    seconds, then running streams are cancelled) and re-raise the signal after shutdown, so the
+    process would die by SIGTERM instead of exiting 0."""
 
     ABORT_FLUSH_S = 5.0  # after ending the late requests, how long their error responses may take to go out
+    POLL_S = 0.05  # how often the drain looks at the in-flight count
 
     def __init__(self, config: uvicorn.Config, state: ServerState, grace: float) -> None:
         super().__init__(config)
         self.state = state
         self.grace = grace
-        self.forced = False  # a second signal came
+        self.stop_requested = False  # a stop signal came
+        self.forced = False  # a second one came: stop now
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Task | None = None
 
-    def handle_exit(self, sig: int, frame) -> None:  # type: ignore[override]
-        # not calling uvicorn's handler: it re-raises the signal after shutdown, and the process would
-        # then die by SIGTERM instead of exiting 0
-        if self.state.shutting_down or self.state.engine is None:
-            self.forced = self.state.shutting_down
-            self.force_exit = self.should_exit or self.forced  # a second signal: stop now
-            self.should_exit = True
-            if self.forced:
-                logger.warning("second signal: stopping now")
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:  # type: ignore[override]
+        # A Python signal handler: it runs on the main thread (the event loop's) between two bytecodes,
+        # so it only sets flags and hands the drain to the loop.
+        if self.stop_requested:
+            logger.warning("second signal: stopping now")
+            self.forced = self.force_exit = self.should_exit = True
             return
-        self.state.shutting_down = True
-        logger.info("shutting down: draining %d in-flight request(s), up to %.0fs", self.state.inflight, self.grace)
-        self._drain = asyncio.get_event_loop().create_task(self._drain_then_exit())
+        self.stop_requested = True
+        self.state.shutting_down = True  # from now on /health and new requests get 503
+        if self.state.engine is None or self._loop is None:  # still loading: nothing runs, stop the load
+            logger.info("shutting down while the model loads")
+            self.should_exit = True
+            return
+        logger.info("shutting down: draining %d in-flight request(s), up to %gs", self.state.inflight, self.grace)
+        self._loop.call_soon_threadsafe(self._start_drain)  # wakes the loop, unlike call_soon from a handler
+
+    def _start_drain(self) -> None:
+        self._drain = asyncio.ensure_future(self._drain_then_exit())
 
     async def _drain_then_exit(self) -> None:
+        """Waits for the in-flight requests; past the grace ends them in the engine (their clients get a
+        `shutting_down` error), waits for those answers to go out, then lets uvicorn stop."""
         await self._wait_inflight(self.grace)
         engine = self.state.engine
         if self.state.inflight > 0 and engine is not None:
@@ -74,7 +102,7 @@ class _DrainingServer(uvicorn.Server):
     async def _wait_inflight(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while self.state.inflight > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(self.POLL_S)
 
 
 def default_model_name(model: str) -> str:
@@ -95,9 +123,33 @@ async def _start_engine(state: ServerState, args: ServerArgs, server: _DrainingS
         logger.info("ready: serving %s as '%s' on http://%s:%d", args.engine.model, state.model_name,
                     args.host, args.port)
     except Exception as e:
+        if server.stop_requested:  # e.g. a group signal reached the engine before it could ignore it
+            logger.info("the engine did not start: the server was asked to stop (%s)", e)
+            return
         logger.error("the engine failed to start: %s", e)
         state.start_error = str(e)
         server.should_exit = True
+
+
+@contextlib.contextmanager
+def _signals_kill_engine(state: ServerState) -> Iterator[None]:
+    """While the engine is being stopped (uvicorn's handlers are gone by then), a SIGINT/SIGTERM kills
+    the engine process so that the stop is immediate: without this, SIGINT would cancel the shutdown
+    half-way (asyncio.run's handler) and SIGTERM would kill this process alone."""
+
+    def kill(sig: int, frame: FrameType | None) -> None:
+        engine = state.engine
+        if engine is not None and engine.pid is not None and engine.exitcode is None:
+            logger.warning("signal %d while stopping the engine: killing it", sig)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(engine.pid, signal.SIGKILL)
+
+    previous = {sig: signal.signal(sig, kill) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 async def serve_async(args: ServerArgs) -> int:
@@ -105,15 +157,22 @@ async def serve_async(args: ServerArgs) -> int:
                         metrics=None, api_key=args.api_key)  # type: ignore[arg-type]
     state.metrics = Metrics(state.model_name)
     app = build_app(state, args.max_request_bytes)
+    # lifespan off: the app has no startup/shutdown hooks, and uvicorn's lifespan task, left pending by a
+    # forced stop, would be cancelled at exit with a traceback in the log
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5, access_log=False)
+                            timeout_graceful_shutdown=5, access_log=False, lifespan="off")
     server = _DrainingServer(config, state, args.shutdown_timeout)
     starter = asyncio.create_task(_start_engine(state, args, server))
-    await server.serve()
-    if not starter.done():
-        starter.cancel()
-    if state.engine is not None:
-        await state.engine.shutdown(timeout=2 if server.forced else 10)
+    try:
+        await server.serve()
+    finally:  # also when uvicorn fails (a port in use exits from inside serve): never leave the engine running
+        with _signals_kill_engine(state):
+            starter.cancel()  # a load still under way: EngineClient.start kills the half-started process
+            await asyncio.gather(starter, return_exceptions=True)
+            if state.engine is not None:
+                if server.forced:  # what still runs gets a shutting_down error, not "the engine died"
+                    state.engine.abort_all("the server is shutting down: stopped at once by a second signal")
+                await state.engine.shutdown(timeout=2 if server.forced else 10)
     return 1 if state.start_error else 0
 
 

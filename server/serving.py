@@ -286,6 +286,7 @@ async def _sse(ser: Serializer, events) -> AsyncIterator[str]:
         yield SSE_DONE
     except ClientError as e:
         yield sse_data(e.body())
+        yield SSE_DONE  # the stream still ends as every stream does
     finally:
         # on a disconnect Starlette cancels us (anyio: every await would be cancelled again), so the
         # cleanup that aborts the engine request runs shielded

@@ -10,11 +10,13 @@
 #include "cpu.h"
 #include "host_task.h"
 #include "moe.h"
+#include "quant_linear.h"
 
 namespace py = pybind11;
 using cpx::HostTask;
 using cpx::MoE;
 using cpx::Pool;
+using cpx::QuantLinear;
 
 namespace {
 
@@ -44,6 +46,7 @@ py::dict info() {
   d["amx_usable"] = cpu.amx_usable;
   std::vector<std::string> kernels;
   if (cpu.amx_usable) kernels.push_back("amx");
+  if (cpu.amx_int8) kernels.push_back("amx_int8");
   if (cpu.avx512_bf16) kernels.push_back("avx512_bf16");
   if (cpu.avx512_vnni) kernels.push_back("avx512_vnni");
   kernels.push_back("portable");
@@ -55,7 +58,7 @@ py::dict info() {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "Routed-expert MoE worker pool (see cpp_experts/__init__.py for the Python API)";
+  m.doc() = "Routed-expert MoE and quantised dense layers on a worker pool (see cpp_experts/__init__.py)";
   py::register_exception<cpx::ArgError>(m, "ArgError", PyExc_ValueError);
   m.def("info", &info);
   // Worker threads, made and closed by their owner; operators bound to one share it.
@@ -95,6 +98,23 @@ PYBIND11_MODULE(_C, m) {
            },
            py::call_guard<py::gil_scoped_release>())
       .def("sync", &MoE::sync, py::call_guard<py::gil_scoped_release>());
+  // A dense layer on GGUF blocks (quant_linear.h); packs its weights once, in the constructor.
+  py::class_<QuantLinear>(m, "QuantLinear")
+      .def(py::init([](const std::string& fmt, int n, int k, uintptr_t data, size_t nbytes, uintptr_t bias,
+                       const std::string& kernel) {
+        py::gil_scoped_release release;
+        return new QuantLinear(fmt, n, k, ptr<uint8_t>(data), nbytes, bias ? ptr<float>(bias) : nullptr, kernel);
+      }))
+      .def("bind", &QuantLinear::bind, py::call_guard<py::gil_scoped_release>())
+      .def("unbind", &QuantLinear::unbind, py::call_guard<py::gil_scoped_release>())
+      .def("forward",
+           [](QuantLinear& self, uintptr_t x, bool bf16, int m, uintptr_t out) {
+             self.forward(reinterpret_cast<const void*>(x), bf16, m, reinterpret_cast<void*>(out));
+           },
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("kernel", &QuantLinear::kernel)
+      .def_property_readonly("memory_bytes", &QuantLinear::memory_bytes)
+      .def_property_readonly("threads", &QuantLinear::threads);
   // A call bound to fixed buffers for CUDA host nodes (host_task.h); keeps its MoE alive.
   py::class_<HostTask>(m, "HostTask")
       .def(py::init([](MoE& op, uintptr_t h, bool hb, int t, uintptr_t ids, uintptr_t w, uintptr_t out, bool ob,

@@ -1,5 +1,7 @@
-// Shared types of the routed-expert operator: packed weight layouts, activation layouts and the
-// kernel table each code path (portable, AVX-512, AMX) fills in.
+// Shared types and helpers of the native operators: the routed-expert operator's packed weight
+// layouts, activation layouts and the kernel table each code path (portable, AVX-512, AMX) fills in;
+// the bf16 / fp16 conversions, aligned buffers, argument errors and Q8_0 activation quantisation that
+// QuantLinear (quant_linear.h) uses too.
 //
 // Packed layouts (all dims padded to multiples of 32; padding is zero):
 //  bf16   W[N][K] -> [N/16][K/2][16][2] bf16: one 64-byte line holds one k-pair of 16 output rows,
@@ -13,13 +15,42 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <new>
+#include <stdexcept>
 
 namespace cpx {
+
+// Invalid arguments: surfaced to Python as ValueError.
+struct ArgError : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
 
 enum class Format { BF16 = 0, Q8_0 = 1, Q4_0 = 2 };
 
 inline size_t round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }
+
+// 64-byte aligned, zero-filled bytes (packed weights, activation and output scratch).
+struct Buffer {
+  std::unique_ptr<uint8_t, FreeDeleter> p;
+  size_t n = 0;
+  void resize(size_t bytes) {  // reallocates (and zeroes) only when growing
+    if (bytes <= n && p) return;
+    const size_t sz = round_up(bytes ? bytes : 64, 64);
+    void* q = std::aligned_alloc(64, sz);
+    if (!q) throw std::bad_alloc();
+    std::memset(q, 0, sz);
+    p.reset(static_cast<uint8_t*>(q));
+    n = sz;
+  }
+  uint8_t* data() const { return p.get(); }
+};
 
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = uint32_t(h) << 16;
@@ -96,7 +127,10 @@ extern const Kernels kAvx512;
 void amx_gemm_bf16(const Mat& w, int rb0, int nrb, const uint16_t* a, size_t lda, int ntok, float* c,
                    int ldc);  // AMX tiles (the operator calls it only where AMX is usable); ntok > 0
 
-// Q8_0-quantise one row of k floats (k multiple of 32), as ggml's quantize_row_q8_0.
+// Q8_0-quantise one row of k floats (k multiple of 32), as ggml's quantize_row_q8_0 (d kept in fp32):
+// d = amax / 127, q = round-half-away(x / d). The AVX-512 version gives bit-identical results; call
+// it only where cpu_info().avx512 holds (F, BW, VL, DQ).
 void quantize_row_q8(const float* x, int k, int8_t* q, float* d, int32_t* sum);
+void quantize_row_q8_avx512(const float* x, int k, int8_t* q, float* d, int32_t* sum);
 
 }  // namespace cpx

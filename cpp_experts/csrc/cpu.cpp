@@ -62,6 +62,7 @@ CpuInfo detect() {
   info.avx512_vnni = info.avx512 && vnni;
   info.amx_hw = info.avx512_bf16 && amx_tile && amx_bf16 && os_amx;
   info.amx_usable = info.amx_hw && request_amx_permission();
+  info.amx_int8 = info.amx_usable && amx_int8;
   return info;
 }
 

@@ -11,6 +11,7 @@ struct CpuInfo {
   bool avx512_vnni = false;  // and AVX512_VNNI
   bool amx_hw = false;       // AMX-TILE + AMX-BF16 in CPUID and XCR0
   bool amx_usable = false;   // and the kernel granted XTILEDATA to this process
+  bool amx_int8 = false;     // amx_usable and AMX-INT8
   std::vector<std::string> flags;
 };
 

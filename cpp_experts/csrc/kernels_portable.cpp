@@ -1,6 +1,7 @@
 // Portable kernels: plain C++ over the packed layouts, written so that the compiler can
 // auto-vectorise the 16-row inner loops for the baseline x86-64 (or any) target.
 #include <cmath>
+#include <limits>
 
 #include "common.h"
 
@@ -80,7 +81,17 @@ void quantize_row_q8(const float* x, int k, int8_t* q, float* d, int32_t* sum) {
   for (int b = 0; b < k / 32; ++b) {
     const float* xb = x + b * 32;
     float amax = 0.0f;
-    for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    bool finite = true;
+    for (int i = 0; i < 32; ++i) {
+      amax = std::fmax(amax, std::fabs(xb[i]));
+      finite = finite && std::isfinite(xb[i]);
+    }
+    if (!finite) {  // a NaN scale makes every product with this block NaN, as a float matmul would
+      std::memset(q + b * 32, 0, 32);
+      d[b] = std::numeric_limits<float>::quiet_NaN();
+      sum[b] = 0;
+      continue;
+    }
     const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
     int32_t s = 0;
     for (int i = 0; i < 32; ++i) {

@@ -19,16 +19,6 @@ Format parse_format(const std::string& f) {
 const char* fmt_name(Format f) { return f == Format::BF16 ? "bf16" : f == Format::Q8_0 ? "q8_0" : "q4_0"; }
 }  // namespace
 
-void Buffer::resize(size_t bytes) {
-  if (bytes <= n && p) return;
-  const size_t sz = round_up(bytes ? bytes : 64, 64);
-  void* q = std::aligned_alloc(64, sz);
-  if (!q) throw std::bad_alloc();
-  std::memset(q, 0, sz);
-  p.reset(static_cast<uint8_t*>(q));
-  n = sz;
-}
-
 MoE::MoE(int experts, int top_k, int hidden, int inter, const std::string& format, const std::string& kernel)
     : E_(experts), K_(top_k), H_(hidden), I_(inter), fmt_(parse_format(format)) {
   if (E_ <= 0 || K_ <= 0 || H_ <= 0 || I_ <= 0) throw ArgError("sizes must be positive");

@@ -19,22 +19,6 @@
 
 namespace cpx {
 
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
-// 64-byte aligned, zero-filled bytes.
-struct Buffer {
-  std::unique_ptr<uint8_t, FreeDeleter> p;
-  size_t n = 0;
-  void resize(size_t bytes);   // reallocates (and zeroes) only when growing
-  uint8_t* data() const { return p.get(); }
-};
-
-// Invalid arguments: surfaced to Python as ValueError.
-struct ArgError : std::invalid_argument {
-  using std::invalid_argument::invalid_argument;
-};
-
 // One forward call: raw pointers to tensors the Python side validated and keeps alive.
 struct Job {
   const void* hidden = nullptr;

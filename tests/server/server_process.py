@@ -1,7 +1,9 @@
-"""A real `mlaserve serve` process for tests: free port, waits for /health, stops on exit."""
+"""A real `mlaserve serve` process for tests: free port, waits for /health, stops on exit; and what a
+test needs to see around it (its child processes, a metric)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -13,12 +15,54 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[2]
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of `pid`, from /proc (the engine process and multiprocessing's resource tracker
+    are the server's children)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:  # fields: state, ppid, ...
+                out.append(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie has ended: it only waits for its parent to collect it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def all_gone(pids: list[int], seconds: float = 10) -> bool:
+    """Whether every process in `pids` has ended within `seconds` (children notice their parent's exit
+    through their pipe, a moment after it)."""
+    deadline = time.monotonic() + seconds
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(alive(pid) for pid in pids)
+
+
+def _stop_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the test process dies (Linux), so that a test run that is
+    killed (a timeout, Ctrl-C) does not leave servers and their engines running for hours."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class ServerProcess:
@@ -33,7 +77,8 @@ class ServerProcess:
                "--log-level", "warning", *args]
         out = open(log, "wb") if log else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=out,
-                                     stderr=subprocess.STDOUT, start_new_session=new_session)
+                                     stderr=subprocess.STDOUT, start_new_session=new_session,
+                                     preexec_fn=_stop_with_parent)
 
     def wait_ready(self, timeout: float = 180) -> ServerProcess:
         deadline = time.monotonic() + timeout
@@ -51,6 +96,17 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:] if self.log_path and self.log_path.exists() else ""
 
+    def children(self) -> list[int]:
+        """The server's child processes now (the engine once it is spawned, the resource tracker)."""
+        return child_pids(self.proc.pid)
+
+    def metric(self, name: str) -> float:
+        """The value of gauge/counter `name` (its one labelled series) on /metrics; 0 when absent."""
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
     def stop(self, timeout: float = 30) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -60,3 +116,12 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+    def kill_group(self) -> None:
+        """SIGKILL to the whole group of a `new_session` server, for what a failed test left running (the
+        server, or an engine process that outlived it)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # nothing left in the group
+            pass
+        self.proc.wait()

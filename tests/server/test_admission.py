@@ -4,6 +4,7 @@ with Retry-After, at once."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -12,6 +13,8 @@ import pytest
 
 from models.synthetic import write_checkpoint
 from tests.server.server_process import ServerProcess
+
+EXTRA = 4  # requests beyond R + Q
 
 
 @pytest.fixture(scope="module")
@@ -33,20 +36,11 @@ def long_stream(url: str, key: int, out: dict, release: threading.Event) -> None
         out[key] = (None, None, repr(e))
 
 
-def running_and_waiting(srv: ServerProcess) -> tuple[float, float]:
-    values = {}
-    for line in httpx.get(srv.url + "/metrics", timeout=10).text.splitlines():
-        for name in ("mlaserve_num_requests_running", "mlaserve_num_requests_waiting"):
-            if line.startswith(name + "{"):
-                values[name] = float(line.rsplit(" ", 1)[1])
-    return values["mlaserve_num_requests_running"], values["mlaserve_num_requests_waiting"]
-
-
 @pytest.mark.parametrize(("running", "queued"), [(1, 2), (2, 0), (4, 4)])
 def test_exactly_running_plus_queued_are_admitted(model_dir, tmp_path, running, queued):
     srv = ServerProcess(str(model_dir), "--max-running-requests", str(running), "--max-queued-requests", str(queued),
                         "--context-length", "4096", log=tmp_path / "log").wait_ready()
-    total = running + queued + 4
+    total = running + queued + EXTRA
     out: dict = {}
     release = threading.Event()
     threads = [threading.Thread(target=long_stream, args=(srv.url, i, out, release), daemon=True) for i in range(total)]
@@ -56,20 +50,23 @@ def test_exactly_running_plus_queued_are_admitted(model_dir, tmp_path, running, 
         # refusals answer at once and the running requests start streaming; the queued ones wait for a slot
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            refused = [k for k, v in out.items() if v[0] == 503]
-            streaming = [k for k, v in out.items() if v[0] == 200]
-            if len(refused) + len(streaming) >= total - queued:
+            answered = [v for v in list(out.values()) if v[0] in (200, 503)]
+            if len(answered) >= total - queued:
                 break
             time.sleep(0.05)
         time.sleep(0.5)  # nothing else may answer while the admitted ones still run
-        refused = [k for k, v in out.items() if v[0] == 503]
-        streaming = [k for k, v in out.items() if v[0] == 200]
+        refused = [k for k, v in list(out.items()) if v[0] == 503]
+        streaming = [k for k, v in list(out.items()) if v[0] == 200]
         assert len(streaming) == running and len(refused) == total - running - queued, (out, srv.log())
         assert len(out) == running + len(refused), "a queued request was answered while nothing finished"
-        assert running_and_waiting(srv) == (running, queued)
+        assert (srv.metric("mlaserve_num_requests_running"), srv.metric("mlaserve_num_requests_waiting")) == (
+            running, queued)
         for k in refused:
             status, retry_after, body = out[k]
-            assert retry_after and '"code":"overloaded"' in body.replace(" ", ""), body
+            error = json.loads(body)["error"]
+            assert set(error) == {"message", "type", "param", "code"}, error
+            assert retry_after and error["code"] == "overloaded", (retry_after, error)
+            assert f"--max-queued-requests {queued}" in error["message"], error
     finally:
         release.set()
         for t in threads:

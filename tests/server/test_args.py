@@ -1,79 +1,165 @@
 """`mlaserve serve`'s flags, generated from the ServerArgs/EngineArgs fields, and their MLASERVE_* twins:
-every bad value is refused the same way from either source, before anything starts."""
+every bad value is refused the same way from either source, before anything starts; every good value
+arrives, and a flag beats its variable.
+
+The tables below name every flag: a new settings field without a row here fails
+`test_the_tables_cover_every_flag`, so its bad values get tested both ways too."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
-from engine.args import EngineArgs
+from engine.args import ATTENTION_BACKENDS, DTYPES, EXPERT_BACKENDS, HYBRID_GRAPH_MODES, EngineArgs
+from mlaserve.cli import main as cli_main
 from server.args import SERVE_FLAGS, Flag, ServerArgs, parse_serve_args
 from tests.server.server_process import REPO, free_port
 
-INTERNAL = {(EngineArgs, "max_prefill_tokens"), (ServerArgs, "engine")}  # derived or nested, not flags
+BY_NAME = {f.name: f for f in SERVE_FLAGS}
+
+# values each flag must refuse; [] only for free-form strings where empty means "the default"
+BAD: dict[str, list[str]] = {
+    "model": ["", " "],
+    "host": [""],
+    "port": ["http", "0", "65536", "80.5"],
+    "api-key": [],
+    "served-model-name": [],
+    "max-request-bytes": ["1MiB", "0"],
+    "shutdown-timeout": ["soon", "-1", "nan"],
+    "log-level": ["verbose", "INFO"],
+    "device": ["tpu", "cuda:x", "cpu:0", ""],
+    "dtype": ["bogus", "fp16"],
+    "kv-dtype": ["bogus"],
+    "attention-backend": ["flash"],
+    "expert-backend": ["bogus"],
+    "context-length": ["4k", "0", "-1"],
+    "max-running-requests": ["many", "0"],
+    "max-queued-requests": ["lots", "-1"],
+    "max-total-tokens": ["1.5", "0"],
+    "mem-fraction": ["half", "0", "1.5", "nan"],
+    "chunked-prefill-size": ["big", "0"],
+    "page-size": ["x", "0"],
+    "cuda-graph-max-bs": ["x", "-1"],
+    "disable-cuda-graph": ["maybe", "2", ""],
+    "hybrid-graph-mode": ["sometimes"],
+    "disable-prefix-cache": ["maybe"],
+    "seed": ["random", "1.5"],
+}
+FREE_FORM = {"api-key", "served-model-name"}
+
+# (variable's text, its value, flag's text, its value): the variable's value is not the default, the flag's
+# is not the variable's
+GOOD: dict[str, tuple[str, Any, str, Any]] = {
+    "model": ("m-env", "m-env", "m-flag", "m-flag"),
+    "host": ("0.0.0.0", "0.0.0.0", "::1", "::1"),
+    "port": ("9001", 9001, "65535", 65535),
+    "api-key": ("k1", "k1", "k2", "k2"),
+    "served-model-name": ("env-name", "env-name", "flag-name", "flag-name"),
+    "max-request-bytes": ("1024", 1024, "2048", 2048),
+    "shutdown-timeout": ("2.5", 2.5, "0", 0.0),
+    "log-level": ("critical", "critical", "debug", "debug"),
+    "device": ("cuda:1", "cuda:1", "cuda", "cuda"),
+    "dtype": ("bfloat16", "bfloat16", "float32", "float32"),
+    "kv-dtype": ("float16", "float16", "bfloat16", "bfloat16"),
+    "attention-backend": ("triton", "triton", "torch", "torch"),
+    "expert-backend": ("cpp", "cpp", "triton", "triton"),
+    "context-length": ("256", 256, "4096", 4096),
+    "max-running-requests": ("8", 8, "1", 1),
+    "max-queued-requests": ("0", 0, "5", 5),
+    "max-total-tokens": ("4096", 4096, "100", 100),
+    "mem-fraction": ("1", 1.0, "0.05", 0.05),
+    "chunked-prefill-size": ("512", 512, "16", 16),
+    "page-size": ("64", 64, "2", 2),
+    "cuda-graph-max-bs": ("0", 0, "8", 8),
+    "disable-cuda-graph": ("YES", True, "off", False),
+    "hybrid-graph-mode": ("split", "split", "host-nodes", "host-nodes"),
+    "disable-prefix-cache": ("On", True, "0", False),
+    "seed": ("-3", -3, "42", 42),
+}
+# the triton backends need a CUDA device; every GOOD row is parsed with this underneath
+BASE_ENV = {"MLASERVE_DEVICE": "cuda"}
+
+CASES = [(BY_NAME[name], v) for name, values in BAD.items() if name in BY_NAME for v in values]
 
 
-def bad_values(f: Flag) -> list[str]:
-    """Values this flag must refuse (none for free-form strings such as --host or --api-key)."""
-    if f.spec.choices:
-        return ["bogus"]
-    if f.kind is bool:
-        return ["maybe"]
-    if f.kind is int:
-        return ["many", "1.5"] + (["0" if f.spec.check.__name__ == "positive" else "-1"] if f.spec.check else [])
-    if f.kind is float:
-        return ["lots"] + (["-1"] if f.spec.check else [])
-    if f.spec.check:  # a checked string
-        return ["tpu:x"]
-    return []
+def value_of(args: ServerArgs, flag: Flag) -> Any:
+    return getattr(args.engine if flag.owner is EngineArgs else args, flag.field)
 
 
-CASES = [(f, v) for f in SERVE_FLAGS for v in bad_values(f)]
-
-
-def test_every_setting_field_is_a_flag() -> None:
-    names = {(f.owner, f.field) for f in SERVE_FLAGS}
+def test_every_setting_field_is_a_flag_or_marked_internal() -> None:
+    flagged = [(f.owner, f.field) for f in SERVE_FLAGS]
+    assert len(flagged) == len(set(flagged))
     for cls in (EngineArgs, ServerArgs):
         for field in dataclasses.fields(cls):
-            assert (cls, field.name) in names or (cls, field.name) in INTERNAL, f"{cls.__name__}.{field.name}"
-    # every flag has something it refuses, unless it is a free-form string
-    free = {f.name for f in SERVE_FLAGS if not bad_values(f)}
-    assert free == {"model", "host", "api-key", "served-model-name"}
+            is_flag, is_internal = "flag" in field.metadata, bool(field.metadata.get("internal"))
+            assert is_flag != is_internal, f"{cls.__name__}.{field.name}: a flag, or internal with a reason"
+            assert ((cls, field.name) in flagged) == is_flag, f"{cls.__name__}.{field.name} missing from serve"
+    assert len({f.name for f in SERVE_FLAGS}) == len({f.env for f in SERVE_FLAGS}) == len(SERVE_FLAGS)
 
 
-@pytest.mark.parametrize(("flag", "value"), CASES, ids=[f"{f.name}={v}" for f, v in CASES])
-def test_bad_flag_value_exits_2_naming_the_flag(flag: Flag, value: str, capsys) -> None:
+def test_the_tables_cover_every_flag() -> None:
+    assert set(BAD) == set(GOOD) == set(BY_NAME)
+    assert {name for name, values in BAD.items() if not values} == FREE_FORM
+    for name, (env_text, env_value, flag_text, flag_value) in GOOD.items():
+        # so that a variable ignored, or a flag losing to its variable, shows
+        assert env_value != BY_NAME[name].default and flag_value != env_value, name
+
+
+@pytest.mark.parametrize(("flag", "value"), CASES, ids=[f"{f.name}={v!r}" for f, v in CASES])
+def test_bad_flag_value_exits_2_naming_the_flag(flag: Flag, value: str, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as info:
         parse_serve_args([f"--{flag.name}", value], environ={})
     assert info.value.code == 2
-    assert f"--{flag.name}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"argument --{flag.name}:" in err and repr(value) in err, err
 
 
-@pytest.mark.parametrize(("flag", "value"), CASES, ids=[f"{f.env}={v}" for f, v in CASES])
-def test_bad_environment_value_exits_2_naming_the_variable(flag: Flag, value: str, capsys) -> None:
+@pytest.mark.parametrize(("flag", "value"), CASES, ids=[f"{f.env}={v!r}" for f, v in CASES])
+def test_bad_environment_value_exits_2_naming_the_variable(flag: Flag, value: str,
+                                                           capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as info:
         parse_serve_args([], environ={flag.env: value})
     assert info.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and flag.env in err[0] and repr(value) in err[0], err
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"mlaserve serve: error: {flag.env}={value!r}: "), err
+    assert not captured.out
+    for choice in flag.spec.choices or ():  # the allowed values are listed
+        assert choice in err[0]
 
 
-def test_environment_values_are_used_and_flags_win() -> None:
-    env = {"MLASERVE_PORT": "9001", "MLASERVE_DTYPE": "bfloat16", "MLASERVE_DISABLE_PREFIX_CACHE": "yes",
-           "MLASERVE_SHUTDOWN_TIMEOUT": "2.5", "MLASERVE_MAX_QUEUED_REQUESTS": "0", "MLASERVE_KV_DTYPE": "float16"}
-    args = parse_serve_args([], environ=env)
-    assert (args.port, args.shutdown_timeout) == (9001, 2.5)
-    assert (args.engine.dtype, args.engine.disable_prefix_cache, args.engine.max_queued_requests,
-            args.engine.kv_dtype) == ("bfloat16", True, 0, "float16")
-    args = parse_serve_args(["--port", "9002", "--dtype", "float32", "--disable-prefix-cache", "false"], environ=env)
-    assert (args.port, args.engine.dtype, args.engine.disable_prefix_cache) == (9002, "float32", False)
-    assert parse_serve_args(["--disable-cuda-graph"], environ={}).engine.disable_cuda_graph is True
+@pytest.mark.parametrize("name", GOOD)
+def test_a_good_variable_arrives_and_a_flag_beats_it(name: str) -> None:
+    flag = BY_NAME[name]
+    env_text, env_value, flag_text, flag_value = GOOD[name]
+    environ = {**BASE_ENV, flag.env: env_text}
+    assert value_of(parse_serve_args([], environ=environ), flag) == env_value
+    assert value_of(parse_serve_args([f"--{flag.name}", flag_text], environ=environ), flag) == flag_value
+
+
+def test_a_bare_boolean_flag_means_true() -> None:
+    for name in ("disable-cuda-graph", "disable-prefix-cache"):
+        flag = BY_NAME[name]
+        assert value_of(parse_serve_args([f"--{name}"], environ={flag.env: "false"}), flag) is True
+
+
+def test_a_bad_variable_is_refused_even_under_its_flag(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_serve_args(["--port", "8001"], environ={"MLASERVE_PORT": "eighty"})
+    assert info.value.code == 2 and "MLASERVE_PORT='eighty'" in capsys.readouterr().err
+
+
+def test_empty_key_and_name_mean_the_default() -> None:
+    args = parse_serve_args([], environ={"MLASERVE_API_KEY": "", "MLASERVE_SERVED_MODEL_NAME": ""})
+    assert args.api_key is None and args.served_model_name is None
 
 
 def test_defaults_are_the_fields_defaults() -> None:
@@ -84,27 +170,100 @@ def test_defaults_are_the_fields_defaults() -> None:
     assert chunked.engine.max_prefill_tokens == 10000  # a step's prefill budget holds at least one chunk
 
 
-def test_help_names_each_variable_and_default(capsys) -> None:
-    with pytest.raises(SystemExit):
-        parse_serve_args(["--help"], environ={})
-    help_text = " ".join(capsys.readouterr().out.split())
-    for f in SERVE_FLAGS:
-        assert f"--{f.name}" in help_text and f"[{f.env}]" in help_text
+def test_settings_pickle_for_the_engine_process() -> None:
+    args = parse_serve_args(["--dtype", "float32", "--seed", "7"], environ={})
+    assert pickle.loads(pickle.dumps(args)) == args
 
 
-def test_triton_backends_need_cuda(capsys) -> None:
+def test_help_names_each_flag_variable_and_default(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as info:
-        parse_serve_args(["--attention-backend", "triton"], environ={})
-    assert info.value.code == 2 and "--device cuda" in capsys.readouterr().err
+        parse_serve_args(["--help"], environ={"MLASERVE_DTYPE": "bogus"})  # help works whatever the environment
+    assert info.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "None" not in help_text  # a derived default is said in words
+    for f in SERVE_FLAGS:
+        default = f.spec.default_text or (str(f.default).lower() if f.kind is bool else str(f.default))
+        assert f"--{f.name}" in help_text and f"[{f.env}] (default: {default})" in help_text, f.name
+
+
+def test_choice_lists_match_the_implementations() -> None:
+    """The torch-free lists in engine.args against the registries the engine process uses."""
+    import executor.cuda_graph_runner
+    import kernels.attention
+    import models.experts
+    import models.loader.load
+
+    assert DTYPES == ("auto", *models.loader.load.DTYPES)
+    assert ATTENTION_BACKENDS == kernels.attention.BACKENDS
+    assert EXPERT_BACKENDS == models.experts.EXPERT_BACKENDS
+    assert HYBRID_GRAPH_MODES == executor.cuda_graph_runner.HYBRID_GRAPH_MODES
+
+
+@pytest.mark.parametrize("flags", [["--attention-backend", "triton"], ["--expert-backend", "triton"]])
+def test_triton_backends_need_cuda(flags: list[str], capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_serve_args(flags, environ={})
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1 and f"{flags[0]} triton needs --device cuda" in err[0], err
+    assert parse_serve_args(flags, environ={"TRITON_INTERPRET": "1"}).engine.device == "cpu"  # the CPU interpreter
+    assert parse_serve_args([*flags, "--device", "cuda:0"], environ={}).engine.device == "cuda:0"
+
+
+def test_a_combination_from_the_environment_names_the_variables(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_serve_args([], environ={"MLASERVE_ATTENTION_BACKEND": "triton", "MLASERVE_DEVICE": "cpu"})
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1, err
+    assert "MLASERVE_ATTENTION_BACKEND='triton'" in err[0] and "MLASERVE_DEVICE='cpu'" in err[0], err
+
+
+def test_generate_shares_the_engine_flags(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    for var in [v for v in os.environ if v.startswith("MLASERVE_")]:
+        monkeypatch.delenv(var)
+    with pytest.raises(SystemExit) as info:
+        cli_main(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert info.value.code == 0
+    for name in ("model", "device", "dtype"):
+        assert f"[{BY_NAME[name].env}] (default: {BY_NAME[name].default})" in help_text
+    assert "{" + ",".join(DTYPES) + "}" in help_text
+    monkeypatch.setenv("MLASERVE_DTYPE", "bogus")
+    with pytest.raises(SystemExit) as info:
+        cli_main(["generate", "--prompt", "hi"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and err == [
+        "mlaserve generate: error: MLASERVE_DTYPE='bogus': invalid choice 'bogus' (choose from "
+        + ", ".join(DTYPES) + ")"]
+    monkeypatch.delenv("MLASERVE_DTYPE")
+    for argv in (["--device", "tpu"], ["--max-tokens", "0"]):
+        with pytest.raises(SystemExit) as info:
+            cli_main(["generate", "--prompt", "hi", *argv])
+        assert info.value.code == 2 and f"argument {argv[0]}:" in capsys.readouterr().err
 
 
 def test_a_bad_variable_stops_serve_before_it_binds_the_port() -> None:
     port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLASERVE_")}
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "mlaserve.cli", "serve", "--port", str(port)], cwd=REPO,
-                          env={**os.environ, "MLASERVE_DTYPE": "bogus"}, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and time.monotonic() - t0 < 30
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "MLASERVE_DTYPE='bogus'" in lines[0] and "float32" in lines[0], proc.stderr
-    with socket.socket() as s:  # nobody listened on it
-        assert s.connect_ex(("127.0.0.1", port)) != 0
+    proc = subprocess.Popen([sys.executable, "-m", "mlaserve.cli", "serve", "--port", str(port)], cwd=REPO,
+                            env={**env, "MLASERVE_DTYPE": "bogus"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    listened = False
+    try:
+        while proc.poll() is None and time.monotonic() - t0 < 30:  # watch the port while it runs
+            with socket.socket() as s:
+                listened |= s.connect_ex(("127.0.0.1", port)) == 0
+            time.sleep(0.01)
+    finally:
+        if proc.poll() is None:  # it started serving: stop it (and its engine) rather than leak it
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    out, err = proc.communicate()
+    assert proc.returncode == 2 and time.monotonic() - t0 < 30 and not listened
+    lines = err.strip().splitlines()
+    assert lines == ["mlaserve serve: error: MLASERVE_DTYPE='bogus': invalid choice 'bogus' (choose from "
+                     + ", ".join(DTYPES) + ")"], err
+    assert not out

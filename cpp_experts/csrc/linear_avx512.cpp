@@ -1,0 +1,189 @@
+// AVX-512 VNNI QuantLinear kernels over the packed layout (quant_linear.h), compiled with target
+// attributes and called only after cpu.cpp found AVX-512 VNNI.
+//
+// A register tile of R rowblocks (16 output rows each, one zmm) x TT rows of x. Per 32-value block
+// the weight bytes are vpdpbusd'ed against the int8 activations (4 values broadcast to every lane)
+// into int32 sums, which one FMA then scales by d_w * d_x into fp32 accumulators. At M <= 3, R = 4:
+// four independent vpdpbusd chains hide their latency while one contiguous run per superblock streams
+// a 64-row group, so the pass runs at memory speed (helped by software prefetch). Above, R = 2 and
+// TT = 4: the tile's weights stay in L1 while all rows of x pass over them, and 16 accumulators + 8
+// sums fit the 32 zmm registers.
+#include <algorithm>
+
+#include "linear_simd.h"
+
+namespace cpx {
+namespace {
+
+using namespace lin;
+
+// Software prefetch distance along a task's weights (one contiguous run). The hardware prefetchers
+// alone leave a core short of the memory bandwidth, most on the 4-bit formats: 8 KiB ahead took Q4_1
+// at M = 1 from ~23 to ~30 GB/s with a 110 MB working set, ~5% with 256 MB (2 cores of a Sapphire
+// Rapids-class VM); 1 KiB did little, 32 KiB less than 8, the L2 hints (T1, T2) no better than T0.
+constexpr size_t kPrefetchBytes = 8192;
+
+template <LinFormat F, int R, int TT>
+CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc) {
+  constexpr LinLayout L = kLinLayout[int(F)];
+  constexpr bool kQ8 = F == LinFormat::Q8_0, kQ6 = F == LinFormat::Q6_K, kK = L.sb_blocks > 1;
+  const size_t sbs = w.sb_bytes;
+  const uint8_t* w0 = w.at(rb);
+  const int nb = a.k / 32;
+  const int8_t* xq[TT];
+  const float *xd[TT], *xds[TT];
+  const int32_t *xs[TT], *xs16[TT];
+#pragma GCC unroll 4
+  for (int t = 0; t < TT; ++t) {
+    const size_t row = size_t(t0 + t);
+    xq[t] = a.q + row * a.k;
+    xd[t] = a.d + row * nb;
+    xds[t] = a.ds + row * nb;
+    xs[t] = a.s + row * nb;
+    xs16[t] = kQ6 ? a.s16 + row * 2 * nb : nullptr;
+  }
+  __m512 acc[R][TT];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
+
+  for (int sb = 0; sb < w.nsb; ++sb) {
+    const uint8_t* ws = w0 + size_t(sb) * kGroupRowblocks * sbs;
+    for (size_t o = 0; o < R * sbs; o += 64) _mm_prefetch(reinterpret_cast<const char*>(ws + kPrefetchBytes + o), _MM_HINT_T0);
+    __m512 dsup[R], msup[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      dsup[r] = kK ? f16x16(ws + r * sbs) : _mm512_setzero_ps();
+      msup[r] = kK && has_min(F) ? f16x16(ws + r * sbs + 32) : _mm512_setzero_ps();
+    }
+    for (int j = 0; j < L.sb_blocks; ++j) {
+      const int b = sb * L.sb_blocks + j;
+      const uint8_t* wb[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) wb[r] = ws + r * sbs + L.hdr + size_t(j) * L.blk;
+      // int32 sums per (rowblock, row of x), started at -zero_point * (sum of the row's q); q6_k
+      // keeps elements 0..15 (s) and 16..31 (s2) apart, as their scales differ.
+      __m512i s[R][TT], s2[R][TT];
+#pragma GCC unroll 4
+      for (int t = 0; t < TT; ++t) {
+        const __m512i init = _mm512_set1_epi32(kQ6 ? -32 * xs16[t][2 * b] : -zero_point(F) * xs[t][b]);
+        const __m512i init2 = kQ6 ? _mm512_set1_epi32(-32 * xs16[t][2 * b + 1]) : _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          s[r][t] = init;
+          s2[r][t] = init2;
+        }
+      }
+      if constexpr (kQ8) {
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; ++g)
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            const __m512i wv = _mm512_loadu_si512(wb[r] + 64 * g);
+#pragma GCC unroll 4
+            for (int t = 0; t < TT; ++t) s[r][t] = _mm512_dpbusd_epi32(s[r][t], wv, bcast4(xq[t] + 32 * b + 4 * g));
+          }
+      } else {
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; ++g)
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            __m512i lo, hi;
+            unpack_group<F>(wb[r], g, lo, hi);
+#pragma GCC unroll 4
+            for (int t = 0; t < TT; ++t) {
+              const int8_t* x = xq[t] + 32 * b + 4 * g;
+              s[r][t] = _mm512_dpbusd_epi32(s[r][t], lo, bcast4(x));
+              if constexpr (kQ6)
+                s2[r][t] = _mm512_dpbusd_epi32(s2[r][t], hi, bcast4(x + 16));
+              else
+                s[r][t] = _mm512_dpbusd_epi32(s[r][t], hi, bcast4(x + 16));
+            }
+          }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const Scales sc = block_scales<F>(wb[r], dsup[r], msup[r]);
+#pragma GCC unroll 4
+        for (int t = 0; t < TT; ++t) acc[r][t] = accumulate<F>(acc[r][t], s[r][t], s2[r][t], sc, xd[t][b], xds[t][b]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; ++t) _mm512_storeu_ps(c + size_t(t) * ldc + 16 * r, acc[r][t]);
+}
+
+using Mk = void (*)(const QMat&, int, const ActQ&, int, float*, int);
+
+// [R - 1][TT - 1]; R = 3, 4 only come with TT <= 3 (see gemm)
+template <LinFormat F>
+struct Tiles {
+  static constexpr Mk t[4][4] = {{mk<F, 1, 1>, mk<F, 1, 2>, mk<F, 1, 3>, mk<F, 1, 4>},
+                                 {mk<F, 2, 1>, mk<F, 2, 2>, mk<F, 2, 3>, mk<F, 2, 4>},
+                                 {mk<F, 3, 1>, mk<F, 3, 2>, mk<F, 3, 3>, nullptr},
+                                 {mk<F, 4, 1>, mk<F, 4, 2>, mk<F, 4, 3>, nullptr}};
+};
+
+template <LinFormat F>
+CPX_VNNI void gemm(const QMat& w, int rb0, int rb1, const ActQ& a, int t0, int nt, float* c, int ldc) {
+  const int rmax = nt <= 3 ? 4 : 2;
+  for (int rb = rb0; rb < rb1;) {
+    // a tile stays inside its group of 4 rowblocks (one contiguous run per superblock)
+    const int r = std::min({rmax, rb1 - rb, kGroupRowblocks - rb % kGroupRowblocks});
+    for (int t = 0; t < nt; t += 4) {
+      const int tt = std::min(4, nt - t);
+      Tiles<F>::t[r - 1][tt - 1](w, rb, a, t0 + t, c + size_t(t) * ldc + (rb - rb0) * 16, ldc);
+    }
+    rb += r;
+  }
+}
+
+// fp32 -> bf16, round to nearest even, NaN kept quiet: f32_to_bf16 (common.h) on 16 lanes.
+CPX_VNNI inline __m256i bf16_rne(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
+  const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(hi, _mm512_set1_epi32(1)));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40))));
+}
+
+CPX_VNNI inline __mmask16 tail_mask(int left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1); }
+
+CPX_VNNI void store_avx512(const float* c, int ldc, int nt, int ncols, const float* bias, void* out, bool bf16,
+                           size_t ldo) {
+  for (int t = 0; t < nt; ++t) {
+    const float* cr = c + size_t(t) * ldc;
+    for (int j = 0; j < ncols; j += 16) {
+      const __mmask16 k = tail_mask(ncols - j);
+      __m512 v = _mm512_maskz_loadu_ps(k, cr + j);
+      if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, bias + j));
+      if (bf16)
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + size_t(t) * ldo + j, k, bf16_rne(v));
+      else
+        _mm512_mask_storeu_ps(static_cast<float*>(out) + size_t(t) * ldo + j, k, v);
+    }
+  }
+}
+
+CPX_VNNI void to_bf16_avx512(const float* x, uint16_t* y, int n) {
+  for (int j = 0; j < n; j += 16) {
+    const __mmask16 k = tail_mask(n - j);
+    _mm256_mask_storeu_epi16(y + j, k, bf16_rne(_mm512_maskz_loadu_ps(k, x + j)));
+  }
+}
+
+}  // namespace
+
+const LinKernels kLinAvx512 = {
+    "avx512_vnni",
+    {nullptr, gemm<LinFormat::Q8_0>, gemm<LinFormat::Q4_0>, gemm<LinFormat::Q4_1>, gemm<LinFormat::Q4_K>,
+     gemm<LinFormat::Q5_K>, gemm<LinFormat::Q6_K>},
+    quantize_row_q8_avx512,
+    store_avx512,
+    to_bf16_avx512,
+};
+
+}  // namespace cpx

@@ -1,0 +1,149 @@
+// QuantLinear: a dense layer y = x W^T (+ b) whose weights stay in their GGUF block format.
+//
+// Why: at decode (a few rows of x) a linear layer is bound by reading W once, and a GGUF block
+// format holds 0.56 (Q4_0) .. 1.06 (Q8_0) bytes per weight against bf16's 2. The blocks are repacked
+// once at load so that one pass over memory streams 64 output rows' blocks sequentially and the dot
+// products run on vpdpbusd (unsigned weight bytes x signed int8 activations) without shuffles.
+// Activations are quantised per 32 values as Q8_0 (common.h's quantize_row_q8; fp32 scale d, int32
+// sum of q), and every block's int32 dot product is scaled by d_w * d_x into fp32, as ggml does.
+//
+// Packed layout of the quantised formats. Output rows come in rowblocks of 16 (one zmm of fp32
+// results) and rowblocks in groups of 4 (rows padded to 64 with zeros). K is cut into superblocks
+// (one 32-value block for Q8_0/Q4_0/Q4_1, eight for the 256-value K-quants):
+//     data = [group][superblock][rowblock in group][sb_bytes]
+// so a tile of up to 4 rowblocks reads one contiguous run per superblock. One rowblock's superblock
+// is a header (K-quants only: fp16 d[16] for the 16 rows, then fp16 dmin[16] for Q4_K/Q5_K), then
+// per 32-value block the quant bytes in 64-byte groups of "4 values x 16 rows" (a vpdpbusd operand):
+//   q8_0   8 groups; byte (g, r, c) = q[4g + c] + 128 of row r (unsigned; the -128 goes into the
+//          activation-sum term);
+//   4-bit  4 groups (q4_0, q4_1, q4_k, q5_k, q6_k); byte (g, r, c) has element 4g + c of row r in
+//          its low nibble and element 16 + 4g + c in its high nibble: GGUF's own order for q4_0 and
+//          q4_1, the K-quants reordered to it;
+//   q5_k   then 64 bytes: bit 2g + h of byte (r, c) = bit 4 of element 16h + 4g + c;
+//   q6_k   then 2 x 64 bytes: in part p, bits 4(g % 2) + 2h .. +1 of byte (r, c) = bits 4..5 of
+//          element 16h + 4g + c, for the groups g = 2p, 2p + 1;
+// then the block's scales, one per row:
+//   q8_0, q4_0: fp16 d[16]                  w = d q (q8_0),  w = d (q - 8) (q4_0)
+//   q4_1:       fp16 d[16], fp16 m[16]      w = d q + m
+//   q4_k, q5_k: uint8 sc[16], uint8 mn[16]  w = (d sc) q - (dmin mn)        (6-bit sc and mn)
+//   q6_k:       int8 sc[16] for elements 0..15, int8 sc[16] for 16..31;  w = (d sc) (q - 32)
+// Bytes per weight are GGUF's (q4_k and q5_k: +2%, their 6-bit scales stored as bytes). The same
+// groups are AMX int8 B-tile rows (linear_amx.cpp). bf16 weights use the MoE operator's bf16 layout
+// and gemm kernels (common.h).
+#pragma once
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "pool.h"
+
+namespace cpx {
+
+enum class LinFormat { BF16 = 0, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K };
+constexpr int kLinFormats = 7;
+
+// Per format: GGUF block (values, bytes) and the packed layout of one rowblock's superblock.
+struct LinLayout {
+  const char* name;
+  int gguf_values, gguf_bytes;
+  int sb_blocks;  // 32-value blocks per superblock
+  int hdr;        // header bytes per superblock
+  int blk;        // bytes per 32-value block (quants + scales)
+};
+constexpr LinLayout kLinLayout[kLinFormats] = {
+    {"bf16", 1, 2, 0, 0, 0},         {"q8_0", 32, 34, 1, 0, 544},    {"q4_0", 32, 18, 1, 0, 288},
+    {"q4_1", 32, 20, 1, 0, 320},     {"q4_k", 256, 144, 8, 64, 288}, {"q5_k", 256, 176, 8, 64, 352},
+    {"q6_k", 256, 210, 8, 32, 416},
+};
+constexpr int kGroupRowblocks = 4;  // rowblocks interleaved per superblock
+
+// A packed quantised weight matrix (read-only view).
+struct QMat {
+  LinFormat fmt;
+  int nsb;          // superblocks along K
+  size_t sb_bytes;  // bytes of one rowblock's superblock
+  const uint8_t* data;
+  // rowblock rb's first superblock; its next one is kGroupRowblocks * sb_bytes further
+  const uint8_t* at(int rb) const {
+    return data + (size_t(rb / kGroupRowblocks) * nsb * kGroupRowblocks + rb % kGroupRowblocks) * sb_bytes;
+  }
+};
+
+// Q8_0 activations, `k` values per row: q [M][k], d, s (sum of q), ds = d * s [M][k/32]; s16 (sums
+// per 16 values, [M][k/16]) only for q6_k, whose scales change every 16 values.
+struct ActQ {
+  const int8_t* q;
+  const float* d;
+  const int32_t* s;
+  const float* ds;
+  const int32_t* s16;
+  int k;
+};
+
+// c[t * ldc + (rb - rb0) * 16 + j] = sum_k W[16 rb + j][k] * A[t0 + t][k], for t < nt, rb0 <= rb < rb1.
+using LinGemm = void (*)(const QMat& w, int rb0, int rb1, const ActQ& a, int t0, int nt, float* c, int ldc);
+// out[t * ldo + j] = c[t * ldc + j] + bias[j] (bias may be null), j < ncols, t < nt; into fp32, or into
+// bf16 rounded to nearest even (as torch rounds).
+using StoreRows = void (*)(const float* c, int ldc, int nt, int ncols, const float* bias, void* out, bool bf16,
+                           size_t ldo);
+using ToBF16 = void (*)(const float* x, uint16_t* y, int n);  // round to nearest even
+using QuantRow = void (*)(const float* x, int k, int8_t* q, float* d, int32_t* sum);
+
+struct LinKernels {
+  const char* name;
+  LinGemm gemm[kLinFormats];  // null for bf16 (the MoE bf16 kernels serve it)
+  QuantRow quantize;
+  StoreRows store;
+  ToBF16 to_bf16;
+};
+extern const LinKernels kLinPortable;
+extern const LinKernels kLinAvx512;  // needs AVX-512 F/BW/VL/DQ + VNNI
+// AMX int8 gemms (linear_amx.cpp; needs CpuInfo::amx_int8) for tasks of kAmxInt8MinRows rows of x or
+// more (shorter token tiles go to the VNNI kernel): below that, storing and scaling the per-block tile
+// results costs more than the VNNI kernel's dot products.
+extern const LinGemm kLinAmxGemm[kLinFormats];
+constexpr int kAmxInt8MinRows = 12;
+
+class QuantLinear {
+ public:
+  // `data`: the GGUF tensor's blocks in ggml row order (out_features rows of in_features / block
+  // values), or for "bf16" out_features x in_features bf16 values. `bias`: [out_features] fp32 or null.
+  QuantLinear(const std::string& format, int out_features, int in_features, const uint8_t* data, size_t nbytes,
+              const float* bias, const std::string& kernel);
+  void bind(std::shared_ptr<Pool> pool);  // after a forward under way, if any
+  void unbind();
+  // out [m][out_features] = x [m][in_features] W^T + b, x and out both fp32 or both bf16
+  void forward(const void* x, bool bf16, int m, void* out);
+  std::string kernel() const;
+  size_t memory_bytes() const { return w_.n + bias_.n; }
+  int threads() const;
+
+ private:
+  struct Scratch {
+    Buffer c, row;  // fp32 output tile; one fp32 activation row
+  };
+  void pack_quant(const uint8_t* src);
+  void pack_bf16(const uint16_t* src);
+  void prepare(const void* x, bool bf16, int m);  // activations in the kernel's format
+  int rowblocks_per_task() const;
+
+  LinFormat fmt_;
+  int N_, K_, Kp_;  // Kp_: K padded to 32 (bf16 only; the quantised formats need whole blocks)
+  int nrb_;         // rowblocks holding real rows (bf16: even, the bf16 kernel takes them in pairs)
+  const LinKernels* lin_;
+  const Kernels* bf16k_;
+  bool amx_ = false;   // bf16 weights: AMX-BF16 tiles from kAmxMinTokens rows of x
+  bool amxq_ = false;  // quantised weights: AMX-INT8 tiles from kAmxInt8MinRows rows of x
+  Buffer w_, bias_;
+  QMat qm_{};
+  Mat bm_{};
+  bool has_bias_ = false;
+  mutable std::mutex m_;  // one forward at a time per operator (they share the scratch)
+  std::shared_ptr<Pool> pool_;
+  std::vector<Scratch> scratch_;
+  Buffer act_q_, act_d_, act_s_, act_ds_, act_s16_, act_b_;
+};
+
+}  // namespace cpx

