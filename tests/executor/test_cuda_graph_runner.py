@@ -203,6 +203,12 @@ def test_graphs_off_reasons(model):
 
 
 # ---------------------------------------------------------------- stand-in graph, hooked torch backend
+# The cpp experts round their activations to bf16. A replay runs the padded batch (4 rows where eager
+# runs 3), and torch's fp32 matmul may sum in another order at another M (it does on AVX2 hosts), so
+# an fp32 ulp before an expert layer can flip one bf16 rounding: ~1e-4 on the logits, not 1e-5.
+CPP_EXPERTS_TOL = 1e-3
+
+
 def check_replays(runner: ModelRunner, graphs: CudaGraphRunner, lens: list[int], steps: list[list[int]],
                   tol: float) -> None:
     """Prefills requests of `lens`, then decodes the requests picked at each step both eagerly and by
@@ -374,7 +380,7 @@ def test_cpu_experts_as_host_tasks_with_stand_in_graph(tmp_path):
     assert len(graphs.host_work) == moe_layers and all(isinstance(w, HostNodeCalls) for w in graphs.host_work)
     bound = [dict(w.tasks) for w in graphs.host_work]
     assert all(sorted(k[0] for k in b) == [1, 2, 4] for b in bound)
-    check_replays(runner, graphs, [3, 9, 6], [[0, 2, 1], [2], [1, 0]], tol=1e-5)
+    check_replays(runner, graphs, [3, 9, 6], [[0, 2, 1], [2], [1, 0]], tol=CPP_EXPERTS_TOL)
     assert [dict(w.tasks) for w in graphs.host_work] == bound  # no task bound after capture
     assert sum(t.runs for b in bound for t in b.values()) > 0
 
@@ -444,7 +450,7 @@ def test_cpu_experts_split_around_with_stand_in_graph(tmp_path):
     moe_layers = sum(isinstance(m, DeepseekMoE) for m in loaded.model.modules())
     assert len(graphs.host_work) == moe_layers and all(isinstance(w, SplitCalls) for w in graphs.host_work)
     assert moe_layers and capture.steps_per_run == [2 * moe_layers] * 3
-    check_replays(runner, graphs, [3, 9, 6], [[0, 2, 1], [2], [1, 0]], tol=1e-5)
+    check_replays(runner, graphs, [3, 9, 6], [[0, 2, 1], [2], [1, 0]], tol=CPP_EXPERTS_TOL)
     assert capture.steps_per_run == [2 * moe_layers] * 6
     assert all(w.replay_error() is None for w in graphs.host_work)  # host steps raise at once instead
 

@@ -90,16 +90,28 @@ def test_logits_match_transformers_gguf_loader(smollm):
 
 
 def test_greedy_tokens_agree_with_llama_cpp(smollm):
-    """llama.cpp multiplies Q4_1 weights by Q8-quantized activations, so its logits sit ~2% from the
-    exact fp32 ones (which ours match, see above): near-ties can flip, hence 4 of 5."""
+    """llama.cpp multiplies Q4_1 weights by Q8-quantized activations, so its logits sit 2-4% (of the
+    largest logit) from the exact fp32 ones, which ours match (above): a near-tie can flip its greedy
+    choice, and free-running sequences then part for good. So ours are teacher-forced on llama.cpp's
+    greedy tokens: at every step its token must be our argmax or a near-tie (within 0.5 of our best
+    logit; measured ≤ 0.19, while a wrong layer or rope puts it several logits away), and at least
+    90% of the steps must agree exactly (measured 77 of 80 on an AVX2 host)."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed: llama.cpp oracle skipped")
+    import torch
+
     loaded, runner = smollm
-    agree = 0
-    details = []
+    steps, exact, gaps = 0, 0, []
     for text in PROMPTS:
         ids = chat_ids(loaded, text)
-        ours = runner.generate_greedy(ids, 16)
         theirs = llama_cpp_greedy(llama_cpp, ids, 16)
-        agree += ours == theirs
-        details.append((text, ours, theirs))
-    assert agree >= 4, details
+        full = ids + theirs
+        row = runner.req_to_token_pool.alloc()
+        logits = runner.forward(runner.build_batch([RequestSlice(row, 0, full)], all_logits=True))
+        runner.free_request(row, len(full))
+        ours = logits[len(ids) - 1:len(full) - 1]
+        gap = ours.max(-1).values - ours[torch.arange(len(theirs)), torch.tensor(theirs)]
+        steps += len(theirs)
+        exact += int((gap == 0).sum())
+        gaps.append((text, [round(float(g), 3) for g in gap]))
+        assert float(gap.max()) <= 0.5, gaps[-1]
+    assert exact >= 0.9 * steps, gaps
