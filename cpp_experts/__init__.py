@@ -52,7 +52,7 @@ except ImportError as exc:  # pragma: no cover - only on a broken install
         "cpp_experts._C is not built: reinstall the project (`pip install -e .`) with a C++17 compiler"
     ) from exc
 
-__all__ = ["MoE", "QuantLinear", "WorkerPool", "HostTask", "info", "cuda_host_launch_error", "FORMATS", "BLOCK_BYTES",
+__all__ = ["MoE", "QuantLinear", "WorkerPool", "HostTask", "PagedAttention", "CpuModel", "info", "cuda_host_launch_error", "FORMATS", "BLOCK_BYTES",
            "LINEAR_FORMATS", "LINEAR_BLOCKS"]
 
 FORMATS = ("bf16", "q8_0", "q4_0")
@@ -122,6 +122,11 @@ class WorkerPool:
     @property
     def closed(self) -> bool:
         return bool(self._pool.closed)
+
+    @property
+    def solo_runs(self) -> int:
+        """Runs the calling thread did alone because workers kept arriving late (a busy machine)."""
+        return int(self._pool.solo_runs)
 
     def close(self) -> None:
         """Joins the worker threads (after the call under way, if any); idempotent."""
@@ -451,14 +456,16 @@ class QuantLinear:
         return cls(fmt, data, out_features, in_features, bias=bias, kernel=kernel, pool=pool)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, *, bias: torch.Tensor | None = None, kernel: str | None = None,
-                   pool: WorkerPool | None = None) -> QuantLinear:
+    def from_float(cls, weight: torch.Tensor, *, dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
+                   kernel: str | None = None, pool: WorkerPool | None = None) -> QuantLinear:
         """From a float [out_features, in_features] tensor (an nn.Linear's weight), held as bf16."""
         if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
             raise TypeError(f"weight must be a float torch.Tensor, got "
                             f"{weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__}")
         if weight.dim() != 2:
             raise ValueError(f"weight must be [out_features, in_features], got shape {tuple(weight.shape)}")
+        if dtype != torch.bfloat16:
+            raise ValueError(f"weights are held as bf16 only, got dtype {dtype}")
         w = weight.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
         if not torch.isfinite(w).all():
             raise ValueError("weight contains NaN or Inf")
@@ -516,6 +523,29 @@ class QuantLinear:
         return out
 
     __call__ = forward
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W decoded to fp32, [*ids.shape, in_features] (an embedding lookup on the blocks)."""
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or not ids.is_cpu:
+            raise TypeError("ids must be an int64 CPU tensor")
+        flat = ids.reshape(-1).contiguous()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
+            raise ValueError(f"ids must be in [0, {self.out_features})")
+        out = torch.empty(flat.numel(), self.in_features)
+        self._op.dequant_rows(flat.data_ptr(), flat.numel(), out.data_ptr())
+        return out.reshape(*ids.shape, self.in_features)
+
+    def set_bias(self, bias: torch.Tensor | None) -> None:
+        """Replaces the bias ([out_features] float, or None for none)."""
+        if bias is not None:
+            if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or tuple(bias.shape) != (
+                    self.out_features,):
+                raise ValueError(f"bias must be a float tensor [{self.out_features}]")
+            bias = bias.detach().to(device="cpu", dtype=torch.float32).contiguous()
+            if not torch.isfinite(bias).all():
+                raise ValueError("bias contains NaN or Inf")
+        self._op.set_bias(bias.data_ptr() if bias is not None else 0)
+        self.bias = bias
 
     def __repr__(self) -> str:
         return (f"QuantLinear({self.weight_format}, in_features={self.in_features}, "
@@ -604,3 +634,220 @@ def _launch_host_func(stream: int, fn: int, data: int) -> None:
         lib.cuGetErrorString(rc, ctypes.byref(msg))
         raise RuntimeError(f"cuLaunchHostFunc failed with CUDA error {rc}: "
                            f"{(msg.value or b'unknown').decode(errors='replace')}")
+
+
+class PagedAttention:
+    """Attention over the paged KV pool on the CPU (decode and extend alike), on a `WorkerPool`.
+
+    Token t of the batch belongs to the request whose `req_to_token` row is `rows[t]`, sits at
+    `positions[t]`, and attends to positions 0..positions[t] of that row: the new tokens' K/V must be in
+    the pool already. Pools are fp32 or bf16; arithmetic is fp32 (online softmax). One call at a time
+    per object (it holds the scratch).
+    """
+
+    def __init__(self, pool: WorkerPool) -> None:
+        if not isinstance(pool, WorkerPool):
+            raise TypeError(f"pool must be a cpp_experts.WorkerPool, got {type(pool).__name__}")
+        self.pool = pool
+        self._op = _C.PagedAttention(pool._pool)
+
+    @staticmethod
+    def _tokens(q: torch.Tensor, req_to_token: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> int:
+        _check_tensor("q", q, 3)
+        if q.dtype != torch.float32:
+            raise TypeError(f"q must be float32, got {q.dtype}")
+        _check_tensor("req_to_token", req_to_token, 2)
+        if req_to_token.dtype != torch.int32:
+            raise TypeError(f"req_to_token must be int32, got {req_to_token.dtype}")
+        T = q.shape[0]
+        for name, t in (("rows", rows), ("positions", positions)):
+            _check_tensor(name, t, 1)
+            if t.dtype != torch.int64 or t.shape[0] != T:
+                raise ValueError(f"{name} must be int64 [{T}], got {t.dtype} {tuple(t.shape)}")
+        return T
+
+    @staticmethod
+    def _cache(name: str, t: torch.Tensor, rank: int) -> bool:
+        _check_tensor(name, t, rank)
+        if t.dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"{name} must be float32 or bfloat16, got {t.dtype}")
+        return t.dtype == torch.bfloat16
+
+    def gqa(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
+            rows: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [T, H, D] fp32 (RoPE'd), K [slots, Hkv, D], V [slots, Hkv, Dv] -> [T, H, Dv] fp32."""
+        T = self._tokens(q, req_to_token, rows, positions)
+        bf16 = self._cache("k_buffer", k_buffer, 3)
+        if self._cache("v_buffer", v_buffer, 3) != bf16:
+            raise TypeError("k_buffer and v_buffer must have the same dtype")
+        _, H, D = q.shape
+        slots, Hkv, Dk = k_buffer.shape
+        Dv = v_buffer.shape[2]
+        if Dk != D or v_buffer.shape[:2] != k_buffer.shape[:2] or Hkv <= 0 or H % Hkv:
+            raise ValueError(f"q {tuple(q.shape)}, K {tuple(k_buffer.shape)} and V {tuple(v_buffer.shape)} do not fit "
+                             "(heads a multiple of KV heads, same D, same slots)")
+        out = torch.empty(T, H, Dv)
+        self._op.gqa(q.data_ptr(), T, H, Hkv, D, Dv, float(scale), k_buffer.data_ptr(), v_buffer.data_ptr(), bf16,
+                     slots, req_to_token.data_ptr(), req_to_token.shape[0], req_to_token.shape[1], rows.data_ptr(),
+                     positions.data_ptr(), out.data_ptr())
+        return out
+
+    def mla(self, q: torch.Tensor, latent: torch.Tensor, req_to_token: torch.Tensor, rows: torch.Tensor,
+            positions: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
+        """q [T, H, r + P] fp32 (q_nope absorbed by w_kc ‖ RoPE'd q_pe) against the latent cache [slots, r + P]
+        (c_kv ‖ k_pe) -> attention-weighted c_kv [T, H, r] fp32."""
+        T = self._tokens(q, req_to_token, rows, positions)
+        bf16 = self._cache("latent", latent, 2)
+        _, H, width = q.shape
+        r = int(kv_lora_rank)
+        if latent.shape[1] != width or not 0 < r <= width:
+            raise ValueError(f"q {tuple(q.shape)} and latent {tuple(latent.shape)} do not fit rank {r}")
+        out = torch.empty(T, H, r)
+        self._op.mla(q.data_ptr(), T, H, r, width - r, float(scale), latent.data_ptr(), bf16, latent.shape[0],
+                     req_to_token.data_ptr(), req_to_token.shape[0], req_to_token.shape[1], rows.data_ptr(),
+                     positions.data_ptr(), out.data_ptr())
+        return out
+
+
+def _f32(name: str, t: torch.Tensor, numel: int) -> torch.Tensor:
+    """t as a contiguous fp32 CPU tensor of `numel` values (a copy where it is not one already)."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise TypeError(f"{name} must be a float tensor")
+    t = t.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    if t.numel() != numel:
+        raise ValueError(f"{name} must hold {numel} values, got shape {tuple(t.shape)}")
+    return t
+
+
+def _cache_tensor(name: str, t: torch.Tensor, numel: int) -> bool:
+    _check_tensor(name, t, t.dim())
+    if t.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"{name} must be float32 or bfloat16 (the native forward reads no other cache dtype)")
+    if t.numel() < numel:
+        raise ValueError(f"{name} holds {t.numel()} values, the model needs {numel}")
+    return t.dtype == torch.bfloat16
+
+
+class CpuModel:
+    """A whole decoder forward in one native call (see csrc/model.h): embedding, layers, final norm and
+    LM head on one `WorkerPool`, over the executor's KV caches and req_to_token table.
+
+    Built once: the constructor, `set_table`, then per layer one attention block (`add_gqa` or `add_mla`)
+    followed by one MLP block (`add_dense_mlp` or `add_moe`). Every operator, cache and table given here
+    is kept referenced by this object; the caches and the table must not be reallocated while it lives.
+    """
+
+    def __init__(self, pool: WorkerPool, embed: QuantLinear, lm_head: QuantLinear, final_norm: torch.Tensor,
+                 eps: float) -> None:
+        if not isinstance(pool, WorkerPool):
+            raise TypeError(f"pool must be a cpp_experts.WorkerPool, got {type(pool).__name__}")
+        self.hidden_size = embed.in_features
+        self.vocab_size = lm_head.out_features
+        norm = _f32("final_norm", final_norm, self.hidden_size)
+        self._keep: list[object] = [pool, embed, lm_head]
+        self._op = _C.CpuModel(pool._pool, self.hidden_size, embed._op, lm_head._op, norm.data_ptr(), float(eps))
+        self.num_slots = 0
+
+    def set_table(self, req_to_token: torch.Tensor, num_slots: int) -> None:
+        _check_tensor("req_to_token", req_to_token, 2)
+        if req_to_token.dtype != torch.int32:
+            raise TypeError(f"req_to_token must be int32, got {req_to_token.dtype}")
+        self._keep.append(req_to_token)
+        self.num_slots = int(num_slots)
+        self._op.set_table(req_to_token.data_ptr(), req_to_token.shape[0], req_to_token.shape[1], self.num_slots)
+
+    def add_gqa(self, norm: torch.Tensor, eps: float, q: QuantLinear, k: QuantLinear, v: QuantLinear, o: QuantLinear,
+                *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, rope_table: torch.Tensor,
+                rope_dim: int, interleaved: bool, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """An attention block (GQA/MHA); `rope_table` [2, positions, rope_dim / 2] fp32 (cos, sin)."""
+        norm = _f32("norm", norm, self.hidden_size)
+        table = self._rope(rope_table, rope_dim)
+        need = self.num_slots * num_kv_heads * head_dim
+        bf16 = _cache_tensor("k_cache", k_cache, need)
+        if _cache_tensor("v_cache", v_cache, need) != bf16:
+            raise TypeError("k_cache and v_cache must have the same dtype")
+        self._keep += [norm, q, k, v, o, table, k_cache, v_cache]
+        self._op.add_gqa(norm.data_ptr(), self.hidden_size, float(eps), q._op, k._op, v._op, o._op, num_heads,
+                         num_kv_heads, head_dim, float(scale), table.data_ptr(), table.shape[1], rope_dim,
+                         bool(interleaved), k_cache.data_ptr(), v_cache.data_ptr(), bf16)
+
+    def add_mla(self, norm: torch.Tensor, eps: float, *, q: QuantLinear | None, q_a: QuantLinear | None,
+                q_a_norm: torch.Tensor | None, q_a_eps: float, q_b: QuantLinear | None, kv_a: QuantLinear,
+                kv_norm: torch.Tensor, kv_eps: float, w_kc: list[QuantLinear], w_vc: list[QuantLinear], o: QuantLinear,
+                num_heads: int, nope_dim: int, rope_dim: int, v_dim: int, kv_lora_rank: int, scale: float,
+                rope_table: torch.Tensor, interleaved: bool, latent: torch.Tensor) -> None:
+        """An MLA attention block (absorbed): `w_kc[h]` [r, nope] and `w_vc[h]` [v, r] per head."""
+        norm = _f32("norm", norm, self.hidden_size)
+        kv_norm = _f32("kv_norm", kv_norm, kv_lora_rank)
+        qa_norm = _f32("q_a_norm", q_a_norm, q_a.out_features) if q_a is not None else None
+        table = self._rope(rope_table, rope_dim)
+        bf16 = _cache_tensor("latent", latent, self.num_slots * (kv_lora_rank + rope_dim))
+        self._keep += [norm, kv_norm, qa_norm, q, q_a, q_b, kv_a, o, table, latent, *w_kc, *w_vc]
+        op = lambda m: m._op if m is not None else None  # noqa: E731
+        self._op.add_mla(norm.data_ptr(), self.hidden_size, float(eps), op(q), op(q_a),
+                         qa_norm.data_ptr() if qa_norm is not None else 0, float(q_a_eps), op(q_b), kv_a._op,
+                         kv_norm.data_ptr(), float(kv_eps), [m._op for m in w_kc], [m._op for m in w_vc], o._op,
+                         num_heads, nope_dim, rope_dim, v_dim, kv_lora_rank, float(scale), table.data_ptr(),
+                         table.shape[1], bool(interleaved), latent.data_ptr(), bf16)
+
+    def add_dense_mlp(self, norm: torch.Tensor, eps: float, gate: QuantLinear, up: QuantLinear,
+                      down: QuantLinear) -> None:
+        norm = _f32("norm", norm, self.hidden_size)
+        self._keep += [norm, gate, up, down]
+        self._op.add_dense_mlp(norm.data_ptr(), self.hidden_size, float(eps), gate._op, up._op, down._op)
+
+    TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+    def add_moe(self, norm: torch.Tensor, eps: float, *, router: torch.Tensor, correction_bias: torch.Tensor | None,
+                top_k: int, scoring: str, topk_method: str, n_group: int, topk_group: int, norm_topk_prob: bool,
+                routed_scaling_factor: float, experts: MoE, shared: tuple[QuantLinear, QuantLinear, QuantLinear] | None
+                ) -> None:
+        """A MoE block: the router [E, hidden] and its top-k as models/moe_routing.py, routed `experts`
+        (bound to this model's pool), shared experts (gate, up, down) or None."""
+        if scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"scoring must be softmax or sigmoid, got {scoring!r}")
+        if topk_method not in self.TOPK_METHODS:
+            raise ValueError(f"topk_method must be one of {self.TOPK_METHODS}, got {topk_method!r}")
+        if not isinstance(experts, MoE):
+            raise TypeError("experts must be a cpp_experts.MoE")
+        if experts.pool is None or experts.pool._pool is not self._keep[0]._pool:
+            raise ValueError("the experts must be bound to this model's pool")
+        if experts.hidden_size != self.hidden_size or experts.top_k != top_k:
+            raise ValueError("the experts' hidden size and top-k must match the block's")
+        norm = _f32("norm", norm, self.hidden_size)
+        E = experts.num_experts
+        router = _f32("router", router, E * self.hidden_size)
+        bias = _f32("correction_bias", correction_bias, E) if correction_bias is not None else None
+        g, u, d = shared if shared is not None else (None, None, None)
+        self._keep += [norm, router, bias, experts, g, u, d]
+        op = lambda m: m._op if m is not None else None  # noqa: E731
+        self._op.add_moe(norm.data_ptr(), self.hidden_size, float(eps), router.data_ptr(),
+                         bias.data_ptr() if bias is not None else 0, E, top_k, scoring == "sigmoid",
+                         self.TOPK_METHODS.index(topk_method), n_group, topk_group, bool(norm_topk_prob),
+                         float(routed_scaling_factor), experts._op, op(g), op(u), op(d))
+
+    @staticmethod
+    def _rope(table: torch.Tensor, rope_dim: int) -> torch.Tensor:
+        if not isinstance(table, torch.Tensor) or table.dim() != 3 or table.shape[0] != 2 or table.shape[2] * 2 != rope_dim:
+            raise ValueError(f"rope_table must be [2, positions, {rope_dim // 2}]")
+        return table.detach().to(device="cpu", dtype=torch.float32).contiguous()
+
+    @property
+    def num_layers(self) -> int:
+        return int(self._op.num_layers)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, out_loc: torch.Tensor,
+                logit_rows: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] fp32 for the token indices `logit_rows`; all index tensors int64 CPU. The
+        slots `out_loc` must already be recorded in req_to_token at (rows, positions)."""
+        T = int(input_ids.shape[0])
+        for name, t in (("input_ids", input_ids), ("positions", positions), ("rows", rows), ("out_loc", out_loc)):
+            if t.dtype != torch.int64 or t.dim() != 1 or t.shape[0] != T or not t.is_cpu or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous int64 CPU tensor [{T}]")
+        if logit_rows.dtype != torch.int64 or logit_rows.dim() != 1 or not logit_rows.is_contiguous():
+            raise ValueError("logit_rows must be a contiguous int64 tensor")
+        N = int(logit_rows.shape[0])
+        logits = torch.empty(N, self.vocab_size)
+        self._op.forward(T, input_ids.data_ptr(), positions.data_ptr(), rows.data_ptr(), out_loc.data_ptr(), N,
+                         logit_rows.data_ptr(), logits.data_ptr())
+        return logits

@@ -17,12 +17,15 @@ from typing import Any, Callable
 from models.builtin import DEFAULT_MODEL
 
 # Choice lists. Their torch-side twins (models.loader.load.DTYPES, kernels.attention.BACKENDS,
-# models.experts.EXPERT_BACKENDS, executor.cuda_graph_runner.HYBRID_GRAPH_MODES) cannot be imported here
+# models.experts.EXPERT_BACKENDS, executor.cuda_graph_runner.HYBRID_GRAPH_MODES,
+# models.native.CPU_WEIGHT_DTYPES) cannot be imported here
 # without torch; tests/server/test_args.py keeps them equal.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
 EXPERT_BACKENDS = ("torch", "cpp", "triton")
 HYBRID_GRAPH_MODES = ("host-nodes", "split")
+CPU_KERNELS = ("native", "torch")
+CPU_WEIGHT_DTYPES = ("file", "bf16", "float32")
 
 Check = Callable[[Any], "str | None"]  # the problem with a parsed value ("must be > 0"), or None
 
@@ -89,8 +92,16 @@ class EngineArgs:
     attention_backend: str = flag("torch", "attention implementation (triton: split-KV MLA decode and extend "
                                   "kernels for CUDA, with CUDA-graph decode)", choices=ATTENTION_BACKENDS)
     expert_backend: str = flag("torch", "routed-expert implementation for MoE models (cpp: the C++ CPU pool; GGUF "
-                               "Q8_0/Q4_0 experts stay quantized; triton: fused-MoE kernel on the GPU); ignored by "
-                               "dense models", choices=EXPERT_BACKENDS)
+                               "blocks stay quantized; triton: fused-MoE kernel on the GPU); ignored by dense models, "
+                               "and on the CPU with --cpu-kernels native, whose experts always run in the cpp pool",
+                               choices=EXPERT_BACKENDS)
+    cpu_kernels: str = flag("native", "how --device cpu computes: native (one C++ call per batch: GGUF weights kept "
+                            "in their block types, fused layers, one thread pool) or torch (torch ops on weights "
+                            "dequantized to --dtype: the reference)", choices=CPU_KERNELS)
+    cpu_weight_dtype: str = flag("file", "with --cpu-kernels native, how weights are held: file (GGUF blocks as "
+                                 "stored, fp32/fp16 tensors as fp32, bf16 as bf16), bf16 (every weight bf16, "
+                                 "activations never rounded to int8) or float32 (dense layers exact; experts bf16)",
+                                 choices=CPU_WEIGHT_DTYPES)
     context_length: int | None = flag(None, "maximum prompt + completion tokens", check=positive,
                                       default_text="the model's")
     max_running_requests: int = flag(64, "requests decoded together at most", check=positive)

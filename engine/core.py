@@ -67,8 +67,9 @@ class EngineCore:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         device = torch.device(args.device)
+        native = device.type == "cpu" and args.cpu_kernels == "native"
         loaded = load_model(args.model, device=device, dtype=args.dtype, expert_backend=args.expert_backend,
-                            progress=False)
+                            cpu_weights=args.cpu_weight_dtype if native else None, progress=False)
         self.config = cfg = loaded.config
         self.model_name = Path(str(loaded.source)).name
         tok = loaded.tokenizer
@@ -89,6 +90,14 @@ class EngineCore:
             cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
             hybrid_graph_mode=args.hybrid_graph_mode,
         )
+        if self.runner.native_forward is not None:
+            # every forward is one native call on the runner's pool: torch computes only the sampling, on
+            # this thread, so its OpenMP workers never compete with the pool for the cores
+            torch.set_num_threads(1)
+            logger.info("CPU forward: native (%s weights, %d threads)", args.cpu_weight_dtype,
+                        self.runner.expert_pool.workers.num_threads)
+        elif native:
+            logger.warning("CPU forward: torch ops, because %s", self.runner.native_off_reason)
         use_cache = not args.disable_prefix_cache and args.page_size == 1
         if not args.disable_prefix_cache and not use_cache:
             logger.warning("the prefix cache works with page size 1 only: off for page size %d", args.page_size)

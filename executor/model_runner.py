@@ -2,8 +2,10 @@
 model, and returns logits.
 
 It owns the pools and the attention backend for one model, and, for a model with CPU routed
-experts, the `CpuExpertPool` they run on (worker threads, host staging), which it makes, binds to
-them and releases in `close()`. It allocates KV slots for the new tokens and records them in
+experts or native CPU weights (`models.native`), the `CpuExpertPool` they run on (worker threads,
+host staging), which it makes, binds to them and releases in `close()`. On the CPU, a model loaded
+with native weights runs every forward through `NativeForward` (one native call per batch) when it
+can, else through its torch forward (`native_off_reason` says why). It allocates KV slots for the new tokens and records them in
 `req_to_token`; the scheduler makes room first (evicting cached prefixes, retracting requests), and
 frees slots when a request ends (or caches them in a prefix tree), through `free_request`.
 """
@@ -19,6 +21,8 @@ from kernels.attention import create_attention_backend
 from models.base import CausalLM
 from models.config import DeepseekConfig, ModelConfig
 from models.experts import CppExperts, CpuExpertPool
+from models.native import native_modules
+from executor.cpu_forward import NativeForward, unsupported_reason
 from executor.cuda_graph_runner import CudaGraphRunner, capture_if_supported
 from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.memory_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool, TokenSlotAllocator
@@ -86,8 +90,18 @@ class ModelRunner:
         # CPU routed experts run on this runner's pool (a model shared by several runners runs on the
         # pool of the one running it: `forward` binds it again when another runner bound its own)
         self._cpu_experts = [m for m in model.modules() if isinstance(m, CppExperts)]
-        self.expert_pool = CpuExpertPool() if self._cpu_experts else None
+        self._native = native_modules(model)
+        self.expert_pool = CpuExpertPool() if self._cpu_experts or self._native else None
         self._bind_experts()
+        # the whole forward in one native call where the model allows it (CPU, native weights)
+        self.native_forward: NativeForward | None = None
+        self.native_off_reason: str | None = "the model was loaded without native CPU weights"
+        if self._native and self.device.type == "cpu":
+            self.native_off_reason = unsupported_reason(model, self.kv_pool)
+            if self.native_off_reason is None:
+                assert self.expert_pool is not None
+                self.native_forward = NativeForward(model, config, self.kv_pool, self.req_to_token_pool,
+                                                    self.expert_pool.workers)
         # decode replays captured graphs where it can (CUDA only); None: every forward runs eagerly
         self.graph_runner: CudaGraphRunner | None = None
         if not disable_cuda_graph:
@@ -147,8 +161,11 @@ class ModelRunner:
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits for `batch`: through a captured graph when one can run it, else eagerly."""
-        if self._cpu_experts and self._cpu_experts[0].pool is not self.expert_pool:
+        if (self._cpu_experts and self._cpu_experts[0].pool is not self.expert_pool) or (
+                self._native and self._native[0].op.pool is not self.expert_pool.workers):
             self._bind_experts()
+        if self.native_forward is not None:
+            return self.native_forward.forward(batch)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         return self.model(batch)
@@ -160,17 +177,23 @@ class ModelRunner:
             raise RuntimeError("this ModelRunner was closed")
         for m in self._cpu_experts:
             m.bind(self.expert_pool)
+        for m in self._native:
+            m.bind(self.expert_pool.workers)
 
     def close(self) -> None:
         """Drops the captured graphs and releases the CPU experts' pool (its threads and staging); the
         model itself stays usable by other runners. Idempotent."""
         self.graph_runner = None
+        self.native_forward = None
         if self.expert_pool is not None:
             if self.device.type == "cuda":  # copies into or out of the pinned staging may be in flight
                 torch.cuda.synchronize(self.device)
             for m in self._cpu_experts:
                 if m.pool is self.expert_pool:
                     m.unbind()
+            for m in self._native:
+                if m.op is not None and m.op.pool is self.expert_pool.workers:
+                    m.op.unbind()
             self.expert_pool.close()
 
     def free_request(self, req_pool_idx: int, seq_len: int) -> None:

@@ -22,6 +22,7 @@ from models.rotary import RotaryEmbedding
 from models.config import ModelConfig
 from models.layers import RMSNorm, compute_logits
 from models.loader.errors import CheckpointError
+from models.native import NativeEmbedding, NativeLinear
 from models.loader.raw_blocks import RawBlocks
 from models.experts import ExpertBackend
 
@@ -86,6 +87,9 @@ class CausalLM(nn.Module):
         indices = batch.logits_indices
         if indices is None and not batch.forward_mode.is_decode():
             indices = batch.last_token_indices()
+        head = getattr(self, "lm_head", None)
+        if isinstance(head, NativeLinear):  # the CPU-native weights (models.native), tied or not
+            return head(hidden if indices is None else hidden.index_select(0, indices)).float()
         return compute_logits(hidden, self.lm_weight(), indices)
 
     def lm_weight(self) -> torch.Tensor:
@@ -95,6 +99,10 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | RawBlocks]], source: str) -> None:
         """Copies HF-named tensors into the parameters (casting dtype); strict about names and shapes."""
         params = dict(self.named_parameters())
+        # weights that operators hold instead of parameters (models.native), by their HF name; a tied
+        # LM head shares the embedding's and is loaded by nobody
+        sinks = {f"{n}.weight": m for n, m in self.named_modules()
+                 if isinstance(m, (NativeLinear, NativeEmbedding)) and getattr(m, "tied_to", None) is None}
         experts = {n: m for n, m in self.named_modules() if isinstance(m, ExpertBackend)}
         expert_params = {f"{n}.{p}" for n, m in experts.items() for p, _ in m.named_parameters()}
         loaded: set[str] = set()
@@ -106,6 +114,17 @@ class CausalLM(nn.Module):
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some tied checkpoints store the copy anyway
+            sink = sinks.get(name)
+            if sink is not None:
+                if tuple(tensor.shape) != sink.weight_shape:
+                    raise CheckpointError(
+                        source, f"tensor '{name}' has shape {tuple(tensor.shape)}, expected {sink.weight_shape}")
+                try:
+                    sink.load_weight(tensor, name)
+                except ValueError as err:  # the operator refuses the weight (e.g. a non-finite scale)
+                    raise CheckpointError(source, f"tensor '{name}': {err}") from None
+                loaded.add(name)
+                continue
             param = params.get(name)
             if param is None or name in expert_params:
                 raise CheckpointError(source, f"unexpected tensor '{name}' (no such parameter in this architecture)")
@@ -115,7 +134,7 @@ class CausalLM(nn.Module):
                 )
             param.data.copy_(tensor)
             loaded.add(name)
-        missing = sorted(set(params) - loaded - expert_params)
+        missing = sorted((set(params) | set(sinks)) - loaded - expert_params)
         for prefix, backend in experts.items():
             for e in range(backend.num_experts):
                 for kind in ("gate_proj", "up_proj", "down_proj"):

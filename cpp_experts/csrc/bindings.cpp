@@ -7,7 +7,9 @@
 
 #include <cstdlib>
 
+#include "attention.h"
 #include "cpu.h"
+#include "model.h"
 #include "host_task.h"
 #include "moe.h"
 #include "quant_linear.h"
@@ -38,6 +40,44 @@ cpx::Job make_job(uintptr_t hidden, bool hidden_bf16, int tokens, uintptr_t ids,
   return j;
 }
 
+// Paged attention with its own scratch, on a pool (attention.h). Addresses of tensors the Python side checked.
+struct PagedAttention {
+  std::shared_ptr<Pool> pool;
+  cpx::AttnScratch scratch;
+  std::mutex m;  // one call at a time (the scratch)
+};
+
+cpx::PagedKv make_kv(uintptr_t k, uintptr_t v, bool bf16, int64_t k_stride, int64_t v_stride, int64_t num_slots,
+                     uintptr_t table, int64_t table_rows, int64_t table_stride) {
+  cpx::PagedKv kv;
+  kv.k = reinterpret_cast<const void*>(k);
+  kv.v = reinterpret_cast<const void*>(v);
+  kv.type = bf16 ? cpx::KvType::BF16 : cpx::KvType::F32;
+  kv.k_stride = k_stride;
+  kv.v_stride = v_stride;
+  kv.num_slots = num_slots;
+  kv.table = ptr<int32_t>(table);
+  kv.table_rows = table_rows;
+  kv.table_stride = table_stride;
+  return kv;
+}
+
+cpx::Norm make_norm(uintptr_t w, int n, float eps) {
+  cpx::Norm norm;
+  norm.w.assign(ptr<float>(w), ptr<float>(w) + n);
+  norm.eps = eps;
+  return norm;
+}
+
+cpx::Rope make_rope(uintptr_t table, int64_t max_pos, int dim, bool interleaved) {
+  cpx::Rope r;
+  r.cos_sin = ptr<float>(table);
+  r.max_pos = max_pos;
+  r.dim = dim;
+  r.interleaved = interleaved;
+  return r;
+}
+
 py::dict info() {
   const cpx::CpuInfo& cpu = cpx::cpu_info();
   py::dict d;
@@ -65,6 +105,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Pool, std::shared_ptr<Pool>>(m, "Pool")
       .def(py::init<int, bool>())
       .def_property_readonly("threads", &Pool::size)
+      .def_property_readonly("solo_runs", &Pool::solo_runs)
       .def_property_readonly("closed", &Pool::closed)
       .def("close", &Pool::close, py::call_guard<py::gil_scoped_release>());
   py::class_<MoE>(m, "MoE")
@@ -112,9 +153,146 @@ PYBIND11_MODULE(_C, m) {
              self.forward(reinterpret_cast<const void*>(x), bf16, m, reinterpret_cast<void*>(out));
            },
            py::call_guard<py::gil_scoped_release>())
+      .def("dequant_rows",
+           [](const QuantLinear& self, uintptr_t ids, int n, uintptr_t out) {
+             const int64_t* id = ptr<int64_t>(ids);
+             float* o = reinterpret_cast<float*>(out);
+             for (int i = 0; i < n; ++i) self.dequant_row(int(id[i]), o + size_t(i) * self.in_features());
+           },
+           py::call_guard<py::gil_scoped_release>())
+      .def("set_bias", [](QuantLinear& self, uintptr_t bias) { self.set_bias(bias ? ptr<float>(bias) : nullptr); })
+      .def_property_readonly("in_features", &QuantLinear::in_features)
+      .def_property_readonly("out_features", &QuantLinear::out_features)
       .def_property_readonly("kernel", &QuantLinear::kernel)
       .def_property_readonly("memory_bytes", &QuantLinear::memory_bytes)
       .def_property_readonly("threads", &QuantLinear::threads);
+  py::class_<PagedAttention>(m, "PagedAttention")
+      .def(py::init([](std::shared_ptr<Pool> pool) {
+        if (!pool) throw cpx::ArgError("PagedAttention needs a pool");
+        auto* a = new PagedAttention();
+        a->pool = std::move(pool);
+        return a;
+      }))
+      .def("gqa",
+           [](PagedAttention& self, uintptr_t q, int T, int H, int Hkv, int D, int Dv, float scale, uintptr_t k,
+              uintptr_t v, bool bf16, int64_t num_slots, uintptr_t table, int64_t table_rows, int64_t table_stride,
+              uintptr_t rows, uintptr_t pos, uintptr_t out) {
+             std::lock_guard<std::mutex> lock(self.m);
+             const cpx::PagedKv kv = make_kv(k, v, bf16, int64_t(Hkv) * D, int64_t(Hkv) * Dv, num_slots, table,
+                                             table_rows, table_stride);
+             const cpx::AttnTokens tok{T, ptr<int64_t>(rows), ptr<int64_t>(pos)};
+             cpx::check_attention_tokens(kv, tok);
+             cpx::attention_gqa(*self.pool, self.scratch, kv, tok, ptr<float>(q), H, Hkv, D, Dv, scale,
+                                reinterpret_cast<float*>(out));
+           },
+           py::call_guard<py::gil_scoped_release>())
+      .def("mla",
+           [](PagedAttention& self, uintptr_t q, int T, int H, int r, int P, float scale, uintptr_t latent, bool bf16,
+              int64_t num_slots, uintptr_t table, int64_t table_rows, int64_t table_stride, uintptr_t rows,
+              uintptr_t pos, uintptr_t out) {
+             std::lock_guard<std::mutex> lock(self.m);
+             const cpx::PagedKv kv = make_kv(latent, 0, bf16, r + P, 0, num_slots, table, table_rows, table_stride);
+             const cpx::AttnTokens tok{T, ptr<int64_t>(rows), ptr<int64_t>(pos)};
+             cpx::check_attention_tokens(kv, tok);
+             cpx::attention_mla(*self.pool, self.scratch, kv, tok, ptr<float>(q), H, r, P, scale,
+                                reinterpret_cast<float*>(out));
+           },
+           py::call_guard<py::gil_scoped_release>());
+  // A whole decoder on the CPU (model.h); the Python wrapper keeps every object it is given alive.
+  using cpx::CpuModel;
+  py::class_<CpuModel>(m, "CpuModel")
+      .def(py::init([](std::shared_ptr<Pool> pool, int hidden, const QuantLinear& embed, const QuantLinear& lm_head,
+                       uintptr_t norm, float eps) {
+        return new CpuModel(std::move(pool), hidden, &embed, &lm_head, make_norm(norm, hidden, eps));
+      }))
+      .def("set_table",
+           [](CpuModel& self, uintptr_t table, int64_t rows, int64_t stride, int64_t slots) {
+             self.set_table(ptr<int32_t>(table), rows, stride, slots);
+           })
+      .def("add_gqa",
+           [](CpuModel& self, uintptr_t norm, int hidden, float eps, const QuantLinear& q, const QuantLinear& k,
+              const QuantLinear& v, const QuantLinear& o, int H, int Hkv, int D, float scale, uintptr_t rope,
+              int64_t max_pos, int rope_dim, bool interleaved, uintptr_t k_cache, uintptr_t v_cache, bool bf16) {
+             cpx::GqaSpec s;
+             s.norm = make_norm(norm, hidden, eps);
+             s.q = &q;
+             s.k = &k;
+             s.v = &v;
+             s.o = &o;
+             s.H = H;
+             s.Hkv = Hkv;
+             s.D = D;
+             s.scale = scale;
+             s.rope = make_rope(rope, max_pos, rope_dim, interleaved);
+             s.k_cache = reinterpret_cast<void*>(k_cache);
+             s.v_cache = reinterpret_cast<void*>(v_cache);
+             s.kv_type = bf16 ? cpx::KvType::BF16 : cpx::KvType::F32;
+             self.add_gqa(std::move(s));
+           })
+      .def("add_mla",
+           [](CpuModel& self, uintptr_t norm, int hidden, float eps, const QuantLinear* q, const QuantLinear* q_a,
+              uintptr_t q_a_norm, float q_a_eps, const QuantLinear* q_b, const QuantLinear& kv_a, uintptr_t kv_norm,
+              float kv_eps, std::vector<const QuantLinear*> w_kc, std::vector<const QuantLinear*> w_vc,
+              const QuantLinear& o, int H, int N, int P, int V, int r, float scale, uintptr_t rope, int64_t max_pos,
+              bool interleaved, uintptr_t latent, bool bf16) {
+             cpx::MlaSpec s;
+             s.norm = make_norm(norm, hidden, eps);
+             s.q = q;
+             s.q_a = q_a;
+             if (q_a) s.q_a_norm = make_norm(q_a_norm, q_a->out_features(), q_a_eps);
+             s.q_b = q_b;
+             s.kv_a = &kv_a;
+             s.kv_norm = make_norm(kv_norm, r, kv_eps);
+             s.w_kc = std::move(w_kc);
+             s.w_vc = std::move(w_vc);
+             s.o = &o;
+             s.H = H;
+             s.N = N;
+             s.P = P;
+             s.V = V;
+             s.r = r;
+             s.scale = scale;
+             s.rope = make_rope(rope, max_pos, P, interleaved);
+             s.latent = reinterpret_cast<void*>(latent);
+             s.kv_type = bf16 ? cpx::KvType::BF16 : cpx::KvType::F32;
+             self.add_mla(std::move(s));
+           })
+      .def("add_dense_mlp",
+           [](CpuModel& self, uintptr_t norm, int hidden, float eps, const QuantLinear& gate, const QuantLinear& up,
+              const QuantLinear& down) {
+             self.add_dense_mlp(cpx::DenseMlpSpec{make_norm(norm, hidden, eps), &gate, &up, &down});
+           })
+      .def("add_moe",
+           [](CpuModel& self, uintptr_t norm, int hidden, float eps, uintptr_t router, uintptr_t bias, int E, int K,
+              bool sigmoid, int method, int n_group, int topk_group, bool norm_topk, float scaling, MoE& experts,
+              const QuantLinear* sg, const QuantLinear* su, const QuantLinear* sd) {
+             cpx::MoeSpec s;
+             s.norm = make_norm(norm, hidden, eps);
+             s.router.assign(ptr<float>(router), ptr<float>(router) + size_t(E) * size_t(hidden));
+             if (bias) s.bias.assign(ptr<float>(bias), ptr<float>(bias) + E);
+             s.E = E;
+             s.K = K;
+             s.sigmoid = sigmoid;
+             if (method < 0 || method > 2) throw cpx::ArgError("unknown top-k method");
+             s.method = cpx::TopkMethod(method);
+             s.n_group = n_group;
+             s.topk_group = topk_group;
+             s.norm_topk = norm_topk;
+             s.scaling = scaling;
+             s.experts = &experts;
+             s.shared_gate = sg;
+             s.shared_up = su;
+             s.shared_down = sd;
+             self.add_moe(std::move(s));
+           })
+      .def("forward",
+           [](CpuModel& self, int T, uintptr_t ids, uintptr_t pos, uintptr_t rows, uintptr_t loc, int N,
+              uintptr_t logit_rows, uintptr_t logits) {
+             self.forward(T, ptr<int64_t>(ids), ptr<int64_t>(pos), ptr<int64_t>(rows), ptr<int64_t>(loc), N,
+                          ptr<int64_t>(logit_rows), reinterpret_cast<float*>(logits));
+           },
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("num_layers", &CpuModel::num_layers);
   // A call bound to fixed buffers for CUDA host nodes (host_task.h); keeps its MoE alive.
   py::class_<HostTask>(m, "HostTask")
       .def(py::init([](MoE& op, uintptr_t h, bool hb, int t, uintptr_t ids, uintptr_t w, uintptr_t out, bool ob,

@@ -13,6 +13,8 @@ float f16(const uint8_t* p) {
   return f16_to_f32(h);
 }
 
+}  // namespace
+
 // Row r's 32 unsigned quant values of the packed block at bp.
 void unpack_block(LinFormat f, const uint8_t* bp, int r, uint8_t* q) {
   for (int c = 0; c < 4; ++c) {
@@ -32,6 +34,8 @@ void unpack_block(LinFormat f, const uint8_t* bp, int r, uint8_t* q) {
     }
   }
 }
+
+namespace {
 
 void gemm_portable(const QMat& w, int rb0, int rb1, const ActQ& a, int t0, int nt, float* c, int ldc) {
   const LinLayout& L = kLinLayout[int(w.fmt)];

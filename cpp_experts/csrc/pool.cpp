@@ -14,7 +14,14 @@
 
 namespace cpx {
 namespace {
-constexpr auto kSpin = std::chrono::microseconds(100);  // spin before sleeping
+constexpr auto kSpin = std::chrono::microseconds(100);  // an idle worker spins this long, then sleeps
+constexpr int kWaitPauses = 1024;  // the caller's pauses while waiting for workers, before it yields
+// A run is late when the caller waited for workers longer than this and than its own share of work
+// (a worker that is merely finishing a task makes the caller wait less than one task); two late runs
+// in a row send the pool solo for kSoloFirst runs, then twice as many each time contention persists.
+constexpr auto kLate = std::chrono::microseconds(400);
+constexpr int kLateRuns = 2;
+constexpr int kSoloFirst = 256, kSoloMax = 16384;
 
 std::vector<int> allowed_cpus() {
   std::vector<int> cpus;
@@ -79,7 +86,9 @@ void Pool::worker(int id) {
       CPX_PAUSE();
       if (++spins % 256 == 0 && std::chrono::steady_clock::now() - start > kSpin) {
         std::unique_lock<std::mutex> lock(sleep_mutex_);
+        sleepers_.fetch_add(1, std::memory_order_relaxed);
         wake_.wait(lock, [&] { return gen_.load(std::memory_order_acquire) != seen; });
+        sleepers_.fetch_sub(1, std::memory_order_relaxed);
         break;
       }
     }
@@ -93,7 +102,11 @@ void Pool::worker(int id) {
 void Pool::run(int ntasks, const std::function<void(int, int)>& fn) {
   if (ntasks <= 0) return;
   std::lock_guard<std::mutex> job(job_mutex_);
-  if (closed_ || n_ == 1 || ntasks == 1) {
+  if (closed_ || n_ == 1 || ntasks == 1 || solo_left_ > 0) {
+    if (solo_left_ > 0 && ntasks > 1) {
+      --solo_left_;
+      solo_total_.fetch_add(1, std::memory_order_relaxed);
+    }
     for (int i = 0; i < ntasks; ++i) fn(i, 0);
     return;
   }
@@ -107,9 +120,29 @@ void Pool::run(int ntasks, const std::function<void(int, int)>& fn) {
     std::lock_guard<std::mutex> lock(sleep_mutex_);
     gen_.fetch_add(1, std::memory_order_release);
   }
-  wake_.notify_all();
+  if (sleepers_.load(std::memory_order_relaxed) > 0) wake_.notify_all();
+  const auto t0 = std::chrono::steady_clock::now();
   work(0);
-  while (pending_.load(std::memory_order_acquire) != 0) CPX_PAUSE();
+  const auto t1 = std::chrono::steady_clock::now();
+  for (int pauses = 0; pending_.load(std::memory_order_acquire) != 0;) {
+    if (pauses < kWaitPauses) {
+      ++pauses;
+      CPX_PAUSE();
+    } else {
+      std::this_thread::yield();  // a preempted worker may need this core to finish its task
+    }
+  }
+  const auto waited = std::chrono::steady_clock::now() - t1;
+  if (waited > kLate && waited > t1 - t0) {
+    if (++late_ >= kLateRuns) {
+      late_ = 0;
+      solo_period_ = solo_period_ ? std::min(2 * solo_period_, kSoloMax) : kSoloFirst;
+      solo_left_ = solo_period_;
+    }
+  } else {
+    late_ = 0;
+    if (solo_period_ && waited < kLate / 4) solo_period_ = 0;  // back in time: contention has passed
+  }
 }
 
 int default_threads() {

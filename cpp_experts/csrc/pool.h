@@ -5,6 +5,13 @@
 // and, when it runs dry, from the others' ranges the same way: no lock on the hot path. Idle
 // workers spin briefly on a generation counter, then sleep on a condition variable.
 //
+// On a machine shared with other busy processes a worker can be preempted in the middle of a task,
+// and the caller must wait for it: a spinning wait would hold the core the worker needs, and a run
+// per matrix-vector product would make every run that slow. So the caller spins briefly, then yields
+// its core while it waits; and when runs keep finding a worker late by much more than the caller's
+// own share of the work (`kLate`), the pool runs alone on the calling thread for a while (`solo`
+// runs, doubling while the contention lasts), then tries its workers again.
+//
 // A pool is an object its owner makes and closes (the Python side's `cpp_experts.WorkerPool`, made by
 // the executor): operators hold it while bound to it, and there is no process-wide pool.
 #pragma once
@@ -27,6 +34,8 @@ class Pool {
   Pool& operator=(const Pool&) = delete;
 
   int size() const { return n_; }
+  // Runs done alone because of contention since the pool was made (for benchmarks and tests).
+  uint64_t solo_runs() const { return solo_total_.load(std::memory_order_relaxed); }
   // Runs fn(task, participant) for every task; returns when all are done. fn must not throw.
   // Calls from different threads are serialised. On a closed pool the caller runs every task.
   void run(int ntasks, const std::function<void(int, int)>& fn);
@@ -52,6 +61,12 @@ class Pool {
   bool stop_ = false;
   mutable std::mutex job_mutex_;
   bool closed_ = false;  // guarded by job_mutex_
+  // contention state, guarded by job_mutex_
+  int late_ = 0;         // recent runs that waited long for a worker
+  int solo_left_ = 0;    // runs still to do alone
+  int solo_period_ = 0;  // length of the next solo period
+  std::atomic<uint64_t> solo_total_{0};
+  std::atomic<int> sleepers_{0};
   std::vector<std::thread> threads_;
 };
 

@@ -99,12 +99,16 @@ struct LinKernels {
   ToBF16 to_bf16;
 };
 extern const LinKernels kLinPortable;
+// Row r's 32 unsigned quant values of the packed 32-value block at bp (the portable kernels' reader).
+void unpack_block(LinFormat f, const uint8_t* bp, int r, uint8_t* q);
 extern const LinKernels kLinAvx512;  // needs AVX-512 F/BW/VL/DQ + VNNI
 // AMX int8 gemms (linear_amx.cpp; needs CpuInfo::amx_int8) for tasks of kAmxInt8MinRows rows of x or
 // more (shorter token tiles go to the VNNI kernel): below that, storing and scaling the per-block tile
 // results costs more than the VNNI kernel's dot products.
 extern const LinGemm kLinAmxGemm[kLinFormats];
 constexpr int kAmxInt8MinRows = 12;
+
+struct LinearInput;
 
 class QuantLinear {
  public:
@@ -119,6 +123,20 @@ class QuantLinear {
   std::string kernel() const;
   size_t memory_bytes() const { return w_.n + bias_.n; }
   int threads() const;
+
+  // For callers that schedule several linears themselves (linear_calls.h): shapes, what input form
+  // the kernels read, one output tile, and single rows of W decoded to fp32 (embedding lookups).
+  int out_features() const { return N_; }
+  int in_features() const { return K_; }
+  int rowblocks() const { return nrb_; }
+  bool reads_q8() const { return fmt_ != LinFormat::BF16; }
+  bool reads_bf16() const { return fmt_ == LinFormat::BF16; }
+  const float* bias() const { return has_bias_ ? reinterpret_cast<const float*>(bias_.data()) : nullptr; }
+  QuantRow quantizer() const { return lin_->quantize; }
+  // c[t * ldc + (rb - rb0) * 16 + j] = row 16 rb + j of W times input row t0 + t, rb0 <= rb < rb1
+  void tile(const LinearInput& in, int rb0, int rb1, int t0, int nt, float* c, int ldc) const;
+  void dequant_row(int n, float* out) const;  // row n of W (in_features values)
+  void set_bias(const float* bias);           // [out_features] fp32, or null for none
 
  private:
   struct Scratch {

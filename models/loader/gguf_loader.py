@@ -65,18 +65,22 @@ class GGUFCheckpoint:
         """How many tensors `tensors()` yields (for progress bars)."""
         return self._num_hf_tensors
 
-    def tensors(self, raw_experts: bool = False) -> Iterator[tuple[str, torch.Tensor | RawBlocks]]:
+    def tensors(self, raw_experts: bool = False,
+                raw_names: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor | RawBlocks]]:
         """(HF parameter name, float32 CPU tensor in HF layout), one at a time, in file order.
 
         `raw_experts`: routed-expert tensors come as `RawBlocks` (the file's blocks, not decoded) for
-        expert backends that keep them quantized; names and shapes are the same either way.
+        expert backends that keep them quantized; `raw_names`: so do these HF-named tensors (the CPU's
+        native weights, `models.native`). Names and shapes are the same either way; Llama's q/k rows are
+        reordered to HF's layout in both forms.
         """
         cfg = self._config
         for name, info in self._infos.items():
             if name == gn.ROPE_FREQS:
                 continue
             if name in gn.GLOBAL_NAMES:
-                yield gn.GLOBAL_NAMES[name], self._read(info)
+                hf = gn.GLOBAL_NAMES[name]
+                yield hf, self._raw(info) if hf in raw_names else self._read(info)
                 continue
             layer_id, short = gn.parse_layer_name(name)  # type: ignore[misc]  # checked at open
             if short == gn.V_B:
@@ -95,11 +99,15 @@ class GGUFCheckpoint:
             elif raw_experts and short in _EXPERT_TENSORS:
                 yield gn.hf_layer_name(layer_id, gn.LAYER_NAMES[self.arch][short]), self._raw(info)
             else:
-                t = self._read(info)
+                hf = gn.hf_layer_name(layer_id, gn.LAYER_NAMES[self.arch][short])
+                t: torch.Tensor | RawBlocks = self._raw(info) if hf in raw_names else self._read(info)
                 if isinstance(cfg, LlamaConfig) and short.split(".")[0] in ("attn_q", "attn_k"):
                     heads = cfg.num_attention_heads if short.startswith("attn_q") else cfg.num_key_value_heads
-                    t = gn.unpermute_qk(t, heads)
-                yield gn.hf_layer_name(layer_id, gn.LAYER_NAMES[self.arch][short]), t
+                    if isinstance(t, RawBlocks):  # the same reordering, of whole rows of blocks
+                        t = t.take_rows(gn.unpermute_qk(torch.arange(t.shape[0])[:, None], heads)[:, 0].tolist())
+                    else:
+                        t = gn.unpermute_qk(t, heads)
+                yield hf, t
 
     def tokenizer(self) -> TokenizerBundle:
         from models.loader.tokenizer import tokenizer_from_gguf_metadata

@@ -20,6 +20,7 @@ from models.builtin import resolve_model_path
 from models.config import ModelConfig, config_from_hf_dict
 from models.loader.errors import CheckpointError
 from models.experts import EXPERT_BACKENDS, ExpertBackend, WeightInput
+from models.native import CPU_WEIGHT_DTYPES, NativeEmbedding, NativeLinear, use_native_weights
 from models.registry import model_class
 
 if TYPE_CHECKING:
@@ -76,29 +77,48 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype = "auto",
     expert_backend: str = "torch",
+    cpu_weights: str | None = None,
     load_tokenizer: bool = True,
     progress: bool = True,
 ) -> LoadedModel:
     """`expert_backend` ('torch' | 'cpp' | 'triton') runs a MoE model's routed experts (other models ignore it);
-    with `cpp` a GGUF's quantized experts reach the backend undecoded (`RawBlocks`)."""
+    with `cpp` a GGUF's quantized experts reach the backend undecoded (`RawBlocks`).
+
+    `cpu_weights` ('file' | 'bf16' | 'float32', see `models.native`): the dense weights go to the CPU's native
+    operators instead of torch parameters, and routed experts to the `cpp` backend (bf16 unless 'file' keeps a
+    GGUF's blocks); None keeps torch parameters in `dtype` (the reference path, and every GPU run).
+    `dtype` then still sets the KV cache's default dtype and the norms' parameters."""
     if expert_backend not in EXPERT_BACKENDS:
         raise ValueError(f"unknown expert backend {expert_backend!r} (available: {', '.join(EXPERT_BACKENDS)})")
     path = resolve_model_path(model)
     device = torch.device(device)
+    if cpu_weights is not None:
+        if cpu_weights not in CPU_WEIGHT_DTYPES:
+            raise ValueError(f"unknown CPU weight dtype {cpu_weights!r} (choose {', '.join(CPU_WEIGHT_DTYPES)})")
+        if device.type != "cpu":
+            raise ValueError(f"native CPU weights need the CPU device, not {device}")
+        expert_backend = "cpp"
     torch_dtype = resolve_dtype(dtype, device)
     ckpt = open_checkpoint(path)
     config = config_from_hf_dict(ckpt.hf_config(), str(path / "config.json" if path.is_dir() else path))
     cls = model_class(config)
     with torch.device("meta"):
         net = cls(config, expert_backend=expert_backend)
+        if cpu_weights is not None:
+            use_native_weights(net, cpu_weights, torch_dtype)
     net = net.to_empty(device=device).to(torch_dtype)
     for module in net.modules():
         if getattr(module, "keep_fp32", False):
             module.float()
     bar = tqdm(total=ckpt.num_tensors(), desc=f"Loading {path.name}", unit="tensor", disable=not progress, leave=False)
-    raw_experts = not path.is_dir() and any(
+    raw_experts = not path.is_dir() and cpu_weights in (None, "file") and any(
         isinstance(m, ExpertBackend) and m.weight_input is WeightInput.GGUF_BLOCKS for m in net.modules())
-    tensors = ckpt.tensors(raw_experts=True) if raw_experts else ckpt.tensors()
+    raw_names = frozenset(f"{n}.weight" for n, m in net.named_modules()
+                          if isinstance(m, (NativeLinear, NativeEmbedding)) and m.weight_input is WeightInput.GGUF_BLOCKS)
+    if path.is_dir():
+        tensors = ckpt.tensors()
+    else:
+        tensors = ckpt.tensors(raw_experts=raw_experts, raw_names=raw_names)
     with torch.no_grad():
         net.load_weights(_progress(tensors, bar), str(path))
     bar.close()

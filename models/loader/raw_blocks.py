@@ -73,6 +73,12 @@ class RawBlocks:
         part = ", ".join(str(i) if isinstance(i, int) else f"{_s(i.start)}:{_s(i.stop)}" for i in idx)
         return RawBlocks(self.qtype, (*data.shape[:-1], self.shape[-1]), data, self.source, f"{self.name}[{part}]")
 
+    def take_rows(self, order: list[int]) -> RawBlocks:
+        """A copy whose row i is row order[i] of this matrix (ggml rows are whole blocks)."""
+        if len(self.shape) != 2 or sorted(order) != list(range(self.shape[0])):
+            raise ValueError(f"take_rows needs a permutation of the {self.shape[0]} rows of a matrix")
+        return RawBlocks(self.qtype, self.shape, np.ascontiguousarray(self.data[order]), self.source, self.name)
+
     def to_tensor(self) -> torch.Tensor:
         """The blocks as a new contiguous, writable uint8 CPU tensor [*shape[:-1], row_bytes]."""
         return torch.from_numpy(np.array(self.data, dtype=np.uint8, order="C", copy=True))

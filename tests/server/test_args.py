@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from engine.args import ATTENTION_BACKENDS, DTYPES, EXPERT_BACKENDS, HYBRID_GRAPH_MODES, EngineArgs
+from engine.args import ATTENTION_BACKENDS, CPU_WEIGHT_DTYPES, DTYPES, EXPERT_BACKENDS, HYBRID_GRAPH_MODES, EngineArgs
 from mlaserve.cli import main as cli_main
 from server.args import SERVE_FLAGS, Flag, ServerArgs, parse_serve_args
 from tests.server.server_process import REPO, free_port
@@ -192,8 +192,10 @@ def test_choice_lists_match_the_implementations() -> None:
     import kernels.attention
     import models.experts
     import models.loader.load
+    import models.native
 
     assert DTYPES == ("auto", *models.loader.load.DTYPES)
+    assert CPU_WEIGHT_DTYPES == models.native.CPU_WEIGHT_DTYPES
     assert ATTENTION_BACKENDS == kernels.attention.BACKENDS
     assert EXPERT_BACKENDS == models.experts.EXPERT_BACKENDS
     assert HYBRID_GRAPH_MODES == executor.cuda_graph_runner.HYBRID_GRAPH_MODES

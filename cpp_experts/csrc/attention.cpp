@@ -1,0 +1,251 @@
+// Paged attention (attention.h): query groups x key ranges on the pool, online softmax per query.
+//
+// One task = one query group (nq <= kMaxQueries query vectors that read the same keys) over one key
+// range [k0, k1). Keys come in tiles of kKeyTile: their slots are read from the request's row of
+// req_to_token, then every query of the group scores the tile (dot products along the head dim),
+// updates its running max m, sum l and weighted value sum acc, skipping keys past its own position.
+// A task that covers all of its group's keys writes out = acc / l; with split-KV it writes its
+// (m, l, acc) and a second pass merges the ranges of each query.
+#include "attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "common.h"
+#include "vec.h"
+
+namespace cpx {
+namespace {
+
+constexpr int kKeyTile = 16;
+constexpr int kTokBlock = 4;       // tokens of one request per group (prefill)
+constexpr int kMlaHeadBlock = 16;  // heads per MLA group
+constexpr int kMinSplitKeys = 128;  // keys per split-KV range at least
+
+struct Group {
+  int t0, nt;    // tokens t0..t0+nt-1 (one request, consecutive positions)
+  int h0, nh;    // query heads h0..h0+nh-1
+  int kv_head;   // GQA: the KV head the group reads; MLA: 0
+  int64_t row;   // req_to_token row
+  int64_t keys;  // keys the group reads: 0..keys-1 (the last token's position + 1)
+};
+
+struct Layout {
+  int H, D, Dv;             // query heads, score width, value width
+  int64_t q_tok, q_head;    // q strides (elements)
+  int64_t o_tok, o_head;    // out strides
+  int64_t k_head_off, v_head_off;  // offset of one KV head within a slot (GQA: D, Dv); 0 for MLA
+  bool mla;
+};
+
+struct Task {
+  int group, k0, k1, split;  // split index into the partial buffer (-1: whole range)
+};
+
+template <class KT>
+CPX_INLINE const KT* kv_ptr(const void* base, int64_t stride, int64_t slot, int64_t off) {
+  return static_cast<const KT*>(base) + slot * stride + off;
+}
+
+// One task, for a KV element type KT. st: per-query state m, l then acc[Dv] (stride 2 + Dv).
+template <class KT>
+CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, int k0, int k1,
+                         float scale, const float* q, float* st, float* scores) {
+  const int nq = g.nt * g.nh, sw = 2 + L.Dv;
+  for (int i = 0; i < nq; ++i) {
+    st[size_t(i) * sw] = -INFINITY;
+    st[size_t(i) * sw + 1] = 0.0f;
+    std::fill(st + size_t(i) * sw + 2, st + size_t(i) * sw + 2 + L.Dv, 0.0f);
+  }
+  const int32_t* slots = kv.table + g.row * kv.table_stride;
+  const KT* krow[kKeyTile];
+  const KT* vrow[kKeyTile];
+  for (int kt = k0; kt < k1; kt += kKeyTile) {
+    const int nk = std::min(kKeyTile, k1 - kt);
+    for (int j = 0; j < nk; ++j) {
+      const int64_t s = slots[kt + j];
+      krow[j] = kv_ptr<KT>(kv.k, kv.k_stride, s, g.kv_head * L.k_head_off);
+      vrow[j] = L.mla ? krow[j] : kv_ptr<KT>(kv.v, kv.v_stride, s, g.kv_head * L.v_head_off);
+    }
+    for (int ti = 0; ti < g.nt; ++ti) {
+      const int t = g.t0 + ti;
+      const int64_t limit = tok.pos[t];  // last key position this token sees
+      if (kt > limit) continue;
+      const int nv = int(std::min<int64_t>(nk, limit - kt + 1));
+      for (int hi = 0; hi < g.nh; ++hi) {
+        const int h = g.h0 + hi;
+        const float* qv = q + t * L.q_tok + h * L.q_head;
+        float* sq = st + size_t(ti * g.nh + hi) * sw;
+        float mx = sq[0];
+        for (int j = 0; j < nv; ++j) {
+          scores[j] = vec::dot(qv, krow[j], L.D) * scale;
+          mx = std::max(mx, scores[j]);
+        }
+        if (mx == -INFINITY) continue;  // every score -inf (a -inf query): nothing to add
+        const float corr = sq[0] == -INFINITY ? 0.0f : vec::exp1(sq[0] - mx);
+        float sum = 0.0f;
+        for (int j = 0; j < nv; j += 8) {  // the buffer holds a whole tile: lanes past nv are not summed
+          vec::store(scores + j, vec::exp8(vec::load(scores + j) - vec::splat(mx)));
+          for (int l = j; l < std::min(nv, j + 8); ++l) sum += scores[l];
+        }
+        float* acc = sq + 2;
+        if (corr != 1.0f) vec::scale(acc, corr, L.Dv);
+        for (int j = 0; j < nv; ++j) vec::axpy(acc, scores[j], vrow[j], L.Dv);
+        sq[0] = mx;
+        sq[1] = sq[1] * corr + sum;
+      }
+    }
+  }
+}
+
+// out[query] = acc / l (0 where the query saw no key, which a causal batch never produces).
+CPX_INLINE void write_out(const Layout& L, const Group& g, const float* st, float* out) {
+  const int sw = 2 + L.Dv;
+  for (int ti = 0; ti < g.nt; ++ti)
+    for (int hi = 0; hi < g.nh; ++hi) {
+      const float* sq = st + size_t(ti * g.nh + hi) * sw;
+      float* o = out + (g.t0 + ti) * L.o_tok + (g.h0 + hi) * L.o_head;
+      const float inv = sq[1] > 0.0f ? 1.0f / sq[1] : 0.0f;
+      for (int d = 0; d < L.Dv; ++d) o[d] = sq[2 + d] * inv;
+    }
+}
+
+CPX_CLONES void task_entry(const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, int k0, int k1,
+                           float scale, const float* q, float* st, float* scores, float* out) {
+  if (kv.type == KvType::BF16)
+    run_task<uint16_t>(kv, tok, L, g, k0, k1, scale, q, st, scores);
+  else
+    run_task<float>(kv, tok, L, g, k0, k1, scale, q, st, scores);
+  if (out) write_out(L, g, st, out);
+}
+
+// Merges the split-KV states of one group's queries: o = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
+CPX_CLONES void merge_entry(const Layout& L, const Group& g, const float* partial, int nsplit, size_t split_stride,
+                            float* out) {
+  const int sw = 2 + L.Dv, nq = g.nt * g.nh;
+  for (int i = 0; i < nq; ++i) {
+    float M = -INFINITY;
+    for (int s = 0; s < nsplit; ++s) M = std::max(M, partial[s * split_stride + size_t(i) * sw]);
+    float* o = out + (g.t0 + i / g.nh) * L.o_tok + (g.h0 + i % g.nh) * L.o_head;
+    std::fill(o, o + L.Dv, 0.0f);
+    float l = 0.0f;
+    if (M != -INFINITY) {
+      for (int s = 0; s < nsplit; ++s) {
+        const float* sq = partial + s * split_stride + size_t(i) * sw;
+        if (sq[1] == 0.0f) continue;
+        const float w = vec::exp1(sq[0] - M);
+        l += w * sq[1];
+        vec::axpy(o, w, sq + 2, L.Dv);
+      }
+    }
+    if (l > 0.0f) vec::scale(o, 1.0f / l, L.Dv);
+  }
+}
+
+// Groups: runs of consecutive tokens of one request, cut into blocks of kTokBlock, times head blocks.
+std::vector<Group> make_groups(const AttnTokens& tok, int H, int Hkv, bool mla) {
+  std::vector<Group> groups;
+  const int heads_per = mla ? std::min(H, kMlaHeadBlock) : H / Hkv;
+  const int nheadblocks = mla ? (H + heads_per - 1) / heads_per : Hkv;
+  for (int t = 0; t < tok.T;) {
+    int e = t + 1;
+    while (e < tok.T && e - t < kTokBlock && tok.row[e] == tok.row[t] && tok.pos[e] > tok.pos[e - 1]) ++e;
+    const int64_t keys = tok.pos[e - 1] + 1;
+    for (int b = 0; b < nheadblocks; ++b) {
+      const int h0 = b * heads_per, nh = std::min(heads_per, H - h0);
+      groups.push_back({t, e - t, h0, nh, mla ? 0 : b, tok.row[t], keys});
+    }
+    t = e;
+  }
+  return groups;
+}
+
+void run(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const Layout& L, int Hkv,
+         float scale, const float* q, float* out) {
+  if (tok.T <= 0) return;
+  const std::vector<Group> groups = make_groups(tok, L.H, Hkv, L.mla);
+  const int threads = pool.size();
+  // split-KV where the groups alone cannot keep every thread busy (about 4 tasks per thread)
+  int64_t max_keys = 0;
+  for (const Group& g : groups) max_keys = std::max(max_keys, g.keys);
+  int nsplit = 1;
+  if (int(groups.size()) < 4 * threads)
+    nsplit = int(std::clamp<int64_t>((4 * threads + int64_t(groups.size()) - 1) / int64_t(groups.size()), 1,
+                                     std::max<int64_t>(1, max_keys / kMinSplitKeys)));
+  std::vector<Task> tasks;
+  for (int gi = 0; gi < int(groups.size()); ++gi) {
+    const int64_t keys = groups[size_t(gi)].keys;
+    if (nsplit == 1) {
+      tasks.push_back({gi, 0, int(keys), -1});
+      continue;
+    }
+    const int64_t per = (keys + nsplit - 1) / nsplit;
+    const int64_t step = (per + kKeyTile - 1) / kKeyTile * kKeyTile;
+    for (int s = 0; s < nsplit; ++s) {
+      const int64_t k0 = std::min<int64_t>(keys, s * step), k1 = std::min<int64_t>(keys, (s + 1) * step);
+      tasks.push_back({gi, int(k0), int(k1), s});  // an empty range still writes its (empty) state
+    }
+  }
+  int max_nq = 0;
+  for (const Group& g : groups) max_nq = std::max(max_nq, g.nt * g.nh);
+  const size_t state = size_t(max_nq) * (2 + L.Dv);
+  scratch.thread.resize(size_t(threads));
+  for (auto& s : scratch.thread) s.resize(state + kKeyTile);
+  const size_t split_stride = state, group_stride = size_t(nsplit) * split_stride;
+  if (nsplit > 1) scratch.partial.resize(groups.size() * group_stride);
+  pool.run(int(tasks.size()), [&](int i, int tid) {
+    const Task& tk = tasks[size_t(i)];
+    const Group& g = groups[size_t(tk.group)];
+    float* st = tk.split < 0 ? scratch.thread[size_t(tid)].data()
+                             : scratch.partial.data() + size_t(tk.group) * group_stride + size_t(tk.split) * split_stride;
+    float* scores = scratch.thread[size_t(tid)].data() + state;
+    task_entry(kv, tok, L, g, tk.k0, tk.k1, scale, q, st, scores, tk.split < 0 ? out : nullptr);
+  });
+  if (nsplit > 1)
+    pool.run(int(groups.size()), [&](int gi, int) {
+      merge_entry(L, groups[size_t(gi)], scratch.partial.data() + size_t(gi) * group_stride, nsplit, split_stride, out);
+    });
+}
+
+}  // namespace
+
+void check_attention_tokens(const PagedKv& kv, const AttnTokens& tok) {
+  int64_t last_row = -1, checked = 0;  // slots of a row are checked once, up to the largest position seen
+  for (int t = 0; t < tok.T; ++t) {
+    const int64_t row = tok.row[t], pos = tok.pos[t];
+    if (row < 0 || row >= kv.table_rows)
+      throw ArgError("token " + std::to_string(t) + ": request row " + std::to_string(row) + " is outside [0, " +
+                     std::to_string(kv.table_rows) + ")");
+    if (pos < 0 || pos >= kv.table_stride)
+      throw ArgError("token " + std::to_string(t) + ": position " + std::to_string(pos) + " is outside [0, " +
+                     std::to_string(kv.table_stride) + ")");
+    if (row != last_row) {
+      last_row = row;
+      checked = 0;
+    }
+    for (; checked <= pos; ++checked) {
+      const int32_t slot = kv.table[row * kv.table_stride + checked];
+      if (slot < 0 || slot >= kv.num_slots)
+        throw ArgError("request row " + std::to_string(row) + " position " + std::to_string(checked) + ": KV slot " +
+                       std::to_string(slot) + " is outside the pool [0, " + std::to_string(kv.num_slots) + ")");
+    }
+  }
+}
+
+void attention_gqa(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const float* q, int H,
+                   int Hkv, int D, int Dv, float scale, float* out) {
+  if (H <= 0 || Hkv <= 0 || H % Hkv) throw ArgError("query heads must be a positive multiple of the KV heads");
+  Layout L{H, D, Dv, int64_t(H) * D, D, int64_t(H) * Dv, Dv, D, Dv, false};
+  run(pool, scratch, kv, tok, L, Hkv, scale, q, out);
+}
+
+void attention_mla(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const float* q, int H,
+                   int r, int P, float scale, float* out) {
+  if (H <= 0 || r <= 0 || P < 0) throw ArgError("MLA attention needs positive heads and rank");
+  const int D = r + P;
+  Layout L{H, D, r, int64_t(H) * D, D, int64_t(H) * r, r, 0, 0, true};
+  run(pool, scratch, kv, tok, L, 1, scale, q, out);
+}
+
+}  // namespace cpx

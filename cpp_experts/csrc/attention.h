@@ -1,0 +1,61 @@
+// Paged attention on the CPU over the KV pool the executor owns, read through `req_to_token`, for
+// decode and for extend (prefill, chunked prefill, mixed batches) alike.
+//
+// Every new token's K/V (or MLA latent) is in the pool before attention runs, so one rule serves
+// every batch: token t of request row `row[t]` at position `pos[t]` attends to positions 0..pos[t] of
+// that row (causal). Two layer kinds:
+//   GQA/MHA  q [T][H][D] (RoPE'd) -> out [T][H][Dv]; K [slots][Hkv][D], V [slots][Hkv][Dv].
+//   MLA      q [T][H][r + P] = (q_nope · w_kc ‖ RoPE'd q_pe) against the latent rows
+//            [slots][r + P] = (c_kv ‖ k_pe): score = q · row, value = c_kv -> out [T][H][r].
+//            One latent row serves every head (MQA over the 576-wide cache).
+// Pool dtype fp32 or bf16; arithmetic in fp32 (online softmax, as flash attention).
+//
+// Work split: a query group is the queries that read the same keys — up to kTokBlock consecutive
+// tokens of one request times the heads of one KV head (GQA), or times a block of heads (MLA). When
+// groups are fewer than the pool's threads can keep busy (decode of a few requests), each group's
+// keys are also split into ranges (split-KV) whose partial softmax states are merged afterwards.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "pool.h"
+
+namespace cpx {
+
+enum class KvType { F32 = 0, BF16 = 1 };
+
+// One layer's cache and the request table.
+struct PagedKv {
+  const void* k = nullptr;  // GQA: [slots][Hkv][D]; MLA: latent [slots][r + P]
+  const void* v = nullptr;  // GQA: [slots][Hkv][Dv]; MLA: null (the value is the latent's first r columns)
+  KvType type = KvType::F32;
+  int64_t k_stride = 0, v_stride = 0;  // elements from one slot to the next
+  const int32_t* table = nullptr;      // req_to_token [rows][table_stride]
+  int64_t table_stride = 0;
+  int64_t table_rows = 0;  // rows of the table, and slots of the pool: every read is checked against them
+  int64_t num_slots = 0;
+};
+
+// The batch's tokens: request row and position of each.
+struct AttnTokens {
+  int T = 0;
+  const int64_t* row = nullptr;
+  const int64_t* pos = nullptr;
+};
+
+// Scratch reused across calls (the model owns one; grows to the largest call).
+struct AttnScratch {
+  std::vector<float> partial;  // split-KV states: per (task, query): m, l, acc[Dv]
+  std::vector<std::vector<float>> thread;  // per participant: scores and running states of one group
+};
+
+void attention_gqa(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const float* q,
+                   int H, int Hkv, int D, int Dv, float scale, float* out);
+void attention_mla(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const float* q,
+                   int H, int r, int P, float scale, float* out);
+
+// Checks that every token's row, position and slot is inside the table and the pool (a bad index
+// would read outside them); throws ArgError naming the token otherwise.
+void check_attention_tokens(const PagedKv& kv, const AttnTokens& tok);
+
+}  // namespace cpx

@@ -1,0 +1,242 @@
+// linear_calls.h: input preparation, tiles of several linears in one pool run, their epilogues, and
+// single rows of a packed weight decoded back to fp32.
+#include "linear_calls.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "vec.h"
+
+namespace cpx {
+namespace {
+
+constexpr int kTokChunk = 64;        // rows of x per task
+constexpr int kMaxTaskRowblocks = 16;
+constexpr int kAmxBf16MinRows = 5;   // as QuantLinear::forward: below this the AVX-512 bf16 kernel wins
+constexpr int kPrepChunk = 8;        // rows of x per input-preparation task
+
+float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return f16_to_f32(h);
+}
+
+// Per-thread output tiles (pool workers live as long as the pool; the tiles grow to the largest task).
+thread_local std::vector<float> t_tile;
+
+CPX_CLONES void epilogue(Epilogue ep, const float* c, const float* cu, int ldc, int nt, int ncols, const float* bias,
+                         const float* bias_up, float* out, int64_t ldo) {
+  using namespace vec;
+  for (int t = 0; t < nt; ++t) {
+    const float* cr = c + size_t(t) * ldc;
+    float* o = out + t * ldo;
+    int j = 0;
+    if (ep == Epilogue::SiluMul) {
+      const float* ur = cu + size_t(t) * ldc;
+      for (; j + 8 <= ncols; j += 8) {
+        v8f g = load(cr + j), u = load(ur + j);
+        if (bias) g += load(bias + j);
+        if (bias_up) u += load(bias_up + j);
+        store(o + j, silu8(g) * u);
+      }
+      for (; j < ncols; ++j) {
+        const float g = cr[j] + (bias ? bias[j] : 0.0f), u = ur[j] + (bias_up ? bias_up[j] : 0.0f);
+        o[j] = g / (1.0f + exp1(-g)) * u;
+      }
+      continue;
+    }
+    const bool add = ep == Epilogue::Add;
+    for (; j + 8 <= ncols; j += 8) {
+      v8f v = load(cr + j);
+      if (bias) v += load(bias + j);
+      store(o + j, add ? load(o + j) + v : v);
+    }
+    for (; j < ncols; ++j) {
+      const float v = cr[j] + (bias ? bias[j] : 0.0f);
+      o[j] = add ? o[j] + v : v;
+    }
+  }
+}
+
+CPX_CLONES void to_bf16_row(const float* x, uint16_t* y, int n, int np) {
+  for (int i = 0; i < n; ++i) y[i] = f32_to_bf16(x[i]);
+  for (int i = n; i < np; ++i) y[i] = 0;
+}
+
+struct Task {
+  int call, rb0, rb1, t0, nt;
+};
+
+}  // namespace
+
+ActQ LinearInput::act() const {
+  return ActQ{reinterpret_cast<const int8_t*>(q.data()), reinterpret_cast<const float*>(d.data()),
+              reinterpret_cast<const int32_t*>(s.data()), reinterpret_cast<const float*>(ds.data()),
+              reinterpret_cast<const int32_t*>(s16.data()), k};
+}
+
+void prepare_input(Pool& pool, LinearInput& in, const float* x, int64_t ldx, int m, int k,
+                   const std::vector<const QuantLinear*>& readers) {
+  in.m = m;
+  in.k = k;
+  in.kp = int(round_up(size_t(k), 32));
+  in.has_q8 = in.has_bf16 = false;
+  QuantRow quantize = nullptr;
+  for (const QuantLinear* op : readers) {
+    if (op->in_features() != k)
+      throw ArgError("a linear of in_features " + std::to_string(op->in_features()) + " reads an input of " +
+                     std::to_string(k) + " values");
+    if (op->reads_q8() && !in.has_q8) {
+      in.has_q8 = true;
+      quantize = op->quantizer();
+    }
+    in.has_bf16 = in.has_bf16 || op->reads_bf16();
+  }
+  if (m <= 0) return;
+  const int nb = k / 32;
+  if (in.has_q8) {
+    if (k % 32) throw ArgError("Q8_0 activations need a multiple of 32 values, got " + std::to_string(k));
+    in.q.resize(size_t(m) * k);
+    in.d.resize(size_t(m) * nb * 4);
+    in.s.resize(size_t(m) * nb * 4);
+    in.ds.resize(size_t(m) * nb * 4);
+    in.s16.resize(size_t(m) * nb * 8);
+  }
+  if (in.has_bf16) in.b.resize(size_t(m) * in.kp * 2);
+  int8_t* q = reinterpret_cast<int8_t*>(in.q.data());
+  float* d = reinterpret_cast<float*>(in.d.data());
+  int32_t* s = reinterpret_cast<int32_t*>(in.s.data());
+  float* ds = reinterpret_cast<float*>(in.ds.data());
+  int32_t* s16 = reinterpret_cast<int32_t*>(in.s16.data());
+  uint16_t* b = reinterpret_cast<uint16_t*>(in.b.data());
+  pool.run((m + kPrepChunk - 1) / kPrepChunk, [&](int task, int) {
+    for (int t = task * kPrepChunk; t < std::min(m, (task + 1) * kPrepChunk); ++t) {
+      const float* xr = x + t * ldx;
+      if (in.has_q8) {
+        const size_t o = size_t(t) * nb;
+        quantize(xr, k, q + size_t(t) * k, d + o, s + o);
+        for (int i = 0; i < nb; ++i) ds[o + i] = d[o + i] * float(s[o + i]);
+        for (int h = 0; h < 2 * nb; ++h) {
+          int32_t v = 0;
+          for (int i = 0; i < 16; ++i) v += q[size_t(t) * k + 16 * h + i];
+          s16[2 * o + h] = v;
+        }
+      }
+      if (in.has_bf16) to_bf16_row(xr, b + size_t(t) * in.kp, k, in.kp);
+    }
+  });
+}
+
+void QuantLinear::tile(const LinearInput& in, int rb0, int rb1, int t0, int nt, float* c, int ldc) const {
+  if (fmt_ == LinFormat::BF16) {
+    const uint16_t* at = in.bf16_rows() + size_t(t0) * in.kp;
+    if (amx_ && nt >= kAmxBf16MinRows)
+      amx_gemm_bf16(bm_, rb0, rb1 - rb0, at, size_t(in.kp), nt, c, ldc);
+    else
+      bf16k_->gemm_bf16(bm_, rb0, rb1 - rb0, at, size_t(in.kp), nt, c, ldc);
+  } else if (amxq_ && nt >= kAmxInt8MinRows) {
+    kLinAmxGemm[int(fmt_)](qm_, rb0, rb1, in.act(), t0, nt, c, ldc);
+  } else {
+    lin_->gemm[int(fmt_)](qm_, rb0, rb1, in.act(), t0, nt, c, ldc);
+  }
+}
+
+void QuantLinear::dequant_row(int n, float* out) const {
+  if (n < 0 || n >= N_) throw ArgError("row " + std::to_string(n) + " is outside [0, " + std::to_string(N_) + ")");
+  const int rb = n / 16, r = n % 16;
+  if (fmt_ == LinFormat::BF16) {
+    const uint16_t* w = reinterpret_cast<const uint16_t*>(w_.data()) + size_t(rb) * Kp_ * 16;
+    for (int k = 0; k < K_; ++k) out[k] = bf16_to_f32(w[size_t(k / 2) * 32 + 2 * r + (k & 1)]);
+    return;
+  }
+  const LinLayout& L = kLinLayout[int(fmt_)];
+  uint8_t q[32];
+  for (int sb = 0; sb < qm_.nsb; ++sb) {
+    const uint8_t* base = qm_.at(rb) + size_t(sb) * kGroupRowblocks * qm_.sb_bytes;
+    const bool kq = L.sb_blocks > 1;
+    const float D = kq ? f16(base + 2 * r) : 0.0f;
+    const float Dmin = kq && fmt_ != LinFormat::Q6_K ? f16(base + 32 + 2 * r) : 0.0f;
+    for (int j = 0; j < L.sb_blocks; ++j) {
+      const uint8_t* bp = base + L.hdr + size_t(j) * L.blk;
+      unpack_block(fmt_, bp, r, q);
+      float* o = out + (size_t(sb) * L.sb_blocks + j) * 32;
+      for (int i = 0; i < 32; ++i) {
+        switch (fmt_) {
+          case LinFormat::Q8_0: o[i] = f16(bp + 512 + 2 * r) * float(int(q[i]) - 128); break;
+          case LinFormat::Q4_0: o[i] = f16(bp + 256 + 2 * r) * float(int(q[i]) - 8); break;
+          case LinFormat::Q4_1: o[i] = f16(bp + 256 + 2 * r) * float(q[i]) + f16(bp + 288 + 2 * r); break;
+          case LinFormat::Q4_K:
+          case LinFormat::Q5_K: {
+            const uint8_t* sc = bp + (fmt_ == LinFormat::Q5_K ? 320 : 256);
+            o[i] = D * float(sc[r]) * float(q[i]) - Dmin * float(sc[16 + r]);
+            break;
+          }
+          case LinFormat::Q6_K: {
+            const int8_t sc = int8_t(bp[(i < 16 ? 384 : 400) + r]);
+            o[i] = D * float(sc) * float(int(q[i]) - 32);
+            break;
+          }
+          case LinFormat::BF16: break;
+        }
+      }
+    }
+  }
+}
+
+void QuantLinear::set_bias(const float* bias) {
+  std::lock_guard<std::mutex> lock(m_);
+  has_bias_ = bias != nullptr;
+  if (!bias) return;
+  bias_.resize(size_t(N_) * 4);
+  std::memcpy(bias_.data(), bias, size_t(N_) * 4);
+}
+
+void run_linears(Pool& pool, const std::vector<LinearCall>& calls, int m) {
+  if (m <= 0 || calls.empty()) return;
+  int total_rb = 0;
+  for (const LinearCall& c : calls) {
+    if (!c.op || !c.in || !c.out) throw ArgError("a linear call needs an operator, an input and an output");
+    if (c.row0 < 0 || c.in->m < c.row0 + m || c.in->k != c.op->in_features()) throw ArgError("a linear call's input does not fit its operator");
+    if ((c.op->reads_q8() && !c.in->has_q8) || (c.op->reads_bf16() && !c.in->has_bf16))
+      throw ArgError("a linear call's input was not prepared for its operator");
+    if (c.ep == Epilogue::SiluMul) {
+      if (!c.up || c.up->out_features() != c.op->out_features() || c.up->in_features() != c.op->in_features())
+        throw ArgError("SiluMul needs an up projection of the gate's shape");
+      if ((c.up->reads_q8() && !c.in->has_q8) || (c.up->reads_bf16() && !c.in->has_bf16))
+        throw ArgError("a linear call's input was not prepared for its up projection");
+    }
+    total_rb += c.op->rowblocks() * (c.ep == Epilogue::SiluMul ? 2 : 1);
+  }
+  // about four tasks per thread over the rowblocks (work stealing evens out a busy core), in whole
+  // rowblock pairs (the bf16 kernels take rowblocks in pairs)
+  const int p = pool.size();
+  const int rpt = std::min(kMaxTaskRowblocks,
+                           std::max(2, int(round_up(size_t((total_rb + 4 * p - 1) / (4 * p)), 2))));
+  std::vector<Task> tasks;
+  for (int ci = 0; ci < int(calls.size()); ++ci) {
+    const int nrb = calls[size_t(ci)].op->rowblocks();
+    for (int t0 = 0; t0 < m; t0 += kTokChunk)
+      for (int rb = 0; rb < nrb; rb += rpt) tasks.push_back({ci, rb, std::min(nrb, rb + rpt), t0, std::min(kTokChunk, m - t0)});
+  }
+  const int ldc = rpt * 16;
+  const size_t tile = size_t(kTokChunk) * ldc;
+  pool.run(int(tasks.size()), [&](int i, int) {
+    const Task& tk = tasks[size_t(i)];
+    const LinearCall& c = calls[size_t(tk.call)];
+    const bool gated = c.ep == Epilogue::SiluMul;
+    if (t_tile.size() < 2 * tile) t_tile.resize(2 * tile);
+    float* ct = t_tile.data();
+    float* cu = ct + tile;
+    c.op->tile(*c.in, tk.rb0, tk.rb1, c.row0 + tk.t0, tk.nt, ct, ldc);
+    if (gated) c.up->tile(*c.in, tk.rb0, tk.rb1, c.row0 + tk.t0, tk.nt, cu, ldc);
+    const int n0 = tk.rb0 * 16, ncols = std::min(c.op->out_features(), tk.rb1 * 16) - n0;
+    const float* bias = c.op->bias();
+    const float* bias_up = gated ? c.up->bias() : nullptr;
+    epilogue(c.ep, ct, cu, ldc, tk.nt, ncols, bias ? bias + n0 : nullptr, bias_up ? bias_up + n0 : nullptr,
+             c.out + tk.t0 * c.ldo + n0, c.ldo);
+  });
+}
+
+}  // namespace cpx

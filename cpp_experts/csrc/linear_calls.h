@@ -1,0 +1,50 @@
+// Several QuantLinears in one run of the pool, for the native model (model.h).
+//
+// Why: a decode step of a small model is ~200 matrix-vector products of a few hundred microseconds
+// or less; waking the pool and waiting for it once per product costs as much as the work. So the
+// linears that read the same input (q, k and v; gate and up) are prepared once (`LinearInput`: the
+// input quantised to Q8_0 and/or rounded to bf16, each form only if some reader needs it) and run as
+// one list of tasks, each task one tile (up to 16 rowblocks of one weight x up to 64 rows of x) with
+// the caller's epilogue: store, add into the output (the residual), or SiLU(gate) * up.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "quant_linear.h"
+
+namespace cpx {
+
+// m rows of x (k values each) in the forms its readers need.
+struct LinearInput {
+  int m = 0, k = 0, kp = 0;  // kp: k padded to 32 (bf16 rows)
+  bool has_q8 = false, has_bf16 = false;
+  Buffer q, d, s, ds, s16;  // Q8_0 per 32 values: int8 q, fp32 d, int32 sum(q), d * sum, sums per 16
+  Buffer b;                 // bf16 rows [m][kp]
+  ActQ act() const;
+  const uint16_t* bf16_rows() const { return reinterpret_cast<const uint16_t*>(b.data()); }
+};
+
+// Prepares `in` from fp32 rows x[i * ldx + j] (j < k) for the linears in `readers` (all of in_features k).
+void prepare_input(Pool& pool, LinearInput& in, const float* x, int64_t ldx, int m, int k,
+                   const std::vector<const QuantLinear*>& readers);
+
+enum class Epilogue {
+  Store,    // out = W x + b
+  Add,      // out += W x + b
+  SiluMul,  // out = silu(W x + b) * (W_up x + b_up)
+};
+
+struct LinearCall {
+  const QuantLinear* op = nullptr;
+  const LinearInput* in = nullptr;
+  float* out = nullptr;  // row t at out + t * ldo, op->out_features() values
+  int64_t ldo = 0;
+  Epilogue ep = Epilogue::Store;
+  const QuantLinear* up = nullptr;  // SiluMul only: same shape as op
+  int row0 = 0;  // the call reads rows row0..row0+m-1 of its input (and writes out rows 0..m-1)
+};
+
+// Runs every call over m rows of its input, as one list of tasks on the pool.
+void run_linears(Pool& pool, const std::vector<LinearCall>& calls, int m);
+
+}  // namespace cpx

@@ -1,0 +1,491 @@
+// CpuModel (model.h): the blocks of a decoder and one forward over a batch.
+//
+// Each block reads the residual stream x [T][hidden], normalises it into xn, and adds its output to x
+// (the last linear of a block stores with Epilogue::Add). Row-wise work (norms, RoPE, KV stores) is
+// spread over the pool by rows when the batch is large enough to pay for it, else done on the
+// calling thread while the workers spin briefly between the linears' runs.
+#include "model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <numeric>
+#include <string>
+
+#include "vec.h"
+
+namespace cpx {
+namespace {
+
+constexpr int kRowChunk = 4;  // rows per task of the row-wise passes
+
+// fn(t) for t < T: inline for a few rows, else in chunks on the pool.
+template <class F>
+void for_rows(Pool& pool, int T, F&& fn) {
+  if (T <= kRowChunk) {
+    for (int t = 0; t < T; ++t) fn(t);
+    return;
+  }
+  pool.run((T + kRowChunk - 1) / kRowChunk, [&](int task, int) {
+    for (int t = task * kRowChunk; t < std::min(T, (task + 1) * kRowChunk); ++t) fn(t);
+  });
+}
+
+// y = x / sqrt(mean(x^2) + eps) * w (HF's RMSNorm in fp32); y may be x.
+CPX_CLONES void rmsnorm_row(const float* x, const float* w, float eps, int n, float* y) {
+  using namespace vec;
+  v8f acc = splat(0.0f);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const v8f v = load(x + i);
+    acc += v * v;
+  }
+  float ss = hsum(acc);
+  for (; i < n; ++i) ss += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(ss / float(n) + eps);
+  for (i = 0; i + 8 <= n; i += 8) store(y + i, load(w + i) * (load(x + i) * splat(inv)));
+  for (; i < n; ++i) y[i] = w[i] * (x[i] * inv);
+}
+
+CPX_CLONES float dot_f32(const float* a, const float* b, int n) { return vec::dot(a, b, n); }
+
+void rope_apply(float* v, const Rope& r, int64_t p) {
+  const int half = r.dim / 2;
+  const float* c = r.cos_sin + p * half;
+  const float* s = r.cos_sin + r.max_pos * half + p * half;
+  if (r.interleaved) {
+    for (int i = 0; i < half; ++i) {
+      const float x1 = v[2 * i], x2 = v[2 * i + 1];
+      v[2 * i] = x1 * c[i] - x2 * s[i];
+      v[2 * i + 1] = x2 * c[i] + x1 * s[i];
+    }
+  } else {
+    for (int i = 0; i < half; ++i) {
+      const float x1 = v[i], x2 = v[i + half];
+      v[i] = x1 * c[i] - x2 * s[i];
+      v[i + half] = x2 * c[i] + x1 * s[i];
+    }
+  }
+}
+
+// n values into a cache row (fp32, or bf16 rounded to nearest even as torch rounds).
+void put(void* cache, KvType type, int64_t at, const float* src, int n) {
+  if (type == KvType::BF16) {
+    uint16_t* dst = static_cast<uint16_t*>(cache) + at;
+    for (int i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+  } else {
+    std::memcpy(static_cast<float*>(cache) + at, src, size_t(n) * 4);
+  }
+}
+
+void check_norm(const Norm& n, int size, const char* what) {
+  if (int(n.w.size()) != size)
+    throw ArgError(std::string(what) + " norm has " + std::to_string(n.w.size()) + " weights, expected " +
+                   std::to_string(size));
+}
+
+void check_linear(const QuantLinear* op, int out, int in, const std::string& what) {
+  if (!op) throw ArgError(what + " is missing");
+  if (op->out_features() != out || op->in_features() != in)
+    throw ArgError(what + " is " + std::to_string(op->out_features()) + " x " + std::to_string(op->in_features()) +
+                   ", expected " + std::to_string(out) + " x " + std::to_string(in));
+}
+
+void check_rope(const Rope& r, int dim_limit, const char* what) {
+  if (!r.cos_sin || r.max_pos <= 0 || r.dim <= 0 || r.dim % 2 || r.dim > dim_limit)
+    throw ArgError(std::string(what) + ": bad rotary table (dim " + std::to_string(r.dim) + ", head dim " +
+                   std::to_string(dim_limit) + ")");
+}
+
+}  // namespace
+
+// One forward's state, shared by the blocks.
+struct Ctx {
+  Pool& pool;
+  int T;
+  const int64_t* pos;
+  const int64_t* rows;
+  const int64_t* out_loc;
+  int hidden;
+  float* x;   // [T][hidden] residual stream
+  float* xn;  // [T][hidden] normalised
+  LinearInput& in;
+  const PagedKv& table;
+
+  void norm(const Norm& n) {
+    for_rows(pool, T, [&](int t) { rmsnorm_row(x + size_t(t) * hidden, n.w.data(), n.eps, hidden, xn + size_t(t) * hidden); });
+  }
+  AttnTokens tokens() const { return AttnTokens{T, rows, pos}; }
+};
+
+struct Block {
+  virtual ~Block() = default;
+  virtual void run(Ctx& c) = 0;
+};
+
+namespace {
+
+struct GqaBlock final : Block {
+  GqaSpec s;
+  std::vector<float> q, k, v, a;
+  AttnScratch scratch;
+
+  void run(Ctx& c) override {
+    const int T = c.T, qw = s.H * s.D, kw = s.Hkv * s.D;
+    c.norm(s.norm);
+    prepare_input(c.pool, c.in, c.xn, c.hidden, T, c.hidden, {s.q, s.k, s.v});
+    q.resize(size_t(T) * qw);
+    k.resize(size_t(T) * kw);
+    v.resize(size_t(T) * kw);
+    a.resize(size_t(T) * qw);
+    run_linears(c.pool, {{s.q, &c.in, q.data(), qw}, {s.k, &c.in, k.data(), kw}, {s.v, &c.in, v.data(), kw}}, T);
+    for_rows(c.pool, T, [&](int t) {
+      for (int h = 0; h < s.H; ++h) rope_apply(q.data() + size_t(t) * qw + h * s.D, s.rope, c.pos[t]);
+      for (int h = 0; h < s.Hkv; ++h) rope_apply(k.data() + size_t(t) * kw + h * s.D, s.rope, c.pos[t]);
+      put(s.k_cache, s.kv_type, c.out_loc[t] * kw, k.data() + size_t(t) * kw, kw);
+      put(s.v_cache, s.kv_type, c.out_loc[t] * kw, v.data() + size_t(t) * kw, kw);
+    });
+    PagedKv kv = c.table;
+    kv.k = s.k_cache;
+    kv.v = s.v_cache;
+    kv.type = s.kv_type;
+    kv.k_stride = kv.v_stride = kw;
+    attention_gqa(c.pool, scratch, kv, c.tokens(), q.data(), s.H, s.Hkv, s.D, s.D, s.scale, a.data());
+    prepare_input(c.pool, c.in, a.data(), qw, T, qw, {s.o});
+    run_linears(c.pool, {{s.o, &c.in, c.x, c.hidden, Epilogue::Add}}, T);
+  }
+};
+
+struct MlaBlock final : Block {
+  MlaSpec s;
+  std::vector<float> q, qa, kv, qcat, heads, lat, vo;
+  LinearInput in_q, in_heads;
+  AttnScratch scratch;
+
+  void run(Ctx& c) override {
+    const int T = c.T, H = s.H, N = s.N, P = s.P, r = s.r, V = s.V;
+    const int qw = H * (N + P), kvw = r + P, cw = H * (r + P);
+    c.norm(s.norm);
+    const QuantLinear* first = s.q ? s.q : s.q_a;
+    prepare_input(c.pool, c.in, c.xn, c.hidden, T, c.hidden, {first, s.kv_a});
+    q.resize(size_t(T) * qw);
+    kv.resize(size_t(T) * kvw);
+    if (s.q) {
+      run_linears(c.pool, {{s.q, &c.in, q.data(), qw}, {s.kv_a, &c.in, kv.data(), kvw}}, T);
+    } else {
+      const int qlr = s.q_a->out_features();
+      qa.resize(size_t(T) * qlr);
+      run_linears(c.pool, {{s.q_a, &c.in, qa.data(), qlr}, {s.kv_a, &c.in, kv.data(), kvw}}, T);
+      for_rows(c.pool, T, [&](int t) {
+        float* row = qa.data() + size_t(t) * qlr;
+        rmsnorm_row(row, s.q_a_norm.w.data(), s.q_a_norm.eps, qlr, row);
+      });
+      prepare_input(c.pool, in_q, qa.data(), qlr, T, qlr, {s.q_b});
+      run_linears(c.pool, {{s.q_b, &in_q, q.data(), qw}}, T);
+    }
+    // the latent of the new tokens (normalised c_kv ‖ RoPE'd k_pe) into the cache; RoPE'd q_pe; q_nope
+    // gathered head-major, so that one prepared input serves every head's absorption
+    heads.resize(size_t(H) * T * std::max(N, r));
+    for_rows(c.pool, T, [&](int t) {
+      float* row = kv.data() + size_t(t) * kvw;
+      rmsnorm_row(row, s.kv_norm.w.data(), s.kv_norm.eps, r, row);
+      rope_apply(row + r, s.rope, c.pos[t]);
+      put(s.latent, s.kv_type, c.out_loc[t] * kvw, row, kvw);
+      for (int h = 0; h < H; ++h) {
+        float* qh = q.data() + size_t(t) * qw + size_t(h) * (N + P);
+        rope_apply(qh + N, s.rope, c.pos[t]);
+        std::memcpy(heads.data() + (size_t(h) * T + t) * N, qh, size_t(N) * 4);
+      }
+    });
+    // q_latent = q_nope · w_kc per head, next to q_pe: the query rows [T][H][r + P]
+    qcat.resize(size_t(T) * cw);
+    prepare_input(c.pool, in_heads, heads.data(), N, H * T, N, s.w_kc);
+    std::vector<LinearCall> calls;
+    for (int h = 0; h < H; ++h) calls.push_back({s.w_kc[size_t(h)], &in_heads, qcat.data() + size_t(h) * (r + P), cw,
+                                                 Epilogue::Store, nullptr, h * T});
+    run_linears(c.pool, calls, T);
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < H; ++h)
+        std::memcpy(qcat.data() + size_t(t) * cw + size_t(h) * (r + P) + r,
+                    q.data() + size_t(t) * qw + size_t(h) * (N + P) + N, size_t(P) * 4);
+    // MQA over the latent cache, then each head's latent output through w_vc, then o_proj
+    lat.resize(size_t(T) * H * r);
+    PagedKv cache = c.table;
+    cache.k = s.latent;
+    cache.type = s.kv_type;
+    cache.k_stride = kvw;
+    attention_mla(c.pool, scratch, cache, c.tokens(), qcat.data(), H, r, P, s.scale, lat.data());
+    for_rows(c.pool, T, [&](int t) {
+      for (int h = 0; h < H; ++h)
+        std::memcpy(heads.data() + (size_t(h) * T + t) * r, lat.data() + (size_t(t) * H + h) * r, size_t(r) * 4);
+    });
+    vo.resize(size_t(T) * H * V);
+    prepare_input(c.pool, in_heads, heads.data(), r, H * T, r, s.w_vc);
+    calls.clear();
+    for (int h = 0; h < H; ++h)
+      calls.push_back({s.w_vc[size_t(h)], &in_heads, vo.data() + size_t(h) * V, int64_t(H) * V, Epilogue::Store,
+                       nullptr, h * T});
+    run_linears(c.pool, calls, T);
+    prepare_input(c.pool, c.in, vo.data(), H * V, T, H * V, {s.o});
+    run_linears(c.pool, {{s.o, &c.in, c.x, c.hidden, Epilogue::Add}}, T);
+  }
+};
+
+struct DenseMlpBlock final : Block {
+  DenseMlpSpec s;
+  std::vector<float> h;
+
+  void run(Ctx& c) override {
+    const int T = c.T, I = s.gate->out_features();
+    c.norm(s.norm);
+    prepare_input(c.pool, c.in, c.xn, c.hidden, T, c.hidden, {s.gate, s.up});
+    h.resize(size_t(T) * I);
+    run_linears(c.pool, {{s.gate, &c.in, h.data(), I, Epilogue::SiluMul, s.up}}, T);
+    prepare_input(c.pool, c.in, h.data(), I, T, I, {s.down});
+    run_linears(c.pool, {{s.down, &c.in, c.x, c.hidden, Epilogue::Add}}, T);
+  }
+};
+
+struct MoeBlock final : Block {
+  MoeSpec s;
+  std::vector<float> logits, weights, routed, h;
+  std::vector<int32_t> ids;
+
+  // DeepSeek's routers (models/moe_routing.py): softmax or sigmoid scores; top-k directly, inside the
+  // best groups by max score (V2), or on bias-corrected scores inside the best groups by their top-2
+  // sum (V3, whose weights stay the uncorrected scores); then renormalised and scaled.
+  void route(int t) {
+    const int E = s.E, K = s.K;
+    const float* lg = logits.data() + size_t(t) * E;
+    std::vector<float> score(static_cast<size_t>(E)), choice(static_cast<size_t>(E));
+    if (s.sigmoid) {
+      for (int e = 0; e < E; ++e) score[size_t(e)] = 1.0f / (1.0f + std::exp(-lg[e]));
+    } else {
+      const float mx = *std::max_element(lg, lg + E);
+      float sum = 0.0f;
+      for (int e = 0; e < E; ++e) sum += score[size_t(e)] = std::exp(lg[e] - mx);
+      for (float& v : score) v /= sum;
+    }
+    for (int e = 0; e < E; ++e) choice[size_t(e)] = score[size_t(e)] + (s.bias.empty() ? 0.0f : s.bias[size_t(e)]);
+    const bool grouped = s.n_group > 1 && s.method != TopkMethod::Greedy;
+    if (grouped) {
+      const int per = E / s.n_group;
+      std::vector<float> gscore(static_cast<size_t>(s.n_group));
+      for (int g = 0; g < s.n_group; ++g) {
+        std::vector<float> v(choice.begin() + g * per, choice.begin() + (g + 1) * per);
+        if (s.method == TopkMethod::NoauxTc) {
+          std::partial_sort(v.begin(), v.begin() + std::min(2, per), v.end(), std::greater<float>());
+          gscore[size_t(g)] = v[0] + (per > 1 ? v[1] : 0.0f);
+        } else {
+          gscore[size_t(g)] = *std::max_element(v.begin(), v.end());
+        }
+      }
+      std::vector<int> order(static_cast<size_t>(s.n_group));
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return gscore[size_t(a)] > gscore[size_t(b)]; });
+      std::vector<bool> keep(static_cast<size_t>(s.n_group), false);
+      for (int i = 0; i < s.topk_group; ++i) keep[size_t(order[size_t(i)])] = true;
+      // V3 masks the dropped groups' choices to -inf; V2 their scores to 0
+      for (int e = 0; e < E; ++e)
+        if (!keep[size_t(e / per)]) choice[size_t(e)] = s.method == TopkMethod::NoauxTc ? -INFINITY : 0.0f;
+    }
+    std::vector<int> idx(static_cast<size_t>(E));
+    std::iota(idx.begin(), idx.end(), 0);
+    std::partial_sort(idx.begin(), idx.begin() + K, idx.end(),
+                      [&](int a, int b) { return choice[size_t(a)] > choice[size_t(b)] || (choice[size_t(a)] == choice[size_t(b)] && a < b); });
+    float sum = 0.0f;
+    for (int k = 0; k < K; ++k) {
+      const int e = idx[size_t(k)];
+      ids[size_t(t) * K + k] = e;
+      // V2 grouped: the weights are the masked scores themselves (0 outside the groups)
+      const float w = s.method == TopkMethod::GroupLimitedGreedy && grouped ? choice[size_t(e)] : score[size_t(e)];
+      weights[size_t(t) * K + k] = w;
+      sum += w;
+    }
+    for (int k = 0; k < K; ++k) {
+      float& w = weights[size_t(t) * K + k];
+      if (s.norm_topk && K > 1) w /= sum + 1e-20f;
+      w *= s.scaling;
+    }
+  }
+
+  void run(Ctx& c) override {
+    const int T = c.T, E = s.E, K = s.K, Hd = c.hidden;
+    c.norm(s.norm);
+    logits.resize(size_t(T) * E);
+    ids.resize(size_t(T) * K);
+    weights.resize(size_t(T) * K);
+    routed.resize(size_t(T) * Hd);
+    constexpr int kExpertChunk = 16;
+    const int chunks = (E + kExpertChunk - 1) / kExpertChunk;
+    c.pool.run(T * chunks, [&](int task, int) {
+      const int t = task / chunks, e0 = (task % chunks) * kExpertChunk;
+      for (int e = e0; e < std::min(E, e0 + kExpertChunk); ++e)
+        logits[size_t(t) * E + e] = dot_f32(c.xn + size_t(t) * Hd, s.router.data() + size_t(e) * Hd, Hd);
+    });
+    for_rows(c.pool, T, [&](int t) { route(t); });
+    Job job;
+    job.hidden = c.xn;
+    job.tokens = T;
+    job.ids = ids.data();
+    job.weights = weights.data();
+    job.out = routed.data();
+    s.experts->forward(job);
+    if (s.shared_gate) {
+      const int I = s.shared_gate->out_features();
+      prepare_input(c.pool, c.in, c.xn, Hd, T, Hd, {s.shared_gate, s.shared_up});
+      h.resize(size_t(T) * I);
+      run_linears(c.pool, {{s.shared_gate, &c.in, h.data(), I, Epilogue::SiluMul, s.shared_up}}, T);
+      prepare_input(c.pool, c.in, h.data(), I, T, I, {s.shared_down});
+      run_linears(c.pool, {{s.shared_down, &c.in, c.x, Hd, Epilogue::Add}}, T);
+    }
+    for_rows(c.pool, T, [&](int t) {
+      float* xr = c.x + size_t(t) * Hd;
+      const float* rr = routed.data() + size_t(t) * Hd;
+      for (int i = 0; i < Hd; ++i) xr[i] += rr[i];
+    });
+  }
+
+};
+
+}  // namespace
+
+CpuModel::CpuModel(std::shared_ptr<Pool> pool, int hidden, const QuantLinear* embed, const QuantLinear* lm_head,
+                   Norm final_norm)
+    : pool_(std::move(pool)), hidden_(hidden), embed_(embed), lm_head_(lm_head), final_norm_(std::move(final_norm)) {
+  if (!pool_) throw ArgError("CpuModel needs a pool");
+  if (hidden_ <= 0) throw ArgError("hidden size must be positive");
+  if (!embed_ || embed_->in_features() != hidden_) throw ArgError("the embedding must be [vocab][hidden]");
+  if (!lm_head_ || lm_head_->in_features() != hidden_) throw ArgError("the LM head must be [vocab][hidden]");
+  check_norm(final_norm_, hidden_, "final");
+}
+
+CpuModel::~CpuModel() = default;
+
+void CpuModel::set_table(const int32_t* table, int64_t rows, int64_t stride, int64_t num_slots) {
+  if (!table || rows <= 0 || stride <= 0 || num_slots <= 0) throw ArgError("bad req_to_token table or pool size");
+  std::lock_guard<std::mutex> lock(m_);
+  table_.table = table;
+  table_.table_rows = rows;
+  table_.table_stride = stride;
+  table_.num_slots = num_slots;
+}
+
+void CpuModel::add_gqa(GqaSpec s) {
+  check_norm(s.norm, hidden_, "attention");
+  if (s.H <= 0 || s.Hkv <= 0 || s.H % s.Hkv || s.D <= 0) throw ArgError("bad attention heads");
+  check_linear(s.q, s.H * s.D, hidden_, "q_proj");
+  check_linear(s.k, s.Hkv * s.D, hidden_, "k_proj");
+  check_linear(s.v, s.Hkv * s.D, hidden_, "v_proj");
+  check_linear(s.o, hidden_, s.H * s.D, "o_proj");
+  check_rope(s.rope, s.D, "attention");
+  if (!s.k_cache || !s.v_cache) throw ArgError("the layer's K/V cache is missing");
+  if (blocks_.size() % 2) throw ArgError("an attention block must follow an MLP block");
+  auto b = std::make_unique<GqaBlock>();
+  b->s = std::move(s);
+  blocks_.push_back(std::move(b));
+}
+
+void CpuModel::add_mla(MlaSpec s) {
+  check_norm(s.norm, hidden_, "attention");
+  if (s.H <= 0 || s.N <= 0 || s.P <= 0 || s.V <= 0 || s.r <= 0) throw ArgError("bad MLA sizes");
+  const int qw = s.H * (s.N + s.P);
+  if (s.q) {
+    check_linear(s.q, qw, hidden_, "q_proj");
+  } else {
+    if (!s.q_a || !s.q_b) throw ArgError("MLA needs q_proj, or q_a_proj and q_b_proj");
+    check_linear(s.q_a, s.q_a->out_features(), hidden_, "q_a_proj");
+    check_linear(s.q_b, qw, s.q_a->out_features(), "q_b_proj");
+    check_norm(s.q_a_norm, s.q_a->out_features(), "q_a");
+  }
+  check_linear(s.kv_a, s.r + s.P, hidden_, "kv_a_proj_with_mqa");
+  check_norm(s.kv_norm, s.r, "kv_a");
+  if (int(s.w_kc.size()) != s.H || int(s.w_vc.size()) != s.H) throw ArgError("w_kc and w_vc need one linear per head");
+  for (int h = 0; h < s.H; ++h) {
+    check_linear(s.w_kc[size_t(h)], s.r, s.N, "w_kc[" + std::to_string(h) + "]");
+    check_linear(s.w_vc[size_t(h)], s.V, s.r, "w_vc[" + std::to_string(h) + "]");
+  }
+  check_linear(s.o, hidden_, s.H * s.V, "o_proj");
+  check_rope(s.rope, s.P, "MLA");
+  if (!s.latent) throw ArgError("the layer's latent cache is missing");
+  if (blocks_.size() % 2) throw ArgError("an attention block must follow an MLP block");
+  auto b = std::make_unique<MlaBlock>();
+  b->s = std::move(s);
+  blocks_.push_back(std::move(b));
+}
+
+void CpuModel::add_dense_mlp(DenseMlpSpec s) {
+  check_norm(s.norm, hidden_, "MLP");
+  if (!s.gate) throw ArgError("gate_proj is missing");
+  const int I = s.gate->out_features();
+  check_linear(s.gate, I, hidden_, "gate_proj");
+  check_linear(s.up, I, hidden_, "up_proj");
+  check_linear(s.down, hidden_, I, "down_proj");
+  if (blocks_.size() % 2 == 0) throw ArgError("an MLP block must follow an attention block");
+  auto b = std::make_unique<DenseMlpBlock>();
+  b->s = std::move(s);
+  blocks_.push_back(std::move(b));
+}
+
+void CpuModel::add_moe(MoeSpec s) {
+  check_norm(s.norm, hidden_, "MoE");
+  if (s.E <= 0 || s.K <= 0 || s.K > s.E) throw ArgError("bad expert count or top-k");
+  if (int64_t(s.router.size()) != int64_t(s.E) * hidden_) throw ArgError("the router must be [experts][hidden]");
+  if (!s.bias.empty() && int(s.bias.size()) != s.E) throw ArgError("the correction bias must be [experts]");
+  if (s.n_group <= 0 || s.E % s.n_group || s.topk_group <= 0 || s.topk_group > s.n_group)
+    throw ArgError("bad expert groups");
+  if (!s.experts) throw ArgError("the routed experts are missing");
+  if (s.shared_gate) {
+    const int I = s.shared_gate->out_features();
+    check_linear(s.shared_gate, I, hidden_, "shared gate_proj");
+    check_linear(s.shared_up, I, hidden_, "shared up_proj");
+    check_linear(s.shared_down, hidden_, I, "shared down_proj");
+  }
+  if (blocks_.size() % 2 == 0) throw ArgError("an MLP block must follow an attention block");
+  auto b = std::make_unique<MoeBlock>();
+  b->s = std::move(s);
+  blocks_.push_back(std::move(b));
+}
+
+void CpuModel::forward(int T, const int64_t* ids, const int64_t* pos, const int64_t* rows, const int64_t* out_loc,
+                       int N, const int64_t* logit_rows, float* logits) {
+  std::lock_guard<std::mutex> lock(m_);
+  if (T <= 0) throw ArgError("a forward needs at least one token");
+  if (blocks_.empty() || blocks_.size() % 2) throw ArgError("the model has no complete layer");
+  if (!table_.table) throw ArgError("set_table() first");
+  const int vocab = embed_->out_features();
+  for (int t = 0; t < T; ++t) {
+    if (ids[t] < 0 || ids[t] >= vocab)
+      throw ArgError("token " + std::to_string(t) + ": id " + std::to_string(ids[t]) + " is outside the vocabulary");
+    if (out_loc[t] < 0 || out_loc[t] >= table_.num_slots)
+      throw ArgError("token " + std::to_string(t) + ": KV slot " + std::to_string(out_loc[t]) + " is outside the pool");
+  }
+  for (int i = 0; i < N; ++i)
+    if (logit_rows[i] < 0 || logit_rows[i] >= T) throw ArgError("logit row " + std::to_string(logit_rows[i]) + " is outside the batch");
+  check_attention_tokens(table_, AttnTokens{T, rows, pos});
+  for (const auto& b : blocks_) {
+    const Rope* r = nullptr;
+    if (auto* g = dynamic_cast<GqaBlock*>(b.get())) r = &g->s.rope;
+    if (auto* m = dynamic_cast<MlaBlock*>(b.get())) r = &m->s.rope;
+    if (r)
+      for (int t = 0; t < T; ++t)
+        if (pos[t] >= r->max_pos)
+          throw ArgError("position " + std::to_string(pos[t]) + " is past the rotary table (" +
+                         std::to_string(r->max_pos) + " positions)");
+  }
+  Pool& pool = *pool_;
+  x_.resize(size_t(T) * hidden_);
+  xn_.resize(size_t(T) * hidden_);
+  for_rows(pool, T, [&](int t) { embed_->dequant_row(int(ids[t]), x_.data() + size_t(t) * hidden_); });
+  Ctx c{pool, T, pos, rows, out_loc, hidden_, x_.data(), xn_.data(), in_, table_};
+  for (const auto& b : blocks_) b->run(c);
+  if (N <= 0) return;
+  // the final norm and the LM head on the rows that need logits only
+  for (int i = 0; i < N; ++i)
+    rmsnorm_row(x_.data() + size_t(logit_rows[i]) * hidden_, final_norm_.w.data(), final_norm_.eps, hidden_,
+                xn_.data() + size_t(i) * hidden_);
+  prepare_input(pool, in_, xn_.data(), hidden_, N, hidden_, {lm_head_});
+  run_linears(pool, {{lm_head_, &in_, logits, vocab}}, N);
+}
+
+}  // namespace cpx

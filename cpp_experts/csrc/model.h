@@ -1,0 +1,128 @@
+// CpuModel: a whole decoder forward on the CPU in one call — the CPU counterpart of a captured CUDA
+// graph. The Python side builds it once from a loaded model (its QuantLinears, norm weights, rotary
+// table, MoE operators) and the executor's pools (the KV buffers and req_to_token), then calls
+// `forward` for every batch: decode, prefill, chunked prefill or a mix, since attention reads every
+// token's keys through req_to_token after the batch's own K/V are stored (attention.h).
+//
+//   x = embed(ids)                                    rows of the embedding, decoded from its blocks
+//   per layer:  x += attention(rmsnorm(x))            GQA (Llama) or MLA (DeepSeek, absorbed)
+//               x += mlp(rmsnorm(x))                  gated MLP, or MoE (router, routed experts, shared)
+//   logits = lm_head(rmsnorm(x[logit rows]))
+//
+// Activations stay fp32 from the embedding to the logits (the linears quantise their inputs per 32
+// values for int8 dot products, or round them to bf16, as their weight format asks). Every linear
+// layer and the attention run on the one worker pool; the linears that read the same input run in
+// one pass of the pool (linear_calls.h). Objects given to the model (operators, caches, the table)
+// must outlive it; the Python wrapper holds them.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "attention.h"
+#include "linear_calls.h"
+#include "moe.h"
+#include "pool.h"
+
+namespace cpx {
+
+// RoPE over the first `dim` values of each head: pairs (2i, 2i+1) when interleaved (DeepSeek), else
+// (i, i + dim/2) (Llama), rotated by the angle of the position in the fp32 table
+// cos_sin [2][max_pos][dim/2] (cos, then sin; YaRN's attention factor already applied).
+struct Rope {
+  const float* cos_sin = nullptr;
+  int64_t max_pos = 0;
+  int dim = 0;
+  bool interleaved = false;
+};
+
+struct Norm {
+  std::vector<float> w;
+  float eps = 1e-6f;
+};
+
+struct GqaSpec {
+  Norm norm;
+  const QuantLinear *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr;
+  int H = 0, Hkv = 0, D = 0;  // query heads, KV heads, head dim (of K and V)
+  float scale = 1.0f;
+  Rope rope;
+  void* k_cache = nullptr;  // [slots][Hkv][D]
+  void* v_cache = nullptr;
+  KvType kv_type = KvType::F32;
+};
+
+struct MlaSpec {
+  Norm norm;
+  const QuantLinear* q = nullptr;  // q_proj, or (q-LoRA) q_a -> q_a_norm -> q_b
+  const QuantLinear* q_a = nullptr;
+  Norm q_a_norm;
+  const QuantLinear* q_b = nullptr;
+  const QuantLinear* kv_a = nullptr;  // -> c_kv [r] ‖ k_pe [P]
+  Norm kv_norm;
+  std::vector<const QuantLinear*> w_kc;  // per head: [r out][N in]
+  std::vector<const QuantLinear*> w_vc;  // per head: [V out][r in]
+  const QuantLinear* o = nullptr;
+  int H = 0, N = 0, P = 0, V = 0, r = 0;  // heads, nope dim, rope dim, value dim, kv_lora_rank
+  float scale = 1.0f;
+  Rope rope;  // dim == P (interleaved in DeepSeek's checkpoints)
+  void* latent = nullptr;  // [slots][r + P]
+  KvType kv_type = KvType::F32;
+};
+
+struct DenseMlpSpec {
+  Norm norm;
+  const QuantLinear *gate = nullptr, *up = nullptr, *down = nullptr;
+};
+
+enum class TopkMethod { Greedy = 0, GroupLimitedGreedy = 1, NoauxTc = 2 };
+
+struct MoeSpec {
+  Norm norm;
+  std::vector<float> router;  // [E][hidden] fp32
+  std::vector<float> bias;    // [E] score correction (noaux_tc), or empty
+  int E = 0, K = 0;
+  bool sigmoid = false;
+  TopkMethod method = TopkMethod::Greedy;
+  int n_group = 1, topk_group = 1;
+  bool norm_topk = false;
+  float scaling = 1.0f;
+  MoE* experts = nullptr;
+  const QuantLinear *shared_gate = nullptr, *shared_up = nullptr, *shared_down = nullptr;  // null: none
+};
+
+struct Block;
+
+class CpuModel {
+ public:
+  // `embed`: the token embedding as a [vocab][hidden] QuantLinear (its rows are decoded per token);
+  // `lm_head`: [vocab][hidden] (the same operator when the embedding is tied).
+  CpuModel(std::shared_ptr<Pool> pool, int hidden, const QuantLinear* embed, const QuantLinear* lm_head,
+           Norm final_norm);
+  ~CpuModel();
+  // req_to_token [rows][stride] (int32) and the number of KV slots every layer's cache holds.
+  void set_table(const int32_t* table, int64_t rows, int64_t stride, int64_t num_slots);
+  void add_gqa(GqaSpec s);
+  void add_mla(MlaSpec s);
+  void add_dense_mlp(DenseMlpSpec s);
+  void add_moe(MoeSpec s);
+  // T tokens: ids, positions, req_to_token rows and KV slots (the slots already recorded in the
+  // table); logits [N][vocab] fp32 for the token indices `logit_rows`.
+  void forward(int T, const int64_t* ids, const int64_t* pos, const int64_t* rows, const int64_t* out_loc, int N,
+               const int64_t* logit_rows, float* logits);
+  int num_layers() const { return int(blocks_.size()) / 2; }
+
+ private:
+  std::shared_ptr<Pool> pool_;
+  int hidden_;
+  const QuantLinear* embed_;
+  const QuantLinear* lm_head_;
+  Norm final_norm_;
+  PagedKv table_;  // the table part; blocks fill in their caches
+  std::vector<std::unique_ptr<Block>> blocks_;
+  std::mutex m_;  // one forward at a time (the scratch)
+  std::vector<float> x_, xn_;
+  LinearInput in_;
+};
+
+}  // namespace cpx

@@ -1,0 +1,130 @@
+"""The CPU-native forward: a whole batch (decode, prefill, chunked prefill or mixed) in one native
+call, `cpp_experts.CpuModel`, built once from a model loaded with native weights (`models.native`)
+and this executor's pools. The CPU counterpart of the CUDA-graph runner: where that replays a
+captured graph, this runs a plan of operators that was put together at start-up, so a decode step
+costs a few Python calls instead of hundreds of torch ops.
+
+What it needs (`unsupported_reason` says what is missing otherwise, and the runner then runs the
+model's torch forward, which works with native weights too):
+- every linear layer a `NativeLinear`, the embedding a `NativeEmbedding`, routed experts `CppExperts`;
+- a KV cache in fp32 or bf16;
+- Llama-family layers (GQA) or DeepSeek's (MLA + dense or MoE MLPs).
+
+MLA's absorbed matrices (w_kc [H, N, r], w_vc [H, r, V], split from kv_b_proj at load) become one
+small bf16 (or, with `--cpu-weight-dtype float32`, fp32) linear per head.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from models.base import CausalLM
+from models.config import DeepseekConfig, LlamaConfig, ModelConfig
+from models.experts import CppExperts
+from models.layers import GatedMLP
+from models.llama import LlamaAttention
+from models.mla import MLAAttention
+from models.moe import DeepseekMoE
+from models.native import NativeEmbedding, NativeLinear, native_modules
+from executor.forward_batch import ForwardBatch
+from executor.memory_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
+
+
+def unsupported_reason(model: CausalLM, kv_pool: KVPool) -> str | None:
+    """Why `NativeForward` cannot run this model with this cache, or None when it can."""
+    if not isinstance(model.model.embed_tokens, NativeEmbedding):
+        return "the model was loaded without native CPU weights"
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not n.endswith("kv_b_proj")]
+    if linears:
+        return f"{linears[0]} is a torch linear layer"
+    buffers = kv_pool.kv_buffer if isinstance(kv_pool, MLATokenToKVPool) else kv_pool.k_buffer
+    if buffers[0].dtype not in (torch.float32, torch.bfloat16):
+        return f"the KV cache is {buffers[0].dtype} (the native forward reads fp32 or bf16)"
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        if isinstance(mlp, DeepseekMoE) and not isinstance(mlp.experts, CppExperts):
+            return f"the routed experts run on {type(mlp.experts).__name__}, not the cpp backend"
+    return None
+
+
+def _head_linears(ext: Any, weights: torch.Tensor, dtype: torch.dtype) -> list[Any]:
+    """One QuantLinear per head of `weights` [H, out, in]."""
+    return [ext.QuantLinear.from_float(w, dtype=dtype) for w in weights]
+
+
+class NativeForward:
+    """`cpp_experts.CpuModel` for one model and one executor's pools, all on `workers`."""
+
+    def __init__(self, model: CausalLM, config: ModelConfig, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool,
+                 workers: Any) -> None:
+        import cpp_experts as ext
+
+        why = unsupported_reason(model, kv_pool)
+        if why is not None:
+            raise ValueError(f"the native CPU forward cannot run this model: {why}")
+        for m in native_modules(model):
+            m.bind(workers)
+        inner = model.model
+        head = model.lm_head
+        assert isinstance(head, NativeLinear)
+        self.plan = ext.CpuModel(workers, inner.embed_tokens.op, head.op, inner.norm.weight, inner.norm.eps)
+        table = req_to_token_pool.req_to_token
+        buffers = kv_pool.kv_buffer if isinstance(kv_pool, MLATokenToKVPool) else kv_pool.k_buffer
+        self.plan.set_table(table, buffers[0].shape[0])
+        head_dtype = torch.float32 if head.mode == "float32" else torch.bfloat16
+        for i, layer in enumerate(inner.layers):
+            attn, norm = layer.self_attn, layer.input_layernorm
+            rotary = attn.rotary_emb
+            if isinstance(attn, LlamaAttention):
+                assert isinstance(kv_pool, MHATokenToKVPool) and isinstance(config, LlamaConfig)
+                self.plan.add_gqa(norm.weight, norm.eps, attn.q_proj.op, attn.k_proj.op, attn.v_proj.op, attn.o_proj.op,
+                                  num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+                                  scale=attn.layer.scaling, rope_table=rotary.cos_sin_cache, rope_dim=rotary.cfg.dim,
+                                  interleaved=rotary.cfg.interleaved, k_cache=kv_pool.k_buffer[i],
+                                  v_cache=kv_pool.v_buffer[i])
+            elif isinstance(attn, MLAAttention):
+                assert isinstance(kv_pool, MLATokenToKVPool) and isinstance(config, DeepseekConfig)
+                lora = not hasattr(attn, "q_proj")
+                self.plan.add_mla(
+                    norm.weight, norm.eps,
+                    q=None if lora else attn.q_proj.op,
+                    q_a=attn.q_a_proj.op if lora else None,
+                    q_a_norm=attn.q_a_layernorm.weight if lora else None,
+                    q_a_eps=attn.q_a_layernorm.eps if lora else 0.0,
+                    q_b=attn.q_b_proj.op if lora else None,
+                    kv_a=attn.kv_a_proj_with_mqa.op, kv_norm=attn.kv_a_layernorm.weight,
+                    kv_eps=attn.kv_a_layernorm.eps,
+                    w_kc=_head_linears(ext, attn.w_kc.transpose(1, 2), head_dtype),
+                    w_vc=_head_linears(ext, attn.w_vc.transpose(1, 2), head_dtype),
+                    o=attn.o_proj.op, num_heads=attn.num_heads, nope_dim=attn.nope_dim, rope_dim=attn.rope_dim,
+                    v_dim=attn.v_dim, kv_lora_rank=attn.kv_lora_rank, scale=attn.absorb_layer.scaling,
+                    rope_table=rotary.cos_sin_cache, interleaved=rotary.cfg.interleaved, latent=kv_pool.kv_buffer[i])
+            else:
+                raise ValueError(f"layer {i}: no native attention for {type(attn).__name__}")
+            mlp, norm = layer.mlp, layer.post_attention_layernorm
+            if isinstance(mlp, GatedMLP):
+                self.plan.add_dense_mlp(norm.weight, norm.eps, mlp.gate_proj.op, mlp.up_proj.op, mlp.down_proj.op)
+            elif isinstance(mlp, DeepseekMoE):
+                experts, gate, cfg = mlp.experts, mlp.gate, mlp.gate.cfg
+                assert isinstance(experts, CppExperts)
+                se = mlp.shared_experts
+                self.plan.add_moe(
+                    norm.weight, norm.eps, router=gate.weight, correction_bias=gate.e_score_correction_bias,
+                    top_k=cfg.top_k, scoring=cfg.scoring_func, topk_method=cfg.topk_method, n_group=cfg.n_group,
+                    topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
+                    routed_scaling_factor=cfg.routed_scaling_factor, experts=experts.weights.op,
+                    shared=None if se is None else (se.gate_proj.op, se.up_proj.op, se.down_proj.op))
+            else:
+                raise ValueError(f"layer {i}: no native MLP for {type(mlp).__name__}")
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """fp32 logits for the batch's logit rows (default: each request's last token)."""
+        lens = torch.tensor(batch.extend_seq_lens_cpu, dtype=torch.int64)
+        rows = torch.repeat_interleave(batch.req_pool_indices.to(torch.int64), lens)
+        logit_rows = batch.logits_indices
+        if logit_rows is None:
+            logit_rows = lens.cumsum(0) - 1
+        return self.plan.forward(batch.input_ids, batch.positions, rows, batch.out_cache_loc.to(torch.int64),
+                                 logit_rows.to(torch.int64).contiguous())

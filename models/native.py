@@ -1,0 +1,168 @@
+"""Dense weights held by the C++ operators (`cpp_experts.QuantLinear`) for the CPU-native forward.
+
+`use_native_weights(model, mode)` swaps, on the meta-device model before loading, every `nn.Linear`
+for a `NativeLinear` and the token embedding for a `NativeEmbedding` (and gives a tied model an LM
+head that shares the embedding's operator). Their weights never become torch parameters: the loader
+hands them over through `load_weight` (the strict name and shape checks of `CausalLM.load_weights`
+still apply) and they are packed once for the kernels. `mode` (`--cpu-weight-dtype`):
+
+- `file`: GGUF blocks stay as stored where the kernels compute on them (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K,
+  Q6_K; a K-quant needs rows of whole 256-value blocks), float tensors keep their precision (bf16 as
+  bf16, fp32 and fp16 as fp32); other block types are decoded to bf16, with one warning.
+- `bf16`: every weight decoded to bf16 (activations are then rounded to bf16, never to int8).
+- `float32`: every weight decoded to fp32 (exact; twice bf16's memory and bandwidth).
+
+MLA's `kv_b_proj` stays a float `nn.Linear` (its per-head halves become the absorbed matrices); the
+MoE router stays fp32 (`models.moe.Router`). The modules still run in a torch forward
+(`forward` calls the operator), so every path of the model works with them; the executor's native
+forward (`executor.cpu_forward`) reads their operators directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.experts.base import WeightInput
+from models.experts.cpu_weights import import_cpp_experts
+from models.loader.raw_blocks import RawBlocks
+
+logger = logging.getLogger(__name__)
+
+CPU_WEIGHT_DTYPES = ("file", "bf16", "float32")
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+_warned_types: set[str] = set()
+
+
+def _float_dtype(mode: str, source: str) -> torch.dtype:
+    """The dtype a float weight is held in: `source` is its dtype in the file (f32, f16, bf16)."""
+    if mode == "bf16":
+        return torch.bfloat16
+    if mode == "float32":
+        return torch.float32
+    return torch.bfloat16 if source == "bf16" else torch.float32
+
+
+def make_operator(weight: torch.Tensor | RawBlocks, mode: str, what: str) -> Any:
+    """A `cpp_experts.QuantLinear` holding `weight` ([out, in]) as `mode` says."""
+    ext = import_cpp_experts()
+    out_features, in_features = (int(d) for d in weight.shape)
+    if isinstance(weight, RawBlocks):
+        name = weight.qtype.name.lower()
+        values = ext.LINEAR_BLOCKS.get(name, (0, 0))[0]
+        if mode == "file" and name in ext.LINEAR_BLOCKS and in_features % values == 0:
+            return ext.QuantLinear.from_gguf(weight.data, weight.qtype, out_features, in_features)
+        if mode == "file" and weight.qtype.name not in _FLOAT_TYPES and weight.qtype.name not in _warned_types:
+            _warned_types.add(weight.qtype.name)
+            logger.warning("%s (%s): the CPU kernels do not compute on this block type%s; decoded to bf16 "
+                           "(further %s weights too)", what, weight.qtype.name,
+                           f" at {in_features} inputs" if name in ext.LINEAR_BLOCKS else "", weight.qtype.name)
+        source = weight.qtype.name.lower() if weight.qtype.name in _FLOAT_TYPES else "bf16"
+        return ext.QuantLinear.from_float(weight.dequantize(), dtype=_float_dtype(mode, source))
+    source = {torch.bfloat16: "bf16", torch.float16: "f16"}.get(weight.dtype, "f32")
+    return ext.QuantLinear.from_float(weight, dtype=_float_dtype(mode, source))
+
+
+class NativeLinear(nn.Module):
+    """`nn.Linear`'s place when the weight lives in a `QuantLinear` (its bias stays a parameter, handed
+    to the operator after loading)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, mode: str) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.mode = in_features, out_features, mode
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.op: Any = None  # cpp_experts.QuantLinear, once loaded
+        self._tied: list[NativeEmbedding] = []  # a tied LM head: [the embedding whose operator it shares]
+
+    @property
+    def tied_to(self) -> NativeEmbedding | None:
+        return self._tied[0] if self._tied else None
+
+    @property
+    def weight_input(self) -> WeightInput:
+        return WeightInput.GGUF_BLOCKS if self.mode == "file" else WeightInput.DECODED
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    def load_weight(self, weight: torch.Tensor | RawBlocks, what: str) -> None:
+        self.op = make_operator(weight, self.mode, what)
+
+    def process_weights_after_loading(self) -> None:
+        if self.tied_to is not None:
+            self.op = self.tied_to.op
+        if self.op is None:
+            raise RuntimeError("a native linear layer was never loaded")
+        if self.bias is not None:
+            self.op.set_bias(self.bias.detach().float())
+
+    def bind(self, workers: Any) -> None:
+        self.op.bind(workers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = self.op.forward(x.reshape(-1, shape[-1]).float().contiguous())
+        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        kind = self.op.weight_format if self.op is not None else "unloaded"
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight={kind}"
+
+
+class NativeEmbedding(nn.Module):
+    """The token embedding as a [vocab, hidden] `QuantLinear`: a lookup decodes the rows it needs."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, mode: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.mode, self.dtype = num_embeddings, embedding_dim, mode, dtype
+        self.op: Any = None
+
+    weight_input = NativeLinear.weight_input
+    load_weight = NativeLinear.load_weight
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        return (self.num_embeddings, self.embedding_dim)
+
+    def process_weights_after_loading(self) -> None:
+        if self.op is None:
+            raise RuntimeError("the native embedding was never loaded")
+
+    def bind(self, workers: Any) -> None:
+        self.op.bind(workers)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.op.rows(ids.to(torch.int64)).to(self.dtype)
+
+    def extra_repr(self) -> str:
+        kind = self.op.weight_format if self.op is not None else "unloaded"
+        return f"{self.num_embeddings}, {self.embedding_dim}, weight={kind}"
+
+
+WeightSink = NativeLinear | NativeEmbedding
+
+
+def use_native_weights(model: nn.Module, mode: str, dtype: torch.dtype) -> None:
+    """Swaps the linears (but MLA's kv_b_proj) and the embedding of `model` (built on the meta device,
+    not loaded yet) for native ones; a tied model gets an `lm_head` sharing the embedding's operator."""
+    if mode not in CPU_WEIGHT_DTYPES:
+        raise ValueError(f"unknown CPU weight dtype {mode!r} (choose {', '.join(CPU_WEIGHT_DTYPES)})")
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and name != "kv_b_proj":
+                setattr(parent, name, NativeLinear(child.in_features, child.out_features, child.bias is not None, mode))
+            elif isinstance(child, nn.Embedding):
+                setattr(parent, name, NativeEmbedding(child.num_embeddings, child.embedding_dim, mode, dtype))
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if getattr(model, "tie_word_embeddings", False) and isinstance(embed, NativeEmbedding):
+        head = NativeLinear(embed.embedding_dim, embed.num_embeddings, False, mode)
+        head._tied.append(embed)  # a list, so that the embedding is not registered twice as a submodule
+        model.lm_head = head
+
+
+def native_modules(model: nn.Module) -> list[NativeLinear | NativeEmbedding]:
+    return [m for m in model.modules() if isinstance(m, (NativeLinear, NativeEmbedding))]

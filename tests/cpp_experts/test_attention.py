@@ -1,0 +1,115 @@
+"""cpp_experts.PagedAttention against a torch fp32 reference written out here: for each token, the keys
+of positions 0..pos of its request row (looked up through req_to_token), softmax(q·k · scale), then
+the weighted values. Slots are handed out in shuffled order, requests are ragged (1 to ~700 keys, so
+the split-KV path runs too), batches mix decode tokens with multi-token extends, heads are GQA groups
+of 1..4 (and MLA's shared latent), head dims include ones that are not multiples of 8, caches fp32
+and bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cpp_experts
+
+
+@pytest.fixture(scope="module")
+def attn():
+    with cpp_experts.WorkerPool(2) as pool:
+        yield cpp_experts.PagedAttention(pool)
+
+
+def make_table(lens: list[int], slots: int, g: torch.Generator, rows: int = 8, width: int = 1024) -> torch.Tensor:
+    """req_to_token with request i on row i + 1, its positions on distinct shuffled slots (never slot 0)."""
+    table = torch.zeros(rows, width, dtype=torch.int32)
+    perm = torch.randperm(slots - 1, generator=g) + 1
+    start = 0
+    for i, n in enumerate(lens):
+        table[i + 1, :n] = perm[start:start + n].int()
+        start += n
+    return table
+
+
+def batch(lens: list[int], new: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows and positions: request i's last new[i] positions (new 1 = a decode token)."""
+    rows, pos = [], []
+    for i, (n, k) in enumerate(zip(lens, new)):
+        rows += [i + 1] * k
+        pos += list(range(n - k, n))
+    return torch.tensor(rows, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64)
+
+
+def reference(q, keys, values, table, rows, pos, scale):
+    """q [T, H, D]; keys/values: slot -> [Hkv, D] / [Hkv, Dv] fp32 (Hkv = 1 for MLA). Per request row,
+    its tokens at once with a causal mask over the row's positions."""
+    T, H, _ = q.shape
+    out = torch.empty(T, H, values.shape[-1], dtype=torch.float64)
+    for row in rows.unique().tolist():
+        idx = (rows == row).nonzero().squeeze(1)
+        length = int(pos[idx].max()) + 1
+        slots = table[row, :length].long()
+        k, v = keys[slots].double(), values[slots].double()  # [L, Hkv, D], [L, Hkv, Dv]
+        group = H // k.shape[1]
+        kh, vh = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        s = torch.einsum("thd,lhd->thl", q[idx].double(), kh) * scale
+        s = s.masked_fill(torch.arange(length)[None, None, :] > pos[idx][:, None, None], float("-inf"))
+        out[idx] = torch.einsum("thl,lhd->thd", s.softmax(-1), vh)
+    return out.float()
+
+
+CASES = [  # (request lengths, new tokens per request)
+    ([1], [1]),
+    ([37], [1]),
+    ([700, 5, 130], [1, 1, 1]),  # decode of ragged requests: split-KV
+    ([9, 64, 33], [9, 7, 1]),  # a fresh prefill, an extend over a prefix, a decode
+    ([300], [300]),  # a long prefill
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("H", "Hkv", "D", "Dv"), [(4, 4, 16, 16), (9, 3, 64, 64), (8, 2, 12, 20), (6, 1, 128, 128)])
+def test_gqa_matches_reference(attn, dtype, H, Hkv, D, Dv):
+    g = torch.Generator().manual_seed(H * 1000 + D)
+    slots = 2048
+    for lens, new in CASES:
+        K = (torch.randn(slots, Hkv, D, generator=g) * 2).to(dtype)
+        V = torch.randn(slots, Hkv, Dv, generator=g).to(dtype)
+        table = make_table(lens, slots, g)
+        rows, pos = batch(lens, new)
+        q = torch.randn(len(rows), H, D, generator=g)
+        scale = D ** -0.5
+        got = attn.gqa(q, K, V, table, rows, pos, scale)
+        want = reference(q, K.float(), V.float(), table, rows, pos, scale)
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, msg=f"{lens} {new} {dtype}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("H", "r", "P"), [(4, 48, 8), (16, 512, 64), (20, 64, 16)])
+def test_mla_matches_reference(attn, dtype, H, r, P):
+    g = torch.Generator().manual_seed(H * 100 + r)
+    slots = 2048
+    for lens, new in CASES:
+        latent = torch.randn(slots, r + P, generator=g).to(dtype)
+        table = make_table(lens, slots, g)
+        rows, pos = batch(lens, new)
+        q = torch.randn(len(rows), H, r + P, generator=g) / (r + P) ** 0.25
+        scale = 0.1
+        got = attn.mla(q, latent, table, rows, pos, r, scale)
+        lat = latent.float()[:, None, :]
+        want = reference(q, lat, lat[..., :r], table, rows, pos, scale)
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, msg=f"{lens} {new} {dtype}")
+
+
+def test_bad_indices_are_refused(attn):
+    q = torch.randn(1, 2, 8)
+    K = torch.randn(16, 2, 8)
+    table = torch.zeros(4, 32, dtype=torch.int32)
+    table[1, :3] = torch.tensor([1, 2, 99], dtype=torch.int32)
+    with pytest.raises(ValueError, match="KV slot 99"):
+        attn.gqa(q, K, K, table, torch.tensor([1]), torch.tensor([2]), 1.0)
+    with pytest.raises(ValueError, match="request row 7"):
+        attn.gqa(q, K, K, table, torch.tensor([7]), torch.tensor([0]), 1.0)
+    with pytest.raises(ValueError, match="position 32"):
+        attn.gqa(q, K, K, table, torch.tensor([1]), torch.tensor([32]), 1.0)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        attn.gqa(q, K.half(), K.half(), table, torch.tensor([1]), torch.tensor([0]), 1.0)
