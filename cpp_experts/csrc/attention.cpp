@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "common.h"
 #include "vec.h"
@@ -48,10 +49,63 @@ CPX_INLINE const KT* kv_ptr(const void* base, int64_t stride, int64_t slot, int6
   return static_cast<const KT*>(base) + slot * stride + off;
 }
 
-// One task, for a KV element type KT. st: per-query state m, l then acc[Dv] (stride 2 + Dv).
+// s[j] = q . k[j] for four keys at once (q read once, four independent chains).
+CPX_INLINE void dot4(const float* q, const float* const* k, int n, float* s) {
+  using namespace vec;
+  v8f a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0;
+  int d = 0;
+  for (; d + 8 <= n; d += 8) {
+    const v8f qv = load(q + d);
+    a0 += qv * load(k[0] + d);
+    a1 += qv * load(k[1] + d);
+    a2 += qv * load(k[2] + d);
+    a3 += qv * load(k[3] + d);
+  }
+  s[0] = hsum(a0);
+  s[1] = hsum(a1);
+  s[2] = hsum(a2);
+  s[3] = hsum(a3);
+  for (; d < n; ++d)
+    for (int j = 0; j < 4; ++j) s[j] += q[d] * k[j][d];
+}
+
+// acc = acc * corr + sum_j p[j] v[j] over n values (acc read and written once per tile).
+CPX_INLINE void pv(float* acc, float corr, const float* p, const float* const* v, int nv, int n) {
+  using namespace vec;
+  int d = 0;
+  for (; d + 8 <= n; d += 8) {
+    v8f a = load(acc + d) * splat(corr);
+    for (int j = 0; j < nv; ++j) a += splat(p[j]) * load(v[j] + d);
+    store(acc + d, a);
+  }
+  for (; d < n; ++d) {
+    float a = acc[d] * corr;
+    for (int j = 0; j < nv; ++j) a += p[j] * v[j][d];
+    acc[d] = a;
+  }
+}
+
+// The rows of one key tile as fp32: the cache's rows themselves, or (bf16) widened into `buf`.
+template <class KT>
+CPX_INLINE void tile_rows(const KT* const* src, int nk, int n, float* buf, const float** rows) {
+  for (int j = 0; j < nk; ++j) {
+    if constexpr (std::is_same_v<KT, float>) {
+      rows[j] = src[j];
+    } else {
+      float* dst = buf + size_t(j) * n;
+      int d = 0;
+      for (; d + 8 <= n; d += 8) vec::store(dst + d, vec::load(src[j] + d));
+      for (; d < n; ++d) dst[d] = vec::scalar(src[j][d]);
+      rows[j] = dst;
+    }
+  }
+}
+
+// One task, for a KV element type KT. st: per-query state m, l then acc[Dv] (stride 2 + Dv);
+// buf: room for a key tile and a value tile in fp32 (bf16 caches).
 template <class KT>
 CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, int k0, int k1,
-                         float scale, const float* q, float* st, float* scores) {
+                         float scale, const float* q, float* st, float* scores, float* buf) {
   const int nq = g.nt * g.nh, sw = 2 + L.Dv;
   for (int i = 0; i < nq; ++i) {
     st[size_t(i) * sw] = -INFINITY;
@@ -59,15 +113,23 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
     std::fill(st + size_t(i) * sw + 2, st + size_t(i) * sw + 2 + L.Dv, 0.0f);
   }
   const int32_t* slots = kv.table + g.row * kv.table_stride;
-  const KT* krow[kKeyTile];
-  const KT* vrow[kKeyTile];
+  const KT* ksrc[kKeyTile];
+  const KT* vsrc[kKeyTile];
+  const float* krow[kKeyTile + 3];
+  const float* vrow[kKeyTile];
   for (int kt = k0; kt < k1; kt += kKeyTile) {
     const int nk = std::min(kKeyTile, k1 - kt);
     for (int j = 0; j < nk; ++j) {
       const int64_t s = slots[kt + j];
-      krow[j] = kv_ptr<KT>(kv.k, kv.k_stride, s, g.kv_head * L.k_head_off);
-      vrow[j] = L.mla ? krow[j] : kv_ptr<KT>(kv.v, kv.v_stride, s, g.kv_head * L.v_head_off);
+      ksrc[j] = kv_ptr<KT>(kv.k, kv.k_stride, s, g.kv_head * L.k_head_off);
+      vsrc[j] = kv_ptr<KT>(L.mla ? kv.k : kv.v, L.mla ? kv.k_stride : kv.v_stride, s, g.kv_head * L.v_head_off);
     }
+    tile_rows(ksrc, nk, L.D, buf, krow);
+    if (L.mla)  // the value is the key row's first Dv values
+      for (int j = 0; j < nk; ++j) vrow[j] = krow[j];
+    else
+      tile_rows(vsrc, nk, L.Dv, buf + size_t(kKeyTile) * L.D, vrow);
+    for (int j = nk; j < nk + 3; ++j) krow[j] = krow[0];  // dot4's spare lanes read a real row
     for (int ti = 0; ti < g.nt; ++ti) {
       const int t = g.t0 + ti;
       const int64_t limit = tok.pos[t];  // last key position this token sees
@@ -77,9 +139,10 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
         const int h = g.h0 + hi;
         const float* qv = q + t * L.q_tok + h * L.q_head;
         float* sq = st + size_t(ti * g.nh + hi) * sw;
+        for (int j = 0; j < nv; j += 4) dot4(qv, krow + j, L.D, scores + j);
         float mx = sq[0];
         for (int j = 0; j < nv; ++j) {
-          scores[j] = vec::dot(qv, krow[j], L.D) * scale;
+          scores[j] *= scale;
           mx = std::max(mx, scores[j]);
         }
         if (mx == -INFINITY) continue;  // every score -inf (a -inf query): nothing to add
@@ -89,9 +152,7 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
           vec::store(scores + j, vec::exp8(vec::load(scores + j) - vec::splat(mx)));
           for (int l = j; l < std::min(nv, j + 8); ++l) sum += scores[l];
         }
-        float* acc = sq + 2;
-        if (corr != 1.0f) vec::scale(acc, corr, L.Dv);
-        for (int j = 0; j < nv; ++j) vec::axpy(acc, scores[j], vrow[j], L.Dv);
+        pv(sq + 2, corr, scores, vrow, nv, L.Dv);
         sq[0] = mx;
         sq[1] = sq[1] * corr + sum;
       }
@@ -111,18 +172,23 @@ CPX_INLINE void write_out(const Layout& L, const Group& g, const float* st, floa
     }
 }
 
-CPX_CLONES void task_entry(const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, int k0, int k1,
-                           float scale, const float* q, float* st, float* scores, float* out) {
+CPX_INLINE void task_entry_impl(const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, int k0,
+                                int k1, float scale, const float* q, float* st, float* scores, float* buf, float* out) {
   if (kv.type == KvType::BF16)
-    run_task<uint16_t>(kv, tok, L, g, k0, k1, scale, q, st, scores);
+    run_task<uint16_t>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
   else
-    run_task<float>(kv, tok, L, g, k0, k1, scale, q, st, scores);
+    run_task<float>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
   if (out) write_out(L, g, st, out);
 }
 
+CPX_DISPATCH(void, task_entry,
+             (const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, int k0, int k1, float scale,
+              const float* q, float* st, float* scores, float* buf, float* out),
+             (kv, tok, L, g, k0, k1, scale, q, st, scores, buf, out))
+
 // Merges the split-KV states of one group's queries: o = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
-CPX_CLONES void merge_entry(const Layout& L, const Group& g, const float* partial, int nsplit, size_t split_stride,
-                            float* out) {
+CPX_INLINE void merge_entry_impl(const Layout& L, const Group& g, const float* partial, int nsplit,
+                                 size_t split_stride, float* out) {
   const int sw = 2 + L.Dv, nq = g.nt * g.nh;
   for (int i = 0; i < nq; ++i) {
     float M = -INFINITY;
@@ -142,6 +208,10 @@ CPX_CLONES void merge_entry(const Layout& L, const Group& g, const float* partia
     if (l > 0.0f) vec::scale(o, 1.0f / l, L.Dv);
   }
 }
+
+CPX_DISPATCH(void, merge_entry,
+             (const Layout& L, const Group& g, const float* partial, int nsplit, size_t split_stride, float* out),
+             (L, g, partial, nsplit, split_stride, out))
 
 // Groups: runs of consecutive tokens of one request, cut into blocks of kTokBlock, times head blocks.
 std::vector<Group> make_groups(const AttnTokens& tok, int H, int Hkv, bool mla) {
@@ -190,8 +260,9 @@ void run(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& 
   int max_nq = 0;
   for (const Group& g : groups) max_nq = std::max(max_nq, g.nt * g.nh);
   const size_t state = size_t(max_nq) * (2 + L.Dv);
+  const size_t tiles = size_t(kKeyTile) * (L.D + L.Dv);  // fp32 key and value tiles (bf16 caches)
   scratch.thread.resize(size_t(threads));
-  for (auto& s : scratch.thread) s.resize(state + kKeyTile);
+  for (auto& s : scratch.thread) s.resize(state + kKeyTile + tiles);
   const size_t split_stride = state, group_stride = size_t(nsplit) * split_stride;
   if (nsplit > 1) scratch.partial.resize(groups.size() * group_stride);
   pool.run(int(tasks.size()), [&](int i, int tid) {
@@ -200,7 +271,7 @@ void run(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& 
     float* st = tk.split < 0 ? scratch.thread[size_t(tid)].data()
                              : scratch.partial.data() + size_t(tk.group) * group_stride + size_t(tk.split) * split_stride;
     float* scores = scratch.thread[size_t(tid)].data() + state;
-    task_entry(kv, tok, L, g, tk.k0, tk.k1, scale, q, st, scores, tk.split < 0 ? out : nullptr);
+    task_entry(kv, tok, L, g, tk.k0, tk.k1, scale, q, st, scores, scores + kKeyTile, tk.split < 0 ? out : nullptr);
   });
   if (nsplit > 1)
     pool.run(int(groups.size()), [&](int gi, int) {

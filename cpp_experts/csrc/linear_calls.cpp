@@ -26,8 +26,8 @@ float f16(const uint8_t* p) {
 // Per-thread output tiles (pool workers live as long as the pool; the tiles grow to the largest task).
 thread_local std::vector<float> t_tile;
 
-CPX_CLONES void epilogue(Epilogue ep, const float* c, const float* cu, int ldc, int nt, int ncols, const float* bias,
-                         const float* bias_up, float* out, int64_t ldo) {
+CPX_INLINE void epilogue_impl(Epilogue ep, const float* c, const float* cu, int ldc, int nt, int ncols,
+                              const float* bias, const float* bias_up, float* out, int64_t ldo) {
   using namespace vec;
   for (int t = 0; t < nt; ++t) {
     const float* cr = c + size_t(t) * ldc;
@@ -60,7 +60,12 @@ CPX_CLONES void epilogue(Epilogue ep, const float* c, const float* cu, int ldc, 
   }
 }
 
-CPX_CLONES void to_bf16_row(const float* x, uint16_t* y, int n, int np) {
+CPX_DISPATCH(void, epilogue,
+             (Epilogue ep, const float* c, const float* cu, int ldc, int nt, int ncols, const float* bias,
+              const float* bias_up, float* out, int64_t ldo),
+             (ep, c, cu, ldc, nt, ncols, bias, bias_up, out, ldo))
+
+void to_bf16_row(const float* x, uint16_t* y, int n, int np) {
   for (int i = 0; i < n; ++i) y[i] = f32_to_bf16(x[i]);
   for (int i = n; i < np; ++i) y[i] = 0;
 }

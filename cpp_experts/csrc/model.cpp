@@ -32,7 +32,7 @@ void for_rows(Pool& pool, int T, F&& fn) {
 }
 
 // y = x / sqrt(mean(x^2) + eps) * w (HF's RMSNorm in fp32); y may be x.
-CPX_CLONES void rmsnorm_row(const float* x, const float* w, float eps, int n, float* y) {
+CPX_INLINE void rmsnorm_row_impl(const float* x, const float* w, float eps, int n, float* y) {
   using namespace vec;
   v8f acc = splat(0.0f);
   int i = 0;
@@ -47,7 +47,10 @@ CPX_CLONES void rmsnorm_row(const float* x, const float* w, float eps, int n, fl
   for (; i < n; ++i) y[i] = w[i] * (x[i] * inv);
 }
 
-CPX_CLONES float dot_f32(const float* a, const float* b, int n) { return vec::dot(a, b, n); }
+CPX_DISPATCH(void, rmsnorm_row, (const float* x, const float* w, float eps, int n, float* y), (x, w, eps, n, y))
+
+CPX_INLINE float dot_f32_impl(const float* a, const float* b, int n) { return vec::dot(a, b, n); }
+CPX_DISPATCH(float, dot_f32, (const float* a, const float* b, int n), (a, b, n))
 
 void rope_apply(float* v, const Rope& r, int64_t p) {
   const int half = r.dim / 2;

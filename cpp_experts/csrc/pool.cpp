@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <string>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -36,6 +37,7 @@ std::vector<int> allowed_cpus() {
 }  // namespace
 
 Pool::Pool(int threads, bool pin) : n_(threads < 1 ? 1 : threads), ranges_(new Range[n_]) {
+  if (const char* wait = std::getenv("MLASERVE_CPP_EXPERTS_WAIT")) adaptive_ = std::string(wait) != "spin";
   const std::vector<int> cpus = pin ? allowed_cpus() : std::vector<int>{};
   for (int i = 1; i < n_; ++i) {
     threads_.emplace_back([this, i] { worker(i); });
@@ -125,13 +127,14 @@ void Pool::run(int ntasks, const std::function<void(int, int)>& fn) {
   work(0);
   const auto t1 = std::chrono::steady_clock::now();
   for (int pauses = 0; pending_.load(std::memory_order_acquire) != 0;) {
-    if (pauses < kWaitPauses) {
+    if (pauses < kWaitPauses || !adaptive_) {
       ++pauses;
       CPX_PAUSE();
     } else {
       std::this_thread::yield();  // a preempted worker may need this core to finish its task
     }
   }
+  if (!adaptive_) return;
   const auto waited = std::chrono::steady_clock::now() - t1;
   if (waited > kLate && waited > t1 - t0) {
     if (++late_ >= kLateRuns) {

@@ -10,7 +10,9 @@
 // per matrix-vector product would make every run that slow. So the caller spins briefly, then yields
 // its core while it waits; and when runs keep finding a worker late by much more than the caller's
 // own share of the work (`kLate`), the pool runs alone on the calling thread for a while (`solo`
-// runs, doubling while the contention lasts), then tries its workers again.
+// runs, doubling while the contention lasts), then tries its workers again. MLASERVE_CPP_EXPERTS_WAIT=spin
+// turns both off (the caller spins until every worker is done, as a pool on a dedicated machine
+// would): benchmarks compare the two.
 //
 // A pool is an object its owner makes and closes (the Python side's `cpp_experts.WorkerPool`, made by
 // the executor): operators hold it while bound to it, and there is no process-wide pool.
@@ -61,6 +63,7 @@ class Pool {
   bool stop_ = false;
   mutable std::mutex job_mutex_;
   bool closed_ = false;  // guarded by job_mutex_
+  bool adaptive_ = true;  // yield while waiting, solo runs under contention (MLASERVE_CPP_EXPERTS_WAIT)
   // contention state, guarded by job_mutex_
   int late_ = 0;         // recent runs that waited long for a worker
   int solo_left_ = 0;    // runs still to do alone

@@ -1,7 +1,9 @@
 // Eight-lane float vectors for the native model's element-wise and attention code, written once with
-// GCC's vector extensions: a function marked CPX_CLONES is compiled twice (AVX2 + FMA, and the
-// x86-64 baseline, where each v8f is two SSE registers) and the dynamic loader picks the clone for
-// the CPU it runs on (ifunc). The helpers here are always inlined into their caller's clone.
+// GCC's vector extensions and compiled twice: CPX_DISPATCH defines a function whose body (an
+// always-inlined `<name>_impl`) is built once with AVX2 + FMA (eight lanes a register, fused
+// multiply-adds) and once for the x86-64 baseline (each v8f two SSE registers), and calls the first
+// where the CPU has AVX2 and FMA. (GCC's target_clones cannot express that: its `arch=` clones are
+// chosen by CPU model, so an AMD CPU with AVX2 would get the baseline.)
 //
 // exp8 is a polynomial expf (Cephes' coefficients, as most vector math libraries use): relative
 // error below 2 ulp over the range softmax and SiLU need; results saturate to 0 below -87.3 and to
@@ -11,15 +13,22 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
-#define CPX_CLONES __attribute__((target_clones("arch=haswell", "default")))
-#else  // ifunc resolvers run before the sanitizer runtime is ready: one plain version under ASan
-#define CPX_CLONES
-#endif
 #define CPX_INLINE inline __attribute__((always_inline))
+#define CPX_AVX2_FMA __attribute__((target("avx2,fma,f16c")))
+
+// ret name(params): the AVX2 + FMA build of name##_impl(args) where the CPU allows, else the baseline one.
+#define CPX_DISPATCH(ret, name, params, args)                                   \
+  CPX_AVX2_FMA ret name##_avx2 params { return name##_impl args; }            \
+  ret name##_base params { return name##_impl args; }                         \
+  ret name params { return ::cpx::vec::has_avx2_fma() ? name##_avx2 args : name##_base args; }
 
 namespace cpx {
 namespace vec {
+
+inline bool has_avx2_fma() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
