@@ -49,6 +49,7 @@ py::dict info() {
   if (cpu.amx_int8) kernels.push_back("amx_int8");
   if (cpu.avx512_bf16) kernels.push_back("avx512_bf16");
   if (cpu.avx512_vnni) kernels.push_back("avx512_vnni");
+  if (cpu.avx2) kernels.push_back("avx2");
   kernels.push_back("portable");
   d["kernels"] = kernels;
   d["default_threads"] = cpx::default_threads();
