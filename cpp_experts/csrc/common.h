@@ -1,5 +1,6 @@
 // Shared types and helpers of the native operators: the routed-expert operator's packed weight
-// layouts, activation layouts and the kernel table each code path (portable, AVX-512, AMX) fills in;
+// layouts, activation layouts and the kernel table each code path (portable, AVX2, AVX-512, AMX)
+// fills in;
 // the bf16 / fp16 conversions, aligned buffers, argument errors and Q8_0 activation quantisation that
 // QuantLinear (quant_linear.h) uses too.
 //
@@ -124,13 +125,18 @@ struct Kernels {
 
 extern const Kernels kPortable;
 extern const Kernels kAvx512;
+// AVX2 + FMA (kernels_avx2.cpp; call only where cpu_info().avx2 holds): bf16 gemm and silu_mul; the
+// int8 gemm is the portable one.
+extern const Kernels kAvx2;
+void gemm_q_portable(const Mat& w, int rb0, int nrb, const QAct& a, int row0, int ntok, float* c, int ldc);
 void amx_gemm_bf16(const Mat& w, int rb0, int nrb, const uint16_t* a, size_t lda, int ntok, float* c,
                    int ldc);  // AMX tiles (the operator calls it only where AMX is usable); ntok > 0
 
 // Q8_0-quantise one row of k floats (k multiple of 32), as ggml's quantize_row_q8_0 (d kept in fp32):
-// d = amax / 127, q = round-half-away(x / d). The AVX-512 version gives bit-identical results; call
-// it only where cpu_info().avx512 holds (F, BW, VL, DQ).
+// d = amax / 127, q = round-half-away(x / d). The AVX-512 and AVX2 versions give bit-identical
+// results; call them only where cpu_info().avx512 (F, BW, VL, DQ) / cpu_info().avx2 holds.
 void quantize_row_q8(const float* x, int k, int8_t* q, float* d, int32_t* sum);
 void quantize_row_q8_avx512(const float* x, int k, int8_t* q, float* d, int32_t* sum);
+void quantize_row_q8_avx2(const float* x, int k, int8_t* q, float* d, int32_t* sum);
 
 }  // namespace cpx

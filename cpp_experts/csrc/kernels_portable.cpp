@@ -27,6 +27,13 @@ void gemm_bf16_portable(const Mat& w, int rb0, int nrb, const uint16_t* a, size_
   }
 }
 
+void silu_mul_portable(const float* g, const float* u, float* h, int n) {
+  for (int i = 0; i < n; ++i) h[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+}  // namespace
+
+// Also the AVX2 path's int8 gemm (kernels_avx2.cpp).
 void gemm_q_portable(const Mat& w, int rb0, int nrb, const QAct& a, int row0, int ntok, float* c,
                      int ldc) {
   const int nb = w.k / 32;
@@ -70,12 +77,6 @@ void gemm_q_portable(const Mat& w, int rb0, int nrb, const QAct& a, int row0, in
     }
   }
 }
-
-void silu_mul_portable(const float* g, const float* u, float* h, int n) {
-  for (int i = 0; i < n; ++i) h[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-}
-
-}  // namespace
 
 void quantize_row_q8(const float* x, int k, int8_t* q, float* d, int32_t* sum) {
   for (int b = 0; b < k / 32; ++b) {

@@ -29,11 +29,18 @@ MoE::MoE(int experts, int top_k, int hidden, int inter, const std::string& forma
                    std::to_string(H_) + " and " + std::to_string(I_));
   Hp_ = int(round_up(size_t(H_), 32));
   Ip_ = int(round_up(size_t(I_), 32));
+  // bf16: AMX (from kAmxMinTokens tokens per expert) + AVX-512 BF16, else AVX-512 BF16, else AVX2, else
+  // portable. q8_0 / q4_0: AVX-512 VNNI, else portable int8 gemms (with AVX2's silu_mul where it exists).
   const CpuInfo& cpu = cpu_info();
   const bool q = fmt_ != Format::BF16;
   const bool avx_ok = q ? cpu.avx512_vnni : cpu.avx512_bf16;
   if (kernel == "portable") {
     kern_ = &kPortable;
+  } else if (kernel == "avx2") {
+    if (!cpu.avx2)
+      throw std::runtime_error("kernel 'avx2' forced, but this CPU lacks AVX2 with FMA and F16C (or the OS does not "
+                               "save ymm state)");
+    kern_ = &kAvx2;
   } else if (kernel == "avx512") {
     if (!avx_ok) throw std::runtime_error(std::string("kernel 'avx512' forced, but this CPU lacks ") +
                                           (q ? "AVX-512 VNNI" : "AVX-512 BF16"));
@@ -43,10 +50,10 @@ MoE::MoE(int experts, int top_k, int hidden, int inter, const std::string& forma
     kern_ = &kAvx512;
     amx_ = !q;
   } else if (kernel.empty() || kernel == "auto") {
-    kern_ = avx_ok ? &kAvx512 : &kPortable;
+    kern_ = avx_ok ? &kAvx512 : cpu.avx2 ? &kAvx2 : &kPortable;
     amx_ = !q && cpu.amx_usable;
   } else {
-    throw ArgError("kernel must be 'amx', 'avx512', 'portable' or 'auto', got '" + kernel + "'");
+    throw ArgError("kernel must be 'amx', 'avx512', 'avx2', 'portable' or 'auto', got '" + kernel + "'");
   }
   experts_.resize(size_t(E_));
 }
@@ -84,10 +91,10 @@ void MoE::unbind() {
 }
 
 std::string MoE::kernel_bf16() const {
-  if (kern_ == &kPortable) return "portable";
+  if (kern_ != &kAvx512) return kern_->name_bf16;  // "portable", "avx2"
   return amx_ ? "amx+avx512_bf16" : "avx512_bf16";
 }
-std::string MoE::kernel_q() const { return kern_ == &kPortable ? "portable" : "avx512_vnni"; }
+std::string MoE::kernel_q() const { return kern_->name_q; }  // "avx512_vnni", "portable" (also on AVX2)
 
 void MoE::load_bf16(int e, const uint16_t* gate, const uint16_t* up, const uint16_t* down) {
   if (fmt_ != Format::BF16) throw ArgError("load_bf16 on a quantized operator");
