@@ -18,6 +18,8 @@ QTYPE = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationTy
 def available_paths() -> list[str]:
     kernels = cpp_experts.info()["kernels"]
     paths = ["portable"]
+    if "avx2" in kernels:
+        paths.append("avx2")
     if "avx512_bf16" in kernels or "avx512_vnni" in kernels:
         paths.append("avx512")
     if "amx" in kernels:
@@ -29,14 +31,25 @@ def path_params() -> list:
     """Every kernel path; the ones this CPU lacks are skipped with a message."""
     have = available_paths()
     return [p if p in have else pytest.param(p, marks=pytest.mark.skip(reason=f"this CPU has no usable {p} kernels"))
-            for p in ("portable", "avx512", "amx")]
+            for p in ("portable", "avx2", "avx512", "amx")]
 
 
 def path_supports(path: str, fmt: str) -> bool:
+    """Whether the MoE operator runs `fmt` on `path` here (the skips of path_params cover the path itself)."""
     kernels = cpp_experts.info()["kernels"]
     if path == "avx512":
         return ("avx512_vnni" if fmt != "bf16" else "avx512_bf16") in kernels
+    if path == "avx2":
+        return "avx2" in kernels
     return True
+
+
+def moe_kernel(path: str, fmt: str) -> str:
+    """The MoE operator's `kernel` string on a forced path: its q8_0 / q4_0 int8 gemm is AVX-512 VNNI
+    or portable (also on the AVX2 path, whose bf16 gemm and silu_mul are AVX2)."""
+    if fmt == "bf16":
+        return {"amx": "amx+avx512_bf16", "avx512": "avx512_bf16"}.get(path, path)
+    return "avx512_vnni" if path in ("avx512", "amx") else "portable"
 
 
 class Experts:

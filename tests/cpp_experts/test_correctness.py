@@ -10,7 +10,15 @@ import zlib
 import pytest
 import torch
 
-from tests.cpp_experts.helpers import Experts, path_params, path_supports, reference, routing
+from tests.cpp_experts.helpers import (
+    Experts,
+    available_paths,
+    moe_kernel,
+    path_params,
+    path_supports,
+    reference,
+    routing,
+)
 
 E, H, I = 10, 128, 96  # I = 96: one 64-row task plus a 32-row remainder
 # relative (Frobenius) error bounds per format, against the reference with quantised activations.
@@ -41,8 +49,7 @@ def test_matches_reference(path: str, fmt: str) -> None:
     ops: dict = {}
     for i, (T, k, mode, threads, dtype) in enumerate(CASES):
         moe = ops.get((k, threads)) or ops.setdefault((k, threads), ex.build(k, threads, path))
-        expect = "avx512_vnni" if (path == "amx" and fmt != "bf16") else path  # no AMX int8 kernel
-        assert moe.kernel.startswith(expect), moe.kernel
+        assert moe.kernel == moe_kernel(path, fmt), moe.kernel
         g = torch.Generator().manual_seed(100 + i)
         hidden = torch.randn(T, H, generator=g).to(dtype)
         ids, w = routing(T, E, k, mode, seed=i)
@@ -84,6 +91,15 @@ def test_env_var_forces_path(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpp_experts.info()["forced"] == "portable"
     assert cpp_experts.info()["chosen"]["bf16"] == "portable"
     assert cpp_experts.MoE(4, 2, 64, 64).kernel == "portable"
+    monkeypatch.setenv("MLASERVE_CPP_EXPERTS_KERNEL", "avx2")
+    if "avx2" in available_paths():
+        assert cpp_experts.info()["chosen"] == {"bf16": "avx2", "q8_0": "portable", "q4_0": "portable"}
+        assert cpp_experts.MoE(4, 2, 64, 64).kernel == "avx2"
+        assert cpp_experts.MoE(4, 2, 64, 64, "q8_0").kernel == "portable"  # no AVX2 int8 gemm for the MoE layout
+    else:
+        with pytest.raises(RuntimeError, match="lacks AVX2"):
+            cpp_experts.MoE(4, 2, 64, 64)
+    monkeypatch.delenv("MLASERVE_CPP_EXPERTS_KERNEL")
     monkeypatch.setenv("MLASERVE_CPP_EXPERTS_THREADS", "1")
     assert cpp_experts.info()["num_threads"] == 1
     assert os.environ["MLASERVE_CPP_EXPERTS_THREADS"] == "1"
@@ -93,8 +109,17 @@ def test_info_and_memory() -> None:
     import cpp_experts
 
     inf = cpp_experts.info()
-    assert set(inf) >= {"cpu_flags", "amx_usable", "kernels", "chosen", "forced", "num_threads"}
+    assert set(inf) >= {"cpu_flags", "amx_usable", "kernels", "chosen", "chosen_linear", "forced", "num_threads"}
     assert "portable" in inf["kernels"] and inf["num_threads"] >= 1
+    assert set(inf["chosen"]) == set(cpp_experts.FORMATS)
+    assert set(inf["chosen_linear"]) == set(cpp_experts.LINEAR_FORMATS)
+    # what info() reports is what the operators choose
+    assert Experts("bf16", 2, 64, 64, seed=1).build(2, 1, None).kernel == inf["chosen"]["bf16"]
+    assert Experts("q8_0", 2, 64, 64, seed=1).build(2, 1, None).kernel == inf["chosen"]["q8_0"]
+    if "avx2" in inf["kernels"] and "avx512_bf16" not in inf["kernels"]:
+        assert inf["chosen"]["bf16"] == "avx2" and inf["chosen_linear"]["q4_1"] == "avx2"
+    if "avx2" in inf["kernels"]:
+        assert inf["chosen_linear"]["f32"] == "avx2"
     sizes = {}
     for fmt in ("bf16", "q8_0", "q4_0"):
         sizes[fmt] = Experts(fmt, 2, 64, 64, seed=1).build(2, 1, "portable").memory_bytes
@@ -106,7 +131,7 @@ def test_info_and_memory() -> None:
 def test_odd_sizes_bf16() -> None:
     """bf16 accepts sizes that are not multiples of 32 (padded internally)."""
     ex = Experts("bf16", 5, 72, 40, seed=2)
-    for path in ("portable", "avx512") if path_supports("avx512", "bf16") else ("portable",):
+    for path in [p for p in ("portable", "avx2", "avx512") if p in available_paths() and path_supports(p, "bf16")]:
         moe = ex.build(3, None, path)
         hidden = torch.randn(9, 72)
         ids, w = routing(9, 5, 3, "uniform", seed=5)
