@@ -12,7 +12,7 @@ Two kinds of objects with two owners: operators (a `MoE` holds one layer's packe
 operators compute on (made and closed by whoever runs the model). `bind(pool)` joins them; there is
 no process-wide pool.
 
-`MLASERVE_CPP_EXPERTS_KERNEL` (`amx`, `avx512`, `portable`) forces a code path;
+`MLASERVE_CPP_EXPERTS_KERNEL` (`amx`, `avx512`, `avx2`, `portable`) forces a code path;
 `MLASERVE_CPP_EXPERTS_THREADS` sets the default thread count; `MLASERVE_CPP_EXPERTS_PIN=1` pins
 workers to the process's CPUs.
 """
@@ -55,9 +55,13 @@ except ImportError as exc:  # pragma: no cover - only on a broken install
 __all__ = ["MoE", "QuantLinear", "WorkerPool", "HostTask", "PagedAttention", "CpuModel", "info", "cuda_host_launch_error", "FORMATS", "BLOCK_BYTES",
            "LINEAR_FORMATS", "LINEAR_BLOCKS"]
 
-FORMATS = ("bf16", "q8_0", "q4_0")
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}  # bytes per 32 values in a GGUF block
-_KERNELS = ("amx", "avx512", "portable")
+# weight formats of both operators (a MoE's experts are QuantLinears); GGUF block (values, bytes) of
+# the quantised ones
+FORMATS = LINEAR_FORMATS = ("bf16", "f32", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
+LINEAR_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144), "q5_k": (256, 176),
+                 "q6_k": (256, 210)}
+BLOCK_BYTES = {fmt: size for fmt, (_, size) in LINEAR_BLOCKS.items()}  # bytes per GGUF block
+_KERNELS = ("amx", "avx512", "avx2", "portable")
 
 
 def _forced() -> str | None:
@@ -65,23 +69,36 @@ def _forced() -> str | None:
     return value or None
 
 
+def _chosen_kernel(fmt: str, kernels: list[str], forced: str | None) -> str:
+    """The `kernel` string a QuantLinear (or a MoE's experts) of `fmt` reports on this CPU, mirroring
+    quant_linear.cpp's choice; a forced path this CPU lacks is named as chosen (its constructor raises)."""
+    avx2 = "avx2" if "avx2" in kernels or forced == "avx2" else "portable"
+    if forced == "portable":
+        return "portable"
+    if fmt == "f32":  # one SIMD kernel, AVX2 (also under 'avx512' / 'amx')
+        return avx2
+    if fmt == "bf16":
+        if forced == "avx2":
+            return "avx2"
+        if "amx" in kernels and forced in (None, "amx"):
+            return "amx+avx512_bf16"  # AMX from 5 rows of x / tokens per expert
+        return "avx512_bf16" if "avx512_bf16" in kernels or forced in ("avx512", "amx") else avx2
+    if forced == "avx2":
+        return "avx2"
+    if "amx_int8" in kernels and forced in (None, "amx"):
+        return "amx_int8+avx512_vnni"  # AMX-INT8 from 12 rows of x
+    return "avx512_vnni" if "avx512_vnni" in kernels or forced in ("avx512", "amx") else avx2
+
+
 def info() -> dict:
-    """What the CPU offers, which kernels exist for it, and what each weight format would use."""
+    """What the CPU offers, which kernels exist for it, and what each weight format would use (`chosen`,
+    the same for QuantLinear and for a MoE's experts; `chosen_linear` is its older name)."""
     d = dict(_C.info())
     forced = _forced()
     threads = d.pop("default_threads")
     kernels = d["kernels"]
-    chosen = {}
-    for fmt in FORMATS:
-        q = fmt != "bf16"
-        avx = "avx512_vnni" if q else "avx512_bf16"
-        if forced == "portable" or (forced is None and avx not in kernels):
-            chosen[fmt] = "portable"
-        elif not q and "amx" in kernels and forced in (None, "amx"):
-            chosen[fmt] = "amx+avx512_bf16"  # AMX for experts with > 4 tokens
-        else:
-            chosen[fmt] = avx
-    d["chosen"] = chosen
+    d["chosen"] = {fmt: _chosen_kernel(fmt, kernels, forced) for fmt in FORMATS}
+    d["chosen_linear"] = d["chosen"]
     d["forced"] = forced
     d["num_threads"] = threads
     return d
@@ -140,8 +157,12 @@ class WorkerPool:
 
 
 class MoE:
-    """Routed experts (SiLU-gated MLPs) with weights packed once for the chosen kernels. Computing
-    needs a `WorkerPool`: given here or later to `bind`."""
+    """Routed experts (SiLU-gated MLPs), each three `QuantLinear`s (gate, up, down: any weight format,
+    mixed as a GGUF file mixes them). Computing needs a `WorkerPool`: given here or later to `bind`.
+
+    `set_expert` takes the three operators; `load_expert` makes them from tensors in `weight_format`:
+    float tensors held as "bf16" or "f32", or raw GGUF blocks (uint8) of a quantised format.
+    """
 
     def __init__(
         self,
@@ -165,7 +186,8 @@ class MoE:
         self.num_experts, self.top_k = num_experts, top_k
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.weight_format = weight_format
-        self._op = _C.MoE(num_experts, top_k, hidden_size, intermediate_size, weight_format, kernel or "")
+        self._kernel = kernel
+        self._op = _C.MoE(num_experts, top_k, hidden_size, intermediate_size)
         self._pending: tuple | None = None
         self.pool: WorkerPool | None = None
         if pool is not None:
@@ -197,51 +219,55 @@ class MoE:
 
     @property
     def kernel(self) -> str:
-        """The kernel path this operator uses for its weight format."""
-        return self._op.kernel_bf16 if self.weight_format == "bf16" else self._op.kernel_q
+        """The kernel path of expert 0's gate (every weight picks its own, by format and CPU)."""
+        return self._op.kernel
+
+    @property
+    def formats(self) -> str:
+        """The weight formats the experts hold, e.g. "q4_k/q6_k"."""
+        return self._op.formats
+
+    def set_expert(self, expert: int, gate: QuantLinear, up: QuantLinear, down: QuantLinear) -> None:
+        """Expert `expert`'s weights: gate and up [intermediate, hidden], down [hidden, intermediate]."""
+        if not isinstance(expert, int) or not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert must be an int in [0, {self.num_experts}), got {expert!r}")
+        for name, op in (("gate", gate), ("up", up), ("down", down)):
+            if not isinstance(op, QuantLinear):
+                raise TypeError(f"{name} must be a cpp_experts.QuantLinear, got {type(op).__name__}")
+        self._op.set_expert(expert, gate._op, up._op, down._op)
 
     def load_expert(self, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
-        """bf16: float tensors gate/up [I, H], down [H, I]. Quantized: uint8 raw GGUF blocks in ggml
-        row order, gate/up I rows of H/32 blocks, down H rows of I/32 blocks (2-D or flat)."""
+        """Float tensors (weight_format "bf16" or "f32"): gate/up [I, H], down [H, I]. Quantised formats:
+        uint8 raw GGUF blocks in ggml row order, gate/up I rows of H values, down H rows of I (2-D or flat)."""
         if not isinstance(expert, int) or not 0 <= expert < self.num_experts:
             raise ValueError(f"expert must be an int in [0, {self.num_experts}), got {expert!r}")
         H, I = self.hidden_size, self.intermediate_size
-        if self.weight_format == "bf16":
-            mats = []
-            for name, t, shape in (("gate", gate, (I, H)), ("up", up, (I, H)), ("down", down, (H, I))):
-                if not isinstance(t, torch.Tensor):
-                    raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-                if not t.is_floating_point():
-                    raise TypeError(f"{name} must be a float tensor for weight_format 'bf16', got {t.dtype}")
-                if tuple(t.shape) != shape:
-                    raise ValueError(f"expert {expert} {name}: expected shape {shape}, got {tuple(t.shape)}")
-                t = t.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
-                if not torch.isfinite(t).all():
-                    raise ValueError(f"expert {expert} {name}: weights contain NaN or Inf")
-                mats.append(t)
-            self._op.load_bf16(expert, *(m.data_ptr() for m in mats))
-            return
-        bb = BLOCK_BYTES[self.weight_format]
-        mats = []
+        ops = []
         for name, t, rows, k in (("gate", gate, I, H), ("up", up, I, H), ("down", down, H, I)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype != torch.uint8:
-                raise TypeError(f"{name} must hold raw {self.weight_format} blocks as torch.uint8, got {t.dtype}")
-            if t.device.type != "cpu":
-                raise ValueError(f"{name} must be on the CPU, got device {t.device}")
-            want = rows * (k // 32) * bb
-            if t.dim() == 2 and tuple(t.shape) != (rows, k // 32 * bb):
-                raise ValueError(f"expert {expert} {name}: expected shape ({rows}, {k // 32 * bb}), got {tuple(t.shape)}")
-            if t.dim() not in (1, 2) or t.numel() != want:
-                raise ValueError(f"expert {expert} {name}: expected {want} bytes ({rows} rows x {k // 32} blocks), "
-                                 f"got shape {tuple(t.shape)}")
-            mats.append(t.contiguous())
-        self._op.load_quant(expert, mats[0].data_ptr(), mats[0].numel(), mats[1].data_ptr(), mats[1].numel(),
-                            mats[2].data_ptr(), mats[2].numel())
+            try:
+                if self.weight_format in ("bf16", "f32"):
+                    if not t.is_floating_point():
+                        raise TypeError(f"{name} must be a float tensor for weight_format "
+                                        f"{self.weight_format!r}, got {t.dtype}")
+                    if tuple(t.shape) != (rows, k):
+                        raise ValueError(f"expected shape {(rows, k)}, got {tuple(t.shape)}")
+                    dtype = torch.float32 if self.weight_format == "f32" else torch.bfloat16
+                    ops.append(QuantLinear.from_float(t, dtype=dtype, kernel=self._kernel))
+                else:
+                    if t.dtype != torch.uint8:
+                        raise TypeError(f"{name} must hold raw {self.weight_format} blocks as torch.uint8, got {t.dtype}")
+                    values, size = LINEAR_BLOCKS[self.weight_format]
+                    if t.dim() == 2 and tuple(t.shape) != (rows, k // values * size):
+                        raise ValueError(f"expected shape ({rows}, {k // values * size}), got {tuple(t.shape)}")
+                    ops.append(QuantLinear(self.weight_format, t, rows, k, kernel=self._kernel))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"expert {expert} {name}: {e}") from None
+        self.set_expert(expert, *ops)
 
     def finalize(self) -> None:
-        """Checks that every expert is loaded (weights are packed as they are loaded)."""
+        """Checks that every expert is set."""
         self._op.finalize()
 
     def _args(self, hidden, topk_ids, topk_weights, out, check_values: bool = True) -> tuple:
@@ -329,13 +355,10 @@ class MoE:
 
 
 # ggml type ids (gguf.GGMLQuantizationType values) -> QuantLinear weight format; the float types are
-# held as bf16.
+# held as bf16, or as f32 when asked (`from_gguf(..., float_dtype=torch.float32)`).
 _GGML_TYPES = {0: "f32", 1: "f16", 30: "bf16", 8: "q8_0", 2: "q4_0", 3: "q4_1", 12: "q4_k", 13: "q5_k", 14: "q6_k"}
-LINEAR_FORMATS = ("bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
-# GGUF block of each quantised format: (values, bytes)
-LINEAR_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144), "q5_k": (256, 176),
-                 "q6_k": (256, 210)}
 _FLOAT_NP = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
+_FLOAT_FORMATS = {"bf16": torch.bfloat16, "f32": torch.float32}  # QuantLinear's float formats: their dtype
 
 
 def _ggml_format(ggml_type: object) -> str:
@@ -375,23 +398,28 @@ class QuantLinear:
     torch's eager bf16 F.linear on dequantized weights reads 2 bytes per weight at about a quarter of
     the memory bandwidth; this reads the GGUF blocks themselves (0.56 bytes per weight for Q4_0, 0.63
     for Q4_1, 1.06 for Q8_0), repacked once at construction so that one pass streams them, with int8
-    dot products (AVX-512 VNNI) on activations quantised per 32 values to int8 (Q8_0, fp32 scales),
-    as llama.cpp computes them; AMX int8 tiles from 12 rows of x where the CPU has them. The product
-    is accumulated in fp32. bf16 weights ("bf16", and GGUF F16/F32/BF16 tensors) use bf16 dot products
-    on x rounded to bf16 (AMX bf16 tiles from 5 rows of x).
+    dot products (AVX-512 VNNI, else AVX2's vpmaddubsw) on activations quantised per 32 values to int8
+    (Q8_0, fp32 scales), as llama.cpp computes them; AMX int8 tiles from 12 rows of x where the CPU has
+    them. The product is accumulated in fp32. bf16 weights ("bf16", and GGUF F16/F32/BF16 tensors by
+    default) use bf16 products on x rounded to bf16 (AVX-512 BF16, AMX bf16 tiles from 5 rows of x,
+    else fp32 FMAs on AVX2). "f32" weights (`from_float(w, dtype=torch.float32)`, or GGUF float tensors
+    with `float_dtype=torch.float32`) are kept exact and multiply fp32 x (bf16 x widened) with fp32
+    FMAs: the fp32 matmul up to summation order, at 4 bytes per weight.
 
     Make one per weight at load with `from_gguf` (raw GGUF bytes as they are in the file) or
-    `from_float` (held as bf16); computing needs a `WorkerPool`, given here or to `bind` (as `MoE`),
-    whose threads split the output features. `forward(x)` takes fp32 or bf16 [..., in_features] and
-    returns [..., out_features] in x's dtype; several layers may share one pool (calls take turns).
-    `kernel` (default `MLASERVE_CPP_EXPERTS_KERNEL`, else the best this CPU has, AMX included):
-    "amx", "avx512" (AVX-512 VNNI / BF16 only) or "portable".
+    `from_float` (held as bf16 or f32); computing needs a `WorkerPool`, given here or to `bind` (as
+    `MoE`), whose threads split the output features. `forward(x)` takes fp32 or bf16 [..., in_features]
+    and returns [..., out_features] in x's dtype; several layers may share one pool (calls take turns).
+    `kernel` (default `MLASERVE_CPP_EXPERTS_KERNEL`, else the best this CPU has, AMX included): "amx",
+    "avx512" (AVX-512 VNNI / BF16; f32 stays on AVX2, its only SIMD kernel), "avx2" (AVX2 + FMA + F16C,
+    every format) or "portable". The choice, per format: quantised AMX-INT8 + AVX-512 VNNI > VNNI >
+    AVX2 > portable; bf16 AMX + AVX-512 BF16 > AVX-512 BF16 > AVX2 > portable; f32 AVX2 > portable.
     """
 
     def __init__(self, weight_format: str, data: object, out_features: int, in_features: int, *,
                  bias: torch.Tensor | None = None, kernel: str | None = None, pool: WorkerPool | None = None) -> None:
-        """Low level: `data` holds `out_features` rows of raw `weight_format` blocks, or for "bf16" a
-        [out_features, in_features] bf16 tensor. Prefer `from_gguf` / `from_float`."""
+        """Low level: `data` holds `out_features` rows of raw `weight_format` blocks, or for "bf16" /
+        "f32" a [out_features, in_features] bfloat16 / float32 tensor. Prefer `from_gguf` / `from_float`."""
         for name, v in (("out_features", out_features), ("in_features", in_features)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -400,9 +428,10 @@ class QuantLinear:
         kernel = kernel if kernel is not None else _forced()
         if kernel is not None and kernel not in _KERNELS + ("auto",):
             raise ValueError(f"kernel must be one of {_KERNELS} (or MLASERVE_CPP_EXPERTS_KERNEL unset), got {kernel!r}")
-        if weight_format == "bf16":
-            if not isinstance(data, torch.Tensor) or data.dtype != torch.bfloat16:
-                raise TypeError("bf16 weights must be a torch.bfloat16 tensor (use QuantLinear.from_float)")
+        if weight_format in _FLOAT_FORMATS:
+            want = _FLOAT_FORMATS[weight_format]
+            if not isinstance(data, torch.Tensor) or data.dtype != want:
+                raise TypeError(f"{weight_format} weights must be a {want} tensor (use QuantLinear.from_float)")
             if tuple(data.shape) != (out_features, in_features):
                 raise ValueError(f"weight must be [{out_features}, {in_features}], got {tuple(data.shape)}")
             raw = _byte_view(data, "weight")
@@ -438,11 +467,15 @@ class QuantLinear:
 
     @classmethod
     def from_gguf(cls, data: object, ggml_type: object, out_features: int, in_features: int, *,
-                  bias: torch.Tensor | None = None, kernel: str | None = None,
-                  pool: WorkerPool | None = None) -> QuantLinear:
+                  bias: torch.Tensor | None = None, kernel: str | None = None, pool: WorkerPool | None = None,
+                  float_dtype: torch.dtype = torch.bfloat16) -> QuantLinear:
         """From a GGUF tensor as stored: `data` its bytes (e.g. `gguf.GGUFReader(...).tensors[i].data`,
         a torch uint8 tensor, or bytes), `ggml_type` its type (`tensor.tensor_type`, an int or a name
-        like "Q4_1"); the tensor's ggml shape is (in_features, out_features), rows of in_features."""
+        like "Q4_1"); the tensor's ggml shape is (in_features, out_features), rows of in_features.
+        `float_dtype`: how F32 / F16 / BF16 tensors are held, torch.bfloat16 (default, half the bytes)
+        or torch.float32 (exact: the "f32" format)."""
+        if float_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"float_dtype must be torch.bfloat16 or torch.float32, got {float_dtype!r}")
         fmt = _ggml_format(ggml_type)
         if fmt in _FLOAT_NP:
             raw = _byte_view(data, "weight")
@@ -452,24 +485,26 @@ class QuantLinear:
                                  f"got {raw.nbytes}")
             values = torch.from_numpy(raw.view(_FLOAT_NP[fmt]).copy()).reshape(out_features, in_features)
             w = values.view(torch.bfloat16) if fmt == "bf16" else values
-            return cls.from_float(w, bias=bias, kernel=kernel, pool=pool)
+            return cls.from_float(w, dtype=float_dtype, bias=bias, kernel=kernel, pool=pool)
         return cls(fmt, data, out_features, in_features, bias=bias, kernel=kernel, pool=pool)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, *, dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
                    kernel: str | None = None, pool: WorkerPool | None = None) -> QuantLinear:
-        """From a float [out_features, in_features] tensor (an nn.Linear's weight), held as bf16."""
+        """From a float [out_features, in_features] tensor (an nn.Linear's weight), held as `dtype`:
+        torch.bfloat16 (the "bf16" format) or torch.float32 (the "f32" format, exact for fp32 models)."""
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype!r}")
         if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
             raise TypeError(f"weight must be a float torch.Tensor, got "
                             f"{weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__}")
         if weight.dim() != 2:
             raise ValueError(f"weight must be [out_features, in_features], got shape {tuple(weight.shape)}")
-        if dtype != torch.bfloat16:
-            raise ValueError(f"weights are held as bf16 only, got dtype {dtype}")
-        w = weight.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
+        w = weight.detach().to(device="cpu", dtype=dtype).contiguous()
         if not torch.isfinite(w).all():
             raise ValueError("weight contains NaN or Inf")
-        return cls("bf16", w, w.shape[0], w.shape[1], bias=bias, kernel=kernel, pool=pool)
+        fmt = "f32" if dtype == torch.float32 else "bf16"
+        return cls(fmt, w, w.shape[0], w.shape[1], bias=bias, kernel=kernel, pool=pool)
 
     def bind(self, pool: WorkerPool) -> None:
         """Computes on `pool` from now on."""
@@ -485,7 +520,8 @@ class QuantLinear:
 
     @property
     def kernel(self) -> str:
-        """The code path: "amx_int8+avx512_vnni", "avx512_vnni", "amx+avx512_bf16", "avx512_bf16" or "portable"."""
+        """The code path: "amx_int8+avx512_vnni", "avx512_vnni", "amx+avx512_bf16", "avx512_bf16", "avx2"
+        (every format on the AVX2 path, and f32 on AVX-512 CPUs) or "portable"."""
         return self._op.kernel
 
     @property

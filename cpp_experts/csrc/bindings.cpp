@@ -89,6 +89,7 @@ py::dict info() {
   if (cpu.amx_int8) kernels.push_back("amx_int8");
   if (cpu.avx512_bf16) kernels.push_back("avx512_bf16");
   if (cpu.avx512_vnni) kernels.push_back("avx512_vnni");
+  if (cpu.avx2) kernels.push_back("avx2");
   kernels.push_back("portable");
   d["kernels"] = kernels;
   d["default_threads"] = cpx::default_threads();
@@ -109,24 +110,15 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("closed", &Pool::closed)
       .def("close", &Pool::close, py::call_guard<py::gil_scoped_release>());
   py::class_<MoE>(m, "MoE")
-      .def(py::init<int, int, int, int, const std::string&, const std::string&>())
+      .def(py::init<int, int, int, int>())
       .def("bind", &MoE::bind, py::call_guard<py::gil_scoped_release>())
       .def("unbind", &MoE::unbind, py::call_guard<py::gil_scoped_release>())
-      .def("load_bf16",
-           [](MoE& self, int e, uintptr_t g, uintptr_t u, uintptr_t d) {
-             self.load_bf16(e, ptr<uint16_t>(g), ptr<uint16_t>(u), ptr<uint16_t>(d));
-           },
-           py::call_guard<py::gil_scoped_release>())
-      .def("load_quant",
-           [](MoE& self, int e, uintptr_t g, size_t gn, uintptr_t u, size_t un, uintptr_t d, size_t dn) {
-             self.load_quant(e, ptr<uint8_t>(g), gn, ptr<uint8_t>(u), un, ptr<uint8_t>(d), dn);
-           },
-           py::call_guard<py::gil_scoped_release>())
-      .def("finalize", &MoE::finalize)
+      .def("set_expert", &MoE::set_expert, py::call_guard<py::gil_scoped_release>())
+      .def("finalize", &MoE::finalize, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("memory_bytes", &MoE::memory_bytes)
       .def_property_readonly("threads", &MoE::threads)
-      .def_property_readonly("kernel_bf16", &MoE::kernel_bf16)
-      .def_property_readonly("kernel_q", &MoE::kernel_q)
+      .def_property_readonly("kernel", &MoE::kernel)
+      .def_property_readonly("formats", &MoE::formats)
       .def_property_readonly("host_failures", &MoE::host_failures)
       .def("forward",
            [](MoE& self, uintptr_t h, bool hb, int t, uintptr_t ids, uintptr_t w, uintptr_t out, bool ob) {
@@ -140,7 +132,7 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("sync", &MoE::sync, py::call_guard<py::gil_scoped_release>());
   // A dense layer on GGUF blocks (quant_linear.h); packs its weights once, in the constructor.
-  py::class_<QuantLinear>(m, "QuantLinear")
+  py::class_<QuantLinear, std::shared_ptr<QuantLinear>>(m, "QuantLinear")
       .def(py::init([](const std::string& fmt, int n, int k, uintptr_t data, size_t nbytes, uintptr_t bias,
                        const std::string& kernel) {
         py::gil_scoped_release release;
@@ -162,6 +154,7 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("set_bias", [](QuantLinear& self, uintptr_t bias) { self.set_bias(bias ? ptr<float>(bias) : nullptr); })
       .def_property_readonly("in_features", &QuantLinear::in_features)
+      .def_property_readonly("format", &QuantLinear::format)
       .def_property_readonly("out_features", &QuantLinear::out_features)
       .def_property_readonly("kernel", &QuantLinear::kernel)
       .def_property_readonly("memory_bytes", &QuantLinear::memory_bytes)

@@ -1,17 +1,11 @@
-// Shared types and helpers of the native operators: the routed-expert operator's packed weight
-// layouts, activation layouts and the kernel table each code path (portable, AVX-512, AMX) fills in;
-// the bf16 / fp16 conversions, aligned buffers, argument errors and Q8_0 activation quantisation that
-// QuantLinear (quant_linear.h) uses too.
+// Shared types and helpers of the native operators: the packed bf16 weight layout and the bf16 gemm
+// table each code path (portable, AVX2, AVX-512, AMX) fills in; the bf16 / fp16 conversions, aligned
+// buffers, argument errors and the Q8_0 activation quantisation that QuantLinear (quant_linear.h,
+// which holds every weight format) builds on.
 //
-// Packed layouts (all dims padded to multiples of 32; padding is zero):
-//  bf16   W[N][K] -> [N/16][K/2][16][2] bf16: one 64-byte line holds one k-pair of 16 output rows,
-//         which is both the vdpbf16ps operand (16 rows in a zmm) and an AMX B tile row.
-//  q8_0   per (rowblock of 16 rows, block of 32 k): 8 groups of [16 rows][4 bytes], byte =
-//         q + 128 (unsigned, for vpdpbusd); scales fp16 [N/16][K/32][16] kept apart.
-//  q4_0   per (rowblock, block): 4 groups of [16][4] bytes, byte (g, r, c) = GGUF qs[4g + c] of
-//         row r, so the low nibbles are k = 4g..4g+3 and the high nibbles k = 16+4g..; the
-//         nibble q in 0..15 is used unsigned and the -8 folded into the activation sums.
-// Activations for the quantized formats are Q8_0 per 32 values: int8 q, fp32 d, int32 sum(q).
+// Packed bf16 layout (dims padded to multiples of 32; padding is zero):
+//  W[N][K] -> [N/16][K/2][16][2] bf16: one 64-byte line holds one k-pair of 16 output rows, which is
+//  both the vdpbf16ps operand (16 rows in a zmm) and an AMX B tile row.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -31,8 +25,6 @@ struct ArgError : std::invalid_argument {
 struct FreeDeleter {
   void operator()(void* p) const { std::free(p); }
 };
-
-enum class Format { BF16 = 0, Q8_0 = 1, Q4_0 = 2 };
 
 inline size_t round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }
 
@@ -87,50 +79,33 @@ inline float f16_to_f32(uint16_t h) {
   return f;
 }
 
-// A packed weight matrix: `rows` output rows (padded to 32) of `k` inputs (padded to 32).
+// A packed bf16 weight matrix: `rows` output rows (padded to 32) of `k` inputs (padded to 32).
 struct Mat {
-  Format fmt = Format::BF16;
   int rows = 0, k = 0;
-  const uint8_t* data = nullptr;   // bf16 pairs or quant bytes
-  const uint16_t* scales = nullptr;  // fp16, quant formats only
-  size_t rb_stride() const {  // bytes of one rowblock (16 rows) in `data`
-    return fmt == Format::BF16 ? size_t(k) * 32 : size_t(k / 32) * (fmt == Format::Q8_0 ? 512 : 256);
-  }
+  const uint8_t* data = nullptr;  // bf16 pairs
+  size_t rb_stride() const { return size_t(k) * 32; }  // bytes of one rowblock (16 rows)
 };
 
-// Q8_0 activations of `n` rows, `k` values each (k multiple of 32), row-major.
-struct QAct {
-  int8_t* q;      // [n][k]
-  float* d;       // [n][k/32]
-  int32_t* sum;   // [n][k/32]
-  int k;
-};
-
-// C[i * ldc + j] = sum_k W[row0 + j][k] * A[i][k] for j < 16 * nrb, i < ntok.
+// C[i * ldc + j] = sum_k W[16 rb0 + j][k] * A[i][k] for j < 16 * nrb (nrb even), i < ntok.
 using GemmBF16 = void (*)(const Mat& w, int rb0, int nrb, const uint16_t* a, size_t lda, int ntok,
                           float* c, int ldc);
-using GemmQ = void (*)(const Mat& w, int rb0, int nrb, const QAct& a, int row0, int ntok, float* c,
-                       int ldc);
-// h[i] = silu(g[i]) * u[i]
-using SiluMul = void (*)(const float* g, const float* u, float* h, int n);
 
 struct Kernels {
-  const char* name_bf16;
-  const char* name_q;
-  GemmBF16 gemm_bf16;  // may be null where the path has no bf16 kernel
-  GemmQ gemm_q;        // may be null where the path has no int8 kernel
-  SiluMul silu_mul;
+  const char* name;
+  GemmBF16 gemm_bf16;
 };
 
 extern const Kernels kPortable;
-extern const Kernels kAvx512;
+extern const Kernels kAvx512;  // AVX-512 BF16
+extern const Kernels kAvx2;    // AVX2 + FMA (kernels_avx2.cpp; call only where cpu_info().avx2 holds)
 void amx_gemm_bf16(const Mat& w, int rb0, int nrb, const uint16_t* a, size_t lda, int ntok, float* c,
                    int ldc);  // AMX tiles (the operator calls it only where AMX is usable); ntok > 0
 
 // Q8_0-quantise one row of k floats (k multiple of 32), as ggml's quantize_row_q8_0 (d kept in fp32):
-// d = amax / 127, q = round-half-away(x / d). The AVX-512 version gives bit-identical results; call
-// it only where cpu_info().avx512 holds (F, BW, VL, DQ).
+// d = amax / 127, q = round-half-away(x / d). The AVX-512 and AVX2 versions give bit-identical
+// results; call them only where cpu_info().avx512 (F, BW, VL, DQ) / cpu_info().avx2 holds.
 void quantize_row_q8(const float* x, int k, int8_t* q, float* d, int32_t* sum);
 void quantize_row_q8_avx512(const float* x, int k, int8_t* q, float* d, int32_t* sum);
+void quantize_row_q8_avx2(const float* x, int k, int8_t* q, float* d, int32_t* sum);
 
 }  // namespace cpx

@@ -33,9 +33,13 @@ CpuInfo detect() {
   unsigned a, b, c, d;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return info;
   const bool osxsave = (c >> 27) & 1;
-  if ((c >> 28) & 1) info.flags.push_back("avx");
-  if ((c >> 12) & 1) info.flags.push_back("fma");
+  const bool avx = (c >> 28) & 1;
+  if (avx) info.flags.push_back("avx");
+  const bool fma = (c >> 12) & 1, f16c = (c >> 29) & 1;
+  if (fma) info.flags.push_back("fma");
+  if (f16c) info.flags.push_back("f16c");
   const unsigned long long xcr0 = osxsave ? xgetbv0() : 0;
+  const bool os_ymm = (xcr0 & 0x6) == 0x6;                  // SSE, AVX state
   const bool os_zmm = (xcr0 & 0xe6) == 0xe6;               // SSE, AVX, opmask, ZMM_Hi256, Hi16_ZMM
   const bool os_amx = (xcr0 & (3ull << 17)) == (3ull << 17);  // XTILECFG, XTILEDATA
   unsigned max_leaf = __get_cpuid_max(0, nullptr);
@@ -44,7 +48,8 @@ CpuInfo detect() {
   const bool f = (b >> 16) & 1, dq = (b >> 17) & 1, bw = (b >> 30) & 1, vl = (b >> 31) & 1;
   const bool vnni = (c >> 11) & 1, amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1,
              amx_int8 = (d >> 25) & 1;
-  if ((b >> 5) & 1) info.flags.push_back("avx2");
+  const bool avx2 = (b >> 5) & 1;
+  if (avx2) info.flags.push_back("avx2");
   if (f) info.flags.push_back("avx512f");
   if (dq) info.flags.push_back("avx512dq");
   if (bw) info.flags.push_back("avx512bw");
@@ -57,6 +62,7 @@ CpuInfo detect() {
   if (amx_tile) info.flags.push_back("amx_tile");
   if (amx_bf16) info.flags.push_back("amx_bf16");
   if (amx_int8) info.flags.push_back("amx_int8");
+  info.avx2 = avx && avx2 && fma && f16c && os_ymm;
   info.avx512 = f && dq && bw && vl && os_zmm;
   info.avx512_bf16 = info.avx512 && bf16;
   info.avx512_vnni = info.avx512 && vnni;

@@ -1,4 +1,5 @@
 // Run-time CPU feature detection (CPUID + XCR0 + the Linux AMX tile-data permission).
+// Every SIMD path is compiled with per-function target attributes and called only where these hold.
 #pragma once
 #include <string>
 #include <vector>
@@ -6,6 +7,7 @@
 namespace cpx {
 
 struct CpuInfo {
+  bool avx2 = false;         // AVX2 + FMA + F16C, with the OS saving ymm state (XCR0 bits 1, 2)
   bool avx512 = false;       // F + BW + VL + DQ, with the OS saving zmm state
   bool avx512_bf16 = false;  // and AVX512_BF16
   bool avx512_vnni = false;  // and AVX512_VNNI

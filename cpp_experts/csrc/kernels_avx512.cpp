@@ -3,8 +3,7 @@
 //  bf16: vdpbf16ps, 16 output rows per zmm (the packed layout), k-pairs of the activation
 //        broadcast; a 2-rowblock x up to 12-token register tile, so one weight line feeds many
 //        tokens (GEMM) and one token streams the weights at memory speed (GEMV).
-//  q8_0/q4_0: vpdpbusd (unsigned weight bytes x signed Q8_0 activation bytes), one int32 sum per
-//        32-value block, then scaled by d_w * d_x into fp32 accumulators, as ggml's vec_dot does.
+//  The Q8_0 activation quantisation of the AVX-512 path (the int8 gemms are in linear_avx512.cpp).
 #include <immintrin.h>
 
 #include "common.h"
@@ -58,100 +57,6 @@ CPX_AVX512 void gemm_bf16_avx512(const Mat& w, int rb0, int nrb, const uint16_t*
   }
 }
 
-template <int TT, bool Q8>
-CPX_AVX512 inline void mk_q(const uint8_t* wr, const uint16_t* sr, int nb, const int8_t* xq,
-                            const float* xd, const int32_t* xs, int k, float* c, int ldc) {
-  constexpr int kGroups = Q8 ? 8 : 4;
-  const __m512i lo = _mm512_set1_epi8(15);
-  __m512 acc[TT];
-#pragma GCC unroll 8
-  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
-  for (int b = 0; b < nb; ++b) {
-    __m512i wv[8];
-    const uint8_t* wb = wr + size_t(b) * kGroups * 64;
-    if (Q8) {
-#pragma GCC unroll 8
-      for (int g = 0; g < 8; ++g) wv[g] = _mm512_load_si512(wb + g * 64);
-    } else {
-#pragma GCC unroll 4
-      for (int g = 0; g < 4; ++g) {
-        const __m512i v = _mm512_load_si512(wb + g * 64);
-        wv[g] = _mm512_and_si512(v, lo);
-        wv[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
-      }
-    }
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sr + b * 16)));
-#pragma GCC unroll 8
-    for (int t = 0; t < TT; ++t) {
-      const int8_t* xb = xq + size_t(t) * k + b * 32;
-      __m512i s = _mm512_set1_epi32(-(Q8 ? 128 : 8) * xs[size_t(t) * nb + b]);
-#pragma GCC unroll 8
-      for (int g = 0; g < 8; ++g) {
-        int32_t xv;
-        std::memcpy(&xv, xb + 4 * g, 4);
-        s = _mm512_dpbusd_epi32(s, wv[g], _mm512_set1_epi32(xv));
-      }
-      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xd[size_t(t) * nb + b]));
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[t]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int t = 0; t < TT; ++t) _mm512_storeu_ps(c + size_t(t) * ldc, acc[t]);
-}
-
-using MkQ = void (*)(const uint8_t*, const uint16_t*, int, const int8_t*, const float*, const int32_t*,
-                     int, float*, int);
-constexpr int kQTile = 8;
-const MkQ kMkQ8[kQTile + 1] = {nullptr, mk_q<1, true>, mk_q<2, true>, mk_q<3, true>, mk_q<4, true>,
-                               mk_q<5, true>, mk_q<6, true>, mk_q<7, true>, mk_q<8, true>};
-const MkQ kMkQ4[kQTile + 1] = {nullptr, mk_q<1, false>, mk_q<2, false>, mk_q<3, false>, mk_q<4, false>,
-                               mk_q<5, false>, mk_q<6, false>, mk_q<7, false>, mk_q<8, false>};
-
-CPX_AVX512 void gemm_q_avx512(const Mat& w, int rb0, int nrb, const QAct& a, int row0, int ntok,
-                              float* c, int ldc) {
-  const int nb = w.k / 32;
-  const MkQ* table = w.fmt == Format::Q8_0 ? kMkQ8 : kMkQ4;
-  const size_t rbs = w.rb_stride();
-  for (int r = 0; r < nrb; ++r) {
-    const uint8_t* wr = w.data + size_t(rb0 + r) * rbs;
-    const uint16_t* sr = w.scales + size_t(rb0 + r) * nb * 16;
-    for (int t = 0; t < ntok; t += kQTile) {
-      const int tt = ntok - t < kQTile ? ntok - t : kQTile;
-      const size_t row = size_t(row0 + t);
-      table[tt](wr, sr, nb, a.q + row * a.k, a.d + row * nb, a.sum + row * nb, a.k,
-                c + size_t(t) * ldc + r * 16, ldc);
-    }
-  }
-}
-
-// exp(x) for x <= 0 region used by SiLU (clamped to avoid overflow): 2^n * p(f), |f| <= 0.5.
-CPX_AVX512 inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-CPX_AVX512 void silu_mul_avx512(const float* g, const float* u, float* h, int n) {
-  int i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 gv = _mm512_loadu_ps(g + i);
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-    const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-    _mm512_storeu_ps(h + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
-  }
-  for (; i < n; ++i) kPortable.silu_mul(g + i, u + i, h + i, 1);
-}
-
 }  // namespace
 
 // Same results as quantize_row_q8 bit for bit: the same fp32 divide and reciprocal, and
@@ -186,6 +91,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void quantize_row_
   }
 }
 
-const Kernels kAvx512 = {"avx512_bf16", "avx512_vnni", gemm_bf16_avx512, gemm_q_avx512, silu_mul_avx512};
+const Kernels kAvx512 = {"avx512_bf16", gemm_bf16_avx512};
 
 }  // namespace cpx

@@ -1,5 +1,6 @@
-// Portable kernels: plain C++ over the packed layouts, written so that the compiler can
-// auto-vectorise the 16-row inner loops for the baseline x86-64 (or any) target.
+// Portable kernels: the bf16 gemm over the packed bf16 layout (common.h), written so that the compiler
+// can auto-vectorise its 16-row inner loop for the baseline x86-64 (or any) target, and the Q8_0
+// activation quantisation every path's results are defined by.
 #include <cmath>
 #include <limits>
 
@@ -25,54 +26,6 @@ void gemm_bf16_portable(const Mat& w, int rb0, int nrb, const uint16_t* a, size_
       for (int j = 0; j < 16; ++j) cr[j] = acc[j];
     }
   }
-}
-
-void gemm_q_portable(const Mat& w, int rb0, int nrb, const QAct& a, int row0, int ntok, float* c,
-                     int ldc) {
-  const int nb = w.k / 32;
-  const bool q8 = w.fmt == Format::Q8_0;
-  const int groups = q8 ? 8 : 4;
-  const int32_t off = q8 ? 128 : 8;
-  for (int r = 0; r < nrb; ++r) {
-    const uint8_t* wr = w.data + size_t(rb0 + r) * w.rb_stride();
-    const uint16_t* sr = w.scales + size_t(rb0 + r) * nb * 16;
-    for (int t = 0; t < ntok; ++t) {
-      const size_t arow = size_t(row0 + t);
-      const int8_t* xq = a.q + arow * a.k;
-      const float* xd = a.d + arow * nb;
-      const int32_t* xs = a.sum + arow * nb;
-      float acc[16] = {};
-      for (int b = 0; b < nb; ++b) {
-        const uint8_t* wb = wr + size_t(b) * groups * 64;
-        const int8_t* xb = xq + b * 32;
-        int32_t isum[16] = {};
-        for (int g = 0; g < groups; ++g) {
-          const uint8_t* wg = wb + g * 64;
-          for (int j = 0; j < 16; ++j) {
-            int32_t s = 0;
-            for (int cc = 0; cc < 4; ++cc) {
-              const int v = wg[4 * j + cc];
-              if (q8) {
-                s += v * xb[4 * g + cc];
-              } else {
-                s += (v & 15) * xb[4 * g + cc] + (v >> 4) * xb[16 + 4 * g + cc];
-              }
-            }
-            isum[j] += s;
-          }
-        }
-        const float dx = xd[b];
-        const int32_t corr = off * xs[b];
-        for (int j = 0; j < 16; ++j) acc[j] += f16_to_f32(sr[b * 16 + j]) * dx * float(isum[j] - corr);
-      }
-      float* cr = c + size_t(t) * ldc + r * 16;
-      for (int j = 0; j < 16; ++j) cr[j] = acc[j];
-    }
-  }
-}
-
-void silu_mul_portable(const float* g, const float* u, float* h, int n) {
-  for (int i = 0; i < n; ++i) h[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
 
 }  // namespace
@@ -104,7 +57,6 @@ void quantize_row_q8(const float* x, int k, int8_t* q, float* d, int32_t* sum) {
   }
 }
 
-const Kernels kPortable = {"portable", "portable", gemm_bf16_portable, gemm_q_portable,
-                           silu_mul_portable};
+const Kernels kPortable = {"portable", gemm_bf16_portable};
 
 }  // namespace cpx

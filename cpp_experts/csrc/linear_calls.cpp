@@ -87,7 +87,9 @@ void prepare_input(Pool& pool, LinearInput& in, const float* x, int64_t ldx, int
   in.m = m;
   in.k = k;
   in.kp = int(round_up(size_t(k), 32));
-  in.has_q8 = in.has_bf16 = false;
+  in.has_q8 = in.has_bf16 = in.has_f32 = false;
+  in.x = x;
+  in.ldx = ldx;
   QuantRow quantize = nullptr;
   for (const QuantLinear* op : readers) {
     if (op->in_features() != k)
@@ -98,6 +100,7 @@ void prepare_input(Pool& pool, LinearInput& in, const float* x, int64_t ldx, int
       quantize = op->quantizer();
     }
     in.has_bf16 = in.has_bf16 || op->reads_bf16();
+    in.has_f32 = in.has_f32 || op->reads_f32();
   }
   if (m <= 0) return;
   const int nb = k / 32;
@@ -135,7 +138,12 @@ void prepare_input(Pool& pool, LinearInput& in, const float* x, int64_t ldx, int
 }
 
 void QuantLinear::tile(const LinearInput& in, int rb0, int rb1, int t0, int nt, float* c, int ldc) const {
-  if (fmt_ == LinFormat::BF16) {
+  rb1 = std::min(rb1, nrb_);  // a caller's range may come from a sibling of another format
+  if (rb1 <= rb0) return;
+  if (fmt_ == LinFormat::F32) {
+    lin_->gemm_f32(reinterpret_cast<const float*>(w_.data()), K_, rb0, rb1, in.x + t0 * in.ldx, size_t(in.ldx), nt, c,
+                   ldc);
+  } else if (fmt_ == LinFormat::BF16) {
     const uint16_t* at = in.bf16_rows() + size_t(t0) * in.kp;
     if (amx_ && nt >= kAmxBf16MinRows)
       amx_gemm_bf16(bm_, rb0, rb1 - rb0, at, size_t(in.kp), nt, c, ldc);
@@ -151,6 +159,11 @@ void QuantLinear::tile(const LinearInput& in, int rb0, int rb1, int t0, int nt, 
 void QuantLinear::dequant_row(int n, float* out) const {
   if (n < 0 || n >= N_) throw ArgError("row " + std::to_string(n) + " is outside [0, " + std::to_string(N_) + ")");
   const int rb = n / 16, r = n % 16;
+  if (fmt_ == LinFormat::F32) {
+    const float* w = reinterpret_cast<const float*>(w_.data()) + size_t(rb) * K_ * 16;
+    for (int k = 0; k < K_; ++k) out[k] = w[size_t(k) * 16 + r];
+    return;
+  }
   if (fmt_ == LinFormat::BF16) {
     const uint16_t* w = reinterpret_cast<const uint16_t*>(w_.data()) + size_t(rb) * Kp_ * 16;
     for (int k = 0; k < K_; ++k) out[k] = bf16_to_f32(w[size_t(k / 2) * 32 + 2 * r + (k & 1)]);
@@ -183,7 +196,8 @@ void QuantLinear::dequant_row(int n, float* out) const {
             o[i] = D * float(sc) * float(int(q[i]) - 32);
             break;
           }
-          case LinFormat::BF16: break;
+          case LinFormat::BF16:
+          case LinFormat::F32: break;
         }
       }
     }
@@ -204,12 +218,14 @@ void run_linears(Pool& pool, const std::vector<LinearCall>& calls, int m) {
   for (const LinearCall& c : calls) {
     if (!c.op || !c.in || !c.out) throw ArgError("a linear call needs an operator, an input and an output");
     if (c.row0 < 0 || c.in->m < c.row0 + m || c.in->k != c.op->in_features()) throw ArgError("a linear call's input does not fit its operator");
-    if ((c.op->reads_q8() && !c.in->has_q8) || (c.op->reads_bf16() && !c.in->has_bf16))
+    if ((c.op->reads_q8() && !c.in->has_q8) || (c.op->reads_bf16() && !c.in->has_bf16) ||
+        (c.op->reads_f32() && !c.in->has_f32))
       throw ArgError("a linear call's input was not prepared for its operator");
     if (c.ep == Epilogue::SiluMul) {
       if (!c.up || c.up->out_features() != c.op->out_features() || c.up->in_features() != c.op->in_features())
         throw ArgError("SiluMul needs an up projection of the gate's shape");
-      if ((c.up->reads_q8() && !c.in->has_q8) || (c.up->reads_bf16() && !c.in->has_bf16))
+      if ((c.up->reads_q8() && !c.in->has_q8) || (c.up->reads_bf16() && !c.in->has_bf16) ||
+          (c.up->reads_f32() && !c.in->has_f32))
         throw ArgError("a linear call's input was not prepared for its up projection");
     }
     total_rb += c.op->rowblocks() * (c.ep == Epilogue::SiluMul ? 2 : 1);

@@ -1,5 +1,5 @@
-// Portable QuantLinear kernels: plain C++ over the packed layout (quant_linear.h). They serve CPUs
-// without AVX-512 VNNI and are what the AVX-512 kernels are tested against.
+// Portable QuantLinear kernels: plain C++ over the packed layouts (quant_linear.h). They serve CPUs
+// without AVX2 and are what the AVX2 and AVX-512 kernels are tested against.
 #include <algorithm>
 
 #include "quant_linear.h"
@@ -91,11 +91,27 @@ void gemm_portable(const QMat& w, int rb0, int rb1, const ActQ& a, int t0, int n
                 break;
               }
               case LinFormat::BF16:
+              case LinFormat::F32:
                 break;
             }
           }
         }
       }
+    }
+  }
+}
+
+// f32 weights [rowblock][k][16]: one 16-row accumulator per row of x, in k order.
+void gemm_f32_portable(const float* w, int k, int rb0, int rb1, const float* x, size_t ldx, int nt, float* c,
+                       int ldc) {
+  for (int rb = rb0; rb < rb1; ++rb) {
+    const float* wr = w + size_t(rb) * k * 16;
+    for (int t = 0; t < nt; ++t) {
+      const float* xr = x + size_t(t) * ldx;
+      float acc[16] = {};
+      for (int i = 0; i < k; ++i)
+        for (int j = 0; j < 16; ++j) acc[j] += wr[size_t(i) * 16 + j] * xr[i];
+      std::copy(acc, acc + 16, c + size_t(t) * ldc + (rb - rb0) * 16);
     }
   }
 }
@@ -121,10 +137,11 @@ void to_bf16_portable(const float* x, uint16_t* y, int n) {
 
 const LinKernels kLinPortable = {
     "portable",
-    {nullptr, gemm_portable, gemm_portable, gemm_portable, gemm_portable, gemm_portable, gemm_portable},
+    {nullptr, gemm_portable, gemm_portable, gemm_portable, gemm_portable, gemm_portable, gemm_portable, nullptr},
     quantize_row_q8,
     store_portable,
     to_bf16_portable,
+    gemm_f32_portable,
 };
 
 }  // namespace cpx

@@ -1,9 +1,11 @@
-// The routed-expert operator: packed expert weights plus the two-job forward (gate+up fused with
-// SiLU·mul, then down with the routing-weighted sum per token) on the worker pool it is bound to, run
-// either on the calling thread (forward) or on a per-operator driver thread (submit/sync). Weights
-// are loaded unbound; `bind` gives the operator a pool to compute on, `unbind` stops its driver
-// thread and lets the pool go (the pool's owner closes it).
+// The routed-expert operator: one layer's experts, each three QuantLinears (gate, up, down: any of
+// their weight formats, GGUF blocks as stored, bf16 or f32, chosen per weight), and the two-job
+// forward (gate+up with SiLU·mul, then down with the routing-weighted sum per token) on the worker
+// pool it is bound to, run either on the calling thread (forward) or on a per-operator driver thread
+// (submit/sync). Experts are set unbound; `bind` gives the operator a pool to compute on, `unbind`
+// stops its driver thread and lets the pool go (the pool's owner closes it).
 #pragma once
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
@@ -15,7 +17,9 @@
 #include <vector>
 
 #include "common.h"
+#include "linear_calls.h"
 #include "pool.h"
+#include "quant_linear.h"
 
 namespace cpx {
 
@@ -32,18 +36,18 @@ struct Job {
 
 class MoE {
  public:
-  MoE(int experts, int top_k, int hidden, int inter, const std::string& format, const std::string& kernel);
+  MoE(int experts, int top_k, int hidden, int inter);
   ~MoE();
-  void load_bf16(int e, const uint16_t* gate, const uint16_t* up, const uint16_t* down);
-  void load_quant(int e, const uint8_t* gate, size_t gate_n, const uint8_t* up, size_t up_n,
-                  const uint8_t* down, size_t down_n);
+  // expert e's gate and up [inter][hidden] and down [hidden][inter]
+  void set_expert(int e, std::shared_ptr<QuantLinear> gate, std::shared_ptr<QuantLinear> up,
+                  std::shared_ptr<QuantLinear> down);
   void finalize();
   size_t memory_bytes() const;
   void forward(const Job& job);  // validates, then computes on this thread + the pool
   void submit(const Job& job);   // validates, then hands the job to the driver thread
   void sync();                   // waits for the submitted job
-  std::string kernel_bf16() const;
-  std::string kernel_q() const;
+  std::string kernel() const;    // expert 0's gate path
+  std::string formats() const;   // the weight formats in use, e.g. "q4_k/q6_k"
   // after the pending submit (if any) completes; unbind also joins the driver thread
   void bind(std::shared_ptr<Pool> pool);
   void unbind();
@@ -53,32 +57,22 @@ class MoE {
   uint64_t host_failures() const { return host_failures_.load(std::memory_order_relaxed); }
 
  private:
-  struct Expert {
-    Buffer w[3];       // gate, up, down
-    Buffer scales[3];  // quant formats
-    bool loaded = false;
-  };
-  Mat mat(int e, int which) const;
+  using Expert = std::array<std::shared_ptr<QuantLinear>, 3>;  // gate, up, down
   void validate(const Job& job) const;  // also that a pool is bound and open
   void compute(const Job& job);
   void driver();
   void stop_driver(std::unique_lock<std::mutex>& lock);
-  void pack_quant(const uint8_t* src, size_t n, int rows, int k, Expert& ex, int which,
-                  const char* name, int e);
 
-  int E_, K_, H_, I_, Hp_, Ip_;
-  Format fmt_;
-  const Kernels* kern_;
-  bool amx_ = false;
+  int E_, K_, H_, I_;
   bool finalized_ = false;
   std::vector<Expert> experts_;
+  std::vector<const QuantLinear*> gate_up_, down_;  // every expert's readers of each input (finalize)
   std::shared_ptr<Pool> pool_;
 
   // scratch, reused across calls
   std::vector<int> count_, offset_, slot_tok_;
-  std::vector<float> slot_w_;
-  Buffer act_, act_d_, act_s_, inter_, inter_d_, inter_s_, acc_;
-  std::vector<std::vector<float>> scratch_;
+  std::vector<float> slot_w_, xs_, inter_, acc_;
+  LinearInput in_x_, in_h_;
 
   // async driver
   std::thread driver_;

@@ -1,6 +1,7 @@
 // QuantLinear: kernel choice, the one-time repack of GGUF blocks (layout in quant_linear.h), and the
-// forward pass: activations quantised (or rounded to bf16) once, then tasks of (up to 16 rowblocks x
-// up to 64 rows of x) on the bound pool, each computing an fp32 tile and storing it with the bias.
+// forward pass: activations quantised (or rounded to bf16, or widened to fp32) once, then tasks of
+// (up to 16 rowblocks x up to 64 rows of x) on the bound pool, each computing an fp32 tile and
+// storing it with the bias.
 #include "quant_linear.h"
 
 #include <algorithm>
@@ -92,6 +93,7 @@ void decode(LinFormat f, const uint8_t* b, SbRow& o) {
       }
       break;
     case LinFormat::BF16:
+    case LinFormat::F32:
       break;
   }
 }
@@ -112,32 +114,47 @@ QuantLinear::QuantLinear(const std::string& format, int out_features, int in_fea
     throw ArgError(std::string(L.name) + " weight of " + std::to_string(N_) + " x " + std::to_string(K_) +
                    " needs " + std::to_string(want) + " bytes, got " + std::to_string(nbytes));
 
+  // Kernel choice. Quantised: AMX-INT8 (from kAmxInt8MinRows rows of x) + AVX-512 VNNI, else VNNI,
+  // else AVX2, else portable. bf16: AMX-BF16 (from kAmxMinTokens rows) + AVX-512 BF16, else AVX-512
+  // BF16, else AVX2, else portable. f32: AVX2 (AVX-512 CPUs included), else portable. Forcing
+  // 'avx512' / 'amx' keeps f32 on AVX2 once the forced feature is found.
   const CpuInfo& cpu = cpu_info();
-  const bool q = fmt_ != LinFormat::BF16;
-  const bool avx_ok = q ? cpu.avx512_vnni : cpu.avx512_bf16;
-  lin_ = cpu.avx512_vnni ? &kLinAvx512 : &kLinPortable;
-  bf16k_ = cpu.avx512_bf16 ? &kAvx512 : &kPortable;
+  const bool f32 = fmt_ == LinFormat::F32, q = lin_quantised(fmt_);
+  const bool avx_ok = f32 ? cpu.avx512 : q ? cpu.avx512_vnni : cpu.avx512_bf16;
+  const LinKernels* simd = cpu.avx2 ? &kLinAvx2 : &kLinPortable;
+  lin_ = f32 ? simd : cpu.avx512_vnni ? &kLinAvx512 : simd;
+  bf16k_ = cpu.avx512_bf16 ? &kAvx512 : cpu.avx2 ? &kAvx2 : &kPortable;
   if (kernel == "portable") {
     lin_ = &kLinPortable;
     bf16k_ = &kPortable;
+  } else if (kernel == "avx2") {
+    if (!cpu.avx2)
+      throw std::runtime_error("kernel 'avx2' forced, but this CPU lacks AVX2 with FMA and F16C (or the OS does not "
+                               "save ymm state)");
+    lin_ = &kLinAvx2;
+    bf16k_ = &kAvx2;
   } else if (kernel == "avx512") {
     if (!avx_ok)
       throw std::runtime_error(std::string("kernel 'avx512' forced, but this CPU lacks ") +
-                               (q ? "AVX-512 VNNI" : "AVX-512 BF16"));
+                               (f32 ? "AVX-512" : q ? "AVX-512 VNNI" : "AVX-512 BF16"));
   } else if (kernel == "amx" || kernel.empty() || kernel == "auto") {
     if (kernel == "amx" && !cpu.amx_usable)
       throw std::runtime_error("kernel 'amx' forced, but AMX is not usable here (no AMX-BF16 in CPUID, or the OS "
                                "refused tile data)");
-    amx_ = !q && cpu.amx_usable;
+    amx_ = fmt_ == LinFormat::BF16 && cpu.amx_usable;
     amxq_ = q && cpu.amx_int8;  // without AMX-INT8 the quantised formats stay on AVX-512 VNNI
   } else {
-    throw ArgError("kernel must be 'amx', 'avx512', 'portable' or 'auto', got '" + kernel + "'");
+    throw ArgError("kernel must be 'amx', 'avx512', 'avx2', 'portable' or 'auto', got '" + kernel + "'");
   }
 
   if (q) {
     Kp_ = K_;
     nrb_ = (N_ + 15) / 16;
     pack_quant(data);
+  } else if (f32) {
+    Kp_ = K_;
+    nrb_ = (N_ + 15) / 16;
+    pack_f32(reinterpret_cast<const float*>(data));
   } else {
     Kp_ = int(round_up(size_t(K_), 32));
     nrb_ = int(round_up(size_t(N_), 32)) / 16;
@@ -222,6 +239,7 @@ void QuantLinear::pack_quant(const uint8_t* src) {
             bp[400 + r] = row.sc[2 * j + 1];
             break;
           case LinFormat::BF16:
+          case LinFormat::F32:
             break;
         }
       }
@@ -232,7 +250,6 @@ void QuantLinear::pack_quant(const uint8_t* src) {
 void QuantLinear::pack_bf16(const uint16_t* src) {
   const int rows = nrb_ * 16;
   w_.resize(size_t(rows) * Kp_ * 2);
-  bm_.fmt = Format::BF16;
   bm_.rows = rows;
   bm_.k = Kp_;
   bm_.data = w_.data();
@@ -241,6 +258,16 @@ void QuantLinear::pack_bf16(const uint16_t* src) {
     const uint16_t* s = src + size_t(n) * K_;
     uint16_t* d = dst + size_t(n / 16) * Kp_ * 16 + 2 * (n % 16);
     for (int k = 0; k < K_; ++k) d[size_t(k / 2) * 32 + (k & 1)] = s[k];
+  }
+}
+
+void QuantLinear::pack_f32(const float* src) {
+  w_.resize(size_t(nrb_) * 16 * K_ * 4);
+  float* dst = reinterpret_cast<float*>(w_.data());
+  for (int n = 0; n < N_; ++n) {
+    const float* s = src + size_t(n) * K_;
+    float* d = dst + size_t(n / 16) * K_ * 16 + n % 16;
+    for (int k = 0; k < K_; ++k) d[size_t(k) * 16] = s[k];
   }
 }
 
@@ -267,7 +294,7 @@ int QuantLinear::threads() const {
 
 std::string QuantLinear::kernel() const {
   if (fmt_ != LinFormat::BF16) return amxq_ ? std::string("amx_int8+") + lin_->name : std::string(lin_->name);
-  if (bf16k_ == &kPortable) return "portable";
+  if (bf16k_ != &kAvx512) return bf16k_->name;  // "portable", "avx2"
   return amx_ ? "amx+avx512_bf16" : "avx512_bf16";
 }
 
@@ -281,6 +308,17 @@ int QuantLinear::rowblocks_per_task() const {
 
 void QuantLinear::prepare(const void* x, bool bf16, int m) {
   const int ntask = (m + kActChunk - 1) / kActChunk;
+  if (fmt_ == LinFormat::F32) {
+    if (!bf16) return;  // the kernels read x itself
+    act_f_.resize(size_t(m) * K_ * 4);
+    float* dst = reinterpret_cast<float*>(act_f_.data());
+    pool_->run(ntask, [&](int task, int) {
+      const size_t t0 = size_t(task) * kActChunk, t1 = std::min(size_t(m), t0 + kActChunk);
+      const uint16_t* xb = static_cast<const uint16_t*>(x);
+      for (size_t i = t0 * K_; i < t1 * K_; ++i) dst[i] = bf16_to_f32(xb[i]);
+    });
+    return;
+  }
   if (fmt_ == LinFormat::BF16) {
     if (bf16 && K_ == Kp_) return;  // the kernels read x itself
     act_b_.resize(size_t(m) * Kp_ * 2);
@@ -346,6 +384,7 @@ void QuantLinear::forward(const void* x, bool bf16, int m, void* out) {
                reinterpret_cast<const int32_t*>(act_s16_.data()), K_};
   const bool own_b = !(bf16 && K_ == Kp_);
   const uint16_t* ab = own_b ? reinterpret_cast<const uint16_t*>(act_b_.data()) : static_cast<const uint16_t*>(x);
+  const float* af = bf16 ? reinterpret_cast<const float*>(act_f_.data()) : static_cast<const float*>(x);
   const float* bias = has_bias_ ? reinterpret_cast<const float*>(bias_.data()) : nullptr;
   const size_t esz = bf16 ? 2 : 4;
   pool_->run(ntr * ntc, [&](int task, int tid) {
@@ -359,6 +398,9 @@ void QuantLinear::forward(const void* x, bool bf16, int m, void* out) {
         amx_gemm_bf16(bm_, rb0, rb1 - rb0, at, size_t(Kp_), nt, c, ldc);
       else
         bf16k_->gemm_bf16(bm_, rb0, rb1 - rb0, at, size_t(Kp_), nt, c, ldc);
+    } else if (fmt_ == LinFormat::F32) {
+      lin_->gemm_f32(reinterpret_cast<const float*>(w_.data()), K_, rb0, rb1, af + size_t(t0) * K_, size_t(K_), nt,
+                     c, ldc);
     } else if (amxq_ && nt >= kAmxInt8MinRows) {
       kLinAmxGemm[int(fmt_)](qm_, rb0, rb1, a, t0, nt, c, ldc);
     } else {

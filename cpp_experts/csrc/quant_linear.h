@@ -28,8 +28,14 @@
 //   q4_k, q5_k: uint8 sc[16], uint8 mn[16]  w = (d sc) q - (dmin mn)        (6-bit sc and mn)
 //   q6_k:       int8 sc[16] for elements 0..15, int8 sc[16] for 16..31;  w = (d sc) (q - 32)
 // Bytes per weight are GGUF's (q4_k and q5_k: +2%, their 6-bit scales stored as bytes). The same
-// groups are AMX int8 B-tile rows (linear_amx.cpp). bf16 weights use the MoE operator's bf16 layout
+// groups are AMX int8 B-tile rows (linear_amx.cpp); on AVX2 (linear_avx2.cpp) a group is two ymm
+// operands of vpmaddubsw (rows 0..7, rows 8..15). bf16 weights use the MoE operator's bf16 layout
 // and gemm kernels (common.h).
+//
+// f32 weights (for exact fp32 models) are packed [N/16][K][16] fp32: one 64-byte line holds one k of
+// a rowblock's 16 rows (two ymm of fp32, FMA'd against x[k] broadcast), and every rowblock is one
+// contiguous run of K lines, read front to back. Activations stay fp32 (bf16 x widened), so the
+// product is the fp32 matmul up to summation order.
 #pragma once
 #include <memory>
 #include <mutex>
@@ -41,8 +47,10 @@
 
 namespace cpx {
 
-enum class LinFormat { BF16 = 0, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K };
-constexpr int kLinFormats = 7;
+enum class LinFormat { BF16 = 0, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, F32 };
+constexpr int kLinFormats = 8;
+// GGUF-block formats (the packed layout above; the int8 kernels)
+constexpr bool lin_quantised(LinFormat f) { return f != LinFormat::BF16 && f != LinFormat::F32; }
 
 // Per format: GGUF block (values, bytes) and the packed layout of one rowblock's superblock.
 struct LinLayout {
@@ -55,7 +63,7 @@ struct LinLayout {
 constexpr LinLayout kLinLayout[kLinFormats] = {
     {"bf16", 1, 2, 0, 0, 0},         {"q8_0", 32, 34, 1, 0, 544},    {"q4_0", 32, 18, 1, 0, 288},
     {"q4_1", 32, 20, 1, 0, 320},     {"q4_k", 256, 144, 8, 64, 288}, {"q5_k", 256, 176, 8, 64, 352},
-    {"q6_k", 256, 210, 8, 32, 416},
+    {"q6_k", 256, 210, 8, 32, 416},  {"f32", 1, 4, 0, 0, 0},
 };
 constexpr int kGroupRowblocks = 4;  // rowblocks interleaved per superblock
 
@@ -90,18 +98,24 @@ using StoreRows = void (*)(const float* c, int ldc, int nt, int ncols, const flo
                            size_t ldo);
 using ToBF16 = void (*)(const float* x, uint16_t* y, int n);  // round to nearest even
 using QuantRow = void (*)(const float* x, int k, int8_t* q, float* d, int32_t* sum);
+// f32 weights w [rowblocks][k][16]: c[t * ldc + (rb - rb0) * 16 + j] = sum_i W[16 rb + j][i] * x[t * ldx + i],
+// for t < nt, rb0 <= rb < rb1.
+using LinGemmF32 = void (*)(const float* w, int k, int rb0, int rb1, const float* x, size_t ldx, int nt, float* c,
+                            int ldc);
 
 struct LinKernels {
   const char* name;
-  LinGemm gemm[kLinFormats];  // null for bf16 (the MoE bf16 kernels serve it)
+  LinGemm gemm[kLinFormats];  // null for bf16 (the MoE bf16 kernels serve it) and f32
   QuantRow quantize;
   StoreRows store;
   ToBF16 to_bf16;
+  LinGemmF32 gemm_f32;  // null where the path has none (AVX-512: AVX2 serves f32 there)
 };
 extern const LinKernels kLinPortable;
 // Row r's 32 unsigned quant values of the packed 32-value block at bp (the portable kernels' reader).
 void unpack_block(LinFormat f, const uint8_t* bp, int r, uint8_t* q);
 extern const LinKernels kLinAvx512;  // needs AVX-512 F/BW/VL/DQ + VNNI
+extern const LinKernels kLinAvx2;    // needs CpuInfo::avx2 (AVX2 + FMA + F16C)
 // AMX int8 gemms (linear_amx.cpp; needs CpuInfo::amx_int8) for tasks of kAmxInt8MinRows rows of x or
 // more (shorter token tiles go to the VNNI kernel): below that, storing and scaling the per-block tile
 // results costs more than the VNNI kernel's dot products.
@@ -113,7 +127,8 @@ struct LinearInput;
 class QuantLinear {
  public:
   // `data`: the GGUF tensor's blocks in ggml row order (out_features rows of in_features / block
-  // values), or for "bf16" out_features x in_features bf16 values. `bias`: [out_features] fp32 or null.
+  // values), or for "bf16" / "f32" out_features x in_features bf16 / fp32 values. `bias`:
+  // [out_features] fp32 or null. `kernel`: "", "auto", "amx", "avx512", "avx2" or "portable".
   QuantLinear(const std::string& format, int out_features, int in_features, const uint8_t* data, size_t nbytes,
               const float* bias, const std::string& kernel);
   void bind(std::shared_ptr<Pool> pool);  // after a forward under way, if any
@@ -127,10 +142,12 @@ class QuantLinear {
   // For callers that schedule several linears themselves (linear_calls.h): shapes, what input form
   // the kernels read, one output tile, and single rows of W decoded to fp32 (embedding lookups).
   int out_features() const { return N_; }
+  std::string format() const { return kLinLayout[int(fmt_)].name; }
   int in_features() const { return K_; }
   int rowblocks() const { return nrb_; }
-  bool reads_q8() const { return fmt_ != LinFormat::BF16; }
+  bool reads_q8() const { return lin_quantised(fmt_); }
   bool reads_bf16() const { return fmt_ == LinFormat::BF16; }
+  bool reads_f32() const { return fmt_ == LinFormat::F32; }
   const float* bias() const { return has_bias_ ? reinterpret_cast<const float*>(bias_.data()) : nullptr; }
   QuantRow quantizer() const { return lin_->quantize; }
   // c[t * ldc + (rb - rb0) * 16 + j] = row 16 rb + j of W times input row t0 + t, rb0 <= rb < rb1
@@ -144,12 +161,15 @@ class QuantLinear {
   };
   void pack_quant(const uint8_t* src);
   void pack_bf16(const uint16_t* src);
+  void pack_f32(const float* src);
   void prepare(const void* x, bool bf16, int m);  // activations in the kernel's format
   int rowblocks_per_task() const;
 
   LinFormat fmt_;
   int N_, K_, Kp_;  // Kp_: K padded to 32 (bf16 only; the quantised formats need whole blocks)
   int nrb_;         // rowblocks holding real rows (bf16: even, the bf16 kernel takes them in pairs)
+  // kernels: lin_ for the quantised gemms, activation quantisation, f32 gemm, stores and bf16
+  // rounding of x; bf16k_ for the bf16 gemm
   const LinKernels* lin_;
   const Kernels* bf16k_;
   bool amx_ = false;   // bf16 weights: AMX-BF16 tiles from kAmxMinTokens rows of x
@@ -161,7 +181,7 @@ class QuantLinear {
   mutable std::mutex m_;  // one forward at a time per operator (they share the scratch)
   std::shared_ptr<Pool> pool_;
   std::vector<Scratch> scratch_;
-  Buffer act_q_, act_d_, act_s_, act_ds_, act_s16_, act_b_;
+  Buffer act_q_, act_d_, act_s_, act_ds_, act_s16_, act_b_, act_f_;  // act_f_: bf16 x widened (f32)
 };
 
 }  // namespace cpx

@@ -19,7 +19,8 @@ import torch
 from kernels.graph_support import GraphMode, GraphSupport, HostStep
 from models.experts.base import ExpertBackend, WeightInput
 from models.experts.cpu_pool import CpuExpertPool
-from models.experts.cpu_weights import CpuExpertWeights, import_cpp_experts
+from models.cpu_ops import import_cpp_experts
+from models.experts.cpu_weights import CpuExpertWeights
 from models.experts.host_calls import EagerCall, EagerCalls, HostNodeCall, HostNodeCalls, SplitCall, SplitCalls
 from models.loader.raw_blocks import RawBlocks
 

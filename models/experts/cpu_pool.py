@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from models.experts.cpu_weights import import_cpp_experts
+from models.cpu_ops import import_cpp_experts
 
 
 class HostStaging:

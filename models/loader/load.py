@@ -19,7 +19,7 @@ from models.base import CausalLM
 from models.builtin import resolve_model_path
 from models.config import ModelConfig, config_from_hf_dict
 from models.loader.errors import CheckpointError
-from models.experts import EXPERT_BACKENDS, ExpertBackend, WeightInput
+from models.experts import EXPERT_BACKENDS, CppExperts, ExpertBackend, WeightInput
 from models.native import CPU_WEIGHT_DTYPES, NativeEmbedding, NativeLinear, use_native_weights
 from models.registry import model_class
 
@@ -106,6 +106,9 @@ def load_model(
         net = cls(config, expert_backend=expert_backend)
         if cpu_weights is not None:
             use_native_weights(net, cpu_weights, torch_dtype)
+            for m in net.modules():
+                if isinstance(m, CppExperts):
+                    m.weights.mode = cpu_weights
     net = net.to_empty(device=device).to(torch_dtype)
     for module in net.modules():
         if getattr(module, "keep_fp32", False):

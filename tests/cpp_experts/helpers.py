@@ -12,12 +12,15 @@ import torch.nn.functional as F
 import cpp_experts
 from models.loader.gguf_quants import dequantize
 
-QTYPE = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+QTYPE = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+         "q4_1": gguf.GGMLQuantizationType.Q4_1}
 
 
 def available_paths() -> list[str]:
     kernels = cpp_experts.info()["kernels"]
     paths = ["portable"]
+    if "avx2" in kernels:
+        paths.append("avx2")
     if "avx512_bf16" in kernels or "avx512_vnni" in kernels:
         paths.append("avx512")
     if "amx" in kernels:
@@ -29,14 +32,29 @@ def path_params() -> list:
     """Every kernel path; the ones this CPU lacks are skipped with a message."""
     have = available_paths()
     return [p if p in have else pytest.param(p, marks=pytest.mark.skip(reason=f"this CPU has no usable {p} kernels"))
-            for p in ("portable", "avx512", "amx")]
+            for p in ("portable", "avx2", "avx512", "amx")]
 
 
 def path_supports(path: str, fmt: str) -> bool:
+    """Whether the MoE operator runs `fmt` on `path` here (the skips of path_params cover the path itself)."""
     kernels = cpp_experts.info()["kernels"]
     if path == "avx512":
         return ("avx512_vnni" if fmt != "bf16" else "avx512_bf16") in kernels
+    if path == "avx2":
+        return "avx2" in kernels
     return True
+
+
+def moe_kernel(path: str, fmt: str) -> str:
+    """The `kernel` string of an operator of `fmt` on a forced path (a MoE reports its experts' QuantLinears')."""
+    kernels = cpp_experts.info()["kernels"]
+    if path in ("portable", "avx2"):
+        return path
+    if fmt == "f32":  # its only SIMD kernel, under 'avx512' and 'amx' too
+        return "avx2" if "avx2" in kernels else "portable"
+    if fmt == "bf16":
+        return "amx+avx512_bf16" if path == "amx" else "avx512_bf16"
+    return "amx_int8+avx512_vnni" if path == "amx" and "amx_int8" in kernels else "avx512_vnni"
 
 
 class Experts:
@@ -49,9 +67,9 @@ class Experts:
         for _ in range(E):
             mats = (torch.randn(I, H, generator=g) / H**0.5, torch.randn(I, H, generator=g) / H**0.5,
                     torch.randn(H, I, generator=g) / I**0.5)
-            if fmt == "bf16":
+            if fmt in ("bf16", "f32"):
                 self.raw.append(mats)
-                self.weights.append(tuple(m.bfloat16().float() for m in mats))
+                self.weights.append(tuple(m.bfloat16().float() if fmt == "bf16" else m for m in mats))
             else:
                 blocks = [gguf.quants.quantize(m.numpy(), QTYPE[fmt]) for m in mats]
                 self.raw.append(tuple(torch.from_numpy(np.ascontiguousarray(b)) for b in blocks))

@@ -119,16 +119,18 @@ def test_bad_inputs_raise(moe: cpp_experts.MoE) -> None:
 
 def test_bad_construction_and_loading() -> None:
     with pytest.raises(ValueError, match="weight_format"):
-        cpp_experts.MoE(4, 2, 64, 64, "q5_k")
+        cpp_experts.MoE(4, 2, 64, 64, "q5_0")
     with pytest.raises(ValueError, match="top_k"):
         cpp_experts.MoE(4, 5, 64, 64)
-    with pytest.raises(ValueError, match="divisible by 32"):
-        cpp_experts.MoE(4, 2, 64, 48, "q8_0")
+    q48 = Experts("q8_0", 1, 64, 64, seed=5).raw[0][0]
+    with pytest.raises(ValueError, match="divisible by its block size 32"):  # down's 48 inputs
+        cpp_experts.MoE(4, 2, 64, 48, "q8_0").load_expert(0, q48[:48].contiguous(), q48[:48].contiguous(),
+                                                          torch.zeros(64 * 34, dtype=torch.uint8))
     with pytest.raises(ValueError, match="kernel must be"):
         cpp_experts.MoE(4, 2, 64, 64, kernel="sse")
     if "amx" not in cpp_experts.info()["kernels"]:
-        with pytest.raises(RuntimeError, match="amx"):
-            cpp_experts.MoE(4, 2, 64, 64, kernel="amx")
+        with pytest.raises(RuntimeError, match="amx"):  # the experts' operators refuse the forced path
+            cpp_experts.MoE(4, 2, 64, 64, kernel="amx").load_expert(0, *(torch.randn(64, 64),) * 3)
     with pytest.raises(ValueError, match="num_threads"):
         cpp_experts.WorkerPool(0)
     m = cpp_experts.MoE(2, 1, 64, 64, "bf16", pool=cpp_experts.WorkerPool(1))

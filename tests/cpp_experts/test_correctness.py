@@ -10,14 +10,25 @@ import zlib
 import pytest
 import torch
 
-from tests.cpp_experts.helpers import Experts, path_params, path_supports, reference, routing
+from tests.cpp_experts.helpers import (
+    Experts,
+    available_paths,
+    moe_kernel,
+    path_params,
+    path_supports,
+    reference,
+    routing,
+)
 
 E, H, I = 10, 128, 96  # I = 96: one 64-row task plus a 32-row remainder
 # relative (Frobenius) error bounds per format, against the reference with quantised activations.
 # Quantized formats: over 150 weight seeds the single-token case (one expert, 128 outputs, where one
 # flipped Q8_0 rounding of the intermediate activation weighs most) has median 1.6e-3 and worst 6.5e-3
 # (Q8_0), 5.4e-3 (Q4_0); the bound leaves twice the worst seen.
-TOL = {"bf16": 8e-3, "q8_0": 1.3e-2, "q4_0": 1.3e-2}
+# f32 weights: exact up to fp32 summation order, or the bf16 output's own rounding (2^-9 relative).
+TOL = {"bf16": 8e-3, "q8_0": 1.3e-2, "q4_0": 1.3e-2, "q4_1": 1.3e-2, "f32": 2e-5}
+BF16_OUT = 4e-3
+FORMATS = ["bf16", "f32", "q8_0", "q4_0", "q4_1"]
 # (T, top_k, routing, threads, activation dtype)
 CASES = [
     (1, 1, "uniform", 1, torch.float32),
@@ -32,7 +43,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("path", path_params())
 def test_matches_reference(path: str, fmt: str) -> None:
     if not path_supports(path, fmt):
@@ -41,8 +52,7 @@ def test_matches_reference(path: str, fmt: str) -> None:
     ops: dict = {}
     for i, (T, k, mode, threads, dtype) in enumerate(CASES):
         moe = ops.get((k, threads)) or ops.setdefault((k, threads), ex.build(k, threads, path))
-        expect = "avx512_vnni" if (path == "amx" and fmt != "bf16") else path  # no AMX int8 kernel
-        assert moe.kernel.startswith(expect), moe.kernel
+        assert moe.kernel == moe_kernel(path, fmt), moe.kernel
         g = torch.Generator().manual_seed(100 + i)
         hidden = torch.randn(T, H, generator=g).to(dtype)
         ids, w = routing(T, E, k, mode, seed=i)
@@ -52,12 +62,14 @@ def test_matches_reference(path: str, fmt: str) -> None:
         y = moe.forward(hidden, ids, w, out=out)
         assert y.data_ptr() == out.data_ptr() and y.dtype == dtype
         assert torch.isfinite(y).all(), f"case {i}: non-finite output (poisoned buffer not overwritten?)"
-        ref = reference(ex, hidden, ids, w, quant_acts=fmt != "bf16")
+        quantised = fmt not in ("bf16", "f32")
+        ref = reference(ex, hidden, ids, w, quant_acts=quantised)
         err = ((y.float() - ref).norm() / ref.norm()).item()
-        assert err < TOL[fmt], f"case {i} (T={T}, k={k}, {mode}, threads={threads}, {dtype}): rel err {err:.2e}"
+        tol = TOL[fmt] if dtype == torch.float32 else max(TOL[fmt], BF16_OUT)
+        assert err < tol, f"case {i} (T={T}, k={k}, {mode}, threads={threads}, {dtype}): rel err {err:.2e}"
         worst = (y.float() - ref).abs().max().item()
-        assert worst < 20 * TOL[fmt] * ref.abs().max().item(), f"case {i}: max abs err {worst:.3e}"
-        if fmt != "bf16":  # also close to the exact fp32 activations, within Q8_0 activation rounding
+        assert worst < 20 * tol * ref.abs().max().item(), f"case {i}: max abs err {worst:.3e}"
+        if quantised:  # also close to the exact fp32 activations, within Q8_0 activation rounding
             exact = reference(ex, hidden, ids, w, quant_acts=False)
             assert ((y.float() - exact).norm() / exact.norm()).item() < 3e-2
 
@@ -80,10 +92,24 @@ def test_paths_agree_with_each_other(path: str) -> None:
 def test_env_var_forces_path(monkeypatch: pytest.MonkeyPatch) -> None:
     import cpp_experts
 
+    def loaded(fmt: str = "bf16") -> cpp_experts.MoE:
+        moe = cpp_experts.MoE(1, 1, 64, 64, fmt)
+        ex = Experts(fmt, 1, 64, 64, seed=1)
+        moe.load_expert(0, *ex.raw[0])
+        return moe
+
     monkeypatch.setenv("MLASERVE_CPP_EXPERTS_KERNEL", "portable")
     assert cpp_experts.info()["forced"] == "portable"
-    assert cpp_experts.info()["chosen"]["bf16"] == "portable"
-    assert cpp_experts.MoE(4, 2, 64, 64).kernel == "portable"
+    assert set(cpp_experts.info()["chosen"].values()) == {"portable"}
+    assert loaded().kernel == "portable" and loaded("q8_0").kernel == "portable"
+    monkeypatch.setenv("MLASERVE_CPP_EXPERTS_KERNEL", "avx2")
+    if "avx2" in available_paths():
+        assert set(cpp_experts.info()["chosen"].values()) == {"avx2"}
+        assert loaded().kernel == "avx2" and loaded("q8_0").kernel == "avx2"
+    else:
+        with pytest.raises(RuntimeError, match="lacks AVX2"):
+            loaded()
+    monkeypatch.delenv("MLASERVE_CPP_EXPERTS_KERNEL")
     monkeypatch.setenv("MLASERVE_CPP_EXPERTS_THREADS", "1")
     assert cpp_experts.info()["num_threads"] == 1
     assert os.environ["MLASERVE_CPP_EXPERTS_THREADS"] == "1"
@@ -93,8 +119,17 @@ def test_info_and_memory() -> None:
     import cpp_experts
 
     inf = cpp_experts.info()
-    assert set(inf) >= {"cpu_flags", "amx_usable", "kernels", "chosen", "forced", "num_threads"}
+    assert set(inf) >= {"cpu_flags", "amx_usable", "kernels", "chosen", "chosen_linear", "forced", "num_threads"}
     assert "portable" in inf["kernels"] and inf["num_threads"] >= 1
+    assert set(inf["chosen"]) == set(cpp_experts.FORMATS)
+    assert set(inf["chosen_linear"]) == set(cpp_experts.LINEAR_FORMATS)
+    # what info() reports is what the operators choose
+    assert Experts("bf16", 2, 64, 64, seed=1).build(2, 1, None).kernel == inf["chosen"]["bf16"]
+    assert Experts("q8_0", 2, 64, 64, seed=1).build(2, 1, None).kernel == inf["chosen"]["q8_0"]
+    if "avx2" in inf["kernels"] and "avx512_bf16" not in inf["kernels"]:
+        assert inf["chosen"]["bf16"] == "avx2" and inf["chosen_linear"]["q4_1"] == "avx2"
+    if "avx2" in inf["kernels"]:
+        assert inf["chosen_linear"]["f32"] == "avx2"
     sizes = {}
     for fmt in ("bf16", "q8_0", "q4_0"):
         sizes[fmt] = Experts(fmt, 2, 64, 64, seed=1).build(2, 1, "portable").memory_bytes
@@ -106,7 +141,7 @@ def test_info_and_memory() -> None:
 def test_odd_sizes_bf16() -> None:
     """bf16 accepts sizes that are not multiples of 32 (padded internally)."""
     ex = Experts("bf16", 5, 72, 40, seed=2)
-    for path in ("portable", "avx512") if path_supports("avx512", "bf16") else ("portable",):
+    for path in [p for p in ("portable", "avx2", "avx512") if p in available_paths() and path_supports(p, "bf16")]:
         moe = ex.build(3, None, path)
         hidden = torch.randn(9, 72)
         ids, w = routing(9, 5, 3, "uniform", seed=5)

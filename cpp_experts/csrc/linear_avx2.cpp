@@ -1,0 +1,462 @@
+// AVX2 QuantLinear kernels (AVX2 + FMA + F16C): the six quantised formats over the packed layout of
+// quant_linear.h, the f32 format, Q8_0 activation quantisation and the stores. Compiled with target
+// attributes and called only after cpu.cpp found AVX2, FMA, F16C and the OS saving ymm state; they
+// serve CPUs without AVX-512 VNNI, and the f32 format everywhere (AVX-512 CPUs run them too).
+//
+// Int8 dot products without VNNI: vpmaddubsw multiplies unsigned weight bytes by the signed int8
+// activations and adds adjacent pairs into int16 lanes, saturating; vpmaddwd against ones adds pairs
+// of those into int32. A 64-byte group (4 values x 16 rows) is two ymm operands ("halves": rows 0..7,
+// rows 8..15); the group's 4 activation values are broadcast to every 32-bit lane. Every sum is
+// exact: activations are within +-127, so a 4-bit weight (0..15) pair is at most 3810 and a block's 8
+// vpmaddubsw results add in int16 (30480) before one vpmaddwd; q5_k (0..31) and q6_k (0..63) add 4
+// and 2. q8_0's stored bytes q + 128 could saturate (2 x 255 x 127 > 32767), so q8_0 uses the sign
+// trick on q = byte ^ 0x80: |q| (at most 128, unsigned) times sign(q) * x, pairs of at most 32512,
+// one vpmaddwd each. q6_k puts its two 16-value scales into the vpmaddwd (int16 scale pairs instead
+// of ones) and its -32 zero point into one more, leaving one int32 per row and block (< 2^24, so
+// exact in fp32). Each block's int32 sums are then scaled into fp32 accumulators as ggml does.
+//
+// Tiling: a tile is R rowblocks of one group (one contiguous run per superblock) x TT rows of x. Per
+// 32-value block each (rowblock, half) in turn computes its int sums for all TT rows, every unpacked
+// weight group serving the TT rows, then scales them into the accumulators.
+//  TT = 1 (decode, bandwidth bound): R = 4, 8 fp32 accumulators in registers and ~6 ymm for the
+//    sums, so the pass reads the group's run front to back (with software prefetch ahead) and has
+//    8 independent accumulation chains.
+//  TT = 2..4 (M = 2, 3 in one pass over the weights; prefill in tiles of 4 rows): the accumulators
+//    live in the output tile (L1), loaded and stored once per block and (rowblock, half, row), cheap
+//    beside the block's 8 (q8_0: 16) vpmaddubsw per (half, row); the ymm registers hold the TT sums,
+//    the unpacked group and the broadcasts. The tile loop runs rowblocks outside rows of x, so a
+//    group's weights stay in L1/L2 while every tile of rows passes over them.
+// f32: [rowblock][k][16] fp32 lines, FMA'd against x[k] broadcast: R = 4 x TT = 1 (8 chains) and
+// R = 2 x TT = 2 stream the weights; above, 1 rowblock x 6 rows of x (12 accumulators: the classic
+// 6 x 16 AVX2 sgemm tile), a rowblock's K lines reused from L1/L2 by every tile of rows.
+#include <immintrin.h>
+
+#include <algorithm>
+
+#include "quant_linear.h"
+
+#define CPX_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+namespace cpx {
+namespace {
+
+// Software prefetch distance along a tile's weight run (the same scheme as linear_avx512.cpp).
+// Measured on a 2-core Zen 2 VM (bench/quant_linear_cpu.py, 256 MiB footprint, M = 1): see
+// kPrefetchBytes' use in mk(); distances of 2..16 KiB were tried.
+constexpr size_t kPrefetchBytes = 4096;
+
+// An empty asm that "changes" v: the compiler may not reassociate a sum across it. Without it GCC
+// turns a block's chain of int16 / int32 adds into a tree, computes every vpmaddubsw product first and
+// spills them to the stack (half the speed at M = 64).
+#define CPX_KEEP(v) __asm__("" : "+x"(v))
+
+CPX_AVX2 inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+CPX_AVX2 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+CPX_AVX2 inline __m256 f16x8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+CPX_AVX2 inline __m256i u8x8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+CPX_AVX2 inline __m256i i8x8(const uint8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+// Bit `from` of every byte moved to bit `to` by a 16-bit shift; bits that crossed into the other byte
+// land outside the caller's mask. Constants once the group loop is unrolled.
+CPX_AVX2 inline __m256i move_bits(__m256i v, int from, int to) {
+  return from < to ? _mm256_slli_epi16(v, to - from) : _mm256_srli_epi16(v, from - to);
+}
+// Two int16 in every 32-bit lane: lo's low half, hi's low half (lo, hi: int32 lanes).
+CPX_AVX2 inline __m256i pair16(__m256i lo, __m256i hi) {
+  return _mm256_blend_epi16(lo, _mm256_slli_epi32(hi, 16), 0xAA);
+}
+
+constexpr bool has_min(LinFormat f) { return f == LinFormat::Q4_1 || f == LinFormat::Q4_K || f == LinFormat::Q5_K; }
+
+// Per-row fp32 scales of one (rowblock, half) for one block: dw multiplies the int sum (for q6_k only
+// the superblock d: its 6-bit scales are inside the sum), mw the activation sum (q4_1's m; the
+// K-quants' dmin * mn, subtracted).
+struct Scales {
+  __m256 dw, mw;
+};
+template <LinFormat F>
+CPX_AVX2 inline Scales block_scales(const uint8_t* hdr, const uint8_t* wb, int half) {
+  Scales s{_mm256_setzero_ps(), _mm256_setzero_ps()};
+  if constexpr (F == LinFormat::Q8_0) s.dw = f16x8(wb + 512 + 16 * half);
+  if constexpr (F == LinFormat::Q4_0 || F == LinFormat::Q4_1) s.dw = f16x8(wb + 256 + 16 * half);
+  if constexpr (F == LinFormat::Q4_1) s.mw = f16x8(wb + 288 + 16 * half);
+  if constexpr (F == LinFormat::Q4_K || F == LinFormat::Q5_K) {
+    const uint8_t* sc = wb + (F == LinFormat::Q5_K ? 320 : 256) + 8 * half;
+    s.dw = _mm256_mul_ps(f16x8(hdr + 16 * half), _mm256_cvtepi32_ps(u8x8(sc)));
+    s.mw = _mm256_mul_ps(f16x8(hdr + 32 + 16 * half), _mm256_cvtepi32_ps(u8x8(sc + 16)));
+  }
+  if constexpr (F == LinFormat::Q6_K) s.dw = f16x8(hdr + 16 * half);
+  return s;
+}
+
+// The activation rows of a tile.
+template <int TT>
+struct Rows {
+  const int8_t* q[TT];
+  const float *d[TT], *ds[TT];
+  const int32_t *s[TT], *s16[TT];
+};
+
+// s[t] = one block's exact int32 dot products of rows 8 half .. 8 half + 7 of the rowblock whose block
+// is at wb with activation row t, zero point taken off.
+template <LinFormat F, int TT>
+CPX_AVX2 inline void block_sums(const uint8_t* wb, int half, const Rows<TT>& x, int b, __m256i* s) {
+  const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0f);
+  const uint8_t* wh = wb + 32 * half;
+#pragma GCC unroll 8
+  for (int t = 0; t < TT; ++t) s[t] = _mm256_setzero_si256();
+  if constexpr (F == LinFormat::Q8_0) {
+    const __m256i flip = _mm256_set1_epi8(char(0x80));
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      const __m256i sw = _mm256_xor_si256(load32(wh + 64 * g), flip);  // q, signed
+      const __m256i aw = _mm256_abs_epi8(sw);                           // |q| <= 128 as unsigned bytes
+#pragma GCC unroll 8
+      for (int t = 0; t < TT; ++t) {
+        const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast4(x.q[t] + 32 * b + 4 * g), sw));
+        s[t] = _mm256_add_epi32(s[t], _mm256_madd_epi16(p, ones));
+        CPX_KEEP(s[t]);
+      }
+    }
+  } else if constexpr (F == LinFormat::Q5_K || F == LinFormat::Q6_K) {
+    // group pairs: at most 4 (q5_k) / 2 per chain (q6_k) vpmaddubsw results per int16 sum
+    constexpr bool kQ6 = F == LinFormat::Q6_K;
+    __m256i sc_lo = ones, sc_hi = ones;
+    if constexpr (kQ6) {  // int16 pairs of the row's scale for elements 0..15 / 16..31
+      const __m256i a = i8x8(wb + 384 + 8 * half), c = i8x8(wb + 400 + 8 * half);
+      sc_lo = pair16(a, a);
+      sc_hi = pair16(c, c);
+    }
+    const __m256i mh = _mm256_set1_epi8(kQ6 ? 0x30 : 0x10);
+#pragma GCC unroll 2
+    for (int gp = 0; gp < 2; ++gp) {
+      __m256i lo[2], hi[2];
+      const __m256i hb = load32(wh + 256 + (kQ6 ? 64 * gp : 0));
+#pragma GCC unroll 2
+      for (int gg = 0; gg < 2; ++gg) {
+        const int g = 2 * gp + gg;
+        const __m256i v = load32(wh + 64 * g);
+        lo[gg] = _mm256_and_si256(v, m4);
+        hi[gg] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        const int blo = kQ6 ? 4 * gg : 2 * g, bhi = kQ6 ? 4 * gg + 2 : 2 * g + 1;  // the high bits' place
+        lo[gg] = _mm256_or_si256(lo[gg], _mm256_and_si256(move_bits(hb, blo, 4), mh));
+        hi[gg] = _mm256_or_si256(hi[gg], _mm256_and_si256(move_bits(hb, bhi, 4), mh));
+      }
+#pragma GCC unroll 8
+      for (int t = 0; t < TT; ++t) {
+        const int8_t* xp = x.q[t] + 32 * b + 8 * gp;
+        const __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(lo[0], bcast4(xp)),
+                                            _mm256_maddubs_epi16(lo[1], bcast4(xp + 4)));
+        const __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(hi[0], bcast4(xp + 16)),
+                                            _mm256_maddubs_epi16(hi[1], bcast4(xp + 20)));
+        if constexpr (kQ6)
+          s[t] = _mm256_add_epi32(s[t], _mm256_add_epi32(_mm256_madd_epi16(pl, sc_lo), _mm256_madd_epi16(ph, sc_hi)));
+        else
+          s[t] = _mm256_add_epi32(s[t], _mm256_madd_epi16(_mm256_add_epi16(pl, ph), ones));
+        CPX_KEEP(s[t]);
+      }
+    }
+    if constexpr (kQ6) {  // - 32 (sc_lo * sum of x 0..15 + sc_hi * sum of x 16..31)
+      const __m256i m32 = pair16(_mm256_slli_epi32(i8x8(wb + 384 + 8 * half), 5),
+                                 _mm256_slli_epi32(i8x8(wb + 400 + 8 * half), 5));
+#pragma GCC unroll 8
+      for (int t = 0; t < TT; ++t) {
+        const int32_t* s16 = x.s16[t] + 2 * b;
+        const uint32_t sp = uint32_t(uint16_t(s16[0])) | uint32_t(uint16_t(s16[1])) << 16;
+        s[t] = _mm256_sub_epi32(s[t], _mm256_madd_epi16(m32, _mm256_set1_epi32(int32_t(sp))));
+      }
+    }
+  } else {  // q4_0, q4_1, q4_k: one int16 sum per block
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {
+      const __m256i v = load32(wh + 64 * g);
+      const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+#pragma GCC unroll 8
+      for (int t = 0; t < TT; ++t) {
+        const int8_t* xp = x.q[t] + 32 * b + 4 * g;
+        s[t] = _mm256_add_epi16(s[t], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xp)),
+                                                       _mm256_maddubs_epi16(hi, bcast4(xp + 16))));
+        CPX_KEEP(s[t]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; ++t) {
+      s[t] = _mm256_madd_epi16(s[t], ones);
+      if constexpr (F == LinFormat::Q4_0) s[t] = _mm256_add_epi32(s[t], _mm256_set1_epi32(-8 * x.s[t][b]));
+    }
+  }
+}
+
+// acc + one block's contribution: s its int32 sums, dx the row's block scale, ds = dx * (sum of its q).
+template <LinFormat F>
+CPX_AVX2 inline __m256 accumulate(__m256 acc, __m256i s, const Scales& w, float dx, float ds) {
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(w.dw, _mm256_set1_ps(dx)), acc);
+  if constexpr (F == LinFormat::Q4_1) acc = _mm256_fmadd_ps(w.mw, _mm256_set1_ps(ds), acc);
+  if constexpr (F == LinFormat::Q4_K || F == LinFormat::Q5_K) acc = _mm256_fnmadd_ps(w.mw, _mm256_set1_ps(ds), acc);
+  return acc;
+}
+
+template <LinFormat F, int R, int TT>
+CPX_AVX2 void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc) {
+  constexpr LinLayout L = kLinLayout[int(F)];
+  constexpr bool kRegAcc = TT == 1;
+  const size_t sbs = w.sb_bytes;
+  const uint8_t* w0 = w.at(rb);
+  const int nb = a.k / 32;
+  Rows<TT> x;
+#pragma GCC unroll 4
+  for (int t = 0; t < TT; ++t) {
+    const size_t row = size_t(t0 + t);
+    x.q[t] = a.q + row * a.k;
+    x.d[t] = a.d + row * nb;
+    x.ds[t] = a.ds + row * nb;
+    x.s[t] = a.s + row * nb;
+    x.s16[t] = F == LinFormat::Q6_K ? a.s16 + row * 2 * nb : nullptr;
+  }
+  __m256 acc[R][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  if constexpr (!kRegAcc) {
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; ++t)
+#pragma GCC unroll 8
+      for (int j = 0; j < 2 * R; ++j) _mm256_storeu_ps(c + size_t(t) * ldc + 8 * j, _mm256_setzero_ps());
+  }
+  for (int sb = 0; sb < w.nsb; ++sb) {
+    const uint8_t* ws = w0 + size_t(sb) * kGroupRowblocks * sbs;
+    for (size_t o = 0; o < R * sbs; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(ws + kPrefetchBytes + o), _MM_HINT_T0);
+    for (int j = 0; j < L.sb_blocks; ++j) {
+      const int b = sb * L.sb_blocks + j;
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* hdr = ws + r * sbs;
+        const uint8_t* wb = hdr + L.hdr + size_t(j) * L.blk;
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; ++half) {
+          __m256i s[TT];
+          block_sums<F, TT>(wb, half, x, b, s);
+          const Scales sc = block_scales<F>(hdr, wb, half);
+          if constexpr (kRegAcc) {
+            acc[r][half] = accumulate<F>(acc[r][half], s[0], sc, x.d[0][b], x.ds[0][b]);
+          } else {
+#pragma GCC unroll 4
+            for (int t = 0; t < TT; ++t) {
+              float* cp = c + size_t(t) * ldc + 16 * r + 8 * half;
+              _mm256_storeu_ps(cp, accumulate<F>(_mm256_loadu_ps(cp), s[t], sc, x.d[t][b], x.ds[t][b]));
+            }
+          }
+        }
+      }
+    }
+  }
+  if constexpr (kRegAcc) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(c + 16 * r, acc[r][0]);
+      _mm256_storeu_ps(c + 16 * r + 8, acc[r][1]);
+    }
+  }
+}
+
+using Mk = void (*)(const QMat&, int, const ActQ&, int, float*, int);
+
+// [R - 1][TT - 1]
+template <LinFormat F>
+struct Tiles {
+  static constexpr Mk t[4][4] = {{mk<F, 1, 1>, mk<F, 1, 2>, mk<F, 1, 3>, mk<F, 1, 4>},
+                                 {mk<F, 2, 1>, mk<F, 2, 2>, mk<F, 2, 3>, mk<F, 2, 4>},
+                                 {mk<F, 3, 1>, mk<F, 3, 2>, mk<F, 3, 3>, mk<F, 3, 4>},
+                                 {mk<F, 4, 1>, mk<F, 4, 2>, mk<F, 4, 3>, mk<F, 4, 4>}};
+};
+constexpr int kTileRows = 4;
+
+template <LinFormat F>
+CPX_AVX2 void gemm(const QMat& w, int rb0, int rb1, const ActQ& a, int t0, int nt, float* c, int ldc) {
+  for (int rb = rb0; rb < rb1;) {
+    // a tile stays inside its group of 4 rowblocks (one contiguous run per superblock)
+    const int r = std::min({kGroupRowblocks, rb1 - rb, kGroupRowblocks - rb % kGroupRowblocks});
+    for (int t = 0; t < nt; t += kTileRows) {
+      const int tt = std::min(kTileRows, nt - t);
+      Tiles<F>::t[r - 1][tt - 1](w, rb, a, t0 + t, c + size_t(t) * ldc + (rb - rb0) * 16, ldc);
+    }
+    rb += r;
+  }
+}
+
+// ---- f32 weights
+
+// c[t][0 .. 16 R) for TT rows of x, R rowblocks from w (each k * 16 floats further).
+template <int R, int TT>
+CPX_AVX2 void mkf(const float* w, int k, const float* x, size_t ldx, float* c, int ldc) {
+  __m256 acc[R][2][TT];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 6
+    for (int t = 0; t < TT; ++t) acc[r][0][t] = acc[r][1][t] = _mm256_setzero_ps();
+  const size_t rs = size_t(k) * 16;
+  for (int i = 0; i < k; ++i) {
+    if (TT <= 2) {  // streaming: each rowblock's run is read once
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + r * rs + size_t(i) * 16) + kPrefetchBytes, _MM_HINT_T0);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const float* wi = w + r * rs + size_t(i) * 16;
+      const __m256 w0 = _mm256_loadu_ps(wi), w1 = _mm256_loadu_ps(wi + 8);
+#pragma GCC unroll 6
+      for (int t = 0; t < TT; ++t) {
+        const __m256 xv = _mm256_broadcast_ss(x + t * ldx + i);
+        acc[r][0][t] = _mm256_fmadd_ps(w0, xv, acc[r][0][t]);
+        acc[r][1][t] = _mm256_fmadd_ps(w1, xv, acc[r][1][t]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 6
+    for (int t = 0; t < TT; ++t) {
+      _mm256_storeu_ps(c + size_t(t) * ldc + 16 * r, acc[r][0][t]);
+      _mm256_storeu_ps(c + size_t(t) * ldc + 16 * r + 8, acc[r][1][t]);
+    }
+}
+
+using MkF = void (*)(const float*, int, const float*, size_t, float*, int);
+constexpr int kF32TileRows = 6;
+const MkF kMkF1[4] = {mkf<1, 1>, mkf<2, 1>, mkf<3, 1>, mkf<4, 1>};  // [R - 1], one row of x
+const MkF kMkF2[2] = {mkf<1, 2>, mkf<2, 2>};                        // [R - 1], two rows
+const MkF kMkFT[kF32TileRows] = {mkf<1, 1>, mkf<1, 2>, mkf<1, 3>, mkf<1, 4>, mkf<1, 5>, mkf<1, 6>};  // [TT - 1]
+
+CPX_AVX2 void gemm_f32(const float* w, int k, int rb0, int rb1, const float* x, size_t ldx, int nt, float* c,
+                       int ldc) {
+  const size_t rs = size_t(k) * 16;
+  if (nt <= 2) {  // one pass over the weights, several rowblocks per tile for independent chains
+    const int rmax = nt == 1 ? 4 : 2;
+    for (int rb = rb0; rb < rb1;) {
+      const int r = std::min(rmax, rb1 - rb);
+      (nt == 1 ? kMkF1 : kMkF2)[r - 1](w + size_t(rb) * rs, k, x, ldx, c + (rb - rb0) * 16, ldc);
+      rb += r;
+    }
+    return;
+  }
+  for (int rb = rb0; rb < rb1; ++rb)
+    for (int t = 0; t < nt; t += kF32TileRows) {
+      const int tt = std::min(kF32TileRows, nt - t);
+      kMkFT[tt - 1](w + size_t(rb) * rs, k, x + size_t(t) * ldx, ldx, c + size_t(t) * ldc + (rb - rb0) * 16, ldc);
+    }
+}
+
+// ---- stores
+
+// fp32 -> bf16, round to nearest even, NaN kept quiet: f32_to_bf16 (common.h) on 8 lanes.
+CPX_AVX2 inline __m128i bf16_rne(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v), hi = _mm256_srli_epi32(u, 16);
+  const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(hi, _mm256_set1_epi32(1)));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));  // lanes <= 0xffff
+}
+
+CPX_AVX2 void store_avx2(const float* c, int ldc, int nt, int ncols, const float* bias, void* out, bool bf16,
+                         size_t ldo) {
+  for (int t = 0; t < nt; ++t) {
+    const float* cr = c + size_t(t) * ldc;
+    int j = 0;
+    for (; j + 8 <= ncols; j += 8) {
+      __m256 v = _mm256_loadu_ps(cr + j);
+      if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + j));
+      if (bf16)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + size_t(t) * ldo + j), bf16_rne(v));
+      else
+        _mm256_storeu_ps(static_cast<float*>(out) + size_t(t) * ldo + j, v);
+    }
+    for (; j < ncols; ++j) {  // the same rounding as bf16_rne
+      const float v = bias ? cr[j] + bias[j] : cr[j];
+      if (bf16)
+        static_cast<uint16_t*>(out)[size_t(t) * ldo + j] = f32_to_bf16(v);
+      else
+        static_cast<float*>(out)[size_t(t) * ldo + j] = v;
+    }
+  }
+}
+
+CPX_AVX2 void to_bf16_avx2(const float* x, uint16_t* y, int n) {
+  int j = 0;
+  for (; j + 8 <= n; j += 8) _mm_storeu_si128(reinterpret_cast<__m128i*>(y + j), bf16_rne(_mm256_loadu_ps(x + j)));
+  for (; j < n; ++j) y[j] = f32_to_bf16(x[j]);
+}
+
+CPX_AVX2 inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+CPX_AVX2 inline int32_t hsum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+}  // namespace
+
+// Same results as quantize_row_q8 bit for bit: the same fp32 divide and reciprocal, and
+// round-half-away-from-zero done exactly (truncate, then step away where |fraction| >= 0.5).
+CPX_AVX2 void quantize_row_q8_avx2(const float* x, int k, int8_t* q, float* d, int32_t* sum) {
+  const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f), sign = _mm256_set1_ps(-0.0f);
+  for (int b = 0; b < k / 32; ++b) {
+    __m256 v[4];
+    __m256 bad = _mm256_setzero_ps(), amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + b * 32 + 8 * i);
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(v[i], v[i]), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    if (_mm256_movemask_ps(bad)) {  // x - x is NaN exactly where x is NaN or infinite
+      std::memset(q + b * 32, 0, 32);
+      d[b] = __builtin_nanf("");
+      sum[b] = 0;
+      continue;
+    }
+    const float db = hmax(amax) / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+    const __m256 vid = _mm256_set1_ps(id);
+    __m256i qi[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 p = _mm256_mul_ps(v[i], vid);
+      const __m256 t = _mm256_round_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+      const __m256 away = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(p, t)), half, _CMP_GE_OQ);
+      const __m256 step = _mm256_and_ps(away, _mm256_or_ps(one, _mm256_and_ps(p, sign)));  // +-1 or 0
+      qi[i] = _mm256_cvttps_epi32(_mm256_add_ps(t, step));
+    }
+    // int32 -> int8: the packs interleave 128-bit lanes; the permute puts the 4-byte runs back in order
+    const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    const __m256i p8 = _mm256_permutevar8x32_epi32(p16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * 32), p8);
+    d[b] = db;
+    sum[b] = hsum(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
+  }
+}
+
+const LinKernels kLinAvx2 = {
+    "avx2",
+    {nullptr, gemm<LinFormat::Q8_0>, gemm<LinFormat::Q4_0>, gemm<LinFormat::Q4_1>, gemm<LinFormat::Q4_K>,
+     gemm<LinFormat::Q5_K>, gemm<LinFormat::Q6_K>, nullptr},
+    quantize_row_q8_avx2,
+    store_avx2,
+    to_bf16_avx2,
+    gemm_f32,
+};
+
+}  // namespace cpx
