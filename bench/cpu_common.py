@@ -13,6 +13,7 @@ import re
 import socket
 import statistics
 import subprocess
+import time
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
@@ -112,6 +113,110 @@ def check_target(value: float | None, target: float, higher_is_better: bool = Tr
     """A ratio against its target: {'value', 'target', 'op', 'met'} (met None when not measured)."""
     met = None if value is None else (value >= target if higher_is_better else value <= target)
     return {"value": value, "target": target, "op": ">=" if higher_is_better else "<=", "met": met}
+
+
+def cpu_times(stat_text: str | None = None) -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot, from the first line of /proc/stat."""
+    if stat_text is None:
+        stat_text = Path("/proc/stat").read_text()
+    fields = [int(x) for x in stat_text.splitlines()[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def busy_fraction(before: tuple[int, int], after: tuple[int, int]) -> float:
+    total = after[1] - before[1]
+    return 0.0 if total <= 0 else (after[0] - before[0]) / total
+
+
+def wait_for_quiet(threshold: float, max_wait: float, interval: float = 0.5) -> dict[str, Any]:
+    """Waits (at most `max_wait` s) until the machine's CPUs were busy less than `threshold` of an
+    `interval`: on a shared machine, start a measurement when no one else is computing. Returns the
+    last busy fraction seen and the time waited (recorded with each sample). No-op without /proc/stat."""
+    t0 = time.monotonic()
+    busy = None
+    try:
+        while True:
+            a = cpu_times()
+            time.sleep(interval)
+            busy = busy_fraction(a, cpu_times())
+            if busy < threshold or time.monotonic() - t0 >= max_wait:
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"busy_before": busy, "waited_s": round(time.monotonic() - t0, 2),
+            "quiet": busy is not None and busy < threshold}
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def session_jiffies(sessions: set[int], proc: Path = Path("/proc")) -> int:
+    """CPU time (user + system jiffies) of every live process whose session id is in `sessions`
+    (a server started with `start_new_session=True` and its children: its session is its pid)."""
+    total = 0
+    if not sessions:
+        return 0
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            rest = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        if int(rest[3]) in sessions:  # rest[0] is the state (field 3), so session (field 6) is rest[3]
+            total += int(rest[11]) + int(rest[12])  # utime, stime (fields 14, 15)
+    return total
+
+
+def own_jiffies() -> int:
+    """This process's CPU time and that of its children already waited for (e.g. a finished llama-bench)."""
+    t = os.times()
+    return round((t.user + t.system + t.children_user + t.children_system) * CLK_TCK)
+
+
+class OthersMeter:
+    """The share of the machine's CPU time that processes other than ours used during a block.
+
+    Ours: this process, its waited-for children, and the sessions given (started servers). Whatever
+    else ran (another engineer's compiler) is what makes a sample unrepresentative."""
+
+    def __init__(self, sessions: tuple[int, ...] = ()) -> None:
+        self.sessions = set(sessions)
+        self.others: float | None = None
+
+    def _read(self) -> tuple[int, int, int]:
+        busy, total = cpu_times()
+        return busy, total, own_jiffies() + session_jiffies(self.sessions)
+
+    def __enter__(self) -> "OthersMeter":
+        try:
+            self._a: tuple[int, int, int] | None = self._read()
+        except (OSError, ValueError, IndexError):
+            self._a = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._a is None:
+            return
+        try:
+            b = self._read()
+        except (OSError, ValueError, IndexError):
+            return
+        self.others = others_fraction(self._a, b)
+
+
+def others_fraction(a: tuple[int, int, int], b: tuple[int, int, int]) -> float:
+    """From (busy, total, ours) jiffies before and after: others' busy time / the machine's time."""
+    total = b[1] - a[1]
+    if total <= 0:
+        return 0.0
+    return min(1.0, max(0.0, ((b[0] - a[0]) - (b[2] - a[2])) / total))
+
+
+def should_retry(others: float | None, threshold: float, attempt: int, retries: int) -> bool:
+    """Redo a measurement that others disturbed (others' CPU share above `threshold`), `retries` times at most."""
+    return others is not None and others > threshold and attempt < retries
 
 
 def free_port() -> int:

@@ -22,9 +22,17 @@ seconds/token = those bytes / the read bandwidth measured in the same run (a lar
 `--threads` threads); reported as floor tokens/s and each side's fraction of it. The KV cache read is
 left out (a few hundred KB at these lengths).
 
+`--expert-backends torch cpp` also measures the C++ expert pool (`cpp_experts`; GGUF Q8_0 experts
+kept quantized, others as bf16). It needs the extension built in place (`make install`); a checkout
+without it can point `MLASERVE_CPP_EXPERTS_LIB` at another checkout's `cpp_experts/_C*.so`
+(recorded in the JSON). A backend that cannot load is recorded as skipped with the error.
+
 Peer: `llama-bench -m <file> -t <threads> -p 512 -n 64 -r 1 -o json` per round (built by `make
 peers`; skipped with the reason when absent). Rounds interleave ours and llama-bench per file
-(order alternates), medians over `--rounds` after a warm-up; the machine may be shared and noisy.
+(order alternates), medians over `--rounds` after a warm-up; the machine may be shared and noisy:
+each measurement first waits (at most `--quiet-wait` s) for the CPUs to be less than
+`--quiet-threshold` busy, and is redone (`--retries` times at most) when other processes used more
+than `--retry-busy` of the CPUs while it ran; what each saw is recorded.
 
     .venv/bin/python bench/make_deepseek_gguf.py        # once: the GGUFs
     .venv/bin/python bench/deepseek_cpu.py [--types bf16 q8_0 q4_k_m] [--rounds 3] [--threads 2]
@@ -43,7 +51,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
@@ -162,6 +170,21 @@ def run_llama_bench(cmd: list[str], timeout: float) -> dict[str, Any]:
 # -------------------------------------------------------------------------------------------- ours
 
 
+def engine_overrides(items: list[str]) -> dict[str, Any]:
+    """`--engine-arg name=value` pairs -> EngineArgs keyword arguments (a value is JSON when it parses
+    as JSON, else a string): settings this script does not know, e.g. a newer engine's CPU kernel flag."""
+    out: dict[str, Any] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--engine-arg expects name=value, got {item!r}")
+        try:
+            out[name.replace("-", "_")] = json.loads(value)
+        except ValueError:
+            out[name.replace("-", "_")] = value
+    return out
+
+
 class Ours:
     """One GGUF loaded by the engine core, the way `mlaserve serve`'s engine process loads it."""
 
@@ -172,7 +195,8 @@ class Ours:
         ctx = max(args.prompt_tokens, args.decode_prompt + args.decode_tokens) + 16
         self.engine_args = EngineArgs(model=str(path), device="cpu", dtype=args.dtype, expert_backend=expert_backend,
                                       max_running_requests=1, context_length=ctx, max_total_tokens=ctx + 16,
-                                      disable_prefix_cache=True, chunked_prefill_size=max(2048, args.prompt_tokens))
+                                      disable_prefix_cache=True, chunked_prefill_size=max(2048, args.prompt_tokens),
+                                      **engine_overrides(args.engine_arg))
         t = time.perf_counter()
         self.core = EngineCore(self.engine_args)
         self.load_s = time.perf_counter() - t
@@ -256,20 +280,56 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="our engine's --dtype")
     ap.add_argument("--expert-backends", nargs="+", default=["torch"], choices=("torch", "cpp"),
                     help="our engine's --expert-backend, each measured (cpp: the C++ pool, Q8_0 experts kept quantized)")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
+                    help="an extra EngineArgs field for our engine (repeatable), e.g. cpu_kernels=native")
     ap.add_argument("--skip-pp", action="store_true", help="only decode (ours' prefill on bf16 is the slow part)")
     grp = ap.add_mutually_exclusive_group()
     grp.add_argument("--ours-only", action="store_true")
     grp.add_argument("--peer-only", action="store_true")
+    ap.add_argument("--quiet-threshold", type=float, default=0.25,
+                    help="start a measurement when the CPUs were busy less than this fraction of 0.5 s ...")
+    ap.add_argument("--quiet-wait", type=float, default=120.0,
+                    help="... waiting at most this many seconds (0: never wait); recorded with each sample")
+    ap.add_argument("--retry-busy", type=float, default=0.1,
+                    help="measure again when other processes used more than this share of the CPUs meanwhile ...")
+    ap.add_argument("--retries", type=int, default=2, help="... at most this many times (the last attempt is kept)")
     ap.add_argument("--peer-timeout", type=float, default=3600.0)
     ap.add_argument("--tag", default=None, help="machine tag in the result file name (default: from /proc/cpuinfo)")
     ap.add_argument("--out", default=None, help="default: bench/results/deepseek_cpu_<machine-tag>.json")
     args = ap.parse_args(argv)
+    try:
+        engine_overrides(args.engine_arg)
+    except ValueError as e:
+        ap.error(str(e))
     for name in ("rounds", "prompt_tokens", "decode_prompt"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.decode_tokens < 2:
         ap.error("--decode-tokens must be >= 2 (the rate is measured between the first and the last token)")
     return args
+
+
+def quiet(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Waits for a quiet machine before a measurement (see --quiet-wait); what it saw is recorded."""
+    return cc.wait_for_quiet(args.quiet_threshold, args.quiet_wait) if args.quiet_wait > 0 else None
+
+
+def measured(args: argparse.Namespace, fn: Callable[[], dict[str, Any]], label: str) -> dict[str, Any]:
+    """fn() after waiting for a quiet machine, redone (--retries at most) when other processes used more
+    than --retry-busy of the CPUs while it ran; the result carries what was seen, and the discarded tries."""
+    discarded: list[dict[str, Any]] = []
+    for attempt in range(args.retries + 1):
+        gate = quiet(args)
+        with cc.OthersMeter() as meter:
+            r = {**fn(), "gate": gate}
+        r["others_busy"] = meter.others
+        if cc.should_retry(meter.others, args.retry_busy, attempt, args.retries):
+            discarded.append(r)
+            print(f"    {label}: other processes used {meter.others:.0%} of the CPUs: measuring again", flush=True)
+            continue
+        break
+    r["discarded"] = discarded
+    return r
 
 
 def summarize_rounds(samples: list[dict[str, Any]]) -> float | None:
@@ -306,11 +366,12 @@ def bench_file(qtype: str, path: Path, args: argparse.Namespace, threads: int, b
             for who in order:
                 if who == "ours":
                     if not args.skip_pp:
-                        pp.append(ours.pp(args.prompt_tokens, seed=r))
-                    tg.append(ours.tg(args.decode_prompt, args.decode_tokens, seed=100 + r))
+                        pp.append(measured(args, lambda: ours.pp(args.prompt_tokens, seed=r), "ours pp"))
+                    tg.append(measured(args, lambda: ours.tg(args.decode_prompt, args.decode_tokens, seed=100 + r),
+                                       "ours tg"))
                 elif with_peer:
                     assert lb_cmd is not None
-                    peer_rounds.append(run_llama_bench(lb_cmd, args.peer_timeout))
+                    peer_rounds.append(measured(args, lambda: run_llama_bench(lb_cmd, args.peer_timeout), "llama-bench"))
             print(f"  round {r + 1}: ours ({backend}) pp {pp[-1]['tok_s'] if pp else 0:.2f} tok/s, "
                   f"tg {tg[-1]['tok_s']:.3f} tok/s" + (f"; llama-bench {_lb_line(peer_rounds[-1])}" if with_peer else ""),
                   flush=True)
@@ -324,7 +385,7 @@ def bench_file(qtype: str, path: Path, args: argparse.Namespace, threads: int, b
         gc.collect()
     while want_peer and len(peer_rounds) < args.rounds:  # --peer-only, or no backend of ours loaded
         assert lb_cmd is not None
-        peer_rounds.append(run_llama_bench(lb_cmd, args.peer_timeout))
+        peer_rounds.append(measured(args, lambda: run_llama_bench(lb_cmd, args.peer_timeout), "llama-bench"))
         print(f"  round {len(peer_rounds)}: llama-bench {_lb_line(peer_rounds[-1])}", flush=True)
     if lb_cmd is None:
         entry["skipped"]["llama_bench"] = peers.absent_reason("llama-bench")
@@ -390,13 +451,15 @@ def main(argv: list[str] | None = None) -> int:
     manifest = mk.model_dir(cache, args.layers, args.seed) / "manifest.json"
     result = {
         "benchmark": "deepseek_cpu",
-        "machine": {**machine, "threads": threads, "read_bandwidth_GBps": None if read_bw is None else read_bw / 1e9,
+        "machine": {**machine, "threads": threads, "load_average_at_end": list(os.getloadavg()), "read_bandwidth_GBps": None if read_bw is None else read_bw / 1e9,
                     "read_bandwidth_samples_GBps": [b / 1e9 for b in bw]},
-        "versions": {**cc.versions(), "llama_cpp": peers.binary_version(lb) if lb else None},
+        "versions": {**cc.versions(), "llama_cpp": peers.binary_version(lb) if lb else None,
+                     "cpp_experts_lib": os.environ.get("MLASERVE_CPP_EXPERTS_LIB")},
         "model": json.loads(manifest.read_text()).get("config") if manifest.is_file() else None,
         "workload": {"prompt_tokens": args.prompt_tokens, "decode_prompt": args.decode_prompt,
                      "decode_tokens": args.decode_tokens, "rounds": args.rounds, "dtype": args.dtype,
-                     "expert_backends": args.expert_backends, "skip_pp": args.skip_pp},
+                     "expert_backends": args.expert_backends, "skip_pp": args.skip_pp,
+                     "engine_overrides": engine_overrides(args.engine_arg)},
         "files": files,
         "skipped": skipped,
         "note": "medians over interleaved rounds (order alternates); the machine may be shared and noisy; "

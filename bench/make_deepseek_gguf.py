@@ -155,7 +155,7 @@ def make(cache_dir: Path, layers: int = 4, seed: int = 0, types: tuple[str, ...]
     order += [t for t in types if t in QUANTIZE_TYPES]
     for t in order:
         out = gguf_path(cache_dir, t, layers, seed)
-        if out.is_file() and not force:
+        if out.is_file() and not (force and t in types):  # a dependency (bf16 for q4_k_m) only when missing
             continue
         part = out.with_suffix(".gguf.part")
         if t in CONVERTER_TYPES:

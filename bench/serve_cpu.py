@@ -15,6 +15,12 @@ as skipped. Both servers are started once and stay up; while one is measured the
 Rounds are interleaved (ours, peer, peer, ours, ...: the order alternates) after a warm-up of both,
 and medians over `--rounds` are reported with every raw sample. The machine may be shared and noisy.
 
+On a shared machine each measurement waits (at most `--quiet-wait` s) until the CPUs were less
+than `--quiet-threshold` busy over half a second, and is redone (fresh prompts, `--retries` times at
+most) when processes other than the server and this client used more than `--retry-busy` of the
+CPUs while it ran; what each saw is recorded, disturbed attempts as `discarded`. (llama.cpp's
+threads spin at barriers: with one of 2 cores taken by someone else it runs many times slower.)
+
 Floor: none computed here (served throughput mixes batching, scheduling and HTTP); the model-level
 floor is in bench/deepseek_cpu.py. Targets (ours / llama-server): 1 stream >= 1.0x output tokens/s;
 16 streams >= 1.5x aggregate tokens/s and TTFT p99 <= llama-server's.
@@ -35,7 +41,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 # the repository first (its packages, not an editable install's), and bench/ for the helpers
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
@@ -281,6 +287,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ours-only", action="store_true", help="do not start llama-server")
     ap.add_argument("--ours-args", default="", help="extra flags for mlaserve serve (one string)")
     ap.add_argument("--peer-args", default="", help="extra flags for llama-server (one string)")
+    ap.add_argument("--quiet-threshold", type=float, default=0.25,
+                    help="start a measurement when the CPUs were busy less than this fraction of 0.5 s ...")
+    ap.add_argument("--quiet-wait", type=float, default=120.0,
+                    help="... waiting at most this many seconds (0: never wait); recorded with each sample")
+    ap.add_argument("--retry-busy", type=float, default=0.1,
+                    help="measure again when other processes used more than this share of the CPUs meanwhile ...")
+    ap.add_argument("--retries", type=int, default=3, help="... at most this many times (the last attempt is kept)")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--request-timeout", type=float, default=1800.0)
     ap.add_argument("--tag", default=None, help="machine tag in the result file name (default: from /proc/cpuinfo)")
@@ -293,15 +306,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def measure(server: Server, workload: str, bodies: list[dict[str, Any]], args: argparse.Namespace,
-            problems: list[str]) -> dict[str, Any]:
-    samples = asyncio.run(run_streams(server.url, bodies, args.request_timeout))
+            problems: list[str], fresh: Callable[[int], list[dict[str, Any]]] | None = None,
+            retries: int = 0) -> dict[str, Any]:
+    """One workload on one server. Waits for a quiet machine first; when other processes used more
+    than --retry-busy of the CPUs meanwhile, measures again (with `fresh` bodies, so no prompt is
+    served from the prefix cache) up to `retries` times, keeping the disturbed attempts as discarded."""
+    discarded: list[dict[str, Any]] = []
+    for attempt in range(retries + 1):
+        gate = cc.wait_for_quiet(args.quiet_threshold, args.quiet_wait) if args.quiet_wait > 0 else None
+        with cc.OthersMeter((server.proc.pid,) if server.proc else ()) as meter:
+            samples = asyncio.run(run_streams(server.url, bodies, args.request_timeout))
+        summary = summarize(samples)
+        if cc.should_retry(meter.others, args.retry_busy, attempt, retries) and fresh is not None:
+            discarded.append({"summary": summary, "gate": gate, "others_busy": meter.others})
+            print(f"  {server.name:12s} {workload:10s} other processes used {meter.others:.0%} of the CPUs: "
+                  "measuring again", flush=True)
+            bodies = fresh(len(bodies))
+            continue
+        break
     bad = sample_problems(samples, args.max_tokens)
     problems.extend(f"{server.name} {workload}: {p}" for p in bad)
-    summary = summarize(samples)
+    others = "" if meter.others is None else f", others {meter.others:.0%}"
     print(f"  {server.name:12s} {workload:10s} {summary['aggregate_tok_s'] or 0:8.1f} tok/s aggregate, "
-          f"TTFT p50 {summary['ttft_p50_s'] or 0:6.3f} s p99 {summary['ttft_p99_s'] or 0:6.3f} s"
+          f"TTFT p50 {summary['ttft_p50_s'] or 0:6.3f} s p99 {summary['ttft_p99_s'] or 0:6.3f} s{others}"
           + (f"  [{len(bad)} bad streams]" if bad else ""), flush=True)
-    return {"summary": summary, "samples": samples}
+    return {"summary": summary, "samples": samples, "gate": gate, "others_busy": meter.others,
+            "discarded": discarded}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,12 +384,14 @@ def main(argv: list[str] | None = None) -> int:
             single, concurrent = bodies(1), bodies(args.streams)
             order = servers if r % 2 == 0 else servers[::-1]
             for s in order:
-                raw[s.name]["single"].append(measure(s, "1 stream", single, args, problems))
-                raw[s.name]["concurrent"].append(measure(s, f"{args.streams} streams", concurrent, args, problems))
+                raw[s.name]["single"].append(measure(s, "1 stream", single, args, problems, bodies, args.retries))
+                raw[s.name]["concurrent"].append(measure(s, f"{args.streams} streams", concurrent, args, problems,
+                                                         bodies, args.retries))
     finally:
         for s in servers:
             stop_server(s)
 
+    machine["load_average_at_end"] = list(os.getloadavg())
     results: dict[str, Any] = {}
     for s in servers:
         results[s.name] = {w: medians([x["summary"] for x in raw[s.name][w]]) for w in ("single", "concurrent")}
@@ -380,6 +412,11 @@ def main(argv: list[str] | None = None) -> int:
         "ratios_ours_over_peer": compare(results["mlaserve"], results.get("llama-server")),
         "targets": TARGETS,
         "problems": problems,
+        "measurements_started_busy": sum(1 for n in raw for w in raw[n].values() for m in w
+                                         if m.get("gate") and not m["gate"]["quiet"]),
+        "measurements_disturbed_kept": sum(1 for n in raw for w in raw[n].values() for m in w
+                                           if (m.get("others_busy") or 0) > args.retry_busy),
+        "measurements_discarded": sum(len(m["discarded"]) for n in raw for w in raw[n].values() for m in w),
         "raw": raw,
         "note": "medians over interleaved rounds (order alternates); the machine may be shared and noisy",
     }

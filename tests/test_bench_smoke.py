@@ -210,6 +210,21 @@ def test_machine_description_and_arithmetic(cpu_bench) -> None:
     assert cc.check_target(1.6, 1.5)["met"] and not cc.check_target(1.4, 1.5)["met"]
     assert cc.check_target(0.9, 1.0, higher_is_better=False) == {"value": 0.9, "target": 1.0, "op": "<=", "met": True}
     assert cc.check_target(None, 1.0)["met"] is None
+    # /proc/stat: user nice system idle iowait irq softirq steal -> busy excludes idle and iowait
+    a = cc.cpu_times("cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 1 2 3 4\n")
+    b = cc.cpu_times("cpu  200 0 100 850 50 0 0 0 0 0\n")
+    assert a == (150, 1000) and b == (300, 1200) and cc.busy_fraction(a, b) == pytest.approx(0.75)
+    assert cc.busy_fraction(a, a) == 0.0
+    # others' share: machine busy minus ours (this process, its children, the servers' sessions)
+    assert cc.others_fraction((100, 1000, 40), (300, 1200, 140)) == pytest.approx(0.5)
+    assert cc.others_fraction((100, 1000, 40), (150, 1200, 140)) == 0.0  # never negative
+    assert cc.should_retry(0.3, 0.1, attempt=0, retries=2) and not cc.should_retry(0.3, 0.1, attempt=2, retries=2)
+    assert not cc.should_retry(0.05, 0.1, 0, 2) and not cc.should_retry(None, 0.1, 0, 2)
+    with cc.OthersMeter((os.getpid(),)) as meter:
+        sum(range(100000))
+    assert meter.others is None or 0.0 <= meter.others <= 1.0
+    gate = cc.wait_for_quiet(threshold=1.01, max_wait=0.0, interval=0.01)  # any machine is below 101% busy
+    assert gate["quiet"] and 0.0 <= gate["busy_before"] <= 1.0 and gate["waited_s"] < 5
 
 
 def test_peers_absent_present_and_idempotent(cpu_bench, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -349,7 +364,8 @@ def test_serve_without_llama_server_records_it_skipped(cpu_bench, tmp_path: Path
 
     monkeypatch.setattr(sc, "run_streams", fake_streams)
     out = tmp_path / "serve.json"
-    assert sc.main(["--rounds", "2", "--streams", "3", "--max-tokens", "8", "--out", str(out)]) == 0
+    assert sc.main(["--rounds", "2", "--streams", "3", "--max-tokens", "8", "--quiet-wait", "0", "--retries", "0",
+                    "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert started == ["mlaserve"] and "make peers" in r["skipped"]["llama-server"]
     assert set(r["medians"]) == {"mlaserve"} and r["medians"]["mlaserve"]["single"]["aggregate_tok_s"] == pytest.approx(8.0)
