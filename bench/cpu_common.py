@@ -219,6 +219,13 @@ def should_retry(others: float | None, threshold: float, attempt: int, retries: 
     return others is not None and others > threshold and attempt < retries
 
 
+def undisturbed(measurements: list[dict[str, Any]], threshold: float) -> tuple[list[dict[str, Any]], int]:
+    """(the rounds for the median, how many were undisturbed): the rounds in which other processes used
+    at most `threshold` of the CPUs, or every round when all were disturbed (then the count is 0)."""
+    quiet = [m for m in measurements if (m.get("others_busy") or 0.0) <= threshold]
+    return (quiet or measurements), len(quiet)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -62,7 +62,8 @@ import peers  # noqa: E402
 # ------------------------------------------------------------------------------ floor arithmetic
 
 
-def bytes_per_decoded_token(tensors: list[tuple[str, tuple[int, ...], int]], n_experts: int, top_k: int) -> dict[str, Any]:
+def bytes_per_decoded_token(tensors: list[tuple[str, tuple[int, ...], int]], n_experts: int,
+                            top_k: int) -> dict[str, Any]:
     """Weight bytes one decoded token reads, from (GGUF name, shape as llama.cpp lists it, bytes).
 
     Routed experts (`*_exps`) count top_k / n_experts of their bytes, the token embedding one row
@@ -273,13 +274,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None, help="torch and llama-bench threads (default: the usable cores)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch and llama-bench threads (default: the usable cores)")
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--decode-prompt", type=int, default=8, help="prompt length before our decode run")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="our engine's --dtype")
     ap.add_argument("--expert-backends", nargs="+", default=["torch"], choices=("torch", "cpp"),
-                    help="our engine's --expert-backend, each measured (cpp: the C++ pool, Q8_0 experts kept quantized)")
+                    help="our engine's --expert-backend, each measured (cpp: the C++ pool, Q8_0 experts kept "
+                    "quantized)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
                     help="an extra EngineArgs field for our engine (repeatable), e.g. cpu_kernels=native")
     ap.add_argument("--skip-pp", action="store_true", help="only decode (ours' prefill on bf16 is the slow part)")
@@ -332,8 +335,10 @@ def measured(args: argparse.Namespace, fn: Callable[[], dict[str, Any]], label: 
     return r
 
 
-def summarize_rounds(samples: list[dict[str, Any]]) -> float | None:
-    return cc.median([s["tok_s"] for s in samples if s.get("tok_s")])
+def summarize_rounds(samples: list[dict[str, Any]], threshold: float) -> float | None:
+    """Median tokens/s over the rounds that other processes did not disturb (all, when every one was)."""
+    kept, _ = cc.undisturbed(samples, threshold)
+    return cc.median([s["tok_s"] for s in kept if s.get("tok_s")])
 
 
 def bench_file(qtype: str, path: Path, args: argparse.Namespace, threads: int, bw_samples: list[float],
@@ -345,7 +350,8 @@ def bench_file(qtype: str, path: Path, args: argparse.Namespace, threads: int, b
     bw_samples.append(read_bandwidth(threads))
     print(f"{qtype}: {path.name}, {traffic['bytes_per_token'] / 2**20:.1f} MiB of weights per decoded token, "
           f"read bandwidth {bw_samples[-1] / 1e9:.1f} GB/s", flush=True)
-    lb_cmd = llama_bench_command(lb_binary, path, threads, args.prompt_tokens, args.decode_tokens, 1) if lb_binary else None
+    lb_cmd = (llama_bench_command(lb_binary, path, threads, args.prompt_tokens, args.decode_tokens, 1)
+              if lb_binary else None)
     peer_rounds: list[dict[str, Any]] = []
     want_peer = lb_cmd is not None and not args.ours_only
     for backend in [] if args.peer_only else list(args.expert_backends):
@@ -371,14 +377,19 @@ def bench_file(qtype: str, path: Path, args: argparse.Namespace, threads: int, b
                                        "ours tg"))
                 elif with_peer:
                     assert lb_cmd is not None
-                    peer_rounds.append(measured(args, lambda: run_llama_bench(lb_cmd, args.peer_timeout), "llama-bench"))
+                    peer_rounds.append(measured(args, lambda: run_llama_bench(lb_cmd, args.peer_timeout),
+                                                "llama-bench"))
             print(f"  round {r + 1}: ours ({backend}) pp {pp[-1]['tok_s'] if pp else 0:.2f} tok/s, "
-                  f"tg {tg[-1]['tok_s']:.3f} tok/s" + (f"; llama-bench {_lb_line(peer_rounds[-1])}" if with_peer else ""),
+                  f"tg {tg[-1]['tok_s']:.3f} tok/s"
+                  + (f"; llama-bench {_lb_line(peer_rounds[-1])}" if with_peer else ""),
                   flush=True)
         entry["ours"][backend] = {
             "dtype": ours.dtype, "load_s": ours.load_s, "resident_weight_bytes": ours.resident_bytes,
             "torch_threads": ours.torch_threads, "engine_args": {k: v for k, v in vars(ours.engine_args).items()},
-            "pp_tok_s": summarize_rounds(pp), "tg_tok_s": summarize_rounds(tg), "pp_samples": pp, "tg_samples": tg,
+            "pp_tok_s": summarize_rounds(pp, args.retry_busy), "tg_tok_s": summarize_rounds(tg, args.retry_busy),
+            "rounds_undisturbed": {"pp": cc.undisturbed(pp, args.retry_busy)[1],
+                                   "tg": cc.undisturbed(tg, args.retry_busy)[1]},
+            "pp_samples": pp, "tg_samples": tg,
         }
         ours.close()
         del ours
@@ -392,9 +403,9 @@ def bench_file(qtype: str, path: Path, args: argparse.Namespace, threads: int, b
     elif args.ours_only:
         entry["skipped"]["llama_bench"] = "--ours-only"
     elif peer_rounds:
-        ok = [p for p in peer_rounds if "error" not in p]
+        ok, undisturbed = cc.undisturbed([p for p in peer_rounds if "error" not in p], args.retry_busy)
         entry["llama_bench"] = {
-            "command": lb_cmd, "rounds": peer_rounds,
+            "command": lb_cmd, "rounds": peer_rounds, "rounds_undisturbed": undisturbed,
             "pp_tok_s": cc.median([p["pp"]["avg_ts"] for p in ok if "pp" in p]),
             "tg_tok_s": cc.median([p["tg"]["avg_ts"] for p in ok if "tg" in p]),
             "model_type": ok[0].get("model_type") if ok else None,
@@ -451,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     manifest = mk.model_dir(cache, args.layers, args.seed) / "manifest.json"
     result = {
         "benchmark": "deepseek_cpu",
-        "machine": {**machine, "threads": threads, "load_average_at_end": list(os.getloadavg()), "read_bandwidth_GBps": None if read_bw is None else read_bw / 1e9,
+        "machine": {**machine, "threads": threads, "load_average_at_end": list(os.getloadavg()),
+                    "read_bandwidth_GBps": None if read_bw is None else read_bw / 1e9,
                     "read_bandwidth_samples_GBps": [b / 1e9 for b in bw]},
         "versions": {**cc.versions(), "llama_cpp": peers.binary_version(lb) if lb else None,
                      "cpp_experts_lib": os.environ.get("MLASERVE_CPP_EXPERTS_LIB")},
@@ -486,7 +498,8 @@ def print_report(result: dict[str, Any]) -> None:
         for who, r in rows:
             print(f"{qtype:8s} {who:16s} {f(r.get('pp_tok_s'), '10.2f'):>10s} {f(r.get('tg_tok_s'), '10.3f'):>10s} "
                   f"{f(e['decode_floor_tok_s'], '10.2f'):>10s} {f(r.get('tg_fraction_of_floor'), '9.3f'):>9s} "
-                  f"{f(r.get('pp_ratio_vs_llama_bench'), '10.3f'):>10s} {f(r.get('tg_ratio_vs_llama_bench'), '10.3f'):>10s}")
+                  f"{f(r.get('pp_ratio_vs_llama_bench'), '10.3f'):>10s} "
+                  f"{f(r.get('tg_ratio_vs_llama_bench'), '10.3f'):>10s}")
 
 
 if __name__ == "__main__":

@@ -264,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="download (once), unpack and build llama.cpp's binaries")
-    b.add_argument("--version", default=None, help=f"llama-cpp-python version (default: installed, else {DEFAULT_VERSION})")
+    b.add_argument("--version", default=None,
+                   help=f"llama-cpp-python version (default: installed, else {DEFAULT_VERSION})")
     b.add_argument("--sdist", type=Path, default=None, help="use this sdist .tar.gz instead of pip download")
     b.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: cores)")
     sub.add_parser("status", help="print what is built, as JSON")

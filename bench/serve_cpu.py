@@ -207,7 +207,8 @@ def compare(ours: dict[str, Any], peer: dict[str, Any] | None) -> dict[str, Any]
     p99 = cc.ratio(ours.get("concurrent", {}).get("ttft_p99_s"), peer.get("concurrent", {}).get("ttft_p99_s"))
     return {
         "single_tok_s_ratio": cc.check_target(single, TARGETS["single_tok_s_ratio"]),
-        "single_ttft_ratio": cc.ratio(ours.get("single", {}).get("ttft_p50_s"), peer.get("single", {}).get("ttft_p50_s")),
+        "single_ttft_ratio": cc.ratio(ours.get("single", {}).get("ttft_p50_s"),
+                                      peer.get("single", {}).get("ttft_p50_s")),
         "concurrent_aggregate_tok_s_ratio": cc.check_target(agg, TARGETS["concurrent_aggregate_tok_s_ratio"]),
         "concurrent_ttft_p99_ratio": cc.check_target(p99, TARGETS["concurrent_ttft_p99_ratio"], higher_is_better=False),
         "concurrent_per_stream_tok_s_ratio": cc.ratio(ours.get("concurrent", {}).get("per_stream_tok_s_median"),
@@ -296,6 +297,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--retries", type=int, default=3, help="... at most this many times (the last attempt is kept)")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--request-timeout", type=float, default=1800.0)
+    ap.add_argument("--reanalyze", default=None, metavar="JSON",
+                    help="recompute medians and ratios of a saved result from its raw samples (runs nothing)")
     ap.add_argument("--tag", default=None, help="machine tag in the result file name (default: from /proc/cpuinfo)")
     ap.add_argument("--out", default=None, help="default: bench/results/serve_cpu_<machine-tag>.json")
     args = ap.parse_args(argv)
@@ -336,6 +339,12 @@ def measure(server: Server, workload: str, bodies: list[dict[str, Any]], args: a
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.reanalyze:
+        result = analyze(json.loads(Path(args.reanalyze).read_text()))
+        cc.write_json(args.reanalyze, result)
+        print_report(result)
+        print(f"rewrote {args.reanalyze}")
+        return 0
     from models.builtin import DEFAULT_MODEL, resolve_model_path
 
     model = args.model or DEFAULT_MODEL
@@ -392,9 +401,6 @@ def main(argv: list[str] | None = None) -> int:
             stop_server(s)
 
     machine["load_average_at_end"] = list(os.getloadavg())
-    results: dict[str, Any] = {}
-    for s in servers:
-        results[s.name] = {w: medians([x["summary"] for x in raw[s.name][w]]) for w in ("single", "concurrent")}
     result = {
         "benchmark": "serve_cpu",
         "machine": machine,
@@ -408,18 +414,11 @@ def main(argv: list[str] | None = None) -> int:
         "llama_server_context": ctx if "llama-server" not in skipped else None,
         "threads": threads,
         "skipped": skipped,
-        "medians": results,
-        "ratios_ours_over_peer": compare(results["mlaserve"], results.get("llama-server")),
-        "targets": TARGETS,
+        "retry_busy": args.retry_busy,
         "problems": problems,
-        "measurements_started_busy": sum(1 for n in raw for w in raw[n].values() for m in w
-                                         if m.get("gate") and not m["gate"]["quiet"]),
-        "measurements_disturbed_kept": sum(1 for n in raw for w in raw[n].values() for m in w
-                                           if (m.get("others_busy") or 0) > args.retry_busy),
-        "measurements_discarded": sum(len(m["discarded"]) for n in raw for w in raw[n].values() for m in w),
         "raw": raw,
-        "note": "medians over interleaved rounds (order alternates); the machine may be shared and noisy",
     }
+    analyze(result)
     out = args.out or cc.RESULTS / f"serve_cpu_{args.tag or cc.machine_tag(machine)}.json"
     cc.write_json(out, result)
     print_report(result)
@@ -430,10 +429,34 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def analyze(result: dict[str, Any]) -> dict[str, Any]:
+    """Medians (over the undisturbed rounds), ratios and targets from `result["raw"]`, added in place.
+    Also what `--reanalyze` recomputes from a saved result."""
+    raw, threshold = result["raw"], result.get("retry_busy", 0.1)
+    med: dict[str, Any] = {}
+    used: dict[str, dict[str, int]] = {}
+    for name, workloads in raw.items():
+        med[name], used[name] = {}, {}
+        for w, ms in workloads.items():
+            kept, used[name][w] = cc.undisturbed(ms, threshold)
+            med[name][w] = medians([m["summary"] for m in kept])
+    result["medians"] = med
+    result["rounds_used"] = used  # per server and workload: undisturbed rounds in the median (0: all were disturbed)
+    result["ratios_ours_over_peer"] = compare(med["mlaserve"], med.get("llama-server"))
+    result["targets"] = TARGETS
+    every = [m for n in raw for ws in raw[n].values() for m in ws]
+    result["measurements_started_busy"] = sum(1 for m in every if m.get("gate") and not m["gate"]["quiet"])
+    result["measurements_disturbed_kept"] = sum(1 for m in every if (m.get("others_busy") or 0) > threshold)
+    result["measurements_discarded"] = sum(len(m.get("discarded", [])) for m in every)
+    result["note"] = ("medians over interleaved rounds (order alternates), disturbed rounds (others' CPU share above "
+                      "retry_busy after the retries) left out when an undisturbed one exists; the machine is shared")
+    return result
+
+
 def print_report(result: dict[str, Any]) -> None:
     med = result["medians"]
     rows = [("1 stream tok/s", "single", "aggregate_tok_s"), ("1 stream TTFT s", "single", "ttft_p50_s"),
-            (f"{result['workload']['streams']} streams agg tok/s", "concurrent", "aggregate_tok_s"),
+            (f"{result.get('workload', {}).get('streams', 'N')} streams agg tok/s", "concurrent", "aggregate_tok_s"),
             ("  per-stream tok/s", "concurrent", "per_stream_tok_s_median"),
             ("  TTFT p50 s", "concurrent", "ttft_p50_s"), ("  TTFT p99 s", "concurrent", "ttft_p99_s")]
     names = list(med)
@@ -447,7 +470,8 @@ def print_report(result: dict[str, Any]) -> None:
     for name, t in result["ratios_ours_over_peer"].items():
         if isinstance(t, dict):
             v = "-" if t["value"] is None else f"{t['value']:.2f}"
-            print(f"target {name}: {v} {t['op']} {t['target']}: {'met' if t['met'] else 'NOT met' if t['met'] is False else 'not measured'}")
+            verdict = "not measured" if t["met"] is None else "met" if t["met"] else "NOT met"
+            print(f"target {name}: {v} {t['op']} {t['target']}: {verdict}")
 
 
 if __name__ == "__main__":

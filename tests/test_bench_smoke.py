@@ -482,3 +482,25 @@ def test_make_deepseek_gguf_commands_and_cache(cpu_bench, tmp_path: Path, monkey
     m = mk.make(tmp_path, types=("q4_k_m",))
     assert "convert_hf_to_gguf.py not found" in m["skipped"]["bf16"]  # its source, made first
     assert "make peers" in m["skipped"]["q4_k_m"] and set(m["files"]) <= {"q8_0"}
+
+
+def test_serve_medians_leave_out_disturbed_rounds(cpu_bench, tmp_path: Path) -> None:
+    sc = cpu_bench.serve_cpu
+
+    def m(tok_s: float, others: float | None) -> dict[str, Any]:
+        return {"summary": {"aggregate_tok_s": tok_s, "ttft_p99_s": 1.0}, "others_busy": others, "discarded": [{}]}
+
+    assert cpu_bench.cpu_common.undisturbed([m(1, 0.5), m(2, 0.0), m(3, None)], 0.1) == ([m(2, 0.0), m(3, None)], 2)
+    assert cpu_bench.cpu_common.undisturbed([m(1, 0.5), m(2, 0.6)], 0.1) == ([m(1, 0.5), m(2, 0.6)], 0)
+    result = {"retry_busy": 0.1, "raw": {
+        "mlaserve": {"single": [m(10, 0.0), m(1, 0.9), m(12, 0.05)], "concurrent": [m(50, 0.0)]},
+        "llama-server": {"single": [m(20, 0.0)], "concurrent": [m(100, 0.7), m(40, 0.8)]}}}
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps(result))
+    assert sc.main(["--reanalyze", str(path)]) == 0  # runs nothing: recomputes from the raw samples
+    r = json.loads(path.read_text())
+    assert r["medians"]["mlaserve"]["single"]["aggregate_tok_s"] == 11  # the disturbed 1 left out
+    assert r["medians"]["llama-server"]["concurrent"]["aggregate_tok_s"] == 70  # all disturbed: all kept ...
+    assert r["rounds_used"]["llama-server"]["concurrent"] == 0  # ... and said so
+    assert r["ratios_ours_over_peer"]["single_tok_s_ratio"]["value"] == pytest.approx(11 / 20)
+    assert (r["measurements_disturbed_kept"], r["measurements_discarded"]) == (3, 7)
