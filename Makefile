@@ -12,7 +12,7 @@ TRITON_CPU := triton==3.9.0
 STAMP  := $(VENV)/.installed
 ORACLES := $(VENV)/.oracles
 
-.PHONY: install serve test clean asan
+.PHONY: install serve test clean asan peers
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,13 @@ asan: $(STAMP)
 		LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libstdc++.so)" \
 		ASAN_OPTIONS=detect_leaks=0 $(PY) -m pytest -q -p no:cacheprovider tests/cpp_experts; \
 	rc=$$?; rm -rf $$tmp; exit $$rc
+
+# The CPU benchmarks' peers: llama.cpp's llama-server, llama-bench and llama-quantize, built from the
+# sources vendored in llama-cpp-python's sdist (pip download, nothing else fetched) into
+# .venv/peers/llama.cpp-<version>/ (10+ minutes on 2 cores, once; a second call does nothing).
+# Never part of `make test`. Standard library only: the venv's python when there is one.
+peers:
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) bench/peers.py build
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,4 +1,12 @@
-"""The GPU benchmarks' `--smoke` mode: tiny shapes on the CPU, Triton under its interpreter.
+"""The benchmarks' smoke tests.
+
+The CPU peer benchmarks (serve_cpu, deepseek_cpu, make_deepseek_gguf, peers): their pure parts, in
+a few seconds, with no network, no llama.cpp build and no real benchmark run: argument parsing, the
+result JSON's shape, the ratio/target and floor arithmetic on canned inputs, llama-bench's JSON on a
+canned sample, and a missing peer recorded as skipped (never a failure).
+
+The GPU benchmarks' `--smoke` mode (marked slow, needs triton): tiny shapes on the CPU, Triton under
+its interpreter.
 
 The benchmarks only run for real on a GPU host; here they run end to end as subprocesses (as the lead
 will run them there), so a broken import, a changed interface or a wrong correctness check shows up
@@ -10,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -20,11 +29,14 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
-pytestmark = pytest.mark.slow
+
+
+def gpu_smoke(test):
+    """The GPU benchmarks' smoke tests: slow, and they need triton (kernels under its interpreter)."""
+    no_triton = importlib.util.find_spec("triton") is None
+    return pytest.mark.slow(pytest.mark.skipif(no_triton, reason="triton is not installed")(test))
 
 
 def run_smoke(script: str, out: Path, *extra: str) -> dict[str, Any]:
@@ -37,6 +49,7 @@ def run_smoke(script: str, out: Path, *extra: str) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
+@gpu_smoke
 def test_mla_decode_smoke(tmp_path: Path) -> None:
     r = run_smoke("mla_decode_gpu.py", tmp_path / "mla.json")
     assert r["smoke"] and r["backend"] == "triton" and r["peer"] == "torch"
@@ -56,6 +69,7 @@ def test_mla_decode_smoke(tmp_path: Path) -> None:
     assert r["all_correct"] and "targets" in r and r["skipped"] == []
 
 
+@gpu_smoke
 def test_model_decode_smoke(tmp_path: Path) -> None:
     try:
         importlib.import_module("cpp_experts")
@@ -98,6 +112,7 @@ def _case(mla_bench, backend) -> tuple[Any, Any]:
     return batch, shapes
 
 
+@gpu_smoke
 def test_mla_check_catches_a_wrong_backend(mla_bench) -> None:
     from kernels.attention.torch_backend import TorchAttentionBackend
 
@@ -113,6 +128,7 @@ def test_mla_check_catches_a_wrong_backend(mla_bench) -> None:
         assert row["correct"] is ok, row
 
 
+@gpu_smoke
 def test_mla_reference_on_a_sub_batch_when_torch_does_not_fit(mla_bench) -> None:
     from kernels.attention.torch_backend import TorchAttentionBackend
 
@@ -124,6 +140,7 @@ def test_mla_reference_on_a_sub_batch_when_torch_does_not_fit(mla_bench) -> None
     assert row["correct"] and row["max_abs_diff"] < 1e-3
 
 
+@gpu_smoke
 def test_model_check_catches_a_wrong_expert_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     """The model benchmark's correctness check (torch-backend logits as the oracle) passes the same model
     and fails one whose routed experts are wrong, so its "correct" in the smoke run means something."""
@@ -154,3 +171,336 @@ def test_model_check_catches_a_wrong_expert_backend(monkeypatch: pytest.MonkeyPa
     assert bench.compare("same", same, ref)["correct"]
     wrong = bench.compare("off", logits(wrong_model), ref)
     assert not wrong["correct"] and wrong["rel_err_vs_ref"] > bench.LOGITS_RTOL
+
+
+# ------------------------------------------------------------------------------------------------
+# The CPU peer benchmarks: pure parts only (no server, no llama.cpp, no model), a few seconds.
+
+
+@pytest.fixture
+def cpu_bench(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """bench/ importable, the peers directory empty and no override: llama.cpp is absent."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.setenv("MLASERVE_PEERS_DIR", str(tmp_path / "peers"))
+    monkeypatch.delenv("MLASERVE_LLAMA_CPP_BIN", raising=False)
+    monkeypatch.delenv("MLASERVE_LLAMA_CPP_SRC", raising=False)
+    return argparse.Namespace(**{m: importlib.import_module(m) for m in
+                                 ("peers", "cpu_common", "serve_cpu", "deepseek_cpu", "make_deepseek_gguf")})
+
+
+CPUINFO = """processor\t: 0
+model name\t: AMD EPYC 7B12 64-Core Processor
+flags\t\t: fpu sse2 avx avx2 fma avx512f avx512_vnni amx_tile
+processor\t: 1
+model name\t: AMD EPYC 7B12 64-Core Processor
+"""
+
+
+def test_machine_description_and_arithmetic(cpu_bench) -> None:
+    cc = cpu_bench.cpu_common
+    info = cc.cpuinfo(CPUINFO)
+    assert info["cpu"] == "AMD EPYC 7B12 64-Core Processor" and info["cores"] >= 1
+    assert info["avx2"] and info["avx512"] and info["avx512_vnni"] and info["amx"] and not info["avx512_bf16"]
+    assert not cc.cpuinfo("flags : sse2 avx2\n")["avx512"]
+    assert cc.machine_tag({"cpu": "AMD EPYC 7B12 64-Core Processor", "cores": 2}) == "amd_epyc_7b12_64_core_processor_2c"
+    assert cc.percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
+    assert cc.percentile([1.0, 2.0, 3.0, 4.0], 99) == pytest.approx(3.97)  # numpy's linear interpolation
+    assert cc.percentile([7.0], 99) == 7.0
+    assert cc.ratio(3.0, 2.0) == 1.5 and cc.ratio(None, 2.0) is None and cc.ratio(1.0, 0.0) is None
+    assert cc.check_target(1.6, 1.5)["met"] and not cc.check_target(1.4, 1.5)["met"]
+    assert cc.check_target(0.9, 1.0, higher_is_better=False) == {"value": 0.9, "target": 1.0, "op": "<=", "met": True}
+    assert cc.check_target(None, 1.0)["met"] is None
+    # /proc/stat: user nice system idle iowait irq softirq steal -> busy excludes idle and iowait
+    a = cc.cpu_times("cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 1 2 3 4\n")
+    b = cc.cpu_times("cpu  200 0 100 850 50 0 0 0 0 0\n")
+    assert a == (150, 1000) and b == (300, 1200) and cc.busy_fraction(a, b) == pytest.approx(0.75)
+    assert cc.busy_fraction(a, a) == 0.0
+    # others' share: machine busy minus ours (this process, its children, the servers' sessions)
+    assert cc.others_fraction((100, 1000, 40), (300, 1200, 140)) == pytest.approx(0.5)
+    assert cc.others_fraction((100, 1000, 40), (150, 1200, 140)) == 0.0  # never negative
+    assert cc.should_retry(0.3, 0.1, attempt=0, retries=2) and not cc.should_retry(0.3, 0.1, attempt=2, retries=2)
+    assert not cc.should_retry(0.05, 0.1, 0, 2) and not cc.should_retry(None, 0.1, 0, 2)
+    with cc.OthersMeter((os.getpid(),)) as meter:
+        sum(range(100000))
+    assert meter.others is None or 0.0 <= meter.others <= 1.0
+    gate = cc.wait_for_quiet(threshold=1.01, max_wait=0.0, interval=0.01)  # any machine is below 101% busy
+    assert gate["quiet"] and 0.0 <= gate["busy_before"] <= 1.0 and gate["waited_s"] < 5
+
+
+def test_peers_absent_present_and_idempotent(cpu_bench, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    peers = cpu_bench.peers
+    assert peers.llama_cpp_bin("llama-server") is None and peers.convert_script() is None
+    assert "make peers" in peers.absent_reason("llama-bench")
+    build, src = peers.cmake_commands(Path("/s"), Path("/b"), 2)
+    assert {"-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release"} <= set(build)
+    assert src[src.index("-j") + 1] == "2" and set(peers.TARGETS) <= set(src)
+    # an override directory holding an executable is found first
+    other = tmp_path / "other-bin"
+    other.mkdir()
+    exe = other / "llama-server"
+    exe.write_text("#!/bin/sh\necho 'version: 1 (abc)' >&2\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("MLASERVE_LLAMA_CPP_BIN", str(other))
+    assert peers.llama_cpp_bin("llama-server") == exe and peers.binary_version(exe) == "version: 1 (abc)"
+    assert peers.llama_cpp_bin("llama-bench") is None
+    # a finished build is never redone: nothing is downloaded or compiled
+    version = peers.llama_cpp_version()
+    peers.bin_dir(version).mkdir(parents=True)
+    for t in peers.TARGETS:
+        (peers.bin_dir(version) / t).write_text("")
+        (peers.bin_dir(version) / t).chmod(0o755)
+    (peers.tree(version) / "build.json").write_text(json.dumps({"seconds": 1.0}))
+
+    def no_run(*a, **k):
+        raise AssertionError("a built tree must not run anything")
+
+    monkeypatch.setattr(peers.subprocess, "run", no_run)
+    assert peers.build() == {"seconds": 1.0}
+
+
+def test_peers_unpacks_only_the_vendored_tree(cpu_bench, tmp_path: Path) -> None:
+    import tarfile
+
+    peers = cpu_bench.peers
+    root = tmp_path / "sdist" / "llama_cpp_python-9.9.9"
+    for rel in ("vendor/llama.cpp/convert_hf_to_gguf.py", "vendor/llama.cpp/gguf-py/gguf/__init__.py", "llama_cpp/x.py"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("# stub\n")
+    archive = tmp_path / "llama_cpp_python-9.9.9.tar.gz"
+    with tarfile.open(archive, "w:gz") as tf:
+        tf.add(root, arcname=root.name)
+    src = peers.unpack(archive, "9.9.9")
+    assert (src / "convert_hf_to_gguf.py").is_file() and not (src / "llama_cpp").exists()
+    assert peers.convert_script("9.9.9") == src / "convert_hf_to_gguf.py" and peers.gguf_py_dir("9.9.9") == src / "gguf-py"
+    assert peers.unpack(archive, "9.9.9") == src  # second time: already there
+
+
+# What each server streams (trimmed): llama-server puts usage on the finishing chunk, mlaserve in a
+# final chunk with no choices (stream_options.include_usage).
+LLAMA_SERVER_SSE = [
+    'data: {"choices":[{"text":"","index":0,"finish_reason":null}],"object":"text_completion"}',
+    "",
+    'data: {"choices":[{"text":" there","index":0,"finish_reason":null}],"object":"text_completion"}',
+    'data: {"choices":[{"text":" was","index":0,"finish_reason":"length"}],"object":"text_completion",'
+    '"usage":{"completion_tokens":3,"prompt_tokens":11,"total_tokens":14}}',
+    "data: [DONE]",
+]
+MLASERVE_SSE = [
+    'data: {"choices":[{"text":" there","index":0,"finish_reason":null}]}',
+    'data: {"choices":[{"text":" was a","index":0,"finish_reason":"length"}]}',
+    'data: {"choices":[],"usage":{"completion_tokens":3,"prompt_tokens":11,"total_tokens":14}}',
+    "data: [DONE]",
+]
+
+
+@pytest.mark.parametrize("lines", [LLAMA_SERVER_SSE, MLASERVE_SSE], ids=["llama-server", "mlaserve"])
+def test_serve_stream_parsing(cpu_bench, lines: list[str]) -> None:
+    sc = cpu_bench.serve_cpu
+    state = sc.StreamState(t_start=10.0)
+    for i, line in enumerate(lines):
+        state.feed(sc.parse_sse(line), 10.0 + 0.5 * (i + 1))
+    s = state.sample(t_end=13.0)
+    first_text = next(i for i, ln in enumerate(lines) if '"text":" ' in ln)
+    assert s["ttft_s"] == pytest.approx(0.5 * (first_text + 1))  # the first chunk with text, not an empty one
+    assert (s["completion_tokens"], s["prompt_tokens"], s["finish_reason"]) == (3, 11, "length")
+    assert s["done"] and s["error"] is None and s["wall_s"] == pytest.approx(3.0)
+    assert sc.sample_problems([s], 3) == [] and "expected 128" in sc.sample_problems([s], 128)[0]
+
+
+def _sample(t_start: float, ttft: float, wall: float, tokens: int = 128) -> dict[str, Any]:
+    return {"t_start": t_start, "t_end": t_start + wall, "wall_s": wall, "ttft_s": ttft, "completion_tokens": tokens,
+            "prompt_tokens": 100, "error": None}
+
+
+def test_serve_summary_ratios_and_targets(cpu_bench) -> None:
+    sc = cpu_bench.serve_cpu
+    conc = sc.summarize([_sample(0.0, 0.1 * (i + 1), 4.0 + i) for i in range(4)])  # 4 streams, span 7 s
+    assert conc["aggregate_tok_s"] == pytest.approx(4 * 128 / 7.0)
+    assert conc["ttft_p50_s"] == pytest.approx(0.25) and conc["ttft_p99_s"] == pytest.approx(0.397)
+    assert conc["per_stream_tok_s_min"] == pytest.approx(128 / 7.0)
+    assert sc.medians([{"x": 1.0}, {"x": 5.0}, {"x": 2.0}]) == {"x": 2.0}
+    ours = {"single": {"aggregate_tok_s": 30.0, "ttft_p50_s": 0.2},
+            "concurrent": {"aggregate_tok_s": 160.0, "ttft_p99_s": 1.0, "per_stream_tok_s_median": 10.0}}
+    peer = {"single": {"aggregate_tok_s": 40.0, "ttft_p50_s": 0.1},
+            "concurrent": {"aggregate_tok_s": 100.0, "ttft_p99_s": 2.0, "per_stream_tok_s_median": 6.0}}
+    r = sc.compare(ours, peer)
+    assert r["single_tok_s_ratio"] == {"value": 0.75, "target": 1.0, "op": ">=", "met": False}
+    assert r["concurrent_aggregate_tok_s_ratio"]["value"] == pytest.approx(1.6) and r["concurrent_aggregate_tok_s_ratio"]["met"]
+    assert r["concurrent_ttft_p99_ratio"] == {"value": 0.5, "target": 1.0, "op": "<=", "met": True}
+    assert r["single_ttft_ratio"] == pytest.approx(2.0)
+    absent = sc.compare(ours, None)
+    assert all(absent[k]["met"] is None for k in sc.TARGETS)
+
+
+def test_serve_arguments_and_commands(cpu_bench) -> None:
+    sc = cpu_bench.serve_cpu
+    a = sc.parse_args([])
+    assert (a.rounds, a.streams, a.max_tokens, a.ours_only, a.model) == (3, 16, 128, False, None)
+    assert sc.parse_args(["--ours-only", "--rounds", "1"]).ours_only
+    with pytest.raises(SystemExit):
+        sc.parse_args(["--rounds", "0"])
+    body = sc.request_body(sc.numbered_prompt(7), 128)
+    assert body["prompt"].startswith("Request 00007. ") and body["max_tokens"] == 128
+    assert body["temperature"] == 0 and body["ignore_eos"] and body["stream"]
+    assert body["stream_options"] == {"include_usage": True}
+    assert sc.slot_context(100, 128) == 512 and sc.slot_context(10, 20) == 256
+    cmd = sc.llama_server_command(Path("/x/llama-server"), "/m.gguf", 8081, 16, 2, 8192, [])
+    assert cmd[cmd.index("-np") + 1] == "16" and cmd[cmd.index("-t") + 1] == "2" and cmd[cmd.index("-c") + 1] == "8192"
+    ours = sc.mlaserve_command("/m.gguf", 8082, ["--seed", "1"])
+    assert ours[1:4] == ["-m", "mlaserve.cli", "serve"] and ours[-2:] == ["--seed", "1"]
+
+
+def test_serve_without_llama_server_records_it_skipped(cpu_bench, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole main() with the servers and requests faked: llama-server absent -> skipped, ours measured."""
+    sc = cpu_bench.serve_cpu
+    started: list[str] = []
+    monkeypatch.setattr(sc, "start_server", lambda server, log_dir, timeout: started.append(server.name))
+    monkeypatch.setattr(sc, "stop_server", lambda server: None)
+    monkeypatch.setattr(sc, "prompt_token_count", lambda model, text: 100)
+
+    async def fake_streams(url, bodies, timeout):
+        assert all(b["max_tokens"] == 8 for b in bodies)
+        return [_sample(0.0, 0.05, 1.0, tokens=8) for _ in bodies]
+
+    monkeypatch.setattr(sc, "run_streams", fake_streams)
+    out = tmp_path / "serve.json"
+    assert sc.main(["--rounds", "2", "--streams", "3", "--max-tokens", "8", "--quiet-wait", "0", "--retries", "0",
+                    "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert started == ["mlaserve"] and "make peers" in r["skipped"]["llama-server"]
+    assert set(r["medians"]) == {"mlaserve"} and r["medians"]["mlaserve"]["single"]["aggregate_tok_s"] == pytest.approx(8.0)
+    assert r["medians"]["mlaserve"]["concurrent"]["aggregate_tok_s"] == pytest.approx(24.0)
+    assert len(r["raw"]["mlaserve"]["concurrent"]) == 2 and len(r["raw"]["mlaserve"]["concurrent"][0]["samples"]) == 3
+    assert r["ratios_ours_over_peer"]["single_tok_s_ratio"]["met"] is None and r["problems"] == []
+    assert {"cpu", "cores", "avx2", "avx512", "amx"} <= set(r["machine"]) and r["workload"]["streams"] == 3
+    assert r["gguf"].endswith(".gguf") and r["commands"]["mlaserve"][1:4] == ["-m", "mlaserve.cli", "serve"]
+
+
+# llama-bench -o json (trimmed to the fields the parser reads, plus a few it ignores)
+LLAMA_BENCH_JSON = """[
+  {"build_commit": "0c1e570", "cpu_info": "AMD EPYC", "model_type": "deepseek2 16B BF16", "model_size": 4707069952,
+   "n_threads": 2, "n_prompt": 512, "n_gen": 0, "n_depth": 0, "avg_ns": 4213988602, "avg_ts": 121.5,
+   "stddev_ts": 1.5, "samples_ns": [4139960002], "samples_ts": [121.5]},
+  {"build_commit": "0c1e570", "cpu_info": "AMD EPYC", "model_type": "deepseek2 16B BF16", "model_size": 4707069952,
+   "n_threads": 2, "n_prompt": 0, "n_gen": 64, "n_depth": 0, "avg_ns": 311863587, "avg_ts": 9.25,
+   "stddev_ts": 0.25, "samples_ns": [311863587], "samples_ts": [9.0, 9.5]}
+]"""
+
+
+def test_llama_bench_json_and_fake_binary(cpu_bench, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ds = cpu_bench.deepseek_cpu
+    r = ds.parse_llama_bench(LLAMA_BENCH_JSON)
+    assert r["pp"] == {"n": 512, "avg_ts": 121.5, "stddev_ts": 1.5, "samples_ts": [121.5], "n_depth": 0}
+    assert r["tg"]["n"] == 64 and r["tg"]["avg_ts"] == 9.25 and r["tg"]["samples_ts"] == [9.0, 9.5]
+    assert r["model_type"] == "deepseek2 16B BF16" and r["n_threads"] == 2
+    # the subprocess path, with a stand-in binary that prints the sample (and one that fails)
+    fake = tmp_path / "bin" / "llama-bench"
+    fake.parent.mkdir()
+    (tmp_path / "out.json").write_text(LLAMA_BENCH_JSON)
+    fake.write_text(f"#!/bin/sh\ncat {tmp_path / 'out.json'}\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("MLASERVE_LLAMA_CPP_BIN", str(fake.parent))
+    binary = cpu_bench.peers.llama_cpp_bin("llama-bench")
+    cmd = ds.llama_bench_command(binary, Path("/m.gguf"), 2, 512, 64, 1)
+    assert cmd[1:] == ["-m", "/m.gguf", "-t", "2", "-p", "512", "-n", "64", "-r", "1", "-o", "json"]
+    assert ds.run_llama_bench(cmd, 30)["tg"]["avg_ts"] == 9.25
+    fake.write_text("#!/bin/sh\necho 'failed to load model' >&2\nexit 1\n")
+    assert "failed to load model" in ds.run_llama_bench(cmd, 30)["error"]
+
+
+def test_deepseek_decode_traffic_and_floor(cpu_bench) -> None:
+    ds = cpu_bench.deepseek_cpu
+    # (name, shape as llama.cpp lists it: ne0 first, bytes)
+    tensors = [
+        ("token_embd.weight", (2048, 1000), 1000 * 100),   # one row: 100 bytes
+        ("blk.0.attn_norm.weight", (2048,), 8),
+        ("blk.0.attn_kv_a_mqa.weight", (2048, 576), 1000),
+        ("blk.0.ffn_up.weight", (2048, 10944), 5000),       # dense layer
+        ("blk.1.ffn_gate_inp.weight", (2048, 64), 640),     # router
+        ("blk.1.ffn_up_exps.weight", (2048, 1408, 64), 64 * 300),
+        ("blk.1.ffn_down_shexp.weight", (2816, 2048), 700),
+        ("output_norm.weight", (2048,), 8),
+        ("output.weight", (2048, 1000), 9000),
+    ]
+    t = ds.bytes_per_decoded_token(tensors, n_experts=64, top_k=6)
+    b = t["breakdown"]
+    assert b["token_embd_row"] == 100 and b["routed_experts"] == 6 * 300 and b["shared_experts"] == 700
+    assert b["attention"] == 8 + 1000 and b["dense_ffn"] == 5000 + 640 and b["output"] == 9008
+    assert t["bytes_per_token"] == sum(b.values()) and t["file_tensor_bytes"] == sum(n for *_, n in tensors)
+    f = ds.floor_figures(t["bytes_per_token"], read_bw=t["bytes_per_token"] * 20.0, tok_s=5.0)
+    assert f == {"floor_tok_s": pytest.approx(20.0), "fraction_of_floor": pytest.approx(0.25)}
+    entry = {"decode_weight_traffic": {"bytes_per_token": 1000}, "ours": {"torch": {"tg_tok_s": 2.0, "pp_tok_s": 30.0}},
+             "llama_bench": {"tg_tok_s": 8.0, "pp_tok_s": 120.0}}
+    ds.derive(entry, read_bw=10_000.0)
+    assert entry["decode_floor_tok_s"] == pytest.approx(10.0)
+    assert entry["llama_bench"]["tg_fraction_of_floor"] == pytest.approx(0.8)
+    o = entry["ours"]["torch"]
+    assert (o["tg_fraction_of_floor"], o["tg_ratio_vs_llama_bench"], o["pp_ratio_vs_llama_bench"]) == pytest.approx((0.2, 0.25, 0.25))
+    no_peer = {"decode_weight_traffic": {"bytes_per_token": 1000}, "ours": {"torch": {"tg_tok_s": 2.0}}, "llama_bench": None}
+    ds.derive(no_peer, read_bw=10_000.0)
+    assert no_peer["ours"]["torch"]["tg_ratio_vs_llama_bench"] is None
+
+
+def test_deepseek_arguments_and_missing_files(cpu_bench, tmp_path: Path) -> None:
+    ds, mk = cpu_bench.deepseek_cpu, cpu_bench.make_deepseek_gguf
+    a = ds.parse_args([])
+    assert (a.types, a.rounds, a.prompt_tokens, a.decode_tokens, a.expert_backends) == (["bf16", "q8_0", "q4_k_m"], 3, 512, 64, ["torch"])
+    for bad in (["--decode-tokens", "1"], ["--ours-only", "--peer-only"], ["--types", "f16"]):
+        with pytest.raises(SystemExit):
+            ds.parse_args(bad)
+    # no GGUF made and no llama-bench: everything recorded as skipped, nothing measured, exit 0
+    out = tmp_path / "ds.json"
+    assert ds.main(["--cache-dir", str(tmp_path / "models"), "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["files"] == {} and set(r["skipped"]) == {"bf16", "q8_0", "q4_k_m"}
+    assert "make_deepseek_gguf.py" in r["skipped"]["bf16"] and r["machine"]["read_bandwidth_GBps"] is None
+    assert mk.gguf_path(tmp_path, "q8_0") == tmp_path / "deepseek-v2-lite-L4-s0" / "model-q8_0.gguf"
+
+
+def test_make_deepseek_gguf_commands_and_cache(cpu_bench, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mk = cpu_bench.make_deepseek_gguf
+    a = mk.parse_args([])
+    assert (a.layers, a.seed, a.types, a.force) == (4, 0, ["bf16", "q8_0", "q4_k_m"], False)
+    with pytest.raises(SystemExit):
+        mk.parse_args(["--layers", "1"])
+    cmd = mk.converter_command(Path("/src/convert_hf_to_gguf.py"), Path("/hf"), Path("/o.gguf"), "q8_0")
+    assert cmd[1:] == ["/src/convert_hf_to_gguf.py", "/hf", "--outtype", "q8_0", "--outfile", "/o.gguf"]
+    assert mk.quantize_command(Path("/q"), Path("/a"), Path("/b"), "Q4_K_M", 2) == ["/q", "/a", "/b", "Q4_K_M", "2"]
+    # files that exist are not made again; the HF checkpoint is not written for them
+    monkeypatch.setattr(mk, "make_hf", lambda *a, **k: pytest.fail("nothing to make"))
+    for t in mk.TYPES:
+        p = mk.gguf_path(tmp_path, t)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"GGUF")
+    m = mk.make(tmp_path)
+    assert m["skipped"] == {} and (m["layers"], m["preset"]) == (4, "deepseek-v2-lite")
+    # q4_k_m alone, no bf16 and no llama-quantize: skipped with the reason, nothing else made
+    mk.gguf_path(tmp_path, "q4_k_m").unlink()
+    mk.gguf_path(tmp_path, "bf16").unlink()
+    monkeypatch.setattr(mk, "make_hf", lambda *a, **k: {"stub": True})
+    monkeypatch.setattr(mk, "config_summary", lambda hf: {})
+    m = mk.make(tmp_path, types=("q4_k_m",))
+    assert "convert_hf_to_gguf.py not found" in m["skipped"]["bf16"]  # its source, made first
+    assert "make peers" in m["skipped"]["q4_k_m"] and set(m["files"]) <= {"q8_0"}
+
+
+def test_serve_medians_leave_out_disturbed_rounds(cpu_bench, tmp_path: Path) -> None:
+    sc = cpu_bench.serve_cpu
+
+    def m(tok_s: float, others: float | None) -> dict[str, Any]:
+        return {"summary": {"aggregate_tok_s": tok_s, "ttft_p99_s": 1.0}, "others_busy": others, "discarded": [{}]}
+
+    assert cpu_bench.cpu_common.undisturbed([m(1, 0.5), m(2, 0.0), m(3, None)], 0.1) == ([m(2, 0.0), m(3, None)], 2)
+    assert cpu_bench.cpu_common.undisturbed([m(1, 0.5), m(2, 0.6)], 0.1) == ([m(1, 0.5), m(2, 0.6)], 0)
+    result = {"retry_busy": 0.1, "raw": {
+        "mlaserve": {"single": [m(10, 0.0), m(1, 0.9), m(12, 0.05)], "concurrent": [m(50, 0.0)]},
+        "llama-server": {"single": [m(20, 0.0)], "concurrent": [m(100, 0.7), m(40, 0.8)]}}}
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps(result))
+    assert sc.main(["--reanalyze", str(path)]) == 0  # runs nothing: recomputes from the raw samples
+    r = json.loads(path.read_text())
+    assert r["medians"]["mlaserve"]["single"]["aggregate_tok_s"] == 11  # the disturbed 1 left out
+    assert r["medians"]["llama-server"]["concurrent"]["aggregate_tok_s"] == 70  # all disturbed: all kept ...
+    assert r["rounds_used"]["llama-server"]["concurrent"] == 0  # ... and said so
+    assert r["ratios_ours_over_peer"]["single_tok_s_ratio"]["value"] == pytest.approx(11 / 20)
+    assert (r["measurements_disturbed_kept"], r["measurements_discarded"]) == (3, 7)

@@ -1,0 +1,239 @@
+"""Helpers the CPU peer benchmarks (`serve_cpu.py`, `deepseek_cpu.py`) share: the machine description
+and tag that name a result file, percentiles, free ports, versions, and the ours/peer ratios checked
+against targets. Standard library only (torch is imported by the callers that need it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import time
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+
+def cpuinfo(text: str | None = None) -> dict[str, Any]:
+    """CPU model, logical cores usable here, and the ISA flags that decide the kernels (from /proc/cpuinfo)."""
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            text = ""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() not in fields:
+            fields[key.strip()] = value.strip()
+    flags = set(fields.get("flags", "").split())
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return {
+        "cpu": fields.get("model name") or platform.processor() or platform.machine(),
+        "cores": cores,
+        "avx2": "avx2" in flags,
+        "avx512": "avx512f" in flags,
+        "avx512_vnni": "avx512_vnni" in flags,
+        "avx512_bf16": "avx512_bf16" in flags,
+        "amx": bool({"amx_tile", "amx_bf16", "amx_int8"} & flags),
+    }
+
+
+def machine_info() -> dict[str, Any]:
+    info = cpuinfo()
+    info["node"] = platform.node()
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                info["memory_GiB"] = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    info["load_average_at_start"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    return info
+
+
+def machine_tag(info: dict[str, Any]) -> str:
+    """'AMD EPYC 7B12 64-Core Processor', 2 cores -> 'amd_epyc_7b12_64_core_processor_2c'."""
+    slug = re.sub(r"[^a-z0-9]+", "_", str(info.get("cpu", "cpu")).lower()).strip("_") or "cpu"
+    return f"{slug}_{info.get('cores', 0)}c"
+
+
+def versions() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pkg in ("mlaserve", "torch", "llama-cpp-python", "transformers", "gguf"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    try:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        out["mlaserve_git"] = commit + ("-dirty" if dirty else "") if commit else None
+    except (OSError, subprocess.TimeoutExpired):
+        out["mlaserve_git"] = None
+    return out
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear between the closest ranks (numpy's default)."""
+    if not values:
+        raise ValueError("percentile of no values")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def ratio(ours: float | None, theirs: float | None) -> float | None:
+    """ours / theirs, None when either side is missing or theirs is 0."""
+    if ours is None or theirs is None or theirs == 0:
+        return None
+    return ours / theirs
+
+
+def check_target(value: float | None, target: float, higher_is_better: bool = True) -> dict[str, Any]:
+    """A ratio against its target: {'value', 'target', 'op', 'met'} (met None when not measured)."""
+    met = None if value is None else (value >= target if higher_is_better else value <= target)
+    return {"value": value, "target": target, "op": ">=" if higher_is_better else "<=", "met": met}
+
+
+def cpu_times(stat_text: str | None = None) -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot, from the first line of /proc/stat."""
+    if stat_text is None:
+        stat_text = Path("/proc/stat").read_text()
+    fields = [int(x) for x in stat_text.splitlines()[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def busy_fraction(before: tuple[int, int], after: tuple[int, int]) -> float:
+    total = after[1] - before[1]
+    return 0.0 if total <= 0 else (after[0] - before[0]) / total
+
+
+def wait_for_quiet(threshold: float, max_wait: float, interval: float = 0.5) -> dict[str, Any]:
+    """Waits (at most `max_wait` s) until the machine's CPUs were busy less than `threshold` of an
+    `interval`: on a shared machine, start a measurement when no one else is computing. Returns the
+    last busy fraction seen and the time waited (recorded with each sample). No-op without /proc/stat."""
+    t0 = time.monotonic()
+    busy = None
+    try:
+        while True:
+            a = cpu_times()
+            time.sleep(interval)
+            busy = busy_fraction(a, cpu_times())
+            if busy < threshold or time.monotonic() - t0 >= max_wait:
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"busy_before": busy, "waited_s": round(time.monotonic() - t0, 2),
+            "quiet": busy is not None and busy < threshold}
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def session_jiffies(sessions: set[int], proc: Path = Path("/proc")) -> int:
+    """CPU time (user + system jiffies) of every live process whose session id is in `sessions`
+    (a server started with `start_new_session=True` and its children: its session is its pid)."""
+    total = 0
+    if not sessions:
+        return 0
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            rest = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        if int(rest[3]) in sessions:  # rest[0] is the state (field 3), so session (field 6) is rest[3]
+            total += int(rest[11]) + int(rest[12])  # utime, stime (fields 14, 15)
+    return total
+
+
+def own_jiffies() -> int:
+    """This process's CPU time and that of its children already waited for (e.g. a finished llama-bench)."""
+    t = os.times()
+    return round((t.user + t.system + t.children_user + t.children_system) * CLK_TCK)
+
+
+class OthersMeter:
+    """The share of the machine's CPU time that processes other than ours used during a block.
+
+    Ours: this process, its waited-for children, and the sessions given (started servers). Whatever
+    else ran (another engineer's compiler) is what makes a sample unrepresentative."""
+
+    def __init__(self, sessions: tuple[int, ...] = ()) -> None:
+        self.sessions = set(sessions)
+        self.others: float | None = None
+
+    def _read(self) -> tuple[int, int, int]:
+        busy, total = cpu_times()
+        return busy, total, own_jiffies() + session_jiffies(self.sessions)
+
+    def __enter__(self) -> "OthersMeter":
+        try:
+            self._a: tuple[int, int, int] | None = self._read()
+        except (OSError, ValueError, IndexError):
+            self._a = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._a is None:
+            return
+        try:
+            b = self._read()
+        except (OSError, ValueError, IndexError):
+            return
+        self.others = others_fraction(self._a, b)
+
+
+def others_fraction(a: tuple[int, int, int], b: tuple[int, int, int]) -> float:
+    """From (busy, total, ours) jiffies before and after: others' busy time / the machine's time."""
+    total = b[1] - a[1]
+    if total <= 0:
+        return 0.0
+    return min(1.0, max(0.0, ((b[0] - a[0]) - (b[2] - a[2])) / total))
+
+
+def should_retry(others: float | None, threshold: float, attempt: int, retries: int) -> bool:
+    """Redo a measurement that others disturbed (others' CPU share above `threshold`), `retries` times at most."""
+    return others is not None and others > threshold and attempt < retries
+
+
+def undisturbed(measurements: list[dict[str, Any]], threshold: float) -> tuple[list[dict[str, Any]], int]:
+    """(the rounds for the median, how many were undisturbed): the rounds in which other processes used
+    at most `threshold` of the CPUs, or every round when all were disturbed (then the count is 0)."""
+    quiet = [m for m in measurements if (m.get("others_busy") or 0.0) <= threshold]
+    return (quiet or measurements), len(quiet)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_json(path: str | Path, result: dict[str, Any]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
