@@ -11,7 +11,9 @@ model's torch forward, which works with native weights too):
 - Llama-family layers (GQA) or DeepSeek's (MLA + dense or MoE MLPs).
 
 MLA's absorbed matrices (w_kc [H, N, r], w_vc [H, r, V], split from kv_b_proj at load) become one
-small bf16 (or, with `--cpu-weight-dtype float32`, fp32) linear per head.
+small linear per head: bf16 with `--cpu-weight-dtype bf16`, fp32 with `float32`, and with `file` in
+kv_b_proj's loaded precision (the model's --dtype): an fp32 model keeps them exact, so that its
+outputs do not depend on the batch (the bf16 kernels' summation order does, by a rounding).
 """
 
 from __future__ import annotations
@@ -73,7 +75,6 @@ class NativeForward:
         table = req_to_token_pool.req_to_token
         buffers = kv_pool.kv_buffer if isinstance(kv_pool, MLATokenToKVPool) else kv_pool.k_buffer
         self.plan.set_table(table, buffers[0].shape[0])
-        head_dtype = torch.float32 if head.mode == "float32" else torch.bfloat16
         for i, layer in enumerate(inner.layers):
             attn, norm = layer.self_attn, layer.input_layernorm
             rotary = attn.rotary_emb
@@ -87,6 +88,8 @@ class NativeForward:
             elif isinstance(attn, MLAAttention):
                 assert isinstance(kv_pool, MLATokenToKVPool) and isinstance(config, DeepseekConfig)
                 lora = not hasattr(attn, "q_proj")
+                exact = head.mode == "float32" or (head.mode == "file" and attn.w_kc.dtype == torch.float32)
+                head_dtype = torch.float32 if exact else torch.bfloat16
                 self.plan.add_mla(
                     norm.weight, norm.eps,
                     q=None if lora else attn.q_proj.op,

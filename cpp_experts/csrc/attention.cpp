@@ -1,14 +1,17 @@
 // Paged attention (attention.h): query groups x key ranges on the pool, online softmax per query.
 //
-// One task = one query group (nq <= kMaxQueries query vectors that read the same keys) over one key
-// range [k0, k1). Keys come in tiles of kKeyTile: their slots are read from the request's row of
-// req_to_token, then every query of the group scores the tile (dot products along the head dim),
-// updates its running max m, sum l and weighted value sum acc, skipping keys past its own position.
-// A task that covers all of its group's keys writes out = acc / l; with split-KV it writes its
-// (m, l, acc) and a second pass merges the ranges of each query.
+// A group = query vectors that read the same keys (a few consecutive tokens of one request x a block
+// of heads). Its keys are cut into fixed blocks (key_blocks: a function of the group's key count
+// only). Within a block keys come in tiles of kKeyTile: their slots are read from the request's row
+// of req_to_token, then every query of the group scores the tile (dot products along the head dim)
+// and updates its running max m, sum l and weighted value sum acc, skipping keys past its own
+// position. Blocks are merged in order by one function (merge_state), either inside one task per
+// group or, split-KV, after one task per block: the same bits either way, so a request's output
+// does not depend on what else is in the batch.
 #include "attention.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -22,7 +25,8 @@ namespace {
 constexpr int kKeyTile = 16;
 constexpr int kTokBlock = 4;       // tokens of one request per group (prefill)
 constexpr int kMlaHeadBlock = 16;  // heads per MLA group
-constexpr int kMinSplitKeys = 128;  // keys per split-KV range at least
+constexpr int kMinSplitKeys = 128;  // keys per key block at least
+constexpr int kMaxBlocks = 16;      // key blocks per group at most
 
 struct Group {
   int t0, nt;    // tokens t0..t0+nt-1 (one request, consecutive positions)
@@ -41,7 +45,7 @@ struct Layout {
 };
 
 struct Task {
-  int group, k0, k1, split;  // split index into the partial buffer (-1: whole range)
+  int group, block;  // a key block of the group (key_blocks)
 };
 
 template <class KT>
@@ -172,46 +176,73 @@ CPX_INLINE void write_out(const Layout& L, const Group& g, const float* st, floa
     }
 }
 
-CPX_INLINE void task_entry_impl(const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, int k0,
-                                int k1, float scale, const float* q, float* st, float* scores, float* buf, float* out) {
-  if (kv.type == KvType::BF16)
-    run_task<uint16_t>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
-  else
-    run_task<float>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
-  if (out) write_out(L, g, st, out);
+// R = R (+) B for nq query states (m, l, acc[Dv]). The one merge of key blocks: a task that runs
+// its group's blocks in turn and the pass that merges blocks run as separate tasks both call this
+// compiled body, so a query's result has the same bits whether or not its group was split.
+CPX_INLINE void merge_state_impl(int nq, int Dv, float* R, const float* B) {
+  using namespace vec;
+  const int sw = 2 + Dv;
+  for (int i = 0; i < nq; ++i) {
+    float* r = R + size_t(i) * sw;
+    const float* b = B + size_t(i) * sw;
+    if (b[1] == 0.0f) continue;  // the block added nothing for this query
+    if (r[1] == 0.0f) {
+      std::copy(b, b + sw, r);
+      continue;
+    }
+    const float M = std::max(r[0], b[0]);
+    const float cr = exp1(r[0] - M), cb = exp1(b[0] - M);
+    r[0] = M;
+    r[1] = r[1] * cr + b[1] * cb;
+    int d = 0;
+    for (; d + 8 <= Dv; d += 8) store(r + 2 + d, load(r + 2 + d) * splat(cr) + load(b + 2 + d) * splat(cb));
+    for (; d < Dv; ++d) r[2 + d] = r[2 + d] * cr + b[2 + d] * cb;
+  }
+}
+CPX_DISPATCH(void, merge_state, (int nq, int Dv, float* R, const float* B), (nq, Dv, R, B))
+
+// The fixed key blocks of a group: a function of its key count alone (for a decode token, of its
+// position), never of the rest of the batch. Each block starts a fresh online softmax; blocks are
+// merged in order. Empty trailing blocks may occur and merge as nothing.
+struct Blocks {
+  int n;         // blocks
+  int64_t size;  // keys per block, a multiple of kKeyTile (the last block shorter)
+};
+inline Blocks key_blocks(int64_t keys) {
+  const int n = int(std::clamp<int64_t>(keys / kMinSplitKeys, 1, kMaxBlocks));
+  const int64_t per = (keys + n - 1) / n;
+  return {n, (per + kKeyTile - 1) / kKeyTile * kKeyTile};
+}
+
+// One task: block `block` of the group into st, or (block < 0) every block in turn merged into st
+// (blk: room for one block's states) and out = acc / l.
+CPX_INLINE void task_entry_impl(const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, int block,
+                                float scale, const float* q, float* st, float* blk, float* scores, float* buf,
+                                float* out) {
+  const Blocks B = key_blocks(g.keys);
+  auto one = [&](int b, float* dst) {
+    const int k0 = int(std::min<int64_t>(g.keys, b * B.size)), k1 = int(std::min<int64_t>(g.keys, (b + 1) * B.size));
+    if (kv.type == KvType::BF16)
+      run_task<uint16_t>(kv, tok, L, g, k0, k1, scale, q, dst, scores, buf);
+    else
+      run_task<float>(kv, tok, L, g, k0, k1, scale, q, dst, scores, buf);
+  };
+  if (block >= 0) {
+    one(block, st);
+    return;
+  }
+  one(0, st);
+  for (int b = 1; b < B.n; ++b) {
+    one(b, blk);
+    merge_state(g.nt * g.nh, L.Dv, st, blk);
+  }
+  write_out(L, g, st, out);
 }
 
 CPX_DISPATCH(void, task_entry,
-             (const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, int k0, int k1, float scale,
-              const float* q, float* st, float* scores, float* buf, float* out),
-             (kv, tok, L, g, k0, k1, scale, q, st, scores, buf, out))
-
-// Merges the split-KV states of one group's queries: o = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
-CPX_INLINE void merge_entry_impl(const Layout& L, const Group& g, const float* partial, int nsplit,
-                                 size_t split_stride, float* out) {
-  const int sw = 2 + L.Dv, nq = g.nt * g.nh;
-  for (int i = 0; i < nq; ++i) {
-    float M = -INFINITY;
-    for (int s = 0; s < nsplit; ++s) M = std::max(M, partial[s * split_stride + size_t(i) * sw]);
-    float* o = out + (g.t0 + i / g.nh) * L.o_tok + (g.h0 + i % g.nh) * L.o_head;
-    std::fill(o, o + L.Dv, 0.0f);
-    float l = 0.0f;
-    if (M != -INFINITY) {
-      for (int s = 0; s < nsplit; ++s) {
-        const float* sq = partial + s * split_stride + size_t(i) * sw;
-        if (sq[1] == 0.0f) continue;
-        const float w = vec::exp1(sq[0] - M);
-        l += w * sq[1];
-        vec::axpy(o, w, sq + 2, L.Dv);
-      }
-    }
-    if (l > 0.0f) vec::scale(o, 1.0f / l, L.Dv);
-  }
-}
-
-CPX_DISPATCH(void, merge_entry,
-             (const Layout& L, const Group& g, const float* partial, int nsplit, size_t split_stride, float* out),
-             (L, g, partial, nsplit, split_stride, out))
+             (const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, int block, float scale,
+              const float* q, float* st, float* blk, float* scores, float* buf, float* out),
+             (kv, tok, L, g, block, scale, q, st, blk, scores, buf, out))
 
 // Groups: runs of consecutive tokens of one request, cut into blocks of kTokBlock, times head blocks.
 std::vector<Group> make_groups(const AttnTokens& tok, int H, int Hkv, bool mla) {
@@ -236,47 +267,45 @@ void run(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& 
   if (tok.T <= 0) return;
   const std::vector<Group> groups = make_groups(tok, L.H, Hkv, L.mla);
   const int threads = pool.size();
-  // split-KV where the groups alone cannot keep every thread busy (about 4 tasks per thread)
-  int64_t max_keys = 0;
-  for (const Group& g : groups) max_keys = std::max(max_keys, g.keys);
-  int nsplit = 1;
-  if (int(groups.size()) < 4 * threads)
-    nsplit = int(std::clamp<int64_t>((4 * threads + int64_t(groups.size()) - 1) / int64_t(groups.size()), 1,
-                                     std::max<int64_t>(1, max_keys / kMinSplitKeys)));
-  std::vector<Task> tasks;
-  for (int gi = 0; gi < int(groups.size()); ++gi) {
-    const int64_t keys = groups[size_t(gi)].keys;
-    if (nsplit == 1) {
-      tasks.push_back({gi, 0, int(keys), -1});
-      continue;
-    }
-    const int64_t per = (keys + nsplit - 1) / nsplit;
-    const int64_t step = (per + kKeyTile - 1) / kKeyTile * kKeyTile;
-    for (int s = 0; s < nsplit; ++s) {
-      const int64_t k0 = std::min<int64_t>(keys, s * step), k1 = std::min<int64_t>(keys, (s + 1) * step);
-      tasks.push_back({gi, int(k0), int(k1), s});  // an empty range still writes its (empty) state
-    }
-  }
   int max_nq = 0;
   for (const Group& g : groups) max_nq = std::max(max_nq, g.nt * g.nh);
   const size_t state = size_t(max_nq) * (2 + L.Dv);
   const size_t tiles = size_t(kKeyTile) * (L.D + L.Dv);  // fp32 key and value tiles (bf16 caches)
   scratch.thread.resize(size_t(threads));
-  for (auto& s : scratch.thread) s.resize(state + kKeyTile + tiles);
-  const size_t split_stride = state, group_stride = size_t(nsplit) * split_stride;
-  if (nsplit > 1) scratch.partial.resize(groups.size() * group_stride);
+  for (auto& s : scratch.thread) s.resize(2 * state + kKeyTile + tiles);
+  auto thread_bufs = [&](int tid) {
+    float* base = scratch.thread[size_t(tid)].data();
+    return std::array<float*, 3>{base, base + state, base + 2 * state};  // state, block state, scores + tiles
+  };
+  // Split-KV (a task per key block) only where the groups alone cannot keep every thread busy
+  // (about 4 tasks per thread); the blocks are the same either way (key_blocks).
+  if (int(groups.size()) >= 4 * threads) {
+    pool.run(int(groups.size()), [&](int gi, int tid) {
+      const auto b = thread_bufs(tid);
+      task_entry(kv, tok, L, groups[size_t(gi)], -1, scale, q, b[0], b[1], b[2], b[2] + kKeyTile, out);
+    });
+    return;
+  }
+  std::vector<Task> tasks;
+  std::vector<int> first(groups.size() + 1, 0);  // partial-state index of each group's first block
+  for (int gi = 0; gi < int(groups.size()); ++gi) {
+    const int n = key_blocks(groups[size_t(gi)].keys).n;
+    first[size_t(gi) + 1] = first[size_t(gi)] + n;
+    for (int b = 0; b < n; ++b) tasks.push_back({gi, b});
+  }
+  scratch.partial.resize(size_t(first.back()) * state);
   pool.run(int(tasks.size()), [&](int i, int tid) {
     const Task& tk = tasks[size_t(i)];
-    const Group& g = groups[size_t(tk.group)];
-    float* st = tk.split < 0 ? scratch.thread[size_t(tid)].data()
-                             : scratch.partial.data() + size_t(tk.group) * group_stride + size_t(tk.split) * split_stride;
-    float* scores = scratch.thread[size_t(tid)].data() + state;
-    task_entry(kv, tok, L, g, tk.k0, tk.k1, scale, q, st, scores, scores + kKeyTile, tk.split < 0 ? out : nullptr);
+    const auto b = thread_bufs(tid);
+    float* st = scratch.partial.data() + size_t(first[size_t(tk.group)] + tk.block) * state;
+    task_entry(kv, tok, L, groups[size_t(tk.group)], tk.block, scale, q, st, nullptr, b[2], b[2] + kKeyTile, nullptr);
   });
-  if (nsplit > 1)
-    pool.run(int(groups.size()), [&](int gi, int) {
-      merge_entry(L, groups[size_t(gi)], scratch.partial.data() + size_t(gi) * group_stride, nsplit, split_stride, out);
-    });
+  pool.run(int(groups.size()), [&](int gi, int) {
+    const Group& g = groups[size_t(gi)];
+    float* st = scratch.partial.data() + size_t(first[size_t(gi)]) * state;
+    for (int b = 1; b < first[size_t(gi) + 1] - first[size_t(gi)]; ++b) merge_state(g.nt * g.nh, L.Dv, st, st + size_t(b) * state);
+    write_out(L, g, st, out);
+  });
 }
 
 }  // namespace

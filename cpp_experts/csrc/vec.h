@@ -44,7 +44,7 @@ CPX_INLINE v8f load(const uint16_t* p) {  // 8 bf16 values widened to fp32 (exac
   v8h h;
   std::memcpy(&h, p, sizeof h);
   const v8u u = __builtin_convertvector(h, v8u) << 16;
-  return reinterpret_cast<const v8f&>(u);
+  return (v8f)u;  // a bit cast between vectors of one size
 }
 CPX_INLINE void store(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
 CPX_INLINE v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
@@ -74,7 +74,7 @@ CPX_INLINE v8f exp8(v8f x) {
   p = p * r + splat(5.0000001201e-1f);
   p = p * r * r + r + splat(1.0f);
   const v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
-  v8f y = p * reinterpret_cast<const v8f&>(e);
+  v8f y = p * (v8f)e;
   y = over ? splat(INFINITY) : y;
   return under ? splat(0.0f) : y;
 }

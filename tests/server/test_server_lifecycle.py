@@ -129,9 +129,12 @@ def test_default_gguf_model_chats(tmp_path):
                         log=tmp_path / "log").wait_ready()
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-        r = client.chat.completions.create(model="smollm2-135m-instruct", temperature=0, max_tokens=20,
-                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
-        assert "Paris" in r.choices[0].message.content
+        # (not the capital of France: a near-tie that 8-bit activations, ours and llama.cpp's alike, answer in
+        # French; see tests/models/test_default_model.py)
+        r = client.chat.completions.create(model="smollm2-135m-instruct", temperature=0, max_tokens=24,
+                                           messages=[{"role": "user", "content": "What is photosynthesis?"}])
+        text = r.choices[0].message.content.lower()
+        assert "plant" in text or "light" in text, text
         assert r.choices[0].finish_reason in ("stop", "length")
     finally:
         assert srv.stop() == 0
