@@ -10,8 +10,10 @@ weight once, the set being `--footprint-mib` large (default 256 MiB, as much as 
 more than the caches hold for it): the weights come from memory as in decode, not from the previous
 call's cache lines. GB/s counts the weight's bytes as stored (GGUF bytes; 2 per weight for bf16, 4
 for f32); the copy bandwidth (bench_common.copy_bandwidth: a `copy_` of `--footprint-mib`, read +
-write counted) and moe_cpu's read bandwidth (a torch sum over `--footprint-mib`) are sampled once per
-round, and every row reports its fraction of both. x is bf16, except fp32 for torch_f32 and the f32
+write counted), moe_cpu's read bandwidth (a torch sum over `--footprint-mib`) and a streaming read
+(an f32 QuantLinear of `--footprint-mib` at M = 1, several streams per thread: on a machine where one
+stream per core falls short of the memory system, the sum understates it) are sampled once per
+round, and every row reports its fraction of each. x is bf16, except fp32 for torch_f32 and the f32
 format (an fp32 model's layer). Rounds are interleaved (every contender once per round, in turn),
 and medians reported: the machine is shared and noisy.
 
@@ -114,10 +116,20 @@ def main() -> None:
     pool = cpp_experts.WorkerPool(args.threads)
     copy_samples: list[float] = []
     read_samples: list[float] = []
+    stream_samples: list[float] = []
+    # A plain streaming read at the machine's speed: an f32 layer of the footprint at M = 1 reads its
+    # weights as 4 contiguous streams per thread with one FMA per 32 bytes. torch's sum reads one
+    # stream per thread, which on some machines (a 2-core Zen 2 VM: 16 GB/s) is well below what
+    # several streams get (28 GB/s there, the same as a hand-written 8-stream AVX2 read loop).
+    probe = cpp_experts.QuantLinear.from_float(torch.ones(footprint // (4 * 4096), 4096), dtype=torch.float32,
+                                               pool=pool, kernel=kernel)
+    probe_x = torch.ones(1, 4096)
 
     def sample_bandwidth() -> None:
         copy_samples.append(copy_bandwidth(torch.device("cpu"), footprint, repeats=5))
         read_samples.append(read_bandwidth(footprint))
+        probe(probe_x)
+        stream_samples.append(probe.out_features * 4096 * 4 / time_pass([lambda: probe(probe_x)] * 3))
 
     results = []
     for shape in args.shapes:
@@ -125,7 +137,7 @@ def main() -> None:
         fmts = [f for f in args.formats if f in FLOAT_BYTES or k % cpp_experts.LINEAR_BLOCKS[f][0] == 0]
         # contenders: name -> (weight bytes, kernel, x dtype, one callable per weight copy and M)
         wf = torch.randn(n, k)
-        torch_ws = {dt: [wf.to(dt) for _ in range(copies_for(n * k * dt.itemsize, footprint))]
+        torch_ws = {dt: [wf.to(dt, copy=True) for _ in range(copies_for(n * k * dt.itemsize, footprint))]
                     for dt in (torch.bfloat16, torch.float32)}
         contenders: dict[str, tuple[int, str, torch.dtype, Callable[[torch.Tensor], list]]] = {
             f"torch_{tag}": (n * k * dt.itemsize, f"torch {torch.__version__} F.linear", dt,
@@ -167,10 +179,13 @@ def main() -> None:
         print(f"{shape}: done", flush=True)
 
     copy_bw, read_bw = statistics.median(copy_samples), statistics.median(read_samples)
+    stream_bw = statistics.median(stream_samples)
     for row in results:
         row["fraction_of_copy_bw"] = row["GBps"] * 1e9 / copy_bw
         row["fraction_of_read_bw"] = row["GBps"] * 1e9 / read_bw
-    model = model_decode(pool, args.threads, args.rounds, copy_samples, read_samples, kernel)
+        row["fraction_of_stream_read_bw"] = row["GBps"] * 1e9 / stream_bw
+    del probe
+    model = model_decode(pool, args.threads, args.rounds, copy_samples, read_samples, stream_samples, kernel)
     pool.close()
     machine = {
         "cpu": platform.processor() or platform.machine(), "cpu_model": cpu_model(), "node": platform.node(),
@@ -178,13 +193,18 @@ def main() -> None:
         "cpp_experts_info": cpp_experts.info(), "footprint_MiB": args.footprint_mib,
         "copy_bandwidth_GBps": copy_bw / 1e9, "copy_bandwidth_samples_GBps": [v / 1e9 for v in copy_samples],
         "read_bandwidth_GBps": read_bw / 1e9, "read_bandwidth_samples_GBps": [v / 1e9 for v in read_samples],
+        "stream_read_bandwidth_GBps": stream_bw / 1e9,
+        "stream_read_bandwidth_samples_GBps": [v / 1e9 for v in stream_samples],
+        "stream_read_probe": "QuantLinear f32 of footprint_MiB at M = 1 (4 streams per thread)",
     }
     report = {"machine": machine, "results": results, "smollm2_decode_linears": model}
     print(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s (samples {', '.join(f'{v / 1e9:.1f}' for v in copy_samples)}), "
-          f"read bandwidth {read_bw / 1e9:.1f} GB/s, {args.threads} threads")
+          f"read bandwidth {read_bw / 1e9:.1f} GB/s (torch sum), stream read {stream_bw / 1e9:.1f} GB/s (f32 M = 1), "
+          f"{args.threads} threads")
     print_table(results, [("shape", "shape", ""), ("M", "M", "d"), ("format", "format", ""), ("kernel", "kernel", ""),
                           ("us", "us", ".1f"), ("GBps", "GB/s", ".1f"), ("GFLOPs", "GFLOP/s", ".1f"),
-                          ("fraction_of_read_bw", "of read", ".2f"), ("fraction_of_copy_bw", "of copy", ".2f"),
+                          ("fraction_of_read_bw", "of read", ".2f"), ("fraction_of_stream_read_bw", "of stream", ".2f"),
+                          ("fraction_of_copy_bw", "of copy", ".2f"),
                           ("speedup_vs_torch_bf16", "vs t-bf16", ".2f"), ("speedup_vs_torch_f32", "vs t-f32", ".2f")])
     if isinstance(model, dict):
         print(f"SmolLM2-135M decode step, all {model['calls']['plain']} linear layers ({model['weight_bytes'] / 1e6:.1f} MB):")
@@ -192,7 +212,8 @@ def main() -> None:
             (f"{key}_{name}{suffix}", f"{name} {head}", fmt) for name in ("plain", "fused")
             for key, suffix, head, fmt in (("ours", "_ms", "ours ms", ".3f"), ("torch_bf16", "_ms", "t-bf16 ms", ".3f"),
                                            ("torch_f32", "_ms", "t-f32 ms", ".3f"), ("ours", "_GBps", "GB/s", ".1f"),
-                                           ("ours", "_fraction_of_read_bw", "of read", ".2f"))
+                                           ("ours", "_fraction_of_read_bw", "of read", ".2f"),
+                                           ("ours", "_fraction_of_stream_read_bw", "of stream", ".2f"))
         ] + [(f"{name}_speedup_vs_torch_{tag}", f"{name} vs t-{tag}", ".2f") for name in ("plain", "fused")
              for tag in ("bf16", "f32")])
     else:
@@ -222,7 +243,7 @@ def smollm2_path() -> Path | None:
 
 
 def model_decode(pool: cpp_experts.WorkerPool, threads: int, rounds: int, copy_samples: list[float],
-                 read_samples: list[float], kernel: str | None) -> dict | str:
+                 read_samples: list[float], stream_samples: list[float], kernel: str | None) -> dict | str:
     """Every linear layer of the real SmolLM2-135M Q4_1 GGUF once, in the order a decode step runs them
     (the ~96 MB of weights stream from memory), ours vs torch bf16 and fp32 on the same weights
     dequantized.
@@ -275,6 +296,7 @@ def model_decode(pool: cpp_experts.WorkerPool, threads: int, rounds: int, copy_s
             row[f"ours_{name}_GBps"] = nbytes / t[f"ours_{name}"] / 1e9
             row[f"ours_{name}_fraction_of_copy_bw"] = nbytes / t[f"ours_{name}"] / statistics.median(copy_samples)
             row[f"ours_{name}_fraction_of_read_bw"] = nbytes / t[f"ours_{name}"] / statistics.median(read_samples)
+            row[f"ours_{name}_fraction_of_stream_read_bw"] = nbytes / t[f"ours_{name}"] / statistics.median(stream_samples)
             row[f"{name}_speedup_vs_torch_bf16"] = t[f"torch_bf16_{name}"] / t[f"ours_{name}"]
             row[f"{name}_speedup_vs_torch_f32"] = t[f"torch_f32_{name}"] / t[f"ours_{name}"]
         rows.append(row)

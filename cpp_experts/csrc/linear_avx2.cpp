@@ -38,6 +38,9 @@
 #include "quant_linear.h"
 
 #define CPX_AVX2 __attribute__((target("avx2,fma,f16c")))
+// The kernel's pieces: inlined into the tiles always (GCC's heuristics left some out of line, their
+// sums passing through the stack: half the speed of an inlined tile).
+#define CPX_AVX2_INL __attribute__((target("avx2,fma,f16c"), always_inline)) inline
 
 namespace cpx {
 namespace {
@@ -87,7 +90,7 @@ struct Scales {
   __m256 dw, mw;
 };
 template <LinFormat F>
-CPX_AVX2 inline Scales block_scales(const uint8_t* hdr, const uint8_t* wb, int half) {
+CPX_AVX2_INL Scales block_scales(const uint8_t* hdr, const uint8_t* wb, int half) {
   Scales s{_mm256_setzero_ps(), _mm256_setzero_ps()};
   if constexpr (F == LinFormat::Q8_0) s.dw = f16x8(wb + 512 + 16 * half);
   if constexpr (F == LinFormat::Q4_0 || F == LinFormat::Q4_1) s.dw = f16x8(wb + 256 + 16 * half);
@@ -113,7 +116,7 @@ struct Rows {
 // is at wb with activation row t, zero point taken off. One (rowblock, half) at a time: few registers
 // (decode, and q5_k / q6_k, whose group pairs hold 4 unpacked weight registers).
 template <LinFormat F, int TT>
-CPX_AVX2 inline void half_sums(const uint8_t* wb, int half, const Rows<TT>& x, int b, __m256i* s) {
+CPX_AVX2_INL void half_sums(const uint8_t* wb, int half, const Rows<TT>& x, int b, __m256i* s) {
   const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0f);
   const uint8_t* wh = wb + 32 * half;
 #pragma GCC unroll 4
@@ -207,7 +210,7 @@ constexpr bool both_halves(LinFormat f) { return f != LinFormat::Q5_K && f != Li
 // broadcast feeds two vpmaddubsw (one per half), so a block takes half a load per vpmaddubsw; with 8
 // sums, 4 unpacked weight registers and the broadcast the tile fits the 16 ymm at TT <= 4.
 template <LinFormat F, int TT>
-CPX_AVX2 inline void rowblock_sums(const uint8_t* wb, const Rows<TT>& x, int b, __m256i (*s)[TT]) {
+CPX_AVX2_INL void rowblock_sums(const uint8_t* wb, const Rows<TT>& x, int b, __m256i (*s)[TT]) {
   const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0f);
 #pragma GCC unroll 4
   for (int t = 0; t < TT; ++t) s[0][t] = s[1][t] = _mm256_setzero_si256();
@@ -260,18 +263,38 @@ CPX_AVX2 inline void rowblock_sums(const uint8_t* wb, const Rows<TT>& x, int b, 
 // acc + one block's contribution: s its int32 sums, dx the row's block scale, ds = dx * (sum of its q)
 // (both broadcast).
 template <LinFormat F>
-CPX_AVX2 inline __m256 accumulate(__m256 acc, __m256i s, const Scales& w, __m256 dx, __m256 ds) {
+CPX_AVX2_INL __m256 accumulate(__m256 acc, __m256i s, const Scales& w, __m256 dx, __m256 ds) {
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(w.dw, dx), acc);
   if constexpr (F == LinFormat::Q4_1) acc = _mm256_fmadd_ps(w.mw, ds, acc);
   if constexpr (F == LinFormat::Q4_K || F == LinFormat::Q5_K) acc = _mm256_fnmadd_ps(w.mw, ds, acc);
   return acc;
 }
 
-template <LinFormat F, int R, int TT>
-CPX_AVX2 void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc) {
-  constexpr LinLayout L = kLinLayout[int(F)];
-  const size_t sbs = w.sb_bytes;
-  const uint8_t* w0 = w.at(rb);
+// One block of one rowblock for TT rows of x into accumulators in memory: cp[t * ldc + j], j < 16.
+template <LinFormat F, int TT>
+CPX_AVX2_INL void rowblock_step(const uint8_t* hdr, const uint8_t* wb, const Rows<TT>& x, int b, float* cp,
+                                   int ldc) {
+  __m256i s[2][TT];
+  if constexpr (both_halves(F)) {
+    rowblock_sums<F, TT>(wb, x, b, s);
+  } else {
+    half_sums<F, TT>(wb, 0, x, b, s[0]);
+    half_sums<F, TT>(wb, 1, x, b, s[1]);
+  }
+  const Scales sc[2] = {block_scales<F>(hdr, wb, 0), block_scales<F>(hdr, wb, 1)};
+#pragma GCC unroll 4
+  for (int t = 0; t < TT; ++t) {
+    const __m256 dx = _mm256_set1_ps(x.d[t][b]), ds = _mm256_set1_ps(x.ds[t][b]);
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {
+      float* p = cp + size_t(t) * ldc + 8 * half;
+      _mm256_storeu_ps(p, accumulate<F>(_mm256_loadu_ps(p), s[half][t], sc[half], dx, ds));
+    }
+  }
+}
+
+template <LinFormat F, int TT>
+CPX_AVX2_INL Rows<TT> rows_of(const ActQ& a, int t0) {
   const int nb = a.k / 32;
   Rows<TT> x;
 #pragma GCC unroll 4
@@ -283,6 +306,15 @@ CPX_AVX2 void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
     x.s[t] = a.s + row * nb;
     x.s16[t] = F == LinFormat::Q6_K ? a.s16 + row * 2 * nb : nullptr;
   }
+  return x;
+}
+
+template <LinFormat F, int R, int TT>
+CPX_AVX2 void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc) {
+  constexpr LinLayout L = kLinLayout[int(F)];
+  const size_t sbs = w.sb_bytes;
+  const uint8_t* w0 = w.at(rb);
+  const Rows<TT> x = rows_of<F, TT>(a, t0);
   __m256 acc[R][2];  // TT = 1
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -304,11 +336,19 @@ CPX_AVX2 void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
           const uint8_t* hdr = ws + r * sbs;
           const uint8_t* wb = hdr + L.hdr + size_t(j) * L.blk;
           const __m256 dx = _mm256_set1_ps(x.d[0][b]), ds = _mm256_set1_ps(x.ds[0][b]);
+          if constexpr (both_halves(F)) {
+            __m256i s[2][1];
+            rowblock_sums<F, 1>(wb, x, b, s);
 #pragma GCC unroll 2
-          for (int half = 0; half < 2; ++half) {
-            __m256i s[1];
-            half_sums<F, 1>(wb, half, x, b, s);
-            acc[r][half] = accumulate<F>(acc[r][half], s[0], block_scales<F>(hdr, wb, half), dx, ds);
+            for (int half = 0; half < 2; ++half)
+              acc[r][half] = accumulate<F>(acc[r][half], s[half][0], block_scales<F>(hdr, wb, half), dx, ds);
+          } else {
+#pragma GCC unroll 2
+            for (int half = 0; half < 2; ++half) {
+              __m256i s[1];
+              half_sums<F, 1>(wb, half, x, b, s);
+              acc[r][half] = accumulate<F>(acc[r][half], s[0], block_scales<F>(hdr, wb, half), dx, ds);
+            }
           }
         }
       } else {
@@ -317,24 +357,7 @@ CPX_AVX2 void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
 #pragma GCC unroll 1
         for (int r = 0; r < R; ++r) {
           const uint8_t* hdr = ws + r * sbs;
-          const uint8_t* wb = hdr + L.hdr + size_t(j) * L.blk;
-          __m256i s[2][TT];
-          if constexpr (both_halves(F)) {
-            rowblock_sums<F, TT>(wb, x, b, s);
-          } else {
-            half_sums<F, TT>(wb, 0, x, b, s[0]);
-            half_sums<F, TT>(wb, 1, x, b, s[1]);
-          }
-          const Scales sc[2] = {block_scales<F>(hdr, wb, 0), block_scales<F>(hdr, wb, 1)};
-#pragma GCC unroll 4
-          for (int t = 0; t < TT; ++t) {
-            const __m256 dx = _mm256_set1_ps(x.d[t][b]), ds = _mm256_set1_ps(x.ds[t][b]);
-#pragma GCC unroll 2
-            for (int half = 0; half < 2; ++half) {
-              float* cp = c + size_t(t) * ldc + 16 * r + 8 * half;
-              _mm256_storeu_ps(cp, accumulate<F>(_mm256_loadu_ps(cp), s[half][t], sc[half], dx, ds));
-            }
-          }
+          rowblock_step<F, TT>(hdr, hdr + L.hdr + size_t(j) * L.blk, x, b, c + 16 * r, ldc);
         }
       }
     }
