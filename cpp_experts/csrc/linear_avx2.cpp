@@ -16,9 +16,10 @@
 // exact in fp32). Each block's int32 sums are then scaled into fp32 accumulators as ggml does.
 //
 // Tiling: a tile is R rowblocks of one group (one contiguous run per superblock) x TT rows of x.
-//  TT = 1 (decode, bandwidth bound): R = 4 with 8 fp32 accumulators in registers, one (rowblock,
-//    half) at a time taking ~5 more ymm; the pass reads the group's run front to back with software
-//    prefetch ahead. From cache one core runs Q4_1 at ~30 GB/s, well above a core's share of DRAM.
+//  M <= 3 (decode, bandwidth bound; one pass over the weights): up to 4 whole groups are read in
+//    lockstep, block by block (mk_groups: 4 read streams per thread, which this memory system needs
+//    to approach its bandwidth), accumulators in the output tile; a task's partial groups run as
+//    tiles (TT = 1: 8 register accumulators). From cache one core runs Q4_1 at ~30 GB/s.
 //  TT = 2..4 (M = 2, 3 in one pass over the weights; prefill in tiles of 4 rows, rowblocks outside
 //    rows so that a group's weights stay in L1/L2 while every tile of rows passes over them): per
 //    block, each rowblock's two halves at once for q8_0 / q4_x (2 x TT sums + 4 unpacked weight
@@ -371,6 +372,39 @@ CPX_AVX2 void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
   }
 }
 
+// Decode and M = 2, 3: G whole groups (4 G rowblocks from rb, a multiple of 4) x TT rows of x in one
+// pass that reads the groups' runs in lockstep, block by block: G read streams instead of one, the
+// accumulators in the output tile. One stream per core fell short of the memory system on a 2-core
+// Zen 2 VM (a plain read loop: one core ~12 GB/s with one stream, ~18 with 8; two cores ~19 and ~28),
+// and 4 groups took the Q4_1 LM head at M = 1 from ~20 to ~23 GB/s on two cores (~11 to ~13.5 on one).
+// Each unit's block is prefetched kPrefetchBytes ahead as it is reached (spread over the pass rather
+// than a burst per superblock: ~5% more).
+template <LinFormat F, int TT>
+CPX_AVX2 void mk_groups(const QMat& w, int rb, int G, const ActQ& a, int t0, float* c, int ldc) {
+  constexpr LinLayout L = kLinLayout[int(F)];
+  const size_t sbs = w.sb_bytes, gstride = size_t(w.nsb) * kGroupRowblocks * sbs;
+  const uint8_t* w0 = w.at(rb);
+  const Rows<TT> x = rows_of<F, TT>(a, t0);
+  for (int t = 0; t < TT; ++t)
+    for (int j = 0; j < 2 * kGroupRowblocks * G; ++j) _mm256_storeu_ps(c + size_t(t) * ldc + 8 * j, _mm256_setzero_ps());
+  for (int sb = 0; sb < w.nsb; ++sb) {
+    for (int j = 0; j < L.sb_blocks; ++j) {
+      const int b = sb * L.sb_blocks + j;
+      const int lead = j == 0 ? L.hdr : 0;  // a superblock's header comes before its first block
+#pragma GCC unroll 1
+      for (int u = 0; u < G * kGroupRowblocks; ++u) {
+        const uint8_t* hdr =
+            w0 + (u / kGroupRowblocks) * gstride + (size_t(sb) * kGroupRowblocks + u % kGroupRowblocks) * sbs;
+        const uint8_t* wb = hdr + L.hdr + size_t(j) * L.blk;
+        for (int o = 0; o < L.blk + lead; o += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(wb - lead + kPrefetchBytes + o), _MM_HINT_T0);
+        rowblock_step<F, TT>(hdr, wb, x, b, c + 16 * u, ldc);
+      }
+    }
+  }
+}
+constexpr int kMaxStreams = 4;  // groups per decode pass: a task holds at most 16 rowblocks
+
 using Mk = void (*)(const QMat&, int, const ActQ&, int, float*, int);
 
 // [R - 1][TT - 1]
@@ -385,6 +419,23 @@ constexpr int kTileRows = 4;
 
 template <LinFormat F>
 CPX_AVX2 void gemm(const QMat& w, int rb0, int rb1, const ActQ& a, int t0, int nt, float* c, int ldc) {
+  if (nt <= 3) {  // one pass over the weights: whole groups in lockstep, partial ones as tiles
+    using MkG = void (*)(const QMat&, int, int, const ActQ&, int, float*, int);
+    constexpr MkG kMkG[3] = {mk_groups<F, 1>, mk_groups<F, 2>, mk_groups<F, 3>};
+    for (int rb = rb0; rb < rb1;) {
+      const int head = std::min(rb1 - rb, (kGroupRowblocks - rb % kGroupRowblocks) % kGroupRowblocks);
+      const int groups = std::min(kMaxStreams, (rb1 - rb) / kGroupRowblocks);
+      if (head > 0 || groups == 0) {
+        const int r = head > 0 ? head : rb1 - rb;
+        Tiles<F>::t[r - 1][nt - 1](w, rb, a, t0, c + (rb - rb0) * 16, ldc);
+        rb += r;
+      } else {
+        kMkG[nt - 1](w, rb, groups, a, t0, c + (rb - rb0) * 16, ldc);
+        rb += groups * kGroupRowblocks;
+      }
+    }
+    return;
+  }
   for (int rb = rb0; rb < rb1;) {
     // a tile stays inside its group of 4 rowblocks (one contiguous run per superblock)
     const int r = std::min({kGroupRowblocks, rb1 - rb, kGroupRowblocks - rb % kGroupRowblocks});
