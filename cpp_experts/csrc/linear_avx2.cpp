@@ -46,10 +46,9 @@
 namespace cpx {
 namespace {
 
-// Software prefetch distance along a tile's weight run (the same scheme as linear_avx512.cpp). On a
-// 2-core Zen 2 VM (M = 1, one thread, weights from DRAM) 4 KiB was the best of 0 .. 16 KiB: Q4_1 LM
-// head 10.0 GB/s against 9.0 without prefetch and 9.6 at 8 KiB; on smaller layers the differences
-// were within the noise of a shared machine.
+// Software prefetch distance along the weights (the scheme of linear_avx512.cpp). On a 2-core Zen 2 VM
+// (M = 1, weights from DRAM) 4 and 8 KiB were the best of 1 .. 32 KiB, within the noise of each other;
+// without prefetch, or with L2 hints (T1 / T2) further ahead, decode ran ~5-10% slower.
 constexpr size_t kPrefetchBytes = 4096;
 
 // An empty asm that "changes" v: the compiler may not reassociate a sum across it. Without it GCC
