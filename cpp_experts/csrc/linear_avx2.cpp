@@ -218,14 +218,17 @@ CPX_AVX2_INL void rowblock_sums(const uint8_t* wb, const Rows<TT>& x, int b, __m
     const __m256i flip = _mm256_set1_epi8(char(0x80));
 #pragma GCC unroll 8
     for (int g = 0; g < 8; ++g) {
-      const __m256i sw0 = _mm256_xor_si256(load32(wb + 64 * g), flip), sw1 = _mm256_xor_si256(load32(wb + 64 * g + 32), flip);
+      const __m256i sw0 = _mm256_xor_si256(load32(wb + 64 * g), flip);  // q, signed, rows 0..7
+      const __m256i sw1 = _mm256_xor_si256(load32(wb + 64 * g + 32), flip);  // rows 8..15
       const __m256i aw0 = _mm256_abs_epi8(sw0), aw1 = _mm256_abs_epi8(sw1);
 #pragma GCC unroll 4
       for (int t = 0; t < TT; ++t) {
         const __m256i xv = bcast4(x.q[t] + 32 * b + 4 * g);
-        s[0][t] = _mm256_add_epi32(s[0][t], _mm256_madd_epi16(_mm256_maddubs_epi16(aw0, _mm256_sign_epi8(xv, sw0)), ones));
+        const __m256i p0 = _mm256_maddubs_epi16(aw0, _mm256_sign_epi8(xv, sw0));
+        s[0][t] = _mm256_add_epi32(s[0][t], _mm256_madd_epi16(p0, ones));
         CPX_KEEP(s[0][t]);
-        s[1][t] = _mm256_add_epi32(s[1][t], _mm256_madd_epi16(_mm256_maddubs_epi16(aw1, _mm256_sign_epi8(xv, sw1)), ones));
+        const __m256i p1 = _mm256_maddubs_epi16(aw1, _mm256_sign_epi8(xv, sw1));
+        s[1][t] = _mm256_add_epi32(s[1][t], _mm256_madd_epi16(p1, ones));
         CPX_KEEP(s[1][t]);
       }
     }
@@ -385,7 +388,8 @@ CPX_AVX2 void mk_groups(const QMat& w, int rb, int G, const ActQ& a, int t0, flo
   const uint8_t* w0 = w.at(rb);
   const Rows<TT> x = rows_of<F, TT>(a, t0);
   for (int t = 0; t < TT; ++t)
-    for (int j = 0; j < 2 * kGroupRowblocks * G; ++j) _mm256_storeu_ps(c + size_t(t) * ldc + 8 * j, _mm256_setzero_ps());
+    for (int j = 0; j < 2 * kGroupRowblocks * G; ++j)
+      _mm256_storeu_ps(c + size_t(t) * ldc + 8 * j, _mm256_setzero_ps());
   for (int sb = 0; sb < w.nsb; ++sb) {
     for (int j = 0; j < L.sb_blocks; ++j) {
       const int b = sb * L.sb_blocks + j;

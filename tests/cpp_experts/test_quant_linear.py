@@ -305,7 +305,8 @@ def test_activation_quantisation_is_bit_identical(path: str, pool: cpp_experts.W
     x[1, :] = 0
     x[2, 40] = 1e-30  # a tiny amax
     x[3, 64:96] = float("inf")  # a non-finite block: NaN scale, the whole output row NaN (as 0 * inf)
-    ops = {p: cpp_experts.QuantLinear.from_gguf(raw, T.Q8_0, n, 32 * nb, kernel=p, pool=pool) for p in ("portable", path)}
+    ops = {p: cpp_experts.QuantLinear.from_gguf(raw, T.Q8_0, n, 32 * nb, kernel=p, pool=pool)
+           for p in ("portable", path)}
     want, got = ops["portable"](x), ops[path](x)
     assert want[3].isnan().all() and got[3].isnan().all()
     finite = [0, 1, 2, *range(4, 9)]
