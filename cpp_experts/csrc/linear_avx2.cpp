@@ -15,17 +15,20 @@
 // of ones) and its -32 zero point into one more, leaving one int32 per row and block (< 2^24, so
 // exact in fp32). Each block's int32 sums are then scaled into fp32 accumulators as ggml does.
 //
-// Tiling: a tile is R rowblocks of one group (one contiguous run per superblock) x TT rows of x. Per
-// 32-value block each (rowblock, half) in turn computes its int sums for all TT rows, every unpacked
-// weight group serving the TT rows, then scales them into the accumulators.
-//  TT = 1 (decode, bandwidth bound): R = 4, 8 fp32 accumulators in registers and ~6 ymm for the
-//    sums, so the pass reads the group's run front to back (with software prefetch ahead) and has
-//    8 independent accumulation chains.
-//  TT = 2..4 (M = 2, 3 in one pass over the weights; prefill in tiles of 4 rows): the accumulators
-//    live in the output tile (L1), loaded and stored once per block and (rowblock, half, row), cheap
-//    beside the block's 8 (q8_0: 16) vpmaddubsw per (half, row); the ymm registers hold the TT sums,
-//    the unpacked group and the broadcasts. The tile loop runs rowblocks outside rows of x, so a
-//    group's weights stay in L1/L2 while every tile of rows passes over them.
+// Tiling: a tile is R rowblocks of one group (one contiguous run per superblock) x TT rows of x.
+//  M <= 3 (decode, bandwidth bound; one pass over the weights): up to 4 whole groups are read in
+//    lockstep, block by block (mk_groups: 4 read streams per thread, which this memory system needs
+//    to approach its bandwidth), accumulators in the output tile; a task's partial groups run as
+//    tiles (TT = 1: 8 register accumulators). From cache one core runs Q4_1 at ~30 GB/s.
+//  TT = 2..4 (M = 2, 3 in one pass over the weights; prefill in tiles of 4 rows, rowblocks outside
+//    rows so that a group's weights stay in L1/L2 while every tile of rows passes over them): per
+//    block, each rowblock's two halves at once for q8_0 / q4_x (2 x TT sums + 4 unpacked weight
+//    registers + the broadcast fill the 16 ymm, and each broadcast serves both halves); q5_k / q6_k
+//    one half at a time. Accumulators live in the L1 output tile, loaded and stored once per block
+//    and (rowblock, half, row). What bounds it on Zen 2: vpmaddubsw and the vpaddw that accumulates
+//    it share pipes, ~1.1 pairs per cycle, so 4-bit formats reach ~21 multiply-adds per cycle
+//    (q8_0's sign trick: ~12); the per-block scaling takes about a third of the time. Unrolling the
+//    rowblock loop or 8-row tiles overflowed the op cache and ran slower.
 // f32: [rowblock][k][16] fp32 lines, FMA'd against x[k] broadcast: R = 4 x TT = 1 (8 chains) and
 // R = 2 x TT = 2 stream the weights; above, 1 rowblock x 6 rows of x (12 accumulators: the classic
 // 6 x 16 AVX2 sgemm tile), a rowblock's K lines reused from L1/L2 by every tile of rows.
@@ -36,13 +39,16 @@
 #include "quant_linear.h"
 
 #define CPX_AVX2 __attribute__((target("avx2,fma,f16c")))
+// The kernel's pieces: inlined into the tiles always (GCC's heuristics left some out of line, their
+// sums passing through the stack: half the speed of an inlined tile).
+#define CPX_AVX2_INL __attribute__((target("avx2,fma,f16c"), always_inline)) inline
 
 namespace cpx {
 namespace {
 
-// Software prefetch distance along a tile's weight run (the same scheme as linear_avx512.cpp).
-// Measured on a 2-core Zen 2 VM (bench/quant_linear_cpu.py, 256 MiB footprint, M = 1): see
-// kPrefetchBytes' use in mk(); distances of 2..16 KiB were tried.
+// Software prefetch distance along the weights (the scheme of linear_avx512.cpp). On a 2-core Zen 2 VM
+// (M = 1, weights from DRAM) 4 and 8 KiB were the best of 1 .. 32 KiB, within the noise of each other;
+// without prefetch, or with L2 hints (T1 / T2) further ahead, decode ran ~5-10% slower.
 constexpr size_t kPrefetchBytes = 4096;
 
 // An empty asm that "changes" v: the compiler may not reassociate a sum across it. Without it GCC
@@ -84,7 +90,7 @@ struct Scales {
   __m256 dw, mw;
 };
 template <LinFormat F>
-CPX_AVX2 inline Scales block_scales(const uint8_t* hdr, const uint8_t* wb, int half) {
+CPX_AVX2_INL Scales block_scales(const uint8_t* hdr, const uint8_t* wb, int half) {
   Scales s{_mm256_setzero_ps(), _mm256_setzero_ps()};
   if constexpr (F == LinFormat::Q8_0) s.dw = f16x8(wb + 512 + 16 * half);
   if constexpr (F == LinFormat::Q4_0 || F == LinFormat::Q4_1) s.dw = f16x8(wb + 256 + 16 * half);
@@ -107,12 +113,13 @@ struct Rows {
 };
 
 // s[t] = one block's exact int32 dot products of rows 8 half .. 8 half + 7 of the rowblock whose block
-// is at wb with activation row t, zero point taken off.
+// is at wb with activation row t, zero point taken off. One (rowblock, half) at a time: few registers
+// (decode, and q5_k / q6_k, whose group pairs hold 4 unpacked weight registers).
 template <LinFormat F, int TT>
-CPX_AVX2 inline void block_sums(const uint8_t* wb, int half, const Rows<TT>& x, int b, __m256i* s) {
+CPX_AVX2_INL void half_sums(const uint8_t* wb, int half, const Rows<TT>& x, int b, __m256i* s) {
   const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0f);
   const uint8_t* wh = wb + 32 * half;
-#pragma GCC unroll 8
+#pragma GCC unroll 4
   for (int t = 0; t < TT; ++t) s[t] = _mm256_setzero_si256();
   if constexpr (F == LinFormat::Q8_0) {
     const __m256i flip = _mm256_set1_epi8(char(0x80));
@@ -120,7 +127,7 @@ CPX_AVX2 inline void block_sums(const uint8_t* wb, int half, const Rows<TT>& x, 
     for (int g = 0; g < 8; ++g) {
       const __m256i sw = _mm256_xor_si256(load32(wh + 64 * g), flip);  // q, signed
       const __m256i aw = _mm256_abs_epi8(sw);                           // |q| <= 128 as unsigned bytes
-#pragma GCC unroll 8
+#pragma GCC unroll 4
       for (int t = 0; t < TT; ++t) {
         const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast4(x.q[t] + 32 * b + 4 * g), sw));
         s[t] = _mm256_add_epi32(s[t], _mm256_madd_epi16(p, ones));
@@ -151,7 +158,7 @@ CPX_AVX2 inline void block_sums(const uint8_t* wb, int half, const Rows<TT>& x, 
         lo[gg] = _mm256_or_si256(lo[gg], _mm256_and_si256(move_bits(hb, blo, 4), mh));
         hi[gg] = _mm256_or_si256(hi[gg], _mm256_and_si256(move_bits(hb, bhi, 4), mh));
       }
-#pragma GCC unroll 8
+#pragma GCC unroll 4
       for (int t = 0; t < TT; ++t) {
         const int8_t* xp = x.q[t] + 32 * b + 8 * gp;
         const __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(lo[0], bcast4(xp)),
@@ -168,7 +175,7 @@ CPX_AVX2 inline void block_sums(const uint8_t* wb, int half, const Rows<TT>& x, 
     if constexpr (kQ6) {  // - 32 (sc_lo * sum of x 0..15 + sc_hi * sum of x 16..31)
       const __m256i m32 = pair16(_mm256_slli_epi32(i8x8(wb + 384 + 8 * half), 5),
                                  _mm256_slli_epi32(i8x8(wb + 400 + 8 * half), 5));
-#pragma GCC unroll 8
+#pragma GCC unroll 4
       for (int t = 0; t < TT; ++t) {
         const int32_t* s16 = x.s16[t] + 2 * b;
         const uint32_t sp = uint32_t(uint16_t(s16[0])) | uint32_t(uint16_t(s16[1])) << 16;
@@ -180,7 +187,7 @@ CPX_AVX2 inline void block_sums(const uint8_t* wb, int half, const Rows<TT>& x, 
     for (int g = 0; g < 4; ++g) {
       const __m256i v = load32(wh + 64 * g);
       const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-#pragma GCC unroll 8
+#pragma GCC unroll 4
       for (int t = 0; t < TT; ++t) {
         const int8_t* xp = x.q[t] + 32 * b + 4 * g;
         s[t] = _mm256_add_epi16(s[t], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xp)),
@@ -188,7 +195,7 @@ CPX_AVX2 inline void block_sums(const uint8_t* wb, int half, const Rows<TT>& x, 
         CPX_KEEP(s[t]);
       }
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 4
     for (int t = 0; t < TT; ++t) {
       s[t] = _mm256_madd_epi16(s[t], ones);
       if constexpr (F == LinFormat::Q4_0) s[t] = _mm256_add_epi32(s[t], _mm256_set1_epi32(-8 * x.s[t][b]));
@@ -196,21 +203,101 @@ CPX_AVX2 inline void block_sums(const uint8_t* wb, int half, const Rows<TT>& x, 
   }
 }
 
-// acc + one block's contribution: s its int32 sums, dx the row's block scale, ds = dx * (sum of its q).
+// Formats whose rowblock_sums take both halves at once.
+constexpr bool both_halves(LinFormat f) { return f != LinFormat::Q5_K && f != LinFormat::Q6_K; }
+
+// half_sums for both halves of the rowblock at once (q8_0, q4_0, q4_1, q4_k): every activation
+// broadcast feeds two vpmaddubsw (one per half), so a block takes half a load per vpmaddubsw; with 8
+// sums, 4 unpacked weight registers and the broadcast the tile fits the 16 ymm at TT <= 4.
+template <LinFormat F, int TT>
+CPX_AVX2_INL void rowblock_sums(const uint8_t* wb, const Rows<TT>& x, int b, __m256i (*s)[TT]) {
+  const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0f);
+#pragma GCC unroll 4
+  for (int t = 0; t < TT; ++t) s[0][t] = s[1][t] = _mm256_setzero_si256();
+  if constexpr (F == LinFormat::Q8_0) {
+    const __m256i flip = _mm256_set1_epi8(char(0x80));
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      const __m256i sw0 = _mm256_xor_si256(load32(wb + 64 * g), flip);  // q, signed, rows 0..7
+      const __m256i sw1 = _mm256_xor_si256(load32(wb + 64 * g + 32), flip);  // rows 8..15
+      const __m256i aw0 = _mm256_abs_epi8(sw0), aw1 = _mm256_abs_epi8(sw1);
+#pragma GCC unroll 4
+      for (int t = 0; t < TT; ++t) {
+        const __m256i xv = bcast4(x.q[t] + 32 * b + 4 * g);
+        const __m256i p0 = _mm256_maddubs_epi16(aw0, _mm256_sign_epi8(xv, sw0));
+        s[0][t] = _mm256_add_epi32(s[0][t], _mm256_madd_epi16(p0, ones));
+        CPX_KEEP(s[0][t]);
+        const __m256i p1 = _mm256_maddubs_epi16(aw1, _mm256_sign_epi8(xv, sw1));
+        s[1][t] = _mm256_add_epi32(s[1][t], _mm256_madd_epi16(p1, ones));
+        CPX_KEEP(s[1][t]);
+      }
+    }
+  } else {
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {
+      const __m256i v0 = load32(wb + 64 * g), v1 = load32(wb + 64 * g + 32);
+      const __m256i lo0 = _mm256_and_si256(v0, m4), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+      const __m256i lo1 = _mm256_and_si256(v1, m4), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+#pragma GCC unroll 4
+      for (int t = 0; t < TT; ++t) {
+        const int8_t* xp = x.q[t] + 32 * b + 4 * g;
+        const __m256i xl = bcast4(xp);
+        s[0][t] = _mm256_add_epi16(s[0][t], _mm256_maddubs_epi16(lo0, xl));
+        CPX_KEEP(s[0][t]);
+        s[1][t] = _mm256_add_epi16(s[1][t], _mm256_maddubs_epi16(lo1, xl));
+        CPX_KEEP(s[1][t]);
+        const __m256i xh = bcast4(xp + 16);
+        s[0][t] = _mm256_add_epi16(s[0][t], _mm256_maddubs_epi16(hi0, xh));
+        CPX_KEEP(s[0][t]);
+        s[1][t] = _mm256_add_epi16(s[1][t], _mm256_maddubs_epi16(hi1, xh));
+        CPX_KEEP(s[1][t]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; ++t)
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        s[h][t] = _mm256_madd_epi16(s[h][t], ones);
+        if constexpr (F == LinFormat::Q4_0) s[h][t] = _mm256_add_epi32(s[h][t], _mm256_set1_epi32(-8 * x.s[t][b]));
+      }
+  }
+}
+
+// acc + one block's contribution: s its int32 sums, dx the row's block scale, ds = dx * (sum of its q)
+// (both broadcast).
 template <LinFormat F>
-CPX_AVX2 inline __m256 accumulate(__m256 acc, __m256i s, const Scales& w, float dx, float ds) {
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(w.dw, _mm256_set1_ps(dx)), acc);
-  if constexpr (F == LinFormat::Q4_1) acc = _mm256_fmadd_ps(w.mw, _mm256_set1_ps(ds), acc);
-  if constexpr (F == LinFormat::Q4_K || F == LinFormat::Q5_K) acc = _mm256_fnmadd_ps(w.mw, _mm256_set1_ps(ds), acc);
+CPX_AVX2_INL __m256 accumulate(__m256 acc, __m256i s, const Scales& w, __m256 dx, __m256 ds) {
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(w.dw, dx), acc);
+  if constexpr (F == LinFormat::Q4_1) acc = _mm256_fmadd_ps(w.mw, ds, acc);
+  if constexpr (F == LinFormat::Q4_K || F == LinFormat::Q5_K) acc = _mm256_fnmadd_ps(w.mw, ds, acc);
   return acc;
 }
 
-template <LinFormat F, int R, int TT>
-CPX_AVX2 void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc) {
-  constexpr LinLayout L = kLinLayout[int(F)];
-  constexpr bool kRegAcc = TT == 1;
-  const size_t sbs = w.sb_bytes;
-  const uint8_t* w0 = w.at(rb);
+// One block of one rowblock for TT rows of x into accumulators in memory: cp[t * ldc + j], j < 16.
+template <LinFormat F, int TT>
+CPX_AVX2_INL void rowblock_step(const uint8_t* hdr, const uint8_t* wb, const Rows<TT>& x, int b, float* cp,
+                                   int ldc) {
+  __m256i s[2][TT];
+  if constexpr (both_halves(F)) {
+    rowblock_sums<F, TT>(wb, x, b, s);
+  } else {
+    half_sums<F, TT>(wb, 0, x, b, s[0]);
+    half_sums<F, TT>(wb, 1, x, b, s[1]);
+  }
+  const Scales sc[2] = {block_scales<F>(hdr, wb, 0), block_scales<F>(hdr, wb, 1)};
+#pragma GCC unroll 4
+  for (int t = 0; t < TT; ++t) {
+    const __m256 dx = _mm256_set1_ps(x.d[t][b]), ds = _mm256_set1_ps(x.ds[t][b]);
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {
+      float* p = cp + size_t(t) * ldc + 8 * half;
+      _mm256_storeu_ps(p, accumulate<F>(_mm256_loadu_ps(p), s[half][t], sc[half], dx, ds));
+    }
+  }
+}
+
+template <LinFormat F, int TT>
+CPX_AVX2_INL Rows<TT> rows_of(const ActQ& a, int t0) {
   const int nb = a.k / 32;
   Rows<TT> x;
 #pragma GCC unroll 4
@@ -222,10 +309,19 @@ CPX_AVX2 void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
     x.s[t] = a.s + row * nb;
     x.s16[t] = F == LinFormat::Q6_K ? a.s16 + row * 2 * nb : nullptr;
   }
-  __m256 acc[R][2];
+  return x;
+}
+
+template <LinFormat F, int R, int TT>
+CPX_AVX2 void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc) {
+  constexpr LinLayout L = kLinLayout[int(F)];
+  const size_t sbs = w.sb_bytes;
+  const uint8_t* w0 = w.at(rb);
+  const Rows<TT> x = rows_of<F, TT>(a, t0);
+  __m256 acc[R][2];  // TT = 1
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  if constexpr (!kRegAcc) {
+  if constexpr (TT > 1) {
 #pragma GCC unroll 4
     for (int t = 0; t < TT; ++t)
 #pragma GCC unroll 8
@@ -237,29 +333,39 @@ CPX_AVX2 void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
       _mm_prefetch(reinterpret_cast<const char*>(ws + kPrefetchBytes + o), _MM_HINT_T0);
     for (int j = 0; j < L.sb_blocks; ++j) {
       const int b = sb * L.sb_blocks + j;
+      if constexpr (TT == 1) {  // registers: 8 accumulators, one (rowblock, half) at a time
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* hdr = ws + r * sbs;
-        const uint8_t* wb = hdr + L.hdr + size_t(j) * L.blk;
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* hdr = ws + r * sbs;
+          const uint8_t* wb = hdr + L.hdr + size_t(j) * L.blk;
+          const __m256 dx = _mm256_set1_ps(x.d[0][b]), ds = _mm256_set1_ps(x.ds[0][b]);
+          if constexpr (both_halves(F)) {
+            __m256i s[2][1];
+            rowblock_sums<F, 1>(wb, x, b, s);
 #pragma GCC unroll 2
-        for (int half = 0; half < 2; ++half) {
-          __m256i s[TT];
-          block_sums<F, TT>(wb, half, x, b, s);
-          const Scales sc = block_scales<F>(hdr, wb, half);
-          if constexpr (kRegAcc) {
-            acc[r][half] = accumulate<F>(acc[r][half], s[0], sc, x.d[0][b], x.ds[0][b]);
+            for (int half = 0; half < 2; ++half)
+              acc[r][half] = accumulate<F>(acc[r][half], s[half][0], block_scales<F>(hdr, wb, half), dx, ds);
           } else {
-#pragma GCC unroll 4
-            for (int t = 0; t < TT; ++t) {
-              float* cp = c + size_t(t) * ldc + 16 * r + 8 * half;
-              _mm256_storeu_ps(cp, accumulate<F>(_mm256_loadu_ps(cp), s[t], sc, x.d[t][b], x.ds[t][b]));
+#pragma GCC unroll 2
+            for (int half = 0; half < 2; ++half) {
+              __m256i s[1];
+              half_sums<F, 1>(wb, half, x, b, s);
+              acc[r][half] = accumulate<F>(acc[r][half], s[0], block_scales<F>(hdr, wb, half), dx, ds);
             }
           }
+        }
+      } else {
+        // accumulators in the output tile; rowblocks in a loop, not unrolled: unrolled, a block's
+        // code overflows the op cache and the front end halves the speed
+#pragma GCC unroll 1
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* hdr = ws + r * sbs;
+          rowblock_step<F, TT>(hdr, hdr + L.hdr + size_t(j) * L.blk, x, b, c + 16 * r, ldc);
         }
       }
     }
   }
-  if constexpr (kRegAcc) {
+  if constexpr (TT == 1) {
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       _mm256_storeu_ps(c + 16 * r, acc[r][0]);
@@ -267,6 +373,40 @@ CPX_AVX2 void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
     }
   }
 }
+
+// Decode and M = 2, 3: G whole groups (4 G rowblocks from rb, a multiple of 4) x TT rows of x in one
+// pass that reads the groups' runs in lockstep, block by block: G read streams instead of one, the
+// accumulators in the output tile. One stream per core fell short of the memory system on a 2-core
+// Zen 2 VM (a plain read loop: one core ~12 GB/s with one stream, ~18 with 8; two cores ~19 and ~28),
+// and 4 groups took the Q4_1 LM head at M = 1 from ~20 to ~23 GB/s on two cores (~11 to ~13.5 on one).
+// Each unit's block is prefetched kPrefetchBytes ahead as it is reached (spread over the pass rather
+// than a burst per superblock: ~5% more).
+template <LinFormat F, int TT>
+CPX_AVX2 void mk_groups(const QMat& w, int rb, int G, const ActQ& a, int t0, float* c, int ldc) {
+  constexpr LinLayout L = kLinLayout[int(F)];
+  const size_t sbs = w.sb_bytes, gstride = size_t(w.nsb) * kGroupRowblocks * sbs;
+  const uint8_t* w0 = w.at(rb);
+  const Rows<TT> x = rows_of<F, TT>(a, t0);
+  for (int t = 0; t < TT; ++t)
+    for (int j = 0; j < 2 * kGroupRowblocks * G; ++j)
+      _mm256_storeu_ps(c + size_t(t) * ldc + 8 * j, _mm256_setzero_ps());
+  for (int sb = 0; sb < w.nsb; ++sb) {
+    for (int j = 0; j < L.sb_blocks; ++j) {
+      const int b = sb * L.sb_blocks + j;
+      const int lead = j == 0 ? L.hdr : 0;  // a superblock's header comes before its first block
+#pragma GCC unroll 1
+      for (int u = 0; u < G * kGroupRowblocks; ++u) {
+        const uint8_t* hdr =
+            w0 + (u / kGroupRowblocks) * gstride + (size_t(sb) * kGroupRowblocks + u % kGroupRowblocks) * sbs;
+        const uint8_t* wb = hdr + L.hdr + size_t(j) * L.blk;
+        for (int o = 0; o < L.blk + lead; o += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(wb - lead + kPrefetchBytes + o), _MM_HINT_T0);
+        rowblock_step<F, TT>(hdr, wb, x, b, c + 16 * u, ldc);
+      }
+    }
+  }
+}
+constexpr int kMaxStreams = 4;  // groups per decode pass: a task holds at most 16 rowblocks
 
 using Mk = void (*)(const QMat&, int, const ActQ&, int, float*, int);
 
@@ -282,6 +422,23 @@ constexpr int kTileRows = 4;
 
 template <LinFormat F>
 CPX_AVX2 void gemm(const QMat& w, int rb0, int rb1, const ActQ& a, int t0, int nt, float* c, int ldc) {
+  if (nt <= 3) {  // one pass over the weights: whole groups in lockstep, partial ones as tiles
+    using MkG = void (*)(const QMat&, int, int, const ActQ&, int, float*, int);
+    constexpr MkG kMkG[3] = {mk_groups<F, 1>, mk_groups<F, 2>, mk_groups<F, 3>};
+    for (int rb = rb0; rb < rb1;) {
+      const int head = std::min(rb1 - rb, (kGroupRowblocks - rb % kGroupRowblocks) % kGroupRowblocks);
+      const int groups = std::min(kMaxStreams, (rb1 - rb) / kGroupRowblocks);
+      if (head > 0 || groups == 0) {
+        const int r = head > 0 ? head : rb1 - rb;
+        Tiles<F>::t[r - 1][nt - 1](w, rb, a, t0, c + (rb - rb0) * 16, ldc);
+        rb += r;
+      } else {
+        kMkG[nt - 1](w, rb, groups, a, t0, c + (rb - rb0) * 16, ldc);
+        rb += groups * kGroupRowblocks;
+      }
+    }
+    return;
+  }
   for (int rb = rb0; rb < rb1;) {
     // a tile stays inside its group of 4 rowblocks (one contiguous run per superblock)
     const int r = std::min({kGroupRowblocks, rb1 - rb, kGroupRowblocks - rb % kGroupRowblocks});

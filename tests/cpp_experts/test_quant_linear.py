@@ -211,6 +211,25 @@ def test_tile_edges(path: str, fmt: str, pool: cpp_experts.WorkerPool) -> None:
             check(op.forward(x, out=out), x, fmt, wt.w, bias, f"{path}/{fmt} N={n} K={k} M={m} {dtype}")
 
 
+@pytest.mark.parametrize("fmt", list(QTYPE))
+@pytest.mark.parametrize("path", path_params())
+def test_decode_over_many_groups(path: str, fmt: str) -> None:
+    """M = 1..3 over layers of many 64-row groups, split into tasks of 2..16 rowblocks by 1..3 threads:
+    the decode pass reads up to 4 whole groups in lockstep, partial groups at a task's ends as tiles."""
+    if not has_path(path, fmt):
+        pytest.skip(f"this CPU has no {path} kernel for {fmt}")
+    k = 256 if fmt.endswith("_k") else 64
+    for n in (1024, 1000):
+        wt = Weight(fmt, n, k, seed_of("groups", path, fmt, n))
+        for threads in (1, 2, 3):
+            with cpp_experts.WorkerPool(threads) as p:
+                op = wt.build(p, path)
+                for m in (1, 2, 3):
+                    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 10 * threads))
+                    out = torch.full((m, n), float("nan"))
+                    check(op.forward(x, out=out), x, fmt, wt.w, None, f"{path}/{fmt} N={n} threads={threads} M={m}")
+
+
 def extreme_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
     """Blocks whose quants sit at the ends of their range, the largest int sums the kernels can meet:
     q8_0 +-127 and -128 (bytes the gguf quantiser never writes, but valid int8), the 4/5/6-bit formats
@@ -286,7 +305,8 @@ def test_activation_quantisation_is_bit_identical(path: str, pool: cpp_experts.W
     x[1, :] = 0
     x[2, 40] = 1e-30  # a tiny amax
     x[3, 64:96] = float("inf")  # a non-finite block: NaN scale, the whole output row NaN (as 0 * inf)
-    ops = {p: cpp_experts.QuantLinear.from_gguf(raw, T.Q8_0, n, 32 * nb, kernel=p, pool=pool) for p in ("portable", path)}
+    ops = {p: cpp_experts.QuantLinear.from_gguf(raw, T.Q8_0, n, 32 * nb, kernel=p, pool=pool)
+           for p in ("portable", path)}
     want, got = ops["portable"](x), ops[path](x)
     assert want[3].isnan().all() and got[3].isnan().all()
     finite = [0, 1, 2, *range(4, 9)]
