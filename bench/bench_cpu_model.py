@@ -1,9 +1,15 @@
-"""CPU benchmark of the model core: prefill and single-request decode of a GGUF model through the
-torch attention backend, against llama.cpp (llama-cpp-python) on the same machine, in one run.
+"""CPU benchmark of the model core on one GGUF file: prefill and single-request greedy decode through our
+CPU-native forward (the weights as the file stores them, `--cpu-weight-dtype file`), against llama.cpp
+(llama-cpp-python, the same file, the same thread count) in the same run.
 
-Floor: a decode step must stream every weight once, so time >= weight bytes / memory bandwidth, with
-the bandwidth measured here by a large tensor copy. Reported as ratios: achieved / floor, and
-ours / llama.cpp. Medians of repeated runs after warm-up.
+Floor: a decode step reads every weight it multiplies by once, so seconds per token >= those bytes
+(every linear layer and the output head in the kernels' packed form, which is the file's blocks
+re-laid; the embedding contributes one row) / the read bandwidth. The bandwidth is measured in the
+same run two ways: a streaming read (an f32 QuantLinear at M = 1, several read streams per thread, as
+quant_linear_cpu.py does) and a torch sum (one stream per thread); the fraction of the floor is given
+for both. Rounds are interleaved (ours, then llama.cpp, per round) and medians reported: the machine is
+shared and noisy. `--torch` also times the torch-op forward of the same model (fp32, the path before the
+native forward) for the before/after ratio.
 
     .venv/bin/python bench/bench_cpu_model.py [--model smollm2-135m-instruct] [--out bench/results/x.json]
 """
@@ -11,119 +17,193 @@ ours / llama.cpp. Medians of repeated runs after warm-up.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
-    """Bytes/s of a large memcpy (read + write counted)."""
-    src = torch.empty(nbytes, dtype=torch.uint8).random_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
+from bench.cpu_common import machine_info, ratio, versions, write_json  # noqa: E402
+
+
+def stream_read_bandwidth(pool: Any, nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes/s of an f32 QuantLinear at M = 1 over `nbytes` of weights (4 read streams per thread)."""
+    import cpp_experts
+
+    probe = cpp_experts.QuantLinear.from_float(torch.ones(nbytes // (4 * 4096), 4096), dtype=torch.float32, pool=pool)
+    x = torch.ones(1, 4096)
+    probe(x)
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        dst.copy_(src)
+        probe(x)
         times.append(time.perf_counter() - t)
-    return 2 * nbytes / statistics.median(times)
+    return probe.out_features * 4096 * 4 / statistics.median(times)
 
 
-def bench_ours(model: str, dtype: str, prompt: list[int], n_decode: int, repeats: int) -> dict:
-    from models.loader.load import load_model
-    from executor.model_runner import ModelRunner, RequestSlice
-
-    loaded = load_model(model, dtype=dtype, progress=False)
-    runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=len(prompt) + n_decode + 8,
-                         max_running_requests=1, max_context_len=len(prompt) + n_decode + 8)
-    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-
-    def prefill() -> float:
-        row = runner.req_to_token_pool.alloc()
+def sum_read_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes/s of a torch sum over a large fp32 tensor (one read stream per thread)."""
+    x = torch.ones(nbytes // 4)
+    x.sum()
+    times = []
+    for _ in range(repeats):
         t = time.perf_counter()
-        runner.forward(runner.build_batch([RequestSlice(row, 0, prompt)]))
-        dt = time.perf_counter() - t
-        runner.free_request(row, len(prompt))
-        return dt
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times)
 
-    def decode() -> float:
+
+class Ours:
+    """Our model runner on the file: `native` (the CPU-native forward) or the torch-op forward."""
+
+    def __init__(self, path: str, native: bool, prompt: list[int], n_decode: int) -> None:
+        from executor.model_runner import ModelRunner
+        from models.loader.load import load_model
+        from models.native import native_modules
+
+        loaded = load_model(path, dtype="float32", cpu_weights="file" if native else None, progress=False)
+        n = len(prompt) + n_decode + 8
+        self.runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=n, max_running_requests=1,
+                                  max_context_len=n)
+        if native and self.runner.native_forward is None:
+            raise RuntimeError(f"the native forward is off: {self.runner.native_off_reason}")
+        ops = {id(m.op): m.op for m in native_modules(loaded.model) if type(m).__name__ == "NativeLinear"}
+        experts = [m.weights.op for m in loaded.model.modules() if hasattr(m, "weights")]
+        self.weight_bytes = sum(int(op.memory_bytes) for op in ops.values()) + sum(int(e.memory_bytes) for e in experts)
+        if not native:
+            self.weight_bytes = sum(p.numel() * p.element_size() for n_, p in loaded.model.named_parameters()
+                                    if "embed_tokens" not in n_ or loaded.config.tie_word_embeddings)
+        self.prompt, self.n_decode = prompt, n_decode
+
+    def run(self) -> tuple[float, float]:
+        """(prefill seconds, seconds per decoded token) of one greedy generation."""
+        from executor.model_runner import RequestSlice
+
+        r = self.runner
+        row = r.req_to_token_pool.alloc()
         t = time.perf_counter()
-        runner.generate_greedy(prompt, n_decode)
-        return time.perf_counter() - t
-
-    prefill()
-    decode()
-    pre = statistics.median(prefill() for _ in range(repeats))
-    whole = statistics.median(decode() for _ in range(repeats))
-    per_token = (whole - pre) / (n_decode - 1)
-    return {"dtype": str(loaded.dtype), "weight_bytes": weight_bytes, "prefill_s": pre,
-            "prefill_tok_s": len(prompt) / pre, "decode_s_per_token": per_token, "decode_tok_s": 1 / per_token}
-
-
-def bench_llama_cpp(path: str, prompt: list[int], n_decode: int, repeats: int, threads: int) -> dict | None:
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    llm = llama_cpp.Llama(model_path=path, n_ctx=len(prompt) + n_decode + 8, n_threads=threads, verbose=False)
-
-    def run() -> tuple[float, float]:
-        llm.reset()
-        llm._ctx.memory_clear(True) if hasattr(llm._ctx, "memory_clear") else None
-        t = time.perf_counter()
-        llm.eval(prompt)
+        logits = r.forward(r.build_batch([RequestSlice(row, 0, self.prompt)]))
         t_pre = time.perf_counter() - t
-        for _ in range(n_decode - 1):
-            llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
-        return t_pre, time.perf_counter() - t
+        pos = len(self.prompt)
+        t = time.perf_counter()
+        for _ in range(self.n_decode):
+            tok = int(logits[-1].argmax())
+            logits = r.forward(r.build_batch([RequestSlice(row, pos, [tok])]))
+            pos += 1
+        t_dec = (time.perf_counter() - t) / self.n_decode
+        r.free_request(row, pos)
+        return t_pre, t_dec
 
-    run()
-    runs = [run() for _ in range(repeats)]
-    pre = statistics.median(r[0] for r in runs)
-    whole = statistics.median(r[1] for r in runs)
-    per_token = (whole - pre) / (n_decode - 1)
-    return {"prefill_s": pre, "prefill_tok_s": len(prompt) / pre, "decode_s_per_token": per_token,
-            "decode_tok_s": 1 / per_token}
+
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python on the same file (None where the package is absent)."""
+
+    def __init__(self, path: str, prompt: list[int], n_decode: int, threads: int) -> None:
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(model_path=path, n_ctx=len(prompt) + n_decode + 8, n_threads=threads,
+                                   n_threads_batch=threads, n_batch=512, logits_all=False, verbose=False)
+        self.prompt, self.n_decode = prompt, n_decode
+
+    def run(self) -> tuple[float, float]:
+        llm = self.llm
+        llm.reset()
+        if hasattr(llm._ctx, "memory_clear"):
+            llm._ctx.memory_clear(True)
+        elif hasattr(llm._ctx, "kv_cache_clear"):
+            llm._ctx.kv_cache_clear()
+        t = time.perf_counter()
+        llm.eval(self.prompt)
+        t_pre = time.perf_counter() - t
+        t = time.perf_counter()
+        for _ in range(self.n_decode):
+            llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
+        return t_pre, (time.perf_counter() - t) / self.n_decode
+
+
+def summarize(samples: list[tuple[float, float]], prompt_len: int) -> dict[str, Any]:
+    pre = statistics.median(s[0] for s in samples)
+    dec = statistics.median(s[1] for s in samples)
+    return {"prefill_s": pre, "prefill_tok_s": prompt_len / pre, "decode_s_per_token": dec, "decode_tok_s": 1 / dec,
+            "decode_tok_s_samples": [1 / s[1] for s in samples], "prefill_tok_s_samples": [prompt_len / s[0] for s in samples]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="a built-in model name or a GGUF path")
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--decode", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--torch", action="store_true", help="also time the torch-op forward (fp32)")
     ap.add_argument("--out", default="bench/results/cpu_model_smollm2.json")
     args = ap.parse_args()
 
+    import cpp_experts
     from models.builtin import resolve_model_path
 
+    torch.set_num_threads(args.threads)
     path = str(resolve_model_path(args.model))
-    threads = torch.get_num_threads()
     prompt = torch.randint(10, 1000, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-    bandwidth = copy_bandwidth()
-    result = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": threads,
-                    "copy_bandwidth_GBps": bandwidth / 1e9},
-        "model": args.model, "prompt_len": args.prompt_len, "decode_tokens": args.decode,
-        "llama_cpp": bench_llama_cpp(path, prompt, args.decode, args.repeats, threads),
-        "ours": {},
+    pool = cpp_experts.WorkerPool(args.threads)
+    contenders: dict[str, Any] = {"ours_native": Ours(path, True, prompt, args.decode)}
+    if args.torch:
+        contenders["ours_torch_fp32"] = Ours(path, False, prompt, args.decode)
+    try:
+        contenders["llama_cpp"] = LlamaCpp(path, prompt, args.decode, args.threads)
+    except ImportError:
+        print("llama-cpp-python is not installed: llama.cpp is skipped", flush=True)
+    samples: dict[str, list[tuple[float, float]]] = {k: [] for k in contenders}
+    stream_bw: list[float] = []
+    sum_bw: list[float] = []
+    for c in contenders.values():
+        c.run()  # warm-up
+    for rnd in range(args.rounds):
+        stream_bw.append(stream_read_bandwidth(pool))
+        sum_bw.append(sum_read_bandwidth())
+        for name, c in contenders.items():
+            samples[name].append(c.run())
+        print(f"round {rnd + 1}: " + ", ".join(f"{k} {1 / v[-1][1]:.1f} tok/s" for k, v in samples.items()), flush=True)
+    pool.close()
+
+    sbw, tbw = statistics.median(stream_bw), statistics.median(sum_bw)
+    ours = contenders["ours_native"]
+    results: dict[str, Any] = {}
+    for name, s in samples.items():
+        r = summarize(s, args.prompt_len)
+        nbytes = contenders[name].weight_bytes if name.startswith("ours") else ours.weight_bytes
+        r["weight_bytes_per_token"] = nbytes
+        r["floor_tok_s_stream_read"] = sbw / nbytes
+        r["fraction_of_floor_stream_read"] = r["decode_tok_s"] * nbytes / sbw
+        r["fraction_of_floor_sum_read"] = r["decode_tok_s"] * nbytes / tbw
+        results[name] = r
+    peer = results.get("llama_cpp")
+    ratio_of: Callable[[str, str], float | None] = lambda a, k: ratio(results[a][k], peer[k]) if peer else None
+    report = {
+        "machine": {**machine_info(), "threads": args.threads, "stream_read_GBps": sbw / 1e9,
+                    "stream_read_samples_GBps": [v / 1e9 for v in stream_bw], "sum_read_GBps": tbw / 1e9,
+                    "sum_read_samples_GBps": [v / 1e9 for v in sum_bw]},
+        "versions": versions(), "model": args.model, "file": path, "prompt_len": args.prompt_len,
+        "decode_tokens": args.decode, "rounds": args.rounds, "results": results,
+        "ratios": {"decode_native_vs_llama_cpp": ratio_of("ours_native", "decode_tok_s"),
+                   "prefill_native_vs_llama_cpp": ratio_of("ours_native", "prefill_tok_s")},
     }
-    for dtype in ("float32", "bfloat16"):
-        r = bench_ours(args.model, dtype, prompt, args.decode, args.repeats)
-        floor = r["weight_bytes"] / bandwidth
-        r["decode_floor_s"] = floor
-        r["decode_fraction_of_floor"] = floor / r["decode_s_per_token"]
-        if result["llama_cpp"]:
-            r["decode_vs_llama_cpp"] = result["llama_cpp"]["decode_s_per_token"] / r["decode_s_per_token"]
-            r["prefill_vs_llama_cpp"] = result["llama_cpp"]["prefill_s"] / r["prefill_s"]
-        result["ours"][dtype] = r
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    if "ours_torch_fp32" in results:
+        report["ratios"]["decode_native_vs_torch_fp32"] = ratio(results["ours_native"]["decode_tok_s"],
+                                                               results["ours_torch_fp32"]["decode_tok_s"])
+        report["ratios"]["prefill_native_vs_torch_fp32"] = ratio(results["ours_native"]["prefill_tok_s"],
+                                                                results["ours_torch_fp32"]["prefill_tok_s"])
+    out = write_json(args.out, report)
+    print(f"stream read {sbw / 1e9:.1f} GB/s, torch sum {tbw / 1e9:.1f} GB/s, {args.threads} threads")
+    for name, r in results.items():
+        print(f"{name:16s} prefill {r['prefill_tok_s']:8.1f} tok/s  decode {r['decode_tok_s']:7.1f} tok/s  "
+              f"floor {r['floor_tok_s_stream_read']:7.1f}  of floor {r['fraction_of_floor_stream_read']:.2f}")
+    print({k: None if v is None else round(v, 3) for k, v in report["ratios"].items()})
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

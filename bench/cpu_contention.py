@@ -1,11 +1,14 @@
 """A served request on a CPU shared with another busy process: how much slower than on a quiet machine,
-under each wait policy of torch's OpenMP threads.
+for mlaserve under each wait policy of its one thread pool and for llama-server on the same GGUF.
 
-Servers run the same model side by side (idle, an engine polls its pipe twice a second), one per
-wait policy (`POLICIES`: mlaserve's default, libgomp's own spin-then-sleep, passive, short spins). Each round times one greedy completion of `--tokens` tokens on each
-server quiet, then with a competing `yes > /dev/null`; rounds are interleaved so machine noise hits
-every policy alike. Reported: medians, the slowdown under contention, and each policy's cost when
-quiet against libgomp's default.
+Contenders run side by side (idle between requests): `mlaserve` as shipped (the cpp_experts pool's
+contention policy: a caller that finds its workers late pauses, then yields, and runs solo for a while
+when they keep being late), `mlaserve-spin` (MLASERVE_CPP_EXPERTS_WAIT=spin: the policy off, workers
+and caller spin — the quiet-speed reference for the policy's cost) and llama-server (`-np 1 -t <cores>`,
+skipped when not built: `make peers`). Each round times one greedy completion of `--tokens` tokens on
+each contender quiet, then with a competing `yes > /dev/null`; rounds are interleaved so machine
+noise hits every contender alike. Reported: medians, the slowdown under contention and the policy's
+quiet cost against the spin reference. Targets (issue 14): slowdown <= 2.5x, quiet cost <= 5%.
 
     .venv/bin/python bench/cpu_contention.py [--model smollm2-135m-instruct] [--tokens 64] [--rounds 3]
 """
@@ -13,66 +16,33 @@ quiet against libgomp's default.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import httpx
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
-# the environment of each server's engine: {} -> mlaserve's default (engine.client.set_cpu_wait_policy)
-POLICIES: dict[str, dict[str, str]] = {
-    "default": {},
-    "spin": {"OMP_WAIT_POLICY": ""},  # libgomp's own: ~300k spins, then sleep
-    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
-    "spin-10k": {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": "10000"},
-    "spin-100k": {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": "100000"},
-}
+import cpu_common as cc  # noqa: E402
+import peers  # noqa: E402
+import serve_cpu  # noqa: E402
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model: str, policy: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    env.update(policy)
-    proc = subprocess.Popen([sys.executable, "-m", "mlaserve.cli", "serve", "--model", model, "--port", str(port),
-                             "--log-level", "warning"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise SystemExit("the server did not get ready in 300 s")
+POLICIES: dict[str, dict[str, str]] = {"mlaserve": {}, "mlaserve-spin": {"MLASERVE_CPP_EXPERTS_WAIT": "spin"}}
+PROMPT = "Write a long story about a lighthouse keeper."
 
 
 def timed_request(url: str, tokens: int) -> float:
+    import httpx
+
     t = time.perf_counter()
-    r = httpx.post(url + "/v1/completions", timeout=600, json={
-        "prompt": "Write a long story about a lighthouse keeper.", "max_tokens": tokens, "temperature": 0,
-        "ignore_eos": True})
+    r = httpx.post(url + "/v1/completions", timeout=900, json={
+        "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True})
     elapsed = time.perf_counter() - t
     r.raise_for_status()
-    assert r.json()["usage"]["completion_tokens"] == tokens
+    got = r.json()["usage"]["completion_tokens"]
+    if got != tokens:
+        raise SystemExit(f"{url} returned {got} tokens, not {tokens}")
     return elapsed
 
 
@@ -81,51 +51,71 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--policies", nargs="*", default=list(POLICIES), choices=list(POLICIES))
-    ap.add_argument("--out", default=str(RESULTS / "cpu_contention.json"))
+    ap.add_argument("--threads", type=int, default=None, help="llama-server -t (default: the usable cores)")
+    ap.add_argument("--out", default=None, help="default: bench/results/cpu_contention_<machine>.json")
     args = ap.parse_args()
 
-    servers = {name: start_server(args.model, POLICIES[name]) for name in args.policies}
-    times: dict[str, dict[str, list[float]]] = {name: {"quiet": [], "busy": []} for name in servers}
+    from models.builtin import resolve_model_path
+
+    machine = cc.machine_info()
+    threads = args.threads or peers.cores()
+    gguf = str(resolve_model_path(args.model))
+    servers: list[serve_cpu.Server] = []
+    for name, env in POLICIES.items():
+        port = cc.free_port()
+        cmd = serve_cpu.mlaserve_command(args.model, port, [])
+        servers.append(serve_cpu.Server(name, ["env", *(f"{k}={v}" for k, v in env.items()), *cmd],
+                                        f"http://127.0.0.1:{port}"))
+    binary = peers.llama_cpp_bin("llama-server")
+    skipped = None
+    if binary is None:
+        skipped = "llama-server is not built (make peers)"
+        print(skipped, flush=True)
+    else:
+        port = cc.free_port()
+        ctx = serve_cpu.slot_context(64, args.tokens)
+        servers.append(serve_cpu.Server("llama-server", serve_cpu.llama_server_command(
+            binary, gguf, port, 1, threads, ctx, []), f"http://127.0.0.1:{port}"))
+    times: dict[str, dict[str, list[float]]] = {s.name: {"quiet": [], "busy": []} for s in servers}
+    log_dir = Path(tempfile.mkdtemp(prefix="mlaserve-contention-"))
     try:
-        for _, url in servers.values():
-            timed_request(url, 8)  # warm-up
+        for s in servers:
+            serve_cpu.start_server(s, log_dir, 600)
+            timed_request(s.url, 8)  # warm-up
         for r in range(args.rounds):
-            for name, (_, url) in servers.items():
-                times[name]["quiet"].append(timed_request(url, args.tokens))
+            for s in servers:
+                times[s.name]["quiet"].append(timed_request(s.url, args.tokens))
                 busy = subprocess.Popen(["yes"], stdout=subprocess.DEVNULL)
                 try:
                     time.sleep(0.2)
-                    times[name]["busy"].append(timed_request(url, args.tokens))
+                    times[s.name]["busy"].append(timed_request(s.url, args.tokens))
                 finally:
                     busy.kill()
                     busy.wait()
-                print(f"round {r + 1}: {name:8s} quiet {times[name]['quiet'][-1]:6.2f} s, "
-                      f"busy {times[name]['busy'][-1]:6.2f} s", flush=True)
+                print(f"round {r + 1}: {s.name:13s} quiet {times[s.name]['quiet'][-1]:7.2f} s, "
+                      f"busy {times[s.name]['busy'][-1]:7.2f} s", flush=True)
     finally:
-        for proc, _ in servers.values():
-            proc.terminate()
-            proc.wait(60)
+        for s in servers:
+            serve_cpu.stop_server(s)
 
-    med = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
+    med = {name: {k: cc.median(v) for k, v in t.items()} for name, t in times.items()}
+    slowdown = {name: m["busy"] / m["quiet"] for name, m in med.items()}
+    cost = med["mlaserve"]["quiet"] / med["mlaserve-spin"]["quiet"] - 1.0
     result = {
-        "benchmark": "cpu_contention", "model": args.model, "tokens": args.tokens, "rounds": args.rounds,
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-        "competitor": "one `yes > /dev/null` process",
-        "seconds": times, "median_s": med,
-        "slowdown_busy_vs_quiet": {name: m["busy"] / m["quiet"] for name, m in med.items()},
-        "quiet_cost_vs_spin": {name: m["quiet"] / med["spin"]["quiet"] - 1.0 for name, m in med.items()}
-        if "spin" in med else None,
-        "policies": {name: POLICIES[name] for name in med},
-        "targets": {"slowdown_busy_vs_quiet": 2.5, "quiet_cost_vs_spin": 0.05},
+        "benchmark": "cpu_contention", "model": args.model, "file": gguf, "tokens": args.tokens,
+        "rounds": args.rounds, "machine": machine, "versions": cc.versions(),
+        "competitor": "one `yes > /dev/null` process", "policies": POLICIES, "peer_skipped": skipped,
+        "seconds": times, "median_s": med, "slowdown_busy_vs_quiet": slowdown,
+        "policy_quiet_cost_vs_spin": cost,
+        "targets": {"slowdown_busy_vs_quiet": cc.check_target(slowdown["mlaserve"], 2.5, higher_is_better=False),
+                    "policy_quiet_cost_vs_spin": cc.check_target(cost, 0.05, higher_is_better=False)},
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    out = cc.write_json(args.out or cc.ROOT / "bench" / "results" / f"cpu_contention_{cc.machine_tag(machine)}.json",
+                        result)
     for name, m in med.items():
-        print(f"{name:8s} quiet {m['quiet']:6.2f} s  busy {m['busy']:6.2f} s  "
-              f"slowdown {m['busy'] / m['quiet']:5.1f}x")
-    for name, cost in (result["quiet_cost_vs_spin"] or {}).items():
-        print(f"{name:10s} quiet cost vs spin: {100 * cost:+.1f}%")
+        print(f"{name:13s} quiet {m['quiet']:7.2f} s  busy {m['busy']:7.2f} s  slowdown {slowdown[name]:5.1f}x")
+    print(f"the policy's quiet cost vs spin: {100 * cost:+.1f}%")
+    print(f"wrote {out}")
     return 0
 
 

@@ -11,9 +11,9 @@ Measured, for each file (bf16, q8_0, and q4_k_m when it exists):
 Ours runs through the engine exactly as the server's engine process does (`engine.core.EngineCore`
 with `EngineArgs(model=<file>, device="cpu", ...)`, `add_request` then `step` until the request
 finishes: scheduler, runner, sampler), greedy, EOS ignored, the prefix cache off (every round's
-prompt is computed, not served from the cache). The dtype is the engine's `auto` unless `--dtype`:
-float32 on a CPU without bf16 math (today the default CPU path decodes GGUF blocks to that dtype and
-computes with torch; expect it to be slow: this measures the gap).
+prompt is computed, not served from the cache). The engine's defaults hold: the CPU-native forward
+(`--cpu-kernels native`) with the file's blocks kept as stored (`--cpu-weight-dtype file`) and the
+routed experts in the C++ pool; `--engine-arg cpu_kernels=torch` measures the torch-op forward.
 
 Floor: a decoded token must read every weight it uses once: the bytes, in the file's own format, of
 all tensors except the token embedding (one row) and the routed experts (top-k of n: 6 of 64 per
@@ -22,8 +22,8 @@ seconds/token = those bytes / the read bandwidth measured in the same run (a lar
 `--threads` threads); reported as floor tokens/s and each side's fraction of it. The KV cache read is
 left out (a few hundred KB at these lengths).
 
-`--expert-backends torch cpp` also measures the C++ expert pool (`cpp_experts`; GGUF Q8_0 experts
-kept quantized, others as bf16). It needs the extension built in place (`make install`); a checkout
+`--expert-backends` names the expert backends to measure (the native forward runs routed experts in
+the C++ pool whatever is named; `torch` matters with `--engine-arg cpu_kernels=torch`). It needs the extension built in place (`make install`); a checkout
 without it can point `MLASERVE_CPP_EXPERTS_LIB` at another checkout's `cpp_experts/_C*.so`
 (recorded in the JSON). A backend that cannot load is recorded as skipped with the error.
 
@@ -36,7 +36,7 @@ than `--retry-busy` of the CPUs while it ran; what each saw is recorded.
 
     .venv/bin/python bench/make_deepseek_gguf.py        # once: the GGUFs
     .venv/bin/python bench/deepseek_cpu.py [--types bf16 q8_0 q4_k_m] [--rounds 3] [--threads 2]
-        [--decode-tokens 64] [--prompt-tokens 512] [--expert-backends torch] [--ours-only | --peer-only]
+        [--decode-tokens 64] [--prompt-tokens 512] [--expert-backends cpp] [--ours-only | --peer-only]
         [--out bench/results/deepseek_cpu_<machine-tag>.json]
 """
 
@@ -207,8 +207,14 @@ class Ours:
 
         model = self.core.runner.model
         self.dtype = str(next(model.parameters()).dtype)
-        self.resident_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-            b.numel() * b.element_size() for b in model.buffers())
+        from models.native import native_modules
+
+        operators = {id(m.op): m.op for m in native_modules(model)}  # a tied head shares the embedding's
+        experts = [m.weights for m in model.modules() if hasattr(getattr(m, "weights", None), "memory_bytes")]
+        self.resident_bytes = (sum(p.numel() * p.element_size() for p in model.parameters())
+                               + sum(b.numel() * b.element_size() for b in model.buffers())
+                               + sum(int(op.memory_bytes) for op in operators.values())
+                               + sum(int(e.memory_bytes) for e in experts))
         self.torch_threads = torch.get_num_threads()
 
     def request(self, ids: list[int], max_tokens: int) -> dict[str, Any]:
@@ -280,7 +286,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--decode-prompt", type=int, default=8, help="prompt length before our decode run")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="our engine's --dtype")
-    ap.add_argument("--expert-backends", nargs="+", default=["torch"], choices=("torch", "cpp"),
+    ap.add_argument("--expert-backends", nargs="+", default=["cpp"], choices=("torch", "cpp"),
                     help="our engine's --expert-backend, each measured (cpp: the C++ pool, Q8_0 experts kept "
                     "quantized)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
