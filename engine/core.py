@@ -185,7 +185,8 @@ class EngineCore:
             kv_slots_used=s.kv_slots_used(), kv_slots_total=self.runner.allocator.num_slots,
             prefix_cache_hit_tokens_total=c.prefix_cache_hit_tokens, prompt_tokens_total=c.prompt_tokens,
             generation_tokens_total=c.generation_tokens, retractions_total=c.retractions,
-            aborted_total=c.aborted, finished_total=dict(self._finished_total),
+            aborted_total=c.aborted, forward_steps_total=c.forward_steps, forward_seconds_total=c.forward_seconds,
+            finished_total=dict(self._finished_total),
         )
 
     def _outputs(self, reqs: list[Req]) -> list[RequestOutput]:

@@ -122,6 +122,8 @@ class EngineStats(msgspec.Struct, forbid_unknown_fields=True):
     generation_tokens_total: int = 0
     retractions_total: int = 0
     aborted_total: int = 0
+    forward_steps_total: int = 0
+    forward_seconds_total: float = 0.0  # batch building + model forward (the rest of a step is overhead)
     finished_total: dict[str, int] = {}  # by finish_reason (msgspec copies the default)
 
     @property

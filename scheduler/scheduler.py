@@ -45,6 +45,8 @@ class SchedulerCounters:
     generation_tokens: int = 0
     retractions: int = 0
     aborted: int = 0
+    forward_steps: int = 0
+    forward_seconds: float = 0.0  # building the batch and the model forward, not scheduling or sampling
 
 
 class Scheduler:
@@ -108,7 +110,10 @@ class Scheduler:
         for r in reqs:
             r.first_scheduled_time = r.first_scheduled_time or now
         every = [r.scores_prompt for r in reqs]  # prompt scoring needs the logits of every position
+        t = time.perf_counter()
         logits = self.runner.forward(self.runner.build_batch(slices, all_logits=every))
+        self.counters.forward_seconds += time.perf_counter() - t
+        self.counters.forward_steps += 1
         return finished + self._update(reqs, slices, logits, every)
 
     # ------------------------------------------------------------------ schedule
@@ -217,7 +222,9 @@ class Scheduler:
             return out
         rows = [SamplingRow(r.params, r.seed, len(r.output_ids), r.prompt_ids, r.output_ids, self.eos_token_ids)
                 for r, _ in complete]
-        result = self.sampler(logits[[i for _, i in complete]], rows)
+        picked = [i for _, i in complete]
+        # (a decode-only batch samples every row in order: no gather copy of [B, V] logits)
+        result = self.sampler(logits if picked == list(range(logits.shape[0])) else logits[picked], rows)
         now = time.time()
         for (r, _), tok, lp in zip(complete, result.token_ids, result.logprobs):
             prefilled_prompt = not r.output_ids

@@ -8,6 +8,8 @@ Exported (names are what dashboards and `promtool check metrics` see):
     mlaserve_kv_cache_usage_ratio            gauge    used KV slots / all KV slots, 0..1
     mlaserve_retractions_total               counter  completions pushed back to the queue under KV pressure
     mlaserve_prefix_cache_hit_tokens_total   counter  prompt tokens served from the prefix cache
+    mlaserve_engine_forward_steps_total      counter  model forwards run (one per busy engine step)
+    mlaserve_engine_forward_seconds_total    counter  seconds in those forwards (batch building included)
   from the outputs the server receives (`on_output`, `on_abort`, `on_error`)
     mlaserve_prompt_tokens_total             counter  prompt tokens of requests whose prefill completed
     mlaserve_generation_tokens_total         counter  tokens generated
@@ -100,16 +102,16 @@ class _MonotonicTotal:
     """Exposes an engine total as a counter that never goes down, even if the engine restarts at 0."""
 
     def __init__(self) -> None:
-        self.base = 0
-        self.last = 0
+        self.base: float = 0
+        self.last: float = 0
 
-    def update(self, total: int) -> None:
+    def update(self, total: float) -> None:
         if total < self.last:
             self.base += self.last
         self.last = total
 
     @property
-    def value(self) -> int:
+    def value(self) -> float:
         return self.base + self.last
 
 
@@ -125,6 +127,8 @@ class Metrics(Collector):
         self._kv_usage = 0.0
         self._retractions = _MonotonicTotal()
         self._prefix_hits = _MonotonicTotal()
+        self._forward_steps = _MonotonicTotal()
+        self._forward_seconds = _MonotonicTotal()
         # from the outputs
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -205,6 +209,8 @@ class Metrics(Collector):
             self._kv_usage = stats.kv_usage
             self._retractions.update(stats.retractions_total)
             self._prefix_hits.update(stats.prefix_cache_hit_tokens_total)
+            self._forward_steps.update(stats.forward_steps_total)
+            self._forward_seconds.update(stats.forward_seconds_total)
 
     @property
     def num_tracked(self) -> int:
@@ -228,6 +234,11 @@ class Metrics(Collector):
                        m, self._retractions.value)
         yield _counter("mlaserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
                        m, self._prefix_hits.value)
+        yield _counter("mlaserve_engine_forward_steps", "Model forwards run by the engine (one per busy step).",
+                       m, self._forward_steps.value)
+        yield _counter("mlaserve_engine_forward_seconds",
+                       "Seconds in model forwards (batch building included); the rest of the engine's busy time "
+                       "is scheduling, sampling and output.", m, self._forward_seconds.value)
         yield _counter("mlaserve_prompt_tokens", "Prompt tokens of requests whose prefill completed.",
                        m, self._prompt_tokens)
         yield _counter("mlaserve_generation_tokens", "Tokens generated.", m, self._generation_tokens)

@@ -252,6 +252,13 @@ def test_engine_counters_follow_totals_across_an_engine_restart():
     s = _samples(m.render()[0])
     assert _value(s, "mlaserve_retractions_total") == first[-1] + again
     assert _value(s, "mlaserve_prefix_cache_hit_tokens_total") == 2 * (first[-1] + again)
+    seconds = [float(x) for x in np.sort(rng.uniform(0.1, 50.0, size=3))]
+    for i, total in enumerate(seconds):
+        m.update_engine(EngineStats(forward_steps_total=10 * (i + 1), forward_seconds_total=total))
+    m.update_engine(EngineStats(forward_steps_total=3, forward_seconds_total=0.25))  # a new engine
+    s = _samples(m.render()[0])
+    assert _value(s, "mlaserve_engine_forward_steps_total") == 30 + 3
+    assert _value(s, "mlaserve_engine_forward_seconds_total") == pytest.approx(seconds[-1] + 0.25)
     m.update_engine(EngineStats(num_running=1, kv_slots_used=0, kv_slots_total=0))  # no pool yet: ratio 0
     assert _value(_samples(m.render()[0]), "mlaserve_kv_cache_usage_ratio") == 0.0
 
@@ -291,7 +298,7 @@ def test_structure(loaded):
     for required in ("mlaserve_num_requests_running", "mlaserve_num_requests_waiting", "mlaserve_kv_cache_usage_ratio",
                      "mlaserve_prompt_tokens", "mlaserve_generation_tokens", "mlaserve_request_success",
                      "mlaserve_requests_aborted", "mlaserve_retractions", "mlaserve_prefix_cache_hit_tokens",
-                     *HISTOGRAMS.values()):
+                     "mlaserve_engine_forward_steps", "mlaserve_engine_forward_seconds", *HISTOGRAMS.values()):
         assert required in families
     for name in families:  # the module docstring lists every metric
         assert name in metrics_mod.__doc__

@@ -292,6 +292,9 @@ def test_metrics_text(server, tmp_path):
                  "mlaserve_request_queue_time_seconds_bucket"):
         assert name in text, name
     assert metric(server, "mlaserve_generation_tokens_total") > 0
+    # every generated token took a forward, and forwards take time
+    assert metric(server, "mlaserve_engine_forward_steps_total") > 0
+    assert metric(server, "mlaserve_engine_forward_seconds_total") > 0
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool not installed (Debian package prometheus)")
