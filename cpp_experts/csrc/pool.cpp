@@ -17,12 +17,18 @@ namespace cpx {
 namespace {
 constexpr auto kSpin = std::chrono::microseconds(100);  // an idle worker spins this long, then sleeps
 constexpr int kWaitPauses = 1024;  // the caller's pauses while waiting for workers, before it yields
-// A run is late when the caller waited for workers longer than this and than its own share of work
-// (a worker that is merely finishing a task makes the caller wait less than one task); two late runs
-// in a row send the pool solo for kSoloFirst runs, then twice as many each time contention persists.
+// Contention: two runs in a row late (the caller waited for workers longer than kLate and than its
+// own share of work: a worker that is merely finishing a task makes it wait less than one task), or a
+// window of kWindowRuns runs in which the caller waited more than kWaitShare x its own work (on a
+// quiet machine the workers finish within a task of it: measured well under that). It sends the pool
+// solo for kSoloFirst runs; after a solo period the next window probes: contention again sends it
+// solo for twice the last period (up to kSoloMax: a quarter of a second of decode or so), a window
+// without it ends it.
 constexpr auto kLate = std::chrono::microseconds(400);
 constexpr int kLateRuns = 2;
-constexpr int kSoloFirst = 256, kSoloMax = 16384;
+constexpr int kWindowRuns = 32;
+constexpr int64_t kWaitShare = 1;
+constexpr int kSoloFirst = 256, kSoloMax = 4096;
 
 std::vector<int> allowed_cpus() {
   std::vector<int> cpus;
@@ -106,7 +112,10 @@ void Pool::run(int ntasks, const std::function<void(int, int)>& fn) {
   std::lock_guard<std::mutex> job(job_mutex_);
   if (closed_ || n_ == 1 || ntasks == 1 || solo_left_ > 0) {
     if (solo_left_ > 0 && ntasks > 1) {
-      --solo_left_;
+      if (--solo_left_ == 0) {
+        probing_ = true;
+        win_runs_ = 0, win_wait_ = win_work_ = 0;
+      }
       solo_total_.fetch_add(1, std::memory_order_relaxed);
     }
     for (int i = 0; i < ntasks; ++i) fn(i, 0);
@@ -135,17 +144,26 @@ void Pool::run(int ntasks, const std::function<void(int, int)>& fn) {
     }
   }
   if (!adaptive_) return;
-  const auto waited = std::chrono::steady_clock::now() - t1;
-  if (waited > kLate && waited > t1 - t0) {
-    if (++late_ >= kLateRuns) {
-      late_ = 0;
-      solo_period_ = solo_period_ ? std::min(2 * solo_period_, kSoloMax) : kSoloFirst;
-      solo_left_ = solo_period_;
-    }
-  } else {
+  const int64_t waited = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                             std::chrono::steady_clock::now() - t1).count(),
+                own = std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
+  const bool late = waited > kLate.count() * 1000 && waited > own;
+  late_ = late ? late_ + 1 : 0;
+  bool contended = late_ >= kLateRuns;
+  win_wait_ += waited;
+  win_work_ += own;
+  const bool window_end = ++win_runs_ >= kWindowRuns;
+  if (window_end) contended = contended || win_wait_ > kWaitShare * win_work_;
+  if (contended) {
+    solo_period_ = probing_ ? std::min(2 * solo_period_, kSoloMax) : kSoloFirst;
+    solo_left_ = solo_period_;
+    probing_ = false;
     late_ = 0;
-    if (solo_period_ && waited < kLate / 4) solo_period_ = 0;  // back in time: contention has passed
+  } else if (window_end && probing_) {
+    probing_ = false;  // a whole window on time: the contention has passed
+    solo_period_ = 0;
   }
+  if (contended || window_end) win_runs_ = 0, win_wait_ = win_work_ = 0;
 }
 
 int default_threads() {

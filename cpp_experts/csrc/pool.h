@@ -9,8 +9,10 @@
 // and the caller must wait for it: a spinning wait would hold the core the worker needs, and a run
 // per matrix-vector product would make every run that slow. So the caller spins briefly, then yields
 // its core while it waits; and when runs keep finding a worker late by much more than the caller's
-// own share of the work (`kLate`), the pool runs alone on the calling thread for a while (`solo`
-// runs, doubling while the contention lasts), then tries its workers again. MLASERVE_CPP_EXPERTS_WAIT=spin
+// own share of the work (`kLate`), or when over a window of runs the caller spent a large share of its
+// time waiting for workers (each woken late by a scheduler that has another busy process to serve),
+// the pool runs alone on the calling thread for a while (`solo` runs), then probes its workers for a
+// window: contention still there doubles the next solo period, a window without it ends it. MLASERVE_CPP_EXPERTS_WAIT=spin
 // turns both off (the caller spins until every worker is done, as a pool on a dedicated machine
 // would): benchmarks compare the two.
 //
@@ -67,7 +69,10 @@ class Pool {
   // contention state, guarded by job_mutex_
   int late_ = 0;         // recent runs that waited long for a worker
   int solo_left_ = 0;    // runs still to do alone
-  int solo_period_ = 0;  // length of the next solo period
+  int solo_period_ = 0;  // length of the last solo period (0: no contention seen lately)
+  bool probing_ = false;  // back from a solo period: the next window decides whether contention lasts
+  int win_runs_ = 0;      // parallel runs in the current window
+  int64_t win_wait_ = 0, win_work_ = 0;  // the caller's waiting for workers and own work in it (ns)
   std::atomic<uint64_t> solo_total_{0};
   std::atomic<int> sleepers_{0};
   std::vector<std::thread> threads_;

@@ -225,3 +225,45 @@ def test_default_pool_size_follows_the_env(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("MLASERVE_CPP_EXPERTS_THREADS", "3")
     with cpp_experts.WorkerPool() as pool:
         assert pool.num_threads == 3
+
+
+def _busy_processes(n: int) -> list:
+    import subprocess
+    import sys
+
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+@pytest.mark.parametrize("wait", ["adaptive", "spin"])
+def test_pool_runs_solo_while_the_cores_are_taken(monkeypatch: pytest.MonkeyPatch, wait: str) -> None:
+    """With a busy process on every core, the pool's workers keep arriving late: it runs alone on the
+    calling thread (counted in solo_runs) and every result stays exact; MLASERVE_CPP_EXPERTS_WAIT=spin
+    keeps the workers (no solo run)."""
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
+        pytest.skip("one core: the pool has no workers to wait for")
+    if wait == "spin":
+        monkeypatch.setenv("MLASERVE_CPP_EXPERTS_WAIT", "spin")
+    w = torch.randn(512, 1024)
+    x = torch.randn(1, 1024)
+    with cpp_experts.WorkerPool(cores) as pool:
+        op = cpp_experts.QuantLinear.from_float(w, dtype=torch.float32, pool=pool)
+        want = op(x)
+        busy = _busy_processes(cores)
+        try:
+            time.sleep(0.3)
+            deadline = time.monotonic() + 20
+            calls = 0
+            while time.monotonic() < deadline and (calls < 2000 or (wait == "adaptive" and pool.solo_runs == 0)):
+                assert torch.equal(op(x), want)
+                calls += 1
+        finally:
+            for p in busy:
+                p.kill()
+                p.wait()
+        if wait == "spin":
+            assert pool.solo_runs == 0
+        else:
+            assert pool.solo_runs > 0, f"{calls} calls under contention and no solo run"
