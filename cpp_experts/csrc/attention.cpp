@@ -53,40 +53,92 @@ CPX_INLINE const KT* kv_ptr(const void* base, int64_t stride, int64_t slot, int6
   return static_cast<const KT*>(base) + slot * stride + off;
 }
 
-// s[j] = q . k[j] for four keys at once (q read once, four independent chains).
-CPX_INLINE void dot4(const float* q, const float* const* k, int n, float* s) {
+// Scores of kQB queries (one token's heads) against keys j and j + 1 at once: each key row and each
+// query chunk is loaded once for all of them. Per (query, key) the arithmetic is always the same
+// (8-lane partial sums along the head dim, then hsum): the result does not depend on the blocking.
+constexpr int kQB = 4;
+template <int QB>
+CPX_INLINE void dots2(const float* const* q, const float* k0, const float* k1, int n, float* s, int ls) {
   using namespace vec;
-  v8f a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0;
+  v8f a0[QB], a1[QB];
+  for (int i = 0; i < QB; ++i) a0[i] = a1[i] = splat(0.0f);
   int d = 0;
   for (; d + 8 <= n; d += 8) {
-    const v8f qv = load(q + d);
-    a0 += qv * load(k[0] + d);
-    a1 += qv * load(k[1] + d);
-    a2 += qv * load(k[2] + d);
-    a3 += qv * load(k[3] + d);
+    const v8f x0 = load(k0 + d), x1 = load(k1 + d);
+    for (int i = 0; i < QB; ++i) {
+      const v8f qv = load(q[i] + d);
+      a0[i] += qv * x0;
+      a1[i] += qv * x1;
+    }
   }
-  s[0] = hsum(a0);
-  s[1] = hsum(a1);
-  s[2] = hsum(a2);
-  s[3] = hsum(a3);
-  for (; d < n; ++d)
-    for (int j = 0; j < 4; ++j) s[j] += q[d] * k[j][d];
+  for (int i = 0; i < QB; ++i) {
+    s[i * ls] = hsum(a0[i]);
+    s[i * ls + 1] = hsum(a1[i]);
+    for (int e = d; e < n; ++e) {
+      s[i * ls] += q[i][e] * k0[e];
+      s[i * ls + 1] += q[i][e] * k1[e];
+    }
+  }
 }
 
-// acc = acc * corr + sum_j p[j] v[j] over n values (acc read and written once per tile).
-CPX_INLINE void pv(float* acc, float corr, const float* p, const float* const* v, int nv, int n) {
+// acc = acc * corr + sum_j p[j] v[j] for QB queries that see the same nv keys: each value row chunk is
+// loaded once for all of them (per query the same arithmetic whatever the blocking).
+template <int QB>
+CPX_INLINE void pv_block(float* const* acc, const float* corr, const float* p, int lp, const float* const* v, int nv,
+                         int n) {
   using namespace vec;
   int d = 0;
   for (; d + 8 <= n; d += 8) {
-    v8f a = load(acc + d) * splat(corr);
-    for (int j = 0; j < nv; ++j) a += splat(p[j]) * load(v[j] + d);
-    store(acc + d, a);
+    v8f a[QB];
+    for (int i = 0; i < QB; ++i) a[i] = load(acc[i] + d) * splat(corr[i]);
+    for (int j = 0; j < nv; ++j) {
+      const v8f x = load(v[j] + d);
+      for (int i = 0; i < QB; ++i) a[i] += splat(p[i * lp + j]) * x;
+    }
+    for (int i = 0; i < QB; ++i) store(acc[i] + d, a[i]);
   }
-  for (; d < n; ++d) {
-    float a = acc[d] * corr;
-    for (int j = 0; j < nv; ++j) a += p[j] * v[j][d];
-    acc[d] = a;
+  for (; d < n; ++d)
+    for (int i = 0; i < QB; ++i) {
+      float a = acc[i][d] * corr[i];
+      for (int j = 0; j < nv; ++j) a += p[i * lp + j] * v[j][d];
+      acc[i][d] = a;
+    }
+}
+
+// One block of QB heads of one token over a key tile: scores, the online-softmax update of each
+// query's (m, l), then the values.
+template <int QB>
+CPX_INLINE void tile_block(const float* const* qv, float* const* sq, const float* const* krow,
+                           const float* const* vrow, int nv, int D, int Dv, float scale, float* scores) {
+  constexpr int ls = kKeyTile;
+  for (int j = 0; j < nv; j += 2) dots2<QB>(qv, krow[j], krow[j + 1], D, scores + j, ls);
+  float corr[QB];
+  float* acc[QB];
+  bool any = false;
+  for (int i = 0; i < QB; ++i) {
+    float* sc = scores + i * ls;
+    float mx = sq[i][0];
+    for (int j = 0; j < nv; ++j) {
+      sc[j] *= scale;
+      mx = std::max(mx, sc[j]);
+    }
+    acc[i] = sq[i] + 2;
+    if (mx == -INFINITY) {  // every score -inf (a -inf query): nothing to add
+      corr[i] = 1.0f;
+      std::fill(sc, sc + nv, 0.0f);
+      continue;
+    }
+    any = true;
+    corr[i] = sq[i][0] == -INFINITY ? 0.0f : vec::exp1(sq[i][0] - mx);
+    float sum = 0.0f;
+    for (int j = 0; j < nv; j += 8) {  // the buffer holds a whole tile: lanes past nv are not summed
+      vec::store(sc + j, vec::exp8(vec::load(sc + j) - vec::splat(mx)));
+      for (int l = j; l < std::min(nv, j + 8); ++l) sum += sc[l];
+    }
+    sq[i][0] = mx;
+    sq[i][1] = sq[i][1] * corr[i] + sum;
   }
+  if (any) pv_block<QB>(acc, corr, scores, ls, vrow, nv, Dv);
 }
 
 // The rows of one key tile as fp32: the cache's rows themselves, or (bf16) widened into `buf`.
@@ -133,32 +185,26 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
       for (int j = 0; j < nk; ++j) vrow[j] = krow[j];
     else
       tile_rows(vsrc, nk, L.Dv, buf + size_t(kKeyTile) * L.D, vrow);
-    for (int j = nk; j < nk + 3; ++j) krow[j] = krow[0];  // dot4's spare lanes read a real row
+    for (int j = nk; j < nk + 3; ++j) krow[j] = krow[0];  // dots2's spare key reads a real row
     for (int ti = 0; ti < g.nt; ++ti) {
       const int t = g.t0 + ti;
       const int64_t limit = tok.pos[t];  // last key position this token sees
       if (kt > limit) continue;
       const int nv = int(std::min<int64_t>(nk, limit - kt + 1));
-      for (int hi = 0; hi < g.nh; ++hi) {
-        const int h = g.h0 + hi;
-        const float* qv = q + t * L.q_tok + h * L.q_head;
-        float* sq = st + size_t(ti * g.nh + hi) * sw;
-        for (int j = 0; j < nv; j += 4) dot4(qv, krow + j, L.D, scores + j);
-        float mx = sq[0];
-        for (int j = 0; j < nv; ++j) {
-          scores[j] *= scale;
-          mx = std::max(mx, scores[j]);
+      for (int h0 = 0; h0 < g.nh; h0 += kQB) {
+        const int qb = std::min(kQB, g.nh - h0);
+        const float* qv[kQB];
+        float* sq[kQB];
+        for (int i = 0; i < qb; ++i) {
+          qv[i] = q + t * L.q_tok + (g.h0 + h0 + i) * L.q_head;
+          sq[i] = st + size_t(ti * g.nh + h0 + i) * sw;
         }
-        if (mx == -INFINITY) continue;  // every score -inf (a -inf query): nothing to add
-        const float corr = sq[0] == -INFINITY ? 0.0f : vec::exp1(sq[0] - mx);
-        float sum = 0.0f;
-        for (int j = 0; j < nv; j += 8) {  // the buffer holds a whole tile: lanes past nv are not summed
-          vec::store(scores + j, vec::exp8(vec::load(scores + j) - vec::splat(mx)));
-          for (int l = j; l < std::min(nv, j + 8); ++l) sum += scores[l];
+        switch (qb) {
+          case 4: tile_block<4>(qv, sq, krow, vrow, nv, L.D, L.Dv, scale, scores); break;
+          case 3: tile_block<3>(qv, sq, krow, vrow, nv, L.D, L.Dv, scale, scores); break;
+          case 2: tile_block<2>(qv, sq, krow, vrow, nv, L.D, L.Dv, scale, scores); break;
+          default: tile_block<1>(qv, sq, krow, vrow, nv, L.D, L.Dv, scale, scores); break;
         }
-        pv(sq + 2, corr, scores, vrow, nv, L.Dv);
-        sq[0] = mx;
-        sq[1] = sq[1] * corr + sum;
       }
     }
   }
@@ -214,26 +260,30 @@ inline Blocks key_blocks(int64_t keys) {
   return {n, (per + kKeyTile - 1) / kKeyTile * kKeyTile};
 }
 
+// Block b of the group's keys into st. (A function, not a lambda: a lambda would not take the
+// target attributes of the dispatched variant it is called from, and would run the baseline code.)
+CPX_INLINE void run_block(const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, const Blocks& B,
+                          int b, float scale, const float* q, float* st, float* scores, float* buf) {
+  const int k0 = int(std::min<int64_t>(g.keys, b * B.size)), k1 = int(std::min<int64_t>(g.keys, (b + 1) * B.size));
+  if (kv.type == KvType::BF16)
+    run_task<uint16_t>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
+  else
+    run_task<float>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
+}
+
 // One task: block `block` of the group into st, or (block < 0) every block in turn merged into st
 // (blk: room for one block's states) and out = acc / l.
 CPX_INLINE void task_entry_impl(const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, int block,
                                 float scale, const float* q, float* st, float* blk, float* scores, float* buf,
                                 float* out) {
   const Blocks B = key_blocks(g.keys);
-  auto one = [&](int b, float* dst) {
-    const int k0 = int(std::min<int64_t>(g.keys, b * B.size)), k1 = int(std::min<int64_t>(g.keys, (b + 1) * B.size));
-    if (kv.type == KvType::BF16)
-      run_task<uint16_t>(kv, tok, L, g, k0, k1, scale, q, dst, scores, buf);
-    else
-      run_task<float>(kv, tok, L, g, k0, k1, scale, q, dst, scores, buf);
-  };
   if (block >= 0) {
-    one(block, st);
+    run_block(kv, tok, L, g, B, block, scale, q, st, scores, buf);
     return;
   }
-  one(0, st);
+  run_block(kv, tok, L, g, B, 0, scale, q, st, scores, buf);
   for (int b = 1; b < B.n; ++b) {
-    one(b, blk);
+    run_block(kv, tok, L, g, B, b, scale, q, blk, scores, buf);
     merge_state(g.nt * g.nh, L.Dv, st, blk);
   }
   write_out(L, g, st, out);
@@ -272,7 +322,7 @@ void run(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& 
   const size_t state = size_t(max_nq) * (2 + L.Dv);
   const size_t tiles = size_t(kKeyTile) * (L.D + L.Dv);  // fp32 key and value tiles (bf16 caches)
   scratch.thread.resize(size_t(threads));
-  for (auto& s : scratch.thread) s.resize(2 * state + kKeyTile + tiles);
+  for (auto& s : scratch.thread) s.resize(2 * state + kQB * kKeyTile + tiles);
   auto thread_bufs = [&](int tid) {
     float* base = scratch.thread[size_t(tid)].data();
     return std::array<float*, 3>{base, base + state, base + 2 * state};  // state, block state, scores + tiles
@@ -282,7 +332,7 @@ void run(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& 
   if (int(groups.size()) >= 4 * threads) {
     pool.run(int(groups.size()), [&](int gi, int tid) {
       const auto b = thread_bufs(tid);
-      task_entry(kv, tok, L, groups[size_t(gi)], -1, scale, q, b[0], b[1], b[2], b[2] + kKeyTile, out);
+      task_entry(kv, tok, L, groups[size_t(gi)], -1, scale, q, b[0], b[1], b[2], b[2] + kQB * kKeyTile, out);
     });
     return;
   }
@@ -298,7 +348,7 @@ void run(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& 
     const Task& tk = tasks[size_t(i)];
     const auto b = thread_bufs(tid);
     float* st = scratch.partial.data() + size_t(first[size_t(tk.group)] + tk.block) * state;
-    task_entry(kv, tok, L, groups[size_t(tk.group)], tk.block, scale, q, st, nullptr, b[2], b[2] + kKeyTile, nullptr);
+    task_entry(kv, tok, L, groups[size_t(tk.group)], tk.block, scale, q, st, nullptr, b[2], b[2] + kQB * kKeyTile, nullptr);
   });
   pool.run(int(groups.size()), [&](int gi, int) {
     const Group& g = groups[size_t(gi)];
