@@ -14,6 +14,9 @@
 #include <memory>
 #include <new>
 #include <stdexcept>
+#if __has_include(<sys/mman.h>)
+#include <sys/mman.h>
+#endif
 
 namespace cpx {
 
@@ -28,18 +31,27 @@ struct FreeDeleter {
 
 inline size_t round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }
 
+constexpr size_t kHugePage = size_t(2) << 20;
+
 // 64-byte aligned, zero-filled bytes (packed weights, activation and output scratch).
 struct Buffer {
   std::unique_ptr<uint8_t, FreeDeleter> p;
   size_t n = 0;
   void resize(size_t bytes) {  // reallocates (and zeroes) only when growing
     if (bytes <= n && p) return;
-    const size_t sz = round_up(bytes ? bytes : 64, 64);
-    void* q = std::aligned_alloc(64, sz);
+    // Large buffers (packed weights) on 2 MiB boundaries and asked for huge pages before they are
+    // touched: decode streams every weight once per token, and with 4 KiB pages each page costs a
+    // TLB miss (the kernel's THP mode is often `madvise`, so it only helps where asked).
+    const bool huge = bytes >= kHugePage;
+    const size_t sz = round_up(bytes ? bytes : 64, huge ? kHugePage : 64);
+    void* q = std::aligned_alloc(huge ? kHugePage : 64, sz);
     if (!q) throw std::bad_alloc();
+#ifdef MADV_HUGEPAGE
+    if (huge) madvise(q, sz, MADV_HUGEPAGE);  // advice only: a refusal changes nothing
+#endif
     std::memset(q, 0, sz);
     p.reset(static_cast<uint8_t*>(q));
-    n = sz;
+    n = round_up(bytes ? bytes : 64, 64);  // the bytes asked for (memory_bytes), not the huge-page padding
   }
   uint8_t* data() const { return p.get(); }
 };
