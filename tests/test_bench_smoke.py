@@ -185,7 +185,8 @@ def cpu_bench(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.delenv("MLASERVE_LLAMA_CPP_BIN", raising=False)
     monkeypatch.delenv("MLASERVE_LLAMA_CPP_SRC", raising=False)
     return argparse.Namespace(**{m: importlib.import_module(m) for m in
-                                 ("peers", "cpu_common", "serve_cpu", "deepseek_cpu", "make_deepseek_gguf")})
+                                 ("peers", "cpu_common", "serve_cpu", "deepseek_cpu", "make_deepseek_gguf",
+                                  "cpu_contention", "serve_overhead_cpu", "bench_cpu_model")})
 
 
 CPUINFO = """processor\t: 0
@@ -441,10 +442,20 @@ def test_deepseek_decode_traffic_and_floor(cpu_bench) -> None:
     assert no_peer["ours"]["torch"]["tg_ratio_vs_llama_bench"] is None
 
 
+def test_the_other_cpu_benchmarks_parse_their_results(cpu_bench) -> None:
+    """What the contention, serving-overhead and model benchmarks compute from their samples."""
+    bm = cpu_bench.bench_cpu_model
+    r = bm.summarize([(0.5, 0.01), (0.4, 0.02), (0.6, 0.005)], prompt_len=100)
+    assert r["prefill_tok_s"] == pytest.approx(200.0) and r["decode_tok_s"] == pytest.approx(100.0)
+    assert set(cpu_bench.cpu_contention.POLICIES) == {"mlaserve", "mlaserve-spin"}
+    assert cpu_bench.cpu_contention.POLICIES["mlaserve-spin"] == {"MLASERVE_CPP_EXPERTS_WAIT": "spin"}
+    assert cpu_bench.serve_overhead_cpu.cpu_seconds(os.getpid()) >= 0.0
+
+
 def test_deepseek_arguments_and_missing_files(cpu_bench, tmp_path: Path) -> None:
     ds, mk = cpu_bench.deepseek_cpu, cpu_bench.make_deepseek_gguf
     a = ds.parse_args([])
-    assert (a.types, a.rounds, a.prompt_tokens, a.decode_tokens, a.expert_backends) == (["bf16", "q8_0", "q4_k_m"], 3, 512, 64, ["torch"])
+    assert (a.types, a.rounds, a.prompt_tokens, a.decode_tokens, a.expert_backends) == (["bf16", "q8_0", "q4_k_m"], 3, 512, 64, ["cpp"])
     for bad in (["--decode-tokens", "1"], ["--ours-only", "--peer-only"], ["--types", "f16"]):
         with pytest.raises(SystemExit):
             ds.parse_args(bad)
