@@ -27,34 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.cpu_common import machine_info, ratio, versions, write_json  # noqa: E402
-
-
-def stream_read_bandwidth(pool: Any, nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Bytes/s of an f32 QuantLinear at M = 1 over `nbytes` of weights (4 read streams per thread)."""
-    import cpp_experts
-
-    probe = cpp_experts.QuantLinear.from_float(torch.ones(nbytes // (4 * 4096), 4096), dtype=torch.float32, pool=pool)
-    x = torch.ones(1, 4096)
-    probe(x)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        probe(x)
-        times.append(time.perf_counter() - t)
-    return probe.out_features * 4096 * 4 / statistics.median(times)
-
-
-def sum_read_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Bytes/s of a torch sum over a large fp32 tensor (one read stream per thread)."""
-    x = torch.ones(nbytes // 4)
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t)
-    return nbytes / statistics.median(times)
+from bench.cpu_common import StreamRead, machine_info, ratio, read_bandwidth, versions, write_json  # noqa: E402
 
 
 class Ours:
@@ -150,6 +123,7 @@ def main() -> None:
     path = str(resolve_model_path(args.model))
     prompt = torch.randint(10, 1000, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     pool = cpp_experts.WorkerPool(args.threads)
+    stream = StreamRead(pool, 256 << 20)
     contenders: dict[str, Any] = {"ours_native": Ours(path, True, prompt, args.decode)}
     if args.torch:
         contenders["ours_torch_fp32"] = Ours(path, False, prompt, args.decode)
@@ -163,8 +137,8 @@ def main() -> None:
     for c in contenders.values():
         c.run()  # warm-up
     for rnd in range(args.rounds):
-        stream_bw.append(stream_read_bandwidth(pool))
-        sum_bw.append(sum_read_bandwidth())
+        stream_bw.append(stream.sample())
+        sum_bw.append(read_bandwidth(256 << 20))
         for name, c in contenders.items():
             samples[name].append(c.run())
         print(f"round {rnd + 1}: " + ", ".join(f"{k} {1 / v[-1][1]:.1f} tok/s" for k, v in samples.items()), flush=True)

@@ -1,6 +1,7 @@
 """Helpers the CPU peer benchmarks (`serve_cpu.py`, `deepseek_cpu.py`) share: the machine description
 and tag that name a result file, percentiles, free ports, versions, and the ours/peer ratios checked
-against targets. Standard library only (torch is imported by the callers that need it).
+against targets, and the two read-bandwidth probes. Standard library at import (torch and cpp_experts
+are imported by the probes, for the callers that use them).
 """
 
 from __future__ import annotations
@@ -86,6 +87,61 @@ def versions() -> dict[str, Any]:
     except (OSError, subprocess.TimeoutExpired):
         out["mlaserve_git"] = None
     return out
+
+
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, threads: int | None = None) -> float:
+    """Bytes/s of a torch sum over a large fp32 tensor (reads only, one stream per thread): the median
+    of `repeats` after a warm-up, on `threads` torch threads (None: as torch is set)."""
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times)
+
+
+class StreamRead:
+    """A streaming read at the machine's speed: an f32 `cpp_experts.QuantLinear` of `nbytes` at M = 1
+    reads its weights as 4 contiguous streams per thread with one FMA per 32 bytes. torch's sum reads
+    one stream per thread, which on some machines (a 2-core Zen 2 VM: 16 GB/s) is well below what
+    several streams get (28 GB/s there, the same as a hand-written 8-stream AVX2 read loop). Made once
+    (packing takes a while), sampled once per round."""
+
+    def __init__(self, pool: Any, nbytes: int, kernel: str | None = None) -> None:
+        import cpp_experts
+        import torch
+
+        self.op = cpp_experts.QuantLinear.from_float(torch.ones(nbytes // (4 * 4096), 4096), dtype=torch.float32,
+                                                     pool=pool, kernel=kernel)
+        self.x = torch.ones(1, 4096)
+        self.nbytes = self.op.out_features * 4096 * 4
+
+    def sample(self, calls: int = 3) -> float:
+        """Bytes/s over `calls` passes after a warm one."""
+        self.op(self.x)
+        t = time.perf_counter()
+        for _ in range(calls):
+            self.op(self.x)
+        return self.nbytes * calls / (time.perf_counter() - t)
+
+
+def add_quiet_args(ap: Any, retries: int) -> None:
+    """The flags of a benchmark that waits for a quiet machine and redoes disturbed measurements
+    (`wait_for_quiet`, `should_retry`) on an argparse parser."""
+    ap.add_argument("--quiet-threshold", type=float, default=0.25,
+                    help="start a measurement when the CPUs were busy less than this fraction of 0.5 s ...")
+    ap.add_argument("--quiet-wait", type=float, default=120.0,
+                    help="... waiting at most this many seconds (0: never wait); recorded with each sample")
+    ap.add_argument("--retry-busy", type=float, default=0.1,
+                    help="measure again when other processes used more than this share of the CPUs meanwhile ...")
+    ap.add_argument("--retries", type=int, default=retries,
+                    help="... at most this many times (the last attempt is kept)")
 
 
 def percentile(values: Sequence[float], q: float) -> float:

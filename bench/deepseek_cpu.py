@@ -115,22 +115,6 @@ def floor_figures(bytes_per_token: int, read_bw: float, tok_s: float | None) -> 
     return {"floor_tok_s": floor_tok_s, "fraction_of_floor": None if tok_s is None else tok_s / floor_tok_s}
 
 
-def read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes/s of summing a large float32 array (reads only) on `threads` threads: median of repeats."""
-    import torch
-
-    torch.set_num_threads(threads)
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t)
-    del x
-    return nbytes / statistics.median(times)
-
-
 # ------------------------------------------------------------------------------------ llama-bench
 
 
@@ -295,13 +279,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     grp = ap.add_mutually_exclusive_group()
     grp.add_argument("--ours-only", action="store_true")
     grp.add_argument("--peer-only", action="store_true")
-    ap.add_argument("--quiet-threshold", type=float, default=0.25,
-                    help="start a measurement when the CPUs were busy less than this fraction of 0.5 s ...")
-    ap.add_argument("--quiet-wait", type=float, default=120.0,
-                    help="... waiting at most this many seconds (0: never wait); recorded with each sample")
-    ap.add_argument("--retry-busy", type=float, default=0.1,
-                    help="measure again when other processes used more than this share of the CPUs meanwhile ...")
-    ap.add_argument("--retries", type=int, default=2, help="... at most this many times (the last attempt is kept)")
+    cc.add_quiet_args(ap, retries=2)
     ap.add_argument("--peer-timeout", type=float, default=3600.0)
     ap.add_argument("--tag", default=None, help="machine tag in the result file name (default: from /proc/cpuinfo)")
     ap.add_argument("--out", default=None, help="default: bench/results/deepseek_cpu_<machine-tag>.json")
@@ -353,7 +331,7 @@ def bench_file(qtype: str, path: Path, args: argparse.Namespace, threads: int, b
     traffic = bytes_per_decoded_token(tensors, meta["n_experts"] or 1, meta["top_k"] or 1)
     entry: dict[str, Any] = {"path": str(path), "file_bytes": path.stat().st_size, "gguf": meta,
                              "decode_weight_traffic": traffic, "ours": {}, "llama_bench": None, "skipped": {}}
-    bw_samples.append(read_bandwidth(threads))
+    bw_samples.append(cc.read_bandwidth(threads=threads))
     print(f"{qtype}: {path.name}, {traffic['bytes_per_token'] / 2**20:.1f} MiB of weights per decoded token, "
           f"read bandwidth {bw_samples[-1] / 1e9:.1f} GB/s", flush=True)
     lb_cmd = (llama_bench_command(lb_binary, path, threads, args.prompt_tokens, args.decode_tokens, 1)

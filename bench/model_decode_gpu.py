@@ -380,7 +380,7 @@ def main() -> int:
         except ImportError as e:
             result["skipped"].append({"hybrid": True, "reason": f"cpp_experts does not import: {e}"})
         else:
-            from moe_cpu import read_bandwidth
+            from cpu_common import read_bandwidth
 
             result["cpp_experts"] = cpp_experts.info()
             cpu_bw = read_bandwidth((1 << 30) if device.type == "cuda" else (64 << 20))

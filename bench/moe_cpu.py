@@ -37,6 +37,9 @@ os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_common import read_bandwidth  # noqa: E402
+
 E, K, H, I = 64, 6, 2048, 1408
 TOKENS = (1, 4, 16, 64, 256, 1024)
 
@@ -63,12 +66,6 @@ def median_time(fn, repeats: int, warmup: int = 1) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
-
-
-def read_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Bytes/s of summing a large array (reads only), with torch's threads."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
-    return nbytes / median_time(lambda: x.sum(), 5)
 
 
 def matmul_peak(n: int = 4096) -> float:

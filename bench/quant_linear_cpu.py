@@ -48,7 +48,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from bench_common import copy_bandwidth, print_table, write_result  # noqa: E402
-from moe_cpu import read_bandwidth  # noqa: E402
+from cpu_common import StreamRead, read_bandwidth  # noqa: E402
 
 import cpp_experts  # noqa: E402
 
@@ -118,19 +118,12 @@ def main() -> None:
     copy_samples: list[float] = []
     read_samples: list[float] = []
     stream_samples: list[float] = []
-    # A plain streaming read at the machine's speed: an f32 layer of the footprint at M = 1 reads its
-    # weights as 4 contiguous streams per thread with one FMA per 32 bytes. torch's sum reads one
-    # stream per thread, which on some machines (a 2-core Zen 2 VM: 16 GB/s) is well below what
-    # several streams get (28 GB/s there, the same as a hand-written 8-stream AVX2 read loop).
-    probe = cpp_experts.QuantLinear.from_float(torch.ones(footprint // (4 * 4096), 4096), dtype=torch.float32,
-                                               pool=pool, kernel=kernel)
-    probe_x = torch.ones(1, 4096)
+    stream = StreamRead(pool, footprint, kernel)  # (cpu_common: why a second read probe)
 
     def sample_bandwidth() -> None:
         copy_samples.append(copy_bandwidth(torch.device("cpu"), footprint, repeats=5))
         read_samples.append(read_bandwidth(footprint))
-        probe(probe_x)
-        stream_samples.append(probe.out_features * 4096 * 4 / time_pass([lambda: probe(probe_x)] * 3))
+        stream_samples.append(stream.sample())
 
     results = []
     for shape in args.shapes:
@@ -186,7 +179,7 @@ def main() -> None:
         row["fraction_of_copy_bw"] = row["GBps"] * 1e9 / copy_bw
         row["fraction_of_read_bw"] = row["GBps"] * 1e9 / read_bw
         row["fraction_of_stream_read_bw"] = row["GBps"] * 1e9 / stream_bw
-    del probe
+    del stream
     model = model_decode(pool, args.threads, args.rounds, copy_samples, read_samples, stream_samples, kernel)
     pool.close()
     machine = {

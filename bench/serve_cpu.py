@@ -288,13 +288,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ours-only", action="store_true", help="do not start llama-server")
     ap.add_argument("--ours-args", default="", help="extra flags for mlaserve serve (one string)")
     ap.add_argument("--peer-args", default="", help="extra flags for llama-server (one string)")
-    ap.add_argument("--quiet-threshold", type=float, default=0.25,
-                    help="start a measurement when the CPUs were busy less than this fraction of 0.5 s ...")
-    ap.add_argument("--quiet-wait", type=float, default=120.0,
-                    help="... waiting at most this many seconds (0: never wait); recorded with each sample")
-    ap.add_argument("--retry-busy", type=float, default=0.1,
-                    help="measure again when other processes used more than this share of the CPUs meanwhile ...")
-    ap.add_argument("--retries", type=int, default=3, help="... at most this many times (the last attempt is kept)")
+    cc.add_quiet_args(ap, retries=3)
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--request-timeout", type=float, default=1800.0)
     ap.add_argument("--reanalyze", default=None, metavar="JSON",

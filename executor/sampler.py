@@ -148,8 +148,7 @@ class Sampler:
         raw = logits[:, : self.vocab_size]
         if all(row.params.greedy and not _processed(row) for row in rows):  # the common decode: argmax alone
             tokens = _argmax(raw)
-            token_ids = torch.tensor(tokens, dtype=torch.long, device=logits.device)
-            return SampleResult(token_ids=tokens, logprobs=_logprobs(raw, rows, token_ids, tokens))
+            return SampleResult(token_ids=tokens, logprobs=_logprobs(raw, rows, tokens))
         x = apply_logit_processors(raw, rows)
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
@@ -159,7 +158,7 @@ class Sampler:
         if random:
             _put(token_ids, random, self._sample(_take(x, random), [rows[i] for i in random]))
         tokens = token_ids.tolist()
-        return SampleResult(token_ids=tokens, logprobs=_logprobs(raw, rows, token_ids, tokens))
+        return SampleResult(token_ids=tokens, logprobs=_logprobs(raw, rows, tokens))
 
     def _sample(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Temperature, top_k, top_p, min_p, then Gumbel-max; x [n, V] fp32, overwritten."""
@@ -306,15 +305,15 @@ def _effective_top_k(top_k: int, vocab: int) -> int:
 # ---- logprobs (step 6) ---------------------------------------------------------------------------
 
 
-def _logprobs(raw: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor,
-              tokens: list[int]) -> list[TokenLogprob | None]:
+def _logprobs(raw: torch.Tensor, rows: Sequence[SamplingRow], tokens: list[int]) -> list[TokenLogprob | None]:
     """log_softmax of the raw logits: the chosen token's value and the top_logprobs best, best first."""
     result: list[TokenLogprob | None] = [None] * len(rows)
     chosen = [i for i, row in enumerate(rows) if row.params.logprobs or row.params.top_logprobs > 0]
     if not chosen:
         return result
     lp = torch.log_softmax(_take(raw, chosen).float(), dim=-1)
-    picked = lp.gather(1, _take(token_ids, chosen)[:, None]).squeeze(1).tolist()
+    chosen_ids = torch.tensor([tokens[i] for i in chosen], dtype=torch.long).to(raw.device, non_blocking=True)
+    picked = lp.gather(1, chosen_ids[:, None]).squeeze(1).tolist()
     num_top = min(max(rows[i].params.top_logprobs for i in chosen), lp.shape[1])
     top_values: list[list[float]] = [[] for _ in chosen]
     top_ids: list[list[int]] = [[] for _ in chosen]

@@ -171,7 +171,7 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
   const int32_t* slots = kv.table + g.row * kv.table_stride;
   const KT* ksrc[kKeyTile];
   const KT* vsrc[kKeyTile];
-  const float* krow[kKeyTile + 3];
+  const float* krow[kKeyTile + 1];
   const float* vrow[kKeyTile];
   for (int kt = k0; kt < k1; kt += kKeyTile) {
     const int nk = std::min(kKeyTile, k1 - kt);
@@ -185,7 +185,7 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
       for (int j = 0; j < nk; ++j) vrow[j] = krow[j];
     else
       tile_rows(vsrc, nk, L.Dv, buf + size_t(kKeyTile) * L.D, vrow);
-    for (int j = nk; j < nk + 3; ++j) krow[j] = krow[0];  // dots2's spare key reads a real row
+    krow[nk] = krow[0];  // an odd tile's last pair: dots2's spare key reads a real row
     for (int ti = 0; ti < g.nt; ++ti) {
       const int t = g.t0 + ti;
       const int64_t limit = tok.pos[t];  // last key position this token sees

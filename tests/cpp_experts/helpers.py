@@ -35,26 +35,29 @@ def path_params() -> list:
             for p in ("portable", "avx2", "avx512", "amx")]
 
 
-def path_supports(path: str, fmt: str) -> bool:
-    """Whether the MoE operator runs `fmt` on `path` here (the skips of path_params cover the path itself)."""
+def has_path(path: str, fmt: str) -> bool:
+    """Whether `path` runs `fmt` on this CPU (the skips of path_params cover the path itself)."""
     kernels = cpp_experts.info()["kernels"]
     if path == "avx512":
-        return ("avx512_vnni" if fmt != "bf16" else "avx512_bf16") in kernels
+        if fmt == "f32":  # forcing 'avx512' needs AVX-512; f32 then runs its AVX2 kernel
+            return "avx512_bf16" in kernels or "avx512_vnni" in kernels
+        return ("avx512_bf16" if fmt == "bf16" else "avx512_vnni") in kernels
     if path == "avx2":
         return "avx2" in kernels
-    return True
+    return path != "amx" or "amx" in kernels
 
 
-def moe_kernel(path: str, fmt: str) -> str:
+def expected_kernel(path: str, fmt: str) -> str:
     """The `kernel` string of an operator of `fmt` on a forced path (a MoE reports its experts' QuantLinears')."""
     kernels = cpp_experts.info()["kernels"]
     if path in ("portable", "avx2"):
         return path
     if fmt == "f32":  # its only SIMD kernel, under 'avx512' and 'amx' too
         return "avx2" if "avx2" in kernels else "portable"
-    if fmt == "bf16":
-        return "amx+avx512_bf16" if path == "amx" else "avx512_bf16"
-    return "amx_int8+avx512_vnni" if path == "amx" and "amx_int8" in kernels else "avx512_vnni"
+    if fmt != "bf16":
+        amx_int8 = path == "amx" and "amx_int8" in kernels
+        return "amx_int8+avx512_vnni" if amx_int8 else "avx512_vnni"
+    return "amx+avx512_bf16" if path == "amx" else "avx512_bf16"
 
 
 class Experts:

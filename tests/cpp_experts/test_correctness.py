@@ -13,9 +13,9 @@ import torch
 from tests.cpp_experts.helpers import (
     Experts,
     available_paths,
-    moe_kernel,
+    expected_kernel,
+    has_path,
     path_params,
-    path_supports,
     reference,
     routing,
 )
@@ -46,13 +46,13 @@ CASES = [
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("path", path_params())
 def test_matches_reference(path: str, fmt: str) -> None:
-    if not path_supports(path, fmt):
+    if not has_path(path, fmt):
         pytest.skip(f"this CPU has no {path} kernel for {fmt}")
     ex = Experts(fmt, E, H, I, seed=zlib.crc32(f"{path}/{fmt}".encode()) % 1000)  # not hash(): salted per run
     ops: dict = {}
     for i, (T, k, mode, threads, dtype) in enumerate(CASES):
         moe = ops.get((k, threads)) or ops.setdefault((k, threads), ex.build(k, threads, path))
-        assert moe.kernel == moe_kernel(path, fmt), moe.kernel
+        assert moe.kernel == expected_kernel(path, fmt), moe.kernel
         g = torch.Generator().manual_seed(100 + i)
         hidden = torch.randn(T, H, generator=g).to(dtype)
         ids, w = routing(T, E, k, mode, seed=i)
@@ -77,7 +77,7 @@ def test_matches_reference(path: str, fmt: str) -> None:
 @pytest.mark.parametrize("path", path_params())
 def test_paths_agree_with_each_other(path: str) -> None:
     """A forced path gives the same result as the portable one (same rounding, other order)."""
-    if not path_supports(path, "q8_0") and not path_supports(path, "bf16"):
+    if not has_path(path, "q8_0") and not has_path(path, "bf16"):
         pytest.skip(f"no {path} kernel")
     ex = Experts("q8_0", E, H, I, seed=7)
     T, k = 40, 6
@@ -141,7 +141,7 @@ def test_info_and_memory() -> None:
 def test_odd_sizes_bf16() -> None:
     """bf16 accepts sizes that are not multiples of 32 (padded internally)."""
     ex = Experts("bf16", 5, 72, 40, seed=2)
-    for path in [p for p in ("portable", "avx2", "avx512") if p in available_paths() and path_supports(p, "bf16")]:
+    for path in [p for p in ("portable", "avx2", "avx512") if p in available_paths() and has_path(p, "bf16")]:
         moe = ex.build(3, None, path)
         hidden = torch.randn(9, 72)
         ids, w = routing(9, 5, 3, "uniform", seed=5)

@@ -23,7 +23,7 @@ import torch
 
 import cpp_experts
 from models.loader.gguf_quants import dequantize
-from tests.cpp_experts.helpers import path_params
+from tests.cpp_experts.helpers import expected_kernel, has_path, path_params
 
 T = gguf.GGMLQuantizationType
 QTYPE = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1, "q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K}
@@ -40,28 +40,6 @@ def seed_of(*parts: object) -> int:
     return zlib.crc32("/".join(map(str, parts)).encode()) % 10_000  # not hash(): salted per run
 
 
-def has_path(path: str, fmt: str) -> bool:
-    """Whether `path` runs `fmt` on this CPU (the skips of path_params cover the path itself)."""
-    kernels = cpp_experts.info()["kernels"]
-    if path == "avx512":
-        if fmt == "f32":  # forcing 'avx512' needs AVX-512; f32 then runs its AVX2 kernel
-            return "avx512_bf16" in kernels or "avx512_vnni" in kernels
-        return ("avx512_bf16" if fmt == "bf16" else "avx512_vnni") in kernels
-    if path == "avx2":
-        return "avx2" in kernels
-    return path != "amx" or "amx" in kernels
-
-
-def expected_kernel(path: str, fmt: str) -> str:
-    kernels = cpp_experts.info()["kernels"]
-    if path in ("portable", "avx2"):
-        return path
-    if fmt == "f32":  # its only SIMD kernel, under 'avx512' and 'amx' too
-        return "avx2" if "avx2" in kernels else "portable"
-    if fmt != "bf16":
-        amx_int8 = path == "amx" and "amx_int8" in kernels
-        return "amx_int8+avx512_vnni" if amx_int8 else "avx512_vnni"
-    return "amx+avx512_bf16" if path == "amx" else "avx512_bf16"
 
 
 class Weight:
