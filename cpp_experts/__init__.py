@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -703,6 +704,27 @@ class PagedAttention:
         return T
 
     @staticmethod
+    def _slot_lists(lists: Sequence[torch.Tensor | None] | None, T: int) -> tuple[list[int], list[int]]:
+        """Addresses and lengths of per-token slot lists (int32; None: the token reads its row). The caller
+        keeps `lists` referenced until the native call returns."""
+        if lists is None:
+            return [], []
+        if len(lists) != T:
+            raise ValueError(f"slot_lists must hold one entry per token ({T}), got {len(lists)}")
+        ptrs, lens = [], []
+        for t, s in enumerate(lists):
+            if s is None:
+                ptrs.append(0)
+                lens.append(0)
+                continue
+            _check_tensor(f"slot_lists[{t}]", s, 1)
+            if s.dtype != torch.int32 or s.numel() == 0:
+                raise ValueError(f"slot_lists[{t}] must be a non-empty int32 tensor")
+            ptrs.append(s.data_ptr())
+            lens.append(int(s.numel()))
+        return ptrs, lens
+
+    @staticmethod
     def _cache(name: str, t: torch.Tensor, rank: int) -> bool:
         _check_tensor(name, t, rank)
         if t.dtype not in (torch.float32, torch.bfloat16):
@@ -710,9 +732,12 @@ class PagedAttention:
         return t.dtype == torch.bfloat16
 
     def gqa(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
-            rows: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [T, H, D] fp32 (RoPE'd), K [slots, Hkv, D], V [slots, Hkv, Dv] -> [T, H, Dv] fp32."""
+            rows: torch.Tensor, positions: torch.Tensor, scale: float,
+            slot_lists: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+        """q [T, H, D] fp32 (RoPE'd), K [slots, Hkv, D], V [slots, Hkv, Dv] -> [T, H, Dv] fp32. `slot_lists`:
+        per token None, or the KV slots (int32) it attends to instead of its row's positions (OmniKV)."""
         T = self._tokens(q, req_to_token, rows, positions)
+        sel, sel_n = self._slot_lists(slot_lists, T)
         bf16 = self._cache("k_buffer", k_buffer, 3)
         if self._cache("v_buffer", v_buffer, 3) != bf16:
             raise TypeError("k_buffer and v_buffer must have the same dtype")
@@ -725,14 +750,16 @@ class PagedAttention:
         out = torch.empty(T, H, Dv)
         self._op.gqa(q.data_ptr(), T, H, Hkv, D, Dv, float(scale), k_buffer.data_ptr(), v_buffer.data_ptr(), bf16,
                      slots, req_to_token.data_ptr(), req_to_token.shape[0], req_to_token.shape[1], rows.data_ptr(),
-                     positions.data_ptr(), out.data_ptr())
+                     positions.data_ptr(), out.data_ptr(), sel, sel_n)
         return out
 
     def mla(self, q: torch.Tensor, latent: torch.Tensor, req_to_token: torch.Tensor, rows: torch.Tensor,
-            positions: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
+            positions: torch.Tensor, kv_lora_rank: int, scale: float,
+            slot_lists: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
         """q [T, H, r + P] fp32 (q_nope absorbed by w_kc ‖ RoPE'd q_pe) against the latent cache [slots, r + P]
-        (c_kv ‖ k_pe) -> attention-weighted c_kv [T, H, r] fp32."""
+        (c_kv ‖ k_pe) -> attention-weighted c_kv [T, H, r] fp32. `slot_lists` as for `gqa`."""
         T = self._tokens(q, req_to_token, rows, positions)
+        sel, sel_n = self._slot_lists(slot_lists, T)
         bf16 = self._cache("latent", latent, 2)
         _, H, width = q.shape
         r = int(kv_lora_rank)
@@ -741,7 +768,7 @@ class PagedAttention:
         out = torch.empty(T, H, r)
         self._op.mla(q.data_ptr(), T, H, r, width - r, float(scale), latent.data_ptr(), bf16, latent.shape[0],
                      req_to_token.data_ptr(), req_to_token.shape[0], req_to_token.shape[1], rows.data_ptr(),
-                     positions.data_ptr(), out.data_ptr())
+                     positions.data_ptr(), out.data_ptr(), sel, sel_n)
         return out
 
 
@@ -769,9 +796,12 @@ class CpuModel:
     LM head on one `WorkerPool`, over the executor's KV caches and req_to_token table.
 
     Built once: the constructor, `set_table`, then per layer one attention block (`add_gqa` or `add_mla`)
-    followed by one MLP block (`add_dense_mlp` or `add_moe`). Every operator, cache and table given here
-    is kept referenced by this object; the caches and the table must not be reallocated while it lives.
+    followed by one MLP block (`add_dense_mlp` or `add_moe`), and optionally OmniKV's plan
+    (`set_omnikv`). Every operator, cache and table given here is kept referenced by this object; the
+    caches, the table and the query history must not be reallocated while it lives.
     """
+
+    ALPHA_MODES = ("last_token", "uniform", "exponential")  # models.omnikv_config.ALPHA_MODES
 
     def __init__(self, pool: WorkerPool, embed: QuantLinear, lm_head: QuantLinear, final_norm: torch.Tensor,
                  eps: float) -> None:
@@ -783,6 +813,8 @@ class CpuModel:
         self._keep: list[object] = [pool, embed, lm_head]
         self._op = _C.CpuModel(pool._pool, self.hidden_size, embed._op, lm_head._op, norm.data_ptr(), float(eps))
         self.num_slots = 0
+        self.table_rows = 0
+        self.omnikv_counts = (0, 0)  # the last forward's OmniKV (positions kept, context positions)
 
     def set_table(self, req_to_token: torch.Tensor, num_slots: int) -> None:
         _check_tensor("req_to_token", req_to_token, 2)
@@ -790,6 +822,7 @@ class CpuModel:
             raise TypeError(f"req_to_token must be int32, got {req_to_token.dtype}")
         self._keep.append(req_to_token)
         self.num_slots = int(num_slots)
+        self.table_rows = int(req_to_token.shape[0])
         self._op.set_table(req_to_token.data_ptr(), req_to_token.shape[0], req_to_token.shape[1], self.num_slots)
 
     def add_gqa(self, norm: torch.Tensor, eps: float, q: QuantLinear, k: QuantLinear, v: QuantLinear, o: QuantLinear,
@@ -872,18 +905,59 @@ class CpuModel:
     def num_layers(self) -> int:
         return int(self._op.num_layers)
 
+    def set_omnikv(self, roles: list[int], source: list[int], *, sink: int, recent: int, alpha: str,
+                   history_q: torch.Tensor | None = None, history_pos: torch.Tensor | None = None) -> None:
+        """OmniKV's plan (models.omnikv_config.LayerPlan: per layer FULL 0 / FILTER 1 / SPARSE 2 and the
+        filter index a SPARSE layer reads), after every layer and `set_table`. The query history
+        (kernels.attention.omnikv.QueryHistory): q [table rows, F, W, H, D] fp32 and pos [table rows, F, W]
+        int64 (-1: empty), D the head dim (GQA) or r + P (MLA); without it only the current query counts."""
+        roles, source = [int(r) for r in roles], [int(s) for s in source]
+        if len(roles) != self.num_layers or len(source) != self.num_layers:
+            raise ValueError(f"roles and source need {self.num_layers} entries (one per layer)")
+        if alpha not in self.ALPHA_MODES:
+            raise ValueError(f"alpha must be one of {', '.join(self.ALPHA_MODES)}, got {alpha!r}")
+        q_ptr = pos_ptr = 0
+        rows = filters = window = heads = dim = 0
+        if (history_q is None) != (history_pos is None):
+            raise ValueError("history_q and history_pos go together")
+        if history_q is not None:
+            _check_tensor("history_q", history_q, 5)
+            _check_tensor("history_pos", history_pos, 3)
+            if history_q.dtype != torch.float32 or history_pos.dtype != torch.int64:
+                raise TypeError("history_q must be float32 and history_pos int64")
+            rows, filters, window, heads, dim = history_q.shape
+            if rows != self.table_rows or tuple(history_pos.shape) != (rows, filters, window):
+                raise ValueError(f"history_q {tuple(history_q.shape)} and history_pos {tuple(history_pos.shape)} must be "
+                                 f"[{self.table_rows} (req_to_token rows), F, W, H, D] and [{self.table_rows}, F, W]")
+            self._keep += [history_q, history_pos]
+            q_ptr, pos_ptr = history_q.data_ptr(), history_pos.data_ptr()
+        self._op.set_omnikv(roles, source, int(sink), int(recent), self.ALPHA_MODES.index(alpha), q_ptr, pos_ptr, rows,
+                            filters, window, heads, dim)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, out_loc: torch.Tensor,
-                logit_rows: torch.Tensor) -> torch.Tensor:
+                logit_rows: torch.Tensor, omni_k: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [N, vocab] fp32 for the token indices `logit_rows`; all index tensors int64 CPU. The
-        slots `out_loc` must already be recorded in req_to_token at (rows, positions)."""
+        slots `out_loc` must already be recorded in req_to_token at (rows, positions). `omni_k` [T]: each
+        token's OmniKV budget, -1 where it attends fully (a token with a budget must be the only one of
+        its row); `omnikv_counts` then holds the positions kept and the context positions, summed over
+        filter layers and those tokens."""
         T = int(input_ids.shape[0])
-        for name, t in (("input_ids", input_ids), ("positions", positions), ("rows", rows), ("out_loc", out_loc)):
+        named = [("input_ids", input_ids), ("positions", positions), ("rows", rows), ("out_loc", out_loc)]
+        if omni_k is not None:
+            named.append(("omni_k", omni_k))
+        for name, t in named:
             if t.dtype != torch.int64 or t.dim() != 1 or t.shape[0] != T or not t.is_cpu or not t.is_contiguous():
                 raise ValueError(f"{name} must be a contiguous int64 CPU tensor [{T}]")
         if logit_rows.dtype != torch.int64 or logit_rows.dim() != 1 or not logit_rows.is_contiguous():
             raise ValueError("logit_rows must be a contiguous int64 tensor")
         N = int(logit_rows.shape[0])
         logits = torch.empty(N, self.vocab_size)
-        self._op.forward(T, input_ids.data_ptr(), positions.data_ptr(), rows.data_ptr(), out_loc.data_ptr(), N,
-                         logit_rows.data_ptr(), logits.data_ptr())
+        self.omnikv_counts = self._op.forward(T, input_ids.data_ptr(), positions.data_ptr(), rows.data_ptr(),
+                                              out_loc.data_ptr(), N, logit_rows.data_ptr(), logits.data_ptr(),
+                                              omni_k.data_ptr() if omni_k is not None else 0)
         return logits
+
+    def omnikv_selection(self, f: int) -> list[torch.Tensor]:
+        """The KV slots (int32, ascending positions) the last OmniKV forward kept at filter `f`, per token
+        with a budget, in batch order (tests and debugging)."""
+        return [torch.tensor(s, dtype=torch.int32) for s in self._op.omnikv_selection(int(f))]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from models.builtin import DEFAULT_MODEL
+from models.omnikv_config import OMNIKV_MODES, OmniKVConfig
 
 # Choice lists. Their torch-side twins (models.loader.load.DTYPES, kernels.attention.BACKENDS,
 # models.experts.EXPERT_BACKENDS, executor.cuda_graph_runner.HYBRID_GRAPH_MODES,
@@ -74,6 +75,17 @@ def non_empty(value: str) -> str | None:
     return None if value.strip() else "must not be empty"
 
 
+def omnikv_file(value: str | None) -> str | None:
+    """A config file that reads as an OmniKV config (checked before anything starts)."""
+    if value is None:
+        return None
+    try:
+        OmniKVConfig.load(value)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 def device_name(value: str) -> str | None:
     kind, _, index = value.partition(":")
     if kind == "cpu" and not index or kind == "cuda" and (not index or index.isdigit()):
@@ -125,3 +137,10 @@ class EngineArgs:
                                   "work run between them)", choices=HYBRID_GRAPH_MODES)
     disable_prefix_cache: bool = flag(False, "turn the radix prefix cache off")
     seed: int = flag(0, "base seed of the requests that bring none")
+    omnikv: str = flag("off", "OmniKV sparse attention at decode for requests that do not choose (their `omnikv` "
+                       "field): on, off, or auto (contexts of at least the config's min_context tokens)",
+                       choices=OMNIKV_MODES)
+    omnikv_config: str | None = flag(None, "OmniKV settings (filter layers, budget, window; written by mlaserve "
+                                     "calibrate-omnikv)", check=omnikv_file, metavar="FILE",
+                                     default_text="the calibrated one shipped for the model, else filter layers at "
+                                     "1/5 and 1/2 of the depth")

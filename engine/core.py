@@ -21,6 +21,7 @@ import torch
 
 from models.config import DeepseekConfig, ModelConfig
 from models.loader.load import load_model, resolve_dtype
+from models.omnikv_config import OmniKVConfig
 from engine.args import EngineArgs
 from engine.messages import (
     ERR_CONTEXT,
@@ -106,12 +107,18 @@ class EngineCore:
             args.max_running_requests * self.context_len,
         )
         num_slots = max(args.page_size, num_slots - num_slots % args.page_size)
+        # OmniKV: always planned, so that a request may ask for it whatever the server's default
+        omnikv, origin = OmniKVConfig.for_model(args.model, cfg.num_hidden_layers, args.omnikv_config)
+        logger.info("OmniKV: %s for requests that do not choose; filter layers %s, budget %s, window %d (%s), "
+                    "sink %d, recent %d, auto from %d tokens; config: %s", args.omnikv, list(omnikv.filter_layers),
+                    omnikv.budget_tokens or f"{omnikv.budget_ratio:.0%}", omnikv.window_size, omnikv.alpha,
+                    omnikv.sink_tokens, omnikv.recent_tokens, omnikv.min_context, origin)
         self.runner = ModelRunner(
             loaded.model, cfg, max_total_tokens=num_slots, max_running_requests=args.max_running_requests,
             max_context_len=self.context_len, device=device, kv_dtype=kv_dtype,
             attention_backend=args.attention_backend, page_size=args.page_size,
             cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
-            hybrid_graph_mode=args.hybrid_graph_mode,
+            hybrid_graph_mode=args.hybrid_graph_mode, omnikv=omnikv,
         )
         if self.runner.native_forward is not None:
             # every forward is one native call on the runner's pool: torch computes only the sampling, on
@@ -130,6 +137,7 @@ class EngineCore:
             self.runner, self.cache, Sampler(cfg.vocab_size, device), eos_token_ids=sorted(eos),
             context_len=self.context_len, max_running_requests=args.max_running_requests,
             chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.max_prefill_tokens,
+            omnikv_mode=args.omnikv, omnikv_min_context=omnikv.min_context,
         )
         self._rng = random.Random(args.seed)
         self.grammars = GrammarBackend(tok.tokenizer if tok else None, cfg.vocab_size, sorted(eos)) if tok else None
@@ -241,7 +249,7 @@ class EngineCore:
         return self.scheduler.has_work() or bool(self._compiling)
 
     def stats(self, request_id: int = 0) -> EngineStats:
-        s, c = self.scheduler, self.scheduler.counters
+        s, c, o = self.scheduler, self.scheduler.counters, self.runner.omnikv_counters
         return EngineStats(
             request_id=request_id, num_running=len(s.running), num_waiting=len(s.waiting),
             kv_slots_used=s.kv_slots_used(), kv_slots_total=self.runner.allocator.num_slots,
@@ -249,6 +257,8 @@ class EngineCore:
             generation_tokens_total=c.generation_tokens, retractions_total=c.retractions,
             aborted_total=c.aborted, forward_steps_total=c.forward_steps, forward_seconds_total=c.forward_seconds,
             finished_total=dict(self._finished_total),
+            omnikv_sparse_tokens_total=o.sparse_tokens, omnikv_selected_tokens_total=o.selected_tokens,
+            omnikv_context_tokens_total=o.context_tokens,
         )
 
     def _outputs(self, reqs: list[Req]) -> list[RequestOutput]:

@@ -126,6 +126,11 @@ class EngineStats(msgspec.Struct, forbid_unknown_fields=True):
     forward_steps_total: int = 0
     forward_seconds_total: float = 0.0  # batch building + model forward (the rest of a step is overhead)
     finished_total: dict[str, int] = {}  # by finish_reason (msgspec copies the default)
+    # OmniKV: decode tokens that attended to a selection; tokens selected and the contexts they were
+    # chosen from, summed over filter layers (their ratio is the fraction of the context kept)
+    omnikv_sparse_tokens_total: int = 0
+    omnikv_selected_tokens_total: int = 0
+    omnikv_context_tokens_total: int = 0
 
     @property
     def kv_usage(self) -> float:

@@ -14,6 +14,11 @@ MLA's absorbed matrices (w_kc [H, N, r], w_vc [H, r, V], split from kv_b_proj at
 small linear per head: bf16 with `--cpu-weight-dtype bf16`, fp32 with `float32`, and with `file` in
 kv_b_proj's loaded precision (the model's --dtype): an fp32 model keeps them exact, so that its
 outputs do not depend on the batch (the bf16 kernels' summation order does, by a rounding).
+
+OmniKV (models/omnikv_config.py): `set_omnikv` hands the layer plan and the query history to the
+native model; a batch's `omnikv` rows then decode sparsely inside the same native call (the filter
+layers select, the sparse layers attend to the selection: cpp_experts/csrc/omnikv.h), and the
+forward adds what was kept to the batch's counters.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kernels.attention.omnikv import QueryHistory
 from models.base import CausalLM
 from models.config import DeepseekConfig, LlamaConfig, ModelConfig
 from models.experts import CppExperts
@@ -30,6 +36,7 @@ from models.llama import LlamaAttention
 from models.mla import MLAAttention
 from models.moe import DeepseekMoE
 from models.native import NativeEmbedding, NativeLinear, native_modules
+from models.omnikv_config import LayerPlan, OmniKVConfig
 from executor.forward_batch import ForwardBatch
 from executor.memory_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 
@@ -72,6 +79,7 @@ class NativeForward:
         head = model.lm_head
         assert isinstance(head, NativeLinear)
         self.plan = ext.CpuModel(workers, inner.embed_tokens.op, head.op, inner.norm.weight, inner.norm.eps)
+        self.omnikv: OmniKVConfig | None = None
         table = req_to_token_pool.req_to_token
         buffers = kv_pool.kv_buffer if isinstance(kv_pool, MLATokenToKVPool) else kv_pool.k_buffer
         self.plan.set_table(table, buffers[0].shape[0])
@@ -122,12 +130,35 @@ class NativeForward:
             else:
                 raise ValueError(f"layer {i}: no native MLP for {type(mlp).__name__}")
 
+    def set_omnikv(self, cfg: OmniKVConfig, plan: LayerPlan, history: QueryHistory | None) -> None:
+        """OmniKV for the batches that carry `omnikv` rows: the plan's roles, `cfg`'s sinks, recent tokens
+        and alpha, and the filter layers' query window (`history`, None when only the current query counts)."""
+        self.plan.set_omnikv(plan.roles, plan.source, sink=cfg.sink_tokens, recent=cfg.recent_tokens, alpha=cfg.alpha,
+                             history_q=None if history is None else history.q,
+                             history_pos=None if history is None else history.pos)
+        self.omnikv = cfg
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """fp32 logits for the batch's logit rows (default: each request's last token)."""
         lens = torch.tensor(batch.extend_seq_lens_cpu, dtype=torch.int64)
         rows = torch.repeat_interleave(batch.req_pool_indices.to(torch.int64), lens)
+        ends = lens.cumsum(0) - 1
         logit_rows = batch.logits_indices
         if logit_rows is None:
-            logit_rows = lens.cumsum(0) - 1
-        return self.plan.forward(batch.input_ids, batch.positions, rows, batch.out_cache_loc.to(torch.int64),
-                                 logit_rows.to(torch.int64).contiguous())
+            logit_rows = ends
+        omni, omni_k = batch.omnikv, None
+        if omni is not None and omni.rows:
+            if self.omnikv is None:
+                raise ValueError("the batch has OmniKV rows, but set_omnikv was never called")
+            sparse = torch.tensor(omni.rows, dtype=torch.int64)
+            if bool((lens[sparse] != 1).any()):
+                raise ValueError("an OmniKV row must decode exactly one token")
+            omni_k = torch.full((int(lens.sum()),), -1, dtype=torch.int64)
+            omni_k[ends[sparse]] = torch.tensor(omni.budgets, dtype=torch.int64)
+        logits = self.plan.forward(batch.input_ids, batch.positions, rows, batch.out_cache_loc.to(torch.int64),
+                                   logit_rows.to(torch.int64).contiguous(), omni_k=omni_k)
+        if omni_k is not None:
+            selected, context = self.plan.omnikv_counts
+            omni.selected_tokens += selected
+            omni.context_tokens += context
+        return logits

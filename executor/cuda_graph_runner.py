@@ -323,6 +323,7 @@ class CudaGraphRunner:
             and batch.batch_size <= self.max_bs
             and batch.num_tokens == batch.batch_size
             and batch.logits_indices is None
+            and batch.omnikv is None  # OmniKV decodes run eagerly (their selections are built on the host)
             and batch.attn_backend is self.backend
             and batch.token_to_kv_pool is self.kv_pool
             and batch.req_to_token_pool is self.req_to_token_pool

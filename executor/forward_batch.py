@@ -17,6 +17,7 @@ import torch
 
 from executor.memory_pool import KVPool, ReqToTokenPool
 from kernels.attention.base import AttentionBackend, ForwardMode
+from kernels.attention.omnikv import OmniKVBatch
 
 __all__ = ["ForwardBatch", "ForwardMode"]
 
@@ -39,6 +40,7 @@ class ForwardBatch:
     token_to_kv_pool: KVPool
     attn_backend: AttentionBackend
     logits_indices: torch.Tensor | None = None  # [N] rows of the packed tokens needing logits; None = last per request
+    omnikv: OmniKVBatch | None = None  # decode rows attending to a selection of their context (OmniKV)
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,8 @@ Pools hold tensors only; which request owns which slot is the scheduler's busine
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -34,13 +36,20 @@ class ReqToTokenPool:
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int32, device=device)
         self._free = list(range(1, size + 1))
+        # per-row state kept beside the table (OmniKV's query window): cleared when a row changes hands
+        self.on_alloc: list[Callable[[int], None]] = []
 
     def available_size(self) -> int:
         return len(self._free)
 
     def alloc(self) -> int | None:
         """One request slot, or None when all are taken."""
-        return self._free.pop(0) if self._free else None
+        if not self._free:
+            return None
+        row = self._free.pop(0)
+        for clear in self.on_alloc:
+            clear(row)
+        return row
 
     def free(self, req_pool_idx: int) -> None:
         if not 1 <= req_pool_idx <= self.size or req_pool_idx in self._free:

@@ -18,14 +18,31 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention import create_attention_backend
+from kernels.attention.omnikv import OmniKVBatch, QueryHistory
 from models.base import CausalLM
 from models.config import DeepseekConfig, ModelConfig
 from models.experts import CppExperts, CpuExpertPool
 from models.native import native_modules
+from models.omnikv_config import OmniKVConfig
 from executor.cpu_forward import NativeForward, unsupported_reason
 from executor.cuda_graph_runner import CudaGraphRunner, capture_if_supported
 from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.memory_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool, TokenSlotAllocator
+
+
+@dataclass
+class OmniKVCounters:
+    """What OmniKV did, summed over forwards (the engine's metrics): decode tokens that attended to a
+    selection, and the tokens selected against the context they were chosen from (per filter layer)."""
+
+    sparse_tokens: int = 0
+    selected_tokens: int = 0
+    context_tokens: int = 0
+
+    def add(self, batch: OmniKVBatch) -> None:
+        self.sparse_tokens += len(batch.rows)
+        self.selected_tokens += batch.selected_tokens
+        self.context_tokens += batch.context_tokens
 
 
 @dataclass(frozen=True)
@@ -35,6 +52,7 @@ class RequestSlice:
     req_pool_idx: int  # row in req_to_token
     prefix_len: int  # tokens whose KV is already cached (positions 0..prefix_len-1)
     input_ids: Sequence[int]  # the new tokens, at positions prefix_len..
+    omnikv: bool = False  # decode this request with OmniKV's sparse attention (when the runner has a config)
 
 
 def create_kv_pool(
@@ -77,6 +95,7 @@ class ModelRunner:
         cuda_graph_max_bs: int = 64,
         disable_cuda_graph: bool = False,
         hybrid_graph_mode: str = "host-nodes",
+        omnikv: OmniKVConfig | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -87,6 +106,17 @@ class ModelRunner:
         self.allocator = TokenSlotAllocator(max_total_tokens, page_size, self.device)
         self.kv_pool = create_kv_pool(config, max_total_tokens, kv_dtype, self.device, page_size)
         self.attn_backend = create_attention_backend(attention_backend)
+        # OmniKV (models/omnikv_config.py): the layer plan, the filter layers' query window, and counters
+        self.omnikv = omnikv
+        self.omnikv_plan = omnikv.plan(config.num_hidden_layers) if omnikv is not None else None
+        self.omnikv_counters = OmniKVCounters()
+        self.query_history: QueryHistory | None = None
+        if omnikv is not None and self.omnikv_plan is not None and omnikv.window_size > 1:
+            heads = config.num_attention_heads
+            dim = config.kv_lora_rank + config.qk_rope_head_dim if isinstance(config, DeepseekConfig) else config.head_dim
+            self.query_history = QueryHistory(max_running_requests + 1, self.omnikv_plan.num_filters, omnikv.window,
+                                              heads, dim, self.device)
+            self.req_to_token_pool.on_alloc.append(self.query_history.clear)
         # CPU routed experts run on this runner's pool (a model shared by several runners runs on the
         # pool of the one running it: `forward` binds it again when another runner bound its own)
         self._cpu_experts = [m for m in model.modules() if isinstance(m, CppExperts)]
@@ -102,6 +132,8 @@ class ModelRunner:
                 assert self.expert_pool is not None
                 self.native_forward = NativeForward(model, config, self.kv_pool, self.req_to_token_pool,
                                                     self.expert_pool.workers)
+                if omnikv is not None:
+                    self.native_forward.set_omnikv(omnikv, self.omnikv_plan, self.query_history)
         # decode replays captured graphs where it can (CUDA only); None: every forward runs eagerly
         self.graph_runner: CudaGraphRunner | None = None
         if not disable_cuda_graph:
@@ -141,6 +173,7 @@ class ModelRunner:
             mode = ForwardMode.DECODE if all(decodes) else ForwardMode.MIXED if any(decodes) else ForwardMode.EXTEND
         seq_lens = [s.prefix_len + n for s, n in zip(slices, n_new)]
         dev = self.device
+        omnikv = self._omnikv_batch(slices, n_new)
         return ForwardBatch(
             forward_mode=mode,
             batch_size=len(slices),
@@ -156,7 +189,22 @@ class ModelRunner:
             token_to_kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
             logits_indices=_logits_indices(n_new, all_logits, dev),
+            omnikv=omnikv,
         )
+
+    def _omnikv_batch(self, slices: Sequence[RequestSlice], n_new: list[int]) -> OmniKVBatch | None:
+        """OmniKV's state for the decode rows that ask for it and whose context a selection can cut."""
+        cfg, plan = self.omnikv, self.omnikv_plan
+        if cfg is None or plan is None:
+            return None
+        rows = [i for i, (s, n) in enumerate(zip(slices, n_new))
+                if s.omnikv and n == 1 and s.prefix_len > 0 and cfg.is_sparse_for(s.prefix_len + 1)]
+        if not rows:
+            return None
+        return OmniKVBatch(
+            plan.roles, plan.source, rows, [slices[i].req_pool_idx for i in rows], [slices[i].prefix_len for i in rows],
+            [cfg.budget_for(slices[i].prefix_len + 1) for i in rows], sink=cfg.sink_tokens, recent=cfg.recent_tokens,
+            weights_for=cfg.alpha_weights, table=self.req_to_token_pool.req_to_token, history=self.query_history)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -165,10 +213,14 @@ class ModelRunner:
                 self._native and self._native[0].op.pool is not self.expert_pool.workers):
             self._bind_experts()
         if self.native_forward is not None:
-            return self.native_forward.forward(batch)
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            return self.graph_runner.replay(batch)
-        return self.model(batch)
+            logits = self.native_forward.forward(batch)
+        elif self.graph_runner is not None and self.graph_runner.can_run(batch):
+            logits = self.graph_runner.replay(batch)
+        else:
+            logits = self.model(batch)
+        if batch.omnikv is not None:
+            self.omnikv_counters.add(batch.omnikv)
+        return logits
 
     def _bind_experts(self) -> None:
         if self.expert_pool is None:
@@ -203,8 +255,10 @@ class ModelRunner:
         self.req_to_token_pool.free(req_pool_idx)
 
     @torch.no_grad()
-    def generate_greedy(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
-        """Greedy continuation of one prompt through the KV cache: prefill, then one decode per token."""
+    def generate_greedy(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
+                        omnikv: bool = False) -> list[int]:
+        """Greedy continuation of one prompt through the KV cache: prefill, then one decode per token
+        (with OmniKV's sparse attention when `omnikv` and the runner has a config)."""
         row = self.req_to_token_pool.alloc()
         if row is None:
             raise RuntimeError("no free request slot")
@@ -218,7 +272,7 @@ class ModelRunner:
                 out.append(tok)
                 if tok in stop_ids or len(out) == max_new_tokens:
                     break
-                logits = self.forward(self.build_batch([RequestSlice(row, seq_len, [tok])]))
+                logits = self.forward(self.build_batch([RequestSlice(row, seq_len, [tok], omnikv=omnikv)]))
                 seq_len += 1
         finally:
             self.free_request(row, seq_len)

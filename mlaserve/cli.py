@@ -4,6 +4,7 @@ Subcommands:
   serve            serve a model over the OpenAI-compatible HTTP API (`mlaserve serve --help`)
   generate         load a model and greedily continue one prompt (a quick check that a model works)
   make-checkpoint  write a random synthetic checkpoint (tests, benchmarks) — see models/synthetic.py
+  calibrate-omnikv choose OmniKV's filter layers for a model over a text, write its OmniKV config
 """
 
 from __future__ import annotations
@@ -70,6 +71,12 @@ def _make_checkpoint(argv: list[str]) -> int:
     return make_checkpoint(argv)
 
 
+def _calibrate_omnikv(argv: list[str]) -> int:
+    from mlaserve.calibrate_omnikv import main as calibrate
+
+    return calibrate(argv)
+
+
 def _serve(argv: list[str]) -> int:
     from server.args import parse_serve_args
 
@@ -79,7 +86,8 @@ def _serve(argv: list[str]) -> int:
     return serve(args)
 
 
-COMMANDS = {"serve": _serve, "generate": _generate, "make-checkpoint": _make_checkpoint}
+COMMANDS = {"serve": _serve, "generate": _generate, "make-checkpoint": _make_checkpoint,
+            "calibrate-omnikv": _calibrate_omnikv}
 
 
 def main(argv: list[str] | None = None) -> int:

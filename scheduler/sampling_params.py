@@ -69,6 +69,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     top_logprobs: int = 0  # and this many alternatives
     prompt_logprobs: int | None = None  # logprobs of the prompt tokens too (+ this many alternatives); None = off
     structured: StructuredOutput | None = None  # constrained decoding: only tokens the grammar allows
+    # not sampling but how the tokens are computed: decode with OmniKV's sparse attention (True), with
+    # full attention (False), or as the server's --omnikv decides (None)
+    omnikv: bool | None = None
 
     @property
     def greedy(self) -> bool:

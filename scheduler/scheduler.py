@@ -64,6 +64,8 @@ class Scheduler:
         max_running_requests: int,
         chunked_prefill_size: int,
         max_prefill_tokens: int,
+        omnikv_mode: str = "off",
+        omnikv_min_context: int = 0,
     ) -> None:
         self.runner = runner
         self.cache = cache
@@ -73,6 +75,7 @@ class Scheduler:
         self.max_running = max_running_requests
         self.chunk = chunked_prefill_size
         self.max_prefill_tokens = max_prefill_tokens
+        self.omnikv_mode, self.omnikv_min_context = omnikv_mode, omnikv_min_context
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.counters = SchedulerCounters()
@@ -135,7 +138,7 @@ class Scheduler:
                 self._retract(victim)
             decoding.remove(victim)
         for r in decoding:
-            slices.append(RequestSlice(r.row, r.kv_len, r.all_ids[r.kv_len :]))
+            slices.append(RequestSlice(r.row, r.kv_len, r.all_ids[r.kv_len :], omnikv=self._omnikv(r)))
             reqs.append(r)
         need = sum(alloc.slots_needed(r.kv_len, 1) for r in decoding)  # KV slots the slices so far take
 
@@ -170,6 +173,12 @@ class Scheduler:
             budget -= n
             need += alloc.slots_needed(r.kv_len, n)
         return slices, reqs, finished
+
+    def _omnikv(self, r: Req) -> bool:
+        """Whether r decodes with OmniKV: its own choice, else the server's (auto: a long enough context)."""
+        if r.params.omnikv is not None:
+            return r.params.omnikv
+        return self.omnikv_mode == "on" or (self.omnikv_mode == "auto" and r.seq_len >= self.omnikv_min_context)
 
     def _admit(self, r: Req, budget: int, need: int) -> int | None:
         """Gives `r` a request slot and its cached prefix; returns how many tokens it prefills now,

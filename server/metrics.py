@@ -10,6 +10,10 @@ Exported (names are what dashboards and `promtool check metrics` see):
     mlaserve_prefix_cache_hit_tokens_total   counter  prompt tokens served from the prefix cache
     mlaserve_engine_forward_steps_total      counter  model forwards run (one per busy engine step)
     mlaserve_engine_forward_seconds_total    counter  seconds in those forwards (batch building included)
+    mlaserve_omnikv_sparse_tokens_total      counter  decode tokens that attended to an OmniKV selection
+    mlaserve_omnikv_selected_tokens_total    counter  tokens those selections kept (summed over filter layers)
+    mlaserve_omnikv_context_tokens_total     counter  the contexts they were chosen from (selected fraction:
+                                                      rate(selected) / rate(context))
   from the outputs the server receives (`on_output`, `on_abort`, `on_error`)
     mlaserve_prompt_tokens_total             counter  prompt tokens of requests whose prefill completed
     mlaserve_generation_tokens_total         counter  tokens generated
@@ -129,6 +133,9 @@ class Metrics(Collector):
         self._prefix_hits = _MonotonicTotal()
         self._forward_steps = _MonotonicTotal()
         self._forward_seconds = _MonotonicTotal()
+        self._omnikv_sparse = _MonotonicTotal()
+        self._omnikv_selected = _MonotonicTotal()
+        self._omnikv_context = _MonotonicTotal()
         # from the outputs
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -211,6 +218,9 @@ class Metrics(Collector):
             self._prefix_hits.update(stats.prefix_cache_hit_tokens_total)
             self._forward_steps.update(stats.forward_steps_total)
             self._forward_seconds.update(stats.forward_seconds_total)
+            self._omnikv_sparse.update(stats.omnikv_sparse_tokens_total)
+            self._omnikv_selected.update(stats.omnikv_selected_tokens_total)
+            self._omnikv_context.update(stats.omnikv_context_tokens_total)
 
     @property
     def num_tracked(self) -> int:
@@ -239,6 +249,12 @@ class Metrics(Collector):
         yield _counter("mlaserve_engine_forward_seconds",
                        "Seconds in model forwards (batch building included); the rest of the engine's busy time "
                        "is scheduling, sampling and output.", m, self._forward_seconds.value)
+        yield _counter("mlaserve_omnikv_sparse_tokens", "Decode tokens that attended to an OmniKV selection of their "
+                       "context.", m, self._omnikv_sparse.value)
+        yield _counter("mlaserve_omnikv_selected_tokens", "Tokens kept by OmniKV selections, summed over filter "
+                       "layers.", m, self._omnikv_selected.value)
+        yield _counter("mlaserve_omnikv_context_tokens", "Context tokens OmniKV selections were chosen from, summed "
+                       "over filter layers.", m, self._omnikv_context.value)
         yield _counter("mlaserve_prompt_tokens", "Prompt tokens of requests whose prefill completed.",
                        m, self._prompt_tokens)
         yield _counter("mlaserve_generation_tokens", "Tokens generated.", m, self._generation_tokens)

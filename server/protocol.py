@@ -217,6 +217,8 @@ class _GenerationRequest(_Request):
     ebnf: str | None = None
     json_schema: str | None = None
     ignore_eos: StrictBool | None = False
+    # mlaserve extension: OmniKV sparse attention for this request's decode (null: the server's --omnikv)
+    omnikv: StrictBool | None = None
     user: str | None = None
     return_token_ids: StrictBool | None = False
 
@@ -356,6 +358,7 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest) -> Sampli
         top_logprobs=top_logprobs,
         prompt_logprobs=prompt_logprobs,
         structured=structured_output(req),
+        omnikv=req.omnikv,
     )
 
 

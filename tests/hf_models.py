@@ -60,11 +60,12 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def build_hf_model(name: str, seed: int = 0):
+def build_hf_model(name: str, seed: int = 0, **overrides: Any):
+    """The named tiny model; `overrides` replace config fields (e.g. num_hidden_layers)."""
     import transformers
 
     model_type, extra = CONFIGS[name]
-    kwargs = dict(COMMON, **extra)
+    kwargs = {**COMMON, **extra, **overrides}
     cls_cfg, cls_model = {
         "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
         "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),

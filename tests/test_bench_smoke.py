@@ -639,3 +639,20 @@ def test_structured_engine_steps(structured_bench) -> None:
         assert c["fill_ms"] > 0 and c["apply_ms"] > 0 and c["accept_ms"] > 0 and c["mask_ms"] > c["fill_ms"]
         assert u["fill_ms"] == u["apply_ms"] == u["accept_ms"] == 0 and u["forward_ms"] > 0
         assert 0 < r["ratio_at_equal_forward"][n] < 2 and r["tok_s_ratio"][n] > 0
+
+
+def test_omnikv_cpu_bench_runs_end_to_end(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """bench/omnikv_cpu.py on the default model at tiny sizes: speed, fidelity and needle parts, OmniKV
+    really sparse (a 10% budget of 300+ tokens), and the result file's shape."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    omnikv_cpu = importlib.import_module("omnikv_cpu")
+
+    out = tmp_path / "omnikv.json"
+    assert omnikv_cpu.main(["--contexts", "320", "--rounds", "2", "--steps", "2", "--fidelity-contexts", "600",
+                            "--fidelity-prompts", "1", "--fidelity-tokens", "6", "--needle-lengths", "400",
+                            "--needle-depths", "2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["config"]["filter_layers"] and res["config"]["budget_ratio"] == 0.1
+    assert [r["context"] for r in res["speed"]] == [320] and res["speed"][0]["omnikv_ms"] > 0
+    assert 0.0 <= res["fidelity"]["mean_teacher_forced_agreement"] <= 1.0
+    assert len(res["needle"]["runs"]) == 2 and {"same", "full", "omnikv"} <= set(res["needle"]["runs"][0])

@@ -7,7 +7,8 @@
 // and updates its running max m, sum l and weighted value sum acc, skipping keys past its own
 // position. Blocks are merged in order by one function (merge_state), either inside one task per
 // group or, split-KV, after one task per block: the same bits either way, so a request's output
-// does not depend on what else is in the batch.
+// does not depend on what else is in the batch. A token with its own slot list (AttnTokens::sel) is a
+// group of its own whose keys are that list.
 #include "attention.h"
 
 #include <algorithm>
@@ -33,7 +34,8 @@ struct Group {
   int h0, nh;    // query heads h0..h0+nh-1
   int kv_head;   // GQA: the KV head the group reads; MLA: 0
   int64_t row;   // req_to_token row
-  int64_t keys;  // keys the group reads: 0..keys-1 (the last token's position + 1)
+  int64_t keys;  // keys the group reads: 0..keys-1 (the last token's position + 1, or the list's length)
+  const int32_t* slots;  // the token's own slot list (one token), or null: the row's slots
 };
 
 struct Layout {
@@ -199,7 +201,7 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
     st[size_t(i) * sw + 1] = 0.0f;
     std::fill(st + size_t(i) * sw + 2, st + size_t(i) * sw + 2 + L.Dv, 0.0f);
   }
-  const int32_t* slots = kv.table + g.row * kv.table_stride;
+  const int32_t* slots = g.slots ? g.slots : kv.table + g.row * kv.table_stride;
   const KT* ksrc[kKeyTile];
   const KT* vsrc[kKeyTile];
   const float* krow[kKeyTile];
@@ -225,7 +227,7 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
     for (int j = nk; j < kKeyTile; ++j) krow[j] = krow[0];  // a short tile's spare keys read a real row
     for (int ti = 0; ti < g.nt; ++ti) {
       const int t = g.t0 + ti;
-      const int64_t limit = tok.pos[t];  // last key position this token sees
+      const int64_t limit = g.slots ? g.keys - 1 : tok.pos[t];  // last key this token sees
       if (kt > limit) continue;
       const int nv = int(std::min<int64_t>(nk, limit - kt + 1));
       for (int h0 = 0; h0 < g.nh; h0 += kQB) {
@@ -336,13 +338,16 @@ std::vector<Group> make_groups(const AttnTokens& tok, int H, int Hkv, bool mla) 
   std::vector<Group> groups;
   const int heads_per = mla ? std::min(H, kMlaHeadBlock) : H / Hkv;
   const int nheadblocks = mla ? (H + heads_per - 1) / heads_per : Hkv;
+  auto own = [&](int t) { return tok.sel && tok.sel[t]; };  // a token with its own slot list
   for (int t = 0; t < tok.T;) {
     int e = t + 1;
-    while (e < tok.T && e - t < kTokBlock && tok.row[e] == tok.row[t] && tok.pos[e] > tok.pos[e - 1]) ++e;
-    const int64_t keys = tok.pos[e - 1] + 1;
+    while (!own(t) && e < tok.T && e - t < kTokBlock && !own(e) && tok.row[e] == tok.row[t] &&
+           tok.pos[e] > tok.pos[e - 1])
+      ++e;
+    const int64_t keys = own(t) ? tok.sel_n[t] : tok.pos[e - 1] + 1;
     for (int b = 0; b < nheadblocks; ++b) {
       const int h0 = b * heads_per, nh = std::min(heads_per, H - h0);
-      groups.push_back({t, e - t, h0, nh, mla ? 0 : b, tok.row[t], keys});
+      groups.push_back({t, e - t, h0, nh, mla ? 0 : b, tok.row[t], keys, own(t) ? tok.sel[t] : nullptr});
     }
     t = e;
   }

@@ -10,6 +10,12 @@
 //            One latent row serves every head (MQA over the 576-wide cache).
 // Pool dtype fp32 or bf16; arithmetic in fp32 (online softmax, as flash attention).
 //
+// Sparse tokens (OmniKV, omnikv.h): a token may carry its own list of KV slots (AttnTokens::sel); it
+// then attends to those sel_n[t] keys, all of them (as a token whose position is sel_n[t] - 1 would),
+// instead of its row's positions 0..pos[t]. Its key blocks depend on that count alone, as a full
+// token's on its position, so a list holding the row's slots 0..pos[t] in order gives the same bits
+// as full attention.
+//
 // Work split: a query group is the queries that read the same keys — up to kTokBlock consecutive
 // tokens of one request times the heads of one KV head (GQA), or times a block of heads (MLA). When
 // groups are fewer than the pool's threads can keep busy (decode of a few requests), each group's
@@ -36,11 +42,15 @@ struct PagedKv {
   int64_t num_slots = 0;
 };
 
-// The batch's tokens: request row and position of each.
+// The batch's tokens: request row and position of each, and optionally per token a slot list.
 struct AttnTokens {
   int T = 0;
   const int64_t* row = nullptr;
   const int64_t* pos = nullptr;
+  // null: every token reads its row; else per token null (its row) or sel_n[t] slots of the pool
+  // (valid slots: the caller took them from the token's checked row)
+  const int32_t* const* sel = nullptr;
+  const int64_t* sel_n = nullptr;
 };
 
 // Scratch reused across calls (the model owns one; grows to the largest call).

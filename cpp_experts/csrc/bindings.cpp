@@ -11,6 +11,7 @@
 #include "cpu.h"
 #include "model.h"
 #include "host_task.h"
+#include "omnikv.h"
 #include "moe.h"
 #include "quant_linear.h"
 
@@ -60,6 +61,31 @@ cpx::PagedKv make_kv(uintptr_t k, uintptr_t v, bool bf16, int64_t k_stride, int6
   kv.table_rows = table_rows;
   kv.table_stride = table_stride;
   return kv;
+}
+
+// Per-token slot lists (AttnTokens::sel) from addresses: empty = none, a null address = that token
+// reads its row; every slot is checked against the pool.
+struct SlotLists {
+  std::vector<const int32_t*> ptr;
+  std::vector<int64_t> n;
+  void attach(cpx::AttnTokens& tok, const cpx::PagedKv& kv) {
+    if (ptr.empty()) return;
+    if (int(ptr.size()) != tok.T || int(n.size()) != tok.T) throw cpx::ArgError("one slot list per token");
+    for (int t = 0; t < tok.T; ++t)
+      for (int64_t j = 0; ptr[size_t(t)] && j < n[size_t(t)]; ++j)
+        if (ptr[size_t(t)][j] < 0 || ptr[size_t(t)][j] >= kv.num_slots)
+          throw cpx::ArgError("token " + std::to_string(t) + ": KV slot " + std::to_string(ptr[size_t(t)][j]) +
+                              " is outside the pool");
+    tok.sel = ptr.data();
+    tok.sel_n = n.data();
+  }
+};
+
+SlotLists make_slot_lists(const std::vector<uintptr_t>& sel, const std::vector<int64_t>& sel_n) {
+  SlotLists s;
+  for (uintptr_t p : sel) s.ptr.push_back(ptr<int32_t>(p));
+  s.n = sel_n;
+  return s;
 }
 
 cpx::Norm make_norm(uintptr_t w, int n, float eps) {
@@ -169,12 +195,14 @@ PYBIND11_MODULE(_C, m) {
       .def("gqa",
            [](PagedAttention& self, uintptr_t q, int T, int H, int Hkv, int D, int Dv, float scale, uintptr_t k,
               uintptr_t v, bool bf16, int64_t num_slots, uintptr_t table, int64_t table_rows, int64_t table_stride,
-              uintptr_t rows, uintptr_t pos, uintptr_t out) {
+              uintptr_t rows, uintptr_t pos, uintptr_t out, std::vector<uintptr_t> sel, std::vector<int64_t> sel_n) {
              std::lock_guard<std::mutex> lock(self.m);
              const cpx::PagedKv kv = make_kv(k, v, bf16, int64_t(Hkv) * D, int64_t(Hkv) * Dv, num_slots, table,
                                              table_rows, table_stride);
-             const cpx::AttnTokens tok{T, ptr<int64_t>(rows), ptr<int64_t>(pos)};
+             cpx::AttnTokens tok{T, ptr<int64_t>(rows), ptr<int64_t>(pos)};
              cpx::check_attention_tokens(kv, tok);
+             SlotLists lists = make_slot_lists(sel, sel_n);
+             lists.attach(tok, kv);
              cpx::attention_gqa(*self.pool, self.scratch, kv, tok, ptr<float>(q), H, Hkv, D, Dv, scale,
                                 reinterpret_cast<float*>(out));
            },
@@ -182,11 +210,13 @@ PYBIND11_MODULE(_C, m) {
       .def("mla",
            [](PagedAttention& self, uintptr_t q, int T, int H, int r, int P, float scale, uintptr_t latent, bool bf16,
               int64_t num_slots, uintptr_t table, int64_t table_rows, int64_t table_stride, uintptr_t rows,
-              uintptr_t pos, uintptr_t out) {
+              uintptr_t pos, uintptr_t out, std::vector<uintptr_t> sel, std::vector<int64_t> sel_n) {
              std::lock_guard<std::mutex> lock(self.m);
              const cpx::PagedKv kv = make_kv(latent, 0, bf16, r + P, 0, num_slots, table, table_rows, table_stride);
-             const cpx::AttnTokens tok{T, ptr<int64_t>(rows), ptr<int64_t>(pos)};
+             cpx::AttnTokens tok{T, ptr<int64_t>(rows), ptr<int64_t>(pos)};
              cpx::check_attention_tokens(kv, tok);
+             SlotLists lists = make_slot_lists(sel, sel_n);
+             lists.attach(tok, kv);
              cpx::attention_mla(*self.pool, self.scratch, kv, tok, ptr<float>(q), H, r, P, scale,
                                 reinterpret_cast<float*>(out));
            },
@@ -278,13 +308,41 @@ PYBIND11_MODULE(_C, m) {
              s.shared_down = sd;
              self.add_moe(std::move(s));
            })
+      .def("set_omnikv",
+           [](CpuModel& self, std::vector<int> roles, std::vector<int> source, int64_t sink, int64_t recent, int alpha,
+              uintptr_t hist_q, uintptr_t hist_pos, int64_t hist_rows, int hist_filters, int window, int H, int D) {
+             cpx::OmniSpec s;
+             s.roles = std::move(roles);
+             s.source = std::move(source);
+             s.sink = sink;
+             s.recent = recent;
+             if (alpha < 0 || alpha > 2) throw cpx::ArgError("unknown OmniKV alpha mode");
+             s.alpha = cpx::Alpha(alpha);
+             s.hist_q = reinterpret_cast<float*>(hist_q);
+             s.hist_pos = reinterpret_cast<int64_t*>(hist_pos);
+             if (hist_q) {
+               int filters = 0;
+               for (int r : s.roles) filters += r == cpx::kRoleFilter;
+               if (hist_filters != filters)
+                 throw cpx::ArgError("the query history holds " + std::to_string(hist_filters) +
+                                     " filter layers, the plan has " + std::to_string(filters));
+             }
+             s.hist_rows = hist_rows;
+             s.window = window;
+             s.H = H;
+             s.D = D;
+             self.set_omnikv(std::move(s));
+           })
       .def("forward",
            [](CpuModel& self, int T, uintptr_t ids, uintptr_t pos, uintptr_t rows, uintptr_t loc, int N,
-              uintptr_t logit_rows, uintptr_t logits) {
+              uintptr_t logit_rows, uintptr_t logits, uintptr_t omni_k) {
+             int64_t counts[2] = {0, 0};
              self.forward(T, ptr<int64_t>(ids), ptr<int64_t>(pos), ptr<int64_t>(rows), ptr<int64_t>(loc), N,
-                          ptr<int64_t>(logit_rows), reinterpret_cast<float*>(logits));
+                          ptr<int64_t>(logit_rows), reinterpret_cast<float*>(logits), ptr<int64_t>(omni_k), counts);
+             return std::make_pair(counts[0], counts[1]);
            },
            py::call_guard<py::gil_scoped_release>())
+      .def("omnikv_selection", &CpuModel::omnikv_selection, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_layers", &CpuModel::num_layers);
   // A call bound to fixed buffers for CUDA host nodes (host_task.h); keeps its MoE alive.
   py::class_<HostTask>(m, "HostTask")

@@ -3,7 +3,9 @@
 // Each block reads the residual stream x [T][hidden], normalises it into xn, and adds its output to x
 // (the last linear of a block stores with Epilogue::Add). Row-wise work (norms, RoPE, KV stores) is
 // spread over the pool by rows when the batch is large enough to pay for it, else done on the
-// calling thread while the workers spin briefly between the linears' runs.
+// calling thread while the workers spin briefly between the linears' runs. With OmniKV tokens in the
+// forward, an attention block of a FILTER layer makes their selections after its attention, and one of
+// a SPARSE layer hands them to the attention (omnikv.h).
 #include "model.h"
 
 #include <algorithm>
@@ -11,6 +13,7 @@
 #include <mutex>
 #include <numeric>
 #include <string>
+#include <unordered_map>
 
 #include "vec.h"
 
@@ -114,11 +117,22 @@ struct Ctx {
   float* xn;  // [T][hidden] normalised
   LinearInput& in;
   const PagedKv& table;
+  int layer = 0;              // the layer whose block runs
+  OmniRun* omni = nullptr;    // this forward's OmniKV tokens, or null
 
   void norm(const Norm& n) {
     for_rows(pool, T, [&](int t) { rmsnorm_row(x + size_t(t) * hidden, n.w.data(), n.eps, hidden, xn + size_t(t) * hidden); });
   }
-  AttnTokens tokens() const { return AttnTokens{T, rows, pos}; }
+  // The tokens for this layer's attention: at a SPARSE layer the omni tokens read their selections.
+  AttnTokens tokens() const {
+    AttnTokens tok{T, rows, pos};
+    if (omni) omni->attach(layer, tok);
+    return tok;
+  }
+  // After a layer's attention: a FILTER layer selects for the omni tokens (q as attention read it).
+  void select(const PagedKv& kv, const float* q, int H, int Hkv, int D, float scale) {
+    if (omni && omni->role(layer) == kRoleFilter) omni->select(pool, layer, kv, q, H, Hkv, D, scale);
+  }
 };
 
 struct Block {
@@ -154,6 +168,7 @@ struct GqaBlock final : Block {
     kv.type = s.kv_type;
     kv.k_stride = kv.v_stride = kw;
     attention_gqa(c.pool, scratch, kv, c.tokens(), q.data(), s.H, s.Hkv, s.D, s.D, s.scale, a.data());
+    c.select(kv, q.data(), s.H, s.Hkv, s.D, s.scale);
     prepare_input(c.pool, c.in, a.data(), qw, T, qw, {s.o});
     run_linears(c.pool, {{s.o, &c.in, c.x, c.hidden, Epilogue::Add}}, T);
   }
@@ -218,6 +233,7 @@ struct MlaBlock final : Block {
     cache.type = s.kv_type;
     cache.k_stride = kvw;
     attention_mla(c.pool, scratch, cache, c.tokens(), qcat.data(), H, r, P, s.scale, lat.data());
+    c.select(cache, qcat.data(), H, 1, r + P, s.scale);
     for_rows(c.pool, T, [&](int t) {
       for (int h = 0; h < H; ++h)
         std::memcpy(heads.data() + (size_t(h) * T + t) * r, lat.data() + (size_t(t) * H + h) * r, size_t(r) * 4);
@@ -450,8 +466,63 @@ void CpuModel::add_moe(MoeSpec s) {
   blocks_.push_back(std::move(b));
 }
 
+void CpuModel::set_omnikv(OmniSpec s) {
+  std::lock_guard<std::mutex> lock(m_);
+  const int L = num_layers();
+  if (L == 0 || blocks_.size() % 2) throw ArgError("set_omnikv() needs the model's layers first");
+  if (int(s.roles.size()) != L || int(s.source.size()) != L)
+    throw ArgError("OmniKV: roles and source need one entry per layer (" + std::to_string(L) + ")");
+  s.filter_of.assign(size_t(L), -1);
+  std::vector<int> filter_layer;
+  for (int l = 0; l < L; ++l) {
+    const int role = s.roles[size_t(l)];
+    if (role < kRoleFull || role > kRoleSparse) throw ArgError("OmniKV: layer " + std::to_string(l) + " has role " + std::to_string(role));
+    if (role == kRoleFilter) {
+      s.filter_of[size_t(l)] = int(filter_layer.size());
+      filter_layer.push_back(l);
+    }
+  }
+  s.num_filters = int(filter_layer.size());
+  if (s.num_filters == 0) throw ArgError("OmniKV: the plan has no filter layer");
+  for (int l = 0; l < L; ++l) {
+    const int src = s.source[size_t(l)];
+    if (s.roles[size_t(l)] == kRoleSparse && (src < 0 || src >= s.num_filters || filter_layer[size_t(src)] >= l))
+      throw ArgError("OmniKV: sparse layer " + std::to_string(l) + " must read a filter layer above it, got " +
+                     std::to_string(src));
+  }
+  if (s.sink < 0 || s.recent < 1) throw ArgError("OmniKV: sink must be >= 0 and recent >= 1");
+  if (int(s.alpha) < 0 || int(s.alpha) > 2) throw ArgError("OmniKV: unknown alpha mode");
+  if (s.hist_q || s.hist_pos) {
+    if (!s.hist_q || !s.hist_pos) throw ArgError("OmniKV: the query history needs both q and pos");
+    if (s.window < 1 || s.window > kMaxOmniWindow)
+      throw ArgError("OmniKV: window must be in [1, " + std::to_string(kMaxOmniWindow) + "]");
+    if (!table_.table) throw ArgError("set_table() before set_omnikv()");
+    if (s.hist_rows < table_.table_rows)
+      throw ArgError("OmniKV: the query history has " + std::to_string(s.hist_rows) + " rows, req_to_token " +
+                     std::to_string(table_.table_rows));
+    for (int l : filter_layer) {
+      int H = 0, D = 0;
+      if (auto* g = dynamic_cast<GqaBlock*>(blocks_[size_t(2 * l)].get())) H = g->s.H, D = g->s.D;
+      if (auto* m = dynamic_cast<MlaBlock*>(blocks_[size_t(2 * l)].get())) H = m->s.H, D = m->s.r + m->s.P;
+      if (H != s.H || D != s.D)
+        throw ArgError("OmniKV: the query history holds " + std::to_string(s.H) + " x " + std::to_string(s.D) +
+                       " queries, filter layer " + std::to_string(l) + " makes " + std::to_string(H) + " x " +
+                       std::to_string(D));
+    }
+  } else {
+    s.window = 1;
+  }
+  omni_ = std::make_unique<OmniSpec>(std::move(s));
+}
+
+std::vector<std::vector<int32_t>> CpuModel::omnikv_selection(int f) {
+  std::lock_guard<std::mutex> lock(m_);
+  return omni_run_.selection(f);
+}
+
 void CpuModel::forward(int T, const int64_t* ids, const int64_t* pos, const int64_t* rows, const int64_t* out_loc,
-                       int N, const int64_t* logit_rows, float* logits) {
+                       int N, const int64_t* logit_rows, float* logits, const int64_t* omni_k,
+                       int64_t* omni_counts) {
   std::lock_guard<std::mutex> lock(m_);
   if (T <= 0) throw ArgError("a forward needs at least one token");
   if (blocks_.empty() || blocks_.size() % 2) throw ArgError("the model has no complete layer");
@@ -466,6 +537,29 @@ void CpuModel::forward(int T, const int64_t* ids, const int64_t* pos, const int6
   for (int i = 0; i < N; ++i)
     if (logit_rows[i] < 0 || logit_rows[i] >= T) throw ArgError("logit row " + std::to_string(logit_rows[i]) + " is outside the batch");
   check_attention_tokens(table_, AttnTokens{T, rows, pos});
+  bool omni = false;
+  if (omni_k) {
+    for (int t = 0; t < T; ++t) {
+      if (omni_k[t] < -1) throw ArgError("token " + std::to_string(t) + ": OmniKV budget " + std::to_string(omni_k[t]));
+      omni = omni || omni_k[t] >= 0;
+    }
+  }
+  if (omni) {
+    if (!omni_) throw ArgError("a token has an OmniKV budget, but the model has no OmniKV plan (set_omnikv)");
+    if (int(omni_->roles.size()) != num_layers()) throw ArgError("layers were added after set_omnikv()");
+    // one token per request row: its selection is its row's, and its query fills the row's history
+    std::unordered_map<int64_t, int> per_row;
+    for (int t = 0; t < T; ++t) ++per_row[rows[t]];
+    for (int t = 0; t < T; ++t) {
+      if (omni_k[t] < 0) continue;
+      if (per_row[rows[t]] != 1)
+        throw ArgError("token " + std::to_string(t) + ": an OmniKV token must be the only token of its request row " +
+                       std::to_string(rows[t]) + " in the batch");
+      if (omni_->hist_q && rows[t] >= omni_->hist_rows)
+        throw ArgError("token " + std::to_string(t) + ": request row " + std::to_string(rows[t]) +
+                       " is outside the query history");
+    }
+  }
   for (const auto& b : blocks_) {
     const Rope* r = nullptr;
     if (auto* g = dynamic_cast<GqaBlock*>(b.get())) r = &g->s.rope;
@@ -481,7 +575,19 @@ void CpuModel::forward(int T, const int64_t* ids, const int64_t* pos, const int6
   xn_.resize(size_t(T) * hidden_);
   for_rows(pool, T, [&](int t) { embed_->dequant_row(int(ids[t]), x_.data() + size_t(t) * hidden_); });
   Ctx c{pool, T, pos, rows, out_loc, hidden_, x_.data(), xn_.data(), in_, table_};
-  for (const auto& b : blocks_) b->run(c);
+  if (omni) {
+    omni_run_.begin(omni_.get(), T, omni_k, rows, pos);
+    c.omni = &omni_run_;
+  }
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    c.layer = int(i / 2);
+    blocks_[i]->run(c);
+  }
+  if (omni_counts) {
+    omni_counts[0] = omni ? omni_run_.selected() : 0;
+    omni_counts[1] = omni ? omni_run_.context() : 0;
+  }
+  omni_run_.end();
   if (N <= 0) return;
   // the final norm and the LM head on the rows that need logits only
   for (int i = 0; i < N; ++i)

@@ -14,6 +14,13 @@
 // layer and the attention run on the one worker pool; the linears that read the same input run in
 // one pass of the pool (linear_calls.h). Objects given to the model (operators, caches, the table)
 // must outlive it; the Python wrapper holds them.
+//
+// OmniKV (omnikv.h), after `set_omnikv`: a forward may mark decode tokens (each the only token of its
+// request row in the batch) with a budget k. At each FILTER layer, after its full attention, those
+// tokens' queries go into the query history and each gets its selection (sinks, recent, top-k by
+// importance) as KV slots; at each SPARSE layer they attend to the selection of the layer's filter,
+// every other token as before. Selections live for the forward only. The forward reports the kept
+// and the context positions, summed over filter layers and tokens.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -22,6 +29,7 @@
 #include "attention.h"
 #include "linear_calls.h"
 #include "moe.h"
+#include "omnikv.h"
 #include "pool.h"
 
 namespace cpx {
@@ -106,11 +114,19 @@ class CpuModel {
   void add_mla(MlaSpec s);
   void add_dense_mlp(DenseMlpSpec s);
   void add_moe(MoeSpec s);
+  // OmniKV's plan (after every layer): roles and sources per layer, sinks, recent, alpha, and the
+  // query history (hist_q/hist_pos null: none, the current query alone); checks it against the layers.
+  void set_omnikv(OmniSpec s);
   // T tokens: ids, positions, req_to_token rows and KV slots (the slots already recorded in the
-  // table); logits [N][vocab] fp32 for the token indices `logit_rows`.
+  // table); logits [N][vocab] fp32 for the token indices `logit_rows`. omni_k (null, or [T]): the
+  // OmniKV budget of each token, -1 for a token attending fully; omni_counts (null, or [2]): the
+  // positions kept and the context positions, summed over filter layers and omni tokens.
   void forward(int T, const int64_t* ids, const int64_t* pos, const int64_t* rows, const int64_t* out_loc, int N,
-               const int64_t* logit_rows, float* logits);
+               const int64_t* logit_rows, float* logits, const int64_t* omni_k = nullptr,
+               int64_t* omni_counts = nullptr);
   int num_layers() const { return int(blocks_.size()) / 2; }
+  // The last OmniKV forward's slots kept at filter f, per omni token in batch order.
+  std::vector<std::vector<int32_t>> omnikv_selection(int f);
 
  private:
   std::shared_ptr<Pool> pool_;
@@ -123,6 +139,8 @@ class CpuModel {
   std::mutex m_;  // one forward at a time (the scratch)
   std::vector<float> x_, xn_;
   LinearInput in_;
+  std::unique_ptr<OmniSpec> omni_;  // null: no OmniKV plan
+  OmniRun omni_run_;
 };
 
 }  // namespace cpx

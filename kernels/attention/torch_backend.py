@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention.base import AttentionBackend, AttentionLayer, ForwardBatch
+from kernels.attention.omnikv import FILTER
 
 
 _QUERY_CHUNK = 1024
@@ -41,6 +42,16 @@ def _causal_softmax_attend(
     k_pos = torch.arange(length, device=scores.device)
     scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
     return torch.matmul(scores.softmax(dim=-1), values)
+
+
+def _observe(layer: AttentionLayer, batch: ForwardBatch, q: torch.Tensor, keys: torch.Tensor) -> None:
+    """At an OmniKV filter layer: hands the decode rows' queries (q [T, H, D] packed; a sparse row has
+    one token) and the layer's keys [slots, Hkv, D] to the selection."""
+    sparse = batch.omnikv
+    if sparse is None or sparse.role(layer.layer_id) != FILTER:
+        return
+    starts = batch.extend_start_loc_cpu
+    sparse.observe(layer.layer_id, sparse.rows, q[[starts[b] for b in sparse.rows]], keys, layer.scaling)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -69,10 +80,17 @@ class TorchAttentionBackend(AttentionBackend):
             decode_mask=decode_mask,
         )
 
-    def _requests(self):
+    def _requests(self, layer: AttentionLayer, batch: ForwardBatch):
+        """Per request: KV slots it attends to, first packed token, keys before its first new token, new
+        tokens. An OmniKV row at a SPARSE layer attends to its selection (its one query sees all of it)."""
         assert self.meta is not None, "init_forward_metadata must run before attention"
         m = self.meta
-        return zip(m.kv_indices, m.starts, m.prefix_lens, m.extend_lens)
+        sparse = batch.omnikv
+        for i, (kv_idx, start, prefix, n) in enumerate(zip(m.kv_indices, m.starts, m.prefix_lens, m.extend_lens)):
+            chosen = sparse.slots(layer.layer_id, i) if sparse is not None else None
+            if chosen is not None:
+                kv_idx, prefix = chosen.to(kv_idx.device), int(chosen.numel()) - 1
+            yield kv_idx, start, prefix, n
 
     # ---- MHA / GQA ----
     def _gqa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, prefix: int) -> torch.Tensor:
@@ -94,25 +112,34 @@ class TorchAttentionBackend(AttentionBackend):
         pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
-        for kv_idx, start, prefix, n in self._requests():
+        for kv_idx, start, prefix, n in self._requests(layer, batch):
             out[start : start + n] = self._gqa(q[start : start + n], k_buf[kv_idx], v_buf[kv_idx], layer, prefix)
+        _observe(layer, batch, q, k_buf)
         return out
 
     def forward_decode(self, q, k, v, layer, batch):
         pool = batch.token_to_kv_pool
         pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
-        m = self.meta
-        assert m is not None and m.decode_indices is not None
+        indices, mask = self._decode_view(layer, batch)
         b, h, d = q.shape
         hkv = k_buf.shape[1]
-        keys = k_buf[m.decode_indices].float().permute(0, 2, 3, 1)  # [B, Hkv, D, L]
-        vals = v_buf[m.decode_indices].float().transpose(1, 2)  # [B, Hkv, L, Dv]
+        keys = k_buf[indices].float().permute(0, 2, 3, 1)  # [B, Hkv, D, L]
+        vals = v_buf[indices].float().transpose(1, 2)  # [B, Hkv, L, Dv]
         qg = q.float().view(b, hkv, h // hkv, d)  # [B, Hkv, G, D]
         scores = torch.matmul(qg, keys) * layer.scaling  # [B, Hkv, G, L]
-        scores = scores.masked_fill(~m.decode_mask[:, None, None, :], float("-inf"))
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
         out = torch.matmul(scores.softmax(dim=-1), vals)  # [B, Hkv, G, Dv]
+        _observe(layer, batch, q, k_buf)
         return out.reshape(b, h, -1).to(q.dtype)
+
+    def _decode_view(self, layer: AttentionLayer, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The padded [B, L] KV slots and validity of a decode batch at this layer (OmniKV rows at a
+        SPARSE layer: their selections)."""
+        m = self.meta
+        assert m is not None and m.decode_indices is not None and m.decode_mask is not None
+        view = batch.omnikv.decode_view(layer.layer_id, m.decode_indices, m.decode_mask) if batch.omnikv else None
+        return view if view is not None else (m.decode_indices, m.decode_mask)
 
     # ---- MLA ----
     def set_mla_kv(self, layer, batch, c_kv, k_pe):
@@ -120,7 +147,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward_mla_normal(self, q, k, v, layer, batch):
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
-        for _, start, prefix, n in self._requests():
+        for _, start, prefix, n in self._requests(layer, batch):
             if prefix:
                 raise ValueError("forward_mla_normal cannot attend to a cached prefix; use forward_mla_absorb")
             sl = slice(start, start + n)
@@ -131,9 +158,9 @@ class TorchAttentionBackend(AttentionBackend):
         buf = batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         r = layer.kv_lora_rank
         if batch.forward_mode.is_decode():
-            return self._mla_decode(q_latent, q_pe, buf, layer)
+            return self._mla_decode(q_latent, q_pe, buf, layer, batch)
         out = q_latent.new_empty(q_latent.shape)
-        for kv_idx, start, prefix, n in self._requests():
+        for kv_idx, start, prefix, n in self._requests(layer, batch):
             latent = buf[kv_idx].float()  # [L, r + P]: gathered rows of the shared cache, no per-head copy
             c_kv, k_pe = latent[:, :r], latent[:, r:]
             ql = q_latent[start : start + n].float().transpose(0, 1)  # [H, n, r]
@@ -145,16 +172,18 @@ class TorchAttentionBackend(AttentionBackend):
                 ) * layer.scaling
                 res.append(_causal_softmax_attend(scores, c_kv, prefix, s))
             out[start : start + n] = torch.cat(res, dim=1).transpose(0, 1).to(out.dtype)
+        _observe(layer, batch, torch.cat([q_latent, q_pe], dim=-1), buf[:, None, :])
         return out
 
-    def _mla_decode(self, q_latent: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
+    def _mla_decode(self, q_latent: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor, layer: AttentionLayer,
+                    batch: ForwardBatch) -> torch.Tensor:
         """All requests at once: one query token each against its padded latent rows [B, L, r + P]."""
-        m = self.meta
-        assert m is not None and m.decode_indices is not None
+        indices, mask = self._decode_view(layer, batch)
         r = layer.kv_lora_rank
-        latent = buf[m.decode_indices].float()  # [B, L, r + P], gathered once for all heads
+        latent = buf[indices].float()  # [B, L, r + P], gathered once for all heads
         c_kv, k_pe = latent[..., :r], latent[..., r:]
         scores = (torch.matmul(q_latent.float(), c_kv.transpose(1, 2))  # [B, H, r] @ [B, r, L]
                   + torch.matmul(q_pe.float(), k_pe.transpose(1, 2))) * layer.scaling
-        scores = scores.masked_fill(~m.decode_mask[:, None, :], float("-inf"))
+        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+        _observe(layer, batch, torch.cat([q_latent, q_pe], dim=-1), buf[:, None, :])
         return torch.matmul(scores.softmax(dim=-1), c_kv).to(q_latent.dtype)  # [B, H, r]

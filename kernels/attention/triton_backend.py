@@ -17,6 +17,17 @@ in place from `req_to_token` (one gather into the same buffer); `seq_lens` and `
 the graph runner's own static buffers. Workspace tensors (split partials) are allocated inside the
 forward, which a captured graph turns into fixed addresses of its memory pool.
 
+OmniKV (`batch.omnikv`, kernels/attention/omnikv.py): at a FILTER layer the sparse rows' queries and the
+layer's keys go to `observe_batched` after the attention (MLA: q_latent ‖ q_pe against the latent rows
+viewed as one KV head), which selects for all sparse rows at once on the device with the kernels of
+kernels/triton_omnikv.py (importance, then select_slots); at a SPARSE layer the attention kernels run over a
+small table [B, width] of KV slots (page size 1, rows 0..B-1) in which each sparse row holds its
+selection and every other row its whole context, with per-row lengths: decode reads it with seq_len =
+the row's length, and a MIXED batch's extend kernel with prefix = length - new tokens (a sparse row's
+one query sees its whole selection, which ends with the token itself). The table is built once per
+forward and filter layer. Batches with OmniKV are never captured in CUDA graphs (the graph runner skips
+them).
+
 Needs a CUDA device, or `TRITON_INTERPRET=1` (set before Triton is imported) for CPU testing.
 """
 
@@ -27,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention.base import AttentionBackend, AttentionLayer, ForwardBatch
+from kernels.attention.omnikv import FILTER, SPARSE
 from kernels.graph_support import GraphSupport
 
 
@@ -53,6 +65,15 @@ class _ExtendMeta:
     has_prefix: bool
 
 
+@dataclass
+class _SparseView:
+    """One SPARSE layer's KV for every row of the batch (OmniKV): slots of positions 0..lens[b]-1."""
+
+    table: torch.Tensor  # [B, width] int32 KV slots (page size 1)
+    rows: torch.Tensor  # arange(B)
+    lens: torch.Tensor  # [B] keys per row: a sparse row's selection, another row's whole context
+
+
 class TritonAttentionBackend(AttentionBackend):
     graph_support = GraphSupport.device_only()
 
@@ -66,6 +87,9 @@ class TritonAttentionBackend(AttentionBackend):
         self.extend: _ExtendMeta | None = None
         self._page_table: torch.Tensor | None = None  # CUDA graphs, paged: [max_bs, max_pages]
         self._graph_rows: torch.Tensor | None = None  # CUDA graphs, paged: arange(max_bs)
+        self._sparse_views: dict[object, _SparseView] = {}  # OmniKV, this forward: per filter read
+        self._full_view: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._omnikv_kernels = None  # kernels.triton_omnikv, imported at the first OmniKV filter layer
 
     # ------------------------------------------------------------------ metadata
     def _check_device(self, device: torch.device) -> None:
@@ -102,6 +126,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self._check_device(batch.input_ids.device)
+        self._sparse_views, self._full_view = {}, None
         table, rows, _ = self._table(batch)
         if batch.forward_mode.is_decode():
             self.decode = _DecodeMeta(table, rows, batch.seq_lens, batch.batch_size)
@@ -124,6 +149,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _graph_decode_meta(self, batch: ForwardBatch) -> None:
         assert self._graph_rows is not None, "init_cuda_graph_state must run before capture"
+        self._sparse_views, self._full_view = {}, None
         bs = batch.batch_size
         page = batch.token_to_kv_pool.page_size
         req_to_token = batch.req_to_token_pool.req_to_token
@@ -149,13 +175,89 @@ class TritonAttentionBackend(AttentionBackend):
         # paged: the page table is regathered into the same buffer the graph reads
         self._graph_decode_meta(batch)
 
+    # ------------------------------------------------------------------ OmniKV
+    def _sparse_view(self, layer: AttentionLayer, batch: ForwardBatch) -> _SparseView | None:
+        """At an OmniKV SPARSE layer, the KV every row reads (None: every row attends fully here)."""
+        sparse = batch.omnikv
+        if sparse is None or sparse.role(layer.layer_id) != SPARSE:
+            return None
+        source = getattr(sparse, "source", None)  # layers reading one filter's selection share the table
+        key = ("filter", source[layer.layer_id]) if source is not None else ("layer", layer.layer_id)
+        view = self._sparse_views.get(key)
+        if view is None:
+            if self._full_view is None:
+                req_to_token = batch.req_to_token_pool.req_to_token
+                lens = batch.seq_lens_cpu
+                width = max(lens)
+                mask = torch.arange(width, device=req_to_token.device)[None, :] < torch.tensor(
+                    lens, device=req_to_token.device)[:, None]
+                indices = req_to_token[batch.req_pool_indices, :width].masked_fill(~mask, 0)
+                self._full_view = (indices, mask)
+            got = sparse.decode_view(layer.layer_id, *self._full_view)
+            if got is None:
+                return None
+            table, valid = got
+            view = _SparseView(table.to(torch.int32).contiguous(),
+                               torch.arange(batch.batch_size, device=table.device), valid.sum(1).to(torch.int32))
+            self._sparse_views[key] = view
+        return view
+
+    def _observe(self, layer: AttentionLayer, batch: ForwardBatch, q: torch.Tensor, q_rope: torch.Tensor | None,
+                 keys: torch.Tensor) -> None:
+        """At an OmniKV FILTER layer, after its attention: the sparse rows' queries (one token each; MLA:
+        q_latent ‖ q_pe) and the layer's keys [slots, Hkv, D] (MLA: the latent rows) make the selection,
+        for every sparse row at once with the kernels of kernels/triton_omnikv.py (`observe_batched`)."""
+        sparse = batch.omnikv
+        if sparse is None or sparse.role(layer.layer_id) != FILTER or not sparse.rows:
+            return
+        if batch.forward_mode.is_decode():
+            tokens = list(sparse.rows)
+        else:
+            starts = batch.extend_start_loc_cpu
+            tokens = [starts[b] for b in sparse.rows]
+        idx = torch.tensor(tokens, dtype=torch.int64, device=q.device)
+        qs = q.index_select(0, idx)
+        if q_rope is not None:
+            qs = torch.cat([qs, q_rope.index_select(0, idx)], dim=-1)
+        batched = getattr(sparse, "observe_batched", None)
+        if batched is None:  # another SparseAttention: its own (per-row) selection
+            sparse.observe(layer.layer_id, list(sparse.rows), qs, keys, layer.scaling)
+            return
+        if self._omnikv_kernels is None:
+            from kernels import triton_omnikv
+
+            self._omnikv_kernels = triton_omnikv
+        # the importance pass plans its KV splits like decode does, over rows x window queries
+        queries = len(sparse.rows) * getattr(sparse, "window", 1)
+        splits = self.max_splits(queries, keys.shape[1], q.device)
+        batched(layer.layer_id, list(sparse.rows), qs, keys, layer.scaling, self._omnikv_kernels, max_splits=splits)
+
+    def _extend(self, q, q_rope, k, k_rope, v, out, layer: AttentionLayer, batch: ForwardBatch, page: int):
+        """Extend attention over the pool; at an OmniKV SPARSE layer the decode rows of a MIXED batch
+        read their selections (prefix = selection - 1) and the other rows their contexts as usual."""
+        m = self.extend
+        assert m is not None, "init_forward_metadata must run before attention"
+        table, rows, prefix_lens = m.table, m.rows, m.prefix_lens
+        view = self._sparse_view(layer, batch)
+        if view is not None:
+            table, rows, prefix_lens, page = view.table, view.rows, view.lens - m.extend_lens, 1
+        return self._k.extend_attention(
+            q, q_rope, k, k_rope, v, out, q_start=m.q_start, prefix_lens=prefix_lens,
+            extend_lens=m.extend_lens, max_extend_len=m.max_extend_len, sm_scale=layer.scaling,
+            table=table, rows=rows, page_size=page,
+        )
+
     # ------------------------------------------------------------------ decode
     def _decode(
         self, q: torch.Tensor, q_rope: torch.Tensor | None, k: torch.Tensor, k_rope: torch.Tensor | None,
-        v: torch.Tensor | None, out: torch.Tensor, layer: AttentionLayer, page: int,
+        v: torch.Tensor | None, out: torch.Tensor, layer: AttentionLayer, page: int, batch: ForwardBatch,
     ) -> torch.Tensor:
         m = self.decode
         assert m is not None, "init_forward_metadata must run before attention"
+        table, rows, seq_lens = m.table, m.rows, m.seq_lens
+        view = self._sparse_view(layer, batch)
+        if view is not None:  # OmniKV SPARSE layer: sparse rows read their selections
+            table, rows, seq_lens, page = view.table, view.rows, view.lens, 1
         num_heads = q.shape[1]
         group = num_heads // k.shape[1]
         block_h = min(_BLOCK_H, max(16, 1 << (group - 1).bit_length()))
@@ -165,7 +267,7 @@ class TritonAttentionBackend(AttentionBackend):
         part_o = torch.empty(o_shape, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
         return self._k.decode_attention(
-            q, q_rope, k, k_rope, v, out, m.table, m.rows, m.seq_lens, layer.scaling, splits,
+            q, q_rope, k, k_rope, v, out, table, rows, seq_lens, layer.scaling, splits,
             part_o, part_lse, page_size=page, block_h=block_h,
         )
 
@@ -174,21 +276,19 @@ class TritonAttentionBackend(AttentionBackend):
         pool = batch.token_to_kv_pool
         pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
-        m = self.extend
-        assert m is not None, "init_forward_metadata must run before attention"
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
-        return self._k.extend_attention(
-            q, None, k_buf, None, v_buf, out, q_start=m.q_start, prefix_lens=m.prefix_lens,
-            extend_lens=m.extend_lens, max_extend_len=m.max_extend_len, sm_scale=layer.scaling,
-            table=m.table, rows=m.rows, page_size=pool.page_size,
-        )
+        out = self._extend(q, None, k_buf, None, v_buf, out, layer, batch, pool.page_size)
+        self._observe(layer, batch, q, None, k_buf)
+        return out
 
     def forward_decode(self, q, k, v, layer, batch):
         pool = batch.token_to_kv_pool
         pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
-        return self._decode(q, None, k_buf, None, v_buf, out, layer, pool.page_size)
+        out = self._decode(q, None, k_buf, None, v_buf, out, layer, pool.page_size, batch)
+        self._observe(layer, batch, q, None, k_buf)
+        return out
 
     # ------------------------------------------------------------------ MLA
     def set_mla_kv(self, layer, batch, c_kv, k_pe):
@@ -214,11 +314,8 @@ class TritonAttentionBackend(AttentionBackend):
         c_kv, k_pe = buf[:, None, :r], buf[:, None, r:]  # column views of the latent rows: one "KV head"
         out = q_latent.new_empty(q_latent.shape)
         if batch.forward_mode.is_decode():
-            return self._decode(q_latent, q_pe, c_kv, k_pe, None, out, layer, pool.page_size)
-        m = self.extend
-        assert m is not None, "init_forward_metadata must run before attention"
-        return self._k.extend_attention(
-            q_latent, q_pe, c_kv, k_pe, None, out, q_start=m.q_start, prefix_lens=m.prefix_lens,
-            extend_lens=m.extend_lens, max_extend_len=m.max_extend_len, sm_scale=layer.scaling,
-            table=m.table, rows=m.rows, page_size=pool.page_size,
-        )
+            out = self._decode(q_latent, q_pe, c_kv, k_pe, None, out, layer, pool.page_size, batch)
+        else:
+            out = self._extend(q_latent, q_pe, c_kv, k_pe, None, out, layer, batch, pool.page_size)
+        self._observe(layer, batch, q_latent, q_pe, buf[:, None, :])  # the latent rows: one "KV head" of r + P
+        return out

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +27,7 @@ from tests.server.server_process import REPO, free_port
 BY_NAME = {f.name: f for f in SERVE_FLAGS}
 
 # values each flag must refuse; [] only for free-form strings where empty means "the default"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "omnikv"
 BAD: dict[str, list[str]] = {
     "model": ["", " "],
     "host": [""],
@@ -55,6 +57,8 @@ BAD: dict[str, list[str]] = {
     "hybrid-graph-mode": ["sometimes"],
     "disable-prefix-cache": ["maybe"],
     "seed": ["random", "1.5"],
+    "omnikv": ["maybe", "ON"],
+    "omnikv-config": [f"{FIXTURES}/missing.json", f"{FIXTURES}/unknown_field.json"],
 }
 FREE_FORM = {"api-key", "served-model-name"}
 
@@ -89,6 +93,9 @@ GOOD: dict[str, tuple[str, Any, str, Any]] = {
     "hybrid-graph-mode": ("split", "split", "host-nodes", "host-nodes"),
     "disable-prefix-cache": ("On", True, "0", False),
     "seed": ("-3", -3, "42", 42),
+    "omnikv": ("auto", "auto", "on", "on"),
+    "omnikv-config": (f"{FIXTURES}/two_filters.json", f"{FIXTURES}/two_filters.json",
+                      f"{FIXTURES}/window.json", f"{FIXTURES}/window.json"),
 }
 # the triton backends need a CUDA device; every GOOD row is parsed with this underneath
 BASE_ENV = {"MLASERVE_DEVICE": "cuda"}

@@ -364,3 +364,22 @@ def test_echo_with_logprobs_scores_the_prompt(server, client, tok):
     first = streamed[0].choices[0]
     assert first.text == tok.decode(ids, skip_special_tokens=False) and len(first.logprobs.tokens) == len(ids)
     assert_error(post(server, "/v1/completions", {"prompt": "x", "max_tokens": 0}), 400)
+
+
+def test_omnikv_request_field(server, client):
+    """`omnikv: true` decodes sparsely (counted in /metrics; the server default is off), false and unset
+    do not; a wrong type is a 400 naming the field."""
+    before = metric(server, "mlaserve_omnikv_sparse_tokens_total")
+    words = " ".join(f"w{i}" for i in range(300))
+    for choice in (None, False):
+        extra = {} if choice is None else {"omnikv": choice}
+        client.completions.create(model=server_model_id(server), prompt=words, max_tokens=4, temperature=0,
+                                  extra_body=extra)
+    assert metric(server, "mlaserve_omnikv_sparse_tokens_total") == before
+    out = client.completions.create(model=server_model_id(server), prompt=words, max_tokens=6, temperature=0,
+                                    extra_body={"ignore_eos": True, "omnikv": True})
+    assert out.usage.completion_tokens == 6
+    assert metric(server, "mlaserve_omnikv_sparse_tokens_total") == before + 5
+    assert metric(server, "mlaserve_omnikv_selected_tokens_total") < metric(server, "mlaserve_omnikv_context_tokens_total")
+    assert_error(post(server, "/v1/completions", {"model": server_model_id(server), "prompt": "hi", "omnikv": "yes"}),
+                 400, param="omnikv")

@@ -1,0 +1,237 @@
+"""OmniKV on the CPU with the default model (SmolLM2-135M, GGUF Q4_1, the native forward): decode
+speed against full attention, fidelity on long real text, and needle-in-a-haystack — full attention
+and OmniKV in the same run, on the same prompt KV (one prefill, two request rows sharing it).
+
+Text: the Python documentation shipped with the interpreter (`pydoc_data.topics`), so nothing is
+downloaded. Config: the model's calibrated OmniKV config (configs/omnikv/, else the uncalibrated
+default) with the budget set by `--budget` (default 10% of the context).
+
+- speed: decode step time at contexts 1K..8K, full vs OmniKV rounds interleaved, medians;
+- fidelity: greedy decode of 256 tokens with full attention; OmniKV fed the same tokens (teacher
+  forcing) predicts each next token: the share of positions where its greedy choice is full
+  attention's. Also the free-running identical prefix (both generate on their own);
+- needle: a five-digit passcode sentence inserted at 10 depths of a haystack of 1K, 2K, 4K and 8K
+  tokens, the question asked through the chat template; does OmniKV answer exactly what full
+  attention answers (and how often full attention is right).
+
+    .venv/bin/python bench/omnikv_cpu.py [--parts speed,fidelity,needle] [--out bench/results/x.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.cpu_common import machine_info, machine_tag, versions, write_json  # noqa: E402
+
+MAX_CTX = 8192
+
+
+def doc_text() -> str:
+    import pydoc_data.topics as topics
+
+    return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+
+
+class Harness:
+    """One model runner with OmniKV planned; requests share a prompt's KV like the prefix cache does."""
+
+    def __init__(self, model: str, budget: float) -> None:
+        import dataclasses
+
+        from executor.model_runner import ModelRunner
+        from models.loader.load import load_model
+        from models.omnikv_config import OmniKVConfig
+
+        loaded = load_model(model, dtype="float32", cpu_weights="file", progress=False)
+        base, self.origin = OmniKVConfig.for_model(model, loaded.config.num_hidden_layers)
+        self.cfg = dataclasses.replace(base, budget_ratio=budget, budget_tokens=None)
+        self.tok = loaded.tokenizer
+        self.runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=3 * MAX_CTX, max_running_requests=4,
+                                  max_context_len=MAX_CTX, omnikv=self.cfg)
+        if self.runner.native_forward is None:
+            raise RuntimeError(f"the native forward is off: {self.runner.native_off_reason}")
+        torch.set_num_threads(1)  # sampling only: the native pool has the cores
+
+    def prefill(self, ids: list[int]) -> tuple[int, int]:
+        """A row holding the prompt's KV, and the greedy first token."""
+        from executor.model_runner import RequestSlice
+
+        r = self.runner
+        row = r.req_to_token_pool.alloc()
+        for start in range(0, len(ids), 2048):
+            logits = r.forward(r.build_batch([RequestSlice(row, start, ids[start : start + 2048])]))
+        return row, int(logits[-1].argmax())
+
+    def fork(self, row: int, n: int) -> int:
+        """A second row reading the first row's n prompt slots (its own tokens get their own slots)."""
+        r = self.runner
+        other = r.req_to_token_pool.alloc()
+        r.req_to_token_pool.write(other, 0, r.req_to_token_pool.req_to_token[row, :n])
+        return other
+
+    def step(self, rows: list[tuple[int, int, int, bool]]) -> list[int]:
+        """One decode forward: (row, context length, input token, omnikv) each -> greedy next tokens."""
+        from executor.model_runner import RequestSlice
+
+        r = self.runner
+        logits = r.forward(r.build_batch([RequestSlice(row, n, [tok], omnikv=o) for row, n, tok, o in rows]))
+        return [int(x) for x in logits.argmax(-1)]
+
+    def release(self, rows: list[int], shared: int, lengths: list[int]) -> None:
+        """Frees the shared prompt slots once and each row's own slots."""
+        r = self.runner
+        table = r.req_to_token_pool.req_to_token
+        r.allocator.free(table[rows[0], :shared].to(torch.int64))
+        for row, n in zip(rows, lengths):
+            r.allocator.free(table[row, shared:n].to(torch.int64))
+            r.req_to_token_pool.free(row)
+
+
+def speed(h: Harness, ids: list[int], contexts: list[int], steps: int, rounds: int) -> list[dict[str, Any]]:
+    out = []
+    for ctx in contexts:
+        prompt = ids[:ctx]
+        a, tok = h.prefill(prompt)
+        b = h.fork(a, ctx)
+        n = {a: ctx, b: ctx}
+        last = {a: tok, b: tok}
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for rnd in range(rounds):
+            for sparse in ((False, True) if rnd % 2 == 0 else (True, False)):
+                row = b if sparse else a
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    last[row] = h.step([(row, n[row], last[row], sparse)])[0]
+                    n[row] += 1
+                times[sparse].append((time.perf_counter() - t0) / steps)
+        h.release([a, b], ctx, [n[a], n[b]])
+        full, sparse = statistics.median(times[False]), statistics.median(times[True])
+        out.append({"context": ctx, "full_ms": round(full * 1e3, 2), "omnikv_ms": round(sparse * 1e3, 2),
+                    "speedup": round(full / sparse, 3), "rounds": rounds, "steps_per_round": steps})
+        print(f"speed  ctx {ctx:5d}: full {full * 1e3:7.2f} ms/token, OmniKV {sparse * 1e3:7.2f} ms/token, "
+              f"x{full / sparse:.2f}", flush=True)
+    return out
+
+
+def chat_ids(h: Harness, content_ids: list[int], question: str) -> list[int]:
+    """The chat template around pre-tokenised content: the template rendered with a marker, split there."""
+    from server.chat_template import render_chat
+
+    tok = h.tok
+    marker = "\x00MARK\x00"
+    text = render_chat(tok.chat_template, [{"role": "user", "content": marker + "\n\n" + question}],
+                       bos_token=tok.bos_token, eos_token=tok.eos_token)
+    before, after = text.split(marker)
+    return tok.encode(before, add_special_tokens=False) + content_ids + tok.encode(after, add_special_tokens=False)
+
+
+def fidelity(h: Harness, ids: list[int], contexts: list[int], prompts: int, gen: int) -> list[dict[str, Any]]:
+    out = []
+    question = "Summarize the documentation above in your own words."
+    for ctx in contexts:
+        for k in range(prompts):
+            start = k * (len(ids) - ctx) // max(prompts, 1)
+            prompt = chat_ids(h, ids[start : start + ctx - gen - 64], question)[: MAX_CTX - gen - 1]
+            a, tok = h.prefill(prompt)
+            b, c = h.fork(a, len(prompt)), h.fork(a, len(prompt))
+            full, forced, free = [tok], [tok], [tok]
+            n = len(prompt)
+            for i in range(gen - 1):
+                nxt = h.step([(a, n + i, full[-1], False), (b, n + i, full[-1], True), (c, n + i, free[-1], True)])
+                full.append(nxt[0])
+                forced.append(nxt[1])
+                free.append(nxt[2])
+            agree = sum(x == y for x, y in zip(full[1:], forced[1:])) / (gen - 1)
+            prefix = next((i for i, (x, y) in enumerate(zip(full, free)) if x != y), gen)
+            h.release([a, b, c], n, [n + gen - 1] * 3)
+            out.append({"context": len(prompt), "tokens": gen, "teacher_forced_agreement": round(agree, 4),
+                        "free_running_identical_prefix": prefix})
+            print(f"fidelity ctx {len(prompt):5d}: agreement {agree:.2%}, identical prefix {prefix}/{gen}", flush=True)
+    return out
+
+
+def needle(h: Harness, ids: list[int], lengths: list[int], depths: int, answer_tokens: int,
+           seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    out = []
+    question = "What is the secret passcode mentioned in the text above? Answer with the number only."
+    for length in lengths:
+        for d in range(depths):
+            code = rng.randrange(10000, 100000)
+            needle_ids = h.tok.encode(f" The secret passcode is {code}. Remember it. ", add_special_tokens=False)
+            hay = ids[d * 997 % 20000 :][: length - len(needle_ids) - 64]
+            at = round(d / (depths - 1) * len(hay)) if depths > 1 else 0
+            prompt = chat_ids(h, hay[:at] + needle_ids + hay[at:], question)
+            a, tok = h.prefill(prompt)
+            b = h.fork(a, len(prompt))
+            full, sparse = [tok], [tok]
+            n = len(prompt)
+            for i in range(answer_tokens - 1):
+                nxt = h.step([(a, n + i, full[-1], False), (b, n + i, sparse[-1], True)])
+                full.append(nxt[0])
+                sparse.append(nxt[1])
+            h.release([a, b], n, [n + answer_tokens - 1] * 2)
+            stop = set(h.tok.eos_token_ids)
+            cut = lambda t: t[: next((i for i, x in enumerate(t) if x in stop), len(t))]  # noqa: E731
+            full_text, sparse_text = h.tok.decode(cut(full)).strip(), h.tok.decode(cut(sparse)).strip()
+            out.append({"length": len(prompt), "depth": round(d / max(depths - 1, 1), 3), "code": code,
+                        "full": full_text, "omnikv": sparse_text, "same": full_text == sparse_text,
+                        "full_correct": str(code) in full_text, "omnikv_correct": str(code) in sparse_text})
+            print(f"needle len {len(prompt):5d} depth {d}: full {full_text!r} omnikv {sparse_text!r}", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--parts", default="speed,fidelity,needle")
+    p.add_argument("--budget", type=float, default=0.1, help="share of the context selected (default 0.1)")
+    p.add_argument("--contexts", default="1024,2048,4096,8000")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--fidelity-contexts", default="8000")
+    p.add_argument("--fidelity-prompts", type=int, default=3)
+    p.add_argument("--fidelity-tokens", type=int, default=256)
+    p.add_argument("--needle-lengths", default="1024,2048,4096,8000")
+    p.add_argument("--needle-depths", type=int, default=10)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    parts = set(a.parts.split(","))
+    h = Harness(a.model, a.budget)
+    ids = h.tok.encode(doc_text(), add_special_tokens=False)
+    result: dict[str, Any] = {"bench": "omnikv_cpu", "model": a.model, "machine": machine_info(), "versions": versions(),
+                              "config": h.cfg.to_dict(), "config_origin": h.origin,
+                              "threads": h.runner.expert_pool.workers.num_threads}
+    print(f"OmniKV config ({h.origin}): {h.cfg.to_dict()}", flush=True)
+    if "speed" in parts:
+        result["speed"] = speed(h, ids, ints(a.contexts), a.steps, a.rounds)
+    if "fidelity" in parts:
+        f = fidelity(h, ids, ints(a.fidelity_contexts), a.fidelity_prompts, a.fidelity_tokens)
+        result["fidelity"] = {"runs": f, "mean_teacher_forced_agreement":
+                              round(statistics.mean(x["teacher_forced_agreement"] for x in f), 4)}
+    if "needle" in parts:
+        nd = needle(h, ids, ints(a.needle_lengths), a.needle_depths, 12, seed=7)
+        result["needle"] = {"runs": nd, "same_answer_rate": round(sum(x["same"] for x in nd) / len(nd), 4),
+                            "full_correct_rate": round(sum(x["full_correct"] for x in nd) / len(nd), 4),
+                            "omnikv_correct_rate": round(sum(x["omnikv_correct"] for x in nd) / len(nd), 4)}
+        print(f"needle: same answer {result['needle']['same_answer_rate']:.1%}, full correct "
+              f"{result['needle']['full_correct_rate']:.1%}, OmniKV correct {result['needle']['omnikv_correct_rate']:.1%}")
+    out = a.out or f"bench/results/omnikv_cpu_{machine_tag(result['machine'])}.json"
+    write_json(out, result)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

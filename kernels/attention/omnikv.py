@@ -1,0 +1,287 @@
+"""OmniKV in plain torch: the reference of the token selection (models/omnikv_config.py states the
+definition) and the per-forward state the torch and Triton backends read.
+
+Keys and queries are seen alike for both attention kinds: queries [.., H, D] against keys
+[slots, Hkv, D] with query head h reading KV head h // (H / Hkv). GQA passes its K cache; MLA passes
+the absorbed query (q_nope·w_kc ‖ q_pe, D = r + P) against the latent cache viewed as one KV head
+([slots, 1, r + P]): the score is q_latent·c_kv + q_pe·k_pe, and one selected row serves every head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+FULL, FILTER, SPARSE = 0, 1, 2  # layer roles, as models.omnikv_config numbers them
+
+
+def importance(q: torch.Tensor, keys: torch.Tensor, q_pos: Sequence[int], weights: Sequence[float],
+               scale: float) -> torch.Tensor:
+    """sum_i w_i · max_h softmax_j(scale · q_ih·k_j) over positions j <= q_pos[i].
+
+    q [W, H, D] (window queries, oldest first), keys [n, Hkv, D] (positions 0..n-1) -> [n] fp32."""
+    w, h, d = q.shape
+    n, hkv = keys.shape[0], keys.shape[1]
+    qg = q.float().view(w, hkv, h // hkv, d)  # [W, Hkv, G, D]
+    scores = torch.einsum("wkgd,nkd->wkgn", qg, keys.float()) * scale  # [W, Hkv, G, n]
+    pos = torch.tensor(list(q_pos), device=q.device)
+    causal = torch.arange(n, device=q.device)[None, :] > pos[:, None]  # [W, n]
+    scores = scores.masked_fill(causal[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1).reshape(w, h, n).amax(dim=1)  # [W, n]
+    return (torch.tensor(list(weights), dtype=torch.float32, device=q.device)[:, None] * probs).sum(0)
+
+
+def kept_count(n: int, k: int, sink: int, recent: int) -> int:
+    """How many positions `select_positions` keeps of a context of n (known on the host, no device read)."""
+    lo, hi = min(sink, n), max(min(sink, n), n - recent)
+    return n if k >= hi - lo else lo + k + (n - hi)
+
+
+def select_positions(imp: torch.Tensor, k: int, sink: int, recent: int) -> torch.Tensor:
+    """Sorted positions kept: 0..sink-1, the last `recent`, and the k most important between them
+    (ties to the earlier position). imp [n] -> int64 positions."""
+    n = int(imp.shape[0])
+    lo, hi = min(sink, n), max(min(sink, n), n - recent)
+    if k >= hi - lo:
+        return torch.arange(n, device=imp.device)
+    middle = imp[lo:hi]
+    order = torch.sort(middle, descending=True, stable=True).indices[:k]  # stable: equal scores keep position order
+    chosen = torch.sort(order).values + lo
+    dev = imp.device
+    return torch.cat([torch.arange(lo, device=dev), chosen, torch.arange(hi, n, device=dev)])
+
+
+class QueryHistory:
+    """The filter layers' queries of each request's recent decode steps (the window beyond the current
+    query, for `uniform` / `exponential` weights). Per request row of req_to_token: q [F, W, H, D]
+    and the position each entry was recorded at (-1: empty), entry = position % W. A row is cleared
+    when it is handed to a new request (`clear`), so nothing of the previous owner is ever read."""
+
+    def __init__(self, rows: int, num_filters: int, window: int, num_heads: int, head_dim: int,
+                 device: torch.device | str) -> None:
+        self.window = window
+        self.q = torch.zeros(rows, num_filters, window, num_heads, head_dim, dtype=torch.float32, device=device)
+        self.pos = torch.full((rows, num_filters, window), -1, dtype=torch.int64, device=device)
+
+    def clear(self, row: int) -> None:
+        self.pos[row].fill_(-1)
+
+    def record(self, f: int, row: int, pos: int, q: torch.Tensor) -> None:
+        e = pos % self.window
+        self.q[row, f, e] = q.float()
+        self.pos[row, f, e] = pos
+
+    def window_of(self, f: int, row: int, pos: int) -> tuple[torch.Tensor, list[int]]:
+        """Queries at positions pos-W+1..pos present for this row (oldest first) and their positions.
+        The current query (pos) must have been recorded."""
+        got = [p for p in range(pos - self.window + 1, pos + 1) if p >= 0 and int(self.pos[row, f, p % self.window]) == p]
+        return self.q[row, f, [p % self.window for p in got]], got
+
+
+@dataclass
+class PackedSelection:
+    """One filter layer's selections made on the device (`OmniKVBatch.observe_batched`): row j of
+    `slots` [P, k_max] int64 holds the KV slots of batch row `batch_rows[j]`, sorted by position, 0 past
+    its length; `lens` ([P] on the host) and `lens_dev` (the same on the device) are those lengths."""
+
+    batch_rows: list[int]
+    batch_rows_dev: torch.Tensor  # [P] int64
+    slots: torch.Tensor  # [P, k_max] int64
+    lens: list[int]
+    lens_dev: torch.Tensor  # [P] int64
+
+
+class OmniKVBatch:
+    """One forward's OmniKV state (implements `kernels.attention.base.SparseAttention`).
+
+    `rows` are the batch rows that decode with OmniKV this forward (one new token each, their
+    context long enough for a selection to leave something out); every other row attends fully.
+    Filter layers call `observe` after their attention, which fixes the selection the layers below
+    them read through `slots` and `decode_view`. `observe_batched` (the triton backend) makes the same
+    selection for all rows at once with device kernels and keeps it padded (`packed`), from which
+    `decode_view` builds its table without reading the device."""
+
+    def __init__(self, roles: Sequence[int], source: Sequence[int], rows: Sequence[int], req_rows: Sequence[int],
+                 positions: Sequence[int], budgets: Sequence[int], *, sink: int, recent: int,
+                 weights_for, table: torch.Tensor, history: QueryHistory | None = None) -> None:
+        self.roles, self.source = list(roles), list(source)
+        self.rows = list(rows)
+        self._where = {b: i for i, b in enumerate(self.rows)}
+        self.req_rows, self.positions, self.budgets = list(req_rows), list(positions), list(budgets)
+        self.sink, self.recent = sink, recent
+        self.weights_for = weights_for  # present window queries -> alpha weights (oldest first)
+        self.table = table
+        self.history = history
+        self.filter_of = {layer: roles[: layer + 1].count(FILTER) - 1 for layer in range(len(roles))}
+        self.selected: dict[int, list[torch.Tensor]] = {}  # filter index -> per sparse row: KV slots (int64)
+        self.packed: dict[int, PackedSelection] = {}  # filter index -> the same, padded (observe_batched)
+        self._device_args: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}  # observe_batched's per-row inputs
+        self.selected_tokens = 0  # summed over filter layers and rows (metrics)
+        self.context_tokens = 0
+
+    def role(self, layer_id: int) -> int:
+        return self.roles[layer_id]
+
+    def observe(self, layer_id: int, batch_rows: Sequence[int], q: torch.Tensor, keys: torch.Tensor,
+                scale: float) -> None:
+        """At a filter layer: q [len(batch_rows), H, D] of those rows' decode tokens, keys [slots, Hkv, D]
+        the layer's cache (the new tokens already stored)."""
+        if self.roles[layer_id] != FILTER:
+            return
+        f = self.filter_of[layer_id]
+        out = self.selected.setdefault(f, [torch.empty(0, dtype=torch.int64)] * len(self.rows))
+        self.packed.pop(f, None)  # the per-row lists are the selection now
+        for b, qb in zip(batch_rows, q):
+            i = self._where.get(b)
+            if i is None:
+                continue
+            row, pos = self.req_rows[i], self.positions[i]
+            n = pos + 1
+            if self.history is not None:
+                self.history.record(f, row, pos, qb)
+                qw, qpos = self.history.window_of(f, row, pos)
+            else:
+                qw, qpos = qb[None], [pos]
+            slots = self.table[row, :n].to(torch.int64)
+            imp = importance(qw, keys[slots], qpos, self.weights_for(len(qpos)), scale)
+            chosen = select_positions(imp, self.budgets[i], self.sink, self.recent)
+            out[i] = slots[chosen]
+            self.selected_tokens += int(chosen.numel())
+            self.context_tokens += n
+
+    @property
+    def window(self) -> int:
+        """Window queries per row (1 without a history)."""
+        return self.history.window if self.history is not None else 1
+
+    def _inputs(self, idx: list[int], device: torch.device) -> dict[str, torch.Tensor]:
+        """The device tensors of rows `idx` (indices into self.rows) that every filter layer reuses."""
+        key = tuple(idx)
+        got = self._device_args.get(key)
+        if got is None:
+            as_dev = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+            w = self.window
+            table = torch.zeros(w + 1, w, dtype=torch.float32)  # row c: weights_for(c), oldest first
+            for c in range(1, w + 1):
+                table[c, :c] = torch.tensor(list(self.weights_for(c)), dtype=torch.float32)
+            pos = as_dev([self.positions[i] for i in idx])
+            got = {
+                "batch_rows": as_dev([self.rows[i] for i in idx]), "req_rows": as_dev([self.req_rows[i] for i in idx]),
+                "pos": pos, "ctx": pos + 1, "alpha": table.to(device),
+                "win_pos": pos[:, None] - (w - 1) + torch.arange(w, device=device)[None, :],  # [P, W] oldest first
+            }
+            self._device_args[key] = got
+        return got
+
+    def observe_batched(self, layer_id: int, batch_rows: Sequence[int], q: torch.Tensor, keys: torch.Tensor,
+                        scale: float, kernels: ModuleType, *, max_splits: int = 8) -> None:
+        """`observe` for every row at once on the device, with `kernels` (kernels.triton_omnikv): the
+        current queries are recorded, the present window queries gathered into [P, W, H, D] (absent
+        entries: q_pos -1, weight 0), then `kernels.importance` and `kernels.select_slots`. The selection
+        is stored padded (`packed`) and per row (`selected`, views of it); the counters come from the
+        host's positions and budgets, so no device value is read back."""
+        if self.roles[layer_id] != FILTER:
+            return
+        f = self.filter_of[layer_id]
+        out = self.selected.setdefault(f, [torch.empty(0, dtype=torch.int64)] * len(self.rows))
+        pick = [(j, self._where[b]) for j, b in enumerate(batch_rows) if b in self._where]
+        if not pick:
+            return
+        dev = q.device
+        idx = [i for _, i in pick]
+        if len(pick) != q.shape[0]:
+            q = q.index_select(0, torch.tensor([j for j, _ in pick], dtype=torch.int64, device=dev))
+        a = self._inputs(idx, dev)
+        if self.history is not None:
+            hist, w = self.history, self.history.window
+            rows = a["req_rows"]
+            hist.q[rows, f, a["pos"] % w] = q.float()
+            hist.pos[rows, f, a["pos"] % w] = a["pos"]
+            win_pos = a["win_pos"]
+            entries = win_pos.remainder(w)
+            present = (win_pos >= 0) & (hist.pos[rows[:, None], f, entries] == win_pos)  # [P, W]
+            rank = present.cumsum(1) - 1  # among the present ones, oldest first
+            weights = torch.where(present, a["alpha"][present.sum(1, keepdim=True), rank.clamp(min=0)], 0.0)
+            q_win = hist.q[rows[:, None], f, entries]  # [P, W, H, D] fp32
+            q_pos = torch.where(present, win_pos, -1)
+        else:
+            q_win, q_pos = q[:, None], a["pos"][:, None]
+            weights = a["alpha"][1:2].expand(len(idx), 1)
+        ns = [self.positions[i] + 1 for i in idx]
+        budgets = [self.budgets[i] for i in idx]
+        imp = kernels.importance(q_win.contiguous(), q_pos.contiguous(), weights.contiguous(), keys, self.table,
+                                 a["req_rows"], a["ctx"], scale, max(ns), max_splits=max_splits)
+        k_max = max(budgets) + self.sink + self.recent
+        slots, lens_dev = kernels.select_slots(imp, a["ctx"], budgets, self.sink, self.recent, self.table,
+                                               a["req_rows"], k_max)
+        slots = slots.to(torch.int64)
+        lens = [kept_count(n, k, self.sink, self.recent) for n, k in zip(ns, budgets)]
+        self.packed[f] = PackedSelection([self.rows[i] for i in idx], a["batch_rows"], slots, lens,
+                                         lens_dev.to(torch.int64))
+        for j, (i, length) in enumerate(zip(idx, lens)):
+            out[i] = slots[j, :length]
+        self.selected_tokens += sum(lens)
+        self.context_tokens += sum(ns)
+
+    def slots(self, layer_id: int, batch_row: int) -> torch.Tensor | None:
+        """The KV slots batch row `batch_row` attends to at this layer, or None for all of its context."""
+        if self.roles[layer_id] != SPARSE:
+            return None
+        i = self._where.get(batch_row)
+        if i is None:
+            return None
+        sel = self.selected.get(self.source[layer_id])
+        if sel is None:
+            raise RuntimeError(f"layer {layer_id} reads a selection its filter layer never made")
+        return sel[i]
+
+    def decode_view(self, layer_id: int, indices: torch.Tensor, mask: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode batch's padded [B, L] KV slots and validity mask with the sparse rows' selections in
+        place of their whole contexts (None where this layer attends fully)."""
+        if self.roles[layer_id] != SPARSE or not self.rows:
+            return None
+        packed = self.packed.get(self.source[layer_id])
+        if packed is not None and len(packed.batch_rows) == len(self.rows):
+            return self._packed_view(packed, indices, mask)
+        lists = [self.slots(layer_id, b) for b in range(indices.shape[0])]
+        width = max(int(mask[b].sum()) if s is None else int(s.numel()) for b, s in enumerate(lists))
+        out = torch.zeros(indices.shape[0], width, dtype=indices.dtype, device=indices.device)
+        valid = torch.zeros(indices.shape[0], width, dtype=torch.bool, device=indices.device)
+        for b, s in enumerate(lists):
+            if s is None:
+                n = int(mask[b].sum())
+                out[b, :n] = indices[b, :n]
+            else:
+                n = int(s.numel())
+                out[b, :n] = s.to(indices.device)
+            valid[b, :n] = True
+        return out, valid
+
+    @staticmethod
+    def _packed_view(packed: PackedSelection, indices: torch.Tensor, mask: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode_view` from a device selection without reading the device: the other rows keep their
+        masked contexts, the sparse rows get their padded selections (the width is indices' when some row
+        attends fully, else the longest selection)."""
+        bsz = indices.shape[0]
+        full = len(packed.batch_rows) < bsz
+        width = indices.shape[1] if full else max(packed.lens)
+        dev = indices.device
+        if full:
+            out = indices[:, :width].masked_fill(~mask[:, :width], 0)
+            valid = mask[:, :width].clone()
+        else:
+            out = torch.zeros(bsz, width, dtype=indices.dtype, device=dev)
+            valid = torch.zeros(bsz, width, dtype=torch.bool, device=dev)
+        sel = torch.zeros(len(packed.batch_rows), width, dtype=indices.dtype, device=dev)
+        k = min(width, packed.slots.shape[1])
+        sel[:, :k] = packed.slots[:, :k].to(device=dev, dtype=indices.dtype)
+        keep = torch.arange(width, device=dev)[None, :] < packed.lens_dev.to(dev)[:, None]
+        rows = packed.batch_rows_dev.to(dev)
+        out.index_copy_(0, rows, sel.masked_fill(~keep, 0))
+        valid.index_copy_(0, rows, keep)
+        return out, valid

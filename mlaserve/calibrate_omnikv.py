@@ -1,0 +1,458 @@
+"""`mlaserve calibrate-omnikv`: choose OmniKV's filter layers for a model from its own attention.
+
+OmniKV (ICLR 2025) decodes most layers over the tokens a few "filter" layers found important
+(models/omnikv_config.py states the plan and the selection). Which layers filter well is a property
+of the model, measured here once over real text ("inter-layer attention similarity"):
+
+1. Record. One prefill of up to N tokens of the text through the model's torch forward, with
+   `RecordingBackend` (a `TorchAttentionBackend`) as the attention backend. At every layer l and for
+   the last Q positions (the observation queries, query i at position p_i, context p_i + 1) it keeps
+   the attention probabilities P_l [Q, H, p+1] — per head, the softmax of scale · q·k over the
+   positions the query saw — reduced to what the measure needs: max over heads (OmniKV's importance
+   with one query, `kernels.attention.omnikv.importance`) and the mean over heads (where the layer's
+   attention mass actually goes), 2 · Q · n fp32 per layer. GQA is recorded in `forward_extend`
+   (q against the K the pool holds); MLA in `forward_mla_normal`, whose per-head q·k with
+   k = (k_nope ‖ k_pe) equals the absorbed score q_latent·c_kv + q_pe·k_pe that decode selects with.
+
+2. Measure. S_l(i) = the tokens decode would keep at layer l as a filter layer for query i: the
+   config's rule exactly (`select_positions`: the first `sink_tokens`, the last `recent_tokens`,
+   and the k = ceil(R · (p_i + 1)) most important tokens between them by layer l's max-over-heads
+   probabilities). Keeping the sink and recent tokens in S_l is deliberate: every layer attends to
+   them heavily and decode always keeps them, so ranking layers by a plain top-k would mostly
+   reward agreeing on the sinks; with them granted, the measure rates the part of the selection
+   that is up to the layer. Then
+       cover(l, j)    = mean over i of  sum over s in S_l(i) of mean_h P_j,h(i, s)
+       capability(l)  = mean of cover(l, j) over j = l+1 .. min(l + lookahead, L - 1)
+   — the share of the next layers' attention mass that l's selection holds — and cover(l, l), the
+   mass l's own selection holds, is printed beside it. The last layer has no capability.
+
+3. Choose m filter layers (deterministic; ties go to the earlier layer):
+   * candidates are layers 1 .. L-3. Not layer 0: its attention is mostly local and positional (on
+     SmolLM2-135M its capability is 0.64 against 0.94 at layer 2), and it would make every later
+     layer read the least informed selection. Not L-2 or L-1: with the default
+     plan the layer after a filter attends fully, so no layer would read their selection.
+   * the first filter layer is the earliest candidate whose capability is within `tolerance`
+     (default 0.02) of the best candidate's. Cost: every layer before the first filter layer
+     attends fully at every decode step, so among nearly equally capable layers the earliest saves
+     the most; the tolerance is the retained attention mass we trade for that.
+   * the others, after it, by decreasing capability, each at least `lookahead` layers from every
+     layer already chosen: a filter layer refreshes the selection for the layers below it, and
+     one within another's lookahead span would cut the span its capability was measured on while
+     costing two more full layers (itself and the one after it).
+   Fewer than m are written when the spacing leaves no candidate (a note says so).
+
+The config (`OmniKVConfig`, budget_ratio R, the other settings their defaults) is written with
+`save`; its `calibration` field records the model, the text, the counts, the per-layer table and,
+as a summary of the choice, `sparse_mass`: over the plan's sparse layers j, the mean of
+cover(filter layer j reads, j) — the attention mass decode keeps where it attends sparsely.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from executor.model_runner import ModelRunner, RequestSlice
+from kernels.attention.base import ForwardBatch
+from kernels.attention.omnikv import select_positions
+from kernels.attention.torch_backend import TorchAttentionBackend
+from models.omnikv_config import MAX_FILTER_LAYERS, SPARSE, OmniKVConfig
+
+if TYPE_CHECKING:
+    from models.loader.load import LoadedModel
+
+PROG = "mlaserve calibrate-omnikv"
+MIN_TOKENS = 256  # shorter texts give too few long-context queries to rank layers by
+DEFAULT_TOKENS = 4096
+DEFAULT_QUERIES = 32
+DEFAULT_LOOKAHEAD = 4
+DEFAULT_TOLERANCE = 0.02
+MIN_LAYERS = 4  # a full layer, the filter layer, the full layer after it and one sparse layer
+
+
+class CalibrationError(Exception):
+    """Something the user can fix (the text, the flags, the model); the message says what."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Recording
+
+
+def attention_probs(q: torch.Tensor, keys: torch.Tensor, q_pos: Sequence[int], scale: float) -> torch.Tensor:
+    """Per query and head, softmax_j(scale · q_h·k_j) over positions j <= q_pos[i] (0 beyond).
+
+    q [Q, H, D], keys [n, Hkv, D] (positions 0..n-1; head h reads KV head h // (H / Hkv)) -> [Q, H, n] fp32."""
+    w, h, d = q.shape
+    n, hkv = keys.shape[0], keys.shape[1]
+    qg = q.float().view(w, hkv, h // hkv, d)
+    scores = torch.einsum("wkgd,nkd->wkgn", qg, keys.float()) * scale  # [Q, Hkv, G, n]
+    pos = torch.tensor(list(q_pos), device=q.device)
+    causal = torch.arange(n, device=q.device)[None, :] > pos[:, None]
+    scores = scores.masked_fill(causal[:, None, None, :], float("-inf"))
+    return scores.softmax(dim=-1).reshape(w, h, n)
+
+
+class RecordingBackend(TorchAttentionBackend):
+    """The torch backend, plus a record of every layer's attention for the last `queries` positions of
+    a one-request prefill (module docstring, 1.). `keep_layers`: layers whose full probabilities
+    [Q, H, n] and queries [Q, H, D] are kept too (for checks; memory Q · H · n each)."""
+
+    def __init__(self, num_layers: int, queries: int, keep_layers: Iterable[int] = ()) -> None:
+        super().__init__()
+        self.num_layers, self.queries = num_layers, queries
+        self.keep_layers = frozenset(keep_layers)
+        self.positions: list[int] = []  # the observation queries' positions
+        self.req_pool_idx = -1  # the request's row in req_to_token (its KV stays in the pool after the forward)
+        self.max_head: list[torch.Tensor | None] = [None] * num_layers  # [Q, n] fp32, CPU
+        self.head_mean: list[torch.Tensor | None] = [None] * num_layers  # [Q, n] fp32, CPU
+        self.probs: dict[int, torch.Tensor] = {}  # [Q, H, n] fp32
+        self.q: dict[int, torch.Tensor] = {}  # [Q, H, D] as the layer computed them (fp32)
+        self.scale: dict[int, float] = {}
+
+    def _record(self, layer_id: int, q: torch.Tensor, keys: torch.Tensor, batch: ForwardBatch, scale: float) -> None:
+        """q [T, H, D] of the batch's new tokens, keys [>= seq_len, Hkv, D] of the request's positions."""
+        if batch.batch_size != 1:
+            raise ValueError("the recording backend records the prefill of one request")
+        seq_len, new = batch.seq_lens_cpu[0], batch.extend_seq_lens_cpu[0]
+        if new < self.queries:
+            raise ValueError(f"the forward has {new} new tokens, fewer than the {self.queries} observation queries")
+        positions = list(range(seq_len - self.queries, seq_len))
+        qq = q[new - self.queries : new]
+        probs = attention_probs(qq, keys[:seq_len], positions, scale)
+        self.positions = positions
+        self.req_pool_idx = int(batch.req_pool_indices[0])
+        self.max_head[layer_id] = probs.amax(dim=1).cpu()
+        self.head_mean[layer_id] = probs.mean(dim=1).cpu()
+        self.scale[layer_id] = scale
+        if layer_id in self.keep_layers:
+            self.probs[layer_id] = probs.cpu()
+            self.q[layer_id] = qq.detach().float().cpu()
+
+    def forward_extend(self, q, k, v, layer, batch):
+        out = super().forward_extend(q, k, v, layer, batch)  # stores k, v in the pool first
+        k_buf, _ = batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        row = int(batch.req_pool_indices[0])
+        slots = batch.req_to_token_pool.req_to_token[row, : batch.seq_lens_cpu[0]].to(torch.int64)
+        self._record(layer.layer_id, q, k_buf[slots], batch, layer.scaling)  # the K attention read
+        return out
+
+    def forward_mla_normal(self, q, k, v, layer, batch):
+        out = super().forward_mla_normal(q, k, v, layer, batch)  # fresh prefill: k covers every position
+        self._record(layer.layer_id, q, k, batch, layer.scaling)
+        return out
+
+    def missing_layers(self) -> list[int]:
+        return [i for i, m in enumerate(self.max_head) if m is None]
+
+
+def calibration_runner(loaded: LoadedModel, tokens: int, device: str = "cpu") -> ModelRunner:
+    """A one-request `ModelRunner` with room for `tokens` positions, on the model's torch forward."""
+    runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=tokens + 1, max_running_requests=1,
+                         max_context_len=tokens + 1, device=device, disable_cuda_graph=True)
+    if runner.native_forward is not None:  # load_model(cpu_weights=None) never makes one
+        runner.close()
+        raise CalibrationError("the model runs through native CPU kernels, which no attention backend sees; "
+                               "load it with cpu_weights=None")
+    return runner
+
+
+@torch.no_grad()
+def record_prefill(runner: ModelRunner, ids: Sequence[int], queries: int,
+                   keep_layers: Iterable[int] = ()) -> RecordingBackend:
+    """Prefills `ids` as one request through `runner` with a `RecordingBackend` in place of its
+    attention backend; the request's KV stays in the runner's pool (row `recorder.req_pool_idx`) for
+    whoever wants to check it."""
+    recorder = RecordingBackend(runner.config.num_hidden_layers, queries, keep_layers)
+    runner.attn_backend = recorder
+    row = runner.req_to_token_pool.alloc()
+    if row is None:
+        raise RuntimeError("the calibration runner has no free request row")
+    runner.forward(runner.build_batch([RequestSlice(row, 0, list(ids))]))
+    missing = recorder.missing_layers()
+    if missing:
+        raise RuntimeError(f"no attention was recorded at layers {missing}")
+    return recorder
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring and choosing
+
+
+def coverage_matrix(max_head: torch.Tensor, head_mean: torch.Tensor, positions: Sequence[int],
+                    rule: OmniKVConfig) -> torch.Tensor:
+    """cover [L, L]: cover[l, j] = mean over queries of layer j's head-mean attention mass on the
+    tokens `rule` keeps by layer l's max-over-heads importance. max_head, head_mean [L, Q, n]."""
+    layers, q, n = max_head.shape
+    kept = torch.zeros(layers, q, n, dtype=torch.float32)
+    for layer in range(layers):
+        for i, p in enumerate(positions):
+            ctx = p + 1
+            chosen = select_positions(max_head[layer, i, :ctx], rule.budget_for(ctx), rule.sink_tokens,
+                                      rule.recent_tokens)
+            kept[layer, i, chosen] = 1.0
+    return torch.einsum("lqn,jqn->lj", kept, head_mean.float()) / q
+
+
+def capabilities(cover: torch.Tensor, lookahead: int) -> list[float | None]:
+    """capability(l) = mean of cover[l, l+1 .. min(l + lookahead, L - 1)]; None for the last layer.
+    Rounded to 4 decimals: the rule compares these numbers (differences below that are noise, and
+    rounding keeps the choice the same on every machine and when re-derived from the saved table)."""
+    layers = cover.shape[0]
+    out: list[float | None] = []
+    for layer in range(layers):
+        nxt = range(layer + 1, min(layer + lookahead, layers - 1) + 1)
+        out.append(round(sum(float(cover[layer, j]) for j in nxt) / len(nxt), 4) if len(nxt) else None)
+    return out
+
+
+def sparse_mass(cover: torch.Tensor, config: OmniKVConfig) -> float | None:
+    """What the plan of `config` keeps: the mean over its SPARSE layers j of cover[filter of j, j] (None
+    when the plan has no sparse layer). A summary for the user, not part of the rule."""
+    plan = config.plan(cover.shape[0])
+    kept = [float(cover[config.filter_layers[src], j]) for j, (role, src) in enumerate(zip(plan.roles, plan.source))
+            if role == SPARSE]
+    return sum(kept) / len(kept) if kept else None
+
+
+def _check_depth(layers: int) -> None:
+    if layers < MIN_LAYERS:
+        raise CalibrationError(f"the model has {layers} layers; OmniKV needs at least {MIN_LAYERS} (a full layer, "
+                               "the filter layer, the full layer after it and a layer that attends sparsely)")
+
+
+def choose_filter_layers(capability: Sequence[float | None], filters: int, lookahead: int,
+                         tolerance: float = DEFAULT_TOLERANCE) -> tuple[int, ...]:
+    """The rule of the module docstring (3.): the earliest candidate within `tolerance` of the best,
+    then the most capable ones after it, `lookahead` apart. Candidates 1 .. L-3."""
+    layers = len(capability)
+    _check_depth(layers)
+    candidates = list(range(1, layers - 2))
+    cap = {c: float(capability[c]) for c in candidates}  # type: ignore[arg-type]
+    best = max(cap.values())
+    first = min(c for c in candidates if cap[c] >= round(best - tolerance, 4))  # at the table's precision
+    chosen = [first]
+    for c in sorted((c for c in candidates if c > first), key=lambda c: (-cap[c], c)):
+        if len(chosen) == filters:
+            break
+        if all(abs(c - x) >= lookahead for x in chosen):
+            chosen.append(c)
+    return tuple(sorted(chosen))
+
+
+@dataclass
+class Calibration:
+    config: OmniKVConfig
+    capability: list[float | None]
+    own_mass: list[float]
+    cover: torch.Tensor  # [L, L]
+    sparse_mass: float | None  # mean over the plan's sparse layers of the mass their selection holds
+    recorder: RecordingBackend
+
+
+def calibrate(loaded: LoadedModel, ids: Sequence[int], *, queries: int = DEFAULT_QUERIES,
+              lookahead: int = DEFAULT_LOOKAHEAD, filters: int = MAX_FILTER_LAYERS, budget_ratio: float = 0.1,
+              tolerance: float = DEFAULT_TOLERANCE, device: str = "cpu", model_name: str = "", text_name: str = "") -> Calibration:
+    """Records, measures and chooses (module docstring); the config carries the table in `calibration`."""
+    layers = loaded.config.num_hidden_layers
+    _check_depth(layers)  # before the prefill
+    if not 1 <= queries < len(ids):
+        raise CalibrationError(f"--queries {queries} must be at least 1 and below the {len(ids)} tokens calibrated on")
+    rule = OmniKVConfig(filter_layers=(0,), budget_ratio=budget_ratio)  # its sink/recent/budget: the defaults
+    runner = calibration_runner(loaded, len(ids), device)
+    try:
+        rec = record_prefill(runner, ids, queries)
+    finally:
+        runner.close()
+    cover = coverage_matrix(torch.stack(rec.max_head), torch.stack(rec.head_mean), rec.positions, rule)
+    capability = capabilities(cover, lookahead)
+    own = [float(cover[i, i]) for i in range(layers)]
+    chosen = choose_filter_layers(capability, filters, lookahead, tolerance)
+    kept = sparse_mass(cover, OmniKVConfig(filter_layers=chosen))
+    calibration = {
+        "model": model_name, "text": text_name, "tokens": len(ids), "queries": queries, "lookahead": lookahead,
+        "tolerance": tolerance,
+        "capability": capability,
+        "own_mass": [round(x, 4) for x in own],
+        "sparse_mass": None if kept is None else round(kept, 4),
+    }
+    config = dataclasses.replace(rule, filter_layers=chosen, calibration=calibration)
+    return Calibration(config, capability, own, cover, kept, rec)
+
+
+def format_table(capability: Sequence[float | None], own_mass: Sequence[float], chosen: Iterable[int]) -> list[str]:
+    """A header, then one line per layer: layer, capability, own mass, and `filter` on the chosen ones."""
+    picked = set(chosen)
+    lines = ["layer  capability  own_mass"]
+    for layer, (c, o) in enumerate(zip(capability, own_mass)):
+        cap = "         -" if c is None else f"{c:10.4f}"
+        lines.append(f"{layer:5d}  {cap}  {o:8.4f}" + ("  filter" if layer in picked else ""))
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    return value
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
+    return value
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be in [0, 1]")
+    return value
+
+
+def _device(text: str) -> str:
+    from engine.args import device_name
+
+    problem = device_name(text)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text!r} {problem}")
+    return text
+
+
+def model_label(model: str) -> str:
+    """A built-in name as it is; a path by its last component (a .gguf without the suffix)."""
+    from models.builtin import builtin_names
+
+    if model in builtin_names():
+        return model
+    path = Path(model).expanduser()
+    name = path.resolve().name if path.name in ("", ".", "..") else path.name
+    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Measure how well each layer's attention predicts the next layers' (OmniKV's filter "
+                    "capability) over a text, print the table, and write an OmniKV config with the chosen "
+                    "filter layers. See mlaserve/calibrate_omnikv.py for the definitions and the rule.")
+    p.add_argument("--model", required=True, metavar="MODEL", help="built-in model name, HF directory or .gguf file")
+    p.add_argument("--text", required=True, metavar="FILE",
+                   help=f"UTF-8 text to calibrate on (at least {MIN_TOKENS} tokens; natural text or code "
+                        "of the kind the model will serve)")
+    p.add_argument("--output", metavar="CONFIG.json",
+                   help="where to write the config (default: omnikv-<model>.json in the current directory, "
+                        "<model> the built-in name or the checkpoint's file/directory name)")
+    p.add_argument("--max-tokens", type=_positive_int, default=DEFAULT_TOKENS, metavar="N",
+                   help=f"tokens of the text to prefill at most (default: {DEFAULT_TOKENS}, capped by the "
+                        "model's context)")
+    p.add_argument("--queries", type=_positive_int, default=DEFAULT_QUERIES, metavar="Q",
+                   help=f"observation queries: the last Q positions (default: {DEFAULT_QUERIES})")
+    p.add_argument("--lookahead", type=_positive_int, default=DEFAULT_LOOKAHEAD, metavar="n",
+                   help=f"following layers a capability is measured over, and the least distance between "
+                        f"filter layers (default: {DEFAULT_LOOKAHEAD})")
+    p.add_argument("--filters", type=int, choices=range(1, MAX_FILTER_LAYERS + 1), default=MAX_FILTER_LAYERS,
+                   metavar="m", help=f"filter layers to choose, 1 to {MAX_FILTER_LAYERS} (default: {MAX_FILTER_LAYERS})")
+    p.add_argument("--budget-ratio", type=_ratio, default=0.1, metavar="R",
+                   help="share of the context selected by importance, in (0, 1] (default: 0.1); written to the config")
+    p.add_argument("--tolerance", type=_tolerance, default=DEFAULT_TOLERANCE, metavar="T",
+                   help="the first filter layer is the earliest whose capability is within T of the best "
+                        f"(default: {DEFAULT_TOLERANCE})")
+    p.add_argument("--device", type=_device, default="cpu", metavar="DEVICE", help="cpu or cuda[:N] (default: cpu)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="weights and activations dtype (default: float32; the probabilities are fp32 anyway)")
+    return p
+
+
+def read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CalibrationError(f"the text file {path} does not exist; pass --text a UTF-8 text file") from None
+    except UnicodeDecodeError as err:
+        raise CalibrationError(f"the text file {path} is not UTF-8 (byte {err.start}); convert it, e.g. with "
+                               "iconv -t UTF-8") from None
+    except OSError as err:
+        raise CalibrationError(f"cannot read the text file {path}: {err.strerror or err}") from None
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        text = read_text(args.text)
+    except CalibrationError as err:
+        return _fail(str(err))
+    name = model_label(args.model)
+    output = Path(args.output) if args.output else Path(f"omnikv-{name}.json")
+
+    from models.loader.errors import CheckpointError
+    from models.loader.load import load_model
+
+    try:
+        loaded = load_model(args.model, device=args.device, dtype=args.dtype, cpu_weights=None,
+                            progress=sys.stderr.isatty())
+    except (FileNotFoundError, KeyError, CheckpointError, ValueError) as err:
+        return _fail(f"cannot load the model {args.model}: {err}")
+    tok = loaded.tokenizer
+    if tok is None:
+        return _fail(f"the model {args.model} has no tokenizer")
+    ids = tok.encode(text)
+    if len(ids) < MIN_TOKENS:
+        return _fail(f"the text {args.text} has {len(ids)} tokens for this model; calibration needs at least "
+                     f"{MIN_TOKENS}: give a longer text")
+    limit = min(args.max_tokens, loaded.config.max_position_embeddings)
+    if limit < MIN_TOKENS:
+        return _fail(f"--max-tokens {args.max_tokens} (the model's context: {loaded.config.max_position_embeddings}) "
+                     f"leaves fewer than the {MIN_TOKENS} tokens calibration needs")
+    ids = ids[:limit]
+    print(f"{PROG}: prefilling {len(ids)} tokens through {loaded.config.num_hidden_layers} layers", file=sys.stderr)
+    try:
+        result = calibrate(loaded, ids, queries=args.queries, lookahead=args.lookahead, filters=args.filters,
+                           budget_ratio=args.budget_ratio, tolerance=args.tolerance, device=args.device,
+                           model_name=name, text_name=Path(args.text).name)
+    except CalibrationError as err:
+        return _fail(str(err))
+    chosen = result.config.filter_layers
+    print("\n".join(format_table(result.capability, result.own_mass, chosen)))
+    try:
+        result.config.save(output)
+    except OSError as err:
+        return _fail(f"cannot write {output}: {err.strerror or err}; pass --output a writable path")
+    if len(chosen) < args.filters:
+        print(f"{PROG}: only {len(chosen)} of {args.filters} filter layers fit {args.lookahead} layers apart",
+              file=sys.stderr)
+    plan = result.config.plan(loaded.config.num_hidden_layers)
+    sparse = sum(1 for r in plan.roles if r == SPARSE)
+    kept = "" if result.sparse_mass is None else f", keeping {result.sparse_mass:.1%} of their attention mass"
+    print(f"{PROG}: filter layers {list(chosen)}: {sparse} of {len(plan.roles)} layers decode sparsely{kept}; "
+          f"written to {output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""OmniKV's settings and the per-layer plan they imply (torch-free: the server and the engine's flags
+read it; `mlaserve calibrate-omnikv` writes it).
+
+OmniKV (ICLR 2025) keeps every token's KV and decodes most layers over a small, dynamically chosen
+subset of the context. The plan, for a model of L layers and filter layers f_1 < … < f_m (m ≤ 3):
+  FULL    layers before f_1, and the layer right after each filter layer (on a GPU host that layer
+          hides the transfer of the selected rows; `full_after_filter` turns it off)
+  FILTER  f_i: full attention, then the selection of the tokens the layers below it attend to
+  SPARSE  every other layer: attention over the selection of the closest filter layer above it
+
+Selection, for one decode token at position n - 1 (context n) at a filter layer — the one definition
+the torch reference (`kernels.attention.omnikv`), the C++ kernels and the Triton kernels implement:
+  * window: the filter layer's queries of the request's last `window` decode steps, this one
+    included (the prompt's queries are not kept, so prefill never pays for them; early steps have
+    fewer); weight alpha_i of the i-th of the W' queries present (i = 1 … W', W' the newest):
+    `last_token` 1 for the newest only, `uniform` 1 each, `exponential` 2^(i - W');
+  * probabilities: per window query and head h, softmax_j(scale · q_h · k_j) over the positions j
+    the query saw (GQA reads the KV head of h; MLA the absorbed query against the latent rows, one
+    row serving every head);
+  * importance(j) = sum_i alpha_i · max_h P_ih(j);
+  * kept: the first `sink_tokens` and the last `recent_tokens` positions, plus the k most important
+    of the positions between them (ties go to the earlier position), k = `budget_tokens` if set,
+    else ceil(`budget_ratio` · n); positions sorted ascending. When k covers every candidate, the
+    selection is the whole context and the layer computes exactly what full attention computes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import configs
+
+ALPHA_MODES = ("last_token", "uniform", "exponential")
+OMNIKV_MODES = ("auto", "on", "off")  # the server default --omnikv: auto = contexts of at least min_context
+MAX_FILTER_LAYERS = 3
+MAX_WINDOW = 16
+
+# Layer roles (ints: the C++ plan takes them as they are).
+FULL, FILTER, SPARSE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Per layer: its role, and for a SPARSE layer the index (into filter_layers) of its filter."""
+
+    roles: tuple[int, ...]
+    source: tuple[int, ...]  # -1 where the layer reads no selection
+
+    @property
+    def num_filters(self) -> int:
+        return sum(1 for r in self.roles if r == FILTER)
+
+
+@dataclass(frozen=True)
+class OmniKVConfig:
+    filter_layers: tuple[int, ...]
+    budget_ratio: float = 0.1
+    budget_tokens: int | None = None  # a count instead of a ratio of the context
+    window: int = 1
+    alpha: str = "last_token"
+    sink_tokens: int = 4
+    recent_tokens: int = 64
+    min_context: int = 2048  # --omnikv auto: requests whose context reaches this use OmniKV
+    full_after_filter: bool = True
+    # what wrote it (calibrate-omnikv): the model, the text, the per-layer table; not read back
+    calibration: dict[str, Any] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "filter_layers", tuple(int(x) for x in self.filter_layers))
+        problems = self.problems()
+        if problems:
+            raise ValueError("OmniKV config: " + "; ".join(problems))
+
+    def problems(self, num_layers: int | None = None) -> list[str]:
+        """What is wrong with these settings (for a model of `num_layers` layers when given)."""
+        out = []
+        fl = self.filter_layers
+        if not 1 <= len(fl) <= MAX_FILTER_LAYERS:
+            out.append(f"filter_layers must name 1 to {MAX_FILTER_LAYERS} layers, got {list(fl)}")
+        if list(fl) != sorted(set(fl)) or any(x < 0 for x in fl):
+            out.append(f"filter_layers must be distinct, ascending and >= 0, got {list(fl)}")
+        if num_layers is not None and fl and fl[-1] >= num_layers:
+            out.append(f"filter layer {fl[-1]} is outside the model's {num_layers} layers")
+        if not 0.0 < self.budget_ratio <= 1.0:
+            out.append(f"budget_ratio must be in (0, 1], got {self.budget_ratio}")
+        if self.budget_tokens is not None and self.budget_tokens < 1:
+            out.append(f"budget_tokens must be >= 1, got {self.budget_tokens}")
+        if not 1 <= self.window <= MAX_WINDOW:
+            out.append(f"window must be in [1, {MAX_WINDOW}], got {self.window}")
+        if self.alpha not in ALPHA_MODES:
+            out.append(f"alpha must be one of {', '.join(ALPHA_MODES)}, got {self.alpha!r}")
+        if self.sink_tokens < 0 or self.recent_tokens < 1:
+            out.append("sink_tokens must be >= 0 and recent_tokens >= 1 (the newest token is always kept)")
+        if self.min_context < 1:
+            out.append(f"min_context must be >= 1, got {self.min_context}")
+        return out
+
+    # ---- the plan ----
+    def plan(self, num_layers: int) -> LayerPlan:
+        problems = self.problems(num_layers)
+        if problems:
+            raise ValueError("OmniKV config: " + "; ".join(problems))
+        roles, source = [FULL] * num_layers, [-1] * num_layers
+        current = -1
+        for layer in range(num_layers):
+            if layer in self.filter_layers:
+                roles[layer] = FILTER
+                current = self.filter_layers.index(layer)
+            elif current >= 0 and not (self.full_after_filter and layer - 1 in self.filter_layers):
+                roles[layer], source[layer] = SPARSE, current
+        return LayerPlan(tuple(roles), tuple(source))
+
+    @property
+    def window_size(self) -> int:
+        """Queries kept per filter layer (1 with `last_token`: only the current one is read)."""
+        return 1 if self.alpha == "last_token" else self.window
+
+    def alpha_weights(self, present: int) -> list[float]:
+        """Weights of the `present` newest window queries, oldest first (the last is the current query)."""
+        if self.alpha == "last_token":
+            return [0.0] * (present - 1) + [1.0]
+        if self.alpha == "uniform":
+            return [1.0] * present
+        return [2.0 ** (i - present) for i in range(1, present + 1)]
+
+    def budget_for(self, context: int) -> int:
+        """k: tokens chosen by importance (besides the sink and recent ones) for a context of `context`."""
+        if self.budget_tokens is not None:
+            return self.budget_tokens
+        return math.ceil(self.budget_ratio * context)
+
+    def is_sparse_for(self, context: int) -> bool:
+        """Whether a selection can leave anything out for this context (else every layer is full)."""
+        return self.budget_for(context) + self.sink_tokens + self.recent_tokens < context
+
+    # ---- files ----
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "OmniKV config") -> OmniKVConfig:
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: expected a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        if "filter_layers" not in data:
+            raise ValueError(f"{source}: filter_layers is required (run mlaserve calibrate-omnikv to choose them)")
+        try:
+            return cls(**data)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{source}: {err}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> OmniKVConfig:
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise ValueError(f"cannot read the OmniKV config {path}: {err.strerror}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"the OmniKV config {path} is not JSON: {err}") from None
+        return cls.from_dict(data, str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["filter_layers"] = list(self.filter_layers)
+        if out["calibration"] is None:
+            del out["calibration"]
+        return out
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def for_model(cls, model: str, num_layers: int, path: str | None = None) -> tuple[OmniKVConfig, str]:
+        """The config a server uses, and where it came from: `path` when given, else the calibrated one
+        shipped for a built-in model (configs/omnikv/<name>.json), else `default_for`."""
+        if path is not None:
+            cfg, origin = cls.load(path), path
+        else:
+            shipped = Path(configs.__file__).parent / "omnikv" / f"{model}.json"
+            if shipped.is_file():
+                cfg, origin = cls.load(shipped), f"calibrated for {model} (shipped)"
+            else:
+                cfg, origin = cls.default_for(num_layers), "uncalibrated default (run mlaserve calibrate-omnikv)"
+        cfg.plan(num_layers)  # raises naming the problem when the layers do not fit this model
+        return cfg, origin
+
+    @classmethod
+    def default_for(cls, num_layers: int) -> OmniKVConfig:
+        """Filter layers when nobody calibrated the model: one at a fifth of the depth, one at the middle
+        (never layer 0, and at most as many as the depth allows). Calibration does better."""
+        picks = sorted({max(1, num_layers // 5), max(1, num_layers // 2)} & set(range(1, max(num_layers - 1, 1))))
+        return cls(filter_layers=tuple(picks) or (0,))

@@ -1,0 +1,114 @@
+"""OmniKV through the engine core: the server default and the per-request choice, counters, and the
+engine's guarantees kept under sparse decode (a request's tokens do not depend on what shares its
+batch, the prefix cache shares prompts, retraction recomputes, nothing leaks)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from engine.args import EngineArgs
+from engine.core import EngineCore
+from engine.messages import GenerateRequest
+from models.omnikv_config import OmniKVConfig
+from models.synthetic import write_checkpoint
+from scheduler.sampling_params import SamplingParams
+from tests.engine.test_engine_core import assert_no_leak, prompt, run_to_end, tokens
+
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12)
+KERNELS = ["torch", "native"]
+
+
+@pytest.fixture(scope="module", params=["tiny-deepseek-v3", "tiny-llama"])
+def model_dir(request, tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=5, num_layers=6)
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("omnikv") / "omnikv.json"
+    OmniKVConfig(filter_layers=(1, 3), budget_tokens=8, sink_tokens=2, recent_tokens=4, min_context=40).save(path)
+    return str(path)
+
+
+def make_engine(model_dir, config_file, cpu_kernels, **kw) -> EngineCore:
+    args = dict(model=str(model_dir), dtype="float32", max_total_tokens=4096, max_running_requests=16,
+                chunked_prefill_size=64, max_prefill_tokens=256, omnikv_config=config_file, cpu_kernels=cpu_kernels)
+    args.update(kw)
+    return EngineCore(EngineArgs(**args))
+
+
+def generate(core: EngineCore, reqs) -> dict[str, list[int]]:
+    for rid, ids, p in reqs:
+        assert core.add_request(GenerateRequest(rid, ids, p)) == []
+    outs = run_to_end(core)
+    return {rid: tokens(outs[(rid, 0)]) for rid, _, _ in reqs}
+
+
+@pytest.mark.parametrize("cpu_kernels", KERNELS)
+def test_server_default_and_request_choice(model_dir, config_file, cpu_kernels):
+    ids = prompt(50, 7)
+    full = generate(make_engine(model_dir, config_file, cpu_kernels, omnikv="off"), [("a", ids, GREEDY)])["a"]
+    for mode, choice, sparse in [("off", None, False), ("off", True, True), ("on", None, True), ("on", False, False),
+                                 ("auto", None, True)]:
+        core = make_engine(model_dir, config_file, cpu_kernels, omnikv=mode)
+        got = generate(core, [("a", ids, msgspec.structs.replace(GREEDY, omnikv=choice))])["a"]
+        stats = core.stats()
+        assert (stats.omnikv_sparse_tokens_total > 0) == sparse, (mode, choice)
+        if sparse:  # a context of 50..61 keeps 2 + 8 + 4 tokens per filter layer
+            assert stats.omnikv_sparse_tokens_total == 11
+            assert stats.omnikv_selected_tokens_total == 2 * 11 * 14
+            assert stats.omnikv_context_tokens_total == 2 * sum(range(51, 62))
+        else:
+            assert got == full
+        assert_no_leak(core)
+
+
+@pytest.mark.parametrize("cpu_kernels", KERNELS)
+def test_auto_waits_for_min_context(model_dir, config_file, cpu_kernels):
+    core = make_engine(model_dir, config_file, cpu_kernels, omnikv="auto")
+    generate(core, [("short", prompt(20, 3), GREEDY)])  # 20..31 tokens: below min_context 40
+    assert core.stats().omnikv_sparse_tokens_total == 0
+
+
+@pytest.mark.parametrize("cpu_kernels", KERNELS)
+def test_sparse_decode_batched_shared_and_retracted(model_dir, config_file, cpu_kernels):
+    """Each request alone, then all at once with shared prompts (n = 2 and a repeated prompt): the same
+    tokens. In a pool small enough to retract, every request still completes and nothing leaks (a
+    retracted request's generated tokens are recomputed by a full-attention prefill, so its later
+    tokens may differ from an uninterrupted sparse decode)."""
+    p = msgspec.structs.replace(GREEDY, max_tokens=16, omnikv=True)
+    shared = prompt(45, 99)
+    reqs = [(f"r{i}", prompt(30 + 5 * i, 200 + i), p) for i in range(5)] + [("s0", shared, p), ("s1", shared, p)]
+    roomy = make_engine(model_dir, config_file, cpu_kernels, disable_prefix_cache=True)
+    expected = {rid: generate(roomy, [(rid, ids, q)])[rid] for rid, ids, q in reqs}
+    assert roomy.stats().omnikv_sparse_tokens_total > 0
+
+    core = make_engine(model_dir, config_file, cpu_kernels)
+    assert generate(core, reqs) == expected
+    assert_no_leak(core)
+    assert core.add_request(GenerateRequest("n2", shared, msgspec.structs.replace(p, n=2))) == []
+    outs = run_to_end(core)  # the prompt comes from the cache: s0 and s1 left it there
+    assert tokens(outs[("n2", 0)]) == tokens(outs[("n2", 1)]) == expected["s0"]
+    assert core.stats().prefix_cache_hit_tokens_total >= 44
+    assert_no_leak(core)
+
+    tight = make_engine(model_dir, config_file, cpu_kernels, max_total_tokens=200)
+    got = generate(tight, reqs)
+    assert tight.stats().retractions_total > 0
+    assert all(len(t) == 16 for t in got.values())
+    assert_no_leak(tight)
+
+
+def test_a_config_that_does_not_fit_the_model_is_refused(model_dir, tmp_path):
+    path = tmp_path / "far.json"
+    OmniKVConfig(filter_layers=(2, 9)).save(path)
+    with pytest.raises(ValueError, match="outside the model's 6 layers"):
+        EngineCore(EngineArgs(model=str(model_dir), dtype="float32", max_total_tokens=256, omnikv_config=str(path)))
+
+
+def test_shipped_or_default_config_is_used_without_a_file(model_dir):
+    cfg, origin = OmniKVConfig.for_model(str(model_dir), 6)
+    assert cfg.filter_layers == (1, 3) and "uncalibrated" in origin
+    torch.manual_seed(0)
