@@ -11,8 +11,8 @@ default) with the budget set by `--budget` (default 10% of the context).
   forcing) predicts each next token: the share of positions where its greedy choice is full
   attention's. Also the free-running identical prefix (both generate on their own);
 - needle: a five-digit passcode sentence inserted at 10 depths of a haystack of 1K, 2K, 4K and 8K
-  tokens, the question asked through the chat template; does OmniKV answer exactly what full
-  attention answers (and how often full attention is right).
+  tokens, the question asked through the chat template; does OmniKV give the same answer (the number
+  in its reply) as full attention (and how often each is right; identical wording is reported too).
 
     .venv/bin/python bench/omnikv_cpu.py [--parts speed,fidelity,needle] [--out bench/results/x.json]
 """
@@ -20,7 +20,9 @@ default) with the budget set by `--budget` (default 10% of the context).
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import re
 import statistics
 import sys
 import time
@@ -45,7 +47,7 @@ def doc_text() -> str:
 class Harness:
     """One model runner with OmniKV planned; requests share a prompt's KV like the prefix cache does."""
 
-    def __init__(self, model: str, budget: float) -> None:
+    def __init__(self, model: str, budget: float, **overrides: Any) -> None:
         import dataclasses
 
         from executor.model_runner import ModelRunner
@@ -54,7 +56,7 @@ class Harness:
 
         loaded = load_model(model, dtype="float32", cpu_weights="file", progress=False)
         base, self.origin = OmniKVConfig.for_model(model, loaded.config.num_hidden_layers)
-        self.cfg = dataclasses.replace(base, budget_ratio=budget, budget_tokens=None)
+        self.cfg = dataclasses.replace(base, budget_ratio=budget, budget_tokens=None, **overrides)
         self.tok = loaded.tokenizer
         self.runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=3 * MAX_CTX, max_running_requests=4,
                                   max_context_len=MAX_CTX, omnikv=self.cfg)
@@ -160,6 +162,13 @@ def fidelity(h: Harness, ids: list[int], contexts: list[int], prompts: int, gen:
     return out
 
 
+def answer(text: str) -> str | None:
+    """The number a needle answer gives (the first run of digits), or None: the answer compared, since
+    the model words it freely ("The passcode is 52817." / "The secret passcode mentioned ... is 52817")."""
+    m = re.search(r"\d+", text)
+    return m.group(0) if m else None
+
+
 def needle(h: Harness, ids: list[int], lengths: list[int], depths: int, answer_tokens: int,
            seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
@@ -184,9 +193,11 @@ def needle(h: Harness, ids: list[int], lengths: list[int], depths: int, answer_t
             stop = set(h.tok.eos_token_ids)
             cut = lambda t: t[: next((i for i, x in enumerate(t) if x in stop), len(t))]  # noqa: E731
             full_text, sparse_text = h.tok.decode(cut(full)).strip(), h.tok.decode(cut(sparse)).strip()
+            full_ans, sparse_ans = answer(full_text), answer(sparse_text)
             out.append({"length": len(prompt), "depth": round(d / max(depths - 1, 1), 3), "code": code,
-                        "full": full_text, "omnikv": sparse_text, "same": full_text == sparse_text,
-                        "full_correct": str(code) in full_text, "omnikv_correct": str(code) in sparse_text})
+                        "full": full_text, "omnikv": sparse_text, "full_answer": full_ans, "omnikv_answer": sparse_ans,
+                        "same": full_ans == sparse_ans, "same_text": full_text == sparse_text,
+                        "full_correct": full_ans == str(code), "omnikv_correct": sparse_ans == str(code)})
             print(f"needle len {len(prompt):5d} depth {d}: full {full_text!r} omnikv {sparse_text!r}", flush=True)
     return out
 
@@ -196,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--parts", default="speed,fidelity,needle")
     p.add_argument("--budget", type=float, default=0.1, help="share of the context selected (default 0.1)")
+    p.add_argument("--alpha", choices=("last_token", "uniform", "exponential"), default=None,
+                   help="override the config's window weights")
+    p.add_argument("--window", type=int, default=None, help="override the config's window")
+    p.add_argument("--filter-layers", default=None, help="override the config's filter layers (comma-separated)")
     p.add_argument("--contexts", default="1024,2048,4096,8000")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=8)
@@ -204,11 +219,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fidelity-tokens", type=int, default=256)
     p.add_argument("--needle-lengths", default="1024,2048,4096,8000")
     p.add_argument("--needle-depths", type=int, default=10)
+    p.add_argument("--needle-tokens", type=int, default=24, help="answer tokens generated (default 24)")
     p.add_argument("--out", default=None)
+    p.add_argument("--merge", action="store_true", help="keep the other parts' results already in --out")
     a = p.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     parts = set(a.parts.split(","))
-    h = Harness(a.model, a.budget)
+    overrides = {k: v for k, v in (("alpha", a.alpha), ("window", a.window)) if v is not None}
+    if a.filter_layers:
+        overrides["filter_layers"] = tuple(ints(a.filter_layers))
+    h = Harness(a.model, a.budget, **overrides)
     ids = h.tok.encode(doc_text(), add_special_tokens=False)
     result: dict[str, Any] = {"bench": "omnikv_cpu", "model": a.model, "machine": machine_info(), "versions": versions(),
                               "config": h.cfg.to_dict(), "config_origin": h.origin,
@@ -221,13 +241,18 @@ def main(argv: list[str] | None = None) -> int:
         result["fidelity"] = {"runs": f, "mean_teacher_forced_agreement":
                               round(statistics.mean(x["teacher_forced_agreement"] for x in f), 4)}
     if "needle" in parts:
-        nd = needle(h, ids, ints(a.needle_lengths), a.needle_depths, 12, seed=7)
+        nd = needle(h, ids, ints(a.needle_lengths), a.needle_depths, a.needle_tokens, seed=7)
         result["needle"] = {"runs": nd, "same_answer_rate": round(sum(x["same"] for x in nd) / len(nd), 4),
+                            "same_text_rate": round(sum(x["same_text"] for x in nd) / len(nd), 4),
                             "full_correct_rate": round(sum(x["full_correct"] for x in nd) / len(nd), 4),
                             "omnikv_correct_rate": round(sum(x["omnikv_correct"] for x in nd) / len(nd), 4)}
         print(f"needle: same answer {result['needle']['same_answer_rate']:.1%}, full correct "
               f"{result['needle']['full_correct_rate']:.1%}, OmniKV correct {result['needle']['omnikv_correct_rate']:.1%}")
     out = a.out or f"bench/results/omnikv_cpu_{machine_tag(result['machine'])}.json"
+    if a.merge and Path(out).is_file():  # keep the parts not run now (same config only)
+        old = json.loads(Path(out).read_text())
+        if old.get("config") == result["config"]:
+            result = {**old, **result}
     write_json(out, result)
     print(f"wrote {out}")
     return 0
