@@ -63,6 +63,7 @@ from executor.model_runner import ModelRunner, RequestSlice
 from kernels.attention.base import ForwardBatch
 from kernels.attention.omnikv import select_positions
 from kernels.attention.torch_backend import TorchAttentionBackend
+from mlaserve.cli import float_in, positive_int
 from models.omnikv_config import MAX_FILTER_LAYERS, SPARSE, OmniKVConfig
 
 if TYPE_CHECKING:
@@ -300,36 +301,6 @@ def format_table(capability: Sequence[float | None], own_mass: Sequence[float], 
 # The command
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
-    return value
-
-
-def _ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
-    return value
-
-
-def _tolerance(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be in [0, 1]")
-    return value
-
-
 def _device(text: str) -> str:
     from engine.args import device_name
 
@@ -363,19 +334,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", metavar="CONFIG.json",
                    help="where to write the config (default: omnikv-<model>.json in the current directory, "
                         "<model> the built-in name or the checkpoint's file/directory name)")
-    p.add_argument("--max-tokens", type=_positive_int, default=DEFAULT_TOKENS, metavar="N",
+    p.add_argument("--max-tokens", type=positive_int, default=DEFAULT_TOKENS, metavar="N",
                    help=f"tokens of the text to prefill at most (default: {DEFAULT_TOKENS}, capped by the "
                         "model's context)")
-    p.add_argument("--queries", type=_positive_int, default=DEFAULT_QUERIES, metavar="Q",
+    p.add_argument("--queries", type=positive_int, default=DEFAULT_QUERIES, metavar="Q",
                    help=f"observation queries: the last Q positions (default: {DEFAULT_QUERIES})")
-    p.add_argument("--lookahead", type=_positive_int, default=DEFAULT_LOOKAHEAD, metavar="n",
+    p.add_argument("--lookahead", type=positive_int, default=DEFAULT_LOOKAHEAD, metavar="n",
                    help=f"following layers a capability is measured over, and the least distance between "
                         f"filter layers (default: {DEFAULT_LOOKAHEAD})")
     p.add_argument("--filters", type=int, choices=range(1, MAX_FILTER_LAYERS + 1), default=MAX_FILTER_LAYERS,
                    metavar="m", help=f"filter layers to choose, 1 to {MAX_FILTER_LAYERS} (default: {MAX_FILTER_LAYERS})")
-    p.add_argument("--budget-ratio", type=_ratio, default=0.1, metavar="R",
+    p.add_argument("--budget-ratio", type=float_in(0.0, 1.0, low_open=True), default=0.1, metavar="R",
                    help="share of the context selected by importance, in (0, 1] (default: 0.1); written to the config")
-    p.add_argument("--tolerance", type=_tolerance, default=DEFAULT_TOLERANCE, metavar="T",
+    p.add_argument("--tolerance", type=float_in(0.0, 1.0), default=DEFAULT_TOLERANCE, metavar="T",
                    help="the first filter layer is the earliest whose capability is within T of the best "
                         f"(default: {DEFAULT_TOLERANCE})")
     p.add_argument("--device", type=_device, default="cpu", metavar="DEVICE", help="cpu or cuda[:N] (default: cpu)")

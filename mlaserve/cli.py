@@ -13,9 +13,10 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     """argparse type of a count that must be > 0 (a bad one exits 2 naming the flag)."""
     try:
         value = int(text)
@@ -26,6 +27,20 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def float_in(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
+    """argparse type of a number in [low, high] (or (low, high] with `low_open`)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (low < value if low_open else low <= value) or not value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} must be in {'(' if low_open else '['}{low:g}, {high:g}]")
+        return value
+
+    return parse
+
+
 def _generate(argv: list[str]) -> int:
     from engine.args import EngineArgs
     from server.args import flags_of, parse_flags
@@ -33,7 +48,7 @@ def _generate(argv: list[str]) -> int:
     def own(p: argparse.ArgumentParser) -> None:
         p.add_argument("--prompt", required=True, help="the text to continue")
         p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
-        p.add_argument("--max-tokens", type=_positive_int, default=64, metavar="N",
+        p.add_argument("--max-tokens", type=positive_int, default=64, metavar="N",
                        help="tokens to generate at most (default: 64)")
 
     # the engine's flags (and MLASERVE_* variables) are serve's: one definition in EngineArgs

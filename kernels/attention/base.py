@@ -26,6 +26,7 @@ from typing import Protocol
 
 import torch
 
+from kernels.attention.omnikv import OmniKVBatch
 from kernels.graph_support import GraphSupport
 
 
@@ -57,21 +58,6 @@ class KVCache(Protocol):
     def set_mla_kv(self, layer_id: int, loc: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None: ...
 
 
-class SparseAttention(Protocol):
-    """OmniKV's state for one forward (`kernels.attention.omnikv.OmniKVBatch`): which decode rows attend
-    to a selection of their context at which layers. Backends call `observe` after a FILTER layer's
-    attention and read `slots` / `decode_view` at SPARSE layers; every other layer attends fully."""
-
-    rows: list[int]
-
-    def role(self, layer_id: int) -> int: ...
-    def observe(self, layer_id: int, batch_rows: list[int], q: torch.Tensor, keys: torch.Tensor,
-                scale: float) -> None: ...
-    def slots(self, layer_id: int, batch_row: int) -> torch.Tensor | None: ...
-    def decode_view(self, layer_id: int, indices: torch.Tensor, mask: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor] | None: ...
-
-
 class ForwardBatch(Protocol):
     """What attention backends (and the models above them) read of one forward's batch.
 
@@ -92,7 +78,10 @@ class ForwardBatch(Protocol):
     token_to_kv_pool: KVCache
     attn_backend: AttentionBackend
     logits_indices: torch.Tensor | None
-    omnikv: SparseAttention | None  # None: every row attends to its whole context at every layer
+    # OmniKV: which decode rows attend to a selection of their context at which layers; backends call
+    # `observe` after a FILTER layer's attention and read `slots` / `decode_view` at SPARSE layers.
+    # None: every row attends to its whole context at every layer
+    omnikv: OmniKVBatch | None
 
     @property
     def extend_start_loc_cpu(self) -> list[int]: ...

@@ -95,7 +95,7 @@ class PackedSelection:
 
 
 class OmniKVBatch:
-    """One forward's OmniKV state (implements `kernels.attention.base.SparseAttention`).
+    """One forward's OmniKV state (`ForwardBatch.omnikv`).
 
     `rows` are the batch rows that decode with OmniKV this forward (one new token each, their
     context long enough for a selection to leave something out); every other row attends fully.

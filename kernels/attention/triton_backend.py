@@ -87,7 +87,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.extend: _ExtendMeta | None = None
         self._page_table: torch.Tensor | None = None  # CUDA graphs, paged: [max_bs, max_pages]
         self._graph_rows: torch.Tensor | None = None  # CUDA graphs, paged: arange(max_bs)
-        self._sparse_views: dict[object, _SparseView] = {}  # OmniKV, this forward: per filter read
+        self._sparse_views: dict[int, _SparseView] = {}  # OmniKV, this forward: per filter read
         self._full_view: tuple[torch.Tensor, torch.Tensor] | None = None
         self._omnikv_kernels = None  # kernels.triton_omnikv, imported at the first OmniKV filter layer
 
@@ -181,8 +181,7 @@ class TritonAttentionBackend(AttentionBackend):
         sparse = batch.omnikv
         if sparse is None or sparse.role(layer.layer_id) != SPARSE:
             return None
-        source = getattr(sparse, "source", None)  # layers reading one filter's selection share the table
-        key = ("filter", source[layer.layer_id]) if source is not None else ("layer", layer.layer_id)
+        key = sparse.source[layer.layer_id]  # layers reading one filter's selection share the table
         view = self._sparse_views.get(key)
         if view is None:
             if self._full_view is None:
@@ -219,18 +218,14 @@ class TritonAttentionBackend(AttentionBackend):
         qs = q.index_select(0, idx)
         if q_rope is not None:
             qs = torch.cat([qs, q_rope.index_select(0, idx)], dim=-1)
-        batched = getattr(sparse, "observe_batched", None)
-        if batched is None:  # another SparseAttention: its own (per-row) selection
-            sparse.observe(layer.layer_id, list(sparse.rows), qs, keys, layer.scaling)
-            return
         if self._omnikv_kernels is None:
             from kernels import triton_omnikv
 
             self._omnikv_kernels = triton_omnikv
         # the importance pass plans its KV splits like decode does, over rows x window queries
-        queries = len(sparse.rows) * getattr(sparse, "window", 1)
+        queries = len(sparse.rows) * sparse.window
         splits = self.max_splits(queries, keys.shape[1], q.device)
-        batched(layer.layer_id, list(sparse.rows), qs, keys, layer.scaling, self._omnikv_kernels, max_splits=splits)
+        sparse.observe_batched(layer.layer_id, list(sparse.rows), qs, keys, layer.scaling, self._omnikv_kernels, max_splits=splits)
 
     def _extend(self, q, q_rope, k, k_rope, v, out, layer: AttentionLayer, batch: ForwardBatch, page: int):
         """Extend attention over the pool; at an OmniKV SPARSE layer the decode rows of a MIXED batch

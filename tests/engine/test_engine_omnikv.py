@@ -111,4 +111,3 @@ def test_a_config_that_does_not_fit_the_model_is_refused(model_dir, tmp_path):
 def test_shipped_or_default_config_is_used_without_a_file(model_dir):
     cfg, origin = OmniKVConfig.for_model(str(model_dir), 6)
     assert cfg.filter_layers == (1, 3) and "uncalibrated" in origin
-    torch.manual_seed(0)

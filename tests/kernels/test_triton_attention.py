@@ -35,7 +35,7 @@ class Setup:
     """Pools plus requests with cached prefixes, and a way to build a batch extending each of them."""
 
     def __init__(self, kind: str, page: int, dtype: torch.dtype, *, heads_kv: int = 1, dk: int = 32, dr: int = 16,
-                 dv: int | None = None, slots: int = 4096, context: int = 1024, seed: int = 0) -> None:
+                 dv: int | None = None, slots: int = 4096, context: int = 1024, seed: int = 0, layers: int = 1) -> None:
         self.gen = torch.Generator().manual_seed(seed)
         self.page, self.dtype = page, dtype
         self.req_pool = ReqToTokenPool(16, context, DEV)
@@ -43,12 +43,13 @@ class Setup:
         if page == 1:  # hand slots out in a shuffled order, as a long-running server does
             self.alloc._free = self.alloc._free[torch.randperm(self.alloc._free.numel(), generator=self.gen)]
         if kind == "mla":
-            self.pool = MLATokenToKVPool(slots, 1, dk, dr, dtype, DEV, page)
-            self.pool.kv_buffer[0].copy_(self._rand(*self.pool.kv_buffer[0].shape))
+            self.pool = MLATokenToKVPool(slots, layers, dk, dr, dtype, DEV, page)
+            buffers = list(self.pool.kv_buffer)
         else:
-            self.pool = MHATokenToKVPool(slots, 1, heads_kv, dk, dtype, DEV, page, v_head_dim=dv)
-            self.pool.k_buffer[0].copy_(self._rand(*self.pool.k_buffer[0].shape))
-            self.pool.v_buffer[0].copy_(self._rand(*self.pool.v_buffer[0].shape))
+            self.pool = MHATokenToKVPool(slots, layers, heads_kv, dk, dtype, DEV, page, v_head_dim=dv)
+            buffers = [b for pair in zip(self.pool.k_buffer, self.pool.v_buffer) for b in pair]
+        for buf in buffers:
+            buf.copy_(self._rand(*buf.shape))
         self.lens: dict[int, int] = {}
 
     def _rand(self, *shape: int) -> torch.Tensor:

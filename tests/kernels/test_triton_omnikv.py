@@ -19,12 +19,11 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from executor.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from executor.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool, TokenSlotAllocator  # noqa: E402
 from kernels import triton_omnikv  # noqa: E402
 from kernels.attention import AttentionLayer, create_attention_backend  # noqa: E402
 from kernels.attention.omnikv import FILTER, FULL, SPARSE, OmniKVBatch, QueryHistory, importance, select_positions  # noqa: E402
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+from tests.kernels.test_triton_attention import DEV, Setup as AttentionSetup  # noqa: E402
 
 
 def _rand(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -264,52 +263,14 @@ SOURCE = (-1, -1, 0, -1, 0)
 SINK, RECENT, BUDGET = 2, 4, 8
 
 
-class Setup:
-    """Pools of len(ROLES) layers filled with random KV, requests with scattered slots, a batch."""
+class Setup(AttentionSetup):
+    """test_triton_attention's pools and batches with one layer per role, filled with random KV."""
 
-    def __init__(self, kind: str, page: int, dtype: torch.dtype, *, heads_kv: int = 1, dk: int = 32, dr: int = 16,
-                 seed: int = 0, slots: int = 4096) -> None:
-        self.gen = torch.Generator().manual_seed(seed)
-        self.dtype = dtype
-        self.req_pool = ReqToTokenPool(8, 512, DEV)
-        self.alloc = TokenSlotAllocator(slots, page, DEV)
-        if page == 1:
-            self.alloc._free = self.alloc._free[torch.randperm(self.alloc._free.numel(), generator=self.gen)]
-        layers = len(ROLES)
-        if kind == "mla":
-            self.pool = MLATokenToKVPool(slots, layers, dk, dr, dtype, DEV, page)
-            for buf in self.pool.kv_buffer:
-                buf.copy_(self.rand(*buf.shape))
-        else:
-            self.pool = MHATokenToKVPool(slots, layers, heads_kv, dk, dtype, DEV, page)
-            for buf in (*self.pool.k_buffer, *self.pool.v_buffer):
-                buf.copy_(self.rand(*buf.shape))
+    def __init__(self, kind: str, page: int, dtype: torch.dtype, **kw) -> None:
+        super().__init__(kind, page, dtype, context=512, layers=len(ROLES), **kw)
 
     def rand(self, *shape: int) -> torch.Tensor:
-        return _rand(self.gen, *shape, dtype=self.dtype)
-
-    def batch(self, spec: list[tuple[int, int]], mode: ForwardMode) -> ForwardBatch:
-        rows, locs = [], []
-        for prefix, n in spec:
-            row = self.req_pool.alloc()
-            if prefix:
-                self.req_pool.write(row, 0, self.alloc.alloc_extend([(-1, prefix)]))
-            last = int(self.req_pool.req_to_token[row, prefix - 1]) if prefix else -1
-            loc = self.alloc.alloc_extend([(last, n)])
-            self.req_pool.write(row, prefix, loc)
-            rows.append(row)
-            locs.append(loc)
-        seq = [p + n for p, n in spec]
-        return ForwardBatch(
-            forward_mode=mode, batch_size=len(spec),
-            input_ids=torch.zeros(sum(n for _, n in spec), dtype=torch.int64, device=DEV),
-            positions=torch.cat([torch.arange(p, p + n) for p, n in spec]).to(DEV),
-            req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=DEV),
-            seq_lens=torch.tensor(seq, dtype=torch.int64, device=DEV), seq_lens_cpu=seq,
-            extend_prefix_lens_cpu=[p for p, _ in spec], extend_seq_lens_cpu=[n for _, n in spec],
-            out_cache_loc=torch.cat(locs).to(torch.int64), req_to_token_pool=self.req_pool, token_to_kv_pool=self.pool,
-            attn_backend=None,  # type: ignore[arg-type]
-        )
+        return self._rand(*shape)
 
     def omnikv(self, batch: ForwardBatch, sparse_rows: list[int], heads: int, dim: int, window: int) -> OmniKVBatch:
         """A fresh OmniKV state; with window > 1 a history holding random queries of some earlier steps:
