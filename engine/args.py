@@ -86,6 +86,10 @@ def omnikv_file(value: str | None) -> str | None:
     return None
 
 
+def port_or_zero(value: int) -> str | None:
+    return None if 0 <= value <= 65535 else "must be a TCP port (0-65535)"
+
+
 def device_name(value: str) -> str | None:
     kind, _, index = value.partition(":")
     if kind == "cpu" and not index or kind == "cuda" and (not index or index.isdigit()):
@@ -137,6 +141,19 @@ class EngineArgs:
                                   "work run between them)", choices=HYBRID_GRAPH_MODES)
     disable_prefix_cache: bool = flag(False, "turn the radix prefix cache off")
     seed: int = flag(0, "base seed of the requests that bring none")
+    tp: int = flag(1, "tensor-parallel size: processes that each hold 1/N of the weights (heads, MLP and experts "
+                   "split, vocabulary split) and run every batch together over torch.distributed (gloo on CPU, "
+                   "NCCL with one GPU per rank); the torch forward on CPU", check=positive, metavar="N")
+    ep: int = flag(1, "expert parallelism for MoE models: 1 (each routed expert split over the --tp ranks) or the "
+                   "--tp size (whole routed experts partitioned over the ranks)", check=positive, metavar="N")
+    nnodes: int = flag(1, "machines the --tp ranks are spread over (--tp / --nnodes ranks each)", check=positive,
+                       metavar="N")
+    node_rank: int = flag(0, "this machine's index among --nnodes: 0 serves HTTP and hosts rank 0; the others "
+                          "only run their ranks", check=non_negative, metavar="K")
+    master_addr: str = flag("127.0.0.1", "address of node 0 (its rank 0 hosts the rendezvous)", check=non_empty,
+                            metavar="HOST")
+    master_port: int = flag(0, "rendezvous port on --master-addr (0: a free port, one node only)", check=port_or_zero,
+                            metavar="PORT")
     omnikv: str = flag("off", "OmniKV sparse attention at decode for requests that do not choose (their `omnikv` "
                        "field): on, off, or auto (contexts of at least the config's min_context tokens)",
                        choices=OMNIKV_MODES)

@@ -22,7 +22,9 @@ import torch
 from models.config import DeepseekConfig, ModelConfig
 from models.loader.load import load_model, resolve_dtype
 from models.omnikv_config import OmniKVConfig
+from models.parallel import local_kv_heads
 from engine.args import EngineArgs
+from engine.ranks import LeadRank, load_rank
 from engine.messages import (
     ERR_CONTEXT,
     ERR_ENGINE,
@@ -51,7 +53,8 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     size = torch.tensor([], dtype=dtype).element_size()
     if isinstance(cfg, DeepseekConfig):
         return cfg.kv_cache_dim * size * cfg.num_hidden_layers
-    return 2 * cfg.num_key_value_heads * cfg.head_dim * size * cfg.num_hidden_layers
+    # under tensor parallelism, this rank's KV heads
+    return 2 * local_kv_heads(cfg.num_key_value_heads) * cfg.head_dim * size * cfg.num_hidden_layers
 
 
 def available_memory(device: torch.device) -> int:
@@ -91,9 +94,24 @@ class EngineCore:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         device = torch.device(args.device)
-        native = device.type == "cpu" and args.cpu_kernels == "native"
-        loaded = load_model(args.model, device=device, dtype=args.dtype, expert_backend=args.expert_backend,
-                            cpu_weights=args.cpu_weight_dtype if native else None, progress=False)
+        # tensor parallelism: this process is rank 0 of --tp (engine.ranks); the others follow its batches
+        self.ranks: LeadRank | None = None
+        if args.tp > 1:
+            self.ranks = LeadRank(args)
+            device = self.ranks.device
+            if device.type == "cpu" and args.cpu_kernels == "native":
+                logger.info("CPU forward: torch ops under tensor parallelism (the native forward is one process's)")
+            try:
+                loaded = load_rank(args, device, tokenizer=True)
+            except Exception as exc:
+                self.ranks.loaded(f"{type(exc).__name__}: {exc}")
+                raise
+            self.ranks.loaded(None)
+            native = False
+        else:
+            native = device.type == "cpu" and args.cpu_kernels == "native"
+            loaded = load_model(args.model, device=device, dtype=args.dtype, expert_backend=args.expert_backend,
+                                cpu_weights=args.cpu_weight_dtype if native else None, progress=False)
         self.config = cfg = loaded.config
         self.model_name = Path(str(loaded.source)).name
         tok = loaded.tokenizer
@@ -117,9 +135,11 @@ class EngineCore:
             loaded.model, cfg, max_total_tokens=num_slots, max_running_requests=args.max_running_requests,
             max_context_len=self.context_len, device=device, kv_dtype=kv_dtype,
             attention_backend=args.attention_backend, page_size=args.page_size,
-            cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
-            hybrid_graph_mode=args.hybrid_graph_mode, omnikv=omnikv,
+            cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph or args.tp > 1,
+            hybrid_graph_mode=args.hybrid_graph_mode, omnikv=omnikv if args.tp == 1 else None,
         )
+        if self.ranks is not None:
+            self.ranks.lead(self.runner, kv_dtype)
         if self.runner.native_forward is not None:
             # every forward is one native call on the runner's pool: torch computes only the sampling, on
             # this thread, so its OpenMP workers never compete with the pool for the cores
@@ -152,6 +172,17 @@ class EngineCore:
             if isinstance(cfg, DeepseekConfig) else f"K+V {cfg.num_key_value_heads} heads x {cfg.head_dim}",
             args.max_running_requests, self.context_len, args.page_size, "on" if use_cache else "off",
         )
+
+    def failure(self) -> str | None:
+        """Why the engine can no longer run although it is idle (a tensor-parallel rank died), or None."""
+        return self.ranks.failure() if self.ranks is not None else None
+
+    def close(self, clean: bool = True) -> None:
+        """Stops the other ranks (tensor parallelism): told to stop after a clean shutdown, else killed
+        (they may be waiting in a collective this rank will never join). Idempotent."""
+        if self.ranks is not None:
+            self.ranks.close(clean)
+            self.ranks = None
 
     def describe(self) -> EngineInfo:
         return EngineInfo(

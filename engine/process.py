@@ -171,6 +171,20 @@ class _EngineLoop:
         # collection no longer walks them (they made up most of its work, a few % of a CPU decode step).
         gc.collect()
         gc.freeze()
+        code = EXIT_ENGINE_CRASHED
+        try:
+            code = self._loop()
+            return code
+        finally:
+            close = getattr(self.core, "close", None)  # the core's other processes (tensor-parallel ranks)
+            if close is not None:
+                try:
+                    close(clean=code == EXIT_OK)
+                except Exception:
+                    logger.exception("closing the engine core failed")
+
+    def _loop(self) -> int:
+        assert self.core is not None
         try:
             while True:
                 code = self._take_messages()
@@ -205,6 +219,10 @@ class _EngineLoop:
         if os.getppid() != self.parent_pid:
             logger.info("server process is gone; engine core exits")
             return EXIT_PARENT_GONE
+        failure = getattr(self.core, "failure", None)  # e.g. a tensor-parallel rank died while idle
+        reason = failure() if failure is not None else None
+        if reason is not None:
+            raise RuntimeError(reason)
         return None
 
     def _apply(self, msg: GenerateRequest | AbortRequest | StatsRequest | Shutdown) -> int | None:

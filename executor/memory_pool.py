@@ -38,6 +38,9 @@ class ReqToTokenPool:
         self._free = list(range(1, size + 1))
         # per-row state kept beside the table (OmniKV's query window): cleared when a row changes hands
         self.on_alloc: list[Callable[[int], None]] = []
+        # while a list: every write is also appended here as (row, start, slots), for the ranks that
+        # mirror this table under tensor parallelism (executor.distributed)
+        self.journal: list[tuple[int, int, list[int]]] | None = None
 
     def available_size(self) -> int:
         return len(self._free)
@@ -62,6 +65,8 @@ class ReqToTokenPool:
         if end > self.max_context_len:
             raise ValueError(f"position {end - 1} exceeds max_context_len {self.max_context_len}")
         self.req_to_token[req_pool_idx, start:end] = kv_loc.to(torch.int32)
+        if self.journal is not None:
+            self.journal.append((req_pool_idx, start, kv_loc.tolist()))
 
 
 class TokenSlotAllocator:

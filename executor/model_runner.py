@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from contextlib import AbstractContextManager, nullcontext
+from typing import Protocol
 
 import torch
 
@@ -24,6 +26,7 @@ from models.config import DeepseekConfig, ModelConfig
 from models.experts import CppExperts, CpuExpertPool
 from models.native import native_modules
 from models.omnikv_config import OmniKVConfig
+from models.parallel import local_kv_heads
 from executor.cpu_forward import NativeForward, unsupported_reason
 from executor.cuda_graph_runner import CudaGraphRunner, capture_if_supported
 from executor.forward_batch import ForwardBatch, ForwardMode
@@ -45,6 +48,14 @@ class OmniKVCounters:
         self.context_tokens += batch.context_tokens
 
 
+class BatchSink(Protocol):
+    """Where the scheduling rank sends each batch before running it (the other ranks run it too)."""
+
+    def step(self, batch: ForwardBatch) -> AbstractContextManager[None]:
+        """Sends `batch` to the other ranks; the forward runs inside the context."""
+        ...
+
+
 @dataclass(frozen=True)
 class RequestSlice:
     """One request's part of a forward."""
@@ -63,8 +74,9 @@ def create_kv_pool(
         return MLATokenToKVPool(
             num_slots, cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, device, page_size
         )
-    return MHATokenToKVPool(
-        num_slots, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype, device, page_size
+    return MHATokenToKVPool(  # under tensor parallelism, this rank's KV heads
+        num_slots, cfg.num_hidden_layers, local_kv_heads(cfg.num_key_value_heads), cfg.head_dim, dtype, device,
+        page_size
     )
 
 
@@ -134,6 +146,9 @@ class ModelRunner:
                                                     self.expert_pool.workers)
                 if omnikv is not None:
                     self.native_forward.set_omnikv(omnikv, self.omnikv_plan, self.query_history)
+        # tensor parallelism, on the rank that schedules: hands every batch to the other ranks first
+        # (executor.distributed.Leader); None on one rank and on the ranks that follow
+        self.followers: BatchSink | None = None
         # decode replays captured graphs where it can (CUDA only); None: every forward runs eagerly
         self.graph_runner: CudaGraphRunner | None = None
         if not disable_cuda_graph:
@@ -212,12 +227,13 @@ class ModelRunner:
         if (self._cpu_experts and self._cpu_experts[0].pool is not self.expert_pool) or (
                 self._native and self._native[0].op.pool is not self.expert_pool.workers):
             self._bind_experts()
-        if self.native_forward is not None:
-            logits = self.native_forward.forward(batch)
-        elif self.graph_runner is not None and self.graph_runner.can_run(batch):
-            logits = self.graph_runner.replay(batch)
-        else:
-            logits = self.model(batch)
+        with self.followers.step(batch) if self.followers is not None else nullcontext():
+            if self.native_forward is not None:
+                logits = self.native_forward.forward(batch)
+            elif self.graph_runner is not None and self.graph_runner.can_run(batch):
+                logits = self.graph_runner.replay(batch)
+            else:
+                logits = self.model(batch)
         if batch.omnikv is not None:
             self.omnikv_counters.add(batch.omnikv)
         return logits

@@ -63,7 +63,7 @@ from executor.model_runner import ModelRunner, RequestSlice
 from kernels.attention.base import ForwardBatch
 from kernels.attention.omnikv import select_positions
 from kernels.attention.torch_backend import TorchAttentionBackend
-from mlaserve.cli import float_in, positive_int
+from mlaserve.argtypes import float_in, positive_int
 from models.omnikv_config import MAX_FILTER_LAYERS, SPARSE, OmniKVConfig
 
 if TYPE_CHECKING:

@@ -13,32 +13,8 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Callable
 
-
-def positive_int(text: str) -> int:
-    """argparse type of a count that must be > 0 (a bad one exits 2 naming the flag)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
-    return value
-
-
-def float_in(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
-    """argparse type of a number in [low, high] (or (low, high] with `low_open`)."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not (low < value if low_open else low <= value) or not value <= high:
-            raise argparse.ArgumentTypeError(f"{text!r} must be in {'(' if low_open else '['}{low:g}, {high:g}]")
-        return value
-
-    return parse
+from mlaserve.argtypes import positive_int
 
 
 def _generate(argv: list[str]) -> int:
@@ -96,6 +72,13 @@ def _serve(argv: list[str]) -> int:
     from server.args import parse_serve_args
 
     args = parse_serve_args(argv)  # --help and flag errors exit here, before heavy imports
+    if args.engine.node_rank > 0:  # another machine of a multi-node --tp: its ranks only, no HTTP server
+        import logging
+
+        from engine.ranks import serve_node
+
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return serve_node(args.engine)
     from server.launch import serve
 
     return serve(args)

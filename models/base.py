@@ -23,6 +23,8 @@ from models.config import ModelConfig
 from models.layers import RMSNorm, compute_logits
 from models.loader.errors import CheckpointError
 from models.native import NativeEmbedding, NativeLinear
+from models.parallel import VocabEmbedding, VocabHead, current, embedding, lm_logits, shard_plan
+from models.loader.shard import SKIP, Shard, ShardFn
 from models.loader.raw_blocks import RawBlocks
 from models.experts import ExpertBackend
 
@@ -50,7 +52,7 @@ class DecoderModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, make_layer: Callable[[int, RotaryEmbedding], nn.Module]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.max_position_embeddings)
         self.layers = nn.ModuleList(make_layer(i, self.rotary_emb) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -71,7 +73,10 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = cfg.tie_word_embeddings
         self.model = model
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            if current().parallel:
+                self.lm_head = VocabHead(cfg.vocab_size, cfg.hidden_size)
+            else:
+                self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs the stack over `batch`; returns fp32 logits [N, V] for `batch.logits_indices`
@@ -90,12 +95,51 @@ class CausalLM(nn.Module):
         head = getattr(self, "lm_head", None)
         if isinstance(head, NativeLinear):  # the CPU-native weights (models.native), tied or not
             return head(hidden if indices is None else hidden.index_select(0, indices)).float()
+        if current().parallel:  # this rank's vocabulary rows, gathered
+            return lm_logits(hidden if indices is None else hidden.index_select(0, indices), self.lm_weight(),
+                             self.config.vocab_size)
         return compute_logits(hidden, self.lm_weight(), indices)
 
     def lm_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
     # ---- weights ----
+    def shard_fn(self) -> ShardFn | None:
+        """What this rank reads of each checkpoint tensor under tensor parallelism (None: everything):
+        the layers' own parts (models.parallel) and, for routed experts, the intermediate-size part of
+        each or, with expert parallelism, this rank's experts whole (the others' are never read)."""
+        lay = current()
+        if not lay.parallel:
+            return None
+        plan = shard_plan(self)
+        owners = {f"{n}.experts": m for n, m in self.named_modules() if hasattr(m, "expert_range")}
+
+        def shard(name: str, shape: tuple[int, ...]) -> Shard | None | object:
+            if name in plan:
+                return plan[name]
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                return SKIP  # a tied checkpoint's copy of the embedding
+            m = _EXPERT_RE.match(name)
+            moe = owners.get(m.group(1)) if m else None
+            if m is None or moe is None:
+                return None
+            expert, kind = m.group(2), m.group(3)
+            rng = moe.expert_range
+            if lay.ep:
+                if expert is not None:
+                    return None if rng.start <= int(expert) < rng.stop else SKIP
+                return Shard(0, ((rng.start, rng.stop),))
+            lead = 0 if expert is not None else 1  # stacked tensors [E, ...] have the expert first
+            full = moe.experts.intermediate_size * lay.tp_size
+            a, b = lay.split(full, "the experts' intermediate size")
+            if kind == "down_proj":
+                return Shard(lead + 1, ((a, b),))
+            if kind == "gate_up_proj":
+                return Shard(lead, ((a, b), (full + a, full + b)))
+            return Shard(lead, ((a, b),))
+
+        return shard
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | RawBlocks]], source: str) -> None:
         """Copies HF-named tensors into the parameters (casting dtype); strict about names and shapes."""
         params = dict(self.named_parameters())
@@ -105,12 +149,16 @@ class CausalLM(nn.Module):
                  if isinstance(m, (NativeLinear, NativeEmbedding)) and getattr(m, "tied_to", None) is None}
         experts = {n: m for n, m in self.named_modules() if isinstance(m, ExpertBackend)}
         expert_params = {f"{n}.{p}" for n, m in experts.items() for p, _ in m.named_parameters()}
+        # under tensor parallelism: vocabulary parts padded to equal rows, and routed experts held here
+        padded = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, (VocabEmbedding, VocabHead))}
+        ranges = {f"{n}.experts": m.expert_range for n, m in self.named_modules() if hasattr(m, "expert_range")}
         loaded: set[str] = set()
         expert_loaded: set[tuple[str, int, str]] = set()
         for name, tensor in weights:
             m = _EXPERT_RE.match(name)
             if m and m.group(1) in experts:
-                self._load_expert(experts[m.group(1)], m, tensor, source, name, expert_loaded)
+                first = ranges[m.group(1)].start if m.group(1) in ranges else 0
+                self._load_expert(experts[m.group(1)], m, tensor, source, name, expert_loaded, first)
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some tied checkpoints store the copy anyway
@@ -128,11 +176,15 @@ class CausalLM(nn.Module):
             param = params.get(name)
             if param is None or name in expert_params:
                 raise CheckpointError(source, f"unexpected tensor '{name}' (no such parameter in this architecture)")
-            if tuple(tensor.shape) != tuple(param.shape):
+            target = param.data
+            if name in padded and tensor.shape[1:] == param.shape[1:] and 0 < tensor.shape[0] <= param.shape[0]:
+                target.zero_()  # the last vocabulary part's padding rows (models.parallel.vocab_part)
+                target = target[: tensor.shape[0]]
+            if tuple(tensor.shape) != tuple(target.shape):
                 raise CheckpointError(
-                    source, f"tensor '{name}' has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                    source, f"tensor '{name}' has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
                 )
-            param.data.copy_(tensor)
+            target.copy_(tensor)
             loaded.add(name)
         missing = sorted((set(params) | set(sinks)) - loaded - expert_params)
         for prefix, backend in experts.items():
@@ -155,8 +207,15 @@ class CausalLM(nn.Module):
         source: str,
         name: str,
         done: set[tuple[str, int, str]],
+        first: int = 0,
     ) -> None:
+        """`first`: the global id of the backend's expert 0 (expert parallelism: a rank's experts are
+        first..first+num_experts-1; per-expert tensors of the others are never read)."""
         prefix, expert, kind = m.group(1), m.group(2), m.group(3)
+        if expert is not None:
+            expert = str(int(expert) - first)
+            if int(expert) < 0:
+                raise CheckpointError(source, f"tensor '{name}': expert {int(expert) + first} is not held by this rank")
         e_count, h, i = backend.num_experts, backend.hidden_size, backend.intermediate_size
         per_expert = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i), "gate_up_proj": (2 * i, h)}[kind]
         if expert is not None:

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.parallel import RowLinear, column_linear, row_linear
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, normalised in fp32 and cast back before the weight (as HF does)."""
@@ -26,12 +28,20 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        what = "the MLP's intermediate size"
+        self.gate_proj = column_linear(hidden_size, intermediate_size, bias, what=what)
+        self.up_proj = column_linear(hidden_size, intermediate_size, bias, what=what)
+        self.down_proj = row_linear(intermediate_size, hidden_size, bias, what=what)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """Under tensor parallelism, this rank's term of the output before the all-reduce (for a block
+        that reduces several terms at once: a MoE layer's shared and routed experts)."""
+        h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        down = self.down_proj
+        return down.partial(h) if isinstance(down, RowLinear) else down(h)
 
 
 def compute_logits(hidden: torch.Tensor, lm_weight: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:

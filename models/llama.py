@@ -11,18 +11,21 @@ from models.rotary import RotaryEmbedding
 from models.base import CausalLM, DecoderLayer, DecoderModel
 from models.config import LlamaConfig
 from models.layers import GatedMLP
-
-
+from models.parallel import column_linear, kv_heads_held, row_linear, tp_split
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        # this rank's query heads and KV heads (all of them on one rank: models.parallel)
+        d = self.head_dim = cfg.head_dim
+        self.num_heads = tp_split(cfg.num_attention_heads, "the number of attention heads")
+        kv_first, self.num_kv_heads = kv_heads_held(cfg.num_key_value_heads)
+        kv_rows = (kv_first * d, (kv_first + self.num_kv_heads) * d)
+        bias, total_kv = cfg.attention_bias, cfg.num_key_value_heads * d
+        self.q_proj = column_linear(cfg.hidden_size, cfg.num_attention_heads * d, bias)
+        self.k_proj = column_linear(cfg.hidden_size, total_kv, bias, ranges=kv_rows)
+        self.v_proj = column_linear(cfg.hidden_size, total_kv, bias, ranges=kv_rows)
+        self.o_proj = row_linear(cfg.num_attention_heads * d, cfg.hidden_size, bias)
         self.rotary_emb = rotary
         self.layer = AttentionLayer(
             layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim, cfg.softmax_scale

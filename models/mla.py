@@ -35,26 +35,27 @@ from kernels.attention.base import AttentionLayer, ForwardBatch
 from models.rotary import RotaryEmbedding
 from models.config import DeepseekConfig
 from models.layers import RMSNorm
-
-
+from models.parallel import column_linear, row_linear, tp_split
 
 class MLAAttention(nn.Module):
     def __init__(self, cfg: DeepseekConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads = h = cfg.num_attention_heads
+        # under tensor parallelism a rank holds its query heads; the latent (kv_a) is every rank's
+        heads = cfg.num_attention_heads
+        self.num_heads = h = tp_split(heads, "the number of attention heads")
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank = r = cfg.kv_lora_rank
         qk = cfg.qk_head_dim
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(cfg.hidden_size, h * qk, bias=False)
+            self.q_proj = column_linear(cfg.hidden_size, heads * qk)
         else:
             self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * qk, bias=False)
+            self.q_b_proj = column_linear(cfg.q_lora_rank, heads * qk)
         self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, r + self.rope_dim, bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(r)
-        self.kv_b_proj = nn.Linear(r, h * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(h * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.kv_b_proj = column_linear(r, heads * (self.nope_dim + self.v_dim))
+        self.o_proj = row_linear(heads * self.v_dim, cfg.hidden_size, cfg.attention_bias)
         self.rotary_emb = rotary
         self.register_buffer("w_kc", torch.empty(h, self.nope_dim, r), persistent=False)
         self.register_buffer("w_vc", torch.empty(h, r, self.v_dim), persistent=False)

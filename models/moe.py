@@ -16,6 +16,7 @@ from models.config import MoEConfig
 from models.experts import create_expert_backend
 from models.layers import GatedMLP
 from models.moe_routing import select_experts
+from models.parallel import ExpertRange, current, tp_split
 
 
 class Router(nn.Module):
@@ -45,8 +46,13 @@ class DeepseekMoE(nn.Module):
     def __init__(self, cfg: MoEConfig, hidden_size: int, expert_backend: str = "torch") -> None:
         super().__init__()
         self.gate = Router(cfg, hidden_size)
+        # under tensor parallelism each rank holds a part of every routed expert (its intermediate
+        # size split) or, with expert parallelism, whole experts `expert_range` (models.parallel)
+        self.layout = lay = current()
+        self.expert_range = ExpertRange.for_rank(cfg.num_experts)
+        inter = cfg.intermediate_size if lay.ep else tp_split(cfg.intermediate_size, "the experts' intermediate size")
         self.experts = create_expert_backend(
-            expert_backend, cfg.num_experts, hidden_size, cfg.intermediate_size, top_k=cfg.top_k
+            expert_backend, self.expert_range.stop - self.expert_range.start, hidden_size, inter, top_k=cfg.top_k
         )
         self.shared_experts = (
             GatedMLP(hidden_size, cfg.intermediate_size * cfg.num_shared_experts) if cfg.num_shared_experts else None
@@ -54,7 +60,15 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
+        if self.layout.ep:
+            topk_ids, topk_weights = self.expert_range.localize(topk_ids, topk_weights)
         self.experts.submit(x, topk_ids, topk_weights)
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        shared = None
+        if self.shared_experts is not None:
+            shared = self.shared_experts.partial(x) if self.layout.parallel else self.shared_experts(x)
         routed = self.experts.sync()
-        return routed if shared is None else routed + shared
+        out = routed if shared is None else routed + shared
+        if shared is None and self.layout.parallel:
+            out = out.clone()  # the backend may own `routed`: reduce a copy
+        # one all-reduce for the block: every rank's routed and shared terms
+        return self.layout.all_reduce(out) if self.layout.parallel else out

@@ -9,6 +9,8 @@ fails at open with a `CheckpointError` naming the file and the key or tensor. `t
 dequantizes lazily, one tensor at a time, and undoes llama.cpp's layout changes (see
 `gguf_names`): Llama q/k row permutation, DeepSeek ``attn_k_b``/``attn_v_b`` -> ``kv_b_proj``.
 With ``raw_experts`` the routed experts are not decoded but yielded as `RawBlocks` (mmap views).
+With a ``shard`` function (tensor parallelism, `models.loader.shard`) each rank reads and decodes
+only its part of each tensor: whole rows of blocks, or whole blocks of every row.
 
 The container itself (layout, hostile-length checks) is read by `models.loader.gguf_file`.
 """
@@ -16,11 +18,13 @@ The container itself (layout, hostile-length checks) is read by `models.loader.g
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES
 
 from models.config import LlamaConfig, ModelConfig, config_from_hf_dict
 from models.loader import gguf_names as gn
@@ -28,6 +32,7 @@ from models.loader.errors import CheckpointError
 from models.loader.gguf_file import TensorInfo, f32_round, map_gguf, parse_gguf
 from models.loader.gguf_quants import dequantize
 from models.loader.raw_blocks import RawBlocks
+from models.loader.shard import SKIP, Shard, ShardFn, resolve
 
 if TYPE_CHECKING:
     from models.loader.tokenizer import TokenizerBundle
@@ -62,17 +67,22 @@ class GGUFCheckpoint:
         return copy.deepcopy(self._hf_config)
 
     def num_tensors(self) -> int:
-        """How many tensors `tensors()` yields (for progress bars)."""
+        """How many tensors `tensors()` yields (for progress bars; fewer when a shard function SKIPs some)."""
         return self._num_hf_tensors
 
-    def tensors(self, raw_experts: bool = False,
-                raw_names: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor | RawBlocks]]:
+    def tensors(self, raw_experts: bool = False, raw_names: frozenset[str] = frozenset(),
+                shard: ShardFn | None = None) -> Iterator[tuple[str, torch.Tensor | RawBlocks]]:
         """(HF parameter name, float32 CPU tensor in HF layout), one at a time, in file order.
 
         `raw_experts`: routed-expert tensors come as `RawBlocks` (the file's blocks, not decoded) for
         expert backends that keep them quantized; `raw_names`: so do these HF-named tensors (the CPU's
         native weights, `models.native`). Names and shapes are the same either way; Llama's q/k rows are
         reordered to HF's layout in both forms.
+
+        `shard` (tensor parallelism): called with each HF name and full HF shape; SKIP: the tensor is
+        neither read nor yielded; a `Shard`: only that part is yielded, and only the file bytes it needs
+        are read and dequantized (whole rows of blocks along leading dims, whole blocks along the last;
+        see `_select`). A `RawBlocks` can only be cut at block boundaries of its last dim (ValueError).
         """
         cfg = self._config
         for name, info in self._infos.items():
@@ -80,34 +90,44 @@ class GGUFCheckpoint:
                 continue
             if name in gn.GLOBAL_NAMES:
                 hf = gn.GLOBAL_NAMES[name]
-                yield hf, self._raw(info) if hf in raw_names else self._read(info)
+                if (part := resolve(shard, hf, info.shape)) is not SKIP:
+                    yield hf, self._part(info, part, hf, hf in raw_names)
                 continue
             layer_id, short = gn.parse_layer_name(name)  # type: ignore[misc]  # checked at open
             if short == gn.V_B:
                 continue  # merged into kv_b_proj with attn_k_b
             if short == gn.K_B:
-                v_b = self._read(self._infos[gn.layer_name(layer_id, gn.V_B)])
-                yield gn.hf_layer_name(layer_id, gn.KV_B_HF), gn.merge_kv_b(self._read(info), v_b)
+                hf = gn.hf_layer_name(layer_id, gn.KV_B_HF)
+                v_info = self._infos[gn.layer_name(layer_id, gn.V_B)]
+                heads, rank, nope = info.shape
+                if (part := resolve(shard, hf, (heads * (nope + v_info.shape[1]), rank))) is not SKIP:
+                    yield hf, self._kv_b(info, v_info, part, hf)
             elif short == gn.GATE_UP_EXPS:
-                fused = self._raw(info) if raw_experts else self._read(info)
-                i = fused.shape[1] // 2
-                gate, up = fused[:, :i], fused[:, i:]
-                if not raw_experts:
-                    gate, up = gate.contiguous(), up.contiguous()
-                yield gn.hf_layer_name(layer_id, "mlp.experts.gate_proj.weight"), gate
-                yield gn.hf_layer_name(layer_id, "mlp.experts.up_proj.weight"), up
-            elif raw_experts and short in _EXPERT_TENSORS:
-                yield gn.hf_layer_name(layer_id, gn.LAYER_NAMES[self.arch][short]), self._raw(info)
+                experts, rows, cols = info.shape
+                i = rows // 2
+                for k, kind in enumerate(("gate", "up")):  # [E, 2I, H]: gate rows first, then up
+                    hf = gn.hf_layer_name(layer_id, f"mlp.experts.{kind}_proj.weight")
+                    part = resolve(shard, hf, (experts, i, cols))
+                    if part is SKIP:
+                        continue
+                    if part is None and raw_experts:  # a view of the half, named as the fused tensor cut
+                        yield hf, self._raw(info)[:, slice(None, i) if k == 0 else slice(i, None)]
+                        continue
+                    region: list[Ranges | None] = [None, ((k * i, (k + 1) * i),), None]
+                    if part is not None:  # HF dim 1 is the half's rows, offset into the fused rows
+                        off = k * i if part.dim == 1 else 0
+                        region[part.dim] = tuple((off + a, off + b) for a, b in part.ranges)
+                    yield hf, self._select(info, region, raw_experts, hf)
             else:
                 hf = gn.hf_layer_name(layer_id, gn.LAYER_NAMES[self.arch][short])
-                t: torch.Tensor | RawBlocks = self._raw(info) if hf in raw_names else self._read(info)
+                raw = hf in raw_names or raw_experts and short in _EXPERT_TENSORS
+                if (part := resolve(shard, hf, info.shape)) is SKIP:
+                    continue
                 if isinstance(cfg, LlamaConfig) and short.split(".")[0] in ("attn_q", "attn_k"):
                     heads = cfg.num_attention_heads if short.startswith("attn_q") else cfg.num_key_value_heads
-                    if isinstance(t, RawBlocks):  # the same reordering, of whole rows of blocks
-                        t = t.take_rows(gn.unpermute_qk(torch.arange(t.shape[0])[:, None], heads)[:, 0].tolist())
-                    else:
-                        t = gn.unpermute_qk(t, heads)
-                yield hf, t
+                    yield hf, self._qk(info, heads, part, raw, hf)
+                else:
+                    yield hf, self._part(info, part, hf, raw)
 
     def tokenizer(self) -> TokenizerBundle:
         from models.loader.tokenizer import tokenizer_from_gguf_metadata
@@ -122,6 +142,91 @@ class GGUFCheckpoint:
 
     def _raw(self, info: TensorInfo) -> RawBlocks:
         return RawBlocks.from_buffer(self._buf, info.offset, info.qtype, info.shape, str(self.path), info.name)
+
+    def _blocks(self, info: TensorInfo) -> np.ndarray:
+        """The tensor's bytes as a read-only view [*shape[:-1], row_bytes] of the mapping (nothing copied;
+        offset, size and row length were checked against the file at open)."""
+        block, type_size = GGML_QUANT_SIZES[info.qtype]
+        data = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        return data.reshape(*info.shape[:-1], info.shape[-1] // block * type_size)
+
+    def _select(self, info: TensorInfo, region: Sequence[Ranges | None], raw: bool, hf: str) -> torch.Tensor | RawBlocks:
+        """Only `region` (per numpy dim: ranges to take in order, None for all) of tensor `info`.
+
+        Leading dims are cut as whole rows of blocks, by slicing the mapped view (several ranges are
+        concatenated, copying only those rows); the last dim at block granularity: each range widened
+        to whole blocks, those blocks' bytes taken from every row, and the float result cut back to the
+        range. Only the selected bytes reach `dequantize`. `raw`: the blocks themselves, undecoded,
+        which cannot be cut inside a block (ValueError naming the tensor and the block size).
+        """
+        block, type_size = GGML_QUANT_SIZES[info.qtype]
+        data, shape = self._blocks(info), list(info.shape)
+        for d, ranges in enumerate(region[:-1]):
+            if ranges is not None:
+                data, shape[d] = _take(data, d, ranges), sum(b - a for a, b in ranges)
+        cols, cut = region[-1], None
+        if cols is not None:
+            wide = tuple((a // block * block, -(-b // block) * block) for a, b in cols)
+            if wide != tuple(cols):
+                if raw:
+                    a, b = next(c for c, w in zip(cols, wide) if c != w)
+                    raise ValueError(
+                        f"tensor '{hf}' (GGUF '{info.name}', {info.qtype.name}) is kept as undecoded blocks of "
+                        f"{block} values, so its last dim can only be split at multiples of {block}; "
+                        f"shard range [{a}, {b}) is not"
+                    )
+                cut, base = [], 0  # where each range lies in the concatenated widened ranges
+                for (a, b), (wa, wb) in zip(cols, wide):
+                    cut.append((base + a - wa, base + b - wa))
+                    base += wb - wa
+            byte_ranges = tuple((a // block * type_size, b // block * type_size) for a, b in wide)
+            data, shape[-1] = _take(data, data.ndim - 1, byte_ranges), sum(b - a for a, b in wide)
+        if raw:
+            return RawBlocks(info.qtype, tuple(shape), data, str(self.path), info.name + _describe(region))
+        t = dequantize(data, info.qtype, shape, str(self.path), info.name)
+        return t if cut is None else _cat([t[..., a:b] for a, b in cut], -1)
+
+    def _part(self, info: TensorInfo, part: Shard | None, hf: str, raw: bool) -> torch.Tensor | RawBlocks:
+        """Tensor `info` in the file's layout (= HF's), whole or only `part`."""
+        if part is None:
+            return self._raw(info) if raw else self._read(info)
+        region: list[Ranges | None] = [None] * len(info.shape)
+        region[part.dim] = part.ranges
+        return self._select(info, region, raw, hf)
+
+    def _qk(self, info: TensorInfo, heads: int, part: Shard | None, raw: bool, hf: str) -> torch.Tensor | RawBlocks:
+        """Llama q/k (weight or bias) in HF row order. llama.cpp's row permutation stays inside each head,
+        so a cut along rows reads the whole heads it touches, unpermutes them with that local head count
+        and cuts the range out; a cut along columns commutes with the row permutation."""
+        if part is None or part.dim != 0:
+            return _unpermute(self._part(info, part, hf, raw), heads)
+        head_dim = info.shape[0] // heads
+        parts = []
+        for a, b in part.ranges:
+            lo, hi = a // head_dim * head_dim, -(-b // head_dim) * head_dim
+            t = _unpermute(self._part(info, Shard(0, ((lo, hi),)), hf, raw), (hi - lo) // head_dim)
+            parts.append(t[a - lo : b - lo])
+        return _cat(parts, 0)
+
+    def _kv_b(self, k_info: TensorInfo, v_info: TensorInfo, part: Shard | None, hf: str) -> torch.Tensor:
+        """HF kv_b_proj [H*(nope+v), r] from attn_k_b [H, r, nope] and attn_v_b [H, v, r], whole or `part`.
+
+        Rows (dim 0): only the heads the ranges touch are read from both, merged, and cut to the range.
+        Latent columns (dim 1): k_b's dim 1 (whole rows of blocks) and v_b's last dim (whole blocks)."""
+        if part is None:
+            return gn.merge_kv_b(self._read(k_info), self._read(v_info))
+        if part.dim == 1:
+            k = self._select(k_info, (None, part.ranges, None), False, hf)
+            v = self._select(v_info, (None, None, part.ranges), False, hf)
+            return gn.merge_kv_b(k, v)  # type: ignore[arg-type]  # raw=False: tensors
+        width = k_info.shape[2] + v_info.shape[1]
+        parts = []
+        for a, b in part.ranges:
+            lo, hi = a // width, -(-b // width)
+            k = self._select(k_info, (((lo, hi),), None, None), False, hf)
+            v = self._select(v_info, (((lo, hi),), None, None), False, hf)
+            parts.append(gn.merge_kv_b(k, v)[a - lo * width : b - lo * width])  # type: ignore[arg-type]
+        return _cat(parts, 0)  # type: ignore[return-value]
 
     def _check_tensors(self) -> int:
         """Every tensor known, in range and of the config's shape; every required one present."""
@@ -152,6 +257,41 @@ class GGUFCheckpoint:
                 raise CheckpointError(self.path, f"required tensor '{name}' is missing")
         return count
 
+
+
+Ranges = tuple[tuple[int, int], ...]
+
+
+def _take(a: np.ndarray, dim: int, ranges: Ranges) -> np.ndarray:
+    """`ranges` of `a` along `dim`, in order: a view for one range, else a copy of only those parts."""
+    lead = (slice(None),) * dim
+    parts = [a[(*lead, slice(lo, hi))] for lo, hi in ranges]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=dim)
+
+
+def _cat(parts: list[Any], dim: int) -> Any:
+    """Float tensors or `RawBlocks` (cut along a leading dim) joined along `dim`."""
+    if isinstance(parts[0], RawBlocks):
+        if len(parts) == 1:
+            return parts[0]
+        data = np.concatenate([p.data for p in parts], axis=dim)
+        p = parts[0]
+        return RawBlocks(p.qtype, (*data.shape[:-1], p.shape[-1]), data, p.source, "+".join(q.name for q in parts))
+    return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _unpermute(t: torch.Tensor | RawBlocks, heads: int) -> torch.Tensor | RawBlocks:
+    """llama.cpp's q/k row order -> HF's, for a tensor of `heads` whole heads."""
+    if isinstance(t, RawBlocks):  # the same reordering, of whole rows of blocks
+        return t.take_rows(gn.unpermute_qk(torch.arange(t.shape[0])[:, None], heads)[:, 0].tolist())
+    return gn.unpermute_qk(t, heads)
+
+
+def _describe(region: Sequence[Ranges | None]) -> str:
+    """``[:, 0:16+32:48]``-style suffix naming the part of a tensor taken (for error messages)."""
+    if all(r is None for r in region):
+        return ""
+    return "[" + ", ".join(":" if r is None else "+".join(f"{a}:{b}" for a, b in r) for r in region) + "]"
 
 
 # ------------------------------------------------------------------ metadata -> HF config dict

@@ -21,6 +21,7 @@ from models.config import ModelConfig, config_from_hf_dict
 from models.loader.errors import CheckpointError
 from models.experts import EXPERT_BACKENDS, CppExperts, ExpertBackend, WeightInput
 from models.native import CPU_WEIGHT_DTYPES, NativeEmbedding, NativeLinear, use_native_weights
+from models.parallel import current as current_layout
 from models.registry import model_class
 
 if TYPE_CHECKING:
@@ -87,7 +88,10 @@ def load_model(
     `cpu_weights` ('file' | 'bf16' | 'float32', see `models.native`): the dense weights go to the CPU's native
     operators instead of torch parameters, and routed experts to the `cpp` backend (bf16 unless 'file' keeps a
     GGUF's blocks); None keeps torch parameters in `dtype` (the reference path, and every GPU run).
-    `dtype` then still sets the KV cache's default dtype and the norms' parameters."""
+    `dtype` then still sets the KV cache's default dtype and the norms' parameters.
+
+    Under tensor parallelism (`models.parallel.configure`, before this call) the model holds this rank's
+    parts of the weights and the checkpoint is read only where they are."""
     if expert_backend not in EXPERT_BACKENDS:
         raise ValueError(f"unknown expert backend {expert_backend!r} (available: {', '.join(EXPERT_BACKENDS)})")
     path = resolve_model_path(model)
@@ -97,6 +101,8 @@ def load_model(
             raise ValueError(f"unknown CPU weight dtype {cpu_weights!r} (choose {', '.join(CPU_WEIGHT_DTYPES)})")
         if device.type != "cpu":
             raise ValueError(f"native CPU weights need the CPU device, not {device}")
+        if current_layout().parallel:
+            raise ValueError("native CPU weights run one process's forward; tensor parallelism needs the torch forward")
         expert_backend = "cpp"
     torch_dtype = resolve_dtype(dtype, device)
     ckpt = open_checkpoint(path)
@@ -118,10 +124,11 @@ def load_model(
         isinstance(m, ExpertBackend) and m.weight_input is WeightInput.GGUF_BLOCKS for m in net.modules())
     raw_names = frozenset(f"{n}.weight" for n, m in net.named_modules()
                           if isinstance(m, (NativeLinear, NativeEmbedding)) and m.weight_input is WeightInput.GGUF_BLOCKS)
+    shard = net.shard_fn()  # under tensor parallelism: only this rank's parts are read
     if path.is_dir():
-        tensors = ckpt.tensors()
+        tensors = ckpt.tensors(shard=shard)
     else:
-        tensors = ckpt.tensors(raw_experts=raw_experts, raw_names=raw_names)
+        tensors = ckpt.tensors(raw_experts=raw_experts, raw_names=raw_names, shard=shard)
     with torch.no_grad():
         net.load_weights(_progress(tensors, bar), str(path))
     bar.close()

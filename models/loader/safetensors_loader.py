@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from models.loader.errors import CheckpointError
 from models.loader.jsonfile import read_json
+from models.loader.shard import SKIP, Shard, ShardFn, resolve, shard_shape
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -102,11 +103,32 @@ class HFCheckpoint:
         except Exception as e:
             raise CheckpointError(shard, f"tensor '{name}' cannot be read: {e}") from None
 
+    def get_shard(self, name: str, shard: Shard) -> torch.Tensor:
+        """Only `shard` of tensor `name`, contiguous. `get_slice` indexes the memory-mapped file without
+        reading it, so the other ranks' bytes are never copied: a cut along dim 0 stays a view of the
+        mapping (as `get` is), any other cut is a copy of just the slice; several ranges are
+        concatenated along `shard.dim`."""
+        shard_shape(self.shape(name), shard, name)  # ValueError naming the tensor if it does not fit
+        path = self.where()[name]
+        try:
+            view = self._handle(path).get_slice(name)
+            lead = (slice(None),) * shard.dim
+            parts = [view[(*lead, slice(a, b))] for a, b in shard.ranges]
+        except Exception as e:
+            raise CheckpointError(path, f"tensor '{name}' cannot be read: {e}") from None
+        return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=shard.dim)
+
     def num_tensors(self) -> int:
         return len(self.where())
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor, shard by shard, memory-mapped; shard handles are closed at the end."""
+    def tensors(self, shard: ShardFn | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor, shard by shard, memory-mapped; shard handles are closed at the end.
+
+        `shard` (tensor parallelism): called with each name and full shape; SKIP leaves the tensor out
+        unread, a `Shard` reads only that part (`get_shard`), None the whole tensor."""
         for name in self.where():
-            yield name, self.get(name)
+            part = resolve(shard, name, self.shape(name)) if shard is not None else None
+            if part is SKIP:
+                continue
+            yield name, self.get(name) if part is None else self.get_shard(name, part)
         self._handles.clear()

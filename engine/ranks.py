@@ -1,0 +1,246 @@
+"""Starting and joining the ranks of a tensor-parallel engine (torch.distributed, laid out as torchrun does).
+
+`--tp N` ranks over `--nnodes` nodes, N / nnodes per node; rank r lives on node r // (N / nnodes).
+Node 0's `mlaserve serve` runs the HTTP server and the engine process; the engine process is rank 0
+(it hosts the rendezvous, torch.distributed's TCP store, at --master-addr:--master-port) and starts
+the node's other ranks as its children. Node k > 0 runs `mlaserve serve --node-rank k` with the same
+--tp, --nnodes, --master-addr and --master-port: it starts that node's ranks and waits for them, with
+no HTTP server. Collectives go over gloo on CPUs and NCCL on GPUs (one GPU per rank, cuda:<local
+rank>); the control messages of executor.distributed always over gloo.
+
+Start-up: every rank loads its part of the weights (models.parallel), then all of them exchange their
+status, so one rank's failure stops every rank with its reason; rank 0 then sends the pool sizes.
+A rank that dies later is noticed by the next broadcast (at most executor.distributed.PING_S while
+idle): rank 0 reports the crash, its children are killed, and the other nodes' ranks see the
+connection close and exit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from engine.args import EngineArgs
+from executor.distributed import Leader, Setup, broadcast_message, follow, gather_status
+from executor.model_runner import ModelRunner
+from models.loader.load import DTYPES, load_model
+from models.parallel import ParallelLayout, configure
+
+logger = logging.getLogger(__name__)
+
+RANK_ENV = "MLASERVE_RANK_SPEC"  # a rank process's settings (JSON), from the process that starts it
+TIMEOUT_S = 300  # rendezvous, and any one collective: a rank that stops answering fails the others by then
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    world: int
+    nnodes: int
+    node_rank: int
+    addr: str
+    port: int
+    ep: bool
+
+    @property
+    def per_node(self) -> int:
+        return self.world // self.nnodes
+
+    def node_ranks(self) -> range:
+        return range(self.node_rank * self.per_node, (self.node_rank + 1) * self.per_node)
+
+    @classmethod
+    def of(cls, args: EngineArgs) -> RankPlan:
+        return cls(args.tp, args.nnodes, args.node_rank, args.master_addr, args.master_port, args.ep > 1)
+
+
+def free_port(addr: str) -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return int(s.getsockname()[1])
+
+
+def rank_device(args: EngineArgs, plan: RankPlan, rank: int) -> torch.device:
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        return torch.device("cuda", (dev.index or 0) + rank % plan.per_node)
+    return dev
+
+
+def init_rank(plan: RankPlan, rank: int, device: torch.device) -> Any:
+    """Joins the group as `rank` and sets the model layout; returns the gloo control group."""
+    import torch.distributed as dist
+
+    if device.type == "cpu":  # the node's ranks share its cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.per_node))
+    else:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{plan.addr}:{plan.port}",
+                            rank=rank, world_size=plan.world, timeout=timedelta(seconds=TIMEOUT_S))
+    configure(ParallelLayout(tp_size=plan.world, tp_rank=rank, ep=plan.ep))
+    return dist.new_group(backend="gloo")
+
+
+def load_rank(args: EngineArgs, device: torch.device, tokenizer: bool) -> Any:
+    """This rank's part of the model: the torch forward (the CPU-native one runs in one process)."""
+    return load_model(args.model, device=device, dtype=args.dtype, expert_backend=args.expert_backend,
+                      cpu_weights=None, load_tokenizer=tokenizer, progress=False)
+
+
+def _check(statuses: list[str | None]) -> None:
+    problems = [s for s in statuses if s is not None]
+    if problems:
+        raise RuntimeError("; ".join(problems))
+
+
+def follower_main(args: EngineArgs, plan: RankPlan, rank: int) -> None:
+    """Main of a rank other than 0: load, report, then run every batch rank 0 sends until it stops."""
+    import torch.distributed as dist
+
+    # the process group's signals (Ctrl-C, docker stop) are for whoever started this rank to act on
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(levelname)s %(message)s")
+    device = rank_device(args, plan, rank)
+    ctl = init_rank(plan, rank, device)
+    loaded, error = None, None
+    try:
+        loaded = load_rank(args, device, tokenizer=False)
+    except Exception as exc:
+        error = f"rank {rank}: {type(exc).__name__}: {exc}"
+        logger.exception("rank %d could not load the model", rank)
+    try:
+        _check(gather_status(error, ctl))
+    except RuntimeError:
+        sys.exit(1)
+    assert loaded is not None
+    setup = broadcast_message(None, ctl)
+    assert isinstance(setup, Setup)
+    runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=setup.num_slots,
+                         max_running_requests=setup.max_running_requests, max_context_len=setup.context_len,
+                         device=device, kv_dtype=DTYPES[setup.kv_dtype], attention_backend=args.attention_backend,
+                         page_size=args.page_size, disable_cuda_graph=True)
+    logger.info("rank %d of %d ready on %s", rank, plan.world, device)
+    try:
+        follow(runner, ctl)
+    except Exception as exc:  # rank 0 is gone (or a peer): nothing left to serve
+        logger.error("rank %d stops: %s: %s", rank, type(exc).__name__, exc)
+        sys.exit(1)
+    dist.destroy_process_group()
+
+
+def _die_with_parent() -> None:
+    """In a rank's process before exec: SIGKILL it when the process that started it dies (Linux), so a
+    crashed engine never leaves ranks holding memory or a GPU."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def start_ranks(args: EngineArgs, plan: RankPlan, ranks: range) -> list[subprocess.Popen]:
+    """One process per rank (`python -m engine.ranks`), its settings as JSON in the environment."""
+    env = {**os.environ, RANK_ENV: json.dumps({"args": dataclasses.asdict(args), "plan": dataclasses.asdict(plan)})}
+    procs = []
+    for r in ranks:
+        procs.append(subprocess.Popen([sys.executable, "-m", "engine.ranks", str(r)], env=env,
+                                      preexec_fn=_die_with_parent))
+    return procs
+
+
+def stop_ranks(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    for p in procs:
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+
+
+class LeadRank:
+    """Rank 0's part in the engine process: starts node 0's other ranks, joins the group, and after
+    loading hands the runner's batches to the followers (executor.distributed.Leader)."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        plan = RankPlan.of(args)
+        if plan.port == 0:  # one node: any free port will do
+            plan = replace(plan, port=free_port(plan.addr))
+        self.plan = plan
+        self.device = rank_device(args, plan, 0)
+        self.procs = start_ranks(args, plan, range(1, plan.per_node))
+        self.leader: Leader | None = None
+        try:
+            self.ctl = init_rank(plan, 0, self.device)
+        except Exception:
+            stop_ranks(self.procs, 0)
+            raise
+        logger.info("tensor parallel: %d ranks on %d node(s), rendezvous %s:%d, experts %s", plan.world,
+                    plan.nnodes, plan.addr, plan.port, "partitioned (--ep)" if plan.ep else "split by intermediate size")
+
+    def loaded(self, error: str | None) -> None:
+        """Every rank's load status; raises with the reasons when any rank failed."""
+        _check(gather_status(None if error is None else f"rank 0: {error}", self.ctl))
+
+    def lead(self, runner: ModelRunner, kv_dtype: torch.dtype) -> None:
+        name = next(k for k, v in DTYPES.items() if v == kv_dtype)
+        broadcast_message(Setup(runner.allocator.num_slots, runner.req_to_token_pool.size, runner.max_context_len,
+                                name), self.ctl)
+        self.leader = Leader(runner, self.ctl)
+
+    def failure(self) -> str | None:
+        """Why the ranks can no longer run (a child rank died, or one stopped answering), or None."""
+        for rank, p in enumerate(self.procs, start=1):
+            if p.poll() is not None:
+                return f"rank {rank} exited with code {p.returncode}"
+        return self.leader.failure() if self.leader is not None else None
+
+    def close(self, clean: bool = True) -> None:
+        if self.leader is not None:
+            self.leader.stop(tell=clean)
+        stop_ranks(self.procs, 10.0 if clean else 0.0)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a peer already gone
+                pass
+
+
+def serve_node(args: EngineArgs) -> int:
+    """`mlaserve serve --node-rank k` (k > 0): this node's ranks, until they end (rank 0 stops them)."""
+    plan = RankPlan.of(args)
+    procs = start_ranks(args, plan, plan.node_ranks())
+    logger.info("node %d of %d: ranks %s joining %s:%d", plan.node_rank, plan.nnodes, list(plan.node_ranks()),
+                plan.addr, plan.port)
+
+    def stop(signum: int, frame: Any) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    codes = [p.wait() for p in procs]
+    return 0 if not any(codes) else 1
+
+
+def _main(argv: list[str]) -> int:
+    """`python -m engine.ranks R`: rank R, its settings from the environment (start_ranks)."""
+    spec = json.loads(os.environ.pop(RANK_ENV))
+    follower_main(EngineArgs(**spec["args"]), RankPlan(**spec["plan"]), int(argv[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

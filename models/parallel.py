@@ -1,0 +1,257 @@
+"""Tensor and expert parallelism inside the model, on torch.distributed (gloo on CPUs, NCCL on GPUs).
+
+One process per rank; every rank runs the same forward on the same tokens. The layers here hold
+their rank's part of a weight and say which part that is (`shards`: parameter name -> `Shard` of the
+HF tensor), so the checkpoint readers read only that part (models.loader.shard):
+
+- `ColumnLinear`   y_r = x · W_r^T            output features split (q/k/v, gate/up, kv_b by heads);
+- `RowLinear`      y = Σ_r x_r · W_r^T + b     input features split, one all-reduce (o_proj, down_proj);
+- `VocabEmbedding` rows of the vocabulary split; a token's row comes from its owner (all-reduce);
+- the LM head      each rank scores its vocabulary rows; one all-gather gives every rank the logits.
+
+Attention is split by heads: Llama's q heads and KV heads (a KV head is repeated on consecutive ranks
+when there are fewer KV heads than ranks), MLA's query heads; MLA's latent projection is replicated,
+so every rank keeps the whole 576-wide latent cache of its requests. Routed experts are either split
+like an MLP (each expert's intermediate size over the ranks) or, with expert parallelism, whole
+experts partitioned over the ranks (`ExpertRange`); either way a MoE block ends in one all-reduce of
+its partial sums (the shared experts' included).
+
+`current()` is the parallel layout the model is built for; `configure()` sets it (once per process,
+before the model is built); the default is one rank, where every layer here is the plain layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.loader.shard import Shard
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """This process's place in the model-parallel group. `ep`: routed experts partitioned over the
+    tp ranks (whole experts per rank) instead of each expert split by its intermediate size."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    ep: bool = False
+    group: Any = None  # torch.distributed ProcessGroup of the tp ranks (None: the default group)
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"bad parallel layout: rank {self.tp_rank} of {self.tp_size}")
+
+    @property
+    def parallel(self) -> bool:
+        return self.tp_size > 1
+
+    def split(self, total: int, what: str) -> tuple[int, int]:
+        """[start, stop) of this rank's even part of `total` (which the ranks must divide)."""
+        if total % self.tp_size:
+            raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size {self.tp_size}")
+        n = total // self.tp_size
+        return self.tp_rank * n, (self.tp_rank + 1) * n
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks, in place (a no-op on one rank)."""
+        if self.parallel:
+            import torch.distributed as dist
+
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` concatenated along the last dim, in rank order."""
+        if not self.parallel:
+            return x
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+_LAYOUT = ParallelLayout()
+
+
+def current() -> ParallelLayout:
+    """The layout models are built for in this process."""
+    return _LAYOUT
+
+
+def configure(layout: ParallelLayout) -> None:
+    """Sets the layout for the models built from now on in this process."""
+    global _LAYOUT
+    _LAYOUT = layout
+
+
+def _rows(start: int, stop: int) -> Shard:
+    return Shard(0, ((start, stop),))
+
+
+class ColumnLinear(nn.Linear):
+    """nn.Linear holding output features [start, stop) of the full layer (all of them on one rank).
+    `ranges` overrides the even split (heads repeated across ranks)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, what: str = "output features",
+                 ranges: tuple[int, int] | None = None) -> None:
+        lay = current()
+        start, stop = ranges if ranges is not None else lay.split(out_features, what)
+        super().__init__(in_features, stop - start, bias=bias)
+        self.shards: dict[str, Shard] = {}
+        if (start, stop) != (0, out_features):
+            self.shards = {"weight": _rows(start, stop)}
+            if bias:
+                self.shards["bias"] = _rows(start, stop)
+
+
+class RowLinear(nn.Module):
+    """A linear layer whose input features are split over the ranks: each computes its partial
+    product, one all-reduce sums them, the bias (whole on every rank) is added once after it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, what: str = "input features") -> None:
+        super().__init__()
+        self.layout = lay = current()
+        start, stop = lay.split(in_features, what)
+        self.in_features, self.out_features = stop - start, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, stop - start))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.shards = {"weight": Shard(1, ((start, stop),))} if lay.parallel else {}
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's term of the sum (no bias): for blocks that reduce several terms at once."""
+        return F.linear(x, self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.layout.all_reduce(self.partial(x))
+        return y if self.bias is None else y + self.bias
+
+
+def vocab_part(vocab: int) -> tuple[int, int, int]:
+    """(start, stop, rows held): this rank's rows of a vocabulary split in equal parts (the last one
+    padded with zero rows when the ranks do not divide it)."""
+    lay = current()
+    per = -(-vocab // lay.tp_size)
+    start = min(lay.tp_rank * per, vocab)
+    return start, min(start + per, vocab), per
+
+
+class VocabEmbedding(nn.Module):
+    """nn.Embedding with the vocabulary's rows split over the ranks: each looks up the tokens it owns
+    (zeros for the others) and one all-reduce gives every rank every row."""
+
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.layout = current()
+        self.start, self.stop, rows = vocab_part(vocab)
+        self.num_embeddings, self.embedding_dim = vocab, dim
+        self.weight = nn.Parameter(torch.empty(rows, dim))
+        # rows past the vocabulary (padding of the last part) are zero and never looked up
+        self.shards = {"weight": _rows(self.start, self.stop)} if self.layout.parallel else {}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.layout.parallel:
+            return F.embedding(ids, self.weight)
+        mine = (ids >= self.start) & (ids < self.stop)
+        out = F.embedding(torch.where(mine, ids - self.start, 0), self.weight)
+        out = out * mine.unsqueeze(-1).to(out.dtype)
+        return self.layout.all_reduce(out)
+
+
+def lm_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab: int) -> torch.Tensor:
+    """fp32 logits [N, vocab] from this rank's rows of the LM head (all of them on one rank)."""
+    local = F.linear(hidden, weight).float()
+    lay = current()
+    if not lay.parallel:
+        return local
+    return lay.all_gather_last(local)[:, :vocab]
+
+
+def kv_heads_held(num_kv_heads: int) -> tuple[int, int]:
+    """(first KV head, KV heads held) by this rank: an even split when the ranks divide the KV heads,
+    else each KV head repeated on tp/num_kv_heads consecutive ranks (the ranks of its query heads)."""
+    lay = current()
+    if num_kv_heads % lay.tp_size == 0:
+        n = num_kv_heads // lay.tp_size
+        return lay.tp_rank * n, n
+    if lay.tp_size % num_kv_heads == 0:
+        return lay.tp_rank // (lay.tp_size // num_kv_heads), 1
+    raise ValueError(f"{num_kv_heads} KV heads cannot be spread over {lay.tp_size} tensor-parallel ranks "
+                     "(one must divide the other)")
+
+
+def column_linear(in_features: int, out_features: int, bias: bool = False, *, what: str = "output features",
+                  ranges: tuple[int, int] | None = None) -> nn.Linear:
+    """nn.Linear on one rank (what the CPU-native weights replace); its output-split part otherwise."""
+    if not current().parallel:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return ColumnLinear(in_features, out_features, bias, what=what, ranges=ranges)
+
+
+def row_linear(in_features: int, out_features: int, bias: bool = False, *, what: str = "input features") -> nn.Module:
+    """nn.Linear on one rank; its input-split part (ending in an all-reduce) otherwise."""
+    if not current().parallel:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return RowLinear(in_features, out_features, bias, what=what)
+
+
+def embedding(vocab: int, dim: int) -> nn.Module:
+    """nn.Embedding on one rank; the vocabulary-split embedding otherwise."""
+    return VocabEmbedding(vocab, dim) if current().parallel else nn.Embedding(vocab, dim)
+
+
+class VocabHead(nn.Module):
+    """An untied LM head's rows of the vocabulary held by this rank (`lm_logits` gathers them)."""
+
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        start, stop, rows = vocab_part(vocab)
+        self.weight = nn.Parameter(torch.empty(rows, dim))
+        self.shards = {"weight": _rows(start, stop)}
+
+
+def local_kv_heads(num_kv_heads: int) -> int:
+    """KV heads one rank holds (and caches)."""
+    return kv_heads_held(num_kv_heads)[1]
+
+
+def tp_split(total: int, what: str) -> int:
+    """This rank's even part of `total` (heads, intermediate size)."""
+    start, stop = current().split(total, what)
+    return stop - start
+
+
+@dataclass(frozen=True)
+class ExpertRange:
+    """Routed experts [start, stop) held by this rank under expert parallelism (all on one rank)."""
+
+    start: int
+    stop: int
+
+    @classmethod
+    def for_rank(cls, num_experts: int) -> ExpertRange:
+        lay = current()
+        if not lay.ep:
+            return cls(0, num_experts)
+        start, stop = lay.split(num_experts, "the number of routed experts")
+        return cls(start, stop)
+
+    def localize(self, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global expert ids -> this rank's local ids, with weight 0 for experts held elsewhere (their
+        rows then add nothing: the all-reduce brings their terms from their owners)."""
+        mine = (ids >= self.start) & (ids < self.stop)
+        return torch.where(mine, ids - self.start, 0), torch.where(mine, weights, torch.zeros_like(weights))
+
+
+def shard_plan(model: nn.Module) -> dict[str, Shard]:
+    """HF parameter name -> the part of it this rank reads, from every layer's `shards`."""
+    plan: dict[str, Shard] = {}
+    for prefix, m in model.named_modules():
+        for pname, s in getattr(m, "shards", {}).items():
+            plan[f"{prefix}.{pname}" if prefix else pname] = s
+    return plan

@@ -1,0 +1,148 @@
+"""`mlaserve serve --tp N` through the served API: the same greedy tokens and logprobs (fp32, within
+1e-4) as one process for Llama and DeepSeek-V2/V3 synthetic checkpoints, also with --ep and over two
+"nodes" on this machine; a killed rank makes requests fail quickly and /health report it; flags that
+cannot combine are refused before anything starts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from models.synthetic import write_checkpoint
+from tests.server.server_process import REPO, ServerProcess, alive, all_gone, child_pids, free_port
+
+PROMPTS = ["The lighthouse keeper", "1 2 3 4 5 6", "def f(x):\n    return"]
+COMMON = ("--served-model-name", "m", "--dtype", "float32", "--max-total-tokens", "512", "--max-running-requests", "4")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tp-serve")
+    return {name: write_checkpoint(root / name, name, seed=41) for name in
+            ("tiny-llama", "tiny-deepseek-v2", "tiny-deepseek-v3")}
+
+
+def completions(url: str) -> list[tuple[list[str], list[float]]]:
+    out = []
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for p in PROMPTS:
+            r = c.post("/v1/completions", json={"model": "m", "prompt": p, "max_tokens": 8, "temperature": 0,
+                                                "logprobs": 2, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            lp = r.json()["choices"][0]["logprobs"]
+            out.append((lp["tokens"], lp["token_logprobs"]))
+    return out
+
+
+def serve(model: Path, tmp_path: Path, tag: str, *args: str) -> ServerProcess:
+    return ServerProcess(str(model), *COMMON, *args, log=tmp_path / f"{tag}.log").wait_ready(300)
+
+
+def assert_same(got: list[tuple[list[str], list[float]]], want: list[tuple[list[str], list[float]]]) -> None:
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(got, want):
+        assert tokens == ref_tokens
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4, (lps, ref_lps)
+
+
+CASES = [("tiny-llama", ("--tp", "2")), ("tiny-deepseek-v2", ("--tp", "2")),
+         ("tiny-deepseek-v3", ("--tp", "2", "--ep", "2"))]
+
+
+@pytest.mark.parametrize("name,flags", CASES, ids=[f"{n}-{'-'.join(f[1::2])}" for n, f in CASES])
+def test_tp_serves_what_one_process_serves(checkpoints, tmp_path, name: str, flags: tuple[str, ...]) -> None:
+    one = serve(checkpoints[name], tmp_path, "one", "--cpu-kernels", "torch")
+    try:
+        want = completions(one.url)
+    finally:
+        one.stop()
+    tp = serve(checkpoints[name], tmp_path, "tp", *flags)
+    try:
+        assert_same(completions(tp.url), want)
+        followers = _followers(tp)
+        assert len(followers) == 1
+    finally:
+        assert tp.stop() == 0  # SIGTERM drains every rank
+    assert all_gone(followers)
+    assert "rank 1 of 2 ready" in (tmp_path / "tp.log").read_text()
+
+
+def _followers(server: ServerProcess) -> list[int]:
+    """The engine's follower ranks: the `engine.ranks` processes under the server's children."""
+    out = []
+    for child in server.children():
+        for pid in child_pids(child):
+            if "engine.ranks" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
+                out.append(pid)
+    return out
+
+
+def test_killed_rank_fails_requests_and_health(checkpoints, tmp_path) -> None:
+    server = serve(checkpoints["tiny-llama"], tmp_path, "kill", "--tp", "2")
+    try:
+        assert len(completions(server.url)) == len(PROMPTS)
+        followers = _followers(server)
+        assert len(followers) == 1, followers
+        os.kill(followers[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            r = c.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 4})
+            assert r.status_code >= 500 or "error" in r.text
+            while c.get("/health").status_code == 200:
+                assert time.monotonic() - t0 < 30, "the dead rank was not noticed"
+                time.sleep(0.2)
+        assert time.monotonic() - t0 < 30
+    finally:
+        server.stop()
+
+
+def test_two_nodes_on_one_machine(checkpoints, tmp_path) -> None:
+    model = str(checkpoints["tiny-deepseek-v2"])
+    one = serve(checkpoints["tiny-deepseek-v2"], tmp_path, "one2", "--cpu-kernels", "torch")
+    try:
+        want = completions(one.url)
+    finally:
+        one.stop()
+    port = free_port()
+    node = ["--tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    other = subprocess.Popen([sys.executable, "-m", "mlaserve.cli", "serve", "--model", model, *COMMON, *node,
+                              "--node-rank", "1"], cwd=REPO, stdout=open(tmp_path / "node1.log", "wb"),
+                             stderr=subprocess.STDOUT)
+    try:
+        head = serve(checkpoints["tiny-deepseek-v2"], tmp_path, "node0", *node, "--node-rank", "0")
+        try:
+            assert_same(completions(head.url), want)
+        finally:
+            assert head.stop() == 0
+        assert other.wait(60) == 0  # rank 0 told it to stop
+    finally:
+        if other.poll() is None:
+            other.kill()
+        assert not alive(other.pid) or other.wait(10) is not None
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--tp", "3", "--nnodes", "2"], "must be a multiple of --nnodes"),
+    (["--tp", "2", "--nnodes", "2"], "needs --master-port"),
+    (["--node-rank", "1"], "must be below --nnodes"),
+    (["--tp", "2", "--ep", "3"], "must be 1 or the --tp size"),
+    (["--tp", "2", "--omnikv", "on"], "does not run under --tp"),
+    (["--tp", "0"], "must be > 0"),
+])
+def test_bad_parallel_flags_are_refused(flags: list[str], message: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "mlaserve.cli", "serve", *flags], cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2
+    assert message in r.stderr
+
+
+def test_bad_parallel_env_is_refused() -> None:
+    r = subprocess.run([sys.executable, "-m", "mlaserve.cli", "serve"], cwd=REPO, capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "MLASERVE_TP": "two"})
+    assert r.returncode == 2 and "MLASERVE_TP" in r.stderr
