@@ -90,6 +90,15 @@ def port_or_zero(value: int) -> str | None:
     return None if 0 <= value <= 65535 else "must be a TCP port (0-65535)"
 
 
+def free_port(addr: str) -> int:
+    """A TCP port free on `addr` now: what `--master-port 0` becomes for a one-machine rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return int(s.getsockname()[1])
+
+
 def device_name(value: str) -> str | None:
     kind, _, index = value.partition(":")
     if kind == "cpu" and not index or kind == "cuda" and (not index or index.isdigit()):
@@ -154,6 +163,12 @@ class EngineArgs:
                             metavar="HOST")
     master_port: int = flag(0, "rendezvous port on --master-addr (0: a free port, one node only)", check=port_or_zero,
                             metavar="PORT")
+    dp_attention: bool = flag(False, "with --dp N: the N replicas are the ranks of one model whose MLP/MoE layers "
+                              "are split over them (--ep N: whole experts partitioned), while each runs attention "
+                              "for its own requests with its own KV cache (an MLA latent cache is then not "
+                              "replicated N times); the replicas step together")
+    dp_rank: int = internal("this replica's index under --dp-attention: set by the server per replica", default=0)
+    dp_size: int = internal("the replicas under --dp-attention (the server's --dp): set by the server", default=1)
     omnikv: str = flag("off", "OmniKV sparse attention at decode for requests that do not choose (their `omnikv` "
                        "field): on, off, or auto (contexts of at least the config's min_context tokens)",
                        choices=OMNIKV_MODES)

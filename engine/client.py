@@ -7,7 +7,8 @@ Threads and ownership (which calls are safe from where):
 - Every `async` method, and `start`, must run on ONE event loop: the loop that awaited `start()`.
   The per-request queues, stats futures and the stream table belong to that loop and are touched
   only by it; there are no locks.
-- `is_alive`, `info`, `pid` and `exitcode` are plain reads, safe from any thread.
+- `is_alive`, `info`, `pid`, `exitcode` and `load` are plain reads, safe from any thread; `kill` is
+  one `os.kill`, safe from a signal handler.
 - The reader thread only blocks in `recv` / `multiprocessing.connection.wait` on the pipe and the
   process sentinel, and hands every message to the loop with `call_soon_threadsafe`; so the event
   loop never blocks on the pipe, and messages are handled in the order the engine sent them.
@@ -20,6 +21,9 @@ Request life: `generate(req)` registers a queue, sends the request, and yields `
 deltas until every completion (0..n-1) has its final output. An error output (`finish_reason ==
 "error"`, e.g. refused as overloaded, or `ERR_ENGINE`) ends the whole request. A consumer that
 stops early (`aclose()`, cancellation, or dropping the iterator) aborts the request in the engine.
+`load` counts the completions sent and not yet ended (+n at the send, -1 at each final output, the
+rest when the stream ends): what a router of several engines (`engine.replicas`) balances on, known
+without asking the engine.
 
 Death: EOF on the pipe, the process sentinel, the engine's own `Fatal`, or a message that does not
 decode as a `FromEngine` (the protocol is broken: the process is killed) marks the client dead: every pending request gets an `ERR_ENGINE` error output (nothing hangs), later
@@ -33,10 +37,11 @@ import logging
 import os
 import multiprocessing as mp
 import queue
+import signal
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import wait as mp_wait
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Collection
 
 from engine.args import EngineArgs
 from engine.process import CoreFactory, run_engine_process
@@ -77,6 +82,14 @@ def set_cpu_wait_policy(environ: Any) -> None:
     """
     environ.setdefault("GOMP_SPINCOUNT", "10000")
 
+
+def _run_pinned(cpus: list[int], *args: Any) -> None:
+    """The engine process's target when it gets a share of the CPUs: pinned before anything (torch, the
+    native worker pool) reads the affinity mask to size its threads."""
+    os.sched_setaffinity(0, cpus)
+    run_engine_process(*args)
+
+
 _STOP = object()  # tells the writer thread to end
 
 
@@ -101,6 +114,7 @@ class EngineClient:
         self._exited = asyncio.Event()  # the process is gone and the reader thread has ended
         self._dead_reason: str | None = None
         self._shut_down = False
+        self._load = 0  # completions sent and not ended (see the module docstring)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._writer_main, name="engine-client-writer", daemon=True)
         self._reader = threading.Thread(target=self._reader_main, name="engine-client-reader", daemon=True)
@@ -111,20 +125,23 @@ class EngineClient:
 
     @classmethod
     async def start(
-        cls, args: EngineArgs, *, startup_timeout: float = 600, core_factory: CoreFactory | None = None
+        cls, args: EngineArgs, *, startup_timeout: float = 600, core_factory: CoreFactory | None = None,
+        cpus: Collection[int] | None = None, name: str = "mlaserve-engine-core",
     ) -> "EngineClient":
         """Spawns the engine core process and waits until its model is loaded.
 
         Raises RuntimeError carrying the child's message when the core cannot start (or does not
         within `startup_timeout` seconds). `core_factory` (picklable) replaces the real core in tests.
+        `cpus`: the only CPUs the process may run on (Linux), so that replicas do not share cores.
         """
         ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads
         set_cpu_wait_policy(os.environ)  # the child inherits it before it imports torch
         parent_conn, child_conn = ctx.Pipe(duplex=True)
-        proc = ctx.Process(
-            target=run_engine_process, args=(args, child_conn, core_factory),
-            name="mlaserve-engine-core", daemon=True,
-        )
+        target: Any = run_engine_process
+        target_args: tuple = (args, child_conn, core_factory)
+        if cpus is not None and hasattr(os, "sched_setaffinity"):
+            target, target_args = _run_pinned, (sorted(cpus), *target_args)
+        proc = ctx.Process(target=target, args=target_args, name=name, daemon=True)
         proc.start()
         child_conn.close()  # only the child holds its end now, so its death gives us EOF
         client = cls(proc, parent_conn, asyncio.get_running_loop())
@@ -191,12 +208,14 @@ class EngineClient:
         stream = _Stream(req, asyncio.Queue())
         self._streams[rid] = stream
         unfinished = set(range(req.params.n))
+        self._load += len(unfinished)
         try:
             self._send(req)
             while True:
                 out = await stream.queue.get()
-                if out.finished:
+                if out.finished and out.index in unfinished:
                     unfinished.discard(out.index)
+                    self._load -= 1
                 last = not unfinished or out.finish_reason == FINISH_ERROR
                 if last:  # end now, not when the consumer next asks: frees the rid and the engine
                     self._end_stream(rid, unfinished)
@@ -209,6 +228,7 @@ class EngineClient:
 
     def _end_stream(self, rid: str, unfinished: set[int]) -> None:
         del self._streams[rid]
+        self._load -= len(unfinished)
         if unfinished and self._dead_reason is None:
             self._send(AbortRequest(rid))
 
@@ -258,8 +278,28 @@ class EngineClient:
         return self._info
 
     @property
+    def load(self) -> int:
+        """Completions sent to this engine and not ended yet (running or queued there)."""
+        return self._load
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine is gone (the first reason seen), None while it runs."""
+        return self._dead_reason
+
+    @property
     def pid(self) -> int | None:
         return self._proc.pid
+
+    def kill(self) -> bool:
+        """SIGKILLs the engine process if it still runs (from a signal handler too); whether it did."""
+        if self._proc.pid is None or self._proc.exitcode is not None:
+            return False
+        try:
+            os.kill(self._proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        return True
 
     @property
     def exitcode(self) -> int | None:

@@ -24,7 +24,7 @@ from models.loader.load import load_model, resolve_dtype
 from models.omnikv_config import OmniKVConfig
 from models.parallel import local_kv_heads
 from engine.args import EngineArgs
-from engine.ranks import LeadRank, load_rank
+from engine.ranks import DPAttentionRank, LeadRank, load_rank
 from engine.messages import (
     ERR_CONTEXT,
     ERR_ENGINE,
@@ -96,17 +96,19 @@ class EngineCore:
         device = torch.device(args.device)
         # tensor parallelism: this process is rank 0 of --tp (engine.ranks); the others follow its batches
         self.ranks: LeadRank | None = None
-        if args.tp > 1:
-            self.ranks = LeadRank(args)
-            device = self.ranks.device
+        self.dp: DPAttentionRank | None = None
+        # DP attention: the engine loop calls this once per iteration on every replica (else None)
+        self.step_together = self._step_together if args.dp_attention else None
+        if args.tp > 1 or args.dp_attention:
+            if args.tp > 1:
+                self.ranks = LeadRank(args)
+            else:  # this replica is one rank of the --dp replicas' model
+                self.dp = DPAttentionRank(args)
             if device.type == "cpu" and args.cpu_kernels == "native":
-                logger.info("CPU forward: torch ops under tensor parallelism (the native forward is one process's)")
-            try:
-                loaded = load_rank(args, device, tokenizer=True)
-            except Exception as exc:
-                self.ranks.loaded(f"{type(exc).__name__}: {exc}")
-                raise
-            self.ranks.loaded(None)
+                logger.info("CPU forward: torch ops across processes (the native forward is one process's)")
+            group = self.ranks or self.dp
+            device = group.device
+            loaded = load_rank(args, group)
             native = False
         else:
             native = device.type == "cpu" and args.cpu_kernels == "native"
@@ -135,8 +137,9 @@ class EngineCore:
             loaded.model, cfg, max_total_tokens=num_slots, max_running_requests=args.max_running_requests,
             max_context_len=self.context_len, device=device, kv_dtype=kv_dtype,
             attention_backend=args.attention_backend, page_size=args.page_size,
-            cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph or args.tp > 1,
-            hybrid_graph_mode=args.hybrid_graph_mode, omnikv=omnikv if args.tp == 1 else None,
+            cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph or args.tp > 1 or args.dp_attention,
+            hybrid_graph_mode=args.hybrid_graph_mode,
+            omnikv=omnikv if args.tp == 1 and not args.dp_attention else None,
         )
         if self.ranks is not None:
             self.ranks.lead(self.runner, kv_dtype)
@@ -177,12 +180,29 @@ class EngineCore:
         """Why the engine can no longer run although it is idle (a tensor-parallel rank died), or None."""
         return self.ranks.failure() if self.ranks is not None else None
 
+    def _step_together(self, stopping: bool) -> tuple[list[RequestOutput], bool]:
+        """DP attention, every replica once per loop iteration: agree whether any replica has work (then
+        each runs its step, or joins the others' layer exchanges with no tokens) and whether all are
+        stopping. Returns the outputs and whether the loop should end."""
+        assert self.dp is not None
+        work, stop = self.dp.agree(self.has_work(), stopping)
+        if stop or not work:
+            return [], stop
+        before = self.runner.forward_count
+        outs = self.step() if self.has_work() else []
+        if self.runner.forward_count == before:  # nothing of its own to run (or the scheduler ran nothing)
+            self.runner.forward_idle()
+        return outs, False
+
     def close(self, clean: bool = True) -> None:
         """Stops the other ranks (tensor parallelism): told to stop after a clean shutdown, else killed
         (they may be waiting in a collective this rank will never join). Idempotent."""
         if self.ranks is not None:
             self.ranks.close(clean)
             self.ranks = None
+        if self.dp is not None:
+            self.dp.close()
+            self.dp = None
 
     def describe(self) -> EngineInfo:
         return EngineInfo(

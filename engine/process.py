@@ -71,6 +71,7 @@ EXIT_ENGINE_CRASHED = 2  # the core raised (or a message did not decode); errors
 EXIT_PARENT_GONE = 3  # the server went away
 
 IDLE_POLL_S = 0.5  # while idle, how often to look whether the parent is still there
+LOCKSTEP_POLL_S = 0.02  # the same under DP attention, where an idle replica holds the others' next step
 
 
 class EngineCoreLike(Protocol):
@@ -185,25 +186,36 @@ class _EngineLoop:
 
     def _loop(self) -> int:
         assert self.core is not None
+        # DP attention: the replicas step together (each iteration, whether or not this one has work),
+        # and leave together once every one was asked to shut down
+        together = getattr(self.core, "step_together", None)
+        stopping, stop = False, False
         try:
             while True:
-                code = self._take_messages()
+                code = self._take_messages(LOCKSTEP_POLL_S if together is not None else IDLE_POLL_S)
                 if code is not None:
-                    return code
-                if self.core.has_work():
+                    if together is None or code != EXIT_OK:
+                        return code
+                    stopping = True
+                if together is not None:
+                    outs, stop = together(stopping)
+                    self.outbox.extend(outs)
+                elif self.core.has_work():
                     self.outbox.extend(self.core.step())
                 if self.outbox:
                     outs, self.outbox = self.outbox, []
                     self._track(outs)
                     if not self._send(Outputs(outs)):
                         return EXIT_PARENT_GONE
+                if stop:
+                    return EXIT_OK
         except Exception as exc:
             return self._crash(exc)
 
-    def _take_messages(self) -> int | None:
-        """Applies every waiting message; blocks up to IDLE_POLL_S only when the core is idle.
+    def _take_messages(self, idle_poll: float = IDLE_POLL_S) -> int | None:
+        """Applies every waiting message; blocks up to `idle_poll` seconds only when the core is idle.
         Returns an exit code when the loop must end."""
-        timeout = 0.0 if self.core.has_work() else IDLE_POLL_S
+        timeout = 0.0 if self.core.has_work() else idle_poll
         while True:
             try:
                 if not self.conn.poll(timeout):

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, replace
@@ -31,7 +30,7 @@ from typing import Any
 
 import torch
 
-from engine.args import EngineArgs
+from engine.args import EngineArgs, free_port
 from executor.distributed import Leader, Setup, broadcast_message, follow, gather_status
 from executor.model_runner import ModelRunner
 from models.loader.load import DTYPES, load_model
@@ -64,10 +63,8 @@ class RankPlan:
         return cls(args.tp, args.nnodes, args.node_rank, args.master_addr, args.master_port, args.ep > 1)
 
 
-def free_port(addr: str) -> int:
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return int(s.getsockname()[1])
+def usable_cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
 def rank_device(args: EngineArgs, plan: RankPlan, rank: int) -> torch.device:
@@ -81,8 +78,8 @@ def init_rank(plan: RankPlan, rank: int, device: torch.device) -> Any:
     """Joins the group as `rank` and sets the model layout; returns the gloo control group."""
     import torch.distributed as dist
 
-    if device.type == "cpu":  # the node's ranks share its cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.per_node))
+    if device.type == "cpu":  # the node's ranks share the cores this process may use
+        torch.set_num_threads(max(1, len(usable_cpus()) // plan.per_node))
     else:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{plan.addr}:{plan.port}",
@@ -91,10 +88,22 @@ def init_rank(plan: RankPlan, rank: int, device: torch.device) -> Any:
     return dist.new_group(backend="gloo")
 
 
-def load_rank(args: EngineArgs, device: torch.device, tokenizer: bool) -> Any:
+def load_part(args: EngineArgs, device: torch.device, tokenizer: bool) -> Any:
     """This rank's part of the model: the torch forward (the CPU-native one runs in one process)."""
     return load_model(args.model, device=device, dtype=args.dtype, expert_backend=args.expert_backend,
                       cpu_weights=None, load_tokenizer=tokenizer, progress=False)
+
+
+def load_rank(args: EngineArgs, group: LeadRank | DPAttentionRank) -> Any:
+    """The scheduling process's part of the model (with the tokenizer), once every rank of `group` has
+    loaded its own: one rank's failure fails all of them with its reason."""
+    try:
+        loaded = load_part(args, group.device, tokenizer=True)
+    except Exception as exc:
+        group.loaded(f"{type(exc).__name__}: {exc}")
+        raise
+    group.loaded(None)
+    return loaded
 
 
 def _check(statuses: list[str | None]) -> None:
@@ -115,7 +124,7 @@ def follower_main(args: EngineArgs, plan: RankPlan, rank: int) -> None:
     ctl = init_rank(plan, rank, device)
     loaded, error = None, None
     try:
-        loaded = load_rank(args, device, tokenizer=False)
+        loaded = load_part(args, device, tokenizer=False)
     except Exception as exc:
         error = f"rank {rank}: {type(exc).__name__}: {exc}"
         logger.exception("rank %d could not load the model", rank)
@@ -244,3 +253,48 @@ def _main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(_main(sys.argv[1:]))
+
+
+class DPAttentionRank:
+    """One replica's place among the --dp replicas under --dp-attention: rank `dp_rank` of `dp_size` in
+    one process group (models.parallel's DP-attention layout), rank 0 hosting the rendezvous on the
+    port the server chose. `step_together` is called by every replica once per engine-loop iteration."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        plan = RankPlan(args.dp_size, 1, 0, args.master_addr, args.master_port, args.ep > 1)
+        self.rank = args.dp_rank
+        self.device = torch.device(args.device)
+        import torch.distributed as dist
+
+        if self.device.type == "cpu":
+            torch.set_num_threads(len(usable_cpus()))  # this replica's share (the server pinned it)
+        else:
+            torch.cuda.set_device(self.device)
+        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
+                                init_method=f"tcp://{plan.addr}:{plan.port}", rank=self.rank, world_size=plan.world,
+                                timeout=timedelta(seconds=TIMEOUT_S))
+        configure(ParallelLayout(tp_size=plan.world, tp_rank=self.rank, ep=plan.ep, dp_attention=True))
+        self.ctl = dist.new_group(backend="gloo")
+        logger.info("DP attention: replica %d of %d (rendezvous %s:%d), experts %s", self.rank, plan.world, plan.addr,
+                    plan.port, "partitioned (--ep)" if plan.ep else "split by intermediate size")
+
+    def loaded(self, error: str | None) -> None:
+        _check(gather_status(None if error is None else f"replica {self.rank}: {error}", self.ctl))
+
+    def agree(self, has_work: bool, stopping: bool) -> tuple[bool, bool]:
+        """(whether any replica has work, whether every replica is stopping), agreed by all."""
+        import torch.distributed as dist
+
+        flags = torch.tensor([int(has_work), -int(stopping)], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctl)
+        return bool(flags[0].item()), flags[1].item() == -1
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a peer already gone
+                pass
+

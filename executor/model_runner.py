@@ -149,6 +149,7 @@ class ModelRunner:
         # tensor parallelism, on the rank that schedules: hands every batch to the other ranks first
         # (executor.distributed.Leader); None on one rank and on the ranks that follow
         self.followers: BatchSink | None = None
+        self.forward_count = 0  # forwards run (idle ones included): DP attention's steps must match across ranks
         # decode replays captured graphs where it can (CUDA only); None: every forward runs eagerly
         self.graph_runner: CudaGraphRunner | None = None
         if not disable_cuda_graph:
@@ -236,7 +237,16 @@ class ModelRunner:
                 logits = self.model(batch)
         if batch.omnikv is not None:
             self.omnikv_counters.add(batch.omnikv)
+        self.forward_count += 1
         return logits
+
+    @torch.no_grad()
+    def forward_idle(self) -> None:
+        """DP attention: this rank has no batch this step but joins the others' exchanges."""
+        if self._cpu_experts or self._native:
+            self._bind_experts()
+        self.model.forward_idle()
+        self.forward_count += 1
 
     def _bind_experts(self) -> None:
         if self.expert_pool is None:

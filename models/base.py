@@ -23,7 +23,16 @@ from models.config import ModelConfig
 from models.layers import RMSNorm, compute_logits
 from models.loader.errors import CheckpointError
 from models.native import NativeEmbedding, NativeLinear
-from models.parallel import VocabEmbedding, VocabHead, current, embedding, lm_logits, shard_plan
+from models.parallel import (
+    TokenGather,
+    VocabEmbedding,
+    VocabHead,
+    current,
+    embedding,
+    lm_logits,
+    replicated_under_dp_attention,
+    shard_plan,
+)
 from models.loader.shard import SKIP, Shard, ShardFn
 from models.loader.raw_blocks import RawBlocks
 from models.experts import ExpertBackend
@@ -41,10 +50,17 @@ class DecoderLayer(nn.Module):
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
         self.mlp = mlp
+        # DP attention: the MLP runs on every rank's tokens (models.parallel.TokenGather, set by the model)
+        self.tokens: TokenGather | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.run_mlp(self.post_attention_layernorm(x))
+
+    def run_mlp(self, h: torch.Tensor) -> torch.Tensor:
+        if self.tokens is None:
+            return self.mlp(h)
+        return self.tokens.scatter(self.mlp(self.tokens.gather(h)))
 
 
 class DecoderModel(nn.Module):
@@ -52,12 +68,19 @@ class DecoderModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, make_layer: Callable[[int, RotaryEmbedding], nn.Module]) -> None:
         super().__init__()
-        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
+        with replicated_under_dp_attention():
+            self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.max_position_embeddings)
         self.layers = nn.ModuleList(make_layer(i, self.rotary_emb) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        lay = current()
+        self.tokens = TokenGather(lay) if lay.dp_attention else None
+        for layer in self.layers:
+            layer.tokens = self.tokens
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.tokens is not None:
+            self.tokens.begin(int(batch.input_ids.shape[0]))
         x = self.embed_tokens(batch.input_ids)
         for layer in self.layers:
             x = layer(batch.positions, x, batch)
@@ -72,8 +95,10 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.tie_word_embeddings = cfg.tie_word_embeddings
         self.model = model
+        # the vocabulary is split over the ranks under tensor parallelism (whole under DP attention)
+        self.vocab_parallel = current().parallel and not current().dp_attention
         if not cfg.tie_word_embeddings:
-            if current().parallel:
+            if self.vocab_parallel:
                 self.lm_head = VocabHead(cfg.vocab_size, cfg.hidden_size)
             else:
                 self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -95,10 +120,23 @@ class CausalLM(nn.Module):
         head = getattr(self, "lm_head", None)
         if isinstance(head, NativeLinear):  # the CPU-native weights (models.native), tied or not
             return head(hidden if indices is None else hidden.index_select(0, indices)).float()
-        if current().parallel:  # this rank's vocabulary rows, gathered
+        if self.vocab_parallel:  # this rank's vocabulary rows, gathered
             return lm_logits(hidden if indices is None else hidden.index_select(0, indices), self.lm_weight(),
                              self.config.vocab_size)
         return compute_logits(hidden, self.lm_weight(), indices)
+
+    @torch.no_grad()
+    def forward_idle(self) -> None:
+        """DP attention, on a rank with nothing to run this step: joins the other ranks' exchanges (the
+        token counts, then each layer's MLP on their tokens) with no tokens of its own."""
+        tokens = self.model.tokens
+        if tokens is None:
+            raise RuntimeError("forward_idle is for DP attention only")
+        tokens.begin(0)
+        w = self.model.norm.weight
+        empty = torch.empty(0, w.shape[0], dtype=w.dtype, device=w.device)
+        for layer in self.model.layers:
+            layer.run_mlp(empty)
 
     def lm_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight

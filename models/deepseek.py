@@ -10,6 +10,7 @@ from models.config import DeepseekConfig
 from models.layers import GatedMLP
 from models.mla import MLAAttention
 from models.moe import DeepseekMoE
+from models.parallel import replicated_under_dp_attention
 
 
 def deepseek_layer(cfg: DeepseekConfig, layer_id: int, rotary: RotaryEmbedding, expert_backend: str) -> DecoderLayer:
@@ -18,7 +19,9 @@ def deepseek_layer(cfg: DeepseekConfig, layer_id: int, rotary: RotaryEmbedding, 
         mlp: nn.Module = DeepseekMoE(cfg.moe, cfg.hidden_size, expert_backend)
     else:
         mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
-    return DecoderLayer(cfg.hidden_size, cfg.rms_norm_eps, MLAAttention(cfg, layer_id, rotary), mlp)
+    with replicated_under_dp_attention():
+        attn = MLAAttention(cfg, layer_id, rotary)
+    return DecoderLayer(cfg.hidden_size, cfg.rms_norm_eps, attn, mlp)
 
 
 class DeepseekForCausalLM(CausalLM):

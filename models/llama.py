@@ -11,7 +11,7 @@ from models.rotary import RotaryEmbedding
 from models.base import CausalLM, DecoderLayer, DecoderModel
 from models.config import LlamaConfig
 from models.layers import GatedMLP
-from models.parallel import column_linear, kv_heads_held, row_linear, tp_split
+from models.parallel import column_linear, kv_heads_held, replicated_under_dp_attention, row_linear, tp_split
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
@@ -43,7 +43,9 @@ class LlamaAttention(nn.Module):
 
 def llama_layer(cfg: LlamaConfig, layer_id: int, rotary: RotaryEmbedding) -> DecoderLayer:
     mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-    return DecoderLayer(cfg.hidden_size, cfg.rms_norm_eps, LlamaAttention(cfg, layer_id, rotary), mlp)
+    with replicated_under_dp_attention():
+        attn = LlamaAttention(cfg, layer_id, rotary)
+    return DecoderLayer(cfg.hidden_size, cfg.rms_norm_eps, attn, mlp)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -16,12 +16,20 @@ like an MLP (each expert's intermediate size over the ranks) or, with expert par
 experts partitioned over the ranks (`ExpertRange`); either way a MoE block ends in one all-reduce of
 its partial sums (the shared experts' included).
 
+DP attention (`ParallelLayout.dp_attention`, for MLA models whose latent cache should not be
+replicated): attention, embedding and LM head are whole on every rank and each rank runs them for its
+own requests only (its own KV cache); the MLP/MoE layers stay split, run on every rank's tokens
+gathered (`TokenGather`), and each rank takes its rows back. Ranks step together; one with nothing to
+run joins the exchanges with no tokens (`CausalLM.forward_idle`).
+
 `current()` is the parallel layout the model is built for; `configure()` sets it (once per process,
 before the model is built); the default is one rank, where every layer here is the plain layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +49,10 @@ class ParallelLayout:
     tp_rank: int = 0
     ep: bool = False
     group: Any = None  # torch.distributed ProcessGroup of the tp ranks (None: the default group)
+    # DP attention: each rank runs attention (whole weights, its own requests and KV cache), the
+    # embedding and the LM head for its own tokens; only MLP/MoE layers are split, over every rank's
+    # tokens gathered (`TokenGather`)
+    dp_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
@@ -88,6 +100,53 @@ def configure(layout: ParallelLayout) -> None:
     """Sets the layout for the models built from now on in this process."""
     global _LAYOUT
     _LAYOUT = layout
+
+
+@contextmanager
+def replicated_under_dp_attention() -> Iterator[None]:
+    """Builds what DP attention keeps whole on every rank (attention, embedding, LM head) as on one
+    rank; a no-op otherwise."""
+    global _LAYOUT
+    saved = _LAYOUT
+    if saved.dp_attention:
+        _LAYOUT = ParallelLayout()
+    try:
+        yield
+    finally:
+        _LAYOUT = saved
+
+
+class TokenGather:
+    """DP attention's exchange around each split MLP/MoE layer: every rank's tokens gathered (in rank
+    order), the layer run on all of them (its all-reduce included), each rank's rows taken back.
+    `begin` (once per forward, every rank, 0 tokens for an idle one) exchanges the token counts."""
+
+    def __init__(self, layout: ParallelLayout) -> None:
+        self.layout = layout
+        self.sizes: list[int] = []
+
+    def begin(self, num_tokens: int) -> None:
+        import torch.distributed as dist
+
+        lay = self.layout
+        mine = torch.tensor([num_tokens], dtype=torch.int64)
+        parts = [torch.zeros(1, dtype=torch.int64) for _ in range(lay.tp_size)]
+        dist.all_gather(parts, mine, group=lay.group)
+        self.sizes = [int(p.item()) for p in parts]
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        most = max(self.sizes)
+        padded = x.new_zeros(most, x.shape[-1])
+        padded[: x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in self.sizes]
+        dist.all_gather(parts, padded, group=self.layout.group)
+        return torch.cat([p[:n] for p, n in zip(parts, self.sizes)])
+
+    def scatter(self, y: torch.Tensor) -> torch.Tensor:
+        start = sum(self.sizes[: self.layout.tp_rank])
+        return y[start : start + self.sizes[self.layout.tp_rank]]
 
 
 def _rows(start: int, stop: int) -> Shard:
@@ -216,7 +275,9 @@ class VocabHead(nn.Module):
 
 
 def local_kv_heads(num_kv_heads: int) -> int:
-    """KV heads one rank holds (and caches)."""
+    """KV heads one rank holds (and caches): all of them under DP attention."""
+    if current().dp_attention:
+        return num_kv_heads
     return kv_heads_held(num_kv_heads)[1]
 
 

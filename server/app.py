@@ -6,7 +6,8 @@ HTTP concerns:
     400 `invalid_request_error` naming the field, unknown routes 404, bodies over the limit 413;
   * `/v1/*` needs `Authorization: Bearer KEY` when a key is set (compared in constant time);
     `/health` and `/metrics` stay open;
-  * `/health` is 200 only while the engine is alive and we are not draining for shutdown.
+  * `/health` is 200 only while the engine (every `--dp` replica) is alive and we are not draining for
+    shutdown.
 """
 
 from __future__ import annotations
@@ -149,15 +150,18 @@ def build_app(state: ServerState, max_request_bytes: int | None = None) -> FastA
 
     @app.get("/health")
     async def health() -> Response:
-        return state.unavailable() or JSONResponse({"status": "ok"})
+        return state.unavailable(health=True) or JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        if state.engine is not None and state.engine.is_alive:
-            try:
-                state.metrics.update_engine(await asyncio.wait_for(state.engine.stats(), 5))
-            except Exception:  # a dying engine must not break the scrape
-                logger.warning("engine stats unavailable for /metrics")
+        engine = state.engine
+        if engine is not None:
+            state.metrics.update_replicas(engine.alive, engine.routed)
+            if engine.any_alive:
+                try:
+                    state.metrics.update_engine(await asyncio.wait_for(engine.stats(), 5))
+                except Exception:  # a dying engine must not break the scrape
+                    logger.warning("engine stats unavailable for /metrics")
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 

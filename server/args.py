@@ -60,6 +60,9 @@ class ServerArgs:
     log_level: str = flag("info", "logging level", choices=LOG_LEVELS)
     tool_call_parser: str = flag("auto", "how tool calls are read from the model's output ('auto': the format "
                                  "its chat template uses)", choices=("auto", *sorted(TOOL_PARSERS)))
+    dp: int = flag(1, "data-parallel replicas: N engine processes behind this server, each with the whole model, its "
+                   "own KV cache and a share of the CPUs (on CUDA: its own GPUs); a request goes to the replica that "
+                   "served its prompt's prefix unless that one is much busier", check=positive, metavar="N")
     engine: EngineArgs = internal("the engine's settings: flags of their own", default_factory=EngineArgs)
 
 
@@ -233,6 +236,33 @@ def combination_problem(parsed: Parsed, environ: Mapping[str, str]) -> str | Non
         return (f"{' and '.join(parsed.describe(f) for f in triton)} need{'s' if len(triton) == 1 else ''} "
                 f"--device cuda, not {parsed.describe('device')}: the Triton kernels run on NVIDIA GPUs; on CPU use "
                 "the torch backends (and --expert-backend cpp)")
+    if ns.tp % ns.nnodes:
+        return f"{parsed.describe('tp')} must be a multiple of {parsed.describe('nnodes')} (the same ranks on each node)"
+    if ns.node_rank >= ns.nnodes:
+        return f"{parsed.describe('node_rank')} must be below {parsed.describe('nnodes')}"
+    if ns.nnodes > 1 and ns.master_port == 0:
+        return f"{parsed.describe('nnodes')} needs --master-port: every node must know where rank 0 listens"
+    if ns.dp_attention:
+        if ns.dp < 2:
+            return f"{parsed.describe('dp_attention')} needs --dp N > 1, not {parsed.describe('dp')}: its ranks are the replicas"
+        if ns.tp > 1:
+            return (f"{parsed.describe('dp_attention')} runs each replica's attention whole: {parsed.describe('tp')} "
+                    "must be 1 (the MLP/MoE layers are split over the --dp replicas)")
+        if ns.ep not in (1, ns.dp):
+            return (f"{parsed.describe('ep')} must be 1 or the --dp size ({ns.dp}) under --dp-attention: experts are "
+                    "partitioned over the replicas")
+        if ns.omnikv != "off":
+            return f"{parsed.describe('omnikv')} does not run under {parsed.describe('dp_attention')}: use one of them"
+    elif ns.ep not in (1, ns.tp):
+        return f"{parsed.describe('ep')} must be 1 or the --tp size ({ns.tp}): experts are partitioned over the tp ranks"
+    if ns.tp > 1 and ns.omnikv != "off":
+        return f"{parsed.describe('omnikv')} does not run under {parsed.describe('tp')}: use one of them"
+    if ns.dp > 1 and ns.nnodes > 1:
+        return (f"{parsed.describe('dp')} does not run with {parsed.describe('nnodes')}: data-parallel replicas "
+                "are one machine's (run one server per machine)")
+    if ns.dp > 1 and ns.tp > 1 and ns.master_port != 0:
+        return (f"{parsed.describe('dp')} with --tp needs --master-port 0, not {parsed.describe('master_port')}: each "
+                "replica's ranks meet on a free port of their own")
     return None
 
 

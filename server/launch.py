@@ -2,16 +2,17 @@
 
 Order of events:
   1. uvicorn starts listening; `/health` answers 503 "loading" and `/v1/*` 503 until ready.
-  2. The tokenizer loads here; the engine core process starts and loads the weights.
-  3. Ready: `/health` 200.
+  2. The tokenizer loads here; the engine core process starts and loads the weights (with `--dp N`,
+     N engine processes at once, each with the whole model: `engine.replicas`).
+  3. Ready (every replica): `/health` 200.
   4. SIGTERM/SIGINT, to this process or to its whole process group (the engine process ignores
      both: the server decides): `/health` and new requests get 503 with Retry-After, in-flight
      requests get up to `--shutdown-timeout` seconds to finish; what still runs then is ended with
      a `shutting_down` error; the engine process is shut down; exit code 0. A second signal stops
      at once (what still runs ends with a `shutting_down` error, the engine gets a short grace,
      then is killed; a signal while the engine is being shut down kills it).
-  A signal while the model is still loading stops the load and exits 0. If the engine cannot start,
-  the error is logged and the process exits 1.
+  A signal while the model is still loading stops the load and exits 0. If the engine (any replica)
+  cannot start, the error is logged and the process exits 1.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import socket
 import sys
@@ -33,7 +33,7 @@ import uvicorn
 from models.builtin import builtin_names
 from models.builtin import resolve_model_path
 from models.loader.tokenizer import load_tokenizer
-from engine.client import EngineClient
+from engine.replicas import EngineReplicas
 from server.app import ServerState, build_app
 from server.args import ServerArgs
 from server.metrics import Metrics
@@ -116,12 +116,12 @@ def default_model_name(model: str) -> str:
 async def _start_engine(state: ServerState, args: ServerArgs, server: _DrainingServer) -> None:
     try:
         state.tokenizer = await asyncio.to_thread(load_tokenizer, args.engine.model)
-        engine = await EngineClient.start(args.engine)
+        engine = await EngineReplicas.start(args.engine, args.dp)
         state.context_length = engine.info.context_length
         state.vocab_size = engine.info.vocab_size
         state.engine = engine
-        logger.info("ready: serving %s as '%s' on http://%s:%d", args.engine.model, state.model_name,
-                    args.host, args.port)
+        logger.info("ready: serving %s as '%s' on http://%s:%d%s", args.engine.model, state.model_name,
+                    args.host, args.port, f" ({args.dp} replicas)" if args.dp > 1 else "")
     except Exception as e:
         if server.stop_requested:  # e.g. a group signal reached the engine before it could ignore it
             logger.info("the engine did not start: the server was asked to stop (%s)", e)
@@ -139,10 +139,8 @@ def _signals_kill_engine(state: ServerState) -> Iterator[None]:
 
     def kill(sig: int, frame: FrameType | None) -> None:
         engine = state.engine
-        if engine is not None and engine.pid is not None and engine.exitcode is None:
-            logger.warning("signal %d while stopping the engine: killing it", sig)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(engine.pid, signal.SIGKILL)
+        if engine is not None and engine.kill():
+            logger.warning("signal %d while stopping the engine: killed it", sig)
 
     previous = {sig: signal.signal(sig, kill) for sig in STOP_SIGNALS}
     try:
@@ -168,7 +166,7 @@ async def serve_async(args: ServerArgs) -> int:
         await server.serve()
     finally:  # also when uvicorn fails (a port in use exits from inside serve): never leave the engine running
         with _signals_kill_engine(state):
-            starter.cancel()  # a load still under way: EngineClient.start kills the half-started process
+            starter.cancel()  # a load still under way: EngineReplicas.start kills the half-started processes
             await asyncio.gather(starter, return_exceptions=True)
             if state.engine is not None:
                 if server.forced:  # what still runs gets a shutting_down error, not "the engine died"

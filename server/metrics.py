@@ -14,6 +14,10 @@ Exported (names are what dashboards and `promtool check metrics` see):
     mlaserve_omnikv_selected_tokens_total    counter  tokens those selections kept (summed over filter layers)
     mlaserve_omnikv_context_tokens_total     counter  the contexts they were chosen from (selected fraction:
                                                       rate(selected) / rate(context))
+    (with `--dp N` each of these is the sum over the replicas; a dead replica's totals stay)
+  from the replica set (`update_replicas`, before each scrape)
+    mlaserve_dp_replicas                     gauge    engine replicas alive (`--dp`; 1 without)
+    mlaserve_dp_replica_requests_total       counter  engine requests routed to each replica, label replica
   from the outputs the server receives (`on_output`, `on_abort`, `on_error`)
     mlaserve_prompt_tokens_total             counter  prompt tokens of requests whose prefill completed
     mlaserve_generation_tokens_total         counter  tokens generated
@@ -136,6 +140,9 @@ class Metrics(Collector):
         self._omnikv_sparse = _MonotonicTotal()
         self._omnikv_selected = _MonotonicTotal()
         self._omnikv_context = _MonotonicTotal()
+        # from the replica set
+        self._replicas_alive = 0
+        self._routed: dict[str, int] = {}
         # from the outputs
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -222,6 +229,12 @@ class Metrics(Collector):
             self._omnikv_selected.update(stats.omnikv_selected_tokens_total)
             self._omnikv_context.update(stats.omnikv_context_tokens_total)
 
+    def update_replicas(self, alive: int, routed: Sequence[int]) -> None:
+        """How many engine replicas run, and the engine requests routed to each so far."""
+        with self._lock:
+            self._replicas_alive = alive
+            self._routed = {str(i): n for i, n in enumerate(routed)}
+
     @property
     def num_tracked(self) -> int:
         """Completions whose inter-token timing state is held (tests check it returns to 0)."""
@@ -255,6 +268,9 @@ class Metrics(Collector):
                        "layers.", m, self._omnikv_selected.value)
         yield _counter("mlaserve_omnikv_context_tokens", "Context tokens OmniKV selections were chosen from, summed "
                        "over filter layers.", m, self._omnikv_context.value)
+        yield _gauge("mlaserve_dp_replicas", "Engine replicas alive (--dp).", m, self._replicas_alive)
+        yield _counter("mlaserve_dp_replica_requests", "Engine requests routed to each replica.", m,
+                       extra_label="replica", by_value=self._routed)
         yield _counter("mlaserve_prompt_tokens", "Prompt tokens of requests whose prefill completed.",
                        m, self._prompt_tokens)
         yield _counter("mlaserve_generation_tokens", "Tokens generated.", m, self._generation_tokens)

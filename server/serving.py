@@ -6,6 +6,9 @@ completions) -> per completion a `ChoiceText` turns token-id deltas into text de
 detokenizer, then stop strings, both holding back what may still change) -> one serializer per API
 shape emits either one JSON response or SSE chunks.
 
+With several engine replicas (`--dp`), the response header `x-mlaserve-replica` names the replica that
+served each prompt (comma-separated, in prompt order); the body is the same as with one.
+
 A choice that hits a stop string ends there ("stop"); when every choice of an engine request has
 ended, the request is aborted in the engine so its KV is freed at once. A client that disconnects
 (stream or not) closes the engine stream, which aborts the request.
@@ -48,6 +51,9 @@ from server.responses import ChatSerializer, CompletionSerializer, Serializer
 from server.state import ServerState, error_response
 from server.tools import ToolPlan, plan_tools, with_system
 from scheduler.sampling_params import ParamError, validate_prompt_ids
+
+
+REPLICA_HEADER = "x-mlaserve-replica"
 
 
 class ClientError(Exception):
@@ -144,19 +150,33 @@ async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: ty
         for r, f in zip(requests, firsts):
             if f is not None and f.prompt_logprobs:
                 r.prompt_logprobs = f.prompt_logprobs
+        replicas = _replica_header(state, requests)  # (read while every stream is open)
         refused = next((f for f in firsts if f is not None and f.finish_reason == FINISH_ERROR), None)
         if refused is not None:
             await _close_all(requests)
             state.metrics.on_error(refused.error_code or "engine_error")
-            return engine_error(refused).response()
+            resp = engine_error(refused).response()
+            resp.headers.update(replicas)
+            return resp
         if body.stream:  # from here Starlette notices disconnects and cancels the stream
             watch.cancel()
             return StreamingResponse(_sse(ser, _events(state, requests, firsts)), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **replicas})
         result = await _race(watch, _collect(ser, _events(state, requests, firsts)))
-        return Response(status_code=499) if result is None else result
+        if result is None:
+            return Response(status_code=499)
+        result.headers.update(replicas)
+        return result
     finally:
         watch.cancel()
+
+
+def _replica_header(state: ServerState, requests: list[EngineRequest]) -> dict[str, str]:
+    """`x-mlaserve-replica` with several replicas (which one served each prompt), else nothing."""
+    engine = state.engine
+    if engine is None or engine.size == 1:
+        return {}
+    return {REPLICA_HEADER: ",".join(str(engine.replica_of(r.rid)) for r in requests)}
 
 
 def build_prompts(state: ServerState, body: Any) -> tuple[list[tuple[list[int], str]], ToolPlan]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse
 
-from engine.client import EngineClient
+from engine.replicas import EngineReplicas
 from models.loader.tokenizer import TokenizerBundle
 from server.metrics import Metrics
 from server.protocol import error_body
@@ -23,8 +23,8 @@ class ServerState:
     metrics: Metrics
     api_key: str | None = None
     tool_call_parser: str = "auto"  # "auto": the one the chat template implies
-    # set once the engine is up (None while loading)
-    engine: EngineClient | None = None
+    # set once the engine is up (None while loading): its --dp replicas, one by default
+    engine: EngineReplicas | None = None
     tokenizer: TokenizerBundle | None = None
     context_length: int = 0
     vocab_size: int = 0
@@ -33,17 +33,23 @@ class ServerState:
     shutting_down: bool = False
     inflight: int = 0  # generation requests not yet answered in full (the drain waits for them)
 
-    def unavailable(self) -> JSONResponse | None:
-        """The 503 to answer with when requests cannot be served now, else None."""
+    def unavailable(self, health: bool = False) -> JSONResponse | None:
+        """The 503 to answer with when requests cannot be served now, else None. `health`: the 503 of
+        `/health`, which also fails while one of several replicas is dead (requests still go to the rest)."""
         if self.shutting_down:
             return error_response(503, "the server is shutting down", "service_unavailable", code="shutting_down",
                                   headers={"Retry-After": "5"})
         if self.engine is None:
             return error_response(503, "the model is still loading; retry shortly", "service_unavailable",
                                   code="loading", headers={"Retry-After": "5"})
-        if not self.engine.is_alive:
+        if not self.engine.any_alive:
             return error_response(503, "the engine is not running", "service_unavailable", code="engine_dead",
                                   headers={"Retry-After": "30"})
+        if health and not self.engine.is_alive:
+            dead = "; ".join(f"replica {i}: {why}" for i, why in self.engine.dead())
+            return error_response(503, f"{self.engine.size - self.engine.alive} of {self.engine.size} engine replicas "
+                                  f"are not running ({dead}); requests go to the others", "service_unavailable",
+                                  code="engine_dead", headers={"Retry-After": "30"})
         return None
 
 

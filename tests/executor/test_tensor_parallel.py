@@ -53,16 +53,19 @@ def _greedy(model_dir: str, sources: list[str] | None = None) -> tuple[list[torc
     return out, held
 
 
-def _rank(rank: int, world: int, port: int, model_dir: str, ep: bool, results: mp.Queue) -> None:
+def _rank(rank: int, world: int, port: int, model_dir: str, ep: bool, dp_attention: bool, results: mp.Queue) -> None:
     import torch.distributed as dist
 
     from models.parallel import ParallelLayout, configure
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    configure(ParallelLayout(tp_size=world, tp_rank=rank, ep=ep))
+    configure(ParallelLayout(tp_size=world, tp_rank=rank, ep=ep, dp_attention=dp_attention))
     try:
-        logits, held = _greedy(model_dir)
+        if dp_attention:
+            logits, held = _dp_requests(model_dir, DP_PROMPTS[rank], IDLE[1] if rank == IDLE[0] else None)
+        else:
+            logits, held = _greedy(model_dir)
         results.put((rank, [t.tolist() for t in logits], held, None))
     except Exception as exc:  # reported to the test, not lost in a child
         results.put((rank, None, 0, f"{type(exc).__name__}: {exc}"))
@@ -70,11 +73,14 @@ def _rank(rank: int, world: int, port: int, model_dir: str, ep: bool, results: m
         dist.destroy_process_group()
 
 
-def run_parallel(model_dir: Path, world: int, ep: bool = False) -> tuple[list[torch.Tensor], list[int]]:
+def spawn_ranks(model_dir: Path, world: int, ep: bool = False,
+                dp_attention: bool = False) -> list[tuple[list[torch.Tensor], int]]:
+    """Each rank's (logits, parameter bytes held), ranks as processes on gloo."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, str(model_dir), ep, results)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, str(model_dir), ep, dp_attention, results))
+             for r in range(world)]
     for p in procs:
         p.start()
     got = {}
@@ -82,16 +88,20 @@ def run_parallel(model_dir: Path, world: int, ep: bool = False) -> tuple[list[to
         for _ in range(world):
             rank, logits, held, err = results.get(timeout=300)
             assert err is None, f"rank {rank}: {err}"
-            got[rank] = (logits, held)
+            got[rank] = ([torch.tensor(t) for t in logits], held)
     finally:
         for p in procs:
             p.join(30)
             if p.is_alive():
                 p.kill()
-    ranks = [got[r] for r in range(world)]
+    return [got[r] for r in range(world)]
+
+
+def run_parallel(model_dir: Path, world: int, ep: bool = False) -> tuple[list[torch.Tensor], list[int]]:
+    ranks = spawn_ranks(model_dir, world, ep)
     for r in range(1, world):  # every rank ends with the same whole logits
-        assert ranks[r][0] == ranks[0][0]
-    return [torch.tensor(t) for t in ranks[0][0]], [h for _, h in ranks]
+        assert all(torch.equal(a, b) for a, b in zip(ranks[r][0], ranks[0][0]))
+    return ranks[0][0], [h for _, h in ranks]
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +147,51 @@ def test_parallel_layout_refuses_what_it_cannot_split(checkpoints) -> None:
             load_model(str(checkpoints["tiny-llama"]), dtype="float32", load_tokenizer=False, progress=False)
     finally:
         configure(before)
+
+
+# ---- DP attention: each rank its own requests; MLP/MoE split over every rank's tokens gathered ----
+DP_PROMPTS = [PROMPT, [901, 44, 17, 3002, 8], [5, 6, 7, 8, 9, 10, 11, 12, 13], [2047, 1, 300]]
+IDLE = (1, 1)  # (rank, step): that rank has nothing to run at that decode step
+
+
+def _dp_requests(model_dir: str, prompt: list[int], idle_step: int | None) -> tuple[list[torch.Tensor], int]:
+    """One rank's request: prefill then STEPS greedy decodes, skipping `idle_step` (forward_idle instead
+    under DP attention); its logits and the parameter bytes held."""
+    from executor.model_runner import ModelRunner, RequestSlice
+    from models.loader.load import load_model
+    from models.parallel import current
+
+    loaded = load_model(model_dir, dtype="float32", expert_backend="torch", load_tokenizer=False, progress=False)
+    runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=128, max_running_requests=2,
+                         max_context_len=64)
+    row = runner.req_to_token_pool.alloc()
+    logits = runner.forward(runner.build_batch([RequestSlice(row, 0, prompt)]))
+    out, pos = [logits], len(prompt)
+    for step in range(STEPS):
+        if step == idle_step:
+            if current().dp_attention:
+                runner.forward_idle()
+            continue
+        logits = runner.forward(runner.build_batch([RequestSlice(row, pos, [int(out[-1][-1].argmax())])]))
+        out.append(logits)
+        pos += 1
+    held = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    runner.close()
+    return out, held
+
+
+DP_CASES = [("tiny-deepseek-v2", 2, False), ("tiny-deepseek-v3", 2, True), ("tiny-llama", 2, False),
+            ("tiny-deepseek-v2.gguf", 4, True)]
+
+
+@pytest.mark.parametrize("name,world,ep", DP_CASES, ids=[f"{n}-dp{w}{'-ep' if e else ''}" for n, w, e in DP_CASES])
+def test_dp_attention_each_rank_gets_its_own_requests_logits(checkpoints, name: str, world: int, ep: bool) -> None:
+    got = spawn_ranks(checkpoints[name], world, ep, dp_attention=True)
+    for rank in range(world):
+        want, held_one = _dp_requests(str(checkpoints[name]), DP_PROMPTS[rank], IDLE[1] if rank == IDLE[0] else None)
+        logits, held = got[rank]
+        assert len(logits) == len(want)
+        for step, (a, b) in enumerate(zip(logits, want)):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=lambda m: f"rank {rank} step {step}: {m}")
+            assert torch.equal(a.argmax(-1), b.argmax(-1))
+        assert held < held_one  # the MLP/MoE layers are split (attention, embedding and head are whole)

@@ -38,6 +38,7 @@ BAD: dict[str, list[str]] = {
     "shutdown-timeout": ["soon", "-1", "nan"],
     "log-level": ["verbose", "INFO"],
     "tool-call-parser": ["qwen", "HERMES", ""],
+    "dp": ["two", "0", "-1", "1.5"],
     "device": ["tpu", "cuda:x", "cpu:0", ""],
     "dtype": ["bogus", "fp16"],
     "kv-dtype": ["bogus"],
@@ -59,6 +60,13 @@ BAD: dict[str, list[str]] = {
     "seed": ["random", "1.5"],
     "omnikv": ["maybe", "ON"],
     "omnikv-config": [f"{FIXTURES}/missing.json", f"{FIXTURES}/unknown_field.json"],
+    "tp": ["two", "0", "1.5"],
+    "ep": ["x", "0"],
+    "nnodes": ["x", "0"],
+    "node-rank": ["x", "-1"],
+    "master-addr": ["", " "],
+    "master-port": ["x", "-1", "65536"],
+    "dp-attention": ["maybe", "2"],
 }
 FREE_FORM = {"api-key", "served-model-name"}
 
@@ -74,6 +82,7 @@ GOOD: dict[str, tuple[str, Any, str, Any]] = {
     "shutdown-timeout": ("2.5", 2.5, "0", 0.0),
     "log-level": ("critical", "critical", "debug", "debug"),
     "tool-call-parser": ("hermes", "hermes", "deepseek_v3", "deepseek_v3"),
+    "dp": ("2", 2, "3", 3),
     "device": ("cuda:1", "cuda:1", "cuda", "cuda"),
     "dtype": ("bfloat16", "bfloat16", "float32", "float32"),
     "kv-dtype": ("float16", "float16", "bfloat16", "bfloat16"),
@@ -96,7 +105,17 @@ GOOD: dict[str, tuple[str, Any, str, Any]] = {
     "omnikv": ("auto", "auto", "on", "on"),
     "omnikv-config": (f"{FIXTURES}/two_filters.json", f"{FIXTURES}/two_filters.json",
                       f"{FIXTURES}/window.json", f"{FIXTURES}/window.json"),
+    "tp": ("2", 2, "4", 4),
+    "ep": ("4", 4, "1", 1),
+    "nnodes": ("2", 2, "4", 4),
+    "node-rank": ("1", 1, "3", 3),
+    "master-addr": ("10.0.0.1", "10.0.0.1", "node0", "node0"),
+    "master-port": ("29500", 29500, "0", 0),
+    "dp-attention": ("yes", True, "false", False),
 }
+# what a row's values need beside them to be a valid combination (--ep N needs --tp N, and so on)
+ROW_ENV = {"ep": {"MLASERVE_TP": "4"}, "dp-attention": {"MLASERVE_DP": "2"}, "nnodes": {"MLASERVE_TP": "4", "MLASERVE_MASTER_PORT": "29500"},
+           "node-rank": {"MLASERVE_TP": "4", "MLASERVE_NNODES": "4", "MLASERVE_MASTER_PORT": "29500"}}
 # the triton backends need a CUDA device; every GOOD row is parsed with this underneath
 BASE_ENV = {"MLASERVE_DEVICE": "cuda"}
 
@@ -153,7 +172,7 @@ def test_bad_environment_value_exits_2_naming_the_variable(flag: Flag, value: st
 def test_a_good_variable_arrives_and_a_flag_beats_it(name: str) -> None:
     flag = BY_NAME[name]
     env_text, env_value, flag_text, flag_value = GOOD[name]
-    environ = {**BASE_ENV, flag.env: env_text}
+    environ = {**BASE_ENV, **ROW_ENV.get(name, {}), flag.env: env_text}
     assert value_of(parse_serve_args([], environ=environ), flag) == env_value
     assert value_of(parse_serve_args([f"--{flag.name}", flag_text], environ=environ), flag) == flag_value
 
@@ -222,6 +241,30 @@ def test_triton_backends_need_cuda(flags: list[str], capsys: pytest.CaptureFixtu
     assert info.value.code == 2 and len(err) == 1 and f"{flags[0]} triton needs --device cuda" in err[0], err
     assert parse_serve_args(flags, environ={"TRITON_INTERPRET": "1"}).engine.device == "cpu"  # the CPU interpreter
     assert parse_serve_args([*flags, "--device", "cuda:0"], environ={}).engine.device == "cuda:0"
+
+
+@pytest.mark.parametrize("flags,named,message", [
+    (["--dp", "2", "--tp", "2", "--nnodes", "2", "--master-port", "29500"], ("--dp 2", "--nnodes 2"),
+     "data-parallel replicas are one machine's"),
+    (["--dp", "2", "--tp", "2", "--master-port", "29500"], ("--dp 2", "--master-port 29500"), "needs --master-port 0"),
+])
+def test_dp_combinations_are_refused(flags: list[str], named: tuple[str, ...], message: str,
+                                     capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_serve_args(flags, environ={})
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1 and message in err[0], err
+    assert all(n in err[0] for n in named), err
+    assert parse_serve_args(flags[:2], environ={}).dp == 2  # alone it is fine, and so with --tp on a free port
+    assert parse_serve_args(["--dp", "2", "--tp", "2"], environ={}).engine.tp == 2
+
+
+def test_dp_with_nodes_from_the_environment_names_the_variables(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_serve_args([], environ={"MLASERVE_DP": "3", "MLASERVE_TP": "2", "MLASERVE_NNODES": "2",
+                                      "MLASERVE_MASTER_PORT": "29500"})
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and "MLASERVE_DP=3" in err[0] and "MLASERVE_NNODES=2" in err[0], err
 
 
 def test_a_combination_from_the_environment_names_the_variables(capsys: pytest.CaptureFixture) -> None:

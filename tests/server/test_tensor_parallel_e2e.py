@@ -134,6 +134,9 @@ def test_two_nodes_on_one_machine(checkpoints, tmp_path) -> None:
     (["--tp", "2", "--ep", "3"], "must be 1 or the --tp size"),
     (["--tp", "2", "--omnikv", "on"], "does not run under --tp"),
     (["--tp", "0"], "must be > 0"),
+    (["--dp-attention"], "needs --dp N > 1"),
+    (["--dp", "2", "--dp-attention", "--tp", "2"], "must be 1 (the MLP/MoE layers are split over the --dp"),
+    (["--dp", "2", "--dp-attention", "--ep", "4"], "must be 1 or the --dp size (2) under --dp-attention"),
 ])
 def test_bad_parallel_flags_are_refused(flags: list[str], message: str) -> None:
     r = subprocess.run([sys.executable, "-m", "mlaserve.cli", "serve", *flags], cwd=REPO, capture_output=True,
@@ -146,3 +149,63 @@ def test_bad_parallel_env_is_refused() -> None:
     r = subprocess.run([sys.executable, "-m", "mlaserve.cli", "serve"], cwd=REPO, capture_output=True, text=True,
                        timeout=60, env={**os.environ, "MLASERVE_TP": "two"})
     assert r.returncode == 2 and "MLASERVE_TP" in r.stderr
+
+
+@pytest.mark.parametrize("flags", [("--dp", "2", "--dp-attention"), ("--dp", "2", "--dp-attention", "--ep", "2")],
+                         ids=["dp-attention", "dp-attention-ep"])
+def test_dp_attention_serves_what_one_process_serves(checkpoints, tmp_path, flags: tuple[str, ...]) -> None:
+    """Two replicas, each attention for its own requests, MLP/MoE split over both: the same tokens and
+    logprobs as one process, whichever replica a prompt lands on (one of them is idle at times)."""
+    one = serve(checkpoints["tiny-deepseek-v2"], tmp_path, "one", "--cpu-kernels", "torch")
+    try:
+        want = completions(one.url)
+    finally:
+        one.stop()
+    dp = serve(checkpoints["tiny-deepseek-v2"], tmp_path, "dpa", *flags)
+    try:
+        with httpx.Client(base_url=dp.url, timeout=120) as c:  # concurrent: both replicas at once
+            import concurrent.futures
+
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                got = list(pool.map(lambda p: c.post("/v1/completions", json={
+                    "model": "m", "prompt": p, "max_tokens": 8, "temperature": 0, "logprobs": 2,
+                    "ignore_eos": True}), PROMPTS))
+        replicas = set()
+        for r in got:
+            assert r.status_code == 200, r.text
+            replicas.update(r.headers.get("x-mlaserve-replica", "").split(","))
+        assert_same([(r.json()["choices"][0]["logprobs"]["tokens"], r.json()["choices"][0]["logprobs"]["token_logprobs"])
+                     for r in got], want)
+        assert replicas == {"0", "1"}, replicas  # both replicas served
+        assert_same(completions(dp.url), want)  # one at a time: the other replica idles through each step
+    finally:
+        assert dp.stop() == 0
+    log = (tmp_path / "dpa.log").read_text()
+    assert "DP attention: replica 1 of 2" in log and "crashed" not in log
+
+
+def test_dp_attention_replica_death_is_reported(checkpoints, tmp_path) -> None:
+    """The replicas step together: one killed, the other's next exchange fails, both are reported dead
+    (health 503, requests fail) within seconds instead of hanging."""
+    server = serve(checkpoints["tiny-deepseek-v2"], tmp_path, "dpkill", "--dp", "2", "--dp-attention")
+    try:
+        assert len(completions(server.url)) == len(PROMPTS)
+        engines = server.children()
+        engines = [p for p in engines if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+        assert len(engines) >= 2, engines
+        os.kill(engines[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            while c.get("/health").status_code == 200:
+                assert time.monotonic() - t0 < 30, "the dead replica was not noticed"
+                time.sleep(0.2)
+            deadline = time.monotonic() + 30
+            while True:  # the survivor fails at its next exchange: then nothing can serve
+                r = c.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 4})
+                if r.status_code != 200:
+                    break
+                assert time.monotonic() < deadline, "the surviving replica kept serving alone"
+                time.sleep(0.2)
+            assert r.status_code >= 500 and "error" in r.json()
+    finally:
+        server.stop()
