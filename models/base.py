@@ -58,7 +58,7 @@ class DecoderLayer(nn.Module):
         return x + self.run_mlp(self.post_attention_layernorm(x))
 
     def run_mlp(self, h: torch.Tensor) -> torch.Tensor:
-        if self.tokens is None:
+        if self.tokens is None or getattr(self.mlp, "local_tokens", False):  # (all-to-all MoE: its own exchange)
             return self.mlp(h)
         return self.tokens.scatter(self.mlp(self.tokens.gather(h)))
 

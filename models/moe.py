@@ -8,6 +8,8 @@ experts meanwhile, then syncs — so CPU and GPU overlap when the routed experts
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,7 +18,7 @@ from models.config import MoEConfig
 from models.experts import create_expert_backend
 from models.layers import GatedMLP
 from models.moe_routing import select_experts
-from models.parallel import ExpertRange, current, tp_split
+from models.parallel import ExpertRange, current, replicated_under_dp_attention, tp_split
 
 
 class Router(nn.Module):
@@ -54,11 +56,23 @@ class DeepseekMoE(nn.Module):
         self.experts = create_expert_backend(
             expert_backend, self.expert_range.stop - self.expert_range.start, hidden_size, inter, top_k=cfg.top_k
         )
-        self.shared_experts = (
-            GatedMLP(hidden_size, cfg.intermediate_size * cfg.num_shared_experts) if cfg.num_shared_experts else None
-        )
+        # DP attention with expert parallelism: each rank's tokens go to their experts' ranks and come
+        # back (all-to-all dispatch and combine) instead of every rank's tokens gathered for the block;
+        # the shared experts are then every rank's, whole
+        self.dispatch = lay.dp_attention and lay.ep
+        with replicated_under_dp_attention() if self.dispatch else nullcontext():
+            self.shared_experts = (
+                GatedMLP(hidden_size, cfg.intermediate_size * cfg.num_shared_experts) if cfg.num_shared_experts else None
+            )
+
+    @property
+    def local_tokens(self) -> bool:
+        """Runs on this rank's own tokens under DP attention (DecoderLayer does not gather for it)."""
+        return self.dispatch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dispatch:
+            return self._forward_dispatch(x)
         topk_weights, topk_ids = self.gate(x)
         if self.layout.ep:
             topk_ids, topk_weights = self.expert_range.localize(topk_ids, topk_weights)
@@ -72,3 +86,41 @@ class DeepseekMoE(nn.Module):
             out = out.clone()  # the backend may own `routed`: reduce a copy
         # one all-reduce for the block: every rank's routed and shared terms
         return self.layout.all_reduce(out) if self.layout.parallel else out
+
+    def _forward_dispatch(self, x: torch.Tensor) -> torch.Tensor:
+        """Routed experts over all-to-all: every (token, chosen expert) pair is sent to the rank holding
+        that expert, computed there (weighted), sent back, and summed into its token; an idle rank
+        takes part with no pairs."""
+        import torch.distributed as dist
+
+        lay, group = self.layout, self.layout.group
+        weights, ids = self.gate(x)
+        per_rank = self.expert_range.stop - self.expert_range.start
+        t, k = ids.shape
+        owner = (ids // per_rank).reshape(-1)
+        order = torch.sort(owner, stable=True).indices  # pairs grouped by destination rank
+        token = torch.arange(t, device=x.device).repeat_interleave(k)[order]
+        send_counts = torch.bincount(owner, minlength=lay.tp_size)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=group)
+        send, recv = send_counts.tolist(), recv_counts.tolist()
+
+        def exchange(values: torch.Tensor, out_counts: list[int], in_counts: list[int]) -> torch.Tensor:
+            out = values.new_empty((sum(out_counts), *values.shape[1:]))
+            dist.all_to_all_single(out, values.contiguous(), output_split_sizes=out_counts,
+                                   input_split_sizes=in_counts, group=group)
+            return out
+
+        rows = exchange(x[token], recv, send)
+        local_ids = exchange((ids.reshape(-1)[order] % per_rank).contiguous(), recv, send)
+        pair_w = exchange(weights.reshape(-1)[order].to(torch.float32), recv, send)
+        if rows.shape[0]:
+            done = self.experts.forward(rows, local_ids[:, None], pair_w[:, None].to(rows.dtype))
+        else:
+            done = rows
+        back = exchange(done, send, recv)
+        out = torch.zeros_like(x).index_add_(0, token, back.to(x.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
