@@ -51,8 +51,8 @@ def assert_same(got: list[tuple[list[str], list[float]]], want: list[tuple[list[
         assert max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4, (lps, ref_lps)
 
 
-CASES = [("tiny-llama", ("--tp", "2")), ("tiny-deepseek-v2", ("--tp", "2")),
-         ("tiny-deepseek-v3", ("--tp", "2", "--ep", "2"))]
+CASES = [("tiny-llama", ("--tp", "2")), ("tiny-llama", ("--tp", "4")), ("tiny-deepseek-v2", ("--tp", "2")),
+         ("tiny-deepseek-v3", ("--tp", "2", "--ep", "2")), ("tiny-deepseek-v3", ("--tp", "4"))]
 
 
 @pytest.mark.parametrize("name,flags", CASES, ids=[f"{n}-{'-'.join(f[1::2])}" for n, f in CASES])
@@ -66,11 +66,11 @@ def test_tp_serves_what_one_process_serves(checkpoints, tmp_path, name: str, fla
     try:
         assert_same(completions(tp.url), want)
         followers = _followers(tp)
-        assert len(followers) == 1
+        assert len(followers) == int(flags[1]) - 1
     finally:
         assert tp.stop() == 0  # SIGTERM drains every rank
     assert all_gone(followers)
-    assert "rank 1 of 2 ready" in (tmp_path / "tp.log").read_text()
+    assert f"rank {int(flags[1]) - 1} of {flags[1]} ready" in (tmp_path / "tp.log").read_text()
 
 
 def _followers(server: ServerProcess) -> list[int]:
