@@ -252,7 +252,7 @@ class EngineCore:
                                     f"the grammar engine failed: {type(e).__name__}: {e}", ERR_ENGINE))
                 continue
             for r in c.reqs:
-                r.grammar = self.grammars.grammar(compiled)
+                r.grammar = self.grammars.grammar(compiled, r.params.structured.after if r.params.structured else ())
             self.scheduler.add(c.reqs)
         return out
 

@@ -52,21 +52,37 @@ class GrammarError(ValueError):
 
 
 class Grammar:
-    """One completion's position in its grammar (an xgrammar `GrammarMatcher`)."""
+    """One completion's position in its grammar (an xgrammar `GrammarMatcher`). With `after` (a
+    reasoning model's `</think>` ids) the grammar sleeps until the output has produced them: until then
+    every token is allowed and accepted, and the document starts right after them."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, after: Sequence[int] = ()) -> None:
         self._matcher = matcher
+        self._after = list(after)
+        self._tail: list[int] = []  # the last len(after) tokens while asleep
+
+    @property
+    def awake(self) -> bool:
+        return not self._after
 
     def accept(self, token_id: int) -> bool:
         """Advances past `token_id`; False if the grammar does not allow it (the matcher is unchanged)."""
+        if self._after:
+            self._tail = (self._tail + [int(token_id)])[-len(self._after):]
+            if self._tail == self._after:
+                self._after = []
+            return True
         return bool(self._matcher.accept_token(int(token_id)))
 
     @property
     def terminated(self) -> bool:
         """The document is complete (its stop id was accepted): nothing more may follow."""
-        return bool(self._matcher.is_terminated())
+        return self.awake and bool(self._matcher.is_terminated())
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._after:
+            bitmask[row].fill_(-1)  # asleep: every token
+            return
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
@@ -112,10 +128,10 @@ class GrammarBackend:
             raise GrammarError(param, f"{param}: the {kind.replace('_', ' ')} cannot be compiled: {_reason(e)}") from None
         raise GrammarError(param, f"{param}: unknown structured output kind {kind!r}")
 
-    def grammar(self, compiled: Any) -> Grammar:
+    def grammar(self, compiled: Any, after: Sequence[int] = ()) -> Grammar:
         import xgrammar as xgr
 
-        return Grammar(xgr.GrammarMatcher(compiled))
+        return Grammar(xgr.GrammarMatcher(compiled), after)
 
     def shutdown(self) -> None:
         """Stops the worker (a compile under way finishes first): for a backend made outside the engine."""

@@ -14,6 +14,14 @@ _BUILTIN: dict[str, tuple[str, str]] = {
 }
 
 
+# name -> (sampling defaults for requests that set none, where they come from): for a built-in model whose
+# file carries none (the SmolLM2 GGUF has no general.sampling.* keys and its package no generation_config.json)
+_SAMPLING: dict[str, tuple[dict[str, float], str]] = {
+    "smollm2-135m-instruct": ({"temperature": 0.2, "top_p": 0.9},
+                              "the model card of HuggingFaceTB/SmolLM2-135M-Instruct (its usage example)"),
+}
+
+
 def builtin_names() -> list[str]:
     return sorted(_BUILTIN)
 
@@ -50,3 +58,9 @@ def resolve_model_path(model: str | os.PathLike[str]) -> Path:
     raise FileNotFoundError(
         f"model {s!r} is neither a built-in name ({', '.join(builtin_names())}), an HF directory nor a .gguf file"
     )
+
+
+def builtin_sampling_defaults(name: str) -> tuple[dict[str, float], str] | None:
+    """(sampling defaults, their source) recommended for a built-in model, or None (not built-in, or none)."""
+    entry = _SAMPLING.get(name)
+    return (dict(entry[0]), entry[1]) if entry else None

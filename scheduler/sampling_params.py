@@ -3,8 +3,8 @@
 Validated once, at the server edge, where the vocabulary size is known: `validate` raises
 `ParamError(param, message)` naming the offending OpenAI parameter, and the server turns it into a
 400 whose `param` is `ParamError.param` (never parsed back out of the message). `validate_prompt_ids`
-is the same check for the prompt's token ids. The engine runs neither as a validation of its own (see
-`engine.core`): what reaches it was checked here.
+is the same check for the prompt's token ids (`validate_token_ids` for any ids: `/detokenize`'s). The
+engine runs neither as a validation of its own (see `engine.core`): what reaches it was checked here.
 
 `SamplingParams` is a frozen msgspec Struct: it crosses the server -> engine pipe inside
 `engine.messages.GenerateRequest`, typed, and a field the decoder does not know is an error.
@@ -43,6 +43,9 @@ class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kind: str
     spec: str = ""
     param: str = "response_format"
+    # a reasoning model's end of thought (the ids of `</think>`): the constraint applies to what follows
+    # them, the reasoning before them is free; empty: from the first token
+    after: tuple[int, ...] = ()
 
 
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar")
@@ -107,13 +110,20 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.structured is not None:
             _check(self.structured.kind in STRUCTURED_KINDS, self.structured.param,
                    f"unknown structured output kind {self.structured.kind!r} (one of {', '.join(STRUCTURED_KINDS)})")
+            _check(all(0 <= t < vocab_size for t in self.structured.after), self.structured.param,
+                   "the reasoning marker's token ids must be in the vocabulary")
 
 
 def validate_prompt_ids(input_ids: Sequence[int], vocab_size: int, param: str = "prompt") -> None:
     """Raises ParamError(param, ...) for an empty prompt or a token id outside the vocabulary."""
     _check(len(input_ids) > 0, param, "the prompt is empty")
-    bad = next((t for t in input_ids if not 0 <= t < vocab_size), None)
-    _check(bad is None, param, f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+    validate_token_ids(input_ids, vocab_size, param, "prompt token id")
+
+
+def validate_token_ids(ids: Sequence[int], vocab_size: int, param: str, what: str = "token id") -> None:
+    """Raises ParamError(param, ...) for the first id outside the vocabulary (0..vocab_size-1)."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    _check(bad is None, param, f"{what} {bad} is outside the vocabulary (0..{vocab_size - 1})")
 
 
 def _check(ok: bool, param: str, message: str) -> None:

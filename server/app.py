@@ -4,8 +4,8 @@ Request handling itself lives in `serving.py` (one serializer per API shape). Th
 HTTP concerns:
   * every error leaves as OpenAI's `{"error": {message, type, param, code}}` — FastAPI's 422s become
     400 `invalid_request_error` naming the field, unknown routes 404, bodies over the limit 413;
-  * `/v1/*` needs `Authorization: Bearer KEY` when a key is set (compared in constant time);
-    `/health` and `/metrics` stay open;
+  * `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer KEY` when a key is set (compared in
+    constant time); `/health`, `/metrics` and `/version` stay open (as vLLM leaves `/version`);
   * `/health` is 200 only while the engine (every `--dp` replica) is alive and we are not draining for
     shutdown.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import logging
 
 from fastapi import FastAPI, Request
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.protocol import ModelCard, ModelList, describe_validation_error
+from server.protocol import ModelCard, ModelList, VersionResponse, describe_validation_error
 from server.serving import register_routes
 from server.state import ServerState, error_response
 
@@ -103,8 +104,20 @@ class _BodyTooLarge(Exception):
     pass
 
 
+KEYED_PATHS = ("/tokenize", "/detokenize")  # beside /v1/*: what a key protects
+
+
+def mlaserve_version() -> str:
+    """The installed package's version ("unknown" when run from a tree that was never installed)."""
+    try:
+        return importlib.metadata.version("mlaserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 class AuthMiddleware:
-    """`/v1/*` needs `Authorization: Bearer KEY` when a key is set; compared in constant time.
+    """`/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer KEY` when a key is set; compared
+    in constant time.
 
     Plain ASGI on purpose: Starlette's BaseHTTPMiddleware wraps `receive`, and handlers then never
     see the client's disconnect (which must abort the request in the engine)."""
@@ -115,7 +128,8 @@ class AuthMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         key = self.state.api_key
-        if scope["type"] == "http" and key and scope.get("path", "").startswith("/v1"):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and key and (path.startswith("/v1") or path in KEYED_PATHS):
             header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
             scheme, _, given = header.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
@@ -152,6 +166,12 @@ def build_app(state: ServerState, max_request_bytes: int | None = None) -> FastA
     async def health() -> Response:
         return state.unavailable(health=True) or JSONResponse({"status": "ok"})
 
+    version = VersionResponse(version=mlaserve_version()).model_dump()
+
+    @app.get("/version")
+    async def get_version() -> JSONResponse:
+        return JSONResponse(version)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         engine = state.engine
@@ -182,4 +202,6 @@ def build_app(state: ServerState, max_request_bytes: int | None = None) -> FastA
 
 
 def _model_card(state: ServerState) -> ModelCard:
-    return ModelCard(id=state.model_name, created=state.created, max_model_len=state.context_length or None)
+    defaults = state.generation_defaults
+    return ModelCard(id=state.model_name, created=state.created, max_model_len=state.context_length or None,
+                     generation_defaults=defaults.in_force() if defaults is not None else None)

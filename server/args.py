@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, NoReturn
 
 from engine.args import EngineArgs, FlagSpec, flag, internal, non_empty, non_negative, positive
+from server.chat_template import ChatTemplateError, load_chat_template
+from server.reasoning import REASONING_PARSERS
 from server.tool_parsers import TOOL_PARSERS
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # logging's and uvicorn's names
@@ -43,11 +45,26 @@ def port_number(value: int) -> str | None:
     return None if 1 <= value <= 65535 else "must be a port number, 1..65535"
 
 
+def chat_template_value(value: str | None) -> str | None:
+    """A --chat-template that reads as a template that compiles (an empty value: the model's)."""
+    if value is None or not value.strip():
+        return None
+    try:
+        load_chat_template(value)
+    except ChatTemplateError as e:
+        return str(e)
+    return None
+
+
+GENERATION_CONFIG_MODES = ("auto", "none")
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     host: str = flag("127.0.0.1", "address to listen on", check=non_empty, metavar="ADDR")
     port: int = flag(8000, "port to listen on", check=port_number, metavar="PORT")
-    api_key: str | None = flag(None, "require `Authorization: Bearer KEY` on /v1 routes (empty: no key)",
+    api_key: str | None = flag(None, "require `Authorization: Bearer KEY` on /v1 routes, /tokenize and /detokenize "
+                               "(empty: no key)",
                                metavar="KEY", default_text="no key")
     served_model_name: str | None = flag(None, "model id shown by /v1/models (empty: the default)", metavar="NAME",
                                          default_text="the model's name")
@@ -60,6 +77,16 @@ class ServerArgs:
     log_level: str = flag("info", "logging level", choices=LOG_LEVELS)
     tool_call_parser: str = flag("auto", "how tool calls are read from the model's output ('auto': the format "
                                  "its chat template uses)", choices=("auto", *sorted(TOOL_PARSERS)))
+    reasoning_parser: str = flag("auto", "how a chat answer's reasoning (<think>...</think>) is split into "
+                                 "message.reasoning_content: deepseek_r1, qwen3, none, or auto (what the chat "
+                                 "template writes)", choices=REASONING_PARSERS)
+    generation_config: str = flag("auto", "sampling defaults of requests that leave temperature, top_p, top_k, "
+                                  "min_p or repetition_penalty out: auto (the model's: generation_config.json, a GGUF's "
+                                  "general.sampling.* keys, a built-in model's recommended ones; OpenAI's for the rest) "
+                                  "or none (OpenAI's)", choices=GENERATION_CONFIG_MODES)
+    chat_template: str | None = flag(None, "chat template to use instead of the model's: a Jinja file, or the template "
+                                     "itself (a value with '{', '}' or a newline); checked to compile at start",
+                                     check=chat_template_value, metavar="FILE|TEMPLATE", default_text="the model's")
     dp: int = flag(1, "data-parallel replicas: N engine processes behind this server, each with the whole model, its "
                    "own KV cache and a share of the CPUs (on CUDA: its own GPUs); a request goes to the replica that "
                    "served its prompt's prefix unless that one is much busier", check=positive, metavar="N")
@@ -283,4 +310,6 @@ def parse_serve_args(argv: list[str], environ: Mapping[str, str] | None = None) 
     engine = _settings(EngineArgs, ns, max_prefill_tokens=max(ns.chunked_prefill_size, EngineArgs.max_prefill_tokens))
     args = _settings(ServerArgs, ns, engine=engine)
     # empty means unset: a compose file or Dockerfile may pass a variable with no value
-    return dataclasses.replace(args, api_key=args.api_key or None, served_model_name=args.served_model_name or None)
+    return dataclasses.replace(args, api_key=args.api_key or None, served_model_name=args.served_model_name or None,
+                               chat_template=args.chat_template if args.chat_template and args.chat_template.strip()
+                               else None)

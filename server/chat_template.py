@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError, nodes
@@ -165,6 +166,41 @@ def _compile(template: str):
         return env.from_string(template)
     except TemplateError as e:
         raise ChatTemplateError(f"chat template does not compile: {e}") from None
+    except RecursionError:  # Jinja's parser recurses per nesting level
+        raise ChatTemplateError("chat template does not compile: it is nested too deeply") from None
+
+
+JINJA_CHARS = "{}\n"  # a --chat-template value with one of these is a template, else a path (vLLM's rule)
+
+
+def load_chat_template(value: str) -> str:
+    """`--chat-template`'s value as a template: the contents of the file it names, else the value itself
+    when it reads as a Jinja template (it has '{', '}' or a newline, as vLLM decides). ChatTemplateError,
+    one line, for a path that names no file, a file that cannot be read, an empty template, or one that
+    does not compile."""
+    try:
+        path = Path(value).expanduser()
+        is_file, exists = path.is_file(), path.exists()
+    except (OSError, ValueError):  # a name too long, a NUL byte: not a path
+        is_file = exists = False
+    if is_file:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ChatTemplateError(f"cannot read the file: {e}") from None
+    elif exists:
+        raise ChatTemplateError("is not a file")
+    elif any(c in value for c in JINJA_CHARS):
+        text = value
+    else:
+        raise ChatTemplateError("names no file (a value without '{', '}' or a newline is a path, not a template)")
+    if not text.strip():
+        raise ChatTemplateError("is an empty template")
+    try:
+        _compile(text)
+    except ChatTemplateError as e:
+        raise ChatTemplateError("; ".join(line.strip() for line in str(e).splitlines() if line.strip())) from None
+    return text
 
 
 def render_chat(

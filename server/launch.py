@@ -2,8 +2,9 @@
 
 Order of events:
   1. uvicorn starts listening; `/health` answers 503 "loading" and `/v1/*` 503 until ready.
-  2. The tokenizer loads here; the engine core process starts and loads the weights (with `--dp N`,
-     N engine processes at once, each with the whole model: `engine.replicas`).
+  2. The tokenizer (with `--chat-template`'s template in place of the model's) and the model's sampling
+     defaults (`--generation-config`, logged) load here; the engine core process starts and loads the
+     weights (with `--dp N`, N engine processes at once, each with the whole model: `engine.replicas`).
   3. Ready (every replica): `/health` 200.
   4. SIGTERM/SIGINT, to this process or to its whole process group (the engine process ignores
      both: the server decides): `/health` and new requests get 503 with Retry-After, in-flight
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import socket
@@ -36,6 +38,8 @@ from models.loader.tokenizer import load_tokenizer
 from engine.replicas import EngineReplicas
 from server.app import ServerState, build_app
 from server.args import ServerArgs
+from server.chat_template import load_chat_template
+from server.generation_defaults import load_generation_defaults
 from server.metrics import Metrics
 
 logger = logging.getLogger("mlaserve.server")
@@ -115,7 +119,14 @@ def default_model_name(model: str) -> str:
 
 async def _start_engine(state: ServerState, args: ServerArgs, server: _DrainingServer) -> None:
     try:
-        state.tokenizer = await asyncio.to_thread(load_tokenizer, args.engine.model)
+        tokenizer = await asyncio.to_thread(load_tokenizer, args.engine.model)
+        if args.chat_template is not None:  # checked to compile when the flag was parsed
+            tokenizer = dataclasses.replace(tokenizer, chat_template=load_chat_template(args.chat_template))
+            logger.info("chat template: --chat-template's, not the model's")
+        state.tokenizer = tokenizer
+        state.generation_defaults = await asyncio.to_thread(load_generation_defaults, args.engine.model,
+                                                            args.generation_config)
+        logger.info("sampling defaults for requests that leave them out: %s", state.generation_defaults.describe())
         engine = await EngineReplicas.start(args.engine, args.dp)
         state.context_length = engine.info.context_length
         state.vocab_size = engine.info.vocab_size
@@ -153,7 +164,7 @@ def _signals_kill_engine(state: ServerState) -> Iterator[None]:
 async def serve_async(args: ServerArgs) -> int:
     state = ServerState(model_name=args.served_model_name or default_model_name(args.engine.model),
                         metrics=None, api_key=args.api_key,  # type: ignore[arg-type]
-                        tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     state.metrics = Metrics(state.model_name)
     app = build_app(state, args.max_request_bytes)
     # lifespan off: the app has no startup/shutdown hooks, and uvicorn's lifespan task, left pending by a

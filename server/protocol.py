@@ -1,6 +1,7 @@
 """The OpenAI API as pydantic models: what clients send, what we answer, and the error shape.
 
     request JSON --ChatCompletionRequest / CompletionRequest--> to_sampling_params --> SamplingParams
+                 (sampling fields the body leaves out: the model's defaults, server.generation_defaults)
     engine deltas --server--> ChatCompletionResponse | ChatCompletionChunk | CompletionResponse | CompletionChunk
                   --model_dump_json / sse_data--> the wire
 
@@ -13,7 +14,9 @@ ids) are left to `SamplingParams.validate(vocab_size)`.
 Responses leave out `None` fields, as OpenAI does, except those OpenAI always sends: `finish_reason`
 and `logprobs` on every choice (`null` on stream chunks until the end), and `param`/`code` on errors.
 vLLM's `return_token_ids` adds `token_ids` to choices and `prompt_token_ids` to responses (chat) or
-choices (completions, where each prompt has its own).
+choices (completions, where each prompt has its own). vLLM's utility routes have their shapes here too:
+`/tokenize` (`TokenizeCompletionRequest` | `TokenizeChatRequest` -> `TokenizeResponse`), `/detokenize`,
+`/version`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pydantic import field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 from scheduler.sampling_params import TOP_K_ALL, ParamError, SamplingParams
+from server.generation_defaults import GENERATION_FIELDS, with_defaults
 from server.structured import structured_output
 
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; a local server can afford more
@@ -190,7 +194,9 @@ class _GenerationRequest(_Request):
 
     model: str | None = None  # None: the served model
     max_tokens: StrictInt | None = None
-    temperature: StrictFloat | None = None  # None: 1.0
+    # temperature, top_p, top_k, min_p, repetition_penalty left out (or null): the model's default, else OpenAI's
+    # (server.generation_defaults)
+    temperature: StrictFloat | None = None
     top_p: StrictFloat | None = None
     top_k: StrictInt | None = None  # -1 or 0: no limit
     min_p: StrictFloat | None = None
@@ -201,7 +207,7 @@ class _GenerationRequest(_Request):
     seed: StrictInt | None = None
     presence_penalty: StrictFloat | None = 0.0
     frequency_penalty: StrictFloat | None = 0.0
-    repetition_penalty: StrictFloat | None = 1.0
+    repetition_penalty: StrictFloat | None = None
     logit_bias: Annotated[dict[str, StrictFloat] | None, AfterValidator(_check_logit_bias)] = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
@@ -246,22 +252,17 @@ class _GenerationRequest(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class ChatInput(_Request):
+    """What a chat prompt is rendered from (the chat template's input): the chat completions request's
+    and `/tokenize`'s with messages (`server.serving.chat_prompt` renders both)."""
+
+    model: str | None = None  # None: the served model
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = None  # wins over max_tokens
-    logprobs: StrictBool | None = False
-    top_logprobs: StrictInt | None = None
-    min_tokens: StrictInt | None = 0
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
     parallel_tool_calls: StrictBool | None = True
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value and not info.data.get("logprobs"):
-            raise _invalid("top_logprobs needs logprobs to be true")
-        return value
+    # variables for the chat template (vLLM/SGLang's extension), e.g. {"enable_thinking": false} for Qwen3
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def openai_messages(self) -> list[dict[str, Any]]:
         """Messages in OpenAI's shape with text content joined (None kept for an assistant message
@@ -278,6 +279,20 @@ class ChatCompletionRequest(_GenerationRequest):
                 entry["tool_call_id"] = m.tool_call_id
             out.append(entry)
         return out
+
+
+class ChatCompletionRequest(ChatInput, _GenerationRequest):
+    max_completion_tokens: StrictInt | None = None  # wins over max_tokens
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None
+    min_tokens: StrictInt | None = 0
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise _invalid("top_logprobs needs logprobs to be true")
+        return value
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]
@@ -316,6 +331,29 @@ class CompletionRequest(_GenerationRequest):
         return [p] if isinstance(p[0], int) else p  # type: ignore[list-item,return-value]
 
 
+class TokenizeCompletionRequest(_Request):
+    """`POST /tokenize` with a prompt (vLLM's shape): its ids as the completions API encodes a string."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: StrictBool = True  # BOS where the model wants one
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(ChatInput):
+    """`POST /tokenize` with messages (vLLM's shape): the ids of the chat template's rendering, as the chat
+    completions API renders it (the template writes the special tokens itself)."""
+
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = False
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
 def parse_logit_bias(logit_bias: Mapping[str, float] | None) -> dict[int, float]:
     """OpenAI's `{"token id as string": bias}` as `{id: bias}`; ParamError("logit_bias", ...) otherwise."""
     out: dict[int, float] = {}
@@ -327,9 +365,16 @@ def parse_logit_bias(logit_bias: Mapping[str, float] | None) -> dict[int, float]
     return out
 
 
-def to_sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+def to_sampling_params(req: ChatCompletionRequest | CompletionRequest,
+                       defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """The engine's view of a request. Stop *strings* stay with the server (`StopStringMatcher`); a
-    forced tool call's grammar is added by the server's tool plan (`server.tools`)."""
+    forced tool call's grammar is added by the server's tool plan (`server.tools`). `defaults`: the
+    model's sampling defaults (`GenerationDefaults.values`) for the generation fields the request leaves
+    out; it applies exactly to the fields absent from the body (or null), never to a value it sent."""
+    sent = {name: getattr(req, name) for name in GENERATION_FIELDS if name in req.model_fields_set}
+    if sent.get("top_k") in (0, -1):
+        sent["top_k"] = TOP_K_ALL  # the request's own "no limit"
+    sampling = with_defaults(sent, defaults or {})
     prompt_logprobs = None
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -340,11 +385,7 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest) -> Sampli
         if req.echo and req.logprobs is not None:
             prompt_logprobs = req.logprobs
     return SamplingParams(  # a field sent as null means its default, as in OpenAI's API
-        temperature=_or(req.temperature, 1.0),
-        top_p=_or(req.top_p, 1.0),
-        top_k=TOP_K_ALL if req.top_k in (None, 0, -1) else req.top_k,
-        min_p=_or(req.min_p, 0.0),
-        repetition_penalty=_or(req.repetition_penalty, 1.0),
+        **sampling,
         presence_penalty=_or(req.presence_penalty, 0.0),
         frequency_penalty=_or(req.frequency_penalty, 0.0),
         logit_bias=parse_logit_bias(req.logit_bias),
@@ -362,10 +403,11 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest) -> Sampli
     )
 
 
-def checked_sampling_params(req: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> SamplingParams:
+def checked_sampling_params(req: ChatCompletionRequest | CompletionRequest, vocab_size: int,
+                            defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """`to_sampling_params`, then `SamplingParams.validate`: the one check of the sampling values'
     ranges. Raises ParamError naming the OpenAI parameter (the server's 400 carries it in `param`)."""
-    params = to_sampling_params(req)
+    params = to_sampling_params(req, defaults)
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         try:
             params.validate(vocab_size)
@@ -426,17 +468,25 @@ class PromptTokensDetails(_Response):
     cached_tokens: int | None = None
 
 
+class CompletionTokensDetails(_Response):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+           reasoning_tokens: int | None = None) -> UsageInfo:
         details = PromptTokensDetails(cached_tokens=cached_tokens) if cached_tokens is not None else None
+        reasoning = CompletionTokensDetails(reasoning_tokens=reasoning_tokens) if reasoning_tokens is not None else None
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
+                   total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details,
+                   completion_tokens_details=reasoning)
 
 
 class TopLogprob(_Response):
@@ -483,6 +533,7 @@ class ChatResponseMessage(_Response):
     keep_null = frozenset({"content"})
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # the chain of thought (server.reasoning), as DeepSeek's API names it
     tool_calls: list[ToolCallOut] | None = None
 
 
@@ -523,6 +574,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None  # only in a choice's first chunk
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 
@@ -585,6 +637,24 @@ class ModelCard(_Response):
     created: int
     owned_by: str = "mlaserve"
     max_model_len: int | None = None  # vLLM's extension: the context length
+    # mlaserve's extension: the sampling value a request that leaves a field out gets (the model's
+    # generation config, else OpenAI's; server.generation_defaults)
+    generation_defaults: dict[str, float | int] | None = None
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs: each id's vocabulary entry
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class VersionResponse(_Response):
+    version: str
 
 
 class ModelList(_Response):

@@ -34,6 +34,7 @@ from server.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from server.reasoning import ReasoningParser, Split, parser_kind
 from server.tools import ToolPlan
 
 if TYPE_CHECKING:
@@ -97,6 +98,45 @@ class ChatSerializer(Serializer):
     def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
         self.parsers: dict[int, Any] = {}  # choice index -> its streaming tool-call parser
+        # reasoning (server/reasoning.py): per choice its parser, the reasoning and answer text split so
+        # far, and the tokens generated inside the reasoning (usage.completion_tokens_details)
+        tok = self.state.tokenizer
+        self.reasoning_kind = parser_kind(self.state.reasoning_parser, tok.chat_template if tok else None)
+        self.reasoners: dict[int, ReasoningParser] = {}
+        self.split: dict[int, Split] = {}
+        self.reasoning_tokens: dict[int, int] = {}
+
+    def reason(self, i: int, text: str, ids: list[int], final: bool) -> Split:
+        """Choice i's new text split into reasoning and answer (all answer without a reasoning parser)."""
+        if self.reasoning_kind == "none":
+            return Split("", text)
+        parser = self.reasoners.get(i)
+        if parser is None:
+            parser = self.reasoners[i] = ReasoningParser(self.reasoning_kind)
+        if parser.in_reasoning:
+            self.reasoning_tokens[i] = self.reasoning_tokens.get(i, 0) + len(ids)
+        out = parser.feed(text)
+        if final:
+            tail = parser.finish()
+            out = Split(out.reasoning + tail.reasoning, out.content + tail.content)
+        return out
+
+    def add(self, r: EngineRequest, index: int, text: str, ids: list[int], lps: list[TokenLogprob]) -> None:
+        super().add(r, index, text, ids, lps)
+        i = self.choice_index(r, index)
+        part = self.reason(i, text, ids, r.choices[index].finish_reason is not None)
+        whole = self.split.setdefault(i, Split())
+        whole.reasoning += part.reasoning
+        whole.content += part.content
+
+    def usage(self) -> UsageInfo:
+        usage = super().usage()
+        if self.reasoning_kind == "none":
+            return usage
+        prompt, completion, cached = usage.prompt_tokens, usage.completion_tokens, None
+        if usage.prompt_tokens_details is not None:
+            cached = usage.prompt_tokens_details.cached_tokens
+        return UsageInfo.of(prompt, completion, cached, reasoning_tokens=sum(self.reasoning_tokens.values()))
 
     def finish_reason(self, reason: str | None, parser: Any) -> str | None:
         return "tool_calls" if reason == "stop" and parser is not None and parser.tool_calls else reason
@@ -112,23 +152,30 @@ class ChatSerializer(Serializer):
             content.append(ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top))
         return ChatChoiceLogprobs(content=content)
 
-    def message(self, text: str) -> tuple[ChatResponseMessage, Any]:
-        """The whole message of a choice (through a fresh tool-call parser when tools are in play)."""
+    def message(self, split: Split) -> tuple[ChatResponseMessage, Any]:
+        """The whole message of a choice: its reasoning apart, its answer through a fresh tool-call parser
+        when tools are in play."""
+        reasoning = split.reasoning or None
         if self.tools.new_parser is None:
-            return ChatResponseMessage(content=text), None
+            return ChatResponseMessage(content=split.content, reasoning_content=reasoning), None
         parser = self.tools.new_parser()
-        content, _ = parser.feed(text)
+        content, _ = parser.feed(split.content)
         content += parser.finish()[0]
         calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
                  for c in parser.tool_calls]
-        return ChatResponseMessage(content=content or (None if calls else ""), tool_calls=calls or None), parser
+        return ChatResponseMessage(content=content or (None if calls else ""), reasoning_content=reasoning,
+                                   tool_calls=calls or None), parser
 
     def response(self) -> dict:
         ids = self.body.return_token_ids
+        for i, reasoner in self.reasoners.items():  # text held back at the end (a cut-off tag) is released
+            tail, whole = reasoner.finish(), self.split.setdefault(i, Split())
+            whole.reasoning += tail.reasoning
+            whole.content += tail.content
         choices = []
         for r in self.requests:
             for i, c in enumerate(r.choices):
-                message, parser = self.message(self.texts.get(self.choice_index(r, i), ""))
+                message, parser = self.message(self.split.get(self.choice_index(r, i), Split()))
                 choices.append(ChatCompletionChoice(
                     index=self.choice_index(r, i), message=message, logprobs=self.chat_logprobs(c.logprobs),
                     finish_reason=self.finish_reason(c.finish_reason, parser), token_ids=c.token_ids if ids else None,
@@ -151,6 +198,8 @@ class ChatSerializer(Serializer):
         choice = r.choices[index]
         i = self.choice_index(r, index)
         out = []
+        part = self.reason(i, text, ids, choice.finish_reason is not None)
+        text, reasoning = part.content, part.reasoning or None
         parser, calls = None, None
         if self.tools.new_parser is not None:
             if i not in self.parsers:
@@ -161,9 +210,10 @@ class ChatSerializer(Serializer):
                 tail, more = parser.finish()
                 text, deltas = text + tail, deltas + more
             calls = [_delta_tool_call(d) for d in deltas] or None
-        if text or calls or (self.body.return_token_ids and ids) or (self.body.logprobs and lps):
+        if text or reasoning or calls or (self.body.return_token_ids and ids) or (self.body.logprobs and lps):
             out.append(self.chunk([ChatCompletionChunkChoice(
-                index=i, delta=DeltaMessage(content=text if text or not calls else None, tool_calls=calls),
+                index=i, delta=DeltaMessage(content=text if text or not (calls or reasoning) else None,
+                                            reasoning_content=reasoning, tool_calls=calls),
                 logprobs=self.chat_logprobs(lps), token_ids=ids if self.body.return_token_ids else None,
             )]))
         if choice.finish_reason is not None:

@@ -1,7 +1,9 @@
-"""`/v1/chat/completions` and `/v1/completions`: from a validated body to engine requests and back.
+"""`/v1/chat/completions` and `/v1/completions`: from a validated body to engine requests and back; and
+vLLM's `/tokenize` and `/detokenize`, which share their prompt building.
 
 Per request: check the model name and availability -> build the prompt ids (chat template, or the
-completions prompt(s)) -> check the context -> one engine request per prompt (each with n
+completions prompt(s)) -> sampling parameters (the fields a body leaves out take the model's defaults,
+`server.generation_defaults`) -> check the context -> one engine request per prompt (each with n
 completions) -> per completion a `ChoiceText` turns token-id deltas into text deltas (incremental
 detokenizer, then stop strings, both holding back what may still change) -> one serializer per API
 shape emits either one JSON response or SSE chunks.
@@ -17,15 +19,17 @@ ended, the request is aborted in the engine so its KV is freed at once. A client
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 
 from engine.messages import (
     ERR_CONTEXT,
@@ -42,15 +46,23 @@ from server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from server.protocol import (
     SSE_DONE,
     ChatCompletionRequest,
+    ChatInput,
     CompletionRequest,
-    error_body,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     checked_sampling_params,
+    describe_validation_error,
+    error_body,
     sse_data,
 )
 from server.responses import ChatSerializer, CompletionSerializer, Serializer
 from server.state import ServerState, error_response
+from server.reasoning import THINK_CLOSE, parser_kind
 from server.tools import ToolPlan, plan_tools, with_system
-from scheduler.sampling_params import ParamError, validate_prompt_ids
+from scheduler.sampling_params import ParamError, validate_prompt_ids, validate_token_ids
 
 
 REPLICA_HEADER = "x-mlaserve-replica"
@@ -100,6 +112,68 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(raw: Request, body: CompletionRequest) -> Response:
         return await counted(raw, state, body, CompletionSerializer)
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> Response:
+        return state.unavailable() or await _answer(lambda: _tokenize(state, raw))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return state.unavailable() or await _answer(lambda: _detokenize(state, body))
+
+
+async def _answer(work: Callable[[], Awaitable[BaseModel]]) -> Response:
+    """`work`'s response as JSON, or the OpenAI-shaped error it raised."""
+    try:
+        return JSONResponse((await work()).model_dump())
+    except ClientError as e:
+        return e.response()
+    except ParamError as e:
+        return ClientError.bad_param(e).response()
+
+
+async def _tokenize(state: ServerState, raw: Request) -> TokenizeResponse:
+    """vLLM's `/tokenize`: a prompt encoded as the completions API encodes it, or messages rendered and
+    encoded as the chat completions API does (`chat_prompt`), and the context length."""
+    body = await _json_body(raw, _tokenize_request_model)
+    check_model(state, body.model)
+    tok = state.tokenizer
+    assert tok is not None
+    text = chat_prompt(state, body, body.add_generation_prompt)[0] if isinstance(body, TokenizeChatRequest) \
+        else body.prompt
+    ids = tok.encode(text, add_special_tokens=body.add_special_tokens)
+    strs = [tok.tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=state.context_length, tokens=ids, token_strs=strs)
+
+
+def _tokenize_request_model(data: dict) -> type[BaseModel]:
+    if "messages" in data and "prompt" in data:
+        raise ClientError(400, "give either prompt or messages, not both", "messages")
+    return TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
+
+
+async def _detokenize(state: ServerState, body: DetokenizeRequest) -> DetokenizeResponse:
+    """vLLM's `/detokenize`: the text of token ids (special tokens included, as vLLM decodes them)."""
+    check_model(state, body.model)
+    validate_token_ids(body.tokens, state.vocab_size, "tokens")
+    assert state.tokenizer is not None
+    return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens, skip_special_tokens=False))
+
+
+async def _json_body(raw: Request, model_for: Callable[[dict], type[BaseModel]]) -> Any:
+    """The body as the request model `model_for` picks for its JSON object; ClientError (400, naming the
+    field as every route's validation errors do) otherwise."""
+    try:
+        data = json.loads(await raw.body())
+    except ValueError as e:
+        raise ClientError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ClientError(400, "the body must be a JSON object")
+    try:
+        return model_for(data).model_validate(data)
+    except ValidationError as e:
+        message, param = describe_validation_error(e.errors())
+        raise ClientError(400, message, param) from None
 
 
 async def counted(raw: Request, state: ServerState, body: Any, serializer_cls: type[Serializer]) -> Response:
@@ -179,24 +253,43 @@ def _replica_header(state: ServerState, requests: list[EngineRequest]) -> dict[s
     return {REPLICA_HEADER: ",".join(str(engine.replica_of(r.rid)) for r in requests)}
 
 
+def check_model(state: ServerState, model: str | None) -> None:
+    """A request's `model`, if it names one, must be the served model's id (404 otherwise)."""
+    if model and model != state.model_name:
+        raise ClientError(404, f"the model '{model}' does not exist", "model", "model_not_found")
+
+
+def chat_prompt(state: ServerState, body: ChatInput, add_generation_prompt: bool = True) -> tuple[str, ToolPlan]:
+    """The prompt text of chat messages (the chat template's rendering, with the tools as the tool plan
+    puts them) and the plan: what chat completions and `/tokenize` both render. ParamError for tools
+    that cannot work; a 400 naming `messages` for a template that refuses them."""
+    tok = state.tokenizer
+    assert tok is not None
+    plan = plan_tools(body, tok.chat_template, state.tool_call_parser)
+    messages = body.openai_messages()
+    if plan.system:
+        messages = with_system(messages, plan.system)
+    extra: dict[str, Any] = dict(body.chat_template_kwargs or {})  # the request's template variables first:
+    for reserved in ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token"):  # ours win
+        extra.pop(reserved, None)
+    if plan.tools:
+        extra["tools"] = plan.tools
+    try:
+        text = render_chat(tok.chat_template, template_messages(messages), add_generation_prompt=add_generation_prompt,
+                           bos_token=tok.bos_token, eos_token=tok.eos_token, **extra)
+    except ChatTemplateError as e:
+        raise ClientError(400, str(e), "messages") from None
+    return text, plan
+
+
 def build_prompts(state: ServerState, body: Any) -> tuple[list[tuple[list[int], str]], ToolPlan]:
     """(ids, text) per prompt, and the tool plan; chat renders its template (with the tools), completions
     take strings or ids. ParamError for tools that cannot work."""
-    if body.model and body.model != state.model_name:
-        raise ClientError(404, f"the model '{body.model}' does not exist", "model", "model_not_found")
+    check_model(state, body.model)
     tok = state.tokenizer
     assert tok is not None
     if isinstance(body, ChatCompletionRequest):
-        plan = plan_tools(body, tok.chat_template, state.tool_call_parser)
-        messages = body.openai_messages()
-        if plan.system:
-            messages = with_system(messages, plan.system)
-        extra = {"tools": plan.tools} if plan.tools else {}
-        try:
-            text = render_chat(tok.chat_template, template_messages(messages), bos_token=tok.bos_token,
-                               eos_token=tok.eos_token, **extra)
-        except ChatTemplateError as e:
-            raise ClientError(400, str(e), "messages") from None
+        text, plan = chat_prompt(state, body)
         return [(tok.encode(text, add_special_tokens=False), text)], plan
     out = []
     for p in body.prompts():
@@ -214,7 +307,8 @@ def build_prompts(state: ServerState, body: Any) -> tuple[list[tuple[list[int], 
 def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int], str]],
                    tools: ToolPlan) -> list[EngineRequest]:
     try:
-        params = checked_sampling_params(body, state.vocab_size)
+        defaults = state.generation_defaults.values if state.generation_defaults is not None else {}
+        params = checked_sampling_params(body, state.vocab_size, defaults)
         if tools.structured is not None:
             if params.structured is not None:
                 raise ParamError("tool_choice", "a forced tool call constrains the output already: "
@@ -224,6 +318,11 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
         raise ClientError.bad_param(e) from None
     engine, tok = state.engine, state.tokenizer
     assert engine is not None and tok is not None
+    if params.structured is not None and isinstance(body, ChatCompletionRequest) and \
+            parser_kind(state.reasoning_parser, tok.chat_template) == "deepseek_r1":
+        # the answer is constrained, not the reasoning: the grammar starts after </think>
+        after = tuple(tok.encode(THINK_CLOSE, add_special_tokens=False))
+        params = msgspec.structs.replace(params, structured=msgspec.structs.replace(params.structured, after=after))
     requests = []
     base = uuid.uuid4().hex
     for i, (ids, _) in enumerate(prompts):

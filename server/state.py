@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 
 from engine.replicas import EngineReplicas
 from models.loader.tokenizer import TokenizerBundle
+from server.generation_defaults import GenerationDefaults
 from server.metrics import Metrics
 from server.protocol import error_body
 
@@ -23,9 +24,11 @@ class ServerState:
     metrics: Metrics
     api_key: str | None = None
     tool_call_parser: str = "auto"  # "auto": the one the chat template implies
+    reasoning_parser: str = "auto"  # "auto": the one the chat template implies (server.reasoning.parser_kind)
     # set once the engine is up (None while loading): its --dp replicas, one by default
     engine: EngineReplicas | None = None
-    tokenizer: TokenizerBundle | None = None
+    tokenizer: TokenizerBundle | None = None  # its chat_template is --chat-template's when given
+    generation_defaults: GenerationDefaults | None = None  # the model's sampling defaults (set with the tokenizer)
     context_length: int = 0
     vocab_size: int = 0
     start_error: str | None = None

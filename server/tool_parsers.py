@@ -60,7 +60,7 @@ def default_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-def _find_first(text: str, markers: Sequence[str]) -> tuple[int, str]:
+def find_first(text: str, markers: Sequence[str]) -> tuple[int, str]:
     """Position and marker of the earliest marker in `text`, or (-1, "")."""
     best = (-1, "")
     for marker in markers:
@@ -70,7 +70,7 @@ def _find_first(text: str, markers: Sequence[str]) -> tuple[int, str]:
     return best
 
 
-def _partial_len(text: str, markers: Sequence[str]) -> int:
+def partial_len(text: str, markers: Sequence[str]) -> int:
     """Length of the longest tail of `text` that may still grow into a marker (a proper prefix of one)."""
     for k in range(min(len(text), max(map(len, markers)) - 1), 0, -1):
         if any(marker.startswith(text[-k:]) for marker in markers):
@@ -124,8 +124,8 @@ class ToolParser:
     def _scan_content(self, markers: Sequence[str], final: bool) -> str | None:
         """Emits content up to the first marker and consumes the marker, returning it; without one,
         emits all but a tail that may still become a marker (all of it if `final`) and returns None."""
-        i, marker = _find_first(self._buf, markers)
-        cut = i if i >= 0 else len(self._buf) - (0 if final else _partial_len(self._buf, markers))
+        i, marker = find_first(self._buf, markers)
+        cut = i if i >= 0 else len(self._buf) - (0 if final else partial_len(self._buf, markers))
         self._emit(self._buf[:cut])
         self._buf = self._buf[cut + len(marker):]
         return marker or None
@@ -170,7 +170,7 @@ def _deepseek_args(raw: str, done: bool) -> str:
     elif not done and _FENCE.startswith(text):
         return ""
     if not done:
-        text = text[: len(text) - _partial_len(text, _ENDS)]
+        text = text[: len(text) - partial_len(text, _ENDS)]
     text = text.rstrip()
     ticks = len(text) - len(text.rstrip("`"))
     if ticks >= 3 or not done:
@@ -221,7 +221,7 @@ class DeepSeekV3ToolParser(ToolParser):
         return True
 
     def _header(self, final: bool) -> bool:
-        end = _find_first(self._buf, _ENDS)[0]
+        end = find_first(self._buf, _ENDS)[0]
         head = self._buf if end < 0 else self._buf[:end]
         split = self._split_header(head, closed=end >= 0)
         if split is None and end < 0 and not final:
@@ -235,7 +235,7 @@ class DeepSeekV3ToolParser(ToolParser):
         return True
 
     def _args(self, final: bool) -> bool:
-        end, marker = _find_first(self._buf, _ENDS)
+        end, marker = find_first(self._buf, _ENDS)
         sent = len(self._calls[-1].arguments)
         if end < 0:  # at `final` too: a call cut short keeps the arguments sent so far
             self._add_args(_deepseek_args(self._buf, done=False)[sent:])

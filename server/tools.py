@@ -1,7 +1,7 @@
 """Tool calling at the server edge: what a request's `tools` / `tool_choice` mean for its prompt, its
 sampling and the parsing of its output.
 
-    ChatCompletionRequest --plan_tools--> ToolPlan
+    ChatCompletionRequest (or /tokenize's messages: any ChatInput) --plan_tools--> ToolPlan
         .tools       rendered by the model's chat template (HF's `tools` variable)
         .system      our own tool prompt, for a template that ignores `tools` (Hermes markup)
         .structured  a grammar for forced calls ("required" or a named function)
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.sampling_params import ParamError, StructuredOutput
-from server.protocol import ChatCompletionRequest, NamedToolChoice
+from server.protocol import ChatInput, NamedToolChoice
 from server.structured import check_json_schema, schema_output
 from server.tool_parsers import TOOL_PARSERS, ToolCall, ToolCallDelta, ToolParser, default_call_id, detect_tool_parser
 
@@ -58,7 +58,7 @@ class ToolPlan:
     new_parser: Callable[[], ToolParser | NamedToolCall | RequiredToolCalls] | None = None
 
 
-def plan_tools(body: ChatCompletionRequest, template: str | None, parser_name: str = "auto") -> ToolPlan:
+def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto") -> ToolPlan:
     """The request's tool plan; ParamError naming the field for tools or choices that cannot work."""
     _check_history(body)
     tools = body.tools or []
@@ -110,7 +110,7 @@ def with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any
     return [{"role": "system", "content": text}, *messages]
 
 
-def _check_history(body: ChatCompletionRequest) -> None:
+def _check_history(body: ChatInput) -> None:
     """Every `tool` message answers a call an earlier assistant message made."""
     called: set[str] = set()
     for i, m in enumerate(body.messages):

@@ -7,7 +7,8 @@ layout rules shared with the reader.
 
 Flow: config.json -> typed config -> a plan of (GGUF name, shape, type, producer) from
 `gn.expected_tensors`, checked against the safetensors names and shapes (a missing, misshapen or
-unexpected tensor fails before anything is written) -> metadata + tokenizer + tensor infos ->
+unexpected tensor fails before anything is written) -> metadata + tokenizer + the sampling defaults of
+generation_config.json (`general.sampling.*`, see `generation_config`) + tensor infos ->
 tensor data, produced and quantized one tensor at a time, so memory holds one tensor (one stacked
 expert kind) at a time. The file is written under a temporary name and renamed when complete.
 
@@ -39,6 +40,7 @@ from tqdm import tqdm
 from models.config import DeepseekConfig, LlamaConfig, ModelConfig, config_from_hf_dict
 from models.loader import gguf_names as gn
 from models.loader.errors import CheckpointError
+from models.loader.generation_config import gguf_sampling_metadata
 from models.loader.jsonfile import read_json
 from models.loader.safetensors_loader import HFCheckpoint
 
@@ -128,6 +130,8 @@ def write_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "F32", *, 
         write_tokenizer_gguf(writer, load_hf_tokenizer(hf_dir))
     except ValueError as e:  # a tokenizer GGUF cannot express (CheckpointError is a ValueError too)
         raise e if isinstance(e, CheckpointError) else CheckpointError(hf_dir / "tokenizer.json", str(e)) from None
+    for key, kind, value in gguf_sampling_metadata(read_json(hf_dir / "generation_config.json", required=False) or {}):
+        (writer.add_int32 if kind == "int32" else writer.add_float32)(key, value)  # general.sampling.*
     _pad_vocab(writer, cfg.vocab_size)
     for p in plan:
         block, type_size = GGML_QUANT_SIZES[p.qtype]

@@ -184,3 +184,27 @@ def test_mask_equals_xgrammars_own_kernel(backend):
     xgr.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=STOP + 1, indices=[i for i, g in enumerate(grammars) if g])
     assert torch.equal(ours, theirs) and torch.equal(ours[2], x[2])
     assert len({int((row > -1e30).sum()) for row in ours}) > 2  # the rows really differ
+
+
+def test_a_grammar_after_a_marker_sleeps_through_the_reasoning(backend):
+    """A reasoning model's constraint starts after its `</think>`: before it every token is allowed and
+    accepted (the marker cut by other tokens does not count); after it the document is checked."""
+    import xgrammar as xgr
+
+    rx = backend.compile("regex", r"(yes|no)", "response_format")
+    marker = [CHARS.index(c) for c in "</t>"]
+    g = backend.grammar(rx, after=marker)
+    mask = xgr.allocate_token_bitmask(1, STOP + 1)
+    mask.zero_()
+    g.fill(mask, 0)
+    assert (mask == -1).all() and not g.terminated  # asleep: anything goes
+    for ch in "maybe </x> </t no":  # free text, a near-marker, the marker cut in two
+        assert g.accept(CHARS.index(ch))
+    assert not g.awake
+    assert all(g.accept(t) for t in marker) and g.awake
+    g.fill(mask, 0)
+    assert not (mask == -1).all()  # awake: the regex's mask
+    assert not g.accept(CHARS.index("m")) and all(g.accept(CHARS.index(c)) for c in "no") and g.accept(STOP)
+    assert g.terminated
+    plain = backend.grammar(rx)
+    assert plain.awake and not plain.accept(CHARS.index("m"))

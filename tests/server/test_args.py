@@ -28,6 +28,7 @@ BY_NAME = {f.name: f for f in SERVE_FLAGS}
 
 # values each flag must refuse; [] only for free-form strings where empty means "the default"
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "omnikv"
+TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 BAD: dict[str, list[str]] = {
     "model": ["", " "],
     "host": [""],
@@ -38,6 +39,8 @@ BAD: dict[str, list[str]] = {
     "shutdown-timeout": ["soon", "-1", "nan"],
     "log-level": ["verbose", "INFO"],
     "tool-call-parser": ["qwen", "HERMES", ""],
+    "generation-config": ["vllm", "AUTO", "", "/models/m"],
+    "chat-template": [f"{TEMPLATES}/missing.jinja", "template.j2", str(TEMPLATES), "{% if %}", "{{ messages"],
     "dp": ["two", "0", "-1", "1.5"],
     "device": ["tpu", "cuda:x", "cpu:0", ""],
     "dtype": ["bogus", "fp16"],
@@ -67,6 +70,7 @@ BAD: dict[str, list[str]] = {
     "master-addr": ["", " "],
     "master-port": ["x", "-1", "65536"],
     "dp-attention": ["maybe", "2"],
+    "reasoning-parser": ["o1", "DeepSeek_R1", ""],
 }
 FREE_FORM = {"api-key", "served-model-name"}
 
@@ -82,6 +86,9 @@ GOOD: dict[str, tuple[str, Any, str, Any]] = {
     "shutdown-timeout": ("2.5", 2.5, "0", 0.0),
     "log-level": ("critical", "critical", "debug", "debug"),
     "tool-call-parser": ("hermes", "hermes", "deepseek_v3", "deepseek_v3"),
+    "generation-config": ("none", "none", "auto", "auto"),
+    "chat-template": (f"{TEMPLATES}/qwen2_5.jinja", f"{TEMPLATES}/qwen2_5.jinja",
+                      "{{ messages[0]['content'] }}", "{{ messages[0]['content'] }}"),
     "dp": ("2", 2, "3", 3),
     "device": ("cuda:1", "cuda:1", "cuda", "cuda"),
     "dtype": ("bfloat16", "bfloat16", "float32", "float32"),
@@ -112,6 +119,7 @@ GOOD: dict[str, tuple[str, Any, str, Any]] = {
     "master-addr": ("10.0.0.1", "10.0.0.1", "node0", "node0"),
     "master-port": ("29500", 29500, "0", 0),
     "dp-attention": ("yes", True, "false", False),
+    "reasoning-parser": ("qwen3", "qwen3", "none", "none"),
 }
 # what a row's values need beside them to be a valid combination (--ep N needs --tp N, and so on)
 ROW_ENV = {"ep": {"MLASERVE_TP": "4"}, "dp-attention": {"MLASERVE_DP": "2"}, "nnodes": {"MLASERVE_TP": "4", "MLASERVE_MASTER_PORT": "29500"},
@@ -190,8 +198,9 @@ def test_a_bad_variable_is_refused_even_under_its_flag(capsys: pytest.CaptureFix
 
 
 def test_empty_key_and_name_mean_the_default() -> None:
-    args = parse_serve_args([], environ={"MLASERVE_API_KEY": "", "MLASERVE_SERVED_MODEL_NAME": ""})
-    assert args.api_key is None and args.served_model_name is None
+    args = parse_serve_args([], environ={"MLASERVE_API_KEY": "", "MLASERVE_SERVED_MODEL_NAME": "",
+                                         "MLASERVE_CHAT_TEMPLATE": ""})
+    assert args.api_key is None and args.served_model_name is None and args.chat_template is None
 
 
 def test_defaults_are_the_fields_defaults() -> None:

@@ -126,7 +126,8 @@ def test_sdk_parse_with_a_pydantic_model(client):
 
 def test_json_object_regex_choice_and_grammar(client, server):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Some JSON please."}],
-                                       response_format={"type": "json_object"}, max_tokens=300, seed=1)
+                                       response_format={"type": "json_object"}, max_tokens=300, seed=1,
+                                       temperature=1.0, top_p=1.0)  # OpenAI's defaults, not the model's
     assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
     rx = r"[A-Z][a-z]{2,8} (is|was) [0-9]{1,3}"
     r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, seed=2,

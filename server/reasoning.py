@@ -1,0 +1,109 @@
+"""Reasoning parsers: a completion's chain of thought (between `<think>` and `</think>`) apart from its
+answer, as DeepSeek's API, vLLM and SGLang return them (`reasoning_content` beside `content`).
+
+One parser per choice, fed the text as it is generated, in pieces of any size: a tag split across
+pieces is held back until it is whole (or the text ends), so a stream and a whole response split the
+same text the same way. Kinds:
+- `deepseek_r1`: DeepSeek-R1 and its distills. Their chat template opens `<think>` in the prompt, so
+  the output starts inside the reasoning (an output that still begins with `<think>`, from an older
+  template, has it removed). Everything up to `</think>` is reasoning; output that never closes the
+  block is all reasoning (the model was cut off while thinking).
+- `qwen3`: Qwen3 in thinking mode writes `<think>` itself: reasoning only when the output begins with
+  it (after whitespace); otherwise, and with thinking switched off, all of it is the answer. An
+  unclosed block is reasoning.
+- `none`: everything is the answer.
+The answer's leading whitespace right after `</think>` is layout, not content, and is dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from server.tool_parsers import find_first, partial_len
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+REASONING_PARSERS = ("auto", "deepseek_r1", "qwen3", "none")
+
+
+@dataclass
+class Split:
+    """Text decided by one `feed` or `finish`: reasoning and answer."""
+
+    reasoning: str = ""
+    content: str = ""
+
+
+class ReasoningParser:
+    """Splits one choice's text into reasoning and answer, incrementally (see the module docstring)."""
+
+    def __init__(self, kind: str) -> None:
+        if kind not in ("deepseek_r1", "qwen3"):
+            raise ValueError(f"unknown reasoning parser {kind!r}")
+        self.kind = kind
+        # "start": before the first non-space text (deciding whether a <think> opens); "think": inside
+        # the reasoning; "answer": after it (or without one)
+        self.state = "start"
+        self._buf = ""
+        self._strip = False  # drop the answer's leading whitespace (right after </think>)
+        self.reasoning_text = ""  # all reasoning so far (for token accounting)
+
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether text fed now would be reasoning (the block is open, or R1's implicit one)."""
+        return self.state == "think" or (self.state == "start" and self.kind == "deepseek_r1")
+
+    def feed(self, text: str) -> Split:
+        self._buf += text
+        return self._drain(final=False)
+
+    def finish(self) -> Split:
+        return self._drain(final=True)
+
+    def _drain(self, final: bool) -> Split:
+        out = Split()
+        while True:
+            if self.state == "start":
+                head = self._buf.lstrip()
+                if not head and not final:
+                    return out  # only whitespace yet: the block may still open
+                if THINK_OPEN.startswith(head) and head != THINK_OPEN and not final:
+                    return out  # "<thi": wait
+                if head.startswith(THINK_OPEN):
+                    self._buf = head[len(THINK_OPEN):]
+                    self.state = "think"
+                elif self.kind == "deepseek_r1":
+                    self.state = "think"
+                else:
+                    self.state = "answer"
+                continue
+            if self.state == "think":
+                i, _ = find_first(self._buf, (THINK_CLOSE,))
+                cut = i if i >= 0 else len(self._buf) - (0 if final else partial_len(self._buf, (THINK_CLOSE,)))
+                out.reasoning += self._buf[:cut]
+                self.reasoning_text += self._buf[:cut]
+                if i < 0:
+                    self._buf = self._buf[cut:]
+                    return out
+                self._buf = self._buf[i + len(THINK_CLOSE):]
+                self.state, self._strip = "answer", True
+                continue
+            text, self._buf = self._buf, ""
+            if self._strip:
+                text = text.lstrip()
+                self._strip = not text
+            out.content += text
+            return out
+
+
+def parser_kind(choice: str, chat_template: str | None) -> str:
+    """The parser a server uses: `choice` itself, or for `auto` what the chat template shows (a
+    template that writes `<think>` into the assistant's turn: deepseek_r1 when the generation prompt
+    ends inside the block, qwen3 when the model opens it; none without one)."""
+    if choice != "auto":
+        return choice
+    t = chat_template or ""
+    if THINK_OPEN not in t:
+        return "none"
+    if "enable_thinking" in t:  # Qwen3's switch: the model opens the block itself
+        return "qwen3"
+    return "deepseek_r1"

@@ -1,0 +1,82 @@
+"""Reasoning parsers on outputs in the shape DeepSeek-R1 and Qwen3 write them: split at every position of
+the stream (so `<think>` and `</think>` arrive cut in two at every place), fed a character at a time,
+and whole, always the same reasoning and answer; blocks that never close; templates that choose."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.reasoning import ReasoningParser, Split, parser_kind
+
+R1 = ("Okay, the user asks for 17 * 23. Let me compute: 17 * 20 = 340, 17 * 3 = 51, so 391.\n"
+      "Wait, check: 23 * 17 = 391. Yes.\n</think>\n\n17 × 23 = **391**.")
+R1_OLD_TEMPLATE = "<think>\nThe capital of France is Paris.\n</think>\n\nParis."
+R1_CUT_OFF = "Let me think about this step by step. First, the integral of x^2 is x^3/3, then"
+QWEN3 = "<think>\nThe user greets me. I should answer briefly.\n</think>\n\nHello! How can I help you today?"
+QWEN3_NO_THINK = "Hello! How can I help you today? I never write <think> here, only mention it."
+QWEN3_CUT_OFF = "<think>\nHmm, a long proof. Suppose n is even, then n = 2k and"
+
+CASES = [
+    ("deepseek_r1", R1, R1.split("</think>")[0], "17 × 23 = **391**."),
+    ("deepseek_r1", R1_OLD_TEMPLATE, "\nThe capital of France is Paris.\n", "Paris."),
+    ("deepseek_r1", R1_CUT_OFF, R1_CUT_OFF, ""),
+    ("qwen3", QWEN3, "\nThe user greets me. I should answer briefly.\n", "Hello! How can I help you today?"),
+    ("qwen3", QWEN3_NO_THINK, "", QWEN3_NO_THINK),
+    ("qwen3", QWEN3_CUT_OFF, "\nHmm, a long proof. Suppose n is even, then n = 2k and", ""),
+    ("qwen3", "  \n<think></think>Just the answer", "", "Just the answer"),
+]
+
+
+def run(kind: str, pieces: list[str]) -> Split:
+    p = ReasoningParser(kind)
+    out = Split()
+    for piece in pieces:
+        s = p.feed(piece)
+        out.reasoning += s.reasoning
+        out.content += s.content
+    s = p.finish()
+    return Split(out.reasoning + s.reasoning, out.content + s.content)
+
+
+@pytest.mark.parametrize("kind,text,reasoning,content", CASES)
+def test_whole_and_every_split_agree(kind: str, text: str, reasoning: str, content: str) -> None:
+    assert run(kind, [text]) == Split(reasoning, content)
+    assert run(kind, list(text)) == Split(reasoning, content)  # a character at a time
+    for i in range(len(text) + 1):  # cut in two at every position, tags included
+        assert run(kind, [text[:i], text[i:]]) == Split(reasoning, content), i
+    for i in range(0, len(text), 7):  # and in three
+        assert run(kind, [text[:i], text[i:i + 3], text[i + 3:]]) == Split(reasoning, content), i
+
+
+def test_a_held_back_tag_prefix_is_released_when_it_is_not_a_tag() -> None:
+    p = ReasoningParser("deepseek_r1")
+    assert p.feed("a < b and x </thi") == Split("a < b and x ", "")
+    assert p.feed("ng>") == Split("</thing>", "")  # not the closing tag after all
+    assert p.feed("</think>ok") == Split("", "ok")
+
+
+def test_nothing_is_shown_before_it_is_decided() -> None:
+    q = ReasoningParser("qwen3")
+    assert q.feed("  <thi") == Split()  # may still open a block
+    assert q.feed("nk>why") == Split("why", "")
+    assert q.in_reasoning
+    q2 = ReasoningParser("qwen3")
+    assert q2.feed("<b>") == Split("", "<b>")
+    assert not q2.in_reasoning
+
+
+@pytest.mark.parametrize("choice,template,kind", [
+    ("auto", "{% for m in messages %}{{ m.content }}{% endfor %}<|Assistant|><think>\n", "deepseek_r1"),
+    ("auto", "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>{% endif %}", "qwen3"),
+    ("auto", "{{ messages[0].content }}", "none"),
+    ("auto", None, "none"),
+    ("qwen3", "{{ messages[0].content }}", "qwen3"),
+    ("none", "<think>", "none"),
+])
+def test_auto_reads_the_chat_template(choice: str, template: str | None, kind: str) -> None:
+    assert parser_kind(choice, template) == kind
+
+
+def test_unknown_kind_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown reasoning parser"):
+        ReasoningParser("o1")

@@ -1,0 +1,112 @@
+"""Reasoning content through the served API: a synthetic DeepSeek checkpoint served with an R1-style chat
+template (the generation prompt opens `<think>`), whose random output never closes the block: all of it
+is `reasoning_content`, streamed and whole alike, and counted in `usage.completion_tokens_details`;
+a JSON constraint leaves the reasoning free (it starts after `</think>`); `--reasoning-parser none`
+gives it back as `content`; a Qwen3-style template's `enable_thinking` switch
+reaches the template through `chat_template_kwargs`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from models.synthetic import write_checkpoint
+from tests.server.server_process import ServerProcess
+
+R1_TEMPLATE = ("{% for m in messages %}{% if m.role == 'user' %}<|User|>{{ m.content }}{% else %}"
+               "<|Assistant|>{{ m.content }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+               "<|Assistant|><think>\n{% endif %}")
+QWEN3_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+                  "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 17 times 23?"}], "max_tokens": 12,
+        "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("r1"), "tiny-deepseek-v2", seed=23)
+
+
+def serve(model: Path, tmp_path: Path, template: str, *flags: str) -> ServerProcess:
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    return ServerProcess(str(model), "--served-model-name", "m", "--dtype", "float32", "--max-total-tokens", "512",
+                         "--chat-template", str(path), *flags, log=tmp_path / "server.log").wait_ready(300)
+
+
+def stream(c: httpx.Client, body: dict) -> tuple[str, str, dict]:
+    reasoning, content, usage = "", "", {}
+    with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True,
+                                                         "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for ch in chunk["choices"]:
+                reasoning += ch["delta"].get("reasoning_content") or ""
+                content += ch["delta"].get("content") or ""
+    return reasoning, content, usage
+
+
+def test_r1_template_output_is_reasoning(model, tmp_path) -> None:
+    server = serve(model, tmp_path, R1_TEMPLATE)
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            whole = c.post("/v1/chat/completions", json=BODY).json()
+            msg, usage = whole["choices"][0]["message"], whole["usage"]
+            assert msg["reasoning_content"] and msg["content"] == ""  # the block never closed
+            assert usage["completion_tokens"] == 12
+            assert usage["completion_tokens_details"]["reasoning_tokens"] == 12
+            # a JSON constraint applies after </think>: the reasoning before it is what it was unconstrained
+            constrained = c.post("/v1/chat/completions", json={**BODY, "response_format": {"type": "json_object"}})
+            assert constrained.status_code == 200, constrained.text
+            assert constrained.json()["choices"][0]["message"]["reasoning_content"] == msg["reasoning_content"]
+            reasoning, content, s_usage = stream(c, BODY)
+            assert (reasoning, content) == (msg["reasoning_content"], "")
+            assert s_usage["completion_tokens_details"]["reasoning_tokens"] == 12
+            # the same tokens as plain text: the completions API does not parse reasoning
+            prompt = c.post("/tokenize", json={"messages": BODY["messages"]}).json()["tokens"]
+            raw = c.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                                  "ignore_eos": True}).json()["choices"][0]["text"]
+            assert raw == msg["reasoning_content"]
+    finally:
+        server.stop()
+
+
+def test_parser_none_keeps_the_text_as_content(model, tmp_path) -> None:
+    server = serve(model, tmp_path, R1_TEMPLATE, "--reasoning-parser", "none")
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            whole = c.post("/v1/chat/completions", json=BODY).json()
+            msg = whole["choices"][0]["message"]
+            assert msg["content"] and "reasoning_content" not in msg
+            assert "completion_tokens_details" not in whole["usage"]
+    finally:
+        server.stop()
+
+
+def test_qwen3_switch_reaches_the_template(model, tmp_path) -> None:
+    server = serve(model, tmp_path, QWEN3_TEMPLATE)
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            def rendered(kwargs: dict | None) -> str:
+                body = {"messages": BODY["messages"], **({"chat_template_kwargs": kwargs} if kwargs else {})}
+                ids = c.post("/tokenize", json=body).json()["tokens"]
+                return c.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+
+            assert "<think>" not in rendered(None)
+            assert rendered({"enable_thinking": False}).endswith("<think>\n\n</think>\n\n")
+            # thinking off: the model does not open a block, so everything is the answer
+            whole = c.post("/v1/chat/completions", json={**BODY, "chat_template_kwargs": {"enable_thinking": False}})
+            msg = whole.json()["choices"][0]["message"]
+            assert whole.status_code == 200 and msg.get("reasoning_content") is None and msg["content"]
+            assert whole.json()["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
+    finally:
+        server.stop()
