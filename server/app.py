@@ -4,6 +4,8 @@ Request handling itself lives in `serving.py` (one serializer per API shape). Th
 HTTP concerns:
   * every error leaves as OpenAI's `{"error": {message, type, param, code}}` — FastAPI's 422s become
     400 `invalid_request_error` naming the field, unknown routes 404, bodies over the limit 413;
+  * every error answer (but `/health`'s) is counted once in `mlaserve_request_errors_total{code, status}`
+    by the outermost middleware (`server.metrics.ErrorCountingMiddleware`);
   * `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer KEY` when a key is set (compared in
     constant time); `/health`, `/metrics` and `/version` stay open (as vLLM leaves `/version`);
   * `/health` is 200 only while the engine (every `--dp` replica) is alive and we are not draining for
@@ -23,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.metrics import ErrorCountingMiddleware
 from server.protocol import ModelCard, ModelList, VersionResponse, describe_validation_error
 from server.serving import register_routes
 from server.state import ServerState, error_response
@@ -198,6 +201,8 @@ def build_app(state: ServerState, max_request_bytes: int | None = None) -> FastA
     register_routes(app, state)
     app.add_middleware(BodyLimitMiddleware, state=state, fixed=max_request_bytes)
     app.add_middleware(AuthMiddleware, state=state)
+    # outermost (added last): counts every error answer once, the 401s and 413s above included
+    app.add_middleware(ErrorCountingMiddleware, metrics=lambda: state.metrics)
     return app
 
 

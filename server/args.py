@@ -21,6 +21,7 @@ import os
 import sys
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, NoReturn
 
 from engine.args import EngineArgs, FlagSpec, flag, internal, non_empty, non_negative, positive
@@ -56,6 +57,19 @@ def chat_template_value(value: str | None) -> str | None:
     return None
 
 
+def runtime_file_value(value: str | None) -> str | None:
+    """A --runtime-file that can be written: not a directory, under a directory (or one that can be made)."""
+    if value is None or not value.strip():
+        return None
+    path = Path(value).absolute()
+    if path.is_dir():
+        return "is a directory (give a file path, e.g. /tmp/mlaserve/server.json)"
+    existing = next(p for p in path.parents if p.exists())  # "/" at worst
+    if not existing.is_dir():
+        return f"cannot be created: {existing} is not a directory"
+    return None
+
+
 GENERATION_CONFIG_MODES = ("auto", "none")
 
 
@@ -75,6 +89,10 @@ class ServerArgs:
     shutdown_timeout: float = flag(30.0, "seconds running requests get to finish after SIGTERM/SIGINT before they "
                                    "are ended with an error", check=non_negative, metavar="SECONDS")
     log_level: str = flag("info", "logging level", choices=LOG_LEVELS)
+    runtime_file: str | None = flag(None, "once listening, write {host, port, pid} as JSON to this file (removed at "
+                                    "exit), so that a health check finds the port the server really bound (the "
+                                    "images set /tmp/mlaserve/server.json; empty: no file)", check=runtime_file_value,
+                                    metavar="PATH", default_text="no file")
     tool_call_parser: str = flag("auto", "how tool calls are read from the model's output ('auto': the format "
                                  "its chat template uses)", choices=("auto", *sorted(TOOL_PARSERS)))
     reasoning_parser: str = flag("auto", "how a chat answer's reasoning (<think>...</think>) is split into "
@@ -311,5 +329,7 @@ def parse_serve_args(argv: list[str], environ: Mapping[str, str] | None = None) 
     args = _settings(ServerArgs, ns, engine=engine)
     # empty means unset: a compose file or Dockerfile may pass a variable with no value
     return dataclasses.replace(args, api_key=args.api_key or None, served_model_name=args.served_model_name or None,
+                               runtime_file=args.runtime_file if args.runtime_file and args.runtime_file.strip()
+                               else None,
                                chat_template=args.chat_template if args.chat_template and args.chat_template.strip()
                                else None)

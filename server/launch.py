@@ -1,7 +1,9 @@
 """`mlaserve serve`: start the HTTP server at once, load the engine behind it, drain on SIGTERM.
 
 Order of events:
-  1. uvicorn starts listening; `/health` answers 503 "loading" and `/v1/*` 503 until ready.
+  1. uvicorn starts listening; `/health` answers 503 "loading" and `/v1/*` 503 until ready. With
+     `--runtime-file PATH` the address it bound (host, port, pid) is written there as JSON, for
+     docker/healthcheck.py; the file is removed at exit.
   2. The tokenizer (with `--chat-template`'s template in place of the model's) and the model's sampling
      defaults (`--generation-config`, logged) load here; the engine core process starts and loads the
      weights (with `--dp N`, N engine processes at once, each with the whole model: `engine.replicas`).
@@ -21,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -59,10 +63,12 @@ class _DrainingServer(uvicorn.Server):
     ABORT_FLUSH_S = 5.0  # after ending the late requests, how long their error responses may take to go out
     POLL_S = 0.05  # how often the drain looks at the in-flight count
 
-    def __init__(self, config: uvicorn.Config, state: ServerState, grace: float) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, grace: float,
+                 runtime_file: str | None = None) -> None:
         super().__init__(config)
         self.state = state
         self.grace = grace
+        self.runtime_file = runtime_file
         self.stop_requested = False  # a stop signal came
         self.forced = False  # a second one came: stop now
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -71,6 +77,16 @@ class _DrainingServer(uvicorn.Server):
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.runtime_file and self.started and self.servers and self.servers[0].sockets:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]  # what was bound (--port 0: the port chosen)
+            try:
+                write_runtime_file(self.runtime_file, host, port)
+            except OSError as e:  # serving matters more than the file: say so, and go on
+                logger.error("cannot write --runtime-file %s (%s): a health check reading it falls back to "
+                             "MLASERVE_PORT", self.runtime_file, e)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:  # type: ignore[override]
         # A Python signal handler: it runs on the main thread (the event loop's) between two bytecodes,
@@ -107,6 +123,25 @@ class _DrainingServer(uvicorn.Server):
         deadline = time.monotonic() + seconds
         while self.state.inflight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(self.POLL_S)
+
+
+def write_runtime_file(path: str, host: str, port: int) -> None:
+    """{host, port, pid} as JSON at `path`, replaced atomically: a health check that reads it while it is
+    written sees the old file or the new one, never half of one."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({"host": host, "port": port, "pid": os.getpid()}))
+    os.replace(tmp, target)
+
+
+def remove_runtime_file(path: str | None) -> None:
+    """Removes this process's runtime file; leaves one another server wrote since (the same path reused)."""
+    if not path:
+        return
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        if json.loads(Path(path).read_text()).get("pid") == os.getpid():
+            os.remove(path)
 
 
 def default_model_name(model: str) -> str:
@@ -171,11 +206,12 @@ async def serve_async(args: ServerArgs) -> int:
     # forced stop, would be cancelled at exit with a traceback in the log
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5, access_log=False, lifespan="off")
-    server = _DrainingServer(config, state, args.shutdown_timeout)
+    server = _DrainingServer(config, state, args.shutdown_timeout, args.runtime_file)
     starter = asyncio.create_task(_start_engine(state, args, server))
     try:
         await server.serve()
     finally:  # also when uvicorn fails (a port in use exits from inside serve): never leave the engine running
+        remove_runtime_file(args.runtime_file)  # no longer listening
         with _signals_kill_engine(state):
             starter.cancel()  # a load still under way: EngineReplicas.start kills the half-started processes
             await asyncio.gather(starter, return_exceptions=True)

@@ -1,4 +1,5 @@
-"""Prometheus metrics for `GET /metrics`, in base units, every series labelled `model_name`.
+"""Prometheus metrics for `GET /metrics`, in base units, every series labelled `model_name`; and the
+ASGI middleware that counts every error response (`ErrorCountingMiddleware`).
 
 Exported (names are what dashboards and `promtool check metrics` see):
 
@@ -18,28 +19,50 @@ Exported (names are what dashboards and `promtool check metrics` see):
   from the replica set (`update_replicas`, before each scrape)
     mlaserve_dp_replicas                     gauge    engine replicas alive (`--dp`; 1 without)
     mlaserve_dp_replica_requests_total       counter  engine requests routed to each replica, label replica
-  from the outputs the server receives (`on_output`, `on_abort`, `on_error`)
+  from the outputs the server receives (`on_output`, `on_abort`)
     mlaserve_prompt_tokens_total             counter  prompt tokens of requests whose prefill completed
+    mlaserve_prefix_cache_query_tokens_total counter  prompt tokens of every completion whose prefill completed
+                                                      (with n > 1 each completion's prompt is one lookup);
+                                                      prefix-cache hit rate: rate(..._hit_tokens_total) / rate(this)
     mlaserve_generation_tokens_total         counter  tokens generated
     mlaserve_request_success_total           counter  completions finished, label finished_reason (stop, length)
     mlaserve_requests_aborted_total          counter  requests aborted (client gone, shutdown)
-    mlaserve_request_errors_total            counter  requests answered with an error, label code
     mlaserve_time_to_first_token_seconds     histogram  arrival -> first token, per completion
     mlaserve_inter_token_latency_seconds     histogram  between successive tokens of a completion
     mlaserve_e2e_request_latency_seconds     histogram  arrival -> finish, per finished completion
     mlaserve_request_queue_time_seconds      histogram  arrival -> first scheduled, per completion
+  from the HTTP responses (`ErrorCountingMiddleware`, with notes from `on_error`)
+    mlaserve_request_errors_total            counter  requests answered with an error, labels code and status
 
 Why one custom collector instead of prometheus_client's Counter/Histogram objects: those add a
 `*_created` gauge per series unless switched off process-wide (a global), and the engine's totals
 are already counters that only need exposing. Everything lives in this object's own registry.
 
-Rules the server follows (each event has exactly one source, so nothing is counted twice):
+Errors (`mlaserve_request_errors_total{code, status}`) are counted in one place, the outermost ASGI
+middleware, so that whatever refuses a request — auth (401), the body limit (413), validation (400),
+the routes (404 `model_not_found`, 400 `context_length_exceeded`), admission (503 `overloaded`),
+shutdown (503 `shutting_down`), the engine, a crash (500) — it is counted exactly once:
+- a response with status >= 400 counts once: `code` is the OpenAI body's `error.code`, else its
+  `error.type` (a parameter refused by validation has no code: `invalid_request_error`), else `other`;
+  `status` is the HTTP status sent;
+- a stream that fails after its 200 went out (an error event, then `[DONE]`) counts once with the code
+  the server noted through `on_error` and `status="200"`: the status the client saw;
+- not counted: `/health` (its 503 answers the health question; counting it would make the error rate
+  follow the probe frequency), and 499 (the client left before an answer: nothing was sent; the request
+  counts in `mlaserve_requests_aborted_total` when it had reached the engine).
+`on_error(code)` inside a request only notes the code for the middleware (the routes call it where the
+engine refuses or fails a request, and only the stream case needs the note); outside any request (a
+unit test, a caller without the middleware) it counts at once, with the status the server maps that
+engine code to. Label values are bounded (`[a-z0-9_]{1,64}`, else `other`); the engine's codes and
+`invalid_request_error` are exposed at 0 from the start (`KNOWN_ERRORS`) so that `rate()` sees their first
+error.
+
+Rules the server follows for the rest (each event has exactly one source, so nothing is counted twice):
 - `on_output(out, now)` for every RequestOutput delta, with the finish reason the client will see
   (a stop string found by the server: pass the delta with `finish_reason="stop"`). Deltas that end
-  with `abort` or `error` only free state here; those are counted by `on_abort` / `on_error`.
+  with `abort` or `error` only free state here; those are counted by `on_abort` / the middleware.
 - `on_abort(rid)` once when the server aborts a request it had submitted (disconnect, shutdown);
   not when it aborts the engine's copy itself after a stop string.
-- `on_error(code)` once per request answered with an error (refused by the engine or the server).
 - `on_request_end(rid)` in a `finally`: forgets per-request state, a no-op when already gone.
 A request with n > 1 yields n completions: each is timed and counted by finish reason on its own,
 its prompt tokens count once (completion 0). Methods are thread-safe (one lock).
@@ -48,20 +71,25 @@ its prompt tokens count once (completion 0). Methods are thread-safe (one lock).
 from __future__ import annotations
 
 import bisect
+import contextvars
+import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.messages import (
     ERR_CONTEXT,
     ERR_ENGINE,
     ERR_INVALID,
     ERR_OVERLOADED,
+    ERR_SHUTDOWN,
     FINISH_LENGTH,
     FINISH_STOP,
     EngineStats,
@@ -76,7 +104,11 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 SUCCESS_REASONS = (FINISH_STOP, FINISH_LENGTH)
-KNOWN_ERROR_CODES = (ERR_OVERLOADED, ERR_CONTEXT, ERR_INVALID, ERR_ENGINE)  # exposed at 0 from the start
+# The HTTP status each engine error code is answered with (server.serving.engine_error maps them so): the
+# status label of an `on_error` counted outside a request, and of the series exposed at 0 from the start.
+ENGINE_ERROR_STATUS = {ERR_OVERLOADED: 503, ERR_CONTEXT: 400, ERR_INVALID: 400, ERR_ENGINE: 503, ERR_SHUTDOWN: 503}
+INVALID_REQUEST_ERROR = "invalid_request_error"  # the type of a 400 without a code (validation): its label
+KNOWN_ERRORS = (*ENGINE_ERROR_STATUS.items(), (INVALID_REQUEST_ERROR, 400))  # (code, status) exposed at 0
 MAX_TRACKED_COMPLETIONS = 65536  # safety net: a server bug that never ends requests cannot grow memory forever
 _CODE_RE = re.compile(r"^[a-z0-9_]{1,64}$")
 # The classic text format generate_latest writes (newer prometheus_client advertises 1.0.0 by default).
@@ -148,7 +180,8 @@ class Metrics(Collector):
         self._generation_tokens = 0
         self._success = {reason: 0 for reason in SUCCESS_REASONS}
         self._aborted = 0
-        self._errors = {code: 0 for code in KNOWN_ERROR_CODES}
+        self._errors: dict[tuple[str, str], int] = {(code, str(status)): 0 for code, status in KNOWN_ERRORS}
+        self._prefix_queries = 0
         self._ttft = _Histogram(TTFT_BUCKETS)
         self._itl = _Histogram(ITL_BUCKETS)
         self._e2e = _Histogram(E2E_BUCKETS)
@@ -188,6 +221,7 @@ class Metrics(Collector):
     def _on_first_token(self, out: RequestOutput, now: float) -> None:
         if out.index == 0:
             self._prompt_tokens += out.prompt_tokens
+        self._prefix_queries += out.prompt_tokens  # every completion's prompt went through the prefix cache
         if out.arrival_time > 0:
             first = out.first_token_time if out.first_token_time is not None else now
             self._ttft.observe(first - out.arrival_time)
@@ -201,10 +235,23 @@ class Metrics(Collector):
             self._forget(rid)
 
     def on_error(self, code: str) -> None:
-        """A request was answered with an error; `code` is the error code sent (ERR_* or OpenAI's)."""
-        code = code if _CODE_RE.match(code or "") else "other"  # bounded label values only
+        """The engine refused or failed the current request with `code` (ERR_*). Inside a request the
+        `ErrorCountingMiddleware` tracks, only noted (the first note wins): the middleware counts the
+        request once, from its response, or from this note when the error came after a 200 stream had
+        started. Outside one, counted at once with the status `ENGINE_ERROR_STATUS` gives the code."""
+        note = _REQUEST_NOTE.get()
+        if note is not None:
+            if note.code is None:
+                note.code = error_label(code)
+            return
+        status = ENGINE_ERROR_STATUS.get(code)
+        self.count_error(code, str(status) if status else "unknown")
+
+    def count_error(self, code: str, status: str) -> None:
+        """One request answered with an error: `code` (made a bounded label value) and HTTP `status`."""
+        key = (error_label(code), status if status.isdigit() or status == "unknown" else "unknown")
         with self._lock:
-            self._errors[code] = self._errors.get(code, 0) + 1
+            self._errors[key] = self._errors.get(key, 0) + 1
 
     def on_request_end(self, rid: str) -> None:
         """The server is done with `rid`, however it ended: drop any timing state left for it."""
@@ -273,13 +320,20 @@ class Metrics(Collector):
                        extra_label="replica", by_value=self._routed)
         yield _counter("mlaserve_prompt_tokens", "Prompt tokens of requests whose prefill completed.",
                        m, self._prompt_tokens)
+        yield _counter("mlaserve_prefix_cache_query_tokens", "Prompt tokens of every completion whose prefill "
+                       "completed: what the prefix cache was asked for (hit rate: hit tokens / these).",
+                       m, self._prefix_queries)
         yield _counter("mlaserve_generation_tokens", "Tokens generated.", m, self._generation_tokens)
         yield _counter("mlaserve_request_success", "Completions finished, by finish reason.", m,
                        extra_label="finished_reason", by_value=self._success)
         yield _counter("mlaserve_requests_aborted", "Requests aborted by the server (client gone, shutdown).",
                        m, self._aborted)
-        yield _counter("mlaserve_request_errors", "Requests answered with an error, by error code.", m,
-                       extra_label="code", by_value=self._errors)
+        fam = CounterMetricFamily("mlaserve_request_errors", "Requests answered with an error, by OpenAI error code "
+                                  "(else type) and HTTP status (200: a stream that failed after it started).",
+                                  labels=["model_name", "code", "status"])
+        for (code, status), count in sorted(self._errors.items()):
+            fam.add_metric([m, code, status], count)
+        yield fam
         yield self._ttft.family("mlaserve_time_to_first_token_seconds",
                                 "Time from arrival to the first generated token.", m)
         yield self._itl.family("mlaserve_inter_token_latency_seconds",
@@ -307,3 +361,84 @@ def _counter(name: str, doc: str, model_name: str, value: float = 0, *, extra_la
     for label, count in sorted((by_value or {}).items()):
         fam.add_metric([model_name, label], count)
     return fam
+
+
+def error_label(code: str | None) -> str:
+    """`code` as a bounded label value: `[a-z0-9_]{1,64}`, else `other`."""
+    return code if code and _CODE_RE.match(code) else "other"
+
+
+@dataclass
+class _RequestNote:
+    """What the routes noted about the request being answered (`Metrics.on_error`)."""
+
+    code: str | None = None
+
+
+# Set by ErrorCountingMiddleware for the length of one HTTP request. The route, its streaming body (in a
+# task that copies this context) and the engine-output pumps all see the same note object.
+_REQUEST_NOTE: contextvars.ContextVar[_RequestNote | None] = contextvars.ContextVar("mlaserve_request_note",
+                                                                                     default=None)
+
+CLIENT_CLOSED = 499  # what the routes return when the client left first: never sent, not an error answer
+UNCOUNTED_PATHS = frozenset({"/health"})  # its 503 is the health report itself, polled by probes
+MAX_ERROR_BODY = 64 * 1024  # bytes of an error body kept to read its code (ours are a few hundred)
+
+
+def error_code_of(body: bytes) -> str | None:
+    """The OpenAI error body's `error.code`, else `error.type`; None when the body is not one."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(error, dict):
+        return None
+    for key in ("code", "type"):
+        if isinstance(error.get(key), str) and error[key]:
+            return error[key]
+    return None
+
+
+class ErrorCountingMiddleware:
+    """Counts every error answer once, by code and status (the rules are in the module docstring).
+
+    The outermost middleware, so that the 401 of auth and the 413 of the body limit pass through it too;
+    plain ASGI (not BaseHTTPMiddleware) so the routes still see client disconnects, and the response is
+    forwarded untouched as it is sent (an error body is copied aside, up to MAX_ERROR_BODY, to read its
+    code). A crash that escapes the app before anything was sent is the 500 `internal_error` that
+    Starlette's outer ServerErrorMiddleware then answers."""
+
+    def __init__(self, app: ASGIApp, metrics: Callable[[], Metrics]) -> None:
+        self.app = app
+        self.metrics = metrics  # read per request: the server's Metrics (a getter, set after the app is built)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") in UNCOUNTED_PATHS:
+            return await self.app(scope, receive, send)
+        note = _RequestNote()
+        token = _REQUEST_NOTE.set(note)
+        status = 0
+        body = bytearray()
+
+        async def watched(msg: Message) -> None:
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = int(msg["status"])
+            elif msg["type"] == "http.response.body" and status >= 400 and len(body) < MAX_ERROR_BODY:
+                body.extend(msg.get("body", b"")[: MAX_ERROR_BODY - len(body)])
+            await send(msg)
+
+        crashed = False
+        try:
+            await self.app(scope, receive, watched)
+        except Exception:
+            crashed = True
+            raise
+        finally:
+            _REQUEST_NOTE.reset(token)
+            if status == 0 and crashed:  # ServerErrorMiddleware answers it: 500 internal_error
+                self.metrics().count_error("internal_error", "500")
+            elif status >= 400 and status != CLIENT_CLOSED:
+                self.metrics().count_error(error_code_of(bytes(body)) or note.code or "other", str(status))
+            elif status and (note.code is not None or crashed):  # failed after a 2xx had started
+                self.metrics().count_error(note.code or "internal_error", str(status))

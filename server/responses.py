@@ -1,4 +1,5 @@
-"""One serializer per API shape: chat completions and (legacy) completions, whole or streamed.
+"""One serializer per API shape: chat completions, the Responses API (built on the chat one) and (legacy)
+completions, whole or streamed.
 
 A serializer sees text deltas per choice (already detokenized, stop strings applied) and builds the
 OpenAI objects of `server/protocol.py`. Streams follow what the official SDK expects: one `id` and
@@ -8,12 +9,16 @@ last chunk, and with `stream_options.include_usage` a final chunk with `choices:
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from engine.messages import TokenLogprob
+from server.generation_defaults import GENERATION_FIELDS, with_defaults
 from server.protocol import (
+    SSE_DONE,
     ChatChoiceLogprobs,
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -33,14 +38,31 @@ from server.protocol import (
     ToolCallOut,
     TopLogprob,
     UsageInfo,
+    sse_data,
 )
 from server.reasoning import ReasoningParser, Split, parser_kind
+from server.responses_api import (
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputFunctionCall,
+    OutputItem,
+    OutputMessage,
+    OutputText,
+    OutputTokensDetails,
+    ReasoningItem,
+    ReasoningText,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+    echoed,
+    rename_error,
+)
+from server.tool_parsers import ToolCallDelta
 from server.tools import ToolPlan
 
 if TYPE_CHECKING:
     from server.choices import EngineRequest
-    from server.state import ServerState
-    from server.tool_parsers import ToolCallDelta
+    from server.state import ClientError, ServerState
 
 
 class Serializer:
@@ -86,6 +108,15 @@ class Serializer:
         return [self.chunk([], usage=self.usage())] if self.body.include_usage else []
 
     def chunk(self, choices: list[Any], **extra: Any) -> Any: ...
+
+    # ---- SSE framing: `data: <json>` per chunk, an error as the body of an error response, `[DONE]` last
+    stream_close = SSE_DONE
+
+    def sse(self, payload: Any) -> str:
+        return sse_data(payload)
+
+    def stream_error(self, e: ClientError) -> list[Any]:
+        return [e.body()]
 
 
 class ChatSerializer(Serializer):
@@ -166,12 +197,16 @@ class ChatSerializer(Serializer):
         return ChatResponseMessage(content=content or (None if calls else ""), reasoning_content=reasoning,
                                    tool_calls=calls or None), parser
 
-    def response(self) -> dict:
-        ids = self.body.return_token_ids
-        for i, reasoner in self.reasoners.items():  # text held back at the end (a cut-off tag) is released
+    def finish_splits(self) -> None:
+        """Text the reasoning parsers held back at the end (a cut-off tag) joins each choice's split."""
+        for i, reasoner in self.reasoners.items():
             tail, whole = reasoner.finish(), self.split.setdefault(i, Split())
             whole.reasoning += tail.reasoning
             whole.content += tail.content
+
+    def response(self) -> dict:
+        ids = self.body.return_token_ids
+        self.finish_splits()
         choices = []
         for r in self.requests:
             for i, c in enumerate(r.choices):
@@ -194,13 +229,13 @@ class ChatSerializer(Serializer):
         ids = self.requests[0].prompt_ids if self.body.return_token_ids else None
         return [self.chunk(first, prompt_token_ids=ids)]
 
-    def stream_delta(self, r, index, text, ids, lps):
+    def parse_delta(self, r: EngineRequest, index: int, text: str, ids: list[int]) -> tuple[str, str, list[ToolCallDelta], Any]:
+        """A choice's new text as (reasoning, answer, tool-call deltas, its tool-call parser or None), through
+        its reasoning parser, then its tool-call parser (both finished on the choice's last delta)."""
         choice = r.choices[index]
         i = self.choice_index(r, index)
-        out = []
         part = self.reason(i, text, ids, choice.finish_reason is not None)
-        text, reasoning = part.content, part.reasoning or None
-        parser, calls = None, None
+        text, deltas, parser = part.content, [], None
         if self.tools.new_parser is not None:
             if i not in self.parsers:
                 self.parsers[i] = self.tools.new_parser()
@@ -209,7 +244,15 @@ class ChatSerializer(Serializer):
             if choice.finish_reason is not None:
                 tail, more = parser.finish()
                 text, deltas = text + tail, deltas + more
-            calls = [_delta_tool_call(d) for d in deltas] or None
+        return part.reasoning, text, deltas, parser
+
+    def stream_delta(self, r, index, text, ids, lps):
+        choice = r.choices[index]
+        i = self.choice_index(r, index)
+        out = []
+        reasoning, text, deltas, parser = self.parse_delta(r, index, text, ids)
+        reasoning = reasoning or None
+        calls = [_delta_tool_call(d) for d in deltas] or None
         if text or reasoning or calls or (self.body.return_token_ids and ids) or (self.body.logprobs and lps):
             out.append(self.chunk([ChatCompletionChunkChoice(
                 index=i, delta=DeltaMessage(content=text if text or not (calls or reasoning) else None,
@@ -226,6 +269,189 @@ def _delta_tool_call(d: ToolCallDelta) -> DeltaToolCall:
     first = d.id is not None
     return DeltaToolCall(index=d.index, id=d.id, type="function" if first else None,
                          function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
+
+
+class OutputItems:
+    """A response's output items, built as the text arrives, and the stream events that tell each change.
+
+    Items come in the order the model writes them: a `reasoning` item, a `message`, `function_call`s.
+    One item is written at a time: a new kind of output (the answer after the reasoning, a call after
+    text, text after a call) finishes the current item (its `.done` events) and opens the next (its
+    `.added` events). A whole response is the same builder fed the whole split at once (reasoning,
+    answer, calls), so it has the items a stream ends with; they differ only where text follows a call,
+    which a stream tells as a second message and a whole response joins to the first. A response with
+    no output at all still has its (empty) message. `event(type, **fields)` numbers the events."""
+
+    def __init__(self, event: Callable[..., dict[str, Any]]) -> None:
+        self.event = event
+        self.output: list[OutputItem] = []
+        self.current: OutputItem | None = None  # the item being written, the last of `output`
+        self.calls: dict[int, OutputFunctionCall] = {}  # tool-call index -> its item
+
+    def reasoning(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        out: list[dict[str, Any]] = []
+        if not isinstance(self.current, ReasoningItem):
+            out += self._open(ReasoningItem(id=_item_id("rs")), ReasoningText())
+        item = self.current
+        assert isinstance(item, ReasoningItem)
+        item.content[0].text += text
+        return out + [self.event("response.reasoning_text.delta", item_id=item.id, output_index=len(self.output) - 1,
+                                 content_index=0, delta=text)]
+
+    def text(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        out: list[dict[str, Any]] = []
+        if not isinstance(self.current, OutputMessage):
+            out += self._open(OutputMessage(id=_item_id("msg")), OutputText())
+        item = self.current
+        assert isinstance(item, OutputMessage)
+        item.content[0].text += text
+        return out + [self.event("response.output_text.delta", item_id=item.id, output_index=len(self.output) - 1,
+                                 content_index=0, delta=text, logprobs=[])]
+
+    def call(self, d: ToolCallDelta) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if d.id is not None:  # a call's first piece: its id and name
+            item = self.calls[d.index] = OutputFunctionCall(id=_item_id("fc"), call_id=d.id, name=d.name or "")
+            out += self._open(item)
+        item = self.calls.get(d.index)
+        if item is None or not d.arguments:
+            return out
+        item.arguments += d.arguments
+        return out + [self.event("response.function_call_arguments.delta", item_id=item.id,
+                                 output_index=self.output.index(item), delta=d.arguments)]
+
+    def finish(self, incomplete: bool) -> list[dict[str, Any]]:
+        """Closes the item being written ("incomplete" when the output was cut off); a response with
+        nothing in it gets its empty message."""
+        out: list[dict[str, Any]] = []
+        if not self.output:
+            out += self._open(OutputMessage(id=_item_id("msg")), OutputText())
+        return out + self._close("incomplete" if incomplete else "completed")
+
+    def _open(self, item: OutputItem, part: OutputText | ReasoningText | None = None) -> list[dict[str, Any]]:
+        out = self._close("completed")
+        self.output.append(item)
+        self.current = item
+        index = len(self.output) - 1
+        out.append(self.event("response.output_item.added", output_index=index, item=item.model_dump()))
+        if part is not None:
+            item.content.append(part)  # type: ignore[union-attr,arg-type]
+            out.append(self.event("response.content_part.added", item_id=item.id, output_index=index, content_index=0,
+                                  part=part.model_dump()))
+        return out
+
+    def _close(self, status: str) -> list[dict[str, Any]]:
+        item, self.current = self.current, None
+        if item is None:
+            return []
+        item.status = status  # type: ignore[assignment]
+        index = self.output.index(item)
+        at = {"item_id": item.id, "output_index": index}
+        out = []
+        if isinstance(item, ReasoningItem):
+            text = item.content[0].text
+            out += [self.event("response.reasoning_text.done", **at, content_index=0, text=text),
+                    self.event("response.content_part.done", **at, content_index=0, part=item.content[0].model_dump())]
+        elif isinstance(item, OutputMessage):
+            text = item.content[0].text
+            out += [self.event("response.output_text.done", **at, content_index=0, text=text, logprobs=[]),
+                    self.event("response.content_part.done", **at, content_index=0, part=item.content[0].model_dump())]
+        else:
+            out.append(self.event("response.function_call_arguments.done", **at, arguments=item.arguments))
+        out.append(self.event("response.output_item.done", output_index=index, item=item.model_dump()))
+        return out
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponsesSerializer(ChatSerializer):
+    """The Responses API's answer to a request the chat path served (`server.responses_api`): the chat
+    serializer's reasoning and tool-call parsing (one choice: n is 1), told as output items
+    (`OutputItems`). A stream is SSE events with `event: <type>` lines and numbered `sequence_number`s:
+    `response.created`, `response.in_progress`, each item's events, then `response.completed` (or
+    `response.incomplete`, output cut by `max_output_tokens`) with the whole response; no `[DONE]`. An
+    error mid-stream is an `error` event."""
+
+    stream_close = ""
+
+    def __init__(self, *a: Any, request: ResponsesRequest, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.request = request
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.sequence = 0
+        self.items = OutputItems(self.event)
+
+    def event(self, type_: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": type_, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return event
+
+    def sse(self, payload: Any) -> str:
+        return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    def stream_error(self, e: ClientError) -> list[Any]:
+        message, param = rename_error(e.message, e.param)
+        return [self.event("error", code=e.code or e.type, message=message, param=param)]
+
+    def response_usage(self) -> ResponseUsage:
+        u = self.usage()
+        cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details is not None else None
+        reasoning = u.completion_tokens_details.reasoning_tokens if u.completion_tokens_details is not None else 0
+        return ResponseUsage(input_tokens=u.prompt_tokens, input_tokens_details=InputTokensDetails(cached_tokens=cached or 0),
+                             output_tokens=u.completion_tokens,
+                             output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning),
+                             total_tokens=u.total_tokens)
+
+    def response_object(self, status: str, usage: ResponseUsage | None = None) -> ResponseObject:
+        # the sampling values in force: the request's, else the model's defaults (as to_sampling_params takes them)
+        defaults = self.state.generation_defaults.values if self.state.generation_defaults is not None else {}
+        sampling = with_defaults({k: getattr(self.body, k) for k in GENERATION_FIELDS if k in self.body.model_fields_set},
+                                 defaults)
+        return ResponseObject(
+            id=self.id, created_at=self.created, status=status, model=self.state.model_name,
+            incomplete_details=IncompleteDetails() if status == "incomplete" else None,
+            output=list(self.items.output), temperature=sampling["temperature"], top_p=sampling["top_p"], usage=usage,
+            **echoed(self.request),
+        )
+
+    def status(self) -> str:
+        choice = self.requests[0].choices[0]
+        return "incomplete" if choice.finish_reason == "length" else "completed"
+
+    def response(self) -> dict:
+        self.finish_splits()
+        split = self.split.get(0, Split())
+        message, _ = self.message(split)
+        self.items.reasoning(split.reasoning)
+        self.items.text(message.content or "")
+        for k, c in enumerate(message.tool_calls or ()):
+            self.items.call(ToolCallDelta(k, c.id, c.function.name, c.function.arguments))
+        status = self.status()
+        self.items.finish(status == "incomplete")
+        return self.response_object(status, self.response_usage()).model_dump()
+
+    def stream_start(self) -> list[Any]:
+        started = self.response_object("in_progress").model_dump()
+        return [self.event("response.created", response=started), self.event("response.in_progress", response=started)]
+
+    def stream_delta(self, r, index, text, ids, lps):
+        reasoning, text, deltas, _ = self.parse_delta(r, index, text, ids)
+        out = self.items.reasoning(reasoning) + self.items.text(text)
+        for d in deltas:
+            out += self.items.call(d)
+        return out
+
+    def stream_end(self) -> list[Any]:
+        status = self.status()
+        out = self.items.finish(status == "incomplete")
+        final = self.response_object(status, self.response_usage()).model_dump()
+        return out + [self.event(f"response.{status}", response=final)]
 
 
 class CompletionSerializer(Serializer):

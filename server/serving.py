@@ -1,5 +1,7 @@
-"""`/v1/chat/completions` and `/v1/completions`: from a validated body to engine requests and back; and
-vLLM's `/tokenize` and `/detokenize`, which share their prompt building.
+"""`/v1/chat/completions` and `/v1/completions`: from a validated body to engine requests and back;
+`/v1/responses`, which is a chat completions request in another shape (`server.responses_api` converts
+the request, `ResponsesSerializer` the answer); and vLLM's `/tokenize` and `/detokenize`, which share
+their prompt building.
 
 Per request: check the model name and availability -> build the prompt ids (chat template, or the
 completions prompt(s)) -> sampling parameters (the fields a body leaves out take the model's defaults,
@@ -19,6 +21,7 @@ ended, the request is aborted in the engine so its KV is freed at once. A client
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -44,7 +47,6 @@ from server.chat_template import ChatTemplateError, render_chat, template_messag
 from server.choices import ChoiceText, EngineRequest
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from server.protocol import (
-    SSE_DONE,
     ChatCompletionRequest,
     ChatInput,
     CompletionRequest,
@@ -56,36 +58,16 @@ from server.protocol import (
     checked_sampling_params,
     describe_validation_error,
     error_body,
-    sse_data,
 )
-from server.responses import ChatSerializer, CompletionSerializer, Serializer
-from server.state import ServerState, error_response
+from server.responses import ChatSerializer, CompletionSerializer, ResponsesSerializer, Serializer
+from server.responses_api import ResponsesRequest, rename_error, to_chat_request
+from server.state import ClientError, ServerState, error_response
 from server.reasoning import THINK_CLOSE, parser_kind
 from server.tools import ToolPlan, plan_tools, with_system
 from scheduler.sampling_params import ParamError, validate_prompt_ids, validate_token_ids
 
 
 REPLICA_HEADER = "x-mlaserve-replica"
-
-
-class ClientError(Exception):
-    """A request the server refuses: becomes an OpenAI-shaped error response."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type, self.headers = status, message, param, code, type_, headers
-
-    def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.type, self.param, self.code, self.headers)
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
-
-    @classmethod
-    def bad_param(cls, e: ParamError) -> ClientError:
-        """The 400 for a parameter `SamplingParams.validate` (or a prompt check) refused; `param` is its name."""
-        return cls(400, e.message, e.param)
 
 
 def engine_error(out: RequestOutput) -> ClientError:
@@ -113,6 +95,10 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(raw: Request, body: CompletionRequest) -> Response:
         return await counted(raw, state, body, CompletionSerializer)
 
+    @app.post("/v1/responses")
+    async def responses(raw: Request, body: ResponsesRequest) -> Response:
+        return state.unavailable() or await _responses(raw, state, body)
+
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> Response:
         return state.unavailable() or await _answer(lambda: _tokenize(state, raw))
@@ -120,6 +106,26 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Response:
         return state.unavailable() or await _answer(lambda: _detokenize(state, body))
+
+
+async def _responses(raw: Request, state: ServerState, body: ResponsesRequest) -> Response:
+    """The Responses API: the request as a chat completions request, served by the chat path with the
+    Responses serializer; errors the chat path raises come back in this API's field names."""
+    try:
+        check_model(state, body.model)
+        chat = to_chat_request(body)
+    except ClientError as e:
+        return e.response()
+    except ParamError as e:
+        return ClientError.bad_param(e).response()
+    resp = await counted(raw, state, chat, functools.partial(ResponsesSerializer, request=body))
+    if not isinstance(resp, JSONResponse) or resp.status_code < 400:
+        return resp
+    error = json.loads(bytes(resp.body)).get("error") or {}
+    message, param = rename_error(str(error.get("message", "")), error.get("param"))
+    headers = {k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "content-type")}
+    return error_response(resp.status_code, message, str(error.get("type", "invalid_request_error")), param,
+                          error.get("code"), headers)
 
 
 async def _answer(work: Callable[[], Awaitable[BaseModel]]) -> Response:
@@ -176,7 +182,7 @@ async def _json_body(raw: Request, model_for: Callable[[dict], type[BaseModel]])
         raise ClientError(400, message, param) from None
 
 
-async def counted(raw: Request, state: ServerState, body: Any, serializer_cls: type[Serializer]) -> Response:
+async def counted(raw: Request, state: ServerState, body: Any, serializer_cls: Callable[..., Serializer]) -> Response:
     """`handle`, counted in `state.inflight` until the answer is complete (for streams: sent)."""
     unavailable = state.unavailable()
     if unavailable is not None:
@@ -205,7 +211,7 @@ async def counted(raw: Request, state: ServerState, body: Any, serializer_cls: t
             state.inflight -= 1
 
 
-async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: type[Serializer]) -> Response:
+async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: Callable[..., Serializer]) -> Response:
     try:
         prompts, tools = build_prompts(state, body)
         requests = start_requests(state, body, prompts, tools)
@@ -415,16 +421,19 @@ async def _collect(ser: Serializer, events) -> JSONResponse:
 async def _sse(ser: Serializer, events) -> AsyncIterator[str]:
     try:
         for chunk in ser.stream_start():
-            yield sse_data(chunk)
+            yield ser.sse(chunk)
         async for r, index, text, ids, lps in events:
             for chunk in ser.stream_delta(r, index, text, ids, lps):
-                yield sse_data(chunk)
+                yield ser.sse(chunk)
         for chunk in ser.stream_end():
-            yield sse_data(chunk)
-        yield SSE_DONE
+            yield ser.sse(chunk)
+        if ser.stream_close:
+            yield ser.stream_close
     except ClientError as e:
-        yield sse_data(e.body())
-        yield SSE_DONE  # the stream still ends as every stream does
+        for chunk in ser.stream_error(e):
+            yield ser.sse(chunk)
+        if ser.stream_close:
+            yield ser.stream_close  # the stream still ends as every stream does
     finally:
         # on a disconnect Starlette cancels us (anyio: every await would be cancelled again), so the
         # cleanup that aborts the engine request runs shielded

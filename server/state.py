@@ -15,6 +15,7 @@ from engine.replicas import EngineReplicas
 from models.loader.tokenizer import TokenizerBundle
 from server.generation_defaults import GenerationDefaults
 from server.metrics import Metrics
+from scheduler.sampling_params import ParamError
 from server.protocol import error_body
 
 
@@ -59,3 +60,23 @@ class ServerState:
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+
+
+class ClientError(Exception):
+    """A request the server refuses: becomes an OpenAI-shaped error response."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type, self.headers = status, message, param, code, type_, headers
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.type, self.param, self.code, self.headers)
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    @classmethod
+    def bad_param(cls, e: ParamError) -> ClientError:
+        """The 400 for a parameter `SamplingParams.validate` (or a prompt check) refused; `param` is its name."""
+        return cls(400, e.message, e.param)

@@ -1,7 +1,8 @@
 """The Docker, compose, Prometheus and Grafana files, without a Docker engine: hadolint on both
 Dockerfiles, the pieces that must agree with each other (ports, paths, service names, the pinned
 torch, the packages copied into the image), and every dashboard query naming only metrics that
-`server.metrics.Metrics` really exports."""
+`server.metrics.Metrics` exports and that a real server's `/metrics` scrape holds; the dashboard names
+no fixed datasource (a datasource variable, `__inputs` for import)."""
 
 from __future__ import annotations
 
@@ -13,17 +14,24 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from models.synthetic import write_checkpoint
 from server.metrics import Metrics
+from tests.server.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
 DOCKERFILES = [DOCKER / "Dockerfile", DOCKER / "Dockerfile.cuda"]
 DASHBOARD = DOCKER / "grafana" / "dashboards" / "mlaserve.json"
 PORT = "8000"
+# labels Prometheus adds to every series of a scrape target (the server never exports them)
+TARGET_LABELS = {"job", "instance"}
+DATASOURCE_VARIABLE = "datasource"
+DATASOURCE_REFS = {f"${{{DATASOURCE_VARIABLE}}}", f"${DATASOURCE_VARIABLE}"}
 
 
 # ---------------------------------------------------------------- small readers
@@ -87,10 +95,11 @@ def dockerignore_excludes(rel: str) -> bool:
     return excluded
 
 
-def exported_metric_names() -> tuple[set[str], set[str]]:
-    """Series names and label names a rendered `Metrics` exposes (histograms as _bucket/_sum/_count)."""
+def exported_metric_names(text: str | None = None) -> tuple[set[str], set[str]]:
+    """Series names and label names of an exposition (default: a rendered `Metrics`; histograms as
+    _bucket/_sum/_count)."""
     names, labels = set(), set()
-    for fam in text_string_to_metric_families(Metrics("m").render()[0].decode()):
+    for fam in text_string_to_metric_families(Metrics("m").render()[0].decode() if text is None else text):
         for s in fam.samples:
             names.add(s.name)
             labels.update(s.labels)
@@ -320,12 +329,12 @@ def test_grafana_is_provisioned(compose):
     if home:
         assert (dash_dir / Path(home).relative_to(dash_dir_in_container)).is_file()
 
+    # the dashboard's datasource variable picks Prometheus datasources: the provisioned one is the only
+    # one here and the default, so the variable resolves to it (no uid is shared between the two files)
     dash = json.loads(DASHBOARD.read_text())
-    uids = {ds["uid"] for ds in prom_ds}
-    for panel in dash["panels"]:
-        assert panel["datasource"]["uid"] in uids, panel["title"]
-        for t in panel["targets"]:
-            assert t.get("datasource", panel["datasource"])["uid"] in uids, panel["title"]
+    variable = next(v for v in dash["templating"]["list"] if v["name"] == DATASOURCE_VARIABLE)
+    assert variable["type"] == "datasource" and variable["query"] == prom_ds[0]["type"] == "prometheus"
+    assert prom_ds[0].get("isDefault") is True and not variable.get("regex")
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
     for name in compose.get("volumes", {}):
         assert any(m == f"volume:{name}" for s in compose["services"].values() for m in _mounts(s).values())
@@ -339,6 +348,47 @@ def test_promql_reader():
     assert labels == {"le", "model_name", "x", "code", "k", "job"}
 
 
+def _datasource_refs(node: object, where: str = "") -> list[tuple[str, object]]:
+    """(where, value) of every `datasource` field in the dashboard, however deep."""
+    out: list[tuple[str, object]] = []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == "datasource":
+                out.append((where, v))
+            out.extend(_datasource_refs(v, f"{where}/{node.get('title') or node.get('name') or k}"))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out.extend(_datasource_refs(v, f"{where}[{i}]"))
+    return out
+
+
+def test_dashboard_names_no_fixed_datasource():
+    """Every panel, target and query variable goes through the datasource variable, so the dashboard
+    works in any Grafana: imported (`__inputs` asks for a Prometheus datasource and sets the variable's
+    default) or provisioned (the variable picks the default Prometheus datasource)."""
+    dash = json.loads(DASHBOARD.read_text())
+    refs = _datasource_refs(dash)
+    assert len(refs) > len(dash["panels"])
+    for where, ref in refs:
+        assert isinstance(ref, dict) and ref.get("uid") in DATASOURCE_REFS, f"{where}: fixed datasource {ref}"
+        assert ref.get("type") == "prometheus", where
+    for panel in dash["panels"]:
+        for t in panel["targets"]:
+            assert "datasource" in t, f"panel {panel['title']!r} {t['refId']}: no datasource (Grafana's default)"
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    ds = variables[DATASOURCE_VARIABLE]
+    assert ds["type"] == "datasource" and ds["query"] == "prometheus"
+    inputs = [i for i in dash["__inputs"] if i["type"] == "datasource" and i["pluginId"] == "prometheus"]
+    assert len(inputs) == 1 and ds["current"]["value"] == "${%s}" % inputs[0]["name"]
+    # replicas told apart: a job and an instance selector beside the model's, used by every query
+    for name in ("model_name", "job", "instance"):
+        assert variables[name]["type"] == "query", name
+    for where, expr in dashboard_queries():
+        if where.startswith("panel"):
+            for name in ("model_name", "job", "instance"):
+                assert f'{name}=~"${name}"' in expr, f"{where}: not filtered by ${name}: {expr}"
+
+
 def test_dashboard_queries_name_only_exported_metrics():
     exported, exported_labels = exported_metric_names()
     queries = dashboard_queries()
@@ -348,15 +398,47 @@ def test_dashboard_queries_name_only_exported_metrics():
         assert names, f"{where}: no metric in {expr}"
         unknown = names - exported
         assert not unknown, f"{where}: {sorted(unknown)} not exported by server.metrics.Metrics"
-        assert labels <= exported_labels, f"{where}: labels {sorted(labels - exported_labels)} are not exported"
+        extra = labels - exported_labels - TARGET_LABELS
+        assert not extra, f"{where}: labels {sorted(extra)} are not exported"
         used |= names
     text = " ".join(expr for _, expr in queries)
     for needed in ("histogram_quantile(0.99, sum by (le) (rate(mlaserve_time_to_first_token_seconds_bucket",
                    "histogram_quantile(0.99, sum by (le) (rate(mlaserve_inter_token_latency_seconds_bucket",
                    "rate(mlaserve_generation_tokens_total", "sum by (finished_reason) (rate(mlaserve_request_success_total"):
         assert needed in text, needed
-    for metric in ("mlaserve_num_requests_running", "mlaserve_num_requests_waiting", "mlaserve_kv_cache_usage_ratio"):
+    for metric in ("mlaserve_num_requests_running", "mlaserve_num_requests_waiting", "mlaserve_kv_cache_usage_ratio",
+                   "mlaserve_request_errors_total", "mlaserve_prefix_cache_hit_tokens_total",
+                   "mlaserve_prefix_cache_query_tokens_total"):
         assert metric in used, metric
+    for needed in ("sum by (code, status) (rate(mlaserve_request_errors_total",
+                   "max by (instance) (mlaserve_kv_cache_usage_ratio"):
+        assert needed in text, needed
+
+
+@pytest.fixture(scope="module")
+def real_scrape(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """`/metrics` of a real server on a tiny checkpoint after a completion, a stream and an error."""
+    model = write_checkpoint(tmp_path_factory.mktemp("tinyllama"), "tiny-llama", seed=3)
+    srv = ServerProcess(str(model), "--dtype", "float32", "--max-total-tokens", "512").wait_ready()
+    try:
+        for stream in (False, True):
+            r = httpx.post(srv.url + "/v1/completions", timeout=60,
+                           json={"prompt": "hello", "max_tokens": 4, "stream": stream})
+            assert r.status_code == 200, r.text
+        assert httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "top_p": 5}).status_code == 400
+        return httpx.get(srv.url + "/metrics", timeout=10).text
+    finally:
+        assert srv.stop() == 0
+
+
+def test_dashboard_queries_exist_in_a_real_scrape(real_scrape: str):
+    """What a running server's `/metrics` holds, not only what `Metrics` renders when new: every query's
+    metric is scraped, and every label is the server's or one Prometheus adds (job, instance)."""
+    names, labels = exported_metric_names(real_scrape)
+    for where, expr in dashboard_queries():
+        used, used_labels = promql_names(expr)
+        assert used <= names, f"{where}: {sorted(used - names)} not in a real scrape"
+        assert used_labels <= labels | TARGET_LABELS, f"{where}: {sorted(used_labels - labels - TARGET_LABELS)}"
 
 
 def test_dashboard_check_catches_an_unknown_metric():

@@ -38,6 +38,7 @@ BAD: dict[str, list[str]] = {
     "max-request-bytes": ["1MiB", "0"],
     "shutdown-timeout": ["soon", "-1", "nan"],
     "log-level": ["verbose", "INFO"],
+    "runtime-file": [str(TEMPLATES), f"{TEMPLATES}/qwen2_5.jinja/server.json"],
     "tool-call-parser": ["qwen", "HERMES", ""],
     "generation-config": ["vllm", "AUTO", "", "/models/m"],
     "chat-template": [f"{TEMPLATES}/missing.jinja", "template.j2", str(TEMPLATES), "{% if %}", "{{ messages"],
@@ -85,6 +86,7 @@ GOOD: dict[str, tuple[str, Any, str, Any]] = {
     "max-request-bytes": ("1024", 1024, "2048", 2048),
     "shutdown-timeout": ("2.5", 2.5, "0", 0.0),
     "log-level": ("critical", "critical", "debug", "debug"),
+    "runtime-file": ("/tmp/mlaserve/env.json", "/tmp/mlaserve/env.json", "run/flag.json", "run/flag.json"),
     "tool-call-parser": ("hermes", "hermes", "deepseek_v3", "deepseek_v3"),
     "generation-config": ("none", "none", "auto", "auto"),
     "chat-template": (f"{TEMPLATES}/qwen2_5.jinja", f"{TEMPLATES}/qwen2_5.jinja",
@@ -199,8 +201,9 @@ def test_a_bad_variable_is_refused_even_under_its_flag(capsys: pytest.CaptureFix
 
 def test_empty_key_and_name_mean_the_default() -> None:
     args = parse_serve_args([], environ={"MLASERVE_API_KEY": "", "MLASERVE_SERVED_MODEL_NAME": "",
-                                         "MLASERVE_CHAT_TEMPLATE": ""})
+                                         "MLASERVE_CHAT_TEMPLATE": "", "MLASERVE_RUNTIME_FILE": ""})
     assert args.api_key is None and args.served_model_name is None and args.chat_template is None
+    assert args.runtime_file is None
 
 
 def test_defaults_are_the_fields_defaults() -> None:

@@ -1,6 +1,7 @@
 """`server.metrics.Metrics`: the values in the rendered text after a random synthetic load, read back
 with prometheus_client's own text parser; naming rules checked structurally and, when installed, by
-`promtool check metrics` (Debian package `prometheus`)."""
+`promtool check metrics` (Debian package `prometheus`); and `ErrorCountingMiddleware` on a small app
+whose routes answer as the server's do (tests/server/test_error_metrics_e2e.py: the real server)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
 
 import server.metrics as metrics_mod
-from engine.messages import ERR_OVERLOADED, FINISH_ABORT, FINISH_ERROR, EngineStats, RequestOutput
-from server.metrics import Metrics
+from engine.messages import (ERR_CONTEXT, ERR_ENGINE, ERR_INVALID, ERR_OVERLOADED, ERR_SHUTDOWN, FINISH_ABORT,
+                             FINISH_ERROR, EngineStats, RequestOutput)
+from server.metrics import ErrorCountingMiddleware, Metrics
+from server.protocol import error_body
 
 MODEL = "smollm2-135m-instruct"
 HISTOGRAMS = {
@@ -105,10 +113,11 @@ def structural_problems(text: str) -> list[str]:
 @dataclass
 class Expected:
     prompt_tokens: int = 0
+    prefix_queries: int = 0  # every completion's prompt tokens
     generation_tokens: int = 0
     success: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0})
     aborted: int = 0
-    errors: dict[str, int] = field(default_factory=dict)
+    errors: dict[tuple[str, str], int] = field(default_factory=dict)  # (code, status) -> count
     obs: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in HISTOGRAMS})
 
 
@@ -123,13 +132,14 @@ def _simulate(rng: np.random.Generator, num_requests: int = 40) -> tuple[list[tu
         prompt_tokens = int(rng.integers(1, 300))
         fate = rng.choice(["finish", "finish", "finish", "abort", "error"])
         if fate == "error":
-            code = str(rng.choice([ERR_OVERLOADED, "context_length_exceeded", "invalid_request_error"]))
+            code = str(rng.choice([ERR_OVERLOADED, ERR_CONTEXT, ERR_INVALID, ERR_ENGINE, ERR_SHUTDOWN]))
             out = RequestOutput(rid, 0, [], finish_reason=FINISH_ERROR, prompt_tokens=prompt_tokens,
                                 error="refused", error_code=code, arrival_time=arrival)
             events.append((arrival + 1e-4, "output", out))
             events.append((arrival + 2e-4, "error", code))
             events.append((arrival + 3e-4, "end", rid))
-            exp.errors[code] = exp.errors.get(code, 0) + 1
+            status = {ERR_OVERLOADED: "503", ERR_CONTEXT: "400", ERR_INVALID: "400"}.get(code, "503")
+            exp.errors[code, status] = exp.errors.get((code, status), 0) + 1
             continue
         n = int(rng.integers(1, 4))
         abort_at = arrival + float(rng.uniform(0.05, 3.0)) if fate == "abort" else float("inf")
@@ -155,6 +165,7 @@ def _simulate(rng: np.random.Generator, num_requests: int = 40) -> tuple[list[tu
                     exp.obs["ttft"].append(first_token - arrival)
                     exp.obs["queue"].append(scheduled - arrival)
                     exp.prompt_tokens += prompt_tokens if index == 0 else 0
+                    exp.prefix_queries += prompt_tokens
                 else:
                     exp.obs["itl"].extend([(t - prev) / k] * k)
                 if finished:
@@ -209,8 +220,9 @@ def test_values_after_random_load(loaded):
     for reason, count in exp.success.items():
         assert _value(s, "mlaserve_request_success_total", finished_reason=reason) == count
     assert _value(s, "mlaserve_requests_aborted_total") == exp.aborted
-    for code, count in exp.errors.items():
-        assert _value(s, "mlaserve_request_errors_total", code=code) == count
+    for (code, status), count in exp.errors.items():
+        assert _value(s, "mlaserve_request_errors_total", code=code, status=status) == count
+    assert _value(s, "mlaserve_prefix_cache_query_tokens_total") == exp.prefix_queries
     bounds = {"ttft": metrics_mod.TTFT_BUCKETS, "itl": metrics_mod.ITL_BUCKETS,
               "e2e": metrics_mod.E2E_BUCKETS, "queue": metrics_mod.QUEUE_BUCKETS}
     for key, name in HISTOGRAMS.items():
@@ -268,9 +280,12 @@ def test_error_codes_are_bounded_label_values():
     m.on_error('Bad "code"\n{}')
     m.on_error("")
     m.on_error(ERR_OVERLOADED)
+    m.count_error("model_not_found", "404")
+    m.count_error("x" * 65, "4xx")
     s = _samples(m.render()[0])
-    assert _value(s, "mlaserve_request_errors_total", code="other") == 2
-    assert _value(s, "mlaserve_request_errors_total", code=ERR_OVERLOADED) == 1
+    assert _value(s, "mlaserve_request_errors_total", code="other", status="unknown") == 3
+    assert _value(s, "mlaserve_request_errors_total", code=ERR_OVERLOADED, status="503") == 1
+    assert _value(s, "mlaserve_request_errors_total", code="model_not_found", status="404") == 1
 
 
 def test_timing_state_is_bounded(monkeypatch):
@@ -296,8 +311,8 @@ def test_structure(loaded):
     assert structural_problems(text) == []
     families = {f.name for f in text_string_to_metric_families(text)}
     for required in ("mlaserve_num_requests_running", "mlaserve_num_requests_waiting", "mlaserve_kv_cache_usage_ratio",
-                     "mlaserve_prompt_tokens", "mlaserve_generation_tokens", "mlaserve_request_success",
-                     "mlaserve_requests_aborted", "mlaserve_retractions", "mlaserve_prefix_cache_hit_tokens",
+                     "mlaserve_prompt_tokens", "mlaserve_prefix_cache_query_tokens", "mlaserve_generation_tokens",
+                     "mlaserve_request_success", "mlaserve_requests_aborted", "mlaserve_retractions", "mlaserve_prefix_cache_hit_tokens",
                      "mlaserve_engine_forward_steps", "mlaserve_engine_forward_seconds", *HISTOGRAMS.values()):
         assert required in families
     for name in families:  # the module docstring lists every metric
@@ -327,3 +342,84 @@ def test_promtool_check_metrics(loaded):
     result = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, timeout=60)
     assert result.returncode == 0, (result.stdout + result.stderr).decode()
     assert not (result.stdout + result.stderr).strip(), (result.stdout + result.stderr).decode()
+
+
+# ---------------------------------------------------------------- the error-counting middleware
+def _errors(m: Metrics) -> dict[tuple[str, str], float]:
+    """(code, status) -> count of the error series that are not 0."""
+    out = {}
+    for (name, labels), value in _samples(m.render()[0]).items():
+        if name == "mlaserve_request_errors_total" and value:
+            d = dict(labels)
+            out[d["code"], d["status"]] = value
+    return out
+
+
+@pytest.fixture
+def counted_app() -> tuple[Metrics, TestClient]:
+    """A Starlette app behind `ErrorCountingMiddleware` whose routes answer as the server's do: an engine
+    refusal the route also reports with `on_error`, errors with and without a code, a stream that fails
+    after its 200 (reported from inside the streaming body's task), a disconnect, a crash."""
+    m = Metrics(MODEL)
+
+    async def refused(_):
+        m.on_error(ERR_OVERLOADED)  # as serving.handle does before answering the refusal
+        return JSONResponse(error_body("full", "service_unavailable", None, "overloaded"), status_code=503)
+
+    async def no_code(_):
+        return JSONResponse(error_body("top_p must be <= 1", "invalid_request_error", "top_p", None), status_code=400)
+
+    async def plain(_):
+        return PlainTextResponse("no", status_code=418)
+
+    async def stream(request):
+        fail = request.query_params.get("fail") == "1"
+
+        async def body():
+            yield b"data: {}\n\n"
+            if fail:
+                m.on_error(ERR_ENGINE)  # as serving._events does, inside the streaming task
+                yield b'data: {"error": {"code": "engine_error"}}\n\n'
+            yield b"data: [DONE]\n\n"
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    async def gone(_):
+        return Response(status_code=499)
+
+    async def health(_):
+        return JSONResponse(error_body("loading", "service_unavailable", None, "loading"), status_code=503)
+
+    async def crash(_):
+        raise RuntimeError("bug")
+
+    app = Starlette(routes=[Route("/refused", refused), Route("/no-code", no_code), Route("/plain", plain),
+                            Route("/stream", stream), Route("/gone", gone), Route("/health", health),
+                            Route("/crash", crash)],
+                    middleware=[Middleware(ErrorCountingMiddleware, metrics=lambda: m)])
+    return m, TestClient(app, raise_server_exceptions=False)
+
+
+@pytest.mark.parametrize(("path", "status", "expected"), [
+    ("/refused", 503, {("overloaded", "503"): 1}),  # noted by the route and answered: once
+    ("/no-code", 400, {("invalid_request_error", "400"): 1}),  # no code: the type
+    ("/plain", 418, {("other", "418"): 1}),  # not an OpenAI body
+    ("/stream?fail=1", 200, {("engine_error", "200"): 1}),  # failed after the 200: the noted code
+    ("/stream", 200, {}),
+    ("/gone", 499, {}),  # the client left: nothing was answered
+    ("/health", 503, {}),  # the health report, not an error answer
+    ("/crash", 500, {("internal_error", "500"): 1}),
+    ("/no-such-route", 404, {("other", "404"): 1}),  # Starlette's own plain 404 (the server's has a code)
+])
+def test_middleware_counts_each_error_answer_once(counted_app, path, status, expected):
+    m, client = counted_app
+    before = _errors(m)
+    assert client.get(path).status_code == status
+    after = _errors(m)
+    delta = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    assert delta == expected
+
+
+def test_on_error_outside_a_request_counts_at_once():
+    m = Metrics(MODEL)
+    m.on_error(ERR_CONTEXT)
+    assert _errors(m) == {(ERR_CONTEXT, "400"): 1}
