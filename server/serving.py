@@ -226,6 +226,8 @@ async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: Ca
         firsts = await _race(watch, asyncio.gather(*(anext(r.stream, None) for r in requests)))
         if firsts is None:  # the client left before the first token
             await _close_all(requests)
+            for r in requests:
+                state.metrics.on_abort(r.rid)
             return Response(status_code=499)
         for r, f in zip(requests, firsts):
             if f is not None and f.prompt_logprobs:

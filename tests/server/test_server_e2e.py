@@ -313,6 +313,44 @@ def test_disconnect_while_waiting_non_streaming_aborts(server):
     assert metric(server, "mlaserve_num_requests_running") == 0
 
 
+def test_disconnect_before_the_first_token_aborts(model_dir, tmp_path):
+    """A client that leaves while its request still waits in the queue (no token yet) is counted as an
+    abort too, and its request never runs."""
+    import threading
+
+    srv = ServerProcess(str(model_dir), "--max-running-requests", "1", "--max-total-tokens", "8192",
+                        log=tmp_path / "server.log").wait_ready()
+    try:
+        busy = httpx.Client(base_url=srv.url, timeout=60)
+        first = threading.Event()
+
+        def hold() -> None:  # keeps the one running slot busy while the test lasts
+            with busy.stream("POST", "/v1/completions", json={"prompt": "Go on", "max_tokens": 4000, "stream": True,
+                                                              "ignore_eos": True}) as r:
+                for _ in r.iter_lines():
+                    first.set()
+                    if stop.is_set():
+                        return
+
+        stop = threading.Event()
+        holder = threading.Thread(target=hold, daemon=True)
+        holder.start()
+        assert first.wait(30)
+        aborted_before = metric(srv, "mlaserve_requests_aborted_total")
+        with pytest.raises(httpx.ReadTimeout):  # queued behind the holder: no first token within 1 s
+            httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=1.0)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and metric(srv, "mlaserve_requests_aborted_total") == aborted_before:
+            time.sleep(0.2)
+        assert metric(srv, "mlaserve_requests_aborted_total") == aborted_before + 1
+        assert metric(srv, "mlaserve_num_requests_waiting") == 0  # it left the queue
+        stop.set()
+        holder.join(30)
+        busy.close()
+    finally:
+        srv.stop()
+
+
 def test_random_bodies_never_500(server):
     """Hostile bodies: random types and values for every field. Any answer but a 5xx is fine; the
     server must stay healthy and every error must have OpenAI's shape."""
