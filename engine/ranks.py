@@ -50,6 +50,7 @@ class RankPlan:
     addr: str
     port: int
     ep: bool
+    dp_attention: bool = False  # the ranks are --dp replicas (one per process, each pinned to its CPUs)
 
     @property
     def per_node(self) -> int:
@@ -78,14 +79,25 @@ def init_rank(plan: RankPlan, rank: int, device: torch.device) -> Any:
     """Joins the group as `rank` and sets the model layout; returns the gloo control group."""
     import torch.distributed as dist
 
-    if device.type == "cpu":  # the node's ranks share the cores this process may use
-        torch.set_num_threads(max(1, len(usable_cpus()) // plan.per_node))
+    if device.type == "cpu":  # the node's ranks share the cores this process may use (a replica: its own)
+        torch.set_num_threads(max(1, len(usable_cpus()) // (1 if plan.dp_attention else plan.per_node)))
     else:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{plan.addr}:{plan.port}",
                             rank=rank, world_size=plan.world, timeout=timedelta(seconds=TIMEOUT_S))
-    configure(ParallelLayout(tp_size=plan.world, tp_rank=rank, ep=plan.ep))
+    configure(ParallelLayout(tp_size=plan.world, tp_rank=rank, ep=plan.ep, dp_attention=plan.dp_attention))
     return dist.new_group(backend="gloo")
+
+
+def leave_group() -> None:
+    """Leaves the process group, if joined (a peer may already be gone)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a peer already gone
+            pass
 
 
 def load_part(args: EngineArgs, device: torch.device, tokenizer: bool) -> Any:
@@ -217,13 +229,7 @@ class LeadRank:
         if self.leader is not None:
             self.leader.stop(tell=clean)
         stop_ranks(self.procs, 10.0 if clean else 0.0)
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # a peer already gone
-                pass
+        leave_group()
 
 
 def serve_node(args: EngineArgs) -> int:
@@ -261,20 +267,10 @@ class DPAttentionRank:
     port the server chose. `step_together` is called by every replica once per engine-loop iteration."""
 
     def __init__(self, args: EngineArgs) -> None:
-        plan = RankPlan(args.dp_size, 1, 0, args.master_addr, args.master_port, args.ep > 1)
+        plan = RankPlan(args.dp_size, 1, 0, args.master_addr, args.master_port, args.ep > 1, dp_attention=True)
         self.rank = args.dp_rank
-        self.device = torch.device(args.device)
-        import torch.distributed as dist
-
-        if self.device.type == "cpu":
-            torch.set_num_threads(len(usable_cpus()))  # this replica's share (the server pinned it)
-        else:
-            torch.cuda.set_device(self.device)
-        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
-                                init_method=f"tcp://{plan.addr}:{plan.port}", rank=self.rank, world_size=plan.world,
-                                timeout=timedelta(seconds=TIMEOUT_S))
-        configure(ParallelLayout(tp_size=plan.world, tp_rank=self.rank, ep=plan.ep, dp_attention=True))
-        self.ctl = dist.new_group(backend="gloo")
+        self.device = torch.device(args.device)  # the replica's own (engine.replicas.replica_args)
+        self.ctl = init_rank(plan, self.rank, self.device)
         logger.info("DP attention: replica %d of %d (rendezvous %s:%d), experts %s", self.rank, plan.world, plan.addr,
                     plan.port, "partitioned (--ep)" if plan.ep else "split by intermediate size")
 
@@ -290,11 +286,5 @@ class DPAttentionRank:
         return bool(flags[0].item()), flags[1].item() == -1
 
     def close(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # a peer already gone
-                pass
+        leave_group()
 

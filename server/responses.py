@@ -289,28 +289,24 @@ class OutputItems:
         self.calls: dict[int, OutputFunctionCall] = {}  # tool-call index -> its item
 
     def reasoning(self, text: str) -> list[dict[str, Any]]:
-        if not text:
-            return []
-        out: list[dict[str, Any]] = []
-        if not isinstance(self.current, ReasoningItem):
-            out += self._open(ReasoningItem(id=_item_id("rs")), ReasoningText())
-        item = self.current
-        assert isinstance(item, ReasoningItem)
-        item.content[0].text += text
-        return out + [self.event("response.reasoning_text.delta", item_id=item.id, output_index=len(self.output) - 1,
-                                 content_index=0, delta=text)]
+        return self._append(text, ReasoningItem, "rs", ReasoningText, "response.reasoning_text.delta")
 
     def text(self, text: str) -> list[dict[str, Any]]:
+        return self._append(text, OutputMessage, "msg", OutputText, "response.output_text.delta", logprobs=[])
+
+    def _append(self, text: str, kind: type, prefix: str, part: type, event: str, **extra: Any) -> list[dict[str, Any]]:
+        """`text` added to the current item of `kind` (a new one, with its one content part, when the
+        current item is another kind) and its delta event."""
         if not text:
             return []
         out: list[dict[str, Any]] = []
-        if not isinstance(self.current, OutputMessage):
-            out += self._open(OutputMessage(id=_item_id("msg")), OutputText())
+        if not isinstance(self.current, kind):
+            out += self._open(kind(id=_item_id(prefix)), part())
         item = self.current
-        assert isinstance(item, OutputMessage)
-        item.content[0].text += text
-        return out + [self.event("response.output_text.delta", item_id=item.id, output_index=len(self.output) - 1,
-                                 content_index=0, delta=text, logprobs=[])]
+        assert item is not None
+        item.content[0].text += text  # type: ignore[union-attr]
+        return out + [self.event(event, item_id=item.id, output_index=len(self.output) - 1, content_index=0,
+                                 delta=text, **extra)]
 
     def call(self, d: ToolCallDelta) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []

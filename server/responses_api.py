@@ -159,20 +159,26 @@ class _ContentPart(_Request):
         return (self.refusal if self.type == "refusal" else self.text) or ""
 
 
+def _string_or_parts(field: str, value: Any) -> Any:
+    """A text field of an input item is a string or a list of content parts; anything else is named."""
+    if not isinstance(value, (str, list)):
+        raise _invalid(f"{field} must be a string or a list of content parts, got {type(value).__name__}")
+    return value
+
+
+def _parts_text(value: list[_ContentPart] | str) -> str:
+    return value if isinstance(value, str) else "\n".join(p.value() for p in value)
+
+
 class MessageItem(_Request):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: list[_ContentPart] | str  # the list first: a bad part's error names the part
 
-    @field_validator("content", mode="before")
-    @classmethod
-    def _string_or_parts(cls, value: Any) -> Any:
-        if not isinstance(value, (str, list)):
-            raise _invalid(f"content must be a string or a list of content parts, got {type(value).__name__}")
-        return value
+    _string_or_parts = field_validator("content", mode="before")(lambda v: _string_or_parts("content", v))
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "\n".join(p.value() for p in self.content)
+        return _parts_text(self.content)
 
 
 class FunctionCallItem(_Request):
@@ -191,15 +197,10 @@ class FunctionCallOutputItem(_Request):
     id: str | None = None
     status: ItemStatus | None = None
 
-    @field_validator("output", mode="before")
-    @classmethod
-    def _string_or_parts(cls, value: Any) -> Any:
-        if not isinstance(value, (str, list)):
-            raise _invalid(f"output must be a string or a list of content parts, got {type(value).__name__}")
-        return value
+    _string_or_parts = field_validator("output", mode="before")(lambda v: _string_or_parts("output", v))
 
     def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "\n".join(p.value() for p in self.output)
+        return _parts_text(self.output)
 
 
 class ReasoningInputItem(_Request):
