@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cpu_common import machine_info, machine_tag, versions, write_json  # noqa: E402
+from server.chat_template import user_turn_ids  # noqa: E402
 
 MAX_CTX = 8192
 
@@ -125,25 +126,13 @@ def speed(h: Harness, ids: list[int], contexts: list[int], steps: int, rounds: i
     return out
 
 
-def chat_ids(h: Harness, content_ids: list[int], question: str) -> list[int]:
-    """The chat template around pre-tokenised content: the template rendered with a marker, split there."""
-    from server.chat_template import render_chat
-
-    tok = h.tok
-    marker = "\x00MARK\x00"
-    text = render_chat(tok.chat_template, [{"role": "user", "content": marker + "\n\n" + question}],
-                       bos_token=tok.bos_token, eos_token=tok.eos_token)
-    before, after = text.split(marker)
-    return tok.encode(before, add_special_tokens=False) + content_ids + tok.encode(after, add_special_tokens=False)
-
-
 def fidelity(h: Harness, ids: list[int], contexts: list[int], prompts: int, gen: int) -> list[dict[str, Any]]:
     out = []
     question = "Summarize the documentation above in your own words."
     for ctx in contexts:
         for k in range(prompts):
             start = k * (len(ids) - ctx) // max(prompts, 1)
-            prompt = chat_ids(h, ids[start : start + ctx - gen - 64], question)[: MAX_CTX - gen - 1]
+            prompt = user_turn_ids(h.tok, ids[start : start + ctx - gen - 64], question)[: MAX_CTX - gen - 1]
             a, tok = h.prefill(prompt)
             b, c = h.fork(a, len(prompt)), h.fork(a, len(prompt))
             full, forced, free = [tok], [tok], [tok]
@@ -180,7 +169,7 @@ def needle(h: Harness, ids: list[int], lengths: list[int], depths: int, answer_t
             needle_ids = h.tok.encode(f" The secret passcode is {code}. Remember it. ", add_special_tokens=False)
             hay = ids[d * 997 % 20000 :][: length - len(needle_ids) - 64]
             at = round(d / (depths - 1) * len(hay)) if depths > 1 else 0
-            prompt = chat_ids(h, hay[:at] + needle_ids + hay[at:], question)
+            prompt = user_turn_ids(h.tok, hay[:at] + needle_ids + hay[at:], question)
             a, tok = h.prefill(prompt)
             b = h.fork(a, len(prompt))
             full, sparse = [tok], [tok]
@@ -246,7 +235,11 @@ def main(argv: list[str] | None = None) -> int:
                             "same_text_rate": round(sum(x["same_text"] for x in nd) / len(nd), 4),
                             "full_correct_rate": round(sum(x["full_correct"] for x in nd) / len(nd), 4),
                             "omnikv_correct_rate": round(sum(x["omnikv_correct"] for x in nd) / len(nd), 4)}
-        print(f"needle: same answer {result['needle']['same_answer_rate']:.1%}, full correct "
+        right = [x for x in nd if x["full_correct"]]  # where full attention found the needle
+        result["needle"]["same_answer_rate_where_full_correct"] = (
+            round(sum(x["same"] for x in right) / len(right), 4) if right else None)
+        print(f"needle: same answer {result['needle']['same_answer_rate']:.1%} "
+              f"({result['needle']['same_answer_rate_where_full_correct']} where full attention is right), full correct "
               f"{result['needle']['full_correct_rate']:.1%}, OmniKV correct {result['needle']['omnikv_correct_rate']:.1%}")
     out = a.out or f"bench/results/omnikv_cpu_{machine_tag(result['machine'])}.json"
     if a.merge and Path(out).is_file():  # keep the parts not run now (same config only)

@@ -108,6 +108,7 @@ class ModelRunner:
         disable_cuda_graph: bool = False,
         hybrid_graph_mode: str = "host-nodes",
         omnikv: OmniKVConfig | None = None,
+        native_forward: bool = True,
     ) -> None:
         self.model = model
         self.config = config
@@ -138,7 +139,9 @@ class ModelRunner:
         # the whole forward in one native call where the model allows it (CPU, native weights)
         self.native_forward: NativeForward | None = None
         self.native_off_reason: str | None = "the model was loaded without native CPU weights"
-        if self._native and self.device.type == "cpu":
+        if not native_forward:  # e.g. calibration, whose recording attention backend must see every layer
+            self.native_off_reason = "the runner was asked for the torch forward"
+        elif self._native and self.device.type == "cpu":
             self.native_off_reason = unsupported_reason(model, self.kv_pool)
             if self.native_off_reason is None:
                 assert self.expert_pool is not None
@@ -207,6 +210,20 @@ class ModelRunner:
             logits_indices=_logits_indices(n_new, all_logits, dev),
             omnikv=omnikv,
         )
+
+    def set_omnikv(self, config: OmniKVConfig) -> None:
+        """Decodes OmniKV rows with `config`'s plan from the next forward on, over the KV already cached
+        (calibration compares plans on the same prompts). The query window must keep its size: the
+        history was sized for the runner's first config."""
+        if config.window_size != (self.query_history.window if self.query_history is not None else 1) or (
+                self.omnikv_plan is not None and self.query_history is not None
+                and config.plan(self.config.num_hidden_layers).num_filters != self.omnikv_plan.num_filters):
+            raise ValueError("set_omnikv cannot change the query window or, with a window, the number of filter "
+                             "layers; make a new ModelRunner")
+        plan = config.plan(self.config.num_hidden_layers)
+        self.omnikv, self.omnikv_plan = config, plan
+        if self.native_forward is not None:
+            self.native_forward.set_omnikv(config, plan, self.query_history)
 
     def _omnikv_batch(self, slices: Sequence[RequestSlice], n_new: list[int]) -> OmniKVBatch | None:
         """OmniKV's state for the decode rows that ask for it and whose context a selection can cut."""

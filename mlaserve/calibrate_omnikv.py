@@ -26,36 +26,51 @@ of the model, measured here once over real text ("inter-layer attention similari
    — the share of the next layers' attention mass that l's selection holds — and cover(l, l), the
    mass l's own selection holds, is printed beside it. The last layer has no capability.
 
-3. Choose m filter layers (deterministic; ties go to the earlier layer):
-   * candidates are layers 1 .. L-3. Not layer 0: its attention is mostly local and positional (on
-     SmolLM2-135M its capability is 0.64 against 0.94 at layer 2), and it would make every later
-     layer read the least informed selection. Not L-2 or L-1: with the default
-     plan the layer after a filter attends fully, so no layer would read their selection.
-   * the first filter layer is the earliest candidate whose capability is within `tolerance`
-     (default 0.02) of the best candidate's. Cost: every layer before the first filter layer
-     attends fully at every decode step, so among nearly equally capable layers the earliest saves
-     the most; the tolerance is the retained attention mass we trade for that.
-   * the others, after it, by decreasing capability, each at least `lookahead` layers from every
-     layer already chosen: a filter layer refreshes the selection for the layers below it, and
-     one within another's lookahead span would cut the span its capability was measured on while
-     costing two more full layers (itself and the one after it).
-   Fewer than m are written when the spacing leaves no candidate (a note says so).
+   The table is printed and saved; it shows where attention is predictable, but it does not make
+   the choice: its queries continue the text, where a model mostly reads nearby tokens, and what
+   breaks a sparse decode is a later layer that must read far back (copying a fact, a name, a
+   number) while the filter layer above it looked elsewhere. Measured on SmolLM2-135M, the plan
+   the table ranked best lost the fact in half of the retrieval prompts that a plan it ranked
+   lower kept in all.
+
+3. Choose by decoding. Retrieval probes are made from the text: R windows of C tokens (spread over
+   it), each with a fact sentence ("the access key for server <name> is <five digits>", names and
+   digits from a seeded generator) put at depth (i + 1/2) / R, then a question asking for it
+   (through the model's chat template when it has one, else as plain text). Each probe is prefilled
+   once; full attention answers it greedily, G tokens, and its next-token distributions at those
+   steps are the reference. Each candidate plan then decodes the same tokens teacher-forced with
+   OmniKV over the same prompt KV (the R probes one batch per step) and scores
+       score = mean over probes and steps of KL(full || OmniKV)
+   of the next-token distributions; the lowest score wins (ties: the lexicographically first).
+   Candidates:
+   * the first filter layer is `--first-filter` (default L // 5, `models.omnikv_config`): every
+     layer before it attends fully, so it sets the decode cost and is the user's choice, not the
+     search's (a later one usually scores better and always decodes slower);
+   * the other m - 1 filter layers: every placement after it with each filter layer at least 3
+     layers after the previous one (the layer after a filter layer attends fully), so each has a
+     sparse layer of its own to serve, and the last at most L - 3. When more than `--max-candidates` placements
+     exist, a grid of every s-th layer is scored (the least s that fits), then the best is refined by
+     moving one filter layer at a time by fewer than s layers while the score improves.
+   When no placement of m fits the depth, the most that fit are chosen (a note says so).
 
 The config (`OmniKVConfig`, budget_ratio R, the other settings their defaults) is written with
-`save`; its `calibration` field records the model, the text, the counts, the per-layer table and,
-as a summary of the choice, `sparse_mass`: over the plan's sparse layers j, the mean of
-cover(filter layer j reads, j) — the attention mass decode keeps where it attends sparsely.
+`save`; its `calibration` field records the model, the text, the counts, the per-layer table, the
+probes' settings, the best placements' scores and greedy agreement, and `sparse_mass`: over the
+plan's sparse layers j, the mean of cover(filter layer j reads, j) — the attention mass the table
+says decode keeps where it attends sparsely.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
+import random
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -64,7 +79,8 @@ from kernels.attention.base import ForwardBatch
 from kernels.attention.omnikv import select_positions
 from kernels.attention.torch_backend import TorchAttentionBackend
 from mlaserve.argtypes import float_in, positive_int
-from models.omnikv_config import MAX_FILTER_LAYERS, SPARSE, OmniKVConfig
+from models.omnikv_config import MAX_FILTER_LAYERS, SPARSE, OmniKVConfig, first_filter_default
+from server.chat_template import user_turn_ids
 
 if TYPE_CHECKING:
     from models.loader.load import LoadedModel
@@ -74,7 +90,10 @@ MIN_TOKENS = 256  # shorter texts give too few long-context queries to rank laye
 DEFAULT_TOKENS = 4096
 DEFAULT_QUERIES = 32
 DEFAULT_LOOKAHEAD = 4
-DEFAULT_TOLERANCE = 0.02
+DEFAULT_PROBES = 6
+DEFAULT_PROBE_TOKENS = 2048
+DEFAULT_ANSWER_TOKENS = 16
+DEFAULT_MAX_CANDIDATES = 160
 MIN_LAYERS = 4  # a full layer, the filter layer, the full layer after it and one sparse layer
 
 
@@ -154,14 +173,10 @@ class RecordingBackend(TorchAttentionBackend):
 
 
 def calibration_runner(loaded: LoadedModel, tokens: int, device: str = "cpu") -> ModelRunner:
-    """A one-request `ModelRunner` with room for `tokens` positions, on the model's torch forward."""
-    runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=tokens + 1, max_running_requests=1,
-                         max_context_len=tokens + 1, device=device, disable_cuda_graph=True)
-    if runner.native_forward is not None:  # load_model(cpu_weights=None) never makes one
-        runner.close()
-        raise CalibrationError("the model runs through native CPU kernels, which no attention backend sees; "
-                               "load it with cpu_weights=None")
-    return runner
+    """A one-request `ModelRunner` with room for `tokens` positions, on the model's torch forward (native
+    CPU weights still compute its linear layers; the recording backend sees every attention)."""
+    return ModelRunner(loaded.model, loaded.config, max_total_tokens=tokens + 1, max_running_requests=1,
+                       max_context_len=tokens + 1, device=device, disable_cuda_graph=True, native_forward=False)
 
 
 @torch.no_grad()
@@ -228,23 +243,125 @@ def _check_depth(layers: int) -> None:
                                "the filter layer, the full layer after it and a layer that attends sparsely)")
 
 
-def choose_filter_layers(capability: Sequence[float | None], filters: int, lookahead: int,
-                         tolerance: float = DEFAULT_TOLERANCE) -> tuple[int, ...]:
-    """The rule of the module docstring (3.): the earliest candidate within `tolerance` of the best,
-    then the most capable ones after it, `lookahead` apart. Candidates 1 .. L-3."""
-    layers = len(capability)
+# ---------------------------------------------------------------------------------------------
+# Choosing by decoding (module docstring, 3.)
+
+FACT = " Note: the access key for server {name} is {code}. "
+QUESTION = "What is the access key for server {name}? Reply with the number only."
+SERVERS = ("orion", "vega", "lyra", "draco", "cygnus", "hydra", "pavo", "corvus", "lepus", "musca", "norma", "carina")
+PROBE_SEED = 2025
+
+
+def probe_prompts(tokenizer: Any, ids: Sequence[int], probes: int, length: int,
+                  seed: int = PROBE_SEED) -> list[list[int]]:
+    """The retrieval probes: `probes` windows of `length` tokens of `ids`, spread over it, each with a
+    fact at depth (i + 1/2) / probes and the question asking for it after the window."""
+    rng = random.Random(seed)
+    length = min(length, len(ids))
+    out = []
+    for i in range(probes):
+        name, code = rng.choice(SERVERS), rng.randrange(10000, 100000)
+        start = i * (len(ids) - length) // max(probes - 1, 1)
+        window = list(ids[start : start + length])
+        fact = tokenizer.encode(FACT.format(name=name, code=code), add_special_tokens=False)
+        at = int((i + 0.5) / probes * len(window))
+        out.append(user_turn_ids(tokenizer, window[:at] + fact + window[at:], QUESTION.format(name=name)))
+    return out
+
+
+class ProbeSet:
+    """The probes prefilled once in `runner` (a request row each, full attention), full attention's
+    greedy answers and its next-token log-probabilities along them; `score` decodes the same answers
+    with OmniKV under a given config over the same prompt KV."""
+
+    def __init__(self, runner: ModelRunner, prompts: Sequence[Sequence[int]], answer_tokens: int) -> None:
+        self.runner = runner
+        self.steps = answer_tokens
+        self.rows: list[int] = []
+        self.lens = [len(p) for p in prompts]
+        first = []
+        for prompt in prompts:
+            row = runner.req_to_token_pool.alloc()
+            if row is None:
+                raise RuntimeError("the probe runner has no free request row")
+            self.rows.append(row)
+            logits = runner.forward(runner.build_batch([RequestSlice(row, 0, list(prompt))]))
+            first.append(int(logits[-1].argmax()))
+        self.answers = [[t] for t in first]  # full attention's tokens: the inputs of every decode
+        self.reference = self._decode(omnikv=False, extend=True)
+
+    @torch.no_grad()
+    def _decode(self, omnikv: bool, extend: bool = False) -> torch.Tensor:
+        """Log-probabilities [steps, probes, vocab] of `steps` decode steps fed the answers (greedy ones
+        appended when `extend`); the decoded tokens' slots are freed again, the prompts' stay."""
+        r = self.runner
+        out = []
+        for i in range(self.steps):
+            batch = r.build_batch([RequestSlice(row, n + i, [ans[i]], omnikv=omnikv)
+                                   for row, n, ans in zip(self.rows, self.lens, self.answers)])
+            logp = r.forward(batch).float().log_softmax(-1)
+            out.append(logp)
+            if extend:
+                for ans, x in zip(self.answers, logp.argmax(-1).tolist()):
+                    ans.append(int(x))
+        table = r.req_to_token_pool.req_to_token
+        for row, n in zip(self.rows, self.lens):
+            r.allocator.free(table[row, n : n + self.steps].to(torch.int64))
+        return torch.stack(out)
+
+    def score(self, config: OmniKVConfig) -> tuple[float, float]:
+        """(mean KL(full || OmniKV), share of steps whose greedy token is full attention's) under `config`."""
+        self.runner.set_omnikv(config)
+        logp = self._decode(omnikv=True)
+        ref = self.reference
+        kl = (ref.exp() * (ref - logp)).sum(-1)
+        agree = (logp.argmax(-1) == ref.argmax(-1)).float().mean()
+        return float(kl.mean()), float(agree)
+
+
+def _check_first(first: int, layers: int) -> None:
     _check_depth(layers)
-    candidates = list(range(1, layers - 2))
-    cap = {c: float(capability[c]) for c in candidates}  # type: ignore[arg-type]
-    best = max(cap.values())
-    first = min(c for c in candidates if cap[c] >= round(best - tolerance, 4))  # at the table's precision
-    chosen = [first]
-    for c in sorted((c for c in candidates if c > first), key=lambda c: (-cap[c], c)):
-        if len(chosen) == filters:
+    if not 1 <= first <= layers - 3:
+        raise CalibrationError(f"--first-filter {first} must be between 1 and {layers - 3} for a model of {layers} "
+                               "layers (the layer after a filter layer attends fully, and a layer after that must "
+                               "be left to decode sparsely)")
+
+
+def placements(layers: int, first: int, filters: int, gap: int = 3, stride: int = 1) -> list[tuple[int, ...]]:
+    """Filter-layer tuples starting at `first`, each next at least `gap` after the previous and the last
+    at most L - 3; the later ones on every `stride`-th layer from first + gap."""
+    later = range(first + gap, layers - 2, stride)
+    return [(first, *rest) for rest in itertools.combinations(later, filters - 1)
+            if all(b - a >= gap for a, b in zip((first, *rest), rest))]
+
+
+def search_filter_layers(score: Callable[[tuple[int, ...]], float], layers: int, first: int, filters: int,
+                         max_candidates: int) -> tuple[tuple[int, ...], dict[tuple[int, ...], float]]:
+    """The placement of lowest score (module docstring, 3.) and every score computed. Takes the most
+    filter layers (up to `filters`) that fit after `first`."""
+    _check_first(first, layers)
+    m = filters
+    while m > 1 and not placements(layers, first, m):
+        m -= 1
+    stride = 1
+    while len(placements(layers, first, m, stride=stride)) > max_candidates:
+        stride += 1
+    scores: dict[tuple[int, ...], float] = {}
+
+    def rank(c: tuple[int, ...]) -> tuple[float, tuple[int, ...]]:
+        if c not in scores:
+            scores[c] = round(score(c), 6)  # the table's precision: the choice does not hang on float noise
+        return scores[c], c
+
+    best = min(placements(layers, first, m, stride=stride), key=rank)
+    allowed = set(placements(layers, first, m))
+    while stride > 1:  # refine: one filter layer moved by fewer than `stride` layers, while it improves
+        moves = [best[:i] + (best[i] + d,) + best[i + 1:] for i in range(1, m) for d in range(1 - stride, stride) if d]
+        nxt = min([c for c in moves if c in allowed] + [best], key=rank)
+        if nxt == best:
             break
-        if all(abs(c - x) >= lookahead for x in chosen):
-            chosen.append(c)
-    return tuple(sorted(chosen))
+        best = nxt
+    return best, scores
 
 
 @dataclass
@@ -253,18 +370,26 @@ class Calibration:
     capability: list[float | None]
     own_mass: list[float]
     cover: torch.Tensor  # [L, L]
-    sparse_mass: float | None  # mean over the plan's sparse layers of the mass their selection holds
+    sparse_mass: float | None  # mean over the plan's sparse layers of the mass the table says their selection holds
+    scores: dict[tuple[int, ...], float]  # every placement scored: mean KL(full || OmniKV) on the probes
+    agreement: float  # the chosen plan's greedy agreement with full attention on the probes
     recorder: RecordingBackend
 
 
 def calibrate(loaded: LoadedModel, ids: Sequence[int], *, queries: int = DEFAULT_QUERIES,
               lookahead: int = DEFAULT_LOOKAHEAD, filters: int = MAX_FILTER_LAYERS, budget_ratio: float = 0.1,
-              tolerance: float = DEFAULT_TOLERANCE, device: str = "cpu", model_name: str = "", text_name: str = "") -> Calibration:
+              first_filter: int | None = None, probes: int = DEFAULT_PROBES, probe_tokens: int = DEFAULT_PROBE_TOKENS,
+              answer_tokens: int = DEFAULT_ANSWER_TOKENS, max_candidates: int = DEFAULT_MAX_CANDIDATES,
+              device: str = "cpu", model_name: str = "", text_name: str = "",
+              progress: Callable[[str], None] | None = None) -> Calibration:
     """Records, measures and chooses (module docstring); the config carries the table in `calibration`."""
     layers = loaded.config.num_hidden_layers
     _check_depth(layers)  # before the prefill
+    first = first_filter_default(layers) if first_filter is None else first_filter
+    _check_first(first, layers)
     if not 1 <= queries < len(ids):
         raise CalibrationError(f"--queries {queries} must be at least 1 and below the {len(ids)} tokens calibrated on")
+    say = progress or (lambda _: None)
     rule = OmniKVConfig(filter_layers=(0,), budget_ratio=budget_ratio)  # its sink/recent/budget: the defaults
     runner = calibration_runner(loaded, len(ids), device)
     try:
@@ -274,17 +399,41 @@ def calibrate(loaded: LoadedModel, ids: Sequence[int], *, queries: int = DEFAULT
     cover = coverage_matrix(torch.stack(rec.max_head), torch.stack(rec.head_mean), rec.positions, rule)
     capability = capabilities(cover, lookahead)
     own = [float(cover[i, i]) for i in range(layers)]
-    chosen = choose_filter_layers(capability, filters, lookahead, tolerance)
+
+    prompts = probe_prompts(loaded.tokenizer, ids, probes, probe_tokens)
+    slots = sum(len(p) for p in prompts) + probes * answer_tokens
+    longest = max(len(p) for p in prompts) + answer_tokens
+    runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=slots + 1, max_running_requests=probes,
+                         max_context_len=longest + 1, device=device, disable_cuda_graph=True,
+                         omnikv=dataclasses.replace(rule, filter_layers=(first,)))
+    try:
+        say(f"prefilling {probes} retrieval probes of {max(len(p) for p in prompts)} tokens, full attention answering "
+            f"{answer_tokens} tokens each")
+        probe_set = ProbeSet(runner, prompts, answer_tokens)
+        agreement: dict[tuple[int, ...], float] = {}
+
+        def score(layers_: tuple[int, ...]) -> float:
+            kl, agree = probe_set.score(dataclasses.replace(rule, filter_layers=layers_))
+            agreement[layers_] = agree
+            say(f"filter layers {list(layers_)}: KL {kl:.4f}, greedy agreement {agree:.1%}")
+            return kl
+
+        chosen, scores = search_filter_layers(score, layers, first, filters, max_candidates)
+    finally:
+        runner.close()
     kept = sparse_mass(cover, OmniKVConfig(filter_layers=chosen))
+    ranked = sorted(scores, key=lambda c: (scores[c], c))
     calibration = {
         "model": model_name, "text": text_name, "tokens": len(ids), "queries": queries, "lookahead": lookahead,
-        "tolerance": tolerance,
         "capability": capability,
         "own_mass": [round(x, 4) for x in own],
         "sparse_mass": None if kept is None else round(kept, 4),
+        "first_filter": first, "probes": probes, "probe_tokens": max(len(p) for p in prompts),
+        "answer_tokens": answer_tokens, "candidates": len(scores),
+        "best": [{"filter_layers": list(c), "kl": scores[c], "agreement": round(agreement[c], 4)} for c in ranked[:5]],
     }
     config = dataclasses.replace(rule, filter_layers=chosen, calibration=calibration)
-    return Calibration(config, capability, own, cover, kept, rec)
+    return Calibration(config, capability, own, cover, kept, scores, agreement[chosen], rec)
 
 
 def format_table(capability: Sequence[float | None], own_mass: Sequence[float], chosen: Iterable[int]) -> list[str]:
@@ -294,6 +443,14 @@ def format_table(capability: Sequence[float | None], own_mass: Sequence[float], 
     for layer, (c, o) in enumerate(zip(capability, own_mass)):
         cap = "         -" if c is None else f"{c:10.4f}"
         lines.append(f"{layer:5d}  {cap}  {o:8.4f}" + ("  filter" if layer in picked else ""))
+    return lines
+
+
+def format_ranking(best: Sequence[dict[str, Any]]) -> list[str]:
+    """A header, then the best placements scored on the probes, best first (the first is the choice)."""
+    lines = ["filter_layers   kl_on_probes  agreement"]
+    for b in best:
+        lines.append(f"{','.join(str(x) for x in b['filter_layers']):<14}  {b['kl']:12.6f}  {b['agreement']:9.4f}")
     return lines
 
 
@@ -346,13 +503,29 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="m", help=f"filter layers to choose, 1 to {MAX_FILTER_LAYERS} (default: {MAX_FILTER_LAYERS})")
     p.add_argument("--budget-ratio", type=float_in(0.0, 1.0, low_open=True), default=0.1, metavar="R",
                    help="share of the context selected by importance, in (0, 1] (default: 0.1); written to the config")
-    p.add_argument("--tolerance", type=float_in(0.0, 1.0), default=DEFAULT_TOLERANCE, metavar="T",
-                   help="the first filter layer is the earliest whose capability is within T of the best "
-                        f"(default: {DEFAULT_TOLERANCE})")
+    p.add_argument("--first-filter", type=positive_int, default=None, metavar="LAYER",
+                   help="the first filter layer: every layer before it attends fully, so it sets the decode cost "
+                        "(default: a fifth of the depth); the others are chosen by decoding")
+    p.add_argument("--probes", type=positive_int, default=DEFAULT_PROBES, metavar="R",
+                   help=f"retrieval probes made from the text to score placements on (default: {DEFAULT_PROBES})")
+    p.add_argument("--probe-tokens", type=positive_int, default=DEFAULT_PROBE_TOKENS, metavar="C",
+                   help=f"tokens of the text in each probe (default: {DEFAULT_PROBE_TOKENS}, at most the text)")
+    p.add_argument("--answer-tokens", type=positive_int, default=DEFAULT_ANSWER_TOKENS, metavar="G",
+                   help=f"answer tokens decoded per probe and placement (default: {DEFAULT_ANSWER_TOKENS})")
+    p.add_argument("--max-candidates", type=positive_int, default=DEFAULT_MAX_CANDIDATES, metavar="N",
+                   help="placements scored before a coarser grid and a local refinement take over "
+                        f"(default: {DEFAULT_MAX_CANDIDATES})")
     p.add_argument("--device", type=_device, default="cpu", metavar="DEVICE", help="cpu or cuda[:N] (default: cpu)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="weights and activations dtype (default: float32; the probabilities are fp32 anyway)")
     return p
+
+
+def calibration_weights(args: argparse.Namespace) -> str | None:
+    """On the CPU the weights go to the native kernels as the file stores them (as `mlaserve serve` runs
+    them by default): the recording prefill's linear layers run there, and the probes' decoding runs the
+    whole native forward (many times faster than torch ops on a CPU). Elsewhere torch weights."""
+    return "file" if args.device.startswith("cpu") else None
 
 
 def read_text(path: str) -> str:
@@ -385,7 +558,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from models.loader.load import load_model
 
     try:
-        loaded = load_model(args.model, device=args.device, dtype=args.dtype, cpu_weights=None,
+        loaded = load_model(args.model, device=args.device, dtype=args.dtype, cpu_weights=calibration_weights(args),
                             progress=sys.stderr.isatty())
     except (FileNotFoundError, KeyError, CheckpointError, ValueError) as err:
         return _fail(f"cannot load the model {args.model}: {err}")
@@ -404,24 +577,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{PROG}: prefilling {len(ids)} tokens through {loaded.config.num_hidden_layers} layers", file=sys.stderr)
     try:
         result = calibrate(loaded, ids, queries=args.queries, lookahead=args.lookahead, filters=args.filters,
-                           budget_ratio=args.budget_ratio, tolerance=args.tolerance, device=args.device,
-                           model_name=name, text_name=Path(args.text).name)
+                           budget_ratio=args.budget_ratio, first_filter=args.first_filter, probes=args.probes,
+                           probe_tokens=args.probe_tokens, answer_tokens=args.answer_tokens,
+                           max_candidates=args.max_candidates, device=args.device,
+                           model_name=name, text_name=Path(args.text).name,
+                           progress=lambda line: print(f"{PROG}: {line}", file=sys.stderr, flush=True))
     except CalibrationError as err:
         return _fail(str(err))
     chosen = result.config.filter_layers
     print("\n".join(format_table(result.capability, result.own_mass, chosen)))
+    print()
+    print("\n".join(format_ranking(result.config.calibration["best"])))
     try:
         result.config.save(output)
     except OSError as err:
         return _fail(f"cannot write {output}: {err.strerror or err}; pass --output a writable path")
     if len(chosen) < args.filters:
-        print(f"{PROG}: only {len(chosen)} of {args.filters} filter layers fit {args.lookahead} layers apart",
-              file=sys.stderr)
+        print(f"{PROG}: only {len(chosen)} of {args.filters} filter layers fit after layer {chosen[0]} (each 3 "
+              "layers after the previous, the last at most 3 from the end)", file=sys.stderr)
     plan = result.config.plan(loaded.config.num_hidden_layers)
     sparse = sum(1 for r in plan.roles if r == SPARSE)
     kept = "" if result.sparse_mass is None else f", keeping {result.sparse_mass:.1%} of their attention mass"
     print(f"{PROG}: filter layers {list(chosen)}: {sparse} of {len(plan.roles)} layers decode sparsely{kept}; "
-          f"written to {output}", file=sys.stderr)
+          f"on the probes KL {result.scores[chosen]:.4f} and {result.agreement:.1%} greedy agreement with full "
+          f"attention; written to {output}", file=sys.stderr)
     return 0
 
 

@@ -43,6 +43,13 @@ MAX_WINDOW = 16
 FULL, FILTER, SPARSE = 0, 1, 2
 
 
+def first_filter_default(num_layers: int) -> int:
+    """Where the first filter layer goes unless the user says: a fifth of the depth (never layer 0).
+    Every layer before it attends fully, so this sets most of the decode cost (`mlaserve
+    calibrate-omnikv --first-filter` chooses the rest of the plan around it)."""
+    return max(1, num_layers // 5)
+
+
 @dataclass(frozen=True)
 class LayerPlan:
     """Per layer: its role, and for a SPARSE layer the index (into filter_layers) of its filter."""
@@ -194,5 +201,5 @@ class OmniKVConfig:
     def default_for(cls, num_layers: int) -> OmniKVConfig:
         """Filter layers when nobody calibrated the model: one at a fifth of the depth, one at the middle
         (never layer 0, and at most as many as the depth allows). Calibration does better."""
-        picks = sorted({max(1, num_layers // 5), max(1, num_layers // 2)} & set(range(1, max(num_layers - 1, 1))))
+        picks = sorted({first_filter_default(num_layers), max(1, num_layers // 2)} & set(range(1, max(num_layers - 1, 1))))
         return cls(filter_layers=tuple(picks) or (0,))

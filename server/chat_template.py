@@ -10,6 +10,7 @@ a prompt that differs by a space from the training format is a different prompt.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -235,3 +236,20 @@ def render_chat(
         raise ChatTemplateError(f"chat template failed to render: {e}") from None
     except Exception as e:  # e.g. None + str in a template that did not expect these messages
         raise ChatTemplateError(f"chat template failed to render: {type(e).__name__}: {e}") from None
+
+
+def user_turn_ids(tokenizer: Any, content_ids: Sequence[int], question: str) -> list[int]:
+    """Token ids of a one-message user turn, `content_ids` (text already tokenised) then `question`,
+    through the tokenizer's chat template, ready for the answer. The template is rendered around a
+    marker and split there, so the content is never re-tokenised (a window of tokens cut from a long
+    text stays exactly that). Without a template: BOS where the tokenizer adds one, the content, then
+    "Question: …" and "Answer:" lines. Long-context probes and benchmarks build their prompts this way."""
+    encode = lambda text: list(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    if not tokenizer.chat_template:
+        bos = [tokenizer.bos_token_id] if tokenizer.add_bos_token and tokenizer.bos_token_id is not None else []
+        return bos + list(content_ids) + encode(f"\n\nQuestion: {question}\nAnswer:")
+    marker = "\x00MLASERVE-CONTENT\x00"
+    text = render_chat(tokenizer.chat_template, [{"role": "user", "content": marker + "\n\n" + question}],
+                       bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+    before, after = text.split(marker)
+    return encode(before) + list(content_ids) + encode(after)

@@ -1,6 +1,7 @@
 """`mlaserve calibrate-omnikv` on tiny synthetic checkpoints: the table, the config it writes, the rule
-it follows, the recording against the OmniKV reference (`kernels.attention.omnikv.importance`), and
-its errors."""
+it follows (placements scored by decoding retrieval probes), the recording against the OmniKV
+reference (`kernels.attention.omnikv.importance`), the probes' score against full attention, the
+search, and its errors."""
 
 from __future__ import annotations
 
@@ -9,17 +10,23 @@ import json
 import json.decoder
 import json.encoder
 import math
+import re
 
 import pytest
 import torch
 
+from executor.model_runner import ModelRunner
 from kernels.attention.omnikv import importance
 from mlaserve.calibrate_omnikv import (
+    FACT,
     MIN_TOKENS,
     CalibrationError,
+    ProbeSet,
     calibration_runner,
-    choose_filter_layers,
+    placements,
+    probe_prompts,
     record_prefill,
+    search_filter_layers,
 )
 from mlaserve.cli import main
 from models.loader.load import load_model
@@ -59,7 +66,8 @@ def test_cli_writes_a_config_that_follows_the_rule(checkpoint, text_file, tmp_pa
                              "--max-tokens", str(TOKENS), "--queries", str(QUERIES), "--lookahead", str(LOOKAHEAD),
                              "--filters", "3", "--budget-ratio", "0.2")
     assert code == 0, err
-    header, *rows = out.strip().splitlines()
+    table, ranking = (part.splitlines() for part in out.strip().split("\n\n"))
+    header, *rows = table
     assert header.split() == ["layer", "capability", "own_mass"]
     assert [int(r.split()[0]) for r in rows] == list(range(LAYERS))  # one line per layer
     assert rows[-1].split()[1] == "-"  # the last layer has no following layer
@@ -75,16 +83,18 @@ def test_cli_writes_a_config_that_follows_the_rule(checkpoint, text_file, tmp_pa
         assert row.split()[1] == ("-" if c is None else f"{c:.4f}") and row.split()[2] == f"{own:.4f}"
         assert ("filter" in row.split()) == (int(row.split()[0]) in cfg.filter_layers)
 
-    # the rule: candidates 1..L-3; the first is the earliest within the tolerance of the best; the
-    # others come after it by capability, LOOKAHEAD apart
+    # the rule: the first filter layer at L // 5, the others every placement after it (3 apart, the
+    # last at most L - 3), the one of lowest KL on the probes chosen; the ranking printed is the saved one
     fl = cfg.filter_layers
-    candidates = range(1, LAYERS - 2)
-    assert 1 <= len(fl) <= 3 and all(f in candidates for f in fl)
-    best = max(cap[c] for c in candidates)
-    assert fl[0] == min(c for c in candidates if cap[c] >= round(best - cal["tolerance"], 4))
-    assert all(b - a >= LOOKAHEAD for a, b in zip(fl, fl[1:]))
-    assert fl == choose_filter_layers(cap, 3, LOOKAHEAD, cal["tolerance"])
-    assert "filter layers" in err and str(output) in err
+    assert cal["first_filter"] == fl[0] == LAYERS // 5
+    best = cal["best"]
+    assert cal["candidates"] == len(placements(LAYERS, fl[0], 2)) == 2  # 3 filter layers do not fit 8 layers
+    assert tuple(best[0]["filter_layers"]) == fl
+    assert [(b["kl"], b["filter_layers"]) for b in best] == sorted((b["kl"], b["filter_layers"]) for b in best)
+    assert all(b["kl"] >= 0.0 and 0.0 <= b["agreement"] <= 1.0 for b in best)
+    assert ranking[0].split() == ["filter_layers", "kl_on_probes", "agreement"]
+    assert [r.split()[0] for r in ranking[1:]] == [",".join(map(str, b["filter_layers"])) for b in best]
+    assert "filter layers" in err and str(output) in err and "only 2 of 3" in err
 
 
 def test_recording_matches_the_omnikv_reference(checkpoint, text_file):
@@ -121,16 +131,65 @@ def test_recording_matches_the_omnikv_reference(checkpoint, text_file):
         runner.close()
 
 
-def test_choose_filter_layers_rule():
-    cap = [0.5, 0.90, 0.95, 0.96, 0.80, 0.97, 0.93, 0.99, 0.92, 0.90, None]  # 11 layers: candidates 1..8
-    # best 0.99 (layer 7); the earliest within 0.02 of it is 5 (0.97, exactly at the edge); after it
-    # 7 is the most capable, and 6 and 8 are closer than 2 to a chosen layer (9 is no candidate)
-    assert choose_filter_layers(cap, 3, 2, tolerance=0.02) == (5, 7)
-    assert choose_filter_layers(cap, 3, 2, tolerance=0.05) == (2, 5, 7)
-    assert choose_filter_layers(cap, 3, 1, tolerance=0.0) == (7, 8)  # only what lies after the first
-    assert choose_filter_layers(cap, 1, 2, tolerance=0.1) == (1,)
-    with pytest.raises(CalibrationError, match="at least 4"):
-        choose_filter_layers([0.9, 0.9, None], 2, 1)
+def test_placements_and_search():
+    assert placements(12, 2, 3) == [(2, 5, 8), (2, 5, 9), (2, 6, 9)]
+    assert placements(12, 2, 1) == [(2,)] and placements(8, 1, 3) == []
+    assert placements(30, 6, 3, stride=4) == [(6, 9 + 4 * i, 9 + 4 * j) for i in range(5) for j in range(i + 1, 5)]
+    target = (6, 13, 22)  # a score whose minimum the grid misses: the refinement must find it
+    score = lambda c: sum((a - b) ** 2 for a, b in zip(c, target)) + 0.5 * len(c)  # noqa: E731
+    best, scores = search_filter_layers(score, 30, 6, 3, max_candidates=20)
+    assert best == target and len(scores) < len(placements(30, 6, 3)) == 136
+    best, scores = search_filter_layers(score, 30, 6, 3, max_candidates=500)  # exhaustive
+    assert best == target and len(scores) == 136
+    best, _ = search_filter_layers(lambda c: 1.0, 30, 6, 3, max_candidates=500)
+    assert best == (6, 9, 12)  # ties: the lexicographically first
+    assert search_filter_layers(lambda c: 0.0, 8, 1, 3, 100)[0] == (1, 4)  # the most filter layers that fit
+    for first in (0, 6):
+        with pytest.raises(CalibrationError, match="--first-filter"):
+            search_filter_layers(score, 8, first, 3, 100)
+
+
+def _find(seq: list[int], sub: list[int]) -> int:
+    return next(i for i in range(len(seq) - len(sub) + 1) if seq[i : i + len(sub)] == sub)
+
+
+def test_probes_carry_the_fact_in_the_text_as_tokenised(checkpoint, text_file):
+    loaded = load_model(checkpoint, dtype="float32", progress=False)
+    tok = loaded.tokenizer
+    ids = tok.encode(text_file.read_text(), add_special_tokens=False)[:600]
+    prompts = probe_prompts(tok, ids, 3, 200)
+    assert prompts == probe_prompts(tok, ids, 3, 200)  # seeded
+    for i, p in enumerate(prompts):
+        start = i * (len(ids) - 200) // 2
+        window = ids[start : start + 200]
+        at = int((i + 0.5) / 3 * 200)
+        head = _find(p, window[:at]) + at  # the window's tokens as they were, not re-tokenised
+        gap = _find(p[head:], window[at:])
+        fact = tok.decode(p[head : head + gap])
+        assert re.fullmatch(FACT.format(name="[a-z]+", code=r"\d{5}").strip(), fact.strip()), fact
+        question = tok.decode(p[head + gap + len(window) - at :])
+        assert f"access key for server {fact.split()[6]}?" in question
+
+
+def test_probe_score_is_zero_when_the_selection_keeps_everything(checkpoint, text_file):
+    """KL(full || OmniKV) of a plan whose budget covers the context is 0 and every greedy token agrees (the
+    selection is then full attention, bit for bit); a small budget over a random model's flat attention
+    moves the distributions."""
+    loaded = load_model(checkpoint, dtype="float32", cpu_weights="file", progress=False)
+    ids = loaded.tokenizer.encode(text_file.read_text(), add_special_tokens=False)[:400]
+    prompts = probe_prompts(loaded.tokenizer, ids, 2, 300)
+    full = OmniKVConfig(filter_layers=(1, 4), budget_ratio=1.0)
+    runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=1024, max_running_requests=2,
+                         max_context_len=512, omnikv=full)
+    try:
+        probes = ProbeSet(runner, prompts, 6)
+        free = runner.allocator.available_size()
+        assert probes.score(full) == (0.0, 1.0)
+        kl, agree = probes.score(OmniKVConfig(filter_layers=(1, 4), budget_tokens=4, sink_tokens=1, recent_tokens=2))
+        assert kl > 1e-4 and 0.0 <= agree <= 1.0
+        assert runner.allocator.available_size() == free  # the decoded tokens' slots go back every time
+    finally:
+        runner.close()
 
 
 @pytest.mark.parametrize("case", ["missing", "short", "binary"])
