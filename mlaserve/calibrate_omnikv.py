@@ -250,6 +250,7 @@ FACT = " Note: the access key for server {name} is {code}. "
 QUESTION = "What is the access key for server {name}? Reply with the number only."
 SERVERS = ("orion", "vega", "lyra", "draco", "cygnus", "hydra", "pavo", "corvus", "lepus", "musca", "norma", "carina")
 PROBE_SEED = 2025
+PROBE_OVERHEAD = 256  # positions kept for the fact, the question and the chat template around the window
 
 
 def probe_prompts(tokenizer: Any, ids: Sequence[int], probes: int, length: int,
@@ -400,7 +401,12 @@ def calibrate(loaded: LoadedModel, ids: Sequence[int], *, queries: int = DEFAULT
     capability = capabilities(cover, lookahead)
     own = [float(cover[i, i]) for i in range(layers)]
 
-    prompts = probe_prompts(loaded.tokenizer, ids, probes, probe_tokens)
+    # the fact, the question and the chat template take some positions, the answer `answer_tokens` more
+    room = loaded.config.max_position_embeddings - answer_tokens - PROBE_OVERHEAD
+    if room < MIN_TOKENS // 2:
+        raise CalibrationError(f"the model's context ({loaded.config.max_position_embeddings} tokens) leaves no room "
+                               f"for probes with {answer_tokens} answer tokens; lower --answer-tokens")
+    prompts = probe_prompts(loaded.tokenizer, ids, probes, min(probe_tokens, room))
     slots = sum(len(p) for p in prompts) + probes * answer_tokens
     longest = max(len(p) for p in prompts) + answer_tokens
     runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=slots + 1, max_running_requests=probes,

@@ -20,6 +20,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -67,6 +68,21 @@ def test_mla_decode_smoke(tmp_path: Path) -> None:
         assert row["ref_max_abs"] > 0.1 and row["max_abs_diff"] < 0.02 * row["ref_max_abs"] + 2e-3
         assert row["bytes_moved"] == row["batch"] * (row["context"] * 48 + row["heads"] * 48 + row["heads"] * 32) * 2
     assert r["all_correct"] and "targets" in r and r["skipped"] == []
+
+
+@gpu_smoke
+def test_omnikv_decode_smoke(tmp_path: Path) -> None:
+    r = run_smoke("omnikv_gpu.py", tmp_path / "omnikv.json")
+    assert r["smoke"] and r["layers"] == 6 and r["preset"] == "tiny-deepseek-v2"
+    assert r["omnikv"]["filter_layers"] == [1, 3] and 2 in r["plan_roles"]  # OmniKVConfig.default_for(6)
+    [c] = r["checks"]
+    assert c["correct"] and c["sparse_decodes"] == 4 and c["rel_err"] <= 1e-5  # fp32 here
+    assert [(row["context"], row["graphs"]) for row in r["runs"]] == [(96, False), (160, False)]  # no CUDA: no graphs
+    for row in r["runs"]:
+        assert row["full_ms"] > 0 and row["omnikv_ms"] > 0
+        assert row["speedup"] == pytest.approx(row["full_ms"] / row["omnikv_ms"], rel=1e-9)
+        assert row["selected_per_sparse_layer"] == math.ceil(0.1 * row["context"]) + 4 + 64
+        assert row["kv_bytes_per_request"] == row["context"] * 6 * (48 + 8) * 4  # fp32 latent rows, every layer
 
 
 @gpu_smoke
