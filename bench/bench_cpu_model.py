@@ -17,15 +17,20 @@ native forward) for the before/after ratio.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.client import set_cpu_wait_policy  # noqa: E402
+
+set_cpu_wait_policy(os.environ)  # before torch starts its OpenMP threads, as for the engine process
+
+import torch  # noqa: E402
 
 from bench.cpu_common import StreamRead, machine_info, ratio, read_bandwidth, versions, write_json  # noqa: E402
 
@@ -119,7 +124,9 @@ def main() -> None:
     import cpp_experts
     from models.builtin import resolve_model_path
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(1)  # as the engine sets it under the native forward (engine/core.py): torch
+    # only picks the next token, and its OpenMP workers would otherwise spin beside the pool after each
+    # argmax (GOMP_SPINCOUNT is set before torch is imported, as the engine process does)
     path = str(resolve_model_path(args.model))
     prompt = torch.randint(10, 1000, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     pool = cpp_experts.WorkerPool(args.threads)
@@ -138,7 +145,8 @@ def main() -> None:
         c.run()  # warm-up
     for rnd in range(args.rounds):
         stream_bw.append(stream.sample())
-        sum_bw.append(read_bandwidth(256 << 20))
+        sum_bw.append(read_bandwidth(256 << 20, threads=args.threads))
+        torch.set_num_threads(1)
         for name, c in contenders.items():
             samples[name].append(c.run())
         print(f"round {rnd + 1}: " + ", ".join(f"{k} {1 / v[-1][1]:.1f} tok/s" for k, v in samples.items()), flush=True)

@@ -107,22 +107,36 @@ CPX_INLINE void dots4(const float* const* q, const float* const* k, int n, float
   }
 }
 
-// acc = acc * corr + sum_j p[j] v[j] for QB queries that see the same nv keys: each value row chunk is
-// loaded once for all of them (per query the same arithmetic whatever the blocking).
+// acc = acc * corr + sum_j p[j] v[j] for QB queries that see the same nv keys. C chunks of 8 values at a
+// time (C x QB accumulators in registers, each probability broadcast once per C chunks), then single
+// chunks, then single values; per query and value the arithmetic is the same whatever the blocking
+// (acc * corr, then p[j] v[j] added in key order).
+template <int QB, int C>
+CPX_INLINE void pv_chunks(float* const* acc, const float* corr, const float* p, int lp, const float* const* v, int nv,
+                          int d) {
+  using namespace vec;
+  v8f a[QB][C];
+  for (int i = 0; i < QB; ++i)
+    for (int c = 0; c < C; ++c) a[i][c] = load(acc[i] + d + 8 * c) * splat(corr[i]);
+  for (int j = 0; j < nv; ++j) {
+    v8f pj[QB];
+    for (int i = 0; i < QB; ++i) pj[i] = splat(p[i * lp + j]);
+    for (int c = 0; c < C; ++c) {
+      const v8f x = load(v[j] + d + 8 * c);
+      for (int i = 0; i < QB; ++i) a[i][c] += pj[i] * x;
+    }
+  }
+  for (int i = 0; i < QB; ++i)
+    for (int c = 0; c < C; ++c) store(acc[i] + d + 8 * c, a[i][c]);
+}
+
 template <int QB>
 CPX_INLINE void pv_block(float* const* acc, const float* corr, const float* p, int lp, const float* const* v, int nv,
                          int n) {
-  using namespace vec;
+  constexpr int C = QB <= 3 ? 4 : 2;  // QB x C accumulators and QB broadcasts within the 16 registers
   int d = 0;
-  for (; d + 8 <= n; d += 8) {
-    v8f a[QB];
-    for (int i = 0; i < QB; ++i) a[i] = load(acc[i] + d) * splat(corr[i]);
-    for (int j = 0; j < nv; ++j) {
-      const v8f x = load(v[j] + d);
-      for (int i = 0; i < QB; ++i) a[i] += splat(p[i * lp + j]) * x;
-    }
-    for (int i = 0; i < QB; ++i) store(acc[i] + d, a[i]);
-  }
+  for (; d + 8 * C <= n; d += 8 * C) pv_chunks<QB, C>(acc, corr, p, lp, v, nv, d);
+  for (; d + 8 <= n; d += 8) pv_chunks<QB, 1>(acc, corr, p, lp, v, nv, d);
   for (; d < n; ++d)
     for (int i = 0; i < QB; ++i) {
       float a = acc[i][d] * corr[i];

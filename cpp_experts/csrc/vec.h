@@ -47,7 +47,14 @@ CPX_INLINE v8f load(const uint16_t* p) {  // 8 bf16 values widened to fp32 (exac
   return (v8f)u;  // a bit cast between vectors of one size
 }
 CPX_INLINE void store(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
-CPX_INLINE v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+typedef float v4f __attribute__((vector_size(16)));
+// A shuffle, not v8f{x, ..., x}: GCC 12 builds the initializer list from eight vinsertps inside a
+// target("avx2") function (a broadcast in the shuffle's place), which made pv_block's splat of each
+// probability cost eight instructions.
+CPX_INLINE v8f splat(float x) {
+  const v4f s = {x, 0.0f, 0.0f, 0.0f};
+  return __builtin_shufflevector(s, s, 0, 0, 0, 0, 0, 0, 0, 0);
+}
 CPX_INLINE float hsum(v8f v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
