@@ -232,6 +232,29 @@ def _validate(
     return qtype, dims, n_blocks, data
 
 
+def q5_0_as_q8_0(
+    raw: np.ndarray | memoryview | bytes, shape: Sequence[int], source: str = "<gguf>", name: str = "<tensor>"
+) -> np.ndarray:
+    """Q5_0 blocks re-encoded as Q8_0 blocks holding the same values: a new uint8 array
+    [*shape[:-1], shape[-1] // 32 * 34].
+
+    Exact: Q5_0 decodes d * (q - 16) with q in [0, 32), Q8_0 d * qs, so each block keeps its `d` and
+    stores qs = q - 16 (in [-16, 16)). Why: the CPU kernels compute on Q8_0 (22 -> 34 bytes a block)
+    and have no Q5_0 path; decoding to bf16 instead would cost 64 bytes a block and round the values.
+    llama.cpp's Q4_K_M files hold Q5_0 where a row is not whole 256-value blocks (DeepSeek's 1408-wide
+    expert down projections). Validated like `dequantize`.
+    """
+    qtype, dims, n_blocks, data = _validate(raw, T.Q5_0, shape, source, name)
+    blocks = torch.from_numpy(np.array(data)).view(n_blocks, 22)
+    out = torch.empty(n_blocks, 34, dtype=torch.uint8)
+    step = max(1, _CHUNK_VALUES // 32)
+    for start in range(0, n_blocks, step):
+        part = blocks[start : start + step]
+        out[start : start + step, :2] = part[:, :2]
+        out[start : start + step, 2:] = (_q5(part, 2).view(part.shape[0], 32).view(torch.int8) - 16).view(torch.uint8)
+    return out.numpy().reshape(*dims[:-1], dims[-1] // 32 * 34)
+
+
 def dequantize(
     raw: np.ndarray | memoryview | bytes,
     qtype: gguf.GGMLQuantizationType | int,

@@ -21,7 +21,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from models.loader.errors import CheckpointError
-from models.loader.gguf_quants import dequantize
+from models.loader.gguf_quants import dequantize, q5_0_as_q8_0
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,13 @@ class RawBlocks:
     def to_tensor(self) -> torch.Tensor:
         """The blocks as a new contiguous, writable uint8 CPU tensor [*shape[:-1], row_bytes]."""
         return torch.from_numpy(np.array(self.data, dtype=np.uint8, order="C", copy=True))
+
+    def as_q8_0(self) -> RawBlocks:
+        """A Q5_0 tensor re-encoded as Q8_0 blocks of exactly the same values (`q5_0_as_q8_0`)."""
+        if self.qtype != GGMLQuantizationType.Q5_0:
+            raise ValueError(f"as_q8_0 re-encodes Q5_0 blocks, not {self.qtype.name}")
+        data = q5_0_as_q8_0(self.data, self.shape, self.source, self.name)
+        return RawBlocks(GGMLQuantizationType.Q8_0, self.shape, data, self.source, self.name)
 
     def dequantize(self) -> torch.Tensor:
         """float32 values [*shape], decoded exactly as the loader decodes every other tensor."""

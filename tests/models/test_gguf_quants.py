@@ -245,3 +245,29 @@ def test_chunk_tail_of_one_block(monkeypatch: pytest.MonkeyPatch) -> None:
         shape = (9, 32)
         raw = _random_raw(rng, qtype, 9 * 32)
         _assert_bit_equal(dequantize(raw, qtype, shape), _reference(raw, qtype, shape))
+
+
+@pytest.mark.parametrize("shape", [(1, 32), (5, 160), (3, 4, 96)])
+def test_q5_0_as_q8_0_holds_the_same_values(shape: tuple[int, ...], rng: np.random.Generator,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random Q5_0 bytes (any fp16 scale, subnormals included) and gguf-quantized ones: gguf's own
+    decoder gives the Q8_0 re-encoding exactly the Q5_0 values, chunked or not."""
+    monkeypatch.setattr(gguf_quants, "_CHUNK_VALUES", 64)  # several chunks, the last one short
+    numel = int(np.prod(shape))
+    real = gguf.quants.quantize((rng.standard_normal(numel) * rng.uniform(0.01, 3.0)).astype(np.float32)
+                                .reshape(-1, shape[-1]), T.Q5_0).reshape(-1)
+    for raw in (_random_raw(rng, T.Q5_0, numel), real):
+        q8 = gguf_quants.q5_0_as_q8_0(raw, shape)
+        assert q8.dtype == np.uint8 and q8.shape == (*shape[:-1], shape[-1] // 32 * 34)
+        np.testing.assert_array_equal(_reference(q8.reshape(-1), T.Q8_0, shape).view(np.int32),
+                                      _reference(raw, T.Q5_0, shape).view(np.int32))
+        qs = q8.reshape(-1, 34)[:, 2:].view(np.int8)
+        assert qs.min() >= -16 and qs.max() <= 15
+
+
+def test_q5_0_as_q8_0_checks_its_input(rng: np.random.Generator) -> None:
+    raw = _random_raw(rng, T.Q5_0, 64)
+    with pytest.raises(CheckpointError, match="needs 66 bytes"):
+        gguf_quants.q5_0_as_q8_0(raw, (3, 32), "f.gguf", "blk.0.ffn_down.weight")
+    with pytest.raises(CheckpointError, match="not a multiple"):
+        gguf_quants.q5_0_as_q8_0(raw, (2, 33))
