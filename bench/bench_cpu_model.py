@@ -146,7 +146,6 @@ def main() -> None:
     for rnd in range(args.rounds):
         stream_bw.append(stream.sample())
         sum_bw.append(read_bandwidth(256 << 20, threads=args.threads))
-        torch.set_num_threads(1)
         for name, c in contenders.items():
             samples[name].append(c.run())
         print(f"round {rnd + 1}: " + ", ".join(f"{k} {1 / v[-1][1]:.1f} tok/s" for k, v in samples.items()), flush=True)

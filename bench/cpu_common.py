@@ -91,18 +91,23 @@ def versions() -> dict[str, Any]:
 
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, threads: int | None = None) -> float:
     """Bytes/s of a torch sum over a large fp32 tensor (reads only, one stream per thread): the median
-    of `repeats` after a warm-up, on `threads` torch threads (None: as torch is set)."""
+    of `repeats` after a warm-up, on `threads` torch threads (None: as torch is set; torch's setting is
+    restored afterwards)."""
     import torch
 
+    before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
+    try:
+        x = torch.ones(nbytes // 4, dtype=torch.float32)
         x.sum()
-        times.append(time.perf_counter() - t)
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            x.sum()
+            times.append(time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(before)
     return nbytes / statistics.median(times)
 
 

@@ -244,14 +244,14 @@ def q5_0_as_q8_0(
     llama.cpp's Q4_K_M files hold Q5_0 where a row is not whole 256-value blocks (DeepSeek's 1408-wide
     expert down projections). Validated like `dequantize`.
     """
-    qtype, dims, n_blocks, data = _validate(raw, T.Q5_0, shape, source, name)
-    blocks = torch.from_numpy(np.array(data)).view(n_blocks, 22)
+    _, dims, n_blocks, data = _validate(raw, T.Q5_0, shape, source, name)
     out = torch.empty(n_blocks, 34, dtype=torch.uint8)
     step = max(1, _CHUNK_VALUES // 32)
-    for start in range(0, n_blocks, step):
-        part = blocks[start : start + step]
-        out[start : start + step, :2] = part[:, :2]
-        out[start : start + step, 2:] = (_q5(part, 2).view(part.shape[0], 32).view(torch.int8) - 16).view(torch.uint8)
+    for start in range(0, n_blocks, step):  # in chunks, as `dequantize`: temporaries stay small
+        stop = min(start + step, n_blocks)
+        part = torch.from_numpy(np.array(data[start * 22 : stop * 22])).view(stop - start, 22)
+        out[start:stop, :2] = part[:, :2]
+        out[start:stop, 2:] = (_q5(part, 2).view(torch.int8) - 16).view(torch.uint8)
     return out.numpy().reshape(*dims[:-1], dims[-1] // 32 * 34)
 
 
