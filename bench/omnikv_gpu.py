@@ -179,6 +179,7 @@ def main() -> int:
                               "layers": layers, "dtype": str(dtype), "omnikv": omni.to_dict(),
                               "plan_roles": list(omni.plan(layers).roles), "checks": [], "runs": []}
     ok = True
+    out = args.out or str(RESULTS / f"omnikv_gpu_{device_slug(device)}.json")
     for graphs in [g == "on" for g in args.graphs]:
         if graphs and device.type != "cuda":
             continue
@@ -197,6 +198,7 @@ def main() -> int:
                 result["runs"].append(row)
                 print(f"ctx {ctx:6d} graphs {'on ' if graphs else 'off'}: full {row['full_ms']:8.2f} ms, OmniKV "
                       f"{row['omnikv_ms']:8.2f} ms, x{row['speedup']:.2f}", flush=True)
+                write_result(out, result)  # after every context: a run cut short keeps what it measured
         finally:
             runner.close()
             del runner
@@ -207,7 +209,6 @@ def main() -> int:
             r["speedup_vs_graphs"] = r["full_ms"] / eager[r["context"]]["omnikv_ms"]
     print_table(result["runs"], [("context", "context", "d"), ("graphs", "graphs", ""), ("full_ms", "full ms", ".2f"),
                                  ("omnikv_ms", "OmniKV ms", ".2f"), ("speedup", "x", ".2f")])
-    out = args.out or str(RESULTS / f"omnikv_gpu_{device_slug(device)}.json")
     write_result(out, result)
     print(f"wrote {out}")
     return 0 if ok else 1

@@ -299,8 +299,8 @@ def importance(
 def _assemble_kernel(
     CHOSEN, CTX, BUDGETS, TABLE, ROWS, SLOTS, POS, LENS,
     stride_cb, stride_t, stride_sb, stride_pb,
-    sink, recent,
-    K_MAX: tl.constexpr, K_TOP: tl.constexpr, BLOCK: tl.constexpr,
+    sink, recent, K_MAX, K_TOP,
+    BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
     t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -371,8 +371,8 @@ def select_slots(
     _assemble_kernel[(bsz, triton.cdiv(k_max, block))](
         chosen, ctx_lens, budgets, req_to_token, req_rows, slots, positions, lens,
         chosen.stride(0), req_to_token.stride(0), slots.stride(0), positions.stride(0),
-        sink, recent,
-        K_MAX=k_max, K_TOP=k_top, BLOCK=block,
+        sink, recent, k_max, k_top,  # run-time values: the budget grows with the context every few steps
+        BLOCK=block,
     )
     return (slots, lens, positions) if return_positions else (slots, lens)
 
@@ -380,8 +380,8 @@ def select_slots(
 # ---------------------------------------------------------------------------------------- packed gather
 @triton.jit
 def _gather_kernel(
-    SRC, SLOTS, LENS, DST, stride_s, stride_sb, stride_db, stride_dt,
-    ROW: tl.constexpr, K_MAX: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+    SRC, SLOTS, LENS, DST, stride_s, stride_sb, stride_db, stride_dt, K_MAX,
+    ROW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     b = tl.program_id(0)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -416,7 +416,7 @@ def gather_rows(src: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, out:
     block_r = min(256, triton.next_power_of_2(row))
     block_t = 16
     _gather_kernel[(bsz, triton.cdiv(k_max, block_t), triton.cdiv(row, block_r))](
-        rows, slots, lens, dst, rows.stride(0), slots.stride(0), dst.stride(0), dst.stride(1),
-        ROW=row, K_MAX=k_max, BLOCK_T=block_t, BLOCK_R=block_r,
+        rows, slots, lens, dst, rows.stride(0), slots.stride(0), dst.stride(0), dst.stride(1), k_max,
+        ROW=row, BLOCK_T=block_t, BLOCK_R=block_r,
     )
     return out

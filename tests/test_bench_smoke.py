@@ -116,6 +116,21 @@ def test_model_decode_smoke(tmp_path: Path) -> None:
     assert r["all_correct"] and r["targets"]["target_batch1_tokens_per_s"] == 250.0
 
 
+@pytest.mark.slow
+def test_serve_gpu_check_smoke(tmp_path: Path) -> None:
+    """The served end-to-end check, its GPU server stood in for by the torch reference on the CPU: two
+    real servers, the same greedy requests, streaming, a bad request and /metrics."""
+    out = tmp_path / "serve.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "serve_gpu_check.py"), "--smoke", "--max-tokens", "8",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = json.loads(out.read_text())
+    assert proc.returncode == 0 and r["failures"] == [], (r["failures"], proc.stderr[-2000:])
+    assert r["smoke"] and r["greedy_agreement"].endswith("/16") and r["stream_equals_plain"]
+    assert r["cuda_completion_tokens"] == r["cpu_completion_tokens"] == 16 * 8
+    assert r["bad_request"]["status"] == 400 and r["bad_request"]["error"]["param"] == "max_tokens"
+    assert r["metrics_lines"] > 0
+
+
 @pytest.fixture
 def mla_bench(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.syspath_prepend(str(BENCH))

@@ -1,0 +1,168 @@
+"""End-to-end check of `mlaserve serve --device cuda` on a GPU host: the HTTP server, the engine process,
+the Triton attention and expert backends and CUDA-graph decode, on a random tiny DeepSeek-V2 checkpoint
+(MLA + MoE) written here, against the same checkpoint served on the CPU.
+
+What it does: writes the checkpoint (fp32), starts one server on the GPU and one on the CPU
+(`--cpu-weight-dtype float32`, exact), sends the same greedy `/v1/completions` to both (16 at once, so
+the GPU server batches them and replays its decode graphs), one streaming request, a bad request (must
+be a 4xx in OpenAI's error shape, and the server must keep serving), and reads `/metrics`. Greedy
+token agreement between the GPU and the CPU is reported (fp32 both sides, different summation orders:
+near-ties can flip a token, after which the two texts differ; the check needs >= 75% of the requests
+to agree on every token). Exits 1 when a request fails, the error shape is wrong or agreement is low.
+
+    python bench/serve_gpu_check.py [--out bench/results/serve_gpu_check_<device>.json]
+    python bench/serve_gpu_check.py --smoke --out /tmp/serve.json   # no GPU: the torch reference on the CPU
+                                                                    # stands in for the GPU server (tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from models.synthetic import write_checkpoint  # noqa: E402
+
+PROMPTS = [f"request {i}: the {w} of" for i, w in enumerate(
+    "river mountain city engine model kernel graph token cache layer expert router latent head batch stream".split())]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One `mlaserve serve` subprocess, logging to a file; waits for /health."""
+
+    def __init__(self, model: Path, log: Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "mlaserve.cli", "serve", "--model", str(model), "--port", str(self.port),
+               "--served-model-name", "tiny", *args]
+        self.log = log
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+
+    def wait(self, seconds: float) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < seconds:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"server not healthy after {seconds}s:\n{self.log.read_text()[-4000:]}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def complete(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    r = httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    r.raise_for_status()
+    return r.json()
+
+
+def batch(url: str, max_tokens: int) -> tuple[list[dict[str, Any]], float]:
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as ex:
+        out = list(ex.map(lambda p: complete(url, p, max_tokens), PROMPTS))
+    return out, time.monotonic() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--preset", default="tiny-deepseek-v2")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--smoke", action="store_true", help="no GPU: serve the torch reference on the CPU in its place")
+    args = ap.parse_args()
+    import torch
+
+    if args.smoke:
+        device, under_test = "cpu (smoke)", ["--device", "cpu", "--cpu-kernels", "torch"]
+    elif torch.cuda.is_available():
+        device = torch.cuda.get_device_name()
+        under_test = ["--device", "cuda", "--attention-backend", "triton", "--expert-backend", "triton",
+                      "--cuda-graph-max-bs", "16"]
+    else:
+        raise SystemExit("no CUDA device: this check needs a GPU (--smoke runs its CPU stand-in)")
+    slug = device.lower().replace(" ", "_")
+    out_path = Path(args.out) if args.out else ROOT / "bench" / "results" / f"serve_gpu_check_{slug}.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="serve_gpu_check_"))
+    model = write_checkpoint(work / "model", args.preset, seed=3, dtype="float32")
+    result: dict[str, Any] = {"preset": args.preset, "device": device, "smoke": args.smoke, "failures": []}
+    servers = {  # "cuda": the server under test (the GPU one, or its stand-in with --smoke)
+        "cuda": Server(model, out_path.with_suffix(".cuda.log"), *under_test),
+        "cpu": Server(model, out_path.with_suffix(".cpu.log"), "--device", "cpu", "--cpu-weight-dtype", "float32"),
+    }
+    try:
+        for name, s in servers.items():
+            result[f"{name}_startup_s"] = s.wait(600)
+        texts = {}
+        for name, s in servers.items():
+            batch(s.url, 4)  # warm-up
+            outs, secs = batch(s.url, args.max_tokens)
+            texts[name] = [o["choices"][0]["text"] for o in outs]
+            result[f"{name}_batch_s"] = secs
+            result[f"{name}_finish"] = sorted({o["choices"][0]["finish_reason"] for o in outs})
+            result[f"{name}_completion_tokens"] = sum(o["usage"]["completion_tokens"] for o in outs)
+        agree = sum(a == b for a, b in zip(texts["cuda"], texts["cpu"]))
+        result["greedy_agreement"] = f"{agree}/{len(PROMPTS)}"
+        result["examples"] = {"cuda": texts["cuda"][:3], "cpu": texts["cpu"][:3]}
+        if agree < 0.75 * len(PROMPTS):
+            result["failures"].append(f"greedy agreement {agree}/{len(PROMPTS)}")
+        gpu = servers["cuda"].url
+        with httpx.stream("POST", gpu + "/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": PROMPTS[0], "max_tokens": args.max_tokens, "temperature": 0,
+                "stream": True}) as r:
+            chunks = [line for line in r.iter_lines() if line.startswith("data: ")]
+        streamed = "".join(json.loads(c[6:])["choices"][0]["text"] for c in chunks if c != "data: [DONE]")
+        result["stream_equals_plain"] = streamed == texts["cuda"][0]
+        if not (chunks and chunks[-1] == "data: [DONE]" and streamed == texts["cuda"][0]):
+            result["failures"].append("streamed text differs from the non-streamed one")
+        bad = httpx.post(gpu + "/v1/completions", timeout=30, json={"model": "tiny", "prompt": "x", "max_tokens": -3})
+        err = bad.json().get("error", {})
+        result["bad_request"] = {"status": bad.status_code, "error": err}
+        if not (400 <= bad.status_code < 500 and {"message", "type", "param", "code"} <= set(err)):
+            result["failures"].append(f"bad request answered {bad.status_code} {bad.text[:200]}")
+        again = complete(gpu, PROMPTS[1], args.max_tokens)["choices"][0]["text"]
+        if again != texts["cuda"][1]:
+            result["failures"].append("the same greedy request gave another text after the bad one")
+        metrics = httpx.get(gpu + "/metrics", timeout=10).text
+        result["metrics_lines"] = len(metrics.splitlines())
+    except Exception as e:  # reported in the JSON, with the servers' logs beside it
+        result["failures"].append(f"{type(e).__name__}: {e}")
+    finally:
+        for s in servers.values():
+            s.stop()
+    out_path.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 1 if result["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
