@@ -38,6 +38,14 @@ routed-expert backend (`kernels.graph_support`), by `plan_decode_graphs`:
 
 Before capturing, the runner asks each expert backend to prepare for that mode; what a backend
 returns (its host tasks, say) the runner keeps as long as its graphs.
+
+OmniKV (kernels/attention/omnikv.py): a decode batch whose every row is an OmniKV row replays a graph of
+its own when the attention backend can run one without the host (`omnikv_graphs`) and the capture is
+plain (CAPTURE mode). Its shapes are fixed by the padded batch size and a context bucket, the smallest
+power of two holding every row's context (`omnikv_width`): importance is computed over that width and
+the selection table holds the budget of that width plus the sink and recent tokens; the rows'
+budgets join the static inputs. Such graphs are captured the first time a (size, bucket) is met, on
+the dummy request, and dropped when the runner's OmniKV config changes (`drop_omnikv_graphs`).
 `bench/model_decode_gpu.py --hybrid` times both hybrid modes against eager decode.
 
 The capture mechanism is injected (`GraphCapture`): `CudaGraphCapture` in production; CPU tests pass
@@ -47,6 +55,7 @@ a stand-in whose replay re-runs the forward on the static buffers.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
 from typing import NamedTuple, Protocol
@@ -56,8 +65,10 @@ import torch
 from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.memory_pool import KVPool, ReqToTokenPool
 from kernels.attention.base import AttentionBackend
+from kernels.attention.omnikv import GraphRows, OmniKVBatch, QueryHistory
 from kernels.graph_support import CapturedHostWork, GraphMode, GraphSupport, HostStep
 from models.experts import ExpertBackend
+from models.omnikv_config import LayerPlan, OmniKVConfig
 
 logger = logging.getLogger("mlaserve.cuda_graph")
 
@@ -240,6 +251,15 @@ class GraphedRunner(Protocol):
     kv_pool: KVPool
     max_context_len: int
     device: torch.device
+    omnikv: OmniKVConfig | None
+    omnikv_plan: LayerPlan | None
+    query_history: QueryHistory | None
+
+
+def omnikv_width(context: int, max_context_len: int) -> int:
+    """The context bucket of an OmniKV graph: the smallest power of two >= `context` (at least 16), at
+    most `max_context_len`."""
+    return min(max(16, 1 << max(0, context - 1).bit_length()), max_context_len)
 
 
 class CudaGraphRunner:
@@ -271,11 +291,18 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int64, device=self.device)
         self.graphs: dict[int, CapturedGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # OmniKV decode graphs, per (padded size, context bucket), captured when first needed
+        self._runner = runner  # its OmniKV config and query history are read at each capture
+        self.omnikv_budgets = torch.zeros(self.max_bs, dtype=torch.int32, device=self.device)
+        self.omnikv_graphs: dict[tuple[int, int], CapturedGraph] = {}
+        self.omnikv_outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.omnikv_off_reason: str | None = None  # set when a capture failed: OmniKV decodes run eagerly
         self.experts = [m for m in self.model.modules() if isinstance(m, ExpertBackend)]
         # what the expert backends prepared for these graphs (host tasks, ...): kept while they are
         self.host_work: list[CapturedHostWork] = []
 
-    def _static_batch(self, bs: int, seq_lens_cpu: list[int], prefix_lens_cpu: list[int]) -> ForwardBatch:
+    def _static_batch(self, bs: int, seq_lens_cpu: list[int], prefix_lens_cpu: list[int],
+                      omnikv: OmniKVBatch | None = None) -> ForwardBatch:
         """A DECODE batch over the first `bs` rows of the static buffers."""
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE,
@@ -291,13 +318,14 @@ class CudaGraphRunner:
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool=self.kv_pool,
             attn_backend=self.backend,
+            omnikv=omnikv,
         )
 
     def _fill_dummy(self, start: int, end: int) -> None:
         """Rows start..end-1 become the dummy request (row 0, seq_len 1, position 0, slot 0, token 0)."""
         if start >= end:
             return
-        for buf in (self.input_ids, self.positions, self.req_pool_indices, self.out_cache_loc):
+        for buf in (self.input_ids, self.positions, self.req_pool_indices, self.out_cache_loc, self.omnikv_budgets):
             buf[start:end].zero_()
         self.seq_lens[start:end].fill_(1)
 
@@ -316,18 +344,56 @@ class CudaGraphRunner:
         logger.info("CUDA graphs captured for decode batch sizes %s", ", ".join(map(str, self.batch_sizes)))
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """A decode batch of one token per request, last-token logits only, within the captured sizes."""
+        """A decode batch of one token per request, last-token logits only, within the captured sizes;
+        with OmniKV only when every row is an OmniKV row and OmniKV graphs can be made here."""
         return (
             bool(self.graphs)
             and batch.forward_mode.is_decode()
             and batch.batch_size <= self.max_bs
             and batch.num_tokens == batch.batch_size
             and batch.logits_indices is None
-            and batch.omnikv is None  # OmniKV decodes run eagerly (their selections are built on the host)
+            and (batch.omnikv is None or self._omnikv_can_run(batch))
             and batch.attn_backend is self.backend
             and batch.token_to_kv_pool is self.kv_pool
             and batch.req_to_token_pool is self.req_to_token_pool
         )
+
+    def _omnikv_can_run(self, batch: ForwardBatch) -> bool:
+        sparse = batch.omnikv
+        return (
+            sparse is not None
+            and self.omnikv_off_reason is None
+            and self.mode is GraphMode.CAPTURE  # host work (CPU experts) is bound per size at the first capture
+            and self.backend.omnikv_graphs
+            and self._runner.omnikv is not None and self._runner.omnikv_plan is not None
+            and sparse.graph is None
+            and sparse.covers(batch.batch_size)
+        )
+
+    def drop_omnikv_graphs(self) -> None:
+        """Forgets the OmniKV graphs (their layer roles and budgets are baked in): the runner's OmniKV
+        config changed. They are captured again when next needed."""
+        self.omnikv_graphs.clear()
+        self.omnikv_outputs.clear()
+
+    @torch.no_grad()
+    def _capture_omnikv(self, bs: int, width: int) -> None:
+        """Records the OmniKV decode graph of `bs` rows and context bucket `width`, on the dummy request."""
+        cfg, plan = self._runner.omnikv, self._runner.omnikv_plan
+        assert cfg is not None and plan is not None
+        k_cap = min(width, cfg.budget_for(width) + cfg.sink_tokens + cfg.recent_tokens)
+        self._fill_dummy(0, bs)  # warm-up and capture runs write only the dummy slot and history row
+        rows = GraphRows(self.req_pool_indices[:bs], self.positions[:bs], self.omnikv_budgets[:bs], width, k_cap)
+        sparse = OmniKVBatch.for_graph(plan.roles, plan.source, rows, sink=cfg.sink_tokens, recent=cfg.recent_tokens,
+                                       weights_for=cfg.alpha_weights, table=self.req_to_token_pool.req_to_token,
+                                       history=self._runner.query_history)
+        batch = self._static_batch(bs, [1] * bs, [0] * bs, omnikv=sparse)
+        self.backend.init_forward_metadata_capture_cuda_graph(batch)
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            graph, out = self._capture(lambda b=batch: self.model.forward_prepared(b))
+        self.omnikv_graphs[(bs, width)], self.omnikv_outputs[(bs, width)] = graph, out
+        logger.info("CUDA graph captured for OmniKV decode: batch size %d, context bucket %d (selection %d)",
+                    bs, width, k_cap)
 
     @torch.no_grad()
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
@@ -339,6 +405,21 @@ class CudaGraphRunner:
         bs = batch.batch_size
         padded = padded_batch_size(bs, self.batch_sizes)
         assert padded is not None  # can_run checked bs <= max_bs
+        graph, out = self.graphs[padded], self.outputs[padded]
+        sparse = batch.omnikv
+        if sparse is not None:
+            key = (padded, omnikv_width(max(batch.seq_lens_cpu), self.max_context_len))
+            if key not in self.omnikv_graphs:
+                try:
+                    self._capture_omnikv(*key)
+                except RuntimeError as err:  # refused by the driver or PyTorch: OmniKV decodes run eagerly
+                    logger.exception("CUDA graph capture of an OmniKV decode failed; OmniKV decodes run eagerly")
+                    self.omnikv_off_reason = str(err)
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    return self.model(batch)
+            graph, out = self.omnikv_graphs[key], self.omnikv_outputs[key]
+            self.omnikv_budgets[:bs].copy_(torch.tensor(sparse.budgets, dtype=torch.int32, device=self.device))
         for dst, src in ((self.input_ids, batch.input_ids), (self.positions, batch.positions),
                          (self.req_pool_indices, batch.req_pool_indices), (self.seq_lens, batch.seq_lens),
                          (self.out_cache_loc, batch.out_cache_loc)):
@@ -349,10 +430,12 @@ class CudaGraphRunner:
             padded, list(batch.seq_lens_cpu) + [1] * pad, list(batch.extend_prefix_lens_cpu) + [0] * pad
         )
         self.backend.init_forward_metadata_replay_cuda_graph(static)
-        self.graphs[padded].replay()
+        graph.replay()
         if self.mode is GraphMode.HOST_NODES and self.host_work:
             self._raise_host_errors()
-        return self.outputs[padded][:bs]
+        if sparse is not None:
+            sparse.count_selection()
+        return out[:bs]
 
     def _raise_host_errors(self) -> None:
         """Host nodes run on a driver thread, where a failure cannot raise: waits for the replay (the

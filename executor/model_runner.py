@@ -222,6 +222,8 @@ class ModelRunner:
                              "layers; make a new ModelRunner")
         plan = config.plan(self.config.num_hidden_layers)
         self.omnikv, self.omnikv_plan = config, plan
+        if self.graph_runner is not None:
+            self.graph_runner.drop_omnikv_graphs()
         if self.native_forward is not None:
             self.native_forward.set_omnikv(config, plan, self.query_history)
 

@@ -85,13 +85,27 @@ class QueryHistory:
 class PackedSelection:
     """One filter layer's selections made on the device (`OmniKVBatch.observe_batched`): row j of
     `slots` [P, k_max] int64 holds the KV slots of batch row `batch_rows[j]`, sorted by position, 0 past
-    its length; `lens` ([P] on the host) and `lens_dev` (the same on the device) are those lengths."""
+    its length; `lens_dev` [P] int64 are those lengths, and `width` (known on the host) bounds them: the
+    longest selection eagerly, the capacity k_max in a captured graph (which cannot read the lengths)."""
 
     batch_rows: list[int]
     batch_rows_dev: torch.Tensor  # [P] int64
     slots: torch.Tensor  # [P, k_max] int64
-    lens: list[int]
+    width: int
     lens_dev: torch.Tensor  # [P] int64
+
+
+@dataclass
+class GraphRows:
+    """The OmniKV inputs of a captured decode graph in which every row of the batch is an OmniKV row:
+    device buffers the graph runner rewrites before each replay (no per-step host value reaches the
+    forward), and the fixed shapes the capture was made for."""
+
+    req_rows: torch.Tensor  # [B] int64: each row's req_to_token row
+    positions: torch.Tensor  # [B] int64: the position of each row's token (context = position + 1)
+    budgets: torch.Tensor  # [B] int32: k per row (0 for padding rows)
+    width: int  # importance is computed over positions 0..width-1: >= every row's context
+    k_cap: int  # selection capacity: >= every row's kept count (budget + sink + recent, or the context)
 
 
 class OmniKVBatch:
@@ -106,7 +120,8 @@ class OmniKVBatch:
 
     def __init__(self, roles: Sequence[int], source: Sequence[int], rows: Sequence[int], req_rows: Sequence[int],
                  positions: Sequence[int], budgets: Sequence[int], *, sink: int, recent: int,
-                 weights_for, table: torch.Tensor, history: QueryHistory | None = None) -> None:
+                 weights_for, table: torch.Tensor, history: QueryHistory | None = None,
+                 graph: GraphRows | None = None) -> None:
         self.roles, self.source = list(roles), list(source)
         self.rows = list(rows)
         self._where = {b: i for i, b in enumerate(self.rows)}
@@ -115,12 +130,46 @@ class OmniKVBatch:
         self.weights_for = weights_for  # present window queries -> alpha weights (oldest first)
         self.table = table
         self.history = history
+        self.graph = graph  # a captured graph's device inputs (then req_rows, positions, budgets are empty)
         self.filter_of = {layer: roles[: layer + 1].count(FILTER) - 1 for layer in range(len(roles))}
         self.selected: dict[int, list[torch.Tensor]] = {}  # filter index -> per sparse row: KV slots (int64)
         self.packed: dict[int, PackedSelection] = {}  # filter index -> the same, padded (observe_batched)
         self._device_args: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}  # observe_batched's per-row inputs
+        self._alpha: torch.Tensor | None = None  # [W + 1, W] weights_for(c) in row c, on the device
         self.selected_tokens = 0  # summed over filter layers and rows (metrics)
         self.context_tokens = 0
+
+    @classmethod
+    def for_graph(cls, roles: Sequence[int], source: Sequence[int], graph: GraphRows, *, sink: int, recent: int,
+                  weights_for, table: torch.Tensor, history: QueryHistory | None = None) -> OmniKVBatch:
+        """The state a captured decode graph runs with: every one of the graph's rows is an OmniKV row,
+        read from `graph`'s buffers, so a replay selects for whatever the runner wrote there."""
+        batch = cls(roles, source, range(graph.req_rows.shape[0]), [], [], [], sink=sink, recent=recent,
+                    weights_for=weights_for, table=table, history=history, graph=graph)
+        batch.alpha_table(graph.req_rows.device)  # made here, before any capture (a host-to-device copy)
+        return batch
+
+    def covers(self, batch_size: int) -> bool:
+        """Whether every row of a batch of `batch_size` decodes with OmniKV."""
+        return len(self.rows) == batch_size
+
+    def count_selection(self) -> None:
+        """The metrics `observe_batched` adds, from the host's positions and budgets alone: for a forward
+        replayed from a graph, whose selections were made without Python."""
+        filters = self.roles.count(FILTER)
+        ns = [p + 1 for p in self.positions]
+        self.selected_tokens += filters * sum(kept_count(n, k, self.sink, self.recent) for n, k in zip(ns, self.budgets))
+        self.context_tokens += filters * sum(ns)
+
+    def alpha_table(self, device: torch.device) -> torch.Tensor:
+        """[W + 1, W]: row c holds the weights of c present window queries (oldest first), 0 beyond."""
+        if self._alpha is None:
+            w = self.window
+            table = torch.zeros(w + 1, w, dtype=torch.float32)
+            for c in range(1, w + 1):
+                table[c, :c] = torch.tensor(list(self.weights_for(c)), dtype=torch.float32)
+            self._alpha = table.to(device)
+        return self._alpha
 
     def role(self, layer_id: int) -> int:
         return self.roles[layer_id]
@@ -159,18 +208,21 @@ class OmniKVBatch:
 
     def _inputs(self, idx: list[int], device: torch.device) -> dict[str, torch.Tensor]:
         """The device tensors of rows `idx` (indices into self.rows) that every filter layer reuses."""
+        w = self.window
+        g = self.graph
+        if g is not None:  # the graph's buffers: positions change between replays, so nothing derived is kept
+            pos = g.positions
+            return {"batch_rows": torch.arange(pos.shape[0], device=device), "req_rows": g.req_rows, "pos": pos,
+                    "ctx": pos + 1, "alpha": self.alpha_table(device),
+                    "win_pos": pos[:, None] - (w - 1) + torch.arange(w, device=device)[None, :]}
         key = tuple(idx)
         got = self._device_args.get(key)
         if got is None:
             as_dev = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
-            w = self.window
-            table = torch.zeros(w + 1, w, dtype=torch.float32)  # row c: weights_for(c), oldest first
-            for c in range(1, w + 1):
-                table[c, :c] = torch.tensor(list(self.weights_for(c)), dtype=torch.float32)
             pos = as_dev([self.positions[i] for i in idx])
             got = {
                 "batch_rows": as_dev([self.rows[i] for i in idx]), "req_rows": as_dev([self.req_rows[i] for i in idx]),
-                "pos": pos, "ctx": pos + 1, "alpha": table.to(device),
+                "pos": pos, "ctx": pos + 1, "alpha": self.alpha_table(device),
                 "win_pos": pos[:, None] - (w - 1) + torch.arange(w, device=device)[None, :],  # [P, W] oldest first
             }
             self._device_args[key] = got
@@ -210,6 +262,15 @@ class OmniKVBatch:
         else:
             q_win, q_pos = q[:, None], a["pos"][:, None]
             weights = a["alpha"][1:2].expand(len(idx), 1)
+        g = self.graph
+        if g is not None:  # fixed shapes, budgets on the device; the metrics come from count_selection
+            imp = kernels.importance(q_win.contiguous(), q_pos.contiguous(), weights.contiguous(), keys, self.table,
+                                     a["req_rows"], a["ctx"], scale, g.width, max_splits=max_splits)
+            slots, lens_dev = kernels.select_slots(imp, a["ctx"], g.budgets, self.sink, self.recent, self.table,
+                                                   a["req_rows"], g.k_cap)
+            self.packed[f] = PackedSelection(list(self.rows), a["batch_rows"], slots.to(torch.int64), g.k_cap,
+                                             lens_dev.to(torch.int64))
+            return
         ns = [self.positions[i] + 1 for i in idx]
         budgets = [self.budgets[i] for i in idx]
         imp = kernels.importance(q_win.contiguous(), q_pos.contiguous(), weights.contiguous(), keys, self.table,
@@ -219,7 +280,7 @@ class OmniKVBatch:
                                                a["req_rows"], k_max)
         slots = slots.to(torch.int64)
         lens = [kept_count(n, k, self.sink, self.recent) for n, k in zip(ns, budgets)]
-        self.packed[f] = PackedSelection([self.rows[i] for i in idx], a["batch_rows"], slots, lens,
+        self.packed[f] = PackedSelection([self.rows[i] for i in idx], a["batch_rows"], slots, max(lens),
                                          lens_dev.to(torch.int64))
         for j, (i, length) in enumerate(zip(idx, lens)):
             out[i] = slots[j, :length]
@@ -269,7 +330,7 @@ class OmniKVBatch:
         attends fully, else the longest selection)."""
         bsz = indices.shape[0]
         full = len(packed.batch_rows) < bsz
-        width = indices.shape[1] if full else max(packed.lens)
+        width = indices.shape[1] if full else packed.width
         dev = indices.device
         if full:
             out = indices[:, :width].masked_fill(~mask[:, :width], 0)

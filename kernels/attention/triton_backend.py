@@ -25,8 +25,9 @@ small table [B, width] of KV slots (page size 1, rows 0..B-1) in which each spar
 selection and every other row its whole context, with per-row lengths: decode reads it with seq_len =
 the row's length, and a MIXED batch's extend kernel with prefix = length - new tokens (a sparse row's
 one query sees its whole selection, which ends with the token itself). The table is built once per
-forward and filter layer. Batches with OmniKV are never captured in CUDA graphs (the graph runner skips
-them).
+forward and filter layer. A DECODE batch whose every row is an OmniKV row reads the packed selections
+as they are and takes nothing from the host: such batches replay CUDA graphs (`omnikv_graphs`; the
+graph runner captures one per padded batch size and context bucket, executor/cuda_graph_runner.py).
 
 Needs a CUDA device, or `TRITON_INTERPRET=1` (set before Triton is imported) for CPU testing.
 """
@@ -76,6 +77,7 @@ class _SparseView:
 
 class TritonAttentionBackend(AttentionBackend):
     graph_support = GraphSupport.device_only()
+    omnikv_graphs = True  # decode batches of OmniKV rows only can be captured (see the module docstring)
 
     def __init__(self, *, num_sms: int | None = None, **_: object) -> None:
         """`num_sms` (streaming multiprocessors) sizes the split plan; read from the device when None."""
@@ -183,6 +185,12 @@ class TritonAttentionBackend(AttentionBackend):
             return None
         key = sparse.source[layer.layer_id]  # layers reading one filter's selection share the table
         view = self._sparse_views.get(key)
+        packed = sparse.packed.get(key)
+        if view is None and packed is not None and sparse.covers(batch.batch_size):
+            # every row reads its selection: the packed table as it is (a captured graph's path, which
+            # must not build anything from the host's lengths)
+            view = _SparseView(packed.slots.to(torch.int32), packed.batch_rows_dev, packed.lens_dev.to(torch.int32))
+            self._sparse_views[key] = view
         if view is None:
             if self._full_view is None:
                 req_to_token = batch.req_to_token_pool.req_to_token
@@ -209,15 +217,20 @@ class TritonAttentionBackend(AttentionBackend):
         sparse = batch.omnikv
         if sparse is None or sparse.role(layer.layer_id) != FILTER or not sparse.rows:
             return
-        if batch.forward_mode.is_decode():
-            tokens = list(sparse.rows)
+        if batch.forward_mode.is_decode() and sparse.covers(batch.batch_size):
+            qs = q  # every row, in order (a captured graph's path: no index tensor from the host)
+            if q_rope is not None:
+                qs = torch.cat([qs, q_rope], dim=-1)
         else:
-            starts = batch.extend_start_loc_cpu
-            tokens = [starts[b] for b in sparse.rows]
-        idx = torch.tensor(tokens, dtype=torch.int64, device=q.device)
-        qs = q.index_select(0, idx)
-        if q_rope is not None:
-            qs = torch.cat([qs, q_rope.index_select(0, idx)], dim=-1)
+            if batch.forward_mode.is_decode():
+                tokens = list(sparse.rows)
+            else:
+                starts = batch.extend_start_loc_cpu
+                tokens = [starts[b] for b in sparse.rows]
+            idx = torch.tensor(tokens, dtype=torch.int64, device=q.device)
+            qs = q.index_select(0, idx)
+            if q_rope is not None:
+                qs = torch.cat([qs, q_rope.index_select(0, idx)], dim=-1)
         if self._omnikv_kernels is None:
             from kernels import triton_omnikv
 

@@ -343,6 +343,63 @@ def test_triton_backend_with_stand_in_graph(model):
     check_replays(runner, graphs, [3, 10, 6], [[0, 2, 1], [2, 0]], tol=1e-4)
 
 
+# ---------------------------------------------------------------- OmniKV decodes through graphs
+@pytest.mark.skipif(not _TRITON_ATTENTION, reason="needs triton and kernels/attention/triton_backend.py")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the stand-in graph runs the kernels interpreted on CPU "
+                    "tensors; on a GPU host bench/omnikv_gpu.py checks graphed OmniKV decodes against eager ones")
+@pytest.mark.parametrize("preset, window, alpha", [("tiny-deepseek-v2", 1, "last_token"),
+                                                   ("tiny-llama", 3, "exponential")])
+def test_omnikv_decodes_replay_their_own_graphs(tmp_path, preset, window, alpha):
+    """Decode batches whose every row is an OmniKV row replay graphs captured per (padded size, context
+    bucket): the same logits and metrics as the eager OmniKV forward, and the graph's forward reads
+    no per-step host value (its OmniKVBatch has none: a stand-in replay that reached for one would
+    fail). A batch with one full-attention row runs eagerly; a new OmniKV config drops the graphs."""
+    from kernels.attention import create_attention_backend
+    from models.omnikv_config import OmniKVConfig
+
+    from executor.cuda_graph_runner import omnikv_width
+
+    loaded = load_model(write_checkpoint(tmp_path / preset, preset, seed=6, num_layers=6), dtype="float32",
+                        load_tokenizer=False, progress=False)
+    cfg = OmniKVConfig(filter_layers=(1, 3), budget_tokens=6, sink_tokens=2, recent_tokens=3, window=window,
+                       alpha=alpha)
+    runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=1024, max_running_requests=8,
+                         max_context_len=128, omnikv=cfg)
+    assert 2 in runner.omnikv_plan.roles  # some layers read a selection
+    runner.attn_backend = create_attention_backend("triton")
+    graphs = CudaGraphRunner(runner, 4, RerunCapture(runner.attn_backend))
+    graphs.capture()
+    runner.graph_runner = graphs
+    lens = [21, 40, 30]
+    rows, seq_lens, toks = prefill(runner, lens)
+    for picked in ([0, 1, 2], [2, 0], [0, 1, 2], [1]):
+        batch = runner.build_batch([RequestSlice(rows[i], seq_lens[i], [toks[i]], omnikv=True) for i in picked])
+        assert batch.omnikv is not None and batch.omnikv.covers(len(picked)) and graphs.can_run(batch)
+        want = eager(runner, batch)
+        selected, context = batch.omnikv.selected_tokens, batch.omnikv.context_tokens
+        assert selected > 0 and context > selected
+        batch.omnikv.selected_tokens = batch.omnikv.context_tokens = 0
+        poison(graphs, runner, rows, seq_lens)
+        got = graphs.replay(batch)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+        assert (batch.omnikv.selected_tokens, batch.omnikv.context_tokens) == (selected, context)
+        for i, t in zip(picked, want.argmax(-1).tolist()):
+            seq_lens[i] += 1
+            toks[i] = t
+    # padded sizes 4, 2, 4, 1; longest contexts 41, 32, 43, 43: buckets 64, 32, 64, 64
+    assert sorted(graphs.omnikv_graphs) == [(1, 64), (2, 32), (4, 64)]
+    assert omnikv_width(41, 128) == 64 and omnikv_width(65, 128) == 128 and omnikv_width(300, 128) == 128
+    assert sum(g.replays for g in graphs.omnikv_graphs.values()) == 4
+    assert not any(g.replays for g in graphs.graphs.values())
+    # a batch in which one row attends fully is not captured
+    mixed = runner.build_batch([RequestSlice(rows[0], seq_lens[0], [toks[0]], omnikv=True),
+                                RequestSlice(rows[1], seq_lens[1], [toks[1]], omnikv=False)])
+    assert mixed.omnikv is not None and not mixed.omnikv.covers(2) and not graphs.can_run(mixed)
+    runner.set_omnikv(dataclasses.replace(cfg, budget_tokens=9))
+    assert graphs.omnikv_graphs == {} and graphs.omnikv_outputs == {}
+
+
 # ---------------------------------------------------------------- hybrid placement: CPU experts as host nodes
 
 
