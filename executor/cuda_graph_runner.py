@@ -38,6 +38,7 @@ routed-expert backend (`kernels.graph_support`), by `plan_decode_graphs`:
 
 Before capturing, the runner asks each expert backend to prepare for that mode; what a backend
 returns (its host tasks, say) the runner keeps as long as its graphs.
+`bench/model_decode_gpu.py --hybrid` times both hybrid modes against eager decode.
 
 OmniKV (kernels/attention/omnikv.py): a decode batch whose every row is an OmniKV row replays a graph of
 its own when the attention backend can run one without the host (`omnikv_graphs`) and the capture is
@@ -46,7 +47,6 @@ power of two holding every row's context (`omnikv_width`): importance is compute
 the selection table holds the budget of that width plus the sink and recent tokens; the rows'
 budgets join the static inputs. Such graphs are captured the first time a (size, bucket) is met, on
 the dummy request, and dropped when the runner's OmniKV config changes (`drop_omnikv_graphs`).
-`bench/model_decode_gpu.py --hybrid` times both hybrid modes against eager decode.
 
 The capture mechanism is injected (`GraphCapture`): `CudaGraphCapture` in production; CPU tests pass
 a stand-in whose replay re-runs the forward on the static buffers.
