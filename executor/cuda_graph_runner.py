@@ -40,13 +40,15 @@ Before capturing, the runner asks each expert backend to prepare for that mode; 
 returns (its host tasks, say) the runner keeps as long as its graphs.
 `bench/model_decode_gpu.py --hybrid` times both hybrid modes against eager decode.
 
-OmniKV (kernels/attention/omnikv.py): a decode batch whose every row is an OmniKV row replays a graph of
-its own when the attention backend can run one without the host (`omnikv_graphs`) and the capture is
-plain (CAPTURE mode). Its shapes are fixed by the padded batch size and a context bucket, the smallest
-power of two holding every row's context (`omnikv_width`): importance is computed over that width and
-the selection table holds the budget of that width plus the sink and recent tokens; the rows'
-budgets join the static inputs. Such graphs are captured the first time a (size, bucket) is met, on
-the dummy request, and dropped when the runner's OmniKV config changes (`drop_omnikv_graphs`).
+OmniKV (kernels/attention/omnikv.py): a decode batch with OmniKV rows replays a graph of its own when
+the attention backend can run one without the host (`omnikv_graphs`) and the capture is plain
+(CAPTURE mode). Its shapes are fixed by the padded batch size and a context bucket, the smallest power
+of two holding every row's context (`omnikv_width`): importance is computed over that width, and the
+selection table holds the budget of that width plus the sink and recent tokens, or, when the batch
+also has full-attention rows, the whole width (those rows' budgets cover their contexts: they select
+everything, which is full attention). The rows' budgets (and, mixed, which rows are OmniKV rows) join
+the static inputs. Such graphs are captured the first time a (size, bucket, mixed) key is met, on the
+dummy request, and dropped when the runner's OmniKV config changes (`drop_omnikv_graphs`).
 
 The capture mechanism is injected (`GraphCapture`): `CudaGraphCapture` in production; CPU tests pass
 a stand-in whose replay re-runs the forward on the static buffers.
@@ -294,8 +296,9 @@ class CudaGraphRunner:
         # OmniKV decode graphs, per (padded size, context bucket), captured when first needed
         self._runner = runner  # its OmniKV config and query history are read at each capture
         self.omnikv_budgets = torch.zeros(self.max_bs, dtype=torch.int32, device=self.device)
-        self.omnikv_graphs: dict[tuple[int, int], CapturedGraph] = {}
-        self.omnikv_outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.omnikv_sparse = torch.zeros(self.max_bs, dtype=torch.bool, device=self.device)
+        self.omnikv_graphs: dict[tuple[int, int, bool], CapturedGraph] = {}
+        self.omnikv_outputs: dict[tuple[int, int, bool], torch.Tensor] = {}
         self.omnikv_off_reason: str | None = None  # set when a capture failed: OmniKV decodes run eagerly
         self.experts = [m for m in self.model.modules() if isinstance(m, ExpertBackend)]
         # what the expert backends prepared for these graphs (host tasks, ...): kept while they are
@@ -325,7 +328,8 @@ class CudaGraphRunner:
         """Rows start..end-1 become the dummy request (row 0, seq_len 1, position 0, slot 0, token 0)."""
         if start >= end:
             return
-        for buf in (self.input_ids, self.positions, self.req_pool_indices, self.out_cache_loc, self.omnikv_budgets):
+        for buf in (self.input_ids, self.positions, self.req_pool_indices, self.out_cache_loc, self.omnikv_budgets,
+                    self.omnikv_sparse):
             buf[start:end].zero_()
         self.seq_lens[start:end].fill_(1)
 
@@ -344,8 +348,8 @@ class CudaGraphRunner:
         logger.info("CUDA graphs captured for decode batch sizes %s", ", ".join(map(str, self.batch_sizes)))
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """A decode batch of one token per request, last-token logits only, within the captured sizes;
-        with OmniKV only when every row is an OmniKV row and OmniKV graphs can be made here."""
+        """A decode batch of one token per request, last-token logits only, within the captured sizes
+        (with OmniKV rows when OmniKV graphs can be made here)."""
         return (
             bool(self.graphs)
             and batch.forward_mode.is_decode()
@@ -367,7 +371,6 @@ class CudaGraphRunner:
             and self.backend.omnikv_graphs
             and self._runner.omnikv is not None and self._runner.omnikv_plan is not None
             and sparse.graph is None
-            and sparse.covers(batch.batch_size)
         )
 
     def drop_omnikv_graphs(self) -> None:
@@ -377,13 +380,15 @@ class CudaGraphRunner:
         self.omnikv_outputs.clear()
 
     @torch.no_grad()
-    def _capture_omnikv(self, bs: int, width: int) -> None:
-        """Records the OmniKV decode graph of `bs` rows and context bucket `width`, on the dummy request."""
+    def _capture_omnikv(self, bs: int, width: int, mixed: bool) -> None:
+        """Records the OmniKV decode graph of `bs` rows and context bucket `width` (`mixed`: some rows
+        attend fully), on the dummy request."""
         cfg, plan = self._runner.omnikv, self._runner.omnikv_plan
         assert cfg is not None and plan is not None
-        k_cap = min(width, cfg.budget_for(width) + cfg.sink_tokens + cfg.recent_tokens)
+        k_cap = width if mixed else min(width, cfg.budget_for(width) + cfg.sink_tokens + cfg.recent_tokens)
         self._fill_dummy(0, bs)  # warm-up and capture runs write only the dummy slot and history row
-        rows = GraphRows(self.req_pool_indices[:bs], self.positions[:bs], self.omnikv_budgets[:bs], width, k_cap)
+        rows = GraphRows(self.req_pool_indices[:bs], self.positions[:bs], self.omnikv_budgets[:bs], width, k_cap,
+                         self.omnikv_sparse[:bs] if mixed else None)
         sparse = OmniKVBatch.for_graph(plan.roles, plan.source, rows, sink=cfg.sink_tokens, recent=cfg.recent_tokens,
                                        weights_for=cfg.alpha_weights, table=self.req_to_token_pool.req_to_token,
                                        history=self._runner.query_history)
@@ -391,9 +396,9 @@ class CudaGraphRunner:
         self.backend.init_forward_metadata_capture_cuda_graph(batch)
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             graph, out = self._capture(lambda b=batch: self.model.forward_prepared(b))
-        self.omnikv_graphs[(bs, width)], self.omnikv_outputs[(bs, width)] = graph, out
-        logger.info("CUDA graph captured for OmniKV decode: batch size %d, context bucket %d (selection %d)",
-                    bs, width, k_cap)
+        self.omnikv_graphs[(bs, width, mixed)], self.omnikv_outputs[(bs, width, mixed)] = graph, out
+        logger.info("CUDA graph captured for OmniKV decode: batch size %d, context bucket %d, selection %d%s",
+                    bs, width, k_cap, " (with full-attention rows)" if mixed else "")
 
     @torch.no_grad()
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
@@ -408,7 +413,9 @@ class CudaGraphRunner:
         graph, out = self.graphs[padded], self.outputs[padded]
         sparse = batch.omnikv
         if sparse is not None:
-            key = (padded, omnikv_width(max(batch.seq_lens_cpu), self.max_context_len))
+            width = omnikv_width(max(batch.seq_lens_cpu), self.max_context_len)
+            mixed = not sparse.covers(bs)
+            key = (padded, width, mixed)
             if key not in self.omnikv_graphs:
                 try:
                     self._capture_omnikv(*key)
@@ -419,7 +426,12 @@ class CudaGraphRunner:
                         torch.cuda.synchronize(self.device)
                     return self.model(batch)
             graph, out = self.omnikv_graphs[key], self.omnikv_outputs[key]
-            self.omnikv_budgets[:bs].copy_(torch.tensor(sparse.budgets, dtype=torch.int32, device=self.device))
+            budgets, is_sparse = [width] * bs, [False] * bs  # a full row selects its whole context
+            for b, k in zip(sparse.rows, sparse.budgets):
+                budgets[b], is_sparse[b] = k, True
+            self.omnikv_budgets[:bs].copy_(torch.tensor(budgets, dtype=torch.int32, device=self.device))
+            if mixed:
+                self.omnikv_sparse[:bs].copy_(torch.tensor(is_sparse, dtype=torch.bool, device=self.device))
         for dst, src in ((self.input_ids, batch.input_ids), (self.positions, batch.positions),
                          (self.req_pool_indices, batch.req_pool_indices), (self.seq_lens, batch.seq_lens),
                          (self.out_cache_loc, batch.out_cache_loc)):

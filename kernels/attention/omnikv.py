@@ -97,15 +97,18 @@ class PackedSelection:
 
 @dataclass
 class GraphRows:
-    """The OmniKV inputs of a captured decode graph in which every row of the batch is an OmniKV row:
-    device buffers the graph runner rewrites before each replay (no per-step host value reaches the
-    forward), and the fixed shapes the capture was made for."""
+    """The OmniKV inputs of a captured decode graph: device buffers the graph runner rewrites before each
+    replay (no per-step host value reaches the forward), and the fixed shapes the capture was made for.
+    Every row of the batch goes through the selection; in a batch that mixes OmniKV and full-attention
+    rows (`sparse` given), a full row's budget covers its context, so it selects everything (full
+    attention) and leaves the query history as it is."""
 
     req_rows: torch.Tensor  # [B] int64: each row's req_to_token row
     positions: torch.Tensor  # [B] int64: the position of each row's token (context = position + 1)
-    budgets: torch.Tensor  # [B] int32: k per row (0 for padding rows)
+    budgets: torch.Tensor  # [B] int32: k per row (0 for padding rows, >= the context for full rows)
     width: int  # importance is computed over positions 0..width-1: >= every row's context
     k_cap: int  # selection capacity: >= every row's kept count (budget + sink + recent, or the context)
+    sparse: torch.Tensor | None = None  # [B] bool: the OmniKV rows of a mixed batch (None: every row)
 
 
 class OmniKVBatch:
@@ -250,8 +253,14 @@ class OmniKVBatch:
         if self.history is not None:
             hist, w = self.history, self.history.window
             rows = a["req_rows"]
-            hist.q[rows, f, a["pos"] % w] = q.float()
-            hist.pos[rows, f, a["pos"] % w] = a["pos"]
+            e = a["pos"] % w
+            q_new, pos_new = q.float(), a["pos"]
+            if self.graph is not None and self.graph.sparse is not None:  # a mixed graph's full rows keep theirs
+                keep = ~self.graph.sparse
+                q_new = torch.where(keep[:, None, None], hist.q[rows, f, e], q_new)
+                pos_new = torch.where(keep, hist.pos[rows, f, e], pos_new)
+            hist.q[rows, f, e] = q_new
+            hist.pos[rows, f, e] = pos_new
             win_pos = a["win_pos"]
             entries = win_pos.remainder(w)
             present = (win_pos >= 0) & (hist.pos[rows[:, None], f, entries] == win_pos)  # [P, W]

@@ -25,9 +25,9 @@ small table [B, width] of KV slots (page size 1, rows 0..B-1) in which each spar
 selection and every other row its whole context, with per-row lengths: decode reads it with seq_len =
 the row's length, and a MIXED batch's extend kernel with prefix = length - new tokens (a sparse row's
 one query sees its whole selection, which ends with the token itself). The table is built once per
-forward and filter layer. A DECODE batch whose every row is an OmniKV row reads the packed selections
-as they are and takes nothing from the host: such batches replay CUDA graphs (`omnikv_graphs`; the
-graph runner captures one per padded batch size and context bucket, executor/cuda_graph_runner.py).
+forward and filter layer. A DECODE batch whose every row goes through the selection reads the packed
+selections as they are and takes nothing from the host: such batches replay CUDA graphs
+(`omnikv_graphs`; executor/cuda_graph_runner.py, where a mixed batch's full rows select everything).
 
 Needs a CUDA device, or `TRITON_INTERPRET=1` (set before Triton is imported) for CPU testing.
 """

@@ -350,10 +350,11 @@ def test_triton_backend_with_stand_in_graph(model):
 @pytest.mark.parametrize("preset, window, alpha", [("tiny-deepseek-v2", 1, "last_token"),
                                                    ("tiny-llama", 3, "exponential")])
 def test_omnikv_decodes_replay_their_own_graphs(tmp_path, preset, window, alpha):
-    """Decode batches whose every row is an OmniKV row replay graphs captured per (padded size, context
-    bucket): the same logits and metrics as the eager OmniKV forward, and the graph's forward reads
-    no per-step host value (its OmniKVBatch has none: a stand-in replay that reached for one would
-    fail). A batch with one full-attention row runs eagerly; a new OmniKV config drops the graphs."""
+    """Decode batches with OmniKV rows replay graphs captured per (padded size, context bucket, mixed):
+    the same logits, metrics and query history as the eager OmniKV forward, whether every row is an
+    OmniKV row or some attend fully, and the graph's forward reads no per-step host value (its
+    OmniKVBatch has none: a stand-in replay that reached for one would fail). A new OmniKV config
+    drops the graphs."""
     from kernels.attention import create_attention_backend
     from models.omnikv_config import OmniKVConfig
 
@@ -372,30 +373,35 @@ def test_omnikv_decodes_replay_their_own_graphs(tmp_path, preset, window, alpha)
     runner.graph_runner = graphs
     lens = [21, 40, 30]
     rows, seq_lens, toks = prefill(runner, lens)
-    for picked in ([0, 1, 2], [2, 0], [0, 1, 2], [1]):
-        batch = runner.build_batch([RequestSlice(rows[i], seq_lens[i], [toks[i]], omnikv=True) for i in picked])
-        assert batch.omnikv is not None and batch.omnikv.covers(len(picked)) and graphs.can_run(batch)
+    history = runner.query_history
+    steps = [([0, 1, 2], {0, 1, 2}), ([2, 0], {0, 2}), ([0, 1, 2], {1}), ([1], {1}), ([0, 1, 2], {0, 1, 2})]
+    for picked, sparse_rows in steps:  # (rows decoding, those with OmniKV)
+        batch = runner.build_batch([RequestSlice(rows[i], seq_lens[i], [toks[i]], omnikv=i in sparse_rows)
+                                    for i in picked])
+        assert batch.omnikv is not None and batch.omnikv.covers(len(picked)) == (len(sparse_rows) == len(picked))
+        assert graphs.can_run(batch)
         want = eager(runner, batch)
         selected, context = batch.omnikv.selected_tokens, batch.omnikv.context_tokens
         assert selected > 0 and context > selected
         batch.omnikv.selected_tokens = batch.omnikv.context_tokens = 0
+        hist_before = (history.q.clone(), history.pos.clone()) if history is not None else None
         poison(graphs, runner, rows, seq_lens)
         got = graphs.replay(batch)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
         assert (batch.omnikv.selected_tokens, batch.omnikv.context_tokens) == (selected, context)
+        if history is not None:  # the replay recorded what the eager forward had (row 0: the dummy's); q to
+            # rounding: the padded batch's projections may sum in another order
+            assert torch.equal(history.pos[1:], hist_before[1][1:])
+            torch.testing.assert_close(history.q[1:], hist_before[0][1:], rtol=1e-4, atol=1e-5)
         for i, t in zip(picked, want.argmax(-1).tolist()):
             seq_lens[i] += 1
             toks[i] = t
-    # padded sizes 4, 2, 4, 1; longest contexts 41, 32, 43, 43: buckets 64, 32, 64, 64
-    assert sorted(graphs.omnikv_graphs) == [(1, 64), (2, 32), (4, 64)]
+    # padded sizes 4, 2, 4, 1, 4; longest contexts 41, 32, 43, 43, 45: buckets 64, 32, 64, 64, 64
+    assert sorted(graphs.omnikv_graphs) == [(1, 64, False), (2, 32, False), (4, 64, False), (4, 64, True)]
     assert omnikv_width(41, 128) == 64 and omnikv_width(65, 128) == 128 and omnikv_width(300, 128) == 128
-    assert sum(g.replays for g in graphs.omnikv_graphs.values()) == 4
+    assert sum(g.replays for g in graphs.omnikv_graphs.values()) == len(steps)
     assert not any(g.replays for g in graphs.graphs.values())
-    # a batch in which one row attends fully is not captured
-    mixed = runner.build_batch([RequestSlice(rows[0], seq_lens[0], [toks[0]], omnikv=True),
-                                RequestSlice(rows[1], seq_lens[1], [toks[1]], omnikv=False)])
-    assert mixed.omnikv is not None and not mixed.omnikv.covers(2) and not graphs.can_run(mixed)
     runner.set_omnikv(dataclasses.replace(cfg, budget_tokens=9))
     assert graphs.omnikv_graphs == {} and graphs.omnikv_outputs == {}
 
@@ -696,9 +702,9 @@ def test_cuda_graph_greedy_equals_eager(tmp_path, name, experts, mode):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name, window, alpha", [("tiny-deepseek-v2", 1, "last_token"), ("tiny-llama", 3, "exponential")])
 def test_omnikv_cuda_graphs_equal_eager_omnikv(tmp_path, name, window, alpha):
-    """Real graphs of OmniKV decodes (every row sparse) against the eager OmniKV forward: the same logits
-    at every step, while contexts cross a bucket (64 -> 128) and batch sizes change; the graphs were
-    captured per (size, bucket) and replayed."""
+    """Real graphs of OmniKV decodes against the eager OmniKV forward: the same logits at every step, while
+    contexts cross a bucket (64 -> 128), batch sizes change and some batches mix OmniKV and
+    full-attention rows; the graphs were captured per (size, bucket, mixed) and replayed."""
     from models.omnikv_config import OmniKVConfig
 
     path = write_checkpoint(tmp_path, name, seed=4, num_layers=6)
@@ -716,11 +722,13 @@ def test_omnikv_cuda_graphs_equal_eager_omnikv(tmp_path, name, window, alpha):
     for r in (graphed, eager_runner):
         rows, seq_lens, toks = prefill(r, lens)
         state[id(r)] = (rows, seq_lens, toks)
-    for picked in ([0, 1, 2], [1, 2], [0], [0, 1, 2]) * 5:
+    for step, picked in enumerate(([0, 1, 2], [1, 2], [0], [0, 1, 2]) * 5):
+        sparse_rows = set(picked) if step % 3 else set(picked[:1])  # every third batch mixed (or all sparse)
         logits = []
         for r in (graphed, eager_runner):
             rows, seq_lens, toks = state[id(r)]
-            batch = r.build_batch([RequestSlice(rows[i], seq_lens[i], [toks[i]], omnikv=True) for i in picked])
+            batch = r.build_batch([RequestSlice(rows[i], seq_lens[i], [toks[i]], omnikv=i in sparse_rows)
+                                   for i in picked])
             assert batch.omnikv is not None and (r is eager_runner or graphs.can_run(batch))
             out = r.forward(batch)
             logits.append(out.clone())
@@ -730,4 +738,5 @@ def test_omnikv_cuda_graphs_equal_eager_omnikv(tmp_path, name, window, alpha):
         torch.testing.assert_close(logits[0], logits[1], rtol=2e-4, atol=2e-4)
         assert logits[0].argmax(-1).tolist() == logits[1].argmax(-1).tolist()
     assert {key[1] for key in graphs.omnikv_graphs} == {64, 128} and graphs.omnikv_off_reason is None
+    assert {key[2] for key in graphs.omnikv_graphs} == {False, True}
     assert graphed.omnikv_counters == eager_runner.omnikv_counters
