@@ -3,8 +3,9 @@
 with full attention and with OmniKV at contexts 4K to 128K, in one run, through `ModelRunner` and the
 triton attention backend, and the latent cache a request holds on the device.
 
-Each context: one random prompt, prefilled in chunks; a second request row shares its prompt KV (as
-the prefix cache shares it), so full attention and OmniKV decode over the same cache. Rounds of
+Each context: one random prompt, prefilled in chunks, short enough that every timed decode step stays
+within the context; a second request row shares its prompt KV (as the prefix cache shares it), so
+full attention and OmniKV decode over the same cache. Rounds of
 `--steps` decode steps alternate between the two (the order flips every round); medians. Both are
 timed eagerly and, with `--graphs on`, through CUDA graphs (OmniKV decodes replay graphs of their own,
 captured per context bucket at the first step: `omnikv_graph_keys`); the graphs-on speedup is the
@@ -119,7 +120,10 @@ def check(runner: ModelRunner, cfg: OmniKVConfig, context: int, vocab: int, seed
 def time_context(runner: ModelRunner, context: int, args: argparse.Namespace, vocab: int, seed: int,
                  graphs: bool) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(2, vocab, (context,), generator=g).tolist()
+    # every decode step stays within `context` tokens (a power of two is also an OmniKV graph's bucket:
+    # one token more would time a graph twice as wide)
+    prompt_len = context - args.warmup - args.steps * args.rounds - 1
+    prompt = torch.randint(2, vocab, (prompt_len,), generator=g).tolist()
     pair = Pair(runner, prompt)
     device = runner.device
     modes = [("full", pair.a, False), ("omnikv", pair.b, True)]
@@ -141,7 +145,8 @@ def time_context(runner: ModelRunner, context: int, args: argparse.Namespace, vo
     full, sparse = statistics.median(times["full"]), statistics.median(times["omnikv"])
     cfg = runner.omnikv
     assert cfg is not None
-    return {"context": context, "graphs": graphs, "full_ms": full * 1e3, "omnikv_ms": sparse * 1e3,
+    return {"context": context, "prompt_len": prompt_len, "graphs": graphs, "full_ms": full * 1e3,
+            "omnikv_ms": sparse * 1e3,
             "speedup": full / sparse, "selected_per_sparse_layer": cfg.budget_for(context) + cfg.sink_tokens
             + cfg.recent_tokens, "kv_bytes_per_request": context * runner.kv_pool.bytes_per_token(),
             "round_times_s": times}

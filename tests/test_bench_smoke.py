@@ -79,6 +79,7 @@ def test_omnikv_decode_smoke(tmp_path: Path) -> None:
     assert c["correct"] and c["sparse_decodes"] == 4 and c["rel_err"] <= 1e-5  # fp32 here
     assert [(row["context"], row["graphs"]) for row in r["runs"]] == [(96, False), (160, False)]  # no CUDA: no graphs
     for row in r["runs"]:
+        assert row["prompt_len"] == row["context"] - 1 - 2 * 1 - 1  # warm-up 1, 2 steps x 1 round: within context
         assert row["full_ms"] > 0 and row["omnikv_ms"] > 0
         assert row["speedup"] == pytest.approx(row["full_ms"] / row["omnikv_ms"], rel=1e-9)
         assert row["selected_per_sparse_layer"] == math.ceil(0.1 * row["context"]) + 4 + 64
