@@ -133,7 +133,7 @@ class OmniKVBatch:
         self.weights_for = weights_for  # present window queries -> alpha weights (oldest first)
         self.table = table
         self.history = history
-        self.graph = graph  # a captured graph's device inputs (then req_rows, positions, budgets are empty)
+        self.graph = graph  # a captured graph's device inputs (then req_rows, positions and budgets are empty)
         self.filter_of = {layer: roles[: layer + 1].count(FILTER) - 1 for layer in range(len(roles))}
         self.selected: dict[int, list[torch.Tensor]] = {}  # filter index -> per sparse row: KV slots (int64)
         self.packed: dict[int, PackedSelection] = {}  # filter index -> the same, padded (observe_batched)
@@ -145,8 +145,9 @@ class OmniKVBatch:
     @classmethod
     def for_graph(cls, roles: Sequence[int], source: Sequence[int], graph: GraphRows, *, sink: int, recent: int,
                   weights_for, table: torch.Tensor, history: QueryHistory | None = None) -> OmniKVBatch:
-        """The state a captured decode graph runs with: every one of the graph's rows is an OmniKV row,
-        read from `graph`'s buffers, so a replay selects for whatever the runner wrote there."""
+        """The state a captured decode graph runs with: every one of the graph's rows goes through the
+        selection (a mixed graph's full rows select their whole context), its inputs read from `graph`'s
+        buffers, so a replay selects for whatever the runner wrote there."""
         batch = cls(roles, source, range(graph.req_rows.shape[0]), [], [], [], sink=sink, recent=recent,
                     weights_for=weights_for, table=table, history=history, graph=graph)
         batch.alpha_table(graph.req_rows.device)  # made here, before any capture (a host-to-device copy)
