@@ -5,11 +5,10 @@ triton attention backend, and the latent cache a request holds on the device.
 
 Each context: one random prompt, prefilled in chunks, short enough that every timed decode step stays
 within the context; a second request row shares its prompt KV (as the prefix cache shares it), so
-full attention and OmniKV decode over the same cache. Rounds of
-`--steps` decode steps alternate between the two (the order flips every round); medians. Both are
-timed eagerly and, with `--graphs on`, through CUDA graphs (OmniKV decodes replay graphs of their own,
-captured per context bucket at the first step: `omnikv_graph_keys`); the graphs-on speedup is the
-number for a server.
+full attention and OmniKV decode over the same cache. Rounds of `--steps` decode steps alternate
+between the two (the order flips every round); medians. Both are timed eagerly and, with `--graphs
+on`, through CUDA graphs (OmniKV decodes replay graphs of their own, captured per context bucket at
+the first step: `omnikv_graph_keys`); the graphs-on speedup is the number for a server.
 
 Correctness, before timing, with graphs and without: decode rows forced through the sparse machinery
 with selections that keep the whole context must give full attention's logits within a relative

@@ -20,9 +20,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,51 +28,21 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# the repository first, and bench/ for the helpers
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
+from cpu_common import RESULTS, free_port  # noqa: E402
 from models.synthetic import write_checkpoint  # noqa: E402
+from serve_cpu import Server, mlaserve_command, start_server, stop_server  # noqa: E402
 
 PROMPTS = [f"request {i}: the {w} of" for i, w in enumerate(
     "river mountain city engine model kernel graph token cache layer expert router latent head batch stream".split())]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """One `mlaserve serve` subprocess, logging to a file; waits for /health."""
-
-    def __init__(self, model: Path, log: Path, *args: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "mlaserve.cli", "serve", "--model", str(model), "--port", str(self.port),
-               "--served-model-name", "tiny", *args]
-        self.log = log
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
-
-    def wait(self, seconds: float) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < seconds:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()[-4000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return time.monotonic() - t0
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"server not healthy after {seconds}s:\n{self.log.read_text()[-4000:]}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+def server(name: str, model: Path, *args: str) -> Server:
+    port = free_port()
+    return Server(name, mlaserve_command(str(model), port, ["--served-model-name", "tiny", *args]),
+                  f"http://127.0.0.1:{port}")
 
 
 def complete(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
@@ -110,18 +77,20 @@ def main() -> int:
     else:
         raise SystemExit("no CUDA device: this check needs a GPU (--smoke runs its CPU stand-in)")
     slug = device.lower().replace(" ", "_")
-    out_path = Path(args.out) if args.out else ROOT / "bench" / "results" / f"serve_gpu_check_{slug}.json"
+    out_path = Path(args.out) if args.out else RESULTS / f"serve_gpu_check_{slug}.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="serve_gpu_check_"))
     model = write_checkpoint(work / "model", args.preset, seed=3, dtype="float32")
     result: dict[str, Any] = {"preset": args.preset, "device": device, "smoke": args.smoke, "failures": []}
     servers = {  # "cuda": the server under test (the GPU one, or its stand-in with --smoke)
-        "cuda": Server(model, out_path.with_suffix(".cuda.log"), *under_test),
-        "cpu": Server(model, out_path.with_suffix(".cpu.log"), "--device", "cpu", "--cpu-weight-dtype", "float32"),
+        "cuda": server("serve_gpu_check.cuda", model, *under_test),
+        "cpu": server("serve_gpu_check.cpu", model, "--device", "cpu", "--cpu-weight-dtype", "float32"),
     }
     try:
         for name, s in servers.items():
-            result[f"{name}_startup_s"] = s.wait(600)
+            t0 = time.monotonic()
+            start_server(s, out_path.parent, 600)  # logs beside the result
+            result[f"{name}_startup_s"] = time.monotonic() - t0
         texts = {}
         for name, s in servers.items():
             batch(s.url, 4)  # warm-up
@@ -154,11 +123,11 @@ def main() -> int:
             result["failures"].append("the same greedy request gave another text after the bad one")
         metrics = httpx.get(gpu + "/metrics", timeout=10).text
         result["metrics_lines"] = len(metrics.splitlines())
-    except Exception as e:  # reported in the JSON, with the servers' logs beside it
+    except (Exception, SystemExit) as e:  # reported in the JSON, with the servers' logs beside it
         result["failures"].append(f"{type(e).__name__}: {e}")
     finally:
         for s in servers.values():
-            s.stop()
+            stop_server(s)
     out_path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 1 if result["failures"] else 0

@@ -109,8 +109,8 @@ class AttentionBackend(ABC):
     #: per-forward metadata in buffers made by `init_cuda_graph_state`, rewritten in place before
     #: every replay (the hooks at the end of this class).
     graph_support: GraphSupport = GraphSupport.none("it builds its per-forward metadata in fresh tensors")
-    #: Whether a decode batch of OmniKV rows only (`batch.omnikv` covering it, its inputs in
-    #: `OmniKVBatch.graph`'s buffers) runs without reading the host, so that it can be captured too.
+    #: Whether a decode batch with OmniKV rows whose inputs are in `OmniKVBatch.graph`'s buffers (every
+    #: row through the selection) runs without reading the host, so that it can be captured too.
     omnikv_graphs: bool = False
 
     @abstractmethod

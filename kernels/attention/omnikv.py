@@ -309,15 +309,19 @@ class OmniKVBatch:
             raise RuntimeError(f"layer {layer_id} reads a selection its filter layer never made")
         return sel[i]
 
-    def decode_view(self, layer_id: int, indices: torch.Tensor, mask: torch.Tensor
+    def decode_view(self, layer_id: int, indices: torch.Tensor | None, mask: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A decode batch's padded [B, L] KV slots and validity mask with the sparse rows' selections in
-        place of their whole contexts (None where this layer attends fully)."""
+        place of their whole contexts (None where this layer attends fully). `indices` and `mask` (every
+        row's whole context) may be None when every row of the batch is a sparse row whose selection
+        was made on the device (`covers`, `observe_batched`): a captured graph's case."""
         if self.roles[layer_id] != SPARSE or not self.rows:
             return None
         packed = self.packed.get(self.source[layer_id])
         if packed is not None and len(packed.batch_rows) == len(self.rows):
             return self._packed_view(packed, indices, mask)
+        if indices is None or mask is None:
+            raise ValueError("decode_view needs the rows' contexts unless every row's selection was made on the device")
         lists = [self.slots(layer_id, b) for b in range(indices.shape[0])]
         width = max(int(mask[b].sum()) if s is None else int(s.numel()) for b, s in enumerate(lists))
         out = torch.zeros(indices.shape[0], width, dtype=indices.dtype, device=indices.device)
@@ -333,26 +337,27 @@ class OmniKVBatch:
         return out, valid
 
     @staticmethod
-    def _packed_view(packed: PackedSelection, indices: torch.Tensor, mask: torch.Tensor
+    def _packed_view(packed: PackedSelection, indices: torch.Tensor | None, mask: torch.Tensor | None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`decode_view` from a device selection without reading the device: the other rows keep their
-        masked contexts, the sparse rows get their padded selections (the width is indices' when some row
-        attends fully, else the longest selection)."""
-        bsz = indices.shape[0]
-        full = len(packed.batch_rows) < bsz
-        width = indices.shape[1] if full else packed.width
+        """`decode_view` from a device selection without reading the device. When it covers the batch (its
+        rows are 0..B-1, in order), its padded slots as they are (0 past each length), as wide as the
+        longest selection (a graph's capacity); else the other rows keep their masked contexts."""
+        def keep(width: int) -> torch.Tensor:  # [P, width]: within each selection
+            return torch.arange(width, device=packed.slots.device)[None, :] < packed.lens_dev[:, None]
+
+        if indices is None or len(packed.batch_rows) == indices.shape[0]:
+            slots = packed.slots[:, : packed.width]
+            return (slots if indices is None else slots.to(indices.dtype)), keep(packed.width)
+        assert mask is not None
+        width = indices.shape[1]
         dev = indices.device
-        if full:
-            out = indices[:, :width].masked_fill(~mask[:, :width], 0)
-            valid = mask[:, :width].clone()
-        else:
-            out = torch.zeros(bsz, width, dtype=indices.dtype, device=dev)
-            valid = torch.zeros(bsz, width, dtype=torch.bool, device=dev)
+        out = indices[:, :width].masked_fill(~mask[:, :width], 0)
+        valid = mask[:, :width].clone()
         sel = torch.zeros(len(packed.batch_rows), width, dtype=indices.dtype, device=dev)
         k = min(width, packed.slots.shape[1])
         sel[:, :k] = packed.slots[:, :k].to(device=dev, dtype=indices.dtype)
-        keep = torch.arange(width, device=dev)[None, :] < packed.lens_dev.to(dev)[:, None]
+        kept = keep(width).to(dev)
         rows = packed.batch_rows_dev.to(dev)
-        out.index_copy_(0, rows, sel.masked_fill(~keep, 0))
-        valid.index_copy_(0, rows, keep)
+        out.index_copy_(0, rows, sel.masked_fill(~kept, 0))
+        valid.index_copy_(0, rows, kept)
         return out, valid

@@ -185,14 +185,9 @@ class TritonAttentionBackend(AttentionBackend):
             return None
         key = sparse.source[layer.layer_id]  # layers reading one filter's selection share the table
         view = self._sparse_views.get(key)
-        packed = sparse.packed.get(key)
-        if view is None and packed is not None and sparse.covers(batch.batch_size):
-            # every row reads its selection: the packed table as it is (a captured graph's path, which
-            # must not build anything from the host's lengths)
-            view = _SparseView(packed.slots.to(torch.int32), packed.batch_rows_dev, packed.lens_dev.to(torch.int32))
-            self._sparse_views[key] = view
         if view is None:
-            if self._full_view is None:
+            # every row sparse: the selections alone, nothing built from the host's lengths (a graph's case)
+            if self._full_view is None and not sparse.covers(batch.batch_size):
                 req_to_token = batch.req_to_token_pool.req_to_token
                 lens = batch.seq_lens_cpu
                 width = max(lens)
@@ -200,7 +195,7 @@ class TritonAttentionBackend(AttentionBackend):
                     lens, device=req_to_token.device)[:, None]
                 indices = req_to_token[batch.req_pool_indices, :width].masked_fill(~mask, 0)
                 self._full_view = (indices, mask)
-            got = sparse.decode_view(layer.layer_id, *self._full_view)
+            got = sparse.decode_view(layer.layer_id, *(self._full_view or (None, None)))
             if got is None:
                 return None
             table, valid = got
