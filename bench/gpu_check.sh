@@ -10,6 +10,8 @@
 #   gpu-tests     Triton kernels, fused MoE, sampler (run while the native extension builds)
 #   native-tests  CUDA-graph runner and hybrid placement (routed experts on the CPU): need the extension
 #   cpu-tests     the C++ kernels on this host's ISA, in the background beside the next steps
+#   routing       bench/hybrid_routing_gpu.py: hybrid and all-GPU placements against the fp32 CPU oracle
+#                 position by position, with the router decisions that flipped
 #   omnikv, mla, model   bench/omnikv_gpu.py, bench/mla_decode_gpu.py, bench/model_decode_gpu.py
 #   serve         bench/serve_gpu_check.py (the server on the GPU against the same model on the CPU)
 #
@@ -26,6 +28,7 @@ CPU_TESTS=${CPU_TESTS:-"tests/cpp_experts tests/models/test_cpp_expert_backend.p
 OMNIKV_ARGS=${OMNIKV_ARGS:-"--contexts 4096 16384 32768 65536"}
 MLA_ARGS=${MLA_ARGS:-"--batches 1 8 64 --contexts 4096 32768"}
 MODEL_ARGS=${MODEL_ARGS:-"--hybrid"}
+OMNIKV_MAX=${OMNIKV_MAX:-240}  # seconds at most for the OmniKV benchmark (128K contexts prefill for a while)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 T0=$(date +%s)
@@ -74,7 +77,9 @@ for step in $STEPS; do
         ( run_step "cpu kernels on the host ISA" 240 "$OUT/tests_cpu.log" env MLASERVE_CPP_EXPERTS_THREADS=2 \
             python3 -m pytest -q -p no:cacheprovider -n 6 --timeout 200 $CPU_TESTS ) &
         CPU_PID=$! ;;
-    omnikv) run_step "omnikv_gpu" 240 "$OUT/bench.log" python3 bench/omnikv_gpu.py --out "$OUT/omnikv_gpu.json" $OMNIKV_ARGS ;;
+    routing) need_build
+        run_step "hybrid_routing_gpu" 90 "$OUT/bench.log" python3 bench/hybrid_routing_gpu.py --out "$OUT/routing.json" ;;
+    omnikv) run_step "omnikv_gpu" "$OMNIKV_MAX" "$OUT/bench.log" python3 bench/omnikv_gpu.py --out "$OUT/omnikv_gpu.json" $OMNIKV_ARGS ;;
     mla) run_step "mla_decode_gpu" 100 "$OUT/bench.log" python3 bench/mla_decode_gpu.py --out "$OUT/mla_decode.json" $MLA_ARGS ;;
     model) [[ " $MODEL_ARGS " == *" --hybrid "* ]] && need_build  # its hybrid part imports the extension
         [[ -n $CPU_PID ]] && wait $CPU_PID  # the model benchmark's timings include host work
