@@ -234,6 +234,9 @@ class TritonAttentionBackend(AttentionBackend):
         queries = len(sparse.rows) * sparse.window
         splits = self.max_splits(queries, keys.shape[1], q.device)
         sparse.observe_batched(layer.layer_id, list(sparse.rows), qs, keys, layer.scaling, self._omnikv_kernels, max_splits=splits)
+        # the layers below read this selection: a view kept from an earlier run of the forward (a graph
+        # capture's warm-up runs, made without new metadata) would hold that run's table
+        self._sparse_views.pop(sparse.filter_of[layer.layer_id], None)
 
     def _extend(self, q, q_rope, k, k_rope, v, out, layer: AttentionLayer, batch: ForwardBatch, page: int):
         """Extend attention over the pool; at an OmniKV SPARSE layer the decode rows of a MIXED batch

@@ -368,7 +368,7 @@ def test_omnikv_decodes_replay_their_own_graphs(tmp_path, preset, window, alpha)
                          max_context_len=128, omnikv=cfg)
     assert 2 in runner.omnikv_plan.roles  # some layers read a selection
     runner.attn_backend = create_attention_backend("triton")
-    graphs = CudaGraphRunner(runner, 4, RerunCapture(runner.attn_backend))
+    graphs = CudaGraphRunner(runner, 4, CaptureRunCapture(runner.attn_backend))
     graphs.capture()
     runner.graph_runner = graphs
     lens = [21, 40, 30]
@@ -404,6 +404,29 @@ def test_omnikv_decodes_replay_their_own_graphs(tmp_path, preset, window, alpha)
     assert not any(g.replays for g in graphs.graphs.values())
     runner.set_omnikv(dataclasses.replace(cfg, budget_tokens=9))
     assert graphs.omnikv_graphs == {} and graphs.omnikv_outputs == {}
+
+
+class CaptureRunCapture(RerunCapture):
+    """The stand-in, closer to a real capture: the forward runs as `CudaGraphCapture` runs it (its
+    warm-up runs, then the capture run) without the metadata being made again in between, and a replay
+    re-runs it with the backend's per-forward state (views and tables it keeps in Python between
+    layers) as the capture run left it, since a real graph replays the kernels of that run, reading
+    the tensors that run read. A backend that carried a view over from a warm-up run into the capture
+    would replay a stale table here too."""
+
+    def __call__(self, run: Callable[[], torch.Tensor]) -> tuple[RerunGraph, torch.Tensor]:
+        from executor.cuda_graph_runner import CudaGraphCapture
+
+        for _ in range(CudaGraphCapture.warmup_runs):
+            run()
+        out = run()
+        state = {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(self.backend).items()}
+
+        def replayed() -> torch.Tensor:
+            vars(self.backend).update({k: (dict(v) if isinstance(v, dict) else v) for k, v in state.items()})
+            return run()
+
+        return RerunGraph(replayed, out, lambda: tensor_ptrs(self.backend)), out
 
 
 # ---------------------------------------------------------------- hybrid placement: CPU experts as host nodes
