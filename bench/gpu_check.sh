@@ -57,6 +57,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
+# packages that are no wheels (bench/gpu_wheels.sh: the default model's tokenizer without its weights)
+if [[ -d .gpu_extra ]]; then mkdir -p /tmp/site && cp -r .gpu_extra/. /tmp/site/ && export PYTHONPATH="$PYTHONPATH:/tmp/site"; fi
 
 # The native extension (routed experts on the CPU, host nodes, the CPU kernels), built in the background;
 # the steps that import it wait for it first (a failed import would stay failed in that process).

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from executor.model_runner import ModelRunner, RequestSlice  # noqa: E402
 from models.loader.load import load_model  # noqa: E402
 from models.moe import Router  # noqa: E402
-from models.moe_routing import _group_mask  # noqa: E402
+from models.moe_routing import choice_scores  # noqa: E402
 from models.synthetic import write_checkpoint  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over 13 lazy dogs. 你好!"  # the hybrid test's prompt
@@ -38,19 +38,10 @@ NEW_TOKENS = 24
 def margins(router: Router, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token: the chosen expert ids (sorted) and the gap between the k-th chosen and the best
     unchosen expert on the router's choice score (group masking included)."""
-    cfg = router.cfg
-    scores = logits.softmax(-1) if cfg.scoring_func == "softmax" else logits.sigmoid()
-    choice = scores
-    if cfg.topk_method == "noaux_tc":
-        if router.e_score_correction_bias is not None:
-            choice = scores + router.e_score_correction_bias.float().to(scores.device)
-        if cfg.n_group > 1:
-            choice = choice.masked_fill(~_group_mask(choice, cfg, top2_sum=True), float("-inf"))
-    elif cfg.topk_method == "group_limited_greedy" and cfg.n_group > 1:
-        choice = choice.masked_fill(~_group_mask(scores, cfg, top2_sum=False), 0.0)
-    top = choice.topk(cfg.top_k + 1, dim=-1)
-    gap = top.values[:, cfg.top_k - 1] - top.values[:, cfg.top_k]
-    return top.indices[:, : cfg.top_k].sort(-1).values, gap
+    _, choice = choice_scores(logits, router.cfg, router.e_score_correction_bias)
+    k = router.cfg.top_k
+    top = choice.topk(k + 1, dim=-1)
+    return top.indices[:, :k].sort(-1).values, top.values[:, k - 1] - top.values[:, k]
 
 
 def run(path: Path, backend: str, dtype: str, device: str, seq: list[int]) -> dict:

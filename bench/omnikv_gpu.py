@@ -23,7 +23,7 @@ with the sparse layers' KV in a host bank, which is not built; `kv_bytes_per_req
 holds today (every layer's latent rows).
 
     python bench/omnikv_gpu.py [--contexts 4096 8192 16384 32768 65536 131072] [--budget 0.1]
-        [--graphs on off] [--steps 16] [--rounds 3] [--out bench/results/omnikv_gpu_<device>.json]
+        [--graphs on off] [--steps 16] [--rounds 3] [--profile CONTEXT] [--out bench/results/omnikv_gpu_<device>.json]
     TRITON_INTERPRET=1 python bench/omnikv_gpu.py --smoke --out /tmp/omnikv.json   # CPU, seconds
 """
 
@@ -151,6 +151,37 @@ def time_context(runner: ModelRunner, context: int, args: argparse.Namespace, vo
             "round_times_s": times}
 
 
+def profile_context(runner: ModelRunner, context: int, vocab: int, seed: int, steps: int = 3) -> dict[str, Any]:
+    """Where an eager decode step's device time goes at `context`, OmniKV against full attention: the
+    kernels' total device time per step (torch.profiler), the top rows printed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(seed)
+    pair = Pair(runner, torch.randint(2, vocab, (context - 2 * (steps + 2) - 1,), generator=g).tolist())
+    out: dict[str, Any] = {"context": context}
+    try:
+        for name, row, sparse in (("full", pair.a, False), ("omnikv", pair.b, True)):
+            for _ in range(2):
+                pair.step(row, sparse)
+            _sync(runner.device)
+            cuda = runner.device.type == "cuda"  # (the smoke run profiles the CPU ops instead)
+            with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+                for _ in range(steps):
+                    pair.step(row, sparse)
+                _sync(runner.device)
+            own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+            events = sorted(prof.key_averages(), key=lambda e: -own(e))
+            rows = [{"kernel": e.key[:90], "calls_per_step": e.count / steps, "ms_per_step": own(e) / steps / 1e3}
+                    for e in events[:15]]
+            out[name] = {"device_ms_per_step": sum(own(e) for e in events) / steps / 1e3, "top": rows}
+            print(f"profile at {context}, {name}: {out[name]['device_ms_per_step']:.2f} ms of kernels per step", flush=True)
+            for r in rows:
+                print(f"  {r['ms_per_step']:8.3f} ms  x{r['calls_per_step']:5.1f}  {r['kernel']}", flush=True)
+    finally:
+        pair.release()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny 6-layer model on the CPU under TRITON_INTERPRET=1")
@@ -164,6 +195,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=None, help="decode steps per timed round (default 16; smoke 2)")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds per mode (default 3; smoke 1)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", type=int, default=None, metavar="CONTEXT",
+                    help="also profile eager decode steps' kernels at this context (graphs off)")
     args = ap.parse_args()
     smoke = args.smoke
     device = bench_device(smoke)
@@ -205,6 +238,9 @@ def main() -> int:
                 print(f"ctx {ctx:6d} graphs {'on ' if graphs else 'off'}: full {row['full_ms']:8.2f} ms, OmniKV "
                       f"{row['omnikv_ms']:8.2f} ms, x{row['speedup']:.2f}", flush=True)
                 write_result(out, result)  # after every context: a run cut short keeps what it measured
+            if args.profile and not graphs:
+                result["profile"] = profile_context(runner, args.profile, cfg_model.vocab_size, args.seed)
+                write_result(out, result)
         finally:
             runner.close()
             del runner

@@ -29,30 +29,37 @@ def _group_mask(choice: torch.Tensor, cfg: MoEConfig, top2_sum: bool) -> torch.T
     return group_mask.unsqueeze(-1).expand(t, cfg.n_group, e // cfg.n_group).reshape(t, e)
 
 
+def choice_scores(
+    router_logits: torch.Tensor,
+    cfg: MoEConfig,
+    correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (scores, choice), both [T, E] fp32: the experts' weights before the top-k,
+    and what the top-k ranks them by (V3: biased, experts outside the kept groups -inf; V2 grouped:
+    outside the kept groups 0). How close the k-th and (k+1)-th choice are is how near a routing tie is."""
+    logits = router_logits.float()
+    scores = logits.softmax(dim=-1) if cfg.scoring_func == "softmax" else logits.sigmoid()
+    if cfg.topk_method == "noaux_tc":
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        if cfg.n_group > 1:
+            choice = choice.masked_fill(~_group_mask(choice, cfg, top2_sum=True), float("-inf"))
+    elif cfg.topk_method == "group_limited_greedy" and cfg.n_group > 1:
+        choice = scores.masked_fill(~_group_mask(scores, cfg, top2_sum=False), 0.0)
+    else:
+        choice = scores
+    return scores, choice
+
+
 def select_experts(
     router_logits: torch.Tensor,
     cfg: MoEConfig,
     correction_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] fp32 -> (topk_weights [T, K] fp32, topk_ids [T, K] int64)."""
-    logits = router_logits.float()
-    if cfg.scoring_func == "softmax":
-        scores = logits.softmax(dim=-1)
-    else:
-        scores = logits.sigmoid()
-
+    scores, choice = choice_scores(router_logits, cfg, correction_bias)
+    topk_weights, topk_ids = torch.topk(choice, k=cfg.top_k, dim=-1, sorted=False)
     if cfg.topk_method == "noaux_tc":
-        choice = scores if correction_bias is None else scores + correction_bias.float()
-        if cfg.n_group > 1:
-            mask = _group_mask(choice, cfg, top2_sum=True)
-            choice = choice.masked_fill(~mask, float("-inf"))
-        topk_ids = torch.topk(choice, k=cfg.top_k, dim=-1, sorted=False)[1]
         topk_weights = scores.gather(1, topk_ids)
-    elif cfg.topk_method == "group_limited_greedy" and cfg.n_group > 1:
-        mask = _group_mask(scores, cfg, top2_sum=False)
-        topk_weights, topk_ids = torch.topk(scores.masked_fill(~mask, 0.0), k=cfg.top_k, dim=-1, sorted=False)
-    else:
-        topk_weights, topk_ids = torch.topk(scores, k=cfg.top_k, dim=-1, sorted=False)
 
     if cfg.norm_topk_prob and cfg.top_k > 1:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)

@@ -132,6 +132,24 @@ def test_serve_gpu_check_smoke(tmp_path: Path) -> None:
     assert r["metrics_lines"] > 0
 
 
+def test_serve_gpu_check_tells_near_ties_from_wrong_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The served check's agreement rule, on answers shaped as the completions API returns them: a
+    first divergence is measured in the reference's logprobs, a pick outside its top ones is infinitely
+    far, and texts that never part have no divergence."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    check = importlib.import_module("serve_gpu_check")
+
+    def answer(tokens: list[str], tops: list[dict[str, float]]) -> dict[str, Any]:
+        return {"choices": [{"logprobs": {"tokens": tokens, "top_logprobs": tops}}]}
+
+    ref = answer(["a", "b", "c"], [{"a": -1.0}, {"b": -2.0, "x": -2.01, "y": -3.5}, {"c": -0.5}])
+    tie = check.first_divergence(answer(["a", "x", "z"], []), ref)
+    assert tie["token"] == 1 and tie["test"] == "x" and tie["gap_nats"] == pytest.approx(0.01)
+    assert check.first_divergence(answer(["a", "y"], []), ref)["gap_nats"] == pytest.approx(1.5)
+    assert check.first_divergence(answer(["a", "q"], []), ref)["gap_nats"] == math.inf
+    assert check.first_divergence(answer(["a", "b", "c"], []), ref) is None
+
+
 @pytest.fixture
 def mla_bench(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.syspath_prepend(str(BENCH))

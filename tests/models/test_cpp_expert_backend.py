@@ -39,6 +39,7 @@ NEW_TOKENS = 24
 # A token choice within this share of max|logit| of the best is a bf16 rounding tie: bf16 models
 # (either backend) are ~1% of max|logit| away from fp32 here, so two choices' logits ~2% apart.
 BF16_LOGIT_TOL = 0.03
+ROUTER_TIE = 0.02  # a routing decision this close (choice score, k-th vs best left out) is a tie bf16 can flip
 
 
 def runner_for(path, expert_backend: str, dtype: str, device: str = "cpu", **kw) -> ModelRunner:
@@ -52,6 +53,28 @@ def all_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     out = runner.forward(runner.build_batch([RequestSlice(row, 0, ids)], all_logits=True))
     runner.free_request(row, len(ids))
     return out
+
+
+def logits_and_routing(runner: ModelRunner, ids: list[int]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """`all_logits`, and per MoE layer each position's chosen experts (sorted) and router margin: how far
+    the k-th choice is above the best expert left out."""
+    from models.moe import Router
+    from models.moe_routing import choice_scores
+
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def hook(mod: Router, args: tuple, _out: object) -> None:
+        logits = torch.nn.functional.linear(args[0].float(), mod.weight.float())
+        k = mod.cfg.top_k
+        top = choice_scores(logits, mod.cfg, mod.e_score_correction_bias)[1].topk(k + 1, dim=-1)
+        seen.append((top.indices[:, :k].sort(-1).values.cpu(), (top.values[:, k - 1] - top.values[:, k]).cpu()))
+
+    handles = [m.register_forward_hook(hook) for m in runner.model.modules() if isinstance(m, Router)]
+    try:
+        return all_logits(runner, ids), seen
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def cpp_backends(runner: ModelRunner) -> list:
@@ -178,23 +201,36 @@ def assert_same_greedy(ref: ModelRunner, test: ModelRunner, ids: list[int]) -> N
     vocabulary has flat logits, and at a tie even the torch backend's own prefill and decode paths
     can pick different tokens, so a first divergence is allowed only where the two choices are
     within `BF16_LOGIT_TOL` under the oracle's logits. Teacher-forcing the oracle's continuation
-    through both models then checks every generated position, divergence or not."""
+    through both models then checks every generated position, divergence or not.
+
+    The other tie is the router's: the tiny V3 model routes some tokens on margins of a few 1e-3
+    (sigmoid scores plus bias), which bf16 noise in the hidden state can flip, and one expert swapped
+    moves that position's logits by more than rounding (0.06 of max|logit| measured against the fp32
+    oracle, on the CPU and on an H200, for torch, triton and cpp experts alike). A position may
+    therefore differ by more only where a router decision differs between the two models and the
+    oracle's margin there was below `ROUTER_TIE`."""
     want, got = ref.generate_greedy(ids, NEW_TOKENS), test.generate_greedy(ids, NEW_TOKENS)
     seq = ids + want
-    ref_logits, test_logits = all_logits(ref, seq), all_logits(test, seq)
+    (ref_logits, ref_routes), (test_logits, test_routes) = logits_and_routing(ref, seq), logits_and_routing(test, seq)
     assert float(rel_err(test_logits, ref_logits).median()) <= 2e-2
-    for pos in range(len(ids) - 1, len(seq) - 1):
-        r, t = ref_logits[pos], test_logits[pos]
-        choice = int(t.argmax())
+
+    def router_tie(pos: int) -> list[float]:
+        """The oracle's margins at the MoE layers whose decision for `pos` the test model did not share."""
+        return [float(gap[pos]) for (rid, gap), (tid, _) in zip(ref_routes, test_routes) if not torch.equal(rid[pos], tid[pos])]
+
+    def check(pos: int, choice: int, what: str) -> None:
+        r = ref_logits[pos]
         gap = float(r.max() - r[choice]) / float(r.abs().max())
-        assert gap <= BF16_LOGIT_TOL, f"position {pos}: cpp picks {choice}, {gap:.3f} below torch's best"
+        flips = router_tie(pos)
+        assert gap <= BF16_LOGIT_TOL or (flips and min(flips) <= ROUTER_TIE), (
+            f"{what}: {gap:.3f} below torch's best, router margins of the decisions that differ: {flips}")
+
+    for pos in range(len(ids) - 1, len(seq) - 1):
+        choice = int(test_logits[pos].argmax())
+        check(pos, choice, f"position {pos}: cpp picks {choice}")
     if got != want:
         j = next(k for k, (a, b) in enumerate(zip(want, got)) if a != b)
-        r = ref_logits[len(ids) - 1 + j]
-        gap = abs(float(r[want[j]] - r[got[j]])) / float(r.abs().max())
-        assert gap <= BF16_LOGIT_TOL, (
-            f"greedy tokens diverge at {j}: torch {want[j]} vs cpp {got[j]} (logit gap {gap:.3f}); {want} vs {got}"
-        )
+        check(len(ids) - 1 + j, got[j], f"greedy tokens diverge at {j}: torch {want[j]} vs cpp {got[j]}; {want} vs {got}")
 
 
 @needs_cpp
