@@ -299,6 +299,10 @@ class CudaGraphRunner:
         self.omnikv_sparse = torch.zeros(self.max_bs, dtype=torch.bool, device=self.device)
         self.omnikv_graphs: dict[tuple[int, int, bool], CapturedGraph] = {}
         self.omnikv_outputs: dict[tuple[int, int, bool], torch.Tensor] = {}
+        # each OmniKV graph's OmniKVBatch, kept as long as the graph: it holds tensors made before the
+        # capture that the graph reads at every replay (the alpha table), which would otherwise be freed
+        # with it and their memory handed to other tensors
+        self.omnikv_batches: dict[tuple[int, int, bool], OmniKVBatch] = {}
         self.omnikv_off_reason: str | None = None  # set when a capture failed: OmniKV decodes run eagerly
         self.experts = [m for m in self.model.modules() if isinstance(m, ExpertBackend)]
         # what the expert backends prepared for these graphs (host tasks, ...): kept while they are
@@ -378,6 +382,7 @@ class CudaGraphRunner:
         config changed. They are captured again when next needed."""
         self.omnikv_graphs.clear()
         self.omnikv_outputs.clear()
+        self.omnikv_batches.clear()
 
     @torch.no_grad()
     def _capture_omnikv(self, bs: int, width: int, mixed: bool) -> None:
@@ -397,6 +402,7 @@ class CudaGraphRunner:
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             graph, out = self._capture(lambda b=batch: self.model.forward_prepared(b))
         self.omnikv_graphs[(bs, width, mixed)], self.omnikv_outputs[(bs, width, mixed)] = graph, out
+        self.omnikv_batches[(bs, width, mixed)] = sparse
         logger.info("CUDA graph captured for OmniKV decode: batch size %d, context bucket %d, selection %d%s",
                     bs, width, k_cap, " (with full-attention rows)" if mixed else "")
 

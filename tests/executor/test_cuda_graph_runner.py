@@ -412,15 +412,25 @@ class CaptureRunCapture(RerunCapture):
     re-runs it with the backend's per-forward state (views and tables it keeps in Python between
     layers) as the capture run left it, since a real graph replays the kernels of that run, reading
     the tensors that run read. A backend that carried a view over from a warm-up run into the capture
-    would replay a stale table here too."""
+    would replay a stale table here too.
+
+    A real graph also keeps no Python object alive: tensors made before its capture that it reads
+    (the OmniKV batch's alpha table) live only as long as their owner. The captured batch's OmniKV
+    state is therefore reached through a weak reference here, so a replay fails if the runner did not
+    keep it with the graph."""
 
     def __call__(self, run: Callable[[], torch.Tensor]) -> tuple[RerunGraph, torch.Tensor]:
+        import weakref
+
         from executor.cuda_graph_runner import CudaGraphCapture
 
         for _ in range(CudaGraphCapture.warmup_runs):
             run()
         out = run()
         state = {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(self.backend).items()}
+        batch = (run.__defaults__ or (None,))[0]  # the runner's `lambda b=batch: ...`
+        if batch is not None and batch.omnikv is not None:
+            batch.omnikv = weakref.proxy(batch.omnikv)
 
         def replayed() -> torch.Tensor:
             vars(self.backend).update({k: (dict(v) if isinstance(v, dict) else v) for k, v in state.items()})
