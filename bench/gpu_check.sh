@@ -16,7 +16,7 @@
 #   serve         bench/serve_gpu_check.py (the server on the GPU against the same model on the CPU)
 #
 # The Python packages the host lacks travel as wheels in .whl/ (bench/gpu_wheels.sh fetches them; carry
-# .whl with the call), installed to /tmp/site. The extension's build takes about 2 minutes on 16 cores.
+# .whl and .gpu_extra with the call), installed to /tmp/site. The extension's build takes about 2 minutes on 16 cores.
 # Results: $OUT/{env.txt,tests.log,bench.log,*.json}: at most 8 files, as the device tool returns.
 set -u
 OUT=${OUT:-$(mktemp -d)}
