@@ -21,9 +21,11 @@ A key row of width D is read as two column blocks of power-of-two widths (576 = 
 so MLA's rows are not padded to 1024. Scores are fp32 (IEEE products, the cache upcast), as in the
 reference: the selection must not depend on a bf16 rounding of the query.
 
-Selection (`select_slots`): a top-k over unique int64 keys (the fp32 importance bits, then the position
-reversed), so ties go to the earlier position exactly as the reference's stable sort does, then one
-small kernel lays out sinks + chosen (ascending) + recent and looks the slots up.
+Selection (`select_slots`): unique int64 keys (the fp32 importance bits, then the position reversed),
+so ties go to the earlier position exactly as the reference's stable sort does; `_choose_kernel`, one
+program per row, finds the budget-th largest key by radix select and writes the positions at or above
+it in ascending order (no top-k, no sort: PyTorch's top-k of one long row runs in one thread block);
+then one small kernel lays out sinks + chosen + recent and looks the slots up.
 """
 
 from __future__ import annotations
@@ -322,6 +324,62 @@ def _assemble_kernel(
         tl.store(LENS + b, tl.minimum(length, K_MAX))
 
 
+@triton.jit
+def _choose_kernel(
+    IMP, CTX, BUDGETS, CHOSEN, stride_ib, stride_cb, sink, recent, width, K_TOP,
+    BLOCK: tl.constexpr,
+):
+    """The k_eff most important middle positions of row b, ascending, into CHOSEN[b, :k_eff]: a radix
+    select of the k_eff-th largest key (8 passes of one byte, each a histogram of the keys that match
+    the bytes fixed so far), then one pass that writes the positions whose key is at least that one.
+    Keys are unique (the importance's fp32 bits, then the position reversed: ties to the earlier
+    position), so exactly k_eff positions pass. No sort, and every row is one program."""
+    b = tl.program_id(0)
+    n = tl.load(CTX + b).to(tl.int32)
+    k = tl.load(BUDGETS + b).to(tl.int32)
+    lo = tl.minimum(sink, n)
+    hi = tl.maximum(lo, n - recent)
+    k_eff = tl.minimum(tl.minimum(k, hi - lo), K_TOP)
+    digits = tl.arange(0, 512)
+    prefix = tl.zeros([], tl.int64)
+    fixed = tl.zeros([], tl.int64)  # the bits of prefix decided so far
+    left = k_eff  # the rank still to find among the keys that match prefix
+    for p in tl.static_range(8):  # byte 7 (bits 56..63) down to byte 0
+        shift = 56 - 8 * p
+        hist = tl.zeros([512], tl.int32)
+        for start in range(0, width, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            key = _middle_keys(IMP, b, stride_ib, offs, lo, hi, width)
+            match = (key >= 0) & ((key & fixed) == prefix)
+            digit = tl.where(match, ((key >> shift) & 255).to(tl.int32), 511)  # 511: no match (bins 0-255 used)
+            hist += tl.histogram(digit, 512)
+        hist = tl.where(digits < 256, hist, 0)
+        at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys with this byte or a larger one
+        d = tl.max(tl.where(at_least >= left, digits, 0), 0)  # the byte of the left-th largest key
+        left -= tl.sum(tl.where(digits > d, hist, 0), 0)
+        prefix = prefix | (d.to(tl.int64) << shift)
+        fixed = fixed | (tl.full([], 255, tl.int64) << shift)
+    threshold = tl.where(k_eff > 0, prefix, 0x7FFFFFFFFFFFFFFF)  # a budget of 0 takes nothing
+    base = tl.zeros([], tl.int32)
+    for start in range(0, width, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        key = _middle_keys(IMP, b, stride_ib, offs, lo, hi, width)
+        take = (key >= threshold) & (key >= 0)
+        rank = base + tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(CHOSEN + b * stride_cb + rank, offs, mask=take)
+        base += tl.sum(take.to(tl.int32), 0)
+
+
+@triton.jit
+def _middle_keys(IMP, b, stride_ib, offs, lo, hi, width):
+    """int64 keys of positions offs: importance bits << 32 | (2^32 - 1 - position) between lo and hi,
+    -1 elsewhere (the importance is >= +0; a -0 or NaN counts as 0)."""
+    imp = tl.load(IMP + b * stride_ib + offs, mask=offs < width, other=0.0)
+    bits = tl.where(imp > 0, imp, 0.0).to(tl.int32, bitcast=True).to(tl.int64)
+    key = (bits << 32) | (0xFFFFFFFF - offs.to(tl.int64))
+    return tl.where((offs >= lo) & (offs < hi), key, -1)
+
+
 def select_slots(
     importance: torch.Tensor,
     ctx_lens: torch.Tensor,
@@ -354,19 +412,13 @@ def select_slots(
     lens = torch.empty(bsz, dtype=torch.int32, device=dev)
     if bsz == 0:
         return (slots, lens, positions) if return_positions else (slots, lens)
-    pos = torch.arange(width, device=dev, dtype=torch.int64)
-    n = ctx_lens.to(torch.int64)[:, None]
-    lo = torch.clamp(n, max=sink)
-    hi = torch.maximum(lo, n - recent)
-    middle = (pos[None, :] >= lo) & (pos[None, :] < hi)
-    # unique keys: importance (its fp32 bits order like the values, all >= +0), then the earlier position
-    bits = torch.where(importance > 0, importance.float(), 0.0).view(torch.int32).to(torch.int64)
-    key = torch.where(middle, (bits << 32) | (0xFFFFFFFF - pos)[None, :], -1)
     k_top = min(k_max, width)
-    top = torch.topk(key, k_top, dim=1, sorted=True).indices  # positions by rank
-    k_eff = torch.minimum(budgets.to(torch.int64)[:, None], hi - lo)
-    chosen = torch.where(torch.arange(k_top, device=dev)[None, :] < k_eff, top, width)
-    chosen = torch.sort(chosen, dim=1).values.to(torch.int32)  # ascending; unused ranks (= width) last
+    chosen = torch.empty(bsz, k_top, dtype=torch.int32, device=dev)  # ascending; only :k_eff is read
+    imp = importance if importance.dtype == torch.float32 else importance.float()
+    _choose_kernel[(bsz,)](
+        imp, ctx_lens, budgets, chosen, imp.stride(0), chosen.stride(0), sink, recent, width, k_top,
+        BLOCK=min(1024, triton.next_power_of_2(width)),
+    )
     block = min(256, triton.next_power_of_2(k_max))
     _assemble_kernel[(bsz, triton.cdiv(k_max, block))](
         chosen, ctx_lens, budgets, req_to_token, req_rows, slots, positions, lens,

@@ -134,6 +134,17 @@ def test_select_matches_reference_with_ties() -> None:
     _check_selection(imp, ctx, budgets, 0, 1, req_to_token, [7, 1, 0, 3, 2, 6, 5])
 
 
+def test_select_long_rows_across_blocks() -> None:
+    """Rows longer than one block of the selection kernel (its radix passes and the ordered write run
+    over several blocks): random importance with ties, budgets from 1 to the whole middle."""
+    gen = torch.Generator().manual_seed(11)
+    ctx = [2500, 1025, 2047, 1800]
+    budgets = [250, 1, 2047, 900]
+    imp = (torch.randint(0, 50, (len(ctx), 2560), generator=gen).float() / 7).to(DEV)
+    req_to_token = torch.randperm(16384, generator=gen)[: 4 * 2560].view(4, 2560).to(DEV, torch.int32)
+    _check_selection(imp, ctx, budgets, 4, 16, req_to_token, [2, 0, 3, 1])
+
+
 def test_select_on_kernel_importance() -> None:
     """The whole device path (importance kernel, then select_slots) against the reference's."""
     gen = torch.Generator().manual_seed(8)
