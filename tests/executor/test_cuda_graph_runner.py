@@ -768,8 +768,9 @@ def test_omnikv_cuda_graphs_equal_eager_omnikv(tmp_path, name, window, alpha):
             for i, t in zip(picked, out.argmax(-1).tolist()):
                 seq_lens[i] += 1
                 toks[i] = t
-        torch.testing.assert_close(logits[0], logits[1], rtol=2e-4, atol=2e-4)
-        assert logits[0].argmax(-1).tolist() == logits[1].argmax(-1).tolist()
+        where = f"step {step}: rows {picked}, OmniKV rows {sorted(sparse_rows)}, graphs {sorted(graphs.omnikv_graphs)}"
+        torch.testing.assert_close(logits[0], logits[1], rtol=2e-4, atol=2e-4, msg=lambda m: f"{where}: {m}")
+        assert logits[0].argmax(-1).tolist() == logits[1].argmax(-1).tolist(), where
     assert {key[1] for key in graphs.omnikv_graphs} == {64, 128} and graphs.omnikv_off_reason is None
     assert {key[2] for key in graphs.omnikv_graphs} == {False, True}
     assert graphed.omnikv_counters == eager_runner.omnikv_counters
