@@ -132,6 +132,25 @@ def test_serve_gpu_check_smoke(tmp_path: Path) -> None:
     assert r["metrics_lines"] > 0
 
 
+def test_hybrid_routing_cpu_run(tmp_path: Path) -> None:
+    """The routing diagnosis on the CPU (torch and cpp experts in bf16 against the fp32 oracle): every
+    position where a bf16 run's pick lies beyond rounding from the oracle's best has a router decision
+    that flipped there on a small oracle margin, the explanation the hybrid placement test relies on."""
+    try:
+        importlib.import_module("cpp_experts")
+    except ImportError as e:
+        pytest.skip(f"cpp_experts does not import: {e}")
+    out = tmp_path / "routing.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "hybrid_routing_gpu.py"), "--cpu", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert set(r["runs"]) == {"torch", "cpp"} and r["oracle_min_router_margin"] >= 0
+    for run in r["runs"].values():
+        for row in run["positions_over_0.03"]:
+            assert row["flips"] and min(f["oracle_margin"] for f in row["flips"]) < 0.02, row
+
+
 def test_serve_gpu_check_tells_near_ties_from_wrong_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """The served check's agreement rule, on answers shaped as the completions API returns them: a
     first divergence is measured in the reference's logprobs, a pick outside its top ones is infinitely
