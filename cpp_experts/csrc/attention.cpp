@@ -158,12 +158,21 @@ CPX_INLINE void tile_block(const float* const* qv, float* const* sq, const float
   float corr[QB];
   float* acc[QB];
   bool any = false;
+  static_assert(kKeyTile == 16, "the whole-tile softmax below reads a tile as two vectors");
   for (int i = 0; i < QB; ++i) {
+    using namespace vec;
     float* sc = scores + i * ls;
     float mx = sq[i][0];
-    for (int j = 0; j < nv; ++j) {
-      sc[j] *= scale;
-      mx = std::max(mx, sc[j]);
+    v8f s0, s1;
+    if (nv == kKeyTile) {  // a whole tile (all but a block's last): max and sum across lanes, no scalar chains
+      s0 = load(sc) * splat(scale);
+      s1 = load(sc + 8) * splat(scale);
+      mx = std::max(mx, hmax(s0 > s1 ? s0 : s1));
+    } else {
+      for (int j = 0; j < nv; ++j) {
+        sc[j] *= scale;
+        mx = std::max(mx, sc[j]);
+      }
     }
     acc[i] = sq[i] + 2;
     if (mx == -INFINITY) {  // every score -inf (a -inf query): nothing to add
@@ -172,11 +181,18 @@ CPX_INLINE void tile_block(const float* const* qv, float* const* sq, const float
       continue;
     }
     any = true;
-    corr[i] = sq[i][0] == -INFINITY ? 0.0f : vec::exp1(sq[i][0] - mx);
+    corr[i] = sq[i][0] == -INFINITY ? 0.0f : exp1(sq[i][0] - mx);
     float sum = 0.0f;
-    for (int j = 0; j < nv; j += 8) {  // the buffer holds a whole tile: lanes past nv are not summed
-      vec::store(sc + j, vec::exp8(vec::load(sc + j) - vec::splat(mx)));
-      for (int l = j; l < std::min(nv, j + 8); ++l) sum += sc[l];
+    if (nv == kKeyTile) {
+      const v8f e0 = exp8(s0 - splat(mx)), e1 = exp8(s1 - splat(mx));
+      store(sc, e0);
+      store(sc + 8, e1);
+      sum = hsum(e0 + e1);
+    } else {
+      for (int j = 0; j < nv; j += 8) {  // the buffer holds a whole tile: lanes past nv are not summed
+        store(sc + j, exp8(load(sc + j) - splat(mx)));
+        for (int l = j; l < std::min(nv, j + 8); ++l) sum += sc[l];
+      }
     }
     sq[i][0] = mx;
     sq[i][1] = sq[i][1] * corr[i] + sum;
