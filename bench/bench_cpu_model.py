@@ -99,8 +99,15 @@ class LlamaCpp:
         t_pre = time.perf_counter() - t
         t = time.perf_counter()
         for _ in range(self.n_decode):
-            llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
+            llm.eval([int(self.last_logits().argmax())])
         return t_pre, (time.perf_counter() - t) / self.n_decode
+
+    def last_logits(self):
+        """The last evaluated token's logits. Without logits_all, llama-cpp-python keeps no scores
+        (`llm.scores` stays zero, n_batch rows), so they are read from the context itself."""
+        import numpy as np
+
+        return np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),))
 
 
 def summarize(samples: list[tuple[float, float]], prompt_len: int) -> dict[str, Any]:
