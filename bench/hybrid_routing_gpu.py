@@ -28,20 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from executor.model_runner import ModelRunner, RequestSlice  # noqa: E402
 from models.loader.load import load_model  # noqa: E402
 from models.moe import Router  # noqa: E402
-from models.moe_routing import choice_scores  # noqa: E402
+from models.moe_routing import routing_margins  # noqa: E402
 from models.synthetic import write_checkpoint  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over 13 lazy dogs. 你好!"  # the hybrid test's prompt
 NEW_TOKENS = 24
-
-
-def margins(router: Router, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token: the chosen expert ids (sorted) and the gap between the k-th chosen and the best
-    unchosen expert on the router's choice score (group masking included)."""
-    _, choice = choice_scores(logits, router.cfg, router.e_score_correction_bias)
-    k = router.cfg.top_k
-    top = choice.topk(k + 1, dim=-1)
-    return top.indices[:, :k].sort(-1).values, top.values[:, k - 1] - top.values[:, k]
 
 
 def run(path: Path, backend: str, dtype: str, device: str, seq: list[int]) -> dict:
@@ -53,8 +44,7 @@ def run(path: Path, backend: str, dtype: str, device: str, seq: list[int]) -> di
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def hook(mod: Router, args: tuple, _out: object) -> None:
-        logits = torch.nn.functional.linear(args[0].float(), mod.weight.float())
-        ids, gap = margins(mod, logits)
+        ids, gap = routing_margins(mod.logits(args[0]), mod.cfg, mod.e_score_correction_bias)
         seen.append((ids.cpu(), gap.cpu()))
 
     handles = [r.register_forward_hook(hook) for r in routers]

@@ -39,9 +39,11 @@ class Router(nn.Module):
         else:
             self.e_score_correction_bias = None
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())
-        return select_experts(logits, self.cfg, self.e_score_correction_bias)
+        return select_experts(self.logits(x), self.cfg, self.e_score_correction_bias)
 
 
 class DeepseekMoE(nn.Module):

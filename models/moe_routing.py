@@ -50,6 +50,19 @@ def choice_scores(
     return scores, choice
 
 
+def routing_margins(
+    router_logits: torch.Tensor,
+    cfg: MoEConfig,
+    correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (chosen expert ids [T, K] sorted, margin [T]): how far the k-th choice is
+    above the best expert left out, on the choice score. A small margin is a routing decision that
+    rounding noise in the hidden state can flip."""
+    k = cfg.top_k
+    top = choice_scores(router_logits, cfg, correction_bias)[1].topk(k + 1, dim=-1)
+    return top.indices[:, :k].sort(-1).values, top.values[:, k - 1] - top.values[:, k]
+
+
 def select_experts(
     router_logits: torch.Tensor,
     cfg: MoEConfig,

@@ -59,15 +59,13 @@ def logits_and_routing(runner: ModelRunner, ids: list[int]) -> tuple[torch.Tenso
     """`all_logits`, and per MoE layer each position's chosen experts (sorted) and router margin: how far
     the k-th choice is above the best expert left out."""
     from models.moe import Router
-    from models.moe_routing import choice_scores
+    from models.moe_routing import routing_margins
 
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def hook(mod: Router, args: tuple, _out: object) -> None:
-        logits = torch.nn.functional.linear(args[0].float(), mod.weight.float())
-        k = mod.cfg.top_k
-        top = choice_scores(logits, mod.cfg, mod.e_score_correction_bias)[1].topk(k + 1, dim=-1)
-        seen.append((top.indices[:, :k].sort(-1).values.cpu(), (top.values[:, k - 1] - top.values[:, k]).cpu()))
+        ids, gap = routing_margins(mod.logits(args[0]), mod.cfg, mod.e_score_correction_bias)
+        seen.append((ids.cpu(), gap.cpu()))
 
     handles = [m.register_forward_hook(hook) for m in runner.model.modules() if isinstance(m, Router)]
     try:
