@@ -24,7 +24,7 @@ reference: the selection must not depend on a bf16 rounding of the query.
 Selection (`select_slots`): unique int64 keys (the fp32 importance bits, then the position reversed),
 so ties go to the earlier position exactly as the reference's stable sort does; `_choose_kernel`, one
 program per row, finds the budget-th largest key by radix select and writes the positions at or above
-it in ascending order (no top-k, no sort: PyTorch's top-k of one long row runs in one thread block);
+it in ascending order (no top-k and no sort of one long row, which PyTorch may run in one block);
 then one small kernel lays out sinks + chosen + recent and looks the slots up.
 """
 
