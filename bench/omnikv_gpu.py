@@ -18,12 +18,21 @@ length is off by O(1)), and every logit must be finite; the script exits 1 other
 The config: filter layers from `--filter-layers` (default `OmniKVConfig.default_for`, as an
 uncalibrated server would use: random weights have nothing to calibrate), `--budget` of the context
 (default 0.1) plus the default sink and recent tokens. Issue target: >= 1.6x decode at 32K and beyond
-(OmniKV reports 1.68x at 128K on Llama-3-8B). Not measured here: the device memory a request holds
-with the sparse layers' KV in a host bank, which is not built; `kv_bytes_per_request` is what it
-holds today (every layer's latent rows).
+(OmniKV reports 1.68x at 128K on Llama-3-8B).
+
+`--bank on` runs the same on a runner with OmniKV's context bank (`--omnikv-bank`: the sparse layers'
+KV in pinned host memory, the selected rows gathered to the device at each filter layer). Its rows
+record the device and host bytes of a request's KV (`kv_device_bytes_per_request`,
+`kv_host_bytes_per_request`; without the bank every byte is on the device), the device memory the
+pool took when the runner was made (`pool_device_bytes`, measured), and the extra device memory one
+OmniKV decode step peaks at (`omnikv_step_peak_bytes`: the bank's gathered rows and the workspaces).
+On a bank runner the "full" rows are full-attention requests on that server: their sparse layers'
+rows come from the host too, the whole context of them. Bank and no-bank runners are timed one after
+the other (not interleaved); compare their rows as such.
 
     python bench/omnikv_gpu.py [--contexts 4096 8192 16384 32768 65536 131072] [--budget 0.1]
-        [--graphs on off] [--steps 16] [--rounds 3] [--profile CONTEXT] [--out bench/results/omnikv_gpu_<device>.json]
+        [--graphs on off] [--bank off on] [--steps 16] [--rounds 3] [--profile CONTEXT]
+        [--out bench/results/omnikv_gpu_<device>.json]
     TRITON_INTERPRET=1 python bench/omnikv_gpu.py --smoke --out /tmp/omnikv.json   # CPU, seconds
 """
 
@@ -127,10 +136,18 @@ def time_context(runner: ModelRunner, context: int, args: argparse.Namespace, vo
     device = runner.device
     modes = [("full", pair.a, False), ("omnikv", pair.b, True)]
     times: dict[str, list[float]] = {name: [] for name, _, _ in modes}
+    peak = None
     try:
         for name, row, sparse in modes:  # warm-up (graph replays, Triton compiles)
             for _ in range(args.warmup):
                 pair.step(row, sparse)
+        if device.type == "cuda":  # the device memory one OmniKV step adds at its peak (bank rows, workspaces)
+            _sync(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            pair.step(pair.b, True)
+            _sync(device)
+            peak = torch.cuda.max_memory_allocated(device) - base
         for rnd in range(args.rounds):
             for name, row, sparse in (modes if rnd % 2 == 0 else modes[::-1]):
                 _sync(device)
@@ -144,11 +161,14 @@ def time_context(runner: ModelRunner, context: int, args: argparse.Namespace, vo
     full, sparse = statistics.median(times["full"]), statistics.median(times["omnikv"])
     cfg = runner.omnikv
     assert cfg is not None
-    return {"context": context, "prompt_len": prompt_len, "graphs": graphs, "full_ms": full * 1e3,
-            "omnikv_ms": sparse * 1e3,
+    pool = runner.kv_pool
+    return {"context": context, "prompt_len": prompt_len, "graphs": graphs, "bank": runner.context_bank is not None,
+            "full_ms": full * 1e3, "omnikv_ms": sparse * 1e3,
             "speedup": full / sparse, "selected_per_sparse_layer": cfg.budget_for(context) + cfg.sink_tokens
-            + cfg.recent_tokens, "kv_bytes_per_request": context * runner.kv_pool.bytes_per_token(),
-            "round_times_s": times}
+            + cfg.recent_tokens, "kv_bytes_per_request": context * pool.bytes_per_token(),
+            "kv_device_bytes_per_request": context * (pool.bytes_per_token() - pool.host_bytes_per_token()),
+            "kv_host_bytes_per_request": context * pool.host_bytes_per_token(),
+            "omnikv_step_peak_bytes": peak, "round_times_s": times}
 
 
 def profile_context(runner: ModelRunner, context: int, vocab: int, seed: int, steps: int = 3) -> dict[str, Any]:
@@ -192,6 +212,8 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=0.1, help="share of the context selected (default 0.1)")
     ap.add_argument("--filter-layers", type=int, nargs="*", default=None)
     ap.add_argument("--graphs", nargs="*", choices=["on", "off"], default=["on", "off"])
+    ap.add_argument("--bank", nargs="*", choices=["on", "off"], default=["off", "on"],
+                    help="runners without and with OmniKV's context bank (default: both)")
     ap.add_argument("--steps", type=int, default=None, help="decode steps per timed round (default 16; smoke 2)")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds per mode (default 3; smoke 1)")
     ap.add_argument("--seed", type=int, default=0)
@@ -217,36 +239,40 @@ def main() -> int:
                               "plan_roles": list(omni.plan(layers).roles), "checks": [], "runs": []}
     ok = True
     out = args.out or str(RESULTS / f"omnikv_gpu_{device_slug(device)}.json")
-    for graphs in [g == "on" for g in args.graphs]:
+    for graphs, bank in [(g == "on", b == "on") for b in args.bank for g in args.graphs]:
         if graphs and device.type != "cuda":
             continue
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         runner = ModelRunner(model, cfg_model, max_total_tokens=2 * per_request, max_running_requests=2,
                              max_context_len=per_request, device=device, attention_backend="triton",
-                             cuda_graph_max_bs=1, disable_cuda_graph=not graphs, omnikv=omni)
+                             cuda_graph_max_bs=1, disable_cuda_graph=not graphs, omnikv=omni, omnikv_bank=bank)
+        pool_bytes = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else None
         try:
             # each runner: graphed OmniKV decodes are checked as eager ones are
-            c = {**check(runner, omni, contexts[0], cfg_model.vocab_size, args.seed), "graphs": graphs}
+            c = {**check(runner, omni, contexts[0], cfg_model.vocab_size, args.seed), "graphs": graphs, "bank": bank}
             result["checks"].append(c)
             ok = ok and c["correct"]
-            print(f"check at {c['context']} (graphs {'on' if graphs else 'off'}): rel err {c['rel_err']:.2e} "
-                  f"({'ok' if c['correct'] else 'WRONG'})", flush=True)
+            print(f"check at {c['context']} (graphs {'on' if graphs else 'off'}, bank {'on' if bank else 'off'}): "
+                  f"rel err {c['rel_err']:.2e} ({'ok' if c['correct'] else 'WRONG'})", flush=True)
             for ctx in contexts:
                 row = time_context(runner, ctx, args, cfg_model.vocab_size, args.seed + ctx, graphs)
+                row["pool_device_bytes"] = pool_bytes
                 if runner.graph_runner is not None:
                     row["omnikv_graph_keys"] = sorted(runner.graph_runner.omnikv_graphs)
                 result["runs"].append(row)
-                print(f"ctx {ctx:6d} graphs {'on ' if graphs else 'off'}: full {row['full_ms']:8.2f} ms, OmniKV "
-                      f"{row['omnikv_ms']:8.2f} ms, x{row['speedup']:.2f}", flush=True)
+                print(f"ctx {ctx:6d} graphs {'on ' if graphs else 'off'} bank {'on ' if bank else 'off'}: full "
+                      f"{row['full_ms']:8.2f} ms, OmniKV {row['omnikv_ms']:8.2f} ms, x{row['speedup']:.2f}, "
+                      f"KV on the device {row['kv_device_bytes_per_request'] / 2**20:.0f} MiB/request", flush=True)
                 write_result(out, result)  # after every context: a run cut short keeps what it measured
-            if args.profile and not graphs:
+            if args.profile and not graphs and not bank:
                 result["profile"] = profile_context(runner, args.profile, cfg_model.vocab_size, args.seed)
                 write_result(out, result)
         finally:
             runner.close()
             del runner
             release_memory()
-    print_table(result["runs"], [("context", "context", "d"), ("graphs", "graphs", ""), ("full_ms", "full ms", ".2f"),
-                                 ("omnikv_ms", "OmniKV ms", ".2f"), ("speedup", "x", ".2f")])
+    print_table(result["runs"], [("context", "context", "d"), ("graphs", "graphs", ""), ("bank", "bank", ""),
+                                 ("full_ms", "full ms", ".2f"), ("omnikv_ms", "OmniKV ms", ".2f"), ("speedup", "x", ".2f")])
     write_result(out, result)
     print(f"wrote {out}")
     return 0 if ok else 1

@@ -172,6 +172,11 @@ class EngineArgs:
     omnikv: str = flag("off", "OmniKV sparse attention at decode for requests that do not choose (their `omnikv` "
                        "field): on, off, or auto (contexts of at least the config's min_context tokens)",
                        choices=OMNIKV_MODES)
+    omnikv_bank: bool = flag(False, "OmniKV's context bank: after prefill the KV of OmniKV's sparse layers lives in "
+                             "host memory (pinned on a GPU), and each decode step's filter layers gather the selected "
+                             "rows to the device, so the device holds only the other layers' KV per token. On a CPU "
+                             "host nothing moves: with the native CPU forward it is ignored, with --cpu-kernels torch "
+                             "it runs the same path in host memory")
     omnikv_config: str | None = flag(None, "OmniKV settings (filter layers, budget, window; written by mlaserve "
                                      "calibrate-omnikv)", check=omnikv_file, metavar="FILE",
                                      default_text="the calibrated one shipped for the model, else filter layers at "

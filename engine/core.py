@@ -39,7 +39,7 @@ from engine.messages import (
 )
 from scheduler.sampling_params import ParamError, validate_prompt_ids
 from executor.grammar import GrammarBackend, GrammarError
-from executor.model_runner import ModelRunner
+from executor.model_runner import ModelRunner, bank_layers
 from scheduler.radix_cache import create_prefix_cache
 from scheduler.request import Req
 from executor.sampler import Sampler
@@ -121,25 +121,41 @@ class EngineCore:
         self.context_len = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
         kv_dtype = loaded.dtype if args.kv_dtype == "auto" else resolve_dtype(args.kv_dtype, device)
         per_token = kv_bytes_per_token(cfg, kv_dtype)
-        # from the flag, else a share of free memory, but never more than every running request can fill
-        num_slots = args.max_total_tokens or min(
-            int(available_memory(device) * args.mem_fraction // per_token),
-            args.max_running_requests * self.context_len,
-        )
-        num_slots = max(args.page_size, num_slots - num_slots % args.page_size)
         # OmniKV: always planned, so that a request may ask for it whatever the server's default
         omnikv, origin = OmniKVConfig.for_model(args.model, cfg.num_hidden_layers, args.omnikv_config)
         logger.info("OmniKV: %s for requests that do not choose; filter layers %s, budget %s, window %d (%s), "
                     "sink %d, recent %d, auto from %d tokens; config: %s", args.omnikv, list(omnikv.filter_layers),
                     omnikv.budget_tokens or f"{omnikv.budget_ratio:.0%}", omnikv.window_size, omnikv.alpha,
                     omnikv.sink_tokens, omnikv.recent_tokens, omnikv.min_context, origin)
+        # the context bank moves the sparse layers' share of every token's KV to host memory
+        bank = args.omnikv_bank and args.tp == 1 and not args.dp_attention
+        if bank and native:
+            logger.info("OmniKV context bank: off, as nothing moves on a CPU host (the native forward reads the "
+                        "sparse layers in place)")
+            bank = False
+        host_share = sum(bank_layers(omnikv.plan(cfg.num_hidden_layers)).values(), []) if bank else []
+        host_per_token = per_token * len(host_share) // cfg.num_hidden_layers
+        device_per_token = per_token - host_per_token
+        # from the flag, else a share of free memory, but never more than every running request can fill
+        num_slots = args.max_total_tokens or min(
+            int(available_memory(device) * args.mem_fraction // device_per_token),
+            # the bank's host share: at most half the host memory available, which the process needs too
+            int(available_memory(torch.device("cpu")) // 2 // host_per_token) if host_per_token
+            else args.max_running_requests * self.context_len,
+            args.max_running_requests * self.context_len,
+        )
+        num_slots = max(args.page_size, num_slots - num_slots % args.page_size)
+        if bank:
+            logger.info("OmniKV context bank: layers %s in host memory (%.2f GiB%s), %d bytes/token on the device",
+                        host_share, num_slots * host_per_token / 2**30, ", pinned" if device.type == "cuda" else "",
+                        device_per_token)
         self.runner = ModelRunner(
             loaded.model, cfg, max_total_tokens=num_slots, max_running_requests=args.max_running_requests,
             max_context_len=self.context_len, device=device, kv_dtype=kv_dtype,
             attention_backend=args.attention_backend, page_size=args.page_size,
             cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph or args.tp > 1 or args.dp_attention,
             hybrid_graph_mode=args.hybrid_graph_mode,
-            omnikv=omnikv if args.tp == 1 and not args.dp_attention else None,
+            omnikv=omnikv if args.tp == 1 and not args.dp_attention else None, omnikv_bank=bank,
         )
         if self.ranks is not None:
             self.ranks.lead(self.runner, kv_dtype)
@@ -310,6 +326,8 @@ class EngineCore:
             finished_total=dict(self._finished_total),
             omnikv_sparse_tokens_total=o.sparse_tokens, omnikv_selected_tokens_total=o.selected_tokens,
             omnikv_context_tokens_total=o.context_tokens,
+            omnikv_bank_host_bytes=s.kv_slots_used() * self.runner.kv_pool.host_bytes_per_token(),
+            omnikv_bank_gathered_bytes_total=bank.bytes_gathered if (bank := self.runner.context_bank) else 0,
         )
 
     def _outputs(self, reqs: list[Req]) -> list[RequestOutput]:

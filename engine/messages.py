@@ -131,6 +131,10 @@ class EngineStats(msgspec.Struct, forbid_unknown_fields=True):
     omnikv_sparse_tokens_total: int = 0
     omnikv_selected_tokens_total: int = 0
     omnikv_context_tokens_total: int = 0
+    # OmniKV's context bank: host bytes held by the KV slots in use (gauge), and bytes its gathers copied
+    # to the device (counter; each gather's whole fixed-shape buffer)
+    omnikv_bank_host_bytes: int = 0
+    omnikv_bank_gathered_bytes_total: int = 0
 
     @property
     def kv_usage(self) -> float:

@@ -67,6 +67,7 @@ import torch
 from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.memory_pool import KVPool, ReqToTokenPool
 from kernels.attention.base import AttentionBackend
+from kernels.attention.context_bank import ContextBank
 from kernels.attention.omnikv import GraphRows, OmniKVBatch, QueryHistory
 from kernels.graph_support import CapturedHostWork, GraphMode, GraphSupport, HostStep
 from models.experts import ExpertBackend
@@ -256,6 +257,7 @@ class GraphedRunner(Protocol):
     omnikv: OmniKVConfig | None
     omnikv_plan: LayerPlan | None
     query_history: QueryHistory | None
+    context_bank: ContextBank | None
 
 
 def omnikv_width(context: int, max_context_len: int) -> int:
@@ -396,7 +398,7 @@ class CudaGraphRunner:
                          self.omnikv_sparse[:bs] if mixed else None)
         sparse = OmniKVBatch.for_graph(plan.roles, plan.source, rows, sink=cfg.sink_tokens, recent=cfg.recent_tokens,
                                        weights_for=cfg.alpha_weights, table=self.req_to_token_pool.req_to_token,
-                                       history=self._runner.query_history)
+                                       history=self._runner.query_history, bank=self._runner.context_bank)
         batch = self._static_batch(bs, [1] * bs, [0] * bs, omnikv=sparse)
         self.backend.init_forward_metadata_capture_cuda_graph(batch)
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():

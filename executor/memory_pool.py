@@ -11,21 +11,38 @@
 * `MHATokenToKVPool`    — per layer K and V [num_slots + page_size, num_kv_heads, head_dim].
 
 Pools hold tensors only; which request owns which slot is the scheduler's business.
+
+Host layers (OmniKV's context bank, `host_layers`): the listed layers' buffers live in host memory
+(pinned on a GPU host, so the device reads and writes them directly) while the others stay on the
+device; a slot still names one token in every layer, so allocation, prefix sharing and freeing are
+the same for both. Writes from the device to a host layer go through `_store_rows`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 
 
-def _kv_buffer(shape: tuple[int, ...], page_size: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+def _kv_buffer(shape: tuple[int, ...], page_size: int, dtype: torch.dtype, device: torch.device | str,
+               host: bool = False) -> torch.Tensor:
     """Uninitialised KV storage (pages are committed by the OS as they are first written, so a
-    large pool starts instantly), except the reserved dummy page, zeroed: padded reads land there."""
-    buf = torch.empty(shape, dtype=dtype, device=device)
+    large pool starts instantly), except the reserved dummy page, zeroed: padded reads land there.
+    `host`: in host memory instead of on `device` (pinned where `device` is a GPU)."""
+    if host:
+        buf = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=torch.device(device).type == "cuda")
+    else:
+        buf = torch.empty(shape, dtype=dtype, device=device)
     buf[:page_size].zero_()
     return buf
+
+
+def _store_rows(buf: torch.Tensor, loc: torch.Tensor, rows: torch.Tensor) -> None:
+    """buf[loc] = rows, for a buffer on the rows' device or a host layer's (a copy to the host first)."""
+    if buf.device != loc.device:
+        loc, rows = loc.to(buf.device), rows.to(buf.device)
+    buf[loc] = rows.to(buf.dtype)
 
 
 class ReqToTokenPool:
@@ -148,19 +165,31 @@ class MLATokenToKVPool:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         page_size: int = 1,
+        host_layers: Collection[int] = (),
     ) -> None:
         self.num_slots = num_slots
         self.page_size = page_size
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
         self.dtype = dtype
+        self.host_layers = frozenset(host_layers)
         self.kv_buffer = [
-            _kv_buffer((num_slots + page_size, kv_lora_rank + qk_rope_head_dim), page_size, dtype, device)
-            for _ in range(num_layers)
+            _kv_buffer((num_slots + page_size, kv_lora_rank + qk_rope_head_dim), page_size, dtype, device,
+                       i in self.host_layers)
+            for i in range(num_layers)
         ]
 
     def bytes_per_token(self) -> int:
+        """Every layer's bytes of one token, wherever they are held."""
         return len(self.kv_buffer) * (self.kv_lora_rank + self.qk_rope_head_dim) * self.kv_buffer[0].element_size()
+
+    def host_bytes_per_token(self) -> int:
+        """The host layers' share of `bytes_per_token` (the device holds the rest)."""
+        return self.bytes_per_token() * len(self.host_layers) // len(self.kv_buffer)
+
+    def layer_buffers(self, layer_id: int) -> tuple[torch.Tensor, ...]:
+        """The layer's buffers, as the context bank gathers them: (latent,)."""
+        return (self.kv_buffer[layer_id],)
 
     def get_kv_buffer(self, layer_id: int) -> torch.Tensor:
         return self.kv_buffer[layer_id]
@@ -168,6 +197,9 @@ class MLATokenToKVPool:
     def set_mla_kv(self, layer_id: int, loc: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Stores latent c_kv [T, kv_lora_rank] and k_pe [T, rope_dim] at slots `loc` [T]."""
         buf = self.kv_buffer[layer_id]
+        if buf.device != loc.device:  # a host layer: one copy of whole rows
+            _store_rows(buf, loc, torch.cat([c_kv.to(self.dtype), k_pe.reshape(k_pe.shape[0], -1).to(self.dtype)], -1))
+            return
         buf[loc, : self.kv_lora_rank] = c_kv.to(self.dtype)
         buf[loc, self.kv_lora_rank :] = k_pe.reshape(k_pe.shape[0], -1).to(self.dtype)
 
@@ -185,26 +217,37 @@ class MHATokenToKVPool:
         device: torch.device | str = "cpu",
         page_size: int = 1,
         v_head_dim: int | None = None,
+        host_layers: Collection[int] = (),
     ) -> None:
         self.num_slots = num_slots
         self.page_size = page_size
         self.dtype = dtype
+        self.host_layers = frozenset(host_layers)
         shape = (num_slots + page_size, num_kv_heads)
-        self.k_buffer = [_kv_buffer((*shape, head_dim), page_size, dtype, device) for _ in range(num_layers)]
-        self.v_buffer = [
-            _kv_buffer((*shape, v_head_dim or head_dim), page_size, dtype, device) for _ in range(num_layers)
-        ]
+        self.k_buffer = [_kv_buffer((*shape, head_dim), page_size, dtype, device, i in self.host_layers)
+                         for i in range(num_layers)]
+        self.v_buffer = [_kv_buffer((*shape, v_head_dim or head_dim), page_size, dtype, device, i in self.host_layers)
+                         for i in range(num_layers)]
 
     def bytes_per_token(self) -> int:
+        """Every layer's bytes of one token, wherever they are held."""
         k, v = self.k_buffer[0], self.v_buffer[0]
         return len(self.k_buffer) * (k[0].numel() + v[0].numel()) * k.element_size()
+
+    def host_bytes_per_token(self) -> int:
+        """The host layers' share of `bytes_per_token` (the device holds the rest)."""
+        return self.bytes_per_token() * len(self.host_layers) // len(self.k_buffer)
+
+    def layer_buffers(self, layer_id: int) -> tuple[torch.Tensor, ...]:
+        """The layer's buffers, as the context bank gathers them: (K, V)."""
+        return self.k_buffer[layer_id], self.v_buffer[layer_id]
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffer[layer_id][loc] = k.to(self.dtype)
-        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+        _store_rows(self.k_buffer[layer_id], loc, k)
+        _store_rows(self.v_buffer[layer_id], loc, v)
 
 
 KVPool = MLATokenToKVPool | MHATokenToKVPool

@@ -20,12 +20,13 @@ from typing import Protocol
 import torch
 
 from kernels.attention import create_attention_backend
-from kernels.attention.omnikv import OmniKVBatch, QueryHistory
+from kernels.attention.context_bank import ContextBank
+from kernels.attention.omnikv import SPARSE, OmniKVBatch, QueryHistory
 from models.base import CausalLM
 from models.config import DeepseekConfig, ModelConfig
 from models.experts import CppExperts, CpuExpertPool
 from models.native import native_modules
-from models.omnikv_config import OmniKVConfig
+from models.omnikv_config import LayerPlan, OmniKVConfig
 from models.parallel import local_kv_heads
 from executor.cpu_forward import NativeForward, unsupported_reason
 from executor.cuda_graph_runner import CudaGraphRunner, capture_if_supported
@@ -67,17 +68,29 @@ class RequestSlice:
 
 
 def create_kv_pool(
-    cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device, page_size: int = 1
+    cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device, page_size: int = 1,
+    host_layers: Sequence[int] = (),
 ) -> KVPool:
-    """The latent pool for DeepSeek (MLA), per-head K/V for Llama."""
+    """The latent pool for DeepSeek (MLA), per-head K/V for Llama; `host_layers` in host memory (OmniKV's
+    context bank)."""
     if isinstance(cfg, DeepseekConfig):
         return MLATokenToKVPool(
-            num_slots, cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, device, page_size
+            num_slots, cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, device, page_size,
+            host_layers=host_layers,
         )
     return MHATokenToKVPool(  # under tensor parallelism, this rank's KV heads
         num_slots, cfg.num_hidden_layers, local_kv_heads(cfg.num_key_value_heads), cfg.head_dim, dtype, device,
-        page_size
+        page_size, host_layers=host_layers,
     )
+
+
+def bank_layers(plan: LayerPlan) -> dict[int, list[int]]:
+    """OmniKV's context bank: filter index -> the SPARSE layers reading its selection (held on the host)."""
+    groups: dict[int, list[int]] = {}
+    for layer, (role, f) in enumerate(zip(plan.roles, plan.source)):
+        if role == SPARSE:
+            groups.setdefault(f, []).append(layer)
+    return groups
 
 
 def _logits_indices(n_new: list[int], all_logits: bool | Sequence[bool], dev: torch.device) -> torch.Tensor | None:
@@ -108,8 +121,11 @@ class ModelRunner:
         disable_cuda_graph: bool = False,
         hybrid_graph_mode: str = "host-nodes",
         omnikv: OmniKVConfig | None = None,
+        omnikv_bank: bool = False,
         native_forward: bool = True,
     ) -> None:
+        """`omnikv_bank`: OmniKV's context bank (kernels/attention/context_bank.py): the plan's SPARSE layers'
+        KV in host memory, their selected rows gathered to the device at each decode step's filter layers."""
         self.model = model
         self.config = config
         self.device = torch.device(device)
@@ -117,11 +133,16 @@ class ModelRunner:
         self.max_context_len = max_context_len or config.max_position_embeddings
         self.req_to_token_pool = ReqToTokenPool(max_running_requests, self.max_context_len, self.device)
         self.allocator = TokenSlotAllocator(max_total_tokens, page_size, self.device)
-        self.kv_pool = create_kv_pool(config, max_total_tokens, kv_dtype, self.device, page_size)
-        self.attn_backend = create_attention_backend(attention_backend)
         # OmniKV (models/omnikv_config.py): the layer plan, the filter layers' query window, and counters
         self.omnikv = omnikv
         self.omnikv_plan = omnikv.plan(config.num_hidden_layers) if omnikv is not None else None
+        if omnikv_bank and self.omnikv_plan is None:
+            raise ValueError("the OmniKV context bank needs an OmniKV config")
+        groups = bank_layers(self.omnikv_plan) if omnikv_bank and self.omnikv_plan is not None else {}
+        host_layers = sorted(layer for group in groups.values() for layer in group)
+        self.kv_pool = create_kv_pool(config, max_total_tokens, kv_dtype, self.device, page_size, host_layers)
+        self.context_bank = ContextBank(groups, self.kv_pool.layer_buffers, self.device) if omnikv_bank else None
+        self.attn_backend = create_attention_backend(attention_backend)
         self.omnikv_counters = OmniKVCounters()
         self.query_history: QueryHistory | None = None
         if omnikv is not None and self.omnikv_plan is not None and omnikv.window_size > 1:
@@ -141,6 +162,8 @@ class ModelRunner:
         self.native_off_reason: str | None = "the model was loaded without native CPU weights"
         if not native_forward:  # e.g. calibration, whose recording attention backend must see every layer
             self.native_off_reason = "the runner was asked for the torch forward"
+        elif self.context_bank is not None:
+            self.native_off_reason = "the OmniKV context bank runs with the torch or triton attention backend"
         elif self._native and self.device.type == "cpu":
             self.native_off_reason = unsupported_reason(model, self.kv_pool)
             if self.native_off_reason is None:
@@ -221,6 +244,8 @@ class ModelRunner:
             raise ValueError("set_omnikv cannot change the query window or, with a window, the number of filter "
                              "layers; make a new ModelRunner")
         plan = config.plan(self.config.num_hidden_layers)
+        if self.context_bank is not None and bank_layers(plan) != self.context_bank.groups:
+            raise ValueError("set_omnikv cannot change which layers the context bank holds; make a new ModelRunner")
         self.omnikv, self.omnikv_plan = config, plan
         if self.graph_runner is not None:
             self.graph_runner.drop_omnikv_graphs()
@@ -239,7 +264,8 @@ class ModelRunner:
         return OmniKVBatch(
             plan.roles, plan.source, rows, [slices[i].req_pool_idx for i in rows], [slices[i].prefix_len for i in rows],
             [cfg.budget_for(slices[i].prefix_len + 1) for i in rows], sink=cfg.sink_tokens, recent=cfg.recent_tokens,
-            weights_for=cfg.alpha_weights, table=self.req_to_token_pool.req_to_token, history=self.query_history)
+            weights_for=cfg.alpha_weights, table=self.req_to_token_pool.req_to_token, history=self.query_history,
+            bank=self.context_bank)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

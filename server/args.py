@@ -302,6 +302,9 @@ def combination_problem(parsed: Parsed, environ: Mapping[str, str]) -> str | Non
         return f"{parsed.describe('ep')} must be 1 or the --tp size ({ns.tp}): experts are partitioned over the tp ranks"
     if ns.tp > 1 and ns.omnikv != "off":
         return f"{parsed.describe('omnikv')} does not run under {parsed.describe('tp')}: use one of them"
+    if ns.omnikv_bank and (ns.tp > 1 or ns.dp_attention):
+        other = "tp" if ns.tp > 1 else "dp_attention"
+        return f"{parsed.describe('omnikv_bank')} does not run under {parsed.describe(other)}: use one of them"
     if ns.dp > 1 and ns.nnodes > 1:
         return (f"{parsed.describe('dp')} does not run with {parsed.describe('nnodes')}: data-parallel replicas "
                 "are one machine's (run one server per machine)")

@@ -15,6 +15,8 @@ Exported (names are what dashboards and `promtool check metrics` see):
     mlaserve_omnikv_selected_tokens_total    counter  tokens those selections kept (summed over filter layers)
     mlaserve_omnikv_context_tokens_total     counter  the contexts they were chosen from (selected fraction:
                                                       rate(selected) / rate(context))
+    mlaserve_omnikv_bank_host_bytes          gauge    host memory held by the context bank's KV (--omnikv-bank)
+    mlaserve_omnikv_bank_gathered_bytes_total counter bytes the bank's gathers copied to the device
     (with `--dp N` each of these is the sum over the replicas; a dead replica's totals stay)
   from the replica set (`update_replicas`, before each scrape)
     mlaserve_dp_replicas                     gauge    engine replicas alive (`--dp`; 1 without)
@@ -172,6 +174,8 @@ class Metrics(Collector):
         self._omnikv_sparse = _MonotonicTotal()
         self._omnikv_selected = _MonotonicTotal()
         self._omnikv_context = _MonotonicTotal()
+        self._bank_host_bytes = 0
+        self._bank_gathered = _MonotonicTotal()
         # from the replica set
         self._replicas_alive = 0
         self._routed: dict[str, int] = {}
@@ -275,6 +279,8 @@ class Metrics(Collector):
             self._omnikv_sparse.update(stats.omnikv_sparse_tokens_total)
             self._omnikv_selected.update(stats.omnikv_selected_tokens_total)
             self._omnikv_context.update(stats.omnikv_context_tokens_total)
+            self._bank_host_bytes = stats.omnikv_bank_host_bytes
+            self._bank_gathered.update(stats.omnikv_bank_gathered_bytes_total)
 
     def update_replicas(self, alive: int, routed: Sequence[int]) -> None:
         """How many engine replicas run, and the engine requests routed to each so far."""
@@ -315,6 +321,10 @@ class Metrics(Collector):
                        "layers.", m, self._omnikv_selected.value)
         yield _counter("mlaserve_omnikv_context_tokens", "Context tokens OmniKV selections were chosen from, summed "
                        "over filter layers.", m, self._omnikv_context.value)
+        yield _gauge("mlaserve_omnikv_bank_host_bytes", "Host memory held by the KV of the slots in use in OmniKV's "
+                     "context bank (--omnikv-bank).", m, self._bank_host_bytes)
+        yield _counter("mlaserve_omnikv_bank_gathered_bytes", "Bytes OmniKV's context bank gathered to the device for "
+                       "decode steps.", m, self._bank_gathered.value)
         yield _gauge("mlaserve_dp_replicas", "Engine replicas alive (--dp).", m, self._replicas_alive)
         yield _counter("mlaserve_dp_replica_requests", "Engine requests routed to each replica.", m,
                        extra_label="replica", by_value=self._routed)

@@ -75,10 +75,16 @@ def test_omnikv_decode_smoke(tmp_path: Path) -> None:
     r = run_smoke("omnikv_gpu.py", tmp_path / "omnikv.json")
     assert r["smoke"] and r["layers"] == 6 and r["preset"] == "tiny-deepseek-v2"
     assert r["omnikv"]["filter_layers"] == [1, 3] and 2 in r["plan_roles"]  # OmniKVConfig.default_for(6)
-    [c] = r["checks"]
-    assert c["correct"] and c["sparse_decodes"] == 4 and c["rel_err"] <= 1e-5  # fp32 here
-    assert [(row["context"], row["graphs"]) for row in r["runs"]] == [(96, False), (160, False)]  # no CUDA: no graphs
+    assert [c["bank"] for c in r["checks"]] == [False, True]
+    for c in r["checks"]:
+        assert c["correct"] and c["sparse_decodes"] == 4 and c["rel_err"] <= 1e-5  # fp32 here
+    assert [(row["context"], row["graphs"], row["bank"]) for row in r["runs"]] == [  # no CUDA: no graphs
+        (96, False, False), (160, False, False), (96, False, True), (160, False, True)]
     for row in r["runs"]:
+        # the bank: the one sparse layer of 6 with filter layers 1 and 3 (layer 5) on the host
+        host = (48 + 8) * 4 * row["context"] if row["bank"] else 0
+        assert (row["kv_host_bytes_per_request"], row["kv_device_bytes_per_request"]) == (
+            host, row["kv_bytes_per_request"] - host)
         assert row["prompt_len"] == row["context"] - 1 - 2 * 1 - 1  # warm-up 1, 2 steps x 1 round: within context
         assert row["full_ms"] > 0 and row["omnikv_ms"] > 0
         assert row["speedup"] == pytest.approx(row["full_ms"] / row["omnikv_ms"], rel=1e-9)

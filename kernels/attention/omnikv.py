@@ -12,8 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kernels.attention.context_bank import ContextBank, Gather
 
 FULL, FILTER, SPARSE = 0, 1, 2  # layer roles, as models.omnikv_config numbers them
 
@@ -124,7 +128,7 @@ class OmniKVBatch:
     def __init__(self, roles: Sequence[int], source: Sequence[int], rows: Sequence[int], req_rows: Sequence[int],
                  positions: Sequence[int], budgets: Sequence[int], *, sink: int, recent: int,
                  weights_for, table: torch.Tensor, history: QueryHistory | None = None,
-                 graph: GraphRows | None = None) -> None:
+                 graph: GraphRows | None = None, bank: ContextBank | None = None) -> None:
         self.roles, self.source = list(roles), list(source)
         self.rows = list(rows)
         self._where = {b: i for i, b in enumerate(self.rows)}
@@ -141,15 +145,23 @@ class OmniKVBatch:
         self._alpha: torch.Tensor | None = None  # [W + 1, W] weights_for(c) in row c, on the device
         self.selected_tokens = 0  # summed over filter layers and rows (metrics)
         self.context_tokens = 0
+        # the context bank (kernels/attention/context_bank.py): this decode step's device rows of the host
+        # layers, per layer, the [B, W] table that reads them, and the event their gathers end with
+        self.bank = bank
+        self.banked: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.bank_tables: dict[int, torch.Tensor] = {}  # filter index -> arange(B * W).view(B, W), int32
+        self._bank_slots: dict[int, torch.Tensor] = {}  # filter index -> the [B, W] KV slots gathered
+        self._bank_events: dict[int, torch.cuda.Event | None] = {}
 
     @classmethod
     def for_graph(cls, roles: Sequence[int], source: Sequence[int], graph: GraphRows, *, sink: int, recent: int,
-                  weights_for, table: torch.Tensor, history: QueryHistory | None = None) -> OmniKVBatch:
+                  weights_for, table: torch.Tensor, history: QueryHistory | None = None,
+                  bank: ContextBank | None = None) -> OmniKVBatch:
         """The state a captured decode graph runs with: every one of the graph's rows goes through the
         selection (a mixed graph's full rows select their whole context), its inputs read from `graph`'s
         buffers, so a replay selects for whatever the runner wrote there."""
         batch = cls(roles, source, range(graph.req_rows.shape[0]), [], [], [], sink=sink, recent=recent,
-                    weights_for=weights_for, table=table, history=history, graph=graph)
+                    weights_for=weights_for, table=table, history=history, graph=graph, bank=bank)
         batch.alpha_table(graph.req_rows.device)  # made here, before any capture (a host-to-device copy)
         return batch
 
@@ -177,6 +189,59 @@ class OmniKVBatch:
 
     def role(self, layer_id: int) -> int:
         return self.roles[layer_id]
+
+    def first_sparse(self, filter_layer: int) -> int | None:
+        """The first SPARSE layer reading filter layer `filter_layer`'s selection (None: no layer does)."""
+        f = self.filter_of[filter_layer]
+        return next((i for i, (r, s) in enumerate(zip(self.roles, self.source)) if r == SPARSE and s == f), None)
+
+    def bank_prefetch(self, filter_layer: int, table: torch.Tensor, lens: torch.Tensor | None, gather: Gather) -> None:
+        """At a filter layer of a decode forward, after its selection: the context bank's gathers of the
+        rows `table` [B, W] (KV slots: what every sparse layer of this filter's group reads) for those
+        layers. Nothing without a bank."""
+        if self.bank is None or self.roles[filter_layer] != FILTER:
+            return
+        f = self.filter_of[filter_layer]
+        rows, event = self.bank.prefetch(f, table, lens, gather)
+        bsz, width = table.shape
+        self.banked.update(rows)
+        self._bank_slots[f] = table
+        self.bank_tables[f] = torch.arange(bsz * width, dtype=torch.int32, device=table.device).view(bsz, width)
+        for layer in rows:
+            self._bank_events[layer] = event
+
+    def bank_store(self, layer_id: int, loc: torch.Tensor, rows: Sequence[torch.Tensor]) -> None:
+        """At a host layer of a decode step, once its new KV is computed: the gather (made at the filter
+        layer above, before this layer had stored anything) read the pool's stale row for each token's
+        own slot, so the new rows (per buffer, [B, *row]) go into the gathered buffers where the table
+        holds `loc` [B] (a row whose selection leaves its own token out gets nothing). Device ops only,
+        no host read: a captured graph replays it."""
+        banked = self.bank_rows(layer_id)
+        if banked is None:
+            return
+        slots = self._bank_slots[self.source[layer_id]]
+        bsz, width = slots.shape
+        cols = torch.arange(width, device=slots.device)
+        hit = slots == loc.to(slots.dtype)[:, None]  # [B, W]: a slot appears once in a row's table
+        at = torch.where(hit, cols[None, :], width).amin(1)  # [B]: where the token's own row sits, width if absent
+        found = at < width
+        at = at.clamp(max=width - 1)
+        b = torch.arange(bsz, device=slots.device)
+        for buf, new in zip(banked, rows):
+            new = new.reshape(bsz, *buf.shape[2:]).to(buf.dtype)
+            keep = found.view(bsz, *[1] * (new.dim() - 1))
+            buf[b, at] = torch.where(keep, new, buf[b, at])
+
+    def bank_rows(self, layer_id: int) -> tuple[torch.Tensor, ...] | None:
+        """This step's device rows of a host layer ([B, W, *row] per buffer, row b's entries in the order of
+        the table they were gathered with), once their gathers are done; None where the bank made none."""
+        rows = self.banked.get(layer_id)
+        if rows is None:
+            return None
+        event = self._bank_events.pop(layer_id, None)
+        if event is not None:
+            torch.cuda.current_stream(rows[0].device).wait_event(event)
+        return rows
 
     def observe(self, layer_id: int, batch_rows: Sequence[int], q: torch.Tensor, keys: torch.Tensor,
                 scale: float) -> None:

@@ -8,6 +8,10 @@ processed in chunks so a long prefill never materialises a [H, T, T] score tenso
 GQA never repeats K/V: queries are viewed as [Hkv, group, n, D] and matmul'd against [Hkv, D, L].
 MLA never builds per-head K in the absorbed path: scores are two matmuls against views of the latent
 buffer (c_kv columns and k_pe columns), broadcast over heads by matmul itself.
+
+OmniKV's context bank (kernels/attention/context_bank.py): a decode step's filter layer hands the padded
+view its sparse layers read to the bank, which gathers their rows (`torch_gather`); those layers then
+attend over the gathered rows. Other reads of a host layer go through `read_rows`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention.base import AttentionBackend, AttentionLayer, ForwardBatch
+from kernels.attention.context_bank import read_rows, torch_gather
 from kernels.attention.omnikv import FILTER
 
 
@@ -113,37 +118,56 @@ class TorchAttentionBackend(AttentionBackend):
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
         for kv_idx, start, prefix, n in self._requests(layer, batch):
-            out[start : start + n] = self._gqa(q[start : start + n], k_buf[kv_idx], v_buf[kv_idx], layer, prefix)
+            out[start : start + n] = self._gqa(q[start : start + n], read_rows(k_buf, kv_idx), read_rows(v_buf, kv_idx),
+                                               layer, prefix)
         _observe(layer, batch, q, k_buf)
         return out
 
     def forward_decode(self, q, k, v, layer, batch):
         pool = batch.token_to_kv_pool
         pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        if batch.omnikv is not None:
+            batch.omnikv.bank_store(layer.layer_id, batch.out_cache_loc, (k, v))
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
-        indices, mask = self._decode_view(layer, batch)
+        indices, mask = self._decode_view(layer.layer_id, batch)
         b, h, d = q.shape
         hkv = k_buf.shape[1]
-        keys = k_buf[indices].float().permute(0, 2, 3, 1)  # [B, Hkv, D, L]
-        vals = v_buf[indices].float().transpose(1, 2)  # [B, Hkv, L, Dv]
+        banked = batch.omnikv.bank_rows(layer.layer_id) if batch.omnikv is not None else None
+        k_rows, v_rows = banked if banked is not None else (read_rows(k_buf, indices), read_rows(v_buf, indices))
+        keys = k_rows.float().permute(0, 2, 3, 1)  # [B, Hkv, D, L]
+        vals = v_rows.float().transpose(1, 2)  # [B, Hkv, L, Dv]
         qg = q.float().view(b, hkv, h // hkv, d)  # [B, Hkv, G, D]
         scores = torch.matmul(qg, keys) * layer.scaling  # [B, Hkv, G, L]
         scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
         out = torch.matmul(scores.softmax(dim=-1), vals)  # [B, Hkv, G, Dv]
         _observe(layer, batch, q, k_buf)
+        self._bank_prefetch(layer, batch)
         return out.reshape(b, h, -1).to(q.dtype)
 
-    def _decode_view(self, layer: AttentionLayer, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_view(self, layer_id: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The padded [B, L] KV slots and validity of a decode batch at this layer (OmniKV rows at a
         SPARSE layer: their selections)."""
         m = self.meta
         assert m is not None and m.decode_indices is not None and m.decode_mask is not None
-        view = batch.omnikv.decode_view(layer.layer_id, m.decode_indices, m.decode_mask) if batch.omnikv else None
+        view = batch.omnikv.decode_view(layer_id, m.decode_indices, m.decode_mask) if batch.omnikv else None
         return view if view is not None else (m.decode_indices, m.decode_mask)
+
+    def _bank_prefetch(self, layer: AttentionLayer, batch: ForwardBatch) -> None:
+        """At a filter layer of a decode step with a context bank: the view its sparse layers read, to
+        the bank (whole padded rows: padding entries are the zeroed slot 0)."""
+        sparse = batch.omnikv
+        if sparse is None or sparse.bank is None or sparse.role(layer.layer_id) != FILTER:
+            return
+        first = sparse.first_sparse(layer.layer_id)
+        if first is not None:
+            sparse.bank_prefetch(layer.layer_id, self._decode_view(first, batch)[0], None, torch_gather)
 
     # ---- MLA ----
     def set_mla_kv(self, layer, batch, c_kv, k_pe):
         batch.token_to_kv_pool.set_mla_kv(layer.layer_id, batch.out_cache_loc, c_kv, k_pe)
+        if batch.omnikv is not None and batch.forward_mode.is_decode():
+            batch.omnikv.bank_store(layer.layer_id, batch.out_cache_loc,
+                                    (torch.cat([c_kv, k_pe.reshape(k_pe.shape[0], -1)], dim=-1),))
 
     def forward_mla_normal(self, q, k, v, layer, batch):
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
@@ -161,7 +185,7 @@ class TorchAttentionBackend(AttentionBackend):
             return self._mla_decode(q_latent, q_pe, buf, layer, batch)
         out = q_latent.new_empty(q_latent.shape)
         for kv_idx, start, prefix, n in self._requests(layer, batch):
-            latent = buf[kv_idx].float()  # [L, r + P]: gathered rows of the shared cache, no per-head copy
+            latent = read_rows(buf, kv_idx).float()  # [L, r + P]: gathered rows of the shared cache, no per-head copy
             c_kv, k_pe = latent[:, :r], latent[:, r:]
             ql = q_latent[start : start + n].float().transpose(0, 1)  # [H, n, r]
             qp = q_pe[start : start + n].float().transpose(0, 1)  # [H, n, P]
@@ -178,12 +202,14 @@ class TorchAttentionBackend(AttentionBackend):
     def _mla_decode(self, q_latent: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor, layer: AttentionLayer,
                     batch: ForwardBatch) -> torch.Tensor:
         """All requests at once: one query token each against its padded latent rows [B, L, r + P]."""
-        indices, mask = self._decode_view(layer, batch)
+        indices, mask = self._decode_view(layer.layer_id, batch)
         r = layer.kv_lora_rank
-        latent = buf[indices].float()  # [B, L, r + P], gathered once for all heads
+        banked = batch.omnikv.bank_rows(layer.layer_id) if batch.omnikv is not None else None
+        latent = (banked[0] if banked is not None else read_rows(buf, indices)).float()  # [B, L, r + P], once for all heads
         c_kv, k_pe = latent[..., :r], latent[..., r:]
         scores = (torch.matmul(q_latent.float(), c_kv.transpose(1, 2))  # [B, H, r] @ [B, r, L]
                   + torch.matmul(q_pe.float(), k_pe.transpose(1, 2))) * layer.scaling
         scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
         _observe(layer, batch, torch.cat([q_latent, q_pe], dim=-1), buf[:, None, :])
+        self._bank_prefetch(layer, batch)
         return torch.matmul(scores.softmax(dim=-1), c_kv).to(q_latent.dtype)  # [B, H, r]

@@ -29,6 +29,12 @@ forward and filter layer. A DECODE batch whose every row goes through the select
 selections as they are and takes nothing from the host: such batches replay CUDA graphs
 (`omnikv_graphs`; executor/cuda_graph_runner.py, where a mixed batch's full rows select everything).
 
+OmniKV's context bank (kernels/attention/context_bank.py): at a decode step's filter layer the sparse
+view (slots and lengths) goes to the bank, whose gathers (`triton_omnikv.gather_rows`, only each row's
+length) copy the rows of the group's host layers into device buffers; the decode kernel of a sparse layer
+then reads those buffers through the table 0..B·W-1 (`OmniKVBatch.bank_tables`). Everything else reads a
+host layer where it is: the kernels take the pinned buffer's address, which the GPU maps.
+
 Needs a CUDA device, or `TRITON_INTERPRET=1` (set before Triton is imported) for CPU testing.
 """
 
@@ -178,12 +184,12 @@ class TritonAttentionBackend(AttentionBackend):
         self._graph_decode_meta(batch)
 
     # ------------------------------------------------------------------ OmniKV
-    def _sparse_view(self, layer: AttentionLayer, batch: ForwardBatch) -> _SparseView | None:
+    def _sparse_view(self, layer_id: int, batch: ForwardBatch) -> _SparseView | None:
         """At an OmniKV SPARSE layer, the KV every row reads (None: every row attends fully here)."""
         sparse = batch.omnikv
-        if sparse is None or sparse.role(layer.layer_id) != SPARSE:
+        if sparse is None or sparse.role(layer_id) != SPARSE:
             return None
-        key = sparse.source[layer.layer_id]  # layers reading one filter's selection share the table
+        key = sparse.source[layer_id]  # layers reading one filter's selection share the table
         view = self._sparse_views.get(key)
         if view is None:
             # every row sparse: the selections alone, nothing built from the host's lengths (a graph's case)
@@ -195,7 +201,7 @@ class TritonAttentionBackend(AttentionBackend):
                     lens, device=req_to_token.device)[:, None]
                 indices = req_to_token[batch.req_pool_indices, :width].masked_fill(~mask, 0)
                 self._full_view = (indices, mask)
-            got = sparse.decode_view(layer.layer_id, *(self._full_view or (None, None)))
+            got = sparse.decode_view(layer_id, *(self._full_view or (None, None)))
             if got is None:
                 return None
             table, valid = got
@@ -237,6 +243,20 @@ class TritonAttentionBackend(AttentionBackend):
         # the layers below read this selection: a view kept from an earlier run of the forward (a graph
         # capture's warm-up runs, made without new metadata) would hold that run's table
         self._sparse_views.pop(sparse.filter_of[layer.layer_id], None)
+        first = sparse.first_sparse(layer.layer_id) if sparse.bank is not None else None
+        if first is not None and batch.forward_mode.is_decode():
+            view = self._sparse_view(first, batch)
+            assert view is not None
+            sparse.bank_prefetch(layer.layer_id, view.table, view.lens, self._omnikv_kernels.gather_rows)
+
+    def _banked(self, layer: AttentionLayer, batch: ForwardBatch) -> tuple[torch.Tensor, ...] | None:
+        """A decode step's device rows of this host layer, gathered by the context bank, flattened to
+        [B·W, *row] (None: the layer reads the pool)."""
+        sparse = batch.omnikv
+        if sparse is None or sparse.bank is None or not batch.forward_mode.is_decode():
+            return None
+        rows = sparse.bank_rows(layer.layer_id)
+        return None if rows is None else tuple(r.view(-1, *r.shape[2:]) for r in rows)
 
     def _extend(self, q, q_rope, k, k_rope, v, out, layer: AttentionLayer, batch: ForwardBatch, page: int):
         """Extend attention over the pool; at an OmniKV SPARSE layer the decode rows of a MIXED batch
@@ -244,7 +264,7 @@ class TritonAttentionBackend(AttentionBackend):
         m = self.extend
         assert m is not None, "init_forward_metadata must run before attention"
         table, rows, prefix_lens = m.table, m.rows, m.prefix_lens
-        view = self._sparse_view(layer, batch)
+        view = self._sparse_view(layer.layer_id, batch)
         if view is not None:
             table, rows, prefix_lens, page = view.table, view.rows, view.lens - m.extend_lens, 1
         return self._k.extend_attention(
@@ -257,13 +277,18 @@ class TritonAttentionBackend(AttentionBackend):
     def _decode(
         self, q: torch.Tensor, q_rope: torch.Tensor | None, k: torch.Tensor, k_rope: torch.Tensor | None,
         v: torch.Tensor | None, out: torch.Tensor, layer: AttentionLayer, page: int, batch: ForwardBatch,
+        banked: bool = False,
     ) -> torch.Tensor:
+        """`banked`: k / k_rope / v are the context bank's rows of this layer, read through its table."""
         m = self.decode
         assert m is not None, "init_forward_metadata must run before attention"
         table, rows, seq_lens = m.table, m.rows, m.seq_lens
-        view = self._sparse_view(layer, batch)
+        view = self._sparse_view(layer.layer_id, batch)
         if view is not None:  # OmniKV SPARSE layer: sparse rows read their selections
             table, rows, seq_lens, page = view.table, view.rows, view.lens, 1
+            if banked:
+                assert batch.omnikv is not None
+                table = batch.omnikv.bank_tables[batch.omnikv.source[layer.layer_id]]
         num_heads = q.shape[1]
         group = num_heads // k.shape[1]
         block_h = min(_BLOCK_H, max(16, 1 << (group - 1).bit_length()))
@@ -290,9 +315,13 @@ class TritonAttentionBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer, batch):
         pool = batch.token_to_kv_pool
         pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        if batch.omnikv is not None:
+            batch.omnikv.bank_store(layer.layer_id, batch.out_cache_loc, (k, v))
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
-        out = self._decode(q, None, k_buf, None, v_buf, out, layer, pool.page_size, batch)
+        banked = self._banked(layer, batch)
+        k_read, v_read = banked if banked is not None else (k_buf, v_buf)
+        out = self._decode(q, None, k_read, None, v_read, out, layer, pool.page_size, batch, banked is not None)
         self._observe(layer, batch, q, None, k_buf)
         return out
 
@@ -301,6 +330,9 @@ class TritonAttentionBackend(AttentionBackend):
         pool = batch.token_to_kv_pool
         self._k.store_latent(pool.get_kv_buffer(layer.layer_id), batch.out_cache_loc,
                              c_kv.contiguous(), k_pe.reshape(k_pe.shape[0], -1).contiguous())
+        if batch.omnikv is not None and batch.forward_mode.is_decode():
+            batch.omnikv.bank_store(layer.layer_id, batch.out_cache_loc,
+                                    (torch.cat([c_kv, k_pe.reshape(k_pe.shape[0], -1)], dim=-1),))
 
     def forward_mla_normal(self, q, k, v, layer, batch):
         m = self.extend
@@ -317,10 +349,12 @@ class TritonAttentionBackend(AttentionBackend):
         pool = batch.token_to_kv_pool
         buf = pool.get_kv_buffer(layer.layer_id)
         r = layer.kv_lora_rank
-        c_kv, k_pe = buf[:, None, :r], buf[:, None, r:]  # column views of the latent rows: one "KV head"
+        banked = self._banked(layer, batch)
+        read = banked[0] if banked is not None else buf
+        c_kv, k_pe = read[:, None, :r], read[:, None, r:]  # column views of the latent rows: one "KV head"
         out = q_latent.new_empty(q_latent.shape)
         if batch.forward_mode.is_decode():
-            out = self._decode(q_latent, q_pe, c_kv, k_pe, None, out, layer, pool.page_size, batch)
+            out = self._decode(q_latent, q_pe, c_kv, k_pe, None, out, layer, pool.page_size, batch, banked is not None)
         else:
             out = self._extend(q_latent, q_pe, c_kv, k_pe, None, out, layer, batch, pool.page_size)
         self._observe(layer, batch, q_latent, q_pe, buf[:, None, :])  # the latent rows: one "KV head" of r + P

@@ -101,6 +101,38 @@ def test_sparse_decode_batched_shared_and_retracted(model_dir, config_file, cpu_
     assert_no_leak(tight)
 
 
+def test_context_bank_through_the_engine(model_dir, config_file):
+    """--omnikv-bank (the torch forward: the GPU host's path, in host memory): the tokens of the run without
+    a bank, with shared prompts, n = 2 and retraction; nothing leaks; its gauges and counters move. With
+    the native CPU forward it is off: nothing has to move on a CPU host."""
+    p = msgspec.structs.replace(GREEDY, max_tokens=14, omnikv=True)
+    shared = prompt(45, 99)
+    reqs = [(f"r{i}", prompt(32 + 6 * i, 300 + i), p) for i in range(4)] + [("s0", shared, p), ("s1", shared, p)]
+    plain = make_engine(model_dir, config_file, "torch", disable_prefix_cache=True)
+    expected = {rid: generate(plain, [(rid, ids, q)])[rid] for rid, ids, q in reqs}
+
+    core = make_engine(model_dir, config_file, "torch", omnikv_bank=True)
+    bank = core.runner.context_bank
+    assert bank is not None and sorted(core.runner.kv_pool.host_layers) == bank.layers()
+    assert generate(core, reqs) == expected
+    stats = core.stats()
+    assert stats.omnikv_bank_gathered_bytes_total == bank.bytes_gathered > 0
+    assert stats.omnikv_bank_host_bytes == stats.kv_slots_used * core.runner.kv_pool.host_bytes_per_token()
+    assert_no_leak(core)
+    assert core.add_request(GenerateRequest("n2", shared, msgspec.structs.replace(p, n=2))) == []
+    outs = run_to_end(core)
+    assert tokens(outs[("n2", 0)]) == tokens(outs[("n2", 1)]) == expected["s0"]
+    assert_no_leak(core)
+
+    tight = make_engine(model_dir, config_file, "torch", omnikv_bank=True, max_total_tokens=200)
+    got = generate(tight, reqs)
+    assert tight.stats().retractions_total > 0 and all(len(t) == 14 for t in got.values())
+    assert_no_leak(tight)
+
+    native = make_engine(model_dir, config_file, "native", omnikv_bank=True)
+    assert native.runner.context_bank is None and not native.runner.kv_pool.host_layers
+
+
 def test_a_config_that_does_not_fit_the_model_is_refused(model_dir, tmp_path):
     path = tmp_path / "far.json"
     OmniKVConfig(filter_layers=(2, 9)).save(path)

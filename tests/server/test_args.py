@@ -63,6 +63,7 @@ BAD: dict[str, list[str]] = {
     "disable-prefix-cache": ["maybe"],
     "seed": ["random", "1.5"],
     "omnikv": ["maybe", "ON"],
+    "omnikv-bank": ["maybe", "2"],
     "omnikv-config": [f"{FIXTURES}/missing.json", f"{FIXTURES}/unknown_field.json"],
     "tp": ["two", "0", "1.5"],
     "ep": ["x", "0"],
@@ -112,6 +113,7 @@ GOOD: dict[str, tuple[str, Any, str, Any]] = {
     "disable-prefix-cache": ("On", True, "0", False),
     "seed": ("-3", -3, "42", 42),
     "omnikv": ("auto", "auto", "on", "on"),
+    "omnikv-bank": ("yes", True, "off", False),
     "omnikv-config": (f"{FIXTURES}/two_filters.json", f"{FIXTURES}/two_filters.json",
                       f"{FIXTURES}/window.json", f"{FIXTURES}/window.json"),
     "tp": ("2", 2, "4", 4),
@@ -269,6 +271,17 @@ def test_dp_combinations_are_refused(flags: list[str], named: tuple[str, ...], m
     assert all(n in err[0] for n in named), err
     assert parse_serve_args(flags[:2], environ={}).dp == 2  # alone it is fine, and so with --tp on a free port
     assert parse_serve_args(["--dp", "2", "--tp", "2"], environ={}).engine.tp == 2
+
+
+@pytest.mark.parametrize("flags,other", [(["--tp", "2"], "--tp 2"), (["--dp", "2", "--dp-attention"], "--dp-attention True")])
+def test_the_context_bank_is_refused_with_split_ranks(flags: list[str], other: str,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_serve_args([*flags, "--omnikv-bank"], environ={})
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1 and "--omnikv-bank True does not run under" in err[0], err
+    assert other in err[0], err
+    assert parse_serve_args(["--omnikv-bank"], environ={}).engine.omnikv_bank
 
 
 def test_dp_with_nodes_from_the_environment_names_the_variables(capsys: pytest.CaptureFixture) -> None:
