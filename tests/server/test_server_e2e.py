@@ -419,5 +419,7 @@ def test_omnikv_request_field(server, client):
     assert out.usage.completion_tokens == 6
     assert metric(server, "mlaserve_omnikv_sparse_tokens_total") == before + 5
     assert metric(server, "mlaserve_omnikv_selected_tokens_total") < metric(server, "mlaserve_omnikv_context_tokens_total")
+    # no --omnikv-bank here (and the native CPU forward would ignore it): the bank's metrics read 0
+    assert metric(server, "mlaserve_omnikv_bank_host_bytes") == metric(server, "mlaserve_omnikv_bank_gathered_bytes_total") == 0
     assert_error(post(server, "/v1/completions", {"model": server_model_id(server), "prompt": "hi", "omnikv": "yes"}),
                  400, param="omnikv")
