@@ -21,11 +21,11 @@ A key row of width D is read as two column blocks of power-of-two widths (576 = 
 so MLA's rows are not padded to 1024. Scores are fp32 (IEEE products, the cache upcast), as in the
 reference: the selection must not depend on a bf16 rounding of the query.
 
-Selection (`select_slots`): unique int64 keys (the fp32 importance bits, then the position reversed),
-so ties go to the earlier position exactly as the reference's stable sort does; `_choose_kernel`, one
-program per row, finds the budget-th largest key by radix select and writes the positions at or above
-it in ascending order (no top-k and no sort of one long row, which PyTorch may run in one block);
-then one small kernel lays out sinks + chosen + recent and looks the slots up.
+Selection (`select_slots`): a radix select of the budget-th largest importance (its fp32 bits, a byte a
+pass) over a grid of (row, chunk) programs, then the positions above it and the earliest ones equal to
+it (ties to the earlier position exactly as the reference's stable sort) written in ascending order,
+each chunk at its offset (`_choose`; no top-k and no sort of one long row, and no row left to one
+program); then one small kernel lays out sinks + chosen + recent and looks the slots up.
 """
 
 from __future__ import annotations
@@ -324,60 +324,157 @@ def _assemble_kernel(
         tl.store(LENS + b, tl.minimum(length, K_MAX))
 
 
+# The k_eff most important middle positions of each row, ascending, by a radix select spread over
+# (row, chunk) programs: every pass is a grid over the whole context, not one program per row.
+# Keys are the importance's fp32 bits (>= +0: the bits order as the values do; a -0 or NaN counts as 0).
+#   4 passes, one byte each (bits 31..24 first): `_radix_hist_kernel` writes each chunk's histogram of
+#   the byte among the keys that match the bytes fixed so far, `_radix_digit_kernel` (one program a
+#   row) sums the chunks, fixes the byte of the k_eff-th largest key, and keeps how many keys equal to
+#   the prefix are still to take (`left`). After 4 passes the prefix is the threshold key t.
+#   Then `_select_count_kernel` counts each chunk's keys > t and == t, and `_select_write_kernel`
+#   writes, in position order, every key > t and the first `left` keys == t (ties to the earlier
+#   position, as the reference's stable sort), each chunk at the offset the chunks before it fill.
+_RADIX_PASSES = 4
+_MAX_CHUNKS = 64
+
+
 @triton.jit
-def _choose_kernel(
-    IMP, CTX, BUDGETS, CHOSEN, stride_ib, stride_cb, sink, recent, width, K_TOP,
-    BLOCK: tl.constexpr,
-):
-    """The k_eff most important middle positions of row b, ascending, into CHOSEN[b, :k_eff]: a radix
-    select of the k_eff-th largest key (8 passes of one byte, each a histogram of the keys that match
-    the bytes fixed so far), then one pass that writes the positions whose key is at least that one.
-    Keys are unique (the importance's fp32 bits, then the position reversed: ties to the earlier
-    position), so exactly k_eff positions pass. No sort, and every row is one program."""
-    b = tl.program_id(0)
+def _middle_bits(IMP, b, stride_ib, offs, lo, hi, width):
+    """int32 keys of positions offs: the importance's bits between lo and hi (importance >= +0; a -0
+    or NaN counts as 0), -1 elsewhere."""
+    imp = tl.load(IMP + b * stride_ib + offs, mask=offs < width, other=0.0)
+    bits = tl.where(imp > 0, imp, 0.0).to(tl.int32, bitcast=True)
+    return tl.where((offs >= lo) & (offs < hi), bits, -1)
+
+
+@triton.jit
+def _row_bounds(CTX, BUDGETS, b, sink, recent, K_TOP):
     n = tl.load(CTX + b).to(tl.int32)
     k = tl.load(BUDGETS + b).to(tl.int32)
     lo = tl.minimum(sink, n)
     hi = tl.maximum(lo, n - recent)
-    k_eff = tl.minimum(tl.minimum(k, hi - lo), K_TOP)
-    digits = tl.arange(0, 512)
-    prefix = tl.zeros([], tl.int64)
-    fixed = tl.zeros([], tl.int64)  # the bits of prefix decided so far
-    left = k_eff  # the rank still to find among the keys that match prefix
-    for p in tl.static_range(8):  # byte 7 (bits 56..63) down to byte 0
-        shift = 56 - 8 * p
-        hist = tl.zeros([512], tl.int32)
-        for start in range(0, width, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            key = _middle_keys(IMP, b, stride_ib, offs, lo, hi, width)
-            match = (key >= 0) & ((key & fixed) == prefix)
-            digit = tl.where(match, ((key >> shift) & 255).to(tl.int32), 511)  # 511: no match (bins 0-255 used)
-            hist += tl.histogram(digit, 512)
-        hist = tl.where(digits < 256, hist, 0)
-        at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys with this byte or a larger one
-        d = tl.max(tl.where(at_least >= left, digits, 0), 0)  # the byte of the left-th largest key
-        left -= tl.sum(tl.where(digits > d, hist, 0), 0)
-        prefix = prefix | (d.to(tl.int64) << shift)
-        fixed = fixed | (tl.full([], 255, tl.int64) << shift)
-    threshold = tl.where(k_eff > 0, prefix, 0x7FFFFFFFFFFFFFFF)  # a budget of 0 takes nothing
-    base = tl.zeros([], tl.int32)
-    for start in range(0, width, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        key = _middle_keys(IMP, b, stride_ib, offs, lo, hi, width)
-        take = (key >= threshold) & (key >= 0)
-        rank = base + tl.cumsum(take.to(tl.int32), 0) - 1
-        tl.store(CHOSEN + b * stride_cb + rank, offs, mask=take)
-        base += tl.sum(take.to(tl.int32), 0)
+    k_eff = tl.minimum(tl.minimum(k, hi - lo), K_TOP)  # k >= hi - lo: the whole middle (all of the context)
+    return lo, hi, k_eff
 
 
 @triton.jit
-def _middle_keys(IMP, b, stride_ib, offs, lo, hi, width):
-    """int64 keys of positions offs: importance bits << 32 | (2^32 - 1 - position) between lo and hi,
-    -1 elsewhere (the importance is >= +0; a -0 or NaN counts as 0)."""
-    imp = tl.load(IMP + b * stride_ib + offs, mask=offs < width, other=0.0)
-    bits = tl.where(imp > 0, imp, 0.0).to(tl.int32, bitcast=True).to(tl.int64)
-    key = (bits << 32) | (0xFFFFFFFF - offs.to(tl.int64))
-    return tl.where((offs >= lo) & (offs < hi), key, -1)
+def _radix_hist_kernel(
+    IMP, CTX, BUDGETS, STATE, HIST, stride_ib, sink, recent, width, K_TOP, CHUNK,
+    SHIFT: tl.constexpr, NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    lo, hi, k_eff = _row_bounds(CTX, BUDGETS, b, sink, recent, K_TOP)
+    prefix = tl.load(STATE + b * 3)
+    fixed = tl.load(STATE + b * 3 + 1)
+    hist = tl.zeros([512], tl.int32)
+    for start in range(c * CHUNK, (c + 1) * CHUNK, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        key = _middle_bits(IMP, b, stride_ib, offs, lo, hi, width)
+        match = (key >= 0) & ((key & fixed) == prefix)
+        digit = tl.where(match, (key >> SHIFT) & 255, 511)  # 511: no match (bins 0-255 are used)
+        hist += tl.histogram(digit, 512)
+    bins = tl.arange(0, 512)
+    tl.store(HIST + (b * NUM_CHUNKS + c) * 256 + bins, hist, mask=bins < 256)
+
+
+@triton.jit
+def _radix_digit_kernel(
+    CTX, BUDGETS, STATE, HIST, sink, recent, K_TOP,
+    SHIFT: tl.constexpr, BYTE_MASK: tl.constexpr, FIRST: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    lo, hi, k_eff = _row_bounds(CTX, BUDGETS, b, sink, recent, K_TOP)
+    digits = tl.arange(0, 256)
+    hist = tl.zeros([256], tl.int32)
+    for c in range(NUM_CHUNKS):
+        hist += tl.load(HIST + (b * NUM_CHUNKS + c) * 256 + digits)
+    prefix = tl.load(STATE + b * 3)
+    fixed = tl.load(STATE + b * 3 + 1)
+    left = k_eff if FIRST else tl.load(STATE + b * 3 + 2)  # the rank still to find among keys matching prefix
+    at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys with this byte or a larger one
+    d = tl.max(tl.where(at_least >= left, digits, 0), 0)  # the byte of the left-th largest key
+    left -= tl.sum(tl.where(digits > d, hist, 0), 0)
+    tl.store(STATE + b * 3, prefix | (d << SHIFT))
+    tl.store(STATE + b * 3 + 1, fixed | BYTE_MASK)
+    tl.store(STATE + b * 3 + 2, left)
+
+
+@triton.jit
+def _select_count_kernel(
+    IMP, CTX, BUDGETS, STATE, COUNTS, stride_ib, sink, recent, width, K_TOP, CHUNK,
+    NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    lo, hi, k_eff = _row_bounds(CTX, BUDGETS, b, sink, recent, K_TOP)
+    t = tl.load(STATE + b * 3)
+    above = tl.zeros([], tl.int32)
+    equal = tl.zeros([], tl.int32)
+    for start in range(c * CHUNK, (c + 1) * CHUNK, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        key = _middle_bits(IMP, b, stride_ib, offs, lo, hi, width)
+        above += tl.sum((key > t).to(tl.int32), 0)
+        equal += tl.sum((key == t).to(tl.int32), 0)
+    tl.store(COUNTS + (b * NUM_CHUNKS + c) * 2, above)
+    tl.store(COUNTS + (b * NUM_CHUNKS + c) * 2 + 1, equal)
+
+
+@triton.jit
+def _select_write_kernel(
+    IMP, CTX, BUDGETS, STATE, COUNTS, CHOSEN, stride_ib, stride_cb, sink, recent, width, K_TOP, CHUNK,
+    NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    lo, hi, k_eff = _row_bounds(CTX, BUDGETS, b, sink, recent, K_TOP)
+    if k_eff > 0:  # a budget of 0 takes nothing
+        t = tl.load(STATE + b * 3)
+        left = tl.load(STATE + b * 3 + 2)  # keys == t to take: the first ones by position
+        chunks = tl.arange(0, NUM_CHUNKS)
+        before = chunks < c
+        above_before = tl.sum(tl.where(before, tl.load(COUNTS + (b * NUM_CHUNKS + chunks) * 2), 0), 0)
+        equal_before = tl.sum(tl.where(before, tl.load(COUNTS + (b * NUM_CHUNKS + chunks) * 2 + 1), 0), 0)
+        base = above_before + tl.minimum(equal_before, left)  # what the chunks before this one take
+        ties = equal_before  # keys == t at earlier positions
+        for start in range(c * CHUNK, (c + 1) * CHUNK, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            key = _middle_bits(IMP, b, stride_ib, offs, lo, hi, width)
+            eq = key == t
+            tie_rank = ties + tl.cumsum(eq.to(tl.int32), 0) - 1
+            take = (key > t) | (eq & (tie_rank < left))
+            rank = base + tl.cumsum(take.to(tl.int32), 0) - 1
+            tl.store(CHOSEN + b * stride_cb + rank, offs, mask=take)
+            base += tl.sum(take.to(tl.int32), 0)
+            ties += tl.sum(eq.to(tl.int32), 0)
+
+
+def _choose(imp: torch.Tensor, ctx_lens: torch.Tensor, budgets: torch.Tensor, chosen: torch.Tensor, sink: int,
+            recent: int, width: int, k_top: int) -> None:
+    """chosen[b, :k_eff] = row b's k_eff most important middle positions, ascending (the kernels above).
+    The chunking depends on `width` alone (a graph's bucket), so the launches are fixed by the shapes."""
+    bsz = imp.shape[0]
+    block = min(1024, triton.next_power_of_2(width))
+    chunks = min(_MAX_CHUNKS, triton.cdiv(width, block))
+    chunk = block * triton.cdiv(triton.cdiv(width, block), chunks)  # positions per chunk, whole blocks
+    chunks = triton.cdiv(width, chunk)
+    num_chunks = triton.next_power_of_2(chunks)  # the counts' row length (padding chunks count nothing)
+    dev = imp.device
+    state = torch.zeros(bsz, 3, dtype=torch.int32, device=dev)  # prefix, fixed bits, keys == prefix left
+    hist = torch.zeros(bsz, num_chunks, 256, dtype=torch.int32, device=dev)
+    counts = torch.zeros(bsz, num_chunks, 2, dtype=torch.int32, device=dev)
+    common = (sink, recent, width, k_top, chunk)
+    for p in range(_RADIX_PASSES):
+        shift = 24 - 8 * p
+        _radix_hist_kernel[(bsz, chunks)](imp, ctx_lens, budgets, state, hist, imp.stride(0), *common,
+                                          SHIFT=shift, NUM_CHUNKS=num_chunks, BLOCK=block)
+        byte_mask = ((255 << shift) + 2**31) % 2**32 - 2**31  # the byte's bits as an int32 (bit 31 is the sign)
+        _radix_digit_kernel[(bsz,)](ctx_lens, budgets, state, hist, sink, recent, k_top,
+                                    SHIFT=shift, BYTE_MASK=byte_mask, FIRST=p == 0, NUM_CHUNKS=num_chunks)
+    _select_count_kernel[(bsz, chunks)](imp, ctx_lens, budgets, state, counts, imp.stride(0), *common,
+                                        NUM_CHUNKS=num_chunks, BLOCK=block)
+    _select_write_kernel[(bsz, chunks)](imp, ctx_lens, budgets, state, counts, chosen, imp.stride(0), chosen.stride(0),
+                                        *common, NUM_CHUNKS=num_chunks, BLOCK=block)
 
 
 def select_slots(
@@ -415,10 +512,7 @@ def select_slots(
     k_top = min(k_max, width)
     chosen = torch.empty(bsz, k_top, dtype=torch.int32, device=dev)  # ascending; only :k_eff is read
     imp = importance if importance.dtype == torch.float32 else importance.float()
-    _choose_kernel[(bsz,)](
-        imp, ctx_lens, budgets, chosen, imp.stride(0), chosen.stride(0), sink, recent, width, k_top,
-        BLOCK=min(1024, triton.next_power_of_2(width)),
-    )
+    _choose(imp, ctx_lens, budgets, chosen, sink, recent, width, k_top)
     block = min(256, triton.next_power_of_2(k_max))
     _assemble_kernel[(bsz, triton.cdiv(k_max, block))](
         chosen, ctx_lens, budgets, req_to_token, req_rows, slots, positions, lens,

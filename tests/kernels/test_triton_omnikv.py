@@ -145,6 +145,18 @@ def test_select_long_rows_across_blocks() -> None:
     _check_selection(imp, ctx, budgets, 4, 16, req_to_token, [2, 0, 3, 1])
 
 
+def test_select_chunks_of_several_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fewer chunk programs than blocks (as at long contexts, where a chunk spans many blocks): each
+    chunk's histogram, counts and ordered write run over several blocks, with ties across chunks."""
+    monkeypatch.setattr(triton_omnikv, "_MAX_CHUNKS", 2)
+    gen = torch.Generator().manual_seed(12)
+    ctx = [3000, 2100, 1030]
+    budgets = [700, 3, 1000]
+    imp = (torch.randint(0, 9, (len(ctx), 3072), generator=gen).float() / 3).to(DEV)
+    req_to_token = torch.randperm(16384, generator=gen)[: 3 * 3072].view(3, 3072).to(DEV, torch.int32)
+    _check_selection(imp, ctx, budgets, 4, 16, req_to_token, [1, 2, 0])
+
+
 def test_select_on_kernel_importance() -> None:
     """The whole device path (importance kernel, then select_slots) against the reference's."""
     gen = torch.Generator().manual_seed(8)
