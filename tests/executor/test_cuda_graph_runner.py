@@ -347,14 +347,15 @@ def test_triton_backend_with_stand_in_graph(model):
 @pytest.mark.skipif(not _TRITON_ATTENTION, reason="needs triton and kernels/attention/triton_backend.py")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the stand-in graph runs the kernels interpreted on CPU "
                     "tensors; on a GPU host bench/omnikv_gpu.py checks graphed OmniKV decodes against eager ones")
-@pytest.mark.parametrize("preset, window, alpha", [("tiny-deepseek-v2", 1, "last_token"),
-                                                   ("tiny-llama", 3, "exponential")])
-def test_omnikv_decodes_replay_their_own_graphs(tmp_path, preset, window, alpha):
+@pytest.mark.parametrize("preset, window, alpha, bank", [("tiny-deepseek-v2", 1, "last_token", False),
+                                                         ("tiny-llama", 3, "exponential", False),
+                                                         ("tiny-deepseek-v2", 1, "last_token", True)])
+def test_omnikv_decodes_replay_their_own_graphs(tmp_path, preset, window, alpha, bank):
     """Decode batches with OmniKV rows replay graphs captured per (padded size, context bucket, mixed):
     the same logits, metrics and query history as the eager OmniKV forward, whether every row is an
     OmniKV row or some attend fully, and the graph's forward reads no per-step host value (its
-    OmniKVBatch has none: a stand-in replay that reached for one would fail). A new OmniKV config
-    drops the graphs."""
+    OmniKVBatch has none: a stand-in replay that reached for one would fail). With the context bank
+    the graphs gather the sparse layers' rows in the replay too. A new OmniKV config drops the graphs."""
     from kernels.attention import create_attention_backend
     from models.omnikv_config import OmniKVConfig
 
@@ -365,7 +366,7 @@ def test_omnikv_decodes_replay_their_own_graphs(tmp_path, preset, window, alpha)
     cfg = OmniKVConfig(filter_layers=(1, 3), budget_tokens=6, sink_tokens=2, recent_tokens=3, window=window,
                        alpha=alpha)
     runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=1024, max_running_requests=8,
-                         max_context_len=128, omnikv=cfg)
+                         max_context_len=128, omnikv=cfg, omnikv_bank=bank, native_forward=False)
     assert 2 in runner.omnikv_plan.roles  # some layers read a selection
     runner.attn_backend = create_attention_backend("triton")
     graphs = CudaGraphRunner(runner, 4, CaptureRunCapture(runner.attn_backend))
@@ -402,6 +403,8 @@ def test_omnikv_decodes_replay_their_own_graphs(tmp_path, preset, window, alpha)
     assert omnikv_width(41, 128) == 64 and omnikv_width(65, 128) == 128 and omnikv_width(300, 128) == 128
     assert sum(g.replays for g in graphs.omnikv_graphs.values()) == len(steps)
     assert not any(g.replays for g in graphs.graphs.values())
+    if bank:
+        assert all(graphs.omnikv_batches[key].banked for key in graphs.omnikv_graphs)  # the replays' gathers
     runner.set_omnikv(dataclasses.replace(cfg, budget_tokens=9))
     assert graphs.omnikv_graphs == {} and graphs.omnikv_outputs == {}
 
@@ -733,11 +736,15 @@ def test_cuda_graph_greedy_equals_eager(tmp_path, name, experts, mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name, window, alpha", [("tiny-deepseek-v2", 1, "last_token"), ("tiny-llama", 3, "exponential")])
-def test_omnikv_cuda_graphs_equal_eager_omnikv(tmp_path, name, window, alpha):
+@pytest.mark.parametrize("name, window, alpha, bank", [("tiny-deepseek-v2", 1, "last_token", False),
+                                                       ("tiny-llama", 3, "exponential", False),
+                                                       ("tiny-deepseek-v2", 1, "last_token", True)])
+def test_omnikv_cuda_graphs_equal_eager_omnikv(tmp_path, name, window, alpha, bank):
     """Real graphs of OmniKV decodes against the eager OmniKV forward: the same logits at every step, while
     contexts cross a bucket (64 -> 128), batch sizes change and some batches mix OmniKV and
-    full-attention rows; the graphs were captured per (size, bucket, mixed) and replayed."""
+    full-attention rows; the graphs were captured per (size, bucket, mixed) and replayed. `bank`: the
+    graphed runner keeps its sparse layers in pinned host memory (the context bank, its gathers on a
+    side stream inside the graphs); the eager one keeps every layer on the device."""
     from models.omnikv_config import OmniKVConfig
 
     path = write_checkpoint(tmp_path, name, seed=4, num_layers=6)
@@ -746,7 +753,8 @@ def test_omnikv_cuda_graphs_equal_eager_omnikv(tmp_path, name, window, alpha):
     cfg = OmniKVConfig(filter_layers=(1, 3), budget_tokens=6, sink_tokens=2, recent_tokens=3, window=window, alpha=alpha)
     kw = dict(max_total_tokens=2048, max_running_requests=8, max_context_len=256, device="cuda",
               attention_backend="triton", omnikv=cfg)
-    graphed = ModelRunner(loaded.model, loaded.config, cuda_graph_max_bs=4, **kw)
+    graphed = ModelRunner(loaded.model, loaded.config, cuda_graph_max_bs=4, omnikv_bank=bank, **kw)
+    assert bool(graphed.kv_pool.host_layers) == bank
     eager_runner = ModelRunner(loaded.model, loaded.config, disable_cuda_graph=True, **kw)
     graphs = graphed.graph_runner
     assert graphs is not None and eager_runner.graph_runner is None
