@@ -418,3 +418,29 @@ def store_latent(buf: torch.Tensor, loc: torch.Tensor, c_kv: torch.Tensor, k_pe:
         c_kv, k_pe, buf, loc, c_kv.stride(0), k_pe.stride(0), buf.stride(0),
         R=r, P=p, BLOCK_R=triton.next_power_of_2(r), BLOCK_P=triton.next_power_of_2(p),
     )
+
+
+@triton.jit
+def _store_rows_kernel(SRC, BUF, LOC, stride_s, stride_buf, ROW: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(LOC + t).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(SRC + t * stride_s + offs, mask=offs < ROW)
+    tl.store(BUF + slot * stride_buf + offs, v.to(BUF.dtype.element_ty), mask=offs < ROW)
+
+
+def store_rows(buf: torch.Tensor, loc: torch.Tensor, rows: torch.Tensor) -> None:
+    """buf[loc] = rows in one launch (rows [T, ...] into the [S, ...] buffer, contiguous rows, cast to its
+    dtype): how K and V reach an OmniKV context bank's host layer (pinned memory the GPU maps) inside a
+    CUDA graph, where torch's indexing would copy to the host first."""
+    total = int(loc.shape[0])
+    if total == 0:
+        return
+    dst, src = buf.view(buf.shape[0], -1), rows.reshape(total, -1)
+    if dst.shape[1] != src.shape[1] or dst.stride(-1) != 1 or src.stride(-1) != 1:
+        raise ValueError(f"store_rows: rows of {src.shape[1]} values into a buffer of {dst.shape[1]}, or a "
+                         "non-unit inner stride")
+    row = dst.shape[1]
+    block = min(1024, triton.next_power_of_2(row))
+    _store_rows_kernel[(total, triton.cdiv(row, block))](src, dst, loc, src.stride(0), dst.stride(0), ROW=row,
+                                                           BLOCK=block)

@@ -49,9 +49,11 @@ class KVCache(Protocol):
     """What a backend reads and writes of the token-to-KV pool (`executor.memory_pool`'s MHA and MLA pools).
 
     MHA/GQA pools answer `set_kv` and `get_kv_buffer` -> (K, V); the MLA latent pool answers
-    `set_mla_kv` and `get_kv_buffer` -> its [slots, r + P] buffer."""
+    `set_mla_kv` and `get_kv_buffer` -> its [slots, r + P] buffer. `host_layers`: the layers held in host
+    memory (OmniKV's context bank; kernels/attention/context_bank.py), empty without one."""
 
     page_size: int
+    host_layers: frozenset[int]
 
     def get_kv_buffer(self, layer_id: int): ...
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...

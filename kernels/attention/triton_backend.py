@@ -303,9 +303,20 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     # ------------------------------------------------------------------ MHA / GQA
+    def _set_kv(self, layer: AttentionLayer, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The pool's K/V store; a context bank's host layer is written by a kernel through the device's
+        mapping of the pinned buffer (capturable, where the pool's indexing copies through the host)."""
+        pool = batch.token_to_kv_pool
+        if layer.layer_id not in pool.host_layers:
+            pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+            return
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        self._k.store_rows(k_buf, batch.out_cache_loc, k.contiguous())
+        self._k.store_rows(v_buf, batch.out_cache_loc, v.contiguous())
+
     def forward_extend(self, q, k, v, layer, batch):
         pool = batch.token_to_kv_pool
-        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        self._set_kv(layer, batch, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
         out = self._extend(q, None, k_buf, None, v_buf, out, layer, batch, pool.page_size)
@@ -314,7 +325,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, batch):
         pool = batch.token_to_kv_pool
-        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        self._set_kv(layer, batch, k, v)
         if batch.omnikv is not None:
             batch.omnikv.bank_store(layer.layer_id, batch.out_cache_loc, (k, v))
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)

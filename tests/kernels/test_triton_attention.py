@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from kernels.attention import AttentionLayer, create_attention_backend  # noqa: E402
+from kernels import triton_attention  # noqa: E402
 from executor.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from executor.memory_pool import (  # noqa: E402
     MHATokenToKVPool,
@@ -144,6 +145,19 @@ def test_mla_store_latent_matches_pool_write() -> None:
     layer = AttentionLayer(0, 4, 1, 48, 32, 1.0, kv_lora_rank=32, qk_rope_head_dim=16)
     create_attention_backend("triton").set_mla_kv(layer, batch, c_kv, k_pe)
     assert torch.equal(setup.pool.kv_buffer[0], expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_rows_matches_indexing(dtype: torch.dtype) -> None:
+    """K / V rows [T, Hkv, D] into a [S, Hkv, D] buffer of the cache dtype, rows wider than one block."""
+    gen = torch.Generator().manual_seed(5)
+    buf = torch.randn(64, 3, 400, generator=gen).to(DEV, dtype)
+    loc = torch.tensor([9, 2, 40, 63, 17], device=DEV)
+    rows = torch.randn(5, 3, 400, generator=gen).to(DEV, dtype)  # the model's K / V, in the cache dtype
+    expected = buf.clone()
+    expected[loc] = rows
+    triton_attention.store_rows(buf, loc, rows)
+    assert torch.equal(buf, expected)
 
 
 @pytest.mark.parametrize("heads,heads_kv", [(6, 2), (9, 3), (4, 4), (40, 2)])
