@@ -143,6 +143,10 @@ class ModelRunner:
         self.kv_pool = create_kv_pool(config, max_total_tokens, kv_dtype, self.device, page_size, host_layers)
         self.context_bank = ContextBank(groups, self.kv_pool.layer_buffers, self.device) if omnikv_bank else None
         self.attn_backend = create_attention_backend(attention_backend)
+        problem = self.attn_backend.host_memory_problem(self.device) if self.context_bank is not None else None
+        if problem is not None:
+            raise ValueError(f"the OmniKV context bank cannot run: {problem}; serve without --omnikv-bank, or "
+                             "with --attention-backend torch (which copies through the host, slower)")
         self.omnikv_counters = OmniKVCounters()
         self.query_history: QueryHistory | None = None
         if omnikv is not None and self.omnikv_plan is not None and omnikv.window_size > 1:

@@ -119,6 +119,11 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Computes per-forward metadata once; every layer of this forward reuses it."""
 
+    def host_memory_problem(self, device: torch.device) -> str | None:
+        """Why this backend cannot read and write host-memory KV layers (OmniKV's context bank) from
+        `device`, or None. The base reads them through the host, which works everywhere."""
+        return None
+
     # ---- MHA / GQA ----
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch

@@ -99,6 +99,26 @@ class TritonAttentionBackend(AttentionBackend):
         self._full_view: tuple[torch.Tensor, torch.Tensor] | None = None
         self._omnikv_kernels = None  # kernels.triton_omnikv, imported at the first OmniKV filter layer
 
+    def host_memory_problem(self, device: torch.device) -> str | None:
+        """The kernels reach a context bank's pinned host buffers through the GPU's mapping of them: a
+        store and a gather on a small pinned buffer, checked, before a server relies on it."""
+        if device.type != "cuda":
+            return None  # the host is the device
+        from kernels import triton_omnikv
+
+        try:
+            host = torch.zeros(4, 8, dtype=torch.float32, pin_memory=True)
+            rows = torch.arange(16, dtype=torch.float32, device=device).view(2, 8)
+            self._k.store_rows(host, torch.tensor([1, 3], device=device), rows)
+            back = triton_omnikv.gather_rows(host, torch.tensor([[3, 1]], dtype=torch.int32, device=device),
+                                             torch.tensor([2], device=device), torch.empty(1, 2, 8, device=device))
+            torch.cuda.synchronize(device)
+        except Exception as e:  # noqa: BLE001 - whatever the driver or Triton says is the reason
+            return f"the Triton kernels cannot use pinned host memory here ({type(e).__name__}: {e})"
+        if not (torch.equal(host[1], rows[0].cpu()) and torch.equal(back[0].cpu(), rows.cpu().flip(0))):
+            return "the Triton kernels read or wrote pinned host memory wrongly here"
+        return None
+
     # ------------------------------------------------------------------ metadata
     def _check_device(self, device: torch.device) -> None:
         from kernels.triton_utils import check_device

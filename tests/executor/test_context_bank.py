@@ -209,6 +209,7 @@ def test_gpu_bank_holds_sparse_layers_on_the_host(checkpoints, backend):
                            omnikv_bank=bank, attention_backend=backend, device="cuda", disable_cuda_graph=True)
 
     runner = on_gpu(True)
+    assert runner.attn_backend.host_memory_problem(torch.device("cuda")) is None  # the start-up probe passed
     for i, buf in enumerate(runner.kv_pool.kv_buffer):
         assert (buf.device.type == "cpu" and buf.is_pinned()) == (i in runner.kv_pool.host_layers)
     vocab = hf.config.vocab_size
