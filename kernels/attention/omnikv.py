@@ -202,6 +202,8 @@ class OmniKVBatch:
         if self.bank is None or self.roles[filter_layer] != FILTER:
             return
         f = self.filter_of[filter_layer]
+        for layer in [x for x in self.banked if self.source[x] != f]:  # the layers above are done with theirs:
+            del self.banked[layer]  # freed first, so that one group's buffers at a time take device memory
         rows, event = self.bank.prefetch(f, table, lens, gather)
         bsz, width = table.shape
         self.banked.update(rows)
