@@ -99,6 +99,17 @@ def save_hf_model(name: str, out_dir: Path, seed: int = 0):
     return model
 
 
+def save_hf_models(tmp_path_factory: Any, names: list[str], seed: int, **overrides: Any) -> dict[str, tuple[Any, Path]]:
+    """A module fixture's checkpoints: name -> (the HF model, its saved folder), seeds seed, seed + 1, ..."""
+    out = {}
+    for i, name in enumerate(names):
+        d = tmp_path_factory.mktemp(name)
+        model = build_hf_model(name, seed=seed + i, **overrides)
+        model.save_pretrained(d)
+        out[name] = (model, d)
+    return out
+
+
 @torch.no_grad()
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     """Greedy continuation by full re-forward each step (no cache involved on the oracle side)."""

@@ -52,8 +52,7 @@ class ContextBank:
         self.buffers = buffers
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.rows_gathered = 0  # token rows copied, summed over layers (each row is all of a layer's values)
-        self.bytes_gathered = 0
+        self.bytes_gathered = 0  # the gathered buffers' capacity, summed (metrics)
 
     def layers(self) -> list[int]:
         """Every layer whose KV the bank holds."""
@@ -86,5 +85,4 @@ class ContextBank:
         for layer in layers:
             for src, dst in zip(self.buffers(layer), out[layer]):
                 gather(src, table, lens, dst)
-                self.bytes_gathered += dst.numel() * dst.element_size()  # the buffer's capacity: known on the host
-            self.rows_gathered += table.numel()
+                self.bytes_gathered += dst.numel() * dst.element_size()  # known on the host

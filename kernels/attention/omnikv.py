@@ -234,6 +234,11 @@ class OmniKVBatch:
             keep = found.view(bsz, *[1] * (new.dim() - 1))
             buf[b, at] = torch.where(keep, new, buf[b, at])
 
+    def bank_store_latent(self, layer_id: int, loc: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """`bank_store` of MLA's new latent rows c_kv ‖ k_pe, made only for a layer the bank gathered."""
+        if layer_id in self.banked:
+            self.bank_store(layer_id, loc, (torch.cat([c_kv, k_pe.reshape(k_pe.shape[0], -1)], dim=-1),))
+
     def bank_rows(self, layer_id: int) -> tuple[torch.Tensor, ...] | None:
         """This step's device rows of a host layer ([B, W, *row] per buffer, row b's entries in the order of
         the table they were gathered with), once their gathers are done; None where the bank made none."""

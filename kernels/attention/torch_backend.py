@@ -166,8 +166,7 @@ class TorchAttentionBackend(AttentionBackend):
     def set_mla_kv(self, layer, batch, c_kv, k_pe):
         batch.token_to_kv_pool.set_mla_kv(layer.layer_id, batch.out_cache_loc, c_kv, k_pe)
         if batch.omnikv is not None and batch.forward_mode.is_decode():
-            batch.omnikv.bank_store(layer.layer_id, batch.out_cache_loc,
-                                    (torch.cat([c_kv, k_pe.reshape(k_pe.shape[0], -1)], dim=-1),))
+            batch.omnikv.bank_store_latent(layer.layer_id, batch.out_cache_loc, c_kv, k_pe)
 
     def forward_mla_normal(self, q, k, v, layer, batch):
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)

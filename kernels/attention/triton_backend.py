@@ -362,8 +362,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._k.store_latent(pool.get_kv_buffer(layer.layer_id), batch.out_cache_loc,
                              c_kv.contiguous(), k_pe.reshape(k_pe.shape[0], -1).contiguous())
         if batch.omnikv is not None and batch.forward_mode.is_decode():
-            batch.omnikv.bank_store(layer.layer_id, batch.out_cache_loc,
-                                    (torch.cat([c_kv, k_pe.reshape(k_pe.shape[0], -1)], dim=-1),))
+            batch.omnikv.bank_store_latent(layer.layer_id, batch.out_cache_loc, c_kv, k_pe)
 
     def forward_mla_normal(self, q, k, v, layer, batch):
         m = self.extend

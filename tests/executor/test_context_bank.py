@@ -22,7 +22,7 @@ from executor.model_runner import ModelRunner, RequestSlice, bank_layers  # noqa
 from kernels.attention.omnikv import SPARSE  # noqa: E402
 from models.loader.load import load_model  # noqa: E402
 from models.omnikv_config import OmniKVConfig  # noqa: E402
-from tests.hf_models import build_hf_model, hf_greedy  # noqa: E402
+from tests.hf_models import hf_greedy, save_hf_models  # noqa: E402
 
 LAYERS = 7
 MODELS = ["llama_gqa_tied", "v2_lite_yarn_grouped", "v3_noaux_yarn"]
@@ -31,13 +31,7 @@ CFG = OmniKVConfig(filter_layers=(1, 4), budget_tokens=6, sink_tokens=2, recent_
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    out = {}
-    for i, name in enumerate(MODELS):
-        d = tmp_path_factory.mktemp(name)
-        model = build_hf_model(name, seed=70 + i, num_hidden_layers=LAYERS)
-        model.save_pretrained(d)
-        out[name] = (model, d)
-    return out
+    return save_hf_models(tmp_path_factory, MODELS, 70, num_hidden_layers=LAYERS)
 
 
 def runner_for(path, cfg: OmniKVConfig, bank: bool, backend: str = "torch") -> ModelRunner:
@@ -109,7 +103,7 @@ def test_bank_decodes_bit_for_bit_as_without(checkpoints, name):
     banked = run_steps(runner, prompts, [True, True, False], 6, late)
     for step, (a, b) in enumerate(zip(plain, banked)):
         assert torch.equal(a, b), f"forward {step}: the bank changed the logits"
-    assert runner.context_bank.rows_gathered > 0
+    assert runner.context_bank.bytes_gathered > 0
     assert runner.allocator.available_size() == 1024 and runner.req_to_token_pool.available_size() == 8
 
 
@@ -161,7 +155,7 @@ def test_bank_with_everything_selected_is_hf(checkpoints, name, monkeypatch):
     runner = runner_for(path, cfg, bank=True)
     ids = prompt(36, hf.config.vocab_size, seed=6)
     assert runner.generate_greedy(ids, 10, omnikv=True) == hf_greedy(hf, ids, 10)
-    assert runner.context_bank.rows_gathered > 0
+    assert runner.context_bank.bytes_gathered > 0
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_tied", "v2_lite_yarn_grouped"])
@@ -179,7 +173,7 @@ def test_triton_bank_matches_triton_without(checkpoints, name):
     for a, b in zip(plain, banked):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert runner.context_bank.rows_gathered > 0
+    assert runner.context_bank.bytes_gathered > 0
 
 
 def test_bank_layers_follow_the_plan():

@@ -16,7 +16,7 @@ from executor.model_runner import ModelRunner, RequestSlice
 from kernels.attention.omnikv import QueryHistory, importance, select_positions
 from models.loader.load import load_model
 from models.omnikv_config import FILTER, FULL, SPARSE, OmniKVConfig
-from tests.hf_models import build_hf_model, hf_greedy
+from tests.hf_models import hf_greedy, save_hf_models
 
 
 # ---------------------------------------------------------------- the config and its plan
@@ -127,13 +127,7 @@ MODELS = ["llama_gqa_tied", "v2_lite_yarn_grouped", "v3_noaux_yarn"]
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    out = {}
-    for i, name in enumerate(MODELS):
-        d = tmp_path_factory.mktemp(name)
-        model = build_hf_model(name, seed=40 + i, num_hidden_layers=LAYERS)
-        model.save_pretrained(d)
-        out[name] = (model, d)
-    return out
+    return save_hf_models(tmp_path_factory, MODELS, 40, num_hidden_layers=LAYERS)
 
 
 def runner_for(path, cfg: OmniKVConfig | None) -> ModelRunner:
