@@ -61,6 +61,8 @@ class Ours:
         """(prefill seconds, seconds per decoded token) of one greedy generation."""
         from executor.model_runner import RequestSlice
 
+        from executor.sampler import argmax_rows
+
         r = self.runner
         row = r.req_to_token_pool.alloc()
         t = time.perf_counter()
@@ -69,7 +71,7 @@ class Ours:
         pos = len(self.prompt)
         t = time.perf_counter()
         for _ in range(self.n_decode):
-            tok = int(logits[-1].argmax())
+            tok = argmax_rows(logits[-1:])[0]  # the engine's greedy pick (executor.sampler)
             logits = r.forward(r.build_batch([RequestSlice(row, pos, [tok])]))
             pos += 1
         t_dec = (time.perf_counter() - t) / self.n_decode

@@ -140,9 +140,14 @@ class NativeForward:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """fp32 logits for the batch's logit rows (default: each request's last token)."""
-        lens = torch.tensor(batch.extend_seq_lens_cpu, dtype=torch.int64)
-        rows = torch.repeat_interleave(batch.req_pool_indices.to(torch.int64), lens)
-        ends = lens.cumsum(0) - 1
+        n_new = batch.extend_seq_lens_cpu
+        rows = batch.req_pool_indices.to(torch.int64)
+        if len(n_new) == int(batch.input_ids.shape[0]):  # one token per request (decode): token i is request i's
+            ends = torch.arange(len(n_new), dtype=torch.int64)
+        else:
+            lens = torch.tensor(n_new, dtype=torch.int64)
+            rows = torch.repeat_interleave(rows, lens)
+            ends = lens.cumsum(0) - 1
         logit_rows = batch.logits_indices
         if logit_rows is None:
             logit_rows = ends
@@ -150,11 +155,10 @@ class NativeForward:
         if omni is not None and omni.rows:
             if self.omnikv is None:
                 raise ValueError("the batch has OmniKV rows, but set_omnikv was never called")
-            sparse = torch.tensor(omni.rows, dtype=torch.int64)
-            if bool((lens[sparse] != 1).any()):
+            if any(n_new[i] != 1 for i in omni.rows):
                 raise ValueError("an OmniKV row must decode exactly one token")
-            omni_k = torch.full((int(lens.sum()),), -1, dtype=torch.int64)
-            omni_k[ends[sparse]] = torch.tensor(omni.budgets, dtype=torch.int64)
+            omni_k = torch.full((len(rows),), -1, dtype=torch.int64)
+            omni_k[ends[torch.tensor(omni.rows, dtype=torch.int64)]] = torch.tensor(omni.budgets, dtype=torch.int64)
         logits = self.plan.forward(batch.input_ids, batch.positions, rows, batch.out_cache_loc.to(torch.int64),
                                    logit_rows.to(torch.int64).contiguous(), omni_k=omni_k)
         if omni_k is not None:

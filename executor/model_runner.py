@@ -32,6 +32,7 @@ from executor.cpu_forward import NativeForward, unsupported_reason
 from executor.cuda_graph_runner import CudaGraphRunner, capture_if_supported
 from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.memory_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool, TokenSlotAllocator
+from executor.sampler import argmax_rows
 
 
 @dataclass
@@ -343,7 +344,7 @@ class ModelRunner:
             logits = self.forward(self.build_batch([RequestSlice(row, 0, list(prompt_ids))]))
             seq_len = len(prompt_ids)
             for _ in range(max_new_tokens):
-                tok = int(logits[-1].argmax())
+                tok = argmax_rows(logits[-1:])[0]
                 out.append(tok)
                 if tok in stop_ids or len(out) == max_new_tokens:
                     break

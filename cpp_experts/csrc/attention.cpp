@@ -6,14 +6,16 @@
 // of req_to_token, then every query of the group scores the tile (dot products along the head dim)
 // and updates its running max m, sum l and weighted value sum acc, skipping keys past its own
 // position. Blocks are merged in order by one function (merge_state), either inside one task per
-// group or, split-KV, after one task per block: the same bits either way, so a request's output
-// does not depend on what else is in the batch. A token with its own slot list (AttnTokens::sel) is a
+// group or, split-KV, by whichever task finishes the group's last block: the same bits either way, so
+// a request's output does not depend on what else is in the batch. A token with its own slot list (AttnTokens::sel) is a
 // group of its own whose keys are that list.
 #include "attention.h"
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
+#include <memory>
 #include <string>
 #include <type_traits>
 
@@ -26,7 +28,9 @@ namespace {
 constexpr int kKeyTile = 16;
 constexpr int kTokBlock = 4;       // tokens of one request per group (prefill)
 constexpr int kMlaHeadBlock = 16;  // heads per MLA group
-constexpr int kMinSplitKeys = 128;  // keys per key block at least
+// keys per key block at least: a decode token of a short context still splits into enough tasks for
+// the pool (128 left SmolLM2's 3 KV heads at ~160 keys as 3 tasks on 2 threads, ~5% of decode)
+constexpr int kMinSplitKeys = 64;
 constexpr int kMaxBlocks = 16;      // key blocks per group at most
 
 struct Group {
@@ -416,16 +420,21 @@ void run(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& 
     for (int b = 0; b < n; ++b) tasks.push_back({gi, b});
   }
   scratch.partial.resize(size_t(first.back()) * state);
+  // The task that finishes a group's last block merges the group's blocks, in block order whichever
+  // thread it is, and writes its output: no second pass of the pool (one wake-up and wait less per
+  // layer). acq_rel: the last task sees every other block's state.
+  std::unique_ptr<std::atomic<int>[]> left(new std::atomic<int>[groups.size()]);
+  for (size_t gi = 0; gi < groups.size(); ++gi) left[gi].store(first[gi + 1] - first[gi], std::memory_order_relaxed);
   pool.run(int(tasks.size()), [&](int i, int tid) {
     const Task& tk = tasks[size_t(i)];
+    const size_t gi = size_t(tk.group);
+    const Group& g = groups[gi];
     const auto b = thread_bufs(tid);
-    float* st = scratch.partial.data() + size_t(first[size_t(tk.group)] + tk.block) * state;
-    task_entry(kv, tok, L, groups[size_t(tk.group)], tk.block, scale, q, st, nullptr, b[2], b[2] + kQB * kKeyTile, nullptr);
-  });
-  pool.run(int(groups.size()), [&](int gi, int) {
-    const Group& g = groups[size_t(gi)];
-    float* st = scratch.partial.data() + size_t(first[size_t(gi)]) * state;
-    for (int b = 1; b < first[size_t(gi) + 1] - first[size_t(gi)]; ++b) merge_state(g.nt * g.nh, L.Dv, st, st + size_t(b) * state);
+    float* st = scratch.partial.data() + size_t(first[gi]) * state;
+    task_entry(kv, tok, L, g, tk.block, scale, q, st + size_t(tk.block) * state, nullptr, b[2], b[2] + kQB * kKeyTile,
+               nullptr);
+    if (left[gi].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    for (int bl = 1; bl < first[gi + 1] - first[gi]; ++bl) merge_state(g.nt * g.nh, L.Dv, st, st + size_t(bl) * state);
     write_out(L, g, st, out);
   });
 }

@@ -231,10 +231,12 @@ void run_linears(Pool& pool, const std::vector<LinearCall>& calls, int m) {
     total_rb += c.op->rowblocks() * (c.ep == Epilogue::SiluMul ? 2 : 1);
   }
   // about four tasks per thread over the rowblocks (work stealing evens out a busy core), in whole
-  // rowblock pairs (the bf16 kernels take rowblocks in pairs)
+  // groups of kGroupRowblocks: a task that starts or ends inside a group reads part of each of the
+  // group's runs through the slower partial tiles (the bf16 kernels' rowblock pairs divide it too)
   const int p = pool.size();
   const int rpt = std::min(kMaxTaskRowblocks,
-                           std::max(2, int(round_up(size_t((total_rb + 4 * p - 1) / (4 * p)), 2))));
+                           std::max(kGroupRowblocks, int(round_up(size_t((total_rb + 4 * p - 1) / (4 * p)),
+                                                                  kGroupRowblocks))));
   std::vector<Task> tasks;
   for (int ci = 0; ci < int(calls.size()); ++ci) {
     const int nrb = calls[size_t(ci)].op->rowblocks();
