@@ -36,7 +36,8 @@ constexpr int kMaxBlocks = 16;      // key blocks per group at most
 struct Group {
   int t0, nt;    // tokens t0..t0+nt-1 (one request, consecutive positions)
   int h0, nh;    // query heads h0..h0+nh-1
-  int kv_head;   // GQA: the KV head the group reads; MLA: 0
+  int kv_head;   // GQA: the first KV head the group reads; MLA: 0
+  int nkv;       // KV heads it reads, kv_head.. (its query heads h0.. split among them evenly); MLA: 1
   int64_t row;   // req_to_token row
   int64_t keys;  // keys the group reads: 0..keys-1 (the last token's position + 1, or the list's length)
   const int32_t* slots;  // the token's own slot list (one token), or null: the row's slots
@@ -236,47 +237,56 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
     std::fill(st + size_t(i) * sw + 2, st + size_t(i) * sw + 2 + L.Dv, 0.0f);
   }
   const int32_t* slots = g.slots ? g.slots : kv.table + g.row * kv.table_stride;
+  const int hp = g.nh / g.nkv;  // query heads per KV head
+  const void* vbase = L.mla ? kv.k : kv.v;
+  const int64_t vstride = L.mla ? kv.k_stride : kv.v_stride;
+  // the bytes of a slot the group reads: its KV heads' keys (values), adjacent within the slot
+  const int kbytes = int(((g.nkv - 1) * L.k_head_off + L.D) * int64_t(sizeof(KT)));
+  const int vbytes = int(((g.nkv - 1) * L.v_head_off + L.Dv) * int64_t(sizeof(KT)));
   const KT* ksrc[kKeyTile];
   const KT* vsrc[kKeyTile];
   const float* krow[kKeyTile];
   const float* vrow[kKeyTile];
   for (int kt = k0; kt < k1; kt += kKeyTile) {
     const int nk = std::min(kKeyTile, k1 - kt);
-    for (int j = 0; j < nk; ++j) {
-      const int64_t s = slots[kt + j];
-      ksrc[j] = kv_ptr<KT>(kv.k, kv.k_stride, s, g.kv_head * L.k_head_off);
-      vsrc[j] = kv_ptr<KT>(L.mla ? kv.k : kv.v, L.mla ? kv.k_stride : kv.v_stride, s, g.kv_head * L.v_head_off);
-    }
     // The rows come from scattered slots, beyond the hardware prefetcher's reach: ask for this tile's
     // values now (they are read after the scores) and for the next tile's keys.
     if (!L.mla)
-      for (int j = 0; j < nk; ++j) prefetch_row(vsrc[j], L.Dv * int(sizeof(KT)));
+      for (int j = 0; j < nk; ++j) prefetch_row(kv_ptr<KT>(vbase, vstride, slots[kt + j], g.kv_head * L.v_head_off), vbytes);
     for (int j = kt + kKeyTile; j < std::min(k1, kt + 2 * kKeyTile); ++j)
-      prefetch_row(kv_ptr<KT>(kv.k, kv.k_stride, slots[j], g.kv_head * L.k_head_off), L.D * int(sizeof(KT)));
-    tile_rows(ksrc, nk, L.D, buf, krow);
-    if (L.mla)  // the value is the key row's first Dv values
-      for (int j = 0; j < nk; ++j) vrow[j] = krow[j];
-    else
-      tile_rows(vsrc, nk, L.Dv, buf + size_t(kKeyTile) * L.D, vrow);
-    for (int j = nk; j < kKeyTile; ++j) krow[j] = krow[0];  // a short tile's spare keys read a real row
-    for (int ti = 0; ti < g.nt; ++ti) {
-      const int t = g.t0 + ti;
-      const int64_t limit = g.slots ? g.keys - 1 : tok.pos[t];  // last key this token sees
-      if (kt > limit) continue;
-      const int nv = int(std::min<int64_t>(nk, limit - kt + 1));
-      for (int h0 = 0; h0 < g.nh; h0 += kQB) {
-        const int qb = std::min(kQB, g.nh - h0);
-        const float* qv[kQB];
-        float* sq[kQB];
-        for (int i = 0; i < qb; ++i) {
-          qv[i] = q + t * L.q_tok + (g.h0 + h0 + i) * L.q_head;
-          sq[i] = st + size_t(ti * g.nh + h0 + i) * sw;
-        }
-        switch (qb) {
-          case 4: tile_block<4>(qv, sq, krow, vrow, nv, L.D, L.Dv, scale, scores); break;
-          case 3: tile_block<3>(qv, sq, krow, vrow, nv, L.D, L.Dv, scale, scores); break;
-          case 2: tile_block<2>(qv, sq, krow, vrow, nv, L.D, L.Dv, scale, scores); break;
-          default: tile_block<1>(qv, sq, krow, vrow, nv, L.D, L.Dv, scale, scores); break;
+      prefetch_row(kv_ptr<KT>(kv.k, kv.k_stride, slots[j], g.kv_head * L.k_head_off), kbytes);
+    for (int kh = 0; kh < g.nkv; ++kh) {
+      const int64_t head = g.kv_head + kh;
+      for (int j = 0; j < nk; ++j) {
+        const int64_t s = slots[kt + j];
+        ksrc[j] = kv_ptr<KT>(kv.k, kv.k_stride, s, head * L.k_head_off);
+        vsrc[j] = kv_ptr<KT>(vbase, vstride, s, head * L.v_head_off);
+      }
+      tile_rows(ksrc, nk, L.D, buf, krow);
+      if (L.mla)  // the value is the key row's first Dv values
+        for (int j = 0; j < nk; ++j) vrow[j] = krow[j];
+      else
+        tile_rows(vsrc, nk, L.Dv, buf + size_t(kKeyTile) * L.D, vrow);
+      for (int j = nk; j < kKeyTile; ++j) krow[j] = krow[0];  // a short tile's spare keys read a real row
+      for (int ti = 0; ti < g.nt; ++ti) {
+        const int t = g.t0 + ti;
+        const int64_t limit = g.slots ? g.keys - 1 : tok.pos[t];  // last key this token sees
+        if (kt > limit) continue;
+        const int nv = int(std::min<int64_t>(nk, limit - kt + 1));
+        for (int h0 = kh * hp; h0 < (kh + 1) * hp; h0 += kQB) {  // a KV head's query heads, kQB at a time
+          const int qb = std::min(kQB, (kh + 1) * hp - h0);
+          const float* qv[kQB];
+          float* sq[kQB];
+          for (int i = 0; i < qb; ++i) {
+            qv[i] = q + t * L.q_tok + (g.h0 + h0 + i) * L.q_head;
+            sq[i] = st + size_t(ti * g.nh + h0 + i) * sw;
+          }
+          switch (qb) {
+            case 4: tile_block<4>(qv, sq, krow, vrow, nv, L.D, L.Dv, scale, scores); break;
+            case 3: tile_block<3>(qv, sq, krow, vrow, nv, L.D, L.Dv, scale, scores); break;
+            case 2: tile_block<2>(qv, sq, krow, vrow, nv, L.D, L.Dv, scale, scores); break;
+            default: tile_block<1>(qv, sq, krow, vrow, nv, L.D, L.Dv, scale, scores); break;
+          }
         }
       }
     }
@@ -368,7 +378,7 @@ CPX_DISPATCH(void, task_entry,
              (kv, tok, L, g, block, scale, q, st, blk, scores, buf, out))
 
 // Groups: runs of consecutive tokens of one request, cut into blocks of kTokBlock, times head blocks.
-std::vector<Group> make_groups(const AttnTokens& tok, int H, int Hkv, bool mla) {
+std::vector<Group> make_groups(const AttnTokens& tok, int H, int Hkv, bool mla, int threads) {
   std::vector<Group> groups;
   const int heads_per = mla ? std::min(H, kMlaHeadBlock) : H / Hkv;
   const int nheadblocks = mla ? (H + heads_per - 1) / heads_per : Hkv;
@@ -379,9 +389,17 @@ std::vector<Group> make_groups(const AttnTokens& tok, int H, int Hkv, bool mla) 
            tok.pos[e] > tok.pos[e - 1])
       ++e;
     const int64_t keys = own(t) ? tok.sel_n[t] : tok.pos[e - 1] + 1;
-    for (int b = 0; b < nheadblocks; ++b) {
-      const int h0 = b * heads_per, nh = std::min(heads_per, H - h0);
-      groups.push_back({t, e - t, h0, nh, mla ? 0 : b, tok.row[t], keys, own(t) ? tok.sel[t] : nullptr});
+    const int32_t* sel = own(t) ? tok.sel[t] : nullptr;
+    if (!mla && e - t == 1 && Hkv > 1 && key_blocks(keys).n >= threads) {
+      // one decode token whose key blocks alone keep the threads busy: all its KV heads in one group,
+      // so a task reads whole slots (every head's row, adjacent) rather than one head's row of each
+      // (the same arithmetic per query and key: the same bits)
+      groups.push_back({t, 1, 0, H, 0, Hkv, tok.row[t], keys, sel});
+    } else {
+      for (int b = 0; b < nheadblocks; ++b) {
+        const int h0 = b * heads_per, nh = std::min(heads_per, H - h0);
+        groups.push_back({t, e - t, h0, nh, mla ? 0 : b, 1, tok.row[t], keys, sel});
+      }
     }
     t = e;
   }
@@ -391,8 +409,8 @@ std::vector<Group> make_groups(const AttnTokens& tok, int H, int Hkv, bool mla) 
 void run(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const Layout& L, int Hkv,
          float scale, const float* q, float* out) {
   if (tok.T <= 0) return;
-  const std::vector<Group> groups = make_groups(tok, L.H, Hkv, L.mla);
   const int threads = pool.size();
+  const std::vector<Group> groups = make_groups(tok, L.H, Hkv, L.mla, threads);
   int max_nq = 0;
   for (const Group& g : groups) max_nq = std::max(max_nq, g.nt * g.nh);
   const size_t state = size_t(max_nq) * (2 + L.Dv);

@@ -113,3 +113,24 @@ def test_bad_indices_are_refused(attn):
         attn.gqa(q, K, K, table, torch.tensor([1]), torch.tensor([32]), 1.0)
     with pytest.raises(TypeError, match="float32 or bfloat16"):
         attn.gqa(q, K.half(), K.half(), table, torch.tensor([1]), torch.tensor([0]), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_grouping_keeps_the_bits(attn, dtype):
+    """A decode token whose key blocks keep the pool busy reads all its KV heads in one group (whole
+    slots); on a pool with more threads than its blocks each KV head is a group of its own. Per query
+    and key the arithmetic is the same, so the outputs are equal bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    H, Hkv, D, slots = 9, 3, 64, 2048
+    lens, new = [700, 300, 130, 5], [1, 1, 1, 1]
+    K = torch.randn(slots, Hkv, D, generator=g).to(dtype)
+    V = torch.randn(slots, Hkv, D, generator=g).to(dtype)
+    table = make_table(lens, slots, g)
+    rows, pos = batch(lens, new)
+    q = torch.randn(len(rows), H, D, generator=g)
+    whole = attn.gqa(q, K, V, table, rows, pos, 0.125)
+    with cpp_experts.WorkerPool(24) as wide:  # 700 keys make 10 blocks: fewer than its threads
+        per_head = cpp_experts.PagedAttention(wide).gqa(q, K, V, table, rows, pos, 0.125)
+    assert torch.equal(whole, per_head)
+    want = reference(q, K.float(), V.float(), table, rows, pos, 0.125)
+    torch.testing.assert_close(whole, want, rtol=2e-5, atol=2e-5)
