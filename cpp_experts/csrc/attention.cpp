@@ -390,10 +390,11 @@ std::vector<Group> make_groups(const AttnTokens& tok, int H, int Hkv, bool mla, 
       ++e;
     const int64_t keys = own(t) ? tok.sel_n[t] : tok.pos[e - 1] + 1;
     const int32_t* sel = own(t) ? tok.sel[t] : nullptr;
-    if (!mla && e - t == 1 && Hkv > 1 && key_blocks(keys).n >= threads) {
-      // one decode token whose key blocks alone keep the threads busy: all its KV heads in one group,
-      // so a task reads whole slots (every head's row, adjacent) rather than one head's row of each
-      // (the same arithmetic per query and key: the same bits)
+    if (!mla && e - t == 1 && Hkv > 1 && key_blocks(keys).n >= 2 * threads) {
+      // one decode token whose key blocks alone keep the threads busy (two per thread: with fewer, as
+      // SmolLM2's 3 KV heads at ~160 keys, the per-head tasks balance better): all its KV heads in one
+      // group, so a task reads whole slots (every head's row, adjacent) rather than one head's row of
+      // each (the same arithmetic per query and key: the same bits)
       groups.push_back({t, 1, 0, H, 0, Hkv, tok.row[t], keys, sel});
     } else {
       for (int b = 0; b < nheadblocks; ++b) {

@@ -129,7 +129,7 @@ def test_decode_grouping_keeps_the_bits(attn, dtype):
     rows, pos = batch(lens, new)
     q = torch.randn(len(rows), H, D, generator=g)
     whole = attn.gqa(q, K, V, table, rows, pos, 0.125)
-    with cpp_experts.WorkerPool(24) as wide:  # 700 keys make 10 blocks: fewer than its threads
+    with cpp_experts.WorkerPool(24) as wide:  # 700 keys make 10 blocks: fewer than two per thread
         per_head = cpp_experts.PagedAttention(wide).gqa(q, K, V, table, rows, pos, 0.125)
     assert torch.equal(whole, per_head)
     want = reference(q, K.float(), V.float(), table, rows, pos, 0.125)
