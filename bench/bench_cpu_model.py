@@ -60,7 +60,6 @@ class Ours:
     def run(self) -> tuple[float, float]:
         """(prefill seconds, seconds per decoded token) of one greedy generation."""
         from executor.model_runner import RequestSlice
-
         from executor.sampler import argmax_rows
 
         r = self.runner

@@ -7,8 +7,8 @@
 // and updates its running max m, sum l and weighted value sum acc, skipping keys past its own
 // position. Blocks are merged in order by one function (merge_state), either inside one task per
 // group or, split-KV, by whichever task finishes the group's last block: the same bits either way, so
-// a request's output does not depend on what else is in the batch. A token with its own slot list (AttnTokens::sel) is a
-// group of its own whose keys are that list.
+// a request's output does not depend on what else is in the batch. A token with its own slot list
+// (AttnTokens::sel) is a group of its own whose keys are that list.
 #include "attention.h"
 
 #include <algorithm>
@@ -252,7 +252,8 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
     // The rows come from scattered slots, beyond the hardware prefetcher's reach: ask for this tile's
     // values now (they are read after the scores) and for the next tile's keys.
     if (!L.mla)
-      for (int j = 0; j < nk; ++j) prefetch_row(kv_ptr<KT>(vbase, vstride, slots[kt + j], g.kv_head * L.v_head_off), vbytes);
+      for (int j = 0; j < nk; ++j)
+        prefetch_row(kv_ptr<KT>(vbase, vstride, slots[kt + j], g.kv_head * L.v_head_off), vbytes);
     for (int j = kt + kKeyTile; j < std::min(k1, kt + 2 * kKeyTile); ++j)
       prefetch_row(kv_ptr<KT>(kv.k, kv.k_stride, slots[j], g.kv_head * L.k_head_off), kbytes);
     for (int kh = 0; kh < g.nkv; ++kh) {
