@@ -114,7 +114,7 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, threads: int | None 
 class StreamRead:
     """A streaming read at the machine's speed: an f32 `cpp_experts.QuantLinear` of `nbytes` at M = 1
     reads its weights as 4 contiguous streams per thread with one FMA per 32 bytes. torch's sum reads
-    one stream per thread, which on some machines (a 2-core Zen 2 VM: 16 GB/s) is well below what
+    one stream per thread, which on some machines (a 2-core Zen 3 VM: 16 GB/s) is well below what
     several streams get (28 GB/s there, the same as a hand-written 8-stream AVX2 read loop). Made once
     (packing takes a while), sampled once per round."""
 

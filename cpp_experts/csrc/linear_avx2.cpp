@@ -25,7 +25,7 @@
 //    block, each rowblock's two halves at once for q8_0 / q4_x (2 x TT sums + 4 unpacked weight
 //    registers + the broadcast fill the 16 ymm, and each broadcast serves both halves); q5_k / q6_k
 //    one half at a time. Accumulators live in the L1 output tile, loaded and stored once per block
-//    and (rowblock, half, row). What bounds it on Zen 2: vpmaddubsw and the vpaddw that accumulates
+//    and (rowblock, half, row). What bounds it on Zen 3: vpmaddubsw and the vpaddw that accumulates
 //    it share pipes, ~1.1 pairs per cycle, so 4-bit formats reach ~21 multiply-adds per cycle
 //    (q8_0's sign trick: ~12); the per-block scaling takes about a third of the time. Unrolling the
 //    rowblock loop or 8-row tiles overflowed the op cache and ran slower.
@@ -46,10 +46,36 @@
 namespace cpx {
 namespace {
 
-// Software prefetch distance along the weights (the scheme of linear_avx512.cpp). On a 2-core Zen 2 VM
+// Software prefetch distance along the weights (the scheme of linear_avx512.cpp). On a 2-core Zen 3 VM
 // (M = 1, weights from DRAM) 4 and 8 KiB were the best of 1 .. 32 KiB, within the noise of each other;
 // without prefetch, or with L2 hints (T1 / T2) further ahead, decode ran ~5-10% slower.
 constexpr size_t kPrefetchBytes = 4096;
+
+// How far ahead the tiles (mk) prefetch a superblock: kPrefetchBytes, rounded up for the K-quants to
+// whole runs of a group's superblock (kGroupRowblocks x sb_bytes), so that it is the same rowblocks'
+// next superblock rather than lines of the run being read.
+template <LinFormat F>
+constexpr size_t prefetch_ahead() {
+  constexpr LinLayout L = kLinLayout[int(F)];
+  constexpr size_t run = size_t(kGroupRowblocks) * (L.hdr + size_t(L.sb_blocks) * L.blk);
+  return L.sb_blocks == 1 ? kPrefetchBytes : (kPrefetchBytes + run - 1) / run * run;
+}
+
+// mk_groups prefetches each rowblock's block this many blocks ahead along that rowblock: about
+// kPrefetchBytes along each group's run, as the one-block formats do in address order. The K-quants'
+// runs are read block by block across their 4 rowblocks, not in address order, so a byte distance
+// shorter than a run (9-13 KiB) lands on lines some rowblocks had read already, and a whole run
+// (every rowblock's next superblock: ~40-54 KiB read by a 4-group pass meanwhile) outlives the 32 KiB
+// L1 that a non-temporal prefetch fills on AMD. On a 2-core Zen 3 VM (M = 1, 65536 x 2048 from DRAM,
+// 3 interleaved rounds) the K-quants went from ~0.62 of a streaming read to ~0.85 (q4_k 24 -> 33 GB/s,
+// q6_k 24 -> 34), DeepSeek-V2-Lite-shaped Q4_K_M decode (its LM head Q6_K) from ~49 to ~62 tokens/s;
+// a run ahead reached ~0.7. The one-block formats keep kPrefetchBytes in address order: their blocks
+// distance (within 7%) measured slower for q8_0 (~-10%), the same for q4_1.
+template <LinFormat F>
+constexpr int prefetch_blocks() {
+  constexpr LinLayout L = kLinLayout[int(F)];
+  return int((2 * kPrefetchBytes + kGroupRowblocks * L.blk) / (2 * kGroupRowblocks * L.blk));  // rounded
+}
 
 // An empty asm that "changes" v: the compiler may not reassociate a sum across it. Without it GCC
 // turns a block's chain of int16 / int32 adds into a tree, computes every vpmaddubsw product first and
@@ -330,7 +356,7 @@ CPX_AVX2 void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
   for (int sb = 0; sb < w.nsb; ++sb) {
     const uint8_t* ws = w0 + size_t(sb) * kGroupRowblocks * sbs;
     for (size_t o = 0; o < R * sbs; o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(ws + kPrefetchBytes + o), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(ws + prefetch_ahead<F>() + o), _MM_HINT_T0);
     for (int j = 0; j < L.sb_blocks; ++j) {
       const int b = sb * L.sb_blocks + j;
       if constexpr (TT == 1) {  // registers: 8 accumulators, one (rowblock, half) at a time
@@ -377,12 +403,13 @@ CPX_AVX2 void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
 // Decode and M = 2, 3: G whole groups (4 G rowblocks from rb, a multiple of 4) x TT rows of x in one
 // pass that reads the groups' runs in lockstep, block by block: G read streams instead of one, the
 // accumulators in the output tile. One stream per core fell short of the memory system on a 2-core
-// Zen 2 VM (a plain read loop: one core ~12 GB/s with one stream, ~18 with 8; two cores ~19 and ~28),
+// Zen 3 VM (a plain read loop: one core ~12 GB/s with one stream, ~18 with 8; two cores ~19 and ~28),
 // and 4 groups took the Q4_1 LM head at M = 1 from ~20 to ~23 GB/s on two cores (~11 to ~13.5 on one).
 // Each unit's block is prefetched kPrefetchBytes ahead as it is reached (spread over the pass rather
 // than a burst per superblock: ~5% more), non-temporally: a decode step streams every weight once, and
 // lines brought in as ordinary ones push the KV cache and the activations out of L2 / L3 (on a 2-core
-// Zen 2 VM, SmolLM2 Q4_1 decode at 128 + 64 tokens ran ~9% faster with NTA, the attention's share most).
+// Zen 3 VM, SmolLM2 Q4_1 decode at 128 + 64 tokens ran ~9% faster with NTA, the attention's share most).
+// Where each block's prefetch lands: prefetch_blocks.
 template <LinFormat F, int TT>
 CPX_AVX2 void mk_groups(const QMat& w, int rb, int G, const ActQ& a, int t0, float* c, int ldc) {
   constexpr LinLayout L = kLinLayout[int(F)];
@@ -395,14 +422,18 @@ CPX_AVX2 void mk_groups(const QMat& w, int rb, int G, const ActQ& a, int t0, flo
   for (int sb = 0; sb < w.nsb; ++sb) {
     for (int j = 0; j < L.sb_blocks; ++j) {
       const int b = sb * L.sb_blocks + j;
-      const int lead = j == 0 ? L.hdr : 0;  // a superblock's header comes before its first block
+      // what to prefetch, from the unit's superblock start: the block prefetch_blocks() further along
+      // its rowblock, with its superblock's header if it is a first block
+      const int ahead = b + prefetch_blocks<F>(), pj = ahead % L.sb_blocks;
+      const size_t pf_at = L.sb_blocks == 1 ? kPrefetchBytes
+                           : size_t(ahead / L.sb_blocks - sb) * kGroupRowblocks * sbs + (pj == 0 ? 0 : L.hdr + pj * L.blk);
+      const int pf_len = L.blk + (pj == 0 ? L.hdr : 0);
 #pragma GCC unroll 1
       for (int u = 0; u < G * kGroupRowblocks; ++u) {
         const uint8_t* hdr =
             w0 + (u / kGroupRowblocks) * gstride + (size_t(sb) * kGroupRowblocks + u % kGroupRowblocks) * sbs;
         const uint8_t* wb = hdr + L.hdr + size_t(j) * L.blk;
-        for (int o = 0; o < L.blk + lead; o += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(wb - lead + kPrefetchBytes + o), _MM_HINT_NTA);
+        for (int o = 0; o < pf_len; o += 64) _mm_prefetch(reinterpret_cast<const char*>(hdr + pf_at + o), _MM_HINT_NTA);
         rowblock_step<F, TT>(hdr, wb, x, b, c + 16 * u, ldc);
       }
     }
