@@ -10,10 +10,12 @@ model's torch forward, which works with native weights too):
 - a KV cache in fp32 or bf16;
 - Llama-family layers (GQA) or DeepSeek's (MLA + dense or MoE MLPs).
 
-MLA's absorbed matrices (w_kc [H, N, r], w_vc [H, r, V], split from kv_b_proj at load) become one
-small linear per head: bf16 with `--cpu-weight-dtype bf16`, fp32 with `float32`, and with `file` in
-kv_b_proj's loaded precision (the model's --dtype): an fp32 model keeps them exact, so that its
-outputs do not depend on the batch (the bf16 kernels' summation order does, by a rounding).
+MLA's absorbed matrices (w_kc [H, N, r], w_vc [H, r, V]) are one small linear per head. With
+`--cpu-weight-dtype file` and a GGUF that stores them per head (`attn_k_b` / `attn_v_b`, llama.cpp's
+form), they are those blocks as stored (`models.native.NativeAbsorbed`). Otherwise they are split
+from kv_b_proj at load: bf16 with `bf16`, fp32 with `float32`, and with `file` in kv_b_proj's loaded
+precision (the model's --dtype): an fp32 model keeps them exact, so that its outputs do not depend on
+the batch (the bf16 kernels' summation order does, by a rounding).
 
 OmniKV (models/omnikv_config.py): `set_omnikv` hands the layer plan and the query history to the
 native model; a batch's `omnikv` rows then decode sparsely inside the same native call (the filter
@@ -98,6 +100,8 @@ class NativeForward:
                 lora = not hasattr(attn, "q_proj")
                 exact = head.mode == "float32" or (head.mode == "file" and attn.w_kc.dtype == torch.float32)
                 head_dtype = torch.float32 if exact else torch.bfloat16
+                kc, vc = getattr(attn, "w_kc_native", None), getattr(attn, "w_vc_native", None)
+                stored = kc is not None and vc is not None and kc.ops is not None and vc.ops is not None
                 self.plan.add_mla(
                     norm.weight, norm.eps,
                     q=None if lora else attn.q_proj.op,
@@ -107,8 +111,8 @@ class NativeForward:
                     q_b=attn.q_b_proj.op if lora else None,
                     kv_a=attn.kv_a_proj_with_mqa.op, kv_norm=attn.kv_a_layernorm.weight,
                     kv_eps=attn.kv_a_layernorm.eps,
-                    w_kc=_head_linears(ext, attn.w_kc.transpose(1, 2), head_dtype),
-                    w_vc=_head_linears(ext, attn.w_vc.transpose(1, 2), head_dtype),
+                    w_kc=kc.ops if stored else _head_linears(ext, attn.w_kc.transpose(1, 2), head_dtype),
+                    w_vc=vc.ops if stored else _head_linears(ext, attn.w_vc.transpose(1, 2), head_dtype),
                     o=attn.o_proj.op, num_heads=attn.num_heads, nope_dim=attn.nope_dim, rope_dim=attn.rope_dim,
                     v_dim=attn.v_dim, kv_lora_rank=attn.kv_lora_rank, scale=attn.absorb_layer.scaling,
                     rope_table=rotary.cos_sin_cache, interleaved=rotary.cfg.interleaved, latent=kv_pool.kv_buffer[i])

@@ -22,7 +22,7 @@ from models.rotary import RotaryEmbedding
 from models.config import ModelConfig
 from models.layers import RMSNorm, compute_logits
 from models.loader.errors import CheckpointError
-from models.native import NativeEmbedding, NativeLinear
+from models.native import NativeAbsorbed, NativeEmbedding, NativeLinear
 from models.parallel import (
     TokenGather,
     VocabEmbedding,
@@ -184,7 +184,8 @@ class CausalLM(nn.Module):
         # weights that operators hold instead of parameters (models.native), by their HF name; a tied
         # LM head shares the embedding's and is loaded by nobody
         sinks = {f"{n}.weight": m for n, m in self.named_modules()
-                 if isinstance(m, (NativeLinear, NativeEmbedding)) and getattr(m, "tied_to", None) is None}
+                 if isinstance(m, (NativeLinear, NativeEmbedding, NativeAbsorbed))
+                 and getattr(m, "tied_to", None) is None}
         experts = {n: m for n, m in self.named_modules() if isinstance(m, ExpertBackend)}
         expert_params = {f"{n}.{p}" for n, m in experts.items() for p, _ in m.named_parameters()}
         # under tensor parallelism: vocabulary parts padded to equal rows, and routed experts held here
@@ -224,7 +225,8 @@ class CausalLM(nn.Module):
                 )
             target.copy_(tensor)
             loaded.add(name)
-        missing = sorted((set(params) | set(sinks)) - loaded - expert_params)
+        required_sinks = {n for n, m in sinks.items() if not getattr(m, "optional", False)}
+        missing = sorted((set(params) | required_sinks) - loaded - expert_params)
         for prefix, backend in experts.items():
             for e in range(backend.num_experts):
                 for kind in ("gate_proj", "up_proj", "down_proj"):

@@ -14,8 +14,12 @@ still apply) and they are packed once for the kernels. `mode` (`--cpu-weight-dty
 - `bf16`: every weight decoded to bf16 (activations are then rounded to bf16, never to int8).
 - `float32`: every weight decoded to fp32 (exact; twice bf16's memory and bandwidth).
 
-MLA's `kv_b_proj` stays a float `nn.Linear` (its per-head halves become the absorbed matrices); the
-MoE router stays fp32 (`models.moe.Router`). The modules still run in a torch forward
+MLA's `kv_b_proj` stays a float `nn.Linear` (its per-head halves become the absorbed matrices of the
+torch forward); with `file`, a GGUF's own per-head `attn_k_b` / `attn_v_b` blocks (llama.cpp's split
+form) also reach a `NativeAbsorbed` pair on the attention, so that the native forward's absorbed
+products read them as stored, as llama.cpp does, rather than as fp32 decoded from them (4 bytes a
+value against Q8_0's 1.06: ~4% of a DeepSeek-V2-Lite Q8_0 decode step). The MoE router stays fp32
+(`models.moe.Router`). The modules still run in a torch forward
 (`forward` calls the operator), so every path of the model works with them; the executor's native
 forward (`executor.cpu_forward`) reads their operators directly.
 """
@@ -108,7 +112,34 @@ class NativeEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, weight={kind}"
 
 
-WeightSink = NativeLinear | NativeEmbedding
+class NativeAbsorbed(nn.Module):
+    """One of MLA's absorbed matrices as one `QuantLinear` per head, from the GGUF tensor that holds it
+    per head ([heads, out, in]: `attn_k_b` = w_kc, `attn_v_b` = w_vc). Optional: a checkpoint without
+    that tensor (safetensors, llama.cpp's older single `attn_kv_b`, a tensor-parallel part) leaves
+    `ops` None and the native forward takes the matrices from `kv_b_proj`."""
+
+    optional = True  # load_weights does not miss it
+
+    def __init__(self, heads: int, out_features: int, in_features: int, mode: str) -> None:
+        super().__init__()
+        self.heads, self.out_features, self.in_features, self.mode = heads, out_features, in_features, mode
+        self.ops: list[Any] | None = None
+
+    weight_input = NativeLinear.weight_input
+
+    @property
+    def weight_shape(self) -> tuple[int, int, int]:
+        return (self.heads, self.out_features, self.in_features)
+
+    def load_weight(self, weight: torch.Tensor | RawBlocks, what: str) -> None:
+        self.ops = [make_operator(weight[h], self.mode, f"{what}[{h}]") for h in range(self.heads)]
+
+    def extra_repr(self) -> str:
+        kind = self.ops[0].weight_format if self.ops else "from kv_b_proj"
+        return f"heads={self.heads}, out_features={self.out_features}, in_features={self.in_features}, weight={kind}"
+
+
+WeightSink = NativeLinear | NativeEmbedding | NativeAbsorbed
 
 
 def use_native_weights(model: nn.Module, mode: str, dtype: torch.dtype) -> None:
@@ -118,7 +149,11 @@ def use_native_weights(model: nn.Module, mode: str, dtype: torch.dtype) -> None:
         raise ValueError(f"unknown CPU weight dtype {mode!r} (choose {', '.join(CPU_WEIGHT_DTYPES)})")
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and name != "kv_b_proj":
+            if mode == "file" and isinstance(child, nn.Linear) and name == "kv_b_proj" and hasattr(parent, "w_kc"):
+                heads, nope, rank = parent.w_kc.shape  # MLAAttention: w_kc [H, N, r], w_vc [H, r, V]
+                parent.w_kc_native = NativeAbsorbed(heads, rank, nope, mode)
+                parent.w_vc_native = NativeAbsorbed(heads, parent.w_vc.shape[2], rank, mode)
+            elif isinstance(child, nn.Linear) and name != "kv_b_proj":
                 setattr(parent, name, NativeLinear(child.in_features, child.out_features, child.bias is not None, mode))
             elif isinstance(child, nn.Embedding):
                 setattr(parent, name, NativeEmbedding(child.num_embeddings, child.embedding_dim, mode, dtype))

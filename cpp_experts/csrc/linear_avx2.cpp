@@ -199,8 +199,7 @@ CPX_AVX2_INL void half_sums(const uint8_t* wb, int half, const Rows<TT>& x, int 
       }
     }
     if constexpr (kQ6) {  // - 32 (sc_lo * sum of x 0..15 + sc_hi * sum of x 16..31)
-      const __m256i m32 = pair16(_mm256_slli_epi32(i8x8(wb + 384 + 8 * half), 5),
-                                 _mm256_slli_epi32(i8x8(wb + 400 + 8 * half), 5));
+      const __m256i m32 = _mm256_slli_epi16(_mm256_blend_epi16(sc_lo, sc_hi, 0xAA), 5);  // (32 lo, 32 hi) pairs
 #pragma GCC unroll 4
       for (int t = 0; t < TT; ++t) {
         const int32_t* s16 = x.s16[t] + 2 * b;
@@ -289,6 +288,51 @@ CPX_AVX2_INL void rowblock_sums(const uint8_t* wb, const Rows<TT>& x, int b, __m
   }
 }
 
+// q6_k's half_sums for both halves of a rowblock at one row of x (decode): each activation broadcast
+// feeds both halves, as rowblock_sums does for the other formats.
+CPX_AVX2_INL void q6_rowblock_sums(const uint8_t* wb, const Rows<1>& x, int b, __m256i (*s)[1]) {
+  const __m256i m4 = _mm256_set1_epi8(0x0f), mh = _mm256_set1_epi8(0x30);
+  __m256i sc_lo[2], sc_hi[2];
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    const __m256i a = i8x8(wb + 384 + 8 * h), c = i8x8(wb + 400 + 8 * h);
+    sc_lo[h] = pair16(a, a);
+    sc_hi[h] = pair16(c, c);
+    s[h][0] = _mm256_setzero_si256();
+  }
+#pragma GCC unroll 2
+  for (int gp = 0; gp < 2; ++gp) {
+    const int8_t* xp = x.q[0] + 32 * b + 8 * gp;
+    __m256i pl[2], ph[2];
+#pragma GCC unroll 2
+    for (int gg = 0; gg < 2; ++gg) {
+      const __m256i xl = bcast4(xp + 4 * gg), xh = bcast4(xp + 16 + 4 * gg);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* wh = wb + 32 * h;
+        const __m256i hb = load32(wh + 256 + 64 * gp), v = load32(wh + 64 * (2 * gp + gg));
+        const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(move_bits(hb, 4 * gg, 4), mh));
+        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                                           _mm256_and_si256(move_bits(hb, 4 * gg + 2, 4), mh));
+        const __m256i l = _mm256_maddubs_epi16(lo, xl), u = _mm256_maddubs_epi16(hi, xh);
+        pl[h] = gg == 0 ? l : _mm256_add_epi16(pl[h], l);
+        ph[h] = gg == 0 ? u : _mm256_add_epi16(ph[h], u);
+      }
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      s[h][0] = _mm256_add_epi32(s[h][0], _mm256_add_epi32(_mm256_madd_epi16(pl[h], sc_lo[h]),
+                                                           _mm256_madd_epi16(ph[h], sc_hi[h])));
+      CPX_KEEP(s[h][0]);
+    }
+  }
+  const int32_t* s16 = x.s16[0] + 2 * b;
+  const __m256i sp = _mm256_set1_epi32(int32_t(uint32_t(uint16_t(s16[0])) | uint32_t(uint16_t(s16[1])) << 16));
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h)  // - 32 (sc_lo * sum of x 0..15 + sc_hi * sum of x 16..31)
+    s[h][0] = _mm256_sub_epi32(s[h][0], _mm256_madd_epi16(_mm256_slli_epi16(_mm256_blend_epi16(sc_lo[h], sc_hi[h], 0xAA), 5), sp));
+}
+
 // acc + one block's contribution: s its int32 sums, dx the row's block scale, ds = dx * (sum of its q)
 // (both broadcast).
 template <LinFormat F>
@@ -306,6 +350,8 @@ CPX_AVX2_INL void rowblock_step(const uint8_t* hdr, const uint8_t* wb, const Row
   __m256i s[2][TT];
   if constexpr (both_halves(F)) {
     rowblock_sums<F, TT>(wb, x, b, s);
+  } else if constexpr (F == LinFormat::Q6_K && TT == 1) {
+    q6_rowblock_sums(wb, x, b, s);
   } else {
     half_sums<F, TT>(wb, 0, x, b, s[0]);
     half_sums<F, TT>(wb, 1, x, b, s[1]);

@@ -87,6 +87,8 @@ DEEPSEEK2_LAYER_NAMES: dict[str, str] = {
 K_B, V_B = "attn_k_b.weight", "attn_v_b.weight"  # together: self_attn.kv_b_proj.weight
 GATE_UP_EXPS = "ffn_gate_up_exps.weight"  # llama.cpp's optional fused form: [E, 2I, H], gate first
 KV_B_HF = "self_attn.kv_b_proj.weight"
+# attn_k_b / attn_v_b as stored, for the CPU's native weights (models.native.NativeAbsorbed), besides kv_b_proj
+K_B_BLOCKS_HF, V_B_BLOCKS_HF = "self_attn.w_kc_native.weight", "self_attn.w_vc_native.weight"
 
 LAYER_NAMES: dict[str, dict[str, str]] = {ARCH_LLAMA: LLAMA_LAYER_NAMES, ARCH_DEEPSEEK2: DEEPSEEK2_LAYER_NAMES}
 

@@ -20,7 +20,7 @@ from models.builtin import resolve_model_path
 from models.config import ModelConfig, config_from_hf_dict
 from models.loader.errors import CheckpointError
 from models.experts import EXPERT_BACKENDS, CppExperts, ExpertBackend, WeightInput
-from models.native import CPU_WEIGHT_DTYPES, NativeEmbedding, NativeLinear, use_native_weights
+from models.native import CPU_WEIGHT_DTYPES, NativeAbsorbed, NativeEmbedding, NativeLinear, use_native_weights
 from models.parallel import current as current_layout
 from models.registry import model_class
 
@@ -123,7 +123,8 @@ def load_model(
     raw_experts = not path.is_dir() and cpu_weights in (None, "file") and any(
         isinstance(m, ExpertBackend) and m.weight_input is WeightInput.GGUF_BLOCKS for m in net.modules())
     raw_names = frozenset(f"{n}.weight" for n, m in net.named_modules()
-                          if isinstance(m, (NativeLinear, NativeEmbedding)) and m.weight_input is WeightInput.GGUF_BLOCKS)
+                          if isinstance(m, (NativeLinear, NativeEmbedding, NativeAbsorbed))
+                          and m.weight_input is WeightInput.GGUF_BLOCKS)
     shard = net.shard_fn()  # under tensor parallelism: only this rank's parts are read
     if path.is_dir():
         tensors = ckpt.tensors(shard=shard)

@@ -13,7 +13,7 @@ from executor.model_runner import ModelRunner, RequestSlice
 from models.loader.load import load_model
 from models.native import native_modules
 from models.loader.gguf_writer import write_gguf
-from models.synthetic import write_checkpoint
+from models.synthetic import load_preset, write_checkpoint
 from safetensors.torch import load_file, save_file
 from tests.hf_models import CONFIGS, build_hf_model, hf_greedy
 
@@ -150,3 +150,42 @@ def test_gguf_blocks_match_the_torch_forward_on_decoded_weights(gguf_files, pres
     # flips a router's choice (and the flip's latent reaches the later positions)
     within = 0.9 if preset == "tiny-llama" else 0.8
     assert float(err.median() / scale) <= 3e-2 and float((err / scale <= 6e-2).float().mean()) >= within
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_mla_absorbed_matrices_read_the_files_blocks(tmp_path, qtype):
+    """A GGUF whose per-head attn_k_b / attn_v_b rows are whole blocks (nope 32, latent rank 64) keeps
+    them quantized for the native forward's absorbed products (models.native.NativeAbsorbed), as
+    llama.cpp reads them, instead of fp32 decoded from them; the logits stay within the activations'
+    rounding of the torch forward on the decoded weights, as the other layers' blocks do. A
+    safetensors checkpoint has no such tensors and loads without them."""
+    cfg = load_preset("tiny-deepseek-v2")
+    cfg.update(qk_nope_head_dim=32, qk_head_dim=40, kv_lora_rank=64, v_head_dim=32)
+    d = write_checkpoint(tmp_path / "ckpt", cfg, seed=11)
+    path = write_gguf(d, d / "model.gguf", qtype)
+    native = native_runner(path, cpu_weights="file")
+    for layer in native.model.model.layers:
+        attn = layer.self_attn
+        assert len(attn.w_kc_native.ops) == len(attn.w_vc_native.ops) == attn.num_heads
+        assert {op.weight_format for op in attn.w_kc_native.ops + attn.w_vc_native.ops} == {qtype.lower()}
+        assert (attn.w_kc_native.ops[0].out_features, attn.w_kc_native.ops[0].in_features) == (64, 32)
+        assert (attn.w_vc_native.ops[0].out_features, attn.w_vc_native.ops[0].in_features) == (32, 64)
+    ref_model = load_model(path, dtype="float32", load_tokenizer=False, progress=False)
+    ref = ModelRunner(ref_model.model, ref_model.config, max_total_tokens=1024, max_running_requests=8)
+    ids = prompt(40, native.config.vocab_size, seed=3)
+    want = all_logits(ref, ids)
+    err = (all_logits(native, ids) - want).abs().max(-1).values / want.abs().max()
+    assert float(err.median()) <= 3e-2 and float((err <= 6e-2).float().mean()) >= 0.8
+    # decode steps through the absorbed path against the torch forward's, token by token
+    row_n, row_r = native.req_to_token_pool.alloc(), ref.req_to_token_pool.alloc()
+    ln = native.forward(native.build_batch([RequestSlice(row_n, 0, ids)]))
+    lr = ref.forward(ref.build_batch([RequestSlice(row_r, 0, ids)]))
+    for pos in range(len(ids), len(ids) + 4):
+        tok = int(lr[-1].argmax())
+        ln = native.forward(native.build_batch([RequestSlice(row_n, pos, [tok])]))
+        lr = ref.forward(ref.build_batch([RequestSlice(row_r, pos, [tok])]))
+        assert float((ln[-1] - lr[-1]).abs().max() / lr[-1].abs().max()) <= 6e-2
+    native.free_request(row_n, len(ids) + 4)
+    ref.free_request(row_r, len(ids) + 4)
+    plain = native_runner(d, cpu_weights="file")  # safetensors: kv_b_proj's halves, as before
+    assert all(layer.self_attn.w_kc_native.ops is None for layer in plain.model.model.layers)
