@@ -4,7 +4,8 @@ measured in the same run.
 
 Shapes: SmolLM2-135M's linear layers (hidden 576, intermediate 1536, 9 query / 3 KV heads of 64, LM
 head 49152 x 576) at M = 1, 4, 16, 64 rows of x, for every weight format (the K-quants only where
-in_features is a multiple of 256: SmolLM2's 576 is not, so they run ffn_down only). Decode streams
+in_features is a multiple of 256: SmolLM2's 576 is not, so they run ffn_down only), and a
+16384 x 2048 layer of DeepSeek-V2-Lite's width (`wide_2048`), where they all run. Decode streams
 every weight once per token, so each timed sample calls every one of a set of distinct copies of the
 weight once, the set being `--footprint-mib` large (default 256 MiB, as much as the whole model and
 more than the caches hold for it): the weights come from memory as in decode, not from the previous
@@ -59,6 +60,9 @@ SHAPES = {  # name: (out_features, in_features)
     "ffn_gate/ffn_up": (INTER, HIDDEN),
     "ffn_down": (HIDDEN, INTER),
     "lm_head": (VOCAB, HIDDEN),
+    # DeepSeek-V2-Lite's width (hidden 2048: whole 256-value superblocks, so every format runs): a
+    # Q4_K_M file's LM head is Q6_K, its attention and experts mostly Q4_K
+    "wide_2048": (16384, 2048),
 }
 FORMATS = ("q4_1", "q8_0", "q4_0", "q6_k", "q4_k", "q5_k", "bf16", "f32")
 FLOAT_BYTES = {"bf16": 2, "f32": 4}
