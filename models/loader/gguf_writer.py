@@ -269,8 +269,9 @@ def _write_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, raw: dict[str, Any], c
         raise CheckpointError(cfg_path, "attention_bias=true has no deepseek2 GGUF form (llama.cpp has no MLA biases)")
     # MLA is written as MQA over the latent: one KV head of kv_lora_rank + rope dims (llama.cpp).
     w.add_head_count_kv(1)
-    if cfg.q_lora_rank:
-        w.add_q_lora_rank(cfg.q_lora_rank)
+    # 0 for none, as llama.cpp's converter writes it: llama.cpp requires the key unless the model has
+    # DeepSeek-V2-Lite's 27 layers
+    w.add_q_lora_rank(cfg.q_lora_rank or 0)
     w.add_kv_lora_rank(cfg.kv_lora_rank)
     w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     w.add_value_length(cfg.kv_lora_rank)
