@@ -329,8 +329,10 @@ CPX_AVX2_INL void q6_rowblock_sums(const uint8_t* wb, const Rows<1>& x, int b, _
   const int32_t* s16 = x.s16[0] + 2 * b;
   const __m256i sp = _mm256_set1_epi32(int32_t(uint32_t(uint16_t(s16[0])) | uint32_t(uint16_t(s16[1])) << 16));
 #pragma GCC unroll 2
-  for (int h = 0; h < 2; ++h)  // - 32 (sc_lo * sum of x 0..15 + sc_hi * sum of x 16..31)
-    s[h][0] = _mm256_sub_epi32(s[h][0], _mm256_madd_epi16(_mm256_slli_epi16(_mm256_blend_epi16(sc_lo[h], sc_hi[h], 0xAA), 5), sp));
+  for (int h = 0; h < 2; ++h) {  // - 32 (sc_lo * sum of x 0..15 + sc_hi * sum of x 16..31)
+    const __m256i m32 = _mm256_slli_epi16(_mm256_blend_epi16(sc_lo[h], sc_hi[h], 0xAA), 5);
+    s[h][0] = _mm256_sub_epi32(s[h][0], _mm256_madd_epi16(m32, sp));
+  }
 }
 
 // acc + one block's contribution: s its int32 sums, dx the row's block scale, ds = dx * (sum of its q)
@@ -472,7 +474,8 @@ CPX_AVX2 void mk_groups(const QMat& w, int rb, int G, const ActQ& a, int t0, flo
       // its rowblock, with its superblock's header if it is a first block
       const int ahead = b + prefetch_blocks<F>(), pj = ahead % L.sb_blocks;
       const size_t pf_at = L.sb_blocks == 1 ? kPrefetchBytes
-                           : size_t(ahead / L.sb_blocks - sb) * kGroupRowblocks * sbs + (pj == 0 ? 0 : L.hdr + pj * L.blk);
+                                            : size_t(ahead / L.sb_blocks - sb) * kGroupRowblocks * sbs +
+                                                  (pj == 0 ? 0 : L.hdr + pj * L.blk);
       const int pf_len = L.blk + (pj == 0 ? L.hdr : 0);
 #pragma GCC unroll 1
       for (int u = 0; u < G * kGroupRowblocks; ++u) {
