@@ -100,8 +100,8 @@ class NativeForward:
                 lora = not hasattr(attn, "q_proj")
                 exact = head.mode == "float32" or (head.mode == "file" and attn.w_kc.dtype == torch.float32)
                 head_dtype = torch.float32 if exact else torch.bfloat16
-                kc, vc = getattr(attn, "w_kc_native", None), getattr(attn, "w_vc_native", None)
-                stored = kc is not None and vc is not None and kc.ops is not None and vc.ops is not None
+                kc, vc = getattr(attn, "w_kc_native", None), getattr(attn, "w_vc_native", None)  # made in pairs
+                stored = kc is not None and kc.ops is not None and vc.ops is not None
                 self.plan.add_mla(
                     norm.weight, norm.eps,
                     q=None if lora else attn.q_proj.op,

@@ -138,6 +138,26 @@ struct Rows {
   const int32_t *s[TT], *s16[TT];
 };
 
+// q5_k / q6_k: the 4-bit quants in v widened by their high bits from hb (bits blo / bhi of each byte,
+// moved to the place mh masks): the values of v's low nibbles (lo) and of its high nibbles (hi).
+CPX_AVX2_INL void with_high_bits(__m256i v, __m256i hb, int blo, int bhi, __m256i mh, __m256i& lo, __m256i& hi) {
+  const __m256i m4 = _mm256_set1_epi8(0x0f);
+  lo = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(move_bits(hb, blo, 4), mh));
+  hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_and_si256(move_bits(hb, bhi, 4), mh));
+}
+// q6_k: int16 pairs of each row's scale for elements 0..15 (lo) / 16..31 (hi), rows 8 half .. 8 half + 7
+CPX_AVX2_INL void q6_scales(const uint8_t* wb, int half, __m256i& lo, __m256i& hi) {
+  const __m256i a = i8x8(wb + 384 + 8 * half), c = i8x8(wb + 400 + 8 * half);
+  lo = pair16(a, a);
+  hi = pair16(c, c);
+}
+// q6_k's zero point: s - 32 (sc_lo * sum of x 0..15 + sc_hi * sum of x 16..31), s16 the row's two sums
+CPX_AVX2_INL __m256i q6_minus32(__m256i s, __m256i sc_lo, __m256i sc_hi, const int32_t* s16) {
+  const __m256i m32 = _mm256_slli_epi16(_mm256_blend_epi16(sc_lo, sc_hi, 0xAA), 5);  // (32 lo, 32 hi) pairs
+  const uint32_t sp = uint32_t(uint16_t(s16[0])) | uint32_t(uint16_t(s16[1])) << 16;
+  return _mm256_sub_epi32(s, _mm256_madd_epi16(m32, _mm256_set1_epi32(int32_t(sp))));
+}
+
 // s[t] = one block's exact int32 dot products of rows 8 half .. 8 half + 7 of the rowblock whose block
 // is at wb with activation row t, zero point taken off. One (rowblock, half) at a time: few registers
 // (decode, and q5_k / q6_k, whose group pairs hold 4 unpacked weight registers).
@@ -164,11 +184,7 @@ CPX_AVX2_INL void half_sums(const uint8_t* wb, int half, const Rows<TT>& x, int 
     // group pairs: at most 4 (q5_k) / 2 per chain (q6_k) vpmaddubsw results per int16 sum
     constexpr bool kQ6 = F == LinFormat::Q6_K;
     __m256i sc_lo = ones, sc_hi = ones;
-    if constexpr (kQ6) {  // int16 pairs of the row's scale for elements 0..15 / 16..31
-      const __m256i a = i8x8(wb + 384 + 8 * half), c = i8x8(wb + 400 + 8 * half);
-      sc_lo = pair16(a, a);
-      sc_hi = pair16(c, c);
-    }
+    if constexpr (kQ6) q6_scales(wb, half, sc_lo, sc_hi);
     const __m256i mh = _mm256_set1_epi8(kQ6 ? 0x30 : 0x10);
 #pragma GCC unroll 2
     for (int gp = 0; gp < 2; ++gp) {
@@ -177,12 +193,8 @@ CPX_AVX2_INL void half_sums(const uint8_t* wb, int half, const Rows<TT>& x, int 
 #pragma GCC unroll 2
       for (int gg = 0; gg < 2; ++gg) {
         const int g = 2 * gp + gg;
-        const __m256i v = load32(wh + 64 * g);
-        lo[gg] = _mm256_and_si256(v, m4);
-        hi[gg] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
         const int blo = kQ6 ? 4 * gg : 2 * g, bhi = kQ6 ? 4 * gg + 2 : 2 * g + 1;  // the high bits' place
-        lo[gg] = _mm256_or_si256(lo[gg], _mm256_and_si256(move_bits(hb, blo, 4), mh));
-        hi[gg] = _mm256_or_si256(hi[gg], _mm256_and_si256(move_bits(hb, bhi, 4), mh));
+        with_high_bits(load32(wh + 64 * g), hb, blo, bhi, mh, lo[gg], hi[gg]);
       }
 #pragma GCC unroll 4
       for (int t = 0; t < TT; ++t) {
@@ -198,14 +210,9 @@ CPX_AVX2_INL void half_sums(const uint8_t* wb, int half, const Rows<TT>& x, int 
         CPX_KEEP(s[t]);
       }
     }
-    if constexpr (kQ6) {  // - 32 (sc_lo * sum of x 0..15 + sc_hi * sum of x 16..31)
-      const __m256i m32 = _mm256_slli_epi16(_mm256_blend_epi16(sc_lo, sc_hi, 0xAA), 5);  // (32 lo, 32 hi) pairs
+    if constexpr (kQ6) {
 #pragma GCC unroll 4
-      for (int t = 0; t < TT; ++t) {
-        const int32_t* s16 = x.s16[t] + 2 * b;
-        const uint32_t sp = uint32_t(uint16_t(s16[0])) | uint32_t(uint16_t(s16[1])) << 16;
-        s[t] = _mm256_sub_epi32(s[t], _mm256_madd_epi16(m32, _mm256_set1_epi32(int32_t(sp))));
-      }
+      for (int t = 0; t < TT; ++t) s[t] = q6_minus32(s[t], sc_lo, sc_hi, x.s16[t] + 2 * b);
     }
   } else {  // q4_0, q4_1, q4_k: one int16 sum per block
 #pragma GCC unroll 4
@@ -291,13 +298,11 @@ CPX_AVX2_INL void rowblock_sums(const uint8_t* wb, const Rows<TT>& x, int b, __m
 // q6_k's half_sums for both halves of a rowblock at one row of x (decode): each activation broadcast
 // feeds both halves, as rowblock_sums does for the other formats.
 CPX_AVX2_INL void q6_rowblock_sums(const uint8_t* wb, const Rows<1>& x, int b, __m256i (*s)[1]) {
-  const __m256i m4 = _mm256_set1_epi8(0x0f), mh = _mm256_set1_epi8(0x30);
+  const __m256i mh = _mm256_set1_epi8(0x30);
   __m256i sc_lo[2], sc_hi[2];
 #pragma GCC unroll 2
   for (int h = 0; h < 2; ++h) {
-    const __m256i a = i8x8(wb + 384 + 8 * h), c = i8x8(wb + 400 + 8 * h);
-    sc_lo[h] = pair16(a, a);
-    sc_hi[h] = pair16(c, c);
+    q6_scales(wb, h, sc_lo[h], sc_hi[h]);
     s[h][0] = _mm256_setzero_si256();
   }
 #pragma GCC unroll 2
@@ -310,10 +315,8 @@ CPX_AVX2_INL void q6_rowblock_sums(const uint8_t* wb, const Rows<1>& x, int b, _
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         const uint8_t* wh = wb + 32 * h;
-        const __m256i hb = load32(wh + 256 + 64 * gp), v = load32(wh + 64 * (2 * gp + gg));
-        const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(move_bits(hb, 4 * gg, 4), mh));
-        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
-                                           _mm256_and_si256(move_bits(hb, 4 * gg + 2, 4), mh));
+        __m256i lo, hi;
+        with_high_bits(load32(wh + 64 * (2 * gp + gg)), load32(wh + 256 + 64 * gp), 4 * gg, 4 * gg + 2, mh, lo, hi);
         const __m256i l = _mm256_maddubs_epi16(lo, xl), u = _mm256_maddubs_epi16(hi, xh);
         pl[h] = gg == 0 ? l : _mm256_add_epi16(pl[h], l);
         ph[h] = gg == 0 ? u : _mm256_add_epi16(ph[h], u);
@@ -326,13 +329,8 @@ CPX_AVX2_INL void q6_rowblock_sums(const uint8_t* wb, const Rows<1>& x, int b, _
       CPX_KEEP(s[h][0]);
     }
   }
-  const int32_t* s16 = x.s16[0] + 2 * b;
-  const __m256i sp = _mm256_set1_epi32(int32_t(uint32_t(uint16_t(s16[0])) | uint32_t(uint16_t(s16[1])) << 16));
 #pragma GCC unroll 2
-  for (int h = 0; h < 2; ++h) {  // - 32 (sc_lo * sum of x 0..15 + sc_hi * sum of x 16..31)
-    const __m256i m32 = _mm256_slli_epi16(_mm256_blend_epi16(sc_lo[h], sc_hi[h], 0xAA), 5);
-    s[h][0] = _mm256_sub_epi32(s[h][0], _mm256_madd_epi16(m32, sp));
-  }
+  for (int h = 0; h < 2; ++h) s[h][0] = q6_minus32(s[h][0], sc_lo[h], sc_hi[h], x.s16[0] + 2 * b);
 }
 
 // acc + one block's contribution: s its int32 sums, dx the row's block scale, ds = dx * (sum of its q)

@@ -102,8 +102,8 @@ class GGUFCheckpoint:
                 heads, rank, nope = info.shape
                 if (part := resolve(shard, hf, (heads * (nope + v_info.shape[1]), rank))) is not SKIP:
                     yield hf, self._kv_b(info, v_info, part, hf)
-                    for blocks_hf, blocks in ((gn.K_B_BLOCKS_HF, info), (gn.V_B_BLOCKS_HF, v_info)):
-                        blocks_hf = gn.hf_layer_name(layer_id, blocks_hf)
+                    for short_hf, blocks in ((gn.K_B_BLOCKS_HF, info), (gn.V_B_BLOCKS_HF, v_info)):
+                        blocks_hf = gn.hf_layer_name(layer_id, short_hf)
                         if part is None and blocks_hf in raw_names:  # whole: every head's blocks
                             yield blocks_hf, self._raw(blocks)
             elif short == gn.GATE_UP_EXPS:
