@@ -43,10 +43,14 @@ class Ours:
         from models.loader.load import load_model
         from models.native import native_modules
 
+        from executor.cpu_forward import auto_kv_dtype
+
         loaded = load_model(path, dtype="float32", cpu_weights="file" if native else None, progress=False)
         n = len(prompt) + n_decode + 8
+        # the KV cache the server gives this model by default (--kv-dtype auto: bf16 for GGUF blocks)
+        self.kv_dtype = auto_kv_dtype(loaded.model, loaded.dtype)
         self.runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=n, max_running_requests=1,
-                                  max_context_len=n)
+                                  max_context_len=n, kv_dtype=self.kv_dtype)
         if native and self.runner.native_forward is None:
             raise RuntimeError(f"the native forward is off: {self.runner.native_off_reason}")
         ops = {id(m.op): m.op for m in native_modules(loaded.model) if type(m).__name__ == "NativeLinear"}
@@ -166,6 +170,7 @@ def main() -> None:
         r = summarize(s, args.prompt_len)
         nbytes = contenders[name].weight_bytes if name.startswith("ours") else ours.weight_bytes
         r["weight_bytes_per_token"] = nbytes
+        r["kv_dtype"] = str(contenders[name].kv_dtype).replace("torch.", "") if name.startswith("ours") else "f16"
         r["floor_tok_s_stream_read"] = sbw / nbytes
         r["fraction_of_floor_stream_read"] = r["decode_tok_s"] * nbytes / sbw
         r["fraction_of_floor_sum_read"] = r["decode_tok_s"] * nbytes / tbw

@@ -113,7 +113,8 @@ class EngineArgs:
     device: str = flag("cpu", "cpu or cuda[:N]", check=device_name, metavar="DEVICE")
     dtype: str = flag("auto", "weights and activations dtype (auto: bfloat16 where the hardware does bf16 "
                       "math, else float32 on CPU, float16 on CUDA)", choices=DTYPES)
-    kv_dtype: str = flag("auto", "KV cache dtype (auto: the model's)", choices=DTYPES)
+    kv_dtype: str = flag("auto", "KV cache dtype (auto: the model's; bfloat16 where --cpu-kernels native runs "
+                         "quantized GGUF weights, as llama.cpp keeps f16)", choices=DTYPES)
     attention_backend: str = flag("torch", "attention implementation (triton: split-KV MLA decode and extend "
                                   "kernels for CUDA, with CUDA-graph decode)", choices=ATTENTION_BACKENDS)
     expert_backend: str = flag("torch", "routed-expert implementation for MoE models (cpp: the C++ CPU pool; GGUF "

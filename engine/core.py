@@ -38,6 +38,7 @@ from engine.messages import (
     RequestOutput,
 )
 from scheduler.sampling_params import ParamError, validate_prompt_ids
+from executor.cpu_forward import auto_kv_dtype
 from executor.grammar import GrammarBackend, GrammarError
 from executor.model_runner import ModelRunner, bank_layers
 from scheduler.radix_cache import create_prefix_cache
@@ -119,7 +120,10 @@ class EngineCore:
         tok = loaded.tokenizer
         eos = set(cfg.eos_token_ids) | set(tok.eos_token_ids if tok else ())
         self.context_len = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        kv_dtype = loaded.dtype if args.kv_dtype == "auto" else resolve_dtype(args.kv_dtype, device)
+        if args.kv_dtype != "auto":
+            kv_dtype = resolve_dtype(args.kv_dtype, device)
+        else:  # the model's; bf16 for GGUF blocks on the native CPU forward (executor.cpu_forward)
+            kv_dtype = auto_kv_dtype(loaded.model, loaded.dtype) if native else loaded.dtype
         per_token = kv_bytes_per_token(cfg, kv_dtype)
         # OmniKV: always planned, so that a request may ask for it whatever the server's default
         omnikv, origin = OmniKVConfig.for_model(args.model, cfg.num_hidden_layers, args.omnikv_config)

@@ -87,7 +87,7 @@ void prepare_input(Pool& pool, LinearInput& in, const float* x, int64_t ldx, int
   in.m = m;
   in.k = k;
   in.kp = int(round_up(size_t(k), 32));
-  in.has_q8 = in.has_bf16 = in.has_f32 = false;
+  in.has_q8 = in.has_s16 = in.has_bf16 = in.has_f32 = false;
   in.x = x;
   in.ldx = ldx;
   QuantRow quantize = nullptr;
@@ -99,6 +99,7 @@ void prepare_input(Pool& pool, LinearInput& in, const float* x, int64_t ldx, int
       in.has_q8 = true;
       quantize = op->quantizer();
     }
+    in.has_s16 = in.has_s16 || op->reads_s16();
     in.has_bf16 = in.has_bf16 || op->reads_bf16();
     in.has_f32 = in.has_f32 || op->reads_f32();
   }
@@ -110,7 +111,7 @@ void prepare_input(Pool& pool, LinearInput& in, const float* x, int64_t ldx, int
     in.d.resize(size_t(m) * nb * 4);
     in.s.resize(size_t(m) * nb * 4);
     in.ds.resize(size_t(m) * nb * 4);
-    in.s16.resize(size_t(m) * nb * 8);
+    if (in.has_s16) in.s16.resize(size_t(m) * nb * 8);
   }
   if (in.has_bf16) in.b.resize(size_t(m) * in.kp * 2);
   int8_t* q = reinterpret_cast<int8_t*>(in.q.data());
@@ -124,13 +125,7 @@ void prepare_input(Pool& pool, LinearInput& in, const float* x, int64_t ldx, int
       const float* xr = x + t * ldx;
       if (in.has_q8) {
         const size_t o = size_t(t) * nb;
-        quantize(xr, k, q + size_t(t) * k, d + o, s + o);
-        for (int i = 0; i < nb; ++i) ds[o + i] = d[o + i] * float(s[o + i]);
-        for (int h = 0; h < 2 * nb; ++h) {
-          int32_t v = 0;
-          for (int i = 0; i < 16; ++i) v += q[size_t(t) * k + 16 * h + i];
-          s16[2 * o + h] = v;
-        }
+        quantize_act_row(quantize, xr, k, q + size_t(t) * k, d + o, s + o, ds + o, in.has_s16 ? s16 + 2 * o : nullptr);
       }
       if (in.has_bf16) to_bf16_row(xr, b + size_t(t) * in.kp, k, in.kp);
     }
@@ -218,13 +213,15 @@ void run_linears(Pool& pool, const std::vector<LinearCall>& calls, int m) {
   for (const LinearCall& c : calls) {
     if (!c.op || !c.in || !c.out) throw ArgError("a linear call needs an operator, an input and an output");
     if (c.row0 < 0 || c.in->m < c.row0 + m || c.in->k != c.op->in_features()) throw ArgError("a linear call's input does not fit its operator");
-    if ((c.op->reads_q8() && !c.in->has_q8) || (c.op->reads_bf16() && !c.in->has_bf16) ||
+    if ((c.op->reads_q8() && !c.in->has_q8) || (c.op->reads_s16() && !c.in->has_s16) ||
+        (c.op->reads_bf16() && !c.in->has_bf16) ||
         (c.op->reads_f32() && !c.in->has_f32))
       throw ArgError("a linear call's input was not prepared for its operator");
     if (c.ep == Epilogue::SiluMul) {
       if (!c.up || c.up->out_features() != c.op->out_features() || c.up->in_features() != c.op->in_features())
         throw ArgError("SiluMul needs an up projection of the gate's shape");
-      if ((c.up->reads_q8() && !c.in->has_q8) || (c.up->reads_bf16() && !c.in->has_bf16) ||
+      if ((c.up->reads_q8() && !c.in->has_q8) || (c.up->reads_s16() && !c.in->has_s16) ||
+          (c.up->reads_bf16() && !c.in->has_bf16) ||
           (c.up->reads_f32() && !c.in->has_f32))
         throw ArgError("a linear call's input was not prepared for its up projection");
     }

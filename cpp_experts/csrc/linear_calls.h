@@ -18,7 +18,7 @@ namespace cpx {
 // rows must stay put until the linears have run).
 struct LinearInput {
   int m = 0, k = 0, kp = 0;  // kp: k padded to 32 (bf16 rows)
-  bool has_q8 = false, has_bf16 = false, has_f32 = false;
+  bool has_q8 = false, has_s16 = false, has_bf16 = false, has_f32 = false;  // has_s16: a q6_k reader
   const float* x = nullptr;  // the fp32 rows, x[i * ldx + j]
   int64_t ldx = 0;
   Buffer q, d, s, ds, s16;  // Q8_0 per 32 values: int8 q, fp32 d, int32 sum(q), d * sum, sums per 16

@@ -100,6 +100,19 @@ void decode(LinFormat f, const uint8_t* b, SbRow& o) {
 
 }  // namespace
 
+void quantize_act_row(QuantRow quantize, const float* x, int k, int8_t* q, float* d, int32_t* s, float* ds,
+                      int32_t* s16) {
+  const int nb = k / 32;
+  quantize(x, k, q, d, s);
+  for (int b = 0; b < nb; ++b) ds[b] = d[b] * float(s[b]);
+  if (!s16) return;
+  for (int h = 0; h < 2 * nb; ++h) {
+    int32_t v = 0;
+    for (int i = 0; i < 16; ++i) v += q[16 * h + i];
+    s16[h] = v;
+  }
+}
+
 QuantLinear::QuantLinear(const std::string& format, int out_features, int in_features, const uint8_t* data,
                          size_t nbytes, const float* bias, const std::string& kernel)
     : fmt_(parse_format(format)), N_(out_features), K_(in_features) {
@@ -358,15 +371,7 @@ void QuantLinear::prepare(const void* x, bool bf16, int m) {
         xr = static_cast<const float*>(x) + size_t(t) * K_;
       }
       const size_t o = size_t(t) * nb;
-      lin_->quantize(xr, K_, q + size_t(t) * K_, d + o, s + o);
-      for (int b = 0; b < nb; ++b) ds[o + b] = d[o + b] * float(s[o + b]);
-      if (q6) {
-        for (int h = 0; h < 2 * nb; ++h) {
-          int32_t v = 0;
-          for (int i = 0; i < 16; ++i) v += q[size_t(t) * K_ + 16 * h + i];
-          s16[2 * o + h] = v;
-        }
-      }
+      quantize_act_row(lin_->quantize, xr, K_, q + size_t(t) * K_, d + o, s + o, ds + o, q6 ? s16 + 2 * o : nullptr);
     }
   });
 }

@@ -98,6 +98,11 @@ using StoreRows = void (*)(const float* c, int ldc, int nt, int ncols, const flo
                            size_t ldo);
 using ToBF16 = void (*)(const float* x, uint16_t* y, int n);  // round to nearest even
 using QuantRow = void (*)(const float* x, int k, int8_t* q, float* d, int32_t* sum);
+// One activation row in the form the int8 kernels read (ActQ): Q8_0 blocks (q, d, s), d * s, and the sums
+// per 16 values where s16 is not null (only q6_k reads them: a ~1 us scalar pass per row of 1536 that
+// every other format would pay for nothing).
+void quantize_act_row(QuantRow quantize, const float* x, int k, int8_t* q, float* d, int32_t* s, float* ds,
+                      int32_t* s16);
 // f32 weights w [rowblocks][k][16]: c[t * ldc + (rb - rb0) * 16 + j] = sum_i W[16 rb + j][i] * x[t * ldx + i],
 // for t < nt, rb0 <= rb < rb1.
 using LinGemmF32 = void (*)(const float* w, int k, int rb0, int rb1, const float* x, size_t ldx, int nt, float* c,
@@ -148,6 +153,7 @@ class QuantLinear {
   bool reads_q8() const { return lin_quantised(fmt_); }
   bool reads_bf16() const { return fmt_ == LinFormat::BF16; }
   bool reads_f32() const { return fmt_ == LinFormat::F32; }
+  bool reads_s16() const { return fmt_ == LinFormat::Q6_K; }  // the activations' sums per 16 values
   const float* bias() const { return has_bias_ ? reinterpret_cast<const float*>(bias_.data()) : nullptr; }
   QuantRow quantizer() const { return lin_->quantize; }
   // c[t * ldc + (rb - rb0) * 16 + j] = row 16 rb + j of W times input row t0 + t, rb0 <= rb < rb1
