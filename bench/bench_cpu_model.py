@@ -39,11 +39,10 @@ class Ours:
     """Our model runner on the file: `native` (the CPU-native forward) or the torch-op forward."""
 
     def __init__(self, path: str, native: bool, prompt: list[int], n_decode: int) -> None:
+        from executor.cpu_forward import auto_kv_dtype
         from executor.model_runner import ModelRunner
         from models.loader.load import load_model
         from models.native import native_modules
-
-        from executor.cpu_forward import auto_kv_dtype
 
         loaded = load_model(path, dtype="float32", cpu_weights="file" if native else None, progress=False)
         n = len(prompt) + n_decode + 8

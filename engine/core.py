@@ -120,10 +120,9 @@ class EngineCore:
         tok = loaded.tokenizer
         eos = set(cfg.eos_token_ids) | set(tok.eos_token_ids if tok else ())
         self.context_len = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        if args.kv_dtype != "auto":
-            kv_dtype = resolve_dtype(args.kv_dtype, device)
-        else:  # the model's; bf16 for GGUF blocks on the native CPU forward (executor.cpu_forward)
-            kv_dtype = auto_kv_dtype(loaded.model, loaded.dtype) if native else loaded.dtype
+        # auto: the model's; bf16 for GGUF blocks on the native CPU forward (executor.cpu_forward)
+        kv_dtype = auto_kv_dtype(loaded.model, loaded.dtype) if args.kv_dtype == "auto" else resolve_dtype(
+            args.kv_dtype, device)
         per_token = kv_bytes_per_token(cfg, kv_dtype)
         # OmniKV: always planned, so that a request may ask for it whatever the server's default
         omnikv, origin = OmniKVConfig.for_model(args.model, cfg.num_hidden_layers, args.omnikv_config)

@@ -75,8 +75,8 @@ def auto_kv_dtype(model: CausalLM, dtype: torch.dtype) -> torch.dtype:
     file`): they are approximations already, and a bf16 cache holds half of fp32's bytes, so twice the
     tokens fit and decode attention reads half as much (SmolLM2-135M Q4_1 on a 2-core Zen 3 VM, the two
     caches interleaved in one process: decode +2% after a 160-token prompt, +10% after 1536), as
-    llama.cpp keeps its cache in f16 by default. `dtype` otherwise: float weights (a float checkpoint, `float32` or `bf16`) and the torch
-    forward keep the model's, so that an fp32 model stays exact.
+    llama.cpp keeps its cache in f16 by default. `dtype` otherwise: float weights (a float checkpoint,
+    `float32` or `bf16`) and the torch forward keep the model's, so that an fp32 model stays exact.
     """
     if model_unsupported_reason(model) is not None:
         return dtype

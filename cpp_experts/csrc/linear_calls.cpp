@@ -213,17 +213,11 @@ void run_linears(Pool& pool, const std::vector<LinearCall>& calls, int m) {
   for (const LinearCall& c : calls) {
     if (!c.op || !c.in || !c.out) throw ArgError("a linear call needs an operator, an input and an output");
     if (c.row0 < 0 || c.in->m < c.row0 + m || c.in->k != c.op->in_features()) throw ArgError("a linear call's input does not fit its operator");
-    if ((c.op->reads_q8() && !c.in->has_q8) || (c.op->reads_s16() && !c.in->has_s16) ||
-        (c.op->reads_bf16() && !c.in->has_bf16) ||
-        (c.op->reads_f32() && !c.in->has_f32))
-      throw ArgError("a linear call's input was not prepared for its operator");
+    if (!c.in->serves(*c.op)) throw ArgError("a linear call's input was not prepared for its operator");
     if (c.ep == Epilogue::SiluMul) {
       if (!c.up || c.up->out_features() != c.op->out_features() || c.up->in_features() != c.op->in_features())
         throw ArgError("SiluMul needs an up projection of the gate's shape");
-      if ((c.up->reads_q8() && !c.in->has_q8) || (c.up->reads_s16() && !c.in->has_s16) ||
-          (c.up->reads_bf16() && !c.in->has_bf16) ||
-          (c.up->reads_f32() && !c.in->has_f32))
-        throw ArgError("a linear call's input was not prepared for its up projection");
+      if (!c.in->serves(*c.up)) throw ArgError("a linear call's input was not prepared for its up projection");
     }
     total_rb += c.op->rowblocks() * (c.ep == Epilogue::SiluMul ? 2 : 1);
   }

@@ -24,6 +24,11 @@ struct LinearInput {
   Buffer q, d, s, ds, s16;  // Q8_0 per 32 values: int8 q, fp32 d, int32 sum(q), d * sum, sums per 16
   Buffer b;                 // bf16 rows [m][kp]
   ActQ act() const;
+  // whether every form `op`'s kernels read was prepared
+  bool serves(const QuantLinear& op) const {
+    return (!op.reads_q8() || has_q8) && (!op.reads_s16() || has_s16) && (!op.reads_bf16() || has_bf16) &&
+           (!op.reads_f32() || has_f32);
+  }
   const uint16_t* bf16_rows() const { return reinterpret_cast<const uint16_t*>(b.data()); }
 };
 

@@ -99,8 +99,8 @@ using StoreRows = void (*)(const float* c, int ldc, int nt, int ncols, const flo
 using ToBF16 = void (*)(const float* x, uint16_t* y, int n);  // round to nearest even
 using QuantRow = void (*)(const float* x, int k, int8_t* q, float* d, int32_t* sum);
 // One activation row in the form the int8 kernels read (ActQ): Q8_0 blocks (q, d, s), d * s, and the sums
-// per 16 values where s16 is not null (only q6_k reads them: a ~1 us scalar pass per row of 1536 that
-// every other format would pay for nothing).
+// per 16 values where s16 is not null (only q6_k reads them: a scalar pass over the row that every
+// other format would pay for nothing).
 void quantize_act_row(QuantRow quantize, const float* x, int k, int8_t* q, float* d, int32_t* s, float* ds,
                       int32_t* s16);
 // f32 weights w [rowblocks][k][16]: c[t * ldc + (rb - rb0) * 16 + j] = sum_i W[16 rb + j][i] * x[t * ldx + i],
