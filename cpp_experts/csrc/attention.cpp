@@ -49,7 +49,23 @@ struct Layout {
   int64_t o_tok, o_head;    // out strides
   int64_t k_head_off, v_head_off;  // offset of one KV head within a slot (GQA: D, Dv); 0 for MLA
   bool mla;
+  bool paired;  // bf16 rows read in the paired order (paired_at), no fp32 tiles: GQA, D == Dv of 64 or 128
 };
+
+// The paired order of a bf16 row: each 16 values d0..d0+15 as two 8-lane vectors, the even values
+// then the odd ones (vec::load_bf16_lanes: one instruction per 8 values widened, read from the cache
+// itself, instead of widening the tile into fp32 rows and reading those). A query is permuted into
+// this order once per task, a dot product then pairs the same elements as in natural order (summed
+// in another order: a function of the position in the row alone, so the same for every key and
+// blocking), and the accumulated values are in it until write_out puts them back. On a 2-core Zen 3 VM
+// (one decode token of SmolLM2's shape over 1536 keys, interleaved runs) a layer went from ~125-140 to
+// ~105 us with the cache in L3, from ~258 to ~236 from DRAM.
+CPX_INLINE int paired_at(int d) { return (d & ~15) + ((d & 1) << 3) + ((d & 15) >> 1); }
+
+// A row's 8 values from d (a multiple of 8) as the kernels read them: fp32 rows in order; bf16 rows
+// (the paired layout only) the even or odd lanes of the 16 values from d & ~15.
+CPX_INLINE vec::v8f ld(const float* p, int d) { return vec::load(p + d); }
+CPX_INLINE vec::v8f ld(const uint16_t* p, int d) { return vec::load_bf16_lanes(p + (d & ~15), d & 8); }
 
 struct Task {
   int group, block;  // a key block of the group (key_blocks)
@@ -64,14 +80,14 @@ CPX_INLINE const KT* kv_ptr(const void* base, int64_t stride, int64_t slot, int6
 // query chunk is loaded once for all of them. Per (query, key) the arithmetic is always the same
 // (8-lane partial sums along the head dim, then hsum): the result does not depend on the blocking.
 constexpr int kQB = 4;
-template <int QB>
-CPX_INLINE void dots2(const float* const* q, const float* k0, const float* k1, int n, float* s, int ls) {
+template <int QB, class RT>
+CPX_INLINE void dots2(const float* const* q, const RT* k0, const RT* k1, int n, float* s, int ls) {
   using namespace vec;
   v8f a0[QB], a1[QB];
   for (int i = 0; i < QB; ++i) a0[i] = a1[i] = splat(0.0f);
   int d = 0;
   for (; d + 8 <= n; d += 8) {
-    const v8f x0 = load(k0 + d), x1 = load(k1 + d);
+    const v8f x0 = ld(k0, d), x1 = ld(k1, d);
     for (int i = 0; i < QB; ++i) {
       const v8f qv = load(q[i] + d);
       a0[i] += qv * x0;
@@ -81,17 +97,17 @@ CPX_INLINE void dots2(const float* const* q, const float* k0, const float* k1, i
   for (int i = 0; i < QB; ++i) {
     s[i * ls] = hsum(a0[i]);
     s[i * ls + 1] = hsum(a1[i]);
-    for (int e = d; e < n; ++e) {
-      s[i * ls] += q[i][e] * k0[e];
-      s[i * ls + 1] += q[i][e] * k1[e];
+    for (int e = d; e < n; ++e) {  // fp32 rows only: a paired row's length is a multiple of 16
+      s[i * ls] += q[i][e] * scalar(k0[e]);
+      s[i * ls + 1] += q[i][e] * scalar(k1[e]);
     }
   }
 }
 
 // The same scores for keys j .. j + 3 (up to three queries: 4 x 3 accumulators fit the registers), their
 // sums reduced four at a time by hsum4, which gives hsum's bits: dots2 and dots4 agree exactly.
-template <int QB>
-CPX_INLINE void dots4(const float* const* q, const float* const* k, int n, float* s, int ls) {
+template <int QB, class RT>
+CPX_INLINE void dots4(const float* const* q, const RT* const* k, int n, float* s, int ls) {
   using namespace vec;
   v8f a[QB][4];
   for (int i = 0; i < QB; ++i)
@@ -101,14 +117,14 @@ CPX_INLINE void dots4(const float* const* q, const float* const* k, int n, float
     v8f qv[QB];
     for (int i = 0; i < QB; ++i) qv[i] = load(q[i] + d);
     for (int j = 0; j < 4; ++j) {
-      const v8f x = load(k[j] + d);
+      const v8f x = ld(k[j], d);
       for (int i = 0; i < QB; ++i) a[i][j] += qv[i] * x;
     }
   }
   for (int i = 0; i < QB; ++i) {
     hsum4(a[i][0], a[i][1], a[i][2], a[i][3], s + i * ls);
     for (int e = d; e < n; ++e)
-      for (int j = 0; j < 4; ++j) s[i * ls + j] += q[i][e] * k[j][e];
+      for (int j = 0; j < 4; ++j) s[i * ls + j] += q[i][e] * scalar(k[j][e]);
   }
 }
 
@@ -116,8 +132,8 @@ CPX_INLINE void dots4(const float* const* q, const float* const* k, int n, float
 // time (C x QB accumulators in registers, each probability broadcast once per C chunks), then single
 // chunks, then single values; per query and value the arithmetic is the same whatever the blocking
 // (acc * corr, then p[j] v[j] added in key order).
-template <int QB, int C>
-CPX_INLINE void pv_chunks(float* const* acc, const float* corr, const float* p, int lp, const float* const* v, int nv,
+template <int QB, int C, class RT>
+CPX_INLINE void pv_chunks(float* const* acc, const float* corr, const float* p, int lp, const RT* const* v, int nv,
                           int d) {
   using namespace vec;
   v8f a[QB][C];
@@ -127,7 +143,7 @@ CPX_INLINE void pv_chunks(float* const* acc, const float* corr, const float* p, 
     v8f pj[QB];
     for (int i = 0; i < QB; ++i) pj[i] = splat(p[i * lp + j]);
     for (int c = 0; c < C; ++c) {
-      const v8f x = load(v[j] + d + 8 * c);
+      const v8f x = ld(v[j], d + 8 * c);
       for (int i = 0; i < QB; ++i) a[i][c] += pj[i] * x;
     }
   }
@@ -135,26 +151,29 @@ CPX_INLINE void pv_chunks(float* const* acc, const float* corr, const float* p, 
     for (int c = 0; c < C; ++c) store(acc[i] + d + 8 * c, a[i][c]);
 }
 
-template <int QB>
-CPX_INLINE void pv_block(float* const* acc, const float* corr, const float* p, int lp, const float* const* v, int nv,
+template <int QB, class RT>
+CPX_INLINE void pv_block(float* const* acc, const float* corr, const float* p, int lp, const RT* const* v, int nv,
                          int n) {
-  constexpr int C = QB <= 3 ? 4 : 2;  // QB x C accumulators and QB broadcasts within the 16 registers
+  // QB x C accumulators, QB broadcasts, a value chunk (and a bf16 mask) within the 16 registers: at
+  // QB = 3 and C = 4 GCC kept four accumulators on the stack (a store and a load each per key; 2-core
+  // Zen 3 VM, bf16 cache at 1536 keys: ~12% of the attention's instructions)
+  constexpr int C = QB <= 2 ? 4 : 2;
   int d = 0;
   for (; d + 8 * C <= n; d += 8 * C) pv_chunks<QB, C>(acc, corr, p, lp, v, nv, d);
   for (; d + 8 <= n; d += 8) pv_chunks<QB, 1>(acc, corr, p, lp, v, nv, d);
-  for (; d < n; ++d)
+  for (; d < n; ++d)  // fp32 rows only (as in dots2)
     for (int i = 0; i < QB; ++i) {
       float a = acc[i][d] * corr[i];
-      for (int j = 0; j < nv; ++j) a += p[i * lp + j] * v[j][d];
+      for (int j = 0; j < nv; ++j) a += p[i * lp + j] * vec::scalar(v[j][d]);
       acc[i][d] = a;
     }
 }
 
 // One block of QB heads of one token over a key tile: scores, the online-softmax update of each
 // query's (m, l), then the values.
-template <int QB>
-CPX_INLINE void tile_block(const float* const* qv, float* const* sq, const float* const* krow,
-                           const float* const* vrow, int nv, int D, int Dv, float scale, float* scores) {
+template <int QB, class RT>
+CPX_INLINE void tile_block(const float* const* qv, float* const* sq, const RT* const* krow, const RT* const* vrow,
+                           int nv, int D, int Dv, float scale, float* scores) {
   constexpr int ls = kKeyTile;
   if constexpr (QB == 3) {  // as 2 + 1 heads: dots4<3>'s 12 accumulators, 3 queries and a key take all 16
     // ymm, and GCC kept one accumulator on the stack (a store-to-load chain per step, where 14% of the
@@ -254,10 +273,22 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
   // the bytes of a slot the group reads: its KV heads' keys (values), adjacent within the slot
   const int kbytes = int(((g.nkv - 1) * L.k_head_off + D) * int64_t(sizeof(KT)));
   const int vbytes = int(((g.nkv - 1) * L.v_head_off + Dv) * int64_t(sizeof(KT)));
+  // bf16 rows at a fixed head dim: read from the cache in the paired order (Layout::paired), the
+  // group's queries permuted into buf; else rows as fp32 (bf16 widened into buf a tile at a time)
+  constexpr bool kPaired = std::is_same_v<KT, uint16_t> && DN != 0;
+  using RT = std::conditional_t<kPaired, uint16_t, float>;
+  if constexpr (kPaired) {
+    for (int ti = 0; ti < g.nt; ++ti)
+      for (int hi = 0; hi < g.nh; ++hi) {
+        const float* src = q + (g.t0 + ti) * L.q_tok + (g.h0 + hi) * L.q_head;
+        float* dst = buf + size_t(ti * g.nh + hi) * D;
+        for (int d = 0; d < D; ++d) dst[paired_at(d)] = src[d];
+      }
+  }
   const KT* ksrc[kKeyTile];
   const KT* vsrc[kKeyTile];
-  const float* krow[kKeyTile];
-  const float* vrow[kKeyTile];
+  const RT* krow[kKeyTile];
+  const RT* vrow[kKeyTile];
   for (int kt = k0; kt < k1; kt += kKeyTile) {
     const int nk = std::min(kKeyTile, k1 - kt);
     // The rows come from scattered slots, beyond the hardware prefetcher's reach: ask for this tile's
@@ -274,11 +305,15 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
         ksrc[j] = kv_ptr<KT>(kv.k, kv.k_stride, s, head * L.k_head_off);
         vsrc[j] = kv_ptr<KT>(vbase, vstride, s, head * L.v_head_off);
       }
-      tile_rows(ksrc, nk, D, buf, krow);
-      if (L.mla)  // the value is the key row's first Dv values
-        for (int j = 0; j < nk; ++j) vrow[j] = krow[j];
-      else
-        tile_rows(vsrc, nk, Dv, buf + size_t(kKeyTile) * D, vrow);
+      if constexpr (kPaired) {
+        for (int j = 0; j < nk; ++j) krow[j] = ksrc[j], vrow[j] = vsrc[j];
+      } else {
+        tile_rows(ksrc, nk, D, buf, krow);
+        if (L.mla)  // the value is the key row's first Dv values
+          for (int j = 0; j < nk; ++j) vrow[j] = krow[j];
+        else
+          tile_rows(vsrc, nk, Dv, buf + size_t(kKeyTile) * D, vrow);
+      }
       for (int j = nk; j < kKeyTile; ++j) krow[j] = krow[0];  // a short tile's spare keys read a real row
       for (int ti = 0; ti < g.nt; ++ti) {
         const int t = g.t0 + ti;
@@ -290,7 +325,7 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
           const float* qv[kQB];
           float* sq[kQB];
           for (int i = 0; i < qb; ++i) {
-            qv[i] = q + t * L.q_tok + (g.h0 + h0 + i) * L.q_head;
+            qv[i] = kPaired ? buf + size_t(ti * g.nh + h0 + i) * D : q + t * L.q_tok + (g.h0 + h0 + i) * L.q_head;
             sq[i] = st + size_t(ti * g.nh + h0 + i) * sw;
           }
           switch (qb) {
@@ -313,7 +348,10 @@ CPX_INLINE void write_out(const Layout& L, const Group& g, const float* st, floa
       const float* sq = st + size_t(ti * g.nh + hi) * sw;
       float* o = out + (g.t0 + ti) * L.o_tok + (g.h0 + hi) * L.o_head;
       const float inv = sq[1] > 0.0f ? 1.0f / sq[1] : 0.0f;
-      for (int d = 0; d < L.Dv; ++d) o[d] = sq[2 + d] * inv;
+      if (L.paired)
+        for (int d = 0; d < L.Dv; ++d) o[d] = sq[2 + paired_at(d)] * inv;
+      else
+        for (int d = 0; d < L.Dv; ++d) o[d] = sq[2 + d] * inv;
     }
 }
 
@@ -342,6 +380,14 @@ CPX_INLINE void merge_state_impl(int nq, int Dv, float* R, const float* B) {
 }
 CPX_DISPATCH(void, merge_state, (int nq, int Dv, float* R, const float* B), (nq, Dv, R, B))
 
+// The common GQA head dims, for which run_task is compiled with the dim as a constant (0: another
+// dim, or MLA): the dot and value loops unroll whole, without the tails' bookkeeping (2-core Zen 3 VM,
+// 9 / 3 heads of 64, one decode token over 1536 keys from cache: 953 -> 809 instructions and 70 -> 64 ns
+// a key; SmolLM2 decode after a 1536-token prompt ~7% faster). A bf16 cache is read paired at these.
+inline int fixed_head_dim(const Layout& L) {
+  return !L.mla && L.D == L.Dv && (L.D == 64 || L.D == 128) ? L.D : 0;
+}
+
 // The fixed key blocks of a group: a function of its key count alone (for a decode token, of its
 // position), never of the rest of the batch. Each block starts a fresh online softmax; blocks are
 // merged in order. Empty trailing blocks may occur and merge as nothing.
@@ -360,10 +406,7 @@ inline Blocks key_blocks(int64_t keys) {
 CPX_INLINE void run_block(const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, const Blocks& B,
                           int b, float scale, const float* q, float* st, float* scores, float* buf) {
   const int k0 = int(std::min<int64_t>(g.keys, b * B.size)), k1 = int(std::min<int64_t>(g.keys, (b + 1) * B.size));
-  // the common GQA head dims as constants: the dot and value loops unroll whole, without the tails'
-  // bookkeeping (2-core Zen 3 VM, 9 / 3 heads of 64, one decode token over 1536 keys from cache: 953
-  // -> 809 instructions and 70 -> 64 ns a key; SmolLM2 decode after a 1536-token prompt ~7% faster)
-  const int dn = !L.mla && L.D == L.Dv && (L.D == 64 || L.D == 128) ? L.D : 0;
+  const int dn = fixed_head_dim(L);
   if (kv.type == KvType::BF16) {
     if (dn == 64) run_task<uint16_t, 64>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
     else if (dn == 128) run_task<uint16_t, 128>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
@@ -436,7 +479,8 @@ void run(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& 
   int max_nq = 0;
   for (const Group& g : groups) max_nq = std::max(max_nq, g.nt * g.nh);
   const size_t state = size_t(max_nq) * (2 + L.Dv);
-  const size_t tiles = size_t(kKeyTile) * (L.D + L.Dv);  // fp32 key and value tiles (bf16 caches)
+  // fp32 key and value tiles (bf16 caches), or a group's permuted queries (paired)
+  const size_t tiles = std::max(size_t(kKeyTile) * (L.D + L.Dv), L.paired ? size_t(max_nq) * L.D : size_t(0));
   scratch.thread.resize(size_t(threads));
   for (auto& s : scratch.thread) s.resize(2 * state + kQB * kKeyTile + tiles);
   auto thread_bufs = [&](int tid) {
@@ -507,7 +551,8 @@ void check_attention_tokens(const PagedKv& kv, const AttnTokens& tok) {
 void attention_gqa(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const float* q, int H,
                    int Hkv, int D, int Dv, float scale, float* out) {
   if (H <= 0 || Hkv <= 0 || H % Hkv) throw ArgError("query heads must be a positive multiple of the KV heads");
-  Layout L{H, D, Dv, int64_t(H) * D, D, int64_t(H) * Dv, Dv, D, Dv, false};
+  Layout L{H, D, Dv, int64_t(H) * D, D, int64_t(H) * Dv, Dv, D, Dv, false, false};
+  L.paired = kv.type == KvType::BF16 && fixed_head_dim(L) != 0;
   run(pool, scratch, kv, tok, L, Hkv, scale, q, out);
 }
 
@@ -515,7 +560,7 @@ void attention_mla(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const At
                    int r, int P, float scale, float* out) {
   if (H <= 0 || r <= 0 || P < 0) throw ArgError("MLA attention needs positive heads and rank");
   const int D = r + P;
-  Layout L{H, D, r, int64_t(H) * D, D, int64_t(H) * r, r, 0, 0, true};
+  Layout L{H, D, r, int64_t(H) * D, D, int64_t(H) * r, r, 0, 0, true, false};
   run(pool, scratch, kv, tok, L, 1, scale, q, out);
 }
 

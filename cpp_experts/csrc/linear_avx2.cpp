@@ -62,6 +62,14 @@ constexpr size_t prefetch_ahead() {
   return L.sb_blocks == 1 ? kPrefetchBytes : (kPrefetchBytes + run - 1) / run * run;
 }
 
+// How far ahead mk_groups prefetches along a group's run for the one-block formats (q8_0, q4_0, q4_1).
+// Shorter than kPrefetchBytes: with 4 streams a thread, 4 KiB ahead measured worse once the decode
+// tasks read long strided streams (linear_calls.cpp). On a 2-core Zen 3 VM, SmolLM2 Q4_1 decode at
+// 160 tokens, 4 interleaved rounds each: 1 and 2 KiB ~3% more tokens/s than 4 KiB (gate·up's pass
+// ~6% shorter, the Q8_0 LM head's ~3%); on its own (M = 1, 16384 x 576 from DRAM, interleaved) q4_1
+// went from 0.81 to 0.88 of a streaming read (1 KiB: 0.87; 512 B: 0.81).
+constexpr size_t kStreamPrefetchBytes = 2048;
+
 // mk_groups prefetches each rowblock's block this many blocks ahead along that rowblock: about
 // kPrefetchBytes along each group's run, as the one-block formats do in address order. The K-quants'
 // runs are read block by block across their 4 rowblocks, not in address order, so a byte distance
@@ -70,7 +78,7 @@ constexpr size_t prefetch_ahead() {
 // L1 that a non-temporal prefetch fills on AMD. On a 2-core Zen 3 VM (M = 1, 65536 x 2048 from DRAM,
 // 3 interleaved rounds) the K-quants went from ~0.62 of a streaming read to ~0.85 (q4_k 24 -> 33 GB/s,
 // q6_k 24 -> 34), DeepSeek-V2-Lite-shaped Q4_K_M decode (its LM head Q6_K) from ~49 to ~62 tokens/s;
-// a run ahead reached ~0.7. The one-block formats keep kPrefetchBytes in address order: their blocks
+// a run ahead reached ~0.7. The one-block formats keep kStreamPrefetchBytes in address order: their blocks
 // distance (within 7%) measured slower for q8_0 (~-10%), the same for q4_1.
 template <LinFormat F>
 constexpr int prefetch_blocks() {
@@ -452,15 +460,16 @@ CPX_AVX2 void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
 // accumulators in the output tile. One stream per core fell short of the memory system on a 2-core
 // Zen 3 VM (a plain read loop: one core ~12 GB/s with one stream, ~18 with 8; two cores ~19 and ~28),
 // and 4 groups took the Q4_1 LM head at M = 1 from ~20 to ~23 GB/s on two cores (~11 to ~13.5 on one).
-// Each unit's block is prefetched kPrefetchBytes ahead as it is reached (spread over the pass rather
-// than a burst per superblock: ~5% more), non-temporally: a decode step streams every weight once, and
+// Each unit's block is prefetched kStreamPrefetchBytes (K-quants: prefetch_blocks) ahead as it is
+// reached (spread over the pass rather than a burst per superblock: ~5% more), non-temporally: a
+// decode step streams every weight once, and
 // lines brought in as ordinary ones push the KV cache and the activations out of L2 / L3 (on a 2-core
 // Zen 3 VM, SmolLM2 Q4_1 decode at 128 + 64 tokens ran ~9% faster with NTA, the attention's share most).
 // Where each block's prefetch lands: prefetch_blocks.
 template <LinFormat F, int TT>
 CPX_AVX2 void mk_groups(const QMat& w, int rb, int G, const ActQ& a, int t0, float* c, int ldc) {
   constexpr LinLayout L = kLinLayout[int(F)];
-  const size_t sbs = w.sb_bytes, gstride = size_t(w.nsb) * kGroupRowblocks * sbs;
+  const size_t sbs = w.sb_bytes, gstride = w.group_bytes();
   const uint8_t* w0 = w.at(rb);
   const Rows<TT> x = rows_of<F, TT>(a, t0);
   for (int t = 0; t < TT; ++t)
@@ -472,7 +481,7 @@ CPX_AVX2 void mk_groups(const QMat& w, int rb, int G, const ActQ& a, int t0, flo
       // what to prefetch, from the unit's superblock start: the block prefetch_blocks() further along
       // its rowblock, with its superblock's header if it is a first block
       const int ahead = b + prefetch_blocks<F>(), pj = ahead % L.sb_blocks;
-      const size_t pf_at = L.sb_blocks == 1 ? kPrefetchBytes
+      const size_t pf_at = L.sb_blocks == 1 ? kStreamPrefetchBytes
                                             : size_t(ahead / L.sb_blocks - sb) * kGroupRowblocks * sbs +
                                                   (pj == 0 ? 0 : L.hdr + pj * L.blk);
       const int pf_len = L.blk + (pj == 0 ? L.hdr : 0);
@@ -487,7 +496,7 @@ CPX_AVX2 void mk_groups(const QMat& w, int rb, int G, const ActQ& a, int t0, flo
     }
   }
 }
-constexpr int kMaxStreams = 4;  // groups per decode pass: a task holds at most 16 rowblocks
+constexpr int kMaxStreams = kGroupStreams;  // groups per decode pass: a task holds at most 16 rowblocks
 
 using Mk = void (*)(const QMat&, int, const ActQ&, int, float*, int);
 
@@ -695,6 +704,7 @@ const LinKernels kLinAvx2 = {
     store_avx2,
     to_bf16_avx2,
     gemm_f32,
+    true,
 };
 
 }  // namespace cpx

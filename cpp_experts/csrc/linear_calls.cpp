@@ -70,9 +70,27 @@ void to_bf16_row(const float* x, uint16_t* y, int n, int np) {
   for (int i = n; i < np; ++i) y[i] = 0;
 }
 
+// A tile: rowblocks rb0..rb1-1 of the call's weight (step 0), or (step > 0) the `count` groups
+// g0, g0 + step, ... (QuantLinear::tile_groups), for rows t0..t0+nt-1.
 struct Task {
   int call, rb0, rb1, t0, nt;
+  int g0 = 0, step = 0, count = 0;
 };
+
+// Decode passes read each weight once, and a task that reads kGroupStreams consecutive groups reads
+// kGroupStreams streams of one group each (23 KiB at SmolLM2's 576 inputs and Q4_1), which end
+// before the hardware prefetcher is up to speed on them. Task i of a strided call reads the groups
+// i, i + Q, i + 2Q, ... instead (Q tasks): the tasks one thread takes in turn continue the same
+// streams, each over Q / threads consecutive groups. On a 2-core Zen 3 VM (SmolLM2 Q4_1 decode at
+// 160 tokens, interleaved runs) gate·up's pass took 7-10% less time and the Q8_0 LM head's 12% less;
+// calls of fewer groups (9 in o and down) keep whole-group tasks: with Q = 3 tasks on 2 threads one
+// thread would read twice the other's share.
+constexpr int kStridedMinTasks = 2;  // strided tasks per thread at least (Q >= kStridedMinTasks x threads)
+bool strided(const LinearCall& c, int m, int threads) {
+  if (m > 3 || !c.op->reads_group_streams() || (c.up && !c.up->reads_group_streams())) return false;
+  const int q = (c.op->groups() + kGroupStreams - 1) / kGroupStreams;
+  return q >= kStridedMinTasks * threads;
+}
 
 }  // namespace
 
@@ -149,6 +167,16 @@ void QuantLinear::tile(const LinearInput& in, int rb0, int rb1, int t0, int nt, 
   } else {
     lin_->gemm[int(fmt_)](qm_, rb0, rb1, in.act(), t0, nt, c, ldc);
   }
+}
+
+void QuantLinear::tile_groups(const LinearInput& in, int g0, int step, int count, int t0, int nt, float* c,
+                              int ldc) const {
+  if (!reads_group_streams() || nt > 3 || count > kGroupStreams || g0 + (count - 1) * step >= groups())
+    throw ArgError("tile_groups: not a decode tile of whole groups of this operator");
+  QMat view = qm_;
+  view.data = qm_.at(g0 * kGroupRowblocks);
+  view.group_step = step;
+  lin_->gemm[int(fmt_)](view, 0, count * kGroupRowblocks, in.act(), t0, nt, c, ldc);
 }
 
 void QuantLinear::dequant_row(int n, float* out) const {
@@ -229,12 +257,24 @@ void run_linears(Pool& pool, const std::vector<LinearCall>& calls, int m) {
                            std::max(kGroupRowblocks, int(round_up(size_t((total_rb + 4 * p - 1) / (4 * p)),
                                                                   kGroupRowblocks))));
   std::vector<Task> tasks;
+  bool any_strided = false;
   for (int ci = 0; ci < int(calls.size()); ++ci) {
-    const int nrb = calls[size_t(ci)].op->rowblocks();
+    const LinearCall& c = calls[size_t(ci)];
+    if (strided(c, m, p)) {
+      any_strided = true;
+      const int G = c.op->groups(), q = (G + kGroupStreams - 1) / kGroupStreams;
+      for (int i = 0; i < q; ++i) {
+        Task tk{ci, 0, 0, 0, m};
+        tk.g0 = i, tk.step = q, tk.count = (G - 1 - i) / q + 1;
+        tasks.push_back(tk);
+      }
+      continue;
+    }
+    const int nrb = c.op->rowblocks();
     for (int t0 = 0; t0 < m; t0 += kTokChunk)
       for (int rb = 0; rb < nrb; rb += rpt) tasks.push_back({ci, rb, std::min(nrb, rb + rpt), t0, std::min(kTokChunk, m - t0)});
   }
-  const int ldc = rpt * 16;
+  const int ldc = (any_strided ? std::max(rpt, kGroupStreams * kGroupRowblocks) : rpt) * 16;
   const size_t tile = size_t(kTokChunk) * ldc;
   pool.run(int(tasks.size()), [&](int i, int) {
     const Task& tk = tasks[size_t(i)];
@@ -243,13 +283,27 @@ void run_linears(Pool& pool, const std::vector<LinearCall>& calls, int m) {
     if (t_tile.size() < 2 * tile) t_tile.resize(2 * tile);
     float* ct = t_tile.data();
     float* cu = ct + tile;
-    c.op->tile(*c.in, tk.rb0, tk.rb1, c.row0 + tk.t0, tk.nt, ct, ldc);
-    if (gated) c.up->tile(*c.in, tk.rb0, tk.rb1, c.row0 + tk.t0, tk.nt, cu, ldc);
-    const int n0 = tk.rb0 * 16, ncols = std::min(c.op->out_features(), tk.rb1 * 16) - n0;
     const float* bias = c.op->bias();
     const float* bias_up = gated ? c.up->bias() : nullptr;
-    epilogue(c.ep, ct, cu, ldc, tk.nt, ncols, bias ? bias + n0 : nullptr, bias_up ? bias_up + n0 : nullptr,
-             c.out + tk.t0 * c.ldo + n0, c.ldo);
+    // the tile's runs of output columns: [n0, n0 + ncols) from column `at` of the tile
+    auto finish = [&](int at, int n0, int ncols) {
+      epilogue(c.ep, ct + at, cu + at, ldc, tk.nt, ncols, bias ? bias + n0 : nullptr, bias_up ? bias_up + n0 : nullptr,
+               c.out + tk.t0 * c.ldo + n0, c.ldo);
+    };
+    if (tk.step > 0) {
+      c.op->tile_groups(*c.in, tk.g0, tk.step, tk.count, c.row0 + tk.t0, tk.nt, ct, ldc);
+      if (gated) c.up->tile_groups(*c.in, tk.g0, tk.step, tk.count, c.row0 + tk.t0, tk.nt, cu, ldc);
+      constexpr int kCols = kGroupRowblocks * 16;
+      for (int i = 0; i < tk.count; ++i) {
+        const int n0 = (tk.g0 + i * tk.step) * kCols;
+        finish(i * kCols, n0, std::min(kCols, c.op->out_features() - n0));
+      }
+      return;
+    }
+    c.op->tile(*c.in, tk.rb0, tk.rb1, c.row0 + tk.t0, tk.nt, ct, ldc);
+    if (gated) c.up->tile(*c.in, tk.rb0, tk.rb1, c.row0 + tk.t0, tk.nt, cu, ldc);
+    const int n0 = tk.rb0 * 16;
+    finish(0, n0, std::min(c.op->out_features(), tk.rb1 * 16) - n0);
   });
 }
 

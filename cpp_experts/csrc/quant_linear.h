@@ -67,17 +67,24 @@ constexpr LinLayout kLinLayout[kLinFormats] = {
 };
 constexpr int kGroupRowblocks = 4;  // rowblocks interleaved per superblock
 
-// A packed quantised weight matrix (read-only view).
+// A packed quantised weight matrix (read-only view), or a strided view of its groups: group i of the
+// view is group group_step * i of the matrix from `data` (linear_calls.cpp's decode tasks).
 struct QMat {
   LinFormat fmt;
   int nsb;          // superblocks along K
   size_t sb_bytes;  // bytes of one rowblock's superblock
   const uint8_t* data;
+  int group_step = 1;
+  // bytes from one group of the view to the next
+  size_t group_bytes() const { return size_t(group_step) * nsb * kGroupRowblocks * sb_bytes; }
   // rowblock rb's first superblock; its next one is kGroupRowblocks * sb_bytes further
   const uint8_t* at(int rb) const {
-    return data + (size_t(rb / kGroupRowblocks) * nsb * kGroupRowblocks + rb % kGroupRowblocks) * sb_bytes;
+    return data + size_t(rb / kGroupRowblocks) * group_bytes() + size_t(rb % kGroupRowblocks) * sb_bytes;
   }
 };
+// Groups a decode pass (a few rows of x, one pass over the weights) of the AVX2 kernels reads in
+// lockstep, one read stream each (LinKernels::group_streams).
+constexpr int kGroupStreams = 4;
 
 // Q8_0 activations, `k` values per row: q [M][k], d, s (sum of q), ds = d * s [M][k/32]; s16 (sums
 // per 16 values, [M][k/16]) only for q6_k, whose scales change every 16 values.
@@ -115,6 +122,9 @@ struct LinKernels {
   StoreRows store;
   ToBF16 to_bf16;
   LinGemmF32 gemm_f32;  // null where the path has none (AVX-512: AVX2 serves f32 there)
+  // the gemms read kGroupStreams groups in lockstep at up to 3 rows of x (a strided view's groups are
+  // then kGroupStreams long streams: linear_calls.cpp)
+  bool group_streams = false;
 };
 extern const LinKernels kLinPortable;
 // Row r's 32 unsigned quant values of the packed 32-value block at bp (the portable kernels' reader).
@@ -158,6 +168,13 @@ class QuantLinear {
   QuantRow quantizer() const { return lin_->quantize; }
   // c[t * ldc + (rb - rb0) * 16 + j] = row 16 rb + j of W times input row t0 + t, rb0 <= rb < rb1
   void tile(const LinearInput& in, int rb0, int rb1, int t0, int nt, float* c, int ldc) const;
+  // Groups (of kGroupRowblocks rowblocks) g0, g0 + step, ..., `count` of them: group i's rows into
+  // c[t * ldc + 16 kGroupRowblocks i + j]; the rows of the last group past out_features are zeros.
+  // Only where reads_group_streams() and nt <= 3.
+  void tile_groups(const LinearInput& in, int g0, int step, int count, int t0, int nt, float* c, int ldc) const;
+  // whether a decode pass should give this operator's tiles as strided groups (tile_groups)
+  bool reads_group_streams() const { return lin_quantised(fmt_) && lin_->group_streams; }
+  int groups() const { return (nrb_ + kGroupRowblocks - 1) / kGroupRowblocks; }
   void dequant_row(int n, float* out) const;  // row n of W (in_features values)
   void set_bias(const float* bias);           // [out_features] fp32, or null for none
 

@@ -46,6 +46,13 @@ CPX_INLINE v8f load(const uint16_t* p) {  // 8 bf16 values widened to fp32 (exac
   const v8u u = __builtin_convertvector(h, v8u) << 16;
   return (v8f)u;  // a bit cast between vectors of one size
 }
+// Half the lanes of 16 bf16 values p[0..15], widened to fp32 (exact): p[2i] (odd false) or p[2i + 1]
+// (odd true) into lane i. One AND or shift per 8 values, where `load` widens with two (its order kept).
+CPX_INLINE v8f load_bf16_lanes(const uint16_t* p, bool odd) {
+  v8u u;
+  std::memcpy(&u, p, sizeof u);
+  return (v8f)(odd ? (u & 0xFFFF0000u) : (u << 16));
+}
 CPX_INLINE void store(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
 typedef float v4f __attribute__((vector_size(16)));
 // A shuffle, not v8f{x, ..., x}: GCC 12 builds the initializer list from eight vinsertps inside a

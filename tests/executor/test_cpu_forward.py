@@ -152,6 +152,42 @@ def test_gguf_blocks_match_the_torch_forward_on_decoded_weights(gguf_files, pres
     assert float(err.median() / scale) <= 3e-2 and float((err / scale <= 6e-2).float().mean()) >= within
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_decode_batches_match_the_prefill_of_the_same_tokens(gguf_files, qtype):
+    """Decode batches of 1 to 3 rows (the kernels' one-pass mode, where a weight of many 64-row groups,
+    here the 49,152-row LM head, is read in strided group tasks: linear_calls.cpp) give each request
+    the logits that a prefill of its whole sequence gives at those positions: the same per-row
+    arithmetic in every task layout; and they stay near the torch forward on the decoded weights."""
+    path = gguf_files["tiny-llama", qtype]
+    runner = native_runner(path, cpu_weights="file")
+    vocab = runner.config.vocab_size
+    seqs = [prompt(n, vocab, seed=40 + n) for n in (11, 6, 23)]
+    rows = [runner.req_to_token_pool.alloc() for _ in seqs]
+    for row, ids in zip(rows, seqs):
+        runner.forward(runner.build_batch([RequestSlice(row, 0, ids[:-3])]))
+    got: list[list[torch.Tensor]] = [[] for _ in seqs]
+    for step, batch in enumerate(([0], [0, 1], [0, 1, 2])):  # 1, 2 and 3 rows; every request ends 3 tokens on
+        decode = []
+        for i in batch:
+            pos = len(seqs[i]) - 3 + len(got[i])
+            decode.append(RequestSlice(rows[i], pos, [seqs[i][pos]]))
+        logits = runner.forward(runner.build_batch(decode))
+        for j, i in enumerate(batch):
+            got[i].append(logits[j])
+    for i in (1, 2):  # the rows that joined late catch up alone
+        while len(got[i]) < 3:
+            pos = len(seqs[i]) - 3 + len(got[i])
+            got[i].append(runner.forward(runner.build_batch([RequestSlice(rows[i], pos, [seqs[i][pos]])]))[0])
+    ref_model = load_model(path, dtype="float32", load_tokenizer=False, progress=False)
+    ref = ModelRunner(ref_model.model, ref_model.config, max_total_tokens=1024, max_running_requests=8)
+    for i, ids in enumerate(seqs):
+        decoded = torch.stack(got[i])
+        assert rel_err(decoded, all_logits(runner, ids)[-3:]) <= 1e-5
+        want = all_logits(ref, ids)[-3:]
+        err = (decoded - want).abs().max(-1).values / want.abs().max()
+        assert float(err.max()) <= 6e-2  # the activations' Q8_0 rounding (see the test above)
+
+
 def test_auto_kv_dtype_is_bf16_for_quantized_weights_only(gguf_files, checkpoints):
     """`--kv-dtype auto`: bf16 for GGUF blocks on the native forward (half the cache), the model's dtype
     for float weights (an fp32 model stays exact) and for the torch forward."""
