@@ -214,7 +214,8 @@ CPX_INLINE void tile_block(const float* const* qv, float* const* sq, const RT* c
       continue;
     }
     any = true;
-    corr[i] = sq[i][0] == -INFINITY ? 0.0f : exp1(sq[i][0] - mx);
+    // exp(0) is 1 exactly: an unchanged max (most tiles after the first few) skips the exp
+    corr[i] = sq[i][0] == mx ? 1.0f : sq[i][0] == -INFINITY ? 0.0f : exp1(sq[i][0] - mx);
     float sum = 0.0f;
     if (nv == kKeyTile) {
       const v8f e0 = exp8(s0 - splat(mx)), e1 = exp8(s1 - splat(mx));
