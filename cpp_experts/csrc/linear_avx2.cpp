@@ -78,8 +78,9 @@ constexpr size_t kStreamPrefetchBytes = 2048;
 // L1 that a non-temporal prefetch fills on AMD. On a 2-core Zen 3 VM (M = 1, 65536 x 2048 from DRAM,
 // 3 interleaved rounds) the K-quants went from ~0.62 of a streaming read to ~0.85 (q4_k 24 -> 33 GB/s,
 // q6_k 24 -> 34), DeepSeek-V2-Lite-shaped Q4_K_M decode (its LM head Q6_K) from ~49 to ~62 tokens/s;
-// a run ahead reached ~0.7. The one-block formats keep kStreamPrefetchBytes in address order: their blocks
-// distance (within 7%) measured slower for q8_0 (~-10%), the same for q4_1.
+// a run ahead reached ~0.7. The one-block formats keep a byte distance in address order
+// (kStreamPrefetchBytes): a blocks distance (within 7% of 4 KiB) measured slower for q8_0 (~-10%),
+// the same for q4_1.
 template <LinFormat F>
 constexpr int prefetch_blocks() {
   constexpr LinLayout L = kLinLayout[int(F)];
@@ -462,9 +463,9 @@ CPX_AVX2 void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
 // and 4 groups took the Q4_1 LM head at M = 1 from ~20 to ~23 GB/s on two cores (~11 to ~13.5 on one).
 // Each unit's block is prefetched kStreamPrefetchBytes (K-quants: prefetch_blocks) ahead as it is
 // reached (spread over the pass rather than a burst per superblock: ~5% more), non-temporally: a
-// decode step streams every weight once, and
-// lines brought in as ordinary ones push the KV cache and the activations out of L2 / L3 (on a 2-core
-// Zen 3 VM, SmolLM2 Q4_1 decode at 128 + 64 tokens ran ~9% faster with NTA, the attention's share most).
+// decode step streams every weight once, and lines brought in as ordinary ones push the KV cache and
+// the activations out of L2 / L3 (on a 2-core Zen 3 VM, SmolLM2 Q4_1 decode at 128 + 64 tokens ran
+// ~9% faster with NTA, the attention's share most).
 // Where each block's prefetch lands: prefetch_blocks.
 template <LinFormat F, int TT>
 CPX_AVX2 void mk_groups(const QMat& w, int rb, int G, const ActQ& a, int t0, float* c, int ldc) {
@@ -512,7 +513,7 @@ constexpr int kTileRows = 4;
 
 template <LinFormat F>
 CPX_AVX2 void gemm(const QMat& w, int rb0, int rb1, const ActQ& a, int t0, int nt, float* c, int ldc) {
-  if (nt <= 3) {  // one pass over the weights: whole groups in lockstep, partial ones as tiles
+  if (nt <= kGroupStreamRows) {  // one pass over the weights: whole groups in lockstep, partial ones as tiles
     using MkG = void (*)(const QMat&, int, int, const ActQ&, int, float*, int);
     constexpr MkG kMkG[3] = {mk_groups<F, 1>, mk_groups<F, 2>, mk_groups<F, 3>};
     for (int rb = rb0; rb < rb1;) {

@@ -86,10 +86,14 @@ struct Task {
 // calls of fewer groups (9 in o and down) keep whole-group tasks: with Q = 3 tasks on 2 threads one
 // thread would read twice the other's share.
 constexpr int kStridedMinTasks = 2;  // strided tasks per thread at least (Q >= kStridedMinTasks x threads)
+
+// whether the call's m rows take the kernels' one pass that reads groups as parallel streams
+bool reads_streams(const LinearCall& c, int m) {
+  return m <= kGroupStreamRows && c.op->reads_group_streams() && (!c.up || c.up->reads_group_streams());
+}
 bool strided(const LinearCall& c, int m, int threads) {
-  if (m > 3 || !c.op->reads_group_streams() || (c.up && !c.up->reads_group_streams())) return false;
   const int q = (c.op->groups() + kGroupStreams - 1) / kGroupStreams;
-  return q >= kStridedMinTasks * threads;
+  return reads_streams(c, m) && q >= kStridedMinTasks * threads;
 }
 
 }  // namespace
@@ -171,7 +175,7 @@ void QuantLinear::tile(const LinearInput& in, int rb0, int rb1, int t0, int nt, 
 
 void QuantLinear::tile_groups(const LinearInput& in, int g0, int step, int count, int t0, int nt, float* c,
                               int ldc) const {
-  if (!reads_group_streams() || nt > 3 || count > kGroupStreams || g0 + (count - 1) * step >= groups())
+  if (!reads_group_streams() || nt > kGroupStreamRows || count > kGroupStreams || g0 + (count - 1) * step >= groups())
     throw ArgError("tile_groups: not a decode tile of whole groups of this operator");
   QMat view = qm_;
   view.data = qm_.at(g0 * kGroupRowblocks);
@@ -257,8 +261,7 @@ void run_linears(Pool& pool, const std::vector<LinearCall>& calls, int m) {
   // at 160 tokens, 4 interleaved rounds) q·k·v's pass took ~8% less time, o's and down's ~5%, than
   // with two-group tasks; three-group tasks (4 a thread for o) were slower than both.
   const int p = pool.size();
-  bool streams = m <= 3;
-  for (const LinearCall& c : calls) streams = streams && c.op->reads_group_streams() && (!c.up || c.up->reads_group_streams());
+  const bool streams = std::all_of(calls.begin(), calls.end(), [&](const LinearCall& c) { return reads_streams(c, m); });
   const int rpt = streams ? kGroupStreams * kGroupRowblocks
                           : std::min(kMaxTaskRowblocks,
                                      std::max(kGroupRowblocks, int(round_up(size_t((total_rb + 4 * p - 1) / (4 * p)),

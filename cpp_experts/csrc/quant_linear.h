@@ -82,9 +82,10 @@ struct QMat {
     return data + size_t(rb / kGroupRowblocks) * group_bytes() + size_t(rb % kGroupRowblocks) * sb_bytes;
   }
 };
-// Groups a decode pass (a few rows of x, one pass over the weights) of the AVX2 kernels reads in
-// lockstep, one read stream each (LinKernels::group_streams).
+// Groups a decode pass (up to kGroupStreamRows rows of x, one pass over the weights) of the AVX2
+// kernels reads in lockstep, one read stream each (LinKernels::group_streams).
 constexpr int kGroupStreams = 4;
+constexpr int kGroupStreamRows = 3;
 
 // Q8_0 activations, `k` values per row: q [M][k], d, s (sum of q), ds = d * s [M][k/32]; s16 (sums
 // per 16 values, [M][k/16]) only for q6_k, whose scales change every 16 values.
@@ -122,8 +123,8 @@ struct LinKernels {
   StoreRows store;
   ToBF16 to_bf16;
   LinGemmF32 gemm_f32;  // null where the path has none (AVX-512: AVX2 serves f32 there)
-  // the gemms read kGroupStreams groups in lockstep at up to 3 rows of x (a strided view's groups are
-  // then kGroupStreams long streams: linear_calls.cpp)
+  // the gemms read kGroupStreams groups in lockstep at up to kGroupStreamRows rows of x (a strided
+  // view's groups are then kGroupStreams long streams: linear_calls.cpp)
   bool group_streams = false;
 };
 extern const LinKernels kLinPortable;
@@ -170,7 +171,7 @@ class QuantLinear {
   void tile(const LinearInput& in, int rb0, int rb1, int t0, int nt, float* c, int ldc) const;
   // Groups (of kGroupRowblocks rowblocks) g0, g0 + step, ..., `count` of them: group i's rows into
   // c[t * ldc + 16 kGroupRowblocks i + j]; the rows of the last group past out_features are zeros.
-  // Only where reads_group_streams() and nt <= 3.
+  // Only where reads_group_streams() and nt <= kGroupStreamRows.
   void tile_groups(const LinearInput& in, int g0, int step, int count, int t0, int nt, float* c, int ldc) const;
   // whether a decode pass should give this operator's tiles as strided groups (tile_groups)
   bool reads_group_streams() const { return lin_quantised(fmt_) && lin_->group_streams; }

@@ -166,7 +166,7 @@ def test_decode_batches_match_the_prefill_of_the_same_tokens(gguf_files, qtype):
     for row, ids in zip(rows, seqs):
         runner.forward(runner.build_batch([RequestSlice(row, 0, ids[:-3])]))
     got: list[list[torch.Tensor]] = [[] for _ in seqs]
-    for step, batch in enumerate(([0], [0, 1], [0, 1, 2])):  # 1, 2 and 3 rows; every request ends 3 tokens on
+    for batch in ([0], [0, 1], [0, 1, 2]):  # 1, 2 and 3 rows; every request ends 3 tokens on
         decode = []
         for i in batch:
             pos = len(seqs[i]) - 3 + len(got[i])

@@ -127,18 +127,15 @@ def test_sdk_parse_with_a_pydantic_model(client):
 def test_json_object_regex_choice_and_grammar(client, server):
     # At OpenAI's defaults (temperature 1, top_p 1; not the model's) a sampled object may still be open
     # at max_tokens, and which seed closes one moves with the last bits of the logits (a bf16 cache's
-    # summation order did it once): every object that closes must parse, and one of a few seeds must close
-    closed = 0
+    # summation order did it once): the first of a few seeds whose object closes must give one that parses
     for seed in range(1, 6):
         r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Some JSON please."}],
                                            response_format={"type": "json_object"}, max_tokens=300, seed=seed,
                                            temperature=1.0, top_p=1.0)
-        assert r.choices[0].finish_reason in ("stop", "length")
         if r.choices[0].finish_reason == "stop":
-            assert isinstance(json.loads(r.choices[0].message.content), dict)
-            closed += 1
             break
-    assert closed == 1
+        assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
     rx = r"[A-Z][a-z]{2,8} (is|was) [0-9]{1,3}"
     r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, seed=2,
                                        extra_body={"structured_outputs": {"regex": rx}})
