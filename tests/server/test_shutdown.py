@@ -74,9 +74,11 @@ def start_requests(srv: ServerProcess, max_tokens: int) -> tuple[list[threading.
     for e in events:
         assert e.wait(120), f"a stream did not start: {out}\n{srv.log()}"
     deadline = time.monotonic() + 30
-    while srv.metric("mlaserve_num_requests_running") < STREAMS + 1 and time.monotonic() < deadline:
+    running = srv.metric("mlaserve_num_requests_running")
+    while running < STREAMS + 1 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert srv.metric("mlaserve_num_requests_running") == STREAMS + 1, srv.log()
+        running = srv.metric("mlaserve_num_requests_running")
+    assert running == STREAMS + 1, (running, srv.log())  # the value the loop saw: a second read could race
     return threads, out
 
 
@@ -134,8 +136,9 @@ def seconds_per_token(srv: ServerProcess, requests: int, tokens: int = 64) -> fl
 
 
 # SIGTERM: the requests run well past uvicorn's own graceful wait, so a drain that relied on it (or that
-# did not wait at all) cuts them; SIGINT takes the same path and only needs a short run.
-@pytest.mark.parametrize(("sig", "drain_s"), [(signal.SIGTERM, 2 * UVICORN_GRACE_S), (signal.SIGINT, 0)],
+# did not wait at all) cuts them; SIGINT takes the same path and only needs a short run, but one still
+# sized on this machine: a fixed token count can end before the last request has started on a fast CPU.
+@pytest.mark.parametrize(("sig", "drain_s"), [(signal.SIGTERM, 2 * UVICORN_GRACE_S), (signal.SIGINT, 3.0)],
                          ids=["SIGTERM", "SIGINT"])
 def test_group_signal_lets_running_requests_finish_then_exits_0(model_dir, tmp_path, sig, drain_s):
     context = 8192
@@ -143,11 +146,9 @@ def test_group_signal_lets_running_requests_finish_then_exits_0(model_dir, tmp_p
                         "--max-running-requests", "8", log=tmp_path / "log", new_session=True).wait_ready()
     children = srv.children()  # the engine process and the resource tracker
     try:
-        max_tokens = 400
-        if drain_s:
-            # the second, warm measurement: the first pays start-up costs that would make the run too short
-            seconds_per_token(srv, STREAMS + 1)
-            max_tokens = min(context - 64, max(max_tokens, int(drain_s / seconds_per_token(srv, STREAMS + 1, 128))))
+        # the second, warm measurement: the first pays start-up costs that would make the run too short
+        seconds_per_token(srv, STREAMS + 1)
+        max_tokens = min(context - 64, max(400, int(drain_s / seconds_per_token(srv, STREAMS + 1, 128))))
         threads, out = start_requests(srv, max_tokens)
         signalled = time.monotonic()
         os.killpg(srv.proc.pid, sig)  # the server, the engine process, everything in the group
@@ -159,7 +160,7 @@ def test_group_signal_lets_running_requests_finish_then_exits_0(model_dir, tmp_p
             assert f"error{i}" not in out and out[f"status{i}"] == 200, (out.get(f"error{i}"), srv.log())
             assert lines[-1] == "[DONE]", lines[-3:]
             assert finish_reason(lines) == "length" and completion_tokens(lines) == max_tokens, lines[-3:]
-        if drain_s:  # the drain waited for the streams, not for a fixed few seconds
+        if drain_s > UVICORN_GRACE_S:  # the drain waited for the streams, not for a fixed few seconds
             assert max(out[f"last{i}"] for i in range(STREAMS)) - signalled > UVICORN_GRACE_S + 1, max_tokens
         assert out["plain"].status_code == 200, out.get("plain_error") or out["plain"].text
         assert out["plain"].json()["usage"]["completion_tokens"] == max_tokens
