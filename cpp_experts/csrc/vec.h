@@ -11,22 +11,44 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #define CPX_INLINE inline __attribute__((always_inline))
 #define CPX_AVX2_FMA __attribute__((target("avx2,fma,f16c")))
+// The same eight-lane code with AVX-512VL: 32 vector registers instead of 16, so the attention's
+// register tiles (dots4's 3 x 4 accumulators, pv_chunks' 3 x 2 plus broadcasts) stop spilling, and
+// masked moves for the selects. Lane arithmetic is the AVX2 build's (the vectors stay 8 wide, and GCC
+// contracts the same multiply-adds), so both builds give the same bits.
+#define CPX_AVX512VL __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512dq,avx512bw,prefer-vector-width=256")))
 
-// ret name(params): the AVX2 + FMA build of name##_impl(args) where the CPU allows, else the baseline one.
-#define CPX_DISPATCH(ret, name, params, args)                                   \
-  CPX_AVX2_FMA ret name##_avx2 params { return name##_impl args; }            \
-  ret name##_base params { return name##_impl args; }                         \
-  ret name params { return ::cpx::vec::has_avx2_fma() ? name##_avx2 args : name##_base args; }
+// ret name(params): the AVX-512VL or AVX2 + FMA build of name##_impl(args) where the CPU allows, else
+// the baseline one.
+#define CPX_DISPATCH(ret, name, params, args)                                             \
+  CPX_AVX512VL ret name##_avx512 params { return name##_impl args; }                    \
+  CPX_AVX2_FMA ret name##_avx2 params { return name##_impl args; }                      \
+  ret name##_base params { return name##_impl args; }                                   \
+  ret name params {                                                                     \
+    return ::cpx::vec::has_avx512vl() ? name##_avx512 args                              \
+           : ::cpx::vec::has_avx2_fma() ? name##_avx2 args : name##_base args;           \
+  }
 
 namespace cpx {
 namespace vec {
 
 inline bool has_avx2_fma() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+// MLASERVE_CPP_EXPERTS_KERNEL=avx2 (read once, at a process's first dispatch) takes the AVX2 build here
+// too, as it does for the linear kernels: a test compares the two builds' bits in two processes.
+inline bool has_avx512vl() {
+  static const bool yes = [] {
+    const char* forced = std::getenv("MLASERVE_CPP_EXPERTS_KERNEL");
+    return has_avx2_fma() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
+           !(forced && std::strcmp(forced, "avx2") == 0);
+  }();
   return yes;
 }
 
