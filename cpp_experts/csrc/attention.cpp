@@ -50,22 +50,68 @@ struct Layout {
   int64_t k_head_off, v_head_off;  // offset of one KV head within a slot (GQA: D, Dv); 0 for MLA
   bool mla;
   bool paired;  // bf16 rows read in the paired order (paired_at), no fp32 tiles: GQA, D == Dv of 64 or 128
+  int lanes = vec::lanes();  // the kernels' vector width W (the paired order's half period)
 };
 
-// The paired order of a bf16 row: each 16 values d0..d0+15 as two 8-lane vectors, the even values
-// then the odd ones (vec::load_bf16_lanes: one instruction per 8 values widened, read from the cache
+// The kernels' vectors of W lanes: 8 (AVX2 and baseline builds) or 16 (AVX-512: half the multiply-adds
+// and loads a key; one decode token of SmolLM2's shape over 1536 keys of a bf16 cache, 2-core Zen 5 VM:
+// see attention_gqa's caller in the README). A query's result depends on W (its sums run in W lanes),
+// never on the batch or the blocking.
+template <int W>
+struct Lanes;
+template <>
+struct Lanes<8> {
+  using V = vec::v8f;
+  static CPX_INLINE V load(const float* p) { return vec::load(p); }
+  static CPX_INLINE V bf16(const uint16_t* p, bool odd) { return vec::load_bf16_lanes(p, odd); }
+  static CPX_INLINE V splat(float x) { return vec::splat(x); }
+  static CPX_INLINE void store(float* p, V v) { vec::store(p, v); }
+  static CPX_INLINE float hsum(V v) { return vec::hsum(v); }
+  static CPX_INLINE void hsum4(V a, V b, V c, V d, float* out) { vec::hsum4(a, b, c, d, out); }
+  // src[0..15] into the paired order (paired_at): the even values, then the odd ones
+  static CPX_INLINE void pair(const float* src, float* dst) {
+    const V a = load(src), b = load(src + 8);
+    store(dst, __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14));
+    store(dst + 8, __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15));
+  }
+};
+template <>
+struct Lanes<16> {
+  using V = vec::v16f;
+  static CPX_INLINE V load(const float* p) { return vec::load16(p); }
+  static CPX_INLINE V bf16(const uint16_t* p, bool odd) { return vec::load_bf16_lanes16(p, odd); }
+  static CPX_INLINE V splat(float x) { return vec::splat16(x); }
+  static CPX_INLINE void store(float* p, V v) { vec::store16(p, v); }
+  static CPX_INLINE float hsum(V v) { return vec::hsum(vec::fold(v)); }
+  static CPX_INLINE void hsum4(V a, V b, V c, V d, float* out) {
+    vec::hsum4(vec::fold(a), vec::fold(b), vec::fold(c), vec::fold(d), out);
+  }
+  static CPX_INLINE void pair(const float* src, float* dst) {
+    const V a = load(src), b = load(src + 16);
+    store(dst, __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30));
+    store(dst + 16, __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
+  }
+};
+
+// The paired order of a bf16 row: each 2W values d0..d0+2W-1 as two W-lane vectors, the even values
+// then the odd ones (vec::load_bf16_lanes: one instruction per W values widened, read from the cache
 // itself, instead of widening the tile into fp32 rows and reading those). A query is permuted into
 // this order once per task, a dot product then pairs the same elements as in natural order (summed
 // in another order: a function of the position in the row alone, so the same for every key and
 // blocking), and the accumulated values are in it until write_out puts them back. On a 2-core Zen 3 VM
-// (one decode token of SmolLM2's shape over 1536 keys, interleaved runs) a layer went from ~125-140 to
-// ~105 us with the cache in L3, from ~258 to ~236 from DRAM.
-CPX_INLINE int paired_at(int d) { return (d & ~15) + ((d & 1) << 3) + ((d & 15) >> 1); }
+// (one decode token of SmolLM2's shape over 1536 keys, interleaved runs, W = 8) a layer went from
+// ~125-140 to ~105 us with the cache in L3, from ~258 to ~236 from DRAM.
+template <int W>
+CPX_INLINE int paired_at(int d) {
+  return (d & ~(2 * W - 1)) + (d & 1) * W + ((d & (2 * W - 1)) >> 1);
+}
 
-// A row's 8 values from d (a multiple of 8) as the kernels read them: fp32 rows in order; bf16 rows
-// (the paired layout only) the even or odd lanes of the 16 values from d & ~15.
-CPX_INLINE vec::v8f ld(const float* p, int d) { return vec::load(p + d); }
-CPX_INLINE vec::v8f ld(const uint16_t* p, int d) { return vec::load_bf16_lanes(p + (d & ~15), d & 8); }
+// A row's W values from d (a multiple of W) as the kernels read them: fp32 rows in order; bf16 rows
+// (the paired layout only) the even or odd lanes of the 2W values from d & ~(2W - 1).
+template <int W>
+CPX_INLINE typename Lanes<W>::V ld(const float* p, int d) { return Lanes<W>::load(p + d); }
+template <int W>
+CPX_INLINE typename Lanes<W>::V ld(const uint16_t* p, int d) { return Lanes<W>::bf16(p + (d & ~(2 * W - 1)), d & W); }
 
 struct Task {
   int group, block;  // a key block of the group (key_blocks)
@@ -80,51 +126,53 @@ CPX_INLINE const KT* kv_ptr(const void* base, int64_t stride, int64_t slot, int6
 // query chunk is loaded once for all of them. Per (query, key) the arithmetic is always the same
 // (8-lane partial sums along the head dim, then hsum): the result does not depend on the blocking.
 constexpr int kQB = 4;
-template <int QB, class RT>
+template <int QB, int W, class RT>
 CPX_INLINE void dots2(const float* const* q, const RT* k0, const RT* k1, int n, float* s, int ls) {
-  using namespace vec;
-  v8f a0[QB], a1[QB];
-  for (int i = 0; i < QB; ++i) a0[i] = a1[i] = splat(0.0f);
+  using Ln = Lanes<W>;
+  using V = typename Ln::V;
+  V a0[QB], a1[QB];
+  for (int i = 0; i < QB; ++i) a0[i] = a1[i] = Ln::splat(0.0f);
   int d = 0;
-  for (; d + 8 <= n; d += 8) {
-    const v8f x0 = ld(k0, d), x1 = ld(k1, d);
+  for (; d + W <= n; d += W) {
+    const V x0 = ld<W>(k0, d), x1 = ld<W>(k1, d);
     for (int i = 0; i < QB; ++i) {
-      const v8f qv = load(q[i] + d);
+      const V qv = Ln::load(q[i] + d);
       a0[i] += qv * x0;
       a1[i] += qv * x1;
     }
   }
   for (int i = 0; i < QB; ++i) {
-    s[i * ls] = hsum(a0[i]);
-    s[i * ls + 1] = hsum(a1[i]);
-    for (int e = d; e < n; ++e) {  // fp32 rows only: a paired row's length is a multiple of 16
-      s[i * ls] += q[i][e] * scalar(k0[e]);
-      s[i * ls + 1] += q[i][e] * scalar(k1[e]);
+    s[i * ls] = Ln::hsum(a0[i]);
+    s[i * ls + 1] = Ln::hsum(a1[i]);
+    for (int e = d; e < n; ++e) {  // fp32 rows only: a paired row's length is a multiple of 2W
+      s[i * ls] += q[i][e] * vec::scalar(k0[e]);
+      s[i * ls + 1] += q[i][e] * vec::scalar(k1[e]);
     }
   }
 }
 
 // The same scores for keys j .. j + 3 (up to three queries: 4 x 3 accumulators fit the registers), their
 // sums reduced four at a time by hsum4, which gives hsum's bits: dots2 and dots4 agree exactly.
-template <int QB, class RT>
+template <int QB, int W, class RT>
 CPX_INLINE void dots4(const float* const* q, const RT* const* k, int n, float* s, int ls) {
-  using namespace vec;
-  v8f a[QB][4];
+  using Ln = Lanes<W>;
+  using V = typename Ln::V;
+  V a[QB][4];
   for (int i = 0; i < QB; ++i)
-    for (int j = 0; j < 4; ++j) a[i][j] = splat(0.0f);
+    for (int j = 0; j < 4; ++j) a[i][j] = Ln::splat(0.0f);
   int d = 0;
-  for (; d + 8 <= n; d += 8) {
-    v8f qv[QB];
-    for (int i = 0; i < QB; ++i) qv[i] = load(q[i] + d);
+  for (; d + W <= n; d += W) {
+    V qv[QB];
+    for (int i = 0; i < QB; ++i) qv[i] = Ln::load(q[i] + d);
     for (int j = 0; j < 4; ++j) {
-      const v8f x = ld(k[j], d);
+      const V x = ld<W>(k[j], d);
       for (int i = 0; i < QB; ++i) a[i][j] += qv[i] * x;
     }
   }
   for (int i = 0; i < QB; ++i) {
-    hsum4(a[i][0], a[i][1], a[i][2], a[i][3], s + i * ls);
+    Ln::hsum4(a[i][0], a[i][1], a[i][2], a[i][3], s + i * ls);
     for (int e = d; e < n; ++e)
-      for (int j = 0; j < 4; ++j) s[i * ls + j] += q[i][e] * scalar(k[j][e]);
+      for (int j = 0; j < 4; ++j) s[i * ls + j] += q[i][e] * vec::scalar(k[j][e]);
   }
 }
 
@@ -132,35 +180,37 @@ CPX_INLINE void dots4(const float* const* q, const RT* const* k, int n, float* s
 // time (C x QB accumulators in registers, each probability broadcast once per C chunks), then single
 // chunks, then single values; per query and value the arithmetic is the same whatever the blocking
 // (acc * corr, then p[j] v[j] added in key order).
-template <int QB, int C, class RT>
+template <int QB, int C, int W, class RT>
 CPX_INLINE void pv_chunks(float* const* acc, const float* corr, const float* p, int lp, const RT* const* v, int nv,
                           int d) {
-  using namespace vec;
-  v8f a[QB][C];
+  using Ln = Lanes<W>;
+  using V = typename Ln::V;
+  V a[QB][C];
   for (int i = 0; i < QB; ++i)
-    for (int c = 0; c < C; ++c) a[i][c] = load(acc[i] + d + 8 * c) * splat(corr[i]);
+    for (int c = 0; c < C; ++c) a[i][c] = Ln::load(acc[i] + d + W * c) * Ln::splat(corr[i]);
   for (int j = 0; j < nv; ++j) {
-    v8f pj[QB];
-    for (int i = 0; i < QB; ++i) pj[i] = splat(p[i * lp + j]);
+    V pj[QB];
+    for (int i = 0; i < QB; ++i) pj[i] = Ln::splat(p[i * lp + j]);
     for (int c = 0; c < C; ++c) {
-      const v8f x = ld(v[j], d + 8 * c);
+      const V x = ld<W>(v[j], d + W * c);
       for (int i = 0; i < QB; ++i) a[i][c] += pj[i] * x;
     }
   }
   for (int i = 0; i < QB; ++i)
-    for (int c = 0; c < C; ++c) store(acc[i] + d + 8 * c, a[i][c]);
+    for (int c = 0; c < C; ++c) Ln::store(acc[i] + d + W * c, a[i][c]);
 }
 
-template <int QB, class RT>
+template <int QB, int W, class RT>
 CPX_INLINE void pv_block(float* const* acc, const float* corr, const float* p, int lp, const RT* const* v, int nv,
                          int n) {
-  // QB x C accumulators, QB broadcasts, a value chunk (and a bf16 mask) within the 16 registers: at
-  // QB = 3 and C = 4 GCC kept four accumulators on the stack (a store and a load each per key; 2-core
-  // Zen 3 VM, bf16 cache at 1536 keys: ~12% of the attention's instructions)
-  constexpr int C = QB <= 2 ? 4 : 2;
+  // QB x C accumulators, QB broadcasts, a value chunk (and a bf16 mask) within the registers: with 16
+  // (W = 8), at QB = 3 and C = 4 GCC kept four accumulators on the stack (a store and a load each per
+  // key; 2-core Zen 3 VM, bf16 cache at 1536 keys: ~12% of the attention's instructions); AVX-512's
+  // 32 hold 4 x 4 and more
+  constexpr int C = W == 16 || QB <= 2 ? 4 : 2;
   int d = 0;
-  for (; d + 8 * C <= n; d += 8 * C) pv_chunks<QB, C>(acc, corr, p, lp, v, nv, d);
-  for (; d + 8 <= n; d += 8) pv_chunks<QB, 1>(acc, corr, p, lp, v, nv, d);
+  for (; d + W * C <= n; d += W * C) pv_chunks<QB, C, W>(acc, corr, p, lp, v, nv, d);
+  for (; d + W <= n; d += W) pv_chunks<QB, 1, W>(acc, corr, p, lp, v, nv, d);
   for (; d < n; ++d)  // fp32 rows only (as in dots2)
     for (int i = 0; i < QB; ++i) {
       float a = acc[i][d] * corr[i];
@@ -171,22 +221,22 @@ CPX_INLINE void pv_block(float* const* acc, const float* corr, const float* p, i
 
 // One block of QB heads of one token over a key tile: scores, the online-softmax update of each
 // query's (m, l), then the values.
-template <int QB, class RT>
+template <int QB, int W, class RT>
 CPX_INLINE void tile_block(const float* const* qv, float* const* sq, const RT* const* krow, const RT* const* vrow,
                            int nv, int D, int Dv, float scale, float* scores) {
   constexpr int ls = kKeyTile;
-  if constexpr (QB == 3) {  // as 2 + 1 heads: dots4<3>'s 12 accumulators, 3 queries and a key take all 16
+  if constexpr (QB == 3 && W == 8) {  // as 2 + 1 heads: dots4<3>'s 12 accumulators, 3 queries and a key take all 16
     // ymm, and GCC kept one accumulator on the stack (a store-to-load chain per step, where 14% of the
     // attention's samples sat at a 1.5K context on a 2-core Zen 3 VM; the split alone measured within
     // the noise, -5% cold); the rows come from L1 again
     for (int j = 0; j < nv; j += 4) {
-      dots4<2>(qv, krow + j, D, scores + j, ls);
-      dots4<1>(qv + 2, krow + j, D, scores + 2 * ls + j, ls);
+      dots4<2, W>(qv, krow + j, D, scores + j, ls);
+      dots4<1, W>(qv + 2, krow + j, D, scores + 2 * ls + j, ls);
     }
-  } else if constexpr (QB <= 2) {
-    for (int j = 0; j < nv; j += 4) dots4<QB>(qv, krow + j, D, scores + j, ls);
+  } else if constexpr (QB <= 2 || W == 16) {  // AVX-512's 32 registers hold 4 x 4 accumulators
+    for (int j = 0; j < nv; j += 4) dots4<QB, W>(qv, krow + j, D, scores + j, ls);
   } else {
-    for (int j = 0; j < nv; j += 2) dots2<QB>(qv, krow[j], krow[j + 1], D, scores + j, ls);
+    for (int j = 0; j < nv; j += 2) dots2<QB, W>(qv, krow[j], krow[j + 1], D, scores + j, ls);
   }
   float corr[QB];
   float* acc[QB];
@@ -231,7 +281,7 @@ CPX_INLINE void tile_block(const float* const* qv, float* const* sq, const RT* c
     sq[i][0] = mx;
     sq[i][1] = sq[i][1] * corr[i] + sum;
   }
-  if (any) pv_block<QB>(acc, corr, scores, ls, vrow, nv, Dv);
+  if (any) pv_block<QB, W>(acc, corr, scores, ls, vrow, nv, Dv);
 }
 
 // The rows of one key tile as fp32: the cache's rows themselves, or (bf16) widened into `buf`.
@@ -257,7 +307,7 @@ CPX_INLINE void prefetch_row(const void* p, int bytes) {
 // One task, for a KV element type KT. st: per-query state m, l then acc[Dv] (stride 2 + Dv);
 // buf: room for a key tile and a value tile in fp32 (bf16 caches). DN: the head dim (keys and values)
 // where it is a compile-time constant (run_block), 0 where it is L.D / L.Dv at run time.
-template <class KT, int DN>
+template <class KT, int DN, int W>
 CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, int k0, int k1,
                          float scale, const float* q, float* st, float* scores, float* buf) {
   const int D = DN ? DN : L.D, Dv = DN ? DN : L.Dv;
@@ -283,7 +333,7 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
       for (int hi = 0; hi < g.nh; ++hi) {
         const float* src = q + (g.t0 + ti) * L.q_tok + (g.h0 + hi) * L.q_head;
         float* dst = buf + size_t(ti * g.nh + hi) * D;
-        for (int d = 0; d < D; ++d) dst[paired_at(d)] = src[d];
+        for (int d = 0; d < D; d += 2 * W) Lanes<W>::pair(src + d, dst + d);  // dst[paired_at<W>(d)] = src[d]
       }
   }
   const KT* ksrc[kKeyTile];
@@ -337,10 +387,10 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
             sq[i] = st + size_t(ti * g.nh + h0 + i) * sw;
           }
           switch (qb) {
-            case 4: tile_block<4>(qv, sq, krow, vrow, nv, D, Dv, scale, scores); break;
-            case 3: tile_block<3>(qv, sq, krow, vrow, nv, D, Dv, scale, scores); break;
-            case 2: tile_block<2>(qv, sq, krow, vrow, nv, D, Dv, scale, scores); break;
-            default: tile_block<1>(qv, sq, krow, vrow, nv, D, Dv, scale, scores); break;
+            case 4: tile_block<4, W>(qv, sq, krow, vrow, nv, D, Dv, scale, scores); break;
+            case 3: tile_block<3, W>(qv, sq, krow, vrow, nv, D, Dv, scale, scores); break;
+            case 2: tile_block<2, W>(qv, sq, krow, vrow, nv, D, Dv, scale, scores); break;
+            default: tile_block<1, W>(qv, sq, krow, vrow, nv, D, Dv, scale, scores); break;
           }
         }
       }
@@ -356,8 +406,10 @@ CPX_INLINE void write_out(const Layout& L, const Group& g, const float* st, floa
       const float* sq = st + size_t(ti * g.nh + hi) * sw;
       float* o = out + (g.t0 + ti) * L.o_tok + (g.h0 + hi) * L.o_head;
       const float inv = sq[1] > 0.0f ? 1.0f / sq[1] : 0.0f;
-      if (L.paired)
-        for (int d = 0; d < L.Dv; ++d) o[d] = sq[2 + paired_at(d)] * inv;
+      if (L.paired && L.lanes == 16)
+        for (int d = 0; d < L.Dv; ++d) o[d] = sq[2 + paired_at<16>(d)] * inv;
+      else if (L.paired)
+        for (int d = 0; d < L.Dv; ++d) o[d] = sq[2 + paired_at<8>(d)] * inv;
       else
         for (int d = 0; d < L.Dv; ++d) o[d] = sq[2 + d] * inv;
     }
@@ -411,40 +463,42 @@ inline Blocks key_blocks(int64_t keys) {
 
 // Block b of the group's keys into st. (A function, not a lambda: a lambda would not take the
 // target attributes of the dispatched variant it is called from, and would run the baseline code.)
+template <int W>
 CPX_INLINE void run_block(const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, const Blocks& B,
                           int b, float scale, const float* q, float* st, float* scores, float* buf) {
   const int k0 = int(std::min<int64_t>(g.keys, b * B.size)), k1 = int(std::min<int64_t>(g.keys, (b + 1) * B.size));
   const int dn = fixed_head_dim(L);
   if (kv.type == KvType::BF16) {
-    if (dn == 64) run_task<uint16_t, 64>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
-    else if (dn == 128) run_task<uint16_t, 128>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
-    else run_task<uint16_t, 0>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
+    if (dn == 64) run_task<uint16_t, 64, W>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
+    else if (dn == 128) run_task<uint16_t, 128, W>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
+    else run_task<uint16_t, 0, W>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
   } else {
-    if (dn == 64) run_task<float, 64>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
-    else if (dn == 128) run_task<float, 128>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
-    else run_task<float, 0>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
+    if (dn == 64) run_task<float, 64, W>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
+    else if (dn == 128) run_task<float, 128, W>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
+    else run_task<float, 0, W>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
   }
 }
 
 // One task: block `block` of the group into st, or (block < 0) every block in turn merged into st
 // (blk: room for one block's states) and out = acc / l.
+template <int W>
 CPX_INLINE void task_entry_impl(const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, int block,
                                 float scale, const float* q, float* st, float* blk, float* scores, float* buf,
                                 float* out) {
   const Blocks B = key_blocks(g.keys);
   if (block >= 0) {
-    run_block(kv, tok, L, g, B, block, scale, q, st, scores, buf);
+    run_block<W>(kv, tok, L, g, B, block, scale, q, st, scores, buf);
     return;
   }
-  run_block(kv, tok, L, g, B, 0, scale, q, st, scores, buf);
+  run_block<W>(kv, tok, L, g, B, 0, scale, q, st, scores, buf);
   for (int b = 1; b < B.n; ++b) {
-    run_block(kv, tok, L, g, B, b, scale, q, blk, scores, buf);
+    run_block<W>(kv, tok, L, g, B, b, scale, q, blk, scores, buf);
     merge_state(g.nt * g.nh, L.Dv, st, blk);
   }
   write_out(L, g, st, out);
 }
 
-CPX_DISPATCH(void, task_entry,
+CPX_DISPATCH_LANES(void, task_entry,
              (const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, int block, float scale,
               const float* q, float* st, float* blk, float* scores, float* buf, float* out),
              (kv, tok, L, g, block, scale, q, st, blk, scores, buf, out))

@@ -8,6 +8,7 @@
 #include <cstdlib>
 
 #include "attention.h"
+#include "vec.h"
 #include "cpu.h"
 #include "model.h"
 #include "host_task.h"
@@ -119,6 +120,7 @@ py::dict info() {
   kernels.push_back("portable");
   d["kernels"] = kernels;
   d["default_threads"] = cpx::default_threads();
+  d["attention_lanes"] = cpx::vec::lanes();  // the attention kernels' vector width (16: the AVX-512 build)
   return d;
 }
 

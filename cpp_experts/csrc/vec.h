@@ -16,10 +16,10 @@
 
 #define CPX_INLINE inline __attribute__((always_inline))
 #define CPX_AVX2_FMA __attribute__((target("avx2,fma,f16c")))
-// The same eight-lane code with AVX-512VL: 32 vector registers instead of 16, so the attention's
-// register tiles (dots4's 3 x 4 accumulators, pv_chunks' 3 x 2 plus broadcasts) stop spilling, and
-// masked moves for the selects. Lane arithmetic is the AVX2 build's (the vectors stay 8 wide, and GCC
-// contracts the same multiply-adds), so both builds give the same bits.
+// The same eight-lane code with AVX-512VL: 32 vector registers instead of 16 (no spilled register
+// tiles) and masked moves for the selects. Lane arithmetic is the AVX2 build's (the vectors stay 8
+// wide, and GCC contracts the same multiply-adds), so both builds give the same bits; code templated
+// on its width (CPX_DISPATCH_LANES, below) runs sixteen-lane vectors in this build instead.
 #define CPX_AVX512VL __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512dq,avx512bw,prefer-vector-width=256")))
 
 // ret name(params): the AVX-512VL or AVX2 + FMA build of name##_impl(args) where the CPU allows, else
@@ -28,6 +28,17 @@
   CPX_AVX512VL ret name##_avx512 params { return name##_impl args; }                    \
   CPX_AVX2_FMA ret name##_avx2 params { return name##_impl args; }                      \
   ret name##_base params { return name##_impl args; }                                   \
+  ret name params {                                                                     \
+    return ::cpx::vec::has_avx512vl() ? name##_avx512 args                              \
+           : ::cpx::vec::has_avx2_fma() ? name##_avx2 args : name##_base args;           \
+  }
+
+// The same, for code templated on its vector width W (attention): the AVX-512VL build runs name##_impl<16>
+// (sixteen-lane vectors, zmm), the others name##_impl<8>. vec::lanes() says which width this CPU runs.
+#define CPX_DISPATCH_LANES(ret, name, params, args)                                       \
+  CPX_AVX512VL ret name##_avx512 params { return name##_impl<16> args; }                \
+  CPX_AVX2_FMA ret name##_avx2 params { return name##_impl<8> args; }                   \
+  ret name##_base params { return name##_impl<8> args; }                                \
   ret name params {                                                                     \
     return ::cpx::vec::has_avx512vl() ? name##_avx512 args                              \
            : ::cpx::vec::has_avx2_fma() ? name##_avx2 args : name##_base args;           \
@@ -51,6 +62,8 @@ inline bool has_avx512vl() {
   }();
   return yes;
 }
+// the vector width CPX_DISPATCH_LANES runs on this CPU
+inline int lanes() { return has_avx512vl() ? 16 : 8; }
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -106,6 +119,34 @@ CPX_INLINE float hmax(v8f v) {
   float m = v[0];
   for (int i = 1; i < 8; ++i) m = v[i] > m ? v[i] : m;
   return m;
+}
+
+// Sixteen-lane vectors, for the AVX-512 build of width-templated code only (CPX_DISPATCH_LANES).
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+CPX_INLINE v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+CPX_INLINE void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
+// load_bf16_lanes on 32 bf16 values p[0..31]: p[2i] (odd false) or p[2i + 1] (odd true) into lane i.
+CPX_INLINE v16f load_bf16_lanes16(const uint16_t* p, bool odd) {
+  v16u u;
+  std::memcpy(&u, p, sizeof u);
+  return (v16f)(odd ? (u & 0xFFFF0000u) : (u << 16));
+}
+// From splat's eight lanes: GCC 12 builds a sixteen-lane shuffle of a four-lane vector through the
+// stack (a narrow store, then a wide load that cannot be forwarded: the attention's hottest
+// instructions), this one as two broadcasts.
+CPX_INLINE v16f splat16(float x) {
+  const v8f s = splat(x);
+  return __builtin_shufflevector(s, s, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+}
+// lanes i + 8 onto lanes i: a sixteen-lane sum's first step, then hsum / hsum4 finish it
+CPX_INLINE v8f fold(v16f v) {
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 
 // expf on 8 lanes.
