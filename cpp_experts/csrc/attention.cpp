@@ -246,8 +246,14 @@ CPX_INLINE void tile_block(const float* const* qv, float* const* sq, const RT* c
     using namespace vec;
     float* sc = scores + i * ls;
     float mx = sq[i][0];
+    // a whole tile (all but a block's last): max and sum across lanes, no scalar chains; in two 8-lane
+    // vectors or (W = 16) one, with the same bits (exp lane by lane, hsum(fold(s)) = hsum(s0 + s1))
     v8f s0, s1;
-    if (nv == kKeyTile) {  // a whole tile (all but a block's last): max and sum across lanes, no scalar chains
+    v16f s16;
+    if (nv == kKeyTile && W == 16) {
+      s16 = load16(sc) * splat16(scale);
+      mx = std::max(mx, hmax16(s16));
+    } else if (nv == kKeyTile) {
       s0 = load(sc) * splat(scale);
       s1 = load(sc + 8) * splat(scale);
       mx = std::max(mx, hmax(s0 > s1 ? s0 : s1));
@@ -267,7 +273,11 @@ CPX_INLINE void tile_block(const float* const* qv, float* const* sq, const RT* c
     // exp(0) is 1 exactly: an unchanged max (most tiles after the first few) skips the exp
     corr[i] = sq[i][0] == mx ? 1.0f : sq[i][0] == -INFINITY ? 0.0f : exp1(sq[i][0] - mx);
     float sum = 0.0f;
-    if (nv == kKeyTile) {
+    if (nv == kKeyTile && W == 16) {
+      const v16f e = exp16(s16 - splat16(mx));
+      store16(sc, e);
+      sum = hsum(fold(e));
+    } else if (nv == kKeyTile) {
       const v8f e0 = exp8(s0 - splat(mx)), e1 = exp8(s1 - splat(mx));
       store(sc, e0);
       store(sc + 8, e1);

@@ -124,6 +124,7 @@ CPX_INLINE float hmax(v8f v) {
 // Sixteen-lane vectors, for the AVX-512 build of width-templated code only (CPX_DISPATCH_LANES).
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
 CPX_INLINE v16f load16(const float* p) {
   v16f v;
   std::memcpy(&v, p, sizeof v);
@@ -149,26 +150,42 @@ CPX_INLINE v8f fold(v16f v) {
          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 
-// expf on 8 lanes.
-CPX_INLINE v8f exp8(v8f x) {
-  const v8f hi = splat(88.72283905206835f), lo = splat(-87.33654475055310f);
-  const v8i over = x > hi, under = x < lo;
+// expf lane by lane, on 8 (V = v8f, I = v8i) or 16 lanes (the same bits in every lane).
+template <class V>
+CPX_INLINE V splat_as(float x);
+template <>
+CPX_INLINE v8f splat_as<v8f>(float x) { return splat(x); }
+template <>
+CPX_INLINE v16f splat_as<v16f>(float x) { return splat16(x); }
+template <class V, class I>
+CPX_INLINE V expv(V x) {
+  const V hi = splat_as<V>(88.72283905206835f), lo = splat_as<V>(-87.33654475055310f);
+  const I over = x > hi, under = x < lo;
   x = x > hi ? hi : x;
   x = x < lo ? lo : x;
-  const v8f fx = x * splat(1.44269504088896341f);
-  v8f n = __builtin_convertvector(__builtin_convertvector(fx + (fx >= 0 ? splat(0.5f) : splat(-0.5f)), v8i), v8f);
-  const v8f r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
-  v8f p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  p = p * r * r + r + splat(1.0f);
-  const v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
-  v8f y = p * (v8f)e;
-  y = over ? splat(INFINITY) : y;
-  return under ? splat(0.0f) : y;
+  const V fx = x * splat_as<V>(1.44269504088896341f);
+  V n = __builtin_convertvector(__builtin_convertvector(fx + (fx >= 0 ? splat_as<V>(0.5f) : splat_as<V>(-0.5f)), I), V);
+  const V r = x - n * splat_as<V>(0.693359375f) - n * splat_as<V>(-2.12194440e-4f);
+  V p = splat_as<V>(1.9875691500e-4f);
+  p = p * r + splat_as<V>(1.3981999507e-3f);
+  p = p * r + splat_as<V>(8.3334519073e-3f);
+  p = p * r + splat_as<V>(4.1665795894e-2f);
+  p = p * r + splat_as<V>(1.6666665459e-1f);
+  p = p * r + splat_as<V>(5.0000001201e-1f);
+  p = p * r * r + r + splat_as<V>(1.0f);
+  const I e = (__builtin_convertvector(n, I) + 127) << 23;
+  V y = p * (V)e;
+  y = over ? splat_as<V>(INFINITY) : y;
+  return under ? splat_as<V>(0.0f) : y;
+}
+CPX_INLINE v8f exp8(v8f x) { return expv<v8f, v8i>(x); }
+CPX_INLINE v16f exp16(v16f x) { return expv<v16f, v16i>(x); }
+
+// the largest lane (max is exact: any order of comparisons gives it)
+CPX_INLINE float hmax16(v16f v) {
+  const v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const v8f b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  return hmax(a > b ? a : b);
 }
 
 // x / (1 + exp(-x)) on 8 lanes.
