@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -125,3 +126,21 @@ class ServerProcess:
         except ProcessLookupError:  # nothing left in the group
             pass
         self.proc.wait()
+
+
+def seconds_per_token(srv: ServerProcess, requests: int, tokens: int = 64, **fields: object) -> float:
+    """Wall time per decode step with `requests` completions decoding together, measured on this machine
+    (so that a test can ask for work that lasts a given time, on a slow CPU as on a fast one). `fields`:
+    more of the request's JSON (a served model name, say)."""
+    def one() -> None:
+        r = httpx.post(srv.url + "/v1/completions", timeout=120, json={
+            "prompt": "warm up", "max_tokens": tokens, "ignore_eos": True, "temperature": 0, **fields})
+        assert r.status_code == 200, r.text
+
+    threads = [threading.Thread(target=one) for _ in range(requests)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return (time.monotonic() - t0) / tokens

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from models.synthetic import write_checkpoint
-from tests.server.server_process import ServerProcess, all_gone, alive
+from tests.server.server_process import ServerProcess, all_gone, alive, seconds_per_token
 
 COMMON = ("--served-model-name", "m", "--dtype", "float32", "--cpu-kernels", "torch", "--max-total-tokens", "512",
           "--max-running-requests", "4")
@@ -177,11 +177,14 @@ def two_streams(server: ServerProcess, max_tokens: int) -> tuple[list[threading.
 
 
 def test_a_killed_replica_fails_its_requests_health_503_and_the_other_serves(model_dir, tmp_path) -> None:
-    server = serve(model_dir, tmp_path / "kill.log", "--dp", "2")
+    # room for streams sized on this machine: a fixed 480 tokens ran out before the kill on a fast CPU
+    server = serve(model_dir, tmp_path / "kill.log", "--dp", "2", "--max-total-tokens", "8192")
     try:
         engines = engine_pids(server)
         assert len(engines) == 2
-        threads, out = two_streams(server, 480)
+        seconds_per_token(server, 1, model="m")  # the first measurement pays start-up costs
+        tokens = min(8000, max(480, int(3.0 / seconds_per_token(server, 1, 128, model="m"))))
+        threads, out = two_streams(server, tokens)
         os.kill(engines[0], signal.SIGKILL)
         t0 = time.monotonic()
         with httpx.Client(base_url=server.url, timeout=30) as c:

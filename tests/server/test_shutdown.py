@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from models.synthetic import write_checkpoint
-from tests.server.server_process import ServerProcess, all_gone
+from tests.server.server_process import ServerProcess, all_gone, seconds_per_token
 
 STREAMS = 6
 # uvicorn's own graceful wait (`timeout_graceful_shutdown` in server.launch): a drain that only relied on
@@ -116,23 +116,6 @@ def late_request_is_refused(srv: ServerProcess) -> None:
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == "shutting_down", err
     assert late.headers.get("retry-after")
     assert httpx.get(srv.url + "/health", timeout=10).status_code == 503
-
-
-def seconds_per_token(srv: ServerProcess, requests: int, tokens: int = 64) -> float:
-    """Wall time per decode step with `requests` completions decoding together, measured on this machine
-    (so that a test can ask for work that lasts a given time, on a slow CPU as on a fast one)."""
-    def one(_: int) -> None:
-        r = httpx.post(srv.url + "/v1/completions", timeout=120, json={
-            "prompt": "warm up", "max_tokens": tokens, "ignore_eos": True, "temperature": 0})
-        assert r.status_code == 200, r.text
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(requests)]
-    t0 = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return (time.monotonic() - t0) / tokens
 
 
 # SIGTERM: the requests run well past uvicorn's own graceful wait, so a drain that relied on it (or that
