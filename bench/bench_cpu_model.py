@@ -158,6 +158,9 @@ def main() -> None:
     # Zen 5 VM), so each run's fraction of the floor is taken against stream reads right before and
     # right after it, and the reported fraction is the median of those paired fractions
     paired: dict[str, list[float]] = {k: [] for k in contenders}
+    # the bytes a token reads: each of ours its own weights, the peer the same file's (as ours_native)
+    weight_bytes = {k: (c if k.startswith("ours") else contenders["ours_native"]).weight_bytes
+                    for k, c in contenders.items()}
     for rnd in range(args.rounds):
         sum_bw.append(read_bandwidth(256 << 20, threads=args.threads))
         before = stream.sample()
@@ -165,18 +168,16 @@ def main() -> None:
         for name, c in contenders.items():
             samples[name].append(c.run())
             after = stream.sample()
-            nbytes = c.weight_bytes if name.startswith("ours") else contenders["ours_native"].weight_bytes
-            paired[name].append(nbytes / samples[name][-1][1] / ((before + after) / 2))
+            paired[name].append(weight_bytes[name] / samples[name][-1][1] / ((before + after) / 2))
             before = after
         print(f"round {rnd + 1}: " + ", ".join(f"{k} {1 / v[-1][1]:.1f} tok/s" for k, v in samples.items()), flush=True)
     pool.close()
 
     sbw, tbw = statistics.median(stream_bw), statistics.median(sum_bw)
-    ours = contenders["ours_native"]
     results: dict[str, Any] = {}
     for name, s in samples.items():
         r = summarize(s, args.prompt_len)
-        nbytes = contenders[name].weight_bytes if name.startswith("ours") else ours.weight_bytes
+        nbytes = weight_bytes[name]
         r["weight_bytes_per_token"] = nbytes
         r["kv_dtype"] = str(contenders[name].kv_dtype).replace("torch.", "") if name.startswith("ours") else "f16"
         r["floor_tok_s_stream_read"] = sbw / nbytes

@@ -68,7 +68,7 @@ struct Lanes<8> {
   static CPX_INLINE void store(float* p, V v) { vec::store(p, v); }
   static CPX_INLINE float hsum(V v) { return vec::hsum(v); }
   static CPX_INLINE void hsum4(V a, V b, V c, V d, float* out) { vec::hsum4(a, b, c, d, out); }
-  // src[0..15] into the paired order (paired_at): the even values, then the odd ones
+  // src[0..2W-1] into the paired order (paired_at): the even values, then the odd ones
   static CPX_INLINE void pair(const float* src, float* dst) {
     const V a = load(src), b = load(src + 8);
     store(dst, __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14));
@@ -101,10 +101,7 @@ struct Lanes<16> {
 // blocking), and the accumulated values are in it until write_out puts them back. On a 2-core Zen 3 VM
 // (one decode token of SmolLM2's shape over 1536 keys, interleaved runs, W = 8) a layer went from
 // ~125-140 to ~105 us with the cache in L3, from ~258 to ~236 from DRAM.
-template <int W>
-CPX_INLINE int paired_at(int d) {
-  return (d & ~(2 * W - 1)) + (d & 1) * W + ((d & (2 * W - 1)) >> 1);
-}
+CPX_INLINE int paired_at(int d, int W) { return (d & ~(2 * W - 1)) + (d & 1) * W + ((d & (2 * W - 1)) >> 1); }
 
 // A row's W values from d (a multiple of W) as the kernels read them: fp32 rows in order; bf16 rows
 // (the paired layout only) the even or odd lanes of the 2W values from d & ~(2W - 1).
@@ -124,7 +121,7 @@ CPX_INLINE const KT* kv_ptr(const void* base, int64_t stride, int64_t slot, int6
 
 // Scores of kQB queries (one token's heads) against keys j and j + 1 at once: each key row and each
 // query chunk is loaded once for all of them. Per (query, key) the arithmetic is always the same
-// (8-lane partial sums along the head dim, then hsum): the result does not depend on the blocking.
+// (W-lane partial sums along the head dim, then hsum): the result does not depend on the blocking.
 constexpr int kQB = 4;
 template <int QB, int W, class RT>
 CPX_INLINE void dots2(const float* const* q, const RT* k0, const RT* k1, int n, float* s, int ls) {
@@ -151,7 +148,7 @@ CPX_INLINE void dots2(const float* const* q, const RT* k0, const RT* k1, int n, 
   }
 }
 
-// The same scores for keys j .. j + 3 (up to three queries: 4 x 3 accumulators fit the registers), their
+// The same scores for keys j .. j + 3 (up to three queries with 16 registers, four with AVX-512's 32), their
 // sums reduced four at a time by hsum4, which gives hsum's bits: dots2 and dots4 agree exactly.
 template <int QB, int W, class RT>
 CPX_INLINE void dots4(const float* const* q, const RT* const* k, int n, float* s, int ls) {
@@ -343,7 +340,7 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
       for (int hi = 0; hi < g.nh; ++hi) {
         const float* src = q + (g.t0 + ti) * L.q_tok + (g.h0 + hi) * L.q_head;
         float* dst = buf + size_t(ti * g.nh + hi) * D;
-        for (int d = 0; d < D; d += 2 * W) Lanes<W>::pair(src + d, dst + d);  // dst[paired_at<W>(d)] = src[d]
+        for (int d = 0; d < D; d += 2 * W) Lanes<W>::pair(src + d, dst + d);  // dst[paired_at(d, W)] = src[d]
       }
   }
   const KT* ksrc[kKeyTile];
@@ -416,12 +413,7 @@ CPX_INLINE void write_out(const Layout& L, const Group& g, const float* st, floa
       const float* sq = st + size_t(ti * g.nh + hi) * sw;
       float* o = out + (g.t0 + ti) * L.o_tok + (g.h0 + hi) * L.o_head;
       const float inv = sq[1] > 0.0f ? 1.0f / sq[1] : 0.0f;
-      if (L.paired && L.lanes == 16)
-        for (int d = 0; d < L.Dv; ++d) o[d] = sq[2 + paired_at<16>(d)] * inv;
-      else if (L.paired)
-        for (int d = 0; d < L.Dv; ++d) o[d] = sq[2 + paired_at<8>(d)] * inv;
-      else
-        for (int d = 0; d < L.Dv; ++d) o[d] = sq[2 + d] * inv;
+      for (int d = 0; d < L.Dv; ++d) o[d] = sq[2 + (L.paired ? paired_at(d, L.lanes) : d)] * inv;
     }
 }
 

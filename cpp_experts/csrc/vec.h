@@ -24,21 +24,16 @@
 
 // ret name(params): the AVX-512VL or AVX2 + FMA build of name##_impl(args) where the CPU allows, else
 // the baseline one.
-#define CPX_DISPATCH(ret, name, params, args)                                             \
-  CPX_AVX512VL ret name##_avx512 params { return name##_impl args; }                    \
-  CPX_AVX2_FMA ret name##_avx2 params { return name##_impl args; }                      \
-  ret name##_base params { return name##_impl args; }                                   \
-  ret name params {                                                                     \
-    return ::cpx::vec::has_avx512vl() ? name##_avx512 args                              \
-           : ::cpx::vec::has_avx2_fma() ? name##_avx2 args : name##_base args;           \
-  }
-
+#define CPX_DISPATCH(ret, name, params, args) CPX_DISPATCH_BUILDS(ret, name, params, args, name##_impl, name##_impl)
 // The same, for code templated on its vector width W (attention): the AVX-512VL build runs name##_impl<16>
 // (sixteen-lane vectors, zmm), the others name##_impl<8>. vec::lanes() says which width this CPU runs.
-#define CPX_DISPATCH_LANES(ret, name, params, args)                                       \
-  CPX_AVX512VL ret name##_avx512 params { return name##_impl<16> args; }                \
-  CPX_AVX2_FMA ret name##_avx2 params { return name##_impl<8> args; }                   \
-  ret name##_base params { return name##_impl<8> args; }                                \
+#define CPX_DISPATCH_LANES(ret, name, params, args) \
+  CPX_DISPATCH_BUILDS(ret, name, params, args, name##_impl<16>, name##_impl<8>)
+// The three builds, `wide` (AVX-512VL) and `narrow` (AVX2 + FMA, baseline) the bodies they call.
+#define CPX_DISPATCH_BUILDS(ret, name, params, args, wide, narrow)                        \
+  CPX_AVX512VL ret name##_avx512 params { return wide args; }                           \
+  CPX_AVX2_FMA ret name##_avx2 params { return narrow args; }                           \
+  ret name##_base params { return narrow args; }                                        \
   ret name params {                                                                     \
     return ::cpx::vec::has_avx512vl() ? name##_avx512 args                              \
            : ::cpx::vec::has_avx2_fma() ? name##_avx2 args : name##_base args;           \
@@ -52,7 +47,7 @@ inline bool has_avx2_fma() {
   return yes;
 }
 // MLASERVE_CPP_EXPERTS_KERNEL=avx2 (read once, at a process's first dispatch) takes the AVX2 build here
-// too, as it does for the linear kernels: a test compares the two builds' bits in two processes.
+// too, as it does for the linear kernels: a test runs both builds, one per process.
 inline bool has_avx512vl() {
   static const bool yes = [] {
     const char* forced = std::getenv("MLASERVE_CPP_EXPERTS_KERNEL");
