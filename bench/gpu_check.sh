@@ -63,7 +63,7 @@ if [[ -d .gpu_extra ]]; then mkdir -p /tmp/site && cp -r .gpu_extra/. /tmp/site/
 
 # The native extension (routed experts on the CPU, host nodes, the CPU kernels), built in the background;
 # the steps that import it wait for it first (a failed import would stay failed in that process).
-(s=$(date +%s); python3 setup.py -q build_ext --inplace -j 16 > /tmp/build.log 2>&1
+(s=$(date +%s); nice -n 10 python3 setup.py -q build_ext --inplace -j 16 > /tmp/build.log 2>&1
  echo "== build: rc=$? in $(( $(date +%s) - s ))s" >> /tmp/build.log) &
 BUILD=$!
 BUILT=

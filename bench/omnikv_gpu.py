@@ -218,7 +218,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds per mode (default 3; smoke 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", type=int, default=None, metavar="CONTEXT",
-                    help="also profile eager decode steps' kernels at this context (graphs off)")
+                    help="also profile eager decode steps' kernels at this context (an eager runner without the "
+                    "bank: the timed one when `--graphs` has off, else one made for it)")
     args = ap.parse_args()
     smoke = args.smoke
     device = bench_device(smoke)
@@ -239,9 +240,24 @@ def main() -> int:
                               "plan_roles": list(omni.plan(layers).roles), "checks": [], "runs": []}
     ok = True
     out = args.out or str(RESULTS / f"omnikv_gpu_{device_slug(device)}.json")
+    def profile_eager() -> None:
+        """The profile on an eager runner without the bank, when none of those is timed."""
+        runner = ModelRunner(model, cfg_model, max_total_tokens=2 * per_request, max_running_requests=2,
+                             max_context_len=per_request, device=device, attention_backend="triton",
+                             disable_cuda_graph=True, omnikv=omni)
+        try:
+            result["profile"] = profile_context(runner, args.profile, cfg_model.vocab_size, args.seed)
+            write_result(out, result)
+        finally:
+            runner.close()
+            del runner
+            release_memory()
+
     for graphs, bank in [(g == "on", b == "on") for b in args.bank for g in args.graphs]:
         if graphs and device.type != "cuda":
             continue
+        if bank and args.profile and "off" not in args.graphs and "profile" not in result:
+            profile_eager()  # before the bank's runners, so that a run cut short still has it
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         runner = ModelRunner(model, cfg_model, max_total_tokens=2 * per_request, max_running_requests=2,
                              max_context_len=per_request, device=device, attention_backend="triton",
@@ -271,6 +287,8 @@ def main() -> int:
             runner.close()
             del runner
             release_memory()
+    if args.profile and "profile" not in result:
+        profile_eager()
     print_table(result["runs"], [("context", "context", "d"), ("graphs", "graphs", ""), ("bank", "bank", ""),
                                  ("full_ms", "full ms", ".2f"), ("omnikv_ms", "OmniKV ms", ".2f"), ("speedup", "x", ".2f")])
     write_result(out, result)

@@ -104,13 +104,16 @@ def _stats_split_kernel(
     end = tl.minimum(start + split_len, seen)
     if start < end:
         row = tl.load(ROWS + b).to(tl.int64)
-        qa, qb = _load_q(Q, b, w, heads, mask_h, stride_qb, stride_qw, stride_qh, DA, DB, BLOCK_DA, BLOCK_DB)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         for start_n in range(start, end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             slots = tl.load(TABLE + row * stride_t + offs_n, mask=mask_n, other=0).to(tl.int64)
+            # the queries are loaded where the dot takes them, as `_importance_kernel` does: held across
+            # the loop (a 16 x 576 fp32 operand of an FMA dot), this kernel ran ~15x slower per key
+            # block than that one on an H100 (a third of an OmniKV decode step at 32K)
+            qa, qb = _load_q(Q, b, w, heads, mask_h, stride_qb, stride_qw, stride_qh, DA, DB, BLOCK_DA, BLOCK_DB)
             s = _scores(qa, qb, K, slots, mask_n, kv_head, stride_ks, stride_kh, DA, DB, BLOCK_DA, BLOCK_DB)
             s = tl.where(mask_n[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -126,7 +129,7 @@ def _stats_combine_kernel(
     QPOS, CTX, PART_M, PART_L, M, L,
     stride_pb, stride_pw, stride_mb, stride_mw, stride_mh, stride_ms, stride_ob, stride_ow,
     max_splits, H,
-    W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
+    W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     bw = tl.program_id(0)
     hblock = tl.program_id(1)
@@ -142,15 +145,21 @@ def _stats_combine_kernel(
     if seen > 0:
         split_len = _split_len(seen, max_splits, BLOCK_N, MIN_SPLIT)
         n_used = tl.cdiv(seen, split_len)
+        # BLOCK_S splits at a time (a plan can have hundreds: one a loop step would be a chain of loads)
+        offs_s = tl.arange(0, BLOCK_S)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        for s0 in range(0, n_used, BLOCK_S):
+            mask = (s0 + offs_s[:, None] < n_used) & mask_h[None, :]
+            ptr = b * stride_mb + w * stride_mw + heads[None, :] * stride_mh + (s0 + offs_s[:, None]) * stride_ms
+            m = tl.maximum(m, tl.max(tl.load(PART_M + ptr, mask=mask, other=float("-inf")), 0))
+        m = tl.where(mask_h, m, 0.0)
         l = tl.zeros([BLOCK_H], tl.float32)
-        for s in range(0, n_used):
-            ptr = b * stride_mb + w * stride_mw + heads * stride_mh + s * stride_ms
-            m_s = tl.load(PART_M + ptr, mask=mask_h, other=0.0)
-            l_s = tl.load(PART_L + ptr, mask=mask_h, other=1.0)
-            m_new = tl.maximum(m, m_s)
-            l = l * tl.exp(m - m_new) + l_s * tl.exp(m_s - m_new)
-            m = m_new
+        for s0 in range(0, n_used, BLOCK_S):
+            mask = (s0 + offs_s[:, None] < n_used) & mask_h[None, :]
+            ptr = b * stride_mb + w * stride_mw + heads[None, :] * stride_mh + (s0 + offs_s[:, None]) * stride_ms
+            m_s = tl.load(PART_M + ptr, mask=mask, other=0.0)
+            l_s = tl.load(PART_L + ptr, mask=mask, other=0.0)
+            l += tl.sum(tl.where(mask, l_s * tl.exp(m_s - m[None, :]), 0.0), 0)
     tl.store(M + b * stride_ob + w * stride_ow + heads, m, mask=mask_h)
     tl.store(L + b * stride_ob + w * stride_ow + heads, l, mask=mask_h)
 
@@ -214,6 +223,13 @@ def importance_stats_shape(batch: int, window: int, num_heads: int, max_splits: 
     return (batch, window, num_heads, max_splits)
 
 
+def importance_head_blocks(num_heads: int, num_kv_heads: int, block_h: int = 16) -> int:
+    """Programs per (row, window query, split) of the importance pass: blocks of `block_h` query heads
+    within each KV head's group. A caller plans `max_splits` from it, as decode attention plans its own."""
+    group = num_heads // num_kv_heads
+    return num_kv_heads * triton.cdiv(group, min(block_h, _pow2(group)))
+
+
 def importance(
     q: torch.Tensor,
     q_pos: torch.Tensor,
@@ -261,8 +277,8 @@ def importance(
     part_m, part_l, m, l = workspace
     da, db = _column_blocks(d)
     block_da, block_db = _pow2(da), _pow2(db)
+    blocks_per_kv = importance_head_blocks(num_heads, num_kv_heads, block_h) // num_kv_heads
     block_h = min(block_h, _pow2(group))
-    blocks_per_kv = triton.cdiv(group, block_h)
     if block_n is None:
         block_n = 32 if d > 256 else 64
     _stats_split_kernel[(bsz * window, num_kv_heads * blocks_per_kv, max_splits)](
@@ -282,6 +298,7 @@ def importance(
         q_pos.stride(0), q_pos.stride(1), part_m.stride(0), part_m.stride(1), part_m.stride(2), part_m.stride(3),
         m.stride(0), m.stride(1), max_splits, num_heads,
         W=window, BLOCK_H=combine_h, BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_LEN,
+        BLOCK_S=max(2, min(triton.next_power_of_2(max_splits), 4096 // combine_h)),
     )
     _importance_kernel[(bsz, triton.cdiv(l_max, block_n))](
         q, q_pos, weights, keys, req_to_token, req_rows, ctx_lens, m, l, out,

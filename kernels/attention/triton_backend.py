@@ -50,6 +50,10 @@ from kernels.graph_support import GraphSupport
 
 
 _MAX_SPLITS = 64
+# OmniKV's importance pass at one decode row has one query (window 1) and one head block (MLA): its split
+# count is its whole grid, so it may split further than decode attention (whose splits also cost a
+# partial output each); MIN_SPLIT_LEN still bounds the splits by the context
+_MAX_IMPORTANCE_SPLITS = 1024
 _BLOCK_H = 16
 
 
@@ -130,12 +134,12 @@ class TritonAttentionBackend(AttentionBackend):
             self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
         return self._num_sms
 
-    def max_splits(self, batch_size: int, head_blocks: int, device: torch.device) -> int:
+    def max_splits(self, batch_size: int, head_blocks: int, device: torch.device, cap: int = _MAX_SPLITS) -> int:
         """KV splits per request at most: enough programs for ~4 waves over the SMs, the batch rounded up
         to a power of two so that padded (graph) and unpadded (eager) batches plan alike."""
         rounded = 1 << max(0, batch_size - 1).bit_length()
         want = -(-4 * self._sms(device) // (rounded * head_blocks))
-        return max(1, min(_MAX_SPLITS, want))
+        return max(1, min(cap, want))
 
     @staticmethod
     def _paged_table(req_to_token: torch.Tensor, rows: torch.Tensor, page: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -256,9 +260,11 @@ class TritonAttentionBackend(AttentionBackend):
             from kernels import triton_omnikv
 
             self._omnikv_kernels = triton_omnikv
-        # the importance pass plans its KV splits like decode does, over rows x window queries
+        # the importance pass plans its KV splits like decode does, over rows x window queries and the
+        # head blocks of its grid
         queries = len(sparse.rows) * sparse.window
-        splits = self.max_splits(queries, keys.shape[1], q.device)
+        head_blocks = self._omnikv_kernels.importance_head_blocks(qs.shape[1], keys.shape[1])
+        splits = self.max_splits(queries, head_blocks, q.device, cap=_MAX_IMPORTANCE_SPLITS)
         sparse.observe_batched(layer.layer_id, list(sparse.rows), qs, keys, layer.scaling, self._omnikv_kernels, max_splits=splits)
         # the layers below read this selection: a view kept from an earlier run of the forward (a graph
         # capture's warm-up runs, made without new metadata) would hold that run's table

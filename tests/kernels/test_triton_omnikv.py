@@ -105,6 +105,22 @@ def test_importance_any_split_plan_and_one_query(max_splits: int) -> None:
         assert float(out[b, :n].max()) <= 1.0 + 1e-6
 
 
+def test_importance_many_heads_and_many_splits() -> None:
+    """128 query heads on one latent row (V3-shaped MLA: eight head blocks) and more splits than the
+    combine step merges at once (it reads them in blocks), as a long context on a GPU plans them."""
+    gen = torch.Generator().manual_seed(128)
+    rows = Rows(gen, 6000, 1, 48, torch.bfloat16, rows=2, max_ctx=2400)
+    ctx, req_rows = [2300, 700], [1, 0]
+    q = _rand(gen, len(ctx), 2, 128, 48)
+    q_pos = torch.tensor([[n - 2, n - 1] for n in ctx], device=DEV)
+    weights = torch.tensor([[0.5, 1.0]] * len(ctx), device=DEV)
+    out = triton_omnikv.importance(q, q_pos, weights, rows.keys, rows.req_to_token, torch.tensor(req_rows, device=DEV),
+                                   torch.tensor(ctx, device=DEV), 0.2, 2304, max_splits=40)
+    for b, n in enumerate(ctx):
+        torch.testing.assert_close(out[b, :n], _reference(q, q_pos, weights, rows, req_rows, ctx, 0.2, b),
+                                   atol=1e-6, rtol=1e-5)
+
+
 # ---------------------------------------------------------------- selection
 def _check_selection(imp: torch.Tensor, ctx: list[int], budgets: list[int], sink: int, recent: int,
                      req_to_token: torch.Tensor, req_rows: list[int]) -> None:
