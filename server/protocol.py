@@ -304,6 +304,26 @@ class CompletionRequest(_GenerationRequest):
     echo: StrictBool | None = False
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)  # this API's own limit
     min_tokens: StrictInt | None = 0
+    # OpenAI's legacy fields this server does not implement: refused rather than ignored, since
+    # ignoring either would silently answer a different question
+    suffix: str | None = None
+    best_of: StrictInt | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise _invalid("suffix (fill-in-the-middle insertion) is not supported; put the text in the prompt")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n") or 1
+        if value is not None and value != n:
+            raise _invalid(f"best_of other than n is not supported (best_of={value}, n={n}); "
+                           "ask for n choices and pick by their logprobs")
+        return value
 
     @field_validator("prompt", mode="before")
     @classmethod

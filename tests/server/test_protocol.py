@@ -173,6 +173,12 @@ def test_cross_field_errors_name_the_field() -> None:
     assert _param_of_error(ChatCompletionRequest, {**CHAT, "max_completion_tokens": 5, "max_tokens": 50,
                                                    "min_tokens": 6})[0] == "min_tokens"
     assert _param_of_error(CompletionRequest, {**COMPLETION, "min_tokens": 17})[0] == "min_tokens"  # default 16
+    # legacy completion fields the server does not implement are refused, not ignored
+    param, message = _param_of_error(CompletionRequest, {**COMPLETION, "suffix": "}\n"})
+    assert param == "suffix" and "not supported" in message
+    param, message = _param_of_error(CompletionRequest, {**COMPLETION, "best_of": 3, "n": 2})
+    assert param == "best_of" and "best_of=3, n=2" in message
+    assert CompletionRequest.model_validate({**COMPLETION, "best_of": 2, "n": 2, "suffix": ""}).n == 2
     param, message = _param_of_error(ChatCompletionRequest, {**CHAT, "top_logprobs": 3})
     assert param == "top_logprobs" and "logprobs" in message
     _, message = _param_of_error(ChatCompletionRequest, {**CHAT, "messages": [
