@@ -209,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--needle-lengths", default="1024,2048,4096,8000")
     p.add_argument("--needle-depths", type=int, default=10)
     p.add_argument("--needle-tokens", type=int, default=24, help="answer tokens generated (default 24)")
+    p.add_argument("--needle-seed", type=int, default=7,
+                   help="seeds the passcodes (default 7: the committed results' set)")
     p.add_argument("--out", default=None)
     p.add_argument("--merge", action="store_true", help="keep the other parts' results already in --out")
     a = p.parse_args(argv)
@@ -230,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         result["fidelity"] = {"runs": f, "mean_teacher_forced_agreement":
                               round(statistics.mean(x["teacher_forced_agreement"] for x in f), 4)}
     if "needle" in parts:
-        nd = needle(h, ids, ints(a.needle_lengths), a.needle_depths, a.needle_tokens, seed=7)
-        result["needle"] = {"runs": nd, "same_answer_rate": round(sum(x["same"] for x in nd) / len(nd), 4),
+        nd = needle(h, ids, ints(a.needle_lengths), a.needle_depths, a.needle_tokens, seed=a.needle_seed)
+        result["needle"] = {"seed": a.needle_seed, "runs": nd, "same_answer_rate": round(sum(x["same"] for x in nd) / len(nd), 4),
                             "same_text_rate": round(sum(x["same_text"] for x in nd) / len(nd), 4),
                             "full_correct_rate": round(sum(x["full_correct"] for x in nd) / len(nd), 4),
                             "omnikv_correct_rate": round(sum(x["omnikv_correct"] for x in nd) / len(nd), 4)}
