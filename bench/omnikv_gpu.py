@@ -39,10 +39,12 @@ the other (not interleaved); compare their rows as such.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from model_decode_gpu import RESULTS, V2_LITE_LAYERS, _sync, bench_config, build_model, release_memory  # noqa: E402 (sets TRITON_INTERPRET for --smoke first)
@@ -218,8 +220,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds per mode (default 3; smoke 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", type=int, default=None, metavar="CONTEXT",
-                    help="also profile eager decode steps' kernels at this context (an eager runner without the "
-                    "bank: the timed one when `--graphs` has off, else one made for it)")
+                    help="also profile eager decode steps' kernels at this context (first, on an eager runner "
+                    "without the bank)")
     args = ap.parse_args()
     smoke = args.smoke
     device = bench_device(smoke)
@@ -240,30 +242,29 @@ def main() -> int:
                               "plan_roles": list(omni.plan(layers).roles), "checks": [], "runs": []}
     ok = True
     out = args.out or str(RESULTS / f"omnikv_gpu_{device_slug(device)}.json")
-    def profile_eager() -> None:
-        """The profile on an eager runner without the bank, when none of those is timed."""
-        runner = ModelRunner(model, cfg_model, max_total_tokens=2 * per_request, max_running_requests=2,
-                             max_context_len=per_request, device=device, attention_backend="triton",
-                             disable_cuda_graph=True, omnikv=omni)
-        try:
-            result["profile"] = profile_context(runner, args.profile, cfg_model.vocab_size, args.seed)
-            write_result(out, result)
-        finally:
-            runner.close()
-            del runner
-            release_memory()
-
-    for graphs, bank in [(g == "on", b == "on") for b in args.bank for g in args.graphs]:
-        if graphs and device.type != "cuda":
-            continue
-        if bank and args.profile and "off" not in args.graphs and "profile" not in result:
-            profile_eager()  # before the bank's runners, so that a run cut short still has it
+    @contextlib.contextmanager
+    def opened(graphs: bool, bank: bool) -> Iterator[tuple[ModelRunner, int | None]]:
+        """A runner over the model (and the device memory its pool took), closed and freed after."""
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         runner = ModelRunner(model, cfg_model, max_total_tokens=2 * per_request, max_running_requests=2,
                              max_context_len=per_request, device=device, attention_backend="triton",
                              cuda_graph_max_bs=1, disable_cuda_graph=not graphs, omnikv=omni, omnikv_bank=bank)
         pool_bytes = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else None
         try:
+            yield runner, pool_bytes
+        finally:
+            runner.close()
+            del runner
+            release_memory()
+
+    if args.profile:  # first, so that a run cut short still has it
+        with opened(graphs=False, bank=False) as (runner, _):
+            result["profile"] = profile_context(runner, args.profile, cfg_model.vocab_size, args.seed)
+        write_result(out, result)
+    for graphs, bank in [(g == "on", b == "on") for b in args.bank for g in args.graphs]:
+        if graphs and device.type != "cuda":
+            continue
+        with opened(graphs, bank) as (runner, pool_bytes):
             # each runner: graphed OmniKV decodes are checked as eager ones are
             c = {**check(runner, omni, contexts[0], cfg_model.vocab_size, args.seed), "graphs": graphs, "bank": bank}
             result["checks"].append(c)
@@ -280,15 +281,6 @@ def main() -> int:
                       f"{row['full_ms']:8.2f} ms, OmniKV {row['omnikv_ms']:8.2f} ms, x{row['speedup']:.2f}, "
                       f"KV on the device {row['kv_device_bytes_per_request'] / 2**20:.0f} MiB/request", flush=True)
                 write_result(out, result)  # after every context: a run cut short keeps what it measured
-            if args.profile and not graphs and not bank:
-                result["profile"] = profile_context(runner, args.profile, cfg_model.vocab_size, args.seed)
-                write_result(out, result)
-        finally:
-            runner.close()
-            del runner
-            release_memory()
-    if args.profile and "profile" not in result:
-        profile_eager()
     print_table(result["runs"], [("context", "context", "d"), ("graphs", "graphs", ""), ("bank", "bank", ""),
                                  ("full_ms", "full ms", ".2f"), ("omnikv_ms", "OmniKV ms", ".2f"), ("speedup", "x", ".2f")])
     write_result(out, result)

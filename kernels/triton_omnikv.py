@@ -148,18 +148,16 @@ def _stats_combine_kernel(
         # BLOCK_S splits at a time (a plan can have hundreds: one a loop step would be a chain of loads)
         offs_s = tl.arange(0, BLOCK_S)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        for s0 in range(0, n_used, BLOCK_S):
-            mask = (s0 + offs_s[:, None] < n_used) & mask_h[None, :]
-            ptr = b * stride_mb + w * stride_mw + heads[None, :] * stride_mh + (s0 + offs_s[:, None]) * stride_ms
-            m = tl.maximum(m, tl.max(tl.load(PART_M + ptr, mask=mask, other=float("-inf")), 0))
-        m = tl.where(mask_h, m, 0.0)
         l = tl.zeros([BLOCK_H], tl.float32)
         for s0 in range(0, n_used, BLOCK_S):
             mask = (s0 + offs_s[:, None] < n_used) & mask_h[None, :]
             ptr = b * stride_mb + w * stride_mw + heads[None, :] * stride_mh + (s0 + offs_s[:, None]) * stride_ms
-            m_s = tl.load(PART_M + ptr, mask=mask, other=0.0)
+            m_s = tl.load(PART_M + ptr, mask=mask, other=float("-inf"))
+            m_s = tl.where(mask_h[None, :], m_s, 0.0)  # heads past H: finite, so nothing below is inf - inf
             l_s = tl.load(PART_L + ptr, mask=mask, other=0.0)
-            l += tl.sum(tl.where(mask, l_s * tl.exp(m_s - m[None, :]), 0.0), 0)
+            m_new = tl.maximum(m, tl.max(m_s, 0))
+            l = l * tl.exp(m - m_new) + tl.sum(tl.where(mask, l_s * tl.exp(m_s - m_new[None, :]), 0.0), 0)
+            m = m_new
     tl.store(M + b * stride_ob + w * stride_ow + heads, m, mask=mask_h)
     tl.store(L + b * stride_ob + w * stride_ow + heads, l, mask=mask_h)
 
