@@ -12,9 +12,14 @@ default) with the budget set by `--budget` (default 10% of the context).
   attention's. Also the free-running identical prefix (both generate on their own);
 - needle: a five-digit passcode sentence inserted at 10 depths of a haystack of 1K, 2K, 4K and 8K
   tokens, the question asked through the chat template; does OmniKV give the same answer (the number
-  in its reply) as full attention (and how often each is right; identical wording is reported too).
+  in its reply) as full attention (and how often each is right; identical wording is reported too);
+- divergence: the needle prompts of `--needle-seeds`, each answered greedily by full attention with
+  OmniKV fed the same tokens: per step KL(full || OmniKV) of the next-token distributions, whether the
+  greedy choices differ, and full attention's margin between its first two choices there. The needle
+  part's yes/no answers hinge on near-ties where full attention makes a number up; this measures
+  how far the distributions move, so that configs can be compared on a continuous scale.
 
-    .venv/bin/python bench/omnikv_cpu.py [--parts speed,fidelity,needle] [--out bench/results/x.json]
+    .venv/bin/python bench/omnikv_cpu.py [--parts speed,fidelity,needle,divergence] [--out bench/results/x.json]
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -82,13 +88,16 @@ class Harness:
         r.req_to_token_pool.write(other, 0, r.req_to_token_pool.req_to_token[row, :n])
         return other
 
-    def step(self, rows: list[tuple[int, int, int, bool]]) -> list[int]:
-        """One decode forward: (row, context length, input token, omnikv) each -> greedy next tokens."""
+    def logits(self, rows: list[tuple[int, int, int, bool]]) -> torch.Tensor:
+        """One decode forward: (row, context length, input token, omnikv) each -> fp32 logits [rows, V]."""
         from executor.model_runner import RequestSlice
 
         r = self.runner
-        logits = r.forward(r.build_batch([RequestSlice(row, n, [tok], omnikv=o) for row, n, tok, o in rows]))
-        return [int(x) for x in logits.argmax(-1)]
+        return r.forward(r.build_batch([RequestSlice(row, n, [tok], omnikv=o) for row, n, tok, o in rows])).float()
+
+    def step(self, rows: list[tuple[int, int, int, bool]]) -> list[int]:
+        """One decode forward -> greedy next tokens."""
+        return [int(x) for x in self.logits(rows).argmax(-1)]
 
     def release(self, rows: list[int], shared: int, lengths: list[int]) -> None:
         """Frees the shared prompt slots once and each row's own slots."""
@@ -158,10 +167,11 @@ def answer(text: str) -> str | None:
     return m.group(0) if m else None
 
 
-def needle(h: Harness, ids: list[int], lengths: list[int], depths: int, answer_tokens: int,
-           seed: int) -> list[dict[str, Any]]:
+def needle_prompts(h: Harness, ids: list[int], lengths: list[int], depths: int,
+                   seed: int) -> Iterator[tuple[int, int, list[int]]]:
+    """(depth index, passcode, prompt ids) of every needle prompt: a passcode drawn from `seed` for
+    each (length, depth), the haystack cut from the documentation at a place of its own per depth."""
     rng = random.Random(seed)
-    out = []
     question = "What is the secret passcode mentioned in the text above? Answer with the number only."
     for length in lengths:
         for d in range(depths):
@@ -169,26 +179,61 @@ def needle(h: Harness, ids: list[int], lengths: list[int], depths: int, answer_t
             needle_ids = h.tok.encode(f" The secret passcode is {code}. Remember it. ", add_special_tokens=False)
             hay = ids[d * 997 % 20000 :][: length - len(needle_ids) - 64]
             at = round(d / (depths - 1) * len(hay)) if depths > 1 else 0
-            prompt = user_turn_ids(h.tok, hay[:at] + needle_ids + hay[at:], question)
+            yield d, code, user_turn_ids(h.tok, hay[:at] + needle_ids + hay[at:], question)
+
+
+def needle(h: Harness, ids: list[int], lengths: list[int], depths: int, answer_tokens: int,
+           seed: int) -> list[dict[str, Any]]:
+    out = []
+    for d, code, prompt in needle_prompts(h, ids, lengths, depths, seed):
+        a, tok = h.prefill(prompt)
+        b = h.fork(a, len(prompt))
+        full, sparse = [tok], [tok]
+        n = len(prompt)
+        for i in range(answer_tokens - 1):
+            nxt = h.step([(a, n + i, full[-1], False), (b, n + i, sparse[-1], True)])
+            full.append(nxt[0])
+            sparse.append(nxt[1])
+        h.release([a, b], n, [n + answer_tokens - 1] * 2)
+        stop = set(h.tok.eos_token_ids)
+        cut = lambda t: t[: next((i for i, x in enumerate(t) if x in stop), len(t))]  # noqa: E731
+        full_text, sparse_text = h.tok.decode(cut(full)).strip(), h.tok.decode(cut(sparse)).strip()
+        full_ans, sparse_ans = answer(full_text), answer(sparse_text)
+        out.append({"length": len(prompt), "depth": round(d / max(depths - 1, 1), 3), "code": code,
+                    "full": full_text, "omnikv": sparse_text, "full_answer": full_ans, "omnikv_answer": sparse_ans,
+                    "same": full_ans == sparse_ans, "same_text": full_text == sparse_text,
+                    "full_correct": full_ans == str(code), "omnikv_correct": sparse_ans == str(code)})
+        print(f"needle len {len(prompt):5d} depth {d}: full {full_text!r} omnikv {sparse_text!r}", flush=True)
+    return out
+
+
+def divergence(h: Harness, ids: list[int], lengths: list[int], depths: int, answer_tokens: int,
+               seeds: list[int]) -> dict[str, Any]:
+    """Teacher-forced on full attention's greedy answer: per step KL(full || OmniKV), argmax flips, and
+    full attention's top-2 margin (nats) at each flip."""
+    kls: list[float] = []
+    flips: list[dict[str, Any]] = []
+    for seed in seeds:
+        for d, code, prompt in needle_prompts(h, ids, lengths, depths, seed):
             a, tok = h.prefill(prompt)
             b = h.fork(a, len(prompt))
-            full, sparse = [tok], [tok]
-            n = len(prompt)
+            n, last = len(prompt), tok
             for i in range(answer_tokens - 1):
-                nxt = h.step([(a, n + i, full[-1], False), (b, n + i, sparse[-1], True)])
-                full.append(nxt[0])
-                sparse.append(nxt[1])
+                lg = h.logits([(a, n + i, last, False), (b, n + i, last, True)]).log_softmax(-1)
+                full, sparse = lg[0], lg[1]
+                kls.append(float((full.exp() * (full - sparse)).sum()))
+                top = full.topk(2)
+                if int(sparse.argmax()) != int(top.indices[0]):
+                    flips.append({"seed": seed, "length": len(prompt), "depth": d, "step": i,
+                                  "margin": round(float(top.values[0] - top.values[1]), 4), "kl": round(kls[-1], 5)})
+                last = int(top.indices[0])
             h.release([a, b], n, [n + answer_tokens - 1] * 2)
-            stop = set(h.tok.eos_token_ids)
-            cut = lambda t: t[: next((i for i, x in enumerate(t) if x in stop), len(t))]  # noqa: E731
-            full_text, sparse_text = h.tok.decode(cut(full)).strip(), h.tok.decode(cut(sparse)).strip()
-            full_ans, sparse_ans = answer(full_text), answer(sparse_text)
-            out.append({"length": len(prompt), "depth": round(d / max(depths - 1, 1), 3), "code": code,
-                        "full": full_text, "omnikv": sparse_text, "full_answer": full_ans, "omnikv_answer": sparse_ans,
-                        "same": full_ans == sparse_ans, "same_text": full_text == sparse_text,
-                        "full_correct": full_ans == str(code), "omnikv_correct": sparse_ans == str(code)})
-            print(f"needle len {len(prompt):5d} depth {d}: full {full_text!r} omnikv {sparse_text!r}", flush=True)
-    return out
+        print(f"divergence seed {seed}: {len(kls)} steps, {len(flips)} flips so far", flush=True)
+    q = sorted(kls)
+    pick = lambda f: round(q[min(len(q) - 1, int(f * len(q)))], 5)  # noqa: E731
+    return {"seeds": seeds, "steps": len(kls), "mean_kl": round(statistics.mean(kls), 5), "p50_kl": pick(0.5),
+            "p90_kl": pick(0.9), "p99_kl": pick(0.99), "max_kl": round(q[-1], 4), "flip_rate": round(len(flips) / len(kls), 4),
+            "flips": flips}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--needle-tokens", type=int, default=24, help="answer tokens generated (default 24)")
     p.add_argument("--needle-seed", type=int, default=7,
                    help="seeds the passcodes (default 7: the committed results' set)")
+    p.add_argument("--needle-seeds", default="7,8", help="passcode seeds of the divergence part (default 7,8)")
+    p.add_argument("--divergence-tokens", type=int, default=16,
+                   help="answer steps compared per prompt (default 16: the reply up to its passcode's last digit)")
     p.add_argument("--out", default=None)
     p.add_argument("--merge", action="store_true", help="keep the other parts' results already in --out")
     a = p.parse_args(argv)
@@ -243,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"needle: same answer {result['needle']['same_answer_rate']:.1%} "
               f"({result['needle']['same_answer_rate_where_full_correct']} where full attention is right), full correct "
               f"{result['needle']['full_correct_rate']:.1%}, OmniKV correct {result['needle']['omnikv_correct_rate']:.1%}")
+    if "divergence" in parts:
+        dv = divergence(h, ids, ints(a.needle_lengths), a.needle_depths, a.divergence_tokens + 1, ints(a.needle_seeds))
+        result["divergence"] = dv
+        print(f"divergence: mean KL {dv['mean_kl']}, p99 {dv['p99_kl']}, max {dv['max_kl']}; greedy choice differs "
+              f"in {dv['flip_rate']:.2%} of {dv['steps']} steps (median margin there "
+              f"{statistics.median(x['margin'] for x in dv['flips']) if dv['flips'] else None} nats)")
     out = a.out or f"bench/results/omnikv_cpu_{machine_tag(result['machine'])}.json"
     if a.merge and Path(out).is_file():  # keep the parts not run now (same config only)
         old = json.loads(Path(out).read_text())

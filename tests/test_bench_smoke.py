@@ -717,17 +717,28 @@ def test_structured_engine_steps(structured_bench) -> None:
 
 
 def test_omnikv_cpu_bench_runs_end_to_end(tmp_path, monkeypatch: pytest.MonkeyPatch):
-    """bench/omnikv_cpu.py on the default model at tiny sizes: speed, fidelity and needle parts, OmniKV
-    really sparse (a 10% budget of 300+ tokens), and the result file's shape."""
+    """bench/omnikv_cpu.py on the default model at tiny sizes: speed, fidelity, needle and divergence parts,
+    OmniKV really sparse (a 10% budget of 300+ tokens), and the result file's shape; with a budget
+    that keeps every token the divergence is none."""
     monkeypatch.syspath_prepend(str(BENCH))
     omnikv_cpu = importlib.import_module("omnikv_cpu")
 
     out = tmp_path / "omnikv.json"
     assert omnikv_cpu.main(["--contexts", "320", "--rounds", "2", "--steps", "2", "--fidelity-contexts", "600",
                             "--fidelity-prompts", "1", "--fidelity-tokens", "6", "--needle-lengths", "400",
-                            "--needle-depths", "2", "--out", str(out)]) == 0
+                            "--needle-depths", "2", "--parts", "speed,fidelity,needle,divergence", "--needle-seeds", "7",
+                            "--divergence-tokens", "3", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["config"]["filter_layers"] and res["config"]["budget_ratio"] == 0.1
     assert [r["context"] for r in res["speed"]] == [320] and res["speed"][0]["omnikv_ms"] > 0
     assert 0.0 <= res["fidelity"]["mean_teacher_forced_agreement"] <= 1.0
     assert len(res["needle"]["runs"]) == 2 and {"same", "full", "omnikv"} <= set(res["needle"]["runs"][0])
+    dv = res["divergence"]
+    assert dv["seeds"] == [7] and dv["steps"] == 2 * 3 and 0.0 <= dv["flip_rate"] <= 1.0
+    assert 0.0 <= dv["p50_kl"] <= dv["max_kl"] and all(f["margin"] >= 0.0 for f in dv["flips"])
+
+    whole = tmp_path / "whole.json"  # a budget >= the context: the selection keeps every token
+    assert omnikv_cpu.main(["--parts", "divergence", "--budget", "1.0", "--needle-lengths", "400", "--needle-depths", "2",
+                            "--needle-seeds", "7", "--divergence-tokens", "3", "--out", str(whole)]) == 0
+    dv = json.loads(whole.read_text())["divergence"]
+    assert dv["steps"] == 6 and dv["flips"] == [] and abs(dv["max_kl"]) < 1e-6
