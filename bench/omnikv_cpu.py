@@ -13,7 +13,7 @@ default) with the budget set by `--budget` (default 10% of the context).
 - needle: a five-digit passcode sentence inserted at 10 depths of a haystack of 1K, 2K, 4K and 8K
   tokens, the question asked through the chat template; does OmniKV give the same answer (the number
   in its reply) as full attention (and how often each is right; identical wording is reported too);
-- divergence: the needle prompts of `--needle-seeds`, each answered greedily by full attention with
+- divergence: the needle prompts of each of `--divergence-seeds`, each answered greedily by full attention with
   OmniKV fed the same tokens: per step KL(full || OmniKV) of the next-token distributions, whether the
   greedy choices differ, and full attention's margin between its first two choices there. The needle
   part's yes/no answers hinge on near-ties where full attention makes a number up; this measures
@@ -31,8 +31,8 @@ import re
 import statistics
 import sys
 import time
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -214,7 +214,7 @@ def divergence(h: Harness, ids: list[int], lengths: list[int], depths: int, answ
     kls: list[float] = []
     flips: list[dict[str, Any]] = []
     for seed in seeds:
-        for d, code, prompt in needle_prompts(h, ids, lengths, depths, seed):
+        for d, _code, prompt in needle_prompts(h, ids, lengths, depths, seed):
             a, tok = h.prefill(prompt)
             b = h.fork(a, len(prompt))
             n, last = len(prompt), tok
@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--needle-tokens", type=int, default=24, help="answer tokens generated (default 24)")
     p.add_argument("--needle-seed", type=int, default=7,
                    help="seeds the passcodes (default 7: the committed results' set)")
-    p.add_argument("--needle-seeds", default="7,8", help="passcode seeds of the divergence part (default 7,8)")
+    p.add_argument("--divergence-seeds", default="7,8",
+                   help="passcode seeds of the divergence part, each a set of needle prompts (default 7,8)")
     p.add_argument("--divergence-tokens", type=int, default=16,
                    help="answer steps compared per prompt (default 16: the reply up to its passcode's last digit)")
     p.add_argument("--out", default=None)
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({result['needle']['same_answer_rate_where_full_correct']} where full attention is right), full correct "
               f"{result['needle']['full_correct_rate']:.1%}, OmniKV correct {result['needle']['omnikv_correct_rate']:.1%}")
     if "divergence" in parts:
-        dv = divergence(h, ids, ints(a.needle_lengths), a.needle_depths, a.divergence_tokens + 1, ints(a.needle_seeds))
+        dv = divergence(h, ids, ints(a.needle_lengths), a.needle_depths, a.divergence_tokens + 1, ints(a.divergence_seeds))
         result["divergence"] = dv
         print(f"divergence: mean KL {dv['mean_kl']}, p99 {dv['p99_kl']}, max {dv['max_kl']}; greedy choice differs "
               f"in {dv['flip_rate']:.2%} of {dv['steps']} steps (median margin there "

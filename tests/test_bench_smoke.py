@@ -726,7 +726,7 @@ def test_omnikv_cpu_bench_runs_end_to_end(tmp_path, monkeypatch: pytest.MonkeyPa
     out = tmp_path / "omnikv.json"
     assert omnikv_cpu.main(["--contexts", "320", "--rounds", "2", "--steps", "2", "--fidelity-contexts", "600",
                             "--fidelity-prompts", "1", "--fidelity-tokens", "6", "--needle-lengths", "400",
-                            "--needle-depths", "2", "--parts", "speed,fidelity,needle,divergence", "--needle-seeds", "7",
+                            "--needle-depths", "2", "--parts", "speed,fidelity,needle,divergence", "--divergence-seeds", "7",
                             "--divergence-tokens", "3", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["config"]["filter_layers"] and res["config"]["budget_ratio"] == 0.1
@@ -739,6 +739,6 @@ def test_omnikv_cpu_bench_runs_end_to_end(tmp_path, monkeypatch: pytest.MonkeyPa
 
     whole = tmp_path / "whole.json"  # a budget >= the context: the selection keeps every token
     assert omnikv_cpu.main(["--parts", "divergence", "--budget", "1.0", "--needle-lengths", "400", "--needle-depths", "2",
-                            "--needle-seeds", "7", "--divergence-tokens", "3", "--out", str(whole)]) == 0
+                            "--divergence-seeds", "7", "--divergence-tokens", "3", "--out", str(whole)]) == 0
     dv = json.loads(whole.read_text())["divergence"]
     assert dv["steps"] == 6 and dv["flips"] == [] and abs(dv["max_kl"]) < 1e-6
