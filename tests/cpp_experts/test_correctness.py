@@ -75,18 +75,30 @@ def test_matches_reference(path: str, fmt: str) -> None:
 
 
 @pytest.mark.parametrize("path", path_params())
-def test_paths_agree_with_each_other(path: str) -> None:
-    """A forced path gives the same result as the portable one (same rounding, other order)."""
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_paths_agree_with_each_other(path: str, seed: int) -> None:
+    """A forced path gives the same result as the portable one (same rounding, other order).
+
+    The int8 dot products are exact, but the gate/up sums are accumulated in fp32 in another order,
+    and the SiLU*up activation is re-quantized to Q8_0 before the down projection: a last-bit
+    difference can move one intermediate value across a rounding boundary, which changes that
+    token's whole output row by about one quantization step (over 1,000 inputs: 2.7% of runs have
+    one such row, none has two; worst row 3.5e-3 relative, whole output 6.3e-4). So every row but at
+    most one must agree to fp32 order, and that one within a rounding flip; a wrong kernel is off by
+    O(1) on many rows.
+    """
     if not has_path(path, "q8_0") and not has_path(path, "bf16"):
         pytest.skip(f"no {path} kernel")
     ex = Experts("q8_0", E, H, I, seed=7)
     T, k = 40, 6
-    hidden = torch.randn(T, H)
-    ids, w = routing(T, E, k, "uniform", seed=3)
+    hidden = torch.randn(T, H, generator=torch.Generator().manual_seed(1000 + seed))
+    ids, w = routing(T, E, k, "uniform", seed=3 + seed)
     a = ex.build(k, None, "portable").forward(hidden, ids, w)
     b = ex.build(k, None, path).forward(hidden, ids, w)
-    # the int8 sums are exact: only the fp32 accumulation order differs
-    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    row_close = torch.isclose(a, b, rtol=1e-4, atol=1e-5).all(dim=1)
+    assert (~row_close).sum().item() <= 1, f"{(~row_close).sum().item()} of {T} token rows differ"
+    row_err = (a - b).norm(dim=1) / a.norm(dim=1)
+    assert row_err.max().item() < 1e-2, f"worst row relative error {row_err.max().item():.2e}"
 
 
 def test_env_var_forces_path(monkeypatch: pytest.MonkeyPatch) -> None:
