@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.cpu_common import machine_info, machine_tag, versions, write_json  # noqa: E402
+from bench.cpu_common import machine_info, machine_tag, percentile, versions, write_json  # noqa: E402
 from server.chat_template import user_turn_ids  # noqa: E402
 
 MAX_CTX = 8192
@@ -185,6 +185,8 @@ def needle_prompts(h: Harness, ids: list[int], lengths: list[int], depths: int,
 def needle(h: Harness, ids: list[int], lengths: list[int], depths: int, answer_tokens: int,
            seed: int) -> list[dict[str, Any]]:
     out = []
+    stop = set(h.tok.eos_token_ids)
+    cut = lambda t: t[: next((i for i, x in enumerate(t) if x in stop), len(t))]  # noqa: E731
     for d, code, prompt in needle_prompts(h, ids, lengths, depths, seed):
         a, tok = h.prefill(prompt)
         b = h.fork(a, len(prompt))
@@ -195,8 +197,6 @@ def needle(h: Harness, ids: list[int], lengths: list[int], depths: int, answer_t
             full.append(nxt[0])
             sparse.append(nxt[1])
         h.release([a, b], n, [n + answer_tokens - 1] * 2)
-        stop = set(h.tok.eos_token_ids)
-        cut = lambda t: t[: next((i for i, x in enumerate(t) if x in stop), len(t))]  # noqa: E731
         full_text, sparse_text = h.tok.decode(cut(full)).strip(), h.tok.decode(cut(sparse)).strip()
         full_ans, sparse_ans = answer(full_text), answer(sparse_text)
         out.append({"length": len(prompt), "depth": round(d / max(depths - 1, 1), 3), "code": code,
@@ -207,10 +207,10 @@ def needle(h: Harness, ids: list[int], lengths: list[int], depths: int, answer_t
     return out
 
 
-def divergence(h: Harness, ids: list[int], lengths: list[int], depths: int, answer_tokens: int,
+def divergence(h: Harness, ids: list[int], lengths: list[int], depths: int, steps: int,
                seeds: list[int]) -> dict[str, Any]:
-    """Teacher-forced on full attention's greedy answer: per step KL(full || OmniKV), argmax flips, and
-    full attention's top-2 margin (nats) at each flip."""
+    """Teacher-forced on full attention's greedy answer for `steps` decode steps after the first answer
+    token: per step KL(full || OmniKV), argmax flips, and full attention's top-2 margin (nats) at each flip."""
     kls: list[float] = []
     flips: list[dict[str, Any]] = []
     for seed in seeds:
@@ -218,7 +218,7 @@ def divergence(h: Harness, ids: list[int], lengths: list[int], depths: int, answ
             a, tok = h.prefill(prompt)
             b = h.fork(a, len(prompt))
             n, last = len(prompt), tok
-            for i in range(answer_tokens - 1):
+            for i in range(steps):
                 lg = h.logits([(a, n + i, last, False), (b, n + i, last, True)]).log_softmax(-1)
                 full, sparse = lg[0], lg[1]
                 kls.append(float((full.exp() * (full - sparse)).sum()))
@@ -227,12 +227,11 @@ def divergence(h: Harness, ids: list[int], lengths: list[int], depths: int, answ
                     flips.append({"seed": seed, "length": len(prompt), "depth": d, "step": i,
                                   "margin": round(float(top.values[0] - top.values[1]), 4), "kl": round(kls[-1], 5)})
                 last = int(top.indices[0])
-            h.release([a, b], n, [n + answer_tokens - 1] * 2)
+            h.release([a, b], n, [n + steps] * 2)
         print(f"divergence seed {seed}: {len(kls)} steps, {len(flips)} flips so far", flush=True)
-    q = sorted(kls)
-    pick = lambda f: round(q[min(len(q) - 1, int(f * len(q)))], 5)  # noqa: E731
-    return {"seeds": seeds, "steps": len(kls), "mean_kl": round(statistics.mean(kls), 5), "p50_kl": pick(0.5),
-            "p90_kl": pick(0.9), "p99_kl": pick(0.99), "max_kl": round(q[-1], 4), "flip_rate": round(len(flips) / len(kls), 4),
+    pick = lambda q: round(percentile(kls, q), 5)  # noqa: E731
+    return {"seeds": seeds, "steps": len(kls), "mean_kl": round(statistics.mean(kls), 5), "p50_kl": pick(50),
+            "p90_kl": pick(90), "p99_kl": pick(99), "max_kl": round(max(kls), 4), "flip_rate": round(len(flips) / len(kls), 4),
             "flips": flips}
 
 
@@ -293,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({result['needle']['same_answer_rate_where_full_correct']} where full attention is right), full correct "
               f"{result['needle']['full_correct_rate']:.1%}, OmniKV correct {result['needle']['omnikv_correct_rate']:.1%}")
     if "divergence" in parts:
-        dv = divergence(h, ids, ints(a.needle_lengths), a.needle_depths, a.divergence_tokens + 1, ints(a.divergence_seeds))
+        dv = divergence(h, ids, ints(a.needle_lengths), a.needle_depths, a.divergence_tokens, ints(a.divergence_seeds))
         result["divergence"] = dv
         print(f"divergence: mean KL {dv['mean_kl']}, p99 {dv['p99_kl']}, max {dv['max_kl']}; greedy choice differs "
               f"in {dv['flip_rate']:.2%} of {dv['steps']} steps (median margin there "
