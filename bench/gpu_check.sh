@@ -13,7 +13,8 @@
 #   routing       bench/hybrid_routing_gpu.py: hybrid and all-GPU placements against the fp32 CPU oracle
 #                 position by position, with the router decisions that flipped
 #   omnikv, mla, model   bench/omnikv_gpu.py, bench/mla_decode_gpu.py, bench/model_decode_gpu.py
-#                 (omnikv_gpu.py times runners without and with the context bank by default: --bank off on)
+#                 (by default here: graphed decodes at batch 1 and 8, no bank; omnikv_gpu.py alone also
+#                 times eager decodes and the context bank)
 #   serve         bench/serve_gpu_check.py (the server on the GPU against the same model on the CPU)
 #
 # The Python packages the host lacks travel as wheels in .whl/ (bench/gpu_wheels.sh fetches them; carry
@@ -26,7 +27,7 @@ STEPS=${STEPS:-"gpu-tests native-tests cpu-tests omnikv mla model serve"}
 GPU_TESTS=${GPU_TESTS:-"tests/kernels/test_triton_attention.py tests/kernels/test_triton_omnikv.py tests/kernels/test_fused_moe.py tests/executor/test_sampler.py"}
 NATIVE_TESTS=${NATIVE_TESTS:-"tests/executor/test_cuda_graph_runner.py tests/executor/test_context_bank.py tests/models/test_cpp_expert_backend.py tests/cpp_experts/test_host_task.py"}
 CPU_TESTS=${CPU_TESTS:-"tests/cpp_experts tests/models/test_cpp_expert_backend.py"}
-OMNIKV_ARGS=${OMNIKV_ARGS:-"--contexts 4096 32768 65536 --rounds 2 --profile 32768"}
+OMNIKV_ARGS=${OMNIKV_ARGS:-"--contexts 4096 32768 65536 --batch 1 8 --graphs on --bank off --rounds 2 --profile 32768"}
 MLA_ARGS=${MLA_ARGS:-"--batches 1 8 64 --contexts 4096 32768"}
 MODEL_ARGS=${MODEL_ARGS:-"--hybrid"}
 OMNIKV_MAX=${OMNIKV_MAX:-300}  # seconds at most for the OmniKV benchmark (128K contexts prefill for a while)

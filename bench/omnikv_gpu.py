@@ -4,16 +4,23 @@ with full attention and with OmniKV at contexts 4K to 128K, in one run, through 
 triton attention backend, and the latent cache a request holds on the device.
 
 Each context: one random prompt, prefilled in chunks, short enough that every timed decode step stays
-within the context; a second request row shares its prompt KV (as the prefix cache shares it), so
-full attention and OmniKV decode over the same cache. Rounds of `--steps` decode steps alternate
-between the two (the order flips every round); medians. Both are timed eagerly and, with `--graphs
-on`, through CUDA graphs (OmniKV decodes replay graphs of their own, captured per context bucket at
-the first step: `omnikv_graph_keys`); the graphs-on speedup is the number for a server.
+within the context; a second request row shares its prompt KV (as the prefix cache shares it), so full
+attention and OmniKV decode over the same cache. Rounds of `--steps` decode steps alternate between
+the two (the order flips every round); medians. `--batch B` decodes B such requests in each step: the
+prompt's KV rows are copied to B - 1 more sets of slots (so each request reads memory of its own, as
+distinct requests do, without B prefills) and each copy starts from another token, so their tokens and
+selections part ways. Batches are where OmniKV can pay on a GPU: at batch 1 the step is bound by
+reading the weights, and the KV read that OmniKV cuts grows with the batch. Memory: the largest batch
+times the longest context of KV (about 31 KB a token for the 27-layer model). Full attention and
+OmniKV are timed eagerly and, with `--graphs on`, through CUDA graphs (OmniKV decodes replay graphs of
+their own, captured per context bucket at the first step: `omnikv_graph_keys`); the graphs-on speedup
+is the number for a server.
 
-Correctness, before timing, with graphs and without: decode rows forced through the sparse machinery
-with selections that keep the whole context must give full attention's logits within a relative
-error of 1e-2 (bf16; the sparse kernels read the same rows through their own table, a wrong table or
-length is off by O(1)), and every logit must be finite; the script exits 1 otherwise.
+Correctness, before timing, with graphs and without, at each `--batch` size: decode rows forced
+through the sparse machinery with selections that keep the whole context must give full attention's
+logits within a relative error of 1e-2 (bf16; the sparse kernels read the same rows through their own
+table, a wrong table or length is off by O(1)), every copy of the prompt must give copy 0's logits
+within the same error, and every logit must be finite; the script exits 1 otherwise.
 
 The config: filter layers from `--filter-layers` (default `OmniKVConfig.default_for`, as an
 uncalibrated server would use: random weights have nothing to calibrate), `--budget` of the context
@@ -31,7 +38,7 @@ rows come from the host too, the whole context of them. Bank and no-bank runners
 the other (not interleaved); compare their rows as such.
 
     python bench/omnikv_gpu.py [--contexts 4096 8192 16384 32768 65536 131072] [--budget 0.1]
-        [--graphs on off] [--bank off on] [--steps 16] [--rounds 3] [--profile CONTEXT]
+        [--graphs on off] [--bank off on] [--batch 1 8] [--steps 16] [--rounds 3] [--profile CONTEXT]
         [--out bench/results/omnikv_gpu_<device>.json]
     TRITON_INTERPRET=1 python bench/omnikv_gpu.py --smoke --out /tmp/omnikv.json   # CPU, seconds
 """
@@ -69,104 +76,153 @@ class KeepEverything(OmniKVConfig):
         return True
 
 
-class Pair:
-    """A prompt prefilled once in row `a`; row `b` reads the same prompt slots. Each row then decodes
-    on its own slots; `release` frees everything."""
+class Rows:
+    """A prompt prefilled once and held `copies` times: copy 0 is the prefill's slots, every other copy
+    the same KV rows copied to slots of its own (distinct memory, as distinct requests read, without
+    prefilling each). Each copy has a full-attention row and an OmniKV row reading its prompt slots (as
+    the prefix cache shares them); copy i starts decoding from `first[i]` (the prompt's own next token
+    for copy 0), so the copies' tokens, and their OmniKV selections, part ways. `step` decodes one token
+    for every row of one kind in a single forward (a batch of `copies` rows); `release` frees everything."""
 
-    def __init__(self, runner: ModelRunner, prompt: list[int]) -> None:
+    def __init__(self, runner: ModelRunner, prompt: list[int], copies: int = 1,
+                 first: list[int] | None = None) -> None:
         self.runner = runner
-        pool = runner.req_to_token_pool
-        self.a, self.b = pool.alloc(), pool.alloc()
-        if self.a is None or self.b is None:
-            raise RuntimeError("the runner has no room for two request rows")
-        logits = None
-        for start in range(0, len(prompt), PREFILL_CHUNK):
-            logits = runner.forward(runner.build_batch([RequestSlice(self.a, start, prompt[start : start + PREFILL_CHUNK])]))
-        assert logits is not None
-        pool.write(self.b, 0, pool.req_to_token[self.a, : len(prompt)])
+        pool, alloc = runner.req_to_token_pool, runner.allocator
+        self.rows: list[int] = []
+        self.slots: list[torch.Tensor] = []  # each copy's prompt slots (int64, on the table's device)
+        try:
+            for _ in range(2 * copies):
+                row = pool.alloc()
+                if row is None:
+                    raise RuntimeError(f"the runner has no room for {2 * copies} request rows")
+                self.rows.append(row)
+            self.full, self.omni = self.rows[0::2], self.rows[1::2]
+            logits = None
+            for start in range(0, len(prompt), PREFILL_CHUNK):
+                logits = runner.forward(runner.build_batch(
+                    [RequestSlice(self.full[0], start, prompt[start : start + PREFILL_CHUNK])]))
+            assert logits is not None
+            self.slots.append(pool.req_to_token[self.full[0], : len(prompt)].to(torch.int64))
+            for _ in range(1, copies):
+                loc = alloc.alloc(len(prompt))
+                if loc is None:
+                    raise RuntimeError(f"the KV pool has no room for {copies} copies of a {len(prompt)}-token prompt")
+                loc = loc.to(torch.int64)
+                self.slots.append(loc)
+                kv = runner.kv_pool
+                for layer in range(len(getattr(kv, "kv_buffer", None) or kv.k_buffer)):  # MLA or MHA pool
+                    for buf in kv.layer_buffers(layer):
+                        buf[loc.to(buf.device)] = buf[self.slots[0].to(buf.device)]
+            for i in range(copies):
+                for row in (self.full[i], self.omni[i]):
+                    pool.write(row, 0, self.slots[i])
+        except BaseException:
+            self.release()
+            raise
         self.shared = len(prompt)
-        first = int(logits[-1].argmax())
-        self.n = {self.a: len(prompt), self.b: len(prompt)}
-        self.tok = {self.a: first, self.b: first}
+        own = int(logits[-1].argmax())
+        starts = [own] + list(first or [])[: copies - 1]
+        if len(starts) < copies:
+            raise ValueError(f"{copies} copies need {copies - 1} first tokens beside the prompt's own")
+        self.n = {row: len(prompt) for row in self.rows}
+        self.tok = {row: starts[i // 2] for i, row in enumerate(self.rows)}
 
-    def step(self, row: int, omnikv: bool, token: int | None = None) -> torch.Tensor:
+    def step(self, omnikv: bool, tokens: list[int] | None = None) -> torch.Tensor:
+        """One decode token for every row of one kind (teacher-forced by `tokens`, else greedy); the
+        logits [copies, vocab]."""
         r = self.runner
-        tok = self.tok[row] if token is None else token
-        logits = r.forward(r.build_batch([RequestSlice(row, self.n[row], [tok], omnikv=omnikv)]))
-        self.tok[row] = int(logits[-1].argmax())
-        self.n[row] += 1
+        rows = self.omni if omnikv else self.full
+        toks = [self.tok[row] for row in rows] if tokens is None else tokens
+        logits = r.forward(r.build_batch([RequestSlice(row, self.n[row], [t], omnikv=omnikv)
+                                          for row, t in zip(rows, toks)]))
+        for row, nxt in zip(rows, logits.argmax(-1).tolist()):
+            self.tok[row] = nxt
+            self.n[row] += 1
         return logits
 
     def release(self) -> None:
         r = self.runner
         table = r.req_to_token_pool.req_to_token
-        r.allocator.free(table[self.a, : self.shared].to(torch.int64))
-        for row in (self.a, self.b):
-            r.allocator.free(table[row, self.shared : self.n[row]].to(torch.int64))
+        for loc in self.slots:
+            r.allocator.free(loc)
+        self.slots = []
+        for row in self.rows:
+            if hasattr(self, "n"):
+                r.allocator.free(table[row, self.shared : self.n[row]].to(torch.int64))
             r.req_to_token_pool.free(row)
+        self.rows = []
 
 
-def check(runner: ModelRunner, cfg: OmniKVConfig, context: int, vocab: int, seed: int) -> dict[str, Any]:
-    """OmniKV whose selections keep the whole context against full attention, teacher-forced."""
+def check(runner: ModelRunner, cfg: OmniKVConfig, context: int, vocab: int, seed: int,
+          copies: int = 1) -> dict[str, Any]:
+    """OmniKV whose selections keep the whole context against full attention, teacher-forced, in batches
+    of `copies` requests; and every copy's full-attention logits against copy 0's (the same KV rows
+    and tokens: a wrongly copied prompt, or a batch row reading another's slots, is off by O(1))."""
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(2, vocab, (context,), generator=g).tolist()
     forced = torch.randint(2, vocab, (CHECK_STEPS,), generator=g).tolist()
     runner.set_omnikv(KeepEverything(filter_layers=cfg.filter_layers, budget_tokens=context + CHECK_STEPS))
-    pair = Pair(runner, prompt)
+    rows = Rows(runner, prompt, copies, forced[:1] * (copies - 1))
     before = runner.omnikv_counters.sparse_tokens
     try:
-        full = torch.stack([pair.step(pair.a, False, t)[-1].float().cpu() for t in forced])
-        sparse = torch.stack([pair.step(pair.b, True, t)[-1].float().cpu() for t in forced])
+        full = torch.stack([rows.step(False, [t] * copies).float().cpu() for t in forced])  # [steps, copies, vocab]
+        sparse = torch.stack([rows.step(True, [t] * copies).float().cpu() for t in forced])
     finally:
-        pair.release()
+        rows.release()
         runner.set_omnikv(cfg)
     finite = bool(torch.isfinite(full).all() and torch.isfinite(sparse).all())
     rel = float((sparse - full).norm() / full.norm()) if finite else float("inf")
+    copy_rel = max((float((full[:, i] - full[:, 0]).norm() / full[:, 0].norm()) for i in range(1, copies)),
+                   default=0.0) if finite else float("inf")
     sparse_rows = runner.omnikv_counters.sparse_tokens - before  # the check is void unless the rows went sparse
-    return {"context": context, "finite": finite, "rel_err": rel, "sparse_decodes": sparse_rows,
-            "correct": finite and rel <= CHECK_RTOL and sparse_rows == CHECK_STEPS}
+    return {"context": context, "batch": copies, "finite": finite, "rel_err": rel, "copies_rel_err": copy_rel,
+            "sparse_decodes": sparse_rows,
+            "correct": finite and rel <= CHECK_RTOL and copy_rel <= CHECK_RTOL and sparse_rows == CHECK_STEPS * copies}
 
 
 def time_context(runner: ModelRunner, context: int, args: argparse.Namespace, vocab: int, seed: int,
-                 graphs: bool) -> dict[str, Any]:
+                 graphs: bool, batch: int = 1) -> dict[str, Any]:
+    """Decode steps of `batch` requests at `context`, full attention against OmniKV (one forward per
+    step for the whole batch of each kind)."""
     g = torch.Generator().manual_seed(seed)
     # every decode step stays within `context` tokens (a power of two is also an OmniKV graph's bucket:
     # one token more would time a graph twice as wide)
     prompt_len = context - args.warmup - args.steps * args.rounds - 1
     prompt = torch.randint(2, vocab, (prompt_len,), generator=g).tolist()
-    pair = Pair(runner, prompt)
+    rows = Rows(runner, prompt, batch, torch.randint(2, vocab, (batch - 1,), generator=g).tolist())
     device = runner.device
-    modes = [("full", pair.a, False), ("omnikv", pair.b, True)]
-    times: dict[str, list[float]] = {name: [] for name, _, _ in modes}
+    modes = [("full", False), ("omnikv", True)]
+    times: dict[str, list[float]] = {name: [] for name, _ in modes}
     peak = None
     try:
-        for name, row, sparse in modes:  # warm-up (graph replays, Triton compiles)
+        for _, sparse in modes:  # warm-up (graph replays, Triton compiles)
             for _ in range(args.warmup):
-                pair.step(row, sparse)
+                rows.step(sparse)
         if device.type == "cuda":  # the device memory one OmniKV step adds at its peak (bank rows, workspaces)
             _sync(device)
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-            pair.step(pair.b, True)
+            rows.step(True)
             _sync(device)
             peak = torch.cuda.max_memory_allocated(device) - base
         for rnd in range(args.rounds):
-            for name, row, sparse in (modes if rnd % 2 == 0 else modes[::-1]):
+            for name, sparse in (modes if rnd % 2 == 0 else modes[::-1]):
                 _sync(device)
                 t = time.perf_counter()
                 for _ in range(args.steps):
-                    pair.step(row, sparse)
+                    rows.step(sparse)
                 _sync(device)
                 times[name].append((time.perf_counter() - t) / args.steps)
     finally:
-        pair.release()
+        rows.release()
     full, sparse = statistics.median(times["full"]), statistics.median(times["omnikv"])
     cfg = runner.omnikv
     assert cfg is not None
     pool = runner.kv_pool
-    return {"context": context, "prompt_len": prompt_len, "graphs": graphs, "bank": runner.context_bank is not None,
-            "full_ms": full * 1e3, "omnikv_ms": sparse * 1e3,
-            "speedup": full / sparse, "selected_per_sparse_layer": cfg.budget_for(context) + cfg.sink_tokens
+    return {"context": context, "batch": batch, "prompt_len": prompt_len, "graphs": graphs,
+            "bank": runner.context_bank is not None, "full_ms": full * 1e3, "omnikv_ms": sparse * 1e3,
+            "speedup": full / sparse, "full_tok_s": batch / full, "omnikv_tok_s": batch / sparse,
+            "selected_per_sparse_layer": cfg.budget_for(context) + cfg.sink_tokens
             + cfg.recent_tokens, "kv_bytes_per_request": context * pool.bytes_per_token(),
             "kv_device_bytes_per_request": context * (pool.bytes_per_token() - pool.host_bytes_per_token()),
             "kv_host_bytes_per_request": context * pool.host_bytes_per_token(),
@@ -179,17 +235,17 @@ def profile_context(runner: ModelRunner, context: int, vocab: int, seed: int, st
     from torch.profiler import ProfilerActivity, profile
 
     g = torch.Generator().manual_seed(seed)
-    pair = Pair(runner, torch.randint(2, vocab, (context - 2 * (steps + 2) - 1,), generator=g).tolist())
+    rows = Rows(runner, torch.randint(2, vocab, (context - 2 * (steps + 2) - 1,), generator=g).tolist())
     out: dict[str, Any] = {"context": context}
     try:
-        for name, row, sparse in (("full", pair.a, False), ("omnikv", pair.b, True)):
+        for name, sparse in (("full", False), ("omnikv", True)):
             for _ in range(2):
-                pair.step(row, sparse)
+                rows.step(sparse)
             _sync(runner.device)
             cuda = runner.device.type == "cuda"  # (the smoke run profiles the CPU ops instead)
             with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
                 for _ in range(steps):
-                    pair.step(row, sparse)
+                    rows.step(sparse)
                 _sync(runner.device)
             own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
             events = sorted(prof.key_averages(), key=lambda e: -own(e))
@@ -200,7 +256,7 @@ def profile_context(runner: ModelRunner, context: int, vocab: int, seed: int, st
             for r in rows:
                 print(f"  {r['ms_per_step']:8.3f} ms  x{r['calls_per_step']:5.1f}  {r['kernel']}", flush=True)
     finally:
-        pair.release()
+        rows.release()
     return out
 
 
@@ -218,6 +274,8 @@ def main() -> int:
                     help="runners without and with OmniKV's context bank (default: both)")
     ap.add_argument("--steps", type=int, default=None, help="decode steps per timed round (default 16; smoke 2)")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds per mode (default 3; smoke 1)")
+    ap.add_argument("--batch", type=int, nargs="*", default=[1],
+                    help="decode batch sizes: that many requests of each context decode together (default 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", type=int, default=None, metavar="CONTEXT",
                     help="also profile eager decode steps' kernels at this context (first, on an eager runner "
@@ -236,6 +294,10 @@ def main() -> int:
     fl = tuple(args.filter_layers) if args.filter_layers else OmniKVConfig.default_for(layers).filter_layers
     omni = OmniKVConfig(filter_layers=fl, budget_ratio=args.budget)
     model = build_model(cfg_model, device, dtype, "torch" if smoke else "triton", args.seed)
+    if not args.batch or min(args.batch) < 1:
+        ap.error("--batch takes sizes of 1 or more")
+    batches = sorted(set(args.batch))
+    # slots: the largest batch's copies of the longest prompt, two rows' decode tokens per copy
     per_request = max(contexts) + 2 * (args.steps * args.rounds + 8) + 8
     result: dict[str, Any] = {"bench": "omnikv_gpu", "smoke": smoke, "machine": machine_info(device), "preset": preset,
                               "layers": layers, "dtype": str(dtype), "omnikv": omni.to_dict(),
@@ -246,9 +308,10 @@ def main() -> int:
     def opened(graphs: bool, bank: bool) -> Iterator[tuple[ModelRunner, int | None]]:
         """A runner over the model (and the device memory its pool took), closed and freed after."""
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        runner = ModelRunner(model, cfg_model, max_total_tokens=2 * per_request, max_running_requests=2,
-                             max_context_len=per_request, device=device, attention_backend="triton",
-                             cuda_graph_max_bs=1, disable_cuda_graph=not graphs, omnikv=omni, omnikv_bank=bank)
+        runner = ModelRunner(model, cfg_model, max_total_tokens=(max(batches) + 1) * per_request,
+                             max_running_requests=2 * max(batches), max_context_len=per_request, device=device,
+                             attention_backend="triton", cuda_graph_max_bs=max(batches), disable_cuda_graph=not graphs,
+                             omnikv=omni, omnikv_bank=bank)
         pool_bytes = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else None
         try:
             yield runner, pool_bytes
@@ -266,23 +329,28 @@ def main() -> int:
             continue
         with opened(graphs, bank) as (runner, pool_bytes):
             # each runner: graphed OmniKV decodes are checked as eager ones are
-            c = {**check(runner, omni, contexts[0], cfg_model.vocab_size, args.seed), "graphs": graphs, "bank": bank}
-            result["checks"].append(c)
-            ok = ok and c["correct"]
-            print(f"check at {c['context']} (graphs {'on' if graphs else 'off'}, bank {'on' if bank else 'off'}): "
-                  f"rel err {c['rel_err']:.2e} ({'ok' if c['correct'] else 'WRONG'})", flush=True)
+            for bs in batches:  # each batch size (each its own graph when graphed)
+                c = {**check(runner, omni, contexts[0], cfg_model.vocab_size, args.seed, bs), "graphs": graphs,
+                     "bank": bank}
+                result["checks"].append(c)
+                ok = ok and c["correct"]
+                print(f"check at {c['context']}, batch {bs} (graphs {'on' if graphs else 'off'}, bank "
+                      f"{'on' if bank else 'off'}): rel err {c['rel_err']:.2e}, copies {c['copies_rel_err']:.2e} "
+                      f"({'ok' if c['correct'] else 'WRONG'})", flush=True)
             for ctx in contexts:
-                row = time_context(runner, ctx, args, cfg_model.vocab_size, args.seed + ctx, graphs)
-                row["pool_device_bytes"] = pool_bytes
-                if runner.graph_runner is not None:
-                    row["omnikv_graph_keys"] = sorted(runner.graph_runner.omnikv_graphs)
-                result["runs"].append(row)
-                print(f"ctx {ctx:6d} graphs {'on ' if graphs else 'off'} bank {'on ' if bank else 'off'}: full "
-                      f"{row['full_ms']:8.2f} ms, OmniKV {row['omnikv_ms']:8.2f} ms, x{row['speedup']:.2f}, "
-                      f"KV on the device {row['kv_device_bytes_per_request'] / 2**20:.0f} MiB/request", flush=True)
-                write_result(out, result)  # after every context: a run cut short keeps what it measured
-    print_table(result["runs"], [("context", "context", "d"), ("graphs", "graphs", ""), ("bank", "bank", ""),
-                                 ("full_ms", "full ms", ".2f"), ("omnikv_ms", "OmniKV ms", ".2f"), ("speedup", "x", ".2f")])
+                for bs in batches:
+                    row = time_context(runner, ctx, args, cfg_model.vocab_size, args.seed + ctx, graphs, bs)
+                    row["pool_device_bytes"] = pool_bytes
+                    if runner.graph_runner is not None:
+                        row["omnikv_graph_keys"] = sorted(runner.graph_runner.omnikv_graphs)
+                    result["runs"].append(row)
+                    print(f"ctx {ctx:6d} batch {bs:3d} graphs {'on ' if graphs else 'off'} bank {'on ' if bank else 'off'}: "
+                          f"full {row['full_ms']:8.2f} ms, OmniKV {row['omnikv_ms']:8.2f} ms, x{row['speedup']:.2f}, "
+                          f"KV on the device {row['kv_device_bytes_per_request'] / 2**20:.0f} MiB/request", flush=True)
+                    write_result(out, result)  # after every row: a run cut short keeps what it measured
+    print_table(result["runs"], [("context", "context", "d"), ("batch", "batch", "d"), ("graphs", "graphs", ""),
+                                 ("bank", "bank", ""), ("full_ms", "full ms", ".2f"), ("omnikv_ms", "OmniKV ms", ".2f"),
+                                 ("speedup", "x", ".2f")])
     write_result(out, result)
     print(f"wrote {out}")
     return 0 if ok else 1

@@ -72,15 +72,18 @@ def test_mla_decode_smoke(tmp_path: Path) -> None:
 
 @gpu_smoke
 def test_omnikv_decode_smoke(tmp_path: Path) -> None:
-    r = run_smoke("omnikv_gpu.py", tmp_path / "omnikv.json")
+    r = run_smoke("omnikv_gpu.py", tmp_path / "omnikv.json", "--batch", "1", "2")
     assert r["smoke"] and r["layers"] == 6 and r["preset"] == "tiny-deepseek-v2"
     assert r["omnikv"]["filter_layers"] == [1, 3] and 2 in r["plan_roles"]  # OmniKVConfig.default_for(6)
-    assert [c["bank"] for c in r["checks"]] == [False, True]
-    for c in r["checks"]:
-        assert c["correct"] and c["sparse_decodes"] == 4 and c["rel_err"] <= 1e-5  # fp32 here
-    assert [(row["context"], row["graphs"], row["bank"]) for row in r["runs"]] == [  # no CUDA: no graphs
-        (96, False, False), (160, False, False), (96, False, True), (160, False, True)]
+    assert [(c["bank"], c["batch"]) for c in r["checks"]] == [(False, 1), (False, 2), (True, 1), (True, 2)]
+    for c in r["checks"]:  # 4 steps x the batch's requests went sparse
+        assert c["correct"] and c["sparse_decodes"] == 4 * c["batch"]
+        assert c["rel_err"] <= 1e-5 and c["copies_rel_err"] <= 1e-5  # fp32 here
+    assert [(row["context"], row["batch"], row["graphs"], row["bank"]) for row in r["runs"]] == [  # no CUDA: no graphs
+        (96, 1, False, False), (96, 2, False, False), (160, 1, False, False), (160, 2, False, False),
+        (96, 1, False, True), (96, 2, False, True), (160, 1, False, True), (160, 2, False, True)]
     for row in r["runs"]:
+        assert row["full_tok_s"] == pytest.approx(row["batch"] * 1e3 / row["full_ms"], rel=1e-9)
         # the bank: the one sparse layer of 6 with filter layers 1 and 3 (layer 5) on the host
         host = (48 + 8) * 4 * row["context"] if row["bank"] else 0
         assert (row["kv_host_bytes_per_request"], row["kv_device_bytes_per_request"]) == (
