@@ -4,7 +4,9 @@ and OmniKV in the same run, on the same prompt KV (one prefill, two request rows
 
 Text: the Python documentation shipped with the interpreter (`pydoc_data.topics`), so nothing is
 downloaded. Config: the model's calibrated OmniKV config (configs/omnikv/, else the uncalibrated
-default) with the budget set by `--budget` (default 10% of the context).
+default) with the budget set by `--budget` (default 10% of the context). Activations and KV cache in
+fp32 by default; `--dtype auto` runs them as `mlaserve serve` does (bf16 on a CPU with bf16 math, and a
+bf16 cache for the GGUF blocks).
 
 - speed: decode step time at contexts 1K..8K, full vs OmniKV rounds interleaved, medians;
 - fidelity: greedy decode of 256 tokens with full attention; OmniKV fed the same tokens (teacher
@@ -54,19 +56,25 @@ def doc_text() -> str:
 class Harness:
     """One model runner with OmniKV planned; requests share a prompt's KV like the prefix cache does."""
 
-    def __init__(self, model: str, budget: float, **overrides: Any) -> None:
+    def __init__(self, model: str, budget: float, dtype: str = "float32", **overrides: Any) -> None:
+        """`dtype`: the activations' (float32; or auto, as `mlaserve serve` resolves it: bf16 where the CPU
+        does bf16 math), the KV cache's as `--kv-dtype auto` makes it for that (bf16 for GGUF blocks
+        whatever the activations)."""
         import dataclasses
 
+        from executor.cpu_forward import auto_kv_dtype
         from executor.model_runner import ModelRunner
         from models.loader.load import load_model
         from models.omnikv_config import OmniKVConfig
 
-        loaded = load_model(model, dtype="float32", cpu_weights="file", progress=False)
+        loaded = load_model(model, dtype=dtype, cpu_weights="file", progress=False)
         base, self.origin = OmniKVConfig.for_model(model, loaded.config.num_hidden_layers)
         self.cfg = dataclasses.replace(base, budget_ratio=budget, budget_tokens=None, **overrides)
         self.tok = loaded.tokenizer
+        self.dtype, self.kv_dtype = loaded.dtype, auto_kv_dtype(loaded.model, loaded.dtype) if dtype == "auto" \
+            else loaded.dtype
         self.runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=3 * MAX_CTX, max_running_requests=4,
-                                  max_context_len=MAX_CTX, omnikv=self.cfg)
+                                  max_context_len=MAX_CTX, kv_dtype=self.kv_dtype, omnikv=self.cfg)
         if self.runner.native_forward is None:
             raise RuntimeError(f"the native forward is off: {self.runner.native_off_reason}")
         torch.set_num_threads(1)  # sampling only: the native pool has the cores
@@ -259,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="passcode seeds of the divergence part, each a set of needle prompts (default 7,8)")
     p.add_argument("--divergence-tokens", type=int, default=16,
                    help="answer steps compared per prompt (default 16: the reply up to its passcode's last digit)")
+    p.add_argument("--dtype", choices=("float32", "auto"), default="float32",
+                   help="activations: float32 (default: the committed results'), or auto as `mlaserve serve` runs "
+                   "the model (bf16 where the CPU does bf16 math); the KV cache as --kv-dtype auto makes it")
     p.add_argument("--out", default=None)
     p.add_argument("--merge", action="store_true", help="keep the other parts' results already in --out")
     a = p.parse_args(argv)
@@ -267,10 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {k: v for k, v in (("alpha", a.alpha), ("window", a.window)) if v is not None}
     if a.filter_layers:
         overrides["filter_layers"] = tuple(ints(a.filter_layers))
-    h = Harness(a.model, a.budget, **overrides)
+    h = Harness(a.model, a.budget, a.dtype, **overrides)
     ids = h.tok.encode(doc_text(), add_special_tokens=False)
     result: dict[str, Any] = {"bench": "omnikv_cpu", "model": a.model, "machine": machine_info(), "versions": versions(),
                               "config": h.cfg.to_dict(), "config_origin": h.origin,
+                              "dtype": str(h.dtype).removeprefix("torch."),
+                              "kv_dtype": str(h.kv_dtype).removeprefix("torch."),
                               "threads": h.runner.expert_pool.workers.num_threads}
     print(f"OmniKV config ({h.origin}): {h.cfg.to_dict()}", flush=True)
     if "speed" in parts:
@@ -300,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     out = a.out or f"bench/results/omnikv_cpu_{machine_tag(result['machine'])}.json"
     if a.merge and Path(out).is_file():  # keep the parts not run now (same config only)
         old = json.loads(Path(out).read_text())
-        if old.get("config") == result["config"]:
+        if old.get("config") == result["config"] and old.get("dtype", "float32") == result["dtype"]:
             result = {**old, **result}
     write_json(out, result)
     print(f"wrote {out}")

@@ -26,6 +26,7 @@ namespace cpx {
 namespace {
 
 constexpr int kKeyTile = 16;
+static_assert(kKeyTile == kAttnDumpTile, "a dump's tiles are the key tiles: every tile starts at a multiple of 16");
 constexpr int kTokBlock = 4;       // tokens of one request per group (prefill)
 constexpr int kMlaHeadBlock = 16;  // heads per MLA group
 // keys per key block at least: a decode token of a short context still splits into enough tasks for
@@ -220,7 +221,7 @@ CPX_INLINE void pv_block(float* const* acc, const float* corr, const float* p, i
 // query's (m, l), then the values.
 template <int QB, int W, class RT>
 CPX_INLINE void tile_block(const float* const* qv, float* const* sq, const RT* const* krow, const RT* const* vrow,
-                           int nv, int D, int Dv, float scale, float* scores) {
+                           int nv, int D, int Dv, float scale, float* scores, float* const* de, float* const* ds) {
   constexpr int ls = kKeyTile;
   if constexpr (QB == 3 && W == 8) {  // as 2 + 1 heads: dots4<3>'s 12 accumulators, 3 queries and a key take all 16
     // ymm, and GCC kept one accumulator on the stack (a store-to-load chain per step, where 14% of the
@@ -264,6 +265,11 @@ CPX_INLINE void tile_block(const float* const* qv, float* const* sq, const RT* c
     if (mx == -INFINITY) {  // every score -inf (a -inf query): nothing to add
       corr[i] = 1.0f;
       std::fill(sc, sc + nv, 0.0f);
+      if (de && de[i]) {
+        std::fill(de[i], de[i] + nv, 0.0f);
+        ds[i][0] = mx;
+        ds[i][1] = 0.0f;
+      }
       continue;
     }
     any = true;
@@ -287,6 +293,11 @@ CPX_INLINE void tile_block(const float* const* qv, float* const* sq, const RT* c
     }
     sq[i][0] = mx;
     sq[i][1] = sq[i][1] * corr[i] + sum;
+    if (de && de[i]) {  // AttnTokens::dump
+      std::copy(sc, sc + nv, de[i]);
+      ds[i][0] = mx;
+      ds[i][1] = sum;
+    }
   }
   if (any) pv_block<QB, W>(acc, corr, scores, ls, vrow, nv, Dv);
 }
@@ -389,15 +400,22 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
           const int qb = std::min(kQB, (kh + 1) * hp - h0);
           const float* qv[kQB];
           float* sq[kQB];
+          float *de[kQB], *ds[kQB];
+          float* dump = tok.dump && !g.slots ? tok.dump[t] : nullptr;  // AttnTokens::dump
+          const int64_t dn = tok.pos[t] + 1, dtiles = (dn + kAttnDumpTile - 1) / kAttnDumpTile;
           for (int i = 0; i < qb; ++i) {
-            qv[i] = kPaired ? buf + size_t(ti * g.nh + h0 + i) * D : q + t * L.q_tok + (g.h0 + h0 + i) * L.q_head;
+            const int h = g.h0 + h0 + i;
+            qv[i] = kPaired ? buf + size_t(ti * g.nh + h0 + i) * D : q + t * L.q_tok + h * L.q_head;
             sq[i] = st + size_t(ti * g.nh + h0 + i) * sw;
+            de[i] = dump ? dump + size_t(h) * dn + kt : nullptr;
+            ds[i] = dump ? dump + size_t(L.H) * dn + (size_t(h) * dtiles + kt / kAttnDumpTile) * 2 : nullptr;
           }
+          float* const* dep = dump ? de : nullptr;
           switch (qb) {
-            case 4: tile_block<4, W>(qv, sq, krow, vrow, nv, D, Dv, scale, scores); break;
-            case 3: tile_block<3, W>(qv, sq, krow, vrow, nv, D, Dv, scale, scores); break;
-            case 2: tile_block<2, W>(qv, sq, krow, vrow, nv, D, Dv, scale, scores); break;
-            default: tile_block<1, W>(qv, sq, krow, vrow, nv, D, Dv, scale, scores); break;
+            case 4: tile_block<4, W>(qv, sq, krow, vrow, nv, D, Dv, scale, scores, dep, ds); break;
+            case 3: tile_block<3, W>(qv, sq, krow, vrow, nv, D, Dv, scale, scores, dep, ds); break;
+            case 2: tile_block<2, W>(qv, sq, krow, vrow, nv, D, Dv, scale, scores, dep, ds); break;
+            default: tile_block<1, W>(qv, sq, krow, vrow, nv, D, Dv, scale, scores, dep, ds); break;
           }
         }
       }

@@ -51,7 +51,18 @@ struct AttnTokens {
   // (valid slots: the caller took them from the token's checked row)
   const int32_t* const* sel = nullptr;
   const int64_t* sel_n = nullptr;
+  // null, or per token null or a buffer its softmax is written to as attention computes it (OmniKV's
+  // filter layers take their importance from it instead of scoring the keys again; a token with a slot
+  // list has none). For a token at position p, n = p + 1 keys, tiles of kAttnDumpTile keys, H heads:
+  //   e  [H][n]            exp(s_hj - m_h,tile(j)), s the scaled score;
+  //   st [H][tiles][2]     per tile the running max m its e are relative to, and the tile's sum of e;
+  // so that softmax_j = e_hj · exp(m_h,tile(j) - M_h) / L_h, M_h = max of m, L_h = sum of sum · exp(m - M_h).
+  float* const* dump = nullptr;
 };
+constexpr int kAttnDumpTile = 16;
+inline size_t attn_dump_floats(int H, int64_t n) {
+  return size_t(H) * size_t(n + 2 * ((n + kAttnDumpTile - 1) / kAttnDumpTile));
+}
 
 // Scratch reused across calls (the model owns one; grows to the largest call).
 struct AttnScratch {

@@ -123,10 +123,11 @@ struct Ctx {
   void norm(const Norm& n) {
     for_rows(pool, T, [&](int t) { rmsnorm_row(x + size_t(t) * hidden, n.w.data(), n.eps, hidden, xn + size_t(t) * hidden); });
   }
-  // The tokens for this layer's attention: at a SPARSE layer the omni tokens read their selections.
-  AttnTokens tokens() const {
+  // The tokens for this layer's attention (H query heads): at a SPARSE layer the omni tokens read their
+  // selections; at a FILTER layer their attention may dump its probabilities for `select`.
+  AttnTokens tokens(int H) {
     AttnTokens tok{T, rows, pos};
-    if (omni) omni->attach(layer, tok);
+    if (omni) omni->attach(layer, tok, H);
     return tok;
   }
   // After a layer's attention: a FILTER layer selects for the omni tokens (q as attention read it).
@@ -167,7 +168,7 @@ struct GqaBlock final : Block {
     kv.v = s.v_cache;
     kv.type = s.kv_type;
     kv.k_stride = kv.v_stride = kw;
-    attention_gqa(c.pool, scratch, kv, c.tokens(), q.data(), s.H, s.Hkv, s.D, s.D, s.scale, a.data());
+    attention_gqa(c.pool, scratch, kv, c.tokens(s.H), q.data(), s.H, s.Hkv, s.D, s.D, s.scale, a.data());
     c.select(kv, q.data(), s.H, s.Hkv, s.D, s.scale);
     prepare_input(c.pool, c.in, a.data(), qw, T, qw, {s.o});
     run_linears(c.pool, {{s.o, &c.in, c.x, c.hidden, Epilogue::Add}}, T);
@@ -232,7 +233,7 @@ struct MlaBlock final : Block {
     cache.k = s.latent;
     cache.type = s.kv_type;
     cache.k_stride = kvw;
-    attention_mla(c.pool, scratch, cache, c.tokens(), qcat.data(), H, r, P, s.scale, lat.data());
+    attention_mla(c.pool, scratch, cache, c.tokens(H), qcat.data(), H, r, P, s.scale, lat.data());
     c.select(cache, qcat.data(), H, 1, r + P, s.scale);
     for_rows(c.pool, T, [&](int t) {
       for (int h = 0; h < H; ++h)

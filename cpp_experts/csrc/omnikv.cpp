@@ -160,6 +160,52 @@ CPX_INLINE void importance_block_impl(const OmniItem& it, int b, int H, const fl
 CPX_DISPATCH(void, importance_block, (const OmniItem& it, int b, int H, const float* S, const float* st, float* imp),
              (it, b, H, S, st, imp))
 
+// From an attention dump (AttnTokens::dump) instead of passes 1-3, for a token whose window is its
+// current query alone. Per head: M, L over the dump's tiles in tile order, and each tile's m becomes
+// its factor exp(m - M) / L (0 where the tile added nothing), as merge_blocks does for key blocks.
+CPX_INLINE void dump_factors_impl(const OmniItem& it, int H, float* dump) {
+  const int64_t n = it.n, tiles = (n + kAttnDumpTile - 1) / kAttnDumpTile;
+  for (int h = 0; h < H; ++h) {
+    float* st = dump + size_t(H) * n + size_t(h) * tiles * 2;
+    float M = -INFINITY;
+    for (int64_t i = 0; i < tiles; ++i)
+      if (st[2 * i + 1] > 0.0f) M = std::max(M, st[2 * i]);
+    float L = 0.0f;
+    for (int64_t i = 0; i < tiles; ++i) {
+      st[2 * i] = st[2 * i + 1] > 0.0f ? vec::exp1(st[2 * i] - M) : 0.0f;
+      L += st[2 * i + 1] * st[2 * i];
+    }
+    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+    for (int64_t i = 0; i < tiles; ++i) st[2 * i] *= inv;
+  }
+}
+CPX_DISPATCH(void, dump_factors, (const OmniItem& it, int H, float* dump), (it, H, dump))
+
+// importance(j) = alpha · max_h e_hj · factor_h,tile(j) for one key block (a multiple of the tile).
+CPX_INLINE void dump_importance_block_impl(const OmniItem& it, int b, int H, const float* dump, float* imp) {
+  using namespace vec;
+  static_assert(kAttnDumpTile % 8 == 0, "8 keys at a time stay within a tile");
+  const int64_t n = it.n, j0 = b * it.bs, j1 = std::min(n, j0 + it.bs), tiles = (n + kAttnDumpTile - 1) / kAttnDumpTile;
+  const float a = it.alpha[0];
+  const float* f = dump + size_t(H) * n;  // factor of head h, tile i at f[(h * tiles + i) * 2]
+  int64_t j = j0;
+  for (; j + 8 <= j1; j += 8) {
+    v8f mx = splat(0.0f);
+    for (int h = 0; h < H; ++h) {
+      const v8f p = load(dump + size_t(h) * n + j) * splat(f[(size_t(h) * tiles + j / kAttnDumpTile) * 2]);
+      mx = p > mx ? p : mx;
+    }
+    store(imp + j, splat(a) * mx);
+  }
+  for (; j < j1; ++j) {
+    float mx = 0.0f;
+    for (int h = 0; h < H; ++h) mx = std::max(mx, dump[size_t(h) * n + j] * f[(size_t(h) * tiles + j / kAttnDumpTile) * 2]);
+    imp[j] = a * mx;
+  }
+}
+CPX_DISPATCH(void, dump_importance_block, (const OmniItem& it, int b, int H, const float* dump, float* imp),
+             (it, b, H, dump, imp))
+
 }  // namespace
 
 void OmniRun::begin(const OmniSpec* spec, int T, const int64_t* omni_k, const int64_t* rows, const int64_t* pos) {
@@ -183,10 +229,31 @@ void OmniRun::begin(const OmniSpec* spec, int T, const int64_t* omni_k, const in
   sel_n_.resize(size_t(spec->num_filters));
   for (auto& p : sel_ptr_) p.clear();
   selected_ = context_ = 0;
+  dump_layer_ = -1;
 }
 
-void OmniRun::attach(int layer, AttnTokens& tok) const {
-  if (spec_->roles[size_t(layer)] != kRoleSparse) return;
+void OmniRun::attach(int layer, AttnTokens& tok, int H) {
+  const int role = spec_->roles[size_t(layer)];
+  if (role == kRoleFilter) {
+    dump_layer_ = -1;
+    // the window is the current query alone: W = 1 (no history), or every older query weighs 0
+    if (spec_->hist_q && spec_->alpha != Alpha::LastToken) return;
+    size_t need = 0;
+    dump_off_.resize(tok_.size());
+    for (size_t u = 0; u < tok_.size(); ++u) {
+      dump_off_[u] = need;
+      need += attn_dump_floats(H, pos_[u] + 1);
+    }
+    if (need > kMaxDumpFloats) return;  // scored as a window instead (in chunks of bounded memory)
+    if (dump_.size() < need) dump_.resize(need);
+    dump_ptr_.assign(size_t(T_), nullptr);
+    for (size_t u = 0; u < tok_.size(); ++u) dump_ptr_[size_t(tok_[u])] = dump_.data() + dump_off_[u];
+    tok.dump = dump_ptr_.data();
+    dump_layer_ = layer;
+    dump_H_ = H;
+    return;
+  }
+  if (role != kRoleSparse) return;
   const int f = spec_->source[size_t(layer)];
   if (int(sel_ptr_[size_t(f)].size()) != T_)  // set_omnikv orders every filter before its sparse layers
     throw std::logic_error("OmniKV: layer " + std::to_string(layer) + " reads a selection its filter never made");
@@ -246,8 +313,57 @@ void OmniRun::select(Pool& pool, int layer, const PagedKv& kv, const float* q, i
   for (auto& b : thread_f_) b.resize(size_t(D));
   const int32_t* table = kv.table;
   const int64_t stride = kv.table_stride;
+  // the selection of one token from its importance (imp_ at its imp_off): sinks, recent, top k between
+  auto choose = [&](const OmniItem& it, int tid) {
+    const int64_t n = it.n, lo = std::min(sp.sink, n), hi = std::max(lo, n - sp.recent);
+    const int32_t* slots = table + it.row * stride;
+    std::vector<int32_t>& out = sel_[size_t(f) * N + size_t(it.u)];
+    out.clear();
+    if (it.k >= hi - lo) {  // the whole context
+      out.assign(slots, slots + n);
+      return;
+    }
+    const float* im = imp_.data() + it.imp_off;
+    // a strict order (NaN ranks last): score descending, then position ascending
+    auto key = [im](int32_t p) { return std::isnan(im[p]) ? -INFINITY : im[p]; };
+    auto before = [&key](int32_t a, int32_t b) {
+      const float ka = key(a), kb = key(b);
+      return ka > kb || (ka == kb && a < b);
+    };
+    std::vector<int32_t>& cand = thread_i_[size_t(tid)];
+    cand.resize(size_t(hi - lo));
+    std::iota(cand.begin(), cand.end(), int32_t(lo));
+    std::nth_element(cand.begin(), cand.begin() + it.k, cand.end(), before);
+    std::sort(cand.begin(), cand.begin() + it.k);
+    out.reserve(size_t(lo + it.k + n - hi));
+    out.insert(out.end(), slots, slots + lo);
+    for (int64_t i2 = 0; i2 < it.k; ++i2) out.push_back(slots[cand[size_t(i2)]]);
+    out.insert(out.end(), slots + hi, slots + n);
+  };
   std::vector<std::pair<int, int>> tasks;
-  for (int c0 = 0; c0 < N;) {
+  // the filter layer's attention dumped its probabilities (attach): importance from them
+  bool dumped = dump_layer_ == layer && dump_H_ == H;
+  dump_layer_ = -1;  // a dump serves its own layer once
+  for (const OmniItem& it : items_) dumped = dumped && it.nw == 1 && it.qpos[0] == it.pos;
+  if (dumped) {
+    size_t nimp = 0;
+    for (OmniItem& it : items_) {
+      it.imp_off = nimp;
+      nimp += size_t(it.n);
+    }
+    if (imp_.size() < nimp) imp_.resize(nimp);
+    for (int u = 0; u < N; ++u)
+      for (int b = 0; b < items_[size_t(u)].nb; ++b) tasks.push_back({u, b});
+    pool.run(N, [&](int u, int) { dump_factors(items_[size_t(u)], H, dump_.data() + dump_off_[size_t(u)]); });
+    pool.run(int(tasks.size()), [&](int i, int) {
+      const int u = tasks[size_t(i)].first;
+      const OmniItem& it = items_[size_t(u)];
+      dump_importance_block(it, tasks[size_t(i)].second, H, dump_.data() + dump_off_[size_t(u)],
+                            imp_.data() + it.imp_off);
+    });
+    pool.run(N, [&](int u, int tid) { choose(items_[size_t(u)], tid); });
+  }
+  for (int c0 = 0; c0 < N && !dumped;) {
     // a chunk of tokens whose scores fit the budget (at least one token)
     size_t ns = 0, nst = 0, nimp = 0;
     int c1 = c0;
@@ -284,33 +400,7 @@ void OmniRun::select(Pool& pool, int layer, const PagedKv& kv, const float* q, i
       const OmniItem& it = items_[size_t(tasks[size_t(i)].first)];
       importance_block(it, tasks[size_t(i)].second, H, S + it.s_off, st + it.st_off, imp + it.imp_off);
     });
-    pool.run(c1 - c0, [&](int i, int tid) {
-      const OmniItem& it = items_[size_t(c0 + i)];
-      const int64_t n = it.n, lo = std::min(sp.sink, n), hi = std::max(lo, n - sp.recent);
-      const int32_t* slots = table + it.row * stride;
-      std::vector<int32_t>& out = sel_[size_t(f) * N + size_t(it.u)];
-      out.clear();
-      if (it.k >= hi - lo) {  // the whole context
-        out.assign(slots, slots + n);
-        return;
-      }
-      const float* im = imp + it.imp_off;
-      // a strict order (NaN ranks last): score descending, then position ascending
-      auto key = [im](int32_t p) { return std::isnan(im[p]) ? -INFINITY : im[p]; };
-      auto before = [&key](int32_t a, int32_t b) {
-        const float ka = key(a), kb = key(b);
-        return ka > kb || (ka == kb && a < b);
-      };
-      std::vector<int32_t>& cand = thread_i_[size_t(tid)];
-      cand.resize(size_t(hi - lo));
-      std::iota(cand.begin(), cand.end(), int32_t(lo));
-      std::nth_element(cand.begin(), cand.begin() + it.k, cand.end(), before);
-      std::sort(cand.begin(), cand.begin() + it.k);
-      out.reserve(size_t(lo + it.k + n - hi));
-      out.insert(out.end(), slots, slots + lo);
-      for (int64_t i2 = 0; i2 < it.k; ++i2) out.push_back(slots[cand[size_t(i2)]]);
-      out.insert(out.end(), slots + hi, slots + n);
-    });
+    pool.run(c1 - c0, [&](int i, int tid) { choose(items_[size_t(c0 + i)], tid); });
     c0 = c1;
   }
   // the lists the sparse layers below read, and the counts (as OmniKVBatch.observe counts them)

@@ -16,6 +16,11 @@
 // token. Key blocks depend on the context length alone (a token's importances do not depend on the
 // batch). Scores are kept between the passes: window × heads × context floats per token, the tokens
 // of one forward taken in chunks that bound that memory.
+// Where the window is the current query alone (W = 1, or `last_token` weights), the filter layer's
+// own attention already computes those probabilities: `attach` hands it a dump (AttnTokens::dump) to
+// write them to, and `select` takes the importance from there instead of reading and scoring the
+// keys again (on SmolLM2 at an 8K context on a 2-core Zen 5, that scoring was ~10% of an OmniKV
+// decode step). The same probabilities, summed in the attention's order: equal up to rounding.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -28,6 +33,7 @@ namespace cpx {
 enum class Alpha { LastToken = 0, Uniform = 1, Exponential = 2 };  // OmniKVConfig.alpha_weights
 constexpr int kRoleFull = 0, kRoleFilter = 1, kRoleSparse = 2;     // LayerPlan.roles
 constexpr int kMaxOmniWindow = 16;                                 // omnikv_config.MAX_WINDOW
+constexpr size_t kMaxDumpFloats = size_t(1) << 26;  // attention dumps of one filter layer at most (256 MiB)
 
 struct OmniSpec {
   std::vector<int> roles;   // per layer
@@ -66,8 +72,10 @@ class OmniRun {
   bool active() const { return spec_ != nullptr; }
   void end() { spec_ = nullptr; }
   int role(int layer) const { return spec_->roles[size_t(layer)]; }
-  // At a SPARSE layer: the omni tokens read their filter's selection.
-  void attach(int layer, AttnTokens& tok) const;
+  // At a SPARSE layer: the omni tokens read their filter's selection. At a FILTER layer of H heads
+  // whose window is the current query alone: the omni tokens' attention dumps (AttnTokens::dump), when
+  // they fit kMaxDumpFloats.
+  void attach(int layer, AttnTokens& tok, int H);
   // At a FILTER layer, after its attention: q [T][H][D] the layer's queries, kv its cache and the table.
   void select(Pool& pool, int layer, const PagedKv& kv, const float* q, int H, int Hkv, int D, float scale);
   int64_t selected() const { return selected_; }  // positions kept, summed over filter layers and tokens
@@ -86,6 +94,10 @@ class OmniRun {
   std::vector<std::vector<int64_t>> sel_n_;
   std::vector<OmniItem> items_;
   std::vector<float> scores_, states_, imp_;
+  std::vector<float> dump_;          // the omni tokens' attention dumps at the current filter layer
+  std::vector<float*> dump_ptr_;     // [T] (null: not an omni token)
+  std::vector<size_t> dump_off_;     // per omni token: its dump's offset in dump_
+  int dump_layer_ = -1, dump_H_ = 0;  // the filter layer the dumps are for (-1: none)
   std::vector<std::vector<float>> thread_f_;    // per participant: a key row widened to fp32
   std::vector<std::vector<int32_t>> thread_i_;  // per participant: candidate positions
   int64_t selected_ = 0, context_ = 0;
