@@ -252,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="override the config's window weights")
     p.add_argument("--window", type=int, default=None, help="override the config's window")
     p.add_argument("--filter-layers", default=None, help="override the config's filter layers (comma-separated)")
+    p.add_argument("--full-after-filter", choices=("on", "off"), default=None,
+                   help="override the config's full_after_filter (off: the layer after each filter layer is "
+                   "sparse too; on a GPU that layer hides the selected rows' transfer, on a CPU nothing moves)")
     p.add_argument("--contexts", default="1024,2048,4096,8000")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=8)
@@ -278,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {k: v for k, v in (("alpha", a.alpha), ("window", a.window)) if v is not None}
     if a.filter_layers:
         overrides["filter_layers"] = tuple(ints(a.filter_layers))
+    if a.full_after_filter:
+        overrides["full_after_filter"] = a.full_after_filter == "on"
     h = Harness(a.model, a.budget, a.dtype, **overrides)
     ids = h.tok.encode(doc_text(), add_special_tokens=False)
     result: dict[str, Any] = {"bench": "omnikv_cpu", "model": a.model, "machine": machine_info(), "versions": versions(),

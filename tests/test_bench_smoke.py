@@ -732,6 +732,7 @@ def test_omnikv_cpu_bench_runs_end_to_end(tmp_path, monkeypatch: pytest.MonkeyPa
                             "--needle-depths", "2", "--parts", "speed,fidelity,needle,divergence", "--divergence-seeds", "7",
                             "--divergence-tokens", "3", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
+    assert (res["dtype"], res["kv_dtype"]) == ("float32", "float32")
     assert res["config"]["filter_layers"] and res["config"]["budget_ratio"] == 0.1
     assert [r["context"] for r in res["speed"]] == [320] and res["speed"][0]["omnikv_ms"] > 0
     assert 0.0 <= res["fidelity"]["mean_teacher_forced_agreement"] <= 1.0
@@ -740,8 +741,16 @@ def test_omnikv_cpu_bench_runs_end_to_end(tmp_path, monkeypatch: pytest.MonkeyPa
     assert dv["seeds"] == [7] and dv["steps"] == 2 * 3 and 0.0 <= dv["flip_rate"] <= 1.0
     assert 0.0 <= dv["p50_kl"] <= dv["max_kl"] and all(f["margin"] >= 0.0 for f in dv["flips"])
 
-    whole = tmp_path / "whole.json"  # a budget >= the context: the selection keeps every token
+    # a budget >= the context: the selection keeps every token; in the served dtypes (bf16 activations
+    # and cache), where the filter layers take the importance from their attention (the shipped
+    # last_token window), and with the layer after each filter sparse too
+    whole = tmp_path / "whole.json"
     assert omnikv_cpu.main(["--parts", "divergence", "--budget", "1.0", "--needle-lengths", "400", "--needle-depths", "2",
-                            "--divergence-seeds", "7", "--divergence-tokens", "3", "--out", str(whole)]) == 0
-    dv = json.loads(whole.read_text())["divergence"]
+                            "--divergence-seeds", "7", "--divergence-tokens", "3", "--dtype", "auto",
+                            "--full-after-filter", "off", "--out", str(whole)]) == 0
+    res = json.loads(whole.read_text())
+    # (bf16 activations where the CPU does bf16 math; the cache of GGUF blocks is bf16 either way)
+    assert res["kv_dtype"] == "bfloat16" and res["dtype"] in ("bfloat16", "float32")
+    assert not res["config"]["full_after_filter"]
+    dv = res["divergence"]
     assert dv["steps"] == 6 and dv["flips"] == [] and abs(dv["max_kl"]) < 1e-6
