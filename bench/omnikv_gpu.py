@@ -86,10 +86,14 @@ class Rows:
 
     def __init__(self, runner: ModelRunner, prompt: list[int], copies: int = 1,
                  first: list[int] | None = None) -> None:
+        if len(first or []) < copies - 1:
+            raise ValueError(f"{copies} copies need {copies - 1} first tokens beside the prompt's own")
         self.runner = runner
         pool, alloc = runner.req_to_token_pool, runner.allocator
         self.rows: list[int] = []
         self.slots: list[torch.Tensor] = []  # each copy's prompt slots (int64, on the table's device)
+        self.shared = len(prompt)
+        self.n: dict[int, int] = {}  # tokens each row holds (its decode tokens from `shared` on)
         try:
             for _ in range(2 * copies):
                 row = pool.alloc()
@@ -109,9 +113,8 @@ class Rows:
                     raise RuntimeError(f"the KV pool has no room for {copies} copies of a {len(prompt)}-token prompt")
                 loc = loc.to(torch.int64)
                 self.slots.append(loc)
-                kv = runner.kv_pool
-                for layer in range(len(getattr(kv, "kv_buffer", None) or kv.k_buffer)):  # MLA or MHA pool
-                    for buf in kv.layer_buffers(layer):
+                for layer in range(runner.config.num_hidden_layers):
+                    for buf in runner.kv_pool.layer_buffers(layer):
                         buf[loc.to(buf.device)] = buf[self.slots[0].to(buf.device)]
             for i in range(copies):
                 for row in (self.full[i], self.omni[i]):
@@ -119,11 +122,7 @@ class Rows:
         except BaseException:
             self.release()
             raise
-        self.shared = len(prompt)
-        own = int(logits[-1].argmax())
-        starts = [own] + list(first or [])[: copies - 1]
-        if len(starts) < copies:
-            raise ValueError(f"{copies} copies need {copies - 1} first tokens beside the prompt's own")
+        starts = [int(logits[-1].argmax())] + list(first or [])[: copies - 1]
         self.n = {row: len(prompt) for row in self.rows}
         self.tok = {row: starts[i // 2] for i, row in enumerate(self.rows)}
 
@@ -147,8 +146,7 @@ class Rows:
             r.allocator.free(loc)
         self.slots = []
         for row in self.rows:
-            if hasattr(self, "n"):
-                r.allocator.free(table[row, self.shared : self.n[row]].to(torch.int64))
+            r.allocator.free(table[row, self.shared : self.n.get(row, self.shared)].to(torch.int64))
             r.req_to_token_pool.free(row)
         self.rows = []
 

@@ -265,7 +265,7 @@ CPX_INLINE void tile_block(const float* const* qv, float* const* sq, const RT* c
     if (mx == -INFINITY) {  // every score -inf (a -inf query): nothing to add
       corr[i] = 1.0f;
       std::fill(sc, sc + nv, 0.0f);
-      if (de && de[i]) {
+      if (de) {
         std::fill(de[i], de[i] + nv, 0.0f);
         ds[i][0] = mx;
         ds[i][1] = 0.0f;
@@ -293,7 +293,7 @@ CPX_INLINE void tile_block(const float* const* qv, float* const* sq, const RT* c
     }
     sq[i][0] = mx;
     sq[i][1] = sq[i][1] * corr[i] + sum;
-    if (de && de[i]) {  // AttnTokens::dump
+    if (de) {  // AttnTokens::dump
       std::copy(sc, sc + nv, de[i]);
       ds[i][0] = mx;
       ds[i][1] = sum;
@@ -402,13 +402,15 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
           float* sq[kQB];
           float *de[kQB], *ds[kQB];
           float* dump = tok.dump && !g.slots ? tok.dump[t] : nullptr;  // AttnTokens::dump
-          const int64_t dn = tok.pos[t] + 1, dtiles = (dn + kAttnDumpTile - 1) / kAttnDumpTile;
           for (int i = 0; i < qb; ++i) {
             const int h = g.h0 + h0 + i;
             qv[i] = kPaired ? buf + size_t(ti * g.nh + h0 + i) * D : q + t * L.q_tok + h * L.q_head;
             sq[i] = st + size_t(ti * g.nh + h0 + i) * sw;
-            de[i] = dump ? dump + size_t(h) * dn + kt : nullptr;
-            ds[i] = dump ? dump + size_t(L.H) * dn + (size_t(h) * dtiles + kt / kAttnDumpTile) * 2 : nullptr;
+            if (dump) {
+              const int64_t dn = tok.pos[t] + 1, dtiles = (dn + kAttnDumpTile - 1) / kAttnDumpTile;
+              de[i] = dump + size_t(h) * dn + kt;
+              ds[i] = dump + size_t(L.H) * dn + (size_t(h) * dtiles + kt / kAttnDumpTile) * 2;
+            }
           }
           float* const* dep = dump ? de : nullptr;
           switch (qb) {

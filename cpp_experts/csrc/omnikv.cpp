@@ -108,26 +108,27 @@ CPX_DISPATCH(void, score_block,
               float* buf),
              (kv, it, b, H, Hkv, D, scale, S, st, buf))
 
-// Pass 2 for one token: per (query, head) M = max_b m_b, L = sum_b l_b exp(m_b - M) in block order;
-// each block's m becomes its factor exp(m_b - M) / L (0 where the block added nothing).
-CPX_INLINE void merge_blocks_impl(const OmniItem& it, int H, float* st) {
-  const size_t per_block = size_t(it.nw) * H * 2;
-  for (int q = 0; q < it.nw * H; ++q) {
-    float M = -INFINITY;
-    for (int b = 0; b < it.nb; ++b) {
-      const float* sb = st + b * per_block + size_t(q) * 2;
-      if (sb[1] > 0.0f) M = std::max(M, sb[0]);
-    }
-    float L = 0.0f;
-    for (int b = 0; b < it.nb; ++b) {
-      const float* sb = st + b * per_block + size_t(q) * 2;
-      if (sb[1] > 0.0f) L += sb[1] * vec::exp1(sb[0] - M);
-    }
-    for (int b = 0; b < it.nb; ++b) {
-      float* sb = st + b * per_block + size_t(q) * 2;
-      sb[0] = sb[1] > 0.0f ? vec::exp1(sb[0] - M) / L : 0.0f;
-    }
+// count softmax states (m, l) at st, st + stride, ... (a query's key blocks, or a dump's tiles): with
+// M = max m and L = sum l exp(m - M) over those that added something (l > 0), in order, each m becomes
+// its factor exp(m - M) / L (0 where the state added nothing), which turns its exp(s - m) into
+// probabilities.
+CPX_INLINE void softmax_factors(float* st, int64_t count, size_t stride) {
+  float M = -INFINITY;
+  for (int64_t i = 0; i < count; ++i)
+    if (st[i * stride + 1] > 0.0f) M = std::max(M, st[i * stride]);
+  float L = 0.0f;
+  for (int64_t i = 0; i < count; ++i) {
+    float* s = st + i * stride;
+    s[0] = s[1] > 0.0f ? vec::exp1(s[0] - M) : 0.0f;
+    L += s[1] * s[0];
   }
+  const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+  for (int64_t i = 0; i < count; ++i) st[i * stride] *= inv;
+}
+
+// Pass 2 for one token: the key blocks' states of each (query, head) into factors.
+CPX_INLINE void merge_blocks_impl(const OmniItem& it, int H, float* st) {
+  for (int q = 0; q < it.nw * H; ++q) softmax_factors(st + size_t(q) * 2, it.nb, size_t(it.nw) * H * 2);
 }
 CPX_DISPATCH(void, merge_blocks, (const OmniItem& it, int H, float* st), (it, H, st))
 
@@ -161,23 +162,10 @@ CPX_DISPATCH(void, importance_block, (const OmniItem& it, int b, int H, const fl
              (it, b, H, S, st, imp))
 
 // From an attention dump (AttnTokens::dump) instead of passes 1-3, for a token whose window is its
-// current query alone. Per head: M, L over the dump's tiles in tile order, and each tile's m becomes
-// its factor exp(m - M) / L (0 where the tile added nothing), as merge_blocks does for key blocks.
+// current query alone: each head's tile states into factors, as pass 2 does for key blocks.
 CPX_INLINE void dump_factors_impl(const OmniItem& it, int H, float* dump) {
-  const int64_t n = it.n, tiles = (n + kAttnDumpTile - 1) / kAttnDumpTile;
-  for (int h = 0; h < H; ++h) {
-    float* st = dump + size_t(H) * n + size_t(h) * tiles * 2;
-    float M = -INFINITY;
-    for (int64_t i = 0; i < tiles; ++i)
-      if (st[2 * i + 1] > 0.0f) M = std::max(M, st[2 * i]);
-    float L = 0.0f;
-    for (int64_t i = 0; i < tiles; ++i) {
-      st[2 * i] = st[2 * i + 1] > 0.0f ? vec::exp1(st[2 * i] - M) : 0.0f;
-      L += st[2 * i + 1] * st[2 * i];
-    }
-    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
-    for (int64_t i = 0; i < tiles; ++i) st[2 * i] *= inv;
-  }
+  const int64_t tiles = (it.n + kAttnDumpTile - 1) / kAttnDumpTile;
+  for (int h = 0; h < H; ++h) softmax_factors(dump + size_t(H) * it.n + size_t(h) * tiles * 2, tiles, 2);
 }
 CPX_DISPATCH(void, dump_factors, (const OmniItem& it, int H, float* dump), (it, H, dump))
 
