@@ -251,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--alpha", choices=("last_token", "uniform", "exponential"), default=None,
                    help="override the config's window weights")
     p.add_argument("--window", type=int, default=None, help="override the config's window")
+    p.add_argument("--sink-tokens", type=int, default=None, help="override the config's sink_tokens")
+    p.add_argument("--recent-tokens", type=int, default=None, help="override the config's recent_tokens")
     p.add_argument("--filter-layers", default=None, help="override the config's filter layers (comma-separated)")
     p.add_argument("--full-after-filter", choices=("on", "off"), default=None,
                    help="override the config's full_after_filter (off: the layer after each filter layer is "
@@ -278,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     parts = set(a.parts.split(","))
-    overrides = {k: v for k, v in (("alpha", a.alpha), ("window", a.window)) if v is not None}
+    overrides = {k: v for k, v in (("alpha", a.alpha), ("window", a.window), ("sink_tokens", a.sink_tokens),
+                                   ("recent_tokens", a.recent_tokens)) if v is not None}
     if a.filter_layers:
         overrides["filter_layers"] = tuple(ints(a.filter_layers))
     if a.full_after_filter:

@@ -743,14 +743,16 @@ def test_omnikv_cpu_bench_runs_end_to_end(tmp_path, monkeypatch: pytest.MonkeyPa
 
     # a budget >= the context: the selection keeps every token; in the served dtypes (bf16 activations
     # and cache), where the filter layers take the importance from their attention (the shipped
-    # last_token window), and with the layer after each filter sparse too
+    # last_token window), with the layer after each filter sparse too, and other sink/recent counts
     whole = tmp_path / "whole.json"
     assert omnikv_cpu.main(["--parts", "divergence", "--budget", "1.0", "--needle-lengths", "400", "--needle-depths", "2",
                             "--divergence-seeds", "7", "--divergence-tokens", "3", "--dtype", "auto",
-                            "--full-after-filter", "off", "--out", str(whole)]) == 0
+                            "--full-after-filter", "off", "--sink-tokens", "16", "--recent-tokens", "128",
+                            "--out", str(whole)]) == 0
     res = json.loads(whole.read_text())
     # (bf16 activations where the CPU does bf16 math; the cache of GGUF blocks is bf16 either way)
     assert res["kv_dtype"] == "bfloat16" and res["dtype"] in ("bfloat16", "float32")
     assert not res["config"]["full_after_filter"]
+    assert (res["config"]["sink_tokens"], res["config"]["recent_tokens"]) == (16, 128)
     dv = res["divergence"]
     assert dv["steps"] == 6 and dv["flips"] == [] and abs(dv["max_kl"]) < 1e-6
