@@ -280,12 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     parts = set(a.parts.split(","))
-    overrides = {k: v for k, v in (("alpha", a.alpha), ("window", a.window), ("sink_tokens", a.sink_tokens),
-                                   ("recent_tokens", a.recent_tokens)) if v is not None}
-    if a.filter_layers:
-        overrides["filter_layers"] = tuple(ints(a.filter_layers))
-    if a.full_after_filter:
-        overrides["full_after_filter"] = a.full_after_filter == "on"
+    overrides = {k: v for k, v in {
+        "alpha": a.alpha, "window": a.window, "sink_tokens": a.sink_tokens, "recent_tokens": a.recent_tokens,
+        "filter_layers": tuple(ints(a.filter_layers)) if a.filter_layers else None,
+        "full_after_filter": None if a.full_after_filter is None else a.full_after_filter == "on",
+    }.items() if v is not None}  # the config's settings the command line overrides
     h = Harness(a.model, a.budget, a.dtype, **overrides)
     ids = h.tok.encode(doc_text(), add_special_tokens=False)
     result: dict[str, Any] = {"bench": "omnikv_cpu", "model": a.model, "machine": machine_info(), "versions": versions(),
