@@ -234,8 +234,8 @@ class EngineCore:
     def add_request(self, req: GenerateRequest) -> list[RequestOutput]:
         error = self._check(req)
         if error:
-            code, message = error
-            return [_refusal(req.rid, len(req.input_ids), req.arrival_time, message, code)]
+            code, message, param = error
+            return [_refusal(req.rid, len(req.input_ids), req.arrival_time, message, code, param)]
         p = req.params
         base = p.seed if p.seed is not None else self._rng.getrandbits(63)
         reqs = [Req(req.rid, i, list(req.input_ids), p, _mix_seed(base, i) if i else base,
@@ -275,31 +275,37 @@ class EngineCore:
             self.scheduler.add(c.reqs)
         return out
 
-    def _check(self, req: GenerateRequest) -> tuple[str, str] | None:
+    def _check(self, req: GenerateRequest) -> tuple[str, str, str | None] | None:
+        """Why the request cannot run, as (error code, message, the parameter at fault or None), or None."""
         ids, p = req.input_ids, req.params
         try:
             validate_prompt_ids(ids, self.config.vocab_size)
             p.validate(self.config.vocab_size)
         except ParamError as e:
-            return ERR_INVALID, e.message
+            return ERR_INVALID, e.message, e.param
         want = len(ids) + (1 if p.max_tokens is None else p.max_tokens)
         if want > self.context_len:
             return ERR_CONTEXT, (
                 f"this model's maximum context length is {self.context_len} tokens; the request needs {want} "
                 f"({len(ids)} in the prompt + {want - len(ids)} to generate)"
-            )
+            ), None
         if len(ids) + 1 > self.runner.allocator.num_slots:
-            return ERR_CONTEXT, f"the prompt ({len(ids)} tokens) does not fit in the KV cache ({self.runner.allocator.num_slots} slots)"
+            return ERR_CONTEXT, f"the prompt ({len(ids)} tokens) does not fit in the KV cache ({self.runner.allocator.num_slots} slots)", None
         # Admission: up to max_running_requests completions run and max_queued_requests more wait; a
         # request counts as its n completions, wherever they are now (both queues are checked, so a
         # burst that arrives before the next step is admitted exactly as a steady stream would be).
         admitted = len(self.scheduler.running) + len(self.scheduler.waiting) + sum(len(c.reqs) for c in self._compiling)
         capacity = self.args.max_running_requests + self.args.max_queued_requests
+        if p.n > capacity:  # never admissible, however long the client waits: not a retryable 503
+            return ERR_INVALID, (
+                f"n={p.n} completions can never be admitted: this server holds at most {capacity} at once "
+                f"(--max-running-requests {self.args.max_running_requests} + --max-queued-requests "
+                f"{self.args.max_queued_requests}); ask for n <= {capacity}, or send several requests"), "n"
         if admitted + p.n > capacity:
             return ERR_OVERLOADED, (
                 f"the server is overloaded ({len(self.scheduler.running)} running, {len(self.scheduler.waiting)} "
                 f"queued; --max-running-requests {self.args.max_running_requests}, --max-queued-requests "
-                f"{self.args.max_queued_requests}); retry later")
+                f"{self.args.max_queued_requests}); retry later"), None
         return None
 
     def abort(self, rid: str) -> list[RequestOutput]:

@@ -29,6 +29,7 @@ The pipe carries msgpack frames (`engine.messages.encode` / `decode_*`, typed ms
 
 from __future__ import annotations
 
+import atexit
 import gc
 import importlib
 import logging
@@ -37,7 +38,7 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NoReturn, Protocol
 
 import msgspec
 
@@ -105,15 +106,33 @@ def run_engine_process(args: EngineArgs, conn: Any, core_factory: CoreFactory | 
     `core_factory` must be picklable (a top-level function or class, or a functools.partial of
     one) because the 'spawn' start method sends it to the child; None means the real EngineCore.
     """
-    if threading.current_thread() is threading.main_thread():  # a real child process, not a test thread
+    child = threading.current_thread() is threading.main_thread()  # a real child process, not a test thread
+    if child:
         _setup_child_process()
     code = _EngineLoop(conn, core_factory or default_core_factory).run(args)
     try:
         conn.close()
     except OSError:
         pass
+    if child:
+        _leave(code)
     if code != EXIT_OK:
         sys.exit(code)
+
+
+def _leave(code: int) -> NoReturn:
+    """Ends the engine process once its work is done and its pipe closed, without the interpreter's
+    teardown: there, native extensions loaded by torch (Triton's, imported by `import torch` wherever
+    it is installed) print dozens of "nanobind: leaked ..." lines on every clean stop, which reads like
+    a crash in the server's log. What must still happen does: the atexit hooks run (multiprocessing's
+    among them, which releases the semaphores that libraries made), then the streams are flushed."""
+    atexit._run_exitfuncs()  # the hooks of a normal exit (logging's flush too), without the teardown after them
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _setup_child_process() -> None:

@@ -245,20 +245,29 @@ class EngineReplicas:
         """`EngineClient.abort_all` on every replica; how many requests it ended."""
         return sum(c.abort_all(reason) for c in self.clients)
 
-    async def stats(self) -> EngineStats:
-        """The replicas' stats summed (a dead replica: its last totals). RuntimeError when all are dead."""
+    async def stats(self, timeout: float | None = None) -> EngineStats:
+        """The replicas' stats summed (a dead replica: its last totals). An engine answers between its
+        steps, so one inside a long step (a big prefill on a CPU: seconds) that has not answered within
+        `timeout` counts with its last answer; its late reply still becomes the last answer. RuntimeError
+        when all are dead."""
         if not self.any_alive:
             raise RuntimeError(self.clients[0].dead_reason or "the engine is not running")
-        if len(self.clients) == 1:
-            return await self.clients[0].stats()
         live = [i for i, c in enumerate(self.clients) if c.is_alive]
-        results = await asyncio.gather(*(self.clients[i].stats() for i in live), return_exceptions=True)
-        for i, got in zip(live, results):
-            if isinstance(got, EngineStats):
-                self._last_stats[i] = got
-            elif not isinstance(got, RuntimeError):  # RuntimeError: it died meanwhile, its last totals stay
-                raise got
+        asks = {i: asyncio.ensure_future(self.clients[i].stats()) for i in live}
+        for i, ask in asks.items():
+            ask.add_done_callback(lambda done, i=i: self._keep_stats(i, done))
+        await asyncio.wait(asks.values(), timeout=timeout)
+        for ask in asks.values():
+            if ask.done() and not ask.cancelled():
+                error = ask.exception()
+                if error is not None and not isinstance(error, RuntimeError):  # RuntimeError: died meanwhile
+                    raise error
         return sum_stats([s if c.is_alive else _as_counters(s) for c, s in zip(self.clients, self._last_stats)])
+
+    def _keep_stats(self, i: int, ask: asyncio.Future) -> None:
+        """Replica i's stats reply (on time or late) is its last answer; a failed ask leaves the last one."""
+        if not ask.cancelled() and ask.exception() is None:
+            self._last_stats[i] = ask.result()
 
     # ---- state --------------------------------------------------------------------------------
 

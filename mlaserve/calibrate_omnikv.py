@@ -80,6 +80,7 @@ from kernels.attention.omnikv import select_positions
 from kernels.attention.torch_backend import TorchAttentionBackend
 from mlaserve.argtypes import float_in, positive_int
 from models.omnikv_config import MAX_FILTER_LAYERS, SPARSE, OmniKVConfig, first_filter_default
+from server.args import OneLineParser
 from server.chat_template import user_turn_ids
 
 if TYPE_CHECKING:
@@ -485,7 +486,7 @@ def model_label(model: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog=PROG,
         description="Measure how well each layer's attention predicts the next layers' (OmniKV's filter "
                     "capability) over a text, print the table, and write an OmniKV config with the chosen "

@@ -14,7 +14,6 @@ HTTP concerns:
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import importlib.metadata
 import logging
@@ -35,6 +34,7 @@ logger = logging.getLogger("mlaserve.server")
 
 MIN_BODY_LIMIT = 1 << 20  # bytes: the derived limit never goes below this
 BODY_BYTES_PER_CONTEXT_TOKEN = 16  # a token is ~4 bytes of text, more as JSON-escaped text or as ids
+STATS_WAIT_S = 0.5  # /metrics waits this long for the engine's current stats, then takes its last ones
 
 
 def body_limit(fixed: int | None, context_length: int) -> int:
@@ -181,8 +181,8 @@ def build_app(state: ServerState, max_request_bytes: int | None = None) -> FastA
         if engine is not None:
             state.metrics.update_replicas(engine.alive, engine.routed)
             if engine.any_alive:
-                try:
-                    state.metrics.update_engine(await asyncio.wait_for(engine.stats(), 5))
+                try:  # an engine inside a long step answers after it: its last answer meanwhile, no stall
+                    state.metrics.update_engine(await engine.stats(timeout=STATS_WAIT_S))
                 except Exception:  # a dying engine must not break the scrape
                     logger.warning("engine stats unavailable for /metrics")
         body, content_type = state.metrics.render()

@@ -221,6 +221,14 @@ def refuse(prog: str, message: str) -> NoReturn:
     raise SystemExit(2)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line (exit 2), like a bad environment value's: the usage
+    (dozens of flags) would bury the message, and `--help` is one flag away."""
+
+    def error(self, message: str) -> NoReturn:
+        refuse(self.prog, f"{message} (see {self.prog} --help)")
+
+
 @dataclass
 class Parsed:
     """Parsed settings and where each came from: `--<name>`, `MLASERVE_<NAME>` or (absent) the default."""
@@ -242,7 +250,7 @@ def parse_settings(prog: str, description: str, flags: list[Flag], argv: list[st
                    extra: Callable[[argparse.ArgumentParser], None] | None = None) -> Parsed:
     """Parses `argv` against `flags` (and `extra` arguments), then every flag's variable. A bad value,
     in a flag or a variable, exits 2 with a message naming it; `--help` works whatever the environment."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=prog, description=f"{description} Every setting can also be given by the environment variable "
         "in brackets, checked like the flag; a flag on the command line wins.")
     add_flags(parser, flags)
@@ -318,6 +326,33 @@ def _settings(cls: type, ns: argparse.Namespace, **more: Any) -> Any:
     return cls(**{f.field: getattr(ns, f.field) for f in flags_of(cls)}, **more)
 
 
+# The MLASERVE_* variables that are not settings flags, and who reads them: the C++ expert pool
+# (cpp_experts: its kernel, threads, wait policy, pinning and library), a rank process's settings from
+# its parent (engine.ranks), the benchmarks' peers and models (bench/), and docker compose's build and
+# model folder (docker/compose.yaml, read on the host). A test checks that every
+# MLASERVE_* name in the code is a flag's variable or listed here.
+OTHER_VARIABLES = frozenset({
+    "MLASERVE_CPP_EXPERTS_KERNEL", "MLASERVE_CPP_EXPERTS_THREADS", "MLASERVE_CPP_EXPERTS_WAIT",
+    "MLASERVE_CPP_EXPERTS_PIN", "MLASERVE_CPP_EXPERTS_LIB", "MLASERVE_RANK_SPEC",
+    "MLASERVE_LLAMA_CPP_BIN", "MLASERVE_LLAMA_CPP_SRC", "MLASERVE_PEERS_DIR", "MLASERVE_KT_PYTHON",
+    "MLASERVE_BENCH_MODELS", "MLASERVE_DOCKERFILE", "MLASERVE_MODELS_DIR",
+})
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each MLASERVE_* variable that nothing reads (a misspelt setting would otherwise be
+    ignored without a word), with the closest known name."""
+    import difflib
+
+    known = {f.env for f in SERVE_FLAGS} | OTHER_VARIABLES
+    out = []
+    for name in sorted(k for k in environ if k.startswith("MLASERVE_") and k not in known):
+        close = difflib.get_close_matches(name, sorted(known), n=1)
+        out.append(f"{name} is not a variable mlaserve reads, so it is ignored"
+                   + (f" (did you mean {close[0]}?)" if close else ""))
+    return out
+
+
 def parse_serve_args(argv: list[str], environ: Mapping[str, str] | None = None) -> ServerArgs:
     """`mlaserve serve`'s settings from `argv` and the environment (`os.environ` unless given); exits 2
     on any bad value or combination, before anything is started."""
@@ -327,6 +362,8 @@ def parse_serve_args(argv: list[str], environ: Mapping[str, str] | None = None) 
     problem = combination_problem(parsed, env)
     if problem:
         refuse(prog, problem)
+    for warning in unknown_variables(env):
+        print(f"{prog}: warning: {warning}", file=sys.stderr)
     ns = parsed.ns
     engine = _settings(EngineArgs, ns, max_prefill_tokens=max(ns.chunked_prefill_size, EngineArgs.max_prefill_tokens))
     args = _settings(ServerArgs, ns, engine=engine)

@@ -229,4 +229,10 @@ def serve(args: ServerArgs) -> int:
     except FileNotFoundError as e:
         print(f"mlaserve: {e}", file=sys.stderr)
         return 2
+    try:  # before the model loads; uvicorn's own message would not name the host
+        socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        print(f"mlaserve serve: error: --host {args.host!r} is not an address this machine can listen on "
+              f"({e.strerror}); use an IP address such as 127.0.0.1 or 0.0.0.0, or a resolvable name", file=sys.stderr)
+        return 2
     return asyncio.run(serve_async(args))

@@ -208,6 +208,29 @@ def test_two_replicas_serve_count_load_and_keep_n_together() -> None:
     run(go())
 
 
+def test_stats_inside_a_long_step_answer_at_once_with_the_last_ones() -> None:
+    """An engine answers stats between steps: with a timeout, a scrape during a long step gets the last
+    answer at once (no stall), and the late reply becomes the last answer for the next scrape."""
+    async def go() -> None:
+        engine = await start(replicas=1, step_delay=1.5)
+        try:
+            stream = engine.generate(req("long", [1, 2, 3], max_tokens=100_000))
+            await anext(stream)  # it runs: every step now takes 1.5 s
+            first = await engine.stats()  # no timeout: waits for the step to end
+            t0 = time.monotonic()
+            stale = await engine.stats(timeout=0.2)
+            assert time.monotonic() - t0 < 1.0
+            assert stale.num_running == 1 and stale.finished_total["stats_calls"] >= first.finished_total["stats_calls"]
+            await asyncio.sleep(3.2)  # the late replies arrive between steps
+            later = await engine.stats(timeout=0.2)
+            assert later.finished_total["stats_calls"] > first.finished_total["stats_calls"], (first, later)
+            await stream.aclose()
+        finally:
+            await engine.shutdown()
+
+    run(go())
+
+
 def test_a_killed_replica_fails_its_requests_and_the_other_serves() -> None:
     rng = random.Random(8)
 

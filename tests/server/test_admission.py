@@ -1,6 +1,6 @@
 """Admission through the real server: with --max-running-requests R and --max-queued-requests Q, of
 many concurrent requests exactly R + Q are admitted (R run, Q wait) and the rest get 503 `overloaded`
-with Retry-After, at once."""
+with Retry-After, at once; a request for more completions (n) than R + Q is refused with 400 naming `n`."""
 
 from __future__ import annotations
 
@@ -67,6 +67,12 @@ def test_exactly_running_plus_queued_are_admitted(model_dir, tmp_path, running, 
             assert set(error) == {"message", "type", "param", "code"}, error
             assert retry_after and error["code"] == "overloaded", (retry_after, error)
             assert f"--max-queued-requests {queued}" in error["message"], error
+        # more completions than the server ever holds: the client's mistake (400 naming n), not a retryable 503
+        resp = httpx.post(srv.url + "/v1/completions", timeout=60,
+                          json={"prompt": "too many", "max_tokens": 2, "n": running + queued + 1})
+        error = resp.json()["error"]
+        assert resp.status_code == 400 and error["param"] == "n" and "retry-after" not in resp.headers, resp.text
+        assert f"n <= {running + queued}" in error["message"], error
     finally:
         release.set()
         for t in threads:

@@ -21,7 +21,7 @@ import pytest
 
 from engine.args import ATTENTION_BACKENDS, CPU_WEIGHT_DTYPES, DTYPES, EXPERT_BACKENDS, HYBRID_GRAPH_MODES, EngineArgs
 from mlaserve.cli import main as cli_main
-from server.args import SERVE_FLAGS, Flag, ServerArgs, parse_serve_args
+from server.args import OTHER_VARIABLES, SERVE_FLAGS, Flag, ServerArgs, parse_serve_args
 from tests.server.server_process import REPO, free_port
 
 BY_NAME = {f.name: f for f in SERVE_FLAGS}
@@ -164,6 +164,7 @@ def test_bad_flag_value_exits_2_naming_the_flag(flag: Flag, value: str, capsys: 
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert f"argument --{flag.name}:" in err and repr(value) in err, err
+    assert len(err.strip().splitlines()) == 1 and "--help" in err, err  # one line, not the whole usage
 
 
 @pytest.mark.parametrize(("flag", "value"), CASES, ids=[f"{f.env}={v!r}" for f, v in CASES])
@@ -199,6 +200,36 @@ def test_a_bad_variable_is_refused_even_under_its_flag(capsys: pytest.CaptureFix
     with pytest.raises(SystemExit) as info:
         parse_serve_args(["--port", "8001"], environ={"MLASERVE_PORT": "eighty"})
     assert info.value.code == 2 and "MLASERVE_PORT='eighty'" in capsys.readouterr().err
+
+
+def test_a_misspelt_variable_is_named_with_the_one_meant(capsys: pytest.CaptureFixture) -> None:
+    args = parse_serve_args([], environ={"MLASERVE_MAX_RUNINGG_REQUESTS": "4", "MLASERVE_PORT": "8123",
+                                         "MLASERVE_CPP_EXPERTS_THREADS": "2"})
+    assert args.engine.max_running_requests == EngineArgs.max_running_requests and args.port == 8123
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["mlaserve serve: warning: MLASERVE_MAX_RUNINGG_REQUESTS is not a variable mlaserve reads, so it "
+                   "is ignored (did you mean MLASERVE_MAX_RUNNING_REQUESTS?)"], err
+
+
+def test_every_mlaserve_variable_in_the_code_is_known() -> None:
+    """Each MLASERVE_* name the project reads or documents (outside the tests) is a flag's variable or in
+    OTHER_VARIABLES, so that `serve` never warns about a variable something does read."""
+    import re
+
+    listed = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip(f"not a git checkout: {listed.stderr.strip()}")
+    files = listed.stdout.split()
+    known = {f.env for f in SERVE_FLAGS} | OTHER_VARIABLES
+    seen: dict[str, str] = {}
+    for name in files:
+        path = Path(REPO) / name
+        if name.startswith("tests/") or not path.is_file() or path.stat().st_size > 2_000_000:
+            continue
+        for var in re.findall(r"MLASERVE_[A-Z0-9_]*[A-Z0-9]", path.read_text(errors="replace")):
+            seen.setdefault(var, name)
+    assert "MLASERVE_CPP_EXPERTS_WAIT" in seen and "MLASERVE_MAX_TOTAL_TOKENS" in seen, seen
+    assert {v: f for v, f in seen.items() if v not in known} == {}
 
 
 def test_empty_key_and_name_mean_the_default() -> None:
@@ -350,3 +381,13 @@ def test_a_bad_variable_stops_serve_before_it_binds_the_port() -> None:
     assert lines == ["mlaserve serve: error: MLASERVE_DTYPE='bogus': invalid choice 'bogus' (choose from "
                      + ", ".join(DTYPES) + ")"], err
     assert not out
+
+
+def test_a_host_that_does_not_resolve_stops_serve_naming_it(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    """Refused before the model loads, in one line naming --host (uvicorn's own error names nothing)."""
+    for k in [k for k in os.environ if k.startswith("MLASERVE_")]:
+        monkeypatch.delenv(k)
+    assert cli_main(["serve", "--host", "999.1.1.1", "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mlaserve serve: error: --host '999.1.1.1' is not an address"), err
