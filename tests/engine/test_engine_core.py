@@ -218,9 +218,14 @@ def test_refusals(model_dir):
     long = core.add_request(GenerateRequest("long", prompt(60, 1), SamplingParams(max_tokens=10)))
     assert long[0].finish_reason == FINISH_ERROR and long[0].error_code == ERR_CONTEXT
     bad = core.add_request(GenerateRequest("bad", [10**9], SamplingParams()))
-    assert bad[0].error_code == ERR_INVALID and "vocabulary" in bad[0].error
+    assert bad[0].error_code == ERR_INVALID and "vocabulary" in bad[0].error and bad[0].error_param == "prompt"
     badp = core.add_request(GenerateRequest("badp", [5], SamplingParams(top_p=0.0)))
-    assert badp[0].error_code == ERR_INVALID and "top_p" in badp[0].error
+    assert badp[0].error_code == ERR_INVALID and "top_p" in badp[0].error and badp[0].error_param == "top_p"
+    empty = core.add_request(GenerateRequest("empty", [], SamplingParams()))
+    assert empty[0].error_code == ERR_INVALID and empty[0].error_param == "prompt", empty
+    # more completions than running + queued ever hold: never admissible, so not a retryable overload
+    many = core.add_request(GenerateRequest("many", prompt(5, 4), SamplingParams(n=3)))
+    assert many[0].error_code == ERR_INVALID and many[0].error_param == "n" and "n <= 2" in many[0].error
     assert core.add_request(GenerateRequest("q1", prompt(5, 1), SamplingParams(max_tokens=4))) == []
     assert core.add_request(GenerateRequest("q2", prompt(5, 2), SamplingParams(max_tokens=4))) == []
     # admitted: 1 running + 1 queued, counted before any step has moved a request to running
