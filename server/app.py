@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.metrics import ErrorCountingMiddleware
-from server.protocol import ModelCard, ModelList, VersionResponse, describe_validation_error
+from server.protocol import SEND_JSON, ModelCard, ModelList, VersionResponse, describe_validation_error
 from server.serving import register_routes
 from server.state import ServerState, error_response
 
@@ -142,6 +142,37 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
 
+class CrashMiddleware:
+    """A bug in a route answers 500 `internal_error` (logged with its traceback) and ends there.
+
+    Starlette's handler for Exception sends the 500 and then raises the error again, for the server to
+    log, and uvicorn then drops the connection: a client's next request on that keep-alive connection
+    would fail with a reset, so one bad request would disturb others. A crash after the response has
+    started cannot be answered any more: it is raised on (the stream is cut)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watched(msg: Message) -> None:
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("internal error in %s %s", scope.get("method"), scope.get("path"))
+            resp = error_response(500, f"internal server error: {type(exc).__name__}", "internal_error")
+            await resp(scope, receive, send)
+
+
 def build_app(state: ServerState, max_request_bytes: int | None = None) -> FastAPI:
     """The app; `max_request_bytes` None derives the body limit from the context (`body_limit`)."""
     app = FastAPI(title="mlaserve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -158,12 +189,9 @@ def build_app(state: ServerState, max_request_bytes: int | None = None) -> FastA
             return error_response(404, "no such route", code="not_found")
         if exc.status_code == 405:
             return error_response(405, "method not allowed for this route", code="method_not_allowed")
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's words
+            return error_response(400, f"the request body could not be read as JSON: {SEND_JSON}")
         return error_response(exc.status_code, str(exc.detail))
-
-    @app.exception_handler(Exception)
-    async def on_crash(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("internal error")
-        return error_response(500, f"internal server error: {type(exc).__name__}", "internal_error")
 
     @app.get("/health")
     async def health() -> Response:
@@ -201,6 +229,7 @@ def build_app(state: ServerState, max_request_bytes: int | None = None) -> FastA
     register_routes(app, state)
     app.add_middleware(BodyLimitMiddleware, state=state, fixed=max_request_bytes)
     app.add_middleware(AuthMiddleware, state=state)
+    app.add_middleware(CrashMiddleware)
     # outermost (added last): counts every error answer once, the 401s and 413s above included
     app.add_middleware(ErrorCountingMiddleware, metrics=lambda: state.metrics)
     return app

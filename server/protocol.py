@@ -34,6 +34,7 @@ from scheduler.sampling_params import TOP_K_ALL, ParamError, SamplingParams
 from server.generation_defaults import GENERATION_FIELDS, with_defaults
 from server.structured import structured_output
 
+SEND_JSON = "send one JSON object, UTF-8, with the header Content-Type: application/json"
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; a local server can afford more
 MAX_COMPLETION_LOGPROBS = 5  # completions API `logprobs` (OpenAI's limit)
 UNLIKELY_LOGPROB = -9999.0  # what OpenAI sends for a logprob too small to represent
@@ -47,10 +48,47 @@ def _invalid(message: str) -> PydanticCustomError:
 # ---------------------------------------------------------------- requests
 
 
+def _unpaired_surrogate(value: Any, path: tuple[str | int, ...] = ()) -> tuple[str | int, ...] | None:
+    """Where in a JSON value a string holds an unpaired UTF-16 surrogate ("\\ud800" is valid JSON but
+    not Unicode text: no tokenizer or UTF-8 encoder takes it), or None."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            found = _unpaired_surrogate(k, path) if isinstance(k, str) else None
+            found = found if found is not None else _unpaired_surrogate(v, (*path, str(k)))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _unpaired_surrogate(v, (*path, i))
+            if found is not None:
+                return found
+    return None
+
+
 class _Request(BaseModel):
     """Request objects ignore fields they do not know (clients send OpenAI fields we do not implement)."""
 
     model_config = ConfigDict(extra="ignore")
+
+
+class _Body(_Request):
+    """A whole request body: its text must be Unicode, checked once here for every field (a lone
+    surrogate would otherwise reach the tokenizer and fail there as a server error)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_text(cls, data: Any) -> Any:
+        where = _unpaired_surrogate(data)
+        if where is not None:
+            raise PydanticCustomError("unpaired_surrogate", "the text holds an unpaired UTF-16 surrogate (an escape "
+                                      "such as \\ud800 without its pair): send valid Unicode", {"path": list(where)})
+        return data
 
 
 class TextContentPart(_Request):
@@ -185,7 +223,7 @@ def _logit_bias_id(key: str) -> int:
     return int(text)
 
 
-class _GenerationRequest(_Request):
+class _GenerationRequest(_Body):
     """Fields both APIs share: their JSON types and the rules of the API's shape. The ranges of the
     sampling values are not checked here but once, by `SamplingParams.validate` (a `ParamError`
     naming the parameter), on the `SamplingParams` that `to_sampling_params` makes."""
@@ -252,7 +290,7 @@ class _GenerationRequest(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatInput(_Request):
+class ChatInput(_Body):
     """What a chat prompt is rendered from (the chat template's input): the chat completions request's
     and `/tokenize`'s with messages (`server.serving.chat_prompt` renders both)."""
 
@@ -351,7 +389,7 @@ class CompletionRequest(_GenerationRequest):
         return [p] if isinstance(p[0], int) else p  # type: ignore[list-item,return-value]
 
 
-class TokenizeCompletionRequest(_Request):
+class TokenizeCompletionRequest(_Body):
     """`POST /tokenize` with a prompt (vLLM's shape): its ids as the completions API encodes a string."""
 
     model: str | None = None
@@ -369,7 +407,7 @@ class TokenizeChatRequest(ChatInput):
     return_token_strs: StrictBool = False
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[StrictInt]
 
@@ -452,10 +490,18 @@ def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str,
     if not errors:
         return "invalid request", None
     err = errors[0]
+    if tuple(err.get("loc", ())) == ("body",):  # the body as a whole: empty, or not a JSON object
+        if err.get("type") == "missing":
+            return f"the request body is empty: {SEND_JSON}", None
+        if err.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+            got = err.get("input")
+            what = "text that is not JSON" if isinstance(got, (str, bytes)) else f"JSON {type(got).__name__}"
+            return f"the request body must be a JSON object, not {what}: {SEND_JSON}", None
     if err.get("type") == "json_invalid":
         return f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}".rstrip(": "), None
     parts: list[str] = []
-    for p in err.get("loc", ()):
+    loc = [*err.get("loc", ()), *(err.get("ctx") or {}).get("path", ())]  # ctx path: where inside the value
+    for p in loc:
         if isinstance(p, int):
             parts.append(f"[{p}]")
         elif p != "body" and not ("[" in p or p in ("str", "int", "float", "bool")):

@@ -41,6 +41,7 @@ from server.protocol import (
     _FUNCTION_NAME,
     ChatCompletionRequest,
     _invalid,
+    _Body,
     _Request,
     _Response,
     describe_validation_error,
@@ -102,7 +103,7 @@ class ResponsesReasoning(_Request):
     generate_summary: str | None = None
 
 
-class ResponsesRequest(_Request):
+class ResponsesRequest(_Body):
     model_config = ConfigDict(allow_inf_nan=False)  # merged with _Request's
 
     model: str | None = None  # None: the served model

@@ -233,6 +233,41 @@ def test_bad_json_and_large_body(server):
     assert_error(post(server, "/v1/completions", {"prompt": [10**9], "max_tokens": 2}), 400, "prompt")
 
 
+@pytest.mark.parametrize(("path", "raw", "param"), [
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}',
+     "messages.[0].content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfffb"}]}]}',
+     "messages.[0].content.[0].text"),
+    ("/v1/completions", '{"prompt": ["ok", "a\\ud800b"], "max_tokens": 2}', "prompt.[1]"),
+    ("/v1/completions", '{"prompt": "ok", "stop": ["\\udc00"], "stream": true}', "stop.[0]"),
+    ("/v1/responses", '{"input": "a\\ud800b"}', "input"),
+    ("/tokenize", '{"prompt": "a\\ud800b"}', "prompt"),
+])
+def test_an_unpaired_surrogate_is_the_clients_mistake(server, path, raw, param):
+    """Valid JSON, invalid Unicode: a 400 naming the field (it used to reach the tokenizer: a 500, after
+    which the server dropped the keep-alive connection); the same connection then serves the next request."""
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as client:
+        resp = client.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+        assert_error(resp, 400, param)
+        assert "unpaired UTF-16 surrogate" in resp.json()["error"]["message"]
+        assert client.get("/health").status_code == 200  # the connection is still there
+
+
+@pytest.mark.parametrize(("content", "ctype", "says"), [
+    (b"", "application/json", "the request body is empty"),
+    (b'{"messages": []}', "application/x-www-form-urlencoded", "must be a JSON object, not text"),
+    (b'[1, 2]', "application/json", "must be a JSON object, not JSON list"),
+    (b'"hi"', "application/json", "must be a JSON object, not text"),
+    (b'{"a": "\xff"}', "application/json; charset=latin-1", "could not be read as JSON"),
+])
+def test_a_body_that_is_not_a_json_object_says_what_to_send(server, content, ctype, says):
+    resp = httpx.post(server.url + "/v1/chat/completions", content=content, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}", "content-type": ctype})
+    assert_error(resp, 400)
+    message = resp.json()["error"]["message"]
+    assert says in message and "Content-Type: application/json" in message, message
+
+
 def test_32_concurrent_streams(server):
     async def one(i: int, client: openai.AsyncOpenAI):
         stream = await client.chat.completions.create(
