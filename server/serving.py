@@ -63,7 +63,7 @@ from server.responses import ChatSerializer, CompletionSerializer, ResponsesSeri
 from server.responses_api import ResponsesRequest, rename_error, to_chat_request
 from server.state import ClientError, ServerState, error_response
 from server.reasoning import THINK_CLOSE, parser_kind
-from server.tools import ToolPlan, plan_tools, with_system
+from server.tools import ToolPlan, plan_tools, with_call_markup, with_system
 from scheduler.sampling_params import ParamError, validate_prompt_ids, validate_token_ids
 
 
@@ -274,7 +274,7 @@ def chat_prompt(state: ServerState, body: ChatInput, add_generation_prompt: bool
     tok = state.tokenizer
     assert tok is not None
     plan = plan_tools(body, tok.chat_template, state.tool_call_parser)
-    messages = body.openai_messages()
+    messages = with_call_markup(body.openai_messages(), tok.chat_template)
     if plan.system:
         messages = with_system(messages, plan.system)
     extra: dict[str, Any] = dict(body.chat_template_kwargs or {})  # the request's template variables first:

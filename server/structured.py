@@ -94,8 +94,9 @@ def schema_output(schema: Any, param: str) -> StructuredOutput:
     return StructuredOutput("json_schema", json.dumps(_closed_objects(schema), ensure_ascii=False), _top(param))
 
 
-def check_json_schema(schema: Any, param: str) -> None:
-    """ParamError(param) unless `schema` is a valid JSON Schema made only of keywords we enforce."""
+def check_valid_schema(schema: Any, param: str) -> None:
+    """ParamError(param) unless `schema` is a valid JSON Schema (by its metaschema: what a schema only
+    shown to the model, like a tool's parameters under tool_choice auto, must be)."""
     if not isinstance(schema, (dict, bool)):
         raise ParamError(_top(param), f"{param} must be a JSON Schema object, got {type(schema).__name__}")
     try:
@@ -105,6 +106,11 @@ def check_json_schema(schema: Any, param: str) -> None:
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path) or "(root)"
         raise ParamError(_top(param), f"{param} is not a valid JSON Schema at {where}: {e.message}") from None
+
+
+def check_json_schema(schema: Any, param: str) -> None:
+    """ParamError(param) unless `schema` is a valid JSON Schema made only of keywords we enforce."""
+    check_valid_schema(schema, param)
     for path, node in _schemas(schema, ""):
         for key, value in node.items():
             if key in ANNOTATIONS:

@@ -30,7 +30,7 @@ from typing import Any
 
 from scheduler.sampling_params import ParamError, StructuredOutput
 from server.protocol import ChatInput, NamedToolChoice
-from server.structured import check_json_schema, schema_output
+from server.structured import check_json_schema, check_valid_schema, schema_output
 from server.tool_parsers import TOOL_PARSERS, ToolCall, ToolCallDelta, ToolParser, default_call_id, detect_tool_parser
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -69,6 +69,8 @@ def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto")
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
         raise ParamError("tools", f"the function name '{dup}' is given twice in tools")
+    for i, t in enumerate(tools):  # shown to the model whatever the choice: a broken one is the client's mistake
+        _check_parameters(t.function.parameters, f"tools.[{i}].function.parameters")
     if not tools or choice == "none":
         return ToolPlan()
     rendered = [t.model_dump(exclude_none=True) for t in tools]
@@ -110,6 +112,38 @@ def with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any
     return [{"role": "system", "content": text}, *messages]
 
 
+def with_call_markup(messages: list[dict[str, Any]], template: str | None) -> list[dict[str, Any]]:
+    """Past tool calls and results written into the messages' text in Hermes markup, for a chat template
+    that does not read `tool_calls` (the default SmolLM2 model's): it would render an assistant turn
+    that called tools as empty (or fail on its `content: null`), so the model would see results of
+    calls it never made. The markup is the one our tool prompt asks for: `<tool_call>` blocks after
+    the assistant's text, each `tool` message's content in a `<tool_response>` block. A template that
+    reads `tool_calls` gets the messages as they are (it writes calls in its own markup)."""
+    if template is not None and "tool_calls" in template:
+        return messages
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if m.get("role") == "assistant" and calls:
+            blocks = []
+            for c in calls:
+                fn = c.get("function") or {}
+                args = fn.get("arguments")
+                try:
+                    parsed = json.loads(args) if isinstance(args, str) else args
+                except ValueError:
+                    parsed = args  # not JSON: written as the text it is
+                call = {"name": fn.get("name"), "arguments": parsed if parsed is not None else {}}
+                blocks.append(f"<tool_call>\n{json.dumps(call, ensure_ascii=False)}\n</tool_call>")
+            text = m.get("content") if isinstance(m.get("content"), str) else ""
+            m = {k: v for k, v in m.items() if k != "tool_calls"}
+            m["content"] = "\n".join([text, *blocks] if text else blocks)
+        elif m.get("role") == "tool" and isinstance(m.get("content"), str):
+            m = {**m, "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+        out.append(m)
+    return out
+
+
 def _check_history(body: ChatInput) -> None:
     """Every `tool` message answers a call an earlier assistant message made."""
     called: set[str] = set()
@@ -122,6 +156,18 @@ def _check_history(body: ChatInput) -> None:
             if m.tool_call_id not in called:
                 raise ParamError(f"messages.[{i}].tool_call_id", f"messages[{i}].tool_call_id '{m.tool_call_id}' "
                                  "matches no tool call of an earlier assistant message")
+
+
+def _check_parameters(schema: Any, param: str) -> None:
+    """A function's parameters are a valid JSON Schema of an object (OpenAI's rule: the arguments are one
+    JSON object), or absent."""
+    if schema is None:
+        return
+    check_valid_schema(schema, param)
+    kind = schema.get("type", "object") if isinstance(schema, dict) else None
+    if kind != "object":
+        raise ParamError(param, f"{param} must be the JSON Schema of an object (\"type\": \"object\"): a call's "
+                         f"arguments are one JSON object; got type {json.dumps(kind)}")
 
 
 def _parameters(schema: dict[str, Any] | None, param: str) -> dict[str, Any]:

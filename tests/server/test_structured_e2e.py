@@ -220,6 +220,13 @@ BAD = [
     ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "bad name!"}}]},
      "tools.[0].function.name", None),
     ({"messages": ASK, "tools": [WEATHER, WEATHER]}, "tools", "twice"),
+    # a tool's parameters are checked whatever the tool_choice (auto and none only show them to the model)
+    ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]},
+     "tools", "not a valid JSON Schema"),
+    ({"messages": ASK, "tool_choice": "none", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": "x"}}}]}, "tools", "not a valid JSON Schema"),
+    ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+     "tools.[0].function.parameters", "must be the JSON Schema of an object"),
     ({"messages": ASK + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
       "function": {"name": "get_weather", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "c2", "content": "9C"}],
       "tools": [WEATHER]}, "messages.[2].tool_call_id", "c2"),
@@ -265,3 +272,24 @@ def test_auto_tool_calls_are_parsed_from_the_models_markup(client):
     s = streamed(client, **kw)[0]
     assert s["content"] == c.message.content and s["finish"] == "tool_calls"
     assert [(v["name"], v["arguments"]) for v in s["calls"].values()] == [("get_weather", call.function.arguments)]
+
+
+def test_a_tool_round_trip_shows_the_model_its_own_calls(client, server):
+    """The SDK's tool loop: the assistant message that called a tool (content None) goes back with the
+    tool's result. The default model's template reads no `tool_calls` (it would render that turn empty,
+    or fail on the None), so the server writes the call in the Hermes markup its tool prompt asks for,
+    and the result in a <tool_response> block: the model sees which call the result answers."""
+    first = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=200, seed=5,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = first.choices[0].message.tool_calls
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18C, sunny"},
+    ]
+    again = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=8)
+    assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    ids = httpx.post(server.url + "/tokenize", json={"messages": history, "tools": [WEATHER]}, timeout=60).json()
+    text = httpx.post(server.url + "/detokenize", json={"tokens": ids["tokens"]}, timeout=60).json()["prompt"]
+    written = json.dumps({"name": "get_weather", "arguments": json.loads(call.function.arguments)}, ensure_ascii=False)
+    assert f"<tool_call>\n{written}\n</tool_call>" in text, text[-600:]
+    assert "<tool_response>\n18C, sunny\n</tool_response>" in text, text[-600:]
