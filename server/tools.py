@@ -24,6 +24,7 @@ Forced calls thus come back valid even from a small model, whatever markup its t
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,7 +56,7 @@ class ToolPlan:
     tools: list[dict[str, Any]] | None = None
     system: str | None = None
     structured: StructuredOutput | None = None
-    new_parser: Callable[[], ToolParser | NamedToolCall | RequiredToolCalls] | None = None
+    new_parser: Callable[[], MergedDeltas | RequiredToolCalls] | None = None
 
 
 def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto") -> ToolPlan:
@@ -80,7 +81,7 @@ def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto")
                              f"among tools ({', '.join(names)})")
         fn = tools[names.index(choice.function.name)].function
         params = _parameters(fn.parameters, f"tools.[{names.index(fn.name)}].function.parameters")
-        return ToolPlan(rendered, None, schema_output(params, "tool_choice"), lambda: NamedToolCall(fn.name))
+        return ToolPlan(rendered, None, schema_output(params, "tool_choice"), lambda: MergedDeltas(NamedToolCall(fn.name)))
     if choice == "required":
         items = [{"type": "object", "properties": {
                       "name": {"const": t.function.name},
@@ -177,11 +178,11 @@ def _parameters(schema: dict[str, Any] | None, param: str) -> dict[str, Any]:
     return schema
 
 
-def _parser(name: str, parallel: bool | None) -> Callable[[], Any]:
+def _parser(name: str, parallel: bool | None) -> Callable[[], MergedDeltas]:
     cls = TOOL_PARSERS[name]
     if parallel is False:
-        return lambda: FirstCallOnly(cls())
-    return cls
+        return lambda: MergedDeltas(FirstCallOnly(cls()))
+    return lambda: MergedDeltas(cls())
 
 
 class NamedToolCall:
@@ -211,33 +212,107 @@ class NamedToolCall:
 
 
 class RequiredToolCalls:
-    """tool_choice "required": the output is a JSON array of {"name", "parameters"}; the calls are
-    sent once the array is complete (a cut-off array is left as content)."""
+    """tool_choice "required": the output is a JSON array of {"name", "parameters"} objects (the grammar
+    writes the keys in that order). Each call is sent as it is written: its id and name once its name
+    is complete, then its arguments (the `parameters` object's text) as they come. A reply cut off by
+    max_tokens thus ends with the calls begun so far, the last one's arguments partial, as a named
+    tool_choice's does; nothing of the array's own syntax ever reaches the content."""
+
+    _HEAD = re.compile(r'\s*\}?\s*[\[,]\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"parameters"\s*:\s*')
 
     def __init__(self, new_id: Callable[[], str] = default_call_id) -> None:
         self._new_id = new_id
-        self._text = ""
+        self._pending = ""  # text not consumed yet: a call's head still incomplete, or the array's tail
+        self._in_args = False
+        self._depth, self._in_string, self._escaped = 0, False, False
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        self._text += text
-        return "", []
+        self._pending += text
+        out: list[ToolCallDelta] = []
+        while self._pending:
+            if not self._in_args:
+                head = self._HEAD.match(self._pending)
+                if head is None:  # wait for more (or the array's closing "}]", which is dropped)
+                    break
+                self.calls.append(ToolCall(self._new_id(), head.group(1), ""))
+                out.append(ToolCallDelta(len(self.calls) - 1, self.calls[-1].id, head.group(1), ""))
+                self._pending = self._pending[head.end():]
+                self._in_args, self._depth, self._in_string, self._escaped = True, 0, False, False
+                continue
+            if not self.calls[-1].arguments:  # the object's text starts at its "{", wherever the pieces split
+                self._pending = self._pending.lstrip()
+                if not self._pending:
+                    break
+            end = self._arguments_end(self._pending)
+            piece = self._pending if end is None else self._pending[:end]
+            self.calls[-1].arguments += piece
+            out.append(ToolCallDelta(len(self.calls) - 1, arguments=piece))
+            self._pending = self._pending[len(piece):]
+            if end is None:
+                break
+            self._in_args = False
+        return "", merge_deltas(out)
+
+    def _arguments_end(self, text: str) -> int | None:
+        """Where the parameters object closes in `text` (the index after its "}"), or None: the JSON
+        nesting is followed across pieces, strings and their escapes included."""
+        for i, ch in enumerate(text):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return i + 1
+        return None
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        try:
-            items = json.loads(self._text)
-            self.calls = [ToolCall(self._new_id(), item["name"], json.dumps(item["parameters"], ensure_ascii=False))
-                          for item in items]
-        except (ValueError, TypeError, KeyError):
-            return self._text, []
-        out = []
-        for i, c in enumerate(self.calls):
-            out += [ToolCallDelta(i, c.id, c.name, ""), ToolCallDelta(i, arguments=c.arguments)]
-        return "", out
+        return "", []
 
     @property
     def tool_calls(self) -> list[ToolCall]:
         return self.calls
+
+
+def merge_deltas(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """Consecutive pieces of the same call as one (OpenAI sends one entry per call index in a chunk; a
+    client reading `tool_calls[0]` of a chunk would miss the rest)."""
+    out: list[ToolCallDelta] = []
+    for d in deltas:
+        if out and out[-1].index == d.index and d.id is None and d.name is None:
+            last = out[-1]
+            out[-1] = ToolCallDelta(last.index, last.id, last.name, last.arguments + d.arguments)
+        else:
+            out.append(d)
+    return out
+
+
+class MergedDeltas:
+    """A tool parser whose deltas come merged (`merge_deltas`), whichever parser it wraps."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        content, deltas = self.inner.feed(text)
+        return content, merge_deltas(deltas)
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        content, deltas = self.inner.finish()
+        return content, merge_deltas(deltas)
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self.inner.tool_calls
 
 
 class FirstCallOnly:

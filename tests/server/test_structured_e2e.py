@@ -293,3 +293,30 @@ def test_a_tool_round_trip_shows_the_model_its_own_calls(client, server):
     written = json.dumps({"name": "get_weather", "arguments": json.loads(call.function.arguments)}, ensure_ascii=False)
     assert f"<tool_call>\n{written}\n</tool_call>" in text, text[-600:]
     assert "<tool_response>\n18C, sunny\n</tool_response>" in text, text[-600:]
+
+
+def test_required_calls_stream_as_written_and_a_cut_off_one_stays_a_call(client):
+    """tool_choice "required": each call streams as the model writes it (its arguments in several pieces),
+    one entry per call in a chunk; cut off by max_tokens, the reply ends with the call begun, its
+    arguments partial, and nothing of the grammar's array in the content."""
+    note = {"type": "function", "function": {"name": "write_note", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+    ask = [{"role": "user", "content": "Write a long note about the history of Rome."}]
+    r = client.chat.completions.create(model=MODEL, messages=ask, tools=[note], tool_choice="required", max_tokens=40,
+                                       temperature=0)
+    c = r.choices[0]
+    assert c.finish_reason == "length" and not c.message.content, c
+    (call,) = c.message.tool_calls
+    assert call.function.name == "write_note" and call.function.arguments.startswith('{"text": "'), call
+    pieces, calls = [], {}
+    for chunk in client.chat.completions.create(model=MODEL, messages=ask, tools=[note], tool_choice="required",
+                                                max_tokens=40, temperature=0, stream=True):
+        for ch in chunk.choices:
+            assert not ch.delta.content
+            entries = ch.delta.tool_calls or []
+            assert len({e.index for e in entries}) == len(entries), entries  # one entry per call
+            for e in entries:
+                calls.setdefault(e.index, "")
+                calls[e.index] += e.function.arguments or ""
+                pieces.append(e.function.arguments)
+    assert calls == {0: call.function.arguments} and len([p for p in pieces if p]) > 3, pieces
