@@ -106,6 +106,49 @@ def check_valid_schema(schema: Any, param: str) -> None:
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path) or "(root)"
         raise ParamError(_top(param), f"{param} is not a valid JSON Schema at {where}: {e.message}") from None
+    _check_refs(schema, param)
+
+
+_MISSING = object()
+
+
+def _resolve(root: Any, ref: str) -> Any:
+    """The subschema a local `$ref` ("#", "#/$defs/a", JSON-pointer escapes) points at, or _MISSING."""
+    node = root
+    for part in ref[2:].split("/") if ref.startswith("#/") else ([] if ref == "#" else [None]):
+        if part is None:
+            return _MISSING
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return _MISSING
+    return node
+
+
+def _check_refs(schema: Any, param: str) -> None:
+    """Every local `$ref` points at a subschema, and no chain of bare references comes back to where it
+    started: such a schema matches no JSON value at all, and the grammar built from it would let the
+    model say nothing (an empty reply reported as finished)."""
+    bare = lambda n: isinstance(n, dict) and isinstance(n.get("$ref"), str) and not (  # noqa: E731
+        set(n) - ANNOTATIONS - {"$ref", "$defs", "definitions"})
+    for path, node in _schemas(schema, ""):
+        ref, seen, target = node.get("$ref"), {id(node)}, node
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            continue
+        while True:
+            r = target["$ref"]
+            target = _resolve(schema, r)
+            if target is _MISSING:
+                raise ParamError(_top(param), f"{param}: the $ref '{r}' (at {path or '/'}) points at nothing in the schema")
+            if id(target) in seen:
+                raise ParamError(_top(param), f"{param}: the $ref at {path or '/'} leads back to itself through "
+                                 "references alone, so no JSON value matches; give the schema some structure")
+            seen.add(id(target))
+            if not bare(target) or not str(target["$ref"]).startswith("#"):
+                break
 
 
 def check_json_schema(schema: Any, param: str) -> None:

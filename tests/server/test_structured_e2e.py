@@ -208,6 +208,12 @@ BAD = [
     ({"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "strin"}}}}, "response_format", "not a valid JSON Schema"),
     ({"messages": ASK, "response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
+    ({"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}}}, "response_format", "leads back to itself"),
+    ({"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}}}}}, "response_format", "points at nothing"),
+    ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}]}, "tools", "points at nothing"),
     ({"messages": ASK, "response_format": {"type": "xml"}}, "response_format.type", None),
     ({"messages": ASK, "extra_field": 1, "regex": "(", "response_format": None}, "regex", "regular expression"),
     ({"messages": ASK, "ebnf": "root ::= undefined"}, "ebnf", "undefined"),
