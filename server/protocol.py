@@ -301,6 +301,19 @@ class ChatInput(_Body):
     parallel_tool_calls: StrictBool | None = True
     # variables for the chat template (vLLM/SGLang's extension), e.g. {"enable_thinking": false} for Qwen3
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's deprecated forms of tools / tool_choice: refused rather than ignored (the functions would be
+    # dropped without a word, and the model answer as if it had none)
+    functions: Any = None
+    function_call: Any = None
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _deprecated_functions(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            new = {"functions": "tools: [{\"type\": \"function\", \"function\": {...}}]",
+                   "function_call": "tool_choice"}[info.field_name]
+            raise _invalid(f"{info.field_name} is the deprecated form of {new.split(':')[0]}; send {new} instead")
+        return value
 
     def openai_messages(self) -> list[dict[str, Any]]:
         """Messages in OpenAI's shape with text content joined (None kept for an assistant message

@@ -218,6 +218,8 @@ def test_stop_token_ids_end_the_completion(server, client, tok):
         ({}, 400, "messages", None),
         ({"messages": MSG, "max_tokens": 100000}, 400, None, "context_length_exceeded"),
         ({"messages": MSG, "model": "not-this-one"}, 404, "model", "model_not_found"),
+        ({"messages": MSG, "functions": [{"name": "f", "parameters": {"type": "object"}}]}, 400, "functions", None),
+        ({"messages": MSG, "function_call": "auto"}, 400, "function_call", None),
     ],
 )
 def test_bad_requests_get_openai_errors(server, body, status, param, code):
