@@ -5,44 +5,94 @@ Built by `serving`, read by the serializers in `responses`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 from engine.messages import FINISH_STOP, RequestOutput, TokenLogprob
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
+class ShownLogprob(NamedTuple):
+    """A token's logprob, released once its text is sent; `offset`: where that text starts in the choice's
+    generated text (for the completions API's `text_offset`)."""
+
+    lp: TokenLogprob
+    offset: int
+
+
+class _Pending(NamedTuple):
+    lp: TokenLogprob
+    start: int  # the token's text in the detokenized stream, before stop strings: [start, end)
+    end: int
+
+
 @dataclasses.dataclass
 class ChoiceText:
-    """Text of one choice as it streams: detokenized, stop strings applied, held back while unsure."""
+    """Text of one choice as it streams: detokenized, stop strings applied, held back while unsure.
+
+    Logprobs go out with the text of their tokens, not ahead of it: a token is released once all of its
+    text has been sent, and when a stop string cuts the text, the tokens that begin at or after the cut
+    (the stop string's and any past it) are dropped with it, as llama.cpp's server does, so the logprobs
+    describe the text the client gets."""
 
     detok: IncrementalDetokenizer
     stops: StopStringMatcher
     stop_token_ids: frozenset[int] = frozenset()  # the request's (and EOS, when special tokens show): a final one is left out of the text
     token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    logprobs: list[ShownLogprob] = dataclasses.field(default_factory=list)
     completion_tokens: int = 0
     finish_reason: str | None = None
+    _produced: int = 0  # characters out of the detokenizer so far
+    _sent: int = 0  # characters out of the stop-string matcher so far (the text the client has)
+    _pending: collections.deque[_Pending] = dataclasses.field(default_factory=collections.deque)
 
-    def feed(self, out: RequestOutput) -> tuple[str, list[int], list[TokenLogprob]]:
-        """New text, ids and logprobs of this delta (text may lag behind ids while held back)."""
+    def feed(self, out: RequestOutput) -> tuple[str, list[int], list[ShownLogprob]]:
+        """New text, ids and the logprobs released with this text (text may lag behind ids while held back)."""
         if self.finish_reason is not None:
             return "", [], []
         ids = out.new_token_ids
+        shown = len(ids)
         if out.finish_reason == FINISH_STOP and ids and ids[-1] in self.stop_token_ids:
-            ids = ids[:-1]  # as vLLM: the id stays in token_ids and usage, its text is not shown
-        text, hit = self.stops.feed(self.detok.add(ids))
+            shown -= 1  # as vLLM: the id stays in token_ids, usage and logprobs; its text is not shown
+        lps = out.logprobs or []
+        pieces = []
+        for k, token in enumerate(ids):  # one id at a time: where each token's text starts and ends
+            start = self._produced
+            if k < shown:
+                piece = self.detok.add((token,))
+                self._produced += len(piece)
+                pieces.append(piece)
+            if k < len(lps):
+                self._pending.append(_Pending(lps[k], start, self._produced))
+        text, hit = self.stops.feed("".join(pieces))
         if not hit and out.finish_reason is not None:
             tail, hit = self.stops.feed(self.detok.flush())
             text += tail if hit else tail + self.stops.flush()
-        self.token_ids += out.new_token_ids
-        self.logprobs += out.logprobs or []
+        self._sent += len(text)
+        self.token_ids += ids
         self.completion_tokens = out.completion_tokens
         if hit:
             self.finish_reason = "stop"
         elif out.finish_reason is not None:
             self.finish_reason = "length" if out.finish_reason == "length" else "stop"
-        return text, list(out.new_token_ids), list(out.logprobs or [])
+        released = self._release(hit)
+        self.logprobs += released
+        return text, list(ids), released
+
+    def _release(self, hit: bool) -> list[ShownLogprob]:
+        pending, out = self._pending, []
+        if self.finish_reason is None:
+            # all its text sent; a token with no text of its own yet (the first bytes of a character)
+            # waits until the text after it goes
+            while pending and (pending[0].end < self._sent or pending[0].start < pending[0].end == self._sent):
+                p = pending.popleft()
+                out.append(ShownLogprob(p.lp, p.start))
+        else:  # the end: what the text shows goes; after a stop string's cut, nothing past it
+            out = [ShownLogprob(p.lp, p.start) for p in pending if not hit or p.start < self._sent]
+            pending.clear()
+        return out
 
 
 @dataclasses.dataclass

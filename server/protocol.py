@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationInfo
-from pydantic import field_validator, model_serializer, model_validator
+from pydantic import PrivateAttr, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 from scheduler.sampling_params import TOP_K_ALL, ParamError, SamplingParams
@@ -540,7 +540,25 @@ class _Response(BaseModel):
     @model_serializer(mode="wrap")
     def _omit_nulls(self, handler: Any) -> dict[str, Any]:
         data = handler(self)
-        return {k: v for k, v in data.items() if v is not None or k in self.keep_null}
+        kept = self._nulls_kept()
+        return {k: v for k, v in data.items() if v is not None or k in kept}
+
+    def _nulls_kept(self) -> frozenset[str]:
+        return self.keep_null
+
+
+class _StreamChunk(_Response):
+    """A streamed chunk. With `stream_options.include_usage` (`usage_null(True)`) every chunk carries
+    `usage`, null until the last one, which has the totals, as OpenAI streams it."""
+
+    _usage_null: bool = PrivateAttr(default=False)
+
+    def usage_null(self, on: bool) -> _StreamChunk:
+        self._usage_null = on
+        return self
+
+    def _nulls_kept(self) -> frozenset[str]:
+        return self.keep_null | {"usage"} if self._usage_null else self.keep_null
 
 
 class PromptTokensDetails(_Response):
@@ -666,13 +684,13 @@ class ChatCompletionChunkChoice(_Response):
     token_ids: list[int] | None = None  # ids of this delta
 
 
-class ChatCompletionChunk(_Response):
+class ChatCompletionChunk(_StreamChunk):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatCompletionChunkChoice]
-    usage: UsageInfo | None = None  # only on the final chunk (`choices: []`) with include_usage
+    usage: UsageInfo | None = None  # the final chunk's (`choices: []`) with include_usage; null before it
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None  # first chunk, with return_token_ids
 
@@ -698,7 +716,7 @@ class CompletionResponse(_Response):
     prompt_token_ids: list[int] | None = None  # single-prompt requests, with return_token_ids
 
 
-class CompletionChunk(_Response):
+class CompletionChunk(_StreamChunk):
     """Streamed completions share the response's object name ("text_completion"), as OpenAI does."""
 
     id: str

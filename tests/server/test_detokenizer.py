@@ -24,6 +24,8 @@ from models.loader.tokenizer import (
     load_hf_tokenizer,
     tokenizer_from_gguf_metadata,
 )
+from engine.messages import RequestOutput, TokenLogprob
+from server.choices import ChoiceText
 from server.detokenizer import MAX_HELD_TOKENS, IncrementalDetokenizer, StopStringMatcher
 
 TEXTS = [
@@ -335,3 +337,44 @@ def test_detokenizer_then_stop_strings(smollm: TokenizerBundle) -> None:
             out.append(piece + ("" if hit else matcher.flush()))
         assert "".join(out) == want and hit == (stop != "absent")
         assert not any("\ufffd" in p for p in out)
+
+
+def test_choice_logprobs_go_out_with_their_text(byte_level: TokenizerBundle) -> None:
+    """`ChoiceText` releases a token's logprob once its text is sent, with where that text starts; a
+    stop string drops the tokens that begin at or after its cut. Oracle: each token's start from the
+    UTF-8 bytes of the text (the characters wholly before the token's first byte), and a brute-force
+    search for the stop string."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    for n in range(24):
+        text = rng.choice(TEXTS)
+        ids = byte_level.encode(text, add_special_tokens=False)
+        data, at, starts, ends = text.encode(), 0, [], []
+        for token in ids:
+            starts.append(len(data[:at].decode("utf-8", "ignore")))
+            at += len(byte_level.token_bytes(token))
+            ends.append(len(data[:at].decode("utf-8", "ignore")))
+        assert at == len(data)
+        stop = ""
+        if n % 3:  # a stop string, some of them straddling tokens and characters
+            pos = rng.randrange(len(text) - 4)
+            stop = text[pos : pos + rng.randint(1, 4)]
+        cut = text.index(stop) if stop else len(text)
+        choice = ChoiceText(IncrementalDetokenizer(byte_level), StopStringMatcher([stop]))
+        sent, released, k = "", [], 0
+        while k < len(ids) and choice.finish_reason is None:
+            step = rng.choice([1, 1, 2, 3, 5])
+            chunk = ids[k : k + step]
+            lps = [TokenLogprob(t, -float(k + j)) for j, t in enumerate(chunk)]  # the logprob says the position
+            k += len(chunk)
+            out = RequestOutput("r", 0, chunk, lps, finish_reason="length" if k >= len(ids) else None,
+                                completion_tokens=k)
+            piece, _, shown = choice.feed(out)
+            sent += piece
+            for s in shown:  # all of a token's text is out before its logprob
+                assert ends[int(-s.lp.logprob)] <= len(sent) or choice.finish_reason is not None, (seed, text, stop)
+            released += shown
+        assert sent == text[:cut], (seed, text, stop)
+        want = [(p, starts[p]) for p in range(len(ids)) if starts[p] < cut]
+        assert [(int(-s.lp.logprob), s.offset) for s in released] == want, (seed, text, stop)
+        assert choice.logprobs == released

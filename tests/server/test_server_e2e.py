@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import shutil
 import subprocess
 import time
@@ -122,6 +123,12 @@ def test_stream_wire_format(server):
     assert "prompt_token_ids" in payloads[0]
     streamed_ids = [t for p in payloads for c in p["choices"] for t in c.get("token_ids") or []]
     assert len(streamed_ids) == payloads[-1]["usage"]["completion_tokens"]
+    assert all("usage" in p and p["usage"] is None for p in payloads[:-1])  # OpenAI: null until the last
+    for path, body in (("/v1/chat/completions", {"messages": MSG}), ("/v1/completions", {"prompt": "The sea"})):
+        with httpx.stream("POST", server.url + path, headers={"Authorization": f"Bearer {KEY}"},
+                          json={**body, "max_tokens": 3, "stream": True}, timeout=60) as resp:
+            plain = [json.loads(line[6:]) for line in resp.iter_lines() if line and line != "data: [DONE]"]
+        assert plain and all("usage" not in p for p in plain)  # not asked for: not there
 
 
 def test_completions_prompt_forms_echo_logprobs_n(server, client, tok):
@@ -155,6 +162,92 @@ def test_chat_logprobs(server, client):
     content = r.choices[0].logprobs.content
     assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
     assert "".join(c.token for c in content) == r.choices[0].message.content
+
+
+def _bytes_of(tok, *pieces: bytes) -> list[int]:
+    return [i for i in range(tok.tokenizer.get_vocab_size()) if tok.token_bytes(i) in pieces]
+
+
+def test_logprob_bytes_are_the_tokens_own(server, tok):
+    """A byte-level token may hold part of a character (its text alone is U+FFFD): `bytes` are the
+    token's own bytes, so that joined they spell the reply. The tokens of "中" (E4 B8 AD) are pushed
+    with logit_bias so that partial characters come out."""
+    parts = _bytes_of(tok, b"\xe4", b"\xb8", b"\xad")
+    assert len(parts) == 3
+    body = {"messages": MSG, "max_tokens": 24, "temperature": 1.0, "seed": random.randrange(2**31), "logprobs": True,
+            "top_logprobs": 3, "ignore_eos": True, "return_token_ids": True, "logit_bias": {str(i): 8 for i in parts}}
+    choice = post(server, "/v1/chat/completions", body).json()["choices"][0]
+    content, ids = choice["logprobs"]["content"], choice["token_ids"]
+    assert [c["bytes"] for c in content] == [list(tok.token_bytes(i)) for i in ids]
+    assert any(c["token"] == "\ufffd" and len(c["bytes"]) == 1 for c in content), content
+    assert bytes(b for c in content for b in c["bytes"]).decode("utf-8", "replace") == choice["message"]["content"]
+    tops = [top for c in content for top in c["top_logprobs"]]
+    assert all(top["bytes"] == list(top["token"].encode()) for top in tops if "\ufffd" not in top["token"])
+
+
+def test_completion_top_logprobs_list_the_chosen_token(server, client):
+    """As OpenAI and vLLM do: the sampled token is in its position's top_logprobs, even when it is not
+    among the `logprobs` most likely (then the dict has one more entry)."""
+    r = client.completions.create(model=server_model_id(server), prompt="The sea is", max_tokens=16, temperature=2.0,
+                                  seed=random.randrange(2**31), logprobs=1, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    for token, top, value in zip(lp.tokens, lp.top_logprobs, lp.token_logprobs, strict=True):
+        assert token in top and 1 <= len(top) <= 2
+        if token != "\ufffd":  # several partial-character tokens share that text
+            assert abs(top[token] - value) < 1e-4
+    assert any(len(top) == 2 for top in lp.top_logprobs)  # at temperature 2 some pick is not the likeliest
+
+
+def _merged_logprobs(chunks) -> dict[str, list]:
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for c in chunks:
+        for choice in c.choices:
+            if choice.logprobs is not None:
+                for key in out:
+                    out[key] += getattr(choice.logprobs, key)
+    return out
+
+
+def test_logprobs_end_where_the_text_ends(server, client, tok):
+    """A stop string cuts the text: the logprobs end with it. Tokens that begin at or after the cut (the
+    stop string's) are not listed and every text_offset points into the text; streamed, logprobs come
+    with their text and add up to the same lists."""
+    for prompt in ("Once upon a time", "The sea is", "Mountains are", "Hello", "A story:"):
+        kw = dict(model=server_model_id(server), prompt=prompt, max_tokens=24, temperature=0, logprobs=1,
+                  extra_body={"ignore_eos": True})
+        full = client.completions.create(**kw).choices[0]
+        if "\ufffd" not in full.text:  # whole characters only: then the tokens' texts add up to the text
+            break
+    text, lp = full.text, full.logprobs
+    assert "\ufffd" not in text and "".join(lp.tokens) == text
+    assert lp.text_offset == [len("".join(lp.tokens[:k])) for k in range(len(lp.tokens))]
+    # a stop string from the last character of token j into token j + 1: token j + 1 starts past the cut
+    for j in range(len(lp.tokens) // 3, len(lp.tokens) - 2):
+        cut = lp.text_offset[j + 1] - 1
+        stop = text[cut : cut + 3]
+        if len(lp.tokens[j + 1]) >= 2 and stop.strip() and text.index(stop) == cut:
+            break
+    else:
+        pytest.fail(f"no stop string of the kind wanted in {text!r}")
+    want = {"tokens": lp.tokens[: j + 1], "token_logprobs": lp.token_logprobs[: j + 1], "text_offset": lp.text_offset[: j + 1]}
+    cut_short = client.completions.create(**kw, stop=[stop]).choices[0]
+    assert cut_short.text == text[:cut] and cut_short.finish_reason == "stop"
+    got = cut_short.logprobs
+    assert got.tokens == want["tokens"] and got.text_offset == want["text_offset"]
+    assert all(o < len(cut_short.text) for o in got.text_offset)
+    streamed = _merged_logprobs(client.completions.create(**kw, stop=[stop], stream=True))
+    assert streamed["tokens"] == want["tokens"] and streamed["text_offset"] == want["text_offset"]
+    assert streamed["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=1e-4)
+    chat = client.chat.completions.create(model=kw["model"], messages=MSG, max_tokens=16, temperature=0, logprobs=True,
+                                          extra_body={"ignore_eos": True})
+    reply = chat.choices[0].message.content
+    stop = next(reply[m : m + k] for m in range(1, len(reply)) for k in range(2, 8)
+                if reply.index(reply[m : m + k]) == m)  # a cut past the first character
+    cut_chat = client.chat.completions.create(model=kw["model"], messages=MSG, max_tokens=16, temperature=0,
+                                              logprobs=True, stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    shown, cut_at = "".join(c.token for c in cut_chat.logprobs.content), len(cut_chat.message.content)
+    assert shown.startswith(cut_chat.message.content) and reply.startswith(shown)
+    assert len(shown) - len(cut_chat.logprobs.content[-1].token) < cut_at <= len(shown)  # the last one holds the cut
 
 
 def test_stop_strings_never_leak(server, client):
