@@ -182,7 +182,10 @@ class ChatSerializer(Serializer):
         return UsageInfo.of(prompt, completion, cached, reasoning_tokens=sum(self.reasoning_tokens.values()))
 
     def finish_reason(self, reason: str | None, parser: Any) -> str | None:
-        return "tool_calls" if reason == "stop" and parser is not None and parser.tool_calls else reason
+        """"tool_calls" for a reply that called tools and stopped by itself; a call forced by a named
+        tool_choice ends with "stop", as OpenAI's (and vLLM's) do."""
+        called = reason == "stop" and parser is not None and parser.tool_calls and not self.tools.named
+        return "tool_calls" if called else reason
 
     def chat_logprobs(self, lps: list[ShownLogprob]) -> ChatChoiceLogprobs | None:
         if not self.body.logprobs:

@@ -57,6 +57,8 @@ class ToolPlan:
     system: str | None = None
     structured: StructuredOutput | None = None
     new_parser: Callable[[], MergedDeltas | RequiredToolCalls] | None = None
+    # a named tool_choice: OpenAI then ends the forced call with finish_reason "stop", not "tool_calls"
+    named: bool = False
 
 
 def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto") -> ToolPlan:
@@ -81,7 +83,8 @@ def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto")
                              f"among tools ({', '.join(names)})")
         fn = tools[names.index(choice.function.name)].function
         params = _parameters(fn.parameters, f"tools.[{names.index(fn.name)}].function.parameters")
-        return ToolPlan(rendered, None, schema_output(params, "tool_choice"), lambda: MergedDeltas(NamedToolCall(fn.name)))
+        return ToolPlan(rendered, None, schema_output(params, "tool_choice"), lambda: MergedDeltas(NamedToolCall(fn.name)),
+                        named=True)
     if choice == "required":
         items = [{"type": "object", "properties": {
                       "name": {"const": t.function.name},

@@ -165,16 +165,18 @@ def test_logprobs_are_those_of_the_constrained_distribution(client):
 
 
 def test_named_tool_choice_returns_a_valid_call(client):
+    """The forced call ends with finish_reason "stop", streamed or not, as OpenAI's does ("required"
+    and "auto" end with "tool_calls")."""
     kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=200, seed=5,
               tool_choice={"type": "function", "function": {"name": "get_weather"}})
     r = client.chat.completions.create(**kw)
     c = r.choices[0]
-    assert c.finish_reason == "tool_calls" and c.message.content is None
+    assert c.finish_reason == "stop" and c.message.content is None
     (call,) = c.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     check(WEATHER["function"]["parameters"], call.function.arguments)
     s = streamed(client, **kw)[0]
-    assert s["finish"] == "tool_calls" and s["content"] == ""
+    assert s["finish"] == "stop" and s["content"] == ""
     assert [(v["name"], v["arguments"]) for v in s["calls"].values()] == [("get_weather", call.function.arguments)]
 
 
