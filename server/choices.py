@@ -57,16 +57,19 @@ class ChoiceText:
         if out.finish_reason == FINISH_STOP and ids and ids[-1] in self.stop_token_ids:
             shown -= 1  # as vLLM: the id stays in token_ids, usage and logprobs; its text is not shown
         lps = out.logprobs or []
-        pieces = []
-        for k, token in enumerate(ids):  # one id at a time: where each token's text starts and ends
-            start = self._produced
-            if k < shown:
-                piece = self.detok.add((token,))
-                self._produced += len(piece)
-                pieces.append(piece)
-            if k < len(lps):
-                self._pending.append(_Pending(lps[k], start, self._produced))
-        text, hit = self.stops.feed("".join(pieces))
+        if lps:  # one id at a time: where each token's text starts and ends
+            pieces = []
+            for k, token in enumerate(ids):
+                start = self._produced
+                if k < shown:
+                    pieces.append(self.detok.add((token,)))
+                    self._produced += len(pieces[-1])
+                if k < len(lps):
+                    self._pending.append(_Pending(lps[k], start, self._produced))
+            new = "".join(pieces)
+        else:
+            new = self.detok.add(ids[:shown])
+        text, hit = self.stops.feed(new)
         if not hit and out.finish_reason is not None:
             tail, hit = self.stops.feed(self.detok.flush())
             text += tail if hit else tail + self.stops.flush()
@@ -77,12 +80,12 @@ class ChoiceText:
             self.finish_reason = "stop"
         elif out.finish_reason is not None:
             self.finish_reason = "length" if out.finish_reason == "length" else "stop"
-        released = self._release(hit)
+        released = self._release()
         self.logprobs += released
         return text, list(ids), released
 
-    def _release(self, hit: bool) -> list[ShownLogprob]:
-        pending, out = self._pending, []
+    def _release(self) -> list[ShownLogprob]:
+        pending, out, hit = self._pending, [], self.stops.stopped
         if self.finish_reason is None:
             # all its text sent; a token with no text of its own yet (the first bytes of a character)
             # waits until the text after it goes
