@@ -48,9 +48,11 @@ from server.responses_api import (
     InputTokensDetails,
     OutputFunctionCall,
     OutputItem,
+    OutputLogprob,
     OutputMessage,
     OutputText,
     OutputTokensDetails,
+    OutputTopLogprob,
     ReasoningItem,
     ReasoningText,
     ResponseObject,
@@ -306,8 +308,14 @@ class OutputItems:
     def reasoning(self, text: str) -> list[dict[str, Any]]:
         return self._append(text, ReasoningItem, "rs", ReasoningText, "response.reasoning_text.delta")
 
-    def text(self, text: str) -> list[dict[str, Any]]:
-        return self._append(text, OutputMessage, "msg", OutputText, "response.output_text.delta", logprobs=[])
+    def text(self, text: str, logprobs: list[OutputLogprob] | None = None) -> list[dict[str, Any]]:
+        """Answer text and the logprobs of its tokens (kept on the part, told in the delta event)."""
+        logprobs = logprobs or []
+        out = self._append(text, OutputMessage, "msg", OutputText, "response.output_text.delta",
+                           logprobs=[lp.event().model_dump() for lp in logprobs])
+        if out:
+            self.current.content[0].logprobs += logprobs  # type: ignore[union-attr]
+        return out
 
     def _append(self, text: str, kind: type, prefix: str, part: type, event: str, **extra: Any) -> list[dict[str, Any]]:
         """`text` added to the current item of `kind` (a new one, with its one content part, when the
@@ -368,8 +376,9 @@ class OutputItems:
             out += [self.event("response.reasoning_text.done", **at, content_index=0, text=text),
                     self.event("response.content_part.done", **at, content_index=0, part=item.content[0].model_dump())]
         elif isinstance(item, OutputMessage):
-            text = item.content[0].text
-            out += [self.event("response.output_text.done", **at, content_index=0, text=text, logprobs=[]),
+            text, lps = item.content[0].text, item.content[0].logprobs
+            out += [self.event("response.output_text.done", **at, content_index=0, text=text,
+                               logprobs=[lp.event().model_dump() for lp in lps]),
                     self.event("response.content_part.done", **at, content_index=0, part=item.content[0].model_dump())]
         else:
             out.append(self.event("response.function_call_arguments.done", **at, arguments=item.arguments))
@@ -397,6 +406,7 @@ class ResponsesSerializer(ChatSerializer):
         self.id = f"resp_{uuid.uuid4().hex}"
         self.sequence = 0
         self.items = OutputItems(self.event)
+        self.unplaced: list[ShownLogprob] = []  # streamed: logprobs released before any answer text of theirs went out
 
     def event(self, type_: str, **fields: Any) -> dict[str, Any]:
         event = {"type": type_, "sequence_number": self.sequence, **fields}
@@ -440,7 +450,7 @@ class ResponsesSerializer(ChatSerializer):
         split = self.split.get(0, Split())
         message, _ = self.message(split)
         self.items.reasoning(split.reasoning)
-        self.items.text(message.content or "")
+        self.items.text(message.content or "", self.message_logprobs(split, message.content or ""))
         for k, c in enumerate(message.tool_calls or ()):
             self.items.call(ToolCallDelta(k, c.id, c.function.name, c.function.arguments))
         status = self.status()
@@ -451,9 +461,36 @@ class ResponsesSerializer(ChatSerializer):
         started = self.response_object("in_progress").model_dump()
         return [self.event("response.created", response=started), self.event("response.in_progress", response=started)]
 
+    def output_logprobs(self, lps: list[ShownLogprob]) -> list[OutputLogprob]:
+        return [OutputLogprob(token=self.token_text(lp.token_id), bytes=self.token_bytes(lp.token_id), logprob=lp.logprob,
+                              top_logprobs=[OutputTopLogprob(token=self.token_text(t), bytes=self.token_bytes(t), logprob=v)
+                                            for t, v in lp.top])
+                for lp, _ in lps]
+
+    def message_logprobs(self, split: Split, content: str) -> list[OutputLogprob]:
+        """The logprobs of the tokens whose text is the message's: those starting inside the answer's span
+        of the generated text (after the reasoning; within the text the tool-call parser left, when it
+        took calls out of it)."""
+        if not self.body.logprobs or not content:
+            return []
+        generated = self.texts.get(0, "")
+        start = generated.rfind(split.content) if split.content else -1
+        start = max(start, 0)
+        end = len(generated)
+        if content != split.content and (at := generated.find(content, start)) >= 0:
+            start, end = at, at + len(content)
+        return self.output_logprobs([s for s in self.requests[0].choices[0].logprobs if start <= s.offset < end])
+
     def stream_delta(self, r, index, text, ids, lps):
         reasoning, text, deltas, _ = self.parse_delta(r, index, text, ids)
-        out = self.items.reasoning(reasoning) + self.items.text(text)
+        shown: list[ShownLogprob] = []
+        if self.body.logprobs:  # a token's logprob goes with the first answer text at or after it
+            self.unplaced += lps
+            if text:
+                shown, self.unplaced = self.unplaced, []
+            elif reasoning or deltas:  # its text was reasoning or a call's
+                self.unplaced = []
+        out = self.items.reasoning(reasoning) + self.items.text(text, self.output_logprobs(shown))
         for d in deltas:
             out += self.items.call(d)
         return out

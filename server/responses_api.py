@@ -23,8 +23,10 @@ Input items become chat messages:
 - `reasoning` items are dropped: chat messages carry no reasoning into the prompt either.
 `instructions` comes first, as a system message. `tools` (flat function tools) become chat's nested
 ones, `tool_choice {"type": "function", "name"}` chat's named choice, `text.format` `response_format`,
-`max_output_tokens` `max_tokens`. `reasoning` (effort), `include`, `truncation` and `metadata` are
-accepted (`metadata` is echoed); fields this API does not know are ignored, as on chat completions.
+`max_output_tokens` `max_tokens`, `include: ["message.output_text.logprobs"]` with `top_logprobs` chat's
+`logprobs` / `top_logprobs` (as OpenAI's API, `top_logprobs` alone asks for nothing). `reasoning`
+(effort), the other `include` values, `truncation` and `metadata` are accepted (`metadata` is echoed);
+fields this API does not know are ignored, as on chat completions.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from pydantic import model_validator
 from scheduler.sampling_params import ParamError
 from server.protocol import (
     _FUNCTION_NAME,
+    Logprob,
     ChatCompletionRequest,
     _invalid,
     _Body,
@@ -49,6 +52,8 @@ from server.protocol import (
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 _TEXT_PARTS = ("input_text", "output_text", "refusal")
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit, as chat's
 
 # ---------------------------------------------------------------- requests
 
@@ -122,6 +127,7 @@ class ResponsesRequest(_Body):
     metadata: dict[str, str] | None = None
     user: str | None = None
     include: list[str] | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # counts with INCLUDE_LOGPROBS only
     truncation: Literal["disabled", "auto"] | None = None
     # stateful features, refused by to_chat_request
     previous_response_id: str | None = None
@@ -235,6 +241,10 @@ def input_items(value: list[Any]) -> list[InputItem]:
     return items
 
 
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    return INCLUDE_LOGPROBS in (req.include or ())
+
+
 def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat completions request this Responses request is; ParamError naming the Responses field for
     what cannot be converted (stateful features, bad items, a call output that answers no call)."""
@@ -273,6 +283,9 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
             chat[field] = getattr(req, field)
     if req.max_output_tokens is not None:
         chat["max_tokens"] = req.max_output_tokens
+    if wants_logprobs(req):
+        chat["logprobs"] = True
+        chat["top_logprobs"] = req.top_logprobs or 0
     if req.tools is not None:
         chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                          for t in req.tools]
@@ -318,10 +331,43 @@ def rename_error(message: str, param: str | None) -> tuple[str, str | None]:
 # ---------------------------------------------------------------- responses
 
 
+class EventTopLogprob(_Response):
+    token: str
+    logprob: Logprob
+
+
+class EventLogprob(_Response):
+    """A token's logprob as the `response.output_text.delta` / `.done` events give it (no bytes)."""
+
+    token: str
+    logprob: Logprob
+    top_logprobs: list[EventTopLogprob] = Field(default_factory=list)
+
+
+class OutputTopLogprob(_Response):
+    token: str
+    bytes: list[int]
+    logprob: Logprob
+
+
+class OutputLogprob(_Response):
+    """A token's logprob in an `output_text` part: its bytes, and its top alternatives'."""
+
+    token: str
+    bytes: list[int]
+    logprob: Logprob
+    top_logprobs: list[OutputTopLogprob] = Field(default_factory=list)
+
+    def event(self) -> EventLogprob:
+        return EventLogprob(token=self.token, logprob=self.logprob,
+                            top_logprobs=[EventTopLogprob(token=t.token, logprob=t.logprob) for t in self.top_logprobs])
+
+
 class OutputText(_Response):
     type: Literal["output_text"] = "output_text"
     text: str = ""
     annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[OutputLogprob] = Field(default_factory=list)  # with include message.output_text.logprobs
 
 
 class OutputMessage(_Response):
@@ -401,6 +447,7 @@ class ResponseObject(_Response):
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     tool_choice: str | dict[str, Any] = "auto"
     tools: list[dict[str, Any]] = Field(default_factory=list)
+    top_logprobs: int = 0
     top_p: float | None = None
     truncation: str = "disabled"
     usage: ResponseUsage | None = None
@@ -423,5 +470,6 @@ def echoed(req: ResponsesRequest) -> dict[str, Any]:
     return {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "reasoning": req.reasoning.model_dump() if req.reasoning is not None else None,
-            "text": text, "tool_choice": choice, "tools": tools, "truncation": req.truncation or "disabled",
+            "text": text, "tool_choice": choice, "tools": tools, "top_logprobs": req.top_logprobs or 0,
+            "truncation": req.truncation or "disabled",
             "user": req.user, "metadata": dict(req.metadata or {})}

@@ -145,6 +145,39 @@ def test_cut_short_by_max_output_tokens_is_incomplete(client, dsv3):
     assert of_type(events, "response.output_item.done")[0]["item"]["status"] == "incomplete"
 
 
+def test_logprobs_are_the_chat_logprobs(client, dsv3):
+    """include message.output_text.logprobs (+ top_logprobs): the output_text part, each delta event and the
+    done event carry the logprobs chat completions gives for the same request (its hidden EOS aside: a
+    token whose text is not in the message has no place in it); without the include, none."""
+    ask = "Tell me about the sea."
+    chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": ask}], max_tokens=10,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    want = [(c.token, c.bytes, c.logprob, [(t.token, t.bytes, t.logprob) for t in c.top_logprobs])
+            for c in chat.choices[0].logprobs.content]
+    if chat.choices[0].finish_reason == "stop":  # ended by EOS: its logprob is listed, its text is not shown
+        want = want[:-1]
+    assert len(want) >= 5 and all(len(w[3]) == 3 for w in want)
+    kw = dict(model="m", input=ask, max_output_tokens=10, temperature=0, top_logprobs=3)
+    r = client.responses.create(**kw, include=["message.output_text.logprobs"])
+    part = r.output[0].content[0]
+    assert part.text == chat.choices[0].message.content and r.top_logprobs == 3
+    got = [(lp.token, lp.bytes, lp.logprob, [(t.token, t.bytes, t.logprob) for t in lp.top_logprobs])
+           for lp in part.logprobs]
+    assert got == want
+    events = sse(dsv3.url, {**kw, "include": ["message.output_text.logprobs"]})
+    no_bytes = [{"token": w[0], "logprob": w[2], "top_logprobs": [{"token": t[0], "logprob": t[2]} for t in w[3]]}
+                for w in want]
+    assert [lp for e in of_type(events, "response.output_text.delta") for lp in e["logprobs"]] == no_bytes
+    assert of_type(events, "response.output_text.done")[0]["logprobs"] == no_bytes
+    final = Response.model_validate(events[-1]["response"]).output[0].content[0]
+    assert [(lp.token, lp.bytes, lp.logprob) for lp in final.logprobs] == [w[:3] for w in want]
+    # top_logprobs alone asks for nothing, as on OpenAI's API
+    plain = client.responses.create(**kw)
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == r.output_text
+    events = sse(dsv3.url, kw)
+    assert all(e["logprobs"] == [] for e in of_type(events, "response.output_text.delta"))
+
+
 def test_instructions_and_items_render_like_chat_messages(client, dsv3):
     items = [
         {"role": "user", "content": [{"type": "input_text", "text": "Hi."}, {"type": "input_text", "text": "Who are you?"}]},
@@ -238,6 +271,7 @@ BAD = [
     ({"input": "hi", "max_output_tokens": 100000}, 400, "input", "context length"),
     ({"input": "hi", "temperature": "hot"}, 400, "temperature", None),
     ({"input": "hi", "top_p": 5.0}, 400, "top_p", None),
+    ({"input": "hi", "top_logprobs": 21}, 400, "top_logprobs", None),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools.[0].type", "web_search"),
     ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, 400, "tools.[0].name", None),
     ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, 400, "tool_choice", "nope"),
