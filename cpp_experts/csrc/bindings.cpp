@@ -109,6 +109,8 @@ py::dict info() {
   const cpx::CpuInfo& cpu = cpx::cpu_info();
   py::dict d;
   d["cpu_flags"] = cpu.flags;
+  d["cpu_vendor_amd"] = cpu.amd;
+  d["cpu_family"] = cpu.family;
   d["amx_hw"] = cpu.amx_hw;
   d["amx_usable"] = cpu.amx_usable;
   std::vector<std::string> kernels;

@@ -31,7 +31,11 @@ bool request_amx_permission() {
 CpuInfo detect() {
   CpuInfo info;
   unsigned a, b, c, d;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return info;
+  info.amd = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;  // "Auth" "enti" "cAMD"
   if (!__get_cpuid(1, &a, &b, &c, &d)) return info;
+  const int base_family = int((a >> 8) & 0xf);
+  info.family = base_family == 0xf ? base_family + int((a >> 20) & 0xff) : base_family;
   const bool osxsave = (c >> 27) & 1;
   const bool avx = (c >> 28) & 1;
   if (avx) info.flags.push_back("avx");

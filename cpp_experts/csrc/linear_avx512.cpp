@@ -10,6 +10,7 @@
 // sums fit the 32 zmm registers.
 #include <algorithm>
 
+#include "cpu.h"
 #include "linear_simd.h"
 
 namespace cpx {
@@ -17,11 +18,24 @@ namespace {
 
 using namespace lin;
 
-// Software prefetch distance along a task's weights (one contiguous run). The hardware prefetchers
-// alone leave a core short of the memory bandwidth, most on the 4-bit formats: 8 KiB ahead took Q4_1
-// at M = 1 from ~23 to ~30 GB/s with a 110 MB working set, ~5% with 256 MB (2 cores of a Sapphire
-// Rapids-class VM); 1 KiB did little, 32 KiB less than 8, the L2 hints (T1, T2) no better than T0.
-constexpr size_t kPrefetchBytes = 8192;
+// Software prefetch along a task's weights (one contiguous run): how far ahead, and into L1 (T0) or
+// L2 (T1). The hardware prefetchers alone leave a core short of the memory bandwidth, most on the 4-bit
+// formats: 8 KiB ahead into L1 took Q4_1 at M = 1 from ~23 to ~30 GB/s with a 110 MB working set, ~5%
+// with 256 MB (2 cores of a Sapphire Rapids-class VM); 1 KiB did little, 32 KiB less than 8, the L2
+// hints (T1, T2) no better than T0; on a 2-core Zen 5 VM it reads Q8_0 at 0.95 of a torch-sum read.
+// Zen 4 (AMD family 19h; Zen 3, the same family, has no AVX-512) wants it further ahead and into L2:
+// on a 2-core Zen 4 VM (M = 1, 16384 x 2048 Q8_0 from DRAM, each run against a torch-sum read right
+// before it) 8 KiB into L1 read at 0.67-0.74 of it, no prefetch 0.57-0.61, 8 KiB into L2 0.77-0.84,
+// 16 KiB into L2 0.82-0.92 (32 and 64 KiB no better), T2 and NTA below T1; DeepSeek-V2-Lite-shaped
+// decode went from ~32 to ~39 tokens/s (Q8_0) and ~39 to ~52 (Q4_K_M), two interleaved runs each.
+struct Prefetch {
+  size_t bytes;
+  bool l2;
+};
+const Prefetch kPrefetch = [] {
+  const CpuInfo& cpu = cpu_info();
+  return cpu.amd && cpu.family == 0x19 ? Prefetch{16384, true} : Prefetch{8192, false};
+}();
 
 template <LinFormat F, int R, int TT>
 CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc) {
@@ -50,7 +64,13 @@ CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
 
   for (int sb = 0; sb < w.nsb; ++sb) {
     const uint8_t* ws = w0 + size_t(sb) * kGroupRowblocks * sbs;
-    for (size_t o = 0; o < R * sbs; o += 64) _mm_prefetch(reinterpret_cast<const char*>(ws + kPrefetchBytes + o), _MM_HINT_T0);
+    for (size_t o = 0; o < R * sbs; o += 64) {
+      const char* p = reinterpret_cast<const char*>(ws + kPrefetch.bytes + o);
+      if (kPrefetch.l2)
+        _mm_prefetch(p, _MM_HINT_T1);
+      else
+        _mm_prefetch(p, _MM_HINT_T0);
+    }
     __m512 dsup[R], msup[R];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,6 +126,22 @@ def test_env_var_forces_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLASERVE_CPP_EXPERTS_THREADS", "1")
     assert cpp_experts.info()["num_threads"] == 1
     assert os.environ["MLASERVE_CPP_EXPERTS_THREADS"] == "1"
+
+
+def test_cpu_vendor_and_family_match_the_kernels_report() -> None:
+    """What CPUID gave the extension (its prefetch plan depends on it) is what Linux reports."""
+    import cpp_experts
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo to compare with")
+    fields = dict(line.split(":", 1) for line in cpuinfo.read_text().splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    if "cpu family" not in fields:
+        pytest.skip("/proc/cpuinfo names no cpu family (not x86)")
+    inf = cpp_experts.info()
+    assert inf["cpu_family"] == int(fields["cpu family"])
+    assert inf["cpu_vendor_amd"] == (fields.get("vendor_id") == "AuthenticAMD")
 
 
 def test_info_and_memory() -> None:
