@@ -48,11 +48,9 @@ from server.responses_api import (
     InputTokensDetails,
     OutputFunctionCall,
     OutputItem,
-    OutputLogprob,
     OutputMessage,
     OutputText,
     OutputTokensDetails,
-    OutputTopLogprob,
     ReasoningItem,
     ReasoningText,
     ResponseObject,
@@ -189,15 +187,16 @@ class ChatSerializer(Serializer):
         called = reason == "stop" and parser is not None and parser.tool_calls and not self.tools.named
         return "tool_calls" if called else reason
 
+    def token_logprobs(self, lps: list[ShownLogprob]) -> list[ChatTokenLogprob]:
+        """Each token's text, bytes and logprob, and its alternatives' (chat's shape; the Responses API's
+        output_text part has the same)."""
+        return [ChatTokenLogprob(token=self.token_text(lp.token_id), logprob=lp.logprob, bytes=self.token_bytes(lp.token_id),
+                                 top_logprobs=[TopLogprob(token=self.token_text(t), logprob=v, bytes=self.token_bytes(t))
+                                               for t, v in lp.top])
+                for lp, _ in lps]
+
     def chat_logprobs(self, lps: list[ShownLogprob]) -> ChatChoiceLogprobs | None:
-        if not self.body.logprobs:
-            return None
-        content = []
-        for lp, _ in lps:
-            top = [TopLogprob(token=self.token_text(t), logprob=v, bytes=self.token_bytes(t)) for t, v in lp.top]
-            content.append(ChatTokenLogprob(token=self.token_text(lp.token_id), logprob=lp.logprob,
-                                            bytes=self.token_bytes(lp.token_id), top_logprobs=top))
-        return ChatChoiceLogprobs(content=content)
+        return ChatChoiceLogprobs(content=self.token_logprobs(lps)) if self.body.logprobs else None
 
     def message(self, split: Split) -> tuple[ChatResponseMessage, Any]:
         """The whole message of a choice: its reasoning apart, its answer through a fresh tool-call parser
@@ -308,11 +307,11 @@ class OutputItems:
     def reasoning(self, text: str) -> list[dict[str, Any]]:
         return self._append(text, ReasoningItem, "rs", ReasoningText, "response.reasoning_text.delta")
 
-    def text(self, text: str, logprobs: list[OutputLogprob] | None = None) -> list[dict[str, Any]]:
+    def text(self, text: str, logprobs: list[ChatTokenLogprob] | None = None) -> list[dict[str, Any]]:
         """Answer text and the logprobs of its tokens (kept on the part, told in the delta event)."""
         logprobs = logprobs or []
         out = self._append(text, OutputMessage, "msg", OutputText, "response.output_text.delta",
-                           logprobs=[lp.event().model_dump() for lp in logprobs])
+                           logprobs=_event_logprobs(logprobs))
         if out:
             self.current.content[0].logprobs += logprobs  # type: ignore[union-attr]
         return out
@@ -378,12 +377,18 @@ class OutputItems:
         elif isinstance(item, OutputMessage):
             text, lps = item.content[0].text, item.content[0].logprobs
             out += [self.event("response.output_text.done", **at, content_index=0, text=text,
-                               logprobs=[lp.event().model_dump() for lp in lps]),
+                               logprobs=_event_logprobs(lps)),
                     self.event("response.content_part.done", **at, content_index=0, part=item.content[0].model_dump())]
         else:
             out.append(self.event("response.function_call_arguments.done", **at, arguments=item.arguments))
         out.append(self.event("response.output_item.done", output_index=index, item=item.model_dump()))
         return out
+
+
+def _event_logprobs(lps: list[ChatTokenLogprob]) -> list[dict[str, Any]]:
+    """Logprobs as the output_text delta and done events give them: no bytes."""
+    return [{"token": lp.token, "logprob": lp.logprob,
+             "top_logprobs": [{"token": t.token, "logprob": t.logprob} for t in lp.top_logprobs]} for lp in lps]
 
 
 def _item_id(prefix: str) -> str:
@@ -461,25 +466,17 @@ class ResponsesSerializer(ChatSerializer):
         started = self.response_object("in_progress").model_dump()
         return [self.event("response.created", response=started), self.event("response.in_progress", response=started)]
 
-    def output_logprobs(self, lps: list[ShownLogprob]) -> list[OutputLogprob]:
-        return [OutputLogprob(token=self.token_text(lp.token_id), bytes=self.token_bytes(lp.token_id), logprob=lp.logprob,
-                              top_logprobs=[OutputTopLogprob(token=self.token_text(t), bytes=self.token_bytes(t), logprob=v)
-                                            for t, v in lp.top])
-                for lp, _ in lps]
-
-    def message_logprobs(self, split: Split, content: str) -> list[OutputLogprob]:
+    def message_logprobs(self, split: Split, content: str) -> list[ChatTokenLogprob]:
         """The logprobs of the tokens whose text is the message's: those starting inside the answer's span
         of the generated text (after the reasoning; within the text the tool-call parser left, when it
         took calls out of it)."""
         if not self.body.logprobs or not content:
             return []
         generated = self.texts.get(0, "")
-        start = generated.rfind(split.content) if split.content else -1
-        start = max(start, 0)
-        end = len(generated)
+        start, end = max(generated.rfind(split.content), 0), len(generated)
         if content != split.content and (at := generated.find(content, start)) >= 0:
             start, end = at, at + len(content)
-        return self.output_logprobs([s for s in self.requests[0].choices[0].logprobs if start <= s.offset < end])
+        return self.token_logprobs([s for s in self.requests[0].choices[0].logprobs if start <= s.offset < end])
 
     def stream_delta(self, r, index, text, ids, lps):
         reasoning, text, deltas, _ = self.parse_delta(r, index, text, ids)
@@ -490,7 +487,7 @@ class ResponsesSerializer(ChatSerializer):
                 shown, self.unplaced = self.unplaced, []
             elif reasoning or deltas:  # its text was reasoning or a call's
                 self.unplaced = []
-        out = self.items.reasoning(reasoning) + self.items.text(text, self.output_logprobs(shown))
+        out = self.items.reasoning(reasoning) + self.items.text(text, self.token_logprobs(shown))
         for d in deltas:
             out += self.items.call(d)
         return out

@@ -41,8 +41,8 @@ from pydantic import model_validator
 from scheduler.sampling_params import ParamError
 from server.protocol import (
     _FUNCTION_NAME,
-    Logprob,
     ChatCompletionRequest,
+    ChatTokenLogprob,
     _invalid,
     _Body,
     _Request,
@@ -241,10 +241,6 @@ def input_items(value: list[Any]) -> list[InputItem]:
     return items
 
 
-def wants_logprobs(req: ResponsesRequest) -> bool:
-    return INCLUDE_LOGPROBS in (req.include or ())
-
-
 def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat completions request this Responses request is; ParamError naming the Responses field for
     what cannot be converted (stateful features, bad items, a call output that answers no call)."""
@@ -283,7 +279,7 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
             chat[field] = getattr(req, field)
     if req.max_output_tokens is not None:
         chat["max_tokens"] = req.max_output_tokens
-    if wants_logprobs(req):
+    if INCLUDE_LOGPROBS in (req.include or ()):
         chat["logprobs"] = True
         chat["top_logprobs"] = req.top_logprobs or 0
     if req.tools is not None:
@@ -331,43 +327,11 @@ def rename_error(message: str, param: str | None) -> tuple[str, str | None]:
 # ---------------------------------------------------------------- responses
 
 
-class EventTopLogprob(_Response):
-    token: str
-    logprob: Logprob
-
-
-class EventLogprob(_Response):
-    """A token's logprob as the `response.output_text.delta` / `.done` events give it (no bytes)."""
-
-    token: str
-    logprob: Logprob
-    top_logprobs: list[EventTopLogprob] = Field(default_factory=list)
-
-
-class OutputTopLogprob(_Response):
-    token: str
-    bytes: list[int]
-    logprob: Logprob
-
-
-class OutputLogprob(_Response):
-    """A token's logprob in an `output_text` part: its bytes, and its top alternatives'."""
-
-    token: str
-    bytes: list[int]
-    logprob: Logprob
-    top_logprobs: list[OutputTopLogprob] = Field(default_factory=list)
-
-    def event(self) -> EventLogprob:
-        return EventLogprob(token=self.token, logprob=self.logprob,
-                            top_logprobs=[EventTopLogprob(token=t.token, logprob=t.logprob) for t in self.top_logprobs])
-
-
 class OutputText(_Response):
     type: Literal["output_text"] = "output_text"
     text: str = ""
     annotations: list[Any] = Field(default_factory=list)
-    logprobs: list[OutputLogprob] = Field(default_factory=list)  # with include message.output_text.logprobs
+    logprobs: list[ChatTokenLogprob] = Field(default_factory=list)  # with include message.output_text.logprobs
 
 
 class OutputMessage(_Response):
