@@ -31,9 +31,10 @@ using namespace lin;
 // The one-block formats prefetch a tile's whole superblock run (R x 544 bytes at most for Q8_0) as it
 // starts. The K-quants' run is R x 2.3-3.4 KiB, and prefetched in one burst (~150 lines, likely more
 // than the core's queues of outstanding misses hold) it read far slower than prefetched a rowblock's
-// block at a time as each is reached, the same byte distance ahead, as they do now. On the Zen 4 VM (M = 1, 16384 x 2048 from DRAM, against a torch-sum read, 3
-// interleaved rounds) q4_k went from 0.57-0.60 to 0.84-0.89 of it, q5_k 0.46-0.58 to 0.90-1.02, q6_k
-// 0.62-0.65 to 0.90-0.94, and DeepSeek-V2-Lite-shaped Q4_K_M decode from ~40 to ~59 tokens/s.
+// block at a time as each is reached, the same byte distance ahead, as they do now. On the Zen 4 VM
+// (M = 1, 16384 x 2048 from DRAM, against a torch-sum read, 3 interleaved rounds) q4_k went from
+// 0.57-0.60 to 0.84-0.89 of it, q5_k 0.46-0.58 to 0.90-1.02, q6_k 0.62-0.65 to 0.90-0.94, and
+// DeepSeek-V2-Lite-shaped Q4_K_M decode from ~40 to ~59 tokens/s.
 // Prefetching every group's line as it is read (the one-block formats too) measured within the noise
 // of this for the K-quants and no better for Q8_0.
 struct Prefetch {
@@ -52,12 +53,26 @@ CPX_VNNI inline void prefetch(const uint8_t* p) {
     _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 }
 
+// How far ahead a tile of R rowblocks prefetches, for a superblock of sbs bytes a rowblock. A whole
+// group's tile (R = 4, M <= 3) reads its group's runs back to back, so any distance lands on lines it
+// is about to read. A narrower one (R = 2 above M = 3) reads every other part of each run, and
+// kPrefetch.bytes, rounded up to whole runs, keeps its prefetches on its own rowblocks rather than
+// the group's others: on the Zen 4 VM (M = 4, 16384 x 2048 from DRAM, two interleaved rounds) q4_1
+// went from ~0.70 to ~0.91 of a torch-sum read, q8_0 ~0.41 to ~0.67, q4_k ~0.58 to ~0.89, q6_k ~0.73
+// to ~0.9 (rounded to the nearest run, which also shortens it at M = 1).
+template <int R>
+inline size_t prefetch_ahead(size_t sbs) {
+  const size_t run = kGroupRowblocks * sbs;
+  return R == kGroupRowblocks ? kPrefetch.bytes : (kPrefetch.bytes + run - 1) / run * run;
+}
+
 template <LinFormat F, int R, int TT>
 CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc) {
   constexpr LinLayout L = kLinLayout[int(F)];
   constexpr bool kQ8 = F == LinFormat::Q8_0, kQ6 = F == LinFormat::Q6_K, kK = L.sb_blocks > 1;
   const size_t sbs = w.sb_bytes;
   const uint8_t* w0 = w.at(rb);
+  const size_t ahead = prefetch_ahead<R>(sbs);
   const int nb = a.k / 32;
   const int8_t* xq[TT];
   const float *xd[TT], *xds[TT];
@@ -80,7 +95,7 @@ CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
   for (int sb = 0; sb < w.nsb; ++sb) {
     const uint8_t* ws = w0 + size_t(sb) * kGroupRowblocks * sbs;
     if constexpr (!kK)
-      for (size_t o = 0; o < R * sbs; o += 64) prefetch(ws + kPrefetch.bytes + o);
+      for (size_t o = 0; o < R * sbs; o += 64) prefetch(ws + ahead + o);
     __m512 dsup[R], msup[R];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
@@ -95,9 +110,9 @@ CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
       if constexpr (kK) {
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-          if (j == 0) prefetch(ws + r * sbs + kPrefetch.bytes);
+          if (j == 0) prefetch(ws + r * sbs + ahead);
 #pragma GCC unroll 8
-          for (int o = 0; o < L.blk; o += 64) prefetch(wb[r] + kPrefetch.bytes + o);
+          for (int o = 0; o < L.blk; o += 64) prefetch(wb[r] + ahead + o);
         }
       }
       // int32 sums per (rowblock, row of x), started at -zero_point * (sum of the row's q); q6_k
