@@ -59,11 +59,10 @@ CPX_VNNI inline void prefetch(const uint8_t* p) {
 // kPrefetch.bytes, rounded up to whole runs, keeps its prefetches on its own rowblocks rather than
 // the group's others: on the Zen 4 VM (M = 4, 16384 x 2048 from DRAM, two interleaved rounds) q4_1
 // went from ~0.70 to ~0.91 of a torch-sum read, q8_0 ~0.41 to ~0.67, q4_k ~0.58 to ~0.89, q6_k ~0.73
-// to ~0.9 (rounded to the nearest run, which also shortens it at M = 1).
+// to ~0.9.
 template <int R>
 inline size_t prefetch_ahead(size_t sbs) {
-  const size_t run = kGroupRowblocks * sbs;
-  return R == kGroupRowblocks ? kPrefetch.bytes : (kPrefetch.bytes + run - 1) / run * run;
+  return R == kGroupRowblocks ? kPrefetch.bytes : round_up(kPrefetch.bytes, kGroupRowblocks * sbs);
 }
 
 template <LinFormat F, int R, int TT>
