@@ -247,11 +247,11 @@ def profile_context(runner: ModelRunner, context: int, vocab: int, seed: int, st
                 _sync(runner.device)
             own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
             events = sorted(prof.key_averages(), key=lambda e: -own(e))
-            rows = [{"kernel": e.key[:90], "calls_per_step": e.count / steps, "ms_per_step": own(e) / steps / 1e3}
-                    for e in events[:15]]
-            out[name] = {"device_ms_per_step": sum(own(e) for e in events) / steps / 1e3, "top": rows}
+            top = [{"kernel": e.key[:90], "calls_per_step": e.count / steps, "ms_per_step": own(e) / steps / 1e3}
+                   for e in events[:20]]
+            out[name] = {"device_ms_per_step": sum(own(e) for e in events) / steps / 1e3, "top": top}
             print(f"profile at {context}, {name}: {out[name]['device_ms_per_step']:.2f} ms of kernels per step", flush=True)
-            for r in rows:
+            for r in top:
                 print(f"  {r['ms_per_step']:8.3f} ms  x{r['calls_per_step']:5.1f}  {r['kernel']}", flush=True)
     finally:
         rows.release()
