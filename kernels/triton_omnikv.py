@@ -10,16 +10,19 @@ entry has q_pos = -1 and weight 0) against keys [slots, Hkv, D] read through `re
 head h reads KV head h // (H / Hkv). MLA passes the absorbed query (q_latent ‖ q_pe, D = r + P) against
 the latent cache viewed [slots, 1, r + P], so one latent row serves every head.
 
-Importance, two passes (like split-KV decode):
-  1. `_stats_split_kernel`, grid (B·W, head blocks, max_splits): per window query and head, the
-     softmax max and sum of scale·q·k over the positions that query saw (0..q_pos, below ctx_len),
-     one split of the positions per program; `_stats_combine_kernel` merges the splits into m, l.
-  2. `_importance_kernel`, grid (B, ceil(l_max / BLOCK_N)): per key block, the key tile is read once
-     per KV head and scored against every window query and every head reading that KV head;
-     importance(j) = sum_w alpha_w · max_h exp(s_whj - m_wh) / l_wh. Positions past ctx_len are 0.
+Importance, two passes of `_importance_pass_kernel`, each one program per (row, key block), so that a
+long row spreads over every SM; the block's key tile is read once per KV head and scored against every
+window query and every head reading that KV head:
+  1. STATS: per window query and head, the block's softmax max and sum of scale·q·k over the positions
+     that query saw (0..q_pos, below ctx_len); `_stats_combine_kernel` merges the blocks into m, l.
+  2. importance(j) = sum_w alpha_w · max_h exp(s_whj - m_wh) / l_wh. Positions past ctx_len are 0.
+(Until 2026-11 pass 1 was a split-KV loop over (row·window, head block, split) programs. On an H200 it
+took 3.3 ms a call at a 32K context, 17x pass 2, and made OmniKV decode slower than full attention.)
 A key row of width D is read as two column blocks of power-of-two widths (576 = 512 + 64, 48 = 32 + 16),
-so MLA's rows are not padded to 1024. Scores are fp32 (IEEE products, the cache upcast), as in the
-reference: the selection must not depend on a bf16 rounding of the query.
+so MLA's rows are not padded to 1024. Scores are fp32 sums of exact products: a 16-bit query against a
+cache of its dtype multiplies on the tensor cores (a bf16 x bf16 product is exact in fp32), anything
+else in IEEE fp32 (the cache upcast), as the reference: the selection must not depend on a rounding of
+the query.
 
 Selection (`select_slots`): a radix select of the budget-th largest importance (its fp32 bits, a byte a
 pass) over a grid of (row, chunk) programs, then the positions above it and the earliest ones equal to
@@ -36,7 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_attention import MIN_SPLIT_LEN, _pow2, _split_len
+from kernels.triton_attention import _pow2
+from kernels.triton_utils import INTERPRETED
 
 def _column_blocks(d: int) -> tuple[int, int]:
     """(DA, DB): a row of width d read as columns [0, DA) and [DA, d), DA a power of two (DB may be 0)."""
@@ -47,134 +51,46 @@ def _column_blocks(d: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _scores(qa, qb, K, slots, mask_n, kv_head, stride_ks, stride_kh,
-            DA: tl.constexpr, DB: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr):
-    """fp32 q·k of a head block (qa [BH, BLOCK_DA], qb [BH, BLOCK_DB]) against the keys at `slots`."""
-    offs_a = tl.arange(0, BLOCK_DA)
-    ka = tl.load(K + slots[None, :] * stride_ks + kv_head * stride_kh + offs_a[:, None],
-                 mask=mask_n[None, :] & (offs_a[:, None] < DA), other=0.0).to(tl.float32)
-    s = tl.dot(qa, ka, out_dtype=tl.float32, input_precision="ieee")
-    if DB > 0:
-        offs_b = tl.arange(0, BLOCK_DB)
-        kb = tl.load(K + slots[None, :] * stride_ks + kv_head * stride_kh + DA + offs_b[:, None],
-                     mask=mask_n[None, :] & (offs_b[:, None] < DB), other=0.0).to(tl.float32)
-        s += tl.dot(qb, kb, out_dtype=tl.float32, input_precision="ieee")
-    return s
-
-
-@triton.jit
 def _load_q(Q, b, w, heads, mask_h, stride_qb, stride_qw, stride_qh,
-            DA: tl.constexpr, DB: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr):
-    """The two column blocks of the queries of `heads` of window entry w of row b, in fp32."""
+            DA: tl.constexpr, DB: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
+            NATIVE: tl.constexpr):
+    """The two column blocks of the queries of `heads` of window entry w of row b (fp32 unless NATIVE)."""
     base = Q + b * stride_qb + w * stride_qw + heads[:, None] * stride_qh
     offs_a = tl.arange(0, BLOCK_DA)
-    qa = tl.load(base + offs_a[None, :], mask=mask_h[:, None] & (offs_a[None, :] < DA), other=0.0).to(tl.float32)
+    qa = tl.load(base + offs_a[None, :], mask=mask_h[:, None] & (offs_a[None, :] < DA), other=0.0)
     offs_b = tl.arange(0, BLOCK_DB)
-    qb = tl.load(base + DA + offs_b[None, :], mask=mask_h[:, None] & (offs_b[None, :] < DB),
-                 other=0.0).to(tl.float32)
+    qb = tl.load(base + DA + offs_b[None, :], mask=mask_h[:, None] & (offs_b[None, :] < DB), other=0.0)
+    if not NATIVE:
+        qa = qa.to(tl.float32)
+        qb = qb.to(tl.float32)
     return qa, qb
 
 
 @triton.jit
-def _stats_split_kernel(
-    Q, QPOS, K, TABLE, ROWS, CTX, PART_M, PART_L,
-    stride_qb, stride_qw, stride_qh, stride_pb, stride_pw,
-    stride_ks, stride_kh, stride_t,
-    stride_mb, stride_mw, stride_mh, stride_ms,
-    scale, max_splits,
-    W: tl.constexpr, KV_GROUP: tl.constexpr, HEAD_BLOCKS_PER_KV: tl.constexpr,
-    DA: tl.constexpr, DB: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
-):
-    bw = tl.program_id(0)
-    hb = tl.program_id(1)
-    split = tl.program_id(2)
-    b = bw // W
-    w = bw % W
-    kv_head = hb // HEAD_BLOCKS_PER_KV
-    h_in_group = (hb % HEAD_BLOCKS_PER_KV) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = h_in_group < KV_GROUP
-    heads = kv_head * KV_GROUP + h_in_group
-
-    q_pos = tl.load(QPOS + b * stride_pb + w * stride_pw).to(tl.int32)
-    n = tl.load(CTX + b).to(tl.int32)
-    seen = tl.maximum(tl.minimum(q_pos + 1, n), 0)  # positions 0..seen-1 (0: an absent window entry)
-    split_len = _split_len(seen, max_splits, BLOCK_N, MIN_SPLIT)
-    start = split * split_len
-    end = tl.minimum(start + split_len, seen)
-    if start < end:
-        row = tl.load(ROWS + b).to(tl.int64)
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        for start_n in range(start, end, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end
-            slots = tl.load(TABLE + row * stride_t + offs_n, mask=mask_n, other=0).to(tl.int64)
-            # the queries are loaded where the dot takes them, as `_importance_kernel` does: held across
-            # the loop (a 16 x 576 fp32 operand of an FMA dot), this kernel ran ~15x slower per key
-            # block than that one on an H100 (a third of an OmniKV decode step at 32K)
-            qa, qb = _load_q(Q, b, w, heads, mask_h, stride_qb, stride_qw, stride_qh, DA, DB, BLOCK_DA, BLOCK_DB)
-            s = _scores(qa, qb, K, slots, mask_n, kv_head, stride_ks, stride_kh, DA, DB, BLOCK_DA, BLOCK_DB)
-            s = tl.where(mask_n[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
-            m_i = m_new
-        out = b * stride_mb + w * stride_mw + heads * stride_mh + split * stride_ms
-        tl.store(PART_M + out, m_i, mask=mask_h)
-        tl.store(PART_L + out, l_i, mask=mask_h)
+def _dot(q, k, NATIVE: tl.constexpr):
+    """fp32 q·k: 16-bit operands on the tensor cores (their products are exact in fp32), else IEEE fp32."""
+    if NATIVE:
+        return tl.dot(q, k, out_dtype=tl.float32)
+    else:
+        return tl.dot(q, k, out_dtype=tl.float32, input_precision="ieee")
 
 
 @triton.jit
-def _stats_combine_kernel(
-    QPOS, CTX, PART_M, PART_L, M, L,
-    stride_pb, stride_pw, stride_mb, stride_mw, stride_mh, stride_ms, stride_ob, stride_ow,
-    max_splits, H,
-    W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    bw = tl.program_id(0)
-    hblock = tl.program_id(1)
-    b = bw // W
-    w = bw % W
-    heads = hblock * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = heads < H
-    q_pos = tl.load(QPOS + b * stride_pb + w * stride_pw).to(tl.int32)
-    n = tl.load(CTX + b).to(tl.int32)
-    seen = tl.maximum(tl.minimum(q_pos + 1, n), 0)
-    m = tl.zeros([BLOCK_H], tl.float32)  # an absent entry: m = 0, l = 1 (never read: it sees no key)
-    l = tl.full([BLOCK_H], 1.0, tl.float32)
-    if seen > 0:
-        split_len = _split_len(seen, max_splits, BLOCK_N, MIN_SPLIT)
-        n_used = tl.cdiv(seen, split_len)
-        # BLOCK_S splits at a time (a plan can have hundreds: one a loop step would be a chain of loads)
-        offs_s = tl.arange(0, BLOCK_S)
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_H], tl.float32)
-        for s0 in range(0, n_used, BLOCK_S):
-            mask = (s0 + offs_s[:, None] < n_used) & mask_h[None, :]
-            ptr = b * stride_mb + w * stride_mw + heads[None, :] * stride_mh + (s0 + offs_s[:, None]) * stride_ms
-            m_s = tl.load(PART_M + ptr, mask=mask, other=float("-inf"))
-            m_s = tl.where(mask_h[None, :], m_s, 0.0)  # heads past H: finite, so nothing below is inf - inf
-            l_s = tl.load(PART_L + ptr, mask=mask, other=0.0)
-            m_new = tl.maximum(m, tl.max(m_s, 0))
-            l = l * tl.exp(m - m_new) + tl.sum(tl.where(mask, l_s * tl.exp(m_s - m_new[None, :]), 0.0), 0)
-            m = m_new
-    tl.store(M + b * stride_ob + w * stride_ow + heads, m, mask=mask_h)
-    tl.store(L + b * stride_ob + w * stride_ow + heads, l, mask=mask_h)
-
-
-@triton.jit
-def _importance_kernel(
-    Q, QPOS, WEIGHTS, K, TABLE, ROWS, CTX, M, L, IMP,
+def _importance_pass_kernel(
+    Q, QPOS, WEIGHTS, K, TABLE, ROWS, CTX, PART_M, PART_L, M, L, IMP,
     stride_qb, stride_qw, stride_qh, stride_pb, stride_pw, stride_wb,
-    stride_ks, stride_kh, stride_t, stride_ob, stride_ow, stride_ib,
+    stride_ks, stride_kh, stride_t, stride_mb, stride_mw, stride_mn, stride_ob, stride_ow, stride_ib,
     scale, l_max,
-    W: tl.constexpr, BLOCK_W: tl.constexpr, NUM_KV_HEADS: tl.constexpr, KV_GROUP: tl.constexpr,
-    HEAD_BLOCKS_PER_KV: tl.constexpr,
+    STATS: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    KV_GROUP: tl.constexpr, HEAD_BLOCKS_PER_KV: tl.constexpr,
     DA: tl.constexpr, DB: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
 ):
+    """One key block of one row. STATS: the block's softmax max and sum per window query and head
+    (PART_M / PART_L [B, W, blocks, H]). Else: the block's importance, from the merged stats M, L."""
     b = tl.program_id(0)
-    start = tl.program_id(1) * BLOCK_N
+    blk = tl.program_id(1)
+    start = blk * BLOCK_N
     offs_n = start + tl.arange(0, BLOCK_N)
     n = tl.load(CTX + b).to(tl.int32)
     offs_w = tl.arange(0, BLOCK_W)
@@ -188,9 +104,12 @@ def _importance_kernel(
         for kv_head in range(NUM_KV_HEADS):
             # the key tile, read once for every window query and every head of this KV head
             ka = tl.load(K + slots[None, :] * stride_ks + kv_head * stride_kh + offs_a[:, None],
-                         mask=mask_n[None, :] & (offs_a[:, None] < DA), other=0.0).to(tl.float32)
+                         mask=mask_n[None, :] & (offs_a[:, None] < DA), other=0.0)
             kb = tl.load(K + slots[None, :] * stride_ks + kv_head * stride_kh + DA + offs_b[:, None],
-                         mask=mask_n[None, :] & (offs_b[:, None] < DB), other=0.0).to(tl.float32)
+                         mask=mask_n[None, :] & (offs_b[:, None] < DB), other=0.0)
+            if not NATIVE:
+                ka = ka.to(tl.float32)
+                kb = kb.to(tl.float32)
             for w in range(W):
                 q_pos = tl.load(QPOS + b * stride_pb + w * stride_pw).to(tl.int32)
                 visible = mask_n & (offs_n <= q_pos)  # nothing for an absent entry (q_pos = -1)
@@ -200,32 +119,66 @@ def _importance_kernel(
                     mask_h = h_in_group < KV_GROUP
                     heads = kv_head * KV_GROUP + h_in_group
                     qa, qb = _load_q(Q, b, w, heads, mask_h, stride_qb, stride_qw, stride_qh,
-                                     DA, DB, BLOCK_DA, BLOCK_DB)
-                    s = tl.dot(qa, ka, out_dtype=tl.float32, input_precision="ieee")
+                                     DA, DB, BLOCK_DA, BLOCK_DB, NATIVE)
+                    s = _dot(qa, ka, NATIVE)
                     if DB > 0:
-                        s += tl.dot(qb, kb, out_dtype=tl.float32, input_precision="ieee")
-                    stat = b * stride_ob + w * stride_ow + heads
-                    m = tl.load(M + stat, mask=mask_h, other=0.0)
-                    inv_l = 1.0 / tl.load(L + stat, mask=mask_h, other=1.0)
-                    p = tl.exp(s * scale - m[:, None]) * inv_l[:, None]
-                    p = tl.where(mask_h[:, None] & visible[None, :], p, 0.0)
-                    top = tl.maximum(top, tl.max(p, 0))
-                best = tl.where(offs_w[:, None] == w, tl.maximum(best, top[None, :]), best)
-    alpha = tl.load(WEIGHTS + b * stride_wb + offs_w, mask=offs_w < W, other=0.0).to(tl.float32)
-    imp = tl.sum(best * alpha[:, None], 0)
-    tl.store(IMP + b * stride_ib + offs_n, imp, mask=offs_n < l_max)
+                        s += _dot(qb, kb, NATIVE)
+                    s = s * scale
+                    stat = b * stride_mb + w * stride_mw + heads
+                    if STATS:
+                        s = tl.where(visible[None, :], s, float("-inf"))
+                        m_b = tl.max(s, 1)
+                        l_b = tl.sum(tl.exp(s - tl.where(m_b == float("-inf"), 0.0, m_b)[:, None]), 1)
+                        tl.store(PART_M + stat + blk * stride_mn, m_b, mask=mask_h)
+                        tl.store(PART_L + stat + blk * stride_mn, l_b, mask=mask_h)
+                    else:
+                        m = tl.load(M + b * stride_ob + w * stride_ow + heads, mask=mask_h, other=0.0)
+                        inv_l = 1.0 / tl.load(L + b * stride_ob + w * stride_ow + heads, mask=mask_h, other=1.0)
+                        p = tl.exp(s - m[:, None]) * inv_l[:, None]
+                        p = tl.where(mask_h[:, None] & visible[None, :], p, 0.0)
+                        top = tl.maximum(top, tl.max(p, 0))
+                if not STATS:
+                    best = tl.where(offs_w[:, None] == w, tl.maximum(best, top[None, :]), best)
+    if not STATS:
+        alpha = tl.load(WEIGHTS + b * stride_wb + offs_w, mask=offs_w < W, other=0.0).to(tl.float32)
+        imp = tl.sum(best * alpha[:, None], 0)
+        tl.store(IMP + b * stride_ib + offs_n, imp, mask=offs_n < l_max)
 
 
-def importance_stats_shape(batch: int, window: int, num_heads: int, max_splits: int) -> tuple[int, ...]:
-    """Shape of each fp32 split workspace (partial max, partial sum) of `importance`."""
-    return (batch, window, num_heads, max_splits)
-
-
-def importance_head_blocks(num_heads: int, num_kv_heads: int, block_h: int = 16) -> int:
-    """Programs per (row, window query, split) of the importance pass: blocks of `block_h` query heads
-    within each KV head's group. A caller plans `max_splits` from it, as decode attention plans its own."""
-    group = num_heads // num_kv_heads
-    return num_kv_heads * triton.cdiv(group, min(block_h, _pow2(group)))
+@triton.jit
+def _stats_combine_kernel(
+    QPOS, CTX, PART_M, PART_L, M, L,
+    stride_pb, stride_pw, stride_mb, stride_mw, stride_mn, stride_ob, stride_ow, H,
+    W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """m, l [B, W, H] of each window query and head: the key blocks' partial stats merged."""
+    bw = tl.program_id(0)
+    hblock = tl.program_id(1)
+    b = bw // W
+    w = bw % W
+    heads = hblock * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = heads < H
+    q_pos = tl.load(QPOS + b * stride_pb + w * stride_pw).to(tl.int32)
+    n = tl.load(CTX + b).to(tl.int32)
+    seen = tl.maximum(tl.minimum(q_pos + 1, n), 0)
+    m = tl.zeros([BLOCK_H], tl.float32)  # an absent entry: m = 0, l = 1 (never read: it sees no key)
+    l = tl.full([BLOCK_H], 1.0, tl.float32)
+    if seen > 0:
+        n_used = tl.cdiv(seen, BLOCK_N)  # blocks holding a position this query saw (each has a finite max)
+        offs_s = tl.arange(0, BLOCK_S)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_H], tl.float32)
+        for s0 in range(0, n_used, BLOCK_S):  # BLOCK_S blocks at a time (a long row has thousands)
+            mask = (s0 + offs_s[:, None] < n_used) & mask_h[None, :]
+            ptr = b * stride_mb + w * stride_mw + (s0 + offs_s[:, None]) * stride_mn + heads[None, :]
+            m_s = tl.load(PART_M + ptr, mask=mask, other=float("-inf"))
+            m_s = tl.where(mask_h[None, :], m_s, 0.0)  # heads past H: finite, so nothing below is inf - inf
+            l_s = tl.load(PART_L + ptr, mask=mask, other=0.0)
+            m_new = tl.maximum(m, tl.max(m_s, 0))
+            l = l * tl.exp(m - m_new) + tl.sum(tl.where(mask, l_s * tl.exp(m_s - m_new[None, :]), 0.0), 0)
+            m = m_new
+    tl.store(M + b * stride_ob + w * stride_ow + heads, m, mask=mask_h)
+    tl.store(L + b * stride_ob + w * stride_ow + heads, l, mask=mask_h)
 
 
 def importance(
@@ -239,9 +192,7 @@ def importance(
     scale: float,
     l_max: int,
     *,
-    max_splits: int = 8,
     out: torch.Tensor | None = None,
-    workspace: tuple[torch.Tensor, ...] | None = None,
     block_h: int = 16,
     block_n: int | None = None,
 ) -> torch.Tensor:
@@ -250,8 +201,12 @@ def importance(
     q [B, W, H, D] window queries (oldest first; any float dtype), q_pos [B, W] their positions (-1:
     absent), weights [B, W] alpha (0 for absent entries), keys [slots, Hkv, D] a cache view (fp32, bf16
     or fp16; unit inner stride), req_to_token [rows, max_ctx] int32 and req_rows [B] the rows of the
-    requests, ctx_lens [B] = position + 1 of each row's current token. `workspace`: optional
-    (part_m, part_l, m, l) fp32 buffers of `importance_stats_shape(...)` (x2) and [B, W, H] (x2)."""
+    requests, ctx_lens [B] = position + 1 of each row's current token.
+
+    Both passes run one program per (row, key block of `block_n` positions), so a long row is spread over
+    the whole GPU. Where q and the keys share a 16-bit dtype, the
+    scores are 16-bit tensor-core products (exact in fp32) summed in fp32; otherwise IEEE fp32. Every
+    tile is at least 16 wide (`_pow2`), as the tensor cores want."""
     if q.stride(-1) != 1 or keys.stride(-1) != 1:
         raise ValueError("omnikv importance: q and keys need a unit inner stride")
     bsz, window, num_heads, d = q.shape
@@ -266,48 +221,39 @@ def importance(
         out = torch.empty(bsz, l_max, dtype=torch.float32, device=dev)
     if bsz == 0:
         return out
-    if workspace is None:
-        part_shape = importance_stats_shape(bsz, window, num_heads, max_splits)
-        workspace = (torch.empty(part_shape, dtype=torch.float32, device=dev),
-                     torch.empty(part_shape, dtype=torch.float32, device=dev),
-                     torch.empty(bsz, window, num_heads, dtype=torch.float32, device=dev),
-                     torch.empty(bsz, window, num_heads, dtype=torch.float32, device=dev))
-    part_m, part_l, m, l = workspace
     da, db = _column_blocks(d)
     block_da, block_db = _pow2(da), _pow2(db)
-    blocks_per_kv = importance_head_blocks(num_heads, num_kv_heads, block_h) // num_kv_heads
     block_h = min(block_h, _pow2(group))
+    blocks_per_kv = triton.cdiv(group, block_h)
     if block_n is None:
         block_n = 32 if d > 256 else 64
-    _stats_split_kernel[(bsz * window, num_kv_heads * blocks_per_kv, max_splits)](
-        q, q_pos, keys, req_to_token, req_rows, ctx_lens, part_m, part_l,
-        q.stride(0), q.stride(1), q.stride(2), q_pos.stride(0), q_pos.stride(1),
-        keys.stride(0), keys.stride(1), req_to_token.stride(0),
-        part_m.stride(0), part_m.stride(1), part_m.stride(2), part_m.stride(3),
-        scale, max_splits,
-        W=window, KV_GROUP=group, HEAD_BLOCKS_PER_KV=blocks_per_kv,
-        DA=da, DB=db, BLOCK_DA=block_da, BLOCK_DB=block_db,
-        BLOCK_H=block_h, BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_LEN,
-        num_warps=8 if d > 256 else 4,
-    )
-    combine_h = min(128, triton.next_power_of_2(num_heads))
-    _stats_combine_kernel[(bsz * window, triton.cdiv(num_heads, combine_h))](
-        q_pos, ctx_lens, part_m, part_l, m, l,
-        q_pos.stride(0), q_pos.stride(1), part_m.stride(0), part_m.stride(1), part_m.stride(2), part_m.stride(3),
-        m.stride(0), m.stride(1), max_splits, num_heads,
-        W=window, BLOCK_H=combine_h, BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_LEN,
-        BLOCK_S=max(2, min(triton.next_power_of_2(max_splits), 4096 // combine_h)),
-    )
-    _importance_kernel[(bsz, triton.cdiv(l_max, block_n))](
-        q, q_pos, weights, keys, req_to_token, req_rows, ctx_lens, m, l, out,
-        q.stride(0), q.stride(1), q.stride(2), q_pos.stride(0), q_pos.stride(1), weights.stride(0),
-        keys.stride(0), keys.stride(1), req_to_token.stride(0), m.stride(0), m.stride(1), out.stride(0),
-        scale, l_max,
-        W=window, BLOCK_W=triton.next_power_of_2(window), NUM_KV_HEADS=num_kv_heads, KV_GROUP=group,
-        HEAD_BLOCKS_PER_KV=blocks_per_kv, DA=da, DB=db, BLOCK_DA=block_da, BLOCK_DB=block_db,
-        BLOCK_H=block_h, BLOCK_N=block_n,
-        num_warps=8 if d > 256 else 4,
-    )
+    blocks = triton.cdiv(l_max, block_n)
+    # (Triton's interpreter multiplies 16-bit tiles wrongly: there the scores stay IEEE fp32)
+    native = q.dtype == keys.dtype and q.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED
+    part_m = torch.empty(bsz, window, blocks, num_heads, dtype=torch.float32, device=dev)
+    part_l = torch.empty_like(part_m)
+    m = torch.empty(bsz, window, num_heads, dtype=torch.float32, device=dev)
+    l = torch.empty_like(m)
+    common = dict(W=window, BLOCK_W=triton.next_power_of_2(window), NUM_KV_HEADS=num_kv_heads, KV_GROUP=group,
+                  HEAD_BLOCKS_PER_KV=blocks_per_kv, DA=da, DB=db, BLOCK_DA=block_da, BLOCK_DB=block_db,
+                  BLOCK_H=block_h, BLOCK_N=block_n, NATIVE=native, num_warps=8 if d > 256 else 4)
+    for stats in (True, False):
+        _importance_pass_kernel[(bsz, blocks)](
+            q, q_pos, weights, keys, req_to_token, req_rows, ctx_lens, part_m, part_l, m, l, out,
+            q.stride(0), q.stride(1), q.stride(2), q_pos.stride(0), q_pos.stride(1), weights.stride(0),
+            keys.stride(0), keys.stride(1), req_to_token.stride(0),
+            part_m.stride(0), part_m.stride(1), part_m.stride(2), m.stride(0), m.stride(1), out.stride(0),
+            scale, l_max, STATS=stats, **common,
+        )
+        if stats:
+            combine_h = min(128, triton.next_power_of_2(num_heads))
+            _stats_combine_kernel[(bsz * window, triton.cdiv(num_heads, combine_h))](
+                q_pos, ctx_lens, part_m, part_l, m, l,
+                q_pos.stride(0), q_pos.stride(1), part_m.stride(0), part_m.stride(1), part_m.stride(2),
+                m.stride(0), m.stride(1), num_heads,
+                W=window, BLOCK_H=combine_h, BLOCK_N=block_n,
+                BLOCK_S=max(2, min(triton.next_power_of_2(blocks), 4096 // combine_h)),
+            )
     return out
 
 

@@ -305,7 +305,7 @@ class OmniKVBatch:
         return got
 
     def observe_batched(self, layer_id: int, batch_rows: Sequence[int], q: torch.Tensor, keys: torch.Tensor,
-                        scale: float, kernels: ModuleType, *, max_splits: int = 8) -> None:
+                        scale: float, kernels: ModuleType) -> None:
         """`observe` for every row at once on the device, with `kernels` (kernels.triton_omnikv): the
         current queries are recorded, the present window queries gathered into [P, W, H, D] (absent
         entries: q_pos -1, weight 0), then `kernels.importance` and `kernels.select_slots`. The selection
@@ -339,7 +339,9 @@ class OmniKVBatch:
             present = (win_pos >= 0) & (hist.pos[rows[:, None], f, entries] == win_pos)  # [P, W]
             rank = present.cumsum(1) - 1  # among the present ones, oldest first
             weights = torch.where(present, a["alpha"][present.sum(1, keepdim=True), rank.clamp(min=0)], 0.0)
-            q_win = hist.q[rows[:, None], f, entries]  # [P, W, H, D] fp32
+            # [P, W, H, D], back in the query's dtype (exact: stored as q.float()), so that a 16-bit query
+            # keeps the kernels' tensor-core scores
+            q_win = hist.q[rows[:, None], f, entries].to(q.dtype)
             q_pos = torch.where(present, win_pos, -1)
         else:
             q_win, q_pos = q[:, None], a["pos"][:, None]
@@ -347,7 +349,7 @@ class OmniKVBatch:
         g = self.graph
         if g is not None:  # fixed shapes, budgets on the device; the metrics come from count_selection
             imp = kernels.importance(q_win.contiguous(), q_pos.contiguous(), weights.contiguous(), keys, self.table,
-                                     a["req_rows"], a["ctx"], scale, g.width, max_splits=max_splits)
+                                     a["req_rows"], a["ctx"], scale, g.width)
             slots, lens_dev = kernels.select_slots(imp, a["ctx"], g.budgets, self.sink, self.recent, self.table,
                                                    a["req_rows"], g.k_cap)
             self.packed[f] = PackedSelection(list(self.rows), a["batch_rows"], slots.to(torch.int64), g.k_cap,
@@ -356,7 +358,7 @@ class OmniKVBatch:
         ns = [self.positions[i] + 1 for i in idx]
         budgets = [self.budgets[i] for i in idx]
         imp = kernels.importance(q_win.contiguous(), q_pos.contiguous(), weights.contiguous(), keys, self.table,
-                                 a["req_rows"], a["ctx"], scale, max(ns), max_splits=max_splits)
+                                 a["req_rows"], a["ctx"], scale, max(ns))
         k_max = max(budgets) + self.sink + self.recent
         slots, lens_dev = kernels.select_slots(imp, a["ctx"], budgets, self.sink, self.recent, self.table,
                                                a["req_rows"], k_max)

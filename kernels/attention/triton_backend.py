@@ -50,10 +50,6 @@ from kernels.graph_support import GraphSupport
 
 
 _MAX_SPLITS = 64
-# OmniKV's importance pass at one decode row has one query (window 1) and one head block (MLA): its split
-# count is its whole grid, so it may split further than decode attention (whose splits also cost a
-# partial output each); MIN_SPLIT_LEN still bounds the splits by the context
-_MAX_IMPORTANCE_SPLITS = 1024
 _BLOCK_H = 16
 
 
@@ -260,12 +256,7 @@ class TritonAttentionBackend(AttentionBackend):
             from kernels import triton_omnikv
 
             self._omnikv_kernels = triton_omnikv
-        # the importance pass plans its KV splits like decode does, over rows x window queries and the
-        # head blocks of its grid
-        queries = len(sparse.rows) * sparse.window
-        head_blocks = self._omnikv_kernels.importance_head_blocks(qs.shape[1], keys.shape[1])
-        splits = self.max_splits(queries, head_blocks, q.device, cap=_MAX_IMPORTANCE_SPLITS)
-        sparse.observe_batched(layer.layer_id, list(sparse.rows), qs, keys, layer.scaling, self._omnikv_kernels, max_splits=splits)
+        sparse.observe_batched(layer.layer_id, list(sparse.rows), qs, keys, layer.scaling, self._omnikv_kernels)
         # the layers below read this selection: a view kept from an earlier run of the forward (a graph
         # capture's warm-up runs, made without new metadata) would hold that run's table
         self._sparse_views.pop(sparse.filter_of[layer.layer_id], None)

@@ -66,6 +66,7 @@ def _reference(q, q_pos, weights, rows: Rows, req_rows, ctx, scale, b):
     (6, 2, 24, torch.float32), (6, 2, 24, torch.bfloat16),  # GQA (24 = 16 + 8 columns)
     (5, 1, 48, torch.float32), (5, 1, 48, torch.bfloat16),  # MLA-shaped: r + P = 32 + 16, one latent row
     (4, 4, 16, torch.float16),  # MHA, a power-of-two width, an fp16 cache
+    (32, 1, 48, torch.bfloat16),  # MLA, two 16-head blocks (on a GPU: bf16 tensor-core scores)
 ])
 def test_importance_matches_reference(heads: int, heads_kv: int, d: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(heads * 100 + d + (dtype == torch.bfloat16))
@@ -78,7 +79,7 @@ def test_importance_matches_reference(heads: int, heads_kv: int, d: int, dtype: 
     l_max = 224
     out = triton_omnikv.importance(
         q, q_pos, weights, rows.keys, rows.req_to_token, torch.tensor(req_rows, device=DEV),
-        torch.tensor(ctx, device=DEV), 0.31, l_max, max_splits=4)
+        torch.tensor(ctx, device=DEV), 0.31, l_max)
     assert out.shape == (len(ctx), l_max) and out.dtype == torch.float32
     for b, n in enumerate(ctx):
         ref = _reference(q, q_pos, weights, rows, req_rows, ctx, 0.31, b)
@@ -87,17 +88,17 @@ def test_importance_matches_reference(heads: int, heads_kv: int, d: int, dtype: 
     assert out[:, :2].sum() > 0
 
 
-@pytest.mark.parametrize("max_splits", [1, 3, 16])
-def test_importance_any_split_plan_and_one_query(max_splits: int) -> None:
-    """One window query per row (last_token), split plans from one split to more than a row can use."""
-    gen = torch.Generator().manual_seed(max_splits)
+@pytest.mark.parametrize("block_n", [16, 64, 512])
+def test_importance_any_key_block_and_one_query(block_n: int) -> None:
+    """One window query per row (last_token), key blocks from many a row to one wider than every row."""
+    gen = torch.Generator().manual_seed(block_n)
     rows = Rows(gen, 2048, 2, 24, torch.float32)
     ctx, req_rows = [257, 65, 9], [1, 4, 0]
     q = _rand(gen, len(ctx), 1, 4, 24)
     q_pos = torch.tensor([[n - 1] for n in ctx], device=DEV)
     weights = torch.ones(len(ctx), 1, device=DEV)
     out = triton_omnikv.importance(q, q_pos, weights, rows.keys, rows.req_to_token, torch.tensor(req_rows, device=DEV),
-                                   torch.tensor(ctx, device=DEV), 0.5, 257, max_splits=max_splits)
+                                   torch.tensor(ctx, device=DEV), 0.5, 257, block_n=block_n)
     for b, n in enumerate(ctx):
         torch.testing.assert_close(out[b, :n], _reference(q, q_pos, weights, rows, req_rows, ctx, 0.5, b),
                                    atol=1e-6, rtol=1e-5)
@@ -105,9 +106,9 @@ def test_importance_any_split_plan_and_one_query(max_splits: int) -> None:
         assert float(out[b, :n].max()) <= 1.0 + 1e-6
 
 
-def test_importance_many_heads_and_many_splits() -> None:
-    """128 query heads on one latent row (V3-shaped MLA: eight head blocks) and more splits than the
-    combine step merges at once (it reads them in blocks), as a long context on a GPU plans them."""
+def test_importance_many_heads_and_many_blocks() -> None:
+    """128 query heads on one latent row (V3-shaped MLA: eight head blocks) and more key blocks than the
+    combine step merges at once (it reads them in groups), as a long context has them."""
     gen = torch.Generator().manual_seed(128)
     rows = Rows(gen, 6000, 1, 48, torch.bfloat16, rows=2, max_ctx=2400)
     ctx, req_rows = [2300, 700], [1, 0]
@@ -115,7 +116,7 @@ def test_importance_many_heads_and_many_splits() -> None:
     q_pos = torch.tensor([[n - 2, n - 1] for n in ctx], device=DEV)
     weights = torch.tensor([[0.5, 1.0]] * len(ctx), device=DEV)
     out = triton_omnikv.importance(q, q_pos, weights, rows.keys, rows.req_to_token, torch.tensor(req_rows, device=DEV),
-                                   torch.tensor(ctx, device=DEV), 0.2, 2304, max_splits=40)
+                                   torch.tensor(ctx, device=DEV), 0.2, 2304)
     for b, n in enumerate(ctx):
         torch.testing.assert_close(out[b, :n], _reference(q, q_pos, weights, rows, req_rows, ctx, 0.2, b),
                                    atol=1e-6, rtol=1e-5)
@@ -269,7 +270,7 @@ def test_observe_batched_matches_observe(heads: int, heads_kv: int, d: int, wind
     for layer_id in (0, 3):
         q = _rand(gen, 7, heads, d)  # every batch row's query; the non-sparse rows' are skipped
         ref.observe(layer_id, list(range(7)), q, rows.keys, scale)
-        dev.observe_batched(layer_id, list(range(7)), q, rows.keys, scale, triton_omnikv, max_splits=3)
+        dev.observe_batched(layer_id, list(range(7)), q, rows.keys, scale, triton_omnikv)
     assert sorted(dev.packed) == [0, 1] and not ref.packed
     assert (dev.selected_tokens, dev.context_tokens) == (ref.selected_tokens, ref.context_tokens)
     assert ref.selected_tokens < ref.context_tokens
