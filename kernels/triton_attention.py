@@ -70,17 +70,17 @@ def _split_len(seq_len, max_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constex
 
 @triton.jit
 def _decode_split_kernel(
-    Q, QR, K, KR, V, TABLE, ROWS, SEQ_LENS, PART_O, PART_LSE,
+    Q, QR, K, KR, V, TABLE, ROWS, SEQ_LENS, PART_O, PART_LSE, SCORES,
     stride_qb, stride_qh, stride_qrb, stride_qrh,
     stride_ks, stride_kh, stride_krs, stride_krh, stride_vs, stride_vh,
-    stride_t, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    stride_t, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_sb, stride_sh,
     sm_scale, max_splits,
     KV_GROUP: tl.constexpr, HEAD_BLOCKS_PER_KV: tl.constexpr,
     DK: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE_SIZE: tl.constexpr, MIN_SPLIT: tl.constexpr, V_FROM_K: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DUMP: tl.constexpr,
 ):
     b = tl.program_id(0)
     hb = tl.program_id(1)
@@ -125,6 +125,9 @@ def _decode_split_kernel(
                 kr = kr.to(qr.dtype)
                 qk += tl.dot(qr, kr, out_dtype=tl.float32, input_precision=DOT_PRECISION)
             qk = tl.where(mask_n[None, :], qk * sm_scale, float("-inf"))
+            if DUMP:  # every position's scaled score per head, for OmniKV's selection at a filter layer
+                tl.store(SCORES + b * stride_sb + heads[:, None] * stride_sh + offs_n[None, :], qk,
+                         mask=mask_h[:, None] & mask_n[None, :])
             if V_FROM_K:
                 v = tl.trans(k)  # MLA: the value is the c_kv part of the tile already loaded
             else:
@@ -144,10 +147,10 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_combine_kernel(
-    PART_O, PART_LSE, SEQ_LENS, OUT,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    PART_O, PART_LSE, SEQ_LENS, OUT, LSE,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, stride_eb,
     max_splits,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, DUMP: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -169,6 +172,8 @@ def _decode_combine_kernel(
         l = l * alpha + w
         m = m_new
     tl.store(OUT + b * stride_ob + h * stride_oh + offs, (acc / l).to(OUT.dtype.element_ty), mask=mask)
+    if DUMP:  # the head's log-sum-exp over the whole context
+        tl.store(LSE + b * stride_eb + h, m + tl.log(l))
 
 
 def decode_partials_shape(batch: int, num_heads: int, max_splits: int, v_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -193,6 +198,8 @@ def decode_attention(
     page_size: int = 1,
     block_h: int = 16,
     block_n: int = 32,
+    scores: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per request against its cached KV -> out [B, H, Dv].
 
@@ -203,6 +210,10 @@ def decode_attention(
     `part_o`/`part_lse` are fp32 workspaces of at least `decode_partials_shape(...)`; `max_splits`
     must be the same number they were sized with. Nothing here reads a device value on the host, so
     the call can be captured in a CUDA graph.
+
+    `scores` [B, H, >= max seq_len] and `lse` [B, H] (fp32, given together): also the scaled score of
+    every position per head (positions past a request's length are not written) and each head's
+    log-sum-exp, from which OmniKV's filter layers take their selection without scoring the keys again.
     """
     q, q_rope, k, k_rope, v = (_unit(t) for t in (q, q_rope, k, k_rope, v))
     if out.stride(-1) != 1:
@@ -222,24 +233,32 @@ def decode_attention(
     qr = q_rope if q_rope is not None else q
     kr = k_rope if k_rope is not None else k
     vv = k if v is None else v
+    dump = scores is not None
+    if dump != (lse is not None):
+        raise ValueError("decode_attention: scores and lse come together")
+    if dump and (scores.stride(-1) != 1 or lse.stride(-1) != 1 or scores.dtype != torch.float32
+                 or lse.dtype != torch.float32):
+        raise ValueError("decode_attention: scores and lse must be fp32 with a unit inner stride")
+    s_buf, e_buf = (scores, lse) if dump else (part_lse, part_lse)  # (never written without DUMP)
     grid = (bsz, num_kv_heads * blocks_per_kv, max_splits)
     _decode_split_kernel[grid](
-        q, qr, k, kr, vv, table, rows, seq_lens, part_o, part_lse,
+        q, qr, k, kr, vv, table, rows, seq_lens, part_o, part_lse, s_buf,
         q.stride(0), q.stride(1), qr.stride(0), qr.stride(1),
         k.stride(0), k.stride(1), kr.stride(0), kr.stride(1), vv.stride(0), vv.stride(1),
         table.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        s_buf.stride(0), s_buf.stride(1),
         sm_scale, max_splits,
         KV_GROUP=group, HEAD_BLOCKS_PER_KV=blocks_per_kv, DK=dk, DR=dr, DV=dv,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DK=_pow2(dk), BLOCK_DR=_pow2(dr), BLOCK_DV=_pow2(dv),
         PAGE_SIZE=page_size, MIN_SPLIT=MIN_SPLIT_LEN, V_FROM_K=v_from_k,
-        UPCAST=INTERPRETED, DOT_PRECISION=dot_precision(q.dtype),
+        UPCAST=INTERPRETED, DOT_PRECISION=dot_precision(q.dtype), DUMP=dump,
         num_warps=4, num_stages=2,
     )
     _decode_combine_kernel[(bsz, num_heads)](
-        part_o, part_lse, seq_lens, out,
+        part_o, part_lse, seq_lens, out, e_buf,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1), max_splits,
-        DV=dv, BLOCK_DV=_pow2(dv), BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_LEN,
+        out.stride(0), out.stride(1), e_buf.stride(0), max_splits,
+        DV=dv, BLOCK_DV=_pow2(dv), BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_LEN, DUMP=dump,
         num_warps=4,
     )
     return out

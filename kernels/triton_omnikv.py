@@ -257,6 +257,47 @@ def importance(
     return out
 
 
+@triton.jit
+def _importance_from_scores_kernel(
+    S, LSE, CTX, IMP, stride_sb, stride_sh, stride_eb, stride_ib, l_max, H,
+    BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = tl.load(CTX + b).to(tl.int32)
+    mask = offs < n
+    best = tl.zeros([BLOCK_N], tl.float32)
+    if tl.program_id(1) * BLOCK_N < n:
+        for h in range(H):
+            lse = tl.load(LSE + b * stride_eb + h)
+            s = tl.load(S + b * stride_sb + h * stride_sh + offs, mask=mask, other=float("-inf"))
+            best = tl.maximum(best, tl.exp(s - lse))
+    tl.store(IMP + b * stride_ib + offs, tl.where(mask, best, 0.0), mask=offs < l_max)
+
+
+def importance_from_scores(scores: torch.Tensor, lse: torch.Tensor, ctx_lens: torch.Tensor, l_max: int,
+                           *, out: torch.Tensor | None = None, block_n: int = 512) -> torch.Tensor:
+    """importance [B, l_max] of a window of the current query alone, from the scores its decode attention
+    wrote (`decode_attention(..., scores=, lse=)`: scaled scores [B, H, >= l_max] and log-sum-exps
+    [B, H]): max over heads of exp(s - lse), 0 at and past ctx_lens[b]. The alpha weight of a
+    one-query window is a positive number per row, which no selection depends on, so it is left out:
+    the keys are not read a second time."""
+    bsz, heads = lse.shape
+    if scores.shape[:2] != (bsz, heads) or scores.shape[2] < l_max or scores.stride(-1) != 1:
+        raise ValueError(f"importance_from_scores: scores {tuple(scores.shape)} do not cover lse "
+                         f"{tuple(lse.shape)} and {l_max} positions")
+    if out is None:
+        out = torch.empty(bsz, l_max, dtype=torch.float32, device=scores.device)
+    if bsz == 0 or l_max == 0:
+        return out
+    block_n = min(block_n, triton.next_power_of_2(l_max))
+    _importance_from_scores_kernel[(bsz, triton.cdiv(l_max, block_n))](
+        scores, lse, ctx_lens, out, scores.stride(0), scores.stride(1), lse.stride(0), out.stride(0), l_max, heads,
+        BLOCK_N=block_n,
+    )
+    return out
+
+
 # ---------------------------------------------------------------------------------------- selection
 @triton.jit
 def _assemble_kernel(

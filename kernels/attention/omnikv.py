@@ -305,10 +305,12 @@ class OmniKVBatch:
         return got
 
     def observe_batched(self, layer_id: int, batch_rows: Sequence[int], q: torch.Tensor, keys: torch.Tensor,
-                        scale: float, kernels: ModuleType) -> None:
+                        scale: float, kernels: ModuleType, importance: torch.Tensor | None = None) -> None:
         """`observe` for every row at once on the device, with `kernels` (kernels.triton_omnikv): the
         current queries are recorded, the present window queries gathered into [P, W, H, D] (absent
-        entries: q_pos -1, weight 0), then `kernels.importance` and `kernels.select_slots`. The selection
+        entries: q_pos -1, weight 0), then `kernels.importance` and `kernels.select_slots`. `importance`
+        [P, >= l_max]: the picked rows' importance already known (a one-query window's, from the filter
+        layer's own decode attention: `kernels.importance_from_scores`), so the keys are not scored again. The selection
         is stored padded (`packed`) and per row (`selected`, views of it); the counters come from the
         host's positions and budgets, so no device value is read back."""
         if self.roles[layer_id] != FILTER:
@@ -321,7 +323,9 @@ class OmniKVBatch:
         dev = q.device
         idx = [i for _, i in pick]
         if len(pick) != q.shape[0]:
-            q = q.index_select(0, torch.tensor([j for j, _ in pick], dtype=torch.int64, device=dev))
+            sel = torch.tensor([j for j, _ in pick], dtype=torch.int64, device=dev)
+            q = q.index_select(0, sel)
+            importance = importance.index_select(0, sel) if importance is not None else None
         a = self._inputs(idx, dev)
         if self.history is not None:
             hist, w = self.history, self.history.window
@@ -347,9 +351,12 @@ class OmniKVBatch:
             q_win, q_pos = q[:, None], a["pos"][:, None]
             weights = a["alpha"][1:2].expand(len(idx), 1)
         g = self.graph
+        if importance is not None and self.history is not None:
+            raise ValueError("observe_batched: a known importance is one query's; this batch has a query window")
         if g is not None:  # fixed shapes, budgets on the device; the metrics come from count_selection
-            imp = kernels.importance(q_win.contiguous(), q_pos.contiguous(), weights.contiguous(), keys, self.table,
-                                     a["req_rows"], a["ctx"], scale, g.width)
+            imp = importance[:, : g.width] if importance is not None else kernels.importance(
+                q_win.contiguous(), q_pos.contiguous(), weights.contiguous(), keys, self.table,
+                a["req_rows"], a["ctx"], scale, g.width)
             slots, lens_dev = kernels.select_slots(imp, a["ctx"], g.budgets, self.sink, self.recent, self.table,
                                                    a["req_rows"], g.k_cap)
             self.packed[f] = PackedSelection(list(self.rows), a["batch_rows"], slots.to(torch.int64), g.k_cap,
@@ -357,8 +364,9 @@ class OmniKVBatch:
             return
         ns = [self.positions[i] + 1 for i in idx]
         budgets = [self.budgets[i] for i in idx]
-        imp = kernels.importance(q_win.contiguous(), q_pos.contiguous(), weights.contiguous(), keys, self.table,
-                                 a["req_rows"], a["ctx"], scale, max(ns))
+        imp = importance[:, : max(ns)] if importance is not None else kernels.importance(
+            q_win.contiguous(), q_pos.contiguous(), weights.contiguous(), keys, self.table,
+            a["req_rows"], a["ctx"], scale, max(ns))
         k_max = max(budgets) + self.sink + self.recent
         slots, lens_dev = kernels.select_slots(imp, a["ctx"], budgets, self.sink, self.recent, self.table,
                                                a["req_rows"], k_max)

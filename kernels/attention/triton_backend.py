@@ -20,7 +20,10 @@ forward, which a captured graph turns into fixed addresses of its memory pool.
 OmniKV (`batch.omnikv`, kernels/attention/omnikv.py): at a FILTER layer the sparse rows' queries and the
 layer's keys go to `observe_batched` after the attention (MLA: q_latent ‖ q_pe against the latent rows
 viewed as one KV head), which selects for all sparse rows at once on the device with the kernels of
-kernels/triton_omnikv.py (importance, then select_slots); at a SPARSE layer the attention kernels run over a
+kernels/triton_omnikv.py (importance, then select_slots; at a decode step whose window is the current
+query alone, the filter layer's decode attention writes its scores and log-sum-exps as it goes and the
+importance comes from them, `importance_from_scores`, as the native CPU forward does: no second read of
+the keys); at a SPARSE layer the attention kernels run over a
 small table [B, width] of KV slots (page size 1, rows 0..B-1) in which each sparse row holds its
 selection and every other row its whole context, with per-row lengths: decode reads it with seq_len =
 the row's length, and a MIXED batch's extend kernel with prefix = length - new tokens (a sparse row's
@@ -98,6 +101,8 @@ class TritonAttentionBackend(AttentionBackend):
         self._sparse_views: dict[int, _SparseView] = {}  # OmniKV, this forward: per filter read
         self._full_view: tuple[torch.Tensor, torch.Tensor] | None = None
         self._omnikv_kernels = None  # kernels.triton_omnikv, imported at the first OmniKV filter layer
+        # (layer id, scores, lse, width) a filter layer's decode attention wrote for its `_observe`
+        self._filter_scores: tuple[int, torch.Tensor, torch.Tensor, int] | None = None
 
     def host_memory_problem(self, device: torch.device) -> str | None:
         """The kernels reach a context bank's pinned host buffers through the GPU's mapping of them: a
@@ -256,7 +261,16 @@ class TritonAttentionBackend(AttentionBackend):
             from kernels import triton_omnikv
 
             self._omnikv_kernels = triton_omnikv
-        sparse.observe_batched(layer.layer_id, list(sparse.rows), qs, keys, layer.scaling, self._omnikv_kernels)
+        importance = None
+        dumped, self._filter_scores = self._filter_scores, None
+        if dumped is not None and dumped[0] == layer.layer_id and batch.forward_mode.is_decode():
+            _, scores, lse, width = dumped
+            assert self.decode is not None
+            importance = self._omnikv_kernels.importance_from_scores(scores, lse, self.decode.seq_lens, width)
+            if not sparse.covers(batch.batch_size):
+                importance = importance.index_select(0, idx)
+        sparse.observe_batched(layer.layer_id, list(sparse.rows), qs, keys, layer.scaling, self._omnikv_kernels,
+                               importance=importance)
         # the layers below read this selection: a view kept from an earlier run of the forward (a graph
         # capture's warm-up runs, made without new metadata) would hold that run's table
         self._sparse_views.pop(sparse.filter_of[layer.layer_id], None)
@@ -314,10 +328,29 @@ class TritonAttentionBackend(AttentionBackend):
         o_shape, lse_shape = self._k.decode_partials_shape(m.batch_size, num_heads, splits, out.shape[-1])
         part_o = torch.empty(o_shape, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        scores, lse = self._filter_score_buffers(layer, batch, num_heads, q.device)
         return self._k.decode_attention(
             q, q_rope, k, k_rope, v, out, table, rows, seq_lens, layer.scaling, splits,
-            part_o, part_lse, page_size=page, block_h=block_h,
+            part_o, part_lse, page_size=page, block_h=block_h, scores=scores, lse=lse,
         )
+
+    def _filter_score_buffers(self, layer: AttentionLayer, batch: ForwardBatch, num_heads: int,
+                              device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """At an OmniKV FILTER layer of a decode step whose window is the current query alone: buffers
+        that the layer's decode attention fills with its scores and log-sum-exps, from which `_observe`
+        takes the importance instead of scoring every key a second time (None, None elsewhere)."""
+        self._filter_scores = None
+        sparse = batch.omnikv
+        if (sparse is None or not sparse.rows or sparse.role(layer.layer_id) != FILTER or sparse.window != 1
+                or not batch.forward_mode.is_decode()):
+            return None, None
+        # >= every row's context: a graph's bucket, or the batch's longest context
+        width = sparse.graph.width if sparse.graph is not None else max(batch.seq_lens_cpu)
+        bsz = batch.batch_size
+        scores = torch.empty(bsz, num_heads, width, dtype=torch.float32, device=device)
+        lse = torch.empty(bsz, num_heads, dtype=torch.float32, device=device)
+        self._filter_scores = (layer.layer_id, scores, lse, width)
+        return scores, lse
 
     # ------------------------------------------------------------------ MHA / GQA
     def _set_kv(self, layer: AttentionLayer, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:

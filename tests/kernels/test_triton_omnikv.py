@@ -353,7 +353,7 @@ def _run_layers(setup: Setup, batch: ForwardBatch, sparse_rows: list[int], step,
 
 
 @pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.MIXED], ids=["decode", "mixed"])
-@pytest.mark.parametrize("page, dtype, window", [(1, torch.float32, 4), (64, torch.bfloat16, 1)])
+@pytest.mark.parametrize("page, dtype, window", [(1, torch.float32, 4), (1, torch.float32, 1), (64, torch.bfloat16, 1)])
 def test_backend_mla_sparse_decode_matches_torch(mode: ForwardMode, page: int, dtype: torch.dtype, window: int) -> None:
     setup = Setup("mla", page, dtype, seed=page + window)
     if mode == ForwardMode.DECODE:
@@ -378,7 +378,8 @@ def test_backend_mla_sparse_decode_matches_torch(mode: ForwardMode, page: int, d
 
 
 @pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.MIXED], ids=["decode", "mixed"])
-def test_backend_gqa_sparse_decode_matches_torch(mode: ForwardMode) -> None:
+@pytest.mark.parametrize("window", [1, 4])
+def test_backend_gqa_sparse_decode_matches_torch(mode: ForwardMode, window: int) -> None:
     heads, heads_kv, d = 6, 2, 16
     setup = Setup("mha", 1, torch.float32, heads_kv=heads_kv, dk=d, seed=5)
     if mode == ForwardMode.DECODE:
@@ -393,9 +394,71 @@ def test_backend_gqa_sparse_decode_matches_torch(mode: ForwardMode) -> None:
         q, k, v = data[layer_id]
         return backend.forward(q, k, v, AttentionLayer(layer_id, heads, heads_kv, d, d, 0.29), batch)
 
-    ref, out = _run_layers(setup, batch, sparse_rows, step, heads, d, 4)
+    ref, out = _run_layers(setup, batch, sparse_rows, step, heads, d, window)
     for layer_id in range(len(ROLES)):
         torch.testing.assert_close(out[layer_id], ref[layer_id], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("sparse_rows", [[0, 1, 2], [1]], ids=["every-row", "some-rows"])
+def test_backend_filter_layer_takes_importance_from_its_attention(sparse_rows: list[int],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step whose window is the current query: the filter layer's selection comes from the scores
+    its own attention wrote (the keys are not scored a second time: `importance` would fail here), and
+    equals the torch backend's per-row selection."""
+    heads, heads_kv, d = 6, 2, 16
+    setup = Setup("mha", 1, torch.float32, heads_kv=heads_kv, dk=d, seed=8)
+    batch = setup.batch([(90, 1), (130, 1), (60, 1)], ForwardMode.DECODE)
+    t = batch.num_tokens
+    data = [(setup.rand(t, heads, d), setup.rand(t, heads_kv, d), setup.rand(t, heads_kv, d)) for _ in ROLES]
+    called = []
+    real = triton_omnikv.importance_from_scores
+    monkeypatch.setattr(triton_omnikv, "importance_from_scores", lambda *a, **k: called.append(1) or real(*a, **k))
+
+    def fail(*a, **k):
+        raise AssertionError("a one-query window's importance was computed from the keys again")
+
+    monkeypatch.setattr(triton_omnikv, "importance", fail)
+
+    def step(backend, layer_id):
+        q, k, v = data[layer_id]
+        return backend.forward(q, k, v, AttentionLayer(layer_id, heads, heads_kv, d, d, 0.29), batch)
+
+    ref, out = _run_layers(setup, batch, sparse_rows, step, heads, d, 1)
+    assert called == [1]  # one filter layer
+    for layer_id in range(len(ROLES)):
+        torch.testing.assert_close(out[layer_id], ref[layer_id], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_importance_from_decode_scores_matches_importance(kind: str) -> None:
+    """`decode_attention`'s scores and log-sum-exps give `importance`'s values for a one-query window."""
+    from kernels.triton_attention import decode_attention, decode_partials_shape
+
+    gen = torch.Generator().manual_seed(31 if kind == "gqa" else 32)
+    heads, heads_kv, d, r, p = (6, 2, 24, 0, 0) if kind == "gqa" else (20, 1, 48, 32, 16)
+    rows = Rows(gen, 2048, heads_kv, d, torch.float32)
+    ctx, req_rows = [300, 1, 77, 129], [2, 5, 0, 3]
+    bsz = len(ctx)
+    q = _rand(gen, bsz, heads, d)
+    splits = 3
+    o_shape, l_shape = decode_partials_shape(bsz, heads, splits, d - p)
+    part_o, part_lse = torch.empty(o_shape, device=DEV), torch.empty(l_shape, device=DEV)
+    scores = torch.full((bsz, heads, 320), float("nan"), device=DEV)
+    lse = torch.empty(bsz, heads, device=DEV)
+    table, rows_t, lens = rows.req_to_token, torch.tensor(req_rows, device=DEV), torch.tensor(ctx, device=DEV)
+    if kind == "gqa":
+        out = torch.empty(bsz, heads, d, device=DEV)
+        decode_attention(q, None, rows.keys, None, _rand(gen, 2048, heads_kv, d), out, table, rows_t, lens, 0.3,
+                         splits, part_o, part_lse, scores=scores, lse=lse)
+    else:
+        out = torch.empty(bsz, heads, r, device=DEV)
+        decode_attention(q[..., :r], q[..., r:], rows.keys[..., :r], rows.keys[..., r:], None, out, table, rows_t,
+                         lens, 0.3, splits, part_o, part_lse, scores=scores, lse=lse)
+    got = triton_omnikv.importance_from_scores(scores, lse, lens, 310)
+    want = triton_omnikv.importance(q[:, None].contiguous(), (lens - 1)[:, None], torch.ones(bsz, 1, device=DEV),
+                                    rows.keys, table, rows_t, lens, 0.3, 310)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert torch.all(got[1, 1:] == 0) and float(got[1, 0]) == pytest.approx(1.0)
 
 
 def test_backend_sparse_layer_reads_only_the_selection() -> None:
