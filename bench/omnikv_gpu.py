@@ -159,7 +159,8 @@ def check(runner: ModelRunner, cfg: OmniKVConfig, context: int, vocab: int, seed
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(2, vocab, (context,), generator=g).tolist()
     forced = torch.randint(2, vocab, (CHECK_STEPS,), generator=g).tolist()
-    runner.set_omnikv(KeepEverything(filter_layers=cfg.filter_layers, budget_tokens=context + CHECK_STEPS))
+    runner.set_omnikv(KeepEverything(filter_layers=cfg.filter_layers, budget_tokens=context + CHECK_STEPS,
+                                     window=cfg.window, alpha=cfg.alpha))
     rows = Rows(runner, prompt, copies, forced[:1] * (copies - 1))
     before = runner.omnikv_counters.sparse_tokens
     try:
@@ -267,6 +268,10 @@ def main() -> int:
     ap.add_argument("--contexts", type=int, nargs="*", default=None)
     ap.add_argument("--budget", type=float, default=0.1, help="share of the context selected (default 0.1)")
     ap.add_argument("--filter-layers", type=int, nargs="*", default=None)
+    ap.add_argument("--window", type=int, default=1,
+                    help="observation window (default 1: the current query, whose importance comes from the filter "
+                    "layer's own attention scores; above 1 the importance passes score the keys again)")
+    ap.add_argument("--alpha", default=None, help="window weights (default: last_token, exponential with --window > 1)")
     ap.add_argument("--graphs", nargs="*", choices=["on", "off"], default=["on", "off"])
     ap.add_argument("--bank", nargs="*", choices=["on", "off"], default=["off", "on"],
                     help="runners without and with OmniKV's context bank (default: both)")
@@ -290,7 +295,8 @@ def main() -> int:
     dtype = torch.float32 if smoke else torch.bfloat16
     cfg_model = bench_config(preset, layers)
     fl = tuple(args.filter_layers) if args.filter_layers else OmniKVConfig.default_for(layers).filter_layers
-    omni = OmniKVConfig(filter_layers=fl, budget_ratio=args.budget)
+    omni = OmniKVConfig(filter_layers=fl, budget_ratio=args.budget, window=args.window,
+                        alpha=args.alpha or ("exponential" if args.window > 1 else "last_token"))
     model = build_model(cfg_model, device, dtype, "torch" if smoke else "triton", args.seed)
     if not args.batch or min(args.batch) < 1:
         ap.error("--batch takes sizes of 1 or more")
