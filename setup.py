@@ -9,9 +9,9 @@ from glob import glob
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
 
-# the sources compile in parallel, one job per CPU (MLASERVE_BUILD_JOBS=N sets the count): setuptools
-# alone compiles one extension's files one after another
-ParallelCompile("MLASERVE_BUILD_JOBS").install()
+# the sources compile in parallel, one job per CPU (NPY_NUM_BUILD_JOBS=N sets the count, pybind11's
+# convention): setuptools alone compiles one extension's files one after another
+ParallelCompile("NPY_NUM_BUILD_JOBS").install()
 
 ext = Pybind11Extension(
     "cpp_experts._C",
