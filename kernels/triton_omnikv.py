@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_attention import _pow2
-from kernels.triton_utils import INTERPRETED
+from kernels.triton_utils import INTERPRETED, dot_precision
 
 def _column_blocks(d: int) -> tuple[int, int]:
     """(DA, DB): a row of width d read as columns [0, DA) and [DA, d), DA a power of two (DB may be 0)."""
@@ -67,15 +67,6 @@ def _load_q(Q, b, w, heads, mask_h, stride_qb, stride_qw, stride_qh,
 
 
 @triton.jit
-def _dot(q, k, NATIVE: tl.constexpr):
-    """fp32 q·k: 16-bit operands on the tensor cores (their products are exact in fp32), else IEEE fp32."""
-    if NATIVE:
-        return tl.dot(q, k, out_dtype=tl.float32)
-    else:
-        return tl.dot(q, k, out_dtype=tl.float32, input_precision="ieee")
-
-
-@triton.jit
 def _importance_pass_kernel(
     Q, QPOS, WEIGHTS, K, TABLE, ROWS, CTX, PART_M, PART_L, M, L, IMP,
     stride_qb, stride_qw, stride_qh, stride_pb, stride_pw, stride_wb,
@@ -84,7 +75,7 @@ def _importance_pass_kernel(
     STATS: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     KV_GROUP: tl.constexpr, HEAD_BLOCKS_PER_KV: tl.constexpr,
     DA: tl.constexpr, DB: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One key block of one row. STATS: the block's softmax max and sum per window query and head
     (PART_M / PART_L [B, W, blocks, H]). Else: the block's importance, from the merged stats M, L."""
@@ -120,9 +111,9 @@ def _importance_pass_kernel(
                     heads = kv_head * KV_GROUP + h_in_group
                     qa, qb = _load_q(Q, b, w, heads, mask_h, stride_qb, stride_qw, stride_qh,
                                      DA, DB, BLOCK_DA, BLOCK_DB, NATIVE)
-                    s = _dot(qa, ka, NATIVE)
+                    s = tl.dot(qa, ka, out_dtype=tl.float32, input_precision=DOT_PRECISION)
                     if DB > 0:
-                        s += _dot(qb, kb, NATIVE)
+                        s += tl.dot(qb, kb, out_dtype=tl.float32, input_precision=DOT_PRECISION)
                     s = s * scale
                     stat = b * stride_mb + w * stride_mw + heads
                     if STATS:
@@ -236,7 +227,8 @@ def importance(
     l = torch.empty_like(m)
     common = dict(W=window, BLOCK_W=triton.next_power_of_2(window), NUM_KV_HEADS=num_kv_heads, KV_GROUP=group,
                   HEAD_BLOCKS_PER_KV=blocks_per_kv, DA=da, DB=db, BLOCK_DA=block_da, BLOCK_DB=block_db,
-                  BLOCK_H=block_h, BLOCK_N=block_n, NATIVE=native, num_warps=8 if d > 256 else 4)
+                  BLOCK_H=block_h, BLOCK_N=block_n, NATIVE=native,
+                  DOT_PRECISION=dot_precision(q.dtype if native else torch.float32), num_warps=8 if d > 256 else 4)
     for stats in (True, False):
         _importance_pass_kernel[(bsz, blocks)](
             q, q_pos, weights, keys, req_to_token, req_rows, ctx_lens, part_m, part_l, m, l, out,

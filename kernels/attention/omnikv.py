@@ -309,12 +309,15 @@ class OmniKVBatch:
         """`observe` for every row at once on the device, with `kernels` (kernels.triton_omnikv): the
         current queries are recorded, the present window queries gathered into [P, W, H, D] (absent
         entries: q_pos -1, weight 0), then `kernels.importance` and `kernels.select_slots`. `importance`
-        [P, >= l_max]: the picked rows' importance already known (a one-query window's, from the filter
-        layer's own decode attention: `kernels.importance_from_scores`), so the keys are not scored again. The selection
+        [P, >= l_max]: the rows' importance already known (a one-query window's, from the filter layer's
+        own decode attention: `kernels.importance_from_scores`), so the keys are not scored again and q
+        only gives the rows. The selection
         is stored padded (`packed`) and per row (`selected`, views of it); the counters come from the
         host's positions and budgets, so no device value is read back."""
         if self.roles[layer_id] != FILTER:
             return
+        if importance is not None and self.history is not None:
+            raise ValueError("observe_batched: a known importance is one query's; this batch has a query window")
         f = self.filter_of[layer_id]
         out = self.selected.setdefault(f, [torch.empty(0, dtype=torch.int64)] * len(self.rows))
         pick = [(j, self._where[b]) for j, b in enumerate(batch_rows) if b in self._where]
@@ -351,8 +354,6 @@ class OmniKVBatch:
             q_win, q_pos = q[:, None], a["pos"][:, None]
             weights = a["alpha"][1:2].expand(len(idx), 1)
         g = self.graph
-        if importance is not None and self.history is not None:
-            raise ValueError("observe_batched: a known importance is one query's; this batch has a query window")
         if g is not None:  # fixed shapes, budgets on the device; the metrics come from count_selection
             imp = importance[:, : g.width] if importance is not None else kernels.importance(
                 q_win.contiguous(), q_pos.contiguous(), weights.contiguous(), keys, self.table,

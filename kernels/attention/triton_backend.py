@@ -243,10 +243,14 @@ class TritonAttentionBackend(AttentionBackend):
         sparse = batch.omnikv
         if sparse is None or sparse.role(layer.layer_id) != FILTER or not sparse.rows:
             return
+        # a one-query window's importance from the scores this layer's decode attention wrote: then the
+        # queries only say which rows (no q_pe is joined to them)
+        dumped, self._filter_scores = self._filter_scores, None
+        known = dumped is not None and dumped[0] == layer.layer_id and batch.forward_mode.is_decode()
+        join_rope = q_rope is not None and not known
         if batch.forward_mode.is_decode() and sparse.covers(batch.batch_size):
-            qs = q  # every row, in order (a captured graph's path: no index tensor from the host)
-            if q_rope is not None:
-                qs = torch.cat([qs, q_rope], dim=-1)
+            idx = None  # every row, in order (a captured graph's path: no index tensor from the host)
+            qs = torch.cat([q, q_rope], dim=-1) if join_rope else q
         else:
             if batch.forward_mode.is_decode():
                 tokens = list(sparse.rows)
@@ -255,19 +259,18 @@ class TritonAttentionBackend(AttentionBackend):
                 tokens = [starts[b] for b in sparse.rows]
             idx = torch.tensor(tokens, dtype=torch.int64, device=q.device)
             qs = q.index_select(0, idx)
-            if q_rope is not None:
+            if join_rope:
                 qs = torch.cat([qs, q_rope.index_select(0, idx)], dim=-1)
         if self._omnikv_kernels is None:
             from kernels import triton_omnikv
 
             self._omnikv_kernels = triton_omnikv
         importance = None
-        dumped, self._filter_scores = self._filter_scores, None
-        if dumped is not None and dumped[0] == layer.layer_id and batch.forward_mode.is_decode():
+        if known:
             _, scores, lse, width = dumped
             assert self.decode is not None
             importance = self._omnikv_kernels.importance_from_scores(scores, lse, self.decode.seq_lens, width)
-            if not sparse.covers(batch.batch_size):
+            if idx is not None:
                 importance = importance.index_select(0, idx)
         sparse.observe_batched(layer.layer_id, list(sparse.rows), qs, keys, layer.scaling, self._omnikv_kernels,
                                importance=importance)
