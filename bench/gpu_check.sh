@@ -63,9 +63,9 @@ fi
 if [[ -d .gpu_extra ]]; then mkdir -p /tmp/site && cp -r .gpu_extra/. /tmp/site/ && export PYTHONPATH="$PYTHONPATH:/tmp/site"; fi
 
 # The native extension (routed experts on the CPU, host nodes, the CPU kernels), built in the background
-# (its files in parallel: a few minutes from scratch, bound by the longest file; ~1 s when a warm host
-# kept the build); the steps that import it wait for it first (a failed import would stay failed in
-# that process).
+# (its files in parallel, bound by the longest: ~20 s of a core since attention's builds are files of
+# their own, ~1 s when a warm host kept the build); the steps that import it wait for it first (a
+# failed import would stay failed in that process).
 rm -f /tmp/build.done
 (s=$(date +%s); nice -n 10 python3 setup.py -q build_ext --inplace -j 16 > /tmp/build.log 2>&1
  echo "== build: rc=$? in $(( $(date +%s) - s ))s" >> /tmp/build.log; touch /tmp/build.done) &

@@ -1,0 +1,512 @@
+// The kernels of paged attention (attention.cpp), compiled once per instruction set: attention_avx512.cpp
+// (sixteen-lane vectors), attention_avx2.cpp and attention_base.cpp (eight lanes) each build
+// task_entry_impl into one function with their target attributes, and attention.cpp dispatches to the
+// one the CPU runs. They are files of their own so that the three builds compile in parallel: in one
+// file they took ~5.5 minutes of one core, the longest step of building the extension.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "attention.h"
+#include "common.h"
+#include "vec.h"
+
+namespace cpx {
+namespace attn {
+
+constexpr int kKeyTile = 16;
+static_assert(kKeyTile == kAttnDumpTile, "a dump's tiles are the key tiles: every tile starts at a multiple of 16");
+constexpr int kTokBlock = 4;       // tokens of one request per group (prefill)
+constexpr int kMlaHeadBlock = 16;  // heads per MLA group
+// keys per key block at least: a decode token of a short context still splits into enough tasks for
+// the pool (128 left SmolLM2's 3 KV heads at ~160 keys as 3 tasks on 2 threads, ~5% of decode)
+constexpr int kMinSplitKeys = 64;
+constexpr int kMaxBlocks = 16;      // key blocks per group at most
+
+struct Group {
+  int t0, nt;    // tokens t0..t0+nt-1 (one request, consecutive positions)
+  int h0, nh;    // query heads h0..h0+nh-1
+  int kv_head;   // GQA: the first KV head the group reads; MLA: 0
+  int nkv;       // KV heads it reads, kv_head.. (its query heads h0.. split among them evenly); MLA: 1
+  int64_t row;   // req_to_token row
+  int64_t keys;  // keys the group reads: 0..keys-1 (the last token's position + 1, or the list's length)
+  const int32_t* slots;  // the token's own slot list (one token), or null: the row's slots
+};
+
+struct Layout {
+  int H, D, Dv;             // query heads, score width, value width
+  int64_t q_tok, q_head;    // q strides (elements)
+  int64_t o_tok, o_head;    // out strides
+  int64_t k_head_off, v_head_off;  // offset of one KV head within a slot (GQA: D, Dv); 0 for MLA
+  bool mla;
+  bool paired;  // bf16 rows read in the paired order (paired_at), no fp32 tiles: GQA, D == Dv of 64 or 128
+  int lanes = vec::lanes();  // the kernels' vector width W (the paired order's half period)
+};
+
+// The kernels' vectors of W lanes: 8 (AVX2 and baseline builds) or 16 (AVX-512: half the multiply-adds
+// and loads a key; one decode token of SmolLM2's shape over 1536 keys of a bf16 cache on a 2-core Zen 5
+// VM, interleaved runs: ~59 -> ~42 us a call with the tile's softmax in one vector too). A query's
+// result depends on W (its sums run in W lanes), never on the batch or the blocking.
+template <int W>
+struct Lanes;
+template <>
+struct Lanes<8> {
+  using V = vec::v8f;
+  static CPX_INLINE V load(const float* p) { return vec::load(p); }
+  static CPX_INLINE V bf16(const uint16_t* p, bool odd) { return vec::load_bf16_lanes(p, odd); }
+  static CPX_INLINE V splat(float x) { return vec::splat(x); }
+  static CPX_INLINE void store(float* p, V v) { vec::store(p, v); }
+  static CPX_INLINE float hsum(V v) { return vec::hsum(v); }
+  static CPX_INLINE void hsum4(V a, V b, V c, V d, float* out) { vec::hsum4(a, b, c, d, out); }
+  // src[0..2W-1] into the paired order (paired_at): the even values, then the odd ones
+  static CPX_INLINE void pair(const float* src, float* dst) {
+    const V a = load(src), b = load(src + 8);
+    store(dst, __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14));
+    store(dst + 8, __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15));
+  }
+};
+template <>
+struct Lanes<16> {
+  using V = vec::v16f;
+  static CPX_INLINE V load(const float* p) { return vec::load16(p); }
+  static CPX_INLINE V bf16(const uint16_t* p, bool odd) { return vec::load_bf16_lanes16(p, odd); }
+  static CPX_INLINE V splat(float x) { return vec::splat16(x); }
+  static CPX_INLINE void store(float* p, V v) { vec::store16(p, v); }
+  static CPX_INLINE float hsum(V v) { return vec::hsum(vec::fold(v)); }
+  static CPX_INLINE void hsum4(V a, V b, V c, V d, float* out) {
+    vec::hsum4(vec::fold(a), vec::fold(b), vec::fold(c), vec::fold(d), out);
+  }
+  static CPX_INLINE void pair(const float* src, float* dst) {
+    const V a = load(src), b = load(src + 16);
+    store(dst, __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30));
+    store(dst + 16, __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
+  }
+};
+
+// The paired order of a bf16 row: each 2W values d0..d0+2W-1 as two W-lane vectors, the even values
+// then the odd ones (vec::load_bf16_lanes: one instruction per W values widened, read from the cache
+// itself, instead of widening the tile into fp32 rows and reading those). A query is permuted into
+// this order once per task, a dot product then pairs the same elements as in natural order (summed
+// in another order: a function of the position in the row alone, so the same for every key and
+// blocking), and the accumulated values are in it until write_out puts them back. On a 2-core Zen 3 VM
+// (one decode token of SmolLM2's shape over 1536 keys, interleaved runs, W = 8) a layer went from
+// ~125-140 to ~105 us with the cache in L3, from ~258 to ~236 from DRAM.
+CPX_INLINE int paired_at(int d, int W) { return (d & ~(2 * W - 1)) + (d & 1) * W + ((d & (2 * W - 1)) >> 1); }
+
+// A row's W values from d (a multiple of W) as the kernels read them: fp32 rows in order; bf16 rows
+// (the paired layout only) the even or odd lanes of the 2W values from d & ~(2W - 1).
+template <int W>
+CPX_INLINE typename Lanes<W>::V ld(const float* p, int d) { return Lanes<W>::load(p + d); }
+template <int W>
+CPX_INLINE typename Lanes<W>::V ld(const uint16_t* p, int d) { return Lanes<W>::bf16(p + (d & ~(2 * W - 1)), d & W); }
+
+template <class KT>
+CPX_INLINE const KT* kv_ptr(const void* base, int64_t stride, int64_t slot, int64_t off) {
+  return static_cast<const KT*>(base) + slot * stride + off;
+}
+
+// Scores of kQB queries (one token's heads) against keys j and j + 1 at once: each key row and each
+// query chunk is loaded once for all of them. Per (query, key) the arithmetic is always the same
+// (W-lane partial sums along the head dim, then hsum): the result does not depend on the blocking.
+constexpr int kQB = 4;
+template <int QB, int W, class RT>
+CPX_INLINE void dots2(const float* const* q, const RT* k0, const RT* k1, int n, float* s, int ls) {
+  using Ln = Lanes<W>;
+  using V = typename Ln::V;
+  V a0[QB], a1[QB];
+  for (int i = 0; i < QB; ++i) a0[i] = a1[i] = Ln::splat(0.0f);
+  int d = 0;
+  for (; d + W <= n; d += W) {
+    const V x0 = ld<W>(k0, d), x1 = ld<W>(k1, d);
+    for (int i = 0; i < QB; ++i) {
+      const V qv = Ln::load(q[i] + d);
+      a0[i] += qv * x0;
+      a1[i] += qv * x1;
+    }
+  }
+  for (int i = 0; i < QB; ++i) {
+    s[i * ls] = Ln::hsum(a0[i]);
+    s[i * ls + 1] = Ln::hsum(a1[i]);
+    for (int e = d; e < n; ++e) {  // fp32 rows only: a paired row's length is a multiple of 2W
+      s[i * ls] += q[i][e] * vec::scalar(k0[e]);
+      s[i * ls + 1] += q[i][e] * vec::scalar(k1[e]);
+    }
+  }
+}
+
+// The same scores for keys j .. j + 3 (up to three queries with 16 registers, four with AVX-512's 32), their
+// sums reduced four at a time by hsum4, which gives hsum's bits: dots2 and dots4 agree exactly.
+template <int QB, int W, class RT>
+CPX_INLINE void dots4(const float* const* q, const RT* const* k, int n, float* s, int ls) {
+  using Ln = Lanes<W>;
+  using V = typename Ln::V;
+  V a[QB][4];
+  for (int i = 0; i < QB; ++i)
+    for (int j = 0; j < 4; ++j) a[i][j] = Ln::splat(0.0f);
+  int d = 0;
+  for (; d + W <= n; d += W) {
+    V qv[QB];
+    for (int i = 0; i < QB; ++i) qv[i] = Ln::load(q[i] + d);
+    for (int j = 0; j < 4; ++j) {
+      const V x = ld<W>(k[j], d);
+      for (int i = 0; i < QB; ++i) a[i][j] += qv[i] * x;
+    }
+  }
+  for (int i = 0; i < QB; ++i) {
+    Ln::hsum4(a[i][0], a[i][1], a[i][2], a[i][3], s + i * ls);
+    for (int e = d; e < n; ++e)
+      for (int j = 0; j < 4; ++j) s[i * ls + j] += q[i][e] * vec::scalar(k[j][e]);
+  }
+}
+
+// acc = acc * corr + sum_j p[j] v[j] for QB queries that see the same nv keys. C chunks of 8 values at a
+// time (C x QB accumulators in registers, each probability broadcast once per C chunks), then single
+// chunks, then single values; per query and value the arithmetic is the same whatever the blocking
+// (acc * corr, then p[j] v[j] added in key order).
+template <int QB, int C, int W, class RT>
+CPX_INLINE void pv_chunks(float* const* acc, const float* corr, const float* p, int lp, const RT* const* v, int nv,
+                          int d) {
+  using Ln = Lanes<W>;
+  using V = typename Ln::V;
+  V a[QB][C];
+  for (int i = 0; i < QB; ++i)
+    for (int c = 0; c < C; ++c) a[i][c] = Ln::load(acc[i] + d + W * c) * Ln::splat(corr[i]);
+  for (int j = 0; j < nv; ++j) {
+    V pj[QB];
+    for (int i = 0; i < QB; ++i) pj[i] = Ln::splat(p[i * lp + j]);
+    for (int c = 0; c < C; ++c) {
+      const V x = ld<W>(v[j], d + W * c);
+      for (int i = 0; i < QB; ++i) a[i][c] += pj[i] * x;
+    }
+  }
+  for (int i = 0; i < QB; ++i)
+    for (int c = 0; c < C; ++c) Ln::store(acc[i] + d + W * c, a[i][c]);
+}
+
+template <int QB, int W, class RT>
+CPX_INLINE void pv_block(float* const* acc, const float* corr, const float* p, int lp, const RT* const* v, int nv,
+                         int n) {
+  // QB x C accumulators, QB broadcasts, a value chunk (and a bf16 mask) within the registers: with 16
+  // (W = 8), at QB = 3 and C = 4 GCC kept four accumulators on the stack (a store and a load each per
+  // key; 2-core Zen 3 VM, bf16 cache at 1536 keys: ~12% of the attention's instructions); AVX-512's
+  // 32 hold 4 x 4 and more
+  constexpr int C = W == 16 || QB <= 2 ? 4 : 2;
+  int d = 0;
+  for (; d + W * C <= n; d += W * C) pv_chunks<QB, C, W>(acc, corr, p, lp, v, nv, d);
+  for (; d + W <= n; d += W) pv_chunks<QB, 1, W>(acc, corr, p, lp, v, nv, d);
+  for (; d < n; ++d)  // fp32 rows only (as in dots2)
+    for (int i = 0; i < QB; ++i) {
+      float a = acc[i][d] * corr[i];
+      for (int j = 0; j < nv; ++j) a += p[i * lp + j] * vec::scalar(v[j][d]);
+      acc[i][d] = a;
+    }
+}
+
+// One block of QB heads of one token over a key tile: scores, the online-softmax update of each
+// query's (m, l), then the values.
+template <int QB, int W, class RT>
+CPX_INLINE void tile_block(const float* const* qv, float* const* sq, const RT* const* krow, const RT* const* vrow,
+                           int nv, int D, int Dv, float scale, float* scores, float* const* de, float* const* ds) {
+  constexpr int ls = kKeyTile;
+  if constexpr (QB == 3 && W == 8) {  // as 2 + 1 heads: dots4<3>'s 12 accumulators, 3 queries and a key take all 16
+    // ymm, and GCC kept one accumulator on the stack (a store-to-load chain per step, where 14% of the
+    // attention's samples sat at a 1.5K context on a 2-core Zen 3 VM; the split alone measured within
+    // the noise, -5% cold); the rows come from L1 again
+    for (int j = 0; j < nv; j += 4) {
+      dots4<2, W>(qv, krow + j, D, scores + j, ls);
+      dots4<1, W>(qv + 2, krow + j, D, scores + 2 * ls + j, ls);
+    }
+  } else if constexpr (QB <= 2 || W == 16) {  // AVX-512's 32 registers hold 4 x 4 accumulators
+    for (int j = 0; j < nv; j += 4) dots4<QB, W>(qv, krow + j, D, scores + j, ls);
+  } else {
+    for (int j = 0; j < nv; j += 2) dots2<QB, W>(qv, krow[j], krow[j + 1], D, scores + j, ls);
+  }
+  float corr[QB];
+  float* acc[QB];
+  bool any = false;
+  static_assert(kKeyTile == 16, "the whole-tile softmax below reads a tile as two vectors");
+  for (int i = 0; i < QB; ++i) {
+    using namespace vec;
+    float* sc = scores + i * ls;
+    float mx = sq[i][0];
+    // a whole tile (all but a block's last): max and sum across lanes, no scalar chains; in two 8-lane
+    // vectors or (W = 16) one, with the same bits (exp lane by lane, hsum(fold(s)) = hsum(s0 + s1))
+    v8f s0, s1;
+    v16f s16;
+    if (nv == kKeyTile && W == 16) {
+      s16 = load16(sc) * splat16(scale);
+      mx = std::max(mx, hmax16(s16));
+    } else if (nv == kKeyTile) {
+      s0 = load(sc) * splat(scale);
+      s1 = load(sc + 8) * splat(scale);
+      mx = std::max(mx, hmax(s0 > s1 ? s0 : s1));
+    } else {
+      for (int j = 0; j < nv; ++j) {
+        sc[j] *= scale;
+        mx = std::max(mx, sc[j]);
+      }
+    }
+    acc[i] = sq[i] + 2;
+    if (mx == -INFINITY) {  // every score -inf (a -inf query): nothing to add
+      corr[i] = 1.0f;
+      std::fill(sc, sc + nv, 0.0f);
+      if (de) {
+        std::fill(de[i], de[i] + nv, 0.0f);
+        ds[i][0] = mx;
+        ds[i][1] = 0.0f;
+      }
+      continue;
+    }
+    any = true;
+    // exp(0) is 1 exactly: an unchanged max (most tiles after the first few) skips the exp
+    corr[i] = sq[i][0] == mx ? 1.0f : sq[i][0] == -INFINITY ? 0.0f : exp1(sq[i][0] - mx);
+    float sum = 0.0f;
+    if (nv == kKeyTile && W == 16) {
+      const v16f e = exp16(s16 - splat16(mx));
+      store16(sc, e);
+      sum = hsum(fold(e));
+    } else if (nv == kKeyTile) {
+      const v8f e0 = exp8(s0 - splat(mx)), e1 = exp8(s1 - splat(mx));
+      store(sc, e0);
+      store(sc + 8, e1);
+      sum = hsum(e0 + e1);
+    } else {
+      for (int j = 0; j < nv; j += 8) {  // the buffer holds a whole tile: lanes past nv are not summed
+        store(sc + j, exp8(load(sc + j) - splat(mx)));
+        for (int l = j; l < std::min(nv, j + 8); ++l) sum += sc[l];
+      }
+    }
+    sq[i][0] = mx;
+    sq[i][1] = sq[i][1] * corr[i] + sum;
+    if (de) {  // AttnTokens::dump
+      std::copy(sc, sc + nv, de[i]);
+      ds[i][0] = mx;
+      ds[i][1] = sum;
+    }
+  }
+  if (any) pv_block<QB, W>(acc, corr, scores, ls, vrow, nv, Dv);
+}
+
+// The rows of one key tile as fp32: the cache's rows themselves, or (bf16) widened into `buf`.
+template <class KT>
+CPX_INLINE void tile_rows(const KT* const* src, int nk, int n, float* buf, const float** rows) {
+  for (int j = 0; j < nk; ++j) {
+    if constexpr (std::is_same_v<KT, float>) {
+      rows[j] = src[j];
+    } else {
+      float* dst = buf + size_t(j) * n;
+      int d = 0;
+      for (; d + 8 <= n; d += 8) vec::store(dst + d, vec::load(src[j] + d));
+      for (; d < n; ++d) dst[d] = vec::scalar(src[j][d]);
+      rows[j] = dst;
+    }
+  }
+}
+
+CPX_INLINE void prefetch_row(const void* p, int bytes) {
+  for (int b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b);
+}
+
+// One task, for a KV element type KT. st: per-query state m, l then acc[Dv] (stride 2 + Dv);
+// buf: room for a key tile and a value tile in fp32 (bf16 caches). DN: the head dim (keys and values)
+// where it is a compile-time constant (run_block), 0 where it is L.D / L.Dv at run time.
+template <class KT, int DN, int W>
+CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, int k0, int k1,
+                         float scale, const float* q, float* st, float* scores, float* buf) {
+  const int D = DN ? DN : L.D, Dv = DN ? DN : L.Dv;
+  const int nq = g.nt * g.nh, sw = 2 + Dv;
+  for (int i = 0; i < nq; ++i) {
+    st[size_t(i) * sw] = -INFINITY;
+    st[size_t(i) * sw + 1] = 0.0f;
+    std::fill(st + size_t(i) * sw + 2, st + size_t(i) * sw + 2 + Dv, 0.0f);
+  }
+  const int32_t* slots = g.slots ? g.slots : kv.table + g.row * kv.table_stride;
+  const int hp = g.nh / g.nkv;  // query heads per KV head
+  const void* vbase = L.mla ? kv.k : kv.v;
+  const int64_t vstride = L.mla ? kv.k_stride : kv.v_stride;
+  // the bytes of a slot the group reads: its KV heads' keys (values), adjacent within the slot
+  const int kbytes = int(((g.nkv - 1) * L.k_head_off + D) * int64_t(sizeof(KT)));
+  const int vbytes = int(((g.nkv - 1) * L.v_head_off + Dv) * int64_t(sizeof(KT)));
+  // bf16 rows at a fixed head dim: read from the cache in the paired order (Layout::paired), the
+  // group's queries permuted into buf; else rows as fp32 (bf16 widened into buf a tile at a time)
+  constexpr bool kPaired = std::is_same_v<KT, uint16_t> && DN != 0;
+  using RT = std::conditional_t<kPaired, uint16_t, float>;
+  if constexpr (kPaired) {
+    for (int ti = 0; ti < g.nt; ++ti)
+      for (int hi = 0; hi < g.nh; ++hi) {
+        const float* src = q + (g.t0 + ti) * L.q_tok + (g.h0 + hi) * L.q_head;
+        float* dst = buf + size_t(ti * g.nh + hi) * D;
+        for (int d = 0; d < D; d += 2 * W) Lanes<W>::pair(src + d, dst + d);  // dst[paired_at(d, W)] = src[d]
+      }
+  }
+  const KT* ksrc[kKeyTile];
+  const KT* vsrc[kKeyTile];
+  const RT* krow[kKeyTile];
+  const RT* vrow[kKeyTile];
+  for (int kt = k0; kt < k1; kt += kKeyTile) {
+    const int nk = std::min(kKeyTile, k1 - kt);
+    // The rows come from scattered slots, beyond the hardware prefetcher's reach: the next tile's keys
+    // and values are asked for while this one is computed, a share with each KV head's turn (and the
+    // first tile's values at its start). A whole tile's requests at once outnumber what the core keeps
+    // in flight, and the prefetches then stall it: on a 2-core Zen 3 VM (one decode token of SmolLM2's
+    // shape over 1536 keys of a bf16 cache from DRAM, interleaved) spreading them took a layer from
+    // ~255 to ~210 us, and SmolLM2 decode after a 1536-token prompt from ~139 to ~150 tokens/s.
+    if (kt == k0 && !L.mla)
+      for (int j = 0; j < nk; ++j)
+        prefetch_row(kv_ptr<KT>(vbase, vstride, slots[kt + j], g.kv_head * L.v_head_off), vbytes);
+    const int next = kt + kKeyTile, n_next = std::max(0, std::min(k1, next + kKeyTile) - next);
+    for (int kh = 0; kh < g.nkv; ++kh) {
+      for (int j = next + kh * n_next / g.nkv; j < next + (kh + 1) * n_next / g.nkv; ++j) {
+        prefetch_row(kv_ptr<KT>(kv.k, kv.k_stride, slots[j], g.kv_head * L.k_head_off), kbytes);
+        if (!L.mla) prefetch_row(kv_ptr<KT>(vbase, vstride, slots[j], g.kv_head * L.v_head_off), vbytes);
+      }
+      const int64_t head = g.kv_head + kh;
+      for (int j = 0; j < nk; ++j) {
+        const int64_t s = slots[kt + j];
+        ksrc[j] = kv_ptr<KT>(kv.k, kv.k_stride, s, head * L.k_head_off);
+        vsrc[j] = kv_ptr<KT>(vbase, vstride, s, head * L.v_head_off);
+      }
+      if constexpr (kPaired) {
+        for (int j = 0; j < nk; ++j) krow[j] = ksrc[j], vrow[j] = vsrc[j];
+      } else {
+        tile_rows(ksrc, nk, D, buf, krow);
+        if (L.mla)  // the value is the key row's first Dv values
+          for (int j = 0; j < nk; ++j) vrow[j] = krow[j];
+        else
+          tile_rows(vsrc, nk, Dv, buf + size_t(kKeyTile) * D, vrow);
+      }
+      for (int j = nk; j < kKeyTile; ++j) krow[j] = krow[0];  // a short tile's spare keys read a real row
+      for (int ti = 0; ti < g.nt; ++ti) {
+        const int t = g.t0 + ti;
+        const int64_t limit = g.slots ? g.keys - 1 : tok.pos[t];  // last key this token sees
+        if (kt > limit) continue;
+        const int nv = int(std::min<int64_t>(nk, limit - kt + 1));
+        for (int h0 = kh * hp; h0 < (kh + 1) * hp; h0 += kQB) {  // a KV head's query heads, kQB at a time
+          const int qb = std::min(kQB, (kh + 1) * hp - h0);
+          const float* qv[kQB];
+          float* sq[kQB];
+          float *de[kQB], *ds[kQB];
+          float* dump = tok.dump && !g.slots ? tok.dump[t] : nullptr;  // AttnTokens::dump
+          for (int i = 0; i < qb; ++i) {
+            const int h = g.h0 + h0 + i;
+            qv[i] = kPaired ? buf + size_t(ti * g.nh + h0 + i) * D : q + t * L.q_tok + h * L.q_head;
+            sq[i] = st + size_t(ti * g.nh + h0 + i) * sw;
+            if (dump) {
+              const int64_t dn = tok.pos[t] + 1, dtiles = (dn + kAttnDumpTile - 1) / kAttnDumpTile;
+              de[i] = dump + size_t(h) * dn + kt;
+              ds[i] = dump + size_t(L.H) * dn + (size_t(h) * dtiles + kt / kAttnDumpTile) * 2;
+            }
+          }
+          float* const* dep = dump ? de : nullptr;
+          switch (qb) {
+            case 4: tile_block<4, W>(qv, sq, krow, vrow, nv, D, Dv, scale, scores, dep, ds); break;
+            case 3: tile_block<3, W>(qv, sq, krow, vrow, nv, D, Dv, scale, scores, dep, ds); break;
+            case 2: tile_block<2, W>(qv, sq, krow, vrow, nv, D, Dv, scale, scores, dep, ds); break;
+            default: tile_block<1, W>(qv, sq, krow, vrow, nv, D, Dv, scale, scores, dep, ds); break;
+          }
+        }
+      }
+    }
+  }
+}
+
+// out[query] = acc / l (0 where the query saw no key, which a causal batch never produces).
+CPX_INLINE void write_out(const Layout& L, const Group& g, const float* st, float* out) {
+  const int sw = 2 + L.Dv;
+  for (int ti = 0; ti < g.nt; ++ti)
+    for (int hi = 0; hi < g.nh; ++hi) {
+      const float* sq = st + size_t(ti * g.nh + hi) * sw;
+      float* o = out + (g.t0 + ti) * L.o_tok + (g.h0 + hi) * L.o_head;
+      const float inv = sq[1] > 0.0f ? 1.0f / sq[1] : 0.0f;
+      for (int d = 0; d < L.Dv; ++d) o[d] = sq[2 + (L.paired ? paired_at(d, L.lanes) : d)] * inv;
+    }
+}
+
+// R = R (+) B for nq query states (m, l, acc[Dv]) (attention.cpp: one compiled body for every build).
+void merge_state(int nq, int Dv, float* R, const float* B);
+
+// The common GQA head dims, for which run_task is compiled with the dim as a constant (0: another
+// dim, or MLA): the dot and value loops unroll whole, without the tails' bookkeeping (2-core Zen 3 VM,
+// 9 / 3 heads of 64, one decode token over 1536 keys from cache: 953 -> 809 instructions and 70 -> 64 ns
+// a key; SmolLM2 decode after a 1536-token prompt ~7% faster). A bf16 cache is read paired at these.
+inline int fixed_head_dim(const Layout& L) {
+  return !L.mla && L.D == L.Dv && (L.D == 64 || L.D == 128) ? L.D : 0;
+}
+
+// The fixed key blocks of a group: a function of its key count alone (for a decode token, of its
+// position), never of the rest of the batch. Each block starts a fresh online softmax; blocks are
+// merged in order. Empty trailing blocks may occur and merge as nothing.
+struct Blocks {
+  int n;         // blocks
+  int64_t size;  // keys per block, a multiple of kKeyTile (the last block shorter)
+};
+inline Blocks key_blocks(int64_t keys) {
+  const int n = int(std::clamp<int64_t>(keys / kMinSplitKeys, 1, kMaxBlocks));
+  const int64_t per = (keys + n - 1) / n;
+  return {n, (per + kKeyTile - 1) / kKeyTile * kKeyTile};
+}
+
+// Block b of the group's keys into st. (A function, not a lambda: a lambda would not take the
+// target attributes of the dispatched variant it is called from, and would run the baseline code.)
+// Build::task<KT, DN> is the build's run_task<KT, DN, W>, compiled as a function of its own
+// (CPX_ATTN_BUILD): six such functions compile far faster than one that inlines all six, as GCC's data
+// flow passes grow faster than the function does (the one function took ~110 s of a core per build).
+template <class Build>
+CPX_INLINE void run_block(const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, const Blocks& B,
+                          int b, float scale, const float* q, float* st, float* scores, float* buf) {
+  const int k0 = int(std::min<int64_t>(g.keys, b * B.size)), k1 = int(std::min<int64_t>(g.keys, (b + 1) * B.size));
+  const int dn = fixed_head_dim(L);
+  if (kv.type == KvType::BF16) {
+    if (dn == 64) Build::template task<uint16_t, 64>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
+    else if (dn == 128) Build::template task<uint16_t, 128>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
+    else Build::template task<uint16_t, 0>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
+  } else {
+    if (dn == 64) Build::template task<float, 64>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
+    else if (dn == 128) Build::template task<float, 128>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
+    else Build::template task<float, 0>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
+  }
+}
+
+// One task: block `block` of the group into st, or (block < 0) every block in turn merged into st
+// (blk: room for one block's states) and out = acc / l.
+template <class Build>
+CPX_INLINE void task_entry_impl(const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, int block,
+                                float scale, const float* q, float* st, float* blk, float* scores, float* buf,
+                                float* out) {
+  const Blocks B = key_blocks(g.keys);
+  if (block >= 0) {
+    run_block<Build>(kv, tok, L, g, B, block, scale, q, st, scores, buf);
+    return;
+  }
+  run_block<Build>(kv, tok, L, g, B, 0, scale, q, st, scores, buf);
+  for (int b = 1; b < B.n; ++b) {
+    run_block<Build>(kv, tok, L, g, B, b, scale, q, blk, scores, buf);
+    merge_state(g.nt * g.nh, L.Dv, st, blk);
+  }
+  write_out(L, g, st, out);
+}
+
+// One build of the kernels: NAME (avx512, avx2, base) with target attributes ATTR and W-lane vectors
+// defines task_entry_NAME, the CPU's entry point for that build (attention.cpp picks one).
+#define CPX_ATTN_TASK_PARAMS                                                                                 \
+  (const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, int block, float scale, const float* q, \
+   float* st, float* blk, float* scores, float* buf, float* out)
+#define CPX_ATTN_TASK_ARGS (kv, tok, L, g, block, scale, q, st, blk, scores, buf, out)
+#define CPX_ATTN_BUILD(NAME, ATTR, W)                                                                          \
+  struct Build_##NAME {                                                                                      \
+    template <class KT, int DN>                                                                              \
+    ATTR __attribute__((noinline)) static void task(const PagedKv& kv, const AttnTokens& tok, const Layout& L, \
+                                                    const Group& g, int k0, int k1, float scale, const float* q, \
+                                                    float* st, float* scores, float* buf) {                     \
+      run_task<KT, DN, W>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);                                     \
+    }                                                                                                        \
+  };                                                                                                         \
+  ATTR void task_entry_##NAME CPX_ATTN_TASK_PARAMS { task_entry_impl<Build_##NAME> CPX_ATTN_TASK_ARGS; }
+void task_entry_avx512 CPX_ATTN_TASK_PARAMS;
+void task_entry_avx2 CPX_ATTN_TASK_PARAMS;
+void task_entry_base CPX_ATTN_TASK_PARAMS;
+
+}  // namespace attn
+}  // namespace cpx
