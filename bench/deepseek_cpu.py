@@ -200,6 +200,7 @@ class Ours:
                                + sum(int(op.memory_bytes) for op in operators.values())
                                + sum(int(e.memory_bytes) for e in experts))
         self.torch_threads = torch.get_num_threads()
+        cc.freeze_gc()  # as the engine process, once the model is loaded
 
     def request(self, ids: list[int], max_tokens: int) -> dict[str, Any]:
         """One request to the end: seconds to the first token, and each later token's arrival time."""
@@ -250,6 +251,7 @@ class Ours:
     def close(self) -> None:
         self.core.runner.close()
         del self.core
+        gc.unfreeze()  # the next backend's model replaces this one: its objects can be collected again
         gc.collect()
 
 
