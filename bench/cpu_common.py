@@ -6,6 +6,7 @@ are imported by the probes, for the callers that use them).
 
 from __future__ import annotations
 
+import atexit
 import gc
 import json
 import math
@@ -97,6 +98,7 @@ def freeze_gc() -> None:
     pay either (without it, 4% of a SmolLM2 decode loop's samples were in the collector on a 2-core VM)."""
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)  # at exit the objects are collectable again (else nanobind reports them as leaked)
 
 
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, threads: int | None = None) -> float:
