@@ -32,8 +32,8 @@ set_cpu_wait_policy(os.environ)  # before torch starts its OpenMP threads, as fo
 
 import torch  # noqa: E402
 
-from bench.cpu_common import (StreamRead, freeze_gc, machine_info, ratio, read_bandwidth, versions,  # noqa: E402
-                               write_json)
+from bench.cpu_common import StreamRead, machine_info, ratio, read_bandwidth, versions, write_json  # noqa: E402
+from engine.process import freeze_gc_heap  # noqa: E402
 
 
 class Ours:
@@ -150,7 +150,7 @@ def main() -> None:
         contenders["llama_cpp"] = LlamaCpp(path, prompt, args.decode, args.threads)
     except ImportError:
         print("llama-cpp-python is not installed: llama.cpp is skipped", flush=True)
-    freeze_gc()  # as the engine process, once the models are loaded
+    freeze_gc_heap()  # as the engine process, once the models are loaded
     samples: dict[str, list[tuple[float, float]]] = {k: [] for k in contenders}
     stream_bw: list[float] = []
     sum_bw: list[float] = []

@@ -6,8 +6,6 @@ are imported by the probes, for the callers that use them).
 
 from __future__ import annotations
 
-import atexit
-import gc
 import json
 import math
 import os
@@ -89,16 +87,6 @@ def versions() -> dict[str, Any]:
     except (OSError, subprocess.TimeoutExpired):
         out["mlaserve_git"] = None
     return out
-
-
-def freeze_gc() -> None:
-    """Moves every object alive now out of the cyclic collector's generations, as the engine process does
-    once its model is loaded (engine/process.py). Call it after loading: a model-level decode loop then
-    pays no collections walking the model's and the libraries' objects, which a served decode does not
-    pay either (without it, 4% of a SmolLM2 decode loop's samples were in the collector on a 2-core VM)."""
-    gc.collect()
-    gc.freeze()
-    atexit.register(gc.unfreeze)  # at exit the objects are collectable again (else nanobind reports them as leaked)
 
 
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, threads: int | None = None) -> float:

@@ -56,6 +56,7 @@ from typing import Any, Callable
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 import cpu_common as cc  # noqa: E402
+from engine.process import freeze_gc_heap  # noqa: E402
 import make_deepseek_gguf as mk  # noqa: E402
 import peers  # noqa: E402
 
@@ -200,7 +201,7 @@ class Ours:
                                + sum(int(op.memory_bytes) for op in operators.values())
                                + sum(int(e.memory_bytes) for e in experts))
         self.torch_threads = torch.get_num_threads()
-        cc.freeze_gc()  # as the engine process, once the model is loaded
+        freeze_gc_heap()  # as the engine process, once the model is loaded
 
     def request(self, ids: list[int], max_tokens: int) -> dict[str, Any]:
         """One request to the end: seconds to the first token, and each later token's arrival time."""

@@ -41,7 +41,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.cpu_common import freeze_gc, machine_info, machine_tag, percentile, versions, write_json  # noqa: E402
+from bench.cpu_common import machine_info, machine_tag, percentile, versions, write_json  # noqa: E402
+from engine.process import freeze_gc_heap  # noqa: E402
 from server.chat_template import user_turn_ids  # noqa: E402
 
 MAX_CTX = 8192
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     }.items() if v is not None}  # the config's settings the command line overrides
     h = Harness(a.model, a.budget, a.dtype, **overrides)
     ids = h.tok.encode(doc_text(), add_special_tokens=False)
-    freeze_gc()  # as the engine process, once the model is loaded
+    freeze_gc_heap()  # as the engine process, once the model is loaded
     result: dict[str, Any] = {"bench": "omnikv_cpu", "model": a.model, "machine": machine_info(), "versions": versions(),
                               "config": h.cfg.to_dict(), "config_origin": h.origin,
                               "dtype": str(h.dtype).removeprefix("torch."),

@@ -39,6 +39,7 @@ import uvicorn
 from models.builtin import builtin_names
 from models.builtin import resolve_model_path
 from models.loader.tokenizer import load_tokenizer
+from engine.process import freeze_gc_heap
 from engine.replicas import EngineReplicas
 from server.app import ServerState, build_app
 from server.args import ServerArgs
@@ -166,6 +167,7 @@ async def _start_engine(state: ServerState, args: ServerArgs, server: _DrainingS
         state.context_length = engine.info.context_length
         state.vocab_size = engine.info.vocab_size
         state.engine = engine
+        freeze_gc_heap()  # the tokenizer, the app and the libraries live as long as the server
         logger.info("ready: serving %s as '%s' on http://%s:%d%s", args.engine.model, state.model_name,
                     args.host, args.port, f" ({args.dp} replicas)" if args.dp > 1 else "")
     except Exception as e:
