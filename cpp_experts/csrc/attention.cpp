@@ -61,11 +61,7 @@ struct Task {
 };
 
 // The build of the kernels this CPU runs (attention_kernels.h).
-void task_entry CPX_ATTN_TASK_PARAMS {
-  if (vec::has_avx512vl()) return task_entry_avx512 CPX_ATTN_TASK_ARGS;
-  if (vec::has_avx2_fma()) return task_entry_avx2 CPX_ATTN_TASK_ARGS;
-  task_entry_base CPX_ATTN_TASK_ARGS;
-}
+void task_entry CPX_ATTN_TASK_PARAMS { CPX_DISPATCH_CALL(task_entry, CPX_ATTN_TASK_ARGS); }
 
 // Groups: runs of consecutive tokens of one request, cut into blocks of kTokBlock, times head blocks.
 std::vector<Group> make_groups(const AttnTokens& tok, int H, int Hkv, bool mla, int threads) {

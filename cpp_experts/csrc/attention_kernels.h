@@ -1,8 +1,8 @@
 // The kernels of paged attention (attention.cpp), compiled once per instruction set: attention_avx512.cpp
 // (sixteen-lane vectors), attention_avx2.cpp and attention_base.cpp (eight lanes) each build
-// task_entry_impl into one function with their target attributes, and attention.cpp dispatches to the
-// one the CPU runs. They are files of their own so that the three builds compile in parallel: in one
-// file they took ~5.5 minutes of one core, the longest step of building the extension.
+// task_entry_impl with their target attributes (CPX_ATTN_BUILD), and attention.cpp calls the one the
+// CPU runs (CPX_DISPATCH_CALL). They are files of their own so that the three builds compile in
+// parallel: in one file they took ~5.5 minutes of one core, the longest step of building the extension.
 #pragma once
 #include <algorithm>
 #include <cmath>

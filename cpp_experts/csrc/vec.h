@@ -19,25 +19,24 @@
 // The same eight-lane code with AVX-512VL: 32 vector registers instead of 16 (no spilled register
 // tiles) and masked moves for the selects. Lane arithmetic is the AVX2 build's (the vectors stay 8
 // wide, and GCC contracts the same multiply-adds), so both builds give the same bits; code templated
-// on its width (CPX_DISPATCH_LANES, below) runs sixteen-lane vectors in this build instead.
+// on its width (attention_kernels.h) runs sixteen-lane vectors in this build instead.
 #define CPX_AVX512VL __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512dq,avx512bw,prefer-vector-width=256")))
 
 // ret name(params): the AVX-512VL or AVX2 + FMA build of name##_impl(args) where the CPU allows, else
 // the baseline one.
 #define CPX_DISPATCH(ret, name, params, args) CPX_DISPATCH_BUILDS(ret, name, params, args, name##_impl, name##_impl)
-// The same, for code templated on its vector width W (attention): the AVX-512VL build runs name##_impl<16>
-// (sixteen-lane vectors, zmm), the others name##_impl<8>. vec::lanes() says which width this CPU runs.
-#define CPX_DISPATCH_LANES(ret, name, params, args) \
-  CPX_DISPATCH_BUILDS(ret, name, params, args, name##_impl<16>, name##_impl<8>)
 // The three builds, `wide` (AVX-512VL) and `narrow` (AVX2 + FMA, baseline) the bodies they call.
 #define CPX_DISPATCH_BUILDS(ret, name, params, args, wide, narrow)                        \
   CPX_AVX512VL ret name##_avx512 params { return wide args; }                           \
   CPX_AVX2_FMA ret name##_avx2 params { return narrow args; }                           \
   ret name##_base params { return narrow args; }                                        \
-  ret name params {                                                                     \
-    return ::cpx::vec::has_avx512vl() ? name##_avx512 args                              \
-           : ::cpx::vec::has_avx2_fma() ? name##_avx2 args : name##_base args;           \
-  }
+  ret name params { return CPX_DISPATCH_CALL(name, args); }
+// The call of the build this CPU runs, of functions name##_avx512, name##_avx2 and name##_base (defined by
+// CPX_DISPATCH_BUILDS, or in files of their own: attention_kernels.h, whose code is templated on its vector
+// width W and runs sixteen lanes in the AVX-512VL build, eight in the others; vec::lanes() says which).
+#define CPX_DISPATCH_CALL(name, args)                                                     \
+  (::cpx::vec::has_avx512vl() ? name##_avx512 args                                      \
+   : ::cpx::vec::has_avx2_fma() ? name##_avx2 args : name##_base args)
 
 namespace cpx {
 namespace vec {
@@ -57,7 +56,7 @@ inline bool has_avx512vl() {
   }();
   return yes;
 }
-// the vector width CPX_DISPATCH_LANES runs on this CPU
+// the vector width the attention kernels (attention_kernels.h) run on this CPU
 inline int lanes() { return has_avx512vl() ? 16 : 8; }
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -116,7 +115,7 @@ CPX_INLINE float hmax(v8f v) {
   return m;
 }
 
-// Sixteen-lane vectors, for the AVX-512 build of width-templated code only (CPX_DISPATCH_LANES).
+// Sixteen-lane vectors, for the AVX-512 build of width-templated code only (attention_kernels.h).
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
