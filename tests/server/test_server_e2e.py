@@ -171,11 +171,12 @@ def _bytes_of(tok, *pieces: bytes) -> list[int]:
 def test_logprob_bytes_are_the_tokens_own(server, tok):
     """A byte-level token may hold part of a character (its text alone is U+FFFD): `bytes` are the
     token's own bytes, so that joined they spell the reply. The tokens of "中" (E4 B8 AD) are pushed
-    with logit_bias so that partial characters come out."""
+    with logit_bias so that partial characters come out: at +8 one reply in ten had none (measured, 6 of 60
+    seeds), at +10 none of 60 missed and about a quarter of the tokens are still others."""
     parts = _bytes_of(tok, b"\xe4", b"\xb8", b"\xad")
     assert len(parts) == 3
     body = {"messages": MSG, "max_tokens": 24, "temperature": 1.0, "seed": random.randrange(2**31), "logprobs": True,
-            "top_logprobs": 3, "ignore_eos": True, "return_token_ids": True, "logit_bias": {str(i): 8 for i in parts}}
+            "top_logprobs": 3, "ignore_eos": True, "return_token_ids": True, "logit_bias": {str(i): 10 for i in parts}}
     choice = post(server, "/v1/chat/completions", body).json()["choices"][0]
     content, ids = choice["logprobs"]["content"], choice["token_ids"]
     assert [c["bytes"] for c in content] == [list(tok.token_bytes(i)) for i in ids]
