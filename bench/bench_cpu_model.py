@@ -64,7 +64,6 @@ class Ours:
     def run(self) -> tuple[float, float]:
         """(prefill seconds, seconds per decoded token) of one greedy generation."""
         from executor.model_runner import RequestSlice
-        from executor.sampler import argmax_rows
 
         r = self.runner
         row = r.req_to_token_pool.alloc()
@@ -74,7 +73,7 @@ class Ours:
         pos = len(self.prompt)
         t = time.perf_counter()
         for _ in range(self.n_decode):
-            tok = argmax_rows(logits[-1:])[0]  # the engine's greedy pick (executor.sampler)
+            tok = r.greedy(logits)[-1]  # the engine's greedy pick: the LM head's argmax (executor.sampler)
             logits = r.forward(r.build_batch([RequestSlice(row, pos, [tok])]))
             pos += 1
         t_dec = (time.perf_counter() - t) / self.n_decode

@@ -816,6 +816,7 @@ class CpuModel:
         self.num_slots = 0
         self.table_rows = 0
         self.omnikv_counts = (0, 0)  # the last forward's OmniKV (positions kept, context positions)
+        self.argmax: list[int] | None = None  # the last forward's logits rows' argmax, when it was asked
 
     def set_table(self, req_to_token: torch.Tensor, num_slots: int) -> None:
         _check_tensor("req_to_token", req_to_token, 2)
@@ -936,12 +937,15 @@ class CpuModel:
                             filters, window, heads, dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, out_loc: torch.Tensor,
-                logit_rows: torch.Tensor, omni_k: torch.Tensor | None = None) -> torch.Tensor:
+                logit_rows: torch.Tensor, omni_k: torch.Tensor | None = None, argmax: bool = False) -> torch.Tensor:
         """Logits [N, vocab] fp32 for the token indices `logit_rows`; all index tensors int64 CPU. The
         slots `out_loc` must already be recorded in req_to_token at (rows, positions). `omni_k` [T]: each
         token's OmniKV budget, -1 where it attends fully (a token with a budget must be the only one of
         its row); `omnikv_counts` then holds the positions kept and the context positions, summed over
-        filter layers and those tokens."""
+        filter layers and those tokens. `argmax`: `self.argmax` becomes each logits row's argmax (as
+        torch's: the first of equal maxima, NaN the largest), found by the LM head's tasks as they write
+        the row, so that a greedy pick need not read the logits back from the other cores' caches; else
+        None."""
         T = int(input_ids.shape[0])
         named = [("input_ids", input_ids), ("positions", positions), ("rows", rows), ("out_loc", out_loc)]
         if omni_k is not None:
@@ -953,9 +957,9 @@ class CpuModel:
             raise ValueError("logit_rows must be a contiguous int64 tensor")
         N = int(logit_rows.shape[0])
         logits = torch.empty(N, self.vocab_size)
-        self.omnikv_counts = self._op.forward(T, input_ids.data_ptr(), positions.data_ptr(), rows.data_ptr(),
-                                              out_loc.data_ptr(), N, logit_rows.data_ptr(), logits.data_ptr(),
-                                              omni_k.data_ptr() if omni_k is not None else 0)
+        self.omnikv_counts, self.argmax = self._op.forward(
+            T, input_ids.data_ptr(), positions.data_ptr(), rows.data_ptr(), out_loc.data_ptr(), N,
+            logit_rows.data_ptr(), logits.data_ptr(), omni_k.data_ptr() if omni_k is not None else 0, bool(argmax))
         return logits
 
     def omnikv_selection(self, f: int) -> list[torch.Tensor]:

@@ -89,6 +89,12 @@ def _head_linears(ext: Any, weights: torch.Tensor, dtype: torch.dtype) -> list[A
     return [ext.QuantLinear.from_float(w, dtype=dtype) for w in weights]
 
 
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    """`t` as int64, without a call into torch where it is one already: a decode step's few torch calls
+    run just after the forward has streamed the weights through the caches, each first one slow."""
+    return t if t.dtype == torch.int64 else t.to(torch.int64)
+
+
 class NativeForward:
     """`cpp_experts.CpuModel` for one model and one executor's pools, all on `workers`."""
 
@@ -105,6 +111,8 @@ class NativeForward:
         head = model.lm_head
         assert isinstance(head, NativeLinear)
         self.plan = ext.CpuModel(workers, inner.embed_tokens.op, head.op, inner.norm.weight, inner.norm.eps)
+        # 0..B-1 per decode batch size B (read only: the logits rows of a decode batch)
+        self._aranges: dict[int, torch.Tensor] = {}
         self.omnikv: OmniKVConfig | None = None
         table = req_to_token_pool.req_to_token
         buffers = kv_pool.kv_buffer if isinstance(kv_pool, MLATokenToKVPool) else kv_pool.k_buffer
@@ -167,11 +175,14 @@ class NativeForward:
         self.omnikv = cfg
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """fp32 logits for the batch's logit rows (default: each request's last token)."""
+        """fp32 logits for the batch's logit rows (default: each request's last token); their argmax in
+        `self.argmax`, as the LM head found it."""
         n_new = batch.extend_seq_lens_cpu
-        rows = batch.req_pool_indices.to(torch.int64)
+        rows = _int64(batch.req_pool_indices)
         if len(n_new) == int(batch.input_ids.shape[0]):  # one token per request (decode): token i is request i's
-            ends = torch.arange(len(n_new), dtype=torch.int64)
+            ends = self._aranges.get(len(n_new))
+            if ends is None:
+                ends = self._aranges[len(n_new)] = torch.arange(len(n_new), dtype=torch.int64)
         else:
             lens = torch.tensor(n_new, dtype=torch.int64)
             rows = torch.repeat_interleave(rows, lens)
@@ -187,10 +198,15 @@ class NativeForward:
                 raise ValueError("an OmniKV row must decode exactly one token")
             omni_k = torch.full((len(rows),), -1, dtype=torch.int64)
             omni_k[ends[torch.tensor(omni.rows, dtype=torch.int64)]] = torch.tensor(omni.budgets, dtype=torch.int64)
-        logits = self.plan.forward(batch.input_ids, batch.positions, rows, batch.out_cache_loc.to(torch.int64),
-                                   logit_rows.to(torch.int64).contiguous(), omni_k=omni_k)
+        logits = self.plan.forward(batch.input_ids, batch.positions, rows, _int64(batch.out_cache_loc),
+                                   _int64(logit_rows).contiguous(), omni_k=omni_k, argmax=True)
         if omni_k is not None:
             selected, context = self.plan.omnikv_counts
             omni.selected_tokens += selected
             omni.context_tokens += context
         return logits
+
+    @property
+    def argmax(self) -> list[int] | None:
+        """The last forward's logits rows' argmax (cpp_experts.CpuModel.forward)."""
+        return self.plan.argmax

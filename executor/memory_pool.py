@@ -52,6 +52,9 @@ class ReqToTokenPool:
         self.size = size
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int32, device=device)
+        # on the CPU, writes go through a numpy view of the table: a decode step's one write then costs a
+        # fraction of torch's indexing, whose code a forward streaming the weights has evicted by then
+        self._table_np = self.req_to_token.numpy() if self.req_to_token.device.type == "cpu" else None
         self._free = list(range(1, size + 1))
         # per-row state kept beside the table (OmniKV's query window): cleared when a row changes hands
         self.on_alloc: list[Callable[[int], None]] = []
@@ -81,7 +84,10 @@ class ReqToTokenPool:
         end = start + kv_loc.numel()
         if end > self.max_context_len:
             raise ValueError(f"position {end - 1} exceeds max_context_len {self.max_context_len}")
-        self.req_to_token[req_pool_idx, start:end] = kv_loc.to(torch.int32)
+        if self._table_np is not None and kv_loc.device.type == "cpu":
+            self._table_np[req_pool_idx, start:end] = kv_loc.numpy()
+        else:
+            self.req_to_token[req_pool_idx, start:end] = kv_loc.to(torch.int32)
         if self.journal is not None:
             self.journal.append((req_pool_idx, start, kv_loc.tolist()))
 
@@ -101,6 +107,7 @@ class TokenSlotAllocator:
         self.num_slots = num_slots
         self.page_size = page_size
         self.device = device
+        self._on_cpu = torch.device(device).type == "cpu"
         # free slots (page_size 1) or free page numbers (paged), page 0 reserved
         self._free = torch.arange(1, num_slots // page_size + 1, dtype=torch.int64)
 
@@ -128,7 +135,7 @@ class TokenSlotAllocator:
             if n > self._free.numel():
                 return None
             out, self._free = self._free[:n], self._free[n:]
-            return out.to(self.device)
+            return out if self._on_cpu else out.to(self.device)
         pages_needed = sum(self.slots_needed(0 if last < 0 else last % p + 1, c) // p for last, c in requests)
         if pages_needed > self._free.numel():
             return None

@@ -180,6 +180,7 @@ class ModelRunner:
         # tensor parallelism, on the rank that schedules: hands every batch to the other ranks first
         # (executor.distributed.Leader); None on one rank and on the ranks that follow
         self.followers: BatchSink | None = None
+        self.last_argmax: list[int] | None = None  # the last forward's logits' argmax, where it found it
         self.forward_count = 0  # forwards run (idle ones included): DP attention's steps must match across ranks
         # decode replays captured graphs where it can (CUDA only); None: every forward runs eagerly
         self.graph_runner: CudaGraphRunner | None = None
@@ -205,8 +206,11 @@ class ModelRunner:
         if min(n_new) <= 0:
             raise ValueError("every request needs at least one new token")
         total = sum(n_new)
-        table = self.req_to_token_pool.req_to_token
-        last = [int(table[s.req_pool_idx, s.prefix_len - 1]) if s.prefix_len else -1 for s in slices]
+        if self.allocator.page_size > 1:  # a request's new tokens continue its last page
+            table = self.req_to_token_pool.req_to_token
+            last = [int(table[s.req_pool_idx, s.prefix_len - 1]) if s.prefix_len else -1 for s in slices]
+        else:
+            last = [-1] * len(slices)
         loc = self.allocator.alloc_extend(list(zip(last, n_new)))
         if loc is None:  # the caller makes room first (the scheduler evicts and retracts): a bug if hit
             raise RuntimeError(f"need {total} KV slots, {self.allocator.available_size()} free")
@@ -274,13 +278,16 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits for `batch`: through a captured graph when one can run it, else eagerly."""
+        """Logits for `batch`: through a captured graph when one can run it, else eagerly. `last_argmax`
+        then holds their row-wise argmax where the forward found it as it wrote them, else None."""
+        self.last_argmax = None
         if (self._cpu_experts and self._cpu_experts[0].pool is not self.expert_pool) or (
                 self._native and self._native[0].op.pool is not self.expert_pool.workers):
             self._bind_experts()
         with self.followers.step(batch) if self.followers is not None else nullcontext():
             if self.native_forward is not None:
                 logits = self.native_forward.forward(batch)
+                self.last_argmax = self.native_forward.argmax
             elif self.graph_runner is not None and self.graph_runner.can_run(batch):
                 logits = self.graph_runner.replay(batch)
             else:
@@ -289,6 +296,13 @@ class ModelRunner:
             self.omnikv_counters.add(batch.omnikv)
         self.forward_count += 1
         return logits
+
+    def greedy(self, logits: torch.Tensor) -> list[int]:
+        """Row-wise argmax of `logits`, the last forward's output: the forward's own (`last_argmax`) where
+        it found it, which spares reading the logits back (see executor.sampler.Sampler)."""
+        if self.last_argmax is not None and len(self.last_argmax) == logits.shape[0]:
+            return self.last_argmax
+        return argmax_rows(logits)
 
     @torch.no_grad()
     def forward_idle(self) -> None:
@@ -344,7 +358,7 @@ class ModelRunner:
             logits = self.forward(self.build_batch([RequestSlice(row, 0, list(prompt_ids))]))
             seq_len = len(prompt_ids)
             for _ in range(max_new_tokens):
-                tok = argmax_rows(logits[-1:])[0]
+                tok = self.greedy(logits)[-1]
                 out.append(tok)
                 if tok in stop_ids or len(out) == max_new_tokens:
                     break

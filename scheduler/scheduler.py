@@ -236,7 +236,10 @@ class Scheduler:
                             r.grammar) for r, _ in complete]
         picked = [i for _, i in complete]
         # (a decode-only batch samples every row in order: no gather copy of [B, V] logits)
-        result = self.sampler(logits if picked == list(range(logits.shape[0])) else logits[picked], rows)
+        whole = picked == list(range(logits.shape[0]))
+        found = self.runner.last_argmax
+        result = self.sampler(logits if whole else logits[picked], rows,
+                              argmax=None if found is None else found if whole else [found[i] for i in picked])
         now = time.time()
         for (r, _), tok, lp in zip(complete, result.token_ids, result.logprobs):
             prefilled_prompt = not r.output_ids

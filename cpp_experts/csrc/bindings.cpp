@@ -339,13 +339,19 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("forward",
            [](CpuModel& self, int T, uintptr_t ids, uintptr_t pos, uintptr_t rows, uintptr_t loc, int N,
-              uintptr_t logit_rows, uintptr_t logits, uintptr_t omni_k) {
+              uintptr_t logit_rows, uintptr_t logits, uintptr_t omni_k, bool want_argmax) {
              int64_t counts[2] = {0, 0};
-             self.forward(T, ptr<int64_t>(ids), ptr<int64_t>(pos), ptr<int64_t>(rows), ptr<int64_t>(loc), N,
-                          ptr<int64_t>(logit_rows), reinterpret_cast<float*>(logits), ptr<int64_t>(omni_k), counts);
-             return std::make_pair(counts[0], counts[1]);
-           },
-           py::call_guard<py::gil_scoped_release>())
+             std::vector<int64_t> argmax(want_argmax ? size_t(std::max(N, 0)) : 0);
+             {
+               py::gil_scoped_release release;
+               self.forward(T, ptr<int64_t>(ids), ptr<int64_t>(pos), ptr<int64_t>(rows), ptr<int64_t>(loc), N,
+                            ptr<int64_t>(logit_rows), reinterpret_cast<float*>(logits), ptr<int64_t>(omni_k), counts,
+                            want_argmax ? argmax.data() : nullptr);
+             }
+             // (omni counts, argmax list or None): the list is made with the GIL held
+             py::object best = want_argmax ? py::object(py::cast(argmax)) : py::object(py::none());
+             return py::make_tuple(std::make_pair(counts[0], counts[1]), best);
+           })
       .def("omnikv_selection", &CpuModel::omnikv_selection, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_layers", &CpuModel::num_layers);
   // A call bound to fixed buffers for CUDA host nodes (host_task.h); keeps its MoE alive.

@@ -96,6 +96,37 @@ bool strided(const LinearCall& c, int m, int threads) {
   return reads_streams(c, m) && q >= kStridedMinTasks * threads;
 }
 
+// The best of a row's outputs so far for argmax: the larger value, NaN above every number, the
+// smaller column between equals.
+struct Best {
+  float v = 0.0f;
+  int64_t col = -1;
+};
+bool beats(float v, int64_t col, const Best& b) {
+  if (b.col < 0) return true;
+  const bool vn = std::isnan(v), bn = std::isnan(b.v);
+  if (vn != bn) return vn;
+  if (!vn && v != b.v) return v > b.v;
+  return col < b.col;
+}
+// Folds o[0..n) (columns n0..n0+n-1) into b: the first maximum, or the first NaN where there is one.
+void fold_best(const float* o, int n, int64_t n0, Best& b) {
+  if (n <= 0) return;
+  float m = o[0];
+  bool nan = false;
+  for (int j = 0; j < n; ++j) {  // a max and a NaN test the compiler vectorises
+    m = o[j] > m ? o[j] : m;
+    nan |= o[j] != o[j];
+  }
+  int j = 0;
+  if (nan) {
+    while (!std::isnan(o[j])) ++j;
+  } else {
+    while (o[j] != m) ++j;
+  }
+  if (beats(o[j], n0 + j, b)) b = {o[j], n0 + j};
+}
+
 }  // namespace
 
 ActQ LinearInput::act() const {
@@ -286,6 +317,13 @@ void run_linears(Pool& pool, const std::vector<LinearCall>& calls, int m) {
   }
   const int ldc = (any_strided ? std::max(rpt, kGroupStreams * kGroupRowblocks) : rpt) * 16;
   const size_t tile = size_t(kTokChunk) * ldc;
+  bool any_argmax = false;
+  for (const LinearCall& c : calls) {
+    if (c.argmax && c.ep != Epilogue::Store) throw ArgError("argmax needs a Store epilogue");
+    any_argmax = any_argmax || c.argmax;
+  }
+  // per task, the best column of each of its rows (task i's row t at best[i * kTokChunk + t])
+  std::vector<Best> best(any_argmax ? tasks.size() * kTokChunk : 0);
   pool.run(int(tasks.size()), [&](int i, int) {
     const Task& tk = tasks[size_t(i)];
     const LinearCall& c = calls[size_t(tk.call)];
@@ -297,8 +335,11 @@ void run_linears(Pool& pool, const std::vector<LinearCall>& calls, int m) {
     const float* bias_up = gated ? c.up->bias() : nullptr;
     // the tile's runs of output columns: [n0, n0 + ncols) from column `at` of the tile
     auto finish = [&](int at, int n0, int ncols) {
+      float* o = c.out + tk.t0 * c.ldo + n0;
       epilogue(c.ep, ct + at, cu + at, ldc, tk.nt, ncols, bias ? bias + n0 : nullptr, bias_up ? bias_up + n0 : nullptr,
-               c.out + tk.t0 * c.ldo + n0, c.ldo);
+               o, c.ldo);
+      if (c.argmax)
+        for (int t = 0; t < tk.nt; ++t) fold_best(o + t * c.ldo, ncols, n0, best[size_t(i) * kTokChunk + size_t(t)]);
     };
     if (tk.step > 0) {
       c.op->tile_groups(*c.in, tk.g0, tk.step, tk.count, c.row0 + tk.t0, tk.nt, ct, ldc);
@@ -315,6 +356,22 @@ void run_linears(Pool& pool, const std::vector<LinearCall>& calls, int m) {
     const int n0 = tk.rb0 * 16;
     finish(0, n0, std::min(c.op->out_features(), tk.rb1 * 16) - n0);
   });
+  if (!any_argmax) return;
+  for (int ci = 0; ci < int(calls.size()); ++ci) {
+    const LinearCall& c = calls[size_t(ci)];
+    if (!c.argmax) continue;
+    std::vector<Best> per_row(static_cast<size_t>(m));
+    for (size_t i = 0; i < tasks.size(); ++i) {
+      const Task& tk = tasks[i];
+      if (tk.call != ci) continue;
+      for (int t = 0; t < tk.nt; ++t) {
+        const Best& b = best[i * kTokChunk + size_t(t)];
+        Best& r = per_row[size_t(tk.t0 + t)];
+        if (b.col >= 0 && beats(b.v, b.col, r)) r = b;
+      }
+    }
+    for (int t = 0; t < m; ++t) c.argmax[t] = per_row[size_t(t)].col;
+  }
 }
 
 }  // namespace cpx

@@ -523,7 +523,7 @@ std::vector<std::vector<int32_t>> CpuModel::omnikv_selection(int f) {
 
 void CpuModel::forward(int T, const int64_t* ids, const int64_t* pos, const int64_t* rows, const int64_t* out_loc,
                        int N, const int64_t* logit_rows, float* logits, const int64_t* omni_k,
-                       int64_t* omni_counts) {
+                       int64_t* omni_counts, int64_t* argmax) {
   std::lock_guard<std::mutex> lock(m_);
   if (T <= 0) throw ArgError("a forward needs at least one token");
   if (blocks_.empty() || blocks_.size() % 2) throw ArgError("the model has no complete layer");
@@ -595,7 +595,9 @@ void CpuModel::forward(int T, const int64_t* ids, const int64_t* pos, const int6
     rmsnorm_row(x_.data() + size_t(logit_rows[i]) * hidden_, final_norm_.w.data(), final_norm_.eps, hidden_,
                 xn_.data() + size_t(i) * hidden_);
   prepare_input(pool, in_, xn_.data(), hidden_, N, hidden_, {lm_head_});
-  run_linears(pool, {{lm_head_, &in_, logits, vocab}}, N);
+  LinearCall head{lm_head_, &in_, logits, vocab};
+  head.argmax = argmax;
+  run_linears(pool, {head}, N);
 }
 
 }  // namespace cpx

@@ -120,10 +120,11 @@ class CpuModel {
   // T tokens: ids, positions, req_to_token rows and KV slots (the slots already recorded in the
   // table); logits [N][vocab] fp32 for the token indices `logit_rows`. omni_k (null, or [T]): the
   // OmniKV budget of each token, -1 for a token attending fully; omni_counts (null, or [2]): the
-  // positions kept and the context positions, summed over filter layers and omni tokens.
+  // positions kept and the context positions, summed over filter layers and omni tokens; argmax (null,
+  // or [N]): each logits row's argmax, found by the LM head's tasks as they write it (linear_calls.h).
   void forward(int T, const int64_t* ids, const int64_t* pos, const int64_t* rows, const int64_t* out_loc, int N,
                const int64_t* logit_rows, float* logits, const int64_t* omni_k = nullptr,
-               int64_t* omni_counts = nullptr);
+               int64_t* omni_counts = nullptr, int64_t* argmax = nullptr);
   int num_layers() const { return int(blocks_.size()) / 2; }
   // The last OmniKV forward's slots kept at filter f, per omni token in batch order.
   std::vector<std::vector<int32_t>> omnikv_selection(int f);

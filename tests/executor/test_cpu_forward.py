@@ -105,6 +105,32 @@ def test_mixed_batches_give_each_request_its_own_logits(checkpoints, name):
     assert rel_err(mixed, want) <= 1e-5
 
 
+@pytest.mark.parametrize("cpu_weights", ["float32", "bf16"])
+def test_forward_argmax_is_torchs_argmax_of_its_logits(tmp_path, cpu_weights):
+    """The LM head's tasks find each logits row's argmax as they write it (the greedy pick then reads no
+    logits): it equals torch's argmax of the returned logits at every row, over a vocabulary split
+    across many tasks, where the head's rows repeat a pattern of 5, so that every maximum is tied over
+    hundreds of columns and tasks and the first must win. (NaN logits, which the code ranks first as
+    torch does, cannot be made here: the loader refuses non-finite weights.)"""
+    hf = build_hf_model("llama_rope3_untied", seed=3, vocab_size=4096)
+    with torch.no_grad():
+        w = hf.lm_head.weight
+        w.copy_(w[:5].repeat(4096 // 5 + 1, 1)[:4096])
+    hf.save_pretrained(tmp_path)
+    runner = native_runner(tmp_path, cpu_weights=cpu_weights)
+    ids = prompt(40, 4096, seed=9)
+    logits = all_logits(runner, ids)
+    got = runner.last_argmax
+    assert got == logits.argmax(-1).tolist() and len(got) == 40
+    assert max(got) < 5 and len(set(got)) > 1
+    # decodes of several requests: one argmax per logits row
+    rows = [runner.req_to_token_pool.alloc() for _ in range(3)]
+    runner.forward(runner.build_batch([RequestSlice(r, 0, ids[: 10 + r]) for r in rows]))
+    logits = runner.forward(runner.build_batch([RequestSlice(r, 10 + r, [ids[20 + r]]) for r in rows]))
+    assert runner.last_argmax == logits.argmax(-1).tolist() and len(runner.last_argmax) == 3
+    assert runner.greedy(logits) == runner.last_argmax
+
+
 ROUTER_GAIN = 4.0
 
 

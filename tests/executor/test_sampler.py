@@ -123,6 +123,25 @@ def test_greedy_is_argmax_of_processed_logits() -> None:
     assert not torch.equal(processed, logits)  # the penalties did move the chosen tokens
 
 
+def test_the_forwards_argmax_serves_plain_greedy_rows_only() -> None:
+    """A forward that found its logits' argmax (the native CPU forward's LM head) hands it over: plain
+    greedy rows take it as it is (a deliberately different list shows it is the one used); a row whose
+    logits a processor changes, or a batch whose logits are wider than the vocabulary, takes the argmax
+    of what it samples from."""
+    logits = _logits(3, 40, seed=5)
+    best = logits.numpy().argmax(axis=1).tolist()
+    other = [(b + 1) % 40 for b in best]
+    greedy = [_row(SamplingParams(temperature=0.0)) for _ in range(3)]
+    assert Sampler(40)(logits, greedy).token_ids == best
+    assert Sampler(40)(logits, greedy, argmax=other).token_ids == other
+    biased = [_row(SamplingParams(temperature=0.0, logit_bias={5: -100.0})) for _ in range(3)]
+    want = apply_logit_processors(logits, biased).numpy().argmax(axis=1).tolist()
+    assert Sampler(40)(logits, biased, argmax=other).token_ids == want
+    assert Sampler(36)(logits, greedy, argmax=other).token_ids == logits[:, :36].numpy().argmax(axis=1).tolist()
+    with pytest.raises(ValueError, match="argmax has 2 entries for 3 rows"):
+        Sampler(40)(logits, greedy, argmax=other[:2])
+
+
 # ---- seeded reproducibility -----------------------------------------------------------------------
 
 
