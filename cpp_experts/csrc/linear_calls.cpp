@@ -109,21 +109,42 @@ bool beats(float v, int64_t col, const Best& b) {
   if (!vn && v != b.v) return v > b.v;
   return col < b.col;
 }
-// Folds o[0..n) (columns n0..n0+n-1) into b: the first maximum, or the first NaN where there is one.
-void fold_best(const float* o, int n, int64_t n0, Best& b) {
-  if (n <= 0) return;
+// The index of the first maximum of o[0..n), n > 0, or of the first NaN where there is one.
+CPX_INLINE int first_max_impl(const float* o, int n) {
+  using namespace vec;
   float m = o[0];
   bool nan = false;
-  for (int j = 0; j < n; ++j) {  // a max and a NaN test the compiler vectorises
-    m = o[j] > m ? o[j] : m;
-    nan |= o[j] != o[j];
-  }
   int j = 0;
+  if (n >= 8) {
+    v8f m8 = load(o);
+    v8i nan8 = {};
+    for (; j + 8 <= n; j += 8) {
+      const v8f v = load(o + j);
+      m8 = v > m8 ? v : m8;
+      nan8 |= v != v;
+    }
+    m = hmax(m8);
+    for (int i = 0; i < 8; ++i) nan = nan || nan8[i];
+  }
+  for (; j < n; ++j) {
+    m = o[j] > m ? o[j] : m;
+    nan = nan || o[j] != o[j];
+  }
+  j = 0;
   if (nan) {
     while (!std::isnan(o[j])) ++j;
   } else {
     while (o[j] != m) ++j;
   }
+  return j;
+}
+
+CPX_DISPATCH(int, first_max, (const float* o, int n), (o, n))
+
+// Folds o[0..n) (columns n0..n0+n-1) into b.
+void fold_best(const float* o, int n, int64_t n0, Best& b) {
+  if (n <= 0) return;
+  const int j = first_max(o, n);
   if (beats(o[j], n0 + j, b)) b = {o[j], n0 + j};
 }
 
