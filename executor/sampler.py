@@ -139,10 +139,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
                  argmax: Sequence[int] | None = None) -> SampleResult:
         """`logits` [B, V >= vocab_size] on this sampler's device type; one token per row. `argmax`: the
-        logits' row-wise argmax where the forward already found it (the native CPU forward does, from
-        the LM head's tasks as they write the logits): a batch of plain greedy rows then takes it
-        instead of reading every logit again, which on a CPU sit in the cache of the core that wrote
-        them (on a 2-core VM reading SmolLM2's 49152 back took ~90-170 us, ~3% of a decode step)."""
+        logits' row-wise argmax where the forward already found it (the native CPU forward's LM head,
+        cpp_experts/csrc/linear_calls.h says why): a batch of plain greedy rows then takes it instead
+        of reading every logit again."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, V], got {tuple(logits.shape)}")
         if logits.shape[1] < self.vocab_size:
