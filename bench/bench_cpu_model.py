@@ -12,6 +12,9 @@ shared and noisy. `--torch` also times the torch-op forward of the same model (f
 native forward) for the before/after ratio.
 
     .venv/bin/python bench/bench_cpu_model.py [--model smollm2-135m-instruct] [--out bench/results/x.json]
+
+`--profile` adds where a decode step's time goes: the native forward's phases (q·k·v, attention, o,
+gate·up, down, the LM head, ...) timed over one more generation, and the time outside the forward.
 """
 
 from __future__ import annotations
@@ -80,6 +83,36 @@ class Ours:
         r.free_request(row, pos)
         return t_pre, t_dec
 
+    def profile(self) -> dict[str, Any]:
+        """One more greedy generation whose decode steps have the native forward's phases timed
+        (CpuModel.set_profiling): per step, each phase's time, its parallel pool runs and the caller's
+        wait in them, and the time outside the forward (Python: the greedy pick, building the batch)."""
+        from executor.model_runner import RequestSlice
+
+        r, plan = self.runner, self.runner.native_forward.plan
+        row = r.req_to_token_pool.alloc()
+        logits = r.forward(r.build_batch([RequestSlice(row, 0, self.prompt)]))
+        pos = len(self.prompt)
+        plan.set_profiling(True)
+        try:
+            t = time.perf_counter()
+            for _ in range(self.n_decode):
+                tok = r.greedy(logits)[-1]
+                logits = r.forward(r.build_batch([RequestSlice(row, pos, [tok])]))
+                pos += 1
+            step = (time.perf_counter() - t) / self.n_decode * 1e6
+            prof = plan.profile(reset=True)
+        finally:
+            plan.set_profiling(False)
+            r.free_request(row, pos)
+        n = prof["forwards"]
+        fwd = prof["forward_s"] / n * 1e6
+        phases = {k: {"us_per_step": v["s"] / n * 1e6, "share_of_step": v["s"] / n * 1e6 / step,
+                      "pool_runs_per_step": v["pool_runs"] / n, "wait_us_per_step": v["wait_s"] / n * 1e6}
+                  for k, v in sorted(prof["phases"].items(), key=lambda kv: -kv[1]["s"])}
+        return {"decode_steps": n, "step_us": step, "forward_us": fwd, "outside_forward_us": step - fwd,
+                "phases": phases}
+
 
 class LlamaCpp:
     """llama.cpp through llama-cpp-python on the same file (None where the package is absent)."""
@@ -129,6 +162,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--torch", action="store_true", help="also time the torch-op forward (fp32)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the rounds, time the native forward's phases over one more generation")
     ap.add_argument("--out", default="bench/results/cpu_model_smollm2.json")
     args = ap.parse_args()
 
@@ -172,6 +207,7 @@ def main() -> None:
             paired[name].append(weight_bytes[name] / samples[name][-1][1] / ((before + after) / 2))
             before = after
         print(f"round {rnd + 1}: " + ", ".join(f"{k} {1 / v[-1][1]:.1f} tok/s" for k, v in samples.items()), flush=True)
+    profile = contenders["ours_native"].profile() if args.profile else None
     pool.close()
 
     sbw, tbw = statistics.median(stream_bw), statistics.median(sum_bw)
@@ -187,6 +223,8 @@ def main() -> None:
         r["fraction_of_floor_stream_read_of_medians"] = r["decode_tok_s"] * nbytes / sbw
         r["fraction_of_floor_sum_read"] = r["decode_tok_s"] * nbytes / tbw
         results[name] = r
+    if profile is not None:
+        results["ours_native"]["profile"] = profile
     peer = results.get("llama_cpp")
     ratio_of: Callable[[str, str], float | None] = lambda a, k: ratio(results[a][k], peer[k]) if peer else None
     report = {
@@ -209,6 +247,12 @@ def main() -> None:
         print(f"{name:16s} prefill {r['prefill_tok_s']:8.1f} tok/s  decode {r['decode_tok_s']:7.1f} tok/s  "
               f"floor {r['floor_tok_s_stream_read']:7.1f}  of floor {r['fraction_of_floor_stream_read']:.2f}")
     print({k: None if v is None else round(v, 3) for k, v in report["ratios"].items()})
+    if profile is not None:
+        print(f"profile: step {profile['step_us']:.0f} us, forward {profile['forward_us']:.0f} us, "
+              f"outside it {profile['outside_forward_us']:.0f} us")
+        for k, v in profile["phases"].items():
+            print(f"  {k:15s} {v['us_per_step']:8.1f} us  {100 * v['share_of_step']:5.1f}%  "
+                  f"pool runs {v['pool_runs_per_step']:5.1f}  waiting {v['wait_us_per_step']:6.1f} us")
     print(f"wrote {out}")
 
 

@@ -23,6 +23,7 @@ import ctypes
 import functools
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -961,6 +962,24 @@ class CpuModel:
             T, input_ids.data_ptr(), positions.data_ptr(), rows.data_ptr(), out_loc.data_ptr(), N,
             logit_rows.data_ptr(), logits.data_ptr(), omni_k.data_ptr() if omni_k is not None else 0, bool(argmax))
         return logits
+
+    def set_profiling(self, on: bool) -> None:
+        """Time every forward from now on phase by phase (`on`), or stop; the totals are kept until
+        `profile(reset=True)`. A benchmark's tool (`bench/bench_cpu_model.py --profile`): decode passes
+        are tens of microseconds, finer than a sampling profiler sees."""
+        self._op.set_profiling(bool(on))
+
+    def profile(self, reset: bool = False) -> dict[str, Any]:
+        """The timed forwards so far: {"forwards", "forward_s", "phases": {name: {"calls", "s",
+        "pool_runs", "wait_s"}}}. A phase's seconds are its wall time on the calling thread (its serial
+        work and its waits included); "wait_s" the part of it the caller spent waiting for workers after
+        its own share of the phase's parallel pool runs (their imbalance). Phases: see csrc/model.h."""
+        raw = self._op.profile()
+        if reset:
+            self._op.reset_profile()
+        phases = {name: {"calls": int(d["calls"]), "s": d["ns"] / 1e9, "pool_runs": int(d["pool_runs"]),
+                         "wait_s": d["wait_ns"] / 1e9} for name, d in raw["phases"].items()}
+        return {"forwards": int(raw["forwards"]), "forward_s": raw["forward_ns"] / 1e9, "phases": phases}
 
     def omnikv_selection(self, f: int) -> list[torch.Tensor]:
         """The KV slots (int32, ascending positions) the last OmniKV forward kept at filter `f`, per token

@@ -108,12 +108,15 @@ class TokenSlotAllocator:
         self.page_size = page_size
         self.device = device
         self._on_cpu = torch.device(device).type == "cpu"
-        # free slots (page_size 1) or free page numbers (paged), page 0 reserved
+        # free slots (page_size 1) or free page numbers (paged), page 0 reserved: _free[_head:]. Taking
+        # from the front moves _head (one slice per allocation, not two: each torch call a decode step
+        # makes costs tens of microseconds on a CPU, its code evicted by the weights the forward streamed)
         self._free = torch.arange(1, num_slots // page_size + 1, dtype=torch.int64)
+        self._head = 0
 
     def available_size(self) -> int:
         """Free slots in whole free pages (a request's part-filled last page is not counted)."""
-        return int(self._free.numel()) * self.page_size
+        return (int(self._free.numel()) - self._head) * self.page_size
 
     def slots_needed(self, prefix_len: int, n: int) -> int:
         """Slots taken from the free list by `n` new tokens after `prefix_len` cached ones."""
@@ -130,16 +133,19 @@ class TokenSlotAllocator:
         """Slots for several requests at once: (slot of the request's last cached token or -1, count).
         Returns the slots concatenated in request order, or None (nothing taken) when short."""
         p = self.page_size
+        h = self._head
         if p == 1:
             n = sum(c for _, c in requests)
-            if n > self._free.numel():
+            if n > self._free.numel() - h:
                 return None
-            out, self._free = self._free[:n], self._free[n:]
+            out = self._free[h:h + n]
+            self._head = h + n
             return out if self._on_cpu else out.to(self.device)
         pages_needed = sum(self.slots_needed(0 if last < 0 else last % p + 1, c) // p for last, c in requests)
-        if pages_needed > self._free.numel():
+        if pages_needed > self._free.numel() - h:
             return None
-        pages, self._free = self._free[:pages_needed].tolist(), self._free[pages_needed:]
+        pages = self._free[h:h + pages_needed].tolist()
+        self._head = h + pages_needed
         out: list[int] = []
         for last, count in requests:
             nxt = last + 1 if last >= 0 and (last + 1) % p else None  # continue the last page if it has room
@@ -157,7 +163,8 @@ class TokenSlotAllocator:
         loc = loc.detach().to("cpu", torch.int64)
         if self.page_size > 1:
             loc = torch.unique(loc // self.page_size)
-        self._free = torch.cat([self._free, loc])
+        self._free = torch.cat([self._free[self._head:], loc])
+        self._head = 0
 
 
 class MLATokenToKVPool:

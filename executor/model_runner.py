@@ -216,7 +216,9 @@ class ModelRunner:
             raise RuntimeError(f"need {total} KV slots, {self.allocator.available_size()} free")
         positions, start = [], 0
         for s, n in zip(slices, n_new):
-            self.req_to_token_pool.write(s.req_pool_idx, s.prefix_len, loc[start : start + n])
+            # one slice: its slots are all of loc (no torch slice, a call a decode step spares)
+            self.req_to_token_pool.write(s.req_pool_idx, s.prefix_len,
+                                         loc if len(slices) == 1 else loc[start : start + n])
             positions.extend(range(s.prefix_len, s.prefix_len + n))
             start += n
         if mode is None:  # decode slices: one new token after a cached prefix
@@ -276,7 +278,6 @@ class ModelRunner:
             weights_for=cfg.alpha_weights, table=self.req_to_token_pool.req_to_token, history=self.query_history,
             bank=self.context_bank)
 
-    @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits for `batch`: through a captured graph when one can run it, else eagerly. `last_argmax`
         then holds their row-wise argmax where the forward found it as it wrote them, else None."""
@@ -284,6 +285,21 @@ class ModelRunner:
         if (self._cpu_experts and self._cpu_experts[0].pool is not self.expert_pool) or (
                 self._native and self._native[0].op.pool is not self.expert_pool.workers):
             self._bind_experts()
+        if self.native_forward is not None and self.followers is None:
+            # the native CPU forward records no autograd graph: no grad-mode switch around it (its enter
+            # and exit are torch calls, tens of microseconds each in a decode step on a CPU, whose code
+            # the weights just streamed have evicted from the caches)
+            logits = self.native_forward.forward(batch)
+            self.last_argmax = self.native_forward.argmax
+        else:
+            with torch.no_grad():
+                logits = self._forward(batch)
+        if batch.omnikv is not None:
+            self.omnikv_counters.add(batch.omnikv)
+        self.forward_count += 1
+        return logits
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         with self.followers.step(batch) if self.followers is not None else nullcontext():
             if self.native_forward is not None:
                 logits = self.native_forward.forward(batch)
@@ -292,9 +308,6 @@ class ModelRunner:
                 logits = self.graph_runner.replay(batch)
             else:
                 logits = self.model(batch)
-        if batch.omnikv is not None:
-            self.omnikv_counters.add(batch.omnikv)
-        self.forward_count += 1
         return logits
 
     def greedy(self, logits: torch.Tensor) -> list[int]:

@@ -756,3 +756,23 @@ def test_omnikv_cpu_bench_runs_end_to_end(tmp_path, monkeypatch: pytest.MonkeyPa
     assert (res["config"]["sink_tokens"], res["config"]["recent_tokens"]) == (16, 128)
     dv = res["divergence"]
     assert dv["steps"] == 6 and dv["flips"] == [] and abs(dv["max_kl"]) < 1e-6
+
+
+def test_cpu_model_profile_on_a_tiny_gguf(cpu_bench, tmp_path: Path) -> None:
+    """bench_cpu_model.py --profile on a tiny GGUF: the decode steps' phases, which add up to no more than
+    the forward, itself within the step; the profile is off and empty afterwards."""
+    from models.loader.gguf_writer import write_gguf
+    from models.synthetic import write_checkpoint
+
+    d = write_checkpoint(tmp_path / "ckpt", "tiny-llama", seed=3)
+    write_gguf(d, tmp_path / "model.gguf", "Q4_1")
+    ours = cpu_bench.bench_cpu_model.Ours(str(tmp_path / "model.gguf"), True, list(range(10, 30)), 6)
+    p = ours.profile()
+    assert p["decode_steps"] == 6 and p["step_us"] >= p["forward_us"] > 0
+    phases = p["phases"]
+    assert {"qkv_proj", "attention", "o_proj", "gate_up", "down", "lm_head"} <= set(phases)
+    assert 0 < sum(v["us_per_step"] for v in phases.values()) <= p["forward_us"]
+    assert sum(v["share_of_step"] for v in phases.values()) <= 1.0
+    assert ours.runner.native_forward.plan.profile()["forwards"] == 0
+    ours.run()
+    assert ours.runner.native_forward.plan.profile()["forwards"] == 0

@@ -232,6 +232,33 @@ PYBIND11_MODULE(_C, m) {
                        uintptr_t norm, float eps) {
         return new CpuModel(std::move(pool), hidden, &embed, &lm_head, make_norm(norm, hidden, eps));
       }))
+      .def("set_profiling", &CpuModel::set_profiling, py::call_guard<py::gil_scoped_release>())
+      .def("reset_profile", &CpuModel::reset_profile, py::call_guard<py::gil_scoped_release>())
+      .def("profile",
+           [](CpuModel& self) {
+             cpx::CpuProfile p;
+             {
+               py::gil_scoped_release release;
+               p = self.profile();
+             }
+             py::dict phases;
+             for (int i = 0; i < int(cpx::Phase::kCount); ++i) {
+               const cpx::PhaseStat& st = p.phase[i];
+               if (!st.calls) continue;
+               py::dict d;
+               d["calls"] = st.calls;
+               d["ns"] = st.ns;
+               d["pool_runs"] = st.pool_runs;
+               d["wait_ns"] = st.wait_ns;
+               phases[cpx::phase_name(cpx::Phase(i))] = d;
+             }
+             py::dict out;
+             out["on"] = p.on;
+             out["forwards"] = p.forwards;
+             out["forward_ns"] = p.forward_ns;
+             out["phases"] = phases;
+             return out;
+           })
       .def("set_table",
            [](CpuModel& self, uintptr_t table, int64_t rows, int64_t stride, int64_t slots) {
              self.set_table(ptr<int32_t>(table), rows, stride, slots);

@@ -9,9 +9,11 @@
 #include "model.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <unordered_map>
 
@@ -105,6 +107,34 @@ void check_rope(const Rope& r, int dim_limit, const char* what) {
 
 }  // namespace
 
+// A phase of the forward timed into a profile (CpuProfile), or nothing where the profile is null.
+class Timed {
+ public:
+  Timed(CpuProfile* prof, Pool& pool, Phase p) : prof_(prof), pool_(pool), p_(p) {
+    if (!prof_) return;
+    runs0_ = pool_.timed_runs();
+    wait0_ = pool_.timed_wait_ns();
+    t0_ = std::chrono::steady_clock::now();
+  }
+  ~Timed() {
+    if (!prof_) return;
+    PhaseStat& st = prof_->phase[int(p_)];
+    st.calls += 1;
+    st.ns += uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0_).count());
+    st.pool_runs += pool_.timed_runs() - runs0_;
+    st.wait_ns += pool_.timed_wait_ns() - wait0_;
+  }
+  Timed(const Timed&) = delete;
+  Timed& operator=(const Timed&) = delete;
+
+ private:
+  CpuProfile* prof_;
+  Pool& pool_;
+  Phase p_;
+  uint64_t runs0_ = 0, wait0_ = 0;
+  std::chrono::steady_clock::time_point t0_;
+};
+
 // One forward's state, shared by the blocks.
 struct Ctx {
   Pool& pool;
@@ -119,8 +149,12 @@ struct Ctx {
   const PagedKv& table;
   int layer = 0;              // the layer whose block runs
   OmniRun* omni = nullptr;    // this forward's OmniKV tokens, or null
+  CpuProfile* prof = nullptr;  // the model's profile while it is on, else null
+
+  Timed timed(Phase p) { return Timed(prof, pool, p); }
 
   void norm(const Norm& n) {
+    Timed ph = timed(Phase::Norm);
     for_rows(pool, T, [&](int t) { rmsnorm_row(x + size_t(t) * hidden, n.w.data(), n.eps, hidden, xn + size_t(t) * hidden); });
   }
   // The tokens for this layer's attention (H query heads): at a SPARSE layer the omni tokens read their
@@ -132,7 +166,10 @@ struct Ctx {
   }
   // After a layer's attention: a FILTER layer selects for the omni tokens (q as attention read it).
   void select(const PagedKv& kv, const float* q, int H, int Hkv, int D, float scale) {
-    if (omni && omni->role(layer) == kRoleFilter) omni->select(pool, layer, kv, q, H, Hkv, D, scale);
+    if (omni && omni->role(layer) == kRoleFilter) {
+      Timed ph = timed(Phase::Select);
+      omni->select(pool, layer, kv, q, H, Hkv, D, scale);
+    }
   }
 };
 
@@ -151,25 +188,35 @@ struct GqaBlock final : Block {
   void run(Ctx& c) override {
     const int T = c.T, qw = s.H * s.D, kw = s.Hkv * s.D;
     c.norm(s.norm);
-    prepare_input(c.pool, c.in, c.xn, c.hidden, T, c.hidden, {s.q, s.k, s.v});
     q.resize(size_t(T) * qw);
     k.resize(size_t(T) * kw);
     v.resize(size_t(T) * kw);
     a.resize(size_t(T) * qw);
-    run_linears(c.pool, {{s.q, &c.in, q.data(), qw}, {s.k, &c.in, k.data(), kw}, {s.v, &c.in, v.data(), kw}}, T);
-    for_rows(c.pool, T, [&](int t) {
-      for (int h = 0; h < s.H; ++h) rope_apply(q.data() + size_t(t) * qw + h * s.D, s.rope, c.pos[t]);
-      for (int h = 0; h < s.Hkv; ++h) rope_apply(k.data() + size_t(t) * kw + h * s.D, s.rope, c.pos[t]);
-      put(s.k_cache, s.kv_type, c.out_loc[t] * kw, k.data() + size_t(t) * kw, kw);
-      put(s.v_cache, s.kv_type, c.out_loc[t] * kw, v.data() + size_t(t) * kw, kw);
-    });
+    {
+      Timed ph = c.timed(Phase::QkvProj);
+      prepare_input(c.pool, c.in, c.xn, c.hidden, T, c.hidden, {s.q, s.k, s.v});
+      run_linears(c.pool, {{s.q, &c.in, q.data(), qw}, {s.k, &c.in, k.data(), kw}, {s.v, &c.in, v.data(), kw}}, T);
+    }
+    {
+      Timed ph = c.timed(Phase::RopeStore);
+      for_rows(c.pool, T, [&](int t) {
+        for (int h = 0; h < s.H; ++h) rope_apply(q.data() + size_t(t) * qw + h * s.D, s.rope, c.pos[t]);
+        for (int h = 0; h < s.Hkv; ++h) rope_apply(k.data() + size_t(t) * kw + h * s.D, s.rope, c.pos[t]);
+        put(s.k_cache, s.kv_type, c.out_loc[t] * kw, k.data() + size_t(t) * kw, kw);
+        put(s.v_cache, s.kv_type, c.out_loc[t] * kw, v.data() + size_t(t) * kw, kw);
+      });
+    }
     PagedKv kv = c.table;
     kv.k = s.k_cache;
     kv.v = s.v_cache;
     kv.type = s.kv_type;
     kv.k_stride = kv.v_stride = kw;
-    attention_gqa(c.pool, scratch, kv, c.tokens(s.H), q.data(), s.H, s.Hkv, s.D, s.D, s.scale, a.data());
+    {
+      Timed ph = c.timed(Phase::Attention);
+      attention_gqa(c.pool, scratch, kv, c.tokens(s.H), q.data(), s.H, s.Hkv, s.D, s.D, s.scale, a.data());
+    }
     c.select(kv, q.data(), s.H, s.Hkv, s.D, s.scale);
+    Timed ph = c.timed(Phase::OProj);
     prepare_input(c.pool, c.in, a.data(), qw, T, qw, {s.o});
     run_linears(c.pool, {{s.o, &c.in, c.x, c.hidden, Epilogue::Add}}, T);
   }
@@ -186,9 +233,11 @@ struct MlaBlock final : Block {
     const int qw = H * (N + P), kvw = r + P, cw = H * (r + P);
     c.norm(s.norm);
     const QuantLinear* first = s.q ? s.q : s.q_a;
-    prepare_input(c.pool, c.in, c.xn, c.hidden, T, c.hidden, {first, s.kv_a});
     q.resize(size_t(T) * qw);
     kv.resize(size_t(T) * kvw);
+    std::optional<Timed> ph;
+    ph.emplace(c.prof, c.pool, Phase::QkvProj);
+    prepare_input(c.pool, c.in, c.xn, c.hidden, T, c.hidden, {first, s.kv_a});
     if (s.q) {
       run_linears(c.pool, {{s.q, &c.in, q.data(), qw}, {s.kv_a, &c.in, kv.data(), kvw}}, T);
     } else {
@@ -205,6 +254,7 @@ struct MlaBlock final : Block {
     // the latent of the new tokens (normalised c_kv ‖ RoPE'd k_pe) into the cache; RoPE'd q_pe; q_nope
     // gathered head-major, so that one prepared input serves every head's absorption
     heads.resize(size_t(H) * T * std::max(N, r));
+    ph.emplace(c.prof, c.pool, Phase::RopeStore);
     for_rows(c.pool, T, [&](int t) {
       float* row = kv.data() + size_t(t) * kvw;
       rmsnorm_row(row, s.kv_norm.w.data(), s.kv_norm.eps, r, row);
@@ -218,6 +268,7 @@ struct MlaBlock final : Block {
     });
     // q_latent = q_nope · w_kc per head, next to q_pe: the query rows [T][H][r + P]
     qcat.resize(size_t(T) * cw);
+    ph.emplace(c.prof, c.pool, Phase::Absorb);
     prepare_input(c.pool, in_heads, heads.data(), N, H * T, N, s.w_kc);
     std::vector<LinearCall> calls;
     for (int h = 0; h < H; ++h) calls.push_back({s.w_kc[size_t(h)], &in_heads, qcat.data() + size_t(h) * (r + P), cw,
@@ -233,8 +284,11 @@ struct MlaBlock final : Block {
     cache.k = s.latent;
     cache.type = s.kv_type;
     cache.k_stride = kvw;
+    ph.emplace(c.prof, c.pool, Phase::Attention);
     attention_mla(c.pool, scratch, cache, c.tokens(H), qcat.data(), H, r, P, s.scale, lat.data());
+    ph.reset();
     c.select(cache, qcat.data(), H, 1, r + P, s.scale);
+    ph.emplace(c.prof, c.pool, Phase::ValueUp);
     for_rows(c.pool, T, [&](int t) {
       for (int h = 0; h < H; ++h)
         std::memcpy(heads.data() + (size_t(h) * T + t) * r, lat.data() + (size_t(t) * H + h) * r, size_t(r) * 4);
@@ -246,6 +300,7 @@ struct MlaBlock final : Block {
       calls.push_back({s.w_vc[size_t(h)], &in_heads, vo.data() + size_t(h) * V, int64_t(H) * V, Epilogue::Store,
                        nullptr, h * T});
     run_linears(c.pool, calls, T);
+    ph.emplace(c.prof, c.pool, Phase::OProj);
     prepare_input(c.pool, c.in, vo.data(), H * V, T, H * V, {s.o});
     run_linears(c.pool, {{s.o, &c.in, c.x, c.hidden, Epilogue::Add}}, T);
   }
@@ -258,9 +313,13 @@ struct DenseMlpBlock final : Block {
   void run(Ctx& c) override {
     const int T = c.T, I = s.gate->out_features();
     c.norm(s.norm);
-    prepare_input(c.pool, c.in, c.xn, c.hidden, T, c.hidden, {s.gate, s.up});
     h.resize(size_t(T) * I);
-    run_linears(c.pool, {{s.gate, &c.in, h.data(), I, Epilogue::SiluMul, s.up}}, T);
+    {
+      Timed ph = c.timed(Phase::GateUp);
+      prepare_input(c.pool, c.in, c.xn, c.hidden, T, c.hidden, {s.gate, s.up});
+      run_linears(c.pool, {{s.gate, &c.in, h.data(), I, Epilogue::SiluMul, s.up}}, T);
+    }
+    Timed ph = c.timed(Phase::Down);
     prepare_input(c.pool, c.in, h.data(), I, T, I, {s.down});
     run_linears(c.pool, {{s.down, &c.in, c.x, c.hidden, Epilogue::Add}}, T);
   }
@@ -338,6 +397,8 @@ struct MoeBlock final : Block {
     routed.resize(size_t(T) * Hd);
     constexpr int kExpertChunk = 16;
     const int chunks = (E + kExpertChunk - 1) / kExpertChunk;
+    std::optional<Timed> ph;
+    ph.emplace(c.prof, c.pool, Phase::Router);
     c.pool.run(T * chunks, [&](int task, int) {
       const int t = task / chunks, e0 = (task % chunks) * kExpertChunk;
       for (int e = e0; e < std::min(E, e0 + kExpertChunk); ++e)
@@ -350,14 +411,18 @@ struct MoeBlock final : Block {
     job.ids = ids.data();
     job.weights = weights.data();
     job.out = routed.data();
+    ph.emplace(c.prof, c.pool, Phase::Experts);
     s.experts->forward(job);
+    ph.reset();
     if (s.shared_gate) {
+      ph.emplace(c.prof, c.pool, Phase::Shared);
       const int I = s.shared_gate->out_features();
       prepare_input(c.pool, c.in, c.xn, Hd, T, Hd, {s.shared_gate, s.shared_up});
       h.resize(size_t(T) * I);
       run_linears(c.pool, {{s.shared_gate, &c.in, h.data(), I, Epilogue::SiluMul, s.shared_up}}, T);
       prepare_input(c.pool, c.in, h.data(), I, T, I, {s.shared_down});
       run_linears(c.pool, {{s.shared_down, &c.in, c.x, Hd, Epilogue::Add}}, T);
+      ph.reset();
     }
     for_rows(c.pool, T, [&](int t) {
       float* xr = c.x + size_t(t) * Hd;
@@ -574,8 +639,14 @@ void CpuModel::forward(int T, const int64_t* ids, const int64_t* pos, const int6
   Pool& pool = *pool_;
   x_.resize(size_t(T) * hidden_);
   xn_.resize(size_t(T) * hidden_);
-  for_rows(pool, T, [&](int t) { embed_->dequant_row(int(ids[t]), x_.data() + size_t(t) * hidden_); });
+  CpuProfile* prof = prof_.on ? &prof_ : nullptr;
+  const auto t_forward = std::chrono::steady_clock::now();
+  {
+    Timed ph(prof, pool, Phase::Embed);
+    for_rows(pool, T, [&](int t) { embed_->dequant_row(int(ids[t]), x_.data() + size_t(t) * hidden_); });
+  }
   Ctx c{pool, T, pos, rows, out_loc, hidden_, x_.data(), xn_.data(), in_, table_};
+  c.prof = prof;
   if (omni) {
     omni_run_.begin(omni_.get(), T, omni_k, rows, pos);
     c.omni = &omni_run_;
@@ -589,15 +660,48 @@ void CpuModel::forward(int T, const int64_t* ids, const int64_t* pos, const int6
     omni_counts[1] = omni ? omni_run_.context() : 0;
   }
   omni_run_.end();
-  if (N <= 0) return;
-  // the final norm and the LM head on the rows that need logits only
-  for (int i = 0; i < N; ++i)
-    rmsnorm_row(x_.data() + size_t(logit_rows[i]) * hidden_, final_norm_.w.data(), final_norm_.eps, hidden_,
-                xn_.data() + size_t(i) * hidden_);
-  prepare_input(pool, in_, xn_.data(), hidden_, N, hidden_, {lm_head_});
-  LinearCall head{lm_head_, &in_, logits, vocab};
-  head.argmax = argmax;
-  run_linears(pool, {head}, N);
+  if (N > 0) {
+    // the final norm and the LM head on the rows that need logits only
+    Timed ph(prof, pool, Phase::Head);
+    for (int i = 0; i < N; ++i)
+      rmsnorm_row(x_.data() + size_t(logit_rows[i]) * hidden_, final_norm_.w.data(), final_norm_.eps, hidden_,
+                  xn_.data() + size_t(i) * hidden_);
+    prepare_input(pool, in_, xn_.data(), hidden_, N, hidden_, {lm_head_});
+    LinearCall head{lm_head_, &in_, logits, vocab};
+    head.argmax = argmax;
+    run_linears(pool, {head}, N);
+  }
+  if (prof) {
+    prof->forwards += 1;
+    prof->forward_ns += uint64_t(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t_forward).count());
+  }
+}
+
+const char* phase_name(Phase p) {
+  static const char* const kNames[int(Phase::kCount)] = {
+      "embed", "norm", "qkv_proj", "rope_store", "absorb", "attention", "omnikv_select", "value_up",
+      "o_proj", "gate_up", "down", "router", "experts", "shared_experts", "lm_head"};
+  const int i = int(p);
+  return i >= 0 && i < int(Phase::kCount) ? kNames[i] : "?";
+}
+
+void CpuModel::set_profiling(bool on) {
+  std::lock_guard<std::mutex> lock(m_);
+  prof_.on = on;
+  pool_->set_timing(on);
+}
+
+CpuProfile CpuModel::profile() {
+  std::lock_guard<std::mutex> lock(m_);
+  return prof_;
+}
+
+void CpuModel::reset_profile() {
+  std::lock_guard<std::mutex> lock(m_);
+  const bool on = prof_.on;
+  prof_ = CpuProfile{};
+  prof_.on = on;
 }
 
 }  // namespace cpx

@@ -99,6 +99,43 @@ struct MoeSpec {
   const QuantLinear *shared_gate = nullptr, *shared_up = nullptr, *shared_down = nullptr;  // null: none
 };
 
+// Where a forward's time goes, phase by phase, measured on the calling thread when asked
+// (CpuModel::set_profiling; off, a phase costs one branch). A phase's time includes the caller's
+// serial work in it (norms, quantising the linears' input, RoPE) and its waits for the pool; the
+// pool's counters say how many parallel runs it made and how long the caller waited after its own
+// share of them (the runs' imbalance). Decode has no other way to show this: the passes are tens of
+// microseconds, below a sampling profiler's resolution, and a VM has no hardware counters.
+enum class Phase : int {
+  Embed,      // the tokens' embedding rows
+  Norm,       // the blocks' input RMSNorms
+  QkvProj,    // q, k, v (MLA: q or q_a -> q_b, and kv_a), their input quantised
+  RopeStore,  // RoPE and the new tokens' K/V (latent) into the cache
+  Absorb,     // MLA: q_nope through w_kc
+  Attention,  // attention over the cache
+  Select,     // OmniKV: a filter layer's selections
+  ValueUp,    // MLA: the latent output through w_vc
+  OProj,      // o_proj (added into the residual)
+  GateUp,     // gate and up, SiLU(gate) * up
+  Down,       // down_proj (added into the residual)
+  Router,     // MoE: router logits and top-k
+  Experts,    // MoE: the routed experts
+  Shared,     // MoE: the shared experts
+  Head,       // final norm and the LM head (and its argmax)
+  kCount
+};
+const char* phase_name(Phase p);
+
+struct PhaseStat {
+  uint64_t calls = 0, ns = 0;        // times the phase ran, its wall time on the caller
+  uint64_t pool_runs = 0, wait_ns = 0;  // its parallel pool runs, the caller's wait after its share
+};
+
+struct CpuProfile {
+  bool on = false;
+  uint64_t forwards = 0, forward_ns = 0;
+  PhaseStat phase[int(Phase::kCount)];
+};
+
 struct Block;
 
 class CpuModel {
@@ -128,6 +165,10 @@ class CpuModel {
   int num_layers() const { return int(blocks_.size()) / 2; }
   // The last OmniKV forward's slots kept at filter f, per omni token in batch order.
   std::vector<std::vector<int32_t>> omnikv_selection(int f);
+  // Phase timing of the forwards from now on (on), or off; the totals so far, and zeroing them.
+  void set_profiling(bool on);
+  CpuProfile profile();
+  void reset_profile();
 
  private:
   std::shared_ptr<Pool> pool_;
@@ -142,6 +183,7 @@ class CpuModel {
   LinearInput in_;
   std::unique_ptr<OmniSpec> omni_;  // null: no OmniKV plan
   OmniRun omni_run_;
+  CpuProfile prof_;  // guarded by m_
 };
 
 }  // namespace cpx

@@ -143,10 +143,16 @@ void Pool::run(int ntasks, const std::function<void(int, int)>& fn) {
       std::this_thread::yield();  // a preempted worker may need this core to finish its task
     }
   }
-  if (!adaptive_) return;
+  const bool timing = timing_.load(std::memory_order_relaxed);
+  if (!adaptive_ && !timing) return;
   const int64_t waited = std::chrono::duration_cast<std::chrono::nanoseconds>(
                              std::chrono::steady_clock::now() - t1).count(),
                 own = std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
+  if (timing) {
+    timed_runs_.fetch_add(1, std::memory_order_relaxed);
+    timed_wait_ns_.fetch_add(uint64_t(waited), std::memory_order_relaxed);
+  }
+  if (!adaptive_) return;
   const bool late = waited > kLate.count() * 1000 && waited > own;
   late_ = late ? late_ + 1 : 0;
   bool contended = late_ >= kLateRuns;

@@ -40,6 +40,11 @@ class Pool {
   int size() const { return n_; }
   // Runs done alone because of contention since the pool was made (for benchmarks and tests).
   uint64_t solo_runs() const { return solo_total_.load(std::memory_order_relaxed); }
+  // With timing on (a profiler: model.h's CpuProfile), the parallel runs since the pool was made and
+  // the time their callers waited for workers after their own share (a run's imbalance).
+  void set_timing(bool on) { timing_.store(on, std::memory_order_relaxed); }
+  uint64_t timed_runs() const { return timed_runs_.load(std::memory_order_relaxed); }
+  uint64_t timed_wait_ns() const { return timed_wait_ns_.load(std::memory_order_relaxed); }
   // Runs fn(task, participant) for every task; returns when all are done. fn must not throw.
   // Calls from different threads are serialised. On a closed pool the caller runs every task.
   void run(int ntasks, const std::function<void(int, int)>& fn);
@@ -74,6 +79,8 @@ class Pool {
   int win_runs_ = 0;      // parallel runs in the current window
   int64_t win_wait_ = 0, win_work_ = 0;  // the caller's waiting for workers and own work in it (ns)
   std::atomic<uint64_t> solo_total_{0};
+  std::atomic<bool> timing_{false};
+  std::atomic<uint64_t> timed_runs_{0}, timed_wait_ns_{0};
   std::atomic<int> sleepers_{0};
   std::vector<std::thread> threads_;
 };

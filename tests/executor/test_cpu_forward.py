@@ -131,6 +131,57 @@ def test_forward_argmax_is_torchs_argmax_of_its_logits(tmp_path, cpu_weights):
     assert runner.greedy(logits) == runner.last_argmax
 
 
+@pytest.mark.parametrize("name", ["llama_gqa_tied", "v3_noaux_yarn"])
+def test_profile_times_every_phase_of_every_layer(checkpoints, name):
+    """CpuModel's phase profile (bench_cpu_model.py --profile): off by default; once on, each forward
+    counts each phase once per layer that has it (the MLA and MoE phases on DeepSeek, GQA's on Llama),
+    the phases' times add up to most of the forward and each phase's wait for the pool is part of its
+    time; profiling changes no logit; reset zeroes it and turning it off stops the counting."""
+    _, path = checkpoints[name]
+    runner = native_runner(path)
+    plan = runner.native_forward.plan
+    cfg = runner.config
+    ids = prompt(24, cfg.vocab_size, seed=4)
+
+    def generate() -> list[torch.Tensor]:
+        row = runner.req_to_token_pool.alloc()
+        out = [runner.forward(runner.build_batch([RequestSlice(row, 0, ids)]))]
+        for i in range(4):
+            out.append(runner.forward(runner.build_batch([RequestSlice(row, len(ids) + i, [ids[i]])])))
+        runner.free_request(row, len(ids) + 4)
+        return out
+
+    plain = generate()
+    assert plan.profile() == {"forwards": 0, "forward_s": 0.0, "phases": {}}
+    plan.set_profiling(True)
+    timed = generate()
+    assert all(torch.equal(a, b) for a, b in zip(plain, timed))
+    p = plan.profile(reset=True)
+    F, L = 5, cfg.num_hidden_layers
+    assert p["forwards"] == F and p["forward_s"] > 0
+    if name.startswith("llama"):
+        layer_phases = {"qkv_proj", "rope_store", "attention", "o_proj", "gate_up", "down"}
+        want = {k: L for k in layer_phases}
+    else:
+        assert cfg.moe is not None and cfg.moe.moe_layer_freq == 1
+        dense = cfg.moe.first_k_dense_replace
+        want = {k: L for k in ("qkv_proj", "rope_store", "absorb", "attention", "value_up", "o_proj")}
+        want.update(gate_up=dense, down=dense, router=L - dense, experts=L - dense)
+        if cfg.moe.num_shared_experts:
+            want["shared_experts"] = L - dense
+    want.update(embed=1, lm_head=1, norm=2 * L)
+    phases = p["phases"]
+    assert {k: v["calls"] for k, v in phases.items()} == {k: F * n for k, n in want.items()}
+    total = sum(v["s"] for v in phases.values())
+    assert 0.5 * p["forward_s"] < total <= p["forward_s"]
+    for v in phases.values():
+        assert 0 <= v["wait_s"] <= v["s"] and v["pool_runs"] >= 0
+    assert plan.profile()["forwards"] == 0
+    plan.set_profiling(False)
+    generate()
+    assert plan.profile()["forwards"] == 0
+
+
 ROUTER_GAIN = 4.0
 
 
