@@ -4,7 +4,9 @@ CPU-native forward (the weights as the file stores them, `--cpu-weight-dtype fil
 
 Floor: a decode step reads every weight it multiplies by once, so seconds per token >= those bytes
 (every linear layer and the output head in the kernels' packed form, which is the file's blocks
-re-laid; the embedding contributes one row) / the read bandwidth. The bandwidth is measured in the
+re-laid; the embedding contributes one row) / the read bandwidth. For a MoE file that counts every
+routed expert, not the few a token reads: its floor fields do not apply (deepseek_cpu.py gives that
+floor), but `--profile` does. The bandwidth is measured in the
 same run two ways: a streaming read (an f32 QuantLinear at M = 1, several read streams per thread, as
 quant_linear_cpu.py does) and a torch sum (one stream per thread); the fraction of the floor is given
 for both. Rounds are interleaved (ours, then llama.cpp, per round) and medians reported: the machine is
