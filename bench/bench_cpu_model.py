@@ -66,8 +66,9 @@ class Ours:
                                     if "embed_tokens" not in n_ or loaded.config.tie_word_embeddings)
         self.prompt, self.n_decode = prompt, n_decode
 
-    def run(self) -> tuple[float, float]:
-        """(prefill seconds, seconds per decoded token) of one greedy generation."""
+    def run(self, before_decode: Callable[[], None] | None = None) -> tuple[float, float]:
+        """(prefill seconds, seconds per decoded token) of one greedy generation; `before_decode` is
+        called between the prefill and the first decode step."""
         from executor.model_runner import RequestSlice
 
         r = self.runner
@@ -76,6 +77,8 @@ class Ours:
         logits = r.forward(r.build_batch([RequestSlice(row, 0, self.prompt)]))
         t_pre = time.perf_counter() - t
         pos = len(self.prompt)
+        if before_decode is not None:
+            before_decode()
         t = time.perf_counter()
         for _ in range(self.n_decode):
             tok = r.greedy(logits)[-1]  # the engine's greedy pick: the LM head's argmax (executor.sampler)
@@ -89,24 +92,13 @@ class Ours:
         """One more greedy generation whose decode steps have the native forward's phases timed
         (CpuModel.set_profiling): per step, each phase's time, its parallel pool runs and the caller's
         wait in them, and the time outside the forward (Python: the greedy pick, building the batch)."""
-        from executor.model_runner import RequestSlice
-
-        r, plan = self.runner, self.runner.native_forward.plan
-        row = r.req_to_token_pool.alloc()
-        logits = r.forward(r.build_batch([RequestSlice(row, 0, self.prompt)]))
-        pos = len(self.prompt)
-        plan.set_profiling(True)
+        plan = self.runner.native_forward.plan
         try:
-            t = time.perf_counter()
-            for _ in range(self.n_decode):
-                tok = r.greedy(logits)[-1]
-                logits = r.forward(r.build_batch([RequestSlice(row, pos, [tok])]))
-                pos += 1
-            step = (time.perf_counter() - t) / self.n_decode * 1e6
+            _, t_dec = self.run(before_decode=lambda: plan.set_profiling(True))
             prof = plan.profile(reset=True)
         finally:
             plan.set_profiling(False)
-            r.free_request(row, pos)
+        step = t_dec * 1e6
         n = prof["forwards"]
         fwd = prof["forward_s"] / n * 1e6
         phases = {k: {"us_per_step": v["s"] / n * 1e6, "share_of_step": v["s"] / n * 1e6 / step,

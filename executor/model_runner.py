@@ -285,22 +285,11 @@ class ModelRunner:
         if (self._cpu_experts and self._cpu_experts[0].pool is not self.expert_pool) or (
                 self._native and self._native[0].op.pool is not self.expert_pool.workers):
             self._bind_experts()
-        if self.native_forward is not None and self.followers is None:
-            # the native CPU forward records no autograd graph: no grad-mode switch around it (its enter
-            # and exit are torch calls, tens of microseconds each in a decode step on a CPU, whose code
-            # the weights just streamed have evicted from the caches)
-            logits = self.native_forward.forward(batch)
-            self.last_argmax = self.native_forward.argmax
-        else:
-            with torch.no_grad():
-                logits = self._forward(batch)
-        if batch.omnikv is not None:
-            self.omnikv_counters.add(batch.omnikv)
-        self.forward_count += 1
-        return logits
-
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        with self.followers.step(batch) if self.followers is not None else nullcontext():
+        # the native CPU forward records no autograd graph: no grad-mode switch around it (its enter and
+        # exit are torch calls, tens of microseconds each in a decode step on a CPU, whose code the
+        # weights just streamed have evicted from the caches)
+        grad = nullcontext() if self.native_forward is not None else torch.no_grad()
+        with grad, self.followers.step(batch) if self.followers is not None else nullcontext():
             if self.native_forward is not None:
                 logits = self.native_forward.forward(batch)
                 self.last_argmax = self.native_forward.argmax
@@ -308,6 +297,9 @@ class ModelRunner:
                 logits = self.graph_runner.replay(batch)
             else:
                 logits = self.model(batch)
+        if batch.omnikv is not None:
+            self.omnikv_counters.add(batch.omnikv)
+        self.forward_count += 1
         return logits
 
     def greedy(self, logits: torch.Tensor) -> list[int]:

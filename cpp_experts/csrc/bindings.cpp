@@ -253,7 +253,6 @@ PYBIND11_MODULE(_C, m) {
                phases[cpx::phase_name(cpx::Phase(i))] = d;
              }
              py::dict out;
-             out["on"] = p.on;
              out["forwards"] = p.forwards;
              out["forward_ns"] = p.forward_ns;
              out["phases"] = phases;
