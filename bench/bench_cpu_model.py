@@ -15,6 +15,10 @@ native forward) for the before/after ratio.
 
     .venv/bin/python bench/bench_cpu_model.py [--model smollm2-135m-instruct] [--out bench/results/x.json]
 
+`--general-batches` also times our native forward with every decode batch built the general way (torch
+tensors made per step) instead of written into the native forward's reused inputs, for that change's
+before/after ratio in one run.
+
 `--profile` adds where a decode step's time goes: the native forward's phases (q·k·v, attention, o,
 gate·up, down, the LM head, ...) timed over one more generation, and the time outside the forward.
 """
@@ -44,7 +48,7 @@ from engine.process import freeze_gc_heap  # noqa: E402
 class Ours:
     """Our model runner on the file: `native` (the CPU-native forward) or the torch-op forward."""
 
-    def __init__(self, path: str, native: bool, prompt: list[int], n_decode: int) -> None:
+    def __init__(self, path: str, native: bool, prompt: list[int], n_decode: int, reused_inputs: bool = True) -> None:
         from executor.cpu_forward import auto_kv_dtype
         from executor.model_runner import ModelRunner
         from models.loader.load import load_model
@@ -58,6 +62,8 @@ class Ours:
                                   max_context_len=n, kv_dtype=self.kv_dtype)
         if native and self.runner.native_forward is None:
             raise RuntimeError(f"the native forward is off: {self.runner.native_off_reason}")
+        if native and not reused_inputs:
+            self.runner.native_forward.decode_capacity = 0  # every decode batch built the general way
         ops = {id(m.op): m.op for m in native_modules(loaded.model) if type(m).__name__ == "NativeLinear"}
         experts = [m.weights.op for m in loaded.model.modules() if hasattr(m, "weights")]
         self.weight_bytes = sum(int(op.memory_bytes) for op in ops.values()) + sum(int(e.memory_bytes) for e in experts)
@@ -156,6 +162,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--torch", action="store_true", help="also time the torch-op forward (fp32)")
+    ap.add_argument("--general-batches", action="store_true",
+                    help="also time the native forward with decode batches built the general way")
     ap.add_argument("--profile", action="store_true",
                     help="after the rounds, time the native forward's phases over one more generation")
     ap.add_argument("--out", default="bench/results/cpu_model_smollm2.json")
@@ -172,6 +180,8 @@ def main() -> None:
     pool = cpp_experts.WorkerPool(args.threads)
     stream = StreamRead(pool, 256 << 20)
     contenders: dict[str, Any] = {"ours_native": Ours(path, True, prompt, args.decode)}
+    if args.general_batches:
+        contenders["ours_native_general_batches"] = Ours(path, True, prompt, args.decode, reused_inputs=False)
     if args.torch:
         contenders["ours_torch_fp32"] = Ours(path, False, prompt, args.decode)
     try:
@@ -230,6 +240,9 @@ def main() -> None:
         "ratios": {"decode_native_vs_llama_cpp": ratio_of("ours_native", "decode_tok_s"),
                    "prefill_native_vs_llama_cpp": ratio_of("ours_native", "prefill_tok_s")},
     }
+    if "ours_native_general_batches" in results:
+        report["ratios"]["decode_reused_inputs_vs_general_batches"] = ratio(
+            results["ours_native"]["decode_tok_s"], results["ours_native_general_batches"]["decode_tok_s"])
     if "ours_torch_fp32" in results:
         report["ratios"]["decode_native_vs_torch_fp32"] = ratio(results["ours_native"]["decode_tok_s"],
                                                                results["ours_torch_fp32"]["decode_tok_s"])
@@ -238,7 +251,7 @@ def main() -> None:
     out = write_json(args.out, report)
     print(f"stream read {sbw / 1e9:.1f} GB/s, torch sum {tbw / 1e9:.1f} GB/s, {args.threads} threads")
     for name, r in results.items():
-        print(f"{name:16s} prefill {r['prefill_tok_s']:8.1f} tok/s  decode {r['decode_tok_s']:7.1f} tok/s  "
+        print(f"{name:28s} prefill {r['prefill_tok_s']:8.1f} tok/s  decode {r['decode_tok_s']:7.1f} tok/s  "
               f"floor {r['floor_tok_s_stream_read']:7.1f}  of floor {r['fraction_of_floor_stream_read']:.2f}")
     print({k: None if v is None else round(v, 3) for k, v in report["ratios"].items()})
     if profile is not None:

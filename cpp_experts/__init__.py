@@ -54,7 +54,7 @@ except ImportError as exc:  # pragma: no cover - only on a broken install
         "cpp_experts._C is not built: reinstall the project (`pip install -e .`) with a C++17 compiler"
     ) from exc
 
-__all__ = ["MoE", "QuantLinear", "WorkerPool", "HostTask", "PagedAttention", "CpuModel", "info", "cuda_host_launch_error", "FORMATS", "BLOCK_BYTES",
+__all__ = ["MoE", "QuantLinear", "WorkerPool", "HostTask", "PagedAttention", "CpuModel", "DecodeInputs", "info", "cuda_host_launch_error", "FORMATS", "BLOCK_BYTES",
            "LINEAR_FORMATS", "LINEAR_BLOCKS"]
 
 # weight formats of both operators (a MoE's experts are QuantLinears); GGUF block (values, bytes) of
@@ -793,6 +793,43 @@ def _cache_tensor(name: str, t: torch.Tensor, numel: int) -> bool:
     return t.dtype == torch.bfloat16
 
 
+class DecodeInputs:
+    """The inputs and logits of decode batches of `size` tokens (one per request), made once and reused:
+    a decode step writes its token ids, positions, request rows and KV slots into them as Python ints
+    through memoryviews (`ids`, `pos`, `rows`, `loc`), and `CpuModel.forward_decode` reads them through
+    pointers taken here. So no torch call runs between two decode forwards: on a CPU the forward has just
+    streamed the weights through the caches, and each torch call's code and data must then come back
+    from memory (the first one after a forward took ~100 us on a 2-core Zen 4 VM, a numpy item write 15).
+
+    `views(n)` gives the first n rows of the same storage as another `DecodeInputs`, so that batches of
+    every size up to `size` share one set of buffers. The logits are overwritten by the next forward that
+    uses these inputs: a caller keeps two and alternates, as a CUDA graph's static output is reused."""
+
+    def __init__(self, size: int, vocab_size: int, *, _base: DecodeInputs | None = None) -> None:
+        if size < 1:
+            raise ValueError(f"a decode batch needs at least one token, got {size}")
+        if _base is None:
+            self.input_ids, self.positions, self.rows, self.out_loc = (torch.zeros(size, dtype=torch.int64)
+                                                                       for _ in range(4))
+            self.logit_rows = torch.arange(size, dtype=torch.int64)
+            self.logits = torch.empty(size, vocab_size)
+        else:
+            if size > _base.size:
+                raise ValueError(f"a view of {size} rows of inputs for {_base.size}")
+            self.input_ids, self.positions, self.rows, self.out_loc, self.logit_rows, self.logits = (
+                t[:size] for t in (_base.input_ids, _base.positions, _base.rows, _base.out_loc, _base.logit_rows,
+                                   _base.logits))
+        self.size, self.vocab_size = size, vocab_size
+        self.ids, self.pos, self.rows_mv, self.loc = (memoryview(t.numpy()) for t in
+                                                      (self.input_ids, self.positions, self.rows, self.out_loc))
+        self._ptrs = (self.input_ids.data_ptr(), self.positions.data_ptr(), self.rows.data_ptr(),
+                      self.out_loc.data_ptr(), self.logit_rows.data_ptr(), self.logits.data_ptr())
+
+    def views(self, n: int) -> DecodeInputs:
+        """The first `n` tokens' inputs and logits, on this object's storage."""
+        return DecodeInputs(n, self.vocab_size, _base=self)
+
+
 class CpuModel:
     """A whole decoder forward in one native call (see csrc/model.h): embedding, layers, final norm and
     LM head on one `WorkerPool`, over the executor's KV caches and req_to_token table.
@@ -962,6 +999,17 @@ class CpuModel:
             T, input_ids.data_ptr(), positions.data_ptr(), rows.data_ptr(), out_loc.data_ptr(), N,
             logit_rows.data_ptr(), logits.data_ptr(), omni_k.data_ptr() if omni_k is not None else 0, bool(argmax))
         return logits
+
+    def forward_decode(self, inputs: DecodeInputs, argmax: bool = False) -> torch.Tensor:
+        """`forward` of a decode batch whose inputs the caller wrote into `inputs` (made for this model's
+        vocabulary): every token's logits, in `inputs.logits`. The native forward checks the values as
+        `forward` does (ids, slots, rows, positions); their dtypes and shapes are `inputs`' own."""
+        if inputs.vocab_size != self.vocab_size:
+            raise ValueError(f"decode inputs for a vocabulary of {inputs.vocab_size}, the model has {self.vocab_size}")
+        ids, pos, rows, loc, logit_rows, logits = inputs._ptrs
+        n = inputs.size
+        self.omnikv_counts, self.argmax = self._op.forward(n, ids, pos, rows, loc, n, logit_rows, logits, 0, bool(argmax))
+        return inputs.logits
 
     def set_profiling(self, on: bool) -> None:
         """Time every forward from now on phase by phase (`on`), or stop; the totals are kept until

@@ -25,6 +25,7 @@ forward adds what was kept to the batch's counters.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -95,8 +96,22 @@ def _int64(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int64 else t.to(torch.int64)
 
 
+@dataclass
+class DecodeBuffers:
+    """A decode batch's inputs as `ModelRunner.build_batch` writes them for the native forward: the
+    native model's (`cpp_experts.DecodeInputs`) and the batch's sequence lengths, each with its items'
+    memoryview."""
+
+    inputs: Any  # cpp_experts.DecodeInputs
+    seq_lens: torch.Tensor
+    seq_mv: memoryview
+    batch: ForwardBatch | None = None  # the batch last written into them (a later one overwrites it)
+
+
 class NativeForward:
     """`cpp_experts.CpuModel` for one model and one executor's pools, all on `workers`."""
+
+    DECODE_CAPACITY = 64  # the largest decode batch on reused inputs (two sets of logits [64, vocab] fp32)
 
     def __init__(self, model: CausalLM, config: ModelConfig, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool,
                  workers: Any) -> None:
@@ -114,6 +129,13 @@ class NativeForward:
         # 0..B-1 per decode batch size B (read only: the logits rows of a decode batch)
         self._aranges: dict[int, torch.Tensor] = {}
         self.omnikv: OmniKVConfig | None = None
+        # decode batches of up to this many requests run on inputs made once (`decode_buffers`): two sets,
+        # used in turn, so that a batch and its logits stay valid while the next one is built and run
+        self.decode_capacity = min(req_to_token_pool.size, self.DECODE_CAPACITY)
+        self._decode_base: list[tuple[Any, torch.Tensor] | None] = [None, None]
+        self._decode_sets: dict[tuple[int, int], DecodeBuffers] = {}
+        self._decode_side = 0
+        self._decode_last: DecodeBuffers | None = None  # the set decode_buffers gave last
         table = req_to_token_pool.req_to_token
         buffers = kv_pool.kv_buffer if isinstance(kv_pool, MLATokenToKVPool) else kv_pool.k_buffer
         self.plan.set_table(table, buffers[0].shape[0])
@@ -166,6 +188,26 @@ class NativeForward:
             else:
                 raise ValueError(f"layer {i}: no native MLP for {type(mlp).__name__}")
 
+    def decode_buffers(self, n: int) -> DecodeBuffers | None:
+        """Inputs for a decode batch of `n` requests (None above `decode_capacity`): the set not used by
+        the last call, so the previous batch's inputs and logits are left alone."""
+        if not 1 <= n <= self.decode_capacity:
+            return None
+        import cpp_experts as ext
+
+        side = self._decode_side = self._decode_side ^ 1
+        bufs = self._decode_sets.get((side, n))
+        if bufs is None:
+            base = self._decode_base[side]
+            if base is None:
+                base = self._decode_base[side] = (ext.DecodeInputs(self.decode_capacity, self.plan.vocab_size),
+                                                  torch.zeros(self.decode_capacity, dtype=torch.int64))
+            seq_lens = base[1][:n]
+            bufs = self._decode_sets[(side, n)] = DecodeBuffers(base[0].views(n), seq_lens,
+                                                                memoryview(seq_lens.numpy()))
+        self._decode_last = bufs
+        return bufs
+
     def set_omnikv(self, cfg: OmniKVConfig, plan: LayerPlan, history: QueryHistory | None) -> None:
         """OmniKV for the batches that carry `omnikv` rows: the plan's roles, `cfg`'s sinks, recent tokens
         and alpha, and the filter layers' query window (`history`, None when only the current query counts)."""
@@ -177,6 +219,15 @@ class NativeForward:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """fp32 logits for the batch's logit rows (default: each request's last token); their argmax in
         `self.argmax`, as the LM head found it."""
+        last = self._decode_last
+        if last is not None and last.batch is batch:  # the batch just written into reused inputs
+            return self.plan.forward_decode(last.inputs, argmax=True)
+        for bufs in self._decode_sets.values():  # an earlier one's, if still intact
+            if batch.input_ids is bufs.inputs.input_ids:
+                if bufs.batch is not batch:
+                    raise RuntimeError("this decode batch's inputs were reused by a later batch: run each batch "
+                                       "before building the next but one")
+                return self.plan.forward_decode(bufs.inputs, argmax=True)
         n_new = batch.extend_seq_lens_cpu
         rows = _int64(batch.req_pool_indices)
         if len(n_new) == int(batch.input_ids.shape[0]):  # one token per request (decode): token i is request i's

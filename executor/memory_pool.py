@@ -55,6 +55,7 @@ class ReqToTokenPool:
         # on the CPU, writes go through a numpy view of the table: a decode step's one write then costs a
         # fraction of torch's indexing, whose code a forward streaming the weights has evicted by then
         self._table_np = self.req_to_token.numpy() if self.req_to_token.device.type == "cpu" else None
+        self._table_mv = memoryview(self._table_np) if self._table_np is not None else None
         self._free = list(range(1, size + 1))
         # per-row state kept beside the table (OmniKV's query window): cleared when a row changes hands
         self.on_alloc: list[Callable[[int], None]] = []
@@ -91,6 +92,19 @@ class ReqToTokenPool:
         if self.journal is not None:
             self.journal.append((req_pool_idx, start, kv_loc.tolist()))
 
+    def write_slot(self, req_pool_idx: int, pos: int, slot: int) -> None:
+        """Records one KV slot (a decode token's) at position `pos`: `write` without a torch call (CPU)."""
+        if not 0 <= pos < self.max_context_len:
+            raise ValueError(f"position {pos} exceeds max_context_len {self.max_context_len}")
+        if not 0 <= req_pool_idx <= self.size:
+            raise ValueError(f"request slot {req_pool_idx} is outside the table")
+        if self._table_mv is None:
+            self.req_to_token[req_pool_idx, pos] = slot
+        else:
+            self._table_mv[req_pool_idx, pos] = slot
+        if self.journal is not None:
+            self.journal.append((req_pool_idx, pos, [slot]))
+
 
 class TokenSlotAllocator:
     """Hands out KV slot indices, a token (page_size 1) or a page at a time.
@@ -113,6 +127,11 @@ class TokenSlotAllocator:
         # makes costs tens of microseconds on a CPU, its code evicted by the weights the forward streamed)
         self._free = torch.arange(1, num_slots // page_size + 1, dtype=torch.int64)
         self._head = 0
+        self._free_mv = self._items(self._free)
+
+    def _items(self, free: torch.Tensor) -> memoryview | None:
+        """The free list's items for `alloc_into` (on the CPU; page_size 1): plain item reads, no torch call."""
+        return memoryview(free.numpy()) if self._on_cpu and self.page_size == 1 else None
 
     def available_size(self) -> int:
         """Free slots in whole free pages (a request's part-filled last page is not counted)."""
@@ -156,6 +175,19 @@ class TokenSlotAllocator:
                 nxt = nxt + 1 if (nxt + 1) % p else None
         return torch.tensor(out, dtype=torch.int64, device=self.device)
 
+    def alloc_into(self, out: memoryview) -> bool:
+        """Fills `out` (int64 items, as `cpp_experts.DecodeInputs.loc`) with fresh slots, or returns False
+        (nothing taken) when not enough are free. CPU, page_size 1: a decode step's allocation without a
+        torch call."""
+        if self._free_mv is None:
+            raise ValueError("alloc_into takes slots on the CPU with page_size 1; use alloc_extend")
+        h, n = self._head, len(out)
+        if n > len(self._free_mv) - h:
+            return False
+        out[:] = self._free_mv[h:h + n]
+        self._head = h + n
+        return True
+
     def free(self, loc: torch.Tensor) -> None:
         """Returns slots (page_size 1) or the pages they lie on (paged: the caller owns whole pages)."""
         if not loc.numel():
@@ -165,6 +197,7 @@ class TokenSlotAllocator:
             loc = torch.unique(loc // self.page_size)
         self._free = torch.cat([self._free[self._head:], loc])
         self._head = 0
+        self._free_mv = self._items(self._free)
 
 
 class MLATokenToKVPool:

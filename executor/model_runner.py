@@ -181,6 +181,7 @@ class ModelRunner:
         # (executor.distributed.Leader); None on one rank and on the ranks that follow
         self.followers: BatchSink | None = None
         self.last_argmax: list[int] | None = None  # the last forward's logits' argmax, where it found it
+        self._last_logits: torch.Tensor | None = None  # the logits that last_argmax belongs to
         self.forward_count = 0  # forwards run (idle ones included): DP attention's steps must match across ranks
         # decode replays captured graphs where it can (CUDA only); None: every forward runs eagerly
         self.graph_runner: CudaGraphRunner | None = None
@@ -202,6 +203,11 @@ class ModelRunner:
         """
         if not slices:
             raise ValueError("empty batch")
+        if mode is None and self.native_forward is not None and not (
+                all_logits if isinstance(all_logits, bool) else any(all_logits)):
+            batch = self._native_decode_batch(slices)
+            if batch is not None:
+                return batch
         n_new = [len(s.input_ids) for s in slices]
         if min(n_new) <= 0:
             raise ValueError("every request needs at least one new token")
@@ -245,6 +251,41 @@ class ModelRunner:
             omnikv=omnikv,
         )
 
+    def _native_decode_batch(self, slices: Sequence[RequestSlice]) -> ForwardBatch | None:
+        """A decode batch written into the native forward's reused inputs (NativeForward.decode_buffers)
+        with plain item writes, no torch call; None where the general path must build it (not all decode
+        slices, OmniKV rows, paged slots, more requests than the reused inputs hold)."""
+        nf, alloc = self.native_forward, self.allocator
+        assert nf is not None
+        if alloc.page_size != 1 or len(slices) > nf.decode_capacity:
+            return None
+        omnikv = self.omnikv is not None
+        for s in slices:
+            if len(s.input_ids) != 1 or s.prefix_len <= 0 or (omnikv and s.omnikv):
+                return None
+            if s.prefix_len >= self.max_context_len:
+                raise ValueError(f"position {s.prefix_len} exceeds max_context_len {self.max_context_len}")
+        bufs = nf.decode_buffers(len(slices))
+        if bufs is None:
+            return None
+        inp = bufs.inputs
+        if not alloc.alloc_into(inp.loc):  # the caller makes room first (the scheduler evicts and retracts)
+            raise RuntimeError(f"need {len(slices)} KV slots, {alloc.available_size()} free")
+        table = self.req_to_token_pool
+        seq_lens, prefix_lens = [], []
+        for i, s in enumerate(slices):
+            p = s.prefix_len
+            table.write_slot(s.req_pool_idx, p, inp.loc[i])
+            inp.ids[i], inp.pos[i], inp.rows_mv[i], bufs.seq_mv[i] = s.input_ids[0], p, s.req_pool_idx, p + 1
+            seq_lens.append(p + 1)
+            prefix_lens.append(p)
+        batch = bufs.batch = ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=len(slices), input_ids=inp.input_ids, positions=inp.positions,
+            req_pool_indices=inp.rows, seq_lens=bufs.seq_lens, seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=prefix_lens, extend_seq_lens_cpu=[1] * len(slices), out_cache_loc=inp.out_loc,
+            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.kv_pool, attn_backend=self.attn_backend)
+        return batch
+
     def set_omnikv(self, config: OmniKVConfig) -> None:
         """Decodes OmniKV rows with `config`'s plan from the next forward on, over the KV already cached
         (calibration compares plans on the same prompts). The query window must keep its size: the
@@ -280,32 +321,41 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits for `batch`: through a captured graph when one can run it, else eagerly. `last_argmax`
-        then holds their row-wise argmax where the forward found it as it wrote them, else None."""
-        self.last_argmax = None
+        then holds their row-wise argmax where the forward found it as it wrote them, else None.
+
+        A decode batch's logits may be a buffer that a later forward rewrites (a graph's output, or the
+        native CPU forward's reused decode inputs: valid until the next-but-one decode): copy rows to keep."""
         if (self._cpu_experts and self._cpu_experts[0].pool is not self.expert_pool) or (
                 self._native and self._native[0].op.pool is not self.expert_pool.workers):
             self._bind_experts()
-        # the native CPU forward records no autograd graph: no grad-mode switch around it (its enter and
-        # exit are torch calls, tens of microseconds each in a decode step on a CPU, whose code the
-        # weights just streamed have evicted from the caches)
-        grad = nullcontext() if self.native_forward is not None else torch.no_grad()
-        with grad, self.followers.step(batch) if self.followers is not None else nullcontext():
-            if self.native_forward is not None:
-                logits = self.native_forward.forward(batch)
-                self.last_argmax = self.native_forward.argmax
-            elif self.graph_runner is not None and self.graph_runner.can_run(batch):
-                logits = self.graph_runner.replay(batch)
-            else:
-                logits = self.model(batch)
+        native = self.native_forward
+        if native is not None and self.followers is None:
+            # the native CPU forward records no autograd graph and has no followers here: no context is
+            # entered around it (a decode step on a CPU runs its Python just after the forward streamed the
+            # weights through the caches, so each call there costs microseconds, a torch call tens)
+            logits = native.forward(batch)
+            self.last_argmax = native.argmax
+        else:
+            self.last_argmax = None
+            with nullcontext() if native is not None else torch.no_grad(), \
+                    self.followers.step(batch) if self.followers is not None else nullcontext():
+                if native is not None:
+                    logits = native.forward(batch)
+                    self.last_argmax = native.argmax
+                elif self.graph_runner is not None and self.graph_runner.can_run(batch):
+                    logits = self.graph_runner.replay(batch)
+                else:
+                    logits = self.model(batch)
         if batch.omnikv is not None:
             self.omnikv_counters.add(batch.omnikv)
         self.forward_count += 1
+        self._last_logits = logits
         return logits
 
     def greedy(self, logits: torch.Tensor) -> list[int]:
         """Row-wise argmax of `logits`, the last forward's output: the forward's own (`last_argmax`) where
         it found it, which spares reading the logits back (see executor.sampler.Sampler)."""
-        if self.last_argmax is not None and len(self.last_argmax) == logits.shape[0]:
+        if self.last_argmax is not None and logits is self._last_logits:
             return self.last_argmax
         return argmax_rows(logits)
 

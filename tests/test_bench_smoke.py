@@ -776,3 +776,19 @@ def test_cpu_model_profile_on_a_tiny_gguf(cpu_bench, tmp_path: Path) -> None:
     assert ours.runner.native_forward.plan.profile()["forwards"] == 0
     ours.run()
     assert ours.runner.native_forward.plan.profile()["forwards"] == 0
+
+
+def test_cpu_model_general_batches_contender(cpu_bench, tmp_path: Path) -> None:
+    """bench_cpu_model.py --general-batches: the same file with every decode batch built the general way,
+    decoding the same greedy tokens as the reused inputs do."""
+    from models.loader.gguf_writer import write_gguf
+    from models.synthetic import write_checkpoint
+
+    d = write_checkpoint(tmp_path / "ckpt", "tiny-llama", seed=4)
+    write_gguf(d, tmp_path / "model.gguf", "Q4_1")
+    Ours = cpu_bench.bench_cpu_model.Ours
+    fast, general = (Ours(str(tmp_path / "model.gguf"), True, list(range(10, 30)), 6, reused_inputs=r) for r in (True, False))
+    assert general.runner.native_forward.decode_capacity == 0 < fast.runner.native_forward.decode_capacity
+    a, b = (o.runner.generate_greedy(list(range(10, 30)), 8) for o in (fast, general))
+    assert a == b and len(a) == 8
+    assert all(o.run()[1] > 0 for o in (fast, general))

@@ -466,6 +466,7 @@ void CpuModel::add_gqa(GqaSpec s) {
   check_rope(s.rope, s.D, "attention");
   if (!s.k_cache || !s.v_cache) throw ArgError("the layer's K/V cache is missing");
   if (blocks_.size() % 2) throw ArgError("an attention block must follow an MLP block");
+  rope_positions_ = std::min(rope_positions_, s.rope.max_pos);
   auto b = std::make_unique<GqaBlock>();
   b->s = std::move(s);
   blocks_.push_back(std::move(b));
@@ -494,6 +495,7 @@ void CpuModel::add_mla(MlaSpec s) {
   check_rope(s.rope, s.P, "MLA");
   if (!s.latent) throw ArgError("the layer's latent cache is missing");
   if (blocks_.size() % 2) throw ArgError("an attention block must follow an MLP block");
+  rope_positions_ = std::min(rope_positions_, s.rope.max_pos);
   auto b = std::make_unique<MlaBlock>();
   b->s = std::move(s);
   blocks_.push_back(std::move(b));
@@ -626,16 +628,10 @@ void CpuModel::forward(int T, const int64_t* ids, const int64_t* pos, const int6
                        " is outside the query history");
     }
   }
-  for (const auto& b : blocks_) {
-    const Rope* r = nullptr;
-    if (auto* g = dynamic_cast<GqaBlock*>(b.get())) r = &g->s.rope;
-    if (auto* m = dynamic_cast<MlaBlock*>(b.get())) r = &m->s.rope;
-    if (r)
-      for (int t = 0; t < T; ++t)
-        if (pos[t] >= r->max_pos)
-          throw ArgError("position " + std::to_string(pos[t]) + " is past the rotary table (" +
-                         std::to_string(r->max_pos) + " positions)");
-  }
+  for (int t = 0; t < T; ++t)
+    if (pos[t] >= rope_positions_)
+      throw ArgError("position " + std::to_string(pos[t]) + " is past the rotary table (" +
+                     std::to_string(rope_positions_) + " positions)");
   Pool& pool = *pool_;
   x_.resize(size_t(T) * hidden_);
   xn_.resize(size_t(T) * hidden_);

@@ -182,6 +182,7 @@ class CpuModel {
   std::vector<float> x_, xn_;
   LinearInput in_;
   std::unique_ptr<OmniSpec> omni_;  // null: no OmniKV plan
+  int64_t rope_positions_ = INT64_MAX;  // the shortest rotary table of any layer (checked per forward)
   OmniRun omni_run_;
   CpuProfile prof_;  // guarded by m_
 };

@@ -248,13 +248,13 @@ def test_decode_batches_match_the_prefill_of_the_same_tokens(gguf_files, qtype):
         for i in batch:
             pos = len(seqs[i]) - 3 + len(got[i])
             decode.append(RequestSlice(rows[i], pos, [seqs[i][pos]]))
-        logits = runner.forward(runner.build_batch(decode))
+        logits = runner.forward(runner.build_batch(decode))  # rewritten by a later decode: copied
         for j, i in enumerate(batch):
-            got[i].append(logits[j])
+            got[i].append(logits[j].clone())
     for i in (1, 2):  # the rows that joined late catch up alone
         while len(got[i]) < 3:
             pos = len(seqs[i]) - 3 + len(got[i])
-            got[i].append(runner.forward(runner.build_batch([RequestSlice(rows[i], pos, [seqs[i][pos]])]))[0])
+            got[i].append(runner.forward(runner.build_batch([RequestSlice(rows[i], pos, [seqs[i][pos]])]))[0].clone())
     ref_model = load_model(path, dtype="float32", load_tokenizer=False, progress=False)
     ref = ModelRunner(ref_model.model, ref_model.config, max_total_tokens=1024, max_running_requests=8)
     for i, ids in enumerate(seqs):
@@ -358,3 +358,63 @@ def test_mla_file_agrees_with_llama_cpp(tmp_path, qtype):
         assert float(err.max()) <= 1e-5
     else:
         assert float(err.median()) <= 3e-2 and float(err.max()) <= 5e-2
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_tied", "v3_noaux_yarn"])
+def test_decode_on_reused_inputs_matches_the_general_path(checkpoints, name):
+    """Decode batches written into the native forward's reused inputs (no torch call per step) give the
+    bits, KV slots and table entries of batches built the general way (the reused inputs off), with
+    batches of 1-3 requests, a prefill between them, and a batch's logits left intact by the next decode."""
+    _, path = checkpoints[name]
+    fast, slow = native_runner(path), native_runner(path)
+    slow.native_forward.decode_capacity = 0  # every batch built and run the general way
+    vocab = fast.config.vocab_size
+    seqs = [prompt(n, vocab, seed=60 + n) for n in (9, 14, 5, 12)]
+    out = {}
+    for runner in (fast, slow):
+        nf = runner.native_forward
+        rows = [runner.req_to_token_pool.alloc() for _ in seqs]
+        lens = [len(s) - 4 for s in seqs]
+        for i in (0, 1, 2):
+            runner.forward(runner.build_batch([RequestSlice(rows[i], 0, seqs[i][:lens[i]])]))
+        logits, kept = [], None
+        for step, batch in enumerate(([0], [0, 1], [0, 1, 2], [1, 2], [0])):
+            if step == 3:  # a prefill between decodes: the general path, the reused inputs left alone
+                runner.forward(runner.build_batch([RequestSlice(rows[3], 0, seqs[3])]))
+            fb = runner.build_batch([RequestSlice(rows[i], lens[i], [seqs[i][lens[i]]]) for i in batch])
+            assert (nf._decode_last is not None and nf._decode_last.batch is fb) == (runner is fast)
+            lg = runner.forward(fb)
+            if kept is not None:
+                assert torch.equal(kept[0], kept[1])  # the previous decode's logits, intact
+            kept = (lg, lg.clone())
+            logits.append(lg.clone())
+            assert runner.last_argmax == lg.argmax(-1).tolist() and runner.greedy(lg) == runner.last_argmax
+            for i in batch:
+                lens[i] += 1
+        table = runner.req_to_token_pool.req_to_token
+        out[runner is fast] = (logits, [table[r, :n].clone() for r, n in zip(rows, lens)],
+                               runner.allocator.available_size())
+    (f_logits, f_table, f_free), (s_logits, s_table, s_free) = out[True], out[False]
+    assert all(torch.equal(a, b) for a, b in zip(f_logits, s_logits))
+    assert all(torch.equal(a, b) for a, b in zip(f_table, s_table)) and f_free == s_free
+
+
+def test_a_decode_batch_whose_reused_inputs_were_rewritten_raises(checkpoints):
+    """The reused inputs alternate between two sets: a batch built before the next-but-one is refused
+    rather than run on another batch's tokens; the two later batches run as built."""
+    _, path = checkpoints["llama_gqa_tied"]
+    runner, ref = native_runner(path), native_runner(path)
+    ref.native_forward.decode_capacity = 0
+    vocab = runner.config.vocab_size
+    seqs = [prompt(n, vocab, seed=80 + n) for n in (7, 10, 6)]
+    got = {}
+    for r in (runner, ref):
+        rows = [r.req_to_token_pool.alloc() for _ in seqs]
+        for row, s in zip(rows, seqs):
+            r.forward(r.build_batch([RequestSlice(row, 0, s[:-1])]))
+        b1, b2, b3 = (r.build_batch([RequestSlice(row, len(s) - 1, [s[-1]])]) for row, s in zip(rows, seqs))
+        if r is runner:
+            with pytest.raises(RuntimeError, match="reused by a later batch"):
+                r.forward(b1)
+        got[r is runner] = [r.forward(b2).clone(), r.forward(b3).clone()]
+    assert all(torch.equal(a, b) for a, b in zip(got[True], got[False]))

@@ -70,3 +70,40 @@ def test_paged_alloc_extend_is_all_or_nothing():
     assert got is not None and a.available_size() == 0
     more = a.alloc_extend([(int(got[2]), 1)])  # the first request's page still has one slot
     assert more.tolist() == [int(got[2]) + 1]
+
+
+def test_alloc_into_takes_what_alloc_extend_would_and_nothing_when_short():
+    """A decode step's allocation without a torch call (`alloc_into`, into a memoryview) hands out the
+    slots `alloc_extend` would, in the same order, also after frees; short of slots it takes none."""
+    rng = random.Random(7)
+    a, b = TokenSlotAllocator(40), TokenSlotAllocator(40)
+    held: list[torch.Tensor] = []
+    for _ in range(60):
+        n = rng.randint(1, 5)
+        out = torch.zeros(n, dtype=torch.int64)
+        want = a.alloc_extend([(-1, n)])
+        got = b.alloc_into(memoryview(out.numpy()))
+        assert got == (want is not None)
+        if want is None:
+            assert a.available_size() == b.available_size()
+            loc = held.pop(rng.randrange(len(held)))
+            a.free(loc)
+            b.free(loc)
+            continue
+        assert out.tolist() == want.tolist()
+        held.append(want.clone())
+    with pytest.raises(ValueError, match="page_size 1"):
+        TokenSlotAllocator(16, page_size=4).alloc_into(memoryview(torch.zeros(1, dtype=torch.int64).numpy()))
+
+
+def test_write_slot_records_one_slot_like_write_and_journals_it():
+    pool, ref = ReqToTokenPool(3, 16), ReqToTokenPool(3, 16)
+    pool.journal = []
+    pool.write_slot(2, 5, 77)
+    ref.write(2, 5, torch.tensor([77]))
+    assert torch.equal(pool.req_to_token, ref.req_to_token)
+    assert pool.journal == [(2, 5, [77])]
+    for row, pos in ((2, 16), (2, -1), (-1, 0), (4, 0)):  # past the context, before it, outside the rows
+        with pytest.raises(ValueError):
+            pool.write_slot(row, pos, 1)
+    assert torch.equal(pool.req_to_token, ref.req_to_token)
