@@ -54,6 +54,17 @@ class Req:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def ids(self, start: int, end: int | None = None) -> list[int]:
+        """all_ids[start:end] without joining the whole sequence first: a decode step takes one token from
+        the end, and joining would touch every token object of a long prompt (cold, each step)."""
+        n = len(self.prompt_ids)
+        end = n + len(self.output_ids) if end is None else end
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
+
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

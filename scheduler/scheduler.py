@@ -138,7 +138,7 @@ class Scheduler:
                 self._retract(victim)
             decoding.remove(victim)
         for r in decoding:
-            slices.append(RequestSlice(r.row, r.kv_len, r.all_ids[r.kv_len :], omnikv=self._omnikv(r)))
+            slices.append(RequestSlice(r.row, r.kv_len, r.ids(r.kv_len), omnikv=self._omnikv(r)))
             reqs.append(r)
         need = sum(alloc.slots_needed(r.kv_len, 1) for r in decoding)  # KV slots the slices so far take
 
@@ -148,7 +148,7 @@ class Scheduler:
             cost = alloc.slots_needed(r.kv_len, n)
             if n <= 0 or not self._make_room(need + cost):
                 break
-            slices.append(RequestSlice(r.row, r.kv_len, r.all_ids[r.kv_len : r.kv_len + n]))
+            slices.append(RequestSlice(r.row, r.kv_len, r.ids(r.kv_len, r.kv_len + n)))
             reqs.append(r)
             budget -= n
             need += cost
@@ -168,7 +168,7 @@ class Scheduler:
                 break
             self.waiting.remove(r)
             self.running.append(r)
-            slices.append(RequestSlice(r.row, r.kv_len, r.all_ids[r.kv_len : r.kv_len + n]))
+            slices.append(RequestSlice(r.row, r.kv_len, r.ids(r.kv_len, r.kv_len + n)))
             reqs.append(r)
             budget -= n
             need += alloc.slots_needed(r.kv_len, n)
