@@ -796,7 +796,7 @@ def _cache_tensor(name: str, t: torch.Tensor, numel: int) -> bool:
 class DecodeInputs:
     """The inputs and logits of decode batches of `size` tokens (one per request), made once and reused:
     a decode step writes its token ids, positions, request rows and KV slots into them as Python ints
-    through memoryviews (`ids`, `pos`, `rows`, `loc`), and `CpuModel.forward_decode` reads them through
+    through memoryviews (`ids_mv`, `pos_mv`, `rows_mv`, `loc_mv`), and `CpuModel.forward_decode` reads them through
     pointers taken here. So no torch call runs between two decode forwards: on a CPU the forward has just
     streamed the weights through the caches, and each torch call's code and data must then come back
     from memory (the first one after a forward took ~100 us on a 2-core Zen 4 VM, a numpy item write 15).
@@ -820,8 +820,8 @@ class DecodeInputs:
                 t[:size] for t in (_base.input_ids, _base.positions, _base.rows, _base.out_loc, _base.logit_rows,
                                    _base.logits))
         self.size, self.vocab_size = size, vocab_size
-        self.ids, self.pos, self.rows_mv, self.loc = (memoryview(t.numpy()) for t in
-                                                      (self.input_ids, self.positions, self.rows, self.out_loc))
+        self.ids_mv, self.pos_mv, self.rows_mv, self.loc_mv = (
+            memoryview(t.numpy()) for t in (self.input_ids, self.positions, self.rows, self.out_loc))
         self._ptrs = (self.input_ids.data_ptr(), self.positions.data_ptr(), self.rows.data_ptr(),
                       self.out_loc.data_ptr(), self.logit_rows.data_ptr(), self.logits.data_ptr())
 

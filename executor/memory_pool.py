@@ -127,6 +127,7 @@ class TokenSlotAllocator:
         # makes costs tens of microseconds on a CPU, its code evicted by the weights the forward streamed)
         self._free = torch.arange(1, num_slots // page_size + 1, dtype=torch.int64)
         self._head = 0
+        self._len = num_slots // page_size  # _free's length, kept as an int: the scheduler asks every step
         self._free_mv = self._items(self._free)
 
     def _items(self, free: torch.Tensor) -> memoryview | None:
@@ -135,7 +136,7 @@ class TokenSlotAllocator:
 
     def available_size(self) -> int:
         """Free slots in whole free pages (a request's part-filled last page is not counted)."""
-        return (int(self._free.numel()) - self._head) * self.page_size
+        return (self._len - self._head) * self.page_size
 
     def slots_needed(self, prefix_len: int, n: int) -> int:
         """Slots taken from the free list by `n` new tokens after `prefix_len` cached ones."""
@@ -155,13 +156,13 @@ class TokenSlotAllocator:
         h = self._head
         if p == 1:
             n = sum(c for _, c in requests)
-            if n > self._free.numel() - h:
+            if n > self._len - h:
                 return None
             out = self._free[h:h + n]
             self._head = h + n
             return out if self._on_cpu else out.to(self.device)
         pages_needed = sum(self.slots_needed(0 if last < 0 else last % p + 1, c) // p for last, c in requests)
-        if pages_needed > self._free.numel() - h:
+        if pages_needed > self._len - h:
             return None
         pages = self._free[h:h + pages_needed].tolist()
         self._head = h + pages_needed
@@ -176,13 +177,13 @@ class TokenSlotAllocator:
         return torch.tensor(out, dtype=torch.int64, device=self.device)
 
     def alloc_into(self, out: memoryview) -> bool:
-        """Fills `out` (int64 items, as `cpp_experts.DecodeInputs.loc`) with fresh slots, or returns False
+        """Fills `out` (int64 items, as `cpp_experts.DecodeInputs.loc_mv`) with fresh slots, or returns False
         (nothing taken) when not enough are free. CPU, page_size 1: a decode step's allocation without a
         torch call."""
         if self._free_mv is None:
             raise ValueError("alloc_into takes slots on the CPU with page_size 1; use alloc_extend")
         h, n = self._head, len(out)
-        if n > len(self._free_mv) - h:
+        if n > self._len - h:
             return False
         out[:] = self._free_mv[h:h + n]
         self._head = h + n
@@ -197,6 +198,7 @@ class TokenSlotAllocator:
             loc = torch.unique(loc // self.page_size)
         self._free = torch.cat([self._free[self._head:], loc])
         self._head = 0
+        self._len = int(self._free.numel())
         self._free_mv = self._items(self._free)
 
 

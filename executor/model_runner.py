@@ -259,24 +259,26 @@ class ModelRunner:
         assert nf is not None
         if alloc.page_size != 1 or len(slices) > nf.decode_capacity:
             return None
-        omnikv = self.omnikv is not None
-        for s in slices:
+        omnikv, table = self.omnikv is not None, self.req_to_token_pool
+        for s in slices:  # checked before a slot is taken, so that a bad slice leaks none
             if len(s.input_ids) != 1 or s.prefix_len <= 0 or (omnikv and s.omnikv):
                 return None
             if s.prefix_len >= self.max_context_len:
                 raise ValueError(f"position {s.prefix_len} exceeds max_context_len {self.max_context_len}")
+            if not 0 <= s.req_pool_idx <= table.size:
+                raise ValueError(f"request slot {s.req_pool_idx} is outside the table")
         bufs = nf.decode_buffers(len(slices))
         if bufs is None:
             return None
+        bufs.batch = None  # the batch these inputs held is no longer theirs, even if this one is not built
         inp = bufs.inputs
-        if not alloc.alloc_into(inp.loc):  # the caller makes room first (the scheduler evicts and retracts)
+        if not alloc.alloc_into(inp.loc_mv):  # the caller makes room first (the scheduler evicts and retracts)
             raise RuntimeError(f"need {len(slices)} KV slots, {alloc.available_size()} free")
-        table = self.req_to_token_pool
         seq_lens, prefix_lens = [], []
         for i, s in enumerate(slices):
             p = s.prefix_len
-            table.write_slot(s.req_pool_idx, p, inp.loc[i])
-            inp.ids[i], inp.pos[i], inp.rows_mv[i], bufs.seq_mv[i] = s.input_ids[0], p, s.req_pool_idx, p + 1
+            table.write_slot(s.req_pool_idx, p, inp.loc_mv[i])
+            inp.ids_mv[i], inp.pos_mv[i], inp.rows_mv[i], bufs.seq_mv[i] = s.input_ids[0], p, s.req_pool_idx, p + 1
             seq_lens.append(p + 1)
             prefix_lens.append(p)
         batch = bufs.batch = ForwardBatch(

@@ -135,6 +135,9 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._generators: dict[torch.device, torch.Generator] = {}
+        # the last two logits tensors checked, with their widths: the native CPU decode returns the same
+        # two buffers in turn (executor.cpu_forward), whose checks would be a decode step's only torch calls
+        self._checked: tuple[tuple[torch.Tensor, int, int], ...] = ()
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
                  argmax: Sequence[int] | None = None) -> SampleResult:
@@ -142,12 +145,7 @@ class Sampler:
         logits' row-wise argmax where the forward already found it (the native CPU forward's LM head,
         cpp_experts/csrc/linear_calls.h says why): a batch of plain greedy rows then takes it instead
         of reading every logit again."""
-        if logits.dim() != 2 or logits.shape[0] != len(rows):
-            raise ValueError(f"logits must be [num_rows={len(rows)}, V], got {tuple(logits.shape)}")
-        if logits.shape[1] < self.vocab_size:
-            raise ValueError(f"logits have {logits.shape[1]} columns, fewer than vocab_size {self.vocab_size}")
-        if logits.device.type != self.device.type:
-            raise ValueError(f"logits are on {logits.device}, the sampler was made for {self.device}")
+        width = self._check(logits, len(rows))
         if not rows:
             return SampleResult(token_ids=[], logprobs=[])
 
@@ -156,7 +154,7 @@ class Sampler:
         masked = any(row.grammar is not None for row in rows)
         plain = all(row.params.greedy and not _processed(row) for row in rows)
         # the forward's argmax is of the unmasked logits, every column: it stands where those are the vocabulary
-        if plain and argmax is not None and not masked and logits.shape[1] == self.vocab_size:
+        if plain and argmax is not None and not masked and width == self.vocab_size:
             tokens = list(argmax)
             return SampleResult(token_ids=tokens, logprobs=_logprobs(logits, rows, tokens))
         raw = logits[:, : self.vocab_size]
@@ -176,6 +174,21 @@ class Sampler:
             _put(token_ids, random, self._sample(_take(x, random), [rows[i] for i in random]))
         tokens = token_ids.tolist()
         return SampleResult(token_ids=tokens, logprobs=_logprobs(raw, rows, tokens))
+
+    def _check(self, logits: torch.Tensor, n: int) -> int:
+        """Checks that `logits` are [n, V >= vocab_size] on this sampler's device type; returns V."""
+        for seen, rows, width in self._checked:  # the same object checked before (nothing here resizes one)
+            if logits is seen and rows == n:
+                return width
+        if logits.dim() != 2 or logits.shape[0] != n:
+            raise ValueError(f"logits must be [num_rows={n}, V], got {tuple(logits.shape)}")
+        if logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits have {logits.shape[1]} columns, fewer than vocab_size {self.vocab_size}")
+        if logits.device.type != self.device.type:
+            raise ValueError(f"logits are on {logits.device}, the sampler was made for {self.device}")
+        width = int(logits.shape[1])
+        self._checked = ((logits, n, width), *self._checked[:1])
+        return width
 
     def _sample(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Temperature, top_k, top_p, min_p, then Gumbel-max; x [n, V] fp32, overwritten."""

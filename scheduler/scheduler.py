@@ -236,7 +236,7 @@ class Scheduler:
                             r.grammar) for r, _ in complete]
         picked = [i for _, i in complete]
         # (a decode-only batch samples every row in order: no gather copy of [B, V] logits)
-        whole = picked == list(range(logits.shape[0]))
+        whole = picked == list(range(row))  # row: the logits rows of the batch
         found = self.runner.last_argmax
         result = self.sampler(logits if whole else logits[picked], rows,
                               argmax=None if found is None else found if whole else [found[i] for i in picked])

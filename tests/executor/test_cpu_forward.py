@@ -416,5 +416,10 @@ def test_a_decode_batch_whose_reused_inputs_were_rewritten_raises(checkpoints):
         if r is runner:
             with pytest.raises(RuntimeError, match="reused by a later batch"):
                 r.forward(b1)
+            free = r.allocator.available_size()
+            for bad in (RequestSlice(99, 3, [1]), RequestSlice(rows[0], r.max_context_len, [1])):  # no row; too long
+                with pytest.raises(ValueError):
+                    r.build_batch([bad])
+            assert r.allocator.available_size() == free  # refused before a slot was taken
         got[r is runner] = [r.forward(b2).clone(), r.forward(b3).clone()]
     assert all(torch.equal(a, b) for a, b in zip(got[True], got[False]))

@@ -378,6 +378,12 @@ def test_bad_input_is_refused() -> None:
         sampler(_logits(1, 8, seed=14), [_row()])
     with pytest.raises(ValueError, match="num_rows=2"):
         sampler(_logits(1, 10, seed=14), [_row(), _row()])
+    # a tensor checked before (the native CPU decode's reused logits) is still held to its rows
+    again, greedy = _logits(2, 12, seed=15), _row(SamplingParams(temperature=0.0))
+    assert sampler(again, [greedy, greedy]).token_ids == again[:, :10].argmax(-1).tolist()
+    with pytest.raises(ValueError, match="num_rows=3"):
+        sampler(again, [greedy] * 3)
+    assert sampler(again, [greedy, greedy], argmax=[1, 2]).token_ids == again[:, :10].argmax(-1).tolist()
     with pytest.raises(ValueError, match="logit_bias"):
         sampler(_logits(1, 12, seed=14), [_row(SamplingParams(logit_bias={11: 1.0}))])
     assert sampler(torch.empty(0, 10), []).token_ids == []
