@@ -796,7 +796,8 @@ def _cache_tensor(name: str, t: torch.Tensor, numel: int) -> bool:
 class DecodeInputs:
     """The inputs and logits of decode batches of `size` tokens (one per request), made once and reused:
     a decode step writes its token ids, positions, request rows and KV slots into them as Python ints
-    through memoryviews (`ids_mv`, `pos_mv`, `rows_mv`, `loc_mv`), and `CpuModel.forward_decode` reads them through
+    through memoryviews (`ids_mv`, `pos_mv`, `rows_mv`, `loc_mv`; `omni_mv`: OmniKV budgets, as
+    `forward`'s omni_k), and `CpuModel.forward_decode` reads them through
     pointers taken here. So no torch call runs between two decode forwards: on a CPU the forward has just
     streamed the weights through the caches, and each torch call's code and data must then come back
     from memory (the first one after a forward took ~100 us on a 2-core Zen 4 VM, a numpy item write 15).
@@ -809,21 +810,22 @@ class DecodeInputs:
         if size < 1:
             raise ValueError(f"a decode batch needs at least one token, got {size}")
         if _base is None:
-            self.input_ids, self.positions, self.rows, self.out_loc = (torch.zeros(size, dtype=torch.int64)
-                                                                       for _ in range(4))
+            self.input_ids, self.positions, self.rows, self.out_loc, self.omni_k = (
+                torch.zeros(size, dtype=torch.int64) for _ in range(5))
             self.logit_rows = torch.arange(size, dtype=torch.int64)
             self.logits = torch.empty(size, vocab_size)
         else:
             if size > _base.size:
                 raise ValueError(f"a view of {size} rows of inputs for {_base.size}")
-            self.input_ids, self.positions, self.rows, self.out_loc, self.logit_rows, self.logits = (
-                t[:size] for t in (_base.input_ids, _base.positions, _base.rows, _base.out_loc, _base.logit_rows,
-                                   _base.logits))
+            self.input_ids, self.positions, self.rows, self.out_loc, self.omni_k, self.logit_rows, self.logits = (
+                t[:size] for t in (_base.input_ids, _base.positions, _base.rows, _base.out_loc, _base.omni_k,
+                                   _base.logit_rows, _base.logits))
         self.size, self.vocab_size = size, vocab_size
-        self.ids_mv, self.pos_mv, self.rows_mv, self.loc_mv = (
-            memoryview(t.numpy()) for t in (self.input_ids, self.positions, self.rows, self.out_loc))
+        self.ids_mv, self.pos_mv, self.rows_mv, self.loc_mv, self.omni_mv = (
+            memoryview(t.numpy()) for t in (self.input_ids, self.positions, self.rows, self.out_loc, self.omni_k))
         self._ptrs = (self.input_ids.data_ptr(), self.positions.data_ptr(), self.rows.data_ptr(),
                       self.out_loc.data_ptr(), self.logit_rows.data_ptr(), self.logits.data_ptr())
+        self._omni_ptr = self.omni_k.data_ptr()
 
     def views(self, n: int) -> DecodeInputs:
         """The first `n` tokens' inputs and logits, on this object's storage."""
@@ -1000,15 +1002,17 @@ class CpuModel:
             logit_rows.data_ptr(), logits.data_ptr(), omni_k.data_ptr() if omni_k is not None else 0, bool(argmax))
         return logits
 
-    def forward_decode(self, inputs: DecodeInputs, argmax: bool = False) -> torch.Tensor:
+    def forward_decode(self, inputs: DecodeInputs, argmax: bool = False, omnikv: bool = False) -> torch.Tensor:
         """`forward` of a decode batch whose inputs the caller wrote into `inputs` (made for this model's
-        vocabulary): every token's logits, in `inputs.logits`. The native forward checks the values as
-        `forward` does (ids, slots, rows, positions); their dtypes and shapes are `inputs`' own."""
+        vocabulary): every token's logits, in `inputs.logits`; `omnikv`: with `inputs.omni_k` as the
+        OmniKV budgets. The native forward checks the values as `forward` does (ids, slots, rows,
+        positions, budgets); their dtypes and shapes are `inputs`' own."""
         if inputs.vocab_size != self.vocab_size:
             raise ValueError(f"decode inputs for a vocabulary of {inputs.vocab_size}, the model has {self.vocab_size}")
         ids, pos, rows, loc, logit_rows, logits = inputs._ptrs
         n = inputs.size
-        self.omnikv_counts, self.argmax = self._op.forward(n, ids, pos, rows, loc, n, logit_rows, logits, 0, bool(argmax))
+        self.omnikv_counts, self.argmax = self._op.forward(n, ids, pos, rows, loc, n, logit_rows, logits,
+                                                           inputs._omni_ptr if omnikv else 0, bool(argmax))
         return inputs.logits
 
     def set_profiling(self, on: bool) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kernels.attention.omnikv import QueryHistory
+from kernels.attention.omnikv import OmniKVBatch, QueryHistory
 from models.base import CausalLM
 from models.config import DeepseekConfig, LlamaConfig, ModelConfig
 from models.experts import CppExperts
@@ -221,13 +221,13 @@ class NativeForward:
         `self.argmax`, as the LM head found it."""
         last = self._decode_last
         if last is not None and last.batch is batch:  # the batch just written into reused inputs
-            return self.plan.forward_decode(last.inputs, argmax=True)
+            return self._forward_decode(last, batch)
         for bufs in self._decode_sets.values():  # an earlier one's, if still intact
             if batch.input_ids is bufs.inputs.input_ids:
                 if bufs.batch is not batch:
                     raise RuntimeError("this decode batch's inputs were reused by a later batch: run each batch "
                                        "before building the next but one")
-                return self.plan.forward_decode(bufs.inputs, argmax=True)
+                return self._forward_decode(bufs, batch)
         n_new = batch.extend_seq_lens_cpu
         rows = _int64(batch.req_pool_indices)
         if len(n_new) == int(batch.input_ids.shape[0]):  # one token per request (decode): token i is request i's
@@ -252,10 +252,25 @@ class NativeForward:
         logits = self.plan.forward(batch.input_ids, batch.positions, rows, _int64(batch.out_cache_loc),
                                    _int64(logit_rows).contiguous(), omni_k=omni_k, argmax=True)
         if omni_k is not None:
-            selected, context = self.plan.omnikv_counts
-            omni.selected_tokens += selected
-            omni.context_tokens += context
+            self._count(omni)
         return logits
+
+    def _forward_decode(self, bufs: DecodeBuffers, batch: ForwardBatch) -> torch.Tensor:
+        """A batch written into reused inputs; with OmniKV rows, their budgets are in `bufs.inputs.omni_k`."""
+        omni = batch.omnikv
+        if omni is None:
+            return self.plan.forward_decode(bufs.inputs, argmax=True)
+        if self.omnikv is None:
+            raise ValueError("the batch has OmniKV rows, but set_omnikv was never called")
+        logits = self.plan.forward_decode(bufs.inputs, argmax=True, omnikv=True)
+        self._count(omni)
+        return logits
+
+    def _count(self, omni: OmniKVBatch) -> None:
+        """Adds what the last forward's filter layers kept, and of how much context, to the batch's counters."""
+        selected, context = self.plan.omnikv_counts
+        omni.selected_tokens += selected
+        omni.context_tokens += context
 
     @property
     def argmax(self) -> list[int] | None:

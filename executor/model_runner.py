@@ -254,14 +254,14 @@ class ModelRunner:
     def _native_decode_batch(self, slices: Sequence[RequestSlice]) -> ForwardBatch | None:
         """A decode batch written into the native forward's reused inputs (NativeForward.decode_buffers)
         with plain item writes, no torch call; None where the general path must build it (not all decode
-        slices, OmniKV rows, paged slots, more requests than the reused inputs hold)."""
+        slices, paged slots, more requests than the reused inputs hold)."""
         nf, alloc = self.native_forward, self.allocator
         assert nf is not None
         if alloc.page_size != 1 or len(slices) > nf.decode_capacity:
             return None
-        omnikv, table = self.omnikv is not None, self.req_to_token_pool
+        table = self.req_to_token_pool
         for s in slices:  # checked before a slot is taken, so that a bad slice leaks none
-            if len(s.input_ids) != 1 or s.prefix_len <= 0 or (omnikv and s.omnikv):
+            if len(s.input_ids) != 1 or s.prefix_len <= 0:
                 return None
             if s.prefix_len >= self.max_context_len:
                 raise ValueError(f"position {s.prefix_len} exceeds max_context_len {self.max_context_len}")
@@ -281,11 +281,18 @@ class ModelRunner:
             inp.ids_mv[i], inp.pos_mv[i], inp.rows_mv[i], bufs.seq_mv[i] = s.input_ids[0], p, s.req_pool_idx, p + 1
             seq_lens.append(p + 1)
             prefix_lens.append(p)
+        omnikv = self._omnikv_batch(slices, [1] * len(slices)) if self.omnikv is not None else None
+        if omnikv is not None:  # each OmniKV row's budget, -1 (full attention) for the others
+            for i in range(len(slices)):
+                inp.omni_mv[i] = -1
+            for i, k in zip(omnikv.rows, omnikv.budgets):
+                inp.omni_mv[i] = k
         batch = bufs.batch = ForwardBatch(
             forward_mode=ForwardMode.DECODE, batch_size=len(slices), input_ids=inp.input_ids, positions=inp.positions,
             req_pool_indices=inp.rows, seq_lens=bufs.seq_lens, seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=prefix_lens, extend_seq_lens_cpu=[1] * len(slices), out_cache_loc=inp.out_loc,
-            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.kv_pool, attn_backend=self.attn_backend)
+            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.kv_pool, attn_backend=self.attn_backend,
+            omnikv=omnikv)
         return batch
 
     def set_omnikv(self, config: OmniKVConfig) -> None:

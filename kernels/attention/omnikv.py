@@ -138,7 +138,11 @@ class OmniKVBatch:
         self.table = table
         self.history = history
         self.graph = graph  # a captured graph's device inputs (then req_rows, positions and budgets are empty)
-        self.filter_of = {layer: roles[: layer + 1].count(FILTER) - 1 for layer in range(len(roles))}
+        self.filter_of: dict[int, int] = {}  # layer -> the index of the last filter layer at or above it
+        filters = 0
+        for layer, role in enumerate(roles):
+            filters += role == FILTER
+            self.filter_of[layer] = filters - 1
         self.selected: dict[int, list[torch.Tensor]] = {}  # filter index -> per sparse row: KV slots (int64)
         self.packed: dict[int, PackedSelection] = {}  # filter index -> the same, padded (observe_batched)
         self._device_args: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}  # observe_batched's per-row inputs

@@ -280,3 +280,34 @@ def test_an_omnikv_row_must_decode_one_token(hf_checkpoints):
                                weights_for=cfg.alpha_weights, table=runner.req_to_token_pool.req_to_token)
     with pytest.raises(ValueError, match="exactly one token"):
         runner.forward(batch)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_tied", "v2_lite_yarn_grouped"])
+def test_reused_decode_inputs_carry_the_budgets(hf_checkpoints, name):
+    """Decode batches on the native forward's reused inputs (OmniKV rows beside full ones, their budgets
+    written as items) give the logits, selections' counts and metrics of batches built the general way."""
+    got = {}
+    for reused in (True, False):
+        runner = runner_for(hf_checkpoints[name], omnikv_cfg("exponential"))
+        if not reused:
+            runner.native_forward.decode_capacity = 0
+        vocab = runner.config.vocab_size
+        lens = [90, 130, 75]
+        rows = [runner.req_to_token_pool.alloc() for _ in lens]
+        for r, n in zip(rows, lens):
+            runner.forward(runner.build_batch([RequestSlice(r, 0, prompt(n, vocab, 50 + r))]))
+        out = []
+        for step in range(5):
+            slices = [RequestSlice(r, n + step, prompt(1, vocab, 60 + 7 * step + r), omnikv=(r + step) % 3 != 0)
+                      for r, n in zip(rows, lens)]
+            batch = runner.build_batch(slices)
+            assert batch.omnikv is not None and len(batch.omnikv.rows) == sum(s.omnikv for s in slices)
+            last = runner.native_forward._decode_last
+            assert (last is not None and last.batch is batch) == reused
+            out.append((runner.forward(batch).clone(), batch.omnikv.selected_tokens, batch.omnikv.context_tokens))
+        c = runner.omnikv_counters
+        got[reused] = (out, (c.sparse_tokens, c.selected_tokens, c.context_tokens))
+    (a, ca), (b, cb) = got[True], got[False]
+    assert ca == cb and ca[1] < ca[2]  # the selections left something out
+    for (la, sa, xa), (lb, sb, xb) in zip(a, b):
+        assert torch.equal(la, lb) and (sa, xa) == (sb, xb)
