@@ -65,8 +65,9 @@ inline size_t prefetch_ahead(size_t sbs) {
   return R == kGroupRowblocks ? kPrefetch.bytes : round_up(kPrefetch.bytes, kGroupRowblocks * sbs);
 }
 
+// `first`: the tile starts its task (the task's first run of weights, not prefetched by a run before it).
 template <LinFormat F, int R, int TT>
-CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc) {
+CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc, bool first) {
   constexpr LinLayout L = kLinLayout[int(F)];
   constexpr bool kQ8 = F == LinFormat::Q8_0, kQ6 = F == LinFormat::Q6_K, kK = L.sb_blocks > 1;
   const size_t sbs = w.sb_bytes;
@@ -93,8 +94,22 @@ CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
 
   for (int sb = 0; sb < w.nsb; ++sb) {
     const uint8_t* ws = w0 + size_t(sb) * kGroupRowblocks * sbs;
-    if constexpr (!kK)
+    if constexpr (!kK) {
       for (size_t o = 0; o < R * sbs; o += 64) prefetch(ws + ahead + o);
+      // A task's first run: nothing ahead of it below `ahead` was prefetched (a later run's was, by the
+      // run before it). Those bytes are prefetched at twice the reading pace, two superblock steps an
+      // iteration, not in one burst at the start (a burst of the first 16 KiB made the step slower). On
+      // the 2-core Zen 4 VM, in one process with the ramp switched off and on every two generations
+      // (SmolLM2 Q4_1 decode, 128-token prompt, 200-240 generations of 64 tokens, three runs): 2.2%,
+      // 5.0% and 4.3% faster a step; one call of 3072 x 576 Q4_1 from memory 8% faster at M = 1 and M =
+      // 16, 576 x 576 3%, 65536 x 2048 2%, the 49152 x 576 Q8_0 head 1%.
+      if (first) {
+        const size_t step = size_t(kGroupRowblocks) * sbs;
+        const size_t lo = (2 * size_t(sb) + 1) * step, hi = lo + 2 * step;
+        const size_t end = std::min(hi, size_t(sb) * step + ahead);
+        for (size_t o = lo; o < end; o += 64) prefetch(w0 + o);
+      }
+    }
     __m512 dsup[R], msup[R];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
@@ -168,7 +183,7 @@ CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
     for (int t = 0; t < TT; ++t) _mm512_storeu_ps(c + size_t(t) * ldc + 16 * r, acc[r][t]);
 }
 
-using Mk = void (*)(const QMat&, int, const ActQ&, int, float*, int);
+using Mk = void (*)(const QMat&, int, const ActQ&, int, float*, int, bool);
 
 // [R - 1][TT - 1]; R = 3, 4 only come with TT <= 3 (see gemm)
 template <LinFormat F>
@@ -187,7 +202,7 @@ CPX_VNNI void gemm(const QMat& w, int rb0, int rb1, const ActQ& a, int t0, int n
     const int r = std::min({rmax, rb1 - rb, kGroupRowblocks - rb % kGroupRowblocks});
     for (int t = 0; t < nt; t += 4) {
       const int tt = std::min(4, nt - t);
-      Tiles<F>::t[r - 1][tt - 1](w, rb, a, t0 + t, c + size_t(t) * ldc + (rb - rb0) * 16, ldc);
+      Tiles<F>::t[r - 1][tt - 1](w, rb, a, t0 + t, c + size_t(t) * ldc + (rb - rb0) * 16, ldc, rb == rb0 && t == 0);
     }
     rb += r;
   }
