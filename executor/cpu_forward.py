@@ -193,13 +193,13 @@ class NativeForward:
         the last call, so the previous batch's inputs and logits are left alone."""
         if not 1 <= n <= self.decode_capacity:
             return None
-        import cpp_experts as ext
-
         side = self._decode_side = self._decode_side ^ 1
         bufs = self._decode_sets.get((side, n))
         if bufs is None:
             base = self._decode_base[side]
             if base is None:
+                import cpp_experts as ext
+
                 base = self._decode_base[side] = (ext.DecodeInputs(self.decode_capacity, self.plan.vocab_size),
                                                   torch.zeros(self.decode_capacity, dtype=torch.int64))
             seq_lens = base[1][:n]

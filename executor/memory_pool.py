@@ -92,12 +92,16 @@ class ReqToTokenPool:
         if self.journal is not None:
             self.journal.append((req_pool_idx, start, kv_loc.tolist()))
 
-    def write_slot(self, req_pool_idx: int, pos: int, slot: int) -> None:
-        """Records one KV slot (a decode token's) at position `pos`: `write` without a torch call (CPU)."""
+    def check_slot(self, req_pool_idx: int, pos: int) -> None:
+        """Raises ValueError unless (request slot, position) is a cell of the table."""
         if not 0 <= pos < self.max_context_len:
             raise ValueError(f"position {pos} exceeds max_context_len {self.max_context_len}")
         if not 0 <= req_pool_idx <= self.size:
             raise ValueError(f"request slot {req_pool_idx} is outside the table")
+
+    def write_slot(self, req_pool_idx: int, pos: int, slot: int) -> None:
+        """Records one KV slot (a decode token's) at position `pos`: `write` without a torch call (CPU)."""
+        self.check_slot(req_pool_idx, pos)
         if self._table_mv is None:
             self.req_to_token[req_pool_idx, pos] = slot
         else:

@@ -222,9 +222,7 @@ class ModelRunner:
             raise RuntimeError(f"need {total} KV slots, {self.allocator.available_size()} free")
         positions, start = [], 0
         for s, n in zip(slices, n_new):
-            # one slice: its slots are all of loc (no torch slice, a call a decode step spares)
-            self.req_to_token_pool.write(s.req_pool_idx, s.prefix_len,
-                                         loc if len(slices) == 1 else loc[start : start + n])
+            self.req_to_token_pool.write(s.req_pool_idx, s.prefix_len, loc[start : start + n])
             positions.extend(range(s.prefix_len, s.prefix_len + n))
             start += n
         if mode is None:  # decode slices: one new token after a cached prefix
@@ -263,10 +261,7 @@ class ModelRunner:
         for s in slices:  # checked before a slot is taken, so that a bad slice leaks none
             if len(s.input_ids) != 1 or s.prefix_len <= 0:
                 return None
-            if s.prefix_len >= self.max_context_len:
-                raise ValueError(f"position {s.prefix_len} exceeds max_context_len {self.max_context_len}")
-            if not 0 <= s.req_pool_idx <= table.size:
-                raise ValueError(f"request slot {s.req_pool_idx} is outside the table")
+            table.check_slot(s.req_pool_idx, s.prefix_len)
         bufs = nf.decode_buffers(len(slices))
         if bufs is None:
             return None
