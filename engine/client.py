@@ -1,7 +1,7 @@
 """`EngineClient`: the server side's handle on the engine core process (see `engine_process`).
 
     asyncio code ─generate/abort/stats─▶ EngineClient ─writer thread─▶ pipe ─▶ engine core process
-    per-request asyncio.Queue ◀─ loop callback ◀─ reader thread ◀─ pipe ◀──────────┘
+    per-request asyncio.Queue ◀─ event loop reader ◀─ pipe ◀───────────────────────┘
 
 Threads and ownership (which calls are safe from where):
 - Every `async` method, and `start`, must run on ONE event loop: the loop that awaited `start()`.
@@ -9,13 +9,15 @@ Threads and ownership (which calls are safe from where):
   only by it; there are no locks.
 - `is_alive`, `info`, `pid`, `exitcode` and `load` are plain reads, safe from any thread; `kill` is
   one `os.kill`, safe from a signal handler.
-- The reader thread only blocks in `recv` / `multiprocessing.connection.wait` on the pipe and the
-  process sentinel, and hands every message to the loop with `call_soon_threadsafe`; so the event
-  loop never blocks on the pipe, and messages are handled in the order the engine sent them.
-- The writer thread alone calls `conn.send`, fed by a `queue.SimpleQueue`; so a large prompt never
+- The pipe is read on the event loop itself (`add_reader`), never blocking: each time it is readable
+  the loop takes what is there and dispatches every whole message, in the order the engine sent them.
+  A streamed token thus wakes one thread of this process, not a reader thread that then wakes the loop:
+  on a machine whose cores also run the model, every wake-up here is time taken from the forward. The
+  process sentinel is watched the same way.
+- The writer thread alone calls `conn.send_bytes`, fed by a `queue.SimpleQueue`; so a large prompt never
   stalls the event loop while the engine is busy in a step (and the two sides can never deadlock
   with both writing into full pipes). Sends keep the order of the calls.
-- The pipe is closed only after both threads have ended.
+- The pipe is closed only after the writer thread has ended and the loop stopped reading it.
 
 Request life: `generate(req)` registers a queue, sends the request, and yields `RequestOutput`
 deltas until every completion (0..n-1) has its final output. An error output (`finish_reason ==
@@ -38,9 +40,10 @@ import os
 import multiprocessing as mp
 import queue
 import signal
+import socket
+import struct
 import threading
 from dataclasses import dataclass
-from multiprocessing.connection import wait as mp_wait
 from typing import Any, AsyncIterator, Collection
 
 from engine.args import EngineArgs
@@ -93,6 +96,37 @@ def _run_pinned(cpus: list[int], *args: Any) -> None:
 _STOP = object()  # tells the writer thread to end
 
 
+class _Frames:
+    """Whole messages out of the bytes of a `multiprocessing.connection.Connection` stream, fed in pieces
+    as they arrive: each message is a 4-byte big-endian signed length and the payload, or -1 and an 8-byte
+    length first for a payload over 2 GiB (`Connection.send_bytes`' framing). ValueError for a length no
+    sender writes."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buf = self._buf
+        buf += data
+        frames, at = [], 0
+        while len(buf) - at >= 4:
+            (size,) = struct.unpack_from("!i", buf, at)
+            head = 4
+            if size == -1:
+                if len(buf) - at < 12:
+                    break
+                (size,) = struct.unpack_from("!Q", buf, at + 4)
+                head = 12
+            elif size < 0:
+                raise ValueError(f"a message length of {size} bytes")
+            if len(buf) - at - head < size:
+                break
+            frames.append(bytes(buf[at + head:at + head + size]))
+            at += head + size
+        del buf[:at]
+        return frames
+
+
 @dataclass
 class _Stream:
     req: GenerateRequest
@@ -111,15 +145,21 @@ class EngineClient:
         self._next_stats_id = 0
         self._info: EngineInfo | None = None
         self._ready: asyncio.Future = loop.create_future()  # -> the EngineInfo of EngineReady
-        self._exited = asyncio.Event()  # the process is gone and the reader thread has ended
+        self._exited = asyncio.Event()  # the process is gone and reaped
         self._dead_reason: str | None = None
         self._shut_down = False
         self._load = 0  # completions sent and not ended (see the module docstring)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._writer_main, name="engine-client-writer", daemon=True)
-        self._reader = threading.Thread(target=self._reader_main, name="engine-client-reader", daemon=True)
         self._writer.start()
-        self._reader.start()
+        # the loop's own handle on the pipe: a duplicate, read with MSG_DONTWAIT so that the descriptor the
+        # writer thread sends on stays blocking
+        self._sock = socket.socket(fileno=os.dup(conn.fileno()))
+        self._frames = _Frames()
+        self._reading = True
+        self._pipe_timer: asyncio.TimerHandle | None = None
+        loop.add_reader(self._sock.fileno(), self._read_pipe)
+        loop.add_reader(proc.sentinel, self._process_ended)
 
     # ---- life cycle ---------------------------------------------------------------------------
 
@@ -183,10 +223,11 @@ class EngineClient:
             await asyncio.wait_for(self._exited.wait(), 10)
         self._mark_dead("engine core was shut down")
         self._outbox.put(_STOP)
-        for thread in (self._writer, self._reader):
-            await self._loop.run_in_executor(None, thread.join, 5)
-        if self._writer.is_alive() or self._reader.is_alive():
-            logger.warning("engine client threads did not end; leaving the pipe open")
+        self._stop_reading()
+        await self._loop.run_in_executor(None, self._writer.join, 5)
+        self._sock.close()
+        if self._writer.is_alive():
+            logger.warning("engine client writer thread did not end; leaving the pipe open")
         else:
             self._conn.close()
 
@@ -356,7 +397,7 @@ class EngineClient:
             error=self._dead_reason, error_code=ERR_ENGINE,
         )
 
-    # ---- threads ------------------------------------------------------------------------------
+    # ---- the writer thread --------------------------------------------------------------------
 
     def _send(self, msg: ToEngine) -> None:
         self._outbox.put(msg)
@@ -365,44 +406,58 @@ class EngineClient:
         while (msg := self._outbox.get()) is not _STOP:
             try:
                 self._conn.send_bytes(encode(msg))
-            except (OSError, ValueError):  # the engine is gone; the reader reports it
+            except (OSError, ValueError):  # the engine is gone; the loop's reading of the pipe reports it
                 return
 
-    def _reader_main(self) -> None:
-        try:
-            self._read_messages()
-        except Exception as exc:  # an undecodable message: the protocol is broken, so the engine must go
-            reason = f"engine client cannot read the engine core's messages: {type(exc).__name__}: {exc}"
-            logger.exception("%s", reason)
-            self._post(self._on_exit, reason)
-            self._proc.kill()
-        self._proc.join()  # the process has ended or been killed: reap it, so that exitcode is known
-        self._post(self._on_exit, None)
+    # ---- on the event loop: reading the pipe ---------------------------------------------------
 
-    def _read_messages(self) -> None:
-        conn, sentinel = self._conn, self._proc.sentinel
-        while True:
-            ready = mp_wait([conn, sentinel])
-            if conn in ready:
-                try:
-                    data = conn.recv_bytes()
-                except (EOFError, OSError):  # (ECONNRESET when it died with our messages unread)
-                    # the child is on its way out: wait a little so that the error can tell its exit code
-                    if not mp_wait([sentinel], timeout=1.0):
-                        self._post(self._on_exit, "engine core process closed its pipe")
-                        mp_wait([sentinel])
-                    return
-                self._post(self._dispatch, decode_from_engine(data))  # a DecodeError: see _reader_main
-            elif sentinel in ready:
-                try:
-                    while conn.poll(0):  # what it wrote before dying, e.g. its crash report
-                        self._post(self._dispatch, decode_from_engine(conn.recv_bytes()))
-                except (EOFError, OSError):
-                    pass
-                return
-
-    def _post(self, fn: Any, *args: Any) -> None:
+    def _read_pipe(self) -> bool:
+        """Takes what the pipe holds now (without blocking) and dispatches every whole message in it;
+        whether there was anything to take (data or EOF)."""
         try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            data = self._sock.recv(1 << 18, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:  # ECONNRESET: the engine died with our messages unread
+            data = b""
+        if not data:
+            self._pipe_closed()
+            return True
+        try:
+            messages = [decode_from_engine(frame) for frame in self._frames.feed(data)]
+        except Exception as exc:  # the protocol is broken, so the engine must go
+            self._protocol_broken(exc)
+            return True
+        for msg in messages:
+            self._dispatch(msg)
+        return True
+
+    def _pipe_closed(self) -> None:
+        """EOF: the engine is on its way out. Its exit (the sentinel) says how; if that does not come
+        within a second, the closed pipe is the reason."""
+        self._stop_reading()
+        if self._dead_reason is None and self._pipe_timer is None:
+            self._pipe_timer = self._loop.call_later(1.0, self._on_exit, "engine core process closed its pipe")
+
+    def _protocol_broken(self, exc: Exception) -> None:
+        reason = f"engine client cannot read the engine core's messages: {type(exc).__name__}: {exc}"
+        logger.error("%s", reason, exc_info=exc)
+        self._stop_reading()
+        self._on_exit(reason)
+        self._proc.kill()  # its sentinel then reaps it
+
+    def _process_ended(self) -> None:
+        """The process is gone: take what it wrote before dying (its crash report, say), reap it, report."""
+        self._loop.remove_reader(self._proc.sentinel)
+        if self._pipe_timer is not None:
+            self._pipe_timer.cancel()
+        while self._reading and self._read_pipe():  # up to EOF: its end is closed (never blocks)
             pass
+        self._stop_reading()
+        self._proc.join()  # ended: returns at once, and exitcode is known
+        self._on_exit(None)
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            self._loop.remove_reader(self._sock.fileno())

@@ -14,6 +14,8 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import socket
+import struct
 import threading
 import time
 
@@ -21,7 +23,7 @@ import msgspec
 import pytest
 
 from engine.args import EngineArgs
-from engine.client import EngineClient
+from engine.client import EngineClient, _Frames
 from engine.process import EXIT_ENGINE_CRASHED, EXIT_OK, EXIT_PARENT_GONE, run_engine_process
 from engine.messages import (
     ERR_ENGINE,
@@ -371,6 +373,104 @@ def test_shutdown_exits_cleanly_and_ends_pending_requests(loop, rng):
     assert_all_failed(results, reqs, "shut down")
     assert client.exitcode == EXIT_OK and not client.is_alive
     run(loop, client.shutdown())  # a second call is a no-op
+
+
+# ---- the client's reading of the pipe: framing, split messages, a broken or closed pipe -------------
+
+
+def test_frames_reassemble_what_connection_sent_split_anywhere(rng):
+    """`_Frames` against the framing `multiprocessing.connection.Connection.send_bytes` writes (the
+    oracle): messages of every size, cut into random pieces, come out whole and in order."""
+    a, b = socket.socketpair()
+    sender = mp.connection.Connection(a.detach())
+    messages = [rng.randbytes(n) for n in (0, 1, 3, 4, 5, 16_383, 16_384, 16_385, 70_000, 300_000)]
+    rng.shuffle(messages)
+    done = threading.Event()
+
+    def send():
+        for m in messages:
+            sender.send_bytes(m)
+        sender.close()
+        done.set()
+
+    threading.Thread(target=send, daemon=True).start()
+    raw = bytearray()
+    while chunk := b.recv(1 << 16):
+        raw += chunk
+    assert done.wait(5)
+    b.close()
+    frames, got, at = _Frames(), [], 0
+    while at < len(raw):
+        n = rng.choice([1, 2, 3, 5, 4096, rng.randrange(1, 200_000)])
+        got += frames.feed(bytes(raw[at:at + n]))
+        at += n
+    assert got == messages
+    big = rng.randbytes(10)  # the 12-byte header a payload over 2 GiB gets, on a small payload
+    assert _Frames().feed(struct.pack("!i", -1) + struct.pack("!Q", len(big)) + big) == [big]
+    with pytest.raises(ValueError, match="length of -2"):
+        _Frames().feed(struct.pack("!i", -2) + b"xx")
+
+
+def _scripted_engine(conn, script: str) -> None:
+    """Speaks the pipe protocol by hand in place of the engine process: ready, then the first request's
+    fate by `script`. 'split': a ~1 MB output written in pieces with pauses, the last piece carrying a
+    second message too, then waits for Shutdown; 'garbage': bytes that are no message; 'close': closes
+    its end of the pipe and stays alive."""
+    conn.send_bytes(encode(EngineReady(EngineInfo(model="m", arch="fake", vocab_size=320, context_length=64,
+                                                  kv_slots=0, kv_bytes_per_token=0, eos_token_ids=[]))))
+    req = decode_to_engine(conn.recv_bytes())
+    if script == "split":
+        data = b"".join(struct.pack("!i", len(m)) + m for m in (
+            encode(Outputs([RequestOutput(req.rid, 0, list(range(200_000)))])),
+            encode(Outputs([RequestOutput(req.rid, 0, [7], finish_reason=FINISH_LENGTH)]))))
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+        for at in range(0, len(data), 65_537):
+            sock.sendall(data[at:at + 65_537])
+            time.sleep(0.005)
+        while not isinstance(decode_to_engine(conn.recv_bytes()), Shutdown):
+            pass
+    elif script == "garbage":
+        conn.send_bytes(b"\x93 no message of ours")
+        time.sleep(60)
+    elif script == "close":
+        conn.close()
+        time.sleep(60)
+
+
+def _start_scripted(loop, script: str) -> EngineClient:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=_scripted_engine, args=(child, script), daemon=True)
+    proc.start()
+    child.close()
+    client = EngineClient(proc, parent, loop)
+    run(loop, asyncio.shield(client._ready), 30)
+    return client
+
+
+def test_client_takes_a_message_that_arrives_in_pieces(loop, rng):
+    client = _start_scripted(loop, "split")
+    outs = run(loop, collect(client, make_req(rng, "big")))
+    assert [o.new_token_ids for o in outs] == [list(range(200_000)), [7]]
+    assert outs[-1].finish_reason == FINISH_LENGTH
+    run(loop, client.shutdown())
+    assert client.exitcode == 0
+
+
+@pytest.mark.parametrize("script, reason", [("garbage", "cannot read the engine core's messages"),
+                                            ("close", "closed its pipe")])
+def test_client_reports_a_broken_or_closed_pipe(loop, rng, script, reason):
+    """A message that does not decode ends the engine (killed: the protocol is broken); a pipe closed by
+    a process that stays alive is reported within a second or so. Either way what was pending ends with
+    the reason, and nothing hangs."""
+    client = _start_scripted(loop, script)
+    t0 = time.monotonic()
+    outs = run(loop, collect(client, make_req(rng, "pending", max_tokens=100)))
+    assert time.monotonic() - t0 < 5
+    assert [o.finish_reason for o in outs] == [FINISH_ERROR] and reason in outs[0].error
+    assert outs[0].error_code == ERR_ENGINE and not client.is_alive
+    run(loop, client.shutdown(timeout=1))
+    assert client.exitcode == -signal.SIGKILL  # killed for the garbage, or by shutdown after the close
 
 
 # ---- the loop itself, in a thread: the raw protocol -----------------------------------------------
