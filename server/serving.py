@@ -357,8 +357,55 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
 async def _events(state: ServerState, requests: list[EngineRequest], firsts: list[RequestOutput | None]):
     """Yields (engine request, choice index, text, ids, logprobs) as outputs arrive from all prompts.
 
-    One pump task per engine request feeds a queue; closing this generator cancels the pumps, and each
-    pump closes its engine stream (aborting the request in the engine if it is still running)."""
+    Closing this generator closes every engine stream (aborting what still runs in the engine)."""
+    outputs = _outputs_of_one(requests[0], firsts[0]) if len(requests) == 1 else _outputs_merged(requests, firsts)
+    try:
+        async for r, out in outputs:
+            if out.finish_reason == FINISH_ERROR:
+                state.metrics.on_error(out.error_code or "engine_error")
+                raise engine_error(out)
+            if out.index == 0 and out.cached_tokens:
+                r.cached_tokens = out.cached_tokens
+            if out.prompt_logprobs and r.prompt_logprobs is None:
+                r.prompt_logprobs = out.prompt_logprobs
+            choice = r.choices[out.index]
+            if choice.finish_reason is None:
+                text, ids, lps = choice.feed(out)
+                ended_here = choice.finish_reason is not None and out.finish_reason is None  # a stop string
+                state.metrics.on_output(msgspec.structs.replace(out, finish_reason="stop") if ended_here else out,
+                                        time.time())
+                yield r, out.index, text, ids, lps
+    finally:
+        with anyio.CancelScope(shield=True):  # a cancelled caller must not cut the cleanup short
+            await outputs.aclose()
+        for r in requests:
+            if not r.done:
+                state.metrics.on_abort(r.rid)  # the client went away (or an error cut the stream)
+            state.metrics.on_request_end(r.rid)
+
+
+async def _outputs_of_one(r: EngineRequest, first: RequestOutput | None) -> AsyncIterator[tuple[EngineRequest, RequestOutput]]:
+    """One engine request's outputs, read on the caller's task (a stream's tokens then take one task
+    switch each, not two). Stops once every choice has ended (some maybe on stop strings: the consumer
+    updates `r` before asking for more), and closing it closes the engine stream."""
+    try:
+        out = first
+        while out is not None:
+            yield r, out
+            if out.finish_reason == FINISH_ERROR or r.done:
+                break
+            out = await anext(r.stream, None)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await r.stream.aclose()
+
+
+async def _outputs_merged(requests: list[EngineRequest],
+                          firsts: list[RequestOutput | None]) -> AsyncIterator[tuple[EngineRequest, RequestOutput]]:
+    """Several engine requests' outputs in arrival order: one pump task per request feeds a queue. A
+    request whose choices have all ended (the consumer updates it before asking for more) has its pump
+    cancelled, which releases it in the engine; closing this generator cancels every pump, and each
+    pump closes its engine stream."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(r: EngineRequest, first: RequestOutput | None) -> None:
@@ -382,31 +429,14 @@ async def _events(state: ServerState, requests: list[EngineRequest], firsts: lis
             if out is None:
                 live -= 1
                 continue
-            if out.finish_reason == FINISH_ERROR:
-                state.metrics.on_error(out.error_code or "engine_error")
-                raise engine_error(out)
-            if out.index == 0 and out.cached_tokens:
-                r.cached_tokens = out.cached_tokens
-            if out.prompt_logprobs and r.prompt_logprobs is None:
-                r.prompt_logprobs = out.prompt_logprobs
-            choice = r.choices[out.index]
-            if choice.finish_reason is None:
-                text, ids, lps = choice.feed(out)
-                ended_here = choice.finish_reason is not None and out.finish_reason is None  # a stop string
-                state.metrics.on_output(msgspec.structs.replace(out, finish_reason="stop") if ended_here else out,
-                                        time.time())
-                if r.done:  # every choice has ended (some maybe on stop strings): release the engine now
-                    pump_of[id(r)].cancel()
-                yield r, out.index, text, ids, lps
+            yield r, out
+            if r.done:  # every choice has ended (some maybe on stop strings): release the engine now
+                pump_of[id(r)].cancel()
     finally:
         for t in tasks:
             t.cancel()
-        with anyio.CancelScope(shield=True):  # a cancelled caller must not cut the cleanup short
+        with anyio.CancelScope(shield=True):
             await asyncio.gather(*tasks, return_exceptions=True)
-        for r in requests:
-            if not r.done:
-                state.metrics.on_abort(r.rid)  # the client went away (or an error cut the stream)
-            state.metrics.on_request_end(r.rid)
 
 
 async def _collect(ser: Serializer, events) -> JSONResponse:

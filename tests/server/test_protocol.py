@@ -372,3 +372,42 @@ def test_model_list_parses_with_the_sdk() -> None:
     models = list(client.models.list())
     assert models[0].id == "smollm2-135m-instruct" and models[0].owned_by == "mlaserve"
     assert models[0].object == "model" and models[0].model_extra["max_model_len"] == 8192
+
+
+def _text_samples(rng: random.Random) -> list[str]:
+    """Texts a token delta can carry: quotes, backslashes, control characters, non-ASCII, emoji, U+2028."""
+    alphabet = ['"', "\\", "\n", "\t", "\x00", "\x1f", "\x7f", "/", "<", " ", "é", "中", "\u2028", "\U0001F600", "a", "Z"]
+    return ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 12))) for _ in range(60)]
+
+
+@pytest.mark.parametrize("model_name", ["smol", "named \ue000mlaserve text\ue001 on purpose"])
+def test_streamed_text_events_are_the_models_json(model_name: str) -> None:
+    """Nearly every streamed token goes out as a text event made from a per-stream template
+    (`Serializer.text_event`); it must be byte for byte what dumping the chunk's models gives (the
+    oracle: pydantic's own serialization, and the SDK's chunk types), for any text, choice index and
+    usage setting, and also when the template cannot be made (a model name holding its placeholder)."""
+    from server.metrics import Metrics
+    from server.responses import ChatSerializer, CompletionSerializer
+    from server.state import ServerState
+
+    rng = random.Random()
+    state = ServerState(model_name=model_name, metrics=Metrics(model_name))
+    for usage in (False, True):
+        options = {"stream": True, "stream_options": {"include_usage": usage}}
+        chat = ChatSerializer(state, ChatCompletionRequest.model_validate({**CHAT, **options}), [([1], "hi")], [])
+        completion = CompletionSerializer(state, CompletionRequest.model_validate({**COMPLETION, **options}),
+                                          [([1], "hi")], [])
+        # (the SDK's Completion type wants a finish reason: it reads streamed completions unvalidated)
+        for ser, field, sdk in ((chat, "content", SDKChatCompletionChunk), (chat, "reasoning_content", SDKChatCompletionChunk),
+                                (completion, "text", None)):
+            for text in _text_samples(rng):
+                i = rng.choice([0, 0, 3])
+                event = ser.text_event(i, field, text)
+                assert event == sse_data(ser.text_chunk(i, field, text))
+                body = json.loads(event.removeprefix("data: "))
+                assert body["id"] == ser.id and body["model"] == model_name and ("usage" in body) == usage
+                choice = body["choices"][0]
+                assert choice["index"] == i and (choice.get("delta") or choice)[field] == text
+                assert choice["finish_reason"] is None and choice["logprobs"] is None
+                if sdk is not None:
+                    sdk.model_validate_json(event.removeprefix("data: "))
