@@ -23,12 +23,16 @@ constexpr int kWaitPauses = 1024;  // the caller's pauses while waiting for work
 // quiet machine the workers finish within a task of it: measured well under that). It sends the pool
 // solo for kSoloFirst runs; after a solo period the next window probes: contention again sends it
 // solo for twice the last period (up to kSoloMax: a quarter of a second of decode or so), a window
-// without it ends it.
+// without it ends it. The first period is short because a burst of other work looks the same at first:
+// the server's and its clients' work for the tokens a step just made (a few ms of a ~30 ms step at 16
+// streams) sent a pool that started at 256 runs solo for about a step each time, at half its speed. At
+// 32, 16 streams served 564 against 462 tok/s (interleaved, medians of 8), and a busy neighbour slowed a
+// request as much as before (bench/cpu_contention.py, 3 rounds: 0.44-0.49 s against 0.49-0.51 s).
 constexpr auto kLate = std::chrono::microseconds(400);
 constexpr int kLateRuns = 2;
 constexpr int kWindowRuns = 32;
 constexpr int64_t kWaitShare = 1;
-constexpr int kSoloFirst = 256, kSoloMax = 4096;
+constexpr int kSoloFirst = 32, kSoloMax = 4096;
 
 std::vector<int> allowed_cpus() {
   std::vector<int> cpus;
