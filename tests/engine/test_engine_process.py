@@ -415,7 +415,7 @@ def _scripted_engine(conn, script: str) -> None:
     """Speaks the pipe protocol by hand in place of the engine process: ready, then the first request's
     fate by `script`. 'split': a ~1 MB output written in pieces with pauses, the last piece carrying a
     second message too, then waits for Shutdown; 'garbage': bytes that are no message; 'close': closes
-    its end of the pipe and stays alive."""
+    its end of the pipe and stays alive; 'last_words': one token and a crash report, then exits with 3."""
     conn.send_bytes(encode(EngineReady(EngineInfo(model="m", arch="fake", vocab_size=320, context_length=64,
                                                   kv_slots=0, kv_bytes_per_token=0, eos_token_ids=[]))))
     req = decode_to_engine(conn.recv_bytes())
@@ -435,6 +435,10 @@ def _scripted_engine(conn, script: str) -> None:
     elif script == "close":
         conn.close()
         time.sleep(60)
+    elif script == "last_words":
+        conn.send_bytes(encode(Outputs([RequestOutput(req.rid, 0, [5])])))
+        conn.send_bytes(encode(Fatal("fake core: its last words")))
+        os._exit(3)
 
 
 def _start_scripted(loop, script: str) -> EngineClient:
@@ -471,6 +475,23 @@ def test_client_reports_a_broken_or_closed_pipe(loop, rng, script, reason):
     assert outs[0].error_code == ERR_ENGINE and not client.is_alive
     run(loop, client.shutdown(timeout=1))
     assert client.exitcode == -signal.SIGKILL  # killed for the garbage, or by shutdown after the close
+
+
+def test_what_the_engine_wrote_before_dying_is_read_before_its_death_is_reported(loop, rng):
+    """The pipe's data and the process's sentinel can become readable together, and the loop may run
+    the sentinel's callback first: the process is then reported only after what it wrote (its crash
+    report) is read. Made deterministic here: the process ends while the loop is not running, and the
+    sentinel's callback is run before the pipe's."""
+    client = _start_scripted(loop, "last_words")
+    task = loop.create_task(collect(client, make_req(rng, "dying", max_tokens=100)))
+    loop.run_until_complete(asyncio.sleep(0))  # generate() has registered the stream and queued the request
+    client._proc.join(15)  # the writer thread sends it; the process answers and exits
+    assert client.exitcode == 3
+    client._process_ended()
+    outs = run(loop, task)
+    assert [o.new_token_ids for o in outs] == [[5], []]
+    assert outs[-1].finish_reason == FINISH_ERROR and outs[-1].error == "fake core: its last words"
+    run(loop, client.shutdown(timeout=1))
 
 
 # ---- the loop itself, in a thread: the raw protocol -----------------------------------------------
