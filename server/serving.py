@@ -392,9 +392,9 @@ async def _outputs_of_one(r: EngineRequest, first: RequestOutput | None) -> Asyn
         out = first
         while out is not None:
             yield r, out
-            if out.finish_reason == FINISH_ERROR or r.done:
+            if r.done:
                 break
-            out = await anext(r.stream, None)
+            out = await anext(r.stream, None)  # None once an error output ended the engine stream
     finally:
         with anyio.CancelScope(shield=True):
             await r.stream.aclose()
