@@ -21,12 +21,19 @@ bf16 cache for the GGUF blocks).
   part's yes/no answers hinge on near-ties where full attention makes a number up; this measures
   how far the distributions move, so that configs can be compared on a continuous scale.
 
-    .venv/bin/python bench/omnikv_cpu.py [--parts speed,fidelity,needle,divergence] [--out bench/results/x.json]
+- floor: how far changes nobody calls a fault move the same measures: the needle prompts of
+  `--divergence-seeds` and `--floor-doc-prompts` documentation prompts, run in fp32 (the reference) and
+  as served (a bf16 KV cache), each with full attention and OmniKV, and by llama.cpp on the same GGUF
+  (full attention; skipped where llama-cpp-python is absent); each answers freely and is fed fp32 full
+  attention's tokens: needle answers, and per-step KL and greedy choice against fp32 full attention.
+
+    .venv/bin/python bench/omnikv_cpu.py [--parts speed,fidelity,needle,divergence,floor] [--out bench/results/x.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import random
 import re
@@ -57,10 +64,11 @@ def doc_text() -> str:
 class Harness:
     """One model runner with OmniKV planned; requests share a prompt's KV like the prefix cache does."""
 
-    def __init__(self, model: str, budget: float, dtype: str = "float32", **overrides: Any) -> None:
+    def __init__(self, model: str, budget: float, dtype: str = "float32", kv_dtype: torch.dtype | None = None,
+                 **overrides: Any) -> None:
         """`dtype`: the activations' (float32; or auto, as `mlaserve serve` resolves it: bf16 where the CPU
         does bf16 math), the KV cache's as `--kv-dtype auto` makes it for that (bf16 for GGUF blocks
-        whatever the activations)."""
+        whatever the activations), unless `kv_dtype` is given."""
         import dataclasses
 
         from executor.cpu_forward import auto_kv_dtype
@@ -72,8 +80,8 @@ class Harness:
         base, self.origin = OmniKVConfig.for_model(model, loaded.config.num_hidden_layers)
         self.cfg = dataclasses.replace(base, budget_ratio=budget, budget_tokens=None, **overrides)
         self.tok = loaded.tokenizer
-        self.dtype, self.kv_dtype = loaded.dtype, auto_kv_dtype(loaded.model, loaded.dtype) if dtype == "auto" \
-            else loaded.dtype
+        self.dtype, self.kv_dtype = loaded.dtype, kv_dtype or (auto_kv_dtype(loaded.model, loaded.dtype)
+                                                               if dtype == "auto" else loaded.dtype)
         self.runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=3 * MAX_CTX, max_running_requests=4,
                                   max_context_len=MAX_CTX, kv_dtype=self.kv_dtype, omnikv=self.cfg)
         if self.runner.native_forward is None:
@@ -244,6 +252,197 @@ def divergence(h: Harness, ids: list[int], lengths: list[int], depths: int, step
             "flips": flips}
 
 
+FLOOR_RUNS = {"fp32": ("float32", None), "kv_bf16": ("auto", None)}
+"""The floor part's runs of the native forward: (activations, KV cache override). fp32 is the reference;
+`auto` is the model as `mlaserve serve` runs it. The native forward keeps its activations in fp32 either
+way, so the two differ in the KV cache alone (bf16 for GGUF blocks)."""
+
+
+def floor_llama(path: str, items: list[dict[str, Any]], ref: dict[tuple, list[torch.Tensor]],
+                ref_tokens: dict[tuple, list[int]], threads: int) -> dict[tuple, dict[str, Any]]:
+    """llama.cpp (llama-cpp-python, its defaults: an f16 KV cache) on the same GGUF and prompt tokens, full
+    attention: each needle prompt answered greedily, then fed the reference's tokens; the same per-step
+    measures as `floor_pass` for its full attention."""
+    import llama_cpp
+    import numpy as np
+
+    llm = llama_cpp.Llama(model_path=path, n_ctx=MAX_CTX, n_threads=threads, n_threads_batch=threads,
+                          n_batch=512, logits_all=False, verbose=False)
+    logits = lambda: torch.from_numpy(  # noqa: E731
+        np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()).log_softmax(-1)
+    kl = lambda p, q: float((p.exp() * (p - q)).sum())  # noqa: E731
+    stop = {llm.token_eos()}
+    out: dict[tuple, dict[str, Any]] = {}
+    for it in items:
+        key, prompt, free_steps, forced_steps = it["key"], it["prompt"], it["free_steps"], it["forced_steps"]
+        llm.reset()
+        llm.eval(prompt)
+        n = len(prompt)
+        free = [int(logits().argmax())]
+        for _ in range(free_steps):
+            llm.eval([free[-1]])
+            free.append(int(logits().argmax()))
+        llm.n_tokens = n  # the next eval drops the cache past the prompt
+        stats: dict[str, list] = {"kl_full": [], "flip_full": []}
+        for i in range(forced_steps):
+            llm.eval([ref_tokens[key][i]])
+            mine, want = logits(), ref[key][i]
+            stats["kl_full"].append(kl(want, mine))
+            stats["flip_full"].append(int(mine.argmax()) != int(want.argmax()))
+        cut = free[: free_steps + 1]
+        cut = cut[: next((j for j, x in enumerate(cut) if x in stop), len(cut))]
+        text = llm.detokenize(cut).decode("utf-8", "replace").strip()
+        out[key] = {"texts": {"full": text}, "answers": {"full": answer(text)}, "code": it.get("code"), **stats}
+    return out
+
+
+def floor_pass(h: Harness, items: list[dict[str, Any]], ref: dict[tuple, list[torch.Tensor]] | None,
+               ref_tokens: dict[tuple, list[int]]) -> tuple[dict[tuple, dict[str, Any]], dict[tuple, list[torch.Tensor]]]:
+    """One harness over the floor's prompts: each answered freely by full attention and by OmniKV, and
+    both fed the reference's tokens (`ref_tokens`; the reference run, `ref` None, feeds its own full
+    attention's). Returns per prompt the free answers and, per forced step, KL(reference || run) and
+    whether the greedy choice differs, for full attention and OmniKV, plus KL(full || OmniKV) within the
+    run; the reference run also returns its full attention's log-probabilities per forced step."""
+    stop = set(h.tok.eos_token_ids)
+    cut = lambda t: t[: next((i for i, x in enumerate(t) if x in stop), len(t))]  # noqa: E731
+    out: dict[tuple, dict[str, Any]] = {}
+    logs: dict[tuple, list[torch.Tensor]] = {}
+    for it in items:
+        key, prompt, free_steps, forced_steps = it["key"], it["prompt"], it["free_steps"], it["forced_steps"]
+        a, tok = h.prefill(prompt)
+        n = len(prompt)
+        b, c = h.fork(a, n), h.fork(a, n)
+        d = h.fork(a, n) if ref is not None else None  # full attention fed the reference's tokens
+        path = ref_tokens[key] if ref is not None else None
+        free = {"full": [tok], "omnikv": [tok]}
+        stats: dict[str, list] = {k: [] for k in ("kl_full", "flip_full", "kl_omnikv", "flip_omnikv",
+                                                 "kl_within", "flip_within")}
+        mine: list[torch.Tensor] = []
+        forced_tok = path[0] if path is not None else tok
+        ran = {a: 0, b: 0, c: 0, **({d: 0} if d is not None else {})}  # decode steps each row took
+        for i in range(max(free_steps, forced_steps)):
+            rows = []
+            if i < free_steps or path is None:
+                rows += [(a, n + i, free["full"][-1], False)]
+            if i < free_steps:
+                rows += [(b, n + i, free["omnikv"][-1], True)]
+            if i < forced_steps:
+                rows += [(c, n + i, forced_tok, True)] + ([(d, n + i, forced_tok, False)] if d is not None else [])
+            lg = h.logits(rows).log_softmax(-1)
+            for row, *_ in rows:
+                ran[row] += 1
+            j = 0
+            if i < free_steps or path is None:
+                free["full"].append(int(lg[j].argmax()))
+                j += 1
+            if i < free_steps:
+                free["omnikv"].append(int(lg[j].argmax()))
+                j += 1
+            if i < forced_steps:
+                sparse = lg[j]
+                full = lg[j + 1] if d is not None else lg[0]
+                want = ref[key][i] if ref is not None else full
+                if ref is None:
+                    mine.append(full.clone())
+                kl = lambda p, q: float((p.exp() * (p - q)).sum())  # noqa: E731
+                top = int(want.argmax())
+                stats["kl_full"].append(kl(want, full))
+                stats["flip_full"].append(int(full.argmax()) != top)
+                stats["kl_omnikv"].append(kl(want, sparse))
+                stats["flip_omnikv"].append(int(sparse.argmax()) != top)
+                stats["kl_within"].append(kl(full, sparse))
+                stats["flip_within"].append(int(sparse.argmax()) != int(full.argmax()))
+                forced_tok = path[i + 1] if path is not None else int(full.argmax())
+        h.release(list(ran), n, [n + k for k in ran.values()])
+        texts = {k: h.tok.decode(cut(v[: free_steps + 1])).strip() for k, v in free.items()}
+        out[key] = {"texts": texts, "answers": {k: answer(v) for k, v in texts.items()}, "code": it.get("code"),
+                    **stats, "tokens": free["full"][: forced_steps + 1] if path is None else None}
+        if ref is None:
+            logs[key] = mine
+    return out, logs
+
+
+def floor(model: str, budget: float, overrides: dict[str, Any], h32: Harness, ids: list[int], lengths: list[int],
+          depths: int, answer_tokens: int, forced_tokens: int, seeds: list[int], doc_contexts: list[int],
+          doc_prompts: int, doc_tokens: int, llama_threads: int) -> dict[str, Any]:
+    """How far OmniKV moves the answers, next to how far a bf16 KV cache and another implementation
+    (llama.cpp, `llama_threads` > 0) move them: the needle prompts of `seeds` (and `doc_prompts` prompts
+    of documentation) in fp32 (the reference) and as served, each with full attention and OmniKV, and by
+    llama.cpp; each answered freely and fed the reference full attention's tokens. The needle answers
+    hinge on near-ties where full attention makes a number up: this is the rate at which changes nobody
+    calls a fault change them."""
+    items: list[dict[str, Any]] = []
+    for seed in seeds:
+        for d, code, prompt in needle_prompts(h32, ids, lengths, depths, seed):
+            items.append({"key": ("needle", seed, len(prompt), d), "prompt": prompt, "code": code,
+                          "free_steps": answer_tokens - 1, "forced_steps": forced_tokens})
+    question = "Summarize the documentation above in your own words."
+    for ctx in doc_contexts:
+        for k in range(doc_prompts):
+            start = k * (len(ids) - ctx) // max(doc_prompts, 1)
+            prompt = user_turn_ids(h32.tok, ids[start : start + ctx - doc_tokens - 64], question)[: MAX_CTX - doc_tokens - 1]
+            items.append({"key": ("doc", ctx, k), "prompt": prompt, "free_steps": 0, "forced_steps": doc_tokens})
+    runs: dict[str, dict[tuple, dict[str, Any]]] = {}
+    t0 = time.perf_counter()
+    runs["fp32"], ref = floor_pass(h32, items, None, {})
+    ref_tokens = {k: v["tokens"] for k, v in runs["fp32"].items()}
+    print(f"floor fp32: {len(items)} prompts, {time.perf_counter() - t0:.0f} s", flush=True)
+    for name, (dtype, kv) in FLOOR_RUNS.items():
+        if name == "fp32":
+            continue
+        t0 = time.perf_counter()
+        h = Harness(model, budget, dtype, kv_dtype=kv, **overrides)
+        runs[name], _ = floor_pass(h, items, ref, ref_tokens)
+        h.runner.close()
+        print(f"floor {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+    if llama_threads:
+        t0 = time.perf_counter()
+        from models.builtin import resolve_model_path
+
+        runs["llama_cpp"] = floor_llama(str(resolve_model_path(model)), items, ref, ref_tokens, llama_threads)
+        print(f"floor llama_cpp: {time.perf_counter() - t0:.0f} s", flush=True)
+    result: dict[str, Any] = {"runs": {"fp32": "native forward, fp32 KV cache (the reference)",
+                                       "kv_bf16": "native forward as served (bf16 KV cache)",
+                                       "llama_cpp": "llama-cpp-python on the same GGUF, its defaults (f16 KV cache)"},
+                              "needle_seeds": seeds, "forced_steps": forced_tokens}
+    mean = lambda xs: round(statistics.mean(xs), 5) if xs else None  # noqa: E731
+    rate = lambda xs: round(sum(xs) / len(xs), 4) if xs else None  # noqa: E731
+    for kind in ("needle", "doc"):
+        keys = [k for k in runs["fp32"] if k[0] == kind]
+        if not keys:
+            continue
+        table = {}
+        for name, per in runs.items():
+            cat = lambda f: [x for k in keys for x in per[k].get(f, [])]  # noqa: E731
+            row = {"steps": len(cat("kl_full")),
+                   "full_vs_fp32_full": {"mean_kl": mean(cat("kl_full")), "greedy_differs": rate(cat("flip_full"))}}
+            if name != "llama_cpp":
+                row["omnikv_vs_fp32_full"] = {"mean_kl": mean(cat("kl_omnikv")), "greedy_differs": rate(cat("flip_omnikv"))}
+                row["omnikv_vs_own_full"] = {"mean_kl": mean(cat("kl_within")), "greedy_differs": rate(cat("flip_within"))}
+            if kind == "needle":
+                ref_ans = {k: runs["fp32"][k]["answers"]["full"] for k in keys}
+                same = lambda who, against: rate([per[k]["answers"][who] == against[k] for k in keys])  # noqa: E731
+                own = {k: per[k]["answers"]["full"] for k in keys}
+                right = [k for k in keys if ref_ans[k] == str(runs["fp32"][k]["code"])]
+                row["answers"] = {"prompts": len(keys), "full_same_as_fp32_full": same("full", ref_ans),
+                                  "full_correct": rate([per[k]["answers"]["full"] == str(per[k]["code"]) for k in keys])}
+                row["answers"]["where_fp32_full_correct"] = {
+                    "prompts": len(right), "full_same": rate([per[k]["answers"]["full"] == ref_ans[k] for k in right])}
+                if name != "llama_cpp":
+                    row["answers"].update({
+                        "omnikv_same_as_fp32_full": same("omnikv", ref_ans), "omnikv_same_as_own_full": same("omnikv", own),
+                        "omnikv_correct": rate([per[k]["answers"]["omnikv"] == str(per[k]["code"]) for k in keys])})
+                    row["answers"]["where_fp32_full_correct"]["omnikv_same"] = rate(
+                        [per[k]["answers"]["omnikv"] == ref_ans[k] for k in right])
+            table[name] = row
+            print(f"floor {kind:6s} {name:12s}: {json.dumps(row)}", flush=True)
+        result[kind] = table
+    result["prompts"] = [{"key": list(k), **{n: {"answers": runs[n][k]["answers"], "texts": runs[n][k]["texts"]}
+                                              for n in runs}, "code": runs["fp32"][k]["code"]}
+                         for k in runs["fp32"] if k[0] == "needle"]
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -276,6 +475,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("float32", "auto"), default="float32",
                    help="activations: float32 (default: the committed results'), or auto as `mlaserve serve` runs "
                    "the model (bf16 where the CPU does bf16 math); the KV cache as --kv-dtype auto makes it")
+    p.add_argument("--floor-doc-prompts", type=int, default=3,
+                   help="documentation prompts (at --fidelity-contexts, --fidelity-tokens) in the floor part (default 3)")
+    p.add_argument("--floor-llama-threads", type=int, default=2,
+                   help="threads of llama.cpp's run in the floor part (0: leave llama.cpp out; it is left out "
+                   "where llama-cpp-python is not installed)")
     p.add_argument("--out", default=None)
     p.add_argument("--merge", action="store_true", help="keep the other parts' results already in --out")
     a = p.parse_args(argv)
@@ -319,6 +523,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"divergence: mean KL {dv['mean_kl']}, p99 {dv['p99_kl']}, max {dv['max_kl']}; greedy choice differs "
               f"in {dv['flip_rate']:.2%} of {dv['steps']} steps (median margin there "
               f"{statistics.median(x['margin'] for x in dv['flips']) if dv['flips'] else None} nats)")
+    if "floor" in parts:
+        if h.dtype != torch.float32 or h.kv_dtype != torch.float32:
+            p.error("the floor part's reference is fp32: run it with --dtype float32")
+        result["floor"] = floor(a.model, a.budget, overrides, h, ids, ints(a.needle_lengths), a.needle_depths,
+                                a.needle_tokens, a.divergence_tokens, ints(a.divergence_seeds),
+                                ints(a.fidelity_contexts), a.floor_doc_prompts, a.fidelity_tokens,
+                                a.floor_llama_threads if importlib.util.find_spec("llama_cpp") else 0)
     out = a.out or f"bench/results/omnikv_cpu_{machine_tag(result['machine'])}.json"
     if a.merge and Path(out).is_file():  # keep the parts not run now (same config only)
         old = json.loads(Path(out).read_text())
