@@ -758,6 +758,47 @@ def test_omnikv_cpu_bench_runs_end_to_end(tmp_path, monkeypatch: pytest.MonkeyPa
     assert dv["steps"] == 6 and dv["flips"] == [] and abs(dv["max_kl"]) < 1e-6
 
 
+def test_omnikv_cpu_floor_part(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """The floor part at tiny sizes with a budget that keeps every token: OmniKV is its own run's full
+    attention, the fp32 run is the reference itself, the served (bf16 cache) run moves a little, and
+    llama.cpp (where installed), fed the same tokens at the same positions, stays close: a prompt or
+    position out of line would put its KL in whole nats."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    omnikv_cpu = importlib.import_module("omnikv_cpu")
+    out = tmp_path / "floor.json"
+    assert omnikv_cpu.main(["--parts", "floor", "--budget", "1.0", "--needle-lengths", "300,500", "--needle-depths", "2",
+                            "--needle-tokens", "6", "--divergence-seeds", "7", "--divergence-tokens", "4",
+                            "--fidelity-contexts", "400", "--floor-doc-prompts", "1", "--fidelity-tokens", "5",
+                            "--out", str(out)]) == 0
+    fl = json.loads(out.read_text())["floor"]
+    llama = importlib.util.find_spec("llama_cpp") is not None
+    assert set(fl["needle"]) == {"fp32", "kv_bf16"} | ({"llama_cpp"} if llama else set())
+    for kind, steps in (("needle", 4 * 4), ("doc", 5)):
+        ref, served = fl[kind]["fp32"], fl[kind]["kv_bf16"]
+        assert ref["steps"] == served["steps"] == steps
+        assert ref["full_vs_fp32_full"] == {"mean_kl": 0.0, "greedy_differs": 0.0}
+        for run in (ref, served):
+            assert abs(run["omnikv_vs_own_full"]["mean_kl"]) < 1e-6 and run["omnikv_vs_own_full"]["greedy_differs"] == 0
+        assert 0.0 < served["full_vs_fp32_full"]["mean_kl"] < 0.05
+        if llama:
+            assert fl[kind]["llama_cpp"]["steps"] == steps and 0.0 < fl[kind]["llama_cpp"]["full_vs_fp32_full"]["mean_kl"] < 0.05
+    assert fl["needle"]["fp32"]["answers"]["prompts"] == 4 and fl["needle"]["fp32"]["answers"]["full_same_as_fp32_full"] == 1.0
+    assert fl["needle"]["fp32"]["answers"]["omnikv_same_as_own_full"] == 1.0
+    assert len(fl["prompts"]) == 4 and {"fp32", "kv_bf16", "code"} <= set(fl["prompts"][0])
+    with pytest.raises(SystemExit):  # the reference is fp32
+        omnikv_cpu.main(["--parts", "floor", "--dtype", "auto", "--out", str(tmp_path / "x.json")])
+
+
+def test_contention_quiet_pairs_cost(cpu_bench) -> None:
+    """The policy's paired quiet cost: the pairs' median ratio, its bootstrap interval around it."""
+    pc = cpu_bench.cpu_contention.paired_cost
+    r = pc([1.02, 1.05, 0.98, 1.04, 1.03, 1.01, 1.10])
+    assert r["cost"] == pytest.approx(0.03) and r["pairs"] == 7
+    lo, hi = r["interval_90"]
+    assert 0.98 - 1 <= lo <= r["cost"] <= hi <= 1.10 - 1
+    assert pc([1.0] * 5)["interval_90"] == [0.0, 0.0]
+
+
 def test_cpu_model_profile_on_a_tiny_gguf(cpu_bench, tmp_path: Path) -> None:
     """bench_cpu_model.py --profile on a tiny GGUF: the decode steps' phases, which add up to no more than
     the forward, itself within the step; the profile is off and empty afterwards."""
