@@ -328,6 +328,13 @@ def summarize_rounds(samples: list[dict[str, Any]], threshold: float) -> float |
     return cc.median([s["tok_s"] for s in kept if s.get("tok_s")])
 
 
+def read_after(sample: dict[str, Any], threads: int) -> dict[str, Any]:
+    """The sample with the machine's read bandwidth measured right after it (`read_after_Bps`). On a VM
+    whose shared read limit moves from spell to spell (a Zen 4 VM: ~47 or ~77 GB/s for tens of seconds),
+    a decode's fraction of the read at its own time says more than the one measured at the start."""
+    return {**sample, "read_after_Bps": cc.read_bandwidth(threads=threads)}
+
+
 def bench_file(qtype: str, path: Path, args: argparse.Namespace, threads: int, bw_samples: list[float],
                lb_binary: Path | None) -> dict[str, Any]:
     tensors, meta = gguf_tensors(path)
@@ -360,14 +367,14 @@ def bench_file(qtype: str, path: Path, args: argparse.Namespace, threads: int, b
                 if who == "ours":
                     if not args.skip_pp:
                         pp.append(measured(args, lambda: ours.pp(args.prompt_tokens, seed=r), "ours pp"))
-                    tg.append(measured(args, lambda: ours.tg(args.decode_prompt, args.decode_tokens, seed=100 + r),
-                                       "ours tg"))
+                    tg.append(measured(args, lambda: read_after(ours.tg(args.decode_prompt, args.decode_tokens,
+                                                                        seed=100 + r), threads), "ours tg"))
                 elif with_peer:
                     assert lb_cmd is not None
-                    peer_rounds.append(measured(args, lambda: run_llama_bench(lb_cmd, args.peer_timeout),
-                                                "llama-bench"))
+                    peer_rounds.append(measured(args, lambda: read_after(run_llama_bench(lb_cmd, args.peer_timeout),
+                                                                         threads), "llama-bench"))
             print(f"  round {r + 1}: ours ({backend}) pp {pp[-1]['tok_s'] if pp else 0:.2f} tok/s, "
-                  f"tg {tg[-1]['tok_s']:.3f} tok/s"
+                  f"tg {tg[-1]['tok_s']:.3f} tok/s (read after {tg[-1]['read_after_Bps'] / 1e9:.0f} GB/s)"
                   + (f"; llama-bench {_lb_line(peer_rounds[-1])}" if with_peer else ""),
                   flush=True)
         entry["ours"][backend] = {
@@ -383,7 +390,8 @@ def bench_file(qtype: str, path: Path, args: argparse.Namespace, threads: int, b
         gc.collect()
     while want_peer and len(peer_rounds) < args.rounds:  # --peer-only, or no backend of ours loaded
         assert lb_cmd is not None
-        peer_rounds.append(measured(args, lambda: run_llama_bench(lb_cmd, args.peer_timeout), "llama-bench"))
+        peer_rounds.append(measured(args, lambda: read_after(run_llama_bench(lb_cmd, args.peer_timeout), threads),
+                                    "llama-bench"))
         print(f"  round {len(peer_rounds)}: llama-bench {_lb_line(peer_rounds[-1])}", flush=True)
     if lb_cmd is None:
         entry["skipped"]["llama_bench"] = peers.absent_reason("llama-bench")
@@ -405,7 +413,8 @@ def bench_file(qtype: str, path: Path, args: argparse.Namespace, threads: int, b
 def _lb_line(r: dict[str, Any]) -> str:
     if "error" in r:
         return "ERROR " + r["error"].splitlines()[0]
-    return f"pp {r.get('pp', {}).get('avg_ts', 0):.2f} tok/s, tg {r.get('tg', {}).get('avg_ts', 0):.2f} tok/s"
+    return (f"pp {r.get('pp', {}).get('avg_ts', 0):.2f} tok/s, tg {r.get('tg', {}).get('avg_ts', 0):.2f} tok/s"
+            f" (read after {r.get('read_after_Bps', 0) / 1e9:.0f} GB/s)")
 
 
 def derive(entry: dict[str, Any], read_bw: float) -> None:
@@ -415,8 +424,16 @@ def derive(entry: dict[str, Any], read_bw: float) -> None:
     peer = entry.get("llama_bench") or {}
     if peer:
         peer["tg_fraction_of_floor"] = floor_figures(bpt, read_bw, peer.get("tg_tok_s"))["fraction_of_floor"]
+    def of_read(rate: float | None, sample: dict[str, Any]) -> float | None:
+        return rate * bpt / sample["read_after_Bps"] if rate and sample.get("read_after_Bps") else None
+
+    if peer:
+        fr = [of_read(r.get("tg", {}).get("avg_ts"), r) for r in peer.get("rounds", [])]
+        peer["tg_fraction_of_read_after"] = {"rounds": fr, "median": cc.median([f for f in fr if f])}
     for o in entry["ours"].values():
         o["tg_fraction_of_floor"] = floor_figures(bpt, read_bw, o.get("tg_tok_s"))["fraction_of_floor"]
+        fr = [of_read(t.get("tok_s"), t) for t in o.get("tg_samples", [])]
+        o["tg_fraction_of_read_after"] = {"rounds": fr, "median": cc.median([f for f in fr if f])}
         o["tg_ratio_vs_llama_bench"] = cc.ratio(o.get("tg_tok_s"), peer.get("tg_tok_s"))
         o["pp_ratio_vs_llama_bench"] = cc.ratio(o.get("pp_tok_s"), peer.get("pp_tok_s"))
 
@@ -473,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_report(result: dict[str, Any]) -> None:
     print(f"{'file':8s} {'who':16s} {'pp tok/s':>10s} {'tg tok/s':>10s} {'tg floor':>10s} {'of floor':>9s} "
-          f"{'pp x peer':>10s} {'tg x peer':>10s}")
+          f"{'pp x peer':>10s} {'tg x peer':>10s} {'of read':>8s}")
     for qtype, e in result["files"].items():
         rows = [(f"ours ({b})", o) for b, o in e["ours"].items()]
         if e.get("llama_bench"):
@@ -486,7 +503,8 @@ def print_report(result: dict[str, Any]) -> None:
             print(f"{qtype:8s} {who:16s} {f(r.get('pp_tok_s'), '10.2f'):>10s} {f(r.get('tg_tok_s'), '10.3f'):>10s} "
                   f"{f(e['decode_floor_tok_s'], '10.2f'):>10s} {f(r.get('tg_fraction_of_floor'), '9.3f'):>9s} "
                   f"{f(r.get('pp_ratio_vs_llama_bench'), '10.3f'):>10s} "
-                  f"{f(r.get('tg_ratio_vs_llama_bench'), '10.3f'):>10s}")
+                  f"{f(r.get('tg_ratio_vs_llama_bench'), '10.3f'):>10s} "
+                  f"{f((r.get('tg_fraction_of_read_after') or {}).get('median'), '8.3f'):>8s}")
 
 
 if __name__ == "__main__":

@@ -515,6 +515,16 @@ def test_deepseek_decode_traffic_and_floor(cpu_bench) -> None:
     assert entry["llama_bench"]["tg_fraction_of_floor"] == pytest.approx(0.8)
     o = entry["ours"]["torch"]
     assert (o["tg_fraction_of_floor"], o["tg_ratio_vs_llama_bench"], o["pp_ratio_vs_llama_bench"]) == pytest.approx((0.2, 0.25, 0.25))
+    # each round's rate against the read measured right after it
+    spells = {"decode_weight_traffic": {"bytes_per_token": 1000},
+              "ours": {"cpp": {"tg_tok_s": 3.0, "tg_samples": [{"tok_s": 2.0, "read_after_Bps": 4000.0},
+                                                                {"tok_s": 3.0, "read_after_Bps": 6000.0},
+                                                                {"tok_s": 4.0, "read_after_Bps": 4000.0}]}},
+              "llama_bench": {"tg_tok_s": 2.0, "rounds": [{"tg": {"avg_ts": 2.0}, "read_after_Bps": 8000.0},
+                                                          {"error": "x"}]}}
+    ds.derive(spells, read_bw=10_000.0)
+    assert spells["ours"]["cpp"]["tg_fraction_of_read_after"] == {"rounds": [0.5, 0.5, 1.0], "median": 0.5}
+    assert spells["llama_bench"]["tg_fraction_of_read_after"] == {"rounds": [0.25, None], "median": 0.25}
     no_peer = {"decode_weight_traffic": {"bytes_per_token": 1000}, "ours": {"torch": {"tg_tok_s": 2.0}}, "llama_bench": None}
     ds.derive(no_peer, read_bw=10_000.0)
     assert no_peer["ours"]["torch"]["tg_ratio_vs_llama_bench"] is None
