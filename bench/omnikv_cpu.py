@@ -152,13 +152,19 @@ def speed(h: Harness, ids: list[int], contexts: list[int], steps: int, rounds: i
     return out
 
 
+def doc_prompts(h: Harness, ids: list[int], ctx: int, prompts: int, gen: int) -> Iterator[list[int]]:
+    """`prompts` chat prompts of ~`ctx` tokens, each a stretch of the documentation of its own (spread
+    over it) with a request to summarize, leaving room for `gen` generated tokens."""
+    question = "Summarize the documentation above in your own words."
+    for k in range(prompts):
+        start = k * (len(ids) - ctx) // max(prompts, 1)
+        yield user_turn_ids(h.tok, ids[start : start + ctx - gen - 64], question)[: MAX_CTX - gen - 1]
+
+
 def fidelity(h: Harness, ids: list[int], contexts: list[int], prompts: int, gen: int) -> list[dict[str, Any]]:
     out = []
-    question = "Summarize the documentation above in your own words."
     for ctx in contexts:
-        for k in range(prompts):
-            start = k * (len(ids) - ctx) // max(prompts, 1)
-            prompt = user_turn_ids(h.tok, ids[start : start + ctx - gen - 64], question)[: MAX_CTX - gen - 1]
+        for prompt in doc_prompts(h, ids, ctx, prompts, gen):
             a, tok = h.prefill(prompt)
             b, c = h.fork(a, len(prompt)), h.fork(a, len(prompt))
             full, forced, free = [tok], [tok], [tok]
@@ -364,9 +370,9 @@ def floor_pass(h: Harness, items: list[dict[str, Any]], ref: dict[tuple, list[to
 
 def floor(model: str, budget: float, overrides: dict[str, Any], h32: Harness, ids: list[int], lengths: list[int],
           depths: int, answer_tokens: int, forced_tokens: int, seeds: list[int], doc_contexts: list[int],
-          doc_prompts: int, doc_tokens: int, llama_threads: int) -> dict[str, Any]:
+          n_doc: int, doc_tokens: int, llama_threads: int) -> dict[str, Any]:
     """How far OmniKV moves the answers, next to how far a bf16 KV cache and another implementation
-    (llama.cpp, `llama_threads` > 0) move them: the needle prompts of `seeds` (and `doc_prompts` prompts
+    (llama.cpp, `llama_threads` > 0) move them: the needle prompts of `seeds` (and `n_doc` prompts
     of documentation) in fp32 (the reference) and as served, each with full attention and OmniKV, and by
     llama.cpp; each answered freely and fed the reference full attention's tokens. The needle answers
     hinge on near-ties where full attention makes a number up: this is the rate at which changes nobody
@@ -376,11 +382,8 @@ def floor(model: str, budget: float, overrides: dict[str, Any], h32: Harness, id
         for d, code, prompt in needle_prompts(h32, ids, lengths, depths, seed):
             items.append({"key": ("needle", seed, len(prompt), d), "prompt": prompt, "code": code,
                           "free_steps": answer_tokens - 1, "forced_steps": forced_tokens})
-    question = "Summarize the documentation above in your own words."
     for ctx in doc_contexts:
-        for k in range(doc_prompts):
-            start = k * (len(ids) - ctx) // max(doc_prompts, 1)
-            prompt = user_turn_ids(h32.tok, ids[start : start + ctx - doc_tokens - 64], question)[: MAX_CTX - doc_tokens - 1]
+        for k, prompt in enumerate(doc_prompts(h32, ids, ctx, n_doc, doc_tokens)):
             items.append({"key": ("doc", ctx, k), "prompt": prompt, "free_steps": 0, "forced_steps": doc_tokens})
     runs: dict[str, dict[tuple, dict[str, Any]]] = {}
     t0 = time.perf_counter()
