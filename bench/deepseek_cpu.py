@@ -422,12 +422,12 @@ def derive(entry: dict[str, Any], read_bw: float) -> None:
     bpt = entry["decode_weight_traffic"]["bytes_per_token"]
     entry["decode_floor_tok_s"] = read_bw / bpt
     peer = entry.get("llama_bench") or {}
-    if peer:
-        peer["tg_fraction_of_floor"] = floor_figures(bpt, read_bw, peer.get("tg_tok_s"))["fraction_of_floor"]
+
     def of_read(rate: float | None, sample: dict[str, Any]) -> float | None:
         return rate * bpt / sample["read_after_Bps"] if rate and sample.get("read_after_Bps") else None
 
     if peer:
+        peer["tg_fraction_of_floor"] = floor_figures(bpt, read_bw, peer.get("tg_tok_s"))["fraction_of_floor"]
         fr = [of_read(r.get("tg", {}).get("avg_ts"), r) for r in peer.get("rounds", [])]
         peer["tg_fraction_of_read_after"] = {"rounds": fr, "median": cc.median([f for f in fr if f])}
     for o in entry["ours"].values():

@@ -64,11 +64,10 @@ def doc_text() -> str:
 class Harness:
     """One model runner with OmniKV planned; requests share a prompt's KV like the prefix cache does."""
 
-    def __init__(self, model: str, budget: float, dtype: str = "float32", kv_dtype: torch.dtype | None = None,
-                 **overrides: Any) -> None:
+    def __init__(self, model: str, budget: float, dtype: str = "float32", **overrides: Any) -> None:
         """`dtype`: the activations' (float32; or auto, as `mlaserve serve` resolves it: bf16 where the CPU
         does bf16 math), the KV cache's as `--kv-dtype auto` makes it for that (bf16 for GGUF blocks
-        whatever the activations), unless `kv_dtype` is given."""
+        whatever the activations)."""
         import dataclasses
 
         from executor.cpu_forward import auto_kv_dtype
@@ -80,8 +79,8 @@ class Harness:
         base, self.origin = OmniKVConfig.for_model(model, loaded.config.num_hidden_layers)
         self.cfg = dataclasses.replace(base, budget_ratio=budget, budget_tokens=None, **overrides)
         self.tok = loaded.tokenizer
-        self.dtype, self.kv_dtype = loaded.dtype, kv_dtype or (auto_kv_dtype(loaded.model, loaded.dtype)
-                                                               if dtype == "auto" else loaded.dtype)
+        self.dtype, self.kv_dtype = loaded.dtype, auto_kv_dtype(loaded.model, loaded.dtype) if dtype == "auto" \
+            else loaded.dtype
         self.runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=3 * MAX_CTX, max_running_requests=4,
                                   max_context_len=MAX_CTX, kv_dtype=self.kv_dtype, omnikv=self.cfg)
         if self.runner.native_forward is None:
@@ -183,6 +182,16 @@ def fidelity(h: Harness, ids: list[int], contexts: list[int], prompts: int, gen:
     return out
 
 
+def kl(p: torch.Tensor, q: torch.Tensor) -> float:
+    """KL(p || q) of two log-probability vectors."""
+    return float((p.exp() * (p - q)).sum())
+
+
+def until_eos(tokens: list[int], stop: set[int]) -> list[int]:
+    """`tokens` up to the first end-of-sequence token."""
+    return tokens[: next((i for i, x in enumerate(tokens) if x in stop), len(tokens))]
+
+
 def answer(text: str) -> str | None:
     """The number a needle answer gives (the first run of digits), or None: the answer compared, since
     the model words it freely ("The passcode is 52817." / "The secret passcode mentioned ... is 52817")."""
@@ -209,7 +218,6 @@ def needle(h: Harness, ids: list[int], lengths: list[int], depths: int, answer_t
            seed: int) -> list[dict[str, Any]]:
     out = []
     stop = set(h.tok.eos_token_ids)
-    cut = lambda t: t[: next((i for i, x in enumerate(t) if x in stop), len(t))]  # noqa: E731
     for d, code, prompt in needle_prompts(h, ids, lengths, depths, seed):
         a, tok = h.prefill(prompt)
         b = h.fork(a, len(prompt))
@@ -220,7 +228,7 @@ def needle(h: Harness, ids: list[int], lengths: list[int], depths: int, answer_t
             full.append(nxt[0])
             sparse.append(nxt[1])
         h.release([a, b], n, [n + answer_tokens - 1] * 2)
-        full_text, sparse_text = h.tok.decode(cut(full)).strip(), h.tok.decode(cut(sparse)).strip()
+        full_text, sparse_text = (h.tok.decode(until_eos(t, stop)).strip() for t in (full, sparse))
         full_ans, sparse_ans = answer(full_text), answer(sparse_text)
         out.append({"length": len(prompt), "depth": round(d / max(depths - 1, 1), 3), "code": code,
                     "full": full_text, "omnikv": sparse_text, "full_answer": full_ans, "omnikv_answer": sparse_ans,
@@ -244,7 +252,7 @@ def divergence(h: Harness, ids: list[int], lengths: list[int], depths: int, step
             for i in range(steps):
                 lg = h.logits([(a, n + i, last, False), (b, n + i, last, True)]).log_softmax(-1)
                 full, sparse = lg[0], lg[1]
-                kls.append(float((full.exp() * (full - sparse)).sum()))
+                kls.append(kl(full, sparse))
                 top = full.topk(2)
                 if int(sparse.argmax()) != int(top.indices[0]):
                     flips.append({"seed": seed, "length": len(prompt), "depth": d, "step": i,
@@ -256,12 +264,6 @@ def divergence(h: Harness, ids: list[int], lengths: list[int], depths: int, step
     return {"seeds": seeds, "steps": len(kls), "mean_kl": round(statistics.mean(kls), 5), "p50_kl": pick(50),
             "p90_kl": pick(90), "p99_kl": pick(99), "max_kl": round(max(kls), 4), "flip_rate": round(len(flips) / len(kls), 4),
             "flips": flips}
-
-
-FLOOR_RUNS = {"fp32": ("float32", None), "kv_bf16": ("auto", None)}
-"""The floor part's runs of the native forward: (activations, KV cache override). fp32 is the reference;
-`auto` is the model as `mlaserve serve` runs it. The native forward keeps its activations in fp32 either
-way, so the two differ in the KV cache alone (bf16 for GGUF blocks)."""
 
 
 def floor_llama(path: str, items: list[dict[str, Any]], ref: dict[tuple, list[torch.Tensor]],
@@ -276,7 +278,6 @@ def floor_llama(path: str, items: list[dict[str, Any]], ref: dict[tuple, list[to
                           n_batch=512, logits_all=False, verbose=False)
     logits = lambda: torch.from_numpy(  # noqa: E731
         np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()).log_softmax(-1)
-    kl = lambda p, q: float((p.exp() * (p - q)).sum())  # noqa: E731
     stop = {llm.token_eos()}
     out: dict[tuple, dict[str, Any]] = {}
     for it in items:
@@ -295,9 +296,7 @@ def floor_llama(path: str, items: list[dict[str, Any]], ref: dict[tuple, list[to
             mine, want = logits(), ref[key][i]
             stats["kl_full"].append(kl(want, mine))
             stats["flip_full"].append(int(mine.argmax()) != int(want.argmax()))
-        cut = free[: free_steps + 1]
-        cut = cut[: next((j for j, x in enumerate(cut) if x in stop), len(cut))]
-        text = llm.detokenize(cut).decode("utf-8", "replace").strip()
+        text = llm.detokenize(until_eos(free[: free_steps + 1], stop)).decode("utf-8", "replace").strip()
         out[key] = {"texts": {"full": text}, "answers": {"full": answer(text)}, "code": it.get("code"), **stats}
     return out
 
@@ -310,7 +309,6 @@ def floor_pass(h: Harness, items: list[dict[str, Any]], ref: dict[tuple, list[to
     whether the greedy choice differs, for full attention and OmniKV, plus KL(full || OmniKV) within the
     run; the reference run also returns its full attention's log-probabilities per forced step."""
     stop = set(h.tok.eos_token_ids)
-    cut = lambda t: t[: next((i for i, x in enumerate(t) if x in stop), len(t))]  # noqa: E731
     out: dict[tuple, dict[str, Any]] = {}
     logs: dict[tuple, list[torch.Tensor]] = {}
     for it in items:
@@ -350,7 +348,6 @@ def floor_pass(h: Harness, items: list[dict[str, Any]], ref: dict[tuple, list[to
                 want = ref[key][i] if ref is not None else full
                 if ref is None:
                     mine.append(full.clone())
-                kl = lambda p, q: float((p.exp() * (p - q)).sum())  # noqa: E731
                 top = int(want.argmax())
                 stats["kl_full"].append(kl(want, full))
                 stats["flip_full"].append(int(full.argmax()) != top)
@@ -360,7 +357,7 @@ def floor_pass(h: Harness, items: list[dict[str, Any]], ref: dict[tuple, list[to
                 stats["flip_within"].append(int(sparse.argmax()) != int(full.argmax()))
                 forced_tok = path[i + 1] if path is not None else int(full.argmax())
         h.release(list(ran), n, [n + k for k in ran.values()])
-        texts = {k: h.tok.decode(cut(v[: free_steps + 1])).strip() for k, v in free.items()}
+        texts = {k: h.tok.decode(until_eos(v[: free_steps + 1], stop)).strip() for k, v in free.items()}
         out[key] = {"texts": texts, "answers": {k: answer(v) for k, v in texts.items()}, "code": it.get("code"),
                     **stats, "tokens": free["full"][: forced_steps + 1] if path is None else None}
         if ref is None:
@@ -390,14 +387,13 @@ def floor(model: str, budget: float, overrides: dict[str, Any], h32: Harness, id
     runs["fp32"], ref = floor_pass(h32, items, None, {})
     ref_tokens = {k: v["tokens"] for k, v in runs["fp32"].items()}
     print(f"floor fp32: {len(items)} prompts, {time.perf_counter() - t0:.0f} s", flush=True)
-    for name, (dtype, kv) in FLOOR_RUNS.items():
-        if name == "fp32":
-            continue
-        t0 = time.perf_counter()
-        h = Harness(model, budget, dtype, kv_dtype=kv, **overrides)
-        runs[name], _ = floor_pass(h, items, ref, ref_tokens)
-        h.runner.close()
-        print(f"floor {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+    # the model as `mlaserve serve` runs it: the native forward keeps its activations in fp32 there too,
+    # so this run differs from the reference in its KV cache alone (bf16 for GGUF blocks)
+    t0 = time.perf_counter()
+    served = Harness(model, budget, "auto", **overrides)
+    runs["kv_bf16"], _ = floor_pass(served, items, ref, ref_tokens)
+    served.runner.close()
+    print(f"floor kv_bf16: {time.perf_counter() - t0:.0f} s", flush=True)
     if llama_threads:
         t0 = time.perf_counter()
         from models.builtin import resolve_model_path
