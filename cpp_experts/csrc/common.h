@@ -33,15 +33,15 @@ inline size_t round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }
 
 constexpr size_t kHugePage = size_t(2) << 20;
 
-// 64-byte aligned, zero-filled bytes (packed weights, activation and output scratch).
+// 64-byte aligned, zero-filled bytes (activation and output scratch, biases; weights: WeightBuffer).
 struct Buffer {
   std::unique_ptr<uint8_t, FreeDeleter> p;
   size_t n = 0;
   void resize(size_t bytes) {  // reallocates (and zeroes) only when growing
     if (bytes <= n && p) return;
-    // Large buffers (packed weights) on 2 MiB boundaries and asked for huge pages before they are
-    // touched: decode streams every weight once per token, and with 4 KiB pages each page costs a
-    // TLB miss (the kernel's THP mode is often `madvise`, so it only helps where asked).
+    // Large buffers on 2 MiB boundaries and asked for huge pages before they are touched: with 4 KiB
+    // pages a pass over them costs a TLB miss a page (the kernel's THP mode is often `madvise`, so
+    // it only helps where asked).
     const bool huge = bytes >= kHugePage;
     const size_t sz = round_up(bytes ? bytes : 64, huge ? kHugePage : 64);
     void* q = std::aligned_alloc(huge ? kHugePage : 64, sz);
@@ -54,6 +54,22 @@ struct Buffer {
     n = round_up(bytes ? bytes : 64, 64);  // the bytes asked for (memory_bytes), not the huge-page padding
   }
   uint8_t* data() const { return p.get(); }
+};
+
+// Packed weights: zero-filled bytes carved, 64-byte aligned and back to back, out of shared 2 MiB-aligned
+// chunks that are asked for huge pages (weight_arena.cpp); a chunk is unmapped when its last weight
+// goes. One Buffer a weight would round each matrix up to whole huge pages: a DeepSeek-V2-Lite
+// expert's 3.1 MB Q8_0 matrix took 4 MB, +30% of the experts' memory, and a matrix under 2 MiB got no
+// huge pages at all. Back to back, one layer's experts are also one run of memory.
+class WeightBuffer {
+ public:
+  void resize(size_t bytes);  // once per buffer: a second call throws
+  uint8_t* data() const { return p_; }
+  size_t n = 0;  // the bytes asked for
+
+ private:
+  std::shared_ptr<void> chunk_;  // keeps the chunk mapped
+  uint8_t* p_ = nullptr;
 };
 
 inline float bf16_to_f32(uint16_t h) {

@@ -198,7 +198,8 @@ class QuantLinear {
   const Kernels* bf16k_;
   bool amx_ = false;   // bf16 weights: AMX-BF16 tiles from kAmxMinTokens rows of x
   bool amxq_ = false;  // quantised weights: AMX-INT8 tiles from kAmxInt8MinRows rows of x
-  Buffer w_, bias_;
+  WeightBuffer w_;
+  Buffer bias_;
   QMat qm_{};
   Mat bm_{};
   bool has_bias_ = false;

@@ -517,3 +517,32 @@ def test_default_model_tensors(pool: cpp_experts.WorkerPool) -> None:
         op = cpp_experts.QuantLinear.from_gguf(data, t.tensor_type, n, k, pool=pool)
         xk = x if k == 576 else torch.randn(3, k)
         check(op(xk), xk, t.tensor_type.name.lower(), dequantize(data, t.tensor_type, (n, k)), None, name)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/self/status has no VmRSS")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the memory held from Linux's /proc")
+def test_weights_hold_their_own_size_and_give_it_back(pool: cpp_experts.WorkerPool) -> None:
+    """48 matrices of a DeepSeek-V2-Lite Q8_0 expert's shape (3.1 MB each) are held in about their own
+    bytes, not each rounded up to whole 2 MiB huge pages (4 MB, +30%); packed back to back, each still
+    computes its own product; and their memory is returned when they go (but at most the one chunk
+    that other weights may still share)."""
+    n, k, count = 1408, 2048, 48
+    raws = [torch.from_numpy(random_blocks("q8_0", n, k, seed_of("arena", i))) for i in range(count)]
+    before = _rss_bytes()
+    ops = [cpp_experts.QuantLinear.from_gguf(r, QTYPE["q8_0"], n, k, pool=pool) for r in raws]
+    held = sum(int(op.memory_bytes) for op in ops)
+    grown = _rss_bytes() - before
+    assert held <= grown <= 1.04 * held + (8 << 20), f"{count} weights of {held} bytes grew the process by {grown}"
+    g = torch.Generator().manual_seed(seed_of("arena", "x"))
+    for i in (0, 1, count // 2, count - 1):  # neighbours in memory, and the ends of the chunks
+        x = torch.randn(2, k, generator=g)
+        check(ops[i].forward(x), x, "q8_0", dequantize(raws[i].numpy(), QTYPE["q8_0"], (n, k)), None, f"weight {i}")
+    del ops
+    assert _rss_bytes() - before <= (64 + 8) << 20
