@@ -293,10 +293,12 @@ void QuantLinear::set_bias(const float* bias) {
 
 void run_linears(Pool& pool, const std::vector<LinearCall>& calls, int m) {
   if (m <= 0 || calls.empty()) return;
+  const auto rows = [m](const LinearCall& c) { return c.rows >= 0 ? c.rows : m; };
   int total_rb = 0;
   for (const LinearCall& c : calls) {
     if (!c.op || !c.in || !c.out) throw ArgError("a linear call needs an operator, an input and an output");
-    if (c.row0 < 0 || c.in->m < c.row0 + m || c.in->k != c.op->in_features()) throw ArgError("a linear call's input does not fit its operator");
+    if (c.rows > m) throw ArgError("a linear call's rows exceed run_linears' m");
+    if (c.row0 < 0 || c.in->m < c.row0 + rows(c) || c.in->k != c.op->in_features()) throw ArgError("a linear call's input does not fit its operator");
     if (!c.in->serves(*c.op)) throw ArgError("a linear call's input was not prepared for its operator");
     if (c.ep == Epilogue::SiluMul) {
       if (!c.up || c.up->out_features() != c.op->out_features() || c.up->in_features() != c.op->in_features())
@@ -313,7 +315,7 @@ void run_linears(Pool& pool, const std::vector<LinearCall>& calls, int m) {
   // at 160 tokens, 4 interleaved rounds) q·k·v's pass took ~8% less time, o's and down's ~5%, than
   // with two-group tasks; three-group tasks (4 a thread for o) were slower than both.
   const int p = pool.size();
-  const bool streams = std::all_of(calls.begin(), calls.end(), [&](const LinearCall& c) { return reads_streams(c, m); });
+  const bool streams = std::all_of(calls.begin(), calls.end(), [&](const LinearCall& c) { return reads_streams(c, rows(c)); });
   const int rpt = streams ? kGroupStreams * kGroupRowblocks
                           : std::min(kMaxTaskRowblocks,
                                      std::max(kGroupRowblocks, int(round_up(size_t((total_rb + 4 * p - 1) / (4 * p)),
@@ -322,19 +324,21 @@ void run_linears(Pool& pool, const std::vector<LinearCall>& calls, int m) {
   bool any_strided = false;
   for (int ci = 0; ci < int(calls.size()); ++ci) {
     const LinearCall& c = calls[size_t(ci)];
-    if (strided(c, m, p)) {
+    const int mc = rows(c);
+    if (mc <= 0) continue;
+    if (strided(c, mc, p)) {
       any_strided = true;
       const int G = c.op->groups(), q = (G + kGroupStreams - 1) / kGroupStreams;
       for (int i = 0; i < q; ++i) {
-        Task tk{ci, 0, 0, 0, m};
+        Task tk{ci, 0, 0, 0, mc};
         tk.g0 = i, tk.step = q, tk.count = (G - 1 - i) / q + 1;
         tasks.push_back(tk);
       }
       continue;
     }
     const int nrb = c.op->rowblocks();
-    for (int t0 = 0; t0 < m; t0 += kTokChunk)
-      for (int rb = 0; rb < nrb; rb += rpt) tasks.push_back({ci, rb, std::min(nrb, rb + rpt), t0, std::min(kTokChunk, m - t0)});
+    for (int t0 = 0; t0 < mc; t0 += kTokChunk)
+      for (int rb = 0; rb < nrb; rb += rpt) tasks.push_back({ci, rb, std::min(nrb, rb + rpt), t0, std::min(kTokChunk, mc - t0)});
   }
   const int ldc = (any_strided ? std::max(rpt, kGroupStreams * kGroupRowblocks) : rpt) * 16;
   const size_t tile = size_t(kTokChunk) * ldc;
@@ -381,7 +385,7 @@ void run_linears(Pool& pool, const std::vector<LinearCall>& calls, int m) {
   for (int ci = 0; ci < int(calls.size()); ++ci) {
     const LinearCall& c = calls[size_t(ci)];
     if (!c.argmax) continue;
-    std::vector<Best> per_row(static_cast<size_t>(m));
+    std::vector<Best> per_row(static_cast<size_t>(rows(c)));
     for (size_t i = 0; i < tasks.size(); ++i) {
       const Task& tk = tasks[i];
       if (tk.call != ci) continue;
@@ -391,7 +395,7 @@ void run_linears(Pool& pool, const std::vector<LinearCall>& calls, int m) {
         if (b.col >= 0 && beats(b.v, b.col, r)) r = b;
       }
     }
-    for (int t = 0; t < m; ++t) c.argmax[t] = per_row[size_t(t)].col;
+    for (int t = 0; t < rows(c); ++t) c.argmax[t] = per_row[size_t(t)].col;
   }
 }
 

@@ -50,6 +50,7 @@ struct LinearCall {
   Epilogue ep = Epilogue::Store;
   const QuantLinear* up = nullptr;  // SiluMul only: same shape as op
   int row0 = 0;  // the call reads rows row0..row0+m-1 of its input (and writes out rows 0..m-1)
+  int rows = -1;  // this call's m, where the calls' counts differ (a MoE's experts); -1: run_linears' m
   // Store only, or null: argmax[t] = the column of row t's largest output (the first of equal maxima,
   // NaN counting as the largest, as torch's argmax). Each task scans the columns it has just written,
   // still in its core's cache: a greedy pick then never reads the [m][N] output, which the other
@@ -58,7 +59,7 @@ struct LinearCall {
   int64_t* argmax = nullptr;
 };
 
-// Runs every call over m rows of its input, as one list of tasks on the pool.
+// Runs every call over m rows of its input (its own `rows` where set), as one list of tasks on the pool.
 void run_linears(Pool& pool, const std::vector<LinearCall>& calls, int m);
 
 }  // namespace cpx

@@ -71,7 +71,8 @@ class MoE {
 
   // scratch, reused across calls
   std::vector<int> count_, offset_, slot_tok_;
-  std::vector<float> slot_w_, xs_, inter_, acc_;
+  std::vector<int> tok_slots_;  // [T][K]: each token's slots, in expert order
+  std::vector<float> slot_w_, xs_, inter_, acc_;  // xs_: the slots' inputs, then their down outputs
   LinearInput in_x_, in_h_;
 
   // async driver

@@ -35,6 +35,8 @@ CASES = [
     (1, 1, "uniform", 1, torch.float32),
     (1, 8, "uniform", None, torch.bfloat16),
     (3, 2, "skewed", None, torch.float32),
+    (10, 6, "uniform", None, torch.float32),  # 60 slots: the run_linears path, experts of 1..n slots
+    (8, 8, "skewed", 1, torch.bfloat16),  # 64 slots, the last count that path takes
     (16, 6, "uniform", 1, torch.bfloat16),
     (64, 8, "skewed", None, torch.float32),
     (257, 6, "uniform", None, torch.bfloat16),
