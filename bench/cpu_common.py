@@ -89,6 +89,18 @@ def versions() -> dict[str, Any]:
     return out
 
 
+def proc_status(key: str) -> int:
+    """A byte count of this process from /proc/self/status (VmRSS, RssAnon, VmHWM, ...); 0 where there is none."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, threads: int | None = None) -> float:
     """Bytes/s of a torch sum over a large fp32 tensor (reads only, one stream per thread): the median
     of `repeats` after a warm-up, on `threads` torch threads (None: as torch is set; torch's setting is

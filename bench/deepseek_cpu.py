@@ -183,9 +183,10 @@ class Ours:
                                       max_running_requests=1, context_length=ctx, max_total_tokens=ctx + 16,
                                       disable_prefix_cache=True, chunked_prefill_size=max(2048, args.prompt_tokens),
                                       **engine_overrides(args.engine_arg))
-        t = time.perf_counter()
+        t, anon = time.perf_counter(), cc.proc_status("RssAnon")
         self.core = EngineCore(self.engine_args)
         self.load_s = time.perf_counter() - t
+        self.load_anon_bytes = cc.proc_status("RssAnon") - anon  # the private memory the load kept
         self.vocab = self.core.config.vocab_size
         self._n = 0
         import torch
@@ -379,6 +380,7 @@ def bench_file(qtype: str, path: Path, args: argparse.Namespace, threads: int, b
                   flush=True)
         entry["ours"][backend] = {
             "dtype": ours.dtype, "load_s": ours.load_s, "resident_weight_bytes": ours.resident_bytes,
+            "load_anon_bytes": ours.load_anon_bytes,
             "torch_threads": ours.torch_threads, "engine_args": {k: v for k, v in vars(ours.engine_args).items()},
             "pp_tok_s": summarize_rounds(pp, args.retry_busy), "tg_tok_s": summarize_rounds(tg, args.retry_busy),
             "rounds_undisturbed": {"pp": cc.undisturbed(pp, args.retry_busy)[1],

@@ -28,19 +28,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.cpu_common import machine_info, machine_tag, versions, write_json  # noqa: E402
+from bench.cpu_common import machine_info, machine_tag, proc_status, versions, write_json  # noqa: E402
 
 CONFIG = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16,
           "num_key_value_heads": 4, "head_dim": 64, "num_hidden_layers": 8, "vocab_size": 49152,
           "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
           "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}
-
-
-def _status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def _rank(rank: int, world: int, port: int, path: str, out: Any) -> None:
@@ -59,21 +52,21 @@ def _rank(rank: int, world: int, port: int, path: str, out: Any) -> None:
 
     import threading
 
-    before, anon_before = _status("VmRSS"), _status("RssAnon")
+    before, anon_before = proc_status("VmRSS"), proc_status("RssAnon")
     anon_peak = [anon_before]
     done = threading.Event()
 
     def sample() -> None:
         while not done.wait(0.002):
-            anon_peak[0] = max(anon_peak[0], _status("RssAnon"))
+            anon_peak[0] = max(anon_peak[0], proc_status("RssAnon"))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     loaded = load_model(path, dtype="float32", load_tokenizer=False, progress=False)
     done.set()
     sampler.join()
-    peak = _status("VmHWM") - before
-    anon = max(anon_peak[0], _status("RssAnon")) - anon_before
+    peak = proc_status("VmHWM") - before
+    anon = max(anon_peak[0], proc_status("RssAnon")) - anon_before
     held = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=128, max_running_requests=1,
                          max_context_len=128, disable_cuda_graph=True)

@@ -294,6 +294,11 @@ def test_machine_description_and_arithmetic(cpu_bench) -> None:
     b = cc.cpu_times("cpu  200 0 100 850 50 0 0 0 0 0\n")
     assert a == (150, 1000) and b == (300, 1200) and cc.busy_fraction(a, b) == pytest.approx(0.75)
     assert cc.busy_fraction(a, a) == 0.0
+    if Path("/proc/self/status").exists():  # this process's private memory, as the load's figure reads it
+        before = cc.proc_status("RssAnon")
+        block = bytearray(b"\x01" * (64 << 20))
+        assert cc.proc_status("RssAnon") - before >= 60 << 20 and block[-1] == 1
+        assert cc.proc_status("NoSuchKey") == 0
     # others' share: machine busy minus ours (this process, its children, the servers' sessions)
     assert cc.others_fraction((100, 1000, 40), (300, 1200, 140)) == pytest.approx(0.5)
     assert cc.others_fraction((100, 1000, 40), (150, 1200, 140)) == 0.0  # never negative
