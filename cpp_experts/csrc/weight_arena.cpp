@@ -72,9 +72,7 @@ void WeightBuffer::resize(size_t bytes) {
   std::memset(q, 0, need);
   chunk_ = std::shared_ptr<void>(q, [](void* v) { std::free(v); });
   p_ = static_cast<uint8_t*>(q);
-  n = need;
-  return;
-#endif
+#else
   std::shared_ptr<Chunk> c;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
@@ -88,6 +86,7 @@ void WeightBuffer::resize(size_t bytes) {
     c->used += need;
   }
   chunk_ = std::move(c);
+#endif
   n = need;
 }
 
