@@ -295,9 +295,14 @@ def test_machine_description_and_arithmetic(cpu_bench) -> None:
     assert a == (150, 1000) and b == (300, 1200) and cc.busy_fraction(a, b) == pytest.approx(0.75)
     assert cc.busy_fraction(a, a) == 0.0
     if Path("/proc/self/status").exists():  # this process's private memory, as the load's figure reads it
+        import mmap
+
         before = cc.proc_status("RssAnon")
-        block = bytearray(b"\x01" * (64 << 20))
-        assert cc.proc_status("RssAnon") - before >= 60 << 20 and block[-1] == 1
+        block = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE)  # fresh pages: a bytearray may reuse the heap
+        for at in range(0, len(block), 4096):
+            block[at] = 1
+        assert cc.proc_status("RssAnon") - before >= 60 << 20
+        block.close()
         assert cc.proc_status("NoSuchKey") == 0
     # others' share: machine busy minus ours (this process, its children, the servers' sessions)
     assert cc.others_fraction((100, 1000, 40), (300, 1200, 140)) == pytest.approx(0.5)

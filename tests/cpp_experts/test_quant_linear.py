@@ -539,7 +539,7 @@ def test_weights_hold_their_own_size_and_give_it_back(pool: cpp_experts.WorkerPo
     ops = [cpp_experts.QuantLinear.from_gguf(r, QTYPE["q8_0"], n, k, pool=pool) for r in raws]
     held = sum(int(op.memory_bytes) for op in ops)
     grown = _rss_bytes() - before
-    assert held <= grown <= 1.04 * held + (8 << 20), f"{count} weights of {held} bytes grew the process by {grown}"
+    assert 0.9 * held <= grown <= 1.04 * held + (8 << 20), f"{count} weights of {held} bytes grew the process by {grown}"
     g = torch.Generator().manual_seed(seed_of("arena", "x"))
     for i in (0, 1, count // 2, count - 1):  # neighbours in memory, and the ends of the chunks
         x = torch.randn(2, k, generator=g)
