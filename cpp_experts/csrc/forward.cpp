@@ -16,7 +16,7 @@
 
 namespace cpx {
 namespace {
-constexpr int kCopyChunk = 8;  // slots per activation-copy task
+constexpr int kRowChunk = 8;  // rows per task of the activation copy (slots) and of the weighted sum (tokens)
 }  // namespace
 
 void MoE::compute(const Job& job) {
@@ -51,8 +51,8 @@ void MoE::compute(const Job& job) {
 
   // ---- job 0: each slot's activation row (fp32), prepared once for every gate and up
   xs_.resize(size_t(S) * H_);
-  pool.run((S + kCopyChunk - 1) / kCopyChunk, [&](int task, int) {
-    for (int s = task * kCopyChunk; s < std::min(S, (task + 1) * kCopyChunk); ++s) {
+  pool.run((S + kRowChunk - 1) / kRowChunk, [&](int task, int) {
+    for (int s = task * kRowChunk; s < std::min(S, (task + 1) * kRowChunk); ++s) {
       const size_t t = size_t(slot_tok_[size_t(s)]);
       float* dst = xs_.data() + size_t(s) * H_;
       if (job.hidden_bf16) {
@@ -94,8 +94,8 @@ void MoE::compute(const Job& job) {
   // ---- each token's slots weighted and summed, in fp32 (then rounded where the output is bf16)
   if (job.out_bf16) acc_.resize(size_t(T) * H_);
   float* acc = job.out_bf16 ? acc_.data() : static_cast<float*>(job.out);
-  pool.run((T + kCopyChunk - 1) / kCopyChunk, [&](int task, int) {
-    for (int t = task * kCopyChunk; t < std::min(T, (task + 1) * kCopyChunk); ++t) {
+  pool.run((T + kRowChunk - 1) / kRowChunk, [&](int task, int) {
+    for (int t = task * kRowChunk; t < std::min(T, (task + 1) * kRowChunk); ++t) {
       float* dst = acc + size_t(t) * H_;
       std::fill(dst, dst + H_, 0.0f);
       for (int k = 0; k < K_; ++k) {
