@@ -41,7 +41,8 @@ set_cpu_wait_policy(os.environ)  # before torch starts its OpenMP threads, as fo
 
 import torch  # noqa: E402
 
-from bench.cpu_common import StreamRead, machine_info, ratio, read_bandwidth, versions, write_json  # noqa: E402
+from bench.cpu_common import (StreamRead, machine_info, phase_profile, print_phase_profile, ratio, read_bandwidth,  # noqa: E402
+                               versions, write_json)
 from engine.process import freeze_gc_heap  # noqa: E402
 
 
@@ -104,14 +105,7 @@ class Ours:
             prof = plan.profile(reset=True)
         finally:
             plan.set_profiling(False)
-        step = t_dec * 1e6
-        n = prof["forwards"]
-        fwd = prof["forward_s"] / n * 1e6
-        phases = {k: {"us_per_step": v["s"] / n * 1e6, "share_of_step": v["s"] / n * 1e6 / step,
-                      "pool_runs_per_step": v["pool_runs"] / n, "wait_us_per_step": v["wait_s"] / n * 1e6}
-                  for k, v in sorted(prof["phases"].items(), key=lambda kv: -kv[1]["s"])}
-        return {"decode_steps": n, "step_us": step, "forward_us": fwd, "outside_forward_us": step - fwd,
-                "phases": phases}
+        return phase_profile(prof, t_dec)
 
 
 class LlamaCpp:
@@ -255,11 +249,7 @@ def main() -> None:
               f"floor {r['floor_tok_s_stream_read']:7.1f}  of floor {r['fraction_of_floor_stream_read']:.2f}")
     print({k: None if v is None else round(v, 3) for k, v in report["ratios"].items()})
     if profile is not None:
-        print(f"profile: step {profile['step_us']:.0f} us, forward {profile['forward_us']:.0f} us, "
-              f"outside it {profile['outside_forward_us']:.0f} us")
-        for k, v in profile["phases"].items():
-            print(f"  {k:15s} {v['us_per_step']:8.1f} us  {100 * v['share_of_step']:5.1f}%  "
-                  f"pool runs {v['pool_runs_per_step']:5.1f}  waiting {v['wait_us_per_step']:6.1f} us")
+        print_phase_profile(profile)
     print(f"wrote {out}")
 
 

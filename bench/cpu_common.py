@@ -299,6 +299,39 @@ def undisturbed(measurements: list[dict[str, Any]], threshold: float) -> tuple[l
     return (quiet or measurements), len(quiet)
 
 
+def phase_profile(prof: dict[str, Any], step_s: float, phase_bytes: dict[str, int] | None = None,
+                  read_Bps: float | None = None) -> dict[str, Any]:
+    """A native forward's timed decode steps (`NativeDecodePlan.profile()`, taken over decode steps
+    only: a prompt's forward reads far more weights, and averaged in it makes every phase look slow)
+    and the measured seconds per step -> per step: each phase's time, share of the step, parallel pool
+    runs and the caller's wait in them, and the time outside the forward. With the weight bytes each
+    phase reads (`phase_bytes`) and a read bandwidth, also each phase's fraction of that read."""
+    n = prof["forwards"]
+    if n < 1 or step_s <= 0:
+        raise ValueError("no decode step was timed: turn profiling on before the decode steps")
+    step = step_s * 1e6
+    fwd = prof["forward_s"] / n * 1e6
+    phases: dict[str, Any] = {}
+    for k, v in sorted(prof["phases"].items(), key=lambda kv: -kv[1]["s"]):
+        us = v["s"] / n * 1e6
+        phases[k] = {"us_per_step": us, "share_of_step": us / step, "pool_runs_per_step": v["pool_runs"] / n,
+                     "wait_us_per_step": v["wait_s"] / n * 1e6}
+        if phase_bytes and read_Bps and phase_bytes.get(k) and us > 0:
+            phases[k]["weight_bytes"] = phase_bytes[k]
+            phases[k]["fraction_of_read"] = phase_bytes[k] / (us / 1e6) / read_Bps
+    return {"decode_steps": n, "step_us": step, "forward_us": fwd, "outside_forward_us": step - fwd,
+            "read_Bps": read_Bps, "phases": phases}
+
+
+def print_phase_profile(profile: dict[str, Any]) -> None:
+    print(f"profile: step {profile['step_us']:.0f} us, forward {profile['forward_us']:.0f} us, "
+          f"outside it {profile['outside_forward_us']:.0f} us")
+    for k, v in profile["phases"].items():
+        read = f"  {v['fraction_of_read']:.2f} of the read" if "fraction_of_read" in v else ""
+        print(f"  {k:15s} {v['us_per_step']:8.1f} us  {100 * v['share_of_step']:5.1f}%  "
+              f"pool runs {v['pool_runs_per_step']:5.1f}  waiting {v['wait_us_per_step']:6.1f} us{read}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

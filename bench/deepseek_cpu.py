@@ -22,6 +22,11 @@ seconds/token = those bytes / the read bandwidth measured in the same run (a lar
 `--threads` threads); reported as floor tokens/s and each side's fraction of it. The KV cache read is
 left out (a few hundred KB at these lengths).
 
+`--profile` adds one more decode run per backend with the native forward's decode steps timed phase by
+phase (`CpuModel.set_profiling`; the prompt's forward is left out: it reads far more experts): each
+phase's time, its pool runs and waits, and its weight bytes over its time as a fraction of the read
+measured right after; the time outside the forward is the engine's (scheduler, sampler, Python).
+
 `--expert-backends` names the expert backends to measure (the native forward runs routed experts in
 the C++ pool whatever is named; `torch` matters with `--engine-arg cpu_kernels=torch`). It needs the extension built in place (`make install`); a checkout
 without it can point `MLASERVE_CPP_EXPERTS_LIB` at another checkout's `cpp_experts/_C*.so`
@@ -37,7 +42,7 @@ than `--retry-busy` of the CPUs while it ran; what each saw is recorded.
     .venv/bin/python bench/make_deepseek_gguf.py        # once: the GGUFs
     .venv/bin/python bench/deepseek_cpu.py [--types bf16 q8_0 q4_k_m] [--rounds 3] [--threads 2]
         [--decode-tokens 64] [--prompt-tokens 512] [--expert-backends cpp] [--ours-only | --peer-only]
-        [--out bench/results/deepseek_cpu_<machine-tag>.json]
+        [--profile] [--out bench/results/deepseek_cpu_<machine-tag>.json]
 """
 
 from __future__ import annotations
@@ -90,6 +95,27 @@ def bytes_per_decoded_token(tensors: list[tuple[str, tuple[int, ...], int]], n_e
         else:
             parts["other"] += nbytes
     return {"bytes_per_token": sum(parts.values()), "file_tensor_bytes": total_file, "breakdown": parts}
+
+
+# GGUF tensor names (llama.cpp's deepseek2 names) -> the native forward's phase that reads them
+_PHASE_OF = (("attn_q.", "qkv_proj"), ("attn_q_a.", "qkv_proj"), ("attn_q_b.", "qkv_proj"),
+             ("attn_kv_a_mqa.", "qkv_proj"), ("attn_k_b.", "absorb"), ("attn_v_b.", "value_up"),
+             ("attn_output.", "o_proj"), ("ffn_gate_inp.", "router"), ("_exps.", "experts"),
+             ("_shexp.", "shared_experts"), ("ffn_gate.", "gate_up"), ("ffn_up.", "gate_up"),
+             ("ffn_down.", "down"), ("output.", "lm_head"))
+
+
+def phase_bytes(tensors: list[tuple[str, tuple[int, ...], int]], n_experts: int, top_k: int) -> dict[str, int]:
+    """The weight bytes each phase of the native forward's profile reads a decoded token (the routed
+    experts top_k / n_experts of theirs; norms and the embedding row left out): what `--profile`
+    divides by a phase's time for its fraction of the read."""
+    out: dict[str, int] = {}
+    for name, _, nbytes in tensors:
+        for key, phase in _PHASE_OF:
+            if key in name and (key != "output." or name.startswith("output.")):
+                out[phase] = out.get(phase, 0) + (nbytes * top_k // n_experts if phase == "experts" else nbytes)
+                break
+    return out
 
 
 def gguf_tensors(path: Path) -> tuple[list[tuple[str, tuple[int, ...], int]], dict[str, Any]]:
@@ -204,8 +230,10 @@ class Ours:
         self.torch_threads = torch.get_num_threads()
         freeze_gc_heap()  # as the engine process, once the model is loaded
 
-    def request(self, ids: list[int], max_tokens: int) -> dict[str, Any]:
-        """One request to the end: seconds to the first token, and each later token's arrival time."""
+    def request(self, ids: list[int], max_tokens: int,
+                after_first: Callable[[], None] | None = None) -> dict[str, Any]:
+        """One request to the end: seconds to the first token, and each later token's arrival time;
+        `after_first` is called once the first token is out (before the decode steps)."""
         from engine.messages import GenerateRequest
         from scheduler.sampling_params import SamplingParams
 
@@ -227,6 +255,8 @@ class Ours:
                     continue
                 if o.error:
                     raise RuntimeError(o.error)
+                if not arrivals and o.new_token_ids and after_first is not None:
+                    after_first()
                 arrivals.extend([now] * len(o.new_token_ids))
                 tokens += len(o.new_token_ids)
                 finished = o.finish_reason or finished
@@ -249,6 +279,21 @@ class Ours:
         r = self.request(self.prompt(prompt, seed), n)
         return {"tok_s": (n - 1) / r["decode_s"], "seconds": r["decode_s"], "first_token_s": r["first_token_s"],
                 "tokens": n}
+
+    def profile(self, prompt: int, n: int, seed: int, phases: dict[str, int], threads: int) -> dict[str, Any]:
+        """One more decode run with the native forward's decode steps timed phase by phase (the prompt's
+        forward left out), each phase's fraction of the read measured right after (`cc.phase_profile`)."""
+        nf = self.core.runner.native_forward
+        if nf is None:
+            raise RuntimeError(f"the native forward is off: {self.core.runner.native_off_reason}")
+        plan = nf.plan
+        plan.profile(reset=True)
+        try:
+            r = self.request(self.prompt(prompt, seed), n, after_first=lambda: plan.set_profiling(True))
+        finally:
+            plan.set_profiling(False)
+        prof = plan.profile(reset=True)
+        return cc.phase_profile(prof, r["decode_s"] / (n - 1), phases, cc.read_bandwidth(threads=threads))
 
     def close(self) -> None:
         self.core.runner.close()
@@ -279,6 +324,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "quantized)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
                     help="an extra EngineArgs field for our engine (repeatable), e.g. cpu_kernels=native")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the rounds, one more decode run with the native forward's phases timed: where a "
+                    "step's time goes, and each phase's fraction of the read")
     ap.add_argument("--skip-pp", action="store_true", help="only decode (ours' prefill on bf16 is the slow part)")
     grp = ap.add_mutually_exclusive_group()
     grp.add_argument("--ours-only", action="store_true")
@@ -378,7 +426,17 @@ def bench_file(qtype: str, path: Path, args: argparse.Namespace, threads: int, b
                   f"tg {tg[-1]['tok_s']:.3f} tok/s (read after {tg[-1]['read_after_Bps'] / 1e9:.0f} GB/s)"
                   + (f"; llama-bench {_lb_line(peer_rounds[-1])}" if with_peer else ""),
                   flush=True)
+        profile = None
+        if args.profile:
+            try:
+                profile = ours.profile(args.decode_prompt, args.decode_tokens, 200,
+                                       phase_bytes(tensors, meta["n_experts"] or 1, meta["top_k"] or 1), threads)
+                cc.print_phase_profile(profile)
+            except RuntimeError as e:
+                entry["skipped"][f"profile_{backend}"] = str(e)
+                print(f"  profile skipped: {e}", flush=True)
         entry["ours"][backend] = {
+            "profile": profile,
             "dtype": ours.dtype, "load_s": ours.load_s, "resident_weight_bytes": ours.resident_bytes,
             "load_anon_bytes": ours.load_anon_bytes,
             "torch_threads": ours.torch_threads, "engine_args": {k: v for k, v in vars(ours.engine_args).items()},

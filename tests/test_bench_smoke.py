@@ -516,6 +516,10 @@ def test_deepseek_decode_traffic_and_floor(cpu_bench) -> None:
     assert b["token_embd_row"] == 100 and b["routed_experts"] == 6 * 300 and b["shared_experts"] == 700
     assert b["attention"] == 8 + 1000 and b["dense_ffn"] == 5000 + 640 and b["output"] == 9008
     assert t["bytes_per_token"] == sum(b.values()) and t["file_tensor_bytes"] == sum(n for *_, n in tensors)
+    # what --profile divides each phase's time into (the router and output head in full, experts top-k)
+    assert ds.phase_bytes(tensors, n_experts=64, top_k=6) == {"qkv_proj": 1000, "gate_up": 5000, "router": 640,
+                                                              "experts": 6 * 300, "shared_experts": 700,
+                                                              "lm_head": 9000}
     f = ds.floor_figures(t["bytes_per_token"], read_bw=t["bytes_per_token"] * 20.0, tok_s=5.0)
     assert f == {"floor_tok_s": pytest.approx(20.0), "fraction_of_floor": pytest.approx(0.25)}
     entry = {"decode_weight_traffic": {"bytes_per_token": 1000}, "ours": {"torch": {"tg_tok_s": 2.0, "pp_tok_s": 30.0}},
@@ -564,6 +568,32 @@ def test_deepseek_arguments_and_missing_files(cpu_bench, tmp_path: Path) -> None
     assert r["files"] == {} and set(r["skipped"]) == {"bf16", "q8_0", "q4_k_m"}
     assert "make_deepseek_gguf.py" in r["skipped"]["bf16"] and r["machine"]["read_bandwidth_GBps"] is None
     assert mk.gguf_path(tmp_path, "q8_0") == tmp_path / "deepseek-v2-lite-L4-s0" / "model-q8_0.gguf"
+
+
+def test_deepseek_profile_on_a_tiny_gguf(cpu_bench, tmp_path: Path) -> None:
+    """deepseek_cpu.py --profile end to end on a tiny DeepSeek-V2 Q8_0 GGUF through the engine: the
+    decode steps alone are timed (not the prompt's forward), the phases fit in the forward and the
+    forward in the step, and the weight-reading phases get a fraction of the read."""
+    from models.synthetic import write_checkpoint
+
+    ds, mk = cpu_bench.deepseek_cpu, cpu_bench.make_deepseek_gguf
+    path = mk.gguf_path(tmp_path / "models", "q8_0")
+    path.parent.mkdir(parents=True)
+    write_checkpoint(tmp_path / "ckpt", "tiny-deepseek-v2", seed=5, gguf=True, gguf_qtype="Q8_0")
+    (tmp_path / "ckpt" / "model.gguf").rename(path)
+    out = tmp_path / "ds.json"
+    assert ds.main(["--types", "q8_0", "--cache-dir", str(tmp_path / "models"), "--ours-only", "--rounds", "1",
+                    "--skip-pp", "--decode-prompt", "3", "--decode-tokens", "7", "--profile", "--quiet-wait", "0",
+                    "--retries", "0", "--threads", "2", "--out", str(out)]) == 0
+    ours = json.loads(out.read_text())["files"]["q8_0"]["ours"]["cpp"]
+    p = ours["profile"]
+    assert p["decode_steps"] == 6 and p["step_us"] >= p["forward_us"] > 0 and p["read_Bps"] > 0
+    phases = p["phases"]
+    assert {"qkv_proj", "attention", "o_proj", "router", "experts", "shared_experts", "lm_head"} <= set(phases)
+    assert 0 < sum(v["us_per_step"] for v in phases.values()) <= p["forward_us"]
+    for name in ("qkv_proj", "o_proj", "experts", "shared_experts", "lm_head"):
+        assert phases[name]["weight_bytes"] > 0 and phases[name]["fraction_of_read"] > 0
+    assert "fraction_of_read" not in phases["attention"]
 
 
 def test_make_deepseek_gguf_commands_and_cache(cpu_bench, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
