@@ -41,8 +41,18 @@ def cpuinfo(text: str | None = None) -> dict[str, Any]:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
+    def number(key: str) -> int | None:
+        try:
+            return int(fields[key])
+        except (KeyError, ValueError):
+            return None
+
     return {
         "cpu": fields.get("model name") or platform.processor() or platform.machine(),
+        # family and model tell CPU generations apart where a VM's model name does not ("AMD EPYC":
+        # family 25 is Zen 3 / Zen 4, 26 Zen 5), and some kernel settings follow them (cpp_experts/csrc/cpu.h)
+        "cpu_family": number("cpu family"),
+        "cpu_model": number("model"),
         "cores": cores,
         "avx2": "avx2" in flags,
         "avx512": "avx512f" in flags,

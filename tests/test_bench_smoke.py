@@ -268,6 +268,8 @@ def cpu_bench(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
 
 
 CPUINFO = """processor\t: 0
+cpu family\t: 23
+model\t\t: 49
 model name\t: AMD EPYC 7B12 64-Core Processor
 flags\t\t: fpu sse2 avx avx2 fma avx512f avx512_vnni amx_tile
 processor\t: 1
@@ -280,7 +282,8 @@ def test_machine_description_and_arithmetic(cpu_bench) -> None:
     info = cc.cpuinfo(CPUINFO)
     assert info["cpu"] == "AMD EPYC 7B12 64-Core Processor" and info["cores"] >= 1
     assert info["avx2"] and info["avx512"] and info["avx512_vnni"] and info["amx"] and not info["avx512_bf16"]
-    assert not cc.cpuinfo("flags : sse2 avx2\n")["avx512"]
+    assert (info["cpu_family"], info["cpu_model"]) == (23, 49)
+    assert not cc.cpuinfo("flags : sse2 avx2\n")["avx512"] and cc.cpuinfo("")["cpu_family"] is None
     assert cc.machine_tag({"cpu": "AMD EPYC 7B12 64-Core Processor", "cores": 2}) == "amd_epyc_7b12_64_core_processor_2c"
     assert cc.percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
     assert cc.percentile([1.0, 2.0, 3.0, 4.0], 99) == pytest.approx(3.97)  # numpy's linear interpolation

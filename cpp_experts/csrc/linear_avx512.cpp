@@ -37,17 +37,34 @@ using namespace lin;
 // DeepSeek-V2-Lite-shaped Q4_K_M decode from ~40 to ~59 tokens/s.
 // Prefetching every group's line as it is read (the one-block formats too) measured within the noise
 // of this for the K-quants and no better for Q8_0.
+//
+// Zen 5 (family 1Ah) prefetches a pass that reads each weight once (M <= 3: a decode) non-temporally
+// (NTA), so that the weights streaming through do not push out of the L2 and L3 what is read again
+// (activations, the KV cache, the engine's own working set between forwards). On a 2-core Zen 5 VM
+// (two processes, interleaved rounds; its read moves between ~45 and ~75 GB/s in spells), against the
+// same 8 KiB into L1: DeepSeek-V2-Lite-shaped decode Q8_0 +0.5% and +1.9% (medians of 12 rounds), Q4_K_M
+// +2.7% (8), SmolLM2 Q4_1 at 128 tokens of context -2.6%, +1.1% and +1.0% (10, 8, 12); in one earlier
+// sitting (every prefetch NTA) Q8_0 +7%, Q4_K_M +10%, SmolLM2 +27%, and single rounds in fast spells
+// gave Q4_K_M +27-31%. One weight at M = 1 from DRAM read as fast either way in a slow spell (0.98-1.01)
+// and q4_k 4-7% faster in a fast one. Prefill tiles read each weight once per 64 rows of x, and NTA
+// there cost 6% of a 512-token prompt: they keep T0.
 struct Prefetch {
   size_t bytes;
-  bool l2;
+  bool l2;          // into L2 (T1) rather than L1 (T0)
+  bool nta_once;    // a pass that reads each weight once prefetches non-temporally
 };
 const Prefetch kPrefetch = [] {
   const CpuInfo& cpu = cpu_info();
-  return cpu.amd && cpu.family == 0x19 ? Prefetch{16384, true} : Prefetch{8192, false};
+  if (cpu.amd && cpu.family == 0x19) return Prefetch{16384, true, false};
+  if (cpu.amd && cpu.family == 0x1a) return Prefetch{8192, false, true};
+  return Prefetch{8192, false, false};
 }();
 
-CPX_VNNI inline void prefetch(const uint8_t* p) {
-  if (kPrefetch.l2)
+// `once`: the tile's pass reads each weight once (gemm: at most 3 rows of x).
+CPX_VNNI inline void prefetch(const uint8_t* p, bool once) {
+  if (once && kPrefetch.nta_once)
+    _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_NTA);
+  else if (kPrefetch.l2)
     _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
   else
     _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
@@ -65,9 +82,10 @@ inline size_t prefetch_ahead(size_t sbs) {
   return R == kGroupRowblocks ? kPrefetch.bytes : round_up(kPrefetch.bytes, kGroupRowblocks * sbs);
 }
 
-// `first`: the tile starts its task (the task's first run of weights, not prefetched by a run before it).
+// `first`: the tile starts its task (the task's first run of weights, not prefetched by a run before it);
+// `once`: its pass reads each weight once (prefetch).
 template <LinFormat F, int R, int TT>
-CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc, bool first) {
+CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc, bool first, bool once) {
   constexpr LinLayout L = kLinLayout[int(F)];
   constexpr bool kQ8 = F == LinFormat::Q8_0, kQ6 = F == LinFormat::Q6_K, kK = L.sb_blocks > 1;
   const size_t sbs = w.sb_bytes;
@@ -95,7 +113,7 @@ CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
   for (int sb = 0; sb < w.nsb; ++sb) {
     const uint8_t* ws = w0 + size_t(sb) * kGroupRowblocks * sbs;
     if constexpr (!kK) {
-      for (size_t o = 0; o < R * sbs; o += 64) prefetch(ws + ahead + o);
+      for (size_t o = 0; o < R * sbs; o += 64) prefetch(ws + ahead + o, once);
       // A task's first run: nothing ahead of it below `ahead` was prefetched (a later run's was, by the
       // run before it). Those bytes are prefetched at twice the reading pace, two superblock steps an
       // iteration, not in one burst at the start (a burst of the first 16 KiB made the step slower). On
@@ -107,7 +125,7 @@ CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
         const size_t step = size_t(kGroupRowblocks) * sbs;
         const size_t lo = (2 * size_t(sb) + 1) * step, hi = lo + 2 * step;
         const size_t end = std::min(hi, size_t(sb) * step + ahead);
-        for (size_t o = lo; o < end; o += 64) prefetch(w0 + o);
+        for (size_t o = lo; o < end; o += 64) prefetch(w0 + o, once);
       }
     }
     __m512 dsup[R], msup[R];
@@ -124,9 +142,9 @@ CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
       if constexpr (kK) {
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-          if (j == 0) prefetch(ws + r * sbs + ahead);
+          if (j == 0) prefetch(ws + r * sbs + ahead, once);
 #pragma GCC unroll 8
-          for (int o = 0; o < L.blk; o += 64) prefetch(wb[r] + ahead + o);
+          for (int o = 0; o < L.blk; o += 64) prefetch(wb[r] + ahead + o, once);
         }
       }
       // int32 sums per (rowblock, row of x), started at -zero_point * (sum of the row's q); q6_k
@@ -183,7 +201,7 @@ CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
     for (int t = 0; t < TT; ++t) _mm512_storeu_ps(c + size_t(t) * ldc + 16 * r, acc[r][t]);
 }
 
-using Mk = void (*)(const QMat&, int, const ActQ&, int, float*, int, bool);
+using Mk = void (*)(const QMat&, int, const ActQ&, int, float*, int, bool, bool);
 
 // [R - 1][TT - 1]; R = 3, 4 only come with TT <= 3 (see gemm)
 template <LinFormat F>
@@ -197,12 +215,13 @@ struct Tiles {
 template <LinFormat F>
 CPX_VNNI void gemm(const QMat& w, int rb0, int rb1, const ActQ& a, int t0, int nt, float* c, int ldc) {
   const int rmax = nt <= 3 ? 4 : 2;
+  const bool once = nt <= 3;  // every row of x in one tile: each weight is read once
   for (int rb = rb0; rb < rb1;) {
     // a tile stays inside its group of 4 rowblocks (one contiguous run per superblock)
     const int r = std::min({rmax, rb1 - rb, kGroupRowblocks - rb % kGroupRowblocks});
     for (int t = 0; t < nt; t += 4) {
       const int tt = std::min(4, nt - t);
-      Tiles<F>::t[r - 1][tt - 1](w, rb, a, t0 + t, c + size_t(t) * ldc + (rb - rb0) * 16, ldc, rb == rb0 && t == 0);
+      Tiles<F>::t[r - 1][tt - 1](w, rb, a, t0 + t, c + size_t(t) * ldc + (rb - rb0) * 16, ldc, rb == rb0 && t == 0, once);
     }
     rb += r;
   }
