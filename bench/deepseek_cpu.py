@@ -429,8 +429,9 @@ def bench_file(qtype: str, path: Path, args: argparse.Namespace, threads: int, b
         profile = None
         if args.profile:
             try:
-                profile = ours.profile(args.decode_prompt, args.decode_tokens, 200,
-                                       phase_bytes(tensors, meta["n_experts"] or 1, meta["top_k"] or 1), threads)
+                pb = phase_bytes(tensors, meta["n_experts"] or 1, meta["top_k"] or 1)
+                profile = measured(args, lambda: ours.profile(args.decode_prompt, args.decode_tokens, 200, pb, threads),
+                                   "ours profile")
                 cc.print_phase_profile(profile)
             except RuntimeError as e:
                 entry["skipped"][f"profile_{backend}"] = str(e)
