@@ -7,13 +7,17 @@
 #include <immintrin.h>
 
 #include "common.h"
+#include "cpu.h"
 
 #define CPX_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni")))
 
 namespace cpx {
 namespace {
 
-template <int TT>
+// NTA: prefetch both rowblocks' weights non-temporally kNtaBytes ahead (gemm_bf16_avx512).
+constexpr size_t kNtaBytes = 8192;
+
+template <int TT, bool NTA>
 CPX_AVX512 inline void mk_bf16(const uint8_t* w0, size_t rbs, int kp, const uint16_t* a, size_t lda,
                                float* c, int ldc) {
   __m512 acc0[TT], acc1[TT];
@@ -21,6 +25,10 @@ CPX_AVX512 inline void mk_bf16(const uint8_t* w0, size_t rbs, int kp, const uint
   for (int t = 0; t < TT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
   const uint8_t* w1 = w0 + rbs;
   for (int kk = 0; kk < kp; ++kk) {
+    if constexpr (NTA) {
+      _mm_prefetch(reinterpret_cast<const char*>(w0 + size_t(kk) * 64 + kNtaBytes), _MM_HINT_NTA);
+      _mm_prefetch(reinterpret_cast<const char*>(w1 + size_t(kk) * 64 + kNtaBytes), _MM_HINT_NTA);
+    }
     const __m512i wa = _mm512_load_si512(w0 + size_t(kk) * 64);
     const __m512i wb = _mm512_load_si512(w1 + size_t(kk) * 64);
 #pragma GCC unroll 12
@@ -41,18 +49,32 @@ CPX_AVX512 inline void mk_bf16(const uint8_t* w0, size_t rbs, int kp, const uint
 
 using MkBF16 = void (*)(const uint8_t*, size_t, int, const uint16_t*, size_t, float*, int);
 constexpr int kTokTile = 12;
-const MkBF16 kMkBF16[kTokTile + 1] = {nullptr,      mk_bf16<1>,  mk_bf16<2>, mk_bf16<3>, mk_bf16<4>,
-                                      mk_bf16<5>,   mk_bf16<6>,  mk_bf16<7>, mk_bf16<8>, mk_bf16<9>,
-                                      mk_bf16<10>, mk_bf16<11>, mk_bf16<12>};
+const MkBF16 kMkBF16[kTokTile + 1] = {nullptr,           mk_bf16<1, false>,  mk_bf16<2, false>, mk_bf16<3, false>,
+                                      mk_bf16<4, false>,  mk_bf16<5, false>,  mk_bf16<6, false>, mk_bf16<7, false>,
+                                      mk_bf16<8, false>,  mk_bf16<9, false>,  mk_bf16<10, false>, mk_bf16<11, false>,
+                                      mk_bf16<12, false>};
+constexpr int kNtaMaxTok = 3;
+const MkBF16 kMkBF16Nta[kNtaMaxTok + 1] = {nullptr, mk_bf16<1, true>, mk_bf16<2, true>, mk_bf16<3, true>};
+
+// A decode pass (at most kNtaMaxTok tokens: each weight read once) on Zen 5 prefetches its two
+// rowblocks' weights non-temporally, as the int8 kernels do (linear_avx512.cpp's kPrefetch): the
+// hardware prefetchers alone fill L2 and L3 with weights read once. On a 2-core Zen 5 VM (DeepSeek-V2-
+// Lite-shaped bf16 decode, two processes, interleaved rounds in a fast read spell, medians): +5.3% over 10
+// rounds (an environment switch in one build) and +2.2% over 8 (against the build before).
+const bool kBf16Nta = [] {
+  const CpuInfo& cpu = cpu_info();
+  return cpu.amd && cpu.family == 0x1a;
+}();
 
 CPX_AVX512 void gemm_bf16_avx512(const Mat& w, int rb0, int nrb, const uint16_t* a, size_t lda,
                                  int ntok, float* c, int ldc) {
   const size_t rbs = w.rb_stride();
+  const MkBF16* mk = kBf16Nta && ntok <= kNtaMaxTok ? kMkBF16Nta : kMkBF16;
   for (int r = 0; r < nrb; r += 2) {  // nrb is even: rows come in multiples of 32
     const uint8_t* wr = w.data + size_t(rb0 + r) * rbs;
     for (int t = 0; t < ntok; t += kTokTile) {
       const int tt = ntok - t < kTokTile ? ntok - t : kTokTile;
-      kMkBF16[tt](wr, rbs, w.k / 2, a + size_t(t) * lda, lda, c + size_t(t) * ldc + r * 16, ldc);
+      mk[tt](wr, rbs, w.k / 2, a + size_t(t) * lda, lda, c + size_t(t) * ldc + r * 16, ldc);
     }
   }
 }
