@@ -97,12 +97,14 @@ def bytes_per_decoded_token(tensors: list[tuple[str, tuple[int, ...], int]], n_e
     return {"bytes_per_token": sum(parts.values()), "file_tensor_bytes": total_file, "breakdown": parts}
 
 
-# GGUF tensor names (llama.cpp's deepseek2 names) -> the native forward's phase that reads them
-_PHASE_OF = (("attn_q.", "qkv_proj"), ("attn_q_a.", "qkv_proj"), ("attn_q_b.", "qkv_proj"),
-             ("attn_kv_a_mqa.", "qkv_proj"), ("attn_k_b.", "absorb"), ("attn_v_b.", "value_up"),
-             ("attn_output.", "o_proj"), ("ffn_gate_inp.", "router"), ("_exps.", "experts"),
-             ("_shexp.", "shared_experts"), ("ffn_gate.", "gate_up"), ("ffn_up.", "gate_up"),
-             ("ffn_down.", "down"), ("output.", "lm_head"))
+# llama.cpp's deepseek2 tensor names (without "blk.N." and ".weight") -> the native forward's phase
+# that reads them
+_PHASE_OF = {"attn_q": "qkv_proj", "attn_q_a": "qkv_proj", "attn_q_b": "qkv_proj", "attn_kv_a_mqa": "qkv_proj",
+             "attn_k_b": "absorb", "attn_v_b": "value_up", "attn_output": "o_proj", "ffn_gate_inp": "router",
+             "ffn_gate_exps": "experts", "ffn_up_exps": "experts", "ffn_down_exps": "experts",
+             "ffn_gate_shexp": "shared_experts", "ffn_up_shexp": "shared_experts",
+             "ffn_down_shexp": "shared_experts", "ffn_gate": "gate_up", "ffn_up": "gate_up", "ffn_down": "down",
+             "output": "lm_head"}
 
 
 def phase_bytes(tensors: list[tuple[str, tuple[int, ...], int]], n_experts: int, top_k: int) -> dict[str, int]:
@@ -111,10 +113,10 @@ def phase_bytes(tensors: list[tuple[str, tuple[int, ...], int]], n_experts: int,
     divides by a phase's time for its fraction of the read."""
     out: dict[str, int] = {}
     for name, _, nbytes in tensors:
-        for key, phase in _PHASE_OF:
-            if key in name and (key != "output." or name.startswith("output.")):
-                out[phase] = out.get(phase, 0) + (nbytes * top_k // n_experts if phase == "experts" else nbytes)
-                break
+        parts = name.split(".")
+        phase = _PHASE_OF.get(parts[-2] if len(parts) >= 2 and parts[-1] == "weight" else "")
+        if phase is not None:
+            out[phase] = out.get(phase, 0) + (nbytes * top_k // n_experts if phase == "experts" else nbytes)
     return out
 
 

@@ -1,6 +1,7 @@
 // Run-time CPU feature detection (CPUID + XCR0 + the Linux AMX tile-data permission).
 // Every SIMD path is compiled with per-function target attributes and called only where these hold.
 #pragma once
+#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -20,5 +21,15 @@ struct CpuInfo {
 };
 
 const CpuInfo& cpu_info();  // detected once
+
+// Whether a decode pass (at most 3 rows of x: each weight read once) prefetches its weights
+// non-temporally, kNtaPrefetchBytes ahead: the AVX-512 int8 kernels (linear_avx512.cpp, where the
+// measurements are) and the bf16 kernel (kernels_avx512.cpp). Zen 5 (AMD family 1Ah) only: the one
+// measured.
+constexpr size_t kNtaPrefetchBytes = 8192;
+inline bool nta_decode_prefetch() {
+  const CpuInfo& cpu = cpu_info();
+  return cpu.amd && cpu.family == 0x1a;
+}
 
 }  // namespace cpx

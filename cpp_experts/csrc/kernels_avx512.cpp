@@ -14,9 +14,7 @@
 namespace cpx {
 namespace {
 
-// NTA: prefetch both rowblocks' weights non-temporally kNtaBytes ahead (gemm_bf16_avx512).
-constexpr size_t kNtaBytes = 8192;
-
+// NTA: prefetch both rowblocks' weights non-temporally (gemm_bf16_avx512, cpu.h).
 template <int TT, bool NTA>
 CPX_AVX512 inline void mk_bf16(const uint8_t* w0, size_t rbs, int kp, const uint16_t* a, size_t lda,
                                float* c, int ldc) {
@@ -26,8 +24,8 @@ CPX_AVX512 inline void mk_bf16(const uint8_t* w0, size_t rbs, int kp, const uint
   const uint8_t* w1 = w0 + rbs;
   for (int kk = 0; kk < kp; ++kk) {
     if constexpr (NTA) {
-      _mm_prefetch(reinterpret_cast<const char*>(w0 + size_t(kk) * 64 + kNtaBytes), _MM_HINT_NTA);
-      _mm_prefetch(reinterpret_cast<const char*>(w1 + size_t(kk) * 64 + kNtaBytes), _MM_HINT_NTA);
+      _mm_prefetch(reinterpret_cast<const char*>(w0 + size_t(kk) * 64 + kNtaPrefetchBytes), _MM_HINT_NTA);
+      _mm_prefetch(reinterpret_cast<const char*>(w1 + size_t(kk) * 64 + kNtaPrefetchBytes), _MM_HINT_NTA);
     }
     const __m512i wa = _mm512_load_si512(w0 + size_t(kk) * 64);
     const __m512i wb = _mm512_load_si512(w1 + size_t(kk) * 64);
@@ -56,15 +54,12 @@ const MkBF16 kMkBF16[kTokTile + 1] = {nullptr,           mk_bf16<1, false>,  mk_
 constexpr int kNtaMaxTok = 3;
 const MkBF16 kMkBF16Nta[kNtaMaxTok + 1] = {nullptr, mk_bf16<1, true>, mk_bf16<2, true>, mk_bf16<3, true>};
 
-// A decode pass (at most kNtaMaxTok tokens: each weight read once) on Zen 5 prefetches its two
-// rowblocks' weights non-temporally, as the int8 kernels do (linear_avx512.cpp's kPrefetch): the
-// hardware prefetchers alone fill L2 and L3 with weights read once. On a 2-core Zen 5 VM (DeepSeek-V2-
-// Lite-shaped bf16 decode, two processes, interleaved rounds in a fast read spell, medians): +5.3% over 10
-// rounds (an environment switch in one build) and +2.2% over 8 (against the build before).
-const bool kBf16Nta = [] {
-  const CpuInfo& cpu = cpu_info();
-  return cpu.amd && cpu.family == 0x1a;
-}();
+// A decode pass (at most kNtaMaxTok tokens: each weight read once) prefetches its two rowblocks'
+// weights non-temporally where the int8 kernels' do (nta_decode_prefetch): the hardware prefetchers
+// alone fill L2 and L3 with weights read once. On a 2-core Zen 5 VM (DeepSeek-V2-Lite-shaped bf16
+// decode, two processes, interleaved rounds in a fast read spell, medians): +5.3% over 10 rounds (an
+// environment switch in one build) and +2.2% over 8 (against the build before).
+const bool kBf16Nta = nta_decode_prefetch();
 
 CPX_AVX512 void gemm_bf16_avx512(const Mat& w, int rb0, int nrb, const uint16_t* a, size_t lda,
                                  int ntok, float* c, int ldc) {

@@ -56,7 +56,7 @@ struct Prefetch {
 const Prefetch kPrefetch = [] {
   const CpuInfo& cpu = cpu_info();
   if (cpu.amd && cpu.family == 0x19) return Prefetch{16384, true, false};
-  if (cpu.amd && cpu.family == 0x1a) return Prefetch{8192, false, true};
+  if (nta_decode_prefetch()) return Prefetch{kNtaPrefetchBytes, false, true};
   return Prefetch{8192, false, false};
 }();
 
