@@ -9,7 +9,9 @@ HTTP concerns:
   * `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer KEY` when a key is set (compared in
     constant time); `/health`, `/metrics` and `/version` stay open (as vLLM leaves `/version`);
   * `/health` is 200 only while the engine (every `--dp` replica) is alive and we are not draining for
-    shutdown.
+    shutdown;
+  * CORS for `--allowed-origins` (any origin by default, as vLLM and llama.cpp's server): preflights are
+    answered before auth, and every answer, errors included, carries the headers a browser needs to read it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import importlib.metadata
 import logging
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -173,8 +176,9 @@ class CrashMiddleware:
             await resp(scope, receive, send)
 
 
-def build_app(state: ServerState, max_request_bytes: int | None = None) -> FastAPI:
-    """The app; `max_request_bytes` None derives the body limit from the context (`body_limit`)."""
+def build_app(state: ServerState, max_request_bytes: int | None = None, allowed_origins: str = "") -> FastAPI:
+    """The app; `max_request_bytes` None derives the body limit from the context (`body_limit`);
+    `allowed_origins`: "*", a comma-separated list of origins, or "" for no CORS (`--allowed-origins`)."""
     app = FastAPI(title="mlaserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.s = state
 
@@ -230,6 +234,10 @@ def build_app(state: ServerState, max_request_bytes: int | None = None) -> FastA
     app.add_middleware(BodyLimitMiddleware, state=state, fixed=max_request_bytes)
     app.add_middleware(AuthMiddleware, state=state)
     app.add_middleware(CrashMiddleware)
+    origins = [o.strip() for o in allowed_origins.split(",") if o.strip()]
+    if origins:  # outside auth: a preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=["Retry-After", "x-mlaserve-replica"], max_age=600)
     # outermost (added last): counts every error answer once, the 401s and 413s above included
     app.add_middleware(ErrorCountingMiddleware, metrics=lambda: state.metrics)
     return app

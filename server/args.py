@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 import typing
 from dataclasses import dataclass
@@ -70,6 +71,19 @@ def runtime_file_value(value: str | None) -> str | None:
     return None
 
 
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s,]+")
+
+
+def origins_value(value: str) -> str | None:
+    """A --allowed-origins that a browser's Origin header can match: "*", or origins as scheme://host[:port]
+    (no path: an origin never ends in "/", so "http://localhost:3000/" would never match)."""
+    for origin in (o.strip() for o in value.split(",")):
+        if origin and origin != "*" and not _ORIGIN.fullmatch(origin):
+            return (f"{origin!r} is not an origin: give '*' or scheme://host[:port] without a path, e.g. "
+                    "http://localhost:3000")
+    return None
+
+
 GENERATION_CONFIG_MODES = ("auto", "none")
 
 
@@ -80,6 +94,10 @@ class ServerArgs:
     api_key: str | None = flag(None, "require `Authorization: Bearer KEY` on /v1 routes, /tokenize and /detokenize "
                                "(empty: no key)",
                                metavar="KEY", default_text="no key")
+    allowed_origins: str = flag("*", "origins a web page may call the API from (CORS): '*' for any, a "
+                                "comma-separated list (https://app.example,http://localhost:3000), or empty for "
+                                "none (no CORS headers, browsers refuse cross-origin calls)", check=origins_value,
+                                metavar="ORIGINS")
     served_model_name: str | None = flag(None, "model id shown by /v1/models (empty: the default)", metavar="NAME",
                                          default_text="the model's name")
     # None: derived from the context length once the model is known (server.launch)

@@ -124,9 +124,11 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    """Cuts a completion's text before the first stop string, never sending part of one."""
+    """Cuts a completion's text before the first stop string (`include`: right after it), never sending
+    part of one before it is known to be one."""
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include: bool = False) -> None:
+        self._include = include
         self._stops = [s for s in dict.fromkeys(stops) if s]  # "" would match before any text
         self._fail = [_kmp_failure(s) for s in self._stops]
         self._state = [0] * len(self._stops)  # per stop: length of its prefix the text now ends with
@@ -156,7 +158,7 @@ class StopStringMatcher:
                 self._state[n] = k
             if hit:
                 self._stopped, self._held = True, ""
-                return buf[: base + i + 1 - hit], True
+                return buf[: base + i + 1 - (0 if self._include else hit)], True
         keep = max(self._state, default=0)
         self._held = buf[len(buf) - keep:]
         return buf[: len(buf) - keep], False

@@ -203,7 +203,7 @@ async def serve_async(args: ServerArgs) -> int:
                         metrics=None, api_key=args.api_key,  # type: ignore[arg-type]
                         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     state.metrics = Metrics(state.model_name)
-    app = build_app(state, args.max_request_bytes)
+    app = build_app(state, args.max_request_bytes, args.allowed_origins)
     # lifespan off: the app has no startup/shutdown hooks, and uvicorn's lifespan task, left pending by a
     # forced stop, would be cancelled at exit with a traceback in the log
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

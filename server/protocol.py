@@ -37,6 +37,7 @@ from server.structured import structured_output
 SEND_JSON = "send one JSON object, UTF-8, with the header Content-Type: application/json"
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; a local server can afford more
 MAX_COMPLETION_LOGPROBS = 5  # completions API `logprobs` (OpenAI's limit)
+COMPLETIONS_MAX_TOKENS = 16  # the completions API's max_tokens when absent or null (OpenAI's default)
 UNLIKELY_LOGPROB = -9999.0  # what OpenAI sends for a logprob too small to represent
 
 
@@ -240,6 +241,8 @@ class _GenerationRequest(_Body):
     min_p: StrictFloat | None = None
     n: StrictInt | None = 1
     stop: str | list[str] | None = None
+    # vLLM's extension: the stop string that ended the text is kept at its end (the text is still cut there)
+    include_stop_str_in_output: StrictBool | None = False
     # vLLM's extension: generation ends right after one of these ids (its text is left out)
     stop_token_ids: list[StrictInt] | None = None
     seed: StrictInt | None = None
@@ -351,7 +354,7 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(_GenerationRequest):
     prompt: Prompt
-    max_tokens: StrictInt | None = 16  # OpenAI's default for this API; 0: score the prompt only
+    max_tokens: StrictInt | None = COMPLETIONS_MAX_TOKENS  # 0: score the prompt only
     echo: StrictBool | None = False
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)  # this API's own limit
     min_tokens: StrictInt | None = 0
@@ -451,7 +454,7 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest,
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs, top_logprobs = req.logprobs, req.top_logprobs or 0
     else:
-        max_tokens = req.max_tokens
+        max_tokens = _or(req.max_tokens, COMPLETIONS_MAX_TOKENS)
         logprobs, top_logprobs = req.logprobs is not None, req.logprobs or 0
         if req.echo and req.logprobs is not None:
             prompt_logprobs = req.logprobs
@@ -490,6 +493,14 @@ def checked_sampling_params(req: ChatCompletionRequest | CompletionRequest, voca
     return params
 
 
+def _is_json(text: str | bytes) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
@@ -508,6 +519,9 @@ def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str,
             return f"the request body is empty: {SEND_JSON}", None
         if err.get("type") in ("model_attributes_type", "dict_type", "model_type"):
             got = err.get("input")
+            if isinstance(got, (str, bytes)) and _is_json(got):  # curl -d's form type, or no type at all
+                return ("the request body is JSON but was not read as such: send it with the header "
+                        "Content-Type: application/json (curl: -H 'Content-Type: application/json')"), None
             what = "text that is not JSON" if isinstance(got, (str, bytes)) else f"JSON {type(got).__name__}"
             return f"the request body must be a JSON object, not {what}: {SEND_JSON}", None
     if err.get("type") == "json_invalid":

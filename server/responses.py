@@ -559,7 +559,7 @@ class CompletionSerializer(Serializer):
     def _append_logprob(self, out: CompletionLogprobs, token: int, lp: TokenLogprob | None, offset: int) -> None:
         text = self.token_text(token)
         top = None
-        if lp is not None and self.body.logprobs:
+        if lp is not None:  # logprobs 0 included: the chosen token alone
             top = {self.token_text(t): v for t, v in lp.top}
             top.setdefault(text, lp.logprob)  # the chosen token is always listed, as OpenAI and vLLM do
         out.tokens.append(text)

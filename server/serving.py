@@ -83,7 +83,8 @@ def engine_error(out: RequestOutput) -> ClientError:
     if out.error_code == ERR_ENGINE:
         return ClientError(503, out.error or "the engine failed", code="engine_error", type_="service_unavailable",
                            headers={"Retry-After": "30"})
-    return ClientError(400, out.error or "invalid request", out.error_param, code=out.error_code)
+    # ERR_INVALID and the like: a 400 without a code, as the server's own validation answers
+    return ClientError(400, out.error or "invalid request", out.error_param)
 
 
 def register_routes(app: FastAPI, state: ServerState) -> None:
@@ -348,7 +349,7 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
         parsing = tools.new_parser is not None
         hidden = frozenset(p.stop_token_ids) | (frozenset(tok.eos_token_ids) if parsing else frozenset())
         choices = [ChoiceText(IncrementalDetokenizer(tok, skip_special_tokens=not parsing, prompt_ids=ids),
-                              StopStringMatcher(body.stop_strings()), hidden)
+                              StopStringMatcher(body.stop_strings(), bool(body.include_stop_str_in_output)), hidden)
                    for _ in range(p.n)]
         requests.append(EngineRequest(req.rid, i, ids, choices, engine.generate(req)))
     return requests

@@ -257,18 +257,20 @@ def test_window_stays_small(deepseek: TokenizerBundle) -> None:
 # ---------------------------------------------------------------- StopStringMatcher
 
 
-def _reference_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
-    """Brute force: the first stop string to be completed reading left to right (the longer on a tie)."""
+def _reference_stop(text: str, stops: Sequence[str], include: bool = False) -> tuple[str, bool]:
+    """Brute force: the first stop string to be completed reading left to right (the longer on a tie);
+    `include`: the text up to its end."""
     stops = [s for s in stops if s]
     for end in range(1, len(text) + 1):
         starts = [end - len(s) for s in stops if text[:end].endswith(s)]
         if starts:
-            return text[:min(starts)], True
+            return text[:end if include else min(starts)], True
     return text, False
 
 
-def _run_matcher(text: str, stops: Sequence[str], cuts: Sequence[int]) -> tuple[str, bool, list[str]]:
-    matcher, sent, pos = StopStringMatcher(stops), [], 0
+def _run_matcher(text: str, stops: Sequence[str], cuts: Sequence[int],
+                 include: bool = False) -> tuple[str, bool, list[str]]:
+    matcher, sent, pos = StopStringMatcher(stops, include), [], 0
     for cut in [*cuts, len(text)]:
         out, hit = matcher.feed(text[pos:cut])
         sent.append(out)
@@ -295,20 +297,22 @@ def test_stop_strings_fuzz() -> None:
             else:
                 stops.append("".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 6))))
         cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randrange(0, 12))))
-        want, want_hit = _reference_stop(text, stops)
-        got, hit, pieces = _run_matcher(text, stops, cuts)
+        include = rng.random() < 0.3  # include_stop_str_in_output
+        want, want_hit = _reference_stop(text, stops, include)
+        got, hit, pieces = _run_matcher(text, stops, cuts, include)
         assert (got, hit) == (want, want_hit), (text, stops, cuts)
         sent = ""
         for piece in pieces:  # at every moment, what went out is a prefix of the final answer
             sent += piece
             assert want.startswith(sent)
-        if len(stops) == 1:  # one stop string: simply the text before its first occurrence
+        if len(stops) == 1:  # one stop string: simply the text before its first occurrence (or through it)
             at = text.find(stops[0])
-            assert got == (text if at < 0 else text[:at])
+            assert got == (text if at < 0 else text[:at + (len(stops[0]) if include else 0)])
 
 
 def test_stop_string_cases() -> None:
     assert _run_matcher("Hello world, bye", ["world"], [7, 9])[:2] == ("Hello ", True)
+    assert _run_matcher("Hello world, bye", ["world"], [7, 9], include=True)[:2] == ("Hello world", True)
     assert _run_matcher("Hello wor", ["world"], [7])[:2] == ("Hello wor", False)  # held, then flushed
     assert _run_matcher("abababc", ["ababc"], [1, 2, 3, 4, 5, 6])[:2] == ("ab", True)  # KMP fallback
     assert _run_matcher("xabcd", ["abcd", "bc"], [2])[:2] == ("xa", True)  # "bc" completes first

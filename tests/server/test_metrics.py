@@ -139,7 +139,8 @@ def _simulate(rng: np.random.Generator, num_requests: int = 40) -> tuple[list[tu
             events.append((arrival + 2e-4, "error", code))
             events.append((arrival + 3e-4, "end", rid))
             status = {ERR_OVERLOADED: "503", ERR_CONTEXT: "400", ERR_INVALID: "400"}.get(code, "503")
-            exp.errors[code, status] = exp.errors.get((code, status), 0) + 1
+            label = "invalid_request_error" if code == ERR_INVALID else code
+            exp.errors[label, status] = exp.errors.get((label, status), 0) + 1
             continue
         n = int(rng.integers(1, 4))
         abort_at = arrival + float(rng.uniform(0.05, 3.0)) if fate == "abort" else float("inf")

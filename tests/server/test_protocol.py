@@ -102,7 +102,7 @@ def test_nulls_mean_defaults() -> None:
                                                  "max_completion_tokens": None})
     assert to_sampling_params(chat) == SamplingParams()
     comp = CompletionRequest.model_validate({**COMPLETION, **nulls, "logprobs": None, "echo": None})
-    assert to_sampling_params(comp) == SamplingParams()
+    assert to_sampling_params(comp) == SamplingParams(max_tokens=16)  # this API's default, sent or not
 
 
 OUT_OF_RANGE = [

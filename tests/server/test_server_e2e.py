@@ -251,6 +251,18 @@ def test_logprobs_end_where_the_text_ends(server, client, tok):
     assert len(shown) - len(cut_chat.logprobs.content[-1].token) < cut_at <= len(shown)  # the last one holds the cut
 
 
+def test_completion_logprobs_0_lists_the_chosen_token(server):
+    """The completions API's `logprobs: 0`: each generated token's entry in top_logprobs holds that token
+    alone (as vLLM and OpenAI's legacy API), the echoed prompt's first token null (nothing predicts it)."""
+    body = {"prompt": "The sea is", "max_tokens": 5, "temperature": 0, "logprobs": 0, "echo": True,
+            "ignore_eos": True}
+    lp = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    assert lp["top_logprobs"][0] is None and lp["token_logprobs"][0] is None
+    generated = list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))[-5:]
+    for token, value, top in generated:
+        assert top == {token: value}, (token, value, top)
+
+
 def test_stop_strings_never_leak(server, client):
     model = server_model_id(server)
     full = client.completions.create(model=model, prompt="Once upon a time", max_tokens=24, temperature=0,
@@ -266,6 +278,14 @@ def test_stop_strings_never_leak(server, client):
     chunks = list(streamed)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
     assert chunks[-1].choices[0].finish_reason == "stop"
+    # vLLM's include_stop_str_in_output: the text runs through the stop string, no further
+    for stream_flag in (False, True):
+        kept = client.completions.create(model=model, prompt="Once upon a time", max_tokens=24, temperature=0,
+                                         stop=[stop], stream=stream_flag,
+                                         extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+        parts = list(kept) if stream_flag else [kept]
+        assert "".join(c.choices[0].text for c in parts if c.choices) == want + stop
+        assert parts[-1].choices[0].finish_reason == "stop"
 
 
 def test_stop_token_ids_end_the_completion(server, client, tok):
@@ -320,6 +340,24 @@ def test_bad_requests_get_openai_errors(server, body, status, param, code):
     assert_error(post(server, "/v1/chat/completions", body), status, param, code)
 
 
+def test_an_engine_refusal_reads_as_validations_400(server):
+    """A value only the engine can judge (an empty prompt among several, a token id past the vocabulary)
+    is refused as the server's own validation refuses one: 400 invalid_request_error, the param, no code;
+    /metrics counts it under the same label."""
+    def count() -> float:
+        text = httpx.get(server.url + "/metrics").text
+        line = [ln for ln in text.splitlines() if ln.startswith("mlaserve_request_errors_total{")
+                and 'code="invalid_request_error"' in ln and 'status="400"' in ln]
+        return float(line[0].rsplit(" ", 1)[1]) if line else 0.0
+
+    before = count()
+    for prompt in (["a", ""], [10**9]):
+        err = assert_error(post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 2}), 400, "prompt")
+        assert err["code"] is None and err["type"] == "invalid_request_error", err
+    assert count() == before + 2
+    assert 'code="invalid_request"' not in httpx.get(server.url + "/metrics").text
+
+
 def test_bad_json_and_large_body(server):
     resp = httpx.post(server.url + "/v1/chat/completions", content=b"{not json",
                       headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
@@ -351,7 +389,9 @@ def test_an_unpaired_surrogate_is_the_clients_mistake(server, path, raw, param):
 
 @pytest.mark.parametrize(("content", "ctype", "says"), [
     (b"", "application/json", "the request body is empty"),
-    (b'{"messages": []}', "application/x-www-form-urlencoded", "must be a JSON object, not text"),
+    (b'{"messages": []}', "application/x-www-form-urlencoded", "is JSON but was not read as such"),  # curl -d
+    (b'{"messages": []}', "text/plain", "is JSON but was not read as such"),
+    (b'{"messages": [}', "text/plain", "must be a JSON object, not text"),
     (b'[1, 2]', "application/json", "must be a JSON object, not JSON list"),
     (b'"hi"', "application/json", "must be a JSON object, not text"),
     (b'{"a": "\xff"}', "application/json; charset=latin-1", "could not be read as JSON"),
