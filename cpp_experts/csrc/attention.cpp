@@ -63,7 +63,9 @@ struct Task {
 // The build of the kernels this CPU runs (attention_kernels.h).
 void task_entry CPX_ATTN_TASK_PARAMS { CPX_DISPATCH_CALL(task_entry, CPX_ATTN_TASK_ARGS); }
 
-// Groups: runs of consecutive tokens of one request, cut into blocks of kTokBlock, times head blocks.
+// Groups: runs of tokens of one request at increasing positions within one aligned run of kTokBlock
+// positions (positions 4i .. 4i + 3: where the batch starts the request does not move them), times head
+// blocks.
 std::vector<Group> make_groups(const AttnTokens& tok, int H, int Hkv, bool mla, int threads) {
   std::vector<Group> groups;
   const int heads_per = mla ? std::min(H, kMlaHeadBlock) : H / Hkv;
@@ -71,21 +73,24 @@ std::vector<Group> make_groups(const AttnTokens& tok, int H, int Hkv, bool mla, 
   auto own = [&](int t) { return tok.sel && tok.sel[t]; };  // a token with its own slot list
   for (int t = 0; t < tok.T;) {
     int e = t + 1;
-    while (!own(t) && e < tok.T && e - t < kTokBlock && !own(e) && tok.row[e] == tok.row[t] &&
-           tok.pos[e] > tok.pos[e - 1])
+    while (!own(t) && e < tok.T && !own(e) && tok.row[e] == tok.row[t] && tok.pos[e] > tok.pos[e - 1] &&
+           tok.pos[e] / kTokBlock == tok.pos[t] / kTokBlock)
       ++e;
     const int64_t keys = own(t) ? tok.sel_n[t] : tok.pos[e - 1] + 1;
+    // the keys rounded up to a multiple of kTokBlock: for a run, its aligned run's end; for a slot list
+    // that holds the whole context, the same as for the token attending to it all
+    const int64_t span = (keys + kTokBlock - 1) / kTokBlock * kTokBlock;
     const int32_t* sel = own(t) ? tok.sel[t] : nullptr;
-    if (!mla && e - t == 1 && Hkv > 1 && key_blocks(keys).n >= 2 * threads) {
+    if (!mla && e - t == 1 && Hkv > 1 && key_blocks(span).n >= 2 * threads) {
       // one decode token whose key blocks alone keep the threads busy (two per thread: with fewer, as
       // SmolLM2's 3 KV heads at ~160 keys, the per-head tasks balance better): all its KV heads in one
       // group, so a task reads whole slots (every head's row, adjacent) rather than one head's row of
       // each (the same arithmetic per query and key: the same bits)
-      groups.push_back({t, 1, 0, H, 0, Hkv, tok.row[t], keys, sel});
+      groups.push_back({t, 1, 0, H, 0, Hkv, tok.row[t], keys, sel, span});
     } else {
       for (int b = 0; b < nheadblocks; ++b) {
         const int h0 = b * heads_per, nh = std::min(heads_per, H - h0);
-        groups.push_back({t, e - t, h0, nh, mla ? 0 : b, 1, tok.row[t], keys, sel});
+        groups.push_back({t, e - t, h0, nh, mla ? 0 : b, 1, tok.row[t], keys, sel, span});
       }
     }
     t = e;
@@ -121,7 +126,7 @@ void run(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& 
   std::vector<Task> tasks;
   std::vector<int> first(groups.size() + 1, 0);  // partial-state index of each group's first block
   for (int gi = 0; gi < int(groups.size()); ++gi) {
-    const int n = key_blocks(groups[size_t(gi)].keys).n;
+    const int n = key_blocks(groups[size_t(gi)].span).n;
     first[size_t(gi) + 1] = first[size_t(gi)] + n;
     for (int b = 0; b < n; ++b) tasks.push_back({gi, b});
   }

@@ -33,6 +33,9 @@ struct Group {
   int64_t row;   // req_to_token row
   int64_t keys;  // keys the group reads: 0..keys-1 (the last token's position + 1, or the list's length)
   const int32_t* slots;  // the token's own slot list (one token), or null: the row's slots
+  // the key count its blocks are cut for (key_blocks): its keys rounded up to a multiple of kTokBlock, so
+  // the end of its tokens' aligned run of positions, the same whatever else the batch holds (below)
+  int64_t span;
 };
 
 struct Layout {
@@ -435,9 +438,15 @@ inline int fixed_head_dim(const Layout& L) {
   return !L.mla && L.D == L.Dv && (L.D == 64 || L.D == 128) ? L.D : 0;
 }
 
-// The fixed key blocks of a group: a function of its key count alone (for a decode token, of its
-// position), never of the rest of the batch. Each block starts a fresh online softmax; blocks are
-// merged in order. Empty trailing blocks may occur and merge as nothing.
+// The fixed key blocks of a group: a function of its span alone (Group::span), so of its tokens' aligned
+// run of positions, never of the rest of the batch nor of where a prefill chunk or a cached prefix cut
+// the request. Each block starts a fresh online softmax; blocks are merged in order. Blocks past a
+// token's own position, or past the group's keys, add nothing to it and merge as nothing; every tile
+// starts at a multiple of kKeyTile and a token's last one ends at its own position. So a token's result
+// has the same bits in any batch: decoded, prefilled whole, or prefilled after any cached prefix or chunk.
+// (They used to be cut for the group's key count, the last token's position + 1: a prompt whose cached
+// prefix or chunk boundary was not a multiple of kTokBlock grouped its tokens otherwise, and its logits
+// moved by up to ~1e-3 with a bf16 cache, enough to change a near-tie's greedy token.)
 struct Blocks {
   int n;         // blocks
   int64_t size;  // keys per block, a multiple of kKeyTile (the last block shorter)
@@ -457,6 +466,14 @@ template <class Build>
 CPX_INLINE void run_block(const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, const Blocks& B,
                           int b, float scale, const float* q, float* st, float* scores, float* buf) {
   const int k0 = int(std::min<int64_t>(g.keys, b * B.size)), k1 = int(std::min<int64_t>(g.keys, (b + 1) * B.size));
+  if (k0 >= k1) {  // past the group's keys: an empty state (m = -inf, l = 0), which merges as nothing
+    const int sw = 2 + L.Dv;
+    for (int i = 0; i < g.nt * g.nh; ++i) {
+      st[size_t(i) * sw] = -INFINITY;
+      std::fill(st + size_t(i) * sw + 1, st + size_t(i) * sw + sw, 0.0f);
+    }
+    return;
+  }
   const int dn = fixed_head_dim(L);
   if (kv.type == KvType::BF16) {
     if (dn == 64) Build::template task<uint16_t, 64>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
@@ -475,7 +492,7 @@ template <class Build>
 CPX_INLINE void task_entry_impl(const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, int block,
                                 float scale, const float* q, float* st, float* blk, float* scores, float* buf,
                                 float* out) {
-  const Blocks B = key_blocks(g.keys);
+  const Blocks B = key_blocks(g.span);
   if (block >= 0) {
     run_block<Build>(kv, tok, L, g, B, block, scale, q, st, scores, buf);
     return;

@@ -137,6 +137,38 @@ def test_decode_grouping_keeps_the_bits(attn, dtype):
 
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mla", [False, True])
+def test_a_tokens_output_does_not_depend_on_where_the_batch_cut_its_request(attn, dtype, mla):
+    """One request of 301 positions attended whole (a prefill), in pieces cut at random points (a cached
+    prefix and chunked prefill: pieces that start anywhere, not only at multiples of 4), and one token
+    at a time (decode): every token's output has the same bits each way (the engine's greedy output then
+    does not depend on the prefix cache, the chunk size or the batch)."""
+    g = torch.Generator().manual_seed(21)
+    n, slots = 301, 1024
+    table = make_table([n], slots, g)
+    if mla:
+        H, r, P = 4, 48, 8
+        latent = torch.randn(slots, r + P, generator=g).to(dtype)
+        q = torch.randn(n, H, r + P, generator=g)
+        run = lambda rows, pos, qq: attn.mla(qq, latent, table, rows, pos, r, 0.1)  # noqa: E731
+    else:
+        H, Hkv, D = 9, 3, 64
+        K = torch.randn(slots, Hkv, D, generator=g).to(dtype)
+        V = torch.randn(slots, Hkv, D, generator=g).to(dtype)
+        q = torch.randn(n, H, D, generator=g)
+        run = lambda rows, pos, qq: attn.gqa(qq, K, V, table, rows, pos, 0.125)  # noqa: E731
+    pos = torch.arange(n)
+    rows = torch.ones(n, dtype=torch.int64)
+    whole = run(rows, pos, q)
+    for _ in range(3):
+        cuts = sorted(torch.randperm(n - 1, generator=g)[:6].add(1).tolist())
+        pieces = [run(rows[a:b], pos[a:b], q[a:b]) for a, b in zip([0, *cuts], [*cuts, n])]
+        assert torch.equal(torch.cat(pieces), whole), cuts
+    decoded = torch.cat([run(rows[t:t + 1], pos[t:t + 1], q[t:t + 1]) for t in range(0, n, 7)])
+    assert torch.equal(decoded, whole[::7])
+
+
 _BUILD_RUN = """
 import sys, torch, cpp_experts
 from tests.cpp_experts.test_attention import batch, make_table, reference

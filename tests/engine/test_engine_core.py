@@ -149,6 +149,33 @@ def test_chunked_prefill_same_tokens_and_others_keep_decoding(model_dir):
     assert_no_leak(core)
 
 
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-deepseek-v3"])
+def test_native_logprobs_do_not_depend_on_the_prefix_cache_or_the_chunks(preset, tmp_path):
+    """A GGUF on the native CPU forward (its default bf16 KV cache): a request whose prompt shares an odd
+    number of tokens with an earlier one (served from the prefix cache) and is prefilled in chunks of an odd
+    size gives the same tokens and the same logprobs, bit for bit, as alone in one prefill. (A cached
+    prefix or chunk boundary off a multiple of 4 used to regroup its tokens' attention and move the logits.)"""
+    from models.loader.gguf_writer import write_gguf
+
+    path = write_gguf(write_checkpoint(tmp_path / preset, preset, seed=5), tmp_path / "model.gguf", "Q8_0")
+    ids = prompt(403, 31)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8, logprobs=True, top_logprobs=3)
+
+    def answer(core: EngineCore, rid: str, prompt_ids: list[int]) -> tuple[list[int], list]:
+        assert core.add_request(GenerateRequest(rid, prompt_ids, params)) == []
+        outs = run_to_end(core)[(rid, 0)]
+        return tokens(outs), [(lp.token_id, lp.logprob, lp.top) for o in outs for lp in o.logprobs or []]
+
+    native = dict(model=str(path), dtype="auto", cpu_kernels="native")
+    want = answer(make_engine(path, **native, disable_prefix_cache=True), "alone", ids)
+    core = make_engine(path, **native, chunked_prefill_size=13, max_prefill_tokens=13)
+    answer(core, "first", ids[:37] + prompt(9, 32))  # leaves 37 of ids's tokens in the prefix cache
+    got = answer(core, "again", ids)
+    assert got == want
+    assert core.stats().prefix_cache_hit_tokens_total >= 37
+    assert_no_leak(core)
+
+
 def test_memory_pressure_retracts_and_completes(model_dir):
     reqs = [(f"m{i}", prompt(20 + i, 200 + i), msgspec.structs.replace(GREEDY, max_tokens=24)) for i in range(8)]
     roomy = make_engine(model_dir, disable_prefix_cache=True)
