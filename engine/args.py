@@ -99,6 +99,11 @@ def free_port(addr: str) -> int:
         return int(s.getsockname()[1])
 
 
+CPU_PREFILL_CHUNK = 512  # a step of the default model at 2 threads: ~0.15 s of prompt at most
+GPU_PREFILL_CHUNK = 2048
+GPU_PREFILL_BUDGET = 8192  # a GPU step takes several requests' chunks: prefill is cheap next to its decode
+
+
 def device_name(value: str) -> str | None:
     kind, _, index = value.partition(":")
     if kind == "cpu" and not index or kind == "cuda" and (not index or index.isdigit()):
@@ -137,9 +142,12 @@ class EngineArgs:
                                         default_text="--mem-fraction of free memory")
     mem_fraction: float = flag(0.3, "share of free memory (host RAM on CPU) for the KV cache when "
                                "--max-total-tokens is unset", check=fraction, metavar="FRACTION")
-    chunked_prefill_size: int = flag(2048, "most prompt tokens prefilled per request per step", check=positive)
-    max_prefill_tokens: int = internal("the token budget of one step's prefill work: server.args derives it "
-                                       "from --chunked-prefill-size (at least one chunk)", default=8192)
+    chunked_prefill_size: int | None = flag(None, "most prompt tokens prefilled per request per step. On a CPU it is "
+                                            "also a step's whole prefill work, so running streams wait for one chunk "
+                                            "at most; on a GPU a step takes chunks of several requests, up to 8192 "
+                                            "tokens", check=positive, default_text="512 on a CPU, 2048 on a GPU")
+    max_prefill_tokens: int | None = internal("the token budget of one step's prefill work (None: `prefill_budget`)",
+                                              default=None)
     page_size: int = flag(1, "KV slots per page (64 for paged attention kernels; the prefix cache needs 1)",
                           check=positive)
     cuda_graph_max_bs: int = flag(64, "largest decode batch run through a captured CUDA graph (CUDA, triton "
@@ -182,3 +190,19 @@ class EngineArgs:
                                      "calibrate-omnikv)", check=omnikv_file, metavar="FILE",
                                      default_text="the calibrated one shipped for the model, else filter layers at "
                                      "1/5 and 1/2 of the depth")
+
+    def prefill_chunk(self) -> int:
+        """The prefill chunk: --chunked-prefill-size, else CPU_PREFILL_CHUNK on a CPU and GPU_PREFILL_CHUNK on a GPU."""
+        if self.chunked_prefill_size is not None:
+            return self.chunked_prefill_size
+        return GPU_PREFILL_CHUNK if self.device.startswith("cuda") else CPU_PREFILL_CHUNK
+
+    def prefill_budget(self) -> int:
+        """The prompt tokens one step prefills at most (several requests' chunks). On a CPU one chunk: a step's
+        time grows with its tokens, and every running stream waits for the step (a 6K-token prompt of 2048-token
+        chunks in a budget of 8192 stalled the other streams of the default model on 2 cores for seconds,
+        while 256-token chunks barely lengthened the prompt's own prefill). On a GPU, GPU_PREFILL_BUDGET."""
+        if self.max_prefill_tokens is not None:
+            return self.max_prefill_tokens
+        chunk = self.prefill_chunk()
+        return max(chunk, GPU_PREFILL_BUDGET) if self.device.startswith("cuda") else chunk

@@ -178,7 +178,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.runner, self.cache, Sampler(cfg.vocab_size, device), eos_token_ids=sorted(eos),
             context_len=self.context_len, max_running_requests=args.max_running_requests,
-            chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.max_prefill_tokens,
+            chunked_prefill_size=args.prefill_chunk(), max_prefill_tokens=args.prefill_budget(),
             omnikv_mode=args.omnikv, omnikv_min_context=omnikv.min_context,
         )
         self._rng = random.Random(args.seed)

@@ -383,7 +383,7 @@ def parse_serve_args(argv: list[str], environ: Mapping[str, str] | None = None) 
     for warning in unknown_variables(env):
         print(f"{prog}: warning: {warning}", file=sys.stderr)
     ns = parsed.ns
-    engine = _settings(EngineArgs, ns, max_prefill_tokens=max(ns.chunked_prefill_size, EngineArgs.max_prefill_tokens))
+    engine = _settings(EngineArgs, ns)
     args = _settings(ServerArgs, ns, engine=engine)
     # empty means unset: a compose file or Dockerfile may pass a variable with no value
     return dataclasses.replace(args, api_key=args.api_key or None, served_model_name=args.served_model_name or None,

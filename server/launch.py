@@ -165,6 +165,7 @@ async def _start_engine(state: ServerState, args: ServerArgs, server: _DrainingS
         logger.info("sampling defaults for requests that leave them out: %s", state.generation_defaults.describe())
         engine = await EngineReplicas.start(args.engine, args.dp)
         state.context_length = engine.info.context_length
+        state.admission_capacity = (args.engine.max_running_requests + args.engine.max_queued_requests) * args.dp
         state.vocab_size = engine.info.vocab_size
         state.engine = engine
         freeze_gc_heap()  # the tokenizer, the app and the libraries live as long as the server

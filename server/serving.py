@@ -70,13 +70,18 @@ from scheduler.sampling_params import ParamError, validate_prompt_ids, validate_
 REPLICA_HEADER = "x-mlaserve-replica"
 
 
-def engine_error(out: RequestOutput) -> ClientError:
-    """Maps an engine refusal or failure to its HTTP error."""
+def prompt_param(body: Any) -> str:
+    """The request field that holds the prompt, for errors about it."""
+    return "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+
+
+def engine_error(out: RequestOutput, prompt_field: str = "messages") -> ClientError:
+    """Maps an engine refusal or failure to its HTTP error (`prompt_field`: the request's prompt field)."""
     if out.error_code == ERR_OVERLOADED:
         return ClientError(503, out.error or "overloaded", code="overloaded", type_="service_unavailable",
                            headers={"Retry-After": "1"})
     if out.error_code == ERR_CONTEXT:
-        return ClientError(400, out.error or "context length exceeded", "messages", "context_length_exceeded")
+        return ClientError(400, out.error or "context length exceeded", prompt_field, "context_length_exceeded")
     if out.error_code == ERR_SHUTDOWN:
         return ClientError(503, out.error or "the server is shutting down", code="shutting_down",
                            type_="service_unavailable", headers={"Retry-After": "5"})
@@ -238,7 +243,7 @@ async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: Ca
         if refused is not None:
             await _close_all(requests)
             state.metrics.on_error(refused.error_code or "engine_error")
-            resp = engine_error(refused).response()
+            resp = engine_error(refused, prompt_param(body)).response()
             resp.headers.update(replicas)
             return resp
         if body.stream:  # from here Starlette notices disconnects and cancels the stream
@@ -332,6 +337,11 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
         # the answer is constrained, not the reasoning: the grammar starts after </think>
         after = tuple(tok.encode(THINK_CLOSE, add_special_tokens=False))
         params = msgspec.structs.replace(params, structured=msgspec.structs.replace(params.structured, after=after))
+    completions, capacity = len(prompts) * params.n, state.admission_capacity
+    if capacity and len(prompts) > 1 and completions > capacity:  # one prompt: the engine says so (its param "n")
+        raise ClientError(400, f"{len(prompts)} prompts x n={params.n} = {completions} completions can never be "
+                          f"admitted: this server holds at most {capacity} at once (--max-running-requests + "
+                          "--max-queued-requests); send fewer prompts per request", "prompt")
     requests = []
     base = uuid.uuid4().hex
     for i, (ids, _) in enumerate(prompts):
@@ -340,8 +350,7 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
             asked = params.max_tokens or 1
             raise ClientError(400, f"this model's maximum context length is {state.context_length} tokens; the "
                               f"request has {len(ids)} prompt tokens and asks for {asked} more",
-                              "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-                              "context_length_exceeded")
+                              prompt_param(body), "context_length_exceeded")
         p = params if params.max_tokens is not None else msgspec.structs.replace(params, max_tokens=limit)
         req = GenerateRequest(f"{base}-{i}", ids, p, time.time())
         # a tool-call parser reads the markup, which may be special tokens (DeepSeek's): those are kept

@@ -31,6 +31,9 @@ class ServerState:
     tokenizer: TokenizerBundle | None = None  # its chat_template is --chat-template's when given
     generation_defaults: GenerationDefaults | None = None  # the model's sampling defaults (set with the tokenizer)
     context_length: int = 0
+    # completions the engine(s) can hold at once, running and queued (--max-running-requests +
+    # --max-queued-requests, times --dp); 0: unknown, not checked
+    admission_capacity: int = 0
     vocab_size: int = 0
     start_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))

@@ -1,6 +1,7 @@
 """Admission through the real server: with --max-running-requests R and --max-queued-requests Q, of
 many concurrent requests exactly R + Q are admitted (R run, Q wait) and the rest get 503 `overloaded`
-with Retry-After, at once; a request for more completions (n) than R + Q is refused with 400 naming `n`."""
+with Retry-After, at once; a request for more completions (n, or prompts x n) than R + Q is refused
+with 400 naming `n` (or `prompt`)."""
 
 from __future__ import annotations
 
@@ -73,8 +74,33 @@ def test_exactly_running_plus_queued_are_admitted(model_dir, tmp_path, running, 
         error = resp.json()["error"]
         assert resp.status_code == 400 and error["param"] == "n" and "retry-after" not in resp.headers, resp.text
         assert f"n <= {running + queued}" in error["message"], error
+        # so are more prompts x n than it ever holds, however each prompt's n fits
+        resp = httpx.post(srv.url + "/v1/completions", timeout=60,
+                          json={"prompt": ["a", "b"] * (running + queued), "max_tokens": 2})
+        error = resp.json()["error"]
+        assert resp.status_code == 400 and error["param"] == "prompt" and "retry-after" not in resp.headers, resp.text
+        assert f"at most {running + queued} at once" in error["message"], error
     finally:
         release.set()
         for t in threads:
             t.join(60)
+        assert srv.stop() == 0, srv.log()
+
+
+def test_a_prompt_past_the_kv_cache_is_refused_naming_the_prompt_field(model_dir, tmp_path):
+    """A context longer than the KV cache holds: a prompt that fits the context but not the cache is the
+    client's 400 `context_length_exceeded`, naming the field the prompt came in (`prompt` or `messages`)."""
+    srv = ServerProcess(str(model_dir), "--max-total-tokens", "96", "--context-length", "4096",
+                        log=tmp_path / "log").wait_ready()
+    try:
+        for path, body, field in (("/v1/completions", {"prompt": [5] * 150, "max_tokens": 2}, "prompt"),
+                                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 150}],
+                                                            "max_tokens": 2}, "messages")):
+            resp = httpx.post(srv.url + path, timeout=60, json=body)
+            error = resp.json()["error"]
+            assert resp.status_code == 400 and error["code"] == "context_length_exceeded", resp.text
+            assert error["param"] == field and "KV cache" in error["message"], error
+        ok = httpx.post(srv.url + "/v1/completions", timeout=60, json={"prompt": [5] * 20, "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+    finally:
         assert srv.stop() == 0, srv.log()

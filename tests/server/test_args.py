@@ -243,10 +243,18 @@ def test_empty_key_and_name_mean_the_default() -> None:
 
 def test_defaults_are_the_fields_defaults() -> None:
     args = parse_serve_args([], environ={})
-    assert args == ServerArgs(engine=dataclasses.replace(EngineArgs(), max_prefill_tokens=8192))
+    assert args == ServerArgs()
     assert args.max_request_bytes is None  # derived from the context once the model is known
-    chunked = parse_serve_args(["--chunked-prefill-size", "10000"], environ={})
-    assert chunked.engine.max_prefill_tokens == 10000  # a step's prefill budget holds at least one chunk
+    # prefill: on a CPU a step's budget is one chunk (running streams wait for one chunk at most); on a GPU a
+    # step takes several requests' chunks, at least one whole
+    assert (args.engine.prefill_chunk(), args.engine.prefill_budget()) == (512, 512)
+    gpu = parse_serve_args(["--device", "cuda"], environ={}).engine
+    assert (gpu.prefill_chunk(), gpu.prefill_budget()) == (2048, 8192)
+    for device, budget in (("cpu", 10000), ("cuda:1", 10000)):
+        chunked = parse_serve_args(["--chunked-prefill-size", "10000", "--device", device], environ={}).engine
+        assert (chunked.prefill_chunk(), chunked.prefill_budget()) == (10000, budget)
+    small = parse_serve_args(["--chunked-prefill-size", "64"], environ={}).engine
+    assert small.prefill_budget() == 64
 
 
 def test_settings_pickle_for_the_engine_process() -> None:
