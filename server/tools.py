@@ -218,15 +218,17 @@ class RequiredToolCalls:
     """tool_choice "required": the output is a JSON array of {"name", "parameters"} objects (the grammar
     writes the keys in that order). Each call is sent as it is written: its id and name once its name
     is complete, then its arguments (the `parameters` object's text) as they come. A reply cut off by
-    max_tokens thus ends with the calls begun so far, the last one's arguments partial, as a named
-    tool_choice's does; nothing of the array's own syntax ever reaches the content."""
+    max_tokens thus ends with the calls begun so far (a call whose name was written, its arguments
+    partial or still empty), as a named tool_choice's does; nothing of the array's own syntax ever
+    reaches the content."""
 
-    _HEAD = re.compile(r'\s*\}?\s*[\[,]\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"parameters"\s*:\s*')
+    _NAME = re.compile(r'\s*\}?\s*[\[,]\s*\{\s*"name"\s*:\s*"([^"\\]*)"')  # a call's start, up to its name
+    _PARAMETERS = re.compile(r'\s*,\s*"parameters"\s*:\s*')  # then its arguments' key
 
     def __init__(self, new_id: Callable[[], str] = default_call_id) -> None:
         self._new_id = new_id
         self._pending = ""  # text not consumed yet: a call's head still incomplete, or the array's tail
-        self._in_args = False
+        self._state = "name"  # what the text goes on with: "name" (a call's start), "parameters", "args"
         self._depth, self._in_string, self._escaped = 0, False, False
         self.calls: list[ToolCall] = []
 
@@ -234,14 +236,21 @@ class RequiredToolCalls:
         self._pending += text
         out: list[ToolCallDelta] = []
         while self._pending:
-            if not self._in_args:
-                head = self._HEAD.match(self._pending)
+            if self._state == "name":
+                head = self._NAME.match(self._pending)
                 if head is None:  # wait for more (or the array's closing "}]", which is dropped)
                     break
                 self.calls.append(ToolCall(self._new_id(), head.group(1), ""))
                 out.append(ToolCallDelta(len(self.calls) - 1, self.calls[-1].id, head.group(1), ""))
                 self._pending = self._pending[head.end():]
-                self._in_args, self._depth, self._in_string, self._escaped = True, 0, False, False
+                self._state = "parameters"
+                continue
+            if self._state == "parameters":
+                key = self._PARAMETERS.match(self._pending)
+                if key is None:
+                    break
+                self._pending = self._pending[key.end():]
+                self._state, self._depth, self._in_string, self._escaped = "args", 0, False, False
                 continue
             if not self.calls[-1].arguments:  # the object's text starts at its "{", wherever the pieces split
                 self._pending = self._pending.lstrip()
@@ -254,7 +263,7 @@ class RequiredToolCalls:
             self._pending = self._pending[len(piece):]
             if end is None:
                 break
-            self._in_args = False
+            self._state = "name"
         return "", merge_deltas(out)
 
     def _arguments_end(self, text: str) -> int | None:

@@ -253,3 +253,41 @@ CHATML_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\\n{{ m.conten
 ])
 def test_detect_tool_parser(template, expected):
     assert detect_tool_parser(template) == expected
+
+
+def _required_calls(pieces: list[str]) -> list[tuple[str, str]]:
+    """(name, arguments) of tool_choice "required"'s calls assembled from the deltas of `pieces`."""
+    from server.tools import RequiredToolCalls
+
+    parser, calls = RequiredToolCalls(), {}
+    for piece in pieces:
+        content, deltas = parser.feed(piece)
+        assert content == ""  # nothing of the array reaches the content
+        for d in deltas:
+            name, args = calls.get(d.index, ("", ""))
+            calls[d.index] = (d.name or name, args + d.arguments)
+    assert [(c.name, c.arguments) for c in parser.calls] == [calls[i] for i in sorted(calls)]
+    return [calls[i] for i in sorted(calls)]
+
+
+def test_required_calls_for_every_chunking_and_cut():
+    """tool_choice "required" (the grammar's JSON array of {"name", "parameters"}): the same calls however
+    the text is split; cut anywhere, the calls whose names were written, the last one's arguments partial
+    (a cut after a name and before its arguments: a call with empty arguments, not nothing)."""
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris", "q": "a\\"}b"}}, \n {"name":"t","parameters":{}}]'
+    whole = [("get_weather", '{"city": "Paris", "q": "a\\"}b"}'), ("t", "{}")]
+    assert _required_calls([text]) == whole
+    rng = random.Random(5)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(text)), 3))
+        assert _required_calls([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]) == whole
+    assert _required_calls(list(text)) == whole
+    name_end = text.index('"get_weather"') + len('"get_weather"')
+    for cut in range(len(text)):
+        got = _required_calls([text[:cut]])
+        if cut < name_end:
+            assert got == [], (cut, got)
+        elif cut < text.index("{", name_end):
+            assert got == [("get_weather", "")], (cut, got)
+        else:
+            assert got[0][0] == "get_weather" and whole[0][1].startswith(got[0][1]), (cut, got)
