@@ -886,3 +886,18 @@ def test_cpu_model_general_batches_contender(cpu_bench, tmp_path: Path) -> None:
     a, b = (o.runner.generate_greedy(list(range(10, 30)), 8) for o in (fast, general))
     assert a == b and len(a) == 8
     assert all(o.run()[1] > 0 for o in (fast, general))
+
+
+def test_serve_stall_bench_against_a_real_server(cpu_bench, tmp_path: Path) -> None:
+    """bench/serve_stall_cpu.py end to end on the default model, tiny: two streams, one long prompt arriving
+    while they run, our server alone (its default and a variant); the gaps and times come from real chunks."""
+    stall = importlib.import_module("serve_stall_cpu")
+    out = tmp_path / "stall.json"
+    assert stall.main(["--rounds", "1", "--streams", "2", "--max-tokens", "120", "--long", "1", "--long-words", "300",
+                       "--delay", "0.3", "--ours-only", "--variant", "--chunked-prefill-size 64", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert set(r["medians"]) == {"mlaserve", "mlaserve --chunked-prefill-size 64"}
+    assert "--ours-only" in r["skipped"]["llama-server"]
+    for m in r["medians"].values():
+        assert 0 < m["median_gap_s"] <= m["max_gap_s"] < 60 and 0 < m["long_prompts_s"] < 60, m
+    assert set(r["ratios_ours_over"]) == {"mlaserve --chunked-prefill-size 64"}
