@@ -340,12 +340,31 @@ class ChatCompletionRequest(ChatInput, _GenerationRequest):
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None
     min_tokens: StrictInt | None = 0
+    # output modalities: text only; audio output refused rather than ignored (the reply would silently
+    # lack what was asked for)
+    modalities: list[str] | None = None
+    audio: Any = None
 
     @field_validator("top_logprobs")
     @classmethod
     def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
         if value and not info.data.get("logprobs"):
             raise _invalid("top_logprobs needs logprobs to be true")
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, value: list[str] | None) -> list[str] | None:
+        other = [m for m in value or [] if m != "text"]
+        if other:
+            raise _invalid(f"this server answers in text only; the modalities {other} are not supported")
+        return value
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, value: Any) -> Any:
+        if value is not None:
+            raise _invalid("audio output is not supported: this server answers in text only")
         return value
 
 

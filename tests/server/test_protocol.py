@@ -107,6 +107,8 @@ def test_nulls_mean_defaults() -> None:
 
 OUT_OF_RANGE = [
     # (request kind, field, value, param the error must name)
+    ("chat", "modalities", ["text", "audio"], "modalities"),  # text only: refused, not ignored
+    ("chat", "audio", {"voice": "alloy", "format": "wav"}, "audio"),
     ("chat", "temperature", -0.1, "temperature"),
     ("chat", "temperature", 101.0, "temperature"),
     ("chat", "temperature", "hot", "temperature"),
