@@ -37,7 +37,7 @@ FINISH_ERROR = "error"  # the engine could not run it; see `error`
 # error codes carried by RequestOutput.error_code
 ERR_OVERLOADED = "overloaded"  # queue full: retry later (HTTP 503)
 ERR_CONTEXT = "context_length_exceeded"  # prompt (+ max_tokens) longer than the context (HTTP 400)
-ERR_INVALID = "invalid_request"  # a value the engine cannot honour (HTTP 400)
+ERR_INVALID = "invalid_request_error"  # a value the engine cannot honour (HTTP 400, no code: validation's label)
 ERR_ENGINE = "engine_error"  # the engine crashed or died (HTTP 500/503)
 ERR_SHUTDOWN = "shutting_down"  # the server is shutting down and ended it (HTTP 503)
 

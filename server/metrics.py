@@ -110,8 +110,7 @@ SUCCESS_REASONS = (FINISH_STOP, FINISH_LENGTH)
 # status label of an `on_error` counted outside a request, and of the series exposed at 0 from the start.
 ENGINE_ERROR_STATUS = {ERR_OVERLOADED: 503, ERR_CONTEXT: 400, ERR_INVALID: 400, ERR_ENGINE: 503, ERR_SHUTDOWN: 503}
 INVALID_REQUEST_ERROR = "invalid_request_error"  # the type of a 400 without a code (validation): its label
-# (code, status) exposed at 0; the engine's ERR_INVALID is a 400 like validation's and counts under its label
-KNOWN_ERRORS = (*((c, s) for c, s in ENGINE_ERROR_STATUS.items() if c != ERR_INVALID), (INVALID_REQUEST_ERROR, 400))
+KNOWN_ERRORS = (*ENGINE_ERROR_STATUS.items(), (INVALID_REQUEST_ERROR, 400))  # (code, status) exposed at 0 (ERR_INVALID is that label)
 MAX_TRACKED_COMPLETIONS = 65536  # safety net: a server bug that never ends requests cannot grow memory forever
 _CODE_RE = re.compile(r"^[a-z0-9_]{1,64}$")
 # The classic text format generate_latest writes (newer prometheus_client advertises 1.0.0 by default).
@@ -375,10 +374,7 @@ def _counter(name: str, doc: str, model_name: str, value: float = 0, *, extra_la
 
 
 def error_label(code: str | None) -> str:
-    """`code` as a bounded label value: `[a-z0-9_]{1,64}`, else `other`. The engine's ERR_INVALID (a value
-    it cannot honour) is the client's 400 `invalid_request_error` without a code, as validation's."""
-    if code == ERR_INVALID:
-        return INVALID_REQUEST_ERROR
+    """`code` as a bounded label value: `[a-z0-9_]{1,64}`, else `other`."""
     return code if code and _CODE_RE.match(code) else "other"
 
 

@@ -466,14 +466,6 @@ template <class Build>
 CPX_INLINE void run_block(const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, const Blocks& B,
                           int b, float scale, const float* q, float* st, float* scores, float* buf) {
   const int k0 = int(std::min<int64_t>(g.keys, b * B.size)), k1 = int(std::min<int64_t>(g.keys, (b + 1) * B.size));
-  if (k0 >= k1) {  // past the group's keys: an empty state (m = -inf, l = 0), which merges as nothing
-    const int sw = 2 + L.Dv;
-    for (int i = 0; i < g.nt * g.nh; ++i) {
-      st[size_t(i) * sw] = -INFINITY;
-      std::fill(st + size_t(i) * sw + 1, st + size_t(i) * sw + sw, 0.0f);
-    }
-    return;
-  }
   const int dn = fixed_head_dim(L);
   if (kv.type == KvType::BF16) {
     if (dn == 64) Build::template task<uint16_t, 64>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
