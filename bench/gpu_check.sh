@@ -16,6 +16,8 @@
 #                 (by default here: graphed decodes at batch 1 and 8, no bank; omnikv_gpu.py alone also
 #                 times eager decodes and the context bank)
 #   serve         bench/serve_gpu_check.py (the server on the GPU against the same model on the CPU)
+#   cpu-bench     bench/quant_linear_cpu.py on the host CPU, its AMX path against its AVX-512 one (after
+#                 cpu-tests, which it would disturb; QL_ARGS picks shapes, formats and threads)
 #
 # The Python packages the host lacks travel as wheels in .whl/ (bench/gpu_wheels.sh fetches them; carry
 # .whl and .gpu_extra with the call), installed to /tmp/site.
@@ -30,6 +32,7 @@ CPU_TESTS=${CPU_TESTS:-"tests/cpp_experts tests/models/test_cpp_expert_backend.p
 OMNIKV_ARGS=${OMNIKV_ARGS:-"--contexts 4096 32768 65536 --batch 1 8 --graphs on --bank off --rounds 2 --profile 32768"}
 MLA_ARGS=${MLA_ARGS:-"--batches 1 8 64 --contexts 4096 32768"}
 MODEL_ARGS=${MODEL_ARGS:-"--hybrid"}
+QL_ARGS=${QL_ARGS:-"--shapes wide_2048 --formats q8_0 q4_0 q4_k bf16 --ms 1 16 64 --threads 4 --rounds 3"}
 OMNIKV_MAX=${OMNIKV_MAX:-300}  # seconds at most for the OmniKV benchmark (128K contexts prefill for a while)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -96,6 +99,12 @@ for step in $STEPS; do
         run_step "serve_gpu_check" 150 "$OUT/bench.log" python3 bench/serve_gpu_check.py --out /tmp/serve/serve_gpu_check.json
         cp /tmp/serve/serve_gpu_check.json "$OUT/" 2>/dev/null
         for f in /tmp/serve/*.log; do [[ -f $f ]] && { echo "== $f"; tail -n 60 "$f"; } >> "$OUT/bench.log"; done ;;
+    cpu-bench) need_build
+        [[ -n $CPU_PID ]] && { wait $CPU_PID; CPU_PID=; }
+        for k in amx avx512; do
+            run_step "quant_linear_cpu $k" 90 "$OUT/bench.log" python3 bench/quant_linear_cpu.py $QL_ARGS --kernel $k \
+                --out "$OUT/quant_linear_cpu_$k.json"
+        done ;;
     *) echo "unknown step $step" ;;
     esac
 done

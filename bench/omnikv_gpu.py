@@ -126,11 +126,11 @@ class Rows:
         self.n = {row: len(prompt) for row in self.rows}
         self.tok = {row: starts[i // 2] for i, row in enumerate(self.rows)}
 
-    def step(self, omnikv: bool, tokens: list[int] | None = None) -> torch.Tensor:
-        """One decode token for every row of one kind (teacher-forced by `tokens`, else greedy); the
-        logits [copies, vocab]."""
+    def step(self, omnikv: bool, tokens: list[int] | None = None, copies: int | None = None) -> torch.Tensor:
+        """One decode token for every row of one kind of the first `copies` copies (default all),
+        teacher-forced by `tokens`, else greedy; the logits [copies, vocab]."""
         r = self.runner
-        rows = self.omni if omnikv else self.full
+        rows = (self.omni if omnikv else self.full)[:copies]
         toks = [self.tok[row] for row in rows] if tokens is None else tokens
         logits = r.forward(r.build_batch([RequestSlice(row, self.n[row], [t], omnikv=omnikv)
                                           for row, t in zip(rows, toks)]))
@@ -179,46 +179,56 @@ def check(runner: ModelRunner, cfg: OmniKVConfig, context: int, vocab: int, seed
             "correct": finite and rel <= CHECK_RTOL and copy_rel <= CHECK_RTOL and sparse_rows == CHECK_STEPS * copies}
 
 
-def time_context(runner: ModelRunner, context: int, args: argparse.Namespace, vocab: int, seed: int,
-                 graphs: bool, batch: int = 1) -> dict[str, Any]:
-    """Decode steps of `batch` requests at `context`, full attention against OmniKV (one forward per
-    step for the whole batch of each kind)."""
+def steps_per_timing(args: argparse.Namespace) -> int:
+    """Decode tokens one timing adds to a row: warm-ups, the peak-memory step and the timed rounds."""
+    return args.warmup + 1 + args.steps * args.rounds
+
+
+def context_rows(runner: ModelRunner, context: int, args: argparse.Namespace, vocab: int, seed: int,
+                 timings: int, copies: int) -> Rows:
+    """One random prompt at `context`, held `copies` times, short enough that `timings` timings of a
+    row all stay within `context` tokens (a power of two is also an OmniKV graph's bucket: one token
+    more would time a graph twice as wide). Every batch size of a context times these rows: one
+    prefill per context, not per batch size."""
     g = torch.Generator().manual_seed(seed)
-    # every decode step stays within `context` tokens (a power of two is also an OmniKV graph's bucket:
-    # one token more would time a graph twice as wide)
-    prompt_len = context - args.warmup - args.steps * args.rounds - 1
+    prompt_len = context - timings * steps_per_timing(args)
     prompt = torch.randint(2, vocab, (prompt_len,), generator=g).tolist()
-    rows = Rows(runner, prompt, batch, torch.randint(2, vocab, (batch - 1,), generator=g).tolist())
+    return Rows(runner, prompt, copies, torch.randint(2, vocab, (copies - 1,), generator=g).tolist())
+
+
+def time_context(runner: ModelRunner, rows: Rows, context: int, args: argparse.Namespace, graphs: bool,
+                 batch: int = 1) -> dict[str, Any]:
+    """Decode steps of the first `batch` requests of `rows` at `context`, full attention against OmniKV
+    (one forward per step for the whole batch of each kind)."""
     device = runner.device
     modes = [("full", False), ("omnikv", True)]
     times: dict[str, list[float]] = {name: [] for name, _ in modes}
     peak = None
-    try:
-        for _, sparse in modes:  # warm-up (graph replays, Triton compiles)
-            for _ in range(args.warmup):
-                rows.step(sparse)
-        if device.type == "cuda":  # the device memory one OmniKV step adds at its peak (bank rows, workspaces)
+    for _, sparse in modes:  # warm-up (graph replays, Triton compiles)
+        for _ in range(args.warmup):
+            rows.step(sparse, copies=batch)
+    if device.type == "cuda":  # the device memory one OmniKV step adds at its peak (bank rows, workspaces)
+        _sync(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        rows.step(True, copies=batch)
+        _sync(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+    else:
+        rows.step(True, copies=batch)  # the same tokens per timing as on a GPU
+    for rnd in range(args.rounds):
+        for name, sparse in (modes if rnd % 2 == 0 else modes[::-1]):
             _sync(device)
-            base = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            rows.step(True)
+            t = time.perf_counter()
+            for _ in range(args.steps):
+                rows.step(sparse, copies=batch)
             _sync(device)
-            peak = torch.cuda.max_memory_allocated(device) - base
-        for rnd in range(args.rounds):
-            for name, sparse in (modes if rnd % 2 == 0 else modes[::-1]):
-                _sync(device)
-                t = time.perf_counter()
-                for _ in range(args.steps):
-                    rows.step(sparse)
-                _sync(device)
-                times[name].append((time.perf_counter() - t) / args.steps)
-    finally:
-        rows.release()
+            times[name].append((time.perf_counter() - t) / args.steps)
     full, sparse = statistics.median(times["full"]), statistics.median(times["omnikv"])
     cfg = runner.omnikv
     assert cfg is not None
     pool = runner.kv_pool
-    return {"context": context, "batch": batch, "prompt_len": prompt_len, "graphs": graphs,
+    return {"context": context, "batch": batch, "prompt_len": rows.shared, "graphs": graphs,
             "bank": runner.context_bank is not None, "full_ms": full * 1e3, "omnikv_ms": sparse * 1e3,
             "speedup": full / sparse, "full_tok_s": batch / full, "omnikv_tok_s": batch / sparse,
             "selected_per_sparse_layer": cfg.budget_for(context) + cfg.sink_tokens
@@ -280,6 +290,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, nargs="*", default=[1],
                     help="decode batch sizes: that many requests of each context decode together (default 1)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--check-context", type=int, default=None,
+                    help="context of the correctness checks (default: the first context, at most 4096)")
     ap.add_argument("--profile", type=int, default=None, metavar="CONTEXT",
                     help="also profile eager decode steps' kernels at this context (first, on an eager runner "
                     "without the bank)")
@@ -290,6 +302,7 @@ def main() -> int:
     layers = args.layers or (6 if smoke else V2_LITE_LAYERS)
     contexts = args.contexts or ([96, 160] if smoke else [4096, 8192, 16384, 32768, 65536, 131072])
     args.warmup = 1 if smoke else 2
+    check_context = args.check_context or min(contexts[0], 4096)
     args.steps = args.steps or (2 if smoke else 16)
     args.rounds = args.rounds or (1 if smoke else 3)
     dtype = torch.float32 if smoke else torch.bfloat16
@@ -302,7 +315,7 @@ def main() -> int:
         ap.error("--batch takes sizes of 1 or more")
     batches = sorted(set(args.batch))
     # slots: the largest batch's copies of the longest prompt, two rows' decode tokens per copy
-    per_request = max(contexts) + 2 * (args.steps * args.rounds + 8) + 8
+    per_request = max(max(contexts), check_context) + 2 * (args.steps * args.rounds + 8) + 8
     result: dict[str, Any] = {"bench": "omnikv_gpu", "smoke": smoke, "machine": machine_info(device), "preset": preset,
                               "layers": layers, "dtype": str(dtype), "omnikv": omni.to_dict(),
                               "plan_roles": list(omni.plan(layers).roles), "checks": [], "runs": []}
@@ -334,7 +347,7 @@ def main() -> int:
         with opened(graphs, bank) as (runner, pool_bytes):
             # each runner: graphed OmniKV decodes are checked as eager ones are
             for bs in batches:  # each batch size (each its own graph when graphed)
-                c = {**check(runner, omni, contexts[0], cfg_model.vocab_size, args.seed, bs), "graphs": graphs,
+                c = {**check(runner, omni, check_context, cfg_model.vocab_size, args.seed, bs), "graphs": graphs,
                      "bank": bank}
                 result["checks"].append(c)
                 ok = ok and c["correct"]
@@ -342,16 +355,26 @@ def main() -> int:
                       f"{'on' if bank else 'off'}): rel err {c['rel_err']:.2e}, copies {c['copies_rel_err']:.2e} "
                       f"({'ok' if c['correct'] else 'WRONG'})", flush=True)
             for ctx in contexts:
-                for bs in batches:
-                    row = time_context(runner, ctx, args, cfg_model.vocab_size, args.seed + ctx, graphs, bs)
-                    row["pool_device_bytes"] = pool_bytes
-                    if runner.graph_runner is not None:
-                        row["omnikv_graph_keys"] = sorted(runner.graph_runner.omnikv_graphs)
-                    result["runs"].append(row)
-                    print(f"ctx {ctx:6d} batch {bs:3d} graphs {'on ' if graphs else 'off'} bank {'on ' if bank else 'off'}: "
-                          f"full {row['full_ms']:8.2f} ms, OmniKV {row['omnikv_ms']:8.2f} ms, x{row['speedup']:.2f}, "
-                          f"KV on the device {row['kv_device_bytes_per_request'] / 2**20:.0f} MiB/request", flush=True)
-                    write_result(out, result)  # after every row: a run cut short keeps what it measured
+                t_prefill = time.perf_counter()
+                rows = context_rows(runner, ctx, args, cfg_model.vocab_size, args.seed + ctx, len(batches),
+                                    max(batches))
+                _sync(device)
+                print(f"ctx {ctx:6d}: prompt of {rows.shared} prefilled and copied {max(batches)} times in "
+                      f"{time.perf_counter() - t_prefill:.1f} s", flush=True)
+                try:
+                    for bs in batches:
+                        row = time_context(runner, rows, ctx, args, graphs, bs)
+                        row["pool_device_bytes"] = pool_bytes
+                        if runner.graph_runner is not None:
+                            row["omnikv_graph_keys"] = sorted(runner.graph_runner.omnikv_graphs)
+                        result["runs"].append(row)
+                        print(f"ctx {ctx:6d} batch {bs:3d} graphs {'on ' if graphs else 'off'} bank "
+                              f"{'on ' if bank else 'off'}: full {row['full_ms']:8.2f} ms, OmniKV "
+                              f"{row['omnikv_ms']:8.2f} ms, x{row['speedup']:.2f}, KV on the device "
+                              f"{row['kv_device_bytes_per_request'] / 2**20:.0f} MiB/request", flush=True)
+                        write_result(out, result)  # after every row: a run cut short keeps what it measured
+                finally:
+                    rows.release()
     print_table(result["runs"], [("context", "context", "d"), ("batch", "batch", "d"), ("graphs", "graphs", ""),
                                  ("bank", "bank", ""), ("full_ms", "full ms", ".2f"), ("omnikv_ms", "OmniKV ms", ".2f"),
                                  ("speedup", "x", ".2f")])
