@@ -3,8 +3,9 @@
 with full attention and with OmniKV at contexts 4K to 128K, in one run, through `ModelRunner` and the
 triton attention backend, and the latent cache a request holds on the device.
 
-Each context: one random prompt, prefilled in chunks, short enough that every timed decode step stays
-within the context; a second request row shares its prompt KV (as the prefix cache shares it), so full
+Each context: one random prompt, prefilled in chunks (or, with `--fill random`, its KV rows drawn at
+random straight into the pool: the same decode work, without minutes of prefill at 128K), short enough
+that every timed decode step of every batch size stays within the context; a second request row shares its prompt KV (as the prefix cache shares it), so full
 attention and OmniKV decode over the same cache. Rounds of `--steps` decode steps alternate between
 the two (the order flips every round); medians. `--batch B` decodes B such requests in each step: the
 prompt's KV rows are copied to B - 1 more sets of slots (so each request reads memory of its own, as
@@ -85,7 +86,7 @@ class Rows:
     for every row of one kind in a single forward (a batch of `copies` rows); `release` frees everything."""
 
     def __init__(self, runner: ModelRunner, prompt: list[int], copies: int = 1,
-                 first: list[int] | None = None) -> None:
+                 first: list[int] | None = None, fill: str = "prefill") -> None:
         if len(first or []) < copies - 1:
             raise ValueError(f"{copies} copies need {copies - 1} first tokens beside the prompt's own")
         self.runner = runner
@@ -101,12 +102,25 @@ class Rows:
                     raise RuntimeError(f"the runner has no room for {2 * copies} request rows")
                 self.rows.append(row)
             self.full, self.omni = self.rows[0::2], self.rows[1::2]
-            logits = None
-            for start in range(0, len(prompt), PREFILL_CHUNK):
-                logits = runner.forward(runner.build_batch(
-                    [RequestSlice(self.full[0], start, prompt[start : start + PREFILL_CHUNK])]))
-            assert logits is not None
-            self.slots.append(pool.req_to_token[self.full[0], : len(prompt)].to(torch.int64))
+            if fill == "prefill":
+                logits = None
+                for start in range(0, len(prompt), PREFILL_CHUNK):
+                    logits = runner.forward(runner.build_batch(
+                        [RequestSlice(self.full[0], start, prompt[start : start + PREFILL_CHUNK])]))
+                assert logits is not None
+                first_token = int(logits[-1].argmax())
+                self.slots.append(pool.req_to_token[self.full[0], : len(prompt)].to(torch.int64))
+            else:  # "random": the prompt's KV rows drawn at random instead of computed
+                loc = alloc.alloc(len(prompt))
+                if loc is None:
+                    raise RuntimeError(f"the KV pool has no room for a {len(prompt)}-token prompt")
+                self.slots.append(loc.to(torch.int64))
+                g = torch.Generator(runner.device).manual_seed(len(prompt))
+                for layer in range(runner.config.num_hidden_layers):
+                    for buf in runner.kv_pool.layer_buffers(layer):
+                        rows = torch.randn((len(prompt), *buf.shape[1:]), generator=g, device=runner.device)
+                        buf[self.slots[0].to(buf.device)] = rows.to(buf.dtype).to(buf.device)
+                first_token = prompt[-1]
             for _ in range(1, copies):
                 loc = alloc.alloc(len(prompt))
                 if loc is None:
@@ -122,7 +136,7 @@ class Rows:
         except BaseException:
             self.release()
             raise
-        starts = [int(logits[-1].argmax())] + list(first or [])[: copies - 1]
+        starts = [first_token] + list(first or [])[: copies - 1]
         self.n = {row: len(prompt) for row in self.rows}
         self.tok = {row: starts[i // 2] for i, row in enumerate(self.rows)}
 
@@ -193,7 +207,7 @@ def context_rows(runner: ModelRunner, context: int, args: argparse.Namespace, vo
     g = torch.Generator().manual_seed(seed)
     prompt_len = context - timings * steps_per_timing(args)
     prompt = torch.randint(2, vocab, (prompt_len,), generator=g).tolist()
-    return Rows(runner, prompt, copies, torch.randint(2, vocab, (copies - 1,), generator=g).tolist())
+    return Rows(runner, prompt, copies, torch.randint(2, vocab, (copies - 1,), generator=g).tolist(), args.fill)
 
 
 def time_context(runner: ModelRunner, rows: Rows, context: int, args: argparse.Namespace, graphs: bool,
@@ -290,6 +304,10 @@ def main() -> int:
     ap.add_argument("--batch", type=int, nargs="*", default=[1],
                     help="decode batch sizes: that many requests of each context decode together (default 1)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fill", choices=["prefill", "random"], default="prefill",
+                    help="the timed contexts' KV: a prefill of a random prompt (default), or random rows written "
+                    "straight into the pool (seconds instead of minutes at 128K; the decode step's work is the same, "
+                    "the checks always prefill)")
     ap.add_argument("--check-context", type=int, default=None,
                     help="context of the correctness checks (default: the first context, at most 4096)")
     ap.add_argument("--profile", type=int, default=None, metavar="CONTEXT",
@@ -317,7 +335,7 @@ def main() -> int:
     # slots: the largest batch's copies of the longest prompt, two rows' decode tokens per copy
     per_request = max(max(contexts), check_context) + 2 * (args.steps * args.rounds + 8) + 8
     result: dict[str, Any] = {"bench": "omnikv_gpu", "smoke": smoke, "machine": machine_info(device), "preset": preset,
-                              "layers": layers, "dtype": str(dtype), "omnikv": omni.to_dict(),
+                              "layers": layers, "dtype": str(dtype), "fill": args.fill, "omnikv": omni.to_dict(),
                               "plan_roles": list(omni.plan(layers).roles), "checks": [], "runs": []}
     ok = True
     out = args.out or str(RESULTS / f"omnikv_gpu_{device_slug(device)}.json")
@@ -359,7 +377,7 @@ def main() -> int:
                 rows = context_rows(runner, ctx, args, cfg_model.vocab_size, args.seed + ctx, len(batches),
                                     max(batches))
                 _sync(device)
-                print(f"ctx {ctx:6d}: prompt of {rows.shared} prefilled and copied {max(batches)} times in "
+                print(f"ctx {ctx:6d}: prompt of {rows.shared} ({args.fill}) held {max(batches)} times in "
                       f"{time.perf_counter() - t_prefill:.1f} s", flush=True)
                 try:
                     for bs in batches:

