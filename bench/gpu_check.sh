@@ -5,19 +5,21 @@
 # (AVX-512 / AMX, which a development machine may lack). Steps run in the order STEPS names them; each
 # gets at most what is left of the budget, so a slow step cuts the later ones rather than the whole call.
 #
-#   OUT=/some/dir BUDGET=420 STEPS="gpu-tests native-tests cpu-tests omnikv mla model serve" bash bench/gpu_check.sh
+#   OUT=/some/dir BUDGET=420 STEPS="gpu-tests native-tests omnikv mla model serve cpu-tests" bash bench/gpu_check.sh
 #
 #   gpu-tests     Triton kernels, fused MoE, sampler (run while the native extension builds)
 #   native-tests  CUDA-graph runner and hybrid placement (routed experts on the CPU): need the extension
-#   cpu-tests     the C++ kernels on this host's ISA, in the background beside the next steps
+#   cpu-tests     the C++ kernels on this host's ISA (after the timed steps: a graphed decode step still
+#                 needs the host each step, and these tests on 12 of 16 cores made one 2.6x slower)
 #   routing       bench/hybrid_routing_gpu.py: hybrid and all-GPU placements against the fp32 CPU oracle
 #                 position by position, with the router decisions that flipped
 #   omnikv, mla, model   bench/omnikv_gpu.py, bench/mla_decode_gpu.py, bench/model_decode_gpu.py
-#                 (by default here: graphed decodes at batch 1 and 8, no bank; omnikv_gpu.py alone also
-#                 times eager decodes and the context bank)
+#                 (by default here: graphed decodes, no bank; OmniKV at 32K-128K with batches of 1, 8 and
+#                 16 over KV drawn at random (--fill random); omnikv_gpu.py alone also times eager decodes
+#                 and the context bank)
 #   serve         bench/serve_gpu_check.py (the server on the GPU against the same model on the CPU)
-#   cpu-bench     bench/quant_linear_cpu.py on the host CPU, its AMX path against its AVX-512 one (after
-#                 cpu-tests, which it would disturb; QL_ARGS picks shapes, formats and threads)
+#   cpu-bench     bench/quant_linear_cpu.py on the host CPU, its AMX path against its AVX-512 one (QL_ARGS
+#                 picks shapes, formats and threads)
 #
 # The Python packages the host lacks travel as wheels in .whl/ (bench/gpu_wheels.sh fetches them; carry
 # .whl and .gpu_extra with the call), installed to /tmp/site.
@@ -25,11 +27,11 @@
 set -u
 OUT=${OUT:-$(mktemp -d)}
 BUDGET=${BUDGET:-420}
-STEPS=${STEPS:-"gpu-tests native-tests cpu-tests omnikv mla model serve"}
+STEPS=${STEPS:-"gpu-tests native-tests omnikv mla model serve cpu-tests"}
 GPU_TESTS=${GPU_TESTS:-"tests/kernels/test_triton_attention.py tests/kernels/test_triton_omnikv.py tests/kernels/test_fused_moe.py tests/executor/test_sampler.py"}
 NATIVE_TESTS=${NATIVE_TESTS:-"tests/executor/test_cuda_graph_runner.py tests/executor/test_context_bank.py tests/models/test_cpp_expert_backend.py tests/cpp_experts/test_host_task.py"}
 CPU_TESTS=${CPU_TESTS:-"tests/cpp_experts tests/models/test_cpp_expert_backend.py"}
-OMNIKV_ARGS=${OMNIKV_ARGS:-"--contexts 4096 32768 65536 --batch 1 8 --graphs on --bank off --rounds 2 --profile 32768"}
+OMNIKV_ARGS=${OMNIKV_ARGS:-"--contexts 32768 131072 65536 --batch 1 8 16 --graphs on --bank off --rounds 2 --fill random"}
 MLA_ARGS=${MLA_ARGS:-"--batches 1 8 64 --contexts 4096 32768"}
 MODEL_ARGS=${MODEL_ARGS:-"--hybrid"}
 QL_ARGS=${QL_ARGS:-"--shapes wide_2048 --formats q8_0 q4_0 q4_k bf16 --ms 1 16 64 --threads 4 --rounds 3"}
@@ -76,31 +78,26 @@ BUILT=
 wait_build() { while [[ ! -e /tmp/build.done ]]; do sleep 2; done; }
 need_build() { [[ -n $BUILT ]] && return; wait_build; cat /tmp/build.log >> "$OUT/tests.log"; BUILT=1; }
 
-CPU_PID=
 for step in $STEPS; do
     case $step in
     gpu-tests) run_step "gpu tests" 200 "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider --timeout 150 $GPU_TESTS ;;
     native-tests) need_build
         run_step "gpu tests with the extension" 200 "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider \
             --timeout 150 $NATIVE_TESTS ;;
-    cpu-tests)  # in the background, from the end of the build on, beside the next steps (the GPU
-        # benchmarks time with CUDA events)
-        ( wait_build; run_step "cpu kernels on the host ISA" 240 "$OUT/tests_cpu.log" env MLASERVE_CPP_EXPERTS_THREADS=2 \
-            python3 -m pytest -q -p no:cacheprovider -n 6 --timeout 200 $CPU_TESTS ) &
-        CPU_PID=$! ;;
+    cpu-tests) need_build
+        run_step "cpu kernels on the host ISA" 240 "$OUT/tests.log" env MLASERVE_CPP_EXPERTS_THREADS=2 \
+            python3 -m pytest -q -p no:cacheprovider -n 6 --timeout 200 $CPU_TESTS ;;
     routing) need_build
         run_step "hybrid_routing_gpu" 90 "$OUT/bench.log" python3 bench/hybrid_routing_gpu.py --out "$OUT/routing.json" ;;
     omnikv) run_step "omnikv_gpu" "$OMNIKV_MAX" "$OUT/bench.log" python3 bench/omnikv_gpu.py --out "$OUT/omnikv_gpu.json" $OMNIKV_ARGS ;;
     mla) run_step "mla_decode_gpu" 100 "$OUT/bench.log" python3 bench/mla_decode_gpu.py --out "$OUT/mla_decode.json" $MLA_ARGS ;;
     model) [[ " $MODEL_ARGS " == *" --hybrid "* ]] && need_build  # its hybrid part imports the extension
-        [[ -n $CPU_PID ]] && wait $CPU_PID  # the model benchmark's timings include host work
         run_step "model_decode_gpu" 240 "$OUT/bench.log" python3 bench/model_decode_gpu.py --out "$OUT/model_decode.json" $MODEL_ARGS ;;
     serve) need_build  # the CPU side of the comparison serves with the native kernels
         run_step "serve_gpu_check" 150 "$OUT/bench.log" python3 bench/serve_gpu_check.py --out /tmp/serve/serve_gpu_check.json
         cp /tmp/serve/serve_gpu_check.json "$OUT/" 2>/dev/null
         for f in /tmp/serve/*.log; do [[ -f $f ]] && { echo "== $f"; tail -n 60 "$f"; } >> "$OUT/bench.log"; done ;;
     cpu-bench) need_build
-        [[ -n $CPU_PID ]] && { wait $CPU_PID; CPU_PID=; }
         for k in amx avx512; do
             run_step "quant_linear_cpu $k" 90 "$OUT/bench.log" python3 bench/quant_linear_cpu.py $QL_ARGS --kernel $k \
                 --out "$OUT/quant_linear_cpu_$k.json"
@@ -108,7 +105,5 @@ for step in $STEPS; do
     *) echo "unknown step $step" ;;
     esac
 done
-[[ -n $CPU_PID ]] && wait $CPU_PID
-[[ -f $OUT/tests_cpu.log ]] && cat "$OUT/tests_cpu.log" >> "$OUT/tests.log" && rm -f "$OUT/tests_cpu.log"
 echo "== done at $(( $(date +%s) - T0 ))s"
 grep -h "^== \|passed\|failed" "$OUT/tests.log" "$OUT/bench.log" 2>/dev/null | tail -n 40
