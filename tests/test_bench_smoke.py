@@ -72,8 +72,9 @@ def test_mla_decode_smoke(tmp_path: Path) -> None:
 
 @gpu_smoke
 def test_omnikv_decode_smoke(tmp_path: Path) -> None:
-    r = run_smoke("omnikv_gpu.py", tmp_path / "omnikv.json", "--batch", "1", "2")
-    assert r["smoke"] and r["layers"] == 6 and r["preset"] == "tiny-deepseek-v2"
+    # the timed contexts' KV drawn at random (--fill random); the checks prefill theirs
+    r = run_smoke("omnikv_gpu.py", tmp_path / "omnikv.json", "--batch", "1", "2", "--fill", "random")
+    assert r["smoke"] and r["layers"] == 6 and r["preset"] == "tiny-deepseek-v2" and r["fill"] == "random"
     assert r["omnikv"]["filter_layers"] == [1, 3] and 2 in r["plan_roles"]  # OmniKVConfig.default_for(6)
     assert [(c["bank"], c["batch"]) for c in r["checks"]] == [(False, 1), (False, 2), (True, 1), (True, 2)]
     for c in r["checks"]:  # 4 steps x the batch's requests went sparse
