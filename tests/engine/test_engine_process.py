@@ -58,10 +58,10 @@ class FakeCore:
     """Echo core with the EngineCore interface; counts what it saw so tests can ask via stats()."""
 
     def __init__(self, args: EngineArgs, step_delay: float = 0.002, start_delay: float = 0.0,
-                 fail_start: str | None = None) -> None:
+                 fail_start: str | None = None, fail_with: type[Exception] = FileNotFoundError) -> None:
         time.sleep(start_delay)
         if fail_start is not None:
-            raise FileNotFoundError(fail_start)
+            raise fail_with(fail_start)
         self.model = args.model
         self.step_delay = step_delay
         self.reqs: dict[str, tuple[GenerateRequest, list[int]]] = {}  # rid -> (req, tokens emitted per index)
@@ -356,6 +356,17 @@ def test_killed_process_fails_every_pending_request(loop, rng):
 def test_startup_failure_raises_with_the_childs_message(loop):
     with pytest.raises(RuntimeError, match=r"failed to start: FileNotFoundError: no such model /nope/m\.gguf"):
         start(loop, fail_start="no such model /nope/m.gguf")
+
+
+@pytest.mark.parametrize("error, traceback", [(ValueError, False), (FileNotFoundError, False), (RuntimeError, True)])
+def test_a_user_mistake_at_startup_is_logged_in_one_line_a_bug_with_its_traceback(loop, capfd, error, traceback):
+    """A wrong setting or file (ValueError, OSError) is reported by its message alone; anything else is
+    a bug, logged with where it was raised."""
+    with pytest.raises(RuntimeError, match=rf"failed to start: {error.__name__}: filter layer 100 is outside"):
+        start(loop, fail_start="filter layer 100 is outside the model's 30 layers", fail_with=error)
+    err = capfd.readouterr().err
+    assert f"engine core failed to start: {error.__name__}: filter layer 100" in err or traceback
+    assert ("Traceback (most recent call last)" in err) == traceback, err
 
 
 def test_shutdown_exits_cleanly_and_ends_pending_requests(loop, rng):
