@@ -5,8 +5,8 @@ triton attention backend, and the latent cache a request holds on the device.
 
 Each context: one random prompt, prefilled in chunks (or, with `--fill random`, its KV rows drawn at
 random straight into the pool: the same decode work, without minutes of prefill at 128K), short enough
-that every timed decode step of every batch size stays within the context; a second request row shares its prompt KV (as the prefix cache shares it), so full
-attention and OmniKV decode over the same cache. Rounds of `--steps` decode steps alternate between
+that every timed decode step of every batch size stays within the context; a second request row shares
+its prompt KV (as the prefix cache shares it), so full attention and OmniKV decode over the same cache. Rounds of `--steps` decode steps alternate between
 the two (the order flips every round); medians. `--batch B` decodes B such requests in each step: the
 prompt's KV rows are copied to B - 1 more sets of slots (so each request reads memory of its own, as
 distinct requests do, without B prefills) and each copy starts from another token, so their tokens and
