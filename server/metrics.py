@@ -109,8 +109,8 @@ SUCCESS_REASONS = (FINISH_STOP, FINISH_LENGTH)
 # The HTTP status each engine error code is answered with (server.serving.engine_error maps them so): the
 # status label of an `on_error` counted outside a request, and of the series exposed at 0 from the start.
 ENGINE_ERROR_STATUS = {ERR_OVERLOADED: 503, ERR_CONTEXT: 400, ERR_INVALID: 400, ERR_ENGINE: 503, ERR_SHUTDOWN: 503}
-INVALID_REQUEST_ERROR = "invalid_request_error"  # the type of a 400 without a code (validation): its label
-KNOWN_ERRORS = (*ENGINE_ERROR_STATUS.items(), (INVALID_REQUEST_ERROR, 400))  # (code, status) exposed at 0 (ERR_INVALID is that label)
+# (code, status) exposed at 0; ERR_INVALID is also the label of a 400 without a code (validation's type)
+KNOWN_ERRORS = tuple(ENGINE_ERROR_STATUS.items())
 MAX_TRACKED_COMPLETIONS = 65536  # safety net: a server bug that never ends requests cannot grow memory forever
 _CODE_RE = re.compile(r"^[a-z0-9_]{1,64}$")
 # The classic text format generate_latest writes (newer prometheus_client advertises 1.0.0 by default).

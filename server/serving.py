@@ -75,7 +75,7 @@ def prompt_param(body: Any) -> str:
     return "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
 
 
-def engine_error(out: RequestOutput, prompt_field: str = "messages") -> ClientError:
+def engine_error(out: RequestOutput, prompt_field: str) -> ClientError:
     """Maps an engine refusal or failure to its HTTP error (`prompt_field`: the request's prompt field)."""
     if out.error_code == ERR_OVERLOADED:
         return ClientError(503, out.error or "overloaded", code="overloaded", type_="service_unavailable",
@@ -248,9 +248,9 @@ async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: Ca
             return resp
         if body.stream:  # from here Starlette notices disconnects and cancels the stream
             watch.cancel()
-            return StreamingResponse(_sse(ser, _events(state, requests, firsts)), media_type="text/event-stream",
+            return StreamingResponse(_sse(ser, _events(state, requests, firsts, prompt_param(body))), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **replicas})
-        result = await _race(watch, _collect(ser, _events(state, requests, firsts)))
+        result = await _race(watch, _collect(ser, _events(state, requests, firsts, prompt_param(body))))
         if result is None:
             return Response(status_code=499)
         result.headers.update(replicas)
@@ -364,7 +364,8 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
     return requests
 
 
-async def _events(state: ServerState, requests: list[EngineRequest], firsts: list[RequestOutput | None]):
+async def _events(state: ServerState, requests: list[EngineRequest], firsts: list[RequestOutput | None],
+                  prompt_field: str):
     """Yields (engine request, choice index, text, ids, logprobs) as outputs arrive from all prompts.
 
     Closing this generator closes every engine stream (aborting what still runs in the engine)."""
@@ -373,7 +374,7 @@ async def _events(state: ServerState, requests: list[EngineRequest], firsts: lis
         async for r, out in outputs:
             if out.finish_reason == FINISH_ERROR:
                 state.metrics.on_error(out.error_code or "engine_error")
-                raise engine_error(out)
+                raise engine_error(out, prompt_field)
             if out.index == 0 and out.cached_tokens:
                 r.cached_tokens = out.cached_tokens
             if out.prompt_logprobs and r.prompt_logprobs is None:
