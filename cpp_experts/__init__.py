@@ -851,6 +851,7 @@ class CpuModel:
         self.hidden_size = embed.in_features
         self.vocab_size = lm_head.out_features
         norm = _f32("final_norm", final_norm, self.hidden_size)
+        self.pool = pool
         self._keep: list[object] = [pool, embed, lm_head]
         self._op = _C.CpuModel(pool._pool, self.hidden_size, embed._op, lm_head._op, norm.data_ptr(), float(eps))
         self.num_slots = 0
@@ -1015,6 +1016,17 @@ class CpuModel:
                                                            inputs._omni_ptr if omnikv else 0, bool(argmax))
         return inputs.logits
 
+    @property
+    def decode_program(self) -> bool:
+        """Whether decode forwards of a dense GQA model (up to 3 tokens, no OmniKV token, no profiling)
+        run as one program of passes on every thread of the pool instead of a pool run per pass
+        (csrc/model.h; on by default, the same bits either way). Benchmarks switch it to compare."""
+        return bool(self._op.decode_program())
+
+    @decode_program.setter
+    def decode_program(self, on: bool) -> None:
+        self._op.set_decode_program(bool(on))
+
     def set_profiling(self, on: bool) -> None:
         """Time every forward from now on phase by phase (`on`), or stop; the totals are kept until
         `profile(reset=True)`. A benchmark's tool (`bench/bench_cpu_model.py --profile`): decode passes
@@ -1022,7 +1034,8 @@ class CpuModel:
         self._op.set_profiling(bool(on))
 
     def profile(self, reset: bool = False) -> dict[str, Any]:
-        """The timed forwards so far: {"forwards", "forward_s", "phases": {name: {"calls", "s",
+        """The timed forwards so far: {"forwards", "forward_s", "program_forwards" (those run as the decode
+        program, whose norms and RoPE count in the q·k·v and gate·up phases), "phases": {name: {"calls", "s",
         "pool_runs", "wait_s"}}}. A phase's seconds are its wall time on the calling thread (its serial
         work and its waits included); "wait_s" the part of it the caller spent waiting for workers after
         its own share of the phase's parallel pool runs (their imbalance). Phases: see csrc/model.h."""
@@ -1031,7 +1044,8 @@ class CpuModel:
             self._op.reset_profile()
         phases = {name: {"calls": int(d["calls"]), "s": d["ns"] / 1e9, "pool_runs": int(d["pool_runs"]),
                          "wait_s": d["wait_ns"] / 1e9} for name, d in raw["phases"].items()}
-        return {"forwards": int(raw["forwards"]), "forward_s": raw["forward_ns"] / 1e9, "phases": phases}
+        return {"forwards": int(raw["forwards"]), "forward_s": raw["forward_ns"] / 1e9,
+                "program_forwards": int(raw["program_forwards"]), "phases": phases}
 
     def omnikv_selection(self, f: int) -> list[torch.Tensor]:
         """The KV slots (int32, ascending positions) the last OmniKV forward kept at filter `f`, per token

@@ -66,8 +66,8 @@ void task_entry CPX_ATTN_TASK_PARAMS { CPX_DISPATCH_CALL(task_entry, CPX_ATTN_TA
 // Groups: runs of tokens of one request at increasing positions within one aligned run of kTokBlock
 // positions (positions 4i .. 4i + 3: where the batch starts the request does not move them), times head
 // blocks.
-std::vector<Group> make_groups(const AttnTokens& tok, int H, int Hkv, bool mla, int threads) {
-  std::vector<Group> groups;
+void make_groups(const AttnTokens& tok, int H, int Hkv, bool mla, int threads, std::vector<Group>& groups) {
+  groups.clear();
   const int heads_per = mla ? std::min(H, kMlaHeadBlock) : H / Hkv;
   const int nheadblocks = mla ? (H + heads_per - 1) / heads_per : Hkv;
   auto own = [&](int t) { return tok.sel && tok.sel[t]; };  // a token with its own slot list
@@ -95,62 +95,80 @@ std::vector<Group> make_groups(const AttnTokens& tok, int H, int Hkv, bool mla, 
     }
     t = e;
   }
-  return groups;
-}
-
-void run(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const Layout& L, int Hkv,
-         float scale, const float* q, float* out) {
-  if (tok.T <= 0) return;
-  const int threads = pool.size();
-  const std::vector<Group> groups = make_groups(tok, L.H, Hkv, L.mla, threads);
-  int max_nq = 0;
-  for (const Group& g : groups) max_nq = std::max(max_nq, g.nt * g.nh);
-  const size_t state = size_t(max_nq) * (2 + L.Dv);
-  // fp32 key and value tiles (bf16 caches), or a group's permuted queries (paired)
-  const size_t tiles = std::max(size_t(kKeyTile) * (L.D + L.Dv), L.paired ? size_t(max_nq) * L.D : size_t(0));
-  scratch.thread.resize(size_t(threads));
-  for (auto& s : scratch.thread) s.resize(2 * state + kQB * kKeyTile + tiles);
-  auto thread_bufs = [&](int tid) {
-    float* base = scratch.thread[size_t(tid)].data();
-    return std::array<float*, 3>{base, base + state, base + 2 * state};  // state, block state, scores + tiles
-  };
-  // Split-KV (a task per key block) only where the groups alone cannot keep every thread busy
-  // (about 4 tasks per thread); the blocks are the same either way (key_blocks).
-  if (int(groups.size()) >= 4 * threads) {
-    pool.run(int(groups.size()), [&](int gi, int tid) {
-      const auto b = thread_bufs(tid);
-      task_entry(kv, tok, L, groups[size_t(gi)], -1, scale, q, b[0], b[1], b[2], b[2] + kQB * kKeyTile, out);
-    });
-    return;
-  }
-  std::vector<Task> tasks;
-  std::vector<int> first(groups.size() + 1, 0);  // partial-state index of each group's first block
-  for (int gi = 0; gi < int(groups.size()); ++gi) {
-    const int n = key_blocks(groups[size_t(gi)].span).n;
-    first[size_t(gi) + 1] = first[size_t(gi)] + n;
-    for (int b = 0; b < n; ++b) tasks.push_back({gi, b});
-  }
-  scratch.partial.resize(size_t(first.back()) * state);
-  // The task that finishes a group's last block merges the group's blocks, in block order whichever
-  // thread it is, and writes its output: no second pass of the pool (one wake-up and wait less per
-  // layer). acq_rel: the last task sees every other block's state.
-  std::unique_ptr<std::atomic<int>[]> left(new std::atomic<int>[groups.size()]);
-  for (size_t gi = 0; gi < groups.size(); ++gi) left[gi].store(first[gi + 1] - first[gi], std::memory_order_relaxed);
-  pool.run(int(tasks.size()), [&](int i, int tid) {
-    const Task& tk = tasks[size_t(i)];
-    const size_t gi = size_t(tk.group);
-    const Group& g = groups[gi];
-    const auto b = thread_bufs(tid);
-    float* st = scratch.partial.data() + size_t(first[gi]) * state;
-    task_entry(kv, tok, L, g, tk.block, scale, q, st + size_t(tk.block) * state, nullptr, b[2], b[2] + kQB * kKeyTile,
-               nullptr);
-    if (left[gi].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
-    for (int bl = 1; bl < first[gi + 1] - first[gi]; ++bl) merge_state(g.nt * g.nh, L.Dv, st, st + size_t(bl) * state);
-    write_out(L, g, st, out);
-  });
 }
 
 }  // namespace
+
+// A call's groups and tasks (attention.h: AttnPass).
+struct AttnPlan {
+  PagedKv kv;
+  AttnTokens tok;
+  Layout L;
+  float scale = 1.0f;
+  const float* q = nullptr;
+  float* out = nullptr;
+  std::vector<Group> groups;
+  bool split = false;      // a task per key block (else per group)
+  std::vector<Task> tasks;  // split: the blocks
+  std::vector<int> first;   // split: partial-state index of each group's first block
+  std::unique_ptr<std::atomic<int>[]> left;  // split: blocks of each group not yet done
+  size_t left_room = 0;
+  size_t state = 0;
+};
+
+AttnPass::AttnPass() = default;
+AttnPass::~AttnPass() = default;
+AttnPass::AttnPass(AttnPass&&) noexcept = default;
+AttnPass& AttnPass::operator=(AttnPass&&) noexcept = default;
+
+namespace {
+
+void plan(AttnPass& pass, AttnScratch& scratch, int threads, const PagedKv& kv, const AttnTokens& tok, const Layout& L,
+          int Hkv, float scale, const float* q, float* out) {
+  if (!pass.plan) pass.plan = std::make_unique<AttnPlan>();
+  AttnPlan& P = *pass.plan;
+  P.kv = kv, P.tok = tok, P.L = L, P.scale = scale, P.q = q, P.out = out;
+  pass.tasks = 0;
+  if (tok.T <= 0) return;
+  threads = std::max(1, threads);
+  make_groups(tok, L.H, Hkv, L.mla, threads, P.groups);
+  int max_nq = 0;
+  for (const Group& g : P.groups) max_nq = std::max(max_nq, g.nt * g.nh);
+  P.state = size_t(max_nq) * (2 + L.Dv);
+  // fp32 key and value tiles (bf16 caches), or a group's permuted queries (paired)
+  const size_t tiles = std::max(size_t(kKeyTile) * (L.D + L.Dv), L.paired ? size_t(max_nq) * L.D : size_t(0));
+  if (scratch.thread.size() < size_t(threads)) scratch.thread.resize(size_t(threads));
+  for (auto& t : scratch.thread)
+    if (t.size() < 2 * P.state + kQB * kKeyTile + tiles) t.resize(2 * P.state + kQB * kKeyTile + tiles);
+  // Split-KV (a task per key block) only where the groups alone cannot keep every thread busy
+  // (about 4 tasks per thread); the blocks are the same either way (key_blocks).
+  P.split = int(P.groups.size()) < 4 * threads;
+  if (!P.split) {
+    pass.tasks = int(P.groups.size());
+    return;
+  }
+  P.tasks.clear();
+  P.first.assign(P.groups.size() + 1, 0);
+  for (int gi = 0; gi < int(P.groups.size()); ++gi) {
+    const int n = key_blocks(P.groups[size_t(gi)].span).n;
+    P.first[size_t(gi) + 1] = P.first[size_t(gi)] + n;
+    for (int b = 0; b < n; ++b) P.tasks.push_back({gi, b});
+  }
+  scratch.partial.resize(size_t(P.first.back()) * P.state);
+  // The task that finishes a group's last block merges the group's blocks, in block order whichever
+  // thread it is, and writes its output: no second pass of the pool (one wake-up and wait less per
+  // layer). acq_rel: the last task sees every other block's state.
+  if (P.left_room < P.groups.size()) {
+    P.left.reset(new std::atomic<int>[P.groups.size()]);
+    P.left_room = P.groups.size();
+  }
+  for (size_t gi = 0; gi < P.groups.size(); ++gi)
+    P.left[gi].store(P.first[gi + 1] - P.first[gi], std::memory_order_relaxed);
+  pass.tasks = int(P.tasks.size());
+}
+
+}  // namespace
+
 
 void check_attention_tokens(const PagedKv& kv, const AttnTokens& tok) {
   int64_t last_row = -1, checked = 0;  // slots of a row are checked once, up to the largest position seen
@@ -175,12 +193,52 @@ void check_attention_tokens(const PagedKv& kv, const AttnTokens& tok) {
   }
 }
 
-void attention_gqa(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const float* q, int H,
-                   int Hkv, int D, int Dv, float scale, float* out) {
+void run_attention_task(AttnPass& pass, AttnScratch& scratch, int i, int tid) {
+  AttnPlan& P = *pass.plan;
+  float* base = scratch.thread[size_t(tid)].data();
+  float* st0 = base;                    // a group's state
+  float* blk = base + P.state;          // a block's state
+  float* scores = base + 2 * P.state;   // scores, then tiles
+  float* buf = scores + kQB * kKeyTile;
+  if (!P.split) {
+    task_entry(P.kv, P.tok, P.L, P.groups[size_t(i)], -1, P.scale, P.q, st0, blk, scores, buf, P.out);
+    return;
+  }
+  const Task& tk = P.tasks[size_t(i)];
+  const size_t gi = size_t(tk.group);
+  const Group& g = P.groups[gi];
+  float* st = scratch.partial.data() + size_t(P.first[gi]) * P.state;
+  task_entry(P.kv, P.tok, P.L, g, tk.block, P.scale, P.q, st + size_t(tk.block) * P.state, nullptr, scores, buf,
+             nullptr);
+  if (P.left[gi].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  for (int bl = 1; bl < P.first[gi + 1] - P.first[gi]; ++bl)
+    merge_state(g.nt * g.nh, P.L.Dv, st, st + size_t(bl) * P.state);
+  write_out(P.L, g, st, P.out);
+}
+
+namespace {
+Layout gqa_layout(const PagedKv& kv, int H, int Hkv, int D, int Dv) {
   if (H <= 0 || Hkv <= 0 || H % Hkv) throw ArgError("query heads must be a positive multiple of the KV heads");
   Layout L{H, D, Dv, int64_t(H) * D, D, int64_t(H) * Dv, Dv, D, Dv, false, false};
   L.paired = kv.type == KvType::BF16 && fixed_head_dim(L) != 0;
-  run(pool, scratch, kv, tok, L, Hkv, scale, q, out);
+  return L;
+}
+void run(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const Layout& L, int Hkv,
+         float scale, const float* q, float* out) {
+  AttnPass pass;
+  plan(pass, scratch, pool.size(), kv, tok, L, Hkv, scale, q, out);
+  pool.run(pass.tasks, [&](int i, int tid) { run_attention_task(pass, scratch, i, tid); });
+}
+}  // namespace
+
+void plan_attention_gqa(AttnPass& pass, AttnScratch& scratch, int threads, const PagedKv& kv, const AttnTokens& tok,
+                        const float* q, int H, int Hkv, int D, int Dv, float scale, float* out) {
+  plan(pass, scratch, threads, kv, tok, gqa_layout(kv, H, Hkv, D, Dv), Hkv, scale, q, out);
+}
+
+void attention_gqa(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const float* q, int H,
+                   int Hkv, int D, int Dv, float scale, float* out) {
+  run(pool, scratch, kv, tok, gqa_layout(kv, H, Hkv, D, Dv), Hkv, scale, q, out);
 }
 
 void attention_mla(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const float* q, int H,

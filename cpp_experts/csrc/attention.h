@@ -22,6 +22,7 @@
 // keys are also split into ranges (split-KV) whose partial softmax states are merged afterwards.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "pool.h"
@@ -72,6 +73,22 @@ struct AttnScratch {
 
 void attention_gqa(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const float* q,
                    int H, int Hkv, int D, int Dv, float scale, float* out);
+
+// attention_gqa in parts, for callers that run the tasks themselves (the model's decode program,
+// model.h): plan for `threads` participants, then every task i in [0, tasks) once, on participant
+// tid's scratch (the scratch, kv, tokens, q and out must stay put until the last task is done).
+struct AttnPlan;
+struct AttnPass {
+  std::unique_ptr<AttnPlan> plan;
+  int tasks = 0;
+  AttnPass();
+  ~AttnPass();
+  AttnPass(AttnPass&&) noexcept;
+  AttnPass& operator=(AttnPass&&) noexcept;
+};
+void plan_attention_gqa(AttnPass& pass, AttnScratch& scratch, int threads, const PagedKv& kv, const AttnTokens& tok,
+                        const float* q, int H, int Hkv, int D, int Dv, float scale, float* out);
+void run_attention_task(AttnPass& pass, AttnScratch& scratch, int i, int tid);
 void attention_mla(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const float* q,
                    int H, int r, int P, float scale, float* out);
 

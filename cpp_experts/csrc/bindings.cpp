@@ -233,6 +233,8 @@ PYBIND11_MODULE(_C, m) {
         return new CpuModel(std::move(pool), hidden, &embed, &lm_head, make_norm(norm, hidden, eps));
       }))
       .def("set_profiling", &CpuModel::set_profiling, py::call_guard<py::gil_scoped_release>())
+      .def("set_decode_program", &CpuModel::set_decode_program, py::call_guard<py::gil_scoped_release>())
+      .def("decode_program", &CpuModel::decode_program, py::call_guard<py::gil_scoped_release>())
       .def("reset_profile", &CpuModel::reset_profile, py::call_guard<py::gil_scoped_release>())
       .def("profile",
            [](CpuModel& self) {
@@ -255,6 +257,7 @@ PYBIND11_MODULE(_C, m) {
              py::dict out;
              out["forwards"] = p.forwards;
              out["forward_ns"] = p.forward_ns;
+             out["program_forwards"] = p.program_forwards;
              out["phases"] = phases;
              return out;
            })

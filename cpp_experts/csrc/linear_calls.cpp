@@ -70,13 +70,6 @@ void to_bf16_row(const float* x, uint16_t* y, int n, int np) {
   for (int i = n; i < np; ++i) y[i] = 0;
 }
 
-// A tile: rowblocks rb0..rb1-1 of the call's weight (step 0), or (step > 0) the `count` groups
-// g0, g0 + step, ... (QuantLinear::tile_groups), for rows t0..t0+nt-1.
-struct Task {
-  int call, rb0, rb1, t0, nt;
-  int g0 = 0, step = 0, count = 0;
-};
-
 // Decode passes read each weight once, and a task that reads kGroupStreams consecutive groups reads
 // kGroupStreams streams of one group each (23 KiB at SmolLM2's 576 inputs and Q4_1), which end
 // before the hardware prefetcher is up to speed on them. Task i of a strided call reads the groups
@@ -96,13 +89,9 @@ bool strided(const LinearCall& c, int m, int threads) {
   return reads_streams(c, m) && q >= kStridedMinTasks * threads;
 }
 
-// The best of a row's outputs so far for argmax: the larger value, NaN above every number, the
-// smaller column between equals.
-struct Best {
-  float v = 0.0f;
-  int64_t col = -1;
-};
-bool beats(float v, int64_t col, const Best& b) {
+// The best of a row's outputs so far for argmax (LinearBest): the larger value, NaN above every
+// number, the smaller column between equals.
+bool beats(float v, int64_t col, const LinearBest& b) {
   if (b.col < 0) return true;
   const bool vn = std::isnan(v), bn = std::isnan(b.v);
   if (vn != bn) return vn;
@@ -142,7 +131,7 @@ CPX_INLINE int first_max_impl(const float* o, int n) {
 CPX_DISPATCH(int, first_max, (const float* o, int n), (o, n))
 
 // Folds o[0..n) (columns n0..n0+n-1) into b.
-void fold_best(const float* o, int n, int64_t n0, Best& b) {
+void fold_best(const float* o, int n, int64_t n0, LinearBest& b) {
   if (n <= 0) return;
   const int j = first_max(o, n);
   if (beats(o[j], n0 + j, b)) b = {o[j], n0 + j};
@@ -156,22 +145,22 @@ ActQ LinearInput::act() const {
               reinterpret_cast<const int32_t*>(s16.data()), k};
 }
 
-void prepare_input(Pool& pool, LinearInput& in, const float* x, int64_t ldx, int m, int k,
-                   const std::vector<const QuantLinear*>& readers) {
+void shape_input(LinearInput& in, const float* x, int64_t ldx, int m, int k,
+                 const std::vector<const QuantLinear*>& readers) {
   in.m = m;
   in.k = k;
   in.kp = int(round_up(size_t(k), 32));
   in.has_q8 = in.has_s16 = in.has_bf16 = in.has_f32 = false;
   in.x = x;
   in.ldx = ldx;
-  QuantRow quantize = nullptr;
+  in.quantize = nullptr;
   for (const QuantLinear* op : readers) {
     if (op->in_features() != k)
       throw ArgError("a linear of in_features " + std::to_string(op->in_features()) + " reads an input of " +
                      std::to_string(k) + " values");
     if (op->reads_q8() && !in.has_q8) {
       in.has_q8 = true;
-      quantize = op->quantizer();
+      in.quantize = op->quantizer();
     }
     in.has_s16 = in.has_s16 || op->reads_s16();
     in.has_bf16 = in.has_bf16 || op->reads_bf16();
@@ -188,21 +177,32 @@ void prepare_input(Pool& pool, LinearInput& in, const float* x, int64_t ldx, int
     if (in.has_s16) in.s16.resize(size_t(m) * nb * 8);
   }
   if (in.has_bf16) in.b.resize(size_t(m) * in.kp * 2);
+}
+
+void fill_input_rows(LinearInput& in, int t0, int t1) {
+  const int k = in.k, nb = k / 32;
   int8_t* q = reinterpret_cast<int8_t*>(in.q.data());
   float* d = reinterpret_cast<float*>(in.d.data());
   int32_t* s = reinterpret_cast<int32_t*>(in.s.data());
   float* ds = reinterpret_cast<float*>(in.ds.data());
   int32_t* s16 = reinterpret_cast<int32_t*>(in.s16.data());
   uint16_t* b = reinterpret_cast<uint16_t*>(in.b.data());
-  pool.run((m + kPrepChunk - 1) / kPrepChunk, [&](int task, int) {
-    for (int t = task * kPrepChunk; t < std::min(m, (task + 1) * kPrepChunk); ++t) {
-      const float* xr = x + t * ldx;
-      if (in.has_q8) {
-        const size_t o = size_t(t) * nb;
-        quantize_act_row(quantize, xr, k, q + size_t(t) * k, d + o, s + o, ds + o, in.has_s16 ? s16 + 2 * o : nullptr);
-      }
-      if (in.has_bf16) to_bf16_row(xr, b + size_t(t) * in.kp, k, in.kp);
+  for (int t = t0; t < t1; ++t) {
+    const float* xr = in.x + t * in.ldx;
+    if (in.has_q8) {
+      const size_t o = size_t(t) * nb;
+      quantize_act_row(in.quantize, xr, k, q + size_t(t) * k, d + o, s + o, ds + o, in.has_s16 ? s16 + 2 * o : nullptr);
     }
+    if (in.has_bf16) to_bf16_row(xr, b + size_t(t) * in.kp, k, in.kp);
+  }
+}
+
+void prepare_input(Pool& pool, LinearInput& in, const float* x, int64_t ldx, int m, int k,
+                   const std::vector<const QuantLinear*>& readers) {
+  shape_input(in, x, ldx, m, k, readers);
+  if (m <= 0) return;
+  pool.run((m + kPrepChunk - 1) / kPrepChunk, [&](int task, int) {
+    fill_input_rows(in, task * kPrepChunk, std::min(m, (task + 1) * kPrepChunk));
   });
 }
 
@@ -291,11 +291,18 @@ void QuantLinear::set_bias(const float* bias) {
   std::memcpy(bias_.data(), bias, size_t(N_) * 4);
 }
 
-void run_linears(Pool& pool, const std::vector<LinearCall>& calls, int m) {
-  if (m <= 0 || calls.empty()) return;
+void plan_linears(LinearPass& pass, std::vector<LinearCall> calls, int m, int threads) {
+  pass.calls = std::move(calls);
+  pass.tasks.clear();
+  pass.best.clear();
+  pass.m = m;
+  pass.any_argmax = false;
+  pass.after = nullptr;
+  const std::vector<LinearCall>& cl = pass.calls;
+  if (m <= 0 || cl.empty()) return;
   const auto rows = [m](const LinearCall& c) { return c.rows >= 0 ? c.rows : m; };
   int total_rb = 0;
-  for (const LinearCall& c : calls) {
+  for (const LinearCall& c : cl) {
     if (!c.op || !c.in || !c.out) throw ArgError("a linear call needs an operator, an input and an output");
     if (c.rows > m) throw ArgError("a linear call's rows exceed run_linears' m");
     if (c.row0 < 0 || c.in->m < c.row0 + rows(c) || c.in->k != c.op->in_features()) throw ArgError("a linear call's input does not fit its operator");
@@ -305,6 +312,8 @@ void run_linears(Pool& pool, const std::vector<LinearCall>& calls, int m) {
         throw ArgError("SiluMul needs an up projection of the gate's shape");
       if (!c.in->serves(*c.up)) throw ArgError("a linear call's input was not prepared for its up projection");
     }
+    if (c.argmax && c.ep != Epilogue::Store) throw ArgError("argmax needs a Store epilogue");
+    pass.any_argmax = pass.any_argmax || c.argmax;
     total_rb += c.op->rowblocks() * (c.ep == Epilogue::SiluMul ? 2 : 1);
   }
   // about four tasks per thread over the rowblocks (work stealing evens out a busy core), in whole
@@ -314,23 +323,23 @@ void run_linears(Pool& pool, const std::vector<LinearCall>& calls, int m) {
   // (the most streams), even where that leaves fewer tasks: on a 2-core Zen 3 VM (SmolLM2 Q4_1 decode
   // at 160 tokens, 4 interleaved rounds) q·k·v's pass took ~8% less time, o's and down's ~5%, than
   // with two-group tasks; three-group tasks (4 a thread for o) were slower than both.
-  const int p = pool.size();
-  const bool streams = std::all_of(calls.begin(), calls.end(), [&](const LinearCall& c) { return reads_streams(c, rows(c)); });
+  const int p = std::max(1, threads);
+  const bool streams = std::all_of(cl.begin(), cl.end(), [&](const LinearCall& c) { return reads_streams(c, rows(c)); });
   const int rpt = streams ? kGroupStreams * kGroupRowblocks
                           : std::min(kMaxTaskRowblocks,
                                      std::max(kGroupRowblocks, int(round_up(size_t((total_rb + 4 * p - 1) / (4 * p)),
                                                                             kGroupRowblocks))));
-  std::vector<Task> tasks;
+  std::vector<LinearTask>& tasks = pass.tasks;
   bool any_strided = false;
-  for (int ci = 0; ci < int(calls.size()); ++ci) {
-    const LinearCall& c = calls[size_t(ci)];
+  for (int ci = 0; ci < int(cl.size()); ++ci) {
+    const LinearCall& c = cl[size_t(ci)];
     const int mc = rows(c);
     if (mc <= 0) continue;
     if (strided(c, mc, p)) {
       any_strided = true;
       const int G = c.op->groups(), q = (G + kGroupStreams - 1) / kGroupStreams;
       for (int i = 0; i < q; ++i) {
-        Task tk{ci, 0, 0, 0, mc};
+        LinearTask tk{ci, 0, 0, 0, mc};
         tk.g0 = i, tk.step = q, tk.count = (G - 1 - i) / q + 1;
         tasks.push_back(tk);
       }
@@ -340,63 +349,77 @@ void run_linears(Pool& pool, const std::vector<LinearCall>& calls, int m) {
     for (int t0 = 0; t0 < mc; t0 += kTokChunk)
       for (int rb = 0; rb < nrb; rb += rpt) tasks.push_back({ci, rb, std::min(nrb, rb + rpt), t0, std::min(kTokChunk, mc - t0)});
   }
-  const int ldc = (any_strided ? std::max(rpt, kGroupStreams * kGroupRowblocks) : rpt) * 16;
-  const size_t tile = size_t(kTokChunk) * ldc;
-  bool any_argmax = false;
-  for (const LinearCall& c : calls) {
-    if (c.argmax && c.ep != Epilogue::Store) throw ArgError("argmax needs a Store epilogue");
-    any_argmax = any_argmax || c.argmax;
-  }
+  pass.ldc = (any_strided ? std::max(rpt, kGroupStreams * kGroupRowblocks) : rpt) * 16;
+  pass.tile = size_t(kTokChunk) * pass.ldc;
   // per task, the best column of each of its rows (task i's row t at best[i * kTokChunk + t])
-  std::vector<Best> best(any_argmax ? tasks.size() * kTokChunk : 0);
-  pool.run(int(tasks.size()), [&](int i, int) {
-    const Task& tk = tasks[size_t(i)];
-    const LinearCall& c = calls[size_t(tk.call)];
-    const bool gated = c.ep == Epilogue::SiluMul;
-    if (t_tile.size() < 2 * tile) t_tile.resize(2 * tile);
-    float* ct = t_tile.data();
-    float* cu = ct + tile;
-    const float* bias = c.op->bias();
-    const float* bias_up = gated ? c.up->bias() : nullptr;
-    // the tile's runs of output columns: [n0, n0 + ncols) from column `at` of the tile
-    auto finish = [&](int at, int n0, int ncols) {
-      float* o = c.out + tk.t0 * c.ldo + n0;
-      epilogue(c.ep, ct + at, cu + at, ldc, tk.nt, ncols, bias ? bias + n0 : nullptr, bias_up ? bias_up + n0 : nullptr,
-               o, c.ldo);
-      if (c.argmax)
-        for (int t = 0; t < tk.nt; ++t) fold_best(o + t * c.ldo, ncols, n0, best[size_t(i) * kTokChunk + size_t(t)]);
-    };
-    if (tk.step > 0) {
-      c.op->tile_groups(*c.in, tk.g0, tk.step, tk.count, c.row0 + tk.t0, tk.nt, ct, ldc);
-      if (gated) c.up->tile_groups(*c.in, tk.g0, tk.step, tk.count, c.row0 + tk.t0, tk.nt, cu, ldc);
-      constexpr int kCols = kGroupRowblocks * 16;
-      for (int i = 0; i < tk.count; ++i) {
-        const int n0 = (tk.g0 + i * tk.step) * kCols;
-        finish(i * kCols, n0, std::min(kCols, c.op->out_features() - n0));
-      }
-      return;
+  if (pass.any_argmax) pass.best.assign(tasks.size() * kTokChunk, LinearBest{});
+}
+
+void run_linear_task(LinearPass& pass, int i, const LinearInput* in) {
+  const LinearTask& tk = pass.tasks[size_t(i)];
+  const LinearCall& c = pass.calls[size_t(tk.call)];
+  const LinearInput& x = in ? *in : *c.in;
+  const bool gated = c.ep == Epilogue::SiluMul;
+  const int ldc = pass.ldc;
+  if (t_tile.size() < 2 * pass.tile) t_tile.resize(2 * pass.tile);
+  float* ct = t_tile.data();
+  float* cu = ct + pass.tile;
+  const float* bias = c.op->bias();
+  const float* bias_up = gated ? c.up->bias() : nullptr;
+  // the tile's runs of output columns: [n0, n0 + ncols) from column `at` of the tile
+  auto finish = [&](int at, int n0, int ncols) {
+    float* o = c.out + tk.t0 * c.ldo + n0;
+    epilogue(c.ep, ct + at, cu + at, ldc, tk.nt, ncols, bias ? bias + n0 : nullptr, bias_up ? bias_up + n0 : nullptr,
+             o, c.ldo);
+    if (c.argmax)
+      for (int t = 0; t < tk.nt; ++t) fold_best(o + t * c.ldo, ncols, n0, pass.best[size_t(i) * kTokChunk + size_t(t)]);
+    if (pass.after) pass.after(tk.call, n0, ncols, tk.t0, tk.nt);
+  };
+  if (tk.step > 0) {
+    c.op->tile_groups(x, tk.g0, tk.step, tk.count, c.row0 + tk.t0, tk.nt, ct, ldc);
+    if (gated) c.up->tile_groups(x, tk.g0, tk.step, tk.count, c.row0 + tk.t0, tk.nt, cu, ldc);
+    constexpr int kCols = kGroupRowblocks * 16;
+    for (int g = 0; g < tk.count; ++g) {
+      const int n0 = (tk.g0 + g * tk.step) * kCols;
+      finish(g * kCols, n0, std::min(kCols, c.op->out_features() - n0));
     }
-    c.op->tile(*c.in, tk.rb0, tk.rb1, c.row0 + tk.t0, tk.nt, ct, ldc);
-    if (gated) c.up->tile(*c.in, tk.rb0, tk.rb1, c.row0 + tk.t0, tk.nt, cu, ldc);
-    const int n0 = tk.rb0 * 16;
-    finish(0, n0, std::min(c.op->out_features(), tk.rb1 * 16) - n0);
-  });
-  if (!any_argmax) return;
-  for (int ci = 0; ci < int(calls.size()); ++ci) {
-    const LinearCall& c = calls[size_t(ci)];
+    return;
+  }
+  c.op->tile(x, tk.rb0, tk.rb1, c.row0 + tk.t0, tk.nt, ct, ldc);
+  if (gated) c.up->tile(x, tk.rb0, tk.rb1, c.row0 + tk.t0, tk.nt, cu, ldc);
+  const int n0 = tk.rb0 * 16;
+  finish(0, n0, std::min(c.op->out_features(), tk.rb1 * 16) - n0);
+}
+
+void finish_linears(const LinearPass& pass) {
+  if (!pass.any_argmax) return;
+  const int m = pass.m;
+  const auto rows = [m](const LinearCall& c) { return c.rows >= 0 ? c.rows : m; };
+  for (int ci = 0; ci < int(pass.calls.size()); ++ci) {
+    const LinearCall& c = pass.calls[size_t(ci)];
     if (!c.argmax) continue;
-    std::vector<Best> per_row(static_cast<size_t>(rows(c)));
-    for (size_t i = 0; i < tasks.size(); ++i) {
-      const Task& tk = tasks[i];
+    std::vector<LinearBest> per_row(static_cast<size_t>(rows(c)));
+    for (size_t i = 0; i < pass.tasks.size(); ++i) {
+      const LinearTask& tk = pass.tasks[i];
       if (tk.call != ci) continue;
       for (int t = 0; t < tk.nt; ++t) {
-        const Best& b = best[i * kTokChunk + size_t(t)];
-        Best& r = per_row[size_t(tk.t0 + t)];
+        const LinearBest& b = pass.best[i * kTokChunk + size_t(t)];
+        LinearBest& r = per_row[size_t(tk.t0 + t)];
         if (b.col >= 0 && beats(b.v, b.col, r)) r = b;
       }
     }
     for (int t = 0; t < rows(c); ++t) c.argmax[t] = per_row[size_t(t)].col;
   }
+}
+
+void run_linears(Pool& pool, const std::vector<LinearCall>& calls, int m) {
+  if (m <= 0 || calls.empty()) return;
+  // reused, its vectors keeping their room (a reference: the workers must see the caller's, not their own)
+  thread_local LinearPass reused;
+  LinearPass& pass = reused;
+  plan_linears(pass, calls, m, pool.size());
+  pool.run(int(pass.tasks.size()), [&](int i, int) { run_linear_task(pass, i, nullptr); });
+  finish_linears(pass);
 }
 
 }  // namespace cpx

@@ -8,6 +8,7 @@
 // the caller's epilogue: store, add into the output (the residual), or SiLU(gate) * up.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "quant_linear.h"
@@ -23,6 +24,7 @@ struct LinearInput {
   int64_t ldx = 0;
   Buffer q, d, s, ds, s16;  // Q8_0 per 32 values: int8 q, fp32 d, int32 sum(q), d * sum, sums per 16
   Buffer b;                 // bf16 rows [m][kp]
+  QuantRow quantize = nullptr;  // the Q8_0 readers' row quantiser
   ActQ act() const;
   // whether every form `op`'s kernels read was prepared
   bool serves(const QuantLinear& op) const {
@@ -35,6 +37,11 @@ struct LinearInput {
 // Prepares `in` from fp32 rows x[i * ldx + j] (j < k) for the linears in `readers` (all of in_features k).
 void prepare_input(Pool& pool, LinearInput& in, const float* x, int64_t ldx, int m, int k,
                    const std::vector<const QuantLinear*>& readers);
+// prepare_input in two parts: the forms and room (no row read yet), then rows t0..t1-1 of x quantised
+// / rounded on the calling thread.
+void shape_input(LinearInput& in, const float* x, int64_t ldx, int m, int k,
+                 const std::vector<const QuantLinear*>& readers);
+void fill_input_rows(LinearInput& in, int t0, int t1);
 
 enum class Epilogue {
   Store,    // out = W x + b
@@ -61,5 +68,35 @@ struct LinearCall {
 
 // Runs every call over m rows of its input (its own `rows` where set), as one list of tasks on the pool.
 void run_linears(Pool& pool, const std::vector<LinearCall>& calls, int m);
+
+// run_linears in parts, for callers that run the tasks themselves (the model's decode program, model.h).
+// A tile: rowblocks rb0..rb1-1 of the call's weight (step 0), or (step > 0) the `count` groups
+// g0, g0 + step, ... (QuantLinear::tile_groups), for rows t0..t0+nt-1.
+struct LinearTask {
+  int call, rb0, rb1, t0, nt;
+  int g0 = 0, step = 0, count = 0;
+};
+struct LinearBest {  // a row's largest output so far in a task's columns (LinearCall::argmax)
+  float v = 0.0f;
+  int64_t col = -1;
+};
+struct LinearPass {
+  std::vector<LinearCall> calls;
+  std::vector<LinearTask> tasks;
+  int m = 0, ldc = 0;
+  size_t tile = 0;  // floats of one output tile
+  bool any_argmax = false;
+  std::vector<LinearBest> best;
+  // null, or called by a task after it wrote output columns [n0, n0 + ncols) of call `call`, rows
+  // t0..t0+nt-1 (the decode program's RoPE and KV store for the heads a q·k·v task made)
+  std::function<void(int call, int n0, int ncols, int t0, int nt)> after;
+};
+// The tasks run_linears would give `threads` participants (checks the calls as it does).
+void plan_linears(LinearPass& pass, std::vector<LinearCall> calls, int m, int threads);
+// Task i of the pass; `in` (null: each call's own) replaces the calls' input, for a participant that
+// prepared its own copy of it (the same bits).
+void run_linear_task(LinearPass& pass, int i, const LinearInput* in);
+// After every task: the argmax of each row of the calls that asked for it.
+void finish_linears(const LinearPass& pass);
 
 }  // namespace cpx

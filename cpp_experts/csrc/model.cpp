@@ -15,9 +15,13 @@
 #include <numeric>
 #include <optional>
 #include <string>
+#include <thread>
 #include <unordered_map>
 
 #include "vec.h"
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace cpx {
 namespace {
@@ -583,6 +587,278 @@ void CpuModel::set_omnikv(OmniSpec s) {
   omni_ = std::make_unique<OmniSpec>(std::move(s));
 }
 
+
+// The decode program (model.h: CpuModel::Program).
+struct CpuModel::Program {
+  struct Part {  // one participant's own copy of the serial work's results
+    std::vector<float> xn;
+    LinearInput in;
+  };
+  struct alignas(64) Counter {
+    std::atomic<int> v{0};
+  };
+  struct Pass {
+    Phase phase = Phase::QkvProj;  // where a profile counts it (its serial work and barrier wait included)
+    int tasks = 0;
+    std::vector<int> bounds;             // participant p's own tasks: [bounds[p], bounds[p + 1])
+    std::function<void(int tid)> prep;   // each participant's serial work before it takes tasks (or null)
+    std::function<void(int i, int tid)> task;
+  };
+  // what the program was built for
+  int T = -1, N = -1, P = 0;
+  const float* x = nullptr;
+  // this forward's tokens (the passes read them here)
+  const int64_t *pos = nullptr, *rows = nullptr, *out_loc = nullptr, *logit_rows = nullptr;
+  std::vector<Part> parts;
+  std::vector<Pass> passes;
+  std::vector<std::unique_ptr<LinearPass>> lin;  // the linear passes (stable addresses: the tasks hold them)
+  std::vector<AttnPass> att;                     // per layer
+  LinearPass* head = nullptr;
+  std::vector<int64_t> head_argmax;  // where the head's argmax goes when the forward asks for none
+  std::vector<std::unique_ptr<LinearInput>> inputs;  // per pass x participant (null: the pass reads none)
+  struct Layer {  // a layer's activations and attention state (the blocks' own stay the other path's)
+    std::vector<float> q, k, v, a, h;
+    AttnScratch scratch;
+    PagedKv kv;
+    int pass = 0;  // index of its attention pass
+  };
+  std::vector<Layer> layers;
+  std::unique_ptr<Counter[]> done, next;  // per pass; per pass x participant
+  int64_t wait_ns = 0;                    // participant 0's waits at the barriers, this forward
+  CpuProfile* prof = nullptr;             // this forward's profile (participant 0 times the passes), or null
+
+  static void even_bounds(std::vector<int>& b, int tasks, int P) {
+    b.resize(size_t(P) + 1);
+    for (int p = 0; p <= P; ++p) b[size_t(p)] = int(int64_t(tasks) * p / P);
+  }
+  void add(Pass ps) { passes.push_back(std::move(ps)); }
+  LinearPass& linear(std::vector<LinearCall> calls, int m) {
+    lin.push_back(std::make_unique<LinearPass>());
+    plan_linears(*lin.back(), std::move(calls), m, P);
+    return *lin.back();
+  }
+  // A linear pass whose participants each prepare their own input (shaped now for `readers`: m rows
+  // of k values, ldx floats apart, from x(tid)), after `before(tid)` (a norm into x(tid), or null).
+  LinearPass& add_linear(Phase phase, std::vector<LinearCall> calls, const std::function<const float*(int tid)>& x,
+                         int64_t ldx, int m, int k, const std::vector<const QuantLinear*>& readers,
+                         std::function<void(int tid)> before) {
+    const size_t base = inputs.size();
+    for (int tid = 0; tid < P; ++tid) {
+      inputs.push_back(std::make_unique<LinearInput>());
+      shape_input(*inputs.back(), x(tid), ldx, m, k, readers);
+    }
+    for (LinearCall& c : calls) c.in = inputs[base].get();  // participant 0's, for the plan's checks
+    lin.push_back(std::make_unique<LinearPass>());
+    LinearPass* l = lin.back().get();
+    plan_linears(*l, std::move(calls), m, P);
+    Pass ps;
+    ps.phase = phase;
+    ps.tasks = int(l->tasks.size());
+    even_bounds(ps.bounds, ps.tasks, P);
+    ps.prep = [this, base, m, before = std::move(before)](int tid) {
+      if (before) before(tid);
+      fill_input_rows(*inputs[base + size_t(tid)], 0, m);
+    };
+    ps.task = [this, l, base](int i, int tid) { run_linear_task(*l, i, inputs[base + size_t(tid)].get()); };
+    add(std::move(ps));
+    return *l;
+  }
+  // Until pass k's tasks are all done; participant 0 counts the time it waits.
+  int64_t wait_done(int k, int tid) {
+    std::atomic<int>& d = done[size_t(k)].v;
+    const int want = passes[size_t(k)].tasks;
+    if (d.load(std::memory_order_acquire) == want) return 0;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int pauses = 0; d.load(std::memory_order_acquire) != want;) {
+      if (pauses < 1024) {
+        ++pauses;
+#if defined(__x86_64__) || defined(__i386__)
+        _mm_pause();
+#endif
+      } else {
+        std::this_thread::yield();  // a preempted participant may need this core to finish its task
+      }
+    }
+    const int64_t w = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    if (tid == 0) wait_ns += w;
+    return w;
+  }
+  void run(int tid) {
+    const int npass = int(passes.size());
+    const bool timed = prof && tid == 0;
+    auto t0 = std::chrono::steady_clock::now();
+    auto account = [&](int k, int64_t waited) {  // pass k done, for the profile
+      const auto t = std::chrono::steady_clock::now();
+      PhaseStat& st = prof->phase[int(passes[size_t(k)].phase)];
+      st.calls += 1;
+      st.ns += uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(t - t0).count());
+      st.pool_runs += 1;
+      st.wait_ns += uint64_t(waited);
+      t0 = t;
+    };
+    for (int k = 0; k < npass; ++k) {
+      Pass& ps = passes[size_t(k)];
+      if (k > 0) {
+        const int64_t w = wait_done(k - 1, tid);
+        if (timed) account(k - 1, w);
+      }
+      Counter* nx = next.get() + size_t(k) * P;
+      bool left = false;
+      for (int p = 0; p < P && !left; ++p) left = nx[p].v.load(std::memory_order_relaxed) < ps.bounds[size_t(p) + 1];
+      if (!left) continue;  // taken by the others (this participant came late): nothing to prepare
+      if (ps.prep) ps.prep(tid);
+      for (int j = 0; j < P; ++j) {
+        const int p = (tid + j) % P, end = ps.bounds[size_t(p) + 1];
+        for (int i; (i = nx[p].v.fetch_add(1, std::memory_order_relaxed)) < end;) {
+          ps.task(i, tid);
+          done[size_t(k)].v.fetch_add(1, std::memory_order_release);
+        }
+      }
+    }
+    if (npass > 0) {
+      const int64_t w = wait_done(npass - 1, tid);
+      if (timed) account(npass - 1, w);
+    }
+  }
+  void reset() {
+    const int npass = int(passes.size());
+    for (int k = 0; k < npass; ++k) {
+      done[size_t(k)].v.store(0, std::memory_order_relaxed);
+      for (int p = 0; p < P; ++p) next[size_t(k) * P + p].v.store(passes[size_t(k)].bounds[size_t(p)], std::memory_order_relaxed);
+    }
+    wait_ns = 0;
+  }
+};
+
+bool CpuModel::program_fits(int T) const {
+  if (!prog_on_ || T > kGroupStreamRows || pool_->size() < 2) return false;
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    const Block* b = blocks_[i].get();
+    if (i % 2 == 0 ? dynamic_cast<const GqaBlock*>(b) == nullptr : dynamic_cast<const DenseMlpBlock*>(b) == nullptr)
+      return false;
+  }
+  return true;
+}
+
+void CpuModel::set_decode_program(bool on) {
+  std::lock_guard<std::mutex> lock(m_);
+  prog_on_ = on;
+}
+
+bool CpuModel::decode_program() {
+  std::lock_guard<std::mutex> lock(m_);
+  return prog_on_;
+}
+
+// Whether every task of a q·k·v pass writes whole heads of D columns (its RoPE and KV store run in the
+// task: model.h, CpuModel::Program).
+static bool whole_heads(const LinearPass& lp, int D) {
+  constexpr int kCols = kGroupRowblocks * 16;
+  for (const LinearTask& tk : lp.tasks) {
+    const int N = lp.calls[size_t(tk.call)].op->out_features();
+    auto ok = [&](int n0, int n1) { return n0 % D == 0 && (std::min(n1, N) % D == 0 || n1 >= N); };
+    if (tk.step > 0) {
+      for (int g = 0; g < tk.count; ++g)
+        if (!ok((tk.g0 + g * tk.step) * kCols, (tk.g0 + g * tk.step + 1) * kCols)) return false;
+    } else if (!ok(tk.rb0 * 16, tk.rb1 * 16)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void CpuModel::build_program(int T, int N) {
+  prog_.reset();
+  auto pg = std::make_unique<Program>();
+  Program& G = *pg;
+  const int P = pool_->size(), H = hidden_;
+  G.T = T, G.N = N, G.P = P, G.x = x_.data();
+  float* x = x_.data();
+  G.parts.resize(size_t(P));
+  for (auto& pt : G.parts) pt.xn.assign(size_t(std::max(T, N)) * H, 0.0f);
+  auto xn = [&G](int tid) -> const float* { return G.parts[size_t(tid)].xn.data(); };
+  Program* gp = &G;
+  auto norm_into = [gp, x, T, H](const Norm& n) {
+    const Norm* np = &n;
+    return [gp, x, T, H, np](int tid) {
+      float* y = gp->parts[size_t(tid)].xn.data();
+      for (int t = 0; t < T; ++t) rmsnorm_row(x + size_t(t) * H, np->w.data(), np->eps, H, y + size_t(t) * H);
+    };
+  };
+  const int L = num_layers();
+  G.layers.resize(size_t(L));
+  G.att.resize(size_t(L));
+  for (int l = 0; l < L; ++l) {
+    const GqaSpec& s = static_cast<GqaBlock&>(*blocks_[size_t(2 * l)]).s;
+    const DenseMlpSpec& d = static_cast<DenseMlpBlock&>(*blocks_[size_t(2 * l + 1)]).s;
+    Program::Layer& ly = G.layers[size_t(l)];
+    const int qw = s.H * s.D, kw = s.Hkv * s.D, I = d.gate->out_features();
+    ly.q.assign(size_t(T) * qw, 0.0f);
+    ly.k.assign(size_t(T) * kw, 0.0f);
+    ly.v.assign(size_t(T) * kw, 0.0f);
+    ly.a.assign(size_t(T) * qw, 0.0f);
+    ly.h.assign(size_t(T) * I, 0.0f);
+    ly.kv = table_;
+    ly.kv.k = s.k_cache;
+    ly.kv.v = s.v_cache;
+    ly.kv.type = s.kv_type;
+    ly.kv.k_stride = ly.kv.v_stride = kw;
+    // q·k·v, each task's heads RoPE'd and their K/V stored
+    LinearPass& qkv = G.add_linear(Phase::QkvProj, {{s.q, nullptr, ly.q.data(), qw}, {s.k, nullptr, ly.k.data(), kw},
+                                    {s.v, nullptr, ly.v.data(), kw}},
+                                   xn, H, T, H, {s.q, s.k, s.v}, norm_into(s.norm));
+    if (!whole_heads(qkv, s.D)) throw ArgError("q·k·v tasks that split a head");
+    const GqaSpec* sp = &s;
+    Program::Layer* lp = &ly;
+    qkv.after = [gp, sp, lp](int call, int n0, int ncols, int t0, int nt) {
+      const int D = sp->D, qw2 = sp->H * D, kw2 = sp->Hkv * D;
+      for (int t = t0; t < t0 + nt; ++t)
+        for (int h = n0 / D; h < (n0 + ncols) / D; ++h) {
+          if (call == 0) {
+            rope_apply(lp->q.data() + size_t(t) * qw2 + size_t(h) * D, sp->rope, gp->pos[t]);
+          } else if (call == 1) {
+            float* kh = lp->k.data() + size_t(t) * kw2 + size_t(h) * D;
+            rope_apply(kh, sp->rope, gp->pos[t]);
+            put(sp->k_cache, sp->kv_type, gp->out_loc[t] * kw2 + int64_t(h) * D, kh, D);
+          } else {
+            put(sp->v_cache, sp->kv_type, gp->out_loc[t] * kw2 + int64_t(h) * D, lp->v.data() + size_t(t) * kw2 + size_t(h) * D, D);
+          }
+        }
+    };
+    // attention: planned per forward (its key blocks follow the positions)
+    {
+      Program::Pass ps;
+      ps.phase = Phase::Attention;
+      ps.task = [gp, l](int i, int tid) {
+        run_attention_task(gp->att[size_t(l)], gp->layers[size_t(l)].scratch, i, tid);
+      };
+      ly.pass = int(G.passes.size());
+      G.add(std::move(ps));
+    }
+    const float* a = ly.a.data();
+    G.add_linear(Phase::OProj, {{s.o, nullptr, x, H, Epilogue::Add}}, [a](int) { return a; }, qw, T, qw, {s.o}, nullptr);
+    G.add_linear(Phase::GateUp, {{d.gate, nullptr, ly.h.data(), I, Epilogue::SiluMul, d.up}}, xn, H, T, H, {d.gate, d.up},
+                 norm_into(d.norm));
+    const float* h = ly.h.data();
+    G.add_linear(Phase::Down, {{d.down, nullptr, x, H, Epilogue::Add}}, [h](int) { return h; }, I, T, I, {d.down}, nullptr);
+  }
+  if (N > 0) {
+    G.head_argmax.assign(size_t(N), 0);
+    // planned with an output and an argmax, which each forward points at its own (plan_linears only
+    // checks them)
+    LinearCall head{lm_head_, nullptr, x, embed_->out_features()};
+    head.argmax = G.head_argmax.data();
+    const Norm* fn = &final_norm_;
+    G.head = &G.add_linear(Phase::Head, {head}, xn, H, N, H, {lm_head_}, [gp, x, H, N, fn](int tid) {
+      float* y = gp->parts[size_t(tid)].xn.data();
+      for (int i = 0; i < N; ++i) rmsnorm_row(x + size_t(gp->logit_rows[i]) * H, fn->w.data(), fn->eps, H, y + size_t(i) * H);
+    });
+  }
+  G.done.reset(new Program::Counter[G.passes.size()]);
+  G.next.reset(new Program::Counter[G.passes.size() * size_t(P)]);
+  prog_ = std::move(pg);
+}
+
 std::vector<std::vector<int32_t>> CpuModel::omnikv_selection(int f) {
   std::lock_guard<std::mutex> lock(m_);
   return omni_run_.selection(f);
@@ -641,13 +917,44 @@ void CpuModel::forward(int T, const int64_t* ids, const int64_t* pos, const int6
     Timed ph(prof, pool, Phase::Embed);
     for_rows(pool, T, [&](int t) { embed_->dequant_row(int(ids[t]), x_.data() + size_t(t) * hidden_); });
   }
+  const bool program = !omni && program_fits(T) && !pool.solo_next();
+  if (program) {
+    // the decode program (model.h)
+    if (!prog_ || prog_->T != T || prog_->N != N || prog_->x != x_.data() || prog_->P != pool.size())
+      build_program(T, N);
+    Program& G = *prog_;
+    G.pos = pos, G.rows = rows, G.out_loc = out_loc, G.logit_rows = logit_rows;
+    for (int l = 0; l < num_layers(); ++l) {
+      const GqaSpec& s = static_cast<GqaBlock&>(*blocks_[size_t(2 * l)]).s;
+      Program::Layer& ly = G.layers[size_t(l)];
+      AttnPass& ap = G.att[size_t(l)];
+      plan_attention_gqa(ap, ly.scratch, G.P, ly.kv, AttnTokens{T, rows, pos}, ly.q.data(), s.H, s.Hkv, s.D, s.D,
+                         s.scale, ly.a.data());
+      Program::Pass& ps = G.passes[size_t(ly.pass)];
+      ps.tasks = ap.tasks;
+      Program::even_bounds(ps.bounds, ap.tasks, G.P);
+    }
+    if (N > 0) {
+      G.head->calls[0].out = logits;
+      G.head->calls[0].argmax = argmax ? argmax : G.head_argmax.data();
+      std::fill(G.head->best.begin(), G.head->best.end(), LinearBest{});  // the tasks' argmax, from scratch
+    }
+    G.reset();
+    G.prof = prof;
+    pool.run(G.P, [&](int i, int) {
+      G.run(i);
+      if (i == 0) pool.add_inner_wait(G.wait_ns);
+    });
+    if (N > 0) finish_linears(*G.head);
+    if (prof) prof->program_forwards += 1;
+  }
   Ctx c{pool, T, pos, rows, out_loc, hidden_, x_.data(), xn_.data(), in_, table_};
   c.prof = prof;
   if (omni) {
     omni_run_.begin(omni_.get(), T, omni_k, rows, pos);
     c.omni = &omni_run_;
   }
-  for (size_t i = 0; i < blocks_.size(); ++i) {
+  for (size_t i = 0; i < blocks_.size() && !program; ++i) {
     c.layer = int(i / 2);
     blocks_[i]->run(c);
   }
@@ -656,7 +963,7 @@ void CpuModel::forward(int T, const int64_t* ids, const int64_t* pos, const int6
     omni_counts[1] = omni ? omni_run_.context() : 0;
   }
   omni_run_.end();
-  if (N > 0) {
+  if (N > 0 && !program) {
     // the final norm and the LM head on the rows that need logits only
     Timed ph(prof, pool, Phase::Head);
     for (int i = 0; i < N; ++i)

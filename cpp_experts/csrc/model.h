@@ -133,6 +133,8 @@ struct PhaseStat {
 struct CpuProfile {
   bool on = false;
   uint64_t forwards = 0, forward_ns = 0;
+  uint64_t program_forwards = 0;  // of them, run as the decode program (its norms and RoPE are counted in
+                                  // the q·k·v and gate·up passes that do them)
   PhaseStat phase[int(Phase::kCount)];
 };
 
@@ -165,6 +167,11 @@ class CpuModel {
   int num_layers() const { return int(blocks_.size()) / 2; }
   // The last OmniKV forward's slots kept at filter f, per omni token in batch order.
   std::vector<std::vector<int32_t>> omnikv_selection(int f);
+  // Whether a decode forward of a dense GQA model may run as one program of its passes on every
+  // participant of the pool (below; on by default). Off, every pass is a run of the pool, as a prefill
+  // is: benchmarks time the two in one process.
+  void set_decode_program(bool on);
+  bool decode_program();
   // Phase timing of the forwards from now on (on), or off; the totals so far, and zeroing them.
   void set_profiling(bool on);
   CpuProfile profile();
@@ -185,6 +192,22 @@ class CpuModel {
   int64_t rope_positions_ = INT64_MAX;  // the shortest rotary table of any layer (checked per forward)
   OmniRun omni_run_;
   CpuProfile prof_;  // guarded by m_
+  // The decode program: a forward of at most kGroupStreamRows tokens (a decode batch of a few requests)
+  // through GQA attention and dense MLP blocks, without OmniKV tokens, while the pool is not in a solo
+  // period. Every participant of one run of the pool walks the same list of passes (a
+  // layer's q·k·v with RoPE and the KV store, attention, o, gate·up, down; then the LM head), each
+  // pass's tasks split into one range per participant with work stealing, and a counter of done tasks
+  // as the barrier between passes. The serial work between passes (a norm, quantising a linear's
+  // input) is done by every participant for itself. Why: with a run of the pool per pass the worker
+  // waited while the caller did that work and then had to fetch what the caller had just written (the
+  // run's task list, its input) a cache miss at a time, and on a VM whose two vCPUs sit on different
+  // core complexes a miss between them takes ~0.2 us (the round trip ~0.4 us, against ~0.1 us on one
+  // complex): ~3.6 us a pass. Same tasks, same kernels: the same bits as the passes run one by one.
+  struct Program;
+  std::unique_ptr<Program> prog_;
+  bool prog_on_ = true;
+  bool program_fits(int T) const;
+  void build_program(int T, int N);  // prog_ for T tokens and N logits rows (throws where it cannot)
 };
 
 }  // namespace cpx

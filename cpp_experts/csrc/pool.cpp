@@ -76,6 +76,11 @@ void Pool::close() {
   threads_.clear();
 }
 
+bool Pool::solo_next() const {
+  std::lock_guard<std::mutex> job(job_mutex_);
+  return closed_ || n_ == 1 || solo_left_ > 0;
+}
+
 bool Pool::closed() const {
   std::lock_guard<std::mutex> job(job_mutex_);
   return closed_;
@@ -136,6 +141,7 @@ void Pool::run(int ntasks, const std::function<void(int, int)>& fn) {
     gen_.fetch_add(1, std::memory_order_release);
   }
   if (sleepers_.load(std::memory_order_relaxed) > 0) wake_.notify_all();
+  inner_wait_ns_ = 0;
   const auto t0 = std::chrono::steady_clock::now();
   work(0);
   const auto t1 = std::chrono::steady_clock::now();
@@ -150,8 +156,8 @@ void Pool::run(int ntasks, const std::function<void(int, int)>& fn) {
   const bool timing = timing_.load(std::memory_order_relaxed);
   if (!adaptive_ && !timing) return;
   const int64_t waited = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                             std::chrono::steady_clock::now() - t1).count(),
-                own = std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
+                             std::chrono::steady_clock::now() - t1).count() + inner_wait_ns_,
+                own = std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count() - inner_wait_ns_;
   if (timing) {
     timed_runs_.fetch_add(1, std::memory_order_relaxed);
     timed_wait_ns_.fetch_add(uint64_t(waited), std::memory_order_relaxed);

@@ -48,6 +48,14 @@ class Pool {
   // Runs fn(task, participant) for every task; returns when all are done. fn must not throw.
   // Calls from different threads are serialised. On a closed pool the caller runs every task.
   void run(int ntasks, const std::function<void(int, int)>& fn);
+  // Whether the next run would be done alone (a solo period after contention, a closed pool, or one
+  // thread): a caller that would run its own participants' program (model.h) runs its passes as
+  // separate runs instead, so that a solo period counts runs as before.
+  bool solo_next() const;
+  // From inside a run's task on the calling thread: `ns` of its time were spent waiting for the
+  // workers (a participants' program waiting at its barriers), which the run then counts as waiting,
+  // not as the caller's own work, when it judges contention.
+  void add_inner_wait(int64_t ns) { inner_wait_ns_ += ns; }
   // Joins the workers (after the run under way, if any); idempotent, also done by the destructor.
   void close();
   bool closed() const;
@@ -79,6 +87,7 @@ class Pool {
   int win_runs_ = 0;      // parallel runs in the current window
   int64_t win_wait_ = 0, win_work_ = 0;  // the caller's waiting for workers and own work in it (ns)
   std::atomic<uint64_t> solo_total_{0};
+  int64_t inner_wait_ns_ = 0;  // add_inner_wait during the run under way (the calling thread's)
   std::atomic<bool> timing_{false};
   std::atomic<uint64_t> timed_runs_{0}, timed_wait_ns_{0};
   std::atomic<int> sleepers_{0};

@@ -152,16 +152,19 @@ def test_profile_times_every_phase_of_every_layer(checkpoints, name):
         return out
 
     plain = generate()
-    assert plan.profile() == {"forwards": 0, "forward_s": 0.0, "phases": {}}
+    assert plan.profile() == {"forwards": 0, "forward_s": 0.0, "program_forwards": 0, "phases": {}}
     plan.set_profiling(True)
     timed = generate()
     assert all(torch.equal(a, b) for a, b in zip(plain, timed))
     p = plan.profile(reset=True)
     F, L = 5, cfg.num_hidden_layers
     assert p["forwards"] == F and p["forward_s"] > 0
+    # the decode program (CpuModel.decode_program, Llama's decodes on a pool of several threads) does
+    # its norms and RoPE in its q·k·v and gate·up passes
+    prog = p["program_forwards"]  # at most the 4 decodes (fewer where the pool was in a solo period)
+    assert prog <= (4 if name.startswith("llama") and plan.pool.num_threads > 1 else 0)
     if name.startswith("llama"):
-        layer_phases = {"qkv_proj", "rope_store", "attention", "o_proj", "gate_up", "down"}
-        want = {k: L for k in layer_phases}
+        want = {k: L for k in ("qkv_proj", "attention", "o_proj", "gate_up", "down")}
     else:
         assert cfg.moe is not None and cfg.moe.moe_layer_freq == 1
         dense = cfg.moe.first_k_dense_replace
@@ -169,9 +172,13 @@ def test_profile_times_every_phase_of_every_layer(checkpoints, name):
         want.update(gate_up=dense, down=dense, router=L - dense, experts=L - dense)
         if cfg.moe.num_shared_experts:
             want["shared_experts"] = L - dense
-    want.update(embed=1, lm_head=1, norm=2 * L)
+    want.update(embed=1, lm_head=1)
+    want = {k: F * n for k, n in want.items()}
+    want.update(norm=2 * L * (F - prog))
+    if name.startswith("llama"):
+        want["rope_store"] = L * (F - prog)
     phases = p["phases"]
-    assert {k: v["calls"] for k, v in phases.items()} == {k: F * n for k, n in want.items()}
+    assert {k: v["calls"] for k, v in phases.items()} == want
     total = sum(v["s"] for v in phases.values())
     assert 0.5 * p["forward_s"] < total <= p["forward_s"]
     for v in phases.values():
@@ -423,3 +430,49 @@ def test_a_decode_batch_whose_reused_inputs_were_rewritten_raises(checkpoints):
             assert r.allocator.available_size() == free  # refused before a slot was taken
         got[r is runner] = [r.forward(b2).clone(), r.forward(b3).clone()]
     assert all(torch.equal(a, b) for a, b in zip(got[True], got[False]))
+
+
+@pytest.mark.parametrize("source", ["llama_gqa_tied/float32", "llama_rope3_untied/bf16", "gguf/Q4_1", "gguf/Q8_0"])
+def test_decode_program_gives_the_bits_of_the_passes_run_one_by_one(checkpoints, gguf_files, source):
+    """The decode program (CpuModel.decode_program: every pool thread walks a forward's passes, each
+    doing its own norms and quantised inputs, q·k·v tasks doing RoPE and the KV store) against the same
+    forwards as one pool run per pass: identical logits, argmax and greedy tokens, for decode batches of
+    1 to 3 requests at positions that cross key blocks, with a batch of 4 (the passes' path) between;
+    and the program really ran (its forwards are counted in the profile)."""
+    kind, what = source.split("/")
+    if kind == "gguf":
+        path, kw = gguf_files["tiny-llama", what], dict(cpu_weights="file")
+    else:
+        path = checkpoints[kind][1]
+        kw = dict(cpu_weights=what, kv_dtype=torch.bfloat16 if what == "bf16" else None)
+    runners = [native_runner(path, **kw) for _ in range(2)]
+    if runners[0].native_forward.plan.pool.num_threads < 2:
+        pytest.skip("the decode program needs a pool of at least two threads")
+    runners[0].native_forward.plan.decode_program = False
+    plan = runners[1].native_forward.plan
+    assert plan.decode_program
+    plan.set_profiling(True)
+    vocab = runners[0].config.vocab_size
+    seqs = [prompt(n, vocab, seed=60 + n) for n in (70, 20, 130, 33)]
+    outs: list[list[torch.Tensor]] = [[], []]
+    argmax: list[list[list[int]]] = [[], []]
+    for k, r in enumerate(runners):
+        rows = [r.req_to_token_pool.alloc() for _ in seqs]
+        pos = [len(s) - 12 for s in seqs]
+        for row, ids, p in zip(rows, seqs, pos):
+            r.forward(r.build_batch([RequestSlice(row, 0, ids[:p])]))
+        for batch in ([0], [1, 2], [0, 1, 2], [0, 1, 2, 3], [2], [3, 0], [1, 3, 2], [0], [2, 3]):
+            logits = r.forward(r.build_batch([RequestSlice(rows[i], pos[i], [seqs[i][pos[i]]]) for i in batch]))
+            outs[k].append(logits.clone())
+            argmax[k].append(list(r.last_argmax))
+            for i in batch:
+                pos[i] += 1
+        for row, p in zip(rows, pos):
+            r.free_request(row, p)
+        assert r.allocator.available_size() == 1024
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert argmax[0] == argmax[1]
+    assert plan.profile()["program_forwards"] >= 4  # of the 8 batches of at most 3 (a solo period may take one)
+    ids = prompt(9, vocab, seed=3)
+    assert runners[1].generate_greedy(ids, 12) == runners[0].generate_greedy(ids, 12)
