@@ -623,7 +623,7 @@ struct CpuModel::Program {
     int pass = 0;  // index of its attention pass
   };
   std::vector<Layer> layers;
-  std::unique_ptr<Counter[]> done, next;  // per pass; per pass x participant
+  std::unique_ptr<Counter[]> done, next;  // per pass x participant: tasks it has done; its range's next task
   int64_t wait_ns = 0;                    // participant 0's waits at the barriers, this forward
   CpuProfile* prof = nullptr;             // this forward's profile (participant 0 times the passes), or null
 
@@ -664,12 +664,15 @@ struct CpuModel::Program {
     return *l;
   }
   // Until pass k's tasks are all done; participant 0 counts the time it waits.
+  bool all_done(int k) const {
+    int n = 0;
+    for (int p = 0; p < P; ++p) n += done[size_t(k) * P + p].v.load(std::memory_order_acquire);
+    return n == passes[size_t(k)].tasks;
+  }
   int64_t wait_done(int k, int tid) {
-    std::atomic<int>& d = done[size_t(k)].v;
-    const int want = passes[size_t(k)].tasks;
-    if (d.load(std::memory_order_acquire) == want) return 0;
+    if (all_done(k)) return 0;
     const auto t0 = std::chrono::steady_clock::now();
-    for (int pauses = 0; d.load(std::memory_order_acquire) != want;) {
+    for (int pauses = 0; !all_done(k);) {
       if (pauses < 1024) {
         ++pauses;
 #if defined(__x86_64__) || defined(__i386__)
@@ -711,7 +714,11 @@ struct CpuModel::Program {
         const int p = (tid + j) % P, end = ps.bounds[size_t(p) + 1];
         for (int i; (i = nx[p].v.fetch_add(1, std::memory_order_relaxed)) < end;) {
           ps.task(i, tid);
-          done[size_t(k)].v.fetch_add(1, std::memory_order_release);
+          // only this participant writes its count: a plain store, no locked add on a line the
+          // others read (on a VM whose vCPUs sit on two core complexes a locked add on the other's
+          // line stalls ~0.4 us)
+          std::atomic<int>& d = done[size_t(k) * P + tid].v;
+          d.store(d.load(std::memory_order_relaxed) + 1, std::memory_order_release);
         }
       }
     }
@@ -723,7 +730,7 @@ struct CpuModel::Program {
   void reset() {
     const int npass = int(passes.size());
     for (int k = 0; k < npass; ++k) {
-      done[size_t(k)].v.store(0, std::memory_order_relaxed);
+      for (int p = 0; p < P; ++p) done[size_t(k) * P + p].v.store(0, std::memory_order_relaxed);
       for (int p = 0; p < P; ++p) next[size_t(k) * P + p].v.store(passes[size_t(k)].bounds[size_t(p)], std::memory_order_relaxed);
     }
     wait_ns = 0;
@@ -854,7 +861,7 @@ void CpuModel::build_program(int T, int N) {
       for (int i = 0; i < N; ++i) rmsnorm_row(x + size_t(gp->logit_rows[i]) * H, fn->w.data(), fn->eps, H, y + size_t(i) * H);
     });
   }
-  G.done.reset(new Program::Counter[G.passes.size()]);
+  G.done.reset(new Program::Counter[G.passes.size() * size_t(P)]);
   G.next.reset(new Program::Counter[G.passes.size() * size_t(P)]);
   prog_ = std::move(pg);
 }
