@@ -19,6 +19,9 @@ native forward) for the before/after ratio.
 tensors made per step) instead of written into the native forward's reused inputs, for that change's
 before/after ratio in one run.
 
+`--passes` also times our native forward with its decode program off (every pass a run of the thread
+pool, as before that program: csrc/model.h), for that change's ratio in one run.
+
 `--profile` adds where a decode step's time goes: the native forward's phases (q·k·v, attention, o,
 gate·up, down, the LM head, ...) timed over one more generation, and the time outside the forward.
 """
@@ -158,6 +161,8 @@ def main() -> None:
     ap.add_argument("--torch", action="store_true", help="also time the torch-op forward (fp32)")
     ap.add_argument("--general-batches", action="store_true",
                     help="also time the native forward with decode batches built the general way")
+    ap.add_argument("--passes", action="store_true",
+                    help="also time the native forward with its decode program off (a pool run per pass)")
     ap.add_argument("--profile", action="store_true",
                     help="after the rounds, time the native forward's phases over one more generation")
     ap.add_argument("--out", default="bench/results/cpu_model_smollm2.json")
@@ -176,6 +181,9 @@ def main() -> None:
     contenders: dict[str, Any] = {"ours_native": Ours(path, True, prompt, args.decode)}
     if args.general_batches:
         contenders["ours_native_general_batches"] = Ours(path, True, prompt, args.decode, reused_inputs=False)
+    if args.passes:
+        contenders["ours_native_passes"] = Ours(path, True, prompt, args.decode)
+        contenders["ours_native_passes"].runner.native_forward.plan.decode_program = False
     if args.torch:
         contenders["ours_torch_fp32"] = Ours(path, False, prompt, args.decode)
     try:
@@ -237,6 +245,9 @@ def main() -> None:
     if "ours_native_general_batches" in results:
         report["ratios"]["decode_reused_inputs_vs_general_batches"] = ratio(
             results["ours_native"]["decode_tok_s"], results["ours_native_general_batches"]["decode_tok_s"])
+    if "ours_native_passes" in results:
+        report["ratios"]["decode_program_vs_passes"] = ratio(results["ours_native"]["decode_tok_s"],
+                                                            results["ours_native_passes"]["decode_tok_s"])
     if "ours_torch_fp32" in results:
         report["ratios"]["decode_native_vs_torch_fp32"] = ratio(results["ours_native"]["decode_tok_s"],
                                                                results["ours_torch_fp32"]["decode_tok_s"])

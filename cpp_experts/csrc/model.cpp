@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <mutex>
 #include <numeric>
 #include <optional>
@@ -626,6 +627,7 @@ struct CpuModel::Program {
   std::unique_ptr<Counter[]> done, next;  // per pass x participant: tasks it has done; its range's next task
   int64_t wait_ns = 0;                    // participant 0's waits at the barriers, this forward
   CpuProfile* prof = nullptr;             // this forward's profile (participant 0 times the passes), or null
+  bool yields = true;                     // waits yield the core after a short spin (Pool::yields)
 
   static void even_bounds(std::vector<int>& b, int tasks, int P) {
     b.resize(size_t(P) + 1);
@@ -673,7 +675,7 @@ struct CpuModel::Program {
     if (all_done(k)) return 0;
     const auto t0 = std::chrono::steady_clock::now();
     for (int pauses = 0; !all_done(k);) {
-      if (pauses < 1024) {
+      if (pauses < 1024 || !yields) {
         ++pauses;
 #if defined(__x86_64__) || defined(__i386__)
         _mm_pause();
@@ -706,10 +708,16 @@ struct CpuModel::Program {
         if (timed) account(k - 1, w);
       }
       Counter* nx = next.get() + size_t(k) * P;
+      // its own range first: another's counter is a line the other core is writing
       bool left = false;
-      for (int p = 0; p < P && !left; ++p) left = nx[p].v.load(std::memory_order_relaxed) < ps.bounds[size_t(p) + 1];
+      for (int j = 0; j < P && !left; ++j) {
+        const int p = (tid + j) % P;
+        left = nx[p].v.load(std::memory_order_relaxed) < ps.bounds[size_t(p) + 1];
+      }
       if (!left) continue;  // taken by the others (this participant came late): nothing to prepare
       if (ps.prep) ps.prep(tid);
+      // its own range, then the others' (work stealing: without it, 0.966 of the speed in 10
+      // interleaved rounds; looking at a range's counter before taking from it, 0.99)
       for (int j = 0; j < P; ++j) {
         const int p = (tid + j) % P, end = ps.bounds[size_t(p) + 1];
         for (int i; (i = nx[p].v.fetch_add(1, std::memory_order_relaxed)) < end;) {
@@ -948,6 +956,7 @@ void CpuModel::forward(int T, const int64_t* ids, const int64_t* pos, const int6
     }
     G.reset();
     G.prof = prof;
+    G.yields = pool.yields();
     pool.run(G.P, [&](int i, int) {
       G.run(i);
       if (i == 0) pool.add_inner_wait(G.wait_ns);

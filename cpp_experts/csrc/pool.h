@@ -56,6 +56,9 @@ class Pool {
   // workers (a participants' program waiting at its barriers), which the run then counts as waiting,
   // not as the caller's own work, when it judges contention.
   void add_inner_wait(int64_t ns) { inner_wait_ns_ += ns; }
+  // Whether waits yield the core after a short spin (else MLASERVE_CPP_EXPERTS_WAIT=spin: they spin),
+  // for code that waits for the workers itself.
+  bool yields() const { return adaptive_; }
   // Joins the workers (after the run under way, if any); idempotent, also done by the destructor.
   void close();
   bool closed() const;
