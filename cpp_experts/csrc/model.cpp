@@ -459,6 +459,7 @@ void CpuModel::set_table(const int32_t* table, int64_t rows, int64_t stride, int
   table_.table_rows = rows;
   table_.table_stride = stride;
   table_.num_slots = num_slots;
+  prog_.reset();  // its layers hold copies of the table
 }
 
 void CpuModel::add_gqa(GqaSpec s) {
@@ -607,7 +608,9 @@ struct CpuModel::Program {
   };
   // what the program was built for
   int T = -1, N = -1, P = 0;
+  size_t blocks = 0;
   const float* x = nullptr;
+  const int32_t* table = nullptr;  // req_to_token (its layers' caches are copied with it)
   // this forward's tokens (the passes read them here)
   const int64_t *pos = nullptr, *rows = nullptr, *out_loc = nullptr, *logit_rows = nullptr;
   std::vector<Part> parts;
@@ -787,7 +790,7 @@ void CpuModel::build_program(int T, int N) {
   auto pg = std::make_unique<Program>();
   Program& G = *pg;
   const int P = pool_->size(), H = hidden_;
-  G.T = T, G.N = N, G.P = P, G.x = x_.data();
+  G.T = T, G.N = N, G.P = P, G.x = x_.data(), G.blocks = blocks_.size(), G.table = table_.table;
   float* x = x_.data();
   G.parts.resize(size_t(P));
   for (auto& pt : G.parts) pt.xn.assign(size_t(std::max(T, N)) * H, 0.0f);
@@ -935,7 +938,8 @@ void CpuModel::forward(int T, const int64_t* ids, const int64_t* pos, const int6
   const bool program = !omni && program_fits(T) && !pool.solo_next();
   if (program) {
     // the decode program (model.h)
-    if (!prog_ || prog_->T != T || prog_->N != N || prog_->x != x_.data() || prog_->P != pool.size())
+    if (!prog_ || prog_->T != T || prog_->N != N || prog_->x != x_.data() || prog_->P != pool.size() ||
+        prog_->blocks != blocks_.size() || prog_->table != table_.table)
       build_program(T, N);
     Program& G = *prog_;
     G.pos = pos, G.rows = rows, G.out_loc = out_loc, G.logit_rows = logit_rows;
