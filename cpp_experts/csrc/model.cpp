@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstdlib>
 #include <mutex>
 #include <numeric>
 #include <optional>
@@ -589,12 +588,10 @@ void CpuModel::set_omnikv(OmniSpec s) {
   omni_ = std::make_unique<OmniSpec>(std::move(s));
 }
 
-
 // The decode program (model.h: CpuModel::Program).
 struct CpuModel::Program {
-  struct Part {  // one participant's own copy of the serial work's results
+  struct Part {  // one participant's own normed rows (its inputs are per pass: `inputs`)
     std::vector<float> xn;
-    LinearInput in;
   };
   struct alignas(64) Counter {
     std::atomic<int> v{0};
@@ -619,7 +616,7 @@ struct CpuModel::Program {
   std::vector<AttnPass> att;                     // per layer
   LinearPass* head = nullptr;
   std::vector<int64_t> head_argmax;  // where the head's argmax goes when the forward asks for none
-  std::vector<std::unique_ptr<LinearInput>> inputs;  // per pass x participant (null: the pass reads none)
+  std::vector<std::unique_ptr<LinearInput>> inputs;  // per linear pass x participant, as they were added
   struct Layer {  // a layer's activations and attention state (the blocks' own stay the other path's)
     std::vector<float> q, k, v, a, h;
     AttnScratch scratch;
@@ -637,11 +634,6 @@ struct CpuModel::Program {
     for (int p = 0; p <= P; ++p) b[size_t(p)] = int(int64_t(tasks) * p / P);
   }
   void add(Pass ps) { passes.push_back(std::move(ps)); }
-  LinearPass& linear(std::vector<LinearCall> calls, int m) {
-    lin.push_back(std::make_unique<LinearPass>());
-    plan_linears(*lin.back(), std::move(calls), m, P);
-    return *lin.back();
-  }
   // A linear pass whose participants each prepare their own input (shaped now for `readers`: m rows
   // of k values, ldx floats apart, from x(tid)), after `before(tid)` (a norm into x(tid), or null).
   LinearPass& add_linear(Phase phase, std::vector<LinearCall> calls, const std::function<const float*(int tid)>& x,
@@ -668,12 +660,12 @@ struct CpuModel::Program {
     add(std::move(ps));
     return *l;
   }
-  // Until pass k's tasks are all done; participant 0 counts the time it waits.
   bool all_done(int k) const {
     int n = 0;
     for (int p = 0; p < P; ++p) n += done[size_t(k) * P + p].v.load(std::memory_order_acquire);
     return n == passes[size_t(k)].tasks;
   }
+  // Until pass k's tasks are all done; participant 0 counts the time it waits.
   int64_t wait_done(int k, int tid) {
     if (all_done(k)) return 0;
     const auto t0 = std::chrono::steady_clock::now();
