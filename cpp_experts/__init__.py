@@ -1018,8 +1018,8 @@ class CpuModel:
 
     @property
     def decode_program(self) -> bool:
-        """Whether decode forwards of a dense GQA model (up to 3 tokens, no OmniKV token, no profiling)
-        run as one program of passes on every thread of the pool instead of a pool run per pass
+        """Whether decode forwards of a dense GQA model (up to 3 tokens, no OmniKV token) run as one
+        program of passes on every thread of the pool instead of a pool run per pass
         (csrc/model.h; on by default, the same bits either way). Benchmarks switch it to compare."""
         return bool(self._op.decode_program())
 

@@ -12,10 +12,8 @@
 #include "attention.h"
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <memory>
 #include <string>
 
@@ -103,7 +101,7 @@ void make_groups(const AttnTokens& tok, int H, int Hkv, bool mla, int threads, s
 
 }  // namespace
 
-// A call's groups and tasks (attention.h: AttnPass).
+// A call's groups and tasks (attention.h).
 struct AttnPlan {
   PagedKv kv;
   AttnTokens tok;
@@ -120,20 +118,19 @@ struct AttnPlan {
   size_t state = 0;
 };
 
-AttnPass::AttnPass() = default;
-AttnPass::~AttnPass() = default;
-AttnPass::AttnPass(AttnPass&&) noexcept = default;
-AttnPass& AttnPass::operator=(AttnPass&&) noexcept = default;
+AttnScratch::AttnScratch() = default;
+AttnScratch::~AttnScratch() = default;
+AttnScratch::AttnScratch(AttnScratch&&) noexcept = default;
+AttnScratch& AttnScratch::operator=(AttnScratch&&) noexcept = default;
 
 namespace {
 
-void plan(AttnPass& pass, AttnScratch& scratch, int threads, const PagedKv& kv, const AttnTokens& tok, const Layout& L,
-          int Hkv, float scale, const float* q, float* out) {
-  if (!pass.plan) pass.plan = std::make_unique<AttnPlan>();
-  AttnPlan& P = *pass.plan;
+int plan(AttnScratch& scratch, int threads, const PagedKv& kv, const AttnTokens& tok, const Layout& L, int Hkv,
+         float scale, const float* q, float* out) {
+  if (!scratch.plan) scratch.plan = std::make_unique<AttnPlan>();
+  AttnPlan& P = *scratch.plan;
   P.kv = kv, P.tok = tok, P.L = L, P.scale = scale, P.q = q, P.out = out;
-  pass.tasks = 0;
-  if (tok.T <= 0) return;
+  if (tok.T <= 0) return 0;
   threads = std::max(1, threads);
   make_groups(tok, L.H, Hkv, L.mla, threads, P.groups);
   int max_nq = 0;
@@ -147,10 +144,7 @@ void plan(AttnPass& pass, AttnScratch& scratch, int threads, const PagedKv& kv, 
   // Split-KV (a task per key block) only where the groups alone cannot keep every thread busy
   // (about 4 tasks per thread); the blocks are the same either way (key_blocks).
   P.split = int(P.groups.size()) < 4 * threads;
-  if (!P.split) {
-    pass.tasks = int(P.groups.size());
-    return;
-  }
+  if (!P.split) return int(P.groups.size());
   P.tasks.clear();
   P.first.assign(P.groups.size() + 1, 0);
   for (int gi = 0; gi < int(P.groups.size()); ++gi) {
@@ -168,11 +162,10 @@ void plan(AttnPass& pass, AttnScratch& scratch, int threads, const PagedKv& kv, 
   }
   for (size_t gi = 0; gi < P.groups.size(); ++gi)
     P.left[gi].store(P.first[gi + 1] - P.first[gi], std::memory_order_relaxed);
-  pass.tasks = int(P.tasks.size());
+  return int(P.tasks.size());
 }
 
 }  // namespace
-
 
 void check_attention_tokens(const PagedKv& kv, const AttnTokens& tok) {
   int64_t last_row = -1, checked = 0;  // slots of a row are checked once, up to the largest position seen
@@ -197,8 +190,8 @@ void check_attention_tokens(const PagedKv& kv, const AttnTokens& tok) {
   }
 }
 
-void run_attention_task(AttnPass& pass, AttnScratch& scratch, int i, int tid) {
-  AttnPlan& P = *pass.plan;
+void run_attention_task(AttnScratch& scratch, int i, int tid) {
+  AttnPlan& P = *scratch.plan;
   float* base = scratch.thread[size_t(tid)].data();
   float* st0 = base;                    // a group's state
   float* blk = base + P.state;          // a block's state
@@ -229,15 +222,14 @@ Layout gqa_layout(const PagedKv& kv, int H, int Hkv, int D, int Dv) {
 }
 void run(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const Layout& L, int Hkv,
          float scale, const float* q, float* out) {
-  AttnPass pass;
-  plan(pass, scratch, pool.size(), kv, tok, L, Hkv, scale, q, out);
-  pool.run(pass.tasks, [&](int i, int tid) { run_attention_task(pass, scratch, i, tid); });
+  const int tasks = plan(scratch, pool.size(), kv, tok, L, Hkv, scale, q, out);
+  pool.run(tasks, [&](int i, int tid) { run_attention_task(scratch, i, tid); });
 }
 }  // namespace
 
-void plan_attention_gqa(AttnPass& pass, AttnScratch& scratch, int threads, const PagedKv& kv, const AttnTokens& tok,
-                        const float* q, int H, int Hkv, int D, int Dv, float scale, float* out) {
-  plan(pass, scratch, threads, kv, tok, gqa_layout(kv, H, Hkv, D, Dv), Hkv, scale, q, out);
+int plan_attention_gqa(AttnScratch& scratch, int threads, const PagedKv& kv, const AttnTokens& tok, const float* q,
+                       int H, int Hkv, int D, int Dv, float scale, float* out) {
+  return plan(scratch, threads, kv, tok, gqa_layout(kv, H, Hkv, D, Dv), Hkv, scale, q, out);
 }
 
 void attention_gqa(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const float* q, int H,

@@ -66,29 +66,27 @@ inline size_t attn_dump_floats(int H, int64_t n) {
 }
 
 // Scratch reused across calls (the model owns one; grows to the largest call).
+struct AttnPlan;  // a call's groups and tasks (attention.cpp)
 struct AttnScratch {
   std::vector<float> partial;  // split-KV states: per (task, query): m, l, acc[Dv]
   std::vector<std::vector<float>> thread;  // per participant: scores and running states of one group
+  std::unique_ptr<AttnPlan> plan;  // the call's plan, its vectors kept for the next call
+  AttnScratch();
+  ~AttnScratch();
+  AttnScratch(AttnScratch&&) noexcept;
+  AttnScratch& operator=(AttnScratch&&) noexcept;
 };
 
 void attention_gqa(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const float* q,
                    int H, int Hkv, int D, int Dv, float scale, float* out);
 
 // attention_gqa in parts, for callers that run the tasks themselves (the model's decode program,
-// model.h): plan for `threads` participants, then every task i in [0, tasks) once, on participant
-// tid's scratch (the scratch, kv, tokens, q and out must stay put until the last task is done).
-struct AttnPlan;
-struct AttnPass {
-  std::unique_ptr<AttnPlan> plan;
-  int tasks = 0;
-  AttnPass();
-  ~AttnPass();
-  AttnPass(AttnPass&&) noexcept;
-  AttnPass& operator=(AttnPass&&) noexcept;
-};
-void plan_attention_gqa(AttnPass& pass, AttnScratch& scratch, int threads, const PagedKv& kv, const AttnTokens& tok,
-                        const float* q, int H, int Hkv, int D, int Dv, float scale, float* out);
-void run_attention_task(AttnPass& pass, AttnScratch& scratch, int i, int tid);
+// model.h): plan into the scratch for `threads` participants (returns the task count), then run every
+// task i once, as participant tid (the scratch, kv, tokens, q and out must stay put until the last
+// task is done).
+int plan_attention_gqa(AttnScratch& scratch, int threads, const PagedKv& kv, const AttnTokens& tok, const float* q,
+                       int H, int Hkv, int D, int Dv, float scale, float* out);
+void run_attention_task(AttnScratch& scratch, int i, int tid);
 void attention_mla(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const float* q,
                    int H, int r, int P, float scale, float* out);
 

@@ -291,8 +291,8 @@ void QuantLinear::set_bias(const float* bias) {
   std::memcpy(bias_.data(), bias, size_t(N_) * 4);
 }
 
-void plan_linears(LinearPass& pass, std::vector<LinearCall> calls, int m, int threads) {
-  pass.calls = std::move(calls);
+void plan_linears(LinearPass& pass, const std::vector<LinearCall>& calls, int m, int threads) {
+  pass.calls.assign(calls.begin(), calls.end());  // into the room a reused pass already has
   pass.tasks.clear();
   pass.best.clear();
   pass.m = m;

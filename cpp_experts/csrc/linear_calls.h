@@ -92,7 +92,7 @@ struct LinearPass {
   std::function<void(int call, int n0, int ncols, int t0, int nt)> after;
 };
 // The tasks run_linears would give `threads` participants (checks the calls as it does).
-void plan_linears(LinearPass& pass, std::vector<LinearCall> calls, int m, int threads);
+void plan_linears(LinearPass& pass, const std::vector<LinearCall>& calls, int m, int threads);
 // Task i of the pass; `in` (null: each call's own) replaces the calls' input, for a participant that
 // prepared its own copy of it (the same bits).
 void run_linear_task(LinearPass& pass, int i, const LinearInput* in);

@@ -613,7 +613,6 @@ struct CpuModel::Program {
   std::vector<Part> parts;
   std::vector<Pass> passes;
   std::vector<std::unique_ptr<LinearPass>> lin;  // the linear passes (stable addresses: the tasks hold them)
-  std::vector<AttnPass> att;                     // per layer
   LinearPass* head = nullptr;
   std::vector<int64_t> head_argmax;  // where the head's argmax goes when the forward asks for none
   std::vector<std::unique_ptr<LinearInput>> inputs;  // per linear pass x participant, as they were added
@@ -647,7 +646,7 @@ struct CpuModel::Program {
     for (LinearCall& c : calls) c.in = inputs[base].get();  // participant 0's, for the plan's checks
     lin.push_back(std::make_unique<LinearPass>());
     LinearPass* l = lin.back().get();
-    plan_linears(*l, std::move(calls), m, P);
+    plan_linears(*l, calls, m, P);
     Pass ps;
     ps.phase = phase;
     ps.tasks = int(l->tasks.size());
@@ -797,7 +796,6 @@ void CpuModel::build_program(int T, int N) {
   };
   const int L = num_layers();
   G.layers.resize(size_t(L));
-  G.att.resize(size_t(L));
   for (int l = 0; l < L; ++l) {
     const GqaSpec& s = static_cast<GqaBlock&>(*blocks_[size_t(2 * l)]).s;
     const DenseMlpSpec& d = static_cast<DenseMlpBlock&>(*blocks_[size_t(2 * l + 1)]).s;
@@ -840,7 +838,7 @@ void CpuModel::build_program(int T, int N) {
       Program::Pass ps;
       ps.phase = Phase::Attention;
       ps.task = [gp, l](int i, int tid) {
-        run_attention_task(gp->att[size_t(l)], gp->layers[size_t(l)].scratch, i, tid);
+        run_attention_task(gp->layers[size_t(l)].scratch, i, tid);
       };
       ly.pass = int(G.passes.size());
       G.add(std::move(ps));
@@ -938,12 +936,10 @@ void CpuModel::forward(int T, const int64_t* ids, const int64_t* pos, const int6
     for (int l = 0; l < num_layers(); ++l) {
       const GqaSpec& s = static_cast<GqaBlock&>(*blocks_[size_t(2 * l)]).s;
       Program::Layer& ly = G.layers[size_t(l)];
-      AttnPass& ap = G.att[size_t(l)];
-      plan_attention_gqa(ap, ly.scratch, G.P, ly.kv, AttnTokens{T, rows, pos}, ly.q.data(), s.H, s.Hkv, s.D, s.D,
-                         s.scale, ly.a.data());
       Program::Pass& ps = G.passes[size_t(ly.pass)];
-      ps.tasks = ap.tasks;
-      Program::even_bounds(ps.bounds, ap.tasks, G.P);
+      ps.tasks = plan_attention_gqa(ly.scratch, G.P, ly.kv, AttnTokens{T, rows, pos}, ly.q.data(), s.H, s.Hkv, s.D,
+                                    s.D, s.scale, ly.a.data());
+      Program::even_bounds(ps.bounds, ps.tasks, G.P);
     }
     if (N > 0) {
       G.head->calls[0].out = logits;

@@ -196,8 +196,8 @@ class CpuModel {
   // through GQA attention and dense MLP blocks, without OmniKV tokens, while the pool is not in a solo
   // period. Every participant of one run of the pool walks the same list of passes (a
   // layer's q·k·v with RoPE and the KV store, attention, o, gate·up, down; then the LM head), each
-  // pass's tasks split into one range per participant with work stealing, and a counter of done tasks
-  // as the barrier between passes. The serial work between passes (a norm, quantising a linear's
+  // pass's tasks split into one range per participant with work stealing, and the participants'
+  // counts of done tasks (each on its own line) as the barrier between passes. The serial work between passes (a norm, quantising a linear's
   // input) is done by every participant for itself. Why: with a run of the pool per pass the worker
   // waited while the caller did that work and then had to fetch what the caller had just written (the
   // run's task list, its input) a cache miss at a time, and on a VM whose two vCPUs sit on different
