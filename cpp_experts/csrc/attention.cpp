@@ -197,8 +197,12 @@ void run_attention_task(AttnScratch& scratch, int i, int tid) {
   float* blk = base + P.state;          // a block's state
   float* scores = base + 2 * P.state;   // scores, then tiles
   float* buf = scores + kQB * kKeyTile;
+  auto after = [&](const Group& g) {
+    if (scratch.after) scratch.after(g.t0, g.nt, int(g.h0 * P.L.o_head), int((g.h0 + g.nh) * P.L.o_head));
+  };
   if (!P.split) {
     task_entry(P.kv, P.tok, P.L, P.groups[size_t(i)], -1, P.scale, P.q, st0, blk, scores, buf, P.out);
+    after(P.groups[size_t(i)]);
     return;
   }
   const Task& tk = P.tasks[size_t(i)];
@@ -211,6 +215,7 @@ void run_attention_task(AttnScratch& scratch, int i, int tid) {
   for (int bl = 1; bl < P.first[gi + 1] - P.first[gi]; ++bl)
     merge_state(g.nt * g.nh, P.L.Dv, st, st + size_t(bl) * P.state);
   write_out(P.L, g, st, P.out);
+  after(g);
 }
 
 namespace {

@@ -22,6 +22,7 @@
 // keys are also split into ranges (split-KV) whose partial softmax states are merged afterwards.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -71,6 +72,9 @@ struct AttnScratch {
   std::vector<float> partial;  // split-KV states: per (task, query): m, l, acc[Dv]
   std::vector<std::vector<float>> thread;  // per participant: scores and running states of one group
   std::unique_ptr<AttnPlan> plan;  // the call's plan, its vectors kept for the next call
+  // null, or called by the task that wrote a group's output: tokens t0..t0+nt-1, output columns
+  // [c0, c1) of each (the decode program quantises the o projection's input there, model.h)
+  std::function<void(int t0, int nt, int c0, int c1)> after;
   AttnScratch();
   ~AttnScratch();
   AttnScratch(AttnScratch&&) noexcept;

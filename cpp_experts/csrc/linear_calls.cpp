@@ -65,11 +65,6 @@ CPX_DISPATCH(void, epilogue,
               const float* bias_up, float* out, int64_t ldo),
              (ep, c, cu, ldc, nt, ncols, bias, bias_up, out, ldo))
 
-void to_bf16_row(const float* x, uint16_t* y, int n, int np) {
-  for (int i = 0; i < n; ++i) y[i] = f32_to_bf16(x[i]);
-  for (int i = n; i < np; ++i) y[i] = 0;
-}
-
 // Decode passes read each weight once, and a task that reads kGroupStreams consecutive groups reads
 // kGroupStreams streams of one group each (23 KiB at SmolLM2's 576 inputs and Q4_1), which end
 // before the hardware prefetcher is up to speed on them. Task i of a strided call reads the groups
@@ -179,8 +174,11 @@ void shape_input(LinearInput& in, const float* x, int64_t ldx, int m, int k,
   if (in.has_bf16) in.b.resize(size_t(m) * in.kp * 2);
 }
 
-void fill_input_rows(LinearInput& in, int t0, int t1) {
-  const int k = in.k, nb = k / 32;
+void fill_input_rows(LinearInput& in, int t0, int t1) { fill_input_cols(in, t0, t1, 0, in.k); }
+
+void fill_input_cols(LinearInput& in, int t0, int t1, int c0, int c1) {
+  const int k = in.k, nb = k / 32, n = c1 - c0, b0 = c0 / 32;
+  if (c0 < 0 || c1 > k || n < 0 || (in.has_q8 && (c0 % 32 || n % 32))) throw ArgError("fill_input_cols: not whole blocks of the row");
   int8_t* q = reinterpret_cast<int8_t*>(in.q.data());
   float* d = reinterpret_cast<float*>(in.d.data());
   int32_t* s = reinterpret_cast<int32_t*>(in.s.data());
@@ -190,10 +188,16 @@ void fill_input_rows(LinearInput& in, int t0, int t1) {
   for (int t = t0; t < t1; ++t) {
     const float* xr = in.x + t * in.ldx;
     if (in.has_q8) {
-      const size_t o = size_t(t) * nb;
-      quantize_act_row(in.quantize, xr, k, q + size_t(t) * k, d + o, s + o, ds + o, in.has_s16 ? s16 + 2 * o : nullptr);
+      const size_t o = size_t(t) * nb + b0;
+      quantize_act_row(in.quantize, xr + c0, n, q + size_t(t) * k + c0, d + o, s + o, ds + o,
+                       in.has_s16 ? s16 + 2 * o : nullptr);
     }
-    if (in.has_bf16) to_bf16_row(xr, b + size_t(t) * in.kp, k, in.kp);
+    if (in.has_bf16) {
+      uint16_t* y = b + size_t(t) * in.kp;
+      for (int i = c0; i < c1; ++i) y[i] = f32_to_bf16(xr[i]);
+      if (c1 == k)
+        for (int i = k; i < in.kp; ++i) y[i] = 0;
+    }
   }
 }
 

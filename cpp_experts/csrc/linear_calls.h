@@ -42,6 +42,9 @@ void prepare_input(Pool& pool, LinearInput& in, const float* x, int64_t ldx, int
 void shape_input(LinearInput& in, const float* x, int64_t ldx, int m, int k,
                  const std::vector<const QuantLinear*>& readers);
 void fill_input_rows(LinearInput& in, int t0, int t1);
+// Columns c0..c1-1 of those rows only (c0 and c1 multiples of 32, or c1 = k): the same bits as the whole
+// rows there (Q8_0 blocks are quantised one by one), for a producer that fills an input as it writes it.
+void fill_input_cols(LinearInput& in, int t0, int t1, int c0, int c1);
 
 enum class Epilogue {
   Store,    // out = W x + b
@@ -88,7 +91,8 @@ struct LinearPass {
   bool any_argmax = false;
   std::vector<LinearBest> best;
   // null, or called by a task after it wrote output columns [n0, n0 + ncols) of call `call`, rows
-  // t0..t0+nt-1 (the decode program's RoPE and KV store for the heads a q·k·v task made)
+  // t0..t0+nt-1 (the decode program's RoPE and KV store for the heads a q·k·v task made, and its
+  // quantising of gate·up's output into down's input)
   std::function<void(int call, int n0, int ncols, int t0, int nt)> after;
 };
 // The tasks run_linears would give `threads` participants (checks the calls as it does).

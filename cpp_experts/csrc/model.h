@@ -197,8 +197,10 @@ class CpuModel {
   // period. Every participant of one run of the pool walks the same list of passes (a
   // layer's q·k·v with RoPE and the KV store, attention, o, gate·up, down; then the LM head), each
   // pass's tasks split into one range per participant with work stealing, and the participants'
-  // counts of done tasks (each on its own line) as the barrier between passes. The serial work between passes (a norm, quantising a linear's
-  // input) is done by every participant for itself. Why: with a run of the pool per pass the worker
+  // counts of done tasks (each on its own line) as the barrier between passes. The serial work between
+  // passes (a norm, quantising a linear's input) is done by every participant for itself, except where
+  // the tasks of the pass before can do it as they write their outputs: o's input is quantised by the
+  // attention tasks, down's by gate·up's (one shared input, filled a block at a time). Why: with a run of the pool per pass the worker
   // waited while the caller did that work and then had to fetch what the caller had just written (the
   // run's task list, its input) a cache miss at a time, and on a VM whose two vCPUs sit on different
   // core complexes a miss between them takes ~0.2 us (the round trip ~0.4 us, against ~0.1 us on one
