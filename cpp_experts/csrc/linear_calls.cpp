@@ -178,7 +178,8 @@ void fill_input_rows(LinearInput& in, int t0, int t1) { fill_input_cols(in, t0, 
 
 void fill_input_cols(LinearInput& in, int t0, int t1, int c0, int c1) {
   const int k = in.k, nb = k / 32, n = c1 - c0, b0 = c0 / 32;
-  if (c0 < 0 || c1 > k || n < 0 || (in.has_q8 && (c0 % 32 || n % 32))) throw ArgError("fill_input_cols: not whole blocks of the row");
+  if (c0 < 0 || c1 > k || n < 0 || (in.has_q8 && (c0 % 32 || n % 32)))
+    throw ArgError("fill_input_cols: not whole blocks of the row");
   int8_t* q = reinterpret_cast<int8_t*>(in.q.data());
   float* d = reinterpret_cast<float*>(in.d.data());
   int32_t* s = reinterpret_cast<int32_t*>(in.s.data());

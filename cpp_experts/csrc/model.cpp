@@ -15,13 +15,9 @@
 #include <numeric>
 #include <optional>
 #include <string>
-#include <thread>
 #include <unordered_map>
 
 #include "vec.h"
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
 namespace cpx {
 namespace {
@@ -626,7 +622,7 @@ struct CpuModel::Program {
   std::unique_ptr<Counter[]> done, next;  // per pass x participant: tasks it has done; its range's next task
   int64_t wait_ns = 0;                    // participant 0's waits at the barriers, this forward
   CpuProfile* prof = nullptr;             // this forward's profile (participant 0 times the passes), or null
-  bool yields = true;                     // waits yield the core after a short spin (Pool::yields)
+  const Pool* pool = nullptr;             // whose wait policy the barriers follow (Pool::wait_until)
 
   static void even_bounds(std::vector<int>& b, int tasks, int P) {
     b.resize(size_t(P) + 1);
@@ -685,16 +681,7 @@ struct CpuModel::Program {
   int64_t wait_done(int k, int tid) {
     if (all_done(k)) return 0;
     const auto t0 = std::chrono::steady_clock::now();
-    for (int pauses = 0; !all_done(k);) {
-      if (pauses < 1024 || !yields) {
-        ++pauses;
-#if defined(__x86_64__) || defined(__i386__)
-        _mm_pause();
-#endif
-      } else {
-        std::this_thread::yield();  // a preempted participant may need this core to finish its task
-      }
-    }
+    pool->wait_until([this, k] { return all_done(k); });
     const int64_t w = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
     if (tid == 0) wait_ns += w;
     return w;
@@ -976,7 +963,7 @@ void CpuModel::forward(int T, const int64_t* ids, const int64_t* pos, const int6
     }
     G.reset();
     G.prof = prof;
-    G.yields = pool.yields();
+    G.pool = &pool;
     pool.run(G.P, [&](int i, int) {
       G.run(i);
       if (i == 0) pool.add_inner_wait(G.wait_ns);

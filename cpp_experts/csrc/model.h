@@ -200,11 +200,12 @@ class CpuModel {
   // counts of done tasks (each on its own line) as the barrier between passes. The serial work between
   // passes (a norm, quantising a linear's input) is done by every participant for itself, except where
   // the tasks of the pass before can do it as they write their outputs: o's input is quantised by the
-  // attention tasks, down's by gate·up's (one shared input, filled a block at a time). Why: with a run of the pool per pass the worker
-  // waited while the caller did that work and then had to fetch what the caller had just written (the
-  // run's task list, its input) a cache miss at a time, and on a VM whose two vCPUs sit on different
-  // core complexes a miss between them takes ~0.2 us (the round trip ~0.4 us, against ~0.1 us on one
-  // complex): ~3.6 us a pass. Same tasks, same kernels: the same bits as the passes run one by one.
+  // attention tasks, down's by gate·up's (one shared input, filled a block at a time). Why: with a run
+  // of the pool per pass the worker waited while the caller did that work and then had to fetch what
+  // the caller had just written (the run's task list, its input) a cache miss at a time, and on a VM
+  // whose two vCPUs sit on different core complexes a miss between them takes ~0.2 us (the round trip
+  // ~0.4 us, against ~0.1 us on one complex): ~3.6 us a pass. Same tasks, same kernels: the same bits
+  // as the passes run one by one.
   struct Program;
   std::unique_ptr<Program> prog_;
   bool prog_on_ = true;

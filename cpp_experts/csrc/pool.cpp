@@ -6,17 +6,9 @@
 #include <cstdlib>
 #include <string>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define CPX_PAUSE() _mm_pause()
-#else
-#define CPX_PAUSE() std::this_thread::yield()
-#endif
-
 namespace cpx {
 namespace {
 constexpr auto kSpin = std::chrono::microseconds(100);  // an idle worker spins this long, then sleeps
-constexpr int kWaitPauses = 1024;  // the caller's pauses while waiting for workers, before it yields
 // Contention: two runs in a row late (the caller waited for workers longer than kLate and than its
 // own share of work: a worker that is merely finishing a task makes it wait less than one task), or a
 // window of kWindowRuns runs in which the caller waited more than kWaitShare x its own work (on a
@@ -100,7 +92,7 @@ void Pool::worker(int id) {
     const auto start = std::chrono::steady_clock::now();
     int spins = 0;
     while (gen_.load(std::memory_order_acquire) == seen) {
-      CPX_PAUSE();
+      pause();
       if (++spins % 256 == 0 && std::chrono::steady_clock::now() - start > kSpin) {
         std::unique_lock<std::mutex> lock(sleep_mutex_);
         sleepers_.fetch_add(1, std::memory_order_relaxed);
@@ -145,14 +137,7 @@ void Pool::run(int ntasks, const std::function<void(int, int)>& fn) {
   const auto t0 = std::chrono::steady_clock::now();
   work(0);
   const auto t1 = std::chrono::steady_clock::now();
-  for (int pauses = 0; pending_.load(std::memory_order_acquire) != 0;) {
-    if (pauses < kWaitPauses || !adaptive_) {
-      ++pauses;
-      CPX_PAUSE();
-    } else {
-      std::this_thread::yield();  // a preempted worker may need this core to finish its task
-    }
-  }
+  wait_until([this] { return pending_.load(std::memory_order_acquire) == 0; });
   const bool timing = timing_.load(std::memory_order_relaxed);
   if (!adaptive_ && !timing) return;
   const int64_t waited = std::chrono::duration_cast<std::chrono::nanoseconds>(

@@ -28,10 +28,15 @@
 #include <thread>
 #include <vector>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 namespace cpx {
 
 class Pool {
  public:
+  static constexpr int kWaitPauses = 1024;  // a waiting caller's pauses before it yields
   Pool(int threads, bool pin);
   ~Pool();
   Pool(const Pool&) = delete;
@@ -56,14 +61,32 @@ class Pool {
   // workers (a participants' program waiting at its barriers), which the run then counts as waiting,
   // not as the caller's own work, when it judges contention.
   void add_inner_wait(int64_t ns) { inner_wait_ns_ += ns; }
-  // Whether waits yield the core after a short spin (else MLASERVE_CPP_EXPERTS_WAIT=spin: they spin),
-  // for code that waits for the workers itself.
-  bool yields() const { return adaptive_; }
+  // Waits until done() holds, as the caller waits for its workers: a short spin, then (unless
+  // MLASERVE_CPP_EXPERTS_WAIT=spin) yielding the core each try, as a preempted participant may need it
+  // to finish its task. For code that waits for the workers itself (the model's decode program).
+  template <class Done>
+  void wait_until(const Done& done) const {
+    for (int pauses = 0; !done();) {
+      if (pauses < kWaitPauses || !adaptive_) {
+        ++pauses;
+        pause();
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
   // Joins the workers (after the run under way, if any); idempotent, also done by the destructor.
   void close();
   bool closed() const;
 
  private:
+  static void pause() {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#else
+    std::this_thread::yield();
+#endif
+  }
   struct alignas(64) Range {
     std::atomic<int> next{0};
     int end = 0;

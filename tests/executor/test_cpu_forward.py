@@ -442,15 +442,14 @@ def test_decode_program_gives_the_bits_of_the_passes_run_one_by_one(checkpoints,
     1 to 3 requests at positions that cross key blocks, with a batch of 4 (the passes' path) between;
     and the program ran every one of them (its forwards are counted in the profile: the pools wait by
     spinning here, so that no solo period, which the two runners' four threads on a 2-core machine can
-    set off, takes a batch from it). The "wide" model's heads of 64
-    make whole Q8_0 blocks, so that its attention tasks quantise o's input as they write it (narrower
-    heads leave that to each thread)."""
+    set off, takes a batch from it). The "wide" model's heads of 64 make whole Q8_0 blocks, so that its
+    attention tasks quantise o's input as they write it (narrower heads leave that to each thread)."""
     kind, what = source.split("/")
     if kind == "wide":
         cfg = {**load_preset("tiny-llama"), "hidden_size": 128, "head_dim": 64, "num_attention_heads": 4,
                "num_key_value_heads": 2, "intermediate_size": 192}
         d = write_checkpoint(tmp_path / "wide", cfg, seed=9, gguf=what != "float32", gguf_qtype=what)
-        path, kw = (d, dict(cpu_weights="float32")) if what == "float32" else (d / "model.gguf", dict(cpu_weights="file"))
+        path, kw = (d, dict(cpu_weights=what)) if what == "float32" else (d / "model.gguf", dict(cpu_weights="file"))
     elif kind == "gguf":
         path, kw = gguf_files["tiny-llama", what], dict(cpu_weights="file")
     else:
