@@ -18,6 +18,10 @@ What the server side relies on:
 - A crash is reported, never hidden: any exception out of the core (or a message that does not
   decode: the protocol is broken) sends an `ERR_ENGINE` error for every pending completion, then
   `Fatal(reason)`, logs the traceback, and exits with `EXIT_ENGINE_CRASHED`.
+- A step that a known failure keeps from ever returning (a tensor-parallel rank died and this rank
+  waits in a collective it will never complete, until the group's timeout) is not waited out: a
+  watchdog thread that sees `core.failure()` while a step has run for `STUCK_S` sends `Fatal(reason)`
+  (the server then fails every pending request) and ends the process.
 - The process leaves by itself when the server goes away (EOF on the pipe, or its parent pid
   changes), so a killed server never leaves an engine holding the GPU.
 - SIGINT and SIGTERM are ignored here: a signal to the process group (Ctrl-C, systemd, docker stop)
@@ -30,6 +34,7 @@ The pipe carries msgpack frames (`engine.messages.encode` / `decode_*`, typed ms
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import importlib
 import logging
@@ -37,6 +42,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, NoReturn, Protocol
 
@@ -73,6 +79,8 @@ EXIT_PARENT_GONE = 3  # the server went away
 
 IDLE_POLL_S = 0.5  # while idle, how often to look whether the parent is still there
 LOCKSTEP_POLL_S = 0.02  # the same under DP attention, where an idle replica holds the others' next step
+STUCK_S = 2.0  # a step running this long while the core reports a failure is stuck: report and exit
+WATCH_S = 0.25  # how often the watchdog looks at the running step
 
 
 class EngineCoreLike(Protocol):
@@ -178,7 +186,8 @@ class _Pending:
 
 
 class _EngineLoop:
-    """The loop of one engine core process; one thread, no locks."""
+    """The loop of one engine core process: one thread, and a watchdog that may send its last words
+    (`send_lock` keeps their messages whole)."""
 
     def __init__(self, conn: Any, core_factory: CoreFactory) -> None:
         self.conn = conn
@@ -187,6 +196,10 @@ class _EngineLoop:
         self.parent_pid = os.getppid()
         self.pending: dict[str, _Pending] = {}
         self.outbox: list[RequestOutput] = []  # outputs of the current iteration, sent at its end
+        # the watchdog's view of the loop: when the running step began (None: not in a step)
+        self.step_since: float | None = None
+        self.send_lock = threading.Lock()  # the loop and the watchdog both may send the last words
+        self.fatal_sent = False
 
     def run(self, args: EngineArgs) -> int:
         try:
@@ -206,11 +219,16 @@ class _EngineLoop:
             return EXIT_PARENT_GONE
         logger.info("engine core ready: %s", info)
         freeze_gc_heap()  # the model's objects live as long as the process
+        done = threading.Event()
+        failure = getattr(self.core, "failure", None)
+        if failure is not None:
+            threading.Thread(target=self._watch, args=(failure, done), name="engine-watchdog", daemon=True).start()
         code = EXIT_ENGINE_CRASHED
         try:
             code = self._loop()
             return code
         finally:
+            done.set()
             close = getattr(self.core, "close", None)  # the core's other processes (tensor-parallel ranks)
             if close is not None:
                 try:
@@ -232,10 +250,14 @@ class _EngineLoop:
                         return code
                     stopping = True
                 if together is not None:
+                    self.step_since = time.monotonic()
                     outs, stop = together(stopping)
+                    self.step_since = None
                     self.outbox.extend(outs)
                 elif self.core.has_work():
+                    self.step_since = time.monotonic()
                     self.outbox.extend(self.core.step())
+                    self.step_since = None
                 if self.outbox:
                     outs, self.outbox = self.outbox, []
                     self._track(outs)
@@ -314,17 +336,50 @@ class _EngineLoop:
         for rid, pending in self.pending.items():
             outs.extend(pending.final(rid, i, FINISH_ERROR, reason) for i in sorted(pending.unfinished))
         self.pending.clear()
-        try:
-            self.conn.send_bytes(encode(Outputs(outs)))
-            self.conn.send_bytes(encode(Fatal(reason)))
-        except Exception:  # the server is gone or the outputs cannot be sent: the exit code still tells
-            logger.exception("could not report the crash to the server")
+        with self.send_lock:
+            if self.fatal_sent:  # the watchdog reported first; the process is ending
+                return EXIT_ENGINE_CRASHED
+            self.fatal_sent = True
+            try:
+                self.conn.send_bytes(encode(Outputs(outs)))
+                self.conn.send_bytes(encode(Fatal(reason)))
+            except Exception:  # the server is gone or the outputs cannot be sent: the exit code still tells
+                logger.exception("could not report the crash to the server")
         return EXIT_ENGINE_CRASHED
+
+    def _watch(self, failure: Callable[[], str | None], done: threading.Event) -> None:
+        """The watchdog thread: a step that has run for STUCK_S while the core reports a failure will
+        not return (a collective waits for a dead rank, until the group's timeout of minutes), so it
+        reports the failure as the crash (the server fails every pending request on `Fatal`) and
+        ends the process; the node's other ranks die with it (engine.ranks)."""
+        while not done.wait(WATCH_S):
+            since = self.step_since
+            if since is None or time.monotonic() - since < STUCK_S:
+                continue
+            reason = failure()
+            if reason is None:
+                continue
+            reason = f"engine core crashed: {reason} (the step stayed blocked for {time.monotonic() - since:.1f} s)"
+            with self.send_lock:
+                if self.fatal_sent or done.is_set():
+                    return
+                self.fatal_sent = True
+                logger.error("%s; ending the engine process", reason)
+                try:
+                    self.conn.send_bytes(encode(Fatal(reason)))
+                except Exception:  # the server is gone: the exit code still tells
+                    logger.exception("could not report the crash to the server")
+                for stream in (sys.stdout, sys.stderr):
+                    with contextlib.suppress(OSError, ValueError):
+                        stream.flush()
+                # not _leave: its exit hooks could wait on what the blocked step holds
+                os._exit(EXIT_ENGINE_CRASHED)
 
     def _send(self, msg: EngineReady | StartupError | Outputs | Stats) -> bool:
         """False when the server side is gone."""
         try:
-            self.conn.send_bytes(encode(msg))
+            with self.send_lock:
+                self.conn.send_bytes(encode(msg))
             return True
         except (OSError, EOFError):
             return False

@@ -24,7 +24,7 @@ import pytest
 
 from engine.args import EngineArgs
 from engine.client import EngineClient, _Frames
-from engine.process import EXIT_ENGINE_CRASHED, EXIT_OK, EXIT_PARENT_GONE, run_engine_process
+from engine.process import EXIT_ENGINE_CRASHED, EXIT_OK, EXIT_PARENT_GONE, STUCK_S, run_engine_process
 from engine.messages import (
     ERR_ENGINE,
     ERR_OVERLOADED,
@@ -52,6 +52,8 @@ from scheduler.sampling_params import SamplingParams
 OFFSET = 1_000_000  # completion i's tokens are the prompt's + i * OFFSET
 CRASH_TOKEN = 999_983  # a prompt starting with it makes step() raise
 REFUSE_TOKEN = 999_979  # a prompt starting with it is refused as overloaded by add_request
+HANG_TOKEN = 999_961  # a prompt starting with it blocks step() for good and makes failure() report a dead rank
+DEAD_RANK = "rank 1 exited with code -9"
 
 
 class FakeCore:
@@ -68,6 +70,11 @@ class FakeCore:
         self.aborted = 0
         self.finished = 0
         self.stats_calls = 0
+        self.hung = threading.Event()
+
+    def failure(self) -> str | None:
+        """As a tensor-parallel core reports a rank that died while its step waits in a collective."""
+        return DEAD_RANK if self.hung.is_set() else None
 
     def add_request(self, req: GenerateRequest) -> list[RequestOutput]:
         assert req.rid not in self.reqs, "the process sent one rid twice"
@@ -92,6 +99,9 @@ class FakeCore:
         for rid, (req, emitted) in list(self.reqs.items()):
             if req.input_ids[0] == CRASH_TOKEN:
                 raise ZeroDivisionError("fake core exploded")
+            if req.input_ids[0] == HANG_TOKEN:
+                self.hung.set()
+                time.sleep(3600)  # the collective that never completes
             for i, k in enumerate(emitted):
                 if k == req.params.max_tokens:
                     continue
@@ -351,6 +361,44 @@ def test_killed_process_fails_every_pending_request(loop, rng):
     assert elapsed < 2.0
     assert_all_failed([*results, later], [*reqs, make_req(rng, "later")], f"exit code {-signal.SIGKILL}")
     assert not client.is_alive and client.exitcode == -signal.SIGKILL
+
+
+def test_a_step_blocked_by_a_reported_failure_fails_every_pending_request(loop, rng):
+    """A step that cannot return (a dead rank's collective) while the core reports why: the watchdog
+    ends the engine after STUCK_S with that reason, instead of leaving requests waiting for minutes."""
+    client = start(loop)
+    reqs = [make_req(rng, f"h{i}", n=2, max_tokens=100_000) for i in range(4)]
+
+    async def go():
+        tasks = await start_streams(client, reqs)
+        t0 = time.monotonic()
+        hung = await collect(client, make_req(rng, "hang", first=HANG_TOKEN))
+        results = await asyncio.gather(*tasks)
+        elapsed = time.monotonic() - t0
+        later = await collect(client, make_req(rng, "later"))
+        await client.shutdown()
+        return hung, results, elapsed, later
+
+    hung, results, elapsed, later = run(loop, go())
+    assert STUCK_S <= elapsed < STUCK_S + 3.0
+    assert_all_failed([hung, *results, later], [make_req(rng, "hang"), *reqs, make_req(rng, "later")],
+                      f"{DEAD_RANK} (the step stayed blocked")
+    assert not client.is_alive and client.exitcode == EXIT_ENGINE_CRASHED
+
+
+def test_a_slow_step_without_a_failure_is_left_to_finish(loop, rng):
+    """The watchdog does not end a step that is only long (a big prefill) when nothing has failed."""
+    client = start(loop, step_delay=STUCK_S + 1.0)
+    req = make_req(rng, "slow", max_tokens=2)
+
+    async def go():
+        outs = await collect(client, req)
+        await client.shutdown()
+        return outs
+
+    outs = run(loop, go())
+    assert tokens_by_index(outs) == {0: [expected_token(req, 0, 0), expected_token(req, 0, 1)]}
+    assert outs[-1].finish_reason == FINISH_LENGTH and client.exitcode == EXIT_OK
 
 
 def test_startup_failure_raises_with_the_childs_message(loop):
