@@ -1,7 +1,7 @@
 """`mlaserve serve --tp N` through the served API: the same greedy tokens and logprobs (fp32, within
 1e-4) as one process for Llama and DeepSeek-V2/V3 synthetic checkpoints, also with --ep and over two
-"nodes" on this machine; a killed rank makes requests fail quickly and /health report it; flags that
-cannot combine are refused before anything starts."""
+"nodes" on this machine; a killed rank (idle or mid-stream) makes requests fail quickly and /health
+report it; flags that cannot combine are refused before anything starts."""
 
 from __future__ import annotations
 
@@ -98,6 +98,36 @@ def test_killed_rank_fails_requests_and_health(checkpoints, tmp_path) -> None:
                 assert time.monotonic() - t0 < 30, "the dead rank was not noticed"
                 time.sleep(0.2)
         assert time.monotonic() - t0 < 30
+    finally:
+        server.stop()
+
+
+def test_rank_killed_mid_stream_ends_the_stream_with_an_error(checkpoints, tmp_path) -> None:
+    """A follower killed while a long request decodes: the stream ends with an error event within
+    seconds (the step's collective fails, or the engine's watchdog ends the step it blocks), never
+    hangs, and /health reports it."""
+    server = serve(checkpoints["tiny-llama"], tmp_path, "killstream", "--tp", "2")
+    try:
+        followers = _followers(server)
+        assert len(followers) == 1, followers
+        body = {"model": "m", "prompt": "hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        events: list[str] = []
+        with httpx.Client(base_url=server.url, timeout=30) as c, c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            t0 = None
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                if t0 is None and len(events) == 8:  # decoding: kill the follower between two steps
+                    os.kill(followers[0], signal.SIGKILL)
+                    t0 = time.monotonic()
+            assert t0 is not None, events[-3:]
+            assert time.monotonic() - t0 < 15
+            assert events[-1] == "[DONE]" and '"error"' in events[-2], events[-3:]
+            assert len(events) < 400
+            while c.get("/health").status_code == 200:  # the engine's last words may follow the error by a moment
+                assert time.monotonic() - t0 < 15, "the dead rank was not noticed"
+                time.sleep(0.1)
     finally:
         server.stop()
 
