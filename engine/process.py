@@ -129,7 +129,7 @@ def run_engine_process(args: EngineArgs, conn: Any, core_factory: CoreFactory | 
     child = threading.current_thread() is threading.main_thread()  # a real child process, not a test thread
     if child:
         _setup_child_process()
-    code = _EngineLoop(conn, core_factory or default_core_factory).run(args)
+    code = _EngineLoop(conn, core_factory or default_core_factory, watchdog=child).run(args)
     try:
         conn.close()
     except OSError:
@@ -189,8 +189,11 @@ class _EngineLoop:
     """The loop of one engine core process: one thread, and a watchdog that may send its last words
     (`send_lock` keeps their messages whole)."""
 
-    def __init__(self, conn: Any, core_factory: CoreFactory) -> None:
+    def __init__(self, conn: Any, core_factory: CoreFactory, watchdog: bool = True) -> None:
+        """`watchdog`: whether a stuck step may end the process (not where the loop runs in a thread of
+        another program, as some tests run it)."""
         self.conn = conn
+        self.watchdog = watchdog
         self.core_factory = core_factory
         self.core: EngineCoreLike | None = None
         self.parent_pid = os.getppid()
@@ -221,7 +224,7 @@ class _EngineLoop:
         freeze_gc_heap()  # the model's objects live as long as the process
         done = threading.Event()
         failure = getattr(self.core, "failure", None)
-        if failure is not None:
+        if failure is not None and self.watchdog:
             threading.Thread(target=self._watch, args=(failure, done), name="engine-watchdog", daemon=True).start()
         code = EXIT_ENGINE_CRASHED
         try:
