@@ -34,7 +34,6 @@ The pipe carries msgpack frames (`engine.messages.encode` / `decode_*`, typed ms
 from __future__ import annotations
 
 import atexit
-import contextlib
 import gc
 import importlib
 import logging
@@ -140,13 +139,16 @@ def run_engine_process(args: EngineArgs, conn: Any, core_factory: CoreFactory | 
         sys.exit(code)
 
 
-def _leave(code: int) -> NoReturn:
+def _leave(code: int, hooks: bool = True) -> NoReturn:
     """Ends the engine process once its work is done and its pipe closed, without the interpreter's
     teardown: there, native extensions loaded by torch (Triton's, imported by `import torch` wherever
     it is installed) print dozens of "nanobind: leaked ..." lines on every clean stop, which reads like
     a crash in the server's log. What must still happen does: the atexit hooks run (multiprocessing's
-    among them, which releases the semaphores that libraries made), then the streams are flushed."""
-    atexit._run_exitfuncs()  # the hooks of a normal exit (logging's flush too), without the teardown after them
+    among them, which releases the semaphores that libraries made), then the streams are flushed.
+    Without `hooks` (the watchdog, beside a step that will never return) only the streams: a hook
+    could wait on what that step holds."""
+    if hooks:
+        atexit._run_exitfuncs()  # the hooks of a normal exit (logging's flush too), without the teardown after them
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -372,11 +374,7 @@ class _EngineLoop:
                     self.conn.send_bytes(encode(Fatal(reason)))
                 except Exception:  # the server is gone: the exit code still tells
                     logger.exception("could not report the crash to the server")
-                for stream in (sys.stdout, sys.stderr):
-                    with contextlib.suppress(OSError, ValueError):
-                        stream.flush()
-                # not _leave: its exit hooks could wait on what the blocked step holds
-                os._exit(EXIT_ENGINE_CRASHED)
+                _leave(EXIT_ENGINE_CRASHED, hooks=False)
 
     def _send(self, msg: EngineReady | StartupError | Outputs | Stats) -> bool:
         """False when the server side is gone."""

@@ -13,6 +13,7 @@ import functools
 import multiprocessing as mp
 import os
 import random
+import re
 import signal
 import socket
 import struct
@@ -318,23 +319,28 @@ async def start_streams(client: EngineClient, reqs: list[GenerateRequest]):
     return tasks
 
 
+async def fail_under_streams(client: EngineClient, rng: random.Random, reqs: list[GenerateRequest],
+                             fatal: GenerateRequest, dead_reason: str):
+    """Streams `reqs`, then sends `fatal`, whose step ends the engine: returns `fatal`'s outputs, the
+    streams', the seconds from sending it until every stream ended, and a later request's outputs;
+    the client then reports `dead_reason`, and is shut down."""
+    tasks = await start_streams(client, reqs)
+    t0 = time.monotonic()
+    first = await collect(client, fatal)
+    results = await asyncio.gather(*tasks)
+    elapsed = time.monotonic() - t0
+    later = await collect(client, make_req(rng, "later"))
+    with pytest.raises(RuntimeError, match=re.escape(dead_reason)):
+        await client.stats()
+    await client.shutdown()
+    return first, results, elapsed, later
+
+
 def test_crash_in_step_fails_every_pending_request(loop, rng):
     client = start(loop)
     reqs = [make_req(rng, f"x{i}", n=2, max_tokens=100_000) for i in range(6)]
-
-    async def go():
-        tasks = await start_streams(client, reqs)
-        t0 = time.monotonic()
-        crash = await collect(client, make_req(rng, "boom", first=CRASH_TOKEN))
-        results = await asyncio.gather(*tasks)
-        elapsed = time.monotonic() - t0
-        later = await collect(client, make_req(rng, "later"))
-        with pytest.raises(RuntimeError, match="exploded"):
-            await client.stats()
-        await client.shutdown()
-        return crash, results, elapsed, later
-
-    crash, results, elapsed, later = run(loop, go())
+    boom = make_req(rng, "boom", first=CRASH_TOKEN)
+    crash, results, elapsed, later = run(loop, fail_under_streams(client, rng, reqs, boom, "exploded"))
     assert elapsed < 2.0
     assert_all_failed([crash, *results, later], [make_req(rng, "boom"), *reqs, make_req(rng, "later")],
                       "ZeroDivisionError: fake core exploded")
@@ -368,18 +374,8 @@ def test_a_step_blocked_by_a_reported_failure_fails_every_pending_request(loop, 
     ends the engine after STUCK_S with that reason, instead of leaving requests waiting for minutes."""
     client = start(loop)
     reqs = [make_req(rng, f"h{i}", n=2, max_tokens=100_000) for i in range(4)]
-
-    async def go():
-        tasks = await start_streams(client, reqs)
-        t0 = time.monotonic()
-        hung = await collect(client, make_req(rng, "hang", first=HANG_TOKEN))
-        results = await asyncio.gather(*tasks)
-        elapsed = time.monotonic() - t0
-        later = await collect(client, make_req(rng, "later"))
-        await client.shutdown()
-        return hung, results, elapsed, later
-
-    hung, results, elapsed, later = run(loop, go())
+    hang = make_req(rng, "hang", first=HANG_TOKEN)
+    hung, results, elapsed, later = run(loop, fail_under_streams(client, rng, reqs, hang, DEAD_RANK))
     assert STUCK_S <= elapsed < STUCK_S + 3.0
     assert_all_failed([hung, *results, later], [make_req(rng, "hang"), *reqs, make_req(rng, "later")],
                       f"{DEAD_RANK} (the step stayed blocked")

@@ -112,7 +112,8 @@ def test_rank_killed_mid_stream_ends_the_stream_with_an_error(checkpoints, tmp_p
         assert len(followers) == 1, followers
         body = {"model": "m", "prompt": "hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
         events: list[str] = []
-        with httpx.Client(base_url=server.url, timeout=30) as c, c.stream("POST", "/v1/completions", json=body) as r:
+        with httpx.Client(base_url=server.url, timeout=30) as c, \
+                c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             t0 = None
             for line in r.iter_lines():
@@ -125,7 +126,8 @@ def test_rank_killed_mid_stream_ends_the_stream_with_an_error(checkpoints, tmp_p
             assert time.monotonic() - t0 < 15
             assert events[-1] == "[DONE]" and '"error"' in events[-2], events[-3:]
             assert len(events) < 400
-            while c.get("/health").status_code == 200:  # the engine's last words may follow the error by a moment
+            # the engine's last words may follow the error by a moment
+            while c.get("/health").status_code == 200:
                 assert time.monotonic() - t0 < 15, "the dead rank was not noticed"
                 time.sleep(0.1)
     finally:
