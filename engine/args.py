@@ -160,6 +160,10 @@ class EngineArgs:
                                   "work run between them)", choices=HYBRID_GRAPH_MODES)
     disable_prefix_cache: bool = flag(False, "turn the radix prefix cache off")
     seed: int = flag(0, "base seed of the requests that bring none")
+    watchdog_timeout: float = flag(300.0, "seconds one engine step (a batch's forward and sampling) may run: a step "
+                                   "running longer ends the engine, so that its requests fail with engine_error and "
+                                   "/health reports it instead of hanging (a hung device, a deadlock); 0: no limit",
+                                   check=non_negative, metavar="SECONDS")
     tp: int = flag(1, "tensor-parallel size: processes that each hold 1/N of the weights (heads, MLP and experts "
                    "split, vocabulary split) and run every batch together over torch.distributed (gloo on CPU, "
                    "NCCL with one GPU per rank); the torch forward on CPU", check=positive, metavar="N")

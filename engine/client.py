@@ -29,7 +29,8 @@ without asking the engine.
 
 Death: EOF on the pipe, the process sentinel, the engine's own `Fatal`, or a message that does not
 decode as a `FromEngine` (the protocol is broken: the process is killed) marks the client dead: every pending request gets an `ERR_ENGINE` error output (nothing hangs), later
-`generate` calls yield the same error at once, and `stats()` raises RuntimeError.
+`generate` calls yield the same error at once, and `stats()` raises RuntimeError. `fail(reason)` does
+the same from outside (the engine is killed), and `on_dead` hears of every death once.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Collection
+from typing import Any, AsyncIterator, Callable, Collection
 
 from engine.args import EngineArgs
 from engine.process import CoreFactory, run_engine_process
@@ -148,6 +149,7 @@ class EngineClient:
         self._exited = asyncio.Event()  # the process is gone and reaped
         self._dead_reason: str | None = None
         self._shut_down = False
+        self.on_dead: Callable[[str], None] | None = None  # called on the loop once, with the reason, when it dies
         self._load = 0  # completions sent and not ended (see the module docstring)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._writer_main, name="engine-client-writer", daemon=True)
@@ -332,6 +334,12 @@ class EngineClient:
     def pid(self) -> int | None:
         return self._proc.pid
 
+    def fail(self, reason: str) -> None:
+        """Ends the engine from outside (on the loop): every pending request fails with `reason`, and the
+        process, if it still runs, is killed (its exit then changes nothing more)."""
+        self._mark_dead(reason)
+        self.kill()
+
     def kill(self) -> bool:
         """SIGKILLs the engine process if it still runs (from a signal handler too); whether it did."""
         if self._proc.pid is None or self._proc.exitcode is not None:
@@ -389,6 +397,8 @@ class EngineClient:
                 future.set_exception(RuntimeError(reason))
         if not self._ready.done():
             self._ready.set_exception(RuntimeError(reason))
+        if self.on_dead is not None and not self._shut_down:
+            self.on_dead(reason)
 
     def _error_output(self, req: GenerateRequest) -> RequestOutput:
         return RequestOutput(

@@ -196,8 +196,10 @@ class EngineCore:
         )
 
     def failure(self) -> str | None:
-        """Why the engine can no longer run although it is idle (a tensor-parallel rank died), or None."""
-        return self.ranks.failure() if self.ranks is not None else None
+        """Why the engine can no longer run although it is idle (a tensor-parallel rank died or froze, a
+        --dp-attention replica froze), or None."""
+        group = self.ranks or self.dp
+        return group.failure() if group is not None else None
 
     def _step_together(self, stopping: bool) -> tuple[list[RequestOutput], bool]:
         """DP attention, every replica once per loop iteration: agree whether any replica has work (then

@@ -18,10 +18,11 @@ What the server side relies on:
 - A crash is reported, never hidden: any exception out of the core (or a message that does not
   decode: the protocol is broken) sends an `ERR_ENGINE` error for every pending completion, then
   `Fatal(reason)`, logs the traceback, and exits with `EXIT_ENGINE_CRASHED`.
-- A step that a known failure keeps from ever returning (a tensor-parallel rank died and this rank
-  waits in a collective it will never complete, until the group's timeout) is not waited out: a
+- A step that a known failure keeps from ever returning (a tensor-parallel rank died or froze and this
+  rank waits in a collective it will never complete, until the group's timeout) is not waited out: a
   watchdog thread that sees `core.failure()` while a step has run for `STUCK_S` sends `Fatal(reason)`
-  (the server then fails every pending request) and ends the process.
+  (the server then fails every pending request) and ends the process. A step that runs past
+  `--watchdog-timeout` for a reason nobody reported (a hung device, a deadlock) ends it the same way.
 - The process leaves by itself when the server goes away (EOF on the pipe, or its parent pid
   changes), so a killed server never leaves an engine holding the GPU.
 - SIGINT and SIGTERM are ignored here: a signal to the process group (Ctrl-C, systemd, docker stop)
@@ -205,6 +206,7 @@ class _EngineLoop:
         self.step_since: float | None = None
         self.send_lock = threading.Lock()  # the loop and the watchdog both may send the last words
         self.fatal_sent = False
+        self.step_limit = 0.0  # --watchdog-timeout (0: none), from the args run() is given
 
     def run(self, args: EngineArgs) -> int:
         try:
@@ -226,7 +228,8 @@ class _EngineLoop:
         freeze_gc_heap()  # the model's objects live as long as the process
         done = threading.Event()
         failure = getattr(self.core, "failure", None)
-        if failure is not None and self.watchdog:
+        self.step_limit = args.watchdog_timeout
+        if self.watchdog and (failure is not None or self.step_limit > 0):
             threading.Thread(target=self._watch, args=(failure, done), name="engine-watchdog", daemon=True).start()
         code = EXIT_ENGINE_CRASHED
         try:
@@ -352,19 +355,25 @@ class _EngineLoop:
                 logger.exception("could not report the crash to the server")
         return EXIT_ENGINE_CRASHED
 
-    def _watch(self, failure: Callable[[], str | None], done: threading.Event) -> None:
+    def _watch(self, failure: Callable[[], str | None] | None, done: threading.Event) -> None:
         """The watchdog thread: a step that has run for STUCK_S while the core reports a failure will
-        not return (a collective waits for a dead rank, until the group's timeout of minutes), so it
-        reports the failure as the crash (the server fails every pending request on `Fatal`) and
-        ends the process; the node's other ranks die with it (engine.ranks)."""
+        not return (a collective waits for a dead or frozen rank, until the group's timeout of minutes,
+        or for good), so it reports the failure as the crash (the server fails every pending request on
+        `Fatal`) and ends the process; the node's other ranks die with it (engine.ranks). A step past
+        `step_limit` (--watchdog-timeout) is ended so, whatever holds it."""
         while not done.wait(WATCH_S):
             since = self.step_since
-            if since is None or time.monotonic() - since < STUCK_S:
+            if since is None:
                 continue
-            reason = failure()
-            if reason is None:
+            ran = time.monotonic() - since
+            reason = failure() if failure is not None and ran >= STUCK_S else None
+            if reason is not None:
+                reason = f"engine core crashed: {reason} (the step stayed blocked for {ran:.1f} s)"
+            elif 0 < self.step_limit <= ran:
+                reason = (f"engine core crashed: a step ran for {ran:.1f} s, past --watchdog-timeout "
+                          f"({self.step_limit:g} s); the engine is stuck (a hung device or a deadlock)")
+            else:
                 continue
-            reason = f"engine core crashed: {reason} (the step stayed blocked for {time.monotonic() - since:.1f} s)"
             with self.send_lock:
                 if self.fatal_sent or done.is_set():
                     return

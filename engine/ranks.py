@@ -12,7 +12,10 @@ Start-up: every rank loads its part of the weights (models.parallel), then all o
 status, so one rank's failure stops every rank with its reason; rank 0 then sends the pool sizes.
 A rank that dies later is noticed by the next broadcast (at most executor.distributed.PING_S while
 idle): rank 0 reports the crash, its children are killed, and the other nodes' ranks see the
-connection close and exit.
+connection close and exit. A rank that stops without dying (SIGSTOP, a debugger, a frozen host) fails
+no collective: the others would wait in the next one until the group's timeout, or for good. So every
+rank also signs its life in the rendezvous store (`Heartbeat`), and rank 0 (under --dp-attention every
+replica) reports a rank whose sign stood still for FROZEN_S as the crash.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -40,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 RANK_ENV = "MLASERVE_RANK_SPEC"  # a rank process's settings (JSON), from the process that starts it
 TIMEOUT_S = 300  # rendezvous, and any one collective: a rank that stops answering fails the others by then
+BEAT_S = 1.0  # how often a rank signs its life in the rendezvous store (Heartbeat)
+FROZEN_S = 15.0  # a rank whose sign stood still this long is stopped or frozen: the crash is reported
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,76 @@ def init_rank(plan: RankPlan, rank: int, device: torch.device) -> Any:
     return dist.new_group(backend="gloo")
 
 
+class Heartbeat:
+    """A rank's sign of life apart from the collectives, and its watch over other ranks'.
+
+    A thread adds 1 to this rank's counter in the rendezvous store (rank 0's TCP store, over a connection
+    of its own) every BEAT_S and reads the counters of the ranks in `watch`. `failure()` names the first
+    watched rank whose counter stood still for FROZEN_S: its process is stopped or frozen, since a thread
+    of a live process keeps counting whatever its main thread waits for (collectives and kernels run
+    without the GIL). The stillness is also counted in this thread's own reads, so a pause of this
+    process (a suspended host) is not blamed on the others. The store lives in rank 0's process and its
+    calls have no timeout once connected: where rank 0 is watched (--dp-attention), a round that has not
+    come back for FROZEN_S + BEAT_S names rank 0. A store that refuses the call (rank 0 died) ends the
+    thread: the collectives report that first."""
+
+    def __init__(self, plan: RankPlan, rank: int, watch: Iterable[int] = (), what: str = "rank") -> None:
+        """`what`: how a watched rank is named in the failure ("replica" under --dp-attention)."""
+        import torch.distributed as dist
+
+        self.rank, self.what = rank, what
+        self._store = dist.TCPStore(plan.addr, plan.port, is_master=False, wait_for_workers=False,
+                                    timeout=timedelta(seconds=30))
+        now = time.monotonic()
+        self._seen = {r: [-1, now, 0] for r in watch}  # rank -> [count, when it last moved, reads since]
+        self._failure: str | None = None
+        self._last_round = now  # when the thread last heard from the store
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{rank}", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _key(rank: int) -> str:
+        return f"mlaserve/heartbeat/{rank}"
+
+    def failure(self) -> str | None:
+        if self._failure is None and self._seen and self.rank != 0 and not self._stopped.is_set():
+            # the store itself waits on rank 0's process (a store call has no timeout there): a round that
+            # has not come back is rank 0 stopped or frozen
+            quiet = time.monotonic() - self._last_round
+            if quiet >= FROZEN_S + BEAT_S:
+                self._failure = (f"{self.what} 0 stopped answering: the rendezvous store it hosts gave no answer "
+                                 f"for {quiet:.0f} s; its process is stopped or frozen")
+                logger.error("%s", self._failure)
+        return self._failure
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._store.add(self._key(self.rank), 1)
+                counts = {r: self._store.add(self._key(r), 0) for r in self._seen}
+            except Exception as exc:  # the store's rank is gone
+                logger.debug("heartbeat of rank %d ends: %s", self.rank, exc)
+                return
+            now = self._last_round = time.monotonic()
+            for r, count in counts.items():
+                seen = self._seen[r]
+                if count != seen[0]:
+                    seen[:] = [count, now, 0]
+                    continue
+                seen[2] += 1
+                still = now - seen[1]
+                if self._failure is None and still >= FROZEN_S and seen[2] >= FROZEN_S / BEAT_S - 1:
+                    self._failure = (f"{self.what} {r} stopped answering: no sign of life for {still:.0f} s; its process "
+                                     "is stopped or frozen")
+                    logger.error("%s", self._failure)
+            if self._stopped.wait(BEAT_S):
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
 def leave_group() -> None:
     """Leaves the process group, if joined (a peer may already be gone)."""
     import torch.distributed as dist
@@ -134,6 +212,7 @@ def follower_main(args: EngineArgs, plan: RankPlan, rank: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(levelname)s %(message)s")
     device = rank_device(args, plan, rank)
     ctl = init_rank(plan, rank, device)
+    Heartbeat(plan, rank)  # until the process ends
     loaded, error = None, None
     try:
         loaded = load_part(args, device, tokenizer=False)
@@ -200,6 +279,7 @@ class LeadRank:
         self.device = rank_device(args, plan, 0)
         self.procs = start_ranks(args, plan, range(1, plan.per_node))
         self.leader: Leader | None = None
+        self.heartbeat: Heartbeat | None = None
         try:
             self.ctl = init_rank(plan, 0, self.device)
         except Exception:
@@ -217,19 +297,27 @@ class LeadRank:
         broadcast_message(Setup(runner.allocator.num_slots, runner.req_to_token_pool.size, runner.max_context_len,
                                 name), self.ctl)
         self.leader = Leader(runner, self.ctl)
+        self.heartbeat = Heartbeat(self.plan, 0, watch=range(1, self.plan.world))
 
     def failure(self) -> str | None:
-        """Why the ranks can no longer run (a child rank died, or one stopped answering), or None."""
+        """Why the ranks can no longer run (a child rank died, one stopped answering a broadcast, or one
+        is stopped or frozen), or None."""
         for rank, p in enumerate(self.procs, start=1):
             if p.poll() is not None:
                 return f"rank {rank} exited with code {p.returncode}"
-        return self.leader.failure() if self.leader is not None else None
+        if self.leader is not None and self.leader.failure() is not None:
+            return self.leader.failure()
+        return self.heartbeat.failure() if self.heartbeat is not None else None
 
     def close(self, clean: bool = True) -> None:
+        frozen = self.heartbeat is not None and self.heartbeat.failure() is not None
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         if self.leader is not None:
             self.leader.stop(tell=clean)
         stop_ranks(self.procs, 10.0 if clean else 0.0)
-        leave_group()
+        if not frozen:  # a stopped rank on another node may hold the group's teardown for good; the process ends
+            leave_group()
 
 
 def serve_node(args: EngineArgs) -> int:
@@ -268,6 +356,8 @@ class DPAttentionRank:
 
     def __init__(self, args: EngineArgs) -> None:
         plan = RankPlan(args.dp_size, 1, 0, args.master_addr, args.master_port, args.ep > 1, dp_attention=True)
+        self.plan = plan
+        self.heartbeat: Heartbeat | None = None
         self.rank = args.dp_rank
         self.device = torch.device(args.device)  # the replica's own (engine.replicas.replica_args)
         self.ctl = init_rank(plan, self.rank, self.device)
@@ -276,6 +366,12 @@ class DPAttentionRank:
 
     def loaded(self, error: str | None) -> None:
         _check(gather_status(None if error is None else f"replica {self.rank}: {error}", self.ctl))
+        others = [r for r in range(self.plan.world) if r != self.rank]
+        self.heartbeat = Heartbeat(self.plan, self.rank, watch=others, what="replica")
+
+    def failure(self) -> str | None:
+        """A replica that is stopped or frozen (the others would wait for it in the next exchange), or None."""
+        return self.heartbeat.failure() if self.heartbeat is not None else None
 
     def agree(self, has_work: bool, stopping: bool) -> tuple[bool, bool]:
         """(whether any replica has work, whether every replica is stopping), agreed by all."""
@@ -286,5 +382,7 @@ class DPAttentionRank:
         return bool(flags[0].item()), flags[1].item() == -1
 
     def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         leave_group()
 

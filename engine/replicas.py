@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 from collections import OrderedDict
@@ -156,8 +157,14 @@ class EngineReplicas:
     Same threading rules as `EngineClient`: async methods on the loop that started it; `is_alive`,
     `any_alive`, `info`, `load`s and `kill` are plain reads (kill: from a signal handler too)."""
 
-    def __init__(self, clients: list[EngineClient], router: PrefixRouter | None = None) -> None:
+    def __init__(self, clients: list[EngineClient], router: PrefixRouter | None = None, *, bound: bool = False) -> None:
+        """`bound`: the replicas are the ranks of one model (--dp-attention), so none works without the
+        others: when one dies, the rest are ended with its reason (a replica left waiting for a dead
+        or frozen peer would hold its requests until the group's timeout)."""
         self.clients = clients
+        if bound:
+            for i, c in enumerate(clients):
+                c.on_dead = functools.partial(self._group_broken, i)
         self.router = router or PrefixRouter(len(clients))
         self.routed = [0] * len(clients)  # engine requests sent to each replica
         self._replica_of: dict[str, int] = {}  # rid -> replica, while its stream is open
@@ -197,7 +204,12 @@ class EngineReplicas:
         clients = [t.result() for t in tasks]
         if replicas > 1:
             logger.info("%d engine replicas ready (processes %s)", replicas, ", ".join(str(c.pid) for c in clients))
-        return cls(clients)
+        return cls(clients, bound=args.dp_attention)
+
+    def _group_broken(self, index: int, reason: str) -> None:
+        for i, c in enumerate(self.clients):
+            if i != index and c.is_alive:
+                c.fail(f"--dp-attention replica {index} failed ({reason}); the replicas run only together")
 
     async def shutdown(self, timeout: float = 10) -> None:
         """Shuts every replica down at once (see `EngineClient.shutdown`)."""

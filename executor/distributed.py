@@ -156,13 +156,19 @@ class Leader:
 
     def stop(self, tell: bool = True) -> None:
         """Ends the pings and, with `tell`, tells the followers to return (when they can still be
-        reached). Idempotent."""
+        reached). Idempotent. Never waits long: a ping may hold the control group for good, blocked
+        in a broadcast to a rank that is stopped without dying."""
         self._stopped.set()
-        with self._lock:
-            if self._error is None and tell:
+        if not tell or not self._lock.acquire(timeout=2 * PING_S):
+            self._error = self._error or "stopped"
+            return
+        try:
+            if self._error is None:
                 with contextlib.suppress(RuntimeError):
                     self._send(Stop())
                 self._error = self._error or "stopped"
+        finally:
+            self._lock.release()
 
 
 def follow(runner: Any, group: Any) -> None:

@@ -54,6 +54,7 @@ OFFSET = 1_000_000  # completion i's tokens are the prompt's + i * OFFSET
 CRASH_TOKEN = 999_983  # a prompt starting with it makes step() raise
 REFUSE_TOKEN = 999_979  # a prompt starting with it is refused as overloaded by add_request
 HANG_TOKEN = 999_961  # a prompt starting with it blocks step() for good and makes failure() report a dead rank
+STALL_TOKEN = 999_959  # a prompt starting with it blocks step() for good, and nothing reports why
 DEAD_RANK = "rank 1 exited with code -9"
 
 
@@ -103,6 +104,8 @@ class FakeCore:
             if req.input_ids[0] == HANG_TOKEN:
                 self.hung.set()
                 time.sleep(3600)  # the collective that never completes
+            if req.input_ids[0] == STALL_TOKEN:
+                time.sleep(3600)  # a hung device, a deadlock
             for i, k in enumerate(emitted):
                 if k == req.params.max_tokens:
                     continue
@@ -165,9 +168,10 @@ def run(loop: asyncio.AbstractEventLoop, coro, timeout: float = 15):
     return loop.run_until_complete(asyncio.wait_for(coro, timeout))
 
 
-def start(loop, **fake_kwargs) -> EngineClient:
+def start(loop, args: EngineArgs | None = None, **fake_kwargs) -> EngineClient:
     factory = functools.partial(FakeCore, **fake_kwargs)
-    return run(loop, EngineClient.start(EngineArgs(model="fake-model"), startup_timeout=30, core_factory=factory), 40)
+    args = args or EngineArgs(model="fake-model")
+    return run(loop, EngineClient.start(args, startup_timeout=30, core_factory=factory), 40)
 
 
 @pytest.fixture(scope="module")
@@ -382,9 +386,26 @@ def test_a_step_blocked_by_a_reported_failure_fails_every_pending_request(loop, 
     assert not client.is_alive and client.exitcode == EXIT_ENGINE_CRASHED
 
 
-def test_a_slow_step_without_a_failure_is_left_to_finish(loop, rng):
-    """The watchdog does not end a step that is only long (a big prefill) when nothing has failed."""
-    client = start(loop, step_delay=STUCK_S + 1.0)
+def test_a_step_past_the_watchdog_timeout_fails_every_pending_request(loop, rng):
+    """A step that never returns and nothing reports why (a hung device): --watchdog-timeout ends the
+    engine with a reason that names the flag, instead of leaving the requests hanging for good."""
+    limit = 1.5
+    client = start(loop, EngineArgs(model="fake-model", watchdog_timeout=limit))
+    reqs = [make_req(rng, f"w{i}", n=2, max_tokens=100_000) for i in range(3)]
+    stall = make_req(rng, "stall", first=STALL_TOKEN)
+    stalled, results, elapsed, later = run(loop, fail_under_streams(client, rng, reqs, stall, "--watchdog-timeout"))
+    assert limit <= elapsed < limit + 3.0
+    assert_all_failed([stalled, *results, later], [make_req(rng, "stall"), *reqs, make_req(rng, "later")],
+                      f"past --watchdog-timeout ({limit:g} s)")
+    assert not client.is_alive and client.exitcode == EXIT_ENGINE_CRASHED
+
+
+@pytest.mark.parametrize("limit", [None, 0.0], ids=["default-watchdog-timeout", "no-limit"])
+def test_a_slow_step_without_a_failure_is_left_to_finish(loop, rng, limit: float | None):
+    """The watchdog does not end a step that is only long (a big prefill) when nothing has failed, at the
+    default --watchdog-timeout nor with 0, which is no limit rather than a limit of 0 s."""
+    args = EngineArgs(model="fake-model") if limit is None else EngineArgs(model="fake-model", watchdog_timeout=limit)
+    client = start(loop, args, step_delay=STUCK_S + 1.0)
     req = make_req(rng, "slow", max_tokens=2)
 
     async def go():

@@ -1,11 +1,12 @@
 """`mlaserve serve --tp N` through the served API: the same greedy tokens and logprobs (fp32, within
 1e-4) as one process for Llama and DeepSeek-V2/V3 synthetic checkpoints, also with --ep and over two
 "nodes" on this machine; a killed rank (idle or mid-stream) makes requests fail quickly and /health
-report it; flags that cannot combine are refused before anything starts."""
+report it, and so does a rank that is stopped without dying (SIGSTOP); flags that cannot combine are refused before anything starts."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine.ranks import FROZEN_S
 from models.synthetic import write_checkpoint
 from tests.server.server_process import REPO, ServerProcess, alive, all_gone, child_pids, free_port
 
@@ -134,6 +136,54 @@ def test_rank_killed_mid_stream_ends_the_stream_with_an_error(checkpoints, tmp_p
         server.stop()
 
 
+@pytest.mark.parametrize("when", ["mid-stream", "idle"])
+def test_a_stopped_rank_is_reported_not_waited_for(checkpoints, tmp_path, when: str) -> None:
+    """A follower stopped without dying (SIGSTOP: no connection closes, no collective fails) leaves rank 0
+    waiting in its next broadcast for good. Its heartbeat standing still ends the engine after about
+    FROZEN_S: a running stream ends with an error naming the stopped rank, /health reports it, a new
+    request fails at once, and the stopped rank is killed with the engine."""
+    server = serve(checkpoints["tiny-llama"], tmp_path, f"stop-{when}", "--tp", "2")
+    follower = None
+    try:
+        followers = _followers(server)
+        assert len(followers) == 1, followers
+        follower = followers[0]
+        limit = FROZEN_S + 10
+        with httpx.Client(base_url=server.url, timeout=limit + 30) as c:
+            if when == "mid-stream":
+                body = {"model": "m", "prompt": "hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
+                events: list[str] = []
+                with c.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    t0 = None
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[6:])
+                        if t0 is None and len(events) == 8:
+                            os.kill(follower, signal.SIGSTOP)
+                            t0 = time.monotonic()
+                assert t0 is not None, events[-3:]
+                assert FROZEN_S - 1 <= time.monotonic() - t0 < limit
+                assert events[-1] == "[DONE]" and '"error"' in events[-2], events[-3:]
+                assert "rank 1 stopped answering" in events[-2], events[-2]
+            else:
+                assert len(completions(server.url)) == len(PROMPTS)
+                os.kill(follower, signal.SIGSTOP)
+                t0 = time.monotonic()
+            while c.get("/health").status_code == 200:
+                assert time.monotonic() - t0 < limit, "the stopped rank was not noticed"
+                time.sleep(0.2)
+            assert time.monotonic() - t0 >= FROZEN_S - 1
+            r = c.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 4})
+            assert r.status_code >= 500 and "error" in r.json(), r.text
+        assert all_gone([follower], 10), "the stopped rank outlived the engine"
+    finally:
+        if follower is not None and alive(follower):
+            os.kill(follower, signal.SIGKILL)
+        server.stop()
+    assert "rank 1 stopped answering" in (tmp_path / f"stop-{when}.log").read_text()
+
+
 def test_two_nodes_on_one_machine(checkpoints, tmp_path) -> None:
     model = str(checkpoints["tiny-deepseek-v2"])
     one = serve(checkpoints["tiny-deepseek-v2"], tmp_path, "one2", "--cpu-kernels", "torch")
@@ -241,3 +291,38 @@ def test_dp_attention_replica_death_is_reported(checkpoints, tmp_path) -> None:
             assert r.status_code >= 500 and "error" in r.json()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("stopped", [0, 1], ids=["replica-0-hosting-the-store", "replica-1"])
+def test_dp_attention_stopped_replica_is_reported(checkpoints, tmp_path, stopped: int) -> None:
+    """A replica stopped without dying (SIGSTOP) holds the other in their next exchange: the other sees its
+    heartbeat stand still (or, replica 0 hosting the rendezvous store, the store stop answering) and
+    reports it after about FROZEN_S, and the server then ends the stopped one too (the replicas run only
+    together), so requests fail instead of hanging and no process is left."""
+    server = serve(checkpoints["tiny-deepseek-v2"], tmp_path, "dpstop", "--dp", "2", "--dp-attention")
+    engines: list[int] = []
+    try:
+        assert len(completions(server.url)) == len(PROMPTS)
+        engines = [p for p in server.children() if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+        assert len(engines) == 2, engines
+        found = re.search(rf"engine-core\[(\d+)\] engine.ranks: DP attention: replica {stopped} of 2",
+                          (tmp_path / "dpstop.log").read_text())
+        assert found and int(found[1]) in engines, engines
+        os.kill(int(found[1]), signal.SIGSTOP)
+        t0 = time.monotonic()
+        with httpx.Client(base_url=server.url, timeout=FROZEN_S + 40) as c:
+            while c.get("/health").status_code == 200:
+                assert time.monotonic() - t0 < FROZEN_S + 10, "the stopped replica was not noticed"
+                time.sleep(0.2)
+            assert time.monotonic() - t0 >= FROZEN_S - 1
+            assert all_gone(engines, 10), "a replica outlived the group"
+            r = c.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 4})
+            assert r.status_code >= 500 and "error" in r.json(), r.text
+    finally:
+        for pid in engines:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        server.stop()
+    log = (tmp_path / "dpstop.log").read_text()
+    assert f"replica {stopped} stopped answering" in log and f"--dp-attention replica {1 - stopped} failed" in log, \
+        log[-2000:]
