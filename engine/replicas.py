@@ -162,6 +162,7 @@ class EngineReplicas:
         others: when one dies, the rest are ended with its reason (a replica left waiting for a dead
         or frozen peer would hold its requests until the group's timeout)."""
         self.clients = clients
+        self._broken = False
         if bound:
             for i, c in enumerate(clients):
                 c.on_dead = functools.partial(self._group_broken, i)
@@ -207,6 +208,10 @@ class EngineReplicas:
         return cls(clients, bound=args.dp_attention)
 
     def _group_broken(self, index: int, reason: str) -> None:
+        """Replica `index` died (on the loop): the others are ended with its reason, once."""
+        if self._broken:
+            return
+        self._broken = True
         for i, c in enumerate(self.clients):
             if i != index and c.is_alive:
                 c.fail(f"--dp-attention replica {index} failed ({reason}); the replicas run only together")

@@ -21,7 +21,7 @@ from engine.messages import ERR_ENGINE, FINISH_ERROR, FINISH_LENGTH, EngineStats
 from engine.replicas import PREFIX_BLOCK, EngineReplicas, PrefixRouter, prefix_keys, replica_args, sum_stats
 from scheduler.sampling_params import SamplingParams
 from tests.engine.test_engine_process import FakeCore, collect, expected_token, tokens_by_index
-from tests.server.server_process import alive, child_pids
+from tests.server.server_process import alive, all_gone, child_pids
 
 
 def ids(rng: random.Random, n: int) -> list[int]:
@@ -261,6 +261,40 @@ def test_a_killed_replica_fails_its_requests_and_the_other_serves() -> None:
             assert after.num_running == 1 and after.finished_total[FINISH_LENGTH] == 6
             assert after.finished_total["stats_calls"] >= before.finished_total["stats_calls"]
             await streams[1].aclose()
+        finally:
+            await engine.shutdown()
+
+    run(go())
+
+
+def test_dp_attention_replicas_end_together_with_the_first_reason() -> None:
+    """Under --dp-attention no replica steps without the others: one killed, the server ends the rest at
+    once, every stream ending with the first replica's reason (not a chain of them), and no process is left."""
+    rng = random.Random(9)
+
+    async def go() -> None:
+        engine = await EngineReplicas.start(EngineArgs(model="fake-model", dp_attention=True), 3, startup_timeout=30,
+                                            core_factory=functools.partial(FakeCore, step_delay=0.01))
+        try:
+            long = [req(f"long{i}", ids(rng, 10), max_tokens=100_000) for i in range(3)]
+            streams = [engine.generate(r) for r in long]
+            for s in streams:
+                await anext(s)
+            home = [engine.replica_of(r.rid) for r in long]
+            assert sorted(home) == [0, 1, 2]  # type: ignore[type-var]
+            victim = home[1]
+            os.kill(engine.clients[victim].pid, signal.SIGKILL)  # type: ignore[arg-type]
+            t0 = time.monotonic()
+            for i, s in enumerate(streams):
+                outs = [out async for out in s]
+                assert outs[-1].finish_reason == FINISH_ERROR and outs[-1].error_code == ERR_ENGINE
+                error = outs[-1].error or ""
+                assert f"exit code {-signal.SIGKILL}" in error, error
+                if home[i] != victim:
+                    assert error.count("--dp-attention replica") == 1 and f"replica {victim} failed" in error, error
+            assert time.monotonic() - t0 < 5
+            assert not engine.any_alive
+            assert all_gone(engine.pids)  # type: ignore[arg-type]
         finally:
             await engine.shutdown()
 
