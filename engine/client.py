@@ -30,7 +30,9 @@ without asking the engine.
 Death: EOF on the pipe, the process sentinel, the engine's own `Fatal`, or a message that does not
 decode as a `FromEngine` (the protocol is broken: the process is killed) marks the client dead: every pending request gets an `ERR_ENGINE` error output (nothing hangs), later
 `generate` calls yield the same error at once, and `stats()` raises RuntimeError. `fail(reason)` does
-the same from outside (the engine is killed), and `on_dead` hears of every death once.
+the same from outside (the engine is killed), and `on_dead` hears of every death once. An engine that
+sends nothing for `silent_s` (SILENT_S: it sends `Alive` every engine.process.ALIVE_S while it has
+nothing else to say) is stopped or frozen: it is failed so, rather than waited for.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import signal
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Collection
 
@@ -72,6 +75,9 @@ from engine.messages import (
 )
 
 logger = logging.getLogger(__name__)
+
+SILENT_S = 30.0  # see EngineClient.silent_s: six of the engine's Alive periods
+SILENCE_CHECK_S = 1.0  # how often the loop looks at the silence
 
 
 def set_cpu_wait_policy(environ: Any) -> None:
@@ -137,6 +143,8 @@ class _Stream:
 class EngineClient:
     """Talks to one engine core process. Build it with `await EngineClient.start(args)`."""
 
+    silent_s = SILENT_S  # a ready engine that sends nothing this long is stopped or frozen (tests lower it)
+
     def __init__(self, proc: Any, conn: Any, loop: asyncio.AbstractEventLoop) -> None:
         self._proc = proc
         self._conn = conn
@@ -160,6 +168,8 @@ class EngineClient:
         self._frames = _Frames()
         self._reading = True
         self._pipe_timer: asyncio.TimerHandle | None = None
+        self._last_heard = time.monotonic()  # when the pipe last gave anything
+        self._silence_timer: asyncio.TimerHandle | None = None
         loop.add_reader(self._sock.fileno(), self._read_pipe)
         loop.add_reader(proc.sentinel, self._process_ended)
 
@@ -370,6 +380,7 @@ class EngineClient:
         elif isinstance(msg, EngineReady):
             if not self._ready.done():
                 self._ready.set_result(msg.info)
+                self._silence_timer = self._loop.call_later(SILENCE_CHECK_S, self._check_silence)
         elif isinstance(msg, StartupError):
             self._mark_dead(f"engine core failed to start: {msg.message}")
         elif isinstance(msg, Fatal):
@@ -387,6 +398,9 @@ class EngineClient:
         if self._dead_reason is not None:
             return
         self._dead_reason = reason
+        if self._silence_timer is not None:
+            self._silence_timer.cancel()
+            self._silence_timer = None
         if not self._shut_down:
             logger.error("%s", reason)
         self._outbox.put(_STOP)
@@ -432,6 +446,7 @@ class EngineClient:
             return False
         except OSError:  # ECONNRESET: the engine died with our messages unread
             data = b""
+        self._last_heard = time.monotonic()
         if not data:
             self._pipe_closed()
             return True
@@ -443,6 +458,21 @@ class EngineClient:
         for msg in messages:
             self._dispatch(msg)
         return True
+
+    def _check_silence(self) -> None:
+        """On the loop, every SILENCE_CHECK_S once ready: an engine silent for `silent_s` is failed and killed.
+        What the pipe holds is taken first, so a loop that was itself held up blames nobody."""
+        self._silence_timer = None
+        if self._dead_reason is not None or self._shut_down:
+            return
+        while self._reading and self._read_pipe():
+            pass
+        quiet = time.monotonic() - self._last_heard
+        if self._dead_reason is None and quiet >= self.silent_s:
+            self.fail(f"engine core stopped answering: nothing from its process for {quiet:.0f} s; it is stopped "
+                      "or frozen, and was killed")
+        elif self._dead_reason is None:
+            self._silence_timer = self._loop.call_later(SILENCE_CHECK_S, self._check_silence)
 
     def _pipe_closed(self) -> None:
         """EOF: the engine is on its way out. Its exit (the sentinel) says how; if that does not come

@@ -4,7 +4,8 @@ Server -> engine (`ToEngine`):  `GenerateRequest`, `AbortRequest`, `StatsRequest
 Engine -> server (`FromEngine`): `EngineReady` (with `EngineInfo`) or `StartupError` once at start-up;
                                  `Outputs` (deltas of `RequestOutput`) once per loop iteration;
                                  `Stats` (an `EngineStats`, the answer to a StatsRequest);
-                                 `Fatal` (last words after a crash).
+                                 `Fatal` (last words after a crash);
+                                 `Alive` (nothing else was sent for a while: the process is not frozen).
 
 Every message is a msgspec Struct, sent as msgpack bytes (`encode`) and read back by a decoder typed
 with the union of what that direction may carry (`decode_to_engine`, `decode_from_engine`). Nothing is
@@ -27,7 +28,7 @@ __all__ = [
     "ERR_OVERLOADED", "ERR_CONTEXT", "ERR_INVALID", "ERR_ENGINE", "ERR_SHUTDOWN",
     "GenerateRequest", "AbortRequest", "StatsRequest", "Shutdown", "ToEngine",
     "EngineInfo", "RequestOutput", "EngineStats",
-    "EngineReady", "StartupError", "Outputs", "Stats", "Fatal", "FromEngine",
+    "EngineReady", "StartupError", "Outputs", "Stats", "Fatal", "Alive", "FromEngine",
     "encode", "decode_to_engine", "decode_from_engine",
 ]
 
@@ -161,7 +162,12 @@ class Fatal(_Message, frozen=True):
     reason: str
 
 
-FromEngine = Union[EngineReady, StartupError, Outputs, Stats, Fatal]
+class Alive(_Message, frozen=True):
+    """Sent by the engine's watchdog thread when nothing else was sent for `engine.process.ALIVE_S`: the
+    server takes a long silence for a process that is stopped or frozen (`EngineClient.silent_s`)."""
+
+
+FromEngine = Union[EngineReady, StartupError, Outputs, Stats, Fatal, Alive]
 
 
 # ---- the codec -------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@
         ◀──  Outputs([RequestOutput, ...])                         one message per loop iteration
         ◀──  Stats(EngineStats)                                    answer to a StatsRequest
         ◀──  Fatal(reason)                                         last words after a crash
+        ◀──  Alive                                                 when nothing else was sent for ALIVE_S
 
 One loop iteration, read aloud: take every message already waiting (block on the pipe only while
 the core is idle) → apply them in order → `core.step()` if the core has work → send everything
@@ -23,6 +24,9 @@ What the server side relies on:
   watchdog thread that sees `core.failure()` while a step has run for `STUCK_S` sends `Fatal(reason)`
   (the server then fails every pending request) and ends the process. A step that runs past
   `--watchdog-timeout` for a reason nobody reported (a hung device, a deadlock) ends it the same way.
+- While nothing else is sent, the watchdog thread sends `Alive` every `ALIVE_S`, through long steps
+  and idle time alike: a process that sends nothing for much longer is stopped or frozen, and the
+  server ends it (`EngineClient.silent_s`).
 - The process leaves by itself when the server goes away (EOF on the pipe, or its parent pid
   changes), so a killed server never leaves an engine holding the GPU.
 - SIGINT and SIGTERM are ignored here: a signal to the process group (Ctrl-C, systemd, docker stop)
@@ -54,6 +58,7 @@ from engine.messages import (
     FINISH_ABORT,
     FINISH_ERROR,
     AbortRequest,
+    Alive,
     EngineInfo,
     EngineReady,
     EngineStats,
@@ -81,6 +86,7 @@ IDLE_POLL_S = 0.5  # while idle, how often to look whether the parent is still t
 LOCKSTEP_POLL_S = 0.02  # the same under DP attention, where an idle replica holds the others' next step
 STUCK_S = 2.0  # a step running this long while the core reports a failure is stuck: report and exit
 WATCH_S = 0.25  # how often the watchdog looks at the running step
+ALIVE_S = 5.0  # the watchdog sends Alive when nothing else was sent for this long
 
 
 class EngineCoreLike(Protocol):
@@ -207,6 +213,7 @@ class _EngineLoop:
         self.send_lock = threading.Lock()  # the loop and the watchdog both may send the last words
         self.fatal_sent = False
         self.step_limit = 0.0  # --watchdog-timeout (0: none), from the args run() is given
+        self.last_sent = time.monotonic()  # when a message last went to the server (the watchdog's Alive)
 
     def run(self, args: EngineArgs) -> int:
         try:
@@ -229,7 +236,7 @@ class _EngineLoop:
         done = threading.Event()
         failure = getattr(self.core, "failure", None)
         self.step_limit = args.watchdog_timeout
-        if self.watchdog and (failure is not None or self.step_limit > 0):
+        if self.watchdog:
             threading.Thread(target=self._watch, args=(failure, done), name="engine-watchdog", daemon=True).start()
         code = EXIT_ENGINE_CRASHED
         try:
@@ -362,6 +369,8 @@ class _EngineLoop:
         `Fatal`) and ends the process; the node's other ranks die with it (engine.ranks). A step past
         `step_limit` (--watchdog-timeout) is ended so, whatever holds it."""
         while not done.wait(WATCH_S):
+            if time.monotonic() - self.last_sent >= ALIVE_S and not self._send(Alive()):
+                return  # the server is gone; the loop sees it too
             since = self.step_since
             if since is None:
                 continue
@@ -385,11 +394,14 @@ class _EngineLoop:
                     logger.exception("could not report the crash to the server")
                 _leave(EXIT_ENGINE_CRASHED, hooks=False)
 
-    def _send(self, msg: EngineReady | StartupError | Outputs | Stats) -> bool:
-        """False when the server side is gone."""
+    def _send(self, msg: EngineReady | StartupError | Outputs | Stats | Alive) -> bool:
+        """False when the server side is gone (or, from the watchdog, when the last words were sent)."""
         try:
             with self.send_lock:
+                if self.fatal_sent:
+                    return False
                 self.conn.send_bytes(encode(msg))
+                self.last_sent = time.monotonic()
             return True
         except (OSError, EOFError):
             return False

@@ -25,7 +25,7 @@ import pytest
 
 from engine.args import EngineArgs
 from engine.client import EngineClient, _Frames
-from engine.process import EXIT_ENGINE_CRASHED, EXIT_OK, EXIT_PARENT_GONE, STUCK_S, run_engine_process
+from engine.process import ALIVE_S, EXIT_ENGINE_CRASHED, EXIT_OK, EXIT_PARENT_GONE, STUCK_S, run_engine_process
 from engine.messages import (
     ERR_ENGINE,
     ERR_OVERLOADED,
@@ -415,6 +415,47 @@ def test_a_slow_step_without_a_failure_is_left_to_finish(loop, rng, limit: float
 
     outs = run(loop, go())
     assert tokens_by_index(outs) == {0: [expected_token(req, 0, 0), expected_token(req, 0, 1)]}
+    assert outs[-1].finish_reason == FINISH_LENGTH and client.exitcode == EXIT_OK
+
+
+def test_a_frozen_engine_fails_every_pending_request(loop, rng):
+    """An engine process stopped without dying (SIGSTOP) sends nothing, not even its watchdog's Alive: after
+    `silent_s` the client fails every pending request and kills it, instead of waiting for good."""
+    client = start(loop)
+    client.silent_s = ALIVE_S + 3.0
+    reqs = [make_req(rng, f"f{i}", max_tokens=100_000) for i in range(3)]
+
+    async def go():
+        tasks = await start_streams(client, reqs)
+        os.kill(client.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        results = await asyncio.gather(*tasks)
+        elapsed = time.monotonic() - t0
+        later = await collect(client, make_req(rng, "later"))
+        await client.shutdown()
+        return results, elapsed, later
+
+    results, elapsed, later = run(loop, go(), timeout=40)
+    assert client.silent_s - 1.0 <= elapsed < client.silent_s + 3.0
+    assert_all_failed([*results, later], [*reqs, make_req(rng, "later")], "engine core stopped answering")
+    assert client.exitcode == -signal.SIGKILL
+
+
+def test_a_quiet_engine_is_not_taken_for_a_frozen_one(loop, rng):
+    """Idle, or inside a step longer than `silent_s`, the engine says nothing else, and its Alive keeps
+    the client from failing it."""
+    client = start(loop, step_delay=ALIVE_S + 4.0)
+    client.silent_s = ALIVE_S + 3.0
+    req = make_req(rng, "slow", max_tokens=1)
+
+    async def go():
+        await asyncio.sleep(client.silent_s + 1.0)  # idle
+        outs = await collect(client, req)  # one step of ALIVE_S + 4 s
+        await client.shutdown()
+        return outs
+
+    outs = run(loop, go(), timeout=60)
+    assert tokens_by_index(outs) == {0: [expected_token(req, 0, 0)]}
     assert outs[-1].finish_reason == FINISH_LENGTH and client.exitcode == EXIT_OK
 
 
