@@ -107,8 +107,8 @@ class Heartbeat:
     without the GIL). The stillness is also counted in this thread's own reads, so a pause of this
     process (a suspended host) is not blamed on the others. The store lives in rank 0's process and its
     calls have no timeout once connected: where rank 0 is watched (--dp-attention), a round that has not
-    come back for FROZEN_S + BEAT_S names rank 0. A store that refuses the call (rank 0 died) ends the
-    thread: the collectives report that first."""
+    come back for FROZEN_S + BEAT_S names rank 0. A call the store refuses (rank 0 died: the collectives
+    report that first) is tried again a beat later."""
 
     def __init__(self, plan: RankPlan, rank: int, watch: Iterable[int] = (), what: str = "rank") -> None:
         """`what`: how a watched rank is named in the failure ("replica" under --dp-attention)."""
@@ -145,9 +145,11 @@ class Heartbeat:
             try:
                 self._store.add(self._key(self.rank), 1)
                 counts = {r: self._store.add(self._key(r), 0) for r in self._seen}
-            except Exception as exc:  # the store's rank is gone
-                logger.debug("heartbeat of rank %d ends: %s", self.rank, exc)
-                return
+            except Exception as exc:  # the store's rank is gone (the collectives say so), or a passing fault
+                logger.debug("heartbeat of rank %d: %s", self.rank, exc)
+                if self._stopped.wait(BEAT_S):
+                    return
+                continue
             now = self._last_round = time.monotonic()
             for r, count in counts.items():
                 seen = self._seen[r]
