@@ -31,7 +31,7 @@ Death: EOF on the pipe, the process sentinel, the engine's own `Fatal`, or a mes
 decode as a `FromEngine` (the protocol is broken: the process is killed) marks the client dead: every pending request gets an `ERR_ENGINE` error output (nothing hangs), later
 `generate` calls yield the same error at once, and `stats()` raises RuntimeError. `fail(reason)` does
 the same from outside (the engine is killed), and `on_dead` hears of every death once. An engine that
-sends nothing for `silent_s` (SILENT_S: it sends `Alive` every engine.process.ALIVE_S while it has
+sends nothing for `EngineClient.silent_s` (it sends `Alive` every engine.process.ALIVE_S while it has
 nothing else to say) is stopped or frozen: it is failed so, rather than waited for.
 """
 
@@ -76,7 +76,6 @@ from engine.messages import (
 
 logger = logging.getLogger(__name__)
 
-SILENT_S = 30.0  # see EngineClient.silent_s: six of the engine's Alive periods
 SILENCE_CHECK_S = 1.0  # how often the loop looks at the silence
 
 
@@ -143,7 +142,7 @@ class _Stream:
 class EngineClient:
     """Talks to one engine core process. Build it with `await EngineClient.start(args)`."""
 
-    silent_s = SILENT_S  # a ready engine that sends nothing this long is stopped or frozen (tests lower it)
+    silent_s = 30.0  # a ready engine that sends nothing this long (six of its Alive periods) is stopped or frozen
 
     def __init__(self, proc: Any, conn: Any, loop: asyncio.AbstractEventLoop) -> None:
         self._proc = proc

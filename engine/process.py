@@ -212,7 +212,6 @@ class _EngineLoop:
         self.step_since: float | None = None
         self.send_lock = threading.Lock()  # the loop and the watchdog both may send the last words
         self.fatal_sent = False
-        self.step_limit = 0.0  # --watchdog-timeout (0: none), from the args run() is given
         self.last_sent = time.monotonic()  # when a message last went to the server (the watchdog's Alive)
 
     def run(self, args: EngineArgs) -> int:
@@ -235,9 +234,9 @@ class _EngineLoop:
         freeze_gc_heap()  # the model's objects live as long as the process
         done = threading.Event()
         failure = getattr(self.core, "failure", None)
-        self.step_limit = args.watchdog_timeout
         if self.watchdog:
-            threading.Thread(target=self._watch, args=(failure, done), name="engine-watchdog", daemon=True).start()
+            threading.Thread(target=self._watch, args=(failure, args.watchdog_timeout, done), name="engine-watchdog",
+                             daemon=True).start()
         code = EXIT_ENGINE_CRASHED
         try:
             code = self._loop()
@@ -362,12 +361,12 @@ class _EngineLoop:
                 logger.exception("could not report the crash to the server")
         return EXIT_ENGINE_CRASHED
 
-    def _watch(self, failure: Callable[[], str | None] | None, done: threading.Event) -> None:
+    def _watch(self, failure: Callable[[], str | None] | None, limit: float, done: threading.Event) -> None:
         """The watchdog thread: a step that has run for STUCK_S while the core reports a failure will
         not return (a collective waits for a dead or frozen rank, until the group's timeout of minutes,
         or for good), so it reports the failure as the crash (the server fails every pending request on
         `Fatal`) and ends the process; the node's other ranks die with it (engine.ranks). A step past
-        `step_limit` (--watchdog-timeout) is ended so, whatever holds it."""
+        `limit` (--watchdog-timeout; 0: none) is ended so, whatever holds it."""
         while not done.wait(WATCH_S):
             if time.monotonic() - self.last_sent >= ALIVE_S and not self._send(Alive()):
                 return  # the server is gone; the loop sees it too
@@ -378,9 +377,9 @@ class _EngineLoop:
             reason = failure() if failure is not None and ran >= STUCK_S else None
             if reason is not None:
                 reason = f"engine core crashed: {reason} (the step stayed blocked for {ran:.1f} s)"
-            elif 0 < self.step_limit <= ran:
+            elif 0 < limit <= ran:
                 reason = (f"engine core crashed: a step ran for {ran:.1f} s, past --watchdog-timeout "
-                          f"({self.step_limit:g} s); the engine is stuck (a hung device or a deadlock)")
+                          f"({limit:g} s); the engine is stuck (a hung device or a deadlock)")
             else:
                 continue
             with self.send_lock:

@@ -307,9 +307,7 @@ class LeadRank:
         for rank, p in enumerate(self.procs, start=1):
             if p.poll() is not None:
                 return f"rank {rank} exited with code {p.returncode}"
-        if self.leader is not None and self.leader.failure() is not None:
-            return self.leader.failure()
-        return self.heartbeat.failure() if self.heartbeat is not None else None
+        return (self.leader and self.leader.failure()) or (self.heartbeat and self.heartbeat.failure()) or None
 
     def close(self, clean: bool = True) -> None:
         frozen = self.heartbeat is not None and self.heartbeat.failure() is not None

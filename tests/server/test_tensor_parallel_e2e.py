@@ -1,7 +1,8 @@
 """`mlaserve serve --tp N` through the served API: the same greedy tokens and logprobs (fp32, within
 1e-4) as one process for Llama and DeepSeek-V2/V3 synthetic checkpoints, also with --ep and over two
 "nodes" on this machine; a killed rank (idle or mid-stream) makes requests fail quickly and /health
-report it, and so does a rank that is stopped without dying (SIGSTOP); flags that cannot combine are refused before anything starts."""
+report it, and so does a rank that is stopped without dying (SIGSTOP); flags that cannot combine are refused
+before anything starts."""
 
 from __future__ import annotations
 
@@ -83,6 +84,11 @@ def _followers(server: ServerProcess) -> list[int]:
             if "engine.ranks" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
                 out.append(pid)
     return out
+
+
+def _engines(server: ServerProcess) -> list[int]:
+    """The server's engine processes (one per --dp replica): its spawned children."""
+    return [p for p in server.children() if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
 
 
 def test_killed_rank_fails_requests_and_health(checkpoints, tmp_path) -> None:
@@ -272,8 +278,7 @@ def test_dp_attention_replica_death_is_reported(checkpoints, tmp_path) -> None:
     server = serve(checkpoints["tiny-deepseek-v2"], tmp_path, "dpkill", "--dp", "2", "--dp-attention")
     try:
         assert len(completions(server.url)) == len(PROMPTS)
-        engines = server.children()
-        engines = [p for p in engines if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+        engines = _engines(server)
         assert len(engines) >= 2, engines
         os.kill(engines[0], signal.SIGKILL)
         t0 = time.monotonic()
@@ -303,7 +308,7 @@ def test_dp_attention_stopped_replica_is_reported(checkpoints, tmp_path, stopped
     engines: list[int] = []
     try:
         assert len(completions(server.url)) == len(PROMPTS)
-        engines = [p for p in server.children() if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+        engines = _engines(server)
         assert len(engines) == 2, engines
         found = re.search(rf"engine-core\[(\d+)\] engine.ranks: DP attention: replica {stopped} of 2",
                           (tmp_path / "dpstop.log").read_text())
