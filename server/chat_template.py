@@ -204,16 +204,37 @@ def load_chat_template(value: str) -> str:
     return text
 
 
+# what marks the end of a continued final message's text in its rendering (a space at its end shows
+# whether the template trimmed the text)
+_CONTINUE_TAG = "MLASERVE_CONTINUE_FINAL_MESSAGE "
+
+
+def _cut_at_continue_tag(rendered: str, final_text: str) -> str:
+    """The rendering cut where the final message's text ends: transformers' `continue_final_message` cut
+    (which vLLM and SGLang use), its trailing whitespace dropped where the template trimmed the text."""
+    tag = _CONTINUE_TAG.strip()
+    if final_text.strip() not in rendered or tag not in rendered:
+        raise ChatTemplateError("the chat template does not write the final message's text as sent, so it cannot "
+                                "be continued (continue_final_message / prefix); send the text the template keeps")
+    at = rendered.rindex(tag)
+    return rendered[:at] if rendered.startswith(_CONTINUE_TAG, at) else rendered[:at].rstrip()
+
+
 def render_chat(
     template: str | None,
     messages: list[dict[str, Any]],
     *,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
     bos_token: str | None = None,
     eos_token: str | None = None,
     **extra: Any,
 ) -> str:
     """Renders `messages` (from `template_messages`) into the prompt text the model was trained on.
+
+    `continue_final_message`: the text ends right after the final message's text (string content),
+    without its end-of-turn markup, for the model to continue it; ChatTemplateError where the template
+    does not write that text as sent.
 
     `extra` reaches the template as variables, e.g. `tools=[{"type": "function", "function": {...}}]`.
     `tools` and `documents` are None unless given, as transformers passes them: some templates
@@ -222,8 +243,13 @@ def render_chat(
     if not template:
         raise ChatTemplateError("this model has no chat template; use the completions API with a plain prompt")
     context = {"tools": None, "documents": None, **extra}
+    final_text = messages[-1].get("content") if continue_final_message and messages else None
+    if continue_final_message:
+        if not isinstance(final_text, str) or not final_text.strip():
+            raise ChatTemplateError("continuing the final message needs its text content")
+        messages = [*messages[:-1], {**messages[-1], "content": final_text + _CONTINUE_TAG}]
     try:
-        return _compile(template).render(
+        rendered = _compile(template).render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token or "",
@@ -236,6 +262,7 @@ def render_chat(
         raise ChatTemplateError(f"chat template failed to render: {e}") from None
     except Exception as e:  # e.g. None + str in a template that did not expect these messages
         raise ChatTemplateError(f"chat template failed to render: {type(e).__name__}: {e}") from None
+    return _cut_at_continue_tag(rendered, final_text) if final_text is not None else rendered
 
 
 def user_turn_ids(tokenizer: Any, content_ids: Sequence[int], question: str) -> list[int]:

@@ -118,6 +118,9 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant messages only
     tool_call_id: str | None = None  # tool messages: the call this is the result of
+    # DeepSeek's chat prefix completion: a final assistant message the model continues (as
+    # `continue_final_message`; `ChatInput`)
+    prefix: StrictBool | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -304,6 +307,12 @@ class ChatInput(_Body):
     parallel_tool_calls: StrictBool | None = True
     # variables for the chat template (vLLM/SGLang's extension), e.g. {"enable_thinking": false} for Qwen3
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's extensions. add_generation_prompt: open the assistant's turn after the messages (left out:
+    # yes, unless the final message is continued). continue_final_message: leave the final message open,
+    # without its end-of-turn markup, so the model continues it ("prefilling" the reply); the reply holds
+    # only what the model adds. DeepSeek's `"prefix": true` on a final assistant message asks the same.
+    add_generation_prompt: StrictBool | None = None
+    continue_final_message: StrictBool | None = Field(False, validate_default=True)
     # OpenAI's deprecated forms of tools / tool_choice: refused rather than ignored (the functions would be
     # dropped without a word, and the model answer as if it had none)
     functions: Any = None
@@ -317,6 +326,43 @@ class ChatInput(_Body):
                    "function_call": "tool_choice"}[info.field_name]
             raise _invalid(f"{info.field_name} is the deprecated form of {new.split(':')[0]}; send {new} instead")
         return value
+
+    @field_validator("messages")
+    @classmethod
+    def _prefix_last(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        for i, m in enumerate(value):
+            if m.prefix and (i != len(value) - 1 or m.role != "assistant"):
+                raise _invalid(f"message {i} has prefix true: only the final message, an assistant message, "
+                               "may be a prefix for the model to continue")
+        return value
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _final_message_open(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        messages = info.data.get("messages")
+        if not messages or not (value or messages[-1].prefix):
+            return value
+        if info.data.get("add_generation_prompt"):
+            raise _invalid("continuing the final message (continue_final_message, or prefix on it) leaves it "
+                           "open, so add_generation_prompt cannot be true: leave it out or send false")
+        final = messages[-1]
+        if final.tool_calls or not final.text().strip():
+            raise _invalid("the final message to continue needs text content (and no tool_calls): the model "
+                           "continues that text")
+        return value
+
+    def continued_text(self) -> str | None:
+        """The final message's text when the model continues it (`continue_final_message`, or DeepSeek's
+        `prefix`); None when the reply is a new message."""
+        final = self.messages[-1]
+        return final.text() if self.continue_final_message or final.prefix else None
+
+    def generation_prompt(self) -> bool:
+        """Whether the rendering opens the assistant's turn: as sent, else unless the final message is
+        continued."""
+        if self.add_generation_prompt is not None:
+            return self.add_generation_prompt
+        return self.continued_text() is None
 
     def openai_messages(self) -> list[dict[str, Any]]:
         """Messages in OpenAI's shape with text content joined (None kept for an assistant message
@@ -437,7 +483,6 @@ class TokenizeChatRequest(ChatInput):
     """`POST /tokenize` with messages (vLLM's shape): the ids of the chat template's rendering, as the chat
     completions API renders it (the template writes the special tokens itself)."""
 
-    add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool = False
     return_token_strs: StrictBool = False
 

@@ -52,6 +52,15 @@ class ReasoningParser:
         """Whether text fed now would be reasoning (the block is open, or R1's implicit one)."""
         return self.state == "think" or (self.state == "start" and self.kind == "deepseek_r1")
 
+    def after(self, prefix: str) -> None:
+        """Start after text the model is taken to have written (a continued final message): inside the
+        reasoning where the prefix opens a block it does not close, in the answer otherwise (a template
+        that opens the block in its generation prompt does not, for a continued message, write that
+        prompt)."""
+        opened, closed = prefix.rfind(THINK_OPEN), prefix.rfind(THINK_CLOSE)
+        self.state = "think" if opened > closed else "answer"
+        self._strip = self.state == "answer" and closed >= 0 and not prefix[closed + len(THINK_CLOSE):].strip()
+
     def feed(self, text: str) -> Split:
         self._buf += text
         return self._drain(final=False)
@@ -93,6 +102,18 @@ class ReasoningParser:
                 self._strip = not text
             out.content += text
             return out
+
+
+def starts_in_reasoning(kind: str, prefix: str | None = None) -> bool:
+    """Whether a chat output parsed as `kind` starts inside the reasoning: R1's implicit block, or, for a
+    continued final message (`prefix`, its text), a block that text opened and did not close. A
+    constrained answer's grammar then waits for `</think>`."""
+    if kind == "none":
+        return False
+    parser = ReasoningParser(kind)
+    if prefix is not None:
+        parser.after(prefix)
+    return parser.in_reasoning
 
 
 def parser_kind(choice: str, chat_template: str | None) -> str:

@@ -30,6 +30,7 @@ from server.protocol import (
     ChatCompletionResponse,
     ChatResponseMessage,
     ChatTokenLogprob,
+    ChatInput,
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
@@ -182,6 +183,9 @@ class ChatSerializer(Serializer):
         parser = self.reasoners.get(i)
         if parser is None:
             parser = self.reasoners[i] = ReasoningParser(self.reasoning_kind)
+            continued = self.body.continued_text() if isinstance(self.body, ChatInput) else None
+            if continued is not None:
+                parser.after(continued)
         if parser.in_reasoning:
             self.reasoning_tokens[i] = self.reasoning_tokens.get(i, 0) + len(ids)
         out = parser.feed(text)

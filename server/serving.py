@@ -62,7 +62,7 @@ from server.protocol import (
 from server.responses import ChatSerializer, CompletionSerializer, ResponsesSerializer, Serializer
 from server.responses_api import ResponsesRequest, rename_error, to_chat_request
 from server.state import ClientError, ServerState, error_response
-from server.reasoning import THINK_CLOSE, parser_kind
+from server.reasoning import THINK_CLOSE, parser_kind, starts_in_reasoning
 from server.tools import ToolPlan, plan_tools, with_call_markup, with_system
 from scheduler.sampling_params import ParamError, validate_prompt_ids, validate_token_ids
 
@@ -151,7 +151,7 @@ async def _tokenize(state: ServerState, raw: Request) -> TokenizeResponse:
     check_model(state, body.model)
     tok = state.tokenizer
     assert tok is not None
-    text = chat_prompt(state, body, body.add_generation_prompt)[0] if isinstance(body, TokenizeChatRequest) \
+    text = chat_prompt(state, body)[0] if isinstance(body, TokenizeChatRequest) \
         else body.prompt
     ids = tok.encode(text, add_special_tokens=body.add_special_tokens)
     strs = [tok.tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
@@ -273,10 +273,11 @@ def check_model(state: ServerState, model: str | None) -> None:
         raise ClientError(404, f"the model '{model}' does not exist", "model", "model_not_found")
 
 
-def chat_prompt(state: ServerState, body: ChatInput, add_generation_prompt: bool = True) -> tuple[str, ToolPlan]:
+def chat_prompt(state: ServerState, body: ChatInput) -> tuple[str, ToolPlan]:
     """The prompt text of chat messages (the chat template's rendering, with the tools as the tool plan
-    puts them) and the plan: what chat completions and `/tokenize` both render. ParamError for tools
-    that cannot work; a 400 naming `messages` for a template that refuses them."""
+    puts them; cut after the final message's text where it is continued) and the plan: what chat
+    completions and `/tokenize` both render. ParamError for tools that cannot work; a 400 naming
+    `messages` for a template that refuses them."""
     tok = state.tokenizer
     assert tok is not None
     plan = plan_tools(body, tok.chat_template, state.tool_call_parser)
@@ -289,7 +290,8 @@ def chat_prompt(state: ServerState, body: ChatInput, add_generation_prompt: bool
     if plan.tools:
         extra["tools"] = plan.tools
     try:
-        text = render_chat(tok.chat_template, template_messages(messages), add_generation_prompt=add_generation_prompt,
+        text = render_chat(tok.chat_template, template_messages(messages), add_generation_prompt=body.generation_prompt(),
+                           continue_final_message=body.continued_text() is not None,
                            bos_token=tok.bos_token, eos_token=tok.eos_token, **extra)
     except ChatTemplateError as e:
         raise ClientError(400, str(e), "messages") from None
@@ -333,7 +335,7 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
     engine, tok = state.engine, state.tokenizer
     assert engine is not None and tok is not None
     if params.structured is not None and isinstance(body, ChatCompletionRequest) and \
-            parser_kind(state.reasoning_parser, tok.chat_template) == "deepseek_r1":
+            starts_in_reasoning(parser_kind(state.reasoning_parser, tok.chat_template), body.continued_text()):
         # the answer is constrained, not the reasoning: the grammar starts after </think>
         after = tuple(tok.encode(THINK_CLOSE, add_special_tokens=False))
         params = msgspec.structs.replace(params, structured=msgspec.structs.replace(params.structured, after=after))

@@ -20,7 +20,12 @@ from tokenizers import Tokenizer  # noqa: E402
 from tokenizers.models import WordLevel  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from server.chat_template import ChatTemplateError, ToolArguments, render_chat, template_messages  # noqa: E402
+from server.chat_template import (  # noqa: E402
+    ChatTemplateError,
+    ToolArguments,
+    render_chat,
+    template_messages,
+)
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 DATE = "14 Mar 2025"
@@ -285,3 +290,34 @@ def test_sandbox_holds():
             render_chat(template, [{"role": "user", "content": "x"}])
     with pytest.raises(ChatTemplateError, match="TypeError"):  # a template's own Python error is still ours
         render_chat("{{ messages[0].content + 1 }}", [{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("final", ["The weather in Zürich is", "Sure —  \n", "  leading space, then  "],
+                         ids=["plain", "trailing-space", "leading-space"])
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_continued_final_message_matches_transformers(hf_tokenizers, name, final):
+    """A final assistant message left open (continue_final_message, DeepSeek's prefix) is cut where
+    transformers' `continue_final_message` cuts it, whether the template trims the text (Llama 3.1) or not."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Zürich?"},
+                {"role": "assistant", "content": final}]
+    template = _template(name)
+    _, bos, eos, _, _ = TEMPLATES[name]
+    ours = render_chat(template, template_messages(messages), add_generation_prompt=False, continue_final_message=True,
+                       bos_token=bos, eos_token=eos, date_string=DATE)
+    theirs = hf_tokenizers[name].apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                     add_generation_prompt=False, continue_final_message=True,
+                                                     date_string=DATE)
+    assert ours == theirs
+    assert ours.rstrip().endswith(final.strip()) and not ours.endswith(eos)
+
+
+def test_a_final_message_the_template_rewrites_cannot_be_continued():
+    """DeepSeek-V3's template drops an assistant message's text up to `</think>`: that text cannot be found,
+    so continuing it is refused rather than cut at the wrong place."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>hmm</think>Hello"}]
+    def render(final: str) -> str:
+        return render_chat(_template("deepseek_v3"), template_messages([messages[0], {**messages[1], "content": final}]),
+                           add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(ChatTemplateError, match="cannot be continued"):
+        render(messages[-1]["content"])
+    assert render("Hello").endswith("<｜Assistant｜>Hello")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.reasoning import ReasoningParser, Split, parser_kind
+from server.reasoning import ReasoningParser, Split, parser_kind, starts_in_reasoning
 
 R1 = ("Okay, the user asks for 17 * 23. Let me compute: 17 * 20 = 340, 17 * 3 = 51, so 391.\n"
       "Wait, check: 23 * 17 = 391. Yes.\n</think>\n\n17 × 23 = **391**.")
@@ -27,8 +27,10 @@ CASES = [
 ]
 
 
-def run(kind: str, pieces: list[str]) -> Split:
+def run(kind: str, pieces: list[str], after: str | None = None) -> Split:
     p = ReasoningParser(kind)
+    if after is not None:
+        p.after(after)
     out = Split()
     for piece in pieces:
         s = p.feed(piece)
@@ -80,3 +82,27 @@ def test_auto_reads_the_chat_template(choice: str, template: str | None, kind: s
 def test_unknown_kind_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         ReasoningParser("o1")
+
+
+@pytest.mark.parametrize("kind", ["deepseek_r1", "qwen3"])
+@pytest.mark.parametrize("prefix, text, reasoning, content", [
+    ("<think>\nLet me see", " more.</think>\n\nYes.", " more.", "Yes."),  # the prefix opened the block
+    ("<think>a</think>", "\n\nYes.", "", "Yes."),  # closed right at the prefix's end: layout dropped
+    ("<think>a</think>\n\nThe answer", " is 4.", "", " is 4."),
+    ("The answer", " is 4.", "", " is 4."),  # no block: R1's implicit one is not opened either
+])
+def test_a_continued_message_starts_where_its_prefix_left_off(kind: str, prefix: str, text: str, reasoning: str,
+                                                              content: str) -> None:
+    """A continued final message (continue_final_message / prefix): the parser starts in the state its text
+    leaves, whole or fed a character at a time."""
+    assert run(kind, [text], prefix) == Split(reasoning, content)
+    assert run(kind, list(text), prefix) == Split(reasoning, content)
+
+
+@pytest.mark.parametrize("kind, prefix, inside", [
+    ("deepseek_r1", None, True), ("qwen3", None, False), ("none", None, False),
+    ("deepseek_r1", "The answer", False), ("deepseek_r1", "<think>so", True), ("qwen3", "<think>so", True),
+    ("qwen3", "<think>a</think>b", False), ("none", "<think>so", False),
+])
+def test_where_a_constrained_answer_starts(kind: str, prefix: str | None, inside: bool) -> None:
+    assert starts_in_reasoning(kind, prefix) is inside

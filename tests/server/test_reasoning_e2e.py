@@ -1,7 +1,8 @@
 """Reasoning content through the served API: a synthetic DeepSeek checkpoint served with an R1-style chat
 template (the generation prompt opens `<think>`), whose random output never closes the block: all of it
 is `reasoning_content`, streamed and whole alike, and counted in `usage.completion_tokens_details`;
-a JSON constraint leaves the reasoning free (it starts after `</think>`); `--reasoning-parser none`
+a JSON constraint leaves the reasoning free (it starts after `</think>`); a continued final message
+(`prefix`) resumes the answer or the reasoning its text left open; `--reasoning-parser none`
 gives it back as `content`; a Qwen3-style template's `enable_thinking` switch
 reaches the template through `chat_template_kwargs`."""
 
@@ -76,6 +77,19 @@ def test_r1_template_output_is_reasoning(model, tmp_path) -> None:
             raw = c.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 12, "temperature": 0,
                                                   "ignore_eos": True}).json()["choices"][0]["text"]
             assert raw == msg["reasoning_content"]
+            # a continued answer (DeepSeek's prefix) is no reasoning: the template writes no <think> before it,
+            # and a constraint applies from its first token; a prefix that opens a block continues the reasoning
+            answer = {**BODY, "messages": [*BODY["messages"], {"role": "assistant", "content": "Sure:", "prefix": True}]}
+            msg = c.post("/v1/chat/completions", json=answer).json()["choices"][0]["message"]
+            assert msg["content"] and not msg.get("reasoning_content")
+            assert stream(c, answer)[:2] == ("", msg["content"])
+            as_json = c.post("/v1/chat/completions", json={**answer, "response_format": {"type": "json_object"}})
+            assert as_json.json()["choices"][0]["message"]["content"].lstrip().startswith("{"), as_json.text
+            thinking = {**BODY, "messages": [*BODY["messages"], {"role": "assistant", "content": "<think>\nSo",
+                                                                   "prefix": True}]}
+            whole = c.post("/v1/chat/completions", json=thinking).json()
+            assert whole["choices"][0]["message"]["reasoning_content"] and not whole["choices"][0]["message"]["content"]
+            assert whole["usage"]["completion_tokens_details"]["reasoning_tokens"] == 12
     finally:
         server.stop()
 

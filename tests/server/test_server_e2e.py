@@ -594,3 +594,53 @@ def test_omnikv_request_field(server, client):
     assert metric(server, "mlaserve_omnikv_bank_host_bytes") == metric(server, "mlaserve_omnikv_bank_gathered_bytes_total") == 0
     assert_error(post(server, "/v1/completions", {"model": server_model_id(server), "prompt": "hi", "omnikv": "yes"}),
                  400, param="omnikv")
+
+
+def test_continue_final_message_prefills_the_reply(server, client, model_dir):
+    """A final assistant message continued (vLLM's continue_final_message, DeepSeek's prefix): the prompt is
+    transformers' rendering with continue_final_message (no end of turn after the text), the reply holds
+    only the continuation, which is what the completions API gives for that prompt, streamed or not."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
+    prefill = "The sea is"
+    messages = [*MSG, {"role": "assistant", "content": prefill}]
+    want = hf(hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                     continue_final_message=True), add_special_tokens=False)["input_ids"]
+    ended = hf(hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False)["input_ids"]
+    assert want != ended
+    model = server_model_id(server)
+    assert post(server, "/tokenize", {"messages": messages, "continue_final_message": True}).json()["tokens"] == want
+    oracle = client.completions.create(model=model, prompt=want, max_tokens=10, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    kw = dict(model=model, max_tokens=10, temperature=0)
+    forms = [
+        dict(messages=messages, extra_body={"continue_final_message": True, "ignore_eos": True}),
+        dict(messages=messages, extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                                            "ignore_eos": True, "return_token_ids": True}),
+        dict(messages=[*MSG, {"role": "assistant", "content": prefill, "prefix": True}],
+             extra_body={"ignore_eos": True}),
+    ]
+    for form in forms:
+        r = client.chat.completions.create(**kw, **form)
+        assert r.choices[0].message.content == oracle and r.usage.prompt_tokens == len(want)
+        if "return_token_ids" in form["extra_body"]:
+            assert r.model_extra["prompt_token_ids"] == want
+        chunks = client.chat.completions.create(stream=True, **kw, **form)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == oracle
+    # the plain request opens a new assistant turn instead
+    plain = client.chat.completions.create(messages=messages, extra_body={"return_token_ids": True}, **kw)
+    assert plain.model_extra["prompt_token_ids"] == ended
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+    ({"continue_final_message": True, "messages": [*MSG, {"role": "assistant", "content": " \n"}]},
+     "continue_final_message"),
+    ({"messages": [{**MSG[1], "prefix": True}]}, "messages"),
+    ({"messages": [{"role": "assistant", "content": "Hi", "prefix": True}, MSG[1]]}, "messages"),
+])
+def test_a_final_message_that_cannot_be_continued_is_a_400(server, body, param):
+    body = {"model": server_model_id(server), "max_tokens": 4,
+            "messages": [*MSG, {"role": "assistant", "content": "The sea is"}], **body}
+    assert_error(post(server, "/v1/chat/completions", body), 400, param=param)
