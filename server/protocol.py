@@ -255,8 +255,9 @@ class _GenerationRequest(_Body):
     logit_bias: Annotated[dict[str, StrictFloat] | None, AfterValidator(_check_logit_bias)] = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    # structured outputs: OpenAI's field, vLLM's (`structured_outputs`, older `guided_*`) and SGLang's
-    # (`regex`, `ebnf`, `json_schema` as text); at most one of them (server/structured.py)
+    # structured outputs: OpenAI's field, vLLM's (`structured_outputs`, older `guided_*`), SGLang's
+    # (`regex`, `ebnf`, `json_schema` as text) and llama.cpp server's (`grammar`, `json_schema` as an
+    # object); at most one of them (server/structured.py)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -265,7 +266,8 @@ class _GenerationRequest(_Body):
     guided_grammar: str | None = None
     regex: str | None = None
     ebnf: str | None = None
-    json_schema: str | None = None
+    json_schema: dict[str, Any] | str | None = None  # SGLang's: JSON text; llama.cpp server's: the schema
+    grammar: str | None = None  # llama.cpp server's GBNF
     ignore_eos: StrictBool | None = False
     # mlaserve extension: OmniKV sparse attention for this request's decode (null: the server's --omnikv)
     omnikv: StrictBool | None = None

@@ -7,7 +7,8 @@
 Accepted spellings, at most one per request: OpenAI's `response_format` (`text`, `json_object`,
 `json_schema`); vLLM's `structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`) and
 its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`; SGLang's `regex`,
-`ebnf` and `json_schema` (a schema as JSON text).
+`ebnf` and `json_schema` (a schema as JSON text); llama.cpp server's `grammar` (GBNF) and `json_schema`
+(the schema itself).
 
 A JSON Schema is checked here, before any work: it must be a valid schema (the metaschema of its
 draft, `jsonschema`), and every keyword in it must be one the grammar engine enforces. xgrammar skips
@@ -68,7 +69,8 @@ def structured_output(body: Any) -> StructuredOutput | None:
                              f"grammar, json_object; got {len(given)}")
         found.append(_vllm_style(given[0].rstrip("_"), getattr(so, given[0]), f"structured_outputs.{given[0].rstrip('_')}"))
     for field, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                        ("guided_grammar", "grammar"), ("regex", "regex"), ("ebnf", "grammar"), ("json_schema", "json")):
+                        ("guided_grammar", "grammar"), ("regex", "regex"), ("ebnf", "grammar"), ("json_schema", "json"),
+                        ("grammar", "grammar")):
         value = getattr(body, field, None)
         if value is not None:
             found.append(_vllm_style(kind, value, field))

@@ -147,6 +147,16 @@ def test_json_object_regex_choice_and_grammar(client, server):
     resp = httpx.post(server.url + "/v1/completions", timeout=120, json={
         "model": MODEL, "prompt": "The answer is", "max_tokens": 20, "ebnf": 'root ::= ("yes" | "no") "!"'})
     assert resp.status_code == 200 and resp.json()["choices"][0]["text"] in ("yes!", "no!")
+    # llama.cpp server's: a GBNF `grammar`, and `json_schema` as the schema object
+    resp = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": ASK, "max_tokens": 20, "grammar": 'root ::= ("sunny" | "rainy") "."'})
+    assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] in ("sunny.", "rainy.")
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    resp = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": ASK, "max_tokens": 30, "seed": 3, "json_schema": schema})
+    assert resp.status_code == 200, resp.text
+    if resp.json()["choices"][0]["finish_reason"] == "stop":
+        assert set(json.loads(resp.json()["choices"][0]["message"]["content"])) == {"n"}
 
 
 def test_cut_short_by_max_tokens_is_length(client):
@@ -219,6 +229,9 @@ BAD = [
     ({"messages": ASK, "response_format": {"type": "xml"}}, "response_format.type", None),
     ({"messages": ASK, "extra_field": 1, "regex": "(", "response_format": None}, "regex", "regular expression"),
     ({"messages": ASK, "ebnf": "root ::= undefined"}, "ebnf", "undefined"),
+    ({"messages": ASK, "grammar": "root ::= undefined"}, "grammar", "undefined"),
+    ({"messages": ASK, "json_schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}, "json_schema", None),
+    ({"messages": ASK, "grammar": 'root ::= "a"', "json_schema": {"type": "object"}}, None, "one structured output"),
     ({"messages": ASK, "regex": "a+", "response_format": {"type": "json_object"}}, None, "one structured output"),
     ({"messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", "nope"),
