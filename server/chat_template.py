@@ -206,7 +206,7 @@ def load_chat_template(value: str) -> str:
 
 # what marks the end of a continued final message's text in its rendering (a space at its end shows
 # whether the template trimmed the text)
-_CONTINUE_TAG = "MLASERVE_CONTINUE_FINAL_MESSAGE "
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # the tag transformers uses
 
 
 def _cut_at_continue_tag(rendered: str, final_text: str) -> str:

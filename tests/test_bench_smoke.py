@@ -895,7 +895,9 @@ def test_serve_stall_bench_against_a_real_server(cpu_bench, tmp_path: Path) -> N
     while they run, our server alone (its default and a variant); the gaps and times come from real chunks."""
     stall = importlib.import_module("serve_stall_cpu")
     out = tmp_path / "stall.json"
-    assert stall.main(["--rounds", "1", "--streams", "2", "--max-tokens", "120", "--long", "1", "--long-words", "300",
+    # streams long enough to be running when the long prompt arrives 0.3 s in, on a fast spell of the machine too
+    # (two streams of the default model have made 120 tokens in ~0.3 s)
+    assert stall.main(["--rounds", "1", "--streams", "2", "--max-tokens", "400", "--long", "1", "--long-words", "300",
                        "--delay", "0.3", "--ours-only", "--variant", "--chunked-prefill-size 64", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert set(r["medians"]) == {"mlaserve", "mlaserve --chunked-prefill-size 64"}
