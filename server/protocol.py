@@ -385,6 +385,9 @@ class ChatInput(_Body):
 
 class ChatCompletionRequest(ChatInput, _GenerationRequest):
     max_completion_tokens: StrictInt | None = None  # wins over max_tokens
+    # vLLM's extension: the reply starts with the final message's text when that is an assistant message
+    # (with continue_final_message: the whole message, not only what the model added)
+    echo: StrictBool | None = False
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None
     min_tokens: StrictInt | None = 0

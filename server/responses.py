@@ -27,6 +27,7 @@ from server.protocol import (
     ChatCompletionChoice,
     ChatCompletionChunk,
     ChatCompletionChunkChoice,
+    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatInput,
     ChatResponseMessage,
@@ -175,6 +176,20 @@ class ChatSerializer(Serializer):
         self.reasoners: dict[int, ReasoningParser] = {}
         self.split: dict[int, Split] = {}
         self.reasoning_tokens: dict[int, int] = {}
+        self.echo = self.echo_split()
+
+    def echo_split(self) -> Split:
+        """What vLLM's chat `echo` puts before every choice: the final message's text where it is the
+        assistant's, its `<think>` block (if any) as reasoning when a reasoning parser is in use."""
+        body = self.body
+        if not (isinstance(body, ChatCompletionRequest) and body.echo and body.messages[-1].role == "assistant"):
+            return Split()
+        text = body.messages[-1].text()
+        if self.reasoning_kind == "none":
+            return Split("", text)
+        parser = ReasoningParser("qwen3")  # a block only where the text opens one
+        head, tail = parser.feed(text), parser.finish()
+        return Split(head.reasoning + tail.reasoning, head.content + tail.content)
 
     def reason(self, i: int, text: str, ids: list[int], final: bool) -> Split:
         """Choice i's new text split into reasoning and answer (all answer without a reasoning parser)."""
@@ -231,12 +246,12 @@ class ChatSerializer(Serializer):
     def message(self, split: Split) -> tuple[ChatResponseMessage, Any]:
         """The whole message of a choice: its reasoning apart, its answer through a fresh tool-call parser
         when tools are in play."""
-        reasoning = split.reasoning or None
+        reasoning = (self.echo.reasoning + split.reasoning) or None
         if self.tools.new_parser is None:
-            return ChatResponseMessage(content=split.content, reasoning_content=reasoning), None
+            return ChatResponseMessage(content=self.echo.content + split.content, reasoning_content=reasoning), None
         parser = self.tools.new_parser()
         content, _ = parser.feed(split.content)
-        content += parser.finish()[0]
+        content = self.echo.content + content + parser.finish()[0]
         calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
                  for c in parser.tool_calls]
         return ChatResponseMessage(content=content or (None if calls else ""), reasoning_content=reasoning,
@@ -273,7 +288,9 @@ class ChatSerializer(Serializer):
         first = [ChatCompletionChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                  for i in range(len(self.requests) * self.n)]
         ids = self.requests[0].prompt_ids if self.body.return_token_ids else None
-        return [self.chunk(first, prompt_token_ids=ids)]
+        echoed = [self.text_chunk(i, field, text) for i in range(len(first))
+                  for field, text in (("reasoning_content", self.echo.reasoning), ("content", self.echo.content)) if text]
+        return [self.chunk(first, prompt_token_ids=ids), *echoed]
 
     def parse_delta(self, r: EngineRequest, index: int, text: str, ids: list[int]) -> tuple[str, str, list[ToolCallDelta], Any]:
         """A choice's new text as (reasoning, answer, tool-call deltas, its tool-call parser or None), through

@@ -90,6 +90,10 @@ def test_r1_template_output_is_reasoning(model, tmp_path) -> None:
             whole = c.post("/v1/chat/completions", json=thinking).json()
             assert whole["choices"][0]["message"]["reasoning_content"] and not whole["choices"][0]["message"]["content"]
             assert whole["usage"]["completion_tokens_details"]["reasoning_tokens"] == 12
+            # echo: the prefix's own text in its own field, before the continuation
+            echoed = c.post("/v1/chat/completions", json={**thinking, "echo": True}).json()["choices"][0]["message"]
+            assert echoed["reasoning_content"] == "\nSo" + whole["choices"][0]["message"]["reasoning_content"]
+            assert stream(c, {**answer, "echo": True})[:2] == ("", "Sure:" + msg["content"])
     finally:
         server.stop()
 

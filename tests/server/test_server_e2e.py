@@ -599,7 +599,8 @@ def test_omnikv_request_field(server, client):
 def test_continue_final_message_prefills_the_reply(server, client, model_dir):
     """A final assistant message continued (vLLM's continue_final_message, DeepSeek's prefix): the prompt is
     transformers' rendering with continue_final_message (no end of turn after the text), the reply holds
-    only the continuation, which is what the completions API gives for that prompt, streamed or not."""
+    only the continuation, which is what the completions API gives for that prompt, streamed or not (with
+    vLLM's echo, the whole message)."""
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(model_dir)
     prefill = "The sea is"
@@ -628,6 +629,15 @@ def test_continue_final_message_prefills_the_reply(server, client, model_dir):
             assert r.model_extra["prompt_token_ids"] == want
         chunks = client.chat.completions.create(stream=True, **kw, **form)
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == oracle
+    # vLLM's echo: the whole message, whole and streamed; nothing is echoed after a user message
+    form = dict(messages=messages, extra_body={"continue_final_message": True, "ignore_eos": True, "echo": True})
+    r = client.chat.completions.create(n=2, **kw, **form)
+    assert [c.message.content for c in r.choices] == [prefill + oracle] * 2
+    chunks = list(client.chat.completions.create(stream=True, **kw, **form))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == prefill + oracle
+    r = client.chat.completions.create(messages=MSG, extra_body={"echo": True, "ignore_eos": True}, **kw)
+    assert r.choices[0].message.content == client.chat.completions.create(
+        messages=MSG, extra_body={"ignore_eos": True}, **kw).choices[0].message.content
     # the plain request opens a new assistant turn instead
     plain = client.chat.completions.create(messages=messages, extra_body={"return_token_ids": True}, **kw)
     assert plain.model_extra["prompt_token_ids"] == ended
