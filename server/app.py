@@ -122,8 +122,8 @@ def mlaserve_version() -> str:
 
 
 class AuthMiddleware:
-    """`/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer KEY` when a key is set; compared
-    in constant time.
+    """`/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer KEY` (or Anthropic's
+    `x-api-key: KEY`) when a key is set; compared in constant time.
 
     Plain ASGI on purpose: Starlette's BaseHTTPMiddleware wraps `receive`, and handlers then never
     see the client's disconnect (which must abort the request in the engine)."""
@@ -136,11 +136,13 @@ class AuthMiddleware:
         key = self.state.api_key
         path = scope.get("path", "")
         if scope["type"] == "http" and key and (path.startswith("/v1") or path in KEYED_PATHS):
-            header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
-            scheme, _, given = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
-                resp = error_response(401, "invalid or missing API key (send Authorization: Bearer KEY)",
-                                      "authentication_error", code="invalid_api_key")
+            headers = dict(scope.get("headers") or [])
+            scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+            if scheme.lower() != "bearer":  # Anthropic's clients send the key as `x-api-key`
+                given = headers.get(b"x-api-key", b"").decode("latin-1")
+            if not hmac.compare_digest(given.strip().encode(), key.encode()):
+                resp = error_response(401, "invalid or missing API key (send Authorization: Bearer KEY, or "
+                                      "x-api-key: KEY)", "authentication_error", code="invalid_api_key")
                 return await resp(scope, receive, send)
         await self.app(scope, receive, send)
 

@@ -134,6 +134,7 @@ class StopStringMatcher:
         self._state = [0] * len(self._stops)  # per stop: length of its prefix the text now ends with
         self._held = ""
         self._stopped = False
+        self.matched: str | None = None  # the stop string that cut the text (the longest one ending there)
 
     @property
     def stopped(self) -> bool:
@@ -154,7 +155,9 @@ class StopStringMatcher:
                 if stop[k] == ch:
                     k += 1
                 if k == len(stop):
-                    hit, k = max(hit, k), fail[k - 1]
+                    if k > hit:
+                        hit, self.matched = k, stop
+                    k = fail[k - 1]
                 self._state[n] = k
             if hit:
                 self._stopped, self._held = True, ""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationInfo
@@ -92,6 +92,17 @@ class _Body(_Request):
         return data
 
 
+def check_part_types(content: Any, allowed: Collection[str], refusal: str) -> Any:
+    """A message's `content` as it came, when it is not a list of parts or every part's `type` is
+    allowed; otherwise the validation error naming the first other part, then `refusal` (what to send)."""
+    if isinstance(content, list):
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            if kind not in allowed:
+                raise _invalid(f"content part {i} has type {kind!r}: {refusal}")
+    return content
+
+
 class TextContentPart(_Request):
     type: Literal["text"]
     text: str
@@ -125,12 +136,7 @@ class ChatMessage(_Request):
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts_only(cls, value: Any) -> Any:
-        if isinstance(value, list):
-            for i, part in enumerate(value):
-                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-                if kind != "text":
-                    raise _invalid(f"content part {i} has type {kind!r}: only 'text' parts are supported")
-        return value
+        return check_part_types(value, ("text",), "only 'text' parts are supported")
 
     @field_validator("content")
     @classmethod

@@ -46,6 +46,7 @@ from server.protocol import (
     UsageInfo,
     sse_data,
 )
+from server import messages_api
 from server.reasoning import ReasoningParser, Split, parser_kind
 from server.responses_api import (
     IncompleteDetails,
@@ -637,3 +638,99 @@ class CompletionSerializer(Serializer):
             index=i, text=text, logprobs=self.completion_logprobs(r, lps), finish_reason=choice.finish_reason,
             token_ids=ids if self.body.return_token_ids else None,
         )])]
+
+
+class MessagesSerializer(ChatSerializer):
+    """Anthropic's Messages API's answer to a request the chat path served (`server.messages_api`): the
+    chat serializer's reasoning and tool-call parsing (one choice), told as content blocks — `thinking`,
+    `text`, `tool_use` in the order the model writes them. A stream is SSE events with `event: <type>`
+    lines: `message_start`, each block's `content_block_start` / `_delta` (`thinking_delta`,
+    `text_delta`, `input_json_delta`) / `_stop`, then `message_delta` (stop reason, output tokens) and
+    `message_stop`; an error mid-stream is an `error` event. `usage.input_tokens` counts the prompt tokens
+    the prefix cache did not hold, `cache_read_input_tokens` those it did, as Anthropic counts them."""
+
+    stream_close = ""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.id = f"msg_{uuid.uuid4().hex}"
+        self.block: tuple[int, str] | None = None  # the open block's index and type, while streaming
+        self.blocks = 0
+
+    def sse(self, payload: Any) -> str:
+        return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    def stream_error(self, e: ClientError) -> list[Any]:
+        return [messages_api.error_body(e.status, e.message, e.code)]
+
+    def anthropic_usage(self, final: bool = True) -> dict[str, Any]:
+        u = self.usage()
+        cached = (u.prompt_tokens_details.cached_tokens or 0) if u.prompt_tokens_details is not None else 0
+        return {"input_tokens": u.prompt_tokens - cached, "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": cached, "output_tokens": u.completion_tokens if final else 0}
+
+    def stop(self) -> tuple[str | None, str | None]:
+        choice = self.requests[0].choices[0]
+        parser = self.parsers.get(0)
+        return messages_api.stop_reason(self.finish_reason(choice.finish_reason, parser), choice.stops.matched)
+
+    def message_object(self, content: list[dict[str, Any]], final: bool) -> dict[str, Any]:
+        reason, sequence = self.stop() if final else (None, None)
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.state.model_name,
+                "content": content, "stop_reason": reason, "stop_sequence": sequence,
+                "usage": self.anthropic_usage(final)}
+
+    def response(self) -> dict:
+        self.finish_splits()
+        message, parser = self.message(self.split.get(0, Split()))
+        if parser is not None:
+            self.parsers[0] = parser
+        content: list[dict[str, Any]] = []
+        if message.reasoning_content:
+            content.append({"type": "thinking", "thinking": message.reasoning_content, "signature": ""})
+        if message.content:
+            content.append({"type": "text", "text": message.content})
+        for c in message.tool_calls or ():
+            content.append({"type": "tool_use", "id": c.id, "name": c.function.name,
+                            "input": json.loads(c.function.arguments)})
+        return self.message_object(content, final=True)
+
+    def stream_start(self) -> list[Any]:
+        return [{"type": "message_start", "message": self.message_object([], final=False)}]
+
+    def _open(self, kind: str, **fields: Any) -> list[dict[str, Any]]:
+        """The events that close the open block and start a new one of `kind`."""
+        out = self._close()
+        self.block, self.blocks = (self.blocks, kind), self.blocks + 1
+        return [*out, {"type": "content_block_start", "index": self.block[0], "content_block": {"type": kind, **fields}}]
+
+    def _close(self) -> list[dict[str, Any]]:
+        if self.block is None:
+            return []
+        index, self.block = self.block[0], None
+        return [{"type": "content_block_stop", "index": index}]
+
+    def _delta(self, kind: str, delta: dict[str, Any], **start: Any) -> list[dict[str, Any]]:
+        out = self._open(kind, **start) if self.block is None or self.block[1] != kind else []
+        assert self.block is not None
+        return [*out, {"type": "content_block_delta", "index": self.block[0], "delta": delta}]
+
+    def stream_delta(self, r, index, text, ids, lps):
+        reasoning, text, deltas, _ = self.parse_delta(r, index, text, ids)
+        out: list[dict[str, Any]] = []
+        if reasoning:
+            out += self._delta("thinking", {"type": "thinking_delta", "thinking": reasoning}, thinking="", signature="")
+        if text:
+            out += self._delta("text", {"type": "text_delta", "text": text}, text="")
+        for d in deltas:
+            if d.id is not None:  # a new call: its own block
+                out += self._open("tool_use", id=d.id, name=d.name, input={})
+            if d.arguments:
+                out += self._delta("tool_use", {"type": "input_json_delta", "partial_json": d.arguments})
+        return out
+
+    def stream_end(self) -> list[Any]:
+        reason, sequence = self.stop()
+        usage = self.anthropic_usage()
+        return [*self._close(), {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                 "usage": {"output_tokens": usage["output_tokens"]}}, {"type": "message_stop"}]

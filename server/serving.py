@@ -59,7 +59,9 @@ from server.protocol import (
     describe_validation_error,
     error_body,
 )
-from server.responses import ChatSerializer, CompletionSerializer, ResponsesSerializer, Serializer
+from server import messages_api
+from server.messages_api import MessagesRequest
+from server.responses import ChatSerializer, CompletionSerializer, MessagesSerializer, ResponsesSerializer, Serializer
 from server.responses_api import ResponsesRequest, rename_error, to_chat_request
 from server.state import ClientError, ServerState, error_response
 from server.reasoning import THINK_CLOSE, parser_kind, starts_in_reasoning
@@ -105,6 +107,14 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
     async def responses(raw: Request, body: ResponsesRequest) -> Response:
         return state.unavailable() or await _responses(raw, state, body)
 
+    @app.post("/v1/messages")
+    async def messages(raw: Request) -> Response:
+        return _anthropic(state.unavailable() or await _messages(raw, state))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(raw: Request) -> Response:
+        return _anthropic(state.unavailable() or await _answer(lambda: _count_tokens(state, raw)))
+
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> Response:
         return state.unavailable() or await _answer(lambda: _tokenize(state, raw))
@@ -132,6 +142,47 @@ async def _responses(raw: Request, state: ServerState, body: ResponsesRequest) -
     headers = {k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "content-type")}
     return error_response(resp.status_code, message, str(error.get("type", "invalid_request_error")), param,
                           error.get("code"), headers)
+
+
+async def _messages(raw: Request, state: ServerState) -> Response:
+    """Anthropic's Messages API: the request as a chat completions request, served by the chat path with
+    the Messages serializer."""
+    try:
+        body = await _json_body(raw, lambda _: MessagesRequest)
+        check_model(state, body.model)
+        chat = messages_api.to_chat_request(body)
+    except ClientError as e:
+        return e.response()
+    except ParamError as e:
+        return ClientError.bad_param(e).response()
+    return await counted(raw, state, chat, MessagesSerializer)
+
+
+async def _count_tokens(state: ServerState, raw: Request) -> messages_api.TokenCount:
+    """Anthropic's token count: the prompt tokens the same request to `/v1/messages` would have."""
+    body = await _json_body(raw, lambda _: messages_api.CountTokensRequest)
+    check_model(state, body.model)
+    try:
+        chat = messages_api.to_chat_request(body)
+        prompts, _ = build_prompts(state, chat)
+    except ParamError as e:
+        raise ClientError.bad_param(e) from None
+    return messages_api.TokenCount(input_tokens=len(prompts[0][0]))
+
+
+def _anthropic(resp: Response) -> Response:
+    """An error answer in Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`); other
+    answers as they are."""
+    if not isinstance(resp, JSONResponse) or resp.status_code < 400:
+        return resp
+    error = json.loads(bytes(resp.body)).get("error") or {}
+    param = error.get("param")
+    message = str(error.get("message", ""))
+    if param and param not in message:
+        message = f"{param}: {message}"
+    headers = {k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "content-type")}
+    return JSONResponse(messages_api.error_body(resp.status_code, message, error.get("code")),
+                        status_code=resp.status_code, headers=headers)
 
 
 async def _answer(work: Callable[[], Awaitable[BaseModel]]) -> Response:

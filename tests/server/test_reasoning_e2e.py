@@ -94,6 +94,13 @@ def test_r1_template_output_is_reasoning(model, tmp_path) -> None:
             echoed = c.post("/v1/chat/completions", json={**thinking, "echo": True}).json()["choices"][0]["message"]
             assert echoed["reasoning_content"] == "\nSo" + whole["choices"][0]["message"]["reasoning_content"]
             assert stream(c, {**answer, "echo": True})[:2] == ("", "Sure:" + msg["content"])
+            # Anthropic's Messages API: the reasoning is a thinking block, whole and streamed
+            ask = {"model": "m", "max_tokens": 12, "messages": BODY["messages"], "temperature": 0}
+            m = c.post("/v1/messages", json=ask).json()
+            assert m["content"] == [{"type": "thinking", "thinking": reasoning, "signature": ""}], m
+            deltas = [json.loads(line[6:])["delta"] for line in c.post("/v1/messages", json={**ask, "stream": True}).text
+                      .splitlines() if line.startswith("data: ") and '"content_block_delta"' in line]
+            assert "".join(d["thinking"] for d in deltas) == reasoning and {d["type"] for d in deltas} == {"thinking_delta"}
     finally:
         server.stop()
 

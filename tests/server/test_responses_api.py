@@ -44,12 +44,13 @@ def serve(model: Path, log: Path, *flags: str) -> ServerProcess:
                          "--context-length", "2048", *flags, log=log).wait_ready(300)
 
 
-def sse(url: str, body: dict) -> list[dict]:
-    """The raw stream of a Responses request: each event's data, checked against its `event:` line and
-    validated by the SDK's event types; sequence numbers count up from 0 and no `[DONE]` ends it."""
+def named_events(url: str, body: dict, types: TypeAdapter, headers: dict[str, str] | None = None) -> list[dict]:
+    """A streamed request's events, for APIs that name each (`event: <type>` before its `data:` line):
+    each event's data, checked against its name and validated by the SDK's event types (`types`); no
+    `[DONE]` ends the stream."""
     events: list[dict] = []
     name = None
-    with httpx.stream("POST", url + "/v1/responses", json={**body, "stream": True}, timeout=300) as r:
+    with httpx.stream("POST", url, json={**body, "stream": True}, headers=headers, timeout=300) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
@@ -58,11 +59,17 @@ def sse(url: str, body: dict) -> list[dict]:
             elif line.startswith("data: "):
                 data = json.loads(line[6:])
                 assert data["type"] == name, (name, data)
-                EVENT.validate_python(data)
+                types.validate_python(data)
                 events.append(data)
                 name = None
             else:
                 assert line == "", line
+    return events
+
+
+def sse(url: str, body: dict) -> list[dict]:
+    """The raw stream of a Responses request (`named_events`); sequence numbers count up from 0."""
+    events = named_events(url + "/v1/responses", body, EVENT)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
     assert events[-1]["type"] in ("response.completed", "response.incomplete")

@@ -1,0 +1,254 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`) at the server edge:
+its request, the chat completions request it becomes, and its error shape. The answer is told by
+`server.responses.MessagesSerializer`.
+
+    MessagesRequest --to_chat_request--> ChatCompletionRequest --(the chat completions path)-->
+        MessagesSerializer --> Message | SSE events
+
+As with the Responses API, this module only converts shapes: a request renders exactly as the equivalent
+chat completions request (same prompt tokens) and is parsed by the same reasoning and tool-call parsers.
+- `system` comes first, as a system message; a user message's `text` blocks are its text, its
+  `tool_result` blocks `tool` messages (before the text, answering an earlier `tool_use` by its id); an
+  assistant message's `text` blocks are its text and its `tool_use` blocks its tool calls; `thinking`
+  blocks are dropped, as chat messages carry no reasoning into the prompt. Images and documents are a 400.
+- A final assistant message is a prefill, as Anthropic's API has it: the model continues its text
+  (`continue_final_message`) and the reply holds only what it adds.
+- `tools` (`name`, `description`, `input_schema`) become chat's function tools; `tool_choice` `auto`,
+  `any`, `tool` (by `name`) and `none` chat's `auto`, `required`, a named function and `none`;
+  `disable_parallel_tool_use` is `parallel_tool_calls: false`. Anthropic's server tools (a `type` such as
+  `web_search_20250305`) are a 400: this server runs none.
+- `max_tokens` (required), `stop_sequences`, `temperature`, `top_p`, `top_k` and `stream` map one to one
+  (Anthropic's newer SDKs send the sampling fields only through `extra_body`); `output_config.format`
+  (`{"type": "json_schema", "schema"}`, structured outputs) is chat's `response_format`; `metadata`,
+  `thinking`, `output_config.effort` and `service_tier` are accepted and ignored, and so are fields this
+  API does not know, as on chat completions.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator
+
+from scheduler.sampling_params import ParamError
+from server.protocol import (
+    _FUNCTION_NAME,
+    ChatCompletionRequest,
+    _Body,
+    _invalid,
+    _Request,
+    _Response,
+    check_part_types,
+    describe_validation_error,
+)
+
+# Anthropic's error types by HTTP status (its API answers 529 `overloaded_error`; this server's overload
+# is a 503, typed the same)
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
+
+
+def error_type(status: int, code: str | None) -> str:
+    """Anthropic's `error.type` for one of this server's errors."""
+    if code == "overloaded":
+        return "overloaded_error"
+    return _ERROR_TYPES.get(status, "api_error")
+
+
+def error_body(status: int, message: str, code: str | None = None) -> dict[str, Any]:
+    """An error as Anthropic's API writes it (the body of a 4xx/5xx, and a stream's `error` event)."""
+    return {"type": "error", "error": {"type": error_type(status, code), "message": message}}
+
+
+# ---------------------------------------------------------------- requests
+
+
+class TextBlock(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(_Request):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Request):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    is_error: StrictBool | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(b.text for b in self.content)
+        return self.content or ""
+
+
+class ThinkingBlock(_Request):
+    """An earlier turn's reasoning, sent back by clients that keep it: dropped from the prompt."""
+
+    type: Literal["thinking", "redacted_thinking"]
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
+
+
+class MessageParam(_Request):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _known_blocks(cls, value: Any) -> Any:
+        return check_part_types(value, ("text", "tool_use", "tool_result", "thinking", "redacted_thinking"),
+                                "this server reads text, tool_use, tool_result and thinking blocks (no images or "
+                                "documents)")
+
+
+class ToolParam(_Request):
+    name: str = Field(pattern=_FUNCTION_NAME)
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None  # "custom" or absent; Anthropic's server tools name their kind here
+
+    @field_validator("type")
+    @classmethod
+    def _client_tools_only(cls, value: str | None) -> str | None:
+        if value not in (None, "custom"):
+            raise _invalid(f"tool type {value!r} is one of Anthropic's server tools, which this server does not "
+                           "run: describe a client tool with name, description and input_schema")
+        return value
+
+
+class ToolChoiceParam(_Request):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: StrictBool | None = None
+
+
+class OutputFormat(_Request):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Request):
+    format: OutputFormat | None = None
+    effort: str | None = None  # accepted, ignored
+
+
+class MessagesRequest(_Body):
+    model: str
+    max_tokens: StrictInt
+    messages: list[MessageParam] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None
+    stream: StrictBool | None = False
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoiceParam | None = None
+    output_config: OutputConfig | None = None
+    metadata: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+
+class CountTokensRequest(MessagesRequest):
+    """`/v1/messages/count_tokens`: a request's prompt, counted; nothing is generated."""
+
+    max_tokens: StrictInt = 1
+
+
+class TokenCount(_Response):
+    input_tokens: int
+
+
+def _text(content: str | list[TextBlock] | None) -> str:
+    if isinstance(content, list):
+        return "\n".join(b.text for b in content)
+    return content or ""
+
+
+def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
+    """The chat completions request this Messages request is; ParamError naming the Messages field for
+    what cannot be converted."""
+    messages: list[dict[str, Any]] = []
+    if req.system:
+        messages.append({"role": "system", "content": _text(req.system)})
+    called: set[str] = set()
+    for i, m in enumerate(req.messages):
+        blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+        for k, b in enumerate(blocks):
+            if b.type not in _BLOCKS[m.role]:
+                raise ParamError(f"messages.[{i}].content.[{k}]",
+                                 f"a {m.role} message cannot hold a {b.type} block (messages[{i}].content[{k}])")
+        texts = [b.text for b in blocks if isinstance(b, TextBlock)]
+        if m.role == "user":
+            for k, b in enumerate(blocks):
+                if isinstance(b, ToolResultBlock):
+                    if b.tool_use_id not in called:
+                        raise ParamError(f"messages.[{i}].content.[{k}].tool_use_id",
+                                         f"tool_use_id '{b.tool_use_id}' matches no tool_use block before it")
+                    text = b.text()
+                    messages.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                                     "content": f"Error: {text}" if b.is_error else text})
+            if texts or not any(isinstance(b, ToolResultBlock) for b in blocks):
+                messages.append({"role": "user", "content": "\n".join(texts)})
+            continue
+        calls = [{"id": b.id, "type": "function",
+                  "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
+                 for b in blocks if isinstance(b, ToolUseBlock)]
+        called.update(c["id"] for c in calls)
+        messages.append({"role": "assistant", "content": "\n".join(texts) if texts else None,
+                         **({"tool_calls": calls} if calls else {})})
+    final = messages[-1]
+    prefill = final["role"] == "assistant"
+    if prefill and (final.get("tool_calls") or not (final["content"] or "").strip()):
+        raise ParamError("messages", "the final message is the assistant's and has no text to continue: end with "
+                         "a user message (with the tool_result blocks of any tool_use)")
+    chat: dict[str, Any] = {"model": req.model, "messages": messages, "max_tokens": req.max_tokens,
+                            "stream": bool(req.stream), "continue_final_message": prefill}
+    for field in ("temperature", "top_p", "top_k"):
+        if field in req.model_fields_set:
+            chat[field] = getattr(req, field)
+    if req.stop_sequences:
+        chat["stop"] = req.stop_sequences
+    if req.tools is not None:
+        chat["tools"] = [{"type": "function", "function": {
+            "name": t.name, **({"description": t.description} if t.description else {}),
+            "parameters": t.input_schema or {"type": "object", "properties": {}}}} for t in req.tools]
+    fmt = req.output_config.format if req.output_config is not None else None
+    if fmt is not None:
+        chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
+    choice = req.tool_choice
+    if choice is not None:
+        if choice.type == "tool":
+            if not choice.name:
+                raise ParamError("tool_choice.name", "tool_choice of type 'tool' needs the tool's name")
+            chat["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        else:
+            chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+        if choice.disable_parallel_tool_use:
+            chat["parallel_tool_calls"] = False
+    try:
+        return ChatCompletionRequest.model_validate(chat)
+    except ValidationError as e:  # the blocks were checked: this would be a conversion bug, still a 400
+        message, param = describe_validation_error(e.errors())
+        raise ParamError(param or "messages", message) from None
+
+
+def stop_reason(finish_reason: str | None, matched: str | None) -> tuple[str | None, str | None]:
+    """Anthropic's `stop_reason` and `stop_sequence` for a choice's finish reason and the stop string
+    that ended it."""
+    if finish_reason == "length":
+        return "max_tokens", None
+    if finish_reason == "tool_calls":
+        return "tool_use", None
+    if finish_reason == "stop":
+        return ("stop_sequence", matched) if matched else ("end_turn", None)
+    return None, None

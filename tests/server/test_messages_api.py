@@ -1,0 +1,217 @@
+"""Anthropic's `POST /v1/messages` (and `/v1/messages/count_tokens`) through the official Anthropic SDK
+against a real server. The Messages API is the chat completions path in another shape, so the oracle is
+chat completions itself (same prompt tokens, same greedy tokens), plus the SDK's own types (every raw
+response and stream event validates against `anthropic.types`), its stream helper, and `jsonschema` for
+tool inputs and structured outputs.
+
+Server: a tiny synthetic DeepSeek-V3 with the official DeepSeek-V3 chat template (it renders tool calls
+and their results, so a tool round trip renders as chat renders it; random weights, so forced calls and
+schemas come from the grammar engine), behind an API key, which Anthropic's SDK sends as `x-api-key`."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import TypeAdapter
+
+from models.synthetic import write_checkpoint
+from tests.server.test_responses_api import DSV3_TEMPLATE, FLAG, named_events, serve
+
+anthropic = pytest.importorskip("anthropic")
+from anthropic.types import Message, RawMessageStreamEvent  # noqa: E402
+
+KEY = "messages-key"
+EVENT = TypeAdapter(RawMessageStreamEvent)
+WEATHER = {"name": "get_weather", "description": "Current weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
+                            "required": ["city", "unit"], "additionalProperties": False}}
+SYSTEM, ASK = "Be brief.", "Tell me about the sea."
+GREEDY = {"temperature": 0}  # the SDK sends sampling fields through extra_body
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = write_checkpoint(tmp_path_factory.mktemp("dsv3"), "tiny-deepseek-v3", seed=3)
+    srv = serve(model, tmp_path_factory.mktemp("log") / "server.log", "--chat-template", str(DSV3_TEMPLATE),
+                "--api-key", KEY)
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def chat(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def sse(url: str, body: dict) -> list[dict]:
+    """The raw stream (`named_events`), its events in the order the API defines."""
+    events = named_events(url + "/v1/messages", {"model": "m", **body}, EVENT, headers={"x-api-key": KEY})
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"], kinds
+    open_index = None
+    for e in events[1:-2]:  # blocks one at a time: start, deltas of that index, stop
+        if e["type"] == "content_block_start":
+            assert open_index is None
+            open_index = e["index"]
+        else:
+            assert e["index"] == open_index, e
+            if e["type"] == "content_block_stop":
+                open_index = None
+    assert open_index is None
+    return events
+
+
+def streamed_blocks(events: list[dict]) -> list[dict]:
+    """The content blocks a stream tells, put together (tool inputs parsed from their JSON deltas)."""
+    blocks: list[dict] = []
+    for e in events:
+        if e["type"] == "content_block_start":
+            blocks.append({**e["content_block"], "json": ""})
+        elif e["type"] == "content_block_delta":
+            d, b = e["delta"], blocks[e["index"]]
+            if d["type"] == "text_delta":
+                b["text"] += d["text"]
+            elif d["type"] == "thinking_delta":
+                b["thinking"] += d["thinking"]
+            else:
+                b["json"] += d["partial_json"]
+    for b in blocks:
+        if b["type"] == "tool_use":
+            b["input"] = json.loads(b["json"])
+        del b["json"]
+    return blocks
+
+
+def test_text_is_the_chat_answer_whole_and_streamed(server, client, chat):
+    want = chat.chat.completions.create(model="m", messages=[{"role": "system", "content": SYSTEM},
+                                                             {"role": "user", "content": ASK}], max_tokens=10, **GREEDY)
+    body = {"max_tokens": 10, "system": SYSTEM, "messages": [{"role": "user", "content": ASK}], **GREEDY,
+            "metadata": {"user_id": "u"}, "service_tier": "auto"}  # accepted, ignored
+    m = client.messages.create(model="m", **{k: v for k, v in body.items() if k != "temperature"}, extra_body=GREEDY)
+    raw = httpx.post(server.url + "/v1/messages", json={"model": "m", **body}, headers={"x-api-key": KEY}, timeout=300)
+    Message.model_validate(raw.json())
+    assert m.id.startswith("msg_") and m.type == "message" and m.role == "assistant" and m.model == "m"
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == want.choices[0].message.content
+    assert m.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[want.choices[0].finish_reason]
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == want.usage.prompt_tokens
+    assert m.usage.output_tokens == want.usage.completion_tokens
+    events = sse(server.url, body)
+    assert streamed_blocks(events) == [{"type": "text", "text": m.content[0].text}]
+    assert events[-2]["delta"]["stop_reason"] == m.stop_reason and events[-2]["usage"]["output_tokens"] == 10
+    with client.messages.stream(model="m", max_tokens=10, system=SYSTEM, messages=[{"role": "user", "content": ASK}],
+                                extra_body=GREEDY) as s:
+        assert "".join(s.text_stream) == m.content[0].text
+        final = s.get_final_message()
+    assert [(b.type, b.text) for b in final.content] == [(b.type, b.text) for b in m.content]
+    assert final.stop_reason == m.stop_reason
+    count = client.messages.count_tokens(model="m", system=SYSTEM, messages=[{"role": "user", "content": ASK}])
+    assert count.input_tokens == want.usage.prompt_tokens
+
+
+def test_stop_sequence_is_named(client):
+    ask = [{"role": "user", "content": ASK}]
+    text = client.messages.create(model="m", max_tokens=24, messages=ask, extra_body=GREEDY).content[0].text
+    stop = text[6:9]
+    assert len(stop) == 3, text
+    m = client.messages.create(model="m", max_tokens=24, messages=ask, stop_sequences=[stop], extra_body=GREEDY)
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop)
+    assert m.content[0].text == text.split(stop)[0]
+
+
+def test_forced_tool_call_and_its_result_round_trip(server, client, chat):
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    m = client.messages.create(model="m", max_tokens=120, messages=ask, tools=[WEATHER], tool_choice={"type": "any"},
+                               extra_body=GREEDY)
+    assert m.stop_reason == "tool_use"
+    calls = [b for b in m.content if b.type == "tool_use"]
+    assert calls and calls[0].name == "get_weather"
+    jsonschema.validate(calls[0].input, WEATHER["input_schema"])
+    named = client.messages.create(model="m", max_tokens=120, messages=ask, tools=[WEATHER],
+                                   tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True})
+    assert [b.type for b in named.content] == ["tool_use"]
+    events = sse(server.url, {"max_tokens": 120, "messages": ask, "tools": [WEATHER], "tool_choice": {"type": "any"},
+                              **GREEDY})
+    blocks = [b for b in streamed_blocks(events) if b["type"] == "tool_use"]
+    assert [(b["name"], b["input"]) for b in blocks] == [(c.name, c.input) for c in calls]
+    assert events[-2]["delta"]["stop_reason"] == "tool_use"
+    # the result goes back as a user message's tool_result block: it renders as chat's tool message does
+    call = calls[0]
+    history = [*ask, {"role": "assistant", "content": [{"type": "text", "text": "Let me look."}, call.model_dump(
+        include={"type", "id", "name", "input"})]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                      "content": [{"type": "text", "text": "18 C, sunny"}]}, {"type": "text", "text": "And?"}]}]
+    m = client.messages.create(model="m", max_tokens=8, messages=history, tools=[WEATHER], extra_body=GREEDY)
+    as_chat = [*ask, {"role": "assistant", "content": "Let me look.", "tool_calls": [{
+        "id": call.id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.input, ensure_ascii=False)}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"}, {"role": "user", "content": "And?"}]
+    want = chat.chat.completions.create(model="m", messages=as_chat, max_tokens=8,
+                                        tools=[{"type": "function", "function": {
+                                            "name": WEATHER["name"], "description": WEATHER["description"],
+                                            "parameters": WEATHER["input_schema"]}}], **GREEDY)
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == want.usage.prompt_tokens
+    assert "".join(b.text for b in m.content if b.type == "text") == (want.choices[0].message.content or "")
+
+
+def test_a_final_assistant_message_is_a_prefill(client, chat):
+    history = [{"role": "user", "content": ASK}, {"role": "assistant", "content": "The sea"}]
+    m = client.messages.create(model="m", max_tokens=8, messages=history, extra_body=GREEDY)
+    want = chat.chat.completions.create(model="m", messages=history, max_tokens=8,
+                                        extra_body={"continue_final_message": True}, **GREEDY)
+    assert m.content[0].text == want.choices[0].message.content
+
+
+def test_output_config_format_is_a_json_schema(client):
+    m = client.messages.create(model="m", max_tokens=40, messages=[{"role": "user", "content": "Is it sunny?"}],
+                               output_config={"format": {"type": "json_schema", "schema": FLAG}})
+    assert m.stop_reason == "end_turn", m
+    jsonschema.validate(json.loads(m.content[0].text), FLAG)
+
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    ({"messages": USER}, 400, "max_tokens"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "aaaa"}}]}]}, 400, "image"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "x"}]}]}, 400, "matches no tool_use"),
+    ({"max_tokens": 4, "messages": [*USER, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]}]}, 400, "tool_result"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]}]}, 400, "cannot hold"),
+    ({"max_tokens": 4, "messages": USER, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400,
+     "server tools"),
+    ({"max_tokens": 4, "messages": USER, "tools": [WEATHER], "tool_choice": {"type": "tool"}}, 400, "name"),
+    ({"max_tokens": 4, "messages": USER, "model": "claude-sonnet-4-5"}, 404, "does not exist"),
+    ({"max_tokens": 100000, "messages": USER}, 400, "context length"),
+])
+def test_bad_requests_get_anthropic_errors(server, body, status, needle):
+    resp = httpx.post(server.url + "/v1/messages", json={"model": "m", **body}, headers={"x-api-key": KEY}, timeout=60)
+    assert resp.status_code == status, resp.text
+    err = resp.json()
+    assert err["type"] == "error" and set(err["error"]) == {"type", "message"}, err
+    assert err["error"]["type"] == {400: "invalid_request_error", 404: "not_found_error"}[status]
+    assert needle in err["error"]["message"], err
+
+
+def test_sdk_errors_and_the_key(server, client):
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="nope", max_tokens=4, messages=USER)
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model="m", max_tokens=0, messages=USER)
+    wrong = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        wrong.messages.create(model="m", max_tokens=4, messages=USER)
+    bad = httpx.post(server.url + "/v1/messages", content=b"{", headers={"x-api-key": KEY, "content-type": "application/json"})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
