@@ -670,9 +670,12 @@ class MessagesSerializer(ChatSerializer):
                 "cache_read_input_tokens": cached, "output_tokens": u.completion_tokens if final else 0}
 
     def stop(self) -> tuple[str | None, str | None]:
+        """Anthropic's stop reason: `tool_use` whenever the reply called tools, a forced named call too
+        (where chat completions says "stop", as OpenAI's API does)."""
         choice = self.requests[0].choices[0]
         parser = self.parsers.get(0)
-        return messages_api.stop_reason(self.finish_reason(choice.finish_reason, parser), choice.stops.matched)
+        called = choice.finish_reason == "stop" and parser is not None and parser.tool_calls
+        return messages_api.stop_reason("tool_calls" if called else choice.finish_reason, choice.stops.matched)
 
     def message_object(self, content: list[dict[str, Any]], final: bool) -> dict[str, Any]:
         reason, sequence = self.stop() if final else (None, None)

@@ -138,7 +138,7 @@ def test_forced_tool_call_and_its_result_round_trip(server, client, chat):
     jsonschema.validate(calls[0].input, WEATHER["input_schema"])
     named = client.messages.create(model="m", max_tokens=120, messages=ask, tools=[WEATHER],
                                    tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True})
-    assert [b.type for b in named.content] == ["tool_use"]
+    assert [b.type for b in named.content] == ["tool_use"] and named.stop_reason == "tool_use"
     events = sse(server.url, {"max_tokens": 120, "messages": ask, "tools": [WEATHER], "tool_choice": {"type": "any"},
                               **GREEDY})
     blocks = [b for b in streamed_blocks(events) if b["type"] == "tool_use"]
@@ -172,7 +172,7 @@ def test_a_final_assistant_message_is_a_prefill(client, chat):
 
 def test_output_config_format_is_a_json_schema(client):
     m = client.messages.create(model="m", max_tokens=40, messages=[{"role": "user", "content": "Is it sunny?"}],
-                               output_config={"format": {"type": "json_schema", "schema": FLAG}})
+                               extra_body={"output_config": {"format": {"type": "json_schema", "schema": FLAG}}})
     assert m.stop_reason == "end_turn", m
     jsonschema.validate(json.loads(m.content[0].text), FLAG)
 
