@@ -46,7 +46,8 @@ the routes (404 `model_not_found`, 400 `context_length_exceeded`), admission (50
 shutdown (503 `shutting_down`), the engine, a crash (500) — it is counted exactly once:
 - a response with status >= 400 counts once: `code` is the OpenAI body's `error.code`, else its
   `error.type` (a parameter refused by validation has no code: `invalid_request_error`), else `other`;
-  `status` is the HTTP status sent;
+  an error answered in Anthropic's shape counts under the code its route noted (`note_answer_code`),
+  the one the OpenAI routes' same error has; `status` is the HTTP status sent;
 - a stream that fails after its 200 went out (an error event, then `[DONE]`) counts once with the code
   the server noted through `on_error` and `status="200"`: the status the client saw;
 - not counted: `/health` (its 503 answers the health question; counting it would make the error rate
@@ -251,6 +252,14 @@ class Metrics(Collector):
         status = ENGINE_ERROR_STATUS.get(code)
         self.count_error(code, str(status) if status else "unknown")
 
+    def note_answer_code(self, code: str) -> None:
+        """The current request's error answer is written in a shape whose body does not carry OpenAI's
+        code (Anthropic's Messages API): the middleware counts it by `code`, as the OpenAI routes' same
+        error is counted."""
+        note = _REQUEST_NOTE.get()
+        if note is not None:
+            note.answered = error_label(code)
+
     def count_error(self, code: str, status: str) -> None:
         """One request answered with an error: `code` (made a bounded label value) and HTTP `status`."""
         key = (error_label(code), status if status.isdigit() or status == "unknown" else "unknown")
@@ -383,6 +392,7 @@ class _RequestNote:
     """What the routes noted about the request being answered (`Metrics.on_error`)."""
 
     code: str | None = None
+    answered: str | None = None  # the code of an error answered in a shape without OpenAI's code (Anthropic's)
 
 
 # Set by ErrorCountingMiddleware for the length of one HTTP request. The route, its streaming body (in a
@@ -449,6 +459,7 @@ class ErrorCountingMiddleware:
             if status == 0 and crashed:  # ServerErrorMiddleware answers it: 500 internal_error
                 self.metrics().count_error("internal_error", "500")
             elif status >= 400 and status != CLIENT_CLOSED:
-                self.metrics().count_error(error_code_of(bytes(body)) or note.code or "other", str(status))
+                self.metrics().count_error(note.answered or error_code_of(bytes(body)) or note.code or "other",
+                                           str(status))
             elif status and (note.code is not None or crashed):  # failed after a 2xx had started
                 self.metrics().count_error(note.code or "internal_error", str(status))

@@ -109,11 +109,11 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/messages")
     async def messages(raw: Request) -> Response:
-        return _anthropic(state.unavailable() or await _messages(raw, state))
+        return _anthropic(state, state.unavailable() or await _messages(raw, state))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(raw: Request) -> Response:
-        return _anthropic(state.unavailable() or await _answer(lambda: _count_tokens(state, raw)))
+        return _anthropic(state, state.unavailable() or await _answer(lambda: _count_tokens(state, raw)))
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> Response:
@@ -170,12 +170,13 @@ async def _count_tokens(state: ServerState, raw: Request) -> messages_api.TokenC
     return messages_api.TokenCount(input_tokens=len(prompts[0][0]))
 
 
-def _anthropic(resp: Response) -> Response:
-    """An error answer in Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`); other
-    answers as they are."""
+def _anthropic(state: ServerState, resp: Response) -> Response:
+    """An error answer in Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`), counted
+    in the metrics by its OpenAI code as the other routes' errors are; other answers as they are."""
     if not isinstance(resp, JSONResponse) or resp.status_code < 400:
         return resp
     error = json.loads(bytes(resp.body)).get("error") or {}
+    state.metrics.note_answer_code(str(error.get("code") or error.get("type") or "other"))
     param = error.get("param")
     message = str(error.get("message", ""))
     if param and param not in message:

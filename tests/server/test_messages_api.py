@@ -205,6 +205,21 @@ def test_bad_requests_get_anthropic_errors(server, body, status, needle):
     assert needle in err["error"]["message"], err
 
 
+def test_errors_are_counted_by_their_openai_code(server):
+    """An Anthropic-shaped error counts in mlaserve_request_errors_total under the code the OpenAI routes'
+    same error has (the dashboards' labels), not under Anthropic's error type."""
+    def count(code: str, status: int) -> float:
+        for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("mlaserve_request_errors_total{") and f'code="{code}"' in line and \
+                    f'status="{status}"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+    before = count("model_not_found", 404), count("context_length_exceeded", 400)
+    for body in ({"model": "nope", "max_tokens": 4}, {"model": "m", "max_tokens": 100000}):
+        httpx.post(server.url + "/v1/messages", json={**body, "messages": USER}, headers={"x-api-key": KEY}, timeout=60)
+    assert (count("model_not_found", 404), count("context_length_exceeded", 400)) == (before[0] + 1, before[1] + 1)
+
+
 def test_sdk_errors_and_the_key(server, client):
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="nope", max_tokens=4, messages=USER)
