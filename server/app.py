@@ -6,8 +6,9 @@ HTTP concerns:
     400 `invalid_request_error` naming the field, unknown routes 404, bodies over the limit 413;
   * every error answer (but `/health`'s) is counted once in `mlaserve_request_errors_total{code, status}`
     by the outermost middleware (`server.metrics.ErrorCountingMiddleware`);
-  * `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer KEY` when a key is set (compared in
-    constant time); `/health`, `/metrics` and `/version` stay open (as vLLM leaves `/version`);
+  * `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`)
+    when a key is set (compared in constant time); `/health`, `/metrics` and `/version` stay open (as
+    vLLM leaves `/version`);
   * `/health` is 200 only while the engine (every `--dp` replica) is alive and we are not draining for
     shutdown;
   * CORS for `--allowed-origins` (any origin by default, as vLLM and llama.cpp's server): preflights are
