@@ -385,6 +385,8 @@ class ChatInput(_Body):
                 entry["tool_calls"] = [c.model_dump() for c in m.tool_calls]
             if m.tool_call_id is not None:
                 entry["tool_call_id"] = m.tool_call_id
+            if m.prefix:  # DeepSeek-V3.1's template reads it (a continued reply keeps its thinking mode)
+                entry["prefix"] = True
             out.append(entry)
         return out
 

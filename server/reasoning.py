@@ -6,7 +6,9 @@ pieces is held back until it is whole (or the text ends), so a stream and a whol
 same text the same way. Kinds:
 - `deepseek_r1`: DeepSeek-R1 and its distills. Their chat template opens `<think>` in the prompt, so
   the output starts inside the reasoning (an output that still begins with `<think>`, from an older
-  template, has it removed). Everything up to `</think>` is reasoning; output that never closes the
+  template, has it removed).
+  Where the rendered prompt itself ends with `<think>` or `</think>` (DeepSeek-V3.1's template writes one
+  or the other as its `thinking` variable says), that decides, whatever the kind (`after_prompt`). Everything up to `</think>` is reasoning; output that never closes the
   block is all reasoning (the model was cut off while thinking).
 - `qwen3`: Qwen3 in thinking mode writes `<think>` itself: reasoning only when the output begins with
   it (after whitespace); otherwise, and with thinking switched off, all of it is the answer. An
@@ -52,14 +54,28 @@ class ReasoningParser:
         """Whether text fed now would be reasoning (the block is open, or R1's implicit one)."""
         return self.state == "think" or (self.state == "start" and self.kind == "deepseek_r1")
 
-    def after(self, prefix: str) -> None:
-        """Start after text the model is taken to have written (a continued final message): inside the
-        reasoning where the prefix opens a block it does not close, in the answer otherwise (a template
-        that opens the block in its generation prompt does not, for a continued message, write that
-        prompt)."""
-        opened, closed = prefix.rfind(THINK_OPEN), prefix.rfind(THINK_CLOSE)
+    def after_prompt(self, prompt: str, continued: str | None = None) -> None:
+        """Start where the prompt leaves the model. A prompt that ends by opening a block (R1's generation
+        prompt, DeepSeek-V3.1's in thinking mode) starts inside the reasoning, one that ends by closing one
+        (V3.1's default, Qwen3's with thinking off) in the answer; otherwise the kind decides. A continued
+        final message (`continued`, its text, which the prompt ends with) starts where its own last tag
+        leaves it, else where the tag right before it does, else in the answer: a continued message is
+        not the generation prompt that opens R1's block."""
+        if continued is None:
+            tail = prompt.rstrip()
+            if tail.endswith(THINK_OPEN):
+                self.state = "think"
+            elif tail.endswith(THINK_CLOSE):
+                self.state, self._strip = "answer", True
+            return
+        opened, closed = continued.rfind(THINK_OPEN), continued.rfind(THINK_CLOSE)
+        if opened < 0 and closed < 0:
+            core = continued.strip()
+            at = prompt.rfind(core) if core else -1
+            self.state = "think" if at >= 0 and prompt[:at].rstrip().endswith(THINK_OPEN) else "answer"
+            return
         self.state = "think" if opened > closed else "answer"
-        self._strip = self.state == "answer" and closed >= 0 and not prefix[closed + len(THINK_CLOSE):].strip()
+        self._strip = self.state == "answer" and not continued[closed + len(THINK_CLOSE):].strip()
 
     def feed(self, text: str) -> Split:
         self._buf += text
@@ -104,15 +120,14 @@ class ReasoningParser:
             return out
 
 
-def starts_in_reasoning(kind: str, prefix: str | None = None) -> bool:
-    """Whether a chat output parsed as `kind` starts inside the reasoning: R1's implicit block, or, for a
-    continued final message (`prefix`, its text), a block that text opened and did not close. A
-    constrained answer's grammar then waits for `</think>`."""
+def starts_in_reasoning(kind: str, prompt: str, continued: str | None = None) -> bool:
+    """Whether a chat output parsed as `kind` after `prompt` (and a `continued` final message's text)
+    starts inside the reasoning (`ReasoningParser.after_prompt`). A constrained answer's grammar then
+    waits for `</think>`."""
     if kind == "none":
         return False
     parser = ReasoningParser(kind)
-    if prefix is not None:
-        parser.after(prefix)
+    parser.after_prompt(prompt, continued)
     return parser.in_reasoning
 
 

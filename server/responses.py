@@ -199,9 +199,8 @@ class ChatSerializer(Serializer):
         parser = self.reasoners.get(i)
         if parser is None:
             parser = self.reasoners[i] = ReasoningParser(self.reasoning_kind)
-            continued = self.body.continued_text() if isinstance(self.body, ChatInput) else None
-            if continued is not None:
-                parser.after(continued)
+            parser.after_prompt(self.prompts[0][1] if self.prompts else "",
+                                self.body.continued_text() if isinstance(self.body, ChatInput) else None)
         if parser.in_reasoning:
             self.reasoning_tokens[i] = self.reasoning_tokens.get(i, 0) + len(ids)
         out = parser.feed(text)

@@ -387,7 +387,8 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
     engine, tok = state.engine, state.tokenizer
     assert engine is not None and tok is not None
     if params.structured is not None and isinstance(body, ChatCompletionRequest) and \
-            starts_in_reasoning(parser_kind(state.reasoning_parser, tok.chat_template), body.continued_text()):
+            starts_in_reasoning(parser_kind(state.reasoning_parser, tok.chat_template), prompts[0][1],
+                                body.continued_text()):
         # the answer is constrained, not the reasoning: the grammar starts after </think>
         after = tuple(tok.encode(THINK_CLOSE, add_special_tokens=False))
         params = msgspec.structs.replace(params, structured=msgspec.structs.replace(params.structured, after=after))

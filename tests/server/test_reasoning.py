@@ -27,10 +27,12 @@ CASES = [
 ]
 
 
-def run(kind: str, pieces: list[str], after: str | None = None) -> Split:
+def run(kind: str, pieces: list[str], after: str | None = None, prompt: str | None = None) -> Split:
+    """The split of `pieces` fed in turn; `after`: a continued message's text (the prompt ends with it),
+    `prompt`: the prompt (default: an assistant turn opened, then `after`)."""
     p = ReasoningParser(kind)
-    if after is not None:
-        p.after(after)
+    if after is not None or prompt is not None:
+        p.after_prompt(prompt if prompt is not None else "<|Assistant|>" + (after or ""), after)
     out = Split()
     for piece in pieces:
         s = p.feed(piece)
@@ -99,10 +101,28 @@ def test_a_continued_message_starts_where_its_prefix_left_off(kind: str, prefix:
     assert run(kind, list(text), prefix) == Split(reasoning, content)
 
 
-@pytest.mark.parametrize("kind, prefix, inside", [
-    ("deepseek_r1", None, True), ("qwen3", None, False), ("none", None, False),
-    ("deepseek_r1", "The answer", False), ("deepseek_r1", "<think>so", True), ("qwen3", "<think>so", True),
-    ("qwen3", "<think>a</think>b", False), ("none", "<think>so", False),
+@pytest.mark.parametrize("kind, prompt, prefix, inside", [
+    ("deepseek_r1", "<|Assistant|>", None, True), ("qwen3", "assistant\n", None, False), ("none", "", None, False),
+    ("deepseek_r1", "<|Assistant|>The answer", "The answer", False),
+    ("deepseek_r1", "<|Assistant|><think>so", "<think>so", True), ("qwen3", "<think>so", "<think>so", True),
+    ("qwen3", "<think>a</think>b", "<think>a</think>b", False), ("none", "<think>so", "<think>so", False),
+    # the prompt's own last tag: R1's generation prompt, DeepSeek-V3.1's in either mode, Qwen3's thinking off
+    ("deepseek_r1", "<|Assistant|><think>\n", None, True), ("deepseek_r1", "<|Assistant|></think>", None, False),
+    ("deepseek_r1", "<|Assistant|><think>", None, True), ("qwen3", "<think>\n\n</think>\n\n", None, False),
+    ("qwen3", "<think>\n", None, True),
+    # a continued V3.1 reply: the tag the template wrote before it (thinking mode) decides
+    ("deepseek_r1", "<|Assistant|><think>Let me", "Let me", True),
+    ("deepseek_r1", "<|Assistant|></think>The answer", "The answer", False),
 ])
-def test_where_a_constrained_answer_starts(kind: str, prefix: str | None, inside: bool) -> None:
-    assert starts_in_reasoning(kind, prefix) is inside
+def test_where_a_constrained_answer_starts(kind: str, prompt: str, prefix: str | None, inside: bool) -> None:
+    assert starts_in_reasoning(kind, prompt, prefix) is inside
+
+
+@pytest.mark.parametrize("kind", ["deepseek_r1", "qwen3"])
+def test_a_prompt_that_closes_the_block_starts_the_answer(kind: str) -> None:
+    """DeepSeek-V3.1's default (non-thinking) prompt ends with `</think>`: its output is the answer, the
+    layout after the tag dropped, even for the R1 kind its template's `<think>` makes `auto` choose."""
+    assert run(kind, list("\nParis is the capital."), prompt="<|User|>Capital?<|Assistant|></think>") == \
+        Split("", "Paris is the capital.")
+    assert run(kind, ["So it is", " Paris.</think>Paris."], prompt="<|User|>Capital?<|Assistant|><think>") == \
+        Split("So it is Paris.", "Paris.")

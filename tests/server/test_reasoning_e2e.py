@@ -20,6 +20,11 @@ from tests.server.server_process import ServerProcess
 R1_TEMPLATE = ("{% for m in messages %}{% if m.role == 'user' %}<|User|>{{ m.content }}{% else %}"
                "<|Assistant|>{{ m.content }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
                "<|Assistant|><think>\n{% endif %}")
+# DeepSeek-V3.1's way (its `thinking` variable): the generation prompt closes the block by default and
+# opens it in thinking mode; `auto` takes the R1 parser for it (the template writes `<think>`)
+V31_TEMPLATE = ("{% for m in messages %}{% if m.role == 'user' %}<|User|>{{ m.content }}{% else %}"
+                "<|Assistant|></think>{{ m.content }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+                "<|Assistant|>{% if thinking %}<think>{% else %}</think>{% endif %}{% endif %}")
 QWEN3_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
                   "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
@@ -101,6 +106,31 @@ def test_r1_template_output_is_reasoning(model, tmp_path) -> None:
             deltas = [json.loads(line[6:])["delta"] for line in c.post("/v1/messages", json={**ask, "stream": True}).text
                       .splitlines() if line.startswith("data: ") and '"content_block_delta"' in line]
             assert "".join(d["thinking"] for d in deltas) == reasoning and {d["type"] for d in deltas} == {"thinking_delta"}
+    finally:
+        server.stop()
+
+
+def test_the_prompts_own_tag_decides_v31_thinking_mode(model, tmp_path) -> None:
+    """The output after a prompt that ends with `</think>` is the answer (it was all reasoning before, for
+    every DeepSeek-V3.1 request in its default mode); `thinking: true` opens the block and the output is
+    reasoning again; a JSON constraint applies at once in the first and after `</think>` in the second."""
+    server = serve(model, tmp_path, V31_TEMPLATE)
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            answer = c.post("/v1/chat/completions", json=BODY).json()
+            msg = answer["choices"][0]["message"]
+            assert msg["content"] and not msg.get("reasoning_content"), msg
+            assert answer["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
+            assert stream(c, BODY)[:2] == ("", msg["content"])
+            as_json = c.post("/v1/chat/completions", json={**BODY, "response_format": {"type": "json_object"}})
+            assert as_json.json()["choices"][0]["message"]["content"].lstrip().startswith("{"), as_json.text
+            thinking = {**BODY, "chat_template_kwargs": {"thinking": True}}
+            whole = c.post("/v1/chat/completions", json=thinking).json()
+            assert whole["choices"][0]["message"]["reasoning_content"] and not whole["choices"][0]["message"]["content"]
+            assert whole["usage"]["completion_tokens_details"]["reasoning_tokens"] == 12
+            constrained = c.post("/v1/chat/completions", json={**thinking, "response_format": {"type": "json_object"}})
+            assert constrained.json()["choices"][0]["message"]["reasoning_content"] == \
+                whole["choices"][0]["message"]["reasoning_content"]
     finally:
         server.stop()
 
