@@ -19,9 +19,11 @@ chat completions request (same prompt tokens) and is parsed by the same reasonin
   `web_search_20250305`) are a 400: this server runs none.
 - `max_tokens` (required), `stop_sequences`, `temperature`, `top_p`, `top_k` and `stream` map one to one
   (Anthropic's newer SDKs send the sampling fields only through `extra_body`); `output_config.format`
-  (`{"type": "json_schema", "schema"}`, structured outputs) is chat's `response_format`; `metadata`,
-  `thinking`, `output_config.effort` and `service_tier` are accepted and ignored, and so are fields this
-  API does not know, as on chat completions.
+  (`{"type": "json_schema", "schema"}`, structured outputs) is chat's `response_format`; `thinking`
+  `{"type": "enabled" | "disabled"}` sets the chat template's thinking switch (DeepSeek-V3.1's
+  `thinking`, Qwen3's `enable_thinking`; `budget_tokens` is not enforced); `metadata`,
+  `output_config.effort` and `service_tier` are accepted and ignored, and so are fields this API does not
+  know, as on chat completions.
 """
 
 from __future__ import annotations
@@ -222,6 +224,9 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         chat["tools"] = [{"type": "function", "function": {
             "name": t.name, **({"description": t.description} if t.description else {}),
             "parameters": t.input_schema or {"type": "object", "properties": {}}}} for t in req.tools]
+    mode = (req.thinking or {}).get("type")
+    if mode in ("enabled", "disabled"):  # the templates' switches: DeepSeek-V3.1's `thinking`, Qwen3's
+        chat["chat_template_kwargs"] = {"thinking": mode == "enabled", "enable_thinking": mode == "enabled"}
     fmt = req.output_config.format if req.output_config is not None else None
     if fmt is not None:
         chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}

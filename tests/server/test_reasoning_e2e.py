@@ -131,6 +131,12 @@ def test_the_prompts_own_tag_decides_v31_thinking_mode(model, tmp_path) -> None:
             constrained = c.post("/v1/chat/completions", json={**thinking, "response_format": {"type": "json_object"}})
             assert constrained.json()["choices"][0]["message"]["reasoning_content"] == \
                 whole["choices"][0]["message"]["reasoning_content"]
+            # Anthropic's `thinking` switch reaches the template the same way
+            ask = {"model": "m", "max_tokens": 12, "messages": BODY["messages"], "temperature": 0}
+            for mode, kind in ((None, "text"), ("disabled", "text"), ("enabled", "thinking")):
+                body = {**ask, **({"thinking": {"type": mode, "budget_tokens": 1024}} if mode else {})}
+                blocks = c.post("/v1/messages", json=body).json()["content"]
+                assert [b["type"] for b in blocks] == [kind], (mode, blocks)
     finally:
         server.stop()
 
