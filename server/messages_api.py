@@ -85,9 +85,7 @@ class ToolResultBlock(_Request):
     is_error: StrictBool | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "\n".join(b.text for b in self.content)
-        return self.content or ""
+        return _text(self.content)
 
 
 class ThinkingBlock(_Request):

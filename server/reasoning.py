@@ -6,14 +6,15 @@ pieces is held back until it is whole (or the text ends), so a stream and a whol
 same text the same way. Kinds:
 - `deepseek_r1`: DeepSeek-R1 and its distills. Their chat template opens `<think>` in the prompt, so
   the output starts inside the reasoning (an output that still begins with `<think>`, from an older
-  template, has it removed).
-  Where the rendered prompt itself ends with `<think>` or `</think>` (DeepSeek-V3.1's template writes one
-  or the other as its `thinking` variable says), that decides, whatever the kind (`after_prompt`). Everything up to `</think>` is reasoning; output that never closes the
+  template, has it removed). Everything up to `</think>` is reasoning; output that never closes the
   block is all reasoning (the model was cut off while thinking).
 - `qwen3`: Qwen3 in thinking mode writes `<think>` itself: reasoning only when the output begins with
   it (after whitespace); otherwise, and with thinking switched off, all of it is the answer. An
   unclosed block is reasoning.
 - `none`: everything is the answer.
+Whatever the kind, a rendered prompt that itself ends with `<think>` or `</think>` (DeepSeek-V3.1's
+template writes one or the other as its `thinking` variable says) decides where the output starts
+(`ReasoningParser.after_prompt`).
 The answer's leading whitespace right after `</think>` is layout, not content, and is dropped.
 """
 

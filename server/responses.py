@@ -160,6 +160,12 @@ class Serializer:
         return [e.body()]
 
 
+def named_sse(payload: dict[str, Any]) -> str:
+    """An SSE event named by its payload's `type` (`event:` line, then `data:`), as the Responses and
+    Anthropic's Messages APIs stream."""
+    return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
 class ChatSerializer(Serializer):
     """With a tool plan, each choice's text goes through its own tool-call parser: markup becomes
     `tool_calls` (whole, or as deltas when streaming) and never shows in `content`; a choice that
@@ -226,10 +232,13 @@ class ChatSerializer(Serializer):
             cached = usage.prompt_tokens_details.cached_tokens
         return UsageInfo.of(prompt, completion, cached, reasoning_tokens=sum(self.reasoning_tokens.values()))
 
+    # a call forced by a named tool_choice ends with "stop", as OpenAI's (and vLLM's) do
+    named_call_stops = True
+
     def finish_reason(self, reason: str | None, parser: Any) -> str | None:
-        """"tool_calls" for a reply that called tools and stopped by itself; a call forced by a named
-        tool_choice ends with "stop", as OpenAI's (and vLLM's) do."""
-        called = reason == "stop" and parser is not None and parser.tool_calls and not self.tools.named
+        """"tool_calls" for a reply that called tools and stopped by itself (`named_call_stops`)."""
+        called = reason == "stop" and parser is not None and parser.tool_calls and \
+            not (self.tools.named and self.named_call_stops)
         return "tool_calls" if called else reason
 
     def token_logprobs(self, lps: list[ShownLogprob]) -> list[ChatTokenLogprob]:
@@ -472,7 +481,7 @@ class ResponsesSerializer(ChatSerializer):
         return event
 
     def sse(self, payload: Any) -> str:
-        return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        return named_sse(payload)
 
     def stream_error(self, e: ClientError) -> list[Any]:
         message, param = rename_error(e.message, e.param)
@@ -649,6 +658,7 @@ class MessagesSerializer(ChatSerializer):
     the prefix cache did not hold, `cache_read_input_tokens` those it did, as Anthropic counts them."""
 
     stream_close = ""
+    named_call_stops = False  # Anthropic's API stops a forced named call with tool_use
 
     def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
@@ -657,7 +667,7 @@ class MessagesSerializer(ChatSerializer):
         self.blocks = 0
 
     def sse(self, payload: Any) -> str:
-        return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        return named_sse(payload)
 
     def stream_error(self, e: ClientError) -> list[Any]:
         return [messages_api.error_body(e.status, e.message, e.code)]
@@ -669,12 +679,10 @@ class MessagesSerializer(ChatSerializer):
                 "cache_read_input_tokens": cached, "output_tokens": u.completion_tokens if final else 0}
 
     def stop(self) -> tuple[str | None, str | None]:
-        """Anthropic's stop reason: `tool_use` whenever the reply called tools, a forced named call too
-        (where chat completions says "stop", as OpenAI's API does)."""
+        """Anthropic's stop reason and the stop sequence that ended the reply."""
         choice = self.requests[0].choices[0]
-        parser = self.parsers.get(0)
-        called = choice.finish_reason == "stop" and parser is not None and parser.tool_calls
-        return messages_api.stop_reason("tool_calls" if called else choice.finish_reason, choice.stops.matched)
+        return messages_api.stop_reason(self.finish_reason(choice.finish_reason, self.parsers.get(0)),
+                                        choice.stops.matched)
 
     def message_object(self, content: list[dict[str, Any]], final: bool) -> dict[str, Any]:
         reason, sequence = self.stop() if final else (None, None)

@@ -137,9 +137,8 @@ async def _responses(raw: Request, state: ServerState, body: ResponsesRequest) -
     resp = await counted(raw, state, chat, functools.partial(ResponsesSerializer, request=body))
     if not isinstance(resp, JSONResponse) or resp.status_code < 400:
         return resp
-    error = json.loads(bytes(resp.body)).get("error") or {}
+    error, headers = _error_of(resp)
     message, param = rename_error(str(error.get("message", "")), error.get("param"))
-    headers = {k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "content-type")}
     return error_response(resp.status_code, message, str(error.get("type", "invalid_request_error")), param,
                           error.get("code"), headers)
 
@@ -175,15 +174,22 @@ def _anthropic(state: ServerState, resp: Response) -> Response:
     in the metrics by its OpenAI code as the other routes' errors are; other answers as they are."""
     if not isinstance(resp, JSONResponse) or resp.status_code < 400:
         return resp
-    error = json.loads(bytes(resp.body)).get("error") or {}
+    error, headers = _error_of(resp)
     state.metrics.note_answer_code(str(error.get("code") or error.get("type") or "other"))
     param = error.get("param")
     message = str(error.get("message", ""))
     if param and param not in message:
         message = f"{param}: {message}"
-    headers = {k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "content-type")}
     return JSONResponse(messages_api.error_body(resp.status_code, message, error.get("code")),
                         status_code=resp.status_code, headers=headers)
+
+
+def _error_of(resp: JSONResponse) -> tuple[dict[str, Any], dict[str, str]]:
+    """An OpenAI-shaped error answer's `error` object and the headers another shape of it keeps (its
+    own, but the body's length and type)."""
+    error = json.loads(bytes(resp.body)).get("error") or {}
+    headers = {k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "content-type")}
+    return error, headers
 
 
 async def _answer(work: Callable[[], Awaitable[BaseModel]]) -> Response:
