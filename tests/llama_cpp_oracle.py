@@ -30,3 +30,20 @@ def open_llama(path: str | os.PathLike[str], **kwargs: Any) -> Any:
         return llama_cpp.Llama(model_path=str(path), **kwargs)
     finally:
         llama_module.llama_cpp.llama_model_default_params = defaults
+
+
+def quantize_with_llama(src: str | os.PathLike[str], dst: str | os.PathLike[str], ftype: str) -> None:
+    """llama.cpp's own quantizer (`llama_model_quantize`, what `llama-quantize` runs) writes `dst` from
+    `src` as file type `ftype` ("Q2_K", "IQ4_XS", ...): the mix of block types a downloaded file of that
+    name has, with llama.cpp's fallbacks where rows are not whole blocks. A quantized `src` is requantized."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.allow_requantize = True
+    params.nthread = 2
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize({src}, {ftype}) returned {rc}")

@@ -1,4 +1,5 @@
-"""Dequantization of GGUF tensor data (ggml block formats) to float32 torch tensors.
+"""Dequantization of GGUF tensor data (ggml block formats) to float32 torch tensors, and re-encoding of
+the block types the CPU kernels lack into ones they compute on (`kernel_blocks`).
 
 A quantized row is a run of fixed-size blocks; each block stores `block_size` values in
 `type_size` bytes (`gguf.GGML_QUANT_SIZES`). The layouts below follow ggml's `block_*` structs
@@ -30,6 +31,23 @@ scales[s - 4] (sc) and scales[s] (mn). `qs` is four groups of 32 bytes; group g 
 
 Q5_K — 256 values in 176 bytes: `d`, `dmin`, `scales[12]` as in Q4_K, `qh[32]`, `qs[128]` as in
 Q4_K; bit s of qh[j] is the 5th bit of element 32 * s + j. x = (d * sc) * q - (dmin * mn).
+
+Q2_K — 256 values in 84 bytes: `scales[16]` (one byte per 16 values: low nibble the scale `sc`, high
+nibble the min `mn`), `qs[64]`, `d`, `dmin`. `qs` is two halves of 32 bytes; bits 2k..2k+1 of byte j of
+half h are element 128h + 32k + j. x = (d * sc) * q - (dmin * mn).
+
+Q3_K — 256 values in 110 bytes: `hmask[32]`, `qs[64]` (2-bit values laid out as Q2_K's), `scales[12]`,
+`d`. Bit k of hmask[j] is the high bit of element 32k + j, and a *clear* bit subtracts 4: q = low - 4 *
+(1 - high), in [-4, 4). Sixteen 6-bit scales, less 32: scale i has its low 4 bits in the low nibble of
+scales[i] (i < 8) or the high nibble of scales[i - 8], and its top 2 bits in bits 2(i // 4) of
+scales[8 + i % 4]. x = (d * (sc - 32)) * q.
+
+IQ4_NL — 32 values in 18 bytes: `d`, then `qs[16]` nibble pairs as in Q4_0, each nibble an index into
+the 16 signed levels `IQ4_LEVELS`. x = d * level.
+
+IQ4_XS — 256 values in 136 bytes: `d`, `scales_h` (a uint16: bits 2b..2b+1 are the top 2 bits of
+sub-block b's scale), `scales_l[4]` (nibble b % 2 of byte b // 2: the low 4 bits), `qs[128]`: eight
+sub-blocks of 32 values laid out as IQ4_NL's. x = (d * (sc - 32)) * level.
 
 Q6_K — 256 values in 210 bytes: `ql[128]`, `qh[64]`, `scales[16]` int8 (one per 16 values), and
 `d` last. Two halves of 128 values, each using 64 bytes of `ql` and 32 of `qh`: within a half,
@@ -163,6 +181,69 @@ def _dec_q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     _to_float(q, out.view(n, 16, 16)).mul_(scale.unsqueeze(-1))
 
 
+def _two_bit(qs: torch.Tensor) -> torch.Tensor:
+    """The 256 2-bit values [n, 16, 16] (sub-blocks of 16) of Q2_K/Q3_K's `qs[64]`."""
+    return _planes(qs.reshape(qs.shape[0], 2, 32), 2).view(qs.shape[0], 16, 16)
+
+
+def _dec_q2_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    sc = blocks[:, :16].unsqueeze(-1)
+    scale, offset = _f16(blocks, 80).unsqueeze(-1) * (sc & 15), _f16(blocks, 82).unsqueeze(-1) * (sc >> 4)
+    _to_float(_two_bit(blocks[:, 16:80]), out.view(n, 16, 16)).mul_(scale).sub_(offset)
+
+
+def _q3_k_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """Q3_K's sixteen signed 6-bit scales [n, 16] as int8 (sc - 32)."""
+    s = blocks[:, 96:108]
+    low = torch.cat((s[:, :8] & 15, s[:, :8] >> 4), dim=1)
+    high = torch.cat([(s[:, 8:12] >> (2 * k)) & 3 for k in range(4)], dim=1)
+    return (low | (high << 4)).view(torch.int8) - 32
+
+
+def _q3_k_values(blocks: torch.Tensor) -> torch.Tensor:
+    """Q3_K's 256 values [n, 16, 16] as int8 in [-4, 4)."""
+    n = blocks.shape[0]
+    high = _planes(blocks[:, :32], 1).view(n, 16, 16)  # [n, bit k, 32] = element 32k + j
+    return _two_bit(blocks[:, 32:96]).view(torch.int8) - ((high ^ 1) << 2).view(torch.int8)
+
+
+def _dec_q3_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    scale = (_f16(blocks, 108) * _q3_k_scales(blocks)).unsqueeze(-1)
+    _to_float(_q3_k_values(blocks), out.view(n, 16, 16)).mul_(scale)
+
+
+# IQ4_NL's and IQ4_XS's 16 non-uniform levels (ggml's kvalues_iq4nl)
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+_IQ4_TABLE = torch.tensor(IQ4_LEVELS, dtype=torch.int8)
+
+
+def _iq4_levels(qs: torch.Tensor) -> torch.Tensor:
+    """The levels [n, ..., 32] of nibble-pair bytes `qs` [n, ..., 16] laid out as Q4_0's."""
+    idx = _planes(qs, 4).flatten(-2)
+    return _IQ4_TABLE[idx.long()]
+
+
+def _dec_iq4_nl(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    _to_float(_iq4_levels(blocks[:, 2:]), out).mul_(_f16(blocks, 0))
+
+
+def _iq4_xs_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS's eight signed 6-bit sub-block scales [n, 8] as int8 (sc - 32)."""
+    low = _planes(blocks[:, 4:8], 4).transpose(1, 2).reshape(-1, 8)  # byte b // 2, nibble b % 2
+    h = blocks[:, 2].long() | (blocks[:, 3].long() << 8)
+    high = torch.stack([(h >> (2 * b)) & 3 for b in range(8)], dim=1).to(torch.uint8)
+    return (low | (high << 4)).view(torch.int8) - 32
+
+
+def _dec_iq4_xs(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    scale = (_f16(blocks, 0) * _iq4_xs_scales(blocks)).unsqueeze(-1)
+    levels = _iq4_levels(blocks[:, 8:].reshape(n, 8, 16))
+    _to_float(levels, out.view(n, 8, 32)).mul_(scale)
+
+
 _DECODERS: dict[gguf.GGMLQuantizationType, Callable[[torch.Tensor, torch.Tensor], None]] = {
     T.F32: _dec_f32,
     T.F16: _dec_f16,
@@ -175,6 +256,10 @@ _DECODERS: dict[gguf.GGMLQuantizationType, Callable[[torch.Tensor, torch.Tensor]
     T.Q4_K: _dec_q4_k,
     T.Q5_K: _dec_q5_k,
     T.Q6_K: _dec_q6_k,
+    T.Q2_K: _dec_q2_k,
+    T.Q3_K: _dec_q3_k,
+    T.IQ4_NL: _dec_iq4_nl,
+    T.IQ4_XS: _dec_iq4_xs,
 }
 
 SUPPORTED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset(_DECODERS)
@@ -232,27 +317,101 @@ def _validate(
     return qtype, dims, n_blocks, data
 
 
-def q5_0_as_q8_0(
-    raw: np.ndarray | memoryview | bytes, shape: Sequence[int], source: str = "<gguf>", name: str = "<tensor>"
-) -> np.ndarray:
-    """Q5_0 blocks re-encoded as Q8_0 blocks holding the same values: a new uint8 array
-    [*shape[:-1], shape[-1] // 32 * 34].
+# Re-encoding into a block type the CPU kernels compute on (`kernel_blocks`). Each encoder maps `n`
+# source blocks [n, type_size] to their values' blocks in the target type [n * per_block, target size].
 
-    Exact: Q5_0 decodes d * (q - 16) with q in [0, 32), Q8_0 d * qs, so each block keeps its `d` and
-    stores qs = q - 16 (in [-16, 16)). Why: the CPU kernels compute on Q8_0 (22 -> 34 bytes a block)
-    and have no Q5_0 path; decoding to bf16 instead would cost 64 bytes a block and round the values.
-    llama.cpp's Q4_K_M files hold Q5_0 where a row is not whole 256-value blocks (DeepSeek's 1408-wide
-    expert down projections). Validated like `dequantize`.
+
+def _q5_0_as_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Exact: Q5_0 decodes d * (q - 16) with q in [0, 32), Q8_0 d * qs; each block keeps its `d`."""
+    out = torch.empty(blocks.shape[0], 34, dtype=torch.uint8)
+    out[:, :2] = blocks[:, :2]
+    out[:, 2:] = (_q5(blocks, 2).view(torch.int8) - 16).view(torch.uint8)
+    return out
+
+
+def _iq4_nl_as_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Exact: the levels are int8 values, so d * level is a Q8_0 block with the same `d`."""
+    out = torch.empty(blocks.shape[0], 34, dtype=torch.uint8)
+    out[:, :2] = blocks[:, :2]
+    out[:, 2:] = _iq4_levels(blocks[:, 2:]).view(torch.uint8)
+    return out
+
+
+def _iq4_xs_as_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Eight Q8_0 blocks a superblock, each of the sub-block's levels and d * (sc - 32) rounded to fp16:
+    the one inexact encoder (the scale needs up to 17 significant bits; fp16 keeps 11)."""
+    n = blocks.shape[0]
+    scale = (_f16(blocks, 0) * _iq4_xs_scales(blocks)).to(torch.float16)  # [n, 8]
+    out = torch.empty(n, 8, 34, dtype=torch.uint8)
+    out[:, :, :2] = scale.unsqueeze(-1).view(torch.uint8)
+    out[:, :, 2:] = _iq4_levels(blocks[:, 8:].reshape(n, 8, 16)).view(torch.uint8)
+    return out.view(n * 8, 34)
+
+
+def _q3_k_as_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Exact: Q6_K decodes (d * sc) * (q - 32) with int8 scales per 16 values, as Q3_K's, so each
+    block keeps `d` and its scales and stores q = value + 32 (in [28, 36))."""
+    n = blocks.shape[0]
+    q = (_q3_k_values(blocks).view(n, 256) + 32).view(torch.uint8).view(n, 2, 128)  # two halves
+    out = torch.empty(n, 210, dtype=torch.uint8)
+    out[:, :128] = ((q[:, :, :64] & 15) | ((q[:, :, 64:] & 15) << 4)).view(n, 128)
+    top = (q >> 4).view(n, 2, 4, 32)  # bits 4..5 of element 32k + j go to bits 2k of qh[j]
+    out[:, 128:192] = (top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)).view(n, 64)
+    out[:, 192:208] = _q3_k_scales(blocks).view(torch.uint8)
+    out[:, 208:210] = blocks[:, 108:110]
+    return out
+
+
+# source type -> (target type, encoder, exact)
+_KERNEL_FORMS: dict[gguf.GGMLQuantizationType, tuple[gguf.GGMLQuantizationType,
+                                                     Callable[[torch.Tensor], torch.Tensor], bool]] = {
+    T.Q5_0: (T.Q8_0, _q5_0_as_q8_0, True),
+    T.IQ4_NL: (T.Q8_0, _iq4_nl_as_q8_0, True),
+    T.Q3_K: (T.Q6_K, _q3_k_as_q6_k, True),
+    T.IQ4_XS: (T.Q8_0, _iq4_xs_as_q8_0, False),
+}
+
+
+def kernel_form(qtype: gguf.GGMLQuantizationType) -> tuple[gguf.GGMLQuantizationType, bool] | None:
+    """The block type `kernel_blocks` re-encodes `qtype` into, and whether that keeps every value exactly;
+    None when it has no such form."""
+    form = _KERNEL_FORMS.get(qtype)
+    return None if form is None else (form[0], form[2])
+
+
+def kernel_blocks(
+    raw: np.ndarray | memoryview | bytes,
+    qtype: gguf.GGMLQuantizationType | int,
+    shape: Sequence[int],
+    source: str = "<gguf>",
+    name: str = "<tensor>",
+) -> tuple[gguf.GGMLQuantizationType, np.ndarray] | None:
+    """A tensor of a block type the CPU kernels have no path for, re-encoded into one they compute on:
+    (target type, new uint8 array [*shape[:-1], row bytes of the target]); None for other types, or where
+    a value does not fit the target (an IQ4_XS scale past fp16's range).
+
+    Why: decoding to bf16 instead would cost 2 bytes a value and round it, where Q5_0 and IQ4_NL become
+    Q8_0 blocks of the same values, Q3_K Q6_K blocks of the same values, and IQ4_XS Q8_0 blocks whose
+    scales are rounded to fp16 (relative error <= 2^-11 where the scale is an fp16 normal). llama.cpp's
+    K-quant files hold Q5_0 and IQ4_NL where a row is not whole 256-value blocks. Validated like
+    `dequantize`.
     """
-    _, dims, n_blocks, data = _validate(raw, T.Q5_0, shape, source, name)
-    out = torch.empty(n_blocks, 34, dtype=torch.uint8)
-    step = max(1, _CHUNK_VALUES // 32)
+    qtype, dims, n_blocks, data = _validate(raw, qtype, shape, source, name)
+    if qtype not in _KERNEL_FORMS:
+        return None
+    target, encode, _ = _KERNEL_FORMS[qtype]
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    out_block, out_size = gguf.GGML_QUANT_SIZES[target]
+    per_block = block_size // out_block
+    out = torch.empty(n_blocks * per_block, out_size, dtype=torch.uint8)
+    step = max(1, _CHUNK_VALUES // block_size)
     for start in range(0, n_blocks, step):  # in chunks, as `dequantize`: temporaries stay small
         stop = min(start + step, n_blocks)
-        part = torch.from_numpy(np.array(data[start * 22 : stop * 22])).view(stop - start, 22)
-        out[start:stop, :2] = part[:, :2]
-        out[start:stop, 2:] = (_q5(part, 2).view(torch.int8) - 16).view(torch.uint8)
-    return out.numpy().reshape(*dims[:-1], dims[-1] // 32 * 34)
+        part = torch.from_numpy(np.array(data[start * type_size : stop * type_size])).view(stop - start, type_size)
+        out[start * per_block : stop * per_block] = encode(part)
+    if target == T.Q8_0 and not bool(torch.isfinite(out[:, :2].contiguous().view(torch.float16)).all()):
+        return None
+    return target, out.numpy().reshape(*dims[:-1], dims[-1] // out_block * out_size)
 
 
 def dequantize(

@@ -21,7 +21,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from models.loader.errors import CheckpointError
-from models.loader.gguf_quants import dequantize, q5_0_as_q8_0
+from models.loader.gguf_quants import dequantize, kernel_blocks
 
 
 @dataclass(frozen=True)
@@ -83,12 +83,14 @@ class RawBlocks:
         """The blocks as a new contiguous, writable uint8 CPU tensor [*shape[:-1], row_bytes]."""
         return torch.from_numpy(np.array(self.data, dtype=np.uint8, order="C", copy=True))
 
-    def as_q8_0(self) -> RawBlocks:
-        """A Q5_0 tensor re-encoded as Q8_0 blocks of exactly the same values (`q5_0_as_q8_0`)."""
-        if self.qtype != GGMLQuantizationType.Q5_0:
-            raise ValueError(f"as_q8_0 re-encodes Q5_0 blocks, not {self.qtype.name}")
-        data = q5_0_as_q8_0(self.data, self.shape, self.source, self.name)
-        return RawBlocks(GGMLQuantizationType.Q8_0, self.shape, data, self.source, self.name)
+    def for_kernels(self) -> RawBlocks:
+        """The same values in a block type the CPU kernels compute on (`gguf_quants.kernel_blocks`: Q5_0
+        and IQ4_NL as Q8_0, Q3_K as Q6_K, IQ4_XS as Q8_0 with fp16-rounded scales); itself when its type
+        has no such form."""
+        form = kernel_blocks(self.data, self.qtype, self.shape, self.source, self.name)
+        if form is None:
+            return self
+        return RawBlocks(form[0], self.shape, form[1], self.source, self.name)
 
     def dequantize(self) -> torch.Tensor:
         """float32 values [*shape], decoded exactly as the loader decodes every other tensor."""

@@ -192,6 +192,16 @@ def test_profile_times_every_phase_of_every_layer(checkpoints, name):
 ROUTER_GAIN = 4.0
 
 
+def sharpen_routers(d) -> None:
+    """Multiplies the MoE routers' gate weights in checkpoint `d` by ROUTER_GAIN (see `gguf_files`)."""
+    for f in d.glob("*.safetensors"):
+        tensors = load_file(f)
+        for name in tensors:
+            if name.endswith("mlp.gate.weight"):
+                tensors[name] = tensors[name] * ROUTER_GAIN
+        save_file(tensors, f, metadata={"format": "pt"})
+
+
 @pytest.fixture(scope="module")
 def gguf_files(tmp_path_factory):
     """Tiny GGUF files. DeepSeek-V3's router gets its gate weights x ROUTER_GAIN: with the random init its
@@ -203,12 +213,7 @@ def gguf_files(tmp_path_factory):
         for qtype in ("Q8_0", "Q4_0", "Q4_1"):
             d = write_checkpoint(tmp_path_factory.mktemp(preset), preset, seed=7)
             if preset == "tiny-deepseek-v3":
-                for f in d.glob("*.safetensors"):
-                    tensors = load_file(f)
-                    for name in tensors:
-                        if name.endswith("mlp.gate.weight"):
-                            tensors[name] = tensors[name] * ROUTER_GAIN
-                    save_file(tensors, f, metadata={"format": "pt"})
+                sharpen_routers(d)
             write_gguf(d, d / "model.gguf", qtype)
             out[preset, qtype] = d / "model.gguf"
     return out

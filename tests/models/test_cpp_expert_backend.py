@@ -359,6 +359,39 @@ def test_gguf_expert_formats(caplog, cpu_pool, gate_up, down, fmt, warns):
         assert float(norm_err(got, want)) <= 2.5e-2 and float(rel_err(got, want).max()) <= 6e-2
 
 
+@needs_cpp
+@pytest.mark.parametrize("qtype, fmt", [("Q3_K", "q6_k"), ("IQ4_NL", "q8_0"), ("IQ4_XS", "q8_0"), ("Q2_K", "bf16")])
+def test_low_bit_blocks_reach_the_kernels(caplog, qtype, fmt):
+    """llama.cpp's low-bit types become a format the kernels compute on (`gguf_quants.kernel_blocks`):
+    Q3_K as Q6_K and IQ4_NL as Q8_0 blocks of the same values, IQ4_XS as Q8_0 with fp16-rounded scales,
+    Q2_K decoded to bf16 with one warning; the product stays within the activations' rounding of torch's
+    on gguf's decoded values. Random blocks with real weights' scales, 80 x 512 (rows pad to 64)."""
+    import cpp_experts
+
+    from models import cpu_ops
+    from models.cpu_ops import make_operator
+    from tests.models.test_gguf_quants import _realistic_raw
+
+    t = gguf.GGMLQuantizationType[qtype]
+    rng = np.random.default_rng()
+    shape = (80, 512)
+    data = _realistic_raw(rng, t, shape[0] * shape[1]).reshape(shape[0], -1)
+    blocks = RawBlocks(t, shape, data, "mem", "blk.0.ffn_down.weight")
+    with caplog.at_level(logging.WARNING, logger="models.cpu_ops"):
+        op = make_operator(blocks, "file", blocks.name)
+    assert op.weight_format == fmt
+    warned = any(qtype in r.getMessage() and "decoded to bf16" in r.getMessage() for r in caplog.records)
+    assert warned <= (fmt == "bf16") and (warned or fmt != "bf16" or qtype in cpu_ops._warned_types)  # once a type
+    w = torch.from_numpy(gguf.quants.dequantize(data, t))
+    x = torch.randn(7, shape[1])
+    with cpp_experts.WorkerPool(2) as pool:
+        op.bind(pool)
+        got = op(x)
+        op.unbind()
+    want = x @ w.T
+    assert float(norm_err(got, want)) <= 2e-2 and float(rel_err(got, want).max()) <= 6e-2
+
+
 def run_as(layer, mode: str, monkeypatch, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """One submit + sync of `layer` the way `mode` runs it on this CPU: "eager"; "host-nodes" and
     "split" as under a capture (queued host work runs at once here, split steps run at once)."""

@@ -32,6 +32,10 @@ _FP16_FIELDS: dict[T, tuple[int, ...]] = {
     T.Q4_K: (0, 2),
     T.Q5_K: (0, 2),
     T.Q6_K: (208,),
+    T.Q2_K: (80, 82),
+    T.Q3_K: (108,),
+    T.IQ4_NL: (0,),
+    T.IQ4_XS: (0,),
 }
 _FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 _ALL = sorted(SUPPORTED_TYPES)
@@ -179,14 +183,14 @@ def test_last_dim_not_multiple_of_block(qtype: T, rng: np.random.Generator) -> N
     assert "blk.0.attn_q.weight" in msg and f"block size {block_size}" in msg
 
 
-@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.IQ4_NL, int(T.Q8_K)], ids=str)
+@pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.IQ3_S, T.IQ1_M, int(T.Q8_K)], ids=str)
 def test_unsupported_type(qtype: T | int, rng: np.random.Generator) -> None:
     block_size, type_size = GGML_QUANT_SIZES[T(qtype)]
     raw = rng.integers(0, 256, 2 * type_size, dtype=np.uint8)
     with pytest.raises(CheckpointError) as err:
         dequantize(raw, qtype, (2, block_size), source="model.gguf", name="output.weight")
     msg = str(err.value)
-    assert "output.weight" in msg and f"type {T(qtype).name} is not supported" in msg and "Q4_K" in msg
+    assert "output.weight" in msg and f"type {T(qtype).name} is not supported" in msg and "IQ4_XS" in msg
 
 
 def test_unknown_type_id_and_bad_shape(rng: np.random.Generator) -> None:
@@ -247,27 +251,56 @@ def test_chunk_tail_of_one_block(monkeypatch: pytest.MonkeyPatch) -> None:
         _assert_bit_equal(dequantize(raw, qtype, shape), _reference(raw, qtype, shape))
 
 
-@pytest.mark.parametrize("shape", [(1, 32), (5, 160), (3, 4, 96)])
-def test_q5_0_as_q8_0_holds_the_same_values(shape: tuple[int, ...], rng: np.random.Generator,
+def _realistic_raw(rng: np.random.Generator, qtype: T, numel: int) -> np.ndarray:
+    """Random blocks whose scales are those of real weights (values of ~0.01-1, fp16 normals): the
+    range where an inexact re-encoding states its bound."""
+    raw = _random_raw(rng, qtype, numel)
+    blocks = raw.reshape(-1, GGML_QUANT_SIZES[qtype][1])
+    for offset in _FP16_FIELDS[qtype]:
+        scale = rng.uniform(1e-3, 1e-2, len(blocks)) * rng.choice([-1, 1], len(blocks))
+        blocks[:, offset : offset + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+@pytest.mark.parametrize("qtype, target", [(T.Q5_0, T.Q8_0), (T.IQ4_NL, T.Q8_0), (T.Q3_K, T.Q6_K), (T.IQ4_XS, T.Q8_0)],
+                         ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [(1,), (5,), (3, 4)], ids=lambda r: "x".join(map(str, r)))
+def test_kernel_blocks_hold_the_same_values(qtype: T, target: T, rows: tuple[int, ...], rng: np.random.Generator,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Random Q5_0 bytes (any fp16 scale, subnormals included) and gguf-quantized ones: gguf's own
-    decoder gives the Q8_0 re-encoding exactly the Q5_0 values, chunked or not."""
-    monkeypatch.setattr(gguf_quants, "_CHUNK_VALUES", 64)  # several chunks, the last one short
+    """Random bytes (any fp16 scale, subnormals included) and, for Q5_0, gguf-quantized ones: gguf's own
+    decoders give the re-encoded blocks exactly the source's values, chunked or not; IQ4_XS's scales are
+    rounded to fp16, so its values are within 2^-11 of each where the scales are fp16 normals."""
+    block_size = GGML_QUANT_SIZES[qtype][0]
+    shape = (*rows, block_size * int(rng.integers(1, 4)))
+    monkeypatch.setattr(gguf_quants, "_CHUNK_VALUES", 2 * block_size)  # several chunks, the last one short
     numel = int(np.prod(shape))
-    real = gguf.quants.quantize((rng.standard_normal(numel) * rng.uniform(0.01, 3.0)).astype(np.float32)
-                                .reshape(-1, shape[-1]), T.Q5_0).reshape(-1)
-    for raw in (_random_raw(rng, T.Q5_0, numel), real):
-        q8 = gguf_quants.q5_0_as_q8_0(raw, shape)
-        assert q8.dtype == np.uint8 and q8.shape == (*shape[:-1], shape[-1] // 32 * 34)
-        np.testing.assert_array_equal(_reference(q8.reshape(-1), T.Q8_0, shape).view(np.int32),
-                                      _reference(raw, T.Q5_0, shape).view(np.int32))
-        qs = q8.reshape(-1, 34)[:, 2:].view(np.int8)
-        assert qs.min() >= -16 and qs.max() <= 15
+    raws = [_random_raw(rng, qtype, numel), _realistic_raw(rng, qtype, numel)]
+    if qtype == T.Q5_0:
+        raws.append(gguf.quants.quantize((rng.standard_normal(numel) * rng.uniform(0.01, 3.0)).astype(np.float32)
+                                         .reshape(-1, shape[-1]), T.Q5_0).reshape(-1))
+    assert gguf_quants.kernel_form(qtype) == (target, qtype != T.IQ4_XS)
+    for i, raw in enumerate(raws):
+        form = gguf_quants.kernel_blocks(raw, qtype, shape)
+        if form is None:  # only an IQ4_XS scale past fp16's range, in the fully random bytes
+            assert qtype == T.IQ4_XS and i == 0
+            continue
+        got_type, data = form
+        out_block, out_size = GGML_QUANT_SIZES[target]
+        assert got_type == target and data.dtype == np.uint8
+        assert data.shape == (*shape[:-1], shape[-1] // out_block * out_size)
+        got, want = _reference(data.reshape(-1), target, shape), _reference(raw, qtype, shape)
+        if qtype != T.IQ4_XS:
+            np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
+        elif i == 1:
+            np.testing.assert_allclose(got, want, rtol=2.0**-11, atol=0)
+    assert gguf_quants.kernel_blocks(_random_raw(rng, T.Q4_K, 256), T.Q4_K, (1, 256)) is None  # the kernels' own
 
 
-def test_q5_0_as_q8_0_checks_its_input(rng: np.random.Generator) -> None:
+def test_kernel_blocks_check_their_input(rng: np.random.Generator) -> None:
     raw = _random_raw(rng, T.Q5_0, 64)
     with pytest.raises(CheckpointError, match="needs 66 bytes"):
-        gguf_quants.q5_0_as_q8_0(raw, (3, 32), "f.gguf", "blk.0.ffn_down.weight")
+        gguf_quants.kernel_blocks(raw, T.Q5_0, (3, 32), "f.gguf", "blk.0.ffn_down.weight")
     with pytest.raises(CheckpointError, match="not a multiple"):
-        gguf_quants.q5_0_as_q8_0(raw, (2, 33))
+        gguf_quants.kernel_blocks(raw, T.Q5_0, (2, 33))
+    with pytest.raises(CheckpointError, match="needs 220 bytes"):
+        gguf_quants.kernel_blocks(_random_raw(rng, T.Q3_K, 256), T.Q3_K, (2, 256))
