@@ -309,7 +309,7 @@ class Ours:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--types", nargs="+", choices=mk.TYPES, default=list(mk.TYPES),
+    ap.add_argument("--types", nargs="+", choices=mk.ALL_TYPES, default=list(mk.TYPES),
                     help="which GGUFs (missing ones are skipped and recorded)")
     ap.add_argument("--cache-dir", type=Path, default=None, help="where make_deepseek_gguf.py put them")
     ap.add_argument("--layers", type=int, default=4)

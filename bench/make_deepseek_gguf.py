@@ -51,9 +51,11 @@ import peers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = "deepseek-v2-lite"
-TYPES = ("bf16", "q8_0", "q4_k_m")
+TYPES = ("bf16", "q8_0", "q4_k_m")  # the default set
 CONVERTER_TYPES = {"bf16": "bf16", "q8_0": "q8_0"}  # made by convert_hf_to_gguf.py --outtype
-QUANTIZE_TYPES = {"q4_k_m": "Q4_K_M"}  # made by llama-quantize from the bf16 file
+# made by llama-quantize from the bf16 file
+QUANTIZE_TYPES = {"q4_k_m": "Q4_K_M", "q3_k_m": "Q3_K_M", "q2_k": "Q2_K", "iq4_xs": "IQ4_XS"}
+ALL_TYPES = (*CONVERTER_TYPES, *QUANTIZE_TYPES)
 
 
 def default_cache_dir() -> Path:
@@ -198,7 +200,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cache-dir", type=Path, default=None, help="default: .venv/bench-models ($MLASERVE_BENCH_MODELS)")
     ap.add_argument("--layers", type=int, default=4, help="num_hidden_layers (the first is dense)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--types", nargs="+", choices=TYPES, default=list(TYPES))
+    ap.add_argument("--types", nargs="+", choices=ALL_TYPES, default=list(TYPES))
     ap.add_argument("--force", action="store_true", help="remake files that exist")
     ap.add_argument("--drop-hf", action="store_true", help="delete the HF checkpoint once the GGUFs exist")
     args = ap.parse_args(argv)

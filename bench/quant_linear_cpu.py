@@ -66,7 +66,7 @@ SHAPES = {  # name: (out_features, in_features)
     # Q4_K_M file's LM head is Q6_K, its attention and experts mostly Q4_K
     "wide_2048": (16384, 2048),
 }
-FORMATS = ("q4_1", "q8_0", "q4_0", "q6_k", "q4_k", "q5_k", "bf16", "f32")
+FORMATS = ("q4_1", "q8_0", "q4_0", "q6_k", "q4_k", "q5_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs", "bf16", "f32")
 FLOAT_BYTES = {"bf16": 2, "f32": 4}
 MS = (1, 4, 16, 64)
 MAX_COPIES = 512
@@ -84,11 +84,15 @@ def random_blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndar
     values, size = cpp_experts.LINEAR_BLOCKS[fmt]
     raw = rng.integers(0, 256, size=(n, k // values, size), dtype=np.uint8)
     scale = np.full((n, k // values, 1), 1e-3, np.float16).view(np.uint8)
-    if fmt == "q6_k":
-        raw[..., 208:210] = scale
+    if fmt in ("q6_k", "q3_k", "q2_k"):  # d (q2_k: and dmin) at the block's end
+        at = {"q6_k": 208, "q3_k": 108, "q2_k": 80}[fmt]
+        raw[..., at : at + 2] = scale
+        if fmt == "q2_k":
+            raw[..., 82:84] = scale
     else:
         raw[..., 0:2] = scale
-        raw[..., 2:4] = scale  # m (q4_1), dmin (K-quants); two quants of q8_0 / q4_0: harmless
+        raw[..., 2:4] = scale  # m (q4_1), dmin (K-quants); two quants of q8_0 / q4_0 / iq4_nl, iq4_xs's
+        # high scale bits: harmless
     return raw.reshape(n, -1)
 
 

@@ -6,12 +6,11 @@ head that shares the embedding's operator). Their weights never become torch par
 hands them over through `load_weight` (the strict name and shape checks of `CausalLM.load_weights`
 still apply) and they are packed once for the kernels. `mode` (`--cpu-weight-dtype`):
 
-- `file`: GGUF blocks stay as stored where the kernels compute on them (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K,
-  Q6_K; a K-quant needs rows of whole 256-value blocks); Q5_0 and IQ4_NL are re-encoded as Q8_0 blocks
-  and Q3_K as Q6_K blocks of exactly the same values, IQ4_XS as Q8_0 blocks with fp16-rounded scales
-  (`RawBlocks.for_kernels`; llama.cpp's K-quant files use Q5_0 and IQ4_NL where rows are not whole
-  256-value blocks); float tensors keep their precision (bf16 as bf16, fp32 and fp16 as fp32); other
-  block types (Q5_1, Q2_K) are decoded to bf16, with one warning.
+- `file`: GGUF blocks stay as stored where the kernels compute on them (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K,
+  Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS); Q5_0 is re-encoded as Q8_0 blocks of exactly the same values
+  (`RawBlocks.for_kernels`; llama.cpp's Q4_K_M files use it where rows are not whole 256-value blocks);
+  float tensors keep their precision (bf16 as bf16, fp32 and fp16 as fp32); other block types (Q5_1)
+  are decoded to bf16, with one warning.
 - `bf16`: every weight decoded to bf16 (activations are then rounded to bf16, never to int8).
 - `float32`: every weight decoded to fp32 (exact; twice bf16's memory and bandwidth).
 

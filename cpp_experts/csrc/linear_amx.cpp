@@ -99,7 +99,7 @@ CPX_AMX inline void unpack_block(const uint8_t* wb, uint8_t* out) {
 template <LinFormat F>
 CPX_AMX void rowblock(const QMat& w, int rb, const ActQ& a, int t0, int m, float* c, int ldc) {
   constexpr LinLayout L = kLinLayout[int(F)];
-  constexpr bool kQ8 = F == LinFormat::Q8_0, kQ6 = F == LinFormat::Q6_K, kK = L.sb_blocks > 1;
+  constexpr bool kQ8 = F == LinFormat::Q8_0, kQ6 = lin_split16(F), kK = L.sb_blocks > 1;
   alignas(64) uint8_t bbuf[2][512];
   alignas(64) int32_t cbuf[2][2][256];
   const size_t sbs = w.sb_bytes;
@@ -138,12 +138,13 @@ CPX_AMX void rowblock(const QMat& w, int rb, const ActQ& a, int t0, int m, float
       __m512i s = _mm512_load_si512(cb[0] + 16 * i), s2 = _mm512_setzero_si512();
       if constexpr (kQ6) {
         const int32_t* s16 = a.s16 + row * 2 * nb + 2 * p;
-        s = _mm512_add_epi32(s, _mm512_set1_epi32(-32 * s16[0]));
-        s2 = _mm512_add_epi32(_mm512_load_si512(cb[1] + 16 * i), _mm512_set1_epi32(-32 * s16[1]));
+        s = _mm512_add_epi32(s, _mm512_set1_epi32(-lin_offset16(F) * s16[0]));
+        s2 = _mm512_add_epi32(_mm512_load_si512(cb[1] + 16 * i), _mm512_set1_epi32(-lin_offset16(F) * s16[1]));
       } else if constexpr (zero_point(F) != 0) {
         s = _mm512_add_epi32(s, _mm512_set1_epi32(-zero_point(F) * a.s[row * nb + p]));
       }
-      acc[i] = accumulate<F>(acc[i], s, s2, sc, a.d[row * nb + p], a.ds[row * nb + p]);
+      acc[i] = accumulate<F>(acc[i], s, s2, sc, a.d[row * nb + p], a.ds[row * nb + p],
+                             kQ6 ? a.s16 + row * 2 * nb + 2 * p : nullptr);
     }
   }
 #pragma GCC unroll 16
@@ -163,7 +164,7 @@ CPX_AMX void gemm_amx(const QMat& w, int rb0, int rb1, const ActQ& a, int t0, in
       continue;
     }
     if (m != configured) {
-      configure(m, F == LinFormat::Q6_K ? 2 : 1);
+      configure(m, lin_split16(F) ? 2 : 1);
       configured = m;
     }
     for (int rb = rb0; rb < rb1; ++rb) rowblock<F>(w, rb, a, t0 + t, m, c + size_t(t) * ldc + (rb - rb0) * 16, ldc);
@@ -179,6 +180,11 @@ const LinGemm kLinAmxGemm[kLinFormats] = {nullptr,
                                           gemm_amx<LinFormat::Q4_1>,
                                           gemm_amx<LinFormat::Q4_K>,
                                           gemm_amx<LinFormat::Q5_K>,
-                                          gemm_amx<LinFormat::Q6_K>};
+                                          gemm_amx<LinFormat::Q6_K>,
+                                          nullptr,
+                                          gemm_amx<LinFormat::IQ4_NL>,
+                                          gemm_amx<LinFormat::IQ4_XS>,
+                                          gemm_amx<LinFormat::Q3_K>,
+                                          gemm_amx<LinFormat::Q2_K>};
 
 }  // namespace cpx

@@ -117,26 +117,32 @@ CPX_AVX2 inline __m256i pair16(__m256i lo, __m256i hi) {
   return _mm256_blend_epi16(lo, _mm256_slli_epi32(hi, 16), 0xAA);
 }
 
-constexpr bool has_min(LinFormat f) { return f == LinFormat::Q4_1 || f == LinFormat::Q4_K || f == LinFormat::Q5_K; }
-
-// Per-row fp32 scales of one (rowblock, half) for one block: dw multiplies the int sum (for q6_k only
-// the superblock d: its 6-bit scales are inside the sum), mw the activation sum (q4_1's m; the
-// K-quants' dmin * mn, subtracted).
+// Per-row fp32 scales of one (rowblock, half) for one block: dw multiplies the int sum (for the
+// lin_split16 formats only the superblock d: their scales per 16 values are inside the sum), mw the
+// activation sum (q4_1's m; the K-quants' dmin * mn, subtracted; q2_k: dmin * mn of elements 0..15, mw2
+// of 16..31, times the activations' sums per 16).
 struct Scales {
-  __m256 dw, mw;
+  __m256 dw, mw, mw2;
 };
 template <LinFormat F>
 CPX_AVX2_INL Scales block_scales(const uint8_t* hdr, const uint8_t* wb, int half) {
-  Scales s{_mm256_setzero_ps(), _mm256_setzero_ps()};
+  Scales s{_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   if constexpr (F == LinFormat::Q8_0) s.dw = f16x8(wb + 512 + 16 * half);
-  if constexpr (F == LinFormat::Q4_0 || F == LinFormat::Q4_1) s.dw = f16x8(wb + 256 + 16 * half);
+  if constexpr (F == LinFormat::Q4_0 || F == LinFormat::Q4_1 || F == LinFormat::IQ4_NL) s.dw = f16x8(wb + 256 + 16 * half);
+  if constexpr (F == LinFormat::IQ4_XS)
+    s.dw = _mm256_mul_ps(f16x8(hdr + 16 * half), _mm256_cvtepi32_ps(i8x8(wb + 256 + 8 * half)));
   if constexpr (F == LinFormat::Q4_1) s.mw = f16x8(wb + 288 + 16 * half);
   if constexpr (F == LinFormat::Q4_K || F == LinFormat::Q5_K) {
     const uint8_t* sc = wb + (F == LinFormat::Q5_K ? 320 : 256) + 8 * half;
     s.dw = _mm256_mul_ps(f16x8(hdr + 16 * half), _mm256_cvtepi32_ps(u8x8(sc)));
     s.mw = _mm256_mul_ps(f16x8(hdr + 32 + 16 * half), _mm256_cvtepi32_ps(u8x8(sc + 16)));
   }
-  if constexpr (F == LinFormat::Q6_K) s.dw = f16x8(hdr + 16 * half);
+  if constexpr (lin_split16(F)) s.dw = f16x8(hdr + 16 * half);
+  if constexpr (F == LinFormat::Q2_K) {
+    const __m256 dmin = f16x8(hdr + 32 + 16 * half);
+    s.mw = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(u8x8(wb + 160 + 8 * half)));
+    s.mw2 = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(u8x8(wb + 176 + 8 * half)));
+  }
   return s;
 }
 
@@ -155,17 +161,39 @@ CPX_AVX2_INL void with_high_bits(__m256i v, __m256i hb, int blo, int bhi, __m256
   lo = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(move_bits(hb, blo, 4), mh));
   hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_and_si256(move_bits(hb, bhi, 4), mh));
 }
-// q6_k: int16 pairs of each row's scale for elements 0..15 (lo) / 16..31 (hi), rows 8 half .. 8 half + 7
-CPX_AVX2_INL void q6_scales(const uint8_t* wb, int half, __m256i& lo, __m256i& hi) {
-  const __m256i a = i8x8(wb + 384 + 8 * half), c = i8x8(wb + 400 + 8 * half);
+// The lin_split16 formats: int16 pairs of each row's scale for elements 0..15 (lo) / 16..31 (hi), rows
+// 8 half .. 8 half + 7 (q6_k, q3_k int8; q2_k uint8)
+template <LinFormat F>
+CPX_AVX2_INL void split_scales(const uint8_t* wb, int half, __m256i& lo, __m256i& hi) {
+  constexpr int at = F == LinFormat::Q6_K ? 384 : F == LinFormat::Q3_K ? 192 : 128;
+  const uint8_t* p = wb + at + 8 * half;
+  const __m256i a = F == LinFormat::Q2_K ? u8x8(p) : i8x8(p), c = F == LinFormat::Q2_K ? u8x8(p + 16) : i8x8(p + 16);
   lo = pair16(a, a);
   hi = pair16(c, c);
 }
-// q6_k's zero point: s - 32 (sc_lo * sum of x 0..15 + sc_hi * sum of x 16..31), s16 the row's two sums
-CPX_AVX2_INL __m256i q6_minus32(__m256i s, __m256i sc_lo, __m256i sc_hi, const int32_t* s16) {
-  const __m256i m32 = _mm256_slli_epi16(_mm256_blend_epi16(sc_lo, sc_hi, 0xAA), 5);  // (32 lo, 32 hi) pairs
+// Their zero point: s - 2^shift (sc_lo * sum of x 0..15 + sc_hi * sum of x 16..31), s16 the row's two sums
+// (q6_k: 32, shift 5; q3_k: 4, shift 2). The sum of 16 activations fits in int16.
+CPX_AVX2_INL __m256i minus_offset(__m256i s, __m256i sc_lo, __m256i sc_hi, const int32_t* s16, int shift) {
+  const __m256i m = _mm256_slli_epi16(_mm256_blend_epi16(sc_lo, sc_hi, 0xAA), shift);  // (off lo, off hi) pairs
   const uint32_t sp = uint32_t(uint16_t(s16[0])) | uint32_t(uint16_t(s16[1])) << 16;
-  return _mm256_sub_epi32(s, _mm256_madd_epi16(m32, _mm256_set1_epi32(int32_t(sp))));
+  return _mm256_sub_epi32(s, _mm256_madd_epi16(m, _mm256_set1_epi32(int32_t(sp))));
+}
+// q2_k / q3_k: groups 2 gp and 2 gp + 1 of the half at wh from the 2-bit plane (and q3_k's third bits)
+template <LinFormat F>
+CPX_AVX2_INL void two_bit_groups(const uint8_t* wh, int gp, __m256i* lo, __m256i* hi) {
+  const __m256i m3 = _mm256_set1_epi8(0x03), m4 = _mm256_set1_epi8(0x04);
+  const __m256i p = load32(wh + 64 * gp);
+#pragma GCC unroll 2
+  for (int gg = 0; gg < 2; ++gg) {
+    lo[gg] = _mm256_and_si256(move_bits(p, 4 * gg, 0), m3);
+    hi[gg] = _mm256_and_si256(move_bits(p, 4 * gg + 2, 0), m3);
+    if constexpr (F == LinFormat::Q3_K) {
+      const __m256i hb = load32(wh + 128);
+      const int g = 2 * gp + gg;
+      lo[gg] = _mm256_or_si256(lo[gg], _mm256_and_si256(move_bits(hb, 2 * g, 2), m4));
+      hi[gg] = _mm256_or_si256(hi[gg], _mm256_and_si256(move_bits(hb, 2 * g + 1, 2), m4));
+    }
+  }
 }
 
 // s[t] = one block's exact int32 dot products of rows 8 half .. 8 half + 7 of the rowblock whose block
@@ -190,21 +218,25 @@ CPX_AVX2_INL void half_sums(const uint8_t* wb, int half, const Rows<TT>& x, int 
         CPX_KEEP(s[t]);
       }
     }
-  } else if constexpr (F == LinFormat::Q5_K || F == LinFormat::Q6_K) {
-    // group pairs: at most 4 (q5_k) / 2 per chain (q6_k) vpmaddubsw results per int16 sum
-    constexpr bool kQ6 = F == LinFormat::Q6_K;
+  } else if constexpr (F == LinFormat::Q5_K || lin_split16(F)) {
+    // group pairs: at most 4 (q5_k) / 2 per chain (the split16 formats) vpmaddubsw results per int16 sum
+    constexpr bool kQ6 = lin_split16(F);
     __m256i sc_lo = ones, sc_hi = ones;
-    if constexpr (kQ6) q6_scales(wb, half, sc_lo, sc_hi);
-    const __m256i mh = _mm256_set1_epi8(kQ6 ? 0x30 : 0x10);
+    if constexpr (kQ6) split_scales<F>(wb, half, sc_lo, sc_hi);
+    const __m256i mh = _mm256_set1_epi8(F == LinFormat::Q6_K ? 0x30 : 0x10);
 #pragma GCC unroll 2
     for (int gp = 0; gp < 2; ++gp) {
       __m256i lo[2], hi[2];
-      const __m256i hb = load32(wh + 256 + (kQ6 ? 64 * gp : 0));
+      if constexpr (lin_two_bit(F)) {
+        two_bit_groups<F>(wh, gp, lo, hi);
+      } else {
+        const __m256i hb = load32(wh + 256 + (kQ6 ? 64 * gp : 0));
 #pragma GCC unroll 2
-      for (int gg = 0; gg < 2; ++gg) {
-        const int g = 2 * gp + gg;
-        const int blo = kQ6 ? 4 * gg : 2 * g, bhi = kQ6 ? 4 * gg + 2 : 2 * g + 1;  // the high bits' place
-        with_high_bits(load32(wh + 64 * g), hb, blo, bhi, mh, lo[gg], hi[gg]);
+        for (int gg = 0; gg < 2; ++gg) {
+          const int g = 2 * gp + gg;
+          const int blo = kQ6 ? 4 * gg : 2 * g, bhi = kQ6 ? 4 * gg + 2 : 2 * g + 1;  // the high bits' place
+          with_high_bits(load32(wh + 64 * g), hb, blo, bhi, mh, lo[gg], hi[gg]);
+        }
       }
 #pragma GCC unroll 4
       for (int t = 0; t < TT; ++t) {
@@ -220,9 +252,11 @@ CPX_AVX2_INL void half_sums(const uint8_t* wb, int half, const Rows<TT>& x, int 
         CPX_KEEP(s[t]);
       }
     }
-    if constexpr (kQ6) {
+    if constexpr (lin_offset16(F) != 0) {
+      constexpr int shift = F == LinFormat::Q6_K ? 5 : 2;
+      static_assert(lin_offset16(F) == 1 << shift);
 #pragma GCC unroll 4
-      for (int t = 0; t < TT; ++t) s[t] = q6_minus32(s[t], sc_lo, sc_hi, x.s16[t] + 2 * b);
+      for (int t = 0; t < TT; ++t) s[t] = minus_offset(s[t], sc_lo, sc_hi, x.s16[t] + 2 * b, shift);
     }
   } else {  // q4_0, q4_1, q4_k: one int16 sum per block
 #pragma GCC unroll 4
@@ -246,7 +280,7 @@ CPX_AVX2_INL void half_sums(const uint8_t* wb, int half, const Rows<TT>& x, int 
 }
 
 // Formats whose rowblock_sums take both halves at once.
-constexpr bool both_halves(LinFormat f) { return f != LinFormat::Q5_K && f != LinFormat::Q6_K; }
+constexpr bool both_halves(LinFormat f) { return f != LinFormat::Q5_K && !lin_split16(f); }
 
 // half_sums for both halves of the rowblock at once (q8_0, q4_0, q4_1, q4_k): every activation
 // broadcast feeds two vpmaddubsw (one per half), so a block takes half a load per vpmaddubsw; with 8
@@ -272,6 +306,30 @@ CPX_AVX2_INL void rowblock_sums(const uint8_t* wb, const Rows<TT>& x, int b, __m
         const __m256i p1 = _mm256_maddubs_epi16(aw1, _mm256_sign_epi8(xv, sw1));
         s[1][t] = _mm256_add_epi32(s[1][t], _mm256_madd_epi16(p1, ones));
         CPX_KEEP(s[1][t]);
+      }
+    }
+  } else if constexpr (lin_iq4(F)) {
+    // the nibbles looked up as the signed levels, then q8_0's sign trick (|level| <= 127: no vpmaddubsw
+    // pair saturates), nibble half by nibble half
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Levels)));
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {
+      const __m256i v0 = load32(wb + 64 * g), v1 = load32(wb + 64 * g + 32);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256i sw0 = _mm256_shuffle_epi8(table, _mm256_and_si256(h ? _mm256_srli_epi16(v0, 4) : v0, m4));
+        const __m256i sw1 = _mm256_shuffle_epi8(table, _mm256_and_si256(h ? _mm256_srli_epi16(v1, 4) : v1, m4));
+        const __m256i aw0 = _mm256_abs_epi8(sw0), aw1 = _mm256_abs_epi8(sw1);
+#pragma GCC unroll 4
+        for (int t = 0; t < TT; ++t) {
+          const __m256i xv = bcast4(x.q[t] + 32 * b + 16 * h + 4 * g);
+          const __m256i p0 = _mm256_maddubs_epi16(aw0, _mm256_sign_epi8(xv, sw0));
+          s[0][t] = _mm256_add_epi32(s[0][t], _mm256_madd_epi16(p0, ones));
+          CPX_KEEP(s[0][t]);
+          const __m256i p1 = _mm256_maddubs_epi16(aw1, _mm256_sign_epi8(xv, sw1));
+          s[1][t] = _mm256_add_epi32(s[1][t], _mm256_madd_epi16(p1, ones));
+          CPX_KEEP(s[1][t]);
+        }
       }
     }
   } else {
@@ -312,7 +370,7 @@ CPX_AVX2_INL void q6_rowblock_sums(const uint8_t* wb, const Rows<1>& x, int b, _
   __m256i sc_lo[2], sc_hi[2];
 #pragma GCC unroll 2
   for (int h = 0; h < 2; ++h) {
-    q6_scales(wb, h, sc_lo[h], sc_hi[h]);
+    split_scales<LinFormat::Q6_K>(wb, h, sc_lo[h], sc_hi[h]);
     s[h][0] = _mm256_setzero_si256();
   }
 #pragma GCC unroll 2
@@ -340,16 +398,21 @@ CPX_AVX2_INL void q6_rowblock_sums(const uint8_t* wb, const Rows<1>& x, int b, _
     }
   }
 #pragma GCC unroll 2
-  for (int h = 0; h < 2; ++h) s[h][0] = q6_minus32(s[h][0], sc_lo[h], sc_hi[h], x.s16[0] + 2 * b);
+  for (int h = 0; h < 2; ++h) s[h][0] = minus_offset(s[h][0], sc_lo[h], sc_hi[h], x.s16[0] + 2 * b, 5);
 }
 
 // acc + one block's contribution: s its int32 sums, dx the row's block scale, ds = dx * (sum of its q)
-// (both broadcast).
+// (both broadcast); q2_k: s16 the row's two sums of q per 16 values.
 template <LinFormat F>
-CPX_AVX2_INL __m256 accumulate(__m256 acc, __m256i s, const Scales& w, __m256 dx, __m256 ds) {
+CPX_AVX2_INL __m256 accumulate(__m256 acc, __m256i s, const Scales& w, __m256 dx, __m256 ds,
+                               const int32_t* s16 = nullptr) {
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(w.dw, dx), acc);
   if constexpr (F == LinFormat::Q4_1) acc = _mm256_fmadd_ps(w.mw, ds, acc);
   if constexpr (F == LinFormat::Q4_K || F == LinFormat::Q5_K) acc = _mm256_fnmadd_ps(w.mw, ds, acc);
+  if constexpr (F == LinFormat::Q2_K) {
+    acc = _mm256_fnmadd_ps(w.mw, _mm256_mul_ps(dx, _mm256_set1_ps(float(s16[0]))), acc);
+    acc = _mm256_fnmadd_ps(w.mw2, _mm256_mul_ps(dx, _mm256_set1_ps(float(s16[1]))), acc);
+  }
   return acc;
 }
 
@@ -373,7 +436,8 @@ CPX_AVX2_INL void rowblock_step(const uint8_t* hdr, const uint8_t* wb, const Row
 #pragma GCC unroll 2
     for (int half = 0; half < 2; ++half) {
       float* p = cp + size_t(t) * ldc + 8 * half;
-      _mm256_storeu_ps(p, accumulate<F>(_mm256_loadu_ps(p), s[half][t], sc[half], dx, ds));
+      _mm256_storeu_ps(p, accumulate<F>(_mm256_loadu_ps(p), s[half][t], sc[half], dx, ds,
+                                        F == LinFormat::Q2_K ? x.s16[t] + 2 * b : nullptr));
     }
   }
 }
@@ -389,7 +453,7 @@ CPX_AVX2_INL Rows<TT> rows_of(const ActQ& a, int t0) {
     x.d[t] = a.d + row * nb;
     x.ds[t] = a.ds + row * nb;
     x.s[t] = a.s + row * nb;
-    x.s16[t] = F == LinFormat::Q6_K ? a.s16 + row * 2 * nb : nullptr;
+    x.s16[t] = lin_split16(F) ? a.s16 + row * 2 * nb : nullptr;
   }
   return x;
 }
@@ -432,7 +496,8 @@ CPX_AVX2 void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
             for (int half = 0; half < 2; ++half) {
               __m256i s[1];
               half_sums<F, 1>(wb, half, x, b, s);
-              acc[r][half] = accumulate<F>(acc[r][half], s[0], block_scales<F>(hdr, wb, half), dx, ds);
+              acc[r][half] = accumulate<F>(acc[r][half], s[0], block_scales<F>(hdr, wb, half), dx, ds,
+                                           F == LinFormat::Q2_K ? x.s16[0] + 2 * b : nullptr);
             }
           }
         }
@@ -700,7 +765,8 @@ CPX_AVX2 void quantize_row_q8_avx2(const float* x, int k, int8_t* q, float* d, i
 const LinKernels kLinAvx2 = {
     "avx2",
     {nullptr, gemm<LinFormat::Q8_0>, gemm<LinFormat::Q4_0>, gemm<LinFormat::Q4_1>, gemm<LinFormat::Q4_K>,
-     gemm<LinFormat::Q5_K>, gemm<LinFormat::Q6_K>, nullptr},
+     gemm<LinFormat::Q5_K>, gemm<LinFormat::Q6_K>, nullptr, gemm<LinFormat::IQ4_NL>, gemm<LinFormat::IQ4_XS>,
+     gemm<LinFormat::Q3_K>, gemm<LinFormat::Q2_K>},
     quantize_row_q8_avx2,
     store_avx2,
     to_bf16_avx2,

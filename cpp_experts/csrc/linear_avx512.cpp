@@ -87,7 +87,8 @@ inline size_t prefetch_ahead(size_t sbs) {
 template <LinFormat F, int R, int TT>
 CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc, bool first, bool once) {
   constexpr LinLayout L = kLinLayout[int(F)];
-  constexpr bool kQ8 = F == LinFormat::Q8_0, kQ6 = F == LinFormat::Q6_K, kK = L.sb_blocks > 1;
+  constexpr bool kQ8 = F == LinFormat::Q8_0, kQ6 = lin_split16(F), kK = L.sb_blocks > 1;
+  constexpr int kOff16 = lin_offset16(F);
   const size_t sbs = w.sb_bytes;
   const uint8_t* w0 = w.at(rb);
   const size_t ahead = prefetch_ahead<R>(sbs);
@@ -147,13 +148,13 @@ CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
           for (int o = 0; o < L.blk; o += 64) prefetch(wb[r] + ahead + o, once);
         }
       }
-      // int32 sums per (rowblock, row of x), started at -zero_point * (sum of the row's q); q6_k
-      // keeps elements 0..15 (s) and 16..31 (s2) apart, as their scales differ.
+      // int32 sums per (rowblock, row of x), started at -zero_point * (sum of the row's q); the
+      // lin_split16 formats keep elements 0..15 (s) and 16..31 (s2) apart, as their scales differ.
       __m512i s[R][TT], s2[R][TT];
 #pragma GCC unroll 4
       for (int t = 0; t < TT; ++t) {
-        const __m512i init = _mm512_set1_epi32(kQ6 ? -32 * xs16[t][2 * b] : -zero_point(F) * xs[t][b]);
-        const __m512i init2 = kQ6 ? _mm512_set1_epi32(-32 * xs16[t][2 * b + 1]) : _mm512_setzero_si512();
+        const __m512i init = _mm512_set1_epi32(kQ6 ? -kOff16 * xs16[t][2 * b] : -zero_point(F) * xs[t][b]);
+        const __m512i init2 = kQ6 ? _mm512_set1_epi32(-kOff16 * xs16[t][2 * b + 1]) : _mm512_setzero_si512();
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           s[r][t] = init;
@@ -191,7 +192,8 @@ CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
       for (int r = 0; r < R; ++r) {
         const Scales sc = block_scales<F>(wb[r], dsup[r], msup[r]);
 #pragma GCC unroll 4
-        for (int t = 0; t < TT; ++t) acc[r][t] = accumulate<F>(acc[r][t], s[r][t], s2[r][t], sc, xd[t][b], xds[t][b]);
+        for (int t = 0; t < TT; ++t)
+          acc[r][t] = accumulate<F>(acc[r][t], s[r][t], s2[r][t], sc, xd[t][b], xds[t][b], kQ6 ? xs16[t] + 2 * b : nullptr);
       }
     }
   }
@@ -266,7 +268,8 @@ CPX_VNNI void to_bf16_avx512(const float* x, uint16_t* y, int n) {
 const LinKernels kLinAvx512 = {
     "avx512_vnni",
     {nullptr, gemm<LinFormat::Q8_0>, gemm<LinFormat::Q4_0>, gemm<LinFormat::Q4_1>, gemm<LinFormat::Q4_K>,
-     gemm<LinFormat::Q5_K>, gemm<LinFormat::Q6_K>},
+     gemm<LinFormat::Q5_K>, gemm<LinFormat::Q6_K>, nullptr, gemm<LinFormat::IQ4_NL>, gemm<LinFormat::IQ4_XS>,
+     gemm<LinFormat::Q3_K>, gemm<LinFormat::Q2_K>},
     quantize_row_q8_avx512,
     store_avx512,
     to_bf16_avx512,

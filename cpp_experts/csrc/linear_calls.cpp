@@ -259,7 +259,7 @@ void QuantLinear::dequant_row(int n, float* out) const {
     const uint8_t* base = qm_.at(rb) + size_t(sb) * kGroupRowblocks * qm_.sb_bytes;
     const bool kq = L.sb_blocks > 1;
     const float D = kq ? f16(base + 2 * r) : 0.0f;
-    const float Dmin = kq && fmt_ != LinFormat::Q6_K ? f16(base + 32 + 2 * r) : 0.0f;
+    const float Dmin = lin_has_dmin(fmt_) ? f16(base + 32 + 2 * r) : 0.0f;
     for (int j = 0; j < L.sb_blocks; ++j) {
       const uint8_t* bp = base + L.hdr + size_t(j) * L.blk;
       unpack_block(fmt_, bp, r, q);
@@ -268,6 +268,8 @@ void QuantLinear::dequant_row(int n, float* out) const {
         switch (fmt_) {
           case LinFormat::Q8_0: o[i] = f16(bp + 512 + 2 * r) * float(int(q[i]) - 128); break;
           case LinFormat::Q4_0: o[i] = f16(bp + 256 + 2 * r) * float(int(q[i]) - 8); break;
+          case LinFormat::IQ4_NL: o[i] = f16(bp + 256 + 2 * r) * float(int(q[i]) - 128); break;
+          case LinFormat::IQ4_XS: o[i] = D * float(int8_t(bp[256 + r])) * float(int(q[i]) - 128); break;
           case LinFormat::Q4_1: o[i] = f16(bp + 256 + 2 * r) * float(q[i]) + f16(bp + 288 + 2 * r); break;
           case LinFormat::Q4_K:
           case LinFormat::Q5_K: {
@@ -278,6 +280,16 @@ void QuantLinear::dequant_row(int n, float* out) const {
           case LinFormat::Q6_K: {
             const int8_t sc = int8_t(bp[(i < 16 ? 384 : 400) + r]);
             o[i] = D * float(sc) * float(int(q[i]) - 32);
+            break;
+          }
+          case LinFormat::Q3_K: {
+            const int8_t sc = int8_t(bp[(i < 16 ? 192 : 208) + r]);
+            o[i] = D * float(sc) * float(int(q[i]) - 4);
+            break;
+          }
+          case LinFormat::Q2_K: {
+            const int h = i < 16 ? 0 : 16;
+            o[i] = D * float(bp[128 + h + r]) * float(q[i]) - Dmin * float(bp[160 + h + r]);
             break;
           }
           case LinFormat::BF16:

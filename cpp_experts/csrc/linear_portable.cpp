@@ -15,7 +15,7 @@ float f16(const uint8_t* p) {
 
 }  // namespace
 
-// Row r's 32 unsigned quant values of the packed block at bp.
+// Row r's 32 unsigned quant values of the packed block at bp (iq4: the levels + 128).
 void unpack_block(LinFormat f, const uint8_t* bp, int r, uint8_t* q) {
   for (int c = 0; c < 4; ++c) {
     if (f == LinFormat::Q8_0) {
@@ -23,12 +23,17 @@ void unpack_block(LinFormat f, const uint8_t* bp, int r, uint8_t* q) {
       continue;
     }
     for (int g = 0; g < 4; ++g) {
-      const uint8_t v = bp[g * 64 + r * 4 + c];
+      const uint8_t v = lin_two_bit(f) ? 0 : bp[g * 64 + r * 4 + c];  // (the 2-bit blocks are shorter)
       for (int h = 0; h < 2; ++h) {
         uint8_t e = uint8_t(h ? v >> 4 : v & 15);
+        if (lin_two_bit(f)) {
+          e = uint8_t((bp[64 * (g / 2) + r * 4 + c] >> (4 * (g % 2) + 2 * h)) & 3);
+          if (f == LinFormat::Q3_K) e |= uint8_t(((bp[128 + r * 4 + c] >> (2 * g + h)) & 1) << 2);
+        }
         if (f == LinFormat::Q5_K) e |= uint8_t(((bp[256 + r * 4 + c] >> (2 * g + h)) & 1) << 4);
         if (f == LinFormat::Q6_K)
           e |= uint8_t(((bp[256 + 64 * (g / 2) + r * 4 + c] >> (4 * (g % 2) + 2 * h)) & 3) << 4);
+        if (lin_iq4(f)) e = kIq4Unsigned[e];
         q[16 * h + 4 * g + c] = e;
       }
     }
@@ -49,7 +54,7 @@ void gemm_portable(const QMat& w, int rb0, int rb1, const ActQ& a, int t0, int n
       for (int sb = 0; sb < w.nsb; ++sb) {
         const uint8_t* base = w.at(rb) + size_t(sb) * kGroupRowblocks * w.sb_bytes;
         const float D = kq ? f16(base + 2 * r) : 0.0f;
-        const float Dmin = kq && w.fmt != LinFormat::Q6_K ? f16(base + 32 + 2 * r) : 0.0f;
+        const float Dmin = lin_has_dmin(w.fmt) ? f16(base + 32 + 2 * r) : 0.0f;
         for (int j = 0; j < L.sb_blocks; ++j) {
           const int b = sb * L.sb_blocks + j;
           const uint8_t* bp = base + L.hdr + size_t(j) * L.blk;
@@ -69,6 +74,12 @@ void gemm_portable(const QMat& w, int rb0, int rb1, const ActQ& a, int t0, int n
               case LinFormat::Q8_0:
                 acc += float(lo + hi - 128 * s) * (f16(bp + 512 + 2 * r) * dx);
                 break;
+              case LinFormat::IQ4_NL:
+                acc += float(lo + hi - 128 * s) * (f16(bp + 256 + 2 * r) * dx);
+                break;
+              case LinFormat::IQ4_XS:
+                acc += float(lo + hi - 128 * s) * (D * float(int8_t(bp[256 + r])) * dx);
+                break;
               case LinFormat::Q4_0:
                 acc += float(lo + hi - 8 * s) * (f16(bp + 256 + 2 * r) * dx);
                 break;
@@ -83,11 +94,19 @@ void gemm_portable(const QMat& w, int rb0, int rb1, const ActQ& a, int t0, int n
                 acc -= Dmin * float(sc[16 + r]) * ds;
                 break;
               }
-              case LinFormat::Q6_K: {
-                const int8_t* sc = reinterpret_cast<const int8_t*>(bp + 384);
+              case LinFormat::Q6_K:
+              case LinFormat::Q3_K: {
+                const int8_t* sc = reinterpret_cast<const int8_t*>(bp + (w.fmt == LinFormat::Q6_K ? 384 : 192));
                 const int32_t* s16 = a.s16 + row * 2 * nb + 2 * b;
-                acc += float(lo - 32 * s16[0]) * (D * float(sc[r]) * dx);
-                acc += float(hi - 32 * s16[1]) * (D * float(sc[16 + r]) * dx);
+                const int off = lin_offset16(w.fmt);
+                acc += float(lo - off * s16[0]) * (D * float(sc[r]) * dx);
+                acc += float(hi - off * s16[1]) * (D * float(sc[16 + r]) * dx);
+                break;
+              }
+              case LinFormat::Q2_K: {
+                const int32_t* s16 = a.s16 + row * 2 * nb + 2 * b;
+                acc += float(lo) * (D * float(bp[128 + r]) * dx) + float(hi) * (D * float(bp[144 + r]) * dx);
+                acc -= Dmin * float(bp[160 + r]) * (dx * float(s16[0])) + Dmin * float(bp[176 + r]) * (dx * float(s16[1]));
                 break;
               }
               case LinFormat::BF16:
@@ -137,7 +156,8 @@ void to_bf16_portable(const float* x, uint16_t* y, int n) {
 
 const LinKernels kLinPortable = {
     "portable",
-    {nullptr, gemm_portable, gemm_portable, gemm_portable, gemm_portable, gemm_portable, gemm_portable, nullptr},
+    {nullptr, gemm_portable, gemm_portable, gemm_portable, gemm_portable, gemm_portable, gemm_portable, nullptr,
+     gemm_portable, gemm_portable, gemm_portable, gemm_portable},
     quantize_row_q8,
     store_portable,
     to_bf16_portable,

@@ -37,7 +37,7 @@ uint16_t rd16(const uint8_t* p) {
 struct SbRow {
   uint8_t q[256];
   uint16_t d = 0, m = 0;  // fp16: d and m (q4_1) / dmin (K-quants)
-  uint8_t sc[16] = {}, mn[8] = {};
+  uint8_t sc[16] = {}, mn[16] = {};
 };
 
 // 6-bit scale and min of sub-block j of a Q4_K/Q5_K block (ggml's get_scale_min_k4).
@@ -58,8 +58,9 @@ void decode(LinFormat f, const uint8_t* b, SbRow& o) {
       for (int i = 0; i < 32; ++i) o.q[i] = uint8_t(b[2 + i] ^ 0x80);
       break;
     case LinFormat::Q4_0:
-    case LinFormat::Q4_1: {
-      const uint8_t* qs = b + (f == LinFormat::Q4_0 ? 2 : 4);
+    case LinFormat::Q4_1:
+    case LinFormat::IQ4_NL: {  // iq4_nl: the nibbles are level indices, laid out as q4_0's
+      const uint8_t* qs = b + (f == LinFormat::Q4_1 ? 4 : 2);
       o.d = rd16(b);
       if (f == LinFormat::Q4_1) o.m = rd16(b + 2);
       for (int i = 0; i < 16; ++i) {
@@ -92,6 +93,43 @@ void decode(LinFormat f, const uint8_t* b, SbRow& o) {
         o.q[e] = uint8_t((l < 64 ? lo & 15 : lo >> 4) | (((hi >> (2 * (l / 32))) & 3) << 4));
       }
       break;
+    case LinFormat::Q3_K:  // hmask[32], qs[64], scales[12], d; q = low 2 bits + 4 x high bit (0..7)
+    case LinFormat::Q2_K: {  // scales[16] (sc | mn << 4), qs[64], d, dmin; q = 2 bits
+      const bool q3 = f == LinFormat::Q3_K;
+      const uint8_t* qs = b + (q3 ? 32 : 16);
+      o.d = rd16(b + (q3 ? 108 : 80));
+      if (!q3) o.m = rd16(b + 82);
+      for (int i = 0; i < 16; ++i) {
+        if (q3) {
+          const uint8_t* s = b + 96;
+          const int lo = i < 8 ? s[i] & 15 : s[i - 8] >> 4, hi = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
+          o.sc[i] = uint8_t(int8_t((lo | hi << 4) - 32));
+        } else {
+          o.sc[i] = b[i] & 15;
+          o.mn[i] = b[i] >> 4;
+        }
+      }
+      for (int e = 0; e < 256; ++e) {
+        const int h = e / 128, k = (e % 128) / 32, j = e % 32;
+        o.q[e] = uint8_t((qs[32 * h + j] >> (2 * k)) & 3);
+        if (q3) o.q[e] |= uint8_t(((b[j] >> (e / 32)) & 1) << 2);
+      }
+      break;
+    }
+    case LinFormat::IQ4_XS: {
+      o.d = rd16(b);
+      const uint16_t sh = rd16(b + 2);
+      for (int j = 0; j < 8; ++j) {
+        const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4);
+        o.sc[j] = uint8_t(int8_t(ls - 32));
+        const uint8_t* qs = b + 8 + 16 * j;
+        for (int i = 0; i < 16; ++i) {
+          o.q[32 * j + i] = qs[i] & 15;
+          o.q[32 * j + 16 + i] = qs[i] >> 4;
+        }
+      }
+      break;
+    }
     case LinFormat::BF16:
     case LinFormat::F32:
       break;
@@ -196,14 +234,14 @@ void QuantLinear::pack_quant(const uint8_t* src) {
     for (int sb = 0; sb < nsb; ++sb) {
       const uint8_t* blk = src + (size_t(n) * nsb + sb) * L.gguf_bytes;
       decode(fmt_, blk, row);
-      const bool has_m = fmt_ == LinFormat::Q4_1 || fmt_ == LinFormat::Q4_K || fmt_ == LinFormat::Q5_K;
+      const bool has_m = fmt_ == LinFormat::Q4_1 || lin_has_dmin(fmt_);
       if (!std::isfinite(f16_to_f32(row.d)) || (has_m && !std::isfinite(f16_to_f32(row.m))))
         throw ArgError(std::string(L.name) + " weight: row " + std::to_string(n) + " block " +
                        std::to_string(sb) + " has a non-finite scale");
       uint8_t* base = const_cast<uint8_t*>(qm_.at(n / 16)) + size_t(sb) * kGroupRowblocks * sbb;
       if (kq) {
         std::memcpy(base + 2 * r, &row.d, 2);
-        if (!q6) std::memcpy(base + 32 + 2 * r, &row.m, 2);
+        if (lin_has_dmin(fmt_)) std::memcpy(base + 32 + 2 * r, &row.m, 2);
       }
       for (int j = 0; j < L.sb_blocks; ++j) {
         uint8_t* bp = base + L.hdr + size_t(j) * L.blk;
@@ -211,6 +249,19 @@ void QuantLinear::pack_quant(const uint8_t* src) {
         for (int c = 0; c < 4; ++c) {
           if (q8) {
             for (int g = 0; g < 8; ++g) bp[g * 64 + r * 4 + c] = qv[4 * g + c];
+          } else if (lin_two_bit(fmt_)) {
+            for (int p = 0; p < 2; ++p) {
+              uint8_t bits = 0;
+              for (int g = 2 * p; g < 2 * p + 2; ++g)
+                for (int h = 0; h < 2; ++h) bits |= uint8_t((qv[16 * h + 4 * g + c] & 3) << (4 * (g % 2) + 2 * h));
+              bp[64 * p + r * 4 + c] = bits;
+            }
+            if (fmt_ == LinFormat::Q3_K) {
+              uint8_t bits = 0;
+              for (int g = 0; g < 4; ++g)
+                for (int h = 0; h < 2; ++h) bits |= uint8_t(((qv[16 * h + 4 * g + c] >> 2) & 1) << (2 * g + h));
+              bp[128 + r * 4 + c] = bits;
+            }
           } else {
             for (int g = 0; g < 4; ++g)
               bp[g * 64 + r * 4 + c] = uint8_t((qv[4 * g + c] & 15) | (qv[16 + 4 * g + c] & 15) << 4);
@@ -234,7 +285,21 @@ void QuantLinear::pack_quant(const uint8_t* src) {
         switch (fmt_) {
           case LinFormat::Q8_0:
           case LinFormat::Q4_0:
+          case LinFormat::IQ4_NL:
             std::memcpy(bp + qbytes + 2 * r, &row.d, 2);
+            break;
+          case LinFormat::IQ4_XS:
+            bp[256 + r] = row.sc[j];
+            break;
+          case LinFormat::Q3_K:
+            bp[192 + r] = row.sc[2 * j];
+            bp[208 + r] = row.sc[2 * j + 1];
+            break;
+          case LinFormat::Q2_K:
+            bp[128 + r] = row.sc[2 * j];
+            bp[144 + r] = row.sc[2 * j + 1];
+            bp[160 + r] = row.mn[2 * j];
+            bp[176 + r] = row.mn[2 * j + 1];
             break;
           case LinFormat::Q4_1:
             std::memcpy(bp + 256 + 2 * r, &row.d, 2);
@@ -349,12 +414,12 @@ void QuantLinear::prepare(const void* x, bool bf16, int m) {
     return;
   }
   const int nb = K_ / 32;
-  const bool q6 = fmt_ == LinFormat::Q6_K;
+  const bool per16 = reads_s16();
   act_q_.resize(size_t(m) * K_);
   act_d_.resize(size_t(m) * nb * 4);
   act_s_.resize(size_t(m) * nb * 4);
   act_ds_.resize(size_t(m) * nb * 4);
-  if (q6) act_s16_.resize(size_t(m) * nb * 8);
+  if (per16) act_s16_.resize(size_t(m) * nb * 8);
   int8_t* q = reinterpret_cast<int8_t*>(act_q_.data());
   float* d = reinterpret_cast<float*>(act_d_.data());
   int32_t* s = reinterpret_cast<int32_t*>(act_s_.data());
@@ -371,7 +436,7 @@ void QuantLinear::prepare(const void* x, bool bf16, int m) {
         xr = static_cast<const float*>(x) + size_t(t) * K_;
       }
       const size_t o = size_t(t) * nb;
-      quantize_act_row(lin_->quantize, xr, K_, q + size_t(t) * K_, d + o, s + o, ds + o, q6 ? s16 + 2 * o : nullptr);
+      quantize_act_row(lin_->quantize, xr, K_, q + size_t(t) * K_, d + o, s + o, ds + o, per16 ? s16 + 2 * o : nullptr);
     }
   });
 }

@@ -1,7 +1,7 @@
 // QuantLinear: a dense layer y = x W^T (+ b) whose weights stay in their GGUF block format.
 //
 // Why: at decode (a few rows of x) a linear layer is bound by reading W once, and a GGUF block
-// format holds 0.56 (Q4_0) .. 1.06 (Q8_0) bytes per weight against bf16's 2. The blocks are repacked
+// format holds 0.33 (Q2_K) .. 1.06 (Q8_0) bytes per weight against bf16's 2. The blocks are repacked
 // once at load so that one pass over memory streams 64 output rows' blocks sequentially and the dot
 // products run on vpdpbusd (unsigned weight bytes x signed int8 activations) without shuffles.
 // Activations are quantised per 32 values as Q8_0 (common.h's quantize_row_q8; fp32 scale d, int32
@@ -22,12 +22,24 @@
 //   q5_k   then 64 bytes: bit 2g + h of byte (r, c) = bit 4 of element 16h + 4g + c;
 //   q6_k   then 2 x 64 bytes: in part p, bits 4(g % 2) + 2h .. +1 of byte (r, c) = bits 4..5 of
 //          element 16h + 4g + c, for the groups g = 2p, 2p + 1;
+//   iq4_nl, iq4_xs: the nibbles are indices into the 16 int8 levels kIq4Levels (the kernels look
+//          them up as level + 128, unsigned, with a zero point of 128 as q8_0);
+// except q3_k and q2_k, whose values are 2 bits (q2_k) or 2 bits + 1 (q3_k), held as planes:
+//   q2_k, q3_k  2 x 64 bytes: in part p, bits 4(g % 2) + 2h .. +1 of byte (r, c) = bits 0..1 of
+//          element 16h + 4g + c, for the groups g = 2p, 2p + 1 (q6_k's high-bit layout);
+//   q3_k   then 64 bytes: bit 2g + h of byte (r, c) = bit 2 of element 16h + 4g + c (q5_k's layout);
 // then the block's scales, one per row:
 //   q8_0, q4_0: fp16 d[16]                  w = d q (q8_0),  w = d (q - 8) (q4_0)
 //   q4_1:       fp16 d[16], fp16 m[16]      w = d q + m
 //   q4_k, q5_k: uint8 sc[16], uint8 mn[16]  w = (d sc) q - (dmin mn)        (6-bit sc and mn)
 //   q6_k:       int8 sc[16] for elements 0..15, int8 sc[16] for 16..31;  w = (d sc) (q - 32)
-// Bytes per weight are GGUF's (q4_k and q5_k: +2%, their 6-bit scales stored as bytes). The same
+//   iq4_nl:     fp16 d[16]                  w = d level
+//   iq4_xs:     int8 sc[16] (6-bit scale - 32)  w = (d sc) level
+//   q3_k:       int8 sc[16] for elements 0..15, int8 sc[16] for 16..31;  w = (d sc) (q - 4), q = low 2
+//               bits + 4 x the high bit (GGUF stores the high bit inverted: q - 4 is its value)
+//   q2_k:       uint8 sc[16], sc[16], mn[16], mn[16] (elements 0..15, 16..31);  w = (d sc) q - (dmin mn)
+// Bytes per weight are GGUF's (q4_k, q5_k, iq4_xs: +1.5-2%, their 6-bit scales stored as bytes;
+// q3_k +4%; q2_k +19%, its 4-bit scales and mins as bytes). The same
 // groups are AMX int8 B-tile rows (linear_amx.cpp); on AVX2 (linear_avx2.cpp) a group is two ymm
 // operands of vpmaddubsw (rows 0..7, rows 8..15). bf16 weights use the MoE operator's bf16 layout
 // and gemm kernels (common.h).
@@ -47,8 +59,8 @@
 
 namespace cpx {
 
-enum class LinFormat { BF16 = 0, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, F32 };
-constexpr int kLinFormats = 8;
+enum class LinFormat { BF16 = 0, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, F32, IQ4_NL, IQ4_XS, Q3_K, Q2_K };
+constexpr int kLinFormats = 12;
 // GGUF-block formats (the packed layout above; the int8 kernels)
 constexpr bool lin_quantised(LinFormat f) { return f != LinFormat::BF16 && f != LinFormat::F32; }
 
@@ -63,8 +75,29 @@ struct LinLayout {
 constexpr LinLayout kLinLayout[kLinFormats] = {
     {"bf16", 1, 2, 0, 0, 0},         {"q8_0", 32, 34, 1, 0, 544},    {"q4_0", 32, 18, 1, 0, 288},
     {"q4_1", 32, 20, 1, 0, 320},     {"q4_k", 256, 144, 8, 64, 288}, {"q5_k", 256, 176, 8, 64, 352},
-    {"q6_k", 256, 210, 8, 32, 416},  {"f32", 1, 4, 0, 0, 0},
+    {"q6_k", 256, 210, 8, 32, 416},  {"f32", 1, 4, 0, 0, 0},         {"iq4_nl", 32, 18, 1, 0, 288},
+    {"iq4_xs", 256, 136, 8, 32, 272}, {"q3_k", 256, 110, 8, 32, 224},  {"q2_k", 256, 84, 8, 64, 192},
 };
+// the K-quants whose header holds dmin[16] after d[16] (the others: d[16] only)
+constexpr bool lin_has_dmin(LinFormat f) {
+  return f == LinFormat::Q4_K || f == LinFormat::Q5_K || f == LinFormat::Q2_K;
+}
+// scales per 16 values: one int32 sum for elements 0..15 of a block and one for 16..31, and the
+// activations' sums per 16 (ActQ::s16) for their zero point (q6_k 32, q3_k 4) or min (q2_k)
+constexpr bool lin_split16(LinFormat f) { return f == LinFormat::Q6_K || f == LinFormat::Q3_K || f == LinFormat::Q2_K; }
+constexpr int lin_offset16(LinFormat f) { return f == LinFormat::Q6_K ? 32 : f == LinFormat::Q3_K ? 4 : 0; }
+// values held as 2-bit planes (+ q3_k's 1-bit plane), not nibbles
+constexpr bool lin_two_bit(LinFormat f) { return f == LinFormat::Q3_K || f == LinFormat::Q2_K; }
+// IQ4_NL's and IQ4_XS's non-uniform levels (ggml's kvalues_iq4nl)
+constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+constexpr bool lin_iq4(LinFormat f) { return f == LinFormat::IQ4_NL || f == LinFormat::IQ4_XS; }
+// the levels + 128, as the kernels read them (unsigned bytes; zero point 128)
+alignas(16) constexpr uint8_t kIq4Unsigned[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+static_assert([] {
+  for (int i = 0; i < 16; ++i)
+    if (kIq4Unsigned[i] != kIq4Levels[i] + 128) return false;
+  return true;
+}());
 constexpr int kGroupRowblocks = 4;  // rowblocks interleaved per superblock
 
 // A packed quantised weight matrix (read-only view), or a strided view of its groups: group i of the
@@ -88,7 +121,7 @@ constexpr int kGroupStreams = 4;
 constexpr int kGroupStreamRows = 3;
 
 // Q8_0 activations, `k` values per row: q [M][k], d, s (sum of q), ds = d * s [M][k/32]; s16 (sums
-// per 16 values, [M][k/16]) only for q6_k, whose scales change every 16 values.
+// per 16 values, [M][k/16]) only for the formats whose scales change every 16 values (lin_split16).
 struct ActQ {
   const int8_t* q;
   const float* d;
@@ -164,7 +197,7 @@ class QuantLinear {
   bool reads_q8() const { return lin_quantised(fmt_); }
   bool reads_bf16() const { return fmt_ == LinFormat::BF16; }
   bool reads_f32() const { return fmt_ == LinFormat::F32; }
-  bool reads_s16() const { return fmt_ == LinFormat::Q6_K; }  // the activations' sums per 16 values
+  bool reads_s16() const { return lin_split16(fmt_); }  // the activations' sums per 16 values
   const float* bias() const { return has_bias_ ? reinterpret_cast<const float*>(bias_.data()) : nullptr; }
   QuantRow quantizer() const { return lin_->quantize; }
   // c[t * ldc + (rb - rb0) * 16 + j] = row 16 rb + j of W times input row t0 + t, rb0 <= rb < rb1

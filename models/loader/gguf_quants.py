@@ -329,54 +329,11 @@ def _q5_0_as_q8_0(blocks: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _iq4_nl_as_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    """Exact: the levels are int8 values, so d * level is a Q8_0 block with the same `d`."""
-    out = torch.empty(blocks.shape[0], 34, dtype=torch.uint8)
-    out[:, :2] = blocks[:, :2]
-    out[:, 2:] = _iq4_levels(blocks[:, 2:]).view(torch.uint8)
-    return out
-
-
-def _iq4_xs_as_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    """Eight Q8_0 blocks a superblock, each of the sub-block's levels and d * (sc - 32) rounded to fp16:
-    the one inexact encoder (the scale needs up to 17 significant bits; fp16 keeps 11)."""
-    n = blocks.shape[0]
-    scale = (_f16(blocks, 0) * _iq4_xs_scales(blocks)).to(torch.float16)  # [n, 8]
-    out = torch.empty(n, 8, 34, dtype=torch.uint8)
-    out[:, :, :2] = scale.unsqueeze(-1).view(torch.uint8)
-    out[:, :, 2:] = _iq4_levels(blocks[:, 8:].reshape(n, 8, 16)).view(torch.uint8)
-    return out.view(n * 8, 34)
-
-
-def _q3_k_as_q6_k(blocks: torch.Tensor) -> torch.Tensor:
-    """Exact: Q6_K decodes (d * sc) * (q - 32) with int8 scales per 16 values, as Q3_K's, so each
-    block keeps `d` and its scales and stores q = value + 32 (in [28, 36))."""
-    n = blocks.shape[0]
-    q = (_q3_k_values(blocks).view(n, 256) + 32).view(torch.uint8).view(n, 2, 128)  # two halves
-    out = torch.empty(n, 210, dtype=torch.uint8)
-    out[:, :128] = ((q[:, :, :64] & 15) | ((q[:, :, 64:] & 15) << 4)).view(n, 128)
-    top = (q >> 4).view(n, 2, 4, 32)  # bits 4..5 of element 32k + j go to bits 2k of qh[j]
-    out[:, 128:192] = (top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)).view(n, 64)
-    out[:, 192:208] = _q3_k_scales(blocks).view(torch.uint8)
-    out[:, 208:210] = blocks[:, 108:110]
-    return out
-
-
-# source type -> (target type, encoder, exact)
+# source type -> (target type, encoder)
 _KERNEL_FORMS: dict[gguf.GGMLQuantizationType, tuple[gguf.GGMLQuantizationType,
-                                                     Callable[[torch.Tensor], torch.Tensor], bool]] = {
-    T.Q5_0: (T.Q8_0, _q5_0_as_q8_0, True),
-    T.IQ4_NL: (T.Q8_0, _iq4_nl_as_q8_0, True),
-    T.Q3_K: (T.Q6_K, _q3_k_as_q6_k, True),
-    T.IQ4_XS: (T.Q8_0, _iq4_xs_as_q8_0, False),
+                                                     Callable[[torch.Tensor], torch.Tensor]]] = {
+    T.Q5_0: (T.Q8_0, _q5_0_as_q8_0),
 }
-
-
-def kernel_form(qtype: gguf.GGMLQuantizationType) -> tuple[gguf.GGMLQuantizationType, bool] | None:
-    """The block type `kernel_blocks` re-encodes `qtype` into, and whether that keeps every value exactly;
-    None when it has no such form."""
-    form = _KERNEL_FORMS.get(qtype)
-    return None if form is None else (form[0], form[2])
 
 
 def kernel_blocks(
@@ -387,19 +344,16 @@ def kernel_blocks(
     name: str = "<tensor>",
 ) -> tuple[gguf.GGMLQuantizationType, np.ndarray] | None:
     """A tensor of a block type the CPU kernels have no path for, re-encoded into one they compute on:
-    (target type, new uint8 array [*shape[:-1], row bytes of the target]); None for other types, or where
-    a value does not fit the target (an IQ4_XS scale past fp16's range).
+    (target type, new uint8 array [*shape[:-1], row bytes of the target]); None for other types.
 
-    Why: decoding to bf16 instead would cost 2 bytes a value and round it, where Q5_0 and IQ4_NL become
-    Q8_0 blocks of the same values, Q3_K Q6_K blocks of the same values, and IQ4_XS Q8_0 blocks whose
-    scales are rounded to fp16 (relative error <= 2^-11 where the scale is an fp16 normal). llama.cpp's
-    K-quant files hold Q5_0 and IQ4_NL where a row is not whole 256-value blocks. Validated like
-    `dequantize`.
+    Why: decoding to bf16 instead would cost 2 bytes a value and round it, where Q5_0 becomes Q8_0 blocks
+    of exactly the same values (d * (q - 16) is d * qs with qs = q - 16). llama.cpp's Q4_K_M files hold
+    Q5_0 where a row is not whole 256-value blocks. Validated like `dequantize`.
     """
     qtype, dims, n_blocks, data = _validate(raw, qtype, shape, source, name)
     if qtype not in _KERNEL_FORMS:
         return None
-    target, encode, _ = _KERNEL_FORMS[qtype]
+    target, encode = _KERNEL_FORMS[qtype]
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     out_block, out_size = gguf.GGML_QUANT_SIZES[target]
     per_block = block_size // out_block
@@ -409,8 +363,6 @@ def kernel_blocks(
         stop = min(start + step, n_blocks)
         part = torch.from_numpy(np.array(data[start * type_size : stop * type_size])).view(stop - start, type_size)
         out[start * per_block : stop * per_block] = encode(part)
-    if target == T.Q8_0 and not bool(torch.isfinite(out[:, :2].contiguous().view(torch.float16)).all()):
-        return None
     return target, out.numpy().reshape(*dims[:-1], dims[-1] // out_block * out_size)
 
 

@@ -84,9 +84,8 @@ class RawBlocks:
         return torch.from_numpy(np.array(self.data, dtype=np.uint8, order="C", copy=True))
 
     def for_kernels(self) -> RawBlocks:
-        """The same values in a block type the CPU kernels compute on (`gguf_quants.kernel_blocks`: Q5_0
-        and IQ4_NL as Q8_0, Q3_K as Q6_K, IQ4_XS as Q8_0 with fp16-rounded scales); itself when its type
-        has no such form."""
+        """The same values in a block type the CPU kernels compute on (`gguf_quants.kernel_blocks`: Q5_0 as
+        Q8_0); itself when its type has no such form."""
         form = kernel_blocks(self.data, self.qtype, self.shape, self.source, self.name)
         if form is None:
             return self

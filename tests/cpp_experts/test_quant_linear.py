@@ -26,12 +26,19 @@ from models.loader.gguf_quants import dequantize
 from tests.cpp_experts.helpers import expected_kernel, has_path, path_params
 
 T = gguf.GGMLQuantizationType
-QTYPE = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1, "q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K}
+QTYPE = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1, "q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K,
+         "iq4_nl": T.IQ4_NL, "iq4_xs": T.IQ4_XS, "q3_k": T.Q3_K, "q2_k": T.Q2_K}
+QUANTIZABLE = ("q8_0", "q4_0", "q4_1")  # by gguf; the others are random valid blocks
+
+
+def superblocks(fmt: str) -> bool:
+    """256-value blocks (the K-quants and IQ4_XS): K a multiple of 256."""
+    return gguf.GGML_QUANT_SIZES[QTYPE[fmt]][0] == 256
 FLOAT_DTYPE = {"bf16": torch.bfloat16, "f32": torch.float32}
 FORMATS = ["bf16", *QTYPE, "f32"]
 N = 100  # 6 whole rowblocks + 4 rows: not a multiple of the 16-row or 64-row interleave
 # 72 = 32 x 2.25; 768 = 256 x 3; 75: f32 takes any in_features
-K_BY_FORMAT = {"bf16": 72, "q4_k": 768, "q5_k": 768, "q6_k": 768, "f32": 75}
+K_BY_FORMAT = {"bf16": 72, "q4_k": 768, "q5_k": 768, "q6_k": 768, "iq4_xs": 768, "q3_k": 768, "q2_k": 768, "f32": 75}
 K_DEFAULT = 32 * 9
 MS = (1, 3, 17, 64)
 
@@ -53,7 +60,8 @@ class Weight:
             self.raw = w.to(FLOAT_DTYPE[fmt])
             self.w = self.raw.float()
         else:
-            self.raw = random_blocks(fmt, n, k, seed) if fmt.endswith("_k") else gguf.quants.quantize(w.numpy(), QTYPE[fmt])
+            self.raw = (gguf.quants.quantize(w.numpy(), QTYPE[fmt]) if fmt in QUANTIZABLE
+                        else random_blocks(fmt, n, k, seed))
             self.w = dequantize(self.raw, QTYPE[fmt], (n, k))
 
     def build(self, pool: cpp_experts.WorkerPool, kernel: str | None, bias: torch.Tensor | None = None):
@@ -72,6 +80,13 @@ def random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
     scale = lambda hi: (rng.random((n, k // values)) * hi + 1e-4).astype(np.float16)[..., None].view(np.uint8)  # noqa: E731
     if fmt == "q6_k":
         raw[..., 208:210] = scale(2e-3)
+    elif fmt == "q3_k":
+        raw[..., 108:110] = scale(1e-3)
+    elif fmt == "q2_k":
+        raw[..., 80:82] = scale(2e-3)
+        raw[..., 82:84] = scale(2e-3)
+    elif fmt.startswith("iq4"):  # d only (iq4_xs: its 6-bit sub-block scales are random bits)
+        raw[..., 0:2] = scale(2e-4 if fmt == "iq4_xs" else 4e-3)
     else:
         raw[..., 0:2] = scale(4e-3)
         raw[..., 2:4] = scale(4e-3)
@@ -169,7 +184,7 @@ def test_matches_reference(path: str, fmt: str, pool: cpp_experts.WorkerPool) ->
 # block (one superblock for the K-quants; f32 and bf16: odd sizes).
 EDGE_NS = (1, 15, 47, 65, 129)
 EDGE_MS = (*range(1, 10), 33)
-EDGE_K = {"bf16": 40, "f32": 13, "q4_k": 256, "q5_k": 256, "q6_k": 256}
+EDGE_K = {"bf16": 40, "f32": 13, "q4_k": 256, "q5_k": 256, "q6_k": 256, "iq4_xs": 256, "q3_k": 256, "q2_k": 256}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -197,7 +212,7 @@ def test_decode_over_many_groups(path: str, fmt: str) -> None:
     the decode pass reads up to 4 whole groups in lockstep, partial groups at a task's ends as tiles."""
     if not has_path(path, fmt):
         pytest.skip(f"this CPU has no {path} kernel for {fmt}")
-    k = 256 if fmt.endswith("_k") else 64
+    k = 256 if superblocks(fmt) else 64
     for n in (1024, 1000):
         wt = Weight(fmt, n, k, seed_of("groups", path, fmt, n))
         for threads in (1, 2, 3):
@@ -212,7 +227,8 @@ def test_decode_over_many_groups(path: str, fmt: str) -> None:
 def extreme_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
     """Blocks whose quants sit at the ends of their range, the largest int sums the kernels can meet:
     q8_0 +-127 and -128 (bytes the gguf quantiser never writes, but valid int8), the 4/5/6-bit formats
-    all-ones or all-zero bits, in row-dependent patterns; d (and m / dmin) 1 or -1 (q4_1 m: 0)."""
+    and the iq4 indices all-ones or all-zero bits, in row-dependent patterns; d (and m / dmin) 1 or -1
+    (q4_1 m: 0)."""
     rng = np.random.default_rng(seed)
     values, size = gguf.GGML_QUANT_SIZES[QTYPE[fmt]]
     nb = k // values
@@ -232,9 +248,15 @@ def extreme_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
         if fmt == "q6_k":
             raw[..., 192:208] = np.where(rng.random((16,)) < 0.5, 0x7F, 0x80).astype(np.uint8)  # int8 scales +-
             raw[..., 208:210] = one(1e-3)
+        elif fmt == "q3_k":  # 6-bit scales at both ends (-32, 31); values -4 (high bit clear) and 3
+            raw[..., 108:110] = one(1e-3)
+        elif fmt == "q2_k":  # 4-bit scales and mins 15 or 0
+            raw[..., 80:82] = one(1e-3)
+            raw[..., 82:84] = one(1e-3)
         else:
-            raw[..., 0:2] = one(1e-3 if fmt.endswith("_k") else 1.0)
-            raw[..., 2:4] = one(0.0 if fmt == "q4_1" else 1e-3)
+            raw[..., 0:2] = one(1e-3 if superblocks(fmt) else 1.0)
+            if not fmt.startswith("iq4"):  # (iq4: levels -127 and 113 at the index bytes' ends)
+                raw[..., 2:4] = one(0.0 if fmt == "q4_1" else 1e-3)
     return raw.reshape(n, -1)
 
 
@@ -246,7 +268,7 @@ def test_extreme_quants_do_not_saturate(path: str, fmt: str, pool: cpp_experts.W
     q8_0's stored q + 128 = 255 twice times 127; only an exact scheme gives the reference."""
     if not has_path(path, fmt):
         pytest.skip(f"this CPU has no {path} kernel for {fmt}")
-    k = 256 if fmt.endswith("_k") else 96
+    k = 256 if superblocks(fmt) else 96
     n = 40
     raw = extreme_blocks(fmt, n, k, seed_of("extreme", fmt))
     w = dequantize(raw, QTYPE[fmt], (n, k))

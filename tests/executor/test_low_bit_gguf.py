@@ -1,8 +1,7 @@
 """GGUF files of llama.cpp's low-bit file types (Q2_K, Q3_K_*, IQ4_XS, IQ4_NL), written by llama.cpp's own
 quantizer, run in the native CPU forward.
 
-Their block types reach the kernels re-encoded (`gguf_quants.kernel_blocks`): Q3_K as Q6_K and IQ4_NL as
-Q8_0 blocks of the same values, IQ4_XS as Q8_0 blocks with fp16-rounded scales; Q2_K is decoded to bf16.
+Q2_K, Q3_K, IQ4_NL and IQ4_XS are the kernels' own formats, read as stored (repacked once at load).
 Two oracles: the torch forward on the values gguf's reference decoders give (the loader's decoders are
 bit-identical to them: tests/models/test_gguf_quants.py), which the native forward matches to its
 activations' 8-bit rounding; and llama.cpp on the same file, which decodes the blocks with its own code.
@@ -51,8 +50,8 @@ def errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
 
 # file type -> (block types the file must hold, formats the kernels must compute on)
 SMOLLM2_FILES = {
-    "Q2_K": ({"Q3_K"}, {"q6_k"}),  # SmolLM2's 576-wide rows fall back to Q4_0; Q3_K in ffn_down
-    "IQ4_XS": ({"IQ4_XS", "IQ4_NL"}, {"q8_0"}),  # IQ4_NL where rows are not whole 256-value blocks
+    "Q2_K": ({"Q3_K"}, {"q3_k"}),  # SmolLM2's 576-wide rows fall back to Q4_0; Q3_K in ffn_down
+    "IQ4_XS": ({"IQ4_XS", "IQ4_NL"}, {"iq4_xs", "iq4_nl"}),  # IQ4_NL where rows are not whole 256-value blocks
 }
 
 
@@ -77,26 +76,30 @@ def test_default_model_requantized_by_llama_cpp(tmp_path, ftype):
         assert float(err.median()) <= median and float(err.max()) <= worst, err
 
 
-def test_deepseek_file_requantized_by_llama_cpp(tmp_path):
+@pytest.mark.parametrize("ftype, kept", [("Q3_K_S", "q3_k"), ("Q2_K", "q2_k")])
+def test_deepseek_file_requantized_by_llama_cpp(tmp_path, ftype, kept):
     """A DeepSeek-V2 file (MLA, routed experts in the cpp operator) whose rows are whole 256-value blocks
     where llama.cpp's Q3_K_S puts Q3_K: attention, the dense MLP, the experts and the absorbed attn_v_b all
-    compute on Q6_K blocks of the Q3_K values; llama.cpp's fallbacks (Q4_0, Q5_1) cover the narrow rows.
-    Measured: native against the torch forward median 2.0%, max 5.0%; against llama.cpp 4.2%, max 9.7%;
-    the torch forward against llama.cpp 3.6%, max 6.5%."""
+    compute on the Q3_K blocks (Q2_K: on Q2_K blocks, Q3_K where llama.cpp keeps it); llama.cpp's fallbacks
+    (Q4_0, Q5_1) cover the narrow rows. Measured (Zen 5), Q3_K_S / Q2_K: native against the torch forward
+    median 2.0% / 2.2%, max 5.0% / 3.3% of a position's largest logit; against llama.cpp 4.2% / 3.6%, max
+    9.7% / 18%, the torch forward against llama.cpp 3.6% / 3.3%, max 6.5% / 19%: the Q2_K file's one
+    position where llama.cpp alone differs is a routed expert its 8-bit activations (per 256 values) pick
+    differently; up to two such positions are allowed."""
     cfg = load_preset("tiny-deepseek-v2")
     cfg.update(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, kv_lora_rank=256,
                qk_nope_head_dim=32, qk_head_dim=40, v_head_dim=32, n_group=1, topk_group=1, topk_method="greedy")
     d = write_checkpoint(tmp_path / "ckpt", cfg, seed=13)
     sharpen_routers(d)  # so that the activations' rounding does not flip the random router's near-ties
-    path = tmp_path / "model-q3_k_s.gguf"
-    quantize_with_llama(write_gguf(d, d / "model.gguf", "F32"), path, "Q3_K_S")
-    assert "Q3_K" in file_types(path)
+    path = tmp_path / f"model-{ftype}.gguf"
+    quantize_with_llama(write_gguf(d, d / "model.gguf", "F32"), path, ftype)
+    assert kept.upper() in file_types(path)
     native = native_runner(path, cpu_weights="file")
-    assert "q6_k" in {m.op.weight_format for m in native_modules(native.model)}
+    assert kept in {m.op.weight_format for m in native_modules(native.model)}
     experts = [layer.mlp.experts for layer in native.model.model.layers if hasattr(layer.mlp, "experts")]
-    assert experts and all("q6_k" in e.weight_format for e in experts)
+    assert experts and all(kept in e.weight_format for e in experts)
     ids = prompt(32, cfg["vocab_size"], seed=6)
     ours, exact, theirs = all_logits(native, ids), all_logits(torch_runner(path), ids), llama_logits(path, ids)
-    for got, want, median, worst in ((ours, exact, 0.04, 0.10), (ours, theirs, 0.07, 0.16), (exact, theirs, 0.07, 0.16)):
+    for got, want, flips in ((ours, exact, 0), (ours, theirs, 2), (exact, theirs, 2)):
         err = errors(got, want)
-        assert float(err.median()) <= median and float(err.max()) <= worst, err
+        assert float(err.median()) <= (0.04 if flips == 0 else 0.07) and int((err > 0.12).sum()) <= flips, err

@@ -360,12 +360,14 @@ def test_gguf_expert_formats(caplog, cpu_pool, gate_up, down, fmt, warns):
 
 
 @needs_cpp
-@pytest.mark.parametrize("qtype, fmt", [("Q3_K", "q6_k"), ("IQ4_NL", "q8_0"), ("IQ4_XS", "q8_0"), ("Q2_K", "bf16")])
+@pytest.mark.parametrize("qtype, fmt", [("Q3_K", "q3_k"), ("Q2_K", "q2_k"), ("IQ4_NL", "iq4_nl"), ("IQ4_XS", "iq4_xs"),
+                                        ("Q5_0", "q8_0"), ("Q5_1", "bf16")])
 def test_low_bit_blocks_reach_the_kernels(caplog, qtype, fmt):
-    """llama.cpp's low-bit types become a format the kernels compute on (`gguf_quants.kernel_blocks`):
-    Q3_K as Q6_K and IQ4_NL as Q8_0 blocks of the same values, IQ4_XS as Q8_0 with fp16-rounded scales,
-    Q2_K decoded to bf16 with one warning; the product stays within the activations' rounding of torch's
-    on gguf's decoded values. Random blocks with real weights' scales, 80 x 512 (rows pad to 64)."""
+    """llama.cpp's block types through the loader's rule (`make_operator`): Q3_K, Q2_K, IQ4_NL and IQ4_XS
+    kept as stored (the kernels' own formats), Q5_0 re-encoded as Q8_0 blocks of the same values
+    (`gguf_quants.kernel_blocks`), Q5_1 decoded to bf16 with one warning; the product stays within the
+    activations' rounding of torch's on gguf's decoded values. Random blocks with real weights' scales,
+    80 x 512 (rows pad to 64)."""
     import cpp_experts
 
     from models import cpu_ops
