@@ -66,7 +66,8 @@ SHAPES = {  # name: (out_features, in_features)
     # Q4_K_M file's LM head is Q6_K, its attention and experts mostly Q4_K
     "wide_2048": (16384, 2048),
 }
-FORMATS = ("q4_1", "q8_0", "q4_0", "q6_k", "q4_k", "q5_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs", "bf16", "f32")
+FORMATS = ("q4_1", "q8_0", "q4_0", "q5_0", "q5_1", "q6_k", "q4_k", "q5_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs", "bf16",
+           "f32")
 FLOAT_BYTES = {"bf16": 2, "f32": 4}
 MS = (1, 4, 16, 64)
 MAX_COPIES = 512

@@ -60,9 +60,10 @@ __all__ = ["MoE", "QuantLinear", "WorkerPool", "HostTask", "PagedAttention", "Cp
 # weight formats of both operators (a MoE's experts are QuantLinears); GGUF block (values, bytes) of
 # the quantised ones
 FORMATS = LINEAR_FORMATS = ("bf16", "f32", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs",
-                            "q3_k", "q2_k")
+                            "q3_k", "q2_k", "q5_0", "q5_1")
 LINEAR_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144), "q5_k": (256, 176),
-                 "q6_k": (256, 210), "iq4_nl": (32, 18), "iq4_xs": (256, 136), "q3_k": (256, 110), "q2_k": (256, 84)}
+                 "q6_k": (256, 210), "iq4_nl": (32, 18), "iq4_xs": (256, 136), "q3_k": (256, 110), "q2_k": (256, 84),
+                 "q5_0": (32, 22), "q5_1": (32, 24)}
 BLOCK_BYTES = {fmt: size for fmt, (_, size) in LINEAR_BLOCKS.items()}  # bytes per GGUF block
 _KERNELS = ("amx", "avx512", "avx2", "portable")
 
@@ -361,7 +362,7 @@ class MoE:
 # ggml type ids (gguf.GGMLQuantizationType values) -> QuantLinear weight format; the float types are
 # held as bf16, or as f32 when asked (`from_gguf(..., float_dtype=torch.float32)`).
 _GGML_TYPES = {0: "f32", 1: "f16", 30: "bf16", 8: "q8_0", 2: "q4_0", 3: "q4_1", 12: "q4_k", 13: "q5_k", 14: "q6_k",
-               20: "iq4_nl", 23: "iq4_xs", 11: "q3_k", 10: "q2_k"}
+               20: "iq4_nl", 23: "iq4_xs", 11: "q3_k", 10: "q2_k", 6: "q5_0", 7: "q5_1"}
 _FLOAT_NP = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
 _FLOAT_FORMATS = {"bf16": torch.bfloat16, "f32": torch.float32}  # QuantLinear's float formats: their dtype
 

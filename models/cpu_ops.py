@@ -45,8 +45,6 @@ def make_operator(weight: torch.Tensor | RawBlocks, mode: str, what: str) -> Any
     ext = import_cpp_experts()
     out_features, in_features = (int(d) for d in weight.shape)
     if isinstance(weight, RawBlocks):
-        if mode == "file" and weight.qtype.name.lower() not in ext.LINEAR_BLOCKS:
-            weight = weight.for_kernels()  # Q5_0: its values in a format the kernels take
         name = weight.qtype.name.lower()
         values = ext.LINEAR_BLOCKS.get(name, (0, 0))[0]
         if mode == "file" and name in ext.LINEAR_BLOCKS and in_features % values == 0:

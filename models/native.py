@@ -6,11 +6,10 @@ head that shares the embedding's operator). Their weights never become torch par
 hands them over through `load_weight` (the strict name and shape checks of `CausalLM.load_weights`
 still apply) and they are packed once for the kernels. `mode` (`--cpu-weight-dtype`):
 
-- `file`: GGUF blocks stay as stored where the kernels compute on them (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K,
-  Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS); Q5_0 is re-encoded as Q8_0 blocks of exactly the same values
-  (`RawBlocks.for_kernels`; llama.cpp's Q4_K_M files use it where rows are not whole 256-value blocks);
-  float tensors keep their precision (bf16 as bf16, fp32 and fp16 as fp32); other block types (Q5_1)
-  are decoded to bf16, with one warning.
+- `file`: GGUF blocks stay as stored: the kernels compute on every block type the loader reads (Q8_0,
+  Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS); float tensors keep their
+  precision (bf16 as bf16, fp32 and fp16 as fp32). A block type without a kernel would be decoded to
+  bf16, with one warning.
 - `bf16`: every weight decoded to bf16 (activations are then rounded to bf16, never to int8).
 - `float32`: every weight decoded to fp32 (exact; twice bf16's memory and bandwidth).
 

@@ -185,6 +185,8 @@ const LinGemm kLinAmxGemm[kLinFormats] = {nullptr,
                                           gemm_amx<LinFormat::IQ4_NL>,
                                           gemm_amx<LinFormat::IQ4_XS>,
                                           gemm_amx<LinFormat::Q3_K>,
-                                          gemm_amx<LinFormat::Q2_K>};
+                                          gemm_amx<LinFormat::Q2_K>,
+                                          gemm_amx<LinFormat::Q5_0>,
+                                          gemm_amx<LinFormat::Q5_1>};
 
 }  // namespace cpx

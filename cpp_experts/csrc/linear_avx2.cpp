@@ -132,6 +132,8 @@ CPX_AVX2_INL Scales block_scales(const uint8_t* hdr, const uint8_t* wb, int half
   if constexpr (F == LinFormat::IQ4_XS)
     s.dw = _mm256_mul_ps(f16x8(hdr + 16 * half), _mm256_cvtepi32_ps(i8x8(wb + 256 + 8 * half)));
   if constexpr (F == LinFormat::Q4_1) s.mw = f16x8(wb + 288 + 16 * half);
+  if constexpr (F == LinFormat::Q5_0 || F == LinFormat::Q5_1) s.dw = f16x8(wb + 320 + 16 * half);
+  if constexpr (F == LinFormat::Q5_1) s.mw = f16x8(wb + 352 + 16 * half);
   if constexpr (F == LinFormat::Q4_K || F == LinFormat::Q5_K) {
     const uint8_t* sc = wb + (F == LinFormat::Q5_K ? 320 : 256) + 8 * half;
     s.dw = _mm256_mul_ps(f16x8(hdr + 16 * half), _mm256_cvtepi32_ps(u8x8(sc)));
@@ -218,8 +220,9 @@ CPX_AVX2_INL void half_sums(const uint8_t* wb, int half, const Rows<TT>& x, int 
         CPX_KEEP(s[t]);
       }
     }
-  } else if constexpr (F == LinFormat::Q5_K || lin_split16(F)) {
-    // group pairs: at most 4 (q5_k) / 2 per chain (the split16 formats) vpmaddubsw results per int16 sum
+  } else if constexpr (lin_fifth_bit(F) || lin_split16(F)) {
+    // group pairs: at most 4 (q5_k, q5_0, q5_1) / 2 per chain (the split16 formats) vpmaddubsw results
+    // per int16 sum
     constexpr bool kQ6 = lin_split16(F);
     __m256i sc_lo = ones, sc_hi = ones;
     if constexpr (kQ6) split_scales<F>(wb, half, sc_lo, sc_hi);
@@ -252,6 +255,10 @@ CPX_AVX2_INL void half_sums(const uint8_t* wb, int half, const Rows<TT>& x, int 
         CPX_KEEP(s[t]);
       }
     }
+    if constexpr (F == LinFormat::Q5_0) {
+#pragma GCC unroll 4
+      for (int t = 0; t < TT; ++t) s[t] = _mm256_add_epi32(s[t], _mm256_set1_epi32(-16 * x.s[t][b]));
+    }
     if constexpr (lin_offset16(F) != 0) {
       constexpr int shift = F == LinFormat::Q6_K ? 5 : 2;
       static_assert(lin_offset16(F) == 1 << shift);
@@ -280,7 +287,7 @@ CPX_AVX2_INL void half_sums(const uint8_t* wb, int half, const Rows<TT>& x, int 
 }
 
 // Formats whose rowblock_sums take both halves at once.
-constexpr bool both_halves(LinFormat f) { return f != LinFormat::Q5_K && !lin_split16(f); }
+constexpr bool both_halves(LinFormat f) { return !lin_fifth_bit(f) && !lin_split16(f); }
 
 // half_sums for both halves of the rowblock at once (q8_0, q4_0, q4_1, q4_k): every activation
 // broadcast feeds two vpmaddubsw (one per half), so a block takes half a load per vpmaddubsw; with 8
@@ -407,7 +414,7 @@ template <LinFormat F>
 CPX_AVX2_INL __m256 accumulate(__m256 acc, __m256i s, const Scales& w, __m256 dx, __m256 ds,
                                const int32_t* s16 = nullptr) {
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(w.dw, dx), acc);
-  if constexpr (F == LinFormat::Q4_1) acc = _mm256_fmadd_ps(w.mw, ds, acc);
+  if constexpr (F == LinFormat::Q4_1 || F == LinFormat::Q5_1) acc = _mm256_fmadd_ps(w.mw, ds, acc);
   if constexpr (F == LinFormat::Q4_K || F == LinFormat::Q5_K) acc = _mm256_fnmadd_ps(w.mw, ds, acc);
   if constexpr (F == LinFormat::Q2_K) {
     acc = _mm256_fnmadd_ps(w.mw, _mm256_mul_ps(dx, _mm256_set1_ps(float(s16[0]))), acc);
@@ -766,7 +773,7 @@ const LinKernels kLinAvx2 = {
     "avx2",
     {nullptr, gemm<LinFormat::Q8_0>, gemm<LinFormat::Q4_0>, gemm<LinFormat::Q4_1>, gemm<LinFormat::Q4_K>,
      gemm<LinFormat::Q5_K>, gemm<LinFormat::Q6_K>, nullptr, gemm<LinFormat::IQ4_NL>, gemm<LinFormat::IQ4_XS>,
-     gemm<LinFormat::Q3_K>, gemm<LinFormat::Q2_K>},
+     gemm<LinFormat::Q3_K>, gemm<LinFormat::Q2_K>, gemm<LinFormat::Q5_0>, gemm<LinFormat::Q5_1>},
     quantize_row_q8_avx2,
     store_avx2,
     to_bf16_avx2,

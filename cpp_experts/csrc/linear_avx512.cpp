@@ -269,7 +269,7 @@ const LinKernels kLinAvx512 = {
     "avx512_vnni",
     {nullptr, gemm<LinFormat::Q8_0>, gemm<LinFormat::Q4_0>, gemm<LinFormat::Q4_1>, gemm<LinFormat::Q4_K>,
      gemm<LinFormat::Q5_K>, gemm<LinFormat::Q6_K>, nullptr, gemm<LinFormat::IQ4_NL>, gemm<LinFormat::IQ4_XS>,
-     gemm<LinFormat::Q3_K>, gemm<LinFormat::Q2_K>},
+     gemm<LinFormat::Q3_K>, gemm<LinFormat::Q2_K>, gemm<LinFormat::Q5_0>, gemm<LinFormat::Q5_1>},
     quantize_row_q8_avx512,
     store_avx512,
     to_bf16_avx512,

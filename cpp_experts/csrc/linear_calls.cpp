@@ -268,6 +268,8 @@ void QuantLinear::dequant_row(int n, float* out) const {
         switch (fmt_) {
           case LinFormat::Q8_0: o[i] = f16(bp + 512 + 2 * r) * float(int(q[i]) - 128); break;
           case LinFormat::Q4_0: o[i] = f16(bp + 256 + 2 * r) * float(int(q[i]) - 8); break;
+          case LinFormat::Q5_0: o[i] = f16(bp + 320 + 2 * r) * float(int(q[i]) - 16); break;
+          case LinFormat::Q5_1: o[i] = f16(bp + 320 + 2 * r) * float(q[i]) + f16(bp + 352 + 2 * r); break;
           case LinFormat::IQ4_NL: o[i] = f16(bp + 256 + 2 * r) * float(int(q[i]) - 128); break;
           case LinFormat::IQ4_XS: o[i] = D * float(int8_t(bp[256 + r])) * float(int(q[i]) - 128); break;
           case LinFormat::Q4_1: o[i] = f16(bp + 256 + 2 * r) * float(q[i]) + f16(bp + 288 + 2 * r); break;

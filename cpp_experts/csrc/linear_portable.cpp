@@ -30,7 +30,7 @@ void unpack_block(LinFormat f, const uint8_t* bp, int r, uint8_t* q) {
           e = uint8_t((bp[64 * (g / 2) + r * 4 + c] >> (4 * (g % 2) + 2 * h)) & 3);
           if (f == LinFormat::Q3_K) e |= uint8_t(((bp[128 + r * 4 + c] >> (2 * g + h)) & 1) << 2);
         }
-        if (f == LinFormat::Q5_K) e |= uint8_t(((bp[256 + r * 4 + c] >> (2 * g + h)) & 1) << 4);
+        if (lin_fifth_bit(f)) e |= uint8_t(((bp[256 + r * 4 + c] >> (2 * g + h)) & 1) << 4);
         if (f == LinFormat::Q6_K)
           e |= uint8_t(((bp[256 + 64 * (g / 2) + r * 4 + c] >> (4 * (g % 2) + 2 * h)) & 3) << 4);
         if (lin_iq4(f)) e = kIq4Unsigned[e];
@@ -73,6 +73,13 @@ void gemm_portable(const QMat& w, int rb0, int rb1, const ActQ& a, int t0, int n
             switch (w.fmt) {
               case LinFormat::Q8_0:
                 acc += float(lo + hi - 128 * s) * (f16(bp + 512 + 2 * r) * dx);
+                break;
+              case LinFormat::Q5_0:
+                acc += float(lo + hi - 16 * s) * (f16(bp + 320 + 2 * r) * dx);
+                break;
+              case LinFormat::Q5_1:
+                acc += float(lo + hi) * (f16(bp + 320 + 2 * r) * dx);
+                acc += f16(bp + 352 + 2 * r) * ds;
                 break;
               case LinFormat::IQ4_NL:
                 acc += float(lo + hi - 128 * s) * (f16(bp + 256 + 2 * r) * dx);
@@ -157,7 +164,7 @@ void to_bf16_portable(const float* x, uint16_t* y, int n) {
 const LinKernels kLinPortable = {
     "portable",
     {nullptr, gemm_portable, gemm_portable, gemm_portable, gemm_portable, gemm_portable, gemm_portable, nullptr,
-     gemm_portable, gemm_portable, gemm_portable, gemm_portable},
+     gemm_portable, gemm_portable, gemm_portable, gemm_portable, gemm_portable, gemm_portable},
     quantize_row_q8,
     store_portable,
     to_bf16_portable,

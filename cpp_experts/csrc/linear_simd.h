@@ -61,7 +61,7 @@ CPX_VNNI inline void unpack_group(const uint8_t* wb, int g, __m512i& lo, __m512i
   const __m512i v = _mm512_loadu_si512(wb + 64 * g);
   lo = _mm512_and_si512(v, m4);
   hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-  if constexpr (F == LinFormat::Q5_K) {
+  if constexpr (lin_fifth_bit(F)) {
     const __m512i h = _mm512_loadu_si512(wb + 256), mask = _mm512_set1_epi8(0x10);
     lo = or_and(lo, move_bits(h, 2 * g, 4), mask);
     hi = or_and(hi, move_bits(h, 2 * g + 1, 4), mask);
@@ -78,14 +78,14 @@ CPX_VNNI inline void unpack_group(const uint8_t* wb, int g, __m512i& lo, __m512i
   }
 }
 
-constexpr bool has_min(LinFormat f) { return f == LinFormat::Q4_1 || lin_has_dmin(f); }
+constexpr bool has_min(LinFormat f) { return f == LinFormat::Q4_1 || f == LinFormat::Q5_1 || lin_has_dmin(f); }
 // The weight's zero point, folded into the activation-sum term: w = d (q - zero_point).
 constexpr int zero_point(LinFormat f) {
-  return f == LinFormat::Q8_0 || lin_iq4(f) ? 128 : f == LinFormat::Q4_0 ? 8 : 0;
+  return f == LinFormat::Q8_0 || lin_iq4(f) ? 128 : f == LinFormat::Q5_0 ? 16 : f == LinFormat::Q4_0 ? 8 : 0;
 }
 
 // One block's per-row scales: dw multiplies the dot product (lin_split16: of elements 0..15, dw2 of
-// 16..31), mw the activation sum (the min term of q4_1 / q4_k / q5_k; q2_k: of elements 0..15, mw2 of
+// 16..31), mw the activation sum (the min term of q4_1 / q5_1 / q4_k / q5_k; q2_k: of elements 0..15, mw2 of
 // 16..31). dsup / msup: the K-quants' superblock d / dmin of the 16 rows.
 struct Scales {
   __m512 dw, mw, dw2, mw2;
@@ -97,6 +97,8 @@ CPX_VNNI inline Scales block_scales(const uint8_t* wb, __m512 dsup, __m512 msup)
   if constexpr (F == LinFormat::Q4_0 || F == LinFormat::Q4_1 || F == LinFormat::IQ4_NL) s.dw = f16x16(wb + 256);
   if constexpr (F == LinFormat::IQ4_XS) s.dw = _mm512_mul_ps(dsup, i8x16(wb + 256));
   if constexpr (F == LinFormat::Q4_1) s.mw = f16x16(wb + 288);
+  if constexpr (F == LinFormat::Q5_0 || F == LinFormat::Q5_1) s.dw = f16x16(wb + 320);
+  if constexpr (F == LinFormat::Q5_1) s.mw = f16x16(wb + 352);
   if constexpr (F == LinFormat::Q4_K || F == LinFormat::Q5_K) {
     const uint8_t* sc = wb + (F == LinFormat::Q5_K ? 320 : 256);
     s.dw = _mm512_mul_ps(dsup, u8x16(sc));
@@ -124,7 +126,7 @@ CPX_VNNI inline __m512 accumulate(__m512 acc, __m512i s, __m512i s2, const Scale
                                   const int32_t* s16 = nullptr) {
   const __m512 vdx = _mm512_set1_ps(dx);
   acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(w.dw, vdx), acc);
-  if constexpr (F == LinFormat::Q4_1) acc = _mm512_fmadd_ps(w.mw, _mm512_set1_ps(ds), acc);
+  if constexpr (F == LinFormat::Q4_1 || F == LinFormat::Q5_1) acc = _mm512_fmadd_ps(w.mw, _mm512_set1_ps(ds), acc);
   if constexpr (F == LinFormat::Q4_K || F == LinFormat::Q5_K) acc = _mm512_fnmadd_ps(w.mw, _mm512_set1_ps(ds), acc);
   if constexpr (lin_split16(F)) acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s2), _mm512_mul_ps(w.dw2, vdx), acc);
   if constexpr (F == LinFormat::Q2_K) {

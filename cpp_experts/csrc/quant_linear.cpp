@@ -93,6 +93,19 @@ void decode(LinFormat f, const uint8_t* b, SbRow& o) {
         o.q[e] = uint8_t((l < 64 ? lo & 15 : lo >> 4) | (((hi >> (2 * (l / 32))) & 3) << 4));
       }
       break;
+    case LinFormat::Q5_0:  // d, qh (a uint32: bit i is the 5th bit of element i), qs[16] as q4_0's
+    case LinFormat::Q5_1: {  // d, m, qh, qs
+      const int at = f == LinFormat::Q5_1 ? 4 : 2;
+      o.d = rd16(b);
+      if (f == LinFormat::Q5_1) o.m = rd16(b + 2);
+      uint32_t qh;
+      std::memcpy(&qh, b + at, 4);
+      for (int i = 0; i < 16; ++i) {
+        o.q[i] = uint8_t((b[at + 4 + i] & 15) | ((qh >> i) & 1) << 4);
+        o.q[16 + i] = uint8_t((b[at + 4 + i] >> 4) | ((qh >> (16 + i)) & 1) << 4);
+      }
+      break;
+    }
     case LinFormat::Q3_K:  // hmask[32], qs[64], scales[12], d; q = low 2 bits + 4 x high bit (0..7)
     case LinFormat::Q2_K: {  // scales[16] (sc | mn << 4), qs[64], d, dmin; q = 2 bits
       const bool q3 = f == LinFormat::Q3_K;
@@ -225,7 +238,7 @@ void QuantLinear::pack_quant(const uint8_t* src) {
   const size_t rows_padded = round_up(size_t(N_), 16 * kGroupRowblocks);
   w_.resize(rows_padded / 16 * nsb * sbb);
   qm_ = QMat{fmt_, nsb, sbb, w_.data()};
-  const bool q8 = fmt_ == LinFormat::Q8_0, q5 = fmt_ == LinFormat::Q5_K, q6 = fmt_ == LinFormat::Q6_K;
+  const bool q8 = fmt_ == LinFormat::Q8_0, q5 = lin_fifth_bit(fmt_), q6 = fmt_ == LinFormat::Q6_K;
   const bool kq = L.sb_blocks > 1;
   const int qbytes = q8 ? 512 : 256;
   SbRow row;
@@ -234,7 +247,7 @@ void QuantLinear::pack_quant(const uint8_t* src) {
     for (int sb = 0; sb < nsb; ++sb) {
       const uint8_t* blk = src + (size_t(n) * nsb + sb) * L.gguf_bytes;
       decode(fmt_, blk, row);
-      const bool has_m = fmt_ == LinFormat::Q4_1 || lin_has_dmin(fmt_);
+      const bool has_m = fmt_ == LinFormat::Q4_1 || fmt_ == LinFormat::Q5_1 || lin_has_dmin(fmt_);
       if (!std::isfinite(f16_to_f32(row.d)) || (has_m && !std::isfinite(f16_to_f32(row.m))))
         throw ArgError(std::string(L.name) + " weight: row " + std::to_string(n) + " block " +
                        std::to_string(sb) + " has a non-finite scale");
@@ -290,6 +303,13 @@ void QuantLinear::pack_quant(const uint8_t* src) {
             break;
           case LinFormat::IQ4_XS:
             bp[256 + r] = row.sc[j];
+            break;
+          case LinFormat::Q5_0:
+            std::memcpy(bp + 320 + 2 * r, &row.d, 2);
+            break;
+          case LinFormat::Q5_1:
+            std::memcpy(bp + 320 + 2 * r, &row.d, 2);
+            std::memcpy(bp + 352 + 2 * r, &row.m, 2);
             break;
           case LinFormat::Q3_K:
             bp[192 + r] = row.sc[2 * j];

@@ -19,7 +19,7 @@
 //   4-bit  4 groups (q4_0, q4_1, q4_k, q5_k, q6_k); byte (g, r, c) has element 4g + c of row r in
 //          its low nibble and element 16 + 4g + c in its high nibble: GGUF's own order for q4_0 and
 //          q4_1, the K-quants reordered to it;
-//   q5_k   then 64 bytes: bit 2g + h of byte (r, c) = bit 4 of element 16h + 4g + c;
+//   q5_k, q5_0, q5_1  then 64 bytes: bit 2g + h of byte (r, c) = bit 4 of element 16h + 4g + c;
 //   q6_k   then 2 x 64 bytes: in part p, bits 4(g % 2) + 2h .. +1 of byte (r, c) = bits 4..5 of
 //          element 16h + 4g + c, for the groups g = 2p, 2p + 1;
 //   iq4_nl, iq4_xs: the nibbles are indices into the 16 int8 levels kIq4Levels (the kernels look
@@ -31,6 +31,8 @@
 // then the block's scales, one per row:
 //   q8_0, q4_0: fp16 d[16]                  w = d q (q8_0),  w = d (q - 8) (q4_0)
 //   q4_1:       fp16 d[16], fp16 m[16]      w = d q + m
+//   q5_0:       fp16 d[16]                  w = d (q - 16)
+//   q5_1:       fp16 d[16], fp16 m[16]      w = d q + m
 //   q4_k, q5_k: uint8 sc[16], uint8 mn[16]  w = (d sc) q - (dmin mn)        (6-bit sc and mn)
 //   q6_k:       int8 sc[16] for elements 0..15, int8 sc[16] for 16..31;  w = (d sc) (q - 32)
 //   iq4_nl:     fp16 d[16]                  w = d level
@@ -59,8 +61,8 @@
 
 namespace cpx {
 
-enum class LinFormat { BF16 = 0, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, F32, IQ4_NL, IQ4_XS, Q3_K, Q2_K };
-constexpr int kLinFormats = 12;
+enum class LinFormat { BF16 = 0, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, F32, IQ4_NL, IQ4_XS, Q3_K, Q2_K, Q5_0, Q5_1 };
+constexpr int kLinFormats = 14;
 // GGUF-block formats (the packed layout above; the int8 kernels)
 constexpr bool lin_quantised(LinFormat f) { return f != LinFormat::BF16 && f != LinFormat::F32; }
 
@@ -77,7 +79,10 @@ constexpr LinLayout kLinLayout[kLinFormats] = {
     {"q4_1", 32, 20, 1, 0, 320},     {"q4_k", 256, 144, 8, 64, 288}, {"q5_k", 256, 176, 8, 64, 352},
     {"q6_k", 256, 210, 8, 32, 416},  {"f32", 1, 4, 0, 0, 0},         {"iq4_nl", 32, 18, 1, 0, 288},
     {"iq4_xs", 256, 136, 8, 32, 272}, {"q3_k", 256, 110, 8, 32, 224},  {"q2_k", 256, 84, 8, 64, 192},
+    {"q5_0", 32, 22, 1, 0, 352},      {"q5_1", 32, 24, 1, 0, 384},
 };
+// a fifth bit per value in a 64-byte plane after the nibbles
+constexpr bool lin_fifth_bit(LinFormat f) { return f == LinFormat::Q5_K || f == LinFormat::Q5_0 || f == LinFormat::Q5_1; }
 // the K-quants whose header holds dmin[16] after d[16] (the others: d[16] only)
 constexpr bool lin_has_dmin(LinFormat f) {
   return f == LinFormat::Q4_K || f == LinFormat::Q5_K || f == LinFormat::Q2_K;

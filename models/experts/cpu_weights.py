@@ -3,10 +3,9 @@
 Each weight becomes its own `cpp_experts.QuantLinear` through `models.cpu_ops.make_operator`, the
 same rule the dense layers follow (`mode`, the CPU weight mode): GGUF blocks of a type the kernels
 compute on stay as stored — whatever mix the file has, e.g. Q4_K gate/up with Q6_K down in
-llama.cpp's "_M" files —, Q5_0 becomes Q8_0 blocks of the same values (`RawBlocks.for_kernels`), float
-tensors keep their
-precision (fp32 and fp16 as fp32, bf16 as bf16), other block types are decoded to bf16 with one
-warning; modes `bf16` and `float32` decode everything.
+llama.cpp's "_M" files —, float tensors keep their precision (fp32 and fp16 as fp32, bf16 as bf16), a
+block type without a kernel would be decoded to bf16 with one warning; modes `bf16` and `float32`
+decode everything.
 An expert is handed to the operator when its three weights have arrived; `finalize` checks that
 every expert did.
 """

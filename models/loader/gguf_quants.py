@@ -1,5 +1,4 @@
-"""Dequantization of GGUF tensor data (ggml block formats) to float32 torch tensors, and re-encoding of
-the block types the CPU kernels lack into ones they compute on (`kernel_blocks`).
+"""Dequantization of GGUF tensor data (ggml block formats) to float32 torch tensors.
 
 A quantized row is a run of fixed-size blocks; each block stores `block_size` values in
 `type_size` bytes (`gguf.GGML_QUANT_SIZES`). The layouts below follow ggml's `block_*` structs
@@ -315,55 +314,6 @@ def _validate(
             f"({n_blocks} blocks of {type_size}), got {data.nbytes}",
         )
     return qtype, dims, n_blocks, data
-
-
-# Re-encoding into a block type the CPU kernels compute on (`kernel_blocks`). Each encoder maps `n`
-# source blocks [n, type_size] to their values' blocks in the target type [n * per_block, target size].
-
-
-def _q5_0_as_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    """Exact: Q5_0 decodes d * (q - 16) with q in [0, 32), Q8_0 d * qs; each block keeps its `d`."""
-    out = torch.empty(blocks.shape[0], 34, dtype=torch.uint8)
-    out[:, :2] = blocks[:, :2]
-    out[:, 2:] = (_q5(blocks, 2).view(torch.int8) - 16).view(torch.uint8)
-    return out
-
-
-# source type -> (target type, encoder)
-_KERNEL_FORMS: dict[gguf.GGMLQuantizationType, tuple[gguf.GGMLQuantizationType,
-                                                     Callable[[torch.Tensor], torch.Tensor]]] = {
-    T.Q5_0: (T.Q8_0, _q5_0_as_q8_0),
-}
-
-
-def kernel_blocks(
-    raw: np.ndarray | memoryview | bytes,
-    qtype: gguf.GGMLQuantizationType | int,
-    shape: Sequence[int],
-    source: str = "<gguf>",
-    name: str = "<tensor>",
-) -> tuple[gguf.GGMLQuantizationType, np.ndarray] | None:
-    """A tensor of a block type the CPU kernels have no path for, re-encoded into one they compute on:
-    (target type, new uint8 array [*shape[:-1], row bytes of the target]); None for other types.
-
-    Why: decoding to bf16 instead would cost 2 bytes a value and round it, where Q5_0 becomes Q8_0 blocks
-    of exactly the same values (d * (q - 16) is d * qs with qs = q - 16). llama.cpp's Q4_K_M files hold
-    Q5_0 where a row is not whole 256-value blocks. Validated like `dequantize`.
-    """
-    qtype, dims, n_blocks, data = _validate(raw, qtype, shape, source, name)
-    if qtype not in _KERNEL_FORMS:
-        return None
-    target, encode = _KERNEL_FORMS[qtype]
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    out_block, out_size = gguf.GGML_QUANT_SIZES[target]
-    per_block = block_size // out_block
-    out = torch.empty(n_blocks * per_block, out_size, dtype=torch.uint8)
-    step = max(1, _CHUNK_VALUES // block_size)
-    for start in range(0, n_blocks, step):  # in chunks, as `dequantize`: temporaries stay small
-        stop = min(start + step, n_blocks)
-        part = torch.from_numpy(np.array(data[start * type_size : stop * type_size])).view(stop - start, type_size)
-        out[start * per_block : stop * per_block] = encode(part)
-    return target, out.numpy().reshape(*dims[:-1], dims[-1] // out_block * out_size)
 
 
 def dequantize(

@@ -21,7 +21,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from models.loader.errors import CheckpointError
-from models.loader.gguf_quants import dequantize, kernel_blocks
+from models.loader.gguf_quants import dequantize
 
 
 @dataclass(frozen=True)
@@ -82,14 +82,6 @@ class RawBlocks:
     def to_tensor(self) -> torch.Tensor:
         """The blocks as a new contiguous, writable uint8 CPU tensor [*shape[:-1], row_bytes]."""
         return torch.from_numpy(np.array(self.data, dtype=np.uint8, order="C", copy=True))
-
-    def for_kernels(self) -> RawBlocks:
-        """The same values in a block type the CPU kernels compute on (`gguf_quants.kernel_blocks`: Q5_0 as
-        Q8_0); itself when its type has no such form."""
-        form = kernel_blocks(self.data, self.qtype, self.shape, self.source, self.name)
-        if form is None:
-            return self
-        return RawBlocks(form[0], self.shape, form[1], self.source, self.name)
 
     def dequantize(self) -> torch.Tensor:
         """float32 values [*shape], decoded exactly as the loader decodes every other tensor."""

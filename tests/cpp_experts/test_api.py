@@ -119,7 +119,7 @@ def test_bad_inputs_raise(moe: cpp_experts.MoE) -> None:
 
 def test_bad_construction_and_loading() -> None:
     with pytest.raises(ValueError, match="weight_format"):
-        cpp_experts.MoE(4, 2, 64, 64, "q5_0")
+        cpp_experts.MoE(4, 2, 64, 64, "iq2_xxs")
     with pytest.raises(ValueError, match="top_k"):
         cpp_experts.MoE(4, 5, 64, 64)
     q48 = Experts("q8_0", 1, 64, 64, seed=5).raw[0][0]

@@ -1,8 +1,8 @@
 """cpp_experts.QuantLinear against torch fp32 references, for every weight format x kernel path.
 
-Weights: Q8_0 / Q4_0 / Q4_1 are quantised from random floats by the `gguf` package (which matches
-llama.cpp); it cannot quantise the K-quants, so those are random valid blocks (any bytes, finite
-scales). Every weight is decoded by the project's own `models.loader.gguf_quants.dequantize`; bf16
+Weights: Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 are quantised from random floats by the `gguf` package (which
+matches llama.cpp); it cannot quantise the K-quants and IQ4s, so those are random valid blocks (any
+bytes, finite scales). Every weight is decoded by the project's own `models.loader.gguf_quants.dequantize`; bf16
 and f32 weights are torch tensors. Two references per case: `exact` = x @ W.T (+ b) in fp32, and
 `same_rounding` = the activations first rounded as the kernels round them (Q8_0 per 32 values; bf16
 for bf16 weights; not at all for f32), then the same fp32 product. The kernels must agree with the
@@ -27,8 +27,8 @@ from tests.cpp_experts.helpers import expected_kernel, has_path, path_params
 
 T = gguf.GGMLQuantizationType
 QTYPE = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1, "q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K,
-         "iq4_nl": T.IQ4_NL, "iq4_xs": T.IQ4_XS, "q3_k": T.Q3_K, "q2_k": T.Q2_K}
-QUANTIZABLE = ("q8_0", "q4_0", "q4_1")  # by gguf; the others are random valid blocks
+         "iq4_nl": T.IQ4_NL, "iq4_xs": T.IQ4_XS, "q3_k": T.Q3_K, "q2_k": T.Q2_K, "q5_0": T.Q5_0, "q5_1": T.Q5_1}
+QUANTIZABLE = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # by gguf; the others are random valid blocks
 
 
 def superblocks(fmt: str) -> bool:
@@ -433,7 +433,7 @@ def test_bad_inputs_raise(pool: cpp_experts.WorkerPool) -> None:
     with pytest.raises(ValueError, match="divisible by its block size 256"):
         QL.from_gguf(np.zeros(64 * 144 // 2, np.uint8), T.Q4_K, 64, 128)
     with pytest.raises(ValueError, match="not supported"):
-        QL.from_gguf(raw, T.Q5_0, 64, 64)
+        QL.from_gguf(raw, T.IQ2_XXS, 64, 64)
     with pytest.raises(ValueError, match="not supported"):
         QL.from_gguf(raw, "IQ2_XS", 64, 64)
     with pytest.raises(TypeError, match="raw GGUF blocks"):

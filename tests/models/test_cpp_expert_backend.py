@@ -324,9 +324,9 @@ def routing(t: int) -> tuple[torch.Tensor, torch.Tensor]:
         ("Q4_1", "Q4_1", "q4_1", False),
         ("Q4_0", "Q8_0", "q4_0/q8_0", False),  # mixed types in one layer (llama.cpp's *_M files), each kept
         ("F16", "F16", "f32", False),  # float files keep their precision: fp16 held as fp32, exactly
-        ("Q5_0", "Q5_0", "q8_0", False),  # re-encoded as Q8_0 blocks of the same values
-        ("Q4_1", "Q5_0", "q4_1/q8_0", False),  # llama.cpp's Q4_K_M fallback for 1408-wide down rows
-        ("Q5_1", "Q5_1", "bf16", True),  # a type the kernels lack: decoded to bf16, with one warning
+        ("Q5_0", "Q5_0", "q5_0", False),
+        ("Q4_1", "Q5_0", "q4_1/q5_0", False),  # llama.cpp's Q4_K_M fallback for 1408-wide down rows
+        ("Q5_1", "Q5_1", "q5_1", False),
     ],
 )
 def test_gguf_expert_formats(caplog, cpu_pool, gate_up, down, fmt, warns):
@@ -343,7 +343,7 @@ def test_gguf_expert_formats(caplog, cpu_pool, gate_up, down, fmt, warns):
     want_bytes = 0
     for kind, (rows, k) in {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}.items():
         t = {"gate_proj": gate_up, "up_proj": gate_up, "down_proj": down}[kind]
-        name = {"F16": "f32", "Q5_1": "bf16", "Q5_0": "q8_0"}.get(t, t.lower())
+        name = {"F16": "f32"}.get(t, t.lower())
         if name in ("f32", "bf16"):
             want_bytes += E * -(-rows // 32) * 32 * -(-k // 32) * 32 * (4 if name == "f32" else 2)
         else:
@@ -360,14 +360,12 @@ def test_gguf_expert_formats(caplog, cpu_pool, gate_up, down, fmt, warns):
 
 
 @needs_cpp
-@pytest.mark.parametrize("qtype, fmt", [("Q3_K", "q3_k"), ("Q2_K", "q2_k"), ("IQ4_NL", "iq4_nl"), ("IQ4_XS", "iq4_xs"),
-                                        ("Q5_0", "q8_0"), ("Q5_1", "bf16")])
-def test_low_bit_blocks_reach_the_kernels(caplog, qtype, fmt):
-    """llama.cpp's block types through the loader's rule (`make_operator`): Q3_K, Q2_K, IQ4_NL and IQ4_XS
-    kept as stored (the kernels' own formats), Q5_0 re-encoded as Q8_0 blocks of the same values
-    (`gguf_quants.kernel_blocks`), Q5_1 decoded to bf16 with one warning; the product stays within the
-    activations' rounding of torch's on gguf's decoded values. Random blocks with real weights' scales,
-    80 x 512 (rows pad to 64)."""
+@pytest.mark.parametrize("qtype", ["Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "Q5_0", "Q5_1"])
+def test_low_bit_blocks_reach_the_kernels(caplog, monkeypatch, qtype):
+    """llama.cpp's block types through the loader's rule (`make_operator`): kept as stored, the product
+    within the activations' rounding of torch's on gguf's decoded values; a type without a kernel (the
+    extension's table without it) is decoded to bf16, with a warning. Random blocks with real weights'
+    scales, 80 x 512 (rows pad to 64)."""
     import cpp_experts
 
     from models import cpu_ops
@@ -379,19 +377,25 @@ def test_low_bit_blocks_reach_the_kernels(caplog, qtype, fmt):
     shape = (80, 512)
     data = _realistic_raw(rng, t, shape[0] * shape[1]).reshape(shape[0], -1)
     blocks = RawBlocks(t, shape, data, "mem", "blk.0.ffn_down.weight")
-    with caplog.at_level(logging.WARNING, logger="models.cpu_ops"):
-        op = make_operator(blocks, "file", blocks.name)
-    assert op.weight_format == fmt
-    warned = any(qtype in r.getMessage() and "decoded to bf16" in r.getMessage() for r in caplog.records)
-    assert warned <= (fmt == "bf16") and (warned or fmt != "bf16" or qtype in cpu_ops._warned_types)  # once a type
     w = torch.from_numpy(gguf.quants.dequantize(data, t))
     x = torch.randn(7, shape[1])
+    with caplog.at_level(logging.WARNING, logger="models.cpu_ops"):
+        kept = make_operator(blocks, "file", blocks.name)
+        monkeypatch.setattr(cpp_experts, "LINEAR_BLOCKS", {k: v for k, v in cpp_experts.LINEAR_BLOCKS.items()
+                                                           if k != qtype.lower()})
+        monkeypatch.setattr(cpu_ops, "_warned_types", set())
+        decoded = make_operator(blocks, "file", blocks.name)
+    assert (kept.weight_format, decoded.weight_format) == (qtype.lower(), "bf16")
+    assert [r.getMessage() for r in caplog.records if "decoded to bf16" in r.getMessage()] == [
+        f"{blocks.name} ({qtype}): the CPU kernels do not compute on this block type; decoded to bf16 "
+        f"(further {qtype} weights too)"]
     with cpp_experts.WorkerPool(2) as pool:
-        op.bind(pool)
-        got = op(x)
-        op.unbind()
-    want = x @ w.T
-    assert float(norm_err(got, want)) <= 2e-2 and float(rel_err(got, want).max()) <= 6e-2
+        for op, bound in ((kept, 2e-2), (decoded, 2e-2)):
+            op.bind(pool)
+            got = op(x)
+            op.unbind()
+            want = x @ w.T
+            assert float(norm_err(got, want)) <= bound and float(rel_err(got, want).max()) <= 6e-2
 
 
 def run_as(layer, mode: str, monkeypatch, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

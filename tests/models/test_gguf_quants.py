@@ -259,39 +259,3 @@ def _realistic_raw(rng: np.random.Generator, qtype: T, numel: int) -> np.ndarray
         scale = rng.uniform(1e-3, 1e-2, len(blocks)) * rng.choice([-1, 1], len(blocks))
         blocks[:, offset : offset + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
     return raw
-
-
-@pytest.mark.parametrize("qtype, target", [(T.Q5_0, T.Q8_0)], ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [(1,), (5,), (3, 4)], ids=lambda r: "x".join(map(str, r)))
-def test_kernel_blocks_hold_the_same_values(qtype: T, target: T, rows: tuple[int, ...], rng: np.random.Generator,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Random bytes (any fp16 scale, subnormals included), blocks with real weights' scales and, for
-    Q5_0, gguf-quantized ones: gguf's own decoders give the re-encoded blocks exactly the source's
-    values, chunked or not."""
-    block_size = GGML_QUANT_SIZES[qtype][0]
-    shape = (*rows, block_size * int(rng.integers(1, 4)))
-    monkeypatch.setattr(gguf_quants, "_CHUNK_VALUES", 2 * block_size)  # several chunks, the last one short
-    numel = int(np.prod(shape))
-    raws = [_random_raw(rng, qtype, numel), _realistic_raw(rng, qtype, numel)]
-    if qtype == T.Q5_0:
-        raws.append(gguf.quants.quantize((rng.standard_normal(numel) * rng.uniform(0.01, 3.0)).astype(np.float32)
-                                         .reshape(-1, shape[-1]), T.Q5_0).reshape(-1))
-    for raw in raws:
-        got_type, data = gguf_quants.kernel_blocks(raw, qtype, shape)
-        out_block, out_size = GGML_QUANT_SIZES[target]
-        assert got_type == target and data.dtype == np.uint8
-        assert data.shape == (*shape[:-1], shape[-1] // out_block * out_size)
-        np.testing.assert_array_equal(_reference(data.reshape(-1), target, shape).view(np.int32),
-                                      _reference(raw, qtype, shape).view(np.int32))
-    for own in (T.Q4_K, T.Q3_K, T.IQ4_XS):  # the kernels' own types have no other form
-        assert gguf_quants.kernel_blocks(_random_raw(rng, own, 256), own, (1, 256)) is None
-
-
-def test_kernel_blocks_check_their_input(rng: np.random.Generator) -> None:
-    raw = _random_raw(rng, T.Q5_0, 64)
-    with pytest.raises(CheckpointError, match="needs 66 bytes"):
-        gguf_quants.kernel_blocks(raw, T.Q5_0, (3, 32), "f.gguf", "blk.0.ffn_down.weight")
-    with pytest.raises(CheckpointError, match="not a multiple"):
-        gguf_quants.kernel_blocks(raw, T.Q5_0, (2, 33))
-    with pytest.raises(CheckpointError, match="needs 44 bytes"):
-        gguf_quants.kernel_blocks(_random_raw(rng, T.Q5_0, 32), T.Q5_0, (2, 32))
