@@ -142,8 +142,8 @@ CPX_AVX2_INL Scales block_scales(const uint8_t* hdr, const uint8_t* wb, int half
   if constexpr (lin_split16(F)) s.dw = f16x8(hdr + 16 * half);
   if constexpr (F == LinFormat::Q2_K) {
     const __m256 dmin = f16x8(hdr + 32 + 16 * half);
-    s.mw = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(u8x8(wb + 160 + 8 * half)));
-    s.mw2 = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(u8x8(wb + 176 + 8 * half)));
+    s.mw = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(u8x8(wb + 128 + 8 * half), 4)));
+    s.mw2 = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(u8x8(wb + 144 + 8 * half), 4)));
   }
   return s;
 }
@@ -169,7 +169,9 @@ template <LinFormat F>
 CPX_AVX2_INL void split_scales(const uint8_t* wb, int half, __m256i& lo, __m256i& hi) {
   constexpr int at = F == LinFormat::Q6_K ? 384 : F == LinFormat::Q3_K ? 192 : 128;
   const uint8_t* p = wb + at + 8 * half;
-  const __m256i a = F == LinFormat::Q2_K ? u8x8(p) : i8x8(p), c = F == LinFormat::Q2_K ? u8x8(p + 16) : i8x8(p + 16);
+  const __m256i m4 = _mm256_set1_epi32(15);  // q2_k: the scale is the low nibble (the min the high one)
+  const __m256i a = F == LinFormat::Q2_K ? _mm256_and_si256(u8x8(p), m4) : i8x8(p);
+  const __m256i c = F == LinFormat::Q2_K ? _mm256_and_si256(u8x8(p + 16), m4) : i8x8(p + 16);
   lo = pair16(a, a);
   hi = pair16(c, c);
 }

@@ -290,8 +290,8 @@ void QuantLinear::dequant_row(int n, float* out) const {
             break;
           }
           case LinFormat::Q2_K: {
-            const int h = i < 16 ? 0 : 16;
-            o[i] = D * float(bp[128 + h + r]) * float(q[i]) - Dmin * float(bp[160 + h + r]);
+            const uint8_t sm = bp[(i < 16 ? 128 : 144) + r];  // sc | mn << 4
+            o[i] = D * float(sm & 15) * float(q[i]) - Dmin * float(sm >> 4);
             break;
           }
           case LinFormat::BF16:

@@ -112,8 +112,9 @@ void gemm_portable(const QMat& w, int rb0, int rb1, const ActQ& a, int t0, int n
               }
               case LinFormat::Q2_K: {
                 const int32_t* s16 = a.s16 + row * 2 * nb + 2 * b;
-                acc += float(lo) * (D * float(bp[128 + r]) * dx) + float(hi) * (D * float(bp[144 + r]) * dx);
-                acc -= Dmin * float(bp[160 + r]) * (dx * float(s16[0])) + Dmin * float(bp[176 + r]) * (dx * float(s16[1]));
+                const uint8_t a = bp[128 + r], c = bp[144 + r];  // sc | mn << 4
+                acc += float(lo) * (D * float(a & 15) * dx) + float(hi) * (D * float(c & 15) * dx);
+                acc -= Dmin * float(a >> 4) * (dx * float(s16[0])) + Dmin * float(c >> 4) * (dx * float(s16[1]));
                 break;
               }
               case LinFormat::BF16:

@@ -109,11 +109,14 @@ CPX_VNNI inline Scales block_scales(const uint8_t* wb, __m512 dsup, __m512 msup)
     s.dw = _mm512_mul_ps(dsup, i8x16(sc));
     s.dw2 = _mm512_mul_ps(dsup, i8x16(sc + 16));
   }
-  if constexpr (F == LinFormat::Q2_K) {
-    s.dw = _mm512_mul_ps(dsup, u8x16(wb + 128));
-    s.dw2 = _mm512_mul_ps(dsup, u8x16(wb + 144));
-    s.mw = _mm512_mul_ps(msup, u8x16(wb + 160));
-    s.mw2 = _mm512_mul_ps(msup, u8x16(wb + 176));
+  if constexpr (F == LinFormat::Q2_K) {  // scale in the low nibble, min in the high one
+    const __m512i m4 = _mm512_set1_epi32(15);
+    const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 128)));
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 144)));
+    s.dw = _mm512_mul_ps(dsup, _mm512_cvtepi32_ps(_mm512_and_si512(a, m4)));
+    s.dw2 = _mm512_mul_ps(dsup, _mm512_cvtepi32_ps(_mm512_and_si512(b, m4)));
+    s.mw = _mm512_mul_ps(msup, _mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4)));
+    s.mw2 = _mm512_mul_ps(msup, _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)));
   }
   return s;
 }

@@ -315,11 +315,9 @@ void QuantLinear::pack_quant(const uint8_t* src) {
             bp[192 + r] = row.sc[2 * j];
             bp[208 + r] = row.sc[2 * j + 1];
             break;
-          case LinFormat::Q2_K:
-            bp[128 + r] = row.sc[2 * j];
-            bp[144 + r] = row.sc[2 * j + 1];
-            bp[160 + r] = row.mn[2 * j];
-            bp[176 + r] = row.mn[2 * j + 1];
+          case LinFormat::Q2_K:  // GGUF's own scale bytes
+            bp[128 + r] = uint8_t(row.sc[2 * j] | row.mn[2 * j] << 4);
+            bp[144 + r] = uint8_t(row.sc[2 * j + 1] | row.mn[2 * j + 1] << 4);
             break;
           case LinFormat::Q4_1:
             std::memcpy(bp + 256 + 2 * r, &row.d, 2);

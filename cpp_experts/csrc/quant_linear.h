@@ -39,9 +39,9 @@
 //   iq4_xs:     int8 sc[16] (6-bit scale - 32)  w = (d sc) level
 //   q3_k:       int8 sc[16] for elements 0..15, int8 sc[16] for 16..31;  w = (d sc) (q - 4), q = low 2
 //               bits + 4 x the high bit (GGUF stores the high bit inverted: q - 4 is its value)
-//   q2_k:       uint8 sc[16], sc[16], mn[16], mn[16] (elements 0..15, 16..31);  w = (d sc) q - (dmin mn)
+//   q2_k:       uint8 (sc | mn << 4)[16] for elements 0..15, [16] for 16..31;  w = (d sc) q - (dmin mn)
 // Bytes per weight are GGUF's (q4_k, q5_k, iq4_xs: +1.5-2%, their 6-bit scales stored as bytes;
-// q3_k +4%; q2_k +19%, its 4-bit scales and mins as bytes). The same
+// q3_k +4%). The same
 // groups are AMX int8 B-tile rows (linear_amx.cpp); on AVX2 (linear_avx2.cpp) a group is two ymm
 // operands of vpmaddubsw (rows 0..7, rows 8..15). bf16 weights use the MoE operator's bf16 layout
 // and gemm kernels (common.h).
@@ -78,7 +78,7 @@ constexpr LinLayout kLinLayout[kLinFormats] = {
     {"bf16", 1, 2, 0, 0, 0},         {"q8_0", 32, 34, 1, 0, 544},    {"q4_0", 32, 18, 1, 0, 288},
     {"q4_1", 32, 20, 1, 0, 320},     {"q4_k", 256, 144, 8, 64, 288}, {"q5_k", 256, 176, 8, 64, 352},
     {"q6_k", 256, 210, 8, 32, 416},  {"f32", 1, 4, 0, 0, 0},         {"iq4_nl", 32, 18, 1, 0, 288},
-    {"iq4_xs", 256, 136, 8, 32, 272}, {"q3_k", 256, 110, 8, 32, 224},  {"q2_k", 256, 84, 8, 64, 192},
+    {"iq4_xs", 256, 136, 8, 32, 272}, {"q3_k", 256, 110, 8, 32, 224},  {"q2_k", 256, 84, 8, 64, 160},
     {"q5_0", 32, 22, 1, 0, 352},      {"q5_1", 32, 24, 1, 0, 384},
 };
 // a fifth bit per value in a 64-byte plane after the nibbles
