@@ -46,7 +46,7 @@ CPX_AMX void configure(int m, int halves) {
   _tile_loadconfig(&cfg);
 }
 
-// Block b's products into C tiles C0 (and C1: q6_k's second half); retire() stores them. GCC's tile
+// Block b's products into C tiles C0 (and C1: a lin_split16 format's second half); retire() stores them. GCC's tile
 // intrinsics paste their tile numbers into the instruction text, so these take literal numbers.
 #define CPX_TILE_ISSUE(C0, C1)                  \
   do {                                          \
@@ -54,7 +54,7 @@ CPX_AMX void configure(int m, int halves) {
     _tile_loadd(4, ap, lda);                    \
     _tile_loadd(6, bsrc, 64);                   \
     _tile_dpbsud(C0, 4, 6);                     \
-    if constexpr (Q6) {                         \
+    if constexpr (Split) {                      \
       _tile_zero(C1);                           \
       _tile_loadd(5, ap + 16, lda);             \
       _tile_loadd(7, bsrc + 256, 64);           \
@@ -64,16 +64,16 @@ CPX_AMX void configure(int m, int halves) {
 #define CPX_TILE_RETIRE(C0, C1)                            \
   do {                                                     \
     _tile_stored(C0, cbuf[0], 64);                         \
-    if constexpr (Q6) _tile_stored(C1, cbuf[1], 64);       \
+    if constexpr (Split) _tile_stored(C1, cbuf[1], 64);    \
   } while (0)
-template <bool Q6>
+template <bool Split>
 CPX_AMX inline void issue(int buf, const int8_t* ap, int lda, const uint8_t* bsrc) {
   if (buf)
     CPX_TILE_ISSUE(2, 3);
   else
     CPX_TILE_ISSUE(0, 1);
 }
-template <bool Q6>
+template <bool Split>
 CPX_AMX inline void retire(int buf, int32_t (*cbuf)[256]) {
   if (buf)
     CPX_TILE_RETIRE(2, 3);
@@ -99,7 +99,7 @@ CPX_AMX inline void unpack_block(const uint8_t* wb, uint8_t* out) {
 template <LinFormat F>
 CPX_AMX void rowblock(const QMat& w, int rb, const ActQ& a, int t0, int m, float* c, int ldc) {
   constexpr LinLayout L = kLinLayout[int(F)];
-  constexpr bool kQ8 = F == LinFormat::Q8_0, kQ6 = lin_split16(F), kK = L.sb_blocks > 1;
+  constexpr bool kQ8 = F == LinFormat::Q8_0, kSplit = lin_split16(F), kK = L.sb_blocks > 1;
   alignas(64) uint8_t bbuf[2][512];
   alignas(64) int32_t cbuf[2][2][256];
   const size_t sbs = w.sb_bytes;
@@ -117,14 +117,14 @@ CPX_AMX void rowblock(const QMat& w, int rb, const ActQ& a, int t0, int m, float
     if (b < nb) {
       const int8_t* ap = a.q + size_t(t0) * a.k + 32 * b;
       const uint8_t* bsrc = kQ8 ? block(b) : bbuf[cur];
-      issue<kQ6>(cur, ap, a.k, bsrc);
+      issue<kSplit>(cur, ap, a.k, bsrc);
     }
     if (b == 0) {
       if constexpr (!kQ8) unpack_block<F>(block(1 % nb), bbuf[1]);
       continue;
     }
     const int p = b - 1;  // the block to retire
-    retire<kQ6>(cur ^ 1, cbuf[cur ^ 1]);
+    retire<kSplit>(cur ^ 1, cbuf[cur ^ 1]);
     if constexpr (!kQ8)
       if (b + 1 < nb) unpack_block<F>(block(b + 1), bbuf[cur ^ 1]);
     const uint8_t* hp = header(p);
@@ -136,15 +136,15 @@ CPX_AMX void rowblock(const QMat& w, int rb, const ActQ& a, int t0, int m, float
       if (i >= m) break;
       const size_t row = size_t(t0 + i);
       __m512i s = _mm512_load_si512(cb[0] + 16 * i), s2 = _mm512_setzero_si512();
-      if constexpr (kQ6) {
+      if constexpr (kSplit) {
         const int32_t* s16 = a.s16 + row * 2 * nb + 2 * p;
         s = _mm512_add_epi32(s, _mm512_set1_epi32(-lin_offset16(F) * s16[0]));
         s2 = _mm512_add_epi32(_mm512_load_si512(cb[1] + 16 * i), _mm512_set1_epi32(-lin_offset16(F) * s16[1]));
-      } else if constexpr (zero_point(F) != 0) {
-        s = _mm512_add_epi32(s, _mm512_set1_epi32(-zero_point(F) * a.s[row * nb + p]));
+      } else if constexpr (lin_zero_point(F) != 0) {
+        s = _mm512_add_epi32(s, _mm512_set1_epi32(-lin_zero_point(F) * a.s[row * nb + p]));
       }
       acc[i] = accumulate<F>(acc[i], s, s2, sc, a.d[row * nb + p], a.ds[row * nb + p],
-                             kQ6 ? a.s16 + row * 2 * nb + 2 * p : nullptr);
+                             kSplit ? a.s16 + row * 2 * nb + 2 * p : nullptr);
     }
   }
 #pragma GCC unroll 16

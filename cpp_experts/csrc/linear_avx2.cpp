@@ -127,13 +127,10 @@ struct Scales {
 template <LinFormat F>
 CPX_AVX2_INL Scales block_scales(const uint8_t* hdr, const uint8_t* wb, int half) {
   Scales s{_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  if constexpr (F == LinFormat::Q8_0) s.dw = f16x8(wb + 512 + 16 * half);
-  if constexpr (F == LinFormat::Q4_0 || F == LinFormat::Q4_1 || F == LinFormat::IQ4_NL) s.dw = f16x8(wb + 256 + 16 * half);
+  if constexpr (lin_one_block(F)) s.dw = f16x8(wb + lin_d_at(F) + 16 * half);
+  if constexpr (lin_has_m(F)) s.mw = f16x8(wb + lin_d_at(F) + 32 + 16 * half);
   if constexpr (F == LinFormat::IQ4_XS)
     s.dw = _mm256_mul_ps(f16x8(hdr + 16 * half), _mm256_cvtepi32_ps(i8x8(wb + 256 + 8 * half)));
-  if constexpr (F == LinFormat::Q4_1) s.mw = f16x8(wb + 288 + 16 * half);
-  if constexpr (F == LinFormat::Q5_0 || F == LinFormat::Q5_1) s.dw = f16x8(wb + 320 + 16 * half);
-  if constexpr (F == LinFormat::Q5_1) s.mw = f16x8(wb + 352 + 16 * half);
   if constexpr (F == LinFormat::Q4_K || F == LinFormat::Q5_K) {
     const uint8_t* sc = wb + (F == LinFormat::Q5_K ? 320 : 256) + 8 * half;
     s.dw = _mm256_mul_ps(f16x8(hdr + 16 * half), _mm256_cvtepi32_ps(u8x8(sc)));
@@ -225,9 +222,9 @@ CPX_AVX2_INL void half_sums(const uint8_t* wb, int half, const Rows<TT>& x, int 
   } else if constexpr (lin_fifth_bit(F) || lin_split16(F)) {
     // group pairs: at most 4 (q5_k, q5_0, q5_1) / 2 per chain (the split16 formats) vpmaddubsw results
     // per int16 sum
-    constexpr bool kQ6 = lin_split16(F);
+    constexpr bool kSplit = lin_split16(F);
     __m256i sc_lo = ones, sc_hi = ones;
-    if constexpr (kQ6) split_scales<F>(wb, half, sc_lo, sc_hi);
+    if constexpr (kSplit) split_scales<F>(wb, half, sc_lo, sc_hi);
     const __m256i mh = _mm256_set1_epi8(F == LinFormat::Q6_K ? 0x30 : 0x10);
 #pragma GCC unroll 2
     for (int gp = 0; gp < 2; ++gp) {
@@ -235,11 +232,11 @@ CPX_AVX2_INL void half_sums(const uint8_t* wb, int half, const Rows<TT>& x, int 
       if constexpr (lin_two_bit(F)) {
         two_bit_groups<F>(wh, gp, lo, hi);
       } else {
-        const __m256i hb = load32(wh + 256 + (kQ6 ? 64 * gp : 0));
+        const __m256i hb = load32(wh + 256 + (kSplit ? 64 * gp : 0));
 #pragma GCC unroll 2
         for (int gg = 0; gg < 2; ++gg) {
           const int g = 2 * gp + gg;
-          const int blo = kQ6 ? 4 * gg : 2 * g, bhi = kQ6 ? 4 * gg + 2 : 2 * g + 1;  // the high bits' place
+          const int blo = kSplit ? 4 * gg : 2 * g, bhi = kSplit ? 4 * gg + 2 : 2 * g + 1;  // the high bits' place
           with_high_bits(load32(wh + 64 * g), hb, blo, bhi, mh, lo[gg], hi[gg]);
         }
       }
@@ -250,7 +247,7 @@ CPX_AVX2_INL void half_sums(const uint8_t* wb, int half, const Rows<TT>& x, int 
                                             _mm256_maddubs_epi16(lo[1], bcast4(xp + 4)));
         const __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(hi[0], bcast4(xp + 16)),
                                             _mm256_maddubs_epi16(hi[1], bcast4(xp + 20)));
-        if constexpr (kQ6)
+        if constexpr (kSplit)
           s[t] = _mm256_add_epi32(s[t], _mm256_add_epi32(_mm256_madd_epi16(pl, sc_lo), _mm256_madd_epi16(ph, sc_hi)));
         else
           s[t] = _mm256_add_epi32(s[t], _mm256_madd_epi16(_mm256_add_epi16(pl, ph), ones));
@@ -259,7 +256,7 @@ CPX_AVX2_INL void half_sums(const uint8_t* wb, int half, const Rows<TT>& x, int 
     }
     if constexpr (F == LinFormat::Q5_0) {
 #pragma GCC unroll 4
-      for (int t = 0; t < TT; ++t) s[t] = _mm256_add_epi32(s[t], _mm256_set1_epi32(-16 * x.s[t][b]));
+      for (int t = 0; t < TT; ++t) s[t] = _mm256_add_epi32(s[t], _mm256_set1_epi32(-lin_zero_point(F) * x.s[t][b]));
     }
     if constexpr (lin_offset16(F) != 0) {
       constexpr int shift = F == LinFormat::Q6_K ? 5 : 2;
@@ -291,6 +288,24 @@ CPX_AVX2_INL void half_sums(const uint8_t* wb, int half, const Rows<TT>& x, int 
 // Formats whose rowblock_sums take both halves at once.
 constexpr bool both_halves(LinFormat f) { return !lin_fifth_bit(f) && !lin_split16(f); }
 
+// s[0][t] += rows 0..7, s[1][t] += rows 8..15 of one group of signed weights (sw0, sw1: 4 values a row)
+// times the 4 activations at x.q[t] + at: vpmaddubsw on |w| with x carrying w's sign (q8_0's sign trick).
+template <int TT>
+CPX_AVX2_INL void signed_group_sums(__m256i sw0, __m256i sw1, const Rows<TT>& x, int at, __m256i (*s)[TT]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i aw0 = _mm256_abs_epi8(sw0), aw1 = _mm256_abs_epi8(sw1);
+#pragma GCC unroll 4
+  for (int t = 0; t < TT; ++t) {
+    const __m256i xv = bcast4(x.q[t] + at);
+    const __m256i p0 = _mm256_maddubs_epi16(aw0, _mm256_sign_epi8(xv, sw0));
+    s[0][t] = _mm256_add_epi32(s[0][t], _mm256_madd_epi16(p0, ones));
+    CPX_KEEP(s[0][t]);
+    const __m256i p1 = _mm256_maddubs_epi16(aw1, _mm256_sign_epi8(xv, sw1));
+    s[1][t] = _mm256_add_epi32(s[1][t], _mm256_madd_epi16(p1, ones));
+    CPX_KEEP(s[1][t]);
+  }
+}
+
 // half_sums for both halves of the rowblock at once (q8_0, q4_0, q4_1, q4_k): every activation
 // broadcast feeds two vpmaddubsw (one per half), so a block takes half a load per vpmaddubsw; with 8
 // sums, 4 unpacked weight registers and the broadcast the tile fits the 16 ymm at TT <= 4.
@@ -305,17 +320,7 @@ CPX_AVX2_INL void rowblock_sums(const uint8_t* wb, const Rows<TT>& x, int b, __m
     for (int g = 0; g < 8; ++g) {
       const __m256i sw0 = _mm256_xor_si256(load32(wb + 64 * g), flip);  // q, signed, rows 0..7
       const __m256i sw1 = _mm256_xor_si256(load32(wb + 64 * g + 32), flip);  // rows 8..15
-      const __m256i aw0 = _mm256_abs_epi8(sw0), aw1 = _mm256_abs_epi8(sw1);
-#pragma GCC unroll 4
-      for (int t = 0; t < TT; ++t) {
-        const __m256i xv = bcast4(x.q[t] + 32 * b + 4 * g);
-        const __m256i p0 = _mm256_maddubs_epi16(aw0, _mm256_sign_epi8(xv, sw0));
-        s[0][t] = _mm256_add_epi32(s[0][t], _mm256_madd_epi16(p0, ones));
-        CPX_KEEP(s[0][t]);
-        const __m256i p1 = _mm256_maddubs_epi16(aw1, _mm256_sign_epi8(xv, sw1));
-        s[1][t] = _mm256_add_epi32(s[1][t], _mm256_madd_epi16(p1, ones));
-        CPX_KEEP(s[1][t]);
-      }
+      signed_group_sums<TT>(sw0, sw1, x, 32 * b + 4 * g, s);
     }
   } else if constexpr (lin_iq4(F)) {
     // the nibbles looked up as the signed levels, then q8_0's sign trick (|level| <= 127: no vpmaddubsw
@@ -328,17 +333,7 @@ CPX_AVX2_INL void rowblock_sums(const uint8_t* wb, const Rows<TT>& x, int b, __m
       for (int h = 0; h < 2; ++h) {
         const __m256i sw0 = _mm256_shuffle_epi8(table, _mm256_and_si256(h ? _mm256_srli_epi16(v0, 4) : v0, m4));
         const __m256i sw1 = _mm256_shuffle_epi8(table, _mm256_and_si256(h ? _mm256_srli_epi16(v1, 4) : v1, m4));
-        const __m256i aw0 = _mm256_abs_epi8(sw0), aw1 = _mm256_abs_epi8(sw1);
-#pragma GCC unroll 4
-        for (int t = 0; t < TT; ++t) {
-          const __m256i xv = bcast4(x.q[t] + 32 * b + 16 * h + 4 * g);
-          const __m256i p0 = _mm256_maddubs_epi16(aw0, _mm256_sign_epi8(xv, sw0));
-          s[0][t] = _mm256_add_epi32(s[0][t], _mm256_madd_epi16(p0, ones));
-          CPX_KEEP(s[0][t]);
-          const __m256i p1 = _mm256_maddubs_epi16(aw1, _mm256_sign_epi8(xv, sw1));
-          s[1][t] = _mm256_add_epi32(s[1][t], _mm256_madd_epi16(p1, ones));
-          CPX_KEEP(s[1][t]);
-        }
+        signed_group_sums<TT>(sw0, sw1, x, 32 * b + 16 * h + 4 * g, s);
       }
     }
   } else {
@@ -416,7 +411,7 @@ template <LinFormat F>
 CPX_AVX2_INL __m256 accumulate(__m256 acc, __m256i s, const Scales& w, __m256 dx, __m256 ds,
                                const int32_t* s16 = nullptr) {
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(w.dw, dx), acc);
-  if constexpr (F == LinFormat::Q4_1 || F == LinFormat::Q5_1) acc = _mm256_fmadd_ps(w.mw, ds, acc);
+  if constexpr (lin_has_m(F)) acc = _mm256_fmadd_ps(w.mw, ds, acc);
   if constexpr (F == LinFormat::Q4_K || F == LinFormat::Q5_K) acc = _mm256_fnmadd_ps(w.mw, ds, acc);
   if constexpr (F == LinFormat::Q2_K) {
     acc = _mm256_fnmadd_ps(w.mw, _mm256_mul_ps(dx, _mm256_set1_ps(float(s16[0]))), acc);

@@ -87,7 +87,7 @@ inline size_t prefetch_ahead(size_t sbs) {
 template <LinFormat F, int R, int TT>
 CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc, bool first, bool once) {
   constexpr LinLayout L = kLinLayout[int(F)];
-  constexpr bool kQ8 = F == LinFormat::Q8_0, kQ6 = lin_split16(F), kK = L.sb_blocks > 1;
+  constexpr bool kQ8 = F == LinFormat::Q8_0, kSplit = lin_split16(F), kK = L.sb_blocks > 1;
   constexpr int kOff16 = lin_offset16(F);
   const size_t sbs = w.sb_bytes;
   const uint8_t* w0 = w.at(rb);
@@ -103,7 +103,7 @@ CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
     xd[t] = a.d + row * nb;
     xds[t] = a.ds + row * nb;
     xs[t] = a.s + row * nb;
-    xs16[t] = kQ6 ? a.s16 + row * 2 * nb : nullptr;
+    xs16[t] = kSplit ? a.s16 + row * 2 * nb : nullptr;
   }
   __m512 acc[R][TT];
 #pragma GCC unroll 4
@@ -153,8 +153,8 @@ CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
       __m512i s[R][TT], s2[R][TT];
 #pragma GCC unroll 4
       for (int t = 0; t < TT; ++t) {
-        const __m512i init = _mm512_set1_epi32(kQ6 ? -kOff16 * xs16[t][2 * b] : -zero_point(F) * xs[t][b]);
-        const __m512i init2 = kQ6 ? _mm512_set1_epi32(-kOff16 * xs16[t][2 * b + 1]) : _mm512_setzero_si512();
+        const __m512i init = _mm512_set1_epi32(kSplit ? -kOff16 * xs16[t][2 * b] : -lin_zero_point(F) * xs[t][b]);
+        const __m512i init2 = kSplit ? _mm512_set1_epi32(-kOff16 * xs16[t][2 * b + 1]) : _mm512_setzero_si512();
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           s[r][t] = init;
@@ -181,7 +181,7 @@ CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
             for (int t = 0; t < TT; ++t) {
               const int8_t* x = xq[t] + 32 * b + 4 * g;
               s[r][t] = _mm512_dpbusd_epi32(s[r][t], lo, bcast4(x));
-              if constexpr (kQ6)
+              if constexpr (kSplit)
                 s2[r][t] = _mm512_dpbusd_epi32(s2[r][t], hi, bcast4(x + 16));
               else
                 s[r][t] = _mm512_dpbusd_epi32(s[r][t], hi, bcast4(x + 16));
@@ -193,7 +193,8 @@ CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
         const Scales sc = block_scales<F>(wb[r], dsup[r], msup[r]);
 #pragma GCC unroll 4
         for (int t = 0; t < TT; ++t)
-          acc[r][t] = accumulate<F>(acc[r][t], s[r][t], s2[r][t], sc, xd[t][b], xds[t][b], kQ6 ? xs16[t] + 2 * b : nullptr);
+          acc[r][t] = accumulate<F>(acc[r][t], s[r][t], s2[r][t], sc, xd[t][b], xds[t][b],
+                                    kSplit ? xs16[t] + 2 * b : nullptr);
       }
     }
   }

@@ -265,14 +265,13 @@ void QuantLinear::dequant_row(int n, float* out) const {
       unpack_block(fmt_, bp, r, q);
       float* o = out + (size_t(sb) * L.sb_blocks + j) * 32;
       for (int i = 0; i < 32; ++i) {
+        if (lin_one_block(fmt_)) {  // w = d (q - zero point) (+ m)
+          o[i] = f16(bp + lin_d_at(fmt_) + 2 * r) * float(int(q[i]) - lin_zero_point(fmt_));
+          if (lin_has_m(fmt_)) o[i] += f16(bp + lin_d_at(fmt_) + 32 + 2 * r);
+          continue;
+        }
         switch (fmt_) {
-          case LinFormat::Q8_0: o[i] = f16(bp + 512 + 2 * r) * float(int(q[i]) - 128); break;
-          case LinFormat::Q4_0: o[i] = f16(bp + 256 + 2 * r) * float(int(q[i]) - 8); break;
-          case LinFormat::Q5_0: o[i] = f16(bp + 320 + 2 * r) * float(int(q[i]) - 16); break;
-          case LinFormat::Q5_1: o[i] = f16(bp + 320 + 2 * r) * float(q[i]) + f16(bp + 352 + 2 * r); break;
-          case LinFormat::IQ4_NL: o[i] = f16(bp + 256 + 2 * r) * float(int(q[i]) - 128); break;
           case LinFormat::IQ4_XS: o[i] = D * float(int8_t(bp[256 + r])) * float(int(q[i]) - 128); break;
-          case LinFormat::Q4_1: o[i] = f16(bp + 256 + 2 * r) * float(q[i]) + f16(bp + 288 + 2 * r); break;
           case LinFormat::Q4_K:
           case LinFormat::Q5_K: {
             const uint8_t* sc = bp + (fmt_ == LinFormat::Q5_K ? 320 : 256);
@@ -294,8 +293,7 @@ void QuantLinear::dequant_row(int n, float* out) const {
             o[i] = D * float(sm & 15) * float(q[i]) - Dmin * float(sm >> 4);
             break;
           }
-          case LinFormat::BF16:
-          case LinFormat::F32: break;
+          default: break;  // the one-block formats (above); bf16 and f32 return earlier
         }
       }
     }

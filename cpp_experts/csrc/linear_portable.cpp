@@ -70,29 +70,14 @@ void gemm_portable(const QMat& w, int rb0, int rb1, const ActQ& a, int t0, int n
             const float dx = a.d[row * nb + b], ds = a.ds[row * nb + b];
             const int32_t s = a.s[row * nb + b];
             float& acc = col[size_t(t) * ldc];
+            if (lin_one_block(w.fmt)) {  // w = d (q - zero point) (+ m)
+              acc += float(lo + hi - lin_zero_point(w.fmt) * s) * (f16(bp + lin_d_at(w.fmt) + 2 * r) * dx);
+              if (lin_has_m(w.fmt)) acc += f16(bp + lin_d_at(w.fmt) + 32 + 2 * r) * ds;
+              continue;
+            }
             switch (w.fmt) {
-              case LinFormat::Q8_0:
-                acc += float(lo + hi - 128 * s) * (f16(bp + 512 + 2 * r) * dx);
-                break;
-              case LinFormat::Q5_0:
-                acc += float(lo + hi - 16 * s) * (f16(bp + 320 + 2 * r) * dx);
-                break;
-              case LinFormat::Q5_1:
-                acc += float(lo + hi) * (f16(bp + 320 + 2 * r) * dx);
-                acc += f16(bp + 352 + 2 * r) * ds;
-                break;
-              case LinFormat::IQ4_NL:
-                acc += float(lo + hi - 128 * s) * (f16(bp + 256 + 2 * r) * dx);
-                break;
               case LinFormat::IQ4_XS:
                 acc += float(lo + hi - 128 * s) * (D * float(int8_t(bp[256 + r])) * dx);
-                break;
-              case LinFormat::Q4_0:
-                acc += float(lo + hi - 8 * s) * (f16(bp + 256 + 2 * r) * dx);
-                break;
-              case LinFormat::Q4_1:
-                acc += float(lo + hi) * (f16(bp + 256 + 2 * r) * dx);
-                acc += f16(bp + 288 + 2 * r) * ds;
                 break;
               case LinFormat::Q4_K:
               case LinFormat::Q5_K: {
@@ -117,8 +102,7 @@ void gemm_portable(const QMat& w, int rb0, int rb1, const ActQ& a, int t0, int n
                 acc -= Dmin * float(a >> 4) * (dx * float(s16[0])) + Dmin * float(c >> 4) * (dx * float(s16[1]));
                 break;
               }
-              case LinFormat::BF16:
-              case LinFormat::F32:
+              default:  // the one-block formats (above); bf16 and f32 have other kernels
                 break;
             }
           }

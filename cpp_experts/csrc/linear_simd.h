@@ -78,11 +78,7 @@ CPX_VNNI inline void unpack_group(const uint8_t* wb, int g, __m512i& lo, __m512i
   }
 }
 
-constexpr bool has_min(LinFormat f) { return f == LinFormat::Q4_1 || f == LinFormat::Q5_1 || lin_has_dmin(f); }
-// The weight's zero point, folded into the activation-sum term: w = d (q - zero_point).
-constexpr int zero_point(LinFormat f) {
-  return f == LinFormat::Q8_0 || lin_iq4(f) ? 128 : f == LinFormat::Q5_0 ? 16 : f == LinFormat::Q4_0 ? 8 : 0;
-}
+constexpr bool has_min(LinFormat f) { return lin_has_m(f) || lin_has_dmin(f); }
 
 // One block's per-row scales: dw multiplies the dot product (lin_split16: of elements 0..15, dw2 of
 // 16..31), mw the activation sum (the min term of q4_1 / q5_1 / q4_k / q5_k; q2_k: of elements 0..15, mw2 of
@@ -93,12 +89,9 @@ struct Scales {
 template <LinFormat F>
 CPX_VNNI inline Scales block_scales(const uint8_t* wb, __m512 dsup, __m512 msup) {
   Scales s{_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-  if constexpr (F == LinFormat::Q8_0) s.dw = f16x16(wb + 512);
-  if constexpr (F == LinFormat::Q4_0 || F == LinFormat::Q4_1 || F == LinFormat::IQ4_NL) s.dw = f16x16(wb + 256);
+  if constexpr (lin_one_block(F)) s.dw = f16x16(wb + lin_d_at(F));
+  if constexpr (lin_has_m(F)) s.mw = f16x16(wb + lin_d_at(F) + 32);
   if constexpr (F == LinFormat::IQ4_XS) s.dw = _mm512_mul_ps(dsup, i8x16(wb + 256));
-  if constexpr (F == LinFormat::Q4_1) s.mw = f16x16(wb + 288);
-  if constexpr (F == LinFormat::Q5_0 || F == LinFormat::Q5_1) s.dw = f16x16(wb + 320);
-  if constexpr (F == LinFormat::Q5_1) s.mw = f16x16(wb + 352);
   if constexpr (F == LinFormat::Q4_K || F == LinFormat::Q5_K) {
     const uint8_t* sc = wb + (F == LinFormat::Q5_K ? 320 : 256);
     s.dw = _mm512_mul_ps(dsup, u8x16(sc));
@@ -129,7 +122,7 @@ CPX_VNNI inline __m512 accumulate(__m512 acc, __m512i s, __m512i s2, const Scale
                                   const int32_t* s16 = nullptr) {
   const __m512 vdx = _mm512_set1_ps(dx);
   acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(w.dw, vdx), acc);
-  if constexpr (F == LinFormat::Q4_1 || F == LinFormat::Q5_1) acc = _mm512_fmadd_ps(w.mw, _mm512_set1_ps(ds), acc);
+  if constexpr (lin_has_m(F)) acc = _mm512_fmadd_ps(w.mw, _mm512_set1_ps(ds), acc);
   if constexpr (F == LinFormat::Q4_K || F == LinFormat::Q5_K) acc = _mm512_fnmadd_ps(w.mw, _mm512_set1_ps(ds), acc);
   if constexpr (lin_split16(F)) acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s2), _mm512_mul_ps(w.dw2, vdx), acc);
   if constexpr (F == LinFormat::Q2_K) {

@@ -240,14 +240,13 @@ void QuantLinear::pack_quant(const uint8_t* src) {
   qm_ = QMat{fmt_, nsb, sbb, w_.data()};
   const bool q8 = fmt_ == LinFormat::Q8_0, q5 = lin_fifth_bit(fmt_), q6 = fmt_ == LinFormat::Q6_K;
   const bool kq = L.sb_blocks > 1;
-  const int qbytes = q8 ? 512 : 256;
   SbRow row;
   for (int n = 0; n < N_; ++n) {
     const int r = n % 16;
     for (int sb = 0; sb < nsb; ++sb) {
       const uint8_t* blk = src + (size_t(n) * nsb + sb) * L.gguf_bytes;
       decode(fmt_, blk, row);
-      const bool has_m = fmt_ == LinFormat::Q4_1 || fmt_ == LinFormat::Q5_1 || lin_has_dmin(fmt_);
+      const bool has_m = lin_has_m(fmt_) || lin_has_dmin(fmt_);
       if (!std::isfinite(f16_to_f32(row.d)) || (has_m && !std::isfinite(f16_to_f32(row.m))))
         throw ArgError(std::string(L.name) + " weight: row " + std::to_string(n) + " block " +
                        std::to_string(sb) + " has a non-finite scale");
@@ -295,21 +294,13 @@ void QuantLinear::pack_quant(const uint8_t* src) {
             }
           }
         }
+        if (lin_one_block(fmt_)) {
+          std::memcpy(bp + lin_d_at(fmt_) + 2 * r, &row.d, 2);
+          if (lin_has_m(fmt_)) std::memcpy(bp + lin_d_at(fmt_) + 32 + 2 * r, &row.m, 2);
+        }
         switch (fmt_) {
-          case LinFormat::Q8_0:
-          case LinFormat::Q4_0:
-          case LinFormat::IQ4_NL:
-            std::memcpy(bp + qbytes + 2 * r, &row.d, 2);
-            break;
           case LinFormat::IQ4_XS:
             bp[256 + r] = row.sc[j];
-            break;
-          case LinFormat::Q5_0:
-            std::memcpy(bp + 320 + 2 * r, &row.d, 2);
-            break;
-          case LinFormat::Q5_1:
-            std::memcpy(bp + 320 + 2 * r, &row.d, 2);
-            std::memcpy(bp + 352 + 2 * r, &row.m, 2);
             break;
           case LinFormat::Q3_K:
             bp[192 + r] = row.sc[2 * j];
@@ -318,10 +309,6 @@ void QuantLinear::pack_quant(const uint8_t* src) {
           case LinFormat::Q2_K:  // GGUF's own scale bytes
             bp[128 + r] = uint8_t(row.sc[2 * j] | row.mn[2 * j] << 4);
             bp[144 + r] = uint8_t(row.sc[2 * j + 1] | row.mn[2 * j + 1] << 4);
-            break;
-          case LinFormat::Q4_1:
-            std::memcpy(bp + 256 + 2 * r, &row.d, 2);
-            std::memcpy(bp + 288 + 2 * r, &row.m, 2);
             break;
           case LinFormat::Q4_K:
           case LinFormat::Q5_K: {
@@ -334,8 +321,7 @@ void QuantLinear::pack_quant(const uint8_t* src) {
             bp[384 + r] = row.sc[2 * j];
             bp[400 + r] = row.sc[2 * j + 1];
             break;
-          case LinFormat::BF16:
-          case LinFormat::F32:
+          default:  // the one-block formats' scales (above)
             break;
         }
       }

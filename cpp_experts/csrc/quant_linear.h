@@ -83,6 +83,11 @@ constexpr LinLayout kLinLayout[kLinFormats] = {
 };
 // a fifth bit per value in a 64-byte plane after the nibbles
 constexpr bool lin_fifth_bit(LinFormat f) { return f == LinFormat::Q5_K || f == LinFormat::Q5_0 || f == LinFormat::Q5_1; }
+// The one-block formats (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl): a packed block's fp16 d[16] sits after its
+// quant bytes, at lin_d_at, and q4_1's / q5_1's m[16] right after it; w = d (q - lin_zero_point) (+ m).
+constexpr bool lin_one_block(LinFormat f) { return lin_quantised(f) && kLinLayout[int(f)].sb_blocks == 1; }
+constexpr int lin_d_at(LinFormat f) { return f == LinFormat::Q8_0 ? 512 : lin_fifth_bit(f) ? 320 : 256; }
+constexpr bool lin_has_m(LinFormat f) { return f == LinFormat::Q4_1 || f == LinFormat::Q5_1; }
 // the K-quants whose header holds dmin[16] after d[16] (the others: d[16] only)
 constexpr bool lin_has_dmin(LinFormat f) {
   return f == LinFormat::Q4_K || f == LinFormat::Q5_K || f == LinFormat::Q2_K;
@@ -96,6 +101,10 @@ constexpr bool lin_two_bit(LinFormat f) { return f == LinFormat::Q3_K || f == Li
 // IQ4_NL's and IQ4_XS's non-uniform levels (ggml's kvalues_iq4nl)
 constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 constexpr bool lin_iq4(LinFormat f) { return f == LinFormat::IQ4_NL || f == LinFormat::IQ4_XS; }
+// The weight's zero point, taken off through the activations' block sums: w = d (q - zero point).
+constexpr int lin_zero_point(LinFormat f) {
+  return f == LinFormat::Q8_0 || lin_iq4(f) ? 128 : f == LinFormat::Q5_0 ? 16 : f == LinFormat::Q4_0 ? 8 : 0;
+}
 // the levels + 128, as the kernels read them (unsigned bytes; zero point 128)
 alignas(16) constexpr uint8_t kIq4Unsigned[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 static_assert([] {

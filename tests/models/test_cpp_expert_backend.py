@@ -390,12 +390,12 @@ def test_low_bit_blocks_reach_the_kernels(caplog, monkeypatch, qtype):
         f"{blocks.name} ({qtype}): the CPU kernels do not compute on this block type; decoded to bf16 "
         f"(further {qtype} weights too)"]
     with cpp_experts.WorkerPool(2) as pool:
-        for op, bound in ((kept, 2e-2), (decoded, 2e-2)):
+        for op in (kept, decoded):
             op.bind(pool)
             got = op(x)
             op.unbind()
             want = x @ w.T
-            assert float(norm_err(got, want)) <= bound and float(rel_err(got, want).max()) <= 6e-2
+            assert float(norm_err(got, want)) <= 2e-2 and float(rel_err(got, want).max()) <= 6e-2
 
 
 def run_as(layer, mode: str, monkeypatch, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
