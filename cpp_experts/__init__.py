@@ -65,7 +65,9 @@ LINEAR_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (
                  "q6_k": (256, 210), "iq4_nl": (32, 18), "iq4_xs": (256, 136), "q3_k": (256, 110), "q2_k": (256, 84),
                  "q5_0": (32, 22), "q5_1": (32, 24)}
 BLOCK_BYTES = {fmt: size for fmt, (_, size) in LINEAR_BLOCKS.items()}  # bytes per GGUF block
-_KERNELS = ("amx", "avx512", "avx2", "portable")
+# "amx_emulated": the AMX kernels' own code with the tile instructions modelled in software (needs AVX-512
+# VNNI + BF16), so that they are tested on CPUs without AMX; far slower than any real path
+_KERNELS = ("amx", "avx512", "avx2", "portable", "amx_emulated")
 
 
 def _forced() -> str | None:
@@ -84,11 +86,15 @@ def _chosen_kernel(fmt: str, kernels: list[str], forced: str | None) -> str:
     if fmt == "bf16":
         if forced == "avx2":
             return "avx2"
+        if forced == "amx_emulated":
+            return "amx_emulated+avx512_bf16"
         if "amx" in kernels and forced in (None, "amx"):
             return "amx+avx512_bf16"  # AMX from 5 rows of x / tokens per expert
         return "avx512_bf16" if "avx512_bf16" in kernels or forced in ("avx512", "amx") else avx2
     if forced == "avx2":
         return "avx2"
+    if forced == "amx_emulated":
+        return "amx_int8_emulated+avx512_vnni"
     if "amx_int8" in kernels and forced in (None, "amx"):
         return "amx_int8+avx512_vnni"  # AMX-INT8 from 12 rows of x
     return "avx512_vnni" if "avx512_vnni" in kernels or forced in ("avx512", "amx") else avx2
@@ -418,7 +424,8 @@ class QuantLinear:
     and returns [..., out_features] in x's dtype; several layers may share one pool (calls take turns).
     `kernel` (default `MLASERVE_CPP_EXPERTS_KERNEL`, else the best this CPU has, AMX included): "amx",
     "avx512" (AVX-512 VNNI / BF16; f32 stays on AVX2, its only SIMD kernel), "avx2" (AVX2 + FMA + F16C,
-    every format) or "portable". The choice, per format: quantised AMX-INT8 + AVX-512 VNNI > VNNI >
+    every format), "portable", or "amx_emulated" (the AMX kernels over a software model of the tile
+    instructions, for testing their code on CPUs without AMX; slow). The choice, per format: quantised AMX-INT8 + AVX-512 VNNI > VNNI >
     AVX2 > portable; bf16 AMX + AVX-512 BF16 > AVX-512 BF16 > AVX2 > portable; f32 AVX2 > portable.
     """
 

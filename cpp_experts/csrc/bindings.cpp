@@ -120,6 +120,7 @@ py::dict info() {
   if (cpu.avx512_vnni) kernels.push_back("avx512_vnni");
   if (cpu.avx2) kernels.push_back("avx2");
   kernels.push_back("portable");
+  if (cpu.avx512_vnni && cpu.avx512_bf16) kernels.push_back("amx_emulated");  // for tests: AMX code, tiles modelled
   d["kernels"] = kernels;
   d["default_threads"] = cpx::default_threads();
   d["attention_lanes"] = cpx::vec::lanes();  // the attention kernels' vector width (16: the AVX-512 build)

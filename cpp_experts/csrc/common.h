@@ -128,6 +128,9 @@ extern const Kernels kAvx512;  // AVX-512 BF16
 extern const Kernels kAvx2;    // AVX2 + FMA (kernels_avx2.cpp; call only where cpu_info().avx2 holds)
 void amx_gemm_bf16(const Mat& w, int rb0, int nrb, const uint16_t* a, size_t lda, int ntok, float* c,
                    int ldc);  // AMX tiles (the operator calls it only where AMX is usable); ntok > 0
+// the same kernel over the software tile model of amx_emulation.h (needs AVX-512 F only; for tests)
+void amx_emulated_gemm_bf16(const Mat& w, int rb0, int nrb, const uint16_t* a, size_t lda, int ntok, float* c,
+                            int ldc);
 
 // Q8_0-quantise one row of k floats (k multiple of 32), as ggml's quantize_row_q8_0 (d kept in fp32):
 // d = amax / 127, q = round-half-away(x / d). The AVX-512 and AVX2 versions give bit-identical

@@ -6,7 +6,14 @@
 
 #include "common.h"
 
+#ifdef CPX_AMX_EMULATED  // kernels_amx_emulated.cpp: the tile instructions modelled in software
+#include "amx_emulation.h"
+#define CPX_AMX __attribute__((target("avx512f")))
+#define CPX_AMX_BF16_GEMM amx_emulated_gemm_bf16
+#else
 #define CPX_AMX __attribute__((target("amx-tile,amx-bf16,avx512f")))
+#define CPX_AMX_BF16_GEMM amx_gemm_bf16
+#endif
 
 namespace cpx {
 namespace {
@@ -36,7 +43,7 @@ CPX_AMX void configure(int m) {
 
 }  // namespace
 
-CPX_AMX void amx_gemm_bf16(const Mat& w, int rb0, int nrb, const uint16_t* a, size_t lda, int ntok,
+CPX_AMX void CPX_AMX_BF16_GEMM(const Mat& w, int rb0, int nrb, const uint16_t* a, size_t lda, int ntok,
                            float* c, int ldc) {
   const size_t rbs = w.rb_stride();
   int configured = -1;

@@ -12,7 +12,14 @@
 
 #include "linear_simd.h"
 
+#ifdef CPX_AMX_EMULATED  // linear_amx_emulated.cpp: the tile instructions modelled in software
+#include "amx_emulation.h"
+#define CPX_AMX CPX_VNNI
+#define CPX_AMX_INT8_TABLE kLinAmxEmulatedGemm
+#else
 #define CPX_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+#define CPX_AMX_INT8_TABLE kLinAmxGemm
+#endif
 
 namespace cpx {
 namespace {
@@ -174,19 +181,11 @@ CPX_AMX void gemm_amx(const QMat& w, int rb0, int rb1, const ActQ& a, int t0, in
 
 }  // namespace
 
-const LinGemm kLinAmxGemm[kLinFormats] = {nullptr,
-                                          gemm_amx<LinFormat::Q8_0>,
-                                          gemm_amx<LinFormat::Q4_0>,
-                                          gemm_amx<LinFormat::Q4_1>,
-                                          gemm_amx<LinFormat::Q4_K>,
-                                          gemm_amx<LinFormat::Q5_K>,
-                                          gemm_amx<LinFormat::Q6_K>,
-                                          nullptr,
-                                          gemm_amx<LinFormat::IQ4_NL>,
-                                          gemm_amx<LinFormat::IQ4_XS>,
-                                          gemm_amx<LinFormat::Q3_K>,
-                                          gemm_amx<LinFormat::Q2_K>,
-                                          gemm_amx<LinFormat::Q5_0>,
-                                          gemm_amx<LinFormat::Q5_1>};
+const LinGemm CPX_AMX_INT8_TABLE[kLinFormats] = {
+    nullptr,                   gemm_amx<LinFormat::Q8_0>,   gemm_amx<LinFormat::Q4_0>,
+    gemm_amx<LinFormat::Q4_1>, gemm_amx<LinFormat::Q4_K>,   gemm_amx<LinFormat::Q5_K>,
+    gemm_amx<LinFormat::Q6_K>, nullptr,                     gemm_amx<LinFormat::IQ4_NL>,
+    gemm_amx<LinFormat::IQ4_XS>, gemm_amx<LinFormat::Q3_K>, gemm_amx<LinFormat::Q2_K>,
+    gemm_amx<LinFormat::Q5_0>, gemm_amx<LinFormat::Q5_1>};
 
 }  // namespace cpx

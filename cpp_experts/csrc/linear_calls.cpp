@@ -219,12 +219,12 @@ void QuantLinear::tile(const LinearInput& in, int rb0, int rb1, int t0, int nt, 
                    ldc);
   } else if (fmt_ == LinFormat::BF16) {
     const uint16_t* at = in.bf16_rows() + size_t(t0) * in.kp;
-    if (amx_ && nt >= kAmxBf16MinRows)
-      amx_gemm_bf16(bm_, rb0, rb1 - rb0, at, size_t(in.kp), nt, c, ldc);
+    if (amx_bf16_ && nt >= kAmxBf16MinRows)
+      amx_bf16_(bm_, rb0, rb1 - rb0, at, size_t(in.kp), nt, c, ldc);
     else
       bf16k_->gemm_bf16(bm_, rb0, rb1 - rb0, at, size_t(in.kp), nt, c, ldc);
   } else if (amxq_ && nt >= kAmxInt8MinRows) {
-    kLinAmxGemm[int(fmt_)](qm_, rb0, rb1, in.act(), t0, nt, c, ldc);
+    amxq_[int(fmt_)](qm_, rb0, rb1, in.act(), t0, nt, c, ldc);
   } else {
     lin_->gemm[int(fmt_)](qm_, rb0, rb1, in.act(), t0, nt, c, ldc);
   }

@@ -205,10 +205,17 @@ QuantLinear::QuantLinear(const std::string& format, int out_features, int in_fea
     if (kernel == "amx" && !cpu.amx_usable)
       throw std::runtime_error("kernel 'amx' forced, but AMX is not usable here (no AMX-BF16 in CPUID, or the OS "
                                "refused tile data)");
-    amx_ = fmt_ == LinFormat::BF16 && cpu.amx_usable;
-    amxq_ = q && cpu.amx_int8;  // without AMX-INT8 the quantised formats stay on AVX-512 VNNI
+    if (fmt_ == LinFormat::BF16 && cpu.amx_usable) amx_bf16_ = amx_gemm_bf16;
+    if (q && cpu.amx_int8) amxq_ = kLinAmxGemm;  // without AMX-INT8 the quantised formats stay on AVX-512 VNNI
+  } else if (kernel == "amx_emulated") {
+    if (!cpu.avx512_vnni || !cpu.avx512_bf16)
+      throw std::runtime_error("kernel 'amx_emulated' forced, but this CPU lacks AVX-512 VNNI and BF16, which the "
+                               "emulated AMX kernels run their non-tile code on");
+    if (fmt_ == LinFormat::BF16) amx_bf16_ = amx_emulated_gemm_bf16;
+    if (q) amxq_ = kLinAmxEmulatedGemm;
   } else {
-    throw ArgError("kernel must be 'amx', 'avx512', 'avx2', 'portable' or 'auto', got '" + kernel + "'");
+    throw ArgError("kernel must be 'amx', 'avx512', 'avx2', 'portable', 'amx_emulated' or 'auto', got '" + kernel +
+                   "'");
   }
 
   if (q) {
@@ -375,9 +382,11 @@ int QuantLinear::threads() const {
 }
 
 std::string QuantLinear::kernel() const {
-  if (fmt_ != LinFormat::BF16) return amxq_ ? std::string("amx_int8+") + lin_->name : std::string(lin_->name);
+  const bool emulated = amxq_ == kLinAmxEmulatedGemm || amx_bf16_ == amx_emulated_gemm_bf16;
+  if (fmt_ != LinFormat::BF16)
+    return amxq_ ? std::string(emulated ? "amx_int8_emulated+" : "amx_int8+") + lin_->name : std::string(lin_->name);
   if (bf16k_ != &kAvx512) return bf16k_->name;  // "portable", "avx2"
-  return amx_ ? "amx+avx512_bf16" : "avx512_bf16";
+  return amx_bf16_ ? (emulated ? "amx_emulated+avx512_bf16" : "amx+avx512_bf16") : "avx512_bf16";
 }
 
 // About four tasks per thread, so that work stealing evens out a busy core; whole rowblock pairs
@@ -468,15 +477,15 @@ void QuantLinear::forward(const void* x, bool bf16, int m, void* out) {
     const int ldc = rpt * 16;
     if (fmt_ == LinFormat::BF16) {
       const uint16_t* at = ab + size_t(t0) * Kp_;
-      if (amx_ && nt >= kAmxMinTokens)
-        amx_gemm_bf16(bm_, rb0, rb1 - rb0, at, size_t(Kp_), nt, c, ldc);
+      if (amx_bf16_ && nt >= kAmxMinTokens)
+        amx_bf16_(bm_, rb0, rb1 - rb0, at, size_t(Kp_), nt, c, ldc);
       else
         bf16k_->gemm_bf16(bm_, rb0, rb1 - rb0, at, size_t(Kp_), nt, c, ldc);
     } else if (fmt_ == LinFormat::F32) {
       lin_->gemm_f32(reinterpret_cast<const float*>(w_.data()), K_, rb0, rb1, af + size_t(t0) * K_, size_t(K_), nt,
                      c, ldc);
     } else if (amxq_ && nt >= kAmxInt8MinRows) {
-      kLinAmxGemm[int(fmt_)](qm_, rb0, rb1, a, t0, nt, c, ldc);
+      amxq_[int(fmt_)](qm_, rb0, rb1, a, t0, nt, c, ldc);
     } else {
       lin_->gemm[int(fmt_)](qm_, rb0, rb1, a, t0, nt, c, ldc);
     }

@@ -183,6 +183,9 @@ extern const LinKernels kLinAvx2;    // needs CpuInfo::avx2 (AVX2 + FMA + F16C)
 // more (shorter token tiles go to the VNNI kernel): below that, storing and scaling the per-block tile
 // results costs more than the VNNI kernel's dot products.
 extern const LinGemm kLinAmxGemm[kLinFormats];
+// The same kernels over the software tile model of amx_emulation.h (needs AVX-512 VNNI): the kernel path
+// "amx_emulated", which tests the AMX kernels' code on CPUs without AMX.
+extern const LinGemm kLinAmxEmulatedGemm[kLinFormats];
 constexpr int kAmxInt8MinRows = 12;
 
 struct LinearInput;
@@ -191,7 +194,8 @@ class QuantLinear {
  public:
   // `data`: the GGUF tensor's blocks in ggml row order (out_features rows of in_features / block
   // values), or for "bf16" / "f32" out_features x in_features bf16 / fp32 values. `bias`:
-  // [out_features] fp32 or null. `kernel`: "", "auto", "amx", "avx512", "avx2" or "portable".
+  // [out_features] fp32 or null. `kernel`: "", "auto", "amx", "avx512", "avx2", "portable" or
+  // "amx_emulated" (the AMX kernels over a software model of the tiles: for tests).
   QuantLinear(const std::string& format, int out_features, int in_features, const uint8_t* data, size_t nbytes,
               const float* bias, const std::string& kernel);
   void bind(std::shared_ptr<Pool> pool);  // after a forward under way, if any
@@ -243,8 +247,8 @@ class QuantLinear {
   // rounding of x; bf16k_ for the bf16 gemm
   const LinKernels* lin_;
   const Kernels* bf16k_;
-  bool amx_ = false;   // bf16 weights: AMX-BF16 tiles from kAmxMinTokens rows of x
-  bool amxq_ = false;  // quantised weights: AMX-INT8 tiles from kAmxInt8MinRows rows of x
+  GemmBF16 amx_bf16_ = nullptr;     // bf16 weights: AMX-BF16 tiles from kAmxMinTokens rows of x (or emulated)
+  const LinGemm* amxq_ = nullptr;  // quantised weights: AMX-INT8 tiles from kAmxInt8MinRows rows of x (or emulated)
   WeightBuffer w_;
   Buffer bias_;
   QMat qm_{};

@@ -25,6 +25,8 @@ def available_paths() -> list[str]:
         paths.append("avx512")
     if "amx" in kernels:
         paths.append("amx")
+    if "amx_emulated" in kernels:
+        paths.append("amx_emulated")
     return paths
 
 
@@ -32,7 +34,7 @@ def path_params() -> list:
     """Every kernel path; the ones this CPU lacks are skipped with a message."""
     have = available_paths()
     return [p if p in have else pytest.param(p, marks=pytest.mark.skip(reason=f"this CPU has no usable {p} kernels"))
-            for p in ("portable", "avx2", "avx512", "amx")]
+            for p in ("portable", "avx2", "avx512", "amx", "amx_emulated")]
 
 
 def has_path(path: str, fmt: str) -> bool:
@@ -44,6 +46,8 @@ def has_path(path: str, fmt: str) -> bool:
         return ("avx512_bf16" if fmt == "bf16" else "avx512_vnni") in kernels
     if path == "avx2":
         return "avx2" in kernels
+    if path == "amx_emulated":
+        return "amx_emulated" in kernels
     return path != "amx" or "amx" in kernels
 
 
@@ -54,6 +58,8 @@ def expected_kernel(path: str, fmt: str) -> str:
         return path
     if fmt == "f32":  # its only SIMD kernel, under 'avx512' and 'amx' too
         return "avx2" if "avx2" in kernels else "portable"
+    if path == "amx_emulated":
+        return "amx_emulated+avx512_bf16" if fmt == "bf16" else "amx_int8_emulated+avx512_vnni"
     if fmt != "bf16":
         amx_int8 = path == "amx" and "amx_int8" in kernels
         return "amx_int8+avx512_vnni" if amx_int8 else "avx512_vnni"

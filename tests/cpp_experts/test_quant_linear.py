@@ -344,7 +344,7 @@ def test_paths_agree(fmt: str, pool: cpp_experts.WorkerPool) -> None:
     wt = Weight(fmt, 300, k, seed_of("agree", fmt))
     x = torch.randn(20, k)
     want = wt.build(pool, "portable")(x)
-    for path in ("avx2", "avx512", "amx"):
+    for path in ("avx2", "avx512", "amx", "amx_emulated"):
         if has_path(path, fmt):
             torch.testing.assert_close(wt.build(pool, path)(x), want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
 
@@ -418,6 +418,23 @@ def test_env_var_forces_path(monkeypatch: pytest.MonkeyPatch, pool: cpp_experts.
     else:
         with pytest.raises(RuntimeError, match="lacks AVX2"):
             Weight("q4_1", 16, 64, seed=5).build(pool, None)
+
+
+def test_the_emulated_amx_path_is_taken_only_when_forced(monkeypatch: pytest.MonkeyPatch,
+                                                         pool: cpp_experts.WorkerPool) -> None:
+    """The software model of the tiles is for tests: the automatic choice never takes it, and forcing it
+    reports it (info()'s `chosen` names what the operators report)."""
+    monkeypatch.delenv("MLASERVE_CPP_EXPERTS_KERNEL", raising=False)
+    assert not any("emulated" in k for k in cpp_experts.info()["chosen"].values())
+    assert all("emulated" not in Weight(fmt, 16, 64, seed=5).build(pool, None).kernel for fmt in ("q4_1", "bf16"))
+    if "amx_emulated" not in cpp_experts.info()["kernels"]:
+        pytest.skip("the emulated AMX kernels need AVX-512 VNNI and BF16")
+    monkeypatch.setenv("MLASERVE_CPP_EXPERTS_KERNEL", "amx_emulated")
+    chosen = cpp_experts.info()["chosen"]
+    for fmt in ("q4_1", "q2_k", "bf16", "f32"):
+        k = K_BY_FORMAT.get(fmt, K_DEFAULT)
+        assert Weight(fmt, 16, k, seed=5).build(pool, None).kernel == chosen[fmt]
+    assert chosen["q4_1"] == "amx_int8_emulated+avx512_vnni" and chosen["bf16"] == "amx_emulated+avx512_bf16"
 
 
 def test_bad_inputs_raise(pool: cpp_experts.WorkerPool) -> None:
@@ -512,7 +529,10 @@ def test_forcing_a_missing_path_raises() -> None:
     if "avx2" not in kernels:
         with pytest.raises(RuntimeError, match="lacks AVX2"):
             cpp_experts.QuantLinear.from_gguf(raw, T.Q8_0, 16, 64, kernel="avx2")
-    if "avx512_vnni" in kernels and "amx" in kernels and "avx2" in kernels:
+    if "amx_emulated" not in kernels:
+        with pytest.raises(RuntimeError, match="'amx_emulated' forced, but this CPU lacks AVX-512 VNNI and BF16"):
+            cpp_experts.QuantLinear.from_gguf(raw, T.Q8_0, 16, 64, kernel="amx_emulated")
+    if "avx512_vnni" in kernels and "amx" in kernels and "avx2" in kernels and "amx_emulated" in kernels:
         pytest.skip("this CPU has every path")
 
 

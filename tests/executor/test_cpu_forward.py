@@ -492,3 +492,37 @@ def test_decode_program_gives_the_bits_of_the_passes_run_one_by_one(checkpoints,
     assert plan.profile()["program_forwards"] == 8  # the batches of at most 3 tokens
     ids = prompt(9, vocab, seed=3)
     assert runners[1].generate_greedy(ids, 12) == runners[0].generate_greedy(ids, 12)
+
+
+@pytest.mark.parametrize("source", ["gguf/Q4_1", "gguf/Q8_0", "llama_gqa_tied/bf16", "v3_noaux_yarn/bf16"])
+def test_amx_kernels_modelled_in_software_give_the_avx512_forward(checkpoints, gguf_files, source, monkeypatch):
+    """The whole forward on the AMX kernels' own code (kernel path "amx_emulated": their tile instructions
+    modelled in software, so it runs without AMX): a 48-token prefill takes AMX tiles in the dense layers,
+    MLA's projections and the routed experts with 12+ rows (int8) or 5+ rows (bf16). Against the AVX-512
+    forward: the int8 kernels scale the same exact int32 block sums in the same order, and the bf16 tiles
+    add each product pair in the order of the AVX-512 BF16 kernel's 48-row tiles: measured equal bits for
+    the GGUF DeepSeek-V3 and the bf16 Llama. The bf16 DeepSeek-V3's experts of 5-11 rows differ from the
+    AVX-512 kernel's few-row tiles in fp32 rounding, which its near-tied random router can amplify at a
+    position (measured 0.4% of the largest logit there), so it is held to HF's logits as the bf16 test
+    above is. A wrong tile layout or scale puts any of these near 100%."""
+    import cpp_experts
+
+    if "amx_emulated" not in cpp_experts.info()["kernels"]:
+        pytest.skip("the emulated AMX kernels need AVX-512 VNNI and BF16")
+    kind, what = source.split("/")
+    path, weights = (gguf_files["tiny-deepseek-v3", what], "file") if kind == "gguf" else (checkpoints[kind][1], what)
+    ids = prompt(48, 256, seed=17)
+    monkeypatch.setenv("MLASERVE_CPP_EXPERTS_KERNEL", "avx512")
+    want = all_logits(native_runner(path, cpu_weights=weights), ids)
+    monkeypatch.setenv("MLASERVE_CPP_EXPERTS_KERNEL", "amx_emulated")
+    native = native_runner(path, cpu_weights=weights)
+    kernels = {m.op.kernel for m in native_modules(native.model)}
+    assert any("amx" in k and "emulated" in k for k in kernels), kernels
+    got = all_logits(native, ids)
+    if kind != "v3_noaux_yarn":
+        assert float((got - want).abs().max() / want.abs().max()) <= 1e-6
+        return
+    with torch.no_grad():
+        ref = checkpoints[kind][0](torch.tensor([ids])).logits[0].float()
+    err = (got - ref).abs().max(-1).values / ref.abs().max()
+    assert float(err.median()) <= 1e-2 and float((err <= 3e-2).float().mean()) >= 0.8, err
