@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import cpp_experts
 from executor.model_runner import ModelRunner, RequestSlice
 from models.loader.load import load_model
 from models.native import native_modules
@@ -505,8 +506,6 @@ def test_amx_kernels_modelled_in_software_give_the_avx512_forward(checkpoints, g
     AVX-512 kernel's few-row tiles in fp32 rounding, which its near-tied random router can amplify at a
     position (measured 0.4% of the largest logit there), so it is held to HF's logits as the bf16 test
     above is. A wrong tile layout or scale puts any of these near 100%."""
-    import cpp_experts
-
     if "amx_emulated" not in cpp_experts.info()["kernels"]:
         pytest.skip("the emulated AMX kernels need AVX-512 VNNI and BF16")
     kind, what = source.split("/")
