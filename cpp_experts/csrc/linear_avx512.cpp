@@ -40,8 +40,8 @@ using namespace lin;
 // In a decode pass (M <= 3) the K-quants now prefetch their tile's run as the one-block formats do, in
 // address order, but spread over the superblock's blocks (1/8 of the run at each) rather than at its
 // start; rowblock by rowblock the prefetches walk four places of the run at once. On a 2-core Zen 5 VM
-// (M = 1, 16384 x 2048 from DRAM, NTA, 3 interleaved rounds, us a call): q4_k 460 -> 442, q5_k 660 ->
-// 458, q3_k 299 -> 254, iq4_xs 405 -> 362, q6_k 698 -> 635; in a second sitting q4_k 495 -> 454 and q6_k
+// (M = 1, 16384 x 2048 from DRAM, NTA, 3 interleaved rounds, us a call): q4_k 464 -> 442, q5_k 660 ->
+// 457, q3_k 299 -> 254, iq4_xs 405 -> 362, q6_k 698 -> 635; in a second sitting q4_k 495 -> 454 and q6_k
 // the same (712-740 -> 721-735); DeepSeek-V2-Lite-shaped Q4_K_M decode 1.028x (10 interleaved rounds).
 // Above M = 3 (R = 2: a tile reads two of a group's four rowblocks) the address-order prefetch read
 // slower (q4_k at M = 4 410 -> 442 us, M = 16 923 -> 982): those tiles keep the rowblock-wise one.
