@@ -37,7 +37,8 @@ serve: $(STAMP)
 # llama.cpp (through llama-cpp-python, built from source: a few minutes once, then cached by pip) is
 # the oracle for GGUF models. Best effort: where it cannot build, its tests skip and say so.
 # promtool (from Debian's prometheus package, unpacked into .venv/bin, not installed system-wide)
-# checks the /metrics text. Best effort too.
+# checks the /metrics text. Best effort too. In CI (CI set), Debian's aarch64 cross compiler too, for the
+# check that the extension compiles and links for aarch64 (tests/cpp_experts/test_non_x86_build.py).
 $(ORACLES): $(STAMP)
 	$(PIP) install --quiet llama-cpp-python \
 		|| echo "llama-cpp-python could not be installed: the llama.cpp oracle tests will be skipped"
@@ -46,6 +47,10 @@ $(ORACLES): $(STAMP)
 		{ apt-get download prometheus >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get download prometheus >/dev/null 2>&1; }; } && \
 		dpkg-deb -x prometheus_*.deb x && cp x/usr/bin/promtool $(CURDIR)/$(VENV)/bin/ ; \
 		rm -rf $$tmp; } || echo "promtool could not be fetched: the promtool check of /metrics will be skipped"
+	@if [ -n "$$CI" ] && ! command -v aarch64-linux-gnu-g++ >/dev/null; then \
+		{ apt-get install -y -qq --no-install-recommends g++-aarch64-linux-gnu >/dev/null 2>&1 || \
+		  { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends g++-aarch64-linux-gnu >/dev/null 2>&1; }; } \
+		|| echo "g++-aarch64-linux-gnu could not be installed: the aarch64 build check will be skipped"; fi
 	touch $(ORACLES)
 
 # lint-imports checks the import-linter contracts in pyproject.toml (one-way layers, no torch on the

@@ -1,7 +1,8 @@
 """Build of the native extension `cpp_experts._C` (everything else is declared in pyproject.toml).
 
 One binary for every x86-64 CPU: the AVX2, AVX-512 and AMX kernels carry per-function target attributes
-and are chosen at run time from CPUID, so no -march flag is ever passed here.
+and are chosen at run time from CPUID, so no -march flag is ever passed here. Elsewhere (aarch64) the
+same sources build with the portable kernels alone (cpp_experts/csrc/cpu.h: CPX_X86).
 """
 
 from glob import glob

@@ -103,7 +103,8 @@ def _chosen_kernel(fmt: str, kernels: list[str], forced: str | None) -> str:
 def info() -> dict:
     """What the CPU offers, which kernels exist for it, and what each weight format would use (`chosen`,
     the same for QuantLinear and for a MoE's experts; `chosen_linear` is its older name);
-    `attention_lanes`: the paged-attention kernels' vector width (16 in the AVX-512 build, else 8)."""
+    `attention_lanes`: the paged-attention kernels' vector width (16 in the AVX-512 build, else 8);
+    `x86_paths`: whether this build has the x86 SIMD paths (False off x86: the portable kernels alone)."""
     d = dict(_C.info())
     forced = _forced()
     threads = d.pop("default_threads")

@@ -108,6 +108,7 @@ cpx::Rope make_rope(uintptr_t table, int64_t max_pos, int dim, bool interleaved)
 py::dict info() {
   const cpx::CpuInfo& cpu = cpx::cpu_info();
   py::dict d;
+  d["x86_paths"] = bool(CPX_X86);  // built with the AVX2 / AVX-512 / AMX paths (cpu.h); else portable only
   d["cpu_flags"] = cpu.flags;
   d["cpu_vendor_amd"] = cpu.amd;
   d["cpu_family"] = cpu.family;

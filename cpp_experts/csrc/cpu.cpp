@@ -1,6 +1,8 @@
 #include "cpu.h"
 
+#if CPX_X86
 #include <cpuid.h>
+#endif
 
 #if defined(__linux__)
 #include <sys/syscall.h>
@@ -10,6 +12,7 @@
 namespace cpx {
 namespace {
 
+#if CPX_X86
 unsigned long long xgetbv0() {
   unsigned lo, hi;
   __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
@@ -75,6 +78,9 @@ CpuInfo detect() {
   info.amx_int8 = info.amx_usable && amx_int8;
   return info;
 }
+#else
+CpuInfo detect() { return CpuInfo{}; }  // no x86 feature: the portable kernels
+#endif
 
 }  // namespace
 

@@ -1,6 +1,18 @@
 // Run-time CPU feature detection (CPUID + XCR0 + the Linux AMX tile-data permission).
 // Every SIMD path is compiled with per-function target attributes and called only where these hold.
 #pragma once
+// CPX_X86: an x86 build, where the SIMD paths (AVX2, AVX-512, AMX and the AMX model) are compiled and
+// chosen at run time. Elsewhere (aarch64: Graviton, Ampere, Docker on Apple silicon) the extension
+// builds with the portable kernels and the vector-extension code of vec.h in its plain build; the
+// x86-only sources compile to nothing. -DCPX_X86=0 builds that configuration on x86 too, which is how
+// the suite runs it (tests/cpp_experts/test_non_x86_build.py).
+#ifndef CPX_X86
+#if defined(__x86_64__) || defined(__i386__)
+#define CPX_X86 1
+#else
+#define CPX_X86 0
+#endif
+#endif
 #include <cstddef>
 #include <string>
 #include <vector>

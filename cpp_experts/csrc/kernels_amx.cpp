@@ -2,6 +2,8 @@
 // small and separate: the packed bf16 layout's 64-byte k-pair lines of 16 rows are exactly the
 // VNNI-format B tile, so B tiles load straight from the weights; A tiles are 16 activation rows.
 // Only called after cpu.cpp found AMX and the kernel granted the tile-data permission.
+#include "cpu.h"  // CPX_X86
+#if CPX_X86  // an x86 path: elsewhere this file compiles to nothing
 #include <immintrin.h>
 
 #include "common.h"
@@ -74,3 +76,5 @@ CPX_AMX void CPX_AMX_BF16_GEMM(const Mat& w, int rb0, int nrb, const uint16_t* a
 }
 
 }  // namespace cpx
+
+#endif  // CPX_X86

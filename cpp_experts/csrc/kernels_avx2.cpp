@@ -9,6 +9,8 @@
 //        rows of x (8 accumulators, the two halves' 4 unpacked weights and one row's x pair in 15
 //        ymm), so each unpacked line feeds 8 FMAs, the rowblock's lines reused from L1/L2 by every
 //        tile of rows.
+#include "cpu.h"  // CPX_X86
+#if CPX_X86  // an x86 path: elsewhere this file compiles to nothing
 #include <immintrin.h>
 
 #include <algorithm>
@@ -128,3 +130,5 @@ CPX_AVX2 void gemm_bf16_avx2(const Mat& w, int rb0, int nrb, const uint16_t* a, 
 const Kernels kAvx2 = {"avx2", gemm_bf16_avx2};
 
 }  // namespace cpx
+
+#endif  // CPX_X86

@@ -4,6 +4,8 @@
 //        broadcast; a 2-rowblock x up to 12-token register tile, so one weight line feeds many
 //        tokens (GEMM) and one token streams the weights at memory speed (GEMV).
 //  The Q8_0 activation quantisation of the AVX-512 path (the int8 gemms are in linear_avx512.cpp).
+#include "cpu.h"  // CPX_X86
+#if CPX_X86  // an x86 path: elsewhere this file compiles to nothing
 #include <immintrin.h>
 
 #include "common.h"
@@ -111,3 +113,5 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void quantize_row_
 const Kernels kAvx512 = {"avx512_bf16", gemm_bf16_avx512};
 
 }  // namespace cpx
+
+#endif  // CPX_X86

@@ -8,6 +8,8 @@
 // first; q6_k's two 16-value halves (own scales) are two products of K = 16. A K = 32 product and the
 // per-block scaling of its 256 results, not the multiplies, bound the speed: on a 2-core Sapphire
 // Rapids slice about 1.25x the VNNI kernel from 16 rows of x (and no gain at 8, hence kAmxInt8MinRows).
+#include "cpu.h"  // CPX_X86
+#if CPX_X86  // an x86 path: elsewhere this file compiles to nothing
 #include <algorithm>
 
 #include "linear_simd.h"
@@ -189,3 +191,5 @@ const LinGemm CPX_AMX_INT8_TABLE[kLinFormats] = {
     gemm_amx<LinFormat::Q5_0>, gemm_amx<LinFormat::Q5_1>};
 
 }  // namespace cpx
+
+#endif  // CPX_X86

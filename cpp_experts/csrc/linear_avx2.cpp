@@ -32,6 +32,8 @@
 // f32: [rowblock][k][16] fp32 lines, FMA'd against x[k] broadcast: R = 4 x TT = 1 (8 chains) and
 // R = 2 x TT = 2 stream the weights; above, 1 rowblock x 6 rows of x (12 accumulators: the classic
 // 6 x 16 AVX2 sgemm tile), a rowblock's K lines reused from L1/L2 by every tile of rows.
+#include "cpu.h"  // CPX_X86
+#if CPX_X86  // an x86 path: elsewhere this file compiles to nothing
 #include <immintrin.h>
 
 #include <algorithm>
@@ -779,3 +781,5 @@ const LinKernels kLinAvx2 = {
 };
 
 }  // namespace cpx
+
+#endif  // CPX_X86

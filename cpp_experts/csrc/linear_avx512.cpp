@@ -8,6 +8,8 @@
 // a 64-row group, so the pass runs at memory speed (helped by software prefetch). Above, R = 2 and
 // TT = 4: the tile's weights stay in L1 while all rows of x pass over them, and 16 accumulators + 8
 // sums fit the 32 zmm registers.
+#include "cpu.h"  // CPX_X86
+#if CPX_X86  // an x86 path: elsewhere this file compiles to nothing
 #include <algorithm>
 
 #include "cpu.h"
@@ -290,3 +292,5 @@ const LinKernels kLinAvx512 = {
 };
 
 }  // namespace cpx
+
+#endif  // CPX_X86

@@ -28,7 +28,8 @@
 #include <thread>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
+#include "cpu.h"  // CPX_X86
+#if CPX_X86
 #include <immintrin.h>
 #endif
 
@@ -81,8 +82,10 @@ class Pool {
 
  private:
   static void pause() {
-#if defined(__x86_64__) || defined(__i386__)
+#if CPX_X86
     _mm_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("isb" ::: "memory");  // a short stall, as Rust's spin_loop takes on aarch64
 #else
     std::this_thread::yield();
 #endif

@@ -185,9 +185,14 @@ QuantLinear::QuantLinear(const std::string& format, int out_features, int in_fea
   const CpuInfo& cpu = cpu_info();
   const bool f32 = fmt_ == LinFormat::F32, q = lin_quantised(fmt_);
   const bool avx_ok = f32 ? cpu.avx512 : q ? cpu.avx512_vnni : cpu.avx512_bf16;
+#if CPX_X86
   const LinKernels* simd = cpu.avx2 ? &kLinAvx2 : &kLinPortable;
   lin_ = f32 ? simd : cpu.avx512_vnni ? &kLinAvx512 : simd;
   bf16k_ = cpu.avx512_bf16 ? &kAvx512 : cpu.avx2 ? &kAvx2 : &kPortable;
+#else  // cpu_info() finds no x86 feature, so every forced SIMD path below throws before it is taken
+  lin_ = &kLinPortable;
+  bf16k_ = &kPortable;
+#endif
   if (kernel == "portable") {
     lin_ = &kLinPortable;
     bf16k_ = &kPortable;
@@ -195,8 +200,10 @@ QuantLinear::QuantLinear(const std::string& format, int out_features, int in_fea
     if (!cpu.avx2)
       throw std::runtime_error("kernel 'avx2' forced, but this CPU lacks AVX2 with FMA and F16C (or the OS does not "
                                "save ymm state)");
+#if CPX_X86
     lin_ = &kLinAvx2;
     bf16k_ = &kAvx2;
+#endif
   } else if (kernel == "avx512") {
     if (!avx_ok)
       throw std::runtime_error(std::string("kernel 'avx512' forced, but this CPU lacks ") +
@@ -205,14 +212,18 @@ QuantLinear::QuantLinear(const std::string& format, int out_features, int in_fea
     if (kernel == "amx" && !cpu.amx_usable)
       throw std::runtime_error("kernel 'amx' forced, but AMX is not usable here (no AMX-BF16 in CPUID, or the OS "
                                "refused tile data)");
+#if CPX_X86
     if (fmt_ == LinFormat::BF16 && cpu.amx_usable) amx_bf16_ = amx_gemm_bf16;
     if (q && cpu.amx_int8) amxq_ = kLinAmxGemm;  // without AMX-INT8 the quantised formats stay on AVX-512 VNNI
+#endif
   } else if (kernel == "amx_emulated") {
     if (!cpu.avx512_vnni || !cpu.avx512_bf16)
       throw std::runtime_error("kernel 'amx_emulated' forced, but this CPU lacks AVX-512 VNNI and BF16, which the "
                                "emulated AMX kernels run their non-tile code on");
+#if CPX_X86
     if (fmt_ == LinFormat::BF16) amx_bf16_ = amx_emulated_gemm_bf16;
     if (q) amxq_ = kLinAmxEmulatedGemm;
+#endif
   } else {
     throw ArgError("kernel must be 'amx', 'avx512', 'avx2', 'portable', 'amx_emulated' or 'auto', got '" + kernel +
                    "'");
@@ -382,11 +393,15 @@ int QuantLinear::threads() const {
 }
 
 std::string QuantLinear::kernel() const {
+#if !CPX_X86
+  return fmt_ == LinFormat::BF16 ? bf16k_->name : lin_->name;  // "portable"
+#else
   const bool emulated = amxq_ == kLinAmxEmulatedGemm || amx_bf16_ == amx_emulated_gemm_bf16;
   if (fmt_ != LinFormat::BF16)
     return amxq_ ? std::string(emulated ? "amx_int8_emulated+" : "amx_int8+") + lin_->name : std::string(lin_->name);
   if (bf16k_ != &kAvx512) return bf16k_->name;  // "portable", "avx2"
   return amx_bf16_ ? (emulated ? "amx_emulated+avx512_bf16" : "amx+avx512_bf16") : "avx512_bf16";
+#endif
 }
 
 // About four tasks per thread, so that work stealing evens out a busy core; whole rowblock pairs

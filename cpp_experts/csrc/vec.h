@@ -14,13 +14,23 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "cpu.h"
+
 #define CPX_INLINE inline __attribute__((always_inline))
+#if CPX_X86
 #define CPX_AVX2_FMA __attribute__((target("avx2,fma,f16c")))
+#else  // the "avx2" and "avx512" builds are plain ones, never called (has_avx2_fma() is false)
+#define CPX_AVX2_FMA
+#endif
 // The same eight-lane code with AVX-512VL: 32 vector registers instead of 16 (no spilled register
 // tiles) and masked moves for the selects. Lane arithmetic is the AVX2 build's (the vectors stay 8
 // wide, and GCC contracts the same multiply-adds), so both builds give the same bits; code templated
 // on its width (attention_kernels.h) runs sixteen-lane vectors in this build instead.
+#if CPX_X86
 #define CPX_AVX512VL __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512dq,avx512bw,prefer-vector-width=256")))
+#else
+#define CPX_AVX512VL
+#endif
 
 // ret name(params): the AVX-512VL or AVX2 + FMA build of name##_impl(args) where the CPU allows, else
 // the baseline one.
@@ -42,17 +52,25 @@ namespace cpx {
 namespace vec {
 
 inline bool has_avx2_fma() {
+#if CPX_X86
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return yes;
+#else
+  return false;
+#endif
 }
 // MLASERVE_CPP_EXPERTS_KERNEL=avx2 (read once, at a process's first dispatch) takes the AVX2 build here
 // too, as it does for the linear kernels: a test runs both builds, one per process.
 inline bool has_avx512vl() {
   static const bool yes = [] {
+#if CPX_X86
     const char* forced = std::getenv("MLASERVE_CPP_EXPERTS_KERNEL");
     return has_avx2_fma() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
            !(forced && std::strcmp(forced, "avx2") == 0);
+#else
+    return false;
+#endif
   }();
   return yes;
 }
