@@ -12,7 +12,8 @@ Two kinds of objects with two owners: operators (a `MoE` holds one layer's packe
 operators compute on (made and closed by whoever runs the model). `bind(pool)` joins them; there is
 no process-wide pool.
 
-`MLASERVE_CPP_EXPERTS_KERNEL` (`amx`, `avx512`, `avx2`, `portable`) forces a code path;
+`MLASERVE_CPP_EXPERTS_KERNEL` (`amx`, `avx512`, `avx2`, `neon_dotprod`, `portable`, `amx_emulated`) forces a
+code path;
 `MLASERVE_CPP_EXPERTS_THREADS` sets the default thread count; `MLASERVE_CPP_EXPERTS_PIN=1` pins
 workers to the process's CPUs.
 """
@@ -67,7 +68,8 @@ LINEAR_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (
 BLOCK_BYTES = {fmt: size for fmt, (_, size) in LINEAR_BLOCKS.items()}  # bytes per GGUF block
 # "amx_emulated": the AMX kernels' own code with the tile instructions modelled in software (needs AVX-512
 # VNNI + BF16), so that they are tested on CPUs without AMX; far slower than any real path
-_KERNELS = ("amx", "avx512", "avx2", "portable", "amx_emulated")
+# "neon_dotprod": aarch64's int8 kernels on SDOT (Armv8.2+); bf16 and f32 weights stay portable there
+_KERNELS = ("amx", "avx512", "avx2", "neon_dotprod", "portable", "amx_emulated")
 
 
 def _forced() -> str | None:
@@ -81,6 +83,8 @@ def _chosen_kernel(fmt: str, kernels: list[str], forced: str | None) -> str:
     avx2 = "avx2" if "avx2" in kernels or forced == "avx2" else "portable"
     if forced == "portable":
         return "portable"
+    if "neon_dotprod" in kernels or forced == "neon_dotprod":  # aarch64: SDOT for the int8 formats only
+        return "portable" if fmt in ("bf16", "f32") else "neon_dotprod"
     if fmt == "f32":  # one SIMD kernel, AVX2 (also under 'avx512' / 'amx')
         return avx2
     if fmt == "bf16":
@@ -425,9 +429,9 @@ class QuantLinear:
     and returns [..., out_features] in x's dtype; several layers may share one pool (calls take turns).
     `kernel` (default `MLASERVE_CPP_EXPERTS_KERNEL`, else the best this CPU has, AMX included): "amx",
     "avx512" (AVX-512 VNNI / BF16; f32 stays on AVX2, its only SIMD kernel), "avx2" (AVX2 + FMA + F16C,
-    every format), "portable", or "amx_emulated" (the AMX kernels over a software model of the tile
-    instructions, for testing their code on CPUs without AMX; slow). The choice, per format: quantised AMX-INT8 + AVX-512 VNNI > VNNI >
-    AVX2 > portable; bf16 AMX + AVX-512 BF16 > AVX-512 BF16 > AVX2 > portable; f32 AVX2 > portable.
+    every format), "neon_dotprod" (aarch64's SDOT, the quantised formats), "portable", or "amx_emulated" (the AMX
+    kernels over a software model of the tile instructions, for testing their code on CPUs without AMX; slow). The
+    choice, per format: quantised AMX-INT8 + AVX-512 VNNI > VNNI > AVX2 > portable (aarch64: NEON SDOT > portable); bf16 AMX + AVX-512 BF16 > AVX-512 BF16 > AVX2 > portable; f32 AVX2 > portable.
     """
 
     def __init__(self, weight_format: str, data: object, out_features: int, in_features: int, *,

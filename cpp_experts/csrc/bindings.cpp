@@ -120,6 +120,7 @@ py::dict info() {
   if (cpu.avx512_bf16) kernels.push_back("avx512_bf16");
   if (cpu.avx512_vnni) kernels.push_back("avx512_vnni");
   if (cpu.avx2) kernels.push_back("avx2");
+  if (cpu.arm_dotprod) kernels.push_back("neon_dotprod");
   kernels.push_back("portable");
   if (cpu.avx512_vnni && cpu.avx512_bf16) kernels.push_back("amx_emulated");  // for tests: AMX code, tiles modelled
   d["kernels"] = kernels;

@@ -8,6 +8,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#endif
 
 namespace cpx {
 namespace {
@@ -79,7 +82,15 @@ CpuInfo detect() {
   return info;
 }
 #else
-CpuInfo detect() { return CpuInfo{}; }  // no x86 feature: the portable kernels
+CpuInfo detect() {  // no x86 feature: the portable kernels, and on aarch64 the NEON dot-product ones
+  CpuInfo info;
+#if defined(__aarch64__) && defined(__linux__)
+  constexpr unsigned long kHwcapAsimddp = 1ul << 20;  // HWCAP_ASIMDDP (asm/hwcap.h)
+  info.arm_dotprod = (getauxval(AT_HWCAP) & kHwcapAsimddp) != 0;
+  if (info.arm_dotprod) info.flags.push_back("asimddp");
+#endif
+  return info;
+}
 #endif
 
 }  // namespace

@@ -27,6 +27,7 @@ struct CpuInfo {
   bool amx_hw = false;       // AMX-TILE + AMX-BF16 in CPUID and XCR0
   bool amx_usable = false;   // and the kernel granted XTILEDATA to this process
   bool amx_int8 = false;     // amx_usable and AMX-INT8
+  bool arm_dotprod = false;  // aarch64 with the dot-product instructions (SDOT: HWCAP_ASIMDDP, Armv8.2+)
   bool amd = false;          // vendor AuthenticAMD
   int family = 0;            // display family (base + extended): 0x19 Zen 3 / Zen 4, 0x1a Zen 5
   std::vector<std::string> flags;

@@ -189,8 +189,11 @@ QuantLinear::QuantLinear(const std::string& format, int out_features, int in_fea
   const LinKernels* simd = cpu.avx2 ? &kLinAvx2 : &kLinPortable;
   lin_ = f32 ? simd : cpu.avx512_vnni ? &kLinAvx512 : simd;
   bf16k_ = cpu.avx512_bf16 ? &kAvx512 : cpu.avx2 ? &kAvx2 : &kPortable;
-#else  // cpu_info() finds no x86 feature, so every forced SIMD path below throws before it is taken
+#else  // cpu_info() finds no x86 feature, so every forced x86 path below throws before it is taken
   lin_ = &kLinPortable;
+#if defined(__aarch64__)
+  if (q && cpu.arm_dotprod) lin_ = &kLinNeonDot;
+#endif
   bf16k_ = &kPortable;
 #endif
   if (kernel == "portable") {
@@ -224,9 +227,13 @@ QuantLinear::QuantLinear(const std::string& format, int out_features, int in_fea
     if (fmt_ == LinFormat::BF16) amx_bf16_ = amx_emulated_gemm_bf16;
     if (q) amxq_ = kLinAmxEmulatedGemm;
 #endif
+  } else if (kernel == "neon_dotprod") {
+    if (!cpu.arm_dotprod)
+      throw std::runtime_error("kernel 'neon_dotprod' forced, but this CPU lacks the Arm dot-product instructions "
+                               "(SDOT, HWCAP_ASIMDDP)");
   } else {
-    throw ArgError("kernel must be 'amx', 'avx512', 'avx2', 'portable', 'amx_emulated' or 'auto', got '" + kernel +
-                   "'");
+    throw ArgError("kernel must be 'amx', 'avx512', 'avx2', 'neon_dotprod', 'portable', 'amx_emulated' or 'auto', "
+                   "got '" + kernel + "'");
   }
 
   if (q) {

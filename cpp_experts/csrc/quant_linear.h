@@ -175,6 +175,9 @@ struct LinKernels {
   bool group_streams = false;
 };
 extern const LinKernels kLinPortable;
+#if defined(__aarch64__)
+extern const LinKernels kLinNeonDot;  // needs CpuInfo::arm_dotprod (linear_portable.cpp)
+#endif
 // Row r's 32 unsigned quant values of the packed 32-value block at bp (the portable kernels' reader).
 void unpack_block(LinFormat f, const uint8_t* bp, int r, uint8_t* q);
 extern const LinKernels kLinAvx512;  // needs AVX-512 F/BW/VL/DQ + VNNI

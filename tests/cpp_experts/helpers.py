@@ -27,6 +27,8 @@ def available_paths() -> list[str]:
         paths.append("amx")
     if "amx_emulated" in kernels:
         paths.append("amx_emulated")
+    if "neon_dotprod" in kernels:
+        paths.append("neon_dotprod")
     return paths
 
 
@@ -34,7 +36,7 @@ def path_params() -> list:
     """Every kernel path; the ones this CPU lacks are skipped with a message."""
     have = available_paths()
     return [p if p in have else pytest.param(p, marks=pytest.mark.skip(reason=f"this CPU has no usable {p} kernels"))
-            for p in ("portable", "avx2", "avx512", "amx", "amx_emulated")]
+            for p in ("portable", "avx2", "avx512", "amx", "amx_emulated", "neon_dotprod")]
 
 
 def has_path(path: str, fmt: str) -> bool:
@@ -48,6 +50,8 @@ def has_path(path: str, fmt: str) -> bool:
         return "avx2" in kernels
     if path == "amx_emulated":
         return "amx_emulated" in kernels
+    if path == "neon_dotprod":  # bf16 and f32 run the portable kernels under it
+        return "neon_dotprod" in kernels
     return path != "amx" or "amx" in kernels
 
 
@@ -56,6 +60,8 @@ def expected_kernel(path: str, fmt: str) -> str:
     kernels = cpp_experts.info()["kernels"]
     if path in ("portable", "avx2"):
         return path
+    if path == "neon_dotprod":
+        return "portable" if fmt in ("bf16", "f32") else path
     if fmt == "f32":  # its only SIMD kernel, under 'avx512' and 'amx' too
         return "avx2" if "avx2" in kernels else "portable"
     if path == "amx_emulated":

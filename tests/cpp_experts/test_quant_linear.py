@@ -339,7 +339,8 @@ def test_activation_rounding_is_half_away_from_zero(path: str, pool: cpp_experts
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_paths_agree(fmt: str, pool: cpp_experts.WorkerPool) -> None:
     """Every forced path gives the portable path's result: the int32 block sums are exact, only the
-    fp32 accumulation (FMA or not) differs (absolute tolerance: outputs near 0 come from cancelling sums)."""
+    fp32 accumulation (FMA or not) differs (absolute tolerance: outputs near 0 come from cancelling sums).
+    aarch64's SDOT kernels share the portable float epilogue: the same bits."""
     k = K_BY_FORMAT.get(fmt, K_DEFAULT)
     wt = Weight(fmt, 300, k, seed_of("agree", fmt))
     x = torch.randn(20, k)
@@ -347,6 +348,8 @@ def test_paths_agree(fmt: str, pool: cpp_experts.WorkerPool) -> None:
     for path in ("avx2", "avx512", "amx", "amx_emulated"):
         if has_path(path, fmt):
             torch.testing.assert_close(wt.build(pool, path)(x), want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+    if has_path("neon_dotprod", fmt):
+        assert torch.equal(wt.build(pool, "neon_dotprod")(x), want)
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "bf16", "f32"])
@@ -532,8 +535,9 @@ def test_forcing_a_missing_path_raises() -> None:
     if "amx_emulated" not in kernels:
         with pytest.raises(RuntimeError, match="'amx_emulated' forced, but this CPU lacks AVX-512 VNNI and BF16"):
             cpp_experts.QuantLinear.from_gguf(raw, T.Q8_0, 16, 64, kernel="amx_emulated")
-    if "avx512_vnni" in kernels and "amx" in kernels and "avx2" in kernels and "amx_emulated" in kernels:
-        pytest.skip("this CPU has every path")
+    if "neon_dotprod" not in kernels:
+        with pytest.raises(RuntimeError, match="'neon_dotprod' forced, but this CPU lacks the Arm dot-product"):
+            cpp_experts.QuantLinear.from_gguf(raw, T.Q8_0, 16, 64, kernel="neon_dotprod")
 
 
 def smollm2_gguf() -> Path | None:
