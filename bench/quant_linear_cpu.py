@@ -117,7 +117,7 @@ def main() -> None:
     ap.add_argument("--ms", type=int, nargs="*", default=list(MS))
     ap.add_argument("--formats", nargs="*", default=list(FORMATS), choices=FORMATS)
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--kernel", default=None, choices=["auto", "amx", "avx512", "avx2", "portable"],
+    ap.add_argument("--kernel", default=None, choices=["auto", "amx", "avx512", "avx2", "neon_dotprod", "portable"],
                     help="QuantLinear code path (default: MLASERVE_CPP_EXPERTS_KERNEL, else the CPU's best)")
     ap.add_argument("--out", default="bench/results/quant_linear_cpu.json")
     args = ap.parse_args()

@@ -23,35 +23,6 @@ float f16(const uint8_t* p) {
   return f16_to_f32(h);
 }
 
-}  // namespace
-
-// Row r's 32 unsigned quant values of the packed block at bp (iq4: the levels + 128).
-void unpack_block(LinFormat f, const uint8_t* bp, int r, uint8_t* q) {
-  for (int c = 0; c < 4; ++c) {
-    if (f == LinFormat::Q8_0) {
-      for (int g = 0; g < 8; ++g) q[4 * g + c] = bp[g * 64 + r * 4 + c];
-      continue;
-    }
-    for (int g = 0; g < 4; ++g) {
-      const uint8_t v = lin_two_bit(f) ? 0 : bp[g * 64 + r * 4 + c];  // (the 2-bit blocks are shorter)
-      for (int h = 0; h < 2; ++h) {
-        uint8_t e = uint8_t(h ? v >> 4 : v & 15);
-        if (lin_two_bit(f)) {
-          e = uint8_t((bp[64 * (g / 2) + r * 4 + c] >> (4 * (g % 2) + 2 * h)) & 3);
-          if (f == LinFormat::Q3_K) e |= uint8_t(((bp[128 + r * 4 + c] >> (2 * g + h)) & 1) << 2);
-        }
-        if (lin_fifth_bit(f)) e |= uint8_t(((bp[256 + r * 4 + c] >> (2 * g + h)) & 1) << 4);
-        if (f == LinFormat::Q6_K)
-          e |= uint8_t(((bp[256 + 64 * (g / 2) + r * 4 + c] >> (4 * (g % 2) + 2 * h)) & 3) << 4);
-        if (lin_iq4(f)) e = kIq4Unsigned[e];
-        q[16 * h + 4 * g + c] = e;
-      }
-    }
-  }
-}
-
-namespace {
-
 // Byte c of row r's 4-byte word at p (the packed layouts hold, per 64-byte line, a word per row): a
 // shift of 16 contiguous words, where bp[r * 4 + c] would be a stride-4 byte gather.
 inline uint32_t row_byte(const uint8_t* p, int r, int c) {
@@ -60,8 +31,9 @@ inline uint32_t row_byte(const uint8_t* p, int r, int c) {
   return (u >> (8 * c)) & 0xffu;
 }
 
-// Value 16h + 4g + c (Q8_0: 4g + c, h = 0) of a row of a packed block, unpack_block's arithmetic with
-// the format known at compile time; byte(o) is the row's byte c of the 64-byte line at offset o.
+// Value 16h + 4g + c (Q8_0: 4g + c, h = 0) of a row of a packed block: the one decoder of the packed
+// layouts' nibbles and bit planes that unpack_block and both kernels below use, the format known at
+// compile time; byte(o) is the row's byte c of the 64-byte line at offset o.
 template <LinFormat F, class Byte>
 inline uint32_t quant_value(Byte byte, int g, int h) {
   if constexpr (F == LinFormat::Q8_0) {
@@ -80,6 +52,39 @@ inline uint32_t quant_value(Byte byte, int g, int h) {
     return e;
   }
 }
+
+// Row r's 32 unsigned quant values of the packed block at bp (iq4: the levels + 128).
+template <LinFormat F>
+void unpack_row(const uint8_t* bp, int r, uint8_t* q) {
+  for (int g = 0; g < (F == LinFormat::Q8_0 ? 8 : 4); ++g)
+    for (int c = 0; c < 4; ++c)
+      for (int h = 0; h < (F == LinFormat::Q8_0 ? 1 : 2); ++h)
+        q[16 * h + 4 * g + c] = uint8_t(quant_value<F>([&](int o) { return uint32_t(bp[o + 4 * r + c]); }, g, h));
+}
+
+}  // namespace
+
+void unpack_block(LinFormat f, const uint8_t* bp, int r, uint8_t* q) {
+  using F = LinFormat;
+  switch (f) {
+    case F::Q8_0: return unpack_row<F::Q8_0>(bp, r, q);
+    case F::Q4_0: return unpack_row<F::Q4_0>(bp, r, q);
+    case F::Q4_1: return unpack_row<F::Q4_1>(bp, r, q);
+    case F::Q4_K: return unpack_row<F::Q4_K>(bp, r, q);
+    case F::Q5_K: return unpack_row<F::Q5_K>(bp, r, q);
+    case F::Q6_K: return unpack_row<F::Q6_K>(bp, r, q);
+    case F::IQ4_NL: return unpack_row<F::IQ4_NL>(bp, r, q);
+    case F::IQ4_XS: return unpack_row<F::IQ4_XS>(bp, r, q);
+    case F::Q3_K: return unpack_row<F::Q3_K>(bp, r, q);
+    case F::Q2_K: return unpack_row<F::Q2_K>(bp, r, q);
+    case F::Q5_0: return unpack_row<F::Q5_0>(bp, r, q);
+    case F::Q5_1: return unpack_row<F::Q5_1>(bp, r, q);
+    case F::BF16:
+    case F::F32: break;  // not block formats: dequant_row reads them directly
+  }
+}
+
+namespace {
 
 // A block's 32 quant values for all 16 rows of a rowblock, k-major (qt[k][row]), in loops over the
 // rows that a compiler vectorises (each row's byte read from its 4-byte word).

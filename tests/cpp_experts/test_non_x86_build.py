@@ -71,8 +71,8 @@ def test_the_extension_compiles_and_links_for_aarch64(tmp_path: Path) -> None:
     import pybind11
 
     # the host's Python headers: the module is linked, not loaded, and x86-64 and aarch64 are both LP64
-    flags = ["-std=c++17", "-O1", "-fPIC", "-fvisibility=hidden", "-Werror=implicit-function-declaration",
-             f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}"]
+    flags = ["-std=c++17", "-O1", "-fPIC", "-fvisibility=hidden", f"-I{pybind11.get_include()}",
+             f"-I{sysconfig.get_paths()['include']}"]
 
     def compile_one(src: Path) -> tuple[Path, subprocess.CompletedProcess]:
         obj = tmp_path / (src.stem + ".o")
