@@ -116,6 +116,7 @@ struct AttnPlan {
   std::unique_ptr<std::atomic<int>[]> left;  // split: blocks of each group not yet done
   size_t left_room = 0;
   size_t state = 0;
+  size_t scores = 0;  // floats of a thread's scores and corrections (run_task: [nq][chunk], then [nq])
 };
 
 AttnScratch::AttnScratch() = default;
@@ -138,9 +139,10 @@ int plan(AttnScratch& scratch, int threads, const PagedKv& kv, const AttnTokens&
   P.state = size_t(max_nq) * (2 + L.Dv);
   // fp32 key and value tiles (bf16 caches), or a group's permuted queries (paired)
   const size_t tiles = std::max(size_t(kKeyTile) * (L.D + L.Dv), L.paired ? size_t(max_nq) * L.D : size_t(0));
+  P.scores = size_t(max_nq) * (kMaxChunk + 1);
   if (scratch.thread.size() < size_t(threads)) scratch.thread.resize(size_t(threads));
   for (auto& t : scratch.thread)
-    if (t.size() < 2 * P.state + kQB * kKeyTile + tiles) t.resize(2 * P.state + kQB * kKeyTile + tiles);
+    if (t.size() < 2 * P.state + P.scores + tiles) t.resize(2 * P.state + P.scores + tiles);
   // Split-KV (a task per key block) only where the groups alone cannot keep every thread busy
   // (about 4 tasks per thread); the blocks are the same either way (key_blocks).
   P.split = int(P.groups.size()) < 4 * threads;
@@ -196,7 +198,7 @@ void run_attention_task(AttnScratch& scratch, int i, int tid) {
   float* st0 = base;                    // a group's state
   float* blk = base + P.state;          // a block's state
   float* scores = base + 2 * P.state;   // scores, then tiles
-  float* buf = scores + kQB * kKeyTile;
+  float* buf = scores + P.scores;
   auto after = [&](const Group& g) {
     if (scratch.after) scratch.after(g.t0, g.nt, int(g.h0 * P.L.o_head), int((g.h0 + g.nh) * P.L.o_head));
   };

@@ -17,6 +17,8 @@ namespace cpx {
 namespace attn {
 
 constexpr int kKeyTile = 16;
+// keys of one online-softmax update at most (run_task: four tiles where the rows are read in place)
+constexpr int kMaxChunk = 4 * kKeyTile;
 static_assert(kKeyTile == kAttnDumpTile, "a dump's tiles are the key tiles: every tile starts at a multiple of 16");
 constexpr int kTokBlock = 4;       // tokens of one request per group (prefill)
 constexpr int kMlaHeadBlock = 16;  // heads per MLA group
@@ -62,6 +64,8 @@ struct Lanes<8> {
   static CPX_INLINE V splat(float x) { return vec::splat(x); }
   static CPX_INLINE void store(float* p, V v) { vec::store(p, v); }
   static CPX_INLINE float hsum(V v) { return vec::hsum(v); }
+  static CPX_INLINE float hmax(V v) { return vec::hmax(v); }
+  static CPX_INLINE V exp(V v) { return vec::exp8(v); }
   static CPX_INLINE void hsum4(V a, V b, V c, V d, float* out) { vec::hsum4(a, b, c, d, out); }
   // src[0..2W-1] into the paired order (paired_at): the even values, then the odd ones
   static CPX_INLINE void pair(const float* src, float* dst) {
@@ -78,6 +82,8 @@ struct Lanes<16> {
   static CPX_INLINE V splat(float x) { return vec::splat16(x); }
   static CPX_INLINE void store(float* p, V v) { vec::store16(p, v); }
   static CPX_INLINE float hsum(V v) { return vec::hsum(vec::fold(v)); }
+  static CPX_INLINE float hmax(V v) { return vec::hmax16(v); }
+  static CPX_INLINE V exp(V v) { return vec::exp16(v); }
   static CPX_INLINE void hsum4(V a, V b, V c, V d, float* out) {
     vec::hsum4(vec::fold(a), vec::fold(b), vec::fold(c), vec::fold(d), out);
   }
@@ -207,89 +213,87 @@ CPX_INLINE void pv_block(float* const* acc, const float* corr, const float* p, i
     }
 }
 
-// One block of QB heads of one token over a key tile: scores, the online-softmax update of each
-// query's (m, l), then the values.
+// Scores of QB heads of one token against a tile's keys krow[0..n) (n <= kKeyTile; krow holds real rows
+// up to n rounded up to 4) into s[i * ls + j].
 template <int QB, int W, class RT>
-CPX_INLINE void tile_block(const float* const* qv, float* const* sq, const RT* const* krow, const RT* const* vrow,
-                           int nv, int D, int Dv, float scale, float* scores, float* const* de, float* const* ds) {
-  constexpr int ls = kKeyTile;
+CPX_INLINE void score_tile(const float* const* qv, const RT* const* krow, int n, int D, float* s, int ls) {
   if constexpr (QB == 3 && W == 8) {  // as 2 + 1 heads: dots4<3>'s 12 accumulators, 3 queries and a key take all 16
     // ymm, and GCC kept one accumulator on the stack (a store-to-load chain per step, where 14% of the
     // attention's samples sat at a 1.5K context on a 2-core Zen 3 VM; the split alone measured within
     // the noise, -5% cold); the rows come from L1 again
-    for (int j = 0; j < nv; j += 4) {
-      dots4<2, W>(qv, krow + j, D, scores + j, ls);
-      dots4<1, W>(qv + 2, krow + j, D, scores + 2 * ls + j, ls);
+    for (int j = 0; j < n; j += 4) {
+      dots4<2, W>(qv, krow + j, D, s + j, ls);
+      dots4<1, W>(qv + 2, krow + j, D, s + 2 * ls + j, ls);
     }
   } else if constexpr (QB <= 2 || W == 16) {  // AVX-512's 32 registers hold 4 x 4 accumulators
-    for (int j = 0; j < nv; j += 4) dots4<QB, W>(qv, krow + j, D, scores + j, ls);
+    for (int j = 0; j < n; j += 4) dots4<QB, W>(qv, krow + j, D, s + j, ls);
   } else {
-    for (int j = 0; j < nv; j += 2) dots2<QB, W>(qv, krow[j], krow[j + 1], D, scores + j, ls);
+    for (int j = 0; j < n; j += 2) dots2<QB, W>(qv, krow[j], krow[j + 1], D, s + j, ls);
   }
-  float corr[QB];
-  float* acc[QB];
-  bool any = false;
-  static_assert(kKeyTile == 16, "the whole-tile softmax below reads a tile as two vectors");
-  for (int i = 0; i < QB; ++i) {
-    using namespace vec;
-    float* sc = scores + i * ls;
-    float mx = sq[i][0];
-    // a whole tile (all but a block's last): max and sum across lanes, no scalar chains; in two 8-lane
-    // vectors or (W = 16) one, with the same bits (exp lane by lane, hsum(fold(s)) = hsum(s0 + s1))
-    v8f s0, s1;
-    v16f s16;
-    if (nv == kKeyTile && W == 16) {
-      s16 = load16(sc) * splat16(scale);
-      mx = std::max(mx, hmax16(s16));
-    } else if (nv == kKeyTile) {
-      s0 = load(sc) * splat(scale);
-      s1 = load(sc + 8) * splat(scale);
-      mx = std::max(mx, hmax(s0 > s1 ? s0 : s1));
-    } else {
-      for (int j = 0; j < nv; ++j) {
-        sc[j] *= scale;
-        mx = std::max(mx, sc[j]);
-      }
+}
+
+// The online-softmax update of one query's state sq (m, l, acc) for a chunk's nv scores sc (scaled and
+// turned into exp(s - m) in place): the max, the correction of acc (corr) and the sum once a chunk. A
+// tile at a time did them four times for the same keys; one decode token of SmolLM2's shape (9 / 3 heads
+// of 64, bf16 cache in L2) spent ~40% of its time there on a 2-core Zen 5 VM (measured with the score
+// and value loops compiled out). Each tile's (m, sum) still goes to a dump (ds), m the chunk's. Returns
+// false where every score is -inf (nothing to add; sc zeroed).
+template <int W>
+CPX_INLINE bool softmax_chunk(float* sc, int nv, float scale, float* sq, float& corr, float* de, float* ds) {
+  using Ln = Lanes<W>;
+  using V = typename Ln::V;
+  static_assert(kKeyTile % W == 0, "a tile is whole vectors");
+  const int whole = nv / kKeyTile * kKeyTile;  // keys in whole tiles, read as vectors
+  const int tiles = (nv + kKeyTile - 1) / kKeyTile;
+  float mx = sq[0];
+  if (whole) {
+    V m = Ln::splat(-INFINITY);
+    for (int j = 0; j < whole; j += W) {
+      const V x = Ln::load(sc + j) * Ln::splat(scale);
+      Ln::store(sc + j, x);
+      m = m > x ? m : x;
     }
-    acc[i] = sq[i] + 2;
-    if (mx == -INFINITY) {  // every score -inf (a -inf query): nothing to add
-      corr[i] = 1.0f;
-      std::fill(sc, sc + nv, 0.0f);
-      if (de) {
-        std::fill(de[i], de[i] + nv, 0.0f);
-        ds[i][0] = mx;
-        ds[i][1] = 0.0f;
-      }
-      continue;
-    }
-    any = true;
-    // exp(0) is 1 exactly: an unchanged max (most tiles after the first few) skips the exp
-    corr[i] = sq[i][0] == mx ? 1.0f : sq[i][0] == -INFINITY ? 0.0f : exp1(sq[i][0] - mx);
-    float sum = 0.0f;
-    if (nv == kKeyTile && W == 16) {
-      const v16f e = exp16(s16 - splat16(mx));
-      store16(sc, e);
-      sum = hsum(fold(e));
-    } else if (nv == kKeyTile) {
-      const v8f e0 = exp8(s0 - splat(mx)), e1 = exp8(s1 - splat(mx));
-      store(sc, e0);
-      store(sc + 8, e1);
-      sum = hsum(e0 + e1);
-    } else {
-      for (int j = 0; j < nv; j += 8) {  // the buffer holds a whole tile: lanes past nv are not summed
-        store(sc + j, exp8(load(sc + j) - splat(mx)));
-        for (int l = j; l < std::min(nv, j + 8); ++l) sum += sc[l];
-      }
-    }
-    sq[i][0] = mx;
-    sq[i][1] = sq[i][1] * corr[i] + sum;
-    if (de) {  // AttnTokens::dump
-      std::copy(sc, sc + nv, de[i]);
-      ds[i][0] = mx;
-      ds[i][1] = sum;
-    }
+    mx = std::max(mx, Ln::hmax(m));
   }
-  if (any) pv_block<QB, W>(acc, corr, scores, ls, vrow, nv, Dv);
+  for (int j = whole; j < nv; ++j) {
+    sc[j] *= scale;
+    mx = std::max(mx, sc[j]);
+  }
+  if (mx == -INFINITY) {  // every score -inf (a -inf query)
+    corr = 1.0f;
+    std::fill(sc, sc + nv, 0.0f);
+    if (de) {
+      std::fill(de, de + nv, 0.0f);
+      for (int t = 0; t < tiles; ++t) ds[2 * t] = mx, ds[2 * t + 1] = 0.0f;
+    }
+    return false;
+  }
+  // exp(0) is 1 exactly: an unchanged max (most chunks after the first few) skips the exp
+  corr = sq[0] == mx ? 1.0f : sq[0] == -INFINITY ? 0.0f : vec::exp1(sq[0] - mx);
+  float sum = 0.0f;
+  for (int t = 0; t < tiles; ++t) {  // each tile's sum on its own (a dump's), summed in tile order
+    float ts = 0.0f;
+    if ((t + 1) * kKeyTile <= nv) {
+      V e = Ln::splat(0.0f);
+      for (int j = t * kKeyTile; j < (t + 1) * kKeyTile; j += W) {
+        const V x = Ln::exp(Ln::load(sc + j) - Ln::splat(mx));
+        Ln::store(sc + j, x);
+        e += x;
+      }
+      ts = Ln::hsum(e);
+    } else {
+      for (int j = t * kKeyTile; j < nv; j += 8) {  // the buffer holds whole tiles: lanes past nv are not summed
+        vec::store(sc + j, vec::exp8(vec::load(sc + j) - vec::splat(mx)));
+        for (int l = j; l < std::min(nv, j + 8); ++l) ts += sc[l];
+      }
+    }
+    if (de) ds[2 * t] = mx, ds[2 * t + 1] = ts;
+    sum += ts;
+  }
+  sq[0] = mx;
+  sq[1] = sq[1] * corr + sum;
+  if (de) std::copy(sc, sc + nv, de);  // AttnTokens::dump
+  return true;
 }
 
 // The rows of one key tile as fp32: the cache's rows themselves, or (bf16) widened into `buf`.
@@ -344,75 +348,125 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
         for (int d = 0; d < D; d += 2 * W) Lanes<W>::pair(src + d, dst + d);  // dst[paired_at(d, W)] = src[d]
       }
   }
+  // Keys come in chunks of NT tiles from k0: each chunk's scores, tile by tile for every head (the rows
+  // read in key order, as the prefetches below ask for them), then one softmax update of each query
+  // (softmax_chunk), then its values a KV head at a time. Four tiles where the rows are read in place (a
+  // fixed head dim), one where bf16 rows are widened into buf. Against a tile at a time (2-core Zen 5 VM,
+  // SmolLM2, interleaved rounds): a 1536-token prefill 1.117x, decode after 128 tokens 1.015x / 0.985x,
+  // after 1536 0.996x (the decode step's attention is bound by its reads and hand-offs, not this).
+  constexpr int NT = DN ? kMaxChunk / kKeyTile : 1;
+  constexpr int ls = NT * kKeyTile;  // a query's scores (scores: [nq][ls], then corr [nq])
+  float* corr = scores + size_t(nq) * ls;
   const KT* ksrc[kKeyTile];
   const KT* vsrc[kKeyTile];
   const RT* krow[kKeyTile];
-  const RT* vrow[kKeyTile];
-  for (int kt = k0; kt < k1; kt += kKeyTile) {
-    const int nk = std::min(kKeyTile, k1 - kt);
-    // The rows come from scattered slots, beyond the hardware prefetcher's reach: the next tile's keys
-    // and values are asked for while this one is computed, a share with each KV head's turn (and the
-    // first tile's values at its start). A whole tile's requests at once outnumber what the core keeps
-    // in flight, and the prefetches then stall it: on a 2-core Zen 3 VM (one decode token of SmolLM2's
-    // shape over 1536 keys of a bf16 cache from DRAM, interleaved) spreading them took a layer from
-    // ~255 to ~210 us, and SmolLM2 decode after a 1536-token prompt from ~139 to ~150 tokens/s.
-    if (kt == k0 && !L.mla)
-      for (int j = 0; j < nk; ++j)
-        prefetch_row(kv_ptr<KT>(vbase, vstride, slots[kt + j], g.kv_head * L.v_head_off), vbytes);
-    // Past the block's last tile, the first tile of the block after it: the pool gives each thread a
-    // contiguous range of tasks, so that block is mostly this thread's next task, whose first keys
-    // would otherwise be read cold (one decode token of SmolLM2's shape over 1536 keys in 16 blocks on
-    // one thread of a 2-core Zen 5 VM: ~122 -> ~101 us a layer, scattered slots; SmolLM2 decode after a
-    // 1536-token prompt on two threads, interleaved rounds: ~1.04-1.05x).
-    const int next = kt + kKeyTile, n_next = std::max(0, std::min(int(g.keys), next + kKeyTile) - next);
-    for (int kh = 0; kh < g.nkv; ++kh) {
-      for (int j = next + kh * n_next / g.nkv; j < next + (kh + 1) * n_next / g.nkv; ++j) {
-        prefetch_row(kv_ptr<KT>(kv.k, kv.k_stride, slots[j], g.kv_head * L.k_head_off), kbytes);
-        if (!L.mla) prefetch_row(kv_ptr<KT>(vbase, vstride, slots[j], g.kv_head * L.v_head_off), vbytes);
-      }
-      const int64_t head = g.kv_head + kh;
-      for (int j = 0; j < nk; ++j) {
-        const int64_t s = slots[kt + j];
-        ksrc[j] = kv_ptr<KT>(kv.k, kv.k_stride, s, head * L.k_head_off);
-        vsrc[j] = kv_ptr<KT>(vbase, vstride, s, head * L.v_head_off);
-      }
-      if constexpr (kPaired) {
-        for (int j = 0; j < nk; ++j) krow[j] = ksrc[j], vrow[j] = vsrc[j];
-      } else {
-        tile_rows(ksrc, nk, D, buf, krow);
-        if (L.mla)  // the value is the key row's first Dv values
-          for (int j = 0; j < nk; ++j) vrow[j] = krow[j];
+  const RT* vrow[ls];
+  const float* qv[kQB];
+  float* acc[kQB];
+  auto limit_of = [&](int ti) -> int64_t { return g.slots ? g.keys - 1 : tok.pos[g.t0 + ti]; };  // last key seen
+  for (int kc = k0; kc < k1; kc += ls) {
+    const int nc = std::min(ls, k1 - kc);
+    for (int kt = kc; kt < kc + nc; kt += kKeyTile) {
+      const int nk = std::min(kKeyTile, kc + nc - kt);
+      // The rows come from scattered slots, beyond the hardware prefetcher's reach: the next tile's keys
+      // and values are asked for while this one is scored, a share with each KV head's turn (and the
+      // first tile's values at the start). A whole tile's requests at once outnumber what the core keeps
+      // in flight, and the prefetches then stall it: on a 2-core Zen 3 VM (one decode token of SmolLM2's
+      // shape over 1536 keys of a bf16 cache from DRAM, interleaved) spreading them took a layer from
+      // ~255 to ~210 us, and SmolLM2 decode after a 1536-token prompt from ~139 to ~150 tokens/s.
+      if (kt == k0 && !L.mla)
+        for (int j = 0; j < nk; ++j)
+          prefetch_row(kv_ptr<KT>(vbase, vstride, slots[kt + j], g.kv_head * L.v_head_off), vbytes);
+      // Past the block's last tile, the first tile of the block after it: the pool gives each thread a
+      // contiguous range of tasks, so that block is mostly this thread's next task, whose first keys
+      // would otherwise be read cold (one decode token of SmolLM2's shape over 1536 keys in 16 blocks on
+      // one thread of a 2-core Zen 5 VM: ~122 -> ~101 us a layer, scattered slots; SmolLM2 decode after a
+      // 1536-token prompt on two threads, interleaved rounds: ~1.04-1.05x).
+      const int next = kt + kKeyTile, n_next = std::max(0, std::min(int(g.keys), next + kKeyTile) - next);
+      for (int kh = 0; kh < g.nkv; ++kh) {
+        for (int j = next + kh * n_next / g.nkv; j < next + (kh + 1) * n_next / g.nkv; ++j) {
+          prefetch_row(kv_ptr<KT>(kv.k, kv.k_stride, slots[j], g.kv_head * L.k_head_off), kbytes);
+          if (!L.mla) prefetch_row(kv_ptr<KT>(vbase, vstride, slots[j], g.kv_head * L.v_head_off), vbytes);
+        }
+        const int64_t head = g.kv_head + kh;
+        for (int j = 0; j < nk; ++j) ksrc[j] = kv_ptr<KT>(kv.k, kv.k_stride, slots[kt + j], head * L.k_head_off);
+        if constexpr (kPaired)
+          for (int j = 0; j < nk; ++j) krow[j] = ksrc[j];
         else
-          tile_rows(vsrc, nk, Dv, buf + size_t(kKeyTile) * D, vrow);
-      }
-      for (int j = nk; j < kKeyTile; ++j) krow[j] = krow[0];  // a short tile's spare keys read a real row
-      for (int ti = 0; ti < g.nt; ++ti) {
-        const int t = g.t0 + ti;
-        const int64_t limit = g.slots ? g.keys - 1 : tok.pos[t];  // last key this token sees
-        if (kt > limit) continue;
-        const int nv = int(std::min<int64_t>(nk, limit - kt + 1));
-        for (int h0 = kh * hp; h0 < (kh + 1) * hp; h0 += kQB) {  // a KV head's query heads, kQB at a time
-          const int qb = std::min(kQB, (kh + 1) * hp - h0);
-          const float* qv[kQB];
-          float* sq[kQB];
-          float *de[kQB], *ds[kQB];
-          float* dump = tok.dump && !g.slots ? tok.dump[t] : nullptr;  // AttnTokens::dump
-          for (int i = 0; i < qb; ++i) {
-            const int h = g.h0 + h0 + i;
-            qv[i] = kPaired ? buf + size_t(ti * g.nh + h0 + i) * D : q + t * L.q_tok + h * L.q_head;
-            sq[i] = st + size_t(ti * g.nh + h0 + i) * sw;
-            if (dump) {
-              const int64_t dn = tok.pos[t] + 1, dtiles = (dn + kAttnDumpTile - 1) / kAttnDumpTile;
-              de[i] = dump + size_t(h) * dn + kt;
-              ds[i] = dump + size_t(L.H) * dn + (size_t(h) * dtiles + kt / kAttnDumpTile) * 2;
+          tile_rows(ksrc, nk, D, buf, krow);
+        for (int j = nk; j < kKeyTile; ++j) krow[j] = krow[0];  // a short tile's spare keys read a real row
+        for (int ti = 0; ti < g.nt; ++ti) {
+          const int64_t limit = limit_of(ti);
+          if (kt > limit) continue;
+          const int nv = int(std::min<int64_t>(nk, limit - kt + 1));
+          for (int h0 = kh * hp; h0 < (kh + 1) * hp; h0 += kQB) {  // a KV head's query heads, kQB at a time
+            const int qb = std::min(kQB, (kh + 1) * hp - h0), qi = ti * g.nh + h0;
+            for (int i = 0; i < qb; ++i)
+              qv[i] = kPaired ? buf + size_t(qi + i) * D : q + (g.t0 + ti) * L.q_tok + (g.h0 + h0 + i) * L.q_head;
+            float* s = scores + size_t(qi) * ls + (kt - kc);
+            switch (qb) {
+              case 4: score_tile<4, W>(qv, krow, nv, D, s, ls); break;
+              case 3: score_tile<3, W>(qv, krow, nv, D, s, ls); break;
+              case 2: score_tile<2, W>(qv, krow, nv, D, s, ls); break;
+              default: score_tile<1, W>(qv, krow, nv, D, s, ls); break;
             }
           }
-          float* const* dep = dump ? de : nullptr;
+        }
+      }
+    }
+    // the chunk's softmax update of each query that sees it
+    for (int ti = 0; ti < g.nt; ++ti) {
+      const int t = g.t0 + ti;
+      const int64_t limit = limit_of(ti);
+      if (kc > limit) continue;
+      const int nv = int(std::min<int64_t>(nc, limit - kc + 1));
+      float* dump = tok.dump && !g.slots ? tok.dump[t] : nullptr;  // AttnTokens::dump
+      const int64_t dn = tok.pos[t] + 1, dtiles = (dn + kAttnDumpTile - 1) / kAttnDumpTile;
+      for (int hi = 0; hi < g.nh; ++hi) {
+        const int qi = ti * g.nh + hi;
+        const size_t h = size_t(g.h0 + hi);
+        float* de = dump ? dump + h * dn + kc : nullptr;
+        float* ds = dump ? dump + size_t(L.H) * dn + (h * dtiles + kc / kAttnDumpTile) * 2 : nullptr;
+        // a -inf query adds nothing: its correction 1 and its probabilities 0 leave acc as it is, as
+        // long as its block of heads has another query to add (else the values are skipped)
+        softmax_chunk<W>(scores + size_t(qi) * ls, nv, scale, st + size_t(qi) * sw, corr[qi], de, ds);
+      }
+    }
+    // the values, a KV head at a time
+    for (int kh = 0; kh < g.nkv; ++kh) {
+      const int64_t head = g.kv_head + kh;
+      if (L.mla) {  // the value is the key row's first Dv values: the tile's rows just scored
+        if constexpr (NT == 1)  // (MLA has no fixed head dim: one tile a chunk)
+          for (int j = 0; j < nc; ++j) vrow[j] = krow[j];
+      } else {
+        if constexpr (kPaired || std::is_same_v<KT, float>) {
+          for (int j = 0; j < nc; ++j)
+            vrow[j] = reinterpret_cast<const RT*>(kv_ptr<KT>(vbase, vstride, slots[kc + j], head * L.v_head_off));
+        } else {  // bf16 widened (NT = 1)
+          for (int j = 0; j < nc; ++j) vsrc[j] = kv_ptr<KT>(vbase, vstride, slots[kc + j], head * L.v_head_off);
+          tile_rows(vsrc, nc, Dv, buf + size_t(kKeyTile) * D, vrow);
+        }
+      }
+      for (int ti = 0; ti < g.nt; ++ti) {
+        const int64_t limit = limit_of(ti);
+        if (kc > limit) continue;
+        const int nv = int(std::min<int64_t>(nc, limit - kc + 1));
+        for (int h0 = kh * hp; h0 < (kh + 1) * hp; h0 += kQB) {
+          const int qb = std::min(kQB, (kh + 1) * hp - h0), qi = ti * g.nh + h0;
+          bool any = false;
+          for (int i = 0; i < qb; ++i) {
+            float* sq = st + size_t(qi + i) * sw;
+            acc[i] = sq + 2;
+            any |= sq[0] != -INFINITY;
+          }
+          if (!any) continue;
+          const float* p = scores + size_t(qi) * ls;
+          const float* c = corr + qi;
           switch (qb) {
-            case 4: tile_block<4, W>(qv, sq, krow, vrow, nv, D, Dv, scale, scores, dep, ds); break;
-            case 3: tile_block<3, W>(qv, sq, krow, vrow, nv, D, Dv, scale, scores, dep, ds); break;
-            case 2: tile_block<2, W>(qv, sq, krow, vrow, nv, D, Dv, scale, scores, dep, ds); break;
-            default: tile_block<1, W>(qv, sq, krow, vrow, nv, D, Dv, scale, scores, dep, ds); break;
+            case 4: pv_block<4, W>(acc, c, p, ls, vrow, nv, Dv); break;
+            case 3: pv_block<3, W>(acc, c, p, ls, vrow, nv, Dv); break;
+            case 2: pv_block<2, W>(acc, c, p, ls, vrow, nv, Dv); break;
+            default: pv_block<1, W>(acc, c, p, ls, vrow, nv, Dv); break;
           }
         }
       }
