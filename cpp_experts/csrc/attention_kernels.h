@@ -236,10 +236,10 @@ CPX_INLINE void score_tile(const float* const* qv, const RT* const* krow, int n,
 // turned into exp(s - m) in place): the max, the correction of acc (corr) and the sum once a chunk. A
 // tile at a time did them four times for the same keys; one decode token of SmolLM2's shape (9 / 3 heads
 // of 64, bf16 cache in L2) spent ~40% of its time there on a 2-core Zen 5 VM (measured with the score
-// and value loops compiled out). Each tile's (m, sum) still goes to a dump (ds), m the chunk's. Returns
-// false where every score is -inf (nothing to add; sc zeroed).
+// and value loops compiled out). Each tile's (m, sum) still goes to a dump (ds), m the chunk's. Where every
+// score is -inf (a -inf query) sc is zeroed and corr is 1: the values add nothing.
 template <int W>
-CPX_INLINE bool softmax_chunk(float* sc, int nv, float scale, float* sq, float& corr, float* de, float* ds) {
+CPX_INLINE void softmax_chunk(float* sc, int nv, float scale, float* sq, float& corr, float* de, float* ds) {
   using Ln = Lanes<W>;
   using V = typename Ln::V;
   static_assert(kKeyTile % W == 0, "a tile is whole vectors");
@@ -259,14 +259,14 @@ CPX_INLINE bool softmax_chunk(float* sc, int nv, float scale, float* sq, float& 
     sc[j] *= scale;
     mx = std::max(mx, sc[j]);
   }
-  if (mx == -INFINITY) {  // every score -inf (a -inf query)
+  if (mx == -INFINITY) {
     corr = 1.0f;
     std::fill(sc, sc + nv, 0.0f);
     if (de) {
       std::fill(de, de + nv, 0.0f);
       for (int t = 0; t < tiles; ++t) ds[2 * t] = mx, ds[2 * t + 1] = 0.0f;
     }
-    return false;
+    return;
   }
   // exp(0) is 1 exactly: an unchanged max (most chunks after the first few) skips the exp
   corr = sq[0] == mx ? 1.0f : sq[0] == -INFINITY ? 0.0f : vec::exp1(sq[0] - mx);
@@ -293,7 +293,6 @@ CPX_INLINE bool softmax_chunk(float* sc, int nv, float scale, float* sq, float& 
   sq[0] = mx;
   sq[1] = sq[1] * corr + sum;
   if (de) std::copy(sc, sc + nv, de);  // AttnTokens::dump
-  return true;
 }
 
 // The rows of one key tile as fp32: the cache's rows themselves, or (bf16) widened into `buf`.
