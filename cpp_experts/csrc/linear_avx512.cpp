@@ -58,14 +58,24 @@ using namespace lin;
 // gave Q4_K_M +27-31%. One weight at M = 1 from DRAM read as fast either way in a slow spell (0.98-1.01)
 // and q4_k 4-7% faster in a fast one. Prefill tiles read each weight once per 64 rows of x, and NTA
 // there cost 6% of a 512-token prompt: they keep T0.
+//
+// Zen 4's decode tiles of the one-block formats also ask for the lines 2 KiB ahead into L1 (T0), beside
+// the 16 KiB into L2. On the 2-core Zen 4 VM (M = 1, 16384 x 2048 from DRAM, each pass against the
+// streaming read around it, the two builds in alternating processes, 45 passes each in a slow read
+// spell): q4_1 0.925 -> 0.974 of the read, q8_0 0.933 -> 0.929 (a 1 KiB lead: q4_1 0.925 -> 0.947 and
+// 0.976, q8_0 0.933 -> 0.935 and 0.905 -> 0.954, two sittings); SmolLM2 Q4_1 decode 1.039 (12 interleaved
+// rounds; 1 KiB: 1.026 and 1.038 over 10 and 12). Tried there and not kept, each against this file's
+// other choices: NTA at 8 or 16 KiB (model 0.87, 0.79), T1 at 32 KiB (0.99), and two groups read in
+// lockstep (q4_1 0.890, q8_0 0.828 of the read against 0.925, 0.933).
 struct Prefetch {
   size_t bytes;
   bool l2;          // into L2 (T1) rather than L1 (T0)
   bool nta_once;    // a pass that reads each weight once prefetches non-temporally
+  size_t l1 = 0;    // a decode pass of a one-block format also prefetches this far ahead into L1 (0: no)
 };
 const Prefetch kPrefetch = [] {
   const CpuInfo& cpu = cpu_info();
-  if (cpu.amd && cpu.family == 0x19) return Prefetch{16384, true, false};
+  if (cpu.amd && cpu.family == 0x19) return Prefetch{16384, true, false, 2048};
   if (nta_decode_prefetch()) return Prefetch{kNtaPrefetchBytes, false, true};
   return Prefetch{8192, false, false};
 }();
@@ -128,6 +138,8 @@ CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
     const uint8_t* ws = w0 + size_t(sb) * kGroupRowblocks * sbs;
     if constexpr (!kK) {
       for (size_t o = 0; o < R * sbs; o += 64) prefetch(ws + ahead + o, once);
+      if (once && kPrefetch.l1)
+        for (size_t o = 0; o < R * sbs; o += 64) _mm_prefetch(reinterpret_cast<const char*>(ws + kPrefetch.l1 + o), _MM_HINT_T0);
       // A task's first run: nothing ahead of it below `ahead` was prefetched (a later run's was, by the
       // run before it). Those bytes are prefetched at twice the reading pace, two superblock steps an
       // iteration, not in one burst at the start (a burst of the first 16 KiB made the step slower). On
