@@ -139,7 +139,8 @@ CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
     if constexpr (!kK) {
       for (size_t o = 0; o < R * sbs; o += 64) prefetch(ws + ahead + o, once);
       if (once && kPrefetch.l1)
-        for (size_t o = 0; o < R * sbs; o += 64) _mm_prefetch(reinterpret_cast<const char*>(ws + kPrefetch.l1 + o), _MM_HINT_T0);
+        for (size_t o = 0; o < R * sbs; o += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(ws + kPrefetch.l1 + o), _MM_HINT_T0);
       // A task's first run: nothing ahead of it below `ahead` was prefetched (a later run's was, by the
       // run before it). Those bytes are prefetched at twice the reading pace, two superblock steps an
       // iteration, not in one burst at the start (a burst of the first 16 KiB made the step slower). On
