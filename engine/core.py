@@ -148,6 +148,10 @@ class EngineCore:
             args.max_running_requests * self.context_len,
         )
         num_slots = max(args.page_size, num_slots - num_slots % args.page_size)
+        if num_slots < self.context_len:  # a request longer than the cache could never finish: say so up front
+            logger.warning("context length %d is cut to %d, the KV cache's slots (--max-total-tokens / "
+                           "--mem-fraction): a longer request could never run to its end", self.context_len, num_slots)
+            self.context_len = num_slots
         if bank:
             logger.info("OmniKV context bank: layers %s in host memory (%.2f GiB%s), %d bytes/token on the device",
                         host_share, num_slots * host_per_token / 2**30, ", pinned" if device.type == "cuda" else "",
@@ -305,8 +309,8 @@ class EngineCore:
                 f"{self.args.max_queued_requests}); ask for n <= {capacity}, or send several requests"), "n"
         if admitted + p.n > capacity:
             return ERR_OVERLOADED, (
-                f"the server is overloaded ({len(self.scheduler.running)} running, {len(self.scheduler.waiting)} "
-                f"queued; --max-running-requests {self.args.max_running_requests}, --max-queued-requests "
+                f"the server is overloaded: it holds {admitted} completions, running or waiting, of at most "
+                f"{capacity} (--max-running-requests {self.args.max_running_requests} + --max-queued-requests "
                 f"{self.args.max_queued_requests}); retry later"), None
         return None
 

@@ -28,7 +28,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.metrics import ErrorCountingMiddleware
+from server import messages_api
+from server.metrics import ErrorCountingMiddleware, note_answer_code
 from server.protocol import SEND_JSON, ModelCard, ModelList, VersionResponse, describe_validation_error
 from server.serving import register_routes
 from server.state import ServerState, error_response
@@ -175,7 +176,12 @@ class CrashMiddleware:
             if started:
                 raise
             logger.exception("internal error in %s %s", scope.get("method"), scope.get("path"))
-            resp = error_response(500, f"internal server error: {type(exc).__name__}", "internal_error")
+            message = f"internal server error: {type(exc).__name__}"
+            if str(scope.get("path", "")).startswith("/v1/messages"):  # Anthropic's clients read its shape
+                note_answer_code("internal_error")  # the code the metrics count it by, as on the other routes
+                resp = JSONResponse(messages_api.error_body(500, message, "internal_error"), status_code=500)
+            else:
+                resp = error_response(500, message, "internal_error")
             await resp(scope, receive, send)
 
 

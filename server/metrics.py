@@ -256,9 +256,7 @@ class Metrics(Collector):
         """The current request's error answer is written in a shape whose body does not carry OpenAI's
         code (Anthropic's Messages API): the middleware counts it by `code`, as the OpenAI routes' same
         error is counted."""
-        note = _REQUEST_NOTE.get()
-        if note is not None:
-            note.answered = error_label(code)
+        note_answer_code(code)
 
     def count_error(self, code: str, status: str) -> None:
         """One request answered with an error: `code` (made a bounded label value) and HTTP `status`."""
@@ -399,6 +397,13 @@ class _RequestNote:
 # task that copies this context) and the engine-output pumps all see the same note object.
 _REQUEST_NOTE: contextvars.ContextVar[_RequestNote | None] = contextvars.ContextVar("mlaserve_request_note",
                                                                                      default=None)
+
+def note_answer_code(code: str) -> None:
+    """`Metrics.note_answer_code` for code that has no Metrics at hand (a middleware)."""
+    note = _REQUEST_NOTE.get()
+    if note is not None:
+        note.answered = error_label(code)
+
 
 CLIENT_CLOSED = 499  # what the routes return when the client left first: never sent, not an error answer
 UNCOUNTED_PATHS = frozenset({"/health"})  # its 503 is the health report itself, polled by probes

@@ -582,6 +582,10 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+_JSON_KINDS = {str: "a JSON string", int: "a JSON number", float: "a JSON number", bool: "a JSON boolean",
+               type(None): "JSON null", list: "a JSON array"}
+
+
 def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
     """(message, param) of the first pydantic/FastAPI validation error, OpenAI style.
 
@@ -599,7 +603,8 @@ def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str,
             if isinstance(got, (str, bytes)) and _is_json(got):  # curl -d's form type, or no type at all
                 return ("the request body is JSON but was not read as such: send it with the header "
                         "Content-Type: application/json (curl: -H 'Content-Type: application/json')"), None
-            what = "text that is not JSON" if isinstance(got, (str, bytes)) else f"JSON {type(got).__name__}"
+            # raw bytes: a body not sent as JSON; anything else is what the JSON body held
+            what = "text that is not JSON" if isinstance(got, bytes) else _JSON_KINDS.get(type(got), "another JSON value")
             return f"the request body must be a JSON object, not {what}: {SEND_JSON}", None
     if err.get("type") == "json_invalid":
         return f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}".rstrip(": "), None

@@ -50,6 +50,10 @@ FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")  # [schema, ...]
 _SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames")  # one schema (or a boolean)
+# JSON containers a schema may nest (a `properties` map and the schema in it are two). The checks below
+# and the metaschema validation recurse: a few KB of deeper nesting would exhaust Python's stack and
+# answer 500. OpenAI allows 10 levels of object nesting in a schema; this is several times that.
+MAX_SCHEMA_DEPTH = 64
 
 
 def structured_output(body: Any) -> StructuredOutput | None:
@@ -101,6 +105,9 @@ def check_valid_schema(schema: Any, param: str) -> None:
     shown to the model, like a tool's parameters under tool_choice auto, must be)."""
     if not isinstance(schema, (dict, bool)):
         raise ParamError(_top(param), f"{param} must be a JSON Schema object, got {type(schema).__name__}")
+    if _depth(schema) > MAX_SCHEMA_DEPTH:
+        raise ParamError(_top(param), f"{param} nests deeper than {MAX_SCHEMA_DEPTH} levels of JSON objects and "
+                         "arrays; flatten it (use $defs and $ref for repeated parts)")
     try:
         import jsonschema
 
@@ -109,6 +116,20 @@ def check_valid_schema(schema: Any, param: str) -> None:
         where = "/".join(str(p) for p in e.absolute_path) or "(root)"
         raise ParamError(_top(param), f"{param} is not a valid JSON Schema at {where}: {e.message}") from None
     _check_refs(schema, param)
+
+
+def _depth(value: Any) -> int:
+    """How many JSON containers deep `value` nests (0 for a scalar), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        if level <= MAX_SCHEMA_DEPTH:
+            stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 _MISSING = object()

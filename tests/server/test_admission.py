@@ -68,6 +68,7 @@ def test_exactly_running_plus_queued_are_admitted(model_dir, tmp_path, running, 
             assert set(error) == {"message", "type", "param", "code"}, error
             assert retry_after and error["code"] == "overloaded", (retry_after, error)
             assert f"--max-queued-requests {queued}" in error["message"], error
+            assert f"it holds {running + queued} completions" in error["message"], error
         # more completions than the server ever holds: the client's mistake (400 naming n), not a retryable 503
         resp = httpx.post(srv.url + "/v1/completions", timeout=60,
                           json={"prompt": "too many", "max_tokens": 2, "n": running + queued + 1})
@@ -87,20 +88,25 @@ def test_exactly_running_plus_queued_are_admitted(model_dir, tmp_path, running, 
         assert srv.stop() == 0, srv.log()
 
 
-def test_a_prompt_past_the_kv_cache_is_refused_naming_the_prompt_field(model_dir, tmp_path):
-    """A context longer than the KV cache holds: a prompt that fits the context but not the cache is the
-    client's 400 `context_length_exceeded`, naming the field the prompt came in (`prompt` or `messages`)."""
+def test_a_context_longer_than_the_kv_cache_is_cut_to_it(model_dir, tmp_path):
+    """--context-length above what the KV cache holds: the context is cut to the cache's slots (a longer
+    request could never run to its end), so a prompt past it, or a prompt and max_tokens together past it,
+    is the client's 400 `context_length_exceeded` naming the field the prompt came in (`prompt` or
+    `messages`), instead of a 200 cut short when the cache runs out."""
     srv = ServerProcess(str(model_dir), "--max-total-tokens", "96", "--context-length", "4096",
                         log=tmp_path / "log").wait_ready()
     try:
         for path, body, field in (("/v1/completions", {"prompt": [5] * 150, "max_tokens": 2}, "prompt"),
                                   ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 150}],
-                                                            "max_tokens": 2}, "messages")):
+                                                            "max_tokens": 2}, "messages"),
+                                  ("/v1/completions", {"prompt": [5] * 60, "max_tokens": 60}, "prompt")):
             resp = httpx.post(srv.url + path, timeout=60, json=body)
             error = resp.json()["error"]
             assert resp.status_code == 400 and error["code"] == "context_length_exceeded", resp.text
-            assert error["param"] == field and "KV cache" in error["message"], error
+            assert error["param"] == field and "maximum context length is 96 tokens" in error["message"], error
+        assert httpx.get(srv.url + "/v1/models", timeout=60).json()["data"][0]["max_model_len"] == 96
         ok = httpx.post(srv.url + "/v1/completions", timeout=60, json={"prompt": [5] * 20, "max_tokens": 2})
         assert ok.status_code == 200, ok.text
     finally:
         assert srv.stop() == 0, srv.log()
+    assert "is cut to 96, the KV cache's slots" in srv.log_path.read_text()

@@ -1,4 +1,5 @@
-"""`server.app.CrashMiddleware`: a bug in a route is answered (500 `internal_error`, OpenAI's shape) and
+"""`server.app.CrashMiddleware`: a bug in a route is answered (500 `internal_error`, OpenAI's shape;
+Anthropic's on its Messages route) and
 ends there, instead of being raised on to the server, which would drop the client's keep-alive
 connection; a crash after the response started is raised on (nothing can be answered any more)."""
 
@@ -26,7 +27,8 @@ async def late_crash(_):
 
 
 def app() -> Starlette:
-    return Starlette(routes=[Route("/crash", crash), Route("/late", late_crash)], middleware=[Middleware(CrashMiddleware)])
+    return Starlette(routes=[Route("/crash", crash), Route("/late", late_crash), Route("/v1/messages", crash, methods=["POST"])],
+                     middleware=[Middleware(CrashMiddleware)])
 
 
 def test_a_crash_is_answered_and_not_raised_on() -> None:
@@ -35,6 +37,12 @@ def test_a_crash_is_answered_and_not_raised_on() -> None:
     assert resp.status_code == 500
     assert resp.json() == {"error": {"message": "internal server error: KeyError", "type": "internal_error",
                                      "param": None, "code": None}}
+
+
+def test_a_crash_in_the_messages_route_is_answered_in_anthropics_shape() -> None:
+    resp = TestClient(app()).post("/v1/messages", json={})
+    assert resp.status_code == 500
+    assert resp.json() == {"type": "error", "error": {"type": "api_error", "message": "internal server error: KeyError"}}
 
 
 def test_a_crash_after_the_response_started_is_raised_on() -> None:

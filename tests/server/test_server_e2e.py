@@ -392,8 +392,10 @@ def test_an_unpaired_surrogate_is_the_clients_mistake(server, path, raw, param):
     (b'{"messages": []}', "application/x-www-form-urlencoded", "is JSON but was not read as such"),  # curl -d
     (b'{"messages": []}', "text/plain", "is JSON but was not read as such"),
     (b'{"messages": [}', "text/plain", "must be a JSON object, not text"),
-    (b'[1, 2]', "application/json", "must be a JSON object, not JSON list"),
-    (b'"hi"', "application/json", "must be a JSON object, not text"),
+    (b'[1, 2]', "application/json", "must be a JSON object, not a JSON array"),
+    (b'"hi"', "application/json", "must be a JSON object, not a JSON string"),
+    (b'null', "application/json", "must be a JSON object, not JSON null"),
+    (b'4.5', "application/json", "must be a JSON object, not a JSON number"),
     (b'{"a": "\xff"}', "application/json; charset=latin-1", "could not be read as JSON"),
 ])
 def test_a_body_that_is_not_a_json_object_says_what_to_send(server, content, ctype, says):
