@@ -54,6 +54,7 @@ from engine.args import EngineArgs
 from engine.process import CoreFactory, run_engine_process
 from engine.messages import (
     ERR_ENGINE,
+    ERR_INVALID,
     ERR_SHUTDOWN,
     FINISH_ERROR,
     AbortRequest,
@@ -262,7 +263,15 @@ class EngineClient:
         unfinished = set(range(req.params.n))
         self._load += len(unfinished)
         try:
-            self._send(req)
+            try:
+                self._send(req)
+            except (OverflowError, TypeError, ValueError) as e:  # a value no message can carry (an int past 64 bits)
+                unfinished.clear()
+                self._load -= req.params.n
+                yield RequestOutput(rid=rid, index=0, new_token_ids=[], finish_reason=FINISH_ERROR,
+                                    prompt_tokens=len(req.input_ids), arrival_time=req.arrival_time,
+                                    error=f"the request holds a value out of range: {e}", error_code=ERR_INVALID)
+                return
             while True:
                 out = await stream.queue.get()
                 if out.finished and out.index in unfinished:
@@ -423,12 +432,14 @@ class EngineClient:
     # ---- the writer thread --------------------------------------------------------------------
 
     def _send(self, msg: ToEngine) -> None:
-        self._outbox.put(msg)
+        """Queues `msg` for the writer thread, encoded here (on the loop), so that a message that cannot be
+        encoded fails its sender rather than the writer, which every request depends on."""
+        self._outbox.put(encode(msg))
 
     def _writer_main(self) -> None:
-        while (msg := self._outbox.get()) is not _STOP:
+        while (data := self._outbox.get()) is not _STOP:
             try:
-                self._conn.send_bytes(encode(msg))
+                self._conn.send_bytes(data)
             except (OSError, ValueError):  # the engine is gone; the loop's reading of the pipe reports it
                 return
 

@@ -20,6 +20,7 @@ import msgspec
 
 # Sentinel for "no limit" on top_k, as in vLLM/SGLang.
 TOP_K_ALL = -1
+INT64_MAX = 2**63 - 1  # the largest integer the engine messages carry signed
 
 
 class ParamError(ValueError):
@@ -85,7 +86,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _check(math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0,
                "temperature", "temperature must be between 0 and 100")
         _check(0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
-        _check(self.top_k == TOP_K_ALL or self.top_k >= 1, "top_k", "top_k must be -1 (all) or >= 1")
+        _check(self.top_k == TOP_K_ALL or 1 <= self.top_k <= INT64_MAX, "top_k",
+               "top_k must be -1 (all) or between 1 and 2^63 - 1 (any value from the vocabulary size up keeps all)")
         _check(0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]")
         _check(math.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
                "repetition_penalty", "repetition_penalty must be in (0, 10]")
@@ -98,7 +100,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _check(1 <= self.n <= 128, "n", "n must be in [1, 128]")
         _check(self.max_tokens is None or self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
                "max_tokens", "max_tokens must be >= 1 (0 only when scoring the prompt: echo with logprobs)")
-        _check(self.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0")
+        _check(self.max_tokens is None or self.max_tokens <= INT64_MAX, "max_tokens", "max_tokens must be below 2^63")
+        _check(0 <= self.min_tokens <= INT64_MAX, "min_tokens", "min_tokens must be between 0 and 2^63 - 1")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                "min_tokens must be <= max_tokens")
         for tok in self.stop_token_ids:

@@ -226,7 +226,9 @@ class Scheduler:
             r.kv_len += n
             if r.num_pending == 0:
                 if r.params.max_tokens == 0:  # prompt scoring only: nothing to generate
-                    self._finish(r, FINISH_LENGTH)
+                    self._finish(r, FINISH_LENGTH)  # (its prompt KV goes to the prefix cache)
+                    if r.index == 0:  # n > 1: the siblings waited for this prompt; they score it too
+                        self._unblock_siblings(r.rid)
                     out.append(r)
                 else:
                     complete.append((r, row - 1))

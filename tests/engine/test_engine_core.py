@@ -296,3 +296,11 @@ def test_prompt_logprobs_equal_log_softmax_of_full_prefill(model_dir):
     assert max(abs(g.logprob - w) for g, w in zip(got[1:], want[1:])) < 1e-4
     assert all(len(g.top) == 2 and g.top[0][1] >= g.logprob - 1e-6 for g in got[1:])
     assert_no_leak(core)
+    # n = 2: the second completion waits for the first's prompt, and must be let go when it only scored it
+    core.add_request(GenerateRequest("score2", ids, SamplingParams(max_tokens=0, prompt_logprobs=2, n=2)))
+    outs = run_to_end(core)
+    for i in (0, 1):
+        assert tokens(outs[("score2", i)]) == [] and outs[("score2", i)][-1].finish_reason == FINISH_LENGTH
+        again = next(o.prompt_logprobs for o in outs[("score2", i)] if o.prompt_logprobs)
+        assert max(abs(g.logprob - w) for g, w in zip(again[1:], want[1:])) < 1e-4
+    assert_no_leak(core)

@@ -28,6 +28,7 @@ from engine.client import EngineClient, _Frames
 from engine.process import ALIVE_S, EXIT_ENGINE_CRASHED, EXIT_OK, EXIT_PARENT_GONE, STUCK_S, run_engine_process
 from engine.messages import (
     ERR_ENGINE,
+    ERR_INVALID,
     ERR_OVERLOADED,
     FINISH_ABORT,
     FINISH_ERROR,
@@ -281,6 +282,18 @@ def test_refused_request_ends_with_its_error(client, loop, rng):
     outs = run(loop, collect(client, make_req(rng, "refused", n=3, first=REFUSE_TOKEN)))
     assert len(outs) == 1 and outs[0].error_code == ERR_OVERLOADED and outs[0].finish_reason == FINISH_ERROR
     assert run(loop, client.stats()).num_running == 0
+
+
+def test_a_request_no_message_can_carry_fails_alone(client, loop, rng):
+    """A value past 64 bits (the server's checks would refuse it) cannot be encoded: that request ends with
+    an error, and the pipe's writer, which every other request needs, keeps going."""
+    bad = make_req(rng, "huge", n=2)
+    bad = msgspec.structs.replace(bad, params=msgspec.structs.replace(bad.params, top_k=2**70))
+    outs = run(loop, collect(client, bad))
+    assert len(outs) == 1 and outs[0].finish_reason == FINISH_ERROR and outs[0].error_code == ERR_INVALID, outs
+    assert client.load == 0
+    good = make_req(rng, "after-huge", max_tokens=4)
+    assert tokens_by_index(run(loop, collect(client, good))) == {0: [expected_token(good, 0, k) for k in range(4)]}
 
 
 def test_duplicate_running_rid_is_refused(client, loop, rng):

@@ -115,6 +115,9 @@ OUT_OF_RANGE = [
     ("completion", "top_p", 0.0, "top_p"),
     ("completion", "top_p", 1.01, "top_p"),
     ("chat", "top_k", -2, "top_k"),
+    ("chat", "top_k", 10**23, "top_k"),  # past 64 bits: no engine message could carry it
+    ("chat", "min_tokens", 2**64, "min_tokens"),
+    ("completion", "max_tokens", 2**63, "max_tokens"),
     ("chat", "min_p", 1.5, "min_p"),
     ("chat", "n", 0, "n"),
     ("completion", "n", 129, "n"),

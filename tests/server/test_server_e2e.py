@@ -318,6 +318,8 @@ def test_stop_token_ids_end_the_completion(server, client, tok):
     [
         ({"messages": MSG, "temperature": 5000}, 400, "temperature", None),
         ({"messages": MSG, "top_k": -5}, 400, "top_k", None),
+        ({"messages": MSG, "top_k": 10**23}, 400, "top_k", None),  # once froze every later request
+        ({"messages": MSG, "min_tokens": 2**64}, 400, "min_tokens", None),
         ({"messages": MSG, "min_p": 2.0}, 400, "min_p", None),
         ({"messages": MSG, "presence_penalty": 3.0}, 400, "presence_penalty", None),
         ({"messages": MSG, "max_tokens": 4, "min_tokens": 9}, 400, "min_tokens", None),
