@@ -374,11 +374,13 @@ class ChatInput(_Body):
 
     def openai_messages(self) -> list[dict[str, Any]]:
         """Messages in OpenAI's shape with text content joined (None kept for an assistant message
-        that only calls tools): what `server.chat_template.template_messages` takes."""
+        that only calls tools, "" for one with neither content nor calls): what `server.chat_template.template_messages` takes."""
         out = []
         for m in self.messages:
             role = "system" if m.role == "developer" else m.role  # templates know system; developer is its new name
-            entry: dict[str, Any] = {"role": role, "content": m.text() if m.content is not None else None}
+            # content None stays None beside tool calls; alone it is an empty reply (as vLLM reads it: a
+            # template that reads the content would fail on None)
+            entry: dict[str, Any] = {"role": role, "content": m.text() if m.content is not None or not m.tool_calls else None}
             if m.name is not None:
                 entry["name"] = m.name
             if m.tool_calls:

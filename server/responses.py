@@ -11,6 +11,7 @@ last chunk, and with `stream_options.include_usage` a final chunk with `choices:
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 import uuid
@@ -576,12 +577,15 @@ class CompletionSerializer(Serializer):
         if self.body.logprobs is None:
             return None
         out = CompletionLogprobs()
+        base = len(self.prompt_text(r))
         if echoed and self.echo and r.prompt_logprobs:
+            # a token's offset: the characters its bytes' predecessors complete (a token inside a character
+            # split over several points at that character), as the generated tokens' offsets are counted
+            text = codecs.getincrementaldecoder("utf-8")(errors="replace")
             offset = 0
             for token, lp in zip(r.prompt_ids, r.prompt_logprobs):
-                self._append_logprob(out, token, lp, offset)
-                offset += len(self.token_text(token))
-        base = len(self.prompt_text(r))
+                self._append_logprob(out, token, lp, min(offset, base))
+                offset += len(text.decode(bytes(self.token_bytes(token))))
         for lp, at in lps:
             self._append_logprob(out, lp.token_id, lp, base + at)
         return out
@@ -702,7 +706,7 @@ class MessagesSerializer(ChatSerializer):
             content.append({"type": "text", "text": message.content})
         for c in message.tool_calls or ():
             content.append({"type": "tool_use", "id": c.id, "name": c.function.name,
-                            "input": json.loads(c.function.arguments)})
+                            "input": _tool_input(c.function.arguments)})
         return self.message_object(content, final=True)
 
     def stream_start(self) -> list[Any]:
@@ -744,3 +748,14 @@ class MessagesSerializer(ChatSerializer):
         usage = self.anthropic_usage()
         return [*self._close(), {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                  "usage": {"output_tokens": usage["output_tokens"]}}, {"type": "message_stop"}]
+
+
+def _tool_input(arguments: str) -> dict[str, Any]:
+    """A tool_use block's `input`: the call's arguments as an object, or {} for arguments cut off by
+    max_tokens (not JSON yet; the reply's stop_reason says max_tokens, and Anthropic's advice is to ask
+    again with more; a stream has sent the partial text in its input_json_delta events)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}

@@ -15,7 +15,8 @@ draft, `jsonschema`), and every keyword in it must be one the grammar engine enf
 keywords it does not implement (`multipleOf`, `uniqueItems`, `not`, `if`, ...); a request asking for
 one would get output that silently breaks its schema, so it is refused with a 400 naming the keyword
 and where it is. `oneOf` is enforced as `anyOf` (a value matching two branches is not excluded), and
-a `pattern` is matched as a whole (anchored), which only narrows what is produced.
+a `pattern` is matched as a whole (anchored), which only narrows what is produced. `minLength` or
+`maxLength` beside a `pattern` or `format` is refused: xgrammar would drop the length.
 
 The schema sent to the engine closes every object that lists its `properties` to other keys
 (`_closed_objects`), unless it says otherwise: still the client's schema, minus the keys a small
@@ -178,6 +179,11 @@ def check_json_schema(schema: Any, param: str) -> None:
     """ParamError(param) unless `schema` is a valid JSON Schema made only of keywords we enforce."""
     check_valid_schema(schema, param)
     for path, node in _schemas(schema, ""):
+        shape, length = [k for k in ("pattern", "format") if k in node], [k for k in ("minLength", "maxLength") if k in node]
+        if shape and length:  # xgrammar drops the length then (with a log line), so the limit would not hold
+            raise ParamError(_top(param), f"{param}: {length[0]} together with {shape[0]} (at {path or '/'}) is not "
+                             f"supported by constrained decoding; put the length in the pattern (e.g. "
+                             "^[a-z]{1,8}$) or drop one of them")
         for key, value in node.items():
             if key in ANNOTATIONS:
                 continue

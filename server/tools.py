@@ -3,7 +3,8 @@ sampling and the parsing of its output.
 
     ChatCompletionRequest (or /tokenize's messages: any ChatInput) --plan_tools--> ToolPlan
         .tools       rendered by the model's chat template (HF's `tools` variable)
-        .system      our own tool prompt, for a template that ignores `tools` (Hermes markup)
+        .system      our own tool prompt, for a template that ignores `tools` (the list; for "auto" and no
+                     format the template implies, Hermes markup to call in)
         .structured  a grammar for forced calls ("required" or a named function)
         .new_parser  one parser per choice: model text -> content + tool calls (server.tool_parsers)
 
@@ -18,7 +19,9 @@ sampling and the parsing of its output.
   per call (one at most without `parallel_tool_calls`), each `parameters` to its function's schema.
 - a named function: the output is constrained to that function's parameters schema, and the whole
   output is the call's arguments.
-Forced calls thus come back valid even from a small model, whatever markup its template uses.
+Forced calls thus come back valid even from a small model, whatever markup its template uses. For them
+a template that never reads `tools` gets the tool list (no markup) in a system message of ours: the
+model fills in arguments it has seen described.
 """
 
 from __future__ import annotations
@@ -77,14 +80,20 @@ def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto")
     if not tools or choice == "none":
         return ToolPlan()
     rendered = [t.model_dump(exclude_none=True) for t in tools]
+    renders_tools = template is not None and "tools" in template
+    # a forced call (named or required) is written as the constrained JSON, not in any markup, but the
+    # model still has to see the tools' descriptions to fill in their arguments: listed in a system
+    # prompt when the template does not render them
+    forced_system = None if renders_tools else _TOOL_LIST_PROMPT.format(
+        tools="\n".join(json.dumps(t, ensure_ascii=False) for t in rendered))
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
             raise ParamError("tool_choice", f"tool_choice names the function '{choice.function.name}', which is not "
                              f"among tools ({', '.join(names)})")
         fn = tools[names.index(choice.function.name)].function
         params = _parameters(fn.parameters, f"tools.[{names.index(fn.name)}].function.parameters")
-        return ToolPlan(rendered, None, schema_output(params, "tool_choice"), lambda: MergedDeltas(NamedToolCall(fn.name)),
-                        named=True)
+        return ToolPlan(rendered, forced_system, schema_output(params, "tool_choice"),
+                        lambda: MergedDeltas(NamedToolCall(fn.name)), named=True)
     if choice == "required":
         items = [{"type": "object", "properties": {
                       "name": {"const": t.function.name},
@@ -94,10 +103,9 @@ def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto")
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
         if body.parallel_tool_calls is False:
             schema["maxItems"] = 1
-        return ToolPlan(rendered, None, schema_output(schema, "tool_choice"), RequiredToolCalls)
+        return ToolPlan(rendered, forced_system, schema_output(schema, "tool_choice"), RequiredToolCalls)
     # auto: the parser the template implies (or the flag's); Hermes where nothing says otherwise
     name = detect_tool_parser(template) if parser_name == "auto" else parser_name
-    renders_tools = template is not None and "tools" in template
     if name is None and renders_tools:
         raise ParamError("tools", "this model's chat template uses a tool-call format mlaserve does not recognise; "
                          f"start the server with --tool-call-parser (one of {', '.join(sorted(TOOL_PARSERS))})")

@@ -128,9 +128,25 @@ def test_stop_sequence_is_named(client):
     assert m.content[0].text == text.split(stop)[0]
 
 
+def test_a_forced_call_cut_off_by_max_tokens_is_a_tool_use_with_no_input(client):
+    """Its arguments are not JSON yet: the block's input is {} and stop_reason says max_tokens (it was a
+    500 once, the arguments parsed as they were)."""
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    full = client.messages.create(model="m", max_tokens=120, messages=ask, tools=[WEATHER],
+                                  tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body=GREEDY)
+    cut = [b for b in full.content if b.type == "tool_use"]
+    assert full.stop_reason == "tool_use" and cut
+    m = client.messages.create(model="m", max_tokens=full.usage.output_tokens - 3, messages=ask, tools=[WEATHER],
+                               tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body=GREEDY)
+    assert m.stop_reason == "max_tokens"
+    assert [(b.type, b.name, b.input) for b in m.content if b.type == "tool_use"] == [("tool_use", cut[0].name, {})]
+
+
 def test_forced_tool_call_and_its_result_round_trip(server, client, chat):
     ask = [{"role": "user", "content": "Weather in Paris?"}]
-    m = client.messages.create(model="m", max_tokens=120, messages=ask, tools=[WEATHER], tool_choice={"type": "any"},
+    # one call at most: the grammar then bounds the call's length (a random model might not end an array)
+    any_one = {"type": "any", "disable_parallel_tool_use": True}
+    m = client.messages.create(model="m", max_tokens=120, messages=ask, tools=[WEATHER], tool_choice=any_one,
                                extra_body=GREEDY)
     assert m.stop_reason == "tool_use"
     calls = [b for b in m.content if b.type == "tool_use"]
@@ -139,7 +155,7 @@ def test_forced_tool_call_and_its_result_round_trip(server, client, chat):
     named = client.messages.create(model="m", max_tokens=120, messages=ask, tools=[WEATHER],
                                    tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True})
     assert [b.type for b in named.content] == ["tool_use"] and named.stop_reason == "tool_use"
-    events = sse(server.url, {"max_tokens": 120, "messages": ask, "tools": [WEATHER], "tool_choice": {"type": "any"},
+    events = sse(server.url, {"max_tokens": 120, "messages": ask, "tools": [WEATHER], "tool_choice": any_one,
                               **GREEDY})
     blocks = [b for b in streamed_blocks(events) if b["type"] == "tool_use"]
     assert [(b["name"], b["input"]) for b in blocks] == [(c.name, c.input) for c in calls]

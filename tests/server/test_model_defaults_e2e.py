@@ -158,7 +158,7 @@ def test_tokenize_a_prompt(auto, tokenizer) -> None:
     assert r.status_code == 200, r.text
     body = r.json()
     ids = tokenizer.encode(text, add_special_tokens=False).ids  # this model adds no BOS
-    assert body == {"tokens": ids, "count": len(ids), "max_model_len": 8192,
+    assert body == {"tokens": ids, "count": len(ids), "max_model_len": 4096,  # the context cut to --max-total-tokens
                     "token_strs": [tokenizer.id_to_token(i) for i in ids]}
     assert "token_strs" not in post(auto, "/tokenize", {"prompt": text, "model": None}).json()
     # the completions API encodes the prompt the same way

@@ -80,7 +80,7 @@ def test_valid_requests_and_unknown_fields_ignored() -> None:
          "tools": [{"type": "function", "function": {"name": "f"}}], "response_format": {"type": "text"},
          "some_future_field": 1})
     messages = chat.openai_messages()
-    assert [m["content"] for m in messages] == ["be brief", "x", "a\nb", None, "42"]
+    assert [m["content"] for m in messages] == ["be brief", "x", "a\nb", "", "42"]  # an empty reply: ""
     assert [m["role"] for m in messages] == ["system", "system", "user", "assistant", "tool"]  # developer: system
     assert messages[-1]["tool_call_id"] == "t" and chat.tools[0].function.name == "f" and chat.stop_strings() == []
     comp = CompletionRequest.model_validate({**COMPLETION, "suffix": None, "best_of": 1})

@@ -579,6 +579,22 @@ def test_echo_with_logprobs_scores_the_prompt(server, client, tok):
     assert_error(post(server, "/v1/completions", {"prompt": "x", "max_tokens": 0}), 400)
 
 
+def test_echoed_prompt_offsets_point_into_the_text_where_tokens_split_characters(server, client):
+    """Byte-level tokens split an emoji over several tokens: each echoed token's offset is that of the
+    character it is part of, so offsets never go back and always point into the text."""
+    prompt = "Emojis: \U0001F600\U0001F60E and caf\u00e9 \u6771\u4eac"
+    r = client.completions.create(model=server_model_id(server), prompt=prompt, max_tokens=2, temperature=0,
+                                  echo=True, logprobs=0, extra_body={"ignore_eos": True})
+    text, lp = r.choices[0].text, r.choices[0].logprobs
+    assert text.startswith(prompt)
+    offsets = lp.text_offset
+    assert offsets == sorted(offsets) and all(0 <= o < len(text) for o in offsets), (offsets, len(text))
+    for token, at in zip(lp.tokens, offsets):
+        if "\ufffd" not in token:  # a whole token's text stands at its offset
+            assert text[at : at + len(token)] == token, (token, at, text)
+    assert offsets[len(offsets) - 2] >= len(prompt)  # the generated tokens come after the prompt
+
+
 def test_omnikv_request_field(server, client):
     """`omnikv: true` decodes sparsely (counted in /metrics; the server default is off), false and unset
     do not; a wrong type is a 400 naming the field."""

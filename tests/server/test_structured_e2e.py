@@ -243,6 +243,13 @@ BAD = [
     ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}]}, "tools", "points at nothing"),
     ({"messages": ASK, "response_format": {"type": "xml"}}, "response_format.type", None),
+    # xgrammar would drop the length beside a pattern or format: an output past maxLength, answered 200
+    ({"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"code": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}}}}}},
+     "response_format", "maxLength together with pattern"),
+    ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"to": {"type": "string", "format": "email", "minLength": 5}}}}}],
+      "tool_choice": "required"}, "tools", "minLength together with format"),
     # deep enough to exhaust the schema checks' recursion (a 500 before the depth limit), small as a body
     ({"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema":
         nested(150, in_array)}}}, "response_format", "nests deeper than"),
@@ -299,6 +306,31 @@ def test_a_schema_just_within_the_depth_limit_is_kept(client):
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
     else:  # cut short: still a prefix of valid JSON made only of brackets, an integer and its closers
         assert set(r.choices[0].message.content) <= set("[]-0123456789 \n")
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_the_model_sees_the_tools_whatever_forces_the_call(server, choice):
+    """The default model's template ignores `tools`: every choice but "none" lists them in a system prompt
+    of ours (a forced call's arguments are filled in by a model that has read the descriptions)."""
+    def rendered(tool_choice):
+        ids = httpx.post(server.url + "/tokenize", timeout=60, json={
+            "model": MODEL, "messages": ASK, "tools": [WEATHER, TIME], "tool_choice": tool_choice}).json()["tokens"]
+        return httpx.post(server.url + "/detokenize", timeout=60, json={"model": MODEL, "tokens": ids}).json()["prompt"]
+
+    assert "Current weather in a city" not in rendered("none")
+    text = rendered(choice)
+    assert "Current weather in a city" in text and '"get_time"' in text, text
+    assert ("<tool_call>" in text) == (choice == "auto"), text  # forced calls are written as bare JSON
+
+
+def test_an_assistant_turn_with_neither_content_nor_calls_is_an_empty_reply(server):
+    """vLLM reads it so; the default model's template would fail on its null content (a 400 that spoke
+    of the template's internals)."""
+    history = [*ASK, {"role": "assistant", "content": None}, {"role": "user", "content": "Well?"}]
+    resp = post(server, {"messages": history, "max_tokens": 2})
+    assert resp.status_code == 200, resp.text
+    empty = post(server, {"messages": [*ASK, {"role": "assistant", "content": ""}, history[-1]], "max_tokens": 2})
+    assert resp.json()["usage"]["prompt_tokens"] == empty.json()["usage"]["prompt_tokens"]
 
 
 def test_the_server_keeps_serving_after_refusals(client):
