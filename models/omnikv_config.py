@@ -77,10 +77,34 @@ class OmniKVConfig:
     calibration: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "filter_layers", tuple(int(x) for x in self.filter_layers))
+        problems = self._type_problems()  # a file's 1.5 or "no" must not be read as 1 or True
+        if problems:
+            raise ValueError("OmniKV config: " + "; ".join(problems))
+        object.__setattr__(self, "filter_layers", tuple(self.filter_layers))
         problems = self.problems()
         if problems:
             raise ValueError("OmniKV config: " + "; ".join(problems))
+
+    def _type_problems(self) -> list[str]:
+        """The fields whose JSON type is wrong (a bool is not an integer here, nor an integer-valued float)."""
+        is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+        out = []
+        fl = self.filter_layers
+        if not isinstance(fl, (list, tuple)) or not all(is_int(x) for x in fl):
+            out.append(f"filter_layers must be a list of layer numbers (integers), got {fl!r}")
+        if not (is_int(self.budget_ratio) or isinstance(self.budget_ratio, float)):
+            out.append(f"budget_ratio must be a number, got {self.budget_ratio!r}")
+        for name in ("budget_tokens", "window", "sink_tokens", "recent_tokens", "min_context"):
+            value = getattr(self, name)
+            if not is_int(value) and not (name == "budget_tokens" and value is None):
+                out.append(f"{name} must be an integer{' or null' if name == 'budget_tokens' else ''}, got {value!r}")
+        if not isinstance(self.alpha, str):
+            out.append(f"alpha must be a string, got {self.alpha!r}")
+        if not isinstance(self.full_after_filter, bool):
+            out.append(f"full_after_filter must be true or false, got {self.full_after_filter!r}")
+        if self.calibration is not None and not isinstance(self.calibration, dict):
+            out.append("calibration must be an object (what calibrate-omnikv measured)")
+        return out
 
     def problems(self, num_layers: int | None = None) -> list[str]:
         """What is wrong with these settings (for a model of `num_layers` layers when given)."""

@@ -156,6 +156,8 @@ class MessagesRequest(_Body):
     output_config: OutputConfig | None = None
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    # mlaserve extension, as on chat completions: OmniKV sparse attention for this request's decode
+    omnikv: StrictBool | None = None
 
 
 class CountTokensRequest(MessagesRequest):
@@ -213,7 +215,7 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
                          "a user message (with the tool_result blocks of any tool_use)")
     chat: dict[str, Any] = {"model": req.model, "messages": messages, "max_tokens": req.max_tokens,
                             "stream": bool(req.stream), "continue_final_message": prefill}
-    for field in ("temperature", "top_p", "top_k"):
+    for field in ("temperature", "top_p", "top_k", "omnikv"):
         if field in req.model_fields_set:
             chat[field] = getattr(req, field)
     if req.stop_sequences:

@@ -133,6 +133,8 @@ class ResponsesRequest(_Body):
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     background: StrictBool | None = None
+    # mlaserve extension, as on chat completions: OmniKV sparse attention for this request's decode
+    omnikv: StrictBool | None = None
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -274,7 +276,7 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     if not messages:
         raise ParamError("input", "input is required: a string, or a list with at least one message or function call")
     chat: dict[str, Any] = {"model": req.model, "messages": messages, "stream": bool(req.stream)}
-    for field in ("temperature", "top_p", "parallel_tool_calls", "user"):
+    for field in ("temperature", "top_p", "parallel_tool_calls", "user", "omnikv"):
         if field in req.model_fields_set:
             chat[field] = getattr(req, field)
     if req.max_output_tokens is not None:

@@ -34,6 +34,15 @@ def test_plan_roles():
     (dict(filter_layers=(3, 1)), "ascending"), (dict(filter_layers=(1,), budget_ratio=0.0), "budget_ratio"),
     (dict(filter_layers=(1,), window=17), "window"), (dict(filter_layers=(1,), alpha="max"), "alpha"),
     (dict(filter_layers=(1,), recent_tokens=0), "recent_tokens"), (dict(filter_layers=(1,), budget_tokens=0), "budget_tokens"),
+    # wrong JSON types, once read as something else (1.5 -> a crash mid-decode, "no" -> True, "6" -> [6])
+    (dict(filter_layers=(1,), budget_tokens=1.5), "budget_tokens must be an integer"),
+    (dict(filter_layers=(1,), budget_tokens=True), "budget_tokens must be an integer"),
+    (dict(filter_layers=(1,), window=2.5, alpha="uniform"), "window must be an integer"),
+    (dict(filter_layers=(1,), full_after_filter="no"), "full_after_filter must be true or false"),
+    (dict(filter_layers="6"), "filter_layers must be a list"), (dict(filter_layers=[6.9, 17.2]), "filter_layers must be a list"),
+    (dict(filter_layers=(1,), sink_tokens=2.5), "sink_tokens must be an integer"),
+    (dict(filter_layers=(1,), budget_ratio="0.1"), "budget_ratio must be a number"),
+    (dict(filter_layers=(1,), alpha=1), "alpha must be a string"),
 ])
 def test_config_refuses_bad_settings(bad, words):
     with pytest.raises(ValueError, match=words):

@@ -614,6 +614,19 @@ def test_omnikv_request_field(server, client):
     assert metric(server, "mlaserve_omnikv_bank_host_bytes") == metric(server, "mlaserve_omnikv_bank_gathered_bytes_total") == 0
     assert_error(post(server, "/v1/completions", {"model": server_model_id(server), "prompt": "hi", "omnikv": "yes"}),
                  400, param="omnikv")
+    # the Responses and Messages routes carry the field too (their usage: the tokens decoded after the first)
+    for path, body, used in (
+            ("/v1/responses", {"input": words, "max_output_tokens": 6}, lambda u: u["output_tokens"]),
+            ("/v1/messages", {"messages": [{"role": "user", "content": words}], "max_tokens": 6},
+             lambda u: u["output_tokens"])):
+        for choice in (False, True):
+            before = metric(server, "mlaserve_omnikv_sparse_tokens_total")
+            resp = post(server, path, {"model": server_model_id(server), **body, "temperature": 0, "omnikv": choice})
+            assert resp.status_code == 200, resp.text
+            sparse = metric(server, "mlaserve_omnikv_sparse_tokens_total") - before
+            assert sparse == (used(resp.json()["usage"]) - 1 if choice else 0), (path, choice, resp.json()["usage"])
+        resp = post(server, path, {"model": server_model_id(server), **body, "omnikv": "yes"})
+        assert resp.status_code == 400 and "omnikv" in resp.text, resp.text
 
 
 def test_continue_final_message_prefills_the_reply(server, client, model_dir):
