@@ -135,8 +135,13 @@ class ChatMessage(_Request):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, value: Any) -> Any:
-        return check_part_types(value, ("text",), "only 'text' parts are supported")
+    def _text_parts_only(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.data.get("role") == "assistant" and isinstance(value, list):  # OpenAI's history may hold a
+            value = [{"type": "text", "text": p["refusal"]}  # refusal the model gave: its text is what it said
+                     if isinstance(p, Mapping) and p.get("type") == "refusal" and isinstance(p.get("refusal"), str)
+                     else p for p in value]
+        return check_part_types(value, ("text",), "only 'text' parts are supported"
+                                + (" (and 'refusal' in an assistant message)" if info.data.get("role") == "assistant" else ""))
 
     @field_validator("content")
     @classmethod

@@ -81,6 +81,13 @@ def test_valid_requests_and_unknown_fields_ignored() -> None:
          "some_future_field": 1})
     messages = chat.openai_messages()
     assert [m["content"] for m in messages] == ["be brief", "x", "a\nb", "", "42"]  # an empty reply: ""
+    refused = ChatCompletionRequest.model_validate({**CHAT, "messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},
+        {"role": "user", "content": "ok"}]})
+    assert refused.openai_messages()[1]["content"] == "I can't."  # an assistant's refusal part: what it said
+    with pytest.raises(ValidationError, match="only 'text' parts"):
+        ChatCompletionRequest.model_validate({**CHAT, "messages": [{"role": "user", "content": [
+            {"type": "refusal", "refusal": "no"}]}]})
     assert [m["role"] for m in messages] == ["system", "system", "user", "assistant", "tool"]  # developer: system
     assert messages[-1]["tool_call_id"] == "t" and chat.tools[0].function.name == "f" and chat.stop_strings() == []
     comp = CompletionRequest.model_validate({**COMPLETION, "suffix": None, "best_of": 1})
