@@ -48,9 +48,10 @@ of the model, measured here once over real text ("inter-layer attention similari
      search's (a later one usually scores better and always decodes slower);
    * the other m - 1 filter layers: every placement after it with each filter layer at least 3
      layers after the previous one (the layer after a filter layer attends fully), so each has a
-     sparse layer of its own to serve, and the last at most L - 3. When more than `--max-candidates` placements
-     exist, a grid of every s-th layer is scored (the least s that fits), then the best is refined by
-     moving one filter layer at a time by fewer than s layers while the score improves.
+     sparse layer of its own to serve, and the last at most L - 3 (`MIN_GAP`: fixed, `--lookahead`
+     spans the table only). When more than `--max-candidates` placements exist, a grid of every s-th
+     layer is scored (the least s that fits), then the best is refined by moving one filter layer at
+     a time by fewer than s layers while the score improves.
    When no placement of m fits the depth, the most that fit are chosen (a note says so).
 
 The config (`OmniKVConfig`, budget_ratio R, the other settings their defaults) is written with
@@ -65,6 +66,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import os
 import random
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -80,7 +82,7 @@ from kernels.attention.omnikv import select_positions
 from kernels.attention.torch_backend import TorchAttentionBackend
 from mlaserve.argtypes import float_in, positive_int
 from models.omnikv_config import MAX_FILTER_LAYERS, SPARSE, OmniKVConfig, first_filter_default
-from server.args import OneLineParser
+from server.args import BadSetting, OneLineParser, load_model_checked
 from server.chat_template import user_turn_ids
 
 if TYPE_CHECKING:
@@ -96,6 +98,10 @@ DEFAULT_PROBE_TOKENS = 2048
 DEFAULT_ANSWER_TOKENS = 16
 DEFAULT_MAX_CANDIDATES = 160
 MIN_LAYERS = 4  # a full layer, the filter layer, the full layer after it and one sparse layer
+# the least distance between filter layers, and of the last from the end: the layer after a filter layer
+# attends fully, so each needs one more after that to decode sparsely from its selection. Fixed by the
+# plan's structure (models.omnikv_config), not a setting: --lookahead only sets the capability table's span
+MIN_GAP = 3
 
 
 class CalibrationError(Exception):
@@ -323,16 +329,16 @@ class ProbeSet:
 
 def _check_first(first: int, layers: int) -> None:
     _check_depth(layers)
-    if not 1 <= first <= layers - 3:
-        raise CalibrationError(f"--first-filter {first} must be between 1 and {layers - 3} for a model of {layers} "
-                               "layers (the layer after a filter layer attends fully, and a layer after that must "
-                               "be left to decode sparsely)")
+    if not 1 <= first <= layers - MIN_GAP:
+        raise CalibrationError(f"--first-filter {first} must be between 1 and {layers - MIN_GAP} for a model of "
+                               f"{layers} layers (the layer after a filter layer attends fully, and a layer after "
+                               "that must be left to decode sparsely)")
 
 
-def placements(layers: int, first: int, filters: int, gap: int = 3, stride: int = 1) -> list[tuple[int, ...]]:
+def placements(layers: int, first: int, filters: int, gap: int = MIN_GAP, stride: int = 1) -> list[tuple[int, ...]]:
     """Filter-layer tuples starting at `first`, each next at least `gap` after the previous and the last
-    at most L - 3; the later ones on every `stride`-th layer from first + gap."""
-    later = range(first + gap, layers - 2, stride)
+    at most L - MIN_GAP; the later ones on every `stride`-th layer from first + gap."""
+    later = range(first + gap, layers - MIN_GAP + 1, stride)
     return [(first, *rest) for rest in itertools.combinations(later, filters - 1)
             if all(b - a >= gap for a, b in zip((first, *rest), rest))]
 
@@ -504,8 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queries", type=positive_int, default=DEFAULT_QUERIES, metavar="Q",
                    help=f"observation queries: the last Q positions (default: {DEFAULT_QUERIES})")
     p.add_argument("--lookahead", type=positive_int, default=DEFAULT_LOOKAHEAD, metavar="n",
-                   help=f"following layers a capability is measured over, and the least distance between "
-                        f"filter layers (default: {DEFAULT_LOOKAHEAD})")
+                   help=f"following layers a layer's capability is measured over, in the printed table (default: "
+                        f"{DEFAULT_LOOKAHEAD}); the choice is made by decoding, with filter layers at least "
+                        f"{MIN_GAP} apart whatever n is")
     p.add_argument("--filters", type=int, choices=range(1, MAX_FILTER_LAYERS + 1), default=MAX_FILTER_LAYERS,
                    metavar="m", help=f"filter layers to choose, 1 to {MAX_FILTER_LAYERS} (default: {MAX_FILTER_LAYERS})")
     p.add_argument("--budget-ratio", type=float_in(0.0, 1.0, low_open=True), default=0.1, metavar="R",
@@ -547,6 +554,31 @@ def read_text(path: str) -> str:
         raise CalibrationError(f"cannot read the text file {path}: {err.strerror or err}") from None
 
 
+def fit_note(fit: int, wanted: int, first: int, layers: int) -> str:
+    """Why fewer filter layers than --filters were chosen: the rule of `placements`."""
+    return (f"only {fit} of {wanted} filter layers fit after layer {first} in {layers} layers (each at least "
+            f"{MIN_GAP} layers after the previous, the last at most layer {layers - MIN_GAP})"
+            + ("; a lower --first-filter leaves room for more" if first > 1 else ""))
+
+
+def output_problem(output: Path, given: bool = True) -> str | None:
+    """Why the config could not be written to `output` (checked before the run, which takes minutes), or
+    None. `given`: by --output (else the default name, in the current directory)."""
+    shown = f"--output {output}" if given else f"the default output {output} (in the current directory, {Path.cwd()})"
+    if output.is_dir():
+        return f"{shown} is a directory: give a file path, e.g. {output / 'omnikv.json'}"
+    parent = output.absolute().parent
+    if not parent.exists():
+        return f"{shown}: the directory {parent} does not exist; create it or pass --output a path in an existing one"
+    if not parent.is_dir():
+        return f"{shown}: {parent} is not a directory; pass --output a path in a directory"
+    if output.exists() and not os.access(output, os.W_OK):
+        return f"{shown} is not writable (permission denied); pass --output a writable path"
+    if not output.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        return f"{shown}: cannot create a file in {parent} (permission denied); pass --output a writable path"
+    return None
+
+
 def _fail(message: str) -> int:
     print(f"{PROG}: {message}", file=sys.stderr)
     return 2
@@ -560,15 +592,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(str(err))
     name = model_label(args.model)
     output = Path(args.output) if args.output else Path(f"omnikv-{name}.json")
-
-    from models.loader.errors import CheckpointError
-    from models.loader.load import load_model
+    problem = output_problem(output, given=bool(args.output))  # now, not after the run
+    if problem:
+        return _fail(problem)
 
     try:
-        loaded = load_model(args.model, device=args.device, dtype=args.dtype, cpu_weights=calibration_weights(args),
-                            progress=sys.stderr.isatty())
-    except (FileNotFoundError, KeyError, CheckpointError, ValueError) as err:
-        return _fail(f"cannot load the model {args.model}: {err}")
+        loaded = load_model_checked(args.model, device=args.device, dtype=args.dtype,
+                                    cpu_weights=calibration_weights(args), progress=sys.stderr.isatty())
+    except BadSetting as err:
+        return _fail(str(err))
     tok = loaded.tokenizer
     if tok is None:
         return _fail(f"the model {args.model} has no tokenizer")
@@ -600,8 +632,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as err:
         return _fail(f"cannot write {output}: {err.strerror or err}; pass --output a writable path")
     if len(chosen) < args.filters:
-        print(f"{PROG}: only {len(chosen)} of {args.filters} filter layers fit after layer {chosen[0]} (each 3 "
-              "layers after the previous, the last at most 3 from the end)", file=sys.stderr)
+        print(f"{PROG}: {fit_note(len(chosen), args.filters, chosen[0], loaded.config.num_hidden_layers)}",
+              file=sys.stderr)
     plan = result.config.plan(loaded.config.num_hidden_layers)
     sparse = sum(1 for r in plan.roles if r == SPARSE)
     kept = "" if result.sparse_mass is None else f", keeping {result.sparse_mass:.1%} of their attention mass"

@@ -19,7 +19,7 @@ from mlaserve.argtypes import positive_int
 
 def _generate(argv: list[str]) -> int:
     from engine.args import EngineArgs
-    from server.args import flags_of, parse_flags
+    from server.args import BadSetting, flags_of, load_model_checked, parse_flags, refuse
 
     def own(p: argparse.ArgumentParser) -> None:
         p.add_argument("--prompt", required=True, help="the text to continue")
@@ -28,17 +28,20 @@ def _generate(argv: list[str]) -> int:
                        help="tokens to generate at most (default: 64)")
 
     # the engine's flags (and MLASERVE_* variables) are serve's: one definition in EngineArgs
-    args = parse_flags("mlaserve generate", "Greedy generation from one prompt.",
+    prog = "mlaserve generate"
+    args = parse_flags(prog, "Greedy generation from one prompt.",
                        flags_of(EngineArgs, ["model", "device", "dtype"]), argv, extra=own)
 
     from engine.client import set_cpu_wait_policy
 
     set_cpu_wait_policy(os.environ)  # before torch is imported below
-    from models.loader.load import load_model
     from executor.model_runner import ModelRunner
     from server.chat_template import render_chat
 
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    try:  # a missing path, a directory that is no HF model, a corrupt checkpoint: one line, as serve says it
+        loaded = load_model_checked(args.model, device=args.device, dtype=args.dtype, progress=sys.stderr.isatty())
+    except BadSetting as e:
+        refuse(prog, str(e))
     tok = loaded.tokenizer
     assert tok is not None
     text = args.prompt
@@ -69,10 +72,13 @@ def _calibrate_omnikv(argv: list[str]) -> int:
 
 
 def _serve(argv: list[str]) -> int:
-    from server.args import parse_serve_args
+    from server.args import model_problem, parse_serve_args, refuse
 
     args = parse_serve_args(argv)  # --help and flag errors exit here, before heavy imports
     if args.engine.node_rank > 0:  # another machine of a multi-node --tp: its ranks only, no HTTP server
+        problem = model_problem(args.engine.model)  # as server.launch.serve checks it on node 0
+        if problem:
+            refuse("mlaserve serve", problem)
         import logging
 
         from engine.ranks import serve_node
@@ -90,9 +96,22 @@ COMMANDS = {"serve": _serve, "generate": _generate, "make-checkpoint": _make_che
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in COMMANDS:
+    if argv and argv[0] in ("-h", "--help"):  # asked for: the usage on stdout
+        print(__doc__.strip())
+        return 0
+    if not argv:
         print(__doc__.strip(), file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        return 2
+    if argv[0] not in COMMANDS:
+        import difflib
+
+        if argv[0].startswith("-"):  # a flag where the command goes: `mlaserve --port 8000`
+            what = f"{argv[0]!r} is not a command: the command comes first (e.g. mlaserve serve {argv[0]} ...)"
+        else:
+            close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+            what = f"unknown command {argv[0]!r}" + (f" (did you mean '{close[0]}'?)" if close else "")
+        print(f"mlaserve: error: {what}; the commands: {', '.join(COMMANDS)} (see mlaserve --help)", file=sys.stderr)
+        return 2
     return COMMANDS[argv[0]](argv[1:])
 
 

@@ -8,9 +8,12 @@ line wins over its variable, which wins over the default.
 Environment values go through the very parser and checks of their flag, before anything starts: an
 environment value is never handed to argparse as a default (argparse checks neither the type nor the
 choices of a default), so a bad one ends the command with one line naming the variable (exit 2), never
-a traceback or a server that binds its port and then dies. Every `MLASERVE_*` value a command reads is
-checked, also one that a flag overrides: a wrong value in the environment is a mistake either way.
-Constraints between settings are checked in `combination_problem`, after both sources are merged.
+a traceback or a server that binds its port and then dies. A variable that a flag on the command line
+overrides is not used, so a bad value there does not stop the command: it is named in a warning (it is
+still a mistake, and would be used the day the flag is dropped). Constraints between settings are
+checked in `combination_problem`, after both sources are merged.
+
+Every integer setting must fit in 64 bits, as a request's seed must (`scheduler.sampling_params`).
 """
 
 from __future__ import annotations
@@ -23,12 +26,15 @@ import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, NoReturn
 
-from engine.args import EngineArgs, FlagSpec, flag, internal, non_empty, non_negative, positive
+from engine.args import EngineArgs, FlagSpec, flag, internal, non_empty, non_negative, omnikv_file, positive
 from server.chat_template import ChatTemplateError, load_chat_template
 from server.reasoning import REASONING_PARSERS
 from server.tool_parsers import TOOL_PARSERS
+
+if TYPE_CHECKING:
+    from models.loader.load import LoadedModel
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # logging's and uvicorn's names
 
@@ -79,12 +85,21 @@ def origins_value(value: str) -> str | None:
     (no path: an origin never ends in "/", so "http://localhost:3000/" would never match)."""
     for origin in (o.strip() for o in value.split(",")):
         if origin and origin != "*" and not _ORIGIN.fullmatch(origin):
-            return (f"{origin!r} is not an origin: give '*' or scheme://host[:port] without a path, e.g. "
-                    "http://localhost:3000")
+            # said after the value (Flag.parse): a list's bad entry is named, a lone one is the value
+            what = "is not an origin" if origin == value.strip() else f"holds {origin!r}, which is not an origin"
+            return f"{what}: give '*' or scheme://host[:port] without a path, e.g. http://localhost:3000"
     return None
 
 
 GENERATION_CONFIG_MODES = ("auto", "none")
+
+# the range of an integer setting: what a request's seed may be (scheduler.sampling_params), a signed or
+# an unsigned 64-bit integer; past it no engine message carries the value
+INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
+
+# checks whose problem is a whole sentence that names the value (a file's reader names the file), so
+# that the value is not said twice
+SELF_NAMING_CHECKS = frozenset({omnikv_file})
 
 
 @dataclass(frozen=True)
@@ -170,9 +185,15 @@ class Flag:
                              f"expected {'an integer' if self.kind is int else 'a number'}, got {text!r}") from None
         if self.spec.choices and value not in self.spec.choices:
             raise ValueError(f"invalid choice {text!r} (choose from {', '.join(self.spec.choices)})")
+        if self.kind is int and not INT64_MIN <= value <= UINT64_MAX:
+            bound = f"at most {UINT64_MAX}" if value > 0 else f"at least {INT64_MIN}"
+            raise ValueError(f"{text!r} must fit in 64 bits ({bound})")
         problem = self.spec.check(value) if self.spec.check else None
         if problem:
-            raise ValueError(f"{text!r} {problem}")
+            # a check's problem is said after the value ("'0' must be > 0"), unless it names the value
+            # itself, as a file's reader does ("cannot read the OmniKV config /x.json: ...")
+            names_it = repr(text) in problem or self.spec.check in SELF_NAMING_CHECKS
+            raise ValueError(problem if names_it else f"{text!r} {problem}")
         return value
 
 
@@ -201,19 +222,28 @@ class BadSetting(Exception):
     """A flag or environment value that cannot be used; the message names it."""
 
 
-def environment_values(flags: Iterable[Flag], environ: Mapping[str, str]) -> dict[str, Any]:
-    """{field: value} of the flags set in the environment, parsed and checked like flags; BadSetting
-    naming the variable for the first bad one."""
-    out = {}
+def environment_values(flags: Iterable[Flag], environ: Mapping[str, str],
+                       overridden: Iterable[str] = ()) -> tuple[dict[str, Any], list[str]]:
+    """({field: value} of the flags set in the environment, parsed and checked like flags; warnings).
+    BadSetting naming the variable for the first bad one, unless its field is in `overridden` (given on
+    the command line, so the variable is not used): that one gets a warning instead."""
+    skip = frozenset(overridden)
+    out, warnings = {}, []
     for f in flags:
         text = environ.get(f.env)
         if text is None:
             continue
         try:
-            out[f.field] = f.parse(text)
-        except ValueError as e:
-            raise BadSetting(f"{f.env}={text!r}: {e}") from None
-    return out
+            value = f.parse(text)
+        except ValueError as e:  # the message names the value (Flag.parse), as argparse's does a flag's
+            if f.field not in skip:
+                raise BadSetting(f"{f.env}: {e}") from None
+            warnings.append(f"{f.env} is ignored, as --{f.name} on the command line wins; its value would be "
+                            f"refused: {e}")
+            continue
+        if f.field not in skip:
+            out[f.field] = value
+    return out, warnings
 
 
 def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag]) -> None:
@@ -231,6 +261,69 @@ def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag]) -> None:
         if f.kind is bool:
             kw.update(nargs="?", const=True)  # `--disable-cuda-graph` or `--disable-cuda-graph false`
         parser.add_argument(f"--{f.name}", **kw)
+
+
+def model_problem(model: str) -> str | None:
+    """What makes `model` (a --model value) no model, found before anything loads or binds: neither a
+    built-in name nor a path; a directory that is not an HF model directory (no config.json: a .gguf in it
+    is named, to pass instead; no tokenizer.json); a file that is not a GGUF. None: it can be loaded (its
+    contents are checked then, see `load_model_checked`)."""
+    from models.builtin import resolve_model_path
+
+    try:
+        path = resolve_model_path(model)
+    except FileNotFoundError as e:
+        return str(e)
+    try:
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                ggufs = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
+                hint = ("pass --model a built-in name, a .gguf file or a directory holding config.json" if not ggufs
+                        else f"to use the GGUF file in it, pass --model {ggufs[0]}" if len(ggufs) == 1 else
+                        f"to use one of its {len(ggufs)} GGUF files, pass it as --model (e.g. --model {ggufs[0]})")
+                return f"{model} is a directory without config.json, so not an HF model directory: {hint}"
+            if not (path / "tokenizer.json").is_file():
+                return (f"the HF model directory {model} has no tokenizer.json: copy the model's tokenizer.json "
+                        "beside its config.json")
+            return None
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        return f"cannot read the model {model}: {e.strerror or e}"
+    if magic != b"GGUF":
+        return (f"{model} is not a GGUF file (it does not start with 'GGUF'): pass --model a .gguf file, an HF "
+                "model directory or a built-in name")
+    return None
+
+
+# what `models.loader.load.load_model` raises for a model it cannot read (its CheckpointError is a ValueError)
+MODEL_ERRORS = (OSError, KeyError, ValueError)
+
+
+def load_model_checked(model: str, **kwargs: Any) -> LoadedModel:
+    """`load_model(model, **kwargs)`, where every way the model can be wrong (`model_problem`, then what
+    loading finds in the files) is a BadSetting naming it, for the command to print in one line (exit 2)."""
+    problem = model_problem(model)
+    if problem:
+        raise BadSetting(problem)
+    device = str(kwargs.get("device", "cpu"))
+    if device.startswith("cuda"):  # torch's own error is an AssertionError deep in its lazy init
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(device.partition(":")[2] or 0)
+        if index >= count:
+            raise BadSetting(f"--device {device}: " + (f"this machine has {count} CUDA device(s), 0..{count - 1}"
+                             if count else "this machine (or this torch build) has no CUDA device; use --device cpu"))
+    from models.builtin import resolve_model_path
+    from models.loader.load import load_model
+
+    try:
+        return load_model(model, **kwargs)
+    except MODEL_ERRORS as e:
+        detail = str(e.args[0] if isinstance(e, KeyError) and e.args else e)  # str(KeyError) quotes its message
+        detail = detail.removeprefix(f"{resolve_model_path(model)}: ")  # a CheckpointError names the file: once
+        raise BadSetting(f"cannot load the model {model}: {detail}") from None
 
 
 def refuse(prog: str, message: str) -> NoReturn:
@@ -267,7 +360,8 @@ def parse_settings(prog: str, description: str, flags: list[Flag], argv: list[st
                    environ: Mapping[str, str] | None = None,
                    extra: Callable[[argparse.ArgumentParser], None] | None = None) -> Parsed:
     """Parses `argv` against `flags` (and `extra` arguments), then every flag's variable. A bad value,
-    in a flag or a variable, exits 2 with a message naming it; `--help` works whatever the environment."""
+    in a flag or a variable, exits 2 with a message naming it (a bad variable that a flag overrides: a
+    warning); `--help` works whatever the environment."""
     parser = OneLineParser(
         prog=prog, description=f"{description} Every setting can also be given by the environment variable "
         "in brackets, checked like the flag; a flag on the command line wins.")
@@ -276,9 +370,12 @@ def parse_settings(prog: str, description: str, flags: list[Flag], argv: list[st
         extra(parser)
     ns = parser.parse_args(argv)
     try:
-        from_env = environment_values(flags, os.environ if environ is None else environ)
+        from_env, warnings = environment_values(flags, os.environ if environ is None else environ,
+                                                overridden=[f.field for f in flags if f.field in vars(ns)])
     except BadSetting as e:
         refuse(prog, str(e))
+    for warning in warnings:
+        print(f"{prog}: warning: {warning}", file=sys.stderr)
     source = {}
     for f in flags:
         if f.field in vars(ns):

@@ -1,6 +1,9 @@
 """`mlaserve serve`: start the HTTP server at once, load the engine behind it, drain on SIGTERM.
 
 Order of events:
+  0. A --model that is no model (`server.args.model_problem`: no such path, a directory without
+     config.json, a file that is not a GGUF) or a --host that does not resolve ends the command with
+     one line (exit 2), before anything binds or loads.
   1. uvicorn starts listening; `/health` answers 503 "loading" and `/v1/*` 503 until ready. With
      `--runtime-file PATH` the address it bound (host, port, pid) is written there as JSON, for
      docker/healthcheck.py; the file is removed at exit.
@@ -37,12 +40,11 @@ from types import FrameType
 import uvicorn
 
 from models.builtin import builtin_names
-from models.builtin import resolve_model_path
 from models.loader.tokenizer import load_tokenizer
 from engine.process import freeze_gc_heap
 from engine.replicas import EngineReplicas
 from server.app import ServerState, build_app
-from server.args import ServerArgs
+from server.args import ServerArgs, model_problem
 from server.chat_template import load_chat_template
 from server.generation_defaults import load_generation_defaults
 from server.metrics import Metrics
@@ -227,10 +229,9 @@ async def serve_async(args: ServerArgs) -> int:
 
 def serve(args: ServerArgs) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        resolve_model_path(args.engine.model)
-    except FileNotFoundError as e:
-        print(f"mlaserve: {e}", file=sys.stderr)
+    problem = model_problem(args.engine.model)  # before the port is bound: the engine would find it only later
+    if problem:
+        print(f"mlaserve serve: error: {problem}", file=sys.stderr)
         return 2
     try:  # before the model loads; uvicorn's own message would not name the host
         socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)

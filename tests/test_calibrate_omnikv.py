@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import json.decoder
 import json.encoder
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,15 +21,19 @@ from executor.model_runner import ModelRunner
 from kernels.attention.omnikv import importance
 from mlaserve.calibrate_omnikv import (
     FACT,
+    MIN_GAP,
     MIN_TOKENS,
     CalibrationError,
     ProbeSet,
+    build_parser,
     calibration_runner,
+    fit_note,
     placements,
     probe_prompts,
     record_prefill,
     search_filter_layers,
 )
+from mlaserve.calibrate_omnikv import PROG
 from mlaserve.cli import main
 from models.loader.load import load_model
 from models.omnikv_config import OmniKVConfig
@@ -224,3 +230,62 @@ def test_default_output_name(checkpoint, text_file, tmp_path, capsys, monkeypatc
     cfg = OmniKVConfig.load(tmp_path / f"omnikv-{checkpoint.name}.json")
     assert len(cfg.filter_layers) == 1 and cfg.calibration["tokens"] == 256
     assert math.isclose(cfg.budget_ratio, 0.1)
+
+
+def test_lookahead_sets_the_table_not_the_gap():
+    """--lookahead spans the capability table only; the filter layers' least distance is MIN_GAP, and the
+    help and the "only N of M fit" note say so with the numbers the search uses."""
+    lookahead = " ".join(next(a.help for a in build_parser()._actions if "--lookahead" in a.option_strings).split())
+    assert "least distance" not in lookahead and f"at least {MIN_GAP} apart whatever n is" in lookahead
+    for layers, first in ((8, 1), (12, 2), (30, 6)):
+        for c in placements(layers, first, 2):  # every gap allowed down to MIN_GAP, the last at most L - MIN_GAP
+            assert c[1] - c[0] >= MIN_GAP and c[-1] <= layers - MIN_GAP
+        assert min(c[1] - c[0] for c in placements(layers, first, 2)) == MIN_GAP
+        assert max(c[-1] for c in placements(layers, first, 2)) == layers - MIN_GAP
+    assert placements(8, 1, 3) == []  # so 2 of 3 fit, and the note says why in the search's terms
+    assert fit_note(2, 3, 1, 8) == ("only 2 of 3 filter layers fit after layer 1 in 8 layers (each at least "
+                                    f"{MIN_GAP} layers after the previous, the last at most layer {8 - MIN_GAP})")
+    assert fit_note(2, 3, 2, 9).endswith("; a lower --first-filter leaves room for more")  # when there is a lower one
+
+
+def deny_writes_in(folder, monkeypatch):
+    """A folder this process may not write in (mode 0555; for root, whom modes do not stop, os.access says so)."""
+    folder.mkdir(mode=0o555)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: (Path(p).absolute() != folder and real(p, mode, **kw)
+                                                             if mode & os.W_OK else real(p, mode, **kw)))
+
+
+@pytest.mark.parametrize("case", ["directory", "no_parent", "parent_is_file", "read_only"])
+def test_an_unwritable_output_is_refused_before_the_model_loads(case, text_file, tmp_path, capsys, monkeypatch):
+    """Checked first: the model does not even exist here, and the run would take minutes before the write."""
+    output = {"directory": tmp_path, "no_parent": tmp_path / "missing" / "o.json",
+              "parent_is_file": tmp_path / "file" / "o.json", "read_only": tmp_path / "ro" / "o.json"}[case]
+    if case == "parent_is_file":
+        (tmp_path / "file").write_text("x")
+    if case == "read_only":
+        deny_writes_in(tmp_path / "ro", monkeypatch)
+    code, out, err = run_cli(capsys, "--model", str(tmp_path / "no-such-model"), "--text", str(text_file),
+                             "--output", str(output))
+    assert code == 2 and out == ""
+    line = err.strip()
+    assert "\n" not in line and line.startswith(f"{PROG}: --output {output}"), line
+    expect = {"directory": "is a directory: give a file path", "no_parent": "does not exist; create it",
+              "parent_is_file": "is not a directory", "read_only": "permission denied"}[case]
+    assert expect in line, line
+
+
+def test_an_unwritable_default_output_is_refused_naming_it(text_file, tmp_path, capsys, monkeypatch):
+    deny_writes_in(tmp_path / "ro", monkeypatch)
+    monkeypatch.chdir(tmp_path / "ro")
+    code, _, err = run_cli(capsys, "--model", "nope", "--text", str(text_file))
+    assert code == 2 and err.strip() == (f"{PROG}: the default output omnikv-nope.json (in the current directory, "
+                                         f"{tmp_path / 'ro'}): cannot create a file in {tmp_path / 'ro'} (permission "
+                                         "denied); pass --output a writable path")
+
+
+def test_a_bad_model_is_one_line(text_file, tmp_path, capsys):
+    code, out, err = run_cli(capsys, "--model", str(tmp_path / "nope"), "--text", str(text_file), "--output",
+                             str(tmp_path / "o.json"))
+    assert code == 2 and out == "" and "\n" not in err.strip()
+    assert err.startswith(f"{PROG}: model '{tmp_path / 'nope'}' is neither a built-in name"), err

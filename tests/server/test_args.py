@@ -54,7 +54,7 @@ BAD: dict[str, list[str]] = {
     "context-length": ["4k", "0", "-1"],
     "max-running-requests": ["many", "0"],
     "max-queued-requests": ["lots", "-1"],
-    "max-total-tokens": ["1.5", "0"],
+    "max-total-tokens": ["1.5", "0", str(2**64)],
     "mem-fraction": ["half", "0", "1.5", "nan"],
     "chunked-prefill-size": ["big", "0"],
     "page-size": ["x", "0"],
@@ -62,7 +62,7 @@ BAD: dict[str, list[str]] = {
     "disable-cuda-graph": ["maybe", "2", ""],
     "hybrid-graph-mode": ["sometimes"],
     "disable-prefix-cache": ["maybe"],
-    "seed": ["random", "1.5"],
+    "seed": ["random", "1.5", str(2**64), str(-(2**63) - 1), "99999999999999999999999"],
     "watchdog-timeout": ["soon", "-1", "nan"],
     "omnikv": ["maybe", "ON"],
     "omnikv-bank": ["maybe", "2"],
@@ -138,6 +138,12 @@ BASE_ENV = {"MLASERVE_DEVICE": "cuda"}
 CASES = [(BY_NAME[name], v) for name, values in BAD.items() if name in BY_NAME for v in values]
 
 
+def named_once(value: str, message: str) -> bool:
+    """Whether `message` names `value` (quoted, or as a path a file's reader names) and not twice."""
+    quoted = message.count(repr(value))
+    return quoted == 1 or quoted == 0 and bool(value) and message.count(value) == 1
+
+
 def value_of(args: ServerArgs, flag: Flag) -> Any:
     return getattr(args.engine if flag.owner is EngineArgs else args, flag.field)
 
@@ -167,7 +173,7 @@ def test_bad_flag_value_exits_2_naming_the_flag(flag: Flag, value: str, capsys: 
         parse_serve_args([f"--{flag.name}", value], environ={})
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert f"argument --{flag.name}:" in err and repr(value) in err, err
+    assert f"argument --{flag.name}:" in err and named_once(value, err), err
     assert len(err.strip().splitlines()) == 1 and "--help" in err, err  # one line, not the whole usage
 
 
@@ -179,7 +185,8 @@ def test_bad_environment_value_exits_2_naming_the_variable(flag: Flag, value: st
     assert info.value.code == 2
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"mlaserve serve: error: {flag.env}={value!r}: "), err
+    assert len(err) == 1 and err[0].startswith(f"mlaserve serve: error: {flag.env}: "), err
+    assert named_once(value, err[0]), err
     assert not captured.out
     for choice in flag.spec.choices or ():  # the allowed values are listed
         assert choice in err[0]
@@ -200,10 +207,20 @@ def test_a_bare_boolean_flag_means_true() -> None:
         assert value_of(parse_serve_args([f"--{name}"], environ={flag.env: "false"}), flag) is True
 
 
-def test_a_bad_variable_is_refused_even_under_its_flag(capsys: pytest.CaptureFixture) -> None:
+def test_a_bad_variable_under_its_flag_is_a_warning_not_an_error(capsys: pytest.CaptureFixture) -> None:
+    """The flag wins (as --help says), so the variable is not used: a bad value there is named in a warning
+    and does not stop the command; without the flag it does."""
+    args = parse_serve_args(["--port", "8001"], environ={"MLASERVE_PORT": "eighty", "MLASERVE_DTYPE": "float32"})
+    assert args.port == 8001 and args.engine.dtype == "float32"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["mlaserve serve: warning: MLASERVE_PORT is ignored, as --port on the command line wins; its value "
+                   "would be refused: expected an integer, got 'eighty'"], err
     with pytest.raises(SystemExit) as info:
-        parse_serve_args(["--port", "8001"], environ={"MLASERVE_PORT": "eighty"})
-    assert info.value.code == 2 and "MLASERVE_PORT='eighty'" in capsys.readouterr().err
+        parse_serve_args([], environ={"MLASERVE_PORT": "eighty"})
+    assert info.value.code == 2 and "MLASERVE_PORT: expected an integer, got 'eighty'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:  # another bad variable is still an error
+        parse_serve_args(["--port", "8001"], environ={"MLASERVE_PORT": "eighty", "MLASERVE_DTYPE": "fp8"})
+    assert info.value.code == 2 and "MLASERVE_DTYPE: invalid choice 'fp8'" in capsys.readouterr().err
 
 
 def test_a_misspelt_variable_is_named_with_the_one_meant(capsys: pytest.CaptureFixture) -> None:
@@ -358,7 +375,7 @@ def test_generate_shares_the_engine_flags(monkeypatch: pytest.MonkeyPatch, capsy
         cli_main(["generate", "--prompt", "hi"])
     err = capsys.readouterr().err.strip().splitlines()
     assert info.value.code == 2 and err == [
-        "mlaserve generate: error: MLASERVE_DTYPE='bogus': invalid choice 'bogus' (choose from "
+        "mlaserve generate: error: MLASERVE_DTYPE: invalid choice 'bogus' (choose from "
         + ", ".join(DTYPES) + ")"]
     monkeypatch.delenv("MLASERVE_DTYPE")
     for argv in (["--device", "tpu"], ["--max-tokens", "0"]):
@@ -390,7 +407,7 @@ def test_a_bad_variable_stops_serve_before_it_binds_the_port() -> None:
     out, err = proc.communicate()
     assert proc.returncode == 2 and time.monotonic() - t0 < 30 and not listened
     lines = err.strip().splitlines()
-    assert lines == ["mlaserve serve: error: MLASERVE_DTYPE='bogus': invalid choice 'bogus' (choose from "
+    assert lines == ["mlaserve serve: error: MLASERVE_DTYPE: invalid choice 'bogus' (choose from "
                      + ", ".join(DTYPES) + ")"], err
     assert not out
 
@@ -403,3 +420,45 @@ def test_a_host_that_does_not_resolve_stops_serve_naming_it(monkeypatch: pytest.
     assert cli_main(["serve", "--host", "999.1.1.1", "--port", str(free_port())]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mlaserve serve: error: --host '999.1.1.1' is not an address"), err
+
+
+def test_the_seed_has_the_range_of_a_request_seed(capsys: pytest.CaptureFixture) -> None:
+    """--seed and a request's `seed` fit in 64 bits alike: each edge is taken or refused by both."""
+    from scheduler.sampling_params import SamplingParams
+
+    for seed in (-(2**63) - 1, -(2**63), -1, 0, 2**63, 2**64 - 1, 2**64, 10**23):
+        try:
+            SamplingParams(seed=seed).validate(vocab_size=100)
+            request_ok = True
+        except ValueError:
+            request_ok = False
+        try:
+            flag_ok = parse_serve_args(["--seed", str(seed)], environ={}).engine.seed == seed
+        except SystemExit as e:
+            assert e.code == 2
+            flag_ok = False
+        assert flag_ok == request_ok, seed
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        parse_serve_args(["--seed", "99999999999999999999999"], environ={})
+    assert capsys.readouterr().err.strip() == ("mlaserve serve: error: argument --seed: '99999999999999999999999' must "
+                                               "fit in 64 bits (at most 18446744073709551615) (see mlaserve serve "
+                                               "--help)")
+
+
+@pytest.mark.parametrize(("name", "value", "says"), [
+    ("allowed-origins", "foo", "'foo' is not an origin: give '*'"),
+    ("allowed-origins", "http://a.example, foo", "'http://a.example, foo' holds 'foo', which is not an origin"),
+    ("omnikv-config", "/x.json", "cannot read the OmniKV config /x.json: No such file or directory"),
+    ("port", "0", "'0' must be a port number"),
+])
+def test_a_message_names_the_value_once(name: str, value: str, says: str, capsys: pytest.CaptureFixture) -> None:
+    flag = BY_NAME[name]
+    with pytest.raises(SystemExit):
+        parse_serve_args([f"--{name}", value], environ={})
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"mlaserve serve: error: argument --{name}: {says}") and named_once(value, err), err
+    with pytest.raises(SystemExit):
+        parse_serve_args([], environ={flag.env: value})
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"mlaserve serve: error: {flag.env}: {says}") and named_once(value, err), err

@@ -1,0 +1,207 @@
+"""The `mlaserve` command line itself: its usage and unknown commands, and a --model that is no model,
+refused by `generate`, `serve` and `calibrate-omnikv` alike in one line (exit 2), before anything loads
+or binds (`server.args.model_problem`, `load_model_checked`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlaserve.cli import COMMANDS, main
+from models.synthetic import write_checkpoint
+from server.args import model_problem
+from tests.server.server_process import REPO, free_port
+
+
+@pytest.fixture(autouse=True)
+def _no_mlaserve_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in [v for v in os.environ if v.startswith("MLASERVE_")]:
+        monkeypatch.delenv(var)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("tiny"), "tiny-llama", seed=5, num_layers=2)
+
+
+def one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_goes_to_stdout(flag: str, capsys: pytest.CaptureFixture) -> None:
+    assert main([flag]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and all(name in out for name in COMMANDS)
+
+
+def test_no_command_prints_the_usage_and_exits_2(capsys: pytest.CaptureFixture) -> None:
+    assert main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and all(name in err for name in COMMANDS)
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["bogus"], "mlaserve: error: unknown command 'bogus'; the commands: serve, generate"),
+    (["serv", "--port", "8000"], "unknown command 'serv' (did you mean 'serve'?)"),
+    (["--port", "8000"], "'--port' is not a command: the command comes first (e.g. mlaserve serve --port ...)"),
+])
+def test_an_unknown_command_is_named_in_one_line(argv: list[str], says: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and says in one_line(err) and "mlaserve --help" in err
+
+
+def test_the_console_script_says_it_too() -> None:
+    """Through the interpreter, as a user runs it: one line on stderr, exit 2; --help on stdout, exit 0."""
+    bogus = subprocess.run([sys.executable, "-m", "mlaserve.cli", "bogus"], cwd=REPO, capture_output=True, text=True)
+    assert bogus.returncode == 2 and bogus.stdout == ""
+    assert one_line(bogus.stderr).startswith("mlaserve: error: unknown command 'bogus'")
+    helped = subprocess.run([sys.executable, "-m", "mlaserve.cli", "--help"], cwd=REPO, capture_output=True, text=True)
+    assert helped.returncode == 0 and helped.stderr == "" and "calibrate-omnikv" in helped.stdout
+
+
+# --- a --model that is no model
+
+
+def _gguf_dir(root: Path, names: tuple[str, ...] = ("model.gguf",)) -> Path:
+    d = root / "gguf_only"
+    d.mkdir()
+    for name in names:
+        (d / name).write_bytes(b"GGUF" + bytes(60))
+    return d
+
+
+def test_model_problem_says_what_the_path_is(checkpoint: Path, tmp_path: Path) -> None:
+    assert model_problem(str(checkpoint)) is None
+    assert "neither a built-in name" in model_problem(str(tmp_path / "nope"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    said = model_problem(str(empty))
+    assert said.startswith(f"{empty} is a directory without config.json, so not an HF model directory")
+    assert "GGUF file in it" not in said
+    gguf_dir = _gguf_dir(tmp_path)
+    assert model_problem(str(gguf_dir)).endswith(f"to use the GGUF file in it, pass --model {gguf_dir / 'model.gguf'}")
+    assert model_problem(str(gguf_dir / "model.gguf")) is None  # the file itself: its contents are checked at load
+    (gguf_dir / "b.GGUF").write_bytes(b"GGUF")
+    assert f"one of its 2 GGUF files, pass it as --model (e.g. --model {gguf_dir / 'b.GGUF'})" in model_problem(
+        str(gguf_dir))
+    no_tok = tmp_path / "no_tok"
+    no_tok.mkdir()
+    (no_tok / "config.json").write_text((checkpoint / "config.json").read_text())
+    assert model_problem(str(no_tok)) == (f"the HF model directory {no_tok} has no tokenizer.json: copy the model's "
+                                          "tokenizer.json beside its config.json")
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    assert model_problem(str(text)).startswith(f"{text} is not a GGUF file")
+
+
+def _corrupt(checkpoint: Path, tmp_path: Path) -> Path:
+    bad = tmp_path / "corrupt"
+    bad.mkdir()
+    for f in checkpoint.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    (bad / "config.json").write_text("{ not json")
+    return bad
+
+
+def _bad_model(case: str, checkpoint: Path, tmp_path: Path) -> tuple[Path, str]:
+    """(a --model of this kind, what the refusal says)"""
+    if case == "missing":
+        return tmp_path / "nope", "is neither a built-in name"
+    if case == "empty_dir":
+        (tmp_path / "e").mkdir()
+        return tmp_path / "e", "is a directory without config.json"
+    if case == "gguf_dir":
+        return _gguf_dir(tmp_path), "pass --model"
+    if case == "not_gguf":
+        (tmp_path / "x.txt").write_text("hi")
+        return tmp_path / "x.txt", "is not a GGUF file"
+    return _corrupt(checkpoint, tmp_path), "config.json: not valid JSON"
+
+
+@pytest.mark.parametrize("case", ["missing", "empty_dir", "gguf_dir", "not_gguf", "corrupt"])
+def test_generate_refuses_a_bad_model_in_one_line(case: str, checkpoint: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    model, says = _bad_model(case, checkpoint, tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--model", str(model), "--prompt", "hi"])
+    assert info.value.code == 2
+    out, err = capsys.readouterr()
+    line = one_line(err)
+    assert out == "" and line.startswith("mlaserve generate: error: ") and says in line, line
+    if case == "corrupt":  # the loader's message, the file said once
+        assert line == (f"mlaserve generate: error: cannot load the model {model}: {model}/config.json: not valid "
+                        "JSON: Expecting property name enclosed in double quotes: line 1 column 3 (char 2)"), line
+
+
+def test_generate_still_generates(checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["generate", "--model", str(checkpoint), "--prompt", "hello", "--max-tokens", "2"]) == 0
+    assert "generated in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["empty_dir", "gguf_dir"])
+def test_serve_refuses_a_directory_that_is_no_model_before_it_binds(case: str, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    model = _gguf_dir(tmp_path) if case == "gguf_dir" else tmp_path
+    assert main(["serve", "--model", str(model), "--port", str(free_port())]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"mlaserve serve: error: {model} is a directory without config.json"), line
+    assert "tokenizer.json" not in line
+    if case == "gguf_dir":
+        assert line.endswith(f"pass --model {model / 'model.gguf'}"), line
+
+
+def test_calibrate_refuses_a_gguf_directory_the_same_way(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    text = tmp_path / "text.txt"
+    text.write_text("word " * 100)
+    model = _gguf_dir(tmp_path)
+    assert main(["calibrate-omnikv", "--model", str(model), "--text", str(text), "--output",
+                 str(tmp_path / "o.json")]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"mlaserve calibrate-omnikv: {model} is a directory without config.json"), line
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_a_bad_variable_that_a_flag_overrides_does_not_stop_generate(checkpoint: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv("MLASERVE_DTYPE", "fp8")
+    assert main(["generate", "--model", str(checkpoint), "--dtype", "float32", "--prompt", "hi",
+                 "--max-tokens", "1"]) == 0
+    err = capsys.readouterr().err
+    assert ("mlaserve generate: warning: MLASERVE_DTYPE is ignored, as --dtype on the command line wins; its value "
+            "would be refused: invalid choice 'fp8'") in err
+
+
+def test_generate_refuses_a_cuda_device_the_machine_lacks(checkpoint: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--model", str(checkpoint), "--device", "cuda", "--prompt", "hi"])
+    assert info.value.code == 2 and one_line(capsys.readouterr().err) == (
+        "mlaserve generate: error: --device cuda: this machine (or this torch build) has no CUDA device; use "
+        "--device cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--model", str(checkpoint), "--device", "cuda:2", "--prompt", "hi"])
+    assert info.value.code == 2 and one_line(capsys.readouterr().err) == (
+        "mlaserve generate: error: --device cuda:2: this machine has 2 CUDA device(s), 0..1")
+
+
+def test_a_node_rank_checks_the_model_too(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Another machine of a multi-node --tp runs no HTTP server, but its --model is checked the same way."""
+    model = _gguf_dir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--model", str(model), "--tp", "2", "--nnodes", "2", "--node-rank", "1", "--master-port",
+              "29500"])
+    line = one_line(capsys.readouterr().err)
+    assert info.value.code == 2 and line.endswith(f"pass --model {model / 'model.gguf'}"), line
