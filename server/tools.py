@@ -206,7 +206,7 @@ class NamedToolCall:
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         out = []
-        if not self._started:
+        if text and not self._started:  # the call begins with its arguments' first character
             self._started = True
             out.append(ToolCallDelta(0, self.call.id, self.call.name, ""))
         if text:
@@ -215,7 +215,9 @@ class NamedToolCall:
         return "", out
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        return self.feed("")
+        """Nothing more to send: a call is what the model began writing (a reply cut off before its first
+        character, in its reasoning say, has no call, as "required"'s has none)."""
+        return "", []
 
     @property
     def tool_calls(self) -> list[ToolCall]:

@@ -291,3 +291,17 @@ def test_required_calls_for_every_chunking_and_cut():
             assert got == [("get_weather", "")], (cut, got)
         else:
             assert got[0][0] == "get_weather" and whole[0][1].startswith(got[0][1]), (cut, got)
+
+
+def test_a_named_call_begins_with_its_first_character():
+    """tool_choice naming a function: a reply cut off before it wrote anything (max_tokens spent on its
+    reasoning) has no call, as "required"'s has none; once it writes, the call streams as written."""
+    from server.tools import MergedDeltas, NamedToolCall, RequiredToolCalls
+
+    for parser in (MergedDeltas(NamedToolCall("f")), RequiredToolCalls()):
+        assert parser.feed("") == ("", []) and parser.finish() == ("", []) and parser.tool_calls == []
+    named = MergedDeltas(NamedToolCall("f"))
+    _, deltas = named.feed('{"a": ')
+    named.feed("1}")
+    assert [(d.name, d.arguments) for d in deltas] == [("f", '{"a": ')] and named.finish() == ("", [])
+    assert [(c.name, c.arguments) for c in named.tool_calls] == [("f", '{"a": 1}')]
