@@ -41,6 +41,11 @@ from models.experts import ExpertBackend
 _EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj|gate_up_proj)(\.weight)?$")
 
 
+def _is_float_weight(dtype: torch.dtype) -> bool:
+    """Float types a weight is loaded from (FP8 is floating point but needs its checkpoint's scales)."""
+    return dtype.is_floating_point and dtype.itemsize >= 2
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
@@ -138,6 +143,14 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             layer.run_mlp(empty)
 
+    def set_context_length(self, n: int) -> None:
+        """Sizes the rotary tables to the context that will be served (positions [0, n), n at most the
+        config's max_position_embeddings): loading builds them for min(that, rotary.TABLE_POSITIONS).
+        Call it before a runner hands the tables to the native forward or captures CUDA graphs."""
+        for module in self.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.set_positions(n)
+
     def lm_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
@@ -194,6 +207,10 @@ class CausalLM(nn.Module):
         loaded: set[str] = set()
         expert_loaded: set[tuple[str, int, str]] = set()
         for name, tensor in weights:
+            if isinstance(tensor, torch.Tensor) and not _is_float_weight(tensor.dtype):
+                raise CheckpointError(
+                    source, f"tensor '{name}' is stored as {tensor.dtype}: weights must be F32, F16 or BF16 "
+                            "(integer, boolean and FP8 tensors, as in quantized checkpoints, are not loaded)")
             m = _EXPERT_RE.match(name)
             if m and m.group(1) in experts:
                 first = ranges[m.group(1)].start if m.group(1) in ranges else 0

@@ -23,6 +23,11 @@ from models.loader.errors import CheckpointError
 
 RopeType = Literal["default", "linear", "yarn", "llama3"]
 
+# The longest context a config may claim (2^24 = 16,777,216 positions: above every released model's,
+# 4M for the longest Llama-architecture fine-tunes). A larger claim is a broken or hostile file: the
+# engine sizes its request table and KV cache from it.
+MAX_CONTEXT_LENGTH = 1 << 24
+
 
 @dataclass(frozen=True)
 class RopeConfig:
@@ -198,6 +203,8 @@ class _Keys:
         if typ is float:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise CheckpointError(self.source, f"config key '{key}' must be a number, got {v!r}")
+            if not math.isfinite(v):  # json.loads accepts NaN and Infinity
+                raise CheckpointError(self.source, f"config key '{key}' must be a finite number, got {v!r}")
             return float(v)
         if not isinstance(v, typ):
             raise CheckpointError(self.source, f"config key '{key}' must be {typ.__name__}, got {v!r}")
@@ -207,6 +214,27 @@ class _Keys:
         v = self.req(key) if default is None else self.opt(key, default)
         if v <= 0:
             raise CheckpointError(self.source, f"config key '{key}' must be > 0, got {v}")
+        return v
+
+    def at_least(self, key: str, default: int, low: int) -> int:
+        """An optional integer >= `low`."""
+        v = self.opt(key, default)
+        if v < low:
+            raise CheckpointError(self.source, f"config key '{key}' must be >= {low}, got {v}")
+        return v
+
+    def above(self, key: str, v: Any, low: float = 0.0) -> Any:
+        """`v` (read from `key`; None passes) when it is a number > `low`, else a CheckpointError."""
+        if v is not None and not v > low:
+            raise CheckpointError(self.source, f"config key '{key}' must be a finite number > {low:g}, got {v!r}")
+        return v
+
+    def context(self, key: str, default: int) -> int:
+        v = self.positive(key, default)
+        if v > MAX_CONTEXT_LENGTH:
+            raise CheckpointError(
+                self.source, f"config key '{key}' = {v} is larger than any supported context ({MAX_CONTEXT_LENGTH} "
+                             "positions): the file is corrupt; set it to the model's real context length")
         return v
 
 
@@ -223,33 +251,39 @@ def _rope_from_dict(k: _Keys, dim: int, interleaved: bool) -> RopeConfig:
         params = params["full_attention"]  # per-layer-type form; one type here
     p = _Keys(params, k.source)
     rtype = params.get("rope_type") or params.get("type") or "default"
-    theta = p.opt("rope_theta", 10000.0, float)
+    # theta > 1: its log divides YaRN's correction range; at 1 every pair would turn at the same speed
+    theta = p.above("rope_theta", p.opt("rope_theta", 10000.0, float), 1.0)
     if rtype in ("default", None):
         return RopeConfig(dim=dim, theta=theta, interleaved=interleaved)
     if rtype == "linear":
         return RopeConfig(dim=dim, theta=theta, interleaved=interleaved, scaling_type="linear",
-                          factor=p.req("factor", float))
+                          factor=p.above("factor", p.req("factor", float)))
     if rtype == "llama3":
+        low, high = p.above("low_freq_factor", p.req("low_freq_factor", float)), p.req("high_freq_factor", float)
+        if not high > low:  # the ramp between them divides by high - low
+            raise CheckpointError(
+                k.source, f"config key 'high_freq_factor' = {high} must exceed 'low_freq_factor' = {low}")
         return RopeConfig(
             dim=dim, theta=theta, interleaved=interleaved, scaling_type="llama3",
-            factor=p.req("factor", float),
-            low_freq_factor=p.req("low_freq_factor", float),
-            high_freq_factor=p.req("high_freq_factor", float),
-            original_max_position_embeddings=p.req("original_max_position_embeddings"),
+            factor=p.above("factor", p.req("factor", float)),
+            low_freq_factor=low,
+            high_freq_factor=high,
+            original_max_position_embeddings=p.positive("original_max_position_embeddings"),
         )
     if rtype == "yarn":
-        orig = p.req("original_max_position_embeddings")
-        factor = p.opt("factor", None, float)
+        orig = p.positive("original_max_position_embeddings")
+        factor = p.above("factor", p.opt("factor", None, float))
         if factor is None:
             factor = k.req("max_position_embeddings") / orig
         return RopeConfig(
             dim=dim, theta=theta, interleaved=interleaved, scaling_type="yarn", factor=factor,
             original_max_position_embeddings=orig,
-            beta_fast=p.opt("beta_fast", 32.0, float) or 32.0,
-            beta_slow=p.opt("beta_slow", 1.0, float) or 1.0,
+            # 0 or null: the default (as before); a negative one would take the log of a negative number
+            beta_fast=p.above("beta_fast", p.opt("beta_fast", 32.0, float) or 32.0),
+            beta_slow=p.above("beta_slow", p.opt("beta_slow", 1.0, float) or 1.0),
             mscale=p.opt("mscale", None, float),
             mscale_all_dim=p.opt("mscale_all_dim", None, float),
-            attention_factor=p.opt("attention_factor", None, float),
+            attention_factor=p.above("attention_factor", p.opt("attention_factor", None, float)),
             truncate=p.opt("truncate", True, bool),
         )
     raise CheckpointError(
@@ -292,8 +326,8 @@ def _deepseek_from_dict(k: _Keys, arch: Literal["deepseek_v2", "deepseek_v3"]) -
             raise CheckpointError(
                 k.source, f"config key 'topk_method' must be greedy, group_limited_greedy or noaux_tc, got {method!r}"
             )
-        n_group = k.opt("n_group", 1) or 1
-        topk_group = k.opt("topk_group", 1) or 1
+        n_group = k.at_least("n_group", 1, 0) or 1  # 0 or null: no groups
+        topk_group = k.at_least("topk_group", 1, 0) or 1
         top_k = k.positive("num_experts_per_tok")
         if num_experts % n_group or topk_group > n_group or top_k > num_experts:
             raise CheckpointError(
@@ -306,15 +340,15 @@ def _deepseek_from_dict(k: _Keys, arch: Literal["deepseek_v2", "deepseek_v3"]) -
             num_experts=num_experts,
             top_k=top_k,
             intermediate_size=k.positive("moe_intermediate_size"),
-            num_shared_experts=k.opt("n_shared_experts", 0) or 0,
+            num_shared_experts=k.at_least("n_shared_experts", 0, 0) or 0,
             scoring_func=scoring,
             topk_method=method,
             n_group=n_group,
             topk_group=topk_group,
             norm_topk_prob=k.opt("norm_topk_prob", False, bool),
-            routed_scaling_factor=k.opt("routed_scaling_factor", 1.0, float),
-            first_k_dense_replace=k.opt("first_k_dense_replace", 0),
-            moe_layer_freq=k.opt("moe_layer_freq", 1) or 1,
+            routed_scaling_factor=k.above("routed_scaling_factor", k.opt("routed_scaling_factor", 1.0, float)),
+            first_k_dense_replace=k.at_least("first_k_dense_replace", 0, 0),
+            moe_layer_freq=k.at_least("moe_layer_freq", 1, 0) or 1,
         )
     return DeepseekConfig(
         arch=arch,
@@ -328,8 +362,8 @@ def _deepseek_from_dict(k: _Keys, arch: Literal["deepseek_v2", "deepseek_v3"]) -
         qk_nope_head_dim=k.positive("qk_nope_head_dim"),
         qk_rope_head_dim=rope_dim,
         v_head_dim=k.positive("v_head_dim"),
-        rms_norm_eps=k.opt("rms_norm_eps", 1e-6, float),
-        max_position_embeddings=k.positive("max_position_embeddings", 4096),
+        rms_norm_eps=k.above("rms_norm_eps", k.opt("rms_norm_eps", 1e-6, float)),
+        max_position_embeddings=k.context("max_position_embeddings", 4096),
         tie_word_embeddings=k.opt("tie_word_embeddings", False, bool),
         attention_bias=k.opt("attention_bias", False, bool),
         rope=_rope_from_dict(k, rope_dim, interleaved=k.opt("rope_interleave", True, bool)),
@@ -355,6 +389,11 @@ def _llama_from_dict(k: _Keys) -> LlamaConfig:
     if head_dim <= 0 or head_dim % 2:
         raise CheckpointError(k.source, f"config key 'head_dim' must be a positive even number, got {head_dim}")
     partial = k.opt("partial_rotary_factor", 1.0, float)
+    rope_dim = int(head_dim * partial)
+    if not 0 < partial <= 1 or rope_dim <= 0 or rope_dim % 2:
+        raise CheckpointError(
+            k.source, f"config key 'partial_rotary_factor' = {partial} must be in (0, 1] and leave a positive even "
+                      f"number of rotated dims (head_dim {head_dim} x {partial} = {head_dim * partial:g})")
     return LlamaConfig(
         arch="llama",
         vocab_size=k.positive("vocab_size"),
@@ -364,12 +403,12 @@ def _llama_from_dict(k: _Keys) -> LlamaConfig:
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=k.opt("rms_norm_eps", 1e-6, float),
-        max_position_embeddings=k.positive("max_position_embeddings", 2048),
+        rms_norm_eps=k.above("rms_norm_eps", k.opt("rms_norm_eps", 1e-6, float)),
+        max_position_embeddings=k.context("max_position_embeddings", 2048),
         tie_word_embeddings=k.opt("tie_word_embeddings", False, bool),
         attention_bias=k.opt("attention_bias", False, bool),
         mlp_bias=k.opt("mlp_bias", False, bool),
-        rope=_rope_from_dict(k, int(head_dim * partial), interleaved=False),
+        rope=_rope_from_dict(k, rope_dim, interleaved=False),
         bos_token_id=k.opt("bos_token_id", None),
         eos_token_ids=_eos_ids(k),
     )

@@ -6,9 +6,16 @@ Two pair layouts (`RopeConfig.interleaved`):
 * half split (Llama):     dims (x[i], x[i + d/2]) rotate together.
 
 cos/sin are computed in fp32 as `positions * inv_freq` (the same elementwise ops HF uses, so the
-tables agree bit for bit) and multiplied by YaRN's attention factor when it applies. The table covers
-every position the model allows (`max_positions`), built once, so a forward never has to look at
-the positions on the host (no device sync; CUDA-graph friendly).
+tables agree bit for bit) and multiplied by YaRN's attention factor when it applies. A forward reads
+them from one table (`cos_sin_cache` [2, positions, dim/2]) so that it never has to look at the
+positions on the host (no device sync; CUDA-graph friendly).
+
+The table does not cover the model's whole `max_positions` up front: a config's claim (a hostile one,
+or a real 1M-token context served at 8K) would cost 4·dim bytes a position. It holds
+min(max_positions, `TABLE_POSITIONS`) rows, which is every position of the released models' contexts
+(DeepSeek-V3's 163,840 included), and `set_positions` sizes it to the context actually served (the
+engine's `--context-length`, through `CausalLM.set_context_length`). A torch forward on the CPU that
+reaches past the table grows it (the positions are on the host there: no sync).
 """
 
 from __future__ import annotations
@@ -79,30 +86,56 @@ def rope_inv_freq(cfg: RopeConfig) -> tuple[torch.Tensor, float]:
     raise ValueError(f"unsupported rope scaling type {cfg.scaling_type!r}")
 
 
+TABLE_POSITIONS = 1 << 18  # rows built up front at most (262,144 positions; 64 MiB at dim 64)
+
+
 class RotaryEmbedding(torch.nn.Module):
-    """Applies RoPE to q [T, Hq, dim] and k [T, Hk, dim] (the first `cfg.dim` dims of the last axis)."""
+    """Applies RoPE to q [T, Hq, dim] and k [T, Hk, dim] (the first `cfg.dim` dims of the last axis).
+
+    `max_positions`: the model's context (positions beyond it are never valid); the table holds the
+    first `table_positions` of them (see the module's docstring)."""
 
     def __init__(self, cfg: RopeConfig, max_positions: int = 4096) -> None:
         super().__init__()
+        if max_positions <= 0:
+            raise ValueError(f"max_positions must be > 0, got {max_positions}")
         self.cfg = cfg
         self.max_positions = max_positions
+        self.table_positions = min(max_positions, TABLE_POSITIONS)
         inv_freq, self.attention_factor = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.register_buffer("cos_sin_cache", self._table(max_positions), persistent=False)
+        self.register_buffer("cos_sin_cache", self._table(self.table_positions), persistent=False)
 
     def process_weights_after_loading(self) -> None:
         """Rebuilds the fp32 tables (after meta-device construction or a dtype cast of the model)."""
         inv_freq, _ = rope_inv_freq(self.cfg)
         self.inv_freq = inv_freq.to(self.inv_freq.device)
-        self.cos_sin_cache = self._table(self.max_positions)
+        self.cos_sin_cache = self._table(self.table_positions)
+
+    def set_positions(self, n: int) -> None:
+        """Sizes the table to positions [0, n) (1 <= n <= max_positions): the context that will be served.
+        A table already handed to a native forward or captured in a CUDA graph stays as it was there:
+        call this before those are made."""
+        if not 0 < n <= self.max_positions:
+            raise ValueError(f"rotary table size {n} is outside 1..{self.max_positions} (the model's context)")
+        if n != self.table_positions:
+            self.table_positions = n
+            if self.cos_sin_cache.device.type != "meta":
+                self.cos_sin_cache = self._table(n)
 
     def _table(self, length: int) -> torch.Tensor:
-        t = torch.arange(length, dtype=torch.float32, device=self.inv_freq.device)
-        freqs = t[:, None] * self.inv_freq[None, :]
+        device = self.inv_freq.device
+        inv_freq = self.inv_freq if self.inv_freq.dtype == torch.float32 else rope_inv_freq(self.cfg)[0].to(device)
+        t = torch.arange(length, dtype=torch.float32, device=device)
+        freqs = t[:, None] * inv_freq[None, :]
         return torch.stack([freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor])
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, dim/2] in fp32 for positions (each < max_positions)."""
+        if self.table_positions < self.max_positions and positions.device.type == "cpu" and positions.numel():
+            need = int(positions.max()) + 1  # host tensors: no device sync
+            if self.table_positions < need <= self.max_positions:
+                self.set_positions(min(self.max_positions, max(need, 2 * self.table_positions)))
         table = self.cos_sin_cache[:, positions]
         return table[0], table[1]
 

@@ -152,7 +152,21 @@ def parse_gguf(buf: mmap.mmap, path: Path) -> tuple[dict[str, Any], dict[str, Te
                 f"(offset {start} + {nbytes} bytes > file size {cur.size})",
             )
         infos[name] = TensorInfo(name, qtype, tuple(reversed(ne)), start, nbytes)
+    _check_disjoint(infos, path)
     return metadata, infos
+
+
+def _check_disjoint(infos: dict[str, TensorInfo], path: Path) -> None:
+    """No two tensors' data share a byte (llama.cpp lays them out one after the other, each padded to
+    the alignment; one pointing into another's bytes is a corrupt or forged file). Gaps are allowed."""
+    spans = sorted((info.offset, info.offset + info.nbytes, info.name) for info in infos.values() if info.nbytes)
+    for (_, prev_end, prev), (start, end, name) in zip(spans, spans[1:]):
+        if start < prev_end:
+            raise CheckpointError(
+                path,
+                f"tensor '{name}': data at bytes [{start}, {end}) overlaps tensor '{prev}' (which ends at {prev_end}): "
+                "the tensor offsets are corrupt; re-create the file",
+            )
 
 
 def f32_round(x: float) -> float:

@@ -18,6 +18,7 @@ The container itself (layout, hostile-length checks) is read by `models.loader.g
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 
-from models.config import LlamaConfig, ModelConfig, config_from_hf_dict
+from models.config import MAX_CONTEXT_LENGTH, LlamaConfig, ModelConfig, config_from_hf_dict
 from models.loader import gguf_names as gn
 from models.loader.errors import CheckpointError
 from models.loader.gguf_file import TensorInfo, f32_round, map_gguf, parse_gguf
@@ -65,6 +66,10 @@ class GGUFCheckpoint:
     def hf_config(self) -> dict[str, Any]:
         """An HF ``config.json``-style dict (`config_from_hf_dict` accepts it)."""
         return copy.deepcopy(self._hf_config)
+
+    def num_values(self) -> int:
+        """How many values the file's tensors hold, together (decoded)."""
+        return sum(math.prod(info.shape) for info in self._infos.values())
 
     def num_tensors(self) -> int:
         """How many tensors `tensors()` yields (for progress bars; fewer when a shard function SKIPs some)."""
@@ -328,7 +333,16 @@ class _Keys:
               float: isinstance(v, (int, float)) and not isinstance(v, bool)}.get(typ, isinstance(v, typ))
         if not ok:
             raise CheckpointError(self.path, f"metadata key '{full}' must be {typ.__name__}, got {str(v)[:80]!r}")
+        if typ is float and not math.isfinite(v):
+            raise CheckpointError(self.path, f"metadata key '{full}' must be a finite number, got {v!r}")
         return float(v) if typ is float else v
+
+    def positive(self, key: str, typ: type, default: Any = _MISSING, *, above: float = 0) -> Any:
+        """`get`, and the value (where present) must be > `above`."""
+        v = self.get(key, typ, default)
+        if key in self and not v > above:
+            raise CheckpointError(self.path, f"metadata key '{self.full(key)}' must be > {above:g}, got {v!r}")
+        return v
 
 
 def _hf_config(
@@ -344,29 +358,31 @@ def _hf_config(
         raise CheckpointError(
             path, f"metadata key 'tokenizer.ggml.tokens' has {len(tokens)} tokens, more than the {vocab} rows of token_embd"
         )
-    hidden, heads = k.get("embedding_length", int), k.get("attention.head_count", int)
-    if heads <= 0:
-        raise CheckpointError(path, f"metadata key '{k.full('attention.head_count')}' must be > 0, got {heads}")
-    ctx = k.get("context_length", int)
-    layers = k.get("block_count", int)
+    hidden, heads = k.positive("embedding_length", int), k.positive("attention.head_count", int)
+    ctx = k.positive("context_length", int)
+    if ctx > MAX_CONTEXT_LENGTH:
+        raise CheckpointError(
+            path, f"metadata key '{k.full('context_length')}' = {ctx} is larger than any supported context "
+                  f"({MAX_CONTEXT_LENGTH} positions): the file is corrupt; set it to the model's real context length")
+    layers = k.positive("block_count", int)
     if layers > len(infos):  # each layer has tensors: stops a hostile count before any loop over it
         raise CheckpointError(path, f"metadata key '{k.full('block_count')}' = {layers} but the file has {len(infos)} tensors")
     d: dict[str, Any] = {
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": k.get("feed_forward_length", int),
+        "intermediate_size": k.positive("feed_forward_length", int),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "rms_norm_eps": k.get("attention.layer_norm_rms_epsilon", float),
+        "rms_norm_eps": k.positive("attention.layer_norm_rms_epsilon", float),
         "max_position_embeddings": ctx,
         "tie_word_embeddings": "output.weight" not in infos,
         "bos_token_id": k.get("tokenizer.ggml.bos_token_id", int, None),
         "eos_token_id": k.get("tokenizer.ggml.eos_token_id", int, None),
     }
-    theta = k.get("rope.freq_base", float, 10000.0)
+    theta = k.positive("rope.freq_base", float, 10000.0, above=1)  # its log divides YaRN's ramp
     if arch == gn.ARCH_LLAMA:
-        head_dim = k.get("attention.key_length", int, hidden // heads)
-        rope_dim = k.get("rope.dimension_count", int, head_dim)
+        head_dim = k.positive("attention.key_length", int, hidden // heads)
+        rope_dim = k.positive("rope.dimension_count", int, head_dim)
         freqs = None
         if gn.ROPE_FREQS in infos:
             if infos[gn.ROPE_FREQS].shape != (rope_dim // 2,):
@@ -376,14 +392,14 @@ def _hf_config(
             freqs = read(infos[gn.ROPE_FREQS]).tolist()
         d.update(
             model_type="llama", architectures=["LlamaForCausalLM"], head_dim=head_dim,
-            num_key_value_heads=k.get("attention.head_count_kv", int, heads),
+            num_key_value_heads=k.positive("attention.head_count_kv", int, heads),
             attention_bias="blk.0.attn_q.bias" in infos, mlp_bias="blk.0.ffn_gate.bias" in infos,
             rope_parameters=_rope(k, theta, ctx, freqs, rope_dim, mla=False),
         )
         if rope_dim != head_dim:
             d["partial_rotary_factor"] = rope_dim / head_dim
         return d
-    rope_dim = k.get("rope.dimension_count", int)
+    rope_dim = k.positive("rope.dimension_count", int)
     # Current files keep MLA's true head sizes in *_mla (key_length/value_length then describe the
     # latent-space MQA view: kv_lora_rank + rope and kv_lora_rank); legacy files in key/value_length.
     if "attention.key_length_mla" in k or "attention.value_length_mla" in k:
@@ -407,7 +423,7 @@ def _hf_config(
         architectures=["DeepseekV3ForCausalLM" if is_v3 else "DeepseekV2ForCausalLM"],
         num_key_value_heads=heads,
         q_lora_rank=k.get("attention.q_lora_rank", int, 0) or None,
-        kv_lora_rank=k.get("attention.kv_lora_rank", int),
+        kv_lora_rank=k.positive("attention.kv_lora_rank", int),
         qk_nope_head_dim=qk - rope_dim, qk_rope_head_dim=rope_dim, v_head_dim=v,
         attention_bias=False, rope_interleave=True,
         rope_parameters=_rope(k, theta, ctx, None, rope_dim, mla=True),
@@ -434,9 +450,9 @@ def _hf_config(
 def _rope(k: _Keys, theta: float, ctx: int, freqs: list[float] | None, dim: int, mla: bool) -> dict[str, Any]:
     """`rope_parameters` from `<arch>.rope.*` keys (llama.cpp: no type + a factor means linear)."""
     p: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
-    factor = k.get("rope.scaling.factor", float, None)
+    factor = k.positive("rope.scaling.factor", float, None)
     if factor is None:
-        factor = k.get("rope.scale_linear", float, None)  # older files
+        factor = k.positive("rope.scale_linear", float, None)  # older files
     stype = k.get("rope.scaling.type", str, "linear" if factor else "none")
     if freqs is not None and stype == "none":
         llama3 = gn.llama3_from_rope_factors(freqs, theta, dim)
@@ -451,8 +467,8 @@ def _rope(k: _Keys, theta: float, ctx: int, freqs: list[float] | None, dim: int,
         raise CheckpointError(
             k.path, f"rope scaling type '{stype}' in metadata key '{k.full('rope.scaling.type')}' is not supported"
         )
-    p.update(rope_type="yarn", factor=k.get("rope.scaling.factor", float),
-             original_max_position_embeddings=k.get("rope.scaling.original_context_length", int, ctx))
+    p.update(rope_type="yarn", factor=k.positive("rope.scaling.factor", float),
+             original_max_position_embeddings=k.positive("rope.scaling.original_context_length", int, ctx))
     for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"), ("yarn_attn_factor", "attention_factor")):
         if (val := k.get(f"rope.scaling.{key}", float, None)) is not None:
             p[hf] = val

@@ -7,7 +7,11 @@ checks happen in `CausalLM.load_weights`.
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +27,7 @@ from models.experts import EXPERT_BACKENDS, CppExperts, ExpertBackend, WeightInp
 from models.native import CPU_WEIGHT_DTYPES, NativeAbsorbed, NativeEmbedding, NativeLinear, use_native_weights
 from models.parallel import current as current_layout
 from models.registry import model_class
+from models.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     from models.loader.tokenizer import TokenizerBundle
@@ -106,7 +111,14 @@ def load_model(
         expert_backend = "cpp"
     torch_dtype = resolve_dtype(dtype, device)
     ckpt = open_checkpoint(path)
-    config = config_from_hf_dict(ckpt.hf_config(), str(path / "config.json" if path.is_dir() else path))
+    config_source = str(path / "config.json" if path.is_dir() else path)
+    config = config_from_hf_dict(ckpt.hf_config(), config_source)
+    # The config is checked against the tensors before anything is built at its sizes: a config that
+    # does not belong to the weights (or a hostile one) fails here, not in a huge allocation or a
+    # minutes-long build of layers that the file does not have. (A GGUF file was checked at open.)
+    shapes = ckpt.layout() if path.is_dir() else None
+    if shapes is not None:
+        check_layer_count(config, shapes, config_source)
     cls = model_class(config)
     with torch.device("meta"):
         net = cls(config, expert_backend=expert_backend)
@@ -115,6 +127,8 @@ def load_model(
             for m in net.modules():
                 if isinstance(m, CppExperts):
                     m.weights.mode = cpu_weights
+    check_model_fits_checkpoint(net, shapes, ckpt.num_values(), str(path), config_source,
+                                sharded=current_layout().parallel)
     net = net.to_empty(device=device).to(torch_dtype)
     for module in net.modules():
         if getattr(module, "keep_fp32", False):
@@ -140,6 +154,65 @@ def load_model(
 
         tokenizer = load_hf_tokenizer(path) if path.is_dir() else ckpt.tokenizer()
     return LoadedModel(net, config, tokenizer, path, torch_dtype)
+
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def check_layer_count(config: ModelConfig, names: Iterable[str], config_source: str) -> None:
+    """Every layer the config counts has tensors in the checkpoint (HF names). Run before the model is
+    built, which costs time and memory per layer whatever the file holds."""
+    present = {int(m.group(1)) for n in names if (m := _LAYER_RE.match(n))}
+    first_missing = next(i for i in itertools.count() if i not in present)
+    if first_missing < config.num_hidden_layers:
+        found = f"layers 0..{first_missing - 1}" if first_missing else "no layer tensors at all"
+        raise CheckpointError(
+            config_source,
+            f"config key 'num_hidden_layers' is {config.num_hidden_layers} but the checkpoint has no tensor of "
+            f"layer {first_missing} (model.layers.{first_missing}.*; it holds {found}): set num_hidden_layers "
+            "to the layers the weights have, or use the complete checkpoint")
+
+
+def check_model_fits_checkpoint(net: CausalLM, shapes: dict[str, tuple[int, ...]] | None, values: int,
+                                source: str, config_source: str, *, sharded: bool) -> None:
+    """The model built on the meta device (nothing allocated yet) against the checkpoint's tensors.
+
+    `shapes` (HF checkpoints: tensor -> shape from the headers): every parameter and native weight the
+    checkpoint has must have the model's shape (unless `sharded`: a rank holds parts), and none may be
+    absent. For both formats, the values the model would allocate (parameters and buffers, rotary
+    tables aside) must not exceed twice the `values` the checkpoint holds (MLA's absorbed copies of
+    kv_b_proj are the only derived weights): a config whose sizes (vocab, hidden, intermediate size,
+    experts) are not the weights' fails here, before the allocation it would cost."""
+    sinks = {f"{n}.weight": m.weight_shape for n, m in net.named_modules()
+             if isinstance(m, (NativeLinear, NativeEmbedding, NativeAbsorbed)) and getattr(m, "tied_to", None) is None}
+    optional = {f"{n}.weight" for n, m in net.named_modules() if getattr(m, "optional", False)}
+    expert_params = {f"{n}.{p}" for n, m in net.named_modules() if isinstance(m, ExpertBackend)
+                     for p, _ in m.named_parameters()}
+    rotary = {f"{n}.{b}" for n, m in net.named_modules() if isinstance(m, RotaryEmbedding)
+              for b, _ in m.named_buffers(recurse=False)}
+    if shapes is not None:
+        wanted = {n: tuple(p.shape) for n, p in net.named_parameters() if n not in expert_params}
+        wanted.update((n, tuple(s)) for n, s in sinks.items())
+        missing = sorted(n for n in wanted if n not in shapes and n not in optional)
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise CheckpointError(source, f"missing tensor(s): {', '.join(missing[:5])}{more}")
+        if not sharded:
+            for name, shape in wanted.items():
+                if name in shapes and shapes[name] != shape:
+                    raise CheckpointError(
+                        source,
+                        f"tensor '{name}' has shape {shapes[name]}, expected {shape} from {config_source}: the "
+                        "config's sizes (vocab_size, hidden_size, intermediate_size, heads, ...) are not the "
+                        "weights'; fix the config or use the weights it belongs to")
+    model_values = sum(t.numel() for n, t in [*net.named_parameters(), *net.named_buffers()] if n not in rotary)
+    model_values += sum(math.prod(s) for s in sinks.values())
+    if model_values > 2 * values:
+        raise CheckpointError(
+            config_source,
+            f"the config describes a model of {model_values:,} weight values but the checkpoint {source} holds "
+            f"{values:,}: its sizes (vocab_size, hidden_size, intermediate_size, expert counts, ...) do not match "
+            "the weights; fix the config or use the checkpoint it belongs to")
 
 
 def _progress(it, bar: tqdm):

@@ -7,6 +7,7 @@ must really be in that shard.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ from models.loader.jsonfile import read_json
 from models.loader.shard import SKIP, Shard, ShardFn, resolve, shard_shape
 
 INDEX_FILE = "model.safetensors.index.json"
+# safetensors dtypes a weight may be stored in (FP8 needs the checkpoint's scales, which are not read)
+FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 
 class HFCheckpoint:
@@ -32,6 +35,7 @@ class HFCheckpoint:
         self._shards = self._find_shards()
         self._handles: dict[Path, Any] = {}
         self._where: dict[str, Path] | None = None
+        self._layout: dict[str, tuple[int, ...]] | None = None
 
     def hf_config(self) -> dict[str, Any]:
         return dict(self._config)
@@ -96,8 +100,30 @@ class HFCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(self.where()[name]).get_slice(name).get_shape())
 
+    def layout(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape, from the headers alone (nothing is read), after checking that every
+        tensor is stored in a float type: an integer, boolean or FP8 tensor is a CheckpointError
+        naming its shard, name and dtype."""
+        if self._layout is None:
+            self._layout = {name: tuple(self._float_view(name, shard).get_shape()) for name, shard in self.where().items()}
+        return dict(self._layout)
+
+    def num_values(self) -> int:
+        """How many values the checkpoint's tensors hold, together."""
+        return sum(math.prod(s) for s in self.layout().values())
+
+    def _float_view(self, name: str, shard: Path):
+        view = self._handle(shard).get_slice(name)
+        dtype = view.get_dtype()
+        if dtype not in FLOAT_DTYPES:
+            raise CheckpointError(
+                shard, f"tensor '{name}' is stored as {dtype}: weights must be F32, F16 or BF16 (integer, boolean "
+                       "and FP8 tensors, as in quantized checkpoints, are not loaded: convert it to bf16 safetensors)")
+        return view
+
     def get(self, name: str) -> torch.Tensor:
         shard = self.where()[name]
+        self._float_view(name, shard)
         try:
             return self._handle(shard).get_tensor(name)
         except Exception as e:
@@ -126,8 +152,9 @@ class HFCheckpoint:
 
         `shard` (tensor parallelism): called with each name and full shape; SKIP leaves the tensor out
         unread, a `Shard` reads only that part (`get_shard`), None the whole tensor."""
+        shapes = self.layout()  # every dtype checked before anything is read
         for name in self.where():
-            part = resolve(shard, name, self.shape(name)) if shard is not None else None
+            part = resolve(shard, name, shapes[name]) if shard is not None else None
             if part is SKIP:
                 continue
             yield name, self.get(name) if part is None else self.get_shard(name, part)

@@ -304,3 +304,15 @@ def test_prompt_logprobs_equal_log_softmax_of_full_prefill(model_dir):
         again = next(o.prompt_logprobs for o in outs[("score2", i)] if o.prompt_logprobs)
         assert max(abs(g.logprob - w) for g, w in zip(again[1:], want[1:])) < 1e-4
     assert_no_leak(core)
+
+
+def test_the_rotary_tables_cover_the_served_context(model_dir):
+    """The model's rotary tables are sized to the context the engine serves (the config's own may be a
+    million positions), before the runner hands them to the native forward."""
+    from models.rotary import RotaryEmbedding
+
+    core = make_engine(model_dir, context_length=100)
+    tables = [m.cos_sin_cache.shape[1] for m in core.runner.model.modules() if isinstance(m, RotaryEmbedding)]
+    assert tables and set(tables) == {100}
+    ids = prompt(90, 7)
+    assert len(alone(core, ids, msgspec.structs.replace(GREEDY, max_tokens=10))) == 10  # up to position 99
