@@ -81,8 +81,9 @@ from kernels.attention.base import ForwardBatch
 from kernels.attention.omnikv import select_positions
 from kernels.attention.torch_backend import TorchAttentionBackend
 from mlaserve.argtypes import float_in, positive_int
+from mlaserve.model_check import load_model_checked
 from models.omnikv_config import MAX_FILTER_LAYERS, SPARSE, OmniKVConfig, first_filter_default
-from server.args import BadSetting, OneLineParser, load_model_checked
+from server.args import BadSetting, OneLineParser
 from server.chat_template import user_turn_ids
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from mlaserve.argtypes import positive_int
 
 def _generate(argv: list[str]) -> int:
     from engine.args import EngineArgs
-    from server.args import BadSetting, flags_of, load_model_checked, parse_flags, refuse
+    from server.args import BadSetting, flags_of, parse_flags, refuse
 
     def own(p: argparse.ArgumentParser) -> None:
         p.add_argument("--prompt", required=True, help="the text to continue")
@@ -36,6 +36,7 @@ def _generate(argv: list[str]) -> int:
 
     set_cpu_wait_policy(os.environ)  # before torch is imported below
     from executor.model_runner import ModelRunner
+    from mlaserve.model_check import load_model_checked
     from server.chat_template import render_chat
 
     try:  # a missing path, a directory that is no HF model, a corrupt checkpoint: one line, as serve says it

@@ -26,15 +26,12 @@ import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, NoReturn
+from typing import Any, Callable, Iterable, Mapping, NoReturn
 
 from engine.args import EngineArgs, FlagSpec, flag, internal, non_empty, non_negative, omnikv_file, positive
 from server.chat_template import ChatTemplateError, load_chat_template
 from server.reasoning import REASONING_PARSERS
 from server.tool_parsers import TOOL_PARSERS
-
-if TYPE_CHECKING:
-    from models.loader.load import LoadedModel
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # logging's and uvicorn's names
 
@@ -267,7 +264,7 @@ def model_problem(model: str) -> str | None:
     """What makes `model` (a --model value) no model, found before anything loads or binds: neither a
     built-in name nor a path; a directory that is not an HF model directory (no config.json: a .gguf in it
     is named, to pass instead; no tokenizer.json); a file that is not a GGUF. None: it can be loaded (its
-    contents are checked then, see `load_model_checked`)."""
+    contents are checked then, see `mlaserve.model_check.load_model_checked`)."""
     from models.builtin import resolve_model_path
 
     try:
@@ -294,36 +291,6 @@ def model_problem(model: str) -> str | None:
         return (f"{model} is not a GGUF file (it does not start with 'GGUF'): pass --model a .gguf file, an HF "
                 "model directory or a built-in name")
     return None
-
-
-# what `models.loader.load.load_model` raises for a model it cannot read (its CheckpointError is a ValueError)
-MODEL_ERRORS = (OSError, KeyError, ValueError)
-
-
-def load_model_checked(model: str, **kwargs: Any) -> LoadedModel:
-    """`load_model(model, **kwargs)`, where every way the model can be wrong (`model_problem`, then what
-    loading finds in the files) is a BadSetting naming it, for the command to print in one line (exit 2)."""
-    problem = model_problem(model)
-    if problem:
-        raise BadSetting(problem)
-    device = str(kwargs.get("device", "cpu"))
-    if device.startswith("cuda"):  # torch's own error is an AssertionError deep in its lazy init
-        import torch
-
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        index = int(device.partition(":")[2] or 0)
-        if index >= count:
-            raise BadSetting(f"--device {device}: " + (f"this machine has {count} CUDA device(s), 0..{count - 1}"
-                             if count else "this machine (or this torch build) has no CUDA device; use --device cpu"))
-    from models.builtin import resolve_model_path
-    from models.loader.load import load_model
-
-    try:
-        return load_model(model, **kwargs)
-    except MODEL_ERRORS as e:
-        detail = str(e.args[0] if isinstance(e, KeyError) and e.args else e)  # str(KeyError) quotes its message
-        detail = detail.removeprefix(f"{resolve_model_path(model)}: ")  # a CheckpointError names the file: once
-        raise BadSetting(f"cannot load the model {model}: {detail}") from None
 
 
 def refuse(prog: str, message: str) -> NoReturn:

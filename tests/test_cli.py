@@ -1,6 +1,6 @@
 """The `mlaserve` command line itself: its usage and unknown commands, and a --model that is no model,
 refused by `generate`, `serve` and `calibrate-omnikv` alike in one line (exit 2), before anything loads
-or binds (`server.args.model_problem`, `load_model_checked`)."""
+or binds (`server.args.model_problem`, `mlaserve.model_check.load_model_checked`)."""
 
 from __future__ import annotations
 
