@@ -221,6 +221,8 @@ class StructuredOutputsParams(_Request):
 
 class StreamOptions(_Request):
     include_usage: StrictBool | None = False
+    # vLLM's extension: with include_usage, every chunk carries the usage so far (not null)
+    continuous_usage_stats: StrictBool | None = False
 
 
 def _check_logit_bias(value: dict[str, float] | None) -> dict[str, float] | None:
@@ -307,6 +309,11 @@ class _GenerationRequest(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk carries the usage so far (vLLM's `continuous_usage_stats`, with include_usage)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class ChatInput(_Body):

@@ -141,6 +141,8 @@ class Serializer:
         dumped once per choice and field, with a placeholder for the text, and each token's event is that
         JSON with the token's text put in (encoded by the same serializer): building and dumping the models
         took about half of a streamed token's Python in the server, which runs on the cores of the forward."""
+        if getattr(self.body, "continuous_usage", False):  # the usage changes chunk by chunk: no template
+            return sse_data(self.text_chunk(i, field, text))
         key = (i, field)
         if key not in self._text_events:
             parts = sse_data(self.text_chunk(i, field, _TEXT_SLOT)).split(_TEXT_SLOT_JSON)
@@ -291,6 +293,8 @@ class ChatSerializer(Serializer):
         ).model_dump()
 
     def chunk(self, choices: list[Any], **extra: Any) -> ChatCompletionChunk:
+        if self.body.continuous_usage and "usage" not in extra:  # the usage so far on every chunk
+            extra["usage"] = self.usage()
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.state.model_name, choices=choices,
                                    **extra).usage_null(self.body.include_usage)
 
@@ -622,6 +626,8 @@ class CompletionSerializer(Serializer):
         ).model_dump()
 
     def chunk(self, choices: list[Any], **extra: Any) -> CompletionChunk:
+        if self.body.continuous_usage and "usage" not in extra:  # the usage so far on every chunk
+            extra["usage"] = self.usage()
         return CompletionChunk(id=self.id, created=self.created, model=self.state.model_name, choices=choices,
                                **extra).usage_null(self.body.include_usage)
 

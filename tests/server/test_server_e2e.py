@@ -687,3 +687,26 @@ def test_a_final_message_that_cannot_be_continued_is_a_400(server, body, param):
     body = {"model": server_model_id(server), "max_tokens": 4,
             "messages": [*MSG, {"role": "assistant", "content": "The sea is"}], **body}
     assert_error(post(server, "/v1/chat/completions", body), 400, param=param)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server, path):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk's usage is the
+    tokens so far, growing one a token to the final chunk's totals; without it, null until the end."""
+    body = {"model": server_model_id(server), "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True,
+            **({"messages": MSG} if "chat" in path else {"prompt": "The sea"})}
+    for continuous in (True, False):
+        options = {"include_usage": True, "continuous_usage_stats": continuous}
+        with httpx.stream("POST", server.url + path, json={**body, "stream_options": options}, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"}) as resp:
+            chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+        final = chunks[-1]["usage"]
+        assert chunks[-1]["choices"] == [] and final["completion_tokens"] == 6
+        usages = [c["usage"] for c in chunks[:-1]]
+        if not continuous:
+            assert usages == [None] * len(usages)
+            continue
+        assert all(u["prompt_tokens"] == final["prompt_tokens"] for u in usages)
+        done = [u["completion_tokens"] for u in usages]
+        assert done == sorted(done) and done[-1] == 6 and all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+                                                              for u in usages)
