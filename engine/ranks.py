@@ -282,6 +282,10 @@ class LeadRank:
         self.procs = start_ranks(args, plan, range(1, plan.per_node))
         self.leader: Leader | None = None
         self.heartbeat: Heartbeat | None = None
+        if plan.nnodes > 1:  # the other nodes may not be up yet: say what this waits for, and how long
+            logger.info("waiting up to %d s for the %d ranks of the other %d node(s) (mlaserve serve --node-rank k "
+                        "--master-addr %s --master-port %d)", TIMEOUT_S, plan.world - plan.per_node, plan.nnodes - 1,
+                        plan.addr, plan.port)
         try:
             self.ctl = init_rank(plan, 0, self.device)
         except Exception:
@@ -324,8 +328,8 @@ def serve_node(args: EngineArgs) -> int:
     """`mlaserve serve --node-rank k` (k > 0): this node's ranks, until they end (rank 0 stops them)."""
     plan = RankPlan.of(args)
     procs = start_ranks(args, plan, plan.node_ranks())
-    logger.info("node %d of %d: ranks %s joining %s:%d", plan.node_rank, plan.nnodes, list(plan.node_ranks()),
-                plan.addr, plan.port)
+    logger.info("node %d of %d: ranks %s joining %s:%d (waiting up to %d s for node 0 and the others)", plan.node_rank,
+                plan.nnodes, list(plan.node_ranks()), plan.addr, plan.port, TIMEOUT_S)
 
     def stop(signum: int, frame: Any) -> None:
         for p in procs:

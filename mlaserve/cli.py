@@ -73,11 +73,12 @@ def _calibrate_omnikv(argv: list[str]) -> int:
 
 
 def _serve(argv: list[str]) -> int:
-    from server.args import model_problem, parse_serve_args, refuse
+    from server.args import model_problem, parallel_problem, parse_serve_args, refuse
 
     args = parse_serve_args(argv)  # --help and flag errors exit here, before heavy imports
     if args.engine.node_rank > 0:  # another machine of a multi-node --tp: its ranks only, no HTTP server
-        problem = model_problem(args.engine.model)  # as server.launch.serve checks it on node 0
+        problem = model_problem(args.engine.model) or parallel_problem(  # as server.launch.serve checks on node 0
+            args.engine.model, args.engine.tp, heads_split=True, ep=args.engine.ep > 1)
         if problem:
             refuse("mlaserve serve", problem)
         import logging

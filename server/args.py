@@ -293,6 +293,49 @@ def model_problem(model: str) -> str | None:
     return None
 
 
+def parallel_problem(model: str, ranks: int, *, heads_split: bool, ep: bool) -> str | None:
+    """What the model's sizes forbid of a split over `ranks` processes (--tp, or --dp with
+    --dp-attention), read from its config.json or GGUF header before any process starts: attention heads
+    (`heads_split`: --tp), the dense MLPs' intermediate size, and per MoE either each routed expert's
+    intermediate size or, with `ep`, the number of routed experts. None when it divides (or when the
+    model cannot be read here: `model_problem` and the loader report that)."""
+    if ranks <= 1:
+        return None
+    import json
+
+    from models.builtin import resolve_model_path
+    from models.loader.gguf_file import read_gguf_metadata
+
+    try:
+        path = resolve_model_path(model)
+        if path.is_dir():
+            cfg = json.loads((path / "config.json").read_text())
+            get = lambda hf, _gguf: cfg.get(hf)  # noqa: E731
+        else:
+            meta = read_gguf_metadata(path)
+            arch = meta.get("general.architecture")
+            get = lambda _hf, gguf: meta.get(f"{arch}.{gguf}")  # noqa: E731
+    except (OSError, ValueError):
+        return None
+    experts = get("n_routed_experts", "expert_count") or 0
+    if ep and not experts:
+        return "--ep partitions routed experts, and this model has none (a dense model): leave --ep at 1"
+    dense = not experts or (get("first_k_dense_replace", "leading_dense_block_count") or 0) > 0
+    sizes = []
+    if heads_split:
+        sizes.append((get("num_attention_heads", "attention.head_count"), "number of attention heads"))
+    if dense:
+        sizes.append((get("intermediate_size", "feed_forward_length"), "dense MLPs' intermediate size"))
+    if experts:
+        sizes.append((experts, "number of routed experts") if ep else
+                     (get("moe_intermediate_size", "expert_feed_forward_length"), "routed experts' intermediate size"))
+    for size, what in sizes:
+        if isinstance(size, int) and size % ranks:
+            return (f"the model's {what} ({size}) is not divisible by the {ranks} ranks it would be split over: "
+                    "choose a --tp (or --dp with --dp-attention) that divides it")
+    return None
+
+
 def refuse(prog: str, message: str) -> NoReturn:
     """Ends the command as argparse does for a bad flag (exit 2), in one line."""
     print(f"{prog}: error: {message}", file=sys.stderr)
@@ -371,6 +414,9 @@ def combination_problem(parsed: Parsed, environ: Mapping[str, str]) -> str | Non
         return (f"{' and '.join(parsed.describe(f) for f in triton)} need{'s' if len(triton) == 1 else ''} "
                 f"--device cuda, not {parsed.describe('device')}: the Triton kernels run on NVIDIA GPUs; on CPU use "
                 "the torch backends (and --expert-backend cpp)")
+    if ns.dp > 1 and ns.nnodes > 1:
+        return (f"{parsed.describe('dp')} does not run with {parsed.describe('nnodes')}: data-parallel replicas "
+                "are one machine's (run one server per machine)")
     if ns.tp % ns.nnodes:
         return f"{parsed.describe('tp')} must be a multiple of {parsed.describe('nnodes')} (the same ranks on each node)"
     if ns.node_rank >= ns.nnodes:
@@ -395,9 +441,6 @@ def combination_problem(parsed: Parsed, environ: Mapping[str, str]) -> str | Non
     if ns.omnikv_bank and (ns.tp > 1 or ns.dp_attention):
         other = "tp" if ns.tp > 1 else "dp_attention"
         return f"{parsed.describe('omnikv_bank')} does not run under {parsed.describe(other)}: use one of them"
-    if ns.dp > 1 and ns.nnodes > 1:
-        return (f"{parsed.describe('dp')} does not run with {parsed.describe('nnodes')}: data-parallel replicas "
-                "are one machine's (run one server per machine)")
     if ns.dp > 1 and ns.tp > 1 and ns.master_port != 0:
         return (f"{parsed.describe('dp')} with --tp needs --master-port 0, not {parsed.describe('master_port')}: each "
                 "replica's ranks meet on a free port of their own")

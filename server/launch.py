@@ -44,7 +44,7 @@ from models.loader.tokenizer import load_tokenizer
 from engine.process import freeze_gc_heap
 from engine.replicas import EngineReplicas
 from server.app import ServerState, build_app
-from server.args import ServerArgs, model_problem
+from server.args import ServerArgs, model_problem, parallel_problem
 from server.chat_template import load_chat_template
 from server.generation_defaults import load_generation_defaults
 from server.metrics import Metrics
@@ -230,6 +230,8 @@ async def serve_async(args: ServerArgs) -> int:
 def serve(args: ServerArgs) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     problem = model_problem(args.engine.model)  # before the port is bound: the engine would find it only later
+    problem = problem or parallel_problem(args.engine.model, args.dp if args.engine.dp_attention else args.engine.tp,
+                                          heads_split=not args.engine.dp_attention, ep=args.engine.ep > 1)
     if problem:
         print(f"mlaserve serve: error: {problem}", file=sys.stderr)
         return 2

@@ -462,3 +462,44 @@ def test_a_message_names_the_value_once(name: str, value: str, says: str, capsys
         parse_serve_args([], environ={flag.env: value})
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"mlaserve serve: error: {flag.env}: {says}") and named_once(value, err), err
+
+
+def test_a_split_the_models_sizes_do_not_divide_is_named_before_anything_starts(tmp_path):
+    """--tp (heads, MLP, each expert's rows) and --dp-attention (MLP, experts) split sizes read from the
+    model's config.json or GGUF header, before a rank process starts (each used to load the model and
+    fail with a traceback)."""
+    import json
+
+    import gguf
+
+    from server.args import parallel_problem
+
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"num_attention_heads": 4, "intermediate_size": 128}))
+    assert parallel_problem(str(llama), 2, heads_split=True, ep=False) is None
+    assert "number of attention heads (4)" in parallel_problem(str(llama), 3, heads_split=True, ep=False)
+    assert "intermediate size (128)" in parallel_problem(str(llama), 3, heads_split=False, ep=False)  # dp attention
+    assert "has none (a dense model)" in parallel_problem(str(llama), 2, heads_split=True, ep=True)
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    (moe / "config.json").write_text(json.dumps({"num_attention_heads": 6, "intermediate_size": 96, "n_routed_experts": 8,
+                                                 "moe_intermediate_size": 48, "first_k_dense_replace": 0}))
+    assert parallel_problem(str(moe), 3, heads_split=True, ep=False) is None  # no dense layer: 96 is not split
+    assert "number of routed experts (8)" in parallel_problem(str(moe), 3, heads_split=True, ep=True)
+    assert parallel_problem(str(moe), 1, heads_split=True, ep=True) is None
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "deepseek2")
+    writer.add_head_count(4)
+    writer.add_expert_count(6)
+    writer.add_expert_feed_forward_length(32)
+    writer.add_leading_dense_block_count(1)
+    writer.add_feed_forward_length(100)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert "intermediate size (100)" in parallel_problem(str(path), 8, heads_split=False, ep=True)
+    assert "number of attention heads (4)" in parallel_problem(str(path), 8, heads_split=True, ep=False)
+    assert "number of routed experts (6)" in parallel_problem(str(path), 4, heads_split=True, ep=True)
+    assert parallel_problem(str(path), 2, heads_split=True, ep=True) is None

@@ -233,6 +233,20 @@ def test_bad_parallel_flags_are_refused(flags: list[str], message: str) -> None:
     assert message in r.stderr
 
 
+@pytest.mark.parametrize("model,flags,message", [
+    ("tiny-llama", ["--tp", "3"], "number of attention heads"),
+    ("tiny-llama", ["--tp", "2", "--ep", "2"], "has none (a dense model)"),
+    ("tiny-deepseek-v3", ["--dp", "3", "--dp-attention", "--ep", "3"], "is not divisible by the 3 ranks"),
+])
+def test_a_split_the_model_does_not_allow_is_refused_before_any_rank_starts(checkpoints, model: str, flags: list[str],
+                                                                              message: str) -> None:
+    """Read from the model's config before anything starts: one line, exit 2 (each rank used to load the
+    model and fail with a traceback, the server then exiting 1)."""
+    r = subprocess.run([sys.executable, "-m", "mlaserve.cli", "serve", "--model", str(checkpoints[model]), *flags],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 def test_bad_parallel_env_is_refused() -> None:
     r = subprocess.run([sys.executable, "-m", "mlaserve.cli", "serve"], cwd=REPO, capture_output=True, text=True,
                        timeout=60, env={**os.environ, "MLASERVE_TP": "two"})
