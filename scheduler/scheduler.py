@@ -9,9 +9,12 @@ schedule  Every decoding request gets its one token (all running requests decode
           step, while request slots and KV slots last. A new request first looks up the longest
           cached prefix of its tokens in the prefix cache and only computes the rest. Decode and
           prefill slices share one forward (a MIXED batch) when both exist.
-          KV short: evict unlocked prefix-cache leaves; still short for the decodes: retract the
-          most recently admitted running requests (free their KV, put them back at the head of the
-          queue; their tokens are recomputed later, nothing is lost). A request alone too long for
+          KV short: evict unlocked prefix-cache leaves; still short for the decodes: retract prompts
+          part-way through their prefill (newest first), then the most recently admitted decoding
+          requests (free their KV, put them back at the head of the queue; their tokens are
+          recomputed later, nothing is lost). Short for a prompt's next chunk: the newer prompts
+          part-way in give theirs back, so that the oldest always moves (prompts in chunks could
+          otherwise fill the pool between them, none able to go on). A request alone too long for
           the whole pool finishes with `length`.
 run       `ModelRunner.build_batch` + forward: logits for the last token of every slice.
 update    Slices that completed their request's pending tokens sample the next token; stop checks
@@ -129,7 +132,11 @@ class Scheduler:
         finished: list[Req] = []
         alloc = self.runner.allocator
         decoding = [r for r in self.running if r.is_decoding]
+        prefilling = [r for r in self.running if not r.is_decoding]  # oldest first (admission order)
         while decoding and not self._make_room(sum(alloc.slots_needed(r.kv_len, 1) for r in decoding)):
+            if prefilling:  # a prompt part-way in gives its KV back first: it is the least along
+                self._retract(prefilling.pop())
+                continue
             victim = max(decoding, key=lambda r: r.first_scheduled_time or 0.0)
             if len(decoding) == 1:  # alone and still no room: the pool cannot hold a longer sequence
                 self._finish(victim, FINISH_LENGTH)
@@ -143,11 +150,20 @@ class Scheduler:
         need = sum(alloc.slots_needed(r.kv_len, 1) for r in decoding)  # KV slots the slices so far take
 
         budget = self.max_prefill_tokens
-        for r in [r for r in self.running if not r.is_decoding]:  # unfinished chunks first
+        i = 0
+        while i < len(prefilling):  # unfinished chunks first, oldest first
+            r = prefilling[i]
             n = min(r.num_pending, self.chunk, budget)
-            cost = alloc.slots_needed(r.kv_len, n)
-            if n <= 0 or not self._make_room(need + cost):
+            if n <= 0:
                 break
+            cost = alloc.slots_needed(r.kv_len, n)
+            # prompts part-way in can fill the pool between them, none able to go on: the newest give
+            # theirs back (retracted, recomputed later) so that the oldest always moves
+            while not self._make_room(need + cost) and len(prefilling) > i + 1:
+                self._retract(prefilling.pop())
+            if not self._make_room(need + cost):
+                break
+            i += 1
             slices.append(RequestSlice(r.row, r.kv_len, r.ids(r.kv_len, r.kv_len + n)))
             reqs.append(r)
             budget -= n

@@ -316,3 +316,22 @@ def test_the_rotary_tables_cover_the_served_context(model_dir):
     assert tables and set(tables) == {100}
     ids = prompt(90, 7)
     assert len(alone(core, ids, msgspec.structs.replace(GREEDY, max_tokens=10))) == 10  # up to position 99
+
+
+@pytest.mark.parametrize("budget", [128, 192])
+def test_prompts_part_way_in_never_hold_the_pool_for_good(model_dir, budget):
+    """Chunked prefill of several long prompts at once can fill the KV pool with prompts none of which can
+    go on (the engine then spun with nothing to run, every request hung): the newest give their KV back
+    and the oldest moves; every request ends with the tokens it gets alone."""
+    p = msgspec.structs.replace(GREEDY, max_tokens=40)
+    reqs = [(f"p{i}", prompt(200, 300 + i), p) for i in range(3)]
+    roomy = make_engine(model_dir, disable_prefix_cache=True)
+    expected = {rid: alone(roomy, ids, q) for rid, ids, q in reqs}
+    core = make_engine(model_dir, max_total_tokens=300, chunked_prefill_size=64, max_prefill_tokens=budget)
+    for rid, ids, q in reqs:
+        assert core.add_request(GenerateRequest(rid, ids, q)) == []
+    outs = run_to_end(core, max_steps=2000)
+    for rid, _, _ in reqs:
+        assert tokens(outs[(rid, 0)]) == expected[rid], rid
+    assert core.stats().retractions_total > 0
+    assert_no_leak(core)
