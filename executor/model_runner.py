@@ -132,9 +132,9 @@ class ModelRunner:
         self.device = torch.device(device)
         kv_dtype = kv_dtype or next(model.parameters()).dtype
         self.max_context_len = max_context_len or config.max_position_embeddings
-        if hasattr(model, "set_context_length"):  # the rotary tables cover the served context, before the
-            # native forward takes them or CUDA graphs capture them (models/rotary.py)
-            model.set_context_length(min(self.max_context_len, config.max_position_embeddings))
+        # the rotary tables cover the served context, before the native forward takes them or CUDA graphs
+        # capture them (models/rotary.py)
+        model.set_context_length(min(self.max_context_len, config.max_position_embeddings))
         self.req_to_token_pool = ReqToTokenPool(max_running_requests, self.max_context_len, self.device)
         self.allocator = TokenSlotAllocator(max_total_tokens, page_size, self.device)
         # OmniKV (models/omnikv_config.py): the layer plan, the filter layers' query window, and counters

@@ -141,7 +141,7 @@ class Serializer:
         dumped once per choice and field, with a placeholder for the text, and each token's event is that
         JSON with the token's text put in (encoded by the same serializer): building and dumping the models
         took about half of a streamed token's Python in the server, which runs on the cores of the forward."""
-        if getattr(self.body, "continuous_usage", False):  # the usage changes chunk by chunk: no template
+        if self.body.continuous_usage:  # the usage changes chunk by chunk: no template
             return sse_data(self.text_chunk(i, field, text))
         key = (i, field)
         if key not in self._text_events:

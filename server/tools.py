@@ -81,11 +81,11 @@ def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto")
         return ToolPlan()
     rendered = [t.model_dump(exclude_none=True) for t in tools]
     renders_tools = template is not None and "tools" in template
+    listed = None if renders_tools else "\n".join(json.dumps(t, ensure_ascii=False) for t in rendered)
     # a forced call (named or required) is written as the constrained JSON, not in any markup, but the
     # model still has to see the tools' descriptions to fill in their arguments: listed in a system
     # prompt when the template does not render them
-    forced_system = None if renders_tools else _TOOL_LIST_PROMPT.format(
-        tools="\n".join(json.dumps(t, ensure_ascii=False) for t in rendered))
+    forced_system = None if listed is None else _TOOL_LIST_PROMPT.format(tools=listed)
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
             raise ParamError("tool_choice", f"tool_choice names the function '{choice.function.name}', which is not "
@@ -110,9 +110,8 @@ def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto")
         raise ParamError("tools", "this model's chat template uses a tool-call format mlaserve does not recognise; "
                          f"start the server with --tool-call-parser (one of {', '.join(sorted(TOOL_PARSERS))})")
     name = name or "hermes"
-    if renders_tools:
+    if listed is None:
         return ToolPlan(rendered, None, None, _parser(name, body.parallel_tool_calls))
-    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in rendered)
     prompt = (_TOOL_PROMPT if name == "hermes" else _TOOL_LIST_PROMPT).format(tools=listed)
     return ToolPlan(None, prompt, None, _parser(name, body.parallel_tool_calls))
 

@@ -104,9 +104,13 @@ class HFCheckpoint:
         """Every tensor's shape, from the headers alone (nothing is read), after checking that every
         tensor is stored in a float type: an integer, boolean or FP8 tensor is a CheckpointError
         naming its shard, name and dtype."""
+        return dict(self._checked_layout())
+
+    def _checked_layout(self) -> dict[str, tuple[int, ...]]:
+        """`layout`, built (every dtype checked) once and shared, not copied."""
         if self._layout is None:
             self._layout = {name: tuple(self._float_view(name, shard).get_shape()) for name, shard in self.where().items()}
-        return dict(self._layout)
+        return self._layout
 
     def num_values(self) -> int:
         """How many values the checkpoint's tensors hold, together."""
@@ -122,8 +126,8 @@ class HFCheckpoint:
         return view
 
     def get(self, name: str) -> torch.Tensor:
+        self._checked_layout()  # every tensor's dtype, checked once for the checkpoint
         shard = self.where()[name]
-        self._float_view(name, shard)
         try:
             return self._handle(shard).get_tensor(name)
         except Exception as e:
@@ -152,7 +156,7 @@ class HFCheckpoint:
 
         `shard` (tensor parallelism): called with each name and full shape; SKIP leaves the tensor out
         unread, a `Shard` reads only that part (`get_shard`), None the whole tensor."""
-        shapes = self.layout()  # every dtype checked before anything is read
+        shapes = self._checked_layout()  # every dtype checked before anything is read
         for name in self.where():
             part = resolve(shard, name, shapes[name]) if shard is not None else None
             if part is SKIP:
