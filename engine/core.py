@@ -295,7 +295,7 @@ class EngineCore:
                 f"this model's maximum context length is {self.context_len} tokens; the request needs {want} "
                 f"({len(ids)} in the prompt + {want - len(ids)} to generate)"
             ), None
-        if len(ids) + 1 > self.runner.allocator.num_slots:
+        if len(ids) + (p.max_tokens != 0) > self.runner.allocator.num_slots:  # (max_tokens 0: scored only)
             return ERR_CONTEXT, f"the prompt ({len(ids)} tokens) does not fit in the KV cache ({self.runner.allocator.num_slots} slots)", None
         # Admission: up to max_running_requests completions run and max_queued_requests more wait; a
         # request counts as its n completions, wherever they are now (both queues are checked, so a

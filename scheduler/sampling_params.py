@@ -99,7 +99,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _check(-100.0 <= bias <= 100.0, "logit_bias", "logit_bias values must be in [-100, 100]")
         _check(1 <= self.n <= 128, "n", "n must be in [1, 128]")
         _check(self.max_tokens is None or self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
-               "max_tokens", "max_tokens must be >= 1 (0 only when scoring the prompt: echo with logprobs)")
+               "max_tokens", "max_tokens must be >= 1 (0 only with echo on the completions API: the prompt alone is scored or echoed)")
         _check(self.max_tokens is None or self.max_tokens <= INT64_MAX, "max_tokens", "max_tokens must be below 2^63")
         _check(0 <= self.min_tokens <= INT64_MAX, "min_tokens", "min_tokens must be between 0 and 2^63 - 1")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",

@@ -39,11 +39,15 @@ class ChoiceText:
 
     detok: IncrementalDetokenizer
     stops: StopStringMatcher
-    stop_token_ids: frozenset[int] = frozenset()  # the request's (and EOS, when special tokens show): a final one is left out of the text
+    hidden_ids: frozenset[int] = frozenset()  # a final one is left out of the text (the request's stop ids, and EOS when special tokens show)
+    stop_ids: frozenset[int] = frozenset()  # the request's stop_token_ids: one that ends the choice is its stop_reason
+    min_tokens: int = 0  # no stop string may end in the text of the first min_tokens tokens (vLLM's rule)
+    eos_ids: frozenset[int] = frozenset()  # ending on EOS leaves stop_reason null, as vLLM
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[ShownLogprob] = dataclasses.field(default_factory=list)
     completion_tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended the choice
     _produced: int = 0  # characters out of the detokenizer so far
     _sent: int = 0  # characters out of the stop-string matcher so far (the text the client has)
     _pending: collections.deque[_Pending] = dataclasses.field(default_factory=collections.deque)
@@ -54,8 +58,10 @@ class ChoiceText:
             return "", [], []
         ids = out.new_token_ids
         shown = len(ids)
-        if out.finish_reason == FINISH_STOP and ids and ids[-1] in self.stop_token_ids:
+        stopped_on = ids[-1] if out.finish_reason == FINISH_STOP and ids else None
+        if stopped_on in self.hidden_ids:
             shown -= 1  # as vLLM: the id stays in token_ids, usage and logprobs; its text is not shown
+        quiet = max(0, min(shown, self.min_tokens - len(self.token_ids)))  # ids before min_tokens: no stop string ends there
         lps = out.logprobs or []
         if lps:  # one id at a time: where each token's text starts and ends
             pieces = []
@@ -66,20 +72,24 @@ class ChoiceText:
                     self._produced += len(pieces[-1])
                 if k < len(lps):
                     self._pending.append(_Pending(lps[k], start, self._produced))
-            new = "".join(pieces)
+            early, late = "".join(pieces[:quiet]), "".join(pieces[quiet:])
         else:
-            new = self.detok.add(ids[:shown])
-        text, hit = self.stops.feed(new)
+            early, late = self.detok.add(ids[:quiet]), self.detok.add(ids[quiet:shown])
+        text, _ = self.stops.feed(early, armed=False)
+        more, hit = self.stops.feed(late, armed=len(self.token_ids) + len(ids) > self.min_tokens)
+        text += more
         if not hit and out.finish_reason is not None:
-            tail, hit = self.stops.feed(self.detok.flush())
+            tail, hit = self.stops.feed(self.detok.flush(), armed=len(self.token_ids) + len(ids) > self.min_tokens)
             text += tail if hit else tail + self.stops.flush()
         self._sent += len(text)
         self.token_ids += ids
         self.completion_tokens = out.completion_tokens
         if hit:
-            self.finish_reason = "stop"
+            self.finish_reason, self.stop_reason = "stop", self.stops.matched
         elif out.finish_reason is not None:
             self.finish_reason = "length" if out.finish_reason == "length" else "stop"
+            if stopped_on in self.stop_ids and stopped_on not in self.eos_ids:
+                self.stop_reason = stopped_on
         released = self._release()
         self.logprobs += released
         return text, list(ids), released

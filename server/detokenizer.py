@@ -140,8 +140,11 @@ class StopStringMatcher:
     def stopped(self) -> bool:
         return self._stopped
 
-    def feed(self, text: str) -> tuple[str, bool]:
-        """(text safe to send now, whether a stop string was hit). After a hit: ("", True)."""
+    def feed(self, text: str, armed: bool = True) -> tuple[str, bool]:
+        """(text safe to send now, whether a stop string was hit). After a hit: ("", True).
+
+        `armed=False`: no stop string may end in `text` (tokens before `min_tokens`, as vLLM); the
+        automaton still reads it, so a stop string begun there can end in later text."""
         if self._stopped:
             return "", True
         buf = self._held + text
@@ -155,7 +158,7 @@ class StopStringMatcher:
                 if stop[k] == ch:
                     k += 1
                 if k == len(stop):
-                    if k > hit:
+                    if armed and k > hit:
                         hit, self.matched = k, stop
                     k = fail[k - 1]
                 self._state[n] = k

@@ -547,8 +547,10 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest,
     else:
         max_tokens = _or(req.max_tokens, COMPLETIONS_MAX_TOKENS)
         logprobs, top_logprobs = req.logprobs is not None, req.logprobs or 0
-        if req.echo and req.logprobs is not None:
-            prompt_logprobs = req.logprobs
+        if req.echo and (req.logprobs is not None or max_tokens == 0):
+            # echo with max_tokens 0 and no logprobs: the prompt alone comes back (OpenAI's legacy API); it
+            # still runs through the engine, scored, so that it is checked and counted like any other
+            prompt_logprobs = req.logprobs or 0
     return SamplingParams(  # a field sent as null means its default, as in OpenAI's API
         **sampling,
         presence_penalty=_or(req.presence_penalty, 0.0),
@@ -764,6 +766,7 @@ class ChatCompletionChoice(_Response):
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
     token_ids: list[int] | None = None
 
 
@@ -791,6 +794,7 @@ class ChatCompletionChunkChoice(_Response):
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
     token_ids: list[int] | None = None  # ids of this delta
 
 
@@ -811,6 +815,7 @@ class CompletionChoice(_Response):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
 

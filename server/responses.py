@@ -285,7 +285,8 @@ class ChatSerializer(Serializer):
                 message, parser = self.message(self.split.get(self.choice_index(r, i), Split()))
                 choices.append(ChatCompletionChoice(
                     index=self.choice_index(r, i), message=message, logprobs=self.chat_logprobs(c.logprobs),
-                    finish_reason=self.finish_reason(c.finish_reason, parser), token_ids=c.token_ids if ids else None,
+                    finish_reason=self.finish_reason(c.finish_reason, parser), stop_reason=c.stop_reason,
+                    token_ids=c.token_ids if ids else None,
                 ))
         return ChatCompletionResponse(
             id=self.id, created=self.created, model=self.state.model_name, choices=choices, usage=self.usage(),
@@ -344,7 +345,8 @@ class ChatSerializer(Serializer):
             )]))
         if choice.finish_reason is not None:
             out.append(self.chunk([ChatCompletionChunkChoice(
-                index=i, delta=DeltaMessage(), finish_reason=self.finish_reason(choice.finish_reason, parser))]))
+                index=i, delta=DeltaMessage(), finish_reason=self.finish_reason(choice.finish_reason, parser),
+                stop_reason=choice.stop_reason)]))
         return out
 
 
@@ -617,7 +619,7 @@ class CompletionSerializer(Serializer):
                 choices.append(CompletionChoice(
                     index=i, text=self.prompt_text(r) + self.texts.get(i, ""),
                     logprobs=self.completion_logprobs(r, c.logprobs, echoed=True),
-                    finish_reason=c.finish_reason,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                     token_ids=c.token_ids if ids else None, prompt_token_ids=r.prompt_ids if ids else None,
                 ))
         return CompletionResponse(
@@ -654,7 +656,7 @@ class CompletionSerializer(Serializer):
             return [self.text_event(i, "text", text)]
         return [self.chunk([CompletionChoice(
             index=i, text=text, logprobs=self.completion_logprobs(r, lps), finish_reason=choice.finish_reason,
-            token_ids=ids if self.body.return_token_ids else None,
+            stop_reason=choice.stop_reason, token_ids=ids if self.body.return_token_ids else None,
         )])]
 
 

@@ -407,7 +407,7 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
     base = uuid.uuid4().hex
     for i, (ids, _) in enumerate(prompts):
         limit = state.context_length - len(ids)
-        if limit <= 0 or (params.max_tokens is not None and params.max_tokens > limit):
+        if limit < 0 or (limit == 0 and params.max_tokens != 0) or (params.max_tokens is not None and params.max_tokens > limit):
             asked = params.max_tokens or 1
             raise ClientError(400, f"this model's maximum context length is {state.context_length} tokens; the "
                               f"request has {len(ids)} prompt tokens and asks for {asked} more",
@@ -417,9 +417,12 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
         # a tool-call parser reads the markup, which may be special tokens (DeepSeek's): those are kept
         # in the text, and EOS ids left out of it like stop ids
         parsing = tools.new_parser is not None
-        hidden = frozenset(p.stop_token_ids) | (frozenset(tok.eos_token_ids) if parsing else frozenset())
+        include = bool(body.include_stop_str_in_output)  # as vLLM: a stop id's text too, EOS's never
+        stop_ids, eos = frozenset(p.stop_token_ids), frozenset(() if p.ignore_eos else tok.eos_token_ids)
+        hidden = (frozenset() if include else stop_ids) | (frozenset(tok.eos_token_ids) if parsing else frozenset())
         choices = [ChoiceText(IncrementalDetokenizer(tok, skip_special_tokens=not parsing, prompt_ids=ids),
-                              StopStringMatcher(body.stop_strings(), bool(body.include_stop_str_in_output)), hidden)
+                              StopStringMatcher(body.stop_strings(), include), hidden, stop_ids,
+                              0 if p.structured is not None else p.min_tokens, eos)
                    for _ in range(p.n)]
         requests.append(EngineRequest(req.rid, i, ids, choices, engine.generate(req)))
     return requests

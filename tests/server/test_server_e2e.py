@@ -273,6 +273,7 @@ def test_stop_strings_never_leak(server, client):
     r = client.completions.create(model=model, prompt="Once upon a time", max_tokens=24, temperature=0, stop=[stop],
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["stop_reason"] == stop  # vLLM's: which stop string ended it
     streamed = client.completions.create(model=model, prompt="Once upon a time", max_tokens=24, temperature=0,
                                          stop=stop, stream=True, extra_body={"ignore_eos": True})
     chunks = list(streamed)
@@ -286,6 +287,30 @@ def test_stop_strings_never_leak(server, client):
         parts = list(kept) if stream_flag else [kept]
         assert "".join(c.choices[0].text for c in parts if c.choices) == want + stop
         assert parts[-1].choices[0].finish_reason == "stop"
+
+
+def test_no_stop_string_ends_before_min_tokens(server, tok):
+    """vLLM's rule: a stop string is not matched in the text of the first `min_tokens` tokens; one that
+    ends later (even begun earlier) still stops the completion."""
+    body = {"model": server_model_id(server), "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    full = post(server, "/v1/completions", body).json()["choices"][0]
+    ids, text = full["token_ids"], full["text"]
+    stop = text[len(tok.decode(ids[:2])) - 1:][:2]  # ends in the 3rd token's text or before
+    assert stop.strip(), text
+    for m in (0, 4, 9):
+        early = len(tok.decode(ids[:m]))  # text of the first m tokens
+        at = next((i for i in range(len(text)) if text.startswith(stop, i) and i + len(stop) > early), None)
+        for stream in (False, True):
+            resp = post(server, "/v1/completions", {**body, "stop": [stop], "min_tokens": m, "stream": stream})
+            if stream:
+                chunks = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+                got = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+                reason = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
+            else:
+                got, reason = resp.json()["choices"][0]["text"], resp.json()["choices"][0]["finish_reason"]
+            assert got == (text if at is None else text[:at]), (m, stream, got, text)
+            assert reason == ("length" if at is None else "stop")
 
 
 def test_stop_token_ids_end_the_completion(server, client, tok):
@@ -303,6 +328,9 @@ def test_stop_token_ids_end_the_completion(server, client, tok):
     first = full["token_ids"].index(stop_id)  # greedy: the same tokens up to the first stop id
     assert choice["token_ids"] == full["token_ids"][: first + 1]
     assert choice["text"] == tok.decode(full["token_ids"][:first])  # the stop token's text is left out
+    assert choice["stop_reason"] == stop_id
+    kept = post(server, "/v1/completions", {**body, "stop_token_ids": [stop_id], "include_stop_str_in_output": True})
+    assert kept.json()["choices"][0]["text"] == tok.decode(full["token_ids"][: first + 1])  # as vLLM: shown
     for stream_flag in (False, True):
         resp = client.chat.completions.create(model=model, messages=MSG, max_tokens=24, temperature=0,
                                               stream=stream_flag, extra_body={"stop_token_ids": [stop_id], "ignore_eos": True})
@@ -577,6 +605,15 @@ def test_echo_with_logprobs_scores_the_prompt(server, client, tok):
     first = streamed[0].choices[0]
     assert first.text == tok.decode(ids, skip_special_tokens=False) and len(first.logprobs.tokens) == len(ids)
     assert_error(post(server, "/v1/completions", {"prompt": "x", "max_tokens": 0}), 400)
+    # echo alone with max_tokens 0: the prompt comes back, as OpenAI's legacy API does
+    echoed = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 0, "echo": True}).json()
+    assert echoed["choices"][0]["text"] == tok.decode(ids, skip_special_tokens=False)
+    assert echoed["choices"][0]["logprobs"] is None and echoed["usage"]["completion_tokens"] == 0
+    # a prompt that fills the context can be scored (nothing is generated), not extended
+    whole = [random.Random(3).randrange(3, 500) for _ in range(4096)]
+    scored = post(server, "/v1/completions", {"prompt": whole, "max_tokens": 0, "echo": True, "logprobs": 0}, timeout=300)
+    assert scored.status_code == 200 and len(scored.json()["choices"][0]["logprobs"]["tokens"]) == 4096
+    assert_error(post(server, "/v1/completions", {"prompt": whole, "max_tokens": 1}), 400, code="context_length_exceeded")
 
 
 def test_echoed_prompt_offsets_point_into_the_text_where_tokens_split_characters(server, client):
