@@ -2,7 +2,8 @@
 
 Request handling itself lives in `serving.py` (one serializer per API shape). This module owns the
 HTTP concerns:
-  * every error leaves as OpenAI's `{"error": {message, type, param, code}}` — FastAPI's 422s become
+  * every error leaves as OpenAI's `{"error": {message, type, param, code}}` (Anthropic's shape on the Messages
+    routes, `shaped`) — FastAPI's 422s become
     400 `invalid_request_error` naming the field, unknown routes 404, bodies over the limit 413;
   * every error answer (but `/health`'s) is counted once in `mlaserve_request_errors_total{code, status}`
     by the outermost middleware (`server.metrics.ErrorCountingMiddleware`);
@@ -28,10 +29,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server import messages_api
-from server.metrics import ErrorCountingMiddleware, note_answer_code
+from server.metrics import ErrorCountingMiddleware
 from server.protocol import SEND_JSON, ModelCard, ModelList, VersionResponse, describe_validation_error
-from server.serving import register_routes
+from server.serving import anthropic_error, register_routes
 from server.state import ServerState, error_response
 
 logger = logging.getLogger("mlaserve.server")
@@ -40,6 +40,12 @@ logger = logging.getLogger("mlaserve.server")
 MIN_BODY_LIMIT = 1 << 20  # bytes: the derived limit never goes below this
 BODY_BYTES_PER_CONTEXT_TOKEN = 16  # a token is ~4 bytes of text, more as JSON-escaped text or as ids
 STATS_WAIT_S = 0.5  # /metrics waits this long for the engine's current stats, then takes its last ones
+
+
+def shaped(scope: Scope, resp: Response) -> Response:
+    """An error answer in the shape the route's clients read: Anthropic's on its Messages routes, OpenAI's
+    everywhere else."""
+    return anthropic_error(resp) if str(scope.get("path", "")).startswith("/v1/messages") else resp
 
 
 def body_limit(fixed: int | None, context_length: int) -> int:
@@ -99,13 +105,13 @@ class BodyLimitMiddleware:
             resp = self.state.unavailable() or error_response(
                 503, "the model is still loading; retry shortly", "service_unavailable", code="loading",
                 headers={"Retry-After": "5"})
-            return await resp(scope, receive, send)
+            return await shaped(scope, resp)(scope, receive, send)
         how = "set by --max-request-bytes" if self.fixed is not None else (
             f"derived from the model's {context}-token context: {BODY_BYTES_PER_CONTEXT_TOKEN} bytes per token, "
             f"at least 1 MiB")
         resp = error_response(413, f"request body larger than the limit of {limit} bytes ({how}); start the server "
                               f"with a larger --max-request-bytes to accept it", code="request_too_large")
-        await resp(scope, receive, send)
+        await shaped(scope, resp)(scope, receive, send)
 
 
 class _BodyTooLarge(Exception):
@@ -145,7 +151,7 @@ class AuthMiddleware:
             if not hmac.compare_digest(given.strip().encode(), key.encode()):
                 resp = error_response(401, "invalid or missing API key (send Authorization: Bearer KEY, or "
                                       "x-api-key: KEY)", "authentication_error", code="invalid_api_key")
-                return await resp(scope, receive, send)
+                return await shaped(scope, resp)(scope, receive, send)
         await self.app(scope, receive, send)
 
 
@@ -176,13 +182,8 @@ class CrashMiddleware:
             if started:
                 raise
             logger.exception("internal error in %s %s", scope.get("method"), scope.get("path"))
-            message = f"internal server error: {type(exc).__name__}"
-            if str(scope.get("path", "")).startswith("/v1/messages"):  # Anthropic's clients read its shape
-                note_answer_code("internal_error")  # the code the metrics count it by, as on the other routes
-                resp = JSONResponse(messages_api.error_body(500, message, "internal_error"), status_code=500)
-            else:
-                resp = error_response(500, message, "internal_error")
-            await resp(scope, receive, send)
+            resp = error_response(500, f"internal server error: {type(exc).__name__}", "internal_error")
+            await shaped(scope, resp)(scope, receive, send)
 
 
 def build_app(state: ServerState, max_request_bytes: int | None = None, allowed_origins: str = "") -> FastAPI:
@@ -192,19 +193,21 @@ def build_app(state: ServerState, max_request_bytes: int | None = None, allowed_
     app.state.s = state
 
     @app.exception_handler(RequestValidationError)
-    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def on_validation(request: Request, exc: RequestValidationError) -> Response:
         message, param = describe_validation_error(exc.errors())
-        return error_response(400, message, param=param)
+        return shaped(request.scope, error_response(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 404:
-            return error_response(404, "no such route", code="not_found")
-        if exc.status_code == 405:
-            return error_response(405, "method not allowed for this route", code="method_not_allowed")
-        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's words
-            return error_response(400, f"the request body could not be read as JSON: {SEND_JSON}")
-        return error_response(exc.status_code, str(exc.detail))
+            resp = error_response(404, "no such route", code="not_found")
+        elif exc.status_code == 405:
+            resp = error_response(405, "method not allowed for this route", code="method_not_allowed")
+        elif exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's words
+            resp = error_response(400, f"the request body could not be read as JSON: {SEND_JSON}")
+        else:
+            resp = error_response(exc.status_code, str(exc.detail))
+        return shaped(request.scope, resp)
 
     @app.get("/health")
     async def health() -> Response:

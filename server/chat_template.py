@@ -265,6 +265,19 @@ def render_chat(
     return _cut_at_continue_tag(rendered, final_text) if final_text is not None else rendered
 
 
+@lru_cache(maxsize=16)
+def writes_tool_messages(template: str) -> bool:
+    """Whether the template writes a `tool` message's content: some write only system, user and assistant
+    turns and drop any other role without a word, so a tool result would never reach the model."""
+    marker = "MLASERVE-TOOL-RESULT-PROBE"
+    probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+             {"role": "tool", "tool_call_id": "call_0", "content": marker}]
+    try:
+        return marker in render_chat(template, probe)
+    except ChatTemplateError:
+        return False
+
+
 def user_turn_ids(tokenizer: Any, content_ids: Sequence[int], question: str) -> list[int]:
     """Token ids of a one-message user turn, `content_ids` (text already tokenised) then `question`,
     through the tokenizer's chat template, ready for the answer. The template is rendered around a

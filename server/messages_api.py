@@ -29,6 +29,7 @@ chat completions request (same prompt tokens) and is parsed by the same reasonin
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator
@@ -43,12 +44,29 @@ from server.protocol import (
     _Response,
     check_part_types,
     describe_validation_error,
+    rename_fields,
 )
 
 # Anthropic's error types by HTTP status (its API answers 529 `overloaded_error`; this server's overload
 # is a 503, typed the same)
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
+
+
+# the chat path's field names as this API's (requests are served as chat requests)
+_RENAMES = (
+    (re.compile(r"\bresponse_format\.json_schema\.schema\b"), "output_config.format.schema"),
+    (re.compile(r"\bresponse_format(\.json_schema)?\b"), "output_config.format"),
+    (re.compile(r"\btools\.\[(\d+)\]\.function\.parameters\b"), r"tools.[\1].input_schema"),
+    (re.compile(r"\btools\.\[(\d+)\]\.function\."), r"tools.[\1]."),
+    (re.compile(r"\bmax_completion_tokens\b"), "max_tokens"),
+)
+
+
+def rename_error(message: str, param: str | None) -> tuple[str, str | None]:
+    """An error of the chat path in this API's names (`response_format` is `output_config.format`, a
+    tool's `function.parameters` its `input_schema`)."""
+    return rename_fields(_RENAMES, message, param)
 
 
 def error_type(status: int, code: str | None) -> str:
@@ -143,7 +161,7 @@ class OutputConfig(_Request):
 
 class MessagesRequest(_Body):
     model: str
-    max_tokens: StrictInt
+    max_tokens: Annotated[StrictInt, Field(ge=1)]  # Anthropic's API asks for at least one token
     messages: list[MessageParam] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     stop_sequences: list[str] | None = None
@@ -163,7 +181,7 @@ class MessagesRequest(_Body):
 class CountTokensRequest(MessagesRequest):
     """`/v1/messages/count_tokens`: a request's prompt, counted; nothing is generated."""
 
-    max_tokens: StrictInt = 1
+    max_tokens: Annotated[StrictInt, Field(ge=1)] = 1
 
 
 class TokenCount(_Response):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -600,6 +601,16 @@ def _or(value: Any, default: Any) -> Any:
 
 _JSON_KINDS = {str: "a JSON string", int: "a JSON number", float: "a JSON number", bool: "a JSON boolean",
                type(None): "JSON null", list: "a JSON array"}
+
+
+def rename_fields(renames: Sequence[tuple[re.Pattern[str], str]], message: str,
+                  param: str | None) -> tuple[str, str | None]:
+    """An error of the chat path in another API's field names (the Responses and Messages APIs serve
+    requests as chat requests): each (pattern, name) substituted in the message and the param."""
+    for pattern, name in renames:
+        message = pattern.sub(name, message)
+        param = pattern.sub(name, param) if param is not None else None
+    return message, param
 
 
 def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:

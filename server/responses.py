@@ -300,7 +300,9 @@ class ChatSerializer(Serializer):
                                    **extra).usage_null(self.body.include_usage)
 
     def stream_start(self) -> list[Any]:
-        first = [ChatCompletionChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+        # a forced tool call's reply has no content (null, as the whole answer says), else it starts as ""
+        content = None if self.tools.structured is not None else ""
+        first = [ChatCompletionChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=content))
                  for i in range(len(self.requests) * self.n)]
         ids = self.requests[0].prompt_ids if self.body.return_token_ids else None
         echoed = [self.text_chunk(i, field, text) for i in range(len(first))
@@ -665,7 +667,7 @@ class MessagesSerializer(ChatSerializer):
     chat serializer's reasoning and tool-call parsing (one choice), told as content blocks — `thinking`,
     `text`, `tool_use` in the order the model writes them. A stream is SSE events with `event: <type>`
     lines: `message_start`, each block's `content_block_start` / `_delta` (`thinking_delta`,
-    `text_delta`, `input_json_delta`) / `_stop`, then `message_delta` (stop reason, output tokens) and
+    `text_delta`, `input_json_delta`) / `_stop`, then `message_delta` (stop reason, the whole usage) and
     `message_stop`; an error mid-stream is an `error` event. `usage.input_tokens` counts the prompt tokens
     the prefix cache did not hold, `cache_read_input_tokens` those it did, as Anthropic counts them."""
 
@@ -755,7 +757,7 @@ class MessagesSerializer(ChatSerializer):
         reason, sequence = self.stop()
         usage = self.anthropic_usage()
         return [*self._close(), {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                 "usage": {"output_tokens": usage["output_tokens"]}}, {"type": "message_stop"}]
+                                 "usage": usage}, {"type": "message_stop"}]
 
 
 def _tool_input(arguments: str) -> dict[str, Any]:

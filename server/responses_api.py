@@ -48,6 +48,7 @@ from server.protocol import (
     _Request,
     _Response,
     describe_validation_error,
+    rename_fields,
 )
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
@@ -318,9 +319,7 @@ _RENAMES = (
 def rename_error(message: str, param: str | None) -> tuple[str, str | None]:
     """An error of the chat path in this API's names (`response_format` is `text.format`, chat's
     `messages` is `input`, ...)."""
-    for pattern, name in _RENAMES:
-        message = pattern.sub(name, message)
-        param = pattern.sub(name, param) if param is not None else None
+    message, param = rename_fields(_RENAMES, message, param)
     if param is not None and (param == "messages" or param.startswith("messages.")):
         param = "input"
     return message, param

@@ -61,6 +61,7 @@ from server.protocol import (
 )
 from server import messages_api
 from server.messages_api import MessagesRequest
+from server.metrics import note_answer_code
 from server.responses import ChatSerializer, CompletionSerializer, MessagesSerializer, ResponsesSerializer, Serializer
 from server.responses_api import ResponsesRequest, rename_error, to_chat_request
 from server.state import ClientError, ServerState, error_response
@@ -109,11 +110,11 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/messages")
     async def messages(raw: Request) -> Response:
-        return _anthropic(state, state.unavailable() or await _messages(raw, state))
+        return anthropic_error(state.unavailable() or await _messages(raw, state))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(raw: Request) -> Response:
-        return _anthropic(state, state.unavailable() or await _answer(lambda: _count_tokens(state, raw)))
+        return anthropic_error(state.unavailable() or await _answer(lambda: _count_tokens(state, raw)))
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> Response:
@@ -169,15 +170,16 @@ async def _count_tokens(state: ServerState, raw: Request) -> messages_api.TokenC
     return messages_api.TokenCount(input_tokens=len(prompts[0][0]))
 
 
-def _anthropic(state: ServerState, resp: Response) -> Response:
-    """An error answer in Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`), counted
-    in the metrics by its OpenAI code as the other routes' errors are; other answers as they are."""
+def anthropic_error(resp: Response) -> Response:
+    """An error answer in Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`, the chat
+    path's field names as the Messages API's), counted in the metrics by its OpenAI code as the other
+    routes' errors are; other answers as they are. The middlewares' errors (401, 413, ...) on the
+    Messages routes go through here too."""
     if not isinstance(resp, JSONResponse) or resp.status_code < 400:
         return resp
     error, headers = _error_of(resp)
-    state.metrics.note_answer_code(str(error.get("code") or error.get("type") or "other"))
-    param = error.get("param")
-    message = str(error.get("message", ""))
+    note_answer_code(str(error.get("code") or error.get("type") or "other"))
+    message, param = messages_api.rename_error(str(error.get("message", "")), error.get("param"))
     if param and param not in message:
         message = f"{param}: {message}"
     return JSONResponse(messages_api.error_body(resp.status_code, message, error.get("code")),
@@ -293,9 +295,11 @@ async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: Ca
             for r in requests:
                 state.metrics.on_abort(r.rid)
             return Response(status_code=499)
-        for r, f in zip(requests, firsts):
+        for r, f in zip(requests, firsts):  # (what a stream's first event tells: Anthropic's message_start usage)
             if f is not None and f.prompt_logprobs:
                 r.prompt_logprobs = f.prompt_logprobs
+            if f is not None and f.index == 0 and f.cached_tokens:
+                r.cached_tokens = f.cached_tokens
         replicas = _replica_header(state, requests)  # (read while every stream is open)
         refused = next((f for f in firsts if f is not None and f.finish_reason == FINISH_ERROR), None)
         if refused is not None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.sampling_params import ParamError, StructuredOutput
+from server.chat_template import writes_tool_messages
 from server.protocol import ChatInput, NamedToolChoice
 from server.structured import check_json_schema, check_valid_schema, schema_output
 from server.tool_parsers import TOOL_PARSERS, ToolCall, ToolCallDelta, ToolParser, default_call_id, detect_tool_parser
@@ -128,10 +129,12 @@ def with_call_markup(messages: list[dict[str, Any]], template: str | None) -> li
     that does not read `tool_calls` (the default SmolLM2 model's): it would render an assistant turn
     that called tools as empty (or fail on its `content: null`), so the model would see results of
     calls it never made. The markup is the one our tool prompt asks for: `<tool_call>` blocks after
-    the assistant's text, each `tool` message's content in a `<tool_response>` block. A template that
+    the assistant's text, each `tool` message's content in a `<tool_response>` block, sent as a user turn
+    (as Hermes-format templates write results) where the template drops `tool` messages. A template that
     reads `tool_calls` gets the messages as they are (it writes calls in its own markup)."""
     if template is not None and "tool_calls" in template:
         return messages
+    result_role = "tool" if template is None or writes_tool_messages(template) else "user"
     out = []
     for m in messages:
         calls = m.get("tool_calls")
@@ -150,7 +153,7 @@ def with_call_markup(messages: list[dict[str, Any]], template: str | None) -> li
             m = {k: v for k, v in m.items() if k != "tool_calls"}
             m["content"] = "\n".join([text, *blocks] if text else blocks)
         elif m.get("role") == "tool" and isinstance(m.get("content"), str):
-            m = {**m, "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+            m = {**m, "role": result_role, "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
         out.append(m)
     return out
 

@@ -321,3 +321,24 @@ def test_a_final_message_the_template_rewrites_cannot_be_continued():
     with pytest.raises(ChatTemplateError, match="cannot be continued"):
         render(messages[-1]["content"])
     assert render("Hello").endswith("<｜Assistant｜>Hello")
+
+
+def test_tool_results_reach_a_template_that_drops_the_tool_role():
+    """A template that writes only system, user and assistant turns (and reads no `tool_calls`) would drop
+    a tool result without a word: the result goes in as a user turn's `<tool_response>` block instead,
+    while a template that writes every role keeps it a `tool` turn."""
+    from server.tools import with_call_markup
+
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "18C and sunny"}]
+    narrow = ("{% for m in messages %}{% if m.role == 'user' %}<U>{{ m.content }}{% elif m.role == 'assistant' %}"
+              "<A>{{ m.content }}{% endif %}{% endfor %}{% if add_generation_prompt %}<A>{% endif %}")
+    generic = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    assert "18C and sunny" not in render_chat(narrow, template_messages(history[:1] + history[2:]))  # the loss
+    text = render_chat(narrow, template_messages(with_call_markup(history, narrow)))
+    assert text.endswith('<U><tool_response>\n18C and sunny\n</tool_response><A>'), text
+    assert '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    kept = render_chat(generic, template_messages(with_call_markup(history, generic)))
+    assert kept.endswith("<tool><tool_response>\n18C and sunny\n</tool_response>"), kept

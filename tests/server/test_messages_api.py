@@ -114,6 +114,13 @@ def test_text_is_the_chat_answer_whole_and_streamed(server, client, chat):
         final = s.get_final_message()
     assert [(b.type, b.text) for b in final.content] == [(b.type, b.text) for b in m.content]
     assert final.stop_reason == m.stop_reason
+    # the prompt was served before: the prefix cache held it, and the stream tells the same split as the
+    # whole answer (in message_start, and again in message_delta)
+    assert m.usage.cache_read_input_tokens > 0
+    for usage in (final.usage, events[0]["message"]["usage"], events[-2]["usage"]):
+        got = usage if isinstance(usage, dict) else usage.model_dump()
+        assert (got["input_tokens"], got["cache_read_input_tokens"]) == \
+            (m.usage.input_tokens, m.usage.cache_read_input_tokens), usage
     count = client.messages.count_tokens(model="m", system=SYSTEM, messages=[{"role": "user", "content": ASK}])
     assert count.input_tokens == want.usage.prompt_tokens
 
@@ -211,14 +218,27 @@ USER = [{"role": "user", "content": "hi"}]
     ({"max_tokens": 4, "messages": USER, "tools": [WEATHER], "tool_choice": {"type": "tool"}}, 400, "name"),
     ({"max_tokens": 4, "messages": USER, "model": "claude-sonnet-4-5"}, 404, "does not exist"),
     ({"max_tokens": 100000, "messages": USER}, 400, "context length"),
+    # the chat path's checks, told in this API's field names
+    ({"max_tokens": 0, "messages": USER}, 400, "max_tokens"),
+    ({"max_tokens": 4, "messages": USER, "tools": [{**WEATHER, "input_schema": {"type": "object", "properties": 3}}]},
+     400, "tools.[0].input_schema"),
+    ({"max_tokens": 4, "messages": USER, "output_config": {"format": {"type": "json_schema", "schema": {
+        "type": "object", "properties": {"a": {"type": "string", "not": {}}}}}}}, 400, "output_config.format"),
+    # the middlewares' answers, before any route: in this API's shape too
+    ({"max_tokens": 4, "messages": USER, "__key": "wrong"}, 401, "API key"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x" * 3_000_000}]}, 413, "larger than the limit"),
 ])
 def test_bad_requests_get_anthropic_errors(server, body, status, needle):
-    resp = httpx.post(server.url + "/v1/messages", json={"model": "m", **body}, headers={"x-api-key": KEY}, timeout=60)
+    key = body.pop("__key", KEY)
+    resp = httpx.post(server.url + "/v1/messages", json={"model": "m", **body}, headers={"x-api-key": key}, timeout=60)
     assert resp.status_code == status, resp.text
     err = resp.json()
     assert err["type"] == "error" and set(err["error"]) == {"type", "message"}, err
-    assert err["error"]["type"] == {400: "invalid_request_error", 404: "not_found_error"}[status]
+    assert err["error"]["type"] == {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                                    413: "request_too_large"}[status]
     assert needle in err["error"]["message"], err
+    for chat_name in ("function.parameters", "response_format", "echo with logprobs", "completions API"):
+        assert chat_name not in err["error"]["message"], err
 
 
 def test_errors_are_counted_by_their_openai_code(server):

@@ -75,8 +75,9 @@ def streamed(client, **kw) -> dict[int, dict]:
     out: dict[int, dict] = {}
     for chunk in client.chat.completions.create(stream=True, **kw):
         for c in chunk.choices:
-            o = out.setdefault(c.index, {"content": "", "calls": {}, "finish": None})
-            o["content"] += c.delta.content or ""
+            o = out.setdefault(c.index, {"content": None, "calls": {}, "finish": None})  # None: never sent
+            if c.delta.content is not None:
+                o["content"] = (o["content"] or "") + c.delta.content
             for d in c.delta.tool_calls or ():
                 call = o["calls"].setdefault(d.index, {"id": None, "name": None, "arguments": ""})
                 if d.id is not None:
@@ -186,7 +187,10 @@ def test_named_tool_choice_returns_a_valid_call(client):
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     check(WEATHER["function"]["parameters"], call.function.arguments)
     s = streamed(client, **kw)[0]
-    assert s["finish"] == "stop" and s["content"] == ""
+    assert s["finish"] == "stop" and s["content"] is None  # null, as the whole answer's (and OpenAI's stream)
+    with client.chat.completions.stream(**kw) as helper:  # the SDK's stream helper assembles the same message
+        final = helper.get_final_completion().choices[0].message
+    assert final.content is None and [c.function.arguments for c in final.tool_calls] == [call.function.arguments]
     assert [(v["name"], v["arguments"]) for v in s["calls"].values()] == [("get_weather", call.function.arguments)]
 
 
@@ -203,7 +207,7 @@ def test_required_tool_choice_returns_valid_calls(client, parallel):
             check(schemas[call.function.name], call.function.arguments)
     s = streamed(client, **kw)
     for i, c in enumerate(r.choices):
-        assert s[i]["finish"] == "tool_calls"
+        assert s[i]["finish"] == "tool_calls" and s[i]["content"] is None
         assert [(v["name"], v["arguments"]) for v in s[i]["calls"].values()] == \
             [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
 
