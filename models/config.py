@@ -113,10 +113,11 @@ class DeepseekConfig:
 
     @property
     def softmax_scale(self) -> float:
-        """1/sqrt(qk_head_dim), times YaRN's mscale(factor, mscale_all_dim)^2 as DeepSeek does."""
+        """1/sqrt(qk_head_dim), times YaRN's mscale(factor, mscale_all_dim)^2 as DeepSeek does (HF
+        transformers: for any scaled rope with an `mscale_all_dim`, not only YaRN)."""
         scale = self.qk_head_dim**-0.5
         r = self.rope
-        if r.scaling_type == "yarn" and r.mscale_all_dim:
+        if r.scaling_type != "default" and r.mscale_all_dim:
             m = yarn_get_mscale(r.factor, r.mscale_all_dim)
             scale *= m * m
         return scale
@@ -257,7 +258,8 @@ def _rope_from_dict(k: _Keys, dim: int, interleaved: bool) -> RopeConfig:
         return RopeConfig(dim=dim, theta=theta, interleaved=interleaved)
     if rtype == "linear":
         return RopeConfig(dim=dim, theta=theta, interleaved=interleaved, scaling_type="linear",
-                          factor=p.above("factor", p.req("factor", float)))
+                          factor=p.above("factor", p.req("factor", float)),
+                          mscale_all_dim=p.opt("mscale_all_dim", None, float))  # DeepSeek's scale (softmax_scale)
     if rtype == "llama3":
         low, high = p.above("low_freq_factor", p.req("low_freq_factor", float)), p.req("high_freq_factor", float)
         if not high > low:  # the ramp between them divides by high - low
@@ -269,6 +271,7 @@ def _rope_from_dict(k: _Keys, dim: int, interleaved: bool) -> RopeConfig:
             low_freq_factor=low,
             high_freq_factor=high,
             original_max_position_embeddings=p.positive("original_max_position_embeddings"),
+            mscale_all_dim=p.opt("mscale_all_dim", None, float),
         )
     if rtype == "yarn":
         orig = p.positive("original_max_position_embeddings")

@@ -74,6 +74,6 @@ def select_experts(
     if cfg.topk_method == "noaux_tc":
         topk_weights = scores.gather(1, topk_ids)
 
-    if cfg.norm_topk_prob and cfg.top_k > 1:
+    if cfg.norm_topk_prob:  # also for k = 1 (the weight becomes 1), as HF transformers and llama.cpp do
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
     return topk_weights * cfg.routed_scaling_factor, topk_ids

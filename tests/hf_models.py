@@ -57,6 +57,10 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 128},
     )),
+    # Llama: GQA 4/1, heads of 100 (OpenLLaMA-3B's): not a multiple of the kernels' 16-column blocks
+    "llama_hd100_gqa4": ("llama", dict(
+        num_attention_heads=4, num_key_value_heads=1, head_dim=100, intermediate_size=96, tie_word_embeddings=False,
+    )),
 }
 
 

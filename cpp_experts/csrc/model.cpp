@@ -383,7 +383,7 @@ struct MoeBlock final : Block {
     }
     for (int k = 0; k < K; ++k) {
       float& w = weights[size_t(t) * K + k];
-      if (s.norm_topk && K > 1) w /= sum + 1e-20f;
+      if (s.norm_topk) w /= sum + 1e-20f;  // k = 1 too, as HF transformers and llama.cpp
       w *= s.scaling;
     }
   }
@@ -744,7 +744,7 @@ struct CpuModel::Program {
 };
 
 bool CpuModel::program_fits(int T) const {
-  if (!prog_on_ || T > kGroupStreamRows || pool_->size() < 2) return false;
+  if (!prog_on_ || prog_unfit_ || T > kGroupStreamRows || pool_->size() < 2) return false;
   for (size_t i = 0; i < blocks_.size(); ++i) {
     const Block* b = blocks_[i].get();
     if (i % 2 == 0 ? dynamic_cast<const GqaBlock*>(b) == nullptr : dynamic_cast<const DenseMlpBlock*>(b) == nullptr)
@@ -940,12 +940,18 @@ void CpuModel::forward(int T, const int64_t* ids, const int64_t* pos, const int6
     Timed ph(prof, pool, Phase::Embed);
     for_rows(pool, T, [&](int t) { embed_->dequant_row(int(ids[t]), x_.data() + size_t(t) * hidden_); });
   }
-  const bool program = !omni && program_fits(T) && !pool.solo_next();
+  bool program = !omni && program_fits(T) && !pool.solo_next();
+  if (program && (!prog_ || prog_->T != T || prog_->N != N || prog_->x != x_.data() || prog_->P != pool.size() ||
+                  prog_->blocks != blocks_.size() || prog_->table != table_.table)) {
+    try {
+      build_program(T, N);
+    } catch (const ArgError&) {  // shapes its tasks cannot take (a head_dim its column split cuts): the layers run
+      prog_unfit_ = true;
+      program = false;
+    }
+  }
   if (program) {
     // the decode program (model.h)
-    if (!prog_ || prog_->T != T || prog_->N != N || prog_->x != x_.data() || prog_->P != pool.size() ||
-        prog_->blocks != blocks_.size() || prog_->table != table_.table)
-      build_program(T, N);
     Program& G = *prog_;
     G.pos = pos, G.rows = rows, G.out_loc = out_loc, G.logit_rows = logit_rows;
     for (int l = 0; l < num_layers(); ++l) {

@@ -209,6 +209,7 @@ class CpuModel {
   struct Program;
   std::unique_ptr<Program> prog_;
   bool prog_on_ = true;
+  bool prog_unfit_ = false;  // build_program refused this model's shapes: its layers run one by one
   bool program_fits(int T) const;
   void build_program(int T, int N);  // prog_ for T tokens and N logits rows (throws where it cannot)
 };

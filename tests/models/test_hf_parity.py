@@ -120,3 +120,32 @@ def test_bfloat16_within_rounding(checkpoints, name):
     assert float((row_err <= 5e-2).float().mean()) >= 0.85, row_err
     assert float(row_err.median()) <= 3e-2
     assert float((ours.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.8
+
+
+@pytest.mark.parametrize("forward", ["torch", "cpp_experts", "native"])
+def test_one_routed_expert_renormalised_matches_hf(tmp_path, forward):
+    """norm_topk_prob with a single routed expert per token: its weight is renormalised to 1 (then scaled),
+    as HF transformers and llama.cpp do, not left at its raw score."""
+    hf = build_hf_model("v3_noaux_yarn", seed=11, num_experts_per_tok=1, norm_topk_prob=True)
+    hf.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path, dtype="float32", load_tokenizer=False, progress=False,
+                        expert_backend="cpp" if forward == "cpp_experts" else "torch",
+                        cpu_weights="float32" if forward == "native" else None)
+    runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=512, max_running_requests=8)
+    assert (runner.native_forward is not None) == (forward == "native")
+    ids = prompt(40, hf.config.vocab_size, seed=4)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    assert rel_err(prefill_logits(runner, ids), ref) <= 1e-4
+
+
+def test_linear_rope_with_mscale_all_dim_scales_the_softmax_as_hf(tmp_path):
+    """DeepSeek's softmax scale takes mscale(factor, mscale_all_dim)^2 for any scaled rope (HF transformers'
+    rule), not only YaRN."""
+    hf = build_hf_model("v2_qlora_greedy", seed=12, rope_scaling={"type": "linear", "factor": 4.0, "mscale_all_dim": 1.0})
+    hf.save_pretrained(tmp_path)
+    runner = make_runner(tmp_path)
+    ids = prompt(40, hf.config.vocab_size, seed=5)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    assert rel_err(prefill_logits(runner, ids), ref) <= 1e-4
