@@ -200,7 +200,9 @@ class TokenSlotAllocator:
         loc = loc.detach().to("cpu", torch.int64)
         if self.page_size > 1:
             loc = torch.unique(loc // self.page_size)
-        self._free = torch.cat([self._free[self._head:], loc])
+        # to the front: the next allocation reuses the slots freed last, whose pages are already touched, so a
+        # CPU cache's resident memory follows the tokens held at once, not every slot ever handed out
+        self._free = torch.cat([loc, self._free[self._head:]])
         self._head = 0
         self._len = int(self._free.numel())
         self._free_mv = self._items(self._free)

@@ -12,6 +12,8 @@ HTTP concerns:
     vLLM leaves `/version`);
   * `/health` is 200 only while the engine (every `--dp` replica) is alive and we are not draining for
     shutdown;
+  * one log line per request (`RequestLogMiddleware`: method, path, status, time, request id, never the
+    prompt), and the request id (the client's `X-Request-Id`, or a new one) in every answer's `x-request-id`;
   * CORS for `--allowed-origins` (any origin by default, as vLLM and llama.cpp's server): preflights are
     answered before auth, and every answer, errors included, carries the headers a browser needs to read it.
 """
@@ -21,6 +23,9 @@ from __future__ import annotations
 import hmac
 import importlib.metadata
 import logging
+import re
+import time
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -155,6 +160,46 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
 
+REQUEST_ID_HEADER = b"x-request-id"
+_REQUEST_ID_OK = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")  # a client's id is echoed only when it reads as one
+QUIET_PATHS = frozenset({"/health", "/metrics"})  # polled by probes and scrapers: logged at debug only
+
+
+class RequestLogMiddleware:
+    """One log line per request when its answer has gone out (a stream: at its end): method, path, status,
+    time taken, the client and the request id. The id is the client's `X-Request-Id` when it sends a sane
+    one, else a new one; every answer carries it back in `x-request-id`, so a client's error can be found
+    in the server's log. Prompts and outputs are never logged. Outermost: it sees every answer, the
+    middlewares' refusals included."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(REQUEST_ID_HEADER, b"")
+        rid = given if _REQUEST_ID_OK.fullmatch(given) else uuid.uuid4().hex.encode()
+        start = time.monotonic()
+        status = 0
+
+        async def tagged(msg: Message) -> None:
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = int(msg["status"])
+                msg = {**msg, "headers": [*msg.get("headers", []), (REQUEST_ID_HEADER, rid)]}
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, tagged)
+        finally:
+            path = scope.get("path", "")
+            client = scope.get("client")
+            logger.log(logging.DEBUG if path in QUIET_PATHS else logging.INFO, "%s %s %s %.1f ms client=%s request_id=%s",
+                       scope.get("method"), path, status or "-", (time.monotonic() - start) * 1e3,
+                       f"{client[0]}:{client[1]}" if client else "-", rid.decode())
+
+
 class CrashMiddleware:
     """A bug in a route answers 500 `internal_error` (logged with its traceback) and ends there.
 
@@ -249,9 +294,10 @@ def build_app(state: ServerState, max_request_bytes: int | None = None, allowed_
     origins = [o.strip() for o in allowed_origins.split(",") if o.strip()]
     if origins:  # outside auth: a preflight carries no key
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
-                           expose_headers=["Retry-After", "x-mlaserve-replica"], max_age=600)
-    # outermost (added last): counts every error answer once, the 401s and 413s above included
+                           expose_headers=["Retry-After", "x-mlaserve-replica", "x-request-id"], max_age=600)
+    # counts every error answer once, the 401s and 413s above included
     app.add_middleware(ErrorCountingMiddleware, metrics=lambda: state.metrics)
+    app.add_middleware(RequestLogMiddleware)  # outermost (added last)
     return app
 
 

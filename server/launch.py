@@ -19,6 +19,8 @@ Order of events:
      then is killed; a signal while the engine is being shut down kills it).
   A signal while the model is still loading stops the load and exits 0. If the engine (any replica)
   cannot start, the error is logged and the process exits 1.
+  5. The engine dies (every replica; one of several only fails `/health`): the running requests get
+     their errors, new ones 503 `engine_dead`, and the process exits 1 for its supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -113,16 +115,16 @@ class _DrainingServer(uvicorn.Server):
     async def _drain_then_exit(self) -> None:
         """Waits for the in-flight requests; past the grace ends them in the engine (their clients get a
         `shutting_down` error), waits for those answers to go out, then lets uvicorn stop."""
-        await self._wait_inflight(self.grace)
+        await self.wait_inflight(self.grace)
         engine = self.state.engine
         if self.state.inflight > 0 and engine is not None:
             ended = engine.abort_all(f"the server is shutting down: the request did not finish within "
                                      f"--shutdown-timeout {self.grace:g} s")
             logger.warning("shutdown: ended %d request(s) still running after %gs", ended, self.grace)
-            await self._wait_inflight(self.ABORT_FLUSH_S)
+            await self.wait_inflight(self.ABORT_FLUSH_S)
         self.should_exit = True
 
-    async def _wait_inflight(self, seconds: float) -> None:
+    async def wait_inflight(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while self.state.inflight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(self.POLL_S)
@@ -201,6 +203,26 @@ def _signals_kill_engine(state: ServerState) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+ENGINE_WATCH_S = 0.5  # how often the server looks whether its engine still runs
+
+
+async def _exit_when_the_engine_dies(state: ServerState, server: _DrainingServer) -> None:
+    """Once every replica is gone, the server cannot answer anything again: the requests that were running
+    get their errors out (up to ABORT_FLUSH_S), then the server exits 1, so that whatever supervises it
+    (Docker's restart policy, systemd, Kubernetes) starts a new one, as vLLM's server exits with its
+    engine. Until then `/health` and new requests get 503 `engine_dead`."""
+    while not server.should_exit and not server.stop_requested:
+        engine = state.engine
+        if engine is not None and not engine.any_alive:
+            why = "; ".join(f"replica {i}: {reason}" if engine.size > 1 else reason for i, reason in engine.dead())
+            state.engine_lost = why
+            logger.error("the engine is gone (%s): the server exits 1 so that its supervisor restarts it", why)
+            await server.wait_inflight(server.ABORT_FLUSH_S)
+            server.should_exit = True
+            return
+        await asyncio.sleep(ENGINE_WATCH_S)
+
+
 async def serve_async(args: ServerArgs) -> int:
     state = ServerState(model_name=args.served_model_name or default_model_name(args.engine.model),
                         metrics=None, api_key=args.api_key,  # type: ignore[arg-type]
@@ -213,18 +235,20 @@ async def serve_async(args: ServerArgs) -> int:
                             timeout_graceful_shutdown=5, access_log=False, lifespan="off")
     server = _DrainingServer(config, state, args.shutdown_timeout, args.runtime_file)
     starter = asyncio.create_task(_start_engine(state, args, server))
+    watcher = asyncio.create_task(_exit_when_the_engine_dies(state, server))
     try:
         await server.serve()
     finally:  # also when uvicorn fails (a port in use exits from inside serve): never leave the engine running
         remove_runtime_file(args.runtime_file)  # no longer listening
         with _signals_kill_engine(state):
             starter.cancel()  # a load still under way: EngineReplicas.start kills the half-started processes
-            await asyncio.gather(starter, return_exceptions=True)
+            watcher.cancel()
+            await asyncio.gather(starter, watcher, return_exceptions=True)
             if state.engine is not None:
                 if server.forced:  # what still runs gets a shutting_down error, not "the engine died"
                     state.engine.abort_all("the server is shutting down: stopped at once by a second signal")
                 await state.engine.shutdown(timeout=2 if server.forced else 10)
-    return 1 if state.start_error else 0
+    return 1 if state.start_error or state.engine_lost else 0
 
 
 def serve(args: ServerArgs) -> int:

@@ -1,0 +1,67 @@
+"""How the KV cache is sized on a CPU host: a container's memory limit bounds it (its /proc/meminfo shows
+the host's memory), and freed slots are reused first, so resident memory follows the tokens held."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from engine.core import cgroup_memory_room
+from executor.memory_pool import TokenSlotAllocator
+
+GiB = 1 << 30
+
+
+def _write(d: Path, **files: str) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (d / name.replace("_", ".", 1)).write_text(text)
+
+
+def test_a_cgroup_v2_limit_bounds_the_room(tmp_path):
+    root = tmp_path / "cg"
+    _write(root, memory_max="max", memory_current=str(9 * GiB))  # the namespace's root: no limit
+    _write(root / "kubepods" / "pod1", memory_max=str(4 * GiB), memory_current=str(GiB),
+           memory_stat=f"anon {GiB - 4096}\ninactive_file {GiB // 2}\n")
+    _write(root / "kubepods" / "pod1" / "ctr", memory_max="max", memory_current=str(GiB))
+    room = cgroup_memory_room(root, "0::/kubepods/pod1/ctr\n")
+    assert room == 4 * GiB - GiB + GiB // 2  # the pod's limit, less what it uses, page cache it can drop back
+    assert cgroup_memory_room(root, "0::/\n") is None  # no level with a limit
+
+
+def test_a_container_sees_its_own_cgroup_as_the_root(tmp_path):
+    """cgroup namespaces: /proc/self/cgroup names a path the container's mount does not have."""
+    root = tmp_path / "cg"
+    _write(root, memory_max=str(2 * GiB), memory_current=str(GiB // 4))
+    assert cgroup_memory_room(root, "0::/system.slice/docker-abc.scope\n") == 2 * GiB - GiB // 4
+
+
+def test_cgroup_v1_limits_and_no_limit(tmp_path):
+    root = tmp_path / "cg"
+    _write(root / "memory", memory_limit_in_bytes=str(9223372036854771712), memory_usage_in_bytes=str(GiB))
+    _write(root / "memory" / "docker" / "abc", memory_limit_in_bytes=str(3 * GiB), memory_usage_in_bytes=str(GiB),
+           memory_stat=f"cache 5\ntotal_inactive_file {GiB // 4}\n")
+    lines = "5:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/\n"
+    assert cgroup_memory_room(root, lines) == 2 * GiB + GiB // 4
+    assert cgroup_memory_room(root, "5:memory:/\n") is None  # the host's root: no limit
+    assert cgroup_memory_room(tmp_path / "none", lines) is None  # no cgroup file system at all
+
+
+def test_freed_slots_are_handed_out_again_first():
+    """Requests come and go: the slots in use over time stay within the most held at once (plus one
+    request's worth), not a sweep of the whole pool."""
+    rng = random.Random(0)
+    pool = TokenSlotAllocator(10_000)
+    held: list[torch.Tensor] = []
+    touched: set[int] = set()
+    for _ in range(500):
+        if held and (len(held) > 6 or rng.random() < 0.5):
+            pool.free(held.pop(rng.randrange(len(held))))
+        got = pool.alloc(rng.randint(1, 100))
+        assert got is not None
+        held.append(got)
+        touched.update(got.tolist())
+        assert len(torch.cat(held).unique()) == sum(len(h) for h in held)  # never one slot twice
+    assert len(touched) <= 8 * 100, len(touched)

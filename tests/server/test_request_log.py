@@ -1,0 +1,63 @@
+"""One log line per request, and the request id: a client's `X-Request-Id` comes back in `x-request-id`
+(a new id where it sends none, or one that does not read as an id) and names the request's line in the
+server's log, with its method, path, status and time; the prompt never reaches the log."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+
+from models.synthetic import write_checkpoint
+from tests.server.server_process import ServerProcess
+
+KEY = "log-key"
+SECRET = "the launch code is 0000"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = write_checkpoint(tmp_path_factory.mktemp("tinyllama"), "tiny-llama", seed=2)
+    srv = ServerProcess(str(model), "--log-level", "info", "--api-key", KEY,
+                        log=tmp_path_factory.mktemp("log") / "server.log")
+    srv.wait_ready()
+    yield srv
+    assert srv.stop() == 0
+
+
+def line_of(server: ServerProcess, rid: str, timeout: float = 10) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [line for line in server.log_path.read_text(errors="replace").splitlines() if f"request_id={rid}" in line]
+        if found:
+            assert len(found) == 1, found
+            return found[0]
+        time.sleep(0.1)
+    raise AssertionError(f"no log line for {rid}: {server.log()}")
+
+
+def test_each_request_is_logged_once_with_its_id(server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"messages": [{"role": "user", "content": SECRET}], "max_tokens": 4}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers={**auth, "X-Request-Id": "client-42"},
+                   timeout=60)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "client-42"
+    assert re.search(r"POST /v1/chat/completions 200 [0-9.]+ ms client=127\.0\.0\.1:\d+ request_id=client-42$",
+                     line_of(server, "client-42"))
+    with httpx.stream("POST", server.url + "/v1/completions", headers=auth, timeout=60,
+                      json={"prompt": SECRET, "max_tokens": 4, "stream": True}) as s:
+        rid = s.headers["x-request-id"]
+        assert re.fullmatch(r"[0-9a-f]{32}", rid)  # made up: the client sent none
+        assert "[DONE]" in "".join(s.iter_text())
+    assert " /v1/completions 200 " in line_of(server, rid)
+    bad = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "x y;<b>"}, timeout=60)
+    assert bad.status_code == 401 and re.fullmatch(r"[0-9a-f]{32}", bad.headers["x-request-id"])
+    assert " 401 " in line_of(server, bad.headers["x-request-id"])
+    health = httpx.get(server.url + "/health", timeout=10)
+    assert health.status_code == 200 and health.headers["x-request-id"]
+    time.sleep(0.5)
+    text = server.log_path.read_text(errors="replace")
+    assert f"request_id={health.headers['x-request-id']}" not in text  # probes: debug level only
+    assert SECRET not in text
