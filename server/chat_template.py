@@ -154,8 +154,8 @@ class _Namespace(Namespace):
         Namespace.__setitem__(self, name, value)
 
 
-@lru_cache(maxsize=16)
-def _compile(template: str):
+@lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                        extensions=[_Generation, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
@@ -163,6 +163,12 @@ def _compile(template: str):
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _Namespace
+    return env
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str):
+    env = _environment()
     try:
         return env.from_string(template)
     except TemplateError as e:
@@ -263,6 +269,32 @@ def render_chat(
     except Exception as e:  # e.g. None + str in a template that did not expect these messages
         raise ChatTemplateError(f"chat template failed to render: {type(e).__name__}: {e}") from None
     return _cut_at_continue_tag(rendered, final_text) if final_text is not None else rendered
+
+
+def _reads_content(node: nodes.Node, aliases: set[str]) -> bool:
+    """`node` is a message's content: `x.content`, `x['content']`, a name set from one, through filters."""
+    while isinstance(node, nodes.Filter) and node.node is not None:
+        node = node.node
+    if isinstance(node, nodes.Getattr):
+        return node.attr == "content"
+    if isinstance(node, nodes.Getitem):
+        return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+    return isinstance(node, nodes.Name) and node.name in aliases
+
+
+@lru_cache(maxsize=16)
+def loops_over_content(template: str) -> bool:
+    """Whether the template walks a message's `content` as a list of parts (`{% for part in
+    message['content'] %}`, as Gemma 3's does): such a template gets the parts a client sent, as
+    transformers passes them; any other gets their text joined by newlines (vLLM's choice for templates
+    that read content as a string). Read from the template's syntax tree, as vLLM detects it."""
+    try:
+        tree = _environment().parse(template)
+    except TemplateError:
+        return False
+    aliases = {a.target.name for a in tree.find_all(nodes.Assign)
+               if isinstance(a.target, nodes.Name) and _reads_content(a.node, set())}
+    return any(_reads_content(f.iter, aliases) for f in tree.find_all(nodes.For))
 
 
 @lru_cache(maxsize=16)

@@ -133,6 +133,10 @@ class ChatMessage(_Request):
     # DeepSeek's chat prefix completion: a final assistant message the model continues (as
     # `continue_final_message`; `ChatInput`)
     prefix: StrictBool | None = None
+    # an earlier reply's reasoning, sent back as vLLM and DeepSeek's API return it (`reasoning_content`) or
+    # under vLLM's newer name: the chat template decides whether it is written (Qwen3's keeps the last turns')
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -151,11 +155,11 @@ class ChatMessage(_Request):
             raise _invalid("content is required (only an assistant message may omit it)")
         return value
 
-    @field_validator("tool_calls")
+    @field_validator("tool_calls", "reasoning_content", "reasoning")
     @classmethod
     def _assistant_only(cls, value: Any, info: ValidationInfo) -> Any:
         if value and info.data.get("role") != "assistant":
-            raise _invalid("only an assistant message may carry tool_calls")
+            raise _invalid(f"only an assistant message may carry {info.field_name}")
         return value
 
     def text(self) -> str:
@@ -262,6 +266,8 @@ class _GenerationRequest(_Body):
     include_stop_str_in_output: StrictBool | None = False
     # vLLM's extension: generation ends right after one of these ids (its text is left out)
     stop_token_ids: list[StrictInt] | None = None
+    # vLLM's extension: false writes special tokens (<|im_start|>, ...) into the text (EOS still ends it unseen)
+    skip_special_tokens: StrictBool | None = True
     seed: StrictInt | None = None
     presence_penalty: StrictFloat | None = 0.0
     frequency_penalty: StrictFloat | None = 0.0
@@ -385,15 +391,19 @@ class ChatInput(_Body):
             return self.add_generation_prompt
         return self.continued_text() is None
 
-    def openai_messages(self) -> list[dict[str, Any]]:
+    def openai_messages(self, parts: bool = False) -> list[dict[str, Any]]:
         """Messages in OpenAI's shape with text content joined (None kept for an assistant message
-        that only calls tools, "" for one with neither content nor calls): what `server.chat_template.template_messages` takes."""
+        that only calls tools, "" for one with neither content nor calls): what `server.chat_template.template_messages` takes.
+        `parts`: content sent as a list of text parts stays one (for a template that walks the parts)."""
         out = []
         for m in self.messages:
             role = "system" if m.role == "developer" else m.role  # templates know system; developer is its new name
             # content None stays None beside tool calls; alone it is an empty reply (as vLLM reads it: a
             # template that reads the content would fail on None)
-            entry: dict[str, Any] = {"role": role, "content": m.text() if m.content is not None or not m.tool_calls else None}
+            content: Any = m.text() if m.content is not None or not m.tool_calls else None
+            if parts and isinstance(m.content, list):
+                content = [{"type": "text", "text": p.text} for p in m.content]
+            entry: dict[str, Any] = {"role": role, "content": content}
             if m.name is not None:
                 entry["name"] = m.name
             if m.tool_calls:
@@ -402,6 +412,9 @@ class ChatInput(_Body):
                 entry["tool_call_id"] = m.tool_call_id
             if m.prefix:  # DeepSeek-V3.1's template reads it (a continued reply keeps its thinking mode)
                 entry["prefix"] = True
+            reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+            if reasoning is not None:  # template_messages copies it under the names templates read
+                entry["reasoning_content"] = reasoning
             out.append(entry)
         return out
 

@@ -43,7 +43,7 @@ from engine.messages import (
     GenerateRequest,
     RequestOutput,
 )
-from server.chat_template import ChatTemplateError, render_chat, template_messages
+from server.chat_template import ChatTemplateError, loops_over_content, render_chat, template_messages
 from server.choices import ChoiceText, EngineRequest
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from server.protocol import (
@@ -343,7 +343,8 @@ def chat_prompt(state: ServerState, body: ChatInput) -> tuple[str, ToolPlan]:
     tok = state.tokenizer
     assert tok is not None
     plan = plan_tools(body, tok.chat_template, state.tool_call_parser)
-    messages = with_call_markup(body.openai_messages(), tok.chat_template)
+    messages = with_call_markup(body.openai_messages(parts=bool(tok.chat_template) and loops_over_content(tok.chat_template)),
+                                tok.chat_template)
     if plan.system:
         messages = with_system(messages, plan.system)
     extra: dict[str, Any] = dict(body.chat_template_kwargs or {})  # the request's template variables first:
@@ -421,10 +422,12 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
         # a tool-call parser reads the markup, which may be special tokens (DeepSeek's): those are kept
         # in the text, and EOS ids left out of it like stop ids
         parsing = tools.new_parser is not None
-        include = bool(body.include_stop_str_in_output)  # as vLLM: a stop id's text too, EOS's never
+        specials = parsing or body.skip_special_tokens is False  # special tokens' text shows
+        include = bool(body.include_stop_str_in_output)  # as vLLM: a stop id's text too
         stop_ids, eos = frozenset(p.stop_token_ids), frozenset(() if p.ignore_eos else tok.eos_token_ids)
-        hidden = (frozenset() if include else stop_ids) | (frozenset(tok.eos_token_ids) if parsing else frozenset())
-        choices = [ChoiceText(IncrementalDetokenizer(tok, skip_special_tokens=not parsing, prompt_ids=ids),
+        shown_eos = frozenset(tok.eos_token_ids) if specials else frozenset()  # (skipped anyway otherwise)
+        hidden = (frozenset() if include else stop_ids | shown_eos) | (shown_eos if parsing else frozenset())
+        choices = [ChoiceText(IncrementalDetokenizer(tok, skip_special_tokens=not specials, prompt_ids=ids),
                               StopStringMatcher(body.stop_strings(), include), hidden, stop_ids,
                               0 if p.structured is not None else p.min_tokens, eos)
                    for _ in range(p.n)]

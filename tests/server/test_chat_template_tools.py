@@ -342,3 +342,50 @@ def test_tool_results_reach_a_template_that_drops_the_tool_role():
     assert '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
     kept = render_chat(generic, template_messages(with_call_markup(history, generic)))
     assert kept.endswith("<tool><tool_response>\n18C and sunny\n</tool_response>"), kept
+
+
+# Qwen3's way with reasoning (its template, cut to what matters here): an assistant turn writes its
+# `reasoning_content` in a think block
+QWEN3_LIKE = (
+    "{%- for message in messages %}{%- if message.role == 'assistant' %}"
+    "{%- set reasoning_content = '' %}{%- if message.reasoning_content is string %}"
+    "{%- set reasoning_content = message.reasoning_content %}{%- endif %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' }}"
+    "{%- if message.content %}{{- message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls or [] %}{{- '<tool_call>' + call.function.name + '</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+# Gemma 3's way with content: it walks the parts, trimming each
+GEMMA_LIKE = (
+    "{%- for message in messages %}{{- '<start_of_turn>' + message.role + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] | trim }}"
+    "{%- else %}{%- for item in message['content'] %}{%- if item['type'] == 'text' %}{{- item['text'] | trim }}"
+    "{%- endif %}{%- endfor %}{%- endif %}{{- '<end_of_turn>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}")
+
+
+@pytest.mark.parametrize("template", [QWEN3_LIKE, GEMMA_LIKE], ids=["reasoning", "parts"])
+def test_history_reasoning_and_text_parts_render_as_transformers(hf_tokenizers, template):
+    """An earlier reply's reasoning sent back (`reasoning_content`, or vLLM's `reasoning`) reaches the
+    template; content sent as text parts reaches a template that walks the parts as parts (joined by
+    newlines only for templates that read content as a string)."""
+    from server.chat_template import loops_over_content
+    from server.protocol import ChatCompletionRequest
+
+    for key in ("reasoning_content", "reasoning"):
+        parts = [{"type": "text", "text": "Weather in Paris? "}, {"type": "text", "text": " Be brief."}]
+        messages = [{"role": "user", "content": parts if template is GEMMA_LIKE else "Weather in Paris?"},
+                    {"role": "assistant", "content": "It is sunny.", key: "\nI should look it up.\n"},
+                    {"role": "user", "content": "And tomorrow?"}]
+        body = ChatCompletionRequest.model_validate({"messages": messages})
+        ours = render_chat(template, template_messages(body.openai_messages(parts=loops_over_content(template))))
+        hf_messages = [{**m, "reasoning_content": m.pop("reasoning")} if "reasoning" in m else m
+                       for m in copy.deepcopy(messages)]
+        theirs = hf_tokenizers["qwen2_5"].apply_chat_template(hf_messages, chat_template=template, tokenize=False,
+                                                              add_generation_prompt=True)
+        assert ours == theirs
+        if template is QWEN3_LIKE:
+            assert "<think>\nI should look it up.\n</think>" in ours
+        else:
+            assert "Weather in Paris?Be brief." in ours
+    assert loops_over_content(GEMMA_LIKE) and not loops_over_content(QWEN3_LIKE)

@@ -747,3 +747,21 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server, path
         done = [u["completion_tokens"] for u in usages]
         assert done == sorted(done) and done[-1] == 6 and all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
                                                               for u in usages)
+
+
+def test_skip_special_tokens_false_writes_them(server, tok):
+    """vLLM's `skip_special_tokens: false`: special tokens' text is written (a forced <|im_start|> here);
+    by default it is skipped. EOS still ends the text unseen."""
+    start = tok.tokenizer.token_to_id("<|im_start|>")
+    body = {"prompt": "Once upon a time", "max_tokens": 3, "logit_bias": {str(start): 100}, "ignore_eos": True}
+    assert post(server, "/v1/completions", body).json()["choices"][0]["text"] == ""
+    for path, extra in (("/v1/completions", {}), ("/v1/chat/completions", {"messages": MSG})):
+        sent = {**body, **extra, "skip_special_tokens": False}
+        if extra:
+            sent.pop("prompt")
+        choice = post(server, path, sent).json()["choices"][0]
+        assert (choice.get("text") or choice.get("message", {}).get("content")) == "<|im_start|>" * 3, choice
+    end = tok.eos_token_ids[0]
+    ended = post(server, "/v1/completions", {**body, "logit_bias": {str(end): 100}, "ignore_eos": False,
+                                               "skip_special_tokens": False}).json()["choices"][0]
+    assert ended["text"] == "" and ended["finish_reason"] == "stop"
