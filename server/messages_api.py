@@ -107,9 +107,11 @@ class ToolResultBlock(_Request):
 
 
 class ThinkingBlock(_Request):
-    """An earlier turn's reasoning, sent back by clients that keep it: dropped from the prompt."""
+    """An earlier turn's reasoning, sent back by clients that keep it: its text becomes the chat message's
+    `reasoning_content`, for the chat template to write or leave out (a redacted one has none)."""
 
     type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
 
 
 Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
@@ -224,8 +226,10 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
                   "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
                  for b in blocks if isinstance(b, ToolUseBlock)]
         called.update(c["id"] for c in calls)
+        thoughts = [b.thinking for b in blocks if isinstance(b, ThinkingBlock) and b.thinking]
         messages.append({"role": "assistant", "content": "\n".join(texts) if texts else None,
-                         **({"tool_calls": calls} if calls else {})})
+                         **({"tool_calls": calls} if calls else {}),
+                         **({"reasoning_content": "\n".join(thoughts)} if thoughts else {})})
     final = messages[-1]
     prefill = final["role"] == "assistant"
     if prefill and (final.get("tool_calls") or not (final["content"] or "").strip()):

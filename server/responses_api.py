@@ -213,8 +213,21 @@ class FunctionCallOutputItem(_Request):
         return _parts_text(self.output)
 
 
+class ReasoningPart(_Request):
+    type: str
+    text: str | None = None
+
+
 class ReasoningInputItem(_Request):
+    """An earlier turn's reasoning item: its `reasoning_text` (as this server writes it) becomes the next
+    assistant message's `reasoning_content`, for the chat template to write or leave out; OpenAI's own
+    items (a summary, encrypted content) carry none."""
+
     type: Literal["reasoning"]
+    content: list[ReasoningPart] | None = None
+
+    def text(self) -> str:
+        return "\n".join(p.text for p in self.content or () if p.type == "reasoning_text" and p.text)
 
 
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningInputItem
@@ -258,17 +271,23 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     if isinstance(req.input, str):
         messages.append({"role": "user", "content": req.input})
     called: set[str] = set()
+    reasoning = ""  # a reasoning item's text, for the assistant turn that follows it
     for i, item in enumerate(input_items(req.input) if isinstance(req.input, list) else ()):
+        if isinstance(item, ReasoningInputItem):
+            reasoning = "\n".join(filter(None, (reasoning, item.text())))
+            continue
+        thought = {"reasoning_content": reasoning} if reasoning else {}
+        reasoning = ""
         if isinstance(item, MessageItem):
-            messages.append({"role": item.role, "content": item.text()})
+            messages.append({"role": item.role, "content": item.text(), **(thought if item.role == "assistant" else {})})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
             called.add(item.call_id)
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":  # one assistant turn: its text and its calls
+            if last is not None and last["role"] == "assistant" and not thought:  # one turn: its text and its calls
                 last["tool_calls"] = [*(last.get("tool_calls") or ()), call]
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call], **thought})
         elif isinstance(item, FunctionCallOutputItem):
             if item.call_id not in called:
                 raise ParamError(f"input.[{i}].call_id", f"input[{i}].call_id '{item.call_id}' matches no function_call "

@@ -266,3 +266,17 @@ def test_sdk_errors_and_the_key(server, client):
         wrong.messages.create(model="m", max_tokens=4, messages=USER)
     bad = httpx.post(server.url + "/v1/messages", content=b"{", headers={"x-api-key": KEY, "content-type": "application/json"})
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_thinking_blocks_are_the_turns_reasoning():
+    from server.messages_api import MessagesRequest, to_chat_request
+
+    body = {"model": "m", "max_tokens": 4, "messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "Look it up.", "signature": ""},
+                                          {"type": "redacted_thinking", "data": "xyz"},
+                                          {"type": "text", "text": "Sunny."}]},
+        {"role": "user", "content": "Thanks."}]}
+    chat = to_chat_request(MessagesRequest.model_validate(body))
+    assert [(m.role, m.reasoning_content) for m in chat.messages] == [
+        ("user", None), ("assistant", "Look it up."), ("user", None)]

@@ -191,7 +191,7 @@ def test_instructions_and_items_render_like_chat_messages(client, dsv3):
         {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
          "content": [{"type": "output_text", "text": "An assistant.", "annotations": []}]},
         {"type": "message", "role": "developer", "content": "Answer in French."},
-        {"type": "reasoning", "id": "rs_1", "summary": []},  # dropped: chat messages carry no reasoning back
+        {"type": "reasoning", "id": "rs_1", "summary": []},  # no text: nothing to carry back
         {"role": "user", "content": "And what can you do?"},
     ]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi.\nWho are you?"},
@@ -388,3 +388,23 @@ def test_default_model_schema_and_tool_calls(tmp_path):
         jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
     finally:
         assert srv.stop() == 0
+
+
+def test_reasoning_items_go_with_the_assistant_turn_after_them():
+    """A reasoning item's text (as this server writes it) is the next assistant turn's reasoning_content,
+    as a chat client would send it back; OpenAI's summary-only items carry none; a user turn in between
+    drops it (it was no answer's reasoning)."""
+    from server.responses_api import ResponsesRequest, to_chat_request
+
+    think = lambda text: {"type": "reasoning", "id": "rs", "summary": [],  # noqa: E731
+                          "content": [{"type": "reasoning_text", "text": text}]}
+    items = [{"role": "user", "content": "Weather?"}, think("Look it up."),
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "sunny"}, think("Now answer."),
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]},
+             {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "s"}]},
+             think("stray"), {"role": "user", "content": "Thanks."}]
+    chat = to_chat_request(ResponsesRequest.model_validate({"model": "m", "input": items}))
+    got = [(m.role, m.reasoning_content) for m in chat.messages]
+    assert got == [("user", None), ("assistant", "Look it up."), ("tool", None), ("assistant", "Now answer."),
+                   ("user", None)]
