@@ -293,10 +293,11 @@ class EngineClient:
         if unfinished and self._dead_reason is None:
             self._send(AbortRequest(rid))
 
-    async def abort(self, rid: str) -> None:
-        """Ends `rid` in the engine now; its stream then ends with 'abort' outputs."""
+    async def abort(self, rid: str, index: int | None = None) -> None:
+        """Ends `rid` (completion `index` alone, when given) in the engine now; its stream then gets 'abort'
+        outputs for what was ended."""
         if self._dead_reason is None:
-            self._send(AbortRequest(rid))
+            self._send(AbortRequest(rid, index))
 
     def abort_all(self, reason: str) -> int:
         """Ends every running request now: its stream yields an `ERR_SHUTDOWN` error saying `reason`,

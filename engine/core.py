@@ -377,14 +377,16 @@ class EngineCore:
                 f"{self.args.max_queued_requests}); retry later"), None
         return None
 
-    def abort(self, rid: str) -> list[RequestOutput]:
-        compiling = [c for c in self._compiling if c.reqs[0].rid == rid]
+    def abort(self, rid: str, index: int | None = None) -> list[RequestOutput]:
+        """Ends `rid`'s completions (completion `index` alone, when given) with `abort`."""
+        # (a completion alone is ended once it has written text, so never while its grammar compiles)
+        compiling = [c for c in self._compiling if c.reqs[0].rid == rid and index is None]
         for c in compiling:  # not in the scheduler yet: it ends here
             self._compiling.remove(c)
             c.future.cancel()
             for r in c.reqs:
                 r.finish_reason = FINISH_ABORT
-        return self._outputs([r for c in compiling for r in c.reqs] + self.scheduler.abort(rid))
+        return self._outputs([r for c in compiling for r in c.reqs] + self.scheduler.abort(rid, index))
 
     def step(self) -> list[RequestOutput]:
         refused = self._compiled() if self._compiling else []

@@ -59,6 +59,7 @@ class GenerateRequest(_Message, frozen=True):
 
 class AbortRequest(_Message, frozen=True):
     rid: str
+    index: int | None = None  # one completion of an n > 1 request (its stop string matched), else all of them
 
 
 class StatsRequest(_Message, frozen=True):

@@ -93,7 +93,7 @@ class EngineCoreLike(Protocol):
     """What the process needs of the core (`engine.core.EngineCore`, or a test double)."""
 
     def add_request(self, req: GenerateRequest) -> list[RequestOutput]: ...
-    def abort(self, rid: str) -> list[RequestOutput]: ...
+    def abort(self, rid: str, index: int | None = None) -> list[RequestOutput]: ...
     def step(self) -> list[RequestOutput]: ...
     def has_work(self) -> bool: ...
     def stats(self) -> EngineStats: ...
@@ -316,13 +316,17 @@ class _EngineLoop:
                 del self.pending[msg.rid]
             self.outbox.extend(outs)
         elif isinstance(msg, AbortRequest):
-            pending = self.pending.pop(msg.rid, None)
-            if pending is None:  # already finished or refused: nothing to free
+            pending = self.pending.get(msg.rid)
+            which = set() if pending is None else \
+                set(pending.unfinished) if msg.index is None else pending.unfinished & {msg.index}
+            if pending is None or not which:  # already finished or refused: nothing to free
                 return None
-            outs = core.abort(msg.rid)
+            if which == pending.unfinished:
+                del self.pending[msg.rid]
+            outs = core.abort(msg.rid, msg.index)
             self.outbox.extend(outs)
             ended = {o.index for o in outs if o.rid == msg.rid and o.finished}
-            self.outbox.extend(pending.final(msg.rid, i, FINISH_ABORT) for i in sorted(pending.unfinished - ended))
+            self.outbox.extend(pending.final(msg.rid, i, FINISH_ABORT) for i in sorted(which - ended))
         elif isinstance(msg, StatsRequest):
             stats = msgspec.structs.replace(core.stats(), request_id=msg.request_id)
             if not self._send(Stats(stats)):

@@ -253,10 +253,11 @@ class EngineReplicas:
         """The replica serving `rid`, while its stream is open."""
         return self._replica_of.get(rid)
 
-    async def abort(self, rid: str) -> None:
-        index = self._replica_of.get(rid)
-        if index is not None:
-            await self.clients[index].abort(rid)
+    async def abort(self, rid: str, index: int | None = None) -> None:
+        """`EngineClient.abort` on the replica serving `rid`."""
+        replica = self._replica_of.get(rid)
+        if replica is not None:
+            await self.clients[replica].abort(rid, index)
 
     def abort_all(self, reason: str) -> int:
         """`EngineClient.abort_all` on every replica; how many requests it ended."""

@@ -89,13 +89,14 @@ class Scheduler:
             self.counters.prompt_tokens += len(r.prompt_ids) if r.index == 0 else 0
             self.waiting.append(r)
 
-    def abort(self, rid: str) -> list[Req]:
-        """Finishes every completion of `rid` with `abort`, freeing its KV now."""
+    def abort(self, rid: str, index: int | None = None) -> list[Req]:
+        """Finishes every completion of `rid` (or completion `index` alone) with `abort`, freeing its KV now."""
         out = []
-        for r in [r for r in self.waiting if r.rid == rid]:
+        mine = (lambda r: r.rid == rid) if index is None else (lambda r: r.rid == rid and r.index == index)
+        for r in [r for r in self.waiting if mine(r)]:
             self.waiting.remove(r)
             out.append(r)
-        for r in [r for r in self.running if r.rid == rid]:
+        for r in [r for r in self.running if mine(r)]:
             self._release(r, cache=False)
             self.running.remove(r)
             out.append(r)

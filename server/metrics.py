@@ -51,8 +51,8 @@ shutdown (503 `shutting_down`), the engine, a crash (500) — it is counted exac
 - a stream that fails after its 200 went out (an error event, then `[DONE]`) counts once with the code
   the server noted through `on_error` and `status="200"`: the status the client saw;
 - not counted: `/health` (its 503 answers the health question; counting it would make the error rate
-  follow the probe frequency), and 499 (the client left before an answer: nothing was sent; the request
-  counts in `mlaserve_requests_aborted_total` when it had reached the engine).
+  follow the probe frequency), and 499 or any answer to a client that left before it (mid-body, say:
+  nothing reached it; the request counts in `mlaserve_requests_aborted_total` when it had reached the engine).
 `on_error(code)` inside a request only notes the code for the middleware (the routes call it where the
 engine refuses or fails a request, and only the stream case needs the note); outside any request (a
 unit test, a caller without the middleware) it counts at once, with the status the server maps that
@@ -453,9 +453,18 @@ class ErrorCountingMiddleware:
                 body.extend(msg.get("body", b"")[: MAX_ERROR_BODY - len(body)])
             await send(msg)
 
+        left = False  # the client went away before any answer (mid-body, say): whatever follows never reaches it
+
+        async def listened() -> Message:
+            nonlocal left
+            msg = await receive()
+            if msg["type"] == "http.disconnect" and status == 0:
+                left = True
+            return msg
+
         crashed = False
         try:
-            await self.app(scope, receive, watched)
+            await self.app(scope, listened, watched)
         except Exception:
             crashed = True
             raise
@@ -463,7 +472,7 @@ class ErrorCountingMiddleware:
             _REQUEST_NOTE.reset(token)
             if status == 0 and crashed:  # ServerErrorMiddleware answers it: 500 internal_error
                 self.metrics().count_error("internal_error", "500")
-            elif status >= 400 and status != CLIENT_CLOSED:
+            elif status >= 400 and status != CLIENT_CLOSED and not left:
                 self.metrics().count_error(note.answered or error_code_of(bytes(body)) or note.code or "other",
                                            str(status))
             elif status and (note.code is not None or crashed):  # failed after a 2xx had started

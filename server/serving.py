@@ -164,7 +164,7 @@ async def _count_tokens(state: ServerState, raw: Request) -> messages_api.TokenC
     check_model(state, body.model)
     try:
         chat = messages_api.to_chat_request(body)
-        prompts, _ = build_prompts(state, chat)
+        prompts, _ = await asyncio.to_thread(build_prompts, state, chat)
     except ParamError as e:
         raise ClientError.bad_param(e) from None
     return messages_api.TokenCount(input_tokens=len(prompts[0][0]))
@@ -213,7 +213,7 @@ async def _tokenize(state: ServerState, raw: Request) -> TokenizeResponse:
     assert tok is not None
     text = chat_prompt(state, body)[0] if isinstance(body, TokenizeChatRequest) \
         else body.prompt
-    ids = tok.encode(text, add_special_tokens=body.add_special_tokens)
+    ids = await asyncio.to_thread(tok.encode, text, add_special_tokens=body.add_special_tokens)  # (see handle)
     strs = [tok.tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=state.context_length, tokens=ids, token_strs=strs)
 
@@ -279,7 +279,9 @@ async def counted(raw: Request, state: ServerState, body: Any, serializer_cls: C
 
 async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: Callable[..., Serializer]) -> Response:
     try:
-        prompts, tools = build_prompts(state, body)
+        # on a worker thread: a prompt of a megabyte takes about a second to encode (the tokenizer lets go of
+        # the GIL), which on the event loop would stall every stream and /health for that long
+        prompts, tools = await asyncio.to_thread(build_prompts, state, body)
         requests = start_requests(state, body, prompts, tools)
     except ClientError as e:
         return e.response()
@@ -456,6 +458,10 @@ async def _events(state: ServerState, requests: list[EngineRequest], firsts: lis
                 ended_here = choice.finish_reason is not None and out.finish_reason is None  # a stop string
                 state.metrics.on_output(msgspec.structs.replace(out, finish_reason="stop") if ended_here else out,
                                         time.time())
+                if ended_here and not r.done and state.engine is not None:
+                    # one of n choices: the engine stops generating it now (its siblings go on; once all
+                    # have ended the stream closes, which ends the request as a whole)
+                    await state.engine.abort(r.rid, out.index)
                 yield r, out.index, text, ids, lps
     finally:
         with anyio.CancelScope(shield=True):  # a cancelled caller must not cut the cleanup short

@@ -228,6 +228,37 @@ def test_n_completions_share_the_prompt(model_dir):
     assert_no_leak(core)
 
 
+def test_one_of_n_completions_can_be_ended_alone(model_dir):
+    """A choice whose stop string matched (the server's call): `abort(rid, index)` ends that completion
+    and frees its KV at once; its siblings go on to the tokens they would have had, and the request's
+    other calls still work (a later whole abort ends only what is left)."""
+    core = make_engine(model_dir)
+    ids = prompt(40, 9)
+    p = SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=12, ignore_eos=True)
+    core.add_request(GenerateRequest("whole", ids, p))
+    want = run_to_end(core)
+    core.add_request(GenerateRequest("cut", ids, p))
+    outs: dict[int, list[RequestOutput]] = {}
+    for _ in range(4):
+        for o in core.step():
+            outs.setdefault(o.index, []).append(o)
+    used = core.scheduler.kv_slots_used()
+    ended = core.abort("cut", 1)
+    assert [(o.index, o.finish_reason) for o in ended] == [(1, FINISH_ABORT)]
+    assert core.abort("cut", 1) == []  # idempotent
+    assert core.scheduler.kv_slots_used() < used and len(core.scheduler.running) == 2
+    for o in ended:
+        outs.setdefault(o.index, []).append(o)
+    for key, more in run_to_end(core).items():
+        outs.setdefault(key[1], []).extend(more)
+    for i in (0, 2):
+        assert tokens(outs[i]) == tokens(want[("whole", i)])
+    cut = tokens(outs[1])
+    assert 0 < len(cut) < 12 and cut == tokens(want[("whole", 1)])[: len(cut)]
+    assert core.abort("cut") == []
+    assert_no_leak(core)
+
+
 def test_seeded_sampling_independent_of_batch(model_dir):
     core = make_engine(model_dir)
     ids = prompt(12, 77)

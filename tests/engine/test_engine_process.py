@@ -87,9 +87,13 @@ class FakeCore:
         self.reqs[req.rid] = (req, [0] * req.params.n)
         return []
 
-    def abort(self, rid: str) -> list[RequestOutput]:
-        entry = self.reqs.pop(rid, None)
+    def abort(self, rid: str, index: int | None = None) -> list[RequestOutput]:
+        entry = self.reqs.pop(rid, None) if index is None else self.reqs.get(rid)
         assert entry is not None, "the process aborted a request the core does not hold"
+        if index is not None:  # one completion: it ends here, the others go on
+            req, emitted = entry
+            emitted[index] = req.params.max_tokens
+            return [RequestOutput(rid, index, [], finish_reason=FINISH_ABORT)]
         self.aborted += 1
         req, emitted = entry
         # like a real core may: final outputs for some completions only; the process ends the rest
@@ -232,6 +236,24 @@ def test_abort_mid_stream_stops_request_and_core_sees_it(client, loop, rng):
     for i, toks in got.items():  # a prefix of what the request would have produced, far from the end
         assert 2 <= len(toks) < 1000 and toks == [expected_token(req, i, k) for k in range(len(toks))]
     assert after.aborted_total == before.aborted_total + 1 and after.num_running == 0
+
+
+def test_abort_of_one_completion_ends_it_alone(client, loop, rng):
+    req = make_req(rng, "abort-one", n=3, max_tokens=40)
+
+    async def go():
+        outs = []
+        async for out in client.generate(req):
+            outs.append(out)
+            if len(outs) == 6:
+                await client.abort(req.rid, 1)
+        return outs
+
+    outs = run(loop, go())
+    finals = {o.index: o.finish_reason for o in outs if o.finished}
+    assert finals == {0: FINISH_LENGTH, 1: FINISH_ABORT, 2: FINISH_LENGTH}
+    got = tokens_by_index(outs)
+    assert len(got[0]) == len(got[2]) == 40 and len(got[1]) < 40
 
 
 def test_closing_or_cancelling_the_consumer_aborts(client, loop, rng):

@@ -162,6 +162,25 @@ def test_an_engine_refusal_counts_once(server: ServerProcess) -> None:
     assert errors(server.url) == after
 
 
+def test_a_client_gone_mid_body_is_not_an_error(server: ServerProcess) -> None:
+    """A client that closes its connection while sending the body never gets an answer: nothing is counted
+    (the route's 400 for the cut body goes nowhere), and the server serves the next request as ever."""
+    import socket
+
+    before = errors(server.url)
+    host, port = server.url.removeprefix("http://").split(":")
+    for _ in range(3):
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Authorization: " + AUTH["Authorization"].encode() + b"\r\nContent-Length: 3000\r\n\r\n"
+                         b'{"prompt": "half a bo')
+            time.sleep(0.2)
+    time.sleep(0.5)
+    resp = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=60, json={"prompt": "x", "max_tokens": 2})
+    assert resp.status_code == 200
+    assert delta(before, errors(server.url)) == {}
+
+
 def test_shutdown_refusals_count_and_health_does_not(model_dir: Path, tmp_path: Path) -> None:
     """While draining: a new request's 503 `shutting_down` counts once; `/health`'s 503 is not an error."""
     srv = _server(model_dir, tmp_path / "server.log", "--shutdown-timeout", "60")

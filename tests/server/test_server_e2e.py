@@ -765,3 +765,26 @@ def test_skip_special_tokens_false_writes_them(server, tok):
     ended = post(server, "/v1/completions", {**body, "logit_bias": {str(end): 100}, "ignore_eos": False,
                                                "skip_special_tokens": False}).json()["choices"][0]
     assert ended["text"] == "" and ended["finish_reason"] == "stop"
+
+
+def test_n_choices_ended_by_stop_strings_one_by_one(server, client):
+    """n choices whose stop strings match at different steps: each is ended in the engine when its own
+    matches (the others go on), streamed or not, and each reads as that choice alone would."""
+    model = server_model_id(server)
+    kw = dict(model=model, prompt="Once upon a time", max_tokens=40, temperature=1.0, seed=21, n=4,
+              extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices
+    stop = "e"
+    ended = client.completions.create(**kw, stop=[stop]).choices
+    for f, e in zip(sorted(full, key=lambda c: c.index), sorted(ended, key=lambda c: c.index)):
+        assert e.text == f.text.split(stop)[0], (f.text, e.text)
+        assert e.finish_reason == ("stop" if stop in f.text else "length")
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(**kw, stop=[stop], stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {c.index: c.text for c in ended}
+    deadline = time.monotonic() + 10
+    while metric(server, "mlaserve_num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(server, "mlaserve_num_requests_running") == 0
