@@ -400,6 +400,7 @@ class EngineCore:
         return EngineStats(
             request_id=request_id, num_running=len(s.running), num_waiting=len(s.waiting),
             kv_slots_used=s.kv_slots_used(), kv_slots_total=self.runner.allocator.num_slots,
+            prefix_cache_slots=self.cache.evictable_size(),
             prefix_cache_hit_tokens_total=c.prefix_cache_hit_tokens, prompt_tokens_total=c.prompt_tokens,
             generation_tokens_total=c.generation_tokens, retractions_total=c.retractions,
             aborted_total=c.aborted, forward_steps_total=c.forward_steps, forward_seconds_total=c.forward_seconds,

@@ -120,6 +120,7 @@ class EngineStats(msgspec.Struct, forbid_unknown_fields=True):
     num_waiting: int = 0
     kv_slots_used: int = 0
     kv_slots_total: int = 0
+    prefix_cache_slots: int = 0  # KV slots the prefix cache holds for reuse alone (evictable; not in kv_slots_used)
     prefix_cache_hit_tokens_total: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0

@@ -148,7 +148,7 @@ def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
 def _as_counters(stats: EngineStats) -> EngineStats:
     """A dead replica's last stats: its totals stay, its gauges (requests, KV) are gone."""
     return msgspec.structs.replace(stats, num_running=0, num_waiting=0, kv_slots_used=0, kv_slots_total=0,
-                                   omnikv_bank_host_bytes=0)
+                                   prefix_cache_slots=0, omnikv_bank_host_bytes=0)
 
 
 class EngineReplicas:

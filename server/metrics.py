@@ -7,6 +7,8 @@ Exported (names are what dashboards and `promtool check metrics` see):
     mlaserve_num_requests_running            gauge    completions holding KV and being generated
     mlaserve_num_requests_waiting            gauge    completions queued for admission
     mlaserve_kv_cache_usage_ratio            gauge    used KV slots / all KV slots, 0..1
+    mlaserve_prefix_cache_tokens             gauge    KV slots the prefix cache holds for reuse alone (evicted
+                                                      when the running requests need them; not in the ratio above)
     mlaserve_retractions_total               counter  completions pushed back to the queue under KV pressure
     mlaserve_prefix_cache_hit_tokens_total   counter  prompt tokens served from the prefix cache
     mlaserve_engine_forward_steps_total      counter  model forwards run (one per busy engine step)
@@ -168,6 +170,7 @@ class Metrics(Collector):
         self._running = 0
         self._waiting = 0
         self._kv_usage = 0.0
+        self._prefix_cache_tokens = 0
         self._retractions = _MonotonicTotal()
         self._prefix_hits = _MonotonicTotal()
         self._forward_steps = _MonotonicTotal()
@@ -279,6 +282,7 @@ class Metrics(Collector):
             self._running = stats.num_running
             self._waiting = stats.num_waiting
             self._kv_usage = stats.kv_usage
+            self._prefix_cache_tokens = stats.prefix_cache_slots
             self._retractions.update(stats.retractions_total)
             self._prefix_hits.update(stats.prefix_cache_hit_tokens_total)
             self._forward_steps.update(stats.forward_steps_total)
@@ -313,6 +317,8 @@ class Metrics(Collector):
         yield _gauge("mlaserve_num_requests_running", "Completions being generated (holding KV).", m, self._running)
         yield _gauge("mlaserve_num_requests_waiting", "Completions waiting to be admitted.", m, self._waiting)
         yield _gauge("mlaserve_kv_cache_usage_ratio", "Fraction of KV cache slots in use (0..1).", m, self._kv_usage)
+        yield _gauge("mlaserve_prefix_cache_tokens", "KV slots held by the prefix cache alone, for reuse (evicted when "
+                     "running requests need them).", m, self._prefix_cache_tokens)
         yield _counter("mlaserve_retractions", "Completions retracted to the queue under KV cache pressure.",
                        m, self._retractions.value)
         yield _counter("mlaserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",

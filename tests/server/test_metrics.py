@@ -206,7 +206,7 @@ def loaded() -> tuple[Metrics, Expected]:
     metrics = Metrics(MODEL)
     _replay(metrics, events)
     metrics.update_engine(EngineStats(num_running=3, num_waiting=5, kv_slots_used=417, kv_slots_total=1024,
-                                      prefix_cache_hit_tokens_total=321, retractions_total=7))
+                                      prefix_cache_hit_tokens_total=321, retractions_total=7, prefix_cache_slots=99))
     return metrics, exp
 
 
@@ -233,6 +233,7 @@ def test_values_after_random_load(loaded):
     assert _value(s, "mlaserve_num_requests_waiting") == 5
     assert _value(s, "mlaserve_kv_cache_usage_ratio") == pytest.approx(417 / 1024)
     assert _value(s, "mlaserve_prefix_cache_hit_tokens_total") == 321
+    assert _value(s, "mlaserve_prefix_cache_tokens") == 99
     assert _value(s, "mlaserve_retractions_total") == 7
     assert metrics.num_tracked == 0, "per-completion timing state outlived its requests"
 

@@ -483,6 +483,8 @@ def test_disconnect_mid_stream_aborts(server):
     assert metric(server, "mlaserve_num_requests_running") == 0
     assert metric(server, "mlaserve_kv_cache_usage_ratio") == 0
     assert metric(server, "mlaserve_requests_aborted_total") == aborted_before + 1
+    # what finished requests left in the prefix cache is held apart from the usage ratio
+    assert metric(server, "mlaserve_prefix_cache_tokens") > 0
 
 
 def test_metrics_text(server, tmp_path):
