@@ -317,9 +317,10 @@ class _EngineLoop:
             self.outbox.extend(outs)
         elif isinstance(msg, AbortRequest):
             pending = self.pending.get(msg.rid)
-            which = set() if pending is None else \
-                set(pending.unfinished) if msg.index is None else pending.unfinished & {msg.index}
-            if pending is None or not which:  # already finished or refused: nothing to free
+            if pending is None:  # already finished or refused: nothing to free
+                return None
+            which = set(pending.unfinished) if msg.index is None else pending.unfinished & {msg.index}
+            if not which:  # that completion has ended already
                 return None
             if which == pending.unfinished:
                 del self.pending[msg.rid]

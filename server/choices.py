@@ -75,11 +75,12 @@ class ChoiceText:
             early, late = "".join(pieces[:quiet]), "".join(pieces[quiet:])
         else:
             early, late = self.detok.add(ids[:quiet]), self.detok.add(ids[quiet:shown])
+        armed = len(self.token_ids) + len(ids) > self.min_tokens  # a stop string may end in the text after `quiet`
         text, _ = self.stops.feed(early, armed=False)
-        more, hit = self.stops.feed(late, armed=len(self.token_ids) + len(ids) > self.min_tokens)
+        more, hit = self.stops.feed(late, armed=armed)
         text += more
         if not hit and out.finish_reason is not None:
-            tail, hit = self.stops.feed(self.detok.flush(), armed=len(self.token_ids) + len(ids) > self.min_tokens)
+            tail, hit = self.stops.feed(self.detok.flush(), armed=armed)
             text += tail if hit else tail + self.stops.flush()
         self._sent += len(text)
         self.token_ids += ids
