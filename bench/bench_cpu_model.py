@@ -19,6 +19,9 @@ native forward) for the before/after ratio.
 tensors made per step) instead of written into the native forward's reused inputs, for that change's
 before/after ratio in one run.
 
+`--kv-ahead-off` also times our native forward with its decode program's prefetch of each layer's KV rows
+off (CpuModel.kv_ahead), for that change's ratio in one run.
+
 `--passes` also times our native forward with its decode program off (every pass a run of the thread
 pool, as before that program: csrc/model.h), for that change's ratio in one run.
 
@@ -163,6 +166,8 @@ def main() -> None:
                     help="also time the native forward with decode batches built the general way")
     ap.add_argument("--passes", action="store_true",
                     help="also time the native forward with its decode program off (a pool run per pass)")
+    ap.add_argument("--kv-ahead-off", action="store_true",
+                    help="also time the native forward with its decode program's KV prefetch off (CpuModel.kv_ahead)")
     ap.add_argument("--profile", action="store_true",
                     help="after the rounds, time the native forward's phases over one more generation")
     ap.add_argument("--out", default="bench/results/cpu_model_smollm2.json")
@@ -184,6 +189,9 @@ def main() -> None:
     if args.passes:
         contenders["ours_native_passes"] = Ours(path, True, prompt, args.decode)
         contenders["ours_native_passes"].runner.native_forward.plan.decode_program = False
+    if args.kv_ahead_off:
+        contenders["ours_native_no_kv_ahead"] = Ours(path, True, prompt, args.decode)
+        contenders["ours_native_no_kv_ahead"].runner.native_forward.plan.kv_ahead = False
     if args.torch:
         contenders["ours_torch_fp32"] = Ours(path, False, prompt, args.decode)
     try:
@@ -248,6 +256,9 @@ def main() -> None:
     if "ours_native_passes" in results:
         report["ratios"]["decode_program_vs_passes"] = ratio(results["ours_native"]["decode_tok_s"],
                                                             results["ours_native_passes"]["decode_tok_s"])
+    if "ours_native_no_kv_ahead" in results:
+        report["ratios"]["decode_kv_ahead_vs_off"] = ratio(results["ours_native"]["decode_tok_s"],
+                                                          results["ours_native_no_kv_ahead"]["decode_tok_s"])
     if "ours_torch_fp32" in results:
         report["ratios"]["decode_native_vs_torch_fp32"] = ratio(results["ours_native"]["decode_tok_s"],
                                                                results["ours_torch_fp32"]["decode_tok_s"])

@@ -1042,6 +1042,17 @@ class CpuModel:
     def decode_program(self, on: bool) -> None:
         self._op.set_decode_program(bool(on))
 
+    @property
+    def kv_ahead(self) -> bool:
+        """Whether the decode program asks for each layer's KV rows (prefetches them into L2) while the
+        layer before it streams its weights (csrc/model.cpp, Program::ask_kv; on by default, the same
+        bits either way). Benchmarks switch it to compare."""
+        return bool(self._op.kv_ahead())
+
+    @kv_ahead.setter
+    def kv_ahead(self, on: bool) -> None:
+        self._op.set_kv_ahead(bool(on))
+
     def set_profiling(self, on: bool) -> None:
         """Time every forward from now on phase by phase (`on`), or stop; the totals are kept until
         `profile(reset=True)`. A benchmark's tool (`bench/bench_cpu_model.py --profile`): decode passes

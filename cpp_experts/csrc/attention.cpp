@@ -221,6 +221,58 @@ void run_attention_task(AttnScratch& scratch, int i, int tid) {
 }
 
 namespace {
+// Task i's group, its keys [k0, k1) and the bytes of one key's rows it reads (K and V, whole lines).
+const Group& task_keys(const AttnPlan& P, int i, int64_t& k0, int64_t& k1, int64_t& key_bytes) {
+  const Group* g;
+  if (!P.split) {
+    g = &P.groups[size_t(i)];
+    k0 = 0, k1 = g->keys;
+  } else {
+    const Task& tk = P.tasks[size_t(i)];
+    g = &P.groups[size_t(tk.group)];
+    const Blocks B = key_blocks(g->span);
+    k0 = std::min<int64_t>(g->keys, tk.block * B.size), k1 = std::min<int64_t>(g->keys, (tk.block + 1) * B.size);
+  }
+  const int64_t elt = P.kv.type == KvType::BF16 ? 2 : 4;
+  const auto lines = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
+  key_bytes = lines(((g->nkv - 1) * P.L.k_head_off + P.L.D) * elt) +
+              (P.L.mla ? 0 : lines(((g->nkv - 1) * P.L.v_head_off + P.L.Dv) * elt));
+  return *g;
+}
+
+// Every cache line of [p, p + bytes) into L2 (T1).
+void prefetch_lines(const char* p, int64_t bytes) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  for (uintptr_t l = a & ~uintptr_t(63); l < a + uintptr_t(bytes); l += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(l), 0, 2);
+}
+}  // namespace
+
+int64_t attention_task_bytes(const AttnScratch& scratch, int i) {
+  int64_t k0, k1, kb;
+  task_keys(*scratch.plan, i, k0, k1, kb);
+  return (k1 - k0) * kb;
+}
+
+void prefetch_attention_task(const AttnScratch& scratch, int i, int64_t b0, int64_t b1) {
+  const AttnPlan& P = *scratch.plan;
+  int64_t k0, k1, kb;
+  const Group& g = task_keys(P, i, k0, k1, kb);
+  const int32_t* slots = g.slots ? g.slots : P.kv.table + g.row * P.kv.table_stride;
+  const int64_t elt = P.kv.type == KvType::BF16 ? 2 : 4;
+  const char* kbase = static_cast<const char*>(P.kv.k);
+  const int64_t kbytes = ((g.nkv - 1) * P.L.k_head_off + P.L.D) * elt;
+  const int64_t vbytes = ((g.nkv - 1) * P.L.v_head_off + P.L.Dv) * elt;
+  for (int64_t j = k0 + b0 / kb; j < std::min(k1, k0 + (b1 + kb - 1) / kb); ++j) {
+    const int64_t slot = slots[j];
+    prefetch_lines(kbase + (slot * P.kv.k_stride + g.kv_head * P.L.k_head_off) * elt, kbytes);
+    if (!P.L.mla)
+      prefetch_lines(static_cast<const char*>(P.kv.v) + (slot * P.kv.v_stride + g.kv_head * P.L.v_head_off) * elt,
+                     vbytes);
+  }
+}
+
+namespace {
 Layout gqa_layout(const PagedKv& kv, int H, int Hkv, int D, int Dv) {
   if (H <= 0 || Hkv <= 0 || H % Hkv) throw ArgError("query heads must be a positive multiple of the KV heads");
   Layout L{H, D, Dv, int64_t(H) * D, D, int64_t(H) * Dv, Dv, D, Dv, false, false};

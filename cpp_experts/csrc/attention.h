@@ -91,6 +91,11 @@ void attention_gqa(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const At
 int plan_attention_gqa(AttnScratch& scratch, int threads, const PagedKv& kv, const AttnTokens& tok, const float* q,
                        int H, int Hkv, int D, int Dv, float scale, float* out);
 void run_attention_task(AttnScratch& scratch, int i, int tid);
+// The KV bytes task i of the scratch's plan reads (its keys' K and V rows, whole cache lines), and a
+// prefetch into L2 of bytes [b0, b1) of them, in the order the task reads its keys: the decode program
+// asks for a layer's rows while the layer before it streams its weights (model.h).
+int64_t attention_task_bytes(const AttnScratch& scratch, int i);
+void prefetch_attention_task(const AttnScratch& scratch, int i, int64_t b0, int64_t b1);
 void attention_mla(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const float* q,
                    int H, int r, int P, float scale, float* out);
 

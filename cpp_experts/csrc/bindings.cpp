@@ -238,6 +238,8 @@ PYBIND11_MODULE(_C, m) {
       .def("set_profiling", &CpuModel::set_profiling, py::call_guard<py::gil_scoped_release>())
       .def("set_decode_program", &CpuModel::set_decode_program, py::call_guard<py::gil_scoped_release>())
       .def("decode_program", &CpuModel::decode_program, py::call_guard<py::gil_scoped_release>())
+      .def("set_kv_ahead", &CpuModel::set_kv_ahead, py::call_guard<py::gil_scoped_release>())
+      .def("kv_ahead", &CpuModel::kv_ahead, py::call_guard<py::gil_scoped_release>())
       .def("reset_profile", &CpuModel::reset_profile, py::call_guard<py::gil_scoped_release>())
       .def("profile",
            [](CpuModel& self) {

@@ -172,6 +172,10 @@ class CpuModel {
   // is: benchmarks time the two in one process.
   void set_decode_program(bool on);
   bool decode_program();
+  // Whether the decode program asks for each layer's KV rows while the layer before it runs
+  // (Program::ask_kv; on by default, the same bits either way): benchmarks switch it to compare.
+  void set_kv_ahead(bool on);
+  bool kv_ahead();
   // Phase timing of the forwards from now on (on), or off; the totals so far, and zeroing them.
   void set_profiling(bool on);
   CpuProfile profile();
@@ -192,6 +196,7 @@ class CpuModel {
   int64_t rope_positions_ = INT64_MAX;  // the shortest rotary table of any layer (checked per forward)
   OmniRun omni_run_;
   CpuProfile prof_;  // guarded by m_
+  bool kv_ahead_ = true;
   // The decode program: a forward of at most kGroupStreamRows tokens (a decode batch of a few requests)
   // through GQA attention and dense MLP blocks, without OmniKV tokens, while the pool is not in a solo
   // period. Every participant of one run of the pool walks the same list of passes (a

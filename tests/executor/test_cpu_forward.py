@@ -444,8 +444,8 @@ def test_decode_program_gives_the_bits_of_the_passes_run_one_by_one(checkpoints,
                                                                     monkeypatch):
     """The decode program (CpuModel.decode_program: every pool thread walks a forward's passes, each
     doing its own norms and quantised inputs, q·k·v tasks doing RoPE and the KV store) against the same
-    forwards as one pool run per pass: identical logits, argmax and greedy tokens, for decode batches of
-    1 to 3 requests at positions that cross key blocks, with a batch of 4 (the passes' path) between;
+    forwards as one pool run per pass: identical logits, argmax and greedy tokens (with and without its
+    prefetch of each layer's KV rows, CpuModel.kv_ahead), for decode batches of 1 to 3 requests at positions that cross key blocks, with a batch of 4 (the passes' path) between;
     and the program ran every one of them (its forwards are counted in the profile: the pools wait by
     spinning here, so that no solo period, which the two runners' four threads on a 2-core machine can
     set off, takes a batch from it). The "wide" model's heads of 64 make whole Q8_0 blocks, so that its
@@ -467,7 +467,7 @@ def test_decode_program_gives_the_bits_of_the_passes_run_one_by_one(checkpoints,
         pytest.skip("the decode program needs a pool of at least two threads")
     runners[0].native_forward.plan.decode_program = False
     plan = runners[1].native_forward.plan
-    assert plan.decode_program
+    assert plan.decode_program and plan.kv_ahead
     plan.set_profiling(True)
     vocab = runners[0].config.vocab_size
     seqs = [prompt(n, vocab, seed=60 + n) for n in (70, 20, 130, 33)]
@@ -478,7 +478,8 @@ def test_decode_program_gives_the_bits_of_the_passes_run_one_by_one(checkpoints,
         pos = [len(s) - 12 for s in seqs]
         for row, ids, p in zip(rows, seqs, pos):
             r.forward(r.build_batch([RequestSlice(row, 0, ids[:p])]))
-        for batch in ([0], [1, 2], [0, 1, 2], [0, 1, 2, 3], [2], [3, 0], [1, 3, 2], [0], [2, 3]):
+        for n, batch in enumerate(([0], [1, 2], [0, 1, 2], [0, 1, 2, 3], [2], [3, 0], [1, 3, 2], [0], [2, 3])):
+            plan.kv_ahead = n % 3 != 1  # its prefetch of the KV rows on and off: the same bits
             logits = r.forward(r.build_batch([RequestSlice(rows[i], pos[i], [seqs[i][pos[i]]]) for i in batch]))
             outs[k].append(logits.clone())
             argmax[k].append(list(r.last_argmax))
