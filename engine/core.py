@@ -202,9 +202,12 @@ class EngineCore:
         host_share = sum(bank_layers(omnikv.plan(cfg.num_hidden_layers)).values(), []) if bank else []
         host_per_token = per_token * len(host_share) // cfg.num_hidden_layers
         device_per_token = per_token - host_per_token
-        # from the flag, else a share of free memory, but never more than every running request can fill
+        # from the flag, else a share of free memory less the request table's (req_to_token: an int32 KV
+        # slot per running request and position, on the same device), but never more than every running
+        # request can fill
+        table_bytes = (args.max_running_requests + 1) * self.context_len * 4
         num_slots = args.max_total_tokens or min(
-            int(available_memory(device) * args.mem_fraction // device_per_token),
+            max(0, int((available_memory(device) * args.mem_fraction - table_bytes) // device_per_token)),
             # the bank's host share: at most half the host memory available, which the process needs too
             int(available_memory(torch.device("cpu")) // 2 // host_per_token) if host_per_token
             else args.max_running_requests * self.context_len,
