@@ -636,9 +636,10 @@ struct CpuModel::Program {
   // kKvAheadBytes of those rows (a task taken from another's range asks for none). Read by the attention
   // itself they are scattered lines of a cold cache, which it waited for at about a third of the memory
   // bandwidth; asked for among the weights they arrive at its pace. SmolLM2 Q4_1 decode after a
-  // 128-token prompt on a 2-core Zen 4 VM (20 interleaved generations in one process): attention ~610 ->
-  // ~360 us a step, down ~600 -> ~720, the step 1.047x. The cap keeps a long context's rows from
-  // crowding the weights out of the L2.
+  // 128-token prompt on a 2-core Zen 4 VM (generations alternating in one process): attention ~610 ->
+  // ~360 us a step, down ~600 -> ~720, the step 1.015-1.047x in three runs of 20-40 pairs. At long
+  // contexts the attention is bound by its arithmetic and keeps up with its own prefetch, so asking
+  // ahead only moves bytes (512 and 1536 tokens: 1.00x, 1.02x): the cap.
   static constexpr int64_t kKvAheadBytes = 128 << 10;
   bool kv_ahead = true;  // this forward asks ahead (CpuModel::set_kv_ahead)
   void ask_kv(int k, int i, int tid, int l) const {
