@@ -859,24 +859,44 @@ void CpuModel::build_program(int T, int N) {
     LinearPass& qkv = G.add_linear(Phase::QkvProj, {{s.q, nullptr, ly.q.data(), qw}, {s.k, nullptr, ly.k.data(), kw},
                                     {s.v, nullptr, ly.v.data(), kw}},
                                    xn, H, T, H, {s.q, s.k, s.v}, norm_into(s.norm));
-    if (!whole_heads(qkv, s.D)) throw ArgError("q·k·v tasks that split a head");
     const GqaSpec* sp = &s;
     Program::Layer* lp = &ly;
-    qkv.after = [gp, sp, lp](int call, int n0, int ncols, int t0, int nt) {
+    // head h of call `call` (q, k, v) for token t: RoPE (q, k) and the store into the KV pool (k, v)
+    auto head = [gp, sp, lp](int call, int t, int h) {
       const int D = sp->D, qw2 = sp->H * D, kw2 = sp->Hkv * D;
-      for (int t = t0; t < t0 + nt; ++t)
-        for (int h = n0 / D; h < (n0 + ncols) / D; ++h) {
-          if (call == 0) {
-            rope_apply(lp->q.data() + size_t(t) * qw2 + size_t(h) * D, sp->rope, gp->pos[t]);
-          } else if (call == 1) {
-            float* kh = lp->k.data() + size_t(t) * kw2 + size_t(h) * D;
-            rope_apply(kh, sp->rope, gp->pos[t]);
-            put(sp->k_cache, sp->kv_type, gp->out_loc[t] * kw2 + int64_t(h) * D, kh, D);
-          } else {
-            put(sp->v_cache, sp->kv_type, gp->out_loc[t] * kw2 + int64_t(h) * D, lp->v.data() + size_t(t) * kw2 + size_t(h) * D, D);
-          }
-        }
+      if (call == 0) {
+        rope_apply(lp->q.data() + size_t(t) * qw2 + size_t(h) * D, sp->rope, gp->pos[t]);
+      } else if (call == 1) {
+        float* kh = lp->k.data() + size_t(t) * kw2 + size_t(h) * D;
+        rope_apply(kh, sp->rope, gp->pos[t]);
+        put(sp->k_cache, sp->kv_type, gp->out_loc[t] * kw2 + int64_t(h) * D, kh, D);
+      } else {
+        put(sp->v_cache, sp->kv_type, gp->out_loc[t] * kw2 + int64_t(h) * D, lp->v.data() + size_t(t) * kw2 + size_t(h) * D, D);
+      }
     };
+    if (whole_heads(qkv, s.D)) {
+      qkv.after = [head, sp](int call, int n0, int ncols, int t0, int nt) {
+        for (int t = t0; t < t0 + nt; ++t)
+          for (int h = n0 / sp->D; h < (n0 + ncols) / sp->D; ++h) head(call, t, h);
+      };
+    } else {
+      // a head size whose heads the tasks' column groups cut (64 columns: head dims 80, 96, 100, ...): the
+      // heads in a pass of their own after q·k·v, one task per participant (as the pass-by-pass path does
+      // them after its q·k·v run; the same bits)
+      Program::Pass ps;
+      ps.phase = Phase::RopeStore;
+      ps.tasks = P;
+      Program::even_bounds(ps.bounds, ps.tasks, P);
+      ps.task = [gp, sp, head, P](int i, int) {
+        const int n = sp->H + 2 * sp->Hkv;  // q heads, then k heads, then v heads
+        for (int j = n * i / P; j < n * (i + 1) / P; ++j) {
+          const int call = j < sp->H ? 0 : j < sp->H + sp->Hkv ? 1 : 2;
+          const int h = call == 0 ? j : call == 1 ? j - sp->H : j - sp->H - sp->Hkv;
+          for (int t = 0; t < gp->T; ++t) head(call, t, h);
+        }
+      };
+      G.add(std::move(ps));
+    }
     // attention: planned per forward (its key blocks follow the positions)
     {
       Program::Pass ps;
@@ -995,7 +1015,7 @@ void CpuModel::forward(int T, const int64_t* ids, const int64_t* pos, const int6
                   prog_->blocks != blocks_.size() || prog_->table != table_.table)) {
     try {
       build_program(T, N);
-    } catch (const ArgError&) {  // shapes its tasks cannot take (a head_dim its column split cuts): the layers run
+    } catch (const ArgError&) {  // shapes its tasks cannot take: the layers run
       prog_unfit_ = true;
       program = false;
     }

@@ -439,7 +439,7 @@ def test_a_decode_batch_whose_reused_inputs_were_rewritten_raises(checkpoints):
 
 
 @pytest.mark.parametrize("source", ["llama_gqa_tied/float32", "llama_rope3_untied/bf16", "gguf/Q4_1", "gguf/Q8_0",
-                                    "wide/float32", "wide/Q8_0"])
+                                    "wide/float32", "wide/Q8_0", "llama_hd100_gqa4/float32", "llama_hd100_gqa4/bf16"])
 def test_decode_program_gives_the_bits_of_the_passes_run_one_by_one(checkpoints, gguf_files, source, tmp_path,
                                                                     monkeypatch):
     """The decode program (CpuModel.decode_program: every pool thread walks a forward's passes, each
@@ -449,7 +449,8 @@ def test_decode_program_gives_the_bits_of_the_passes_run_one_by_one(checkpoints,
     and the program ran every one of them (its forwards are counted in the profile: the pools wait by
     spinning here, so that no solo period, which the two runners' four threads on a 2-core machine can
     set off, takes a batch from it). The "wide" model's heads of 64 make whole Q8_0 blocks, so that its
-    attention tasks quantise o's input as they write it (narrower heads leave that to each thread)."""
+    attention tasks quantise o's input as they write it (narrower heads leave that to each thread). Heads
+    of 100, which the q·k·v tasks' column groups cut, get their RoPE and KV store in a pass of their own."""
     kind, what = source.split("/")
     if kind == "wide":
         cfg = {**load_preset("tiny-llama"), "hidden_size": 128, "head_dim": 64, "num_attention_heads": 4,
