@@ -196,11 +196,12 @@ class CpuModel {
   int64_t rope_positions_ = INT64_MAX;  // the shortest rotary table of any layer (checked per forward)
   OmniRun omni_run_;
   CpuProfile prof_;  // guarded by m_
-  bool kv_ahead_ = true;
+  bool kv_ahead_ = true;  // set_kv_ahead
   // The decode program: a forward of at most kGroupStreamRows tokens (a decode batch of a few requests)
   // through GQA attention and dense MLP blocks, without OmniKV tokens, while the pool is not in a solo
   // period. Every participant of one run of the pool walks the same list of passes (a
-  // layer's q·k·v with RoPE and the KV store, attention, o, gate·up, down; then the LM head), each
+  // layer's q·k·v with RoPE and the KV store, or, for a head size its column groups cut, q·k·v then a
+  // RoPE and store pass; attention, o, gate·up, down; then the LM head), each
   // pass's tasks split into one range per participant with work stealing, and the participants'
   // counts of done tasks (each on its own line) as the barrier between passes. The serial work between
   // passes (a norm, quantising a linear's input) is done by every participant for itself, except where
