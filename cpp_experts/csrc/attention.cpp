@@ -221,23 +221,29 @@ void run_attention_task(AttnScratch& scratch, int i, int tid) {
 }
 
 namespace {
-// Task i's group, its keys [k0, k1) and the bytes of one key's rows it reads (K and V, whole lines).
-const Group& task_keys(const AttnPlan& P, int i, int64_t& k0, int64_t& k1, int64_t& key_bytes) {
+// What task i reads: its group, keys [k0, k1), and of each key a K and a V row (kbytes, vbytes; MLA: no V).
+struct TaskRows {
   const Group* g;
+  int64_t k0, k1, kbytes, vbytes;
+  int64_t key_bytes() const {  // the whole cache lines of one key's rows
+    return (kbytes + 63) / 64 * 64 + (vbytes + 63) / 64 * 64;
+  }
+};
+TaskRows task_rows(const AttnPlan& P, int i) {
+  TaskRows t{};
   if (!P.split) {
-    g = &P.groups[size_t(i)];
-    k0 = 0, k1 = g->keys;
+    t.g = &P.groups[size_t(i)];
+    t.k0 = 0, t.k1 = t.g->keys;
   } else {
     const Task& tk = P.tasks[size_t(i)];
-    g = &P.groups[size_t(tk.group)];
-    const Blocks B = key_blocks(g->span);
-    k0 = std::min<int64_t>(g->keys, tk.block * B.size), k1 = std::min<int64_t>(g->keys, (tk.block + 1) * B.size);
+    t.g = &P.groups[size_t(tk.group)];
+    const Blocks B = key_blocks(t.g->span);
+    t.k0 = std::min<int64_t>(t.g->keys, tk.block * B.size), t.k1 = std::min<int64_t>(t.g->keys, (tk.block + 1) * B.size);
   }
   const int64_t elt = P.kv.type == KvType::BF16 ? 2 : 4;
-  const auto lines = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
-  key_bytes = lines(((g->nkv - 1) * P.L.k_head_off + P.L.D) * elt) +
-              (P.L.mla ? 0 : lines(((g->nkv - 1) * P.L.v_head_off + P.L.Dv) * elt));
-  return *g;
+  t.kbytes = ((t.g->nkv - 1) * P.L.k_head_off + P.L.D) * elt;
+  t.vbytes = P.L.mla ? 0 : ((t.g->nkv - 1) * P.L.v_head_off + P.L.Dv) * elt;
+  return t;
 }
 
 // Every cache line of [p, p + bytes) into L2 (T1).
@@ -249,26 +255,22 @@ void prefetch_lines(const char* p, int64_t bytes) {
 }  // namespace
 
 int64_t attention_task_bytes(const AttnScratch& scratch, int i) {
-  int64_t k0, k1, kb;
-  task_keys(*scratch.plan, i, k0, k1, kb);
-  return (k1 - k0) * kb;
+  const TaskRows t = task_rows(*scratch.plan, i);
+  return (t.k1 - t.k0) * t.key_bytes();
 }
 
 void prefetch_attention_task(const AttnScratch& scratch, int i, int64_t b0, int64_t b1) {
   const AttnPlan& P = *scratch.plan;
-  int64_t k0, k1, kb;
-  const Group& g = task_keys(P, i, k0, k1, kb);
+  const TaskRows t = task_rows(P, i);
+  const Group& g = *t.g;
   const int32_t* slots = g.slots ? g.slots : P.kv.table + g.row * P.kv.table_stride;
-  const int64_t elt = P.kv.type == KvType::BF16 ? 2 : 4;
+  const int64_t elt = P.kv.type == KvType::BF16 ? 2 : 4, kb = t.key_bytes();
   const char* kbase = static_cast<const char*>(P.kv.k);
-  const int64_t kbytes = ((g.nkv - 1) * P.L.k_head_off + P.L.D) * elt;
-  const int64_t vbytes = ((g.nkv - 1) * P.L.v_head_off + P.L.Dv) * elt;
-  for (int64_t j = k0 + b0 / kb; j < std::min(k1, k0 + (b1 + kb - 1) / kb); ++j) {
+  const char* vbase = static_cast<const char*>(P.kv.v);
+  for (int64_t j = t.k0 + b0 / kb; j < std::min(t.k1, t.k0 + (b1 + kb - 1) / kb); ++j) {
     const int64_t slot = slots[j];
-    prefetch_lines(kbase + (slot * P.kv.k_stride + g.kv_head * P.L.k_head_off) * elt, kbytes);
-    if (!P.L.mla)
-      prefetch_lines(static_cast<const char*>(P.kv.v) + (slot * P.kv.v_stride + g.kv_head * P.L.v_head_off) * elt,
-                     vbytes);
+    prefetch_lines(kbase + (slot * P.kv.k_stride + g.kv_head * P.L.k_head_off) * elt, t.kbytes);
+    if (t.vbytes) prefetch_lines(vbase + (slot * P.kv.v_stride + g.kv_head * P.L.v_head_off) * elt, t.vbytes);
   }
 }
 

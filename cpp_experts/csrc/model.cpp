@@ -618,6 +618,7 @@ struct CpuModel::Program {
     PagedKv kv;
     int pass = 0;  // index of its attention pass
     int down = 0;  // index of its down pass
+    std::vector<int64_t> kv_bytes;  // this forward's KV bytes per attention task (ask_kv)
   };
   std::vector<Layer> layers;
   std::unique_ptr<Counter[]> done, next;  // per pass x participant: tasks it has done; its range's next task
@@ -650,11 +651,11 @@ struct CpuModel::Program {
     const Pass& ap = passes[size_t(ly.pass)];
     const int a0 = ap.bounds[size_t(tid)], a1 = ap.bounds[size_t(tid) + 1];
     int64_t total = 0;
-    for (int j = a0; j < a1 && total < kKvAheadBytes; ++j) total += attention_task_bytes(ly.scratch, j);
+    for (int j = a0; j < a1 && total < kKvAheadBytes; ++j) total += ly.kv_bytes[size_t(j)];
     total = std::min(total, kKvAheadBytes);
     int64_t b = total * r / n, e = total * (r + 1) / n;  // this task's share, from the first of tid's tasks
     for (int j = a0; j < a1 && b < e; ++j) {
-      const int64_t nb = attention_task_bytes(ly.scratch, j);
+      const int64_t nb = ly.kv_bytes[size_t(j)];
       if (b < nb) prefetch_attention_task(ly.scratch, j, b, std::min(e, nb));
       b = std::max<int64_t>(0, b - nb), e -= nb;
     }
@@ -1031,6 +1032,9 @@ void CpuModel::forward(int T, const int64_t* ids, const int64_t* pos, const int6
       ps.tasks = plan_attention_gqa(ly.scratch, G.P, ly.kv, AttnTokens{T, rows, pos}, ly.q.data(), s.H, s.Hkv, s.D,
                                     s.D, s.scale, ly.a.data());
       Program::even_bounds(ps.bounds, ps.tasks, G.P);
+      ly.kv_bytes.resize(size_t(ps.tasks));
+      if (kv_ahead_)
+        for (int i = 0; i < ps.tasks; ++i) ly.kv_bytes[size_t(i)] = attention_task_bytes(ly.scratch, i);
     }
     if (N > 0) {
       G.head->calls[0].out = logits;
