@@ -164,6 +164,10 @@ class EngineArgs:
                                    "running longer ends the engine, so that its requests fail with engine_error and "
                                    "/health reports it instead of hanging (a hung device, a deadlock); 0: no limit",
                                    check=non_negative, metavar="SECONDS")
+    rank_timeout: float = flag(15.0, "seconds a --tp rank or --dp-attention replica may show no sign of life (a "
+                               "stopped process, a frozen host) before the engine reports it as crashed and its "
+                               "requests fail; raise it where hosts pause for longer", check=positive,
+                               metavar="SECONDS")
     tp: int = flag(1, "tensor-parallel size: processes that each hold 1/N of the weights (heads, MLP and experts "
                    "split, vocabulary split) and run every batch together over torch.distributed (gloo on CPU, "
                    "NCCL with one GPU per rank); the torch forward on CPU", check=positive, metavar="N")

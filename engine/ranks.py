@@ -15,7 +15,7 @@ idle): rank 0 reports the crash, its children are killed, and the other nodes' r
 connection close and exit. A rank that stops without dying (SIGSTOP, a debugger, a frozen host) fails
 no collective: the others would wait in the next one until the group's timeout, or for good. So every
 rank also signs its life in the rendezvous store (`Heartbeat`), and rank 0 (under --dp-attention every
-replica) reports a rank whose sign stood still for FROZEN_S as the crash.
+replica) reports a rank whose sign stood still for --rank-timeout seconds as the crash.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ logger = logging.getLogger(__name__)
 RANK_ENV = "MLASERVE_RANK_SPEC"  # a rank process's settings (JSON), from the process that starts it
 TIMEOUT_S = 300  # rendezvous, and any one collective: a rank that stops answering fails the others by then
 BEAT_S = 1.0  # how often a rank signs its life in the rendezvous store (Heartbeat)
-FROZEN_S = 15.0  # a rank whose sign stood still this long is stopped or frozen: the crash is reported
 
 
 @dataclass(frozen=True)
@@ -59,6 +58,7 @@ class RankPlan:
     port: int
     ep: bool
     dp_attention: bool = False  # the ranks are --dp replicas (one per process, each pinned to its CPUs)
+    frozen_s: float = 15.0  # --rank-timeout: a rank whose sign stood still this long is stopped or frozen
 
     @property
     def per_node(self) -> int:
@@ -69,7 +69,8 @@ class RankPlan:
 
     @classmethod
     def of(cls, args: EngineArgs) -> RankPlan:
-        return cls(args.tp, args.nnodes, args.node_rank, args.master_addr, args.master_port, args.ep > 1)
+        return cls(args.tp, args.nnodes, args.node_rank, args.master_addr, args.master_port, args.ep > 1,
+                   frozen_s=args.rank_timeout)
 
 
 def usable_cpus() -> list[int]:
@@ -102,19 +103,19 @@ class Heartbeat:
 
     A thread adds 1 to this rank's counter in the rendezvous store (rank 0's TCP store, over a connection
     of its own) every BEAT_S and reads the counters of the ranks in `watch`. `failure()` names the first
-    watched rank whose counter stood still for FROZEN_S: its process is stopped or frozen, since a thread
+    watched rank whose counter stood still for `plan.frozen_s`: its process is stopped or frozen, since a thread
     of a live process keeps counting whatever its main thread waits for (collectives and kernels run
     without the GIL). The stillness is also counted in this thread's own reads, so a pause of this
     process (a suspended host) is not blamed on the others. The store lives in rank 0's process and its
     calls have no timeout once connected: where rank 0 is watched (--dp-attention), a round that has not
-    come back for FROZEN_S + BEAT_S names rank 0. A call the store refuses (rank 0 died: the collectives
+    come back for frozen_s + BEAT_S names rank 0. A call the store refuses (rank 0 died: the collectives
     report that first) is tried again a beat later."""
 
     def __init__(self, plan: RankPlan, rank: int, watch: Iterable[int] = (), what: str = "rank") -> None:
         """`what`: how a watched rank is named in the failure ("replica" under --dp-attention)."""
         import torch.distributed as dist
 
-        self.rank, self.what = rank, what
+        self.rank, self.what, self._frozen_s = rank, what, plan.frozen_s
         self._store = dist.TCPStore(plan.addr, plan.port, is_master=False, wait_for_workers=False,
                                     timeout=timedelta(seconds=30))
         now = time.monotonic()
@@ -134,7 +135,7 @@ class Heartbeat:
             # the store itself waits on rank 0's process (a store call has no timeout there): a round that
             # has not come back is rank 0 stopped or frozen
             quiet = time.monotonic() - self._last_round
-            if quiet >= FROZEN_S + BEAT_S:
+            if quiet >= self._frozen_s + BEAT_S:
                 self._failure = (f"{self.what} 0 stopped answering: the rendezvous store it hosts gave no answer "
                                  f"for {quiet:.0f} s; its process is stopped or frozen")
                 logger.error("%s", self._failure)
@@ -158,7 +159,7 @@ class Heartbeat:
                     continue
                 seen[2] += 1
                 still = now - seen[1]
-                if self._failure is None and still >= FROZEN_S and seen[2] >= FROZEN_S / BEAT_S - 1:
+                if self._failure is None and still >= self._frozen_s and seen[2] >= self._frozen_s / BEAT_S - 1:
                     self._failure = (f"{self.what} {r} stopped answering: no sign of life for {still:.0f} s; its process "
                                      "is stopped or frozen")
                     logger.error("%s", self._failure)
@@ -359,7 +360,8 @@ class DPAttentionRank:
     port the server chose. `step_together` is called by every replica once per engine-loop iteration."""
 
     def __init__(self, args: EngineArgs) -> None:
-        plan = RankPlan(args.dp_size, 1, 0, args.master_addr, args.master_port, args.ep > 1, dp_attention=True)
+        plan = RankPlan(args.dp_size, 1, 0, args.master_addr, args.master_port, args.ep > 1, dp_attention=True,
+                        frozen_s=args.rank_timeout)
         self.plan = plan
         self.heartbeat: Heartbeat | None = None
         self.rank = args.dp_rank

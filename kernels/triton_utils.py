@@ -3,12 +3,69 @@ and the dot precision."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import triton
 
 #: Whether `triton.jit` built the kernels for Triton's CPU interpreter (TRITON_INTERPRET=1 set before
 #: Triton was imported), decided once at import like Triton itself does.
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
+
+
+def _interpret_device_calls_in_place() -> None:
+    """Triton's interpreter patches `triton.language` for a kernel's launch, but it also patches it again at
+    every call of a `@triton.jit` function inside the kernel (ours, and the language's own such as
+    `tl.zeros`): four scans of the language's modules per call, about a third of an interpreted decode's
+    time. A call whose function sees only language modules already patched in this launch runs it
+    directly; the first call that sees another one patches as Triton does. Left as it is when this
+    Triton's interpreter has another shape."""
+    import inspect
+
+    from triton.runtime import interpreter as ti
+
+    grid_call = getattr(ti.GridExecutor, "__call__", None)
+    fn_call = getattr(ti.InterpretedFunction, "__call__", None)
+    error = getattr(ti, "InterpreterError", None)
+    lang = getattr(ti, "tl", None)
+    if None in (grid_call, fn_call, error, lang) or not hasattr(ti.InterpretedFunction, "rewrite"):
+        return
+    languages = (lang, lang.core)
+    seen: dict[object, frozenset[int]] = {}  # a function -> the language modules its globals name
+    launches = threading.local()  # the modules patched in the launch running on this thread
+
+    def names(fn) -> frozenset[int]:
+        if fn not in seen:
+            seen[fn] = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in languages)
+        return seen[fn]
+
+    def launch(self, *args, **kwargs):
+        outer = getattr(launches, "patched", None)
+        launches.patched = set(names(self.fn))
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            launches.patched = outer
+
+    def device_call(self, *args, **kwargs):
+        patched = getattr(launches, "patched", None)
+        wanted = names(self.fn)
+        if patched is None or not wanted <= patched:
+            if patched is not None:
+                patched |= wanted
+            return fn_call(self, *args, **kwargs)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise error(repr(e)) from e
+
+    ti.GridExecutor.__call__ = launch
+    ti.InterpretedFunction.__call__ = device_call
+
+
+if INTERPRETED:
+    _interpret_device_calls_in_place()
 
 
 def check_device(device: torch.device, what: str, cpu_alternative: str) -> None:

@@ -131,8 +131,9 @@ class TritonAttentionBackend(AttentionBackend):
         check_device(device, "the triton attention backend", "--attention-backend torch")
 
     def _sms(self, device: torch.device) -> int:
-        if self._num_sms is None:
-            self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        if self._num_sms is None:  # CPU tensors: the interpreter runs programs one by one, so one "SM" (the
+            # kernel tests that need several splits pass num_sms)
+            self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         return self._num_sms
 
     def max_splits(self, batch_size: int, head_blocks: int, device: torch.device, cap: int = _MAX_SPLITS) -> int:

@@ -12,16 +12,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
-from engine.ranks import FROZEN_S
 from models.synthetic import write_checkpoint
 from tests.server.server_process import REPO, ServerProcess, alive, all_gone, child_pids, free_port
 
 PROMPTS = ["The lighthouse keeper", "1 2 3 4 5 6", "def f(x):\n    return"]
+FROZEN_S = 6.0  # --rank-timeout of the stopped-rank tests (15 s by default: the tests would wait that long)
 COMMON = ("--served-model-name", "m", "--dtype", "float32", "--max-total-tokens", "512", "--max-running-requests", "4")
 
 
@@ -67,6 +68,24 @@ def serve(model: Path, tmp_path: Path, tag: str, *args: str) -> ServerProcess:
     return ServerProcess(str(model), *COMMON, *args, log=tmp_path / f"{tag}.log").wait_ready(300)
 
 
+@pytest.fixture(scope="module")
+def one_process(checkpoints, tmp_path_factory) -> Callable[[str], list[tuple[list[str], list[float]]]]:
+    """A checkpoint's completions served by one process (the torch forward, as the ranks run), each
+    checkpoint served once for the module."""
+    done: dict[str, list[tuple[list[str], list[float]]]] = {}
+
+    def get(name: str) -> list[tuple[list[str], list[float]]]:
+        if name not in done:
+            one = serve(checkpoints[name], tmp_path_factory.mktemp(f"one-{name}"), "one", "--cpu-kernels", "torch")
+            try:
+                done[name] = completions(one.url)
+            finally:
+                one.stop()
+        return done[name]
+
+    return get
+
+
 def assert_same(got: list[tuple[list[str], list[float]]], want: list[tuple[list[str], list[float]]]) -> None:
     for (tokens, lps), (ref_tokens, ref_lps) in zip(got, want):
         assert tokens == ref_tokens
@@ -78,12 +97,9 @@ CASES = [("tiny-llama", ("--tp", "2")), ("tiny-llama", ("--tp", "4")), ("tiny-de
 
 
 @pytest.mark.parametrize("name,flags", CASES, ids=[f"{n}-{'-'.join(f[1::2])}" for n, f in CASES])
-def test_tp_serves_what_one_process_serves(checkpoints, tmp_path, name: str, flags: tuple[str, ...]) -> None:
-    one = serve(checkpoints[name], tmp_path, "one", "--cpu-kernels", "torch")
-    try:
-        want = completions(one.url)
-    finally:
-        one.stop()
+def test_tp_serves_what_one_process_serves(checkpoints, one_process, tmp_path, name: str,
+                                          flags: tuple[str, ...]) -> None:
+    want = one_process(name)
     tp = serve(checkpoints[name], tmp_path, "tp", *flags)
     try:
         assert_same(completions(tp.url), want)
@@ -170,9 +186,9 @@ def test_rank_killed_mid_stream_ends_the_stream_with_an_error(checkpoints, tmp_p
 def test_a_stopped_rank_is_reported_not_waited_for(checkpoints, tmp_path, when: str) -> None:
     """A follower stopped without dying (SIGSTOP: no connection closes, no collective fails) leaves rank 0
     waiting in its next broadcast for good. Its heartbeat standing still ends the engine after about
-    FROZEN_S: a running stream ends with an error naming the stopped rank, /health reports it, a new
+    --rank-timeout (FROZEN_S here): a running stream ends with an error naming the stopped rank, /health reports it, a new
     request fails at once, and the stopped rank is killed with the engine."""
-    server = serve(checkpoints["tiny-llama"], tmp_path, f"stop-{when}", "--tp", "2")
+    server = serve(checkpoints["tiny-llama"], tmp_path, f"stop-{when}", "--tp", "2", "--rank-timeout", str(FROZEN_S))
     follower = None
     try:
         followers = _followers(server)
@@ -213,13 +229,9 @@ def test_a_stopped_rank_is_reported_not_waited_for(checkpoints, tmp_path, when: 
     assert "rank 1 stopped answering" in (tmp_path / f"stop-{when}.log").read_text()
 
 
-def test_two_nodes_on_one_machine(checkpoints, tmp_path) -> None:
+def test_two_nodes_on_one_machine(checkpoints, one_process, tmp_path) -> None:
     model = str(checkpoints["tiny-deepseek-v2"])
-    one = serve(checkpoints["tiny-deepseek-v2"], tmp_path, "one2", "--cpu-kernels", "torch")
-    try:
-        want = completions(one.url)
-    finally:
-        one.stop()
+    want = one_process("tiny-deepseek-v2")
     port = free_port()
     node = ["--tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
     other = subprocess.Popen([sys.executable, "-m", "mlaserve.cli", "serve", "--model", model, *COMMON, *node,
@@ -245,6 +257,7 @@ def test_two_nodes_on_one_machine(checkpoints, tmp_path) -> None:
     (["--tp", "2", "--ep", "3"], "must be 1 or the --tp size"),
     (["--tp", "2", "--omnikv", "on"], "does not run under --tp"),
     (["--tp", "0"], "must be > 0"),
+    (["--tp", "2", "--rank-timeout", "0"], "--rank-timeout"),
     (["--dp-attention"], "needs --dp N > 1"),
     (["--dp", "2", "--dp-attention", "--tp", "2"], "must be 1 (the MLP/MoE layers are split over the --dp"),
     (["--dp", "2", "--dp-attention", "--ep", "4"], "must be 1 or the --dp size (2) under --dp-attention"),
@@ -278,14 +291,11 @@ def test_bad_parallel_env_is_refused() -> None:
 
 @pytest.mark.parametrize("flags", [("--dp", "2", "--dp-attention"), ("--dp", "2", "--dp-attention", "--ep", "2")],
                          ids=["dp-attention", "dp-attention-ep"])
-def test_dp_attention_serves_what_one_process_serves(checkpoints, tmp_path, flags: tuple[str, ...]) -> None:
+def test_dp_attention_serves_what_one_process_serves(checkpoints, one_process, tmp_path,
+                                                    flags: tuple[str, ...]) -> None:
     """Two replicas, each attention for its own requests, MLP/MoE split over both: the same tokens and
     logprobs as one process, whichever replica a prompt lands on (one of them is idle at times)."""
-    one = serve(checkpoints["tiny-deepseek-v2"], tmp_path, "one", "--cpu-kernels", "torch")
-    try:
-        want = completions(one.url)
-    finally:
-        one.stop()
+    want = one_process("tiny-deepseek-v2")
     dp = serve(checkpoints["tiny-deepseek-v2"], tmp_path, "dpa", *flags)
     try:
         with httpx.Client(base_url=dp.url, timeout=120) as c:  # concurrent: both replicas at once
@@ -344,7 +354,8 @@ def test_dp_attention_stopped_replica_is_reported(checkpoints, tmp_path, stopped
     heartbeat stand still (or, replica 0 hosting the rendezvous store, the store stop answering) and
     reports it after about FROZEN_S, and the server then ends the stopped one too (the replicas run only
     together), so requests fail instead of hanging and no process is left."""
-    server = serve(checkpoints["tiny-deepseek-v2"], tmp_path, "dpstop", "--dp", "2", "--dp-attention")
+    server = serve(checkpoints["tiny-deepseek-v2"], tmp_path, "dpstop", "--dp", "2", "--dp-attention",
+                   "--rank-timeout", str(FROZEN_S))
     engines: list[int] = []
     try:
         assert len(completions(server.url)) == len(PROMPTS)
