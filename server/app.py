@@ -6,7 +6,7 @@ HTTP concerns:
     routes, `shaped`) — FastAPI's 422s become
     400 `invalid_request_error` naming the field, unknown routes 404, bodies over the limit 413;
   * every error answer (but `/health`'s) is counted once in `mlaserve_request_errors_total{code, status}`
-    by the outermost middleware (`server.metrics.ErrorCountingMiddleware`);
+    by a middleware outside auth and the body limit (`server.metrics.ErrorCountingMiddleware`);
   * `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`)
     when a key is set (compared in constant time); `/health`, `/metrics` and `/version` stay open (as
     vLLM leaves `/version`);

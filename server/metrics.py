@@ -42,8 +42,8 @@ Why one custom collector instead of prometheus_client's Counter/Histogram object
 `*_created` gauge per series unless switched off process-wide (a global), and the engine's totals
 are already counters that only need exposing. Everything lives in this object's own registry.
 
-Errors (`mlaserve_request_errors_total{code, status}`) are counted in one place, the outermost ASGI
-middleware, so that whatever refuses a request — auth (401), the body limit (413), validation (400),
+Errors (`mlaserve_request_errors_total{code, status}`) are counted in one place, an ASGI middleware
+just inside the request log, so that whatever refuses a request — auth (401), the body limit (413), validation (400),
 the routes (404 `model_not_found`, 400 `context_length_exceeded`), admission (503 `overloaded`),
 shutdown (503 `shutting_down`), the engine, a crash (500) — it is counted exactly once:
 - a response with status >= 400 counts once: `code` is the OpenAI body's `error.code`, else its
@@ -433,10 +433,10 @@ def error_code_of(body: bytes) -> str | None:
 class ErrorCountingMiddleware:
     """Counts every error answer once, by code and status (the rules are in the module docstring).
 
-    The outermost middleware, so that the 401 of auth and the 413 of the body limit pass through it too;
-    plain ASGI (not BaseHTTPMiddleware) so the routes still see client disconnects, and the response is
-    forwarded untouched as it is sent (an error body is copied aside, up to MAX_ERROR_BODY, to read its
-    code). A crash that escapes the app before anything was sent is the 500 `internal_error` that
+    Outside every middleware but the request log, so that the 401 of auth and the 413 of the body limit
+    pass through it too; plain ASGI (not BaseHTTPMiddleware) so the routes still see client disconnects,
+    and the response is forwarded untouched as it is sent (an error body is copied aside, up to
+    MAX_ERROR_BODY, to read its code). A crash that escapes the app before anything was sent is the 500 `internal_error` that
     Starlette's outer ServerErrorMiddleware then answers."""
 
     def __init__(self, app: ASGIApp, metrics: Callable[[], Metrics]) -> None:

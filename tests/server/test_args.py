@@ -64,6 +64,7 @@ BAD: dict[str, list[str]] = {
     "disable-prefix-cache": ["maybe"],
     "seed": ["random", "1.5", str(2**64), str(-(2**63) - 1), "99999999999999999999999"],
     "watchdog-timeout": ["soon", "-1", "nan"],
+    "rank-timeout": ["soon", "0", "-1", "nan"],
     "omnikv": ["maybe", "ON"],
     "omnikv-bank": ["maybe", "2"],
     "omnikv-config": [f"{FIXTURES}/missing.json", f"{FIXTURES}/unknown_field.json"],
@@ -116,6 +117,7 @@ GOOD: dict[str, tuple[str, Any, str, Any]] = {
     "disable-prefix-cache": ("On", True, "0", False),
     "seed": ("-3", -3, "42", 42),
     "watchdog-timeout": ("60", 60.0, "0", 0.0),
+    "rank-timeout": ("30", 30.0, "2.5", 2.5),
     "omnikv": ("auto", "auto", "on", "on"),
     "omnikv-bank": ("yes", True, "off", False),
     "omnikv-config": (f"{FIXTURES}/two_filters.json", f"{FIXTURES}/two_filters.json",
@@ -503,3 +505,16 @@ def test_a_split_the_models_sizes_do_not_divide_is_named_before_anything_starts(
     assert "number of attention heads (4)" in parallel_problem(str(path), 8, heads_split=True, ep=False)
     assert "number of routed experts (6)" in parallel_problem(str(path), 4, heads_split=True, ep=True)
     assert parallel_problem(str(path), 2, heads_split=True, ep=True) is None
+
+
+def test_the_architecture_map_routes_every_flag() -> None:
+    """docs/architecture.md §7 says where each flag goes: every serve flag has its row there, and the
+    table names no flag that is gone."""
+    import re
+
+    text = (REPO / "docs" / "architecture.md").read_text()
+    table = text[text.index("## 7. Flags"):text.index("## 8.")]
+    rows = [line for line in table.splitlines() if line.startswith("| `--")]
+    named = {m for line in rows for m in re.findall(r"`--([a-z0-9-]+)", line.split(" | ")[0])}
+    assert named == {f.name for f in SERVE_FLAGS}, (sorted({f.name for f in SERVE_FLAGS} - named),
+                                                    sorted(named - {f.name for f in SERVE_FLAGS}))
