@@ -23,6 +23,7 @@ import json
 import math
 import os
 import subprocess
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -906,3 +907,28 @@ def test_serve_stall_bench_against_a_real_server(cpu_bench, tmp_path: Path) -> N
     for m in r["medians"].values():
         assert 0 < m["median_gap_s"] <= m["max_gap_s"] < 60 and 0 < m["long_prompts_s"] < 60, m
     assert set(r["ratios_ours_over"]) == {"mlaserve --chunked-prefill-size 64"}
+
+
+def test_batch_decode_bench_compares_builds(tmp_path: Path) -> None:
+    """bench/batch_decode_cpu.py end to end on the default model, tiny: the installed build against itself
+    given as a second build (--lib), a process per build, with the phases timed."""
+    import cpp_experts
+
+    lib = Path(cpp_experts._C.__file__)
+    out = tmp_path / "batch.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "batch_decode_cpu.py"), "--batch", "1", "3", "--prompt-len", "9",
+                           "--decode", "3", "--warmup", "1", "--rounds", "1", "--profile", "--lib", f"same={lib}",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["builds"] == {"installed": "installed", "same": str(lib)} and r["rounds"] == 1
+    for label in ("installed", "same"):
+        for n in ("1", "3"):
+            e = r["results"][label][n]
+            assert len(e["tok_s_samples"]) == 1 and e["tok_s"] > 0 and e["step_ms"] > 0
+            assert e["phases_us_per_step"]["attention"] > 0
+    same = r["results"]["same"]["3"]
+    assert same["vs_installed"] == pytest.approx(statistics.median(same["vs_installed_samples"]))
+    bad = subprocess.run([sys.executable, str(BENCH / "batch_decode_cpu.py"), "--lib", "nothing"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "LABEL=PATH" in bad.stderr

@@ -136,6 +136,27 @@ def test_decode_grouping_keeps_the_bits(attn, dtype):
     torch.testing.assert_close(whole, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batch_of_decode_tokens_reads_whole_slots_with_the_bits_of_one_token(attn, dtype):
+    """Alone, a decode token of 192-255 keys (3 key blocks) on 2 threads takes a group per KV head; in a
+    batch of two or more tokens per thread, every token's blocks read whole slots. Each token's output
+    is the same bit for bit either way."""
+    g = torch.Generator().manual_seed(11)
+    H, Hkv, D, slots = 9, 3, 64, 4096
+    lens = [200, 255, 193, 230, 250, 210]
+    K = torch.randn(slots, Hkv, D, generator=g).to(dtype)
+    V = torch.randn(slots, Hkv, D, generator=g).to(dtype)
+    table = make_table(lens, slots, g)
+    rows, pos = batch(lens, [1] * len(lens))
+    q = torch.randn(len(rows), H, D, generator=g)
+    together = attn.gqa(q, K, V, table, rows, pos, 0.125)
+    for i in range(len(lens)):
+        alone = attn.gqa(q[i:i + 1].contiguous(), K, V, table, rows[i:i + 1], pos[i:i + 1], 0.125)
+        assert torch.equal(together[i:i + 1], alone), i
+    want = reference(q, K.float(), V.float(), table, rows, pos, 0.125)
+    torch.testing.assert_close(together, want, rtol=2e-5, atol=2e-5)
+
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mla", [False, True])
