@@ -14,8 +14,12 @@
 #include <memory>
 #include <new>
 #include <stdexcept>
+#include <thread>
 #if __has_include(<sys/mman.h>)
 #include <sys/mman.h>
+#if defined(__linux__)
+#include <pthread.h>
+#endif
 #endif
 
 namespace cpx {
@@ -30,6 +34,17 @@ struct FreeDeleter {
 };
 
 inline size_t round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }
+
+// Names a thread just started (at most 15 characters on Linux), from the thread that started it, so that
+// the name is there as soon as the thread is: `top -H`, `ps -L` and debuggers then show which of the
+// process's threads are the extension's. Elsewhere nothing.
+inline void name_thread(std::thread& t, const char* name) {
+#if defined(__linux__)
+  pthread_setname_np(t.native_handle(), name);
+#else
+  (void)t, (void)name;
+#endif
+}
 
 constexpr size_t kHugePage = size_t(2) << 20;
 

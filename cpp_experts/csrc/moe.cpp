@@ -124,7 +124,10 @@ void MoE::submit(const Job& job) {
   validate(job);
   std::lock_guard<std::mutex> lock(dm_);
   if (busy_) throw std::runtime_error("submit() called while a previous submit() is pending; call sync() first");
-  if (!driver_.joinable()) driver_ = std::thread([this] { driver(); });
+  if (!driver_.joinable()) {
+    driver_ = std::thread([this] { driver(); });
+    name_thread(driver_, "cpx-moe-driver");
+  }
   job_ = job;
   has_job_ = busy_ = true;
   dcv_.notify_all();

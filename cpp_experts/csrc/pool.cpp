@@ -1,5 +1,7 @@
 #include "pool.h"
 
+#include "common.h"
+
 #include <sched.h>
 
 #include <chrono>
@@ -43,6 +45,7 @@ Pool::Pool(int threads, bool pin) : n_(threads < 1 ? 1 : threads), ranges_(new R
   const std::vector<int> cpus = pin ? allowed_cpus() : std::vector<int>{};
   for (int i = 1; i < n_; ++i) {
     threads_.emplace_back([this, i] { worker(i); });
+    name_thread(threads_.back(), ("cpx-pool-" + std::to_string(i)).c_str());
     if (!cpus.empty()) {
       cpu_set_t set;
       CPU_ZERO(&set);

@@ -3,6 +3,7 @@ raising clear Python exceptions (never a crash or a silent wrong answer)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import cpp_experts
-from tests.cpp_experts.helpers import Experts, reference, routing
+from tests.cpp_experts.helpers import Experts, extension_threads, reference, routing
 
 E, H, I, K = 8, 256, 256, 6
 
@@ -168,21 +169,6 @@ def test_bad_construction_and_loading() -> None:
     assert torch.isfinite(mq.forward(torch.randn(2, 64), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1))).all()
 
 
-def _threads(expect: int | None = None) -> int:
-    """Threads of this process (native ones included). With `expect`, waits up to 2 s for that count: a
-    joined thread can stay listed in /proc for a moment after pthread_join returns (the kernel wakes the
-    joiner before it removes the task), which a slow build (AddressSanitizer) made visible."""
-    import os
-    import time
-
-    deadline = time.monotonic() + 2.0
-    while True:
-        n = len(os.listdir("/proc/self/task"))
-        if expect is None or n == expect or time.monotonic() > deadline:
-            return n
-        time.sleep(0.005)
-
-
 def test_pool_is_its_owners(ex: Experts) -> None:
     """No process-wide pool: an operator computes on the pool it is bound to, two operators on two
     pools are independent, unbinding ends the operator's driver thread, closing joins the workers."""
@@ -193,21 +179,26 @@ def test_pool_is_its_owners(ex: Experts) -> None:
     with pytest.raises(RuntimeError, match="no worker pool is bound"):
         a.forward(x, ids, w)
     want = reference(ex, x, ids, w, quant_acts=False)
-    before = _threads()
+    before = extension_threads()
     pool_a, pool_b = cpp_experts.WorkerPool(3), cpp_experts.WorkerPool(2)
-    assert _threads() == before + 2 + 1 and (pool_a.num_threads, pool_b.num_threads) == (3, 2)
+    assert extension_threads() == before + 2 + 1 and (pool_a.num_threads, pool_b.num_threads) == (3, 2)
+    names = set()
+    for tid in os.listdir("/proc/self/task"):  # named for top -H, ps -L and debuggers
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            names.add(f.read().strip())
+    assert {"cpx-pool-1", "cpx-pool-2"} <= names
     a.bind(pool_a)
     b.bind(pool_b)
     assert (a.pool, a.num_threads, b.num_threads) == (pool_a, 3, 2)
     a.submit(x, ids, w)  # starts a's driver thread
     b.submit(x, ids, w)
     ya, yb = a.sync(), b.sync()
-    assert _threads() == before + 3 + 2
+    assert extension_threads() == before + 3 + 2
     assert torch.equal(ya, yb) and ((ya - want).norm() / want.norm()).item() < 8e-3
     a.unbind()  # driver joined; the pool keeps its workers for others
-    assert _threads(before + 3 + 1) == before + 3 + 1 and a.pool is None and a.num_threads == 0
+    assert extension_threads(before + 3 + 1) == before + 3 + 1 and a.pool is None and a.num_threads == 0
     pool_a.close()
-    assert pool_a.closed and _threads(before + 1 + 1) == before + 1 + 1
+    assert pool_a.closed and extension_threads(before + 1 + 1) == before + 1 + 1
     pool_a.close()  # idempotent
     assert torch.equal(b.forward(x, ids, w), yb)  # the other pool is untouched
     a.bind(pool_a)

@@ -473,12 +473,6 @@ def test_captured_path_runs_host_tasks_like_eager(monkeypatch, cpu_pool):
         layer.prepare_cuda_graph(8, GraphMode.CAPTURE)
 
 
-def _threads() -> int:
-    import os
-
-    return len(os.listdir("/proc/self/task"))
-
-
 @needs_cpp
 def test_the_pool_is_the_runners(v3, monkeypatch):
     """Each ModelRunner makes its own CpuExpertPool and binds its model's CPU experts to it: two
@@ -493,10 +487,13 @@ def test_the_pool_is_the_runners(v3, monkeypatch):
     assert all(m.pool is a.expert_pool for m in layers_a) and all(m.pool is b.expert_pool for m in layers_b)
     want = all_logits(a, ids)
     assert torch.equal(all_logits(b, ids), want)  # same weights, own pools
-    before = _threads()
+    from tests.cpp_experts.helpers import extension_threads
+
+    before = extension_threads()
     a.close()
     # a's 2 workers (3 threads counting the caller) and one driver thread per MoE layer are gone
-    assert a.expert_pool.closed and _threads() == before - 2 - len(layers_a)
+    gone = before - 2 - len(layers_a)
+    assert a.expert_pool.closed and extension_threads(gone) == gone
     assert all(m.pool is None for m in layers_a)
     with pytest.raises(RuntimeError, match="closed"):
         all_logits(a, ids)
