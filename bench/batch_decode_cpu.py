@@ -110,7 +110,6 @@ def main() -> int:
         if not sep or not Path(path).is_file():
             ap.error(f"--lib takes LABEL=PATH of a built _C library, got {spec!r}")
         builds[label] = path
-    argv = [a for a in sys.argv[1:] if a != "--child"]
     runs: dict[str, list[dict[str, Any]]] = {b: [] for b in builds}
     for rnd in range(args.rounds):
         order = list(builds) if rnd % 2 == 0 else list(builds)[::-1]
@@ -119,7 +118,7 @@ def main() -> int:
             env.pop("MLASERVE_CPP_EXPERTS_LIB", None)
             if builds[label]:
                 env["MLASERVE_CPP_EXPERTS_LIB"] = builds[label]
-            proc = subprocess.run([sys.executable, __file__, *argv, "--child"], env=env, capture_output=True,
+            proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child"], env=env, capture_output=True,
                                   text=True, timeout=1800)
             if proc.returncode != 0:
                 print(proc.stderr[-3000:], file=sys.stderr)

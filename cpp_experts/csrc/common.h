@@ -17,9 +17,9 @@
 #include <thread>
 #if __has_include(<sys/mman.h>)
 #include <sys/mman.h>
-#if defined(__linux__)
-#include <pthread.h>
 #endif
+#if defined(__linux__)
+#include <pthread.h>  // name_thread
 #endif
 
 namespace cpx {
