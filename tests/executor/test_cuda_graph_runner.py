@@ -410,8 +410,8 @@ def test_omnikv_decodes_replay_their_own_graphs(tmp_path, preset, window, alpha,
 
 
 class CaptureRunCapture(RerunCapture):
-    """The stand-in, closer to a real capture: the forward runs as `CudaGraphCapture` runs it (its
-    warm-up runs, then the capture run) without the metadata being made again in between, and a replay
+    """The stand-in, closer to a real capture: the forward runs as `CudaGraphCapture` runs it (a
+    warm-up run, then the capture run) without the metadata being made again in between, and a replay
     re-runs it with the backend's per-forward state (views and tables it keeps in Python between
     layers) as the capture run left it, since a real graph replays the kernels of that run, reading
     the tensors that run read. A backend that carried a view over from a warm-up run into the capture
@@ -420,14 +420,18 @@ class CaptureRunCapture(RerunCapture):
     A real graph also keeps no Python object alive: tensors made before its capture that it reads
     (the OmniKV batch's alpha table) live only as long as their owner. The captured batch's OmniKV
     state is therefore reached through a weak reference here, so a replay fails if the runner did not
-    keep it with the graph."""
+    keep it with the graph.
+
+    One warm-up run, not `CudaGraphCapture.warmup_runs`: state a warm-up leaves for the capture is
+    left by the first, and each interpreted forward costs seconds here (a GPU's second warm-up is for
+    lazy initialisation, which the stand-in does not have)."""
+
+    warmup_runs = 1
 
     def __call__(self, run: Callable[[], torch.Tensor]) -> tuple[RerunGraph, torch.Tensor]:
         import weakref
 
-        from executor.cuda_graph_runner import CudaGraphCapture
-
-        for _ in range(CudaGraphCapture.warmup_runs):
+        for _ in range(self.warmup_runs):
             run()
         out = run()
         state = {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(self.backend).items()}
