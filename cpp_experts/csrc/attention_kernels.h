@@ -369,6 +369,7 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
   const float* qv[kQB];
   float* acc[kQB];
   auto limit_of = [&](int ti) -> int64_t { return g.slots ? g.keys - 1 : tok.pos[g.t0 + ti]; };  // last key seen
+  const bool far_lead = g.nt == 1;  // rows read once a step, mostly cold (see the tile loop)
   for (int kc = k0; kc < k1; kc += ls) {
     const int nc = std::min(ls, k1 - kc);
     for (int kt = kc; kt < kc + nc; kt += kKeyTile) {
@@ -394,8 +395,10 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
       // process): 16 requests at 196-248 keys, attention ~8300 -> ~6300 us a step, 1.08x; 4 requests
       // 2699 -> 1848 us, 1.20x; one request after 1536 tokens 3811 -> 2611 us, 1.20x, and 8 of them
       // 1.32x; one at 196-292 keys, where the decode program already asks for the layer's rows during
-      // the pass before, 1.007x. 4, 6 or 8 tiles on measured the same as 2 within the noise.
-      {
+      // the pass before, 1.007x. 4, 6 or 8 tiles on measured the same as 2 within the noise. Decode
+      // tokens only (a group of one token): a prefill's groups read rows the groups before them have
+      // just read, and there the lead cost a 1536-token prefill ~6% (7 of 8 alternating pairs).
+      if (far_lead) {
         const int far = kt + kFarTiles * kKeyTile, n_far = std::max(0, std::min(int(g.keys), far + kKeyTile) - far);
         for (int j = far; j < far + n_far; ++j) {
           prefetch_row_l2(kv_ptr<KT>(kv.k, kv.k_stride, slots[j], g.kv_head * L.k_head_off), kbytes);
