@@ -392,10 +392,11 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
       // And the tile kFarTiles on into L2. The prefetches into L1 alone stall once its miss buffers are
       // full, so a task had few rows in flight: on a 2-core Zen 4 VM, SmolLM2's decode attention ran at
       // about half its warm-cache rate. With this lead (bench/batch_decode_cpu.py, builds alternating by
-      // process): 16 requests at 196-248 keys, attention ~8300 -> ~6300 us a step, 1.08x; 4 requests
-      // 2699 -> 1848 us, 1.20x; one request after 1536 tokens 3811 -> 2611 us, 1.20x, and 8 of them
-      // 1.32x; one at 196-292 keys, where the decode program already asks for the layer's rows during
-      // the pass before, 1.007x. 4, 6 or 8 tiles on measured the same as 2 within the noise. Decode
+      // process, bench/results/batch_decode_cpu_zen4_avx512_l2_lead*.json): 16 requests at ~200 keys,
+      // attention 9002 -> 7153 us a step, 1.09x; 4 requests 2616 -> 2203 us, 1.07x; one request after
+      // 1536 tokens 3439 -> 2618 us, 1.06x, and 8 of them 1.25x; one at ~200 keys, where the decode
+      // program already asks for the layer's rows during the pass before, 0.94-1.01x in three runs
+      // (about neutral). 4, 6 or 8 tiles on measured the same as 2 within the noise. Decode
       // tokens only (a group of one token): a prefill's groups read rows the groups before them have
       // just read, and there the lead cost a 1536-token prefill ~6% (7 of 8 alternating pairs).
       if (far_lead) {
