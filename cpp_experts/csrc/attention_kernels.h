@@ -311,12 +311,11 @@ CPX_INLINE void tile_rows(const KT* const* src, int nk, int n, float* buf, const
   }
 }
 
+// A row's lines asked for: into L1 (locality 3, T0) by default, into L2 (2, T1) for the far lead, which
+// keeps more of a task's rows in flight than L1's miss buffers hold.
+template <int Locality = 3>
 CPX_INLINE void prefetch_row(const void* p, int bytes) {
-  for (int b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b);
-}
-// Into L2 only (T1): the lead that keeps more of a task's rows in flight than L1's miss buffers hold.
-CPX_INLINE void prefetch_row_l2(const void* p, int bytes) {
-  for (int b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 2);
+  for (int b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, Locality);
 }
 // How many key tiles ahead a task asks for its rows into L2 (beside the next tile into L1).
 constexpr int kFarTiles = 2;
@@ -402,8 +401,8 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
       if (far_lead) {
         const int far = kt + kFarTiles * kKeyTile, n_far = std::max(0, std::min(int(g.keys), far + kKeyTile) - far);
         for (int j = far; j < far + n_far; ++j) {
-          prefetch_row_l2(kv_ptr<KT>(kv.k, kv.k_stride, slots[j], g.kv_head * L.k_head_off), kbytes);
-          if (!L.mla) prefetch_row_l2(kv_ptr<KT>(vbase, vstride, slots[j], g.kv_head * L.v_head_off), vbytes);
+          prefetch_row<2>(kv_ptr<KT>(kv.k, kv.k_stride, slots[j], g.kv_head * L.k_head_off), kbytes);
+          if (!L.mla) prefetch_row<2>(kv_ptr<KT>(vbase, vstride, slots[j], g.kv_head * L.v_head_off), vbytes);
         }
       }
       for (int kh = 0; kh < g.nkv; ++kh) {

@@ -16,24 +16,30 @@ QTYPE = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationTy
          "q4_1": gguf.GGMLQuantizationType.Q4_1}
 
 
+def thread_names() -> list[str]:
+    """The names of this process's threads (/proc/self/task/*/comm; a thread that ends meanwhile is left out)."""
+    import os
+
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended while we looked
+            pass
+    return names
+
+
 def extension_threads(expect: int | None = None) -> int:
     """Threads of this process the extension started: its pools' workers (`cpx-pool-N`) and its MoE
     drivers (`cpx-moe-driver`), by name, so that threads other code starts or ends meanwhile do not count.
     With `expect`, waits up to 2 s for that count: a joined thread can stay listed in /proc for a moment
     after pthread_join returns (the kernel wakes the joiner before it removes the task), which a slow
     build (AddressSanitizer) made visible."""
-    import os
     import time
 
     def count() -> int:
-        n = 0
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{tid}/comm") as f:
-                    n += f.read().startswith("cpx-")
-            except OSError:  # the thread ended while we looked
-                pass
-        return n
+        return sum(name.startswith("cpx-") for name in thread_names())
 
     deadline = time.monotonic() + 2.0
     while True:

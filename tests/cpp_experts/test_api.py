@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cpp_experts
-from tests.cpp_experts.helpers import Experts, extension_threads, reference, routing
+from tests.cpp_experts.helpers import Experts, extension_threads, reference, routing, thread_names
 
 E, H, I, K = 8, 256, 256, 6
 
@@ -182,11 +182,7 @@ def test_pool_is_its_owners(ex: Experts) -> None:
     before = extension_threads()
     pool_a, pool_b = cpp_experts.WorkerPool(3), cpp_experts.WorkerPool(2)
     assert extension_threads() == before + 2 + 1 and (pool_a.num_threads, pool_b.num_threads) == (3, 2)
-    names = set()
-    for tid in os.listdir("/proc/self/task"):  # named for top -H, ps -L and debuggers
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            names.add(f.read().strip())
-    assert {"cpx-pool-1", "cpx-pool-2"} <= names
+    assert {"cpx-pool-1", "cpx-pool-2"} <= set(thread_names())  # named for top -H, ps -L and debuggers
     a.bind(pool_a)
     b.bind(pool_b)
     assert (a.pool, a.num_threads, b.num_threads) == (pool_a, 3, 2)
