@@ -2,7 +2,8 @@
 
 `--tp N` ranks over `--nnodes` nodes, N / nnodes per node; rank r lives on node r // (N / nnodes).
 Node 0's `mlaserve serve` runs the HTTP server and the engine process; the engine process is rank 0
-(it hosts the rendezvous, torch.distributed's TCP store, at --master-addr:--master-port) and starts
+(it hosts the rendezvous, torch.distributed's TCP store, at --master-addr:--master-port, listening on
+that address only: `rendezvous_listener`) and starts
 the node's other ranks as its children. Node k > 0 runs `mlaserve serve --node-rank k` with the same
 --tp, --nnodes, --master-addr and --master-port: it starts that node's ranks and waits for them, with
 no HTTP server. Collectives go over gloo on CPUs and NCCL on GPUs (one GPU per rank, cuda:<local
@@ -21,10 +22,12 @@ replica) reports a rank whose sign stood still for --rank-timeout seconds as the
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -36,7 +39,7 @@ from typing import Any
 
 import torch
 
-from engine.args import EngineArgs, free_port
+from engine.args import EngineArgs
 from executor.distributed import Leader, Setup, broadcast_message, follow, gather_status
 from executor.model_runner import ModelRunner
 from models.loader.load import DTYPES, load_model
@@ -84,16 +87,43 @@ def rank_device(args: EngineArgs, plan: RankPlan, rank: int) -> torch.device:
     return dev
 
 
-def init_rank(plan: RankPlan, rank: int, device: torch.device) -> Any:
-    """Joins the group as `rank` and sets the model layout; returns the gloo control group."""
+def rendezvous_listener(plan: RankPlan) -> socket.socket | None:
+    """Rank 0's listening socket for the rendezvous store, bound to --master-addr itself (port 0: a free
+    one, with no window for another process to take it), or None to let torch listen.
+
+    torch's store listens on every interface whatever address it is given, which would open the rank
+    group's store to the network for a server kept on 127.0.0.1. Bound here when the address is an IP
+    literal or the ranks are on one node; a host name of a multi-node group is left to torch, since
+    node 0 may resolve its own name to a loopback address (a Debian /etc/hosts line) the others
+    cannot reach."""
+    try:
+        literal = bool(ipaddress.ip_address(plan.addr))
+    except ValueError:
+        literal = False
+    if plan.nnodes > 1 and not literal:
+        return None
+    try:
+        return socket.create_server((plan.addr, plan.port), backlog=max(128, plan.world))
+    except OSError as exc:
+        raise RuntimeError(f"cannot listen for the ranks' rendezvous on {plan.addr}:{plan.port} ({exc}): pick "
+                           "another --master-port, or --master-port 0 for a free one") from exc
+
+
+def init_rank(plan: RankPlan, rank: int, device: torch.device, listener: socket.socket | None = None) -> Any:
+    """Joins the group as `rank` and sets the model layout; returns the gloo control group. Rank 0
+    hosts the rendezvous store on its `rendezvous_listener` (None: torch listens on every interface);
+    the store then owns the socket."""
     import torch.distributed as dist
 
     if device.type == "cpu":  # the node's ranks share the cores this process may use (a replica: its own)
         torch.set_num_threads(max(1, len(usable_cpus()) // (1 if plan.dp_attention else plan.per_node)))
     else:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{plan.addr}:{plan.port}",
-                            rank=rank, world_size=plan.world, timeout=timedelta(seconds=TIMEOUT_S))
+    timeout = timedelta(seconds=TIMEOUT_S)
+    store = dist.TCPStore(plan.addr, plan.port, plan.world, is_master=rank == 0, timeout=timeout,
+                          wait_for_workers=False, master_listen_fd=listener.detach() if listener else None)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                            world_size=plan.world, timeout=timeout)
     configure(ParallelLayout(tp_size=plan.world, tp_rank=rank, ep=plan.ep, dp_attention=plan.dp_attention))
     return dist.new_group(backend="gloo")
 
@@ -276,8 +306,9 @@ class LeadRank:
 
     def __init__(self, args: EngineArgs) -> None:
         plan = RankPlan.of(args)
-        if plan.port == 0:  # one node: any free port will do
-            plan = replace(plan, port=free_port(plan.addr))
+        listener = rendezvous_listener(plan)
+        if listener is not None:  # --master-port 0 (one node only): the free port it was given
+            plan = replace(plan, port=listener.getsockname()[1])
         self.plan = plan
         self.device = rank_device(args, plan, 0)
         self.procs = start_ranks(args, plan, range(1, plan.per_node))
@@ -288,7 +319,7 @@ class LeadRank:
                         "--master-addr %s --master-port %d)", TIMEOUT_S, plan.world - plan.per_node, plan.nnodes - 1,
                         plan.addr, plan.port)
         try:
-            self.ctl = init_rank(plan, 0, self.device)
+            self.ctl = init_rank(plan, 0, self.device, listener)
         except Exception:
             stop_ranks(self.procs, 0)
             raise
@@ -366,7 +397,7 @@ class DPAttentionRank:
         self.heartbeat: Heartbeat | None = None
         self.rank = args.dp_rank
         self.device = torch.device(args.device)  # the replica's own (engine.replicas.replica_args)
-        self.ctl = init_rank(plan, self.rank, self.device)
+        self.ctl = init_rank(plan, self.rank, self.device, rendezvous_listener(plan) if self.rank == 0 else None)
         logger.info("DP attention: replica %d of %d (rendezvous %s:%d), experts %s", self.rank, plan.world, plan.addr,
                     plan.port, "partitioned (--ep)" if plan.ep else "split by intermediate size")
 

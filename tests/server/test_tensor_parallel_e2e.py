@@ -6,6 +6,7 @@ before anything starts."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import signal
@@ -103,12 +104,28 @@ def test_tp_serves_what_one_process_serves(checkpoints, one_process, tmp_path, n
     tp = serve(checkpoints[name], tmp_path, "tp", *flags)
     try:
         assert_same(completions(tp.url), want)
+        port = int(re.search(r"rendezvous 127\.0\.0\.1:(\d+)", (tmp_path / "tp.log").read_text()).group(1))
+        assert listening(port) == {"127.0.0.1"}  # the rank group's store is not open to the network
         followers = _followers(tp)
         assert len(followers) == int(flags[1]) - 1
     finally:
         assert tp.stop() == 0  # SIGTERM drains every rank
     assert all_gone(followers)
     assert f"rank {int(flags[1]) - 1} of {flags[1]} ready" in (tmp_path / "tp.log").read_text()
+
+
+def listening(port: int) -> set[str]:
+    """The local addresses of the sockets listening on TCP `port` on this machine (/proc/net/tcp, tcp6)."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, _, hex_port = local.partition(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                raw = bytes.fromhex(addr)
+                words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # host-order 32-bit words
+                out.add(str(ipaddress.ip_address(words)))
+    return out
 
 
 def _followers(server: ServerProcess) -> list[int]:
@@ -241,6 +258,7 @@ def test_two_nodes_on_one_machine(checkpoints, one_process, tmp_path) -> None:
         head = serve(checkpoints["tiny-deepseek-v2"], tmp_path, "node0", *node, "--node-rank", "0")
         try:
             assert_same(completions(head.url), want)
+            assert listening(port) == {"127.0.0.1"}  # an address given as an IP is the only one listened on
         finally:
             assert head.stop() == 0
         assert other.wait(60) == 0  # rank 0 told it to stop
@@ -313,6 +331,8 @@ def test_dp_attention_serves_what_one_process_serves(checkpoints, one_process, t
                      for r in got], want)
         assert replicas == {"0", "1"}, replicas  # both replicas served
         assert_same(completions(dp.url), want)  # one at a time: the other replica idles through each step
+        port = int(re.search(r"rendezvous 127\.0\.0\.1:(\d+)", (tmp_path / "dpa.log").read_text()).group(1))
+        assert listening(port) == {"127.0.0.1"}
     finally:
         assert dp.stop() == 0
     log = (tmp_path / "dpa.log").read_text()
