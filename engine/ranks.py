@@ -97,16 +97,18 @@ def rendezvous_listener(plan: RankPlan) -> socket.socket | None:
     node 0 may resolve its own name to a loopback address (a Debian /etc/hosts line) the others
     cannot reach."""
     try:
-        literal = bool(ipaddress.ip_address(plan.addr))
+        literal: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(plan.addr)
     except ValueError:
-        literal = False
-    if plan.nnodes > 1 and not literal:
+        literal = None
+    if plan.nnodes > 1 and literal is None:
         return None
+    family = socket.AF_INET6 if isinstance(literal, ipaddress.IPv6Address) else socket.AF_INET
     try:
-        return socket.create_server((plan.addr, plan.port), backlog=max(128, plan.world))
+        return socket.create_server((plan.addr, plan.port), family=family, backlog=max(128, plan.world))
     except OSError as exc:
-        raise RuntimeError(f"cannot listen for the ranks' rendezvous on {plan.addr}:{plan.port} ({exc}): pick "
-                           "another --master-port, or --master-port 0 for a free one") from exc
+        raise RuntimeError(f"cannot listen for the ranks' rendezvous on {plan.addr}:{plan.port} ({exc}): "
+                           "--master-addr must be an address of this machine (node 0), and --master-port a free "
+                           "port (0: any free one, on one node)") from exc
 
 
 def init_rank(plan: RankPlan, rank: int, device: torch.device, listener: socket.socket | None = None) -> Any:
