@@ -116,6 +116,10 @@ class ServerArgs:
     max_request_bytes: int | None = flag(None, "largest request body accepted, 413 beyond", check=positive,
                                          metavar="BYTES",
                                          default_text="16 bytes per token of the context length, at least 1 MiB")
+    read_timeout: float = flag(60.0, "seconds a client has to send a request's headers, and at most between two reads "
+                               "of its body; past them the connection is closed (a 408 when the headers did not "
+                               "come), so stalled or slowloris clients cannot hold connections open",
+                               check=positive, metavar="SECONDS")
     shutdown_timeout: float = flag(30.0, "seconds running requests get to finish after SIGTERM/SIGINT before they "
                                    "are ended with an error", check=non_negative, metavar="SECONDS")
     log_level: str = flag("info", "logging level", choices=LOG_LEVELS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -112,11 +113,17 @@ def test_engine_death_fails_fast_then_the_server_exits_1(model_dir, tmp_path):
 
 def test_env_vars_configure_the_server(model_dir, tmp_path):
     srv = ServerProcess(str(model_dir), env={"MLASERVE_SERVED_MODEL_NAME": "from-env", "MLASERVE_API_KEY": "k1",
-                                             "MLASERVE_CONTEXT_LENGTH": "256"}, log=tmp_path / "log").wait_ready()
+                                             "MLASERVE_CONTEXT_LENGTH": "256", "MLASERVE_READ_TIMEOUT": "1.5"},
+                       log=tmp_path / "log").wait_ready()
     try:
         models = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer k1"}).json()
         assert models["data"][0]["id"] == "from-env" and models["data"][0]["max_model_len"] == 256
         assert httpx.get(srv.url + "/v1/models").status_code == 401
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=20) as idle:  # --read-timeout 1.5
+            t0, raw = time.monotonic(), b""
+            while chunk := idle.recv(4096):
+                raw += chunk
+        assert raw.startswith(b"HTTP/1.1 408") and b"request_timeout" in raw and time.monotonic() - t0 < 10
     finally:
         srv.stop()
 

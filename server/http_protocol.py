@@ -1,0 +1,107 @@
+"""uvicorn's C HTTP/1.1 protocol with a read deadline, so a client cannot hold a connection open forever.
+
+uvicorn times a connection out only while it idles between requests (its keep-alive timer, cleared by
+the first byte of the next request). A client that sends a request's headers a line at a time
+(slowloris), sends one byte and stops, or promises a body it never sends, keeps its socket, its file
+descriptor and, once the headers are in, a handler waiting on the body, for as long as it likes; a few
+hundred of them exhaust the process's descriptors. `ReadDeadlineProtocol` gives each request's headers
+`read_timeout` seconds in all, counted from the moment the server waits for that request, and its body
+at most `read_timeout` seconds between two reads (nginx's client_header_timeout and
+client_body_timeout). Past it the connection is closed: with a 408 in OpenAI's error shape when no
+handler has started (the headers were not complete), otherwise at once (the handler's next receive
+then says the client disconnected, and its answer goes nowhere). Requests that have arrived whole are
+never timed: generating their answer takes as long as it takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+HEAD, BODY, WHOLE = "head", "body", "whole"  # what the connection is reading: a request's headers, its body, nothing
+
+
+class ReadDeadlineProtocol(HttpToolsProtocol):
+    """HttpToolsProtocol that closes a connection whose request does not arrive in time (module docstring)."""
+
+    def __init__(self, *args: Any, read_timeout: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.read_timeout = read_timeout
+        self._reading = HEAD
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def _arm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = self.loop.call_later(self.read_timeout, self._read_timed_out)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _answering(self) -> bool:
+        """A response is under way: while it is, the client's next request is not timed (a pipelining
+        client waits for it, and uvicorn stops reading until then)."""
+        return self.cycle is not None and not self.cycle.response_complete
+
+    def _read_timed_out(self) -> None:
+        self._deadline = None
+        if self._reading == WHOLE or self.transport.is_closing():
+            return
+        if self.flow.read_paused:  # this side stopped reading (a body past uvicorn's buffer): not the client's fault
+            self._arm()
+            return
+        if self._reading == HEAD:  # no handler runs for it: the client is told why
+            body = json.dumps({"error": {
+                "message": f"the request did not arrive within {self.read_timeout:g} s; send it whole, promptly",
+                "type": "invalid_request_error", "param": None, "code": "request_timeout"}}).encode()
+            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
+
+    # the connection and the parser's events, in the order they come
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()  # the first request's headers are due from now
+
+    def on_message_begin(self) -> None:
+        if self._reading == WHOLE and self._deadline is None and not self._answering():
+            self._arm()  # a request after a whole one, with no answer under way: due from its first byte
+        self._reading = HEAD
+        super().on_message_begin()
+
+    def on_headers_complete(self) -> None:
+        answering = self._answering()  # an earlier request's: this one waits in uvicorn's pipeline
+        self._reading = BODY
+        if answering:
+            self._disarm()
+        else:
+            self._arm()  # the body's first read is due within the timeout
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if self._deadline is not None:
+            self._arm()
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._reading = WHOLE
+        self._disarm()
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        pipelined = bool(self.pipeline)  # a whole request starts now: nothing to time until it is answered
+        super().on_response_complete()
+        if pipelined or self.transport.is_closing():
+            return
+        if self._reading == WHOLE:
+            self._reading = HEAD  # waiting for the next request (uvicorn's keep-alive timer may close first)
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
