@@ -48,7 +48,7 @@ from engine.process import freeze_gc_heap
 from engine.replicas import EngineReplicas
 from server.app import ServerState, build_app
 from server.args import ServerArgs, model_problem, parallel_problem
-from server.http_protocol import ReadDeadlineProtocol
+from server.http_protocol import ServerHttpProtocol
 from server.chat_template import load_chat_template
 from server.generation_defaults import load_generation_defaults
 from server.metrics import Metrics
@@ -235,7 +235,7 @@ async def serve_async(args: ServerArgs) -> int:
     # forced stop, would be cancelled at exit with a traceback in the log
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5, access_log=False, lifespan="off",
-                            http=functools.partial(ReadDeadlineProtocol, read_timeout=args.read_timeout))
+                            http=functools.partial(ServerHttpProtocol, read_timeout=args.read_timeout))
     server = _DrainingServer(config, state, args.shutdown_timeout, args.runtime_file)
     starter = asyncio.create_task(_start_engine(state, args, server))
     watcher = asyncio.create_task(_exit_when_the_engine_dies(state, server))
