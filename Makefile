@@ -57,7 +57,7 @@ $(ORACLES): $(STAMP)
 # HTTP side) before the suite runs.
 test: $(ORACLES)
 	$(VENV)/bin/lint-imports
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q --durations=30
 
 # The cpp_experts extension built with AddressSanitizer into a temp dir, and its tests run on it.
 asan: $(STAMP)
