@@ -72,6 +72,8 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     info["load_average_at_start"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    # the kernels a run forced (cpp_experts reads it per process): an AVX2 run on an AVX-512 host says so
+    info["forced_kernel"] = os.environ.get("MLASERVE_CPP_EXPERTS_KERNEL") or None
     return info
 
 
