@@ -85,7 +85,7 @@ class ServerHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         answering = self._answering()  # an earlier request's: this one waits in uvicorn's pipeline
         self._reading = BODY
-        if answering:
+        if answering or (self.parser.should_upgrade() and self._should_upgrade()):  # a WebSocket is not timed
             self._disarm()
         else:
             self._arm()  # the body's first read is due within the timeout
