@@ -1,6 +1,5 @@
-"""uvicorn's C HTTP/1.1 protocol with a read deadline, and answers for clients that half-close.
+"""uvicorn's C HTTP/1.1 protocol with a read deadline, so a client cannot hold a connection open forever.
 
-**Read deadline.**
 uvicorn times a connection out only while it idles between requests (its keep-alive timer, cleared by
 the first byte of the next request). A client that sends a request's headers a line at a time
 (slowloris), sends one byte and stops, or promises a body it never sends, keeps its socket, its file
@@ -13,11 +12,9 @@ handler has started (the headers were not complete), otherwise at once (the hand
 then says the client disconnected, and its answer goes nowhere). Requests that have arrived whole are
 never timed: generating their answer takes as long as it takes.
 
-**Half-close.** A client may send its request and then shut its side for writing (`shutdown(SHUT_WR)`,
-as `nc -N` and some proxies do) while it waits for the answer. uvicorn closes the connection on that
-end of input, so such a client got no answer, and its request was aborted as disconnected. Here a
-request that arrived whole (or is being answered) is answered, and the connection closed after it, as
-no further request can come; an end of input in the middle of a request still closes at once.
+The end of a client's input still ends the connection, as uvicorn has it: a client that half-closes
+(`shutdown(SHUT_WR)`) looks the same as one that closed, and closing is how a client that gave up
+stops its generation and frees its KV slots at once (nginx counts it as a client abort too).
 """
 
 from __future__ import annotations
@@ -32,14 +29,13 @@ HEAD, BODY, WHOLE = "head", "body", "whole"  # what the connection is reading: a
 
 
 class ServerHttpProtocol(HttpToolsProtocol):
-    """HttpToolsProtocol with a read deadline that answers half-closing clients (module docstring)."""
+    """HttpToolsProtocol that closes a connection whose request does not arrive in time (module docstring)."""
 
     def __init__(self, *args: Any, read_timeout: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.read_timeout = read_timeout
         self._reading = HEAD
         self._deadline: asyncio.TimerHandle | None = None
-        self._input_ended = False  # the client half-closed: answer what arrived whole, then close
 
     def _arm(self) -> None:
         if self._deadline is not None:
@@ -101,19 +97,10 @@ class ServerHttpProtocol(HttpToolsProtocol):
         self._disarm()
         super().on_message_complete()
 
-    def eof_received(self) -> bool | None:
-        self._input_ended = True
-        if self._reading == WHOLE or (self._reading == HEAD and self._answering()):
-            return True  # keep the connection open for writing: the answers under way and pipelined go out
-        return None  # a request cut short (or none): the transport closes, its handler sees the disconnect
-
     def on_response_complete(self) -> None:
         pipelined = bool(self.pipeline)  # a whole request starts now: nothing to time until it is answered
         super().on_response_complete()
         if pipelined or self.transport.is_closing():
-            return
-        if self._input_ended:  # no further request can come
-            self.transport.close()
             return
         if self._reading == WHOLE:
             self._reading = HEAD  # waiting for the next request (uvicorn's keep-alive timer may close first)
