@@ -1,5 +1,7 @@
-"""uvicorn's C HTTP/1.1 protocol with a read deadline, so a client cannot hold a connection open forever.
+"""uvicorn's C HTTP/1.1 protocol with read and write deadlines, so a client cannot hold a connection open
+forever.
 
+**Reading.**
 uvicorn times a connection out only while it idles between requests (its keep-alive timer, cleared by
 the first byte of the next request). A client that sends a request's headers a line at a time
 (slowloris), sends one byte and stops, or promises a body it never sends, keeps its socket, its file
@@ -11,6 +13,13 @@ client_body_timeout). Past it the connection is closed: with a 408 in OpenAI's e
 handler has started (the headers were not complete), otherwise at once (the handler's next receive
 then says the client disconnected, and its answer goes nowhere). Requests that have arrived whole are
 never timed: generating their answer takes as long as it takes.
+
+**Writing.** A client that stops reading its answer (a stuck consumer, a peer gone without a reset)
+fills the socket's buffer; uvicorn then holds the handler at its next write until the buffer drains,
+which may be never: the request, its connection and its output queue stay for good. When the buffer
+has been full for `write_timeout` seconds and the client took none of it meanwhile (nginx's
+send_timeout, also counted between two writes that make progress), the connection is dropped: the
+handler sees the disconnect, and a request still generating is aborted, its KV slots freed.
 
 The end of a client's input still ends the connection, as uvicorn has it: a client that half-closes
 (`shutdown(SHUT_WR)`) looks the same as one that closed, and closing is how a client that gave up
@@ -29,13 +38,40 @@ HEAD, BODY, WHOLE = "head", "body", "whole"  # what the connection is reading: a
 
 
 class ServerHttpProtocol(HttpToolsProtocol):
-    """HttpToolsProtocol that closes a connection whose request does not arrive in time (module docstring)."""
+    """HttpToolsProtocol that drops a connection whose request does not arrive, or whose answer is not
+    read, in time (module docstring)."""
 
-    def __init__(self, *args: Any, read_timeout: float, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, read_timeout: float, write_timeout: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.read_timeout = read_timeout
+        self.read_timeout, self.write_timeout = read_timeout, write_timeout
         self._reading = HEAD
         self._deadline: asyncio.TimerHandle | None = None
+        self._write_stall: asyncio.TimerHandle | None = None  # armed while the socket's buffer is full
+        self._stalled_bytes = 0  # the buffer's size when the write stall was (re)armed
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_stall is None:
+            self._arm_write_stall()
+
+    def resume_writing(self) -> None:
+        if self._write_stall is not None:
+            self._write_stall.cancel()
+            self._write_stall = None
+        super().resume_writing()
+
+    def _arm_write_stall(self) -> None:
+        self._stalled_bytes = self.transport.get_write_buffer_size()
+        self._write_stall = self.loop.call_later(self.write_timeout, self._write_timed_out)
+
+    def _write_timed_out(self) -> None:
+        self._write_stall = None
+        # no write is added while the buffer is full (the handler waits), so a smaller buffer means the
+        # client took some: a slow reader that keeps reading is not dropped, however slow
+        if self.transport.get_write_buffer_size() < self._stalled_bytes:
+            self._arm_write_stall()
+            return
+        self.transport.abort()  # not close(): that would wait for the buffer to drain, as the writes did
 
     def _arm(self) -> None:
         if self._deadline is not None:
@@ -108,4 +144,7 @@ class ServerHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._write_stall is not None:
+            self._write_stall.cancel()
+            self._write_stall = None
         super().connection_lost(exc)

@@ -235,7 +235,8 @@ async def serve_async(args: ServerArgs) -> int:
     # forced stop, would be cancelled at exit with a traceback in the log
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5, access_log=False, lifespan="off",
-                            http=functools.partial(ServerHttpProtocol, read_timeout=args.read_timeout))
+                            http=functools.partial(ServerHttpProtocol, read_timeout=args.read_timeout,
+                                                   write_timeout=args.write_timeout))
     server = _DrainingServer(config, state, args.shutdown_timeout, args.runtime_file)
     starter = asyncio.create_task(_start_engine(state, args, server))
     watcher = asyncio.create_task(_exit_when_the_engine_dies(state, server))

@@ -1,8 +1,14 @@
-"""The server's read deadline (server.http_protocol.ServerHttpProtocol) over real sockets, uvicorn
-serving a small ASGI app in a thread: a client that sends nothing, dribbles its headers (slowloris) or
-stops in the middle of its body loses the connection after the timeout (a 408 in OpenAI's error shape
-when no header came whole), while a request that arrived whole may take longer than the timeout to
-answer, on a fresh or a kept-alive connection, and the server keeps answering others."""
+"""The server's connection deadlines (server.http_protocol.ServerHttpProtocol) over real sockets, uvicorn
+serving a small ASGI app in a thread.
+
+Reading: a client that sends nothing, dribbles its headers (slowloris) or stops in the middle of its
+body loses the connection after the timeout (a 408 in OpenAI's error shape when no header came whole),
+while a request that arrived whole may take longer than the timeout to answer, on a fresh or a
+kept-alive connection, and the server keeps answering others.
+
+Writing: a client that stops reading a streamed answer is dropped once the socket's buffer has stayed
+full for the timeout, and its handler sees the disconnect; a client that reads slowly but steadily gets
+the whole answer."""
 
 from __future__ import annotations
 
@@ -23,8 +29,42 @@ from server.http_protocol import ServerHttpProtocol
 TIMEOUT = 1.0
 
 
+FLOOD_CHUNK = 1 << 20
+flood_ended: dict[str, threading.Event] = {}  # /flood?id=...: set when that handler has returned
+
+
+async def flood(receive, send, chunks: int) -> None:
+    """Streams `chunks` MiB (0: until the client is gone), watching for the disconnect as the server's
+    streamed answers do (uvicorn's send returns at once once the client is gone)."""
+    gone = asyncio.Event()
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone.set()
+
+    watcher = asyncio.create_task(watch())
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    i = 0
+    while (not chunks or i < chunks) and not gone.is_set():
+        await send({"type": "http.response.body", "body": b"x" * FLOOD_CHUNK, "more_body": True})
+        await asyncio.sleep(0)
+        i += 1
+    if not gone.is_set():
+        await send({"type": "http.response.body", "body": b""})
+    watcher.cancel()
+
+
 async def app(scope, receive, send) -> None:
-    """/slow answers after 2.5 timeouts; any other path echoes the body's length."""
+    """/slow answers after 2.5 timeouts; /flood streams (module docstring); any other path echoes the
+    body's length."""
+    if scope["path"] == "/flood":
+        query = dict(kv.split("=") for kv in scope["query_string"].decode().split("&"))
+        try:
+            await flood(receive, send, int(query.get("chunks", 0)))
+        finally:
+            flood_ended[query["id"]].set()
+        return
     body = b""
     while True:
         msg = await receive()
@@ -47,7 +87,7 @@ def port() -> Iterator[int]:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
     config = uvicorn.Config(app, host="127.0.0.1", port=free, lifespan="off", log_level="warning",
-                            http=functools.partial(ServerHttpProtocol, read_timeout=TIMEOUT))
+                            http=functools.partial(ServerHttpProtocol, read_timeout=TIMEOUT, write_timeout=TIMEOUT))
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -151,3 +191,49 @@ def test_pipelined_requests_wait_untimed_behind_a_slow_answer(port: int) -> None
         raw, _ = read_all(s)
     assert raw.count(b"HTTP/1.1 200") == 2 and raw.endswith(b'{"got": 2}'), raw
 
+
+
+def flood_request(name: str, chunks: int = 0) -> bytes:
+    flood_ended[name] = threading.Event()
+    return f"GET /flood?id={name}&chunks={chunks} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode()
+
+
+def small_window() -> socket.socket:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the buffers fill after a few MiB, not dozens
+    return s
+
+
+def test_a_client_that_stops_reading_is_dropped_and_its_handler_ends(port: int) -> None:
+    with small_window() as s:
+        s.connect(("127.0.0.1", port))
+        s.sendall(flood_request("stuck"))
+        t0 = time.monotonic()
+        assert flood_ended["stuck"].wait(TIMEOUT + 20), "the handler still writes to a client that reads nothing"
+        waited = time.monotonic() - t0
+        s.settimeout(10)
+        try:  # what the kernel held still comes, then the end: the endless answer was dropped
+            while s.recv(1 << 20):
+                pass
+        except ConnectionResetError:
+            pass
+    assert waited >= TIMEOUT * 0.9
+
+
+def test_a_slow_steady_reader_gets_the_whole_answer(port: int) -> None:
+    """A trickle for three timeouts, with the buffers full all along but the client taking a little
+    each time, then the rest at full speed: all of it arrives."""
+    chunks = 2
+    with small_window() as s:
+        s.connect(("127.0.0.1", port))
+        s.settimeout(30)
+        s.sendall(flood_request("steady", chunks))
+        got, t0 = 0, time.monotonic()
+        while time.monotonic() - t0 < 3 * TIMEOUT:
+            got += len(s.recv(4096))
+            time.sleep(TIMEOUT / 4)
+        assert got < FLOOD_CHUNK  # it was a trickle
+        while chunk := s.recv(1 << 20):
+            got += len(chunk)
+    assert got > chunks * FLOOD_CHUNK  # the whole answer (and its headers)
+    assert flood_ended["steady"].wait(5)
