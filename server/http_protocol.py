@@ -1,5 +1,5 @@
 """uvicorn's C HTTP/1.1 protocol with read and write deadlines, so a client cannot hold a connection open
-forever.
+forever, and answers an HTTP/1.0 client can read.
 
 **Reading.**
 uvicorn times a connection out only while it idles between requests (its keep-alive timer, cleared by
@@ -24,15 +24,22 @@ handler sees the disconnect, and a request still generating is aborted, its KV s
 The end of a client's input still ends the connection, as uvicorn has it: a client that half-closes
 (`shutdown(SHUT_WR)`) looks the same as one that closed, and closing is how a client that gave up
 stops its generation and frees its KV slots at once (nginx counts it as a client abort too).
+
+**HTTP/1.0.** uvicorn frames every answer of unknown length (a stream) as chunked, whatever the request's
+version; an HTTP/1.0 client does not know chunked framing (RFC 9112 §6.1: a server must not send it one)
+and would read the chunk sizes as part of the events. Such answers go to an HTTP/1.0 client as they
+come, unframed, and end when the server closes the connection, which uvicorn does after every HTTP/1.0
+answer anyway.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 HEAD, BODY, WHOLE = "head", "body", "whole"  # what the connection is reading: a request's headers, its body, nothing
 
@@ -121,7 +128,10 @@ class ServerHttpProtocol(HttpToolsProtocol):
             self._disarm()
         else:
             self._arm()  # the body's first read is due within the timeout
+        before = self.cycle
         super().on_headers_complete()
+        if self.cycle is not before and self.parser.get_http_version() == "1.0":
+            close_delimited(self.cycle)
 
     def on_body(self, body: bytes) -> None:
         if self._deadline is not None:
@@ -148,3 +158,27 @@ class ServerHttpProtocol(HttpToolsProtocol):
             self._write_stall.cancel()
             self._write_stall = None
         super().connection_lost(exc)
+
+
+def close_delimited(cycle: RequestResponseCycle) -> None:
+    """Sends `cycle`'s answer unframed when it has no length (a stream), for an HTTP/1.0 client (module
+    docstring); uvicorn closes the connection after it, which is where the answer ends. Answers with
+    a content-length, HEAD answers and 204/304 are left as uvicorn frames them."""
+    send = cycle.send
+    unframed = False
+
+    async def send_close_delimited(message: Any) -> None:
+        nonlocal unframed
+        if message["type"] == "http.response.start":
+            names = {bytes(name).lower() for name, _ in message.get("headers", [])}
+            unframed = (b"content-length" not in names and b"transfer-encoding" not in names
+                        and cycle.scope["method"] != "HEAD" and message["status"] not in (204, 304))
+            if unframed:
+                cycle.keep_alive = False  # already so for HTTP/1.0: the close is the answer's end
+                cycle.chunked_encoding = False  # uvicorn then writes the body as it is, counting it down
+                cycle.expected_content_length = sys.maxsize
+        elif unframed and message["type"] == "http.response.body" and not message.get("more_body", False):
+            cycle.expected_content_length = len(message.get("body", b""))  # this last piece ends it
+        await send(message)
+
+    cycle.send = send_close_delimited  # type: ignore[method-assign]
