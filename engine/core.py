@@ -49,6 +49,17 @@ from scheduler.scheduler import Scheduler
 logger = logging.getLogger("mlaserve.engine")
 
 
+def end_ids(ids: set[int], vocab_size: int) -> set[int]:
+    """The end-of-generation ids the model can produce. A config or tokenizer may name one past the LM
+    head's rows (a tokenizer larger than the model): it can never be sampled, and masking it for
+    `min_tokens` would index past the logits, so it is dropped, with a warning."""
+    outside = sorted(i for i in ids if not 0 <= i < vocab_size)
+    if outside:
+        logger.warning("end-of-generation token ids %s are outside the model's vocabulary (0..%d) and can never "
+                       "be generated: ignored", outside, vocab_size - 1)
+    return {i for i in ids if 0 <= i < vocab_size}
+
+
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """DeepSeek: (kv_lora_rank + rope_dim) x bytes x layers (576 x 2 x layers in bf16); Llama: K and V per KV head."""
     size = torch.tensor([], dtype=dtype).element_size()
@@ -181,7 +192,7 @@ class EngineCore:
         self.config = cfg = loaded.config
         self.model_name = Path(str(loaded.source)).name
         tok = loaded.tokenizer
-        eos = set(cfg.eos_token_ids) | set(tok.eos_token_ids if tok else ())
+        eos = end_ids(set(cfg.eos_token_ids) | set(tok.eos_token_ids if tok else ()), cfg.vocab_size)
         self.context_len = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
         # auto: the model's; bf16 for GGUF blocks on the native CPU forward (executor.cpu_forward)
         kv_dtype = auto_kv_dtype(loaded.model, loaded.dtype) if args.kv_dtype == "auto" else resolve_dtype(

@@ -27,6 +27,9 @@ RopeType = Literal["default", "linear", "yarn", "llama3"]
 # 4M for the longest Llama-architecture fine-tunes). A larger claim is a broken or hostile file: the
 # engine sizes its request table and KV cache from it.
 MAX_CONTEXT_LENGTH = 1 << 24
+# Every other integer of a config (a size, a count, a token id) is below 2^31 in any real model; a larger
+# one is a corrupt file, whose sizes' products would overflow torch's int64 shapes.
+MAX_CONFIG_INT = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -200,6 +203,9 @@ class _Keys:
         if typ is int:
             if isinstance(v, bool) or not isinstance(v, int) and not (isinstance(v, float) and v.is_integer()):
                 raise CheckpointError(self.source, f"config key '{key}' must be an integer, got {v!r}")
+            if not -MAX_CONFIG_INT <= v <= MAX_CONFIG_INT:
+                raise CheckpointError(self.source, f"config key '{key}' = {v!r} is out of range for a size, a count "
+                                                   f"or an id (at most {MAX_CONFIG_INT}): the file is corrupt")
             return int(v)
         if typ is float:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -298,11 +304,11 @@ def _eos_ids(k: _Keys) -> tuple[int, ...]:
     v = k.d.get("eos_token_id")
     if v is None:
         return ()
-    if isinstance(v, int):
-        return (v,)
-    if isinstance(v, list) and all(isinstance(x, int) for x in v):
-        return tuple(v)
-    raise CheckpointError(k.source, f"config key 'eos_token_id' must be an integer or a list, got {v!r}")
+    ids = [v] if isinstance(v, int) else v
+    if isinstance(ids, list) and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_CONFIG_INT
+                                     for x in ids):
+        return tuple(ids)
+    raise CheckpointError(k.source, f"config key 'eos_token_id' must be a token id or a list of them, got {v!r}")
 
 
 def _deepseek_from_dict(k: _Keys, arch: Literal["deepseek_v2", "deepseek_v3"]) -> DeepseekConfig:

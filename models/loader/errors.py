@@ -3,11 +3,25 @@
 Loading treats files as hostile: any inconsistency (missing tensor, wrong shape, bad offset,
 unknown architecture, truncated data) raises `CheckpointError` whose message names the file,
 the tensor or key, and what was expected, so a user can fix the checkpoint without a debugger.
+Names in those messages come from the file: characters a terminal or a log would act on are escaped and
+a message is cut to a readable length, so a forged file cannot write fake log lines, drive the terminal
+that shows its error, or fill a log with one megabyte-long name.
 """
 
 from __future__ import annotations
 
 import os
+
+MAX_MESSAGE_CHARS = 2000
+
+
+def printable(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """`text` with its unprintable characters (controls, line breaks, format characters) escaped as Python
+    writes them, and at most `limit` characters of it kept."""
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[: limit + 1])
+    if len(text) > limit or len(shown) > limit:
+        return f"{shown[:limit]}... ({len(text)} characters in all)"
+    return shown
 
 
 class CheckpointError(ValueError):
@@ -15,4 +29,4 @@ class CheckpointError(ValueError):
 
     def __init__(self, path: str | os.PathLike[str], what: str) -> None:
         self.path = str(path)
-        super().__init__(f"{self.path}: {what}")
+        super().__init__(printable(f"{self.path}: {what}"))

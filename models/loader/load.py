@@ -120,13 +120,17 @@ def load_model(
     if shapes is not None:
         check_layer_count(config, shapes, config_source)
     cls = model_class(config)
-    with torch.device("meta"):
-        net = cls(config, expert_backend=expert_backend)
-        if cpu_weights is not None:
-            use_native_weights(net, cpu_weights, torch_dtype)
-            for m in net.modules():
-                if isinstance(m, CppExperts):
-                    m.weights.mode = cpu_weights
+    try:
+        with torch.device("meta"):  # shapes only: nothing is allocated yet
+            net = cls(config, expert_backend=expert_backend)
+            if cpu_weights is not None:
+                use_native_weights(net, cpu_weights, torch_dtype)
+                for m in net.modules():
+                    if isinstance(m, CppExperts):
+                        m.weights.mode = cpu_weights
+    except (RuntimeError, OverflowError) as e:  # a tensor whose size overflows int64, say
+        raise CheckpointError(config_source, f"no model can be built at the config's sizes ({e}): they are not a "
+                                             "real model's; fix the config") from e
     check_model_fits_checkpoint(net, shapes, ckpt.num_values(), str(path), config_source,
                                 sharded=current_layout().parallel)
     net = net.to_empty(device=device).to(torch_dtype)

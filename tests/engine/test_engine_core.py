@@ -366,3 +366,24 @@ def test_prompts_part_way_in_never_hold_the_pool_for_good(model_dir, budget):
         assert tokens(outs[(rid, 0)]) == expected[rid], rid
     assert core.stats().retractions_total > 0
     assert_no_leak(core)
+
+
+def test_end_ids_outside_the_vocabulary_are_ignored(tmp_path, caplog):
+    """A config naming an end id past the LM head (a tokenizer larger than the model) is served: the id
+    can never be sampled, and masking it for min_tokens once took the whole engine down."""
+    import json
+
+    d = write_checkpoint(tmp_path / "m", "tiny-llama", seed=5)
+    cfg = json.loads((d / "config.json").read_text())
+    vocab, eos = cfg["vocab_size"], cfg["eos_token_id"]
+    cfg["eos_token_id"] = [eos, vocab, vocab + 1000]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with caplog.at_level("WARNING", logger="mlaserve.engine"):
+        core = make_engine(d)
+    assert f"[{vocab}, {vocab + 1000}] are outside the model's vocabulary" in caplog.text
+    assert core.scheduler.eos_token_ids and max(core.scheduler.eos_token_ids) < vocab
+    params = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=3)
+    assert core.add_request(GenerateRequest("r", prompt(5, 1, vocab), params)) == []
+    outs = run_to_end(core)[("r", 0)]
+    assert outs[-1].finish_reason != FINISH_ERROR and len(tokens(outs)) >= 3
+    assert_no_leak(core)

@@ -67,8 +67,11 @@ def _load_fails(path: Path, native: bool, *needles: str) -> str:
 @pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
 @pytest.mark.parametrize("change, needles", [
     ({"num_hidden_layers": 100000}, ("config.json", "'num_hidden_layers' is 100000", "no tensor of layer 3")),
-    ({"vocab_size": 2**34}, ("'model.embed_tokens.weight' has shape (320, 64), expected (17179869184, 64)",
+    ({"vocab_size": 2**30}, ("'model.embed_tokens.weight' has shape (320, 64), expected (1073741824, 64)",
                              "config.json")),
+    ({"vocab_size": 2**34}, ("config.json", "'vocab_size' = 17179869184 is out of range")),
+    ({"vocab_size": 2**31 - 1, "hidden_size": 2**31 - 1, "head_dim": 16},
+     ("config.json", "no model can be built at the config's sizes")),  # their product overflows int64
     ({"hidden_size": 2**20, "head_dim": 16}, ("has shape", "1048576", "config.json")),
     ({"intermediate_size": 2**28}, ("'model.layers.0.mlp.", "268435456")),
     ({"max_position_embeddings": 2**31}, ("config.json", "'max_position_embeddings' = 2147483648")),
@@ -78,7 +81,7 @@ def test_config_not_matching_the_weights_fails_before_allocating(llama_dir, tmp_
 
 
 def test_missing_embedding_with_huge_vocab_is_reported_before_allocating(llama_dir, tmp_path):
-    d = _copy(llama_dir, tmp_path, {"vocab_size": 2**34})
+    d = _copy(llama_dir, tmp_path, {"vocab_size": 2**30})
     sd = load_file(d / "model.safetensors")
     del sd["model.embed_tokens.weight"]
     save_file(sd, d / "model.safetensors")
@@ -148,6 +151,13 @@ def test_load_weights_refuses_integer_tensors(llama_dir):
     ({"n_shared_experts": -1}, "n_shared_experts"),
     ({"routed_scaling_factor": float("nan")}, "routed_scaling_factor"),
     ({"routed_scaling_factor": 0.0}, "routed_scaling_factor"),
+    ({"hidden_size": 2**63}, "hidden_size"),  # torch cannot even be asked for it
+    ({"n_routed_experts": 1e308}, "n_routed_experts"),
+    ({"qk_rope_head_dim": 1e308}, "qk_rope_head_dim"),
+    ({"n_shared_experts": 2**63}, "n_shared_experts"),
+    ({"eos_token_id": -1}, "eos_token_id"),
+    ({"eos_token_id": [1, 2**40]}, "eos_token_id"),
+    ({"eos_token_id": True}, "eos_token_id"),
 ])
 def test_bad_numeric_settings_name_the_key(change, key):
     with pytest.raises(CheckpointError, match=f"x/config.json: config key '{key}'"):
@@ -300,3 +310,23 @@ def test_loaded_model_table_follows_set_context_length(llama_dir, tmp_path):
     loaded.model.set_context_length(2048)
     assert rot.cos_sin_cache.shape[1] == 2048
     assert math.isclose(float(rot.cos_sin_cache[0, 0, 0]), 1.0)
+
+
+def test_names_from_a_file_cannot_forge_log_lines_or_drive_a_terminal(tmp_path):
+    """A key holding control characters, line breaks and a terminal escape is shown escaped in the error,
+    and a megabyte-long one is cut: the message stays one readable line."""
+    key = "general.name\x1b[2J\x00\nERROR forged line\u2028"
+    raw = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key.encode())) + key.encode()
+    raw += struct.pack("<I", 99)  # no such value type
+    (tmp_path / "evil.gguf").write_bytes(raw)
+    with pytest.raises(CheckpointError) as e:
+        GGUFCheckpoint(tmp_path / "evil.gguf")
+    msg = str(e.value)
+    assert "unknown GGUF value type 99" in msg and msg.isprintable(), msg
+    assert "general.name\\x1b[2J\\x00\\nERROR forged line\\u2028" in msg
+    long_key = "k" * (1 << 20)
+    raw = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(long_key)) + long_key.encode()
+    (tmp_path / "long.gguf").write_bytes(raw + struct.pack("<I", 99))
+    with pytest.raises(CheckpointError) as e:
+        GGUFCheckpoint(tmp_path / "long.gguf")
+    assert len(str(e.value)) < 2100 and "characters in all" in str(e.value)
