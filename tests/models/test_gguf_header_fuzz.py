@@ -1,0 +1,63 @@
+"""The default model's GGUF with bytes of its header, metadata and tensor table overwritten at random
+(a fixed seed): opening it and building its tokenizer either works or fails with a `CheckpointError`,
+never another exception, and the error is one printable line. Cases that once escaped are kept."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from models.builtin import DEFAULT_MODEL, builtin_model_path
+from models.loader.errors import CheckpointError
+from models.loader.gguf_file import map_gguf, parse_gguf
+from models.loader.gguf_loader import GGUFCheckpoint
+
+HEAD_BYTES = 1 << 21  # covers the default file's metadata and tensor table (data starts at ~1.7 MiB)
+KEPT = [[(24, 127)]]  # the first key's length: its name then runs into the binary bytes after it
+CASES = 80
+
+
+def mutations(seed: int, n: int, data_start: int) -> list[list[tuple[int, int]]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        case = []
+        for _ in range(rng.choice([1, 1, 2, 4])):
+            pos = rng.choice([rng.randrange(0, 64), rng.randrange(0, data_start),
+                              rng.randrange(max(0, data_start - 20000), data_start)])  # the tensor table
+            case.append((pos, rng.choice([0, 0xFF, 0x7F, 0x80, rng.randrange(256)])))
+        out.append(case)
+    return out
+
+
+@pytest.fixture(scope="module")
+def copy(tmp_path_factory) -> tuple[Path, bytes, int]:
+    src = builtin_model_path(DEFAULT_MODEL)
+    dst = tmp_path_factory.mktemp("fuzz") / "m.gguf"
+    shutil.copy(src, dst)
+    _, infos = parse_gguf(map_gguf(dst), dst)
+    data_start = min(info.offset for info in infos.values())
+    return dst, dst.read_bytes()[:HEAD_BYTES], data_start
+
+
+def test_a_damaged_header_is_a_checkpoint_error_or_loads(copy):
+    path, head, data_start = copy
+    outcomes = {"loaded": 0, "refused": 0}
+    for case in KEPT + mutations(7, CASES, data_start):
+        with open(path, "r+b") as f:
+            f.write(head)  # undo the last case
+            for pos, value in case:
+                f.seek(pos)
+                f.write(bytes([value]))
+        try:
+            GGUFCheckpoint(path).tokenizer()
+            outcomes["loaded"] += 1
+        except CheckpointError as e:
+            assert str(e).isprintable() and len(str(e)) < 2100, (case, str(e)[:300])
+            outcomes["refused"] += 1
+        except Exception as e:  # anything else escaped the checks
+            raise AssertionError(f"bytes {case}: {type(e).__name__}: {e}") from e
+    assert outcomes["refused"] > CASES // 2, outcomes  # the mutations do reach the checks
