@@ -398,8 +398,8 @@ def _llama_from_dict(k: _Keys) -> LlamaConfig:
     if head_dim <= 0 or head_dim % 2:
         raise CheckpointError(k.source, f"config key 'head_dim' must be a positive even number, got {head_dim}")
     partial = k.opt("partial_rotary_factor", 1.0, float)
-    rope_dim = int(head_dim * partial)
-    if not 0 < partial <= 1 or rope_dim <= 0 or rope_dim % 2:
+    rope_dim = int(head_dim * partial) if 0 < partial <= 1 else 0
+    if rope_dim <= 0 or rope_dim % 2:
         raise CheckpointError(
             k.source, f"config key 'partial_rotary_factor' = {partial} must be in (0, 1] and leave a positive even "
                       f"number of rotated dims (head_dim {head_dim} x {partial} = {head_dim * partial:g})")
@@ -432,7 +432,7 @@ def config_from_hf_dict(d: dict[str, Any], source: str = "config.json") -> Model
         raise CheckpointError(source, "config must be a JSON object")
     k = _Keys(d, source)
     model_type = d.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(
             source,
             f"unknown architecture: model_type={model_type!r} (supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})",

@@ -382,6 +382,9 @@ def _hf_config(
     theta = k.positive("rope.freq_base", float, 10000.0, above=1)  # its log divides YaRN's ramp
     if arch == gn.ARCH_LLAMA:
         head_dim = k.positive("attention.key_length", int, hidden // heads)
+        if head_dim <= 0:  # no key_length, and fewer embedding values than heads
+            raise CheckpointError(path, f"metadata keys '{k.full('embedding_length')}' = {hidden} and "
+                                        f"'{k.full('attention.head_count')}' = {heads} leave heads of no size")
         rope_dim = k.positive("rope.dimension_count", int, head_dim)
         freqs = None
         if gn.ROPE_FREQS in infos:

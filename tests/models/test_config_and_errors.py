@@ -100,6 +100,8 @@ def test_llama_gqa_and_rope_scaling():
     "change, needle",
     [
         ({"model_type": "gpt_neox"}, "unknown architecture"),
+        ({"model_type": {}}, "unknown architecture"),  # not a name at all
+        ({"model_type": ["llama"]}, "unknown architecture"),
         ({"kv_lora_rank": None}, "'kv_lora_rank' is missing"),
         ({"hidden_size": "big"}, "'hidden_size' must be an integer"),
         ({"n_group": 3}, "MoE routing is inconsistent"),

@@ -169,6 +169,7 @@ def test_bad_numeric_settings_name_the_key(change, key):
                        "original_max_position_embeddings": 128}}, "'high_freq_factor' = 4.0 must exceed"),
     ({"partial_rotary_factor": 0.0}, "'partial_rotary_factor'"),
     ({"partial_rotary_factor": 1.5}, "'partial_rotary_factor'"),
+    ({"partial_rotary_factor": 1e308}, "'partial_rotary_factor'"),  # head_dim times it is infinite
     ({"partial_rotary_factor": 0.25, "head_dim": 6}, "'partial_rotary_factor'"),  # 1.5 rotated dims
     ({"num_key_value_heads": 0}, "num_key_value_heads"),
 ])
@@ -208,6 +209,8 @@ def test_gguf_bad_float_settings_name_the_key(tmp_path, key, fmt, value, needle)
     ({"context_length": 0}, "'llama.context_length' must be > 0"),
     ({"attention.head_count_kv": 0}, "'llama.attention.head_count_kv' must be > 0"),
     ({"feed_forward_length": 0}, "'llama.feed_forward_length' must be > 0"),
+    ({"attention.head_count": 64}, "'llama.embedding_length' = 32 and 'llama.attention.head_count' = 64 leave heads "
+                                   "of no size"),  # was a ZeroDivisionError
 ])
 def test_gguf_bad_int_settings_name_the_key(tmp_path, kv, needle):
     _fails(_small_gguf(tmp_path / "m.gguf", kv=kv), needle)
