@@ -53,11 +53,11 @@ def end_ids(ids: set[int], vocab_size: int) -> set[int]:
     """The end-of-generation ids the model can produce. A config or tokenizer may name one past the LM
     head's rows (a tokenizer larger than the model): it can never be sampled, and masking it for
     `min_tokens` would index past the logits, so it is dropped, with a warning."""
-    outside = sorted(i for i in ids if not 0 <= i < vocab_size)
-    if outside:
+    kept = {i for i in ids if 0 <= i < vocab_size}
+    if outside := sorted(ids - kept):
         logger.warning("end-of-generation token ids %s are outside the model's vocabulary (0..%d) and can never "
                        "be generated: ignored", outside, vocab_size - 1)
-    return {i for i in ids if 0 <= i < vocab_size}
+    return kept
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
