@@ -48,6 +48,7 @@ struct Layout {
   bool mla;
   bool paired;  // bf16 rows read in the paired order (paired_at), no fp32 tiles: GQA, D == Dv of 64 or 128
   int lanes = vec::lanes();  // the kernels' vector width W (the paired order's half period)
+  bool far_lead = true;      // decode tokens ask for rows kFarTiles tiles ahead into L2 (attention_far_lead)
 };
 
 // The kernels' vectors of W lanes: 8 (AVX2 and baseline builds) or 16 (AVX-512: half the multiply-adds
@@ -368,7 +369,7 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
   const float* qv[kQB];
   float* acc[kQB];
   auto limit_of = [&](int ti) -> int64_t { return g.slots ? g.keys - 1 : tok.pos[g.t0 + ti]; };  // last key seen
-  const bool far_lead = g.nt == 1;  // rows read once a step, mostly cold (see the tile loop)
+  const bool far_lead = L.far_lead && g.nt == 1;  // rows read once a step, mostly cold (see the tile loop)
   for (int kc = k0; kc < k1; kc += ls) {
     const int nc = std::min(ls, k1 - kc);
     for (int kt = kc; kt < kc + nc; kt += kKeyTile) {
@@ -397,7 +398,9 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
       // program already asks for the layer's rows during the pass before, 0.94-1.01x in three runs
       // (about neutral). 4, 6 or 8 tiles on measured the same as 2 within the noise. Decode
       // tokens only (a group of one token): a prefill's groups read rows the groups before them have
-      // just read, and there the lead cost a 1536-token prefill ~6% (7 of 8 alternating pairs).
+      // just read, and there the lead cost a 1536-token prefill ~6% (7 of 8 alternating pairs). Not on
+      // Zen 5, where these bursts stall the core and the lead cost (cpu.h, attention_far_lead); spread a
+      // share per KV head, as the L1 lead is, it measured no better there than none.
       if (far_lead) {
         const int far = kt + kFarTiles * kKeyTile, n_far = std::max(0, std::min(int(g.keys), far + kKeyTile) - far);
         for (int j = far; j < far + n_far; ++j) {
