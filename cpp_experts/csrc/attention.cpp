@@ -19,7 +19,6 @@
 
 #include "attention_kernels.h"
 #include "common.h"
-#include "cpu.h"
 #include "vec.h"
 
 namespace cpx {
@@ -283,7 +282,6 @@ Layout gqa_layout(const PagedKv& kv, int H, int Hkv, int D, int Dv) {
   if (H <= 0 || Hkv <= 0 || H % Hkv) throw ArgError("query heads must be a positive multiple of the KV heads");
   Layout L{H, D, Dv, int64_t(H) * D, D, int64_t(H) * Dv, Dv, D, Dv, false, false};
   L.paired = kv.type == KvType::BF16 && fixed_head_dim(L) != 0;
-  L.far_lead = attention_far_lead();
   return L;
 }
 void run(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const Layout& L, int Hkv,
@@ -308,7 +306,6 @@ void attention_mla(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const At
   if (H <= 0 || r <= 0 || P < 0) throw ArgError("MLA attention needs positive heads and rank");
   const int D = r + P;
   Layout L{H, D, r, int64_t(H) * D, D, int64_t(H) * r, r, 0, 0, true, false};
-  L.far_lead = attention_far_lead();
   run(pool, scratch, kv, tok, L, 1, scale, q, out);
 }
 

@@ -11,6 +11,7 @@
 
 #include "attention.h"
 #include "common.h"
+#include "cpu.h"
 #include "vec.h"
 
 namespace cpx {
@@ -48,7 +49,7 @@ struct Layout {
   bool mla;
   bool paired;  // bf16 rows read in the paired order (paired_at), no fp32 tiles: GQA, D == Dv of 64 or 128
   int lanes = vec::lanes();  // the kernels' vector width W (the paired order's half period)
-  bool far_lead = true;      // decode tokens ask for rows kFarTiles tiles ahead into L2 (attention_far_lead)
+  bool far_lead = attention_far_lead();  // decode tokens ask for rows kFarTiles tiles ahead into L2
 };
 
 // The kernels' vectors of W lanes: 8 (AVX2 and baseline builds) or 16 (AVX-512: half the multiply-adds
