@@ -47,11 +47,13 @@ inline bool nta_decode_prefetch() {
 
 // Whether a decode token's attention also asks for the rows of the key tile kFarTiles on into L2
 // (attention_kernels.h, run_task), beside the next tile's into L1. Measured to pay on a Zen 4 (AMD
-// family 19h, its AVX-512 and AVX2 builds alike) and to cost on a Zen 5 (family 1Ah): there each burst
-// of prefetcht1 stalled the core (~19% of the attention's samples on the instructions after them, 16
-// requests at ~200 keys), and without it the attention phase was 2-14% shorter in every run
-// (bench/batch_decode_cpu.py, batch_decode_cpu_zen5_avx512_no_far_lead*.json). Every CPU but Zen 5 keeps
-// it: Intel is unmeasured. Read once per attention call, into its Layout.
+// family 19h, its AVX-512 and AVX2 builds alike) and on a Zen 3 (19h too, AVX2 only: 16 requests at
+// ~200 keys, attention ~14% shorter with it, batch_decode_cpu_zen3_avx2_far_lead.json), and to cost on
+// a Zen 5 (family 1Ah): there each burst of prefetcht1 stalled the core (~19% of the attention's
+// samples on the instructions after them, 16 requests at ~200 keys), and without it the attention
+// phase was 2-14% shorter in every run (bench/batch_decode_cpu.py,
+// batch_decode_cpu_zen5_avx512_no_far_lead*.json). Every CPU but Zen 5 keeps it: Intel is unmeasured.
+// Read once per attention call, into its Layout.
 inline bool attention_far_lead() {
   const CpuInfo& cpu = cpu_info();
   return !(cpu.amd && cpu.family == 0x1a);
