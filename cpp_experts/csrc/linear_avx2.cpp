@@ -82,7 +82,9 @@ constexpr size_t kStreamPrefetchBytes = 2048;
 // q6_k 24 -> 34), DeepSeek-V2-Lite-shaped Q4_K_M decode (its LM head Q6_K) from ~49 to ~62 tokens/s;
 // a run ahead reached ~0.7. The one-block formats keep a byte distance in address order
 // (kStreamPrefetchBytes): a blocks distance (within 7% of 4 KiB) measured slower for q8_0 (~-10%),
-// the same for q4_1.
+// the same for q4_1. Measured with four groups a pass; with one (max_streams), on a starved Zen 3 VM
+// (q6_k 129280 x 2048 against ggml's vec_dot, 2 x 10 pairs), 1 and 3 blocks ahead were within the noise
+// of q6_k's 2, and none at all 0.46-0.50 of ggml.
 template <LinFormat F>
 constexpr int prefetch_blocks() {
   constexpr LinLayout L = kLinLayout[int(F)];
@@ -531,12 +533,12 @@ CPX_AVX2 void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
 // pass that reads the groups' runs in lockstep, block by block: G read streams instead of one, the
 // accumulators in the output tile. One stream per core fell short of the memory system on a 2-core
 // Zen 3 VM (a plain read loop: one core ~12 GB/s with one stream, ~18 with 8; two cores ~19 and ~28),
-// and 4 groups took the Q4_1 LM head at M = 1 from ~20 to ~23 GB/s on two cores (~11 to ~13.5 on one).
-// Each unit's block is prefetched kStreamPrefetchBytes (K-quants: prefetch_blocks) ahead as it is
-// reached (spread over the pass rather than a burst per superblock: ~5% more), non-temporally: a
-// decode step streams every weight once, and lines brought in as ordinary ones push the KV cache and
-// the activations out of L2 / L3 (on a 2-core Zen 3 VM, SmolLM2 Q4_1 decode at 128 + 64 tokens ran
-// ~9% faster with NTA, the attention's share most).
+// and 4 groups took the Q4_1 LM head at M = 1 from ~20 to ~23 GB/s on two cores (~11 to ~13.5 on one);
+// the K-quants' longer groups go one at a time (max_streams). Each unit's block is prefetched
+// kStreamPrefetchBytes (K-quants: prefetch_blocks) ahead as it is reached (spread over the pass rather
+// than a burst per superblock: ~5% more), non-temporally: a decode step streams every weight once, and
+// lines brought in as ordinary ones push the KV cache and the activations out of L2 / L3 (on a 2-core
+// Zen 3 VM, SmolLM2 Q4_1 decode at 128 + 64 tokens ran ~9% faster with NTA, the attention's share most).
 // Where each block's prefetch lands: prefetch_blocks.
 template <LinFormat F, int TT>
 CPX_AVX2 void mk_groups(const QMat& w, int rb, int G, const ActQ& a, int t0, float* c, int ldc) {
@@ -568,7 +570,19 @@ CPX_AVX2 void mk_groups(const QMat& w, int rb, int G, const ActQ& a, int t0, flo
     }
   }
 }
-constexpr int kMaxStreams = kGroupStreams;  // groups per decode pass: a task holds at most 16 rowblocks
+// Groups one decode pass reads in lockstep (a task holds at most kGroupStreams of them): all of them for
+// the one-block formats, one at a time for the K-quants, whose group is a long stream of its own (a
+// 64-row group of 2048 inputs: 74 KiB in Q4_K, 107 KiB in Q6_K, against Q4_1's 23 KiB at SmolLM2's 576).
+// On a 2-core Zen 3 VM with a starved memory system (a streaming read at 10-22 GB/s), one group at a time
+// against four, in one process, alternating every 32 tokens (10 pairs each): DeepSeek-V2-Lite-shaped
+// Q4_K_M decode (its LM head Q6_K) 1.17x the tokens/s (every pair above 1.08x), Q8_0 decode 1.00x; on
+// their own from DRAM (alternating with ggml's vec_dot in the same process, which reads one row after
+// another), Q6_K at 129280 x 2048 went from 0.81-0.85 of ggml's speed to 1.15-1.21, Q4_K at 65536 x 2048
+// from 0.76-0.89 to 1.00-1.25.
+template <LinFormat F>
+constexpr int max_streams() {
+  return kLinLayout[int(F)].sb_blocks == 1 ? kGroupStreams : 1;
+}
 
 using Mk = void (*)(const QMat&, int, const ActQ&, int, float*, int);
 
@@ -589,7 +603,7 @@ CPX_AVX2 void gemm(const QMat& w, int rb0, int rb1, const ActQ& a, int t0, int n
     constexpr MkG kMkG[3] = {mk_groups<F, 1>, mk_groups<F, 2>, mk_groups<F, 3>};
     for (int rb = rb0; rb < rb1;) {
       const int head = std::min(rb1 - rb, (kGroupRowblocks - rb % kGroupRowblocks) % kGroupRowblocks);
-      const int groups = std::min(kMaxStreams, (rb1 - rb) / kGroupRowblocks);
+      const int groups = std::min(max_streams<F>(), (rb1 - rb) / kGroupRowblocks);
       if (head > 0 || groups == 0) {
         const int r = head > 0 ? head : rb1 - rb;
         Tiles<F>::t[r - 1][nt - 1](w, rb, a, t0, c + (rb - rb0) * 16, ldc);
