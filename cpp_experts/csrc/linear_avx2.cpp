@@ -581,7 +581,7 @@ CPX_AVX2 void mk_groups(const QMat& w, int rb, int G, const ActQ& a, int t0, flo
 // from 0.76-0.89 to 1.00-1.25.
 template <LinFormat F>
 constexpr int max_streams() {
-  return kLinLayout[int(F)].sb_blocks == 1 ? kGroupStreams : 1;
+  return lin_one_block(F) ? kGroupStreams : 1;
 }
 
 using Mk = void (*)(const QMat&, int, const ActQ&, int, float*, int);
