@@ -18,6 +18,11 @@ round, and every row reports its fraction of each. x is bf16, except fp32 for to
 format (an fp32 model's layer). Rounds are interleaved (every contender once per round, in turn),
 and medians reported: the machine is shared and noisy.
 
+With llama-cpp-python installed, every format also runs through llama.cpp's own CPU matrix multiply
+on the same blocks (`ggml_<format>` rows: ggml's `mul_mat` on its thread pool of `--threads`, x f32 as
+llama.cpp's activations are; ggml_peer.py), in the same rounds, and each of our rows gives
+`speedup_vs_ggml`. `--no-ggml` leaves it out.
+
 `--kernel` forces a QuantLinear code path (e.g. avx2 on an AVX-512 machine; default: what the CPU
 chooses). Results of different machines go to different `--out` files (quant_linear_cpu.json: an AMX
 machine; quant_linear_cpu_avx2_zen3.json: a 2-core Zen 3 VM without AVX-512; quant_linear_cpu_zen4_avx512.json: a
@@ -52,6 +57,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from bench_common import copy_bandwidth, print_table, write_result  # noqa: E402
 from cpu_common import StreamRead, read_bandwidth  # noqa: E402
+from ggml_peer import GgmlLinear, GgmlPool  # noqa: E402
 
 import cpp_experts  # noqa: E402
 
@@ -119,6 +125,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--kernel", default=None, choices=["auto", "amx", "avx512", "avx2", "neon_dotprod", "portable"],
                     help="QuantLinear code path (default: MLASERVE_CPP_EXPERTS_KERNEL, else the CPU's best)")
+    ap.add_argument("--no-ggml", action="store_true", help="leave out llama.cpp's ggml mul_mat (the kernel peer)")
     ap.add_argument("--out", default="bench/results/quant_linear_cpu.json")
     args = ap.parse_args()
     kernel = args.kernel
@@ -130,6 +137,7 @@ def main() -> None:
     read_samples: list[float] = []
     stream_samples: list[float] = []
     stream = StreamRead(pool, footprint, kernel)  # (cpu_common: why a second read probe)
+    ggml = None if args.no_ggml else GgmlPool.load(args.threads)
 
     def sample_bandwidth() -> None:
         copy_samples.append(copy_bandwidth(torch.device("cpu"), footprint, repeats=5))
@@ -160,6 +168,14 @@ def main() -> None:
             x_dtype = torch.float32 if fmt == "f32" else torch.bfloat16
             contenders[fmt] = (weight_bytes(fmt, n, k), ops[0].kernel, x_dtype,
                                lambda x, ops=ops: [lambda op=op: op(x) for op in ops])
+            if ggml is not None:
+                blocks = (raw if fmt not in FLOAT_BYTES else
+                          [w.view(torch.int16).numpy().view(np.uint8) if fmt == "bf16" else w.numpy().view(np.uint8)
+                           for w in torch_ws[dt]])
+                peers = [GgmlLinear(ggml, blocks if fmt not in FLOAT_BYTES else blocks[i % len(blocks)], fmt, n, k,
+                                    tuple(args.ms)) for i in range(len(ops))]
+                contenders[f"ggml_{fmt}"] = (weight_bytes(fmt, n, k), "llama.cpp ggml mul_mat", torch.float32,
+                                             lambda x, peers=peers: ggml_pass(ggml, peers, x))
         xs = {m: torch.randn(m, k) for m in args.ms}
         calls = {(name, m): make(xs[m].to(dt)) for name, (_, _, dt, make) in contenders.items() for m in args.ms}
         for c in calls.values():  # warm-up: page in every copy, start the threads
@@ -174,12 +190,16 @@ def main() -> None:
             t_torch = {tag: statistics.median(times[(f"torch_{tag}", m)]) for tag in ("bf16", "f32")}
             for name, (nbytes, kern, dt, _) in contenders.items():
                 t = statistics.median(times[(name, m)])
+                peer = times.get((f"ggml_{name}", m))
+                # per round, then the median: each round ran both, so a round's ratio shares its noise
+                vs_ggml = statistics.median(a / b for a, b in zip(peer, times[(name, m)])) if peer else None
                 results.append({
                     "shape": shape, "N": n, "K": k, "M": m, "format": name, "kernel": kern,
                     "x_dtype": str(dt).removeprefix("torch."), "copies": len(calls[(name, m)]),
                     "weight_bytes": nbytes, "us": t * 1e6, "GBps": nbytes / t / 1e9,
                     "GFLOPs": 2 * n * k * m / t / 1e9, "speedup_vs_torch_bf16": t_torch["bf16"] / t,
-                    "speedup_vs_torch_f32": t_torch["f32"] / t, "rounds_us": [v * 1e6 for v in times[(name, m)]],
+                    "speedup_vs_torch_f32": t_torch["f32"] / t, "speedup_vs_ggml": vs_ggml,
+                    "rounds_us": [v * 1e6 for v in times[(name, m)]],
                 })
         del calls, contenders, torch_ws
         print(f"{shape}: done", flush=True)
@@ -191,6 +211,8 @@ def main() -> None:
         row["fraction_of_read_bw"] = row["GBps"] * 1e9 / read_bw
         row["fraction_of_stream_read_bw"] = row["GBps"] * 1e9 / stream_bw
     del stream
+    if ggml is not None:
+        ggml.close()
     model = model_decode(pool, args.threads, args.rounds, copy_samples, read_samples, stream_samples, kernel)
     pool.close()
     machine = {
@@ -202,6 +224,8 @@ def main() -> None:
         "stream_read_bandwidth_GBps": stream_bw / 1e9,
         "stream_read_bandwidth_samples_GBps": [v / 1e9 for v in stream_samples],
         "stream_read_probe": "QuantLinear f32 of footprint_MiB at M = 1 (4 streams per thread)",
+        "ggml_peer": (f"llama-cpp-python's ggml ({ggml_version()}): mul_mat on a ggml_threadpool of {args.threads}"
+                      if ggml is not None else "not measured (llama-cpp-python absent or --no-ggml)"),
     }
     report = {"machine": machine, "results": results, "smollm2_decode_linears": model}
     print(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s (samples {', '.join(f'{v / 1e9:.1f}' for v in copy_samples)}), "
@@ -211,7 +235,8 @@ def main() -> None:
                           ("us", "us", ".1f"), ("GBps", "GB/s", ".1f"), ("GFLOPs", "GFLOP/s", ".1f"),
                           ("fraction_of_read_bw", "of read", ".2f"), ("fraction_of_stream_read_bw", "of stream", ".2f"),
                           ("fraction_of_copy_bw", "of copy", ".2f"),
-                          ("speedup_vs_torch_bf16", "vs t-bf16", ".2f"), ("speedup_vs_torch_f32", "vs t-f32", ".2f")])
+                          ("speedup_vs_torch_bf16", "vs t-bf16", ".2f"), ("speedup_vs_torch_f32", "vs t-f32", ".2f"),
+                          ("speedup_vs_ggml", "vs ggml", ".2f")])
     if isinstance(model, dict):
         print(f"SmolLM2-135M decode step, all {model['calls']['plain']} linear layers ({model['weight_bytes'] / 1e6:.1f} MB):")
         print_table(model["results"], [("M", "M", "d")] + [
@@ -225,6 +250,31 @@ def main() -> None:
     else:
         print(f"SmolLM2 decode linears: {model}")
     print(f"wrote {write_result(Path(args.out), report)}")
+
+
+def ggml_pass(pool: GgmlPool, peers: list[GgmlLinear], x: torch.Tensor) -> list[Callable[[], object]]:
+    """One timed pass over the peer's weight copies: its pool wakes for the first and is paused after
+    the last, so its polling threads take no core from the next contender."""
+    def first() -> None:
+        pool.resume()
+        peers[0](x)
+
+    def last(p: GgmlLinear = peers[-1]) -> None:
+        p(x)
+        pool.pause()
+
+    if len(peers) == 1:
+        return [lambda: (first(), pool.pause())]
+    return [first] + [lambda p=p: p(x) for p in peers[1:-1]] + [last]
+
+
+def ggml_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return f"llama-cpp-python {version('llama-cpp-python')}"
+    except Exception:  # noqa: BLE001 (a version string only)
+        return "version unknown"
 
 
 def cpu_model() -> str:
