@@ -5,8 +5,12 @@ code llama.cpp runs for the same blocks, in the same process, alternating.
 The library is the ggml that llama-cpp-python ships (`llama_cpp/lib/libggml-{base,cpu}.so`), reached
 through its C API with ctypes: one small graph per weight (`y = W x`, x f32 as llama.cpp's
 activations are; ggml quantizes it to its `vec_dot` type itself), planned once and computed on one
-`ggml_threadpool` shared by every weight. The pool polls between graphs as llama.cpp's decode does;
-`pause()` after a timed pass stops its threads so they take no core from the next contender.
+`ggml_threadpool` shared by every weight. llama-cpp-python's wheel builds ggml with OpenMP: its
+graphs then run on libgomp's threads, which spin after each graph for as long as `GOMP_SPINCOUNT` says
+(read when the library loads; the thread pool's pause is a no-op there), as they do between llama.cpp's
+tokens. Unbounded (libgomp's default), that spin took 10-20 ms of a core after each graph on a 2-core
+Zen 3 VM and slowed whatever ran next by ~20%: `settle()` after a timed pass waits it out, outside the
+timing, and quant_linear_cpu.py bounds it (GOMP_SPINCOUNT=10000) before the library loads.
 
 `GgmlPool.load()` is None when llama-cpp-python (or a symbol used here) is absent: the benchmark then
 records the peer as not measured.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import time
 from pathlib import Path
 
 import numpy as np
@@ -96,6 +101,11 @@ class GgmlPool:
         if not self.paused:
             self.cpu.ggml_threadpool_pause(self.pool)
             self.paused = True
+
+    def settle(self, seconds: float = 0.02) -> None:
+        """Pauses the pool and sleeps while its idle threads stop spinning (see the module docstring)."""
+        self.pause()
+        time.sleep(seconds)
 
     def close(self) -> None:
         if self.pool:

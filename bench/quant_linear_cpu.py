@@ -48,7 +48,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-# PyTorch's OpenMP workers spin after each op and would steal a core from our pool (see moe_cpu.py).
+# PyTorch's OpenMP workers spin after each op and would steal a core from our pool (see moe_cpu.py);
+# so do ggml's (ggml_peer.py), whose libgomp reads this when it loads.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 import gguf  # noqa: E402
@@ -186,6 +187,8 @@ def main() -> None:
             keys = list(calls)
             for key in keys[r % len(keys):] + keys[: r % len(keys)]:  # a different contender first each round
                 times[key].append(time_pass(calls[key]))
+                if key[0].startswith("ggml_"):
+                    ggml.settle()  # its OpenMP threads' spin ends before the next contender (ggml_peer)
         for m in args.ms:
             t_torch = {tag: statistics.median(times[(f"torch_{tag}", m)]) for tag in ("bf16", "f32")}
             for name, (nbytes, kern, dt, _) in contenders.items():
@@ -253,19 +256,13 @@ def main() -> None:
 
 
 def ggml_pass(pool: GgmlPool, peers: list[GgmlLinear], x: torch.Tensor) -> list[Callable[[], object]]:
-    """One timed pass over the peer's weight copies: its pool wakes for the first and is paused after
-    the last, so its polling threads take no core from the next contender."""
+    """One timed pass over the peer's weight copies; its pool wakes for the first (the rounds loop
+    settles it after the pass)."""
     def first() -> None:
         pool.resume()
         peers[0](x)
 
-    def last(p: GgmlLinear = peers[-1]) -> None:
-        p(x)
-        pool.pause()
-
-    if len(peers) == 1:
-        return [lambda: (first(), pool.pause())]
-    return [first] + [lambda p=p: p(x) for p in peers[1:-1]] + [last]
+    return [first] + [lambda p=p: p(x) for p in peers[1:]]
 
 
 def ggml_version() -> str:

@@ -72,23 +72,25 @@ constexpr size_t prefetch_ahead() {
 // went from 0.81 to 0.88 of a streaming read (1 KiB: 0.87; 512 B: 0.81).
 constexpr size_t kStreamPrefetchBytes = 2048;
 
-// mk_groups prefetches each rowblock's block this many blocks ahead along that rowblock: about
-// kPrefetchBytes along each group's run, as the one-block formats do in address order. The K-quants'
-// runs are read block by block across their 4 rowblocks, not in address order, so a byte distance
-// shorter than a run (9-13 KiB) lands on lines some rowblocks had read already, and a whole run
-// (every rowblock's next superblock: ~40-54 KiB read by a 4-group pass meanwhile) outlives the 32 KiB
-// L1 that a non-temporal prefetch fills on AMD. On a 2-core Zen 3 VM (M = 1, 65536 x 2048 from DRAM,
-// 3 interleaved rounds) the K-quants went from ~0.62 of a streaming read to ~0.85 (q4_k 24 -> 33 GB/s,
-// q6_k 24 -> 34), DeepSeek-V2-Lite-shaped Q4_K_M decode (its LM head Q6_K) from ~49 to ~62 tokens/s;
-// a run ahead reached ~0.7. The one-block formats keep a byte distance in address order
-// (kStreamPrefetchBytes): a blocks distance (within 7% of 4 KiB) measured slower for q8_0 (~-10%),
-// the same for q4_1. Measured with four groups a pass; with one (max_streams), on a starved Zen 3 VM
-// (q6_k 129280 x 2048 against ggml's vec_dot, 2 x 10 pairs), 1 and 3 blocks ahead were within the noise
-// of q6_k's 2, and none at all 0.46-0.50 of ggml.
+// mk_groups prefetches each rowblock's block this many blocks ahead along that rowblock: the same block
+// of the group's next superblock run (9-13 KiB further on). The runs are read block by block across
+// their 4 rowblocks, not in address order, so a byte distance shorter than a run lands on lines some
+// rowblocks had read already. History, all on 2-core Zen 3 VMs: with four groups a pass (16 streams'
+// worth of lines in flight) a run ahead outlived the 32 KiB L1 that a non-temporal prefetch fills on
+// AMD, and about kPrefetchBytes ahead (2-4 blocks) took the K-quants from ~0.62 of a streaming read to
+// ~0.85 (M = 1, 65536 x 2048 from DRAM; q4_k 24 -> 33 GB/s). Since the K-quants read one group a pass
+// (max_streams), a run ahead is the better distance: on a starved host (12-20 GB/s reads), against
+// ggml's mul_mat in the same process (bench/ggml_peer.py; 10-16 interleaved rounds), from 4 blocks
+// ahead to 8 q4_k went from 0.99-1.03x of ggml to 1.16-1.19x (65536 x 2048) and 1.11x to 1.35x
+// (11008 x 4096), iq4_xs 1.01x to 1.15x, q5_k, q2_k and q3_k +5%, and from 2 blocks to 8 q6_k +3.5%
+// (129280 x 2048) and +11% (11008 x 4096); 12 and 16 blocks about as 8; at M = 2 q4_k +9%, at M = 3 the
+// same. The DeepSeek-V2-Lite-shaped q4_k_m decode (small experts; its LM head Q6_K) did not move: 1.03x
+// and 0.96x in two runs of 10-12 pairs. The one-block formats keep a byte distance in address order
+// (kStreamPrefetchBytes): a blocks distance (within 7% of 4 KiB) measured slower for q8_0 (~-10%), the
+// same for q4_1.
 template <LinFormat F>
 constexpr int prefetch_blocks() {
-  constexpr LinLayout L = kLinLayout[int(F)];
-  return int((2 * kPrefetchBytes + kGroupRowblocks * L.blk) / (2 * kGroupRowblocks * L.blk));  // rounded
+  return kLinLayout[int(F)].sb_blocks;
 }
 
 // An empty asm that "changes" v: the compiler may not reassociate a sum across it. Without it GCC
