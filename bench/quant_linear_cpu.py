@@ -19,9 +19,10 @@ format (an fp32 model's layer). Rounds are interleaved (every contender once per
 and medians reported: the machine is shared and noisy.
 
 With llama-cpp-python installed, every format also runs through llama.cpp's own CPU matrix multiply
-on the same blocks (`ggml_<format>` rows: ggml's `mul_mat` on its thread pool of `--threads`, x f32 as
-llama.cpp's activations are; ggml_peer.py), in the same rounds, and each of our rows gives
-`speedup_vs_ggml`. `--no-ggml` leaves it out.
+on the same blocks (`ggml_<format>` rows: ggml's `mul_mat` on a CPU backend of `--threads`, x f32 as
+llama.cpp's activations are, the weight repacked where llama.cpp's runtime repacks it (on AVX2: q4_0,
+q4_k, iq4_nl); ggml_peer.py), in the same rounds, and each of our rows gives `speedup_vs_ggml`.
+`--no-ggml` leaves it out; `--ggml-as-stored` keeps the peer's weights unrepacked.
 
 `--kernel` forces a QuantLinear code path (e.g. avx2 on an AVX-512 machine; default: what the CPU
 chooses). Results of different machines go to different `--out` files (quant_linear_cpu.json: an AMX
@@ -127,6 +128,8 @@ def main() -> None:
     ap.add_argument("--kernel", default=None, choices=["auto", "amx", "avx512", "avx2", "neon_dotprod", "portable"],
                     help="QuantLinear code path (default: MLASERVE_CPP_EXPERTS_KERNEL, else the CPU's best)")
     ap.add_argument("--no-ggml", action="store_true", help="leave out llama.cpp's ggml mul_mat (the kernel peer)")
+    ap.add_argument("--ggml-as-stored", action="store_true",
+                    help="the peer's weights as stored, not repacked where llama.cpp repacks them")
     ap.add_argument("--out", default="bench/results/quant_linear_cpu.json")
     args = ap.parse_args()
     kernel = args.kernel
@@ -174,9 +177,10 @@ def main() -> None:
                           [w.view(torch.int16).numpy().view(np.uint8) if fmt == "bf16" else w.numpy().view(np.uint8)
                            for w in torch_ws[dt]])
                 peers = [GgmlLinear(ggml, blocks if fmt not in FLOAT_BYTES else blocks[i % len(blocks)], fmt, n, k,
-                                    tuple(args.ms)) for i in range(len(ops))]
-                contenders[f"ggml_{fmt}"] = (weight_bytes(fmt, n, k), "llama.cpp ggml mul_mat", torch.float32,
-                                             lambda x, peers=peers: ggml_pass(ggml, peers, x))
+                                    tuple(args.ms), repack=not args.ggml_as_stored) for i in range(len(ops))]
+                layout = "repacked" if peers[0].repacked else "as stored"
+                contenders[f"ggml_{fmt}"] = (weight_bytes(fmt, n, k), f"llama.cpp ggml mul_mat ({layout})",
+                                             torch.float32, lambda x, peers=peers: ggml_pass(ggml, peers, x))
         xs = {m: torch.randn(m, k) for m in args.ms}
         calls = {(name, m): make(xs[m].to(dt)) for name, (_, _, dt, make) in contenders.items() for m in args.ms}
         for c in calls.values():  # warm-up: page in every copy, start the threads
@@ -227,7 +231,8 @@ def main() -> None:
         "stream_read_bandwidth_GBps": stream_bw / 1e9,
         "stream_read_bandwidth_samples_GBps": [v / 1e9 for v in stream_samples],
         "stream_read_probe": "QuantLinear f32 of footprint_MiB at M = 1 (4 streams per thread)",
-        "ggml_peer": (f"llama-cpp-python's ggml ({ggml_version()}): mul_mat on a ggml_threadpool of {args.threads}"
+        "ggml_peer": (f"llama-cpp-python's ggml ({ggml_version()}): mul_mat on a CPU backend of {args.threads} threads, "
+                      f"weights {'as stored' if args.ggml_as_stored else 'repacked where llama.cpp repacks them'}"
                       if ggml is not None else "not measured (llama-cpp-python absent or --no-ggml)"),
     }
     report = {"machine": machine, "results": results, "smollm2_decode_linears": model}

@@ -370,7 +370,8 @@ def ggml():
 def test_agrees_with_llama_cpps_mul_mat(fmt: str, pool: cpp_experts.WorkerPool, ggml) -> None:
     """The same blocks through llama.cpp's own `mul_mat` (its decoding of every format, its activation
     rounding: Q8_K per 256 values for the K-quants and IQ4_XS, Q8_0/Q8_1 per 32 otherwise, bf16 as is),
-    an oracle that shares no code with ours or with `gguf_quants.dequantize`. Over M = 1, 3 and 17 rows
+    an oracle that shares no code with ours or with `gguf_quants.dequantize`, in llama.cpp's repacked
+    layout where it has one on this CPU and as stored. Over M = 1, 3 and 17 rows
     together (30 seeds measured): the two are at most 5e-4 of the output's norm apart where both round
     x per 32 and 1.1e-2 where llama.cpp rounds per 256 (a wrong block decoding gives ~1), and ours is
     no further from x @ W.T than llama.cpp's (0.76-1.00 of its error)."""
@@ -379,23 +380,25 @@ def test_agrees_with_llama_cpps_mul_mat(fmt: str, pool: cpp_experts.WorkerPool, 
     wt = Weight(fmt, N, k, seed_of("ggml", fmt))
     raw = wt.raw.view(torch.int16).numpy().view(np.uint8) if fmt == "bf16" else wt.raw
     ms = (1, 3, 17)
-    theirs = peer.GgmlLinear(ggml_pool, raw, fmt, N, k, ms)
     ours = wt.build(pool, None)
     g = torch.Generator().manual_seed(seed_of("ggml-x", fmt))
     xs = [torch.randn(m, k, generator=g) * 3 for m in ms]
     y_ours = torch.cat([ours(x) for x in xs])
-    y_theirs = []
-    for x in xs:
-        theirs(x)
-        y_theirs.append(theirs.result(x.shape[0]))
-    y_theirs = torch.cat(y_theirs)
     exact = torch.cat(xs) @ wt.w.T
     rel = lambda y: ((y - exact).norm() / exact.norm()).item()  # noqa: E731
-    apart = ((y_ours - y_theirs).norm() / y_theirs.norm()).item()
-    assert apart < (2e-2 if fmt != "bf16" and superblocks(fmt) else 2e-3), (
-        f"{fmt}: ours and llama.cpp's mul_mat {apart:.2e} apart")
-    assert rel(y_ours) < 1.1 * rel(y_theirs) + 1e-6, (
-        f"{fmt}: ours {rel(y_ours):.2e} from x @ W.T, llama.cpp's {rel(y_theirs):.2e}")
+    for repack in (True, False):  # llama.cpp's repacked layout where it has one (q4_0, q4_k, iq4_nl on x86)
+        theirs = peer.GgmlLinear(ggml_pool, raw, fmt, N, k, ms, repack=repack)
+        y_theirs = []
+        for x in xs:
+            theirs(x)
+            y_theirs.append(theirs.result(x.shape[0]))
+        y_theirs = torch.cat(y_theirs)
+        what = f"{fmt} ({'repacked' if theirs.repacked else 'as stored'})"
+        apart = ((y_ours - y_theirs).norm() / y_theirs.norm()).item()
+        assert apart < (2e-2 if fmt != "bf16" and superblocks(fmt) else 2e-3), (
+            f"{what}: ours and llama.cpp's mul_mat {apart:.2e} apart")
+        assert rel(y_ours) < 1.1 * rel(y_theirs) + 1e-6, (
+            f"{what}: ours {rel(y_ours):.2e} from x @ W.T, llama.cpp's {rel(y_theirs):.2e}")
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "bf16", "f32"])
