@@ -7,7 +7,8 @@ through its C API with ctypes, the way llama.cpp's runtime uses it: a CPU backen
 one small graph per weight (`y = W x`, x f32 as llama.cpp's activations are; ggml rounds it to its
 `vec_dot` type itself), and the weight in the CPU device's repacking buffer ("CPU_REPACK") where
 llama.cpp would put it there: on AVX2 that is Q4_0, Q4_K and IQ4_NL, interleaved 8 rows at a time
-for its GEMM/GEMV kernels (`GgmlLinear.repacked`; `repack=False` keeps the blocks as stored).
+for its GEMM/GEMV kernels (`GgmlLinear.repacked`; `repack=False` keeps the blocks as stored). Not on
+a CPU with AMX, where llama-cpp-python 0.3.36 crashed in those buffers (`has_amx`).
 
 llama-cpp-python's wheel builds ggml with OpenMP: its graphs then run on libgomp's threads, which spin
 after each graph for as long as `GOMP_SPINCOUNT` says (read when the library loads; the thread pool's
@@ -45,6 +46,15 @@ def lib_dir() -> Path | None:
         return None
     d = Path(next(iter(spec.submodule_search_locations))) / "lib"
     return d if (d / "libggml-cpu.so").exists() and (d / "libggml-base.so").exists() else None
+
+
+def has_amx() -> bool:
+    """AMX tiles on this CPU: there llama-cpp-python 0.3.36 crashed in its extra weight buffers
+    (tests/llama_cpp_oracle.py), so the peer keeps every weight as stored."""
+    try:
+        return any(line.startswith("flags") and " amx_tile" in line for line in Path("/proc/cpuinfo").open())
+    except OSError:
+        return False
 
 
 class _InitParams(ctypes.Structure):
@@ -105,7 +115,7 @@ class GgmlPool:
         self.cpu_buft = b.ggml_backend_cpu_buffer_type()
         self.repack_buft = None
         extra = b.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
-        if extra:
+        if extra and not has_amx():
             bufts = _EXTRA_BUFTS(extra)(self.dev)
             for i in range(16):
                 if not bufts[i]:

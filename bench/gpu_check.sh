@@ -99,7 +99,9 @@ for step in $STEPS; do
         for f in /tmp/serve/*.log; do [[ -f $f ]] && { echo "== $f"; tail -n 60 "$f"; } >> "$OUT/bench.log"; done ;;
     cpu-bench) need_build
         for k in amx avx512; do
-            run_step "quant_linear_cpu $k" 90 "$OUT/bench.log" python3 bench/quant_linear_cpu.py $QL_ARGS --kernel $k \
+            # llama.cpp's mul_mat (where llama-cpp-python is installed) beside the AMX run only: the step's time
+            ggml=$([ "$k" = amx ] || echo --no-ggml)
+            run_step "quant_linear_cpu $k" 90 "$OUT/bench.log" python3 bench/quant_linear_cpu.py $QL_ARGS --kernel $k $ggml \
                 --out "$OUT/quant_linear_cpu_$k.json"
         done ;;
     *) echo "unknown step $step" ;;

