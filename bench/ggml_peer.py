@@ -63,6 +63,7 @@ class _InitParams(ctypes.Structure):
 
 _EXTRA_BUFTS = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
 _LOG = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+_QUIET = _LOG(lambda level, text, user: None)  # module-level: ggml keeps the pointer
 
 
 class GgmlPool:
@@ -98,8 +99,7 @@ class GgmlPool:
                               (c.ggml_backend_cpu_reg, p, []), (c.ggml_backend_cpu_set_n_threads, None, [p, ctypes.c_int]),
                               (c.ggml_backend_cpu_set_threadpool, None, [p, p])):
             fn.restype, fn.argtypes = res, args
-        self._quiet = _LOG(lambda level, text, user: None)  # its "repack: repack tensor ..." lines
-        b.ggml_log_set(self._quiet, None)
+        b.ggml_log_set(_QUIET, None)  # its "repack: repack tensor ..." lines; close() gives ggml its default back
         c.ggml_cpu_init()
         self._params = ctypes.create_string_buffer(4096)  # struct ggml_threadpool_params (~530 bytes)
         b.ggml_threadpool_params_init(self._params, threads)
@@ -171,6 +171,7 @@ class GgmlPool:
         time.sleep(seconds)
 
     def close(self) -> None:
+        self.base.ggml_log_set(_LOG(), None)  # NULL: ggml's own logger (stderr)
         if self.backend:
             self.base.ggml_backend_free(self.backend)
             self.backend = None
