@@ -8,7 +8,7 @@ one small graph per weight (`y = W x`, x f32 as llama.cpp's activations are; ggm
 `vec_dot` type itself), and the weight in the CPU device's repacking buffer ("CPU_REPACK") where
 llama.cpp would put it there: on AVX2 that is Q4_0, Q4_K and IQ4_NL, interleaved 8 rows at a time
 for its GEMM/GEMV kernels (`GgmlLinear.repacked`; `repack=False` keeps the blocks as stored). Not on
-a CPU with AMX, where llama-cpp-python 0.3.36 crashed in those buffers (`has_amx`).
+a CPU with AMX, where llama-cpp-python 0.3.36 crashed in those buffers (tests/llama_cpp_oracle.py).
 
 llama-cpp-python's wheel builds ggml with OpenMP: its graphs then run on libgomp's threads, which spin
 after each graph for as long as `GOMP_SPINCOUNT` says (read when the library loads; the thread pool's
@@ -32,12 +32,11 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-GGML_TYPES = {"f32": GGMLQuantizationType.F32, "bf16": GGMLQuantizationType.BF16}
-
+import cpp_experts
 
 def ggml_type(fmt: str) -> int:
-    """The ggml type number of a weight format as `cpp_experts.LINEAR_BLOCKS` names it (q4_k -> Q4_K)."""
-    return int(GGML_TYPES.get(fmt) or GGMLQuantizationType[fmt.upper()])
+    """The ggml type number of a QuantLinear weight format (q4_k -> Q4_K, bf16 -> BF16)."""
+    return int(GGMLQuantizationType[fmt.upper()])
 
 
 def lib_dir() -> Path | None:
@@ -46,15 +45,6 @@ def lib_dir() -> Path | None:
         return None
     d = Path(next(iter(spec.submodule_search_locations))) / "lib"
     return d if (d / "libggml-cpu.so").exists() and (d / "libggml-base.so").exists() else None
-
-
-def has_amx() -> bool:
-    """AMX tiles on this CPU: there llama-cpp-python 0.3.36 crashed in its extra weight buffers
-    (tests/llama_cpp_oracle.py), so the peer keeps every weight as stored."""
-    try:
-        return any(line.startswith("flags") and " amx_tile" in line for line in Path("/proc/cpuinfo").open())
-    except OSError:
-        return False
 
 
 class _InitParams(ctypes.Structure):
@@ -115,7 +105,7 @@ class GgmlPool:
         self.cpu_buft = b.ggml_backend_cpu_buffer_type()
         self.repack_buft = None
         extra = b.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
-        if extra and not has_amx():
+        if extra and not cpp_experts.info()["amx_hw"]:  # see the module docstring
             bufts = _EXTRA_BUFTS(extra)(self.dev)
             for i in range(16):
                 if not bufts[i]:
@@ -187,11 +177,11 @@ class GgmlLinear:
     llama.cpp's runtime puts it: into the repacking buffer (interleaved rows for its GEMM/GEMV kernels)
     where it repacks that type on this CPU, unless `repack` is False, else a plain CPU buffer as stored."""
 
-    def __init__(self, pool: GgmlPool, raw: np.ndarray, fmt: str, n: int, k: int, ms: tuple[int, ...],
+    def __init__(self, pool: GgmlPool, raw: np.ndarray | torch.Tensor, fmt: str, n: int, k: int, ms: tuple[int, ...],
                  repack: bool = True) -> None:
         self.p, self.n, self.k = pool, n, k
         b = pool.base
-        raw = np.ascontiguousarray(raw)
+        raw = raw.contiguous().view(torch.uint8).numpy() if isinstance(raw, torch.Tensor) else np.ascontiguousarray(raw)
         qtype = ggml_type(fmt)
         self.repacked = repack and pool.repackable(qtype, n, k)
         self.ctx = b.ggml_init(_InitParams((1 + 3 * len(ms)) * b.ggml_tensor_overhead()

@@ -174,11 +174,9 @@ def main() -> None:
             contenders[fmt] = (weight_bytes(fmt, n, k), ops[0].kernel, x_dtype,
                                lambda x, ops=ops: [lambda op=op: op(x) for op in ops])
             if ggml is not None:
-                blocks = (raw if fmt not in FLOAT_BYTES else
-                          [w.view(torch.int16).numpy().view(np.uint8) if fmt == "bf16" else w.numpy().view(np.uint8)
-                           for w in torch_ws[dt]])
-                peers = [GgmlLinear(ggml, blocks if fmt not in FLOAT_BYTES else blocks[i % len(blocks)], fmt, n, k,
-                                    tuple(args.ms), repack=not args.ggml_as_stored) for i in range(len(ops))]
+                weights = [raw] * len(ops) if fmt not in FLOAT_BYTES else torch_ws[dt]  # one per copy, as ours
+                peers = [GgmlLinear(ggml, w, fmt, n, k, tuple(args.ms), repack=not args.ggml_as_stored)
+                         for w in weights]
                 layout = "repacked" if peers[0].repacked else "as stored"
                 contenders[f"ggml_{fmt}"] = (weight_bytes(fmt, n, k), f"llama.cpp ggml mul_mat ({layout})",
                                              torch.float32, lambda x, peers=peers: ggml_pass(ggml, peers, x))

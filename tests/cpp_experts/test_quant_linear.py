@@ -379,7 +379,6 @@ def test_agrees_with_llama_cpps_mul_mat(fmt: str, pool: cpp_experts.WorkerPool, 
     k = K_BY_FORMAT.get(fmt, K_DEFAULT)
     n = 104  # llama.cpp repacks whole groups of 8 rows (so not at 100); 6.5 of our 16-row rowblocks
     wt = Weight(fmt, n, k, seed_of("ggml", fmt))
-    raw = wt.raw.view(torch.int16).numpy().view(np.uint8) if fmt == "bf16" else wt.raw
     ms = (1, 3, 17)
     ours = wt.build(pool, None)
     g = torch.Generator().manual_seed(seed_of("ggml-x", fmt))
@@ -389,7 +388,7 @@ def test_agrees_with_llama_cpps_mul_mat(fmt: str, pool: cpp_experts.WorkerPool, 
     rel = lambda y: ((y - exact).norm() / exact.norm()).item()  # noqa: E731
     seen = set()
     for repack in (True, False):  # llama.cpp's repacked layout where it has one (q4_0, q4_k, iq4_nl on x86)
-        theirs = peer.GgmlLinear(ggml_pool, raw, fmt, n, k, ms, repack=repack)
+        theirs = peer.GgmlLinear(ggml_pool, wt.raw, fmt, n, k, ms, repack=repack)
         y_theirs = []
         for x in xs:
             theirs(x)
