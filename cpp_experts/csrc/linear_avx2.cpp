@@ -81,7 +81,7 @@ constexpr size_t kStreamPrefetchBytes = 2048;
 // ~0.85 (M = 1, 65536 x 2048 from DRAM; q4_k 24 -> 33 GB/s). Since the K-quants read one group a pass
 // (max_streams), a run ahead is the better distance: on a starved host (12-20 GB/s reads), against
 // ggml's mul_mat in the same process (bench/ggml_peer.py; 10-16 interleaved rounds), from 4 blocks
-// ahead to 8 q4_k went from 0.99-1.03x of ggml to 1.16-1.19x (65536 x 2048) and 1.11x to 1.35x
+// ahead to 8 q4_k went from 0.99-1.03x of ggml to 1.14-1.19x (65536 x 2048, three runs) and 1.11x to 1.35x
 // (11008 x 4096), iq4_xs 1.01x to 1.15x, q5_k, q2_k and q3_k +5%, and from 2 blocks to 8 q6_k +3.5%
 // (129280 x 2048) and +11% (11008 x 4096); 12 and 16 blocks about as 8; at M = 2 q4_k +9%, at M = 3 the
 // same. The DeepSeek-V2-Lite-shaped q4_k_m decode (small experts; its LM head Q6_K) did not move: 1.03x
