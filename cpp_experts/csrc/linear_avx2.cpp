@@ -53,17 +53,6 @@ namespace {
 // without prefetch, or with L2 hints (T1 / T2) further ahead, decode ran ~5-10% slower.
 constexpr size_t kPrefetchBytes = 4096;
 
-// How far ahead the tiles (mk) prefetch a superblock: kPrefetchBytes, rounded up for the K-quants to
-// whole runs of a group's superblock (kGroupRowblocks x sb_bytes), so that it is the same rowblocks'
-// next superblock rather than lines of the run being read (a prefill at M = 64 measured the same; the
-// partial-group tiles of a decode were not measured apart).
-template <LinFormat F>
-constexpr size_t prefetch_ahead() {
-  constexpr LinLayout L = kLinLayout[int(F)];
-  constexpr size_t run = size_t(kGroupRowblocks) * (L.hdr + size_t(L.sb_blocks) * L.blk);
-  return L.sb_blocks == 1 ? kPrefetchBytes : (kPrefetchBytes + run - 1) / run * run;
-}
-
 // How far ahead mk_groups prefetches along a group's run for the one-block formats (q8_0, q4_0, q4_1).
 // Shorter than kPrefetchBytes: with 4 streams a thread, 4 KiB ahead measured worse once the decode
 // tasks read long strided streams (linear_calls.cpp). On a 2-core Zen 3 VM, SmolLM2 Q4_1 decode at
@@ -72,7 +61,9 @@ constexpr size_t prefetch_ahead() {
 // went from 0.81 to 0.88 of a streaming read (1 KiB: 0.87; 512 B: 0.81).
 constexpr size_t kStreamPrefetchBytes = 2048;
 
-// mk_groups prefetches each rowblock's block this many blocks ahead along that rowblock: the same block
+// mk_groups and the tiles (mk) prefetch each rowblock's block this many blocks ahead along that
+// rowblock, as each block is reached (mk_groups non-temporally: decode streams; mk to L1 as ordinary
+// lines: prefill's later tiles of rows read the group again from L2): the same block
 // of the group's next superblock run (9-13 KiB further on). The runs are read block by block across
 // their 4 rowblocks, not in address order, so a byte distance shorter than a run lands on lines some
 // rowblocks had read already. History, all on 2-core Zen 3 VMs: with four groups a pass (16 streams'
@@ -85,12 +76,31 @@ constexpr size_t kStreamPrefetchBytes = 2048;
 // (11008 x 4096), iq4_xs 1.01x to 1.15x, q5_k, q2_k and q3_k +5%, and from 2 blocks to 8 q6_k +3.5%
 // (129280 x 2048) and +11% (11008 x 4096); 12 and 16 blocks about as 8; at M = 2 q4_k +9%, at M = 3 the
 // same. The DeepSeek-V2-Lite-shaped q4_k_m decode (small experts; its LM head Q6_K) did not move: 1.03x
-// and 0.96x in two runs of 10-12 pairs. The one-block formats keep a byte distance in address order
-// (kStreamPrefetchBytes): a blocks distance (within 7% of 4 KiB) measured slower for q8_0 (~-10%), the
-// same for q4_1.
+// and 0.96x in two runs of 10-12 pairs. The tiles (M >= 4) had prefetched a whole superblock run of
+// their rowblocks at once, a run ahead, at each superblock's start (kPrefetchBytes rounded up to a run);
+// spread block by block as above, on the same host, against ggml in one process (16384 x 2048, 6
+// interleaved rounds): at M = 4 q4_k 1.35x the speed, q6_k 1.38x, q5_k 1.40x, iq4_xs 1.45x, q3_k
+// 1.20x, q2_k 1.17x; at M = 8 q4_k and q6_k 1.19-1.20x; at M = 16 1.08x; at M = 64 within -1%..+6%.
+// The one-block formats keep a byte distance in address order (kPrefetchBytes in the tiles,
+// kStreamPrefetchBytes in mk_groups): a blocks distance (within 7% of 4 KiB) measured slower for q8_0
+// (~-10%), the same for q4_1.
 template <LinFormat F>
 constexpr int prefetch_blocks() {
   return kLinLayout[int(F)].sb_blocks;
+}
+// A K-quant block's prefetch: `at` bytes from its unit's superblock start (the rowblock's header in
+// superblock sb) lies the block prefetch_blocks() further along the rowblock, `len` bytes of it (with
+// its superblock's header if it is a first block).
+struct Ahead {
+  size_t at;
+  int len;
+};
+template <LinFormat F>
+constexpr Ahead block_ahead(int sb, int b, size_t sbs) {
+  constexpr LinLayout L = kLinLayout[int(F)];
+  const int ahead = b + prefetch_blocks<F>(), pj = ahead % L.sb_blocks;
+  return {size_t(ahead / L.sb_blocks - sb) * kGroupRowblocks * sbs + (pj == 0 ? 0 : L.hdr + pj * L.blk),
+          L.blk + (pj == 0 ? L.hdr : 0)};
 }
 
 // An empty asm that "changes" v: the compiler may not reassociate a sum across it. Without it GCC
@@ -485,10 +495,19 @@ CPX_AVX2 void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
   }
   for (int sb = 0; sb < w.nsb; ++sb) {
     const uint8_t* ws = w0 + size_t(sb) * kGroupRowblocks * sbs;
-    for (size_t o = 0; o < R * sbs; o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(ws + prefetch_ahead<F>() + o), _MM_HINT_T0);
+    if constexpr (L.sb_blocks == 1) {
+      for (size_t o = 0; o < R * sbs; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(ws + kPrefetchBytes + o), _MM_HINT_T0);
+    }
     for (int j = 0; j < L.sb_blocks; ++j) {
       const int b = sb * L.sb_blocks + j;
+      if constexpr (L.sb_blocks > 1) {
+        const Ahead pf = block_ahead<F>(sb, b, sbs);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r)
+          for (int o = 0; o < pf.len; o += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(ws + r * sbs + pf.at + o), _MM_HINT_T0);
+      }
       if constexpr (TT == 1) {  // registers: 8 accumulators, one (rowblock, half) at a time
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
@@ -554,19 +573,13 @@ CPX_AVX2 void mk_groups(const QMat& w, int rb, int G, const ActQ& a, int t0, flo
   for (int sb = 0; sb < w.nsb; ++sb) {
     for (int j = 0; j < L.sb_blocks; ++j) {
       const int b = sb * L.sb_blocks + j;
-      // what to prefetch, from the unit's superblock start: the block prefetch_blocks() further along
-      // its rowblock, with its superblock's header if it is a first block
-      const int ahead = b + prefetch_blocks<F>(), pj = ahead % L.sb_blocks;
-      const size_t pf_at = L.sb_blocks == 1 ? kStreamPrefetchBytes
-                                            : size_t(ahead / L.sb_blocks - sb) * kGroupRowblocks * sbs +
-                                                  (pj == 0 ? 0 : L.hdr + pj * L.blk);
-      const int pf_len = L.blk + (pj == 0 ? L.hdr : 0);
+      const Ahead pf = L.sb_blocks == 1 ? Ahead{kStreamPrefetchBytes, L.hdr + L.blk} : block_ahead<F>(sb, b, sbs);
 #pragma GCC unroll 1
       for (int u = 0; u < G * kGroupRowblocks; ++u) {
         const uint8_t* hdr =
             w0 + (u / kGroupRowblocks) * gstride + (size_t(sb) * kGroupRowblocks + u % kGroupRowblocks) * sbs;
         const uint8_t* wb = hdr + L.hdr + size_t(j) * L.blk;
-        for (int o = 0; o < pf_len; o += 64) _mm_prefetch(reinterpret_cast<const char*>(hdr + pf_at + o), _MM_HINT_NTA);
+        for (int o = 0; o < pf.len; o += 64) _mm_prefetch(reinterpret_cast<const char*>(hdr + pf.at + o), _MM_HINT_NTA);
         rowblock_step<F, TT>(hdr, wb, x, b, c + 16 * u, ldc);
       }
     }
