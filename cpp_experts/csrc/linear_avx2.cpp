@@ -70,7 +70,7 @@ constexpr size_t kStreamPrefetchBytes = 2048;
 // worth of lines in flight) a run ahead outlived the 32 KiB L1 that a non-temporal prefetch fills on
 // AMD, and about kPrefetchBytes ahead (2-4 blocks) took the K-quants from ~0.62 of a streaming read to
 // ~0.85 (M = 1, 65536 x 2048 from DRAM; q4_k 24 -> 33 GB/s). Since the K-quants read one group a pass
-// (max_streams), a run ahead is the better distance: on a starved host (12-20 GB/s reads), against
+// (max_streams; two since in the model's decode passes), a run ahead is the better distance: on a starved host (12-20 GB/s reads), against
 // ggml's mul_mat in the same process (bench/ggml_peer.py; 10-16 interleaved rounds), from 4 blocks
 // ahead to 8 q4_k went from 0.99-1.03x of ggml to 1.14-1.19x (65536 x 2048, three runs) and 1.11x to 1.35x
 // (11008 x 4096), iq4_xs 1.01x to 1.15x, q5_k, q2_k and q3_k +5%, and from 2 blocks to 8 q6_k +3.5%
@@ -555,7 +555,7 @@ CPX_AVX2 void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
 // accumulators in the output tile. One stream per core fell short of the memory system on a 2-core
 // Zen 3 VM (a plain read loop: one core ~12 GB/s with one stream, ~18 with 8; two cores ~19 and ~28),
 // and 4 groups took the Q4_1 LM head at M = 1 from ~20 to ~23 GB/s on two cores (~11 to ~13.5 on one);
-// the K-quants' longer groups go one at a time (max_streams). Each unit's block is prefetched
+// the K-quants' longer groups go one or two at a time (max_streams). Each unit's block is prefetched
 // kStreamPrefetchBytes (K-quants: prefetch_blocks) ahead as it is reached (spread over the pass rather
 // than a burst per superblock: ~5% more), non-temporally: a decode step streams every weight once, and
 // lines brought in as ordinary ones push the KV cache and the activations out of L2 / L3 (on a 2-core
@@ -586,17 +586,25 @@ CPX_AVX2 void mk_groups(const QMat& w, int rb, int G, const ActQ& a, int t0, flo
   }
 }
 // Groups one decode pass reads in lockstep (a task holds at most kGroupStreams of them): all of them for
-// the one-block formats, one at a time for the K-quants, whose group is a long stream of its own (a
+// the one-block formats, one or two at a time for the K-quants, whose group is a long stream of its own (a
 // 64-row group of 2048 inputs: 74 KiB in Q4_K, 107 KiB in Q6_K, against Q4_1's 23 KiB at SmolLM2's 576).
 // On a 2-core Zen 3 VM with a starved memory system (a streaming read at 10-22 GB/s), one group at a time
 // against four, in one process, alternating every 32 tokens (10 pairs each): DeepSeek-V2-Lite-shaped
 // Q4_K_M decode (its LM head Q6_K) 1.17x the tokens/s (every pair above 1.08x), Q8_0 decode 1.00x; on
 // their own from DRAM (alternating with ggml's vec_dot in the same process, which reads one row after
 // another), Q6_K at 129280 x 2048 went from 0.81-0.85 of ggml's speed to 1.15-1.21, Q4_K at 65536 x 2048
-// from 0.76-0.89 to 1.00-1.25.
+// from 0.76-0.89 to 1.00-1.25. Two groups were not tried then. They are better where the view is strided
+// (the model's decode passes, linear_calls.cpp: a task's groups lie Q groups apart, and the tasks a
+// thread takes in turn continue the same streams), and not where it is contiguous (QuantLinear::forward's
+// tasks of whole consecutive groups). The same host in a fast spell (reads of 32-35 GB/s), in one process,
+// alternating per 48-token decode (10-12 pairs), against one group: q4_k_m 1.077x the tokens/s (the Q6_K
+// LM head's, the experts' and the dense layers' passes each 9-14% shorter in a phase profile), iq4_xs
+// 1.051x, q3_k_m 1.049x, q2_k 1.064x, every pair at 1.00x or above; three groups 1.03-1.05x. On their
+// own in contiguous tasks (16384 x 2048, 10 rounds) two groups ran q4_k 6% faster but iq4_xs and q3_k
+// 10-11% and the 129280 x 2048 Q6_K LM head 2-4% slower, so those keep one.
 template <LinFormat F>
-constexpr int max_streams() {
-  return lin_one_block(F) ? kGroupStreams : 1;
+int max_streams(const QMat& w) {
+  return lin_one_block(F) ? kGroupStreams : w.group_step > 1 ? 2 : 1;
 }
 
 using Mk = void (*)(const QMat&, int, const ActQ&, int, float*, int);
@@ -618,7 +626,7 @@ CPX_AVX2 void gemm(const QMat& w, int rb0, int rb1, const ActQ& a, int t0, int n
     constexpr MkG kMkG[3] = {mk_groups<F, 1>, mk_groups<F, 2>, mk_groups<F, 3>};
     for (int rb = rb0; rb < rb1;) {
       const int head = std::min(rb1 - rb, (kGroupRowblocks - rb % kGroupRowblocks) % kGroupRowblocks);
-      const int groups = std::min(max_streams<F>(), (rb1 - rb) / kGroupRowblocks);
+      const int groups = std::min(max_streams<F>(w), (rb1 - rb) / kGroupRowblocks);
       if (head > 0 || groups == 0) {
         const int r = head > 0 ? head : rb1 - rb;
         Tiles<F>::t[r - 1][nt - 1](w, rb, a, t0, c + (rb - rb0) * 16, ldc);

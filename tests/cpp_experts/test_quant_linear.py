@@ -225,6 +225,42 @@ def test_decode_over_many_groups(path: str, fmt: str) -> None:
                     check(op.forward(x, out=out), x, fmt, wt.w, None, f"{path}/{fmt} N={n} threads={threads} M={m}")
 
 
+@pytest.mark.parametrize("fmt", list(QTYPE))
+@pytest.mark.parametrize("path", path_params())
+def test_decode_pass_over_strided_groups(path: str, fmt: str) -> None:
+    """The model's decode passes (linear_calls.cpp, here through a MoE's gate and up: 1..3 rows, 18
+    64-row groups) give each task the groups g, g + Q, g + 2Q, ... (a strided view), which the kernels
+    read one, two or four at a time in lockstep; QuantLinear.forward's tasks are consecutive groups.
+    Both must give the same outputs: the MoE against its experts' own forward (checked against the fp32
+    reference above), SiLU·mul in torch and the down projection's forward."""
+    if not has_path(path, fmt):
+        pytest.skip(f"this CPU has no {path} kernel for {fmt}")
+    H, I = 256, 18 * 64  # I: 5 strided tasks at 2 threads (4, 4, 4, 3 and 3 groups)
+    ws = [(Weight(fmt, I, H, seed_of("strided", fmt, e, 0)), Weight(fmt, I, H, seed_of("strided", fmt, e, 1)),
+           Weight("q8_0", H, I, seed_of("strided", fmt, e, 2))) for e in range(2)]
+    for threads in (1, 2):
+        with cpp_experts.WorkerPool(threads) as p:
+            moe = cpp_experts.MoE(2, 2, H, I, fmt, kernel=path, pool=p)
+            ops = [tuple(w.build(p, path) for w in ex) for ex in ws]
+            for e, (gate, up, down) in enumerate(ops):
+                moe.set_expert(e, gate, up, down)
+            moe.finalize()
+            for m in (1, 2, 3):  # both experts take every token: m rows each
+                g = torch.Generator().manual_seed(seed_of("strided", path, fmt, threads, m))
+                x = torch.randn(m, H, generator=g)
+                ids = torch.tensor([[0, 1], [1, 0], [0, 1]][:m])
+                rw = torch.rand(m, 2, generator=g) + 0.1
+                got = moe.forward(x, ids, rw)
+                want = torch.zeros(m, H)
+                for e, (gate, up, down) in enumerate(ops):
+                    ye = down(torch.nn.functional.silu(gate(x)) * up(x))
+                    want += rw[:, (ids == e).int().argmax(1)].diagonal()[:, None] * ye
+                err = ((got - want).norm() / want.norm()).item()
+                # measured at most 5e-8 (the SiLU and the weighted sum's fp32 rounding); a group read
+                # wrong or left out is O(1)
+                assert err < 1e-5, f"{path}/{fmt} threads={threads} M={m}: rel err {err:.2e}"
+
+
 def extreme_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
     """Blocks whose quants sit at the ends of their range, the largest int sums the kernels can meet:
     q8_0 +-127 and -128 (bytes the gguf quantiser never writes, but valid int8), the 4/5/6-bit formats
