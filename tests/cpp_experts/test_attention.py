@@ -67,7 +67,8 @@ CASES = [  # (request lengths, new tokens per request)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("H", "Hkv", "D", "Dv"), [(4, 4, 16, 16), (9, 3, 64, 64), (8, 2, 12, 20), (6, 1, 128, 128)])
+@pytest.mark.parametrize(("H", "Hkv", "D", "Dv"),
+                         [(4, 4, 16, 16), (9, 3, 64, 64), (8, 2, 12, 20), (6, 1, 128, 128), (5, 5, 64, 64), (3, 3, 48, 32)])
 def test_gqa_matches_reference(attn, dtype, H, Hkv, D, Dv):
     g = torch.Generator().manual_seed(H * 1000 + D)
     slots = 2048
@@ -159,24 +160,27 @@ def test_a_batch_of_decode_tokens_reads_whole_slots_with_the_bits_of_one_token(a
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("mla", [False, True])
-def test_a_tokens_output_does_not_depend_on_where_the_batch_cut_its_request(attn, dtype, mla):
+@pytest.mark.parametrize("heads", ["mla", (9, 3, 64, 64), (6, 6, 64, 64), (4, 4, 40, 24), (8, 4, 128, 128)])
+def test_a_tokens_output_does_not_depend_on_where_the_batch_cut_its_request(attn, dtype, heads):
     """One request of 301 positions attended whole (a prefill), in pieces cut at random points (a cached
     prefix and chunked prefill: pieces that start anywhere, not only at multiples of 4), and one token
     at a time (decode): every token's output has the same bits each way (the engine's greedy output then
-    does not depend on the prefix cache, the chunk size or the batch)."""
+    does not depend on the prefix cache, the chunk size or the batch). The GQA shapes take both ways of
+    batching queries against a key row: a token's heads (decode, and 2 heads a KV head), or one head of
+    several tokens (a prefill's tokens where a KV head has fewer heads than that: MHA, and SmolLM2's 3),
+    with a head dim the kernels read in place (64, 128) and one they widen into tiles (40 / 24)."""
     g = torch.Generator().manual_seed(21)
     n, slots = 301, 1024
     table = make_table([n], slots, g)
-    if mla:
+    if heads == "mla":
         H, r, P = 4, 48, 8
         latent = torch.randn(slots, r + P, generator=g).to(dtype)
         q = torch.randn(n, H, r + P, generator=g)
         run = lambda rows, pos, qq: attn.mla(qq, latent, table, rows, pos, r, 0.1)  # noqa: E731
     else:
-        H, Hkv, D = 9, 3, 64
+        H, Hkv, D, Dv = heads
         K = torch.randn(slots, Hkv, D, generator=g).to(dtype)
-        V = torch.randn(slots, Hkv, D, generator=g).to(dtype)
+        V = torch.randn(slots, Hkv, Dv, generator=g).to(dtype)
         q = torch.randn(n, H, D, generator=g)
         run = lambda rows, pos, qq: attn.gqa(qq, K, V, table, rows, pos, 0.125)  # noqa: E731
     pos = torch.arange(n)
