@@ -333,9 +333,12 @@ struct QCall {
 // first token). Each key row is loaded once per call, so by token is the fewer loads where a KV head has
 // fewer query heads than kQB: MHA's one. On a 2-core Zen 4 VM (one layer of a 1536-token prefill, bf16
 // cache, the builds in alternating processes, best of 5 calls) 16 / 16 heads of 128 went from 160 to ~105
-// ms, of D 192 / Dv 128 (rows widened into tiles) from 255 to ~225, and a Q8_0 Llama of 16 / 16 heads of 64
-// prefilled 2048 tokens ~1.15x faster; 9 / 3 heads of 64 (SmolLM2, by token too) and 32 / 8 (by head)
-// the same as before. Per query the arithmetic is the same either way (dots4, pv_block): the same bits.
+// ms (the AVX2 build: ~195 to ~140), of D 192 / Dv 128 (rows widened into tiles) from 255 to ~225, and a
+// Q8_0 Llama of 16 / 16 heads of 64 prefilled 2048 tokens ~1.15x faster; 16 / 8 heads of 128 from ~90 to
+// ~82 ms. By token measured slower where a call of four queries replaces one of two or three in the AVX2
+// build (dots2 instead of dots4: 16 / 8 heads of 64 ~63 -> ~70 ms, SmolLM2's 9 / 3 ~35 -> ~37), and the
+// same for 9 / 3 in the AVX-512 one: those keep the calls by head (run_task's by_token). Per query the
+// arithmetic is the same either way (dots4, pv_block): the same bits.
 CPX_INLINE bool next_call(int& a, int& b, bool by_token, int kh, int hp, int nt, int nh, const int* seen, QCall& c) {
   if (!by_token) {
     for (; a < nt; ++a, b = 0) {
@@ -407,8 +410,9 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
   float* acc[kQB];
   auto limit_of = [&](int ti) -> int64_t { return g.slots ? g.keys - 1 : tok.pos[g.t0 + ti]; };  // last key seen
   const bool far_lead = L.far_lead && g.nt == 1;  // rows read once a step, mostly cold (see the tile loop)
-  // By head or by token (next_call): by token where that takes fewer calls, as for MHA's one query head a KV head.
-  const bool by_token = g.nt * ((hp + kQB - 1) / kQB) > hp * ((g.nt + kQB - 1) / kQB);
+  // By head or by token (next_call): by token for MHA's one query head a KV head, and with sixteen lanes for
+  // two, where that takes fewer calls (a group's tokens are at most kQB).
+  const bool by_token = (hp == 1 || (W == 16 && hp == 2)) && g.nt > hp;
   int seen[kTokBlock];  // per token, the keys of the tile (chunk) at hand it sees
   auto see = [&](int k, int n) {
     for (int ti = 0; ti < g.nt; ++ti) {

@@ -166,9 +166,9 @@ def test_a_tokens_output_does_not_depend_on_where_the_batch_cut_its_request(attn
     prefix and chunked prefill: pieces that start anywhere, not only at multiples of 4), and one token
     at a time (decode): every token's output has the same bits each way (the engine's greedy output then
     does not depend on the prefix cache, the chunk size or the batch). The GQA shapes take both ways of
-    batching queries against a key row: a token's heads (decode, and 2 heads a KV head), or one head of
-    several tokens (a prefill's tokens where a KV head has fewer heads than that: MHA, and SmolLM2's 3),
-    with a head dim the kernels read in place (64, 128) and one they widen into tiles (40 / 24)."""
+    batching queries against a key row: a token's heads (decode, SmolLM2's 3 a KV head), or one head of
+    several tokens (a prefill's tokens with MHA, and with 2 heads a KV head in the AVX-512 build), with a
+    head dim the kernels read in place (64, 128) and one they widen into tiles (40 / 24)."""
     g = torch.Generator().manual_seed(21)
     n, slots = 301, 1024
     table = make_table([n], slots, g)
@@ -205,7 +205,7 @@ out = {"lanes": cpp_experts.info()["attention_lanes"]}
 with cpp_experts.WorkerPool(2) as pool:
     attn = cpp_experts.PagedAttention(pool)
     for dtype in (torch.float32, torch.bfloat16):
-        for H, Hkv, D in ((9, 3, 64), (8, 2, 128), (8, 2, 20)):
+        for H, Hkv, D in ((9, 3, 64), (8, 2, 128), (8, 2, 20), (4, 4, 64), (8, 4, 40)):
             K = torch.randn(slots, Hkv, D, generator=g).to(dtype)
             V = torch.randn(slots, Hkv, D, generator=g).to(dtype)
             q = torch.randn(len(rows), H, D, generator=g)
