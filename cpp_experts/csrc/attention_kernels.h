@@ -322,11 +322,15 @@ CPX_INLINE void prefetch_row(const void* p, int bytes) {
 // How many key tiles ahead a task asks for its rows into L2 (beside the next tile into L1).
 constexpr int kFarTiles = 2;
 
-// One call's queries (next_call): qb queries from query index qi, qs apart, that each see nv keys.
+// One call's queries (next_call): qb queries that each see nv keys, the first of token t and head h of the
+// group, the others the next tokens of that head (by token) or the next heads of that token (by head).
 struct QCall {
-  int qi, qs, qb, nv;
+  int t, h, qb, nv;
+  bool by_token;
+  int first(int nh) const { return t * nh + h; }        // the first query's index in the group
+  int step(int nh) const { return by_token ? nh : 1; }  // from one query's index to the next
 };
-// The next call over the queries of KV head kh (of a group of nt tokens x nh heads, hp a KV head) that see
+// The next call over the queries of KV head kh (of a group of nt tokens, hp query heads a KV head) that see
 // keys of the tile or chunk at hand (seen[t]: how many token t sees, 0: none), up to kQB queries that see
 // the same count; false after the last. By head: one token's query heads of the KV head (cursor a: the
 // token, b: the first head); by token: one query head of up to kQB consecutive tokens (a: the head, b: the
@@ -339,11 +343,11 @@ struct QCall {
 // build (dots2 instead of dots4: 16 / 8 heads of 64 ~63 -> ~70 ms, SmolLM2's 9 / 3 ~35 -> ~37), and the
 // same for 9 / 3 in the AVX-512 one: those keep the calls by head (run_task's by_token). Per query the
 // arithmetic is the same either way (dots4, pv_block): the same bits.
-CPX_INLINE bool next_call(int& a, int& b, bool by_token, int kh, int hp, int nt, int nh, const int* seen, QCall& c) {
+CPX_INLINE bool next_call(int& a, int& b, bool by_token, int kh, int hp, int nt, const int* seen, QCall& c) {
   if (!by_token) {
     for (; a < nt; ++a, b = 0) {
       if (seen[a] == 0 || b >= hp) continue;
-      c = {a * nh + kh * hp + b, 1, std::min(kQB, hp - b), seen[a]};
+      c = {a, kh * hp + b, std::min(kQB, hp - b), seen[a], false};
       b += kQB;
       return true;
     }
@@ -354,7 +358,7 @@ CPX_INLINE bool next_call(int& a, int& b, bool by_token, int kh, int hp, int nt,
     if (b >= nt) continue;
     int e = b + 1;
     while (e < nt && e - b < kQB && seen[e] == seen[b]) ++e;
-    c = {b * nh + kh * hp + a, nh, e - b, seen[b]};
+    c = {b, kh * hp + a, e - b, seen[b], true};
     b = e;
     return true;
   }
@@ -458,6 +462,7 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
           if (!L.mla) prefetch_row<2>(kv_ptr<KT>(vbase, vstride, slots[j], g.kv_head * L.v_head_off), vbytes);
         }
       }
+      see(kt, nk);
       for (int kh = 0; kh < g.nkv; ++kh) {
         for (int j = next + kh * n_next / g.nkv; j < next + (kh + 1) * n_next / g.nkv; ++j) {
           prefetch_row(kv_ptr<KT>(kv.k, kv.k_stride, slots[j], g.kv_head * L.k_head_off), kbytes);
@@ -470,13 +475,12 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
         else
           tile_rows(ksrc, nk, D, buf, krow);
         for (int j = nk; j < kKeyTile; ++j) krow[j] = krow[0];  // a short tile's spare keys read a real row
-        see(kt, nk);
         QCall qc;
-        for (int a = 0, b = 0; next_call(a, b, by_token, kh, hp, g.nt, g.nh, seen, qc);) {
-          const int qi = qc.qi, qs = qc.qs, qb = qc.qb, nv = qc.nv;
+        for (int a = 0, b = 0; next_call(a, b, by_token, kh, hp, g.nt, seen, qc);) {
+          const int qi = qc.first(g.nh), qs = qc.step(g.nh), qb = qc.qb, nv = qc.nv;
           for (int i = 0; i < qb; ++i) {
-            const int qj = qi + i * qs, ti = qj / g.nh, hi = qj % g.nh;
-            qv[i] = kPaired ? buf + size_t(qj) * D : q + (g.t0 + ti) * L.q_tok + (g.h0 + hi) * L.q_head;
+            const int ti = qc.t + (qc.by_token ? i : 0), hi = qc.h + (qc.by_token ? 0 : i);
+            qv[i] = kPaired ? buf + size_t(qi + i * qs) * D : q + (g.t0 + ti) * L.q_tok + (g.h0 + hi) * L.q_head;
           }
           float* s = scores + size_t(qi) * ls + (kt - kc);
           switch (qb) {
@@ -489,11 +493,10 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
       }
     }
     // the chunk's softmax update of each query that sees it
+    see(kc, nc);
     for (int ti = 0; ti < g.nt; ++ti) {
-      const int t = g.t0 + ti;
-      const int64_t limit = limit_of(ti);
-      if (kc > limit) continue;
-      const int nv = int(std::min<int64_t>(nc, limit - kc + 1));
+      const int t = g.t0 + ti, nv = seen[ti];
+      if (nv == 0) continue;
       float* dump = tok.dump && !g.slots ? tok.dump[t] : nullptr;  // AttnTokens::dump
       const int64_t dn = tok.pos[t] + 1, dtiles = (dn + kAttnDumpTile - 1) / kAttnDumpTile;
       for (int hi = 0; hi < g.nh; ++hi) {
@@ -521,10 +524,9 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
           tile_rows(vsrc, nc, Dv, buf + size_t(kKeyTile) * D, vrow);
         }
       }
-      see(kc, nc);
       QCall qc;
-      for (int a = 0, b = 0; next_call(a, b, by_token, kh, hp, g.nt, g.nh, seen, qc);) {
-        const int qi = qc.qi, qs = qc.qs, qb = qc.qb, nv = qc.nv;
+      for (int a = 0, b = 0; next_call(a, b, by_token, kh, hp, g.nt, seen, qc);) {
+        const int qi = qc.first(g.nh), qs = qc.step(g.nh), qb = qc.qb, nv = qc.nv;
         bool any = false;
         float c[kQB];
         for (int i = 0; i < qb; ++i) {
