@@ -161,6 +161,23 @@ CPX_INLINE v8f fold(v16f v) {
   return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
 }
+// {hsum(fold(a[0])), ..., hsum(fold(a[7]))} as eight lanes: each sum with fold's and hsum's exact
+// association (the same bits as hsum4 of the folds, four at a time), the two halves of every step
+// doing two keys' work: a fold of two vectors in one add, and hsum4's steps on eight sums at once.
+CPX_INLINE v8f hsum8(const v16f* a) {
+  v16f x[4];
+  for (int k = 0; k < 4; ++k)  // fold(a[k]) in the low half, fold(a[k + 4]) in the high one
+    x[k] = __builtin_shufflevector(a[k], a[k + 4], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[k], a[k + 4], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  // then hsum4 in each half: the low one for keys 0..3, the high one for 4..7
+  const v16f ab = __builtin_shufflevector(x[0], x[1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+                  __builtin_shufflevector(x[0], x[1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  const v16f cd = __builtin_shufflevector(x[2], x[3], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+                  __builtin_shufflevector(x[2], x[3], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  const v16f u = __builtin_shufflevector(ab, cd, 0, 2, 4, 6, 16, 18, 20, 22, 8, 10, 12, 14, 24, 26, 28, 30) +
+                 __builtin_shufflevector(ab, cd, 1, 3, 5, 7, 17, 19, 21, 23, 9, 11, 13, 15, 25, 27, 29, 31);
+  return __builtin_shufflevector(u, u, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(u, u, 1, 3, 5, 7, 9, 11, 13, 15);
+}
 
 // expf lane by lane, on 8 (V = v8f, I = v8i) or 16 lanes (the same bits in every lane).
 template <class V>
