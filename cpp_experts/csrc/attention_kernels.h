@@ -183,7 +183,8 @@ CPX_INLINE void dots8(const float* const* q, const RT* const* k, int n, float* s
   V a[QB][8];
   for (int i = 0; i < QB; ++i)
     for (int j = 0; j < 8; ++j) a[i][j] = Ln::splat(0.0f);
-  for (int d = 0; d < n; d += 16) {
+#pragma GCC unroll 8
+  for (int d = 0; d < n; d += 16) {  // unrolled: a bf16 row's even or odd lanes chosen at compile time
     V qv[QB];
     for (int i = 0; i < QB; ++i) qv[i] = Ln::load(q[i] + d);
     for (int j = 0; j < 8; ++j) {
