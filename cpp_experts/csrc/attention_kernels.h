@@ -250,12 +250,13 @@ CPX_INLINE void score_tile(const float* const* qv, const RT* const* krow, int n,
       dots4<2, W>(qv, krow + j, D, s + j, ls);
       dots4<1, W>(qv + 2, krow + j, D, s + 2 * ls + j, ls);
     }
-  } else if constexpr (W == 16 && QB <= 3) {
-    if (D % 16 == 0)
-      for (int j = 0; j < n; j += 8) dots8<QB>(qv, krow + j, D, s + j, ls);
-    else
-      for (int j = 0; j < n; j += 4) dots4<QB, W>(qv, krow + j, D, s + j, ls);
   } else if constexpr (QB <= 2 || W == 16) {  // AVX-512's 32 registers hold 4 x 4 accumulators
+    if constexpr (W == 16 && QB <= 3) {  // or 3 x 8 (dots8), rows of whole vectors
+      if (D % 16 == 0) {
+        for (int j = 0; j < n; j += 8) dots8<QB>(qv, krow + j, D, s + j, ls);
+        return;
+      }
+    }
     for (int j = 0; j < n; j += 4) dots4<QB, W>(qv, krow + j, D, s + j, ls);
   } else {
     for (int j = 0; j < n; j += 2) dots2<QB, W>(qv, krow[j], krow[j + 1], D, s + j, ls);

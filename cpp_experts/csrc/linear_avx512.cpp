@@ -116,11 +116,11 @@ CPX_VNNI void mk(const QMat& w, int rb, const ActQ& a, int t0, float* c, int ldc
   // eight (its latency is 4 cycles): the 4-bit formats' high nibbles and q8_0's odd groups into s2, added
   // to s before the block is scaled (the same int32 sum). With the prefetch loops unrolled (sbs a
   // constant) a 2048 x 576 Q4_1 weight held in L2 took 19.3-21.6 us a call on one Zen 4 core before and
-  // 17.8-19.4 after, q8_0 27.1-29.7 and 25.6-28.8 (3 alternating processes). From DRAM a decode pass
-  // waits on memory, not on this.
+  // 17.8-19.4 after, q8_0 27.1-29.7 and 25.6-28.8 (3 alternating processes); SmolLM2's decode, whose
+  // weights come from DRAM, measured within the noise.
   constexpr bool kTwoChains = !kSplit && TT <= 2;
-  // one rowblock's superblock (QMat::sb_bytes, a constant of the format): the prefetch loops below unroll
-  constexpr size_t sbs = size_t(L.hdr) + size_t(L.sb_blocks) * L.blk;
+  // QMat::sb_bytes as a constant of the format: the prefetch loops below unroll
+  constexpr size_t sbs = lin_sb_bytes(F);
   const uint8_t* w0 = w.at(rb);
   const size_t ahead = prefetch_ahead<R>(sbs);
   const int nb = a.k / 32;

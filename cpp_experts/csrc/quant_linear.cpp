@@ -259,7 +259,7 @@ QuantLinear::QuantLinear(const std::string& format, int out_features, int in_fea
 void QuantLinear::pack_quant(const uint8_t* src) {
   const LinLayout& L = kLinLayout[int(fmt_)];
   const int nsb = K_ / (32 * L.sb_blocks);
-  const size_t sbb = size_t(L.hdr) + size_t(L.sb_blocks) * L.blk;
+  const size_t sbb = lin_sb_bytes(fmt_);
   const size_t rows_padded = round_up(size_t(N_), 16 * kGroupRowblocks);
   w_.resize(rows_padded / 16 * nsb * sbb);
   qm_ = QMat{fmt_, nsb, sbb, w_.data()};

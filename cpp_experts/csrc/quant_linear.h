@@ -81,6 +81,10 @@ constexpr LinLayout kLinLayout[kLinFormats] = {
     {"iq4_xs", 256, 136, 8, 32, 272}, {"q3_k", 256, 110, 8, 32, 224},  {"q2_k", 256, 84, 8, 64, 160},
     {"q5_0", 32, 22, 1, 0, 352},      {"q5_1", 32, 24, 1, 0, 384},
 };
+// bytes of one rowblock's superblock in the packed layout (QMat::sb_bytes)
+constexpr size_t lin_sb_bytes(LinFormat f) {
+  return size_t(kLinLayout[int(f)].hdr) + size_t(kLinLayout[int(f)].sb_blocks) * kLinLayout[int(f)].blk;
+}
 // a fifth bit per value in a 64-byte plane after the nibbles
 constexpr bool lin_fifth_bit(LinFormat f) { return f == LinFormat::Q5_K || f == LinFormat::Q5_0 || f == LinFormat::Q5_1; }
 // The one-block formats (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl): a packed block's fp16 d[16] sits after its
