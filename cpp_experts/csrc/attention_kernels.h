@@ -496,15 +496,21 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
       // just read, and there the lead cost a 1536-token prefill ~6% (7 of 8 alternating pairs). Not on
       // Zen 5, where these bursts stall the core and the lead cost (cpu.h, attention_far_lead); spread a
       // share per KV head, as the L1 lead is, it measured no better there than none.
-      if (far_lead) {
-        const int far = kt + kFarTiles * kKeyTile, n_far = std::max(0, std::min(int(g.keys), far + kKeyTile) - far);
-        for (int j = far; j < far + n_far; ++j) {
+      // Spread so, a share with each KV head's turn rather than the whole tile as the tile starts, it
+      // measured faster on the Zen 4 VM, where a decode group holds every KV head (SmolLM2's 3; MLA's one
+      // group has a single turn, as before): one decode token over 4096 keys of a bf16 cache, 30 layers'
+      // caches from DRAM in turn, ~180-194 -> ~166-184 us a layer with contiguous slots and ~204-223 ->
+      // ~161-183 with scattered ones (3 alternating pairs); SmolLM2 decode after a 4096-token prompt
+      // 1.124x (attention 5195 -> 4518 us a step, 6 rounds, batch_decode_cpu_zen4_avx512_far_lead_spread_
+      // 4096.json); 1, 8 and 16 requests at ~200 keys 1.02x, 0.99x and 1.10x (_200.json), within the noise.
+      const int far = kt + kFarTiles * kKeyTile;
+      const int n_far = far_lead ? std::max(0, std::min(int(g.keys), far + kKeyTile) - far) : 0;
+      see(kt, nk);
+      for (int kh = 0; kh < g.nkv; ++kh) {
+        for (int j = far + kh * n_far / g.nkv; j < far + (kh + 1) * n_far / g.nkv; ++j) {
           prefetch_row<2>(kv_ptr<KT>(kv.k, kv.k_stride, slots[j], g.kv_head * L.k_head_off), kbytes);
           if (!L.mla) prefetch_row<2>(kv_ptr<KT>(vbase, vstride, slots[j], g.kv_head * L.v_head_off), vbytes);
         }
-      }
-      see(kt, nk);
-      for (int kh = 0; kh < g.nkv; ++kh) {
         for (int j = next + kh * n_next / g.nkv; j < next + (kh + 1) * n_next / g.nkv; ++j) {
           prefetch_row(kv_ptr<KT>(kv.k, kv.k_stride, slots[j], g.kv_head * L.k_head_off), kbytes);
           if (!L.mla) prefetch_row(kv_ptr<KT>(vbase, vstride, slots[j], g.kv_head * L.v_head_off), vbytes);
