@@ -60,7 +60,10 @@ struct Task {
 };
 
 // The build of the kernels this CPU runs (attention_kernels.h).
-void task_entry CPX_ATTN_TASK_PARAMS { CPX_DISPATCH_CALL(task_entry, CPX_ATTN_TASK_ARGS); }
+void task_entry CPX_ATTN_TASK_PARAMS {
+  if (L.bf16_dot) return task_entry_mla_bf16 CPX_ATTN_TASK_ARGS;
+  CPX_DISPATCH_CALL(task_entry, CPX_ATTN_TASK_ARGS);
+}
 
 // Groups: runs of tokens of one request at increasing positions within one aligned run of kTokBlock
 // positions (positions 4i .. 4i + 3: where the batch starts the request does not move them), times head
@@ -141,7 +144,8 @@ int plan(AttnScratch& scratch, int threads, const PagedKv& kv, const AttnTokens&
   for (const Group& g : P.groups) max_nq = std::max(max_nq, g.nt * g.nh);
   P.state = size_t(max_nq) * (2 + L.Dv);
   // fp32 key and value tiles (bf16 caches), or a group's permuted queries (paired)
-  const size_t tiles = std::max(size_t(kKeyTile) * (L.D + L.Dv), L.paired ? size_t(max_nq) * L.D : size_t(0));
+  size_t tiles = std::max(size_t(kKeyTile) * (L.D + L.Dv), L.paired ? size_t(max_nq) * L.D : size_t(0));
+  if (L.bf16_dot) tiles = std::max(tiles, mla_bf16_buffer(max_nq, L.D, L.Dv));
   P.scores = size_t(max_nq) * (kMaxChunk + 1);
   if (scratch.thread.size() < size_t(threads)) scratch.thread.resize(size_t(threads));
   for (auto& t : scratch.thread)
@@ -301,11 +305,16 @@ void attention_gqa(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const At
   run(pool, scratch, kv, tok, gqa_layout(kv, H, Hkv, D, Dv), Hkv, scale, q, out);
 }
 
+bool mla_bf16_dot() { return vec::has_avx512vl() && cpu_info().avx512_bf16; }
+
 void attention_mla(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const float* q, int H,
                    int r, int P, float scale, float* out) {
   if (H <= 0 || r <= 0 || P < 0) throw ArgError("MLA attention needs positive heads and rank");
   const int D = r + P;
   Layout L{H, D, r, int64_t(H) * D, D, int64_t(H) * r, r, 0, 0, true, false};
+  // vdpbf16ps where the CPU has it and the rows are bf16 (attention_mla_bf16.cpp), unless the AVX2 build is
+  // forced (MLASERVE_CPP_EXPERTS_KERNEL=avx2); the values go sixteen at a time
+  L.bf16_dot = kv.type == KvType::BF16 && mla_bf16_dot() && r % 16 == 0;
   run(pool, scratch, kv, tok, L, 1, scale, q, out);
 }
 

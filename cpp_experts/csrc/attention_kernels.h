@@ -50,6 +50,7 @@ struct Layout {
   bool paired;  // bf16 rows read in the paired order (paired_at), no fp32 tiles: GQA, D == Dv of 64 or 128
   int lanes = vec::lanes();  // the kernels' vector width W (the paired order's half period)
   bool far_lead = attention_far_lead();  // decode tokens ask for rows kFarTiles tiles ahead into L2
+  bool bf16_dot = false;  // MLA over a bf16 cache on AVX512_BF16: attention_mla_bf16.cpp's kernel
 };
 
 // The kernels' vectors of W lanes: 8 (AVX2 and baseline builds) or 16 (AVX-512: half the multiply-adds
@@ -694,6 +695,10 @@ CPX_INLINE void task_entry_impl(const PagedKv& kv, const AttnTokens& tok, const 
   };                                                                                                         \
   ATTR void task_entry_##NAME CPX_ATTN_TASK_PARAMS { task_entry_impl<Build_##NAME> CPX_ATTN_TASK_ARGS; }
 void task_entry_avx512 CPX_ATTN_TASK_PARAMS;
+// MLA over a bf16 cache with vdpbf16ps (attention_mla_bf16.cpp; Layout::bf16_dot), and the floats of
+// per-thread buffer its task needs
+void task_entry_mla_bf16 CPX_ATTN_TASK_PARAMS;
+size_t mla_bf16_buffer(int max_nq, int D, int Dv);
 void task_entry_avx2 CPX_ATTN_TASK_PARAMS;
 void task_entry_base CPX_ATTN_TASK_PARAMS;
 

@@ -1,0 +1,280 @@
+// MLA attention over a bf16 latent cache with AVX512_BF16's dot products (vdpbf16ps), the kernel of
+// attention_kernels.h's task for that one case (attention.cpp dispatches here: Layout::bf16_dot).
+//
+// Why: the fp32 kernel widens each key tile of 576-value bf16 rows into fp32 (36 KB a tile, more than
+// a Zen 4's L1) and runs one fp32 multiply-add per value and query, and MLA's absorbed form costs
+// 16 heads x (576 + 512) of those per key: a DeepSeek-V2-Lite-shaped 2048-token prompt spent 43% of its
+// prefill there, and a decode token over 4096 keys was bound by that arithmetic, not its reads. Here the
+// queries are rounded to bf16 once a task, the rows are read in place, and each vdpbf16ps does two
+// values' products a lane: half the instructions of the fp32 multiply-adds, and no widened tiles. The
+// values take the same instruction: a chunk's rows are interleaved two keys a 32-bit lane once (for all
+// of the group's queries), and the probabilities are rounded to bf16 pairs, as GPU MLA and flash
+// kernels round P before their P·V product. So the result is within bf16 rounding of the fp32 kernel's,
+// not equal to it (tests/cpp_experts/test_attention.py states the tolerance).
+//
+// Measured on a 2-core Zen 4 VM (16 heads, r 512 + 64, builds in alternating processes, two rounds): one
+// layer's 4096-token prefill 1.90-2.04 s -> 1.18-1.20 s (~250 GFLOP/s), 512 tokens 33.3-33.5 -> 24.1-24.8
+// ms; one decode token over 4096 keys, 12 layers' caches read in turn, 1207-1298 -> 751-806 us a layer.
+// The DeepSeek-shaped q8_0 file: pp2048 378-409 -> 485 tok/s, decode after 4096 tokens 35.0 -> 36.6
+// tok/s (attention 5028 -> 3511 us a step; bench/results/*mla_bf16_dot*).
+//
+// Per query and key the arithmetic is fixed: a query's scores are its dot products in 32-value steps (the
+// lanes summed by hsum4), its values are added a pair of keys at a time, the pairs at even offsets of
+// tiles that start at multiples of kKeyTile, and a key past a query's last is paired with a zero
+// probability. So, as in attention_kernels.h, a token's result has the same bits whatever the batch,
+// its blocking, a cached prefix or a prefill chunk.
+#include <cstdlib>
+
+#include "attention_kernels.h"
+
+#if CPX_X86
+#include <immintrin.h>
+#define CPX_BF16DOT __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512dq,avx512bw,avx512bf16")))
+#else
+#define CPX_BF16DOT
+#endif
+
+namespace cpx {
+namespace attn {
+
+#if CPX_X86
+namespace {
+
+#define CPX_BF16DOT_INLINE CPX_BF16DOT inline __attribute__((always_inline))
+
+// n <= 32 bf16 values from p, zeros past n (a row's tail: never read past its end)
+CPX_BF16DOT_INLINE __m512i load_words(const uint16_t* p, int n) {
+  return n >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(__mmask32((1ull << n) - 1), p);
+}
+
+CPX_BF16DOT_INLINE __m512 dot(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+}
+
+// Scores of QB queries (bf16 rows of Dp values, zero past D) against keys k[0..3].
+template <int QB>
+CPX_BF16DOT_INLINE void dots4_bf16(const uint16_t* const* q, const uint16_t* const* k, int D, float* s, int ls) {
+  __m512 a[QB][4];
+  for (int i = 0; i < QB; ++i)
+    for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
+  for (int d = 0; d < D; d += 32) {
+    __m512i qv[QB];
+    for (int i = 0; i < QB; ++i) qv[i] = _mm512_loadu_si512(q[i] + d);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i x = load_words(k[j] + d, D - d);
+      for (int i = 0; i < QB; ++i) a[i][j] = dot(a[i][j], qv[i], x);
+    }
+  }
+  for (int i = 0; i < QB; ++i)
+    Lanes<16>::hsum4(vec::v16f(a[i][0]), vec::v16f(a[i][1]), vec::v16f(a[i][2]), vec::v16f(a[i][3]), s + i * ls);
+}
+
+// acc = acc * corr + sum over pairs p of (v[2p] pp[2p] + v[2p+1] pp[2p+1]) for QB queries, C vectors of 16
+// values from d: vb holds the pairs' rows interleaved (pair p's value e of both keys in the 32-bit word
+// p * Dv + e), pp[i] query i's probabilities as bf16, two keys a 32-bit word.
+template <int QB, int C>
+CPX_BF16DOT_INLINE void pv_bf16_chunks(float* const* acc, const float* corr, const uint32_t* const* pp,
+                                       const uint16_t* vb, int npairs, int Dv, int d) {
+  __m512 a[QB][C];
+  for (int i = 0; i < QB; ++i)
+    for (int c = 0; c < C; ++c) a[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc[i] + d + 16 * c), _mm512_set1_ps(corr[i]));
+  for (int p = 0; p < npairs; ++p) {
+    __m512i pj[QB];
+    for (int i = 0; i < QB; ++i) pj[i] = _mm512_set1_epi32(int(pp[i][p]));
+    const uint16_t* row = vb + (size_t(p) * Dv + d) * 2;
+    for (int c = 0; c < C; ++c) {
+      const __m512i x = _mm512_loadu_si512(row + 32 * c);
+      for (int i = 0; i < QB; ++i) a[i][c] = dot(a[i][c], x, pj[i]);
+    }
+  }
+  for (int i = 0; i < QB; ++i)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc[i] + d + 16 * c, a[i][c]);
+}
+
+template <int QB>
+CPX_BF16DOT_INLINE void pv_bf16(float* const* acc, const float* corr, const uint32_t* const* pp, const uint16_t* vb,
+                                int npairs, int Dv) {
+  int d = 0;
+  for (; d + 64 <= Dv; d += 64) pv_bf16_chunks<QB, 4>(acc, corr, pp, vb, npairs, Dv, d);
+  for (; d < Dv; d += 16) pv_bf16_chunks<QB, 1>(acc, corr, pp, vb, npairs, Dv, d);  // Dv: a multiple of 16
+}
+
+// Rows r0, r1 (Dv values each) interleaved into dst: dst[2e] = r0[e], dst[2e + 1] = r1[e].
+CPX_BF16DOT_INLINE void interleave_pair(const uint16_t* r0, const uint16_t* r1, int Dv, uint16_t* dst) {
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                             37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int e = 0; e < Dv; e += 32) {
+    const __m512i a = load_words(r0 + e, Dv - e), b = load_words(r1 + e, Dv - e);
+    _mm512_storeu_si512(dst + 2 * e, _mm512_permutex2var_epi16(a, lo, b));
+    if (e + 16 < Dv) _mm512_storeu_si512(dst + 2 * e + 32, _mm512_permutex2var_epi16(a, hi, b));
+  }
+}
+
+// A query's probabilities sc[0..nv) as bf16 into dst[0..ls), zero past nv (an odd nv's pair partner).
+CPX_BF16DOT_INLINE void round_probs(const float* sc, int nv, int ls, uint16_t* dst) {
+  for (int j = 0; j < ls; j += 32) {
+    const int a = std::clamp(nv - j, 0, 16), b = std::clamp(nv - j - 16, 0, 16);
+    const __m512 x0 = _mm512_maskz_loadu_ps(__mmask16((1u << a) - 1), sc + j);
+    const __m512 x1 = _mm512_maskz_loadu_ps(__mmask16((1u << b) - 1), sc + j + 16);
+    _mm512_storeu_si512(dst + j, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(x1, x0)));
+  }
+}
+
+}  // namespace
+
+// The buffer a task needs (floats): the group's queries as bf16 rows padded to 32 values, a chunk's
+// values interleaved, and the queries' probabilities as bf16.
+size_t mla_bf16_buffer(int max_nq, int D, int Dv) {
+  const size_t Dp = size_t(D + 31) / 32 * 32;
+  return (size_t(max_nq) * (Dp + kMaxChunk) + size_t(kMaxChunk) * Dv) / 2 + 64;
+}
+
+namespace {
+
+// One task (run_task's walk for MLA: one KV head, every query of the group by head, four key tiles a
+// chunk), for a bf16 cache.
+CPX_BF16DOT void run_mla_bf16(const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, int k0,
+                              int k1, float scale, const float* q, float* st, float* scores, float* buf) {
+  const int D = L.D, Dv = L.Dv, Dp = (D + 31) / 32 * 32;
+  const int nq = g.nt * g.nh, sw = 2 + Dv;
+  for (int i = 0; i < nq; ++i) {
+    st[size_t(i) * sw] = -INFINITY;
+    st[size_t(i) * sw + 1] = 0.0f;
+    std::fill(st + size_t(i) * sw + 2, st + size_t(i) * sw + 2 + Dv, 0.0f);
+  }
+  const int32_t* slots = g.slots ? g.slots : kv.table + g.row * kv.table_stride;
+  constexpr int ls = kMaxChunk;
+  uint16_t* qb = reinterpret_cast<uint16_t*>(buf);  // [nq][Dp]
+  uint16_t* vb = qb + size_t(nq) * Dp;               // [ls / 2][Dv][2]
+  uint16_t* pb = vb + size_t(ls) * Dv;               // [nq][ls]
+  for (int ti = 0; ti < g.nt; ++ti)
+    for (int hi = 0; hi < g.nh; ++hi) {
+      const float* src = q + (g.t0 + ti) * L.q_tok + (g.h0 + hi) * L.q_head;
+      uint16_t* dst = qb + size_t(ti * g.nh + hi) * Dp;
+      for (int d = 0; d < Dp; d += 32) {
+        const int a = std::clamp(D - d, 0, 16), b = std::clamp(D - d - 16, 0, 16);
+        const __m512 x0 = _mm512_maskz_loadu_ps(__mmask16((1u << a) - 1), src + d);
+        const __m512 x1 = _mm512_maskz_loadu_ps(__mmask16((1u << b) - 1), src + d + 16);
+        _mm512_storeu_si512(dst + d, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(x1, x0)));
+      }
+    }
+  float* corr = scores + size_t(nq) * ls;
+  const uint16_t* krow[kKeyTile];
+  const uint16_t* vrow[ls];
+  const uint16_t* qv[kQB];
+  float* acc[kQB];
+  const uint32_t* pp[kQB];
+  const int kbytes = D * int(sizeof(uint16_t));
+  const bool far_lead = L.far_lead && g.nt == 1;  // as run_task's
+  int seen[kTokBlock];
+  auto see = [&](int k, int n) {
+    for (int ti = 0; ti < g.nt; ++ti) {
+      const int64_t limit = g.slots ? g.keys - 1 : tok.pos[g.t0 + ti];
+      seen[ti] = k > limit ? 0 : int(std::min<int64_t>(n, limit - k + 1));
+    }
+  };
+  auto row = [&](int j) { return kv_ptr<uint16_t>(kv.k, kv.k_stride, slots[j], 0); };
+  for (int kc = k0; kc < k1; kc += ls) {
+    const int nc = std::min(ls, k1 - kc);
+    for (int kt = kc; kt < kc + nc; kt += kKeyTile) {
+      const int nk = std::min(kKeyTile, kc + nc - kt);
+      // the next tile into L1 and, for a decode token, the one kFarTiles on into L2 (run_task's leads)
+      const int next = kt + kKeyTile, n_next = std::max(0, std::min(int(g.keys), next + kKeyTile) - next);
+      const int far = kt + kFarTiles * kKeyTile;
+      const int n_far = far_lead ? std::max(0, std::min(int(g.keys), far + kKeyTile) - far) : 0;
+      for (int j = far; j < far + n_far; ++j) prefetch_row<2>(row(j), kbytes);
+      for (int j = next; j < next + n_next; ++j) prefetch_row(row(j), kbytes);
+      see(kt, nk);
+      for (int j = 0; j < nk; ++j) krow[j] = vrow[kt - kc + j] = row(kt + j);
+      for (int j = nk; j < kKeyTile; ++j) krow[j] = krow[0];  // a short tile's spare keys read a real row
+      for (int ti = 0; ti < g.nt; ++ti) {
+        const int nv = seen[ti];
+        if (nv == 0) continue;
+        for (int h = 0; h < g.nh; h += kQB) {
+          const int n = std::min(kQB, g.nh - h), qi = ti * g.nh + h;
+          for (int i = 0; i < n; ++i) qv[i] = qb + size_t(qi + i) * Dp;
+          float* s = scores + size_t(qi) * ls + (kt - kc);
+          for (int j = 0; j < nv; j += 4) {
+            switch (n) {
+              case 4: dots4_bf16<4>(qv, krow + j, D, s + j, ls); break;
+              case 3: dots4_bf16<3>(qv, krow + j, D, s + j, ls); break;
+              case 2: dots4_bf16<2>(qv, krow + j, D, s + j, ls); break;
+              default: dots4_bf16<1>(qv, krow + j, D, s + j, ls); break;
+            }
+          }
+        }
+      }
+    }
+    // the chunk's softmax update of each query that sees it, its probabilities rounded to bf16
+    see(kc, nc);
+    for (int ti = 0; ti < g.nt; ++ti) {
+      const int t = g.t0 + ti, nv = seen[ti];
+      if (nv == 0) continue;
+      float* dump = tok.dump && !g.slots ? tok.dump[t] : nullptr;  // AttnTokens::dump
+      const int64_t dn = tok.pos[t] + 1, dtiles = (dn + kAttnDumpTile - 1) / kAttnDumpTile;
+      for (int hi = 0; hi < g.nh; ++hi) {
+        const int qi = ti * g.nh + hi;
+        const size_t h = size_t(g.h0 + hi);
+        float* de = dump ? dump + h * dn + kc : nullptr;
+        float* ds = dump ? dump + size_t(L.H) * dn + (h * dtiles + kc / kAttnDumpTile) * 2 : nullptr;
+        softmax_chunk<16>(scores + size_t(qi) * ls, nv, scale, st + size_t(qi) * sw, corr[qi], de, ds);
+        round_probs(scores + size_t(qi) * ls, nv, ls, pb + size_t(qi) * ls);
+      }
+    }
+    // the values: the key rows' first Dv values, two keys a lane (a last odd key with its own row again,
+    // under a zero probability)
+    const int npairs = (nc + 1) / 2;
+    for (int p = 0; p < npairs; ++p)
+      interleave_pair(vrow[2 * p], 2 * p + 1 < nc ? vrow[2 * p + 1] : vrow[2 * p], Dv, vb + size_t(p) * Dv * 2);
+    for (int ti = 0; ti < g.nt; ++ti) {
+      const int nv = seen[ti];
+      if (nv == 0) continue;
+      for (int h = 0; h < g.nh; h += kQB) {
+        const int n = std::min(kQB, g.nh - h), qi = ti * g.nh + h;
+        bool any = false;
+        float c[kQB];
+        for (int i = 0; i < n; ++i) {
+          float* sq = st + size_t(qi + i) * sw;
+          acc[i] = sq + 2;
+          c[i] = corr[qi + i];
+          pp[i] = reinterpret_cast<const uint32_t*>(pb + size_t(qi + i) * ls);
+          any |= sq[0] != -INFINITY;
+        }
+        if (!any) continue;
+        const int np = (nv + 1) / 2;
+        switch (n) {
+          case 4: pv_bf16<4>(acc, c, pp, vb, np, Dv); break;
+          case 3: pv_bf16<3>(acc, c, pp, vb, np, Dv); break;
+          case 2: pv_bf16<2>(acc, c, pp, vb, np, Dv); break;
+          default: pv_bf16<1>(acc, c, pp, vb, np, Dv); break;
+        }
+      }
+    }
+  }
+}
+
+struct Build_avx512bf16 {
+  template <class KT, int DN>
+  __attribute__((noinline)) static void task(const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g,
+                                             int k0, int k1, float scale, const float* q, float* st, float* scores,
+                                             float* buf) {
+    if constexpr (std::is_same_v<KT, uint16_t> && DN == 0) {
+      run_mla_bf16(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
+    } else {  // attention.cpp sends MLA over a bf16 cache here, nothing else
+      std::abort();
+    }
+  }
+};
+
+}  // namespace
+
+CPX_BF16DOT void task_entry_mla_bf16 CPX_ATTN_TASK_PARAMS { task_entry_impl<Build_avx512bf16> CPX_ATTN_TASK_ARGS; }
+
+#else  // no x86: never called (Layout::bf16_dot is false)
+size_t mla_bf16_buffer(int, int, int) { return 0; }
+void task_entry_mla_bf16 CPX_ATTN_TASK_PARAMS { std::abort(); }
+#endif
+
+}  // namespace attn
+}  // namespace cpx
