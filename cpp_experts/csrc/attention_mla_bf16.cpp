@@ -12,11 +12,10 @@
 // kernels round P before their P·V product. So the result is within bf16 rounding of the fp32 kernel's,
 // not equal to it (tests/cpp_experts/test_attention.py states the tolerance).
 //
-// Measured on a 2-core Zen 4 VM (16 heads, r 512 + 64, builds in alternating processes, two rounds): one
-// layer's 4096-token prefill 1.90-2.04 s -> 1.18-1.20 s (~250 GFLOP/s), 512 tokens 33.3-33.5 -> 24.1-24.8
-// ms; one decode token over 4096 keys, 12 layers' caches read in turn, 1207-1298 -> 751-806 us a layer.
-// The DeepSeek-shaped q8_0 file: pp2048 378-409 -> 485 tok/s, decode after 4096 tokens 35.0 -> 36.6
-// tok/s (attention 5028 -> 3511 us a step; bench/results/*mla_bf16_dot*).
+// Measured on a 2-core Zen 4 VM (16 heads, r 512 + 64, one layer a call, the fp32 kernel's build and this
+// one in alternating processes, two rounds): a 2048-token prefill 463-486 -> 259-260 ms (~280 GFLOP/s, 0.63
+// of vdpbf16ps's peak), 512 tokens 32.0-34.0 -> 19.3-19.5 ms; one decode token over 4096 keys, 12 layers'
+// caches read in turn, 1135-1186 -> 610-624 us a layer, over 512 scattered keys 180-191 -> 112-114 us.
 //
 // Per query and key the arithmetic is fixed: a query's scores are its dot products in 32-value steps (the
 // lanes summed by hsum4), its values are added a pair of keys at a time, the pairs at even offsets of
@@ -48,7 +47,7 @@ CPX_BF16DOT_INLINE __m512i load_words(const uint16_t* p, int n) {
 }
 
 CPX_BF16DOT_INLINE __m512 dot(__m512 acc, __m512i a, __m512i b) {
-  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);  // bit casts (reinterpret_cast went through memory)
 }
 
 // Scores of QB queries (bf16 rows of Dp values, zero past D) against keys k[0..3].
@@ -67,6 +66,13 @@ CPX_BF16DOT_INLINE void dots4_bf16(const uint16_t* const* q, const uint16_t* con
   }
   for (int i = 0; i < QB; ++i)
     Lanes<16>::hsum4(vec::v16f(a[i][0]), vec::v16f(a[i][1]), vec::v16f(a[i][2]), vec::v16f(a[i][3]), s + i * ls);
+}
+
+// A tile's scores: QB queries against keys krow[0..n), four at a time (spare keys up to n rounded up to 4).
+template <int QB>
+CPX_BF16DOT __attribute__((noinline)) void score_tile_bf16(const uint16_t* const* q, const uint16_t* const* krow,
+                                                          int n, int D, float* s, int ls) {
+  for (int j = 0; j < n; j += 4) dots4_bf16<QB>(q, krow + j, D, s + j, ls);
 }
 
 // acc = acc * corr + sum over pairs p of (v[2p] pp[2p] + v[2p+1] pp[2p+1]) for QB queries, C vectors of 16
@@ -91,8 +97,10 @@ CPX_BF16DOT_INLINE void pv_bf16_chunks(float* const* acc, const float* corr, con
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc[i] + d + 16 * c, a[i][c]);
 }
 
+// Not inlined, as score_tile_bf16: inside run_mla_bf16 GCC kept the softmax's constants in registers
+// across the loops and spilled this loop's broadcasts to the stack (a store and loads per pair).
 template <int QB>
-CPX_BF16DOT_INLINE void pv_bf16(float* const* acc, const float* corr, const uint32_t* const* pp, const uint16_t* vb,
+CPX_BF16DOT __attribute__((noinline)) void pv_bf16(float* const* acc, const float* corr, const uint32_t* const* pp, const uint16_t* vb,
                                 int npairs, int Dv) {
   int d = 0;
   for (; d + 64 <= Dv; d += 64) pv_bf16_chunks<QB, 4>(acc, corr, pp, vb, npairs, Dv, d);
@@ -195,13 +203,11 @@ CPX_BF16DOT void run_mla_bf16(const PagedKv& kv, const AttnTokens& tok, const La
           const int n = std::min(kQB, g.nh - h), qi = ti * g.nh + h;
           for (int i = 0; i < n; ++i) qv[i] = qb + size_t(qi + i) * Dp;
           float* s = scores + size_t(qi) * ls + (kt - kc);
-          for (int j = 0; j < nv; j += 4) {
-            switch (n) {
-              case 4: dots4_bf16<4>(qv, krow + j, D, s + j, ls); break;
-              case 3: dots4_bf16<3>(qv, krow + j, D, s + j, ls); break;
-              case 2: dots4_bf16<2>(qv, krow + j, D, s + j, ls); break;
-              default: dots4_bf16<1>(qv, krow + j, D, s + j, ls); break;
-            }
+          switch (n) {
+            case 4: score_tile_bf16<4>(qv, krow, nv, D, s, ls); break;
+            case 3: score_tile_bf16<3>(qv, krow, nv, D, s, ls); break;
+            case 2: score_tile_bf16<2>(qv, krow, nv, D, s, ls); break;
+            default: score_tile_bf16<1>(qv, krow, nv, D, s, ls); break;
           }
         }
       }
