@@ -4,8 +4,9 @@ for N in `--batch`; tok/s is the batch's tokens a second. Where the served bench
 16 streams against llama-server, this one isolates the forward, and compares builds of the extension:
 `--lib LABEL=PATH` (repeatable) times a build of cpp_experts/_C besides the installed one, each round in
 a fresh process per build (the library is chosen at import, MLASERVE_CPP_EXPERTS_LIB), the builds'
-order reversed every other round; ratios are per round against the first build, then the median. The
-forward runs on the process's thread pool (every core it may use, as the engine's). With `--profile` each
+order reversed every other round; ratios are per round against the first build, then the median. Each
+prompt is prefilled in one forward before its batch decodes, and that time is reported too
+(`prefill_tok_s`: the median prompt's tokens a second). The forward runs on the process's thread pool (every core it may use, as the engine's). With `--profile` each
 process also times the native forward's phases over the same steps.
 
     .venv/bin/python bench/batch_decode_cpu.py [--batch 4 8 16] [--lib before=/tmp/old/_C.so] [--out x.json]
@@ -56,10 +57,12 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for n in args.batch:
         rows = [r.req_to_token_pool.alloc() for _ in range(n)]
-        toks, pos = [], []
+        toks, pos, prefill = [], [], []
         for row in rows:
             prompt = torch.randint(10, loaded.config.vocab_size, (args.prompt_len,), generator=g).tolist()
+            t = time.perf_counter()
             toks.append(int(r.greedy(r.forward(r.build_batch([RequestSlice(row, 0, prompt)])))[-1]))
+            prefill.append(time.perf_counter() - t)
             pos.append(args.prompt_len)
 
         def step() -> None:
@@ -74,7 +77,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(args.decode):
             step()
         dt = (time.perf_counter() - t) / args.decode
-        row_out: dict[str, Any] = {"step_ms": dt * 1e3, "tok_s": n / dt}
+        row_out: dict[str, Any] = {"step_ms": dt * 1e3, "tok_s": n / dt,
+                                   "prefill_tok_s": args.prompt_len / statistics.median(prefill)}
         if args.profile:
             row_out["profile"] = phase_profile(plan.profile(reset=True), dt)
             plan.set_profiling(False)
@@ -126,6 +130,7 @@ def main() -> int:
             runs[label].append(json.loads(proc.stdout.strip().splitlines()[-1]))
         print(f"round {rnd + 1}: " + "; ".join(
             f"{label} " + ", ".join(f"{n}: {runs[label][-1][str(n)]['tok_s']:.0f}" for n in args.batch)
+            + f" (prefill {runs[label][-1][str(args.batch[0])]['prefill_tok_s']:.0f})"
             for label in builds) + " tok/s", flush=True)
     first = next(iter(builds))
     result: dict[str, Any] = {
@@ -138,12 +143,16 @@ def main() -> int:
         for n in args.batch:
             key = str(n)
             tok = [run[key]["tok_s"] for run in runs[label]]
+            pre = [run[key]["prefill_tok_s"] for run in runs[label]]
             entry: dict[str, Any] = {"tok_s": statistics.median(tok), "tok_s_samples": tok,
-                                     "step_ms": statistics.median(run[key]["step_ms"] for run in runs[label])}
+                                     "step_ms": statistics.median(run[key]["step_ms"] for run in runs[label]),
+                                     "prefill_tok_s": statistics.median(pre), "prefill_tok_s_samples": pre}
             if label != first:  # paired per round against the first build
                 pairs = [a[key]["tok_s"] / b[key]["tok_s"] for a, b in zip(runs[label], runs[first])]
                 entry[f"vs_{first}"] = statistics.median(pairs)
                 entry[f"vs_{first}_samples"] = pairs
+                pairs = [a[key]["prefill_tok_s"] / b[key]["prefill_tok_s"] for a, b in zip(runs[label], runs[first])]
+                entry[f"prefill_vs_{first}"] = statistics.median(pairs)
             if args.profile:
                 phases = [run[key]["profile"]["phases"] for run in runs[label]]
                 entry["phases_us_per_step"] = {

@@ -950,10 +950,11 @@ def test_batch_decode_bench_compares_builds(tmp_path: Path) -> None:
     for label in ("installed", "same"):
         for n in ("1", "3"):
             e = r["results"][label][n]
-            assert len(e["tok_s_samples"]) == 1 and e["tok_s"] > 0 and e["step_ms"] > 0
+            assert len(e["tok_s_samples"]) == 1 and e["tok_s"] > 0 and e["step_ms"] > 0 and e["prefill_tok_s"] > 0
             assert e["phases_us_per_step"]["attention"] > 0
     same = r["results"]["same"]["3"]
     assert same["vs_installed"] == pytest.approx(statistics.median(same["vs_installed_samples"]))
+    assert same["prefill_vs_installed"] > 0
     bad = subprocess.run([sys.executable, str(BENCH / "batch_decode_cpu.py"), "--lib", "nothing"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "LABEL=PATH" in bad.stderr

@@ -61,7 +61,7 @@ struct Task {
 
 // The build of the kernels this CPU runs (attention_kernels.h).
 void task_entry CPX_ATTN_TASK_PARAMS {
-  if (L.bf16_dot) return task_entry_mla_bf16 CPX_ATTN_TASK_ARGS;
+  if (L.bf16_dot) return task_entry_bf16_dot CPX_ATTN_TASK_ARGS;
   CPX_DISPATCH_CALL(task_entry, CPX_ATTN_TASK_ARGS);
 }
 
@@ -145,7 +145,7 @@ int plan(AttnScratch& scratch, int threads, const PagedKv& kv, const AttnTokens&
   P.state = size_t(max_nq) * (2 + L.Dv);
   // fp32 key and value tiles (bf16 caches), or a group's permuted queries (paired)
   size_t tiles = std::max(size_t(kKeyTile) * (L.D + L.Dv), L.paired ? size_t(max_nq) * L.D : size_t(0));
-  if (L.bf16_dot) tiles = std::max(tiles, mla_bf16_buffer(max_nq, L.D, L.Dv));
+  if (L.bf16_dot) tiles = std::max(tiles, bf16_dot_buffer(max_nq, L.D, L.Dv));
   P.scores = size_t(max_nq) * (kMaxChunk + 1);
   if (scratch.thread.size() < size_t(threads)) scratch.thread.resize(size_t(threads));
   for (auto& t : scratch.thread)
@@ -285,7 +285,10 @@ namespace {
 Layout gqa_layout(const PagedKv& kv, int H, int Hkv, int D, int Dv) {
   if (H <= 0 || Hkv <= 0 || H % Hkv) throw ArgError("query heads must be a positive multiple of the KV heads");
   Layout L{H, D, Dv, int64_t(H) * D, D, int64_t(H) * Dv, Dv, D, Dv, false, false};
-  L.paired = kv.type == KvType::BF16 && fixed_head_dim(L) != 0;
+  // vdpbf16ps where the CPU has it and the rows are bf16 (attention_bf16_dot.cpp: values sixteen at a
+  // time), else the fp32 kernels, bf16 rows read in the paired order at a fixed head dim
+  L.bf16_dot = kv.type == KvType::BF16 && attention_bf16_dot() && Dv % 16 == 0;
+  L.paired = kv.type == KvType::BF16 && !L.bf16_dot && fixed_head_dim(L) != 0;
   return L;
 }
 void run(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const Layout& L, int Hkv,
@@ -305,16 +308,15 @@ void attention_gqa(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const At
   run(pool, scratch, kv, tok, gqa_layout(kv, H, Hkv, D, Dv), Hkv, scale, q, out);
 }
 
-bool mla_bf16_dot() { return vec::has_avx512vl() && cpu_info().avx512_bf16; }
+bool attention_bf16_dot() { return vec::has_avx512vl() && cpu_info().avx512_bf16; }
 
 void attention_mla(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const float* q, int H,
                    int r, int P, float scale, float* out) {
   if (H <= 0 || r <= 0 || P < 0) throw ArgError("MLA attention needs positive heads and rank");
   const int D = r + P;
   Layout L{H, D, r, int64_t(H) * D, D, int64_t(H) * r, r, 0, 0, true, false};
-  // vdpbf16ps where the CPU has it and the rows are bf16 (attention_mla_bf16.cpp), unless the AVX2 build is
-  // forced (MLASERVE_CPP_EXPERTS_KERNEL=avx2); the values go sixteen at a time
-  L.bf16_dot = kv.type == KvType::BF16 && mla_bf16_dot() && r % 16 == 0;
+  // vdpbf16ps where the CPU has it and the rows are bf16 (attention_bf16_dot.cpp), as gqa_layout
+  L.bf16_dot = kv.type == KvType::BF16 && attention_bf16_dot() && r % 16 == 0;
   run(pool, scratch, kv, tok, L, 1, scale, q, out);
 }
 

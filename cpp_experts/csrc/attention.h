@@ -96,9 +96,11 @@ void run_attention_task(AttnScratch& scratch, int i, int tid);
 // asks for a layer's rows while the layer before it streams its weights (model.h).
 int64_t attention_task_bytes(const AttnScratch& scratch, int i);
 void prefetch_attention_task(const AttnScratch& scratch, int i, int64_t b0, int64_t b1);
-// Whether MLA over a bf16 cache runs the vdpbf16ps kernel (attention_mla_bf16.cpp): AVX512_BF16, and the
-// AVX2 build not forced. Its results are within bf16 rounding of the fp32 kernel's, not equal to them.
-bool mla_bf16_dot();
+// Whether attention over a bf16 cache (MLA, and GQA/MHA whose value width is a multiple of 16) runs the
+// vdpbf16ps kernels (attention_bf16_dot.cpp): AVX512_BF16, and the AVX2 build not forced
+// (MLASERVE_CPP_EXPERTS_KERNEL=avx2). Their results are within bf16 rounding of the fp32 kernels', not
+// equal to them: queries and probabilities are rounded to bf16, as GPU flash kernels round P.
+bool attention_bf16_dot();
 void attention_mla(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const float* q,
                    int H, int r, int P, float scale, float* out);
 

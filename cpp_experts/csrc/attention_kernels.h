@@ -50,7 +50,7 @@ struct Layout {
   bool paired;  // bf16 rows read in the paired order (paired_at), no fp32 tiles: GQA, D == Dv of 64 or 128
   int lanes = vec::lanes();  // the kernels' vector width W (the paired order's half period)
   bool far_lead = attention_far_lead();  // decode tokens ask for rows kFarTiles tiles ahead into L2
-  bool bf16_dot = false;  // MLA over a bf16 cache on AVX512_BF16: attention_mla_bf16.cpp's kernel
+  bool bf16_dot = false;  // a bf16 cache on AVX512_BF16: attention_bf16_dot.cpp's kernels (attention_bf16_dot())
 };
 
 // The kernels' vectors of W lanes: 8 (AVX2 and baseline builds) or 16 (AVX-512: half the multiply-adds
@@ -339,6 +339,29 @@ CPX_INLINE void softmax_chunk(float* sc, int nv, float scale, float* sq, float& 
   if (de) std::copy(sc, sc + nv, de);  // AttnTokens::dump
 }
 
+// The softmax update of each query of group g for the chunk from key kc (softmax_chunk): the queries of
+// token ti see seen[ti] of its keys (0: none); scores [nq][ls], their corrections corr [nq]; each token's
+// AttnTokens::dump, if any, gets its part. A -inf query adds nothing: its correction 1 and its
+// probabilities 0 leave acc as it is, as long as its block of heads has another query to add (else the
+// values are skipped).
+template <int W>
+CPX_INLINE void softmax_update(const AttnTokens& tok, const Layout& L, const Group& g, const int* seen, int kc, int ls,
+                               float scale, float* st, int sw, float* scores, float* corr) {
+  for (int ti = 0; ti < g.nt; ++ti) {
+    const int t = g.t0 + ti, nv = seen[ti];
+    if (nv == 0) continue;
+    float* dump = tok.dump && !g.slots ? tok.dump[t] : nullptr;
+    const int64_t dn = tok.pos[t] + 1, dtiles = (dn + kAttnDumpTile - 1) / kAttnDumpTile;
+    for (int hi = 0; hi < g.nh; ++hi) {
+      const int qi = ti * g.nh + hi;
+      const size_t h = size_t(g.h0 + hi);
+      float* de = dump ? dump + h * dn + kc : nullptr;
+      float* ds = dump ? dump + size_t(L.H) * dn + (h * dtiles + kc / kAttnDumpTile) * 2 : nullptr;
+      softmax_chunk<W>(scores + size_t(qi) * ls, nv, scale, st + size_t(qi) * sw, corr[qi], de, ds);
+    }
+  }
+}
+
 // The rows of one key tile as fp32: the cache's rows themselves, or (bf16) widened into `buf`.
 template <class KT>
 CPX_INLINE void tile_rows(const KT* const* src, int nk, int n, float* buf, const float** rows) {
@@ -363,6 +386,48 @@ CPX_INLINE void prefetch_row(const void* p, int bytes) {
 }
 // How many key tiles ahead a task asks for its rows into L2 (beside the next tile into L1).
 constexpr int kFarTiles = 2;
+
+// KV head kh's share of the prefetches of the tile from key kt (the group's rows of kbytes and vbytes a
+// slot; MLA: no V rows), asked for with its turn rather than the whole tile at once.
+// Past the block's last tile, the first tile of the block after it: the pool gives each thread a
+// contiguous range of tasks, so that block is mostly this thread's next task, whose first keys
+// would otherwise be read cold (one decode token of SmolLM2's shape over 1536 keys in 16 blocks on
+// one thread of a 2-core Zen 5 VM: ~122 -> ~101 us a layer, scattered slots; SmolLM2 decode after a
+// 1536-token prompt on two threads, interleaved rounds: ~1.04-1.05x).
+// And the tile kFarTiles on into L2. The prefetches into L1 alone stall once its miss buffers are
+// full, so a task had few rows in flight: on a 2-core Zen 4 VM, SmolLM2's decode attention ran at
+// about half its warm-cache rate. With this lead (bench/batch_decode_cpu.py, builds alternating by
+// process, bench/results/batch_decode_cpu_zen4_avx512_l2_lead*.json): 16 requests at ~200 keys,
+// attention 9002 -> 7153 us a step, 1.09x; 4 requests 2616 -> 2203 us, 1.07x; one request after
+// 1536 tokens 3439 -> 2618 us, 1.06x, and 8 of them 1.25x; one at ~200 keys, where the decode
+// program already asks for the layer's rows during the pass before, 0.94-1.01x in three runs
+// (about neutral). 4, 6 or 8 tiles on measured the same as 2 within the noise. Decode
+// tokens only (a group of one token): a prefill's groups read rows the groups before them have
+// just read, and there the lead cost a 1536-token prefill ~6% (7 of 8 alternating pairs). Not on
+// Zen 5, where these bursts stall the core and the lead cost (cpu.h, attention_far_lead); spread a
+// share per KV head, as the L1 lead is, it measured no better there than none.
+// Spread so, a share with each KV head's turn rather than the whole tile as the tile starts, it
+// measured faster on the Zen 4 VM, where a decode group holds every KV head (SmolLM2's 3; MLA's one
+// group has a single turn, as before): one decode token over 4096 keys of a bf16 cache, 30 layers'
+// caches from DRAM in turn, ~180-194 -> ~166-184 us a layer with contiguous slots and ~204-223 ->
+// ~161-183 with scattered ones (3 alternating pairs); SmolLM2 decode after a 4096-token prompt
+// 1.124x (attention 5195 -> 4518 us a step, 6 rounds, batch_decode_cpu_zen4_avx512_far_lead_spread_
+// 4096.json); 1, 8 and 16 requests at ~200 keys 1.02x, 0.99x and 1.10x (_200.json), within the noise.
+template <class KT>
+CPX_INLINE void prefetch_turn(const PagedKv& kv, const Layout& L, const Group& g, const int32_t* slots, int kt, int kh,
+                              bool far_lead, int kbytes, int vbytes) {
+  const int next = kt + kKeyTile, n_next = std::max(0, std::min(int(g.keys), next + kKeyTile) - next);
+  const int far = kt + kFarTiles * kKeyTile;
+  const int n_far = far_lead ? std::max(0, std::min(int(g.keys), far + kKeyTile) - far) : 0;
+  for (int j = far + kh * n_far / g.nkv; j < far + (kh + 1) * n_far / g.nkv; ++j) {
+    prefetch_row<2>(kv_ptr<KT>(kv.k, kv.k_stride, slots[j], g.kv_head * L.k_head_off), kbytes);
+    if (!L.mla) prefetch_row<2>(kv_ptr<KT>(kv.v, kv.v_stride, slots[j], g.kv_head * L.v_head_off), vbytes);
+  }
+  for (int j = next + kh * n_next / g.nkv; j < next + (kh + 1) * n_next / g.nkv; ++j) {
+    prefetch_row(kv_ptr<KT>(kv.k, kv.k_stride, slots[j], g.kv_head * L.k_head_off), kbytes);
+    if (!L.mla) prefetch_row(kv_ptr<KT>(kv.v, kv.v_stride, slots[j], g.kv_head * L.v_head_off), vbytes);
+  }
+}
 
 // One call's queries (next_call): qb queries that each see nv keys, the first of token t and head h of the
 // group, the others the next tokens of that head (by token) or the next heads of that token (by head).
@@ -479,43 +544,9 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
       if (kt == k0 && !L.mla)
         for (int j = 0; j < nk; ++j)
           prefetch_row(kv_ptr<KT>(vbase, vstride, slots[kt + j], g.kv_head * L.v_head_off), vbytes);
-      // Past the block's last tile, the first tile of the block after it: the pool gives each thread a
-      // contiguous range of tasks, so that block is mostly this thread's next task, whose first keys
-      // would otherwise be read cold (one decode token of SmolLM2's shape over 1536 keys in 16 blocks on
-      // one thread of a 2-core Zen 5 VM: ~122 -> ~101 us a layer, scattered slots; SmolLM2 decode after a
-      // 1536-token prompt on two threads, interleaved rounds: ~1.04-1.05x).
-      const int next = kt + kKeyTile, n_next = std::max(0, std::min(int(g.keys), next + kKeyTile) - next);
-      // And the tile kFarTiles on into L2. The prefetches into L1 alone stall once its miss buffers are
-      // full, so a task had few rows in flight: on a 2-core Zen 4 VM, SmolLM2's decode attention ran at
-      // about half its warm-cache rate. With this lead (bench/batch_decode_cpu.py, builds alternating by
-      // process, bench/results/batch_decode_cpu_zen4_avx512_l2_lead*.json): 16 requests at ~200 keys,
-      // attention 9002 -> 7153 us a step, 1.09x; 4 requests 2616 -> 2203 us, 1.07x; one request after
-      // 1536 tokens 3439 -> 2618 us, 1.06x, and 8 of them 1.25x; one at ~200 keys, where the decode
-      // program already asks for the layer's rows during the pass before, 0.94-1.01x in three runs
-      // (about neutral). 4, 6 or 8 tiles on measured the same as 2 within the noise. Decode
-      // tokens only (a group of one token): a prefill's groups read rows the groups before them have
-      // just read, and there the lead cost a 1536-token prefill ~6% (7 of 8 alternating pairs). Not on
-      // Zen 5, where these bursts stall the core and the lead cost (cpu.h, attention_far_lead); spread a
-      // share per KV head, as the L1 lead is, it measured no better there than none.
-      // Spread so, a share with each KV head's turn rather than the whole tile as the tile starts, it
-      // measured faster on the Zen 4 VM, where a decode group holds every KV head (SmolLM2's 3; MLA's one
-      // group has a single turn, as before): one decode token over 4096 keys of a bf16 cache, 30 layers'
-      // caches from DRAM in turn, ~180-194 -> ~166-184 us a layer with contiguous slots and ~204-223 ->
-      // ~161-183 with scattered ones (3 alternating pairs); SmolLM2 decode after a 4096-token prompt
-      // 1.124x (attention 5195 -> 4518 us a step, 6 rounds, batch_decode_cpu_zen4_avx512_far_lead_spread_
-      // 4096.json); 1, 8 and 16 requests at ~200 keys 1.02x, 0.99x and 1.10x (_200.json), within the noise.
-      const int far = kt + kFarTiles * kKeyTile;
-      const int n_far = far_lead ? std::max(0, std::min(int(g.keys), far + kKeyTile) - far) : 0;
       see(kt, nk);
       for (int kh = 0; kh < g.nkv; ++kh) {
-        for (int j = far + kh * n_far / g.nkv; j < far + (kh + 1) * n_far / g.nkv; ++j) {
-          prefetch_row<2>(kv_ptr<KT>(kv.k, kv.k_stride, slots[j], g.kv_head * L.k_head_off), kbytes);
-          if (!L.mla) prefetch_row<2>(kv_ptr<KT>(vbase, vstride, slots[j], g.kv_head * L.v_head_off), vbytes);
-        }
-        for (int j = next + kh * n_next / g.nkv; j < next + (kh + 1) * n_next / g.nkv; ++j) {
-          prefetch_row(kv_ptr<KT>(kv.k, kv.k_stride, slots[j], g.kv_head * L.k_head_off), kbytes);
-          if (!L.mla) prefetch_row(kv_ptr<KT>(vbase, vstride, slots[j], g.kv_head * L.v_head_off), vbytes);
-        }
+        prefetch_turn<KT>(kv, L, g, slots, kt, kh, far_lead, kbytes, vbytes);
         const int64_t head = g.kv_head + kh;
         for (int j = 0; j < nk; ++j) ksrc[j] = kv_ptr<KT>(kv.k, kv.k_stride, slots[kt + j], head * L.k_head_off);
         if constexpr (kPaired)
@@ -542,21 +573,7 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
     }
     // the chunk's softmax update of each query that sees it
     see(kc, nc);
-    for (int ti = 0; ti < g.nt; ++ti) {
-      const int t = g.t0 + ti, nv = seen[ti];
-      if (nv == 0) continue;
-      float* dump = tok.dump && !g.slots ? tok.dump[t] : nullptr;  // AttnTokens::dump
-      const int64_t dn = tok.pos[t] + 1, dtiles = (dn + kAttnDumpTile - 1) / kAttnDumpTile;
-      for (int hi = 0; hi < g.nh; ++hi) {
-        const int qi = ti * g.nh + hi;
-        const size_t h = size_t(g.h0 + hi);
-        float* de = dump ? dump + h * dn + kc : nullptr;
-        float* ds = dump ? dump + size_t(L.H) * dn + (h * dtiles + kc / kAttnDumpTile) * 2 : nullptr;
-        // a -inf query adds nothing: its correction 1 and its probabilities 0 leave acc as it is, as
-        // long as its block of heads has another query to add (else the values are skipped)
-        softmax_chunk<W>(scores + size_t(qi) * ls, nv, scale, st + size_t(qi) * sw, corr[qi], de, ds);
-      }
-    }
+    softmax_update<W>(tok, L, g, seen, kc, ls, scale, st, sw, scores, corr);
     // the values, a KV head at a time
     for (int kh = 0; kh < g.nkv; ++kh) {
       const int64_t head = g.kv_head + kh;
@@ -695,10 +712,10 @@ CPX_INLINE void task_entry_impl(const PagedKv& kv, const AttnTokens& tok, const 
   };                                                                                                         \
   ATTR void task_entry_##NAME CPX_ATTN_TASK_PARAMS { task_entry_impl<Build_##NAME> CPX_ATTN_TASK_ARGS; }
 void task_entry_avx512 CPX_ATTN_TASK_PARAMS;
-// MLA over a bf16 cache with vdpbf16ps (attention_mla_bf16.cpp; Layout::bf16_dot), and the floats of
-// per-thread buffer its task needs
-void task_entry_mla_bf16 CPX_ATTN_TASK_PARAMS;
-size_t mla_bf16_buffer(int max_nq, int D, int Dv);
+// Attention over a bf16 cache with vdpbf16ps (attention_bf16_dot.cpp; Layout::bf16_dot), and the floats
+// of per-thread buffer its task needs
+void task_entry_bf16_dot CPX_ATTN_TASK_PARAMS;
+size_t bf16_dot_buffer(int max_nq, int D, int Dv);
 void task_entry_avx2 CPX_ATTN_TASK_PARAMS;
 void task_entry_base CPX_ATTN_TASK_PARAMS;
 

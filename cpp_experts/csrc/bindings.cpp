@@ -125,7 +125,7 @@ py::dict info() {
   if (cpu.avx512_vnni && cpu.avx512_bf16) kernels.push_back("amx_emulated");  // for tests: AMX code, tiles modelled
   d["kernels"] = kernels;
   d["default_threads"] = cpx::default_threads();
-  d["mla_bf16_dot"] = cpx::mla_bf16_dot();  // MLA over a bf16 cache with vdpbf16ps (attention.h)
+  d["attention_bf16_dot"] = cpx::attention_bf16_dot();  // attention over a bf16 cache on vdpbf16ps (attention.h)
   d["attention_lanes"] = cpx::vec::lanes();  // the attention kernels' vector width (16: the AVX-512 build)
   return d;
 }

@@ -174,17 +174,18 @@ def routing(T: int, E: int, k: int, mode: str, seed: int) -> tuple[torch.Tensor,
     return ids, w
 
 
-def mla_bf16_dot() -> bool:
-    """Whether MLA attention over a bf16 cache runs the vdpbf16ps kernel here (AVX512_BF16): its query is
-    rounded to bf16 and its probabilities too, so its results are within bf16 rounding of exact ones."""
-    return bool(cpp_experts.info()["mla_bf16_dot"])
+def bf16_dot(Dv: int = 16) -> bool:
+    """Whether attention over a bf16 cache with value width Dv runs the vdpbf16ps kernels here (AVX512_BF16,
+    Dv a multiple of 16; MLA's is its rank): its query is rounded to bf16 and its probabilities too, so its
+    results are within bf16 rounding of exact ones."""
+    return bool(cpp_experts.info()["attention_bf16_dot"]) and Dv % 16 == 0
 
 
 def assert_bf16_dot_close(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
-    """The vdpbf16ps MLA kernel against a reference given the same bf16-rounded query: what is left is the
-    bf16 rounding of the probabilities. Measured on random latents and queries (4 to 20 heads, 1 to ~700
-    keys): at most ~5e-3 and ~5e-4 root mean square; a key left out or added moves the output by ~1/keys
-    everywhere, a pair of keys misplaced by far more."""
+    """The vdpbf16ps kernels against a reference given the same bf16-rounded query: what is left is the
+    bf16 rounding of the probabilities. Measured on random latents and queries (MLA: 4 to 20 heads, 1 to
+    ~700 keys): at most ~5e-3 and ~5e-4 root mean square; a key left out or added moves the output by
+    ~1/keys everywhere, a pair of keys misplaced by far more."""
     err = (got.double() - want.double()).abs()
     assert float(err.max()) <= 1e-2 and float(err.pow(2).mean().sqrt()) <= 1e-3, (
         f"{what}: max {float(err.max()):.2e}, rms {float(err.pow(2).mean().sqrt()):.2e}")

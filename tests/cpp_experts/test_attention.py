@@ -12,7 +12,7 @@ import torch
 
 import cpp_experts
 
-from tests.cpp_experts.helpers import assert_bf16_dot_close, mla_bf16_dot
+from tests.cpp_experts.helpers import assert_bf16_dot_close, bf16_dot
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +59,25 @@ def reference(q, keys, values, table, rows, pos, scale):
     return out.float()
 
 
+def rms(x: torch.Tensor) -> float:
+    return float(x.double().pow(2).mean().sqrt())
+
+
+def check_gqa(got, q, K, V, table, rows, pos, scale, what, exact=None):
+    """A GQA output against the reference: within 2e-5 from the fp32 kernels; from the vdpbf16ps ones (a bf16
+    cache, AVX512_BF16, Dv a multiple of 16: query and probabilities rounded to bf16) close to the reference
+    given the same rounded query, and, given the unrounded (K, V) `exact`, no further from the exact result
+    than the cache's own rounding takes the reference (root mean square, 1.5x)."""
+    want = reference(q, K.float(), V.float(), table, rows, pos, scale)
+    if K.dtype == torch.float32 or not bf16_dot(V.shape[-1]):
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, msg=what)
+        return
+    assert_bf16_dot_close(got, reference(q.bfloat16().float(), K.float(), V.float(), table, rows, pos, scale), what)
+    if exact is not None:
+        unrounded = reference(q, *exact, table, rows, pos, scale)
+        assert rms(got - want) <= 1.5 * rms(want - unrounded), what
+
+
 CASES = [  # (request lengths, new tokens per request)
     ([1], [1]),
     ([37], [1]),
@@ -75,15 +94,14 @@ def test_gqa_matches_reference(attn, dtype, H, Hkv, D, Dv):
     g = torch.Generator().manual_seed(H * 1000 + D)
     slots = 2048
     for lens, new in CASES:
-        K = (torch.randn(slots, Hkv, D, generator=g) * 2).to(dtype)
-        V = torch.randn(slots, Hkv, Dv, generator=g).to(dtype)
+        Ke, Ve = torch.randn(slots, Hkv, D, generator=g) * 2, torch.randn(slots, Hkv, Dv, generator=g)
+        K, V = Ke.to(dtype), Ve.to(dtype)
         table = make_table(lens, slots, g)
         rows, pos = batch(lens, new)
         q = torch.randn(len(rows), H, D, generator=g)
         scale = D ** -0.5
         got = attn.gqa(q, K, V, table, rows, pos, scale)
-        want = reference(q, K.float(), V.float(), table, rows, pos, scale)
-        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, msg=f"{lens} {new} {dtype}")
+        check_gqa(got, q, K, V, table, rows, pos, scale, f"{lens} {new} {dtype}", exact=(Ke, Ve))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -105,14 +123,13 @@ def test_mla_matches_reference(attn, dtype, H, r, P):
         got = attn.mla(q, latent, table, rows, pos, r, scale)
         lat = latent.float()[:, None, :]
         want = reference(q, lat, lat[..., :r], table, rows, pos, scale)
-        if dtype == torch.float32 or not mla_bf16_dot():
+        if dtype == torch.float32 or not bf16_dot(r):
             torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, msg=f"{lens} {new} {dtype}")
             continue
         assert_bf16_dot_close(got, reference(q.bfloat16().float(), lat, lat[..., :r], table, rows, pos, scale),
                               f"{lens} {new}")
         ex = exact[:, None, :]
         unrounded = reference(q, ex, ex[..., :r], table, rows, pos, scale)
-        rms = lambda x: float(x.double().pow(2).mean().sqrt())  # noqa: E731
         assert rms(got - want) <= 1.5 * rms(want - unrounded), f"{lens} {new}"
 
 
@@ -148,8 +165,7 @@ def test_decode_grouping_keeps_the_bits(attn, dtype):
     with cpp_experts.WorkerPool(24) as wide:  # 700 keys make 10 blocks: fewer than two per thread
         per_head = cpp_experts.PagedAttention(wide).gqa(q, K, V, table, rows, pos, 0.125)
     assert torch.equal(whole, per_head)
-    want = reference(q, K.float(), V.float(), table, rows, pos, 0.125)
-    torch.testing.assert_close(whole, want, rtol=2e-5, atol=2e-5)
+    check_gqa(whole, q, K, V, table, rows, pos, 0.125, str(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -169,8 +185,7 @@ def test_a_batch_of_decode_tokens_reads_whole_slots_with_the_bits_of_one_token(a
     for i in range(len(lens)):
         alone = attn.gqa(q[i:i + 1].contiguous(), K, V, table, rows[i:i + 1], pos[i:i + 1], 0.125)
         assert torch.equal(together[i:i + 1], alone), i
-    want = reference(q, K.float(), V.float(), table, rows, pos, 0.125)
-    torch.testing.assert_close(together, want, rtol=2e-5, atol=2e-5)
+    check_gqa(together, q, K, V, table, rows, pos, 0.125, str(dtype))
 
 
 
@@ -225,11 +240,14 @@ with cpp_experts.WorkerPool(2) as pool:
             V = torch.randn(slots, Hkv, D, generator=g).to(dtype)
             q = torch.randn(len(rows), H, D, generator=g)
             got = attn.gqa(q, K, V, table, rows, pos, 0.125)
-            out[f"gqa {dtype} {H} {D}"] = (got, reference(q, K.float(), V.float(), table, rows, pos, 0.125))
+            dot = dtype == torch.bfloat16 and cpp_experts.info()["attention_bf16_dot"] and D % 16 == 0
+            qr = q.bfloat16().float() if dot else q  # the vdpbf16ps kernels round the query to bf16
+            out[f"gqa {dtype} {H} {D}" + (" bf16 dot" if dot else "")] = (
+                got, reference(qr, K.float(), V.float(), table, rows, pos, 0.125))
         latent = torch.randn(slots, 48 + 8, generator=g).to(dtype)
         q = torch.randn(len(rows), 4, 48 + 8, generator=g)
         lat = latent.float()[:, None, :]
-        dot = dtype == torch.bfloat16 and cpp_experts.info()["mla_bf16_dot"]  # its query rounded to bf16
+        dot = dtype == torch.bfloat16 and cpp_experts.info()["attention_bf16_dot"]  # its query rounded to bf16
         qr = q.bfloat16().float() if dot else q
         out[f"mla {dtype}" + (" bf16 dot" if dot else "")] = (
             attn.mla(q, latent, table, rows, pos, 48, 0.1), reference(qr, lat, lat[..., :48], table, rows, pos, 0.1))
@@ -241,9 +259,9 @@ torch.save(out, sys.argv[1])
 def test_avx512_and_avx2_builds_both_match_the_reference(tmp_path):
     """Attention is one source templated on its vector width: 16 lanes in the AVX-512 build, 8 in the
     AVX2 one (their sums differ in the last bits). Where the CPU has both, the first runs, and
-    MLASERVE_CPP_EXPERTS_KERNEL=avx2 takes the second (per process): each must match the reference. MLA over
-    a bf16 cache runs the vdpbf16ps kernel in the first where the CPU has AVX512_BF16, the fp32 one in the
-    second."""
+    MLASERVE_CPP_EXPERTS_KERNEL=avx2 takes the second (per process): each must match the reference. A bf16
+    cache (MLA, and GQA with head dims that are multiples of 16) runs the vdpbf16ps kernels in the first where
+    the CPU has AVX512_BF16, the fp32 ones in the second."""
     import os
     import subprocess
     import sys
@@ -259,7 +277,7 @@ def test_avx512_and_avx2_builds_both_match_the_reference(tmp_path):
         out = torch.load(path)
         assert out.pop("lanes") == lanes, build
         for name, (got, want) in out.items():
-            if name.endswith("bf16 dot"):  # the vdpbf16ps MLA kernel (AVX512_BF16, not the AVX2 build)
+            if name.endswith("bf16 dot"):  # the vdpbf16ps kernels (AVX512_BF16, not the AVX2 build)
                 assert build == "default"
                 assert_bf16_dot_close(got, want, f"{build}: {name}")
             else:

@@ -16,7 +16,7 @@ import torch
 
 import cpp_experts
 from kernels.attention.omnikv import QueryHistory, importance, select_positions
-from tests.cpp_experts.helpers import assert_bf16_dot_close, mla_bf16_dot
+from tests.cpp_experts.helpers import assert_bf16_dot_close, bf16_dot
 
 HIDDEN, VOCAB, INTER = 64, 96, 80
 FULL, FILTER, SPARSE = 0, 1, 2
@@ -196,14 +196,18 @@ def test_slot_lists_attend_to_their_keys(pool, dtype):
                for i in range(T)]
         lists = [sub[0]] + [None] * (T - 1)
         got = attn.gqa(q, K, V, table, rows, pos, 0.2, slot_lists=lists)
-        torch.testing.assert_close(got[0], _attend(q[0], K.float(), V.float(), sub[0], 0.2), rtol=2e-5, atol=2e-5)
+        if dtype == torch.bfloat16 and bf16_dot(D):  # the vdpbf16ps kernel: its query rounded to bf16
+            assert_bf16_dot_close(got[0], _attend(q[0].bfloat16().float(), K.float(), V.float(), sub[0], 0.2))
+        else:
+            torch.testing.assert_close(got[0], _attend(q[0], K.float(), V.float(), sub[0], 0.2), rtol=2e-5,
+                                       atol=2e-5)
         full = attn.gqa(q, K, V, table, rows, pos, 0.2)
         assert torch.equal(got[1:], full[1:])
         whole = [table[i + 1, : lens[i]].contiguous() for i in range(T)]
         assert torch.equal(attn.gqa(q, K, V, table, rows, pos, 0.2, slot_lists=whole), full)
         lat3 = lat.float()[:, None, :]
         got = attn.mla(qm, lat, table, rows, pos, 32, 0.1, slot_lists=lists)
-        if dtype == torch.bfloat16 and mla_bf16_dot():  # the vdpbf16ps kernel: its query rounded to bf16
+        if dtype == torch.bfloat16 and bf16_dot(32):  # the vdpbf16ps kernel: its query rounded to bf16
             assert_bf16_dot_close(got[0], _attend(qm[0].bfloat16().float(), lat3, lat3[..., :32], sub[0], 0.1))
         else:
             torch.testing.assert_close(got[0], _attend(qm[0], lat3, lat3[..., :32], sub[0], 0.1), rtol=2e-5,
@@ -292,7 +296,8 @@ def test_selection_matches_the_torch_reference(pool, kind, alpha, dtype):
                 if step >= 3 and alpha != "last_token" and i != 1:
                     assert len(qpos) == 4
                 slots = m.table[row, : p + 1].long()
-                if kind == "mla" and dtype == torch.bfloat16 and alpha == "last_token" and mla_bf16_dot():
+                dv = m.R if kind == "mla" else m.D
+                if dtype == torch.bfloat16 and alpha == "last_token" and bf16_dot(dv):
                     qw = qw.bfloat16().float()  # the dump of the vdpbf16ps kernel, which rounds its query so
                 imp = importance(qw, keys[layer][slots], qpos, w(len(qpos)), m.scale)
                 want = slots[select_positions(imp, budgets[i], 4, 16)].int()
