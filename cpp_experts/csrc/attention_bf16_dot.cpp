@@ -153,16 +153,6 @@ CPX_BF16DOT_INLINE void interleave_pair(const uint16_t* r0, const uint16_t* r1, 
   }
 }
 
-// A query's probabilities sc[0..nv) as bf16 into dst[0..ls), zero past nv (an odd nv's pair partner).
-CPX_BF16DOT_INLINE void round_probs(const float* sc, int nv, int ls, uint16_t* dst) {
-  for (int j = 0; j < ls; j += 32) {
-    const int a = std::clamp(nv - j, 0, 16), b = std::clamp(nv - j - 16, 0, 16);
-    const __m512 x0 = _mm512_maskz_loadu_ps(__mmask16((1u << a) - 1), sc + j);
-    const __m512 x1 = _mm512_maskz_loadu_ps(__mmask16((1u << b) - 1), sc + j + 16);
-    _mm512_storeu_si512(dst + j, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(x1, x0)));
-  }
-}
-
 }  // namespace
 
 // The buffer a task needs (floats): the group's queries as bf16 rows padded to 32 values, a chunk's
@@ -208,15 +198,92 @@ CPX_BF16DOT_INLINE TaskBuf begin_task(const Layout& L, const Group& g, int D, in
   return b;
 }
 
+// exp(x) for x <= 0 (a score less the running max): 2^n p(f), x log2(e) = n + f with |f| <= 1/2, p the
+// degree-5 Taylor polynomial of 2^f (relative error ~2e-6: the probabilities are rounded to bf16, 4e-3,
+// next), and 2^n by vscalefps. A third of softmax_chunk's exp's instructions (its clamps, its two-part
+// range reduction and its integer exponent), where a 4096-token SmolLM2 prefill spent ~35% of this
+// kernel's own (non-dot) samples. Arguments below -125 / log2(e) give 2^-125-ish, as the clamp before
+// them: never a denormal.
+CPX_BF16DOT_INLINE __m512 exp_nonpos(__m512 x) {
+  const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-125.0f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// softmax_chunk (attention_kernels.h) for this kernel: the online-softmax update of one query's state sq
+// (m, l, acc) for a chunk's nv scores sc (scaled in place, then turned into exp(s - m)), its correction
+// corr, each tile's (m, sum) and e into a dump (ds, de) as softmax_chunk writes them, and the probabilities
+// rounded to bf16 into pb[0..kMaxChunk), zero past nv (an odd nv's pair partner). The same steps in the
+// same order as softmax_chunk, with exp_nonpos for the exp and the rounding done as each pair of tiles is
+// made.
+CPX_BF16DOT_INLINE void softmax_chunk_bf16(float* sc, int nv, float scale, float* sq, float& corr, float* de,
+                                           float* ds, uint16_t* pb) {
+  const int tiles = (nv + kKeyTile - 1) / kKeyTile;
+  auto mask = [&](int j) { return __mmask16(nv - j >= 16 ? 0xFFFF : nv - j <= 0 ? 0 : (1u << (nv - j)) - 1); };
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (int t = 0; t < tiles; ++t) {
+    const int j = t * kKeyTile;
+    const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask(j), sc + j), _mm512_set1_ps(scale));
+    _mm512_storeu_ps(sc + j, x);
+    m = _mm512_mask_max_ps(m, mask(j), m, x);
+  }
+  const float mx = std::max(sq[0], _mm512_reduce_max_ps(m));
+  if (mx == -INFINITY) {  // every score -inf (a -inf query): it adds nothing
+    corr = 1.0f;
+    std::fill(sc, sc + nv, 0.0f);
+    std::fill(pb, pb + kMaxChunk, uint16_t(0));
+    if (de) {
+      std::fill(de, de + nv, 0.0f);
+      for (int t = 0; t < tiles; ++t) ds[2 * t] = mx, ds[2 * t + 1] = 0.0f;
+    }
+    return;
+  }
+  corr = sq[0] == mx ? 1.0f : sq[0] == -INFINITY ? 0.0f : vec::exp1(sq[0] - mx);
+  float sum = 0.0f;
+  __m512 prev = _mm512_setzero_ps();
+  for (int t = 0; t < kMaxChunk / kKeyTile; ++t) {
+    const int j = t * kKeyTile;
+    __m512 e = _mm512_setzero_ps();
+    if (t < tiles) {
+      e = _mm512_maskz_mov_ps(mask(j), exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(sc + j), _mm512_set1_ps(mx))));
+      _mm512_storeu_ps(sc + j, e);
+      const float ts = _mm512_reduce_add_ps(e);
+      if (de) ds[2 * t] = mx, ds[2 * t + 1] = ts;
+      sum += ts;
+    }
+    if (t & 1) _mm512_storeu_si512(pb + j - kKeyTile, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e, prev)));
+    prev = e;
+  }
+  sq[0] = mx;
+  sq[1] = sq[1] * corr + sum;
+  if (de) std::copy(sc, sc + nv, de);  // AttnTokens::dump
+}
+
 // The chunk from key kc's softmax update of each query that sees it (seen[ti] keys), its probabilities
-// rounded to bf16 into pb.
+// rounded to bf16 into pb. (softmax_update's walk, with softmax_chunk_bf16.)
 CPX_BF16DOT_INLINE void softmax_bf16(const AttnTokens& tok, const Layout& L, const Group& g, const int* seen, int kc,
                                      float scale, float* st, int sw, float* scores, float* corr, uint16_t* pb) {
-  softmax_update<16>(tok, L, g, seen, kc, ls, scale, st, sw, scores, corr);
-  for (int ti = 0; ti < g.nt; ++ti)
-    if (seen[ti])
-      for (int qi = ti * g.nh; qi < (ti + 1) * g.nh; ++qi)
-        round_probs(scores + size_t(qi) * ls, seen[ti], ls, pb + size_t(qi) * ls);
+  for (int ti = 0; ti < g.nt; ++ti) {
+    const int t = g.t0 + ti, nv = seen[ti];
+    if (nv == 0) continue;
+    float* dump = tok.dump && !g.slots ? tok.dump[t] : nullptr;
+    const int64_t dn = tok.pos[t] + 1, dtiles = (dn + kAttnDumpTile - 1) / kAttnDumpTile;
+    for (int hi = 0; hi < g.nh; ++hi) {
+      const int qi = ti * g.nh + hi;
+      const size_t h = size_t(g.h0 + hi);
+      float* de = dump ? dump + h * dn + kc : nullptr;
+      float* ds = dump ? dump + size_t(L.H) * dn + (h * dtiles + kc / kAttnDumpTile) * 2 : nullptr;
+      softmax_chunk_bf16(scores + size_t(qi) * ls, nv, scale, st + size_t(qi) * sw, corr[qi], de, ds,
+                         pb + size_t(qi) * ls);
+    }
+  }
 }
 
 template <int DN>
