@@ -19,7 +19,8 @@
 // 0.63 of vdpbf16ps's peak), 512 tokens 32.0-34.0 -> 19.3-19.5 ms; one decode token over 4096 keys, 12
 // layers' caches read in turn, 1135-1186 -> 610-624 us a layer, over 512 scattered keys 180-191 -> 112-114 us.
 // GQA, SmolLM2 Q4_1 with a bf16 cache, the builds alternating by process: a 4096-token prompt's prefill
-// 1.13x and 1.23x in two runs, the decode after it 1.09x and 1.17x; at 192 tokens within the noise.
+// 1.13x and 1.23x in two runs, the decode after it 1.09x and 1.17x; at 192 tokens within the noise. With
+// the softmax's own exp (softmax_chunk_bf16), that prefill 1.22x and its decode 1.14x in a slow spell.
 //
 // Per query and key the arithmetic is fixed: a query's scores are its dot products in 32-value steps (the
 // lanes summed with hsum's association, four or eight keys at once), its values are added a pair of keys
