@@ -65,23 +65,25 @@ void task_entry CPX_ATTN_TASK_PARAMS {
   CPX_DISPATCH_CALL(task_entry, CPX_ATTN_TASK_ARGS);
 }
 
-// Groups: runs of tokens of one request at increasing positions within one aligned run of kTokBlock
-// positions (positions 4i .. 4i + 3: where the batch starts the request does not move them), times head
-// blocks.
-void make_groups(const AttnTokens& tok, int H, int Hkv, bool mla, int threads, std::vector<Group>& groups) {
+// Groups: runs of tokens of one request at increasing positions within one aligned run of L.tok_block
+// positions (positions 4i .. 4i + 3 for a block of 4: where the batch starts the request does not move
+// them), times head blocks.
+void make_groups(const AttnTokens& tok, const Layout& L, int Hkv, int threads, std::vector<Group>& groups) {
   groups.clear();
+  const int H = L.H, tb = L.tok_block;
+  const bool mla = L.mla;
   const int heads_per = mla ? std::min(H, kMlaHeadBlock) : H / Hkv;
   const int nheadblocks = mla ? (H + heads_per - 1) / heads_per : Hkv;
   auto own = [&](int t) { return tok.sel && tok.sel[t]; };  // a token with its own slot list
   for (int t = 0; t < tok.T;) {
     int e = t + 1;
     while (!own(t) && e < tok.T && !own(e) && tok.row[e] == tok.row[t] && tok.pos[e] > tok.pos[e - 1] &&
-           tok.pos[e] / kTokBlock == tok.pos[t] / kTokBlock)
+           tok.pos[e] / tb == tok.pos[t] / tb)
       ++e;
     const int64_t keys = own(t) ? tok.sel_n[t] : tok.pos[e - 1] + 1;
-    // the keys rounded up to a multiple of kTokBlock: for a run, its aligned run's end; for a slot list
-    // that holds the whole context, the same as for the token attending to it all
-    const int64_t span = (keys + kTokBlock - 1) / kTokBlock * kTokBlock;
+    // the keys rounded up to a multiple of the token block: for a run, its aligned run's end; for a slot
+    // list that holds the whole context, the same as for the token attending to it all
+    const int64_t span = (keys + tb - 1) / tb * tb;
     const int32_t* sel = own(t) ? tok.sel[t] : nullptr;
     const int nb = key_blocks(span).n;
     if (!mla && e - t == 1 && Hkv > 1 && (nb >= 2 * threads || nb % threads == 0 || tok.T >= 2 * threads)) {
@@ -139,7 +141,7 @@ int plan(AttnScratch& scratch, int threads, const PagedKv& kv, const AttnTokens&
   P.kv = kv, P.tok = tok, P.L = L, P.scale = scale, P.q = q, P.out = out;
   if (tok.T <= 0) return 0;
   threads = std::max(1, threads);
-  make_groups(tok, L.H, Hkv, L.mla, threads, P.groups);
+  make_groups(tok, L, Hkv, threads, P.groups);
   int max_nq = 0;
   for (const Group& g : P.groups) max_nq = std::max(max_nq, g.nt * g.nh);
   P.state = size_t(max_nq) * (2 + L.Dv);
@@ -289,6 +291,7 @@ Layout gqa_layout(const PagedKv& kv, int H, int Hkv, int D, int Dv) {
   // time), else the fp32 kernels, bf16 rows read in the paired order at a fixed head dim
   L.bf16_dot = kv.type == KvType::BF16 && attention_bf16_dot() && Dv % 16 == 0;
   L.paired = kv.type == KvType::BF16 && !L.bf16_dot && fixed_head_dim(L) != 0;
+  L.tok_block = L.bf16_dot ? kMaxTokBlock : kTokBlock;
   return L;
 }
 void run(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const Layout& L, int Hkv,

@@ -16,8 +16,9 @@
 // token's on its position, so a list holding the row's slots 0..pos[t] in order gives the same bits
 // as full attention.
 //
-// Work split: a query group is the queries that read the same keys — up to kTokBlock consecutive
-// tokens of one request times the heads of one KV head (GQA), or times a block of heads (MLA). When
+// Work split: a query group is the queries that read the same keys — up to 4 consecutive tokens of one
+// request (8 in the vdpbf16ps GQA kernel) times the heads of one KV head (GQA), or times a block of
+// heads (MLA). When
 // groups are fewer than the pool's threads can keep busy (decode of a few requests), each group's
 // keys are also split into ranges (split-KV) whose partial softmax states are merged afterwards.
 #pragma once

@@ -348,7 +348,7 @@ CPX_BF16DOT void run_mla_bf16(const PagedKv& kv, const AttnTokens& tok, const La
   const uint16_t* qv[kQB];
   const int kbytes = D * int(sizeof(uint16_t));
   const bool far_lead = L.far_lead && g.nt == 1;  // as run_task's
-  int seen[kTokBlock];
+  int seen[kMaxTokBlock];
   auto see = [&](int k, int n) {
     for (int ti = 0; ti < g.nt; ++ti) {
       const int64_t limit = g.slots ? g.keys - 1 : tok.pos[g.t0 + ti];
@@ -404,7 +404,7 @@ CPX_BF16DOT void run_gqa_bf16(const PagedKv& kv, const AttnTokens& tok, const La
   const bool by_token = hp <= 2 && g.nt > hp;  // as run_task's with sixteen lanes
   const uint16_t* krow[kKeyTile];
   const uint16_t* qv[kQB];
-  int seen[kTokBlock];
+  int seen[kMaxTokBlock];
   auto see = [&](int k, int n) {
     for (int ti = 0; ti < g.nt; ++ti) {
       const int64_t limit = g.slots ? g.keys - 1 : tok.pos[g.t0 + ti];

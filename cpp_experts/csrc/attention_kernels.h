@@ -21,7 +21,13 @@ constexpr int kKeyTile = 16;
 // keys of one online-softmax update at most (run_task: four tiles where the rows are read in place)
 constexpr int kMaxChunk = 4 * kKeyTile;
 static_assert(kKeyTile == kAttnDumpTile, "a dump's tiles are the key tiles: every tile starts at a multiple of 16");
-constexpr int kTokBlock = 4;       // tokens of one request per group (prefill)
+constexpr int kTokBlock = 4;       // tokens of one request per group (prefill; Layout::tok_block)
+// The vdpbf16ps GQA kernel's groups hold eight: each chunk's prefetches, value interleaving and calls then
+// serve twice the queries. One layer's prefill on a 2-core Zen 4 VM (3 alternating pairs): SmolLM2's 9 / 3
+// heads of 64 over 2048 tokens 20.3-21.7 -> 16.9-17.2 ms, 16 / 16 heads of 128 over 1536 56 -> 42-43 ms;
+// SmolLM2's 4096-token prefill 1.10x (4 rounds). The fp32 kernels keep four: the AVX2 build's 9 / 3 heads
+// measured 46-54 -> 59-61 ms with eight.
+constexpr int kMaxTokBlock = 8;
 constexpr int kMlaHeadBlock = 16;  // heads per MLA group
 // keys per key block at least: a decode token of a short context still splits into enough tasks for
 // the pool (128 left SmolLM2's 3 KV heads at ~160 keys as 3 tasks on 2 threads, ~5% of decode)
@@ -36,7 +42,7 @@ struct Group {
   int64_t row;   // req_to_token row
   int64_t keys;  // keys the group reads: 0..keys-1 (the last token's position + 1, or the list's length)
   const int32_t* slots;  // the token's own slot list (one token), or null: the row's slots
-  // the key count its blocks are cut for (key_blocks): its keys rounded up to a multiple of kTokBlock, so
+  // the key count its blocks are cut for (key_blocks): its keys rounded up to a multiple of tok_block, so
   // the end of its tokens' aligned run of positions, the same whatever else the batch holds (below)
   int64_t span;
 };
@@ -51,6 +57,7 @@ struct Layout {
   int lanes = vec::lanes();  // the kernels' vector width W (the paired order's half period)
   bool far_lead = attention_far_lead();  // decode tokens ask for rows kFarTiles tiles ahead into L2
   bool bf16_dot = false;  // a bf16 cache on AVX512_BF16: attention_bf16_dot.cpp's kernels (attention_bf16_dot())
+  int tok_block = kTokBlock;  // tokens of one request per group at most, its positions one aligned run
 };
 
 // The kernels' vectors of W lanes: 8 (AVX2 and baseline builds) or 16 (AVX-512: half the multiply-adds
@@ -524,7 +531,7 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
   // By head or by token (next_call): by token for MHA's one query head a KV head, and with sixteen lanes for
   // two, where that takes fewer calls (a group's tokens are at most kQB).
   const bool by_token = (hp == 1 || (W == 16 && hp == 2)) && g.nt > hp;
-  int seen[kTokBlock];  // per token, the keys of the tile (chunk) at hand it sees
+  int seen[kMaxTokBlock];  // per token, the keys of the tile (chunk) at hand it sees
   auto see = [&](int k, int n) {
     for (int ti = 0; ti < g.nt; ++ti) {
       const int64_t limit = limit_of(ti);
@@ -643,7 +650,7 @@ inline int fixed_head_dim(const Layout& L) {
 // starts at a multiple of kKeyTile and a token's last one ends at its own position. So a token's result
 // has the same bits in any batch: decoded, prefilled whole, or prefilled after any cached prefix or chunk.
 // (They used to be cut for the group's key count, the last token's position + 1: a prompt whose cached
-// prefix or chunk boundary was not a multiple of kTokBlock grouped its tokens otherwise, and its logits
+// prefix or chunk boundary was not a multiple of the token block grouped its tokens otherwise, and its logits
 // moved by up to ~1e-3 with a bf16 cache, enough to change a near-tie's greedy token.)
 struct Blocks {
   int n;         // blocks
