@@ -55,44 +55,29 @@ CPX_BF16DOT_INLINE __m512 dot(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);  // bit casts (reinterpret_cast went through memory)
 }
 
-// Scores of QB queries (bf16 rows of Dp values, zero past D) against keys k[0..3].
-template <int QB>
-CPX_BF16DOT_INLINE void dots4_bf16(const uint16_t* const* q, const uint16_t* const* k, int D, float* s, int ls) {
-  __m512 a[QB][4];
+// Scores of QB queries (bf16 rows of Dp values, zero past D) against keys k[0..NK), NK 4 or 8 (then QB <= 3:
+// 24 accumulators), each query's sums reduced at once by hsum4 or hsum8 (the same association: the same
+// bits). At a head dim of 64 a (query, key) pair is two vdpbf16ps, and its reduction costs as much again:
+// eight keys share the reduction's steps.
+template <int QB, int NK>
+CPX_BF16DOT_INLINE void dots_bf16(const uint16_t* const* q, const uint16_t* const* k, int D, float* s, int ls) {
+  static_assert(NK == 4 || (NK == 8 && QB <= 3), "4 keys, or 8 for up to 3 queries");
+  __m512 a[QB][NK];
   for (int i = 0; i < QB; ++i)
-    for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NK; ++j) a[i][j] = _mm512_setzero_ps();
   for (int d = 0; d < D; d += 32) {
     __m512i qv[QB];
     for (int i = 0; i < QB; ++i) qv[i] = _mm512_loadu_si512(q[i] + d);
-    for (int j = 0; j < 4; ++j) {
-      const __m512i x = load_words(k[j] + d, D - d);
-      for (int i = 0; i < QB; ++i) a[i][j] = dot(a[i][j], qv[i], x);
-    }
-  }
-  for (int i = 0; i < QB; ++i)
-    Lanes<16>::hsum4(vec::v16f(a[i][0]), vec::v16f(a[i][1]), vec::v16f(a[i][2]), vec::v16f(a[i][3]), s + i * ls);
-}
-
-// The same scores for keys k[0..7], QB <= 3 (24 accumulators), each query's eight reduced at once by
-// vec::hsum8 (hsum4's association: the same bits as dots4_bf16). At a head dim of 64 a (query, key) pair is
-// two vdpbf16ps, and its reduction costs as much again: eight keys share the reduction's steps.
-template <int QB>
-CPX_BF16DOT_INLINE void dots8_bf16(const uint16_t* const* q, const uint16_t* const* k, int D, float* s, int ls) {
-  __m512 a[QB][8];
-  for (int i = 0; i < QB; ++i)
-    for (int j = 0; j < 8; ++j) a[i][j] = _mm512_setzero_ps();
-  for (int d = 0; d < D; d += 32) {
-    __m512i qv[QB];
-    for (int i = 0; i < QB; ++i) qv[i] = _mm512_loadu_si512(q[i] + d);
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < NK; ++j) {
       const __m512i x = load_words(k[j] + d, D - d);
       for (int i = 0; i < QB; ++i) a[i][j] = dot(a[i][j], qv[i], x);
     }
   }
   for (int i = 0; i < QB; ++i) {
-    vec::v16f v[8];
-    for (int j = 0; j < 8; ++j) v[j] = vec::v16f(a[i][j]);
-    vec::store(s + i * ls, vec::hsum8(v));
+    vec::v16f v[NK];
+    for (int j = 0; j < NK; ++j) v[j] = vec::v16f(a[i][j]);
+    if constexpr (NK == 8) vec::store(s + i * ls, vec::hsum8(v));
+    else Lanes<16>::hsum4(v[0], v[1], v[2], v[3], s + i * ls);
   }
 }
 
@@ -103,9 +88,9 @@ CPX_BF16DOT __attribute__((noinline)) void score_tile_bf16(const uint16_t* const
                                                           int n, int D, float* s, int ls) {
   if constexpr (DN != 0) D = DN;
   if constexpr (QB <= 3) {
-    for (int j = 0; j < n; j += 8) dots8_bf16<QB>(q, krow + j, D, s + j, ls);
+    for (int j = 0; j < n; j += 8) dots_bf16<QB, 8>(q, krow + j, D, s + j, ls);
   } else {
-    for (int j = 0; j < n; j += 4) dots4_bf16<QB>(q, krow + j, D, s + j, ls);
+    for (int j = 0; j < n; j += 4) dots_bf16<QB, 4>(q, krow + j, D, s + j, ls);
   }
 }
 
@@ -267,25 +252,18 @@ CPX_BF16DOT_INLINE void softmax_chunk_bf16(float* sc, int nv, float scale, float
   if (de) std::copy(sc, sc + nv, de);  // AttnTokens::dump
 }
 
-// The chunk from key kc's softmax update of each query that sees it (seen[ti] keys), its probabilities
-// rounded to bf16 into pb. (softmax_update's walk, with softmax_chunk_bf16.)
-CPX_BF16DOT_INLINE void softmax_bf16(const AttnTokens& tok, const Layout& L, const Group& g, const int* seen, int kc,
-                                     float scale, float* st, int sw, float* scores, float* corr, uint16_t* pb) {
-  for (int ti = 0; ti < g.nt; ++ti) {
-    const int t = g.t0 + ti, nv = seen[ti];
-    if (nv == 0) continue;
-    float* dump = tok.dump && !g.slots ? tok.dump[t] : nullptr;
-    const int64_t dn = tok.pos[t] + 1, dtiles = (dn + kAttnDumpTile - 1) / kAttnDumpTile;
-    for (int hi = 0; hi < g.nh; ++hi) {
-      const int qi = ti * g.nh + hi;
-      const size_t h = size_t(g.h0 + hi);
-      float* de = dump ? dump + h * dn + kc : nullptr;
-      float* ds = dump ? dump + size_t(L.H) * dn + (h * dtiles + kc / kAttnDumpTile) * 2 : nullptr;
-      softmax_chunk_bf16(scores + size_t(qi) * ls, nv, scale, st + size_t(qi) * sw, corr[qi], de, ds,
-                         pb + size_t(qi) * ls);
-    }
+// softmax_chunk_bf16 on query qi, its probabilities into pb [qi][ls], for softmax_update. (Not always
+// inlined: softmax_update has no target of its own, and GCC refuses an AVX-512 always-inline callee there.)
+struct SoftmaxChunkBf16 {
+  float *scores, *st, *corr;
+  int sw;
+  float scale;
+  uint16_t* pb;
+  CPX_BF16DOT void operator()(int qi, int nv, float* de, float* ds) const {
+    softmax_chunk_bf16(scores + size_t(qi) * ls, nv, scale, st + size_t(qi) * sw, corr[qi], de, ds,
+                       pb + size_t(qi) * ls);
   }
-}
+};
 
 template <int DN>
 CPX_BF16DOT_INLINE void score_call(int qb, const uint16_t* const* qv, const uint16_t* const* krow, int nv, int D,
@@ -335,62 +313,11 @@ CPX_BF16DOT_INLINE void interleave_chunk(const Row& row, int nc, int Dv, uint16_
     interleave_pair(row(2 * p), 2 * p + 1 < nc ? row(2 * p + 1) : row(2 * p), Dv, vb + size_t(p) * Dv * 2);
 }
 
-// One MLA task (run_task's walk: one KV head, every query of the group by head, four key tiles a chunk).
-CPX_BF16DOT void run_mla_bf16(const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, int k0,
-                              int k1, float scale, const float* q, float* st, float* scores, float* buf) {
-  const int D = L.D, Dv = L.Dv, Dp = (D + 31) / 32 * 32;
-  const int nq = g.nt * g.nh, sw = 2 + Dv;
-  const TaskBuf b = begin_task(L, g, D, Dv, Dp, q, st, buf);
-  const int32_t* slots = g.slots ? g.slots : kv.table + g.row * kv.table_stride;
-  float* corr = scores + size_t(nq) * ls;
-  const uint16_t* krow[kKeyTile];
-  const uint16_t* vrow[ls];
-  const uint16_t* qv[kQB];
-  const int kbytes = D * int(sizeof(uint16_t));
-  const bool far_lead = L.far_lead && g.nt == 1;  // as run_task's
-  int seen[kMaxTokBlock];
-  auto see = [&](int k, int n) {
-    for (int ti = 0; ti < g.nt; ++ti) {
-      const int64_t limit = g.slots ? g.keys - 1 : tok.pos[g.t0 + ti];
-      seen[ti] = k > limit ? 0 : int(std::min<int64_t>(n, limit - k + 1));
-    }
-  };
-  auto row = [&](int j) { return kv_ptr<uint16_t>(kv.k, kv.k_stride, slots[j], 0); };
-  for (int kc = k0; kc < k1; kc += ls) {
-    const int nc = std::min(ls, k1 - kc);
-    for (int kt = kc; kt < kc + nc; kt += kKeyTile) {
-      const int nk = std::min(kKeyTile, kc + nc - kt);
-      prefetch_turn<uint16_t>(kv, L, g, slots, kt, 0, far_lead, kbytes, 0);  // run_task's leads
-      see(kt, nk);
-      for (int j = 0; j < nk; ++j) krow[j] = vrow[kt - kc + j] = row(kt + j);
-      for (int j = nk; j < kKeyTile; ++j) krow[j] = krow[0];  // a short tile's spare keys read a real row
-      for (int ti = 0; ti < g.nt; ++ti) {
-        const int nv = seen[ti];
-        if (nv == 0) continue;
-        for (int h = 0; h < g.nh; h += kQB) {
-          const int n = std::min(kQB, g.nh - h), qi = ti * g.nh + h;
-          for (int i = 0; i < n; ++i) qv[i] = b.qb + size_t(qi + i) * Dp;
-          score_call<0>(n, qv, krow, nv, D, scores + size_t(qi) * ls + (kt - kc), ls);
-        }
-      }
-    }
-    see(kc, nc);
-    softmax_bf16(tok, L, g, seen, kc, scale, st, sw, scores, corr, b.pb);
-    // the values: the key rows' first Dv values
-    interleave_chunk([&](int j) { return vrow[j]; }, nc, Dv, b.vb);
-    for (int ti = 0; ti < g.nt; ++ti) {
-      if (seen[ti] == 0) continue;
-      for (int h = 0; h < g.nh; h += kQB)
-        values_call<0>(ti * g.nh + h, 1, std::min(kQB, g.nh - h), seen[ti], Dv, st, sw, corr, b.pb, b.vb);
-    }
-  }
-}
-
-// One GQA/MHA task: run_task's walk (its KV heads in turn, the calls of next_call, four key tiles a chunk,
-// the same prefetches), with the scores and the values on vdpbf16ps. DN: the head dim (D == Dv) where it
-// is a constant (fixed_head_dim), else 0.
+// One task: run_task's walk (its KV heads in turn, the calls of next_call, four key tiles a chunk, the same
+// prefetches), with the scores and the values on vdpbf16ps. MLA is one KV head whose value rows are its key
+// rows' first Dv values. DN: the head dim (D == Dv) where it is a constant (fixed_head_dim), else 0.
 template <int DN>
-CPX_BF16DOT void run_gqa_bf16(const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, int k0,
+CPX_BF16DOT void run_bf16(const PagedKv& kv, const AttnTokens& tok, const Layout& L, const Group& g, int k0,
                               int k1, float scale, const float* q, float* st, float* scores, float* buf) {
   const int D = DN ? DN : L.D, Dv = DN ? DN : L.Dv, Dp = (D + 31) / 32 * 32;
   const int nq = g.nt * g.nh, sw = 2 + Dv;
@@ -399,28 +326,24 @@ CPX_BF16DOT void run_gqa_bf16(const PagedKv& kv, const AttnTokens& tok, const La
   const int hp = g.nh / g.nkv;  // query heads per KV head
   float* corr = scores + size_t(nq) * ls;
   const int kbytes = int(((g.nkv - 1) * L.k_head_off + D) * 2);  // a slot's rows of the group's KV heads
-  const int vbytes = int(((g.nkv - 1) * L.v_head_off + Dv) * 2);
+  const int vbytes = L.mla ? 0 : int(((g.nkv - 1) * L.v_head_off + Dv) * 2);
   const bool far_lead = L.far_lead && g.nt == 1;
   const bool by_token = hp <= 2 && g.nt > hp;  // as run_task's with sixteen lanes
   const uint16_t* krow[kKeyTile];
   const uint16_t* qv[kQB];
   int seen[kMaxTokBlock];
-  auto see = [&](int k, int n) {
-    for (int ti = 0; ti < g.nt; ++ti) {
-      const int64_t limit = g.slots ? g.keys - 1 : tok.pos[g.t0 + ti];
-      seen[ti] = k > limit ? 0 : int(std::min<int64_t>(n, limit - k + 1));
-    }
-  };
+  const void* vbase = L.mla ? kv.k : kv.v;  // MLA: the latent rows (v_head_off 0)
+  const int64_t vstride = L.mla ? kv.k_stride : kv.v_stride;
   auto krow_at = [&](int j, int64_t head) { return kv_ptr<uint16_t>(kv.k, kv.k_stride, slots[j], head * L.k_head_off); };
-  auto vrow_at = [&](int j, int64_t head) { return kv_ptr<uint16_t>(kv.v, kv.v_stride, slots[j], head * L.v_head_off); };
+  auto vrow_at = [&](int j, int64_t head) { return kv_ptr<uint16_t>(vbase, vstride, slots[j], head * L.v_head_off); };
   for (int kc = k0; kc < k1; kc += ls) {
     const int nc = std::min(ls, k1 - kc);
     for (int kt = kc; kt < kc + nc; kt += kKeyTile) {
       const int nk = std::min(kKeyTile, kc + nc - kt);
       // run_task's prefetches: the first tile's values at the start, then each KV head's share of the leads
-      if (kt == k0)
+      if (kt == k0 && !L.mla)
         for (int j = 0; j < nk; ++j) prefetch_row(vrow_at(kt + j, g.kv_head), vbytes);
-      see(kt, nk);
+      see_keys(tok, g, kt, nk, seen);
       for (int kh = 0; kh < g.nkv; ++kh) {
         prefetch_turn<uint16_t>(kv, L, g, slots, kt, kh, far_lead, kbytes, vbytes);
         const int64_t head = g.kv_head + kh;
@@ -434,8 +357,8 @@ CPX_BF16DOT void run_gqa_bf16(const PagedKv& kv, const AttnTokens& tok, const La
         }
       }
     }
-    see(kc, nc);
-    softmax_bf16(tok, L, g, seen, kc, scale, st, sw, scores, corr, b.pb);
+    see_keys(tok, g, kc, nc, seen);
+    softmax_update(tok, L, g, seen, kc, SoftmaxChunkBf16{scores, st, corr, sw, scale, b.pb});
     // the values, a KV head at a time: its chunk's rows interleaved once for the calls that read them
     for (int kh = 0; kh < g.nkv; ++kh) {
       const int64_t head = g.kv_head + kh;
@@ -453,8 +376,7 @@ struct Build_avx512bf16 {
                                              int k0, int k1, float scale, const float* q, float* st, float* scores,
                                              float* buf) {
     if constexpr (std::is_same_v<KT, uint16_t>) {
-      if (L.mla) run_mla_bf16(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
-      else run_gqa_bf16<DN>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
+      run_bf16<DN>(kv, tok, L, g, k0, k1, scale, q, st, scores, buf);
     } else {  // attention.cpp sends bf16 caches here, nothing else
       std::abort();
     }

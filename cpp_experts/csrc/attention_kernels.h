@@ -346,14 +346,14 @@ CPX_INLINE void softmax_chunk(float* sc, int nv, float scale, float* sq, float& 
   if (de) std::copy(sc, sc + nv, de);  // AttnTokens::dump
 }
 
-// The softmax update of each query of group g for the chunk from key kc (softmax_chunk): the queries of
-// token ti see seen[ti] of its keys (0: none); scores [nq][ls], their corrections corr [nq]; each token's
-// AttnTokens::dump, if any, gets its part. A -inf query adds nothing: its correction 1 and its
-// probabilities 0 leave acc as it is, as long as its block of heads has another query to add (else the
-// values are skipped).
-template <int W>
-CPX_INLINE void softmax_update(const AttnTokens& tok, const Layout& L, const Group& g, const int* seen, int kc, int ls,
-                               float scale, float* st, int sw, float* scores, float* corr) {
+// The softmax update of each query of group g for the chunk from key kc: the queries of token ti see
+// seen[ti] of its keys (0: none), and chunk(qi, nv, de, ds) updates query qi (softmax_chunk, or the bf16
+// kernels' own), de and ds its part of the token's AttnTokens::dump, or null. A -inf query adds nothing:
+// its correction 1 and its probabilities 0 leave acc as it is, as long as its block of heads has another
+// query to add (else the values are skipped).
+template <class Chunk>
+CPX_INLINE void softmax_update(const AttnTokens& tok, const Layout& L, const Group& g, const int* seen, int kc,
+                               const Chunk& chunk) {
   for (int ti = 0; ti < g.nt; ++ti) {
     const int t = g.t0 + ti, nv = seen[ti];
     if (nv == 0) continue;
@@ -364,8 +364,28 @@ CPX_INLINE void softmax_update(const AttnTokens& tok, const Layout& L, const Gro
       const size_t h = size_t(g.h0 + hi);
       float* de = dump ? dump + h * dn + kc : nullptr;
       float* ds = dump ? dump + size_t(L.H) * dn + (h * dtiles + kc / kAttnDumpTile) * 2 : nullptr;
-      softmax_chunk<W>(scores + size_t(qi) * ls, nv, scale, st + size_t(qi) * sw, corr[qi], de, ds);
+      chunk(qi, nv, de, ds);
     }
+  }
+}
+
+// softmax_chunk on query qi's scores [qi][ls], state and correction, for softmax_update.
+template <int W>
+struct SoftmaxChunk {
+  float *scores, *st, *corr;
+  int ls, sw;
+  float scale;
+  CPX_INLINE void operator()(int qi, int nv, float* de, float* ds) const {
+    softmax_chunk<W>(scores + size_t(qi) * ls, nv, scale, st + size_t(qi) * sw, corr[qi], de, ds);
+  }
+};
+
+// How many of the n keys from key k each token of group g sees (seen[ti], 0: none): up to its position, or
+// the whole of its slot list.
+CPX_INLINE void see_keys(const AttnTokens& tok, const Group& g, int k, int n, int* seen) {
+  for (int ti = 0; ti < g.nt; ++ti) {
+    const int64_t limit = g.slots ? g.keys - 1 : tok.pos[g.t0 + ti];  // the last key it sees
+    seen[ti] = k > limit ? 0 : int(std::min<int64_t>(n, limit - k + 1));
   }
 }
 
@@ -526,18 +546,11 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
   const RT* vrow[ls];
   const float* qv[kQB];
   float* acc[kQB];
-  auto limit_of = [&](int ti) -> int64_t { return g.slots ? g.keys - 1 : tok.pos[g.t0 + ti]; };  // last key seen
   const bool far_lead = L.far_lead && g.nt == 1;  // rows read once a step, mostly cold (see the tile loop)
   // By head or by token (next_call): by token for MHA's one query head a KV head, and with sixteen lanes for
   // two, where that takes fewer calls (a group's tokens are at most kQB).
   const bool by_token = (hp == 1 || (W == 16 && hp == 2)) && g.nt > hp;
-  int seen[kMaxTokBlock];  // per token, the keys of the tile (chunk) at hand it sees
-  auto see = [&](int k, int n) {
-    for (int ti = 0; ti < g.nt; ++ti) {
-      const int64_t limit = limit_of(ti);
-      seen[ti] = k > limit ? 0 : int(std::min<int64_t>(n, limit - k + 1));
-    }
-  };
+  int seen[kMaxTokBlock];  // per token, the keys of the tile (chunk) at hand it sees (see_keys)
   for (int kc = k0; kc < k1; kc += ls) {
     const int nc = std::min(ls, k1 - kc);
     for (int kt = kc; kt < kc + nc; kt += kKeyTile) {
@@ -551,7 +564,7 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
       if (kt == k0 && !L.mla)
         for (int j = 0; j < nk; ++j)
           prefetch_row(kv_ptr<KT>(vbase, vstride, slots[kt + j], g.kv_head * L.v_head_off), vbytes);
-      see(kt, nk);
+      see_keys(tok, g, kt, nk, seen);
       for (int kh = 0; kh < g.nkv; ++kh) {
         prefetch_turn<KT>(kv, L, g, slots, kt, kh, far_lead, kbytes, vbytes);
         const int64_t head = g.kv_head + kh;
@@ -579,8 +592,8 @@ CPX_INLINE void run_task(const PagedKv& kv, const AttnTokens& tok, const Layout&
       }
     }
     // the chunk's softmax update of each query that sees it
-    see(kc, nc);
-    softmax_update<W>(tok, L, g, seen, kc, ls, scale, st, sw, scores, corr);
+    see_keys(tok, g, kc, nc, seen);
+    softmax_update(tok, L, g, seen, kc, SoftmaxChunk<W>{scores, st, corr, ls, sw, scale});
     // the values, a KV head at a time
     for (int kh = 0; kh < g.nkv; ++kh) {
       const int64_t head = g.kv_head + kh;
