@@ -6,8 +6,9 @@ for N in `--batch`; tok/s is the batch's tokens a second. Where the served bench
 a fresh process per build (the library is chosen at import, MLASERVE_CPP_EXPERTS_LIB), the builds'
 order reversed every other round; ratios are per round against the first build, then the median. Each
 prompt is prefilled in one forward before its batch decodes, and that time is reported too
-(`prefill_tok_s`: the median prompt's tokens a second). The forward runs on the process's thread pool (every core it may use, as the engine's). With `--profile` each
-process also times the native forward's phases over the same steps.
+(`prefill_tok_s`: the median prompt's tokens a second). The forward runs on the process's thread pool
+(every core it may use, as the engine's). With `--profile` each process also times the native forward's
+phases over the same steps.
 
     .venv/bin/python bench/batch_decode_cpu.py [--batch 4 8 16] [--lib before=/tmp/old/_C.so] [--out x.json]
 """

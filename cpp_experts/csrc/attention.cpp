@@ -283,13 +283,19 @@ void prefetch_attention_task(const AttnScratch& scratch, int i, int64_t b0, int6
   }
 }
 
+bool attention_bf16_dot() { return vec::has_avx512vl() && cpu_info().avx512_bf16; }
+
 namespace {
+// Whether a layer of value width Dv over this cache runs the vdpbf16ps kernels (attention_bf16_dot.cpp:
+// values sixteen at a time).
+bool bf16_dot_for(const PagedKv& kv, int Dv) {
+  return kv.type == KvType::BF16 && attention_bf16_dot() && Dv % 16 == 0;
+}
+
 Layout gqa_layout(const PagedKv& kv, int H, int Hkv, int D, int Dv) {
   if (H <= 0 || Hkv <= 0 || H % Hkv) throw ArgError("query heads must be a positive multiple of the KV heads");
   Layout L{H, D, Dv, int64_t(H) * D, D, int64_t(H) * Dv, Dv, D, Dv, false, false};
-  // vdpbf16ps where the CPU has it and the rows are bf16 (attention_bf16_dot.cpp: values sixteen at a
-  // time), else the fp32 kernels, bf16 rows read in the paired order at a fixed head dim
-  L.bf16_dot = kv.type == KvType::BF16 && attention_bf16_dot() && Dv % 16 == 0;
+  L.bf16_dot = bf16_dot_for(kv, Dv);  // else the fp32 kernels, bf16 rows read paired at a fixed head dim
   L.paired = kv.type == KvType::BF16 && !L.bf16_dot && fixed_head_dim(L) != 0;
   L.tok_block = L.bf16_dot ? kMaxTokBlock : kTokBlock;
   return L;
@@ -311,15 +317,12 @@ void attention_gqa(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const At
   run(pool, scratch, kv, tok, gqa_layout(kv, H, Hkv, D, Dv), Hkv, scale, q, out);
 }
 
-bool attention_bf16_dot() { return vec::has_avx512vl() && cpu_info().avx512_bf16; }
-
 void attention_mla(Pool& pool, AttnScratch& scratch, const PagedKv& kv, const AttnTokens& tok, const float* q, int H,
                    int r, int P, float scale, float* out) {
   if (H <= 0 || r <= 0 || P < 0) throw ArgError("MLA attention needs positive heads and rank");
   const int D = r + P;
   Layout L{H, D, r, int64_t(H) * D, D, int64_t(H) * r, r, 0, 0, true, false};
-  // vdpbf16ps where the CPU has it and the rows are bf16 (attention_bf16_dot.cpp), as gqa_layout
-  L.bf16_dot = kv.type == KvType::BF16 && attention_bf16_dot() && r % 16 == 0;
+  L.bf16_dot = bf16_dot_for(kv, r);
   run(pool, scratch, kv, tok, L, 1, scale, q, out);
 }
 

@@ -18,9 +18,9 @@
 //
 // Work split: a query group is the queries that read the same keys — up to 4 consecutive tokens of one
 // request (8 in the vdpbf16ps GQA kernel) times the heads of one KV head (GQA), or times a block of
-// heads (MLA). When
-// groups are fewer than the pool's threads can keep busy (decode of a few requests), each group's
-// keys are also split into ranges (split-KV) whose partial softmax states are merged afterwards.
+// heads (MLA). When groups are fewer than the pool's threads can keep busy (decode of a few requests),
+// each group's keys are also split into ranges (split-KV) whose partial softmax states are merged
+// afterwards.
 #pragma once
 #include <cstdint>
 #include <functional>

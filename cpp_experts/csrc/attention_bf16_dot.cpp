@@ -186,7 +186,7 @@ CPX_BF16DOT_INLINE TaskBuf begin_task(const Layout& L, const Group& g, int D, in
 
 // exp(x) for x <= 0 (a score less the running max): 2^n p(f), x log2(e) = n + f with |f| <= 1/2, p the
 // degree-5 Taylor polynomial of 2^f (relative error ~2e-6: the probabilities are rounded to bf16, 4e-3,
-// next), and 2^n by vscalefps. A third of softmax_chunk's exp's instructions (its clamps, its two-part
+// next), and 2^n by vscalefps. About a third of softmax_chunk's exp's instructions (its clamps, its two-part
 // range reduction and its integer exponent), where a 4096-token SmolLM2 prefill spent ~35% of this
 // kernel's own (non-dot) samples. Arguments below -125 / log2(e) give 2^-125-ish, as the clamp before
 // them: never a denormal.
@@ -206,9 +206,9 @@ CPX_BF16DOT_INLINE __m512 exp_nonpos(__m512 x) {
 // softmax_chunk (attention_kernels.h) for this kernel: the online-softmax update of one query's state sq
 // (m, l, acc) for a chunk's nv scores sc (scaled in place, then turned into exp(s - m)), its correction
 // corr, each tile's (m, sum) and e into a dump (ds, de) as softmax_chunk writes them, and the probabilities
-// rounded to bf16 into pb[0..kMaxChunk), zero past nv (an odd nv's pair partner). The same steps in the
-// same order as softmax_chunk, with exp_nonpos for the exp and the rounding done as each pair of tiles is
-// made.
+// rounded to bf16 into pb[0..kMaxChunk), zero past nv (an odd nv's pair partner). softmax_chunk's steps,
+// with exp_nonpos for the exp, each tile's sum by one vector reduction (a fixed order per tile, whatever
+// the batch), and the rounding done as each pair of tiles is made.
 CPX_BF16DOT_INLINE void softmax_chunk_bf16(float* sc, int nv, float scale, float* sq, float& corr, float* de,
                                            float* ds, uint16_t* pb) {
   const int tiles = (nv + kKeyTile - 1) / kKeyTile;
