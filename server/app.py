@@ -254,7 +254,7 @@ def build_app(state: ServerState, max_request_bytes: int | None = None, allowed_
             resp = error_response(exc.status_code, str(exc.detail))
         return shaped(request.scope, resp)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes and load balancers that send it
     async def health() -> Response:
         return state.unavailable(health=True) or JSONResponse({"status": "ok"})
 

@@ -344,6 +344,10 @@ class ChatInput(_Body):
     # dropped without a word, and the model answer as if it had none)
     functions: Any = None
     function_call: Any = None
+    # vLLM's per-request template: refused rather than ignored (the reply would come from the server's
+    # template while the client believes its own was used; vLLM too refuses it by default, as a template
+    # is code run in the server)
+    chat_template: Any = None
 
     @field_validator("functions", "function_call")
     @classmethod
@@ -352,6 +356,15 @@ class ChatInput(_Body):
             new = {"functions": "tools: [{\"type\": \"function\", \"function\": {...}}]",
                    "function_call": "tool_choice"}[info.field_name]
             raise _invalid(f"{info.field_name} is the deprecated form of {new.split(':')[0]}; send {new} instead")
+        return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _no_request_template(cls, value: Any) -> Any:
+        if value is not None:
+            raise _invalid("a chat template per request is not accepted (it is code the server would run); "
+                           "start the server with --chat-template FILE to use another template, and send "
+                           "chat_template_kwargs for the template's variables")
         return value
 
     @field_validator("messages")

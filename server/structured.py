@@ -11,23 +11,28 @@ its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`; S
 (the schema itself).
 
 A JSON Schema is checked here, before any work: it must be a valid schema (the metaschema of its
-draft, `jsonschema`), and every keyword in it must be one the grammar engine enforces. xgrammar skips
+draft, `jsonschema`), and every constraint in it must be one the grammar engine enforces. xgrammar skips
 keywords it does not implement (`multipleOf`, `uniqueItems`, `not`, `if`, ...); a request asking for
 one would get output that silently breaks its schema, so it is refused with a 400 naming the keyword
-and where it is. `oneOf` is enforced as `anyOf` (a value matching two branches is not excluded), and
-a `pattern` is matched as a whole (anchored), which only narrows what is produced. `minLength` or
-`maxLength` beside a `pattern` or `format` is refused: xgrammar would drop the length.
+and where it is. Keywords JSON Schema's vocabularies do not define (`x-order`, ...) and those that only
+annotate (`title`, `contentMediaType`, `$anchor`, ...) are ignored, as validators ignore them. `oneOf` is
+enforced as `anyOf` (a value matching two branches is not excluded), and a `pattern` is matched as a
+whole (anchored), which only narrows what is produced. `minLength` or `maxLength` beside a `pattern` or
+`format` is refused: xgrammar would drop the length.
 
-The schema sent to the engine closes every object that lists its `properties` to other keys
-(`_closed_objects`), unless it says otherwise: still the client's schema, minus the keys a small
-model would otherwise invent.
+The schema sent to the engine (`_engine_schema`) is still the client's, in the forms xgrammar keeps:
+annotations left out, strict patterns for the formats whose xgrammar rules admit invalid values, the
+required keys an object does not list in `properties` listed there (xgrammar does not require them
+otherwise), and every object that lists its `properties` closed to other keys unless it says otherwise
+(`_object`): any output of the narrowed schema still matches the original, minus the keys a small model
+would otherwise invent. An object no value satisfies (a required key that no key may be) is a 400.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from scheduler.sampling_params import ParamError, StructuredOutput
@@ -41,13 +46,38 @@ ENFORCED = frozenset({
     "pattern", "minLength", "maxLength", "format",
     "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
 })
-# keywords that say nothing about which values are valid
-ANNOTATIONS = frozenset({
-    "title", "description", "default", "examples", "$comment", "$schema", "$id", "deprecated",
-    "readOnly", "writeOnly", "discriminator", "nullable", "strict",
+# keywords of JSON Schema's vocabularies that constrain values and that the grammar engine does not
+# enforce: refused. Every other keyword (`title`, `x-order`, `contentMediaType`, `$anchor`, ...) is an
+# annotation, as JSON Schema treats keywords it does not know: ignored, and left out of the schema compiled.
+UNENFORCED = frozenset({
+    "not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies", "uniqueItems",
+    "multipleOf", "contains", "minContains", "maxContains", "unevaluatedProperties", "unevaluatedItems",
+    "$dynamicRef", "$recursiveRef",
 })
 FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
                      "uri-reference", "uuid"})
+# formats JSON Schema defines that are not enforced: refused. Other formats (OpenAPI's `float`, `byte`,
+# `password`, ...) are annotations, except OpenAPI's integer sizes, enforced as bounds (_INT_FORMATS).
+UNENFORCED_FORMATS = frozenset({"idn-email", "idn-hostname", "iri", "iri-reference", "uri-template", "json-pointer",
+                                "relative-json-pointer", "regex"})
+_INT_FORMATS = {"int32": (-2**31, 2**31 - 1), "int64": (-2**63, 2**63 - 1)}
+# Formats whose xgrammar rule admits invalid values (sampled against jsonschema's format checkers in
+# tests/executor/test_grammar.py): days past a month's end (2023-11-31), second 60, octets with leading
+# zeros (01.2.3.4), host labels past 63 characters. Compiled as these patterns instead.
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9][0-9]|[0-9])"
+_YEAR = "(000[1-9]|00[1-9][0-9]|0[1-9][0-9][0-9]|[1-9][0-9][0-9][0-9])"
+_LEAP = "([0-9][0-9](0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+_DATE = (f"({_YEAR}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+         f"|02-(0[1-9]|1[0-9]|2[0-8]))|{_LEAP}-02-29)")
+_TIME = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_LABEL63, _LABEL61 = "[a-zA-Z0-9]([a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?", "[a-zA-Z0-9]([a-zA-Z0-9-]{0,59}[a-zA-Z0-9])?"
+FORMAT_PATTERNS = {
+    "date": f"^{_DATE}$",
+    "time": f"^{_TIME}$",
+    "date-time": f"^{_DATE}T{_TIME}$",
+    "ipv4": f"^({_OCTET}\\.){{3}}{_OCTET}$",
+    "hostname": f"^({_LABEL63}\\.){{0,3}}{_LABEL61}$",  # at most 253 characters
+}
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")  # [schema, ...]
 _SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames")  # one schema (or a boolean)
@@ -98,7 +128,7 @@ def json_schema_output(schema: Any, param: str) -> StructuredOutput:
 
 def schema_output(schema: Any, param: str) -> StructuredOutput:
     """The engine's constraint for a schema already checked (`check_json_schema`), objects closed."""
-    return StructuredOutput("json_schema", json.dumps(_closed_objects(schema), ensure_ascii=False), _top(param))
+    return StructuredOutput("json_schema", json.dumps(_engine_schema(schema, param), ensure_ascii=False), _top(param))
 
 
 def check_valid_schema(schema: Any, param: str) -> None:
@@ -157,7 +187,7 @@ def _check_refs(schema: Any, param: str) -> None:
     started: such a schema matches no JSON value at all, and the grammar built from it would let the
     model say nothing (an empty reply reported as finished)."""
     bare = lambda n: isinstance(n, dict) and isinstance(n.get("$ref"), str) and not (  # noqa: E731
-        set(n) - ANNOTATIONS - {"$ref", "$defs", "definitions"})
+        (set(n) & (ENFORCED | UNENFORCED)) - {"$ref", "$defs", "definitions"})
     for path, node in _schemas(schema, ""):
         ref, seen, target = node.get("$ref"), {id(node)}, node
         if not isinstance(ref, str) or not ref.startswith("#"):
@@ -176,32 +206,38 @@ def _check_refs(schema: Any, param: str) -> None:
 
 
 def check_json_schema(schema: Any, param: str) -> None:
-    """ParamError(param) unless `schema` is a valid JSON Schema made only of keywords we enforce."""
+    """ParamError(param) unless `schema` is a valid JSON Schema whose every constraint we enforce."""
     check_valid_schema(schema, param)
     for path, node in _schemas(schema, ""):
+        where = path or "/"
         shape, length = [k for k in ("pattern", "format") if k in node], [k for k in ("minLength", "maxLength") if k in node]
+        if node.get("format") not in FORMATS:
+            shape = [k for k in shape if k != "format"]  # an annotation or an integer size: not a string's shape
         if shape and length:  # xgrammar drops the length then (with a log line), so the limit would not hold
-            raise ParamError(_top(param), f"{param}: {length[0]} together with {shape[0]} (at {path or '/'}) is not "
+            raise ParamError(_top(param), f"{param}: {length[0]} together with {shape[0]} (at {where}) is not "
                              f"supported by constrained decoding; put the length in the pattern (e.g. "
                              "^[a-z]{1,8}$) or drop one of them")
+        if len(shape) == 2:  # one of them would be dropped
+            raise ParamError(_top(param), f"{param}: pattern together with format (at {where}) is not supported by "
+                             "constrained decoding; keep one of them")
         for key, value in node.items():
-            if key in ANNOTATIONS:
-                continue
-            if key not in ENFORCED:
-                raise ParamError(_top(param), f"{param}: the keyword '{key}' (at {path or '/'}) is not supported "
+            if key in UNENFORCED:
+                raise ParamError(_top(param), f"{param}: the keyword '{key}' (at {where}) is not supported "
                                  "by constrained decoding; remove it or describe the rule in the prompt instead")
-            if key == "format" and value not in FORMATS:
-                raise ParamError(_top(param), f"{param}: format '{value}' (at {path or '/'}) is not supported; "
-                                 f"supported formats: {', '.join(sorted(FORMATS))}")
+            if key == "format" and value in UNENFORCED_FORMATS:
+                raise ParamError(_top(param), f"{param}: format '{value}' (at {where}) is not supported; "
+                                 f"supported formats: {', '.join(sorted(FORMATS | set(_INT_FORMATS)))} (others "
+                                 "that JSON Schema does not define are taken as annotations)")
             if key == "allOf" and len(value) > 1:
-                raise ParamError(_top(param), f"{param}: allOf with more than one schema (at {path or '/'}) is not "
+                raise ParamError(_top(param), f"{param}: allOf with more than one schema (at {where}) is not "
                                  "supported; merge them into one schema")
             if key == "items" and isinstance(value, list):
-                raise ParamError(_top(param), f"{param}: items as a list (at {path or '/'}) is not supported; "
+                raise ParamError(_top(param), f"{param}: items as a list (at {where}) is not supported; "
                                  "use prefixItems")
             if key == "$ref" and not str(value).startswith("#"):
                 raise ParamError(_top(param), f"{param}: only local references ('#/...') are supported, got "
-                                 f"'{value}' at {path or '/'}")
+                                 f"'{value}' at {where}")
+    _engine_schema(schema, param)  # what only the rewrite finds (an object no value satisfies, ...)
 
 
 def _schemas(node: Any, path: str) -> Iterator[tuple[str, dict]]:
@@ -221,31 +257,178 @@ def _schemas(node: Any, path: str) -> Iterator[tuple[str, dict]]:
 
 _OPEN_BY_DESIGN = ("additionalProperties", "patternProperties", "propertyNames", "minProperties", "maxProperties",
                    "anyOf", "oneOf", "allOf", "$ref")
+_COMPOSED = ("anyOf", "oneOf", "allOf", "$ref")  # an object's keys may be declared elsewhere then
 
 
-def _closed_objects(schema: Any) -> Any:
-    """`schema` with `additionalProperties: false` on every object that lists its `properties` (all its
-    `required` among them) and says nothing else about other keys. A schema allows extra keys unless
-    told otherwise; a model left free to invent them wanders off, while any output of the narrowed
-    schema still matches the original. (xgrammar's own strict mode closes *every* object, which
-    makes `patternProperties` or `minProperties` without `properties` impossible to satisfy.)"""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
+def _map_schemas(node: Any, path: str, fn: Callable[[dict, str], dict]) -> Any:
+    """A copy of `node` with fn(subschema, its JSON pointer) applied to every subschema that is an object,
+    innermost first (fn gets a copy whose subschemas are already mapped)."""
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
     for key in _SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {k: _closed_objects(v) for k, v in out[key].items()}
+            out[key] = {k: _map_schemas(v, f"{path}/{key}/{k}", fn) for k, v in out[key].items()}
     for key in _SCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [_closed_objects(v) for v in out[key]]
+            out[key] = [_map_schemas(v, f"{path}/{key}/{i}", fn) for i, v in enumerate(out[key])]
     for key in _SCHEMA_VALUES:
         if isinstance(out.get(key), dict):
-            out[key] = _closed_objects(out[key])
-    props = out.get("properties")
-    if isinstance(props, dict) and not any(k in out for k in _OPEN_BY_DESIGN) \
-            and set(out.get("required", ())) <= set(props):
-        out["additionalProperties"] = False
+            out[key] = _map_schemas(out[key], f"{path}/{key}", fn)
+    return fn(out, path)
+
+
+def _engine_schema(schema: Any, param: str) -> Any:
+    """The schema xgrammar compiles for a checked one: what every output of it must match, in the forms
+    xgrammar enforces. Annotations are left out; `format`s whose xgrammar rules are loose become
+    patterns (FORMAT_PATTERNS) and OpenAPI's int32/int64 bounds; an object's required keys that it does not
+    list in `properties` are listed (xgrammar does not require them otherwise), with the schema
+    `patternProperties` or `additionalProperties` gives them; and objects that list their `properties`
+    are closed to other keys unless they say otherwise (`_object`). ParamError for an object no JSON value
+    satisfies, or one whose declared keys xgrammar would also let through as other keys."""
+    def node(n: dict, path: str) -> dict:
+        out = {k: v for k, v in n.items() if k in ENFORCED}
+        fmt = out.get("format")
+        if fmt in FORMAT_PATTERNS:
+            out["pattern"] = FORMAT_PATTERNS[out.pop("format")]
+        elif fmt in _INT_FORMATS:
+            del out["format"]
+            lo, hi = _INT_FORMATS[fmt]
+            kinds = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
+            if "integer" in kinds:
+                if "minimum" not in out and "exclusiveMinimum" not in out:
+                    out["minimum"] = lo
+                if "maximum" not in out and "exclusiveMaximum" not in out:
+                    out["maximum"] = hi
+        elif fmt is not None and fmt not in FORMATS:
+            del out["format"]  # an annotation
+        if "properties" in out or "required" in out:
+            out = _object(out, path or "/", param)
+        if isinstance(out.get("pattern"), str):
+            out["pattern"] = xgrammar_pattern(out["pattern"])
+        if isinstance(out.get("patternProperties"), dict):
+            out["patternProperties"] = {xgrammar_pattern(p): sub for p, sub in out["patternProperties"].items()}
+        return out
+
+    return _map_schemas(schema, "", node)
+
+
+def _object(out: dict, where: str, param: str) -> dict:
+    """An object schema's keys as xgrammar should see them (see _engine_schema)."""
+    def refuse(why: str) -> ParamError:
+        return ParamError(_top(param), f"{param}: {why} (the object at {where}); change the schema")
+
+    props = dict(out.get("properties") or {})
+    required = list(out.get("required") or ())
+    patterns = out.get("patternProperties") or {}
+    extra = out.get("additionalProperties", True)
+    names = out.get("propertyNames")
+    if not any(k in out for k in _COMPOSED):  # (else its keys may come from the other schemas)
+        for key in required:
+            if key in props:
+                continue
+            match = [sub for p, sub in patterns.items() if _search(p, key)]
+            if len(match) > 1:
+                raise refuse(f"the required key '{key}' is not in properties and matches several patternProperties, "
+                             "which constrained decoding cannot enforce together")
+            sub = match[0] if match else extra
+            if sub is False:
+                raise refuse(f"the required key '{key}' is neither in properties nor allowed as another key, so no "
+                             "object satisfies it")
+            props[key] = {} if sub is True else sub
+        if names is not None:
+            for key in list(props):
+                if not _name_ok(names, key):
+                    if key in required:
+                        raise refuse(f"the required key '{key}' breaks propertyNames, so no object satisfies it")
+                    del props[key]  # a key no valid object has
+        closed = extra is False and not patterns
+        if closed and isinstance(out.get("minProperties"), int) and out["minProperties"] > len(props):
+            raise refuse(f"minProperties {out['minProperties']} exceeds the {len(props)} keys the object may have")
+        if isinstance(out.get("maxProperties"), int) and out["maxProperties"] < len(set(required)):
+            raise refuse(f"maxProperties {out['maxProperties']} is less than its {len(set(required))} required keys")
+    # xgrammar writes a declared key through `properties`, but lets it through again (with another value,
+    # or the same one over and over) as a key that matches patternProperties or, beside other keys
+    # allowed, propertyNames. A pattern that names one declared key only, with nothing to add to its
+    # schema, is left out.
+    patterns = {p: sub for p, sub in patterns.items()
+                if _literal(p) not in props or sub not in (True, {}, props[_literal(p)])}
+    if "patternProperties" in out:
+        out["patternProperties"] = patterns
+    for key in props:
+        for p in patterns:
+            if _search(p, key):
+                raise refuse(f"the key '{key}' is in properties (or required) and matches the patternProperties "
+                             f"'{p}', which constrained decoding cannot keep from writing it twice; rename the key "
+                             "or narrow the pattern")
+        if names is not None and extra is not False:
+            raise refuse(f"propertyNames beside properties (here '{key}') and other keys allowed is not supported by "
+                         "constrained decoding, which could write a listed key twice; set additionalProperties to "
+                         "false, or leave properties out")
+    if props or "properties" in out:
+        out["properties"] = props
+    if props and not any(k in out for k in _OPEN_BY_DESIGN) and set(required) <= set(props):
+        out["additionalProperties"] = False  # (the module docstring says why)
     return out
+
+
+def _literal(pattern: str) -> str | None:
+    """The one string an anchored pattern without operators (`^tag$`, `^a\\.b$`) matches, else None."""
+    m = re.fullmatch(r"\^((?:[^\\.^$*+?()\[\]{}|]|\\[^A-Za-z0-9])*)\$", pattern)
+    return re.sub(r"\\(.)", r"\1", m.group(1)) if m else None
+
+
+def xgrammar_pattern(pattern: str) -> str:
+    """`pattern` with every optional group `(...)?` written `(...){0,1}`: the same language. xgrammar 0.2.9
+    turns a JSON Schema pattern's optional group with a repetition inside, between other parts, into
+    one that drops the group's first part: `^x(ab+)?Z$` took "xbZ" (its regex kind is not affected).
+    tests/executor/test_grammar.py checks random patterns against Python's `re` on every short string."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif ch == ")" and pattern[i + 1:i + 2] == "?":
+            out.append("){0,1}")
+            i += 2
+            continue
+        out.append(ch)
+        i += 1
+    return "".join(out)
+
+
+def _search(pattern: str, key: str) -> bool:
+    """Whether a JSON Schema pattern (unanchored, as patternProperties' are) matches `key`; a pattern
+    Python cannot read counts as matching (the cautious answer for the checks above)."""
+    try:
+        return re.search(pattern, key) is not None
+    except re.error:
+        return True
+
+
+def _name_ok(names: Any, key: str) -> bool:
+    import jsonschema
+
+    return jsonschema.Draft202012Validator(names).is_valid(key)
+
+
+def embedded(schema: Any, at: str) -> Any:
+    """`schema` to be placed at the JSON pointer `at` of a larger schema: its local references (`#`,
+    `#/$defs/x`) rewritten to point where they will be. A tool's parameters go under `$defs` of the
+    schema that forces one of several calls, so that pydantic's `#/$defs/Model` still resolves."""
+    def node(n: dict, path: str) -> dict:
+        ref = n.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            n["$ref"] = at + ref[1:]
+        return n
+
+    return _map_schemas(schema, "", node)
 
 
 def _vllm_style(kind: str, value: Any, param: str) -> StructuredOutput:

@@ -35,7 +35,7 @@ from typing import Any
 from scheduler.sampling_params import ParamError, StructuredOutput
 from server.chat_template import writes_tool_messages
 from server.protocol import ChatInput, NamedToolChoice
-from server.structured import check_json_schema, check_valid_schema, schema_output
+from server.structured import check_json_schema, check_valid_schema, embedded, schema_output
 from server.tool_parsers import TOOL_PARSERS, ToolCall, ToolCallDelta, ToolParser, default_call_id, detect_tool_parser
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -96,12 +96,15 @@ def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto")
         return ToolPlan(rendered, forced_system, schema_output(params, "tool_choice"),
                         lambda: MergedDeltas(NamedToolCall(fn.name)), named=True)
     if choice == "required":
-        items = [{"type": "object", "properties": {
-                      "name": {"const": t.function.name},
-                      "parameters": _parameters(t.function.parameters, f"tools.[{i}].function.parameters")},
+        # each tool's parameters under $defs, their own references rewritten to point there
+        defs = {f"tool{i}": embedded(_parameters(t.function.parameters, f"tools.[{i}].function.parameters"),
+                                     f"#/$defs/tool{i}") for i, t in enumerate(tools)}
+        items = [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                                   "parameters": {"$ref": f"#/$defs/tool{i}"}},
                   "required": ["name", "parameters"]}
                  for i, t in enumerate(tools)]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
+        schema: dict[str, Any] = {"$defs": defs, "type": "array", "minItems": 1,
+                                  "items": items[0] if len(items) == 1 else {"anyOf": items}}
         if body.parallel_tool_calls is False:
             schema["maxItems"] = 1
         return ToolPlan(rendered, forced_system, schema_output(schema, "tool_choice"), RequiredToolCalls)

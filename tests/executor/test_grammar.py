@@ -14,7 +14,8 @@ import torch
 from executor.grammar import Grammar, GrammarBackend, GrammarError, apply_grammar_masks
 from executor.sampler import Sampler, SamplingRow
 from scheduler.sampling_params import SamplingParams
-from server.structured import ENFORCED, FORMATS
+from scheduler.sampling_params import ParamError
+from server.structured import ENFORCED, FORMATS, json_schema_output
 
 xgr = pytest.importorskip("xgrammar")
 
@@ -93,6 +94,168 @@ def test_formats_are_enforced(backend, fmt, bad):
     assert fmt in FORMATS
     compiled = backend.compile("json_schema", json.dumps({"type": "string", "format": fmt}), "response_format")
     assert not accepts(backend, compiled, bad)
+
+
+def served(backend: GrammarBackend, schema: dict):
+    """The grammar the server compiles for a response_format schema (checked and rewritten first)."""
+    return backend.compile("json_schema", json_schema_output(schema, "response_format.json_schema.schema").spec,
+                           "response_format")
+
+
+def sample(backend: GrammarBackend, compiled, rng, max_chars: int = 160) -> str | None:
+    """A random document of the grammar: each character drawn among those it allows next (the stop id
+    one time in four where allowed); None if it runs past max_chars."""
+    g, out = backend.grammar(compiled), []
+    mask = xgr.allocate_token_bitmask(1, STOP + 1)
+    for _ in range(max_chars):
+        g.fill(mask, 0)
+        words = mask[0].numpy().view("uint32")
+        allowed = [i for i in range(STOP + 1) if (words[i // 32] >> (i % 32)) & 1]
+        if STOP in allowed and (len(allowed) == 1 or rng.random() < 0.25):
+            return "".join(out)
+        pick = rng.choice([i for i in allowed if i != STOP])
+        assert g.accept(pick)
+        out.append(CHARS[pick])
+    return None
+
+
+CHECKER = jsonschema.Draft202012Validator.FORMAT_CHECKER
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_every_served_format_writes_only_values_its_checker_accepts(backend, fmt):
+    """Random documents of each format's served grammar against jsonschema's format checkers (with its
+    format-nongpl extra: rfc3339-validator, fqdn, rfc3986-validator, isoduration, ...). xgrammar's own
+    rules wrote 2023-11-31, 23:59:60, 01.2.3.4 and 70-character host labels; those formats are served as
+    patterns (server.structured.FORMAT_PATTERNS)."""
+    import random
+
+    if fmt not in CHECKER.checkers:
+        pytest.skip(f"jsonschema has no checker for {fmt} here (its format-nongpl extra is missing)")
+    compiled, rng, n = served(backend, {"type": "string", "format": fmt}), random.Random(fmt), 0
+    for _ in range(120):
+        doc = sample(backend, compiled, rng)
+        if doc is not None:
+            n += 1
+            assert CHECKER.conforms(json.loads(doc), fmt), (fmt, doc)
+    assert n >= 30
+
+
+@pytest.mark.parametrize("fmt,good,bad", [
+    ("date", ["2024-02-29", "2000-02-29", "0001-01-31", "2023-12-31"], ["2023-02-29", "1900-02-29", "2023-11-31", "0000-01-01"]),
+    ("date-time", ["2023-04-30T23:59:59Z", "2024-02-29T00:00:00.5+05:30"], ["2023-04-31T10:00:00Z", "2023-01-01T23:59:60Z"]),
+    ("time", ["12:00:00Z", "23:59:59.123456-11:00"], ["24:00:00Z", "12:00:60Z", "12:00:00"]),
+    ("ipv4", ["0.0.0.0", "255.255.255.255", "10.20.30.40"], ["01.2.3.4", "256.1.1.1", "1.2.3"]),
+    ("hostname", ["a", "example.com", "a-b.c1", "x" * 63 + ".com"], ["-a.com", "a-.com", "x" * 64 + ".com", "a..b"]),
+])
+def test_strict_format_patterns_agree_with_the_checkers(backend, fmt, good, bad):
+    compiled = served(backend, {"type": "string", "format": fmt})
+    for v in good + bad:
+        if fmt in CHECKER.checkers:
+            assert CHECKER.conforms(v, fmt) == (v in good), v  # the oracle agrees with the table
+        assert accepts(backend, compiled, json.dumps(v)) == (v in good), v
+
+
+def random_pattern(rng, depth: int = 0) -> str:
+    """A random regular expression over a, b and '.': groups, alternatives and every quantifier."""
+    def atom(d: int) -> str:
+        r = rng.random()
+        if d > 2 or r < 0.4:
+            return rng.choice(["a", "b", "[ab]", "\\.", "."])
+        return "(" + random_pattern(rng, d + 1) + ("|" + random_pattern(rng, d + 1) if r > 0.7 else "") + ")"
+    return "".join(atom(depth) + rng.choice(["", "", "", "?", "*", "+", "{1,2}", "{0,1}", "{2}"])
+                   for _ in range(rng.randint(1, 3)))
+
+
+def test_served_patterns_match_exactly_what_python_re_matches(backend):
+    """Random patterns, served (server.structured.xgrammar_pattern's rewrite), against `re.fullmatch` on
+    every string of up to four characters of a, b and '.'. Before the rewrite 10 of 150 such patterns
+    differed (an optional group with a repetition inside: `^x(ab+)?Z$` took "xbZ")."""
+    import itertools
+    import random
+    import re
+
+    rng = random.Random(1)
+    strings = [""] + ["".join(t) for n in range(1, 5) for t in itertools.product("ab.", repeat=n)]
+    cases = ["x(ab+)?Z", "x(a[0-9]{1,3})?Z", "[)](b)?c", "\\((x)?\\)"] + [random_pattern(rng) for _ in range(80)]
+    for p in cases:
+        compiled = served(backend, {"type": "string", "pattern": f"^{p}$"})
+        extra = ["xZ", "xbZ", "xabbZ", "x12Z", "xa12Z", ")c", "bc", ")bc", "()", "(x)", "x"]
+        for text in strings + extra:
+            assert accepts(backend, compiled, json.dumps(text)) == bool(re.fullmatch(p, text)), (p, text)
+
+
+def test_annotations_and_unknown_keywords_are_ignored_integer_sizes_are_bounds(backend):
+    """JSON Schema ignores keywords it does not define (OpenAPI's `x-*`) and annotations; OpenAPI's int32 and
+    int64 are enforced as their ranges, other unknown formats are annotations."""
+    schema = {"type": "object", "$anchor": "top", "contentMediaType": "application/json", "x-tags": ["a"],
+              "properties": {"n": {"type": "integer", "format": "int32", "x-order": 1},
+                             "big": {"type": "integer", "format": "int64"},
+                             "f": {"type": "number", "format": "float", "contentEncoding": "base64"}},
+              "required": ["n", "big", "f"]}
+    compiled = served(backend, schema)
+    assert accepts(backend, compiled, '{"n": -2147483648, "big": 9223372036854775807, "f": 1.5}')
+    assert not accepts(backend, compiled, '{"n": 2147483648, "big": 1, "f": 1}')
+    assert not accepts(backend, compiled, '{"n": 1, "big": 9223372036854775808, "f": 1}')
+    for keyword in ("uniqueItems", "not", "if", "multipleOf", "dependentRequired", "unevaluatedProperties"):
+        value = {"not": {}, "if": {}, "dependentRequired": {}, "unevaluatedProperties": False}.get(keyword, 2)
+        with pytest.raises(ParamError, match=keyword):
+            json_schema_output({"type": "object", keyword: value}, "response_format.json_schema.schema")
+    with pytest.raises(ParamError, match="uri-template"):
+        json_schema_output({"type": "string", "format": "uri-template"}, "x")
+    with pytest.raises(ParamError, match="pattern together with format"):
+        json_schema_output({"type": "string", "format": "ipv4", "pattern": "^1"}, "x")
+
+
+# schema, documents it must take, documents it must refuse (each checked against jsonschema first)
+OBJECT_CASES = [
+    # a required key not in properties: xgrammar alone let {} through
+    ({"type": "object", "required": ["z"]}, ['{"z": 1}'], ["{}"]),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["z"],
+      "additionalProperties": {"type": "string"}}, ['{"z": "s"}', '{"a": 1, "z": "s"}'], ["{}", '{"a": 1}', '{"z": 1}']),
+    ({"type": "object", "patternProperties": {"^tag$": {"type": "integer"}}, "required": ["tag"]}, ['{"tag": 1}'],
+     ["{}", '{"tag": "s"}', '{"tag": 1, "tag": 2}']),
+    # extra keys never repeat a declared one (xgrammar's additionalProperties rule excludes them)
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+      "additionalProperties": {"type": "string"}}, ['{"a": 1, "b": "x"}'], ['{"a": 1, "a": "x"}']),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a"],
+      "propertyNames": {"pattern": "^[ab]$"}, "additionalProperties": False}, ['{"a": 1, "b": "x"}'], ['{"a": 1, "a": 2}']),
+    # a declared key that breaks propertyNames can never be written
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "bb": {"type": "integer"}},
+      "propertyNames": {"maxLength": 1}, "additionalProperties": False}, ['{"a": 1}', "{}"], ['{"a": 1, "bb": 2}']),
+]
+
+
+@pytest.mark.parametrize("schema,good,bad", OBJECT_CASES)
+def test_served_objects_keep_required_keys_and_write_no_key_twice(backend, schema, good, bad):
+    validator = jsonschema.Draft202012Validator(schema)
+    compiled = served(backend, schema)
+    for doc in good:
+        assert validator.is_valid(json.loads(doc)) and accepts(backend, compiled, doc), doc
+    for doc in bad:  # (a repeated key parses to its last value: the oracle sees that object)
+        assert accepts(backend, compiled, doc) is False, doc
+        if doc.count('"a"') < 2 and doc.count('"tag"') < 2:
+            assert not validator.is_valid(json.loads(doc)), doc
+
+
+@pytest.mark.parametrize("schema,needle", [
+    ({"type": "object", "properties": {}, "required": ["z"], "additionalProperties": False}, "no object satisfies"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "propertyNames": {"pattern": "^a$"}},
+     "propertyNames beside properties"),
+    ({"type": "object", "properties": {"xa": {"type": "string"}}, "patternProperties": {"^x": {"type": "integer"}}},
+     "matches the patternProperties"),
+    ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "required": ["xy"]},
+     "matches the patternProperties"),  # (it could be written twice, however alike its two schemas)
+    ({"type": "object", "properties": {"tag": {"type": "string"}}, "patternProperties": {"^tag$": {"maxLength": 3}}},
+     "matches the patternProperties"),
+    ({"type": "object", "required": ["a"], "propertyNames": {"pattern": "^b"}}, "breaks propertyNames"),
+    ({"type": "object", "properties": {"a": {}}, "minProperties": 2, "additionalProperties": False}, "minProperties 2"),
+    ({"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a", "b"], "maxProperties": 1}, "maxProperties 1"),
+])
+def test_objects_no_value_satisfies_or_xgrammar_cannot_keep_are_refused(schema, needle):
+    with pytest.raises(ParamError, match=needle) as e:
+        json_schema_output(schema, "response_format.json_schema.schema")
+    assert e.value.param == "response_format"
 
 
 def test_regex_grammar_and_json_object(backend):

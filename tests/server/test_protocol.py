@@ -168,6 +168,7 @@ OUT_OF_RANGE = [
     ("completion", "prompt", [1, -2], "prompt"),
     ("completion", "prompt", [1, "a"], "prompt"),
     ("completion", "prompt", 5, "prompt"),
+    ("chat", "chat_template", "{{ messages }}", "chat_template"),  # refused, not silently ignored
 ]
 
 

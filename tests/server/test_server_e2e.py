@@ -66,6 +66,7 @@ MSG = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "
 
 def test_health_models_and_auth(server, client):
     assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.head(server.url + "/health").status_code == 200  # probes that send HEAD
     assert httpx.get(server.url + "/metrics").status_code == 200  # open without a key
     models = client.models.list()
     assert [m.id for m in models.data] == [server_model_id(server)]

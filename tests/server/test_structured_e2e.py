@@ -40,6 +40,12 @@ SCHEMAS = {
         "required": ["sku", "qty"]}}, "type": "object", "properties": {
         "items": {"type": "array", "items": {"$ref": "#/$defs/item"}, "minItems": 1, "maxItems": 3}},
         "required": ["items"]},
+    "annotations, OpenAPI's x-* and int64, strict formats": {"type": "object", "title": "Host", "x-order": 1,
+        "properties": {"ip": {"type": "string", "format": "ipv4", "x-example": "10.0.0.1"},
+                       "seen": {"type": "string", "format": "date-time", "contentMediaType": "text/plain"},
+                       "port": {"type": "integer", "format": "int32", "minimum": 1}},
+        "required": ["ip", "seen", "port", "tag"], "patternProperties": {"^tag$": {"type": "string", "maxLength": 12}},
+        "additionalProperties": False},
 }
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
@@ -212,6 +218,37 @@ def test_required_tool_choice_returns_valid_calls(client, parallel):
             [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
 
 
+class Address(BaseModel):
+    city: str = Field(max_length=30)
+    country: str = Field(max_length=30)
+
+
+class Shipment(BaseModel):
+    to: Address
+    back: Address | None = None
+    boxes: int = Field(ge=1, le=9)
+
+
+def test_required_tool_choice_keeps_each_tools_own_references(client):
+    """Pydantic writes a nested model as `$defs` and `#/$defs/Address`; forcing one of several calls puts
+    each tool's parameters into one schema, where those references must still resolve (they were a 400)."""
+    ship = {"type": "function", "function": {"name": "ship", "parameters": Shipment.model_json_schema()}}
+    assert "$defs" in ship["function"]["parameters"]
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Ship 2 boxes to Paris."}],
+                                       tools=[WEATHER, ship], tool_choice="required", max_tokens=300, seed=4, n=3,
+                                       parallel_tool_calls=False)
+    names = set()
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls
+        for call in c.message.tool_calls:
+            names.add(call.function.name)
+            if call.function.name == "ship":
+                Shipment.model_validate_json(call.function.arguments)
+            else:
+                check(WEATHER["function"]["parameters"], call.function.arguments)
+    assert names
+
+
 def nested(levels: int, wrap) -> dict:
     """A schema `levels` deep, each level made by `wrap` around the one inside it."""
     schema: dict = {"type": "integer"}
@@ -286,6 +323,16 @@ BAD = [
       "tools": [WEATHER]}, "messages.[2].tool_call_id", "c2"),
     ({"messages": ASK, "tools": [WEATHER], "tool_choice": "required",
       "response_format": {"type": "json_object"}}, "tool_choice", "constrains"),
+    # objects the engine could not keep to: a declared key written again as another, no object at all
+    ({"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "propertyNames": {"pattern": "^a$"}}}}},
+     "response_format", "propertyNames beside properties"),
+    ({"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {}, "required": ["z"], "additionalProperties": False}}}},
+     "response_format", "no object satisfies"),
+    ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"at": {"type": "string", "format": "uri-template"}}}}}], "tool_choice": "required"},
+     "tools", "format 'uri-template'"),
 ]
 
 
