@@ -22,7 +22,8 @@ Why it is built this way:
   to extra keys, which makes `patternProperties` or `minProperties` without `properties` impossible
   to satisfy. Which objects to close is the server's choice (`server.structured`).
 - xgrammar ends a document only on one of the stop ids it was given (the model's EOS ids): EOS is
-  allowed exactly where the grammar can end.
+  allowed exactly where the grammar can end. The tokenizer's other special tokens (`<|im_start|>`, ...)
+  are never allowed: xgrammar is told they are special, not text.
 """
 
 from __future__ import annotations
@@ -145,6 +146,14 @@ class GrammarBackend:
 
                 hf = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer)
                 info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size, stop_token_ids=self._stop_ids)
+                # The tokenizer's special tokens as xgrammar's (an empty text): it never allows them. Read as
+                # text, `<|im_start|>` fitted inside a JSON string and an EOS's text matched a regex's `.+`
+                # as the first token, ending the document empty (tests/executor/test_grammar.py).
+                special = {i for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special}
+                if special:
+                    vocab = [b"" if i in special else text for i, text in enumerate(info.decoded_vocab)]
+                    info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size,
+                                             stop_token_ids=self._stop_ids, add_prefix_space=info.add_prefix_space)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self._threads, cache_enabled=True,
                                                      cache_limit_bytes=_CACHE_BYTES)
                 logger.info("grammar engine ready: %s vocabulary of %d", info.vocab_type.name.lower(), info.vocab_size)

@@ -20,18 +20,36 @@ from server.structured import ENFORCED, FORMATS, json_schema_output
 xgr = pytest.importorskip("xgrammar")
 
 # a character-level vocabulary: any text has exactly one spelling, so "does the grammar accept this
-# text" is a plain question; id 0 is the stop id
+# text" is a plain question; STOP is the stop id and SPECIAL another special token, as real tokenizers have
 CHARS = [chr(c) for c in range(32, 127)]
 STOP = len(CHARS)
+SPECIAL = STOP + 1
+VOCAB = SPECIAL + 1
 
 
 @pytest.fixture(scope="module")
 def backend():
-    from tokenizers import Tokenizer, models
+    from tokenizers import AddedToken, Tokenizer, models
 
-    vocab = {c: i for i, c in enumerate(CHARS)} | {"</s>": STOP}
+    vocab = {c: i for i, c in enumerate(CHARS)} | {"</s>": STOP, "<|x|>": SPECIAL}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
+    tok.add_special_tokens([AddedToken("</s>", special=True), AddedToken("<|x|>", special=True)])
     return GrammarBackend(tok, len(vocab), [STOP])
+
+
+def test_special_tokens_are_never_text_and_stop_only_ends_a_document(backend):
+    """Read as text, a special token fitted inside a JSON string and the stop token's text matched `.+`:
+    the document could end empty on its first token."""
+    for kind, spec in (("regex", ".+"), ("regex", "[^x]+"), ("json_schema", '{"type": "string"}')):
+        g = backend.grammar(backend.compile(kind, spec, "x"))
+        mask = xgr.allocate_token_bitmask(1, VOCAB)
+        for ch in ('' if kind == "regex" else '"') + "ab":
+            g.fill(mask, 0)
+            words = mask[0].numpy().view("uint32")
+            allowed = {i for i in range(VOCAB) if (words[i // 32] >> (i % 32)) & 1}
+            assert SPECIAL not in allowed and (STOP in allowed) == (kind == "regex" and ch == "b"), (spec, ch)
+            assert g.accept(CHARS.index(ch))
+        assert not g.accept(SPECIAL)
 
 
 def accepts(backend: GrammarBackend, compiled, text: str) -> bool:
@@ -106,11 +124,11 @@ def sample(backend: GrammarBackend, compiled, rng, max_chars: int = 160) -> str 
     """A random document of the grammar: each character drawn among those it allows next (the stop id
     one time in four where allowed); None if it runs past max_chars."""
     g, out = backend.grammar(compiled), []
-    mask = xgr.allocate_token_bitmask(1, STOP + 1)
+    mask = xgr.allocate_token_bitmask(1, VOCAB)
     for _ in range(max_chars):
         g.fill(mask, 0)
         words = mask[0].numpy().view("uint32")
-        allowed = [i for i in range(STOP + 1) if (words[i // 32] >> (i % 32)) & 1]
+        allowed = [i for i in range(VOCAB) if (words[i // 32] >> (i % 32)) & 1]
         if STOP in allowed and (len(allowed) == 1 or rng.random() < 0.25):
             return "".join(out)
         pick = rng.choice([i for i in allowed if i != STOP])
@@ -285,11 +303,11 @@ def test_sampler_only_picks_allowed_tokens_and_reports_masked_logprobs(backend):
     allowed ids, and their logprobs are those of the masked distribution (the allowed ids' probabilities
     sum to 1); the unconstrained row is untouched."""
     compiled = backend.compile("regex", "[x-z]+", "regex")
-    sampler = Sampler(STOP + 1)
+    sampler = Sampler(VOCAB)
     gen = torch.Generator().manual_seed(11)
     allowed = {CHARS.index(c) for c in "xyz"}
     for step in range(20):
-        logits = torch.randn(3, STOP + 1, generator=gen) * 3
+        logits = torch.randn(3, VOCAB, generator=gen) * 3
         grammars = [backend.grammar(compiled), None, backend.grammar(compiled)]
         params = [SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5),
                   SamplingParams(temperature=0.0, logprobs=True),
@@ -312,7 +330,7 @@ def test_stop_is_allowed_exactly_where_the_document_can_end(backend):
     compiled = backend.compile("json_schema", json.dumps({"type": "array", "items": {"type": "integer"}, "maxItems": 2}),
                                "response_format")
     g = backend.grammar(compiled)
-    x = torch.zeros(1, STOP + 1)
+    x = torch.zeros(1, VOCAB)
     for ch in "[1":
         apply_grammar_masks(x, [g])
         assert x[0, STOP] == float("-inf")  # not yet
@@ -336,15 +354,15 @@ def test_mask_equals_xgrammars_own_kernel(backend):
         assert all(g.accept(CHARS.index(ch)) for ch in prefix)
         grammars.append(g)
     grammars.insert(2, None)
-    x = torch.randn(len(grammars), STOP + 1, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(len(grammars), VOCAB, generator=torch.Generator().manual_seed(5))
     ours = x.clone()
     apply_grammar_masks(ours, grammars)
     theirs = x.clone()
-    bitmask = xgr.allocate_token_bitmask(len(grammars), STOP + 1)
+    bitmask = xgr.allocate_token_bitmask(len(grammars), VOCAB)
     for i, g in enumerate(grammars):
         if g is not None:
             g.fill(bitmask, i)
-    xgr.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=STOP + 1, indices=[i for i, g in enumerate(grammars) if g])
+    xgr.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=VOCAB, indices=[i for i, g in enumerate(grammars) if g])
     assert torch.equal(ours, theirs) and torch.equal(ours[2], x[2])
     assert len({int((row > -1e30).sum()) for row in ours}) > 2  # the rows really differ
 
@@ -357,7 +375,7 @@ def test_a_grammar_after_a_marker_sleeps_through_the_reasoning(backend):
     rx = backend.compile("regex", r"(yes|no)", "response_format")
     marker = [CHARS.index(c) for c in "</t>"]
     g = backend.grammar(rx, after=marker)
-    mask = xgr.allocate_token_bitmask(1, STOP + 1)
+    mask = xgr.allocate_token_bitmask(1, VOCAB)
     mask.zero_()
     g.fill(mask, 0)
     assert (mask == -1).all() and not g.terminated  # asleep: anything goes
