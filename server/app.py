@@ -150,10 +150,11 @@ class AuthMiddleware:
         path = scope.get("path", "")
         if scope["type"] == "http" and key and (path.startswith("/v1") or path in KEYED_PATHS):
             headers = dict(scope.get("headers") or [])
-            scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-            if scheme.lower() != "bearer":  # Anthropic's clients send the key as `x-api-key`
-                given = headers.get(b"x-api-key", b"").decode("latin-1")
-            if not hmac.compare_digest(given.strip().encode(), key.encode()):
+            scheme, _, bearer = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+            given = [bearer] if scheme.lower() == "bearer" else []
+            given.append(headers.get(b"x-api-key", b"").decode("latin-1"))  # Anthropic's clients send this
+            # either header with the key will do (a stale token in the other must not lock a client out)
+            if not any([hmac.compare_digest(g.strip().encode(), key.encode()) for g in given]):
                 resp = error_response(401, "invalid or missing API key (send Authorization: Bearer KEY, or "
                                       "x-api-key: KEY)", "authentication_error", code="invalid_api_key")
                 return await shaped(scope, resp)(scope, receive, send)

@@ -16,12 +16,14 @@ chat completions request (same prompt tokens) and is parsed by the same reasonin
 - `tools` (`name`, `description`, `input_schema`) become chat's function tools; `tool_choice` `auto`,
   `any`, `tool` (by `name`) and `none` chat's `auto`, `required`, a named function and `none`;
   `disable_parallel_tool_use` is `parallel_tool_calls: false`. Anthropic's server tools (a `type` such as
-  `web_search_20250305`) are a 400: this server runs none.
+  `web_search_20250305`), `mcp_servers` and `container` are a 400: this server runs none.
 - `max_tokens` (required), `stop_sequences`, `temperature`, `top_p`, `top_k` and `stream` map one to one
   (Anthropic's newer SDKs send the sampling fields only through `extra_body`); `output_config.format`
-  (`{"type": "json_schema", "schema"}`, structured outputs) is chat's `response_format`; `thinking`
+  (`{"type": "json_schema", "schema"}`, structured outputs; the beta's `output_format` too) is chat's
+  `response_format`; `temperature` keeps Anthropic's range (0 to 1); `thinking`
   `{"type": "enabled" | "disabled"}` sets the chat template's thinking switch (DeepSeek-V3.1's
-  `thinking`, Qwen3's `enable_thinking`; `budget_tokens` is not enforced); `metadata`,
+  `thinking`, Qwen3's `enable_thinking`; `budget_tokens` is checked as Anthropic checks it, below
+  `max_tokens`, but not enforced); `metadata`,
   `output_config.effort` and `service_tier` are accepted and ignored, and so are fields this API does not
   know, as on chat completions.
 """
@@ -47,8 +49,8 @@ from server.protocol import (
     rename_fields,
 )
 
-# Anthropic's error types by HTTP status (its API answers 529 `overloaded_error`; this server's overload
-# is a 503, typed the same)
+# Anthropic's error types by HTTP status (an overload, the chat path's 503 `overloaded`, is answered 529
+# `overloaded_error` as Anthropic's API answers it: server.serving.anthropic_error)
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
 
@@ -60,6 +62,8 @@ _RENAMES = (
     (re.compile(r"\btools\.\[(\d+)\]\.function\.parameters\b"), r"tools.[\1].input_schema"),
     (re.compile(r"\btools\.\[(\d+)\]\.function\."), r"tools.[\1]."),
     (re.compile(r"\bmax_completion_tokens\b"), "max_tokens"),
+    (re.compile(r"'stop'"), "'stop_sequences'"),
+    (re.compile(r"^stop$"), "stop_sequences"),
 )
 
 
@@ -167,15 +171,36 @@ class MessagesRequest(_Body):
     messages: list[MessageParam] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     stop_sequences: list[str] | None = None
-    temperature: StrictFloat | None = None
+    temperature: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] | None = None  # Anthropic's range
     top_p: StrictFloat | None = None
     top_k: StrictInt | None = None
     stream: StrictBool | None = False
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoiceParam | None = None
     output_config: OutputConfig | None = None
+    output_format: OutputFormat | None = None  # the structured-outputs beta's spelling of output_config.format
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    # Anthropic's server-side features: refused rather than ignored (the reply would not have used them)
+    mcp_servers: Any = None
+    container: Any = None
+
+    @field_validator("mcp_servers", "container")
+    @classmethod
+    def _server_side(cls, value: Any, info: Any) -> Any:
+        if value is not None:
+            raise _invalid(f"{info.field_name} is one of Anthropic's server-side features, which this server does "
+                           "not run: leave it out")
+        return value
+
+    @field_validator("thinking")
+    @classmethod
+    def _budget(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") == "enabled":
+            budget = value.get("budget_tokens")
+            if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+                raise _invalid("thinking of type 'enabled' needs budget_tokens, a positive integer")
+        return value
     # mlaserve extension, as on chat completions: OmniKV sparse attention for this request's decode
     omnikv: StrictBool | None = None
 
@@ -247,9 +272,18 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
             "name": t.name, **({"description": t.description} if t.description else {}),
             "parameters": t.input_schema or {"type": "object", "properties": {}}}} for t in req.tools]
     mode = (req.thinking or {}).get("type")
+    budget = (req.thinking or {}).get("budget_tokens")
+    if mode == "enabled" and "max_tokens" in req.model_fields_set and budget >= req.max_tokens:
+        raise ParamError("thinking.budget_tokens", f"thinking.budget_tokens ({budget}) must be less than max_tokens "
+                         f"({req.max_tokens}), which counts the thinking too")
     if mode in ("enabled", "disabled"):  # the templates' switches: DeepSeek-V3.1's `thinking`, Qwen3's
         chat["chat_template_kwargs"] = {"thinking": mode == "enabled", "enable_thinking": mode == "enabled"}
     fmt = req.output_config.format if req.output_config is not None else None
+    if req.output_format is not None:
+        if fmt is not None:
+            raise ParamError("output_format", "output_format and output_config.format were both given: send one "
+                             "(output_config.format is the current spelling)")
+        fmt = req.output_format
     if fmt is not None:
         chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
     choice = req.tool_choice

@@ -462,6 +462,12 @@ def _event_logprobs(lps: list[ChatTokenLogprob]) -> list[dict[str, Any]]:
              "top_logprobs": [{"token": t.token, "logprob": t.logprob} for t in lp.top_logprobs]} for lp in lps]
 
 
+def _tool_use_id(call_id: str) -> str:
+    """A chat tool call's id as Anthropic writes a tool_use block's (`toolu_...`); the id a client sends back
+    in its tool_result is taken as it is, so the round trip holds either way."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
 def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -512,6 +518,7 @@ class ResponsesSerializer(ChatSerializer):
                                  defaults)
         return ResponseObject(
             id=self.id, created_at=self.created, status=status, model=self.state.model_name,
+            completed_at=int(time.time()) if status == "completed" else None,
             incomplete_details=IncompleteDetails() if status == "incomplete" else None,
             output=list(self.items.output), temperature=sampling["temperature"], top_p=sampling["top_p"], usage=usage,
             **echoed(self.request),
@@ -715,7 +722,7 @@ class MessagesSerializer(ChatSerializer):
         if message.content:
             content.append({"type": "text", "text": message.content})
         for c in message.tool_calls or ():
-            content.append({"type": "tool_use", "id": c.id, "name": c.function.name,
+            content.append({"type": "tool_use", "id": _tool_use_id(c.id), "name": c.function.name,
                             "input": _tool_input(c.function.arguments)})
         return self.message_object(content, final=True)
 
@@ -748,7 +755,7 @@ class MessagesSerializer(ChatSerializer):
             out += self._delta("text", {"type": "text_delta", "text": text}, text="")
         for d in deltas:
             if d.id is not None:  # a new call: its own block
-                out += self._open("tool_use", id=d.id, name=d.name, input={})
+                out += self._open("tool_use", id=_tool_use_id(d.id), name=d.name, input={})
             if d.arguments:
                 out += self._delta("tool_use", {"type": "input_json_delta", "partial_json": d.arguments})
         return out

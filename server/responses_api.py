@@ -134,6 +134,7 @@ class ResponsesRequest(_Body):
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     background: StrictBool | None = None
+    prompt: dict[str, Any] | None = None  # a stored prompt template: none are stored here
     # mlaserve extension, as on chat completions: OmniKV sparse attention for this request's decode
     omnikv: StrictBool | None = None
 
@@ -261,7 +262,8 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat completions request this Responses request is; ParamError naming the Responses field for
     what cannot be converted (stateful features, bad items, a call output that answers no call)."""
     for field, given in (("previous_response_id", req.previous_response_id is not None),
-                         ("conversation", req.conversation is not None), ("background", bool(req.background))):
+                         ("conversation", req.conversation is not None), ("background", bool(req.background)),
+                         ("prompt", req.prompt is not None)):
         if given:
             raise ParamError(field, f"{field} is not supported: this server is stateless and stores no responses; "
                              "send the whole conversation as input items instead")
@@ -412,10 +414,11 @@ class IncompleteDetails(_Response):
 
 class ResponseObject(_Response):
     keep_null = frozenset({"error", "incomplete_details", "instructions", "max_output_tokens", "previous_response_id",
-                           "reasoning", "temperature", "top_p", "usage", "user"})
+                           "reasoning", "temperature", "top_p", "usage", "user", "completed_at"})
     id: str
     object: Literal["response"] = "response"
     created_at: int
+    completed_at: int | None = None  # set once the status is completed
     status: Literal["in_progress", "completed", "incomplete"]
     error: None = None
     incomplete_details: IncompleteDetails | None = None

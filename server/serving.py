@@ -182,8 +182,9 @@ def anthropic_error(resp: Response) -> Response:
     message, param = messages_api.rename_error(str(error.get("message", "")), error.get("param"))
     if param and param not in message:
         message = f"{param}: {message}"
+    status = 529 if error.get("code") == "overloaded" else resp.status_code  # Anthropic's overload status
     return JSONResponse(messages_api.error_body(resp.status_code, message, error.get("code")),
-                        status_code=resp.status_code, headers=headers)
+                        status_code=status, headers=headers)
 
 
 def _error_of(resp: JSONResponse) -> tuple[dict[str, Any], dict[str, str]]:

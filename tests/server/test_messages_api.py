@@ -157,7 +157,7 @@ def test_forced_tool_call_and_its_result_round_trip(server, client, chat):
                                extra_body=GREEDY)
     assert m.stop_reason == "tool_use"
     calls = [b for b in m.content if b.type == "tool_use"]
-    assert calls and calls[0].name == "get_weather"
+    assert calls and calls[0].name == "get_weather" and calls[0].id.startswith("toolu_")
     jsonschema.validate(calls[0].input, WEATHER["input_schema"])
     named = client.messages.create(model="m", max_tokens=120, messages=ask, tools=[WEATHER],
                                    tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True})
@@ -224,6 +224,17 @@ USER = [{"role": "user", "content": "hi"}]
      400, "tools.[0].input_schema"),
     ({"max_tokens": 4, "messages": USER, "output_config": {"format": {"type": "json_schema", "schema": {
         "type": "object", "properties": {"a": {"type": "string", "not": {}}}}}}}, 400, "output_config.format"),
+    # Anthropic's own limits and server-side features
+    ({"max_tokens": 4, "messages": USER, "temperature": 1.5}, 400, "temperature"),
+    ({"max_tokens": 4, "messages": USER, "mcp_servers": [{"type": "url", "url": "http://x", "name": "m"}]}, 400,
+     "server-side"),
+    ({"max_tokens": 4, "messages": USER, "container": "c1"}, 400, "server-side"),
+    ({"max_tokens": 4, "messages": USER, "thinking": {"type": "enabled"}}, 400, "budget_tokens"),
+    ({"max_tokens": 5, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400,
+     "must be less than max_tokens"),
+    ({"max_tokens": 4, "messages": USER, "stop_sequences": [str(i) for i in range(20)]}, 400, "'stop_sequences'"),
+    ({"max_tokens": 4, "messages": USER, "output_format": {"type": "json_schema", "schema": {"type": "object"}},
+      "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, 400, "both given"),
     # the middlewares' answers, before any route: in this API's shape too
     ({"max_tokens": 4, "messages": USER, "__key": "wrong"}, 401, "API key"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x" * 3_000_000}]}, 413, "larger than the limit"),
@@ -254,6 +265,33 @@ def test_errors_are_counted_by_their_openai_code(server):
     for body in ({"model": "nope", "max_tokens": 4}, {"model": "m", "max_tokens": 100000}):
         httpx.post(server.url + "/v1/messages", json={**body, "messages": USER}, headers={"x-api-key": KEY}, timeout=60)
     assert (count("model_not_found", 404), count("context_length_exceeded", 400)) == (before[0] + 1, before[1] + 1)
+
+
+def test_output_format_is_the_betas_spelling_of_output_config_format(client):
+    m = client.messages.create(model="m", max_tokens=40, messages=[{"role": "user", "content": "Is it sunny?"}],
+                               extra_body={"output_format": {"type": "json_schema", "schema": FLAG}})
+    assert m.stop_reason == "end_turn", m
+    jsonschema.validate(json.loads(m.content[0].text), FLAG)
+
+
+def test_an_overload_is_529_as_anthropics():
+    from server.serving import anthropic_error
+    from server.state import error_response
+
+    resp = anthropic_error(error_response(503, "busy", "server_error", code="overloaded"))
+    assert resp.status_code == 529 and json.loads(resp.body)["error"]["type"] == "overloaded_error"
+    assert anthropic_error(error_response(503, "down", "server_error", code="engine_error")).status_code == 503
+
+
+def test_either_key_header_will_do(server):
+    """The Anthropic SDK sends x-api-key, and a stale bearer token beside it must not lock the client out
+    (nor the other way round)."""
+    body = {"model": "m", "max_tokens": 2, "messages": USER}
+    for headers in ({"x-api-key": "stale", "authorization": f"Bearer {KEY}"},
+                    {"x-api-key": KEY, "authorization": "Bearer stale"}):
+        assert httpx.post(server.url + "/v1/messages", json=body, headers=headers, timeout=60).status_code == 200
+    assert httpx.post(server.url + "/v1/messages", json=body, timeout=60,
+                      headers={"x-api-key": "stale", "authorization": "Bearer stale"}).status_code == 401
 
 
 def test_sdk_errors_and_the_key(server, client):

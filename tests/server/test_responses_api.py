@@ -134,6 +134,7 @@ def test_text_is_the_chat_answer_whole_and_streamed(client, dsv3):
         last = event
     assert "".join(deltas) == r.output_text
     assert last.type == f"response.{r.status}" and last.response.output_text == r.output_text
+    assert (r.completed_at is not None) == (r.status == "completed")
     events = sse(dsv3.url, {"model": "m", "input": ask, "max_output_tokens": 10, "temperature": 0})
     kinds = [e["type"] for e in events]
     assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
@@ -290,6 +291,7 @@ BAD = [
     ({"input": "hi", "tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
      400, "tool_choice", "text.format"),
     ({"input": "hi", "model": "nope"}, 404, "model", "nope"),
+    ({"input": "hi", "prompt": {"id": "pmpt_1"}}, 400, "prompt", "not supported"),
 ]
 
 
