@@ -3,7 +3,7 @@ needs a token into that token (and its logprobs, when asked).
 
 Per row, in this order (the vLLM/SGLang order):
 
-    raw logits [B, V] ──► grammar mask (constrained rows) ──► logit_bias ──► repetition / frequency / presence penalties ──► min_tokens mask
+    raw logits [B, V] ──► grammar mask (constrained rows) ──► logit_bias, allowed ids, bad words ──► repetition / frequency / presence penalties ──► min_tokens mask
         ├─ greedy (temperature 0 or top_k 1) ──► argmax
         └─ / temperature ──► top_k ──► top_p ──► min_p ──► argmax(x + Gumbel noise)
     raw logits (grammar-masked) ──► log_softmax ──► chosen token's logprob + top_logprobs alternatives
@@ -72,6 +72,10 @@ class SamplingKnobs(Protocol):
     @property
     def stop_token_ids(self) -> tuple[int, ...]: ...
     @property
+    def allowed_token_ids(self) -> tuple[int, ...]: ...
+    @property
+    def bad_words_ids(self) -> tuple[tuple[int, ...], ...]: ...
+    @property
     def logprobs(self) -> bool: ...
     @property
     def top_logprobs(self) -> int: ...
@@ -111,7 +115,8 @@ def noise_seed(seed: int, step: int) -> int:
 def apply_logit_processors(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Steps before the sampling choice, on an fp32 copy of `logits` [B, V] (the input is untouched):
 
-    1. logit_bias added;
+    1. logit_bias added; ids outside allowed_token_ids, and each bad word's last id right after its
+       others, get -inf;
     2. repetition_penalty (HF/CTRL: every id in prompt + output, logit / p if logit > 0 else logit * p),
        then frequency_penalty (minus p * count in output) and presence_penalty (minus p if in output);
     3. min_tokens: while len(output_ids) < min_tokens, EOS ids and stop_token_ids get -inf.
@@ -120,6 +125,7 @@ def apply_logit_processors(logits: torch.Tensor, rows: Sequence[SamplingRow]) ->
         raise ValueError(f"logits must be [num_rows={len(rows)}, V], got {tuple(logits.shape)}")
     out = logits.to(torch.float32, copy=True)
     _add_logit_bias(out, rows)
+    _mask_token_choices(out, rows)
     _apply_repetition_penalty(out, rows)
     _apply_frequency_presence_penalties(out, rows)
     _mask_until_min_tokens(out, rows)
@@ -227,6 +233,24 @@ def _add_logit_bias(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     if row_idx:
         index = _index(row_idx, tok_idx, x, "logit_bias")
         x.index_put_(index, torch.tensor(bias, dtype=x.dtype).to(x.device), accumulate=True)
+
+
+def _mask_token_choices(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """vLLM's allowed_token_ids (every other id -inf) and bad_words (a word's last id -inf where the
+    output ends with the word's other ids; a one-id word always)."""
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.allowed_token_ids:
+            keep = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=x.device)
+            kept = x[i, keep].clone()
+            x[i].fill_(float("-inf"))
+            x[i, keep] = kept
+        if p.bad_words_ids:
+            out = row.output_ids
+            banned = [w[-1] for w in p.bad_words_ids
+                      if len(w) == 1 or (len(out) >= len(w) - 1 and tuple(out[len(out) - len(w) + 1:]) == w[:-1])]
+            if banned:
+                x[i, torch.tensor(banned, dtype=torch.long, device=x.device)] = float("-inf")
 
 
 def _apply_repetition_penalty(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -364,7 +388,8 @@ def _logprobs(raw: torch.Tensor, rows: Sequence[SamplingRow], tokens: list[int])
 def _processed(row: SamplingRow) -> bool:
     """Whether any logit processor (apply_logit_processors) changes this row's logits."""
     p = row.params
-    return bool(p.logit_bias) or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 \
+    return bool(p.logit_bias) or bool(p.allowed_token_ids) or bool(p.bad_words_ids) \
+        or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 \
         or p.presence_penalty != 0.0 or len(row.output_ids) < p.min_tokens
 
 

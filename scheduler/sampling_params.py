@@ -68,6 +68,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Generation ends ("stop") right after one of these ids is sampled. The id is part of the
     # completion's token ids and usage; the server leaves its text out (as vLLM does by default).
     stop_token_ids: tuple[int, ...] = ()
+    # vLLM's: only these ids may be generated (empty: any); and these id sequences never complete (a
+    # sequence's last id is masked right after its others, a one-id sequence always)
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False  # return the chosen token's logprob
     top_logprobs: int = 0  # and this many alternatives
@@ -107,6 +111,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for tok in self.stop_token_ids:
             _check(0 <= tok < vocab_size, "stop_token_ids",
                    f"stop_token_ids has token id {tok} outside the vocabulary (0..{vocab_size - 1})")
+        validate_token_ids(self.allowed_token_ids, vocab_size, "allowed_token_ids")
+        for word in self.bad_words_ids:
+            _check(len(word) > 0, "bad_words", "a bad word has no tokens")
+            validate_token_ids(word, vocab_size, "bad_words")
         _check(0 <= self.top_logprobs <= 20, "top_logprobs", "top_logprobs must be in [0, 20]")
         _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "logprobs", "logprobs must be in [0, 20]")
         _check(self.seed is None or -(2**63) <= self.seed < 2**64, "seed", "seed must fit in 64 bits")

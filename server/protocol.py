@@ -266,6 +266,10 @@ class _GenerationRequest(_Body):
     include_stop_str_in_output: StrictBool | None = False
     # vLLM's extension: generation ends right after one of these ids (its text is left out)
     stop_token_ids: list[StrictInt] | None = None
+    # vLLM's extensions: only these ids are generated; these words (as the tokenizer spells each, alone and
+    # after a space) are never generated (server.serving.bad_words_ids)
+    allowed_token_ids: Annotated[list[StrictInt], Field(min_length=1)] | None = None
+    bad_words: list[str] | None = None
     # vLLM's extension: false writes special tokens (<|im_start|>, ...) into the text (EOS still ends it unseen)
     skip_special_tokens: StrictBool | None = True
     seed: StrictInt | None = None
@@ -588,6 +592,7 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest,
         max_tokens=max_tokens,
         min_tokens=_or(req.min_tokens, 0),
         stop_token_ids=tuple(req.stop_token_ids or ()),
+        allowed_token_ids=tuple(req.allowed_token_ids or ()),
         ignore_eos=bool(req.ignore_eos),
         logprobs=bool(logprobs),
         top_logprobs=top_logprobs,

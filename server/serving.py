@@ -386,11 +386,30 @@ def build_prompts(state: ServerState, body: Any) -> tuple[list[tuple[list[int], 
     return out, ToolPlan()
 
 
+def bad_words_ids(state: ServerState, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token ids, as vLLM takes them: the word as written and after a space (as it reads
+    mid-sentence), each once. ParamError for an empty word."""
+    tok = state.tokenizer
+    assert tok is not None
+    out: dict[tuple[int, ...], None] = {}
+    for i, word in enumerate(words):
+        if not word.strip():
+            raise ParamError("bad_words", f"bad_words[{i}] is empty or blank: list words to keep out")
+        for text in (word, " " + word.lstrip()):
+            ids = tuple(tok.encode(text, add_special_tokens=False))
+            if ids:
+                out[ids] = None
+    return tuple(out)
+
+
 def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int], str]],
                    tools: ToolPlan) -> list[EngineRequest]:
     try:
         defaults = state.generation_defaults.values if state.generation_defaults is not None else {}
         params = checked_sampling_params(body, state.vocab_size, defaults)
+        if getattr(body, "bad_words", None):
+            params = msgspec.structs.replace(params, bad_words_ids=bad_words_ids(state, body.bad_words))
+            params.validate(state.vocab_size)
         if tools.structured is not None:
             if params.structured is not None:
                 raise ParamError("tool_choice", "a forced tool call constrains the output already: "

@@ -251,6 +251,32 @@ def test_logit_bias_forces_and_forbids() -> None:
     assert greedy.token_ids == runner_up.tolist()
 
 
+def test_allowed_token_ids_and_bad_words() -> None:
+    """vLLM's allowed_token_ids (sampled and greedy rows pick only those) and bad_words, against HF's
+    NoBadWordsLogitsProcessor on the same output ids (a word's last id banned right after its others)."""
+    from transformers.generation.logits_process import NoBadWordsLogitsProcessor
+
+    vocab, n = 40, 300
+    logits = _logits(n, vocab, seed=21)
+    sampler = Sampler(vocab)
+    allowed = (2, 9, 31)
+    for temperature in (0.0, 1.0):
+        got = sampler(logits, [_row(SamplingParams(temperature=temperature, allowed_token_ids=allowed), seed=i)
+                               for i in range(n)]).token_ids
+        assert set(got) <= set(allowed) and (temperature == 0.0 or set(got) == set(allowed))
+    words = ((7,), (11, 12), (4, 5, 6))
+    rng = random.Random(3)
+    for i in range(n):
+        output = [rng.choice([4, 5, 6, 11, 12, 1]) for _ in range(rng.randint(0, 4))]
+        row = _row(SamplingParams(temperature=0.0, bad_words_ids=words), output=output)
+        ours = apply_logit_processors(logits[i:i + 1], [row])[0]
+        hf = NoBadWordsLogitsProcessor([list(w) for w in words], eos_token_id=EOS)(
+            torch.tensor([output or [0]]) if output else torch.zeros(1, 0, dtype=torch.long), logits[i:i + 1].clone())[0]
+        assert torch.equal(torch.isinf(ours), torch.isinf(hf)), (output, ours, hf)
+        assert ours[7] == -math.inf and (ours[12] == -math.inf) == (output[-1:] == [11])
+        assert sampler(logits[i:i + 1], [row]).token_ids[0] == int(hf.argmax())
+
+
 def _reference_processed(logits: list[float], row: SamplingRow) -> list[float]:
     """Steps 1-3 for one row, straight from the definitions, in Python floats."""
     p = row.params

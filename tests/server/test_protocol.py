@@ -211,15 +211,18 @@ def test_to_sampling_params_maps_every_field() -> None:
         "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {"11": 5.0, " 7": -100},
         "seed": 1234, "n": 3, "max_tokens": 999, "max_completion_tokens": 50, "min_tokens": 2,
         "ignore_eos": True, "logprobs": True, "top_logprobs": 4, "stop": "x", "user": "u", "stop_token_ids": [2, 7],
-        "response_format": {"type": "json_object"}, "omnikv": True})
+        "response_format": {"type": "json_object"}, "omnikv": True, "allowed_token_ids": [5, 9]})
     sp = to_sampling_params(chat)
     default = SamplingParams()
     for name in SamplingParams.__struct_fields__:
-        if name != "prompt_logprobs":  # completions only (echo + logprobs), checked below
+        # prompt_logprobs: completions only (echo + logprobs), checked below; bad_words_ids: tokenized by the
+        # server (server.serving.bad_words_ids, tested end to end)
+        if name not in ("prompt_logprobs", "bad_words_ids"):
             assert getattr(sp, name) != getattr(default, name), name
     assert sp == SamplingParams(temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
                                 presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={11: 5.0, 7: -100.0},
                                 seed=1234, n=3, max_tokens=50, min_tokens=2, stop_token_ids=(2, 7), ignore_eos=True,
+                                allowed_token_ids=(5, 9),
                                 logprobs=True, top_logprobs=4, structured=StructuredOutput("json_object"), omnikv=True)
     sp.validate(vocab_size=100)  # the engine's own check accepts what validation let through
     assert to_sampling_params(ChatCompletionRequest.model_validate({**CHAT, "max_tokens": 9})).max_tokens == 9

@@ -290,6 +290,28 @@ def test_stop_strings_never_leak(server, client):
         assert parts[-1].choices[0].finish_reason == "stop"
 
 
+def test_allowed_token_ids_and_bad_words(server, tok):
+    """vLLM's allowed_token_ids and bad_words through the completions API: the greedy reply's words are
+    banned one by one and do not come back; with allowed ids, only those."""
+    body = {"model": server_model_id(server), "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    free = post(server, "/v1/completions", body).json()["choices"][0]
+    words = [w.strip(".,;:!?\"'") for w in free["text"].split()][:3]
+    words = [w for w in words if w]
+    assert words, free
+    banned = post(server, "/v1/completions", {**body, "bad_words": words}).json()["choices"][0]
+    for w in words:
+        for text in (w, " " + w):
+            ids = tok.encode(text, add_special_tokens=False)
+            assert not any(banned["token_ids"][i:i + len(ids)] == ids for i in range(len(banned["token_ids"]))), (w, banned)
+    allowed = sorted(set(free["token_ids"][:4]))
+    only = post(server, "/v1/completions", {**body, "allowed_token_ids": allowed, "temperature": 1.0, "seed": 3})
+    assert set(only.json()["choices"][0]["token_ids"]) <= set(allowed), only.text
+    for bad, param in (({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [10**9]}, "allowed_token_ids"),
+                       ({"bad_words": [" "]}, "bad_words")):
+        assert_error(post(server, "/v1/completions", {**body, **bad}), 400, param, None)
+
+
 def test_no_stop_string_ends_before_min_tokens(server, tok):
     """vLLM's rule: a stop string is not matched in the text of the first `min_tokens` tokens; one that
     ends later (even begun earlier) still stops the completion."""
