@@ -100,11 +100,28 @@ class ToolUseBlock(_Request):
     input: dict[str, Any]
 
 
+def _text_blocks(value: Any, where: str) -> Any:
+    """`value` as it came when it is not a list; else the validation error for the first block that is
+    not a text block with its text (pydantic's own, for a `str | list[TextBlock]` field, would only say
+    that the input is not a string)."""
+    value = check_part_types(value, ("text",), f"{where} holds text blocks only on this server (no images or "
+                             "documents)")
+    for i, block in enumerate(value if isinstance(value, list) else ()):
+        if not isinstance(block.get("text"), str):
+            raise _invalid(f"{where}'s text block {i} needs its text, a string")
+    return value
+
+
 class ToolResultBlock(_Request):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] | None = None
     is_error: StrictBool | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        return _text_blocks(value, "a tool_result's content")
 
     def text(self) -> str:
         return _text(self.content)
@@ -129,9 +146,13 @@ class MessageParam(_Request):
     @field_validator("content", mode="before")
     @classmethod
     def _known_blocks(cls, value: Any) -> Any:
-        return check_part_types(value, ("text", "tool_use", "tool_result", "thinking", "redacted_thinking"),
-                                "this server reads text, tool_use, tool_result and thinking blocks (no images or "
-                                "documents)")
+        value = check_part_types(value, ("text", "tool_use", "tool_result", "thinking", "redacted_thinking"),
+                                 "this server reads text, tool_use, tool_result and thinking blocks (no images or "
+                                 "documents)")
+        for block in value if isinstance(value, list) else ():  # (here, or the union's string branch would answer)
+            if block.get("type") == "tool_result":
+                _text_blocks(block.get("content"), "a tool_result's content")
+        return value
 
 
 class ToolParam(_Request):
@@ -184,6 +205,11 @@ class MessagesRequest(_Body):
     # Anthropic's server-side features: refused rather than ignored (the reply would not have used them)
     mcp_servers: Any = None
     container: Any = None
+
+    @field_validator("system", mode="before")
+    @classmethod
+    def _system_text(cls, value: Any) -> Any:
+        return _text_blocks(value, "system")
 
     @field_validator("mcp_servers", "container")
     @classmethod

@@ -224,6 +224,13 @@ USER = [{"role": "user", "content": "hi"}]
      400, "tools.[0].input_schema"),
     ({"max_tokens": 4, "messages": USER, "output_config": {"format": {"type": "json_schema", "schema": {
         "type": "object", "properties": {"a": {"type": "string", "not": {}}}}}}}, 400, "output_config.format"),
+    # blocks that hold text only, told by what is wrong with them
+    ({"max_tokens": 4, "messages": USER, "system": [{"type": "image", "source": {}}]}, 400, "type 'image'"),
+    ({"max_tokens": 4, "messages": USER, "system": [{"type": "text"}]}, 400, "needs its text"),
+    ({"max_tokens": 4, "messages": [*USER, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]}, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "image", "source": {}}]}]}]}, 400,
+     "type 'image'"),
     # Anthropic's own limits and server-side features
     ({"max_tokens": 4, "messages": USER, "temperature": 1.5}, 400, "temperature"),
     ({"max_tokens": 4, "messages": USER, "mcp_servers": [{"type": "url", "url": "http://x", "name": "m"}]}, 400,
