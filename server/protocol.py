@@ -270,6 +270,15 @@ class _GenerationRequest(_Body):
     # after a space) are never generated (server.serving.bad_words_ids)
     allowed_token_ids: Annotated[list[StrictInt], Field(min_length=1)] | None = None
     bad_words: list[str] | None = None
+    # vLLM's extension: only the prompt's last k tokens are kept (-1: as many as the context holds)
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_positive(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise _invalid("truncate_prompt_tokens must be at least 1 (or -1: as many as the context holds)")
+        return value
     # vLLM's extension: false writes special tokens (<|im_start|>, ...) into the text (EOS still ends it unseen)
     skip_special_tokens: StrictBool | None = True
     seed: StrictInt | None = None

@@ -372,7 +372,7 @@ def build_prompts(state: ServerState, body: Any) -> tuple[list[tuple[list[int], 
     assert tok is not None
     if isinstance(body, ChatCompletionRequest):
         text, plan = chat_prompt(state, body)
-        return [(tok.encode(text, add_special_tokens=False), text)], plan
+        return _truncated(state, body, [(tok.encode(text, add_special_tokens=False), text)]), plan
     out = []
     for p in body.prompts():
         if isinstance(p, str):
@@ -383,7 +383,20 @@ def build_prompts(state: ServerState, body: Any) -> tuple[list[tuple[list[int], 
             except ParamError as e:
                 raise ClientError.bad_param(e) from None
             out.append((list(p), tok.decode(p, skip_special_tokens=False)))
-    return out, ToolPlan()
+    return _truncated(state, body, out), ToolPlan()
+
+
+def _truncated(state: ServerState, body: Any, prompts: list[tuple[list[int], str]]) -> list[tuple[list[int], str]]:
+    """vLLM's truncate_prompt_tokens: each prompt's last k tokens (k = -1: the context length), its text
+    the text of those tokens."""
+    k = getattr(body, "truncate_prompt_tokens", None)
+    if k is None:
+        return prompts
+    k = state.context_length if k == -1 else k
+    tok = state.tokenizer
+    assert tok is not None
+    return [(ids, text) if len(ids) <= k else (ids[-k:], tok.decode(ids[-k:], skip_special_tokens=False))
+            for ids, text in prompts]
 
 
 def bad_words_ids(state: ServerState, words: list[str]) -> tuple[tuple[int, ...], ...]:

@@ -312,6 +312,27 @@ def test_allowed_token_ids_and_bad_words(server, tok):
         assert_error(post(server, "/v1/completions", {**body, **bad}), 400, param, None)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server, tok):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens are the prompt (usage and echo say so); the
+    greedy reply is the one to those tokens sent alone."""
+    long = " ".join(f"word{i}" for i in range(300))
+    ids = tok.encode(long)
+    body = {"model": server_model_id(server), "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    cut = post(server, "/v1/completions", {**body, "prompt": long, "truncate_prompt_tokens": 40, "echo": True}).json()
+    alone = post(server, "/v1/completions", {**body, "prompt": ids[-40:]}).json()
+    assert cut["usage"]["prompt_tokens"] == 40
+    assert cut["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+    assert cut["choices"][0]["text"].startswith(tok.decode(ids[-40:]))  # echo shows the kept prompt
+    chat = post(server, "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": long}],
+                                                 "truncate_prompt_tokens": 25}).json()
+    assert chat["usage"]["prompt_tokens"] == 25
+    whole = post(server, "/v1/completions", {**body, "prompt": long, "truncate_prompt_tokens": -1}).json()
+    assert whole["usage"]["prompt_tokens"] == len(ids)
+    assert_error(post(server, "/v1/completions", {**body, "prompt": long, "truncate_prompt_tokens": 0}), 400,
+                 "truncate_prompt_tokens", None)
+
+
 def test_no_stop_string_ends_before_min_tokens(server, tok):
     """vLLM's rule: a stop string is not matched in the text of the first `min_tokens` tokens; one that
     ends later (even begun earlier) still stops the completion."""
