@@ -273,6 +273,22 @@ class _GenerationRequest(_Body):
     # vLLM's extension: only the prompt's last k tokens are kept (-1: as many as the context holds)
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
 
+    # vLLM's extensions this server does not implement: refused when asked for, rather than ignored
+    use_beam_search: StrictBool | None = None
+    prompt_logprobs: Any = None
+    logits_processors: Any = None
+
+    @field_validator("use_beam_search", "prompt_logprobs", "logits_processors")
+    @classmethod
+    def _not_implemented(cls, value: Any, info: ValidationInfo) -> Any:
+        if value not in (None, False, []):
+            why = {"use_beam_search": "beam search is not implemented; sample n completions instead",
+                   "prompt_logprobs": "prompt logprobs come from the completions API's echo with logprobs here",
+                   "logits_processors": "a logits processor is code the server would run; use logit_bias, "
+                                        "allowed_token_ids or bad_words"}[info.field_name]
+            raise _invalid(f"{info.field_name} is not supported: {why}")
+        return value
+
     @field_validator("truncate_prompt_tokens")
     @classmethod
     def _truncate_positive(cls, value: int | None) -> int | None:

@@ -169,6 +169,9 @@ OUT_OF_RANGE = [
     ("completion", "prompt", [1, "a"], "prompt"),
     ("completion", "prompt", 5, "prompt"),
     ("chat", "chat_template", "{{ messages }}", "chat_template"),  # refused, not silently ignored
+    ("chat", "use_beam_search", True, "use_beam_search"),  # vLLM's, not implemented: refused, not ignored
+    ("completion", "prompt_logprobs", 2, "prompt_logprobs"),
+    ("chat", "logits_processors", ["x"], "logits_processors"),
 ]
 
 
