@@ -281,7 +281,7 @@ class _GenerationRequest(_Body):
     @field_validator("use_beam_search", "prompt_logprobs", "logits_processors")
     @classmethod
     def _not_implemented(cls, value: Any, info: ValidationInfo) -> Any:
-        if value not in (None, False, []):
+        if not (value is None or value is False or value == []):  # (0 asks for prompt logprobs too)
             why = {"use_beam_search": "beam search is not implemented; sample n completions instead",
                    "prompt_logprobs": "prompt logprobs come from the completions API's echo with logprobs here",
                    "logits_processors": "a logits processor is code the server would run; use logit_bias, "

@@ -421,8 +421,8 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
         defaults = state.generation_defaults.values if state.generation_defaults is not None else {}
         params = checked_sampling_params(body, state.vocab_size, defaults)
         if getattr(body, "bad_words", None):
+            # (their ids come from the tokenizer; the engine's SamplingParams.validate checks them again)
             params = msgspec.structs.replace(params, bad_words_ids=bad_words_ids(state, body.bad_words))
-            params.validate(state.vocab_size)
         if tools.structured is not None:
             if params.structured is not None:
                 raise ParamError("tool_choice", "a forced tool call constrains the output already: "

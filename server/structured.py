@@ -122,13 +122,16 @@ def json_schema_output(schema: Any, param: str) -> StructuredOutput:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise ParamError(_top(param), f"{param} is not valid JSON: {e}") from None
-    check_json_schema(schema, param)
-    return schema_output(schema, param)
+    return _output(check_json_schema(schema, param), param)
 
 
 def schema_output(schema: Any, param: str) -> StructuredOutput:
     """The engine's constraint for a schema already checked (`check_json_schema`), objects closed."""
-    return StructuredOutput("json_schema", json.dumps(_engine_schema(schema, param), ensure_ascii=False), _top(param))
+    return _output(_engine_schema(schema, param), param)
+
+
+def _output(engine_schema: Any, param: str) -> StructuredOutput:
+    return StructuredOutput("json_schema", json.dumps(engine_schema, ensure_ascii=False), _top(param))
 
 
 def check_valid_schema(schema: Any, param: str) -> None:
@@ -205,8 +208,9 @@ def _check_refs(schema: Any, param: str) -> None:
                 break
 
 
-def check_json_schema(schema: Any, param: str) -> None:
-    """ParamError(param) unless `schema` is a valid JSON Schema whose every constraint we enforce."""
+def check_json_schema(schema: Any, param: str) -> Any:
+    """ParamError(param) unless `schema` is a valid JSON Schema whose every constraint we enforce; else the
+    schema xgrammar is to compile for it (`_engine_schema`)."""
     check_valid_schema(schema, param)
     for path, node in _schemas(schema, ""):
         where = path or "/"
@@ -237,7 +241,7 @@ def check_json_schema(schema: Any, param: str) -> None:
             if key == "$ref" and not str(value).startswith("#"):
                 raise ParamError(_top(param), f"{param}: only local references ('#/...') are supported, got "
                                  f"'{value}' at {where}")
-    _engine_schema(schema, param)  # what only the rewrite finds (an object no value satisfies, ...)
+    return _engine_schema(schema, param)  # (the rewrite refuses what only it finds: an object no value satisfies, ...)
 
 
 def _schemas(node: Any, path: str) -> Iterator[tuple[str, dict]]:
