@@ -132,7 +132,7 @@ class EngineArgs:
     cpu_weight_dtype: str = flag("file", "with --cpu-kernels native, how weights are held: file (GGUF blocks as "
                                  "stored, fp32/fp16 tensors as fp32, bf16 as bf16), bf16 (every weight bf16, "
                                  "activations never rounded to int8) or float32 (every weight fp32, routed experts "
-                                 "too: exact)",
+                                 "and norms too, with --dtype auto meaning float32: exact)",
                                  choices=CPU_WEIGHT_DTYPES)
     context_length: int | None = flag(None, "maximum prompt + completion tokens", check=positive,
                                       default_text="the model's")

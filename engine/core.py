@@ -21,7 +21,7 @@ import torch
 
 from models.config import DeepseekConfig, ModelConfig
 from models.loader.load import load_model, resolve_dtype
-from models.omnikv_config import OmniKVConfig
+from models.omnikv_config import SPARSE, OmniKVConfig
 from models.parallel import local_kv_heads
 from engine.args import EngineArgs
 from engine.ranks import DPAttentionRank, LeadRank, load_rank
@@ -198,12 +198,22 @@ class EngineCore:
         kv_dtype = auto_kv_dtype(loaded.model, loaded.dtype) if args.kv_dtype == "auto" else resolve_dtype(
             args.kv_dtype, device)
         per_token = kv_bytes_per_token(cfg, kv_dtype)
-        # OmniKV: always planned, so that a request may ask for it whatever the server's default
+        # OmniKV: always planned, so that a request may ask for it whatever the server's default (but
+        # where the ranks split a layer's attention, which its selection does not follow)
         omnikv, origin = OmniKVConfig.for_model(args.model, cfg.num_hidden_layers, args.omnikv_config)
-        logger.info("OmniKV: %s for requests that do not choose; filter layers %s, budget %s, window %d (%s), "
-                    "sink %d, recent %d, auto from %d tokens; config: %s", args.omnikv, list(omnikv.filter_layers),
-                    omnikv.budget_tokens or f"{omnikv.budget_ratio:.0%}", omnikv.window_size, omnikv.alpha,
-                    omnikv.sink_tokens, omnikv.recent_tokens, omnikv.min_context, origin)
+        self.omnikv_unavailable = (f"OmniKV does not run under --tp {args.tp}" if args.tp > 1 else
+                                   "OmniKV does not run under --dp-attention" if args.dp_attention else None)
+        if self.omnikv_unavailable:
+            logger.info("%s: requests that ask for it are refused", self.omnikv_unavailable)
+        else:
+            logger.info("OmniKV: %s for requests that do not choose; filter layers %s, budget %s, window %d (%s), "
+                        "sink %d, recent %d, auto from %d tokens; config: %s", args.omnikv, list(omnikv.filter_layers),
+                        omnikv.budget_tokens or f"{omnikv.budget_ratio:.0%}", omnikv.window_size, omnikv.alpha,
+                        omnikv.sink_tokens, omnikv.recent_tokens, omnikv.min_context, origin)
+            if SPARSE not in omnikv.plan(cfg.num_hidden_layers).roles:
+                logger.warning("OmniKV: filter layers %s leave no layer of the %d to decode sparsely, so OmniKV "
+                               "changes nothing; choose earlier filter layers (mlaserve calibrate-omnikv)",
+                               list(omnikv.filter_layers), cfg.num_hidden_layers)
         # the context bank moves the sparse layers' share of every token's KV to host memory
         bank = args.omnikv_bank and args.tp == 1 and not args.dp_attention
         if bank and native:
@@ -239,7 +249,7 @@ class EngineCore:
             attention_backend=args.attention_backend, page_size=args.page_size,
             cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph or args.tp > 1 or args.dp_attention,
             hybrid_graph_mode=args.hybrid_graph_mode,
-            omnikv=omnikv if args.tp == 1 and not args.dp_attention else None, omnikv_bank=bank,
+            omnikv=None if self.omnikv_unavailable else omnikv, omnikv_bank=bank,
         )
         if self.ranks is not None:
             self.ranks.lead(self.runner, kv_dtype)
@@ -366,6 +376,8 @@ class EngineCore:
             p.validate(self.config.vocab_size)
         except ParamError as e:
             return ERR_INVALID, e.message, e.param
+        if p.omnikv and self.omnikv_unavailable:
+            return ERR_INVALID, f"{self.omnikv_unavailable}: send omnikv false or leave it out", "omnikv"
         want = len(ids) + (1 if p.max_tokens is None else p.max_tokens)
         if want > self.context_len:
             return ERR_CONTEXT, (

@@ -385,6 +385,23 @@ class Calibration:
     recorder: RecordingBackend
 
 
+def _check_probe_memory(loaded: LoadedModel, slots: int, probes: int, answer_tokens: int, device: str) -> None:
+    """CalibrationError unless the probes' KV cache and their log-probabilities (full attention's and one
+    placement's, [answer tokens, probes, vocab] in fp32 each) fit in the memory free now: `--probes` is
+    the user's, and 100,000 of them used to ask torch for 45 GB after the recording prefill had run."""
+    from engine.core import available_memory, kv_bytes_per_token
+
+    dtype = next(loaded.model.parameters()).dtype
+    kv = slots * kv_bytes_per_token(loaded.config, dtype if dtype.is_floating_point else torch.float32)
+    logprobs = 2 * answer_tokens * probes * loaded.config.vocab_size * 4
+    free = available_memory(torch.device(device))
+    if kv + logprobs > 0.9 * free:
+        raise CalibrationError(f"{probes} probes of up to {slots // probes} tokens need ~{(kv + logprobs) / 2**30:.1f} "
+                               f"GiB ({kv / 2**30:.1f} of KV cache, {logprobs / 2**30:.1f} of log-probabilities), "
+                               f"more than the {free / 2**30:.1f} GiB free; lower --probes, --probe-tokens or "
+                               "--answer-tokens")
+
+
 def calibrate(loaded: LoadedModel, ids: Sequence[int], *, queries: int = DEFAULT_QUERIES,
               lookahead: int = DEFAULT_LOOKAHEAD, filters: int = MAX_FILTER_LAYERS, budget_ratio: float = 0.1,
               first_filter: int | None = None, probes: int = DEFAULT_PROBES, probe_tokens: int = DEFAULT_PROBE_TOKENS,
@@ -398,6 +415,13 @@ def calibrate(loaded: LoadedModel, ids: Sequence[int], *, queries: int = DEFAULT
     _check_first(first, layers)
     if not 1 <= queries < len(ids):
         raise CalibrationError(f"--queries {queries} must be at least 1 and below the {len(ids)} tokens calibrated on")
+    # the fact, the question and the chat template take some positions, the answer `answer_tokens` more
+    room = loaded.config.max_position_embeddings - answer_tokens - PROBE_OVERHEAD
+    if room < MIN_TOKENS // 2:
+        raise CalibrationError(f"the model's context ({loaded.config.max_position_embeddings} tokens) leaves no room "
+                               f"for probes with {answer_tokens} answer tokens; lower --answer-tokens")
+    _check_probe_memory(loaded, probes * (min(probe_tokens, room, len(ids)) + PROBE_OVERHEAD + answer_tokens), probes,
+                        answer_tokens, device)  # before the prefill, with the probes' largest size
     say = progress or (lambda _: None)
     rule = OmniKVConfig(filter_layers=(0,), budget_ratio=budget_ratio)  # its sink/recent/budget: the defaults
     runner = calibration_runner(loaded, len(ids), device)
@@ -409,11 +433,6 @@ def calibrate(loaded: LoadedModel, ids: Sequence[int], *, queries: int = DEFAULT
     capability = capabilities(cover, lookahead)
     own = [float(cover[i, i]) for i in range(layers)]
 
-    # the fact, the question and the chat template take some positions, the answer `answer_tokens` more
-    room = loaded.config.max_position_embeddings - answer_tokens - PROBE_OVERHEAD
-    if room < MIN_TOKENS // 2:
-        raise CalibrationError(f"the model's context ({loaded.config.max_position_embeddings} tokens) leaves no room "
-                               f"for probes with {answer_tokens} answer tokens; lower --answer-tokens")
     prompts = probe_prompts(loaded.tokenizer, ids, probes, min(probe_tokens, room))
     slots = sum(len(p) for p in prompts) + probes * answer_tokens
     longest = max(len(p) for p in prompts) + answer_tokens

@@ -38,6 +38,7 @@ ALPHA_MODES = ("last_token", "uniform", "exponential")
 OMNIKV_MODES = ("auto", "on", "off")  # the server default --omnikv: auto = contexts of at least min_context
 MAX_FILTER_LAYERS = 3
 MAX_WINDOW = 16
+MAX_TOKENS = 2**31 - 1  # a token count beyond any context (the native kernels take int64; a file may say 1e30)
 
 # Layer roles (ints: the C++ plan takes them as they are).
 FULL, FILTER, SPARSE = 0, 1, 2
@@ -128,6 +129,10 @@ class OmniKVConfig:
             out.append("sink_tokens must be >= 0 and recent_tokens >= 1 (the newest token is always kept)")
         if self.min_context < 1:
             out.append(f"min_context must be >= 1, got {self.min_context}")
+        for name in ("budget_tokens", "sink_tokens", "recent_tokens", "min_context"):
+            value = getattr(self, name)
+            if value is not None and value > MAX_TOKENS:
+                out.append(f"{name} must be at most {MAX_TOKENS} (more tokens than any context), got {value}")
         return out
 
     # ---- the plan ----
@@ -187,13 +192,17 @@ class OmniKVConfig:
     @classmethod
     def load(cls, path: str | Path) -> OmniKVConfig:
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8-sig")  # (an editor's byte-order mark is not an error)
         except OSError as err:
             raise ValueError(f"cannot read the OmniKV config {path}: {err.strerror}") from None
+        except UnicodeDecodeError as err:
+            raise ValueError(f"the OmniKV config {path} is not UTF-8 text: {err.reason} at byte {err.start}") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             raise ValueError(f"the OmniKV config {path} is not JSON: {err}") from None
+        except RecursionError:
+            raise ValueError(f"the OmniKV config {path} nests too deeply to be an OmniKV config") from None
         return cls.from_dict(data, str(path))
 
     def to_dict(self) -> dict[str, Any]:

@@ -300,14 +300,9 @@ def model_problem(model: str) -> str | None:
     return None
 
 
-def parallel_problem(model: str, ranks: int, *, heads_split: bool, ep: bool) -> str | None:
-    """What the model's sizes forbid of a split over `ranks` processes (--tp, or --dp with
-    --dp-attention), read from its config.json or GGUF header before any process starts: attention heads
-    (`heads_split`: --tp), the dense MLPs' intermediate size, and per MoE either each routed expert's
-    intermediate size or, with `ep`, the number of routed experts. None when it divides (or when the
-    model cannot be read here: `model_problem` and the loader report that)."""
-    if ranks <= 1:
-        return None
+def _model_header(model: str) -> Callable[[str, str], Any] | None:
+    """A reader of the model's sizes from its config.json or GGUF header, before anything loads: `get(hf_key,
+    gguf_key)`; None when the model cannot be read here (`model_problem` and the loader report that)."""
     import json
 
     from models.builtin import resolve_model_path
@@ -317,12 +312,43 @@ def parallel_problem(model: str, ranks: int, *, heads_split: bool, ep: bool) -> 
         path = resolve_model_path(model)
         if path.is_dir():
             cfg = json.loads((path / "config.json").read_text())
-            get = lambda hf, _gguf: cfg.get(hf)  # noqa: E731
-        else:
-            meta = read_gguf_metadata(path)
-            arch = meta.get("general.architecture")
-            get = lambda _hf, gguf: meta.get(f"{arch}.{gguf}")  # noqa: E731
-    except (OSError, ValueError):
+            if not isinstance(cfg, dict):
+                return None
+            return lambda hf, _gguf: cfg.get(hf)
+        meta = read_gguf_metadata(path)
+        arch = meta.get("general.architecture")
+        return lambda _hf, gguf: meta.get(f"{arch}.{gguf}")
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def omnikv_problem(model: str, config: str | None) -> str | None:
+    """What makes the OmniKV config the server would use (--omnikv-config's, else the one shipped for a
+    built-in model) not fit the model, read from its header before anything loads: the engine would find
+    it only after the weights had loaded."""
+    from models.omnikv_config import OmniKVConfig
+
+    get = _model_header(model)
+    layers = None if get is None else get("num_hidden_layers", "block_count")
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        return None
+    try:
+        OmniKVConfig.for_model(model, layers, config)
+    except ValueError as e:
+        return f"{e}{'' if config is None else f' (--omnikv-config {config})'}"
+    return None
+
+
+def parallel_problem(model: str, ranks: int, *, heads_split: bool, ep: bool) -> str | None:
+    """What the model's sizes forbid of a split over `ranks` processes (--tp, or --dp with
+    --dp-attention), read from its config.json or GGUF header before any process starts: attention heads
+    (`heads_split`: --tp), the dense MLPs' intermediate size, and per MoE either each routed expert's
+    intermediate size or, with `ep`, the number of routed experts. None when it divides (or when the
+    model cannot be read here: `model_problem` and the loader report that)."""
+    if ranks <= 1:
+        return None
+    get = _model_header(model)
+    if get is None:
         return None
     experts = get("n_routed_experts", "expert_count") or 0
     if ep and not experts:
@@ -445,6 +471,10 @@ def combination_problem(parsed: Parsed, environ: Mapping[str, str]) -> str | Non
         return f"{parsed.describe('ep')} must be 1 or the --tp size ({ns.tp}): experts are partitioned over the tp ranks"
     if ns.tp > 1 and ns.omnikv != "off":
         return f"{parsed.describe('omnikv')} does not run under {parsed.describe('tp')}: use one of them"
+    if (ns.cpu_weight_dtype == "float32" and ns.dtype not in ("auto", "float32") and ns.cpu_kernels == "native"
+            and ns.device == "cpu"):
+        return (f"{parsed.describe('cpu_weight_dtype')} holds every weight in fp32 for an exact forward, which "
+                f"{parsed.describe('dtype')} would round: drop --dtype (or use --cpu-weight-dtype bf16)")
     if ns.omnikv_bank and (ns.tp > 1 or ns.dp_attention):
         other = "tp" if ns.tp > 1 else "dp_attention"
         return f"{parsed.describe('omnikv_bank')} does not run under {parsed.describe(other)}: use one of them"

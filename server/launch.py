@@ -47,7 +47,7 @@ from models.loader.tokenizer import load_tokenizer
 from engine.process import freeze_gc_heap
 from engine.replicas import EngineReplicas
 from server.app import ServerState, build_app
-from server.args import ServerArgs, model_problem, parallel_problem
+from server.args import ServerArgs, model_problem, omnikv_problem, parallel_problem
 from server.http_protocol import ServerHttpProtocol
 from server.chat_template import load_chat_template
 from server.generation_defaults import load_generation_defaults
@@ -260,6 +260,7 @@ def serve(args: ServerArgs) -> int:
     problem = model_problem(args.engine.model)  # before the port is bound: the engine would find it only later
     problem = problem or parallel_problem(args.engine.model, args.dp if args.engine.dp_attention else args.engine.tp,
                                           heads_split=not args.engine.dp_attention, ep=args.engine.ep > 1)
+    problem = problem or omnikv_problem(args.engine.model, args.engine.omnikv_config)
     if problem:
         print(f"mlaserve serve: error: {problem}", file=sys.stderr)
         return 2

@@ -222,6 +222,20 @@ def test_too_shallow_model_exits_2(text_file, tmp_path, capsys):
     assert code == 2 and "OmniKV needs at least 4" in err
 
 
+def test_probes_beyond_memory_exit_2_before_the_prefill(checkpoint, text_file, tmp_path, capsys, monkeypatch):
+    """`--probes` past what memory holds is one line naming the flags to lower, said before the recording
+    prefill (it used to be torch's allocation error after it)."""
+    import mlaserve.calibrate_omnikv as cal
+
+    monkeypatch.setattr(cal, "record_prefill", lambda *a: pytest.fail("the prefill ran"))
+    code, out, err = run_cli(capsys, "--model", str(checkpoint), "--text", str(text_file), "--output",
+                             str(tmp_path / "x.json"), "--max-tokens", str(TOKENS), "--probes", "10000000")
+    line = err.strip().splitlines()[-1]
+    assert code == 2 and out == "" and line.startswith(f"{PROG}: 10000000 probes"), err
+    assert "lower --probes, --probe-tokens or --answer-tokens" in line and "GiB free" in line
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_default_output_name(checkpoint, text_file, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, _, err = run_cli(capsys, "--model", str(checkpoint), "--text", str(text_file), "--max-tokens", "256",

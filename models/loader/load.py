@@ -93,7 +93,8 @@ def load_model(
     `cpu_weights` ('file' | 'bf16' | 'float32', see `models.native`): the dense weights go to the CPU's native
     operators instead of torch parameters, and routed experts to the `cpp` backend (bf16 unless 'file' keeps a
     GGUF's blocks); None keeps torch parameters in `dtype` (the reference path, and every GPU run).
-    `dtype` then still sets the KV cache's default dtype and the norms' parameters.
+    `dtype` then still sets the KV cache's default dtype and the norms' parameters; with 'float32' its `auto`
+    is float32, so that the forward is exact.
 
     Under tensor parallelism (`models.parallel.configure`, before this call) the model holds this rank's
     parts of the weights and the checkpoint is read only where they are."""
@@ -109,6 +110,10 @@ def load_model(
         if current_layout().parallel:
             raise ValueError("native CPU weights run one process's forward; tensor parallelism needs the torch forward")
         expert_backend = "cpp"
+        if cpu_weights == "float32" and dtype == "auto":
+            # exact means every weight fp32: the norms and MLA's kv_b_proj follow `dtype`, which `auto`
+            # would make bf16 on a CPU with bf16 math (and the activations and KV cache with them)
+            dtype = "float32"
     torch_dtype = resolve_dtype(dtype, device)
     ckpt = open_checkpoint(path)
     config_source = str(path / "config.json" if path.is_dir() else path)

@@ -140,6 +140,46 @@ def test_a_config_that_does_not_fit_the_model_is_refused(model_dir, tmp_path):
         EngineCore(EngineArgs(model=str(model_dir), dtype="float32", max_total_tokens=256, omnikv_config=str(path)))
 
 
+def test_a_config_that_does_not_fit_is_refused_before_the_model_loads(model_dir, tmp_path):
+    """`serve` reads the depth from the config.json or GGUF header: one line, exit 2, before the weights load
+    (it used to be three ERROR lines and exit 1 after them)."""
+    import subprocess
+    import sys
+
+    from models.loader.gguf_writer import write_gguf
+    from server.args import omnikv_problem
+    from tests.server.server_process import REPO, free_port
+
+    path = tmp_path / "far.json"
+    OmniKVConfig(filter_layers=(2, 9)).save(path)
+    write_gguf(model_dir, tmp_path / "model.gguf", "Q8_0")
+    for model in (str(model_dir), str(tmp_path / "model.gguf")):
+        assert "outside the model's 6 layers" in omnikv_problem(model, str(path))
+        assert omnikv_problem(model, None) is None
+    r = subprocess.run([sys.executable, "-m", "mlaserve.cli", "serve", "--model", str(model_dir), "--omnikv-config",
+                        str(path), "--port", str(free_port())], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "outside the model's 6 layers" in r.stderr and str(path) in r.stderr, r.stderr
+
+
 def test_shipped_or_default_config_is_used_without_a_file(model_dir):
     cfg, origin = OmniKVConfig.for_model(str(model_dir), 6)
     assert cfg.filter_layers == (1, 3) and "uncalibrated" in origin
+
+
+def test_filter_layers_at_the_top_count_no_sparse_tokens(model_dir, tmp_path, caplog):
+    """A config whose filter layers leave no layer to decode sparsely (6 layers: a filter at 4 and the full
+    layer after it) changes nothing: the engine says so at start, the tokens are full attention's, and the
+    metrics count no sparse token (they used to count each decode token as one)."""
+    path = tmp_path / "top.json"
+    OmniKVConfig(filter_layers=(4,), budget_tokens=8, sink_tokens=2, recent_tokens=4, min_context=40).save(path)
+    ids = prompt(50, 7)
+    full = generate(make_engine(model_dir, str(path), "native", omnikv="off"), [("a", ids, GREEDY)])["a"]
+    with caplog.at_level("WARNING", logger="mlaserve.engine"):
+        core = make_engine(model_dir, str(path), "native", omnikv="on")
+    assert "leave no layer of the 6 to decode sparsely" in caplog.text
+    assert generate(core, [("a", ids, GREEDY)])["a"] == full
+    stats = core.stats()
+    assert stats.omnikv_sparse_tokens_total == stats.omnikv_selected_tokens_total == 0
+    assert stats.omnikv_context_tokens_total == 0
+    assert_no_leak(core)

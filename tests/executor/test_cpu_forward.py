@@ -302,6 +302,24 @@ def test_auto_kv_dtype_is_bf16_for_quantized_weights_only(gguf_files, checkpoint
     assert float(err.median()) <= 3e-2 and float(err.max()) <= 6e-2
 
 
+def test_float32_weights_with_auto_dtype_are_exact(gguf_files):
+    """`--cpu-weight-dtype float32` with `--dtype auto` (the default) on a quantized DeepSeek GGUF: every
+    weight fp32, the norms and MLA's kv_b_proj too (auto would have made them bf16 on a CPU with bf16
+    math), so the logits are the torch forward's on the same file's decoded weights in fp32 to fp32
+    rounding, not to bf16's (measured before: ~1e-2 of the largest logit)."""
+    gguf = gguf_files["tiny-deepseek-v3", "Q8_0"]
+    loaded = load_model(gguf, dtype="auto", cpu_weights="float32", load_tokenizer=False, progress=False)
+    assert loaded.dtype == torch.float32
+    floats = {n: p.dtype for n, p in loaded.model.named_parameters() if p.is_floating_point()}
+    assert floats and all(d == torch.float32 for d in floats.values()), floats
+    runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=1024, max_running_requests=8)
+    assert runner.native_forward is not None, runner.native_off_reason
+    ref_model = load_model(gguf, dtype="float32", load_tokenizer=False, progress=False)
+    ref = ModelRunner(ref_model.model, ref_model.config, max_total_tokens=1024, max_running_requests=8)
+    ids = prompt(30, runner.config.vocab_size, seed=5)
+    assert rel_err(all_logits(runner, ids), all_logits(ref, ids)) <= 1e-4
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
 def test_mla_absorbed_matrices_read_the_files_blocks(tmp_path, qtype):
     """A GGUF whose per-head attn_k_b / attn_v_b rows are whole blocks (nope 32, latent rank 64) keeps

@@ -43,6 +43,11 @@ def test_plan_roles():
     (dict(filter_layers=(1,), sink_tokens=2.5), "sink_tokens must be an integer"),
     (dict(filter_layers=(1,), budget_ratio="0.1"), "budget_ratio must be a number"),
     (dict(filter_layers=(1,), alpha=1), "alpha must be a string"),
+    # past int64, the native call's argument type, it used to fail only when the engine started
+    (dict(filter_layers=(1,), sink_tokens=10**23), "sink_tokens must be at most"),
+    (dict(filter_layers=(1,), recent_tokens=2**63), "recent_tokens must be at most"),
+    (dict(filter_layers=(1,), budget_tokens=2**31), "budget_tokens must be at most"),
+    (dict(filter_layers=(1,), min_context=2**40), "min_context must be at most"),
 ])
 def test_config_refuses_bad_settings(bad, words):
     with pytest.raises(ValueError, match=words):
@@ -64,6 +69,14 @@ def test_config_file_round_trip_and_errors(tmp_path):
         OmniKVConfig.load(path)
     with pytest.raises(ValueError, match="cannot read"):
         OmniKVConfig.load(tmp_path / "missing.json")
+    path.write_text("[" * 100_000 + "]" * 100_000)  # past the JSON parser's recursion limit
+    with pytest.raises(ValueError, match="nests too deeply"):
+        OmniKVConfig.load(path)
+    path.write_bytes(b'{"filter_layers": [1], "alpha": "\xff"}')
+    with pytest.raises(ValueError, match=f"{path} is not UTF-8"):
+        OmniKVConfig.load(path)
+    path.write_text('\ufeff{"filter_layers": [1, 4], "budget_tokens": 300, "window": 8, "alpha": "exponential"}')
+    assert OmniKVConfig.load(path) == cfg  # a byte-order mark, as some editors write
 
 
 def test_alpha_weights_and_budget():

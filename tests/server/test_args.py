@@ -350,6 +350,21 @@ def test_the_context_bank_is_refused_with_split_ranks(flags: list[str], other: s
     assert parse_serve_args(["--omnikv-bank"], environ={}).engine.omnikv_bank
 
 
+def test_float32_weights_refuse_a_rounding_dtype(capsys: pytest.CaptureFixture) -> None:
+    """`--cpu-weight-dtype float32` promises an exact forward: a bf16 `--dtype` would round its norms and
+    activations, so the pair is refused; `auto` and float32 are what it means, and the torch forward
+    (which ignores the weight dtype) takes any."""
+    with pytest.raises(SystemExit) as info:
+        parse_serve_args(["--cpu-weight-dtype", "float32", "--dtype", "bfloat16"], environ={})
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1 and "--cpu-weight-dtype float32" in err[0], err
+    assert "--dtype bfloat16" in err[0], err
+    for dtype in ("auto", "float32"):
+        assert parse_serve_args(["--cpu-weight-dtype", "float32", "--dtype", dtype], environ={}).engine.dtype == dtype
+    flags = ["--cpu-weight-dtype", "float32", "--dtype", "bfloat16", "--cpu-kernels", "torch"]
+    assert parse_serve_args(flags, environ={}).engine.dtype == "bfloat16"
+
+
 def test_dp_with_nodes_from_the_environment_names_the_variables(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as info:
         parse_serve_args([], environ={"MLASERVE_DP": "3", "MLASERVE_TP": "2", "MLASERVE_NNODES": "2",

@@ -109,6 +109,7 @@ def test_tp_serves_what_one_process_serves(checkpoints, one_process, tmp_path, n
     tp = serve(checkpoints[name], tmp_path, "tp", *flags)
     try:
         assert_same(completions(tp.url), want)
+        assert_omnikv_refused(tp.url, "OmniKV does not run under --tp")
         port = int(re.search(r"rendezvous 127\.0\.0\.1:(\d+)", (tmp_path / "tp.log").read_text()).group(1))
         assert listening(port) == {"127.0.0.1"}  # the rank group's store is not open to the network
         followers = _followers(tp)
@@ -117,6 +118,17 @@ def test_tp_serves_what_one_process_serves(checkpoints, one_process, tmp_path, n
         assert tp.stop() == 0  # SIGTERM drains every rank
     assert all_gone(followers)
     assert f"rank {int(flags[1]) - 1} of {flags[1]} ready" in (tmp_path / "tp.log").read_text()
+
+
+def assert_omnikv_refused(url: str, why: str) -> None:
+    """A request asking for OmniKV where the ranks split attention gets a 400 naming the field (it used to
+    be served with full attention, silently); one saying false is served."""
+    body = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0}
+    r = httpx.post(f"{url}/v1/completions", json={**body, "omnikv": True}, timeout=120)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "omnikv" and why in err["message"] and err["type"] == "invalid_request_error", err
+    assert httpx.post(f"{url}/v1/completions", json={**body, "omnikv": False}, timeout=120).status_code == 200
 
 
 def listening(port: int) -> set[str]:
@@ -336,6 +348,7 @@ def test_dp_attention_serves_what_one_process_serves(checkpoints, one_process, t
                      for r in got], want)
         assert replicas == {"0", "1"}, replicas  # both replicas served
         assert_same(completions(dp.url), want)  # one at a time: the other replica idles through each step
+        assert_omnikv_refused(dp.url, "OmniKV does not run under --dp-attention")
         port = int(re.search(r"rendezvous 127\.0\.0\.1:(\d+)", (tmp_path / "dpa.log").read_text()).group(1))
         assert listening(port) == {"127.0.0.1"}
     finally:
