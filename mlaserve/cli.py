@@ -37,7 +37,7 @@ def _generate(argv: list[str]) -> int:
     set_cpu_wait_policy(os.environ)  # before torch is imported below
     from executor.model_runner import ModelRunner
     from mlaserve.model_check import load_model_checked
-    from server.chat_template import render_chat
+    from server.chat_template import ChatTemplateError, render_chat
 
     try:  # a missing path, a directory that is no HF model, a corrupt checkpoint: one line, as serve says it
         loaded = load_model_checked(args.model, device=args.device, dtype=args.dtype, progress=sys.stderr.isatty())
@@ -47,9 +47,17 @@ def _generate(argv: list[str]) -> int:
     assert tok is not None
     text = args.prompt
     if args.chat:
-        text = render_chat(tok.chat_template, [{"role": "user", "content": text}],
-                           bos_token=tok.bos_token, eos_token=tok.eos_token)
+        try:
+            text = render_chat(tok.chat_template, [{"role": "user", "content": text}],
+                               bos_token=tok.bos_token, eos_token=tok.eos_token)
+        except ChatTemplateError as e:
+            refuse(prog, f"--chat: {e}")
     ids = tok.encode(text, add_special_tokens=not args.chat)
+    context = loaded.config.max_position_embeddings
+    if len(ids) + args.max_tokens > context:  # as serve refuses such a request (the rotary table ends there)
+        refuse(prog, f"the prompt ({len(ids)} tokens) and --max-tokens {args.max_tokens} exceed the model's context "
+               f"of {context} tokens: " + (f"lower --max-tokens to at most {context - len(ids)}" if len(ids) < context
+                                           else "shorten the prompt"))
     runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=len(ids) + args.max_tokens + 1,
                          max_running_requests=1, max_context_len=len(ids) + args.max_tokens + 1, device=args.device)
     start = time.perf_counter()

@@ -334,6 +334,8 @@ def num_parameters(config: dict[str, Any] | str, num_layers: int | None = None) 
 
 def main(argv: list[str] | None = None) -> int:
     """Writes a random checkpoint (HF directory, optionally a GGUF) from a preset."""
+    from models.loader.gguf_writer import QTYPES
+
     parser = argparse.ArgumentParser(prog="mlaserve make-checkpoint", description=main.__doc__)
     parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
     parser.add_argument("--out", required=True, type=Path, help="output directory")
@@ -341,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     parser.add_argument("--gguf", action="store_true", help="also write OUT/model.gguf")
-    parser.add_argument("--gguf-qtype", default="F32", help="GGUF tensor type (F32, F16, BF16, Q8_0, ...)")
+    parser.add_argument("--gguf-qtype", default="F32", type=str.upper, choices=list(QTYPES),
+                        help=f"GGUF tensor type ({', '.join(QTYPES)}; other types: llama.cpp's llama-quantize)")
     args = parser.parse_args(argv)
     if args.gguf_qtype != "F32" and not args.gguf:
         parser.error("--gguf-qtype needs --gguf")

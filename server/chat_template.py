@@ -154,10 +154,33 @@ class _Namespace(Namespace):
         Namespace.__setitem__(self, name, value)
 
 
+MAX_RENDERED_CHARS = 1 << 24  # a prompt's text (16M characters) beyond any model's context; a longer one is a bomb
+MAX_POWER_BITS = 1 << 16  # an integer a template's `**` may make
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, with what it leaves unbounded bounded: a template from a model file asking for
+    `'x' * 10**10` or `10 ** 10**9` would make the server build a 10 GB string or spend minutes on one
+    integer, for every chat request. The rendered text is bounded too (`render_chat`)."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_RENDERED_CHARS:
+                    raise SecurityError(f"the template repeats a sequence {n} times ({len(seq) * n} items), past the "
+                                        f"{MAX_RENDERED_CHARS} a prompt may have")
+        elif (operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1
+              and right * abs(left).bit_length() > MAX_POWER_BITS):
+            raise SecurityError(f"the template raises {left} to the power {right}, an integer past "
+                                f"{MAX_POWER_BITS} bits")
+        return super().call_binop(context, operator, left, right)
+
+
 @lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                       extensions=[_Generation, "jinja2.ext.loopcontrols"])
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -255,13 +278,20 @@ def render_chat(
             raise ChatTemplateError("continuing the final message needs its text content")
         messages = [*messages[:-1], {**messages[-1], "content": final_text + _CONTINUE_TAG}]
     try:
-        rendered = _compile(template).render(
+        parts, size = [], 0
+        for part in _compile(template).generate(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token or "",
             eos_token=eos_token or "",
             **context,
-        )
+        ):
+            size += len(part)
+            if size > MAX_RENDERED_CHARS:
+                raise ChatTemplateError(f"chat template failed to render: it writes more than {MAX_RENDERED_CHARS} "
+                                        "characters, more than any prompt")
+            parts.append(part)
+        rendered = "".join(parts)
     except ChatTemplateError:
         raise
     except TemplateError as e:

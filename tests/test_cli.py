@@ -146,6 +146,33 @@ def test_generate_still_generates(checkpoint: Path, capsys: pytest.CaptureFixtur
     assert "generated in" in capsys.readouterr().err
 
 
+def test_generate_refuses_more_than_the_context_in_one_line(checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
+    """Prompt + --max-tokens past the model's context: one line naming the bound (it used to be an
+    IndexError from the rotary table, after the prompt had run)."""
+    import json
+
+    context = json.loads((checkpoint / "config.json").read_text())["max_position_embeddings"]
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--model", str(checkpoint), "--prompt", "hello", "--max-tokens", str(context)])
+    line = one_line(capsys.readouterr().err)
+    assert info.value.code == 2 and f"exceed the model's context of {context} tokens" in line, line
+    assert "lower --max-tokens to at most" in line, line
+
+
+def test_generate_chat_with_a_failing_template_is_one_line(checkpoint: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    for f in checkpoint.iterdir():
+        (model / f.name).write_bytes(f.read_bytes())
+    (model / "chat_template.jinja").write_text("{{ raise_exception('this template takes no user turns') }}")
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--model", str(model), "--prompt", "hi", "--chat", "--max-tokens", "2"])
+    line = one_line(capsys.readouterr().err)
+    assert info.value.code == 2 and line.startswith("mlaserve generate: error: --chat: "), line
+    assert "this template takes no user turns" in line, line
+
+
 @pytest.mark.parametrize("case", ["empty_dir", "gguf_dir"])
 def test_serve_refuses_a_directory_that_is_no_model_before_it_binds(case: str, tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture) -> None:

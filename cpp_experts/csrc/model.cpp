@@ -345,6 +345,11 @@ struct MoeBlock final : Block {
       for (int e = 0; e < E; ++e) sum += score[size_t(e)] = std::exp(lg[e] - mx);
       for (float& v : score) v /= sum;
     }
+    // A hidden state that overflowed (NaN or infinite logits: a damaged or hostile file's weights) gives
+    // its token zero routed weights instead of NaN ones, which the experts refuse and which would make the
+    // ordering below undefined: that token's output is garbage either way, the engine keeps running.
+    for (float& v : score)
+      if (!std::isfinite(v)) v = 0.0f;
     for (int e = 0; e < E; ++e) choice[size_t(e)] = score[size_t(e)] + (s.bias.empty() ? 0.0f : s.bias[size_t(e)]);
     const bool grouped = s.n_group > 1 && s.method != TopkMethod::Greedy;
     if (grouped) {

@@ -11,10 +11,10 @@ import itertools
 import math
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -154,7 +154,7 @@ def load_model(
     else:
         tensors = ckpt.tensors(raw_experts=raw_experts, raw_names=raw_names, shard=shard)
     with torch.no_grad():
-        net.load_weights(_progress(tensors, bar), str(path))
+        net.load_weights(_checked(tensors, bar, str(path)), str(path))
     bar.close()
     net.eval()
     tokenizer = None
@@ -224,9 +224,19 @@ def check_model_fits_checkpoint(net: CausalLM, shapes: dict[str, tuple[int, ...]
             "the weights; fix the config or use the checkpoint it belongs to")
 
 
-def _progress(it, bar: tqdm):
-    for item in it:
-        yield item
+def _checked(items: Iterable[tuple[str, Any]], bar: tqdm, source: str) -> Iterator[tuple[str, Any]]:
+    """`items` as they come, each float tensor checked to hold finite values only: a NaN or an infinity in
+    a norm, a router or a bias would run (the native kernels check the quantized blocks they are given, not
+    these), and the first request would get garbage, or, through a router, stop the engine. One sum a
+    tensor (memory speed: a NaN or an infinity anywhere makes it non-finite); an exact pass only where
+    the sum is not finite, which finite values too large for it can also cause."""
+    for name, t in items:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t.sum())):
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                raise CheckpointError(source, f"tensor '{name}' holds {bad} non-finite value(s) (NaN or infinity): "
+                                              "the file is damaged; use an intact copy of the model")
+        yield name, t
         bar.update(1)
 
 

@@ -121,6 +121,71 @@ def test_non_float_weight_is_refused(llama_dir, tmp_path, native, dtype, name):
     assert str(d / "model.safetensors") in msg
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+@pytest.mark.parametrize("key, value", [("model.layers.1.input_layernorm.weight", float("nan")),
+                                        ("model.norm.weight", float("inf")),
+                                        ("model.layers.0.mlp.down_proj.weight", float("-inf"))])
+def test_non_finite_weight_is_refused(llama_dir, tmp_path, native, key, value):
+    """A NaN or an infinity in a float tensor, a norm's too (which no kernel reads as blocks), is refused at
+    load naming the tensor: it used to load, and every request got garbage."""
+    d = _copy(llama_dir, tmp_path)
+    sd = load_file(d / "model.safetensors")
+    sd[key] = sd[key].clone()
+    sd[key].view(-1)[[1, 5]] = value
+    save_file(sd, d / "model.safetensors")
+    _load_fails(d, native, str(d), f"tensor '{key}' holds 2 non-finite value(s)")
+
+
+def test_finite_weights_whose_sum_overflows_load(llama_dir, tmp_path):
+    """The finiteness check sums each tensor first: values that are finite but sum past fp16's range take
+    the exact pass and load."""
+    d = _copy(llama_dir, tmp_path)
+    sd = {k: v.half() for k, v in load_file(d / "model.safetensors").items()}
+    key = "model.layers.0.mlp.down_proj.weight"
+    sd[key] = torch.full_like(sd[key], 60000.0)
+    save_file(sd, d / "model.safetensors")
+    assert float(_load(d).model.state_dict()[key].max()) == 60000.0
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_non_finite_gguf_router_is_refused(tmp_path, native):
+    """DeepSeek's router (an F32 tensor of a GGUF) holding an infinity: refused at load (it used to load, and
+    the first request stopped the engine: the experts refuse non-finite weights)."""
+    from models.synthetic import write_checkpoint
+
+    d = write_checkpoint(tmp_path / "v3", "tiny-deepseek-v3", seed=3, gguf=True, gguf_qtype="Q8_0")
+    _set_gguf_tensor(d / "model.gguf", "blk.1.ffn_gate_inp.weight", float("inf"))
+    with pytest.raises(CheckpointError, match="'model.layers.1.mlp.gate.weight' holds .* non-finite"):
+        _load(d / "model.gguf", native)
+
+
+def test_overflowing_router_runs_on_the_native_forward(tmp_path):
+    """Finite router weights so large that the router's logits overflow (NaN after the dot products): the
+    native forward routes such a token to no expert instead of failing (the experts refuse NaN weights,
+    and the engine would stop at the first request); its output is garbage either way."""
+    from executor.model_runner import ModelRunner
+    from models.synthetic import write_checkpoint
+
+    d = write_checkpoint(tmp_path / "v3", "tiny-deepseek-v3", seed=3, gguf=True, gguf_qtype="Q8_0")
+    _set_gguf_tensor(d / "model.gguf", "blk.1.ffn_gate_inp.weight", 3e38, every=1)
+    loaded = _load(d / "model.gguf", native=True)
+    runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=64, max_running_requests=2)
+    assert runner.native_forward is not None, runner.native_off_reason
+    assert len(runner.generate_greedy([5, 9, 2, 7], 4)) == 4
+    assert runner.allocator.available_size() == 64
+
+
+def _set_gguf_tensor(path: Path, name: str, value: float, every: int = 7) -> None:
+    """Writes `value` into every `every`-th value of the F32 tensor `name` of a GGUF file, in place."""
+    reader = gguf.GGUFReader(path)
+    info = next(t for t in reader.tensors if t.name == name)
+    assert info.tensor_type == gguf.GGMLQuantizationType.F32
+    with path.open("r+b") as f:
+        for i in range(0, int(info.n_elements), every):
+            f.seek(int(info.data_offset) + 4 * i)
+            f.write(struct.pack("<f", value))
+
+
 def test_load_weights_refuses_integer_tensors(llama_dir):
     net = _load(llama_dir).model
     with pytest.raises(CheckpointError, match=r"src: tensor 'model\.norm\.weight' is stored as torch\.int64"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -290,6 +291,24 @@ def test_sandbox_holds():
             render_chat(template, [{"role": "user", "content": "x"}])
     with pytest.raises(ChatTemplateError, match="TypeError"):  # a template's own Python error is still ours
         render_chat("{{ messages[0].content + 1 }}", [{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("template, words", [
+    ("{{ 'x' * 10**10 }}", "repeats a sequence 10000000000 times"),
+    ("{{ 10**10 * 'x' }}", "repeats a sequence"),
+    ("{{ [1, 2] * 10**9 }}", "repeats a sequence"),
+    ("{{ 10 ** 100000000 }}", "to the power 100000000"),
+    ("{% for i in range(100000) %}{% for j in range(1000) %}xyz{% endfor %}{% endfor %}", "more than 16777216 characters"),
+])
+def test_sandbox_bounds_what_a_template_builds(template, words):
+    """A model file's template asking for a 10 GB string, a huge integer or a huge text is refused at once
+    (it used to build them, for every chat request); what a real template does is untouched."""
+    start = time.monotonic()
+    with pytest.raises(ChatTemplateError, match=words):
+        render_chat(template, [{"role": "user", "content": "x"}])
+    assert time.monotonic() - start < 20
+    ok = "{{ '-' * 3 }}{{ 2 ** 10 }}{{ messages[0].content * 2 }}"
+    assert render_chat(ok, [{"role": "user", "content": "ab"}]) == "---1024abab"
 
 
 @pytest.mark.parametrize("final", ["The weather in Zürich is", "Sure —  \n", "  leading space, then  "],
