@@ -232,3 +232,25 @@ def test_a_node_rank_checks_the_model_too(tmp_path: Path, capsys: pytest.Capture
               "29500"])
     line = one_line(capsys.readouterr().err)
     assert info.value.code == 2 and line.endswith(f"pass --model {model / 'model.gguf'}"), line
+
+
+def test_our_top_level_packages_are_the_ones_imported_anywhere(tmp_path: Path) -> None:
+    """Run from outside the repository (as the installed `mlaserve` command is), each of the project's
+    top-level packages imports from the project, whole: no installed distribution brings a package of the
+    same name. transformers 5.25 brought Hugging Face's `kernels` (whose __init__ was then found instead of
+    ours, and which made transformers import ours as its own); pyproject.toml keeps transformers below it."""
+    import subprocess
+    import sys
+
+    from tests.server.server_process import REPO
+
+    names = ["mlaserve", "server", "engine", "scheduler", "executor", "models", "kernels", "cpp_experts", "configs"]
+    code = ("import importlib, json, sys; print(json.dumps({n: getattr(importlib.import_module(n), '__file__', None) "
+            f"for n in {names!r}}}))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    where = json.loads(r.stdout.strip().splitlines()[-1])
+    for name in names:
+        assert where[name] == str(REPO / name / "__init__.py"), (name, where[name])
