@@ -233,6 +233,13 @@ class OmniKVConfig:
     @classmethod
     def default_for(cls, num_layers: int) -> OmniKVConfig:
         """Filter layers when nobody calibrated the model: one at a fifth of the depth, one at the middle
-        (never layer 0, and at most as many as the depth allows). Calibration does better."""
+        (never layer 0, and at most as many as the depth allows). Calibration does better. A model too
+        shallow for that to leave a layer to decode sparsely (4 layers or fewer) gets one filter layer, and
+        where even that leaves none, no full layer after it."""
         picks = sorted({first_filter_default(num_layers), max(1, num_layers // 2)} & set(range(1, max(num_layers - 1, 1))))
-        return cls(filter_layers=tuple(picks) or (0,))
+        first = cls(filter_layers=tuple(picks) or (0,))
+        for cfg in (first, cls(filter_layers=first.filter_layers[:1]),
+                    cls(filter_layers=first.filter_layers[:1], full_after_filter=False)):
+            if SPARSE in cfg.plan(num_layers).roles:
+                return cfg
+        return first  # one layer: nothing to decode sparsely (the engine says so)

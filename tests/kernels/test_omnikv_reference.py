@@ -221,3 +221,14 @@ def test_sparse_layer_attends_to_its_selection_only(checkpoints, name):
         ref = torch.einsum("hn,nhd->hd", s.softmax(-1), v.repeat_interleave(g, dim=1))
     assert torch.allclose(out[0].float(), ref, atol=1e-5)
     runner.free_request(row, 61)
+
+
+def test_uncalibrated_default_leaves_a_sparse_layer():
+    """The default for a model nobody calibrated decodes some layer sparsely at every depth from 2 layers
+    (a 2- to 4-layer model used to get filter layers that left none, so OmniKV changed nothing), and
+    keeps the rule (a fifth of the depth, the middle) where the depth allows it."""
+    for layers in range(2, 80):
+        cfg = OmniKVConfig.default_for(layers)
+        assert SPARSE in cfg.plan(layers).roles, layers
+    assert OmniKVConfig.default_for(27).filter_layers == (5, 13) and OmniKVConfig.default_for(6).filter_layers == (1, 3)
+    assert OmniKVConfig.default_for(2) == OmniKVConfig(filter_layers=(0,), full_after_filter=False)
