@@ -21,7 +21,7 @@ import torch
 
 from models.config import DeepseekConfig, ModelConfig
 from models.loader.load import load_model, resolve_dtype
-from models.omnikv_config import SPARSE, OmniKVConfig
+from models.omnikv_config import OmniKVConfig
 from models.parallel import local_kv_heads
 from engine.args import EngineArgs
 from engine.ranks import DPAttentionRank, LeadRank, load_rank
@@ -210,12 +210,12 @@ class EngineCore:
                         "sink %d, recent %d, auto from %d tokens; config: %s", args.omnikv, list(omnikv.filter_layers),
                         omnikv.budget_tokens or f"{omnikv.budget_ratio:.0%}", omnikv.window_size, omnikv.alpha,
                         omnikv.sink_tokens, omnikv.recent_tokens, omnikv.min_context, origin)
-            if SPARSE not in omnikv.plan(cfg.num_hidden_layers).roles:
+            if not omnikv.plan(cfg.num_hidden_layers).has_sparse:
                 logger.warning("OmniKV: filter layers %s leave no layer of the %d to decode sparsely, so OmniKV "
                                "changes nothing; choose earlier filter layers (mlaserve calibrate-omnikv)",
                                list(omnikv.filter_layers), cfg.num_hidden_layers)
         # the context bank moves the sparse layers' share of every token's KV to host memory
-        bank = args.omnikv_bank and args.tp == 1 and not args.dp_attention
+        bank = args.omnikv_bank and not self.omnikv_unavailable
         if bank and native:
             logger.info("OmniKV context bank: off, as nothing moves on a CPU host (the native forward reads the "
                         "sparse layers in place)")

@@ -26,7 +26,7 @@ from models.base import CausalLM
 from models.config import DeepseekConfig, ModelConfig
 from models.experts import CppExperts, CpuExpertPool
 from models.native import native_modules
-from models.omnikv_config import SPARSE, LayerPlan, OmniKVConfig
+from models.omnikv_config import LayerPlan, OmniKVConfig
 from models.parallel import local_kv_heads
 from executor.cpu_forward import NativeForward, unsupported_reason
 from executor.cuda_graph_runner import CudaGraphRunner, capture_if_supported
@@ -314,7 +314,7 @@ class ModelRunner:
     def _omnikv_batch(self, slices: Sequence[RequestSlice], n_new: list[int]) -> OmniKVBatch | None:
         """OmniKV's state for the decode rows that ask for it and whose context a selection can cut."""
         cfg, plan = self.omnikv, self.omnikv_plan
-        if cfg is None or plan is None or SPARSE not in plan.roles:  # (filter layers at the top: nothing to cut)
+        if cfg is None or plan is None or not plan.has_sparse:  # (filter layers at the top: nothing to cut)
             return None
         rows = [i for i, (s, n) in enumerate(zip(slices, n_new))
                 if s.omnikv and n == 1 and s.prefix_len > 0 and cfg.is_sparse_for(s.prefix_len + 1)]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,12 @@ class LayerPlan:
     @property
     def num_filters(self) -> int:
         return sum(1 for r in self.roles if r == FILTER)
+
+    @cached_property
+    def has_sparse(self) -> bool:
+        """Whether some layer decodes over a selection (filter layers at the top leave none: then OmniKV
+        changes nothing). Cached: the runner asks at every decode step."""
+        return SPARSE in self.roles
 
 
 @dataclass(frozen=True)
@@ -240,6 +247,6 @@ class OmniKVConfig:
         first = cls(filter_layers=tuple(picks) or (0,))
         for cfg in (first, cls(filter_layers=first.filter_layers[:1]),
                     cls(filter_layers=first.filter_layers[:1], full_after_filter=False)):
-            if SPARSE in cfg.plan(num_layers).roles:
+            if cfg.plan(num_layers).has_sparse:
                 return cfg
         return first  # one layer: nothing to decode sparsely (the engine says so)
