@@ -10,7 +10,10 @@ a prompt that differs by a space from the training format is a different prompt.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -156,14 +159,56 @@ class _Namespace(Namespace):
 
 MAX_RENDERED_CHARS = 1 << 24  # a prompt's text (16M characters) beyond any model's context; a longer one is a bomb
 MAX_POWER_BITS = 1 << 16  # an integer a template's `**` may make
+# `{% for %}` iterations in one rendering: real templates walk the messages and tools a few times (a
+# 100,000-message request stays far below); nested loops over `range` or a long string are a CPU bomb
+MAX_LOOP_ITEMS = 1 << 20
+# and its time, looked at on each iteration: a loop whose body filters a long text (`s | list`) is slow
+# on few iterations. Real templates render in milliseconds.
+MAX_RENDER_SECONDS = 5.0
+
+
+@dataclass
+class _RenderBudget:
+    items_left: int
+    deadline: float
+
+
+_BUDGET: ContextVar[_RenderBudget] = ContextVar("chat_template_render_budget")
+_LOOP_GUARD = "__mlaserve_loop_guard"  # the global every compiled `for` iterates through
+
+
+def _loop_guard(iterable: Iterable[Any]) -> Iterator[Any]:
+    """A `for` loop's iterable, counted against the rendering's budget (`render_chat` sets it)."""
+    budget = _BUDGET.get(None)
+    if budget is None:  # rendered outside render_chat (a template compiled by hand): unbounded
+        yield from iterable
+        return
+    for item in iterable:
+        budget.items_left -= 1
+        if budget.items_left < 0:
+            raise SecurityError(f"the template's loops ran more than {MAX_LOOP_ITEMS} times, more than any "
+                                "conversation needs")
+        if time.monotonic() > budget.deadline:
+            raise SecurityError(f"the template ran for more than {MAX_RENDER_SECONDS:g} s")
+        yield item
 
 
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
     """The sandbox, with what it leaves unbounded bounded: a template from a model file asking for
     `'x' * 10**10` or `10 ** 10**9` would make the server build a 10 GB string or spend minutes on one
-    integer, for every chat request. The rendered text is bounded too (`render_chat`)."""
+    integer, for every chat request. The rendered text is bounded too (`render_chat`), and so are the
+    iterations and the time of its `for` loops, through `_loop_guard` (nested loops need not write a
+    thing to spend minutes)."""
 
     intercepted_binops = frozenset({"*", "**"})
+
+    def _generate(self, source: nodes.Template, name: str | None, filename: str | None,
+                  defer_init: bool = False) -> str:
+        # Jinja's documented hook between parsing and code generation; the tree is this compile's own
+        for loop in source.find_all(nodes.For):
+            loop.iter = nodes.Call(nodes.Name(_LOOP_GUARD, "load"), [loop.iter], [], None, None,
+                                   lineno=loop.iter.lineno)
+        return super()._generate(source, name, filename, defer_init=defer_init)
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         if operator == "*":
@@ -186,6 +231,7 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _Namespace
+    env.globals[_LOOP_GUARD] = _loop_guard
     return env
 
 
@@ -277,6 +323,7 @@ def render_chat(
         if not isinstance(final_text, str) or not final_text.strip():
             raise ChatTemplateError("continuing the final message needs its text content")
         messages = [*messages[:-1], {**messages[-1], "content": final_text + _CONTINUE_TAG}]
+    budget = _BUDGET.set(_RenderBudget(MAX_LOOP_ITEMS, time.monotonic() + MAX_RENDER_SECONDS))
     try:
         parts, size = [], 0
         for part in _compile(template).generate(
@@ -298,6 +345,8 @@ def render_chat(
         raise ChatTemplateError(f"chat template failed to render: {e}") from None
     except Exception as e:  # e.g. None + str in a template that did not expect these messages
         raise ChatTemplateError(f"chat template failed to render: {type(e).__name__}: {e}") from None
+    finally:
+        _BUDGET.reset(budget)
     return _cut_at_continue_tag(rendered, final_text) if final_text is not None else rendered
 
 

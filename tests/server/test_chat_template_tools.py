@@ -298,7 +298,15 @@ def test_sandbox_holds():
     ("{{ 10**10 * 'x' }}", "repeats a sequence"),
     ("{{ [1, 2] * 10**9 }}", "repeats a sequence"),
     ("{{ 10 ** 100000000 }}", "to the power 100000000"),
-    ("{% for i in range(100000) %}{% for j in range(1000) %}xyz{% endfor %}{% endfor %}", "more than 16777216 characters"),
+    ("{% for i in range(100000) %}{{ 'xyz' * 1000 }}{% endfor %}", "more than 16777216 characters"),
+    # nested loops that write nothing: minutes of CPU, no text to count
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "loops ran more than"),
+    ("{% set s = 'ab' * 100000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}", "loops ran more than"),
+    ("{% for i in range(100000) if i < 0 %}{% else %}{% for k in range(100) %}{% for j in range(100000) %}"
+     "{% if loop.last %}{% endif %}{% endfor %}{% endfor %}{% endfor %}", "loops ran more than"),
+    ("{% for j in range(100) recursive %}{% for k in range(100000) %}{% endfor %}{% endfor %}", "loops ran more than"),
+    # few iterations, each filtering a long text: the time is bounded
+    ("{% set s = 'ab' * 4000000 %}{% for i in range(2000) %}{{ (s | list) | length }}{% endfor %}", "ran for more than 5 s"),
 ])
 def test_sandbox_bounds_what_a_template_builds(template, words):
     """A model file's template asking for a 10 GB string, a huge integer or a huge text is refused at once
@@ -306,9 +314,18 @@ def test_sandbox_bounds_what_a_template_builds(template, words):
     start = time.monotonic()
     with pytest.raises(ChatTemplateError, match=words):
         render_chat(template, [{"role": "user", "content": "x"}])
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < 30
+
+
+def test_sandbox_bounds_leave_real_templates_alone():
+    """What real templates do fits the bounds, and the loop budget is each rendering's own."""
     ok = "{{ '-' * 3 }}{{ 2 ** 10 }}{{ messages[0].content * 2 }}"
     assert render_chat(ok, [{"role": "user", "content": "ab"}]) == "---1024abab"
+    loops = ("{% for m in messages %}{% for i in range(m.content | int) if i % 2 %}{% if loop.first or loop.last %}"
+             "{{ loop.index }}/{{ loop.length }} {% endif %}{% else %}none{% endfor %}{% endfor %}")
+    assert render_chat(loops, [{"role": "user", "content": "5"}, {"role": "user", "content": "0"}]) == "1/2 2/2 none"
+    for _ in range(2):  # 900,000 iterations each, 1.8M together: past the budget, were it shared
+        assert render_chat(loops, [{"role": "user", "content": "99999"}] * 9) == "1/49999 49999/49999 " * 9
 
 
 @pytest.mark.parametrize("final", ["The weather in Zürich is", "Sure —  \n", "  leading space, then  "],
