@@ -225,6 +225,8 @@ class CausalLM(nn.Module):
                         source, f"tensor '{name}' has shape {tuple(tensor.shape)}, expected {sink.weight_shape}")
                 try:
                     sink.load_weight(tensor, name)
+                except CheckpointError:  # the file's own tensor refused while decoding: it names file and tensor
+                    raise
                 except ValueError as err:  # the operator refuses the weight (e.g. a non-finite scale)
                     raise CheckpointError(source, f"tensor '{name}': {err}") from None
                 loaded.add(name)
@@ -295,5 +297,7 @@ class CausalLM(nn.Module):
                 else:
                     backend.load_expert(e, kind, row)
                     done.add((prefix, e, kind))
+        except CheckpointError:
+            raise
         except ValueError as err:  # the backend refuses the weight (e.g. a format it cannot mix)
             raise CheckpointError(source, f"tensor '{name}': {err}") from None

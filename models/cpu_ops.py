@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from models.loader.gguf_quants import SUPPORTED_TYPES
 from models.loader.raw_blocks import RawBlocks
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ def make_operator(weight: torch.Tensor | RawBlocks, mode: str, what: str) -> Any
         values = ext.LINEAR_BLOCKS.get(name, (0, 0))[0]
         if mode == "file" and name in ext.LINEAR_BLOCKS and in_features % values == 0:
             return ext.QuantLinear.from_gguf(weight.data, weight.qtype, out_features, in_features)
-        if mode == "file" and weight.qtype.name not in _FLOAT_TYPES and weight.qtype.name not in _warned_types:
+        if (mode == "file" and weight.qtype.name not in _FLOAT_TYPES and weight.qtype.name not in _warned_types
+                and weight.qtype in SUPPORTED_TYPES):  # else decoding refuses it, with the error that says so
             _warned_types.add(weight.qtype.name)
             logger.warning("%s (%s): the CPU kernels do not compute on this block type%s; decoded to bf16 "
                            "(further %s weights too)", what, weight.qtype.name,

@@ -310,6 +310,24 @@ def test_gguf_overlapping_tensor_data_is_refused(tmp_path):
     _fails(p, "overlaps", "blk.0.ffn_down.weight", "blk.0.ffn_up.weight")
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_gguf_tensor_of_a_type_not_read_here_is_one_clear_error(tmp_path, native, caplog):
+    """A dense weight in a block type no decoder here reads (MXFP4): one error naming the file once and the
+    file's tensor, without first a warning that the weight would be decoded to bf16."""
+    from models.synthetic import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "llama", "tiny-llama", seed=5, gguf=True, gguf_qtype="Q8_0") / "model.gguf"
+    data = bytearray(path.read_bytes())
+    r = gguf.GGUFReader(path)
+    name = next(t.name for t in r.tensors if t.tensor_type == gguf.GGMLQuantizationType.Q8_0 and ".attn_q." in t.name)
+    # MXFP4 blocks are half the size of Q8_0's: the retyped tensor stays inside its own bytes
+    struct.pack_into("<I", data, _offset_field(data, r, name) - 4, int(gguf.GGMLQuantizationType.MXFP4))
+    path.write_bytes(bytes(data))
+    msg = _load_fails(path, native, f"tensor '{name}': type MXFP4 is not supported (supported: ")
+    assert msg.count(str(path)) == 1, msg
+    assert "decoded to bf16" not in caplog.text
+
+
 def test_gguf_gap_between_tensors_is_legit(tmp_path):
     """Only overlap is refused: the last tensor moved further out (a gap, aligned) still opens."""
     p = _small_gguf(tmp_path / "m.gguf")
