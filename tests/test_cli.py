@@ -254,3 +254,21 @@ def test_our_top_level_packages_are_the_ones_imported_anywhere(tmp_path: Path) -
     where = json.loads(r.stdout.strip().splitlines()[-1])
     for name in names:
         assert where[name] == str(REPO / name / "__init__.py"), (name, where[name])
+
+
+def test_python_m_mlaserve_ignores_same_named_modules_where_it_is_run(tmp_path: Path) -> None:
+    """`python -m mlaserve` run where the user keeps a `server.py`, a `models/` package and others of our
+    packages' plain names (common in a project folder): the command works as the installed one does. `-m`
+    put the current directory first on sys.path, and `import server` found the user's file."""
+    import subprocess
+    import sys
+
+    (tmp_path / "server.py").write_text("raise SystemExit('the user server.py was imported')\n")
+    for name in ("models", "engine", "kernels"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise SystemExit('the user {name}/ was imported')\n")
+    r = subprocess.run([sys.executable, "-m", "mlaserve", "generate", "--model", "smollm2-135m-instruct",
+                        "--prompt", "The capital of France is", "--max-tokens", "3"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "3 generated" in r.stdout + r.stderr, r.stdout + r.stderr
