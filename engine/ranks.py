@@ -22,6 +22,7 @@ replica) reports a rank whose sign stood still for --rank-timeout seconds as the
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import ipaddress
 import json
 import logging
@@ -39,7 +40,7 @@ from typing import Any
 
 import torch
 
-from engine.args import EngineArgs
+from engine.args import EngineArgs, usable_cpus
 from executor.distributed import Leader, Setup, broadcast_message, follow, gather_status
 from executor.model_runner import ModelRunner
 from models.loader.load import DTYPES, load_model
@@ -74,10 +75,6 @@ class RankPlan:
     def of(cls, args: EngineArgs) -> RankPlan:
         return cls(args.tp, args.nnodes, args.node_rank, args.master_addr, args.master_port, args.ep > 1,
                    frozen_s=args.rank_timeout)
-
-
-def usable_cpus() -> list[int]:
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
 def rank_device(args: EngineArgs, plan: RankPlan, rank: int) -> torch.device:
@@ -225,16 +222,47 @@ def load_rank(args: EngineArgs, group: LeadRank | DPAttentionRank) -> Any:
     try:
         loaded = load_part(args, group.device, tokenizer=True)
     except Exception as exc:
-        group.loaded(f"{type(exc).__name__}: {exc}")
+        group.loaded(f"{type(exc).__name__}: {exc}", None)
         raise
-    group.loaded(None)
+    group.loaded(None, rank_settings(args, loaded))
     return loaded
 
 
-def _check(statuses: list[str | None]) -> None:
-    problems = [s for s in statuses if s is not None]
+def rank_settings(args: EngineArgs, loaded: Any) -> dict[str, str]:
+    """What the ranks must share to compute one model together, as text to compare. Another node's
+    `mlaserve serve --node-rank k` is started on its own: a different --ep, --dtype or model there used
+    to serve garbage or fail at the first request. The model is compared by its config and its norm
+    weights (whole on every rank), not by its path, which may differ between machines; what rank 0 sends
+    the others (the pools' sizes, the KV dtype) is not compared."""
+    norms = hashlib.sha256()
+    for name, tensor in sorted(loaded.model.state_dict().items()):
+        if "norm" in name:  # small: a copy off the GPU costs nothing at start-up
+            norms.update(name.encode())
+            norms.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return {
+        "model": f"{loaded.config.arch}, config {hashlib.sha256(repr(loaded.config).encode()).hexdigest()[:12]}",
+        "norm weights": norms.hexdigest()[:12],
+        "weights dtype": str(loaded.dtype).removeprefix("torch."),
+        "--ep": str(args.ep),
+        "--page-size": str(args.page_size),
+        "--attention-backend": args.attention_backend,
+        "--expert-backend": args.expert_backend,
+    }
+
+
+def _check(statuses: list[tuple[str | None, dict[str, str] | None]], what: str = "rank") -> None:
+    problems = [error for error, _ in statuses if error is not None]
     if problems:
         raise RuntimeError("; ".join(problems))
+    lead = statuses[0][1] or {}
+    for r, (_, settings) in enumerate(statuses[1:], start=1):
+        settings = settings or {}
+        differ = [f"{k} {settings.get(k)} ({what} 0: {lead.get(k)})" for k in sorted(lead.keys() | settings.keys())
+                  if settings.get(k) != lead.get(k)]
+        if differ:
+            problems.append(f"{what} {r} differs from {what} 0: {', '.join(differ)}")
+    if problems:
+        raise RuntimeError(f"{'; '.join(problems)}: start every node with the same model file and settings")
 
 
 def follower_main(args: EngineArgs, plan: RankPlan, rank: int) -> None:
@@ -255,8 +283,10 @@ def follower_main(args: EngineArgs, plan: RankPlan, rank: int) -> None:
         error = f"rank {rank}: {type(exc).__name__}: {exc}"
         logger.exception("rank %d could not load the model", rank)
     try:
-        _check(gather_status(error, ctl))
-    except RuntimeError:
+        _check(gather_status(error, ctl, None if loaded is None else rank_settings(args, loaded)))
+    except RuntimeError as exc:
+        if error is None:  # this rank's own failure is logged above; the group's is said here, on this node too
+            logger.error("rank %d: %s", rank, exc)
         sys.exit(1)
     assert loaded is not None
     setup = broadcast_message(None, ctl)
@@ -328,9 +358,10 @@ class LeadRank:
         logger.info("tensor parallel: %d ranks on %d node(s), rendezvous %s:%d, experts %s", plan.world,
                     plan.nnodes, plan.addr, plan.port, "partitioned (--ep)" if plan.ep else "split by intermediate size")
 
-    def loaded(self, error: str | None) -> None:
-        """Every rank's load status; raises with the reasons when any rank failed."""
-        _check(gather_status(None if error is None else f"rank 0: {error}", self.ctl))
+    def loaded(self, error: str | None, settings: dict[str, str] | None) -> None:
+        """Every rank's load status; raises with the reasons when any rank failed, or when the ranks'
+        settings differ (`rank_settings`)."""
+        _check(gather_status(None if error is None else f"rank 0: {error}", self.ctl, settings))
 
     def lead(self, runner: ModelRunner, kv_dtype: torch.dtype) -> None:
         name = next(k for k, v in DTYPES.items() if v == kv_dtype)
@@ -365,7 +396,10 @@ def serve_node(args: EngineArgs) -> int:
     logger.info("node %d of %d: ranks %s joining %s:%d (waiting up to %d s for node 0 and the others)", plan.node_rank,
                 plan.nnodes, list(plan.node_ranks()), plan.addr, plan.port, TIMEOUT_S)
 
+    stopped: list[str] = []
+
     def stop(signum: int, frame: Any) -> None:
+        stopped.append(signal.Signals(signum).name)
         for p in procs:
             if p.poll() is None:
                 p.kill()
@@ -373,7 +407,17 @@ def serve_node(args: EngineArgs) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     codes = [p.wait() for p in procs]
-    return 0 if not any(codes) else 1
+    if stopped:  # asked to stop: a clean end for a supervisor, though node 0 reports these ranks lost
+        logger.info("node %d: stopped by %s; its ranks %s were ended", plan.node_rank, stopped[0],
+                    list(plan.node_ranks()))
+        return 0
+    failed = [(r, c) for r, c in zip(plan.node_ranks(), codes) if c]
+    for r, c in failed:
+        logger.error("node %d: rank %d exited with code %d%s", plan.node_rank, r, c,
+                     f" (signal {signal.Signals(-c).name})" if c < 0 and -c in signal.Signals._value2member_map_ else "")
+    if not failed:
+        logger.info("node %d: its ranks ended (node 0 stopped the group)", plan.node_rank)
+    return 1 if failed else 0
 
 
 def _main(argv: list[str]) -> int:
@@ -403,8 +447,8 @@ class DPAttentionRank:
         logger.info("DP attention: replica %d of %d (rendezvous %s:%d), experts %s", self.rank, plan.world, plan.addr,
                     plan.port, "partitioned (--ep)" if plan.ep else "split by intermediate size")
 
-    def loaded(self, error: str | None) -> None:
-        _check(gather_status(None if error is None else f"replica {self.rank}: {error}", self.ctl))
+    def loaded(self, error: str | None, settings: dict[str, str] | None) -> None:
+        _check(gather_status(None if error is None else f"replica {self.rank}: {error}", self.ctl, settings), "replica")
         others = [r for r in range(self.plan.world) if r != self.rank]
         self.heartbeat = Heartbeat(self.plan, self.rank, watch=others, what="replica")
 

@@ -32,14 +32,13 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, AsyncIterator
 
 import msgspec
 
-from engine.args import EngineArgs, free_port
+from engine.args import EngineArgs, free_port, usable_cpus
 from engine.client import EngineClient
 from engine.messages import EngineInfo, EngineStats, GenerateRequest, RequestOutput
 from engine.process import CoreFactory
@@ -178,7 +177,7 @@ class EngineReplicas:
                     core_factory: CoreFactory | None = None) -> EngineReplicas:
         """Starts `replicas` engines at once and waits until all are ready. If one fails, the others are
         stopped and RuntimeError says which replica failed and why (one replica: its message as is)."""
-        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        cpus = usable_cpus()
         if args.dp_attention and args.master_port == 0:  # one rendezvous for all the replicas
             args = dataclasses.replace(args, master_port=free_port(args.master_addr))
         tasks = []

@@ -86,13 +86,15 @@ def broadcast_message(msg: Message | None, group: Any) -> Message:
     return _decoder.decode(buf.numpy().tobytes())
 
 
-def gather_status(error: str | None, group: Any) -> list[str | None]:
-    """Every rank's start-up problem (None: ready), on every rank: one rank that could not load its
-    weights stops the others with its reason instead of leaving them waiting."""
+def gather_status(error: str | None, group: Any, settings: dict[str, str] | None = None
+                  ) -> list[tuple[str | None, dict[str, str] | None]]:
+    """Every rank's start-up problem (None: ready) and the settings it computes with, on every rank: one
+    rank that could not load its weights stops the others with its reason instead of leaving them
+    waiting, and ranks started with different settings are found before they compute together."""
     import torch.distributed as dist
 
     out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, error, group=group)
+    dist.all_gather_object(out, (error, settings), group=group)
     return out
 
 

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, NoReturn
 
-from engine.args import EngineArgs, FlagSpec, flag, internal, non_empty, non_negative, omnikv_file, positive
+from engine.args import (EngineArgs, FlagSpec, flag, internal, non_empty, non_negative, omnikv_file, positive,
+                         usable_cpus)
 from server.chat_template import ChatTemplateError, load_chat_template
 from server.reasoning import REASONING_PARSERS
 from server.tool_parsers import TOOL_PARSERS
@@ -143,7 +144,7 @@ class ServerArgs:
                                      "itself (a value with '{', '}' or a newline); checked to compile at start",
                                      check=chat_template_value, metavar="FILE|TEMPLATE", default_text="the model's")
     dp: int = flag(1, "data-parallel replicas: N engine processes behind this server, each with the whole model, its "
-                   "own KV cache and a share of the CPUs (on CUDA: its own GPUs); a request goes to the replica that "
+                   "own KV cache and a share of the CPUs, one at least (on CUDA: its own GPUs); a request goes to the replica that "
                    "served its prompt's prefix unless that one is much busier", check=positive, metavar="N")
     engine: EngineArgs = internal("the engine's settings: flags of their own", default_factory=EngineArgs)
 
@@ -336,6 +337,40 @@ def omnikv_problem(model: str, config: str | None) -> str | None:
         OmniKVConfig.for_model(model, layers, config)
     except ValueError as e:
         return f"{e}{'' if config is None else f' (--omnikv-config {config})'}"
+    return None
+
+
+def device_problem(device: str, dp: int, node_ranks: int) -> str | None:
+    """What this machine lacks for --device and the processes asked of it, found before any starts. On
+    a CPU: a CPU of its own for each --dp replica (past that every replica was given every CPU, and
+    `--dp 100000` started forking 100,000 engines). On CUDA: a torch that sees GPUs, and the `dp *
+    node_ranks` GPUs from --device's index on (one per rank: `--tp / --nnodes` ranks per replica); asked
+    of a `python -c` child, since this process never imports torch. None where it cannot tell."""
+    import subprocess
+
+    if device == "cpu":
+        cpus = len(usable_cpus())
+        if dp > cpus:
+            return (f"--dp {dp} asks for more replicas than the {cpus} CPU(s) this server may use: each replica "
+                    f"needs one of its own (use --dp {cpus} or fewer)")
+        return None
+    code = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0, torch.__version__)"
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        count, version = r.stdout.split()[-2:]
+        gpus = int(count)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None  # the engine reports what it finds
+    base = int(device.partition(":")[2] or 0)
+    if gpus == 0:
+        return (f"--device {device}: torch {version} sees no CUDA device on this machine (a CPU build of torch, no "
+                "GPU, or CUDA_VISIBLE_DEVICES empty); use --device cpu")
+    need = dp * node_ranks
+    if base + need > gpus:
+        asked = " x ".join(f for f in (f"--dp {dp}" if dp > 1 else "", f"{node_ranks} rank(s) a node" if
+                                         node_ranks > 1 else "") if f) or "one process"
+        return (f"--device {device} with {asked} needs GPUs {base} to {base + need - 1} (one per rank); torch sees "
+                f"{gpus} on this machine")
     return None
 
 

@@ -47,7 +47,7 @@ from models.loader.tokenizer import load_tokenizer
 from engine.process import freeze_gc_heap
 from engine.replicas import EngineReplicas
 from server.app import ServerState, build_app
-from server.args import ServerArgs, model_problem, omnikv_problem, parallel_problem
+from server.args import ServerArgs, device_problem, model_problem, omnikv_problem, parallel_problem
 from server.http_protocol import ServerHttpProtocol
 from server.chat_template import load_chat_template
 from server.generation_defaults import load_generation_defaults
@@ -261,6 +261,7 @@ def serve(args: ServerArgs) -> int:
     problem = problem or parallel_problem(args.engine.model, args.dp if args.engine.dp_attention else args.engine.tp,
                                           heads_split=not args.engine.dp_attention, ep=args.engine.ep > 1)
     problem = problem or omnikv_problem(args.engine.model, args.engine.omnikv_config)
+    problem = problem or device_problem(args.engine.device, args.dp, args.engine.tp // args.engine.nnodes)
     if problem:
         print(f"mlaserve serve: error: {problem}", file=sys.stderr)
         return 2

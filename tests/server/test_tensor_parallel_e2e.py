@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from engine.ranks import BEAT_S
 from models.synthetic import write_checkpoint
@@ -285,6 +286,52 @@ def test_two_nodes_on_one_machine(checkpoints, one_process, tmp_path) -> None:
         assert not alive(other.pid) or other.wait(10) is not None
 
 
+def test_nodes_started_with_other_settings_do_not_serve(checkpoints, tmp_path) -> None:
+    """Node 1 started with another --dtype (its own command line, on its own machine): the ranks compare what
+    they compute with once loaded, and node 0 fails to start naming the difference, node 1 exits 1. (A
+    different --ep or model used to serve garbage; a different dtype, to fail at the first request.)"""
+    model = str(checkpoints["tiny-deepseek-v2"])
+    port = free_port()
+    node = ["--tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    other = subprocess.Popen([sys.executable, "-m", "mlaserve.cli", "serve", "--model", model, *COMMON, *node,
+                              "--node-rank", "1", "--dtype", "bfloat16"], cwd=REPO,
+                             stdout=open(tmp_path / "node1.log", "wb"), stderr=subprocess.STDOUT)
+    try:
+        head = ServerProcess(model, *COMMON, *node, "--node-rank", "0", log=tmp_path / "node0.log")
+        assert head.proc.wait(300) == 1
+        assert other.wait(60) == 1
+        says = "rank 1 differs from rank 0: "
+        assert f"{says}norm weights" in (tmp_path / "node0.log").read_text()
+        assert "weights dtype bfloat16 (rank 0: float32)" in (tmp_path / "node0.log").read_text()
+        assert says in (tmp_path / "node1.log").read_text()
+    finally:
+        for p in (other, *(() if "head" not in locals() else (head.proc,))):
+            if p.poll() is None:
+                p.kill()
+
+
+def test_a_worker_node_asked_to_stop_exits_0(checkpoints, tmp_path) -> None:
+    """SIGTERM to `serve --node-rank 1` (here while it waits for node 0): its ranks are ended and it exits 0
+    saying so, for its supervisor; it used to exit 1 without a word, as if it had crashed."""
+    node = ["--tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    log = tmp_path / "node1.log"
+    other = subprocess.Popen([sys.executable, "-m", "mlaserve.cli", "serve", "--model",
+                              str(checkpoints["tiny-deepseek-v2"]), *COMMON, *node, "--node-rank", "1"], cwd=REPO,
+                             stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while "joining" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ranks = child_pids(other.pid)
+        other.send_signal(signal.SIGTERM)
+        assert other.wait(60) == 0
+        assert "node 1: stopped by SIGTERM; its ranks [1] were ended" in log.read_text()
+        assert all_gone(ranks)
+    finally:
+        if other.poll() is None:
+            other.kill()
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--tp", "3", "--nnodes", "2"], "must be a multiple of --nnodes"),
     (["--tp", "2", "--nnodes", "2"], "needs --master-port"),
@@ -296,12 +343,25 @@ def test_two_nodes_on_one_machine(checkpoints, one_process, tmp_path) -> None:
     (["--dp-attention"], "needs --dp N > 1"),
     (["--dp", "2", "--dp-attention", "--tp", "2"], "must be 1 (the MLP/MoE layers are split over the --dp"),
     (["--dp", "2", "--dp-attention", "--ep", "4"], "must be 1 or the --dp size (2) under --dp-attention"),
+    # it used to start forking 100,000 engine processes
+    (["--dp", "100000"], "--dp 100000 asks for more replicas than the"),
 ])
 def test_bad_parallel_flags_are_refused(flags: list[str], message: str) -> None:
     r = subprocess.run([sys.executable, "-m", "mlaserve.cli", "serve", *flags], cwd=REPO, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2
     assert message in r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU: --device cuda would serve")
+@pytest.mark.parametrize("flags", [["--device", "cuda"], ["--device", "cuda:1", "--dp", "2"]])
+def test_cuda_without_a_gpu_is_one_line(flags: list[str]) -> None:
+    """--device cuda where torch sees no GPU: one line before anything starts (it was a traceback from the
+    engine process, exit 1)."""
+    r = subprocess.run([sys.executable, "-m", "mlaserve.cli", "serve", *flags], cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"{flags[1]}: torch " in r.stderr and "sees no CUDA device" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("model,flags,message", [
