@@ -290,8 +290,40 @@ class _Meta:
         return value
 
 
+# Tokens that end generation by their text in a GGUF, as llama.cpp's vocabulary loader decides
+# (llama-vocab.cpp, "maintain a list of tokens that cause end-of-generation"): a file names one eos id
+# (and maybe eot/eom), but its model may write another end token, e.g. SmolLM2-Instruct's base
+# `<|endoftext|>` beside its `<|im_end|>`. Serving past it wrote junk where llama-server stops.
+END_OF_GENERATION_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
+})
+
+
+# FIM tokens llama.cpp finds by their text where the file names none (tokenizer.ggml.fim_*_token_id):
+# its padding, repository and file-separator tokens also end generation.
+_FIM_TEXTS = {
+    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "sep": ("<|file_sep|>",),
+}
+
+
+def _ends_by_text(vocab: Mapping[str, int]) -> list[int]:
+    """The ids of `END_OF_GENERATION_TEXTS` in `vocab`, less `<|end|>` where llama.cpp drops it (a
+    vocabulary with `<|return|>` and `<|call|>`, or `<|calls|>` and `<|flush|>`: there it ends a message,
+    not the generation)."""
+    texts = END_OF_GENERATION_TEXTS & vocab.keys()
+    if {"<|return|>", "<|call|>"} <= texts or {"<|calls|>", "<|flush|>"} <= texts:
+        texts.discard("<|end|>")
+    return sorted(vocab[t] for t in texts)
+
+
 def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> TokenizerBundle:
-    """Bundle from a GGUF's metadata (key -> Python value, arrays as lists), as llama.cpp reads it."""
+    """Bundle from a GGUF's metadata (key -> Python value, arrays as lists), as llama.cpp reads it: the
+    ids that end generation are the file's eos, eot, eom and FIM pad/repo/separator ids, and every token
+    whose text llama.cpp takes for an end of generation (`END_OF_GENERATION_TEXTS`)."""
     m = _Meta(meta, source)
     kind = m.get("tokenizer.ggml.model", str)
     if kind not in ("gpt2", "llama"):
@@ -327,7 +359,11 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> Tokeni
     add_bos = m.get("tokenizer.ggml.add_bos_token", bool, add_bos)
     if add_bos and bos_id is None:
         raise m.fail("tokenizer.ggml.add_bos_token", "is true, but 'tokenizer.ggml.bos_token_id' is not set")
-    eos_ids = tuple(dict.fromkeys(i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None))
+    fim = [m.token_id(f"tokenizer.ggml.fim_{name}_token_id", n, None) for name in _FIM_TEXTS]
+    fim = [min((vocab[t] for t in _FIM_TEXTS[name] if t in vocab), default=None) if i is None else i
+           for name, i in zip(_FIM_TEXTS, fim)]
+    eos_ids = tuple(dict.fromkeys(i for i in (ids["eos"], ids["eot"], ids["eom"], *fim, *_ends_by_text(vocab))
+                                  if i is not None))
     if add_bos:  # so the bare `tokenizers.Tokenizer` agrees with the bundle, if its template syntax allows
         with contextlib.suppress(ValueError):  # a token with a space or ':' in it cannot be named in a template
             tok.post_processor = processors.TemplateProcessing(

@@ -116,7 +116,9 @@ def test_smollm_gguf_matches_transformers(smol: TokenizerBundle, smol_path: Path
 
 def test_smollm_gguf_special_tokens(smol: TokenizerBundle) -> None:
     assert (smol.bos_token_id, smol.bos_token) == (1, "<|im_start|>")
-    assert (smol.eos_token_ids, smol.eos_token, smol.pad_token_id) == ((2,), "<|im_end|>", 2)
+    # the file's eos, then what llama.cpp also takes for an end: `<|endoftext|>` by its text, and `<reponame>`,
+    # the FIM repository token it finds by its text (test_gguf_end_of_generation_ids_are_llama_cpps)
+    assert (smol.eos_token_ids, smol.eos_token, smol.pad_token_id) == ((2, 4, 0), "<|im_end|>", 2)
     assert smol.add_bos_token is False  # the file says so
     assert "<|im_start|>" in smol.chat_template and "messages" in smol.chat_template
     ids = smol.encode("<|im_start|>user\nhi<|im_end|>")
@@ -130,6 +132,30 @@ def test_smollm_against_llama_cpp(smol: TokenizerBundle, smol_path: Path, texts:
     for text in texts + ["<|im_start|>user\nhi<|im_end|>"]:
         want = llm.tokenize(text.encode(), add_bos=False, special=True) if text else []
         assert smol.encode(text, add_special_tokens=False) == want, repr(text)
+
+
+def _llama_cpp_eog(path: Path) -> set[int]:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from tests.llama_cpp_oracle import open_llama
+
+    llm = open_llama(path, vocab_only=True, verbose=False)
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    return {i for i in range(llama_cpp.llama_vocab_n_tokens(vocab)) if llama_cpp.llama_vocab_is_eog(vocab, i)}
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m-instruct", "tiny-deepseek-v3"])
+def test_gguf_end_of_generation_ids_are_llama_cpps(model: str, smol_path: Path, tmp_path: Path) -> None:
+    """The ids that end generation in a GGUF are the ones llama.cpp ends on: the file's eos, and the tokens it
+    takes for ends by their text (SmolLM2's `<|endoftext|>` and FIM `<reponame>`; generation used to run on
+    past them, writing junk where llama-server stops)."""
+    if model == "smollm2-135m-instruct":
+        path = smol_path
+    else:
+        from models.synthetic import write_checkpoint
+
+        path = write_checkpoint(tmp_path / model, model, seed=2, gguf=True, gguf_qtype="Q8_0") / "model.gguf"
+    ours = tokenizer_from_gguf_metadata(_gguf_tokenizer_meta(path), str(path)).eos_token_ids
+    assert len(set(ours)) == len(ours) and set(ours) == _llama_cpp_eog(path)
 
 
 def test_smollm_gguf_round_trip(smol: TokenizerBundle, smol_meta: dict, tmp_path: Path, texts: list[str]) -> None:

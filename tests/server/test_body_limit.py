@@ -71,6 +71,18 @@ async def test_while_loading_a_large_body_is_told_to_retry_not_that_it_is_too_la
         assert (await client.post("/v1/completions", content=pretty_prompt(1000), headers=JSON)).status_code == 413
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_while_loading_the_model_list_says_loading(anyio_backend) -> None:
+    """/v1/models is no readiness probe that lies: while the model loads it answers the 503 "loading" that
+    the completion routes answer (it answered 200 seconds before they could serve)."""
+    async with asgi_client(0) as client:
+        for path in ("/v1/models", "/v1/models/m"):
+            r = await client.get(path)
+            assert r.status_code == 503 and r.headers.get("retry-after"), r.text
+            assert r.json()["error"]["code"] == "loading"
+
+
 def test_served_long_context_model_takes_a_90_percent_prompt_and_refuses_a_2x_body(tmp_path) -> None:
     """Through a real server whose model has a 131072-token context (16 x context = 2 MiB > the floor).
     A 90% prompt (1.3 MB of JSON) passes the limit and is read in full: it is answered with the context
