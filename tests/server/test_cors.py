@@ -38,9 +38,10 @@ async def test_any_origin(anyio_backend) -> None:
         denied = await c.get("/v1/models", headers={"Origin": PAGE})  # no key: 401, readable by the page
         assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == "*"
         assert denied.json()["error"]["code"] == "invalid_api_key"
+        # past the key: the answer of a server whose model is loading, readable by the page
         ok = await c.get("/v1/models", headers={"Origin": PAGE, "Authorization": "Bearer k"})
-        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "*"
-        assert ok.json()["data"][0]["id"] == "m"
+        assert ok.status_code == 503 and ok.headers["access-control-allow-origin"] == "*"
+        assert ok.json()["error"]["code"] == "loading" and ok.headers["retry-after"]
 
 
 @pytest.mark.anyio
@@ -62,4 +63,4 @@ async def test_no_origins_no_headers(anyio_backend) -> None:
         pre = await c.options("/v1/chat/completions", headers=PREFLIGHT)
         assert pre.status_code in (401, 405) and "access-control-allow-origin" not in pre.headers
         resp = await c.get("/v1/models", headers={"Origin": PAGE, "Authorization": "Bearer k"})
-        assert resp.status_code == 200 and "access-control-allow-origin" not in resp.headers
+        assert resp.status_code == 503 and "access-control-allow-origin" not in resp.headers  # loading
