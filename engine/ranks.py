@@ -414,7 +414,7 @@ def serve_node(args: EngineArgs) -> int:
     failed = [(r, c) for r, c in zip(plan.node_ranks(), codes) if c]
     for r, c in failed:
         logger.error("node %d: rank %d exited with code %d%s", plan.node_rank, r, c,
-                     f" (signal {signal.Signals(-c).name})" if c < 0 and -c in signal.Signals._value2member_map_ else "")
+                     f" ({signal.strsignal(-c)})" if c < 0 else "")
     if not failed:
         logger.info("node %d: its ranks ended (node 0 stopped the group)", plan.node_rank)
     return 1 if failed else 0

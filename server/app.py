@@ -278,18 +278,18 @@ def build_app(state: ServerState, max_request_bytes: int | None = None, allowed_
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
-    # While the model loads, /v1/models answers the 503 every route but /health answers (as llama-server
-    # does): clients that probe readiness with it would otherwise send requests that fail for seconds.
+    # While the model loads, /v1/models answers the generation routes' 503 (as llama-server does):
+    # clients that probe readiness with it would otherwise send requests that fail for seconds.
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
-        if state.engine is None and (loading := state.unavailable()) is not None:
-            return loading
+        if state.engine is None:
+            return state.unavailable()
         return JSONResponse(ModelList(data=[_model_card(state)]).model_dump())
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> JSONResponse:
-        if state.engine is None and (loading := state.unavailable()) is not None:
-            return loading
+        if state.engine is None:
+            return state.unavailable()
         if model_id != state.model_name:
             return error_response(404, f"the model '{model_id}' does not exist", param="model", code="model_not_found")
         return JSONResponse(_model_card(state).model_dump())

@@ -144,8 +144,8 @@ class ServerArgs:
                                      "itself (a value with '{', '}' or a newline); checked to compile at start",
                                      check=chat_template_value, metavar="FILE|TEMPLATE", default_text="the model's")
     dp: int = flag(1, "data-parallel replicas: N engine processes behind this server, each with the whole model, its "
-                   "own KV cache and a share of the CPUs, one at least (on CUDA: its own GPUs); a request goes to the replica that "
-                   "served its prompt's prefix unless that one is much busier", check=positive, metavar="N")
+                   "own KV cache and a share of the CPUs, one at least (on CUDA: its own GPUs); a request goes to the "
+                   "replica that served its prompt's prefix unless that one is much busier", check=positive, metavar="N")
     engine: EngineArgs = internal("the engine's settings: flags of their own", default_factory=EngineArgs)
 
 
@@ -367,10 +367,8 @@ def device_problem(device: str, dp: int, node_ranks: int) -> str | None:
                 "GPU, or CUDA_VISIBLE_DEVICES empty); use --device cpu")
     need = dp * node_ranks
     if base + need > gpus:
-        asked = " x ".join(f for f in (f"--dp {dp}" if dp > 1 else "", f"{node_ranks} rank(s) a node" if
-                                         node_ranks > 1 else "") if f) or "one process"
-        return (f"--device {device} with {asked} needs GPUs {base} to {base + need - 1} (one per rank); torch sees "
-                f"{gpus} on this machine")
+        return (f"--device {device} with --dp {dp} and {node_ranks} rank(s) on this node needs GPUs {base} to "
+                f"{base + need - 1} (one per rank); torch sees {gpus} on this machine")
     return None
 
 

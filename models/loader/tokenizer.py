@@ -304,9 +304,9 @@ END_OF_GENERATION_TEXTS = frozenset({
 # FIM tokens llama.cpp finds by their text where the file names none (tokenizer.ggml.fim_*_token_id):
 # its padding, repository and file-separator tokens also end generation.
 _FIM_TEXTS = {
-    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
-    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
-    "sep": ("<|file_sep|>",),
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",),
 }
 
 
@@ -345,6 +345,10 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> Tokeni
     else:
         tok, add_bos = _spm_from_gguf(m, tokens, types, vocab), True
         defaults = {"bos": 1, "eos": 2}  # llama.cpp's defaults for SentencePiece files
+    for name, texts in _FIM_TEXTS.items():  # a FIM id the file does not give: the token of that text
+        found = [vocab[t] for t in texts if t in vocab]
+        if found:
+            defaults[name] = min(found)
     # CONTROL tokens are special added tokens, USER_DEFINED ones plain added tokens: both match whole in text.
     typed = list(zip(tokens, types))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, y in typed if y == _CONTROL])
@@ -353,17 +357,14 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> Tokeni
     ids = {
         name: m.token_id(f"tokenizer.ggml.{name}_token_id" if name != "pad" else "tokenizer.ggml.padding_token_id",
                          n, defaults[name] if defaults.get(name, n) < n else None)
-        for name in ("bos", "eos", "eot", "eom", "pad")
+        for name in ("bos", "eos", "eot", "eom", "pad", *_FIM_TEXTS)
     }
     bos_id = ids["bos"]
     add_bos = m.get("tokenizer.ggml.add_bos_token", bool, add_bos)
     if add_bos and bos_id is None:
         raise m.fail("tokenizer.ggml.add_bos_token", "is true, but 'tokenizer.ggml.bos_token_id' is not set")
-    fim = [m.token_id(f"tokenizer.ggml.fim_{name}_token_id", n, None) for name in _FIM_TEXTS]
-    fim = [min((vocab[t] for t in _FIM_TEXTS[name] if t in vocab), default=None) if i is None else i
-           for name, i in zip(_FIM_TEXTS, fim)]
-    eos_ids = tuple(dict.fromkeys(i for i in (ids["eos"], ids["eot"], ids["eom"], *fim, *_ends_by_text(vocab))
-                                  if i is not None))
+    ends = (ids["eos"], ids["eot"], ids["eom"], *(ids[name] for name in _FIM_TEXTS), *_ends_by_text(vocab))
+    eos_ids = tuple(dict.fromkeys(i for i in ends if i is not None))
     if add_bos:  # so the bare `tokenizers.Tokenizer` agrees with the bundle, if its template syntax allows
         with contextlib.suppress(ValueError):  # a token with a space or ':' in it cannot be named in a template
             tok.post_processor = processors.TemplateProcessing(

@@ -296,6 +296,7 @@ def test_nodes_started_with_other_settings_do_not_serve(checkpoints, tmp_path) -
     other = subprocess.Popen([sys.executable, "-m", "mlaserve.cli", "serve", "--model", model, *COMMON, *node,
                               "--node-rank", "1", "--dtype", "bfloat16"], cwd=REPO,
                              stdout=open(tmp_path / "node1.log", "wb"), stderr=subprocess.STDOUT)
+    head = None
     try:
         head = ServerProcess(model, *COMMON, *node, "--node-rank", "0", log=tmp_path / "node0.log")
         assert head.proc.wait(300) == 1
@@ -305,7 +306,7 @@ def test_nodes_started_with_other_settings_do_not_serve(checkpoints, tmp_path) -
         assert "weights dtype bfloat16 (rank 0: float32)" in (tmp_path / "node0.log").read_text()
         assert says in (tmp_path / "node1.log").read_text()
     finally:
-        for p in (other, *(() if "head" not in locals() else (head.proc,))):
+        for p in (other, *((head.proc,) if head is not None else ())):
             if p.poll() is None:
                 p.kill()
 
