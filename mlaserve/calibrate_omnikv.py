@@ -621,6 +621,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     cpu_weights=calibration_weights(args), progress=sys.stderr.isatty())
     except BadSetting as err:
         return _fail(str(err))
+    try:
+        _check_depth(loaded.config.num_hidden_layers)  # before tokenizing and prefilling anything
+    except CalibrationError as err:
+        return _fail(str(err))
     tok = loaded.tokenizer
     if tok is None:
         return _fail(f"the model {args.model} has no tokenizer")

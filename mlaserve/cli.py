@@ -1,6 +1,8 @@
 """The `mlaserve` command line.
 
-Subcommands:
+Usage: mlaserve COMMAND [flags] (mlaserve COMMAND --help for its flags; mlaserve --version)
+
+Commands:
   serve            serve a model over the OpenAI-compatible HTTP API (`mlaserve serve --help`)
   generate         load a model and greedily continue one prompt (a quick check that a model works)
   make-checkpoint  write a random synthetic checkpoint (tests, benchmarks) — see models/synthetic.py
@@ -53,6 +55,8 @@ def _generate(argv: list[str]) -> int:
         except ChatTemplateError as e:
             refuse(prog, f"--chat: {e}")
     ids = tok.encode(text, add_special_tokens=not args.chat)
+    if not ids:  # as serve answers an empty prompt of a model without a BOS token: nothing to continue from
+        refuse(prog, "--prompt encodes to no tokens: give some text to continue (or --chat)")
     context = loaded.config.max_position_embeddings
     if len(ids) + args.max_tokens > context:  # as serve refuses such a request (the rotary table ends there)
         refuse(prog, f"the prompt ({len(ids)} tokens) and --max-tokens {args.max_tokens} exceed the model's context "
@@ -105,9 +109,21 @@ COMMANDS = {"serve": _serve, "generate": _generate, "make-checkpoint": _make_che
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(list(sys.argv[1:] if argv is None else argv))
+    except BrokenPipeError:  # `mlaserve serve --help | head`: the reader left; no traceback about it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not raise again
+        return 1
+
+
+def _dispatch(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):  # asked for: the usage on stdout
         print(__doc__.strip())
+        return 0
+    if argv and argv[0] in ("-V", "--version"):
+        from server.app import mlaserve_version
+
+        print(f"mlaserve {mlaserve_version()}")
         return 0
     if not argv:
         print(__doc__.strip(), file=sys.stderr)

@@ -49,6 +49,7 @@ from safetensors.torch import save_file
 
 import configs
 from models.config import DeepseekConfig, LlamaConfig, ModelConfig, config_from_hf_dict
+from models.loader.errors import CheckpointError
 
 if TYPE_CHECKING:
     from models.loader.tokenizer import TokenizerBundle
@@ -348,10 +349,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.gguf_qtype != "F32" and not args.gguf:
         parser.error("--gguf-qtype needs --gguf")
-    out = write_checkpoint(
-        args.out, args.preset, seed=args.seed, dtype=args.dtype, gguf=args.gguf,
-        gguf_qtype=args.gguf_qtype, num_layers=args.layers,
-    )
+    if args.layers is not None and args.layers <= 0:
+        parser.error(f"argument --layers: {args.layers} must be > 0")
+    try:  # an --out that is a file or cannot be written: one line and exit 2, as a bad flag
+        out = write_checkpoint(
+            args.out, args.preset, seed=args.seed, dtype=args.dtype, gguf=args.gguf,
+            gguf_qtype=args.gguf_qtype, num_layers=args.layers,
+        )
+    except CheckpointError as e:
+        parser.error(str(e))
+    except OSError as e:
+        parser.error(f"cannot write --out {args.out}: {e.strerror or e} ({e.filename or args.out})")
     n = num_parameters(args.preset, args.layers)
     print(f"wrote {args.preset} ({n:,} parameters, {args.dtype}) to {out}" + (" with model.gguf" if args.gguf else ""))
     return 0

@@ -104,8 +104,8 @@ SELF_NAMING_CHECKS = frozenset({omnikv_file})
 class ServerArgs:
     host: str = flag("127.0.0.1", "address to listen on", check=non_empty, metavar="ADDR")
     port: int = flag(8000, "port to listen on", check=port_number, metavar="PORT")
-    api_key: str | None = flag(None, "require `Authorization: Bearer KEY` on /v1 routes, /tokenize and /detokenize "
-                               "(empty: no key)",
+    api_key: str | None = flag(None, "require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on /v1 routes, "
+                               "/tokenize and /detokenize (empty: no key)",
                                metavar="KEY", default_text="no key")
     allowed_origins: str = flag("*", "origins a web page may call the API from (CORS): '*' for any, a "
                                 "comma-separated list (https://app.example,http://localhost:3000), or empty for "

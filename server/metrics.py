@@ -63,8 +63,9 @@ engine code to. Label values are bounded (`[a-z0-9_]{1,64}`, else `other`); the 
 error.
 
 Rules the server follows for the rest (each event has exactly one source, so nothing is counted twice):
-- `on_output(out, now)` for every RequestOutput delta, with the finish reason the client will see
-  (a stop string found by the server: pass the delta with `finish_reason="stop"`). Deltas that end
+- `on_output(out, now)` for every RequestOutput delta, with the engine's finish reason as the server
+  settles it (a stop string found by the server: pass the delta with `finish_reason="stop"`). A reply the
+  tool parser turns into calls counts as `stop` (the client sees `tool_calls`), as in vLLM's metric. Deltas that end
   with `abort` or `error` only free state here; those are counted by `on_abort` / the middleware.
 - `on_abort(rid)` once when the server aborts a request it had submitted (disconnect, shutdown);
   not when it aborts the engine's copy itself after a stop string.

@@ -220,6 +220,7 @@ def test_too_shallow_model_exits_2(text_file, tmp_path, capsys):
     code, _, err = run_cli(capsys, "--model", str(model), "--text", str(text_file), "--output",
                            str(tmp_path / "x.json"), "--max-tokens", str(TOKENS))
     assert code == 2 and "OmniKV needs at least 4" in err
+    assert "prefilling" not in err and len(err.strip().splitlines()) == 1, err  # refused before any work
 
 
 def test_probes_beyond_memory_exit_2_before_the_prefill(checkpoint, text_file, tmp_path, capsys, monkeypatch):

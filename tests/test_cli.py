@@ -67,6 +67,65 @@ def test_the_console_script_says_it_too() -> None:
     assert helped.returncode == 0 and helped.stderr == "" and "calibrate-omnikv" in helped.stdout
 
 
+def test_version_is_a_flag_of_its_own(capsys: pytest.CaptureFixture) -> None:
+    """`mlaserve --version` prints the installed version (it used to suggest `mlaserve serve --version`,
+    which argparse then refused)."""
+    from server.app import mlaserve_version
+
+    for flag in ("--version", "-V"):
+        assert main([flag]) == 0
+        out, err = capsys.readouterr()
+        assert out == f"mlaserve {mlaserve_version()}\n" and err == ""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"]])
+def test_a_reader_that_leaves_early_gets_no_traceback(argv: list[str]) -> None:
+    """`mlaserve --help | head -1`: stdout's reader is gone before the usage is written (a pipe whose read
+    end is closed); the command ends quietly instead of printing a BrokenPipeError traceback."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", "mlaserve", *argv], cwd=REPO, stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+    assert done.returncode in (0, 1), done.stderr
+
+
+def test_generate_refuses_an_empty_prompt_in_one_line(checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
+    """A prompt that encodes to no tokens (the tiny model, like SmolLM2's GGUF, adds no BOS token): one
+    line, exit 2 (it was a ValueError traceback from the runner)."""
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--model", str(checkpoint), "--prompt", "", "--max-tokens", "2"])
+    line = one_line(capsys.readouterr().err)
+    assert info.value.code == 2 and line == ("mlaserve generate: error: --prompt encodes to no tokens: give some text "
+                                             "to continue (or --chat)"), line
+
+
+@pytest.mark.parametrize("case", ["layers 0", "layers -2", "out is a file", "out under a file"])
+def test_make_checkpoint_refuses_bad_input_in_one_line(case: str, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """Bad --layers or an --out that cannot be a directory: argparse's usage and one error line, exit 2
+    (they were a CheckpointError / FileExistsError traceback)."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    out = {"out is a file": a_file, "out under a file": a_file / "sub"}.get(case, tmp_path / "ckpt")
+    argv = ["make-checkpoint", "--preset", "tiny-llama", "--out", str(out)]
+    if case.startswith("layers"):
+        argv += ["--layers", case.split()[1]]
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]
+    expect = {"layers 0": "argument --layers: 0 must be > 0", "layers -2": "argument --layers: -2 must be > 0",
+              "out is a file": f"cannot write --out {a_file}: File exists",
+              "out under a file": f"cannot write --out {a_file / 'sub'}: Not a directory"}[case]
+    assert line.startswith("mlaserve make-checkpoint: error: ") and expect in line, line
+    assert a_file.read_text() == "x"
+
+
 # --- a --model that is no model
 
 

