@@ -43,7 +43,7 @@ from executor.grammar import GrammarBackend, GrammarError
 from executor.model_runner import ModelRunner, bank_layers
 from scheduler.radix_cache import create_prefix_cache
 from scheduler.request import Req
-from executor.sampler import Sampler
+from executor.sampler import Sampler, mix64
 from scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("mlaserve.engine")
@@ -161,8 +161,10 @@ def _refusal(rid: str, prompt_tokens: int, arrival_time: float, message: str, co
 
 
 def _mix_seed(seed: int, index: int) -> int:
-    """Distinct, reproducible seeds for the completions of one seeded request."""
-    return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & ((1 << 63) - 1)
+    """Distinct, reproducible seeds for the completions of one seeded request, hashed: the sampler's
+    noise for (seed, step) is SplitMix64 over seed + step * golden, so a child seed that is linear in the
+    seed in those steps (seed * golden + ...) would replay a neighbouring seed's child shifted by a step."""
+    return mix64(mix64(seed) + index) & ((1 << 63) - 1)
 
 
 class EngineCore:
@@ -373,7 +375,7 @@ class EngineCore:
         ids, p = req.input_ids, req.params
         try:
             validate_prompt_ids(ids, self.config.vocab_size)
-            p.validate(self.config.vocab_size)
+            p.validate(self.config.vocab_size, self.scheduler.eos_token_ids)
         except ParamError as e:
             return ERR_INVALID, e.message, e.param
         if p.omnikv and self.omnikv_unavailable:

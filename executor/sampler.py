@@ -8,7 +8,9 @@ Per row, in this order (the vLLM/SGLang order):
         └─ / temperature ──► top_k ──► top_p ──► min_p ──► argmax(x + Gumbel noise)
     raw logits (grammar-masked) ──► log_softmax ──► chosen token's logprob + top_logprobs alternatives
 
-Columns >= `vocab_size` (padding of the LM head) are cut off first, so they are never sampled.
+Columns >= `vocab_size` (padding of the LM head) are cut off first, so they are never sampled. A row
+that the processors leave with no finite logit (allowed ids a bad word or the grammar forbids now) is
+reported in `SampleResult.no_choice`: the scheduler ends that completion rather than emit a token.
 
 Reproducibility (docs/architecture.md §4): sampling is Gumbel-max with *counter-based* noise. Row r's uniforms
 come from a `torch.Generator` re-seeded with `noise_seed(seed_r, step_r)` (the step-th output of a
@@ -98,6 +100,9 @@ class SamplingRow:
 class SampleResult:
     token_ids: list[int]  # one per row
     logprobs: list[TokenLogprob | None]  # per row: None unless params.logprobs or top_logprobs > 0
+    # rows whose constraints (allowed ids, bad words, min_tokens, grammar) left no token at all: their
+    # token_ids entry is meaningless and the completion must end here
+    no_choice: tuple[int, ...] = ()
 
 
 def noise_seed(seed: int, step: int) -> int:
@@ -106,7 +111,12 @@ def noise_seed(seed: int, step: int) -> int:
     A bijective 64-bit finalizer over seed + (step + 1) * golden, so different steps of one seed never
     collide, and small seeds with small steps do not either.
     """
-    z = ((seed & _MASK64) + (step + 1) * _GOLDEN) & _MASK64
+    return mix64((seed & _MASK64) + (step + 1) * _GOLDEN)
+
+
+def mix64(z: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit integers that scatters nearby inputs."""
+    z &= _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
@@ -171,6 +181,8 @@ class Sampler:
             tokens = argmax_rows(raw)
             return SampleResult(token_ids=tokens, logprobs=_logprobs(raw, rows, tokens))
         x = apply_logit_processors(raw, rows)
+        # e.g. allowed_token_ids whose only ids a bad word or a grammar forbids now: argmax would pick id 0
+        no_choice = tuple(torch.isneginf(x.amax(dim=-1)).nonzero().flatten().tolist())
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -179,7 +191,7 @@ class Sampler:
         if random:
             _put(token_ids, random, self._sample(_take(x, random), [rows[i] for i in random]))
         tokens = token_ids.tolist()
-        return SampleResult(token_ids=tokens, logprobs=_logprobs(raw, rows, tokens))
+        return SampleResult(token_ids=tokens, logprobs=_logprobs(raw, rows, tokens), no_choice=no_choice)
 
     def _check(self, logits: torch.Tensor, n: int) -> int:
         """Checks that `logits` are [n, V >= vocab_size] on this sampler's device type; returns V."""
@@ -324,14 +336,26 @@ def _top_k_top_p(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
 
 
 def _top_k_top_p_removed(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Bool [n, V]: True for the tokens top_k / top_p remove from each row of x [n, V]."""
+    """Bool [n, V]: True for the tokens top_k / top_p remove from each row of x [n, V].
+
+    top_k keeps every token whose logit reaches the k-th best (as HF's TopKLogitsWarper and vLLM do): a
+    token tied with the k-th is kept too, rather than one of the tied dropped by the sort's whim.
+    """
     vocab = x.shape[1]
     width = max(top_k)
+    kept = _column(top_k, x, torch.long)
     if width < vocab:
         sorted_x, order = x.topk(width, dim=-1, sorted=True)
-    else:
+        kth = sorted_x.gather(1, kept - 1)
+        # ties with the k-th value (a -inf k-th keeps the finite ones only: the rest can never be drawn)
+        kept = ((x >= kth) & (x > float("-inf"))).sum(dim=-1, keepdim=True).clamp_(min=1)
+        wider = int(kept.max())
+        if wider > width:  # ties run past the partial sort: sort as far as they go
+            width = wider
+            sorted_x, order = x.topk(width, dim=-1, sorted=True) if width < vocab else x.sort(dim=-1, descending=True)
+    else:  # top_p alone (`_top_k_top_p` groups the rows so): every token is in the sort
         sorted_x, order = x.sort(dim=-1, descending=True)
-    drop = torch.arange(width, device=x.device)[None, :] >= _column(top_k, x, torch.long)
+    drop = torch.arange(width, device=x.device)[None, :] >= kept
     p = _column(top_p, x)
     probs = sorted_x.masked_fill(drop, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1).roll(1, dims=-1)  # mass of the strictly better tokens

@@ -14,7 +14,7 @@ Copy with changes: `msgspec.structs.replace(params, max_tokens=8)`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import msgspec
 
@@ -85,8 +85,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
-    def validate(self, vocab_size: int) -> None:
-        """Raises ParamError naming the OpenAI parameter when a value is out of range."""
+    def validate(self, vocab_size: int, eos_token_ids: Iterable[int] = ()) -> None:
+        """Raises ParamError naming the OpenAI parameter when a value is out of range, or when the token
+        constraints leave nothing to generate (with the model's `eos_token_ids`, which min_tokens masks)."""
         _check(math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0,
                "temperature", "temperature must be between 0 and 100")
         _check(0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
@@ -118,6 +119,14 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _check(0 <= self.top_logprobs <= 20, "top_logprobs", "top_logprobs must be in [0, 20]")
         _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "logprobs", "logprobs must be in [0, 20]")
         _check(self.seed is None or -(2**63) <= self.seed < 2**64, "seed", "seed must fit in 64 bits")
+        if self.allowed_token_ids:  # only what is knowable now; the sampler ends a completion left with no choice later
+            banned = {w[0] for w in self.bad_words_ids if len(w) == 1}
+            possible = set(self.allowed_token_ids) - banned
+            _check(bool(possible), "bad_words", "bad_words bans every id of allowed_token_ids: nothing could be generated")
+            if self.min_tokens > 0 and self.structured is None:  # (a grammar decides where EOS may come instead)
+                _check(bool(possible - set(eos_token_ids) - set(self.stop_token_ids)), "min_tokens",
+                       f"min_tokens {self.min_tokens} needs tokens that do not end the completion, and "
+                       "allowed_token_ids leaves only end-of-sequence or stop_token_ids ids")
         if self.structured is not None:
             _check(self.structured.kind in STRUCTURED_KINDS, self.structured.param,
                    f"unknown structured output kind {self.structured.kind!r} (one of {', '.join(STRUCTURED_KINDS)})")

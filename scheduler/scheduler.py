@@ -260,7 +260,17 @@ class Scheduler:
         result = self.sampler(logits if whole else logits[picked], rows,
                               argmax=None if found is None else found if whole else [found[i] for i in picked])
         now = time.time()
-        for (r, _), tok, lp in zip(complete, result.token_ids, result.logprobs):
+        for k in result.no_choice:  # nothing the request allows could come next: it ends without a token
+            r = complete[k][0]
+            logger.warning("request %s: its allowed_token_ids / bad_words / min_tokens / grammar leave no token "
+                           "after %d generated; ending it", r.rid, len(r.output_ids))
+            if not r.output_ids and r.index == 0:  # n > 1: the siblings waited for this prompt
+                self._unblock_siblings(r.rid)
+            self._finish(r, FINISH_STOP)
+            out.append(r)
+        for k, ((r, _), tok, lp) in enumerate(zip(complete, result.token_ids, result.logprobs)):
+            if k in result.no_choice:
+                continue
             prefilled_prompt = not r.output_ids
             r.output_ids.append(tok)
             r.pending_ids.append(tok)

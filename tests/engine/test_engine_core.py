@@ -271,6 +271,44 @@ def test_seeded_sampling_independent_of_batch(model_dir):
     assert tokens(run_to_end(core)[("seeded", 0)]) == want
 
 
+def test_completions_of_neighbouring_seeds_are_not_shifted_copies():
+    """Completion i of seed s and completion i of seed s + d used to draw the same noise d steps apart
+    (their seeds were linear in s with the step's own constant): 24-71% of (s, d <= 3) pairs replayed each
+    other shifted by d tokens. The engine's child seeds and the sampler's noise seeds, over 3000 seeds."""
+    from engine.core import _mix_seed
+    from executor.sampler import noise_seed
+
+    shared = sum(noise_seed(_mix_seed(s, i), k) == noise_seed(_mix_seed(s + d, i), k - d)
+                 for s in range(3000) for d in (1, 2, 3) for i in (1, 2, 5) for k in (4, 9))
+    assert shared == 0
+    children = {_mix_seed(s, i) for s in range(-50, 50) for i in range(1, 129)}
+    assert len(children) == 100 * 128 and all(0 <= c < 2**63 for c in children)
+
+
+def test_constraints_that_leave_nothing_to_generate(model_dir):
+    """Refused when knowable at once (400 naming the parameter): bad_words banning every allowed id,
+    min_tokens with only end ids allowed. Found later (a two-token bad word closing the only allowed
+    id): the completion ends there with `stop` instead of emitting id 0, which nothing allowed."""
+    core = make_engine(model_dir)
+    eos = sorted(core.scheduler.eos_token_ids)[0]
+    allowed = SamplingParams(temperature=0.0, allowed_token_ids=(17,), max_tokens=5)
+    for rid, params, param in [
+        ("banned", msgspec.structs.replace(allowed, bad_words_ids=((17,),)), "bad_words"),
+        ("ends", msgspec.structs.replace(allowed, allowed_token_ids=(eos,), min_tokens=2), "min_tokens"),
+        ("stops", msgspec.structs.replace(allowed, allowed_token_ids=(17, 18), stop_token_ids=(18,),
+                                          bad_words_ids=((17,),), min_tokens=1), "min_tokens"),
+    ]:
+        (o,) = core.add_request(GenerateRequest(rid, prompt(6, 1), params))
+        assert o.finish_reason == FINISH_ERROR and o.error_code == ERR_INVALID and o.error_param == param, o
+    for temperature in (0.0, 1.0):
+        p = msgspec.structs.replace(allowed, temperature=temperature, bad_words_ids=((17, 17),), n=2, seed=3)
+        assert core.add_request(GenerateRequest("later", prompt(6, 2), p)) == []
+        outs = run_to_end(core)
+        for i in range(2):
+            assert tokens(outs[("later", i)]) == [17] and outs[("later", i)][-1].finish_reason == "stop"
+    assert_no_leak(core)
+
+
 def test_refusals(model_dir):
     core = make_engine(model_dir, max_running_requests=1, max_queued_requests=1, context_length=64)
     long = core.add_request(GenerateRequest("long", prompt(60, 1), SamplingParams(max_tokens=10)))

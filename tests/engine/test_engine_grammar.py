@@ -116,3 +116,19 @@ def test_a_failing_grammar_engine_ends_only_its_request(core):
     finally:
         core.grammars.compile, core.grammars._get_compiler = real_compile, real_get
     assert_no_leak(core)
+
+
+def test_a_grammar_that_allowed_token_ids_cannot_start_ends_without_a_token(core):
+    """response_format's grammar and allowed_token_ids with no token in common (the regex starts with a
+    letter, only digits are allowed): each of n=2 completions ends at once with `stop` and no token (it
+    was id 0, which neither allows), the sibling waiting for the prompt is not left waiting, and nothing
+    leaks."""
+    tok = core.grammars._tokenizer
+    digits = tuple(sorted({i for d in "0123456789" for i in tok.encode(d, add_special_tokens=False).ids}))
+    p = SamplingParams(temperature=1.0, n=2, seed=4, max_tokens=8, allowed_token_ids=digits,
+                       structured=StructuredOutput("regex", REGEX, "regex"))
+    assert core.add_request(GenerateRequest("never", prompt(7, 9), p)) == []
+    outs = run_to_end(core)
+    for i in range(2):
+        assert tokens(outs[("never", i)]) == [] and outs[("never", i)][-1].finish_reason == "stop"
+    assert_no_leak(core)

@@ -21,7 +21,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from executor.sampler import Sampler, SamplingRow, apply_logit_processors, noise_seed
+from executor.sampler import Sampler, SamplingRow, _top_k_top_p, apply_logit_processors, noise_seed
 from scheduler.sampling_params import SamplingParams
 
 EOS = 3
@@ -232,6 +232,43 @@ def test_filters_keep_exactly_the_reference_set(temperature: float, top_k: int, 
     assert np.all(counts[frequent] > 0)
     chi2 = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
     assert chi2 < _chi2_critical(max(int(keep.sum()) - 1, 1)), (counts, expected)
+
+
+def test_top_k_keeps_the_tokens_tied_with_the_kth_as_hf_does() -> None:
+    """Logits rounded to bf16 tie often (as a GPU's bf16 LM head gives them): top_k keeps every token
+    whose logit reaches the k-th best, as HF's TopKLogitsWarper (and vLLM) do; one of the tied used to be
+    dropped by the partial sort. Also when the ties run past k (a wider sort) and with a companion row
+    of another k in the same pass."""
+    vocab = 64
+    logits = (_logits(32, vocab, seed=41, scale=1.0) * 4).round() / 4  # many exact ties
+    ties = 0
+    for k in (1, 2, 3, 5, 8):
+        rows = [_row(SamplingParams(temperature=1.0, top_k=k if i % 2 else 3), seed=i) for i in range(32)]
+        kept = torch.isfinite(_top_k_top_p(logits.clone(), rows))
+        for i, row in enumerate(rows):
+            want = torch.isfinite(TopKLogitsWarper(row.params.top_k)(None, logits[i:i + 1].clone()))[0]
+            assert torch.equal(kept[i], want), (k, i, logits[i], kept[i], want)
+            ties += int(want.sum()) > row.params.top_k
+    assert ties > 20  # the case does have ties at the k-th value
+    # draws: both of two tokens tied at the k-th value come out
+    row = torch.tensor([[5.0, 4.0, 3.0, 3.0, 1.0, 0.0]])
+    sampler = Sampler(6)
+    got = {t for i in range(400) for t in sampler(row, [_row(SamplingParams(temperature=1.0, top_k=3), seed=i)]).token_ids}
+    assert got == {0, 1, 2, 3}
+
+
+def test_a_row_left_with_no_allowed_token_says_so() -> None:
+    """allowed_token_ids whose only id a bad word forbids right now: the row is reported in `no_choice`
+    (argmax of all -inf would have been id 0, outside allowed_token_ids); the other rows are untouched."""
+    vocab = 20
+    logits = _logits(3, vocab, seed=5)
+    p = SamplingParams(temperature=0.0, allowed_token_ids=(7,), bad_words_ids=((7, 7),))
+    sampler = Sampler(vocab)
+    for temperature in (0.0, 1.0):
+        p = replace(p, temperature=temperature)
+        res = sampler(logits, [_row(p, output=[7]), _row(p, output=[]), _row(SamplingParams(temperature=0.0))])
+        assert res.no_choice == (0,)
+        assert res.token_ids[1] == 7 and res.token_ids[2] == int(logits[2].argmax())
 
 
 # ---- logit processors -----------------------------------------------------------------------------

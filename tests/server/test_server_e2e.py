@@ -307,8 +307,14 @@ def test_allowed_token_ids_and_bad_words(server, tok):
     allowed = sorted(set(free["token_ids"][:4]))
     only = post(server, "/v1/completions", {**body, "allowed_token_ids": allowed, "temperature": 1.0, "seed": 3})
     assert set(only.json()["choices"][0]["token_ids"]) <= set(allowed), only.text
+    word = tok.decode([allowed[0]]).strip()
+    one_token_word = bool(word) and any(tok.encode(t, add_special_tokens=False) == [allowed[0]] for t in (word, " " + word))
+    assert one_token_word, (word, allowed)  # (the greedy reply's first tokens are words of this tokenizer)
     for bad, param in (({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [10**9]}, "allowed_token_ids"),
-                       ({"bad_words": [" "]}, "bad_words")):
+                       ({"bad_words": [" "]}, "bad_words"),
+                       # nothing left to generate: a 400, not id 0 (which nothing allowed)
+                       ({"allowed_token_ids": [tok.eos_token_ids[0]], "min_tokens": 2}, "min_tokens"),
+                       *([({"allowed_token_ids": [allowed[0]], "bad_words": [word]}, "bad_words")] if one_token_word else [])):
         assert_error(post(server, "/v1/completions", {**body, **bad}), 400, param, None)
 
 
