@@ -231,8 +231,12 @@ class StreamOptions(_Request):
 
 
 def _check_logit_bias(value: dict[str, float] | None) -> dict[str, float] | None:
+    seen: dict[int, str] = {}
     for key, bias in (value or {}).items():
-        _logit_bias_id(key)
+        tok = _logit_bias_id(key)
+        if tok in seen:  # "7" and "07": one would silently win
+            raise _invalid(f"logit_bias has token id {tok} twice ({seen[tok]!r} and {key!r}): give each id once")
+        seen[tok] = key
         if not -100.0 <= bias <= 100.0:
             raise _invalid(f"logit_bias[{key!r}] = {bias}: biases must be in [-100, 100]")
     return value

@@ -146,6 +146,7 @@ OUT_OF_RANGE = [
     ("chat", "logit_bias", {"abc": 1.0}, "logit_bias"),
     ("chat", "logit_bias", {"-5": 1.0}, "logit_bias"),
     ("completion", "logit_bias", {"5": 101.0}, "logit_bias"),
+    ("chat", "logit_bias", {"7": 100.0, "07": -100.0}, "logit_bias"),  # one id twice: one would silently win
     ("chat", "logprobs", 3, "logprobs"),
     ("chat", "top_logprobs", 21, "top_logprobs"),
     ("chat", "top_logprobs", -1, "top_logprobs"),
