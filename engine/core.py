@@ -196,6 +196,10 @@ class EngineCore:
         tok = loaded.tokenizer
         eos = end_ids(set(cfg.eos_token_ids) | set(tok.eos_token_ids if tok else ()), cfg.vocab_size)
         self.context_len = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if getattr(cfg, "sliding_window", None):
+            logger.warning("the model's attention slides over a window of %d tokens, which is not implemented: the "
+                           "context is cut to %d (within one window, sliding attention is full attention)",
+                           cfg.sliding_window, cfg.max_position_embeddings)
         # auto: the model's; bf16 for GGUF blocks on the native CPU forward (executor.cpu_forward)
         kv_dtype = auto_kv_dtype(loaded.model, loaded.dtype) if args.kv_dtype == "auto" else resolve_dtype(
             args.kv_dtype, device)

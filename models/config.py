@@ -15,6 +15,7 @@ Every missing required key or invalid value raises `CheckpointError` naming the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -30,6 +31,10 @@ MAX_CONTEXT_LENGTH = 1 << 24
 # Every other integer of a config (a size, a count, a token id) is below 2^31 in any real model; a larger
 # one is a corrupt file, whose sizes' products would overflow torch's int64 shapes.
 MAX_CONFIG_INT = (1 << 31) - 1
+# Keys only the GGUF loader sets (no config.json has them: a leading underscore): llama.cpp's
+# rope.dimension_count, and that the dict is a GGUF's, whose keys llama.cpp honours as written
+GGUF_ROPE_DIM_KEY = "_gguf_rope_dimension_count"
+GGUF_SOURCE_KEY = "_gguf"
 
 
 @dataclass(frozen=True)
@@ -154,6 +159,9 @@ class LlamaConfig:
     rope: RopeConfig
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mistral's sliding-window attention: not implemented, so max_position_embeddings is cut to the window
+    # (within it every key is in reach, as full attention); None for full attention
+    sliding_window: int | None = None
 
     @property
     def softmax_scale(self) -> float:
@@ -266,6 +274,19 @@ def _rope_from_dict(k: _Keys, dim: int, interleaved: bool) -> RopeConfig:
         return RopeConfig(dim=dim, theta=theta, interleaved=interleaved, scaling_type="linear",
                           factor=p.above("factor", p.req("factor", float)),
                           mscale_all_dim=p.opt("mscale_all_dim", None, float))  # DeepSeek's scale (softmax_scale)
+    if rtype == "dynamic":
+        # HF's dynamic NTK scaling changes the frequencies only past max_position_embeddings, which is as
+        # far as a context goes here (the engine's context is at most that): there it is the default rope
+        return RopeConfig(dim=dim, theta=theta, interleaved=interleaved)
+    if rtype in ("llama3", "yarn"):
+        # as transformers' standardize_rope_params: a top-level original_max_position_embeddings wins (Phi-3's
+        # and some fine-tunes' configs keep it there), else the scaling's own, else max_position_embeddings
+        if k.d.get("original_max_position_embeddings") is not None:
+            orig = k.positive("original_max_position_embeddings")
+        elif params.get("original_max_position_embeddings") is not None:
+            orig = p.positive("original_max_position_embeddings")
+        else:
+            orig = k.positive("max_position_embeddings")
     if rtype == "llama3":
         low, high = p.above("low_freq_factor", p.req("low_freq_factor", float)), p.req("high_freq_factor", float)
         if not high > low:  # the ramp between them divides by high - low
@@ -276,11 +297,10 @@ def _rope_from_dict(k: _Keys, dim: int, interleaved: bool) -> RopeConfig:
             factor=p.above("factor", p.req("factor", float)),
             low_freq_factor=low,
             high_freq_factor=high,
-            original_max_position_embeddings=p.positive("original_max_position_embeddings"),
+            original_max_position_embeddings=orig,
             mscale_all_dim=p.opt("mscale_all_dim", None, float),
         )
     if rtype == "yarn":
-        orig = p.positive("original_max_position_embeddings")
         factor = p.above("factor", p.opt("factor", None, float))
         if factor is None:
             factor = k.req("max_position_embeddings") / orig
@@ -296,8 +316,19 @@ def _rope_from_dict(k: _Keys, dim: int, interleaved: bool) -> RopeConfig:
             truncate=p.opt("truncate", True, bool),
         )
     raise CheckpointError(
-        k.source, f"rope scaling type '{rtype}' is not supported (supported: default, linear, llama3, yarn)"
+        k.source, f"rope scaling type '{rtype}' is not supported (supported: default, linear, dynamic, llama3, yarn)"
     )
+
+
+# transformers' names for SiLU (ACT2FN): the one gate activation the MLP and expert kernels compute
+SILU_NAMES = ("silu", "swish")
+
+
+def _check_activation(k: _Keys) -> None:
+    act = k.opt("hidden_act", "silu", str)
+    if act not in SILU_NAMES:
+        raise CheckpointError(k.source, f"config key 'hidden_act' is {act!r}: only SiLU-gated MLPs are supported "
+                                        "('silu'); this model's MLP would be computed wrongly")
 
 
 def _eos_ids(k: _Keys) -> tuple[int, ...]:
@@ -312,6 +343,7 @@ def _eos_ids(k: _Keys) -> tuple[int, ...]:
 
 
 def _deepseek_from_dict(k: _Keys, arch: Literal["deepseek_v2", "deepseek_v3"]) -> DeepseekConfig:
+    _check_activation(k)
     num_heads = k.positive("num_attention_heads")
     rope_dim = k.positive("qk_rope_head_dim")
     if rope_dim % 2:
@@ -323,11 +355,15 @@ def _deepseek_from_dict(k: _Keys, arch: Literal["deepseek_v2", "deepseek_v3"]) -
     num_experts = k.opt("n_routed_experts", None)
     if num_experts is None:
         num_experts = k.opt("num_local_experts", None)
+    is_v3 = arch == "deepseek_v3"
     if num_experts:
-        is_v3 = arch == "deepseek_v3"
-        scoring = k.opt("scoring_func", "sigmoid" if is_v3 else "softmax", str)
-        if scoring not in ("softmax", "sigmoid"):
-            raise CheckpointError(k.source, f"config key 'scoring_func' must be softmax or sigmoid, got {scoring!r}")
+        native = "sigmoid" if is_v3 else "softmax"
+        scoring = k.opt("scoring_func", native, str)
+        # transformers ignores a config.json's key and DeepSeek's own code refuses the other function; a GGUF's
+        # expert_gating_func is what llama.cpp computes with
+        if scoring not in ("softmax", "sigmoid") or scoring != native and not k.d.get(GGUF_SOURCE_KEY):
+            raise CheckpointError(k.source, f"config key 'scoring_func' must be {native!r} for {arch} (its router "
+                                            f"scores with {native}), got {scoring!r}")
         method = k.opt("topk_method", "noaux_tc" if is_v3 else "greedy", str)
         if is_v3:
             method = "noaux_tc"  # V3 always routes with the correction bias and top-2 group scores
@@ -335,8 +371,10 @@ def _deepseek_from_dict(k: _Keys, arch: Literal["deepseek_v2", "deepseek_v3"]) -
             raise CheckpointError(
                 k.source, f"config key 'topk_method' must be greedy, group_limited_greedy or noaux_tc, got {method!r}"
             )
-        n_group = k.at_least("n_group", 1, 0) or 1  # 0 or null: no groups
-        topk_group = k.at_least("topk_group", 1, 0) or 1
+        # an absent key takes transformers' default for the architecture (DeepseekV3Config: 8 groups, 4 kept,
+        # normalized top-k weights scaled by 2.5; DeepseekV2Config: no groups, unnormalized, 1.0)
+        n_group = k.at_least("n_group", 8 if is_v3 else 1, 0) or 1  # 0 or null: no groups
+        topk_group = k.at_least("topk_group", 4 if is_v3 else 1, 0) or 1
         top_k = k.positive("num_experts_per_tok")
         if num_experts % n_group or topk_group > n_group or top_k > num_experts:
             raise CheckpointError(
@@ -354,8 +392,9 @@ def _deepseek_from_dict(k: _Keys, arch: Literal["deepseek_v2", "deepseek_v3"]) -
             topk_method=method,
             n_group=n_group,
             topk_group=topk_group,
-            norm_topk_prob=k.opt("norm_topk_prob", False, bool),
-            routed_scaling_factor=k.above("routed_scaling_factor", k.opt("routed_scaling_factor", 1.0, float)),
+            norm_topk_prob=k.opt("norm_topk_prob", is_v3, bool),
+            routed_scaling_factor=k.above("routed_scaling_factor",
+                                          k.opt("routed_scaling_factor", 2.5 if is_v3 else 1.0, float)),
             first_k_dense_replace=k.at_least("first_k_dense_replace", 0, 0),
             moe_layer_freq=k.at_least("moe_layer_freq", 1, 0) or 1,
         )
@@ -372,10 +411,11 @@ def _deepseek_from_dict(k: _Keys, arch: Literal["deepseek_v2", "deepseek_v3"]) -
         qk_rope_head_dim=rope_dim,
         v_head_dim=k.positive("v_head_dim"),
         rms_norm_eps=k.above("rms_norm_eps", k.opt("rms_norm_eps", 1e-6, float)),
-        max_position_embeddings=k.context("max_position_embeddings", 4096),
+        max_position_embeddings=k.context("max_position_embeddings", 4096 if is_v3 else 2048),  # transformers'
         tie_word_embeddings=k.opt("tie_word_embeddings", False, bool),
         attention_bias=k.opt("attention_bias", False, bool),
-        rope=_rope_from_dict(k, rope_dim, interleaved=k.opt("rope_interleave", True, bool)),
+        # V2's rotary is always interleaved (transformers and DeepSeek's code read no key); V3 may say otherwise
+        rope=_rope_from_dict(k, rope_dim, interleaved=k.opt("rope_interleave", True, bool) if is_v3 else True),
         moe=moe,
         bos_token_id=k.opt("bos_token_id", None),
         eos_token_ids=_eos_ids(k),
@@ -383,6 +423,7 @@ def _deepseek_from_dict(k: _Keys, arch: Literal["deepseek_v2", "deepseek_v3"]) -
 
 
 def _llama_from_dict(k: _Keys) -> LlamaConfig:
+    _check_activation(k)
     hidden = k.positive("hidden_size")
     num_heads = k.positive("num_attention_heads")
     num_kv_heads = k.opt("num_key_value_heads", num_heads)
@@ -397,12 +438,12 @@ def _llama_from_dict(k: _Keys) -> LlamaConfig:
         head_dim = hidden // num_heads
     if head_dim <= 0 or head_dim % 2:
         raise CheckpointError(k.source, f"config key 'head_dim' must be a positive even number, got {head_dim}")
-    partial = k.opt("partial_rotary_factor", 1.0, float)
-    rope_dim = int(head_dim * partial) if 0 < partial <= 1 else 0
-    if rope_dim <= 0 or rope_dim % 2:
-        raise CheckpointError(
-            k.source, f"config key 'partial_rotary_factor' = {partial} must be in (0, 1] and leave a positive even "
-                      f"number of rotated dims (head_dim {head_dim} x {partial} = {head_dim * partial:g})")
+    # transformers' Llama rotates whole heads whatever a config.json's partial_rotary_factor says; a GGUF's
+    # rope.dimension_count may rotate fewer dims (llama.cpp honours it): the GGUF loader passes it by this key
+    rope_dim = k.positive(GGUF_ROPE_DIM_KEY, head_dim)
+    if rope_dim > head_dim or rope_dim % 2:
+        raise CheckpointError(k.source, f"the rotary dimension count {rope_dim} must be even and at most the head "
+                                        f"dimension {head_dim}")
     return LlamaConfig(
         arch="llama",
         vocab_size=k.positive("vocab_size"),
@@ -439,7 +480,12 @@ def config_from_hf_dict(d: dict[str, Any], source: str = "config.json") -> Model
         )
     family = SUPPORTED_MODEL_TYPES[model_type]
     if family == "llama":
-        if model_type == "mistral" and d.get("sliding_window"):
-            raise CheckpointError(source, "mistral with sliding_window is not supported (set sliding_window to null)")
-        return _llama_from_dict(k)
+        cfg = _llama_from_dict(k)
+        window = k.opt("sliding_window", None) if model_type == "mistral" else None
+        if window:  # attention within one window is exact: the context stops there (the engine says so)
+            if window < 0:
+                raise CheckpointError(source, f"config key 'sliding_window' must be > 0 or null, got {window}")
+            cfg = dataclasses.replace(cfg, sliding_window=window,
+                                      max_position_embeddings=min(cfg.max_position_embeddings, window))
+        return cfg
     return _deepseek_from_dict(k, family)  # type: ignore[arg-type]

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 
-from models.config import MAX_CONTEXT_LENGTH, LlamaConfig, ModelConfig, config_from_hf_dict
+from models.config import GGUF_ROPE_DIM_KEY, GGUF_SOURCE_KEY, MAX_CONTEXT_LENGTH, LlamaConfig, ModelConfig, config_from_hf_dict
 from models.loader import gguf_names as gn
 from models.loader.errors import CheckpointError
 from models.loader.gguf_file import TensorInfo, f32_round, map_gguf, parse_gguf
@@ -368,6 +368,7 @@ def _hf_config(
     if layers > len(infos):  # each layer has tensors: stops a hostile count before any loop over it
         raise CheckpointError(path, f"metadata key '{k.full('block_count')}' = {layers} but the file has {len(infos)} tensors")
     d: dict[str, Any] = {
+        GGUF_SOURCE_KEY: True,
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": k.positive("feed_forward_length", int),
@@ -400,7 +401,7 @@ def _hf_config(
             rope_parameters=_rope(k, theta, ctx, freqs, rope_dim, mla=False),
         )
         if rope_dim != head_dim:
-            d["partial_rotary_factor"] = rope_dim / head_dim
+            d[GGUF_ROPE_DIM_KEY] = rope_dim
         return d
     rope_dim = k.positive("rope.dimension_count", int)
     # Current files keep MLA's true head sizes in *_mla (key_length/value_length then describe the

@@ -83,6 +83,17 @@ def test_v3_router_fields_and_moe_layer_freq():
     assert [cfg.is_moe_layer(i) for i in range(7)] == [False, False, False, False, True, False, True]
 
 
+def test_a_ggufs_gating_function_is_honoured_as_llama_cpp_does():
+    """A config.json's scoring_func other than its architecture's is refused (transformers ignores the key); a
+    GGUF's expert_gating_func is what llama.cpp computes with, so the GGUF loader's dict keeps it."""
+    from models.config import GGUF_SOURCE_KEY
+
+    d = dict(V2_OLD_STYLE, model_type="deepseek_v3", scoring_func="softmax")
+    with pytest.raises(CheckpointError, match="'scoring_func' must be 'sigmoid' for deepseek_v3"):
+        config_from_hf_dict(d)
+    assert config_from_hf_dict(dict(d, **{GGUF_SOURCE_KEY: True})).moe.scoring_func == "softmax"
+
+
 def test_llama_gqa_and_rope_scaling():
     cfg = config_from_hf_dict({
         "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
@@ -105,7 +116,12 @@ def test_llama_gqa_and_rope_scaling():
         ({"kv_lora_rank": None}, "'kv_lora_rank' is missing"),
         ({"hidden_size": "big"}, "'hidden_size' must be an integer"),
         ({"n_group": 3}, "MoE routing is inconsistent"),
-        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope scaling type 'dynamic'"),
+        ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "rope scaling type 'longrope'"),
+        # what would be computed otherwise than transformers and DeepSeek's code compute it
+        ({"scoring_func": "sigmoid"}, "'scoring_func' must be 'softmax' for deepseek_v2"),
+        ({"model_type": "deepseek_v3", "scoring_func": "softmax"}, "'scoring_func' must be 'sigmoid' for deepseek_v3"),
+        ({"hidden_act": "gelu"}, "'hidden_act' is 'gelu': only SiLU-gated MLPs"),
+        ({"model_type": "deepseek_v3", "hidden_act": "relu"}, "'hidden_act' is 'relu'"),
     ],
 )
 def test_bad_config_values_name_the_key(change, needle):

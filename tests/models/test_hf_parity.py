@@ -149,3 +149,82 @@ def test_linear_rope_with_mscale_all_dim_scales_the_softmax_as_hf(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
     assert rel_err(prefill_logits(runner, ids), ref) <= 1e-4
+
+
+def _drop_keys(path, *keys: str) -> None:
+    import json
+
+    cfg = json.loads((path / "config.json").read_text())
+    for key in keys:
+        cfg.pop(key, None)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def _edit_config(path, **changes) -> None:
+    import json
+
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+# config.json variants that transformers reads in its own way: each served with HF's numbers (they were
+# served with others, silently): (model, HF config overrides, keys then dropped from config.json, edits)
+CONFIG_VARIANTS = {
+    # V3's router keys absent: DeepseekV3Config's defaults (8 groups, 4 kept, normalized, x2.5)
+    "v3 router defaults": ("v3_noaux_yarn", dict(n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5),
+                           ("n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor"), {}),
+    # V2's rotary is interleaved whatever rope_interleave says (transformers reads no such key for V2)
+    "v2 rope_interleave false": ("v2_qlora_greedy", {}, (), {"rope_interleave": False}),
+    # Llama: a top-level original_max_position_embeddings wins over the scaling's (standardize_rope_params)
+    "llama yarn top-level original": ("llama_gqa_tied", dict(
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}), (),
+        {"original_max_position_embeddings": 128}),
+    # yarn without original_max_position_embeddings: max_position_embeddings (old-format rope_scaling)
+    "llama yarn no original": ("llama_gqa_tied", {}, ("rope_parameters",),
+                               {"rope_scaling": {"type": "yarn", "factor": 4.0}, "rope_theta": 10000.0}),
+    # dynamic NTK: the default rotary up to max_position_embeddings
+    "llama dynamic": ("llama_gqa_tied", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), (), {}),
+    # a top-level partial_rotary_factor: transformers' Llama rotates whole heads (with the default rotary;
+    # with llama3 scaling its forward fails on the shapes)
+    "llama partial_rotary_factor": ("llama_gqa_tied", {}, (), {"partial_rotary_factor": 0.5}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(CONFIG_VARIANTS))
+def test_config_variants_read_as_transformers_reads_them(tmp_path, variant):
+    from transformers import AutoModelForCausalLM
+
+    name, overrides, dropped, edits = CONFIG_VARIANTS[variant]
+    build_hf_model(name, seed=13, **overrides).save_pretrained(tmp_path)
+    _drop_keys(tmp_path, *dropped)
+    _edit_config(tmp_path, **edits)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()  # what transformers makes of it
+    ids = prompt(100 if "yarn" in variant else 40, hf.config.vocab_size, seed=6)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    for cpu_weights in (None, "float32"):  # the torch model and the native CPU forward
+        loaded = load_model(tmp_path, dtype="float32", load_tokenizer=False, progress=False, cpu_weights=cpu_weights)
+        runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=512, max_running_requests=8)
+        assert rel_err(prefill_logits(runner, ids), ref) <= 1e-4, (variant, cpu_weights)
+
+
+def test_mistral_sliding_window_cuts_the_context_to_the_window(tmp_path):
+    """Mistral-7B-v0.1's `sliding_window: 4096` was refused; within one window sliding attention is full
+    attention, so the context is cut to the window and logits are transformers' own (Mistral, window 16,
+    a 16-token prompt)."""
+    import transformers
+
+    config = transformers.MistralConfig(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=96, max_position_embeddings=512,
+                                        sliding_window=16)
+    torch.manual_seed(3)
+    hf = transformers.MistralForCausalLM(config).float().eval()
+    hf.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path, dtype="float32", load_tokenizer=False, progress=False)
+    assert loaded.config.max_position_embeddings == 16 and loaded.config.sliding_window == 16
+    runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=64, max_running_requests=2)
+    ids = prompt(16, 320, seed=8)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    assert rel_err(prefill_logits(runner, ids), ref) <= 1e-4

@@ -232,10 +232,12 @@ def test_bad_numeric_settings_name_the_key(change, key):
 @pytest.mark.parametrize("change, needle", [
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 128}}, "'high_freq_factor' = 4.0 must exceed"),
-    ({"partial_rotary_factor": 0.0}, "'partial_rotary_factor'"),
-    ({"partial_rotary_factor": 1.5}, "'partial_rotary_factor'"),
-    ({"partial_rotary_factor": 1e308}, "'partial_rotary_factor'"),  # head_dim times it is infinite
-    ({"partial_rotary_factor": 0.25, "head_dim": 6}, "'partial_rotary_factor'"),  # 1.5 rotated dims
+    # the rotary dims a GGUF's rope.dimension_count gives (its loader's key)
+    ({"_gguf_rope_dimension_count": 0}, "'_gguf_rope_dimension_count' must be > 0"),
+    ({"_gguf_rope_dimension_count": 18}, "rotary dimension count 18 must be even and at most the head dimension 16"),
+    ({"_gguf_rope_dimension_count": 7}, "rotary dimension count 7 must be even"),
+    ({"_gguf_rope_dimension_count": 1e308}, "'_gguf_rope_dimension_count' = 1e.308 is out of range"),
+    ({"hidden_act": "gelu"}, "'hidden_act' is 'gelu': only SiLU-gated MLPs are supported"),
     ({"num_key_value_heads": 0}, "num_key_value_heads"),
 ])
 def test_bad_llama_settings_name_the_key(change, needle):
