@@ -132,6 +132,8 @@ class RecordingBackend(TorchAttentionBackend):
     a one-request prefill (module docstring, 1.). `keep_layers`: layers whose full probabilities
     [Q, H, n] and queries [Q, H, D] are kept too (for checks; memory Q · H · n each)."""
 
+    mla_normal_on_cpu = True  # MLA's attention is recorded from the per-head q and k of the fresh prefill
+
     def __init__(self, num_layers: int, queries: int, keep_layers: Iterable[int] = ()) -> None:
         super().__init__()
         self.num_layers, self.queries = num_layers, queries

@@ -11,7 +11,7 @@ Per token the cache holds only c_kv ‖ k_pe (r + P = 576 values per layer), nev
 `kv_b_proj` [H·(N+V), r] maps the latent to per-head keys and values. At load it is split once into
   w_kc [H, N, r]  (key part)   and   w_vc [H, r, V]  (value part, transposed).
 
-forward_normal — prefill with no cached prefix. Expand: k_nope, v = kv_b_proj(c_kv); run ordinary
+forward_normal — prefill with no cached prefix, on CUDA (`forward` says why not on a CPU). Expand: k_nope, v = kv_b_proj(c_kv); run ordinary
   causal attention with q = (q_nope ‖ q_pe), k = (k_nope ‖ k_pe) per head. Compute-efficient when the
   query count is large; the latent still is the only thing stored.
 
@@ -85,7 +85,14 @@ class MLAAttention(nn.Module):
         return q_nope, q_pe, c_kv, k_pe
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        if batch.forward_mode.is_decode() or batch.has_prefix:
+        # The path is chosen per batch (one prefix in it sends every row through absorb), and the two paths
+        # round differently (normal expands the fresh, unrounded latent; absorb reads it from the pool in
+        # the KV dtype): a prompt's numbers would depend on its batch, its chunks and cache hits. On a CPU
+        # every row absorbs, so they do not (unless the backend needs the per-head keys: calibration); on
+        # CUDA a fresh prefill expands (SGLang's choice: prefill FLOPs of long prompts), and the numbers
+        # may move by rounding with the batch, as in SGLang.
+        expand = x.device.type == "cuda" or batch.attn_backend.mla_normal_on_cpu
+        if not expand or batch.forward_mode.is_decode() or batch.has_prefix:
             return self.forward_absorb(positions, x, batch)
         return self.forward_normal(positions, x, batch)
 

@@ -175,10 +175,14 @@ class Scheduler:
                 break
             if r.waits_for_sibling:
                 continue
-            if r.seq_len >= self.runner.allocator.num_slots:  # a retracted request grown past the pool
+            # a retracted request grown past the pool (its next token needs a slot more; a prompt only
+            # scored, max_tokens 0, needs none: one that fills the pool exactly still runs)
+            if r.seq_len + (r.params.max_tokens != 0) > self.runner.allocator.num_slots:
                 self.waiting.remove(r)
                 r.finish_reason = FINISH_LENGTH
                 finished.append(r)
+                if r.index == 0:  # n > 1: siblings waiting for its prompt must not wait for ever
+                    self._unblock_siblings(r.rid)
                 continue
             n = self._admit(r, budget, need)
             if n is None:

@@ -114,6 +114,9 @@ class AttentionBackend(ABC):
     #: Whether a decode batch with OmniKV rows whose inputs are in `OmniKVBatch.graph`'s buffers (every
     #: row through the selection) runs without reading the host, so that it can be captured too.
     omnikv_graphs: bool = False
+    #: Whether MLA's fresh prefill expands per-head K/V (`forward_mla_normal`) on a CPU too: there every
+    #: forward absorbs unless a backend needs the per-head keys (models/mla.py says why).
+    mla_normal_on_cpu: bool = False
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

@@ -375,6 +375,52 @@ def test_prompt_logprobs_equal_log_softmax_of_full_prefill(model_dir):
     assert_no_leak(core)
 
 
+def test_a_prompt_scored_that_fills_the_pool_exactly(model_dir):
+    """max_tokens 0 needs as many slots as the prompt: one that fills the KV pool exactly (a pool of the
+    context's size, the default with --max-running-requests 1) is scored, n=1 and n=2 (it ended with no
+    logprobs at all, and n=2 waited for ever)."""
+    core = make_engine(model_dir, max_total_tokens=64, context_length=64, max_running_requests=1)
+    assert core.runner.allocator.num_slots == 64
+    ids = prompt(64, 56)
+    for n in (1, 2):
+        core.add_request(GenerateRequest(f"full{n}", ids, SamplingParams(max_tokens=0, prompt_logprobs=1, n=n)))
+        outs = run_to_end(core, max_steps=200)
+        for i in range(n):
+            got = next((o.prompt_logprobs for o in outs[(f"full{n}", i)] if o.prompt_logprobs), None)
+            assert got is not None and len(got) == 64 and [g.token_id for g in got[1:]] == ids[1:], (n, i)
+            assert outs[(f"full{n}", i)][-1].finish_reason == FINISH_LENGTH
+        assert_no_leak(core)
+
+
+def test_torch_mla_numbers_do_not_depend_on_chunks_batch_or_cache(tmp_path):
+    """The torch model's MLA on a CPU with a bf16 KV cache (fp32 weights): a prompt's logprobs and greedy
+    tokens are the same prefilled whole or in chunks of 16, alone or beside a decoding request, and after
+    a cache hit (they moved by up to 0.6 logprob: one batch took the normal path on the unrounded latent,
+    another the absorbed path on the pool's bf16 copy)."""
+    path = write_checkpoint(tmp_path / "v3", "tiny-deepseek-v3", seed=12)
+    ids = prompt(70, 57)
+    p = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12, prompt_logprobs=1)
+
+    def run(chunk: int, beside: bool, cached: bool) -> tuple[list[int], list[float]]:
+        core = make_engine(path, cpu_kernels="torch", kv_dtype="bfloat16", chunked_prefill_size=chunk,
+                           max_prefill_tokens=chunk)
+        if cached:
+            alone(core, ids[:40], msgspec.structs.replace(p, max_tokens=1))
+        if beside:
+            core.add_request(GenerateRequest("other", prompt(9, 3), msgspec.structs.replace(GREEDY, max_tokens=40)))
+            core.step()
+        core.add_request(GenerateRequest("r", ids, p))
+        outs = run_to_end(core)[("r", 0)]
+        scored = next(o.prompt_logprobs for o in outs if o.prompt_logprobs)
+        return tokens(outs), [g.logprob for g in scored[1:]]
+
+    want_tokens, want = run(512, False, False)
+    for chunk, beside, cached in [(16, False, False), (512, True, False), (512, False, True), (16, True, True)]:
+        got_tokens, got = run(chunk, beside, cached)
+        assert got_tokens == want_tokens, (chunk, beside, cached)
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, (chunk, beside, cached)
+
+
 def test_the_rotary_tables_cover_the_served_context(model_dir):
     """The model's rotary tables are sized to the context the engine serves (the config's own may be a
     million positions), before the runner hands them to the native forward."""
