@@ -290,7 +290,7 @@ def model_problem(model: str) -> str | None:
             if not (path / "tokenizer.json").is_file():
                 return (f"the HF model directory {model} has no tokenizer.json: copy the model's tokenizer.json "
                         "beside its config.json")
-            return None
+            return _config_problem(model, path / "config.json")
         with path.open("rb") as f:
             magic = f.read(4)
     except OSError as e:
@@ -298,6 +298,20 @@ def model_problem(model: str) -> str | None:
     if magic != b"GGUF":
         return (f"{model} is not a GGUF file (it does not start with 'GGUF'): pass --model a .gguf file, an HF "
                 "model directory or a built-in name")
+    return None
+
+
+def _config_problem(model: str, config_json: Path) -> str | None:
+    """A config.json the loader would refuse (not JSON, an architecture or a setting not served), said
+    before anything starts: the engine would fail the same way after the server had bound its port."""
+    from models.config import config_from_hf_dict
+    from models.loader.errors import CheckpointError
+    from models.loader.jsonfile import read_json
+
+    try:
+        config_from_hf_dict(read_json(config_json), str(config_json))  # as the loader reads it
+    except (OSError, CheckpointError) as e:
+        return f"cannot load the model {model}: {e}"
     return None
 
 

@@ -244,6 +244,30 @@ def test_serve_refuses_a_directory_that_is_no_model_before_it_binds(case: str, t
         assert line.endswith(f"pass --model {model / 'model.gguf'}"), line
 
 
+@pytest.mark.parametrize("case", ["corrupt", "gelu"])
+def test_serve_refuses_a_config_the_loader_refuses_before_it_binds(case: str, checkpoint: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    """A config.json that is not JSON or asks for what is not served (an MLP activation other than SiLU):
+    one line and exit 2 before the server binds, as `generate` says it (the engine failed after the bind,
+    the error logged three times, exit 1)."""
+    import json
+
+    if case == "corrupt":
+        model, says = _corrupt(checkpoint, tmp_path), "config.json: not valid JSON"
+    else:
+        model = tmp_path / "gelu"
+        model.mkdir()
+        for f in checkpoint.iterdir():
+            (model / f.name).write_bytes(f.read_bytes())
+        cfg = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps(dict(cfg, hidden_act="gelu")))
+        says = "config key 'hidden_act' is 'gelu': only SiLU-gated MLPs are supported"
+    assert main(["serve", "--model", str(model), "--port", str(free_port())]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"mlaserve serve: error: cannot load the model {model}: {model}/config.json: "), line
+    assert says in line, line
+
+
 def test_calibrate_refuses_a_gguf_directory_the_same_way(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     text = tmp_path / "text.txt"
     text.write_text("word " * 100)
