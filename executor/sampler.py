@@ -181,8 +181,14 @@ class Sampler:
             tokens = argmax_rows(raw)
             return SampleResult(token_ids=tokens, logprobs=_logprobs(raw, rows, tokens))
         x = apply_logit_processors(raw, rows)
-        # e.g. allowed_token_ids whose only ids a bad word or a grammar forbids now: argmax would pick id 0
-        no_choice = tuple(torch.isneginf(x.amax(dim=-1)).nonzero().flatten().tolist())
+        # Only a row whose candidates are few can be left with none (allowed_token_ids a bad word or the
+        # grammar forbids now, bad words over a grammar's few ids): argmax would pick id 0 there
+        narrow = [i for i, row in enumerate(rows)
+                  if row.params.allowed_token_ids or (row.grammar is not None and row.params.bad_words_ids)]
+        no_choice: tuple[int, ...] = ()
+        if narrow:
+            empty = torch.isneginf(_take(x, narrow).amax(dim=-1)).tolist()
+            no_choice = tuple(i for i, none_left in zip(narrow, empty) if none_left)
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         random = [i for i, row in enumerate(rows) if not row.params.greedy]

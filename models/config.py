@@ -481,10 +481,8 @@ def config_from_hf_dict(d: dict[str, Any], source: str = "config.json") -> Model
     family = SUPPORTED_MODEL_TYPES[model_type]
     if family == "llama":
         cfg = _llama_from_dict(k)
-        window = k.opt("sliding_window", None) if model_type == "mistral" else None
+        window = k.at_least("sliding_window", 0, 0) if model_type == "mistral" else 0  # 0 or null: none
         if window:  # attention within one window is exact: the context stops there (the engine says so)
-            if window < 0:
-                raise CheckpointError(source, f"config key 'sliding_window' must be > 0 or null, got {window}")
             cfg = dataclasses.replace(cfg, sliding_window=window,
                                       max_position_embeddings=min(cfg.max_position_embeddings, window))
         return cfg

@@ -11,11 +11,11 @@ Per token the cache holds only c_kv ‖ k_pe (r + P = 576 values per layer), nev
 `kv_b_proj` [H·(N+V), r] maps the latent to per-head keys and values. At load it is split once into
   w_kc [H, N, r]  (key part)   and   w_vc [H, r, V]  (value part, transposed).
 
-forward_normal — prefill with no cached prefix, on CUDA (`forward` says why not on a CPU). Expand: k_nope, v = kv_b_proj(c_kv); run ordinary
-  causal attention with q = (q_nope ‖ q_pe), k = (k_nope ‖ k_pe) per head. Compute-efficient when the
-  query count is large; the latent still is the only thing stored.
+forward_normal — prefill with no cached prefix, on CUDA (`forward` says why not on a CPU). Expand:
+  k_nope, v = kv_b_proj(c_kv); run ordinary causal attention with q = (q_nope ‖ q_pe), k = (k_nope ‖ k_pe)
+  per head. Compute-efficient when the query count is large; the latent still is the only thing stored.
 
-forward_absorb — decode, and extend over a cached prefix. Fold w_kc into the query,
+forward_absorb — decode, extend over a cached prefix, and every forward on a CPU. Fold w_kc into the query,
   q_latent = q_nope · w_kc  [T, H, r], so that
   score(t, s) = (q_latent·c_kv[s] + q_pe·k_pe[s]) · scale
   — MQA over the latent cache, one shared "K" for all heads and no K ever expanded per head. The

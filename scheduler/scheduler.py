@@ -181,7 +181,7 @@ class Scheduler:
                 self.waiting.remove(r)
                 r.finish_reason = FINISH_LENGTH
                 finished.append(r)
-                if r.index == 0:  # n > 1: siblings waiting for its prompt must not wait for ever
+                if r.index == 0:  # n > 1: as `_finish` lets them go
                     self._unblock_siblings(r.rid)
                 continue
             n = self._admit(r, budget, need)
@@ -248,8 +248,6 @@ class Scheduler:
             if r.num_pending == 0:
                 if r.params.max_tokens == 0:  # prompt scoring only: nothing to generate
                     self._finish(r, FINISH_LENGTH)  # (its prompt KV goes to the prefix cache)
-                    if r.index == 0:  # n > 1: the siblings waited for this prompt; they score it too
-                        self._unblock_siblings(r.rid)
                     out.append(r)
                 else:
                     complete.append((r, row - 1))
@@ -264,16 +262,12 @@ class Scheduler:
         result = self.sampler(logits if whole else logits[picked], rows,
                               argmax=None if found is None else found if whole else [found[i] for i in picked])
         now = time.time()
-        for k in result.no_choice:  # nothing the request allows could come next: it ends without a token
-            r = complete[k][0]
-            logger.warning("request %s: its allowed_token_ids / bad_words / min_tokens / grammar leave no token "
-                           "after %d generated; ending it", r.rid, len(r.output_ids))
-            if not r.output_ids and r.index == 0:  # n > 1: the siblings waited for this prompt
-                self._unblock_siblings(r.rid)
-            self._finish(r, FINISH_STOP)
-            out.append(r)
         for k, ((r, _), tok, lp) in enumerate(zip(complete, result.token_ids, result.logprobs)):
-            if k in result.no_choice:
+            if k in result.no_choice:  # nothing the request allows could come next: it ends without a token
+                logger.warning("request %s: its allowed_token_ids / bad_words / min_tokens / grammar leave no "
+                               "token after %d generated; ending it", r.rid, len(r.output_ids))
+                self._finish(r, FINISH_STOP)
+                out.append(r)
                 continue
             prefilled_prompt = not r.output_ids
             r.output_ids.append(tok)
@@ -328,6 +322,8 @@ class Scheduler:
         r.finish_reason = reason
         self._release(r, cache=True)
         self.running.remove(r)
+        if r.index == 0:  # n > 1: siblings still waiting for its prompt (it ended before a token) may go
+            self._unblock_siblings(r.rid)
 
     # ------------------------------------------------------------------ KV ownership
     def _share_prompt(self, r: Req) -> None:

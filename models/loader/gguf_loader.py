@@ -27,7 +27,14 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 
-from models.config import GGUF_ROPE_DIM_KEY, GGUF_SOURCE_KEY, MAX_CONTEXT_LENGTH, LlamaConfig, ModelConfig, config_from_hf_dict
+from models.config import (
+    GGUF_ROPE_DIM_KEY,
+    GGUF_SOURCE_KEY,
+    MAX_CONTEXT_LENGTH,
+    LlamaConfig,
+    ModelConfig,
+    config_from_hf_dict,
+)
 from models.loader import gguf_names as gn
 from models.loader.errors import CheckpointError
 from models.loader.gguf_file import TensorInfo, f32_round, map_gguf, parse_gguf
