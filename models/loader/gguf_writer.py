@@ -42,6 +42,7 @@ from models.loader import gguf_names as gn
 from models.loader.errors import CheckpointError
 from models.loader.generation_config import gguf_sampling_metadata
 from models.loader.jsonfile import read_json
+from models.loader.load import moe_layers_as_saved
 from models.loader.safetensors_loader import HFCheckpoint
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,7 @@ def write_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "F32", *, 
     raw = read_json(hf_dir / "config.json")
     cfg = config_from_hf_dict(raw, str(hf_dir / "config.json"))
     src = _Safetensors(hf_dir)
+    cfg = moe_layers_as_saved(cfg, src.where, str(hf_dir / "config.json"))
     plan = _plan(cfg, src, q, eq)
     _check_unused(cfg, src)
 

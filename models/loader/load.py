@@ -7,7 +7,9 @@ checks happen in `CausalLM.load_weights`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 import math
 import os
 import re
@@ -31,6 +33,8 @@ from models.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     from models.loader.tokenizer import TokenizerBundle
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -124,6 +128,7 @@ def load_model(
     shapes = ckpt.layout() if path.is_dir() else None
     if shapes is not None:
         check_layer_count(config, shapes, config_source)
+        config = moe_layers_as_saved(config, shapes, config_source)
     cls = model_class(config)
     try:
         with torch.device("meta"):  # shapes only: nothing is allocated yet
@@ -180,6 +185,26 @@ def check_layer_count(config: ModelConfig, names: Iterable[str], config_source: 
             f"config key 'num_hidden_layers' is {config.num_hidden_layers} but the checkpoint has no tensor of "
             f"layer {first_missing} (model.layers.{first_missing}.*; it holds {found}): set num_hidden_layers "
             "to the layers the weights have, or use the complete checkpoint")
+
+
+def moe_layers_as_saved(config: ModelConfig, names: Iterable[str], config_source: str) -> ModelConfig:
+    """`config` with `moe_layer_freq` 1 when the checkpoint has a router in every layer after the dense lead.
+
+    DeepSeek's own code (and vLLM) makes only every `moe_layer_freq`-th layer MoE; transformers ignores the
+    key, so a checkpoint it saved from a config with `moe_layer_freq: 2` has experts where that reading
+    expects a dense MLP. The tensors tell which reading wrote them; a mixed file fails later as missing
+    tensors."""
+    moe = getattr(config, "moe", None)
+    if moe is None or moe.moe_layer_freq == 1:
+        return config
+    names = set(names)
+    skipped = [i for i in range(moe.first_k_dense_replace, config.num_hidden_layers) if i % moe.moe_layer_freq]
+    if not skipped or not all(f"model.layers.{i}.mlp.gate.weight" in names for i in skipped):
+        return config
+    logger.warning("%s: moe_layer_freq is %d but layers %s have routed experts (a checkpoint saved by transformers, "
+                   "which ignores the key): every layer from first_k_dense_replace on is MoE, as there",
+                   config_source, moe.moe_layer_freq, ", ".join(map(str, skipped[:4])) + (" ..." if len(skipped) > 4 else ""))
+    return dataclasses.replace(config, moe=dataclasses.replace(moe, moe_layer_freq=1))
 
 
 def check_model_fits_checkpoint(net: CausalLM, shapes: dict[str, tuple[int, ...]] | None, values: int,

@@ -38,6 +38,8 @@ from models.loader import gguf_loader
 from models.loader.errors import CheckpointError
 from models.loader.gguf_loader import GGUFCheckpoint
 from models.loader.gguf_writer import write_gguf
+from models.loader.load import load_model
+from executor.model_runner import ModelRunner
 from tests.llama_cpp_oracle import open_llama
 
 _UNCARRIED = {"DeepseekConfig": ("moe.moe_layer_freq", "rope.mscale", "rope.truncate", "attention_bias"),
@@ -164,6 +166,30 @@ def test_f32_round_trip_equals_hf(hf_dirs: dict[str, Path], tmp_path: Path, case
     text = "the lazy dog jumps 3 times!"
     want_ids = Tokenizer.from_file(str(d / "tokenizer.json")).encode(text).ids
     assert ck.tokenizer().encode(text, add_special_tokens=False) == want_ids
+
+
+def test_hf_saved_moe_layer_freq_converts_as_transformers_computes(tmp_path: Path) -> None:
+    """transformers ignores `moe_layer_freq` and saves experts in every layer after the dense lead: the file
+    is converted as saved (it was refused: llama.cpp has no key for the frequency) and computes as HF."""
+    import transformers
+
+    from tests.models.test_hf_parity import prefill_logits, prompt, rel_err
+
+    d = tmp_path / "hf"
+    d.mkdir()
+    bos, eos = _write_tokenizer(d)
+    config = transformers.DeepseekV2Config(**dict(_DEEPSEEK, q_lora_rank=None, moe_layer_freq=2),
+                                           bos_token_id=bos, eos_token_id=eos)
+    hf = transformers.DeepseekV2ForCausalLM(config).float().eval()
+    _randomize(hf, seed=7)
+    hf.save_pretrained(d)
+    ids = prompt(24, 320, seed=3)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    loaded = load_model(write_gguf(d, tmp_path / "m.gguf"), dtype="float32", load_tokenizer=False, progress=False)
+    assert loaded.config.moe.moe_layer_freq == 1
+    runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=64, max_running_requests=2)
+    assert rel_err(prefill_logits(runner, ids), ref) <= 1e-4
 
 
 def test_deepseek_file_layout_follows_llama_cpp(hf_dirs: dict[str, Path], tmp_path: Path) -> None:

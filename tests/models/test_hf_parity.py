@@ -139,6 +139,30 @@ def test_one_routed_expert_renormalised_matches_hf(tmp_path, forward):
     assert rel_err(prefill_logits(runner, ids), ref) <= 1e-4
 
 
+def test_moe_layer_freq_with_dense_layers_between_computes_as_deepseek(tmp_path):
+    """A checkpoint in DeepSeek's own layout for `moe_layer_freq: 2` (a dense MLP in every other layer after
+    the dense lead, as its code and vLLM build it) is read that way: the oracle is transformers' model with
+    that layer's MoE replaced by its dense MLP (transformers itself ignores the key)."""
+    from safetensors.torch import save_file
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2MLP
+
+    hf = build_hf_model("v2_lite_yarn_grouped", seed=14, moe_layer_freq=2)
+    hf.save_pretrained(tmp_path)
+    torch.manual_seed(15)
+    hf.model.layers[1].mlp = DeepseekV2MLP(hf.config).float().eval()  # layer 1 % 2: dense in DeepSeek's code
+    for f in tmp_path.glob("*.safetensors"):
+        f.unlink()
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    ids = prompt(40, hf.config.vocab_size, seed=5)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    for cpu_weights in (None, "float32"):  # the torch model and the native CPU forward
+        loaded = load_model(tmp_path, dtype="float32", load_tokenizer=False, progress=False, cpu_weights=cpu_weights)
+        assert loaded.config.moe.moe_layer_freq == 2
+        runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=512, max_running_requests=8)
+        assert rel_err(prefill_logits(runner, ids), ref) <= 1e-4, cpu_weights
+
+
 def test_linear_rope_with_mscale_all_dim_scales_the_softmax_as_hf(tmp_path):
     """DeepSeek's softmax scale takes mscale(factor, mscale_all_dim)^2 for any scaled rope (HF transformers'
     rule), not only YaRN."""
@@ -174,6 +198,8 @@ CONFIG_VARIANTS = {
     # V3's router keys absent: DeepseekV3Config's defaults (8 groups, 4 kept, normalized, x2.5)
     "v3 router defaults": ("v3_noaux_yarn", dict(n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5),
                            ("n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor"), {}),
+    # moe_layer_freq 2: transformers ignores it (layer 1 has experts in its file and its forward)
+    "v2 moe_layer_freq saved by transformers": ("v2_lite_yarn_grouped", dict(moe_layer_freq=2), (), {}),
     # V2's rotary is interleaved whatever rope_interleave says (transformers reads no such key for V2)
     "v2 rope_interleave false": ("v2_qlora_greedy", {}, (), {"rope_interleave": False}),
     # Llama: a top-level original_max_position_embeddings wins over the scaling's (standardize_rope_params)
