@@ -22,7 +22,8 @@ The hard parts:
   characters outside the vocabulary fall back to `<0xNN>` byte tokens.
 - BOS has one source of truth, `add_bos_token`: `encode` never lets the post-processor add special
   tokens and prepends BOS itself, unless the text already starts with it (a chat template that
-  writes `{{ bos_token }}` must not get two).
+  writes `{{ bos_token }}` must not get two). `add_eos_token` appends the EOS, as llama.cpp,
+  transformers and vLLM do (rare in generative models; llama-server warns about it).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class TokenizerBundle:
     pad_token_id: int | None
     add_bos_token: bool  # whether encoding a prompt should prepend BOS
     chat_template: str | None
+    add_eos_token: bool = False  # whether encoding a prompt should append the EOS (eos_token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with `add_special_tokens`, BOS first if the model wants it (once)."""
@@ -74,6 +76,8 @@ class TokenizerBundle:
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids.insert(0, bos)
+        if add_special_tokens and self.add_eos_token:
+            ids.append(self.tokenizer.token_to_id(self.eos_token))
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -173,6 +177,15 @@ def _prefix_added_by_post_processor(tok: Tokenizer) -> int | None:
     return None
 
 
+def _suffix_added_by_post_processor(tok: Tokenizer) -> int | None:
+    """The id the post-processor puts after the text (an EOS), if any."""
+    plain = tok.encode("a", add_special_tokens=False).ids
+    full = tok.encode("a", add_special_tokens=True).ids
+    if len(full) > len(plain) and full[len(full) - 1 - len(plain) : -1] == plain:
+        return full[-1]
+    return None
+
+
 def load_hf_tokenizer(model_dir: str | Path) -> TokenizerBundle:
     """Tokenizer of an HF model directory; tokenizer.json is required, the rest is optional."""
     model_dir = Path(model_dir)
@@ -199,6 +212,10 @@ def load_hf_tokenizer(model_dir: str | Path) -> TokenizerBundle:
     elif not isinstance(add_bos, bool):
         raise CheckpointError(cfg_path, f"key 'add_bos_token': expected true or false, got {add_bos!r:.40}")
 
+    # EOS as transformers (5) appends it: where tokenizer.json's post-processor does (its `add_eos_token`
+    # key moves nothing for a tokenizer.json of its own)
+    add_eos = eos_id is not None and _suffix_added_by_post_processor(tok) == eos_id
+
     eos_ids = [eos_id] if eos_id is not None else []
     gen_path = model_dir / "generation_config.json"
     gen = read_json(gen_path, required=False)
@@ -220,6 +237,7 @@ def load_hf_tokenizer(model_dir: str | Path) -> TokenizerBundle:
         pad_token_id=pad_id,
         add_bos_token=bool(add_bos) and bos_id is not None,
         chat_template=_chat_template(model_dir, config),
+        add_eos_token=add_eos,
     )
 
 
@@ -236,7 +254,7 @@ def save_hf_tokenizer(bundle: TokenizerBundle, out_dir: str | Path) -> None:
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": bundle.add_bos_token,
-        "add_eos_token": False,
+        "add_eos_token": bundle.add_eos_token,
         "bos_token": bundle.bos_token,
         "eos_token": bundle.eos_token,
         "pad_token": tok.id_to_token(bundle.pad_token_id) if bundle.pad_token_id is not None else None,
@@ -302,12 +320,19 @@ END_OF_GENERATION_TEXTS = frozenset({
 
 
 # FIM tokens llama.cpp finds by their text where the file names none (tokenizer.ggml.fim_*_token_id):
-# its padding, repository and file-separator tokens also end generation.
+# its padding, repository and file-separator tokens also end generation (`_FIM_ENDS`).
 _FIM_TEXTS = {
+    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+                "<|code_prefix|>", "<|prefix|>"),
+    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+                "<|code_suffix|>", "<|suffix|>"),
+    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+                "<|code_middle|>", "<|middle|>"),
     "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
     "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
     "fim_sep": ("<|file_sep|>",),
 }
+_FIM_ENDS = ("fim_pad", "fim_rep", "fim_sep")
 
 
 def _ends_by_text(vocab: Mapping[str, int]) -> list[int]:
@@ -338,17 +363,22 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> Tokeni
     for i, token in enumerate(tokens):
         if vocab.setdefault(token, i) != i:
             raise m.fail("tokenizer.ggml.tokens", f"token {token!r} appears twice (ids {vocab[token]} and {i})")
+    by_text: dict[str, int] = {}
+    for name, texts in _FIM_TEXTS.items():  # a FIM id the file does not give: the token of that text
+        found = [vocab[t] for t in texts if t in vocab]
+        if found and m.get(f"tokenizer.ggml.{name}_token_id", int) is None:
+            by_text[name] = min(found)
+    # Tokens llama.cpp finds by their text (ends of generation, FIM) are control tokens whatever the file
+    # types them ("control-looking token ... its type will be overridden"): special in text and decodes.
+    for i in [*by_text.values(), *(vocab[t] for t in END_OF_GENERATION_TEXTS & vocab.keys())]:
+        types[i] = _CONTROL
 
     if kind == "gpt2":
         tok, add_bos = _bpe_from_gguf(m, vocab)
-        defaults: dict[str, int] = {}
+        defaults: dict[str, int] = dict(by_text)
     else:
         tok, add_bos = _spm_from_gguf(m, tokens, types, vocab), True
-        defaults = {"bos": 1, "eos": 2}  # llama.cpp's defaults for SentencePiece files
-    for name, texts in _FIM_TEXTS.items():  # a FIM id the file does not give: the token of that text
-        found = [vocab[t] for t in texts if t in vocab]
-        if found:
-            defaults[name] = min(found)
+        defaults = {"bos": 1, "eos": 2, **by_text}  # llama.cpp's defaults for SentencePiece files
     # CONTROL tokens are special added tokens, USER_DEFINED ones plain added tokens: both match whole in text.
     typed = list(zip(tokens, types))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, y in typed if y == _CONTROL])
@@ -359,17 +389,21 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> Tokeni
                          n, defaults[name] if defaults.get(name, n) < n else None)
         for name in ("bos", "eos", "eot", "eom", "pad", *_FIM_TEXTS)
     }
-    bos_id = ids["bos"]
+    bos_id, eos_id = ids["bos"], ids["eos"]
     add_bos = m.get("tokenizer.ggml.add_bos_token", bool, add_bos)
     if add_bos and bos_id is None:
         raise m.fail("tokenizer.ggml.add_bos_token", "is true, but 'tokenizer.ggml.bos_token_id' is not set")
-    ends = (ids["eos"], ids["eot"], ids["eom"], *(ids[name] for name in _FIM_TEXTS), *_ends_by_text(vocab))
+    add_eos = m.get("tokenizer.ggml.add_eos_token", bool, False)
+    if add_eos and eos_id is None:
+        raise m.fail("tokenizer.ggml.add_eos_token", "is true, but 'tokenizer.ggml.eos_token_id' is not set")
+    ends = (eos_id, ids["eot"], ids["eom"], *(ids[name] for name in _FIM_ENDS), *_ends_by_text(vocab))
     eos_ids = tuple(dict.fromkeys(i for i in ends if i is not None))
-    if add_bos:  # so the bare `tokenizers.Tokenizer` agrees with the bundle, if its template syntax allows
-        with contextlib.suppress(ValueError):  # a token with a space or ':' in it cannot be named in a template
-            tok.post_processor = processors.TemplateProcessing(
-                single=f"{tokens[bos_id]}:0 $A:0", special_tokens=[(tokens[bos_id], bos_id)]
-            )
+    if add_bos or add_eos:  # so the bare `tokenizers.Tokenizer` agrees with the bundle, if its template syntax
+        first = [(tokens[bos_id], bos_id)] if add_bos else []  # allows: a token with a space or ':' in it
+        last = [(tokens[eos_id], eos_id)] if add_eos else []  # cannot be named in one
+        single = " ".join([*(f"{t}:0" for t, _ in first), "$A:0", *(f"{t}:0" for t, _ in last)])
+        with contextlib.suppress(ValueError):
+            tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=first + last)
     return TokenizerBundle(
         tokenizer=tok,
         bos_token_id=bos_id,
@@ -379,6 +413,7 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> Tokeni
         pad_token_id=ids["pad"],
         add_bos_token=add_bos,
         chat_template=m.get("tokenizer.chat_template", str),
+        add_eos_token=add_eos,
     )
 
 
@@ -477,6 +512,8 @@ def write_tokenizer_gguf(writer: gguf.GGUFWriter, bundle: TokenizerBundle) -> No
     if bundle.pad_token_id is not None:
         writer.add_pad_token_id(bundle.pad_token_id)
     writer.add_add_bos_token(bundle.add_bos_token)
+    if bundle.add_eos_token:
+        writer.add_add_eos_token(True)
     if bundle.chat_template is not None:
         writer.add_chat_template(bundle.chat_template)
 

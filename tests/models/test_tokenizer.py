@@ -367,6 +367,73 @@ def test_spm_gguf_matches_transformers(spm_meta: dict, tmp_path: Path, texts: li
     assert bundle.add_bos_token and bundle.encode("x")[0] == 1 and hf.encode("x")[0] == 1
 
 
+def _write_vocab_gguf(meta: dict, path: Path) -> Path:
+    """A GGUF of the `tokenizer.*` keys in `meta` (and the few a `llama` file needs) that llama.cpp opens with
+    vocab_only."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, v in ((writer.add_context_length, 4096), (writer.add_embedding_length, 64), (writer.add_block_count, 1),
+                   (writer.add_feed_forward_length, 128), (writer.add_head_count, 2),
+                   (writer.add_layer_norm_rms_eps, 1e-6)):
+        add(v)
+    arrays = {"tokenizer.ggml.tokens": writer.add_token_list, "tokenizer.ggml.token_type": writer.add_token_types,
+              "tokenizer.ggml.scores": writer.add_token_scores, "tokenizer.ggml.merges": writer.add_token_merges}
+    for key, value in meta.items():
+        if key in arrays:
+            arrays[key](list(value))
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
+        step()
+    return path
+
+
+@pytest.mark.parametrize("vocab", ["bpe", "spm"])
+def test_gguf_add_eos_token_as_llama_cpp(vocab: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """`tokenizer.ggml.add_eos_token` appends the EOS to an encoded prompt, as llama.cpp does (it was never read)."""
+    pytest.importorskip("llama_cpp")
+    from tests.llama_cpp_oracle import open_llama
+
+    meta = dict(request.getfixturevalue("smol_meta" if vocab == "bpe" else "spm_meta"))
+    meta["tokenizer.ggml.add_eos_token"] = True
+    bundle = tokenizer_from_gguf_metadata(meta, "eos.gguf")
+    llm = open_llama(_write_vocab_gguf(meta, tmp_path / "eos.gguf"), vocab_only=True, verbose=False)
+    for text in ["Hello world", "", "<|im_start|>user\nhi"]:
+        assert bundle.encode(text) == llm.tokenize(text.encode(), add_bos=True, special=True), repr(text)
+    assert bundle.encode("Hello world", add_special_tokens=False)[-1] != bundle.eos_token_ids[0]
+    save_hf_tokenizer(bundle, tmp_path / "hf")  # the EOS in tokenizer.json's post-processor, as transformers reads it
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert load_hf_tokenizer(tmp_path / "hf").encode("Hello world") == hf("Hello world")["input_ids"] == \
+        bundle.encode("Hello world")
+    if vocab == "bpe":  # no default EOS id there
+        no_eos = {k: v for k, v in meta.items() if k != "tokenizer.ggml.eos_token_id"}
+        with pytest.raises(CheckpointError, match="add_eos_token"):
+            tokenizer_from_gguf_metadata(no_eos, "eos.gguf")
+
+
+def test_gguf_control_looking_tokens_are_control_as_in_llama_cpp(smol_meta: dict, tmp_path: Path) -> None:
+    """Ends of generation and FIM tokens that a file types NORMAL or USER_DEFINED are control tokens, as llama.cpp
+    overrides them: parsed whole in text and left out of a decode without special tokens."""
+    pytest.importorskip("llama_cpp")
+    from tests.llama_cpp_oracle import open_llama
+
+    meta = dict(smol_meta)
+    types = list(meta["tokenizer.ggml.token_type"])
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    for text, kind in (("<|endoftext|>", 1), ("<reponame>", 1), ("<|im_end|>", 4)):
+        types[tokens.index(text)] = kind
+    meta["tokenizer.ggml.token_type"] = types
+    bundle = tokenizer_from_gguf_metadata(meta, "typed.gguf")
+    llm = open_llama(_write_vocab_gguf(meta, tmp_path / "typed.gguf"), vocab_only=True, verbose=False)
+    for text in ["a<|endoftext|>b", "x<reponame>y<|im_end|>\n", "<|im_start|>user\nhi<|im_end|>"]:
+        ids = bundle.encode(text, add_special_tokens=False)
+        assert ids == llm.tokenize(text.encode(), add_bos=False, special=True), repr(text)
+        assert bundle.decode(ids).encode() == llm.detokenize(ids, special=False), repr(text)
+
+
 def test_spm_space_prefix_follows_llama_cpp(spm_meta: dict) -> None:
     """llama.cpp prefixes `▁` to every run of text, after special and user-defined tokens too."""
     bundle = tokenizer_from_gguf_metadata(spm_meta, "spm.gguf")
