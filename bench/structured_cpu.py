@@ -496,7 +496,7 @@ def engine_steps(stream_counts: list[int], max_tokens: int, threads: int, rounds
     from engine.core import EngineCore
     from engine.messages import GenerateRequest
     from scheduler.sampling_params import SamplingParams, StructuredOutput
-    from server.chat_template import render_chat, template_messages
+    from server.chat_template import render_messages
 
     torch_threads = torch.get_num_threads()
     env = os.environ.get("MLASERVE_CPP_EXPERTS_THREADS")
@@ -518,7 +518,7 @@ def engine_steps(stream_counts: list[int], max_tokens: int, threads: int, rounds
 
         def prompt() -> list[int]:
             messages = [{"role": "user", "content": serve_cpu.numbered_prompt(next(counter), PROMPT)}]
-            text = render_chat(tok.chat_template, template_messages(messages), bos_token=tok.bos_token,
+            text = render_messages(tok.chat_template, messages, bos_token=tok.bos_token,
                                eos_token=tok.eos_token)
             return tok.encode(text, add_special_tokens=False)
 

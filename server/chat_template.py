@@ -56,22 +56,21 @@ class ToolArguments(dict):
         return other + self._text if isinstance(other, str) else NotImplemented
 
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def template_messages(messages: list[dict[str, Any]], no_text: str | None = None) -> list[dict[str, Any]]:
     """OpenAI-shaped messages as chat templates expect them (new dicts; the input is left alone).
 
     Follows transformers' own normalisation: keys whose value is None are dropped (templates
     test `'tool_calls' in message`, and Jinja's `trim` turns None into "None"), and reasoning is
-    copied under the names templates read. One exception: an assistant message that calls tools
-    keeps `content: None`, since the templates written for tool calls test `content is none`
-    (DeepSeek-V3 fails on a missing content where it handles None). Each call's `arguments` JSON
-    text becomes a `ToolArguments`; text that is not a JSON object stays a string.
+    copied under the names templates read. An assistant message that calls tools without text gets
+    `content: no_text` (see `render_messages`). Each call's `arguments` JSON text becomes a
+    `ToolArguments`; text that is not a JSON object stays a string.
     """
     out = []
     for message in messages:
         m = {k: v for k, v in message.items() if v is not None}
         if m.get("tool_calls"):
             m["tool_calls"] = [_template_tool_call(c) for c in m["tool_calls"]]
-            m.setdefault("content", None)
+            m.setdefault("content", no_text)
         else:
             m.pop("tool_calls", None)  # [] means no calls; Llama 3.1 would count it as a bad one
         reasoning = next((m[k] for k in ("reasoning_content", "thinking", "reasoning") if k in m), None)
@@ -284,6 +283,20 @@ def load_chat_template(value: str) -> str:
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # the tag transformers uses
 
 
+def render_messages(template: str | None, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+    """`render_chat` of OpenAI-shaped messages (`template_messages`). An assistant message that only calls
+    tools has `content: None` for a template that tests a content `is none` (DeepSeek's write the calls
+    only then, and fail on a missing content), or where that rendering fails, "" as vLLM passes it
+    (GLM-4.5's template would write "None", gpt-oss's and Qwen3's fail on None)."""
+    if template and tests_content_for_none(template):
+        try:
+            return render_chat(template, template_messages(messages, None), **kwargs)
+        except ChatTemplateError:
+            if not any(m.get("tool_calls") and m.get("content") is None for m in messages):
+                raise
+    return render_chat(template, template_messages(messages, ""), **kwargs)
+
+
 def _cut_at_continue_tag(rendered: str, final_text: str) -> str:
     """The rendering cut where the final message's text ends: transformers' `continue_final_message` cut
     (which vLLM and SGLang use), its trailing whitespace dropped where the template trimmed the text."""
@@ -318,11 +331,20 @@ def render_chat(
     if not template:
         raise ChatTemplateError("this model has no chat template; use the completions API with a plain prompt")
     context = {"tools": None, "documents": None, **extra}
-    final_text = messages[-1].get("content") if continue_final_message and messages else None
+    final_text = None
     if continue_final_message:
+        content = messages[-1].get("content") if messages else None
+        if isinstance(content, list):  # text parts: the last one is continued, as transformers does
+            last = max((i for i, p in enumerate(content) if isinstance(p, dict) and "text" in p), default=None)
+            final_text = content[last]["text"] if last is not None else None
+            if last is not None:
+                content = [*content[:last], {**content[last], "text": final_text + _CONTINUE_TAG}, *content[last + 1:]]
+        else:
+            final_text = content
+            content = f"{content}{_CONTINUE_TAG}"
         if not isinstance(final_text, str) or not final_text.strip():
             raise ChatTemplateError("continuing the final message needs its text content")
-        messages = [*messages[:-1], {**messages[-1], "content": final_text + _CONTINUE_TAG}]
+        messages = [*messages[:-1], {**messages[-1], "content": content}]
     budget = _BUDGET.set(_RenderBudget(MAX_LOOP_ITEMS, time.monotonic() + MAX_RENDER_SECONDS))
     try:
         parts, size = [], 0
@@ -361,19 +383,43 @@ def _reads_content(node: nodes.Node, aliases: set[str]) -> bool:
     return isinstance(node, nodes.Name) and node.name in aliases
 
 
+def _content_names(template: str) -> tuple[nodes.Template, set[str]] | None:
+    """The template's syntax tree and the names it sets from a message's content (None: it does not parse)."""
+    try:
+        tree = _environment().parse(template)
+    except TemplateError:
+        return None
+    return tree, {a.target.name for a in tree.find_all(nodes.Assign)
+                  if isinstance(a.target, nodes.Name) and _reads_content(a.node, set())}
+
+
 @lru_cache(maxsize=16)
 def loops_over_content(template: str) -> bool:
     """Whether the template walks a message's `content` as a list of parts (`{% for part in
     message['content'] %}`, as Gemma 3's does): such a template gets the parts a client sent, as
     transformers passes them; any other gets their text joined by newlines (vLLM's choice for templates
     that read content as a string). Read from the template's syntax tree, as vLLM detects it."""
+    parsed = _content_names(template)
+    return parsed is not None and any(_reads_content(f.iter, parsed[1]) for f in parsed[0].find_all(nodes.For))
+
+
+@lru_cache(maxsize=16)
+def tests_content_for_none(template: str) -> bool:
+    """Whether the template tests a message's content with `is none` (or `is not none`), as DeepSeek's
+    templates do to tell an assistant turn that only calls tools (see `template_messages`)."""
+    parsed = _content_names(template)
+    return parsed is not None and any(t.name == "none" and _reads_content(t.node, parsed[1])
+                                      for t in parsed[0].find_all(nodes.Test))
+
+
+@lru_cache(maxsize=16)
+def accepts_system(template: str) -> bool:
+    """Whether the template renders a system message (Gemma 2's refuses the role)."""
     try:
-        tree = _environment().parse(template)
-    except TemplateError:
+        render_chat(template, [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}])
+    except ChatTemplateError:
         return False
-    aliases = {a.target.name for a in tree.find_all(nodes.Assign)
-               if isinstance(a.target, nodes.Name) and _reads_content(a.node, set())}
-    return any(_reads_content(f.iter, aliases) for f in tree.find_all(nodes.For))
+    return True
 
 
 @lru_cache(maxsize=16)

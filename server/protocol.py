@@ -439,8 +439,9 @@ class ChatInput(_Body):
 
     def openai_messages(self, parts: bool = False) -> list[dict[str, Any]]:
         """Messages in OpenAI's shape with text content joined (None kept for an assistant message
-        that only calls tools, "" for one with neither content nor calls): what `server.chat_template.template_messages` takes.
-        `parts`: content sent as a list of text parts stays one (for a template that walks the parts)."""
+        that only calls tools, "" for one with neither content nor calls): what
+        `server.chat_template.render_messages` takes. `parts`: content sent as a list of text parts stays
+        one (for a template that walks the parts)."""
         out = []
         for m in self.messages:
             role = "system" if m.role == "developer" else m.role  # templates know system; developer is its new name

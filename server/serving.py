@@ -43,7 +43,7 @@ from engine.messages import (
     GenerateRequest,
     RequestOutput,
 )
-from server.chat_template import ChatTemplateError, loops_over_content, render_chat, template_messages
+from server.chat_template import ChatTemplateError, loops_over_content, render_messages
 from server.choices import ChoiceText, EngineRequest
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from server.protocol import (
@@ -349,16 +349,16 @@ def chat_prompt(state: ServerState, body: ChatInput) -> tuple[str, ToolPlan]:
     messages = with_call_markup(body.openai_messages(parts=bool(tok.chat_template) and loops_over_content(tok.chat_template)),
                                 tok.chat_template)
     if plan.system:
-        messages = with_system(messages, plan.system)
+        messages = with_system(messages, plan.system, tok.chat_template)
     extra: dict[str, Any] = dict(body.chat_template_kwargs or {})  # the request's template variables first:
     for reserved in ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token"):  # ours win
         extra.pop(reserved, None)
     if plan.tools:
         extra["tools"] = plan.tools
     try:
-        text = render_chat(tok.chat_template, template_messages(messages), add_generation_prompt=body.generation_prompt(),
-                           continue_final_message=body.continued_text() is not None,
-                           bos_token=tok.bos_token, eos_token=tok.eos_token, **extra)
+        text = render_messages(tok.chat_template, messages, add_generation_prompt=body.generation_prompt(),
+                               continue_final_message=body.continued_text() is not None,
+                               bos_token=tok.bos_token, eos_token=tok.eos_token, **extra)
     except ChatTemplateError as e:
         raise ClientError(400, str(e), "messages") from None
     return text, plan

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.sampling_params import ParamError, StructuredOutput
-from server.chat_template import writes_tool_messages
+from server.chat_template import accepts_system, writes_tool_messages
 from server.protocol import ChatInput, NamedToolChoice
 from server.structured import check_json_schema, check_valid_schema, embedded, schema_output
 from server.tool_parsers import TOOL_PARSERS, ToolCall, ToolCallDelta, ToolParser, default_call_id, detect_tool_parser
@@ -120,10 +120,21 @@ def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto")
     return ToolPlan(None, prompt, None, _parser(name, body.parallel_tool_calls))
 
 
-def with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
-    """`text` added to the system message (a new one first, if there is none)."""
-    if messages and messages[0]["role"] in ("system", "developer") and isinstance(messages[0].get("content"), str):
-        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
+def _text_of(content: Any) -> str:
+    """A message's content as one string: text parts joined by newlines (`ChatMessage.text`'s rule)."""
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
+
+
+def with_system(messages: list[dict[str, Any]], text: str, template: str | None) -> list[dict[str, Any]]:
+    """`text` added to the system message; where there is none, a new one first, or, for a template that
+    refuses the system role (Gemma 2's), at the head of the first user message, as such models are
+    prompted."""
+    if messages and messages[0]["role"] in ("system", "developer"):
+        return [{**messages[0], "content": f"{_text_of(messages[0].get('content'))}\n\n{text}"}, *messages[1:]]
+    if messages and messages[0]["role"] == "user" and template is not None and not accepts_system(template):
+        return [{**messages[0], "content": f"{text}\n\n{_text_of(messages[0].get('content'))}"}, *messages[1:]]
     return [{"role": "system", "content": text}, *messages]
 
 
@@ -152,11 +163,11 @@ def with_call_markup(messages: list[dict[str, Any]], template: str | None) -> li
                     parsed = args  # not JSON: written as the text it is
                 call = {"name": fn.get("name"), "arguments": parsed if parsed is not None else {}}
                 blocks.append(f"<tool_call>\n{json.dumps(call, ensure_ascii=False)}\n</tool_call>")
-            text = m.get("content") if isinstance(m.get("content"), str) else ""
+            text = _text_of(m.get("content"))
             m = {k: v for k, v in m.items() if k != "tool_calls"}
             m["content"] = "\n".join([text, *blocks] if text else blocks)
-        elif m.get("role") == "tool" and isinstance(m.get("content"), str):
-            m = {**m, "role": result_role, "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+        elif m.get("role") == "tool":
+            m = {**m, "role": result_role, "content": f"<tool_response>\n{_text_of(m.get('content'))}\n</tool_response>"}
         out.append(m)
     return out
 

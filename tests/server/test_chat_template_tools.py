@@ -425,3 +425,112 @@ def test_history_reasoning_and_text_parts_render_as_transformers(hf_tokenizers, 
         else:
             assert "Weather in Paris?Be brief." in ours
     assert loops_over_content(GEMMA_LIKE) and not loops_over_content(QWEN3_LIKE)
+
+
+# ----------------------------------------------------------------------------- templates of llama.cpp's collection
+# (copied into tests/fixtures/chat_templates, see its README): the shapes they disagree on
+
+
+def _fixture(file: str) -> str:
+    return (FIXTURES / file).read_text(encoding="utf-8")
+
+
+# the OpenAI SDK's round trip: the assistant turn that called a tool comes back with `content: null`
+SDK_ROUND_TRIP = [
+    {"role": "user", "content": "What's the weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [_call("c00000001", "get_weather", '{"city": "Paris"}')]},
+    _tool("c00000001", "21C"),
+]
+
+
+@pytest.mark.parametrize("file", ["glm_4_6.jinja", "gpt_oss.jinja", "ministral3.jinja"])
+def test_a_turn_that_only_calls_tools_renders_as_vllm_hands_it(hf_tokenizers, file):
+    """`content: null` beside tool calls reaches a template as "" (vLLM's), unless it tests a content `is none`
+    and renders with None (DeepSeek's, above): GLM's wrote a literal "None", gpt-oss's failed on it (a 400),
+    and Ministral 3's, which tests `is none` elsewhere, failed on it too."""
+    from server.chat_template import render_messages
+
+    template, tok = _fixture(file), hf_tokenizers["qwen2_5"]
+    ours = render_messages(template, SDK_ROUND_TRIP, add_generation_prompt=True, tools=TOOLS, eos_token=tok.eos_token)
+    vllm_shape = copy.deepcopy(SDK_ROUND_TRIP)
+    vllm_shape[1]["content"] = ""
+    vllm_shape[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+    theirs = tok.apply_chat_template(vllm_shape, chat_template=template, tokenize=False, add_generation_prompt=True,
+                                     tools=TOOLS)
+    assert ours == theirs
+    assert "None" not in ours and "Paris" in ours and "21C" in ours
+
+
+@pytest.mark.parametrize("template", ["glm_4_6.jinja", GEMMA_LIKE], ids=["glm_4_6", "gemma_like"])
+def test_continuing_a_final_message_of_text_parts_matches_transformers(hf_tokenizers, template):
+    """A final message sent as text parts is continued from its last text part, as transformers does
+    (it was a 400 'needs its text content' for templates that walk the parts)."""
+    from server.chat_template import loops_over_content
+    from server.protocol import ChatCompletionRequest
+
+    template = template if template is GEMMA_LIKE else _fixture(template)
+    messages = [{"role": "user", "content": "Write a haiku."},
+                {"role": "assistant", "content": [{"type": "text", "text": "Autumn"}, {"type": "text", "text": "moon"}]}]
+    body = ChatCompletionRequest.model_validate({"messages": messages, "continue_final_message": True,
+                                                 "add_generation_prompt": False})
+    assert loops_over_content(template)
+    ours = render_chat(template, template_messages(body.openai_messages(parts=True)), add_generation_prompt=False,
+                       continue_final_message=True)
+    theirs = hf_tokenizers["qwen2_5"].apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                          add_generation_prompt=False, continue_final_message=True)
+    assert ours == theirs and ours.endswith("moon")
+
+
+def _chat_prompt(template: str, request: dict) -> str:
+    """The prompt `serving.chat_prompt` renders for `request` with the default model's tokenizer under `template`."""
+    import dataclasses
+
+    from models.loader.tokenizer import load_tokenizer
+    from server.metrics import Metrics
+    from server.protocol import ChatCompletionRequest
+    from server.serving import chat_prompt
+    from server.state import ServerState
+
+    try:
+        tok = load_tokenizer("smollm2-135m-instruct")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    state = ServerState(model_name="m", metrics=Metrics("m"), tool_call_parser="hermes",
+                        tokenizer=dataclasses.replace(tok, chat_template=template))
+    return chat_prompt(state, ChatCompletionRequest.model_validate(request))[0]
+
+
+def test_tools_reach_a_template_without_a_system_role(hf_tokenizers):
+    """Gemma 2's template refuses the system role: the tool prompt a template that ignores tools gets goes
+    at the head of the first user turn (every request with tools was a 400 'System role not supported')."""
+    template = _fixture("gemma2.jinja")
+    text = _chat_prompt(template, {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS})
+    head = text.split("<start_of_turn>user\n", 1)[1]
+    assert "get_weather" in head and head.index("get_weather") < head.index("Weather in Paris?")
+    assert "<start_of_turn>model\n" in text and "system" not in text.split("get_weather")[0]
+
+
+def test_a_system_message_of_text_parts_takes_the_tool_prompt():
+    """A system message sent as parts gets the tool prompt in it, not a second system message first (Gemma 3
+    then refused the conversation: roles must alternate)."""
+    alternating = ("{% if messages[0].role == 'system' %}{% set rest = messages[1:] %}<S>{{ messages[0].content }}"
+                   "{% else %}{% set rest = messages %}{% endif %}{% for m in rest %}"
+                   "{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('roles must alternate') }}"
+                   "{% endif %}<{{ m.role }}>{% for p in m.content %}{{ p.text }}{% endfor %}{% endfor %}")
+    system = {"role": "system", "content": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}]}
+    text = _chat_prompt(alternating, {"messages": [system, {"role": "user", "content": "Weather?"}], "tools": TOOLS})
+    assert text.startswith("<S>Be brief.\nBe kind.\n\n") and "get_weather" in text.split("<user>")[0]
+
+
+def test_call_markup_keeps_text_parts():
+    """For a template that reads no `tool_calls`, an assistant turn's text sent as parts stays beside its
+    `<tool_call>` block (it was dropped) and a tool result sent as parts is wrapped (it stayed a bare `tool` turn)."""
+    from server.tools import with_call_markup
+
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": [{"type": "text", "text": "Let me check."}],
+                "tool_calls": [_call("c1", "weather", '{"city": "Paris"}')]},
+               {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "18C"}]}]
+    out = with_call_markup(history, GEMMA_LIKE)
+    assert out[1]["content"] == 'Let me check.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert out[2]["content"] == "<tool_response>\n18C\n</tool_response>"
