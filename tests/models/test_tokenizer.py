@@ -449,7 +449,7 @@ def test_spm_against_llama_cpp(spm_meta: dict, tmp_path: Path, texts: list[str])
     _write_gguf(spm_meta, tmp_path / "spm.gguf")
     llm = llama_cpp.Llama(model_path=str(tmp_path / "spm.gguf"), vocab_only=True, verbose=False)
     bundle = tokenizer_from_gguf_metadata(spm_meta, "spm.gguf")
-    for text in texts + ["<tool> call", "a<tool>b"]:
+    for text in texts + ["<tool> call", "a<tool>b", "a<unk>b"]:  # <unk> typed UNKNOWN: parsed whole, as llama.cpp
         want = llm.tokenize(text.encode(), add_bos=False, special=True) if text else []
         assert bundle.encode(text, add_special_tokens=False) == want, repr(text)
 
