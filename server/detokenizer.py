@@ -125,7 +125,8 @@ class IncrementalDetokenizer:
 
 class StopStringMatcher:
     """Cuts a completion's text before the first stop string (`include`: right after it), never sending
-    part of one before it is known to be one."""
+    part of one before it is known to be one. Of the stop strings a token's text completes, the one
+    that starts first cuts ("toile" before "oi" in "toile"), so the text holds none of them."""
 
     def __init__(self, stops: Sequence[str], include: bool = False) -> None:
         self._include = include
@@ -134,7 +135,7 @@ class StopStringMatcher:
         self._state = [0] * len(self._stops)  # per stop: length of its prefix the text now ends with
         self._held = ""
         self._stopped = False
-        self.matched: str | None = None  # the stop string that cut the text (the longest one ending there)
+        self.matched: str | None = None  # the stop string that cut the text
 
     @property
     def stopped(self) -> bool:
@@ -149,8 +150,8 @@ class StopStringMatcher:
             return "", True
         buf = self._held + text
         base = len(self._held)
+        hit: tuple[int, int, str] | None = None  # (start, end, stop) of the completed stop that starts first
         for i, ch in enumerate(text):
-            hit = 0
             for n, stop in enumerate(self._stops):
                 k, fail = self._state[n], self._fail[n]
                 while k and stop[k] != ch:
@@ -158,13 +159,13 @@ class StopStringMatcher:
                 if stop[k] == ch:
                     k += 1
                 if k == len(stop):
-                    if armed and k > hit:
-                        hit, self.matched = k, stop
+                    if armed and (hit is None or base + i + 1 - k < hit[0]):
+                        hit = (base + i + 1 - k, base + i + 1, stop)
                     k = fail[k - 1]
                 self._state[n] = k
-            if hit:
-                self._stopped, self._held = True, ""
-                return buf[: base + i + 1 - (0 if self._include else hit)], True
+        if hit is not None:
+            self._stopped, self._held, self.matched = True, "", hit[2]
+            return buf[: hit[1] if self._include else hit[0]], True
         keep = max(self._state, default=0)
         self._held = buf[len(buf) - keep:]
         return buf[: len(buf) - keep], False

@@ -257,14 +257,15 @@ def test_window_stays_small(deepseek: TokenizerBundle) -> None:
 # ---------------------------------------------------------------- StopStringMatcher
 
 
-def _reference_stop(text: str, stops: Sequence[str], include: bool = False) -> tuple[str, bool]:
-    """Brute force: the first stop string to be completed reading left to right (the longer on a tie);
-    `include`: the text up to its end."""
+def _reference_stop(text: str, stops: Sequence[str], cuts: Sequence[int], include: bool = False) -> tuple[str, bool]:
+    """Brute force: at the first piece of the text (ending at a cut) by whose end a stop string has appeared, the
+    occurrence that starts first (of those, the first to end); `include`: the text up to its end."""
     stops = [s for s in stops if s]
-    for end in range(1, len(text) + 1):
-        starts = [end - len(s) for s in stops if text[:end].endswith(s)]
-        if starts:
-            return text[:end if include else min(starts)], True
+    for cut in [*cuts, len(text)]:
+        found = [(i, i + len(s)) for s in stops for i in range(cut - len(s) + 1) if text.startswith(s, i)]
+        if found:
+            start, end = min(found)
+            return text[:end if include else start], True
     return text, False
 
 
@@ -298,7 +299,7 @@ def test_stop_strings_fuzz() -> None:
                 stops.append("".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 6))))
         cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randrange(0, 12))))
         include = rng.random() < 0.3  # include_stop_str_in_output
-        want, want_hit = _reference_stop(text, stops, include)
+        want, want_hit = _reference_stop(text, stops, cuts, include)
         got, hit, pieces = _run_matcher(text, stops, cuts, include)
         assert (got, hit) == (want, want_hit), (text, stops, cuts)
         sent = ""
@@ -315,7 +316,9 @@ def test_stop_string_cases() -> None:
     assert _run_matcher("Hello world, bye", ["world"], [7, 9], include=True)[:2] == ("Hello world", True)
     assert _run_matcher("Hello wor", ["world"], [7])[:2] == ("Hello wor", False)  # held, then flushed
     assert _run_matcher("abababc", ["ababc"], [1, 2, 3, 4, 5, 6])[:2] == ("ab", True)  # KMP fallback
-    assert _run_matcher("xabcd", ["abcd", "bc"], [2])[:2] == ("xa", True)  # "bc" completes first
+    assert _run_matcher("xabcd", ["abcd", "bc"], [2])[:2] == ("x", True)  # both end in "bcd": "abcd" starts first
+    assert _run_matcher("xabcd", ["abcd", "bc"], [4])[:2] == ("xa", True)  # "bc" ends in an earlier piece
+    assert _run_matcher("xabcd", ["abcd", "bc"], [2], include=True)[:2] == ("xabcd", True)
     assert _run_matcher("xabc", ["bc", "abc"], [])[:2] == ("x", True)  # same end: the longer one
     assert _run_matcher("a\u4e16\u754c\U0001F600b", ["\u754c\U0001F600"], [2, 3])[:2] == ("a\u4e16", True)
     assert _run_matcher("abc", ["", "zz"], [1])[:2] == ("abc", False)  # an empty stop string is ignored
