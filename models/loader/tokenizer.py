@@ -83,6 +83,18 @@ class TokenizerBundle:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special added tokens: what a decode with `skip_special_tokens` leaves out."""
+        return frozenset(i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special)
+
+    def is_byte_fallback(self, token_id: int) -> bool:
+        """Whether the token is a SentencePiece byte-fallback `<0xNN>` token (one byte of a character the
+        vocabulary lacks; a run of them is decoded together)."""
+        piece = self.tokenizer.id_to_token(token_id)
+        return (piece is not None and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
+                and getattr(self.tokenizer.model, "byte_fallback", False))
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, which its decoded text cannot always say: a byte-level piece
         or a `<0xNN>` byte token may hold part of a character (decoded alone: U+FFFD). For logprobs'
@@ -98,7 +110,7 @@ class TokenizerBundle:
             alphabet = _byte_alphabet()
             if all(ch in alphabet for ch in piece):
                 return bytes(alphabet[ch] for ch in piece)
-        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">") and getattr(tok.model, "byte_fallback", False):
+        elif self.is_byte_fallback(token_id):
             with contextlib.suppress(ValueError):
                 return bytes([int(piece[3:5], 16)])
         elif _SPACE in piece:
