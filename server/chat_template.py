@@ -406,7 +406,7 @@ def loops_over_content(template: str) -> bool:
 @lru_cache(maxsize=16)
 def tests_content_for_none(template: str) -> bool:
     """Whether the template tests a message's content with `is none` (or `is not none`), as DeepSeek's
-    templates do to tell an assistant turn that only calls tools (see `template_messages`)."""
+    templates do to tell an assistant turn that only calls tools (see `render_messages`)."""
     parsed = _content_names(template)
     return parsed is not None and any(t.name == "none" and _reads_content(t.node, parsed[1])
                                       for t in parsed[0].find_all(nodes.Test))

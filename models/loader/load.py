@@ -201,9 +201,10 @@ def moe_layers_as_saved(config: ModelConfig, names: Iterable[str], config_source
     skipped = [i for i in range(moe.first_k_dense_replace, config.num_hidden_layers) if i % moe.moe_layer_freq]
     if not skipped or not all(f"model.layers.{i}.mlp.gate.weight" in names for i in skipped):
         return config
+    layers = ", ".join(map(str, skipped[:4])) + (" ..." if len(skipped) > 4 else "")
     logger.warning("%s: moe_layer_freq is %d but layers %s have routed experts (a checkpoint saved by transformers, "
                    "which ignores the key): every layer from first_k_dense_replace on is MoE, as there",
-                   config_source, moe.moe_layer_freq, ", ".join(map(str, skipped[:4])) + (" ..." if len(skipped) > 4 else ""))
+                   config_source, moe.moe_layer_freq, layers)
     return dataclasses.replace(config, moe=dataclasses.replace(moe, moe_layer_freq=1))
 
 

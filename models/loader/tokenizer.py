@@ -394,7 +394,8 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> Tokeni
     # CONTROL and UNKNOWN tokens are special added tokens (llama.cpp parses both in text, as transformers does an
     # unk token), USER_DEFINED ones plain added tokens: all match whole in text.
     typed = list(zip(tokens, types))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, y in typed if y in (_CONTROL, _UNKNOWN)])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, y in typed if y in (_CONTROL, _UNKNOWN)])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, y in typed if y == _USER_DEFINED])
 
     ids = {

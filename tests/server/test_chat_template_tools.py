@@ -532,5 +532,6 @@ def test_call_markup_keeps_text_parts():
                 "tool_calls": [_call("c1", "weather", '{"city": "Paris"}')]},
                {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "18C"}]}]
     out = with_call_markup(history, GEMMA_LIKE)
-    assert out[1]["content"] == 'Let me check.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    call = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert out[1]["content"] == f"Let me check.\n{call}"
     assert out[2]["content"] == "<tool_response>\n18C\n</tool_response>"
