@@ -434,6 +434,46 @@ def test_gguf_control_looking_tokens_are_control_as_in_llama_cpp(smol_meta: dict
         assert bundle.decode(ids).encode() == llm.detokenize(ids, special=False), repr(text)
 
 
+# one name of each family of pre-tokenizers sharing llama.cpp's regexes (pretokenizers._PRE_FAMILIES)
+_PRE_NAMES = ["deepseek-v3", "llama-bpe", "dbrx", "smollm", "gpt-2", "qwen2", "qwen35", "deepseek-llm",
+              "deepseek-coder", "default", "falcon", "tekken", "gpt-4o", "bloom"]
+# where llama.cpp's regexes depart from the tokenizer.json originals they stand for (ours follows those, as
+# transformers): combining marks inside words, Unicode spaces caught by a CJK range
+_DEPART = {"tekken": "\u0300-\u036f\u0900-\u0dff\u0e31-\u0e4e", "gpt-4o": "\u0300-\u036f\u0900-\u0dff\u0e31-\u0e4e",
+           "deepseek-llm": "\u1680\u2000-\u200a\u2028\u2029\u202f\u205f",
+           "deepseek-coder": "\u1680\u2000-\u200a\u2028\u2029\u202f\u205f"}
+
+
+@pytest.mark.parametrize("vocab", ["smollm", "deepseek"])
+def test_every_pre_tokenizer_family_splits_as_llama_cpp(vocab: str, request: pytest.FixtureRequest, tmp_path: Path,
+                                                        texts: list[str]) -> None:
+    """Each `tokenizer.ggml.pre` family on a real vocabulary (SmolLM2's, DeepSeek-V3's), against llama.cpp's
+    tokenizer on the same file (a vocab-only GGUF of that name): the fixed and random texts plus source code."""
+    pytest.importorskip("llama_cpp")
+    from models.loader.pretokenizers import PRE_TOKENIZERS
+    from tests.llama_cpp_oracle import open_llama
+
+    assert set(_PRE_NAMES) <= set(PRE_TOKENIZERS)
+    assert len({PRE_TOKENIZERS[n] for n in _PRE_NAMES}) == len({*PRE_TOKENIZERS.values()}), "a family is untested"
+    if vocab == "smollm":
+        base = request.getfixturevalue("smol_meta")
+    else:
+        base = _writer_meta(request.getfixturevalue("ds"), tmp_path / "unused.gguf")[1]
+    source = inspect.getsource(json.decoder).splitlines() + inspect.getsource(re).splitlines()[:200]
+    corpus = texts + ["\n".join(source[i:i + 7]) for i in range(0, len(source), 7)]
+    for name in _PRE_NAMES:
+        meta = {**base, "tokenizer.ggml.pre": name}
+        bundle = tokenizer_from_gguf_metadata(meta, f"{name}.gguf")
+        llm = open_llama(_write_vocab_gguf(meta, tmp_path / f"{name}.gguf"), vocab_only=True, verbose=False)
+        depart = re.compile(f"[{_DEPART[name]}]") if name in _DEPART else None
+        for text in corpus:
+            if depart is not None and depart.search(text):
+                continue
+            want = llm.tokenize(text.encode(), add_bos=False, special=True) if text else []
+            assert bundle.encode(text, add_special_tokens=False) == want, (name, text)
+        del llm
+
+
 def test_spm_space_prefix_follows_llama_cpp(spm_meta: dict) -> None:
     """llama.cpp prefixes `▁` to every run of text, after special and user-defined tokens too."""
     bundle = tokenizer_from_gguf_metadata(spm_meta, "spm.gguf")
