@@ -122,6 +122,7 @@ class EngineStats(msgspec.Struct, forbid_unknown_fields=True):
     kv_slots_total: int = 0
     prefix_cache_slots: int = 0  # KV slots the prefix cache holds for reuse alone (evictable; not in kv_slots_used)
     prefix_cache_hit_tokens_total: int = 0
+    prefix_cache_query_tokens_total: int = 0  # prompt tokens of the completions the hits were looked up for
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     retractions_total: int = 0

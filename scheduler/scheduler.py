@@ -47,6 +47,7 @@ logger = logging.getLogger("mlaserve.scheduler")
 @dataclass
 class SchedulerCounters:
     prefix_cache_hit_tokens: int = 0
+    prefix_cache_query_tokens: int = 0  # prompt tokens looked up, counted with the hits (first admission)
     prompt_tokens: int = 0
     generation_tokens: int = 0
     retractions: int = 0
@@ -221,6 +222,7 @@ class Scheduler:
         if r.first_scheduled_time is None:
             r.cached_tokens = cached
             self.counters.prefix_cache_hit_tokens += cached
+            self.counters.prefix_cache_query_tokens += r.seq_len
         r.row, r.node, r.cache_len, r.kv_len = row, match.node, cached, cached
         return n
 

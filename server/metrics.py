@@ -11,6 +11,10 @@ Exported (names are what dashboards and `promtool check metrics` see):
                                                       when the running requests need them; not in the ratio above)
     mlaserve_retractions_total               counter  completions pushed back to the queue under KV pressure
     mlaserve_prefix_cache_hit_tokens_total   counter  prompt tokens served from the prefix cache
+    mlaserve_prefix_cache_query_tokens_total counter  prompt tokens of every completion looked up in it, counted
+                                                      with the hits, when first admitted (with n > 1 each
+                                                      completion's prompt is one lookup); prefix-cache hit
+                                                      rate: rate(..._hit_tokens_total) / rate(this)
     mlaserve_engine_forward_steps_total      counter  model forwards run (one per busy engine step)
     mlaserve_engine_forward_seconds_total    counter  seconds in those forwards (batch building included)
     mlaserve_omnikv_sparse_tokens_total      counter  decode tokens that attended to an OmniKV selection
@@ -24,14 +28,14 @@ Exported (names are what dashboards and `promtool check metrics` see):
     mlaserve_dp_replicas                     gauge    engine replicas alive (`--dp`; 1 without)
     mlaserve_dp_replica_requests_total       counter  engine requests routed to each replica, label replica
   from the outputs the server receives (`on_output`, `on_abort`)
-    mlaserve_prompt_tokens_total             counter  prompt tokens of requests whose prefill completed
-    mlaserve_prefix_cache_query_tokens_total counter  prompt tokens of every completion whose prefill completed
-                                                      (with n > 1 each completion's prompt is one lookup);
-                                                      prefix-cache hit rate: rate(..._hit_tokens_total) / rate(this)
+    mlaserve_prompt_tokens_total             counter  prompt tokens of requests whose prefill completed (a
+                                                      prompt only scored, max_tokens 0, too)
     mlaserve_generation_tokens_total         counter  tokens generated
     mlaserve_request_success_total           counter  completions finished, label finished_reason (stop, length)
-    mlaserve_requests_aborted_total          counter  requests aborted (client gone, shutdown)
-    mlaserve_time_to_first_token_seconds     histogram  arrival -> first token, per completion
+    mlaserve_requests_aborted_total          counter  completions aborted unfinished (client gone, shutdown), in
+                                                      the unit of the success counter
+    mlaserve_time_to_first_token_seconds     histogram  arrival -> first token (a scored prompt: its prefill's
+                                                      end), per completion
     mlaserve_inter_token_latency_seconds     histogram  between successive tokens of a completion
     mlaserve_e2e_request_latency_seconds     histogram  arrival -> finish, per finished completion
     mlaserve_request_queue_time_seconds      histogram  arrival -> first scheduled, per completion
@@ -67,8 +71,9 @@ Rules the server follows for the rest (each event has exactly one source, so not
   settles it (a stop string found by the server: pass the delta with `finish_reason="stop"`). A reply the
   tool parser turns into calls counts as `stop` (the client sees `tool_calls`), as in vLLM's metric. Deltas that end
   with `abort` or `error` only free state here; those are counted by `on_abort` / the middleware.
-- `on_abort(rid)` once when the server aborts a request it had submitted (disconnect, shutdown);
-  not when it aborts the engine's copy itself after a stop string.
+- `on_abort(rid, completions)` once when the server aborts a request it had submitted (disconnect, shutdown),
+  with its completions not yet finished; not when it aborts the engine's copy itself after a stop string,
+  nor when an engine error ended the answer (the middleware counts that request as an error).
 - `on_request_end(rid)` in a `finally`: forgets per-request state, a no-op when already gone.
 A request with n > 1 yields n completions: each is timed and counted by finish reason on its own,
 its prompt tokens count once (completion 0). Methods are thread-safe (one lock).
@@ -174,6 +179,7 @@ class Metrics(Collector):
         self._prefix_cache_tokens = 0
         self._retractions = _MonotonicTotal()
         self._prefix_hits = _MonotonicTotal()
+        self._prefix_queries = _MonotonicTotal()
         self._forward_steps = _MonotonicTotal()
         self._forward_seconds = _MonotonicTotal()
         self._omnikv_sparse = _MonotonicTotal()
@@ -190,7 +196,6 @@ class Metrics(Collector):
         self._success = {reason: 0 for reason in SUCCESS_REASONS}
         self._aborted = 0
         self._errors: dict[tuple[str, str], int] = {(code, str(status)): 0 for code, status in KNOWN_ERRORS}
-        self._prefix_queries = 0
         self._ttft = _Histogram(TTFT_BUCKETS)
         self._itl = _Histogram(ITL_BUCKETS)
         self._e2e = _Histogram(E2E_BUCKETS)
@@ -208,6 +213,8 @@ class Metrics(Collector):
         with self._lock:
             self._generation_tokens += num_new
             if num_new and out.completion_tokens <= num_new:  # the delta holding the first token
+                self._on_first_token(out, now)
+            elif not out.completion_tokens and out.finish_reason in SUCCESS_REASONS:  # a prompt only scored
                 self._on_first_token(out, now)
             elif num_new:
                 previous = self._last_token_at.get(key)
@@ -230,17 +237,17 @@ class Metrics(Collector):
     def _on_first_token(self, out: RequestOutput, now: float) -> None:
         if out.index == 0:
             self._prompt_tokens += out.prompt_tokens
-        self._prefix_queries += out.prompt_tokens  # every completion's prompt went through the prefix cache
         if out.arrival_time > 0:
             first = out.first_token_time if out.first_token_time is not None else now
             self._ttft.observe(first - out.arrival_time)
             if out.first_scheduled_time is not None:
                 self._queue.observe(out.first_scheduled_time - out.arrival_time)
 
-    def on_abort(self, rid: str) -> None:
-        """The server aborted request `rid` (its client went away, or shutdown)."""
+    def on_abort(self, rid: str, completions: int = 1) -> None:
+        """The server aborted request `rid` (its client went away, or shutdown) with `completions` of its
+        completions unfinished."""
         with self._lock:
-            self._aborted += 1
+            self._aborted += completions
             self._forget(rid)
 
     def on_error(self, code: str) -> None:
@@ -286,6 +293,7 @@ class Metrics(Collector):
             self._prefix_cache_tokens = stats.prefix_cache_slots
             self._retractions.update(stats.retractions_total)
             self._prefix_hits.update(stats.prefix_cache_hit_tokens_total)
+            self._prefix_queries.update(stats.prefix_cache_query_tokens_total)
             self._forward_steps.update(stats.forward_steps_total)
             self._forward_seconds.update(stats.forward_seconds_total)
             self._omnikv_sparse.update(stats.omnikv_sparse_tokens_total)
@@ -324,6 +332,9 @@ class Metrics(Collector):
                        m, self._retractions.value)
         yield _counter("mlaserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
                        m, self._prefix_hits.value)
+        yield _counter("mlaserve_prefix_cache_query_tokens", "Prompt tokens of every completion looked up in the "
+                       "prefix cache, counted with the hits (hit rate: hit tokens / these).",
+                       m, self._prefix_queries.value)
         yield _counter("mlaserve_engine_forward_steps", "Model forwards run by the engine (one per busy step).",
                        m, self._forward_steps.value)
         yield _counter("mlaserve_engine_forward_seconds",
@@ -344,13 +355,11 @@ class Metrics(Collector):
                        extra_label="replica", by_value=self._routed)
         yield _counter("mlaserve_prompt_tokens", "Prompt tokens of requests whose prefill completed.",
                        m, self._prompt_tokens)
-        yield _counter("mlaserve_prefix_cache_query_tokens", "Prompt tokens of every completion whose prefill "
-                       "completed: what the prefix cache was asked for (hit rate: hit tokens / these).",
-                       m, self._prefix_queries)
         yield _counter("mlaserve_generation_tokens", "Tokens generated.", m, self._generation_tokens)
         yield _counter("mlaserve_request_success", "Completions finished, by finish reason.", m,
                        extra_label="finished_reason", by_value=self._success)
-        yield _counter("mlaserve_requests_aborted", "Requests aborted by the server (client gone, shutdown).",
+        yield _counter("mlaserve_requests_aborted", "Completions aborted unfinished by the server (client gone, "
+                       "shutdown).",
                        m, self._aborted)
         fam = CounterMetricFamily("mlaserve_request_errors", "Requests answered with an error, by OpenAI error code "
                                   "(else type) and HTTP status (200: a stream that failed after it started).",

@@ -296,7 +296,7 @@ async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: Ca
         if firsts is None:  # the client left before the first token
             await _close_all(requests)
             for r in requests:
-                state.metrics.on_abort(r.rid)
+                state.metrics.on_abort(r.rid, len(r.choices))
             return Response(status_code=499)
         for r, f in zip(requests, firsts):  # (what a stream's first event tells: Anthropic's message_start usage)
             if f is not None and f.prompt_logprobs:
@@ -476,10 +476,12 @@ async def _events(state: ServerState, requests: list[EngineRequest], firsts: lis
 
     Closing this generator closes every engine stream (aborting what still runs in the engine)."""
     outputs = _outputs_of_one(requests[0], firsts[0]) if len(requests) == 1 else _outputs_merged(requests, firsts)
+    failed = False
     try:
         async for r, out in outputs:
             if out.finish_reason == FINISH_ERROR:
                 state.metrics.on_error(out.error_code or "engine_error")
+                failed = True
                 raise engine_error(out, prompt_field)
             if out.index == 0 and out.cached_tokens:
                 r.cached_tokens = out.cached_tokens
@@ -500,8 +502,8 @@ async def _events(state: ServerState, requests: list[EngineRequest], firsts: lis
         with anyio.CancelScope(shield=True):  # a cancelled caller must not cut the cleanup short
             await outputs.aclose()
         for r in requests:
-            if not r.done:
-                state.metrics.on_abort(r.rid)  # the client went away (or an error cut the stream)
+            if not r.done and not failed:  # the client went away (an error is counted as one, by the middleware)
+                state.metrics.on_abort(r.rid, sum(c.finish_reason is None for c in r.choices))
             state.metrics.on_request_end(r.rid)
 
 

@@ -122,6 +122,27 @@ def test_prefix_cache_reuses_slots_and_keeps_tokens(model_dir):
     assert_no_leak(core)
 
 
+def test_prefix_cache_queries_are_counted_with_the_hits(model_dir):
+    """A completion's prompt is counted as a prefix-cache query when its hits are, at its first admission: a
+    request aborted mid-prefill had its hits counted and its query not, which pushed the hit rate above 1."""
+    shared = prompt(48, 100)
+    params = msgspec.structs.replace(GREEDY, max_tokens=4)
+    core = make_engine(model_dir, chunked_prefill_size=8, max_prefill_tokens=8)
+    alone(core, shared + prompt(5, 101), params)
+    before = core.stats()
+    b = shared + prompt(40, 102)
+    core.add_request(GenerateRequest("b", b, params))
+    core.step()  # admitted: its cached prefix, then 8 of its other 40 tokens
+    core.abort("b")
+    run_to_end(core)
+    after = core.stats()
+    hits = after.prefix_cache_hit_tokens_total - before.prefix_cache_hit_tokens_total
+    assert after.prefix_cache_query_tokens_total - before.prefix_cache_query_tokens_total == len(b)
+    assert len(shared) <= hits < len(b)
+    assert after.prefix_cache_hit_tokens_total <= after.prefix_cache_query_tokens_total
+    assert_no_leak(core)
+
+
 def test_chunked_prefill_same_tokens_and_others_keep_decoding(model_dir):
     long_ids = prompt(150, 7)
     params = msgspec.structs.replace(GREEDY, max_tokens=6)

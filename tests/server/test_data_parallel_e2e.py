@@ -208,6 +208,8 @@ def test_a_killed_replica_fails_its_requests_health_503_and_the_other_serves(mod
                 assert r.status_code == 200 and r.headers[REPLICA] == live, r.text
             assert c.get("/health").status_code == 503  # still not healthy
         assert server.metric("mlaserve_dp_replicas") == 1
+        # the failed stream is an error (counted as one, status 200), not an abort: no client left early
+        assert server.metric("mlaserve_requests_aborted_total") == 0
         assert time.monotonic() - t0 < 60
     finally:
         engines = engine_pids(server)

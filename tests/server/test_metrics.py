@@ -113,7 +113,6 @@ def structural_problems(text: str) -> list[str]:
 @dataclass
 class Expected:
     prompt_tokens: int = 0
-    prefix_queries: int = 0  # every completion's prompt tokens
     generation_tokens: int = 0
     success: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0})
     aborted: int = 0
@@ -130,7 +129,19 @@ def _simulate(rng: np.random.Generator, num_requests: int = 40) -> tuple[list[tu
         rid = f"req-{r}"
         arrival = 1.7e9 + float(rng.uniform(0, 50))
         prompt_tokens = int(rng.integers(1, 300))
-        fate = rng.choice(["finish", "finish", "finish", "abort", "error"])
+        fate = rng.choice(["finish", "finish", "finish", "abort", "error", "score"])
+        if fate == "score":  # max_tokens 0: the prompt is prefilled (and scored), no token comes
+            scheduled = arrival + float(rng.exponential(0.3))
+            done_at = scheduled + float(rng.exponential(0.5))
+            out = RequestOutput(rid, 0, [], finish_reason="length", prompt_tokens=prompt_tokens,
+                                arrival_time=arrival, first_scheduled_time=scheduled)
+            events.append((done_at, "output", out))
+            events.append((done_at + 1e-3, "end", rid))
+            exp.prompt_tokens += prompt_tokens
+            exp.success["length"] += 1
+            for key, value in (("ttft", done_at - arrival), ("queue", scheduled - arrival), ("e2e", done_at - arrival)):
+                exp.obs[key].append(value)
+            continue
         if fate == "error":
             code = str(rng.choice([ERR_OVERLOADED, ERR_CONTEXT, ERR_INVALID, ERR_ENGINE, ERR_SHUTDOWN]))
             out = RequestOutput(rid, 0, [], finish_reason=FINISH_ERROR, prompt_tokens=prompt_tokens,
@@ -144,7 +155,7 @@ def _simulate(rng: np.random.Generator, num_requests: int = 40) -> tuple[list[tu
             continue
         n = int(rng.integers(1, 4))
         abort_at = arrival + float(rng.uniform(0.05, 3.0)) if fate == "abort" else float("inf")
-        last_time = arrival
+        last_time, unfinished = arrival, 0
         for index in range(n):
             scheduled = arrival + float(rng.exponential(0.3))
             first_token = scheduled + float(rng.exponential(0.5))
@@ -166,7 +177,6 @@ def _simulate(rng: np.random.Generator, num_requests: int = 40) -> tuple[list[tu
                     exp.obs["ttft"].append(first_token - arrival)
                     exp.obs["queue"].append(scheduled - arrival)
                     exp.prompt_tokens += prompt_tokens if index == 0 else 0
-                    exp.prefix_queries += prompt_tokens
                 else:
                     exp.obs["itl"].extend([(t - prev) / k] * k)
                 if finished:
@@ -175,10 +185,11 @@ def _simulate(rng: np.random.Generator, num_requests: int = 40) -> tuple[list[tu
                 prev, first = t, False
                 last_time = max(last_time, t)
                 t += float(rng.exponential(0.08))
+            unfinished += done < total
         if fate == "abort":
             when = max(abort_at, last_time) + 1e-3
-            events.append((when, "abort", rid))
-            exp.aborted += 1
+            events.append((when, "abort", (rid, unfinished)))
+            exp.aborted += unfinished  # completions, as successes are counted
             for index in range(n):  # what the engine answers to the abort: ends without tokens
                 out = RequestOutput(rid, index, [], finish_reason=FINISH_ABORT, prompt_tokens=prompt_tokens,
                                     arrival_time=arrival)
@@ -193,7 +204,7 @@ def _replay(metrics: Metrics, events: list[tuple]) -> None:
         if kind == "output":
             metrics.on_output(payload, now)
         elif kind == "abort":
-            metrics.on_abort(payload)
+            metrics.on_abort(*payload)
         elif kind == "error":
             metrics.on_error(payload)
         else:
@@ -206,7 +217,8 @@ def loaded() -> tuple[Metrics, Expected]:
     metrics = Metrics(MODEL)
     _replay(metrics, events)
     metrics.update_engine(EngineStats(num_running=3, num_waiting=5, kv_slots_used=417, kv_slots_total=1024,
-                                      prefix_cache_hit_tokens_total=321, retractions_total=7, prefix_cache_slots=99))
+                                      prefix_cache_hit_tokens_total=321, prefix_cache_query_tokens_total=654,
+                                      retractions_total=7, prefix_cache_slots=99))
     return metrics, exp
 
 
@@ -223,7 +235,7 @@ def test_values_after_random_load(loaded):
     assert _value(s, "mlaserve_requests_aborted_total") == exp.aborted
     for (code, status), count in exp.errors.items():
         assert _value(s, "mlaserve_request_errors_total", code=code, status=status) == count
-    assert _value(s, "mlaserve_prefix_cache_query_tokens_total") == exp.prefix_queries
+    assert _value(s, "mlaserve_prefix_cache_query_tokens_total") == 654  # the engine's, counted with its hits
     bounds = {"ttft": metrics_mod.TTFT_BUCKETS, "itl": metrics_mod.ITL_BUCKETS,
               "e2e": metrics_mod.E2E_BUCKETS, "queue": metrics_mod.QUEUE_BUCKETS}
     for key, name in HISTOGRAMS.items():

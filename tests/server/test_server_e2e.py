@@ -537,6 +537,29 @@ def test_disconnect_mid_stream_aborts(server):
     assert metric(server, "mlaserve_prefix_cache_tokens") > 0
 
 
+def test_a_scored_prompt_and_n_aborted_completions_count(server):
+    """A prompt only scored (max_tokens 0) was prefilled: its prompt tokens count, and it is timed to its
+    prefill's end (it counted in e2e and success, not in prompt tokens or TTFT). Aborts count completions,
+    in the unit of successes: a client gone from an n=2 request is 2."""
+    ttft = "mlaserve_time_to_first_token_seconds_count"
+    before = {name: metric(server, name) for name in ("mlaserve_prompt_tokens_total", ttft)}
+    body = post(server, "/v1/completions", {"prompt": "Score these words for me", "max_tokens": 0, "echo": True,
+                                            "logprobs": 1}).json()
+    assert metric(server, "mlaserve_prompt_tokens_total") - before["mlaserve_prompt_tokens_total"] == \
+        body["usage"]["prompt_tokens"] > 0
+    assert metric(server, ttft) == before[ttft] + 1
+    aborted_before = metric(server, "mlaserve_requests_aborted_total")
+    with httpx.stream("POST", server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": "Go on and on", "max_tokens": 4000, "stream": True, "ignore_eos": True, "n": 2},
+                      timeout=60) as resp:
+        lines = resp.iter_lines()
+        assert any(next(lines).startswith("data: ") for _ in range(6))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and metric(server, "mlaserve_requests_aborted_total") == aborted_before:
+        time.sleep(0.2)
+    assert metric(server, "mlaserve_requests_aborted_total") == aborted_before + 2
+
+
 def test_metrics_text(server, tmp_path):
     text = httpx.get(server.url + "/metrics").text
     for name in ("mlaserve_num_requests_running", "mlaserve_num_requests_waiting", "mlaserve_kv_cache_usage_ratio",
