@@ -20,6 +20,7 @@ The answer's leading whitespace right after `</think>` is layout, not content, a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from server.tool_parsers import find_first, partial_len
@@ -46,6 +47,7 @@ class ReasoningParser:
         # "start": before the first non-space text (deciding whether a <think> opens); "think": inside
         # the reasoning; "answer": after it (or without one)
         self.state = "start"
+        self._opened = kind == "deepseek_r1"  # "start" leads into the reasoning (the prompt opened the block)
         self._buf = ""
         self._strip = False  # drop the answer's leading whitespace (right after </think>)
         self.reasoning_text = ""  # all reasoning so far (for token accounting)
@@ -53,7 +55,7 @@ class ReasoningParser:
     @property
     def in_reasoning(self) -> bool:
         """Whether text fed now would be reasoning (the block is open, or R1's implicit one)."""
-        return self.state == "think" or (self.state == "start" and self.kind == "deepseek_r1")
+        return self.state == "think" or (self.state == "start" and self._opened)
 
     def after_prompt(self, prompt: str, continued: str | None = None) -> None:
         """Start where the prompt leaves the model. A prompt that ends by opening a block (R1's generation
@@ -64,8 +66,8 @@ class ReasoningParser:
         not the generation prompt that opens R1's block."""
         if continued is None:
             tail = prompt.rstrip()
-            if tail.endswith(THINK_OPEN):
-                self.state = "think"
+            if tail.endswith(THINK_OPEN):  # inside; an output that opens the block again has that tag removed
+                self._opened = True
             elif tail.endswith(THINK_CLOSE):
                 self.state, self._strip = "answer", True
             return
@@ -97,7 +99,7 @@ class ReasoningParser:
                 if head.startswith(THINK_OPEN):
                     self._buf = head[len(THINK_OPEN):]
                     self.state = "think"
-                elif self.kind == "deepseek_r1":
+                elif self._opened:
                     self.state = "think"
                 else:
                     self.state = "answer"
@@ -119,6 +121,60 @@ class ReasoningParser:
                 self._strip = not text
             out.content += text
             return out
+
+
+class ReasoningTokens:
+    """Counts one choice's tokens generated inside its reasoning, the tags included. Where `<think>` and
+    `</think>` are one token each (DeepSeek-R1, Qwen3), by their ids, exactly, however the tokens arrive
+    grouped; otherwise by what each delta's text was: a delta that gave reasoning counts whole (one that
+    also closes the block counts its answer tokens too)."""
+
+    def __init__(self, tag_ids: tuple[int, int] | None, inside: bool) -> None:
+        self._tags, self._inside, self._closed, self.count = tag_ids, inside, False, 0
+        self._first = True  # only the output's first token may open a block (as the parser reads it)
+
+    def add(self, ids: list[int], was_reasoning: bool, split: Split) -> None:
+        """A delta's ids; `was_reasoning`: the parser was inside the reasoning before its text, `split`: what
+        its text gave."""
+        if self._tags is None:
+            self.count += len(ids) if was_reasoning or split.reasoning else 0
+            return
+        open_id, close_id = self._tags
+        for i in ids:
+            if self._closed:
+                return
+            if self._first and i == open_id:
+                self._inside = True
+            self._first = False
+            if self._inside:
+                self.count += 1
+                if i == close_id:
+                    self._inside, self._closed = False, True
+
+
+def single_token_tags(encode: Callable[[str], list[int]]) -> tuple[int, int] | None:
+    """The ids of `<think>` and `</think>` where the tokenizer (`encode`) makes each one token."""
+    ids = [encode(tag) for tag in (THINK_OPEN, THINK_CLOSE)]
+    return (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else None
+
+
+class ChoiceReasoning:
+    """One choice's reasoning: its parser, started where the prompt leaves it, and its token count; fed
+    each delta's text and ids."""
+
+    def __init__(self, kind: str, prompt: str, continued: str | None, tag_ids: tuple[int, int] | None) -> None:
+        self.parser = ReasoningParser(kind)
+        self.parser.after_prompt(prompt, continued)
+        self.tokens = ReasoningTokens(tag_ids, self.parser.in_reasoning)
+
+    def feed(self, text: str, ids: list[int], final: bool) -> Split:
+        was_reasoning = self.parser.in_reasoning
+        out = self.parser.feed(text)
+        if final:
+            tail = self.parser.finish()
+            out = Split(out.reasoning + tail.reasoning, out.content + tail.content)
+        self.tokens.add(ids, was_reasoning, out)
+        return out
 
 
 def starts_in_reasoning(kind: str, prompt: str, continued: str | None = None) -> bool:

