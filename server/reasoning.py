@@ -14,7 +14,8 @@ same text the same way. Kinds:
 - `none`: everything is the answer.
 Whatever the kind, a rendered prompt that itself ends with `<think>` or `</think>` (DeepSeek-V3.1's
 template writes one or the other as its `thinking` variable says) decides where the output starts
-(`ReasoningParser.after_prompt`).
+(`ReasoningParser.after_prompt`); an output that opens the block again after a prompt that opened it has
+that tag removed, as vLLM does. `ChoiceReasoning` pairs a choice's parser with its reasoning-token count.
 The answer's leading whitespace right after `</think>` is layout, not content, and is dropped.
 """
 
