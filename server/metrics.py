@@ -212,9 +212,9 @@ class Metrics(Collector):
         key = (out.rid, out.index)
         with self._lock:
             self._generation_tokens += num_new
-            if num_new and out.completion_tokens <= num_new:  # the delta holding the first token
-                self._on_first_token(out, now)
-            elif not out.completion_tokens and out.finish_reason in SUCCESS_REASONS:  # a prompt only scored
+            # the delta holding the first token, or ending a completion with none (a prompt only scored)
+            if (num_new and out.completion_tokens <= num_new) or \
+                    (not out.completion_tokens and out.finish_reason in SUCCESS_REASONS):
                 self._on_first_token(out, now)
             elif num_new:
                 previous = self._last_token_at.get(key)

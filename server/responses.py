@@ -185,7 +185,9 @@ class ChatSerializer(Serializer):
         self.reasoning_kind = parser_kind(self.state.reasoning_parser, tok.chat_template if tok else None)
         self.reasoners: dict[int, ChoiceReasoning] = {}
         self.split: dict[int, Split] = {}
-        self.tag_ids = single_token_tags(lambda t: tok.encode(t, add_special_tokens=False)) if tok else None
+        self.tag_ids = None  # <think>, </think> ids where each is one token (for the count), only when parsing
+        if tok is not None and self.reasoning_kind != "none":
+            self.tag_ids = single_token_tags(lambda t: tok.encode(t, add_special_tokens=False))
         self.echo = self.echo_split()
 
     def echo_split(self) -> Split:
