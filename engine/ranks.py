@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 RANK_ENV = "MLASERVE_RANK_SPEC"  # a rank process's settings (JSON), from the process that starts it
 TIMEOUT_S = 300  # rendezvous, and any one collective: a rank that stops answering fails the others by then
 BEAT_S = 1.0  # how often a rank signs its life in the rendezvous store (Heartbeat)
+STOP_WAIT_S = 10.0  # at most this long for a heartbeat's store call under way when it stops
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,11 @@ class Heartbeat:
                 return
 
     def stop(self) -> None:
+        """Ends the thread and waits for its store call under way: a daemon thread still inside one when the
+        interpreter exits aborts the process (SIGABRT) once the store's host goes away, and a rank that
+        ended cleanly then reported exit code -6."""
         self._stopped.set()
+        self._thread.join(timeout=STOP_WAIT_S)
 
 
 def leave_group() -> None:
@@ -267,15 +272,23 @@ def _check(statuses: list[tuple[str | None, dict[str, str] | None]], what: str =
 
 def follower_main(args: EngineArgs, plan: RankPlan, rank: int) -> None:
     """Main of a rank other than 0: load, report, then run every batch rank 0 sends until it stops."""
-    import torch.distributed as dist
-
     # the process group's signals (Ctrl-C, docker stop) are for whoever started this rank to act on
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(levelname)s %(message)s")
     device = rank_device(args, plan, rank)
     ctl = init_rank(plan, rank, device)
-    Heartbeat(plan, rank)  # until the process ends
+    heartbeat = Heartbeat(plan, rank)
+    try:
+        _follow(args, plan, rank, device, ctl)
+    finally:
+        heartbeat.stop()
+
+
+def _follow(args: EngineArgs, plan: RankPlan, rank: int, device: torch.device, ctl: Any) -> None:
+    """`follower_main`'s work while its heartbeat runs."""
+    import torch.distributed as dist
+
     loaded, error = None, None
     try:
         loaded = load_part(args, device, tokenizer=False)
