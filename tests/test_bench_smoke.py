@@ -502,6 +502,13 @@ def test_llama_bench_json_and_fake_binary(cpu_bench, tmp_path: Path, monkeypatch
     assert ds.run_llama_bench(cmd, 30)["tg"]["avg_ts"] == 9.25
     fake.write_text("#!/bin/sh\necho 'failed to load model' >&2\nexit 1\n")
     assert "failed to load model" in ds.run_llama_bench(cmd, 30)["error"]
+    # llama.cpp's AMX buffers abort on the DeepSeek graph: the run is retried without extra buffer types,
+    # and the command keeps `--repack 0` for the rounds after
+    fake.write_text(f"#!/bin/sh\ncase \"$*\" in *'--repack 0'*) cat {tmp_path / 'out.json'};; *) "
+                    "echo 'ggml-backend.cpp:1294: GGML_ASSERT(*cur_backend_id != -1) failed' >&2; exit 134;; esac\n")
+    retried = ds.run_llama_bench(cmd, 30)
+    assert retried["tg"]["avg_ts"] == 9.25 and "cur_backend_id" in retried["aborted_with_extra_buffers"]
+    assert cmd[-2:] == ["--repack", "0"] and "aborted_with_extra_buffers" not in ds.run_llama_bench(cmd, 30)
 
 
 def test_deepseek_decode_traffic_and_floor(cpu_bench) -> None:
