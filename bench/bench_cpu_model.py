@@ -118,10 +118,11 @@ class LlamaCpp:
     """llama.cpp through llama-cpp-python on the same file (None where the package is absent)."""
 
     def __init__(self, path: str, prompt: list[int], n_decode: int, threads: int) -> None:
-        import llama_cpp
+        from bench import peers
 
-        self.llm = llama_cpp.Llama(model_path=path, n_ctx=len(prompt) + n_decode + 8, n_threads=threads,
-                                   n_threads_batch=threads, n_batch=512, logits_all=False, verbose=False)
+        self.llm = peers.open_llama(path, extra_buffers=peers.extra_buffers(), n_ctx=len(prompt) + n_decode + 8,
+                                    n_threads=threads, n_threads_batch=threads, n_batch=512, logits_all=False,
+                                    verbose=False)
         self.prompt, self.n_decode = prompt, n_decode
 
     def run(self) -> tuple[float, float]:

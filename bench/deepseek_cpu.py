@@ -149,7 +149,7 @@ def floor_figures(bytes_per_token: int, read_bw: float, tok_s: float | None) -> 
 
 def llama_bench_command(binary: Path, model: Path, threads: int, prompt: int, gen: int, reps: int) -> list[str]:
     return [str(binary), "-m", str(model), "-t", str(threads), "-p", str(prompt), "-n", str(gen), "-r", str(reps),
-            "-o", "json"]
+            "-o", "json", *peers.llama_bench_args()]
 
 
 def parse_llama_bench(text: str) -> dict[str, Any]:
@@ -170,24 +170,7 @@ def parse_llama_bench(text: str) -> dict[str, Any]:
     return out
 
 
-# This llama.cpp, built for a CPU with AMX (GGML_NATIVE), puts weights in its AMX buffers that leave a node
-# of the DeepSeek-V2 graph with no backend: llama-bench aborts on this assertion before its first token
-# (q8_0 and q4_k_m; bf16, which the AMX buffers do not take, runs). `--repack 0` keeps every weight in
-# plain CPU buffers: no AMX, and no repacked layout (x86 has none for q8_0; q4_K's is lost too).
-AMX_BUFFER_ABORT = "cur_backend_id != -1"
-
-
 def run_llama_bench(cmd: list[str], timeout: float) -> dict[str, Any]:
-    """One llama-bench run. After the AMX buffers' abort, `--repack 0` is appended to `cmd` itself, so the
-    retry and every later round of the file run so, and the result records the first run's error."""
-    result = _run_llama_bench_once(cmd, timeout)
-    if AMX_BUFFER_ABORT in result.get("error", "") and "--repack" not in cmd:
-        cmd += ["--repack", "0"]
-        return {**_run_llama_bench_once(cmd, timeout), "aborted_with_extra_buffers": result["error"]}
-    return result
-
-
-def _run_llama_bench_once(cmd: list[str], timeout: float) -> dict[str, Any]:
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if p.returncode:
         tail = "\n".join(p.stderr.splitlines()[-15:])

@@ -8,7 +8,7 @@ one small graph per weight (`y = W x`, x f32 as llama.cpp's activations are; ggm
 `vec_dot` type itself), and the weight in the CPU device's repacking buffer ("CPU_REPACK") where
 llama.cpp would put it there: on AVX2 that is Q4_0, Q4_K and IQ4_NL, interleaved 8 rows at a time
 for its GEMM/GEMV kernels (`GgmlLinear.repacked`; `repack=False` keeps the blocks as stored). Not on
-a CPU with AMX, where llama-cpp-python 0.3.36 crashed in those buffers (tests/llama_cpp_oracle.py).
+a CPU with AMX-INT8, where llama.cpp 0.3.36 crashes in its extra buffers (bench/peers.py).
 
 llama-cpp-python's wheel builds ggml with OpenMP: its graphs then run on libgomp's threads, which spin
 after each graph for as long as `GOMP_SPINCOUNT` says (read when the library loads; the thread pool's
@@ -33,6 +33,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 import cpp_experts
+from bench import peers
 
 def ggml_type(fmt: str) -> int:
     """The ggml type number of a QuantLinear weight format (q4_k -> Q4_K, bf16 -> BF16)."""
@@ -105,7 +106,7 @@ class GgmlPool:
         self.cpu_buft = b.ggml_backend_cpu_buffer_type()
         self.repack_buft = None
         extra = b.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
-        if extra and not cpp_experts.info()["amx_hw"]:  # see the module docstring
+        if extra and peers.extra_buffers():  # see the module docstring
             bufts = _EXTRA_BUFTS(extra)(self.dev)
             for i in range(16):
                 if not bufts[i]:

@@ -135,6 +135,59 @@ def binary_version(path: Path) -> str | None:
     return lines[0] if lines else None
 
 
+# ------------------------------------------------------------------------------- extra buffers
+# llama.cpp keeps weights it has faster kernels for in "extra" buffers (AMX tiles, repacked
+# interleavings). On a CPU with AMX-INT8, llama.cpp 0.3.36 built natively crashes in its AMX ones
+# (a 2-core Xeon VM, 2026-12-04): llama-server and llama-bench segfault on SmolLM2 Q4_1 at a 64-token
+# prompt, llama-bench aborts on a DeepSeek-V2 graph (`GGML_ASSERT(*cur_backend_id != -1)`, q8_0 and
+# q4_k_m), llama-cpp-python's wheel segfaults evaluating a 128-token prompt. There the peers run with
+# extra buffers off: ggml's plain CPU kernels (x86 repacks no q8_0 or bf16; Q4_0, Q4_K and IQ4_NL lose
+# their interleaving too). Elsewhere they keep llama.cpp's default.
+
+
+def amx_int8_cpu() -> bool:
+    """Whether this CPU has AMX-INT8 (Linux: /proc/cpuinfo's flags; False where that is unreadable)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return any(line.startswith("flags") and " amx_int8" in line for line in f)
+    except OSError:
+        return False
+
+
+def extra_buffers() -> bool:
+    """Whether the peers use llama.cpp's extra weight buffers here (see above)."""
+    return not amx_int8_cpu()
+
+
+def llama_bench_args() -> list[str]:
+    return [] if extra_buffers() else ["--repack", "0"]
+
+
+def llama_server_args() -> list[str]:
+    return [] if extra_buffers() else ["--no-repack"]
+
+
+def open_llama(path: str | os.PathLike[str], *, extra_buffers: bool, **kwargs: Any) -> Any:
+    """`llama_cpp.Llama(model_path=path, **kwargs)`, its extra buffers on or off (the binding has no
+    argument for them, so its default-params function is wrapped while the model loads)."""
+    import llama_cpp
+    from llama_cpp import llama as llama_module
+
+    defaults = llama_module.llama_cpp.llama_model_default_params
+
+    def params() -> Any:
+        p = defaults()
+        if hasattr(p, "use_extra_bufts"):
+            p.use_extra_bufts = extra_buffers
+        return p
+
+    llama_module.llama_cpp.llama_model_default_params = params
+    try:
+        return llama_cpp.Llama(model_path=str(path), **kwargs)
+    finally:
+        llama_module.llama_cpp.llama_model_default_params = defaults
+
+
 def status() -> dict[str, Any]:
     info: dict[str, Any] = {
         "llama_cpp_python_version": llama_cpp_version(),

@@ -230,7 +230,7 @@ def mlaserve_command(model: str, port: int, extra: list[str]) -> list[str]:
 def llama_server_command(binary: Path, gguf: str, port: int, parallel: int, threads: int, ctx: int,
                          extra: list[str]) -> list[str]:
     return [str(binary), "-m", gguf, "-np", str(parallel), "-t", str(threads), "-c", str(ctx), "--host",
-            "127.0.0.1", "--port", str(port), "--no-webui", *extra]
+            "127.0.0.1", "--port", str(port), "--no-webui", *peers.llama_server_args(), *extra]
 
 
 def slot_context(prompt_tokens: int, max_tokens: int) -> int:

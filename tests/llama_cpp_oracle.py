@@ -10,26 +10,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from bench import peers
+
 
 def open_llama(path: str | os.PathLike[str], **kwargs: Any) -> Any:
-    """`llama_cpp.Llama(model_path=path, **kwargs)` with `use_extra_bufts` off (the binding has no
-    argument for it, so its default-params function is wrapped while the model loads)."""
-    import llama_cpp
-    from llama_cpp import llama as llama_module
-
-    defaults = llama_module.llama_cpp.llama_model_default_params
-
-    def params() -> Any:
-        p = defaults()
-        if hasattr(p, "use_extra_bufts"):
-            p.use_extra_bufts = False
-        return p
-
-    llama_module.llama_cpp.llama_model_default_params = params
-    try:
-        return llama_cpp.Llama(model_path=str(path), **kwargs)
-    finally:
-        llama_module.llama_cpp.llama_model_default_params = defaults
+    """`llama_cpp.Llama(model_path=path, **kwargs)` with llama.cpp's extra weight buffers off."""
+    return peers.open_llama(path, extra_buffers=False, **kwargs)
 
 
 def quantize_with_llama(src: str | os.PathLike[str], dst: str | os.PathLike[str], ftype: str) -> None:
