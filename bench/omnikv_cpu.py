@@ -271,11 +271,12 @@ def floor_llama(path: str, items: list[dict[str, Any]], ref: dict[tuple, list[to
     """llama.cpp (llama-cpp-python, its defaults: an f16 KV cache) on the same GGUF and prompt tokens, full
     attention: each needle prompt answered greedily, then fed the reference's tokens; the same per-step
     measures as `floor_pass` for its full attention."""
-    import llama_cpp
     import numpy as np
 
-    llm = llama_cpp.Llama(model_path=path, n_ctx=MAX_CTX, n_threads=threads, n_threads_batch=threads,
-                          n_batch=512, logits_all=False, verbose=False)
+    from bench import peers
+
+    llm = peers.open_llama(path, extra_buffers=peers.extra_buffers(), n_ctx=MAX_CTX, n_threads=threads,
+                           n_threads_batch=threads, n_batch=512, logits_all=False, verbose=False)
     logits = lambda: torch.from_numpy(  # noqa: E731
         np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()).log_softmax(-1)
     stop = {llm.token_eos()}
@@ -402,7 +403,7 @@ def floor(model: str, budget: float, overrides: dict[str, Any], h32: Harness, id
         print(f"floor llama_cpp: {time.perf_counter() - t0:.0f} s", flush=True)
     result: dict[str, Any] = {"runs": {"fp32": "native forward, fp32 KV cache (the reference)",
                                        "kv_bf16": "native forward as served (bf16 KV cache)",
-                                       "llama_cpp": "llama-cpp-python on the same GGUF, its defaults (f16 KV cache)"},
+                                       "llama_cpp": "llama-cpp-python on the same GGUF, its defaults (f16 KV cache; extra weight buffers off on a CPU with AMX-INT8, bench/peers.py)"},
                               "needle_seeds": seeds, "forced_steps": forced_tokens}
     mean = lambda xs: round(statistics.mean(xs), 5) if xs else None  # noqa: E731
     rate = lambda xs: round(sum(xs) / len(xs), 4) if xs else None  # noqa: E731

@@ -45,6 +45,7 @@ import argparse
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -52,6 +53,7 @@ from pathlib import Path
 # PyTorch's OpenMP workers spin after each op and would steal a core from our pool (see moe_cpu.py);
 # so do ggml's (ggml_peer.py), whose libgomp reads this when it loads.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.peers`, as ggml_peer.py imports it
 
 import gguf  # noqa: E402
 import numpy as np  # noqa: E402
