@@ -1,6 +1,7 @@
 """CPU benchmark of the model core on one GGUF file: prefill and single-request greedy decode through our
 CPU-native forward (the weights as the file stores them, `--cpu-weight-dtype file`), against llama.cpp
-(llama-cpp-python, the same file, the same thread count) in the same run.
+(llama-cpp-python, the same file, the same thread count; its extra weight buffers off on a CPU with
+AMX-INT8, where they crash: bench/peers.py) in the same run.
 
 Floor: a decode step reads every weight it multiplies by once, so seconds per token >= those bytes
 (every linear layer and the output head in the kernels' packed form, which is the file's blocks

@@ -32,7 +32,8 @@ the C++ pool whatever is named; `torch` matters with `--engine-arg cpu_kernels=t
 without it can point `MLASERVE_CPP_EXPERTS_LIB` at another checkout's `cpp_experts/_C*.so`
 (recorded in the JSON). A backend that cannot load is recorded as skipped with the error.
 
-Peer: `llama-bench -m <file> -t <threads> -p 512 -n 64 -r 1 -o json` per round (built by `make
+Peer: `llama-bench -m <file> -t <threads> -p 512 -n 64 -r 1 -o json` per round, with `--repack 0` on a
+CPU with AMX-INT8, where llama.cpp's AMX weight buffers crash (bench/peers.py) (built by `make
 peers`; skipped with the reason when absent). Rounds interleave ours and llama-bench per file
 (order alternates), medians over `--rounds` after a warm-up; the machine may be shared and noisy:
 each measurement first waits (at most `--quiet-wait` s) for the CPUs to be less than

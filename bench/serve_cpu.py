@@ -10,7 +10,8 @@ prefix cache serves it from an earlier request; `max_tokens` 128, `temperature` 
 Tokens are counted from each server's `usage` (both must report exactly `max_tokens`).
 
 Peer: `llama-server -m <the same .gguf> -np N -t <cores> -c N x (prompt + max_tokens + slack)` (one
-KV slice per slot), built by `make peers` (bench/peers.py); where it is absent the peer is recorded
+KV slice per slot; `--no-repack` on a CPU with AMX-INT8, where llama.cpp's AMX weight buffers crash),
+built by `make peers` (bench/peers.py); where it is absent the peer is recorded
 as skipped. Both servers are started once and stay up; while one is measured the other is idle.
 Rounds are interleaved (ours, peer, peer, ours, ...: the order alternates) after a warm-up of both,
 and medians over `--rounds` are reported with every raw sample. The machine may be shared and noisy.
