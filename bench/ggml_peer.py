@@ -32,8 +32,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-import cpp_experts
 from bench import peers
+
 
 def ggml_type(fmt: str) -> int:
     """The ggml type number of a QuantLinear weight format (q4_k -> Q4_K, bf16 -> BF16)."""
