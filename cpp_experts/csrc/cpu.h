@@ -52,11 +52,14 @@ inline bool nta_decode_prefetch() {
 // a Zen 5 (family 1Ah): there each burst of prefetcht1 stalled the core (~19% of the attention's
 // samples on the instructions after them, 16 requests at ~200 keys), and without it the attention
 // phase was 2-14% shorter in every run (bench/batch_decode_cpu.py,
-// batch_decode_cpu_zen5_avx512_no_far_lead*.json). Every CPU but Zen 5 keeps it: Intel is unmeasured.
+// batch_decode_cpu_zen5_avx512_no_far_lead*.json). On a 2-core Intel Xeon VM (AVX-512, AMX) it cost too:
+// without it SmolLM2 decoded 1.02-1.03x faster at 4-16 requests of ~200 keys and 1.04-1.06x at ~1.5K keys
+// (6 interleaved rounds each, batch_decode_cpu_intel_xeon_amx_no_far_lead*.json). So it is on where it
+// measured to pay, AMD family 19h, and off elsewhere (unmeasured CPUs take the plain next-tile prefetch).
 // Read once per attention call, into its Layout.
 inline bool attention_far_lead() {
   const CpuInfo& cpu = cpu_info();
-  return !(cpu.amd && cpu.family == 0x1a);
+  return cpu.amd && cpu.family == 0x19;
 }
 
 }  // namespace cpx
