@@ -138,8 +138,8 @@ def binary_version(path: Path) -> str | None:
 # ------------------------------------------------------------------------------- extra buffers
 # llama.cpp keeps weights it has faster kernels for in "extra" buffers (AMX tiles, repacked
 # interleavings). On a CPU with AMX-INT8, llama.cpp 0.3.36 built natively crashes in its AMX ones
-# (a 2-core Xeon VM, 2026-12-04): llama-server and llama-bench segfault on SmolLM2 Q4_1 at a 64-token
-# prompt, llama-bench aborts on a DeepSeek-V2 graph (`GGML_ASSERT(*cur_backend_id != -1)`, q8_0 and
+# (a 2-core Xeon VM, 2026-12-04): on SmolLM2 Q4_1 llama-bench segfaults at a 64-token prompt and
+# llama-server in the served benchmark's warm-up, llama-bench aborts on a DeepSeek-V2 graph (`GGML_ASSERT(*cur_backend_id != -1)`, q8_0 and
 # q4_k_m), llama-cpp-python's wheel segfaults evaluating a 128-token prompt. There the peers run with
 # extra buffers off: ggml's plain CPU kernels (x86 repacks no q8_0 or bf16; Q4_0, Q4_K and IQ4_NL lose
 # their interleaving too). Elsewhere they keep llama.cpp's default.
