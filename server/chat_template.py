@@ -24,6 +24,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
+from pydantic_core import from_json
 
 
 class ChatTemplateError(ValueError):
@@ -89,7 +90,7 @@ def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
         args = function.get("arguments")
         if isinstance(args, str):
             try:
-                parsed = json.loads(args)
+                parsed = from_json(args)
             except ValueError:
                 parsed = None
             if isinstance(parsed, dict):

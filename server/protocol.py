@@ -29,7 +29,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationInfo
 from pydantic import PrivateAttr, field_validator, model_serializer, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic_core import PydanticCustomError, from_json
 
 from scheduler.sampling_params import TOP_K_ALL, ParamError, SamplingParams
 from server.generation_defaults import GENERATION_FIELDS, with_defaults
@@ -650,7 +650,7 @@ def checked_sampling_params(req: ChatCompletionRequest | CompletionRequest, voca
 
 def _is_json(text: str | bytes) -> bool:
     try:
-        json.loads(text)
+        from_json(text)
     except ValueError:
         return False
     return True

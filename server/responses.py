@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pydantic_core import to_json
+from pydantic_core import from_json, to_json
 
 from engine.messages import TokenLogprob
 from server.generation_defaults import GENERATION_FIELDS, with_defaults
@@ -769,7 +769,7 @@ def _tool_input(arguments: str) -> dict[str, Any]:
     max_tokens (not JSON yet; the reply's stop_reason says max_tokens, and Anthropic's advice is to ask
     again with more; a stream has sent the partial text in its input_json_delta events)."""
     try:
-        value = json.loads(arguments)
+        value = from_json(arguments)
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}

@@ -33,6 +33,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from pydantic_core import from_json
 
 from engine.messages import (
     ERR_CONTEXT,
@@ -237,7 +238,7 @@ async def _json_body(raw: Request, model_for: Callable[[dict], type[BaseModel]])
     """The body as the request model `model_for` picks for its JSON object; ClientError (400, naming the
     field as every route's validation errors do) otherwise."""
     try:
-        data = json.loads(await raw.body())
+        data = from_json(await raw.body())  # pydantic's parser: a depth limit (ValueError), no RecursionError
     except ValueError as e:
         raise ClientError(400, f"the body is not valid JSON: {e}") from None
     if not isinstance(data, dict):

@@ -35,6 +35,8 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from pydantic_core import from_json
+
 from scheduler.sampling_params import ParamError, StructuredOutput
 
 # keywords the grammar engine enforces (checked one by one against xgrammar 0.2.x in the tests)
@@ -119,8 +121,8 @@ def json_schema_output(schema: Any, param: str) -> StructuredOutput:
     """A checked JSON Schema constraint (dict or JSON text)."""
     if isinstance(schema, str):
         try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
+            schema = from_json(schema)
+        except ValueError as e:
             raise ParamError(_top(param), f"{param} is not valid JSON: {e}") from None
     return _output(check_json_schema(schema, param), param)
 

@@ -283,7 +283,10 @@ def _scan_object(text: str, pos: int) -> tuple[dict[str, tuple[Any, int, int]], 
         if not text.startswith(":", pos):
             raise ValueError("expected ':'")
         start = _JSON_WS.match(text, pos + 1).end()
-        value, end = _DECODER.raw_decode(text, start)
+        try:
+            value, end = _DECODER.raw_decode(text, start)
+        except RecursionError:  # the stdlib decoder recurses per nesting level
+            raise ValueError("nested too deeply") from None
         members[key] = (value, start, end)
         pos = _JSON_WS.match(text, end).end()
         if text.startswith("}", pos):

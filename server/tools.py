@@ -32,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic_core import from_json
+
 from scheduler.sampling_params import ParamError, StructuredOutput
 from server.chat_template import accepts_system, writes_tool_messages
 from server.protocol import ChatInput, NamedToolChoice
@@ -158,7 +160,7 @@ def with_call_markup(messages: list[dict[str, Any]], template: str | None) -> li
                 fn = c.get("function") or {}
                 args = fn.get("arguments")
                 try:
-                    parsed = json.loads(args) if isinstance(args, str) else args
+                    parsed = from_json(args) if isinstance(args, str) else args
                 except ValueError:
                     parsed = args  # not JSON: written as the text it is
                 call = {"name": fn.get("name"), "arguments": parsed if parsed is not None else {}}

@@ -447,6 +447,40 @@ def test_bad_json_and_large_body(server):
     assert_error(post(server, "/v1/completions", {"prompt": [10**9], "max_tokens": 2}), 400, "prompt")
 
 
+DEEP = "[" * 3000 + "]" * 3000  # deeper than Python's recursion limit: the stdlib parser raises RecursionError
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                                  "/v1/messages/count_tokens", "/tokenize", "/detokenize"])
+def test_a_body_nested_too_deeply_is_a_400_on_every_route(server, path):
+    """Valid JSON nested thousands of levels deep: a 400 saying so (the routes that parsed the body with
+    the stdlib's recursive parser answered 500 RecursionError), and the server answers the next request."""
+    raw = b'{"prompt": "hi", "messages": [], "extra": ' + DEEP.encode() + b"}"
+    resp = httpx.post(server.url + path, content=raw, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    assert "JSON" in resp.json()["error"]["message"], resp.text
+    assert post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2}).status_code == 200
+
+
+def test_json_strings_nested_too_deeply_are_not_500s(server):
+    """JSON *inside* strings: an assistant turn's tool-call arguments (kept as the text they are when they
+    do not parse) and a guided_json schema (a 400 naming it)."""
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    resp = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+    assert resp.status_code in (200, 400), resp.text
+    items = [{"role": "user", "content": "hi"},
+             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": DEEP},
+             {"type": "function_call_output", "call_id": "c1", "output": "ok"}]
+    resp = post(server, "/v1/responses", {"input": items, "max_output_tokens": 2})
+    assert resp.status_code in (200, 400), resp.text
+    resp = post(server, "/v1/chat/completions", {"messages": messages[:1], "max_tokens": 2, "guided_json": DEEP})
+    assert_error(resp, 400, "guided_json")
+
+
 @pytest.mark.parametrize(("path", "raw", "param"), [
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}',
      "messages.[0].content"),
