@@ -33,7 +33,6 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from pydantic_core import from_json
 
 from engine.messages import (
     ERR_CONTEXT,
@@ -237,10 +236,14 @@ async def _detokenize(state: ServerState, body: DetokenizeRequest) -> Detokenize
 async def _json_body(raw: Request, model_for: Callable[[dict], type[BaseModel]]) -> Any:
     """The body as the request model `model_for` picks for its JSON object; ClientError (400, naming the
     field as every route's validation errors do) otherwise."""
+    # the stdlib's parser, not pydantic's from_json, which refuses a lone surrogate before validation can
+    # name its field; the stdlib's recurses per nesting level
     try:
-        data = from_json(await raw.body())  # pydantic's parser: a depth limit (ValueError), no RecursionError
+        data = json.loads(await raw.body())
     except ValueError as e:
         raise ClientError(400, f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ClientError(400, "the body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise ClientError(400, "the body must be a JSON object")
     try:
