@@ -60,7 +60,11 @@ class ChoiceText:
         shown = len(ids)
         stopped_on = ids[-1] if out.finish_reason == FINISH_STOP and ids else None
         if stopped_on in self.hidden_ids:
-            shown -= 1  # as vLLM: the id stays in token_ids, usage and logprobs; its text is not shown
+            shown -= 1  # as vLLM: the id stays in token_ids and usage; its text is not shown
+        # a stop or EOS id that ended the choice without text of its own gets no logprob either, as OpenAI's
+        # (the logprobs describe the text: chat's `content` tokens join to the message)
+        scored = len(ids) - (stopped_on is not None and stopped_on in self.eos_ids | self.stop_ids
+                             and (stopped_on in self.hidden_ids or not self.detok.shows(stopped_on)))
         quiet = max(0, min(shown, self.min_tokens - len(self.token_ids)))  # ids before min_tokens: no stop string ends there
         lps = out.logprobs or []
         if lps:  # one id at a time: where each token's text starts and ends
@@ -70,7 +74,7 @@ class ChoiceText:
                 if k < shown:
                     pieces.append(self.detok.add((token,)))
                     self._produced += len(pieces[-1])
-                if k < len(lps):
+                if k < min(len(lps), scored):
                     self._pending.append(_Pending(lps[k], start, self._produced))
             early, late = "".join(pieces[:quiet]), "".join(pieces[quiet:])
         else:

@@ -78,6 +78,10 @@ class IncrementalDetokenizer:
         self._read = len(self._ids)  # sealed; the window's text up to here was sent
         self._sent = len(self._decode(0, self._read))  # characters of the window's text already sent
 
+    def shows(self, token_id: int) -> bool:
+        """Whether this id's own text can appear in the output (special tokens are skipped unless asked for)."""
+        return token_id not in self._skipped
+
     def _decode(self, start: int, end: int | None = None) -> str:
         return self._tok.decode(self._ids[start:end], skip_special_tokens=self._skip)
 

@@ -381,6 +381,10 @@ def test_stop_token_ids_end_the_completion(server, client, tok):
     assert choice["stop_reason"] == stop_id
     kept = post(server, "/v1/completions", {**body, "stop_token_ids": [stop_id], "include_stop_str_in_output": True})
     assert kept.json()["choices"][0]["text"] == tok.decode(full["token_ids"][: first + 1])  # as vLLM: shown
+    for include, scored in ((False, first), (True, first + 1)):  # the stop id's logprob goes with its text
+        lp = post(server, "/v1/completions", {**body, "stop_token_ids": [stop_id], "logprobs": 1,
+                                              "include_stop_str_in_output": include}).json()["choices"][0]["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == scored, lp
     for stream_flag in (False, True):
         resp = client.chat.completions.create(model=model, messages=MSG, max_tokens=24, temperature=0,
                                               stream=stream_flag, extra_body={"stop_token_ids": [stop_id], "ignore_eos": True})
@@ -389,6 +393,30 @@ def test_stop_token_ids_end_the_completion(server, client, tok):
             assert resp[-1].choices[0].finish_reason in ("stop", "length")
         else:
             assert resp.choices[0].finish_reason in ("stop", "length")
+
+
+def test_the_eos_that_ends_a_reply_has_no_logprob(server, tok):
+    """As OpenAI's: `logprobs.content` covers the message's text, so its tokens join to the content; the
+    EOS that ended the reply (no text of its own) is counted in usage but not scored. Streamed alike."""
+    model = server_model_id(server)
+    eos = sorted(tok.eos_token_ids)[0]
+    for bias, want_tokens in ((100, 0), (4, None)):  # EOS at once; EOS somewhat favoured (a few tokens first)
+        body = {"model": model, "messages": MSG, "max_tokens": 40, "temperature": 0, "logprobs": True,
+                "top_logprobs": 2, "logit_bias": {str(eos): bias}}
+        resp = post(server, "/v1/chat/completions", body).json()
+        choice = resp["choices"][0]
+        tokens = [t["token"] for t in choice["logprobs"]["content"]]
+        assert "".join(tokens) == choice["message"]["content"], choice
+        if choice["finish_reason"] == "stop":
+            assert len(tokens) == resp["usage"]["completion_tokens"] - 1, (tokens, resp["usage"])
+        if want_tokens is not None:
+            assert tokens == [] and choice["finish_reason"] == "stop", choice
+        events = httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60,
+                            headers={"Authorization": f"Bearer {KEY}"}).text
+        chunks = [json.loads(line[6:]) for line in events.splitlines()
+                  if line.startswith("data: {")]
+        streamed = [t["token"] for c in chunks for ch in c["choices"] for t in ((ch.get("logprobs") or {}).get("content") or [])]
+        assert streamed == tokens, (streamed, tokens)
 
 
 @pytest.mark.parametrize(
