@@ -17,7 +17,8 @@ one would get output that silently breaks its schema, so it is refused with a 40
 and where it is. Keywords JSON Schema's vocabularies do not define (`x-order`, ...) and those that only
 annotate (`title`, `contentMediaType`, `$anchor`, ...) are ignored, as validators ignore them. `oneOf` is
 enforced as `anyOf` (a value matching two branches is not excluded), and a `pattern` is matched as a
-whole (anchored), which only narrows what is produced. `minLength` or `maxLength` beside a `pattern` or
+whole (anchored) and written without the characters JSON escapes (`xgrammar_pattern`), which only
+narrows what is produced. `minLength` or `maxLength` beside a `pattern` or
 `format` is refused: xgrammar would drop the length.
 
 The schema sent to the engine (`_engine_schema`) is still the client's, in the forms xgrammar keeps:
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import json
 import re
+import re._parser as _sre  # the stdlib's own regex parser (read by xgrammar_pattern)
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -311,10 +313,20 @@ def _engine_schema(schema: Any, param: str) -> Any:
         if "properties" in out or "required" in out:
             out = _object(out, path or "/", param)
         if isinstance(out.get("pattern"), str):
-            out["pattern"] = xgrammar_pattern(out["pattern"])
+            out["pattern"] = served_pattern(out["pattern"], path)
         if isinstance(out.get("patternProperties"), dict):
-            out["patternProperties"] = {xgrammar_pattern(p): sub for p, sub in out["patternProperties"].items()}
+            out["patternProperties"] = {served_pattern(p, f"{path}/patternProperties"): sub
+                                        for p, sub in out["patternProperties"].items()}
         return out
+
+    def served_pattern(pattern: str, where: str) -> str:
+        served = xgrammar_pattern(pattern)
+        if served is None:
+            raise ParamError(_top(param), f"{param}: the pattern {pattern!r} (at {where or '/'}) matches only "
+                             "strings with a '\"', a '\\' or a control character, which constrained decoding "
+                             "does not write; match them with a class that offers other characters too, or "
+                             "leave them out")
+        return served
 
     return _map_schemas(schema, "", node)
 
@@ -384,7 +396,117 @@ def _literal(pattern: str) -> str | None:
     return re.sub(r"\\(.)", r"\1", m.group(1)) if m else None
 
 
-def xgrammar_pattern(pattern: str) -> str:
+def xgrammar_pattern(pattern: str) -> str | None:
+    """`pattern` as xgrammar must see it to write only valid JSON strings whose values match it; None if
+    no such string can be written.
+
+    xgrammar writes a pattern made of literals as raw text, so a literal `"`, `\\` or control character
+    in it broke the JSON (`^a"b$` gave `"a"b"`, `^a\\nb$` a newline); in its other patterns it leaves
+    those characters out. They are never written, then, the same way everywhere: a part of the pattern
+    that needs one is dropped (an alternative, an optional part) and the pattern is None if nothing is
+    left; classes lose them (negated classes are told to). What is produced still matches the pattern.
+    A pattern Python's `re` cannot read, or with lookarounds, back-references or inline flags (which
+    xgrammar does not take either), is passed on as written (`_optional_groups`)."""
+    try:
+        return _json_pattern(_sre.parse(pattern).data)
+    except (re.error, _Unsupported, RecursionError):
+        return _optional_groups(pattern)
+
+
+class _Unsupported(Exception):
+    pass
+
+
+_UNWRITABLE = "\\x00-\\x1f\\x22\\x5c"  # (as a class's members) what a JSON string holds only escaped
+_CATEGORIES = {"CATEGORY_DIGIT": "\\d", "CATEGORY_NOT_DIGIT": "\\D", "CATEGORY_SPACE": "\\s",
+               "CATEGORY_NOT_SPACE": "\\S", "CATEGORY_WORD": "\\w", "CATEGORY_NOT_WORD": "\\W"}
+
+
+def _writable(c: int) -> bool:
+    return c >= 0x20 and c not in (0x22, 0x5C)
+
+
+def _char(c: int) -> str:
+    ch = chr(c)
+    return ch if ch.isalnum() or ch == " " or c > 127 else f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+
+
+def _json_pattern(items: list, depth: int = 0) -> str | None:
+    """Regex text of a parsed pattern (`re._parser`'s items) without the characters JSON escapes; None
+    where every match needs one."""
+    if depth > 100:
+        raise _Unsupported
+    out = []
+    for op, av in items:
+        name = str(op)
+        if name == "LITERAL":
+            if not _writable(av):
+                return None
+            out.append(_char(av))
+        elif name == "NOT_LITERAL":
+            out.append(f"[^{_char(av)}{_UNWRITABLE}]")
+        elif name == "ANY":
+            out.append(".")
+        elif name == "IN":
+            negated = bool(av) and str(av[0][0]) == "NEGATE"
+            parts = []
+            for iop, iav in av[1:] if negated else av:
+                iname = str(iop)
+                if iname == "LITERAL":
+                    parts += [_char(iav)] if negated or _writable(iav) else []
+                elif iname == "RANGE":
+                    lo, hi = iav
+                    spans = [(lo, hi)] if negated else [
+                        (a, b) for a, b in ((max(lo, 0x20), min(hi, 0x21)), (max(lo, 0x23), min(hi, 0x5B)),
+                                            (max(lo, 0x5D), hi)) if a <= b]
+                    parts += [_char(a) if a == b else f"{_char(a)}-{_char(b)}" for a, b in spans]
+                elif iname == "CATEGORY" and str(iav) in _CATEGORIES:
+                    parts.append(_CATEGORIES[str(iav)])  # (xgrammar leaves the unwritable out of these)
+                else:
+                    raise _Unsupported
+            if negated:
+                out.append(f"[^{''.join(parts)}{_UNWRITABLE}]")
+            elif not parts:
+                return None
+            else:
+                out.append(f"[{''.join(parts)}]")
+        elif name == "BRANCH":  # an empty alternative (re's parser makes `b\\.|b` into `b(?:\\.|)`) as {0,1}
+            alts = [_json_pattern(alt.data, depth + 1) for alt in av[1]]
+            full = [a for a in alts if a]
+            if not full:
+                if "" in alts:
+                    continue
+                return None
+            out.append(f"(?:{'|'.join(full)})" + ("{0,1}" if "" in alts else ""))
+        elif name == "SUBPATTERN":
+            _group, add_flags, del_flags, sub = av
+            if add_flags or del_flags:
+                raise _Unsupported
+            body = _json_pattern(sub.data, depth + 1)
+            if body is None:
+                return None
+            out.append(f"(?:{body})" if body else "")
+        elif name in ("MAX_REPEAT", "MIN_REPEAT"):  # laziness does not change what matches whole
+            lo, hi, sub = av
+            body = _json_pattern(sub.data, depth + 1)
+            if body is None and lo > 0:
+                return None
+            if not body:
+                continue
+            if hi != _sre.MAXREPEAT:
+                out.append(f"(?:{body}){{{lo},{hi}}}")
+            else:  # not `{lo,}`: xgrammar 0.2.9 let `(?:b){0,}` inside a group take what `b*` does not
+                out.append((f"(?:{body}){{{lo - 1}}}" if lo > 1 else "") + f"(?:{body})" + ("+" if lo else "*"))
+        elif name == "AT" and str(av) in ("AT_BEGINNING", "AT_BEGINNING_STRING"):
+            out.append("^")
+        elif name == "AT" and str(av) in ("AT_END", "AT_END_STRING"):
+            out.append("$")
+        else:
+            raise _Unsupported
+    return "".join(out)
+
+
+def _optional_groups(pattern: str) -> str:
     """`pattern` with every optional group `(...)?` written `(...){0,1}`: the same language. xgrammar 0.2.9
     turns a JSON Schema pattern's optional group with a repetition inside, between other parts, into
     one that drops the group's first part: `^x(ab+)?Z$` took "xbZ" (its regex kind is not affected).

@@ -181,7 +181,7 @@ def random_pattern(rng, depth: int = 0) -> str:
         if d > 2 or r < 0.4:
             return rng.choice(["a", "b", "[ab]", "\\.", "."])
         return "(" + random_pattern(rng, d + 1) + ("|" + random_pattern(rng, d + 1) if r > 0.7 else "") + ")"
-    return "".join(atom(depth) + rng.choice(["", "", "", "?", "*", "+", "{1,2}", "{0,1}", "{2}"])
+    return "".join(atom(depth) + rng.choice(["", "", "", "?", "*", "+", "{1,2}", "{0,1}", "{2}", "{2,}"])
                    for _ in range(rng.randint(1, 3)))
 
 
@@ -201,6 +201,90 @@ def test_served_patterns_match_exactly_what_python_re_matches(backend):
         extra = ["xZ", "xbZ", "xabbZ", "x12Z", "xa12Z", ")c", "bc", ")bc", "()", "(x)", "x"]
         for text in strings + extra:
             assert accepts(backend, compiled, json.dumps(text)) == bool(re.fullmatch(p, text)), (p, text)
+
+
+ASCII = [chr(c) for c in range(1, 128)]  # control characters, '"' and '\\' too: what a JSON string must escape
+
+
+@pytest.fixture(scope="module")
+def ascii_backend():
+    from tokenizers import AddedToken, Tokenizer, models
+
+    vocab = {c: i for i, c in enumerate(ASCII)} | {"</s>": len(ASCII)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
+    tok.add_special_tokens([AddedToken("</s>", special=True)])
+    return GrammarBackend(tok, len(vocab), [len(ASCII)])
+
+
+def ascii_accepts(backend: GrammarBackend, compiled, text: str) -> bool:
+    g = backend.grammar(compiled)
+    return all(g.accept(ASCII.index(ch)) for ch in text) and g.accept(len(ASCII)) and g.terminated
+
+
+def random_json_pattern(rng, depth: int = 0) -> str:
+    """A random pattern of literals and classes over characters a JSON string escapes and ones it does not."""
+    def atom(d: int) -> str:
+        r = rng.random()
+        if d > 1 or r < 0.5:
+            return rng.choice(["a", '"', "\\\\", "\\n", "\\t", "\\x01", "-", '["a]', "[\\\\\\n]", "[\\x00-#]",
+                               "[ -~]", "\\s", "[\\sa]", "\\x5c", "\\u0022", "[a-]"])
+        return "(" + random_json_pattern(rng, d + 1) + ("|" + random_json_pattern(rng, d + 1) if r > 0.75 else "") + ")"
+    return "".join(atom(depth) + rng.choice(["", "", "?", "*", "+", "{1,2}"]) for _ in range(rng.randint(1, 3)))
+
+
+def test_patterns_with_characters_json_escapes_write_valid_json(ascii_backend):
+    """xgrammar wrote a pattern's literal `"`, `\\` and control characters raw (`^a"b$` gave the broken
+    `"a"b"`) and left them out elsewhere; now they are never written: every string of up to three
+    characters of a, '"', '\\', newline, tab, \\x01 and '-' is taken (as JSON text) exactly when Python's
+    `re` matches it and it has none of them, and a pattern that leaves nothing is a 400 naming it.
+    Sampled documents of patterns with `.`, classes and negations parse and match."""
+    import itertools
+    import random
+    import re
+
+    rng = random.Random(7)
+    alphabet = 'a"\\\n\t\x01-'
+    strings = [""] + ["".join(t) for n in range(1, 4) for t in itertools.product(alphabet, repeat=n)]
+    fixed = ['a"b', '"[a-z]{2,5}"', "a\\\\b", "\\x5c", "\\n", '["a]+', "\\s+", "(a|\\\\)?-", '"?a"?', '(a"|-)+']
+    refused = 0
+    for p in fixed + [random_json_pattern(rng) for _ in range(60)]:
+        want = [t for t in strings if re.fullmatch(p, t) and all(c == "a" or c == "-" for c in t)]
+        schema = {"type": "string", "pattern": f"^{p}$"}
+        try:
+            compiled = served(ascii_backend, schema)
+        except ParamError as e:
+            refused += 1
+            assert not want and "pattern" in str(e) and "constrained decoding" in str(e), (p, e)
+            continue
+        for text in strings:
+            assert ascii_accepts(ascii_backend, compiled, json.dumps(text)) == (text in want), (p, text)
+        for raw in ('"a"b"', '"a\\"', '"\n"', '"\x01"'):  # broken JSON
+            assert not ascii_accepts(ascii_backend, compiled, raw), (p, raw)
+    assert refused >= 3
+    for p in ["^.{1,3}$", "^[^,]+$", "^\\W\\S$", "^(.|\\\\)+$", '^"?[^"]*"?$', "^[ -~]{2}$", "^[\\x00-#]+$"]:
+        compiled, n = served(ascii_backend, {"type": "string", "pattern": p}), 0
+        g_rng = random.Random(p)
+        for _ in range(60):
+            doc = _ascii_sample(ascii_backend, compiled, g_rng)
+            if doc is not None:
+                n += 1
+                assert re.fullmatch(p, json.loads(doc)), (p, doc)
+        assert n >= 20, p
+
+
+def _ascii_sample(backend: GrammarBackend, compiled, rng, max_chars: int = 40) -> str | None:
+    g, out = backend.grammar(compiled), []
+    mask = xgr.allocate_token_bitmask(1, len(ASCII) + 1)
+    for _ in range(max_chars):
+        g.fill(mask, 0)
+        words = mask[0].numpy().view("uint32")
+        allowed = [i for i in range(len(ASCII) + 1) if (words[i // 32] >> (i % 32)) & 1]
+        if len(ASCII) in allowed and (len(allowed) == 1 or rng.random() < 0.25):
+            return "".join(out)
+        pick = rng.choice([i for i in allowed if i != len(ASCII)])
+        assert g.accept(pick)
+        out.append(ASCII[pick])
+    return None
 
 
 def test_annotations_and_unknown_keywords_are_ignored_integer_sizes_are_bounds(backend):
