@@ -32,6 +32,7 @@ would otherwise invent. An object no value satisfies (a required key that no key
 from __future__ import annotations
 
 import json
+import math
 import re
 import re._parser as _sre  # the stdlib's own regex parser (read by xgrammar_pattern)
 from collections.abc import Callable, Iterator
@@ -294,6 +295,10 @@ def _engine_schema(schema: Any, param: str) -> Any:
     `patternProperties` or `additionalProperties` gives them; and objects that list their `properties`
     are closed to other keys unless they say otherwise (`_object`). ParamError for an object no JSON value
     satisfies, or one whose declared keys xgrammar would also let through as other keys."""
+    import jsonschema
+
+    types = jsonschema.Draft202012Validator.TYPE_CHECKER
+
     def node(n: dict, path: str) -> dict:
         out = {k: v for k, v in n.items() if k in ENFORCED}
         fmt = out.get("format")
@@ -310,6 +315,21 @@ def _engine_schema(schema: Any, param: str) -> Any:
                     out["maximum"] = hi
         elif fmt is not None and fmt not in FORMATS:
             del out["format"]  # an annotation
+        kinds = out.get("type") if isinstance(out.get("type"), list) else [out["type"]] if "type" in out else None
+        if kinds is not None and ("enum" in out or "const" in out):  # xgrammar writes these whatever the type
+            values = [out["const"]] if "const" in out else list(out["enum"])
+            kept = [v for v in values if any(types.is_type(v, k) for k in kinds)]  # (kinds: checked names)
+            if not kept:
+                key = "const" if "const" in out else "enum"
+                raise ParamError(_top(param), f"{param}: no value of {key} (at {path or '/'}) has type "
+                                 f"{json.dumps(out['type'])}, so nothing satisfies it; change the schema")
+            if "enum" in out:
+                out["enum"] = kept
+        if kinds is not None and "integer" in kinds and "number" not in kinds:  # xgrammar takes whole bounds only
+            for key, whole in (("minimum", math.ceil), ("maximum", math.floor),
+                               ("exclusiveMinimum", math.floor), ("exclusiveMaximum", math.ceil)):
+                if isinstance(out.get(key), float) and math.isfinite(out[key]):
+                    out[key] = whole(out[key])  # the same integers: x >= 0.5 is x >= 1, x > 0.5 is x > 0
         if "properties" in out or "required" in out:
             out = _object(out, path or "/", param)
         if isinstance(out.get("pattern"), str):
@@ -385,8 +405,8 @@ def _object(out: dict, where: str, param: str) -> dict:
                          "false, or leave properties out")
     if props or "properties" in out:
         out["properties"] = props
-    if props and not any(k in out for k in _OPEN_BY_DESIGN) and set(required) <= set(props):
-        out["additionalProperties"] = False  # (the module docstring says why)
+    if "properties" in out and not any(k in out for k in _OPEN_BY_DESIGN) and set(required) <= set(props):
+        out["additionalProperties"] = False  # (the module docstring says why; `"properties": {}` too: only {})
     return out
 
 

@@ -287,6 +287,28 @@ def _ascii_sample(backend: GrammarBackend, compiled, rng, max_chars: int = 40) -
     return None
 
 
+@pytest.mark.parametrize("schema,good,bad", [
+    ({"type": "string", "enum": [1, "a", None]}, ['"a"'], ["1", "null"]),  # xgrammar wrote any enum value
+    ({"type": "integer", "enum": ["x", 3]}, ["3"], ['"x"']),
+    ({"type": ["string", "null"], "enum": ["a", None, 3]}, ['"a"', "null"], ["3"]),
+    ({"type": "integer", "minimum": 0.5, "maximum": 2.5}, ["1", "2"], ["0", "3"]),  # was a 400
+    ({"type": "integer", "exclusiveMinimum": 0.5, "exclusiveMaximum": 2.0}, ["1"], ["0", "2"]),
+    ({"type": "object", "properties": {}}, ["{}"], ['{"a": 1}']),  # a tool without parameters: only {}
+])
+def test_schemas_are_served_as_the_values_they_admit(backend, schema, good, bad):
+    validator = jsonschema.Draft202012Validator(schema)
+    compiled = served(backend, schema)
+    for doc in good + bad:  # what is served is valid (an object listing its properties is also closed: narrower)
+        assert validator.is_valid(json.loads(doc)) == (doc in good) or schema.get("type") == "object", doc
+        assert accepts(backend, compiled, doc) == (doc in good), doc
+
+
+@pytest.mark.parametrize("schema", [{"type": "string", "const": 5}, {"type": "boolean", "enum": [0, "no"]}])
+def test_an_enum_or_const_none_of_whose_values_has_the_type_is_a_400(backend, schema):
+    with pytest.raises(ParamError, match="has type"):
+        served(backend, schema)
+
+
 def test_annotations_and_unknown_keywords_are_ignored_integer_sizes_are_bounds(backend):
     """JSON Schema ignores keywords it does not define (OpenAPI's `x-*`) and annotations; OpenAPI's int32 and
     int64 are enforced as their ranges, other unknown formats are annotations."""
