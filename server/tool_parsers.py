@@ -302,6 +302,12 @@ def _as_call(text: str, members: dict[str, tuple[Any, int, int]], need_args: boo
     args = members.get("arguments") or members.get("parameters")
     if not isinstance(name, str) or (need_args and args is None):
         return None
+    if args and isinstance(args[0], str):  # the arguments written as a JSON string of an object: that object's
+        try:                               # text (function.arguments is an object's JSON, not a string's)
+            if isinstance(_DECODER.decode(args[0]), dict):
+                return name, args[0].strip()
+        except (ValueError, RecursionError):
+            pass
     return name, text[args[1]:args[2]] if args else "{}"
 
 

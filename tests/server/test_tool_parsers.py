@@ -108,6 +108,12 @@ CASES = [
     ("hermes", "Use <tools> or <tool_calls>, a < b, </tool_call.",
      "Use <tools> or <tool_calls>, a < b, </tool_call.", []),
     ("hermes", "Plain answer with no calls.", "Plain answer with no calls.", []),
+    # arguments written as a JSON string holding an object: that object's text, not a string's
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": "{\\"city\\": \\"Paris\\"}"}\n</tool_call>', "",
+     [("f", '{"city": "Paris"}')]),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": "not an object"}\n</tool_call>', "",
+     [("f", '"not an object"')]),
+    ("llama3_json", '{"name": "f", "parameters": " {\\"a\\": [1]} "}', "", [("f", '{"a": [1]}')]),
     ("hermes", "trailing <tool", "trailing <tool", []),
     # --- Llama 3.1 / 3.2 JSON ---
     ("llama3_json", '{"name": "get_weather", "parameters": ' + WEATHER + "}", "", [("get_weather", WEATHER)]),
