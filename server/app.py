@@ -156,7 +156,7 @@ class AuthMiddleware:
             # either header with the key will do (a stale token in the other must not lock a client out)
             if not any([hmac.compare_digest(g.strip().encode(), key.encode()) for g in given]):
                 resp = error_response(401, "invalid or missing API key (send Authorization: Bearer KEY, or "
-                                      "x-api-key: KEY)", "authentication_error", code="invalid_api_key")
+                                      "x-api-key: KEY)", "invalid_request_error", code="invalid_api_key")  # OpenAI's type
                 return await shaped(scope, resp)(scope, receive, send)
         await self.app(scope, receive, send)
 

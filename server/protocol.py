@@ -153,6 +153,8 @@ class ChatMessage(_Request):
     def _content_required(cls, value: Any, info: ValidationInfo) -> Any:
         if value is None and info.data.get("role") != "assistant":
             raise _invalid("content is required (only an assistant message may omit it)")
+        if value == [] and info.data.get("role") != "assistant":  # as OpenAI's
+            raise _invalid("content is an empty list: send a string or at least one text part")
         return value
 
     @field_validator("tool_calls", "reasoning_content", "reasoning")

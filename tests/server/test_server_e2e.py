@@ -74,7 +74,9 @@ def test_health_models_and_auth(server, client):
     assert_error(httpx.get(server.url + "/v1/models/nope", headers={"Authorization": f"Bearer {KEY}"}), 404,
                  code="model_not_found")
     assert_error(httpx.get(server.url + "/v1/models"), 401)
-    assert_error(httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+    wrong = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert_error(wrong, 401, code="invalid_api_key")
+    assert wrong.json()["error"]["type"] == "invalid_request_error"  # OpenAI's, for a wrong key
     assert_error(httpx.get(server.url + "/v1/nothing-here", headers={"Authorization": f"Bearer {KEY}"}), 404)
 
 
@@ -437,6 +439,7 @@ def test_the_eos_that_ends_a_reply_has_no_logprob(server, tok):
         ({"messages": MSG, "n": 0}, 400, "n", None),
         ({"messages": MSG, "logit_bias": {"abc": 1}}, 400, "logit_bias", None),
         ({"messages": [{"role": "wizard", "content": "x"}]}, 400, None, None),
+        ({"messages": [{"role": "user", "content": []}]}, 400, "messages.[0].content", None),
         ({}, 400, "messages", None),
         ({"messages": MSG, "max_tokens": 100000}, 400, None, "context_length_exceeded"),
         ({"messages": MSG, "model": "not-this-one"}, 404, "model", "model_not_found"),
