@@ -211,6 +211,15 @@ class MessagesRequest(_Body):
     def _system_text(cls, value: Any) -> Any:
         return _text_blocks(value, "system")
 
+    @field_validator("messages")
+    @classmethod
+    def _non_empty(cls, value: list[MessageParam]) -> list[MessageParam]:
+        for i, m in enumerate(value):  # Anthropic's rule: only a final assistant message (a prefill) may be empty
+            if m.content in ("", []) and not (m.role == "assistant" and i == len(value) - 1):
+                raise _invalid(f"messages.{i}: all messages must have non-empty content except for the optional "
+                               "final assistant message")
+        return value
+
     @field_validator("mcp_servers", "container")
     @classmethod
     def _server_side(cls, value: Any, info: Any) -> Any:

@@ -236,6 +236,8 @@ USER = [{"role": "user", "content": "hi"}]
     ({"max_tokens": 4, "messages": USER, "mcp_servers": [{"type": "url", "url": "http://x", "name": "m"}]}, 400,
      "server-side"),
     ({"max_tokens": 4, "messages": USER, "container": "c1"}, 400, "server-side"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": ""}]}, 400, "non-empty content"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": []}, *USER]}, 400, "non-empty content"),
     ({"max_tokens": 4, "messages": USER, "thinking": {"type": "enabled"}}, 400, "budget_tokens"),
     ({"max_tokens": 5, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400,
      "must be less than max_tokens"),
