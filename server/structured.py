@@ -447,8 +447,9 @@ def _writable(c: int) -> bool:
 
 
 def _char(c: int) -> str:
+    """Character c in a regex, in a class or out: ASCII punctuation and controls as \\xHH escapes."""
     ch = chr(c)
-    return ch if ch.isalnum() or ch == " " or c > 127 else f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+    return ch if ch.isalnum() or ch == " " or c > 127 else f"\\x{c:02x}"
 
 
 def _json_pattern(items: list, depth: int = 0) -> str | None:
