@@ -218,8 +218,10 @@ class _Keys:
         if typ is float:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise CheckpointError(self.source, f"config key '{key}' must be a number, got {v!r}")
-            if not math.isfinite(v):  # json.loads accepts NaN and Infinity
-                raise CheckpointError(self.source, f"config key '{key}' must be a finite number, got {v!r}")
+            if isinstance(v, int) and not -MAX_CONFIG_INT <= v <= MAX_CONFIG_INT or not math.isfinite(v):
+                # (json.loads accepts NaN and Infinity; an integer past a float's range does not fit one)
+                raise CheckpointError(self.source, f"config key '{key}' must be a finite number in range, got "
+                                                   f"{str(v)[:40]}")
             return float(v)
         if not isinstance(v, typ):
             raise CheckpointError(self.source, f"config key '{key}' must be {typ.__name__}, got {v!r}")

@@ -66,11 +66,12 @@ class _Cursor:
         return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
 
     def string(self, what: str) -> str:
-        raw = self.take(self.scalar(10, f"length of {what}"), what)
-        try:
-            return str(raw, "utf-8")
-        except UnicodeDecodeError:
-            raise self.fail(f"{what} is not valid UTF-8") from None
+        with self.take(self.scalar(10, f"length of {what}"), what) as raw:  # (released before the error below)
+            try:
+                return str(raw, "utf-8")
+            except UnicodeDecodeError:
+                pass
+        raise self.fail(f"{what} is not valid UTF-8")
 
     def value(self, vtype: int, what: str, depth: int = 0) -> Any:
         if vtype == _STRING:
@@ -128,6 +129,12 @@ def parse_gguf(buf: mmap.mmap, path: Path) -> tuple[dict[str, Any], dict[str, Te
         offset = cur.scalar(10, f"tensor '{name}': offset")
         raw_infos.append((name, ne, type_code, offset))
     data_start = -(-cur.pos // alignment) * alignment
+    # writers pad with zeros; a tensor count too small leaves a tensor's info there, and every offset
+    # would be read from the wrong start (silently wrong weights)
+    if any(cur.buf[cur.pos : min(data_start, cur.size)]):
+        raise CheckpointError(path, f"the {data_start - cur.pos} padding bytes before the tensor data at offset "
+                              f"{cur.pos} are not zeros: the tensor count ({num_tensors}) is wrong or the file is "
+                              "corrupt")
     infos: dict[str, TensorInfo] = {}
     for name, ne, type_code, offset in raw_infos:
         if name in infos:
@@ -153,6 +160,10 @@ def parse_gguf(buf: mmap.mmap, path: Path) -> tuple[dict[str, Any], dict[str, Te
             )
         infos[name] = TensorInfo(name, qtype, tuple(reversed(ne)), start, nbytes)
     _check_disjoint(infos, path)
+    end = max((info.offset + info.nbytes for info in infos.values()), default=cur.size)
+    if cur.size - end >= alignment:  # writers end the file at the last tensor's padding
+        raise CheckpointError(path, f"{cur.size - end} bytes after the last tensor's data belong to no tensor: the "
+                              f"tensor count ({num_tensors}) or offsets are wrong, or the file is corrupt")
     return metadata, infos
 
 
@@ -194,4 +205,7 @@ def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
     try:
         return parse_gguf(buf, path)[0]
     finally:
-        buf.close()
+        try:
+            buf.close()
+        except BufferError:  # a view of it still held by the error under way: unmapped when that goes
+            pass

@@ -17,8 +17,10 @@ def read_json(path: Path, *, required: bool = True, expect_object: bool = True) 
         return None
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except ValueError as e:  # (not UTF-8, not JSON, an integer past Python's digit limit)
         raise CheckpointError(path, f"not valid JSON: {e}") from None
+    except RecursionError:
+        raise CheckpointError(path, "not valid JSON: nested too deeply") from None
     if expect_object and not isinstance(value, dict):
         raise CheckpointError(path, "must hold a JSON object")
     return value

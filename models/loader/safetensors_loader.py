@@ -62,6 +62,9 @@ class HFCheckpoint:
                 names.append(name)
             return shards
         files = sorted(self.path.glob("*.safetensors"))
+        for f in files:
+            if not f.is_file():  # a FIFO or device would block the reader forever
+                raise CheckpointError(f, "is not a regular file")
         if not files:
             pickled = sorted(p.name for p in self.path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
             hint = f" (found {', '.join(pickled)}: pickle checkpoints are not loaded; convert them to safetensors)" if pickled else ""

@@ -455,20 +455,31 @@ def _bpe_from_gguf(m: _Meta, vocab: dict[str, int]) -> tuple[Tokenizer, bool]:
     return tok, pre.add_bos
 
 
+_SPM_MERGE_MAX_CHARS = 128  # (the longest pieces of real SentencePiece vocabularies: runs of ~30 spaces)
+_SPM_MERGES_PER_TOKEN = 8
+
+
 def _spm_from_gguf(m: _Meta, tokens: list[str], types: list[int], vocab: dict[str, int]) -> Tokenizer:
     """SentencePiece (`llama`): merges ranked by the score of the token they make, byte fallback."""
     scores = m.array("tokenizer.ggml.scores", (float, int), len(tokens))
     if scores is None:
         raise m.fail("tokenizer.ggml.scores", "missing (a 'llama' tokenizer needs one score per token)")
     unk = m.token_id("tokenizer.ggml.unknown_token_id", len(tokens), 0)
+    # Every cut of every piece into two pieces is a merge. A hostile vocabulary (long pieces, or pieces
+    # nested in each other: a, aa, aaa, ...) makes that quadratic in time and memory; real ones have
+    # short pieces and about two merges a piece. Longer pieces make no merges, and a vocabulary that
+    # makes many more than real ones do is refused.
     ranked: list[tuple[float, int, int, str, str]] = []
     for token, i in vocab.items():
-        if types[i] != _NORMAL or len(token) < 2:
+        if types[i] != _NORMAL or not 2 <= len(token) <= _SPM_MERGE_MAX_CHARS:
             continue
         for cut in range(1, len(token)):
             left, right = token[:cut], token[cut:]
             if left in vocab and right in vocab:
                 ranked.append((-float(scores[i]), i, cut, left, right))
+        if len(ranked) > _SPM_MERGES_PER_TOKEN * len(tokens) + 1024:
+            raise m.fail("tokenizer.ggml.tokens", f"its pieces make over {_SPM_MERGES_PER_TOKEN} merges a token "
+                         "(real SentencePiece vocabularies make about 2): the file is corrupt")
     ranked.sort(key=lambda r: r[:3])
     merges = [(left, right) for *_, left, right in ranked]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=tokens[unk], fuse_unk=True, byte_fallback=True))

@@ -346,6 +346,58 @@ def test_gguf_gap_between_tensors_is_legit(tmp_path):
     assert len(dict(ck.tensors())) == ck.num_tensors()
 
 
+def test_gguf_tensor_count_one_short_is_refused(tmp_path):
+    """A tensor count one too small left the last tensor's info where the padding is: every offset was read
+    from an earlier start and the weights loaded silently wrong (the LM head then tied to the embedding)."""
+    p = _small_gguf(tmp_path / "m.gguf")
+    data = bytearray(p.read_bytes())
+    n = struct.unpack_from("<Q", data, 8)[0]
+    struct.pack_into("<Q", data, 8, n - 1)
+    p.write_bytes(bytes(data))
+    _fails(p, f"tensor count ({n - 1})")
+
+
+def test_gguf_data_past_the_last_tensor_is_refused(tmp_path):
+    p = _small_gguf(tmp_path / "m.gguf")
+    p.write_bytes(p.read_bytes() + bytes(4096))
+    _fails(p, "4096 bytes after the last tensor's data belong to no tensor")
+
+
+def test_gguf_string_not_utf8_is_a_checkpoint_error(tmp_path):
+    """It was a BufferError from closing the mapping while the error still held a view of it (and
+    `mlaserve serve` died with a traceback naming neither file nor key)."""
+    from models.loader.gguf_file import read_gguf_metadata
+
+    p = _small_gguf(tmp_path / "m.gguf")
+    data = p.read_bytes()
+    p.write_bytes(data.replace(b"llama.context_length", b"llama.context_lengt\xff", 1))
+    for read in (GGUFCheckpoint, read_gguf_metadata):
+        with pytest.raises(CheckpointError, match="not valid UTF-8"):
+            read(p)
+
+
+@pytest.mark.parametrize("name, body, needle", [
+    ("config.json", "[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ("config.json", '{"vocab_size": ' + "9" * 5000 + "}", "not valid JSON"),  # past Python's digit limit
+    ("config.json", None, "'rms_norm_eps' must be a finite number in range"),  # an integer past a float's range
+])
+def test_hf_json_files_that_python_cannot_read_name_the_file(llama_dir, tmp_path, name, body, needle):
+    d = _copy(llama_dir, tmp_path)
+    if body is None:
+        cfg = (d / name).read_text()
+        body = json.dumps({**json.loads(cfg), "rms_norm_eps": 0}).replace('"rms_norm_eps": 0', '"rms_norm_eps": 1' + "0" * 400)
+    (d / name).write_text(body)
+    _load_fails(d, False, str(d / name), needle)
+
+
+def test_a_fifo_named_like_a_shard_is_refused_not_read(llama_dir, tmp_path):
+    import os
+
+    d = _copy(llama_dir, tmp_path)
+    os.mkfifo(d / "zz.safetensors")
+    _load_fails(d, False, "zz.safetensors", "not a regular file")
+
+
 # ---------------------------------------------------------------------------------- rotary
 
 

@@ -573,3 +573,28 @@ def test_write_refuses_what_gguf_cannot_say(smol: TokenizerBundle, tmp_path: Pat
     bundle = TokenizerBundle(tok, 1, (2,), "<|im_start|>", "<|im_end|>", 2, False, None)
     with pytest.raises(ValueError, match="matches none llama.cpp knows"):
         write_tokenizer_gguf(gguf.GGUFWriter(str(tmp_path / "x.gguf"), "llama"), bundle)
+
+
+def test_a_hostile_sentencepiece_vocabulary_is_bounded(spm_meta: dict) -> None:
+    """Every cut of every piece is a merge: a piece of 240K characters took 20 s (quadratic), and the
+    nested pieces a, aa, ..., a×2000 made 2M merges and 6 GB. Pieces past 128 characters make no merges
+    now, and a vocabulary making far more merges a token than real ones (about 2) is refused."""
+    import time
+
+    from models.loader.errors import CheckpointError
+
+    def meta(extra: list[str]) -> dict:
+        m = dict(spm_meta)
+        m["tokenizer.ggml.tokens"] = [*spm_meta["tokenizer.ggml.tokens"], *extra]
+        m["tokenizer.ggml.scores"] = [*spm_meta["tokenizer.ggml.scores"], *([-1.0] * len(extra))]
+        m["tokenizer.ggml.token_type"] = [*spm_meta["tokenizer.ggml.token_type"], *([1] * len(extra))]
+        return m
+
+    start = time.monotonic()
+    bundle = tokenizer_from_gguf_metadata(meta(["a" * 300_000]), "long.gguf")
+    assert time.monotonic() - start < 5
+    assert bundle.tokenizer.encode("Hello world").ids  # still a working tokenizer
+    have = set(spm_meta["tokenizer.ggml.tokens"])
+    nested = [c * n for c in "aeiost" for n in range(2, 129) if c * n not in have]  # ~49K merges, ~1.8K tokens
+    with pytest.raises(CheckpointError, match="merges a token"):
+        tokenizer_from_gguf_metadata(meta(nested), "nested.gguf")
