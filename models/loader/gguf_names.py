@@ -176,8 +176,8 @@ def llama3_from_rope_factors(factors: list[float], theta: float, dim: int) -> di
     if f.size == 0 or not np.isfinite(f).all() or (f <= 0).any():
         return None
     factor = f32_round(f.max())
-    if factor <= 1.0:
-        return {}
+    if factor <= 1.0:  # all ones: none; divisors below one (llama.cpp applies them) are no Llama 3 scaling
+        return {} if (f == 1.0).all() else None
     wavelen = 2 * math.pi * theta ** (np.arange(0, dim, 2) / dim)
     mid = (f > 1 + 1e-6) & (f < factor * (1 - 1e-6))
     orig = 8192

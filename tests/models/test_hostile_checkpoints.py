@@ -470,3 +470,13 @@ def test_names_from_a_file_cannot_forge_log_lines_or_drive_a_terminal(tmp_path):
     with pytest.raises(CheckpointError) as e:
         GGUFCheckpoint(tmp_path / "long.gguf")
     assert len(str(e.value)) < 2100 and "characters in all" in str(e.value)
+
+
+def test_rope_divisors_below_one_are_refused_not_ignored():
+    """llama.cpp divides the frequencies by `rope_freqs`; ones are no scaling, values below one (which
+    llama.cpp applies) used to be read as no scaling too."""
+    from models.loader.gguf_names import llama3_from_rope_factors
+
+    assert llama3_from_rope_factors([1.0] * 32, 500000.0, 64) == {}
+    assert llama3_from_rope_factors([0.5] * 32, 500000.0, 64) is None
+    assert llama3_from_rope_factors([1.0] * 31 + [0.9], 500000.0, 64) is None
