@@ -11,9 +11,11 @@ Routing (`PrefixRouter`, per engine request; the `n` completions of a request st
   of the prompt that is known names its home, used when that prefix covers at least half of the
   prompt's hashed blocks: the home's prefix cache then likely holds it;
 - load: each replica's in-flight completions, counted here (`EngineClient.load`). The home is
-  skipped when it has more than `max(SLACK, least // 2)` completions over the least busy replica;
-  a prompt with no home, or a skipped one, goes to the least busy (ties taken in turn, so that
-  requests one after another spread). The chosen replica becomes the home of all the prompt's keys.
+  skipped when it has more than `max(SLACK, least // 2)` completions over the least busy replica,
+  or when it is full (as many completions as its admission limits take: `--max-running-requests` +
+  `--max-queued-requests`, each replica's own) while another is not; a prompt with no home, or a
+  skipped one, goes to the least busy replica that is not full (ties taken in turn, so that requests
+  one after another spread). The chosen replica becomes the home of all the prompt's keys.
 - a dead replica is never chosen; its requests fail with `engine_error` (`EngineClient`).
 
 `is_alive` is every replica alive (a server with a dead replica is not healthy: `/health` 503), and
@@ -69,8 +71,10 @@ class PrefixRouter:
     Apart from the processes so that the policy can be tested with made-up loads."""
 
     def __init__(self, replicas: int, *, block: int = PREFIX_BLOCK, blocks: int = PREFIX_BLOCKS,
-                 capacity: int = ROUTES_KEPT, slack: int = SLACK) -> None:
+                 capacity: int = ROUTES_KEPT, slack: int = SLACK, room: int | None = None) -> None:
+        """`room`: completions one replica admits (None: no limit known)."""
         self.replicas, self.block, self.blocks, self.capacity, self.slack = replicas, block, blocks, capacity, slack
+        self.room = room
         self._homes: OrderedDict[int, int] = OrderedDict()  # prefix key -> replica that took it last
         self._turn = 0  # where the next tie among the least busy starts
 
@@ -80,7 +84,9 @@ class PrefixRouter:
         live = [i for i, load in enumerate(loads) if load is not None]
         if not live:
             raise ValueError("no live replica")
-        least = min(loads[i] for i in live)  # type: ignore[type-var]
+        # a full replica would refuse the request (503) while another has room (all full: the least busy)
+        open_ = [i for i in live if self.room is None or loads[i] < self.room] or live  # type: ignore[operator]
+        least = min(loads[i] for i in open_)  # type: ignore[type-var]
         keys = prefix_keys(ids, self.block, self.blocks)
         home = None
         for matched in range(len(keys), 0, -1):
@@ -89,10 +95,10 @@ class PrefixRouter:
                 if 2 * matched >= len(keys):  # the known prefix covers at least half the hashed blocks
                     home = h
                 break
-        if home is not None and loads[home] - least <= max(self.slack, least // 2):  # type: ignore[operator]
+        if home in open_ and loads[home] - least <= max(self.slack, least // 2):  # type: ignore[operator]
             choice = home
         else:
-            tied = [i for i in live if loads[i] == least]
+            tied = [i for i in open_ if loads[i] == least]
             choice = next((i for i in tied if i >= self._turn), tied[0])
             self._turn = choice + 1
         for key in keys:
@@ -204,7 +210,8 @@ class EngineReplicas:
         clients = [t.result() for t in tasks]
         if replicas > 1:
             logger.info("%d engine replicas ready (processes %s)", replicas, ", ".join(str(c.pid) for c in clients))
-        return cls(clients, bound=args.dp_attention)
+        room = args.max_running_requests + args.max_queued_requests
+        return cls(clients, PrefixRouter(replicas, room=room), bound=args.dp_attention)
 
     def _group_broken(self, index: int, reason: str) -> None:
         """Replica `index` died (on the loop): the others are ended with its reason, once."""

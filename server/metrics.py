@@ -26,7 +26,7 @@ Exported (names are what dashboards and `promtool check metrics` see):
     (with `--dp N` each of these is the sum over the replicas; a dead replica's totals stay)
   from the replica set (`update_replicas`, before each scrape)
     mlaserve_dp_replicas                     gauge    engine replicas alive (`--dp`; 1 without)
-    mlaserve_dp_replica_requests_total       counter  engine requests routed to each replica, label replica
+    mlaserve_dp_replica_requests_total       counter  engine requests sent to each replica (refused ones too), label replica
   from the outputs the server receives (`on_output`, `on_abort`)
     mlaserve_prompt_tokens_total             counter  prompt tokens of requests whose prefill completed (a
                                                       prompt only scored, max_tokens 0, too)
@@ -351,8 +351,8 @@ class Metrics(Collector):
         yield _counter("mlaserve_omnikv_bank_gathered_bytes", "Bytes OmniKV's context bank gathered to the device for "
                        "decode steps.", m, self._bank_gathered.value)
         yield _gauge("mlaserve_dp_replicas", "Engine replicas alive (--dp).", m, self._replicas_alive)
-        yield _counter("mlaserve_dp_replica_requests", "Engine requests routed to each replica.", m,
-                       extra_label="replica", by_value=self._routed)
+        yield _counter("mlaserve_dp_replica_requests", "Engine requests sent to each replica (those it refused "
+                       "as overloaded too).", m, extra_label="replica", by_value=self._routed)
         yield _counter("mlaserve_prompt_tokens", "Prompt tokens of requests whose prefill completed.",
                        m, self._prompt_tokens)
         yield _counter("mlaserve_generation_tokens", "Tokens generated.", m, self._generation_tokens)

@@ -63,6 +63,20 @@ def test_a_busy_home_is_left_for_the_least_busy_replica() -> None:
     assert router.choose(prompt, loads) != other
 
 
+def test_a_full_home_is_left_while_another_replica_has_room() -> None:
+    """A replica at its admission limits would refuse the request (503) while another sat idle: with
+    --max-running-requests 1 --max-queued-requests 0, two requests sharing a prefix both went home."""
+    rng = random.Random(6)
+    router = PrefixRouter(2, room=1)
+    prompt = ids(rng, 200)
+    home = router.choose(prompt, [0, 0])
+    loads = [0, 0]
+    loads[home] = 1  # full, though within the slack
+    assert router.choose(prompt, loads) != home
+    assert router.choose(prompt, [1, 1]) in (0, 1)  # all full: the least busy (the engine then says 503)
+    assert router.choose(ids(rng, 100), [1, 0]) == 1
+
+
 def test_the_least_busy_replica_takes_a_new_prefix() -> None:
     rng = random.Random(3)
     router = PrefixRouter(4)
