@@ -564,8 +564,15 @@ def calibration_weights(args: argparse.Namespace) -> str | None:
     return "file" if args.device.startswith("cpu") else None
 
 
+MAX_TEXT_BYTES = 64 << 20  # calibration reads a sample; far more than it tokenizes
+
+
 def read_text(path: str) -> str:
     try:
+        if Path(path).exists() and not Path(path).is_file():  # a FIFO would block, /dev/zero fill the memory
+            raise CalibrationError(f"the text file {path} is not a regular file; pass --text a UTF-8 text file")
+        if Path(path).exists() and Path(path).stat().st_size > MAX_TEXT_BYTES:
+            raise CalibrationError(f"the text file {path} is over {MAX_TEXT_BYTES >> 20} MiB; pass a sample of it")
         return Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise CalibrationError(f"the text file {path} does not exist; pass --text a UTF-8 text file") from None

@@ -44,6 +44,8 @@ MAX_TOKENS = 2**31 - 1  # a token count beyond any context (the native kernels t
 # Layer roles (ints: the C++ plan takes them as they are).
 FULL, FILTER, SPARSE = 0, 1, 2
 
+_MAX_CONFIG_BYTES = 1 << 20  # a config is a few hundred bytes
+
 
 def first_filter_default(num_layers: int) -> int:
     """Where the first filter layer goes unless the user says: a fifth of the depth (never layer 0).
@@ -199,6 +201,11 @@ class OmniKVConfig:
     @classmethod
     def load(cls, path: str | Path) -> OmniKVConfig:
         try:
+            # a FIFO would block the read, /dev/zero fill the memory
+            if Path(path).exists() and not Path(path).is_file():
+                raise ValueError(f"the OmniKV config {path} is not a regular file")
+            if Path(path).exists() and Path(path).stat().st_size > _MAX_CONFIG_BYTES:
+                raise ValueError(f"the OmniKV config {path} is over {_MAX_CONFIG_BYTES >> 20} MiB: not an OmniKV config")
             text = Path(path).read_text(encoding="utf-8-sig")  # (an editor's byte-order mark is not an error)
         except OSError as err:
             raise ValueError(f"cannot read the OmniKV config {path}: {err.strerror}") from None
@@ -206,7 +213,7 @@ class OmniKVConfig:
             raise ValueError(f"the OmniKV config {path} is not UTF-8 text: {err.reason} at byte {err.start}") from None
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as err:
+        except ValueError as err:  # (not JSON, or an integer past Python's digit limit)
             raise ValueError(f"the OmniKV config {path} is not JSON: {err}") from None
         except RecursionError:
             raise ValueError(f"the OmniKV config {path} nests too deeply to be an OmniKV config") from None

@@ -198,10 +198,14 @@ def test_probe_score_is_zero_when_the_selection_keeps_everything(checkpoint, tex
         runner.close()
 
 
-@pytest.mark.parametrize("case", ["missing", "short", "binary"])
+@pytest.mark.parametrize("case", ["missing", "short", "binary", "fifo", "device"])
 def test_bad_text_exits_2_with_one_line(case, checkpoint, tmp_path, capsys):
     path = tmp_path / "text.txt"
-    if case == "short":
+    if case == "fifo":  # read forever (a hang), as /dev/zero (all the memory)
+        os.mkfifo(path)
+    elif case == "device":
+        path = Path("/dev/zero")
+    elif case == "short":
         path.write_text("def f(x):\n    return x + 1\n" * 4, encoding="utf-8")
     elif case == "binary":
         path.write_bytes(b"\xff\xfe\x00 not utf-8 \x80" * 100)
@@ -210,7 +214,8 @@ def test_bad_text_exits_2_with_one_line(case, checkpoint, tmp_path, capsys):
     assert code == 2 and out == ""
     line = err.strip()
     assert "\n" not in line and line.startswith("mlaserve calibrate-omnikv: ")
-    expect = {"missing": "does not exist", "short": f"at least {MIN_TOKENS}", "binary": "not UTF-8"}[case]
+    expect = {"missing": "does not exist", "short": f"at least {MIN_TOKENS}", "binary": "not UTF-8",
+              "fifo": "not a regular file", "device": "not a regular file"}[case]
     assert expect in line
     assert not (tmp_path / "x.json").exists()
 

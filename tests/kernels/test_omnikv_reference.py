@@ -8,6 +8,8 @@ layer's output against attention recomputed by hand over the selected rows only.
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,6 +79,14 @@ def test_config_file_round_trip_and_errors(tmp_path):
         OmniKVConfig.load(path)
     path.write_text('\ufeff{"filter_layers": [1, 4], "budget_tokens": 300, "window": 8, "alpha": "exponential"}')
     assert OmniKVConfig.load(path) == cfg  # a byte-order mark, as some editors write
+    for special in (Path("/dev/zero"), tmp_path / "fifo"):  # read forever: memory, or a hang
+        if special.name == "fifo":
+            os.mkfifo(special)
+        with pytest.raises(ValueError, match="not a regular file"):
+            OmniKVConfig.load(special)
+    path.write_text(" " * (2 << 20))
+    with pytest.raises(ValueError, match="over 1 MiB"):
+        OmniKVConfig.load(path)
 
 
 def test_alpha_weights_and_budget():
