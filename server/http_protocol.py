@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -48,9 +49,12 @@ class ServerHttpProtocol(HttpToolsProtocol):
     """HttpToolsProtocol that drops a connection whose request does not arrive, or whose answer is not
     read, in time (module docstring)."""
 
-    def __init__(self, *args: Any, read_timeout: float, write_timeout: float, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, read_timeout: float, write_timeout: float,
+                 on_timeout: Callable[[], None] | None = None, **kwargs: Any) -> None:
+        """`on_timeout`: called for each 408 sent (no handler sees it, so the error metrics are told here)."""
         super().__init__(*args, **kwargs)
         self.read_timeout, self.write_timeout = read_timeout, write_timeout
+        self.on_timeout = on_timeout
         self._reading = HEAD
         self._deadline: asyncio.TimerHandle | None = None
         self._write_stall: asyncio.TimerHandle | None = None  # armed while the socket's buffer is full
@@ -108,6 +112,8 @@ class ServerHttpProtocol(HttpToolsProtocol):
                 "type": "invalid_request_error", "param": None, "code": "request_timeout"}}).encode()
             self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
                                  b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            if self.on_timeout is not None:
+                self.on_timeout()
         self.transport.close()
 
     # the connection and the parser's events, in the order they come

@@ -236,7 +236,9 @@ async def serve_async(args: ServerArgs) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5, access_log=False, lifespan="off",
                             http=functools.partial(ServerHttpProtocol, read_timeout=args.read_timeout,
-                                                   write_timeout=args.write_timeout))
+                                                   write_timeout=args.write_timeout,
+                                                   on_timeout=lambda: state.metrics.count_error("request_timeout",
+                                                                                                "408")))
     server = _DrainingServer(config, state, args.shutdown_timeout, args.runtime_file)
     starter = asyncio.create_task(_start_engine(state, args, server))
     watcher = asyncio.create_task(_exit_when_the_engine_dies(state, server))

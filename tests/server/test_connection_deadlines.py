@@ -87,7 +87,8 @@ def port() -> Iterator[int]:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
     config = uvicorn.Config(app, host="127.0.0.1", port=free, lifespan="off", log_level="warning",
-                            http=functools.partial(ServerHttpProtocol, read_timeout=TIMEOUT, write_timeout=TIMEOUT))
+                            http=functools.partial(ServerHttpProtocol, read_timeout=TIMEOUT, write_timeout=TIMEOUT,
+                                                   on_timeout=lambda: TIMEOUTS_SENT.append(time.monotonic())))
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -124,11 +125,16 @@ def assert_408(raw: bytes) -> None:
     assert err["code"] == "request_timeout" and err["type"] == "invalid_request_error" and "param" in err
 
 
+TIMEOUTS_SENT: list[float] = []  # the server's on_timeout calls (it counts each 408 in the error metrics)
+
+
 def test_a_silent_connection_gets_408_and_is_closed(port: int) -> None:
+    sent = len(TIMEOUTS_SENT)
     with connect(port) as s:
         t0 = time.monotonic()
         raw, closed = read_all(s)
     assert_408(raw)
+    assert len(TIMEOUTS_SENT) == sent + 1
     assert TIMEOUT * 0.9 <= closed - t0 < TIMEOUT + 3
 
 
