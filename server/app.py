@@ -26,6 +26,7 @@ import logging
 import re
 import time
 import uuid
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -159,6 +160,18 @@ class AuthMiddleware:
                                       "x-api-key: KEY)", "invalid_request_error", code="invalid_api_key")  # OpenAI's type
                 return await shaped(scope, resp)(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+class _CORS(CORSMiddleware):
+    """Starlette's CORS, with a refused preflight answered in OpenAI's error shape (Starlette's is plain text)."""
+
+    def preflight_response(self, request_headers: Any) -> Response:
+        resp = super().preflight_response(request_headers)
+        if resp.status_code != 400:
+            return resp
+        headers = {k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "content-type")}
+        return error_response(400, f"{bytes(resp.body).decode()}: this server's --allowed-origins does not let a "
+                              "web page of this origin call it", code="cors_not_allowed", headers=headers)
 
 
 REQUEST_ID_HEADER = b"x-request-id"
@@ -300,7 +313,7 @@ def build_app(state: ServerState, max_request_bytes: int | None = None, allowed_
     app.add_middleware(CrashMiddleware)
     origins = [o.strip() for o in allowed_origins.split(",") if o.strip()]
     if origins:  # outside auth: a preflight carries no key
-        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
+        app.add_middleware(_CORS, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
                            expose_headers=["Retry-After", "x-mlaserve-replica", "x-request-id"], max_age=600)
     # counts every error answer once, the 401s and 413s above included
     app.add_middleware(ErrorCountingMiddleware, metrics=lambda: state.metrics)

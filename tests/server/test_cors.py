@@ -52,6 +52,9 @@ async def test_listed_origins_only(anyio_backend) -> None:
         assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == PAGE
         other = await c.options("/v1/chat/completions", headers={**PREFLIGHT, "Origin": "https://evil.example"})
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        err = other.json()["error"]  # in OpenAI's shape, as every error (Starlette's own was plain text)
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == "cors_not_allowed", err
+        assert "Disallowed CORS origin" in err["message"] and "--allowed-origins" in err["message"]
         plain = await c.get("/health", headers={"Origin": "https://evil.example"})
         assert "access-control-allow-origin" not in plain.headers
 
