@@ -78,6 +78,13 @@ def runtime_file_value(value: str | None) -> str | None:
 _ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s,]+")
 
 
+def model_name_value(value: str) -> str | None:
+    """A --served-model-name clients can send back as `model`: empty (the default) or printable, not blank."""
+    if value and (not value.strip() or not value.isprintable()):
+        return "must be printable and not blank (it is the `model` clients send), or empty for the model's name"
+    return None
+
+
 def origins_value(value: str) -> str | None:
     """A --allowed-origins that a browser's Origin header can match: "*", or origins as scheme://host[:port]
     (no path: an origin never ends in "/", so "http://localhost:3000/" would never match)."""
@@ -112,7 +119,7 @@ class ServerArgs:
                                 "none (no CORS headers, browsers refuse cross-origin calls)", check=origins_value,
                                 metavar="ORIGINS")
     served_model_name: str | None = flag(None, "model id shown by /v1/models (empty: the default)", metavar="NAME",
-                                         default_text="the model's name")
+                                         check=model_name_value, default_text="the model's name")
     # None: derived from the context length once the model is known (server.launch)
     max_request_bytes: int | None = flag(None, "largest request body accepted, 413 beyond", check=positive,
                                          metavar="BYTES",

@@ -35,7 +35,7 @@ BAD: dict[str, list[str]] = {
     "port": ["http", "0", "65536", "80.5"],
     "api-key": [],
     "allowed-origins": ["localhost:3000", "http://localhost:3000/", "https://a.example/app", "*, ftp//x"],
-    "served-model-name": [],
+    "served-model-name": ["  ", "a\nb"],
     "max-request-bytes": ["1MiB", "0"],
     "shutdown-timeout": ["soon", "-1", "nan"],
     "read-timeout": ["soon", "0", "-1", "nan"],
@@ -79,7 +79,7 @@ BAD: dict[str, list[str]] = {
     "dp-attention": ["maybe", "2"],
     "reasoning-parser": ["o1", "DeepSeek_R1", ""],
 }
-FREE_FORM = {"api-key", "served-model-name"}
+FREE_FORM = {"api-key"}
 
 # (variable's text, its value, flag's text, its value): the variable's value is not the default, the flag's
 # is not the variable's
