@@ -273,4 +273,21 @@ def serve(args: ServerArgs) -> int:
         print(f"mlaserve serve: error: --host {args.host!r} is not an address this machine can listen on "
               f"({e.strerror}); use an IP address such as 127.0.0.1 or 0.0.0.0, or a resolvable name", file=sys.stderr)
         return 2
+    in_use = port_in_use(args.host, args.port)
+    if in_use:  # before the model loads (uvicorn's own message comes after it, without the flags)
+        print(f"mlaserve serve: error: cannot listen on {args.host} port {args.port}: {in_use}; pass another "
+              "--port (or --host), or stop what holds it", file=sys.stderr)
+        return 2
     return asyncio.run(serve_async(args))
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """Why (host, port) cannot be bound now, as uvicorn binds it (SO_REUSEADDR); None if it can."""
+    for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError as e:
+                return e.strerror or str(e)
+    return None

@@ -142,3 +142,19 @@ def test_default_gguf_model_chats(tmp_path):
         assert r.choices[0].finish_reason in ("stop", "length")
     finally:
         assert srv.stop() == 0
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(model_dir):
+    """uvicorn's own answer came after the model loaded: two log lines without the flag to change."""
+    import subprocess
+    import sys
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "mlaserve", "serve", "--model", str(model_dir), "--port",
+                               str(port)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("mlaserve serve: error: cannot listen on 127.0.0.1 port") and "--port" in line, proc.stderr
