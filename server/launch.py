@@ -176,7 +176,8 @@ async def _start_engine(state: ServerState, args: ServerArgs, server: _DrainingS
         state.engine = engine
         freeze_gc_heap()  # the tokenizer, the app and the libraries live as long as the server
         logger.info("ready: serving %s as '%s' on http://%s:%d%s", args.engine.model, state.model_name,
-                    args.host, args.port, f" ({args.dp} replicas)" if args.dp > 1 else "")
+                    f"[{args.host}]" if ":" in args.host else args.host, args.port,  # (an IPv6 address bracketed)
+                    f" ({args.dp} replicas)" if args.dp > 1 else "")
     except Exception as e:
         if server.stop_requested:  # e.g. a group signal reached the engine before it could ignore it
             logger.info("the engine did not start: the server was asked to stop (%s)", e)
