@@ -223,7 +223,7 @@ void QuantLinear::tile(const LinearInput& in, int rb0, int rb1, int t0, int nt, 
       amx_bf16_(bm_, rb0, rb1 - rb0, at, size_t(in.kp), nt, c, ldc);
     else
       bf16k_->gemm_bf16(bm_, rb0, rb1 - rb0, at, size_t(in.kp), nt, c, ldc);
-  } else if (amxq_ && nt >= kAmxInt8MinRows) {
+  } else if (amxq_ && nt >= amx_int8_min_rows(fmt_)) {
     amxq_[int(fmt_)](qm_, rb0, rb1, in.act(), t0, nt, c, ldc);
   } else {
     lin_->gemm[int(fmt_)](qm_, rb0, rb1, in.act(), t0, nt, c, ldc);

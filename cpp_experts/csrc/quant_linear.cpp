@@ -506,7 +506,7 @@ void QuantLinear::forward(const void* x, bool bf16, int m, void* out) {
     } else if (fmt_ == LinFormat::F32) {
       lin_->gemm_f32(reinterpret_cast<const float*>(w_.data()), K_, rb0, rb1, af + size_t(t0) * K_, size_t(K_), nt,
                      c, ldc);
-    } else if (amxq_ && nt >= kAmxInt8MinRows) {
+    } else if (amxq_ && nt >= amx_int8_min_rows(fmt_)) {
       amxq_[int(fmt_)](qm_, rb0, rb1, a, t0, nt, c, ldc);
     } else {
       lin_->gemm[int(fmt_)](qm_, rb0, rb1, a, t0, nt, c, ldc);

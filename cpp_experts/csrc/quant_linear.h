@@ -194,6 +194,12 @@ extern const LinGemm kLinAmxGemm[kLinFormats];
 // "amx_emulated", which tests the AMX kernels' code on CPUs without AMX.
 extern const LinGemm kLinAmxEmulatedGemm[kLinFormats];
 constexpr int kAmxInt8MinRows = 12;
+// q8_0 from 48 rows: its VNNI kernel reads the weight bytes as they are (no unpacking), so the tiles'
+// per-block scaling loses to it below three whole tiles. Measured (bench/quant_linear_cpu.py, 16384 x
+// 2048, 2 threads, two interleaved pairs): AMX at 0.94-0.95x the VNNI kernel at 16 rows, 0.91-0.93x at
+// 24, 0.97-0.98x at 32, 0.94-0.95x at 40, 1.09-1.12x at 48, 1.16-1.18x at 64 (Intel Xeon, 2-core VM);
+// 0.97x at 16 rows on the H200 host's Xeon (4 threads). The other formats gain from 16 rows there.
+constexpr int amx_int8_min_rows(LinFormat f) { return f == LinFormat::Q8_0 ? 48 : kAmxInt8MinRows; }
 
 struct LinearInput;
 
