@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import functools
 import json
 import logging
@@ -283,12 +284,21 @@ def serve(args: ServerArgs) -> int:
 
 
 def port_in_use(host: str, port: int) -> str | None:
-    """Why (host, port) cannot be bound now, as uvicorn binds it (SO_REUSEADDR); None if it can."""
-    for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
-        with socket.socket(family, kind, proto) as s:
+    """Why (host, port) cannot be bound now, None if it can: each address as asyncio's create_server (which
+    uvicorn calls) binds it, with SO_REUSEADDR and IPV6_V6ONLY, skipping a family the machine lacks."""
+    for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                           flags=socket.AI_PASSIVE):
+        try:
+            s = socket.socket(family, kind, proto)
+        except OSError:
+            continue
+        with s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             try:
                 s.bind(addr)
             except OSError as e:
-                return e.strerror or str(e)
+                if e.errno != errno.EADDRNOTAVAIL:  # (asyncio skips that address: the family is not enabled)
+                    return e.strerror or str(e)
     return None
