@@ -240,10 +240,11 @@ class _Keys:
             raise CheckpointError(self.source, f"config key '{key}' must be >= {low}, got {v}")
         return v
 
-    def above(self, key: str, v: Any, low: float = 0.0) -> Any:
-        """`v` (read from `key`; None passes) when it is a number > `low`, else a CheckpointError."""
-        if v is not None and not v > low:
-            raise CheckpointError(self.source, f"config key '{key}' must be a finite number > {low:g}, got {v!r}")
+    def above(self, key: str, v: Any, low: float = 0.0, below: float = math.inf) -> Any:
+        """`v` (read from `key`; None passes) when it is a number > `low` (and < `below`), else a CheckpointError."""
+        if v is not None and not low < v < below:
+            bound = f" and < {below:g}" if below < math.inf else ""
+            raise CheckpointError(self.source, f"config key '{key}' must be a finite number > {low:g}{bound}, got {v!r}")
         return v
 
     def context(self, key: str, default: int) -> int:
@@ -412,7 +413,7 @@ def _deepseek_from_dict(k: _Keys, arch: Literal["deepseek_v2", "deepseek_v3"]) -
         qk_nope_head_dim=k.positive("qk_nope_head_dim"),
         qk_rope_head_dim=rope_dim,
         v_head_dim=k.positive("v_head_dim"),
-        rms_norm_eps=k.above("rms_norm_eps", k.opt("rms_norm_eps", 1e-6, float)),
+        rms_norm_eps=k.above("rms_norm_eps", k.opt("rms_norm_eps", 1e-6, float), below=1.0),  # (models: 1e-6..1e-5)
         max_position_embeddings=k.context("max_position_embeddings", 4096 if is_v3 else 2048),  # transformers'
         tie_word_embeddings=k.opt("tie_word_embeddings", False, bool),
         attention_bias=k.opt("attention_bias", False, bool),
@@ -455,7 +456,7 @@ def _llama_from_dict(k: _Keys) -> LlamaConfig:
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=k.above("rms_norm_eps", k.opt("rms_norm_eps", 1e-6, float)),
+        rms_norm_eps=k.above("rms_norm_eps", k.opt("rms_norm_eps", 1e-6, float), below=1.0),  # (models: 1e-6..1e-5)
         max_position_embeddings=k.context("max_position_embeddings", 2048),
         tie_word_embeddings=k.opt("tie_word_embeddings", False, bool),
         attention_bias=k.opt("attention_bias", False, bool),

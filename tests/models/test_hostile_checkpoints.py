@@ -199,6 +199,8 @@ def test_load_weights_refuses_integer_tensors(llama_dir):
     ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
     ({"rms_norm_eps": -1e-6}, "rms_norm_eps"),
     ({"rms_norm_eps": 0}, "rms_norm_eps"),
+    ({"rms_norm_eps": 3e38}, "rms_norm_eps"),  # loaded, and every norm computed garbage
+    ({"rms_norm_eps": 1}, "rms_norm_eps"),
     ({"rope_theta": -1.0}, "rope_theta"),
     ({"rope_theta": 0}, "rope_theta"),
     ({"rope_theta": float("inf")}, "rope_theta"),
