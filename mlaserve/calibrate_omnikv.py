@@ -82,7 +82,7 @@ from kernels.attention.omnikv import select_positions
 from kernels.attention.torch_backend import TorchAttentionBackend
 from mlaserve.argtypes import float_in, positive_int
 from mlaserve.model_check import load_model_checked
-from models.omnikv_config import MAX_FILTER_LAYERS, SPARSE, OmniKVConfig, first_filter_default
+from models.omnikv_config import MAX_FILTER_LAYERS, SPARSE, OmniKVConfig, first_filter_default, unreadable_file
 from server.args import BadSetting, OneLineParser
 from server.chat_template import user_turn_ids
 
@@ -569,10 +569,9 @@ MAX_TEXT_BYTES = 64 << 20  # calibration reads a sample; far more than it tokeni
 
 def read_text(path: str) -> str:
     try:
-        if Path(path).exists() and not Path(path).is_file():  # a FIFO would block, /dev/zero fill the memory
-            raise CalibrationError(f"the text file {path} is not a regular file; pass --text a UTF-8 text file")
-        if Path(path).exists() and Path(path).stat().st_size > MAX_TEXT_BYTES:
-            raise CalibrationError(f"the text file {path} is over {MAX_TEXT_BYTES >> 20} MiB; pass a sample of it")
+        problem = unreadable_file(path, MAX_TEXT_BYTES)
+        if problem:
+            raise CalibrationError(f"the text file {path} {problem}; pass --text a UTF-8 text file (a sample will do)")
         return Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise CalibrationError(f"the text file {path} does not exist; pass --text a UTF-8 text file") from None

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
@@ -45,6 +47,18 @@ MAX_TOKENS = 2**31 - 1  # a token count beyond any context (the native kernels t
 FULL, FILTER, SPARSE = 0, 1, 2
 
 _MAX_CONFIG_BYTES = 1 << 20  # a config is a few hundred bytes
+
+
+def unreadable_file(path: str | Path, max_bytes: int) -> str | None:
+    """What keeps an existing `path` from being read as a text file here, else None (also when it is
+    missing: the read says so): a FIFO would block the read and /dev/zero fill the memory."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    return f"is over {max_bytes >> 20} MiB" if st.st_size > max_bytes else None
 
 
 def first_filter_default(num_layers: int) -> int:
@@ -201,11 +215,9 @@ class OmniKVConfig:
     @classmethod
     def load(cls, path: str | Path) -> OmniKVConfig:
         try:
-            # a FIFO would block the read, /dev/zero fill the memory
-            if Path(path).exists() and not Path(path).is_file():
-                raise ValueError(f"the OmniKV config {path} is not a regular file")
-            if Path(path).exists() and Path(path).stat().st_size > _MAX_CONFIG_BYTES:
-                raise ValueError(f"the OmniKV config {path} is over {_MAX_CONFIG_BYTES >> 20} MiB: not an OmniKV config")
+            problem = unreadable_file(path, _MAX_CONFIG_BYTES)
+            if problem:
+                raise ValueError(f"the OmniKV config {path} {problem}: not an OmniKV config")
             text = Path(path).read_text(encoding="utf-8-sig")  # (an editor's byte-order mark is not an error)
         except OSError as err:
             raise ValueError(f"cannot read the OmniKV config {path}: {err.strerror}") from None
