@@ -74,8 +74,9 @@ def _generate(argv: list[str]) -> int:
 
 def _make_checkpoint(argv: list[str]) -> int:
     from models.synthetic import main as make_checkpoint
+    from server.args import OneLineParser
 
-    return make_checkpoint(argv)
+    return make_checkpoint(argv, parser_class=OneLineParser)
 
 
 def _calibrate_omnikv(argv: list[str]) -> int:

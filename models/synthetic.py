@@ -333,11 +333,13 @@ def num_parameters(config: dict[str, Any] | str, num_layers: int | None = None) 
     return sum(s.numel for s in tensor_plan(config_from_hf_dict(d, "config")))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Writes a random checkpoint (HF directory, optionally a GGUF) from a preset."""
+def main(argv: list[str] | None = None, parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> int:
+    """Writes a random checkpoint (HF directory, optionally a GGUF) from a preset. `parser_class`: the
+    command line's (one-line errors, as its other commands) when run as `mlaserve make-checkpoint`."""
     from models.loader.gguf_writer import QTYPES
 
-    parser = argparse.ArgumentParser(prog="mlaserve make-checkpoint", description=main.__doc__)
+    parser = parser_class(prog="mlaserve make-checkpoint", description="Writes a random checkpoint (HF directory, "
+                          "optionally a GGUF) from a preset.")
     parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
     parser.add_argument("--out", required=True, type=Path, help="output directory")
     parser.add_argument("--seed", type=int, default=0)

@@ -103,25 +103,29 @@ def test_generate_refuses_an_empty_prompt_in_one_line(checkpoint: Path, capsys: 
                                              "to continue (or --chat)"), line
 
 
-@pytest.mark.parametrize("case", ["layers 0", "layers -2", "out is a file", "out under a file"])
+@pytest.mark.parametrize("case", ["layers 0", "layers -2", "out is a file", "out under a file", "no preset"])
 def test_make_checkpoint_refuses_bad_input_in_one_line(case: str, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture) -> None:
-    """Bad --layers or an --out that cannot be a directory: argparse's usage and one error line, exit 2
-    (they were a CheckpointError / FileExistsError traceback)."""
+    """Bad --layers, a missing flag or an --out that cannot be a directory: one error line, exit 2, as
+    the other commands (they were a CheckpointError / FileExistsError traceback, then argparse's whole
+    usage before the line)."""
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     out = {"out is a file": a_file, "out under a file": a_file / "sub"}.get(case, tmp_path / "ckpt")
     argv = ["make-checkpoint", "--preset", "tiny-llama", "--out", str(out)]
     if case.startswith("layers"):
         argv += ["--layers", case.split()[1]]
+    if case == "no preset":
+        argv = argv[:1] + argv[3:]
     with pytest.raises(SystemExit) as info:
         main(argv)
     err = capsys.readouterr().err
     assert info.value.code == 2 and "Traceback" not in err, err
-    line = err.strip().splitlines()[-1]
+    line = one_line(err)
     expect = {"layers 0": "argument --layers: 0 must be > 0", "layers -2": "argument --layers: -2 must be > 0",
               "out is a file": f"cannot write --out {a_file}: File exists",
-              "out under a file": f"cannot write --out {a_file / 'sub'}: Not a directory"}[case]
+              "out under a file": f"cannot write --out {a_file / 'sub'}: Not a directory",
+              "no preset": "the following arguments are required: --preset"}[case]
     assert line.startswith("mlaserve make-checkpoint: error: ") and expect in line, line
     assert a_file.read_text() == "x"
 
