@@ -30,6 +30,7 @@ which is O(context) Python work per penalized row.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -407,7 +408,8 @@ def _logprobs(raw: torch.Tensor, rows: Sequence[SamplingRow], tokens: list[int])
         top_values, top_ids = values.tolist(), ids.tolist()
     for j, i in enumerate(chosen):
         k = rows[i].params.top_logprobs
-        top = list(zip(top_ids[j][:k], top_values[j][:k]))
+        # tokens a grammar masks are no alternatives: top-k reaches them where it allows fewer than k
+        top = [(t, v) for t, v in zip(top_ids[j][:k], top_values[j][:k]) if v != -math.inf]
         result[i] = TokenLogprob(token_id=tokens[i], logprob=picked[j], top=top)
     return result
 

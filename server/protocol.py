@@ -714,7 +714,12 @@ def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str,
 
 # ---------------------------------------------------------------- responses
 
-Logprob = Annotated[float, AfterValidator(lambda x: x if math.isfinite(x) else UNLIKELY_LOGPROB)]
+def finite_logprob(x: float) -> float:
+    """A logprob JSON can carry: OpenAI's -9999.0 for one too small to represent."""
+    return x if math.isfinite(x) else UNLIKELY_LOGPROB
+
+
+Logprob = Annotated[float, AfterValidator(finite_logprob)]
 FinishReason = Literal["stop", "length", "tool_calls"]
 
 

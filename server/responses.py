@@ -45,6 +45,7 @@ from server.protocol import (
     ToolCallOut,
     TopLogprob,
     UsageInfo,
+    finite_logprob,
     sse_data,
 )
 from server import messages_api
@@ -602,14 +603,29 @@ class CompletionSerializer(Serializer):
             self._append_logprob(out, lp.token_id, lp, base + at)
         return out
 
+    def legacy_token(self, token_id: int) -> str:
+        """A token as the legacy lists name it: its text, or for one holding part of a character OpenAI's
+        `bytes:\\xe6\\x97` (its text alone would be U+FFFD, the same for every such token, and the
+        `top_logprobs` keys would collide)."""
+        text = self.token_text(token_id)
+        if "\ufffd" in text:
+            raw = bytes(self.token_bytes(token_id))
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return text
+
     def _append_logprob(self, out: CompletionLogprobs, token: int, lp: TokenLogprob | None, offset: int) -> None:
-        text = self.token_text(token)
+        text = self.legacy_token(token)
         top = None
         if lp is not None:  # logprobs 0 included: the chosen token alone
-            top = {self.token_text(t): v for t, v in lp.top}
-            top.setdefault(text, lp.logprob)  # the chosen token is always listed, as OpenAI and vLLM do
+            top = {}
+            for t, v in lp.top:  # best first: where two ids show the same text, the better one's value
+                top.setdefault(self.legacy_token(t), finite_logprob(v))
+            top[text] = finite_logprob(lp.logprob)  # the chosen token is always listed, as OpenAI and vLLM do
         out.tokens.append(text)
-        out.token_logprobs.append(None if lp is None else lp.logprob)
+        out.token_logprobs.append(None if lp is None else finite_logprob(lp.logprob))
         out.top_logprobs.append(top)
         out.text_offset.append(offset)
 

@@ -196,10 +196,32 @@ def test_completion_top_logprobs_list_the_chosen_token(server, client):
                                   seed=random.randrange(2**31), logprobs=1, extra_body={"ignore_eos": True})
     lp = r.choices[0].logprobs
     for token, top, value in zip(lp.tokens, lp.top_logprobs, lp.token_logprobs, strict=True):
-        assert token in top and 1 <= len(top) <= 2
-        if token != "\ufffd":  # several partial-character tokens share that text
-            assert abs(top[token] - value) < 1e-4
+        assert token in top and 1 <= len(top) <= 2 and abs(top[token] - value) < 1e-4
     assert any(len(top) == 2 for top in lp.top_logprobs)  # at temperature 2 some pick is not the likeliest
+
+
+def test_completion_logprobs_name_partial_characters_by_their_bytes(server, tok):
+    """The legacy lists have no `bytes`: a token holding part of a character is OpenAI's `bytes:\\xe4`
+    there, so that such tokens stay apart (as U+FFFD they shared one `top_logprobs` key, which held
+    another token's value and fewer entries than asked for). The tokens of "中" pushed as in the test above."""
+    parts = _bytes_of(tok, b"\xe4", b"\xb8", b"\xad")
+    body = {"prompt": "Write: ", "max_tokens": 24, "temperature": 1.0, "seed": random.randrange(2**31), "logprobs": 5,
+            "ignore_eos": True, "return_token_ids": True, "logit_bias": {str(i): 10 for i in parts}}
+    choice = post(server, "/v1/completions", body).json()["choices"][0]
+    lp, ids = choice["logprobs"], choice["token_ids"]
+
+    def legacy(i: int) -> str:
+        try:
+            tok.token_bytes(i).decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in tok.token_bytes(i))
+        return tok.decode([i], skip_special_tokens=False)
+
+    assert [legacy(i) for i in ids] == lp["tokens"]
+    assert any(t.startswith("bytes:\\x") for t in lp["tokens"]), lp["tokens"]
+    for token, top, value in zip(lp["tokens"], lp["top_logprobs"], lp["token_logprobs"], strict=True):
+        assert len(top) >= 5 and top[token] == value, (token, top, value)
+        assert "\ufffd" not in "".join(top), top
 
 
 def _merged_logprobs(chunks) -> dict[str, list]:
