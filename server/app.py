@@ -215,7 +215,8 @@ class RequestLogMiddleware:
 
 
 class CrashMiddleware:
-    """A bug in a route answers 500 `internal_error` (logged with its traceback) and ends there.
+    """A bug in a route answers 500 (OpenAI's type `server_error`, code `internal_error`; logged with its
+    traceback) and ends there.
 
     Starlette's handler for Exception sends the 500 and then raises the error again, for the server to
     log, and uvicorn then drops the connection: a client's next request on that keep-alive connection
@@ -241,7 +242,8 @@ class CrashMiddleware:
             if started:
                 raise
             logger.exception("internal error in %s %s", scope.get("method"), scope.get("path"))
-            resp = error_response(500, f"internal server error: {type(exc).__name__}", "internal_error")
+            resp = error_response(500, f"internal server error: {type(exc).__name__}", "server_error",
+                                  code="internal_error")
             await shaped(scope, resp)(scope, receive, send)
 
 

@@ -35,8 +35,8 @@ def test_a_crash_is_answered_and_not_raised_on() -> None:
     client = TestClient(app())  # raise_server_exceptions: an error raised past the middleware fails here
     resp = client.get("/crash")
     assert resp.status_code == 500
-    assert resp.json() == {"error": {"message": "internal server error: KeyError", "type": "internal_error",
-                                     "param": None, "code": None}}
+    assert resp.json() == {"error": {"message": "internal server error: KeyError", "type": "server_error",
+                                     "param": None, "code": "internal_error"}}
 
 
 def test_a_crash_in_the_messages_route_is_answered_in_anthropics_shape() -> None:
