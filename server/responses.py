@@ -606,8 +606,11 @@ class CompletionSerializer(Serializer):
     def legacy_token(self, token_id: int) -> str:
         """A token as the legacy lists name it: its text, or for one holding part of a character OpenAI's
         `bytes:\\xe6\\x97` (its text alone would be U+FFFD, the same for every such token, and the
-        `top_logprobs` keys would collide)."""
+        `top_logprobs` keys would collide); an id past the tokenizer's (an LM head padded wider) has no
+        text or bytes: vLLM's `token_id:N`."""
         text = self.token_text(token_id)
+        if not text and not self.token_bytes(token_id):
+            return f"token_id:{token_id}"
         if "\ufffd" in text:
             raw = bytes(self.token_bytes(token_id))
             try:

@@ -431,3 +431,33 @@ def test_streamed_text_events_are_the_models_json(model_name: str) -> None:
                 assert choice["finish_reason"] is None and choice["logprobs"] is None
                 if sdk is not None:
                     sdk.model_validate_json(event.removeprefix("data: "))
+
+
+def test_legacy_logprobs_keep_tokens_apart() -> None:
+    """The completions API's `top_logprobs` is a dict keyed by token: partial-character tokens (all U+FFFD
+    as text) are OpenAI's `bytes:\\x..`, ids past the tokenizer (no text at all) vLLM's `token_id:N`, so
+    each alternative keeps its entry and the chosen token its own value."""
+    from executor.logprobs import TokenLogprob
+    from models.loader.tokenizer import load_tokenizer
+    from server.metrics import Metrics
+    from server.responses import CompletionSerializer
+    from server.state import ServerState
+
+    tok = load_tokenizer("smollm2-135m-instruct")
+    size = tok.tokenizer.get_vocab_size()
+    partial = [i for i in range(size) if tok.token_bytes(i) in (b"\xe4", b"\xb8", b"\xad")]
+    plain = tok.encode("hello", add_special_tokens=False)[0]
+    state = ServerState(model_name="m", metrics=Metrics("m"))
+    state.tokenizer = tok
+    ser = CompletionSerializer(state, CompletionRequest.model_validate({**COMPLETION, "logprobs": 5}), [([1], "hi")], [])
+    ids = [*partial, size, size + 7, plain]
+    rng = random.Random()
+    values = sorted((-rng.uniform(0.1, 9) for _ in ids), reverse=True)
+    chosen = ids[-1]
+    out = CompletionLogprobs()
+    ser._append_logprob(out, chosen, TokenLogprob(token_id=chosen, logprob=values[-1], top=list(zip(ids, values))[:5]), 0)
+    names = [ser.legacy_token(i) for i in ids]
+    assert names[:3] == [f"bytes:\\x{tok.token_bytes(i)[0]:02x}" for i in partial]
+    assert names[3:] == [f"token_id:{size}", f"token_id:{size + 7}", "hello"]
+    assert out.tokens == ["hello"] and out.token_logprobs == [values[-1]]
+    assert out.top_logprobs == [{**dict(zip(names[:5], values[:5])), "hello": values[-1]}]
