@@ -262,24 +262,37 @@ async def counted(raw: Request, state: ServerState, body: Any, serializer_cls: C
     streaming = False
     try:
         resp = await handle(raw, state, body, serializer_cls)
-        if isinstance(resp, StreamingResponse):
+        if isinstance(resp, ClosingStream):
             streaming = True
-            inner = resp.body_iterator
 
-            async def tracked() -> AsyncIterator[Any]:
-                try:
-                    async for part in inner:
-                        yield part
-                finally:
-                    state.inflight -= 1
-                    with anyio.CancelScope(shield=True):  # a disconnect cancels us: still abort the engine work
-                        await inner.aclose()  # type: ignore[attr-defined]
+            async def sent() -> None:
+                state.inflight -= 1
 
-            resp.body_iterator = tracked()
+            resp.cleanups.append(sent)
         return resp
     finally:
         if not streaming:
             state.inflight -= 1
+
+
+class ClosingStream(StreamingResponse):
+    """A stream whose `cleanups` run once Starlette is done with it, however that ended. A client gone
+    before the first part is sent has Starlette cancel the sending task before it starts the body, and
+    a generator never started runs no `finally`: the engine work it would abort ran on (until the
+    garbage collector closed its streams) and the request stayed counted in flight."""
+
+    def __init__(self, content: AsyncIterator[str], cleanups: list[Callable[[], Awaitable[None]]], **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self.cleanups = cleanups
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):  # a disconnect cancels us: the cleanups still run
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                for cleanup in self.cleanups:
+                    await cleanup()
 
 
 async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: Callable[..., Serializer]) -> Response:
@@ -317,8 +330,9 @@ async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: Ca
             return resp
         if body.stream:  # from here Starlette notices disconnects and cancels the stream
             watch.cancel()
-            return StreamingResponse(_sse(ser, _events(state, requests, firsts, prompt_param(body))), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **replicas})
+            return ClosingStream(_sse(ser, _events(state, requests, firsts, prompt_param(body))),
+                                 [functools.partial(_close_all, requests)], media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **replicas})
         result = await _race(watch, _collect(ser, _events(state, requests, firsts, prompt_param(body))))
         if result is None:
             return Response(status_code=499)

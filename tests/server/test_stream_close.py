@@ -1,0 +1,59 @@
+"""A streamed answer ends its engine work and leaves the in-flight count however Starlette stops sending
+it: also when the client is gone before the first part, where Starlette cancels the sending task before
+the body generator starts (a generator never started runs no `finally`)."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+
+from server import serving
+from server.metrics import Metrics
+from server.state import ServerState
+
+
+@pytest.mark.parametrize("client", ["gone before the first part", "reads it all"])
+def test_a_stream_is_closed_and_uncounted(client: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = ServerState(model_name="m", metrics=Metrics("m"))
+    state.engine = types.SimpleNamespace(any_alive=True)
+    ended: list[str] = []
+
+    async def body():
+        try:
+            yield "data: 1\n\n"
+            yield "data: 2\n\n"
+        finally:
+            ended.append("body")
+
+    async def engine_work_closed() -> None:
+        ended.append("engine")
+
+    async def handle(*_):
+        return serving.ClosingStream(body(), [engine_work_closed], media_type="text/event-stream")
+
+    monkeypatch.setattr(serving, "handle", handle)
+    sent: list[dict] = []
+
+    async def run() -> None:
+        resp = await serving.counted(None, state, None, None)
+        assert state.inflight == 1
+
+        async def receive() -> dict:
+            if client == "reads it all":
+                await asyncio.sleep(3600)
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:  # an ASGI server's send may yield (a paused transport)
+            await asyncio.sleep(0)
+            sent.append(message)
+
+        # spec 2.3, as uvicorn's: Starlette listens for the disconnect beside the sending task
+        await resp({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+
+    asyncio.run(run())
+    assert state.inflight == 0 and "engine" in ended
+    bodies = [m.get("body") for m in sent if m["type"] == "http.response.body"]
+    if client == "reads it all":
+        assert ended == ["body", "engine"] and bodies[:2] == [b"data: 1\n\n", b"data: 2\n\n"]
