@@ -61,6 +61,8 @@ class PrefixMatch:
 class PrefixCache(ABC):
     """What the scheduler needs from a prefix cache; the ownership rules are in the module docstring."""
 
+    shares = True  # whether what is inserted can be matched by other requests (False: caching off)
+
     def __init__(self) -> None:
         self.hit_tokens_total = 0  # sum of matched lengths over all match_prefix calls (not reset)
 
@@ -330,6 +332,8 @@ class RadixCache(PrefixCache):
 
 class NoPrefixCache(PrefixCache):
     """Caching turned off: matches nothing, keeps nothing, evicts nothing."""
+
+    shares = False
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__()

@@ -7,7 +7,10 @@ schedule  Every decoding request gets its one token (all running requests decode
           (`max_prefill_tokens`): first the unfinished chunks of requests already admitted, then new
           requests in arrival order (FCFS), each taking at most `chunked_prefill_size` tokens per
           step, while request slots and KV slots last. A new request first looks up the longest
-          cached prefix of its tokens in the prefix cache and only computes the rest. Decode and
+          cached prefix of its tokens in the prefix cache and only computes the rest; one whose
+          prompt shares at least `SHARED_PREFIX_WAIT` tokens more with a prompt being prefilled
+          waits until that prefill has passed them (it then finds them cached) instead of computing
+          them a second time beside it. Decode and
           prefill slices share one forward (a MIXED batch) when both exist.
           KV short: evict unlocked prefix-cache leaves; still short for the decodes: retract prompts
           part-way through their prefill (newest first), then the most recently admitted decoding
@@ -17,12 +20,14 @@ schedule  Every decoding request gets its one token (all running requests decode
           otherwise fill the pool between them, none able to go on). A request alone too long for
           the whole pool finishes with `length`.
 run       `ModelRunner.build_batch` + forward: logits for the last token of every slice.
-update    Slices that completed their request's pending tokens sample the next token; stop checks
-          (EOS, stop ids, max_tokens, context end); finished requests hand their KV to the prefix
-          cache (or free it) at once.
+update    Each prefill chunk's KV goes into the prefix cache as soon as it is computed (so requests
+          sharing a prompt with one still running, or retracted, or aborted part-way, find it
+          there, as SGLang caches unfinished requests). Slices that completed their request's
+          pending tokens sample the next token; stop checks (EOS, stop ids, max_tokens, context
+          end); finished requests hand their KV to the prefix cache (or free it) at once.
 
-n > 1: completions 1..n-1 wait until completion 0 has prefilled the prompt, which is then inserted
-into the prefix cache, so they start from the shared prompt KV.
+n > 1: completions 1..n-1 wait until completion 0 has prefilled the prompt (then in the prefix
+cache), so they start from the shared prompt KV.
 """
 
 from __future__ import annotations
@@ -42,6 +47,10 @@ from scheduler.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Req
 from executor.sampler import Sampler, SamplingRow
 
 logger = logging.getLogger("mlaserve.scheduler")
+
+# A new request waits for a prompt being prefilled when that prefill has at least this many of its
+# tokens still to compute (SGLang's in-batch prefix check uses 32): fewer cost less than the wait.
+SHARED_PREFIX_WAIT = 32
 
 
 @dataclass
@@ -174,7 +183,7 @@ class Scheduler:
         for r in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
-            if r.waits_for_sibling:
+            if r.waits_for_sibling or self._waits_for_shared_prefix(r):
                 continue
             # a retracted request grown past the pool (its next token needs a slot more; a prompt only
             # scored, max_tokens 0, needs none: one that fills the pool exactly still runs)
@@ -195,6 +204,22 @@ class Scheduler:
             budget -= n
             need += alloc.slots_needed(r.kv_len, n)
         return slices, reqs, finished
+
+    def _waits_for_shared_prefix(self, r: Req) -> bool:
+        """Whether a prompt being prefilled (admitted in an earlier step or this one) shares r's first
+        SHARED_PREFIX_WAIT tokens past what it has computed: r then waits for them to be cached. The
+        prefill always moves (the oldest prompt part-way in keeps its room), so the wait ends."""
+        if not self.cache.shares or r.scores_prompt:  # a prompt scored is computed whole anyway
+            return False
+        for other in self.running:
+            if other.is_decoding or other.rid == r.rid:  # (siblings: waits_for_sibling)
+                continue
+            end = other.kv_len + SHARED_PREFIX_WAIT
+            if end < r.seq_len and end <= other.seq_len \
+                    and other.ids(end - SHARED_PREFIX_WAIT, end) == r.ids(end - SHARED_PREFIX_WAIT, end) \
+                    and other.ids(0, end) == r.ids(0, end):  # (the cheap test first: most prompts part early)
+                return True
+        return False
 
     def _omnikv(self, r: Req) -> bool:
         """Whether r decodes with OmniKV: its own choice, else the server's (auto: a long enough context)."""
@@ -246,7 +271,10 @@ class Scheduler:
                 row += n
             else:
                 row += 1
+            prefill = n > 1 or not r.output_ids  # (a decode step's token is cached when the request ends)
             r.kv_len += n
+            if prefill and self.cache.shares:
+                self._insert_into_cache(r, finished=False)
             if r.num_pending == 0:
                 if r.params.max_tokens == 0:  # prompt scoring only: nothing to generate
                     self._finish(r, FINISH_LENGTH)  # (its prompt KV goes to the prefix cache)
@@ -278,8 +306,8 @@ class Scheduler:
                 r.pending_logprobs.append(lp)
             r.first_token_time = r.first_token_time or now
             self.counters.generation_tokens += 1
-            if prefilled_prompt and r.index == 0:
-                self._share_prompt(r)
+            if prefilled_prompt and r.index == 0:  # n > 1: its prompt is cached now, the siblings may go
+                self._unblock_siblings(r.rid)
             reason = self._stop_reason(r, tok)
             if r.grammar is not None:
                 if not r.grammar.accept(tok):  # never expected: the mask allowed it
@@ -328,12 +356,6 @@ class Scheduler:
             self._unblock_siblings(r.rid)
 
     # ------------------------------------------------------------------ KV ownership
-    def _share_prompt(self, r: Req) -> None:
-        """n > 1: puts completion 0's prompt KV into the prefix cache and lets its siblings start."""
-        if r.params.n > 1:
-            self._insert_into_cache(r, finished=False)
-            self._unblock_siblings(r.rid)
-
     def _unblock_siblings(self, rid: str) -> None:
         for s in self.waiting:
             if s.rid == rid:

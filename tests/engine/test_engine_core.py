@@ -122,6 +122,63 @@ def test_prefix_cache_reuses_slots_and_keeps_tokens(model_dir):
     assert_no_leak(core)
 
 
+def test_a_prompt_is_shared_while_its_request_still_runs(model_dir):
+    """A prompt's KV is in the prefix cache once prefilled, not only when its request ends (as SGLang): a
+    request sharing it that arrives while the first decodes reuses it (it computed it again before)."""
+    shared = prompt(48, 100)
+    a, b = shared + prompt(5, 101), shared + prompt(7, 102)
+    params = msgspec.structs.replace(GREEDY, max_tokens=12)
+    want_b = alone(make_engine(model_dir, disable_prefix_cache=True), b, params)
+    core = make_engine(model_dir)
+    core.add_request(GenerateRequest("a", a, params))
+    while not core.scheduler.running or not core.scheduler.running[0].output_ids:
+        core.step()
+    core.add_request(GenerateRequest("b", b, params))
+    outs = run_to_end(core)
+    assert tokens(outs[("b", 0)]) == want_b and outs[("b", 0)][-1].cached_tokens >= len(shared)
+    assert_no_leak(core)
+
+
+def test_requests_arriving_together_compute_their_shared_prefix_once(model_dir):
+    """Two requests sharing a prefix that arrive in one step: the second waits while the first's prefill
+    has SHARED_PREFIX_WAIT or more of their shared tokens to compute, then finds them cached (each
+    computed all of them before). Tokens as alone; a third unrelated request is not held up."""
+    from scheduler.scheduler import SHARED_PREFIX_WAIT
+
+    shared = prompt(100, 110)
+    a, b, c = shared + prompt(5, 111), shared + prompt(7, 112), prompt(30, 113)
+    params = msgspec.structs.replace(GREEDY, max_tokens=6)
+    plain = make_engine(model_dir, disable_prefix_cache=True)
+    want = {rid: alone(plain, ids, params) for rid, ids in (("a", a), ("b", b), ("c", c))}
+    core = make_engine(model_dir, chunked_prefill_size=16, max_prefill_tokens=64)
+    for rid, ids in (("a", a), ("b", b), ("c", c)):
+        core.add_request(GenerateRequest(rid, ids, params))
+    core.step()
+    assert {r.rid for r in core.scheduler.running} == {"a", "c"}  # b waits, c does not
+    outs = run_to_end(core)
+    assert {rid: tokens(outs[(rid, 0)]) for rid in want} == want
+    assert outs[("b", 0)][-1].cached_tokens > len(shared) - SHARED_PREFIX_WAIT
+    assert outs[("c", 0)][-1].cached_tokens == 0
+    assert_no_leak(core)
+
+
+def test_the_chunks_of_an_aborted_prompt_stay_cached(model_dir):
+    """The chunks a prompt prefilled before its request was aborted (a client gone) are cached: the retry
+    reuses them."""
+    ids = prompt(64, 120)
+    params = msgspec.structs.replace(GREEDY, max_tokens=4)
+    want = alone(make_engine(model_dir, disable_prefix_cache=True), ids, params)
+    core = make_engine(model_dir, chunked_prefill_size=16, max_prefill_tokens=16)
+    core.add_request(GenerateRequest("gone", ids, params))
+    core.step()
+    core.step()  # 32 of its 64 tokens
+    core.abort("gone")
+    core.add_request(GenerateRequest("retry", ids, params))
+    outs = run_to_end(core)[("retry", 0)]
+    assert tokens(outs) == want and outs[-1].cached_tokens >= 32
+    assert_no_leak(core)
+
+
 def test_prefix_cache_queries_are_counted_with_the_hits(model_dir):
     """A completion's prompt is counted as a prefix-cache query when its hits are, at its first admission: a
     request aborted mid-prefill had its hits counted and its query not, which pushed the hit rate above 1."""
