@@ -155,8 +155,9 @@ class Scheduler:
             else:
                 self._retract(victim)
             decoding.remove(victim)
-        for r in decoding:
-            slices.append(RequestSlice(r.row, r.kv_len, r.ids(r.kv_len), omnikv=self._omnikv(r)))
+        for r in decoding:  # (a prompt's last token, left alone by its chunks, is prefill: full attention)
+            sparse = r.kv_len >= len(r.prompt_ids) and self._omnikv(r)
+            slices.append(RequestSlice(r.row, r.kv_len, r.ids(r.kv_len), omnikv=sparse))
             reqs.append(r)
         need = sum(alloc.slots_needed(r.kv_len, 1) for r in decoding)  # KV slots the slices so far take
 

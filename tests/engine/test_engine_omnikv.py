@@ -66,6 +66,28 @@ def test_server_default_and_request_choice(model_dir, config_file, cpu_kernels):
 
 
 @pytest.mark.parametrize("cpu_kernels", KERNELS)
+def test_a_prompts_last_token_is_prefilled_with_full_attention(model_dir, config_file, cpu_kernels):
+    """A prompt's chunks can leave its last token alone (65 tokens in chunks of 64): that token is
+    prefill, computed with full attention like the rest, so the first token and its logprob do not depend
+    on the chunks (it went through sparse attention as if decoded: another first logprob, a sparse
+    token counted)."""
+    ids = prompt(65, 9)
+    params = msgspec.structs.replace(GREEDY, omnikv=True, max_tokens=3, logprobs=True)
+
+    def first(**kw) -> tuple[tuple[int, float], int]:
+        core = make_engine(model_dir, config_file, cpu_kernels, **kw)
+        assert core.add_request(GenerateRequest("a", ids, params)) == []
+        outs = run_to_end(core)[("a", 0)]
+        lp = next(lp for o in outs for lp in o.logprobs or [])
+        return (lp.token_id, lp.logprob), core.stats().omnikv_sparse_tokens_total
+
+    (want, sparse), (got, cut_sparse) = first(chunked_prefill_size=512), first(chunked_prefill_size=64)
+    assert sparse == cut_sparse == 2  # the 2 tokens decoded after the first
+    assert got[0] == want[0]  # the native forward: bit for bit; the torch one sums chunks in another order
+    assert got[1] == want[1] if cpu_kernels == "native" else abs(got[1] - want[1]) < 1e-4, (got, want)
+
+
+@pytest.mark.parametrize("cpu_kernels", KERNELS)
 def test_auto_waits_for_min_context(model_dir, config_file, cpu_kernels):
     core = make_engine(model_dir, config_file, cpu_kernels, omnikv="auto")
     generate(core, [("short", prompt(20, 3), GREEDY)])  # 20..31 tokens: below min_context 40
