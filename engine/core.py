@@ -235,9 +235,14 @@ class EngineCore:
         # from the flag, else a share of free memory less the request table's (req_to_token: an int32 KV
         # slot per running request and position, on the same device), but never more than every running
         # request can fill
-        table_bytes = (args.max_running_requests + 1) * self.context_len * 4
+        rows = args.max_running_requests + 1
+        memory = available_memory(device)
+        share = memory * args.mem_fraction
+        slots = int((share - rows * self.context_len * 4) // device_per_token)
+        if slots < self.context_len:  # then the context is cut to the slots, and the table with it: both shrink
+            slots = int(share // (device_per_token + rows * 4))
         num_slots = args.max_total_tokens or min(
-            max(0, int((available_memory(device) * args.mem_fraction - table_bytes) // device_per_token)),
+            max(0, slots),
             # the bank's host share: at most half the host memory available, which the process needs too
             int(available_memory(torch.device("cpu")) // 2 // host_per_token) if host_per_token
             else args.max_running_requests * self.context_len,
@@ -248,6 +253,13 @@ class EngineCore:
             logger.warning("context length %d is cut to %d, the KV cache's slots (--max-total-tokens / "
                            "--mem-fraction): a longer request could never run to its end", self.context_len, num_slots)
             self.context_len = num_slots
+        need = num_slots * (device_per_token + 8) + rows * self.context_len * 4  # (8: the slot allocator's list)
+        if need > memory:  # the allocation would fail (a traceback), or succeed lazily and be killed when filled
+            raise ValueError(
+                f"the KV cache of {num_slots} tokens ({device_per_token} bytes each) and the request table "
+                f"({args.max_running_requests} requests x {self.context_len} positions) need {need / 2**30:.1f} GiB, "
+                f"more than the {memory / 2**30:.1f} GiB available: lower --max-total-tokens (or leave it out: "
+                "--mem-fraction sizes the cache), --max-running-requests or --page-size")
         if bank:
             logger.info("OmniKV context bank: layers %s in host memory (%.2f GiB%s), %d bytes/token on the device",
                         host_share, num_slots * host_per_token / 2**30, ", pinned" if device.type == "cuda" else "",

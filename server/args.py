@@ -532,6 +532,9 @@ def combination_problem(parsed: Parsed, environ: Mapping[str, str]) -> str | Non
     if ns.omnikv_bank and (ns.tp > 1 or ns.dp_attention):
         other = "tp" if ns.tp > 1 else "dp_attention"
         return f"{parsed.describe('omnikv_bank')} does not run under {parsed.describe(other)}: use one of them"
+    if ns.max_total_tokens and ns.max_total_tokens < ns.page_size:
+        return (f"{parsed.describe('page_size')} is larger than {parsed.describe('max_total_tokens')}: the KV cache "
+                "holds whole pages; lower --page-size or raise --max-total-tokens")
     if ns.dp > 1 and ns.tp > 1 and ns.master_port != 0:
         return (f"{parsed.describe('dp')} with --tp needs --master-port 0, not {parsed.describe('master_port')}: each "
                 "replica's ranks meet on a free port of their own")

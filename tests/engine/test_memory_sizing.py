@@ -65,3 +65,37 @@ def test_freed_slots_are_handed_out_again_first():
         touched.update(got.tolist())
         assert len(torch.cat(held).unique()) == sum(len(h) for h in held)  # never one slot twice
     assert len(touched) <= 8 * 100, len(touched)
+
+
+def _engine(tmp_path: Path, **kw):
+    from engine.args import EngineArgs
+    from engine.core import EngineCore
+    from models.synthetic import write_checkpoint
+
+    model = write_checkpoint(tmp_path / "m", "tiny-llama", seed=1)
+    return EngineCore(EngineArgs(model=str(model), dtype="float32", **kw))
+
+
+def test_a_cache_past_the_memory_is_refused_in_words(tmp_path):
+    """An explicit --max-total-tokens (or a request table of --max-running-requests) past the memory
+    available: a ValueError naming the flags, the engine's one-line startup error (it was torch's
+    allocation RuntimeError with its traceback, after the model had loaded)."""
+    import pytest
+
+    for kw in ({"max_total_tokens": 10**14}, {"max_total_tokens": 4096, "max_running_requests": 10**8}):
+        with pytest.raises(ValueError, match=r"need [0-9.]+ GiB, more than the [0-9.]+ GiB available: lower "
+                                             r"--max-total-tokens"):
+            _engine(tmp_path, **kw)
+
+
+def test_many_request_slots_leave_a_usable_cache(tmp_path, monkeypatch):
+    """Sized by --mem-fraction with a request table too large at the model's whole context: the context is
+    cut to the slots, and the table with it, so both are solved together (the table at the whole
+    context took the whole share and left one slot: every request refused)."""
+    import engine.core
+
+    monkeypatch.setattr(engine.core, "available_memory", lambda device: 64 * 2**20)
+    core = _engine(tmp_path, max_running_requests=2000, mem_fraction=0.5)  # 2001 x 8192 x 4 B: 62.5 MiB
+    slots, per_token = core.runner.allocator.num_slots, core.kv_bytes_per_token
+    assert core.context_len == slots and slots * (per_token + 2001 * 4) <= 32 * 2**20
+    assert slots > 32 * 2**20 // (per_token + 2001 * 4) - 2

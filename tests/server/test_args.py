@@ -537,3 +537,14 @@ def test_the_architecture_map_routes_every_flag() -> None:
     named = {m for line in rows for m in re.findall(r"`--([a-z0-9-]+)", line.split(" | ")[0])}
     assert named == {f.name for f in SERVE_FLAGS}, (sorted({f.name for f in SERVE_FLAGS} - named),
                                                     sorted(named - {f.name for f in SERVE_FLAGS}))
+
+
+def test_a_page_larger_than_the_cache_is_refused(capsys: pytest.CaptureFixture) -> None:
+    """The cache holds whole pages: a page past --max-total-tokens was one page of cache instead, silently
+    larger than asked for."""
+    with pytest.raises(SystemExit) as info:
+        parse_serve_args(["--max-total-tokens", "4096", "--page-size", "5000"], environ={})
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1, err
+    assert "--page-size 5000 is larger than --max-total-tokens 4096" in err[0], err
+    assert parse_serve_args(["--max-total-tokens", "4096", "--page-size", "4096"], environ={}).engine.page_size == 4096
