@@ -333,6 +333,12 @@ def num_parameters(config: dict[str, Any] | str, num_layers: int | None = None) 
     return sum(s.numel for s in tensor_plan(config_from_hf_dict(d, "config")))
 
 
+def _out_dir(text: str) -> Path:
+    if not text.strip():  # Path("") is the current directory: its config.json and weights would be overwritten
+        raise argparse.ArgumentTypeError("must name a directory (an empty one would be the current directory)")
+    return Path(text)
+
+
 def main(argv: list[str] | None = None, parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> int:
     """Writes a random checkpoint (HF directory, optionally a GGUF) from a preset. `parser_class`: the
     command line's (one-line errors, as its other commands) when run as `mlaserve make-checkpoint`."""
@@ -341,7 +347,7 @@ def main(argv: list[str] | None = None, parser_class: type[argparse.ArgumentPars
     parser = parser_class(prog="mlaserve make-checkpoint", description="Writes a random checkpoint (HF directory, "
                           "optionally a GGUF) from a preset.")
     parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    parser.add_argument("--out", required=True, type=Path, help="output directory")
+    parser.add_argument("--out", required=True, type=_out_dir, help="output directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")

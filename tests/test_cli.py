@@ -103,7 +103,7 @@ def test_generate_refuses_an_empty_prompt_in_one_line(checkpoint: Path, capsys: 
                                              "to continue (or --chat)"), line
 
 
-@pytest.mark.parametrize("case", ["layers 0", "layers -2", "out is a file", "out under a file", "no preset"])
+@pytest.mark.parametrize("case", ["layers 0", "layers -2", "out is a file", "out under a file", "no preset", "out empty"])
 def test_make_checkpoint_refuses_bad_input_in_one_line(case: str, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture) -> None:
     """Bad --layers, a missing flag or an --out that cannot be a directory: one error line, exit 2, as
@@ -111,7 +111,7 @@ def test_make_checkpoint_refuses_bad_input_in_one_line(case: str, tmp_path: Path
     usage before the line)."""
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
-    out = {"out is a file": a_file, "out under a file": a_file / "sub"}.get(case, tmp_path / "ckpt")
+    out = {"out is a file": a_file, "out under a file": a_file / "sub", "out empty": ""}.get(case, tmp_path / "ckpt")
     argv = ["make-checkpoint", "--preset", "tiny-llama", "--out", str(out)]
     if case.startswith("layers"):
         argv += ["--layers", case.split()[1]]
@@ -125,7 +125,8 @@ def test_make_checkpoint_refuses_bad_input_in_one_line(case: str, tmp_path: Path
     expect = {"layers 0": "argument --layers: 0 must be > 0", "layers -2": "argument --layers: -2 must be > 0",
               "out is a file": f"cannot write --out {a_file}: File exists",
               "out under a file": f"cannot write --out {a_file / 'sub'}: Not a directory",
-              "no preset": "the following arguments are required: --preset"}[case]
+              "no preset": "the following arguments are required: --preset",
+              "out empty": "argument --out: must name a directory"}[case]
     assert line.startswith("mlaserve make-checkpoint: error: ") and expect in line, line
     assert a_file.read_text() == "x"
 
