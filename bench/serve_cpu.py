@@ -8,6 +8,10 @@ prefix cache serves it from an earlier request; `max_tokens` 128, `temperature` 
   (b) N concurrent streams (default 16): aggregate output tokens/s = all completion tokens / (last
       stream's end - the common start), TTFT p50 and p99 over the streams, per-stream tokens/s.
 Tokens are counted from each server's `usage` (both must report exactly `max_tokens`).
+With `--shared-prefix N` every prompt starts with a shared text of about N tokens (a session number
+new for each batch of streams, so no batch finds an earlier one's prefix cached, then the text),
+then its own request number and the prompt above: N concurrent chats behind one system prompt,
+where a server computes the shared part once or once per stream.
 
 Peer: `llama-server -m <the same .gguf> -np N -t <cores> -c N x (prompt + max_tokens + slack)` (one
 KV slice per slot; `--no-repack` on a CPU with AMX-INT8, where llama.cpp's AMX weight buffers crash),
@@ -83,6 +87,11 @@ def request_body(prompt: str, max_tokens: int) -> dict[str, Any]:
 def numbered_prompt(i: int, prompt: str = PROMPT) -> str:
     """A unique prefix per request, the same for both servers: no prefix-cache hits across requests."""
     return f"Request {i:05d}. {prompt}"
+
+
+def shared_prefix(session: int, tokens: int) -> str:
+    """`--shared-prefix`: a session's shared text of about `tokens` tokens (~90 a copy of PROMPT)."""
+    return f"Session {session:05d}. " + " ".join([PROMPT] * max(1, round(tokens / 90))) + " "
 
 
 def parse_sse(line: str) -> dict[str, Any] | None | str:
@@ -290,6 +299,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None, help="llama-server -t (default: the usable cores)")
     ap.add_argument("--ours-only", action="store_true", help="do not start llama-server")
+    ap.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                    help="start every prompt of a batch with the same ~N tokens (default 0: none)")
     ap.add_argument("--ours-args", default="", help="extra flags for mlaserve serve (one string)")
     ap.add_argument("--peer-args", default="", help="extra flags for llama-server (one string)")
     cc.add_quiet_args(ap, retries=3)
@@ -351,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{gguf} is not a .gguf file: llama-server needs one")
     machine = cc.machine_info()
     threads = args.threads or machine["cores"]
-    prompt_tokens = prompt_token_count(gguf, numbered_prompt(0))
+    prompt_tokens = prompt_token_count(gguf, shared_prefix(0, args.shared_prefix) * bool(args.shared_prefix)
+                                       + numbered_prompt(0))
     ctx = args.streams * slot_context(prompt_tokens or 4 * len(PROMPT) // 3, args.max_tokens)
 
     servers = [Server("mlaserve", mlaserve_command(gguf, cc.free_port(), args.ours_args.split()), "")]
@@ -375,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def bodies(n: int) -> list[dict[str, Any]]:
         # the same numbers for every server in a round: each server sees the same bodies
-        return [request_body(numbered_prompt(next(counter)), args.max_tokens) for _ in range(n)]
+        shared = shared_prefix(next(counter), args.shared_prefix) if args.shared_prefix else ""
+        return [request_body(shared + numbered_prompt(next(counter)), args.max_tokens) for _ in range(n)]
 
     try:
         for s in servers:
@@ -405,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         "versions": {**cc.versions(), "llama_cpp": peers.binary_version(binary) if binary else None},
         "model": model, "gguf": gguf,
         "workload": {"max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True, "streams": args.streams,
-                     "prompt": "Request NNNNN. " + PROMPT, "prompt_tokens": prompt_tokens,
+                     "prompt": ("Session NNNNN. <PROMPT x k> " if args.shared_prefix else "") + "Request NNNNN. "
+                     + PROMPT, "shared_prefix_tokens": args.shared_prefix, "prompt_tokens": prompt_tokens,
                      "api": "/v1/completions, stream, stream_options.include_usage"},
         "rounds": args.rounds,
         "commands": {s.name: s.command for s in servers},
@@ -417,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         "raw": raw,
     }
     analyze(result)
-    out = args.out or cc.RESULTS / f"serve_cpu_{args.tag or cc.machine_tag(machine)}.json"
+    shared = f"_shared{args.shared_prefix}" if args.shared_prefix else ""
+    out = args.out or cc.RESULTS / f"serve_cpu_{args.tag or cc.machine_tag(machine)}{shared}.json"
     cc.write_json(out, result)
     print_report(result)
     print(f"wrote {out}")
