@@ -25,7 +25,9 @@ last values in `stats()`, so summed totals never go down.
 Per-replica settings (`replica_args`): replica i gets the CPUs of its share of this process's
 affinity mask, its own GPU(s) on CUDA (`cuda:<base + i * tp>`, each replica's ranks on its own
 devices, as SGLang and vLLM place data-parallel replicas), and base seed `--seed + i` (two replicas
-must not draw the same seeds for requests that bring none).
+must not draw the same seeds for requests that bring none). On a CPU the replicas share the host's
+memory: each sizes its KV cache by `--mem-fraction / N` of it (N caches of the whole fraction each
+promised more than the host had, the pages touched only as tokens came, and were killed when full).
 """
 
 from __future__ import annotations
@@ -124,6 +126,8 @@ def replica_args(args: EngineArgs, index: int, replicas: int,
     if args.device.startswith("cuda"):
         base = int(args.device.partition(":")[2] or 0)
         changes["device"] = f"cuda:{base + index * args.tp}"
+    else:  # one memory for all of them
+        changes["mem_fraction"] = args.mem_fraction / replicas
     share = sorted(cpus)
     if len(share) >= replicas:  # contiguous slices, the remainder to the first ones
         size, extra = divmod(len(share), replicas)

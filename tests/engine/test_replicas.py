@@ -137,7 +137,9 @@ def test_replica_settings() -> None:
     cpu = EngineArgs(model="m")
     assert replica_args(cpu, 1, 2, [0])[0].device == "cpu"
     assert replica_args(cpu, 1, 2, [0])[1] == [0]  # fewer CPUs than replicas: shared
-    assert dataclasses.replace(replica_args(cpu, 1, 2, [0])[0], seed=cpu.seed) == cpu  # nothing else changes
+    # the host's memory is shared: each of N replicas sizes its cache by 1/N of --mem-fraction
+    assert replica_args(cpu, 1, 2, [0])[0].mem_fraction == cpu.mem_fraction / 2 and r0.mem_fraction == args.mem_fraction
+    assert dataclasses.replace(replica_args(cpu, 1, 2, [0])[0], seed=cpu.seed, mem_fraction=cpu.mem_fraction) == cpu
 
 
 def test_sum_stats_adds_every_field() -> None:
