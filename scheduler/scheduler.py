@@ -181,10 +181,14 @@ class Scheduler:
             budget -= n
             need += cost
 
+        held = 0  # request slots kept for requests waiting on a shared prefix: later ones do not take them
         for r in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.max_running:
+            if budget <= 0 or len(self.running) + held >= self.max_running:
                 break
-            if r.waits_for_sibling or self._waits_for_shared_prefix(r):
+            if r.waits_for_sibling:
+                continue
+            if self._waits_for_shared_prefix(r):
+                held += 1
                 continue
             # a retracted request grown past the pool (its next token needs a slot more; a prompt only
             # scored, max_tokens 0, needs none: one that fills the pool exactly still runs)
@@ -208,12 +212,14 @@ class Scheduler:
 
     def _waits_for_shared_prefix(self, r: Req) -> bool:
         """Whether a prompt being prefilled (admitted in an earlier step or this one) shares r's first
-        SHARED_PREFIX_WAIT tokens past what it has computed: r then waits for them to be cached. The
-        prefill always moves (the oldest prompt part-way in keeps its room), so the wait ends."""
+        SHARED_PREFIX_WAIT tokens past what it has computed: r then waits for them to be cached, its request
+        slot kept. The prefill always moves (the oldest prompt part-way in keeps its room), so the wait ends."""
         if not self.cache.shares or r.scores_prompt:  # a prompt scored is computed whole anyway
             return False
         for other in self.running:
-            if other.is_decoding or other.rid == r.rid:  # (siblings: waits_for_sibling)
+            # (siblings: waits_for_sibling; a prompt scored computes from 0 whatever is cached, so how far it
+            # is says nothing of what r would find cached: a stream of them would hold r for good)
+            if other.is_decoding or other.rid == r.rid or other.scores_prompt:
                 continue
             end = other.kv_len + SHARED_PREFIX_WAIT
             if end < r.seq_len and end <= other.seq_len \

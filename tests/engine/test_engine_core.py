@@ -162,6 +162,49 @@ def test_requests_arriving_together_compute_their_shared_prefix_once(model_dir):
     assert_no_leak(core)
 
 
+def first_token_steps(core: EngineCore, arrivals: dict[int, list[GenerateRequest]], steps: int) -> dict[str, int]:
+    """The step at which each request's first token came; `arrivals`: requests added before a step."""
+    first: dict[str, int] = {}
+    for step in range(steps):
+        for req in arrivals.get(step, []):
+            core.add_request(req)
+        for o in core.step():
+            if o.new_token_ids:
+                first.setdefault(o.rid, step)
+        if not core.has_work() and step > max(arrivals):
+            break
+    return first
+
+
+def test_a_request_waiting_on_a_shared_prefix_keeps_its_slot(model_dir):
+    """B waits while A prefills their shared 200 tokens; C, unrelated and later, must not take the one slot
+    left meanwhile (it did, and kept it for its 300 tokens: B's first token came at A's end)."""
+    shared = prompt(200, 130)
+    long, short = msgspec.structs.replace(GREEDY, max_tokens=300), msgspec.structs.replace(GREEDY, max_tokens=5)
+    reqs = [GenerateRequest("A", shared + prompt(4, 131), long), GenerateRequest("B", shared + prompt(4, 132), short),
+            GenerateRequest("C", prompt(8, 133), long)]
+    firsts = {}
+    for cache in (False, True):
+        core = make_engine(model_dir, disable_prefix_cache=not cache, max_running_requests=2, chunked_prefill_size=16,
+                           max_prefill_tokens=64)
+        firsts[cache] = first_token_steps(core, {0: reqs}, 2000)
+        assert_no_leak(core)
+    assert firsts[True]["B"] <= firsts[False]["B"] < 50 and firsts[True]["C"] < 300, firsts
+
+
+def test_prompts_scored_do_not_hold_a_request_waiting(model_dir):
+    """Prompts scored (prompt_logprobs) compute from their first token whatever is cached: a stream of them
+    over a cached context held a request on that context waiting as long as it lasted."""
+    ctx = prompt(200, 140)
+    core = make_engine(model_dir, chunked_prefill_size=16, max_prefill_tokens=64)
+    alone(core, ctx + [7], msgspec.structs.replace(GREEDY, max_tokens=1))  # the context is cached
+    score = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1, prompt_logprobs=0)
+    arrivals = {step: [GenerateRequest(f"s{step}", ctx + prompt(5, 141 + step), score)] for step in range(0, 120, 4)}
+    arrivals[1] = [GenerateRequest("gen", ctx + prompt(5, 142), msgspec.structs.replace(GREEDY, max_tokens=3))]
+    assert first_token_steps(core, arrivals, 400)["gen"] <= 3
+    assert_no_leak(core)
+
+
 def test_the_chunks_of_an_aborted_prompt_stay_cached(model_dir):
     """The chunks a prompt prefilled before its request was aborted (a client gone) are cached: the retry
     reuses them."""
