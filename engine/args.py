@@ -11,7 +11,6 @@ the engine process (the specs live on the class's fields, not on instances).
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -85,11 +84,6 @@ def omnikv_file(value: str | None) -> str | None:
     except ValueError as err:
         return str(err)
     return None
-
-
-def usable_cpus() -> list[int]:
-    """The CPUs this process may run on (its affinity mask: a container's or taskset's share)."""
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
 def port_or_zero(value: int) -> str | None:

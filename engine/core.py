@@ -24,6 +24,7 @@ from models.loader.load import load_model, resolve_dtype
 from models.omnikv_config import OmniKVConfig
 from models.parallel import local_kv_heads
 from engine.args import EngineArgs
+from engine.cgroups import memory_room
 from engine.ranks import DPAttentionRank, LeadRank, load_rank
 from engine.messages import (
     ERR_CONTEXT,
@@ -79,67 +80,8 @@ def available_memory(device: torch.device) -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
             free = int(line.split()[1]) * 1024
-    room = cgroup_memory_room()
+    room = memory_room()
     return free if room is None else min(free, room)
-
-
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a huge number (the largest page multiple)
-# (mount under CGROUP_ROOT, limit file, usage file, memory.stat key of the page cache that is free to drop)
-_CGROUP_FILES = {"v1": ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
-                 "v2": ("", "memory.max", "memory.current", "inactive_file")}
-
-
-def cgroup_memory_room(root: Path = CGROUP_ROOT, self_cgroup: str | None = None) -> int | None:
-    """Bytes the process's memory cgroups still allow (limit - usage + reclaimable page cache), at the
-    tightest level from its own cgroup up to the mount's root; None where no level has a limit.
-    `self_cgroup`: /proc/self/cgroup's text (read when None)."""
-    if self_cgroup is None:
-        try:
-            self_cgroup = Path("/proc/self/cgroup").read_text()
-        except OSError:
-            self_cgroup = ""
-    paths: dict[str, str] = {}
-    for line in self_cgroup.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) == 3 and parts[0] == "0" and not parts[1]:
-            paths["v2"] = parts[2]
-        elif len(parts) == 3 and "memory" in parts[1].split(","):
-            paths["v1"] = parts[2]
-    rooms = []
-    for version, (mount_dir, limit_file, usage_file, inactive_key) in _CGROUP_FILES.items():
-        mount = root / mount_dir
-        if not (mount / limit_file).exists() and version not in paths:
-            continue
-        # the process's own cgroup where this namespace shows it (a container sees its own as the root)
-        d = mount / paths.get(version, "/").lstrip("/")
-        levels = [d, *d.parents] if mount in d.parents else [mount]
-        for level in levels:
-            if level != mount and mount not in level.parents:
-                break
-            limit = _cgroup_int(level / limit_file)
-            if limit is None or limit >= NO_LIMIT:
-                continue
-            usage = _cgroup_int(level / usage_file) or 0
-            inactive = 0
-            try:
-                for stat in (level / "memory.stat").read_text().splitlines():
-                    key, _, value = stat.partition(" ")
-                    if key == inactive_key and value.strip().isdigit():
-                        inactive = int(value)
-            except OSError:
-                pass
-            rooms.append(max(0, limit - usage + inactive))
-    return min(rooms) if rooms else None
-
-
-def _cgroup_int(path: Path) -> int | None:
-    """A cgroup file's number; None for "max", a missing file or anything else."""
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
 
 
 GRAMMAR_WAIT_S = 0.002  # with nothing else to run, how long one step waits for a grammar to compile

@@ -53,6 +53,7 @@ from typing import Any, Callable, NoReturn, Protocol
 import msgspec
 
 from engine.args import EngineArgs
+from engine.cgroups import quota_threads
 from engine.messages import (
     ERR_ENGINE,
     FINISH_ABORT,
@@ -176,6 +177,9 @@ def _setup_child_process() -> None:
             level=logging.INFO,
             format="%(asctime)s %(levelname)s engine-core[%(process)d] %(name)s: %(message)s",
         )
+    threads = quota_threads(os.environ)  # (neither the worker pool nor torch's OpenMP is loaded yet)
+    if threads is not None:
+        logging.getLogger(__name__).info("the CPU quota allows %d CPUs' time: %d threads", threads, threads)
 
 
 @dataclass

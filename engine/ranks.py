@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-from engine.args import EngineArgs, usable_cpus
+from engine.args import EngineArgs
+from engine.cgroups import usable_cpus
 from executor.distributed import Leader, Setup, broadcast_message, follow, gather_status
 from executor.model_runner import ModelRunner
 from models.loader.load import DTYPES, load_model

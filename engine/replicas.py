@@ -42,7 +42,8 @@ from typing import Any, AsyncIterator
 
 import msgspec
 
-from engine.args import EngineArgs, free_port, usable_cpus
+from engine.args import EngineArgs, free_port
+from engine.cgroups import usable_cpus
 from engine.client import EngineClient
 from engine.messages import EngineInfo, EngineStats, GenerateRequest, RequestOutput
 from engine.process import CoreFactory

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, NoReturn
 
-from engine.args import (EngineArgs, FlagSpec, flag, internal, non_empty, non_negative, omnikv_file, positive,
-                         usable_cpus)
+from engine.args import EngineArgs, FlagSpec, flag, internal, non_empty, non_negative, omnikv_file, positive
+from engine.cgroups import usable_cpus
 from server.chat_template import ChatTemplateError, load_chat_template
 from server.reasoning import REASONING_PARSERS
 from server.tool_parsers import TOOL_PARSERS

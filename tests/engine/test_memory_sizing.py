@@ -1,14 +1,17 @@
 """How the KV cache is sized on a CPU host: a container's memory limit bounds it (its /proc/meminfo shows
-the host's memory), and freed slots are reused first, so resident memory follows the tokens held."""
+the host's memory), and freed slots are reused first, so resident memory follows the tokens held; and
+how many threads a container's CPU quota is worth."""
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
 import torch
 
-from engine.core import cgroup_memory_room
+from engine import cgroups
+from engine.cgroups import cpu_quota, memory_room
 from executor.memory_pool import TokenSlotAllocator
 
 GiB = 1 << 30
@@ -26,16 +29,16 @@ def test_a_cgroup_v2_limit_bounds_the_room(tmp_path):
     _write(root / "kubepods" / "pod1", memory_max=str(4 * GiB), memory_current=str(GiB),
            memory_stat=f"anon {GiB - 4096}\ninactive_file {GiB // 2}\n")
     _write(root / "kubepods" / "pod1" / "ctr", memory_max="max", memory_current=str(GiB))
-    room = cgroup_memory_room(root, "0::/kubepods/pod1/ctr\n")
+    room = memory_room(root, "0::/kubepods/pod1/ctr\n")
     assert room == 4 * GiB - GiB + GiB // 2  # the pod's limit, less what it uses, page cache it can drop back
-    assert cgroup_memory_room(root, "0::/\n") is None  # no level with a limit
+    assert memory_room(root, "0::/\n") is None  # no level with a limit
 
 
 def test_a_container_sees_its_own_cgroup_as_the_root(tmp_path):
     """cgroup namespaces: /proc/self/cgroup names a path the container's mount does not have."""
     root = tmp_path / "cg"
     _write(root, memory_max=str(2 * GiB), memory_current=str(GiB // 4))
-    assert cgroup_memory_room(root, "0::/system.slice/docker-abc.scope\n") == 2 * GiB - GiB // 4
+    assert memory_room(root, "0::/system.slice/docker-abc.scope\n") == 2 * GiB - GiB // 4
 
 
 def test_cgroup_v1_limits_and_no_limit(tmp_path):
@@ -44,9 +47,9 @@ def test_cgroup_v1_limits_and_no_limit(tmp_path):
     _write(root / "memory" / "docker" / "abc", memory_limit_in_bytes=str(3 * GiB), memory_usage_in_bytes=str(GiB),
            memory_stat=f"cache 5\ntotal_inactive_file {GiB // 4}\n")
     lines = "5:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/\n"
-    assert cgroup_memory_room(root, lines) == 2 * GiB + GiB // 4
-    assert cgroup_memory_room(root, "5:memory:/\n") is None  # the host's root: no limit
-    assert cgroup_memory_room(tmp_path / "none", lines) is None  # no cgroup file system at all
+    assert memory_room(root, lines) == 2 * GiB + GiB // 4
+    assert memory_room(root, "5:memory:/\n") is None  # the host's root: no limit
+    assert memory_room(tmp_path / "none", lines) is None  # no cgroup file system at all
 
 
 def test_freed_slots_are_handed_out_again_first():
@@ -99,3 +102,35 @@ def test_many_request_slots_leave_a_usable_cache(tmp_path, monkeypatch):
     slots, per_token = core.runner.allocator.num_slots, core.kv_bytes_per_token
     assert core.context_len == slots and slots * (per_token + 2001 * 4) <= 32 * 2**20
     assert slots > 32 * 2**20 // (per_token + 2001 * 4) - 2
+
+
+def test_cpu_quotas_v2_and_v1(tmp_path):
+    """`docker run --cpus 1.5` writes cpu.max "150000 100000" (v2) or cfs_quota_us 150000 (v1); the tightest
+    level counts; "max" and -1 are no quota."""
+    root = tmp_path / "cg"
+    _write(root, cpu_max="max 100000")
+    _write(root / "kubepods" / "pod1", cpu_max="400000 100000")
+    _write(root / "kubepods" / "pod1" / "ctr", cpu_max="150000 100000")
+    assert cpu_quota(root, "0::/kubepods/pod1/ctr\n") == 1.5
+    assert cpu_quota(root, "0::/kubepods/pod1\n") == 4.0
+    assert cpu_quota(root, "0::/\n") is None
+    v1 = tmp_path / "v1"
+    _write(v1 / "cpu,cpuacct" / "docker" / "abc", cpu_cfs_quota_us="200000", cpu_cfs_period_us="100000")
+    _write(v1 / "cpu,cpuacct", cpu_cfs_quota_us="-1", cpu_cfs_period_us="100000")
+    lines = "5:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/\n"
+    assert cpu_quota(v1, lines) == 2.0
+    assert cpu_quota(v1, "4:cpu,cpuacct:/\n") is None
+    assert cpu_quota(tmp_path / "none", lines) is None
+
+
+def test_a_cpu_quota_sets_the_threads(monkeypatch):
+    """Fewer threads where the quota gives less time than the affinity mask has CPUs (the shipped Deployment
+    on a 64-core node ran 64 threads on 2 CPUs' time); a user's own setting kept; none set without a quota."""
+    mask = sorted(os.sched_getaffinity(0))
+    monkeypatch.setattr(cgroups, "cpu_quota", lambda: 0.5)
+    assert cgroups.usable_cpus() == mask[:1]
+    env: dict[str, str] = {"OMP_NUM_THREADS": "3"}
+    if len(mask) > 1:
+        assert cgroups.quota_threads(env) == 1 and env == {"OMP_NUM_THREADS": "3", "MLASERVE_CPP_EXPERTS_THREADS": "1"}
+    monkeypatch.setattr(cgroups, "cpu_quota", lambda: None)
+    assert cgroups.usable_cpus() == mask and cgroups.quota_threads(env := {}) is None and env == {}
