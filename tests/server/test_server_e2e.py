@@ -203,10 +203,11 @@ def test_completion_top_logprobs_list_the_chosen_token(server, client):
 def test_completion_logprobs_name_partial_characters_by_their_bytes(server, tok):
     """The legacy lists have no `bytes`: a token holding part of a character is OpenAI's `bytes:\\xe4`
     there, so that such tokens stay apart (as U+FFFD they shared one `top_logprobs` key, which held
-    another token's value and fewer entries than asked for). The tokens of "中" pushed as in the test above."""
+    another token's value and fewer entries than asked for). The tokens of "中" the only ones allowed (a
+    logit_bias, as in the test above, left the completions prompt without one in some draws)."""
     parts = _bytes_of(tok, b"\xe4", b"\xb8", b"\xad")
     body = {"prompt": "Write: ", "max_tokens": 24, "temperature": 1.0, "seed": random.randrange(2**31), "logprobs": 5,
-            "ignore_eos": True, "return_token_ids": True, "logit_bias": {str(i): 10 for i in parts}}
+            "ignore_eos": True, "return_token_ids": True, "allowed_token_ids": parts}
     choice = post(server, "/v1/completions", body).json()["choices"][0]
     lp, ids = choice["logprobs"], choice["token_ids"]
 
