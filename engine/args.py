@@ -141,8 +141,9 @@ class EngineArgs:
                                     "whatever cannot run at once)", check=non_negative)
     max_total_tokens: int | None = flag(None, "KV cache size in tokens", check=positive,
                                         default_text="--mem-fraction of free memory")
-    mem_fraction: float = flag(0.3, "share of free memory (host RAM on CPU) for the KV cache when "
-                               "--max-total-tokens is unset", check=fraction, metavar="FRACTION")
+    mem_fraction: float = flag(0.3, "share of free memory for the KV cache when --max-total-tokens is "
+                               "unset (on a CPU: the RAM available to the process, within a container's limit; "
+                               "each --dp replica takes 1/N of it)", check=fraction, metavar="FRACTION")
     chunked_prefill_size: int | None = flag(None, "most prompt tokens prefilled per request per step. On a CPU it is "
                                             "also a step's whole prefill work, so running streams wait for one chunk "
                                             "at most; on a GPU a step takes chunks of several requests, up to 8192 "
