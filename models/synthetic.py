@@ -340,12 +340,13 @@ def _out_dir(text: str) -> Path:
 
 
 def main(argv: list[str] | None = None, parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> int:
-    """Writes a random checkpoint (HF directory, optionally a GGUF) from a preset. `parser_class`: the
-    command line's (one-line errors, as its other commands) when run as `mlaserve make-checkpoint`."""
+    """Writes a random checkpoint (HF directory, optionally a GGUF) from a preset.
+
+    `parser_class`: the command line's (one-line errors, as its other commands) when run as `mlaserve
+    make-checkpoint`."""
     from models.loader.gguf_writer import QTYPES
 
-    parser = parser_class(prog="mlaserve make-checkpoint", description="Writes a random checkpoint (HF directory, "
-                          "optionally a GGUF) from a preset.")
+    parser = parser_class(prog="mlaserve make-checkpoint", description=(main.__doc__ or "").split("\n\n")[0])
     parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
     parser.add_argument("--out", required=True, type=_out_dir, help="output directory")
     parser.add_argument("--seed", type=int, default=0)

@@ -24,7 +24,8 @@ While nothing runs:  allocator.available_size() + cache.total_size() == allocato
    unlock the old node. To keep computing (chunked prefill, n > 1 sampling), match `ids` again,
    lock the new node and rewrite the req_to_token row with its slots (positions P..n changed).
    `NoPrefixCache.insert` returns 0 and keeps nothing: all of kv[P:] (P is 0) stays the caller's,
-   to free when the request finishes. This is the one place a caller must know which cache it has.
+   to free when the request finishes. This is the one place a caller must know which cache it has
+   (`shares`: False for it).
 4. A request dropped without caching (abort, retract) frees kv[P:] (its own), unlocks, and never
    frees kv[:P].
 5. `evict` frees only unlocked leaves, straight back to the allocator; `reset` frees everything.

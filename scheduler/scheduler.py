@@ -42,7 +42,7 @@ import torch
 
 from executor.logprobs import TokenLogprob
 from executor.model_runner import ModelRunner, RequestSlice
-from scheduler.radix_cache import NoPrefixCache, PrefixCache
+from scheduler.radix_cache import PrefixCache
 from scheduler.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Req
 from executor.sampler import Sampler, SamplingRow
 
@@ -375,7 +375,7 @@ class Scheduler:
         pool = self.runner.req_to_token_pool
         slots = pool.req_to_token[r.row, : r.kv_len].to(torch.int64)
         already = self.cache.insert(r.all_ids[: r.kv_len], slots)
-        if isinstance(self.cache, NoPrefixCache):  # it keeps nothing: everything we own stays ours
+        if not self.cache.shares:  # caching off: it keeps nothing, everything we own stays ours
             if finished:
                 self.runner.allocator.free(slots[r.cache_len :])
             return
