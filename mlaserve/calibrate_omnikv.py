@@ -604,6 +604,16 @@ def output_problem(output: Path, given: bool = True) -> str | None:
         return f"{shown} is not writable (permission denied); pass --output a writable path"
     if not output.exists() and not os.access(parent, os.W_OK | os.X_OK):
         return f"{shown}: cannot create a file in {parent} (permission denied); pass --output a writable path"
+    try:  # what access() cannot tell: root passes it where the file system still refuses (/proc, read-only mounts)
+        if output.exists():
+            with open(output, "ab"):
+                pass
+        else:
+            with open(output, "xb"):
+                pass
+            output.unlink()
+    except OSError as err:
+        return f"{shown} cannot be written ({err.strerror or err}); pass --output a writable path"
     return None
 
 

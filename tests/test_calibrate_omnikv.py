@@ -295,6 +295,26 @@ def test_an_unwritable_output_is_refused_before_the_model_loads(case, text_file,
     assert expect in line, line
 
 
+def test_an_output_the_file_system_refuses_is_refused_before_the_model_loads(text_file, tmp_path, capsys):
+    """/proc takes no new files, whatever access() says (it says yes to root)."""
+    output = Path("/proc/mlaserve-omnikv-test.json")
+    code, out, err = run_cli(capsys, "--model", str(tmp_path / "no-such-model"), "--text", str(text_file),
+                             "--output", str(output))
+    line = err.strip()
+    assert code == 2 and out == "" and "\n" not in line, err
+    assert line.startswith(f"{PROG}: --output {output}") and "pass --output a writable path" in line, line
+    assert not output.exists()
+
+
+def test_an_existing_output_is_not_truncated_by_the_check(text_file, tmp_path, capsys):
+    output = tmp_path / "kept.json"
+    output.write_text("old config")
+    code, _, err = run_cli(capsys, "--model", str(tmp_path / "no-such-model"), "--text", str(text_file),
+                           "--output", str(output))
+    assert code == 2 and "neither a built-in name" in err and output.read_text() == "old config"
+    assert not list(tmp_path.glob("kept.json?*"))
+
+
 def test_an_unwritable_default_output_is_refused_naming_it(text_file, tmp_path, capsys, monkeypatch):
     deny_writes_in(tmp_path / "ro", monkeypatch)
     monkeypatch.chdir(tmp_path / "ro")
