@@ -1,8 +1,8 @@
 """The Kubernetes manifests under deploy/kubernetes, offline: yamllint (strict, the repository's
 .yamllint) on them and on the other YAML of the repository's deployment files; kubernetes-validate
 (strict: unknown fields refused) of every core resource against the Kubernetes schemas it ships; the
-ServiceMonitor (a Prometheus Operator CRD the Kubernetes schemas do not know) against the part of its
-CRD it uses; and what must agree between the files: selectors and labels, ports and probes, the drain
+ServiceMonitor and PrometheusRule (Prometheus Operator CRDs the Kubernetes schemas do not know) against the
+parts of their CRDs they use, the rules being docker/alerts.yml's; and what must agree between the files: selectors and labels, ports and probes, the drain
 time against the grace period, the image and its user, and the settings against the server's flags."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ K8S = ROOT / "deploy" / "kubernetes"
 MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
 # schemas kubernetes-validate ships: the oldest Kubernetes these manifests claim to work on, and its newest
 K8S_VERSIONS = ("1.28.0", "latest")
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PodMonitor")}
+CRD_KINDS = {("monitoring.coreos.com/v1", kind) for kind in ("ServiceMonitor", "PodMonitor", "PrometheusRule")}
 # after the drain (--shutdown-timeout) the server stops the engine (up to 10 s, server.launch.serve_async) and
 # lets the last error answers out (_DrainingServer.ABORT_FLUSH_S, 5 s): the grace period must cover both
 STOP_MARGIN_S = 15
@@ -46,7 +46,7 @@ def resources() -> dict[str, dict[str, Any]]:
         for doc in _documents(path):
             assert doc["kind"] not in out, f"a second {doc['kind']} in {path.name}"
             out[doc["kind"]] = doc
-    assert {"Deployment", "Service", "ServiceMonitor", "PodDisruptionBudget"} <= set(out)
+    assert {"Deployment", "Service", "ServiceMonitor", "PrometheusRule", "PodDisruptionBudget"} <= set(out)
     return out
 
 
@@ -89,7 +89,7 @@ def test_kubernetes_validate(path: Path, version: str) -> None:
     checked = 0
     for doc in _documents(path):
         if (doc["apiVersion"], doc["kind"]) in CRD_KINDS:
-            continue  # not in the Kubernetes schemas: test_service_monitor checks it
+            continue  # not in the Kubernetes schemas: test_service_monitor and test_prometheus_rule check them
         kv.validate(doc, version, strict=True)  # raises naming the field that is wrong
         checked += 1
     assert checked or all((d["apiVersion"], d["kind"]) in CRD_KINDS for d in _documents(path))
@@ -170,6 +170,54 @@ def test_service_monitor_schema_refuses_a_typo(resources: dict[str, dict[str, An
     broken["spec"]["endpoints"][0]["intervall"] = "15s"
     with pytest.raises(jsonschema.ValidationError, match="intervall"):
         jsonschema.validate(broken, SERVICE_MONITOR_SCHEMA)
+
+
+# the part of the Prometheus Operator's PrometheusRule CRD (monitoring.coreos.com/v1) the rules use
+PROMETHEUS_RULE_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PrometheusRule"},
+        "metadata": SERVICE_MONITOR_SCHEMA["properties"]["metadata"],
+        "spec": {
+            "type": "object", "additionalProperties": False, "properties": {"groups": {
+                "type": "array", "minItems": 1, "items": {
+                    "type": "object", "required": ["name", "rules"], "additionalProperties": False,
+                    "properties": {
+                        "name": {"type": "string", "minLength": 1},
+                        "interval": {"type": "string", "pattern": DURATION},
+                        "rules": {"type": "array", "items": {
+                            "type": "object", "required": ["expr"], "additionalProperties": False,
+                            "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
+                            "properties": {
+                                "alert": {"type": "string"}, "record": {"type": "string"},
+                                "expr": {"type": ["string", "integer"]},
+                                "for": {"type": "string", "pattern": DURATION},
+                                "keep_firing_for": {"type": "string", "pattern": DURATION},
+                                "labels": LABELS, "annotations": LABELS,
+                            }}},
+                    }}}},
+        },
+    },
+}
+
+
+def test_prometheus_rule(resources: dict[str, dict[str, Any]]) -> None:
+    """The Operator's copy of the alerting rules is docker/alerts.yml's (which promtool checks and tests,
+    tests/docker), labelled as the ServiceMonitor is."""
+    rule = resources["PrometheusRule"]
+    jsonschema.validate(rule, PROMETHEUS_RULE_SCHEMA)
+    assert rule["spec"]["groups"] == yaml.safe_load((DOCKER / "alerts.yml").read_text())["groups"]
+    assert rule["metadata"]["labels"] == resources["ServiceMonitor"]["metadata"]["labels"]
+
+
+def test_prometheus_rule_schema_refuses_a_typo(resources: dict[str, dict[str, Any]]) -> None:
+    broken = json.loads(json.dumps(resources["PrometheusRule"]))
+    broken["spec"]["groups"][0]["rules"][0]["annotation"] = {}
+    with pytest.raises(jsonschema.ValidationError, match="annotation"):
+        jsonschema.validate(broken, PROMETHEUS_RULE_SCHEMA)
 
 
 # ---------------------------------------------------------------- cross-checks

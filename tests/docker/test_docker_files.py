@@ -449,3 +449,96 @@ def test_dashboard_check_catches_an_unknown_metric():
     exported, _ = exported_metric_names()
     names, _ = promql_names('sum(rate(vllm:generation_tokens_total{model_name="x"}[1m])) + mlaserve_kv_cache_usage')
     assert names - exported == {"vllm:generation_tokens_total", "mlaserve_kv_cache_usage"}
+
+
+# ---------------------------------------------------------------- the alerting rules
+ALERTS = DOCKER / "alerts.yml"
+
+
+def alert_rules() -> list[dict]:
+    return [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]]
+
+
+def test_prometheus_loads_the_alerting_rules(compose):
+    """compose's Prometheus reads docker/alerts.yml: its rule_files name the path the file is mounted at."""
+    prom = yaml.safe_load((DOCKER / "prometheus.yml").read_text())
+    mounts = _mounts(compose["services"]["prometheus"])
+    assert [(DOCKER / mounts[p]).resolve() for p in prom["rule_files"]] == [ALERTS.resolve()]
+
+
+def test_alert_queries_exist_in_a_real_scrape(real_scrape: str):
+    names, labels = exported_metric_names(real_scrape)
+    exported, _ = exported_metric_names()
+    rules = alert_rules()
+    assert {r["alert"] for r in rules} == {"MlaserveServerErrors", "MlaserveOverloaded", "MlaserveKVCacheFull"}
+    for rule in rules:
+        used, used_labels = promql_names(rule["expr"])
+        assert used and used <= names & exported, f"{rule['alert']}: {sorted(used - names)} not in a real scrape"
+        assert used_labels <= labels | TARGET_LABELS, f"{rule['alert']}: {sorted(used_labels - labels)}"
+        assert rule["labels"]["severity"] in {"critical", "warning"} and rule["annotations"]["summary"]
+
+
+def _promtool() -> str:
+    beside = Path(sys.executable).with_name("promtool")
+    found = str(beside) if beside.exists() else shutil.which("promtool")
+    if found is None:
+        pytest.skip("promtool not found (make .venv/.oracles unpacks it from Debian's prometheus package)")
+    return found
+
+
+def test_promtool_checks_the_alerting_rules():
+    result = subprocess.run([_promtool(), "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "SUCCESS: 3 rules found" in result.stdout, result.stdout + result.stderr
+
+
+def _rule_test(tmp_path: Path, cases: list[dict]) -> subprocess.CompletedProcess:
+    """`promtool test rules`: made-up series, one per minute, evaluated by Prometheus's own rule engine."""
+    series = [  # instance a: 1 engine error/s on streams after their 200; b: a pod loading (its state)
+        {"series": 'mlaserve_request_errors_total{code="engine_error",status="200",instance="a"}',
+         "values": "0+60x40"},
+        {"series": 'mlaserve_request_errors_total{code="loading",status="503",instance="b"}', "values": "0+600x40"},
+        {"series": 'mlaserve_request_errors_total{code="shutting_down",status="503",instance="b"}',
+         "values": "0+600x40"},
+        # c: a refusal a minute, its queue full; a client's mistakes (4xx) alert nothing
+        {"series": 'mlaserve_request_errors_total{code="overloaded",status="503",instance="c"}', "values": "0+1x40"},
+        {"series": 'mlaserve_request_errors_total{code="context_length_exceeded",status="400",instance="c"}',
+         "values": "0+600x40"},
+        # d: the KV cache 99% used; e: half
+        {"series": 'mlaserve_kv_cache_usage_ratio{instance="d"}', "values": "0.99x40"},
+        {"series": 'mlaserve_kv_cache_usage_ratio{instance="e"}', "values": "0.5x40"},
+    ]
+    spec = {"rule_files": [str(ALERTS)], "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": cases}]}
+    path = tmp_path / "alerts_test.yml"
+    path.write_text(yaml.safe_dump(spec))
+    return subprocess.run([_promtool(), "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
+
+
+def _fires(alert: str, instance: str, summary: str) -> list[dict]:
+    rule = next(r for r in alert_rules() if r["alert"] == alert)
+    return [{"exp_labels": {"severity": rule["labels"]["severity"], "instance": instance},
+             "exp_annotations": {"summary": summary, "description": rule["annotations"]["description"]}}]
+
+
+def test_alerts_fire_on_their_failures_only(tmp_path):
+    """Each alert fires for its pod once its `for` has passed, and not for the others: a pod loading or
+    draining, a client's 4xx, a half-full cache."""
+    cases = [
+        {"eval_time": "3m", "alertname": "MlaserveServerErrors", "exp_alerts": []},
+        {"eval_time": "20m", "alertname": "MlaserveServerErrors",
+         "exp_alerts": _fires("MlaserveServerErrors", "a", "mlaserve on a answers 1 server errors a second")},
+        {"eval_time": "20m", "alertname": "MlaserveOverloaded",
+         "exp_alerts": _fires("MlaserveOverloaded", "c", "mlaserve on c refuses requests: its queue is full")},
+        {"eval_time": "20m", "alertname": "MlaserveKVCacheFull",
+         "exp_alerts": _fires("MlaserveKVCacheFull", "d", "mlaserve on d has its KV cache 99% full")},
+    ]
+    result = _rule_test(tmp_path, cases)
+    assert result.returncode == 0 and "SUCCESS" in result.stdout, result.stdout + result.stderr
+
+
+def test_the_alert_test_can_fail(tmp_path):
+    """The same check, expecting the loading pod to alert, fails: promtool compares what fired."""
+    cases = [{"eval_time": "20m", "alertname": "MlaserveServerErrors",
+              "exp_alerts": _fires("MlaserveServerErrors", "b", "mlaserve on b answers 20 server errors a second")}]
+    result = _rule_test(tmp_path, cases)
+    assert result.returncode != 0 and "MlaserveServerErrors" in result.stdout + result.stderr
