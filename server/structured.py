@@ -340,7 +340,11 @@ def _engine_schema(schema: Any, param: str) -> Any:
         return out
 
     def served_pattern(pattern: str, where: str) -> str:
-        served = xgrammar_pattern(pattern)
+        try:
+            served = xgrammar_pattern(pattern)
+        except _Lookaround:
+            raise ParamError(_top(param), f"{param}: the pattern {pattern!r} (at {where or '/'}) has a lookahead or "
+                             "lookbehind, which constrained decoding does not enforce; write it without one") from None
         if served is None:
             raise ParamError(_top(param), f"{param}: the pattern {pattern!r} (at {where or '/'}) matches only "
                              "strings with a '\"', a '\\' or a control character, which constrained decoding "
@@ -425,16 +429,24 @@ def xgrammar_pattern(pattern: str) -> str | None:
     those characters out. They are never written, then, the same way everywhere: a part of the pattern
     that needs one is dropped (an alternative, an optional part) and the pattern is None if nothing is
     left; classes lose them (negated classes are told to). What is produced still matches the pattern.
-    A pattern Python's `re` cannot read, or with lookarounds, back-references or inline flags (which
-    xgrammar does not take either), is passed on as written (`_optional_groups`)."""
+    A pattern Python's `re` cannot read, or with back-references or inline flags (which xgrammar does
+    not take either), is passed on as written (`_optional_groups`); one with a lookaround raises
+    _Lookaround."""
     try:
         return _json_pattern(_sre.parse(pattern).data)
+    except _Lookaround:
+        raise
     except (re.error, _Unsupported, RecursionError):
         return _optional_groups(pattern)
 
 
 class _Unsupported(Exception):
     pass
+
+
+class _Lookaround(_Unsupported):
+    """A lookahead or lookbehind: xgrammar 0.2.9 takes a lookahead in a JSON Schema pattern and does not
+    enforce it (`^(?=zzz)[a-z]{3}$` wrote "abc"), so it is refused, not passed on."""
 
 
 _UNWRITABLE = "\\x00-\\x1f\\x22\\x5c"  # (as a class's members) what a JSON string holds only escaped
@@ -518,6 +530,8 @@ def _json_pattern(items: list, depth: int = 0) -> str | None:
                 out.append(f"(?:{body}){{{lo},{hi}}}")
             else:  # not `{lo,}`: xgrammar 0.2.9 let `(?:b){0,}` inside a group take what `b*` does not
                 out.append((f"(?:{body}){{{lo - 1}}}" if lo > 1 else "") + f"(?:{body})" + ("+" if lo else "*"))
+        elif name in ("ASSERT", "ASSERT_NOT"):
+            raise _Lookaround
         elif name == "AT" and str(av) in ("AT_BEGINNING", "AT_BEGINNING_STRING"):
             out.append("^")
         elif name == "AT" and str(av) in ("AT_END", "AT_END_STRING"):
@@ -600,5 +614,7 @@ def _vllm_style(kind: str, value: Any, param: str) -> StructuredOutput:
 
 
 def _top(param: str) -> str:
-    """The request field a dotted parameter path starts with (the 400's `param` for what the engine refuses)."""
-    return param.split(".")[0]
+    """The 400's `param` for a schema refused at the dotted path `param` (and for what the engine refuses
+    of it): the request field the path starts with, or a tool's parameters, which OpenAI names whole."""
+    tool = re.match(r"tools\.\[\d+\]\.function\.parameters", param)
+    return tool.group(0) if tool else param.split(".")[0]

@@ -282,6 +282,8 @@ BAD = [
     ({"input": "hi", "top_logprobs": 21}, 400, "top_logprobs", None),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools.[0].type", "web_search"),
     ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, 400, "tools.[0].name", None),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "strin"}}]}, 400,
+     "tools.[0].parameters", "tools.[0].parameters is not a valid JSON Schema"),
     ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, 400, "tool_choice", "nope"),
     ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "file_search"}}, 400, "tool_choice", None),
     ({"input": "hi", "tool_choice": "required"}, 400, "tool_choice", "needs tools"),

@@ -304,7 +304,7 @@ BAD = [
     ({"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}}}}}, "response_format", "points at nothing"),
     ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}]}, "tools", "points at nothing"),
+        "type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}]}, "tools.[0].function.parameters", "points at nothing"),
     ({"messages": ASK, "response_format": {"type": "xml"}}, "response_format.type", None),
     # xgrammar would drop the length beside a pattern or format: an output past maxLength, answered 200
     ({"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
@@ -312,12 +312,21 @@ BAD = [
      "response_format", "maxLength together with pattern"),
     ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"to": {"type": "string", "format": "email", "minLength": 5}}}}}],
-      "tool_choice": "required"}, "tools", "minLength together with format"),
+      "tool_choice": "required"}, "tools.[0].function.parameters", "minLength together with format"),
+    # lookaheads: xgrammar takes them in a schema's pattern and does not enforce them ("abc" for ^(?=zzz)...)
+    ({"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "pattern": "^(?=zzz)[a-z]{3,6}$"}}}}, "response_format", "has a lookahead or lookbehind"),
+    ({"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "patternProperties": {"^(?!a)[ab]{2}$": {"type": "integer"}}}}}},
+     "response_format", "has a lookahead or lookbehind"),
+    ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)y"}}}}}], "tool_choice": "required"},
+     "tools.[0].function.parameters", "has a lookahead or lookbehind"),
     # deep enough to exhaust the schema checks' recursion (a 500 before the depth limit), small as a body
     ({"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema":
         nested(150, in_array)}}}, "response_format", "nests deeper than"),
     ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "f", "parameters":
-        nested(100, in_object)}}]}, "tools", "nests deeper than"),
+        nested(100, in_object)}}]}, "tools.[0].function.parameters", "nests deeper than"),
     ({"messages": ASK, "guided_json": nested(65, in_array)}, "guided_json", "nests deeper than"),
     ({"messages": ASK, "extra_field": 1, "regex": "(", "response_format": None}, "regex", "regular expression"),
     ({"messages": ASK, "ebnf": "root ::= undefined"}, "ebnf", "undefined"),
@@ -335,9 +344,9 @@ BAD = [
     ({"messages": ASK, "tools": [WEATHER, WEATHER]}, "tools", "twice"),
     # a tool's parameters are checked whatever the tool_choice (auto and none only show them to the model)
     ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]},
-     "tools", "not a valid JSON Schema"),
+     "tools.[0].function.parameters", "not a valid JSON Schema"),
     ({"messages": ASK, "tool_choice": "none", "tools": [{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "object", "properties": "x"}}}]}, "tools", "not a valid JSON Schema"),
+        "name": "f", "parameters": {"type": "object", "properties": "x"}}}]}, "tools.[0].function.parameters", "not a valid JSON Schema"),
     ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
      "tools.[0].function.parameters", "must be the JSON Schema of an object"),
     ({"messages": ASK + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
@@ -354,7 +363,7 @@ BAD = [
      "response_format", "no object satisfies"),
     ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"at": {"type": "string", "format": "uri-template"}}}}}], "tool_choice": "required"},
-     "tools", "format 'uri-template'"),
+     "tools.[0].function.parameters", "format 'uri-template'"),
 ]
 
 
