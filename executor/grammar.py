@@ -8,8 +8,10 @@
 Why it is built this way:
 - xgrammar compiles a grammar against the tokenizer's whole vocabulary once (JSON Schema, regex and
   EBNF alike); the per-token work is then a bitmask fill. Compiling can take from milliseconds to
-  seconds for a large schema, so it runs on a worker thread (xgrammar releases the GIL) and the
-  engine's step loop goes on serving the other requests meanwhile.
+  seconds for a large schema (a pattern `^[a-z]{1,13000}$` took 9 s), so it runs on worker threads
+  (xgrammar releases the GIL) and the engine's step loop goes on serving the other requests meanwhile.
+  Several of them: with one, every constrained request (a cached schema's too) queued behind a slow
+  compile; now it holds one thread of `_COMPILE_WORKERS`.
 - One compiler per engine, i.e. per tokenizer: its cache keys on the spec, so "cached by
   (schema, tokenizer)" holds without a key of our own. The tokenizer's view (`TokenizerInfo`) is built
   lazily, on the first constrained request, so a server that never sees one pays nothing.
@@ -42,6 +44,7 @@ import torch
 logger = logging.getLogger("mlaserve.grammar")
 
 _CACHE_BYTES = 256 << 20  # compiled grammars kept by the compiler's cache
+_COMPILE_WORKERS = 8  # compiles at once: slow ones share the CPU instead of holding up the rest
 
 
 class GrammarError(ValueError):
@@ -88,7 +91,7 @@ class Grammar:
 
 
 class GrammarBackend:
-    """Compiles specs for one tokenizer on a worker thread and makes matchers from the results."""
+    """Compiles specs for one tokenizer on worker threads and makes matchers from the results."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], threads: int | None = None) -> None:
         """`tokenizer`: a `tokenizers.Tokenizer`; `vocab_size`: the logits' width (may exceed the
@@ -101,10 +104,10 @@ class GrammarBackend:
         self._threads = threads or max(1, (os.cpu_count() or 2) // 4)
         self._compiler: Any = None
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._pool = ThreadPoolExecutor(max_workers=_COMPILE_WORKERS, thread_name_prefix="grammar-compile")
 
     def submit(self, kind: str, spec: str, param: str) -> Future:
-        """Compiles on the worker thread; the future's result is the compiled grammar, or it raises
+        """Compiles on a worker thread; the future's result is the compiled grammar, or it raises
         GrammarError naming `param`."""
         return self._pool.submit(self.compile, kind, spec, param)
 

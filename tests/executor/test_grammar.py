@@ -6,6 +6,7 @@ tests check the claims the server makes about it (every keyword it lets through 
 from __future__ import annotations
 
 import json
+import threading
 
 import jsonschema
 import pytest
@@ -402,6 +403,34 @@ def test_bad_specs_raise_grammar_error_naming_the_param(backend, kind, spec):
 def test_compile_runs_off_the_calling_thread(backend):
     fut = backend.submit("regex", "[a-c]{3}", "regex")
     assert accepts(backend, fut.result(timeout=30), "abc")
+
+
+def test_slow_compiles_hold_up_no_other_request(backend):
+    """With one worker, every constrained request (a cached schema's too) waited for a slow compile (a
+    pattern `^[a-z]{1,13000}$` takes seconds): here all workers but one are held, and a cached and a new
+    spec still compile."""
+    import executor.grammar as grammar_mod
+
+    held = GrammarBackend(backend._tokenizer, backend.vocab_size, [STOP])
+    release, compile_ = threading.Event(), held.compile
+
+    def compile_held(kind: str, spec: str, param: str):
+        if spec == "slow":
+            release.wait(60)
+        return compile_(kind, spec, param)
+
+    held.compile = compile_held
+    try:
+        held.compile("regex", "[ab]+", "regex")  # cached from here on
+        slow = [held.submit("regex", "slow", "regex") for _ in range(grammar_mod._COMPILE_WORKERS - 1)]
+        assert accepts(held, held.submit("regex", "[ab]+", "regex").result(timeout=10), "ab")
+        assert accepts(held, held.submit("regex", "c{2}", "regex").result(timeout=10), "cc")
+        assert not any(f.done() for f in slow)
+    finally:
+        release.set()
+        held.shutdown()
+    for f in slow:
+        assert accepts(held, f.result(timeout=30), "slow")
 
 
 def test_sampler_only_picks_allowed_tokens_and_reports_masked_logprobs(backend):
