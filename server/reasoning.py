@@ -52,6 +52,7 @@ class ReasoningParser:
         self._buf = ""
         self._strip = False  # drop the answer's leading whitespace (right after </think>)
         self.reasoning_text = ""  # all reasoning so far (for token accounting)
+        self.opened_by_output = False  # the output's own <think> (after any whitespace) opened the block
 
     @property
     def in_reasoning(self) -> bool:
@@ -99,7 +100,7 @@ class ReasoningParser:
                     return out  # "<thi": wait
                 if head.startswith(THINK_OPEN):
                     self._buf = head[len(THINK_OPEN):]
-                    self.state = "think"
+                    self.state, self.opened_by_output = "think", True
                 elif self._opened:
                     self.state = "think"
                 else:
@@ -132,11 +133,11 @@ class ReasoningTokens:
 
     def __init__(self, tag_ids: tuple[int, int] | None, inside: bool) -> None:
         self._tags, self._inside, self._closed, self.count = tag_ids, inside, False, 0
-        self._first = True  # only the output's first token may open a block (as the parser reads it)
 
-    def add(self, ids: list[int], was_reasoning: bool, split: Split) -> None:
+    def add(self, ids: list[int], was_reasoning: bool, split: Split, opens: bool = False) -> None:
         """A delta's ids; `was_reasoning`: the parser was inside the reasoning before its text, `split`: what
-        its text gave."""
+        its text gave; `opens`: its text opened the block (the parser took the output's `<think>`, which
+        may follow whitespace: its tokens before the tag are not reasoning)."""
         if self._tags is None:
             self.count += len(ids) if was_reasoning or split.reasoning else 0
             return
@@ -144,9 +145,8 @@ class ReasoningTokens:
         for i in ids:
             if self._closed:
                 return
-            if self._first and i == open_id:
-                self._inside = True
-            self._first = False
+            if opens and i == open_id:
+                self._inside, opens = True, False
             if self._inside:
                 self.count += 1
                 if i == close_id:
@@ -169,12 +169,12 @@ class ChoiceReasoning:
         self.tokens = ReasoningTokens(tag_ids, self.parser.in_reasoning)
 
     def feed(self, text: str, ids: list[int], final: bool) -> Split:
-        was_reasoning = self.parser.in_reasoning
+        was_reasoning, had_opened = self.parser.in_reasoning, self.parser.opened_by_output
         out = self.parser.feed(text)
         if final:
             tail = self.parser.finish()
             out = Split(out.reasoning + tail.reasoning, out.content + tail.content)
-        self.tokens.add(ids, was_reasoning, out)
+        self.tokens.add(ids, was_reasoning, out, opens=self.parser.opened_by_output and not had_opened)
         return out
 
 

@@ -167,6 +167,15 @@ def test_reasoning_tokens_do_not_depend_on_how_the_tokens_arrive() -> None:
         ids = ds.encode(text, add_special_tokens=False)
         through = ids.index(ds.tokenizer.token_to_id("</think>")) + 1
         assert {_reasoning_tokens(kind, ds, prompt, ids, g) for g in (1, 2, 3, 4, 8, len(ids))} == {through}, kind
+    # whitespace before qwen3's <think> (the parser skips it, the count counted nothing: it opened only on the
+    # output's first token): the tokens from <think> through </think>
+    ids = ds.encode("\n\n<think>reasoning here</think>answer text", add_special_tokens=False)
+    start, end = ids.index(ds.tokenizer.token_to_id("<think>")), ids.index(ds.tokenizer.token_to_id("</think>"))
+    assert start > 0 and {_reasoning_tokens("qwen3", ds, "<|im_start|>assistant\n", ids, g)
+                          for g in (1, 2, 3, len(ids))} == {end + 1 - start}
+    # a <think> after text is the answer's, not a block
+    ids = ds.encode("ok <think>no</think>", add_special_tokens=False)
+    assert {_reasoning_tokens("qwen3", ds, "<|im_start|>assistant\n", ids, g) for g in (1, len(ids))} == {0}
     try:
         smol = load_tokenizer("smollm2-135m-instruct")
     except FileNotFoundError as e:
