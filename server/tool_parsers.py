@@ -421,7 +421,10 @@ def detect_tool_parser(chat_template: str | None) -> str | None:
     if _CALLS_BEGIN in chat_template:
         return "deepseek_v3" if "```json" in chat_template else "deepseek_v31"
     if "<tool_call>" in chat_template:
-        return "hermes"
+        # Hermes (Qwen2.5, Qwen3) writes {"name", "arguments"} JSON between the tags; GLM-4.5+ (<arg_key>) and
+        # Qwen3-Coder (<function=...>) write XML-like calls there, which the hermes parser cannot read
+        xml_args = "<arg_key>" in chat_template or "<function=" in chat_template
+        return "hermes" if '"arguments' in chat_template and not xml_args else None
     if _PYTHON_TAG in chat_template or ('"parameters"' in chat_template and "<|start_header_id|>" in chat_template):
         return "llama3_json"
     return None

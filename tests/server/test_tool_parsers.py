@@ -11,6 +11,7 @@ import itertools
 import json
 import random
 import re
+from pathlib import Path
 
 import pytest
 
@@ -245,6 +246,9 @@ LLAMA31_TEMPLATE = ("{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -
 LLAMA32_TEMPLATE = ("{{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}{{- 'Respond in the format "
                     "{\"name\": function name, \"parameters\": dictionary of argument name and its value}.' }}")
 CHATML_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\\n{{ m.content }}<|im_end|>\\n{% endfor %}"
+QWEN3_CODER_TEMPLATE = ("{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}{%- for k, v in "
+                        "tool_call.arguments|items %}{{- '<parameter=' + k + '>\\n' }}")
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 
 
 @pytest.mark.parametrize("template, expected", [
@@ -254,6 +258,10 @@ CHATML_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\\n{{ m.conten
     (LLAMA31_TEMPLATE, "llama3_json"),
     (LLAMA32_TEMPLATE, "llama3_json"),
     (CHATML_TEMPLATE, None),
+    # <tool_call> tags around calls the hermes parser cannot read: GLM's <arg_key> pairs, Qwen3-Coder's XML
+    ((FIXTURES / "glm_4_6.jinja").read_text(), None),
+    (QWEN3_CODER_TEMPLATE, None),
+    ((FIXTURES / "qwen2_5.jinja").read_text(), "hermes"),
     ("", None),
     (None, None),
 ])
