@@ -237,9 +237,12 @@ class ChatSerializer(Serializer):
     named_call_stops = True
 
     def finish_reason(self, reason: str | None, parser: Any) -> str | None:
-        """"tool_calls" for a reply that called tools and stopped by itself (`named_call_stops`)."""
+        """"tool_calls" for a reply that called tools and stopped (`named_call_stops`), each call whole: a
+        stop string that cut a call's arguments (a forced call's grammar does not keep them out) leaves
+        "stop", as max_tokens leaves "length", so that a cut call is never reported as made."""
         called = reason == "stop" and parser is not None and parser.tool_calls and \
-            not (self.tools.named and self.named_call_stops)
+            not (self.tools.named and self.named_call_stops) and \
+            all(_whole_json(c.arguments) for c in parser.tool_calls)
         return "tool_calls" if called else reason
 
     def token_logprobs(self, lps: list[ShownLogprob]) -> list[ChatTokenLogprob]:
@@ -783,10 +786,19 @@ class MessagesSerializer(ChatSerializer):
                                  "usage": usage}, {"type": "message_stop"}]
 
 
+def _whole_json(text: str) -> bool:
+    try:
+        from_json(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _tool_input(arguments: str) -> dict[str, Any]:
     """A tool_use block's `input`: the call's arguments as an object, or {} for arguments cut off by
-    max_tokens (not JSON yet; the reply's stop_reason says max_tokens, and Anthropic's advice is to ask
-    again with more; a stream has sent the partial text in its input_json_delta events)."""
+    max_tokens or a stop sequence (not JSON yet; the reply's stop_reason says which, and Anthropic's advice
+    for max_tokens is to ask again with more; a stream has sent the partial text in its input_json_delta
+    events)."""
     try:
         value = from_json(arguments)
     except ValueError:

@@ -488,3 +488,26 @@ def test_required_calls_stream_as_written_and_a_cut_off_one_stays_a_call(client)
                 calls[e.index] += e.function.arguments or ""
                 pieces.append(e.function.arguments)
     assert calls == {0: call.function.arguments} and len([p for p in pieces if p]) > 3, pieces
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_a_stop_string_that_cuts_a_forced_call_ends_in_stop_not_a_call_made(client, server, choice):
+    """The grammar does not keep stop strings out of a forced call: "city" (a required key) cuts the
+    arguments. The reply ends as cut ("stop", naming the string), as max_tokens leaves "length": it was
+    "tool_calls" with arguments `{"`, and Anthropic's API said tool_use with the sequence dropped."""
+    forced = "required" if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=forced, max_tokens=120, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == ("tool_calls" if choice == "required" else "stop"), whole
+    assert all(json.loads(c.function.arguments)["city"] for c in whole.message.tool_calls)
+    cut = client.chat.completions.create(stop=["city"], **kw).choices[0]
+    assert cut.finish_reason == "stop" and cut.model_extra["stop_reason"] == "city", cut
+    assert "city" not in "".join(c.function.arguments for c in cut.message.tool_calls or ())
+    assert streamed(client, stop=["city"], **kw)[0]["finish"] == "stop"
+    if choice == "required":
+        r = httpx.post(server.url + "/v1/messages", timeout=120, json={
+            "model": MODEL, "max_tokens": 120, "temperature": 0, "messages": ASK, "stop_sequences": ["city"],
+            "tools": [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],
+            "tool_choice": {"type": "any"}})
+        assert r.status_code == 200, r.text
+        assert (r.json()["stop_reason"], r.json()["stop_sequence"]) == ("stop_sequence", "city"), r.json()
