@@ -11,6 +11,8 @@ the engine process (the specs live on the class's fields, not on instances).
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -216,3 +218,13 @@ class EngineArgs:
             return self.max_prefill_tokens
         chunk = self.prefill_chunk()
         return max(chunk, GPU_PREFILL_BUDGET) if self.device.startswith("cuda") else chunk
+
+
+LOG_LEVEL_ENV = "MLASERVE_LOG_LEVEL"  # --log-level's variable: how the server's level reaches the processes it starts
+
+
+def engine_log_level(environ: Mapping[str, str]) -> int:
+    """The logging level of the engine process and the ranks: the server's --log-level, which the server
+    leaves in LOG_LEVEL_ENV for the processes it starts (INFO where unset or unknown)."""
+    level = logging.getLevelName(environ.get(LOG_LEVEL_ENV, "info").upper())
+    return level if isinstance(level, int) else logging.INFO

@@ -125,6 +125,10 @@ class EngineCore:
                 self.dp = DPAttentionRank(args)
             if device.type == "cpu" and args.cpu_kernels == "native":
                 logger.info("CPU forward: torch ops across processes (the native forward is one process's)")
+            if device.type == "cpu" and args.cpu_weight_dtype != "file":
+                logger.warning("--cpu-weight-dtype %s is ignored under %s: the torch forward holds the weights in "
+                               "--dtype (%s)", args.cpu_weight_dtype, "--tp" if args.tp > 1 else "--dp-attention",
+                               args.dtype)
             group = self.ranks or self.dp
             device = group.device
             loaded = load_rank(args, group)

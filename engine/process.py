@@ -52,7 +52,7 @@ from typing import Any, Callable, NoReturn, Protocol
 
 import msgspec
 
-from engine.args import EngineArgs
+from engine.args import EngineArgs, engine_log_level
 from engine.cgroups import quota_threads
 from engine.messages import (
     ERR_ENGINE,
@@ -88,6 +88,10 @@ LOCKSTEP_POLL_S = 0.02  # the same under DP attention, where an idle replica hol
 STUCK_S = 2.0  # a step running this long while the core reports a failure is stuck: report and exit
 WATCH_S = 0.25  # how often the watchdog looks at the running step
 ALIVE_S = 5.0  # the watchdog sends Alive when nothing else was sent for this long
+PEER_EXIT_WAIT_S = 1.0  # after a collective lost a peer, how long the ranks' account may take (EngineProcess._cause)
+# gloo's words for a peer's connection gone (a rank killed or its node down), in the error a collective raises
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed", "Read error",
+              "got 0 bytes")
 
 
 class EngineCoreLike(Protocol):
@@ -174,7 +178,7 @@ def _setup_child_process() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if not logging.getLogger().handlers:  # a spawned child starts with no logging configured
         logging.basicConfig(
-            level=logging.INFO,
+            level=engine_log_level(os.environ),
             format="%(asctime)s %(levelname)s engine-core[%(process)d] %(name)s: %(message)s",
         )
     threads = quota_threads(os.environ)  # (neither the worker pool nor torch's OpenMP is loaded yet)
@@ -352,8 +356,9 @@ class _EngineLoop:
                 del self.pending[out.rid]
 
     def _crash(self, exc: Exception) -> int:
-        reason = f"engine core crashed: {type(exc).__name__}: {exc}"
-        logger.error("%s; failing %d pending requests", reason, len(self.pending), exc_info=exc)
+        logger.error("engine core crashed: %s: %s; failing %d pending requests", type(exc).__name__, exc,
+                     len(self.pending), exc_info=exc)
+        reason = f"engine core crashed: {self._cause(exc)}"
         outs, self.outbox = self.outbox, []
         self._track(outs)
         for rid, pending in self.pending.items():
@@ -369,6 +374,25 @@ class _EngineLoop:
             except Exception:  # the server is gone or the outputs cannot be sent: the exit code still tells
                 logger.exception("could not report the crash to the server")
         return EXIT_ENGINE_CRASHED
+
+    def _cause(self, exc: Exception) -> str:
+        """What the clients are told of a crash. A collective that failed because a peer rank went away
+        raises gloo's text (a build path, the peer's address, not which rank, and a joke): the ranks' own
+        account (`core.failure`: "rank 1 exited with code -9"), given a moment to see the exit, or a
+        short line instead; the server log keeps the whole exception."""
+        if not any(sign in str(exc) for sign in _PEER_GONE):
+            return f"{type(exc).__name__}: {exc}"
+        failure = getattr(self.core, "failure", None)
+        deadline = time.monotonic() + PEER_EXIT_WAIT_S
+        while failure is not None:
+            why = failure()
+            if why is not None:
+                return why
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        return ("a peer rank is gone: its connection closed in a collective (its process or its node ended; "
+                "each node's log says which)")
 
     def _watch(self, failure: Callable[[], str | None] | None, limit: float, done: threading.Event) -> None:
         """The watchdog thread: a step that has run for STUCK_S while the core reports a failure will

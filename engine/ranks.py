@@ -33,14 +33,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
 import torch
 
-from engine.args import EngineArgs
+from engine.args import EngineArgs, engine_log_level
 from engine.cgroups import usable_cpus
 from executor.distributed import Leader, Setup, broadcast_message, follow, gather_status
 from executor.model_runner import ModelRunner
@@ -110,10 +110,73 @@ def rendezvous_listener(plan: RankPlan) -> socket.socket | None:
                            "port (0: any free one, on one node)") from exc
 
 
-def init_rank(plan: RankPlan, rank: int, device: torch.device, listener: socket.socket | None = None) -> Any:
-    """Joins the group as `rank` and sets the model layout; returns the gloo control group. Rank 0
-    hosts the rendezvous store on its `rendezvous_listener` (None: torch listens on every interface);
-    the store then owns the socket."""
+_JOIN = "mlaserve/join/"  # rendezvous store keys of join_group: the group's shape, each rank's claim, a refusal
+JOIN_POLL_S = 0.2
+
+
+def _shape(plan: RankPlan) -> dict[str, Any]:
+    return {"world": plan.world, "nnodes": plan.nnodes, "ep": plan.ep, "dp_attention": plan.dp_attention}
+
+
+def _shape_flags(shape: dict[str, Any]) -> str:
+    if shape["dp_attention"]:
+        return f"--dp {shape['world']} --dp-attention" + (" --ep" if shape["ep"] else "")
+    return f"--tp {shape['world']} --nnodes {shape['nnodes']}" + (f" --ep {shape['world']}" if shape["ep"] else "")
+
+
+def join_group(store: Any, plan: RankPlan, rank: int, failed: Callable[[], str | None] | None = None) -> None:
+    """Each rank claims its number in the rendezvous store and checks the group's shape before
+    torch's init_process_group, which waits out its whole timeout (300 s), naming nothing, for a node
+    that never comes, one started with another --tp or --nnodes (another world size: it never
+    completes), or two nodes started with the same --node-rank. Here: a rank of another shape or a
+    taken number stops with one line (and so does rank 0, told through the store); rank 0 waits until
+    every rank has claimed its number, or `failed` (its own node's ranks) says why not, or the timeout
+    names the nodes that did not join."""
+    where = f"the group at {plan.addr}:{plan.port}"
+    claim = json.dumps({"node": plan.node_rank, "host": socket.gethostname(), "pid": os.getpid(),
+                        "nonce": os.urandom(8).hex()})  # (this claim, not another process's that looks the same)
+    if rank == 0:
+        store.set(_JOIN + "shape", json.dumps(_shape(plan)))
+    else:
+        theirs = json.loads(store.get(_JOIN + "shape"))  # rank 0 sets it first (waits up to the store's timeout)
+        if theirs != _shape(plan):
+            why = (f"node {plan.node_rank} (rank {rank}) was started with {_shape_flags(_shape(plan))}, but node 0 "
+                   f"of {where} with {_shape_flags(theirs)}: start every node with the same --tp, --nnodes and --ep")
+            store.set(_JOIN + "refused", why)
+            raise RuntimeError(why)
+    held = store.compare_set(_JOIN + str(rank), "", claim).decode()
+    if held != claim:
+        other = json.loads(held)
+        why = (f"rank {rank} of {where} is already taken by node {other['node']} (host {other['host']}, pid "
+               f"{other['pid']}): each node needs its own --node-rank")
+        raise RuntimeError(why)  # the group is not told: it runs on with the node that came first
+    if rank != 0:
+        return
+    keys = [_JOIN + str(r) for r in range(1, plan.world)]
+    deadline = time.monotonic() + TIMEOUT_S
+    while not store.check(keys):
+        if store.check([_JOIN + "refused"]):
+            raise RuntimeError(store.get(_JOIN + "refused").decode())
+        why = failed() if failed is not None else None
+        if why is not None:
+            raise RuntimeError(f"{why} before joining {where}")
+        if time.monotonic() >= deadline:
+            missing = [r for r in range(1, plan.world) if not store.check([_JOIN + str(r)])]
+            if plan.dp_attention:
+                raise RuntimeError(f"--dp-attention replicas {missing} did not join {where} within {TIMEOUT_S} s")
+            nodes = sorted({r // plan.per_node for r in missing})
+            raise RuntimeError(
+                f"node(s) {nodes} (ranks {missing}) did not join {where} within {TIMEOUT_S} s: start each with "
+                f"`mlaserve serve --node-rank K {_shape_flags(_shape(plan))} --master-addr {plan.addr} "
+                f"--master-port {plan.port}` and the same model")
+        time.sleep(JOIN_POLL_S)
+
+
+def init_rank(plan: RankPlan, rank: int, device: torch.device, listener: socket.socket | None = None,
+              failed: Callable[[], str | None] | None = None) -> Any:
+    """Joins the group as `rank` (`join_group`; `failed`: rank 0's watch over its node's other ranks) and
+    sets the model layout; returns the gloo control group. Rank 0 hosts the rendezvous store on its
+    `rendezvous_listener` (None: torch listens on every interface); the store then owns the socket."""
     import torch.distributed as dist
 
     if device.type == "cpu":  # the node's ranks share the cores this process may use (a replica: its own)
@@ -123,6 +186,7 @@ def init_rank(plan: RankPlan, rank: int, device: torch.device, listener: socket.
     timeout = timedelta(seconds=TIMEOUT_S)
     store = dist.TCPStore(plan.addr, plan.port, plan.world, is_master=rank == 0, timeout=timeout,
                           wait_for_workers=False, master_listen_fd=listener.detach() if listener else None)
+    join_group(store, plan, rank, failed)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
                             world_size=plan.world, timeout=timeout)
     configure(ParallelLayout(tp_size=plan.world, tp_rank=rank, ep=plan.ep, dp_attention=plan.dp_attention))
@@ -276,9 +340,13 @@ def follower_main(args: EngineArgs, plan: RankPlan, rank: int) -> None:
     # the process group's signals (Ctrl-C, docker stop) are for whoever started this rank to act on
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(levelname)s %(message)s")
+    logging.basicConfig(level=engine_log_level(os.environ), format=f"%(asctime)s rank {rank} %(levelname)s %(message)s")
     device = rank_device(args, plan, rank)
-    ctl = init_rank(plan, rank, device)
+    try:
+        ctl = init_rank(plan, rank, device)
+    except RuntimeError as exc:  # join_group's refusal, or the rendezvous that never came
+        logger.error("rank %d: %s", rank, exc)
+        sys.exit(1)
     heartbeat = Heartbeat(plan, rank)
     try:
         _follow(args, plan, rank, device, ctl)
@@ -365,7 +433,7 @@ class LeadRank:
                         "--master-addr %s --master-port %d)", TIMEOUT_S, plan.world - plan.per_node, plan.nnodes - 1,
                         plan.addr, plan.port)
         try:
-            self.ctl = init_rank(plan, 0, self.device, listener)
+            self.ctl = init_rank(plan, 0, self.device, listener, failed=self._child_exited)
         except Exception:
             stop_ranks(self.procs, 0)
             raise
@@ -384,13 +452,17 @@ class LeadRank:
         self.leader = Leader(runner, self.ctl)
         self.heartbeat = Heartbeat(self.plan, 0, watch=range(1, self.plan.world))
 
-    def failure(self) -> str | None:
-        """Why the ranks can no longer run (a child rank died, one stopped answering a broadcast, or one
-        is stopped or frozen), or None."""
+    def _child_exited(self) -> str | None:
         for rank, p in enumerate(self.procs, start=1):
             if p.poll() is not None:
                 return f"rank {rank} exited with code {p.returncode}"
-        return (self.leader and self.leader.failure()) or (self.heartbeat and self.heartbeat.failure()) or None
+        return None
+
+    def failure(self) -> str | None:
+        """Why the ranks can no longer run (a child rank died, one stopped answering a broadcast, or one
+        is stopped or frozen), or None."""
+        return self._child_exited() or (self.leader and self.leader.failure()) or \
+            (self.heartbeat and self.heartbeat.failure()) or None
 
     def close(self, clean: bool = True) -> None:
         frozen = self.heartbeat is not None and self.heartbeat.failure() is not None

@@ -96,9 +96,11 @@ def _serve(argv: list[str]) -> int:
             refuse("mlaserve serve", problem)
         import logging
 
+        from engine.args import LOG_LEVEL_ENV
         from engine.ranks import serve_node
 
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        os.environ[LOG_LEVEL_ENV] = args.log_level  # for this node's ranks (engine_log_level)
         return serve_node(args.engine)
     from server.launch import serve
 
@@ -110,8 +112,13 @@ COMMANDS = {"serve": _serve, "generate": _generate, "make-checkpoint": _make_che
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return _dispatch(list(sys.argv[1:] if argv is None else argv))
+        return _dispatch(argv)
+    except KeyboardInterrupt:  # Ctrl-C before a command's own handling (serve's: once its imports are done)
+        command = argv[0] if argv and argv[0] in COMMANDS else ""
+        print(f"mlaserve{' ' + command if command else ''}: interrupted", file=sys.stderr)
+        return 0 if command == "serve" else 130  # serve: as a signal while the model loads (README)
     except BrokenPipeError:  # `mlaserve serve --help | head`: the reader left; no traceback about it
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not raise again
         return 1

@@ -771,3 +771,26 @@ def test_freeze_gc_heap_takes_the_objects_alive_out_of_collections() -> None:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+GLOO_PEER_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                   "[127.0.0.1]:38319: Connection reset by peer. ... GLHF!")
+
+
+def test_a_lost_peer_is_told_to_clients_by_the_ranks_account_not_gloo_text():
+    """A rank killed mid-step fails the collective with gloo's text (a build path, an address, a joke):
+    clients are told which rank ended when the ranks know by then, else a short line; other crashes as
+    they are."""
+    from types import SimpleNamespace
+
+    from engine.process import _EngineLoop
+
+    def cause(exc: Exception, answers: list) -> str:
+        core = SimpleNamespace(failure=lambda: answers.pop(0) if answers else None)
+        return _EngineLoop._cause(SimpleNamespace(core=core), exc)
+
+    assert cause(ZeroDivisionError("boom"), ["rank 1 exited with code -9"]) == "ZeroDivisionError: boom"
+    lost = RuntimeError(f"tensor parallelism: a rank stopped answering (RuntimeError: {GLOO_PEER_RESET})")
+    assert cause(lost, [None, None, "rank 1 exited with code -9"]) == "rank 1 exited with code -9"
+    short = cause(RuntimeError(GLOO_PEER_RESET), [])
+    assert short.startswith("a peer rank is gone: its connection closed") and "gloo" not in short

@@ -75,7 +75,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         cmd = [sys.executable, "-m", "mlaserve.cli", "serve", "--model", model, "--port", str(self.port),
-               "--log-level", "warning", *args]
+               "--log-level", "info", *args]  # (tests read the engine's and ranks' lines)
         out = open(log, "wb") if log else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=out,
                                      stderr=subprocess.STDOUT, start_new_session=new_session,

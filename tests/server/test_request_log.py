@@ -61,3 +61,18 @@ def test_each_request_is_logged_once_with_its_id(server):
     text = server.log_path.read_text(errors="replace")
     assert f"request_id={health.headers['x-request-id']}" not in text  # probes: debug level only
     assert SECRET not in text
+
+
+def test_log_level_reaches_the_engine_process(server, tmp_path):
+    """--log-level set the server's logging only: the engine process logged at INFO whatever it said (six
+    lines at `--log-level error`). At info (the module's server) its lines show; at warning they do not."""
+    engine_info = re.compile(r" INFO engine-core\[\d+\] ")
+    assert engine_info.search(server.log_path.read_text(errors="replace")), server.log()
+    model = write_checkpoint(tmp_path / "tinyllama", "tiny-llama", seed=2)
+    quiet = ServerProcess(str(model), "--log-level", "warning", log=tmp_path / "quiet.log").wait_ready()
+    try:
+        assert httpx.post(quiet.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).is_success
+    finally:
+        assert quiet.stop() == 0
+    text = quiet.log_path.read_text(errors="replace")
+    assert not engine_info.search(text) and " INFO " not in text, text

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -258,3 +259,33 @@ def test_a_signal_while_loading_stops_the_load_and_exits_0(model_dir, tmp_path, 
         assert "ready: serving" not in srv.log(), "the model had loaded: this was not a stop while loading"
     finally:
         srv.kill_group()
+
+
+def test_a_client_that_reads_nothing_is_dropped_after_the_drain_without_a_traceback(model_dir, tmp_path):
+    """A stream whose client stopped reading outlives the drain and the abort's flush (its answer cannot
+    go out): uvicorn's own graceful wait then cancelled its task and logged an ERROR traceback. The
+    server drops such connections itself, exits 0, and logs two warnings."""
+    import socket
+
+    srv = ServerProcess(str(model_dir), "--shutdown-timeout", "2", log=tmp_path / "log").wait_ready()
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 4, "stream": True,  # to the context
+                       "logprobs": True, "top_logprobs": 20, "ignore_eos": True}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", srv.port))
+    try:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.monotonic() + 120
+        while not re.search(r"^mlaserve_num_requests_running\{[^}]*\} [1-9]", httpx.get(srv.url + "/metrics").text,
+                            re.MULTILINE):
+            assert time.monotonic() < deadline, f"the stream never started: {srv.log()}"
+            time.sleep(0.2)
+        time.sleep(3)  # its output fills the socket buffers
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(60) == 0, srv.log()
+    finally:
+        sock.close()
+    log = srv.log()
+    assert "Traceback" not in log and " ERROR " not in log, log
+    assert "dropped 1 connection(s) whose clients did not read their answers" in log, log
