@@ -85,6 +85,16 @@ def model_name_value(value: str) -> str | None:
     return None
 
 
+def api_key_value(value: str | None) -> str | None:
+    """A key a client can send: HTTP drops a header value's leading and trailing whitespace, so a key with
+    some (a Secret or file's trailing newline) would lock every client out."""
+    if value and value != value.strip():
+        return ("the key has whitespace at its start or end (a trailing newline, from a file or Secret?), which "
+                "no HTTP header can carry, so no client could match it: remove it" if value.strip() else
+                "the key is only whitespace, which no client can send: give a key, or leave it empty for none")
+    return None
+
+
 def origins_value(value: str) -> str | None:
     """A --allowed-origins that a browser's Origin header can match: "*", or origins as scheme://host[:port]
     (no path: an origin never ends in "/", so "http://localhost:3000/" would never match)."""
@@ -104,7 +114,7 @@ INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
 
 # checks whose problem is a whole sentence that names the value (a file's reader names the file), so
 # that the value is not said twice
-SELF_NAMING_CHECKS = frozenset({omnikv_file})
+SELF_NAMING_CHECKS = frozenset({omnikv_file, api_key_value})  # (the key: not echoed)
 
 
 @dataclass(frozen=True)
@@ -112,7 +122,7 @@ class ServerArgs:
     host: str = flag("127.0.0.1", "address to listen on", check=non_empty, metavar="ADDR")
     port: int = flag(8000, "port to listen on", check=port_number, metavar="PORT")
     api_key: str | None = flag(None, "require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on /v1 routes, "
-                               "/tokenize and /detokenize (empty: no key)",
+                               "/tokenize and /detokenize (empty: no key)", check=api_key_value,
                                metavar="KEY", default_text="no key")
     allowed_origins: str = flag("*", "origins a web page may call the API from (CORS): '*' for any, a "
                                 "comma-separated list (https://app.example,http://localhost:3000), or empty for "
@@ -496,6 +506,10 @@ def combination_problem(parsed: Parsed, environ: Mapping[str, str]) -> str | Non
     """The first broken constraint between settings, naming how each was given, or None. (A setting's
     own type, choices and range are checked by its flag spec; this is what no single field can say.)"""
     ns = parsed.ns
+    threads = environ.get("MLASERVE_CPP_EXPERTS_THREADS", "").strip()  # read by the worker pool, not a flag
+    if threads and not (threads.isdigit() and int(threads) > 0):
+        return (f"MLASERVE_CPP_EXPERTS_THREADS={threads!r} must be a whole number of threads above 0 (or unset: a "
+                "thread per CPU the process may use)")
     triton = [f for f in ("attention_backend", "expert_backend") if getattr(ns, f) == "triton"]
     if triton and not ns.device.startswith("cuda") and environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         return (f"{' and '.join(parsed.describe(f) for f in triton)} need{'s' if len(triton) == 1 else ''} "

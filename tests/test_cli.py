@@ -360,3 +360,17 @@ def test_python_m_mlaserve_ignores_same_named_modules_where_it_is_run(tmp_path: 
                        cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "3 generated" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize(("command", "code"), [("serve", 0), ("generate", 130)])
+def test_ctrl_c_before_a_command_handles_it_is_one_line(monkeypatch, capsys, command, code):
+    """Ctrl-C in serve's first second (its imports, before its own signal handling) printed a 30-line
+    KeyboardInterrupt traceback and died by the signal; serve exits 0 as for a signal while loading."""
+    import mlaserve.cli as cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cli.COMMANDS, command, interrupted)
+    assert cli.main([command, "--model", "x"]) == code
+    assert capsys.readouterr().err == f"mlaserve {command}: interrupted\n"

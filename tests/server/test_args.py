@@ -33,7 +33,7 @@ BAD: dict[str, list[str]] = {
     "model": ["", " "],
     "host": [""],
     "port": ["http", "0", "65536", "80.5"],
-    "api-key": [],
+    "api-key": ["sekret\n", " sekret", "   "],
     "allowed-origins": ["localhost:3000", "http://localhost:3000/", "https://a.example/app", "*, ftp//x"],
     "served-model-name": ["  ", "a\nb"],
     "max-request-bytes": ["1MiB", "0"],
@@ -79,7 +79,7 @@ BAD: dict[str, list[str]] = {
     "dp-attention": ["maybe", "2"],
     "reasoning-parser": ["o1", "DeepSeek_R1", ""],
 }
-FREE_FORM = {"api-key"}
+FREE_FORM: set[str] = set()
 
 # (variable's text, its value, flag's text, its value): the variable's value is not the default, the flag's
 # is not the variable's
@@ -144,8 +144,14 @@ BASE_ENV = {"MLASERVE_DEVICE": "cuda"}
 CASES = [(BY_NAME[name], v) for name, values in BAD.items() if name in BY_NAME for v in values]
 
 
-def named_once(value: str, message: str) -> bool:
-    """Whether `message` names `value` (quoted, or as a path a file's reader names) and not twice."""
+SECRETS = {"api-key"}  # a bad value is not echoed: the key would reach a log
+
+
+def named_once(value: str, message: str, flag: Flag | None = None) -> bool:
+    """Whether `message` names `value` (quoted, or as a path a file's reader names) and not twice; for a
+    secret, whether it leaves the value out."""
+    if flag is not None and flag.name in SECRETS:
+        return not value.strip() or value.strip() not in message
     quoted = message.count(repr(value))
     return quoted == 1 or quoted == 0 and bool(value) and message.count(value) == 1
 
@@ -179,7 +185,7 @@ def test_bad_flag_value_exits_2_naming_the_flag(flag: Flag, value: str, capsys: 
         parse_serve_args([f"--{flag.name}", value], environ={})
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert f"argument --{flag.name}:" in err and named_once(value, err), err
+    assert f"argument --{flag.name}:" in err and named_once(value, err, flag), err
     assert len(err.strip().splitlines()) == 1 and "--help" in err, err  # one line, not the whole usage
 
 
@@ -192,7 +198,7 @@ def test_bad_environment_value_exits_2_naming_the_variable(flag: Flag, value: st
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"mlaserve serve: error: {flag.env}: "), err
-    assert named_once(value, err[0]), err
+    assert named_once(value, err[0], flag), err
     assert not captured.out
     for choice in flag.spec.choices or ():  # the allowed values are listed
         assert choice in err[0]
@@ -548,3 +554,14 @@ def test_a_page_larger_than_the_cache_is_refused(capsys: pytest.CaptureFixture) 
     assert info.value.code == 2 and len(err) == 1, err
     assert "--page-size 5000 is larger than --max-total-tokens 4096" in err[0], err
     assert parse_serve_args(["--max-total-tokens", "4096", "--page-size", "4096"], environ={}).engine.page_size == 4096
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "1.5"])
+def test_a_bad_worker_thread_count_is_refused(value: str, capsys: pytest.CaptureFixture) -> None:
+    """Read by the worker pool, not a flag: a bad value was ignored without a word (the default ran)."""
+    with pytest.raises(SystemExit) as info:
+        parse_serve_args([], environ={"MLASERVE_CPP_EXPERTS_THREADS": value})
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and err.startswith(f"mlaserve serve: error: MLASERVE_CPP_EXPERTS_THREADS={value!r} "
+                                                   "must be a whole number"), err
+    assert parse_serve_args([], environ={"MLASERVE_CPP_EXPERTS_THREADS": " 3 "}).engine is not None
