@@ -509,8 +509,10 @@ async def _events(state: ServerState, requests: list[EngineRequest], firsts: lis
             if choice.finish_reason is None:
                 text, ids, lps = choice.feed(out)
                 ended_here = choice.finish_reason is not None and out.finish_reason is None  # a stop string
-                state.metrics.on_output(msgspec.structs.replace(out, finish_reason="stop") if ended_here else out,
-                                        time.time())
+                # counted as the client is told: a stop string matched in the last token max_tokens allows is
+                # "stop" to the client, though the engine ended the completion as "length"
+                told = choice.finish_reason if choice.finish_reason not in (None, out.finish_reason) else None
+                state.metrics.on_output(msgspec.structs.replace(out, finish_reason=told) if told else out, time.time())
                 if ended_here and not r.done and state.engine is not None:
                     # one of n choices: the engine stops generating it now (its siblings go on; once all
                     # have ended the stream closes, which ends the request as a whole)

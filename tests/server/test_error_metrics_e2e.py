@@ -200,3 +200,32 @@ def test_shutdown_refusals_count_and_health_does_not(model_dir: Path, tmp_path: 
         _while_held(srv.url, check)
     finally:
         assert srv.stop() == 0, srv.log()
+
+
+def finished(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {s.labels["finished_reason"]: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == "mlaserve_request_success_total"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_ending_in_the_last_allowed_token_is_counted_as_stop(server: ServerProcess, stream: bool):
+    """The engine ends such a completion as "length", the client is told "stop" (the string matched):
+    `mlaserve_request_success_total` counted "length" (a soak saw 10 of 924 stops so)."""
+    body = {"prompt": "count: 1, 2, 3,", "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    first = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60).json()["choices"][0]
+    text = first["text"]
+    assert first["finish_reason"] == "length" and len(text) > 1
+    # the shortest end of the text found nowhere earlier: it matches only once the last token is out
+    stop = next(text[-k:] for k in range(1, len(text) + 1)
+                if text[-k:].strip() and text.find(text[-k:]) == len(text) - k)
+    before = finished(server.url)
+    r = httpx.post(server.url + "/v1/completions", json={**body, "stop": [stop], "stream": stream}, headers=AUTH,
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    if not stream:
+        choice = r.json()["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop), choice
+    else:
+        assert '"finish_reason":"stop"' in r.text.replace(" ", ""), r.text
+    assert delta(before, finished(server.url)) == {"stop": 1}
