@@ -38,6 +38,7 @@ import functools
 import hashlib
 import json
 import math
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -228,6 +229,7 @@ def _write_weights(out: Path, specs: list[TensorSpec], seed: int, dtype: torch.d
         tensors = {s.name: _generate(s, seed, dtype) for s in shard}
         total_size += sum(t.numel() * t.element_size() for t in tensors.values())
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        _readable_as_umask_allows(out / fname)
         weight_map.update({s.name: fname for s in shard})
         del tensors
     if len(shards) > 1:
@@ -240,6 +242,14 @@ def _write_weights(out: Path, specs: list[TensorSpec], seed: int, dtype: torch.d
 
 # ---------------------------------------------------------------------------------------------
 # Config, generation config and tokenizer files.
+
+
+def _readable_as_umask_allows(path: Path) -> None:
+    """safetensors writes 0600 whatever the umask: the weights would be unreadable to a server running as
+    another user (the Docker image's), unlike the config and tokenizer beside them. Modes as `open` gives."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def _write_json(path: Path, obj: Any) -> None:

@@ -222,3 +222,18 @@ def test_gguf_option_writes_a_file_the_loader_opens(tmp_path: Path) -> None:
     assert rc == 0
     ckpt = GGUFCheckpoint(tmp_path / "llama" / "model.gguf")
     assert ckpt.hf_config()["num_hidden_layers"] == 2 and ckpt.num_tensors() > 0
+
+
+def test_every_file_is_readable_as_the_umask_allows(tmp_path: Path) -> None:
+    """safetensors wrote the weights 0600 while the config beside them was 0644: a server running as
+    another user (the Docker image's, over a read-only mount) could not read them."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        out = synthetic.write_checkpoint(tmp_path / "m", "tiny-llama", seed=1)
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir() if p.is_file()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
