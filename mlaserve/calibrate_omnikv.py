@@ -618,7 +618,7 @@ def output_problem(output: Path, given: bool = True) -> str | None:
 
 
 def _fail(message: str) -> int:
-    print(f"{PROG}: {message}", file=sys.stderr)
+    print(f"{PROG}: error: {message}", file=sys.stderr)  # as argparse and the other commands say it
     return 2
 
 
@@ -640,7 +640,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BadSetting as err:
         return _fail(str(err))
     try:
-        _check_depth(loaded.config.num_hidden_layers)  # before tokenizing and prefilling anything
+        layers = loaded.config.num_hidden_layers  # checked before tokenizing and prefilling anything
+        _check_first(first_filter_default(layers) if args.first_filter is None else args.first_filter, layers)
     except CalibrationError as err:
         return _fail(str(err))
     tok = loaded.tokenizer

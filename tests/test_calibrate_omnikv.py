@@ -228,6 +228,18 @@ def test_too_shallow_model_exits_2(text_file, tmp_path, capsys):
     assert "prefilling" not in err and len(err.strip().splitlines()) == 1, err  # refused before any work
 
 
+def test_a_first_filter_past_the_model_is_refused_before_the_prefill(checkpoint, text_file, tmp_path, capsys,
+                                                                     monkeypatch):
+    """The range was checked only after the recording prefill of the whole text."""
+    import mlaserve.calibrate_omnikv as cal
+
+    monkeypatch.setattr(cal, "record_prefill", lambda *a: pytest.fail("the prefill ran"))
+    code, out, err = run_cli(capsys, "--model", str(checkpoint), "--text", str(text_file), "--output",
+                             str(tmp_path / "x.json"), "--max-tokens", str(TOKENS), "--first-filter", "99")
+    line = err.strip().splitlines()[-1]
+    assert code == 2 and out == "" and line.startswith(f"{PROG}: error: --first-filter 99 must be between 1 and"), err
+
+
 def test_probes_beyond_memory_exit_2_before_the_prefill(checkpoint, text_file, tmp_path, capsys, monkeypatch):
     """`--probes` past what memory holds is one line naming the flags to lower, said before the recording
     prefill (it used to be torch's allocation error after it)."""
@@ -237,7 +249,7 @@ def test_probes_beyond_memory_exit_2_before_the_prefill(checkpoint, text_file, t
     code, out, err = run_cli(capsys, "--model", str(checkpoint), "--text", str(text_file), "--output",
                              str(tmp_path / "x.json"), "--max-tokens", str(TOKENS), "--probes", "10000000")
     line = err.strip().splitlines()[-1]
-    assert code == 2 and out == "" and line.startswith(f"{PROG}: 10000000 probes"), err
+    assert code == 2 and out == "" and line.startswith(f"{PROG}: error: 10000000 probes"), err
     assert "lower --probes, --probe-tokens or --answer-tokens" in line and "GiB free" in line
     assert not (tmp_path / "x.json").exists()
 
@@ -289,7 +301,7 @@ def test_an_unwritable_output_is_refused_before_the_model_loads(case, text_file,
                              "--output", str(output))
     assert code == 2 and out == ""
     line = err.strip()
-    assert "\n" not in line and line.startswith(f"{PROG}: --output {output}"), line
+    assert "\n" not in line and line.startswith(f"{PROG}: error: --output {output}"), line
     expect = {"directory": "is a directory: give a file path", "no_parent": "does not exist; create it",
               "parent_is_file": "is not a directory", "read_only": "permission denied"}[case]
     assert expect in line, line
@@ -302,7 +314,7 @@ def test_an_output_the_file_system_refuses_is_refused_before_the_model_loads(tex
                              "--output", str(output))
     line = err.strip()
     assert code == 2 and out == "" and "\n" not in line, err
-    assert line.startswith(f"{PROG}: --output {output}") and "pass --output a writable path" in line, line
+    assert line.startswith(f"{PROG}: error: --output {output}") and "pass --output a writable path" in line, line
     assert not output.exists()
 
 
@@ -319,7 +331,7 @@ def test_an_unwritable_default_output_is_refused_naming_it(text_file, tmp_path, 
     deny_writes_in(tmp_path / "ro", monkeypatch)
     monkeypatch.chdir(tmp_path / "ro")
     code, _, err = run_cli(capsys, "--model", "nope", "--text", str(text_file))
-    assert code == 2 and err.strip() == (f"{PROG}: the default output omnikv-nope.json (in the current directory, "
+    assert code == 2 and err.strip() == (f"{PROG}: error: the default output omnikv-nope.json (in the current directory, "
                                          f"{tmp_path / 'ro'}): cannot create a file in {tmp_path / 'ro'} (permission "
                                          "denied); pass --output a writable path")
 
@@ -328,4 +340,4 @@ def test_a_bad_model_is_one_line(text_file, tmp_path, capsys):
     code, out, err = run_cli(capsys, "--model", str(tmp_path / "nope"), "--text", str(text_file), "--output",
                              str(tmp_path / "o.json"))
     assert code == 2 and out == "" and "\n" not in err.strip()
-    assert err.startswith(f"{PROG}: model '{tmp_path / 'nope'}' is neither a built-in name"), err
+    assert err.startswith(f"{PROG}: error: model '{tmp_path / 'nope'}' is neither a built-in name"), err

@@ -280,7 +280,7 @@ def test_calibrate_refuses_a_gguf_directory_the_same_way(tmp_path: Path, capsys:
     assert main(["calibrate-omnikv", "--model", str(model), "--text", str(text), "--output",
                  str(tmp_path / "o.json")]) == 2
     line = one_line(capsys.readouterr().err)
-    assert line.startswith(f"mlaserve calibrate-omnikv: {model} is a directory without config.json"), line
+    assert line.startswith(f"mlaserve calibrate-omnikv: error: {model} is a directory without config.json"), line
     assert not (tmp_path / "o.json").exists()
 
 
