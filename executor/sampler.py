@@ -4,7 +4,7 @@ needs a token into that token (and its logprobs, when asked).
 Per row, in this order (the vLLM/SGLang order):
 
     raw logits [B, V] ──► grammar mask (constrained rows) ──► logit_bias, allowed ids, bad words ──► repetition / frequency / presence penalties ──► min_tokens mask
-        ├─ greedy (temperature 0 or top_k 1) ──► argmax
+        ├─ greedy (temperature 0) ──► argmax
         └─ / temperature ──► top_k ──► top_p ──► min_p ──► argmax(x + Gumbel noise)
     raw logits (grammar-masked) ──► log_softmax ──► chosen token's logprob + top_logprobs alternatives
 

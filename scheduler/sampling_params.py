@@ -83,7 +83,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Argmax. Not top_k 1: that keeps every token tied with the best (as HF and vLLM do), which argmax,
+        taking the lowest id, did not."""
+        return self.temperature == 0.0
 
     def validate(self, vocab_size: int, eos_token_ids: Iterable[int] = ()) -> None:
         """Raises ParamError naming the OpenAI parameter when a value is out of range, or when the token
@@ -92,7 +94,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                "temperature", "temperature must be between 0 and 100")
         _check(0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
         _check(self.top_k == TOP_K_ALL or 1 <= self.top_k <= INT64_MAX, "top_k",
-               "top_k must be -1 (all) or between 1 and 2^63 - 1 (any value from the vocabulary size up keeps all)")
+               "top_k must be -1 or 0 (all) or between 1 and 2^63 - 1 (any value from the vocabulary size up keeps "
+               "all)")
         _check(0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]")
         _check(math.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
                "repetition_penalty", "repetition_penalty must be in (0, 10]")

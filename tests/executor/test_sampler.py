@@ -255,6 +255,10 @@ def test_top_k_keeps_the_tokens_tied_with_the_kth_as_hf_does() -> None:
     sampler = Sampler(6)
     got = {t for i in range(400) for t in sampler(row, [_row(SamplingParams(temperature=1.0, top_k=3), seed=i)]).token_ids}
     assert got == {0, 1, 2, 3}
+    # top_k 1 too: it was taken for greedy, whose argmax always gave the lowest of the tied ids
+    row = torch.tensor([[1.0, 5.0, 5.0, 3.0, 0.0, 0.0]])
+    got = {t for i in range(200) for t in sampler(row, [_row(SamplingParams(temperature=1.0, top_k=1), seed=i)]).token_ids}
+    assert got == {1, 2}
 
 
 def test_a_row_left_with_no_allowed_token_says_so() -> None:
