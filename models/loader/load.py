@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import re
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
     from models.loader.tokenizer import TokenizerBundle
 
 logger = logging.getLogger(__name__)
+# tqdm's default lock is a multiprocessing RLock: a named POSIX semaphore per process that draws a bar, even
+# a disabled one. An engine process killed (a crash, SIGKILL) leaves it behind in /dev/shm, and the server's
+# resource tracker warns of a "leaked semaphore" at exit. No bar here is shared between processes.
+tqdm.set_lock(threading.RLock())
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
