@@ -60,6 +60,7 @@ from server.responses_api import (
     OutputTokensDetails,
     ReasoningItem,
     ReasoningText,
+    ResponseError,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
@@ -500,8 +501,12 @@ class ResponsesSerializer(ChatSerializer):
         return named_sse(payload)
 
     def stream_error(self, e: ClientError) -> list[Any]:
+        """The `error` event, then `response.failed` with the response so far (OpenAI's streams end so; the
+        SDK's `get_final_response()` wants a terminal response event)."""
         message, param = rename_error(e.message, e.param)
-        return [self.event("error", code=e.code or e.type, message=message, param=param)]
+        failed = self.response_object("failed", self.response_usage(), error=ResponseError(message=message))
+        return [self.event("error", code=e.code or e.type, message=message, param=param),
+                self.event("response.failed", response=failed.model_dump())]
 
     def response_usage(self) -> ResponseUsage:
         u = self.usage()
@@ -512,7 +517,8 @@ class ResponsesSerializer(ChatSerializer):
                              output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning),
                              total_tokens=u.total_tokens)
 
-    def response_object(self, status: str, usage: ResponseUsage | None = None) -> ResponseObject:
+    def response_object(self, status: str, usage: ResponseUsage | None = None,
+                        error: ResponseError | None = None) -> ResponseObject:
         # the sampling values in force: the request's, else the model's defaults (as to_sampling_params takes them)
         defaults = self.state.generation_defaults.values if self.state.generation_defaults is not None else {}
         sampling = with_defaults({k: getattr(self.body, k) for k in GENERATION_FIELDS if k in self.body.model_fields_set},
@@ -522,7 +528,7 @@ class ResponsesSerializer(ChatSerializer):
             completed_at=int(time.time()) if status == "completed" else None,
             incomplete_details=IncompleteDetails() if status == "incomplete" else None,
             output=list(self.items.output), temperature=sampling["temperature"], top_p=sampling["top_p"], usage=usage,
-            **echoed(self.request),
+            error=error, **echoed(self.request),
         )
 
     def status(self) -> str:

@@ -412,6 +412,12 @@ class IncompleteDetails(_Response):
     reason: Literal["max_output_tokens"] = "max_output_tokens"
 
 
+class ResponseError(_Response):
+    """A failed response's `error` (OpenAI's codes: a failure on the server's side is `server_error`)."""
+    code: str = "server_error"
+    message: str
+
+
 class ResponseObject(_Response):
     keep_null = frozenset({"error", "incomplete_details", "instructions", "max_output_tokens", "previous_response_id",
                            "reasoning", "temperature", "top_p", "usage", "user", "completed_at"})
@@ -419,8 +425,8 @@ class ResponseObject(_Response):
     object: Literal["response"] = "response"
     created_at: int
     completed_at: int | None = None  # set once the status is completed
-    status: Literal["in_progress", "completed", "incomplete"]
-    error: None = None
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None

@@ -289,3 +289,31 @@ def test_a_client_that_reads_nothing_is_dropped_after_the_drain_without_a_traceb
     log = srv.log()
     assert "Traceback" not in log and " ERROR " not in log, log
     assert "dropped 1 connection(s) whose clients did not read their answers" in log, log
+
+
+def test_a_responses_stream_cut_by_the_drain_ends_with_response_failed(model_dir, tmp_path):
+    """A Responses stream that fails ends as OpenAI's do: the `error` event, then `response.failed` with the
+    response so far (status failed, its error); it ended with the `error` event alone."""
+    srv = ServerProcess(str(model_dir), "--shutdown-timeout", "1", log=tmp_path / "log").wait_ready()
+    events: list[dict] = []
+    signalled = False
+    try:
+        with httpx.stream("POST", srv.url + "/v1/responses", timeout=120, json={
+                "input": "hi", "stream": True, "max_output_tokens": 4000, "temperature": 0}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    if events[-1]["type"] == "response.output_text.delta" and len(events) >= 8 and not signalled:
+                        srv.proc.send_signal(signal.SIGTERM)
+                        signalled = True
+        assert srv.proc.wait(60) == 0, srv.log()
+    finally:
+        srv.stop()
+    kinds = [e["type"] for e in events]
+    assert kinds[-2:] == ["error", "response.failed"], kinds[-5:]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    error, failed = events[-2], events[-1]["response"]
+    assert error["code"] == "shutting_down" and failed["status"] == "failed"
+    assert failed["error"] == {"code": "server_error", "message": error["message"]}
+    assert failed["output"] and failed["output"][0]["content"][0]["text"]  # the text streamed before the cut
