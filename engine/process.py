@@ -88,7 +88,7 @@ LOCKSTEP_POLL_S = 0.02  # the same under DP attention, where an idle replica hol
 STUCK_S = 2.0  # a step running this long while the core reports a failure is stuck: report and exit
 WATCH_S = 0.25  # how often the watchdog looks at the running step
 ALIVE_S = 5.0  # the watchdog sends Alive when nothing else was sent for this long
-PEER_EXIT_WAIT_S = 1.0  # after a collective lost a peer, how long the ranks' account may take (EngineProcess._cause)
+PEER_EXIT_WAIT_S = 1.0  # after a collective lost a peer, how long the ranks' account may take (_EngineLoop._cause)
 # gloo's words for a peer's connection gone (a rank killed or its node down), in the error a collective raises
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed", "Read error",
               "got 0 bytes")
