@@ -434,8 +434,6 @@ def xgrammar_pattern(pattern: str) -> str | None:
     _Lookaround."""
     try:
         return _json_pattern(_sre.parse(pattern).data)
-    except _Lookaround:
-        raise
     except (re.error, _Unsupported, RecursionError):
         return _optional_groups(pattern)
 
@@ -444,7 +442,7 @@ class _Unsupported(Exception):
     pass
 
 
-class _Lookaround(_Unsupported):
+class _Lookaround(Exception):
     """A lookahead or lookbehind: xgrammar 0.2.9 takes a lookahead in a JSON Schema pattern and does not
     enforce it (`^(?=zzz)[a-z]{3}$` wrote "abc"), so it is refused, not passed on."""
 
