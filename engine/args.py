@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -221,6 +222,13 @@ class EngineArgs:
 
 
 LOG_LEVEL_ENV = "MLASERVE_LOG_LEVEL"  # --log-level's variable: how the server's level reaches the processes it starts
+
+
+def use_log_level(level: str) -> None:
+    """This process logs at --log-level `level`, and leaves it in LOG_LEVEL_ENV for the processes it starts
+    (the engine process, the ranks: `engine_log_level`)."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ[LOG_LEVEL_ENV] = level
 
 
 def engine_log_level(environ: Mapping[str, str]) -> int:

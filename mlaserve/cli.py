@@ -94,13 +94,10 @@ def _serve(argv: list[str]) -> int:
             args.engine.model, args.engine.tp, heads_split=True, ep=args.engine.ep > 1)
         if problem:
             refuse("mlaserve serve", problem)
-        import logging
-
-        from engine.args import LOG_LEVEL_ENV
+        from engine.args import use_log_level
         from engine.ranks import serve_node
 
-        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        os.environ[LOG_LEVEL_ENV] = args.log_level  # for this node's ranks (engine_log_level)
+        use_log_level(args.log_level)
         return serve_node(args.engine)
     from server.launch import serve
 

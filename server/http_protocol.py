@@ -84,6 +84,14 @@ class ServerHttpProtocol(HttpToolsProtocol):
             return
         self.transport.abort()  # not close(): that would wait for the buffer to drain, as the writes did
 
+    def drop_if_stalled(self) -> bool:
+        """At shutdown, after the drain: aborts the connection if its client has stopped reading its answer
+        (the write buffer is full), as --write-timeout would later. Whether it did."""
+        if self._write_stall is None or self.transport.is_closing():
+            return False
+        self.transport.abort()
+        return True
+
     def _arm(self) -> None:
         if self._deadline is not None:
             self._deadline.cancel()

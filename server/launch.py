@@ -45,7 +45,7 @@ import uvicorn
 
 from models.builtin import builtin_names
 from models.loader.tokenizer import load_tokenizer
-from engine.args import LOG_LEVEL_ENV
+from engine.args import use_log_level
 from engine.process import freeze_gc_heap
 from engine.replicas import EngineReplicas
 from server.app import ServerState, build_app
@@ -127,17 +127,14 @@ class _DrainingServer(uvicorn.Server):
             logger.warning("shutdown: ended %d request(s) still running after %gs", ended, self.grace)
             await self.wait_inflight(self.ABORT_FLUSH_S)
         if self.state.inflight > 0:
-            # what is left waits on clients that read none of their answer: drop their connections now, as
-            # --write-timeout would later (uvicorn's own graceful wait would cancel the tasks and log an
-            # ERROR with a traceback for each)
-            dropped = 0
-            for connection in list(self.server_state.connections):
-                transport = getattr(connection, "transport", None)
-                if transport is not None and not transport.is_closing():
-                    transport.abort()
-                    dropped += 1
-            logger.warning("shutdown: dropped %d connection(s) whose clients did not read their answers", dropped)
-            await self.wait_inflight(self.ABORT_FLUSH_S)
+            # what is left may wait on clients that read none of their answer: drop those connections now
+            # (uvicorn's own graceful wait would cancel the tasks and log an ERROR with a traceback for each)
+            dropped = sum(c.drop_if_stalled() for c in list(self.server_state.connections)
+                          if isinstance(c, ServerHttpProtocol))
+            if dropped:
+                logger.warning("shutdown: dropped %d connection(s) whose clients did not read their answers",
+                               dropped)
+                await self.wait_inflight(self.ABORT_FLUSH_S)
         self.should_exit = True
 
     async def wait_inflight(self, seconds: float) -> None:
@@ -273,8 +270,7 @@ async def serve_async(args: ServerArgs) -> int:
 
 
 def serve(args: ServerArgs) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    os.environ[LOG_LEVEL_ENV] = args.log_level  # for the engine process and its ranks (engine_log_level)
+    use_log_level(args.log_level)
     problem = model_problem(args.engine.model)  # before the port is bound: the engine would find it only later
     problem = problem or parallel_problem(args.engine.model, args.dp if args.engine.dp_attention else args.engine.tp,
                                           heads_split=not args.engine.dp_attention, ep=args.engine.ep > 1)
