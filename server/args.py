@@ -502,14 +502,19 @@ def parse_flags(prog: str, description: str, flags: list[Flag], argv: list[str],
     return parse_settings(prog, description, flags, argv, environ, extra).ns
 
 
+def worker_threads_problem(environ: Mapping[str, str]) -> str | None:
+    """MLASERVE_CPP_EXPERTS_THREADS, read by the worker pool rather than a flag, checked as a flag's value is."""
+    threads = environ.get("MLASERVE_CPP_EXPERTS_THREADS", "").strip()
+    if threads and not (threads.isdigit() and int(threads) > 0):
+        return (f"MLASERVE_CPP_EXPERTS_THREADS={threads!r} must be a whole number of threads above 0 (or unset: a "
+                "thread per CPU the process may use)")
+    return None
+
+
 def combination_problem(parsed: Parsed, environ: Mapping[str, str]) -> str | None:
     """The first broken constraint between settings, naming how each was given, or None. (A setting's
     own type, choices and range are checked by its flag spec; this is what no single field can say.)"""
     ns = parsed.ns
-    threads = environ.get("MLASERVE_CPP_EXPERTS_THREADS", "").strip()  # read by the worker pool, not a flag
-    if threads and not (threads.isdigit() and int(threads) > 0):
-        return (f"MLASERVE_CPP_EXPERTS_THREADS={threads!r} must be a whole number of threads above 0 (or unset: a "
-                "thread per CPU the process may use)")
     triton = [f for f in ("attention_backend", "expert_backend") if getattr(ns, f) == "triton"]
     if triton and not ns.device.startswith("cuda") and environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         return (f"{' and '.join(parsed.describe(f) for f in triton)} need{'s' if len(triton) == 1 else ''} "
@@ -592,7 +597,7 @@ def parse_serve_args(argv: list[str], environ: Mapping[str, str] | None = None) 
     prog = "mlaserve serve"
     env = os.environ if environ is None else environ
     parsed = parse_settings(prog, "Serve a model over an OpenAI-compatible HTTP API.", SERVE_FLAGS, argv, env)
-    problem = combination_problem(parsed, env)
+    problem = worker_threads_problem(env) or combination_problem(parsed, env)
     if problem:
         refuse(prog, problem)
     for warning in unknown_variables(env):
