@@ -1,9 +1,10 @@
 """The Kubernetes manifests under deploy/kubernetes, offline: yamllint (strict, the repository's
 .yamllint) on them and on the other YAML of the repository's deployment files; kubernetes-validate
 (strict: unknown fields refused) of every core resource against the Kubernetes schemas it ships; the
-ServiceMonitor and PrometheusRule (Prometheus Operator CRDs the Kubernetes schemas do not know) against the
-parts of their CRDs they use, the rules being docker/alerts.yml's; and what must agree between the files: selectors and labels, ports and probes, the drain
-time against the grace period, the image and its user, and the settings against the server's flags."""
+ServiceMonitor and PrometheusRule (Prometheus Operator CRDs the Kubernetes schemas do not know) against
+the parts of their CRDs they use, the rules being docker/alerts.yml's; and what must agree between the
+files: selectors and labels, ports and probes, the drain time against the grace period, the image and its
+user, and the settings against the server's flags."""
 
 from __future__ import annotations
 
@@ -107,41 +108,48 @@ def test_kubernetes_validate_refuses_an_unknown_field(resources: dict[str, dict[
 # ---------------------------------------------------------------- the ServiceMonitor (a CRD)
 DURATION = r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
 LABELS = {"type": "object", "additionalProperties": {"type": "string"}}
-# the part of the Prometheus Operator's ServiceMonitor CRD (monitoring.coreos.com/v1) these manifests use,
-# fields and patterns as the CRD states them; anything else is refused so that a typo shows
-SERVICE_MONITOR_SCHEMA = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "additionalProperties": False,
-    "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"},
-        "kind": {"const": "ServiceMonitor"},
-        "metadata": {"type": "object", "required": ["name"], "additionalProperties": False,
-                     "properties": {"name": {"type": "string"}, "namespace": {"type": "string"},
-                                    "labels": LABELS, "annotations": LABELS}},
-        "spec": {
-            "type": "object", "required": ["selector", "endpoints"], "additionalProperties": False,
-            "properties": {
-                "jobLabel": {"type": "string"},
-                "selector": {"type": "object", "additionalProperties": False, "required": ["matchLabels"],
-                             "properties": {"matchLabels": LABELS}},
-                "namespaceSelector": {"type": "object"},
-                "endpoints": {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "required": ["port", "path"], "additionalProperties": False,
-                    "properties": {
-                        "port": {"type": "string"},
-                        "path": {"type": "string"},
-                        "scheme": {"enum": ["http", "https"]},
-                        "interval": {"type": "string", "pattern": DURATION},
-                        "scrapeTimeout": {"type": "string", "pattern": DURATION},
-                        "honorLabels": {"type": "boolean"},
-                        "relabelings": {"type": "array"},
-                        "metricRelabelings": {"type": "array"},
-                    }}},
-            },
+
+
+def _crd_schema(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """A Prometheus Operator resource (monitoring.coreos.com/v1) of `kind` whose spec is `spec`; anything
+    else is refused so that a typo shows."""
+    return {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "additionalProperties": False,
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": kind},
+            "metadata": {"type": "object", "required": ["name"], "additionalProperties": False,
+                         "properties": {"name": {"type": "string"}, "namespace": {"type": "string"},
+                                        "labels": LABELS, "annotations": LABELS}},
+            "spec": spec,
         },
+    }
+
+
+# the part of the ServiceMonitor CRD these manifests use, fields and patterns as the CRD states them
+SERVICE_MONITOR_SCHEMA = _crd_schema("ServiceMonitor", {
+    "type": "object", "required": ["selector", "endpoints"], "additionalProperties": False,
+    "properties": {
+        "jobLabel": {"type": "string"},
+        "selector": {"type": "object", "additionalProperties": False, "required": ["matchLabels"],
+                     "properties": {"matchLabels": LABELS}},
+        "namespaceSelector": {"type": "object"},
+        "endpoints": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["port", "path"], "additionalProperties": False,
+            "properties": {
+                "port": {"type": "string"},
+                "path": {"type": "string"},
+                "scheme": {"enum": ["http", "https"]},
+                "interval": {"type": "string", "pattern": DURATION},
+                "scrapeTimeout": {"type": "string", "pattern": DURATION},
+                "honorLabels": {"type": "boolean"},
+                "relabelings": {"type": "array"},
+                "metricRelabelings": {"type": "array"},
+            }}},
     },
-}
+})
 
 
 def _seconds(duration: str) -> float:
@@ -172,36 +180,26 @@ def test_service_monitor_schema_refuses_a_typo(resources: dict[str, dict[str, An
         jsonschema.validate(broken, SERVICE_MONITOR_SCHEMA)
 
 
-# the part of the Prometheus Operator's PrometheusRule CRD (monitoring.coreos.com/v1) the rules use
-PROMETHEUS_RULE_SCHEMA = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "additionalProperties": False,
-    "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"},
-        "kind": {"const": "PrometheusRule"},
-        "metadata": SERVICE_MONITOR_SCHEMA["properties"]["metadata"],
-        "spec": {
-            "type": "object", "additionalProperties": False, "properties": {"groups": {
-                "type": "array", "minItems": 1, "items": {
-                    "type": "object", "required": ["name", "rules"], "additionalProperties": False,
+# the part of the PrometheusRule CRD the rules use
+PROMETHEUS_RULE_SCHEMA = _crd_schema("PrometheusRule", {
+    "type": "object", "additionalProperties": False, "properties": {"groups": {
+        "type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["name", "rules"], "additionalProperties": False,
+            "properties": {
+                "name": {"type": "string", "minLength": 1},
+                "interval": {"type": "string", "pattern": DURATION},
+                "rules": {"type": "array", "items": {
+                    "type": "object", "required": ["expr"], "additionalProperties": False,
+                    "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
                     "properties": {
-                        "name": {"type": "string", "minLength": 1},
-                        "interval": {"type": "string", "pattern": DURATION},
-                        "rules": {"type": "array", "items": {
-                            "type": "object", "required": ["expr"], "additionalProperties": False,
-                            "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
-                            "properties": {
-                                "alert": {"type": "string"}, "record": {"type": "string"},
-                                "expr": {"type": ["string", "integer"]},
-                                "for": {"type": "string", "pattern": DURATION},
-                                "keep_firing_for": {"type": "string", "pattern": DURATION},
-                                "labels": LABELS, "annotations": LABELS,
-                            }}},
-                    }}}},
-        },
-    },
-}
+                        "alert": {"type": "string"}, "record": {"type": "string"},
+                        "expr": {"type": ["string", "integer"]},
+                        "for": {"type": "string", "pattern": DURATION},
+                        "keep_firing_for": {"type": "string", "pattern": DURATION},
+                        "labels": LABELS, "annotations": LABELS,
+                    }}},
+            }}}},
+})
 
 
 def test_prometheus_rule(resources: dict[str, dict[str, Any]]) -> None:
