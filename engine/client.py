@@ -410,7 +410,7 @@ class EngineClient:
         if self._silence_timer is not None:
             self._silence_timer.cancel()
             self._silence_timer = None
-        if not self._shut_down:
+        if not self._shut_down and self._ready.done():  # (before ready, whoever awaits start() reports it)
             logger.error("%s", reason)
         self._outbox.put(_STOP)
         for stream in self._streams.values():

@@ -227,14 +227,16 @@ class _EngineLoop:
             self.core = self.core_factory(args)
             info = msgspec.structs.replace(self.core.describe(), pid=os.getpid())
         except Exception as exc:
+            told = self._send(StartupError(f"{type(exc).__name__}: {exc}"))
             if isinstance(exc, (ValueError, OSError)):
-                # a setting, a config or a file the user named is wrong, and the message says which: one
-                # line (the traceback at debug level, for a bug that raises these too)
-                logger.error("engine core failed to start: %s: %s", type(exc).__name__, exc)
+                # a setting, a config or a file the user named is wrong, and the message says which: the
+                # server prints that one line (here, only where it could not be told; the traceback at debug
+                # level, for a bug that raises these too)
+                if not told:
+                    logger.error("engine core failed to start: %s: %s", type(exc).__name__, exc)
                 logger.debug("engine core startup traceback", exc_info=True)
             else:
                 logger.exception("engine core failed to start")
-            self._send(StartupError(f"{type(exc).__name__}: {exc}"))
             return EXIT_STARTUP_FAILED
         if not self._send(EngineReady(info)):
             return EXIT_PARENT_GONE

@@ -254,7 +254,7 @@ def test_serve_refuses_a_config_the_loader_refuses_before_it_binds(case: str, ch
                                                                   capsys: pytest.CaptureFixture) -> None:
     """A config.json that is not JSON or asks for what is not served (an MLP activation other than SiLU):
     one line and exit 2 before the server binds, as `generate` says it (the engine failed after the bind,
-    the error logged three times, exit 1)."""
+    exit 1)."""
     import json
 
     if case == "corrupt":
@@ -374,3 +374,24 @@ def test_ctrl_c_before_a_command_handles_it_is_one_line(monkeypatch, capsys, com
     monkeypatch.setitem(cli.COMMANDS, command, interrupted)
     assert cli.main([command, "--model", "x"]) == code
     assert capsys.readouterr().err == f"mlaserve {command}: interrupted\n"
+
+
+def test_serve_with_weights_the_engine_refuses_says_so_once(checkpoint: Path, tmp_path: Path) -> None:
+    """A checkpoint whose config passes the checks before the bind but whose weights the engine process refuses
+    (a tensor missing): exit 1 and the loader's message once on stderr (the engine process, its client and the
+    server each logged it: three times)."""
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "no_q_proj"
+    model.mkdir()
+    for f in checkpoint.iterdir():
+        (model / f.name).write_bytes(f.read_bytes())
+    weights = {k: v for k, v in load_file(str(model / "model.safetensors")).items()
+               if k != "model.layers.1.self_attn.q_proj.weight"}
+    save_file(weights, str(model / "model.safetensors"))
+    done = subprocess.run([sys.executable, "-m", "mlaserve.cli", "serve", "--model", str(model), "--port",
+                           str(free_port())], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    says = "missing tensor(s): model.layers.1.self_attn.q_proj.weight"
+    assert done.stderr.count(says) == 1, done.stderr
+    assert "the engine failed to start" in done.stderr and "Traceback" not in done.stderr, done.stderr
