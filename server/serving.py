@@ -442,9 +442,8 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
             # (their ids come from the tokenizer; the engine's SamplingParams.validate checks them again)
             params = msgspec.structs.replace(params, bad_words_ids=bad_words_ids(state, body.bad_words))
         if tools.structured is not None:
-            if params.structured is not None:
-                raise ParamError("tool_choice", "a forced tool call constrains the output already: "
-                                 f"{params.structured.param} cannot be used with tool_choice 'required' or a named function")
+            # a forced call is this turn's output; a response format (checked above all the same) is for the
+            # turn that answers in text, as OpenAI takes both (the Agents SDK sends both)
             params = msgspec.structs.replace(params, structured=tools.structured)
     except ParamError as e:
         raise ClientError.bad_param(e) from None

@@ -290,8 +290,6 @@ BAD = [
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format", None),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "integer",
       "multipleOf": 3}}}}, 400, "text.format", "text.format.schema: the keyword 'multipleOf'"),
-    ({"input": "hi", "tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
-     400, "tool_choice", "text.format"),
     ({"input": "hi", "model": "nope"}, 404, "model", "nope"),
     ({"input": "hi", "prompt": {"id": "pmpt_1"}}, 400, "prompt", "not supported"),
 ]
@@ -384,9 +382,10 @@ def test_default_model_schema_and_tool_calls(tmp_path):
         parsed = client.responses.parse(model=model, input="Which city is the capital of France?", text_format=Answer,
                                         max_output_tokens=60, temperature=0)
         assert isinstance(parsed.output_parsed, Answer)
+        # a format beside a forced call is for a turn that answers in text (the Agents SDK sends both)
         r = client.responses.create(model=model, input="What is the weather in Paris, in celsius?", tools=[WEATHER],
                                     tool_choice="required", parallel_tool_calls=False, max_output_tokens=80,
-                                    temperature=0)
+                                    temperature=0, text={"format": {"type": "json_object"}})
         (call,) = r.output
         assert call.type == "function_call" and call.name == "get_weather" and r.parallel_tool_calls is False
         jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])

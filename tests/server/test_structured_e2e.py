@@ -240,6 +240,28 @@ def test_required_tool_choice_returns_valid_calls(client, parallel):
             [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_with_a_response_format_is_the_call(client, choice):
+    """OpenAI takes a response format beside a forced call (the OpenAI Agents SDK sends both when an agent
+    has an output type and tool_choice "required"): the forced turn is the call, the format is for a turn
+    that answers in text. A bad format is still refused (it was a 400 either way)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "out", "strict": True, "schema": {
+        "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+        "additionalProperties": False}}}
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                                       response_format=fmt, max_tokens=200, seed=3, parallel_tool_calls=False)
+    c = r.choices[0]
+    assert c.message.content is None and len(c.message.tool_calls) == 1, c
+    call = c.message.tool_calls[0]
+    check({t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}[call.function.name],
+          call.function.arguments)
+    bad = dict(fmt, json_schema=dict(fmt["json_schema"], schema={"type": "strin"}))
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=choice,
+                                       response_format=bad, max_tokens=20)
+    assert info.value.body["param"] == "response_format"
+
+
 class Address(BaseModel):
     city: str = Field(max_length=30)
     country: str = Field(max_length=30)
