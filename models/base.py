@@ -11,6 +11,7 @@ backends whose `weight_input` is GGUF_BLOCKS may get GGUF `RawBlocks` for them i
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable
 
@@ -232,6 +233,8 @@ class CausalLM(nn.Module):
                 loaded.add(name)
                 continue
             param = params.get(name)
+            if param is None and math.prod(tensor.shape) == 0:
+                continue  # carries nothing: transformers saves `n_shared_experts: 0`'s experts as [h, 0] weights
             if param is None or name in expert_params:
                 raise CheckpointError(source, f"unexpected tensor '{name}' (no such parameter in this architecture)")
             target = param.data

@@ -16,6 +16,7 @@ Every missing required key or invalid value raises `CheckpointError` naming the 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -35,6 +36,8 @@ MAX_CONFIG_INT = (1 << 31) - 1
 # rope.dimension_count, and that the dict is a GGUF's, whose keys llama.cpp honours as written
 GGUF_ROPE_DIM_KEY = "_gguf_rope_dimension_count"
 GGUF_SOURCE_KEY = "_gguf"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,7 @@ class DeepseekConfig:
         transformers: for any scaled rope with an `mscale_all_dim`, not only YaRN)."""
         scale = self.qk_head_dim**-0.5
         r = self.rope
-        if r.scaling_type != "default" and r.mscale_all_dim:
+        if r.mscale_all_dim:  # (read for the scaled types only, dynamic's too)
             m = yarn_get_mscale(r.factor, r.mscale_all_dim)
             scale *= m * m
         return scale
@@ -279,8 +282,10 @@ def _rope_from_dict(k: _Keys, dim: int, interleaved: bool) -> RopeConfig:
                           mscale_all_dim=p.opt("mscale_all_dim", None, float))  # DeepSeek's scale (softmax_scale)
     if rtype == "dynamic":
         # HF's dynamic NTK scaling changes the frequencies only past max_position_embeddings, which is as
-        # far as a context goes here (the engine's context is at most that): there it is the default rope
-        return RopeConfig(dim=dim, theta=theta, interleaved=interleaved)
+        # far as a context goes here (the engine's context is at most that): there it is the default rope;
+        # its factor still scales DeepSeek's softmax with an `mscale_all_dim`, as transformers does
+        return RopeConfig(dim=dim, theta=theta, interleaved=interleaved, factor=p.above("factor", p.req("factor", float)),
+                          mscale_all_dim=p.opt("mscale_all_dim", None, float))
     if rtype in ("llama3", "yarn"):
         # as transformers' standardize_rope_params: a top-level original_max_position_embeddings wins (Phi-3's
         # and some fine-tunes' configs keep it there), else the scaling's own, else max_position_embeddings
@@ -351,14 +356,16 @@ def _deepseek_from_dict(k: _Keys, arch: Literal["deepseek_v2", "deepseek_v3"]) -
     rope_dim = k.positive("qk_rope_head_dim")
     if rope_dim % 2:
         raise CheckpointError(k.source, f"config key 'qk_rope_head_dim' must be even, got {rope_dim}")
-    q_lora_rank = k.opt("q_lora_rank", None)
+    # transformers' defaults where a key is absent (DeepseekV2Config / DeepseekV3Config); `q_lora_rank: null`
+    # is a plain q_proj (V2-Lite), an absent one transformers' 1536
+    q_lora_rank = k.opt("q_lora_rank", None) if "q_lora_rank" in k.d else 1536
     if q_lora_rank is not None and q_lora_rank <= 0:
         raise CheckpointError(k.source, f"config key 'q_lora_rank' must be > 0 or null, got {q_lora_rank}")
     moe = None
+    is_v3 = arch == "deepseek_v3"
     num_experts = k.opt("n_routed_experts", None)
     if num_experts is None:
-        num_experts = k.opt("num_local_experts", None)
-    is_v3 = arch == "deepseek_v3"
+        num_experts = k.opt("num_local_experts", 256 if is_v3 else 64)  # (0: a dense model, as a GGUF says)
     if num_experts:
         native = "sigmoid" if is_v3 else "softmax"
         scoring = k.opt("scoring_func", native, str)
@@ -375,7 +382,8 @@ def _deepseek_from_dict(k: _Keys, arch: Literal["deepseek_v2", "deepseek_v3"]) -
                 k.source, f"config key 'topk_method' must be greedy, group_limited_greedy or noaux_tc, got {method!r}"
             )
         # an absent key takes transformers' default for the architecture (DeepseekV3Config: 8 groups, 4 kept,
-        # normalized top-k weights scaled by 2.5; DeepseekV2Config: no groups, unnormalized, 1.0)
+        # normalized top-k weights scaled by 2.5, 1 shared expert, 3 dense layers first; DeepseekV2Config: no
+        # groups, unnormalized, 1.0, 2 shared experts, no dense layers first)
         n_group = k.at_least("n_group", 8 if is_v3 else 1, 0) or 1  # 0 or null: no groups
         topk_group = k.at_least("topk_group", 4 if is_v3 else 1, 0) or 1
         top_k = k.positive("num_experts_per_tok")
@@ -390,15 +398,15 @@ def _deepseek_from_dict(k: _Keys, arch: Literal["deepseek_v2", "deepseek_v3"]) -
             num_experts=num_experts,
             top_k=top_k,
             intermediate_size=k.positive("moe_intermediate_size"),
-            num_shared_experts=k.at_least("n_shared_experts", 0, 0) or 0,
+            num_shared_experts=k.at_least("n_shared_experts", 1 if is_v3 else 2, 0),
             scoring_func=scoring,
             topk_method=method,
             n_group=n_group,
             topk_group=topk_group,
-            norm_topk_prob=k.opt("norm_topk_prob", is_v3, bool),
+            norm_topk_prob=_norm_topk_prob(k, is_v3),
             routed_scaling_factor=k.above("routed_scaling_factor",
                                           k.opt("routed_scaling_factor", 2.5 if is_v3 else 1.0, float)),
-            first_k_dense_replace=k.at_least("first_k_dense_replace", 0, 0),
+            first_k_dense_replace=k.at_least("first_k_dense_replace", 3 if is_v3 else 0, 0),
             moe_layer_freq=k.at_least("moe_layer_freq", 1, 0) or 1,
         )
     return DeepseekConfig(
@@ -423,6 +431,19 @@ def _deepseek_from_dict(k: _Keys, arch: Literal["deepseek_v2", "deepseek_v3"]) -
         bos_token_id=k.opt("bos_token_id", None),
         eos_token_ids=_eos_ids(k),
     )
+
+
+def _norm_topk_prob(k: _Keys, is_v3: bool) -> bool:
+    """Whether the chosen experts' weights are renormalised. transformers' DeepSeek-V2 never does, whatever
+    its config says (DeepSeek's own code, vLLM and llama.cpp do where `norm_topk_prob` is true): a config.json
+    is read as transformers reads it, and the ignored key is logged; a GGUF's `expert_weights_norm` is what
+    llama.cpp computes with."""
+    norm = k.opt("norm_topk_prob", is_v3, bool)
+    if norm and not is_v3 and not k.d.get(GGUF_SOURCE_KEY):
+        logger.warning("%s: norm_topk_prob is true, which transformers' DeepSeek-V2 ignores: the routing weights "
+                       "are not renormalised, as there", k.source)
+        return False
+    return norm
 
 
 def _llama_from_dict(k: _Keys) -> LlamaConfig:

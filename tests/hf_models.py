@@ -81,7 +81,7 @@ def build_hf_model(name: str, seed: int = 0, **overrides: Any):
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for pname, p in list(model.named_parameters()) + list(model.named_buffers()):
-            if "inv_freq" in pname:
+            if "inv_freq" in pname or p.numel() == 0:  # (n_shared_experts 0: empty weights)
                 continue
             if "norm" in pname:
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))

@@ -455,6 +455,8 @@ def _hf_config(
             topk_method="noaux_tc" if is_v3 else "group_limited_greedy" if n_group > 1 else "greedy",
             moe_layer_freq=1,  # llama.cpp has no key for it: every layer after the dense lead is MoE
         )
+    else:
+        d.update(n_routed_experts=0)  # no experts: dense (an absent key would be transformers' 64)
     return d
 
 

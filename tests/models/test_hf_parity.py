@@ -196,6 +196,21 @@ def _edit_config(path, **changes) -> None:
 # served with others, silently): (model, HF config overrides, keys then dropped from config.json, edits)
 CONFIG_VARIANTS = {
     # V3's router keys absent: DeepseekV3Config's defaults (8 groups, 4 kept, normalized, x2.5)
+    # other absent DeepSeek keys: transformers' defaults (they were 0 dense layers first, 0 shared experts,
+    # no q-LoRA, no experts: a refusal naming tensors, or the model computed without them)
+    "v3 dense lead absent": ("v3_noaux_yarn", dict(first_k_dense_replace=3, num_hidden_layers=4),
+                             ("first_k_dense_replace",), {}),
+    "v2 shared experts absent": ("v2_qlora_greedy", dict(n_shared_experts=2), ("n_shared_experts",), {}),
+    "v2 q_lora_rank absent": ("v2_qlora_greedy", dict(q_lora_rank=1536), ("q_lora_rank",), {}),
+    "v2 routed experts absent": ("v2_qlora_greedy", dict(n_routed_experts=64), ("n_routed_experts",), {}),
+    # no shared experts: transformers saves them as empty [h, 0] weights (they were refused by name)
+    "v2 no shared experts": ("v2_qlora_greedy", dict(n_shared_experts=0), (), {}),
+    "v3 no shared experts": ("v3_noaux_yarn", dict(n_shared_experts=0), (), {}),
+    # transformers' V2 router never renormalises, whatever norm_topk_prob says (it was renormalised)
+    "v2 norm_topk_prob true": ("v2_qlora_greedy", dict(norm_topk_prob=True), (), {}),
+    # dynamic NTK with mscale_all_dim: the factor still scales the softmax (it was dropped)
+    "v2 dynamic mscale_all_dim": ("v2_qlora_greedy", dict(
+        rope_scaling={"type": "dynamic", "factor": 4.0, "mscale_all_dim": 1.0}), (), {}),
     "v3 router defaults": ("v3_noaux_yarn", dict(n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5),
                            ("n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor"), {}),
     # moe_layer_freq 2: transformers ignores it (layer 1 has experts in its file and its forward)
