@@ -352,6 +352,8 @@ def _eos_ids(k: _Keys) -> tuple[int, ...]:
 
 def _deepseek_from_dict(k: _Keys, arch: Literal["deepseek_v2", "deepseek_v3"]) -> DeepseekConfig:
     _check_activation(k)
+    if k.opt("mlp_bias", False, bool):  # (transformers' V2 reads it; no DeepSeek model has such biases)
+        raise CheckpointError(k.source, "config key 'mlp_bias' is true: DeepSeek MLPs with biases are not supported")
     num_heads = k.positive("num_attention_heads")
     rope_dim = k.positive("qk_rope_head_dim")
     if rope_dim % 2:

@@ -8,7 +8,8 @@ still apply) and they are packed once for the kernels. `mode` (`--cpu-weight-dty
 
 - `file`: GGUF blocks stay as stored: the kernels compute on every block type the loader reads (Q8_0,
   Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS); float tensors keep their
-  precision (bf16 as bf16, fp32 and fp16 as fp32). A block type without a kernel would be decoded to
+  precision (bf16 as bf16, fp32 and fp16 as fp32; the loader hands bf16 over as fp32 under an explicit
+  `--dtype float32`). A block type without a kernel would be decoded to
   bf16, with one warning.
 - `bf16`: every weight decoded to bf16 (activations are then rounded to bf16, never to int8).
 - `float32`: every weight decoded to fp32 (exact; twice bf16's memory and bandwidth).

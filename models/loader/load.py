@@ -28,6 +28,7 @@ from models.config import ModelConfig, config_from_hf_dict
 from models.loader.errors import CheckpointError
 from models.experts import EXPERT_BACKENDS, CppExperts, ExpertBackend, WeightInput
 from models.native import CPU_WEIGHT_DTYPES, NativeAbsorbed, NativeEmbedding, NativeLinear, use_native_weights
+from models.loader.raw_blocks import RawBlocks
 from models.parallel import current as current_layout
 from models.registry import model_class
 from models.rotary import RotaryEmbedding
@@ -163,6 +164,8 @@ def load_model(
         tensors = ckpt.tensors(shard=shard)
     else:
         tensors = ckpt.tensors(raw_experts=raw_experts, raw_names=raw_names, shard=shard)
+    if cpu_weights == "file" and dtype in ("float32", torch.float32):
+        tensors = _bf16_as_float32(tensors)  # `--dtype float32` asked for fp32 math: bf16 kernels round activations
     with torch.no_grad():
         net.load_weights(_checked(tensors, bar, str(path)), str(path))
     bar.close()
@@ -253,6 +256,18 @@ def check_model_fits_checkpoint(net: CausalLM, shapes: dict[str, tuple[int, ...]
             f"the config describes a model of {model_values:,} weight values but the checkpoint {source} holds "
             f"{values:,}: its sizes (vocab_size, hidden_size, intermediate_size, expert counts, ...) do not match "
             "the weights; fix the config or use the checkpoint it belongs to")
+
+
+def _bf16_as_float32(items: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """`items` with every bf16 tensor (a safetensors one, a GGUF's BF16 blocks) as fp32, which is exact: the
+    native operators hold a bf16 weight as bf16 and multiply it by activations rounded to bf16 (AVX512_BF16),
+    which an explicit `--dtype float32` does not ask for. Quantized blocks stay as they are."""
+    for name, t in items:
+        if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16:
+            t = t.float()
+        elif isinstance(t, RawBlocks) and t.qtype.name == "BF16":
+            t = t.dequantize()
+        yield name, t
 
 
 def _checked(items: Iterable[tuple[str, Any]], bar: tqdm, source: str) -> Iterator[tuple[str, Any]]:

@@ -122,6 +122,7 @@ def test_llama_gqa_and_rope_scaling():
         ({"model_type": "deepseek_v3", "scoring_func": "softmax"}, "'scoring_func' must be 'sigmoid' for deepseek_v3"),
         ({"hidden_act": "gelu"}, "'hidden_act' is 'gelu': only SiLU-gated MLPs"),
         ({"model_type": "deepseek_v3", "hidden_act": "relu"}, "'hidden_act' is 'relu'"),
+        ({"mlp_bias": True}, "'mlp_bias' is true"),  # (it named the first bias tensor, at load)
     ],
 )
 def test_bad_config_values_name_the_key(change, needle):
