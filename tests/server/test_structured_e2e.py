@@ -374,8 +374,6 @@ BAD = [
     ({"messages": ASK + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
       "function": {"name": "get_weather", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "c2", "content": "9C"}],
       "tools": [WEATHER]}, "messages.[2].tool_call_id", "c2"),
-    ({"messages": ASK, "tools": [WEATHER], "tool_choice": "required",
-      "response_format": {"type": "json_object"}}, "tool_choice", "constrains"),
     # objects the engine could not keep to: a declared key written again as another, no object at all
     ({"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "propertyNames": {"pattern": "^a$"}}}}},
