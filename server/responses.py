@@ -188,6 +188,8 @@ class ChatSerializer(Serializer):
         self.reasoners: dict[int, ChoiceReasoning] = {}
         self.split: dict[int, Split] = {}
         self.tag_ids = None  # <think>, </think> ids where each is one token (for the count), only when parsing
+        # streamed, per choice: logprobs of tokens none of whose text has gone out yet as answer text
+        self.unplaced: dict[int, list[ShownLogprob]] = {}
         if tok is not None and self.reasoning_kind != "none":
             self.tag_ids = single_token_tags(lambda t: tok.encode(t, add_special_tokens=False))
         self.echo = self.echo_split()
@@ -257,6 +259,30 @@ class ChatSerializer(Serializer):
     def chat_logprobs(self, lps: list[ShownLogprob]) -> ChatChoiceLogprobs | None:
         return ChatChoiceLogprobs(content=self.token_logprobs(lps)) if self.body.logprobs else None
 
+    def content_logprobs(self, i: int, lps: list[ShownLogprob], split: Split, content: str) -> list[ShownLogprob]:
+        """Of choice i's logprobs, those of the tokens whose text is its answer `content` (as OpenAI's
+        `logprobs.content` joins to the content): those starting inside the answer's span of the generated
+        text (after the reasoning; within the text the tool-call parser left, when it took calls out of it)."""
+        if not content:
+            return []
+        generated = self.texts.get(i, "")
+        start, end = max(generated.rfind(split.content), 0), len(generated)
+        if content != split.content and (at := generated.find(content, start)) >= 0:
+            start, end = at, at + len(content)
+        return [s for s in lps if start <= s.offset < end]
+
+    def placed_logprobs(self, i: int, lps: list[ShownLogprob], text: str, elsewhere: bool) -> list[ShownLogprob]:
+        """Streamed: the logprobs to send with choice i's new answer `text`. A token's logprob goes with the
+        first answer text at or after it; those of tokens whose text went to reasoning or a call (`elsewhere`)
+        are dropped, as the whole answer's `content_logprobs` leaves them out."""
+        if not self.body.logprobs:
+            return []
+        pending = self.unplaced.setdefault(i, [])
+        pending += lps
+        if text or elsewhere:
+            self.unplaced[i] = []
+        return pending if text else []
+
     def message(self, split: Split) -> tuple[ChatResponseMessage, Any]:
         """The whole message of a choice: its reasoning apart, its answer through a fresh tool-call parser
         when tools are in play."""
@@ -284,9 +310,13 @@ class ChatSerializer(Serializer):
         choices = []
         for r in self.requests:
             for i, c in enumerate(r.choices):
-                message, parser = self.message(self.split.get(self.choice_index(r, i), Split()))
+                k = self.choice_index(r, i)
+                split = self.split.get(k, Split())
+                message, parser = self.message(split)
+                answer = (message.content or "")[len(self.echo.content):]  # (an echo has no logprobs)
                 choices.append(ChatCompletionChoice(
-                    index=self.choice_index(r, i), message=message, logprobs=self.chat_logprobs(c.logprobs),
+                    index=k, message=message,
+                    logprobs=self.chat_logprobs(self.content_logprobs(k, c.logprobs, split, answer)),
                     finish_reason=self.finish_reason(c.finish_reason, parser), stop_reason=c.stop_reason,
                     token_ids=c.token_ids if ids else None,
                 ))
@@ -336,6 +366,7 @@ class ChatSerializer(Serializer):
         i = self.choice_index(r, index)
         out = []
         reasoning, text, deltas, parser = self.parse_delta(r, index, text, ids)
+        lps = self.placed_logprobs(i, lps, text, bool(reasoning or deltas))
         reasoning = reasoning or None
         calls = [_delta_tool_call(d) for d in deltas] or None
         plain = not (calls or self.body.return_token_ids or self.body.logprobs)  # then one field, nothing else
@@ -490,7 +521,6 @@ class ResponsesSerializer(ChatSerializer):
         self.id = f"resp_{uuid.uuid4().hex}"
         self.sequence = 0
         self.items = OutputItems(self.event)
-        self.unplaced: list[ShownLogprob] = []  # streamed: logprobs released before any answer text of theirs went out
 
     def event(self, type_: str, **fields: Any) -> dict[str, Any]:
         event = {"type": type_, "sequence_number": self.sequence, **fields}
@@ -552,26 +582,14 @@ class ResponsesSerializer(ChatSerializer):
         return [self.event("response.created", response=started), self.event("response.in_progress", response=started)]
 
     def message_logprobs(self, split: Split, content: str) -> list[ChatTokenLogprob]:
-        """The logprobs of the tokens whose text is the message's: those starting inside the answer's span
-        of the generated text (after the reasoning; within the text the tool-call parser left, when it
-        took calls out of it)."""
+        """The logprobs of the tokens whose text is the message's (`content_logprobs`)."""
         if not self.body.logprobs or not content:
             return []
-        generated = self.texts.get(0, "")
-        start, end = max(generated.rfind(split.content), 0), len(generated)
-        if content != split.content and (at := generated.find(content, start)) >= 0:
-            start, end = at, at + len(content)
-        return self.token_logprobs([s for s in self.requests[0].choices[0].logprobs if start <= s.offset < end])
+        return self.token_logprobs(self.content_logprobs(0, self.requests[0].choices[0].logprobs, split, content))
 
     def stream_delta(self, r, index, text, ids, lps):
         reasoning, text, deltas, _ = self.parse_delta(r, index, text, ids)
-        shown: list[ShownLogprob] = []
-        if self.body.logprobs:  # a token's logprob goes with the first answer text at or after it
-            self.unplaced += lps
-            if text:
-                shown, self.unplaced = self.unplaced, []
-            elif reasoning or deltas:  # its text was reasoning or a call's
-                self.unplaced = []
+        shown = self.placed_logprobs(0, lps, text, bool(reasoning or deltas))
         out = self.items.reasoning(reasoning) + self.items.text(text, self.token_logprobs(shown))
         for d in deltas:
             out += self.items.call(d)

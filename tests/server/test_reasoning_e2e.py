@@ -68,6 +68,10 @@ def test_r1_template_output_is_reasoning(model, tmp_path) -> None:
             whole = c.post("/v1/chat/completions", json=BODY).json()
             msg, usage = whole["choices"][0]["message"], whole["usage"]
             assert msg["reasoning_content"] and msg["content"] == ""  # the block never closed
+            # logprobs join to the content: the reasoning's tokens carry none (they listed all 12)
+            scored = c.post("/v1/chat/completions", json={**BODY, "logprobs": True}).json()["choices"][0]
+            assert scored["message"]["reasoning_content"] == msg["reasoning_content"]
+            assert scored["logprobs"] == {"content": []}, scored["logprobs"]
             assert usage["completion_tokens"] == 12
             assert usage["completion_tokens_details"]["reasoning_tokens"] == 12
             # a JSON constraint applies after </think>: the reasoning before it is what it was unconstrained

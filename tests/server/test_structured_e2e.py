@@ -462,6 +462,26 @@ def test_auto_tool_calls_are_parsed_from_the_models_markup(client):
     assert [(v["name"], v["arguments"]) for v in s["calls"].values()] == [("get_weather", call.function.arguments)]
 
 
+def test_chat_logprobs_join_to_the_content_not_the_call_markup(client):
+    """`logprobs.content` holds the tokens of the content (OpenAI's shape): a call's markup and a forced
+    call's JSON carry none, whole or streamed (they listed every generated token: the Hermes markup, or the
+    forced grammar's JSON array, beside a null content)."""
+    rx = (r'Let me check\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Lyon)", '
+          r'"unit": "celsius"\}\}\n</tool_call>')
+    auto = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=80, seed=4, logprobs=True,
+                top_logprobs=2, extra_body={"structured_outputs": {"regex": rx}})
+    forced = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=200, seed=5, logprobs=True,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    for kw in (auto, forced):
+        c = client.chat.completions.create(**kw).choices[0]
+        assert c.message.tool_calls
+        tokens = [t.token for t in c.logprobs.content]
+        assert "".join(tokens) == (c.message.content or ""), (tokens, c.message.content)
+        streamed_tokens = [t.token for chunk in client.chat.completions.create(stream=True, **kw)
+                           for ch in chunk.choices if ch.logprobs and ch.logprobs.content for t in ch.logprobs.content]
+        assert streamed_tokens == tokens
+
+
 def test_a_tool_round_trip_shows_the_model_its_own_calls(client, server):
     """The SDK's tool loop: the assistant message that called a tool (content None) goes back with the
     tool's result. The default model's template reads no `tool_calls` (it would render that turn empty,
