@@ -167,7 +167,10 @@ def _special_token(
 def _chat_template(model_dir: Path, config: dict) -> str | None:
     """chat_template.jinja, else chat_template.json, else tokenizer_config.json (a string or named list)."""
     if (model_dir / "chat_template.jinja").is_file():
-        return (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+        try:
+            return (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise CheckpointError(model_dir / "chat_template.jinja", f"not UTF-8 text: {e}") from None
     path, template = model_dir / "tokenizer_config.json", config.get("chat_template")
     as_json = read_json(model_dir / "chat_template.json", required=False, expect_object=False)
     if as_json is not None:
@@ -233,7 +236,7 @@ def load_hf_tokenizer(model_dir: str | Path) -> TokenizerBundle:
     gen = read_json(gen_path, required=False)
     gen_eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
     n_tokens = tok.get_vocab_size(with_added_tokens=True)
-    for i in [gen_eos] if isinstance(gen_eos, int) else gen_eos or []:
+    for i in gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos]:
         if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n_tokens:
             raise CheckpointError(gen_path, f"key 'eos_token_id': {i!r:.40} is not a token id below {n_tokens}")
         if i not in eos_ids:

@@ -532,6 +532,14 @@ def test_hf_errors(tmp_path: Path, smol_dir: Path) -> None:
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 49152]}))
     with pytest.raises(CheckpointError, match="generation_config.json: key 'eos_token_id': 49152"):
         load_hf_tokenizer(tmp_path)
+    for odd in (2.0, "2", {"id": 2}):  # (a float was a TypeError naming neither file nor key)
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": odd}))
+        with pytest.raises(CheckpointError, match="generation_config.json: key 'eos_token_id': .* is not a token id"):
+            load_hf_tokenizer(tmp_path)
+    (tmp_path / "generation_config.json").unlink()
+    (tmp_path / "chat_template.jinja").write_bytes(b"\xff\xfe{{ messages }}")
+    with pytest.raises(CheckpointError, match="chat_template.jinja: not UTF-8 text"):
+        load_hf_tokenizer(tmp_path)
 
 
 @pytest.mark.parametrize(
