@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
-from functools import lru_cache
+from functools import lru_cache, wraps
 from pathlib import Path
 from typing import Any
 
@@ -162,9 +162,15 @@ MAX_POWER_BITS = 1 << 16  # an integer a template's `**` may make
 # `{% for %}` iterations in one rendering: real templates walk the messages and tools a few times (a
 # 100,000-message request stays far below); nested loops over `range` or a long string are a CPU bomb
 MAX_LOOP_ITEMS = 1 << 20
-# and its time, looked at on each iteration: a loop whose body filters a long text (`s | list`) is slow
-# on few iterations. Real templates render in milliseconds.
+# and its time, looked at on each iteration, call (a macro recursing into itself twice never loops) and
+# filter: a loop whose body filters a long text (`s | list`) is slow on few iterations. Real templates
+# render in milliseconds.
 MAX_RENDER_SECONDS = 5.0
+# an integer a filter takes (`center`'s width, `slice`'s count, `tojson`'s indent): one operation with a
+# huge one allocates gigabytes or runs for minutes before any check could run; real templates pass tens
+MAX_FILTER_INT = 1 << 16
+# the text `wordwrap` takes (Python's textwrap: ~1 s per million characters)
+MAX_WORDWRAP_CHARS = 1 << 20
 
 
 @dataclass
@@ -188,9 +194,34 @@ def _loop_guard(iterable: Iterable[Any]) -> Iterator[Any]:
         if budget.items_left < 0:
             raise SecurityError(f"the template's loops ran more than {MAX_LOOP_ITEMS} times, more than any "
                                 "conversation needs")
-        if time.monotonic() > budget.deadline:
-            raise SecurityError(f"the template ran for more than {MAX_RENDER_SECONDS:g} s")
+        _check_time()
         yield item
+
+
+def _check_time() -> None:
+    budget = _BUDGET.get(None)
+    if budget is not None and time.monotonic() > budget.deadline:
+        raise SecurityError(f"the template ran for more than {MAX_RENDER_SECONDS:g} s")
+
+
+def _bounded_filter(name: str, f: Any) -> Any:
+    """Filter `f` within the rendering's budget: its time checked, its integer arguments at most
+    MAX_FILTER_INT, `wordwrap`'s text and any text it returns bounded."""
+    @wraps(f)  # (keeps Jinja's pass_context / pass_environment marks)
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        _check_time()
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, int) and not isinstance(a, bool) and abs(a) > MAX_FILTER_INT:
+                raise SecurityError(f"the template passes {a} to the filter '{name}', past the {MAX_FILTER_INT} "
+                                    "a template needs")
+        if name == "wordwrap" and any(isinstance(a, str) and len(a) > MAX_WORDWRAP_CHARS for a in args):
+            raise SecurityError(f"the template wraps a text longer than {MAX_WORDWRAP_CHARS} characters")
+        out = f(*args, **kwargs)
+        if isinstance(out, str) and len(out) > MAX_RENDERED_CHARS:
+            raise SecurityError(f"the filter '{name}' made a text longer than the {MAX_RENDERED_CHARS} characters "
+                                "a prompt may have")
+        return out
+    return bounded
 
 
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
@@ -198,9 +229,14 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     `'x' * 10**10` or `10 ** 10**9` would make the server build a 10 GB string or spend minutes on one
     integer, for every chat request. The rendered text is bounded too (`render_chat`), and so are the
     iterations and the time of its `for` loops, through `_loop_guard` (nested loops need not write a
-    thing to spend minutes)."""
+    thing to spend minutes), the time at each call (a macro that recurses) and each filter's arguments
+    and text (`_bounded_filter`)."""
 
     intercepted_binops = frozenset({"*", "**"})
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # (Jinja's own signature)
+        _check_time()  # every call a template makes, its macros' too
+        return super().call(__context, __obj, *args, **kwargs)
 
     def _generate(self, source: nodes.Template, name: str | None, filename: str | None,
                   defer_init: bool = False) -> str:
@@ -213,9 +249,10 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         if operator == "*":
             for seq, n in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_RENDERED_CHARS:
+                most = MAX_RENDERED_CHARS if isinstance(seq, str) else MAX_LOOP_ITEMS  # (a list's items: any objects)
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > most:
                     raise SecurityError(f"the template repeats a sequence {n} times ({len(seq) * n} items), past the "
-                                        f"{MAX_RENDERED_CHARS} a prompt may have")
+                                        f"{most} a prompt may have")
         elif (operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1
               and right * abs(left).bit_length() > MAX_POWER_BITS):
             raise SecurityError(f"the template raises {left} to the power {right}, an integer past "
@@ -227,6 +264,7 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
 def _environment() -> ImmutableSandboxedEnvironment:
     env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
+    env.filters.update({name: _bounded_filter(name, f) for name, f in env.filters.items()})
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.globals["dict"] = _TemplateDict()

@@ -307,6 +307,16 @@ def test_sandbox_holds():
     ("{% for j in range(100) recursive %}{% for k in range(100000) %}{% endfor %}{% endfor %}", "loops ran more than"),
     # few iterations, each filtering a long text: the time is bounded
     ("{% set s = 'ab' * 4000000 %}{% for i in range(2000) %}{{ (s | list) | length }}{% endfor %}", "ran for more than 5 s"),
+    # no loop at all: a macro calling itself twice (2^40 calls), and single filters asked for gigabytes or
+    # minutes (they hung the server's render threads, or took seconds and GBs each)
+    ("{% macro f(n) %}{% if n > 0 %}{{ f(n-1) }}{{ f(n-1) }}{% endif %}{% endmacro %}{{ f(40) }}", "ran for more than 5 s"),
+    ("{{ [1, 2] | slice(100000000) | list | length }}", "passes 100000000 to the filter 'slice'"),
+    ("{{ 'x' | center(3000000000) }}", "filter 'center'"),
+    ("{{ 'x\ny' | indent(3000000000) }}", "filter 'indent'"),
+    ("{{ messages | tojson(indent=100000000) }}", "filter 'tojson'"),
+    ("{{ ('a ' * 8000000) | wordwrap(1) }}", "wraps a text longer than"),
+    ("{% set l = [0] * 16000000 %}{{ l | sort | sum }}", "repeats a sequence 16000000 times"),
+    ("{{ (['ab'] * 1000000) | join('x' * 1000) }}", "filter 'join' made a text longer than"),
 ])
 def test_sandbox_bounds_what_a_template_builds(template, words):
     """A model file's template asking for a 10 GB string, a huge integer or a huge text is refused at once
@@ -321,6 +331,8 @@ def test_sandbox_bounds_leave_real_templates_alone():
     """What real templates do fits the bounds, and the loop budget is each rendering's own."""
     ok = "{{ '-' * 3 }}{{ 2 ** 10 }}{{ messages[0].content * 2 }}"
     assert render_chat(ok, [{"role": "user", "content": "ab"}]) == "---1024abab"
+    filters = "{{ messages[0].content | center(6) | trim | indent(2) }}{{ [3, 1] | sort | join(',') }}{{ [1,2] | slice(2) | list }}"
+    assert render_chat(filters, [{"role": "user", "content": "ab"}]) == "ab1,3[[1], [2]]"
     loops = ("{% for m in messages %}{% for i in range(m.content | int) if i % 2 %}{% if loop.first or loop.last %}"
              "{{ loop.index }}/{{ loop.length }} {% endif %}{% else %}none{% endfor %}{% endfor %}")
     assert render_chat(loops, [{"role": "user", "content": "5"}, {"role": "user", "content": "0"}]) == "1/2 2/2 none"
