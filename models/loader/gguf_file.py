@@ -28,6 +28,9 @@ _MAGIC = b"GGUF"
 _SUPPORTED_VERSIONS = (2, 3)
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 _MAX_ARRAY_DEPTH = 3
+# a numeric array longer than this is kept as a numpy array: a vocabulary's scores and token types (the
+# longest arrays a model needs) read alike either way, and an array nobody reads costs its bytes only
+_MAX_LIST_ARRAY = 1 << 16
 # GGUF value types: scalar code -> struct format.
 _SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _SCALAR_NP = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
@@ -90,6 +93,8 @@ class _Cursor:
         if etype in _SCALAR_NP:
             dt = np.dtype(_SCALAR_NP[etype])
             data = np.frombuffer(self.take(count * dt.itemsize, f"{count} elements of {what}"), dtype=dt)
+            if count > _MAX_LIST_ARRAY:  # a copy, not a list of Python numbers (~10x the bytes in the file)
+                return (data != 0) if etype == _BOOL else data.copy()
             return data.astype(bool).tolist() if etype == _BOOL else data.tolist()
         if etype not in (_STRING, _ARRAY):
             raise self.fail(f"{what} has unknown GGUF array element type {etype}")

@@ -61,3 +61,24 @@ def test_a_damaged_header_is_a_checkpoint_error_or_loads(copy):
         except Exception as e:  # anything else escaped the checks
             raise AssertionError(f"bytes {case}: {type(e).__name__}: {e}") from e
     assert outcomes["refused"] > CASES // 2, outcomes  # the mutations do reach the checks
+
+
+def test_a_long_numeric_array_stays_an_array_of_its_bytes(tmp_path):
+    """A metadata array of 20M bytes that nothing reads was a Python list (~10x its size in the file, per
+    parse); a long numeric array is kept as numpy values, and a short one a list, as before."""
+    import struct
+
+    import numpy as np
+
+    def kv_array(key: str, etype: int, values: bytes, count: int) -> bytes:
+        k = key.encode()
+        return struct.pack("<Q", len(k)) + k + struct.pack("<IIQ", 9, etype, count) + values
+
+    big, small = np.arange(20_000_000, dtype=np.uint8), np.array([3, 1, 2], dtype=np.int32)
+    body = struct.pack("<4sIQQ", b"GGUF", 3, 0, 2) + kv_array("x.junk", 0, big.tobytes(), big.size) \
+        + kv_array("x.small", 5, small.tobytes(), small.size)
+    path = tmp_path / "arrays.gguf"
+    path.write_bytes(body + b"\0" * (-len(body) % 32))
+    meta, infos = parse_gguf(map_gguf(path), path)
+    assert not infos and meta["x.small"] == [3, 1, 2]
+    assert isinstance(meta["x.junk"], np.ndarray) and np.array_equal(meta["x.junk"], big)
