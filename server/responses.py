@@ -334,12 +334,14 @@ class ChatSerializer(Serializer):
     def stream_start(self) -> list[Any]:
         # a forced tool call's reply has no content (null, as the whole answer says), else it starts as ""
         content = None if self.tools.structured is not None else ""
-        first = [ChatCompletionChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=content))
-                 for i in range(len(self.requests) * self.n)]
         ids = self.requests[0].prompt_ids if self.body.return_token_ids else None
-        echoed = [self.text_chunk(i, field, text) for i in range(len(first))
-                  for field, text in (("reasoning_content", self.echo.reasoning), ("content", self.echo.content)) if text]
-        return [self.chunk(first, prompt_token_ids=ids), *echoed]
+        out = []
+        for i in range(len(self.requests) * self.n):  # one chunk a choice, as OpenAI and vLLM stream
+            first = ChatCompletionChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=content))
+            out.append(self.chunk([first], prompt_token_ids=ids if i == 0 else None))
+            out += [self.text_chunk(i, field, text)
+                    for field, text in (("reasoning_content", self.echo.reasoning), ("content", self.echo.content)) if text]
+        return out
 
     def parse_delta(self, r: EngineRequest, index: int, text: str, ids: list[int]) -> tuple[str, str, list[ToolCallDelta], Any]:
         """A choice's new text as (reasoning, answer, tool-call deltas, its tool-call parser or None), through
@@ -688,12 +690,12 @@ class CompletionSerializer(Serializer):
     def stream_start(self) -> list[Any]:
         if not self.echo and not self.body.return_token_ids:
             return []
+        # one chunk a choice, as OpenAI and vLLM stream (a client reading choices[0] lost the other echoes)
         return [self.chunk([
             CompletionChoice(index=self.choice_index(r, k), text=self.prompt_text(r),
                              logprobs=self.completion_logprobs(r, [], echoed=True) if self.echo else None,
-                             prompt_token_ids=r.prompt_ids if self.body.return_token_ids else None)
-            for r in self.requests for k in range(self.n)
-        ])]
+                             prompt_token_ids=r.prompt_ids if self.body.return_token_ids else None)])
+            for r in self.requests for k in range(self.n)]
 
     def text_chunk(self, i: int, field: str, text: str) -> CompletionChunk:
         return self.chunk([CompletionChoice(index=i, text=text)])

@@ -132,6 +132,17 @@ def test_stream_wire_format(server):
                           json={**body, "max_tokens": 3, "stream": True}, timeout=60) as resp:
             plain = [json.loads(line[6:]) for line in resp.iter_lines() if line and line != "data: [DONE]"]
         assert plain and all("usage" not in p for p in plain)  # not asked for: not there
+    # n > 1: every chunk carries one choice, the first ones (role, echo) too, as OpenAI and vLLM stream (a
+    # client reading choices[0] lost the second choice's role and echo, sent in the first chunk)
+    for path, body in (("/v1/chat/completions", {"messages": MSG}), ("/v1/completions", {"prompt": "The sea",
+                                                                                         "echo": True})):
+        with httpx.stream("POST", server.url + path, headers={"Authorization": f"Bearer {KEY}"},
+                          json={**body, "max_tokens": 3, "stream": True, "n": 2, "return_token_ids": True},
+                          timeout=60) as resp:
+            plain = [json.loads(line[6:]) for line in resp.iter_lines() if line and line != "data: [DONE]"]
+        assert all(len(p["choices"]) == 1 for p in plain), plain[:3]
+        assert {p["choices"][0]["index"] for p in plain} == {0, 1}
+        assert "prompt_token_ids" in (plain[0] if "chat" in path else plain[0]["choices"][0])  # (per choice there)
 
 
 def test_completions_prompt_forms_echo_logprobs_n(server, client, tok):
