@@ -54,7 +54,7 @@ STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar")
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0  # nucleus mass kept, (0, 1]
+    top_p: float = 1.0  # nucleus mass kept, [0, 1] (0: the best token alone)
     top_k: int = TOP_K_ALL  # keep the k most likely; -1 = all
     min_p: float = 0.0  # drop tokens below min_p * p(max), [0, 1]
     repetition_penalty: float = 1.0  # HF/CTRL style: logits of seen tokens divided (>0) or multiplied (<0)
@@ -92,7 +92,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         constraints leave nothing to generate (with the model's `eos_token_ids`, which min_tokens masks)."""
         _check(math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0,
                "temperature", "temperature must be between 0 and 100")
-        _check(0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
+        _check(0.0 <= self.top_p <= 1.0, "top_p", "top_p must be in [0, 1]")  # 0: the best token alone (OpenAI takes 0)
         _check(self.top_k == TOP_K_ALL or 1 <= self.top_k <= INT64_MAX, "top_k",
                "top_k must be -1 or 0 (all) or between 1 and 2^63 - 1 (any value from the vocabulary size up keeps "
                "all)")

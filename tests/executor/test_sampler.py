@@ -111,6 +111,8 @@ def test_top_k_one_and_temperature_zero_are_argmax() -> None:
     assert sampler(logits, temp_0).token_ids == expected
     tiny_top_p = [_row(SamplingParams(temperature=1.0, top_p=1e-3), seed=i, step=i) for i in range(16)]
     assert sampler(logits, tiny_top_p).token_ids == expected  # the best token is always kept
+    zero_top_p = [_row(SamplingParams(temperature=1.0, top_p=0.0), seed=i, step=i) for i in range(16)]
+    assert sampler(logits, zero_top_p).token_ids == expected  # OpenAI takes 0 (it was a 400): the best alone
 
 
 def test_greedy_is_argmax_of_processed_logits() -> None:

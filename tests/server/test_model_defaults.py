@@ -104,7 +104,7 @@ def test_good_values_pass_and_top_k_zero_means_all() -> None:
 
 @pytest.mark.parametrize("name,value", [
     ("temperature", "hot"), ("temperature", True), ("temperature", -1), ("temperature", math.nan),
-    ("temperature", 10**400), ("top_p", 5), ("top_p", 0), ("top_p", [0.9]), ("top_k", 40.0), ("top_k", -3),
+    ("temperature", 10**400), ("top_p", 5), ("top_p", -0.1), ("top_p", [0.9]), ("top_k", 40.0), ("top_k", -3),
     ("top_k", "40"), ("min_p", 1.5), ("repetition_penalty", 0), ("repetition_penalty", math.inf),
     ("repetition_penalty", {"value": 1.1}),
 ])

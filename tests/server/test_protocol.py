@@ -119,7 +119,7 @@ OUT_OF_RANGE = [
     ("chat", "temperature", -0.1, "temperature"),
     ("chat", "temperature", 101.0, "temperature"),
     ("chat", "temperature", "hot", "temperature"),
-    ("completion", "top_p", 0.0, "top_p"),
+    ("completion", "top_p", -0.1, "top_p"),
     ("completion", "top_p", 1.01, "top_p"),
     ("chat", "top_k", -2, "top_k"),
     ("chat", "top_k", 10**23, "top_k"),  # past 64 bits: no engine message could carry it

@@ -469,7 +469,7 @@ def test_the_eos_that_ends_a_reply_has_no_logprob(server, tok):
         ({"messages": MSG, "stop_token_ids": [10**9]}, 400, "stop_token_ids", None),
         ({"messages": MSG, "stop_token_ids": ["a"]}, 400, None, None),
         ({"messages": MSG, "max_tokens": "many"}, 400, "max_tokens", None),
-        ({"messages": MSG, "top_p": 0}, 400, "top_p", None),
+        ({"messages": MSG, "top_p": -0.01}, 400, "top_p", None),
         ({"messages": MSG, "n": 0}, 400, "n", None),
         ({"messages": MSG, "logit_bias": {"abc": 1}}, 400, "logit_bias", None),
         ({"messages": [{"role": "wizard", "content": "x"}]}, 400, None, None),
