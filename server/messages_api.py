@@ -40,6 +40,7 @@ from scheduler.sampling_params import ParamError
 from server.protocol import (
     _FUNCTION_NAME,
     ChatCompletionRequest,
+    NoStructuredExtensions,
     _Body,
     _invalid,
     _Request,
@@ -186,7 +187,7 @@ class OutputConfig(_Request):
     effort: str | None = None  # accepted, ignored
 
 
-class MessagesRequest(_Body):
+class MessagesRequest(_Body, NoStructuredExtensions):
     model: str
     max_tokens: Annotated[StrictInt, Field(ge=1)]  # Anthropic's API asks for at least one token
     messages: list[MessageParam] = Field(min_length=1)
@@ -259,6 +260,7 @@ def _text(content: str | list[TextBlock] | None) -> str:
 def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
     """The chat completions request this Messages request is; ParamError naming the Messages field for
     what cannot be converted."""
+    req.refuse_extensions("/v1/messages", "output_config.format")
     messages: list[dict[str, Any]] = []
     if req.system:
         messages.append({"role": "system", "content": _text(req.system)})

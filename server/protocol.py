@@ -33,7 +33,7 @@ from pydantic_core import PydanticCustomError, from_json
 
 from scheduler.sampling_params import TOP_K_ALL, ParamError, SamplingParams
 from server.generation_defaults import GENERATION_FIELDS, with_defaults
-from server.structured import structured_output
+from server.structured import EXTENSION_FIELDS, structured_output
 
 SEND_JSON = "send one JSON object, UTF-8, with the header Content-Type: application/json"
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; a local server can afford more
@@ -77,6 +77,29 @@ class _Request(BaseModel):
     """Request objects ignore fields they do not know (clients send OpenAI fields we do not implement)."""
 
     model_config = ConfigDict(extra="ignore")
+
+
+class NoStructuredExtensions(_Request):
+    """The chat path's structured-output extension fields (vLLM's, SGLang's), on an API with its own way to
+    constrain the output: declared so that a request sending one is refused by name (`refuse_extensions`)
+    rather than served unconstrained, as an unknown field would be."""
+
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    json_schema: Any = None
+    grammar: Any = None
+
+    def refuse_extensions(self, api: str, native: str) -> None:
+        """ParamError naming the first extension field sent: `native` is this API's own way."""
+        field = next((f for f in EXTENSION_FIELDS if getattr(self, f) is not None), None)
+        if field is not None:
+            raise ParamError(field, f"{field} is not taken here (an extension of /v1/chat/completions and "
+                                    f"/v1/completions): {api} constrains its output with {native}")
 
 
 class _Body(_Request):

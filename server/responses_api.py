@@ -44,6 +44,7 @@ from server.protocol import (
     ChatCompletionRequest,
     ChatTokenLogprob,
     _invalid,
+    NoStructuredExtensions,
     _Body,
     _Request,
     _Response,
@@ -109,7 +110,7 @@ class ResponsesReasoning(_Request):
     generate_summary: str | None = None
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(_Body, NoStructuredExtensions):
     model_config = ConfigDict(allow_inf_nan=False)  # merged with _Request's
 
     model: str | None = None  # None: the served model
@@ -267,6 +268,7 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         if given:
             raise ParamError(field, f"{field} is not supported: this server is stateless and stores no responses; "
                              "send the whole conversation as input items instead")
+    req.refuse_extensions("/v1/responses", "text.format")
     messages: list[dict[str, Any]] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})

@@ -92,6 +92,13 @@ _SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames")  # one schem
 MAX_SCHEMA_DEPTH = 64
 
 
+# vLLM's and SGLang's structured-output fields of chat and completions requests, by the kind each asks for
+_EXTENSION_KINDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                    "guided_grammar": "grammar", "regex": "regex", "ebnf": "grammar", "json_schema": "json",
+                    "grammar": "grammar"}
+EXTENSION_FIELDS = ("structured_outputs", *_EXTENSION_KINDS)
+
+
 def structured_output(body: Any) -> StructuredOutput | None:
     """The request's constraint, or None; ParamError naming the field for a bad or unsupported one."""
     found: list[StructuredOutput] = []
@@ -108,9 +115,7 @@ def structured_output(body: Any) -> StructuredOutput | None:
             raise ParamError("structured_outputs", "structured_outputs needs exactly one of json, regex, choice, "
                              f"grammar, json_object; got {len(given)}")
         found.append(_vllm_style(given[0].rstrip("_"), getattr(so, given[0]), f"structured_outputs.{given[0].rstrip('_')}"))
-    for field, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                        ("guided_grammar", "grammar"), ("regex", "regex"), ("ebnf", "grammar"), ("json_schema", "json"),
-                        ("grammar", "grammar")):
+    for field, kind in _EXTENSION_KINDS.items():
         value = getattr(body, field, None)
         if value is not None:
             found.append(_vllm_style(kind, value, field))

@@ -244,6 +244,9 @@ USER = [{"role": "user", "content": "hi"}]
     ({"max_tokens": 4, "messages": USER, "stop_sequences": [str(i) for i in range(20)]}, 400, "'stop_sequences'"),
     ({"max_tokens": 4, "messages": USER, "output_format": {"type": "json_schema", "schema": {"type": "object"}},
       "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, 400, "both given"),
+    # the chat path's structured-output extensions: refused by name (they were ignored, the output free)
+    ({"max_tokens": 4, "messages": USER, "structured_outputs": {"regex": "a+"}}, 400, "output_config.format"),
+    ({"max_tokens": 4, "messages": USER, "guided_json": {"type": "object"}}, 400, "guided_json is not taken here"),
     # the middlewares' answers, before any route: in this API's shape too
     ({"max_tokens": 4, "messages": USER, "__key": "wrong"}, 401, "API key"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x" * 3_000_000}]}, 413, "larger than the limit"),
