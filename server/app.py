@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.messages_api import model_info, model_info_list
 from server.metrics import ErrorCountingMiddleware
 from server.protocol import SEND_JSON, ModelCard, ModelList, VersionResponse, describe_validation_error
 from server.serving import anthropic_error, register_routes
@@ -295,19 +296,28 @@ def build_app(state: ServerState, max_request_bytes: int | None = None, allowed_
 
     # While the model loads, /v1/models answers the generation routes' 503 (as llama-server does):
     # clients that probe readiness with it would otherwise send requests that fail for seconds.
+    # A client that sends `anthropic-version` (the Anthropic SDK always does) gets Anthropic's shapes
     @app.get("/v1/models")
-    async def list_models() -> JSONResponse:
+    async def list_models(raw: Request) -> Response:
+        anthropic = "anthropic-version" in raw.headers
         if state.engine is None:
-            return state.unavailable()
+            return anthropic_error(state.unavailable()) if anthropic else state.unavailable()
+        if anthropic:
+            return JSONResponse(model_info_list(state.model_name, state.created).model_dump())
         return JSONResponse(ModelList(data=[_model_card(state)]).model_dump())
 
     @app.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str) -> JSONResponse:
+    async def get_model(raw: Request, model_id: str) -> Response:
+        anthropic = "anthropic-version" in raw.headers
         if state.engine is None:
-            return state.unavailable()
-        if model_id != state.model_name:
-            return error_response(404, f"the model '{model_id}' does not exist", param="model", code="model_not_found")
-        return JSONResponse(_model_card(state).model_dump())
+            resp = state.unavailable()
+        elif model_id != state.model_name:
+            resp = error_response(404, f"the model '{model_id}' does not exist", param="model", code="model_not_found")
+        elif anthropic:
+            return JSONResponse(model_info(state.model_name, state.created).model_dump())
+        else:
+            return JSONResponse(_model_card(state).model_dump())
+        return anthropic_error(resp) if anthropic else resp
 
     register_routes(app, state)
     app.add_middleware(BodyLimitMiddleware, state=state, fixed=max_request_bytes)

@@ -30,6 +30,7 @@ chat completions request (same prompt tokens) and is parsed by the same reasonin
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 from typing import Annotated, Any, Literal
@@ -249,6 +250,31 @@ class CountTokensRequest(MessagesRequest):
 
 class TokenCount(_Response):
     input_tokens: int
+
+
+class ModelInfo(_Response):
+    """A model as Anthropic's `/v1/models` lists it (the Anthropic SDK's `models.list()` / `retrieve()`)."""
+
+    type: Literal["model"] = "model"
+    id: str
+    display_name: str
+    created_at: str  # RFC 3339
+
+
+class ModelInfoList(_Response):
+    data: list[ModelInfo]
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None
+
+
+def model_info(model_id: str, created: int) -> ModelInfo:
+    stamp = datetime.datetime.fromtimestamp(created, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return ModelInfo(id=model_id, display_name=model_id, created_at=stamp)
+
+
+def model_info_list(model_id: str, created: int) -> ModelInfoList:
+    return ModelInfoList(data=[model_info(model_id, created)], first_id=model_id, last_id=model_id)
 
 
 def _text(content: str | list[TextBlock] | None) -> str:

@@ -330,3 +330,20 @@ def test_thinking_blocks_are_the_turns_reasoning():
     chat = to_chat_request(MessagesRequest.model_validate(body))
     assert [(m.role, m.reasoning_content) for m in chat.messages] == [
         ("user", None), ("assistant", "Look it up."), ("user", None)]
+
+
+def test_the_anthropic_sdk_lists_and_retrieves_the_model(client, chat):
+    """A request with `anthropic-version` (the SDK always sends it) gets Anthropic's model shapes (the SDK read
+    OpenAI's list: type, display_name, created_at, has_more, first_id all None); OpenAI's clients keep theirs."""
+    import datetime
+
+    page = client.models.list()
+    (info,) = page.data
+    assert info.type == "model" and info.id == "m" and info.display_name == "m"
+    assert isinstance(info.created_at, datetime.datetime) and page.has_more is False and page.first_id == "m"
+    assert client.models.retrieve("m").id == "m"
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client.models.retrieve("nope")
+    assert e.value.body["error"]["type"] == "not_found_error"
+    (card,) = chat.models.list().data
+    assert card.id == "m" and card.object == "model" and card.owned_by == "mlaserve"
