@@ -262,7 +262,7 @@ def build_app(state: ServerState, max_request_bytes: int | None = None, allowed_
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 404:
-            resp = error_response(404, "no such route", code="not_found")
+            resp = error_response(404, _no_route(str(request.scope.get("path", ""))), code="not_found")
         elif exc.status_code == 405:
             resp = error_response(405, "method not allowed for this route", code="method_not_allowed")
         elif exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's words
@@ -331,6 +331,22 @@ def build_app(state: ServerState, max_request_bytes: int | None = None, allowed_
     app.add_middleware(ErrorCountingMiddleware, metrics=lambda: state.metrics)
     app.add_middleware(RequestLogMiddleware)  # outermost (added last)
     return app
+
+
+# OpenAI's endpoints this server does not offer, by path prefix: a client that calls one is told so
+_NOT_SERVED = {"/v1/embeddings": "embeddings", "/v1/images": "images", "/v1/audio": "audio",
+               "/v1/moderations": "moderations", "/v1/files": "files", "/v1/batches": "batches",
+               "/v1/fine_tuning": "fine-tuning", "/v1/assistants": "assistants", "/v1/threads": "threads",
+               "/v1/vector_stores": "vector stores", "/v1/realtime": "the realtime API", "/v1/uploads": "uploads",
+               "/v1/conversations": "conversations"}
+
+
+def _no_route(path: str) -> str:
+    for prefix, what in _NOT_SERVED.items():
+        if path == prefix or path.startswith(prefix + "/"):
+            return (f"{path}: this server generates text and does not offer {what} (it serves the chat completions, "
+                    "completions, Responses and Messages APIs)")
+    return f"no such route: {path}"
 
 
 def _model_card(state: ServerState) -> ModelCard:

@@ -77,7 +77,12 @@ def test_health_models_and_auth(server, client):
     wrong = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
     assert_error(wrong, 401, code="invalid_api_key")
     assert wrong.json()["error"]["type"] == "invalid_request_error"  # OpenAI's, for a wrong key
-    assert_error(httpx.get(server.url + "/v1/nothing-here", headers={"Authorization": f"Bearer {KEY}"}), 404)
+    err = assert_error(httpx.get(server.url + "/v1/nothing-here", headers={"Authorization": f"Bearer {KEY}"}), 404)
+    assert err["message"] == "no such route: /v1/nothing-here"
+    # an OpenAI endpoint this server does not offer says so (the SDK's embeddings call got "no such route")
+    with pytest.raises(openai.NotFoundError) as e:
+        client.embeddings.create(model=server_model_id(server), input="hi")
+    assert "does not offer embeddings" in e.value.body["message"], e.value.body
 
 
 def server_model_id(server) -> str:
