@@ -294,7 +294,8 @@ class ChatSerializer(Serializer):
         content = self.echo.content + content + parser.finish()[0]
         calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
                  for c in parser.tool_calls]
-        return ChatResponseMessage(content=content or (None if calls else ""), reasoning_content=reasoning,
+        forced = self.tools.structured is not None  # a forced call's reply has no content, even cut before it began
+        return ChatResponseMessage(content=content or (None if calls or forced else ""), reasoning_content=reasoning,
                                    tool_calls=calls or None), parser
 
     def finish_splits(self) -> None:

@@ -482,6 +482,16 @@ def test_chat_logprobs_join_to_the_content_not_the_call_markup(client):
         assert streamed_tokens == tokens
 
 
+def test_a_forced_call_cut_before_it_began_has_null_content(client):
+    """max_tokens 1 cuts a forced call before any of it is a call: content null whole and streamed (the whole
+    answer said "", the stream sent none)."""
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=1)
+    c = client.chat.completions.create(**kw).choices[0]
+    assert c.finish_reason == "length" and c.message.content is None and not c.message.tool_calls, c
+    s = streamed(client, **kw)[0]
+    assert s["finish"] == "length" and s["content"] is None and not s["calls"]
+
+
 def test_a_tool_round_trip_shows_the_model_its_own_calls(client, server):
     """The SDK's tool loop: the assistant message that called a tool (content None) goes back with the
     tool's result. The default model's template reads no `tool_calls` (it would render that turn empty,
