@@ -503,6 +503,7 @@ class ChatCompletionRequest(ChatInput, _GenerationRequest):
     # lack what was asked for)
     modalities: list[str] | None = None
     audio: Any = None
+    web_search_options: Any = None  # OpenAI's search models' web search: refused too (nothing is searched)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -524,6 +525,14 @@ class ChatCompletionRequest(ChatInput, _GenerationRequest):
     def _no_audio(cls, value: Any) -> Any:
         if value is not None:
             raise _invalid("audio output is not supported: this server answers in text only")
+        return value
+
+    @field_validator("web_search_options")
+    @classmethod
+    def _no_web_search(cls, value: Any) -> Any:
+        if value is not None:
+            raise _invalid("web search is not offered: this server reaches no network; give the model the text it "
+                           "needs in the messages")
         return value
 
 

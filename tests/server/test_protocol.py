@@ -116,6 +116,7 @@ OUT_OF_RANGE = [
     # (request kind, field, value, param the error must name)
     ("chat", "modalities", ["text", "audio"], "modalities"),  # text only: refused, not ignored
     ("chat", "audio", {"voice": "alloy", "format": "wav"}, "audio"),
+    ("chat", "web_search_options", {}, "web_search_options"),  # nothing is searched: refused, not ignored
     ("chat", "temperature", -0.1, "temperature"),
     ("chat", "temperature", 101.0, "temperature"),
     ("chat", "temperature", "hot", "temperature"),
