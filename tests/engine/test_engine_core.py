@@ -436,7 +436,7 @@ def test_refusals(model_dir):
     assert long[0].finish_reason == FINISH_ERROR and long[0].error_code == ERR_CONTEXT
     bad = core.add_request(GenerateRequest("bad", [10**9], SamplingParams()))
     assert bad[0].error_code == ERR_INVALID and "vocabulary" in bad[0].error and bad[0].error_param == "prompt"
-    badp = core.add_request(GenerateRequest("badp", [5], SamplingParams(top_p=0.0)))
+    badp = core.add_request(GenerateRequest("badp", [5], SamplingParams(top_p=1.5)))
     assert badp[0].error_code == ERR_INVALID and "top_p" in badp[0].error and badp[0].error_param == "top_p"
     empty = core.add_request(GenerateRequest("empty", [], SamplingParams()))
     assert empty[0].error_code == ERR_INVALID and empty[0].error_param == "prompt", empty
