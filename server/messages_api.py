@@ -291,12 +291,19 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
     if req.system:
         messages.append({"role": "system", "content": _text(req.system)})
     called: set[str] = set()
+    unanswered: list[str] = []  # the previous assistant message's tool_use ids: the next message answers each
     for i, m in enumerate(req.messages):
         blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         for k, b in enumerate(blocks):
             if b.type not in _BLOCKS[m.role]:
                 raise ParamError(f"messages.[{i}].content.[{k}]",
                                  f"a {m.role} message cannot hold a {b.type} block (messages[{i}].content[{k}])")
+        answered = {b.tool_use_id for b in blocks if isinstance(b, ToolResultBlock)}
+        if missing := [u for u in unanswered if u not in answered]:  # as Anthropic's API refuses it
+            raise ParamError(f"messages.[{i}]", f"tool_use ids were found without tool_result blocks immediately "
+                             f"after: {', '.join(missing)}; each tool_use block must have a tool_result block in the "
+                             f"next message (messages[{i}])")
+        unanswered = []
         texts = [b.text for b in blocks if isinstance(b, TextBlock)]
         if m.role == "user":
             for k, b in enumerate(blocks):
@@ -314,6 +321,7 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
                   "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
                  for b in blocks if isinstance(b, ToolUseBlock)]
         called.update(c["id"] for c in calls)
+        unanswered = [c["id"] for c in calls]
         thoughts = [b.thinking for b in blocks if isinstance(b, ThinkingBlock) and b.thinking]
         messages.append({"role": "assistant", "content": "\n".join(texts) if texts else None,
                          **({"tool_calls": calls} if calls else {}),

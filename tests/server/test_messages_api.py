@@ -244,6 +244,10 @@ USER = [{"role": "user", "content": "hi"}]
     ({"max_tokens": 4, "messages": USER, "stop_sequences": [str(i) for i in range(20)]}, 400, "'stop_sequences'"),
     ({"max_tokens": 4, "messages": USER, "output_format": {"type": "json_schema", "schema": {"type": "object"}},
       "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, 400, "both given"),
+    # a tool_use the next message does not answer with its tool_result, as Anthropic's API refuses it
+    ({"max_tokens": 4, "messages": [*USER, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]}, {"role": "user", "content": "and?"}]}, 400,
+     "without tool_result blocks immediately after: toolu_1"),
     # the chat path's structured-output extensions: refused by name (they were ignored, the output free)
     ({"max_tokens": 4, "messages": USER, "structured_outputs": {"regex": "a+"}}, 400, "output_config.format"),
     ({"max_tokens": 4, "messages": USER, "guided_json": {"type": "object"}}, 400, "guided_json is not taken here"),
