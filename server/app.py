@@ -49,10 +49,17 @@ BODY_BYTES_PER_CONTEXT_TOKEN = 16  # a token is ~4 bytes of text, more as JSON-e
 STATS_WAIT_S = 0.5  # /metrics waits this long for the engine's current stats, then takes its last ones
 
 
+def from_anthropic_client(scope: Scope) -> bool:
+    """A request on the Messages routes, or one with an `anthropic-version` header (the Anthropic SDK sends it
+    on every call, `models.list()` too): its answers take Anthropic's shapes."""
+    return (str(scope.get("path", "")).startswith("/v1/messages")
+            or any(name == b"anthropic-version" for name, _ in scope.get("headers", ())))
+
+
 def shaped(scope: Scope, resp: Response) -> Response:
-    """An error answer in the shape the route's clients read: Anthropic's on its Messages routes, OpenAI's
-    everywhere else."""
-    return anthropic_error(resp) if str(scope.get("path", "")).startswith("/v1/messages") else resp
+    """An error answer in the shape the request's client reads: Anthropic's (`from_anthropic_client`), else
+    OpenAI's."""
+    return anthropic_error(resp) if from_anthropic_client(scope) else resp
 
 
 def body_limit(fixed: int | None, context_length: int) -> int:
@@ -296,28 +303,25 @@ def build_app(state: ServerState, max_request_bytes: int | None = None, allowed_
 
     # While the model loads, /v1/models answers the generation routes' 503 (as llama-server does):
     # clients that probe readiness with it would otherwise send requests that fail for seconds.
-    # A client that sends `anthropic-version` (the Anthropic SDK always does) gets Anthropic's shapes
+    # An Anthropic client (`from_anthropic_client`) gets Anthropic's shapes
     @app.get("/v1/models")
     async def list_models(raw: Request) -> Response:
-        anthropic = "anthropic-version" in raw.headers
         if state.engine is None:
-            return anthropic_error(state.unavailable()) if anthropic else state.unavailable()
-        if anthropic:
+            return shaped(raw.scope, state.unavailable())
+        if from_anthropic_client(raw.scope):
             return JSONResponse(model_info_list(state.model_name, state.created).model_dump())
         return JSONResponse(ModelList(data=[_model_card(state)]).model_dump())
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(raw: Request, model_id: str) -> Response:
-        anthropic = "anthropic-version" in raw.headers
         if state.engine is None:
-            resp = state.unavailable()
-        elif model_id != state.model_name:
-            resp = error_response(404, f"the model '{model_id}' does not exist", param="model", code="model_not_found")
-        elif anthropic:
+            return shaped(raw.scope, state.unavailable())
+        if model_id != state.model_name:
+            return shaped(raw.scope, error_response(404, f"the model '{model_id}' does not exist", param="model",
+                                                    code="model_not_found"))
+        if from_anthropic_client(raw.scope):
             return JSONResponse(model_info(state.model_name, state.created).model_dump())
-        else:
-            return JSONResponse(_model_card(state).model_dump())
-        return anthropic_error(resp) if anthropic else resp
+        return JSONResponse(_model_card(state).model_dump())
 
     register_routes(app, state)
     app.add_middleware(BodyLimitMiddleware, state=state, fixed=max_request_bytes)

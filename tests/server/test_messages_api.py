@@ -349,5 +349,8 @@ def test_the_anthropic_sdk_lists_and_retrieves_the_model(client, chat):
     with pytest.raises(anthropic.NotFoundError) as e:
         client.models.retrieve("nope")
     assert e.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.NotFoundError) as e:  # any route's error, in the shape this client reads
+        client.get("/v1/nothing-here", cast_to=dict)
+    assert e.value.body["error"]["type"] == "not_found_error"
     (card,) = chat.models.list().data
     assert card.id == "m" and card.object == "model" and card.owned_by == "mlaserve"

@@ -294,7 +294,8 @@ BAD = [
     ({"input": "hi", "prompt": {"id": "pmpt_1"}}, 400, "prompt", "not supported"),
     # the chat path's structured-output extensions: refused by name (they were ignored, the output free)
     ({"input": "hi", "structured_outputs": {"regex": "a+"}}, 400, "structured_outputs", "text.format"),
-    ({"input": "hi", "response_format": {"type": "json_object"}, "regex": "a+"}, 400, "regex", "text.format"),
+    ({"input": "hi", "regex": "a+"}, 400, "regex", "text.format"),
+    ({"input": "hi", "response_format": {"type": "json_object"}}, 400, "response_format", "text.format"),
 ]
 
 
