@@ -166,9 +166,11 @@ MAX_LOOP_ITEMS = 1 << 20
 # filter: a loop whose body filters a long text (`s | list`) is slow on few iterations. Real templates
 # render in milliseconds.
 MAX_RENDER_SECONDS = 5.0
-# an integer a filter takes (`center`'s width, `slice`'s count, `tojson`'s indent): one operation with a
-# huge one allocates gigabytes or runs for minutes before any check could run; real templates pass tens
+# an integer a sizing filter takes (`center`'s width, `slice`'s count, `tojson`'s indent): one operation with
+# a huge one allocates gigabytes or runs for minutes before any check could run; real templates pass tens.
+# (Other filters take any integer: `default(131072)`, `format(200000)` are values, not sizes.)
 MAX_FILTER_INT = 1 << 16
+_SIZING_FILTERS = frozenset({"center", "indent", "wordwrap", "slice", "batch", "truncate", "tojson"})
 # the text `wordwrap` takes (Python's textwrap: ~1 s per million characters)
 MAX_WORDWRAP_CHARS = 1 << 20
 
@@ -205,12 +207,14 @@ def _check_time() -> None:
 
 
 def _bounded_filter(name: str, f: Any) -> Any:
-    """Filter `f` within the rendering's budget: its time checked, its integer arguments at most
-    MAX_FILTER_INT, `wordwrap`'s text and any text it returns bounded."""
+    """Filter `f` within the rendering's budget: its time checked, a sizing filter's integer arguments at
+    most MAX_FILTER_INT, `wordwrap`'s text and any text it returns bounded."""
+    sizing = name in _SIZING_FILTERS
+
     @wraps(f)  # (keeps Jinja's pass_context / pass_environment marks)
     def bounded(*args: Any, **kwargs: Any) -> Any:
         _check_time()
-        for a in (*args, *kwargs.values()):
+        for a in (*args, *kwargs.values()) if sizing else ():
             if isinstance(a, int) and not isinstance(a, bool) and abs(a) > MAX_FILTER_INT:
                 raise SecurityError(f"the template passes {a} to the filter '{name}', past the {MAX_FILTER_INT} "
                                     "a template needs")

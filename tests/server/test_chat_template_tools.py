@@ -333,6 +333,8 @@ def test_sandbox_bounds_leave_real_templates_alone():
     assert render_chat(ok, [{"role": "user", "content": "ab"}]) == "---1024abab"
     filters = "{{ messages[0].content | center(6) | trim | indent(2) }}{{ [3, 1] | sort | join(',') }}{{ [1,2] | slice(2) | list }}"
     assert render_chat(filters, [{"role": "user", "content": "ab"}]) == "ab1,3[[1], [2]]"
+    values = "{{ max_len | default(131072) }} {{ '%d' | format(200000) }} {{ 1000000 | string }}"  # values, not sizes
+    assert render_chat(values, [{"role": "user", "content": "ab"}]) == "131072 200000 1000000"
     loops = ("{% for m in messages %}{% for i in range(m.content | int) if i % 2 %}{% if loop.first or loop.last %}"
              "{{ loop.index }}/{{ loop.length }} {% endif %}{% else %}none{% endfor %}{% endfor %}")
     assert render_chat(loops, [{"role": "user", "content": "5"}, {"role": "user", "content": "0"}]) == "1/2 2/2 none"
