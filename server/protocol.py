@@ -97,7 +97,7 @@ class NoStructuredExtensions(_Request):
     def refuse_extensions(self, api: str, native: str, also: tuple[str, ...] = ()) -> None:
         """ParamError naming the first extension field sent (or of the fields `also` names): `native` is this
         API's own way."""
-        field = next((f for f in (*also, *EXTENSION_FIELDS) if getattr(self, f, None) is not None), None)
+        field = next((f for f in (*also, *EXTENSION_FIELDS) if getattr(self, f) is not None), None)
         if field is not None:
             raise ParamError(field, f"{field} is not taken here (it is a field of /v1/chat/completions): {api} "
                                     f"constrains its output with {native}")

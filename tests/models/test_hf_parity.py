@@ -30,8 +30,8 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def make_runner(path, dtype="float32", **kw) -> ModelRunner:
-    loaded = load_model(path, dtype=dtype, load_tokenizer=False, progress=False)
+def make_runner(path, dtype="float32", cpu_weights=None, **kw) -> ModelRunner:
+    loaded = load_model(path, dtype=dtype, load_tokenizer=False, progress=False, cpu_weights=cpu_weights)
     return ModelRunner(loaded.model, loaded.config, max_total_tokens=512, max_running_requests=8, **kw)
 
 
@@ -245,8 +245,7 @@ def test_config_variants_read_as_transformers_reads_them(tmp_path, variant):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
     for cpu_weights in (None, "float32"):  # the torch model and the native CPU forward
-        loaded = load_model(tmp_path, dtype="float32", load_tokenizer=False, progress=False, cpu_weights=cpu_weights)
-        runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=512, max_running_requests=8)
+        runner = make_runner(tmp_path, cpu_weights=cpu_weights)
         assert rel_err(prefill_logits(runner, ids), ref) <= 1e-4, (variant, cpu_weights)
 
 
@@ -283,9 +282,7 @@ def test_a_bf16_checkpoint_with_dtype_float32_computes_in_float32(tmp_path, name
     ids = prompt(60, hf.config.vocab_size, seed=8)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
-    loaded = load_model(tmp_path, dtype="float32", load_tokenizer=False, progress=False, cpu_weights="file")
-    runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=512, max_running_requests=8)
-    assert rel_err(prefill_logits(runner, ids), ref) <= 1e-4
+    assert rel_err(prefill_logits(make_runner(tmp_path, cpu_weights="file"), ids), ref) <= 1e-4
 
 
 def test_a_bf16_gguf_with_dtype_float32_computes_as_decoded_to_float32(tmp_path):
@@ -295,9 +292,5 @@ def test_a_bf16_gguf_with_dtype_float32_computes_as_decoded_to_float32(tmp_path)
 
     gguf = write_checkpoint(tmp_path, "tiny-deepseek-v2", seed=3, gguf=True, gguf_qtype="BF16") / "model.gguf"
     ids = prompt(50, 256, seed=9)
-    logits = {}
-    for mode in ("file", "float32"):
-        loaded = load_model(gguf, dtype="float32", load_tokenizer=False, progress=False, cpu_weights=mode)
-        runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=512, max_running_requests=8)
-        logits[mode] = prefill_logits(runner, ids)
+    logits = {mode: prefill_logits(make_runner(gguf, cpu_weights=mode), ids) for mode in ("file", "float32")}
     assert rel_err(logits["file"], logits["float32"]) <= 1e-5
