@@ -168,6 +168,10 @@ class EngineArgs:
                                    "running longer ends the engine, so that its requests fail with engine_error and "
                                    "/health reports it instead of hanging (a hung device, a deadlock); 0: no limit",
                                    check=non_negative, metavar="SECONDS")
+    grammar_compile_timeout: float = flag(30.0, "seconds one structured-output spec (JSON schema, regex, grammar) "
+                                          "may take to compile: a longer compile is stopped and its request refused "
+                                          "with a 400 (a few small specs take minutes); 0: no limit",
+                                          check=non_negative, metavar="SECONDS")
     rank_timeout: float = flag(15.0, "seconds a --tp rank or --dp-attention replica may show no sign of life (a "
                                "stopped process, a frozen host) before the engine reports it as crashed and its "
                                "requests fail; raise it where hosts pause for longer", check=positive,

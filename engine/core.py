@@ -240,7 +240,8 @@ class EngineCore:
             omnikv_mode=args.omnikv, omnikv_min_context=omnikv.min_context,
         )
         self._rng = random.Random(args.seed)
-        self.grammars = GrammarBackend(tok.tokenizer if tok else None, cfg.vocab_size, sorted(eos)) if tok else None
+        self.grammars = (GrammarBackend(tok.tokenizer, cfg.vocab_size, sorted(eos), timeout_s=args.grammar_compile_timeout)
+                         if tok else None)
         self._compiling: list[_Compiling] = []
         self._finished_total: dict[str, int] = {}
         self.kv_bytes_per_token = per_token
@@ -275,7 +276,10 @@ class EngineCore:
 
     def close(self, clean: bool = True) -> None:
         """Stops the other ranks (tensor parallelism): told to stop after a clean shutdown, else killed
-        (they may be waiting in a collective this rank will never join). Idempotent."""
+        (they may be waiting in a collective this rank will never join), and the grammar compiler
+        process. Idempotent."""
+        if self.grammars is not None:
+            self.grammars.shutdown()
         if self.ranks is not None:
             self.ranks.close(clean)
             self.ranks = None

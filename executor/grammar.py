@@ -1,28 +1,27 @@
 """Constrained decoding: a request's `StructuredOutput` compiled by xgrammar into a per-token mask.
 
-    StructuredOutput --GrammarBackend.submit (worker thread)--> Future[compiled grammar]
+    StructuredOutput --GrammarBackend.submit--> Future[compiled grammar]
+        (compiled in the grammar compiler process, `executor.grammar_compiler`, cached here)
         --GrammarBackend.grammar--> Grammar (one xgrammar matcher per completion)
     each step: Grammar.fill -> bitmask [B, ceil(V/32)] --apply_grammar_masks--> logits of disallowed ids = -inf
                Grammar.accept(sampled id) advances the matcher
 
 Why it is built this way:
 - xgrammar compiles a grammar against the tokenizer's whole vocabulary once (JSON Schema, regex and
-  EBNF alike); the per-token work is then a bitmask fill. Compiling can take from milliseconds to
-  seconds for a large schema (a pattern `^[a-z]{1,13000}$` took 9 s), so it runs on worker threads
-  (xgrammar releases the GIL) and the engine's step loop goes on serving the other requests meanwhile.
-  Several of them: with one, every constrained request (a cached schema's too) queued behind a slow
-  compile; now it holds one thread of `_COMPILE_WORKERS`.
-- One compiler per engine, i.e. per tokenizer: its cache keys on the spec, so "cached by
-  (schema, tokenizer)" holds without a key of our own. The tokenizer's view (`TokenizerInfo`) is built
-  lazily, on the first constrained request, so a server that never sees one pays nothing.
+  EBNF alike); the per-token work is then a bitmask fill. Compiling takes milliseconds for most specs
+  but can take minutes for a few small ones (a JSON Schema `pattern` `^[a-z]{1,26000}$`: 99 s), and
+  xgrammar cannot be interrupted. So compiles run in a child process, several at once (a slow one
+  holds up no other), while the engine's step loop goes on serving; a compile that outlives its time
+  limit (`--grammar-compile-timeout`) fails its request with a 400, and the process is killed and
+  replaced, the other compiles under way resent to the new one. The limit counts a spec's compiling
+  time across such restarts, so a slow spec cannot keep itself alive by having its neighbours killed.
+- The compiled grammars are cached here, keyed by the spec (one backend per engine, i.e. per tokenizer,
+  so "cached by (schema, tokenizer)" holds), up to `_CACHE_BYTES`; identical specs compiling at once
+  share one compile. The compiler process and the tokenizer's view (`TokenizerInfo`) are built on the
+  first constrained request, so a server that never sees one pays nothing.
 - The mask is applied to the fp32 logits before every other processor: the log-probabilities the
   client sees are those of the constrained distribution, and a masked token stays at -inf whatever
   bias, penalty or temperature comes after.
-- JSON is compiled without free whitespace (`any_whitespace=False`: one space after `:` and `,`), so
-  a small model cannot spend its tokens on an endless run of newlines inside a document.
-- A schema is compiled as it is (`strict_mode=False`): xgrammar's strict mode closes *every* object
-  to extra keys, which makes `patternProperties` or `minProperties` without `properties` impossible
-  to satisfy. Which objects to close is the server's choice (`server.structured`).
 - xgrammar ends a document only on one of the stop ids it was given (the model's EOS ids): EOS is
   allowed exactly where the grammar can end. The tokenizer's other special tokens (`<|im_start|>`, ...)
   are never allowed: xgrammar is told they are special, not text.
@@ -30,21 +29,31 @@ Why it is built this way:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import subprocess
+import sys
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Pipe, wait
 from typing import Any
 
 import numpy as np
 import torch
 
+from executor.grammar_compiler import decode, encode
+from executor.grammar_compiler import reason as _reason
+
 logger = logging.getLogger("mlaserve.grammar")
 
-_CACHE_BYTES = 256 << 20  # compiled grammars kept by the compiler's cache
+_CACHE_BYTES = 256 << 20  # compiled grammars kept
 _COMPILE_WORKERS = 8  # compiles at once: slow ones share the CPU instead of holding up the rest
+DEFAULT_COMPILE_TIMEOUT_S = 30.0
+_MAX_CRASHES = 2  # a spec under way when the compiler process died this often (by itself) is refused
 
 
 class GrammarError(ValueError):
@@ -90,77 +99,347 @@ class Grammar:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
-class GrammarBackend:
-    """Compiles specs for one tokenizer on worker threads and makes matchers from the results."""
+@dataclass(eq=False)
+class _Job:
+    """One spec being compiled, and every request waiting for it."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], threads: int | None = None) -> None:
+    id: int
+    kind: str
+    spec: str
+    waiters: list[tuple[Future, str]]  # (future, the request parameter the spec came from)
+    started: float | None = None  # when the current compiler process began it
+    spent: float = 0.0  # compiling time in processes killed or dead since
+    crashes: int = 0
+
+    def elapsed(self, now: float) -> float:
+        return self.spent + (now - self.started if self.started is not None else 0.0)
+
+    def fail(self, error: Exception | None, message: str = "") -> None:
+        """Fails every waiter: with `error`, or a GrammarError naming each one's parameter before `message`."""
+        for fut, param in self.waiters:
+            if not fut.done():
+                fut.set_exception(error if error is not None else GrammarError(param, f"{param}: {message}"))
+
+
+@dataclass
+class _CompilerProcess:
+    """A running `executor.grammar_compiler` and the engine's ends of its two pipes."""
+
+    proc: subprocess.Popen
+    to: Connection
+    frm: Connection
+    jobs: dict[int, _Job] = field(default_factory=dict)  # sent to it, not yet answered
+
+    @classmethod
+    def start(cls, info_json: str, threads: int) -> "_CompilerProcess":
+        to_r, to_w = os.pipe()
+        frm_r, frm_w = os.pipe()
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "executor.grammar_compiler", str(to_r), str(frm_w)],
+                                    pass_fds=(to_r, frm_w), stdin=subprocess.DEVNULL)
+        except BaseException:
+            for fd in (to_r, to_w, frm_r, frm_w):
+                os.close(fd)
+            raise
+        os.close(to_r)
+        os.close(frm_w)
+        self = cls(proc, Connection(to_w, readable=False), Connection(frm_r, writable=False))
+        try:
+            self.to.send_bytes(encode({"threads": threads, "workers": _COMPILE_WORKERS}, info_json.encode()))
+        except BaseException:  # it ended at once
+            self.stop()
+            raise
+        return self
+
+    def send(self, job: _Job) -> None:
+        self.jobs[job.id] = job
+        job.started = None
+        self.to.send_bytes(encode({"id": job.id, "kind": job.kind, "spec": job.spec}))
+
+    def stop(self) -> int | None:
+        """Kills it (a compile cannot be interrupted otherwise); its exit code (negative: a signal)."""
+        code = self.proc.poll()
+        if code is None:
+            self.proc.kill()
+        code = self.proc.wait()
+        for conn in (self.to, self.frm):
+            conn.close()
+        return code
+
+
+class GrammarBackend:
+    """Compiles specs for one tokenizer in a compiler process and makes matchers from the results.
+
+    One thread (`grammar-compiler`) owns the process: it starts it, sends the specs `submit` queues,
+    reads the answers, and enforces the time limit."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], threads: int | None = None,
+                 timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
         """`tokenizer`: a `tokenizers.Tokenizer`; `vocab_size`: the logits' width (may exceed the
-        tokenizer's vocabulary: those ids are never allowed); `stop_token_ids`: ids that end a document."""
+        tokenizer's vocabulary: those ids are never allowed); `stop_token_ids`: ids that end a document;
+        `timeout_s`: the longest one spec may compile (0: no limit)."""
         if tokenizer is None:
             raise ValueError("constrained decoding needs the model's tokenizer")
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._stop_ids = sorted({int(t) for t in stop_token_ids})
         self._threads = threads or max(1, (os.cpu_count() or 2) // 4)
-        self._compiler: Any = None
-        self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=_COMPILE_WORKERS, thread_name_prefix="grammar-compile")
+        self.timeout_s = timeout_s
+        self._info: Any = None  # xgrammar's TokenizerInfo, built on the first compile
+        self._unavailable: str | None = None  # why no spec can be compiled for this tokenizer
+        self._lock = threading.Lock()  # guards what follows; the compiler thread's own state is its own
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cache_bytes = 0
+        self._by_spec: dict[tuple[str, str], _Job] = {}  # compiling or queued
+        self._queued: list[_Job] = []
+        self._next_id = 0
+        self._stopped = False
+        self._wake_r, self._wake_w = Pipe(duplex=False)
+        self._thread: threading.Thread | None = None
+        self._proc: _CompilerProcess | None = None  # the compiler thread's
 
     def submit(self, kind: str, spec: str, param: str) -> Future:
-        """Compiles on a worker thread; the future's result is the compiled grammar, or it raises
-        GrammarError naming `param`."""
-        return self._pool.submit(self.compile, kind, spec, param)
+        """The compiled grammar of a spec, as a future: done at once when cached; else it raises
+        GrammarError naming `param` if the spec cannot be compiled (or compiles too long)."""
+        fut: Future = Future()
+        key = (kind, spec)
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the grammar backend is shut down")
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                fut.set_result(self._cache[key])
+                return fut
+            if self._unavailable is not None:
+                fut.set_exception(GrammarError(param, f"{param}: {self._unavailable}"))
+                return fut
+            job = self._by_spec.get(key)
+            if job is not None:
+                job.waiters.append((fut, param))
+                return fut
+            self._next_id += 1
+            job = self._by_spec[key] = _Job(self._next_id, kind, spec, [(fut, param)])
+            self._queued.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="grammar-compiler", daemon=True)
+                self._thread.start()
+        self._wake_w.send_bytes(b"")
+        return fut
 
     def compile(self, kind: str, spec: str, param: str) -> Any:
-        try:
-            compiler = self._get_compiler()
-        except Exception as e:  # a tokenizer xgrammar cannot read: no request can be constrained
-            logger.exception("the grammar engine could not be built for this tokenizer")
-            raise GrammarError(param, f"{param}: constrained decoding is not available for this model's tokenizer "
-                               f"({type(e).__name__}: {_reason(e)})") from None
-        try:
-            if kind == "json_schema":
-                return compiler.compile_json_schema(spec, any_whitespace=False, strict_mode=False)
-            if kind == "json_object":
-                return compiler.compile_json_schema(json.dumps({"type": "object"}), any_whitespace=False,
-                                                    strict_mode=False)
-            if kind == "regex":
-                return compiler.compile_regex(spec)
-            if kind == "grammar":
-                return compiler.compile_grammar(spec, root_rule_name="root")
-        except Exception as e:  # xgrammar raises RuntimeError/ValueError with its C++ location first
-            raise GrammarError(param, f"{param}: the {kind.replace('_', ' ')} cannot be compiled: {_reason(e)}") from None
-        raise GrammarError(param, f"{param}: unknown structured output kind {kind!r}")
+        """`submit`, waited for."""
+        return self.submit(kind, spec, param).result()
 
     def grammar(self, compiled: Any, after: Sequence[int] = ()) -> Grammar:
         import xgrammar as xgr
 
         return Grammar(xgr.GrammarMatcher(compiled), after)
 
+    @property
+    def compiler_pid(self) -> int | None:
+        """The compiler process's pid while one runs (for tests and diagnostics)."""
+        proc = self._proc
+        return proc.proc.pid if proc is not None and proc.proc.poll() is None else None
+
     def shutdown(self) -> None:
-        """Stops the worker (a compile under way finishes first): for a backend made outside the engine."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def _get_compiler(self) -> Any:
+        """Stops the compiler process and thread; specs still waiting fail."""
         with self._lock:
-            if self._compiler is None:
-                import xgrammar as xgr
-                from transformers import PreTrainedTokenizerFast
+            self._stopped = True
+        self._wake_w.send_bytes(b"")
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
 
-                hf = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer)
-                info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size, stop_token_ids=self._stop_ids)
-                # The tokenizer's special tokens as xgrammar's (an empty text): it never allows them. Read as
-                # text, `<|im_start|>` fitted inside a JSON string and an EOS's text matched a regex's `.+`
-                # as the first token, ending the document empty (tests/executor/test_grammar.py).
-                special = {i for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special}
-                if special:
-                    vocab = [b"" if i in special else text for i, text in enumerate(info.decoded_vocab)]
-                    info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size,
-                                             stop_token_ids=self._stop_ids, add_prefix_space=info.add_prefix_space)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self._threads, cache_enabled=True,
-                                                     cache_limit_bytes=_CACHE_BYTES)
-                logger.info("grammar engine ready: %s vocabulary of %d", info.vocab_type.name.lower(), info.vocab_size)
-            return self._compiler
+    # --- the compiler thread ---
+
+    def _run(self) -> None:
+        try:
+            while self._serve_once():
+                pass
+        except Exception as e:  # a bug here must not leave requests waiting for ever
+            logger.exception("the grammar compiler thread failed")
+            self._end(RuntimeError(f"the grammar compiler failed: {type(e).__name__}: {e}"))
+            return
+        self._end(RuntimeError("the grammar backend is shut down"))
+
+    def _serve_once(self) -> bool:
+        with self._lock:
+            if self._stopped:
+                return False
+            queued, self._queued = self._queued, []
+        if queued:
+            self._send(queued)
+        conns: list[Any] = [self._wake_r] + ([self._proc.frm] if self._proc is not None else [])
+        for conn in wait(conns, timeout=self._until_deadline()):
+            if conn is self._wake_r:
+                while self._wake_r.poll():
+                    self._wake_r.recv_bytes()
+            else:
+                self._read()
+        self._enforce_limit()
+        return True
+
+    def _send(self, jobs: list[_Job]) -> None:
+        if self._proc is None:
+            try:
+                self._proc = _CompilerProcess.start(self._tokenizer_info(), self._threads)
+            except Exception as e:
+                unavailable = self._unavailable
+                for job in jobs:
+                    self._finish(job, None, unavailable or "", None if unavailable else
+                                 RuntimeError(f"the grammar compiler process could not start: {type(e).__name__}: {e}"))
+                if not unavailable:
+                    logger.exception("the grammar compiler process could not start")
+                return
+        for job in jobs:
+            try:
+                self._proc.send(job)
+            except OSError:  # it died: _read sees its end and resends
+                pass
+
+    def _tokenizer_info(self) -> str:
+        """The tokenizer as xgrammar's TokenizerInfo, serialized for the compiler process."""
+        if self._info is None:
+            try:
+                self._info = self._build_tokenizer_info()
+            except Exception as e:  # a tokenizer xgrammar cannot read: no request can be constrained
+                logger.exception("the grammar engine could not be built for this tokenizer")
+                with self._lock:
+                    self._unavailable = ("constrained decoding is not available for this model's tokenizer "
+                                         f"({type(e).__name__}: {_reason(e)})")
+                raise
+        return self._info.serialize_json()
+
+    def _build_tokenizer_info(self) -> Any:
+        import xgrammar as xgr
+        from transformers import PreTrainedTokenizerFast
+
+        hf = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer)
+        info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size, stop_token_ids=self._stop_ids)
+        # The tokenizer's special tokens as xgrammar's (an empty text): it never allows them. Read as
+        # text, `<|im_start|>` fitted inside a JSON string and an EOS's text matched a regex's `.+`
+        # as the first token, ending the document empty (tests/executor/test_grammar.py).
+        special = {i for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special}
+        if special:
+            vocab = [b"" if i in special else text for i, text in enumerate(info.decoded_vocab)]
+            info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size,
+                                     stop_token_ids=self._stop_ids, add_prefix_space=info.add_prefix_space)
+        logger.info("grammar engine ready: %s vocabulary of %d", info.vocab_type.name.lower(), info.vocab_size)
+        return info
+
+    def _read(self) -> None:
+        """Every answer the compiler process has written; its end (EOF) when it died."""
+        proc = self._proc
+        assert proc is not None
+        try:
+            while proc.frm.poll():
+                header, payload = decode(proc.frm.recv_bytes())
+                if "start" in header:
+                    if (job := proc.jobs.get(header["start"])) is not None:
+                        job.started = time.monotonic()
+                elif "done" in header:
+                    if (job := proc.jobs.pop(header["done"], None)) is not None:
+                        self._done(job, payload)
+                elif (job := proc.jobs.pop(header["error"], None)) is not None:
+                    internal = header.get("internal")
+                    self._finish(job, None, f"the {_kind(job)} cannot be compiled: {header['message']}",
+                                 RuntimeError(f"the grammar compiler failed: {header['message']}") if internal else None)
+        except (EOFError, OSError):
+            self._restart(killed=[])
+
+    def _done(self, job: _Job, payload: bytes) -> None:
+        import xgrammar as xgr
+
+        try:
+            compiled = xgr.CompiledGrammar.deserialize_json(payload.decode(), self._info)
+        except Exception as e:
+            self._finish(job, None, "", RuntimeError(f"a compiled grammar could not be read: {type(e).__name__}: {e}"))
+            return
+        self._finish(job, compiled)
+
+    def _finish(self, job: _Job, compiled: Any, message: str = "", error: Exception | None = None) -> None:
+        """Ends a job: caches and hands out its grammar, or fails its waiters."""
+        key = (job.kind, job.spec)
+        with self._lock:
+            if self._by_spec.get(key) is job:
+                del self._by_spec[key]
+            if compiled is not None:
+                self._cache[key] = compiled
+                self._cache_bytes += compiled.memory_size_bytes
+                while self._cache_bytes > _CACHE_BYTES and len(self._cache) > 1:
+                    self._cache_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
+        if compiled is not None:
+            for fut, _ in job.waiters:
+                if not fut.done():
+                    fut.set_result(compiled)
+        else:
+            job.fail(error, message)
+
+    def _until_deadline(self) -> float | None:
+        """Seconds until the first compile under way reaches the time limit (None: no compile under way)."""
+        if self._proc is None or not self.timeout_s:
+            return None
+        now = time.monotonic()
+        left = [self.timeout_s - j.elapsed(now) for j in self._proc.jobs.values() if j.started is not None]
+        return max(0.0, min(left)) + 0.01 if left else None
+
+    def _enforce_limit(self) -> None:
+        if self._proc is None or not self.timeout_s:
+            return
+        now = time.monotonic()
+        late = [j for j in self._proc.jobs.values() if j.started is not None and j.elapsed(now) >= self.timeout_s]
+        if late:
+            self._restart(killed=late)
+
+    def _restart(self, killed: list[_Job]) -> None:
+        """Stops the compiler process (its `killed` jobs outlived the time limit; with none, it died by
+        itself), fails those jobs and resends the others to a new one."""
+        proc, self._proc = self._proc, None
+        assert proc is not None
+        code = proc.stop()
+        now = time.monotonic()
+        resend = []
+        for job in proc.jobs.values():
+            began, job.spent, job.started = job.started is not None, job.elapsed(now), None
+            if any(job is k for k in killed):
+                self._finish(job, None, f"the {_kind(job)} took longer than {self.timeout_s:g} s to compile (the "
+                             "server's --grammar-compile-timeout); simplify it: large bounded repetitions such as "
+                             "{1,10000} in a pattern or regex are slow to compile")
+                continue
+            if not killed:
+                job.crashes += 1
+                if job.crashes >= _MAX_CRASHES:
+                    how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+                    if began:  # it was compiling this spec when it died: the spec may be why (memory)
+                        self._finish(job, None, f"the {_kind(job)} cannot be compiled: the compiler process ended "
+                                     f"while compiling it ({how}; out of memory?)")
+                    else:
+                        self._finish(job, None, "", RuntimeError(f"the grammar compiler process ended ({how})"))
+                    continue
+            resend.append(job)
+        if killed:
+            logger.warning("a grammar compile outlived --grammar-compile-timeout (%g s): compiler process restarted",
+                           self.timeout_s)
+        else:
+            logger.error("the grammar compiler process ended (exit code %s); restarting it", code)
+        if resend:
+            self._send(resend)
+
+    def _end(self, error: Exception) -> None:
+        """The thread's last act: stops the process and fails every spec still waiting."""
+        if self._proc is not None:
+            self._proc.stop()
+            self._proc = None
+        with self._lock:
+            self._stopped = True
+            jobs = list(self._by_spec.values())
+            self._by_spec.clear()
+            self._queued.clear()
+        for job in jobs:
+            job.fail(error)
+
+
+def _kind(job: _Job) -> str:
+    return job.kind.replace("_", " ")
 
 
 def apply_grammar_masks(x: torch.Tensor, grammars: Sequence[Grammar | None]) -> None:
@@ -187,13 +466,3 @@ def apply_grammar_masks(x: torch.Tensor, grammars: Sequence[Grammar | None]) -> 
     xn = x.numpy()
     for j, i in enumerate(rows):
         np.copyto(xn[i], -np.inf, where=~allowed[j])
-
-
-def _reason(e: Exception) -> str:
-    """xgrammar's message without the `[time] /path/file.cc:123: ` prefix of its C++ errors."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if text.startswith("[") and ": " in text:
-        text = text.split(": ", 1)[1]
-        if ".cc:" in text.split(" ", 1)[0] and ": " in text:
-            text = text.split(": ", 1)[1]
-    return text

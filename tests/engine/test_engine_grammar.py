@@ -5,7 +5,9 @@ compiling end cleanly."""
 from __future__ import annotations
 
 import re
+import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 
@@ -27,35 +29,55 @@ def text_of(core, ids: list[int]) -> str:
     return core.grammars._tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def delayed(core, until: threading.Event, limit: float = 60.0):
+    """core.grammars.submit whose grammars arrive only once `until` is set (a slow compile), or fail
+    after `limit` s; returns the real one."""
+    real = core.grammars.submit
+
+    def submit(*a):
+        inner, outer = real(*a), Future()
+
+        def later() -> None:
+            if not until.wait(limit):  # the engine waited for this compile: the request ends in an error
+                outer.set_exception(RuntimeError(f"the grammar was held for {limit} s"))
+                return
+            try:
+                outer.set_result(inner.result())
+            except Exception as e:
+                outer.set_exception(e)
+
+        threading.Thread(target=later, daemon=True).start()
+        return outer
+
+    core.grammars.submit = submit
+    return real
+
+
 def test_slow_compile_does_not_stall_other_requests(core):
-    """A grammar that takes 1.5 s to compile: a plain request added with it runs to its end meanwhile."""
-    real = core.grammars.compile
-
-    def slow(*a):
-        time.sleep(1.5)
-        return real(*a)
-
-    core.grammars.compile = slow
+    """A grammar that compiles until the plain request added with it has run to its end (or 60 s): the
+    plain one ends first, then the constrained one follows its grammar."""
+    plain_done = threading.Event()
+    real = delayed(core, plain_done)
     try:
-        started = time.monotonic()
         constrained = SamplingParams(temperature=0.9, seed=4, max_tokens=40, structured=StructuredOutput("regex", REGEX, "regex"))
         assert core.add_request(GenerateRequest("slow", prompt(9, 1), constrained)) == []
         assert core.add_request(GenerateRequest("plain", prompt(7, 2), SamplingParams(temperature=0.0, ignore_eos=True,
                                                                                       max_tokens=24))) == []
-        plain_done = None
         outs: dict = {}
+        order = []
         while core.has_work():
             for o in core.step():
                 outs.setdefault((o.rid, o.index), []).append(o)
-                if o.rid == "plain" and o.finish_reason:
-                    plain_done = time.monotonic() - started
-        assert plain_done is not None and plain_done < 1.5, plain_done  # done while the grammar compiled
+                if o.finish_reason:
+                    order.append(o.rid)
+                    plain_done.set()
+        assert order == ["plain", "slow"]
         assert len(tokens(outs[("plain", 0)])) == 24
         final = outs[("slow", 0)][-1]
         assert final.finish_reason == "stop"
         assert re.fullmatch(REGEX, text_of(core, tokens(outs[("slow", 0)])))
     finally:
-        core.grammars.compile = real
+        core.grammars.submit = real
     assert_no_leak(core)
 
 
@@ -80,8 +102,7 @@ def test_a_grammar_that_does_not_compile_is_refused_naming_its_param(core):
 
 
 def test_abort_while_compiling(core):
-    real = core.grammars.compile
-    core.grammars.compile = lambda *a: (time.sleep(0.5), real(*a))[1]
+    real = delayed(core, threading.Event())
     try:
         p = SamplingParams(n=2, max_tokens=5, structured=StructuredOutput("regex", REGEX, "regex"))
         assert core.add_request(GenerateRequest("gone", prompt(5, 5), p)) == []
@@ -89,32 +110,43 @@ def test_abort_while_compiling(core):
         assert sorted((o.index, o.finish_reason) for o in outs) == [(0, FINISH_ABORT), (1, FINISH_ABORT)]
         assert not core.has_work()
     finally:
-        core.grammars.compile = real
+        core.grammars.submit = real
     assert_no_leak(core)
 
 
 def test_a_failing_grammar_engine_ends_only_its_request(core):
     """The grammar engine itself failing (a tokenizer it cannot read, or a crash while compiling) ends
     that request with an error; the engine and the other requests go on."""
-    real_compile, real_get = core.grammars.compile, core.grammars._get_compiler
+    import xgrammar as xgr
+
+    from executor.grammar import GrammarBackend
+
+    real = core.grammars
+    broken = GrammarBackend(real._tokenizer, real.vocab_size, real._stop_ids)
+    broken._build_tokenizer_info = lambda: (_ for _ in ()).throw(ValueError("no vocabulary"))
     p = SamplingParams(max_tokens=4, structured=StructuredOutput("regex", REGEX, "regex"))
     plain = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6)
     try:
-        core.grammars._get_compiler = lambda: (_ for _ in ()).throw(ValueError("no vocabulary"))
+        core.grammars = broken
         assert core.add_request(GenerateRequest("no-vocab", prompt(5, 6), p)) == []
         outs = run_to_end(core)
         (o,) = outs[("no-vocab", 0)]
         assert o.error_code == ERR_INVALID and o.error_param == "regex" and "not available" in o.error
-        core.grammars._get_compiler = real_get
-        core.grammars.compile = lambda *a: (_ for _ in ()).throw(RuntimeError("boom"))
-        assert core.add_request(GenerateRequest("crash", prompt(5, 7), p)) == []
+    finally:
+        core.grammars = real
+        broken.shutdown()
+    real_read = xgr.CompiledGrammar.deserialize_json
+    try:  # a compiled grammar the engine cannot read
+        xgr.CompiledGrammar.deserialize_json = staticmethod(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+        crash = SamplingParams(max_tokens=4, structured=StructuredOutput("regex", "[0-9]{3}x", "regex"))
+        assert core.add_request(GenerateRequest("crash", prompt(5, 7), crash)) == []
         assert core.add_request(GenerateRequest("fine", prompt(5, 8), plain)) == []
         outs = run_to_end(core)
         (o,) = outs[("crash", 0)]
         assert o.finish_reason == FINISH_ERROR and o.error_code == "engine_error" and "boom" in o.error
         assert len(tokens(outs[("fine", 0)])) == 6
     finally:
-        core.grammars.compile, core.grammars._get_compiler = real_compile, real_get
+        xgr.CompiledGrammar.deserialize_json = real_read
     assert_no_leak(core)
 
 

@@ -35,7 +35,9 @@ def backend():
     vocab = {c: i for i, c in enumerate(CHARS)} | {"</s>": STOP, "<|x|>": SPECIAL}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
     tok.add_special_tokens([AddedToken("</s>", special=True), AddedToken("<|x|>", special=True)])
-    return GrammarBackend(tok, len(vocab), [STOP])
+    b = GrammarBackend(tok, len(vocab), [STOP])
+    yield b
+    b.shutdown()
 
 
 def test_special_tokens_are_never_text_and_stop_only_ends_a_document(backend):
@@ -214,7 +216,9 @@ def ascii_backend():
     vocab = {c: i for i, c in enumerate(ASCII)} | {"</s>": len(ASCII)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
     tok.add_special_tokens([AddedToken("</s>", special=True)])
-    return GrammarBackend(tok, len(vocab), [len(ASCII)])
+    b = GrammarBackend(tok, len(vocab), [len(ASCII)])
+    yield b
+    b.shutdown()
 
 
 def ascii_accepts(backend: GrammarBackend, compiled, text: str) -> bool:
@@ -405,32 +409,96 @@ def test_compile_runs_off_the_calling_thread(backend):
     assert accepts(backend, fut.result(timeout=30), "abc")
 
 
-def test_slow_compiles_hold_up_no_other_request(backend):
-    """With one worker, every constrained request (a cached schema's too) waited for a slow compile (a
-    pattern `^[a-z]{1,13000}$` takes seconds): here all workers but one are held, and a cached and a new
-    spec still compile."""
+def slow_schema(bound: int) -> str:
+    """A small JSON Schema xgrammar takes long to compile: a pattern's bounded repetition costs about
+    the cube of its bound (here {1,13000} ~9 s, {1,26000} ~100 s on the 2-core development machine)."""
+    return json.dumps({"type": "string", "pattern": f"^[a-z]{{1,{bound}}}$"})
+
+
+@pytest.fixture
+def limited(backend):
+    b = GrammarBackend(backend._tokenizer, backend.vocab_size, [STOP], timeout_s=3)
+    yield b
+    b.shutdown()
+
+
+def wait_started(b: GrammarBackend, n: int, not_pid: int | None = None) -> int:
+    """Until a compiler process (not `not_pid`) has begun `n` compiles (as it says); its pid."""
+    for _ in range(1200):
+        proc = b._proc
+        if (proc is not None and proc.proc.pid != not_pid
+                and sum(j.started is not None for j in proc.jobs.values()) >= n):
+            return proc.proc.pid
+        threading.Event().wait(0.05)
+    raise AssertionError("the compiles did not start")
+
+
+def test_slow_compiles_hold_up_no_other_and_end_at_the_time_limit(limited):
+    """Specs that would compile for minutes: a cached and a new spec are served beside them, each slow
+    one is refused once it has compiled for the limit (3 s here), naming its parameter, and a new
+    compiler process serves what comes next (before, a compile ran to its end on an engine thread)."""
     import executor.grammar as grammar_mod
 
-    held = GrammarBackend(backend._tokenizer, backend.vocab_size, [STOP])
-    release, compile_ = threading.Event(), held.compile
-
-    def compile_held(kind: str, spec: str, param: str):
-        if spec == "slow":
-            release.wait(60)
-        return compile_(kind, spec, param)
-
-    held.compile = compile_held
-    try:
-        held.compile("regex", "[ab]+", "regex")  # cached from here on
-        slow = [held.submit("regex", "slow", "regex") for _ in range(grammar_mod._COMPILE_WORKERS - 1)]
-        assert accepts(held, held.submit("regex", "[ab]+", "regex").result(timeout=10), "ab")
-        assert accepts(held, held.submit("regex", "c{2}", "regex").result(timeout=10), "cc")
-        assert not any(f.done() for f in slow)
-    finally:
-        release.set()
-        held.shutdown()
+    limited.compile("regex", "[ab]+", "regex")  # cached from here on; the compiler process is up
+    first = limited.compiler_pid
+    slow = [limited.submit("json_schema", slow_schema(26000 + i), "response_format")
+            for i in range(grammar_mod._COMPILE_WORKERS - 1)]
+    assert accepts(limited, limited.submit("regex", "[ab]+", "regex").result(timeout=1), "ab")
+    assert accepts(limited, limited.submit("regex", "c{2}", "regex").result(timeout=60), "cc")
     for f in slow:
-        assert accepts(held, f.result(timeout=30), "slow")
+        with pytest.raises(GrammarError) as e:
+            f.result(timeout=120)
+        assert e.value.param == "response_format" and "took longer than 3 s to compile" in e.value.message
+    assert accepts(limited, limited.compile("regex", "d+", "regex"), "ddd")
+    assert limited.compiler_pid not in (None, first)
+
+
+def test_a_compile_under_way_when_another_is_stopped_is_finished_by_the_next_process(limited):
+    """The innocent compile is sent again and served; the time it spent counts, so a slow spec cannot
+    outlive the limit by having its neighbours stopped."""
+    slow = limited.submit("json_schema", slow_schema(26000), "response_format")
+    wait_started(limited, 1)
+    threading.Event().wait(2.5)
+    innocent = limited.submit("json_schema", slow_schema(3000), "response_format")  # ~1 s of compiling
+    late = limited.submit("json_schema", slow_schema(26001), "response_format")
+    with pytest.raises(GrammarError, match="took longer than 3 s"):
+        slow.result(timeout=120)
+    assert accepts(limited, innocent.result(timeout=120), '"abc"')
+    with pytest.raises(GrammarError, match="took longer than 3 s"):
+        late.result(timeout=120)
+
+
+def test_a_dead_compiler_process_is_replaced(backend):
+    """Killed from outside (the kernel's OOM killer, say) while compiling: its specs go to a new process;
+    a spec under way at two such deaths is refused as the likely cause, not retried for ever."""
+    import os
+    import signal
+
+    b = GrammarBackend(backend._tokenizer, backend.vocab_size, [STOP], timeout_s=0)
+    try:
+        doomed = b.submit("json_schema", slow_schema(26000), "response_format")
+        pid = wait_started(b, 1)
+        os.kill(pid, signal.SIGKILL)
+        fine = b.submit("regex", "[xy]+", "regex")
+        os.kill(wait_started(b, 1, not_pid=pid), signal.SIGKILL)
+        with pytest.raises(GrammarError) as e:
+            doomed.result(timeout=120)
+        assert e.value.param == "response_format" and "compiler process ended while compiling it (signal 9" in e.value.message
+        assert accepts(b, fine.result(timeout=120), "xyx")
+        assert accepts(b, b.compile("regex", "z+", "regex"), "zz")
+    finally:
+        b.shutdown()
+
+
+def test_identical_specs_share_one_compile_and_the_cache(backend):
+    spec = json.dumps({"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"]})
+    futures = [backend.submit("json_schema", spec, f"p{i}") for i in range(4)]
+    compiled = {id(f.result(timeout=60)) for f in futures}
+    assert len(compiled) == 1
+    assert id(backend.compile("json_schema", spec, "p")) in compiled
+    with pytest.raises(GrammarError) as e:  # a failure names each waiter's own parameter
+        [backend.submit("regex", "(open", p) for p in ("a", "b")][1].result(timeout=60)
+    assert e.value.param == "b"
 
 
 def test_sampler_only_picks_allowed_tokens_and_reports_masked_logprobs(backend):

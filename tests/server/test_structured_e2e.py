@@ -61,7 +61,7 @@ ASK = [{"role": "user", "content": "What is the weather and the time in Paris?"}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     srv = ServerProcess(MODEL, "--max-total-tokens", "65536", "--context-length", "2048",
-                        log=tmp_path_factory.mktemp("log") / "server.log")
+                        "--grammar-compile-timeout", "10", log=tmp_path_factory.mktemp("log") / "server.log")
     srv.wait_ready()
     yield srv
     assert srv.stop() == 0
@@ -433,6 +433,29 @@ def test_an_assistant_turn_with_neither_content_nor_calls_is_an_empty_reply(serv
     assert resp.status_code == 200, resp.text
     empty = post(server, {"messages": [*ASK, {"role": "assistant", "content": ""}, history[-1]], "max_tokens": 2})
     assert resp.json()["usage"]["prompt_tokens"] == empty.json()["usage"]["prompt_tokens"]
+
+
+def test_a_schema_that_compiles_too_long_is_a_400_and_the_rest_go_on(server, client):
+    """A pattern xgrammar compiles for ~100 s (`{1,26000}`): refused once it has compiled for the
+    server's --grammar-compile-timeout (10 s here), while a constrained and a plain request are served
+    beside it; before, it held a compile thread and a core for its whole compile."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    slow = {"type": "json_schema", "json_schema": {"name": "slow", "schema": {
+        "type": "object", "properties": {"id": {"type": "string", "pattern": "^[a-z]{1,26000}$"}}, "required": ["id"]}}}
+    with ThreadPoolExecutor(1) as pool:
+        refused = pool.submit(post, server, {"messages": ASK, "response_format": slow})
+        beside = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=24,
+                                                response_format={"type": "json_object"})
+        assert json.loads(beside.choices[0].message.content) is not None or beside.choices[0].finish_reason == "length"
+        assert client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4).choices[0].finish_reason == "length"
+        resp = refused.result()
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "response_format" and "took longer than 10 s to compile" in err["message"], err
+    r = post(server, {"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}})
+    assert r.status_code == 200, r.text
 
 
 def test_the_server_keeps_serving_after_refusals(client):
