@@ -37,7 +37,8 @@ from server.structured import EXTENSION_FIELDS, structured_output
 
 SEND_JSON = "send one JSON object, UTF-8, with the header Content-Type: application/json"
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; a local server can afford more
-MAX_COMPLETION_LOGPROBS = 5  # completions API `logprobs` (OpenAI's limit)
+# completions API `logprobs`: OpenAI's limit is 5; vLLM's 20, which harnesses written for it ask for
+MAX_COMPLETION_LOGPROBS = 20
 COMPLETIONS_MAX_TOKENS = 16  # the completions API's max_tokens when absent or null (OpenAI's default)
 UNLIKELY_LOGPROB = -9999.0  # what OpenAI sends for a logprob too small to represent
 
@@ -319,6 +320,19 @@ class _GenerationRequest(_Body):
             raise _invalid(f"{info.field_name} is not supported: {why}")
         return value
 
+    # OpenAI's legacy completions field (vLLM reads it on chat too): sample best_of completions, return the
+    # n most likely. Only best_of == n is served; anything else is refused rather than silently ignored
+    best_of: StrictInt | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n") or 1
+        if value is not None and value != n:
+            raise _invalid(f"best_of other than n is not supported (best_of={value}, n={n}); "
+                           "ask for n choices and pick by their logprobs")
+        return value
+
     @field_validator("truncate_prompt_tokens")
     @classmethod
     def _truncate_positive(cls, value: int | None) -> int | None:
@@ -544,27 +558,17 @@ class CompletionRequest(_GenerationRequest):
     prompt: Prompt
     max_tokens: StrictInt | None = COMPLETIONS_MAX_TOKENS  # 0: score the prompt only
     echo: StrictBool | None = False
-    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)  # this API's own limit
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     min_tokens: StrictInt | None = 0
-    # OpenAI's legacy fields this server does not implement: refused rather than ignored, since
-    # ignoring either would silently answer a different question
+    # OpenAI's legacy field this server does not implement: refused rather than ignored, since
+    # ignoring it would silently answer a different question
     suffix: str | None = None
-    best_of: StrictInt | None = None
 
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
         if value:
             raise _invalid("suffix (fill-in-the-middle insertion) is not supported; put the text in the prompt")
-        return value
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
-        n = info.data.get("n") or 1
-        if value is not None and value != n:
-            raise _invalid(f"best_of other than n is not supported (best_of={value}, n={n}); "
-                           "ask for n choices and pick by their logprobs")
         return value
 
     @field_validator("prompt", mode="before")

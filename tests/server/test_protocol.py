@@ -151,7 +151,7 @@ OUT_OF_RANGE = [
     ("chat", "logprobs", 3, "logprobs"),
     ("chat", "top_logprobs", 21, "top_logprobs"),
     ("chat", "top_logprobs", -1, "top_logprobs"),
-    ("completion", "logprobs", 6, "logprobs"),
+    ("completion", "logprobs", 21, "logprobs"),
     ("completion", "logprobs", True, "logprobs"),
     ("completion", "echo", "yes", "echo"),
     ("chat", "stream", "true", "stream"),
@@ -197,6 +197,10 @@ def test_cross_field_errors_name_the_field() -> None:
     param, message = _param_of_error(CompletionRequest, {**COMPLETION, "best_of": 3, "n": 2})
     assert param == "best_of" and "best_of=3, n=2" in message
     assert CompletionRequest.model_validate({**COMPLETION, "best_of": 2, "n": 2, "suffix": ""}).n == 2
+    for body in ({"best_of": 3}, {"best_of": 1, "n": 2}, {"best_of": 0}):  # chat ignored it (vLLM reads it there)
+        param, message = _param_of_error(ChatCompletionRequest, {**CHAT, **body})
+        assert param == "best_of" and "not supported" in message
+    assert ChatCompletionRequest.model_validate({**CHAT, "best_of": 2, "n": 2}).n == 2
     param, message = _param_of_error(ChatCompletionRequest, {**CHAT, "top_logprobs": 3})
     assert param == "top_logprobs" and "logprobs" in message
     _, message = _param_of_error(ChatCompletionRequest, {**CHAT, "messages": [

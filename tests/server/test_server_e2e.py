@@ -216,6 +216,13 @@ def test_completion_top_logprobs_list_the_chosen_token(server, client):
     assert any(len(top) == 2 for top in lp.top_logprobs)  # at temperature 2 some pick is not the likeliest
 
 
+def test_completion_logprobs_go_up_to_vllms_20(server, client):
+    """OpenAI stops at 5, vLLM at 20, and harnesses written for vLLM ask for 10 or 20 (a 400 before)."""
+    r = client.completions.create(model=server_model_id(server), prompt="The sea is", max_tokens=4, temperature=0,
+                                  logprobs=20)
+    assert all(len(top) == 20 for top in r.choices[0].logprobs.top_logprobs)  # greedy: the chosen one is among them
+
+
 def test_completion_logprobs_name_partial_characters_by_their_bytes(server, tok):
     """The legacy lists have no `bytes`: a token holding part of a character is OpenAI's `bytes:\\xe4`
     there, so that such tokens stay apart (as U+FFFD they shared one `top_logprobs` key, which held
