@@ -138,8 +138,9 @@ class ServerArgs:
                                "of its body; past them the connection is closed (a 408 when the headers did not "
                                "come), so stalled or slowloris clients cannot hold connections open",
                                check=positive, metavar="SECONDS")
-    write_timeout: float = flag(60.0, "seconds an answer may wait on a client that does not read it (the socket's "
-                                "buffer full); past them the connection is dropped and the request aborted",
+    write_timeout: float = flag(60.0, "seconds an answer may wait on a client that does not read it, counted once "
+                                "the buffers are full (the client's window, the kernel's send buffer, the server's "
+                                "64 KB); past them the connection is dropped and the request aborted",
                                 check=positive, metavar="SECONDS")
     shutdown_timeout: float = flag(30.0, "seconds running requests get to finish after SIGTERM/SIGINT before they "
                                    "are ended with an error", check=non_negative, metavar="SECONDS")

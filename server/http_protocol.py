@@ -25,6 +25,9 @@ The end of a client's input still ends the connection, as uvicorn has it: a clie
 (`shutdown(SHUT_WR)`) looks the same as one that closed, and closing is how a client that gave up
 stops its generation and frees its KV slots at once (nginx counts it as a client abort too).
 
+**Not HTTP.** What the parser refuses (a garbled request line, chunk size or header; a URL past its
+limit) gets a 400 in OpenAI's error shape, where uvicorn answers in text/plain.
+
 **HTTP/1.0.** uvicorn frames every answer of unknown length (a stream) as chunked, whatever the request's
 version; an HTTP/1.0 client does not know chunked framing (RFC 9112 §6.1: a server must not send it one)
 and would read the chunk sizes as part of the events. Such answers go to an HTTP/1.0 client as they
@@ -115,14 +118,25 @@ class ServerHttpProtocol(HttpToolsProtocol):
             self._arm()
             return
         if self._reading == HEAD:  # no handler runs for it: the client is told why
-            body = json.dumps({"error": {
-                "message": f"the request did not arrive within {self.read_timeout:g} s; send it whole, promptly",
-                "type": "invalid_request_error", "param": None, "code": "request_timeout"}}).encode()
-            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            self._write_error(b"408 Request Timeout", f"the request did not arrive within {self.read_timeout:g} s; "
+                              "send it whole, promptly", "request_timeout")
             if self.on_timeout is not None:
                 self.on_timeout()
         self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        """What the HTTP parser refuses (a bad request line, chunk size or header, a URL past its limit):
+        OpenAI's error shape, where uvicorn sends text/plain."""
+        self._write_error(b"400 Bad Request", "the request is not valid HTTP/1.1 (its request line, headers or "
+                          "chunked framing could not be parsed)", "invalid_http")
+        self.transport.close()
+
+    def _write_error(self, status: bytes, message: str, code: str) -> None:
+        """An error answer of our own, written before any handler has run; the connection closes after it."""
+        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                     "code": code}}).encode()
+        self.transport.write(b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (status, len(body), body))
 
     # the connection and the parser's events, in the order they come
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]

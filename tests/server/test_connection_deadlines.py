@@ -125,6 +125,26 @@ def assert_408(raw: bytes) -> None:
     assert err["code"] == "request_timeout" and err["type"] == "invalid_request_error" and "param" in err
 
 
+@pytest.mark.parametrize("raw", [
+    b"GARBAGE\r\n\r\n",
+    b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n",
+    b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",
+    b"GET /" + b"a" * (1 << 20) + b" HTTP/1.1\r\nhost: x\r\n\r\n",
+], ids=["request line", "chunk size", "length and chunked", "1 MB URL"])
+def test_what_is_not_http_gets_a_400_in_openais_shape(port: int, raw: bytes) -> None:
+    """The HTTP parser's refusals came as uvicorn's text/plain 'Invalid HTTP request received.'."""
+    with connect(port) as s:
+        try:
+            s.sendall(raw)
+        except (BrokenPipeError, ConnectionResetError):  # closed before the whole URL went out: answered already
+            pass
+        answer, _ = read_all(s)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower(), answer[:200]
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_http", err
+
+
 TIMEOUTS_SENT: list[float] = []  # the server's on_timeout calls (it counts each 408 in the error metrics)
 
 
