@@ -140,7 +140,10 @@ class Leader:
         try:
             broadcast_message(msg, self.group)
         except Exception as exc:  # a follower is gone: nothing more can run
-            self._error = f"a rank stopped answering ({type(exc).__name__}: {exc})"
+            # gloo's text (a build path, an address, a joke) is for the log; `failure()` reaches clients
+            logger.error("tensor parallelism: broadcasting to the ranks failed: %s: %s", type(exc).__name__, exc)
+            self._error = ("a rank stopped answering rank 0's broadcast (its process or its node ended, or the "
+                           "connection broke; each node's log says which)")
             raise RuntimeError(f"tensor parallelism: {self._error}") from None
 
     def _ping_loop(self) -> None:

@@ -429,8 +429,10 @@ def parallel_problem(model: str, ranks: int, *, heads_split: bool, ep: bool) -> 
                      (get("moe_intermediate_size", "expert_feed_forward_length"), "routed experts' intermediate size"))
     for size, what in sizes:
         if isinstance(size, int) and size % ranks:
-            return (f"the model's {what} ({size}) is not divisible by the {ranks} ranks it would be split over: "
-                    "choose a --tp (or --dp with --dp-attention) that divides it")
+            how = ("choose a --tp that divides it" + ("; --dp with --dp-attention keeps attention whole"
+                                                     if what.startswith("number of attention") else "")
+                   if heads_split else "choose a --dp that divides it")
+            return f"the model's {what} ({size}) is not divisible by the {ranks} ranks it would be split over: {how}"
     return None
 
 

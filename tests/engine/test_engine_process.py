@@ -795,3 +795,23 @@ def test_a_lost_peer_is_told_to_clients_by_the_ranks_account_not_gloo_text():
     assert cause(lost, [None, None, "rank 1 exited with code -9"]) == "rank 1 exited with code -9"
     short = cause(RuntimeError(GLOO_PEER_RESET), [])
     assert short.startswith("a peer rank is gone: its connection closed") and "gloo" not in short
+
+
+def test_a_broadcast_that_lost_a_rank_keeps_gloo_text_out_of_the_ranks_account(monkeypatch, caplog):
+    """Rank 0's broadcast failing is the ranks' account (`failure()`) that clients are told; it carried
+    gloo's text (seen when SIGTERM ended node 1 of a two-node --tp 2): now a short line, the text logged."""
+    import threading
+
+    import executor.distributed as distributed
+
+    def lost(msg, group):
+        raise RuntimeError(GLOO_PEER_RESET)
+
+    monkeypatch.setattr(distributed, "broadcast_message", lost)
+    leader = distributed.Leader.__new__(distributed.Leader)
+    leader._error, leader._lock, leader._stopped, leader.group = None, threading.Lock(), threading.Event(), None
+    with pytest.raises(RuntimeError) as e:
+        leader._send(distributed.Ping())
+    why = leader.failure()
+    assert why is not None and why.startswith("a rank stopped answering") and "gloo" not in why and "pair.cc" not in why
+    assert "gloo" not in str(e.value) and GLOO_PEER_RESET in caplog.text

@@ -507,8 +507,10 @@ def test_a_split_the_models_sizes_do_not_divide_is_named_before_anything_starts(
     llama.mkdir()
     (llama / "config.json").write_text(json.dumps({"num_attention_heads": 4, "intermediate_size": 128}))
     assert parallel_problem(str(llama), 2, heads_split=True, ep=False) is None
-    assert "number of attention heads (4)" in parallel_problem(str(llama), 3, heads_split=True, ep=False)
-    assert "intermediate size (128)" in parallel_problem(str(llama), 3, heads_split=False, ep=False)  # dp attention
+    heads = parallel_problem(str(llama), 3, heads_split=True, ep=False)
+    assert "number of attention heads (4)" in heads and "--dp-attention keeps attention whole" in heads
+    mlp = parallel_problem(str(llama), 3, heads_split=False, ep=False)  # dp attention: the MLPs are split
+    assert "intermediate size (128)" in mlp and "choose a --dp that divides it" in mlp and "--tp" not in mlp
     assert "has none (a dense model)" in parallel_problem(str(llama), 2, heads_split=True, ep=True)
     moe = tmp_path / "moe"
     moe.mkdir()
