@@ -222,6 +222,27 @@ class RequestLogMiddleware:
                        f"{client[0]}:{client[1]}" if client else "-", rid.decode())
 
 
+class DrainMiddleware:
+    """While the server drains (after SIGTERM), every answer says `Connection: close`: a pooled client
+    then reconnects, through its load balancer, to a server that is ready, instead of sending its retries
+    of a 503 down the same kept-alive connection to this one until it exits (Go's Shutdown and Envoy's
+    drain do the same)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def closing(msg: Message) -> None:
+            if msg["type"] == "http.response.start" and self.state.shutting_down:
+                msg = {**msg, "headers": [*msg.get("headers", []), (b"connection", b"close")]}
+            await send(msg)
+
+        await self.app(scope, receive, closing)
+
+
 class CrashMiddleware:
     """A bug in a route answers 500 (OpenAI's type `server_error`, code `internal_error`; logged with its
     traceback) and ends there.
@@ -333,6 +354,7 @@ def build_app(state: ServerState, max_request_bytes: int | None = None, allowed_
                            expose_headers=["Retry-After", "x-mlaserve-replica", "x-request-id"], max_age=600)
     # counts every error answer once, the 401s and 413s above included
     app.add_middleware(ErrorCountingMiddleware, metrics=lambda: state.metrics)
+    app.add_middleware(DrainMiddleware, state=state)
     app.add_middleware(RequestLogMiddleware)  # outermost (added last)
     return app
 

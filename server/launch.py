@@ -295,7 +295,9 @@ def serve(args: ServerArgs) -> int:
 
 def port_in_use(host: str, port: int) -> str | None:
     """Why (host, port) cannot be bound now, None if it can: each address as asyncio's create_server (which
-    uvicorn calls) binds it, with SO_REUSEADDR and IPV6_V6ONLY, skipping a family the machine lacks."""
+    uvicorn calls) binds it, with SO_REUSEADDR and IPV6_V6ONLY, skipping a family the machine lacks; as
+    there, no address at all is a failure (a --host that is not this machine's)."""
+    unavailable, bound = None, False
     for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                            flags=socket.AI_PASSIVE):
         try:
@@ -309,6 +311,9 @@ def port_in_use(host: str, port: int) -> str | None:
             try:
                 s.bind(addr)
             except OSError as e:
-                if e.errno != errno.EADDRNOTAVAIL:  # (asyncio skips that address: the family is not enabled)
+                if e.errno != errno.EADDRNOTAVAIL:
                     return e.strerror or str(e)
-    return None
+                unavailable = f"{e.strerror}: no interface of this machine has that address"
+                continue  # (asyncio skips it: that family is not enabled)
+            bound = True
+    return None if bound else unavailable

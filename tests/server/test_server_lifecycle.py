@@ -46,13 +46,20 @@ def test_sigterm_drains_in_flight_then_exits_0(model_dir, tmp_path):
     t = threading.Thread(target=stream_completion, args=(srv.url, 800, out, "a", started))
     t.start()
     assert started.wait(60)  # the stream is running
+    pooled = httpx.Client(base_url=srv.url, timeout=60)  # a client's kept-alive connection, opened before
+    assert "close" not in pooled.get("/v1/models").headers.get("connection", "")
     srv.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 10
     while httpx.get(srv.url + "/health").status_code != 503 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert httpx.get(srv.url + "/health").status_code == 503  # still listening, not admitting
-    refused = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    # every answer while draining closes its connection: a pooled client's retries of the 503 reconnect
+    # (to a ready server, behind a load balancer) instead of coming back here
+    refused = pooled.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+    assert refused.headers["connection"] == "close"
+    assert pooled.get("/metrics").headers["connection"] == "close"
+    pooled.close()
     t.join(300)
     assert out["a"][-1] == "data: [DONE]"  # the in-flight request finished in full
     assert srv.proc.wait(60) == 0, srv.log()
@@ -158,3 +165,16 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(model_dir):
     assert proc.returncode == 2, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("mlaserve serve: error: cannot listen on 127.0.0.1 port") and "--port" in line, proc.stderr
+
+
+def test_a_host_that_is_not_this_machines_is_one_line_before_the_model_loads(model_dir):
+    """An address of no interface here (TEST-NET-1): uvicorn's two lines and exit 3 after the model loaded."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "mlaserve", "serve", "--model", str(model_dir), "--host",
+                           "192.0.2.1", "--port", "8000"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert len(proc.stderr.strip().splitlines()) == 1 and line.startswith(
+        "mlaserve serve: error: cannot listen on 192.0.2.1 port 8000") and "no interface" in line, proc.stderr
