@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Pipe, wait
@@ -131,7 +131,9 @@ class _CompilerProcess:
     jobs: dict[int, _Job] = field(default_factory=dict)  # sent to it, not yet answered
 
     @classmethod
-    def start(cls, info_json: str, threads: int) -> "_CompilerProcess":
+    def start(cls, info_json: Callable[[], str], threads: int) -> "_CompilerProcess":
+        """Starts it, then builds the TokenizerInfo JSON it needs while it imports xgrammar (both take
+        seconds: the first constrained request waits for the longer, not the sum)."""
         to_r, to_w = os.pipe()
         frm_r, frm_w = os.pipe()
         try:
@@ -145,8 +147,8 @@ class _CompilerProcess:
         os.close(frm_w)
         self = cls(proc, Connection(to_w, readable=False), Connection(frm_r, writable=False))
         try:
-            self.to.send_bytes(encode({"threads": threads, "workers": _COMPILE_WORKERS}, info_json.encode()))
-        except BaseException:  # it ended at once
+            self.to.send_bytes(encode({"threads": threads, "workers": _COMPILE_WORKERS}, info_json().encode()))
+        except BaseException:  # no tokenizer info, or it ended at once
             self.stop()
             raise
         return self
@@ -281,7 +283,7 @@ class GrammarBackend:
     def _send(self, jobs: list[_Job]) -> None:
         if self._proc is None:
             try:
-                self._proc = _CompilerProcess.start(self._tokenizer_info(), self._threads)
+                self._proc = _CompilerProcess.start(self._tokenizer_info, self._threads)
             except Exception as e:
                 unavailable = self._unavailable
                 for job in jobs:

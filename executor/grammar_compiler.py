@@ -78,8 +78,9 @@ def decode(frame: bytes) -> tuple[dict[str, Any], bytes]:
 def main(fd_in: int, fd_out: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     inbox, outbox = Connection(fd_in, writable=False), Connection(fd_out, readable=False)
+    import xgrammar as xgr  # (seconds: the engine builds the tokenizer info meanwhile)
+
     hello, info_json = decode(inbox.recv_bytes())
-    import xgrammar as xgr
 
     info = xgr.TokenizerInfo.deserialize_json(info_json.decode())
     # no cache here: the engine keeps the compiled grammars (this process may be killed at any time)
