@@ -24,6 +24,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from models.loader.errors import CheckpointError
 
+# ggml's types (ggml.h) newer than the `gguf` package's list: named when a file holds one
+_NEWER_GGML_TYPES = {42: "Q2_0"}
+
 _MAGIC = b"GGUF"
 _SUPPORTED_VERSIONS = (2, 3)
 _MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -147,7 +150,10 @@ def parse_gguf(buf: mmap.mmap, path: Path) -> tuple[dict[str, Any], dict[str, Te
         try:
             qtype = GGMLQuantizationType(type_code)
         except ValueError:
-            raise CheckpointError(path, f"tensor '{name}': unknown ggml type {type_code}") from None
+            known = f"type {_NEWER_GGML_TYPES[type_code]} (ggml type {type_code})" if type_code in _NEWER_GGML_TYPES \
+                else f"unknown ggml type {type_code}"
+            raise CheckpointError(path, f"tensor '{name}': {known} is not supported; requantize the model "
+                                  "(llama.cpp's llama-quantize) to a type such as Q8_0 or Q4_K_M") from None
         block, type_size = GGML_QUANT_SIZES[qtype]
         if ne[0] % block:
             raise CheckpointError(

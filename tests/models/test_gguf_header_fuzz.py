@@ -82,3 +82,20 @@ def test_a_long_numeric_array_stays_an_array_of_its_bytes(tmp_path):
     meta, infos = parse_gguf(map_gguf(path), path)
     assert not infos and meta["x.small"] == [3, 1, 2]
     assert isinstance(meta["x.junk"], np.ndarray) and np.array_equal(meta["x.junk"], big)
+
+
+@pytest.mark.parametrize("code,named", [(42, "type Q2_0 (ggml type 42) is not supported"),
+                                        (77, "unknown ggml type 77 is not supported")])
+def test_a_tensor_type_newer_than_the_reader_is_named(tmp_path, code, named):
+    """llama-quantize writes Q2_0 (ggml type 42), which the gguf package does not list: the refusal was
+    'unknown ggml type 42' where every other type is named."""
+    import struct
+
+    name = b"blk.0.attn_k.weight"
+    body = struct.pack("<4sIQQ", b"GGUF", 3, 1, 0) + struct.pack("<Q", len(name)) + name \
+        + struct.pack("<IQQIQ", 2, 64, 4, code, 0)
+    path = tmp_path / "newer.gguf"
+    path.write_bytes(body + b"\0" * (-len(body) % 32) + b"\0" * 4096)
+    with pytest.raises(CheckpointError) as e:
+        parse_gguf(map_gguf(path), path)
+    assert "blk.0.attn_k.weight" in str(e.value) and named in str(e.value) and "requantize" in str(e.value)
