@@ -54,6 +54,9 @@ _CACHE_BYTES = 256 << 20  # compiled grammars kept
 _COMPILE_WORKERS = 8  # compiles at once: slow ones share the CPU instead of holding up the rest
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 _MAX_CRASHES = 2  # a spec under way when the compiler process died this often (by itself) is refused
+# with a time limit, how long past it a spec sent to the compiler process may wait to begin: it waits for
+# a free worker (a compile past the limit frees one), unless the process is stopped or frozen
+_START_GRACE_S = 60.0
 
 
 class GrammarError(ValueError):
@@ -107,7 +110,8 @@ class _Job:
     kind: str
     spec: str
     waiters: list[tuple[Future, str]]  # (future, the request parameter the spec came from)
-    started: float | None = None  # when the current compiler process began it
+    sent: float = 0.0  # when it was sent to the current compiler process
+    started: float | None = None  # when that process began it
     spent: float = 0.0  # compiling time in processes killed or dead since
     crashes: int = 0
 
@@ -155,7 +159,7 @@ class _CompilerProcess:
 
     def send(self, job: _Job) -> None:
         self.jobs[job.id] = job
-        job.started = None
+        job.sent, job.started = time.monotonic(), None
         self.to.send_bytes(encode({"id": job.id, "kind": job.kind, "spec": job.spec}))
 
     def stop(self) -> int | None:
@@ -377,20 +381,27 @@ class GrammarBackend:
             job.fail(error, message)
 
     def _until_deadline(self) -> float | None:
-        """Seconds until the first compile under way reaches the time limit (None: no compile under way)."""
-        if self._proc is None or not self.timeout_s:
+        """Seconds until the first compile under way reaches the time limit, or a spec sent has waited
+        too long to begin (None: nothing sent, or no limit)."""
+        if self._proc is None or not self.timeout_s or not self._proc.jobs:
             return None
         now = time.monotonic()
-        left = [self.timeout_s - j.elapsed(now) for j in self._proc.jobs.values() if j.started is not None]
-        return max(0.0, min(left)) + 0.01 if left else None
+        left = [self.timeout_s - j.elapsed(now) if j.started is not None else self.timeout_s + _START_GRACE_S - (now - j.sent)
+                for j in self._proc.jobs.values()]
+        return max(0.0, min(left)) + 0.01
 
     def _enforce_limit(self) -> None:
         if self._proc is None or not self.timeout_s:
             return
         now = time.monotonic()
-        late = [j for j in self._proc.jobs.values() if j.started is not None and j.elapsed(now) >= self.timeout_s]
+        jobs = self._proc.jobs.values()
+        late = [j for j in jobs if j.started is not None and j.elapsed(now) >= self.timeout_s]
         if late:
             self._restart(killed=late)
+        elif any(j.started is None and now - j.sent >= self.timeout_s + _START_GRACE_S for j in jobs):
+            logger.error("the grammar compiler process began no compile for %g s: it is stopped or frozen",
+                         self.timeout_s + _START_GRACE_S)
+            self._restart(killed=[])
 
     def _restart(self, killed: list[_Job]) -> None:
         """Stops the compiler process (its `killed` jobs outlived the time limit; with none, it died by

@@ -490,6 +490,26 @@ def test_a_dead_compiler_process_is_replaced(backend):
         b.shutdown()
 
 
+def test_a_frozen_compiler_process_is_replaced(backend, monkeypatch):
+    """Stopped (SIGSTOP) while idle: the next spec would wait for ever to begin. With a time limit, a spec
+    that has not begun by the limit plus a grace is taken as a frozen process, which is replaced."""
+    import os
+    import signal
+
+    import executor.grammar as grammar_mod
+
+    monkeypatch.setattr(grammar_mod, "_START_GRACE_S", 1.0)
+    b = GrammarBackend(backend._tokenizer, backend.vocab_size, [STOP], timeout_s=2)
+    try:
+        b.compile("regex", "a+", "regex")
+        frozen = b.compiler_pid
+        os.kill(frozen, signal.SIGSTOP)
+        assert accepts(b, b.submit("regex", "b+", "regex").result(timeout=120), "bb")
+        assert b.compiler_pid not in (None, frozen)
+    finally:
+        b.shutdown()
+
+
 def test_identical_specs_share_one_compile_and_the_cache(backend):
     spec = json.dumps({"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"]})
     futures = [backend.submit("json_schema", spec, f"p{i}") for i in range(4)]
