@@ -10,7 +10,8 @@ same text the same way. Kinds:
   block is all reasoning (the model was cut off while thinking).
 - `qwen3`: Qwen3 in thinking mode writes `<think>` itself: reasoning only when the output begins with
   it (after whitespace); otherwise, and with thinking switched off, all of it is the answer. An
-  unclosed block is reasoning.
+  unclosed block is reasoning, up to a `<tool_call>`: Qwen3 models open a call without closing the
+  block, and the call is the answer's (SGLang reads it so; read as reasoning, the call was lost).
 - `none`: everything is the answer.
 Whatever the kind, a rendered prompt that itself ends with `<think>` or `</think>` (DeepSeek-V3.1's
 template writes one or the other as its `thinking` variable says) decides where the output starts
@@ -24,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from server.tool_parsers import find_first, partial_len
+from server.tool_parsers import HERMES_OPEN, find_first, partial_len
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 REASONING_PARSERS = ("auto", "deepseek_r1", "qwen3", "none")
@@ -53,6 +54,9 @@ class ReasoningParser:
         self._strip = False  # drop the answer's leading whitespace (right after </think>)
         self.reasoning_text = ""  # all reasoning so far (for token accounting)
         self.opened_by_output = False  # the output's own <think> (after any whitespace) opened the block
+        # what ends the block: for qwen3 also a tool call opened inside it (`ended_by_call`)
+        self._ends = (THINK_CLOSE, HERMES_OPEN) if kind == "qwen3" else (THINK_CLOSE,)
+        self.ended_by_call = False
 
     @property
     def in_reasoning(self) -> bool:
@@ -107,15 +111,18 @@ class ReasoningParser:
                     self.state = "answer"
                 continue
             if self.state == "think":
-                i, _ = find_first(self._buf, (THINK_CLOSE,))
-                cut = i if i >= 0 else len(self._buf) - (0 if final else partial_len(self._buf, (THINK_CLOSE,)))
+                i, marker = find_first(self._buf, self._ends)
+                cut = i if i >= 0 else len(self._buf) - (0 if final else partial_len(self._buf, self._ends))
                 out.reasoning += self._buf[:cut]
                 self.reasoning_text += self._buf[:cut]
                 if i < 0:
                     self._buf = self._buf[cut:]
                     return out
-                self._buf = self._buf[i + len(THINK_CLOSE):]
-                self.state, self._strip = "answer", True
+                if marker == THINK_CLOSE:
+                    self._buf = self._buf[i + len(THINK_CLOSE):]
+                    self.state, self._strip = "answer", True
+                else:  # the call and what follows are the answer's
+                    self._buf, self.state, self.ended_by_call = self._buf[i:], "answer", True
                 continue
             text, self._buf = self._buf, ""
             if self._strip:
@@ -128,11 +135,12 @@ class ReasoningParser:
 class ReasoningTokens:
     """Counts one choice's tokens generated inside its reasoning, the tags included. Where `<think>` and
     `</think>` are one token each (DeepSeek-R1, Qwen3), by their ids, exactly, however the tokens arrive
-    grouped; otherwise by what each delta's text was: a delta that gave reasoning counts whole (one that
-    also closes the block counts its answer tokens too)."""
+    grouped (`call_id`, where given: `<tool_call>`'s, which ends qwen3's block uncounted); otherwise by
+    what each delta's text was: a delta that gave reasoning counts whole (one that also closes the block
+    counts its answer tokens too)."""
 
-    def __init__(self, tag_ids: tuple[int, int] | None, inside: bool) -> None:
-        self._tags, self._inside, self._closed, self.count = tag_ids, inside, False, 0
+    def __init__(self, tag_ids: tuple[int, int] | None, inside: bool, call_id: int | None = None) -> None:
+        self._tags, self._call, self._inside, self._closed, self.count = tag_ids, call_id, inside, False, 0
 
     def add(self, ids: list[int], was_reasoning: bool, split: Split, opens: bool = False) -> None:
         """A delta's ids; `was_reasoning`: the parser was inside the reasoning before its text, `split`: what
@@ -147,10 +155,18 @@ class ReasoningTokens:
                 return
             if opens and i == open_id:
                 self._inside, opens = True, False
+            if self._inside and i == self._call:
+                self._inside, self._closed = False, True
+                return
             if self._inside:
                 self.count += 1
                 if i == close_id:
                     self._inside, self._closed = False, True
+
+
+    def close(self) -> None:
+        """The block has ended without its closing tag: nothing more is counted."""
+        self._inside, self._closed = False, True
 
 
 def single_token_tags(encode: Callable[[str], list[int]]) -> tuple[int, int] | None:
@@ -159,14 +175,22 @@ def single_token_tags(encode: Callable[[str], list[int]]) -> tuple[int, int] | N
     return (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else None
 
 
+def single_token_call(encode: Callable[[str], list[int]]) -> int | None:
+    """The id of `<tool_call>` where the tokenizer (`encode`) makes it one token."""
+    ids = encode(HERMES_OPEN)
+    return ids[0] if len(ids) == 1 else None
+
+
 class ChoiceReasoning:
     """One choice's reasoning: its parser, started where the prompt leaves it, and its token count; fed
     each delta's text and ids."""
 
-    def __init__(self, kind: str, prompt: str, continued: str | None, tag_ids: tuple[int, int] | None) -> None:
+    def __init__(self, kind: str, prompt: str, continued: str | None, tag_ids: tuple[int, int] | None,
+                 call_id: int | None = None) -> None:
+        """`tag_ids` (`single_token_tags`) and `call_id` (`single_token_call`): what counts by id."""
         self.parser = ReasoningParser(kind)
         self.parser.after_prompt(prompt, continued)
-        self.tokens = ReasoningTokens(tag_ids, self.parser.in_reasoning)
+        self.tokens = ReasoningTokens(tag_ids, self.parser.in_reasoning, call_id if kind == "qwen3" else None)
 
     def feed(self, text: str, ids: list[int], final: bool) -> Split:
         was_reasoning, had_opened = self.parser.in_reasoning, self.parser.opened_by_output
@@ -175,6 +199,8 @@ class ChoiceReasoning:
             tail = self.parser.finish()
             out = Split(out.reasoning + tail.reasoning, out.content + tail.content)
         self.tokens.add(ids, was_reasoning, out, opens=self.parser.opened_by_output and not had_opened)
+        if self.parser.ended_by_call:  # (without `<tool_call>`'s id the count stops with this delta)
+            self.tokens.close()
         return out
 
 

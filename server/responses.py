@@ -49,7 +49,8 @@ from server.protocol import (
     sse_data,
 )
 from server import messages_api
-from server.reasoning import ChoiceReasoning, ReasoningParser, Split, parser_kind, single_token_tags
+from server.reasoning import (ChoiceReasoning, ReasoningParser, Split, parser_kind, single_token_call,
+                              single_token_tags)
 from server.responses_api import (
     IncompleteDetails,
     InputTokensDetails,
@@ -188,10 +189,12 @@ class ChatSerializer(Serializer):
         self.reasoners: dict[int, ChoiceReasoning] = {}
         self.split: dict[int, Split] = {}
         self.tag_ids = None  # <think>, </think> ids where each is one token (for the count), only when parsing
+        self.call_id = None  # and <tool_call>'s, which ends qwen3's block
         # streamed, per choice: logprobs of tokens none of whose text has gone out yet as answer text
         self.unplaced: dict[int, list[ShownLogprob]] = {}
         if tok is not None and self.reasoning_kind != "none":
             self.tag_ids = single_token_tags(lambda t: tok.encode(t, add_special_tokens=False))
+            self.call_id = single_token_call(lambda t: tok.encode(t, add_special_tokens=False))
         self.echo = self.echo_split()
 
     def echo_split(self) -> Split:
@@ -215,7 +218,7 @@ class ChatSerializer(Serializer):
         if reasoner is None:
             reasoner = self.reasoners[i] = ChoiceReasoning(
                 self.reasoning_kind, self.prompts[0][1] if self.prompts else "",
-                self.body.continued_text() if isinstance(self.body, ChatInput) else None, self.tag_ids)
+                self.body.continued_text() if isinstance(self.body, ChatInput) else None, self.tag_ids, self.call_id)
         return reasoner.feed(text, ids, final)
 
     def add(self, r: EngineRequest, index: int, text: str, ids: list[int], lps: list[ShownLogprob]) -> None:

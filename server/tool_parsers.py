@@ -157,16 +157,21 @@ _ENDS = (_CALL_END, _CALLS_END)
 _FENCE = "```"
 
 
+_FENCE_TAG = re.compile(r"[A-Za-z][\w+-]*")  # the fence's language tag: ```json
+
+
 def _deepseek_args(raw: str, done: bool) -> str:
     """The arguments in `raw`, the text from a call's name to its end marker (or so far, unless
-    `done`): without the ```json fence and the whitespace around it. While not `done`, a tail that
-    may still become the closing fence or an end marker is left out, so what is sent stands."""
+    `done`): without the ```json fence and the whitespace around it (the JSON may begin on the fence's
+    line), `{}` for none. While not `done`, a tail that may still become the fence's tag, the closing
+    fence or an end marker is left out, so what is sent stands."""
     text = raw.lstrip()
     if text.startswith(_FENCE):
-        line_end = text.find("\n")
-        if line_end < 0:
+        text = text[len(_FENCE):]
+        tag = _FENCE_TAG.match(text)
+        if tag is not None and tag.end() == len(text) and not done:  # the tag may go on
             return ""
-        text = text[line_end + 1:].lstrip()
+        text = text[tag.end() if tag else 0:].lstrip()
     elif not done and _FENCE.startswith(text):
         return ""
     if not done:
@@ -175,7 +180,8 @@ def _deepseek_args(raw: str, done: bool) -> str:
     ticks = len(text) - len(text.rstrip("`"))
     if ticks >= 3 or not done:
         text = text[: len(text) - min(ticks, 3)]
-    return text.rstrip()
+    text = text.rstrip()
+    return text if text or not done else "{}"  # OpenAI's arguments are always a JSON object's text
 
 
 class DeepSeekV3ToolParser(ToolParser):
@@ -311,10 +317,13 @@ def _as_call(text: str, members: dict[str, tuple[Any, int, int]], need_args: boo
     return name, text[args[1]:args[2]] if args else "{}"
 
 
+HERMES_OPEN = "<tool_call>"
+
+
 class HermesToolParser(ToolParser):
     """Hermes / Qwen2.5: each `<tool_call>` block is held until `</tool_call>`, then sent whole."""
 
-    _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+    _OPEN, _CLOSE = HERMES_OPEN, "</tool_call>"
 
     def __init__(self, new_id: Callable[[], str] = default_call_id) -> None:
         super().__init__(new_id)

@@ -24,6 +24,10 @@ CASES = [
     ("qwen3", QWEN3_NO_THINK, "", QWEN3_NO_THINK),
     ("qwen3", QWEN3_CUT_OFF, "\nHmm, a long proof. Suppose n is even, then n = 2k and", ""),
     ("qwen3", "  \n<think></think>Just the answer", "", "Just the answer"),
+    # a call opened inside the block ends it (Qwen3 opens calls without closing it): the call was reasoning
+    ("qwen3", '<think>I should look up the weather. <tool_call>\n{"name": "w", "arguments": {}}\n</tool_call>',
+     "I should look up the weather. ", '<tool_call>\n{"name": "w", "arguments": {}}\n</tool_call>'),
+    ("deepseek_r1", "thinking <tool_call> still thinking", "thinking <tool_call> still thinking", ""),
 ]
 
 
@@ -176,6 +180,24 @@ def test_reasoning_tokens_do_not_depend_on_how_the_tokens_arrive() -> None:
     # a <think> after text is the answer's, not a block
     ids = ds.encode("ok <think>no</think>", add_special_tokens=False)
     assert {_reasoning_tokens("qwen3", ds, "<|im_start|>assistant\n", ids, g) for g in (1, len(ids))} == {0}
+    # qwen3's block ended by a tool call, no </think>: the tokens before the call; this tokenizer spells
+    # `<tool_call>` in several tokens, so the count stops with the delta that completes it (it counted the
+    # call's tokens and all after it; now at most the delta's tokens past the tag)
+    think = ds.encode("<think>check the weather", add_special_tokens=False)
+    tag = ds.encode("<tool_call>", add_special_tokens=False)
+    ids = think + ds.encode('<tool_call>\n{"name": "w"}\n</tool_call>', add_special_tokens=False)
+    assert len(tag) > 1
+    for g in (1, 2, 3):
+        count = _reasoning_tokens("qwen3", ds, "<|im_start|>assistant\n", ids, g)
+        assert len(think) <= count <= len(think) + len(tag) + g - 1 < len(ids), (g, count)
+    # where `<tool_call>` is one token (Qwen's tokenizers), by its id: exact, however the ids are grouped
+    from server.reasoning import ReasoningTokens, Split as S
+
+    for groups in ([[5, 6, 7, 8, 9]], [[5], [6, 7], [8, 9]]):
+        counter = ReasoningTokens((1, 2), inside=True, call_id=7)
+        for part in groups:
+            counter.add(part, True, S("x", ""))
+        assert counter.count == 2, groups
     try:
         smol = load_tokenizer("smollm2-135m-instruct")
     except FileNotFoundError as e:

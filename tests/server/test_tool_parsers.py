@@ -74,6 +74,14 @@ CASES = [
     # an empty name: rejected up to where the name ended, whatever the chunking
     ("deepseek_v3", CALLS_B + CALL_B + "function" + SEP + "\n```json\n{}\n```" + CALL_E + v3("g", PARIS) + CALLS_E,
      CALLS_B + CALL_B + "function" + SEP + "\n```json\n{}\n```" + CALL_E, [("g", PARIS)]),
+    # the JSON on the fence's line (its first line was taken for the fence's and dropped: "" or a lost brace)
+    ("deepseek_v3", CALLS_B + CALL_B + "function" + SEP + 'get_weather\n```json ' + WEATHER + "\n```" + CALL_E + CALLS_E,
+     "", [("get_weather", WEATHER)]),
+    ("deepseek_v3", CALLS_B + CALL_B + "function" + SEP + "f\n```json" + PRETTY + "\n```" + CALL_E + CALLS_E, "",
+     [("f", PRETTY)]),
+    ("deepseek_v3", CALLS_B + CALL_B + "function" + SEP + "f\n```" + PARIS + "```" + CALL_E + CALLS_E, "",
+     [("f", PARIS)]),
+    ("deepseek_v3", CALLS_B + CALL_B + "function" + SEP + "f\n```json\n```" + CALL_E + CALLS_E, "", [("f", "{}")]),
     ("deepseek_v3", "The answer is 42.\nNo tools needed.", "The answer is 42.\nNo tools needed.", []),
     ("deepseek_v3", "If a < b then <｜User｜> is not <｜tool▁callx or <｜tool▁calls▁begi.  Ends with <",
      "If a < b then <｜User｜> is not <｜tool▁callx or <｜tool▁calls▁begi.  Ends with <", []),
@@ -86,6 +94,8 @@ CASES = [
     ("deepseek_v31", CALLS_B + v31("write_file", PRETTY) + CALLS_E, "", [("write_file", PRETTY)]),
     ("deepseek_v31", CALLS_B + v31("get_weather", WEATHER) + CALL_B + "search" + SEP + '{"q": ["a", ',
      "", [("get_weather", WEATHER), ("search", '{"q": ["a",')]),
+    ("deepseek_v31", CALLS_B + CALL_B + "get_time" + SEP + CALL_E + CALLS_E, "", [("get_time", "{}")]),  # was ""
+    ("deepseek_v31", CALLS_B + CALL_B + "f" + SEP + "```json " + PARIS + "\n```" + CALL_E + CALLS_E, "", [("f", PARIS)]),
     ("deepseek_v31", "Hmm " + CALLS_B + CALL_B + "get_wea", "Hmm " + CALLS_B + CALL_B + "get_wea", []),
     ("deepseek_v31", "Compare x<y and <｜tool▁sep. Plain.", "Compare x<y and <｜tool▁sep. Plain.", []),
     # --- Hermes / Qwen2.5 ---
