@@ -14,11 +14,12 @@ Formats (the markup of the models' own chat templates):
   deepseek_v31:
     <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>... <｜tool▁calls▁end｜>
   hermes (Qwen2.5, Hermes 2/3):  <tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call> ...
-  llama3_json (Llama 3.1/3.2):   [<|python_tag|>]{"name": NAME, "parameters": ARGS}[; {...}]*
+  llama3_json (Llama 3.1/3.2):   [TEXT <|python_tag|>]{"name": NAME, "parameters": ARGS}[; {...}]* [TEXT], or a JSON
+                                 array of such objects
 
 DeepSeek arguments stream as they are written, after a first delta carrying id and name. A Hermes
-block is held until `</tool_call>` and then sent whole. Llama output is held to the end, because
-one object that does not parse makes the whole output content. Markup that yields no call (a
+block is held until `</tool_call>` and then sent whole. Llama output that begins a JSON object or
+array is held to the end: its calls are known only once their JSON is whole. Markup that yields no call (a
 malformed block, a call cut off before its name was complete) is shown as content, raw.
 
 Feed the text detokenized WITH the markers: DeepSeek's and Qwen's are added (non-special) tokens
@@ -359,57 +360,98 @@ class HermesToolParser(ToolParser):
 _PYTHON_TAG = "<|python_tag|>"
 
 
-def _llama_calls(text: str) -> list[tuple[str, str]] | None:
-    """The calls in `{...}; {...}` (the whole of `text`), or None if it is anything else."""
+def _llama_calls(text: str) -> tuple[list[tuple[str, str]], str] | None:
+    """(the calls `text` begins with, the text after them) for `{...}; {...}` or a JSON array of call
+    objects, or None if it begins with no call. As vLLM and SGLang read Llama's output, text after the
+    calls does not undo them: it is content."""
+    if text.startswith("["):
+        return _llama_array(text)
     calls, pos = [], 0
+    while True:
+        try:
+            members, end = _scan_object(text, pos)
+        except ValueError:
+            break
+        call = _as_call(text, members, need_args=True)
+        if call is None:
+            break
+        calls.append(call)
+        pos = _JSON_WS.match(text, end).end()
+        if not text.startswith(";", pos):
+            break
+        pos += 1
+        after = _JSON_WS.match(text, pos).end()
+        if not text.startswith("{", after):
+            break
+        pos = after
+    return (calls, text[pos:].strip()) if calls else None
+
+
+def _llama_array(text: str) -> tuple[list[tuple[str, str]], str] | None:
+    """`[{call}, {call}]` and the text after it; None unless every item is a call."""
+    calls, pos = [], _JSON_WS.match(text, 1).end()
     try:
         while True:
-            members, pos = _scan_object(text, pos)
+            members, end = _scan_object(text, pos)
             call = _as_call(text, members, need_args=True)
             if call is None:
                 return None
             calls.append(call)
-            pos = _JSON_WS.match(text, pos).end()
-            if pos == len(text):
-                return calls
-            if not text.startswith(";", pos):
+            pos = _JSON_WS.match(text, end).end()
+            if text.startswith("]", pos):
+                return calls, text[pos + 1:].strip()
+            if not text.startswith(",", pos):
                 return None
-            pos += 1
+            pos = _JSON_WS.match(text, pos + 1).end()
     except ValueError:
         return None
 
 
 class Llama3JsonToolParser(ToolParser):
-    """Llama 3.1/3.2 JSON calls: output that starts with `{` (after `<|python_tag|>`) is held to the
-    end and is calls only if all of it parses; any other output is content, streamed as it comes."""
+    """Llama 3.1/3.2 JSON calls: output that starts with `{` or `[` (after `<|python_tag|>`, which may
+    also follow some text) is held to the end and read as calls, then content (`_llama_calls`); other
+    output is content, streamed as it comes."""
 
     def __init__(self, new_id: Callable[[], str] = default_call_id) -> None:
         super().__init__(new_id)
         self._mode = ""  # "" undecided | content | json
 
     def _step(self, final: bool) -> bool:
-        if self._mode == "content":
-            self._emit(self._buf)
-            self._buf = ""
-            return False
+        if self._mode == "content":  # streamed, up to a <|python_tag|> (then decided anew) or a tail that may begin one
+            i = self._buf.find(_PYTHON_TAG)
+            cut = i if i >= 0 else len(self._buf) - (0 if final else partial_len(self._buf, (_PYTHON_TAG,)))
+            self._emit(self._buf[:cut])
+            self._buf = self._buf[cut:]
+            if i < 0:
+                return False
+            self._mode = ""
+            return True
         head = self._buf.lstrip()
-        if head.startswith(_PYTHON_TAG):
+        tagged = head.startswith(_PYTHON_TAG)
+        if tagged:
             head = head[len(_PYTHON_TAG):].lstrip()
         elif not final and _PYTHON_TAG.startswith(head):
             return False
         if not self._mode:
             if not head and not final:
                 return False
-            self._mode = "json" if head.startswith("{") else "content"
+            if head.startswith(("{", "[")):
+                self._mode = "json"
+            else:  # content; a tag before it is content too (searched for again only after it)
+                at = self._buf.find(_PYTHON_TAG) + len(_PYTHON_TAG) if tagged else 0
+                self._emit(self._buf[:at])
+                self._buf, self._mode = self._buf[at:], "content"
             return True
         if not final:
             return False
-        calls = _llama_calls(head)
-        if calls is None:
+        read = _llama_calls(head)
+        if read is None:
             self._emit(self._buf)
-        for name, args in calls or ():
-            self._open_call(name)
-            self._add_args(args)
+        else:
+            for name, args in read[0]:
+                self._open_call(name)
+                self._add_args(args)
+            self._emit(read[1])
         self._buf, self._mode = "", "content"
         return False
 

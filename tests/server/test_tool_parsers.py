@@ -134,7 +134,17 @@ CASES = [
     ("llama3_json", '{"name": "get_weather", "parameters": {"location": "Pa', '{"name": "get_weather", '
      '"parameters": {"location": "Pa', []),
     ("llama3_json", '{"result": 5}', '{"result": 5}', []),
-    ("llama3_json", '{"name": "a", "parameters": {}}; then text', '{"name": "a", "parameters": {}}; then text', []),
+    # text after the calls, text before the tag, an array of calls: calls and content, as vLLM and SGLang
+    # read them (all of it was content)
+    ("llama3_json", '{"name": "a", "parameters": {}}; then text', "then text", [("a", "{}")]),
+    ("llama3_json", '{"name": "get_weather", "parameters": ' + WEATHER + "} Let me know!", "Let me know!",
+     [("get_weather", WEATHER)]),
+    ("llama3_json", "Sure! " + PYTHON_TAG + '{"name": "f", "parameters": ' + PARIS + "}", "Sure! ", [("f", PARIS)]),
+    ("llama3_json", '[{"name": "a", "parameters": {}}, {"name": "b", "parameters": ' + PRETTY + "}]", "",
+     [("a", "{}"), ("b", PRETTY)]),
+    ("llama3_json", "[1, 2, 3] are the numbers", "[1, 2, 3] are the numbers", []),
+    ("llama3_json", PYTHON_TAG + "hello " + PYTHON_TAG + "x", PYTHON_TAG + "hello " + PYTHON_TAG + "x", []),
+    ("llama3_json", '{"name": "a", "parameters": {}}; {"name": 5}', '{"name": 5}', [("a", "{}")]),
     ("llama3_json", "The weather is {sunny}.", "The weather is {sunny}.", []),
     ("llama3_json", "  Hello <|python", "  Hello <|python", []),
 ]
