@@ -395,7 +395,8 @@ class EngineCore:
     def stats(self, request_id: int = 0) -> EngineStats:
         s, c, o = self.scheduler, self.scheduler.counters, self.runner.omnikv_counters
         return EngineStats(
-            request_id=request_id, num_running=len(s.running), num_waiting=len(s.waiting),
+            request_id=request_id, num_running=len(s.running),
+            num_waiting=len(s.waiting) + sum(len(c.reqs) for c in self._compiling),  # (their grammars compile)
             kv_slots_used=s.kv_slots_used(), kv_slots_total=self.runner.allocator.num_slots,
             prefix_cache_slots=self.cache.evictable_size(),
             prefix_cache_hit_tokens_total=c.prefix_cache_hit_tokens,

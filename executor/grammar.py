@@ -13,8 +13,8 @@ Why it is built this way:
   xgrammar cannot be interrupted. So compiles run in a child process, several at once (a slow one
   holds up no other), while the engine's step loop goes on serving; a compile that outlives its time
   limit (`--grammar-compile-timeout`) fails its request with a 400, and the process is killed and
-  replaced, the other compiles under way resent to the new one. The limit counts a spec's compiling
-  time across such restarts, so a slow spec cannot keep itself alive by having its neighbours killed.
+  replaced, the other compiles under way resent to the new one (from their start: each such stop fails
+  the spec that outlived the limit, so no slow spec outlives it by its neighbours' stops).
 - The compiled grammars are cached here, keyed by the spec (one backend per engine, i.e. per tokenizer,
   so "cached by (schema, tokenizer)" holds), up to `_CACHE_BYTES`; identical specs compiling at once
   share one compile. The compiler process and the tokenizer's view (`TokenizerInfo`) are built on the
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -39,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, Pipe, wait
+from multiprocessing.connection import Connection, Pipe
 from typing import Any
 
 import numpy as np
@@ -55,8 +56,9 @@ _COMPILE_WORKERS = 8  # compiles at once: slow ones share the CPU instead of hol
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 _MAX_CRASHES = 2  # a spec under way when the compiler process died this often (by itself) is refused
 # with a time limit, how long past it a spec sent to the compiler process may wait to begin: it waits for
-# a free worker (a compile past the limit frees one), unless the process is stopped or frozen
-_START_GRACE_S = 60.0
+# the process's start and a free worker (a compile past the limit frees one), unless the process is
+# stopped or frozen
+_START_GRACE_S = 30.0
 
 
 class GrammarError(ValueError):
@@ -112,11 +114,12 @@ class _Job:
     waiters: list[tuple[Future, str]]  # (future, the request parameter the spec came from)
     sent: float = 0.0  # when it was sent to the current compiler process
     started: float | None = None  # when that process began it
-    spent: float = 0.0  # compiling time in processes killed or dead since
-    crashes: int = 0
+    crashes: int = 0  # compiler processes that died by themselves while it was under way there
 
-    def elapsed(self, now: float) -> float:
-        return self.spent + (now - self.started if self.started is not None else 0.0)
+    @property
+    def wanted(self) -> bool:
+        """Some request still waits for it (the others were aborted: their futures cancelled)."""
+        return any(not fut.done() for fut, _ in self.waiters)
 
     def fail(self, error: Exception | None, message: str = "") -> None:
         """Fails every waiter: with `error`, or a GrammarError naming each one's parameter before `message`."""
@@ -125,37 +128,48 @@ class _Job:
                 fut.set_exception(error if error is not None else GrammarError(param, f"{param}: {message}"))
 
 
-@dataclass
 class _CompilerProcess:
-    """A running `executor.grammar_compiler` and the engine's ends of its two pipes."""
+    """A running `executor.grammar_compiler`, the engine's ends of its two pipes, and a thread reading
+    its answers into `inbox` (so that a process stopped halfway through writing one holds up nothing)."""
 
-    proc: subprocess.Popen
-    to: Connection
-    frm: Connection
-    jobs: dict[int, _Job] = field(default_factory=dict)  # sent to it, not yet answered
-
-    @classmethod
-    def start(cls, info_json: Callable[[], str], threads: int) -> "_CompilerProcess":
+    def __init__(self, info_json: Callable[[], str], threads: int, inbox: "queue.SimpleQueue", wake: Connection) -> None:
         """Starts it, then builds the TokenizerInfo JSON it needs while it imports xgrammar (both take
         seconds: the first constrained request waits for the longer, not the sum)."""
+        self.jobs: dict[int, _Job] = {}  # sent to it, not yet answered
         to_r, to_w = os.pipe()
         frm_r, frm_w = os.pipe()
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "executor.grammar_compiler", str(to_r), str(frm_w)],
-                                    pass_fds=(to_r, frm_w), stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen([sys.executable, "-m", "executor.grammar_compiler", str(to_r), str(frm_w)],
+                                         pass_fds=(to_r, frm_w), stdin=subprocess.DEVNULL)
         except BaseException:
             for fd in (to_r, to_w, frm_r, frm_w):
                 os.close(fd)
             raise
         os.close(to_r)
         os.close(frm_w)
-        self = cls(proc, Connection(to_w, readable=False), Connection(frm_r, writable=False))
+        self.to, self._frm = Connection(to_w, readable=False), Connection(frm_r, writable=False)
+        threading.Thread(target=self._read, args=(inbox, wake), name="grammar-compiler-reader", daemon=True).start()
         try:
             self.to.send_bytes(encode({"threads": threads, "workers": _COMPILE_WORKERS}, info_json().encode()))
         except BaseException:  # no tokenizer info, or it ended at once
             self.stop()
             raise
-        return self
+
+    def _read(self, inbox: "queue.SimpleQueue", wake: Connection) -> None:
+        """(this process, header, payload) for each answer, then (this process, None, b"") at its end."""
+        while True:
+            try:
+                header, payload = decode(self._frm.recv_bytes())
+            except (EOFError, OSError):
+                header, payload = None, b""
+            inbox.put((self, header, payload))
+            try:
+                wake.send_bytes(b"")
+            except OSError:  # the backend is gone
+                return
+            if header is None:
+                self._frm.close()
+                return
 
     def send(self, job: _Job) -> None:
         self.jobs[job.id] = job
@@ -163,13 +177,12 @@ class _CompilerProcess:
         self.to.send_bytes(encode({"id": job.id, "kind": job.kind, "spec": job.spec}))
 
     def stop(self) -> int | None:
-        """Kills it (a compile cannot be interrupted otherwise); its exit code (negative: a signal)."""
-        code = self.proc.poll()
-        if code is None:
+        """Kills it (a compile cannot be interrupted otherwise); its exit code (negative: a signal). The
+        reader thread then sees its end."""
+        if self.proc.poll() is None:
             self.proc.kill()
         code = self.proc.wait()
-        for conn in (self.to, self.frm):
-            conn.close()
+        self.to.close()
         return code
 
 
@@ -177,7 +190,7 @@ class GrammarBackend:
     """Compiles specs for one tokenizer in a compiler process and makes matchers from the results.
 
     One thread (`grammar-compiler`) owns the process: it starts it, sends the specs `submit` queues,
-    reads the answers, and enforces the time limit."""
+    takes the answers its reader thread passes on, and enforces the time limit."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], threads: int | None = None,
                  timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
@@ -201,17 +214,20 @@ class GrammarBackend:
         self._next_id = 0
         self._stopped = False
         self._wake_r, self._wake_w = Pipe(duplex=False)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # the reader threads' answers
         self._thread: threading.Thread | None = None
         self._proc: _CompilerProcess | None = None  # the compiler thread's
 
     def submit(self, kind: str, spec: str, param: str) -> Future:
         """The compiled grammar of a spec, as a future: done at once when cached; else it raises
-        GrammarError naming `param` if the spec cannot be compiled (or compiles too long)."""
+        GrammarError naming `param` if the spec cannot be compiled (or compiles too long). Cancel the
+        future when its request is aborted: a spec no request waits for is not begun."""
         fut: Future = Future()
         key = (kind, spec)
         with self._lock:
             if self._stopped:
-                raise RuntimeError("the grammar backend is shut down")
+                fut.set_exception(RuntimeError("the grammar backend is shut down"))
+                return fut
             if key in self._cache:
                 self._cache.move_to_end(key)
                 fut.set_result(self._cache[key])
@@ -258,36 +274,47 @@ class GrammarBackend:
     # --- the compiler thread ---
 
     def _run(self) -> None:
-        try:
-            while self._serve_once():
-                pass
-        except Exception as e:  # a bug here must not leave requests waiting for ever
-            logger.exception("the grammar compiler thread failed")
-            self._end(RuntimeError(f"the grammar compiler failed: {type(e).__name__}: {e}"))
-            return
-        self._end(RuntimeError("the grammar backend is shut down"))
+        while True:
+            try:
+                if not self._serve_once():
+                    break
+            except Exception as e:  # a bug here must neither leave requests waiting nor end the backend
+                logger.exception("the grammar compiler thread failed; restarting the compiler process")
+                self._fail_all(RuntimeError(f"the grammar compiler failed: {type(e).__name__}: {e}"))
+        self._fail_all(RuntimeError("the grammar backend is shut down"))
 
     def _serve_once(self) -> bool:
         with self._lock:
             if self._stopped:
                 return False
             queued, self._queued = self._queued, []
+        queued = [j for j in queued if j.wanted or self._forget(j)]
         if queued:
             self._send(queued)
-        conns: list[Any] = [self._wake_r] + ([self._proc.frm] if self._proc is not None else [])
-        for conn in wait(conns, timeout=self._until_deadline()):
-            if conn is self._wake_r:
-                while self._wake_r.poll():
-                    self._wake_r.recv_bytes()
-            else:
-                self._read()
+        if self._wake_r.poll(self._until_deadline()):
+            while self._wake_r.poll():
+                self._wake_r.recv_bytes()
+        while True:
+            try:
+                proc, header, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if proc is self._proc:  # (a stopped process's last words are ignored)
+                self._answer(header, payload)
         self._enforce_limit()
         return True
+
+    def _forget(self, job: _Job) -> bool:
+        """Drops a job no request waits for any more (every one was aborted); False."""
+        with self._lock:
+            if self._by_spec.get((job.kind, job.spec)) is job:
+                del self._by_spec[(job.kind, job.spec)]
+        return False
 
     def _send(self, jobs: list[_Job]) -> None:
         if self._proc is None:
             try:
-                self._proc = _CompilerProcess.start(self._tokenizer_info, self._threads)
+                self._proc = _CompilerProcess(self._tokenizer_info, self._threads, self._inbox, self._wake_w)
             except Exception as e:
                 unavailable = self._unavailable
                 for job in jobs:
@@ -299,7 +326,7 @@ class GrammarBackend:
         for job in jobs:
             try:
                 self._proc.send(job)
-            except OSError:  # it died: _read sees its end and resends
+            except OSError:  # it died: its reader reports the end, and the job is resent
                 pass
 
     def _tokenizer_info(self) -> str:
@@ -332,25 +359,22 @@ class GrammarBackend:
         logger.info("grammar engine ready: %s vocabulary of %d", info.vocab_type.name.lower(), info.vocab_size)
         return info
 
-    def _read(self) -> None:
-        """Every answer the compiler process has written; its end (EOF) when it died."""
+    def _answer(self, header: dict[str, Any] | None, payload: bytes) -> None:
+        """One answer of the current compiler process; None: its end (it died)."""
         proc = self._proc
         assert proc is not None
-        try:
-            while proc.frm.poll():
-                header, payload = decode(proc.frm.recv_bytes())
-                if "start" in header:
-                    if (job := proc.jobs.get(header["start"])) is not None:
-                        job.started = time.monotonic()
-                elif "done" in header:
-                    if (job := proc.jobs.pop(header["done"], None)) is not None:
-                        self._done(job, payload)
-                elif (job := proc.jobs.pop(header["error"], None)) is not None:
-                    internal = header.get("internal")
-                    self._finish(job, None, f"the {_kind(job)} cannot be compiled: {header['message']}",
-                                 RuntimeError(f"the grammar compiler failed: {header['message']}") if internal else None)
-        except (EOFError, OSError):
+        if header is None:
             self._restart(killed=[])
+        elif "start" in header:
+            if (job := proc.jobs.get(header["start"])) is not None:
+                job.started = time.monotonic()
+        elif "done" in header:
+            if (job := proc.jobs.pop(header["done"], None)) is not None:
+                self._done(job, payload)
+        elif (job := proc.jobs.pop(header["error"], None)) is not None:
+            internal = header.get("internal")
+            self._finish(job, None, f"the {_kind(job)} cannot be compiled: {header['message']}",
+                         RuntimeError(f"the grammar compiler failed: {header['message']}") if internal else None)
 
     def _done(self, job: _Job, payload: bytes) -> None:
         import xgrammar as xgr
@@ -382,20 +406,20 @@ class GrammarBackend:
 
     def _until_deadline(self) -> float | None:
         """Seconds until the first compile under way reaches the time limit, or a spec sent has waited
-        too long to begin (None: nothing sent, or no limit)."""
+        too long to begin (None: nothing sent, or no limit). At most a minute: the loop looks again."""
         if self._proc is None or not self.timeout_s or not self._proc.jobs:
             return None
         now = time.monotonic()
-        left = [self.timeout_s - j.elapsed(now) if j.started is not None else self.timeout_s + _START_GRACE_S - (now - j.sent)
-                for j in self._proc.jobs.values()]
-        return max(0.0, min(left)) + 0.01
+        left = [self.timeout_s - (now - j.started) if j.started is not None
+                else self.timeout_s + _START_GRACE_S - (now - j.sent) for j in self._proc.jobs.values()]
+        return min(60.0, max(0.0, min(left)) + 0.01)
 
     def _enforce_limit(self) -> None:
         if self._proc is None or not self.timeout_s:
             return
         now = time.monotonic()
         jobs = self._proc.jobs.values()
-        late = [j for j in jobs if j.started is not None and j.elapsed(now) >= self.timeout_s]
+        late = [j for j in jobs if j.started is not None and now - j.started >= self.timeout_s]
         if late:
             self._restart(killed=late)
         elif any(j.started is None and now - j.sent >= self.timeout_s + _START_GRACE_S for j in jobs):
@@ -404,15 +428,15 @@ class GrammarBackend:
             self._restart(killed=[])
 
     def _restart(self, killed: list[_Job]) -> None:
-        """Stops the compiler process (its `killed` jobs outlived the time limit; with none, it died by
-        itself), fails those jobs and resends the others to a new one."""
+        """Stops the compiler process (its `killed` jobs outlived the time limit; with none, it died or
+        froze by itself), fails those jobs and resends the others to a new one, from the start (each
+        stop fails a job that outlived the limit, so a slow spec cannot outlive it by the others')."""
         proc, self._proc = self._proc, None
         assert proc is not None
         code = proc.stop()
-        now = time.monotonic()
         resend = []
         for job in proc.jobs.values():
-            began, job.spent, job.started = job.started is not None, job.elapsed(now), None
+            began = job.started is not None
             if any(job is k for k in killed):
                 self._finish(job, None, f"the {_kind(job)} took longer than {self.timeout_s:g} s to compile (the "
                              "server's --grammar-compile-timeout); simplify it: large bounded repetitions such as "
@@ -424,11 +448,14 @@ class GrammarBackend:
                     how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
                     if began:  # it was compiling this spec when it died: the spec may be why (memory)
                         self._finish(job, None, f"the {_kind(job)} cannot be compiled: the compiler process ended "
-                                     f"while compiling it ({how}; out of memory?)")
+                                     f"twice while compiling it (the last time: {how}; out of memory?)")
                     else:
                         self._finish(job, None, "", RuntimeError(f"the grammar compiler process ended ({how})"))
                     continue
-            resend.append(job)
+            if job.wanted:
+                resend.append(job)
+            else:
+                self._forget(job)
         if killed:
             logger.warning("a grammar compile outlived --grammar-compile-timeout (%g s): compiler process restarted",
                            self.timeout_s)
@@ -437,13 +464,12 @@ class GrammarBackend:
         if resend:
             self._send(resend)
 
-    def _end(self, error: Exception) -> None:
-        """The thread's last act: stops the process and fails every spec still waiting."""
+    def _fail_all(self, error: Exception) -> None:
+        """Stops the process and fails every spec still waiting (the thread's end, or a bug in it)."""
         if self._proc is not None:
             self._proc.stop()
             self._proc = None
         with self._lock:
-            self._stopped = True
             jobs = list(self._by_spec.values())
             self._by_spec.clear()
             self._queued.clear()

@@ -14,8 +14,9 @@ when a compile outlives its time limit, fails that request, and sends the other 
 fresh one. A spec that blows up memory kills this process only.
 
 Each message is one `multiprocessing.connection` frame: a JSON header line, then the payload bytes. The
-process ignores SIGINT (a Ctrl-C to the server's process group is the engine's to handle) and exits when
-the engine's end of its input pipe closes, the engine having ended or killed it.
+process ignores SIGINT (a Ctrl-C to the server's process group is the engine's to handle), and exits when
+the engine's end of its input pipe closes (the engine ended or stopped it), when the engine's thread that
+started it ends (Linux), or on SIGTERM.
 """
 
 from __future__ import annotations
@@ -75,8 +76,22 @@ def decode(frame: bytes) -> tuple[dict[str, Any], bytes]:
     return json.loads(head), payload
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL when the engine's thread that started this process ends (its EOF would not reach a
+    stopped process)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def main(fd_in: int, fd_out: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGTERM, signal.SIGQUIT):  # the engine ignores them, and passed that on
+        signal.signal(sig, signal.SIG_DFL)
+    _die_with_parent()
     inbox, outbox = Connection(fd_in, writable=False), Connection(fd_out, readable=False)
     import xgrammar as xgr  # (seconds: the engine builds the tokenizer info meanwhile)
 

@@ -5,7 +5,7 @@ Exported (names are what dashboards and `promtool check metrics` see):
 
   from the engine's stats (`update_engine`, called by the server before each scrape)
     mlaserve_num_requests_running            gauge    completions holding KV and being generated
-    mlaserve_num_requests_waiting            gauge    completions queued for admission
+    mlaserve_num_requests_waiting            gauge    completions queued for admission (or for their grammar)
     mlaserve_kv_cache_usage_ratio            gauge    used KV slots / all KV slots, 0..1
     mlaserve_prefix_cache_tokens             gauge    KV slots the prefix cache holds for reuse alone (evicted
                                                       when the running requests need them; not in the ratio above)
@@ -328,7 +328,8 @@ class Metrics(Collector):
 
     def _families(self, m: str) -> Iterable[Metric]:
         yield _gauge("mlaserve_num_requests_running", "Completions being generated (holding KV).", m, self._running)
-        yield _gauge("mlaserve_num_requests_waiting", "Completions waiting to be admitted.", m, self._waiting)
+        yield _gauge("mlaserve_num_requests_waiting", "Completions waiting to be admitted (or for their grammar to "
+                     "compile).", m, self._waiting)
         yield _gauge("mlaserve_kv_cache_usage_ratio", "Fraction of KV cache slots in use (0..1).", m, self._kv_usage)
         yield _gauge("mlaserve_prefix_cache_tokens", "KV slots held by the prefix cache alone, for reuse (evicted when "
                      "running requests need them).", m, self._prefix_cache_tokens)

@@ -106,6 +106,7 @@ def test_abort_while_compiling(core):
     try:
         p = SamplingParams(n=2, max_tokens=5, structured=StructuredOutput("regex", REGEX, "regex"))
         assert core.add_request(GenerateRequest("gone", prompt(5, 5), p)) == []
+        assert core.stats().num_waiting == 2  # waiting for their grammar: /metrics showed none
         outs = core.abort("gone")
         assert sorted((o.index, o.finish_reason) for o in outs) == [(0, FINISH_ABORT), (1, FINISH_ABORT)]
         assert not core.has_work()

@@ -454,8 +454,8 @@ def test_slow_compiles_hold_up_no_other_and_end_at_the_time_limit(limited):
 
 
 def test_a_compile_under_way_when_another_is_stopped_is_finished_by_the_next_process(limited):
-    """The innocent compile is sent again and served; the time it spent counts, so a slow spec cannot
-    outlive the limit by having its neighbours stopped."""
+    """The innocent compile is sent again and served; a slow spec under way with it is refused at its own
+    limit, in the next process."""
     slow = limited.submit("json_schema", slow_schema(26000), "response_format")
     wait_started(limited, 1)
     threading.Event().wait(2.5)
@@ -483,7 +483,7 @@ def test_a_dead_compiler_process_is_replaced(backend):
         os.kill(wait_started(b, 1, not_pid=pid), signal.SIGKILL)
         with pytest.raises(GrammarError) as e:
             doomed.result(timeout=120)
-        assert e.value.param == "response_format" and "compiler process ended while compiling it (signal 9" in e.value.message
+        assert e.value.param == "response_format" and "compiler process ended twice while compiling it (the last time: signal 9" in e.value.message
         assert accepts(b, fine.result(timeout=120), "xyx")
         assert accepts(b, b.compile("regex", "z+", "regex"), "zz")
     finally:
@@ -506,6 +506,42 @@ def test_a_frozen_compiler_process_is_replaced(backend, monkeypatch):
         os.kill(frozen, signal.SIGSTOP)
         assert accepts(b, b.submit("regex", "b+", "regex").result(timeout=120), "bb")
         assert b.compiler_pid not in (None, frozen)
+    finally:
+        b.shutdown()
+
+
+def test_a_spec_whose_requests_were_aborted_is_not_sent_again(limited):
+    """Its future cancelled (the engine does so on abort), a spec under way when a neighbour outlives the
+    limit is dropped with the process, not resent: aborted slow specs held the workers for good."""
+    slow = limited.submit("json_schema", slow_schema(26000), "response_format")
+    wait_started(limited, 1)
+    gone = limited.submit("json_schema", slow_schema(26001), "response_format")
+    wait_started(limited, 2)
+    gone.cancel()
+    with pytest.raises(GrammarError, match="took longer than 3 s"):
+        slow.result(timeout=120)
+    for _ in range(100):
+        if not limited._by_spec:
+            break
+        threading.Event().wait(0.05)
+    assert not limited._by_spec and limited._proc is None  # nothing resent: no new process
+
+
+def test_the_compiler_process_takes_sigterm_and_an_unbounded_limit(backend):
+    """It inherited the engine's ignored SIGTERM (kill -TERM did nothing); an infinite limit
+    (--grammar-compile-timeout inf) was an OverflowError in the compiler thread's wait, which ended the
+    backend and then the engine."""
+    import os
+    import signal
+
+    b = GrammarBackend(backend._tokenizer, backend.vocab_size, [STOP], timeout_s=float("inf"))
+    try:
+        slow = b.submit("json_schema", slow_schema(26000), "response_format")
+        pid = wait_started(b, 1)
+        os.kill(pid, signal.SIGTERM)
+        assert accepts(b, b.compile("regex", "q+", "regex"), "qq")  # a new process serves
+        assert b.compiler_pid not in (None, pid)
+        slow.cancel()
     finally:
         b.shutdown()
 
