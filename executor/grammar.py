@@ -29,6 +29,7 @@ Why it is built this way:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -186,6 +188,17 @@ class _CompilerProcess:
         return code
 
 
+_LIVE: "weakref.WeakSet[GrammarBackend]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shut_down_all() -> None:
+    """At exit, backends nobody shut down stop their process and thread (a test's module-wide engine):
+    left to the interpreter's end, a thread inside a pipe write ended the process in std::terminate."""
+    for backend in list(_LIVE):
+        backend.shutdown()
+
+
 class GrammarBackend:
     """Compiles specs for one tokenizer in a compiler process and makes matchers from the results.
 
@@ -217,6 +230,7 @@ class GrammarBackend:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # the reader threads' answers
         self._thread: threading.Thread | None = None
         self._proc: _CompilerProcess | None = None  # the compiler thread's
+        _LIVE.add(self)
 
     def submit(self, kind: str, spec: str, param: str) -> Future:
         """The compiled grammar of a spec, as a future: done at once when cached; else it raises
