@@ -38,7 +38,11 @@ def delayed(core, until: threading.Event, limit: float = 60.0):
         inner, outer = real(*a), Future()
 
         def later() -> None:
-            if not until.wait(limit):  # the engine waited for this compile: the request ends in an error
+            held = not until.wait(limit)  # the engine waited for this compile: the request ends in an error
+            if not outer.set_running_or_notify_cancel():  # aborted meanwhile
+                inner.cancel()
+                return
+            if held:
                 outer.set_exception(RuntimeError(f"the grammar was held for {limit} s"))
                 return
             try:
