@@ -326,11 +326,17 @@ class GrammarBackend:
         return False
 
     def _send(self, jobs: list[_Job]) -> None:
-        if self._proc is None:
+        for attempt in range(2):  # a second try: the first may have been killed before it read its setup
+            if self._proc is not None:
+                break
             try:
                 self._proc = _CompilerProcess(self._tokenizer_info, self._threads, self._inbox, self._wake_w)
             except Exception as e:
                 unavailable = self._unavailable
+                if not unavailable and not attempt:
+                    logger.warning("the grammar compiler process could not start (%s: %s); trying again",
+                                   type(e).__name__, e)
+                    continue
                 for job in jobs:
                     self._finish(job, None, unavailable or "", None if unavailable else
                                  RuntimeError(f"the grammar compiler process could not start: {type(e).__name__}: {e}"))

@@ -546,6 +546,27 @@ def test_the_compiler_process_takes_sigterm_and_an_unbounded_limit(backend):
         b.shutdown()
 
 
+def test_a_compiler_process_that_fails_to_start_is_started_again(backend, monkeypatch):
+    """Killed before it read its setup (a BrokenPipeError here), the first start failed that round's specs
+    with a 503; it is tried once more."""
+    import executor.grammar as grammar_mod
+
+    real, calls = grammar_mod._CompilerProcess, []
+
+    def flaky(*a):
+        calls.append(1)
+        if len(calls) == 1:
+            raise BrokenPipeError("killed at start")
+        return real(*a)
+
+    monkeypatch.setattr(grammar_mod, "_CompilerProcess", flaky)
+    b = GrammarBackend(backend._tokenizer, backend.vocab_size, [STOP])
+    try:
+        assert accepts(b, b.compile("regex", "k+", "regex"), "kk") and len(calls) == 2
+    finally:
+        b.shutdown()
+
+
 def test_identical_specs_share_one_compile_and_the_cache(backend):
     spec = json.dumps({"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"]})
     futures = [backend.submit("json_schema", spec, f"p{i}") for i in range(4)]
