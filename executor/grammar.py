@@ -134,7 +134,8 @@ class _CompilerProcess:
     """A running `executor.grammar_compiler`, the engine's ends of its two pipes, and a thread reading
     its answers into `inbox` (so that a process stopped halfway through writing one holds up nothing)."""
 
-    def __init__(self, info_json: Callable[[], str], threads: int, inbox: "queue.SimpleQueue", wake: Connection) -> None:
+    def __init__(self, info_json: Callable[[], str], threads: int, inbox: "queue.SimpleQueue",
+                 wake: Connection) -> None:
         """Starts it, then builds the TokenizerInfo JSON it needs while it imports xgrammar (both take
         seconds: the first constrained request waits for the longer, not the sum)."""
         self.jobs: dict[int, _Job] = {}  # sent to it, not yet answered

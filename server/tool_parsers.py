@@ -156,8 +156,6 @@ _CALL_END = "<｜tool▁call▁end｜>"
 _SEP = "<｜tool▁sep｜>"
 _ENDS = (_CALL_END, _CALLS_END)
 _FENCE = "```"
-
-
 _FENCE_TAG = re.compile(r"[A-Za-z][\w+-]*")  # the fence's language tag: ```json
 
 
@@ -417,7 +415,7 @@ class Llama3JsonToolParser(ToolParser):
         self._mode = ""  # "" undecided | content | json
 
     def _step(self, final: bool) -> bool:
-        if self._mode == "content":  # streamed, up to a <|python_tag|> (then decided anew) or a tail that may begin one
+        if self._mode == "content":  # streamed up to a <|python_tag|> (then decided anew) or a tail that may begin one
             i = self._buf.find(_PYTHON_TAG)
             cut = i if i >= 0 else len(self._buf) - (0 if final else partial_len(self._buf, (_PYTHON_TAG,)))
             self._emit(self._buf[:cut])
