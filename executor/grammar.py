@@ -303,9 +303,10 @@ class GrammarBackend:
             if self._stopped:
                 return False
             queued, self._queued = self._queued, []
-        queued = [j for j in queued if j.wanted or self._forget(j)]
-        if queued:
-            self._send(queued)
+        for job in [j for j in queued if not j.wanted]:
+            self._forget(job)
+        if wanted := [j for j in queued if j.wanted]:
+            self._send(wanted)
         if self._wake_r.poll(self._until_deadline()):
             while self._wake_r.poll():
                 self._wake_r.recv_bytes()
@@ -319,12 +320,12 @@ class GrammarBackend:
         self._enforce_limit()
         return True
 
-    def _forget(self, job: _Job) -> bool:
-        """Drops a job no request waits for any more (every one was aborted); False."""
+    def _forget(self, job: _Job) -> None:
+        """Drops a job from the specs compiling: it ended, or no request waits for it (all were aborted)."""
+        key = (job.kind, job.spec)
         with self._lock:
-            if self._by_spec.get((job.kind, job.spec)) is job:
-                del self._by_spec[(job.kind, job.spec)]
-        return False
+            if self._by_spec.get(key) is job:
+                del self._by_spec[key]
 
     def _send(self, jobs: list[_Job]) -> None:
         for attempt in range(2):  # a second try: the first may have been killed before it read its setup
@@ -408,22 +409,21 @@ class GrammarBackend:
         self._finish(job, compiled)
 
     def _finish(self, job: _Job, compiled: Any, message: str = "", error: Exception | None = None) -> None:
-        """Ends a job: caches and hands out its grammar, or fails its waiters."""
-        key = (job.kind, job.spec)
-        with self._lock:
-            if self._by_spec.get(key) is job:
-                del self._by_spec[key]
-            if compiled is not None:
-                self._cache[key] = compiled
-                self._cache_bytes += compiled.memory_size_bytes
-                while self._cache_bytes > _CACHE_BYTES and len(self._cache) > 1:
-                    self._cache_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
-        if compiled is not None:
-            for fut, _ in job.waiters:
-                if not fut.done():
-                    fut.set_result(compiled)
-        else:
+        """Ends a job: caches and hands out its grammar, or fails its waiters. (Cached before the job is
+        dropped, so that a `submit` of the same spec meanwhile finds one or the other.)"""
+        if compiled is None:
+            self._forget(job)
             job.fail(error, message)
+            return
+        with self._lock:
+            self._cache[(job.kind, job.spec)] = compiled
+            self._cache_bytes += compiled.memory_size_bytes
+            while self._cache_bytes > _CACHE_BYTES and len(self._cache) > 1:
+                self._cache_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
+        self._forget(job)
+        for fut, _ in job.waiters:
+            if not fut.done():
+                fut.set_result(compiled)
 
     def _until_deadline(self) -> float | None:
         """Seconds until the first compile under way reaches the time limit, or a spec sent has waited

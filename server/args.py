@@ -429,9 +429,9 @@ def parallel_problem(model: str, ranks: int, *, heads_split: bool, ep: bool) -> 
                      (get("moe_intermediate_size", "expert_feed_forward_length"), "routed experts' intermediate size"))
     for size, what in sizes:
         if isinstance(size, int) and size % ranks:
-            how = ("choose a --tp that divides it" + ("; --dp with --dp-attention keeps attention whole"
-                                                     if what.startswith("number of attention") else "")
-                   if heads_split else "choose a --dp that divides it")
+            how = "choose a --tp that divides it" if heads_split else "choose a --dp that divides it"
+            if heads_split and what == "number of attention heads":
+                how += "; --dp with --dp-attention keeps attention whole"
             return f"the model's {what} ({size}) is not divisible by the {ranks} ranks it would be split over: {how}"
     return None
 

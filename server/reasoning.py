@@ -163,7 +163,6 @@ class ReasoningTokens:
                 if i == close_id:
                     self._inside, self._closed = False, True
 
-
     def close(self) -> None:
         """The block has ended without its closing tag: nothing more is counted."""
         self._inside, self._closed = False, True
