@@ -126,6 +126,8 @@ def load_model(
             dtype = "float32"
     torch_dtype = resolve_dtype(dtype, device)
     ckpt = open_checkpoint(path)
+    if path.is_dir() and cpu_weights == "file" and torch_dtype == torch.bfloat16:
+        ckpt.dequantize_dtype = torch.bfloat16  # an FP8 weight's nearest "file type": the kernels would keep fp32
     config_source = str(path / "config.json" if path.is_dir() else path)
     config = config_from_hf_dict(ckpt.hf_config(), config_source)
     # The config is checked against the tensors before anything is built at its sizes: a config that

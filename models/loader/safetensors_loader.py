@@ -2,12 +2,15 @@
 
 Never unpickles: `.bin`/`.pt` checkpoints are refused with a hint to convert them. The shard index
 is treated as untrusted: every file it names must sit inside the directory, and every tensor it maps
-must really be in that shard.
+must really be in that shard. Block-scaled FP8 weights (`models.loader.fp8`) are dequantized as they are
+read; DeepSeek's multi-token-prediction layers, which this engine does not run, are left out.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,13 +18,16 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from models.loader import fp8
 from models.loader.errors import CheckpointError
 from models.loader.jsonfile import read_json
 from models.loader.shard import SKIP, Shard, ShardFn, resolve, shard_shape
 
+logger = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
-# safetensors dtypes a weight may be stored in (FP8 needs the checkpoint's scales, which are not read)
+# safetensors dtypes a weight may be stored in (F8_E4M3 too, with its scales, in an FP8 checkpoint)
 FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class HFCheckpoint:
@@ -32,9 +38,14 @@ class HFCheckpoint:
         if not self.path.is_dir():
             raise CheckpointError(self.path, "not a directory (expected an HF model directory with config.json)")
         self._config = read_json(self.path / "config.json")
+        self._fp8 = fp8.from_config(self._config, self.path / "config.json")
+        # what an FP8 weight is dequantized to: fp32 is exact (the model's parameters round it to --dtype
+        # as they take it); `load_model` asks for bf16 where the CPU kernels would keep an fp32 weight fp32
+        self.dequantize_dtype = torch.float32
         self._shards = self._find_shards()
         self._handles: dict[Path, Any] = {}
         self._where: dict[str, Path] | None = None
+        self._scales: dict[str, Path] = {}  # FP8 weight name -> shard holding its scales
         self._layout: dict[str, tuple[int, ...]] | None = None
 
     def hf_config(self) -> dict[str, Any]:
@@ -84,7 +95,8 @@ class HFCheckpoint:
         return self._handles[shard]
 
     def where(self) -> dict[str, Path]:
-        """Tensor name -> shard holding it, checked against the index and for duplicates."""
+        """Weight name -> shard holding it, checked against the index and for duplicates; an FP8 weight's
+        scales and the multi-token-prediction layers are not among them."""
         if self._where is None:
             where: dict[str, Path] = {}
             for shard, promised in self._shards.items():
@@ -97,8 +109,31 @@ class HFCheckpoint:
                     if name in where:
                         raise CheckpointError(shard, f"tensor '{name}' appears in more than one shard")
                     where[name] = shard
-            self._where = where
+            self._where = self._model_tensors(where)
         return self._where
+
+    def _model_tensors(self, where: dict[str, Path]) -> dict[str, Path]:
+        """`where` less what the model does not load as it is: FP8 scales (kept in `_scales`, checked to
+        belong to an FP8 weight) and DeepSeek's multi-token-prediction layers, which follow the model's last
+        layer (`num_nextn_predict_layers` of them: DeepSeek-V3's layer 61) and serve speculative decoding,
+        which this engine does not do."""
+        if self._fp8 is not None:
+            for name in [n for n in where if n.endswith(fp8.SCALE_SUFFIX)]:
+                weight = name[: -len(fp8.SCALE_SUFFIX)]
+                if weight not in where:
+                    raise CheckpointError(where[name], f"tensor '{name}' scales a tensor '{weight}' that the "
+                                                       "checkpoint does not have")
+                self._scales[weight] = where.pop(name)
+        layers, extra = self._config.get("num_hidden_layers"), self._config.get("num_nextn_predict_layers")
+        if isinstance(layers, int) and isinstance(extra, int) and extra > 0:
+            mtp = [n for n in where if (m := _LAYER_RE.match(n)) and layers <= int(m.group(1)) < layers + extra]
+            for name in mtp:
+                del where[name]
+                self._scales.pop(name, None)
+            if mtp:
+                logger.info("%s: %d tensors of the multi-token-prediction layer(s) (layers %d..%d) are not loaded",
+                            self.path, len(mtp), layers, layers + extra - 1)
+        return where
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(self.where()[name]).get_slice(name).get_shape())
@@ -122,19 +157,53 @@ class HFCheckpoint:
     def _float_view(self, name: str, shard: Path):
         view = self._handle(shard).get_slice(name)
         dtype = view.get_dtype()
-        if dtype not in FLOAT_DTYPES:
-            raise CheckpointError(
-                shard, f"tensor '{name}' is stored as {dtype}: weights must be F32, F16 or BF16 (integer, boolean "
-                       "and FP8 tensors, as in quantized checkpoints, are not loaded: convert it to bf16 safetensors)")
+        if dtype == fp8.WEIGHT_DTYPE and self._fp8 is not None:
+            self._check_scales(name, shard, tuple(view.get_shape()))
+        elif dtype not in FLOAT_DTYPES:
+            hint = ("an FP8 weight needs config.json's quantization_config (quant_method 'fp8') and its scales"
+                    if dtype.startswith("F8") else "integer and boolean tensors, as in quantized checkpoints, "
+                                                    "are not loaded: convert it to bf16 safetensors")
+            raise CheckpointError(shard, f"tensor '{name}' is stored as {dtype}: weights must be F32, F16 or BF16 "
+                                         f"({hint})")
         return view
+
+    def _check_scales(self, name: str, shard: Path, shape: tuple[int, ...]) -> None:
+        """An FP8 weight is a matrix with a scale tensor of the block grid's shape beside it."""
+        assert self._fp8 is not None
+        scale_name = name + fp8.SCALE_SUFFIX
+        if name not in self._scales:
+            raise CheckpointError(shard, f"FP8 tensor '{name}' has no '{scale_name}' beside it: the checkpoint is "
+                                         "incomplete")
+        if len(shape) != 2:
+            raise CheckpointError(shard, f"FP8 tensor '{name}' has shape {list(shape)}: only matrices are read")
+        view = self._handle(self._scales[name]).get_slice(scale_name)
+        grid = self._fp8.grid(shape)
+        if view.get_dtype() not in fp8.SCALE_DTYPES or math.prod(view.get_shape()) != math.prod(grid) or (
+                self._fp8.block is not None and tuple(view.get_shape()) != grid):
+            raise CheckpointError(
+                self._scales[name], f"tensor '{scale_name}' is {view.get_dtype()} {list(view.get_shape())}: "
+                                    f"expected {grid} (one scale per {self._fp8.block or 'tensor'} block of "
+                                    f"the {list(shape)} weight) in {', '.join(sorted(fp8.SCALE_DTYPES))}")
+
+    def _dequantized(self, name: str, q: torch.Tensor, at: tuple[int, int]) -> torch.Tensor:
+        """`q`, an FP8 part of weight `name` starting at row, column `at`, as `dequantize_dtype`."""
+        assert self._fp8 is not None
+        path = self._scales[name]
+        scale = self._handle(path).get_tensor(name + fp8.SCALE_SUFFIX)
+        if not bool(torch.isfinite(scale.float()).all()):
+            raise CheckpointError(path, f"tensor '{name}{fp8.SCALE_SUFFIX}' holds non-finite scales: the file is "
+                                        "damaged; use an intact copy of the model")
+        full = self._checked_layout()[name]
+        return self._fp8.dequantize(q, scale, (full[0], full[1]), at, self.dequantize_dtype)
 
     def get(self, name: str) -> torch.Tensor:
         self._checked_layout()  # every tensor's dtype, checked once for the checkpoint
         shard = self.where()[name]
         try:
-            return self._handle(shard).get_tensor(name)
+            tensor = self._handle(shard).get_tensor(name)
         except Exception as e:
             raise CheckpointError(shard, f"tensor '{name}' cannot be read: {e}") from None
+        return self._dequantized(name, tensor, (0, 0)) if name in self._scales else tensor
 
     def get_shard(self, name: str, shard: Shard) -> torch.Tensor:
         """Only `shard` of tensor `name`, contiguous. `get_slice` indexes the memory-mapped file without
@@ -149,6 +218,10 @@ class HFCheckpoint:
             parts = [view[(*lead, slice(a, b))] for a, b in shard.ranges]
         except Exception as e:
             raise CheckpointError(path, f"tensor '{name}' cannot be read: {e}") from None
+        if name in self._scales:
+            self._checked_layout()
+            parts = [self._dequantized(name, p, (a, 0) if shard.dim == 0 else (0, a))
+                     for p, (a, _) in zip(parts, shard.ranges)]
         return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=shard.dim)
 
     def num_tensors(self) -> int:

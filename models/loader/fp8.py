@@ -1,0 +1,91 @@
+"""Block-scaled FP8 checkpoints (DeepSeek-V3/R1/V3.1 as published, transformers' `FineGrainedFP8Config`).
+
+Such a checkpoint stores each quantized linear weight `X.weight` as F8_E4M3 and beside it
+`X.weight_scale_inv`: one scale per `weight_block_size` block (128x128 in DeepSeek's), the grid rounded
+up, so a dimension that is not a multiple of the block (DeepSeek-V3's 576 rows of `kv_a_proj_with_mqa`)
+has a last, partial block. The weight is `fp8 value * scale`. Embeddings, norms and routers stay bf16.
+
+mlaserve has no FP8 matrix kernel: the weights are dequantized while they are read, so a model holds
+them as an unquantized checkpoint would (in `--dtype`, or as the CPU kernels' bf16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.loader.errors import CheckpointError
+
+SCALE_SUFFIX = "_scale_inv"
+WEIGHT_DTYPE = "F8_E4M3"
+# how a block's scale may be stored: float, or a power of two (`ue8m0`, DeepSeek-V4's and MXFP8's)
+SCALE_DTYPES = frozenset({"F32", "BF16", "F16", "F8_E8M0"})
+MAX_BLOCK = 1 << 16
+
+
+@dataclass(frozen=True)
+class BlockFP8:
+    """`block`: (rows, columns) a scale covers; None: one scale for the whole tensor."""
+
+    block: tuple[int, int] | None
+
+    def grid(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """The scale tensor's shape for a weight of `shape` (rows, columns)."""
+        if self.block is None:
+            return (1, 1)
+        return (-(-shape[0] // self.block[0]), -(-shape[1] // self.block[1]))
+
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, full: tuple[int, int], at: tuple[int, int],
+                   dtype: torch.dtype) -> torch.Tensor:
+        """`q` (a part of a weight of shape `full`, starting at row, column `at`) times its blocks' scales, in
+        `dtype`. One row block at a time, so that no full-size fp32 copy of the scales is made."""
+        rows, cols = q.shape
+        b0, b1 = self.block if self.block is not None else full
+        scale = scale.to(torch.float32).reshape(self.grid(full))
+        col_scale = scale[:, torch.arange(at[1], at[1] + cols) // b1]  # (row blocks, cols)
+        out = q.to(torch.float32)
+        start = 0
+        while start < rows:
+            r = at[0] + start
+            end = min(rows, start + b0 - r % b0)  # the rest of this row block
+            out[start:end].mul_(col_scale[r // b0])
+            start = end
+        return out.to(dtype)
+
+
+def from_config(config: dict[str, Any], source: Path) -> BlockFP8 | None:
+    """The checkpoint's FP8 scheme from config.json's `quantization_config` (None: not quantized). Any other
+    quantization method is refused here, before a tensor is read: its integer-packed weights would only fail
+    later, one tensor at a time, with no word of why."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return None
+    where = "config key 'quantization_config'"
+    if not isinstance(qc, dict):
+        raise CheckpointError(source, f"{where} must be an object, got {type(qc).__name__}")
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise CheckpointError(
+            source, f"{where}: quant_method {method!r} is not supported (only 'fp8', DeepSeek's block-scaled FP8, "
+                    "is read): use the model's unquantized (bf16) safetensors, or a GGUF of it")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise CheckpointError(source, f"{where}: fmt {fmt!r} is not supported (only 'e4m3')")
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise CheckpointError(source, f"{where}: activation_scheme {scheme!r} is not supported (only 'dynamic': "
+                                      "static activation scales are not read)")
+    block = qc.get("weight_block_size")
+    if block is None:
+        return BlockFP8(None)
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= MAX_BLOCK for b in block)):
+        raise CheckpointError(source, f"{where}: weight_block_size must be two integers from 1 to {MAX_BLOCK} "
+                                      f"(DeepSeek's is [128, 128]), got {block!r}")
+    return BlockFP8((block[0], block[1]))
+
+
+__all__ = ["BlockFP8", "SCALE_DTYPES", "SCALE_SUFFIX", "WEIGHT_DTYPE", "from_config"]
