@@ -570,6 +570,12 @@ def test_bad_inputs_raise(pool: cpp_experts.WorkerPool) -> None:
         QL.from_float(torch.zeros(4, 4), dtype=torch.float16)
     with pytest.raises(ValueError, match="NaN or Inf"):
         QL.from_float(torch.full((4, 4), float("inf")), dtype=torch.float32)
+    one_nan = torch.randn(64, 96)  # the check sums first: one NaN anywhere still fails it
+    one_nan[37, 61] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        QL.from_float(one_nan)
+    huge = torch.full((4, 32), 3e38)  # finite values whose sum overflows: the exact pass accepts them
+    assert QL.from_float(huge, dtype=torch.float32).out_features == 4
     with pytest.raises(ValueError, match="float_dtype must be"):
         QL.from_gguf(np.zeros((4, 4), np.float32), "F32", 4, 4, float_dtype=torch.float64)
     with pytest.raises(TypeError, match="f32 weights must be a torch.float32 tensor"):
