@@ -88,7 +88,9 @@ def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     if isinstance(function, dict):
         function = dict(function)
         args = function.get("arguments")
-        if isinstance(args, str):
+        if isinstance(args, str) and not args.strip():
+            function["arguments"] = ToolArguments({}, "{}")  # as vLLM: no arguments are an empty object
+        elif isinstance(args, str):
             try:
                 parsed = from_json(args)
             except ValueError:

@@ -174,7 +174,8 @@ async def _start_engine(state: ServerState, args: ServerArgs, server: _DrainingS
     try:
         tokenizer = await asyncio.to_thread(load_tokenizer, args.engine.model)
         if args.chat_template is not None:  # checked to compile when the flag was parsed
-            tokenizer = dataclasses.replace(tokenizer, chat_template=load_chat_template(args.chat_template))
+            tokenizer = dataclasses.replace(tokenizer, chat_template=load_chat_template(args.chat_template),
+                                            named_chat_templates={})
             logger.info("chat template: --chat-template's, not the model's")
         state.tokenizer = tokenizer
         state.generation_defaults = await asyncio.to_thread(load_generation_defaults, args.engine.model,

@@ -396,6 +396,13 @@ class _GenerationRequest(_Body):
         return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
+# chat_template_kwargs that are not the template's own variables: the request's fields the renderer passes
+# it, and what the server sets (a collision was a 500)
+_REQUEST_FIELDS_IN_TEMPLATE = frozenset({"messages", "tools", "documents", "add_generation_prompt",
+                                         "continue_final_message", "chat_template"})
+_SERVER_TEMPLATE_VARIABLES = frozenset({"bos_token", "eos_token", "template"})
+
+
 class ChatInput(_Body):
     """What a chat prompt is rendered from (the chat template's input): the chat completions request's
     and `/tokenize`'s with messages (`server.serving.chat_prompt` renders both)."""
@@ -407,6 +414,8 @@ class ChatInput(_Body):
     parallel_tool_calls: StrictBool | None = True
     # variables for the chat template (vLLM/SGLang's extension), e.g. {"enable_thinking": false} for Qwen3
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's extension: documents for retrieval-augmented templates (Command-R's, Granite's read `documents`)
+    documents: list[dict[str, Any]] | None = None
     # vLLM's extensions. add_generation_prompt: open the assistant's turn after the messages (left out:
     # yes, unless the final message is continued). continue_final_message: leave the final message open,
     # without its end-of-turn markup, so the model continues it ("prefilling" the reply); the reply holds
@@ -429,6 +438,18 @@ class ChatInput(_Body):
             new = {"functions": "tools: [{\"type\": \"function\", \"function\": {...}}]",
                    "function_call": "tool_choice"}[info.field_name]
             raise _invalid(f"{info.field_name} is the deprecated form of {new.split(':')[0]}; send {new} instead")
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key in value or {}:
+            if key in _REQUEST_FIELDS_IN_TEMPLATE:
+                raise _invalid(f"chat_template_kwargs.{key}: {key} is a field of the request, not a template "
+                               f"variable: send it at the top level")
+            if key in _SERVER_TEMPLATE_VARIABLES:
+                raise _invalid(f"chat_template_kwargs.{key} is set by the server (the model's tokenizer and chat "
+                               "template): leave it out")
         return value
 
     @field_validator("chat_template")

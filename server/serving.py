@@ -363,18 +363,18 @@ def chat_prompt(state: ServerState, body: ChatInput) -> tuple[str, ToolPlan]:
     `messages` for a template that refuses them."""
     tok = state.tokenizer
     assert tok is not None
-    plan = plan_tools(body, tok.chat_template, state.tool_call_parser)
-    messages = with_call_markup(body.openai_messages(parts=bool(tok.chat_template) and loops_over_content(tok.chat_template)),
-                                tok.chat_template)
+    template = tok.chat_template_for(tools=bool(body.tools) and body.tool_choice != "none")
+    plan = plan_tools(body, template, state.tool_call_parser)
+    messages = with_call_markup(body.openai_messages(parts=bool(template) and loops_over_content(template)), template)
     if plan.system:
-        messages = with_system(messages, plan.system, tok.chat_template)
-    extra: dict[str, Any] = dict(body.chat_template_kwargs or {})  # the request's template variables first:
-    for reserved in ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token"):  # ours win
-        extra.pop(reserved, None)
+        messages = with_system(messages, plan.system, template)
+    extra: dict[str, Any] = dict(body.chat_template_kwargs or {})  # (none of the names set here: protocol)
     if plan.tools:
         extra["tools"] = plan.tools
+    if body.documents is not None:
+        extra["documents"] = body.documents
     try:
-        text = render_messages(tok.chat_template, messages, add_generation_prompt=body.generation_prompt(),
+        text = render_messages(template, messages, add_generation_prompt=body.generation_prompt(),
                                continue_final_message=body.continued_text() is not None,
                                bos_token=tok.bos_token, eos_token=tok.eos_token, **extra)
     except ChatTemplateError as e:

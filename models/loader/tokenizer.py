@@ -35,6 +35,7 @@ import json
 import numbers
 import os
 from collections.abc import Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,8 +68,15 @@ class TokenizerBundle:
     eos_token: str | None
     pad_token_id: int | None
     add_bos_token: bool  # whether encoding a prompt should prepend BOS
-    chat_template: str | None
+    chat_template: str | None  # the default one
     add_eos_token: bool = False  # whether encoding a prompt should append the EOS (eos_token)
+    # the model's other templates by name (Hermes-2-Pro's, Command-R's `tool_use`): as transformers does, a
+    # request with tools is rendered by `tool_use` where there is one
+    named_chat_templates: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def chat_template_for(self, tools: bool) -> str | None:
+        """The template a chat renders with: `tool_use` when tools are shown and the model has one."""
+        return self.named_chat_templates.get("tool_use", self.chat_template) if tools else self.chat_template
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with `add_special_tokens`, BOS first if the model wants it (once)."""
@@ -164,22 +172,36 @@ def _special_token(
     return (value, token_id) if token_id is not None else (None, None)
 
 
-def _chat_template(model_dir: Path, config: dict) -> str | None:
-    """chat_template.jinja, else chat_template.json, else tokenizer_config.json (a string or named list)."""
-    if (model_dir / "chat_template.jinja").is_file():
-        try:
-            return (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise CheckpointError(model_dir / "chat_template.jinja", f"not UTF-8 text: {e}") from None
+def _chat_templates(model_dir: Path, config: dict) -> tuple[str | None, dict[str, str]]:
+    """The default chat template and the named others, where transformers finds them: chat_template.jinja and
+    additional_chat_templates/NAME.jinja (transformers 5 writes these), else chat_template.json, else
+    tokenizer_config.json's `chat_template` (a string, or a list of {name, template} with a 'default')."""
+    files = {"default": model_dir / "chat_template.jinja"} if (model_dir / "chat_template.jinja").is_file() else {}
+    extra_dir = model_dir / "additional_chat_templates"
+    if extra_dir.is_dir():
+        files |= {f.name.removesuffix(".jinja"): f for f in sorted(extra_dir.glob("*.jinja")) if f.is_file()}
+    if files:
+        if "default" not in files:
+            raise CheckpointError(extra_dir, "named chat templates but no default one (chat_template.jinja)")
+        texts = {}
+        for name, f in files.items():
+            try:
+                texts[name] = f.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise CheckpointError(f, f"not UTF-8 text: {e}") from None
+        return texts.pop("default"), texts
     path, template = model_dir / "tokenizer_config.json", config.get("chat_template")
     as_json = read_json(model_dir / "chat_template.json", required=False, expect_object=False)
     if as_json is not None:
         path = model_dir / "chat_template.json"
         template = as_json.get("chat_template") if isinstance(as_json, dict) else None
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), 0)
     if template is None or isinstance(template, str):
-        return template
+        return template, {}
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t["name"]: t["template"] for t in template if isinstance(t, dict)
+                 and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+        if len(named) == len(template) and "default" in named:
+            return named.pop("default"), named
     raise CheckpointError(path, "key 'chat_template': expected a string or a list of {name, template} with a 'default'")
 
 
@@ -243,6 +265,7 @@ def load_hf_tokenizer(model_dir: str | Path) -> TokenizerBundle:
             eos_ids.append(i)
     if eos_token is None and eos_ids:
         eos_token = tok.id_to_token(eos_ids[0])
+    chat_template, named_templates = _chat_templates(model_dir, config)
     return TokenizerBundle(
         tokenizer=tok,
         bos_token_id=bos_id,
@@ -251,8 +274,9 @@ def load_hf_tokenizer(model_dir: str | Path) -> TokenizerBundle:
         eos_token=eos_token,
         pad_token_id=pad_id,
         add_bos_token=bool(add_bos) and bos_id is not None,
-        chat_template=_chat_template(model_dir, config),
+        chat_template=chat_template,
         add_eos_token=add_eos,
+        named_chat_templates=named_templates,
     )
 
 
@@ -277,7 +301,10 @@ def save_hf_tokenizer(bundle: TokenizerBundle, out_dir: str | Path) -> None:
     }
     if getattr(tok.model, "unk_token", None) is not None:
         config["unk_token"] = tok.model.unk_token
-    if bundle.chat_template is not None:
+    if bundle.named_chat_templates:
+        config["chat_template"] = [{"name": "default", "template": bundle.chat_template},
+                                   *({"name": n, "template": t} for n, t in bundle.named_chat_templates.items())]
+    elif bundle.chat_template is not None:
         config["chat_template"] = bundle.chat_template
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", "utf-8")
 
@@ -431,6 +458,9 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> Tokeni
         add_bos_token=add_bos,
         chat_template=m.get("tokenizer.chat_template", str),
         add_eos_token=add_eos,
+        named_chat_templates={name: m.get(f"tokenizer.chat_template.{name}", str)
+                              for name in m.array("tokenizer.chat_templates", str) or []
+                              if m.get(f"tokenizer.chat_template.{name}", str) is not None},
     )
 
 
@@ -542,7 +572,10 @@ def write_tokenizer_gguf(writer: gguf.GGUFWriter, bundle: TokenizerBundle) -> No
     writer.add_add_bos_token(bundle.add_bos_token)
     if bundle.add_eos_token:
         writer.add_add_eos_token(True)
-    if bundle.chat_template is not None:
+    if bundle.named_chat_templates:
+        writer.add_chat_template([{"name": "default", "template": bundle.chat_template},
+                                  *({"name": n, "template": t} for n, t in bundle.named_chat_templates.items())])
+    elif bundle.chat_template is not None:
         writer.add_chat_template(bundle.chat_template)
 
 

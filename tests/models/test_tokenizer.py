@@ -298,12 +298,45 @@ def test_hf_config_options(smol_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     bundle = load_hf_tokenizer(tmp_path)
     assert (bundle.bos_token_id, bundle.eos_token_ids, bundle.chat_template) == (1, (2, 0), "D")
+    assert bundle.named_chat_templates == {"tool_use": "T"}
+    assert (bundle.chat_template_for(tools=True), bundle.chat_template_for(tools=False)) == ("T", "D")
     assert bundle.add_bos_token is False  # unsaid, and this tokenizer.json's post-processor adds none
 
     (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "J"}))
     assert load_hf_tokenizer(tmp_path).chat_template == "J"
     (tmp_path / "chat_template.jinja").write_text("{{ bos_token }}X")
     assert load_hf_tokenizer(tmp_path).chat_template == "{{ bos_token }}X"
+    assert load_hf_tokenizer(tmp_path).named_chat_templates == {}  # the files win over the config's list
+
+
+def test_named_chat_templates_where_transformers_keeps_them(smol_dir: Path, tmp_path: Path) -> None:
+    """transformers 5 saves a `tool_use` template as additional_chat_templates/tool_use.jinja; a GGUF holds it
+    as `tokenizer.chat_template.tool_use` (listed in `tokenizer.chat_templates`), as llama.cpp's converter
+    writes it. Both are read, written back, and the same as transformers reads them."""
+    shutil.copy(smol_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (tmp_path / "chat_template.jinja").write_text("D{{ messages[0].content }}")
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("T{{ tools | length }}")
+    bundle = load_hf_tokenizer(tmp_path)
+    assert (bundle.chat_template, dict(bundle.named_chat_templates)) == ("D{{ messages[0].content }}",
+                                                                          {"tool_use": "T{{ tools | length }}"})
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert hf.chat_template == {"default": bundle.chat_template, **bundle.named_chat_templates}
+
+    writer, meta = _writer_meta(bundle, tmp_path / "t.gguf")
+    assert meta["tokenizer.chat_templates"] == ["tool_use"]
+    back = tokenizer_from_gguf_metadata(meta, "t.gguf")
+    assert (back.chat_template, dict(back.named_chat_templates)) == (bundle.chat_template,
+                                                                      dict(bundle.named_chat_templates))
+    save_hf_tokenizer(bundle, tmp_path / "saved")
+    again = load_hf_tokenizer(tmp_path / "saved")
+    assert (again.chat_template, dict(again.named_chat_templates)) == (bundle.chat_template,
+                                                                        dict(bundle.named_chat_templates))
+
+    (tmp_path / "chat_template.jinja").unlink()
+    with pytest.raises(CheckpointError, match="no default one"):
+        load_hf_tokenizer(tmp_path)
 
 
 def test_hf_add_bos_from_post_processor(smol: TokenizerBundle, tmp_path: Path) -> None:

@@ -238,6 +238,15 @@ def test_tool_arguments_read_as_object_and_as_text():
                               "x" + FLIGHT_ARGS, FLIGHT_ARGS, "True", "business", ""]
 
 
+def test_empty_tool_arguments_are_an_empty_object():
+    """A client's `"arguments": ""` (a call without arguments) renders as `{}`, as vLLM passes it: Qwen3's
+    template wrote `"arguments": }` into the prompt, Llama 3.1's `"parameters": ""`."""
+    for text in ("", "  "):
+        value = template_messages([{"role": "assistant", "tool_calls": [_call("c", "f", text)]}])[0][
+            "tool_calls"][0]["function"]["arguments"]
+        assert value == {} and str(value) == "{}" and isinstance(value, ToolArguments)
+
+
 def test_template_messages_normalises_like_transformers():
     sent = [
         {"role": "user", "content": "hi", "name": None},
@@ -495,8 +504,9 @@ def test_continuing_a_final_message_of_text_parts_matches_transformers(hf_tokeni
     assert ours == theirs and ours.endswith("moon")
 
 
-def _chat_prompt(template: str, request: dict) -> str:
-    """The prompt `serving.chat_prompt` renders for `request` with the default model's tokenizer under `template`."""
+def _chat_prompt(template: str, request: dict, named: dict[str, str] | None = None) -> str:
+    """The prompt `serving.chat_prompt` renders for `request` with the default model's tokenizer under `template`
+    (and the `named` other templates)."""
     import dataclasses
 
     from models.loader.tokenizer import load_tokenizer
@@ -510,8 +520,38 @@ def _chat_prompt(template: str, request: dict) -> str:
     except FileNotFoundError as e:
         pytest.skip(str(e))
     state = ServerState(model_name="m", metrics=Metrics("m"), tool_call_parser="hermes",
-                        tokenizer=dataclasses.replace(tok, chat_template=template))
+                        tokenizer=dataclasses.replace(tok, chat_template=template, named_chat_templates=named or {}))
     return chat_prompt(state, ChatCompletionRequest.model_validate(request))[0]
+
+
+# Hermes-2-Pro's and Command-R's layout: a plain default and a `tool_use` template that renders the tools
+NAMED_DEFAULT = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+NAMED_TOOL_USE = ("<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>"
+                  "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+                  "{% if add_generation_prompt %}[assistant]{% endif %}")
+
+
+@pytest.mark.parametrize("request_tools, tool_choice", [(True, None), (True, "required"), (True, "none"),
+                                                        (False, None)])
+def test_a_tool_use_template_renders_requests_with_tools(hf_tokenizers, request_tools, tool_choice):
+    """A model with named templates: transformers renders with `tool_use` when it is given tools, with the
+    default otherwise (and `tool_choice: none` shows no tools)."""
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    request: dict = {"messages": messages}
+    if request_tools:
+        request["tools"] = TOOLS
+    if tool_choice:
+        request["tool_choice"] = tool_choice
+    ours = _chat_prompt(NAMED_DEFAULT, request, {"tool_use": NAMED_TOOL_USE})
+    tok = copy.deepcopy(hf_tokenizers["qwen2_5"])
+    tok.chat_template = {"default": NAMED_DEFAULT, "tool_use": NAMED_TOOL_USE}  # transformers picks one
+    shown = request_tools and tool_choice != "none"
+    theirs = tok.apply_chat_template(messages, tools=TOOLS if shown else None, tokenize=False,
+                                     add_generation_prompt=True)
+    if tool_choice == "required":  # the forced call's instructions join the conversation; the layout is tool_use's
+        assert ours.startswith("<tools>get_weather;search_flights;</tools>") and ours.endswith("[assistant]")
+    else:
+        assert ours == theirs
 
 
 def test_tools_reach_a_template_without_a_system_role(hf_tokenizers):
@@ -549,3 +589,17 @@ def test_call_markup_keeps_text_parts():
     call = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     assert out[1]["content"] == f"Let me check.\n{call}"
     assert out[2]["content"] == "<tool_response>\n18C\n</tool_response>"
+
+
+def test_documents_reach_the_template(hf_tokenizers):
+    """vLLM's `documents` (a retrieval template reads them, as Command-R's and Granite's do): rendered as
+    transformers renders them (the field was dropped); without documents the template sees none."""
+    template = ("{% if documents %}{% for d in documents %}<doc {{ loop.index0 }}>{{ d.title }}: {{ d.text }}"
+                "{% endfor %}{% endif %}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    messages = [{"role": "user", "content": "Where is the tower?"}]
+    docs = [{"title": "Eiffel", "text": "The tower is in Paris."}, {"title": "Pisa", "text": "It leans."}]
+    theirs = hf_tokenizers["qwen2_5"].apply_chat_template(messages, chat_template=template, documents=docs,
+                                                          tokenize=False, add_generation_prompt=False)
+    assert _chat_prompt(template, {"messages": messages, "documents": docs, "add_generation_prompt": False}) == theirs
+    assert theirs.startswith("<doc 0>Eiffel: The tower is in Paris.<doc 1>Pisa")
+    assert _chat_prompt(template, {"messages": messages, "add_generation_prompt": False}) == "<user>Where is the tower?"

@@ -171,6 +171,12 @@ OUT_OF_RANGE = [
     ("completion", "prompt", [1, "a"], "prompt"),
     ("completion", "prompt", 5, "prompt"),
     ("chat", "chat_template", "{{ messages }}", "chat_template"),  # refused, not silently ignored
+    # names the request or the server sets: continue_final_message and template were a 500
+    ("chat", "chat_template_kwargs", {"continue_final_message": True}, "chat_template_kwargs"),
+    ("chat", "chat_template_kwargs", {"template": "x"}, "chat_template_kwargs"),
+    ("chat", "chat_template_kwargs", {"add_generation_prompt": False}, "chat_template_kwargs"),
+    ("chat", "chat_template_kwargs", {"enable_thinking": False, "bos_token": "<s>"}, "chat_template_kwargs"),
+    ("chat", "documents", [{"text": "x"}, "y"], "documents.[1]"),
     ("chat", "use_beam_search", True, "use_beam_search"),  # vLLM's, not implemented: refused, not ignored
     ("completion", "prompt_logprobs", 2, "prompt_logprobs"),
     ("chat", "logits_processors", ["x"], "logits_processors"),
