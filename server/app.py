@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from scheduler.sampling_params import ParamError
 from server.messages_api import model_info, model_info_list
 from server.metrics import ErrorCountingMiddleware
 from server.protocol import SEND_JSON, ModelCard, ModelList, VersionResponse, describe_validation_error
@@ -183,6 +184,7 @@ class _CORS(CORSMiddleware):
 
 
 REQUEST_ID_HEADER = b"x-request-id"
+ANTHROPIC_PATH, ANTHROPIC_REQUEST_ID_HEADER = "/v1/messages", b"request-id"  # Anthropic's API names it so
 _REQUEST_ID_OK = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")  # a client's id is echoed only when it reads as one
 QUIET_PATHS = frozenset({"/health", "/metrics"})  # polled by probes and scrapers: logged at debug only
 
@@ -190,8 +192,8 @@ QUIET_PATHS = frozenset({"/health", "/metrics"})  # polled by probes and scraper
 class RequestLogMiddleware:
     """One log line per request when its answer has gone out (a stream: at its end): method, path, status,
     time taken, the client and the request id. The id is the client's `X-Request-Id` when it sends a sane
-    one, else a new one; every answer carries it back in `x-request-id`, so a client's error can be found
-    in the server's log. Prompts and outputs are never logged. Outermost: it sees every answer, the
+    one, else a new one; every answer carries it back in `x-request-id` (the Messages API's also in
+    `request-id`, as Anthropic's), so a client's error can be found in the server's log. Prompts and outputs are never logged. Outermost: it sees every answer, the
     middlewares' refusals included."""
 
     def __init__(self, app: ASGIApp) -> None:
@@ -209,7 +211,10 @@ class RequestLogMiddleware:
             nonlocal status
             if msg["type"] == "http.response.start":
                 status = int(msg["status"])
-                msg = {**msg, "headers": [*msg.get("headers", []), (REQUEST_ID_HEADER, rid)]}
+                ids = [(REQUEST_ID_HEADER, rid)]
+                if scope.get("path", "").startswith(ANTHROPIC_PATH):  # where Anthropic's SDK looks for it
+                    ids.append((ANTHROPIC_REQUEST_ID_HEADER, rid))
+                msg = {**msg, "headers": [*msg.get("headers", []), *ids]}
             await send(msg)
 
         try:
@@ -330,7 +335,11 @@ def build_app(state: ServerState, max_request_bytes: int | None = None, allowed_
         if state.engine is None:
             return shaped(raw.scope, state.unavailable())
         if from_anthropic_client(raw.scope):
-            return JSONResponse(model_info_list(state.model_name, state.created).model_dump())
+            try:
+                page = model_info_list(state.model_name, state.created, raw.query_params)
+            except ParamError as e:
+                return shaped(raw.scope, error_response(400, e.message, param=e.param))
+            return JSONResponse(page.model_dump())
         return JSONResponse(ModelList(data=[_model_card(state)]).model_dump())
 
     @app.get("/v1/models/{model_id:path}")

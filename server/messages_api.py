@@ -33,6 +33,7 @@ from __future__ import annotations
 import datetime
 import json
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator
@@ -273,7 +274,17 @@ def model_info(model_id: str, created: int) -> ModelInfo:
     return ModelInfo(id=model_id, display_name=model_id, created_at=stamp)
 
 
-def model_info_list(model_id: str, created: int) -> ModelInfoList:
+def model_info_list(model_id: str, created: int, query: Mapping[str, str]) -> ModelInfoList:
+    """The one-model page Anthropic's list would give for its cursor parameters (`after_id` / `before_id`:
+    the page past that model, empty; `limit` 1 to 1000); ParamError naming a bad one."""
+    limit = query.get("limit", "20")
+    if not limit.isdigit() or not 1 <= int(limit) <= 1000:
+        raise ParamError("limit", f"limit must be an integer from 1 to 1000, got {limit!r:.40}")
+    cursor = next(((k, query[k]) for k in ("after_id", "before_id") if k in query), None)
+    if cursor is not None and cursor[1] != model_id:
+        raise ParamError(cursor[0], f"{cursor[0]} {cursor[1]!r:.80} names no model here (the model is '{model_id}')")
+    if cursor is not None:  # the page past the only model
+        return ModelInfoList(data=[], first_id=None, last_id=None)
     return ModelInfoList(data=[model_info(model_id, created)], first_id=model_id, last_id=model_id)
 
 

@@ -876,9 +876,11 @@ class ToolCallOut(_Response):
 
 
 class ChatResponseMessage(_Response):
-    keep_null = frozenset({"content"})
+    keep_null = frozenset({"content", "refusal"})
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    refusal: None = None  # OpenAI's: the model's refusal text, which only its safety layer writes
+    annotations: list[Any] = Field(default_factory=list)  # OpenAI's (web search citations): none here
     reasoning_content: str | None = None  # the chain of thought (server.reasoning), as DeepSeek's API names it
     tool_calls: list[ToolCallOut] | None = None
 

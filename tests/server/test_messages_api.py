@@ -311,8 +311,11 @@ def test_either_key_header_will_do(server):
 
 
 def test_sdk_errors_and_the_key(server, client):
-    with pytest.raises(anthropic.NotFoundError):
+    with pytest.raises(anthropic.NotFoundError) as e:
         client.messages.create(model="nope", max_tokens=4, messages=USER)
+    assert e.value.request_id  # the SDK reads Anthropic's `request-id` header (it was None)
+    reply = client.messages.with_raw_response.create(model="m", max_tokens=1, messages=USER)
+    assert reply.headers["request-id"] == reply.headers["x-request-id"] and reply.parse()._request_id
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model="m", max_tokens=0, messages=USER)
     wrong = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0)
@@ -346,6 +349,14 @@ def test_the_anthropic_sdk_lists_and_retrieves_the_model(client, chat):
     assert info.type == "model" and info.id == "m" and info.display_name == "m"
     assert isinstance(info.created_at, datetime.datetime) and page.has_more is False and page.first_id == "m"
     assert client.models.retrieve("m").id == "m"
+    # the cursor parameters: the page after (or before) the one model is empty, as Anthropic's list pages
+    # (a loop that stops on an empty page never stopped); a bad limit or an unknown cursor is a 400
+    assert client.models.list(after_id="m").data == [] and client.models.list(before_id="m", limit=5).data == []
+    assert [m.id for m in client.models.list(limit=1000).data] == ["m"]
+    for bad in ({"limit": 0}, {"limit": 1001}, {"after_id": "other"}):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            client.models.list(**bad)
+        assert e.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.NotFoundError) as e:
         client.models.retrieve("nope")
     assert e.value.body["error"]["type"] == "not_found_error"

@@ -299,8 +299,9 @@ def test_chat_response_parses_with_the_sdk() -> None:
     choice = ChatCompletionChoice(index=0, message=ChatResponseMessage(content=""), finish_reason="length")
     plain = json.loads(ChatCompletionResponse(id="c", created=1, model="m", usage=UsageInfo.of(3, 0),
                                               choices=[choice]).model_dump_json())
-    assert plain["choices"][0] == {"index": 0, "message": {"role": "assistant", "content": ""}, "logprobs": None,
-                                   "finish_reason": "length"}
+    assert plain["choices"][0] == {"index": 0, "message": {"role": "assistant", "content": "", "refusal": None,
+                                                           "annotations": []},
+                                   "logprobs": None, "finish_reason": "length"}  # OpenAI's message fields
     assert plain["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
     assert "prompt_token_ids" not in plain and "system_fingerprint" not in plain
 
