@@ -4,6 +4,8 @@ Such a checkpoint stores each quantized linear weight `X.weight` as F8_E4M3 and 
 `X.weight_scale_inv`: one scale per `weight_block_size` block (128x128 in DeepSeek's), the grid rounded
 up, so a dimension that is not a multiple of the block (DeepSeek-V3's 576 rows of `kv_a_proj_with_mqa`)
 has a last, partial block. The weight is `fp8 value * scale`. Embeddings, norms and routers stay bf16.
+AutoFP8's checkpoints (Llama FP8s: the same `quant_method`) hold one `X.weight_scale` per weight instead,
+and the static activation scales that mlaserve does not read (activations are not quantized).
 
 mlaserve has no FP8 matrix kernel: the weights are dequantized while they are read, so a model holds
 them as an unquantized checkpoint would (in `--dtype`, or as the CPU kernels' bf16).
@@ -19,32 +21,50 @@ import torch
 
 from models.loader.errors import CheckpointError
 
-SCALE_SUFFIX = "_scale_inv"
 WEIGHT_DTYPE = "F8_E4M3"
+# a weight `X.weight`'s scales: DeepSeek's block grid, or AutoFP8's / vLLM's one scale per tensor
+SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
+# what else an FP8 checkpoint may hold, for FP8 activations and KV cache: not read (activations run unquantized,
+# as vLLM runs such a checkpoint on a GPU without FP8 math)
+UNREAD_SUFFIXES = (".input_scale", ".output_scale", ".k_scale", ".v_scale", ".kv_scale")
 # how a block's scale may be stored: float, or a power of two (`ue8m0`, DeepSeek-V4's and MXFP8's)
 SCALE_DTYPES = frozenset({"F32", "BF16", "F16", "F8_E8M0"})
 MAX_BLOCK = 1 << 16
+DEFAULT_BLOCK = (128, 128)  # transformers' FineGrainedFP8Config default, DeepSeek's
+
+
+def weight_of(scale_name: str) -> str | None:
+    """The weight a scale tensor's name belongs to (`X.weight_scale_inv` -> `X.weight`), or None."""
+    for suffix in SCALE_SUFFIXES:
+        if scale_name.endswith(suffix):
+            return scale_name[: -len(suffix)] + ".weight"
+    return None
+
+
+def _grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    return (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
 
 
 @dataclass(frozen=True)
 class BlockFP8:
-    """`block`: (rows, columns) a scale covers; None: one scale for the whole tensor."""
+    """`block`: (rows, columns) a scale covers, as config.json gives it; None where it gives none: then a
+    weight has one scale (AutoFP8's) or a grid of `DEFAULT_BLOCK` blocks (transformers reads it so)."""
 
     block: tuple[int, int] | None
 
-    def grid(self, shape: tuple[int, ...]) -> tuple[int, int]:
-        """The scale tensor's shape for a weight of `shape` (rows, columns)."""
-        if self.block is None:
-            return (1, 1)
-        return (-(-shape[0] // self.block[0]), -(-shape[1] // self.block[1]))
+    def grids(self, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+        """The scale tensor shapes a weight of `shape` (rows, columns) may have."""
+        if self.block is not None:
+            return [_grid(shape, self.block)]
+        return [(1, 1), _grid(shape, DEFAULT_BLOCK)]
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, full: tuple[int, int], at: tuple[int, int],
                    dtype: torch.dtype) -> torch.Tensor:
         """`q` (a part of a weight of shape `full`, starting at row, column `at`) times its blocks' scales, in
         `dtype`. One row block at a time, so that no full-size fp32 copy of the scales is made."""
         rows, cols = q.shape
-        b0, b1 = self.block if self.block is not None else full
-        scale = scale.to(torch.float32).reshape(self.grid(full))
+        b0, b1 = full if scale.numel() == 1 else self.block or DEFAULT_BLOCK
+        scale = scale.to(torch.float32).reshape(_grid(full, (b0, b1)))
         col_scale = scale[:, torch.arange(at[1], at[1] + cols) // b1]  # (row blocks, cols)
         out = q.to(torch.float32)
         start = 0
@@ -75,9 +95,8 @@ def from_config(config: dict[str, Any], source: Path) -> BlockFP8 | None:
     if fmt != "e4m3":
         raise CheckpointError(source, f"{where}: fmt {fmt!r} is not supported (only 'e4m3')")
     scheme = qc.get("activation_scheme", "dynamic")
-    if scheme != "dynamic":
-        raise CheckpointError(source, f"{where}: activation_scheme {scheme!r} is not supported (only 'dynamic': "
-                                      "static activation scales are not read)")
+    if scheme not in ("dynamic", "static"):
+        raise CheckpointError(source, f"{where}: activation_scheme {scheme!r} is not one of 'dynamic', 'static'")
     block = qc.get("weight_block_size")
     if block is None:
         return BlockFP8(None)
@@ -88,4 +107,4 @@ def from_config(config: dict[str, Any], source: Path) -> BlockFP8 | None:
     return BlockFP8((block[0], block[1]))
 
 
-__all__ = ["BlockFP8", "SCALE_DTYPES", "SCALE_SUFFIX", "WEIGHT_DTYPE", "from_config"]
+__all__ = ["BlockFP8", "SCALE_DTYPES", "SCALE_SUFFIXES", "UNREAD_SUFFIXES", "WEIGHT_DTYPE", "from_config", "weight_of"]

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtypes a weight may be stored in (F8_E4M3 too, with its scales, in an FP8 checkpoint)
 FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+_LAYER_RE = re.compile(r"^model\.layers\.(0|[1-9][0-9]*)\.")
 
 
 class HFCheckpoint:
@@ -45,7 +45,7 @@ class HFCheckpoint:
         self._shards = self._find_shards()
         self._handles: dict[Path, Any] = {}
         self._where: dict[str, Path] | None = None
-        self._scales: dict[str, Path] = {}  # FP8 weight name -> shard holding its scales
+        self._scales: dict[str, tuple[str, Path]] = {}  # weight name -> its scales' name and shard
         self._layout: dict[str, tuple[int, ...]] | None = None
 
     def hf_config(self) -> dict[str, Any]:
@@ -113,27 +113,55 @@ class HFCheckpoint:
         return self._where
 
     def _model_tensors(self, where: dict[str, Path]) -> dict[str, Path]:
-        """`where` less what the model does not load as it is: FP8 scales (kept in `_scales`, checked to
-        belong to an FP8 weight) and DeepSeek's multi-token-prediction layers, which follow the model's last
+        """`where` less what the model does not load as it is: FP8 scales (kept in `_scales`) and FP8
+        activation scales, and DeepSeek's multi-token-prediction layers, which follow the model's last
         layer (`num_nextn_predict_layers` of them: DeepSeek-V3's layer 61) and serve speculative decoding,
         which this engine does not do."""
         if self._fp8 is not None:
-            for name in [n for n in where if n.endswith(fp8.SCALE_SUFFIX)]:
-                weight = name[: -len(fp8.SCALE_SUFFIX)]
-                if weight not in where:
+            unread = [n for n in where if n.endswith(fp8.UNREAD_SUFFIXES)]
+            for name in unread:
+                del where[name]
+            if unread:
+                logger.info("%s: %d FP8 activation / KV-cache scales are not read (activations are not quantized)",
+                            self.path, len(unread))
+            scales = {n: w for n in where if (w := fp8.weight_of(n)) is not None}
+            for name, weight in scales.items():
+                if weight not in where or weight in scales:
                     raise CheckpointError(where[name], f"tensor '{name}' scales a tensor '{weight}' that the "
                                                        "checkpoint does not have")
-                self._scales[weight] = where.pop(name)
-        layers, extra = self._config.get("num_hidden_layers"), self._config.get("num_nextn_predict_layers")
-        if isinstance(layers, int) and isinstance(extra, int) and extra > 0:
-            mtp = [n for n in where if (m := _LAYER_RE.match(n)) and layers <= int(m.group(1)) < layers + extra]
-            for name in mtp:
-                del where[name]
-                self._scales.pop(name, None)
-            if mtp:
-                logger.info("%s: %d tensors of the multi-token-prediction layer(s) (layers %d..%d) are not loaded",
-                            self.path, len(mtp), layers, layers + extra - 1)
+                if weight in self._scales:
+                    raise CheckpointError(where[name], f"tensor '{weight}' has two scales ('{name}' and "
+                                                       f"'{self._scales[weight][0]}')")
+                self._scales[weight] = (name, where.pop(name))
+        mtp = self._mtp_layers(where)
+        for name in mtp:
+            del where[name]
+            self._scales.pop(name, None)
         return where
+
+    def _mtp_layers(self, where: dict[str, Path]) -> list[str]:
+        """The tensors of the multi-token-prediction layers, checked to be such layers (an `eh_proj` each)."""
+        source = self.path / "config.json"
+        layers, extra = self._config.get("num_hidden_layers"), self._config.get("num_nextn_predict_layers")
+        if extra is None or not isinstance(layers, int):  # (num_hidden_layers is checked with the config)
+            return []
+        if not isinstance(extra, int) or isinstance(extra, bool) or not 0 <= extra <= 64:
+            raise CheckpointError(source, f"key 'num_nextn_predict_layers' must be an integer from 0 to 64, "
+                                          f"got {extra!r:.40}")
+        found: dict[int, list[str]] = {}
+        for name in where:
+            if (m := _LAYER_RE.match(name)) and layers <= int(m.group(1)) < layers + extra:
+                found.setdefault(int(m.group(1)), []).append(name)
+        for layer in sorted(found):
+            if f"model.layers.{layer}.eh_proj.weight" not in found[layer]:
+                raise CheckpointError(source, f"layer {layer} follows the model's last (num_hidden_layers "
+                                              f"{layers}) but is no multi-token-prediction layer (it has no "
+                                              "eh_proj): set num_hidden_layers to the layers the weights have")
+        names = [n for group in found.values() for n in group]
+        if names:
+            logger.info("%s: %d tensors of the multi-token-prediction layer(s) (layers %s) are not loaded",
+                        self.path, len(names), ", ".join(map(str, sorted(found))))
+        return names
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(self.where()[name]).get_slice(name).get_shape())
@@ -165,36 +193,42 @@ class HFCheckpoint:
                                                     "are not loaded: convert it to bf16 safetensors")
             raise CheckpointError(shard, f"tensor '{name}' is stored as {dtype}: weights must be F32, F16 or BF16 "
                                          f"({hint})")
+        elif name in self._scales:  # as DeepSeek's converter and transformers: scales apply to FP8 values only
+            logger.warning("%s: tensor '%s' is stored as %s, not FP8: its scales '%s' are not applied", shard,
+                           name, dtype, self._scales[name][0])
         return view
 
     def _check_scales(self, name: str, shard: Path, shape: tuple[int, ...]) -> None:
         """An FP8 weight is a matrix with a scale tensor of the block grid's shape beside it."""
         assert self._fp8 is not None
-        scale_name = name + fp8.SCALE_SUFFIX
         if name not in self._scales:
-            raise CheckpointError(shard, f"FP8 tensor '{name}' has no '{scale_name}' beside it: the checkpoint is "
-                                         "incomplete")
+            raise CheckpointError(shard, f"FP8 tensor '{name}' has no scales beside it ('{name}_scale_inv' or "
+                                         f"'{name}_scale'): the checkpoint is incomplete")
         if len(shape) != 2:
             raise CheckpointError(shard, f"FP8 tensor '{name}' has shape {list(shape)}: only matrices are read")
-        view = self._handle(self._scales[name]).get_slice(scale_name)
-        grid = self._fp8.grid(shape)
-        if view.get_dtype() not in fp8.SCALE_DTYPES or math.prod(view.get_shape()) != math.prod(grid) or (
-                self._fp8.block is not None and tuple(view.get_shape()) != grid):
+        scale_name, path = self._scales[name]
+        view = self._handle(path).get_slice(scale_name)
+        got = tuple(view.get_shape())
+        grids = self._fp8.grids(shape)
+        fits = any(got == g or (g == (1, 1) and math.prod(got) == 1) for g in grids)
+        if view.get_dtype() not in fp8.SCALE_DTYPES or not fits:
+            want = " or ".join(str(list(g)) for g in grids)
             raise CheckpointError(
-                self._scales[name], f"tensor '{scale_name}' is {view.get_dtype()} {list(view.get_shape())}: "
-                                    f"expected {grid} (one scale per {self._fp8.block or 'tensor'} block of "
-                                    f"the {list(shape)} weight) in {', '.join(sorted(fp8.SCALE_DTYPES))}")
+                path, f"tensor '{scale_name}' is {view.get_dtype()} {list(got)}: the scales of the {list(shape)} "
+                      f"weight must be {want} (block {list(self._fp8.block or fp8.DEFAULT_BLOCK)}), stored as "
+                      f"{', '.join(sorted(fp8.SCALE_DTYPES))}")
 
     def _dequantized(self, name: str, q: torch.Tensor, at: tuple[int, int]) -> torch.Tensor:
         """`q`, an FP8 part of weight `name` starting at row, column `at`, as `dequantize_dtype`."""
         assert self._fp8 is not None
-        path = self._scales[name]
-        scale = self._handle(path).get_tensor(name + fp8.SCALE_SUFFIX)
-        if not bool(torch.isfinite(scale.float()).all()):
-            raise CheckpointError(path, f"tensor '{name}{fp8.SCALE_SUFFIX}' holds non-finite scales: the file is "
-                                        "damaged; use an intact copy of the model")
+        scale_name, path = self._scales[name]
+        scale = self._handle(path).get_tensor(scale_name)
         full = self._checked_layout()[name]
-        return self._fp8.dequantize(q, scale, (full[0], full[1]), at, self.dequantize_dtype)
+        out = self._fp8.dequantize(q, scale, (full[0], full[1]), at, self.dequantize_dtype)
+        if not bool(torch.isfinite(out.sum())) and not bool(torch.isfinite(out).all()):
+            raise CheckpointError(path, f"tensor '{scale_name}' holds scales that make '{name}' non-finite (NaN, "
+                                        "infinity or an overflow): the file is damaged; use an intact copy")
+        return out
 
     def get(self, name: str) -> torch.Tensor:
         self._checked_layout()  # every tensor's dtype, checked once for the checkpoint
@@ -203,7 +237,7 @@ class HFCheckpoint:
             tensor = self._handle(shard).get_tensor(name)
         except Exception as e:
             raise CheckpointError(shard, f"tensor '{name}' cannot be read: {e}") from None
-        return self._dequantized(name, tensor, (0, 0)) if name in self._scales else tensor
+        return self._dequantized(name, tensor, (0, 0)) if tensor.dtype == torch.float8_e4m3fn else tensor
 
     def get_shard(self, name: str, shard: Shard) -> torch.Tensor:
         """Only `shard` of tensor `name`, contiguous. `get_slice` indexes the memory-mapped file without
@@ -218,7 +252,7 @@ class HFCheckpoint:
             parts = [view[(*lead, slice(a, b))] for a, b in shard.ranges]
         except Exception as e:
             raise CheckpointError(path, f"tensor '{name}' cannot be read: {e}") from None
-        if name in self._scales:
+        if parts[0].dtype == torch.float8_e4m3fn:
             self._checked_layout()
             parts = [self._dequantized(name, p, (a, 0) if shard.dim == 0 else (0, a))
                      for p, (a, _) in zip(parts, shard.ranges)]

@@ -245,15 +245,19 @@ def _set(name, value):
 
 
 @pytest.mark.parametrize("edit, needles", [
-    (_pop(KEY + "_scale_inv"), [f"FP8 tensor '{KEY}' has no '{KEY}_scale_inv'"]),
-    (_set(KEY + "_scale_inv", torch.ones(3, 3)), [f"'{KEY}_scale_inv' is F32 [3, 3]", "expected (4, 4)"]),
+    (_pop(KEY + "_scale_inv"), [f"FP8 tensor '{KEY}' has no scales beside it", "incomplete"]),
+    (_set(KEY + "_scale_inv", torch.ones(3, 3)), [f"'{KEY}_scale_inv' is F32 [3, 3]", "must be [4, 4]"]),
     (_set(KEY + "_scale_inv", torch.ones(4, 4, dtype=torch.int32)), ["is I32 [4, 4]", "F8_E8M0"]),
-    (_set(KEY + "_scale_inv", torch.full((4, 4), float("nan"))), [f"'{KEY}_scale_inv' holds non-finite scales"]),
+    (_set(KEY + "_scale_inv", torch.full((4, 4), float("nan"))), [f"'{KEY}_scale_inv' holds scales that make"]),
+    (_set(KEY + "_scale_inv", torch.full((4, 4), 3e38)), [f"'{KEY}_scale_inv' holds scales", "overflow"]),
     (_set("model.layers.9.mlp.up_proj.weight_scale_inv", torch.ones(1)),
      ["'model.layers.9.mlp.up_proj.weight_scale_inv' scales a tensor", "does not have"]),
+    (_set(KEY + "_scale", torch.ones(1)), [f"'{KEY}' has two scales"]),
+    (_set(KEY + "_scale_inv_scale_inv", torch.ones(1)), [f"unexpected tensor '{KEY}_scale_inv_scale_inv'"]),
     (_set(KEY, torch.ones(2, 64, 64).to(torch.float8_e4m3fn)), [f"FP8 tensor '{KEY}' has shape [2, 64, 64]"]),
     (_set(KEY, torch.ones(64, 64).to(torch.float8_e5m2)), [f"tensor '{KEY}' is stored as F8_E5M2"]),
-], ids=["no-scale", "scale-grid", "scale-int", "scale-nan", "orphan-scale", "3d", "e5m2"])
+], ids=["no-scale", "scale-grid", "scale-int", "scale-nan", "scale-overflow", "orphan-scale", "two-scales",
+        "scale-of-scale", "3d", "e5m2"])
 def test_broken_fp8_tensors_name_what_is_wrong(fp8_dir, tmp_path, edit, needles):
     _fails(_broken(fp8_dir, tmp_path, edit), *needles)
 
@@ -262,14 +266,78 @@ def test_broken_fp8_tensors_name_what_is_wrong(fp8_dir, tmp_path, edit, needles)
     ({"quant_method": "awq"}, ["quant_method 'awq' is not supported", "unquantized (bf16)"]),
     ({"quant_method": None}, ["quant_method None is not supported"]),
     ({"fmt": "e5m2"}, ["fmt 'e5m2' is not supported"]),
-    ({"activation_scheme": "static"}, ["activation_scheme 'static'"]),
+    ({"activation_scheme": "fp4"}, ["activation_scheme 'fp4'"]),
     ({"weight_block_size": [0, 128]}, ["weight_block_size must be two integers", "[0, 128]"]),
     ({"weight_block_size": [128]}, ["weight_block_size must be two integers"]),
     ({"weight_block_size": [2**40, 128]}, ["weight_block_size must be two integers"]),
-], ids=["awq", "no-method", "e5m2", "static", "zero-block", "one-dim", "huge-block"])
+], ids=["awq", "no-method", "e5m2", "bad-scheme", "zero-block", "one-dim", "huge-block"])
 def test_unsupported_quantization_configs_are_refused_up_front(fp8_dir, tmp_path, quant, needles):
     msg = _fails(_broken(fp8_dir, tmp_path, quant=quant), "config key 'quantization_config'", *needles)
     assert "config.json" in msg
+
+
+def test_scales_beside_a_weight_not_stored_in_fp8_are_not_applied(fp8_dir, tmp_path, caplog):
+    """As DeepSeek's converter and transformers: a scale beside a bf16/fp32 weight (the router, a norm, the
+    embedding) does nothing; it was applied (a router x1000 loaded silently) or crashed with a traceback."""
+    extra = {"model.layers.1.mlp.gate_proj.weight_scale_inv": torch.full((1,), 1000.0),
+             "model.norm.weight_scale_inv": torch.ones(3, 3), "model.embed_tokens.weight_scale_inv": torch.ones(2)}
+    d = _broken(fp8_dir, tmp_path, lambda sd: sd.update(extra) or sd.__setitem__(
+        "model.layers.1.mlp.gate_proj.weight", torch.randn(128, 64)))
+    ckpt = HFCheckpoint(d)
+    with caplog.at_level("WARNING"):
+        assert torch.equal(ckpt.get("model.norm.weight"), load_file(d / "model.safetensors")["model.norm.weight"])
+    assert "'model.norm.weight' is stored as F32, not FP8: its scales 'model.norm.weight_scale_inv' are not " \
+           "applied" in caplog.text
+    gate = ckpt.get("model.layers.1.mlp.gate_proj.weight")
+    assert torch.equal(gate, load_file(d / "model.safetensors")["model.layers.1.mlp.gate_proj.weight"])
+    load_model(d, dtype="float32", load_tokenizer=False, progress=False)
+
+
+@pytest.mark.parametrize("extra, needle", [("1", "'1'"), (-1, "-1"), (True, "True"), (1.0, "1.0"), (1000, "1000")])
+def test_bad_mtp_layer_counts_name_the_key(tmp_path, extra, needle):
+    d = tmp_path / "m"
+    build_hf_model("llama_gqa_tied", seed=39).save_pretrained(d)
+    _edit_config(d, num_nextn_predict_layers=extra)
+    _fails(d, "config.json", "key 'num_nextn_predict_layers' must be an integer from 0 to 64", needle)
+
+
+def test_a_real_layer_is_not_taken_for_an_mtp_layer(tmp_path):
+    """A layer counted by num_nextn_predict_layers that has no eh_proj is a decoder layer the config leaves
+    out: refused, not silently dropped (a 3-layer checkpoint served as 2 layers)."""
+    d = tmp_path / "m"
+    build_hf_model("llama_gqa_tied", seed=40).save_pretrained(d)
+    _edit_config(d, num_hidden_layers=2, num_nextn_predict_layers=2)
+    _fails(d, "layer 2 follows the model's last (num_hidden_layers 2) but is no multi-token-prediction layer")
+
+
+def test_autofp8_per_tensor_scales_and_static_activation_scales(tmp_path):
+    """AutoFP8's layout (Llama FP8 checkpoints): `weight_scale` (one per weight), static `input_scale`s that
+    are not read (activations are not quantized, as vLLM runs them without FP8 math), no block size."""
+    original = build_hf_model("llama_rope3_untied", seed=41)
+    original.save_pretrained(tmp_path)
+    written = to_fp8(tmp_path, None)
+    sd = {(n.replace("_scale_inv", "_scale") if n.endswith("_scale_inv") else n): t for n, t in written.items()}
+    sd |= {n.replace(".weight_scale", ".input_scale"): torch.tensor(0.05) for n in list(sd) if n.endswith("_scale")}
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    _edit_config(tmp_path, quantization_config={"quant_method": "fp8", "activation_scheme": "static"})
+    ckpt = HFCheckpoint(tmp_path)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    assert torch.equal(ckpt.get(name), dequantized(sd[name], sd[name + "_scale"], None))
+    assert not any(n.endswith(("_scale", "input_scale")) for n in ckpt.layout())
+    ids = prompt(30, 320, seed=9)
+    with torch.no_grad():
+        ref = original(torch.tensor([ids])).logits[0].float()
+    assert rel_err(prefill_logits(make_runner(tmp_path), ids), ref) <= 0.1  # per-tensor FP8 of fresh weights
+
+
+def test_no_block_size_is_transformers_default(tmp_path):
+    """Without `weight_block_size`, a grid of scales is of 128x128 blocks, as transformers reads it."""
+    w = torch.randn(300, 260)
+    q = w.to(torch.float8_e4m3fn)
+    scale = torch.rand(3, 3) + 0.5
+    save_file({"x.weight": q, "x.weight_scale_inv": scale}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
+    assert torch.equal(HFCheckpoint(tmp_path).get("x.weight"), dequantized(q, scale, [128, 128]))
 
 
 def test_fp8_tensors_without_a_quantization_config(fp8_dir, tmp_path):
