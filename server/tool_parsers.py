@@ -16,6 +16,8 @@ Formats (the markup of the models' own chat templates):
   hermes (Qwen2.5, Hermes 2/3):  <tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call> ...
   llama3_json (Llama 3.1/3.2):   [TEXT <|python_tag|>]{"name": NAME, "parameters": ARGS}[; {...}]* [TEXT], or a JSON
                                  array of such objects
+  mistral (v0.3):                TEXT [TOOL_CALLS] [{"name": NAME, "arguments": ARGS}, ...]
+  mistral (tokenizer v11+):      TEXT [TOOL_CALLS]NAME[ARGS]ARGS [TOOL_CALLS]NAME[ARGS]ARGS ...
 
 DeepSeek arguments stream as they are written, after a first delta carrying id and name. A Hermes
 block is held until `</tool_call>` and then sent whole. Llama output that begins a JSON object or
@@ -31,6 +33,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from json.decoder import scanstring
@@ -454,12 +457,91 @@ class Llama3JsonToolParser(ToolParser):
         return False
 
 
+_MISTRAL_CALLS = "[TOOL_CALLS]"
+_MISTRAL_ARGS = "[ARGS]"
+_MISTRAL_CALL_ID = "[CALL_ID]"
+_MISTRAL_ID_CHARS = string.ascii_letters + string.digits
+
+
+def mistral_call_id() -> str:
+    """Mistral's call id: 9 letters and digits, which its chat templates check when the call comes back
+    (v0.3's refuses any other: "Tool call IDs should be alphanumeric strings with length 9!")."""
+    return "".join(secrets.choice(_MISTRAL_ID_CHARS) for _ in range(9))
+
+
+class MistralToolParser(ToolParser):
+    """Mistral: `[TOOL_CALLS]` then, from v0.3's tokenizer, a JSON array of {"name", "arguments"} objects
+    (held to the end, as Llama's JSON: `_llama_array`), or, from tokenizer v11 (Mistral Small 3, Ministral,
+    Devstral), `NAME[ARGS]ARGS` per call, each after its own `[TOOL_CALLS]` (a `[CALL_ID]ID` before `[ARGS]`
+    is dropped: ids are this server's); those arguments stream as they are written."""
+
+    def __init__(self, new_id: Callable[[], str] = mistral_call_id) -> None:
+        super().__init__(new_id)
+        self._state = "content"  # content | decide (after the marker) | array | header | args
+
+    def _step(self, final: bool) -> bool:
+        if self._state == "content":
+            if self._scan_content((_MISTRAL_CALLS,), final) is None:
+                return False
+            self._state = "decide"
+            return True
+        if self._state == "decide":  # an array (v0.3) or a name (v11)
+            head = self._buf.lstrip()
+            if not head and not final:
+                return False
+            self._state = "array" if head.startswith("[") else "header"
+            return True
+        if self._state == "array":
+            if not final:
+                return False
+            read = _llama_array(self._buf.strip())
+            if read is None:
+                self._emit(_MISTRAL_CALLS + self._buf)
+            else:
+                for name, args in read[0]:
+                    self._open_call(name)
+                    self._add_args(args)
+                self._emit(read[1])
+            self._buf, self._state = "", "content"
+            return False
+        if self._state == "header":
+            at = self._buf.find(_MISTRAL_ARGS)
+            if at < 0:
+                if final or _MISTRAL_CALLS in self._buf:  # no arguments ever came: it was no call
+                    self._emit(_MISTRAL_CALLS)
+                    self._state = "content"
+                    return True
+                return False
+            name = self._buf[:at].split(_MISTRAL_CALL_ID, 1)[0].strip()
+            if not name:
+                self._emit(_MISTRAL_CALLS)
+                self._state = "content"
+                return True
+            self._open_call(name)
+            self._buf, self._state = self._buf[at + len(_MISTRAL_ARGS):], "args"
+            return True
+        # args: up to the next call's marker; a tail that may begin one, and whitespace that may end the
+        # arguments (before a next call, or the end), wait for the text after them
+        if not self._calls[-1].arguments:
+            self._buf = self._buf.lstrip()
+        at = self._buf.find(_MISTRAL_CALLS)
+        end = at if at >= 0 else len(self._buf) - (0 if final else partial_len(self._buf, (_MISTRAL_CALLS,)))
+        sent = self._buf[:end].rstrip()
+        self._add_args(sent)
+        if at >= 0:
+            self._buf, self._state = self._buf[at + len(_MISTRAL_CALLS):], "header"
+            return True
+        self._buf = "" if final else self._buf[len(sent):]
+        return False
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "deepseek_v3": DeepSeekV3ToolParser,
     "deepseek_v31": DeepSeekV31ToolParser,
     "deepseek_v25": DeepSeekV3ToolParser,  # V2.5's template writes the same markup as V3's
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
 }
 
 
@@ -476,7 +558,15 @@ def detect_tool_parser(chat_template: str | None) -> str | None:
         return "hermes" if '"arguments' in chat_template and not xml_args else None
     if _PYTHON_TAG in chat_template or ('"parameters"' in chat_template and "<|start_header_id|>" in chat_template):
         return "llama3_json"
+    if _MISTRAL_CALLS in chat_template:
+        return "mistral"
     return None
+
+
+def call_id_maker(chat_template: str | None) -> Callable[[], str]:
+    """How call ids are made for a model: Mistral's 9 characters where its template writes `[TOOL_CALLS]`
+    (it checks them when the calls come back), else OpenAI's `call_...`."""
+    return mistral_call_id if chat_template and _MISTRAL_CALLS in chat_template else default_call_id
 
 
 def parse_tool_calls(parser: str, text: str, new_id: Callable[[], str] = default_call_id) -> tuple[str, list[ToolCall]]:

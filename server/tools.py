@@ -38,7 +38,8 @@ from scheduler.sampling_params import ParamError, StructuredOutput
 from server.chat_template import accepts_system, writes_tool_messages
 from server.protocol import ChatInput, NamedToolChoice
 from server.structured import check_json_schema, check_valid_schema, embedded, schema_output
-from server.tool_parsers import TOOL_PARSERS, ToolCall, ToolCallDelta, ToolParser, default_call_id, detect_tool_parser
+from server.tool_parsers import (TOOL_PARSERS, ToolCall, ToolCallDelta, ToolParser, call_id_maker, default_call_id,
+                                 detect_tool_parser)
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -83,6 +84,7 @@ def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto")
     if not tools or choice == "none":
         return ToolPlan()
     rendered = [t.model_dump(exclude_none=True) for t in tools]
+    new_id = call_id_maker(template)  # ids the template accepts when the calls come back
     renders_tools = template is not None and "tools" in template
     listed = None if renders_tools else "\n".join(json.dumps(t, ensure_ascii=False) for t in rendered)
     # a forced call (named or required) is written as the constrained JSON, not in any markup, but the
@@ -96,7 +98,7 @@ def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto")
         fn = tools[names.index(choice.function.name)].function
         params = _parameters(fn.parameters, f"tools.[{names.index(fn.name)}].function.parameters")
         return ToolPlan(rendered, forced_system, schema_output(params, "tool_choice"),
-                        lambda: MergedDeltas(NamedToolCall(fn.name)), named=True)
+                        lambda: MergedDeltas(NamedToolCall(fn.name, new_id)), named=True)
     if choice == "required":
         # each tool's parameters under $defs, their own references rewritten to point there
         defs = {f"tool{i}": embedded(_parameters(t.function.parameters, f"tools.[{i}].function.parameters"),
@@ -109,7 +111,8 @@ def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto")
                                   "items": items[0] if len(items) == 1 else {"anyOf": items}}
         if body.parallel_tool_calls is False:
             schema["maxItems"] = 1
-        return ToolPlan(rendered, forced_system, schema_output(schema, "tool_choice"), RequiredToolCalls)
+        return ToolPlan(rendered, forced_system, schema_output(schema, "tool_choice"),
+                        lambda: RequiredToolCalls(new_id))
     # auto: the parser the template implies (or the flag's); Hermes where nothing says otherwise
     name = detect_tool_parser(template) if parser_name == "auto" else parser_name
     if name is None and renders_tools:
@@ -117,9 +120,9 @@ def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto")
                          f"start the server with --tool-call-parser (one of {', '.join(sorted(TOOL_PARSERS))})")
     name = name or "hermes"
     if listed is None:
-        return ToolPlan(rendered, None, None, _parser(name, body.parallel_tool_calls))
+        return ToolPlan(rendered, None, None, _parser(name, body.parallel_tool_calls, new_id))
     prompt = (_TOOL_PROMPT if name == "hermes" else _TOOL_LIST_PROMPT).format(tools=listed)
-    return ToolPlan(None, prompt, None, _parser(name, body.parallel_tool_calls))
+    return ToolPlan(None, prompt, None, _parser(name, body.parallel_tool_calls, new_id))
 
 
 def _text_of(content: Any) -> str:
@@ -207,11 +210,11 @@ def _parameters(schema: dict[str, Any] | None, param: str) -> dict[str, Any]:
     return schema
 
 
-def _parser(name: str, parallel: bool | None) -> Callable[[], MergedDeltas]:
+def _parser(name: str, parallel: bool | None, new_id: Callable[[], str]) -> Callable[[], MergedDeltas]:
     cls = TOOL_PARSERS[name]
     if parallel is False:
-        return lambda: MergedDeltas(FirstCallOnly(cls()))
-    return lambda: MergedDeltas(cls())
+        return lambda: MergedDeltas(FirstCallOnly(cls(new_id)))
+    return lambda: MergedDeltas(cls(new_id))
 
 
 class NamedToolCall:

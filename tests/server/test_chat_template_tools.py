@@ -603,3 +603,32 @@ def test_documents_reach_the_template(hf_tokenizers):
     assert _chat_prompt(template, {"messages": messages, "documents": docs, "add_generation_prompt": False}) == theirs
     assert theirs.startswith("<doc 0>Eiffel: The tower is in Paris.<doc 1>Pisa")
     assert _chat_prompt(template, {"messages": messages, "add_generation_prompt": False}) == "<user>Where is the tower?"
+
+
+def test_mistral_tools_render_parse_and_come_back():
+    """A Mistral template (Ministral 3's): tools render (the request was a 400: no parser for `[TOOL_CALLS]`),
+    the mistral parser reads its calls, and every way of calling (auto, named, required) makes 9-character
+    ids, which Mistral's templates check when the calls come back; that history renders."""
+    from server.protocol import ChatCompletionRequest
+    from server.tools import plan_tools
+
+    template = _fixture("ministral3.jinja")
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    assert "[AVAILABLE_TOOLS]" in _chat_prompt(template, {"messages": ask, "tools": TOOLS})
+    ids = []
+    for choice, output in ((None, '[TOOL_CALLS]get_weather[ARGS]{"location": {"city": "Paris"}}'),
+                           ({"type": "function", "function": {"name": "get_weather"}}, '{"location": {"city": "Paris"}}'),
+                           ("required", '[{"name": "get_weather", "parameters": {"location": {"city": "Paris"}}}]')):
+        body = ChatCompletionRequest.model_validate({"messages": ask, "tools": TOOLS, "tool_choice": choice})
+        parser = plan_tools(body, template).new_parser()
+        parser.feed(output)
+        parser.finish()
+        (call,) = parser.tool_calls if not hasattr(parser, "calls") else parser.calls
+        assert call.name == "get_weather" and json.loads(call.arguments) == {"location": {"city": "Paris"}}
+        ids.append(call.id)
+    assert all(len(i) == 9 and i.isalnum() for i in ids), ids
+    history = [*ask, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": ids[0], "type": "function", "function": {"name": "get_weather", "arguments": '{"location": {"city": "Paris"}}'}}]},
+        {"role": "tool", "tool_call_id": ids[0], "content": "21 C"}]
+    text = _chat_prompt(template, {"messages": history, "tools": TOOLS})
+    assert '[TOOL_CALLS]get_weather[ARGS]{"location": {"city": "Paris"}}' in text and "[TOOL_RESULTS]21 C" in text

@@ -19,8 +19,10 @@ from server.tool_parsers import (
     TOOL_PARSERS,
     DeepSeekV3ToolParser,
     ToolCallDelta,
+    call_id_maker,
     default_call_id,
     detect_tool_parser,
+    mistral_call_id,
     parse_tool_calls,
 )
 
@@ -29,6 +31,7 @@ CALL_B, CALL_E, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
 DEEPSEEK_MARKERS = (CALLS_B, CALLS_E, CALL_B, CALL_E, SEP)
 HERMES_MARKERS = ("<tool_call>", "</tool_call>")
 PYTHON_TAG = "<|python_tag|>"
+MISTRAL = "[TOOL_CALLS]"
 
 
 def v3(name: str, args: str) -> str:
@@ -147,17 +150,29 @@ CASES = [
     ("llama3_json", '{"name": "a", "parameters": {}}; {"name": 5}', '{"name": 5}', [("a", "{}")]),
     ("llama3_json", "The weather is {sunny}.", "The weather is {sunny}.", []),
     ("llama3_json", "  Hello <|python", "  Hello <|python", []),
+    # --- Mistral: v0.3's JSON array, tokenizer v11's NAME[ARGS]ARGS per call ---
+    ("mistral", MISTRAL + ' [{"name": "get_weather", "arguments": ' + WEATHER + "}]", "", [("get_weather", WEATHER)]),
+    ("mistral", "Checking. " + MISTRAL + ' [{"name": "a", "arguments": {}}, {"name": "search", "arguments": '
+     + NESTED + "}]", "Checking. ", [("a", "{}"), ("search", NESTED)]),
+    ("mistral", MISTRAL + "get_weather[ARGS]" + WEATHER, "", [("get_weather", WEATHER)]),
+    ("mistral", "Sure, both. " + MISTRAL + "get_weather[ARGS]" + WEATHER + MISTRAL + "write_file[ARGS]" + PRETTY,
+     "Sure, both. ", [("get_weather", WEATHER), ("write_file", PRETTY)]),
+    ("mistral", MISTRAL + "get_weather[CALL_ID]a1B2c3D4e[ARGS] " + PARIS + "\n", "", [("get_weather", PARIS)]),
+    ("mistral", MISTRAL + 'search[ARGS]{"q": "hel', "", [("search", '{"q": "hel')]),  # cut by max_tokens
+    ("mistral", MISTRAL + " [not, json]", MISTRAL + " [not, json]", []),
+    ("mistral", MISTRAL + "no arguments", MISTRAL + "no arguments", []),
+    ("mistral", "Use [TOOL_CALL] or [ARGS] as words [TOOL", "Use [TOOL_CALL] or [ARGS] as words [TOOL", []),
 ]
 CASE_IDS = [f"{i}-{case[0]}" for i, case in enumerate(CASES)]
 
 
 def _markers(parser: str) -> tuple[str, ...]:
-    return {"hermes": HERMES_MARKERS, "llama3_json": (PYTHON_TAG,)}.get(parser, DEEPSEEK_MARKERS)
+    return {"hermes": HERMES_MARKERS, "llama3_json": (PYTHON_TAG,), "mistral": (MISTRAL,)}.get(parser, DEEPSEEK_MARKERS)
 
 
 def _start_markers(parser: str) -> tuple[str, ...]:
     """The markers that open a call, whose first characters content must never end on mid-stream."""
-    return {"hermes": HERMES_MARKERS[:1], "llama3_json": ()}.get(parser, (CALLS_B, CALL_B))
+    return {"hermes": HERMES_MARKERS[:1], "llama3_json": (), "mistral": (MISTRAL,)}.get(parser, (CALLS_B, CALL_B))
 
 
 def _ids():
@@ -247,9 +262,12 @@ def test_hermes_sends_a_block_once_closed():
 
 def test_registry_and_ids():
     assert TOOL_PARSERS["deepseek_v25"] is TOOL_PARSERS["deepseek_v3"]
-    assert set(TOOL_PARSERS) == {"deepseek_v3", "deepseek_v31", "deepseek_v25", "hermes", "llama3_json"}
+    assert set(TOOL_PARSERS) == {"deepseek_v3", "deepseek_v31", "deepseek_v25", "hermes", "llama3_json", "mistral"}
     ids = {default_call_id() for _ in range(100)}
     assert len(ids) == 100 and all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids)
+    ids = {mistral_call_id() for _ in range(100)}  # what Mistral's templates accept back
+    assert len(ids) == 100 and all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in ids)
+    assert call_id_maker(MINISTRAL3) is mistral_call_id and call_id_maker(CHATML_TEMPLATE) is default_call_id
 
 
 # Snippets of the real templates' tool-call rendering.
@@ -269,6 +287,7 @@ CHATML_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\\n{{ m.conten
 QWEN3_CODER_TEMPLATE = ("{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}{%- for k, v in "
                         "tool_call.arguments|items %}{{- '<parameter=' + k + '>\\n' }}")
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
+MINISTRAL3 = (FIXTURES / "ministral3.jinja").read_text()
 
 
 @pytest.mark.parametrize("template, expected", [
@@ -282,6 +301,8 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
     ((FIXTURES / "glm_4_6.jinja").read_text(), None),
     (QWEN3_CODER_TEMPLATE, None),
     ((FIXTURES / "qwen2_5.jinja").read_text(), "hermes"),
+    ((FIXTURES / "ministral3.jinja").read_text(), "mistral"),
+    ("{{- '[TOOL_CALLS] [' }}{%- for tool_call in message.tool_calls %}", "mistral"),  # v0.3's
     ("", None),
     (None, None),
 ])
