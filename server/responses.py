@@ -825,12 +825,12 @@ def _whole_json(text: str) -> bool:
 
 
 def _tool_input(arguments: str) -> dict[str, Any]:
-    """A tool_use block's `input`: the call's arguments as an object, or {} for arguments cut off by
-    max_tokens or a stop sequence (not JSON yet; the reply's stop_reason says which, and Anthropic's advice
-    for max_tokens is to ask again with more; a stream has sent the partial text in its input_json_delta
-    events)."""
+    """A tool_use block's `input`: the call's arguments as an object. Arguments cut off by max_tokens or a
+    stop sequence (the reply's stop_reason says which; Anthropic's advice for max_tokens is to ask again with
+    more) give the members complete so far, as Anthropic's SDK reads the same text streamed (jiter's partial
+    mode: a string still open is left out), so a reply reads the same streamed or not."""
     try:
-        value = from_json(arguments)
+        value = from_json(arguments, allow_partial=True)
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}

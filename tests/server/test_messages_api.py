@@ -135,9 +135,10 @@ def test_stop_sequence_is_named(client):
     assert m.content[0].text == text.split(stop)[0]
 
 
-def test_a_forced_call_cut_off_by_max_tokens_is_a_tool_use_with_no_input(client):
-    """Its arguments are not JSON yet: the block's input is {} and stop_reason says max_tokens (it was a
-    500 once, the arguments parsed as they were)."""
+def test_a_forced_call_cut_off_by_max_tokens_is_a_tool_use_with_partial_input(client):
+    """Its arguments are not JSON yet: the block's input holds the members complete so far, as the SDK reads
+    the same reply streamed (it was {} while the stream gave them; a 500 once, the arguments parsed as they
+    were), and stop_reason says max_tokens."""
     ask = [{"role": "user", "content": "Weather in Paris?"}]
     full = client.messages.create(model="m", max_tokens=120, messages=ask, tools=[WEATHER],
                                   tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body=GREEDY)
@@ -146,7 +147,13 @@ def test_a_forced_call_cut_off_by_max_tokens_is_a_tool_use_with_no_input(client)
     m = client.messages.create(model="m", max_tokens=full.usage.output_tokens - 3, messages=ask, tools=[WEATHER],
                                tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body=GREEDY)
     assert m.stop_reason == "max_tokens"
-    assert [(b.type, b.name, b.input) for b in m.content if b.type == "tool_use"] == [("tool_use", cut[0].name, {})]
+    (partial,) = [b for b in m.content if b.type == "tool_use"]
+    assert partial.name == cut[0].name and partial.input != cut[0].input
+    with client.messages.stream(model="m", max_tokens=full.usage.output_tokens - 3, messages=ask, tools=[WEATHER],
+                                tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                extra_body=GREEDY) as stream:
+        streamed = stream.get_final_message()
+    assert [b.input for b in streamed.content if b.type == "tool_use"] == [partial.input]
 
 
 def test_forced_tool_call_and_its_result_round_trip(server, client, chat):
