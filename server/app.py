@@ -184,7 +184,7 @@ class _CORS(CORSMiddleware):
 
 
 REQUEST_ID_HEADER = b"x-request-id"
-ANTHROPIC_PATH, ANTHROPIC_REQUEST_ID_HEADER = "/v1/messages", b"request-id"  # Anthropic's API names it so
+ANTHROPIC_REQUEST_ID_HEADER = b"request-id"  # Anthropic's API names it so
 _REQUEST_ID_OK = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")  # a client's id is echoed only when it reads as one
 QUIET_PATHS = frozenset({"/health", "/metrics"})  # polled by probes and scrapers: logged at debug only
 
@@ -192,8 +192,8 @@ QUIET_PATHS = frozenset({"/health", "/metrics"})  # polled by probes and scraper
 class RequestLogMiddleware:
     """One log line per request when its answer has gone out (a stream: at its end): method, path, status,
     time taken, the client and the request id. The id is the client's `X-Request-Id` when it sends a sane
-    one, else a new one; every answer carries it back in `x-request-id` (the Messages API's also in
-    `request-id`, as Anthropic's), so a client's error can be found in the server's log. Prompts and outputs are never logged. Outermost: it sees every answer, the
+    one, else a new one; every answer carries it back in `x-request-id` (an Anthropic client's also in
+    `request-id`, where its SDK reads it), so a client's error can be found in the server's log. Prompts and outputs are never logged. Outermost: it sees every answer, the
     middlewares' refusals included."""
 
     def __init__(self, app: ASGIApp) -> None:
@@ -212,7 +212,7 @@ class RequestLogMiddleware:
             if msg["type"] == "http.response.start":
                 status = int(msg["status"])
                 ids = [(REQUEST_ID_HEADER, rid)]
-                if scope.get("path", "").startswith(ANTHROPIC_PATH):  # where Anthropic's SDK looks for it
+                if from_anthropic_client(scope):  # where Anthropic's SDK looks for it
                     ids.append((ANTHROPIC_REQUEST_ID_HEADER, rid))
                 msg = {**msg, "headers": [*msg.get("headers", []), *ids]}
             await send(msg)

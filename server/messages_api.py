@@ -263,6 +263,7 @@ class ModelInfo(_Response):
 
 
 class ModelInfoList(_Response):
+    keep_null = frozenset({"first_id", "last_id"})  # an empty page has them null, as Anthropic's
     data: list[ModelInfo]
     has_more: bool = False
     first_id: str | None = None
@@ -278,7 +279,7 @@ def model_info_list(model_id: str, created: int, query: Mapping[str, str]) -> Mo
     """The one-model page Anthropic's list would give for its cursor parameters (`after_id` / `before_id`:
     the page past that model, empty; `limit` 1 to 1000); ParamError naming a bad one."""
     limit = query.get("limit", "20")
-    if not limit.isdigit() or not 1 <= int(limit) <= 1000:
+    if not (limit.isascii() and limit.isdigit()) or not 1 <= int(limit) <= 1000:
         raise ParamError("limit", f"limit must be an integer from 1 to 1000, got {limit!r:.40}")
     cursor = next(((k, query[k]) for k in ("after_id", "before_id") if k in query), None)
     if cursor is not None and cursor[1] != model_id:

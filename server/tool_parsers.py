@@ -17,7 +17,7 @@ Formats (the markup of the models' own chat templates):
   llama3_json (Llama 3.1/3.2):   [TEXT <|python_tag|>]{"name": NAME, "parameters": ARGS}[; {...}]* [TEXT], or a JSON
                                  array of such objects
   mistral (v0.3):                TEXT [TOOL_CALLS] [{"name": NAME, "arguments": ARGS}, ...]
-  mistral (tokenizer v11+):      TEXT [TOOL_CALLS]NAME[ARGS]ARGS [TOOL_CALLS]NAME[ARGS]ARGS ...
+  mistral (tokenizer v11+):      TEXT [TOOL_CALLS]NAME[ARGS]{...}[TOOL_CALLS]NAME[ARGS]{...} [TEXT]
 
 DeepSeek arguments stream as they are written, after a first delta carrying id and name. A Hermes
 block is held until `</tool_call>` and then sent whole. Llama output that begins a JSON object or
@@ -80,6 +80,34 @@ def partial_len(text: str, markers: Sequence[str]) -> int:
         if any(marker.startswith(text[-k:]) for marker in markers):
             return k
     return 0
+
+
+class JsonEnd:
+    """Where a JSON object or array that text begins with closes, the text coming in pieces: its nesting is
+    followed across them, strings and their escapes included (a bracket or a marker inside a string is text)."""
+
+    def __init__(self) -> None:
+        self._depth, self._in_string, self._escaped = 0, False, False
+
+    def end(self, text: str) -> int | None:
+        """The index after the closing bracket in this piece, or None if the value does not close in it."""
+        for i, ch in enumerate(text):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return i + 1
+        return None
 
 
 class ToolParser:
@@ -469,21 +497,31 @@ def mistral_call_id() -> str:
     return "".join(secrets.choice(_MISTRAL_ID_CHARS) for _ in range(9))
 
 
+# a v11 call's head after `[TOOL_CALLS]`: the function's name (OpenAI's characters, dots too), an id the server
+# replaces, then `[ARGS]`; and what text may still grow into one
+_MISTRAL_HEAD = re.compile(r"\s*([A-Za-z0-9_.-]{1,64})(?:\[CALL_ID\][A-Za-z0-9]{1,64})?\[ARGS\]")
+_MISTRAL_HEAD_SO_FAR = re.compile(r"\s*[A-Za-z0-9_.-]{0,64}(?:\[CALL_ID\][A-Za-z0-9]{0,64})?")
+
+
 class MistralToolParser(ToolParser):
     """Mistral: `[TOOL_CALLS]` then, from v0.3's tokenizer, a JSON array of {"name", "arguments"} objects
     (held to the end, as Llama's JSON: `_llama_array`), or, from tokenizer v11 (Mistral Small 3, Ministral,
-    Devstral), `NAME[ARGS]ARGS` per call, each after its own `[TOOL_CALLS]` (a `[CALL_ID]ID` before `[ARGS]`
-    is dropped: ids are this server's); those arguments stream as they are written."""
+    Devstral), `NAME[ARGS]{...}` per call, each after its own `[TOOL_CALLS]` (a `[CALL_ID]ID` before `[ARGS]`
+    is dropped: ids are this server's). Those arguments stream as they are written, up to where their object
+    closes; text after it is content. A marker followed by anything else (prose that names it) is content."""
 
     def __init__(self, new_id: Callable[[], str] = mistral_call_id) -> None:
         super().__init__(new_id)
-        self._state = "content"  # content | decide (after the marker) | array | header | args
+        self._state = "content"  # content | decide (after the marker) | array | header | args_start | args
+        self._raw = ""  # the markup of a call not yet opened: content if none comes of it
+        self._name = ""  # the function a v11 head named, opened when its arguments begin
+        self._nesting = JsonEnd()
 
     def _step(self, final: bool) -> bool:
         if self._state == "content":
             if self._scan_content((_MISTRAL_CALLS,), final) is None:
                 return False
-            self._state = "decide"
+            self._state, self._raw = "decide", _MISTRAL_CALLS
             return True
         if self._state == "decide":  # an array (v0.3) or a name (v11)
             head = self._buf.lstrip()
@@ -491,48 +529,66 @@ class MistralToolParser(ToolParser):
                 return False
             self._state = "array" if head.startswith("[") else "header"
             return True
-        if self._state == "array":
-            if not final:
-                return False
-            read = _llama_array(self._buf.strip())
-            if read is None:
-                self._emit(_MISTRAL_CALLS + self._buf)
-            else:
-                for name, args in read[0]:
-                    self._open_call(name)
-                    self._add_args(args)
-                self._emit(read[1])
+        return {"array": self._array, "header": self._header, "args_start": self._args_start,
+                "args": self._args}[self._state](final)
+
+    def _array(self, final: bool) -> bool:
+        if not final:
+            return False
+        read = _llama_array(self._buf.strip())
+        if read is None:
+            self._reject(len(self._buf))
+            return False
+        for name, args in read[0]:
+            self._open_call(name)
+            self._add_args(args)
+        self._emit(read[1])
+        self._buf, self._state = "", "content"
+        return False
+
+    def _header(self, final: bool) -> bool:
+        head = _MISTRAL_HEAD.match(self._buf)
+        if head is not None:
+            self._raw += self._buf[: head.end()]
+            self._name, self._buf, self._state = head.group(1), self._buf[head.end():], "args_start"
+            return True
+        so_far = _MISTRAL_HEAD_SO_FAR.match(self._buf).end()
+        rest = self._buf[so_far:]
+        if not final and (not rest or any(tag.startswith(rest) for tag in (_MISTRAL_ARGS, _MISTRAL_CALL_ID))):
+            return False  # may still become a call's head
+        self._reject(0)
+        return True
+
+    def _args_start(self, final: bool) -> bool:
+        body = self._buf.lstrip()
+        if not body and not final:
+            return False
+        if body and not body.startswith("{"):
+            self._reject(0)
+            return True
+        self._open_call(self._name)
+        self._raw, self._nesting = "", JsonEnd()
+        if not body:  # `[ARGS]` and the end: a call without arguments
+            self._add_args("{}")
             self._buf, self._state = "", "content"
             return False
-        if self._state == "header":
-            at = self._buf.find(_MISTRAL_ARGS)
-            if at < 0:
-                if final or _MISTRAL_CALLS in self._buf:  # no arguments ever came: it was no call
-                    self._emit(_MISTRAL_CALLS)
-                    self._state = "content"
-                    return True
-                return False
-            name = self._buf[:at].split(_MISTRAL_CALL_ID, 1)[0].strip()
-            if not name:
-                self._emit(_MISTRAL_CALLS)
-                self._state = "content"
-                return True
-            self._open_call(name)
-            self._buf, self._state = self._buf[at + len(_MISTRAL_ARGS):], "args"
-            return True
-        # args: up to the next call's marker; a tail that may begin one, and whitespace that may end the
-        # arguments (before a next call, or the end), wait for the text after them
-        if not self._calls[-1].arguments:
-            self._buf = self._buf.lstrip()
-        at = self._buf.find(_MISTRAL_CALLS)
-        end = at if at >= 0 else len(self._buf) - (0 if final else partial_len(self._buf, (_MISTRAL_CALLS,)))
-        sent = self._buf[:end].rstrip()
-        self._add_args(sent)
-        if at >= 0:
-            self._buf, self._state = self._buf[at + len(_MISTRAL_CALLS):], "header"
-            return True
-        self._buf = "" if final else self._buf[len(sent):]
-        return False
+        self._buf, self._state = body, "args"
+        return True
+
+    def _args(self, final: bool) -> bool:
+        end = self._nesting.end(self._buf)
+        if end is None:  # at `final` too: a call cut short keeps the arguments sent so far
+            self._add_args(self._buf)
+            self._buf = ""
+            return False
+        self._add_args(self._buf[:end])
+        self._buf, self._state, self._skip_ws = self._buf[end:], "content", True
+        return True
+
+    def _reject(self, n: int) -> None:
+        """The pending markup and `_buf[:n]` make no call: they are content."""
+        self._emit(self._raw + self._buf[:n])
+        self._raw, self._buf, self._state = "", self._buf[n:], "content"
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {

@@ -38,8 +38,8 @@ from scheduler.sampling_params import ParamError, StructuredOutput
 from server.chat_template import accepts_system, writes_tool_messages
 from server.protocol import ChatInput, NamedToolChoice
 from server.structured import check_json_schema, check_valid_schema, embedded, schema_output
-from server.tool_parsers import (TOOL_PARSERS, ToolCall, ToolCallDelta, ToolParser, call_id_maker, default_call_id,
-                                 detect_tool_parser)
+from server.tool_parsers import (TOOL_PARSERS, JsonEnd, ToolCall, ToolCallDelta, ToolParser, call_id_maker,
+                                 default_call_id, detect_tool_parser)
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -260,7 +260,7 @@ class RequiredToolCalls:
         self._new_id = new_id
         self._pending = ""  # text not consumed yet: a call's head still incomplete, or the array's tail
         self._state = "name"  # what the text goes on with: "name" (a call's start), "parameters", "args"
-        self._depth, self._in_string, self._escaped = 0, False, False
+        self._nesting = JsonEnd()  # where the open call's parameters object closes
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
@@ -281,13 +281,13 @@ class RequiredToolCalls:
                 if key is None:
                     break
                 self._pending = self._pending[key.end():]
-                self._state, self._depth, self._in_string, self._escaped = "args", 0, False, False
+                self._state, self._nesting = "args", JsonEnd()
                 continue
             if not self.calls[-1].arguments:  # the object's text starts at its "{", wherever the pieces split
                 self._pending = self._pending.lstrip()
                 if not self._pending:
                     break
-            end = self._arguments_end(self._pending)
+            end = self._nesting.end(self._pending)
             piece = self._pending if end is None else self._pending[:end]
             self.calls[-1].arguments += piece
             out.append(ToolCallDelta(len(self.calls) - 1, arguments=piece))
@@ -296,27 +296,6 @@ class RequiredToolCalls:
                 break
             self._state = "name"
         return "", merge_deltas(out)
-
-    def _arguments_end(self, text: str) -> int | None:
-        """Where the parameters object closes in `text` (the index after its "}"), or None: the JSON
-        nesting is followed across pieces, strings and their escapes included."""
-        for i, ch in enumerate(text):
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif ch == "\\":
-                    self._escaped = True
-                elif ch == '"':
-                    self._in_string = False
-            elif ch == '"':
-                self._in_string = True
-            elif ch in "{[":
-                self._depth += 1
-            elif ch in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    return i + 1
-        return None
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         return "", []

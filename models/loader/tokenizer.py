@@ -32,6 +32,7 @@ import contextlib
 import functools
 import importlib.util
 import json
+import logging
 import numbers
 import os
 from collections.abc import Mapping, Sequence
@@ -49,6 +50,8 @@ from models.loader.errors import CheckpointError
 from models.loader.gguf_file import read_gguf_metadata
 from models.loader.jsonfile import read_json
 from models.loader.pretokenizers import PRE_TOKENIZERS, byte_level_pre_tokenizer, detect_pre
+
+logger = logging.getLogger(__name__)
 
 _T = gguf.TokenType
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = (
@@ -175,34 +178,35 @@ def _special_token(
 def _chat_templates(model_dir: Path, config: dict) -> tuple[str | None, dict[str, str]]:
     """The default chat template and the named others, where transformers finds them: chat_template.jinja and
     additional_chat_templates/NAME.jinja (transformers 5 writes these), else chat_template.json, else
-    tokenizer_config.json's `chat_template` (a string, or a list of {name, template} with a 'default')."""
-    files = {"default": model_dir / "chat_template.jinja"} if (model_dir / "chat_template.jinja").is_file() else {}
+    tokenizer_config.json's `chat_template` (a string, or a list of {name, template}). As transformers, an
+    entry whose template is not text is left out, and a later name wins; the config's default stands where
+    only named files are given (transformers then has none)."""
+    named: dict[str, str] = {}
     extra_dir = model_dir / "additional_chat_templates"
     if extra_dir.is_dir():
-        files |= {f.name.removesuffix(".jinja"): f for f in sorted(extra_dir.glob("*.jinja")) if f.is_file()}
-    if files:
-        if "default" not in files:
-            raise CheckpointError(extra_dir, "named chat templates but no default one (chat_template.jinja)")
-        texts = {}
-        for name, f in files.items():
-            try:
-                texts[name] = f.read_text(encoding="utf-8")
-            except UnicodeDecodeError as e:
-                raise CheckpointError(f, f"not UTF-8 text: {e}") from None
-        return texts.pop("default"), texts
+        named = {f.name.removesuffix(".jinja"): _read_template(f) for f in sorted(extra_dir.glob("*.jinja"))
+                 if f.is_file()}
+    if (model_dir / "chat_template.jinja").is_file():
+        return _read_template(model_dir / "chat_template.jinja"), named
     path, template = model_dir / "tokenizer_config.json", config.get("chat_template")
     as_json = read_json(model_dir / "chat_template.json", required=False, expect_object=False)
     if as_json is not None:
         path = model_dir / "chat_template.json"
         template = as_json.get("chat_template") if isinstance(as_json, dict) else None
     if template is None or isinstance(template, str):
-        return template, {}
+        return template, named
     if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-        named = {t["name"]: t["template"] for t in template if isinstance(t, dict)
-                 and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
-        if len(named) == len(template) and "default" in named:
-            return named.pop("default"), named
-    raise CheckpointError(path, "key 'chat_template': expected a string or a list of {name, template} with a 'default'")
+        listed = {t["name"]: t["template"] for t in template if isinstance(t, dict)
+                  and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+        return listed.pop("default", None), {**listed, **named}
+    raise CheckpointError(path, "key 'chat_template': expected a string or a list of {name, template}")
+
+
+def _read_template(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(path, f"not UTF-8 text: {e}") from None
 
 
 def _prefix_added_by_post_processor(tok: Tokenizer) -> int | None:
@@ -302,8 +306,9 @@ def save_hf_tokenizer(bundle: TokenizerBundle, out_dir: str | Path) -> None:
     if getattr(tok.model, "unk_token", None) is not None:
         config["unk_token"] = tok.model.unk_token
     if bundle.named_chat_templates:
-        config["chat_template"] = [{"name": "default", "template": bundle.chat_template},
-                                   *({"name": n, "template": t} for n, t in bundle.named_chat_templates.items())]
+        default = [{"name": "default", "template": bundle.chat_template}] if bundle.chat_template is not None else []
+        config["chat_template"] = [*default, *({"name": n, "template": t}
+                                               for n, t in bundle.named_chat_templates.items())]
     elif bundle.chat_template is not None:
         config["chat_template"] = bundle.chat_template
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", "utf-8")
@@ -458,10 +463,24 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> Tokeni
         add_bos_token=add_bos,
         chat_template=m.get("tokenizer.chat_template", str),
         add_eos_token=add_eos,
-        named_chat_templates={name: m.get(f"tokenizer.chat_template.{name}", str)
-                              for name in m.array("tokenizer.chat_templates", str) or []
-                              if m.get(f"tokenizer.chat_template.{name}", str) is not None},
+        named_chat_templates=_gguf_named_templates(m),
     )
+
+
+def _gguf_named_templates(m: _Meta) -> dict[str, str]:
+    """`tokenizer.chat_template.NAME` for each name `tokenizer.chat_templates` lists. Optional metadata: what is
+    malformed is left out (logged), as llama.cpp reads only what it finds well formed."""
+    names = m.meta.get("tokenizer.chat_templates")
+    names = names.tolist() if hasattr(names, "tolist") else names
+    out = {}
+    for name in names if isinstance(names, (list, tuple)) else []:
+        template = m.meta.get(f"tokenizer.chat_template.{name}") if isinstance(name, str) else None
+        if isinstance(template, str):
+            out[name] = template
+        else:
+            logger.warning("%s: named chat template %r is not read (no text under tokenizer.chat_template.%s)",
+                           m.source, name, name)
+    return out
 
 
 def _bpe_from_gguf(m: _Meta, vocab: dict[str, int]) -> tuple[Tokenizer, bool]:
@@ -573,8 +592,9 @@ def write_tokenizer_gguf(writer: gguf.GGUFWriter, bundle: TokenizerBundle) -> No
     if bundle.add_eos_token:
         writer.add_add_eos_token(True)
     if bundle.named_chat_templates:
-        writer.add_chat_template([{"name": "default", "template": bundle.chat_template},
-                                  *({"name": n, "template": t} for n, t in bundle.named_chat_templates.items())])
+        default = [{"name": "default", "template": bundle.chat_template}] if bundle.chat_template is not None else []
+        writer.add_chat_template([*default, *({"name": n, "template": t}
+                                              for n, t in bundle.named_chat_templates.items())])
     elif bundle.chat_template is not None:
         writer.add_chat_template(bundle.chat_template)
 

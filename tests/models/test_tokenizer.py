@@ -334,9 +334,24 @@ def test_named_chat_templates_where_transformers_keeps_them(smol_dir: Path, tmp_
     assert (again.chat_template, dict(again.named_chat_templates)) == (bundle.chat_template,
                                                                         dict(bundle.named_chat_templates))
 
-    (tmp_path / "chat_template.jinja").unlink()
-    with pytest.raises(CheckpointError, match="no default one"):
-        load_hf_tokenizer(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink()  # named files alone: no default, as transformers reads them
+    alone = load_hf_tokenizer(tmp_path)
+    assert alone.chat_template is None and alone.chat_template_for(tools=True) == "T{{ tools | length }}"
+    save_hf_tokenizer(alone, tmp_path / "alone")  # and that bundle is saved as one that loads back
+    assert load_hf_tokenizer(tmp_path / "alone").named_chat_templates == alone.named_chat_templates
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": "C"}))
+    assert load_hf_tokenizer(tmp_path).chat_template == "C"  # the config's default stands beside named files
+
+    # a list's entries as transformers takes them: one whose template is not text is left out, a later name wins
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").unlink()
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": [
+        {"name": "rag", "template": None}, {"name": "default", "template": "A"}, {"name": "default", "template": "B"},
+        "junk"]}))
+    odd = load_hf_tokenizer(tmp_path)
+    assert (odd.chat_template, dict(odd.named_chat_templates)) == ("B", {})
+    meta = {**meta, "tokenizer.chat_templates": [3, "gone", "tool_use"], "tokenizer.chat_template.gone": 7}
+    assert dict(tokenizer_from_gguf_metadata(meta, "t.gguf").named_chat_templates) == {
+        "tool_use": "T{{ tools | length }}"}  # malformed optional metadata is left out, not a load failure
 
 
 def test_hf_add_bos_from_post_processor(smol: TokenizerBundle, tmp_path: Path) -> None:

@@ -364,6 +364,13 @@ def test_the_anthropic_sdk_lists_and_retrieves_the_model(client, chat):
         with pytest.raises(anthropic.BadRequestError) as e:
             client.models.list(**bad)
         assert e.value.body["error"]["type"] == "invalid_request_error"
+    page = client.models.with_raw_response.list(after_id="m")
+    assert page.http_response.json() == {"data": [], "has_more": False, "first_id": None, "last_id": None}
+    assert page.headers["request-id"]  # on every route an Anthropic client calls, where its SDK reads it
+    for digits in ("%C2%B2", "%D9%A3"):  # Unicode digits Python's isdigit takes: a 400 (one was a 500)
+        r = httpx.get(f"{str(client.base_url).rstrip('/')}/v1/models?limit={digits}",
+                      headers={"anthropic-version": "2023-06-01", "x-api-key": KEY})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
     with pytest.raises(anthropic.NotFoundError) as e:
         client.models.retrieve("nope")
     assert e.value.body["error"]["type"] == "not_found_error"

@@ -162,6 +162,16 @@ CASES = [
     ("mistral", MISTRAL + " [not, json]", MISTRAL + " [not, json]", []),
     ("mistral", MISTRAL + "no arguments", MISTRAL + "no arguments", []),
     ("mistral", "Use [TOOL_CALL] or [ARGS] as words [TOOL", "Use [TOOL_CALL] or [ARGS] as words [TOOL", []),
+    # prose that names the markers stays content, whatever the chunking (a call was made of it, and a head cut
+    # by a second marker read differently streamed)
+    ("mistral", "The token " + MISTRAL + " marks calls, e.g. [ARGS] holds arguments.",
+     "The token " + MISTRAL + " marks calls, e.g. [ARGS] holds arguments.", []),
+    ("mistral", MISTRAL + "x " + MISTRAL + "f[ARGS]{}", MISTRAL + "x ", [("f", "{}")]),
+    ("mistral", MISTRAL + "f[ARGS]not json", MISTRAL + "f[ARGS]not json", []),
+    # the arguments end where their object closes: text after is content, a marker inside a string is text
+    ("mistral", MISTRAL + 'f[ARGS]{"a": 1}\n\nDone.', "Done.", [("f", '{"a": 1}')]),
+    ("mistral", MISTRAL + 'f[ARGS]{"q": "a [TOOL_CALLS]b[ARGS]{c}"}', "", [("f", '{"q": "a [TOOL_CALLS]b[ARGS]{c}"}')]),
+    ("mistral", MISTRAL + "get_time[ARGS]", "", [("get_time", "{}")]),  # no arguments: {}, as OpenAI's
 ]
 CASE_IDS = [f"{i}-{case[0]}" for i, case in enumerate(CASES)]
 
