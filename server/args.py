@@ -323,11 +323,14 @@ def _config_problem(model: str, config_json: Path) -> str | None:
     """A config.json the loader would refuse (not JSON, an architecture or a setting not served), said
     before anything starts: the engine would fail the same way after the server had bound its port."""
     from models.config import config_from_hf_dict
+    from models.loader import fp8
     from models.loader.errors import CheckpointError
     from models.loader.jsonfile import read_json
 
     try:
-        config_from_hf_dict(read_json(config_json), str(config_json))  # as the loader reads it
+        config = read_json(config_json)
+        config_from_hf_dict(config, str(config_json))  # as the loader reads it
+        fp8.from_config(config, config_json)  # a quantization method not read
     except (OSError, CheckpointError) as e:
         return f"cannot load the model {model}: {e}"
     return None
@@ -463,7 +466,8 @@ class Parsed:
         f, value, source = self.flags[field], getattr(self.ns, field), self.source.get(field)
         if source == f.env:
             return f"{f.env}={value!r}"
-        return f"--{f.name} {value}" + ("" if source else " (the default)")
+        shown = f"--{f.name}" if value is True else f"--{f.name} {value}"  # a switch as it is typed
+        return shown + ("" if source else " (the default)")
 
 
 def parse_settings(prog: str, description: str, flags: list[Flag], argv: list[str],

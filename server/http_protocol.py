@@ -39,11 +39,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+logger = logging.getLogger("mlaserve.server")  # the request log's lines, as server.app's
 
 HEAD, BODY, WHOLE = "head", "body", "whole"  # what the connection is reading: a request's headers, its body, nothing
 
@@ -132,11 +136,18 @@ class ServerHttpProtocol(HttpToolsProtocol):
         self.transport.close()
 
     def _write_error(self, status: bytes, message: str, code: str) -> None:
-        """An error answer of our own, written before any handler has run; the connection closes after it."""
+        """An error answer of our own, written before any handler has run; the connection closes after it.
+        It has a request id and a log line, as every answer the app gives (no method or path: the request
+        line may not have come whole)."""
+        rid = uuid.uuid4().hex
         body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
                                      "code": code}}).encode()
         self.transport.write(b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
-                             b"content-length: %d\r\n\r\n%s" % (status, len(body), body))
+                             b"x-request-id: %s\r\ncontent-length: %d\r\n\r\n%s"
+                             % (status, rid.encode(), len(body), body))
+        peer = self.transport.get_extra_info("peername")
+        client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "-"
+        logger.info("- - %s client=%s request_id=%s (%s)", status.decode().split()[0], client, rid, code)
 
     # the connection and the parser's events, in the order they come
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]

@@ -249,24 +249,26 @@ def test_serve_refuses_a_directory_that_is_no_model_before_it_binds(case: str, t
         assert line.endswith(f"pass --model {model / 'model.gguf'}"), line
 
 
-@pytest.mark.parametrize("case", ["corrupt", "gelu"])
+@pytest.mark.parametrize("case", ["corrupt", "gelu", "awq"])
 def test_serve_refuses_a_config_the_loader_refuses_before_it_binds(case: str, checkpoint: Path, tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture) -> None:
-    """A config.json that is not JSON or asks for what is not served (an MLP activation other than SiLU):
-    one line and exit 2 before the server binds, as `generate` says it (the engine failed after the bind,
-    exit 1)."""
+    """A config.json that is not JSON or asks for what is not served (an MLP activation other than SiLU, a
+    quantization method not read): one line and exit 2 before the server binds, as `generate` says it (the
+    engine failed after the bind, exit 1, which a supervisor takes for "restart me")."""
     import json
 
     if case == "corrupt":
         model, says = _corrupt(checkpoint, tmp_path), "config.json: not valid JSON"
     else:
-        model = tmp_path / "gelu"
+        model = tmp_path / case
         model.mkdir()
         for f in checkpoint.iterdir():
             (model / f.name).write_bytes(f.read_bytes())
         cfg = json.loads((model / "config.json").read_text())
-        (model / "config.json").write_text(json.dumps(dict(cfg, hidden_act="gelu")))
-        says = "config key 'hidden_act' is 'gelu': only SiLU-gated MLPs are supported"
+        change = {"hidden_act": "gelu"} if case == "gelu" else {"quantization_config": {"quant_method": "awq"}}
+        (model / "config.json").write_text(json.dumps(dict(cfg, **change)))
+        says = ("config key 'hidden_act' is 'gelu': only SiLU-gated MLPs are supported" if case == "gelu"
+                else "quant_method 'awq' is not supported")
     assert main(["serve", "--model", str(model), "--port", str(free_port())]) == 2
     line = one_line(capsys.readouterr().err)
     assert line.startswith(f"mlaserve serve: error: cannot load the model {model}: {model}/config.json: "), line

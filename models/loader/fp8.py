@@ -7,8 +7,9 @@ has a last, partial block. The weight is `fp8 value * scale`. Embeddings, norms 
 AutoFP8's checkpoints (Llama FP8s: the same `quant_method`) hold one `X.weight_scale` per weight instead,
 and the static activation scales that mlaserve does not read (activations are not quantized).
 
-mlaserve has no FP8 matrix kernel: the weights are dequantized while they are read, so a model holds
-them as an unquantized checkpoint would (in `--dtype`, or as the CPU kernels' bf16).
+mlaserve has no FP8 matrix kernel: the weights are dequantized while they are read
+(`safetensors_loader.dequantize_fp8`), so a model holds them as an unquantized checkpoint would (in `--dtype`,
+or as the CPU kernels' bf16). This module is torch-free: the server checks a config before it starts.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from models.loader.errors import CheckpointError
 
@@ -41,7 +40,7 @@ def weight_of(scale_name: str) -> str | None:
     return None
 
 
-def _grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+def grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
     return (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
 
 
@@ -55,25 +54,12 @@ class BlockFP8:
     def grids(self, shape: tuple[int, ...]) -> list[tuple[int, int]]:
         """The scale tensor shapes a weight of `shape` (rows, columns) may have."""
         if self.block is not None:
-            return [_grid(shape, self.block)]
-        return [(1, 1), _grid(shape, DEFAULT_BLOCK)]
+            return [grid(shape, self.block)]
+        return [(1, 1), grid(shape, DEFAULT_BLOCK)]
 
-    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, full: tuple[int, int], at: tuple[int, int],
-                   dtype: torch.dtype) -> torch.Tensor:
-        """`q` (a part of a weight of shape `full`, starting at row, column `at`) times its blocks' scales, in
-        `dtype`. One row block at a time, so that no full-size fp32 copy of the scales is made."""
-        rows, cols = q.shape
-        b0, b1 = full if scale.numel() == 1 else self.block or DEFAULT_BLOCK
-        scale = scale.to(torch.float32).reshape(_grid(full, (b0, b1)))
-        col_scale = scale[:, torch.arange(at[1], at[1] + cols) // b1]  # (row blocks, cols)
-        out = q.to(torch.float32)
-        start = 0
-        while start < rows:
-            r = at[0] + start
-            end = min(rows, start + b0 - r % b0)  # the rest of this row block
-            out[start:end].mul_(col_scale[r // b0])
-            start = end
-        return out.to(dtype)
+    def block_of(self, full: tuple[int, int], scales: int) -> tuple[int, int]:
+        """The (rows, columns) one of a weight's `scales` covers (the whole weight of shape `full` for one)."""
+        return full if scales == 1 else self.block or DEFAULT_BLOCK
 
 
 def from_config(config: dict[str, Any], source: Path) -> BlockFP8 | None:
@@ -107,4 +93,4 @@ def from_config(config: dict[str, Any], source: Path) -> BlockFP8 | None:
     return BlockFP8((block[0], block[1]))
 
 
-__all__ = ["BlockFP8", "SCALE_DTYPES", "SCALE_SUFFIXES", "UNREAD_SUFFIXES", "WEIGHT_DTYPE", "from_config", "weight_of"]
+__all__ = ["BlockFP8", "grid", "SCALE_DTYPES", "SCALE_SUFFIXES", "UNREAD_SUFFIXES", "WEIGHT_DTYPE", "from_config", "weight_of"]

@@ -30,6 +30,24 @@ FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
 _LAYER_RE = re.compile(r"^model\.layers\.(0|[1-9][0-9]*)\.")
 
 
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], full: tuple[int, int],
+                   at: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """`q` (a part of an FP8 weight of shape `full`, starting at row, column `at`) times the scales of its
+    `block`-sized blocks, in `dtype`. One row block at a time: no full-size fp32 copy of the scales is made."""
+    rows, cols = q.shape
+    b0, b1 = block
+    scale = scale.to(torch.float32).reshape(fp8.grid(full, block))
+    col_scale = scale[:, torch.arange(at[1], at[1] + cols) // b1]  # (row blocks, cols)
+    out = q.to(torch.float32)
+    start = 0
+    while start < rows:
+        r = at[0] + start
+        end = min(rows, start + b0 - r % b0)  # the rest of this row block
+        out[start:end].mul_(col_scale[r // b0])
+        start = end
+    return out.to(dtype)
+
+
 class HFCheckpoint:
     """An HF model directory, opened lazily; tensors are read shard by shard."""
 
@@ -224,7 +242,8 @@ class HFCheckpoint:
         scale_name, path = self._scales[name]
         scale = self._handle(path).get_tensor(scale_name)
         full = self._checked_layout()[name]
-        return self._fp8.dequantize(q, scale, (full[0], full[1]), at, self.dequantize_dtype)
+        block = self._fp8.block_of((full[0], full[1]), scale.numel())
+        return dequantize_fp8(q, scale, block, (full[0], full[1]), at, self.dequantize_dtype)
 
     def get(self, name: str) -> torch.Tensor:
         self._checked_layout()  # every tensor's dtype, checked once for the checkpoint

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import re
 import select
 import socket
 import threading
@@ -121,6 +122,7 @@ def request(path: str = "/", body: bytes = b"", keep_alive: bool = False) -> byt
 def assert_408(raw: bytes) -> None:
     head, _, body = raw.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408"), raw
+    assert re.search(rb"\r\nx-request-id: [0-9a-f]{32}\r\n", head), head  # as every answer (it had none)
     err = json.loads(body)["error"]
     assert err["code"] == "request_timeout" and err["type"] == "invalid_request_error" and "param" in err
 
@@ -141,6 +143,7 @@ def test_what_is_not_http_gets_a_400_in_openais_shape(port: int, raw: bytes) -> 
         answer, _ = read_all(s)
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower(), answer[:200]
+    assert re.search(rb"\r\nx-request-id: [0-9a-f]{32}\r\n", head), head
     err = json.loads(body)["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_http", err
 
