@@ -120,6 +120,8 @@ class ToolParser:
         self._out: list[str] = []  # content decided during the current feed()/finish()
         self._deltas: list[ToolCallDelta] = []
         self._skip_ws = False  # whitespace right after a call is layout between calls, not content
+        self._state = "content"  # where a parser with states is
+        self._raw = ""  # markup consumed that may yet make no call (then content: `_reject`)
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         """Takes newly generated text; returns the content to show now and the tool-call deltas now."""
@@ -161,6 +163,12 @@ class ToolParser:
         self._emit(self._buf[:cut])
         self._buf = self._buf[cut + len(marker):]
         return marker or None
+
+    def _reject(self, n: int) -> None:
+        """The pending markup (`_raw`, kept by parsers whose markup can still turn out to be no call) and
+        `_buf[:n]` make no call: they are content, and the parser is back in its `content` state."""
+        self._emit(self._raw + self._buf[:n])
+        self._raw, self._buf, self._state = "", self._buf[n:], "content"
 
     def _open_call(self, name: str) -> None:
         self._calls.append(ToolCall(self._new_id(), name, ""))
@@ -220,7 +228,6 @@ class DeepSeekV3ToolParser(ToolParser):
     def __init__(self, new_id: Callable[[], str] = default_call_id) -> None:
         super().__init__(new_id)
         self._state = "content"  # content | section (between calls) | header | args
-        self._raw = ""  # markup consumed since the last call opened: content if no call comes of it
 
     def _split_header(self, head: str, closed: bool) -> tuple[str, int] | None:
         """(name, where the arguments start) in `head`, the text after `<｜tool▁call▁begin｜>` up to any
@@ -282,10 +289,6 @@ class DeepSeekV3ToolParser(ToolParser):
         self._skip_ws = True
         return True
 
-    def _reject(self, n: int) -> None:
-        """The pending markup and `_buf[:n]` make no call: they are content."""
-        self._emit(self._raw + self._buf[:n])
-        self._raw, self._buf, self._state = "", self._buf[n:], "content"
 
 
 class DeepSeekV31ToolParser(DeepSeekV3ToolParser):
@@ -513,7 +516,6 @@ class MistralToolParser(ToolParser):
     def __init__(self, new_id: Callable[[], str] = mistral_call_id) -> None:
         super().__init__(new_id)
         self._state = "content"  # content | decide (after the marker) | array | header | args_start | args
-        self._raw = ""  # the markup of a call not yet opened: content if none comes of it
         self._name = ""  # the function a v11 head named, opened when its arguments begin
         self._nesting = JsonEnd()
 
@@ -585,10 +587,6 @@ class MistralToolParser(ToolParser):
         self._buf, self._state, self._skip_ws = self._buf[end:], "content", True
         return True
 
-    def _reject(self, n: int) -> None:
-        """The pending markup and `_buf[:n]` make no call: they are content."""
-        self._emit(self._raw + self._buf[:n])
-        self._raw, self._buf, self._state = "", self._buf[n:], "content"
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
