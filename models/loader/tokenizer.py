@@ -81,6 +81,14 @@ class TokenizerBundle:
         """The template a chat renders with: `tool_use` when tools are shown and the model has one."""
         return self.named_chat_templates.get("tool_use", self.chat_template) if tools else self.chat_template
 
+    def chat_templates_to_save(self) -> str | list[dict[str, str]] | None:
+        """The templates as tokenizer_config.json and gguf's writer take them: the default alone as text, or a
+        list of {name, template} (the default first) where there are named ones."""
+        if not self.named_chat_templates:
+            return self.chat_template
+        default = [{"name": "default", "template": self.chat_template}] if self.chat_template is not None else []
+        return [*default, *({"name": n, "template": t} for n, t in self.named_chat_templates.items())]
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with `add_special_tokens`, BOS first if the model wants it (once)."""
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -305,12 +313,8 @@ def save_hf_tokenizer(bundle: TokenizerBundle, out_dir: str | Path) -> None:
     }
     if getattr(tok.model, "unk_token", None) is not None:
         config["unk_token"] = tok.model.unk_token
-    if bundle.named_chat_templates:
-        default = [{"name": "default", "template": bundle.chat_template}] if bundle.chat_template is not None else []
-        config["chat_template"] = [*default, *({"name": n, "template": t}
-                                               for n, t in bundle.named_chat_templates.items())]
-    elif bundle.chat_template is not None:
-        config["chat_template"] = bundle.chat_template
+    if bundle.chat_templates_to_save() is not None:
+        config["chat_template"] = bundle.chat_templates_to_save()
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", "utf-8")
 
 
@@ -591,12 +595,8 @@ def write_tokenizer_gguf(writer: gguf.GGUFWriter, bundle: TokenizerBundle) -> No
     writer.add_add_bos_token(bundle.add_bos_token)
     if bundle.add_eos_token:
         writer.add_add_eos_token(True)
-    if bundle.named_chat_templates:
-        default = [{"name": "default", "template": bundle.chat_template}] if bundle.chat_template is not None else []
-        writer.add_chat_template([*default, *({"name": n, "template": t}
-                                              for n, t in bundle.named_chat_templates.items())])
-    elif bundle.chat_template is not None:
-        writer.add_chat_template(bundle.chat_template)
+    if bundle.chat_templates_to_save() is not None:
+        writer.add_chat_template(bundle.chat_templates_to_save())
 
 
 def _write_spm(writer: gguf.GGUFWriter, tok: Tokenizer, model: dict, tokens: list[str], types: list[int],
