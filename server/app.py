@@ -193,8 +193,8 @@ class RequestLogMiddleware:
     """One log line per request when its answer has gone out (a stream: at its end): method, path, status,
     time taken, the client and the request id. The id is the client's `X-Request-Id` when it sends a sane
     one, else a new one; every answer carries it back in `x-request-id` (an Anthropic client's also in
-    `request-id`, where its SDK reads it), so a client's error can be found in the server's log. Prompts and outputs are never logged. Outermost: it sees every answer, the
-    middlewares' refusals included."""
+    `request-id`, where its SDK reads it), so a client's error can be found in the server's log. Prompts
+    and outputs are never logged. Outermost: it sees every answer, the middlewares' refusals included."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
