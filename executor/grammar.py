@@ -57,6 +57,9 @@ _CACHE_BYTES = 256 << 20  # compiled grammars kept
 _COMPILE_WORKERS = 8  # compiles at once: slow ones share the CPU instead of holding up the rest
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 _MAX_CRASHES = 2  # a spec under way when the compiler process died this often (by itself) is refused
+# a spec sent to processes that died before they began it (sent to one already dead, say) this often: the
+# processes themselves are failing, not the spec; it fails rather than being resent for ever
+_MAX_ORPHANED = 4
 # with a time limit, how long past it a spec sent to the compiler process may wait to begin: it waits for
 # the process's start and a free worker (a compile past the limit frees one), unless the process is
 # stopped or frozen
@@ -117,6 +120,7 @@ class _Job:
     sent: float = 0.0  # when it was sent to the current compiler process
     started: float | None = None  # when that process began it
     crashes: int = 0  # compiler processes that died by themselves while it was under way there
+    orphaned: int = 0  # compiler processes that died by themselves before they began it
 
     @property
     def wanted(self) -> bool:
@@ -463,16 +467,19 @@ class GrammarBackend:
                              "server's --grammar-compile-timeout); simplify it: large bounded repetitions such as "
                              "{1,10000} in a pattern or regex are slow to compile")
                 continue
-            if not killed:
-                job.crashes += 1
-                if job.crashes >= _MAX_CRASHES:
-                    how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-                    if began:  # it was compiling this spec when it died: the spec may be why (memory)
+            if not killed:  # it died by itself: a spec it was compiling may be why (memory), one it was not is not
+                how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+                if began:
+                    job.crashes += 1
+                    if job.crashes >= _MAX_CRASHES:
                         self._finish(job, None, f"the {_kind(job)} cannot be compiled: the compiler process ended "
                                      f"twice while compiling it (the last time: {how}; out of memory?)")
-                    else:
+                        continue
+                else:
+                    job.orphaned += 1
+                    if job.orphaned >= _MAX_ORPHANED:
                         self._finish(job, None, "", RuntimeError(f"the grammar compiler process ended ({how})"))
-                    continue
+                        continue
             if job.wanted:
                 resend.append(job)
             else:

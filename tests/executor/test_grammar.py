@@ -490,6 +490,28 @@ def test_a_dead_compiler_process_is_replaced(backend):
         b.shutdown()
 
 
+def test_a_spec_a_dead_process_had_not_begun_is_not_charged(backend):
+    """A spec waiting in compiler processes that die before they begin it (every worker busy here; sent to
+    one already dead in the test above, as a loaded machine once had it) is not why they die: it was
+    charged as if under way, and two such deaths refused it though it never ran."""
+    import os
+    import signal
+
+    b = GrammarBackend(backend._tokenizer, backend.vocab_size, [STOP], timeout_s=0)
+    try:
+        slow = [b.submit("json_schema", slow_schema(26000 + i), "response_format") for i in range(8)]
+        pid = wait_started(b, 8)  # every worker busy
+        waiting = b.submit("regex", "[xy]+", "regex")
+        os.kill(pid, signal.SIGKILL)
+        os.kill(wait_started(b, 8, not_pid=pid), signal.SIGKILL)  # the slow ones again, the regex waits again
+        for fut in slow:
+            with pytest.raises(GrammarError, match="ended twice while compiling it"):
+                fut.result(timeout=120)
+        assert accepts(b, waiting.result(timeout=120), "xyx")
+    finally:
+        b.shutdown()
+
+
 def test_a_frozen_compiler_process_is_replaced(backend, monkeypatch):
     """Stopped (SIGSTOP) while idle: the next spec would wait for ever to begin. With a time limit, a spec
     that has not begun by the limit plus a grace is taken as a frozen process, which is replaced."""
