@@ -459,6 +459,7 @@ class GrammarBackend:
         proc, self._proc = self._proc, None
         assert proc is not None
         code = proc.stop()
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         resend = []
         for job in proc.jobs.values():
             began = job.started is not None
@@ -468,7 +469,6 @@ class GrammarBackend:
                              "{1,10000} in a pattern or regex are slow to compile")
                 continue
             if not killed:  # it died by itself: a spec it was compiling may be why (memory), one it was not is not
-                how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
                 if began:
                     job.crashes += 1
                     if job.crashes >= _MAX_CRASHES:

@@ -170,6 +170,13 @@ class ToolParser:
         self._emit(self._raw + self._buf[:n])
         self._raw, self._buf, self._state = "", self._buf[n:], "content"
 
+    def _add_calls(self, calls: list[tuple[str, str]], rest: str) -> None:
+        """Calls read whole ((name, arguments) each), then `rest`, the text after them, as content."""
+        for name, args in calls:
+            self._open_call(name)
+            self._add_args(args)
+        self._emit(rest)
+
     def _open_call(self, name: str) -> None:
         self._calls.append(ToolCall(self._new_id(), name, ""))
         self._deltas.append(ToolCallDelta(len(self._calls) - 1, self._calls[-1].id, name))
@@ -480,10 +487,7 @@ class Llama3JsonToolParser(ToolParser):
         if read is None:
             self._emit(self._buf)
         else:
-            for name, args in read[0]:
-                self._open_call(name)
-                self._add_args(args)
-            self._emit(read[1])
+            self._add_calls(*read)
         self._buf, self._mode = "", "content"
         return False
 
@@ -541,10 +545,7 @@ class MistralToolParser(ToolParser):
         if read is None:
             self._reject(len(self._buf))
             return False
-        for name, args in read[0]:
-            self._open_call(name)
-            self._add_args(args)
-        self._emit(read[1])
+        self._add_calls(*read)
         self._buf, self._state = "", "content"
         return False
 

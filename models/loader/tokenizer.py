@@ -313,8 +313,8 @@ def save_hf_tokenizer(bundle: TokenizerBundle, out_dir: str | Path) -> None:
     }
     if getattr(tok.model, "unk_token", None) is not None:
         config["unk_token"] = tok.model.unk_token
-    if bundle.chat_templates_to_save() is not None:
-        config["chat_template"] = bundle.chat_templates_to_save()
+    if (templates := bundle.chat_templates_to_save()) is not None:
+        config["chat_template"] = templates
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", "utf-8")
 
 
@@ -595,8 +595,8 @@ def write_tokenizer_gguf(writer: gguf.GGUFWriter, bundle: TokenizerBundle) -> No
     writer.add_add_bos_token(bundle.add_bos_token)
     if bundle.add_eos_token:
         writer.add_add_eos_token(True)
-    if bundle.chat_templates_to_save() is not None:
-        writer.add_chat_template(bundle.chat_templates_to_save())
+    if (templates := bundle.chat_templates_to_save()) is not None:
+        writer.add_chat_template(templates)
 
 
 def _write_spm(writer: gguf.GGUFWriter, tok: Tokenizer, model: dict, tokens: list[str], types: list[int],
