@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from models.builtin import DEFAULT_MODEL
 from models.omnikv_config import OMNIKV_MODES, OmniKVConfig
+from scheduler.speculative import speculative_json
 
 # Choice lists. Their torch-side twins (models.loader.load.DTYPES, kernels.attention.BACKENDS,
 # models.experts.EXPERT_BACKENDS, executor.cuda_graph_runner.HYBRID_GRAPH_MODES,
@@ -207,6 +208,13 @@ class EngineArgs:
                                      "calibrate-omnikv)", check=omnikv_file, metavar="FILE",
                                      default_text="the calibrated one shipped for the model, else filter layers at "
                                      "1/5 and 1/2 of the depth")
+
+    speculative_config: str | None = flag(
+        None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": B} (n-gram lookup in the "
+        "completion's own prompt and output proposes tokens, one forward verifies them; the tokens are those "
+        "decoding without it gives, at any temperature). Not with --page-size > 1, structured outputs or OmniKV "
+        "(those decode one token a step)", check=speculative_json, metavar="JSON", default_text="off")
 
     def prefill_chunk(self) -> int:
         """The prefill chunk: --chunked-prefill-size, else CPU_PREFILL_CHUNK on a CPU and GPU_PREFILL_CHUNK on a GPU."""

@@ -46,6 +46,7 @@ from scheduler.radix_cache import create_prefix_cache
 from scheduler.request import Req
 from executor.sampler import Sampler, mix64
 from scheduler.scheduler import Scheduler
+from scheduler.speculative import SpeculativeConfig
 
 logger = logging.getLogger("mlaserve.engine")
 
@@ -237,7 +238,7 @@ class EngineCore:
             self.runner, self.cache, Sampler(cfg.vocab_size, device), eos_token_ids=sorted(eos),
             context_len=self.context_len, max_running_requests=args.max_running_requests,
             chunked_prefill_size=args.prefill_chunk(), max_prefill_tokens=args.prefill_budget(),
-            omnikv_mode=args.omnikv, omnikv_min_context=omnikv.min_context,
+            omnikv_mode=args.omnikv, omnikv_min_context=omnikv.min_context, speculative=self._speculative(args),
         )
         self._rng = random.Random(args.seed)
         self.grammars = (GrammarBackend(tok.tokenizer, cfg.vocab_size, sorted(eos), timeout_s=args.grammar_compile_timeout)
@@ -253,6 +254,18 @@ class EngineCore:
             if isinstance(cfg, DeepseekConfig) else f"K+V {cfg.num_key_value_heads} heads x {cfg.head_dim}",
             args.max_running_requests, self.context_len, args.page_size, "on" if use_cache else "off",
         )
+
+    @staticmethod
+    def _speculative(args: EngineArgs) -> SpeculativeConfig | None:
+        """--speculative-config's settings, or None (off)."""
+        if args.speculative_config is None:
+            return None
+        if args.page_size > 1:  # a draft's rejected tokens free their slots one by one, inside a page
+            logger.warning("speculative decoding works with page size 1 only: off for page size %d", args.page_size)
+            return None
+        spec = SpeculativeConfig.parse(args.speculative_config)
+        logger.info("speculative decoding: %s", spec.describe())
+        return spec
 
     def failure(self) -> str | None:
         """Why the engine can no longer run although it is idle (a tensor-parallel rank died or froze, a
@@ -408,6 +421,8 @@ class EngineCore:
             omnikv_context_tokens_total=o.context_tokens,
             omnikv_bank_host_bytes=s.kv_slots_used() * self.runner.kv_pool.host_bytes_per_token(),
             omnikv_bank_gathered_bytes_total=bank.bytes_gathered if (bank := self.runner.context_bank) else 0,
+            spec_decode_drafts_total=c.spec_drafts, spec_decode_draft_tokens_total=c.spec_draft_tokens,
+            spec_decode_accepted_tokens_total=c.spec_accepted_tokens,
         )
 
     def _outputs(self, reqs: list[Req]) -> list[RequestOutput]:

@@ -139,6 +139,10 @@ class EngineStats(msgspec.Struct, forbid_unknown_fields=True):
     # to the device (counter; each gather's whole fixed-shape buffer)
     omnikv_bank_host_bytes: int = 0
     omnikv_bank_gathered_bytes_total: int = 0
+    # speculative decoding: verification steps, the draft tokens they checked, and the draft tokens kept
+    spec_decode_drafts_total: int = 0
+    spec_decode_draft_tokens_total: int = 0
+    spec_decode_accepted_tokens_total: int = 0
 
     @property
     def kv_usage(self) -> float:

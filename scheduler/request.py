@@ -17,6 +17,7 @@ from scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the server side reads FINISH_* here and must not load torch through the grammar module
     from executor.grammar import Grammar
+    from scheduler.speculative import NgramProposer
 
 # finish_reason values the scheduler decides (the engine adds "error": engine.messages.FINISH_ERROR)
 FINISH_STOP = "stop"  # EOS or a stop token id (or a stop string found by the server)
@@ -41,6 +42,10 @@ class Req:
     grammar: Grammar | None = None  # structured output: the completion's matcher (its own, even for n > 1)
     cached_tokens: int = 0  # prompt tokens that came from the prefix cache at first admission
     waits_for_sibling: bool = False  # n > 1: siblings wait until completion 0 has prefilled the prompt
+    # speculative decoding (scheduler.speculative): the completion's n-gram index, made at its first draft,
+    # and the draft tokens this step verifies after its last token (empty: a plain decode step)
+    proposer: NgramProposer | None = None
+    draft: list[int] = field(default_factory=list)
     # what the next RequestOutput carries
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -28,6 +28,12 @@ update    Each prefill chunk's KV goes into the prefix cache as soon as it is co
 
 n > 1: completions 1..n-1 wait until completion 0 has prefilled the prompt (then in the prefix
 cache), so they start from the shared prompt KV.
+
+Speculative decoding (`speculative`, scheduler/speculative.py): a decoding completion whose tokens an
+n-gram lookup can continue feeds its last token and the draft as one slice with logits at every
+position; `_update` samples each position as its own decode step and keeps tokens while they equal
+the draft (`_verify`), then frees the KV slots of the draft tokens it did not keep. Under KV pressure
+the drafts go first, before any retraction.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from executor.logprobs import TokenLogprob
 from executor.model_runner import ModelRunner, RequestSlice
 from scheduler.radix_cache import PrefixCache
 from scheduler.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Req
+from scheduler.speculative import NgramProposer, SpeculativeConfig
 from executor.sampler import Sampler, SamplingRow
 
 logger = logging.getLogger("mlaserve.scheduler")
@@ -63,6 +70,10 @@ class SchedulerCounters:
     aborted: int = 0
     forward_steps: int = 0
     forward_seconds: float = 0.0  # building the batch and the model forward, not scheduling or sampling
+    # speculative decoding: verification slices, the draft tokens they carried, and those kept
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class Scheduler:
@@ -79,6 +90,7 @@ class Scheduler:
         max_prefill_tokens: int,
         omnikv_mode: str = "off",
         omnikv_min_context: int = 0,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.runner = runner
         self.cache = cache
@@ -89,6 +101,7 @@ class Scheduler:
         self.chunk = chunked_prefill_size
         self.max_prefill_tokens = max_prefill_tokens
         self.omnikv_mode, self.omnikv_min_context = omnikv_mode, omnikv_min_context
+        self.speculative = speculative
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.counters = SchedulerCounters()
@@ -129,7 +142,8 @@ class Scheduler:
         now = time.time()
         for r in reqs:
             r.first_scheduled_time = r.first_scheduled_time or now
-        every = [r.scores_prompt for r in reqs]  # prompt scoring needs the logits of every position
+        # prompt scoring and a draft's verification need the logits of every position
+        every = [r.scores_prompt or bool(r.draft) for r in reqs]
         t = time.perf_counter()
         logits = self.runner.forward(self.runner.build_batch(slices, all_logits=every))
         self.counters.forward_seconds += time.perf_counter() - t
@@ -144,7 +158,12 @@ class Scheduler:
         alloc = self.runner.allocator
         decoding = [r for r in self.running if r.is_decoding]
         prefilling = [r for r in self.running if not r.is_decoding]  # oldest first (admission order)
-        while decoding and not self._make_room(sum(alloc.slots_needed(r.kv_len, 1) for r in decoding)):
+        self._propose(decoding)
+        while decoding and not self._make_room(sum(alloc.slots_needed(r.kv_len, 1 + len(r.draft)) for r in decoding)):
+            if any(r.draft for r in decoding):  # drafts give their room back first: they are only a bet
+                for r in decoding:
+                    r.draft = []
+                continue
             if prefilling:  # a prompt part-way in gives its KV back first: it is the least along
                 self._retract(prefilling.pop())
                 continue
@@ -157,9 +176,9 @@ class Scheduler:
             decoding.remove(victim)
         for r in decoding:  # (a prompt's last token, left alone by its chunks, is prefill: full attention)
             sparse = r.kv_len >= len(r.prompt_ids) and self._omnikv(r)
-            slices.append(RequestSlice(r.row, r.kv_len, r.ids(r.kv_len), omnikv=sparse))
+            slices.append(RequestSlice(r.row, r.kv_len, r.ids(r.kv_len) + r.draft, omnikv=sparse))
             reqs.append(r)
-        need = sum(alloc.slots_needed(r.kv_len, 1) for r in decoding)  # KV slots the slices so far take
+        need = sum(alloc.slots_needed(r.kv_len, 1 + len(r.draft)) for r in decoding)  # KV slots the slices so far take
 
         budget = self.max_prefill_tokens
         i = 0
@@ -234,6 +253,27 @@ class Scheduler:
             return r.params.omnikv
         return self.omnikv_mode == "on" or (self.omnikv_mode == "auto" and r.seq_len >= self.omnikv_min_context)
 
+    def _propose(self, decoding: list[Req]) -> None:
+        """Sets each decoding completion's draft: the tokens its n-gram lookup proposes, as many as its
+        max_tokens and the context leave room for (the verification may add one more token)."""
+        spec = self.speculative
+        if spec is None or (spec.disable_by_batch_size is not None and len(decoding) > spec.disable_by_batch_size):
+            return
+        for r in decoding:
+            # a grammar's matcher takes one token at a time; OmniKV's sparse rows decode one token (and its
+            # query window counts decode steps); the last prompt token left alone by its chunks is prefill
+            if r.grammar is not None or not r.output_ids or r.params.omnikv \
+                    or (r.params.omnikv is None and self.omnikv_mode != "off"):
+                continue
+            k = min(spec.num_speculative_tokens, self.context_len - r.seq_len)
+            if r.params.max_tokens is not None:
+                k = min(k, r.params.max_tokens - len(r.output_ids) - 1)
+            if k <= 0:
+                continue
+            if r.proposer is None:
+                r.proposer = NgramProposer(spec)
+            r.draft = r.proposer.propose(r.ids, r.seq_len, k)
+
     def _admit(self, r: Req, budget: int, need: int) -> int | None:
         """Gives `r` a request slot and its cached prefix; returns how many tokens it prefills now,
         or None when there is no room (`need` slots are already promised to this step's slices)."""
@@ -268,11 +308,17 @@ class Scheduler:
     # ------------------------------------------------------------------ update
     def _update(self, reqs: list[Req], slices: list[RequestSlice], logits: torch.Tensor,
                 every: list[bool]) -> list[Req]:
-        complete: list[tuple[Req, int]] = []  # (request, its next-token logits row)
+        # (request, its first logits row to sample, how many: 1, or a draft's verification: 1 + its tokens)
+        complete: list[tuple[Req, int, int]] = []
         out: list[Req] = []
         row = 0
         for r, s, all_rows in zip(reqs, slices, every):
             n = len(s.input_ids)
+            if r.draft:  # decoding (the draft's KV past what it keeps is freed in _verify)
+                complete.append((r, row, n))
+                row += n
+                r.kv_len += n
+                continue
             if all_rows:
                 self._score_prompt(r, logits[row : row + n])
                 row += n
@@ -287,45 +333,75 @@ class Scheduler:
                     self._finish(r, FINISH_LENGTH)  # (its prompt KV goes to the prefix cache)
                     out.append(r)
                 else:
-                    complete.append((r, row - 1))
+                    complete.append((r, row - 1, 1))
         if not complete:
             return out
-        rows = [SamplingRow(r.params, r.seed, len(r.output_ids), r.prompt_ids, r.output_ids, self.eos_token_ids,
-                            r.grammar) for r, _ in complete]
-        picked = [i for _, i in complete]
+        # a draft's position j is sampled as its own decode step: after the draft's first j tokens
+        rows = [SamplingRow(r.params, r.seed, len(r.output_ids) + j, r.prompt_ids,
+                            r.output_ids + r.draft[:j] if j else r.output_ids, self.eos_token_ids, r.grammar)
+                for r, _, count in complete for j in range(count)]
+        picked = [first + j for _, first, count in complete for j in range(count)]
         # (a decode-only batch samples every row in order: no gather copy of [B, V] logits)
         whole = picked == list(range(row))  # row: the logits rows of the batch
         found = self.runner.last_argmax
         result = self.sampler(logits if whole else logits[picked], rows,
                               argmax=None if found is None else found if whole else [found[i] for i in picked])
         now = time.time()
-        for k, ((r, _), tok, lp) in enumerate(zip(complete, result.token_ids, result.logprobs)):
-            if k in result.no_choice:  # nothing the request allows could come next: it ends without a token
-                logger.warning("request %s: its allowed_token_ids / bad_words / min_tokens / grammar leave no "
-                               "token after %d generated; ending it", r.rid, len(r.output_ids))
-                self._finish(r, FINISH_STOP)
-                out.append(r)
-                continue
-            prefilled_prompt = not r.output_ids
-            r.output_ids.append(tok)
-            r.pending_ids.append(tok)
-            if lp is not None:
-                r.pending_logprobs.append(lp)
-            r.first_token_time = r.first_token_time or now
-            self.counters.generation_tokens += 1
-            if prefilled_prompt and r.index == 0:  # n > 1: its prompt is cached now, the siblings may go
-                self._unblock_siblings(r.rid)
-            reason = self._stop_reason(r, tok)
-            if r.grammar is not None:
-                if not r.grammar.accept(tok):  # never expected: the mask allowed it
-                    logger.error("request %s: the grammar refused token %d its mask allowed; ending it", r.rid, tok)
-                    reason = reason or FINISH_STOP
-                elif r.grammar.terminated:  # the document is complete
-                    reason = reason or FINISH_STOP
+        no_choice = set(result.no_choice)
+        k = 0
+        for r, _, count in complete:
+            reason = self._verify(r, result.token_ids[k : k + count], result.logprobs[k : k + count],
+                                  [j for j in range(count) if k + j in no_choice], now)
+            k += count
             if reason:
                 self._finish(r, reason)
             out.append(r)
         return out
+
+    def _verify(self, r: Req, tokens: list[int], logprobs: list[TokenLogprob | None], no_choice: list[int],
+                now: float) -> str | None:
+        """Takes r's sampled tokens (one, or one per position of its draft's verification) while each
+        equals the draft token it checks; frees the KV of the draft tokens not kept. Returns why r ends,
+        or None."""
+        draft, r.draft = r.draft, []
+        first_kv = r.kv_len - len(tokens)  # the position of the token before the draft (its KV stays)
+        taken, reason = 0, None
+        for j, tok in enumerate(tokens):
+            if j in no_choice:  # nothing the request allows could come next: it ends without a token
+                logger.warning("request %s: its allowed_token_ids / bad_words / min_tokens / grammar leave no "
+                               "token after %d generated; ending it", r.rid, len(r.output_ids))
+                reason = FINISH_STOP
+                break
+            reason = self._append(r, tok, logprobs[j], now)
+            taken += 1
+            if reason or j == len(draft) or tok != draft[j]:
+                break
+        if draft:
+            self.counters.spec_drafts += 1
+            self.counters.spec_draft_tokens += len(draft)
+            self.counters.spec_accepted_tokens += sum(tokens[j] == draft[j] for j in range(min(taken, len(draft))))
+            self._drop_kv_after(r, first_kv + max(taken, 1))
+        return reason
+
+    def _append(self, r: Req, tok: int, lp: TokenLogprob | None, now: float) -> str | None:
+        """Adds a sampled token to r's output; returns why r ends with it, or None."""
+        prefilled_prompt = not r.output_ids
+        r.output_ids.append(tok)
+        r.pending_ids.append(tok)
+        if lp is not None:
+            r.pending_logprobs.append(lp)
+        r.first_token_time = r.first_token_time or now
+        self.counters.generation_tokens += 1
+        if prefilled_prompt and r.index == 0:  # n > 1: its prompt is cached now, the siblings may go
+            self._unblock_siblings(r.rid)
+        reason = self._stop_reason(r, tok)
+        if r.grammar is not None:
+            if not r.grammar.accept(tok):  # never expected: the mask allowed it
+                logger.error("request %s: the grammar refused token %d its mask allowed; ending it", r.rid, tok)
+                reason = reason or FINISH_STOP
+            elif r.grammar.terminated:  # the document is complete
+                reason = reason or FINISH_STOP
+        return reason
 
     def _score_prompt(self, r: Req, logits: torch.Tensor) -> None:
         """Logprobs of the prompt tokens these rows predict (row j at position p predicts token p+1)."""
@@ -389,8 +465,16 @@ class Scheduler:
             pool.write(r.row, 0, match.kv_indices)
             r.node, r.cache_len = match.node, int(match.kv_indices.numel())
 
+    def _drop_kv_after(self, r: Req, kv_len: int) -> None:
+        """Frees r's own KV slots from position `kv_len` on (a draft's tokens not kept)."""
+        if kv_len < r.kv_len:
+            assert r.row is not None and kv_len > r.cache_len
+            self.runner.allocator.free(self.runner.req_to_token_pool.req_to_token[r.row, kv_len : r.kv_len].to(torch.int64))
+            r.kv_len = kv_len
+
     def _release(self, r: Req, cache: bool) -> None:
         """Frees (or caches) all KV of a running request and its request slot."""
+        r.draft = []
         if r.row is None:
             return
         if cache:

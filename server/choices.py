@@ -10,6 +10,8 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
+import msgspec
+
 from engine.messages import FINISH_STOP, RequestOutput, TokenLogprob
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
@@ -57,6 +59,8 @@ class ChoiceText:
         if self.finish_reason is not None:
             return "", [], []
         ids = out.new_token_ids
+        if len(ids) > 1 and self.stops.has_stops:
+            return self._feed_each(out)
         shown = len(ids)
         stopped_on = ids[-1] if out.finish_reason == FINISH_STOP and ids else None
         if stopped_on in self.hidden_ids:
@@ -98,6 +102,23 @@ class ChoiceText:
         released = self._release()
         self.logprobs += released
         return text, list(ids), released
+
+    def _feed_each(self, out: RequestOutput) -> tuple[str, list[int], list[ShownLogprob]]:
+        """Several tokens in one output (a speculative decoding step's) fed one at a time, so that a stop
+        string ends the choice at the token that completes it: the ones after it are dropped from its
+        token ids and usage too, as they would never have been generated one step at a time."""
+        ids, n = out.new_token_ids, len(out.new_token_ids)
+        text, fed, released = "", [], []
+        for k, token in enumerate(ids):
+            last = k == n - 1
+            one = msgspec.structs.replace(out, new_token_ids=[token], logprobs=out.logprobs[k : k + 1] if out.logprobs
+                                          else out.logprobs, finish_reason=out.finish_reason if last else None,
+                                          completion_tokens=out.completion_tokens - (n - 1 - k))
+            t, i, lps = self.feed(one)
+            text, fed, released = text + t, fed + i, released + lps
+            if self.finish_reason is not None:
+                break
+        return text, fed, released
 
     def _release(self) -> list[ShownLogprob]:
         pending, out, hit = self._pending, [], self.stops.stopped

@@ -155,6 +155,10 @@ class StopStringMatcher:
     def stopped(self) -> bool:
         return self._stopped
 
+    @property
+    def has_stops(self) -> bool:
+        return bool(self._stops)
+
     def feed(self, text: str, armed: bool = True) -> tuple[str, bool]:
         """(text safe to send now, whether a stop string was hit). After a hit: ("", True).
 

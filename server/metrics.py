@@ -23,6 +23,11 @@ Exported (names are what dashboards and `promtool check metrics` see):
                                                       rate(selected) / rate(context))
     mlaserve_omnikv_bank_host_bytes          gauge    host memory held by the context bank's KV (--omnikv-bank)
     mlaserve_omnikv_bank_gathered_bytes_total counter bytes the bank's gathers copied to the device
+    mlaserve_spec_decode_drafts_total        counter  speculative decoding's verification steps (--speculative-config)
+    mlaserve_spec_decode_draft_tokens_total  counter  draft tokens they checked
+    mlaserve_spec_decode_accepted_tokens_total counter draft tokens kept (acceptance rate: rate(accepted) /
+                                                      rate(draft tokens); tokens per verification step:
+                                                      1 + rate(accepted) / rate(drafts))
     (with `--dp N` each of these is the sum over the replicas; a dead replica's totals stay)
   from the replica set (`update_replicas`, before each scrape)
     mlaserve_dp_replicas                     gauge    engine replicas alive (`--dp`; 1 without)
@@ -191,6 +196,9 @@ class Metrics(Collector):
         self._omnikv_context = _MonotonicTotal()
         self._bank_host_bytes = 0
         self._bank_gathered = _MonotonicTotal()
+        self._spec_drafts = _MonotonicTotal()
+        self._spec_draft_tokens = _MonotonicTotal()
+        self._spec_accepted = _MonotonicTotal()
         # from the replica set
         self._replicas_alive = 0
         self._routed: dict[str, int] = {}
@@ -305,6 +313,9 @@ class Metrics(Collector):
             self._omnikv_context.update(stats.omnikv_context_tokens_total)
             self._bank_host_bytes = stats.omnikv_bank_host_bytes
             self._bank_gathered.update(stats.omnikv_bank_gathered_bytes_total)
+            self._spec_drafts.update(stats.spec_decode_drafts_total)
+            self._spec_draft_tokens.update(stats.spec_decode_draft_tokens_total)
+            self._spec_accepted.update(stats.spec_decode_accepted_tokens_total)
 
     def update_replicas(self, alive: int, routed: Sequence[int]) -> None:
         """How many engine replicas run, and the engine requests routed to each so far."""
@@ -355,6 +366,12 @@ class Metrics(Collector):
                      "context bank (--omnikv-bank).", m, self._bank_host_bytes)
         yield _counter("mlaserve_omnikv_bank_gathered_bytes", "Bytes OmniKV's context bank gathered to the device for "
                        "decode steps.", m, self._bank_gathered.value)
+        yield _counter("mlaserve_spec_decode_drafts", "Speculative decoding's verification steps (a completion's "
+                       "draft checked in one forward).", m, self._spec_drafts.value)
+        yield _counter("mlaserve_spec_decode_draft_tokens", "Draft tokens checked by speculative decoding.",
+                       m, self._spec_draft_tokens.value)
+        yield _counter("mlaserve_spec_decode_accepted_tokens", "Draft tokens speculative decoding kept.",
+                       m, self._spec_accepted.value)
         yield _gauge("mlaserve_dp_replicas", "Engine replicas alive (--dp).", m, self._replicas_alive)
         yield _counter("mlaserve_dp_replica_requests", "Engine requests sent to each replica (those it refused "
                        "as overloaded too).", m, extra_label="replica", by_value=self._routed)

@@ -79,6 +79,7 @@ BAD: dict[str, list[str]] = {
     "master-port": ["x", "-1", "65536"],
     "dp-attention": ["maybe", "2"],
     "reasoning-parser": ["o1", "DeepSeek_R1", ""],
+    "speculative-config": ["ngram", '{"method": "eagle"}', '{"method": "ngram", "num_speculative_tokens": 0}'],
 }
 FREE_FORM: set[str] = set()
 
@@ -136,6 +137,9 @@ GOOD: dict[str, tuple[str, Any, str, Any]] = {
     "master-port": ("29500", 29500, "0", 0),
     "dp-attention": ("yes", True, "false", False),
     "reasoning-parser": ("qwen3", "qwen3", "none", "none"),
+    "speculative-config": ('{"method": "ngram"}', '{"method": "ngram"}',
+                           '{"method": "ngram", "num_speculative_tokens": 5}',
+                           '{"method": "ngram", "num_speculative_tokens": 5}'),
 }
 # what a row's values need beside them to be a valid combination (--ep N needs --tp N, and so on)
 ROW_ENV = {"ep": {"MLASERVE_TP": "4"}, "dp-attention": {"MLASERVE_DP": "2"}, "nnodes": {"MLASERVE_TP": "4", "MLASERVE_MASTER_PORT": "29500"},

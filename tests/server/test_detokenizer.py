@@ -411,3 +411,39 @@ def test_choice_logprobs_go_out_with_their_text(byte_level: TokenizerBundle) -> 
         want = [(p, starts[p]) for p in range(len(ids)) if starts[p] < cut]
         assert [(int(-s.lp.logprob), s.offset) for s in released] == want, (seed, text, stop)
         assert choice.logprobs == released
+
+
+@pytest.mark.parametrize("with_logprobs", [False, True])
+def test_a_stop_string_inside_a_several_token_output_ends_the_choice_at_its_token(
+        byte_level: TokenizerBundle, with_logprobs: bool) -> None:
+    """A speculative decoding step hands the server several tokens at once. A stop string completed by one
+    of them ends the choice there: the text is cut as ever, and the tokens after the completing one are
+    left out of the choice's token ids and its usage (as they are never generated one token a step).
+    Oracle: the completing token from the UTF-8 bytes of the text (the first whose text reaches the end of
+    the stop string's first occurrence)."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    for n in range(30):
+        text = rng.choice(TEXTS)
+        ids = byte_level.encode(text, add_special_tokens=False)
+        data, at, ends = text.encode(), 0, []
+        for token in ids:
+            at += len(byte_level.token_bytes(token))
+            ends.append(len(data[:at].decode("utf-8", "ignore")))
+        pos = rng.randrange(len(text) - 4)
+        stop = text[pos : pos + rng.randint(1, 4)]
+        cut = text.index(stop)
+        completing = next(p for p in range(len(ids)) if ends[p] >= cut + len(stop))
+        choice = ChoiceText(IncrementalDetokenizer(byte_level), StopStringMatcher([stop]))
+        sent, k = "", 0
+        while k < len(ids) and choice.finish_reason is None:
+            chunk = ids[k : k + rng.choice([1, 2, 4, 5])]
+            lps = [TokenLogprob(t, -float(k + j)) for j, t in enumerate(chunk)] if with_logprobs else None
+            k += len(chunk)
+            piece, fed, _ = choice.feed(RequestOutput("r", 0, chunk, lps, completion_tokens=k,
+                                                      finish_reason="length" if k >= len(ids) else None))
+            sent += piece
+        assert sent == text[:cut], (seed, text, stop)
+        assert choice.finish_reason == "stop" and choice.stop_reason == stop, (seed, text, stop)
+        assert choice.token_ids == ids[: completing + 1], (seed, text, stop)
+        assert choice.completion_tokens == completing + 1, (seed, text, stop)

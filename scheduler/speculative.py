@@ -1,0 +1,141 @@
+"""N-gram speculative decoding (prompt lookup), torch-free: the settings and the proposer.
+
+A decoding completion whose last tokens also occur earlier in its own prompt or output (code being
+edited, a document quoted, a list continued) often goes on as it went on there. The proposer finds
+the latest earlier occurrence of its last n tokens (n from `prompt_lookup_max` down to
+`prompt_lookup_min`) and proposes the up to `num_speculative_tokens` tokens that followed it. The
+scheduler feeds the completion's last token and the draft as one slice (`RequestSlice`), the model
+computes logits at every position in the one forward, and the scheduler samples each position as an
+ordinary decode step would (the same seed and step, the penalties over the draft tokens before it),
+keeping tokens while each equals the draft token it verifies: the first that differs, or the one after
+the whole draft, is still a true sample. So the tokens are the ones the completion would get without
+speculation, whatever the temperature (the draft is a single proposal, which makes "sample, then
+compare" the exact acceptance rule); a rejected draft token costs its forward position and nothing
+else (its KV slot is freed at once).
+
+Settings, vLLM's `--speculative-config` keys: {"method": "ngram", "num_speculative_tokens": K,
+"prompt_lookup_max": N, "prompt_lookup_min": M, "disable_by_batch_size": B}.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16  # a verification step computes K + 1 positions: past a few, mostly wasted
+MAX_LOOKUP = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    # no drafts while more completions than this decode together (a large batch's forward is compute
+    # bound: a draft's extra positions cost there what they save at one stream); None: no limit
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> SpeculativeConfig:
+        """The settings a `--speculative-config` JSON object gives; ValueError saying what is wrong."""
+        try:
+            raw = json.loads(text)
+        except ValueError as err:
+            raise ValueError(f"is not JSON ({err}); give an object such as "
+                             '\'{"method": "ngram", "num_speculative_tokens": 3}\'') from None
+        if not isinstance(raw, dict):
+            raise ValueError('must be a JSON object, such as {"method": "ngram", "num_speculative_tokens": 3}')
+        raw = dict(raw)
+        method = raw.pop("method", None)
+        if method not in METHODS:
+            raise ValueError(f"has method {method!r}: mlaserve proposes drafts by n-gram lookup only, give "
+                             '"method": "ngram" (draft models, EAGLE and MTP heads are not supported)')
+        known = {"num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"has unknown keys {unknown}; the ngram method takes {sorted(known)}")
+        values: dict[str, Any] = {}
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            if key in raw:
+                values[key] = _whole(raw, key, 1, MAX_SPECULATIVE_TOKENS if key == "num_speculative_tokens"
+                                     else MAX_LOOKUP)
+        if raw.get("disable_by_batch_size") is not None:
+            values["disable_by_batch_size"] = _whole(raw, "disable_by_batch_size", 1, 2**31 - 1)
+        # one lookup bound given: the other's default, moved to it where the two would cross
+        if "prompt_lookup_max" in values and "prompt_lookup_min" not in values:
+            values["prompt_lookup_min"] = min(values["prompt_lookup_max"], cls.prompt_lookup_min)
+        if "prompt_lookup_min" in values and "prompt_lookup_max" not in values:
+            values["prompt_lookup_max"] = max(values["prompt_lookup_min"], cls.prompt_lookup_max)
+        cfg = cls(**values)
+        if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
+            raise ValueError(f"has prompt_lookup_min {cfg.prompt_lookup_min} above prompt_lookup_max "
+                             f"{cfg.prompt_lookup_max}")
+        return cfg
+
+    def describe(self) -> str:
+        limit = "" if self.disable_by_batch_size is None else f", off above {self.disable_by_batch_size} streams"
+        return (f"ngram, {self.num_speculative_tokens} draft tokens, lookup {self.prompt_lookup_min}.."
+                f"{self.prompt_lookup_max}{limit}")
+
+
+def _whole(raw: dict[str, Any], key: str, low: int, high: int) -> int:
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"has {key} {value!r}: it must be a whole number in {low}..{high}")
+    return value
+
+
+def speculative_json(value: str | None) -> str | None:
+    """The `--speculative-config` flag's check (the problem, or None)."""
+    if value is None:
+        return None
+    try:
+        SpeculativeConfig.parse(value)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+class NgramProposer:
+    """One completion's n-gram index: for each n, where each n-gram of its tokens last ended (among those
+    followed by a token), extended as the completion grows, so a proposal costs a few dict lookups however
+    long the context. Tokens never change once there (a retraction keeps them), so the index stays valid."""
+
+    def __init__(self, cfg: SpeculativeConfig) -> None:
+        self.cfg = cfg
+        self._sizes = range(cfg.prompt_lookup_max, cfg.prompt_lookup_min - 1, -1)  # longest match first
+        self._ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self._sizes}
+        self._indexed = 0  # n-grams ending before this position are in the index
+
+    def propose(self, ids: Callable[[int, int], Sequence[int]], seq_len: int, k: int) -> list[int]:
+        """`k` tokens to follow the sequence of `seq_len` tokens (`ids(start, end)` reads its slice): those after
+        the latest earlier occurrence of its longest suffix found (repeated past the end with the period that
+        occurrence implies), or none."""
+        if k <= 0 or seq_len < self.cfg.prompt_lookup_min + 1:
+            return []
+        longest = self.cfg.prompt_lookup_max
+        if self._indexed < seq_len - 1:  # n-grams ending at positions _indexed .. seq_len - 2
+            start = max(0, self._indexed - longest + 1)
+            tokens = ids(start, seq_len - 1)
+            for end in range(self._indexed, seq_len - 1):
+                at = end - start
+                for n in self._sizes:
+                    if at + 1 >= n:
+                        self._ends[n][tuple(tokens[at + 1 - n : at + 1])] = end
+            self._indexed = seq_len - 1
+        tail = ids(max(0, seq_len - longest), seq_len)
+        for n in self._sizes:
+            if n > len(tail):
+                continue
+            end = self._ends[n].get(tuple(tail[len(tail) - n :]))
+            if end is not None:
+                draft = list(ids(end + 1, min(end + 1 + k, seq_len)))
+                # a match close to the end: the tokens since repeat with that period (a loop goes on looping)
+                period = seq_len - 1 - end
+                while len(draft) < k:
+                    draft.append(draft[len(draft) - period])
+                return draft
+        return []

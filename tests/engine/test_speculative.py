@@ -1,0 +1,168 @@
+"""Speculative decoding (--speculative-config, scheduler/speculative.py) in the engine core, on tiny synthetic
+models: whatever the drafts, a completion gets the tokens and logprobs it gets without them (the oracle: the
+same engine with speculation off, itself checked against HF transformers elsewhere), and no KV slot leaks.
+
+Drafts come two ways: the real n-gram proposer, and an oracle proposer that proposes the completion's true
+continuation with random tokens changed, so that every acceptance length (none of the draft .. all of it)
+and every way a step ends (a mismatch, a stop id, max_tokens, the context end) is reached on every model."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import msgspec
+import pytest
+
+from engine.messages import FINISH_LENGTH, FINISH_STOP, GenerateRequest
+from models.synthetic import write_checkpoint
+from scheduler import scheduler as scheduler_module
+from scheduler.sampling_params import SamplingParams
+from tests.engine.test_engine_core import assert_no_leak, make_engine, prompt, run_to_end, tokens
+
+SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-deepseek-v3", "tiny-deepseek-v2"])
+def model_dir(request, tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=11)
+
+
+def outputs(core, reqs) -> dict:
+    """(rid, index) -> (tokens, logprobs, finish reason, completion_tokens) of the requests run together."""
+    for rid, ids, p in reqs:
+        assert core.add_request(GenerateRequest(rid, ids, p)) == []
+    outs = run_to_end(core)
+    assert_no_leak(core)
+    return {k: (tokens(v), [lp for o in v for lp in (o.logprobs or [])], v[-1].finish_reason, v[-1].completion_tokens)
+            for k, v in outs.items()}
+
+
+class OracleDrafts:
+    """Stands for NgramProposer: proposes the completion's continuation in `sequences` (the one whose start
+    the completion's tokens are), each token changed with chance `wrong` (seeded)."""
+
+    sequences: list[list[int]] = []
+    wrong = 0.3
+    rng = random.Random(0)
+
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+
+    def propose(self, ids, seq_len, k):
+        mine = ids(0, seq_len)
+        for seq in self.sequences:
+            if seq[:seq_len] == mine:
+                draft = seq[seq_len : seq_len + k]
+                return [t + 1 if self.rng.random() < self.wrong else t for t in draft]
+        return []
+
+
+def with_oracle(monkeypatch, sequences: list[list[int]], wrong: float) -> None:
+    monkeypatch.setattr(OracleDrafts, "sequences", sequences)
+    monkeypatch.setattr(OracleDrafts, "wrong", wrong)
+    monkeypatch.setattr(OracleDrafts, "rng", random.Random(7))
+    monkeypatch.setattr(scheduler_module, "NgramProposer", OracleDrafts)
+
+
+PARAMS = {
+    "greedy_logprobs": SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=40, logprobs=True, top_logprobs=3),
+    "sampled": SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=3, ignore_eos=True, max_tokens=40,
+                              logprobs=True),
+    "penalties": SamplingParams(temperature=0.7, seed=4, repetition_penalty=1.3, frequency_penalty=0.4,
+                                presence_penalty=0.3, ignore_eos=True, max_tokens=40),
+    "n2": SamplingParams(temperature=1.0, seed=5, n=2, ignore_eos=True, max_tokens=30),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PARAMS))
+@pytest.mark.parametrize("wrong", [0.0, 0.3])
+def test_drafts_change_no_token_nor_logprob(model_dir, monkeypatch, kind, wrong):
+    p = PARAMS[kind]
+    reqs = [(f"r{i}", prompt(6 + 5 * i, 40 + i), p) for i in range(4)]
+    plain = outputs(make_engine(model_dir), reqs)
+    free = outputs(make_engine(model_dir), [(rid, ids, msgspec.structs.replace(p, max_tokens=60)) for rid, ids, _ in reqs])
+    with_oracle(monkeypatch, [ids + free[(rid, i)][0] for rid, ids, _ in reqs for i in range(p.n)], wrong)
+    core = make_engine(model_dir, speculative_config=SPEC)
+    assert outputs(core, reqs) == plain
+    s = core.stats()
+    assert s.spec_decode_drafts_total > 0 and s.spec_decode_accepted_tokens_total <= s.spec_decode_draft_tokens_total
+    if wrong == 0.0:  # every draft kept whole: four tokens a step but the last step's
+        assert s.spec_decode_accepted_tokens_total == s.spec_decode_draft_tokens_total
+        assert s.forward_steps_total < sum(len(t) for t, *_ in plain.values()) // 3
+    else:
+        assert 0 < s.spec_decode_accepted_tokens_total < s.spec_decode_draft_tokens_total
+    assert s.generation_tokens_total == sum(len(t) for t, *_ in plain.values())
+
+
+def test_a_step_ends_inside_its_draft(model_dir, monkeypatch):
+    """A stop id, EOS after min_tokens, max_tokens and the context's end falling inside a kept draft end
+    the completion there: the tokens after it are dropped with their KV."""
+    base = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=50)
+    ids = [prompt(7 + i, 60 + i) for i in range(4)]
+    free = outputs(make_engine(model_dir), [(f"f{i}", x, base) for i, x in enumerate(ids)])
+    runs = [free[(f"f{i}", 0)][0] for i in range(4)]
+    reqs = [
+        ("stop_id", ids[0], msgspec.structs.replace(base, stop_token_ids=(runs[0][9],))),
+        ("max_tokens", ids[1], msgspec.structs.replace(base, max_tokens=13)),
+        ("min_tokens", ids[2], msgspec.structs.replace(base, ignore_eos=False, min_tokens=5,
+                                                       stop_token_ids=(runs[2][2], runs[2][11]))),
+    ]
+    with_oracle(monkeypatch, [x + r for x, r in zip(ids, runs)], wrong=0.0)
+    plain = outputs(make_engine(model_dir), reqs)
+    assert plain[("stop_id", 0)][2] == FINISH_STOP and plain[("max_tokens", 0)][3] == 13
+    assert outputs(make_engine(model_dir, speculative_config=SPEC), reqs) == plain
+    # the context's end (32 tokens) in the middle of a draft
+    short = [("ctx", ids[3], msgspec.structs.replace(base, max_tokens=None))]
+    plain = outputs(make_engine(model_dir, context_length=7 + 3 + 22), short)
+    assert plain[("ctx", 0)][2] == FINISH_LENGTH and len(ids[3]) + plain[("ctx", 0)][3] == 32
+    assert outputs(make_engine(model_dir, context_length=32, speculative_config=SPEC), short) == plain
+
+
+def test_kv_pressure_drops_drafts_then_retracts(model_dir, monkeypatch):
+    """A pool too small for every draft: drafts go first, then completions are retracted, as without
+    speculation; the tokens stay the same."""
+    reqs = [(f"m{i}", prompt(20 + i, 200 + i), SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=24))
+            for i in range(8)]
+    plain = outputs(make_engine(model_dir, disable_prefix_cache=True), reqs)
+    with_oracle(monkeypatch, [ids + plain[(rid, 0)][0] for rid, ids, _ in reqs], wrong=0.2)
+    core = make_engine(model_dir, max_total_tokens=96, speculative_config=SPEC)
+    assert outputs(core, reqs) == plain
+    assert core.stats().retractions_total > 0 and core.stats().spec_decode_drafts_total > 0
+
+
+def test_ngram_lookup_on_a_looping_model(tmp_path):
+    """The real proposer: a tiny random Llama falls into loops that n-gram lookup continues; same tokens
+    and logprobs in fewer forwards."""
+    model = write_checkpoint(tmp_path, "tiny-llama", seed=11)
+    p = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=60, logprobs=True, top_logprobs=2)
+    base = prompt(20, 1)
+    reqs = [(f"r{i}", base + base[: 5 + i] + prompt(3, 50 + i), p) for i in range(4)]
+    off = make_engine(model)
+    plain = outputs(off, reqs)
+    on = make_engine(model, speculative_config=SPEC)
+    assert outputs(on, reqs) == plain
+    s = on.stats()
+    assert s.spec_decode_accepted_tokens_total > 0
+    assert s.forward_steps_total < off.stats().forward_steps_total
+    assert s.spec_decode_drafts_total <= 4 * s.forward_steps_total
+
+
+def test_no_drafts_where_a_completion_decodes_one_token_a_step(model_dir, monkeypatch):
+    """OmniKV completions (server default on/auto or their own field) and a batch above
+    disable_by_batch_size take no drafts."""
+    reqs = [(f"o{i}", prompt(12, 5 + i), SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=10))
+            for i in range(3)]
+    plain = outputs(make_engine(model_dir), reqs)
+    with_oracle(monkeypatch, [ids + plain[(rid, 0)][0] for rid, ids, _ in reqs], wrong=0.0)
+    for kw in ({"omnikv": "auto"}, {"omnikv": "on"}):
+        core = make_engine(model_dir, speculative_config=SPEC, **kw)
+        assert outputs(core, reqs) == plain and core.stats().spec_decode_drafts_total == 0
+    own = [(rid, ids, msgspec.structs.replace(p, omnikv=True)) for rid, ids, p in reqs]
+    core = make_engine(model_dir, speculative_config=SPEC)
+    assert outputs(core, own) == plain and core.stats().spec_decode_drafts_total == 0
+    limited = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 2})
+    core = make_engine(model_dir, speculative_config=limited)
+    assert outputs(core, reqs) == plain and core.stats().spec_decode_drafts_total == 0  # three decode together
+    assert outputs(core, reqs[:2]) == {k: v for k, v in plain.items() if k[0] != "o2"}
+    assert core.stats().spec_decode_drafts_total > 0

@@ -1,0 +1,89 @@
+"""The n-gram proposer against a brute-force search, and `--speculative-config`'s parsing."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from scheduler.speculative import NgramProposer, SpeculativeConfig, speculative_json
+
+
+def brute_force(seq: list[int], cfg: SpeculativeConfig, k: int) -> list[int]:
+    """The definition: the latest earlier occurrence of the longest suffix (n from max down to min) followed
+    by a token; the tokens after it, repeated with period (last position - its end) while fewer than k."""
+    if k <= 0:
+        return []
+    for n in range(cfg.prompt_lookup_max, cfg.prompt_lookup_min - 1, -1):
+        if n >= len(seq):
+            continue
+        for end in range(len(seq) - 2, n - 2, -1):
+            if seq[end - n + 1 : end + 1] == seq[len(seq) - n :]:
+                draft = seq[end + 1 : end + 1 + k]
+                while len(draft) < k:
+                    draft.append(draft[len(draft) - (len(seq) - 1 - end)])
+                return draft
+    return []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_proposals_equal_the_brute_force_search(seed):
+    rng = random.Random(seed)
+    lo = rng.randint(1, 3)
+    cfg = SpeculativeConfig(num_speculative_tokens=rng.randint(1, 6), prompt_lookup_min=lo,
+                            prompt_lookup_max=lo + rng.randint(0, 3))
+    vocab = rng.choice([2, 3, 5, 50])
+    seq = [rng.randrange(vocab) for _ in range(rng.randint(0, 6))]
+    proposer = NgramProposer(cfg)
+    hits = 0
+    for _ in range(150):
+        k = rng.randint(0, cfg.num_speculative_tokens)
+        got = proposer.propose(lambda a, b: seq[a:b], len(seq), k)
+        assert got == brute_force(seq, cfg, k), (seq, k)
+        hits += bool(got)
+        # the completion grows by one token, or by several (a kept draft), sometimes by a loop's tokens
+        more = rng.choice([1, 1, 2, 5])
+        seq += got[:more] if got and rng.random() < 0.5 else [rng.randrange(vocab) for _ in range(more)]
+    assert hits > 10
+
+
+def test_a_loop_is_continued_past_the_end():
+    p = NgramProposer(SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_min=1, prompt_lookup_max=3))
+    seq = [9, 1, 2, 3, 1, 2, 3, 1, 2]
+    assert p.propose(lambda a, b: seq[a:b], len(seq), 5) == [3, 1, 2, 3, 1]
+    seq += [3, 7, 7]
+    assert p.propose(lambda a, b: seq[a:b], len(seq), 3) == [7, 7, 7]
+    assert p.propose(lambda a, b: seq[a:b], len(seq), 0) == []
+    assert NgramProposer(SpeculativeConfig()).propose(lambda a, b: [4, 5, 6][a:b], 3, 3) == []
+
+
+def test_config_parsing():
+    parse = SpeculativeConfig.parse
+    assert parse('{"method": "ngram"}') == SpeculativeConfig()
+    assert parse(json.dumps({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 6,
+                             "prompt_lookup_min": 3, "disable_by_batch_size": 8})) == \
+        SpeculativeConfig(5, 6, 3, 8)
+    assert parse('{"method": "ngram", "prompt_lookup_max": 1}') == SpeculativeConfig(prompt_lookup_max=1,
+                                                                                      prompt_lookup_min=1)
+    assert parse('{"method": "ngram", "prompt_lookup_min": 7}') == SpeculativeConfig(prompt_lookup_max=7,
+                                                                                      prompt_lookup_min=7)
+    assert parse('{"method": "ngram", "disable_by_batch_size": null}').disable_by_batch_size is None
+    for text, words in [
+        ("ngram", "is not JSON"),
+        ("[1]", "must be a JSON object"),
+        ('{"num_speculative_tokens": 3}', "method None"),
+        ('{"method": "eagle", "num_speculative_tokens": 3}', "n-gram lookup only"),
+        ('{"method": "ngram", "model": "x"}', "unknown keys ['model']"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens 0"),
+        ('{"method": "ngram", "num_speculative_tokens": 17}', "1..16"),
+        ('{"method": "ngram", "num_speculative_tokens": 2.5}', "whole number"),
+        ('{"method": "ngram", "num_speculative_tokens": true}', "whole number"),
+        ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "above prompt_lookup_max"),
+        ('{"method": "ngram", "disable_by_batch_size": 0}', "disable_by_batch_size 0"),
+    ]:
+        with pytest.raises(ValueError, match=None) as err:
+            parse(text)
+        assert words in str(err.value), (text, str(err.value))
+        assert speculative_json(text) == str(err.value)
+    assert speculative_json(None) is None and speculative_json('{"method": "ngram"}') is None
