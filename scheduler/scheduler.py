@@ -265,14 +265,13 @@ class Scheduler:
             if r.grammar is not None or not r.output_ids or r.params.omnikv \
                     or (r.params.omnikv is None and self.omnikv_mode != "off"):
                 continue
-            k = min(spec.num_speculative_tokens, self.context_len - r.seq_len)
-            if r.params.max_tokens is not None:
-                k = min(k, r.params.max_tokens - len(r.output_ids) - 1)
-            if k <= 0:
-                continue
             if r.proposer is None:
                 r.proposer = NgramProposer(spec)
-            r.draft = r.proposer.propose(r.ids, r.seq_len, k)
+            k = min(r.proposer.length, self.context_len - r.seq_len)
+            if r.params.max_tokens is not None:
+                k = min(k, r.params.max_tokens - len(r.output_ids) - 1)
+            if k > 0:
+                r.draft = r.proposer.propose(r.ids, r.seq_len, k)
 
     def _admit(self, r: Req, budget: int, need: int) -> int | None:
         """Gives `r` a request slot and its cached prefix; returns how many tokens it prefills now,
@@ -377,9 +376,12 @@ class Scheduler:
             if reason or j == len(draft) or tok != draft[j]:
                 break
         if draft:
+            kept = sum(tokens[j] == draft[j] for j in range(min(taken, len(draft))))
             self.counters.spec_drafts += 1
             self.counters.spec_draft_tokens += len(draft)
-            self.counters.spec_accepted_tokens += sum(tokens[j] == draft[j] for j in range(min(taken, len(draft))))
+            self.counters.spec_accepted_tokens += kept
+            assert r.proposer is not None
+            r.proposer.verified(len(draft), kept)
             self._drop_kv_after(r, first_kv + max(taken, 1))
         return reason
 

@@ -109,6 +109,15 @@ class NgramProposer:
         self._sizes = range(cfg.prompt_lookup_max, cfg.prompt_lookup_min - 1, -1)  # longest match first
         self._ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self._sizes}
         self._indexed = 0  # n-grams ending before this position are in the index
+        # the draft length this completion earns: a draft token costs a forward position whether kept or
+        # not, so the length follows what its drafts keep (one more after a draft kept whole, one more than
+        # was kept after one that was not): text that copies gets long drafts, text that does not, short ones
+        self.length = cfg.num_speculative_tokens
+
+    def verified(self, drafted: int, kept: int) -> None:
+        """How the last draft fared: `kept` of its `drafted` tokens were kept."""
+        if drafted:
+            self.length = min(self.cfg.num_speculative_tokens, self.length + 1 if kept == drafted else kept + 1)
 
     def propose(self, ids: Callable[[int, int], Sequence[int]], seq_len: int, k: int) -> list[int]:
         """`k` tokens to follow the sequence of `seq_len` tokens (`ids(start, end)` reads its slice): those after

@@ -48,6 +48,10 @@ class OracleDrafts:
 
     def __init__(self, cfg) -> None:
         self.cfg = cfg
+        self.length = cfg.num_speculative_tokens  # (always the longest draft: every length is reached)
+
+    def verified(self, drafted: int, kept: int) -> None:
+        pass
 
     def propose(self, ids, seq_len, k):
         mine = ids(0, seq_len)

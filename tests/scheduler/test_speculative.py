@@ -87,3 +87,19 @@ def test_config_parsing():
         assert words in str(err.value), (text, str(err.value))
         assert speculative_json(text) == str(err.value)
     assert speculative_json(None) is None and speculative_json('{"method": "ngram"}') is None
+
+
+def test_the_draft_length_follows_what_the_drafts_keep():
+    p = NgramProposer(SpeculativeConfig(num_speculative_tokens=4))
+    assert p.length == 4
+    p.verified(4, 1)  # one kept: two next
+    assert p.length == 2
+    p.verified(2, 0)
+    assert p.length == 1
+    p.verified(1, 1)  # kept whole: one more each time, up to the setting
+    p.verified(2, 2)
+    p.verified(3, 3)
+    p.verified(4, 4)
+    assert p.length == 4
+    p.verified(0, 0)  # no draft: nothing learnt
+    assert p.length == 4
