@@ -260,10 +260,8 @@ class Scheduler:
         if spec is None or (spec.disable_by_batch_size is not None and len(decoding) > spec.disable_by_batch_size):
             return
         for r in decoding:
-            # a grammar's matcher takes one token at a time; OmniKV's sparse rows decode one token (and its
-            # query window counts decode steps); the last prompt token left alone by its chunks is prefill
-            if r.grammar is not None or not r.output_ids or r.params.omnikv \
-                    or (r.params.omnikv is None and self.omnikv_mode != "off"):
+            # (the last prompt token left alone by its chunks is prefill)
+            if not r.output_ids or not self._drafts_allowed(r):
                 continue
             if r.proposer is None:
                 r.proposer = NgramProposer(spec)
@@ -272,6 +270,12 @@ class Scheduler:
                 k = min(k, r.params.max_tokens - len(r.output_ids) - 1)
             if k > 0:
                 r.draft = r.proposer.propose(r.ids, r.seq_len, k)
+
+    def _drafts_allowed(self, r: Req) -> bool:
+        """Whether r may decode with drafts: not under a grammar (its matcher takes one token at a time), nor
+        with OmniKV (its sparse rows decode one token, and its query window counts decode steps)."""
+        return self.speculative is not None and r.grammar is None and (
+            r.params.omnikv is False or (r.params.omnikv is None and self.omnikv_mode == "off"))
 
     def _admit(self, r: Req, budget: int, need: int) -> int | None:
         """Gives `r` a request slot and its cached prefix; returns how many tokens it prefills now,
@@ -327,6 +331,11 @@ class Scheduler:
             r.kv_len += n
             if prefill and self.cache.shares:
                 self._insert_into_cache(r, finished=False)
+            if prefill and self.speculative is not None and r.params.max_tokens != 0 and self._drafts_allowed(r):
+                # its n-gram index, built along the prompt's chunks rather than at the first draft
+                if r.proposer is None:
+                    r.proposer = NgramProposer(self.speculative)
+                r.proposer.index(r.ids, min(r.kv_len, r.seq_len - 1))
             if r.num_pending == 0:
                 if r.params.max_tokens == 0:  # prompt scoring only: nothing to generate
                     self._finish(r, FINISH_LENGTH)  # (its prompt KV goes to the prefix cache)

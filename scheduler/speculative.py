@@ -27,6 +27,9 @@ from typing import Any
 METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16  # a verification step computes K + 1 positions: past a few, mostly wasted
 MAX_LOOKUP = 16
+# positions one call indexes at most (a few ms of Python): the scheduler indexes a prompt along its prefill
+# chunks, so a long one is never indexed in one step's stall (128K positions take ~0.3 s)
+MAX_INDEX_PER_CALL = 2048
 
 
 @dataclass(frozen=True)
@@ -119,22 +122,29 @@ class NgramProposer:
         if drafted:
             self.length = min(self.cfg.num_speculative_tokens, self.length + 1 if kept == drafted else kept + 1)
 
+    def index(self, ids: Callable[[int, int], Sequence[int]], upto: int) -> None:
+        """Adds the n-grams ending at positions before `upto` (at most MAX_INDEX_PER_CALL more positions: one
+        lagging behind proposes from the older text until it catches up)."""
+        last = min(upto, self._indexed + MAX_INDEX_PER_CALL)
+        if last <= self._indexed:
+            return
+        start = max(0, self._indexed - self.cfg.prompt_lookup_max + 1)
+        tokens = ids(start, last)
+        for end in range(self._indexed, last):
+            at = end - start
+            for n in self._sizes:
+                if at + 1 >= n:
+                    self._ends[n][tuple(tokens[at + 1 - n : at + 1])] = end
+        self._indexed = last
+
     def propose(self, ids: Callable[[int, int], Sequence[int]], seq_len: int, k: int) -> list[int]:
         """`k` tokens to follow the sequence of `seq_len` tokens (`ids(start, end)` reads its slice): those after
         the latest earlier occurrence of its longest suffix found (repeated past the end with the period that
         occurrence implies), or none."""
         if k <= 0 or seq_len < self.cfg.prompt_lookup_min + 1:
             return []
+        self.index(ids, seq_len - 1)
         longest = self.cfg.prompt_lookup_max
-        if self._indexed < seq_len - 1:  # n-grams ending at positions _indexed .. seq_len - 2
-            start = max(0, self._indexed - longest + 1)
-            tokens = ids(start, seq_len - 1)
-            for end in range(self._indexed, seq_len - 1):
-                at = end - start
-                for n in self._sizes:
-                    if at + 1 >= n:
-                        self._ends[n][tuple(tokens[at + 1 - n : at + 1])] = end
-            self._indexed = seq_len - 1
         tail = ids(max(0, seq_len - longest), seq_len)
         for n in self._sizes:
             if n > len(tail):

@@ -53,6 +53,9 @@ class OracleDrafts:
     def verified(self, drafted: int, kept: int) -> None:
         pass
 
+    def index(self, ids, upto) -> None:
+        pass
+
     def propose(self, ids, seq_len, k):
         mine = ids(0, seq_len)
         for seq in self.sequences:

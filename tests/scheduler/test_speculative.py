@@ -103,3 +103,26 @@ def test_the_draft_length_follows_what_the_drafts_keep():
     assert p.length == 4
     p.verified(0, 0)  # no draft: nothing learnt
     assert p.length == 4
+
+
+def test_a_long_prompt_is_indexed_along_its_chunks_not_in_one_call():
+    """One call indexes at most MAX_INDEX_PER_CALL positions (a 128K prompt at once stalled a step ~0.3 s):
+    the scheduler indexes the prompt chunk by chunk as it is prefilled; a proposer left behind proposes from
+    the older text until it catches up."""
+    from scheduler.speculative import MAX_INDEX_PER_CALL
+
+    rng = random.Random(3)
+    n = 4 * MAX_INDEX_PER_CALL + 100
+    seq = [rng.randrange(10**6) for _ in range(n)]
+    seq[n - 1000 : n - 997] = seq[n - 3 :]  # the suffix's one earlier occurrence, near the end
+    cfg = SpeculativeConfig(prompt_lookup_min=3, prompt_lookup_max=3)
+    ids = lambda a, b: seq[a:b]  # noqa: E731
+    want = brute_force(seq, cfg, 3)
+    assert want == seq[n - 997 : n - 994]
+    chunked = NgramProposer(cfg)
+    for upto in range(512, n, 512):
+        chunked.index(ids, min(upto, n - 1))
+    assert chunked.propose(ids, n, 3) == want
+    behind = NgramProposer(cfg)
+    got = [behind.propose(ids, n, 3) for _ in range(5)]
+    assert got[0] == [] and got[-1] == want
