@@ -263,19 +263,24 @@ class Scheduler:
             # (the last prompt token left alone by its chunks is prefill)
             if not r.output_ids or not self._drafts_allowed(r):
                 continue
-            if r.proposer is None:
-                r.proposer = NgramProposer(spec)
-            k = min(r.proposer.length, self.context_len - r.seq_len)
+            proposer = self._proposer(r)
+            k = min(proposer.length, self.context_len - r.seq_len)
             if r.params.max_tokens is not None:
                 k = min(k, r.params.max_tokens - len(r.output_ids) - 1)
             if k > 0:
-                r.draft = r.proposer.propose(r.ids, r.seq_len, k)
+                r.draft = proposer.propose(r.ids, r.seq_len, k)
 
     def _drafts_allowed(self, r: Req) -> bool:
         """Whether r may decode with drafts: not under a grammar (its matcher takes one token at a time), nor
         with OmniKV (its sparse rows decode one token, and its query window counts decode steps)."""
         return self.speculative is not None and r.grammar is None and (
             r.params.omnikv is False or (r.params.omnikv is None and self.omnikv_mode == "off"))
+
+    def _proposer(self, r: Req) -> NgramProposer:
+        if r.proposer is None:
+            assert self.speculative is not None
+            r.proposer = NgramProposer(self.speculative)
+        return r.proposer
 
     def _admit(self, r: Req, budget: int, need: int) -> int | None:
         """Gives `r` a request slot and its cached prefix; returns how many tokens it prefills now,
@@ -331,11 +336,9 @@ class Scheduler:
             r.kv_len += n
             if prefill and self.cache.shares:
                 self._insert_into_cache(r, finished=False)
-            if prefill and self.speculative is not None and r.params.max_tokens != 0 and self._drafts_allowed(r):
+            if prefill and r.params.max_tokens != 0 and self._drafts_allowed(r):
                 # its n-gram index, built along the prompt's chunks rather than at the first draft
-                if r.proposer is None:
-                    r.proposer = NgramProposer(self.speculative)
-                r.proposer.index(r.ids, min(r.kv_len, r.seq_len - 1))
+                self._proposer(r).index(r.ids, min(r.kv_len, r.seq_len - 1))
             if r.num_pending == 0:
                 if r.params.max_tokens == 0:  # prompt scoring only: nothing to generate
                     self._finish(r, FINISH_LENGTH)  # (its prompt KV goes to the prefix cache)
@@ -359,18 +362,18 @@ class Scheduler:
         k = 0
         for r, _, count in complete:
             reason = self._verify(r, result.token_ids[k : k + count], result.logprobs[k : k + count],
-                                  [j for j in range(count) if k + j in no_choice], now)
+                                  {j - k for j in no_choice if k <= j < k + count} if no_choice else no_choice, now)
             k += count
             if reason:
                 self._finish(r, reason)
             out.append(r)
         return out
 
-    def _verify(self, r: Req, tokens: list[int], logprobs: list[TokenLogprob | None], no_choice: list[int],
+    def _verify(self, r: Req, tokens: list[int], logprobs: list[TokenLogprob | None], no_choice: set[int],
                 now: float) -> str | None:
         """Takes r's sampled tokens (one, or one per position of its draft's verification) while each
-        equals the draft token it checks; frees the KV of the draft tokens not kept. Returns why r ends,
-        or None."""
+        equals the draft token it checks; frees the KV of the draft tokens not kept. `no_choice`: positions
+        where nothing the request allows could come. Returns why r ends, or None."""
         draft, r.draft = r.draft, []
         first_kv = r.kv_len - len(tokens)  # the position of the token before the draft (its KV stays)
         taken, reason = 0, None
