@@ -265,6 +265,9 @@ class EngineCore:
             return None
         spec = SpeculativeConfig.parse(args.speculative_config)
         logger.info("speculative decoding: %s", spec.describe())
+        if args.omnikv != "off":  # (Scheduler._drafts_allowed)
+            logger.warning("speculative decoding: with --omnikv %s only requests sending \"omnikv\": false get "
+                           "drafts (an OmniKV completion decodes one token a step)", args.omnikv)
         return spec
 
     def failure(self) -> str | None:

@@ -32,8 +32,9 @@ cache), so they start from the shared prompt KV.
 Speculative decoding (`speculative`, scheduler/speculative.py): a decoding completion whose tokens an
 n-gram lookup can continue feeds its last token and the draft as one slice with logits at every
 position; `_update` samples each position as its own decode step and keeps tokens while they equal
-the draft (`_verify`), then frees the KV slots of the draft tokens it did not keep. Under KV pressure
-the drafts go first, before any retraction.
+the draft (`_verify`), then frees the KV slots of the draft tokens it did not keep. Drafts take only
+room nothing else wants (free or evictable slots past the decodes' and the step's prefill budget): a
+draft never costs a retraction nor holds a prompt back.
 """
 
 from __future__ import annotations
@@ -158,12 +159,7 @@ class Scheduler:
         alloc = self.runner.allocator
         decoding = [r for r in self.running if r.is_decoding]
         prefilling = [r for r in self.running if not r.is_decoding]  # oldest first (admission order)
-        self._propose(decoding)
-        while decoding and not self._make_room(sum(alloc.slots_needed(r.kv_len, 1 + len(r.draft)) for r in decoding)):
-            if any(r.draft for r in decoding):  # drafts give their room back first: they are only a bet
-                for r in decoding:
-                    r.draft = []
-                continue
+        while decoding and not self._make_room(sum(alloc.slots_needed(r.kv_len, 1) for r in decoding)):
             if prefilling:  # a prompt part-way in gives its KV back first: it is the least along
                 self._retract(prefilling.pop())
                 continue
@@ -174,11 +170,19 @@ class Scheduler:
             else:
                 self._retract(victim)
             decoding.remove(victim)
+        need = sum(alloc.slots_needed(r.kv_len, 1) for r in decoding)  # KV slots the slices so far take
+        if self.speculative is not None and decoding:
+            # drafts take only room nothing else wants: free or evictable slots past the decodes' and this
+            # step's prefill budget, so a draft never costs a retraction nor holds a prompt back
+            spare = alloc.available_size() + self.cache.evictable_size() - need
+            drafted = self._propose(decoding, spare - (self.max_prefill_tokens if prefilling or self.waiting else 0))
+            if drafted:
+                need += drafted  # (page size 1: a slot a draft token)
+                self._make_room(need)
         for r in decoding:  # (a prompt's last token, left alone by its chunks, is prefill: full attention)
             sparse = r.kv_len >= len(r.prompt_ids) and self._omnikv(r)
             slices.append(RequestSlice(r.row, r.kv_len, r.ids(r.kv_len) + r.draft, omnikv=sparse))
             reqs.append(r)
-        need = sum(alloc.slots_needed(r.kv_len, 1 + len(r.draft)) for r in decoding)  # KV slots the slices so far take
 
         budget = self.max_prefill_tokens
         i = 0
@@ -253,13 +257,17 @@ class Scheduler:
             return r.params.omnikv
         return self.omnikv_mode == "on" or (self.omnikv_mode == "auto" and r.seq_len >= self.omnikv_min_context)
 
-    def _propose(self, decoding: list[Req]) -> None:
+    def _propose(self, decoding: list[Req], room: int) -> int:
         """Sets each decoding completion's draft: the tokens its n-gram lookup proposes, as many as its
-        max_tokens and the context leave room for (the verification may add one more token)."""
+        max_tokens and the context leave room for (the verification may add one more token), `room` KV
+        slots in all at most. Returns the draft tokens given."""
         spec = self.speculative
         if spec is None or (spec.disable_by_batch_size is not None and len(decoding) > spec.disable_by_batch_size):
-            return
+            return 0
+        given = 0
         for r in decoding:
+            if given >= room:
+                break
             # (the last prompt token left alone by its chunks is prefill)
             if not r.output_ids or not self._drafts_allowed(r):
                 continue
@@ -267,8 +275,11 @@ class Scheduler:
             k = min(proposer.length, self.context_len - r.seq_len)
             if r.params.max_tokens is not None:
                 k = min(k, r.params.max_tokens - len(r.output_ids) - 1)
+            k = min(k, room - given)
             if k > 0:
                 r.draft = proposer.propose(r.ids, r.seq_len, k)
+                given += len(r.draft)
+        return given
 
     def _drafts_allowed(self, r: Req) -> bool:
         """Whether r may decode with drafts: not under a grammar (its matcher takes one token at a time), nor
