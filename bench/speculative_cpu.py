@@ -2,7 +2,8 @@
 the same server without it and against llama.cpp's `llama-server` (no speculation: its n-gram lookup is not
 in the server we build), same GGUF, same requests, through streaming `/v1/chat/completions`.
 
-Workloads (chat, greedy, the model ends the reply itself, at most `--max-tokens`; each request starts with
+Workloads (chat, greedy or with `--sampled` the model's own sampling defaults and a seed per request, the
+model ends the reply itself, at most `--max-tokens`; each request starts with
 a unique request number, so no server's prefix cache serves it from an earlier one). The texts are the
 Python standard library's own, shipped with the interpreter:
   edit    "Rewrite this function, adding comments" + the source of textwrap.dedent: a reply that copies
@@ -60,9 +61,12 @@ class ChatState(sc.StreamState):
         super().feed(event, now)
 
 
-def body(text: str, number: int, max_tokens: int) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": f"Request {number:05d}. {text}"}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+def body(text: str, number: int, max_tokens: int, sampled: bool = False) -> dict[str, Any]:
+    """Greedy, or (`sampled`) the model's own sampling defaults with a seed (the same for every server)."""
+    out = {"messages": [{"role": "user", "content": f"Request {number:05d}. {text}"}], "max_tokens": max_tokens,
+           "stream": True, "stream_options": {"include_usage": True}}
+    out.update({"seed": number} if sampled else {"temperature": 0})
+    return out
 
 
 def spec_counters(server: sc.Server) -> dict[str, float]:
@@ -99,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--spec", default=DEFAULT_SPEC, help="--speculative-config of the speculating server")
     ap.add_argument("--ours-only", action="store_true")
+    ap.add_argument("--sampled", action="store_true", help="the model's own sampling defaults (SmolLM2: temperature "
+                    "0.2, top_p 0.9), a seed per request, instead of greedy")
     ap.add_argument("--quiet-threshold", type=float, default=0.25)
     ap.add_argument("--quiet-wait", type=float, default=20.0)
     ap.add_argument("--start-timeout", type=float, default=600.0)
@@ -138,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             print(f"round {r + 1}/{args.rounds}", flush=True)
             for w, n in cases:
-                bodies = [body(texts[w], next(numbers), args.max_tokens) for _ in range(n)]
+                bodies = [body(texts[w], next(numbers), args.max_tokens, args.sampled) for _ in range(n)]
                 for s in servers if (r + len(w)) % 2 == 0 else servers[::-1]:
                     row = measure(s, bodies, args)
                     raw[s.name][f"{w}@{n}"].append(row)
@@ -150,10 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     result = {"benchmark": "speculative_cpu", "machine": machine,
               "versions": {**cc.versions(), "llama_cpp": peers.binary_version(binary) if binary else None},
               "model": model, "gguf": gguf, "spec": json.loads(args.spec), "max_tokens": args.max_tokens,
+              "sampling": "the model's defaults, seeded" if args.sampled else "greedy",
               "workloads": {w: t[:200] for w, t in texts.items()}, "rounds": args.rounds,
               "commands": {s.name: s.command for s in servers}, "skipped": skipped, "raw": raw}
     result["summary"] = summary(raw)
-    out = args.out or cc.RESULTS / f"speculative_cpu_{args.tag or cc.machine_tag(machine)}.json"
+    sampled = "_sampled" if args.sampled else ""
+    out = args.out or cc.RESULTS / f"speculative_cpu_{args.tag or cc.machine_tag(machine)}{sampled}.json"
     cc.write_json(out, result)
     print(json.dumps(result["summary"], indent=1))
     print(f"wrote {out}")

@@ -23,7 +23,7 @@ The engine must give each of a request's `n` completions its own seed, or they c
 
 Vectorized across the batch: bias, penalties and the min_tokens mask each touch only the listed ids
 (one gather/scatter for the whole batch); rows with a top_k share one partial sort (`topk`), rows
-with only a top_p one full sort. Python loops only build index lists, seed the per-row
+with only a top_p another, as wide as their mass needs (`_best_holding`). Python loops only build index lists, seed the per-row
 generators and unpack results. Penalties rebuild their id lists from prompt + output every step,
 which is O(context) Python work per penalized row.
 """
@@ -328,7 +328,7 @@ def _top_k_top_p(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     the best token is always kept.
 
     Rows with a top_k need only a partial sort (`topk` of their largest k: nothing beyond survives);
-    the rows with top_p alone share one full sort.
+    the rows with top_p alone share one as wide as their mass needs (`_best_holding`).
     """
     vocab = x.shape[1]
     with_k = [i for i, row in enumerate(rows) if 1 <= row.params.top_k < vocab]
