@@ -80,7 +80,7 @@ def error_type(status: int, code: str | None) -> str:
     """Anthropic's `error.type` for one of this server's errors."""
     if code == "overloaded":
         return "overloaded_error"
-    return _ERROR_TYPES.get(status, "api_error")
+    return _ERROR_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
 
 
 def error_body(status: int, message: str, code: str | None = None) -> dict[str, Any]:
@@ -221,6 +221,9 @@ class MessagesRequest(_Body, NoStructuredExtensions):
             if m.content in ("", []) and not (m.role == "assistant" and i == len(value) - 1):
                 raise _invalid(f"messages.{i}: all messages must have non-empty content except for the optional "
                                "final assistant message")
+            for j, block in enumerate(m.content if isinstance(m.content, list) else ()):
+                if isinstance(block, TextBlock) and not block.text:  # Anthropic's rule too
+                    raise _invalid(f"messages.{i}.content.{j}: text content blocks must be non-empty")
         return value
 
     @field_validator("mcp_servers", "container")

@@ -25,8 +25,9 @@ Input items become chat messages:
 ones, `tool_choice {"type": "function", "name"}` chat's named choice, `text.format` `response_format`,
 `max_output_tokens` `max_tokens`, `include: ["message.output_text.logprobs"]` with `top_logprobs` chat's
 `logprobs` / `top_logprobs` (as OpenAI's API, `top_logprobs` alone asks for nothing). `reasoning`
-(effort), the other `include` values, `truncation` and `metadata` are accepted (`metadata` is echoed);
-fields this API does not know are ignored, as on chat completions.
+(effort), OpenAI's other `include` values, `truncation` and `metadata` are accepted (`metadata` is echoed;
+an `include` value OpenAI's API does not know, or an `n` other than 1, is a 400); other fields this API does
+not know are ignored, as on chat completions.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ from server.protocol import (
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 _TEXT_PARTS = ("input_text", "output_text", "refusal")
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
+# the `include` values OpenAI's API knows: accepted (this one acts on INCLUDE_LOGPROBS alone); others are a 400,
+# as there
+INCLUDE_VALUES = (INCLUDE_LOGPROBS, "code_interpreter_call.outputs", "computer_call_output.output.image_url",
+                  "file_search_call.results", "message.input_image.image_url", "reasoning.encrypted_content",
+                  "web_search_call.action.sources", "web_search_call.results")
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit, as chat's
 
 # ---------------------------------------------------------------- requests
@@ -130,6 +136,7 @@ class ResponsesRequest(_Body, NoStructuredExtensions):
     metadata: dict[str, str] | None = None
     user: str | None = None
     include: list[str] | None = None
+    n: Any = None  # chat's, refused unless 1: a response has one output
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # counts with INCLUDE_LOGPROBS only
     truncation: Literal["disabled", "auto"] | None = None
     # stateful features, refused by to_chat_request
@@ -139,6 +146,22 @@ class ResponsesRequest(_Body, NoStructuredExtensions):
     prompt: dict[str, Any] | None = None  # a stored prompt template: none are stored here
     # mlaserve extension, as on chat completions: OmniKV sparse attention for this request's decode
     omnikv: StrictBool | None = None
+
+    @field_validator("include")
+    @classmethod
+    def _known_includes(cls, value: list[str] | None) -> list[str] | None:
+        for i, item in enumerate(value or ()):
+            if item not in INCLUDE_VALUES:
+                raise _invalid(f"include.{i}: {item!r} is not one of {list(INCLUDE_VALUES)}")
+        return value
+
+    @field_validator("n", mode="before")
+    @classmethod
+    def _one_output(cls, value: Any) -> Any:
+        if value is not None and (isinstance(value, bool) or value != 1):
+            raise _invalid(f"n {value!r} is not supported: a response has one output (for several, send several "
+                           "requests or use chat completions' n)")
+        return value
 
     @field_validator("tool_choice", mode="before")
     @classmethod

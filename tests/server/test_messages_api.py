@@ -245,6 +245,9 @@ USER = [{"role": "user", "content": "hi"}]
     ({"max_tokens": 4, "messages": USER, "container": "c1"}, 400, "server-side"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": ""}]}, 400, "non-empty content"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": []}, *USER]}, 400, "non-empty content"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                                  {"type": "text", "text": ""}]}]}, 400,
+     "messages.0.content.1: text content blocks must be non-empty"),
     ({"max_tokens": 4, "messages": USER, "thinking": {"type": "enabled"}}, 400, "budget_tokens"),
     ({"max_tokens": 5, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400,
      "must be less than max_tokens"),
@@ -273,6 +276,12 @@ def test_bad_requests_get_anthropic_errors(server, body, status, needle):
     assert needle in err["error"]["message"], err
     for chat_name in ("function.parameters", "response_format", "echo with logprobs", "completions API"):
         assert chat_name not in err["error"]["message"], err
+
+
+def test_a_wrong_method_is_an_invalid_request(server):
+    resp = httpx.get(server.url + "/v1/messages", headers={"x-api-key": KEY}, timeout=60)
+    assert resp.status_code == 405
+    assert resp.json()["error"]["type"] == "invalid_request_error", resp.text
 
 
 def test_errors_are_counted_by_their_openai_code(server):

@@ -292,6 +292,8 @@ BAD = [
       "multipleOf": 3}}}}, 400, "text.format", "text.format.schema: the keyword 'multipleOf'"),
     ({"input": "hi", "model": "nope"}, 404, "model", "nope"),
     ({"input": "hi", "prompt": {"id": "pmpt_1"}}, 400, "prompt", "not supported"),
+    ({"input": "hi", "include": ["reasoning.encrypted_content", "bogus"]}, 400, "include", "include.1: 'bogus'"),
+    ({"input": "hi", "n": 2}, 400, "n", "one output"),
     # the chat path's structured-output extensions: refused by name (they were ignored, the output free)
     ({"input": "hi", "structured_outputs": {"regex": "a+"}}, 400, "structured_outputs", "text.format"),
     ({"input": "hi", "regex": "a+"}, 400, "regex", "text.format"),
