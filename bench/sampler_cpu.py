@@ -1,4 +1,4 @@
-"""CPU cost of sampling one engine step with top_p (executor/sampler.py), before and after the partial sort.
+"""CPU cost of sampling one engine step with top_p (executor/sampler.py): the partial sort and the draw among candidates.
 
 top_p alone used to sort every row whole (49152 logits of the default model: 3.3 ms a row on the engine's
 one sampling thread, longer than the model's decode step), and the default model's own defaults are
@@ -7,10 +7,11 @@ mass falls short of top_p; and exp's argument is clamped at -87 (`_TINY_EXP`), b
 takes a slow path (the code before also paid that: its softmax over the sorted row took 5.3 ms a row at
 temperature 0.2 in this benchmark's first run, 80 ms for 16 rows). Timed: one `Sampler` call for B rows
 (each its own seed), on real logits (the default model's, at B consecutive positions of a prompt of the
-Python standard library's documentation), the partial sort against the full sort (`_TOP_P_FIRST` set to the
-vocabulary, with today's clamped exp) in the same run, rounds interleaved, medians; the decode step of the
-same model (one request) is timed beside them for scale, and both choices are checked to pick the same
-tokens.
+Python standard library's documentation), the sampler as it is against the full sort (`_TOP_P_FIRST` set to
+the vocabulary, with today's clamped exp) and against every row drawn whole (`_CANDIDATES` off: filtered to
+-inf, Gumbel noise at every column, argmax over the row, where now a row with top_p draws among the tokens
+it left, with their noise alone), in the same run, rounds interleaved, medians; the decode step of the same model (one request)
+is timed beside them for scale, and every way is checked to pick the same tokens.
 
     .venv/bin/python bench/sampler_cpu.py [--rounds 7] [--out bench/results/sampler_cpu_<machine-tag>.json]
 """
@@ -30,6 +31,8 @@ import torch  # noqa: E402
 
 import cpu_common as cc  # noqa: E402
 
+# "partial": the sampler as it is; "full": top_p's full sort; "whole_rows": every row drawn whole
+WAYS = ("partial", "full", "whole_rows")
 SETTINGS = {"t0.2_top_p0.9 (the default model's)": (0.2, 0.9), "t0.7_top_p0.95": (0.7, 0.95), "t1.0_top_p0.9": (1.0, 0.9)}
 
 
@@ -76,9 +79,10 @@ def main() -> int:
                 rows = [SamplingRow(SamplingParams(temperature=temperature, top_p=top_p), i, 3, ids, [], [0])
                         for i in range(b)]
                 picked = {}
-                order = ("partial", "full") if r % 2 == 0 else ("full", "partial")
+                order = WAYS if r % 2 == 0 else WAYS[::-1]
                 for way in order:
-                    sampler_module._TOP_P_FIRST = 64 if way == "partial" else vocab
+                    sampler_module._TOP_P_FIRST = vocab if way == "full" else 64
+                    sampler_module._CANDIDATES = way != "whole_rows"
                     sampler(x, rows)
                     t = time.perf_counter()
                     for _ in range(3):
@@ -86,10 +90,14 @@ def main() -> int:
                     results.setdefault(name, {}).setdefault(f"B{b}", {}).setdefault(way, []).append(
                         (time.perf_counter() - t) / 3)
                     picked[way] = out.token_ids
-                same = same and picked["partial"] == picked["full"]
+                same = same and picked["partial"] == picked["full"] == picked["whole_rows"]
     sampler_module._TOP_P_FIRST = 64
-    summary = {name: {b: {"partial_ms": statistics.median(v["partial"]) * 1e3, "full_ms": statistics.median(v["full"]) * 1e3,
-                          "speedup": statistics.median(v["full"]) / statistics.median(v["partial"])}
+    sampler_module._CANDIDATES = True
+    med = statistics.median
+    summary = {name: {b: {"partial_ms": med(v["partial"]) * 1e3, "full_ms": med(v["full"]) * 1e3,
+                          "whole_rows_ms": med(v["whole_rows"]) * 1e3,
+                          "speedup": med(v["full"]) / med(v["partial"]),
+                          "speedup_vs_whole_rows": med(v["whole_rows"]) / med(v["partial"])}
                       for b, v in per_b.items()} for name, per_b in results.items()}
     machine = cc.machine_info()
     result = {"benchmark": "sampler_cpu", "machine": machine, "versions": cc.versions(), "model": DEFAULT_MODEL,

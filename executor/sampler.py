@@ -23,7 +23,9 @@ The engine must give each of a request's `n` completions its own seed, or they c
 
 Vectorized across the batch: bias, penalties and the min_tokens mask each touch only the listed ids
 (one gather/scatter for the whole batch); rows with a top_k share one partial sort (`topk`), rows
-with only a top_p another, as wide as their mass needs (`_best_holding`). Python loops only build index lists, seed the per-row
+with only a top_p another, as wide as their mass needs (`_best_holding`), and such rows draw among those
+sorted candidates alone (min_p, their noise, the best score: `Sampler._sample`), which picks what the
+whole row's argmax picks (ties to the smallest id). Python loops only build index lists, seed the per-row
 generators and unpack results. Penalties rebuild their id lists from prompt + output every step,
 which is O(context) Python work per penalized row.
 """
@@ -46,6 +48,9 @@ _GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio, SplitMix64's increment
 # Temperatures below this are raised to it: logits / 1e-5 stay finite in fp32, and such a row is
 # all but greedy anyway.
 _MIN_TEMPERATURE = 1e-5
+# Rows with a top_k or top_p draw among their candidates alone (`Sampler._sample`); off: every row whole,
+# the definition (tests and bench/sampler_cpu.py compare the two)
+_CANDIDATES = True
 
 
 class SamplingKnobs(Protocol):
@@ -219,12 +224,31 @@ class Sampler:
         """Temperature, top_k, top_p, min_p, then Gumbel-max; x [n, V] fp32, overwritten."""
         temps = _column([max(row.params.temperature, _MIN_TEMPERATURE) for row in rows], x)
         x = x.div_(temps)
-        x = _top_k_top_p(x, rows)
-        x = _min_p(x, rows)
-        return x.add_(self._gumbel(rows, x.shape[1], x.device)).argmax(dim=-1)
+        u = self._uniforms(rows, x.shape[1], x.device)
+        if not _CANDIDATES:
+            return _min_p(_top_k_top_p(x, rows), rows).add_(_gumbel(u)).argmax(dim=-1)
+        # Rows with a top_k or top_p pick among their candidates (the best few, sorted: `_top_k_top_p`'s),
+        # with those tokens' noise alone: the rest are -inf, and -inf plus noise stays -inf. Their whole rows
+        # (temperature, mask, noise's two logs, add, argmax) took ~0.85 of a row's ~1 ms on the default
+        # model's 49152 columns at its own defaults (temperature 0.2, top_p 0.9).
+        vocab = x.shape[1]
+        tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
+        with_k, p_only, rest = _filter_groups(rows, vocab)
+        for chosen in (with_k, p_only):
+            if chosen:
+                picked = [rows[i] for i in chosen]
+                values, ids, drop = _top_k_top_p_candidates(_take(x, chosen), picked)
+                drop |= values - values[:, :1] < _log_min_p(picked, x)  # min_p (`_min_p`) among them
+                score = values.add_(_gumbel(_take(u, chosen).gather(1, ids))).masked_fill_(drop, float("-inf"))
+                _put(tokens, chosen, _first_best(score, ids, vocab))
+        if rest:
+            picked = [rows[i] for i in rest]
+            _put(tokens, rest, _min_p(_take(x, rest), picked).add_(_gumbel(_take(u, rest))).argmax(dim=-1))
+        return tokens
 
-    def _gumbel(self, rows: Sequence[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
-        """Gumbel(0, 1) noise [n, vocab]; row i depends only on (rows[i].seed, rows[i].step)."""
+    def _uniforms(self, rows: Sequence[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
+        """The uniforms [n, vocab] of Gumbel-max; row i depends only on (rows[i].seed, rows[i].step), each
+        column on its place in that row's stream."""
         gen = self._generators.get(device)
         if gen is None:
             gen = self._generators[device] = torch.Generator(device=device)
@@ -232,9 +256,13 @@ class Sampler:
         for i, row in enumerate(rows):
             gen.manual_seed(noise_seed(row.seed, row.step))
             u[i].uniform_(generator=gen)
-        # u in [0, 1): keep log(u) finite so even a row with a single kept token picks it.
-        u.clamp_(min=torch.finfo(torch.float32).tiny)
-        return u.log_().neg_().log_().neg_()  # -log(-log(u)), in place: V-wide rows are large
+        return u
+
+
+def _gumbel(u: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise from uniforms in [0, 1), in place (V-wide rows are large)."""
+    # log(u) kept finite, so even a row with a single kept token picks it
+    return u.clamp_(min=torch.finfo(torch.float32).tiny).log_().neg_().log_().neg_()  # -log(-log(u))
 
 
 # ---- logit processors (steps 1-3) ----------------------------------------------------------------
@@ -325,30 +353,37 @@ def _mask_until_min_tokens(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None
 
 def _top_k_top_p(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Keep the top_k best, then the smallest best-first set whose mass (after top_k) reaches top_p;
-    the best token is always kept.
-
-    Rows with a top_k need only a partial sort (`topk` of their largest k: nothing beyond survives);
-    the rows with top_p alone share one as wide as their mass needs (`_best_holding`).
-    """
-    vocab = x.shape[1]
-    with_k = [i for i, row in enumerate(rows) if 1 <= row.params.top_k < vocab]
-    p_only = [i for i, row in enumerate(rows) if not 1 <= row.params.top_k < vocab and row.params.top_p < 1.0]
+    the best token is always kept; x [n, V] with the rest set to -inf, in place."""
+    with_k, p_only, _ = _filter_groups(rows, x.shape[1])
     for chosen in (with_k, p_only):
         if chosen:
             sub = _take(x, chosen)
-            top_k = [_effective_top_k(rows[i].params.top_k, vocab) for i in chosen]
-            top_p = [rows[i].params.top_p for i in chosen]
-            _put(x, chosen, sub.masked_fill_(_top_k_top_p_removed(sub, top_k, top_p), float("-inf")))
+            _, ids, drop = _top_k_top_p_candidates(sub, [rows[i] for i in chosen])
+            removed = torch.ones_like(sub, dtype=torch.bool).scatter_(1, ids, drop)
+            _put(x, chosen, sub.masked_fill_(removed, float("-inf")))
     return x
 
 
-def _top_k_top_p_removed(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Bool [n, V]: True for the tokens top_k / top_p remove from each row of x [n, V].
+def _filter_groups(rows: Sequence[SamplingRow], vocab: int) -> tuple[list[int], list[int], list[int]]:
+    """The rows with a top_k (one partial sort: `topk` of their largest k, nothing beyond survives), those
+    with top_p alone (another, as wide as their mass needs: `_best_holding`), and the others."""
+    with_k = [i for i, row in enumerate(rows) if 1 <= row.params.top_k < vocab]
+    p_only = [i for i, row in enumerate(rows) if not 1 <= row.params.top_k < vocab and row.params.top_p < 1.0]
+    rest = [i for i, row in enumerate(rows) if not 1 <= row.params.top_k < vocab and row.params.top_p >= 1.0]
+    return with_k, p_only, rest
+
+
+def _top_k_top_p_candidates(x: torch.Tensor, rows: Sequence[SamplingRow]
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's best tokens, best first, as far as top_k / top_p may keep them: (values, ids, drop) [n, w],
+    drop True where top_k or top_p removes it (every token past them is removed too). The rows are one of
+    `_filter_groups`' first two groups.
 
     top_k keeps every token whose logit reaches the k-th best (as HF's TopKLogitsWarper and vLLM do): a
     token tied with the k-th is kept too, rather than one of the tied dropped by the sort's whim.
     """
     vocab = x.shape[1]
+    top_k = [_effective_top_k(row.params.top_k, vocab) for row in rows]
     width = max(top_k)
     kept = _column(top_k, x, torch.long)
     if width < vocab:
@@ -360,18 +395,25 @@ def _top_k_top_p_removed(x: torch.Tensor, top_k: list[int], top_p: list[float]) 
         if wider > width:  # ties run past the partial sort: sort as far as they go
             width = wider
             sorted_x, order = x.topk(width, dim=-1, sorted=True) if width < vocab else x.sort(dim=-1, descending=True)
-    p = _column(top_p, x)
+    p = _column([row.params.top_p for row in rows], x)
     if width < vocab:
         drop = torch.arange(width, device=x.device)[None, :] >= kept
         mass = sorted_x.masked_fill(drop, float("-inf")).softmax(dim=-1).cumsum(dim=-1)
-    else:  # top_p alone (`_top_k_top_p` groups the rows so)
+    else:  # top_p alone (`_filter_groups` groups the rows so)
         sorted_x, order, mass = _best_holding(x, p)
         drop = torch.zeros_like(sorted_x, dtype=torch.bool)
     mass_before = mass.roll(1, dims=-1)  # mass of the strictly better tokens
     mass_before[:, 0] = 0.0
     drop |= (mass_before >= p) & (p < 1.0)
     drop[:, 0] = False
-    return torch.ones_like(x, dtype=torch.bool).scatter_(1, order, drop)
+    return sorted_x, order, drop
+
+
+def _first_best(score: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Per row, the id of the best score [n, w], the smallest id among equals (a NaN counting as the best):
+    what argmax over the whole row, by column, picks."""
+    hit = (score == score.amax(dim=-1, keepdim=True)) | score.isnan()
+    return ids.masked_fill(~hit, vocab).amin(dim=-1)
 
 
 # top_p alone sorts the best _TOP_P_FIRST tokens of each row first, and more (x4) only where their mass
@@ -409,9 +451,14 @@ def _min_p(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     if not chosen:
         return x
     sub = _take(x, chosen)
-    log_min_p = _column([math.log(rows[i].params.min_p) for i in chosen], x)
+    log_min_p = _log_min_p([rows[i] for i in chosen], x)
     _put(x, chosen, sub.masked_fill_(sub - sub.amax(dim=-1, keepdim=True) < log_min_p, float("-inf")))
     return x
+
+
+def _log_min_p(rows: Sequence[SamplingRow], like: torch.Tensor) -> torch.Tensor:
+    """[n, 1] log(min_p) per row, -inf where a row has none (nothing is below it)."""
+    return _column([math.log(row.params.min_p) if row.params.min_p > 0.0 else -math.inf for row in rows], like)
 
 
 def _effective_top_k(top_k: int, vocab: int) -> int:

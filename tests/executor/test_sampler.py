@@ -192,6 +192,54 @@ def test_different_seeds_give_different_tokens() -> None:
     assert sampler(logits, [_row(seed=11, step=s) for s in range(64)]).token_ids == a
 
 
+@pytest.mark.parametrize("vocab", [97, 49152])
+def test_drawing_among_the_candidates_picks_what_whole_rows_pick(monkeypatch, vocab: int) -> None:
+    """Rows with a top_k or top_p draw among their few candidates, with those tokens' noise alone: against
+    the definition (every row whole: filtered to -inf, noise at every column, argmax), every row picks the
+    same token: mixed filters and min_p, ties (the smallest id wins, as argmax's first), a row with one
+    allowed token, -inf logits among the candidates, rows with no filter, greedy rows between."""
+    import executor.sampler as sampler_module
+
+    rng = random.Random(vocab)
+    n = 48
+    logits = _logits(n, vocab, seed=vocab, scale=3.0)
+    logits[3] = logits[3].round()  # ties in the scores: equal logits whose noise clamps alike are rare,
+    logits[4, : vocab // 2] = float("-inf")  # so those are made below
+    rows = []
+    for i in range(n):
+        params = SamplingParams(temperature=rng.choice([0.0, 0.2, 0.7, 1.0, 1.5]),
+                                top_k=rng.choice([-1, -1, 1, 5, 50]), top_p=rng.choice([1.0, 0.5, 0.9, 0.99]),
+                                min_p=rng.choice([0.0, 0.0, 0.05, 0.3]))
+        rows.append(_row(params, seed=rng.randrange(2**40), step=rng.randrange(100)))
+    rows[5] = _row(SamplingParams(temperature=0.8, top_p=0.9, allowed_token_ids=[7]), seed=5)
+    rows[6] = _row(SamplingParams(temperature=0.8, top_k=3, logit_bias={11: 100.0, 12: 100.0}), seed=6)
+    picked = {}
+    for way, candidates in (("candidates", True), ("whole rows", False)):
+        monkeypatch.setattr(sampler_module, "_CANDIDATES", candidates)
+        picked[way] = Sampler(vocab)(logits.clone(), rows).token_ids
+    assert picked["candidates"] == picked["whole rows"]
+    assert picked["candidates"][5] == 7 and picked["candidates"][6] in (11, 12)
+    assert len(set(picked["candidates"])) > 12
+
+    # exact ties of the noisy scores: equal logits with equal uniforms (set where the noise is drawn, so
+    # both ways see them), the largest at every third column
+    def tied(self, rows, vocab, device):
+        u = torch.full((len(rows), vocab), 0.5, device=device)
+        u[:, ::3] = 0.99
+        return u
+
+    monkeypatch.setattr(sampler_module.Sampler, "_uniforms", tied)
+    flat = torch.zeros(4, vocab)
+    flat[:, ::7] = 1.0
+    rows = [_row(SamplingParams(temperature=1.0, top_k=k), seed=k) for k in (3, 20, 50)] + \
+        [_row(SamplingParams(temperature=1.0, top_p=0.5), seed=9)]
+    for way, candidates in (("candidates", True), ("whole rows", False)):
+        monkeypatch.setattr(sampler_module, "_CANDIDATES", candidates)
+        picked[way] = Sampler(vocab)(flat.clone(), rows).token_ids
+    assert picked["candidates"] == picked["whole rows"]
+    assert picked["candidates"][:3] == [0, 0, 0]  # top_k keeps every token tied with the k-th: 0 among them
+
+
 def test_noise_seeds_do_not_collide_on_small_grids() -> None:
     seeds = {noise_seed(seed, step) for seed in range(-20, 200) for step in range(200)}
     assert len(seeds) == 220 * 200
