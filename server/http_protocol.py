@@ -9,9 +9,12 @@ descriptor and, once the headers are in, a handler waiting on the body, for as l
 hundred of them exhaust the process's descriptors. `ServerHttpProtocol` gives each request's headers
 `read_timeout` seconds in all, counted from the moment the server waits for that request, and its body
 at most `read_timeout` seconds between two reads (nginx's client_header_timeout and
-client_body_timeout). Past it the connection is closed: with a 408 in OpenAI's error shape when no
-handler has started (the headers were not complete), otherwise at once (the handler's next receive
-then says the client disconnected, and its answer goes nowhere). Requests that have arrived whole are
+client_body_timeout). Past it the connection is closed: with a 408 in OpenAI's error shape when the
+request had begun but no handler has started (the headers were not complete); without a word when no
+byte of a request came (a fresh connection left unused, a kept-alive one idle between requests, as
+nginx and uvicorn's keep-alive timer close them: a 408 there is no answer to anything, and a client
+that sends its next request just then would read it as that request's); otherwise at once (the
+handler's next receive then says the client disconnected, and its answer goes nowhere). Requests that have arrived whole are
 never timed: generating their answer takes as long as it takes.
 
 **Writing.** A client that stops reading its answer (a stuck consumer, a peer gone without a reset)
@@ -63,6 +66,7 @@ class ServerHttpProtocol(HttpToolsProtocol):
         self.read_timeout, self.write_timeout = read_timeout, write_timeout
         self.on_timeout = on_timeout
         self._reading = HEAD
+        self._begun = False  # a byte of the request being read has come (HEAD: its line or headers began)
         self._deadline: asyncio.TimerHandle | None = None
         self._write_stall: asyncio.TimerHandle | None = None  # armed while the socket's buffer is full
         self._stalled_bytes = 0  # the buffer's size when the write stall was (re)armed
@@ -121,7 +125,9 @@ class ServerHttpProtocol(HttpToolsProtocol):
         if self.flow.read_paused:  # this side stopped reading (a body past uvicorn's buffer): not the client's fault
             self._arm()
             return
-        if self._reading == HEAD:  # no handler runs for it: the client is told why
+        if self._reading == HEAD and not self._begun:  # nothing asked: nothing to answer
+            logger.debug("closing a connection idle for %g s", self.read_timeout)
+        elif self._reading == HEAD:  # no handler runs for it: the client is told why
             self._write_error(b"408 Request Timeout", f"the request did not arrive within {self.read_timeout:g} s; "
                               "send it whole, promptly", "request_timeout")
             if self.on_timeout is not None:
@@ -158,6 +164,7 @@ class ServerHttpProtocol(HttpToolsProtocol):
         if self._reading == WHOLE and self._deadline is None and not self._answering():
             self._arm()  # a request after a whole one, with no answer under way: due from its first byte
         self._reading = HEAD
+        self._begun = True
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
@@ -189,6 +196,7 @@ class ServerHttpProtocol(HttpToolsProtocol):
             return
         if self._reading == WHOLE:
             self._reading = HEAD  # waiting for the next request (uvicorn's keep-alive timer may close first)
+            self._begun = False
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -2,7 +2,8 @@
 serving a small ASGI app in a thread.
 
 Reading: a client that sends nothing, dribbles its headers (slowloris) or stops in the middle of its
-body loses the connection after the timeout (a 408 in OpenAI's error shape when no header came whole),
+body loses the connection after the timeout (a 408 in OpenAI's error shape when a request began but its
+headers never came whole; nothing when no byte of a request came, on a fresh or a kept-alive connection),
 while a request that arrived whole may take longer than the timeout to answer, on a fresh or a
 kept-alive connection, and the server keeps answering others.
 
@@ -151,10 +152,39 @@ def test_what_is_not_http_gets_a_400_in_openais_shape(port: int, raw: bytes) -> 
 TIMEOUTS_SENT: list[float] = []  # the server's on_timeout calls (it counts each 408 in the error metrics)
 
 
-def test_a_silent_connection_gets_408_and_is_closed(port: int) -> None:
+def test_a_connection_that_sends_nothing_is_closed_without_a_word(port: int) -> None:
+    """No byte of a request: nothing to answer, and nothing counted (nginx closes it so too)."""
     sent = len(TIMEOUTS_SENT)
     with connect(port) as s:
         t0 = time.monotonic()
+        raw, closed = read_all(s)
+    assert raw == b""
+    assert len(TIMEOUTS_SENT) == sent
+    assert TIMEOUT * 0.9 <= closed - t0 < TIMEOUT + 3
+
+
+def test_a_kept_alive_connection_idle_after_its_answer_is_closed_without_a_408(port: int) -> None:
+    """Idle between requests (a pooled client's connection): closed without a 408, which a client sending
+    its next request at that moment would read as that request's answer, and without counting an error."""
+    sent = len(TIMEOUTS_SENT)
+    with connect(port) as s:
+        s.sendall(request(body=b"abc", keep_alive=True))
+        first = b""
+        while b'{"got": 3}' not in first:
+            first += s.recv(65536)
+        t0 = time.monotonic()
+        raw, closed = read_all(s)
+    assert first.startswith(b"HTTP/1.1 200") and raw == b""
+    assert len(TIMEOUTS_SENT) == sent
+    assert TIMEOUT * 0.9 <= closed - t0 < TIMEOUT + 3
+
+
+@pytest.mark.parametrize("begun", [b"POS", b"POST / HTTP/1.1\r\nhost: x\r\n"], ids=["request line", "headers"])
+def test_a_request_that_began_and_stopped_gets_408(port: int, begun: bytes) -> None:
+    sent = len(TIMEOUTS_SENT)
+    with connect(port) as s:
+        t0 = time.monotonic()
+        s.sendall(begun)
         raw, closed = read_all(s)
     assert_408(raw)
     assert len(TIMEOUTS_SENT) == sent + 1
