@@ -63,6 +63,18 @@ def test_each_request_is_logged_once_with_its_id(server):
     assert SECRET not in text
 
 
+def test_a_client_that_leaves_in_the_middle_of_its_body_is_logged_499(server):
+    """Its half body would answer 400, which never reaches it: the line says 499 (nginx's client closed)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=10) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY}\r\n"
+                  "x-request-id: left-midway\r\ncontent-type: application/json\r\ncontent-length: 500\r\n\r\n"
+                  '{"model": '.encode())
+        time.sleep(0.5)  # the handler is waiting on the rest
+    assert re.search(r"POST /v1/completions 499 [0-9.]+ ms ", line_of(server, "left-midway"))
+
+
 def test_log_level_reaches_the_engine_process(server, tmp_path):
     """--log-level set the server's logging only: the engine process logged at INFO whatever it said (six
     lines at `--log-level error`). At info (the module's server) its lines show; at warning they do not."""
