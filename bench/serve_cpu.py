@@ -73,6 +73,7 @@ class Server:
     proc: subprocess.Popen | None = None
     log: Path | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    cwd: Path | None = None  # the checkout it runs from (default: this one)
 
 
 # ----------------------------------------------------------------------------------- request side
@@ -254,7 +255,7 @@ def start_server(server: Server, log_dir: Path, timeout: float) -> None:
 
     server.log = log_dir / f"{server.name}.log"
     with server.log.open("w") as log:
-        server.proc = subprocess.Popen(server.command, cwd=cc.ROOT, stdout=log, stderr=subprocess.STDOUT,
+        server.proc = subprocess.Popen(server.command, cwd=server.cwd or cc.ROOT, stdout=log, stderr=subprocess.STDOUT,
                                        start_new_session=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

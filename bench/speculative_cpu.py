@@ -14,11 +14,15 @@ each at 1 stream (output tokens/s = completion tokens / the request's wall time)
 speculation changes no token: tests/engine/test_speculative.py); their completion tokens are checked equal.
 The drafts' acceptance comes from the speculating server's /metrics, per workload.
 
+`--checkout LABEL=DIR` adds a speculating server run from another checkout of this repository (its code
+with this Python and packages; build its extension first), in the same rounds: a change to the drafts'
+policy against the code before it, each against the same server without speculation.
+
 Rounds are interleaved (the server order alternates) after a warm-up, medians over `--rounds` are reported
 with every raw sample; each measurement waits for a quiet machine as bench/serve_cpu.py does.
 
     .venv/bin/python bench/speculative_cpu.py [--rounds 3] [--max-tokens 256] [--streams 16]
-        [--spec '{"method": "ngram"}'] [--out bench/results/speculative_cpu_<machine-tag>.json]
+        [--spec '{"method": "ngram"}'] [--checkout before=/tmp/old-checkout] [--out bench/results/speculative_cpu_<machine-tag>.json]
 """
 
 from __future__ import annotations
@@ -102,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--spec", default=DEFAULT_SPEC, help="--speculative-config of the speculating server")
+    ap.add_argument("--checkout", action="append", default=[], metavar="LABEL=DIR",
+                    help="also a speculating server run from another checkout (its code, this Python), named "
+                         "mlaserve-spec-LABEL: a change against the code before it, in the same rounds")
     ap.add_argument("--ours-only", action="store_true")
     ap.add_argument("--sampled", action="store_true", help="the model's own sampling defaults (SmolLM2: temperature "
                     "0.2, top_p 0.9), a seed per request, instead of greedy")
@@ -120,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     texts = workloads()
     servers = [sc.Server("mlaserve-spec", sc.mlaserve_command(gguf, cc.free_port(), ["--speculative-config", args.spec]), ""),
                sc.Server("mlaserve", sc.mlaserve_command(gguf, cc.free_port(), []), "")]
+    for item in args.checkout:
+        label, sep, where = item.partition("=")
+        if not sep or not label or not (Path(where) / "mlaserve").is_dir():
+            ap.error(f"--checkout {item!r}: give LABEL=DIR, DIR a checkout of this repository")
+        servers.append(sc.Server(f"mlaserve-spec-{label}", sc.mlaserve_command(
+            gguf, cc.free_port(), ["--speculative-config", args.spec]), "", cwd=Path(where).resolve()))
     binary = peers.llama_cpp_bin("llama-server")
     skipped = {}
     if args.ours_only or binary is None:
@@ -158,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
               "model": model, "gguf": gguf, "spec": json.loads(args.spec), "max_tokens": args.max_tokens,
               "sampling": "the model's defaults, seeded" if args.sampled else "greedy",
               "workloads": {w: t[:200] for w, t in texts.items()}, "rounds": args.rounds,
-              "commands": {s.name: s.command for s in servers}, "skipped": skipped, "raw": raw}
+              "commands": {s.name: s.command for s in servers},
+              "checkouts": {s.name: str(s.cwd) for s in servers if s.cwd}, "skipped": skipped, "raw": raw}
     result["summary"] = summary(raw)
     sampled = "_sampled" if args.sampled else ""
     out = args.out or cc.RESULTS / f"speculative_cpu_{args.tag or cc.machine_tag(machine)}{sampled}.json"
@@ -174,21 +188,31 @@ def summary(raw: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
     for case in raw["mlaserve"]:
         med = {name: cc.median([row["aggregate_tok_s"] for row in rows[case] if row.get("aggregate_tok_s")])
                for name, rows in raw.items()}
-        spec_rows = raw["mlaserve-spec"][case]
-        counts = {k: sum(row["counters"].get(k, 0) for row in spec_rows)
-                  for k in ("drafts", "draft_tokens", "accepted_tokens", "forward_steps")}
         tokens = {name: [row["completion_tokens"] for row in rows[case]] for name, rows in raw.items()}
         out[case] = {
             "tok_s": med,
             "spec_vs_plain": cc.ratio(med["mlaserve-spec"], med["mlaserve"]),
             "spec_vs_llama_server": cc.ratio(med["mlaserve-spec"], med.get("llama-server")),
             "plain_vs_llama_server": cc.ratio(med["mlaserve"], med.get("llama-server")),
-            "acceptance": cc.ratio(counts["accepted_tokens"], counts["draft_tokens"]),
-            "draft_tokens_per_step": cc.ratio(counts["draft_tokens"], counts["drafts"]),
+            **drafts(raw["mlaserve-spec"][case]),
             "completion_tokens": tokens,
             "same_tokens": tokens["mlaserve-spec"] == tokens["mlaserve"],
         }
+        for name in raw:  # the --checkout servers
+            if name.startswith("mlaserve-spec-"):
+                out[case][name] = {"spec_vs_plain": cc.ratio(med[name], med["mlaserve"]),
+                                   "this_vs_it": cc.ratio(med["mlaserve-spec"], med[name]), **drafts(raw[name][case]),
+                                   "same_tokens": tokens[name] == tokens["mlaserve"]}
     return out
+
+
+def drafts(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A speculating server's drafts over its rows: the share of draft tokens kept, draft tokens a draft, and
+    drafts a completion token."""
+    counts = {k: sum(row["counters"].get(k, 0) for row in rows) for k in ("drafts", "draft_tokens", "accepted_tokens")}
+    return {"acceptance": cc.ratio(counts["accepted_tokens"], counts["draft_tokens"]),
+            "draft_tokens_per_step": cc.ratio(counts["draft_tokens"], counts["drafts"]),
+            "drafts_per_token": cc.ratio(counts["drafts"], sum(row["completion_tokens"] for row in rows))}
 
 
 if __name__ == "__main__":

@@ -31,6 +31,11 @@ MAX_LOOKUP = 16
 # indexes a prompt along its prefill chunks, so a long one is never indexed in one step's stall (128K
 # positions take ~0.3 s)
 MAX_INDEX_PER_CALL = 2048
+# proposals a completion sits out after drafts that kept nothing (but for matches of prompt_lookup_max
+# tokens): none after one, then 1, 2, 4, and this many after each further miss in a row. Text that does not
+# copy (most sampled replies) mostly matches a few tokens by chance, and then pays a draft position every
+# ninth step, not every step; text that copies has its misses alone, and its long matches draft anyway.
+MAX_REST = 8
 
 
 @dataclass(frozen=True)
@@ -117,11 +122,20 @@ class NgramProposer:
         # not, so the length follows what its drafts keep (one more after a draft kept whole, one more than
         # was kept after one that was not): text that copies gets long drafts, text that does not, short ones
         self.length = cfg.num_speculative_tokens
+        # a draft that keeps nothing costs its position for nothing, and in text that does not copy (most
+        # sampled replies: 12-50% of draft tokens kept) most do: after two or more such drafts in a row the
+        # completion sits out `_rest` proposals (doubling up to MAX_REST) but for its longest matches, and
+        # the first token kept ends it
+        self._misses = 0
+        self._rest = 0
 
     def verified(self, drafted: int, kept: int) -> None:
         """How the last draft fared: `kept` of its `drafted` tokens were kept."""
-        if drafted:
-            self.length = min(self.cfg.num_speculative_tokens, self.length + 1 if kept == drafted else kept + 1)
+        if not drafted:
+            return
+        self.length = min(self.cfg.num_speculative_tokens, self.length + 1 if kept == drafted else kept + 1)
+        self._misses = 0 if kept else self._misses + 1
+        self._rest = min(MAX_REST, 1 << (self._misses - 2)) if self._misses >= 2 else 0
 
     def index(self, ids: Callable[[int, int], Sequence[int]], upto: int) -> None:
         """Adds the n-grams ending at positions before `upto` (at most MAX_INDEX_PER_CALL more positions: one
@@ -141,10 +155,13 @@ class NgramProposer:
     def propose(self, ids: Callable[[int, int], Sequence[int]], seq_len: int, k: int) -> list[int]:
         """`k` tokens to follow the sequence of `seq_len` tokens (`ids(start, end)` reads its slice): those after
         the latest earlier occurrence of its longest suffix found (repeated past the end with the period that
-        occurrence implies), or none."""
+        occurrence implies), or none (also for a shorter suffix than prompt_lookup_max while the completion
+        rests after drafts that kept nothing)."""
         if k <= 0 or seq_len < self.cfg.prompt_lookup_min + 1:
             return []
         self.index(ids, seq_len - 1)
+        resting = self._rest > 0
+        self._rest -= resting
         longest = self.cfg.prompt_lookup_max
         tail = ids(max(0, seq_len - longest), seq_len)
         for n in self._sizes:
@@ -152,6 +169,8 @@ class NgramProposer:
                 continue
             end = self._ends[n].get(tuple(tail[len(tail) - n :]))
             if end is not None:
+                if resting and n < longest:  # a resting completion drafts on the longest matches alone: text
+                    return []  # that starts copying again finds them at once
                 draft = list(ids(end + 1, min(end + 1 + k, seq_len)))
                 # a match close to the end: the tokens since repeat with that period (a loop goes on looping)
                 period = seq_len - 1 - end

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from scheduler.speculative import NgramProposer, SpeculativeConfig, speculative_json
+from scheduler.speculative import MAX_REST, NgramProposer, SpeculativeConfig, speculative_json
 
 
 def brute_force(seq: list[int], cfg: SpeculativeConfig, k: int) -> list[int]:
@@ -56,6 +56,39 @@ def test_a_loop_is_continued_past_the_end():
     assert p.propose(lambda a, b: seq[a:b], len(seq), 3) == [7, 7, 7]
     assert p.propose(lambda a, b: seq[a:b], len(seq), 0) == []
     assert NgramProposer(SpeculativeConfig()).propose(lambda a, b: [4, 5, 6][a:b], 3, 3) == []
+
+
+def test_drafts_that_keep_nothing_rest_the_completion():
+    """After drafts that kept nothing in a row, the completion sits out 0 (one miss alone: text that copies
+    has those), 1, 2, 4, then MAX_REST proposals of matches shorter than prompt_lookup_max (a draft there
+    would have been found); a match of prompt_lookup_max tokens drafts all the same, and a kept token ends
+    the rest at once."""
+    seq = [9, 1, 2, 3, 4, 7, 8, 5, 1, 2]  # its suffix [1, 2] occurred before, [5, 1, 2] did not
+    p = NgramProposer(SpeculativeConfig(num_speculative_tokens=3))  # lookup 2..4
+
+    def draft() -> list[int]:
+        return p.propose(lambda a, b: seq[a:b], len(seq), 3)
+
+    def rests_after_a_miss() -> int:
+        p.verified(1, 0)
+        n = 0
+        while not draft():
+            n += 1
+            assert n <= MAX_REST
+        return n
+
+    assert draft() == [3, 4, 7]
+    assert [rests_after_a_miss() for _ in range(7)] == [0, 1, 2, 4, MAX_REST, MAX_REST, MAX_REST]
+    p.verified(1, 0)
+    assert draft() == []
+    seq += [3, 4]  # [1, 2, 3, 4]: a match of prompt_lookup_max tokens drafts while resting
+    assert draft() == [7, 8, 5]
+    p.verified(3, 3)  # tokens kept: drafts come back at once, however long the run of misses was
+    seq += [7, 8, 5, 6, 1, 2]  # [6, 1, 2] did not occur: [1, 2] matches, shorter
+    assert draft() == [3, 4, 7]
+    assert [rests_after_a_miss() for _ in range(2)] == [0, 1]
+    p.verified(0, 0)  # no draft: nothing learnt
+    assert draft()
 
 
 def test_config_parsing():
