@@ -128,6 +128,7 @@ def test_env_vars_configure_the_server(model_dir, tmp_path):
         assert httpx.get(srv.url + "/v1/models").status_code == 401
         with socket.create_connection(("127.0.0.1", srv.port), timeout=20) as idle:  # --read-timeout 1.5
             t0, raw = time.monotonic(), b""
+            idle.sendall(b"POST /v1/models HTTP/1.1\r\n")  # a request begun, its headers never done
             while chunk := idle.recv(4096):
                 raw += chunk
         assert raw.startswith(b"HTTP/1.1 408") and b"request_timeout" in raw and time.monotonic() - t0 < 10
