@@ -161,7 +161,8 @@ class NgramProposer:
             return []
         self.index(ids, seq_len - 1)
         resting = self._rest > 0
-        self._rest -= resting
+        if resting:
+            self._rest -= 1
         longest = self.cfg.prompt_lookup_max
         tail = ids(max(0, seq_len - longest), seq_len)
         for n in self._sizes:

@@ -37,7 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from scheduler.sampling_params import ParamError
 from server.messages_api import model_info, model_info_list
-from server.metrics import CLIENT_CLOSED, ErrorCountingMiddleware
+from server.metrics import CLIENT_CLOSED, Departure, ErrorCountingMiddleware
 from server.protocol import SEND_JSON, ModelCard, ModelList, VersionResponse, describe_validation_error
 from server.serving import anthropic_error, register_routes
 from server.state import ServerState, error_response
@@ -217,23 +217,16 @@ class RequestLogMiddleware:
                 msg = {**msg, "headers": [*msg.get("headers", []), *ids]}
             await send(msg)
 
-        left = False  # the client went away before any answer (mid-body, say): what the app answers goes nowhere
-
-        async def listened() -> Message:
-            nonlocal left
-            msg = await receive()
-            left = left or (msg["type"] == "http.disconnect" and status == 0)
-            return msg
-
+        departure = Departure(receive, lambda: status != 0)
         try:
-            await self.app(scope, listened, tagged)
+            await self.app(scope, departure.receive, tagged)
         finally:
             path = scope.get("path", "")
             client = scope.get("client")
             # such a request is logged as nginx logs it, 499, not with the answer it never got (a 400 for
             # the half body it left)
             logger.log(logging.DEBUG if path in QUIET_PATHS else logging.INFO, "%s %s %s %.1f ms client=%s request_id=%s",
-                       scope.get("method"), path, CLIENT_CLOSED if left else status or "-",
+                       scope.get("method"), path, CLIENT_CLOSED if departure.left else status or "-",
                        (time.monotonic() - start) * 1e3, f"{client[0]}:{client[1]}" if client else "-", rid.decode())
 
 

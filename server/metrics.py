@@ -462,6 +462,21 @@ def error_code_of(body: bytes) -> str | None:
     return None
 
 
+class Departure:
+    """Whether the client went away before any answer started (in the middle of its body, say): whatever
+    the app answers then never reaches it. `receive` is the ASGI receive to hand the app in place of the one
+    given; `answered()` says whether an answer has started."""
+
+    def __init__(self, receive: Receive, answered: Callable[[], bool]) -> None:
+        self._receive, self._answered = receive, answered
+        self.left = False
+
+    async def receive(self) -> Message:
+        msg = await self._receive()
+        self.left = self.left or (msg["type"] == "http.disconnect" and not self._answered())
+        return msg
+
+
 class ErrorCountingMiddleware:
     """Counts every error answer once, by code and status (the rules are in the module docstring).
 
@@ -491,18 +506,10 @@ class ErrorCountingMiddleware:
                 body.extend(msg.get("body", b"")[: MAX_ERROR_BODY - len(body)])
             await send(msg)
 
-        left = False  # the client went away before any answer (mid-body, say): whatever follows never reaches it
-
-        async def listened() -> Message:
-            nonlocal left
-            msg = await receive()
-            if msg["type"] == "http.disconnect" and status == 0:
-                left = True
-            return msg
-
+        departure = Departure(receive, lambda: status != 0)
         crashed = False
         try:
-            await self.app(scope, listened, watched)
+            await self.app(scope, departure.receive, watched)
         except Exception:
             crashed = True
             raise
@@ -510,7 +517,7 @@ class ErrorCountingMiddleware:
             _REQUEST_NOTE.reset(token)
             if status == 0 and crashed:  # ServerErrorMiddleware answers it: 500 internal_error
                 self.metrics().count_error("internal_error", "500")
-            elif status >= 400 and status != CLIENT_CLOSED and not left:
+            elif status >= 400 and status != CLIENT_CLOSED and not departure.left:
                 self.metrics().count_error(note.answered or error_code_of(bytes(body)) or note.code or "other",
                                            str(status))
             elif status and (note.code is not None or crashed):  # failed after a 2xx had started
