@@ -1,24 +1,24 @@
-"""CPU cost of sampling one engine step with top_p (executor/sampler.py): the partial sort and the draw among candidates.
+"""CPU cost of sampling one engine step (executor/sampler.py): the native draw against the torch definition.
 
-top_p alone used to sort every row whole (49152 logits of the default model: 3.3 ms a row on the engine's
-one sampling thread, longer than the model's decode step), and the default model's own defaults are
-temperature 0.2, top_p 0.9. Now each row's best 64 are sorted first (`_TOP_P_FIRST`), more only where their
-mass falls short of top_p; and exp's argument is clamped at -87 (`_TINY_EXP`), below which torch's CPU exp
-takes a slow path (the code before also paid that: its softmax over the sorted row took 5.3 ms a row at
-temperature 0.2 in this benchmark's first run, 80 ms for 16 rows). Timed: one `Sampler` call for B rows
-(each its own seed), on real logits (the default model's, at B consecutive positions of a prompt of the
-Python standard library's documentation), the sampler as it is against the full sort (`_TOP_P_FIRST` set to
-the vocabulary, with today's clamped exp) and against every row drawn whole (`_CANDIDATES` off: filtered to
--inf, Gumbel noise at every column, argmax over the row, where now a row with top_p draws among the tokens
-it left, with their noise alone), in the same run, rounds interleaved, medians; the decode step of the same model (one request)
-is timed beside them for scale, and every way is checked to pick the same tokens.
+On the CPU the sampled rows of a step are drawn by one native call (`cpp_experts.sample_rows`: temperature,
+top_k, top_p, min_p, counter-based noise for the candidates alone, the best score); the torch code is the
+definition, kept for other devices and for the rows the native call leaves. Before it, the default model's
+own defaults (temperature 0.2, top_p 0.9) cost ~0.5 ms a row on the engine's sampling thread: mt19937 draws
+for all 49152 columns (~150 us), a topk (~100 us), two exps over the row, ~60 small ops. Timed: one
+`Sampler` call for B rows (each its own seed), on real logits (the default model's, at B consecutive
+positions of a prompt of the Python standard library's documentation), natively ("native"), in torch drawing
+among the candidates ("torch") and in torch with every row whole ("whole_rows"), and, with `--baseline
+FILE`, an earlier commit's executor/sampler.py (`git show 063e658:executor/sampler.py > FILE`: mt19937
+noise, so other tokens), in the same run, rounds interleaved, medians; the decode step of the same model (one
+request) is timed beside them for scale, and the three ways of today are checked to pick the same tokens.
 
-    .venv/bin/python bench/sampler_cpu.py [--rounds 7] [--out bench/results/sampler_cpu_<machine-tag>.json]
+    .venv/bin/python bench/sampler_cpu.py [--rounds 7] [--baseline FILE] [--out bench/results/sampler_cpu_<machine-tag>.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -31,14 +31,16 @@ import torch  # noqa: E402
 
 import cpu_common as cc  # noqa: E402
 
-# "partial": the sampler as it is; "full": top_p's full sort; "whole_rows": every row drawn whole
-WAYS = ("partial", "full", "whole_rows")
-SETTINGS = {"t0.2_top_p0.9 (the default model's)": (0.2, 0.9), "t0.7_top_p0.95": (0.7, 0.95), "t1.0_top_p0.9": (1.0, 0.9)}
+# (executor.sampler._NATIVE, _CANDIDATES) of each way of today's sampler
+WAYS = {"native": (True, True), "torch": (False, True), "whole_rows": (False, False)}
+SETTINGS = {"t0.2_top_p0.9 (the default model's)": (0.2, 0.9, -1), "t0.7_top_p0.95": (0.7, 0.95, -1),
+            "t1.0_top_k40": (1.0, 1.0, 40), "t1.0 (no filter)": (1.0, 1.0, -1)}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--baseline", default=None, metavar="FILE", help="an earlier executor/sampler.py to time beside")
     ap.add_argument("--tag", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -57,51 +59,64 @@ def main() -> int:
     path = str(resolve_model_path(DEFAULT_MODEL))
     loaded = load_model(path, dtype="float32", cpu_weights="file", progress=False)
     ids = load_tokenizer(path).encode(json_module.__doc__)[:200]
-    runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=512, max_running_requests=2, max_context_len=512,
-                         kv_dtype=auto_kv_dtype(loaded.model, loaded.dtype))
-    row = runner.req_to_token_pool.alloc()
-    logits = runner.forward(runner.build_batch([RequestSlice(row, 0, ids)], all_logits=True)).clone()
-    decode = []
+    runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=16 * 256, max_running_requests=17,
+                         max_context_len=512, kv_dtype=auto_kv_dtype(loaded.model, loaded.dtype))
+    slots = [runner.req_to_token_pool.alloc() for _ in range(16)]
+    logits = runner.forward(runner.build_batch([RequestSlice(slots[0], 0, ids)], all_logits=True)).clone()
+    for slot in slots[1:]:
+        runner.forward(runner.build_batch([RequestSlice(slot, 0, ids)]))
+    decode: dict[int, list[float]] = {1: [], 16: []}  # the decode step of 1 and of 16 requests, for scale
     pos = len(ids)
     for _ in range(20):
-        t = time.perf_counter()
-        runner.forward(runner.build_batch([RequestSlice(row, pos, [ids[pos % len(ids)]])]))
-        decode.append(time.perf_counter() - t)
+        for b in decode:
+            t = time.perf_counter()
+            runner.forward(runner.build_batch([RequestSlice(slot, pos, [ids[pos % len(ids)]]) for slot in slots[:b]]))
+            decode[b].append(time.perf_counter() - t)
         pos += 1
     vocab = loaded.config.vocab_size
     sampler = Sampler(vocab)
+    baseline = None
+    ways = list(WAYS)
+    if args.baseline:
+        spec = importlib.util.spec_from_file_location("baseline_sampler", args.baseline)
+        module = sys.modules["baseline_sampler"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        baseline = module.Sampler(vocab)
+        ways.append("baseline")
     results: dict[str, dict[str, dict[str, list[float]]]] = {}
     same = True
     for r in range(args.rounds):
-        for name, (temperature, top_p) in SETTINGS.items():
+        for name, (temperature, top_p, top_k) in SETTINGS.items():
             for b in (1, 16):
                 x = logits[-b:]
-                rows = [SamplingRow(SamplingParams(temperature=temperature, top_p=top_p), i, 3, ids, [], [0])
+                rows = [SamplingRow(SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k), i, 3, ids, [], [0])
                         for i in range(b)]
                 picked = {}
-                order = WAYS if r % 2 == 0 else WAYS[::-1]
-                for way in order:
-                    sampler_module._TOP_P_FIRST = vocab if way == "full" else 64
-                    sampler_module._CANDIDATES = way != "whole_rows"
-                    sampler(x, rows)
+                for way in ways if r % 2 == 0 else ways[::-1]:
+                    if way != "baseline":
+                        sampler_module._NATIVE, sampler_module._CANDIDATES = WAYS[way]
+                    call = baseline if way == "baseline" else sampler
+                    call(x, rows)
                     t = time.perf_counter()
                     for _ in range(3):
-                        out = sampler(x, rows)
+                        out = call(x, rows)
                     results.setdefault(name, {}).setdefault(f"B{b}", {}).setdefault(way, []).append(
                         (time.perf_counter() - t) / 3)
                     picked[way] = out.token_ids
-                same = same and picked["partial"] == picked["full"] == picked["whole_rows"]
-    sampler_module._TOP_P_FIRST = 64
-    sampler_module._CANDIDATES = True
+                same = same and picked["native"] == picked["torch"] == picked["whole_rows"]
+    sampler_module._NATIVE, sampler_module._CANDIDATES = True, True
     med = statistics.median
-    summary = {name: {b: {"partial_ms": med(v["partial"]) * 1e3, "full_ms": med(v["full"]) * 1e3,
-                          "whole_rows_ms": med(v["whole_rows"]) * 1e3,
-                          "speedup": med(v["full"]) / med(v["partial"]),
-                          "speedup_vs_whole_rows": med(v["whole_rows"]) / med(v["partial"])}
-                      for b, v in per_b.items()} for name, per_b in results.items()}
+    summary = {}
+    for name, per_b in results.items():
+        summary[name] = {}
+        for b, v in per_b.items():
+            row = {f"{way}_ms": med(v[way]) * 1e3 for way in ways}
+            row.update({f"native_speedup_vs_{way}": med(v[way]) / med(v["native"]) for way in ways if way != "native"})
+            summary[name][b] = row
     machine = cc.machine_info()
     result = {"benchmark": "sampler_cpu", "machine": machine, "versions": cc.versions(), "model": DEFAULT_MODEL,
-              "vocab": vocab, "rounds": args.rounds, "decode_step_ms": statistics.median(decode) * 1e3,
+              "vocab": vocab, "rounds": args.rounds, "decode_step_ms": {f"B{b}": statistics.median(v) * 1e3 for b, v in decode.items()},
+              "baseline": args.baseline,
               "same_tokens": same, "summary": summary, "raw": results}
     out = args.out or cc.RESULTS / f"sampler_cpu_{args.tag or cc.machine_tag(machine)}.json"
     cc.write_json(out, result)

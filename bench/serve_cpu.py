@@ -2,7 +2,8 @@
 requests, through the OpenAI-compatible streaming `/v1/completions` API.
 
 Workloads (each request: the same fixed prompt behind a unique request number, so neither server's
-prefix cache serves it from an earlier request; `max_tokens` 128, `temperature` 0, `ignore_eos`):
+prefix cache serves it from an earlier request; `max_tokens` 128, `temperature` 0 (with `--sampled` the default
+model's own temperature 0.2 and top_p 0.9, sent to every server, and a seed per request), `ignore_eos`):
   (a) 1 stream: output tokens/s = completion tokens / wall time of the request (nothing excluded),
       and TTFT (request sent -> first chunk carrying text);
   (b) N concurrent streams (default 16): aggregate output tokens/s = all completion tokens / (last
@@ -17,7 +18,9 @@ Peer: `llama-server -m <the same .gguf> -np N -t <cores> -c N x (prompt + max_to
 KV slice per slot; `--no-repack` on a CPU with AMX-INT8, where llama.cpp's AMX weight buffers crash),
 built by `make peers` (bench/peers.py); where it is absent the peer is recorded
 as skipped. Both servers are started once and stay up; while one is measured the other is idle.
-Rounds are interleaved (ours, peer, peer, ours, ...: the order alternates) after a warm-up of both,
+`--checkout LABEL=DIR` adds an mlaserve server run from another checkout (a change against the code before
+it, in the same rounds). Rounds are interleaved (ours, peer, peer, ours, ...: the order alternates) after a
+warm-up of every server,
 and medians over `--rounds` are reported with every raw sample. The machine may be shared and noisy.
 
 On a shared machine each measurement waits (at most `--quiet-wait` s) until the CPUs were less
@@ -79,9 +82,16 @@ class Server:
 # ----------------------------------------------------------------------------------- request side
 
 
-def request_body(prompt: str, max_tokens: int) -> dict[str, Any]:
-    """The body both servers get: streaming, greedy, EOS ignored, usage in the stream."""
-    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+# `--sampled`: the default model's own sampling defaults, sent explicitly so that llama-server samples
+# with them too
+SAMPLED = {"temperature": 0.2, "top_p": 0.9}
+
+
+def request_body(prompt: str, max_tokens: int, seed: int | None = None) -> dict[str, Any]:
+    """The body every server gets: streaming, greedy (or with a seed: `SAMPLED`), EOS ignored, usage in
+    the stream."""
+    sampling = {"temperature": 0} if seed is None else {**SAMPLED, "seed": seed}
+    return {"prompt": prompt, "max_tokens": max_tokens, **sampling, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
 
 
@@ -302,6 +312,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ours-only", action="store_true", help="do not start llama-server")
     ap.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                     help="start every prompt of a batch with the same ~N tokens (default 0: none)")
+    ap.add_argument("--sampled", action="store_true",
+                    help=f"sample with {SAMPLED} and a seed per request instead of greedy")
+    ap.add_argument("--checkout", action="append", default=[], metavar="LABEL=DIR",
+                    help="also an mlaserve server run from another checkout of this repository (its code, this "
+                         "Python; build its extension first), named mlaserve-LABEL, in the same rounds")
     ap.add_argument("--ours-args", default="", help="extra flags for mlaserve serve (one string)")
     ap.add_argument("--peer-args", default="", help="extra flags for llama-server (one string)")
     cc.add_quiet_args(ap, retries=3)
@@ -368,6 +383,12 @@ def main(argv: list[str] | None = None) -> int:
     ctx = args.streams * slot_context(prompt_tokens or 4 * len(PROMPT) // 3, args.max_tokens)
 
     servers = [Server("mlaserve", mlaserve_command(gguf, cc.free_port(), args.ours_args.split()), "")]
+    for item in args.checkout:
+        label, sep, where = item.partition("=")
+        if not sep or not label or not (Path(where) / "mlaserve").is_dir():
+            raise SystemExit(f"--checkout {item!r}: give LABEL=DIR, DIR a checkout of this repository")
+        servers.append(Server(f"mlaserve-{label}", mlaserve_command(gguf, cc.free_port(), args.ours_args.split()), "",
+                              cwd=Path(where).resolve()))
     skipped: dict[str, str] = {}
     binary = peers.llama_cpp_bin("llama-server")
     if args.ours_only:
@@ -389,7 +410,11 @@ def main(argv: list[str] | None = None) -> int:
     def bodies(n: int) -> list[dict[str, Any]]:
         # the same numbers for every server in a round: each server sees the same bodies
         shared = shared_prefix(next(counter), args.shared_prefix) if args.shared_prefix else ""
-        return [request_body(shared + numbered_prompt(next(counter)), args.max_tokens) for _ in range(n)]
+        out = []
+        for _ in range(n):
+            i = next(counter)
+            out.append(request_body(shared + numbered_prompt(i), args.max_tokens, i if args.sampled else None))
+        return out
 
     try:
         for s in servers:
@@ -418,12 +443,14 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "versions": {**cc.versions(), "llama_cpp": peers.binary_version(binary) if binary else None},
         "model": model, "gguf": gguf,
-        "workload": {"max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True, "streams": args.streams,
+        "workload": {"max_tokens": args.max_tokens, "ignore_eos": True, "streams": args.streams,
+                     "sampling": {**SAMPLED, "seed": "the request's number"} if args.sampled else {"temperature": 0},
                      "prompt": ("Session NNNNN. <PROMPT x k> " if args.shared_prefix else "") + "Request NNNNN. "
                      + PROMPT, "shared_prefix_tokens": args.shared_prefix, "prompt_tokens": prompt_tokens,
                      "api": "/v1/completions, stream, stream_options.include_usage"},
         "rounds": args.rounds,
         "commands": {s.name: s.command for s in servers},
+        "checkouts": {s.name: str(s.cwd) for s in servers if s.cwd},
         "llama_server_context": ctx if "llama-server" not in skipped else None,
         "threads": threads,
         "skipped": skipped,

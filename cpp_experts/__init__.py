@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -56,7 +57,7 @@ except ImportError as exc:  # pragma: no cover - only on a broken install
     ) from exc
 
 __all__ = ["MoE", "QuantLinear", "WorkerPool", "HostTask", "PagedAttention", "CpuModel", "DecodeInputs", "info", "cuda_host_launch_error", "FORMATS", "BLOCK_BYTES",
-           "LINEAR_FORMATS", "LINEAR_BLOCKS"]
+           "LINEAR_FORMATS", "LINEAR_BLOCKS", "sample_rows", "noise_uniforms"]
 
 # weight formats of both operators (a MoE's experts are QuantLinears); GGUF block (values, bytes) of
 # the quantised ones
@@ -794,6 +795,41 @@ class PagedAttention:
                      req_to_token.data_ptr(), req_to_token.shape[0], req_to_token.shape[1], rows.data_ptr(),
                      positions.data_ptr(), out.data_ptr(), sel, sel_n)
         return out
+
+
+def sample_rows(x: torch.Tensor, rows: Sequence[int], temperature: Sequence[float], top_k: Sequence[int],
+                top_p: Sequence[float], log_min_p: Sequence[float], keys: Sequence[int]) -> list[int]:
+    """executor/sampler.py's draw for `rows` of fp32 logits `x` [B, V] (rows may be strided, columns not):
+    per row, its token, or -1 where the sampler's torch code must draw it (csrc/sample.h says when).
+    `temperature` > 0, `log_min_p` -inf for none, `keys` the noise keys (`noise_seed`, 64-bit)."""
+    if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
+        raise ValueError("x must be a 2-D float32 CPU tensor")
+    if x.stride(1) != 1 and x.shape[1] > 1:
+        raise ValueError("x's columns must be contiguous (rows may be strided, or one row repeated)")
+    if not 0 < x.shape[1] < 2**31:
+        raise ValueError(f"x must have 1..2^31-1 columns, got {x.shape[1]}")
+    if any(not 0 <= r < x.shape[0] for r in rows):
+        raise ValueError(f"rows must lie in 0..{x.shape[0] - 1}")
+    if any(not (t > 0.0 and math.isfinite(t)) for t in temperature):
+        raise ValueError("temperatures must be positive and finite")
+    if any(not 0.0 <= p <= 1.0 for p in top_p) or any(not lm <= 0.0 for lm in log_min_p):
+        raise ValueError("top_p must lie in [0, 1] and log_min_p be <= 0 (or -inf)")
+    return _C.sample_rows(x.data_ptr(), x.stride(0), x.shape[1], list(rows), list(temperature), list(top_k),
+                          list(top_p), list(log_min_p), list(keys))
+
+
+def noise_uniforms(keys: Sequence[int], ids: torch.Tensor | None, width: int) -> torch.Tensor:
+    """The sampler's uniforms [len(keys), width] (float64): row r's at columns `ids[r]` (int64 [n, width]),
+    or at 0..width-1 where `ids` is None. csrc/sample.h defines them; executor.sampler.counter_uniforms is
+    the same function in torch ops."""
+    n = len(keys)
+    if ids is not None:
+        ids = _check_tensor("ids", ids, 2)
+        if ids.dtype != torch.int64 or tuple(ids.shape) != (n, width):
+            raise ValueError(f"ids must be int64 [{n}, {width}], got {ids.dtype} {tuple(ids.shape)}")
+    out = torch.empty(n, width, dtype=torch.float64)
+    _C.noise_uniforms(list(keys), 0 if ids is None else ids.data_ptr(), width, out.data_ptr())
+    return out
 
 
 def _f32(name: str, t: torch.Tensor, numel: int) -> torch.Tensor:

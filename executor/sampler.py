@@ -12,22 +12,25 @@ Columns >= `vocab_size` (padding of the LM head) are cut off first, so they are 
 that the processors leave with no finite logit (allowed ids a bad word or the grammar forbids now) is
 reported in `SampleResult.no_choice`: the scheduler ends that completion rather than emit a token.
 
-Reproducibility (docs/architecture.md §4): sampling is Gumbel-max with *counter-based* noise. Row r's uniforms
-come from a `torch.Generator` re-seeded with `noise_seed(seed_r, step_r)` (the step-th output of a
-SplitMix64 stream started at the request's seed) and drawn for exactly `vocab_size` entries. So a
-seeded request's token depends only on (seed, step, its own logits), never on which other rows share
-the batch or in what order. The same seed gives the same tokens on the same kind of device only:
-CPU (mt19937) and CUDA (Philox) generators differ. The CPU one keeps only the low 32 bits of its seed,
-so there two (seed, step) pairs share their noise with chance 2^-32.
+Reproducibility (docs/architecture.md §4): sampling is Gumbel-max with *counter-based* noise. Token id j
+of row r gets the uniform `counter_uniforms`(noise_seed(seed_r, step_r), j): SplitMix64's finalizer of the
+row's key plus (j + 1) times the golden increment, an odd multiple of 2^-53 (never 0 or 1), whose noise
+-log(-log(u)) is added in float64 to the row's fp32 logits / temperature. So a seeded request's token
+depends only on (seed, step, its own logits), never on which other rows share the batch or in what
+order, nor on the device (the same integer arithmetic in C++ and in torch ops on any device), and a row
+with few candidates draws noise for those alone.
 The engine must give each of a request's `n` completions its own seed, or they come out identical.
 
 Vectorized across the batch: bias, penalties and the min_tokens mask each touch only the listed ids
-(one gather/scatter for the whole batch); rows with a top_k share one partial sort (`topk`), rows
-with only a top_p another, as wide as their mass needs (`_best_holding`), and such rows draw among those
-sorted candidates alone (min_p, their noise, the best score: `Sampler._sample`), which picks what the
-whole row's argmax picks (ties to the smallest id). Python loops only build index lists, seed the per-row
-generators and unpack results. Penalties rebuild their id lists from prompt + output every step,
-which is O(context) Python work per penalized row.
+(one gather/scatter for the whole batch). On the CPU the draw itself (temperature, top_k, top_p, min_p,
+noise, best score) is one native call for the batch's sampled rows (`cpp_experts.sample_rows`: ~30 us a
+row at the default model's own defaults on its 49152 columns, ~18x the torch code before it); the torch
+code below is its definition, and draws on other devices and the rows the native call leaves (a NaN or
+an infinite logit). There, rows with a top_k share one partial sort (`topk`), rows with only a top_p another,
+as wide as their mass needs (`_best_holding`), and such rows draw among those sorted candidates alone
+(min_p, their noise, the best score), which picks what the whole row's argmax picks (ties to the
+smallest id). Equal logits are in id order wherever the order counts (top_p's running mass). Penalties
+rebuild their id lists from prompt + output every step, which is O(context) Python work per penalized row.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import Protocol
 
 import torch
 
+import cpp_experts
 from executor.grammar import Grammar, apply_grammar_masks
 from executor.logprobs import TokenLogprob
 
@@ -48,9 +52,11 @@ _GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio, SplitMix64's increment
 # Temperatures below this are raised to it: logits / 1e-5 stay finite in fp32, and such a row is
 # all but greedy anyway.
 _MIN_TEMPERATURE = 1e-5
-# Rows with a top_k or top_p draw among their candidates alone (`Sampler._sample`); off: every row whole,
+# Rows with a top_k or top_p draw among their candidates alone (`Sampler._draw`); off: every row whole,
 # the definition (tests and bench/sampler_cpu.py compare the two)
 _CANDIDATES = True
+# Sampled rows on the CPU are drawn natively (`cpp_experts.sample_rows`); off: by the torch code alone
+_NATIVE = True
 
 
 class SamplingKnobs(Protocol):
@@ -120,6 +126,29 @@ def noise_seed(seed: int, step: int) -> int:
     return mix64((seed & _MASK64) + (step + 1) * _GOLDEN)
 
 
+def _signed64(v: int) -> int:
+    """A 64-bit pattern as the int64 torch holds it."""
+    v &= _MASK64
+    return v - (1 << 64) if v >> 63 else v
+
+
+def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """z >> bits on int64 tensors as unsigned 64-bit patterns (torch's >> keeps the sign)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def counter_uniforms(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The noise's uniforms (float64 [n, w]) at token ids `ids` (int64 [n, w]) of rows keyed by `keys` (int64
+    [n], `noise_seed`s as `_signed64` holds them): (2 * (h >> 12) + 1) * 2^-53, h = `mix64`(key + (id + 1) *
+    golden), in int64 ops that wrap as uint64's do (checked against Python's integers by a test), on
+    any device. cpp_experts.noise_uniforms is the same function natively."""
+    z = keys[:, None] + (ids + 1) * _signed64(_GOLDEN)
+    z = (z ^ _shr(z, 30)) * _signed64(0xBF58476D1CE4E5B9)
+    z = (z ^ _shr(z, 27)) * _signed64(0x94D049BB133111EB)
+    z = z ^ _shr(z, 31)
+    return (_shr(z, 12) * 2 + 1).to(torch.float64) * 2.0**-53
+
+
 def mix64(z: int) -> int:
     """SplitMix64's finalizer: a bijection of 64-bit integers that scatters nearby inputs."""
     z &= _MASK64
@@ -186,7 +215,9 @@ class Sampler:
         if plain:  # the common decode: argmax alone
             tokens = argmax_rows(raw)
             return SampleResult(token_ids=tokens, logprobs=_logprobs(raw, rows, tokens))
-        x = apply_logit_processors(raw, rows)
+        # the processors work on a copy; with none to apply, the draw reads the logits where they are
+        unprocessed = raw.dtype == torch.float32 and not any(_processed(row) for row in rows)
+        x = raw if unprocessed else apply_logit_processors(raw, rows)
         # Only a row whose candidates are few can be left with none (allowed_token_ids a bad word or the
         # grammar forbids now, bad words over a grammar's few ids): argmax would pick id 0 there
         narrow = [i for i, row in enumerate(rows)
@@ -195,14 +226,13 @@ class Sampler:
         if narrow:
             empty = torch.isneginf(_take(x, narrow).amax(dim=-1)).tolist()
             no_choice = tuple(i for i, none_left in zip(narrow, empty) if none_left)
-        token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        tokens = [0] * len(rows)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
-        if greedy:  # before `_sample`, which overwrites x
-            _put(token_ids, greedy, _take(x, greedy).argmax(dim=-1))
-        if random:
-            _put(token_ids, random, self._sample(_take(x, random), [rows[i] for i in random]))
-        tokens = token_ids.tolist()
+        for i, token in zip(greedy, argmax_rows(_take(x, greedy)) if greedy else ()):
+            tokens[i] = token
+        for i, token in zip(random, self._sample(x, random, [rows[i] for i in random]) if random else ()):
+            tokens[i] = token
         return SampleResult(token_ids=tokens, logprobs=_logprobs(raw, rows, tokens), no_choice=no_choice)
 
     def _check(self, logits: torch.Tensor, n: int) -> int:
@@ -220,18 +250,38 @@ class Sampler:
         self._checked = ((logits, n, width), *self._checked[:1])
         return width
 
-    def _sample(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Temperature, top_k, top_p, min_p, then Gumbel-max; x [n, V] fp32, overwritten."""
-        temps = _column([max(row.params.temperature, _MIN_TEMPERATURE) for row in rows], x)
-        x = x.div_(temps)
-        u = self._uniforms(rows, x.shape[1], x.device)
-        if not _CANDIDATES:
-            return _min_p(_top_k_top_p(x, rows), rows).add_(_gumbel(u)).argmax(dim=-1)
-        # Rows with a top_k or top_p pick among their candidates (the best few, sorted: `_top_k_top_p`'s),
-        # with those tokens' noise alone: the rest are -inf, and -inf plus noise stays -inf. Their whole rows
-        # (temperature, mask, noise's two logs, add, argmax) took ~0.85 of a row's ~1 ms on the default
-        # model's 49152 columns at its own defaults (temperature 0.2, top_p 0.9).
+    def _sample(self, x: torch.Tensor, idx: list[int], rows: Sequence[SamplingRow]) -> list[int]:
+        """The tokens of rows `idx` of x [B, V] fp32 (not changed), whose settings are `rows`: temperature,
+        top_k, top_p, min_p, then Gumbel-max; natively on the CPU (`_NATIVE`), else by `_draw`."""
+        keys = [noise_seed(row.seed, row.step) for row in rows]
+        temps = [max(row.params.temperature, _MIN_TEMPERATURE) for row in rows]
+        if not (_NATIVE and x.device.type == "cpu"):
+            return self._draw(_take(x, idx), rows, keys, temps)
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        tokens = cpp_experts.sample_rows(x, idx, temps, [row.params.top_k for row in rows],
+                                         [row.params.top_p for row in rows],
+                                         [math.log(row.params.min_p) if row.params.min_p > 0.0 else -math.inf
+                                          for row in rows], keys)
+        left = [j for j, token in enumerate(tokens) if token < 0]
+        if left:  # a NaN or infinite logit: csrc/sample.h
+            drawn = self._draw(_take(x, [idx[j] for j in left]), [rows[j] for j in left], [keys[j] for j in left],
+                               [temps[j] for j in left])
+            for j, token in zip(left, drawn):
+                tokens[j] = token
+        return tokens
+
+    def _draw(self, x: torch.Tensor, rows: Sequence[SamplingRow], keys: list[int], temps: list[float]) -> list[int]:
+        """The definition of the draw, in torch ops: x [n, V] fp32 (not changed), one row per `rows`."""
+        x = x / _column(temps, x)
+        key = torch.tensor([_signed64(k) for k in keys], dtype=torch.int64).to(x.device, non_blocking=True)
         vocab = x.shape[1]
+        if not _CANDIDATES:
+            every = torch.arange(vocab, device=x.device).expand(len(rows), vocab)
+            noise = _gumbel(counter_uniforms(key, every))
+            return _min_p(_top_k_top_p(x, rows), rows).double().add_(noise).argmax(dim=-1).tolist()
+        # Rows with a top_k or top_p pick among their candidates (the best few, sorted: `_top_k_top_p`'s),
+        # with those tokens' noise alone: the rest are -inf, and -inf plus noise stays -inf.
         tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
         with_k, p_only, rest = _filter_groups(rows, vocab)
         for chosen in (with_k, p_only):
@@ -239,33 +289,20 @@ class Sampler:
                 picked = [rows[i] for i in chosen]
                 values, ids, drop = _top_k_top_p_candidates(_take(x, chosen), picked)
                 drop |= values - values[:, :1] < _log_min_p(picked, x)  # min_p (`_min_p`) among them
-                score = values.add_(_gumbel(_take(u, chosen).gather(1, ids))).masked_fill_(drop, float("-inf"))
+                noise = _gumbel(counter_uniforms(_take(key, chosen), ids))
+                score = values.double().add_(noise).masked_fill_(drop, float("-inf"))
                 _put(tokens, chosen, _first_best(score, ids, vocab))
         if rest:
             picked = [rows[i] for i in rest]
-            _put(tokens, rest, _min_p(_take(x, rest), picked).add_(_gumbel(_take(u, rest))).argmax(dim=-1))
-        return tokens
-
-    def _uniforms(self, rows: Sequence[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
-        """The uniforms [n, vocab] of Gumbel-max; row i depends only on (rows[i].seed, rows[i].step), each
-        column on its place in that row's stream."""
-        gen = self._generators.get(device)
-        if gen is None:
-            gen = self._generators[device] = torch.Generator(device=device)
-        u = torch.empty(len(rows), vocab, dtype=torch.float32, device=device)
-        for i, row in enumerate(rows):
-            gen.manual_seed(noise_seed(row.seed, row.step))
-            u[i].uniform_(generator=gen)
-        return u
+            every = torch.arange(vocab, device=x.device).expand(len(rest), vocab)
+            noise = _gumbel(counter_uniforms(_take(key, rest), every))
+            _put(tokens, rest, _min_p(_take(x, rest), picked).double().add_(noise).argmax(dim=-1))
+        return tokens.tolist()
 
 
 def _gumbel(u: torch.Tensor) -> torch.Tensor:
-    """Gumbel(0, 1) noise from uniforms in [0, 1), in place (V-wide rows are large)."""
-    # log(u) kept finite, so even a row with a single kept token picks it
-    return u.clamp_(min=torch.finfo(torch.float32).tiny).log_().neg_().log_().neg_()  # -log(-log(u))
-
-
-# ---- logit processors (steps 1-3) ----------------------------------------------------------------
+    """Gumbel(0, 1) noise -log(-log(u)) from uniforms in (0, 1), in place."""
+    return u.log_().neg_().log_().neg_()
 
 
 def _add_logit_bias(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -386,7 +423,8 @@ def _top_k_top_p_candidates(x: torch.Tensor, rows: Sequence[SamplingRow]
     top_k = [_effective_top_k(row.params.top_k, vocab) for row in rows]
     width = max(top_k)
     kept = _column(top_k, x, torch.long)
-    if width < vocab:
+    p = _column([row.params.top_p for row in rows], x)
+    if width < vocab:  # the top_k group
         sorted_x, order = x.topk(width, dim=-1, sorted=True)
         kth = sorted_x.gather(1, kept - 1)
         # ties with the k-th value (a -inf k-th keeps the finite ones only: the rest can never be drawn)
@@ -395,8 +433,7 @@ def _top_k_top_p_candidates(x: torch.Tensor, rows: Sequence[SamplingRow]
         if wider > width:  # ties run past the partial sort: sort as far as they go
             width = wider
             sorted_x, order = x.topk(width, dim=-1, sorted=True) if width < vocab else x.sort(dim=-1, descending=True)
-    p = _column([row.params.top_p for row in rows], x)
-    if width < vocab:
+        sorted_x, order = _in_id_order(sorted_x, order)
         drop = torch.arange(width, device=x.device)[None, :] >= kept
         mass = sorted_x.masked_fill(drop, float("-inf")).softmax(dim=-1).cumsum(dim=-1)
     else:  # top_p alone (`_filter_groups` groups the rows so)
@@ -407,6 +444,14 @@ def _top_k_top_p_candidates(x: torch.Tensor, rows: Sequence[SamplingRow]
     drop |= (mass_before >= p) & (p < 1.0)
     drop[:, 0] = False
     return sorted_x, order, drop
+
+
+def _in_id_order(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted candidates (values best first, their ids [n, w]) with equal values in id order: the order top_p's
+    running mass counts them in (a sort's own order of ties is its whim), as cpp_experts.sample_rows does."""
+    ids, perm = ids.sort(dim=-1)
+    values, perm = values.gather(1, perm).sort(dim=-1, descending=True, stable=True)
+    return values, ids.gather(1, perm)
 
 
 def _first_best(score: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -435,12 +480,15 @@ def _best_holding(x: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch
     log_total = (x - best).clamp_(min=_TINY_EXP).exp_().sum(dim=-1, keepdim=True).log_().add_(best)
     width = min(_TOP_P_FIRST, vocab)
     while width < vocab:
-        values, ids = x.topk(width, dim=-1, sorted=True)
+        values, ids = _in_id_order(*x.topk(width, dim=-1, sorted=True))
         mass = (values - log_total).clamp_(min=_TINY_EXP).exp_().cumsum(dim=-1)
-        if bool((mass[:, -1:] >= p).all()):
+        # enough: the mass reaches p, and the last token kept is not tied with the last one sorted (ties
+        # running past the partial sort may hold smaller ids, which go first)
+        last = (mass < p).sum(dim=-1, keepdim=True).clamp_(max=width - 1)
+        if bool(((mass[:, -1:] >= p) & (values.gather(1, last) > values[:, -1:])).all()):
             return values, ids, mass
         width *= 4
-    values, ids = x.sort(dim=-1, descending=True)
+    values, ids = _in_id_order(*x.sort(dim=-1, descending=True))
     return values, ids, (values - log_total).clamp_(min=_TINY_EXP).exp_().cumsum(dim=-1)
 
 

@@ -439,6 +439,8 @@ def test_serve_arguments_and_commands(cpu_bench, monkeypatch: pytest.MonkeyPatch
     assert body["prompt"].startswith("Request 00007. ") and body["max_tokens"] == 128
     assert body["temperature"] == 0 and body["ignore_eos"] and body["stream"]
     assert body["stream_options"] == {"include_usage": True}
+    sampled = sc.request_body(sc.numbered_prompt(7), 128, seed=7)
+    assert sampled["seed"] == 7 and sampled["temperature"] == 0.2 and sampled["top_p"] == 0.9
     assert sc.slot_context(100, 128) == 512 and sc.slot_context(10, 20) == 256
     for amx in (False, True):  # llama.cpp's extra buffers off where its AMX ones crash
         monkeypatch.setattr(cpu_bench.peers, "amx_int8_cpu", lambda: amx)

@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdlib>
+#include <stdexcept>
 
 #include "attention.h"
 #include "vec.h"
@@ -15,6 +16,7 @@
 #include "omnikv.h"
 #include "moe.h"
 #include "quant_linear.h"
+#include "sample.h"
 
 namespace py = pybind11;
 using cpx::HostTask;
@@ -403,6 +405,29 @@ PYBIND11_MODULE(_C, m) {
                                return self.runs;
                              })
       .def("take_error", &HostTask::take_error);
+  // executor/sampler.py's draw (sample.h); the wrapper in cpp_experts/__init__.py checks the tensor and
+  // the settings, these the lengths
+  m.def("sample_rows", [](uintptr_t x, int64_t stride, int64_t vocab, const std::vector<int64_t>& rows,
+                          const std::vector<float>& temperature, const std::vector<int64_t>& top_k,
+                          const std::vector<float>& top_p, const std::vector<float>& log_min_p,
+                          const std::vector<uint64_t>& keys) {
+    const size_t n = rows.size();
+    if (temperature.size() != n || top_k.size() != n || top_p.size() != n || log_min_p.size() != n || keys.size() != n)
+      throw std::invalid_argument("sample_rows: every setting needs one entry per row");
+    std::vector<cpx::SampleSpec> specs(n);
+    for (size_t i = 0; i < n; ++i) specs[i] = {rows[i], temperature[i], top_k[i], top_p[i], log_min_p[i], keys[i]};
+    std::vector<int64_t> out(n);
+    {
+      py::gil_scoped_release release;
+      cpx::sample_rows(ptr<float>(x), stride, vocab, specs, out.data());
+    }
+    return out;
+  });
+  m.def("noise_uniforms", [](const std::vector<uint64_t>& keys, uintptr_t ids, int64_t width, uintptr_t out) {
+    py::gil_scoped_release release;
+    cpx::noise_uniforms(keys.data(), int64_t(keys.size()), ids ? ptr<int64_t>(ids) : nullptr, width,
+                        reinterpret_cast<double*>(out));
+  });
   m.def("host_functions", [] {
     return py::make_tuple(reinterpret_cast<uintptr_t>(&cpx_host_submit), reinterpret_cast<uintptr_t>(&cpx_host_sync));
   });

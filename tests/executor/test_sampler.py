@@ -192,12 +192,28 @@ def test_different_seeds_give_different_tokens() -> None:
     assert sampler(logits, [_row(seed=11, step=s) for s in range(64)]).token_ids == a
 
 
+WAYS = {"native": (True, True), "candidates": (False, True), "whole rows": (False, False)}  # (_NATIVE, _CANDIDATES)
+
+
+def _each_way(monkeypatch, vocab: int, logits: torch.Tensor, rows: list[SamplingRow], ways=WAYS) -> dict[str, list[int]]:
+    import executor.sampler as sampler_module
+
+    picked = {}
+    for way in ways:
+        native, candidates = WAYS[way]
+        monkeypatch.setattr(sampler_module, "_NATIVE", native)
+        monkeypatch.setattr(sampler_module, "_CANDIDATES", candidates)
+        picked[way] = Sampler(vocab)(logits.clone(), rows).token_ids
+    return picked
+
+
 @pytest.mark.parametrize("vocab", [97, 49152])
 def test_drawing_among_the_candidates_picks_what_whole_rows_pick(monkeypatch, vocab: int) -> None:
-    """Rows with a top_k or top_p draw among their few candidates, with those tokens' noise alone: against
-    the definition (every row whole: filtered to -inf, noise at every column, argmax), every row picks the
-    same token: mixed filters and min_p, ties (the smallest id wins, as argmax's first), a row with one
-    allowed token, -inf logits among the candidates, rows with no filter, greedy rows between."""
+    """Rows with a top_k or top_p draw among their few candidates, with those tokens' noise alone, natively
+    on the CPU or in torch: against the definition (every row whole: filtered to -inf, noise at every column,
+    argmax), every row picks the same token: mixed filters and min_p, ties (the smallest id wins, as argmax's
+    first), a row with one allowed token, -inf logits among the candidates, rows with no filter, greedy rows
+    between."""
     import executor.sampler as sampler_module
 
     rng = random.Random(vocab)
@@ -213,31 +229,94 @@ def test_drawing_among_the_candidates_picks_what_whole_rows_pick(monkeypatch, vo
         rows.append(_row(params, seed=rng.randrange(2**40), step=rng.randrange(100)))
     rows[5] = _row(SamplingParams(temperature=0.8, top_p=0.9, allowed_token_ids=[7]), seed=5)
     rows[6] = _row(SamplingParams(temperature=0.8, top_k=3, logit_bias={11: 100.0, 12: 100.0}), seed=6)
-    picked = {}
-    for way, candidates in (("candidates", True), ("whole rows", False)):
-        monkeypatch.setattr(sampler_module, "_CANDIDATES", candidates)
-        picked[way] = Sampler(vocab)(logits.clone(), rows).token_ids
-    assert picked["candidates"] == picked["whole rows"]
+    picked = _each_way(monkeypatch, vocab, logits, rows)
+    assert picked["native"] == picked["candidates"] == picked["whole rows"]
     assert picked["candidates"][5] == 7 and picked["candidates"][6] in (11, 12)
     assert len(set(picked["candidates"])) > 12
 
     # exact ties of the noisy scores: equal logits with equal uniforms (set where the noise is drawn, so
-    # both ways see them), the largest at every third column
-    def tied(self, rows, vocab, device):
-        u = torch.full((len(rows), vocab), 0.5, device=device)
-        u[:, ::3] = 0.99
-        return u
+    # both torch ways see them), the largest at every third column
+    def tied(keys, ids):
+        return torch.where(ids % 3 == 0, 0.99, 0.5).to(torch.float64)
 
-    monkeypatch.setattr(sampler_module.Sampler, "_uniforms", tied)
+    monkeypatch.setattr(sampler_module, "counter_uniforms", tied)
     flat = torch.zeros(4, vocab)
     flat[:, ::7] = 1.0
     rows = [_row(SamplingParams(temperature=1.0, top_k=k), seed=k) for k in (3, 20, 50)] + \
         [_row(SamplingParams(temperature=1.0, top_p=0.5), seed=9)]
-    for way, candidates in (("candidates", True), ("whole rows", False)):
-        monkeypatch.setattr(sampler_module, "_CANDIDATES", candidates)
-        picked[way] = Sampler(vocab)(flat.clone(), rows).token_ids
+    picked = _each_way(monkeypatch, vocab, flat, rows, ways=("candidates", "whole rows"))
     assert picked["candidates"] == picked["whole rows"]
     assert picked["candidates"][:3] == [0, 0, 0]  # top_k keeps every token tied with the k-th: 0 among them
+
+
+def test_noise_is_the_same_function_natively_in_torch_and_in_python() -> None:
+    """The uniforms behind the noise (`counter_uniforms`, torch int64 ops that must wrap as uint64's do, and
+    cpp_experts.noise_uniforms) against the definition in Python's integers, on keys across all 64 bits and
+    ids up to 2^31: equal bits, odd multiples of 2^-53, inside (0, 1)."""
+    from executor.sampler import _GOLDEN, _MASK64, _signed64, counter_uniforms, mix64
+    import cpp_experts
+
+    rng = random.Random(21)
+    keys = [rng.randrange(2**64) for _ in range(6)] + [0, 2**63, 2**64 - 1]
+    ids = torch.tensor([[rng.randrange(2**31) for _ in range(40)] + [0, 1, 2**31 - 1] for _ in keys], dtype=torch.int64)
+    want = torch.tensor([[(2 * (mix64((k + (int(j) + 1) * _GOLDEN) & _MASK64) >> 12) + 1) * 2.0**-53 for j in row]
+                         for k, row in zip(keys, ids)], dtype=torch.float64)
+    got = counter_uniforms(torch.tensor([_signed64(k) for k in keys], dtype=torch.int64), ids)
+    assert torch.equal(got, want)
+    assert torch.equal(cpp_experts.noise_uniforms(keys, ids, ids.shape[1]), want)
+    assert torch.equal(cpp_experts.noise_uniforms(keys, None, 50), counter_uniforms(
+        torch.tensor([_signed64(k) for k in keys]), torch.arange(50).expand(len(keys), 50)))
+    assert bool(((want > 0) & (want < 1)).all()) and bool(((want * 2.0**53) % 2 == 1).all())
+    assert len(set(want.flatten().tolist())) == want.numel()
+
+
+@pytest.mark.parametrize("vocab", [300, 49152])
+def test_the_native_draw_is_the_torch_definitions(monkeypatch, vocab: int) -> None:
+    """cpp_experts.sample_rows against the torch definition (`_draw`, candidates and whole rows) on many rows
+    of every kind it handles: top_k below and above its heap's 256 (with fewer finite logits than k too),
+    top_p from 0 to 0.999 whose cut falls after one token or thousands, ties at the cut (integer logits: equal
+    logits go in id order), min_p, temperatures from 1e-5 to 50, -inf stretches, logits padded past the
+    vocabulary (strided rows), a flat row without filters (every token's noise tested against the best's
+    score); and the rows it leaves to torch (NaN, inf after the division) come back drawn all the same."""
+    rng = random.Random(vocab + 1)
+    n = 160
+    gen = torch.Generator().manual_seed(vocab)
+    scales = torch.tensor([rng.choice([0.05, 0.5, 1.0, 2.0, 4.0, 8.0]) for _ in range(n)])[:, None]
+    logits = torch.randn(n, vocab + 13, generator=gen) * scales
+    for i in range(0, n, 9):
+        logits[i] = logits[i].round()  # ties everywhere, at top_p's cut too
+    for i in range(4, n, 11):
+        logits[i, rng.randrange(vocab) :] = float("-inf")
+    logits[7, : vocab - 5] = float("-inf")  # 5 finite, top_k larger
+    logits[8, 3] = float("nan")
+    logits[10, 9] = 3e38  # inf after the division
+    rows = []
+    for i in range(n):
+        top_k = rng.choice([-1, -1, 0, 1, 2, 7, 40, 255, 256, 257, 700, vocab - 1, vocab, vocab + 5])
+        params = SamplingParams(temperature=rng.choice([1e-5, 0.2, 0.7, 1.0, 1.3, 3.0, 50.0]), top_k=top_k,
+                                top_p=rng.choice([1.0, 1.0, 0.0, 0.3, 0.9, 0.95, 0.999]),
+                                min_p=rng.choice([0.0, 0.0, 0.01, 0.2, 1.0]))
+        rows.append(_row(params, seed=rng.randrange(2**64), step=rng.randrange(10**6)))
+    rows[7] = _row(SamplingParams(temperature=1.0, top_k=20, top_p=0.9), seed=7)
+    rows[10] = _row(SamplingParams(temperature=0.5), seed=10)
+    rows[11] = _row(SamplingParams(temperature=50.0), seed=11)  # flat: most tokens' noise must be tested
+    picked = _each_way(monkeypatch, vocab, logits, rows)
+    assert picked["native"] == picked["candidates"] == picked["whole rows"]
+    assert len(set(picked["native"])) > n // 3
+    assert 0 <= picked["native"][7] and vocab - 5 <= picked["native"][7] < vocab
+    # the native call drew every sampled row itself but the NaN and the infinite one
+    import cpp_experts
+    from executor.sampler import noise_seed
+
+    sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
+    native = cpp_experts.sample_rows(
+        logits[:, :vocab], sampled, [max(rows[i].params.temperature, 1e-5) for i in sampled],
+        [rows[i].params.top_k for i in sampled], [rows[i].params.top_p for i in sampled],
+        [math.log(rows[i].params.min_p) if rows[i].params.min_p > 0 else -math.inf for i in sampled],
+        [noise_seed(rows[i].seed, rows[i].step) for i in sampled])
+    assert {i for i, token in zip(sampled, native) if token < 0} == {8, 10}
+    assert [token for i, token in zip(sampled, native) if token >= 0] == \
+        [picked["candidates"][i] for i, token in zip(sampled, native) if token >= 0]
 
 
 def test_noise_seeds_do_not_collide_on_small_grids() -> None:
@@ -519,11 +598,10 @@ def test_cuda_matches_the_rules() -> None:
     rng.shuffle(order)
     shuffled = sampler(logits[order], [rows[i] for i in order]).token_ids
     assert [shuffled[order.index(i)] for i in range(32)] == alone
-    cpu = Sampler(vocab)(logits.cpu(), rows)
-    for i, row in enumerate(rows):
-        assert alone[i] < vocab
-        if row.params.greedy:
-            assert alone[i] == cpu.token_ids[i]
+    # the noise is the same integer function on every device: the same logits give the same tokens (bar a
+    # top_p cut within fp32 rounding of a running mass, which these rows do not have)
+    assert Sampler(vocab)(logits.cpu(), rows).token_ids == alone
+    assert all(token < vocab for token in alone)
 
 
 @pytest.mark.parametrize("temperature", [0.05, 0.2, 0.7, 1.0, 3.0])
