@@ -4,7 +4,7 @@ needs a token into that token (and its logprobs, when asked).
 Per row, in this order (the vLLM/SGLang order):
 
     raw logits [B, V] ──► grammar mask (constrained rows) ──► logit_bias, allowed ids, bad words ──► repetition / frequency / presence penalties ──► min_tokens mask
-        ├─ greedy (temperature 0) ──► argmax
+        ├─ greedy (temperature below 1e-5) ──► argmax
         └─ / temperature ──► top_k ──► top_p ──► min_p ──► argmax(x + Gumbel noise)
     raw logits (grammar-masked) ──► log_softmax ──► chosen token's logprob + top_logprobs alternatives
 
@@ -49,8 +49,8 @@ from executor.logprobs import TokenLogprob
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio, SplitMix64's increment
-# Temperatures below this are raised to it: logits / 1e-5 stay finite in fp32, and such a row is
-# all but greedy anyway.
+# Temperatures below this are raised to it (logits / 1e-5 stay finite in fp32); SamplingParams.greedy
+# already takes such rows as greedy, so only another SamplingKnobs could send one.
 _MIN_TEMPERATURE = 1e-5
 # Rows with a top_k or top_p draw among their candidates alone (`Sampler._draw`); off: every row whole,
 # the definition (tests and bench/sampler_cpu.py compare the two)

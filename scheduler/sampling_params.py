@@ -21,6 +21,8 @@ import msgspec
 # Sentinel for "no limit" on top_k, as in vLLM/SGLang.
 TOP_K_ALL = -1
 INT64_MAX = 2**63 - 1  # the largest integer the engine messages carry signed
+# temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+GREEDY_BELOW = 1e-5
 
 
 class ParamError(ValueError):
@@ -83,9 +85,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def greedy(self) -> bool:
-        """Argmax. Not top_k 1: that keeps every token tied with the best (as HF and vLLM do), which argmax,
-        taking the lowest id, did not."""
-        return self.temperature == 0.0
+        """Argmax: temperature 0, or below GREEDY_BELOW (as vLLM's 1e-5: logits / 1e-6 would tell apart
+        logits 1e-6 apart with noise of unit size, a draw in name only). Not top_k 1: that keeps every
+        token tied with the best (as HF and vLLM do), which argmax, taking the lowest id, did not."""
+        return self.temperature < GREEDY_BELOW
 
     def validate(self, vocab_size: int, eos_token_ids: Iterable[int] = ()) -> None:
         """Raises ParamError naming the OpenAI parameter when a value is out of range, or when the token

@@ -6,14 +6,13 @@
 //
 // Per row: one vector pass divides and finds the best (and any NaN); top_k finds its k-th value in a
 // heap of k fed only by blocks that beat it; top_p sums the row's exponentials in a second pass, then
-// gathers the tokens whose probability reaches 1e-4 (1e-5, 1e-6, 1e-8, then all, where those fall short of top_p)
-// and sorts those alone. The noise is drawn for the few candidates left.
+// gathers the tokens whose probability reaches 1e-4 (1e-5, 1e-6, 1e-8, then all, where those fall short
+// of top_p) and sorts those alone. The noise is drawn for the few candidates left.
 #include "sample.h"
 
 #include <algorithm>
 #include <cmath>
 #include <functional>
-#include <limits>
 
 #include "vec.h"
 
@@ -24,7 +23,7 @@ constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
 // exp's argument is clamped here by top_p's normaliser (executor.sampler._TINY_EXP)
 constexpr float kTinyExp = -87.0f;
 // Rows without top_k / top_p test every token's noise against the score to beat with this much room
-// for the test's fp32 arithmetic (csrc comment at rest_contenders)
+// for the test's fp32 arithmetic (rest_contenders says why it is enough)
 constexpr float kSlack = 1e-4f;
 // above the largest noise there is, -log(-log(1 - 2^-53)) = 36.74
 constexpr double kNoiseMax = 36.8;
@@ -36,7 +35,6 @@ inline uint64_t mix64(uint64_t z) {
 }
 
 inline double gumbel(uint64_t key, int64_t id) { return -std::log(-std::log(noise_uniform(key, id))); }
-
 
 struct Cand {
   float v;

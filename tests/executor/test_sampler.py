@@ -109,6 +109,10 @@ def test_top_k_one_and_temperature_zero_are_argmax() -> None:
     temp_0 = [_row(SamplingParams(temperature=0.0, top_p=0.5, min_p=0.2), seed=i) for i in range(16)]
     assert sampler(logits, top_k_1).token_ids == expected
     assert sampler(logits, temp_0).token_ids == expected
+    tiny_t = [_row(SamplingParams(temperature=9e-6), seed=i, step=i) for i in range(16)]  # greedy, as vLLM
+    near = logits.clone()
+    near[:, 0] = near.amax(dim=-1) - 1e-5  # a runner-up 1e-5 below the best: a draw at 1e-5 would take it often
+    assert sampler(near, tiny_t).token_ids == near.numpy().argmax(axis=1).tolist()
     tiny_top_p = [_row(SamplingParams(temperature=1.0, top_p=1e-3), seed=i, step=i) for i in range(16)]
     assert sampler(logits, tiny_top_p).token_ids == expected  # the best token is always kept
     zero_top_p = [_row(SamplingParams(temperature=1.0, top_p=0.0), seed=i, step=i) for i in range(16)]
