@@ -1,8 +1,9 @@
 """CPU cost of sampling one engine step (executor/sampler.py): the native draw against the torch definition.
 
 On the CPU the sampled rows of a step are drawn by one native call (`cpp_experts.sample_rows`: temperature,
-top_k, top_p, min_p, counter-based noise for the candidates alone, the best score); the torch code is the
-definition, kept for other devices and for the rows the native call leaves. Before it, the default model's
+top_k, top_p, min_p, counter-based noise for the candidates alone, the best score), and their logprobs come
+from another (`cpp_experts.row_logprobs`); the torch code is the definition, kept for other devices and for
+the rows the native calls leave. Before it, the default model's
 own defaults (temperature 0.2, top_p 0.9) cost ~0.5 ms a row on the engine's sampling thread: mt19937 draws
 for all 49152 columns (~150 us), a topk (~100 us), two exps over the row, ~60 small ops. Timed: one
 `Sampler` call for B rows (each its own seed), on real logits (the default model's, at B consecutive
@@ -33,8 +34,10 @@ import cpu_common as cc  # noqa: E402
 
 # (executor.sampler._NATIVE, _CANDIDATES) of each way of today's sampler
 WAYS = {"native": (True, True), "torch": (False, True), "whole_rows": (False, False)}
-SETTINGS = {"t0.2_top_p0.9 (the default model's)": (0.2, 0.9, -1), "t0.7_top_p0.95": (0.7, 0.95, -1),
-            "t1.0_top_k40": (1.0, 1.0, 40), "t1.0 (no filter)": (1.0, 1.0, -1)}
+# temperature, top_p, top_k, top_logprobs (0: no logprobs)
+SETTINGS = {"t0.2_top_p0.9 (the default model's)": (0.2, 0.9, -1, 0), "t0.7_top_p0.95": (0.7, 0.95, -1, 0),
+            "t1.0_top_k40": (1.0, 1.0, 40, 0), "t1.0 (no filter)": (1.0, 1.0, -1, 0),
+            "t0.2_top_p0.9, top_logprobs 5": (0.2, 0.9, -1, 5)}
 
 
 def main() -> int:
@@ -86,11 +89,12 @@ def main() -> int:
     results: dict[str, dict[str, dict[str, list[float]]]] = {}
     same = True
     for r in range(args.rounds):
-        for name, (temperature, top_p, top_k) in SETTINGS.items():
+        for name, (temperature, top_p, top_k, top_logprobs) in SETTINGS.items():
             for b in (1, 16):
                 x = logits[-b:]
-                rows = [SamplingRow(SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k), i, 3, ids, [], [0])
-                        for i in range(b)]
+                params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, logprobs=top_logprobs > 0,
+                                        top_logprobs=top_logprobs)
+                rows = [SamplingRow(params, i, 3, ids, [], [0]) for i in range(b)]
                 picked = {}
                 for way in ways if r % 2 == 0 else ways[::-1]:
                     if way != "baseline":

@@ -57,7 +57,7 @@ except ImportError as exc:  # pragma: no cover - only on a broken install
     ) from exc
 
 __all__ = ["MoE", "QuantLinear", "WorkerPool", "HostTask", "PagedAttention", "CpuModel", "DecodeInputs", "info", "cuda_host_launch_error", "FORMATS", "BLOCK_BYTES",
-           "LINEAR_FORMATS", "LINEAR_BLOCKS", "sample_rows", "noise_uniforms"]
+           "LINEAR_FORMATS", "LINEAR_BLOCKS", "sample_rows", "noise_uniforms", "row_logprobs"]
 
 # weight formats of both operators (a MoE's experts are QuantLinears); GGUF block (values, bytes) of
 # the quantised ones
@@ -802,6 +802,29 @@ def sample_rows(x: torch.Tensor, rows: Sequence[int], temperature: Sequence[floa
     """executor/sampler.py's draw for `rows` of fp32 logits `x` [B, V] (rows may be strided, columns not):
     per row, its token, or -1 where the sampler's torch code must draw it (csrc/sample.h says when).
     `temperature` > 0, `log_min_p` -inf for none, `keys` the noise keys (`noise_seed`, 64-bit)."""
+    _check_logits(x, rows)
+    if any(not (t > 0.0 and math.isfinite(t)) for t in temperature):
+        raise ValueError("temperatures must be positive and finite")
+    if any(not 0.0 <= p <= 1.0 for p in top_p) or any(not lm <= 0.0 for lm in log_min_p):
+        raise ValueError("top_p must lie in [0, 1] and log_min_p be <= 0 (or -inf)")
+    return _C.sample_rows(x.data_ptr(), x.stride(0), x.shape[1], list(rows), list(temperature), list(top_k),
+                          list(top_p), list(log_min_p), list(keys))
+
+
+def row_logprobs(x: torch.Tensor, rows: Sequence[int], targets: Sequence[int], k: int
+                 ) -> list[tuple[float, list[tuple[int, float]]] | None]:
+    """log_softmax of rows `rows` of fp32 logits `x` [B, V] (rows may be strided, columns not) at `targets`
+    (a token id a row), with the row's k best (id, logprob), best first, equal logits in id order, -inf ones
+    left out; None for a row the caller must compute (a NaN among its logits, or none finite)."""
+    _check_logits(x, rows)
+    if len(targets) != len(rows) or any(not 0 <= t < x.shape[1] for t in targets):
+        raise ValueError(f"targets must hold one id in 0..{x.shape[1] - 1} per row")
+    if not 0 <= k <= x.shape[1]:
+        raise ValueError(f"k must lie in 0..{x.shape[1]}")
+    return _C.row_logprobs(x.data_ptr(), x.stride(0), x.shape[1], list(rows), list(targets), k)
+
+
+def _check_logits(x: torch.Tensor, rows: Sequence[int]) -> None:
     if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
         raise ValueError("x must be a 2-D float32 CPU tensor")
     if x.stride(1) != 1 and x.shape[1] > 1:
@@ -810,12 +833,6 @@ def sample_rows(x: torch.Tensor, rows: Sequence[int], temperature: Sequence[floa
         raise ValueError(f"x must have 1..2^31-1 columns, got {x.shape[1]}")
     if any(not 0 <= r < x.shape[0] for r in rows):
         raise ValueError(f"rows must lie in 0..{x.shape[0] - 1}")
-    if any(not (t > 0.0 and math.isfinite(t)) for t in temperature):
-        raise ValueError("temperatures must be positive and finite")
-    if any(not 0.0 <= p <= 1.0 for p in top_p) or any(not lm <= 0.0 for lm in log_min_p):
-        raise ValueError("top_p must lie in [0, 1] and log_min_p be <= 0 (or -inf)")
-    return _C.sample_rows(x.data_ptr(), x.stride(0), x.shape[1], list(rows), list(temperature), list(top_k),
-                          list(top_p), list(log_min_p), list(keys))
 
 
 def noise_uniforms(keys: Sequence[int], ids: torch.Tensor | None, width: int) -> torch.Tensor:

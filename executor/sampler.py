@@ -520,23 +520,48 @@ def _logprobs(raw: torch.Tensor, rows: Sequence[SamplingRow], tokens: list[int])
     """log_softmax of the raw logits: the chosen token's value and the top_logprobs best, best first."""
     result: list[TokenLogprob | None] = [None] * len(rows)
     chosen = [i for i, row in enumerate(rows) if row.params.logprobs or row.params.top_logprobs > 0]
-    if not chosen:
-        return result
-    lp = torch.log_softmax(_take(raw, chosen).float(), dim=-1)
-    chosen_ids = torch.tensor([tokens[i] for i in chosen], dtype=torch.long).to(raw.device, non_blocking=True)
-    picked = lp.gather(1, chosen_ids[:, None]).squeeze(1).tolist()
-    num_top = min(max(rows[i].params.top_logprobs for i in chosen), lp.shape[1])
-    top_values: list[list[float]] = [[] for _ in chosen]
-    top_ids: list[list[int]] = [[] for _ in chosen]
-    if num_top > 0:
-        values, ids = lp.topk(num_top, dim=-1)
-        top_values, top_ids = values.tolist(), ids.tolist()
-    for j, i in enumerate(chosen):
-        k = rows[i].params.top_logprobs
-        # tokens a grammar masks are no alternatives: top-k reaches them where it allows fewer than k
-        top = [(t, v) for t, v in zip(top_ids[j][:k], top_values[j][:k]) if v != -math.inf]
-        result[i] = TokenLogprob(token_id=tokens[i], logprob=picked[j], top=top)
+    if chosen:
+        found = token_logprobs(raw, chosen, [tokens[i] for i in chosen], [rows[i].params.top_logprobs for i in chosen])
+        for i, lp in zip(chosen, found):
+            result[i] = lp
     return result
+
+
+def token_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], top: list[int]) -> list[TokenLogprob]:
+    """log_softmax of `logits`' rows `rows` (of [B, V]) at `tokens` (one a row), each with its `top` best
+    alternatives, best first (equal logits in id order; -inf ones, which a grammar masks, are no
+    alternatives): natively on the CPU (`cpp_experts.row_logprobs`, ~10x torch's log_softmax over a
+    49152-wide row), else, and for rows with a NaN, in torch. The sampler's and the prompt's logprobs."""
+    out: list[TokenLogprob | None] = [None] * len(rows)
+    k = min(max(top, default=0), logits.shape[1])
+    left = list(range(len(rows)))
+    if _NATIVE and logits.device.type == "cpu":
+        x = logits if logits.dtype == torch.float32 and logits.stride(1) == 1 else logits.float().contiguous()
+        left = []
+        for j, found in enumerate(cpp_experts.row_logprobs(x, rows, tokens, k)):
+            if found is None:
+                left.append(j)
+            else:
+                out[j] = TokenLogprob(token_id=tokens[j], logprob=found[0], top=found[1][: top[j]])
+    if left:
+        lp = torch.log_softmax(_take(logits, [rows[j] for j in left]).float(), dim=-1)
+        ids = torch.tensor([tokens[j] for j in left], dtype=torch.long).to(logits.device, non_blocking=True)
+        picked = lp.gather(1, ids[:, None]).squeeze(1).tolist()
+        top_values: list[list[float]] = [[] for _ in left]
+        top_ids: list[list[int]] = [[] for _ in left]
+        if k > 0:
+            values, order = lp.topk(k, dim=-1)
+            # ties with the k-th running past it: which of them topk took is its whim, so take them all
+            wider = int((lp >= values[:, -1:]).sum(dim=-1).max())
+            if wider > k:
+                values, order = lp.topk(wider, dim=-1) if wider < lp.shape[1] else lp.sort(dim=-1, descending=True)
+            values, order = _in_id_order(values, order)
+            top_values, top_ids = values[:, :k].tolist(), order[:, :k].tolist()
+        for n, j in enumerate(left):
+            alternatives = zip(top_ids[n][: top[j]], top_values[n][: top[j]])
+            out[j] = TokenLogprob(token_id=tokens[j], logprob=picked[n], top=[(t, v) for t, v in alternatives
+                                                                             if v != -math.inf])
+    return out  # type: ignore[return-value]
 
 
 # ---- small tensor helpers ------------------------------------------------------------------------

@@ -52,7 +52,7 @@ from executor.model_runner import ModelRunner, RequestSlice
 from scheduler.radix_cache import PrefixCache
 from scheduler.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Req
 from scheduler.speculative import NgramProposer, SpeculativeConfig
-from executor.sampler import Sampler, SamplingRow
+from executor.sampler import Sampler, SamplingRow, token_logprobs
 
 logger = logging.getLogger("mlaserve.scheduler")
 
@@ -433,17 +433,10 @@ class Scheduler:
         if r.prompt_logprobs is None:
             r.prompt_logprobs = [None]  # nothing predicts the first token
         k = r.params.prompt_logprobs or 0
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        top = torch.topk(logprobs, k, dim=-1) if k else None
-        for j in range(logits.shape[0]):
-            target = r.kv_len + j + 1
-            if target >= len(r.prompt_ids):
-                break
-            if target < len(r.prompt_logprobs):  # scored before a retraction
-                continue
-            tok = r.prompt_ids[target]
-            alts = list(zip(top.indices[j].tolist(), top.values[j].tolist())) if top is not None else []
-            r.prompt_logprobs.append(TokenLogprob(tok, float(logprobs[j, tok]), alts))
+        rows = [j for j in range(logits.shape[0])
+                if len(r.prompt_logprobs) <= r.kv_len + j + 1 < len(r.prompt_ids)]  # not scored before a retraction
+        tokens = [r.prompt_ids[r.kv_len + j + 1] for j in rows]
+        r.prompt_logprobs.extend(token_logprobs(logits, rows, tokens, [k] * len(rows)))
 
     def _stop_reason(self, r: Req, tok: int) -> str | None:
         p = r.params

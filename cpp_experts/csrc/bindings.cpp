@@ -423,6 +423,32 @@ PYBIND11_MODULE(_C, m) {
     }
     return out;
   });
+  m.def("row_logprobs", [](uintptr_t x, int64_t stride, int64_t vocab, const std::vector<int64_t>& rows,
+                           const std::vector<int64_t>& targets, int k) {
+    const size_t n = rows.size();
+    if (targets.size() != n || k < 0) throw std::invalid_argument("row_logprobs: one target per row, k >= 0");
+    std::vector<float> logprob(n), values(n * size_t(k));
+    std::vector<int64_t> ids(n * size_t(k));
+    std::vector<int32_t> count(n);
+    std::vector<uint8_t> ok(n);
+    {
+      py::gil_scoped_release release;
+      cpx::row_logprobs(ptr<float>(x), stride, vocab, rows, targets, k, logprob.data(), ids.data(), values.data(),
+                        count.data(), ok.data());
+    }
+    // per row: (logprob, [(id, value), ...]) or None where the caller must compute it
+    py::list out;
+    for (size_t i = 0; i < n; ++i) {
+      if (!ok[i]) {
+        out.append(py::none());
+        continue;
+      }
+      py::list top;
+      for (int32_t j = 0; j < count[i]; ++j) top.append(py::make_tuple(ids[i * k + j], values[i * k + j]));
+      out.append(py::make_tuple(logprob[i], top));
+    }
+    return out;
+  });
   m.def("noise_uniforms", [](const std::vector<uint64_t>& keys, uintptr_t ids, int64_t width, uintptr_t out) {
     py::gil_scoped_release release;
     cpx::noise_uniforms(keys.data(), int64_t(keys.size()), ids ? ptr<int64_t>(ids) : nullptr, width,

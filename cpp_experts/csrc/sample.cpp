@@ -290,6 +290,35 @@ int64_t sample_row(const float* x, int n, const SampleSpec& s, std::vector<float
   return draw(c.data(), kept, s.key);
 }
 
+// The k best of y[0..n) (k <= n), best first, equal values in id order: a heap whose front is the worst
+// kept, fed by the blocks of 64 that hold a value above it (a later equal value, its id larger, never enters).
+CPX_INLINE void best_k_impl(const float* y, int n, int k, std::vector<Cand>* heap) {
+  using namespace vec;
+  std::vector<Cand>& h = *heap;
+  h.clear();
+  for (int i = 0; i < k; ++i) h.push_back({y[i], i});
+  std::make_heap(h.begin(), h.end(), before);
+  auto feed = [&](int i) {
+    if (y[i] > h.front().v) {
+      std::pop_heap(h.begin(), h.end(), before);
+      h.back() = {y[i], i};
+      std::push_heap(h.begin(), h.end(), before);
+    }
+  };
+  int j = k;
+  for (; j < n && (j & 63); ++j) feed(j);
+  for (; j + 64 <= n; j += 64) {
+    const v8f m = splat(h.front().v);
+    v8i hit = load(y + j) > m;
+    for (int b = 8; b < 64; b += 8) hit |= load(y + j + b) > m;
+    if (any_lane(hit))
+      for (int i = j; i < j + 64; ++i) feed(i);
+  }
+  for (; j < n; ++j) feed(j);
+  std::sort(h.begin(), h.end(), before);
+}
+CPX_DISPATCH(void, best_k, (const float* y, int n, int k, std::vector<Cand>* heap), (y, n, k, heap))
+
 }  // namespace
 
 double noise_uniform(uint64_t key, int64_t id) {
@@ -308,6 +337,36 @@ void sample_rows(const float* x, int64_t stride, int64_t vocab, const std::vecto
   thread_local std::vector<Cand> c;
   for (size_t i = 0; i < specs.size(); ++i)
     out[i] = sample_row(x + specs[i].row * stride, int(vocab), specs[i], y, buf, c);
+}
+
+void row_logprobs(const float* x, int64_t stride, int64_t vocab, const std::vector<int64_t>& rows,
+                  const std::vector<int64_t>& targets, int k, float* logprob, int64_t* top_ids, float* top_values,
+                  int32_t* top_count, uint8_t* ok) {
+  thread_local std::vector<float> y;
+  thread_local std::vector<Cand> c;
+  const int n = int(vocab);
+  const int kk = std::min(k, n);
+  y.resize(n);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    int nan = 0;
+    const float m = scale_max(x + rows[i] * stride, 1.0f, n, y.data(), &nan);  // a copy: x / 1 is x
+    ok[i] = !nan && std::isfinite(m);
+    top_count[i] = 0;
+    if (!ok[i]) continue;
+    // log_softmax = y - m - log(sum exp(y - m)), in double before the fp32 result
+    const double log_sum = std::log(exp_sum(y.data(), n, m));
+    logprob[i] = float(double(y[targets[i]]) - double(m) - log_sum);
+    if (kk <= 0) continue;
+    best_k(y.data(), n, kk, &c);
+    int32_t count = 0;
+    for (const Cand& a : c) {
+      if (a.v == -INFINITY) break;
+      top_ids[i * k + count] = a.id;
+      top_values[i * k + count] = float(double(a.v) - double(m) - log_sum);
+      ++count;
+    }
+    top_count[i] = count;
+  }
 }
 
 }  // namespace cpx

@@ -34,4 +34,12 @@ void noise_uniforms(const uint64_t* keys, int64_t rows, const int64_t* ids, int6
 // after the division.
 void sample_rows(const float* x, int64_t stride, int64_t vocab, const std::vector<SampleSpec>& specs, int64_t* out);
 
+// log_softmax of rows `rows` of x (fp32, rows `stride` floats apart, `vocab` columns) at `targets` (one
+// token a row) into logprob[i], with each row's k best tokens, best first (equal logits in id order),
+// into top_ids / top_values[i * k + j] for j < top_count[i] (the finite ones among them). ok[i] = 0 leaves
+// row i to the caller: a NaN among its logits, or none finite.
+void row_logprobs(const float* x, int64_t stride, int64_t vocab, const std::vector<int64_t>& rows,
+                  const std::vector<int64_t>& targets, int k, float* logprob, int64_t* top_ids, float* top_values,
+                  int32_t* top_count, uint8_t* ok);
+
 }  // namespace cpx

@@ -557,6 +557,38 @@ def test_logprobs_are_log_softmax_of_the_raw_logits() -> None:
     assert result.logprobs[0].top == []
 
 
+@pytest.mark.parametrize("vocab", [5, 70, 49152])
+def test_token_logprobs_natively_and_in_torch_are_log_softmax(monkeypatch, vocab: int) -> None:
+    """`token_logprobs` (the sampler's and the prompt's logprobs), natively on the CPU and in torch, against
+    log_softmax in float64: the target's value, the k best best first with equal logits in id order, -inf
+    logits (a grammar's mask) no alternatives even where fewer than k are finite, rows strided in padded
+    logits; a row with a NaN is left to torch (NaN logprobs, as torch's log_softmax gives)."""
+    import executor.sampler as sampler_module
+    from executor.sampler import token_logprobs
+
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(7, vocab + 3, generator=gen) * 6.0
+    logits[1] = logits[1].round()  # ties among the best
+    logits[2, 2:] = float("-inf")  # two finite: fewer than k
+    logits[3, : vocab // 2] = float("-inf")
+    logits[5, 1] = float("nan")
+    x = logits[:, :vocab]
+    rows, tokens, top = [0, 1, 2, 3, 4, 6, 5], [vocab - 1, 0, 1, vocab - 1, 2, 3, 0], [0, 20, 5, 3, 1, 20, 2]
+    reference = torch.log_softmax(x.double(), dim=-1).numpy()
+    for native in (True, False):
+        monkeypatch.setattr(sampler_module, "_NATIVE", native)
+        found = token_logprobs(x, rows, tokens, top)
+        for lp, r, t, k in zip(found, rows, tokens, top):
+            assert lp.token_id == t
+            if r == 5:
+                assert math.isnan(lp.logprob)
+                continue
+            assert lp.logprob == pytest.approx(reference[r, t], abs=2e-5 if not native else 2e-6, rel=1e-6)
+            best = [int(i) for i in np.argsort(-reference[r], kind="stable")[:k] if reference[r, i] > -np.inf]
+            assert [tok for tok, _ in lp.top] == best, (native, r)
+            np.testing.assert_allclose([v for _, v in lp.top], reference[r, best], atol=2e-5)
+
+
 def test_padded_columns_are_never_sampled() -> None:
     vocab, padded = 24, 32
     logits = _logits(200, padded, seed=13)
