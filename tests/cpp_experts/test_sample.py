@@ -1,4 +1,4 @@
-"""cpp_experts.sample_rows and noise_uniforms at their door: what the wrapper and the native layer refuse,
+"""cpp_experts.sample_rows, row_logprobs and noise_uniforms at their door: what the wrapper and the native layer refuse,
 and draws on odd widths (tails of 1..63 values past the 64-value blocks, a single column) that agree with
 executor/sampler.py's torch definition. tests/executor/test_sampler.py holds the draw to the definition on
 every kind of row; this file also runs under `make asan`."""
@@ -66,3 +66,14 @@ def test_bad_calls_are_refused() -> None:
     with pytest.raises(ValueError, match="int64"):
         cpp_experts.noise_uniforms([1, 2], torch.zeros(2, 3, dtype=torch.int32), 3)
     assert cpp_experts.sample_rows(x, [], [], [], [], [], []) == []
+    with pytest.raises(ValueError, match="targets"):
+        cpp_experts.row_logprobs(x, [0], [50], 3)
+    with pytest.raises(ValueError, match="targets"):
+        cpp_experts.row_logprobs(x, [0, 1], [0], 3)
+    with pytest.raises(ValueError, match="k must"):
+        cpp_experts.row_logprobs(x, [0], [0], 51)
+    with pytest.raises(ValueError, match="rows must lie"):
+        cpp_experts.row_logprobs(x, [2], [0], 1)
+    (value, top), = cpp_experts.row_logprobs(x, [1], [4], 50)  # k = the whole row
+    assert [t for t, _ in top] == torch.log_softmax(x[1], -1).argsort(descending=True, stable=True).tolist()
+    assert value == pytest.approx(torch.log_softmax(x[1].double(), -1)[4].item(), abs=1e-6)
