@@ -447,7 +447,8 @@ def test_a_schema_that_compiles_too_long_is_a_400_and_the_rest_go_on(server, cli
         refused = pool.submit(post, server, {"messages": ASK, "response_format": slow})
         beside = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=24,
                                                 response_format={"type": "json_object"})
-        assert json.loads(beside.choices[0].message.content) is not None or beside.choices[0].finish_reason == "length"
+        # a whole object, or one cut by max_tokens (sampled at the model's defaults: which, the seed decides)
+        assert beside.choices[0].finish_reason == "length" or json.loads(beside.choices[0].message.content) is not None
         assert client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4).choices[0].finish_reason == "length"
         resp = refused.result()
     assert resp.status_code == 400, resp.text
