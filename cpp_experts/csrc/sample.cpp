@@ -87,16 +87,24 @@ CPX_INLINE double exp_sum_impl(const float* y, int n, float sub) {
   double total = 0.0;
   int j = 0;
   const v8f s = splat(sub), lo = splat(kTinyExp), far = splat(-40.0f);
-  while (j + 8 <= n) {
-    v8f acc = {};
-    const int end = std::min(n, j + 512) & ~7;
-    for (; j < end; j += 8) {
-      v8f v = load(y + j) - s;
-      if (!any_lane(v >= far)) continue;
-      v = v < lo ? lo : v;
-      acc += exp8(v);
+  const v16f s16 = splat16(sub), lo16 = splat16(kTinyExp);
+  while (j + 16 <= n) {
+    v16f acc = {};
+    const int end = std::min(n, j + 512) & ~15;
+    for (; j < end; j += 16) {
+      const v8f a = load(y + j) - s, b = load(y + j + 8) - s;
+      if (!any_lane((a >= far) | (b >= far))) continue;
+      v16f v = load16(y + j) - s16;
+      v = v < lo16 ? lo16 : v;
+      acc += exp16(v);
     }
-    total += hsum(acc);
+    total += hsum(fold(acc));
+  }
+  while (j + 8 <= n) {
+    v8f v = load(y + j) - s;
+    v = v < lo ? lo : v;
+    total += hsum(exp8(v));
+    j += 8;
   }
   for (; j < n; ++j) total += std::exp(std::max(y[j] - sub, kTinyExp));
   return total;
