@@ -302,6 +302,14 @@ def prompt_token_count(model: str, text: str) -> int | None:
         return None
 
 
+def checkout(item: str) -> tuple[str, Path]:
+    """`--checkout LABEL=DIR`: (LABEL, DIR resolved); SystemExit where DIR is no checkout of this repository."""
+    label, sep, where = item.partition("=")
+    if not sep or not label or not (Path(where) / "mlaserve").is_dir():
+        raise SystemExit(f"--checkout {item!r}: give LABEL=DIR, DIR a checkout of this repository")
+    return label, Path(where).resolve()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="built-in name or .gguf path (default: the built-in default model)")
@@ -384,11 +392,9 @@ def main(argv: list[str] | None = None) -> int:
 
     servers = [Server("mlaserve", mlaserve_command(gguf, cc.free_port(), args.ours_args.split()), "")]
     for item in args.checkout:
-        label, sep, where = item.partition("=")
-        if not sep or not label or not (Path(where) / "mlaserve").is_dir():
-            raise SystemExit(f"--checkout {item!r}: give LABEL=DIR, DIR a checkout of this repository")
+        label, where = checkout(item)
         servers.append(Server(f"mlaserve-{label}", mlaserve_command(gguf, cc.free_port(), args.ours_args.split()), "",
-                              cwd=Path(where).resolve()))
+                              cwd=where))
     skipped: dict[str, str] = {}
     binary = peers.llama_cpp_bin("llama-server")
     if args.ours_only:

@@ -128,11 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     servers = [sc.Server("mlaserve-spec", sc.mlaserve_command(gguf, cc.free_port(), ["--speculative-config", args.spec]), ""),
                sc.Server("mlaserve", sc.mlaserve_command(gguf, cc.free_port(), []), "")]
     for item in args.checkout:
-        label, sep, where = item.partition("=")
-        if not sep or not label or not (Path(where) / "mlaserve").is_dir():
-            ap.error(f"--checkout {item!r}: give LABEL=DIR, DIR a checkout of this repository")
+        label, where = sc.checkout(item)
         servers.append(sc.Server(f"mlaserve-spec-{label}", sc.mlaserve_command(
-            gguf, cc.free_port(), ["--speculative-config", args.spec]), "", cwd=Path(where).resolve()))
+            gguf, cc.free_port(), ["--speculative-config", args.spec]), "", cwd=where))
     binary = peers.llama_cpp_bin("llama-server")
     skipped = {}
     if args.ours_only or binary is None:

@@ -5,9 +5,10 @@
 // rounding of top_p may keep one token more or less than torch would.
 //
 // Per row: one vector pass divides and finds the best (and any NaN); top_k finds its k-th value in a
-// heap of k fed only by blocks that beat it; top_p sums the row's exponentials in a second pass, then
-// gathers the tokens whose probability reaches 1e-4 (1e-5, 1e-6, 1e-8, then all, where those fall short
-// of top_p) and sorts those alone. The noise is drawn for the few candidates left.
+// heap of k fed only by blocks that beat it (the heap logprobs take their k best from); top_p sums the
+// row's exponentials in a second pass, then gathers the tokens whose probability reaches 1e-4 (1e-5,
+// 1e-6, 1e-8, then all, where those fall short of top_p) and sorts those alone. The noise is drawn for
+// the few candidates left.
 #include "sample.h"
 
 #include <algorithm>
@@ -50,8 +51,9 @@ CPX_INLINE bool any_lane(vec::v8i h) {
   return h[0] != 0;
 }
 
-// y = x / t over n values; returns the largest y, *nan set where one is NaN.
-CPX_INLINE float scale_max_impl(const float* x, float t, int n, float* y, int* nan) {
+// y = x / t over n values (kScale; else y is not written); returns the largest y, *nan set where one is NaN.
+template <bool kScale>
+CPX_INLINE float max_of(const float* x, float t, int n, float* y, int* nan) {
   using namespace vec;
   float m = -INFINITY;
   bool bad = false;
@@ -61,8 +63,8 @@ CPX_INLINE float scale_max_impl(const float* x, float t, int n, float* y, int* n
     v8f m8 = splat(-INFINITY);
     v8i nan8 = {};
     for (; j + 8 <= n; j += 8) {
-      const v8f v = load(x + j) / tt;
-      store(y + j, v);
+      const v8f v = kScale ? load(x + j) / tt : load(x + j);
+      if (kScale) store(y + j, v);
       m8 = v > m8 ? v : m8;
       nan8 |= v != v;
     }
@@ -70,14 +72,20 @@ CPX_INLINE float scale_max_impl(const float* x, float t, int n, float* y, int* n
     for (int i = 0; i < 8; ++i) bad = bad || nan8[i];
   }
   for (; j < n; ++j) {
-    y[j] = x[j] / t;
-    m = y[j] > m ? y[j] : m;
-    bad = bad || y[j] != y[j];
+    const float v = kScale ? x[j] / t : x[j];
+    if (kScale) y[j] = v;
+    m = v > m ? v : m;
+    bad = bad || v != v;
   }
   *nan = bad;
   return m;
 }
+CPX_INLINE float scale_max_impl(const float* x, float t, int n, float* y, int* nan) {
+  return max_of<true>(x, t, n, y, nan);
+}
+CPX_INLINE float row_max_impl(const float* x, int n, int* nan) { return max_of<false>(x, 1.0f, n, nullptr, nan); }
 CPX_DISPATCH(float, scale_max, (const float* x, float t, int n, float* y, int* nan), (x, t, n, y, nan))
+CPX_DISPATCH(float, row_max, (const float* x, int n, int* nan), (x, n, nan))
 
 // The sum of exp(max(y - sub, -87)) over n values, y <= sub: fp32 lanes over blocks of 512, the blocks in
 // double. Eight values all below sub - 40 add less than 8 e^-40 (3e-17) each to a sum of at least 1 (the
@@ -128,37 +136,42 @@ CPX_INLINE void collect_impl(const float* y, int n, float thr, std::vector<Cand>
 }
 CPX_DISPATCH(void, collect, (const float* y, int n, float thr, std::vector<Cand>* out), (y, n, thr, out))
 
-// The k-th largest of y[0..n) counting repeats (torch's topk value), k <= 256 < n, no NaN among them: a
-// min-heap of the best k so far, fed by the blocks of 64 that hold a value above its least.
-CPX_INLINE float kth_heap_impl(const float* y, int n, int k, std::vector<float>* heap) {
+// The k best of y[0..n) (k <= n) by value, then the smaller id, as a heap (`before` its order) whose front
+// is the worst of them, fed by the blocks of 64 that hold a value above it (a later equal value, its id
+// larger, never enters).
+CPX_INLINE void best_k_impl(const float* y, int n, int k, std::vector<Cand>* heap) {
   using namespace vec;
-  std::vector<float>& h = *heap;
-  h.assign(y, y + k);
-  std::make_heap(h.begin(), h.end(), std::greater<float>());
+  std::vector<Cand>& h = *heap;
+  h.clear();
+  for (int i = 0; i < k; ++i) h.push_back({y[i], i});
+  std::make_heap(h.begin(), h.end(), before);
   auto feed = [&](int i) {
-    if (y[i] > h.front()) {
-      std::pop_heap(h.begin(), h.end(), std::greater<float>());
-      h.back() = y[i];
-      std::push_heap(h.begin(), h.end(), std::greater<float>());
+    if (y[i] > h.front().v) {
+      std::pop_heap(h.begin(), h.end(), before);
+      h.back() = {y[i], i};
+      std::push_heap(h.begin(), h.end(), before);
     }
   };
   int j = k;
   for (; j < n && (j & 63); ++j) feed(j);
   for (; j + 64 <= n; j += 64) {
-    const v8f m = splat(h.front());
+    const v8f m = splat(h.front().v);
     v8i hit = load(y + j) > m;
     for (int b = 8; b < 64; b += 8) hit |= load(y + j + b) > m;
     if (any_lane(hit))
       for (int i = j; i < j + 64; ++i) feed(i);
   }
   for (; j < n; ++j) feed(j);
-  return h.front();
 }
-CPX_DISPATCH(float, kth_heap, (const float* y, int n, int k, std::vector<float>* heap), (y, n, k, heap))
+CPX_DISPATCH(void, best_k, (const float* y, int n, int k, std::vector<Cand>* heap), (y, n, k, heap))
 
-// The k-th largest of y[0..n), 1 <= k < n: the heap for small k, a selection for the rest.
-float kth_largest(const float* y, int n, int k, std::vector<float>& buf) {
-  if (k <= 256) return kth_heap(y, n, k, &buf);
+// The k-th largest of y[0..n) counting repeats (torch's topk value), 1 <= k < n, no NaN among them: the
+// last of best_k's for small k (`heap` its room), a selection for the rest (`buf` its room).
+float kth_largest(const float* y, int n, int k, std::vector<float>& buf, std::vector<Cand>& heap) {
+  if (k <= 256) {
+    best_k(y, n, k, &heap);
+    return heap.front().v;
+  }
   buf.assign(y, y + n);
   std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), std::greater<float>());
   return buf[k - 1];
@@ -177,8 +190,9 @@ CPX_INLINE float hmin(vec::v8f v) {
 // in fp32 on an upper bound of u_i (its top 24 bits, plus one) against that bound less kSlack of it,
 // which covers d_i's rounding to fp32 (relative error 6e-8: 133 x that in the bound at worst, d >= -3.7)
 // and expf's 2 ulp; where every d_i >= 10 the bound is above 1 - 5e-5, and u_i >= 1 - 1.5e-4 alone
-// passes, without the exps; where every d_i > 36.8 no noise reaches, and the hashes are not computed. About 1.5e-4 of the tokens pass beyond those that can win; their exact
-// scores then decide. Tokens that min_p drops (y_i - m < lmp) never pass.
+// passes, without the exps; where every d_i > 36.8 no noise reaches, and the hashes are not computed.
+// About 1.5e-4 of the tokens pass beyond those that can win; their exact scores then decide. Tokens that
+// min_p drops (y_i - m < lmp) never pass.
 CPX_INLINE void rest_contenders_impl(const float* y, int n, float m, float lmp, uint64_t key, double s0,
                                      std::vector<Cand>* out) {
   using namespace vec;
@@ -263,7 +277,8 @@ int64_t sample_row(const float* x, int n, const SampleSpec& s, std::vector<float
   c.clear();
   size_t kept = 0;
   if (s.top_k >= 1 && s.top_k < n) {
-    const float kth = kth_largest(v, n, int(s.top_k), buf);
+    const float kth = kth_largest(v, n, int(s.top_k), buf, c);
+    c.clear();
     collect(v, n, kth, &c);
     if (kth == -INFINITY)  // fewer than k finite: those alone
       c.erase(std::remove_if(c.begin(), c.end(), [](const Cand& a) { return a.v == -INFINITY; }), c.end());
@@ -298,34 +313,6 @@ int64_t sample_row(const float* x, int n, const SampleSpec& s, std::vector<float
   return draw(c.data(), kept, s.key);
 }
 
-// The k best of y[0..n) (k <= n), best first, equal values in id order: a heap whose front is the worst
-// kept, fed by the blocks of 64 that hold a value above it (a later equal value, its id larger, never enters).
-CPX_INLINE void best_k_impl(const float* y, int n, int k, std::vector<Cand>* heap) {
-  using namespace vec;
-  std::vector<Cand>& h = *heap;
-  h.clear();
-  for (int i = 0; i < k; ++i) h.push_back({y[i], i});
-  std::make_heap(h.begin(), h.end(), before);
-  auto feed = [&](int i) {
-    if (y[i] > h.front().v) {
-      std::pop_heap(h.begin(), h.end(), before);
-      h.back() = {y[i], i};
-      std::push_heap(h.begin(), h.end(), before);
-    }
-  };
-  int j = k;
-  for (; j < n && (j & 63); ++j) feed(j);
-  for (; j + 64 <= n; j += 64) {
-    const v8f m = splat(h.front().v);
-    v8i hit = load(y + j) > m;
-    for (int b = 8; b < 64; b += 8) hit |= load(y + j + b) > m;
-    if (any_lane(hit))
-      for (int i = j; i < j + 64; ++i) feed(i);
-  }
-  for (; j < n; ++j) feed(j);
-  std::sort(h.begin(), h.end(), before);
-}
-CPX_DISPATCH(void, best_k, (const float* y, int n, int k, std::vector<Cand>* heap), (y, n, k, heap))
 
 }  // namespace
 
@@ -350,22 +337,22 @@ void sample_rows(const float* x, int64_t stride, int64_t vocab, const std::vecto
 void row_logprobs(const float* x, int64_t stride, int64_t vocab, const std::vector<int64_t>& rows,
                   const std::vector<int64_t>& targets, int k, float* logprob, int64_t* top_ids, float* top_values,
                   int32_t* top_count, uint8_t* ok) {
-  thread_local std::vector<float> y;
   thread_local std::vector<Cand> c;
   const int n = int(vocab);
   const int kk = std::min(k, n);
-  y.resize(n);
   for (size_t i = 0; i < rows.size(); ++i) {
+    const float* y = x + rows[i] * stride;
     int nan = 0;
-    const float m = scale_max(x + rows[i] * stride, 1.0f, n, y.data(), &nan);  // a copy: x / 1 is x
+    const float m = row_max(y, n, &nan);
     ok[i] = !nan && std::isfinite(m);
     top_count[i] = 0;
     if (!ok[i]) continue;
     // log_softmax = y - m - log(sum exp(y - m)), in double before the fp32 result
-    const double log_sum = std::log(exp_sum(y.data(), n, m));
+    const double log_sum = std::log(exp_sum(y, n, m));
     logprob[i] = float(double(y[targets[i]]) - double(m) - log_sum);
     if (kk <= 0) continue;
-    best_k(y.data(), n, kk, &c);
+    best_k(y, n, kk, &c);
+    std::sort(c.begin(), c.end(), before);  // best first
     int32_t count = 0;
     for (const Cand& a : c) {
       if (a.v == -INFINITY) break;
