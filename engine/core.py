@@ -154,24 +154,20 @@ class EngineCore:
         kv_dtype = auto_kv_dtype(loaded.model, loaded.dtype) if args.kv_dtype == "auto" else resolve_dtype(
             args.kv_dtype, device)
         per_token = kv_bytes_per_token(cfg, kv_dtype)
-        # OmniKV: always planned, so that a request may ask for it whatever the server's default (but
-        # where the ranks split a layer's attention, which its selection does not follow)
+        # OmniKV: always planned, so that a request may ask for it whatever the server's default (under --tp
+        # every rank plans alike: rank 0 sends its config, and the ranks take the selection's max over the
+        # heads together, executor.distributed)
         omnikv, origin = OmniKVConfig.for_model(args.model, cfg.num_hidden_layers, args.omnikv_config)
-        self.omnikv_unavailable = (f"OmniKV does not run under --tp {args.tp}" if args.tp > 1 else
-                                   "OmniKV does not run under --dp-attention" if args.dp_attention else None)
-        if self.omnikv_unavailable:
-            logger.info("%s: requests that ask for it are refused", self.omnikv_unavailable)
-        else:
-            logger.info("OmniKV: %s for requests that do not choose; filter layers %s, budget %s, window %d (%s), "
-                        "sink %d, recent %d, auto from %d tokens; config: %s", args.omnikv, list(omnikv.filter_layers),
-                        omnikv.budget_tokens or f"{omnikv.budget_ratio:.0%}", omnikv.window_size, omnikv.alpha,
-                        omnikv.sink_tokens, omnikv.recent_tokens, omnikv.min_context, origin)
-            if not omnikv.plan(cfg.num_hidden_layers).has_sparse:
-                logger.warning("OmniKV: filter layers %s leave no layer of the %d to decode sparsely, so OmniKV "
-                               "changes nothing; choose earlier filter layers (mlaserve calibrate-omnikv)",
-                               list(omnikv.filter_layers), cfg.num_hidden_layers)
+        logger.info("OmniKV: %s for requests that do not choose; filter layers %s, budget %s, window %d (%s), "
+                    "sink %d, recent %d, auto from %d tokens; config: %s", args.omnikv, list(omnikv.filter_layers),
+                    omnikv.budget_tokens or f"{omnikv.budget_ratio:.0%}", omnikv.window_size, omnikv.alpha,
+                    omnikv.sink_tokens, omnikv.recent_tokens, omnikv.min_context, origin)
+        if not omnikv.plan(cfg.num_hidden_layers).has_sparse:
+            logger.warning("OmniKV: filter layers %s leave no layer of the %d to decode sparsely, so OmniKV "
+                           "changes nothing; choose earlier filter layers (mlaserve calibrate-omnikv)",
+                           list(omnikv.filter_layers), cfg.num_hidden_layers)
         # the context bank moves the sparse layers' share of every token's KV to host memory
-        bank = args.omnikv_bank and not self.omnikv_unavailable
+        bank = args.omnikv_bank
         if bank and native:
             logger.info("OmniKV context bank: off, as nothing moves on a CPU host (the native forward reads the "
                         "sparse layers in place)")
@@ -217,7 +213,7 @@ class EngineCore:
             attention_backend=args.attention_backend, page_size=args.page_size,
             cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph or args.tp > 1 or args.dp_attention,
             hybrid_graph_mode=args.hybrid_graph_mode,
-            omnikv=None if self.omnikv_unavailable else omnikv, omnikv_bank=bank,
+            omnikv=omnikv, omnikv_bank=bank,
         )
         if self.ranks is not None:
             self.ranks.lead(self.runner, kv_dtype)
@@ -363,8 +359,6 @@ class EngineCore:
             p.validate(self.config.vocab_size, self.scheduler.eos_token_ids)
         except ParamError as e:
             return ERR_INVALID, e.message, e.param
-        if p.omnikv and self.omnikv_unavailable:
-            return ERR_INVALID, f"{self.omnikv_unavailable}: send omnikv false or leave it out", "omnikv"
         want = len(ids) + (1 if p.max_tokens is None else p.max_tokens)
         if want > self.context_len:
             return ERR_CONTEXT, (

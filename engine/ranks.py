@@ -45,6 +45,7 @@ from engine.cgroups import usable_cpus
 from executor.distributed import Leader, Setup, broadcast_message, follow, gather_status
 from executor.model_runner import ModelRunner
 from models.loader.load import DTYPES, load_model
+from models.omnikv_config import OmniKVConfig
 from models.parallel import ParallelLayout, configure
 
 logger = logging.getLogger(__name__)
@@ -373,10 +374,12 @@ def _follow(args: EngineArgs, plan: RankPlan, rank: int, device: torch.device, c
     assert loaded is not None
     setup = broadcast_message(None, ctl)
     assert isinstance(setup, Setup)
+    omnikv = None if setup.omnikv is None else OmniKVConfig.from_dict(setup.omnikv, "rank 0's OmniKV config")
     runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=setup.num_slots,
                          max_running_requests=setup.max_running_requests, max_context_len=setup.context_len,
                          device=device, kv_dtype=DTYPES[setup.kv_dtype], attention_backend=args.attention_backend,
-                         page_size=args.page_size, disable_cuda_graph=True)
+                         page_size=args.page_size, disable_cuda_graph=True,
+                         omnikv=omnikv, omnikv_bank=setup.omnikv_bank)
     logger.info("rank %d of %d ready on %s", rank, plan.world, device)
     try:
         follow(runner, ctl)
@@ -447,8 +450,11 @@ class LeadRank:
 
     def lead(self, runner: ModelRunner, kv_dtype: torch.dtype) -> None:
         name = next(k for k, v in DTYPES.items() if v == kv_dtype)
+        omnikv = None if runner.omnikv is None else runner.omnikv.to_dict()
+        if omnikv is not None:
+            omnikv.pop("calibration", None)  # what calibration measured: not needed to compute
         broadcast_message(Setup(runner.allocator.num_slots, runner.req_to_token_pool.size, runner.max_context_len,
-                                name), self.ctl)
+                                name, omnikv, runner.context_bank is not None), self.ctl)
         self.leader = Leader(runner, self.ctl)
         self.heartbeat = Heartbeat(self.plan, 0, watch=range(1, self.plan.world))
 

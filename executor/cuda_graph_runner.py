@@ -398,7 +398,8 @@ class CudaGraphRunner:
                          self.omnikv_sparse[:bs] if mixed else None)
         sparse = OmniKVBatch.for_graph(plan.roles, plan.source, rows, sink=cfg.sink_tokens, recent=cfg.recent_tokens,
                                        weights_for=cfg.alpha_weights, table=self.req_to_token_pool.req_to_token,
-                                       history=self._runner.query_history, bank=self._runner.context_bank)
+                                       history=self._runner.query_history, bank=self._runner.context_bank,
+                                       heads_max=self._runner.omnikv_heads_max)
         batch = self._static_batch(bs, [1] * bs, [0] * bs, omnikv=sparse)
         self.backend.init_forward_metadata_capture_cuda_graph(batch)
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():

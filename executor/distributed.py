@@ -8,8 +8,10 @@ same slots and a mirror of `req_to_token`, replayed from the journal of rank 0's
 (executor.memory_pool), so a slot means the same token on every rank.
 
 Control messages (msgspec, msgpack bytes in a uint8 tensor, its length broadcast first):
-  Setup   once, after every rank loaded its weights: the pool sizes rank 0 chose
-  Batch   a ForwardBatch's host fields and the table writes since the last message
+  Setup   once, after every rank loaded its weights: the pool sizes rank 0 chose, its OmniKV config
+  Batch   a ForwardBatch's host fields, the table writes and the rows handed out since the last
+          message, and the rows that decode with OmniKV (every rank selects their tokens alike: the
+          selection's importance is a max over the heads, which the ranks take together)
   Ping    while idle, every PING_S: a dead rank is noticed (a broadcast to it fails) and a follower's
           wait never reaches the group's timeout
   Stop    the engine shuts down: followers return
@@ -41,6 +43,17 @@ class Setup(msgspec.Struct, tag="setup", frozen=True):
     max_running_requests: int
     context_len: int
     kv_dtype: str
+    omnikv: dict[str, Any] | None = None  # rank 0's OmniKV config (OmniKVConfig.to_dict), so every rank plans alike
+    omnikv_bank: bool = False  # whether rank 0 keeps OmniKV's context bank (each rank keeps its own heads' part)
+
+
+class OmniKVRows(msgspec.Struct, frozen=True):
+    """The rows of a decode batch that decode with OmniKV (ModelRunner.omnikv_rows' arguments)."""
+
+    rows: list[int]
+    req_rows: list[int]
+    positions: list[int]
+    budgets: list[int]
 
 
 class Batch(msgspec.Struct, tag="batch", frozen=True):
@@ -54,6 +67,10 @@ class Batch(msgspec.Struct, tag="batch", frozen=True):
     out_loc: list[int]
     logits_indices: list[int] | None
     writes: list[tuple[int, int, list[int]]]  # req_to_token: (row, start, slots)
+    # req_to_token rows handed to a new request since the last message: a follower clears what it keeps
+    # per row (OmniKV's query history) before it replays the writes
+    fresh_rows: list[int] = []
+    omnikv: OmniKVRows | None = None
 
 
 class Ping(msgspec.Struct, tag="ping", frozen=True):
@@ -107,6 +124,8 @@ class Leader:
         self.runner, self.group = runner, group
         self.table = runner.req_to_token_pool
         self.table.journal = []
+        self._fresh: list[int] = []
+        self.table.on_alloc.append(self._fresh.append)
         self._lock = threading.Lock()
         self._last = time.monotonic()
         self._error: str | None = None
@@ -125,13 +144,17 @@ class Leader:
             if self._error is not None:
                 raise RuntimeError(f"tensor parallelism: {self._error}")
             writes, self.table.journal = self.table.journal, []
+            fresh, self._fresh[:] = list(self._fresh), []
+            sparse = batch.omnikv
             msg = Batch(
                 mode=int(batch.forward_mode), input_ids=batch.input_ids.tolist(), positions=batch.positions.tolist(),
                 rows=batch.req_pool_indices.tolist(), seq_lens=list(batch.seq_lens_cpu),
                 prefix_lens=list(batch.extend_prefix_lens_cpu), extend_lens=list(batch.extend_seq_lens_cpu),
                 out_loc=batch.out_cache_loc.tolist(),
                 logits_indices=None if batch.logits_indices is None else batch.logits_indices.tolist(),
-                writes=writes)
+                writes=writes, fresh_rows=fresh,
+                omnikv=None if sparse is None else OmniKVRows(sparse.rows, sparse.req_rows, sparse.positions,
+                                                              sparse.budgets))
             self._send(msg)
             yield
             self._last = time.monotonic()
@@ -186,6 +209,9 @@ def follow(runner: Any, group: Any) -> None:
             return
         if not isinstance(msg, Batch):
             continue
+        for row in msg.fresh_rows:
+            for clear in runner.req_to_token_pool.on_alloc:
+                clear(row)
         for row, start, slots in msg.writes:
             table[row, start : start + len(slots)] = torch.tensor(slots, dtype=torch.int32, device=table.device)
         ids = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
@@ -195,5 +221,7 @@ def follow(runner: Any, group: Any) -> None:
             seq_lens_cpu=msg.seq_lens, extend_prefix_lens_cpu=msg.prefix_lens, extend_seq_lens_cpu=msg.extend_lens,
             out_cache_loc=ids(msg.out_loc), req_to_token_pool=runner.req_to_token_pool,
             token_to_kv_pool=runner.kv_pool, attn_backend=runner.attn_backend,
-            logits_indices=None if msg.logits_indices is None else ids(msg.logits_indices))
+            logits_indices=None if msg.logits_indices is None else ids(msg.logits_indices),
+            omnikv=None if msg.omnikv is None else runner.omnikv_rows(
+                msg.omnikv.rows, msg.omnikv.req_rows, msg.omnikv.positions, msg.omnikv.budgets))
         runner.forward(batch)

@@ -27,7 +27,7 @@ from models.config import DeepseekConfig, ModelConfig
 from models.experts import CppExperts, CpuExpertPool
 from models.native import native_modules
 from models.omnikv_config import LayerPlan, OmniKVConfig
-from models.parallel import local_kv_heads
+from models.parallel import local_heads, local_kv_heads, split_heads_max
 from executor.cpu_forward import NativeForward, unsupported_reason
 from executor.cuda_graph_runner import CudaGraphRunner, capture_if_supported
 from executor.forward_batch import ForwardBatch, ForwardMode
@@ -153,8 +153,10 @@ class ModelRunner:
                              "with --attention-backend torch (which copies through the host, slower)")
         self.omnikv_counters = OmniKVCounters()
         self.query_history: QueryHistory | None = None
+        # under tensor parallelism each rank scores its own heads; the max over the ranks makes the selection one
+        self.omnikv_heads_max = split_heads_max()
         if omnikv is not None and self.omnikv_plan is not None and omnikv.window_size > 1:
-            heads = config.num_attention_heads
+            heads = local_heads(config.num_attention_heads)  # the queries this process records: its own heads'
             dim = config.kv_lora_rank + config.qk_rope_head_dim if isinstance(config, DeepseekConfig) else config.head_dim
             self.query_history = QueryHistory(max_running_requests + 1, self.omnikv_plan.num_filters, omnikv.window,
                                               heads, dim, self.device)
@@ -320,11 +322,20 @@ class ModelRunner:
                 if s.omnikv and n == 1 and s.prefix_len > 0 and cfg.is_sparse_for(s.prefix_len + 1)]
         if not rows:
             return None
+        return self.omnikv_rows(rows, [slices[i].req_pool_idx for i in rows], [slices[i].prefix_len for i in rows],
+                                [cfg.budget_for(slices[i].prefix_len + 1) for i in rows])
+
+    def omnikv_rows(self, rows: list[int], req_rows: list[int], positions: list[int], budgets: list[int]) -> OmniKVBatch:
+        """OmniKV's state for a decode forward whose batch rows `rows` (their req_to_token rows, the positions
+        of their new tokens, their budgets) decode sparsely: `_omnikv_batch`'s choice, or the one a
+        tensor-parallel follower receives from rank 0 (executor.distributed)."""
+        cfg, plan = self.omnikv, self.omnikv_plan
+        if cfg is None or plan is None:
+            raise ValueError("this runner has no OmniKV config")
         return OmniKVBatch(
-            plan.roles, plan.source, rows, [slices[i].req_pool_idx for i in rows], [slices[i].prefix_len for i in rows],
-            [cfg.budget_for(slices[i].prefix_len + 1) for i in rows], sink=cfg.sink_tokens, recent=cfg.recent_tokens,
-            weights_for=cfg.alpha_weights, table=self.req_to_token_pool.req_to_token, history=self.query_history,
-            bank=self.context_bank)
+            plan.roles, plan.source, rows, req_rows, positions, budgets, sink=cfg.sink_tokens,
+            recent=cfg.recent_tokens, weights_for=cfg.alpha_weights, table=self.req_to_token_pool.req_to_token,
+            history=self.query_history, bank=self.context_bank, heads_max=self.omnikv_heads_max)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits for `batch`: through a captured graph when one can run it, else eagerly. `last_argmax`

@@ -28,7 +28,7 @@ before the model is built); the default is one rank, where every layer here is t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -279,6 +279,29 @@ def local_kv_heads(num_kv_heads: int) -> int:
     if current().dp_attention:
         return num_kv_heads
     return kv_heads_held(num_kv_heads)[1]
+
+
+def local_heads(num_heads: int) -> int:
+    """Query heads one rank runs attention for: all of them on one rank and under DP attention."""
+    lay = current()
+    return num_heads if lay.dp_attention or not lay.parallel else tp_split(num_heads, "attention heads")
+
+
+def split_heads_max() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Where the ranks split attention by heads (--tp): a max over the ranks, in place, that turns each
+    rank's max over its own query heads into the max over all of them (OmniKV reduces attention weights
+    over heads by max, and every rank must then select the same tokens); None where every head is local."""
+    lay = current()
+    if not lay.parallel or lay.dp_attention:
+        return None
+
+    def heads_max(x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=lay.group)
+        return x
+
+    return heads_max
 
 
 def tp_split(total: int, what: str) -> int:

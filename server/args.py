@@ -545,19 +545,12 @@ def combination_problem(parsed: Parsed, environ: Mapping[str, str]) -> str | Non
         if ns.ep not in (1, ns.dp):
             return (f"{parsed.describe('ep')} must be 1 or the --dp size ({ns.dp}) under --dp-attention: experts are "
                     "partitioned over the replicas")
-        if ns.omnikv != "off":
-            return f"{parsed.describe('omnikv')} does not run under {parsed.describe('dp_attention')}: use one of them"
     elif ns.ep not in (1, ns.tp):
         return f"{parsed.describe('ep')} must be 1 or the --tp size ({ns.tp}): experts are partitioned over the tp ranks"
-    if ns.tp > 1 and ns.omnikv != "off":
-        return f"{parsed.describe('omnikv')} does not run under {parsed.describe('tp')}: use one of them"
     if (ns.cpu_weight_dtype == "float32" and ns.dtype not in ("auto", "float32") and ns.cpu_kernels == "native"
             and ns.device == "cpu"):
         return (f"{parsed.describe('cpu_weight_dtype')} holds every weight in fp32 for an exact forward, which "
                 f"{parsed.describe('dtype')} would round: drop --dtype (or use --cpu-weight-dtype bf16)")
-    if ns.omnikv_bank and (ns.tp > 1 or ns.dp_attention):
-        other = "tp" if ns.tp > 1 else "dp_attention"
-        return f"{parsed.describe('omnikv_bank')} does not run under {parsed.describe(other)}: use one of them"
     if ns.max_total_tokens and ns.max_total_tokens < ns.page_size:
         return (f"{parsed.describe('page_size')} is larger than {parsed.describe('max_total_tokens')}: the KV cache "
                 "holds whole pages; lower --page-size or raise --max-total-tokens")

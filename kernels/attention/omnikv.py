@@ -9,7 +9,7 @@ the absorbed query (q_nope·w_kc ‖ q_pe, D = r + P) against the latent cache v
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -21,12 +21,17 @@ if TYPE_CHECKING:
 
 FULL, FILTER, SPARSE = 0, 1, 2  # layer roles, as models.omnikv_config numbers them
 
+# the max over the heads other processes hold, in place (models.parallel.split_heads_max)
+HeadsMax = Callable[[torch.Tensor], torch.Tensor]
+
 
 def importance(q: torch.Tensor, keys: torch.Tensor, q_pos: Sequence[int], weights: Sequence[float],
-               scale: float) -> torch.Tensor:
+               scale: float, heads_max: HeadsMax | None = None) -> torch.Tensor:
     """sum_i w_i · max_h softmax_j(scale · q_ih·k_j) over positions j <= q_pos[i].
 
-    q [W, H, D] (window queries, oldest first), keys [n, Hkv, D] (positions 0..n-1) -> [n] fp32."""
+    q [W, H, D] (window queries, oldest first), keys [n, Hkv, D] (positions 0..n-1) -> [n] fp32.
+    `heads_max`: where this process holds only some of the heads (tensor parallelism), the max over the
+    other processes' heads, taken on the [W, n] max over this one's before the weighted sum."""
     w, h, d = q.shape
     n, hkv = keys.shape[0], keys.shape[1]
     qg = q.float().view(w, hkv, h // hkv, d)  # [W, Hkv, G, D]
@@ -35,6 +40,8 @@ def importance(q: torch.Tensor, keys: torch.Tensor, q_pos: Sequence[int], weight
     causal = torch.arange(n, device=q.device)[None, :] > pos[:, None]  # [W, n]
     scores = scores.masked_fill(causal[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1).reshape(w, h, n).amax(dim=1)  # [W, n]
+    if heads_max is not None:
+        probs = heads_max(probs.contiguous())
     return (torch.tensor(list(weights), dtype=torch.float32, device=q.device)[:, None] * probs).sum(0)
 
 
@@ -128,7 +135,10 @@ class OmniKVBatch:
     def __init__(self, roles: Sequence[int], source: Sequence[int], rows: Sequence[int], req_rows: Sequence[int],
                  positions: Sequence[int], budgets: Sequence[int], *, sink: int, recent: int,
                  weights_for, table: torch.Tensor, history: QueryHistory | None = None,
-                 graph: GraphRows | None = None, bank: ContextBank | None = None) -> None:
+                 graph: GraphRows | None = None, bank: ContextBank | None = None,
+                 heads_max: HeadsMax | None = None) -> None:
+        """`heads_max`: under tensor parallelism (attention split by heads), the max over the ranks that
+        makes every rank's importance the whole model's, so that every rank selects the same tokens."""
         self.roles, self.source = list(roles), list(source)
         self.rows = list(rows)
         self._where = {b: i for i, b in enumerate(self.rows)}
@@ -138,6 +148,7 @@ class OmniKVBatch:
         self.table = table
         self.history = history
         self.graph = graph  # a captured graph's device inputs (then req_rows, positions and budgets are empty)
+        self.heads_max = heads_max
         self.filter_of: dict[int, int] = {}  # layer -> the index of the last filter layer at or above it
         filters = 0
         for layer, role in enumerate(roles):
@@ -160,12 +171,13 @@ class OmniKVBatch:
     @classmethod
     def for_graph(cls, roles: Sequence[int], source: Sequence[int], graph: GraphRows, *, sink: int, recent: int,
                   weights_for, table: torch.Tensor, history: QueryHistory | None = None,
-                  bank: ContextBank | None = None) -> OmniKVBatch:
+                  bank: ContextBank | None = None, heads_max: HeadsMax | None = None) -> OmniKVBatch:
         """The state a captured decode graph runs with: every one of the graph's rows goes through the
         selection (a mixed graph's full rows select their whole context), its inputs read from `graph`'s
         buffers, so a replay selects for whatever the runner wrote there."""
         batch = cls(roles, source, range(graph.req_rows.shape[0]), [], [], [], sink=sink, recent=recent,
-                    weights_for=weights_for, table=table, history=history, graph=graph, bank=bank)
+                    weights_for=weights_for, table=table, history=history, graph=graph, bank=bank,
+                    heads_max=heads_max)
         batch.alpha_table(graph.req_rows.device)  # made here, before any capture (a host-to-device copy)
         return batch
 
@@ -275,7 +287,7 @@ class OmniKVBatch:
             else:
                 qw, qpos = qb[None], [pos]
             slots = self.table[row, :n].to(torch.int64)
-            imp = importance(qw, keys[slots], qpos, self.weights_for(len(qpos)), scale)
+            imp = importance(qw, keys[slots], qpos, self.weights_for(len(qpos)), scale, self.heads_max)
             chosen = select_positions(imp, self.budgets[i], self.sink, self.recent)
             out[i] = slots[chosen]
             self.selected_tokens += int(chosen.numel())
@@ -359,9 +371,7 @@ class OmniKVBatch:
             weights = a["alpha"][1:2].expand(len(idx), 1)
         g = self.graph
         if g is not None:  # fixed shapes, budgets on the device; the metrics come from count_selection
-            imp = importance[:, : g.width] if importance is not None else kernels.importance(
-                q_win.contiguous(), q_pos.contiguous(), weights.contiguous(), keys, self.table,
-                a["req_rows"], a["ctx"], scale, g.width)
+            imp = self._importance(kernels, importance, q_win, q_pos, weights, keys, a, scale, g.width)
             slots, lens_dev = kernels.select_slots(imp, a["ctx"], g.budgets, self.sink, self.recent, self.table,
                                                    a["req_rows"], g.k_cap)
             self.packed[f] = PackedSelection(list(self.rows), a["batch_rows"], slots.to(torch.int64), g.k_cap,
@@ -369,9 +379,7 @@ class OmniKVBatch:
             return
         ns = [self.positions[i] + 1 for i in idx]
         budgets = [self.budgets[i] for i in idx]
-        imp = importance[:, : max(ns)] if importance is not None else kernels.importance(
-            q_win.contiguous(), q_pos.contiguous(), weights.contiguous(), keys, self.table,
-            a["req_rows"], a["ctx"], scale, max(ns))
+        imp = self._importance(kernels, importance, q_win, q_pos, weights, keys, a, scale, max(ns))
         k_max = max(budgets) + self.sink + self.recent
         slots, lens_dev = kernels.select_slots(imp, a["ctx"], budgets, self.sink, self.recent, self.table,
                                                a["req_rows"], k_max)
@@ -383,6 +391,27 @@ class OmniKVBatch:
             out[i] = slots[j, :length]
         self.selected_tokens += sum(lens)
         self.context_tokens += sum(ns)
+
+    def _importance(self, kernels: ModuleType, known: torch.Tensor | None, q_win: torch.Tensor, q_pos: torch.Tensor,
+                    weights: torch.Tensor, keys: torch.Tensor, a: dict[str, torch.Tensor], scale: float,
+                    width: int) -> torch.Tensor:
+        """`observe_batched`'s importance [P, width]: `known` cut to the width, else `kernels.importance`'s.
+        Under tensor parallelism (`heads_max`) each rank's holds its own heads' max, so the max over the
+        ranks is taken on each window query's before the weighted sum: one kernel call per window entry
+        (weight 1 for it, 0 for the others; an absent entry's column is 0 everywhere), then one reduction of
+        them all. With one query (a weight >= 0) the reduction of the weighted importance is the same."""
+        if known is not None or self.heads_max is None or q_win.shape[1] == 1:
+            imp = known[:, :width] if known is not None else kernels.importance(
+                q_win.contiguous(), q_pos.contiguous(), weights.contiguous(), keys, self.table, a["req_rows"],
+                a["ctx"], scale, width)
+            return imp if self.heads_max is None else self.heads_max(imp.contiguous())
+        w = q_win.shape[1]
+        ones = torch.eye(w, dtype=torch.float32, device=q_win.device)
+        parts = torch.stack([kernels.importance(
+            q_win.contiguous(), q_pos.contiguous(), ones[i].expand(q_win.shape[0], w).contiguous(), keys, self.table,
+            a["req_rows"], a["ctx"], scale, width) for i in range(w)])  # [W, P, width]
+        parts = self.heads_max(parts)
+        return (weights.t().float()[:, :, None] * parts).sum(0)
 
     def slots(self, layer_id: int, batch_row: int) -> torch.Tensor | None:
         """The KV slots batch row `batch_row` attends to at this layer, or None for all of its context."""

@@ -25,35 +25,47 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _greedy(model_dir: str, sources: list[str] | None = None) -> tuple[list[torch.Tensor], int]:
-    """Logits of a prefill then STEPS greedy decodes (two requests, the second a shorter prompt, batched
-    with the first's decodes), and the bytes of parameters this process holds."""
+def _greedy(model_dir: str, omnikv: dict | None = None, backend: str = "torch",
+            steps: int = STEPS) -> tuple[list[torch.Tensor], int]:
+    """Logits of a prefill then `steps` greedy decodes (two requests, the second a shorter prompt, batched
+    with the first's decodes), and the bytes of parameters this process holds. With `omnikv` (an
+    OmniKVConfig's fields) both requests ask for OmniKV: the first's context is long enough for its
+    selection to leave tokens out, the second's is not (it attends fully beside it)."""
     from executor.model_runner import ModelRunner, RequestSlice
     from models.loader.load import load_model
+    from models.omnikv_config import OmniKVConfig
 
     loaded = load_model(model_dir, dtype="float32", expert_backend="torch", load_tokenizer=False, progress=False)
     runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=128, max_running_requests=2,
-                         max_context_len=64)
+                         max_context_len=64, attention_backend=backend,
+                         omnikv=None if omnikv is None else OmniKVConfig(**omnikv))
+    sparse = omnikv is not None
     out = []
     a, b = runner.req_to_token_pool.alloc(), runner.req_to_token_pool.alloc()
-    logits = runner.forward(runner.build_batch([RequestSlice(a, 0, PROMPT)]))
+    logits = runner.forward(runner.build_batch([RequestSlice(a, 0, PROMPT, omnikv=sparse)]))
     out.append(logits)
     tok_a, pos_a = int(logits[-1].argmax()), len(PROMPT)
-    logits = runner.forward(runner.build_batch([RequestSlice(b, 0, PROMPT[:5]), RequestSlice(a, pos_a, [tok_a])]))
+    logits = runner.forward(runner.build_batch([RequestSlice(b, 0, PROMPT[:5], omnikv=sparse),
+                                                RequestSlice(a, pos_a, [tok_a], omnikv=sparse)]))
     out.append(logits)
     pos_a += 1
     tok_a, tok_b, pos_b = int(logits[1].argmax()), int(logits[0].argmax()), 5
-    for _ in range(STEPS):
-        logits = runner.forward(runner.build_batch([RequestSlice(a, pos_a, [tok_a]), RequestSlice(b, pos_b, [tok_b])]))
+    for _ in range(steps):
+        logits = runner.forward(runner.build_batch([RequestSlice(a, pos_a, [tok_a], omnikv=sparse),
+                                                    RequestSlice(b, pos_b, [tok_b], omnikv=sparse)]))
         out.append(logits)
         tok_a, tok_b = int(logits[0].argmax()), int(logits[1].argmax())
         pos_a, pos_b = pos_a + 1, pos_b + 1
     held = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    if sparse:
+        c = runner.omnikv_counters  # the first request's selections left tokens out
+        assert c.sparse_tokens > 0 and c.selected_tokens < c.context_tokens
     runner.close()
     return out, held
 
 
-def _rank(rank: int, world: int, port: int, model_dir: str, ep: bool, dp_attention: bool, results: mp.Queue) -> None:
+def _rank(rank: int, world: int, port: int, model_dir: str, ep: bool, dp_attention: bool, results: mp.Queue,
+          omnikv: dict | None = None, backend: str = "torch") -> None:
     import torch.distributed as dist
 
     from models.parallel import ParallelLayout, configure
@@ -65,7 +77,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, ep: bool, dp_attenti
         if dp_attention:
             logits, held = _dp_requests(model_dir, DP_PROMPTS[rank], IDLE[1] if rank == IDLE[0] else None)
         else:
-            logits, held = _greedy(model_dir)
+            logits, held = _greedy(model_dir, omnikv, backend, steps=2 * STEPS if omnikv else STEPS)
         results.put((rank, [t.tolist() for t in logits], held, None))
     except Exception as exc:  # reported to the test, not lost in a child
         results.put((rank, None, 0, f"{type(exc).__name__}: {exc}"))
@@ -73,14 +85,14 @@ def _rank(rank: int, world: int, port: int, model_dir: str, ep: bool, dp_attenti
         dist.destroy_process_group()
 
 
-def spawn_ranks(model_dir: Path, world: int, ep: bool = False,
-                dp_attention: bool = False) -> list[tuple[list[torch.Tensor], int]]:
+def spawn_ranks(model_dir: Path, world: int, ep: bool = False, dp_attention: bool = False,
+                omnikv: dict | None = None, backend: str = "torch") -> list[tuple[list[torch.Tensor], int]]:
     """Each rank's (logits, parameter bytes held), ranks as processes on gloo."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, str(model_dir), ep, dp_attention, results))
-             for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, str(model_dir), ep, dp_attention, results, omnikv,
+                                             backend)) for r in range(world)]
     for p in procs:
         p.start()
     got = {}
@@ -97,8 +109,9 @@ def spawn_ranks(model_dir: Path, world: int, ep: bool = False,
     return [got[r] for r in range(world)]
 
 
-def run_parallel(model_dir: Path, world: int, ep: bool = False) -> tuple[list[torch.Tensor], list[int]]:
-    ranks = spawn_ranks(model_dir, world, ep)
+def run_parallel(model_dir: Path, world: int, ep: bool = False, omnikv: dict | None = None,
+                 backend: str = "torch") -> tuple[list[torch.Tensor], list[int]]:
+    ranks = spawn_ranks(model_dir, world, ep, omnikv=omnikv, backend=backend)
     for r in range(1, world):  # every rank ends with the same whole logits
         assert all(torch.equal(a, b) for a, b in zip(ranks[r][0], ranks[0][0]))
     return ranks[0][0], [h for _, h in ranks]
@@ -109,6 +122,8 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp")
     out = {name: write_checkpoint(root / name, name, seed=31) for name in
            ("tiny-llama", "tiny-deepseek-v2", "tiny-deepseek-v3")}
+    for name in ("tiny-llama", "tiny-deepseek-v2"):  # 4 layers, for OmniKV: a filter layer, then sparse layers
+        out[f"{name}-4"] = write_checkpoint(root / f"{name}-4", name, seed=33, num_layers=4)
     for name in ("tiny-llama", "tiny-deepseek-v2"):  # GGUF (Q8_0 blocks: read per rank, then decoded)
         out[f"{name}.gguf"] = write_checkpoint(root / f"{name}-gguf", name, seed=32, gguf=True,
                                                gguf_qtype="Q8_0") / "model.gguf"
@@ -134,6 +149,36 @@ def test_parallel_logits_equal_one_process(checkpoints, name: str, world: int, e
     for h in held:
         assert h < held_one / world * 1.25, (h, held_one)
     assert sum(held) >= held_one
+
+
+# OmniKV: layer 1 filters, layers 2 and 3 read its selection (3 tokens by importance, the first and the 2
+# newest): the first request's context (12..20) loses tokens, the second's (6..14) too from its 4th step
+OMNIKV = dict(filter_layers=(1,), budget_tokens=3, sink_tokens=1, recent_tokens=2, min_context=1,
+              full_after_filter=False)
+OMNIKV_CASES = [("tiny-llama-4", 2, "torch", "last_token"), ("tiny-deepseek-v2-4", 2, "torch", "exponential"),
+                ("tiny-llama-4", 2, "triton", "exponential"), ("tiny-deepseek-v2-4", 2, "triton", "last_token"),
+                ("tiny-llama-4", 4, "torch", "uniform")]
+
+
+@pytest.mark.parametrize("name,world,backend,alpha", OMNIKV_CASES,
+                         ids=[f"{n}-tp{w}-{b}-{a}" for n, w, b, a in OMNIKV_CASES])
+def test_omnikv_under_tensor_parallelism_selects_as_one_process(checkpoints, name: str, world: int, backend: str,
+                                                               alpha: str) -> None:
+    """Each rank holds some heads, and OmniKV's importance is a max over all of them: the ranks take that max
+    together (models.parallel.split_heads_max), so they select the tokens one process selects and the
+    logits are one process's (a rank that selected from its own heads' scores alone attends to other
+    tokens: the test fails without the reduction). With a window of queries (exponential, uniform) the
+    max is taken per query before the weighted sum; the triton backend runs under Triton's interpreter."""
+    omnikv = {**OMNIKV, "alpha": alpha, "window": 1 if alpha == "last_token" else 4}
+    ref, _ = _greedy(str(checkpoints[name]), omnikv, backend, steps=2 * STEPS)
+    full, _ = _greedy(str(checkpoints[name]), None, backend, steps=2 * STEPS)
+    # the selection matters: sparse decoding moves the logits (so a wrong selection would show)
+    assert max(float((a - b).abs().max()) for a, b in zip(ref, full)) > 1e-3
+    logits, _ = run_parallel(checkpoints[name], world, omnikv=omnikv, backend=backend)
+    assert len(logits) == len(ref)
+    for step, (got, want) in enumerate(zip(logits, ref)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4, msg=lambda m: f"step {step}: {m}")
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), step
 
 
 def test_parallel_layout_refuses_what_it_cannot_split(checkpoints) -> None:

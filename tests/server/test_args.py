@@ -351,15 +351,12 @@ def test_dp_combinations_are_refused(flags: list[str], named: tuple[str, ...], m
     assert parse_serve_args(["--dp", "2", "--tp", "2"], environ={}).engine.tp == 2
 
 
-@pytest.mark.parametrize("flags,other", [(["--tp", "2"], "--tp 2"), (["--dp", "2", "--dp-attention"], "--dp-attention")])
-def test_the_context_bank_is_refused_with_split_ranks(flags: list[str], other: str,
-                                                      capsys: pytest.CaptureFixture) -> None:
-    with pytest.raises(SystemExit) as info:
-        parse_serve_args([*flags, "--omnikv-bank"], environ={})
-    err = capsys.readouterr().err.strip().splitlines()
-    assert info.value.code == 2 and len(err) == 1 and "--omnikv-bank does not run under" in err[0], err
-    assert other in err[0], err
-    assert parse_serve_args(["--omnikv-bank"], environ={}).engine.omnikv_bank
+@pytest.mark.parametrize("flags", [["--tp", "2"], ["--dp", "2", "--dp-attention"]])
+def test_omnikv_and_its_bank_combine_with_split_ranks(flags: list[str]) -> None:
+    """Each rank selects with the others (--tp) or alone (--dp-attention) and keeps its own bank
+    (tests/server/test_tensor_parallel_e2e.py serves them)."""
+    engine = parse_serve_args([*flags, "--omnikv", "on", "--omnikv-bank"], environ={}).engine
+    assert engine.omnikv == "on" and engine.omnikv_bank
 
 
 def test_float32_weights_refuse_a_rounding_dtype(capsys: pytest.CaptureFixture) -> None:

@@ -7,6 +7,7 @@ before anything starts."""
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 import signal
@@ -40,11 +41,11 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
             ("tiny-llama", "tiny-deepseek-v2", "tiny-deepseek-v3")}
 
 
-def completions(url: str) -> list[tuple[list[str], list[float]]]:
+def completions(url: str, max_tokens: int = 8) -> list[tuple[list[str], list[float]]]:
     out = []
     with httpx.Client(base_url=url, timeout=120) as c:
         for p in PROMPTS:
-            r = c.post("/v1/completions", json={"model": "m", "prompt": p, "max_tokens": 8, "temperature": 0,
+            r = c.post("/v1/completions", json={"model": "m", "prompt": p, "max_tokens": max_tokens, "temperature": 0,
                                                 "logprobs": 2, "ignore_eos": True})
             assert r.status_code == 200, r.text
             lp = r.json()["choices"][0]["logprobs"]
@@ -110,7 +111,6 @@ def test_tp_serves_what_one_process_serves(checkpoints, one_process, tmp_path, n
     tp = serve(checkpoints[name], tmp_path, "tp", *flags)
     try:
         assert_same(completions(tp.url), want)
-        assert_omnikv_refused(tp.url, "OmniKV does not run under --tp")
         port = int(re.search(r"rendezvous 127\.0\.0\.1:(\d+)", (tmp_path / "tp.log").read_text()).group(1))
         assert listening(port) == {"127.0.0.1"}  # the rank group's store is not open to the network
         followers = _followers(tp)
@@ -121,15 +121,43 @@ def test_tp_serves_what_one_process_serves(checkpoints, one_process, tmp_path, n
     assert f"rank {int(flags[1]) - 1} of {flags[1]} ready" in (tmp_path / "tp.log").read_text()
 
 
-def assert_omnikv_refused(url: str, why: str) -> None:
-    """A request asking for OmniKV where the ranks split attention gets a 400 naming the field (it used to
-    be served with full attention, silently); one saying false is served."""
-    body = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0}
-    r = httpx.post(f"{url}/v1/completions", json={**body, "omnikv": True}, timeout=120)
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert err["param"] == "omnikv" and why in err["message"] and err["type"] == "invalid_request_error", err
-    assert httpx.post(f"{url}/v1/completions", json={**body, "omnikv": False}, timeout=120).status_code == 200
+OMNIKV_CASES = [("tiny-llama", ("--tp", "2")), ("tiny-deepseek-v2", ("--tp", "2", "--omnikv-bank")),
+                ("tiny-deepseek-v2", ("--dp", "2", "--dp-attention"))]
+
+
+@pytest.mark.parametrize("name,flags", OMNIKV_CASES, ids=["llama-tp2", "deepseek-v2-tp2-bank", "deepseek-v2-dp-attention"])
+def test_omnikv_split_over_ranks_serves_what_one_process_serves(checkpoints, tmp_path, name: str,
+                                                                flags: tuple[str, ...]) -> None:
+    """OmniKV under --tp (each rank its heads; the selection's max over heads taken by the ranks together,
+    rank 0's config and rows sent to the others, a row's query window cleared on every rank when it changes
+    hands) and under --dp-attention (each replica its own requests, every head): the greedy tokens and
+    logprobs of one process with the same OmniKV config. One request at a time (--max-running-requests 1)
+    reuses one row of the request table, so a follower that kept the previous request's window queries
+    would select other tokens."""
+    config = tmp_path / "omnikv.json"
+    config.write_text(json.dumps({"filter_layers": [0], "budget_tokens": 2, "sink_tokens": 1, "recent_tokens": 2,
+                                  "alpha": "exponential", "window": 4, "full_after_filter": False}))
+    sparse = ("--omnikv", "on", "--omnikv-config", str(config), "--max-running-requests", "1")
+    one = serve(checkpoints[name], tmp_path, "one", "--cpu-kernels", "torch", *sparse)
+    try:
+        want = completions(one.url, max_tokens=12)
+        assert sparse_tokens(one.url) > 0
+    finally:
+        one.stop()
+    split = serve(checkpoints[name], tmp_path, "split", *flags, *sparse)
+    try:
+        assert_same(completions(split.url, max_tokens=12), want)
+        assert sparse_tokens(split.url) > 0
+    finally:
+        assert split.stop() == 0
+
+
+def sparse_tokens(url: str) -> float:
+    """/metrics' count of decode tokens that attended to an OmniKV selection."""
+    metrics = httpx.get(f"{url}/metrics").text
+    found = re.search(r"^mlaserve_omnikv_sparse_tokens_total(?:\{[^}]*\})? (\S+)$", metrics, re.M)
+    assert found is not None, metrics
+    return float(found.group(1))
 
 
 def listening(port: int) -> set[str]:
@@ -338,7 +366,6 @@ def test_a_worker_node_asked_to_stop_exits_0(checkpoints, tmp_path) -> None:
     (["--tp", "2", "--nnodes", "2"], "needs --master-port"),
     (["--node-rank", "1"], "must be below --nnodes"),
     (["--tp", "2", "--ep", "3"], "must be 1 or the --tp size"),
-    (["--tp", "2", "--omnikv", "on"], "does not run under --tp"),
     (["--tp", "0"], "must be > 0"),
     (["--tp", "2", "--rank-timeout", "0"], "--rank-timeout"),
     (["--dp-attention"], "needs --dp N > 1"),
@@ -409,7 +436,6 @@ def test_dp_attention_serves_what_one_process_serves(checkpoints, one_process, t
                      for r in got], want)
         assert replicas == {"0", "1"}, replicas  # both replicas served
         assert_same(completions(dp.url), want)  # one at a time: the other replica idles through each step
-        assert_omnikv_refused(dp.url, "OmniKV does not run under --dp-attention")
         port = int(re.search(r"rendezvous 127\.0\.0\.1:(\d+)", (tmp_path / "dpa.log").read_text()).group(1))
         assert listening(port) == {"127.0.0.1"}
     finally:
