@@ -196,6 +196,9 @@ class EngineArgs:
                               "replicated N times); the replicas step together")
     dp_rank: int = internal("this replica's index under --dp-attention: set by the server per replica", default=0)
     dp_size: int = internal("the replicas under --dp-attention (the server's --dp): set by the server", default=1)
+    host_peers: int = internal("engine processes on this host, this one included (the server's --dp replicas): "
+                               "they share its memory, the OmniKV context bank's host share among them; set by the "
+                               "server", default=1)
     omnikv: str = flag("off", "OmniKV sparse attention at decode for requests that do not choose (their `omnikv` "
                        "field): on, off, or auto (contexts of at least the config's min_context tokens)",
                        choices=OMNIKV_MODES)

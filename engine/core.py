@@ -174,6 +174,9 @@ class EngineCore:
             bank = False
         host_share = sum(bank_layers(omnikv.plan(cfg.num_hidden_layers)).values(), []) if bank else []
         host_per_token = per_token * len(host_share) // cfg.num_hidden_layers
+        # every engine process on this host (--dp replicas) and every --tp rank of this node keeps a bank of
+        # its own (MLA: the whole latent rows on every rank), all in the one host memory
+        host_procs = args.host_peers * (self.ranks.plan.per_node if self.ranks is not None else 1)
         device_per_token = per_token - host_per_token
         # from the flag, else a share of free memory less the request table's (req_to_token: an int32 KV
         # slot per running request and position, on the same device), but never more than every running
@@ -186,8 +189,9 @@ class EngineCore:
             slots = int(share // (device_per_token + rows * 4))
         num_slots = args.max_total_tokens or min(
             max(0, slots),
-            # the bank's host share: at most half the host memory available, which the process needs too
-            int(available_memory(torch.device("cpu")) // 2 // host_per_token) if host_per_token
+            # the bank's host share: at most half the host memory available, which the processes need too,
+            # shared by the processes that bank on this host
+            int(available_memory(torch.device("cpu")) // 2 // host_procs // host_per_token) if host_per_token
             else args.max_running_requests * self.context_len,
             args.max_running_requests * self.context_len,
         )
@@ -204,8 +208,9 @@ class EngineCore:
                 f"more than the {memory / 2**30:.1f} GiB available: lower --max-total-tokens (or leave it out: "
                 "--mem-fraction sizes the cache), --max-running-requests or --page-size")
         if bank:
-            logger.info("OmniKV context bank: layers %s in host memory (%.2f GiB%s), %d bytes/token on the device",
+            logger.info("OmniKV context bank: layers %s in host memory (%.2f GiB%s%s), %d bytes/token on the device",
                         host_share, num_slots * host_per_token / 2**30, ", pinned" if device.type == "cuda" else "",
+                        f" on each of the node's {self.ranks.plan.per_node} ranks" if self.ranks is not None else "",
                         device_per_token)
         self.runner = ModelRunner(
             loaded.model, cfg, max_total_tokens=num_slots, max_running_requests=args.max_running_requests,
@@ -404,6 +409,7 @@ class EngineCore:
 
     def stats(self, request_id: int = 0) -> EngineStats:
         s, c, o = self.scheduler, self.scheduler.counters, self.runner.omnikv_counters
+        ranks = self.ranks.plan.world if self.ranks is not None else 1
         return EngineStats(
             request_id=request_id, num_running=len(s.running),
             num_waiting=len(s.waiting) + sum(len(c.reqs) for c in self._compiling),  # (their grammars compile)
@@ -416,8 +422,10 @@ class EngineCore:
             finished_total=dict(self._finished_total),
             omnikv_sparse_tokens_total=o.sparse_tokens, omnikv_selected_tokens_total=o.selected_tokens,
             omnikv_context_tokens_total=o.context_tokens,
-            omnikv_bank_host_bytes=s.kv_slots_used() * self.runner.kv_pool.host_bytes_per_token(),
-            omnikv_bank_gathered_bytes_total=bank.bytes_gathered if (bank := self.runner.context_bank) else 0,
+            # every --tp rank banks and gathers as rank 0 does (the same slots, selections and bytes a token:
+            # MLA's whole latent row, or the rank's KV heads, as many on each)
+            omnikv_bank_host_bytes=s.kv_slots_used() * self.runner.kv_pool.host_bytes_per_token() * ranks,
+            omnikv_bank_gathered_bytes_total=bank.bytes_gathered * ranks if (bank := self.runner.context_bank) else 0,
             spec_decode_drafts_total=c.spec_drafts, spec_decode_draft_tokens_total=c.spec_draft_tokens,
             spec_decode_accepted_tokens_total=c.spec_accepted_tokens,
         )

@@ -121,7 +121,7 @@ def replica_args(args: EngineArgs, index: int, replicas: int,
     """Replica `index`'s settings and CPUs (see the module docstring); one replica: `args` as given."""
     if replicas == 1:
         return args, None
-    changes: dict[str, Any] = {"seed": args.seed + index}
+    changes: dict[str, Any] = {"seed": args.seed + index, "host_peers": replicas}
     if args.dp_attention:  # the replicas are the ranks of one model (engine.ranks.DPAttentionRank)
         changes.update(dp_rank=index, dp_size=replicas)
     if args.device.startswith("cuda"):

@@ -21,7 +21,7 @@ Exported (names are what dashboards and `promtool check metrics` see):
     mlaserve_omnikv_selected_tokens_total    counter  tokens those selections kept (summed over filter layers)
     mlaserve_omnikv_context_tokens_total     counter  the contexts they were chosen from (selected fraction:
                                                       rate(selected) / rate(context))
-    mlaserve_omnikv_bank_host_bytes          gauge    host memory held by the context bank's KV (--omnikv-bank)
+    mlaserve_omnikv_bank_host_bytes          gauge    host memory held by the context bank's KV (--omnikv-bank; all ranks')
     mlaserve_omnikv_bank_gathered_bytes_total counter bytes the bank's gathers copied to the device
     mlaserve_spec_decode_drafts_total        counter  speculative decoding's verification steps (--speculative-config)
     mlaserve_spec_decode_draft_tokens_total  counter  draft tokens they checked

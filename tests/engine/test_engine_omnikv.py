@@ -155,6 +155,24 @@ def test_context_bank_through_the_engine(model_dir, config_file):
     assert native.runner.context_bank is None and not native.runner.kv_pool.host_layers
 
 
+def test_the_bank_host_share_is_divided_among_the_processes_of_the_host(model_dir, tmp_path, monkeypatch):
+    """At most half the host memory goes to the banks of all the engine processes on the host: each of N --dp
+    replicas (`host_peers`, set by the server) sizes its slots by 1/N of it (under --tp, each rank of the
+    node too). It was each process half the host: N/2 of it in all."""
+    import engine.core
+
+    config_file = tmp_path / "omnikv.json"  # every layer after the first sparse: most of a token's KV banked
+    OmniKVConfig(filter_layers=(0,), full_after_filter=False, budget_tokens=8).save(config_file)
+    monkeypatch.setattr(engine.core, "available_memory", lambda device: 64 << 20)  # the bank's cap binds
+    kw = dict(omnikv_bank=True, max_running_requests=64, mem_fraction=0.5, max_total_tokens=0, context_length=1024)
+    one = make_engine(model_dir, config_file, "torch", **kw)
+    two = make_engine(model_dir, config_file, "torch", host_peers=2, **kw)
+    host = one.runner.kv_pool.host_bytes_per_token()
+    assert host > 0 and two.runner.kv_pool.host_bytes_per_token() == host
+    assert one.runner.allocator.num_slots == (64 << 20) // 2 // host
+    assert two.runner.allocator.num_slots == (64 << 20) // 4 // host
+
+
 def test_a_config_that_does_not_fit_the_model_is_refused(model_dir, tmp_path):
     path = tmp_path / "far.json"
     OmniKVConfig(filter_layers=(2, 9)).save(path)

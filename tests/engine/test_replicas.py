@@ -139,7 +139,10 @@ def test_replica_settings() -> None:
     assert replica_args(cpu, 1, 2, [0])[1] == [0]  # fewer CPUs than replicas: shared
     # the host's memory is shared: each of N replicas sizes its cache by 1/N of --mem-fraction
     assert replica_args(cpu, 1, 2, [0])[0].mem_fraction == cpu.mem_fraction / 2 and r0.mem_fraction == args.mem_fraction
-    assert dataclasses.replace(replica_args(cpu, 1, 2, [0])[0], seed=cpu.seed, mem_fraction=cpu.mem_fraction) == cpu
+    # and the OmniKV banks' host share: each replica knows how many engine processes the host holds
+    assert (r0.host_peers, r1.host_peers, one.host_peers) == (2, 2, 1)
+    assert dataclasses.replace(replica_args(cpu, 1, 2, [0])[0], seed=cpu.seed, mem_fraction=cpu.mem_fraction,
+                               host_peers=1) == cpu
 
 
 def test_sum_stats_adds_every_field() -> None:

@@ -138,24 +138,29 @@ def test_omnikv_split_over_ranks_serves_what_one_process_serves(checkpoints, tmp
     config.write_text(json.dumps({"filter_layers": [0], "budget_tokens": 2, "sink_tokens": 1, "recent_tokens": 2,
                                   "alpha": "exponential", "window": 4, "full_after_filter": False}))
     sparse = ("--omnikv", "on", "--omnikv-config", str(config), "--max-running-requests", "1")
-    one = serve(checkpoints[name], tmp_path, "one", "--cpu-kernels", "torch", *sparse)
+    bank = ("--omnikv-bank",) if "--omnikv-bank" in flags else ()
+    one = serve(checkpoints[name], tmp_path, "one", "--cpu-kernels", "torch", *sparse, *bank)
     try:
         want = completions(one.url, max_tokens=12)
-        assert sparse_tokens(one.url) > 0
+        assert metric(one.url, "omnikv_sparse_tokens_total") > 0
+        gathered = metric(one.url, "omnikv_bank_gathered_bytes_total")
     finally:
         one.stop()
     split = serve(checkpoints[name], tmp_path, "split", *flags, *sparse)
     try:
         assert_same(completions(split.url, max_tokens=12), want)
-        assert sparse_tokens(split.url) > 0
+        assert metric(split.url, "omnikv_sparse_tokens_total") > 0
+        # each rank banks and gathers its own (MLA: the whole latent rows): the metric counts them all
+        assert metric(split.url, "omnikv_bank_gathered_bytes_total") == (2 * gathered if bank else 0)
+        assert not bank or gathered > 0
     finally:
         assert split.stop() == 0
 
 
-def sparse_tokens(url: str) -> float:
-    """/metrics' count of decode tokens that attended to an OmniKV selection."""
+def metric(url: str, name: str) -> float:
+    """The value of /metrics' series mlaserve_<name> (one series, with or without labels)."""
     metrics = httpx.get(f"{url}/metrics").text
-    found = re.search(r"^mlaserve_omnikv_sparse_tokens_total(?:\{[^}]*\})? (\S+)$", metrics, re.M)
+    found = re.search(rf"^mlaserve_{name}(?:\{{[^}}]*\}})? (\S+)$", metrics, re.M)
     assert found is not None, metrics
     return float(found.group(1))
 
