@@ -9,6 +9,8 @@ Python standard library's own, shipped with the interpreter:
   edit    "Rewrite this function, adding comments" + the source of textwrap.dedent: a reply that copies
   quote   "Repeat this text word for word" + the first paragraphs of the json module's docstring
   story   the lighthouse story of bench/serve_cpu.py: a reply that copies nothing (speculation's cost)
+  extract the first docstring line of eight standard modules, listed back as JSON under a JSON schema
+          (`response_format`): a structured output that copies (drafts cut by the grammar where it refuses)
 each at 1 stream (output tokens/s = completion tokens / the request's wall time), and `edit` at
 `--streams` concurrent streams (aggregate tokens/s). Both of our servers give the same tokens (greedy,
 speculation changes no token: tests/engine/test_speculative.py); their completion tokens are checked equal.
@@ -44,13 +46,26 @@ import peers  # noqa: E402
 DEFAULT_SPEC = '{"method": "ngram"}'
 
 
+MODULES = ("json", "textwrap", "string", "heapq", "bisect", "fnmatch", "shlex", "glob")
+# the extract workload's reply: {"modules": [{"name": ..., "description": ...}, ...]}
+EXTRACT_FORMAT = {"type": "json_schema", "json_schema": {"name": "modules", "strict": True, "schema": {
+    "type": "object", "required": ["modules"], "additionalProperties": False, "properties": {"modules": {
+        "type": "array", "items": {"type": "object", "required": ["name", "description"], "additionalProperties": False,
+                                   "properties": {"name": {"type": "string"}, "description": {"type": "string"}}}}}}}}
+FORMATS = {"extract": EXTRACT_FORMAT}
+
+
 def workloads() -> dict[str, str]:
+    import importlib
+
     quote = "\n\n".join(json_module.__doc__.strip().split("\n\n")[:2])
+    lines = "\n".join(f"{m}: {importlib.import_module(m).__doc__.strip().splitlines()[0]}" for m in MODULES)
     return {
         "edit": "Rewrite this Python function, keeping its code the same and adding a short comment above each "
                 "line:\n\n```python\n" + inspect.getsource(textwrap.dedent) + "```",
         "quote": "Repeat the following text word for word:\n\n" + quote,
         "story": sc.PROMPT,
+        "extract": "List every module below with its description copied word for word, as JSON.\n\n" + lines,
     }
 
 
@@ -65,10 +80,13 @@ class ChatState(sc.StreamState):
         super().feed(event, now)
 
 
-def body(text: str, number: int, max_tokens: int, sampled: bool = False) -> dict[str, Any]:
+def body(text: str, number: int, max_tokens: int, sampled: bool = False,
+         response_format: dict[str, Any] | None = None) -> dict[str, Any]:
     """Greedy, or (`sampled`) the model's own sampling defaults with a seed (the same for every server)."""
     out = {"messages": [{"role": "user", "content": f"Request {number:05d}. {text}"}], "max_tokens": max_tokens,
            "stream": True, "stream_options": {"include_usage": True}}
+    if response_format is not None:
+        out["response_format"] = response_format
     out.update({"seed": number} if sampled else {"temperature": 0})
     return out
 
@@ -155,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             print(f"round {r + 1}/{args.rounds}", flush=True)
             for w, n in cases:
-                bodies = [body(texts[w], next(numbers), args.max_tokens, args.sampled) for _ in range(n)]
+                bodies = [body(texts[w], next(numbers), args.max_tokens, args.sampled, FORMATS.get(w))
+                          for _ in range(n)]
                 for s in servers if (r + len(w)) % 2 == 0 else servers[::-1]:
                     row = measure(s, bodies, args)
                     raw[s.name][f"{w}@{n}"].append(row)
@@ -168,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
               "versions": {**cc.versions(), "llama_cpp": peers.binary_version(binary) if binary else None},
               "model": model, "gguf": gguf, "spec": json.loads(args.spec), "max_tokens": args.max_tokens,
               "sampling": "the model's defaults, seeded" if args.sampled else "greedy",
-              "workloads": {w: t[:200] for w, t in texts.items()}, "rounds": args.rounds,
+              "workloads": {w: t[:200] for w, t in texts.items()}, "formats": FORMATS, "rounds": args.rounds,
               "commands": {s.name: s.command for s in servers},
               "checkouts": {s.name: str(s.cwd) for s in servers if s.cwd}, "skipped": skipped, "raw": raw}
     result["summary"] = summary(raw)

@@ -216,8 +216,8 @@ class EngineArgs:
         None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": B} (n-gram lookup in the "
         "completion's own prompt and output proposes tokens, one forward verifies them; the tokens are those "
-        "decoding without it gives, at any temperature). Not with --page-size > 1, structured outputs or OmniKV "
-        "(those decode one token a step)", check=speculative_json, metavar="JSON", default_text="off")
+        "decoding without it gives, at any temperature; under a structured output a draft is cut where the grammar "
+        "refuses it). Not with --page-size > 1 or OmniKV (those decode one token a step)", check=speculative_json, metavar="JSON", default_text="off")
 
     def prefill_chunk(self) -> int:
         """The prefill chunk: --chunked-prefill-size, else CPU_PREFILL_CHUNK on a CPU and GPU_PREFILL_CHUNK on a GPU."""

@@ -108,6 +108,48 @@ class Grammar:
             return
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
+    def along(self, draft: Sequence[int], vocab_size: int) -> tuple[list[int], list[DraftMask]]:
+        """The start of a speculative `draft` the grammar allows from here, and the mask of each position its
+        verification samples (before each kept token, and after the last): position j is sampled as its own
+        decode step would be, after the draft's first j tokens. A draft stops before a token the grammar
+        refuses, and before one that completes the document (the verification samples that position anyway,
+        and nothing may follow it). The grammar is left where it was (the matcher rolled back)."""
+        import xgrammar as xgr
+
+        saved = (list(self._after), list(self._tail))
+        bitmask = xgr.allocate_token_bitmask(len(draft) + 1, vocab_size)
+        stepped = kept = 0  # tokens the matcher took (not those taken asleep); tokens kept
+        try:
+            for j, tok in enumerate(draft):
+                self.fill(bitmask, j)
+                awake = self.awake
+                # (the mask first: the matcher logs a warning for every special token it is offered)
+                allowed = 0 <= tok < vocab_size and int(bitmask[j, tok >> 5]) >> (tok & 31) & 1
+                if not allowed or not self.accept(tok):
+                    break
+                stepped += awake
+                if self.terminated:
+                    break
+                kept += 1
+            else:
+                self.fill(bitmask, kept)
+        finally:
+            if stepped:
+                self._matcher.rollback(stepped)
+            self._after, self._tail = saved
+        return list(draft[:kept]), [DraftMask(bitmask[j].clone()) for j in range(kept + 1)]
+
+
+class DraftMask:
+    """What a grammar allowed at one position of a speculative draft (`Grammar.along`), filled before the
+    verification; the sampler reads it as it reads a grammar."""
+
+    def __init__(self, words: torch.Tensor) -> None:
+        self.words = words  # one row of xgrammar's bitmask: bit t of the int32 words is token t
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row].copy_(self.words)
+
 
 @dataclass(eq=False)
 class _Job:
@@ -509,7 +551,7 @@ def _kind(job: _Job) -> str:
     return job.kind.replace("_", " ")
 
 
-def apply_grammar_masks(x: torch.Tensor, grammars: Sequence[Grammar | None]) -> None:
+def apply_grammar_masks(x: torch.Tensor, grammars: Sequence[Grammar | DraftMask | None]) -> None:
     """Sets x[i, t] = -inf for every token t that grammars[i] does not allow next (rows with None
     are left alone). x: fp32 [B, V], changed in place.
 

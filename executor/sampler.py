@@ -44,7 +44,7 @@ from typing import Protocol
 import torch
 
 import cpp_experts
-from executor.grammar import Grammar, apply_grammar_masks
+from executor.grammar import DraftMask, Grammar, apply_grammar_masks
 from executor.logprobs import TokenLogprob
 
 _MASK64 = (1 << 64) - 1
@@ -105,7 +105,8 @@ class SamplingRow:
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]  # tokens generated so far in this completion
     eos_token_ids: Sequence[int]  # model EOS ids, masked (with stop_token_ids) until min_tokens exist
-    grammar: Grammar | None = None  # constrained decoding: only the ids it allows next can be chosen
+    # constrained decoding: only the ids it allows next can be chosen (a draft position's: what it allowed there)
+    grammar: Grammar | DraftMask | None = None
 
 
 @dataclass

@@ -16,7 +16,7 @@ from executor.logprobs import TokenLogprob
 from scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the server side reads FINISH_* here and must not load torch through the grammar module
-    from executor.grammar import Grammar
+    from executor.grammar import DraftMask, Grammar
     from scheduler.speculative import NgramProposer
 
 # finish_reason values the scheduler decides (the engine adds "error": engine.messages.FINISH_ERROR)
@@ -46,6 +46,7 @@ class Req:
     # and the draft tokens this step verifies after its last token (empty: a plain decode step)
     proposer: NgramProposer | None = None
     draft: list[int] = field(default_factory=list)
+    draft_masks: list[DraftMask] = field(default_factory=list)  # under a grammar: each draft position's mask
     # what the next RequestOutput carries
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -277,14 +277,19 @@ class Scheduler:
                 k = min(k, r.params.max_tokens - len(r.output_ids) - 1)
             k = min(k, room - given)
             if k > 0:
-                r.draft = proposer.propose(r.ids, r.seq_len, k)
+                draft = proposer.propose(r.ids, r.seq_len, k)
+                if draft and r.grammar is not None:  # what the grammar allows of it, and each position's mask
+                    draft, masks = r.grammar.along(draft, self.sampler.vocab_size)
+                    r.draft_masks = masks if draft else []
+                r.draft = draft
                 given += len(r.draft)
         return given
 
     def _drafts_allowed(self, r: Req) -> bool:
-        """Whether r may decode with drafts: not under a grammar (its matcher takes one token at a time), nor
-        with OmniKV (its sparse rows decode one token, and its query window counts decode steps)."""
-        return self.speculative is not None and r.grammar is None and (
+        """Whether r may decode with drafts: not with OmniKV (its sparse rows decode one token, and its query
+        window counts decode steps). Under a grammar a draft is cut where the grammar refuses it, and each
+        position is sampled with the mask after the draft's tokens before it (`Grammar.along`)."""
+        return self.speculative is not None and (
             r.params.omnikv is False or (r.params.omnikv is None and self.omnikv_mode == "off"))
 
     def _proposer(self, r: Req) -> NgramProposer:
@@ -360,7 +365,8 @@ class Scheduler:
             return out
         # a draft's position j is sampled as its own decode step: after the draft's first j tokens
         rows = [SamplingRow(r.params, r.seed, len(r.output_ids) + j, r.prompt_ids,
-                            r.output_ids + r.draft[:j] if j else r.output_ids, self.eos_token_ids, r.grammar)
+                            r.output_ids + r.draft[:j] if j else r.output_ids, self.eos_token_ids,
+                            r.draft_masks[j] if r.draft and r.grammar is not None else r.grammar)
                 for r, _, count in complete for j in range(count)]
         picked = [first + j for _, first, count in complete for j in range(count)]
         # (a decode-only batch samples every row in order: no gather copy of [B, V] logits)
@@ -386,6 +392,7 @@ class Scheduler:
         equals the draft token it checks; frees the KV of the draft tokens not kept. `no_choice`: positions
         where nothing the request allows could come. Returns why r ends, or None."""
         draft, r.draft = r.draft, []
+        r.draft_masks = []
         first_kv = r.kv_len - len(tokens)  # the position of the token before the draft (its KV stays)
         taken, reason = 0, None
         for j, tok in enumerate(tokens):
@@ -492,7 +499,7 @@ class Scheduler:
 
     def _release(self, r: Req, cache: bool) -> None:
         """Frees (or caches) all KV of a running request and its request slot."""
-        r.draft = []
+        r.draft, r.draft_masks = [], []
         if r.row is None:
             return
         if cache:

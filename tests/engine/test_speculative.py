@@ -15,9 +15,10 @@ import msgspec
 import pytest
 
 from engine.messages import FINISH_LENGTH, FINISH_STOP, GenerateRequest
+from executor.grammar import Grammar
 from models.synthetic import write_checkpoint
 from scheduler import scheduler as scheduler_module
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import SamplingParams, StructuredOutput
 from tests.engine.test_engine_core import assert_no_leak, make_engine, prompt, run_to_end, tokens
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
@@ -223,3 +224,44 @@ def test_a_draft_never_costs_a_retraction_nor_holds_a_prompt_back(monkeypatch, t
         assert_no_leak(core)
     assert not problems, problems[:5]
     assert retracted > 0  # (the small pools do retract: the check above was exercised)
+
+
+GRAMMARS = {
+    "regex": StructuredOutput("regex", r"(alpha|beta)-[0-9]{2,5};( (alpha|beta)-[0-9]{2,5};){0,6}", "regex"),
+    "json_schema": StructuredOutput("json_schema", json.dumps({
+        "type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}, "maxItems": 6}},
+        "required": ["a"], "additionalProperties": False})),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(GRAMMARS))
+@pytest.mark.parametrize("wrong", [0.0, 0.3])
+def test_drafts_under_a_grammar_change_no_token(model_dir, monkeypatch, kind, wrong):
+    """Structured outputs take drafts too (Grammar.along): a draft stops where the grammar refuses a token or
+    before the stop id that completes the document, and position j of its verification is sampled with the
+    mask after the draft's first j tokens. The tokens and logprobs are those without drafts, greedy and
+    sampled; drafts of the true continuation are kept whole (the cut at the document's end loses nothing)."""
+    structured = GRAMMARS[kind]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, logprobs=True, top_logprobs=2, structured=structured)
+    sampled = SamplingParams(temperature=0.9, seed=6, max_tokens=40, logprobs=True, structured=structured)
+    reqs = [(f"g{i}", prompt(6 + 5 * i, 70 + i), greedy if i % 2 else sampled) for i in range(4)]
+    plain = outputs(make_engine(model_dir), reqs)
+    with_oracle(monkeypatch, [ids + plain[(rid, 0)][0] for rid, ids, _ in reqs], wrong)
+    cuts: list[tuple[int, int]] = []  # (tokens proposed, tokens the grammar kept)
+    along = Grammar.along
+
+    def counted(self, draft, vocab_size):
+        kept, masks = along(self, draft, vocab_size)
+        cuts.append((len(draft), len(kept)))
+        return kept, masks
+
+    monkeypatch.setattr(Grammar, "along", counted)
+    core = make_engine(model_dir, speculative_config=SPEC)
+    assert outputs(core, reqs) == plain
+    s = core.stats()
+    assert s.spec_decode_drafts_total > 0 and 0 < s.spec_decode_accepted_tokens_total <= s.spec_decode_draft_tokens_total
+    if wrong == 0.0:  # the true continuation: kept whole, but for the stop id the grammar's end leaves out
+        assert s.spec_decode_accepted_tokens_total == s.spec_decode_draft_tokens_total
+        assert s.forward_steps_total < sum(len(t) for t, *_ in plain.values()) // 2
+    else:  # changed tokens: the grammar refuses most of them (the draft is cut), the model the others
+        assert any(kept < proposed for proposed, kept in cuts)

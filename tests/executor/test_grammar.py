@@ -691,3 +691,46 @@ def test_a_grammar_after_a_marker_sleeps_through_the_reasoning(backend):
     assert g.terminated
     plain = backend.grammar(rx)
     assert plain.awake and not plain.accept(CHARS.index("m"))
+
+
+def _allowed(words: torch.Tensor) -> set[int]:
+    w = words.numpy().view("uint32")
+    return {i for i in range(VOCAB) if (w[i // 32] >> (i % 32)) & 1}
+
+
+def _mask_now(g: Grammar) -> set[int]:
+    mask = xgr.allocate_token_bitmask(1, VOCAB)
+    g.fill(mask, 0)
+    return _allowed(mask[0])
+
+
+@pytest.mark.parametrize("asleep", [False, True])
+def test_a_draft_is_cut_where_the_grammar_refuses_it_and_each_position_gets_its_mask(backend, asleep):
+    """Grammar.along (speculative drafts under a grammar): the kept start of the draft, and the mask at each
+    position of its verification equal to the mask a fresh grammar has after the draft's tokens before it;
+    the grammar is left where it was. A draft stops before a refused token and before the stop id that
+    completes the document; asleep (a reasoning model's `after` ids), every token is allowed until they
+    come, and the draft wakes the grammar only on the way."""
+    compiled = backend.compile("regex", "(ab|ac)[0-9]{2};", "x")
+    ids = lambda text: [CHARS.index(c) for c in text]  # noqa: E731
+    after = ids("#!") if asleep else []
+    lead = ids("zz#!") if asleep else []  # the thought, then its end
+    make = lambda: Grammar(xgr.GrammarMatcher(compiled), after)  # noqa: E731
+    for draft, kept in ((ids("ac1"), 3), (ids("ab12;"), 5), (ids("ab1x2"), 3), (ids("x"), 0),
+                        (ids("ab12;") + [STOP], 5), ([STOP], 0)):
+        g, g2 = make(), make()
+        full = lead + draft
+        before = _mask_now(g)
+        got, masks = g.along(full, VOCAB)
+        assert got == full[: len(lead) + kept], (draft, got)
+        assert len(masks) == len(got) + 1
+        assert _mask_now(g) == before  # left where it was: the same mask, and it takes the draft again
+        for j, m in enumerate(masks):
+            assert _allowed(m.words) == _mask_now(g2), (draft, j)
+            if j < len(got):
+                assert g2.accept(got[j])
+        assert g.along(full, VOCAB)[0] == got
+    g = make()
+    for t in lead + ids("ab12;"):
+        assert g.accept(t)
+    assert g.accept(STOP) and g.terminated  # the stop id the draft left out is what the verification samples

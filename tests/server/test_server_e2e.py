@@ -672,6 +672,7 @@ def test_a_scored_prompt_and_n_aborted_completions_count(server):
 
 
 def test_metrics_text(server, tmp_path):
+    post(server, "/v1/completions", {"prompt": "Count to three", "max_tokens": 3})  # (alone, it needs its own tokens)
     text = httpx.get(server.url + "/metrics").text
     for name in ("mlaserve_num_requests_running", "mlaserve_num_requests_waiting", "mlaserve_kv_cache_usage_ratio",
                  "mlaserve_prompt_tokens_total", "mlaserve_generation_tokens_total", "mlaserve_request_success_total",
