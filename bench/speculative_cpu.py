@@ -168,8 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         for s in servers:
             print(f"starting {s.name}: {' '.join(s.command)}", flush=True)
             sc.start_server(s, log_dir, args.start_timeout)
-        for s in servers:  # warm-up
-            measure(s, [body(texts["edit"], next(numbers), 32)], args)
+        for s in servers:  # warm-up (and each response format's grammar compiled: the engine caches it)
+            for w in ["edit", *FORMATS]:
+                measure(s, [body(texts[w], next(numbers), 32, response_format=FORMATS.get(w))], args)
         for r in range(args.rounds):
             print(f"round {r + 1}/{args.rounds}", flush=True)
             for w, n in cases:
