@@ -192,6 +192,8 @@ class ChatSerializer(Serializer):
         self.call_id = None  # and <tool_call>'s, which ends qwen3's block
         # streamed, per choice: logprobs of tokens none of whose text has gone out yet as answer text
         self.unplaced: dict[int, list[ShownLogprob]] = {}
+        self.streamed: dict[int, str] = {}  # streamed: each choice's generated text so far (the offsets' text)
+        self.answered: dict[int, int] = {}  # streamed: where in it the answer text sent so far ends
         if tok is not None and self.reasoning_kind != "none":
             self.tag_ids = single_token_tags(lambda t: tok.encode(t, add_special_tokens=False))
             self.call_id = single_token_call(lambda t: tok.encode(t, add_special_tokens=False))
@@ -274,17 +276,30 @@ class ChatSerializer(Serializer):
             start, end = at, at + len(content)
         return [s for s in lps if start <= s.offset < end]
 
-    def placed_logprobs(self, i: int, lps: list[ShownLogprob], text: str, elsewhere: bool) -> list[ShownLogprob]:
-        """Streamed: the logprobs to send with choice i's new answer `text`. A token's logprob goes with the
-        first answer text at or after it; those of tokens whose text went to reasoning or a call (`elsewhere`)
-        are dropped, as the whole answer's `content_logprobs` leaves them out."""
+    def placed_logprobs(self, i: int, lps: list[ShownLogprob], raw: str, text: str,
+                        elsewhere: bool) -> list[ShownLogprob]:
+        """Streamed: the logprobs to send with choice i's new answer `text`, out of its generated text `raw`
+        (this delta's). As the whole answer's `content_logprobs`: those of the tokens that start inside the
+        answer text, found in the generated text after what was answered before; tokens before it (their
+        text went to reasoning or a call) are dropped, tokens after it wait for the answer text they start.
+        One delta may hold several tokens (a speculative step's), some of them reasoning or a call's markup.
+        With nothing answered, tokens whose text went elsewhere are dropped."""
         if not self.body.logprobs:
             return []
+        generated = self.streamed[i] = self.streamed.get(i, "") + raw
         pending = self.unplaced.setdefault(i, [])
         pending += lps
-        if text or elsewhere:
+        if not text:
+            if elsewhere:
+                self.unplaced[i] = []
+            return []
+        at = generated.find(text, max(self.answered.get(i, 0), pending[0].offset if pending else 0))
+        if at < 0:  # (an answer that is not the generated text as it is: each token with the text after it)
             self.unplaced[i] = []
-        return pending if text else []
+            return pending
+        end = self.answered[i] = at + len(text)
+        self.unplaced[i] = [s for s in pending if s.offset >= end]
+        return [s for s in pending if at <= s.offset < end]
 
     def message(self, split: Split) -> tuple[ChatResponseMessage, Any]:
         """The whole message of a choice: its reasoning apart, its answer through a fresh tool-call parser
@@ -371,8 +386,9 @@ class ChatSerializer(Serializer):
         choice = r.choices[index]
         i = self.choice_index(r, index)
         out = []
+        raw = text
         reasoning, text, deltas, parser = self.parse_delta(r, index, text, ids)
-        lps = self.placed_logprobs(i, lps, text, bool(reasoning or deltas))
+        lps = self.placed_logprobs(i, lps, raw, text, bool(reasoning or deltas))
         reasoning = reasoning or None
         calls = [_delta_tool_call(d) for d in deltas] or None
         plain = not (calls or self.body.return_token_ids or self.body.logprobs)  # then one field, nothing else
@@ -594,8 +610,9 @@ class ResponsesSerializer(ChatSerializer):
         return self.token_logprobs(self.content_logprobs(0, self.requests[0].choices[0].logprobs, split, content))
 
     def stream_delta(self, r, index, text, ids, lps):
+        raw = text
         reasoning, text, deltas, _ = self.parse_delta(r, index, text, ids)
-        shown = self.placed_logprobs(0, lps, text, bool(reasoning or deltas))
+        shown = self.placed_logprobs(0, lps, raw, text, bool(reasoning or deltas))
         out = self.items.reasoning(reasoning) + self.items.text(text, self.token_logprobs(shown))
         for d in deltas:
             out += self.items.call(d)
