@@ -137,7 +137,7 @@ class Grammar:
             if stepped:
                 self._matcher.rollback(stepped)
             self._after, self._tail = saved
-        return list(draft[:kept]), [DraftMask(bitmask[j].clone()) for j in range(kept + 1)]
+        return list(draft[:kept]), [DraftMask(bitmask[j]) for j in range(kept + 1)]
 
 
 class DraftMask:

@@ -192,8 +192,7 @@ class ChatSerializer(Serializer):
         self.call_id = None  # and <tool_call>'s, which ends qwen3's block
         # streamed, per choice: logprobs of tokens none of whose text has gone out yet as answer text
         self.unplaced: dict[int, list[ShownLogprob]] = {}
-        self.streamed: dict[int, str] = {}  # streamed: each choice's generated text so far (the offsets' text)
-        self.answered: dict[int, int] = {}  # streamed: where in it the answer text sent so far ends
+        self.answered: dict[int, int] = {}  # streamed: where in its generated text the answer sent so far ends
         if tok is not None and self.reasoning_kind != "none":
             self.tag_ids = single_token_tags(lambda t: tok.encode(t, add_special_tokens=False))
             self.call_id = single_token_call(lambda t: tok.encode(t, add_special_tokens=False))
@@ -286,7 +285,7 @@ class ChatSerializer(Serializer):
         With nothing answered, tokens whose text went elsewhere are dropped."""
         if not self.body.logprobs:
             return []
-        generated = self.streamed[i] = self.streamed.get(i, "") + raw
+        generated = self.texts[i] = self.texts.get(i, "") + raw  # (what `add` keeps when not streamed)
         pending = self.unplaced.setdefault(i, [])
         pending += lps
         if not text:

@@ -400,17 +400,18 @@ class OmniKVBatch:
         ranks is taken on each window query's before the weighted sum: one kernel call per window entry
         (weight 1 for it, 0 for the others; an absent entry's column is 0 everywhere), then one reduction of
         them all. With one query (a weight >= 0) the reduction of the weighted importance is the same."""
-        if known is not None or self.heads_max is None or q_win.shape[1] == 1:
-            imp = known[:, :width] if known is not None else kernels.importance(
-                q_win.contiguous(), q_pos.contiguous(), weights.contiguous(), keys, self.table, a["req_rows"],
-                a["ctx"], scale, width)
+        if known is not None:
+            imp = known[:, :width]
             return imp if self.heads_max is None else self.heads_max(imp.contiguous())
-        w = q_win.shape[1]
-        ones = torch.eye(w, dtype=torch.float32, device=q_win.device)
-        parts = torch.stack([kernels.importance(
-            q_win.contiguous(), q_pos.contiguous(), ones[i].expand(q_win.shape[0], w).contiguous(), keys, self.table,
-            a["req_rows"], a["ctx"], scale, width) for i in range(w)])  # [W, P, width]
-        parts = self.heads_max(parts)
+        q_win, q_pos = q_win.contiguous(), q_pos.contiguous()
+        score = lambda w: kernels.importance(q_win, q_pos, w, keys, self.table, a["req_rows"], a["ctx"],  # noqa: E731
+                                             scale, width)
+        if self.heads_max is None:
+            return score(weights.contiguous())
+        if q_win.shape[1] == 1:
+            return self.heads_max(score(weights.contiguous()))
+        ones = torch.eye(q_win.shape[1], dtype=torch.float32, device=q_win.device)
+        parts = self.heads_max(torch.stack([score(e.expand_as(weights).contiguous()) for e in ones]))  # [W, P, width]
         return (weights.t().float()[:, :, None] * parts).sum(0)
 
     def slots(self, layer_id: int, batch_row: int) -> torch.Tensor | None:

@@ -15,7 +15,7 @@ from server.responses import ChatSerializer
 def serializer() -> ChatSerializer:
     ser = object.__new__(ChatSerializer)  # (only the streamed-logprob state: no server behind it)
     ser.body = SimpleNamespace(logprobs=True)
-    ser.unplaced, ser.streamed, ser.answered = {}, {}, {}
+    ser.unplaced, ser.texts, ser.answered = {}, {}, {}
     return ser
 
 
