@@ -28,7 +28,7 @@ set -u
 OUT=${OUT:-$(mktemp -d)}
 BUDGET=${BUDGET:-420}
 STEPS=${STEPS:-"gpu-tests native-tests omnikv mla model serve cpu-tests"}
-GPU_TESTS=${GPU_TESTS:-"tests/kernels/test_triton_attention.py tests/kernels/test_triton_omnikv.py tests/kernels/test_fused_moe.py tests/executor/test_sampler.py"}
+GPU_TESTS=${GPU_TESTS:-"tests/kernels/test_triton_attention.py tests/kernels/test_triton_omnikv.py tests/kernels/test_fused_moe.py tests/kernels/test_triton_layer_ops.py tests/executor/test_sampler.py"}
 NATIVE_TESTS=${NATIVE_TESTS:-"tests/executor/test_cuda_graph_runner.py tests/executor/test_context_bank.py tests/models/test_cpp_expert_backend.py tests/cpp_experts/test_host_task.py"}
 CPU_TESTS=${CPU_TESTS:-"tests/cpp_experts tests/models/test_cpp_expert_backend.py"}
 OMNIKV_ARGS=${OMNIKV_ARGS:-"--contexts 32768 131072 65536 --batch 1 8 16 --graphs on --bank off --rounds 2 --fill random"}

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels import triton_utils
-from kernels.triton_utils import INTERPRETED, dot_precision
+from kernels.triton_utils import INTERPRETED, cast_out, dot_precision
 
 
 def moe_align_block_size(
@@ -65,17 +65,6 @@ def moe_align_block_size(
     expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
     num_tokens_post_padded = padded_end[-1:].to(torch.int32)
     return sorted_token_ids, expert_ids, num_tokens_post_padded
-
-
-@triton.jit
-def _cast_out(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 -> dtype, rounding to nearest even as compiled Triton does. The interpreter's fp32 -> bf16
-    cast truncates instead, so there the bits are rounded first (finite values; NaN/inf not handled)."""
-    if INTERPRET and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
 
 
 @triton.jit
@@ -135,7 +124,7 @@ def _fused_moe_kernel(
         acc = acc * w[:, None]
     offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ptrs = c_ptr + flat_idx[:, None] * stride_cm + offs_cn[None, :] * stride_cn
-    tl.store(c_ptrs, _cast_out(acc, c_ptr.dtype.element_ty, INTERPRET), mask=row_mask[:, None] & (offs_cn[None, :] < N))
+    tl.store(c_ptrs, cast_out(acc, c_ptr.dtype.element_ty, INTERPRET), mask=row_mask[:, None] & (offs_cn[None, :] < N))
 
 
 @triton.jit
@@ -147,7 +136,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_xm, stride_om, BLOCK: tl.cons
     gate = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_xm + I + cols, mask=mask, other=0.0).to(tl.float32)
     y = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + row * stride_om + cols, _cast_out(y, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    tl.store(out_ptr + row * stride_om + cols, cast_out(y, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
 @dataclass(frozen=True)

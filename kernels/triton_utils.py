@@ -1,5 +1,5 @@
 """What every Triton kernel module here shares: whether the kernels are interpreted, the device check,
-and the dot precision."""
+the dot precision, and the rounding of an fp32 result to a 16-bit type."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import threading
 
 import torch
 import triton
+import triton.language as tl
 
 #: Whether `triton.jit` built the kernels for Triton's CPU interpreter (TRITON_INTERPRET=1 set before
 #: Triton was imported), decided once at import like Triton itself does.
@@ -82,3 +83,14 @@ def dot_precision(dtype: torch.dtype) -> str | None:
     """IEEE fp32 products for fp32 inputs (Triton would otherwise use TF32 on Ampere+, ~1e-3 off the
     torch reference); the default (native) for bf16/fp16."""
     return "ieee" if dtype == torch.float32 else None
+
+
+@triton.jit
+def cast_out(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 -> dtype, rounding to nearest even as compiled Triton does. The interpreter's fp32 -> bf16
+    cast truncates instead, so there the bits are rounded first (finite values; NaN/inf not handled)."""
+    if INTERPRET and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)

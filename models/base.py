@@ -60,8 +60,10 @@ class DecoderLayer(nn.Module):
         self.tokens: TokenGather | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), batch)
-        return x + self.run_mlp(self.post_attention_layernorm(x))
+        fused = batch.attn_backend.fused_layer_ops
+        a = self.self_attn(positions, self.input_layernorm(x, fused), batch)
+        h, x = self.post_attention_layernorm.forward_residual(a, x, fused)
+        return x + self.run_mlp(h)
 
     def run_mlp(self, h: torch.Tensor) -> torch.Tensor:
         if self.tokens is None or getattr(self.mlp, "local_tokens", False):  # (all-to-all MoE: its own exchange)
@@ -90,7 +92,7 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         for layer in self.layers:
             x = layer(batch.positions, x, batch)
-        return self.norm(x)
+        return self.norm(x, batch.attn_backend.fused_layer_ops)
 
 
 class CausalLM(nn.Module):

@@ -17,10 +17,28 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """`fused`: one Triton kernel (kernels.triton_layer_ops; the triton attention backend asks for it)."""
+        if fused:
+            from kernels.triton_layer_ops import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)[0]
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor,
+                         fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): a pre-norm block's residual add and the next norm, one
+        kernel when `fused`."""
+        if fused:
+            from kernels.triton_layer_ops import rms_norm
+
+            out, total = rms_norm(x, self.weight, self.eps, residual)
+            assert total is not None
+            return out, total
+        total = residual + x
+        return self(total), total
 
 
 class GatedMLP(nn.Module):

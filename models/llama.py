@@ -36,7 +36,7 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(positions, q, k, batch.attn_backend.fused_layer_ops)
         out = batch.attn_backend.forward(q, k, v, self.layer, batch)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 

@@ -71,17 +71,18 @@ class MLAAttention(nn.Module):
         self.w_kc = w[:, : self.nope_dim, :].contiguous()
         self.w_vc = w[:, self.nope_dim :, :].transpose(1, 2).contiguous()
 
-    def _project(self, positions: torch.Tensor, x: torch.Tensor):
+    def _project(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch):
         """-> q_nope [T,H,N], q_pe [T,H,P] (RoPE'd), c_kv [T,r] (normalised), k_pe [T,1,P] (RoPE'd)."""
         t = x.shape[0]
+        fused = batch.attn_backend.fused_layer_ops
         if hasattr(self, "q_proj"):
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x), fused))
         q_nope, q_pe = q.view(t, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)
-        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))
+        c_kv = self.kv_a_layernorm(c_kv, fused)
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1), fused)
         return q_nope, q_pe, c_kv, k_pe
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -97,7 +98,7 @@ class MLAAttention(nn.Module):
         return self.forward_normal(positions, x, batch)
 
     def forward_normal(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q_nope, q_pe, c_kv, k_pe = self._project(positions, x)
+        q_nope, q_pe, c_kv, k_pe = self._project(positions, x, batch)
         backend = batch.attn_backend
         backend.set_mla_kv(self.absorb_layer, batch, c_kv, k_pe.squeeze(1))
         t, h = x.shape[0], self.num_heads
@@ -108,7 +109,7 @@ class MLAAttention(nn.Module):
         return self.o_proj(out.reshape(t, h * self.v_dim))
 
     def forward_absorb(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q_nope, q_pe, c_kv, k_pe = self._project(positions, x)
+        q_nope, q_pe, c_kv, k_pe = self._project(positions, x, batch)
         backend = batch.attn_backend
         backend.set_mla_kv(self.absorb_layer, batch, c_kv, k_pe.squeeze(1))
         t = x.shape[0]

@@ -130,12 +130,16 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = t[:, None] * inv_freq[None, :]
         return torch.stack([freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor])
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, dim/2] in fp32 for positions (each < max_positions)."""
+    def _cover(self, positions: torch.Tensor) -> None:
+        """Grows the table to cover host `positions` (see the module's docstring)."""
         if self.table_positions < self.max_positions and positions.device.type == "cpu" and positions.numel():
             need = int(positions.max()) + 1  # host tensors: no device sync
             if self.table_positions < need <= self.max_positions:
                 self.set_positions(min(self.max_positions, max(need, 2 * self.table_positions)))
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, dim/2] in fp32 for positions (each < max_positions)."""
+        self._cover(positions)
         table = self.cos_sin_cache[:, positions]
         return table[0], table[1]
 
@@ -153,10 +157,18 @@ class RotaryEmbedding(torch.nn.Module):
         return out.to(x.dtype)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, fused: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(positions)
+        """`fused`: one Triton kernel for each of q and k where every dim rotates (kernels.triton_layer_ops;
+        the triton attention backend asks for it)."""
         d = self.cfg.dim
+        if fused and q.shape[-1] == d and k.shape[-1] == d:
+            from kernels.triton_layer_ops import rotary
+
+            self._cover(positions)
+            table, inter = self.cos_sin_cache, self.cfg.interleaved
+            return rotary(q, positions, table, inter), rotary(k, positions, table, inter)
+        cos, sin = self.cos_sin(positions)
         if q.shape[-1] == d and k.shape[-1] == d:
             return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         # partial rotary: only the first `d` dims rotate

@@ -117,6 +117,10 @@ class AttentionBackend(ABC):
     #: Whether MLA's fresh prefill expands per-head K/V (`forward_mla_normal`) on a CPU too: there every
     #: forward absorbs unless a backend needs the per-head keys (models/mla.py says why).
     mla_normal_on_cpu: bool = False
+    #: Whether the model's layers run their RMSNorms (with the residual add) and RoPE as this backend's
+    #: fused kernels (kernels/triton_layer_ops.py: one kernel each instead of 8 and ~18 torch ops) rather
+    #: than as torch ops, the reference.
+    fused_layer_ops: bool = False
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

@@ -87,6 +87,7 @@ class _SparseView:
 class TritonAttentionBackend(AttentionBackend):
     graph_support = GraphSupport.device_only()
     omnikv_graphs = True  # decode batches of OmniKV rows only can be captured (see the module docstring)
+    fused_layer_ops = True
 
     def __init__(self, *, num_sms: int | None = None, **_: object) -> None:
         """`num_sms` (streaming multiprocessors) sizes the split plan; read from the device when None."""
