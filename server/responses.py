@@ -304,15 +304,18 @@ class ChatSerializer(Serializer):
         """The whole message of a choice: its reasoning apart, its answer through a fresh tool-call parser
         when tools are in play."""
         reasoning = (self.echo.reasoning + split.reasoning) or None
+        # a reply that is all reasoning (cut before `</think>`) has no answer: null, as vLLM's reasoning parsers say
+        empty = None if reasoning is not None else ""
         if self.tools.new_parser is None:
-            return ChatResponseMessage(content=self.echo.content + split.content, reasoning_content=reasoning), None
+            return ChatResponseMessage(content=(self.echo.content + split.content) or empty,
+                                       reasoning_content=reasoning), None
         parser = self.tools.new_parser()
         content, _ = parser.feed(split.content)
         content = self.echo.content + content + parser.finish()[0]
         calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
                  for c in parser.tool_calls]
         forced = self.tools.structured is not None  # a forced call's reply has no content, even cut before it began
-        return ChatResponseMessage(content=content or (None if calls or forced else ""), reasoning_content=reasoning,
+        return ChatResponseMessage(content=content or (None if calls or forced else empty), reasoning_content=reasoning,
                                    tool_calls=calls or None), parser
 
     def finish_splits(self) -> None:
