@@ -23,6 +23,10 @@ steps) are compared with that torch reference; the script exits 1 when they disa
 logits are not finite. Issue targets: >= 250 tok/s at batch 1 on an H100 (the issue quotes a peer
 server at 161 tok/s; that figure is not measured here), floor about 600 tok/s.
 
+`--layer-ops fused torch`: the runs of the triton attention backend with its fused RMSNorm and RoPE kernels
+(`kernels/triton_layer_ops.py`, what a server runs) and with those ops as torch ops (the backend's
+`fused_layer_ops` off), in one run; the targets report fused over torch per graphs mode and batch.
+
 `--hybrid`: also the hybrid placement, routed experts on the CPU in the `cpp_experts` pool
 (`--expert-backend cpp`) at batch 1 and 8, when the extension imports, three ways: graphs with the
 CPU experts as host nodes (`--hybrid-graph-mode host-nodes`), graphs split around them (`split`),
@@ -30,13 +34,14 @@ and eager; the targets report each graph mode's speedup and host-nodes / split; 
 bandwidth (overlapped with the shared experts, as the layer does).
 
     python bench/model_decode_gpu.py [--out bench/results/model_decode_<device>.json] [--hybrid]
-        [--batches 1 8 64] [--graphs on off] [--prompt-len 512] [--steps 32] [--repeats 3]
+        [--batches 1 8 64] [--graphs on off] [--layer-ops fused torch] [--prompt-len 512] [--steps 32] [--repeats 3]
     TRITON_INTERPRET=1 python bench/model_decode_gpu.py --smoke --out /tmp/model.json   # CPU, seconds
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -296,6 +301,9 @@ def main() -> int:
     ap.add_argument("--expert-backend", default="triton")
     ap.add_argument("--batches", type=int, nargs="*", default=None)
     ap.add_argument("--graphs", nargs="*", choices=["on", "off"], default=["on", "off"])
+    ap.add_argument("--layer-ops", nargs="*", choices=["fused", "torch"], default=None,
+                    help="the triton backend's RMSNorm and RoPE as its fused kernels and/or as torch ops "
+                         "(default both; smoke: fused)")
     ap.add_argument("--hybrid", action="store_true", help="also routed experts on the CPU (cpp_experts)")
     ap.add_argument("--hybrid-batches", type=int, nargs="*", default=None, help="default 1 8 (smoke: 2)")
     ap.add_argument("--prompt-len", type=int, default=None)
@@ -309,6 +317,7 @@ def main() -> int:
     args.preset = args.preset or ("tiny-deepseek-v2" if smoke else "deepseek-v2-lite")
     args.layers = args.layers or (2 if smoke else V2_LITE_LAYERS)
     args.batches = args.batches or ([1, 2] if smoke else [1, 8, 64])
+    args.layer_ops = args.layer_ops or (["fused"] if smoke else ["fused", "torch"])
     args.hybrid_batches = args.hybrid_batches or ([2] if smoke else [1, 8])
     args.prompt_len = args.prompt_len or (8 if smoke else 512)
     args.steps = args.steps or (2 if smoke else 32)
@@ -340,25 +349,28 @@ def main() -> int:
     wb = weight_bytes(model)
     result["model"]["weight_bytes"] = wb
     hits: dict[int, list[int]] = {}
-    for mode in args.graphs:
+    for mode, ops in [(m, o) for m in args.graphs for o in args.layer_ops]:
         t = time.perf_counter()
-        runner = make_runner(model, cfg, args, device, attention=args.attention_backend, graphs=mode == "on")
-        if mode == "on" and runner.graph_runner is None:
-            reason = graph_off_reason(model, runner.attn_backend, device, max(args.batches))
-            result["skipped"].append({"graphs": "on", "reason": f"the runner captured no graphs: {reason}"})
+        with layer_ops(ops == "fused"):  # read as graphs are captured and at every eager forward
+            runner = make_runner(model, cfg, args, device, attention=args.attention_backend, graphs=mode == "on")
+            if mode == "on" and runner.graph_runner is None:
+                if ops == args.layer_ops[0]:
+                    reason = graph_off_reason(model, runner.attn_backend, device, max(args.batches))
+                    result["skipped"].append({"graphs": "on", "reason": f"the runner captured no graphs: {reason}"})
+                del runner
+                continue
+            setup = time.perf_counter() - t
+            name = f"graphs {mode}" + ("" if ops == "fused" else ", layer ops as torch ops")
+            checks[name] = check_logits(runner, cfg.vocab_size, args.seed, args.check_steps)
+            for b in args.batches:
+                row = {"graphs": mode, "layer_ops": ops, "runner_setup_s": setup,
+                       **decode_run(runner, b, args, cfg.vocab_size, args.seed + b, count_hits=b not in hits)}
+                hits.setdefault(b, row["experts_hit_per_layer"])
+                add_floor(row, wb, hits[b], cfg, hbm_bw)
+                result["runs"].append(row)
+                write_result(out_path, result)
             del runner
-            continue
-        setup = time.perf_counter() - t
-        checks[f"graphs {mode}"] = check_logits(runner, cfg.vocab_size, args.seed, args.check_steps)
-        for b in args.batches:
-            row = {"graphs": mode, "runner_setup_s": setup,
-                   **decode_run(runner, b, args, cfg.vocab_size, args.seed + b, count_hits=b not in hits)}
-            hits.setdefault(b, row["experts_hit_per_layer"])
-            add_floor(row, wb, hits[b], cfg, hbm_bw)
-            result["runs"].append(row)
-            write_result(out_path, result)
-        del runner
-        release_memory()
+            release_memory()
     del model
     release_memory()
 
@@ -416,7 +428,7 @@ def main() -> int:
     finite = all(r["logits_finite"] for r in result["runs"] + result["peer"] + result["hybrid"])
     result["all_correct"] = finite and all(c["correct"] for c in result["checks"])
     write_result(out_path, result)
-    cols = [("graphs", "graphs", ""), ("batch", "B", "d"), ("tokens_per_s", "tok/s", ".1f"),
+    cols = [("graphs", "graphs", ""), ("layer_ops", "layer ops", ""), ("batch", "B", "d"), ("tokens_per_s", "tok/s", ".1f"),
             ("step_ms", "step ms", ".2f"),
             ("ceiling_tokens_per_s", "ceiling tok/s", ".0f"), ("fraction_of_ceiling", "of ceiling", ".2f")]
     for title, rows in (("ours", result["runs"]), ("peer (torch backends, eager)", result["peer"]),
@@ -436,9 +448,25 @@ def main() -> int:
     return 0
 
 
+@contextlib.contextmanager
+def layer_ops(fused: bool) -> Iterator[None]:
+    """The triton backend's `fused_layer_ops` for the runners made and run inside (a class attribute: the
+    runner makes its backend itself)."""
+    from kernels.attention.triton_backend import TritonAttentionBackend
+
+    before = TritonAttentionBackend.fused_layer_ops
+    TritonAttentionBackend.fused_layer_ops = fused
+    try:
+        yield
+    finally:
+        TritonAttentionBackend.fused_layer_ops = before
+
+
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
-    """The issue's batch-1 target, read off the runs."""
-    best = {r["graphs"]: r["tokens_per_s"] for r in result["runs"] if r["batch"] == 1}
+    """The issue's batch-1 target, read off the runs (those with the fused layer ops, as served), and the
+    fused layer ops' speedup over torch ops where both ran."""
+    runs = [r for r in result["runs"] if r.get("layer_ops", "fused") == "fused"]
+    best = {r["graphs"]: r["tokens_per_s"] for r in runs if r["batch"] == 1}
     peer1 = [r["tokens_per_s"] for r in result["peer"] if r["batch"] == 1]
     out: dict[str, Any] = {"batch1_tokens_per_s": best or None, "target_batch1_tokens_per_s": 250.0,
                            "issue_peer_batch1_tokens_per_s_not_measured_here": 161.0}
@@ -446,6 +474,11 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         out["batch1_target_met"] = max(best.values()) >= 250.0
         if peer1:
             out["batch1_speedup_vs_torch_backends"] = max(best.values()) / peer1[0]
+    by_ops = {(r["graphs"], r["batch"], r.get("layer_ops", "fused")): r["tokens_per_s"] for r in result["runs"]}
+    fused_speedup = {f"graphs {g}, batch {b}": v / by_ops[(g, b, "torch")] for (g, b, o), v in by_ops.items()
+                     if o == "fused" and (g, b, "torch") in by_ops}
+    if fused_speedup:
+        out["fused_layer_ops_speedup_over_torch_ops"] = fused_speedup
     hybrid = {(r["graphs"], r["batch"]): r["tokens_per_s"] for r in result["hybrid"]}
     for mode in ("host-nodes", "split"):  # the issue's question: which way of graphing the CPU work is faster
         speedup = {b: hybrid[(g, b)] / hybrid[("off", b)] for g, b in hybrid if g == mode and ("off", b) in hybrid}

@@ -106,10 +106,13 @@ def test_model_decode_smoke(tmp_path: Path) -> None:
         extra = ["--hybrid"]
     except ImportError:
         extra = []
-    r = run_smoke("model_decode_gpu.py", tmp_path / "model.json", *extra)
+    r = run_smoke("model_decode_gpu.py", tmp_path / "model.json", "--layer-ops", "fused", "torch", *extra)
     assert r["smoke"] and r["attention_backend"] == "triton" and r["expert_backend"] == "triton"
     assert r["model"]["layers"] == 2 and r["model"]["weight_bytes"]["per_routed_expert"] > 0
-    assert [row["batch"] for row in r["runs"]] == [1, 2] and [row["batch"] for row in r["peer"]] == [1, 2]
+    assert [(row["layer_ops"], row["batch"]) for row in r["runs"]] == [("fused", 1), ("fused", 2), ("torch", 1),
+                                                                     ("torch", 2)]
+    assert [row["batch"] for row in r["peer"]] == [1, 2]
+    assert set(r["targets"]["fused_layer_ops_speedup_over_torch_ops"]) == {"graphs off, batch 1", "graphs off, batch 2"}
     # no CUDA here: the graphs-on runs are recorded as skipped, with the runner's reason
     assert [s["graphs"] for s in r["skipped"]] == ["on", *(["host-nodes", "split"] if extra else [])]
     assert all("cpu" in skip["reason"] for skip in r["skipped"])
@@ -120,7 +123,8 @@ def test_model_decode_smoke(tmp_path: Path) -> None:
     assert r["runs"][0]["experts_hit_per_layer"] == [top_k]  # one token: exactly top-k experts in the one MoE layer
     assert top_k <= r["runs"][1]["experts_hit_per_layer"][0] <= 2 * top_k
     names = {c["config"] for c in r["checks"]}
-    assert names == ({"graphs off", "hybrid (cpp experts), graphs off"} if extra else {"graphs off"})
+    plain = {"graphs off", "graphs off, layer ops as torch ops"}
+    assert names == (plain | {"hybrid (cpp experts), graphs off"} if extra else plain)
     for c in r["checks"]:
         # triton (and cpp) kernels against the torch reference: close, but not the same code (a
         # check that can fail: test_model_check_catches_a_wrong_expert_backend)
