@@ -1,7 +1,8 @@
 """Fused MoE for routed experts on the GPU (`--expert-backend triton`), the vLLM/SGLang scheme.
 
 1. `moe_align_block_size` sorts the T*K (token, slot) pairs by expert and pads every expert's run
-   to a multiple of BLOCK_M, so each block of BLOCK_M sorted entries belongs to one expert.
+   to a multiple of BLOCK_M, so each block of BLOCK_M sorted entries belongs to one expert (one Triton
+   program for decode-sized inputs, torch ops above).
 2. `_fused_moe_kernel`, a grouped GEMM: one program per (block, column tile) loads the block's rows
    of A (gathered through the sorted flat indices) and only its expert's slice of the stacked
    weights B [E, N, Kdim]. Experts without tokens own no block, so their weights are never read.
@@ -19,14 +20,24 @@ imported: set TRITON_INTERPRET=1 before the first import of triton.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
 
 from kernels import triton_utils
 from kernels.triton_utils import INTERPRETED, cast_out, dot_precision
+
+log = logging.getLogger(__name__)
+
+
+#: Pairs (T*K) up to which `moe_align_block_size` is one Triton program (decode batches); above, where a
+#: single program's loops would take longer than torch's kernels, torch ops.
+ALIGN_KERNEL_MAX_PAIRS = 4096
 
 
 def moe_align_block_size(
@@ -39,14 +50,89 @@ def moe_align_block_size(
     order within one expert), each expert's run padded with T*K to a multiple of `block_m`; the
     tail past `num_tokens_post_padded` is T*K too. `expert_ids[b]` is the expert of block b, -1 for
     blocks past the used ones. max_padded = T*K + min(E, T*K) * (block_m - 1): at most min(E, T*K)
-    experts get tokens, each wasting at most block_m - 1 pad entries. Pure torch device ops.
+    experts get tokens, each wasting at most block_m - 1 pad entries.
+
+    Up to ALIGN_KERNEL_MAX_PAIRS pairs one Triton program (`_moe_align_kernel`) computes it; as ~22 torch
+    ops it was ~22 kernels in every MoE layer of a decode step (~570 of a DeepSeek-V2-Lite step), each a
+    launch's worth of time. Above, torch ops (`_moe_align_torch`).
     """
-    device = topk_ids.device
     flat = topk_ids.reshape(-1)
     numel = flat.numel()
     max_padded = numel + min(num_experts, numel) * (block_m - 1)
     max_blocks = triton.cdiv(max_padded, block_m)
-    flat = flat.long()
+    if numel == 0 or numel > ALIGN_KERNEL_MAX_PAIRS or num_experts in _ALIGN_KERNEL_REFUSED:
+        return _moe_align_torch(flat.long(), num_experts, block_m, max_padded, max_blocks)
+    device = topk_ids.device
+    sorted_token_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    num_tokens_post_padded = torch.empty(1, dtype=torch.int32, device=device)
+    try:
+        _moe_align_kernel[(1,)](
+            flat.contiguous(), sorted_token_ids, expert_ids, num_tokens_post_padded, numel, max_padded, max_blocks,
+            E=num_experts, E_POW2=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=64, num_warps=8,
+        )
+    except (CompilationError, OutOfResources):  # this Triton or device cannot build it: torch ops, said once
+        log.warning("the MoE alignment kernel does not build for %d experts here; its torch ops run instead",
+                    num_experts, exc_info=True)
+        _ALIGN_KERNEL_REFUSED.add(num_experts)
+        return _moe_align_torch(flat.long(), num_experts, block_m, max_padded, max_blocks)
+    return sorted_token_ids, expert_ids, num_tokens_post_padded
+
+
+_ALIGN_KERNEL_REFUSED: set[int] = set()  # expert counts whose alignment kernel failed to build
+
+
+@triton.jit
+def _moe_align_kernel(IDS, SORTED, EXPERT_IDS, POST, numel, max_padded, max_blocks,
+                      E: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """`moe_align_block_size` in one program, in three passes over the pairs in chunks: the pairs per expert,
+    each pair's place (its expert's run start + the pairs of that expert before it), then the pads and the
+    blocks' experts. Everything it reads back is in registers (one-hot sums stand for indexing), and every
+    store goes to a place no other store of the program writes: no ordering between its threads is needed."""
+    experts = tl.arange(0, E_POW2)
+    i = tl.arange(0, CHUNK)
+    counts = tl.zeros([E_POW2], dtype=tl.int32)
+    for start in range(0, numel, CHUNK):
+        ids = tl.load(IDS + start + i, mask=start + i < numel, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    run_start = tl.sum(tl.where(experts[None, :] < experts[:, None], padded[None, :], 0), axis=1)  # [e]: runs before e
+    run_end = run_start + padded
+    total = tl.sum(padded, axis=0)
+    tl.store(POST, total)
+
+    earlier = i[None, :] < i[:, None]  # [i, j]: pair j of the chunk comes before pair i
+    seen = tl.zeros([E_POW2], dtype=tl.int32)  # pairs of each expert in the chunks before
+    for start in range(0, numel, CHUNK):
+        offs = start + i
+        ids = tl.load(IDS + offs, mask=offs < numel, other=-1)
+        onehot = ids[:, None] == experts[None, :]
+        rank = tl.sum(((ids[:, None] == ids[None, :]) & earlier).to(tl.int32), axis=1)
+        rank += tl.sum(tl.where(onehot, seen[None, :], 0), axis=1)
+        place = tl.sum(tl.where(onehot, run_start[None, :], 0), axis=1) + rank
+        tl.store(SORTED + place, offs.to(tl.int32), mask=offs < numel)
+        seen += tl.sum(onehot.to(tl.int32), axis=0)
+
+    # a position's expert: how many runs end at or before it (empty runs included; past the last run, E or more)
+    for start in range(0, max_padded, CHUNK):
+        p = start + i
+        owner = tl.sum((run_end[None, :] <= p[:, None]).to(tl.int32), axis=1)
+        onehot = owner[:, None] == experts[None, :]
+        taken = tl.sum(tl.where(onehot, counts[None, :], 0), axis=1)
+        offset = p - tl.sum(tl.where(onehot, run_start[None, :], 0), axis=1)
+        pad = (p >= total) | (offset >= taken)
+        tl.store(SORTED + p, tl.full([CHUNK], 0, tl.int32) + numel, mask=(p < max_padded) & pad)
+    for start in range(0, max_blocks, CHUNK):
+        b = start + i
+        owner = tl.sum((run_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(EXPERT_IDS + b, tl.where(owner < E, owner, -1), mask=b < max_blocks)
+
+
+def _moe_align_torch(flat: torch.Tensor, num_experts: int, block_m: int, max_padded: int,
+                     max_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`moe_align_block_size` as torch device ops (flat: int64 expert ids)."""
+    device = flat.device
+    numel = flat.numel()
 
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync to size its output

@@ -115,9 +115,15 @@ def align_oracle(ids: list[list[int]], e: int, block_m: int) -> tuple[list[int],
 @pytest.mark.parametrize(
     "t,k,e,block_m,load",
     [(0, 2, 4, 16, "uniform"), (1, 1, 4, 16, "uniform"), (3, 2, 8, 16, "skewed"), (17, 6, 8, 4, "skewed"),
-     (64, 8, 16, 16, "uniform"), (40, 1, 16, 8, "one"), (33, 3, 4, 32, "one"), (200, 6, 64, 16, "skewed")],
+     (64, 8, 16, 16, "uniform"), (40, 1, 16, 8, "one"), (33, 3, 4, 32, "one"), (200, 6, 64, 16, "skewed"),
+     (5, 6, 6, 16, "uniform"), (70, 6, 160, 16, "skewed"), (9, 8, 256, 64, "uniform")],
 )
-def test_align_matches_python_oracle(t: int, k: int, e: int, block_m: int, load: str) -> None:
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_align_matches_python_oracle(t: int, k: int, e: int, block_m: int, load: str, path: str,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways of computing it: the one Triton program (decode-sized inputs) and torch ops (larger ones)."""
+    if path == "torch":
+        monkeypatch.setattr(fused_moe, "ALIGN_KERNEL_MAX_PAIRS", 0)
     gen = torch.Generator().manual_seed(1000 * t + 10 * k + e)
     ids, _ = routing(t, k, e, load, gen)
     sorted_ids, expert_ids, total = moe_align_block_size(ids.to(DEVICE), e, block_m)
@@ -128,6 +134,34 @@ def test_align_matches_python_oracle(t: int, k: int, e: int, block_m: int, load:
     assert total.tolist() == [want_total]
     assert sorted_ids.tolist() == want_sorted + [t * k] * (max_padded - want_total)
     assert expert_ids.tolist() == want_experts + [-1] * (expert_ids.numel() - len(want_experts))
+
+
+def test_align_falls_back_to_torch_ops_where_the_kernel_does_not_build(monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A Triton or device that cannot build the alignment program (too many registers, say) gets the torch
+    ops' result, with one warning, and is not asked again for that expert count."""
+    from triton.runtime.errors import OutOfResources
+
+    launches = []
+
+    class Refused:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(grid)
+                raise OutOfResources(300000, 232448, "shared memory")
+            return launch
+
+    monkeypatch.setattr(fused_moe, "_moe_align_kernel", Refused())
+    monkeypatch.setattr(fused_moe, "_ALIGN_KERNEL_REFUSED", set())
+    ids, _ = routing(9, 6, 64, "skewed", torch.Generator().manual_seed(8))
+    want_sorted, want_experts, want_total = align_oracle(ids.tolist(), 64, 16)
+    for _ in range(2):
+        with caplog.at_level("WARNING", logger="kernels.fused_moe"):
+            sorted_ids, expert_ids, total = moe_align_block_size(ids.to(DEVICE), 64, 16)
+        assert total.tolist() == [want_total] and sorted_ids.tolist()[:want_total] == want_sorted
+        assert expert_ids.tolist()[: len(want_experts)] == want_experts
+    assert len(launches) == 1 and fused_moe._ALIGN_KERNEL_REFUSED == {64}
+    assert sum("alignment kernel does not build for 64 experts" in r.message for r in caplog.records) == 1
 
 
 # ------------------------------------------------------------------ fused_experts vs TorchExperts
