@@ -465,7 +465,7 @@ def layer_ops(fused: bool) -> Iterator[None]:
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """The issue's batch-1 target, read off the runs (those with the fused layer ops, as served), and the
     fused layer ops' speedup over torch ops where both ran."""
-    runs = [r for r in result["runs"] if r.get("layer_ops", "fused") == "fused"]
+    runs = [r for r in result["runs"] if r["layer_ops"] == "fused"]
     best = {r["graphs"]: r["tokens_per_s"] for r in runs if r["batch"] == 1}
     peer1 = [r["tokens_per_s"] for r in result["peer"] if r["batch"] == 1]
     out: dict[str, Any] = {"batch1_tokens_per_s": best or None, "target_batch1_tokens_per_s": 250.0,
@@ -474,7 +474,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         out["batch1_target_met"] = max(best.values()) >= 250.0
         if peer1:
             out["batch1_speedup_vs_torch_backends"] = max(best.values()) / peer1[0]
-    by_ops = {(r["graphs"], r["batch"], r.get("layer_ops", "fused")): r["tokens_per_s"] for r in result["runs"]}
+    by_ops = {(r["graphs"], r["batch"], r["layer_ops"]): r["tokens_per_s"] for r in result["runs"]}
     fused_speedup = {f"graphs {g}, batch {b}": v / by_ops[(g, b, "torch")] for (g, b, o), v in by_ops.items()
                      if o == "fused" and (g, b, "torch") in by_ops}
     if fused_speedup:

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 #: Pairs (T*K) up to which `moe_align_block_size` is one Triton program (decode batches); above, where a
 #: single program's loops would take longer than torch's kernels, torch ops.
 ALIGN_KERNEL_MAX_PAIRS = 4096
+_ALIGN_KERNEL_REFUSED: set[int] = set()  # expert counts whose alignment program failed to build (torch ops then)
 
 
 def moe_align_block_size(
@@ -60,26 +61,21 @@ def moe_align_block_size(
     numel = flat.numel()
     max_padded = numel + min(num_experts, numel) * (block_m - 1)
     max_blocks = triton.cdiv(max_padded, block_m)
-    if numel == 0 or numel > ALIGN_KERNEL_MAX_PAIRS or num_experts in _ALIGN_KERNEL_REFUSED:
-        return _moe_align_torch(flat.long(), num_experts, block_m, max_padded, max_blocks)
-    device = topk_ids.device
-    sorted_token_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
-    expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=device)
-    num_tokens_post_padded = torch.empty(1, dtype=torch.int32, device=device)
-    try:
-        _moe_align_kernel[(1,)](
-            flat.contiguous(), sorted_token_ids, expert_ids, num_tokens_post_padded, numel, max_padded, max_blocks,
-            E=num_experts, E_POW2=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=64, num_warps=8,
-        )
-    except (CompilationError, OutOfResources):  # this Triton or device cannot build it: torch ops, said once
-        log.warning("the MoE alignment kernel does not build for %d experts here; its torch ops run instead",
-                    num_experts, exc_info=True)
-        _ALIGN_KERNEL_REFUSED.add(num_experts)
-        return _moe_align_torch(flat.long(), num_experts, block_m, max_padded, max_blocks)
-    return sorted_token_ids, expert_ids, num_tokens_post_padded
-
-
-_ALIGN_KERNEL_REFUSED: set[int] = set()  # expert counts whose alignment kernel failed to build
+    if 0 < numel <= ALIGN_KERNEL_MAX_PAIRS and num_experts not in _ALIGN_KERNEL_REFUSED:
+        device = topk_ids.device
+        out = (torch.empty(max_padded, dtype=torch.int32, device=device),
+               torch.empty(max_blocks, dtype=torch.int32, device=device), torch.empty(1, dtype=torch.int32, device=device))
+        try:
+            _moe_align_kernel[(1,)](
+                flat.contiguous(), *out, numel, max_padded, max_blocks,
+                E=num_experts, E_POW2=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=64, num_warps=8,
+            )
+            return out
+        except (CompilationError, OutOfResources):  # this Triton or device cannot build it: torch ops, said once
+            log.warning("the MoE alignment kernel does not build for %d experts here; its torch ops run instead",
+                        num_experts, exc_info=True)
+            _ALIGN_KERNEL_REFUSED.add(num_experts)
+    return _moe_align_torch(flat.long(), num_experts, block_m, max_padded, max_blocks)
 
 
 @triton.jit
