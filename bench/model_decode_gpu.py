@@ -23,9 +23,9 @@ steps) are compared with that torch reference; the script exits 1 when they disa
 logits are not finite. Issue targets: >= 250 tok/s at batch 1 on an H100 (the issue quotes a peer
 server at 161 tok/s; that figure is not measured here), floor about 600 tok/s.
 
-`--layer-ops fused torch`: the runs of the triton attention backend with its fused RMSNorm and RoPE kernels
-(`kernels/triton_layer_ops.py`, what a server runs) and with those ops as torch ops (the backend's
-`fused_layer_ops` off), in one run; the targets report fused over torch per graphs mode and batch.
+`--layer-ops fused torch`: the runs of the triton attention backend with its fused RMSNorm, RoPE, SiLU·mul
+and MoE-router kernels (`kernels/triton_layer_ops.py`, `fused_moe.route_experts`, what a server runs) and
+with those ops as torch ops (the backend's `fused_layer_ops` off), in one run; the targets report fused over torch per graphs mode and batch.
 
 `--hybrid`: also the hybrid placement, routed experts on the CPU in the `cpp_experts` pool
 (`--expert-backend cpp`) at batch 1 and 8, when the extension imports, three ways: graphs with the
@@ -302,7 +302,8 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="*", default=None)
     ap.add_argument("--graphs", nargs="*", choices=["on", "off"], default=["on", "off"])
     ap.add_argument("--layer-ops", nargs="*", choices=["fused", "torch"], default=None,
-                    help="the triton backend's RMSNorm and RoPE as its fused kernels and/or as torch ops "
+                    help="the triton backend's RMSNorm, RoPE, SiLU-mul and router selection as its fused kernels "
+                         "and/or as torch ops "
                          "(default both; smoke: fused)")
     ap.add_argument("--hybrid", action="store_true", help="also routed experts on the CPU (cpp_experts)")
     ap.add_argument("--hybrid-batches", type=int, nargs="*", default=None, help="default 1 8 (smoke: 2)")

@@ -382,7 +382,7 @@ class ModelRunner:
         """DP attention: this rank has no batch this step but joins the others' exchanges."""
         if self._cpu_experts or self._native:
             self._bind_experts()
-        self.model.forward_idle()
+        self.model.forward_idle(self.attn_backend.fused_layer_ops)
         self.forward_count += 1
 
     def _bind_experts(self) -> None:

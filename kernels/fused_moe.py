@@ -6,7 +6,7 @@
 2. `_fused_moe_kernel`, a grouped GEMM: one program per (block, column tile) loads the block's rows
    of A (gathered through the sorted flat indices) and only its expert's slice of the stacked
    weights B [E, N, Kdim]. Experts without tokens own no block, so their weights are never read.
-3. gate_up GEMM -> `_silu_and_mul_kernel` -> down GEMM (times the routing weight) -> sum over K.
+3. gate_up GEMM -> `triton_layer_ops.silu_mul` -> down GEMM (times the routing weight) -> sum over K.
 
 Everything has sizes fixed by (T, K, E, block sizes): no host sync, no data-dependent shapes, so a
 CUDA graph can capture `fused_experts`. The price is a grid sized for the worst case; programs for
@@ -30,6 +30,7 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 from kernels import triton_utils
+from kernels.triton_layer_ops import silu_mul
 from kernels.triton_utils import INTERPRETED, cast_out, dot_precision
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,135 @@ def _moe_align_torch(flat: torch.Tensor, num_experts: int, block_m: int, max_pad
     return sorted_token_ids, expert_ids, num_tokens_post_padded
 
 
+#: The routing methods `route_experts` knows, as the kernel's METHOD: DeepSeek's `topk_method` names.
+ROUTING_METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
+
+
+@triton.jit
+def _route_kernel(
+    LOGITS, BIAS, WEIGHTS, IDS, T, E, stride_l, scale,
+    K: tl.constexpr, SIGMOID: tl.constexpr, METHOD: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr,
+    N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """BLOCK_T rows of router logits -> their top-K expert ids and weights (`route_experts`). Each top-k is
+    K passes of an argmax over the row in registers; a chosen expert's choice becomes -inf, below every
+    other expert's, so the K ids are distinct."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, BLOCK_E)
+    row_in = rows < T
+    valid = e < E
+    mask = row_in[:, None] & valid[None, :]
+    rows = rows.to(tl.int64)
+    x = tl.load(LOGITS + rows[:, None] * stride_l + e[None, :], mask=mask, other=0.0).to(tl.float32)
+    if SIGMOID:
+        s = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        x = tl.where(valid[None, :], x, float("-inf"))
+        p = tl.exp(x - tl.max(x, axis=1)[:, None])
+        s = p / tl.sum(p, axis=1)[:, None]
+    choice = s
+    if HAS_BIAS:
+        choice += tl.load(BIAS + e, mask=valid, other=0.0).to(tl.float32)[None, :]
+    choice = tl.where(valid[None, :], choice, float("-inf"))
+    if METHOD != 0 and N_GROUP > 1:
+        # rank the groups (V2: by their best expert; V3: by the sum of their best two), keep TOPK_GROUP
+        group = e // GROUP_SIZE
+        g = tl.arange(0, BLOCK_G)
+        group_score = tl.full((BLOCK_T, BLOCK_G), float("-inf"), tl.float32)
+        for i in tl.static_range(N_GROUP):
+            member = ((group == i) & valid)[None, :]
+            v = tl.where(member, choice, float("-inf"))
+            best = tl.max(v, axis=1)
+            if METHOD == 2 and GROUP_SIZE > 1:
+                first = tl.argmax(v, axis=1)
+                best += tl.max(tl.where(e[None, :] == first[:, None], float("-inf"), v), axis=1)
+            group_score = tl.where(g[None, :] == i, best[:, None], group_score)
+        kept_group = tl.zeros((BLOCK_T, BLOCK_G), tl.int32)
+        for _ in tl.static_range(TOPK_GROUP):
+            hit = g[None, :] == tl.argmax(group_score, axis=1)[:, None]
+            kept_group = tl.where(hit, 1, kept_group)
+            group_score = tl.where(hit, float("-inf"), group_score)
+        kept = tl.zeros((BLOCK_T, BLOCK_E), tl.int32)
+        for i in tl.static_range(N_GROUP):
+            group_kept = tl.sum(tl.where(g[None, :] == i, kept_group, 0), axis=1)
+            kept = tl.where((group == i)[None, :] & (group_kept > 0)[:, None], 1, kept)
+        # the reference's fill (V2: 0; V3: -inf, here the lowest finite value so that a chosen expert's -inf
+        # stays below it)
+        fill = -3.4028234663852886e38 if METHOD == 2 else 0.0
+        choice = tl.where(valid[None, :] & (kept == 0), fill, choice)
+    k = tl.arange(0, BLOCK_K)
+    weights = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
+    ids = tl.zeros((BLOCK_T, BLOCK_K), tl.int64)
+    for j in tl.static_range(K):
+        best = tl.argmax(choice, axis=1)
+        hit = e[None, :] == best[:, None]
+        w = tl.sum(tl.where(hit, s, 0.0), axis=1)  # the unbiased score (V3), the choice itself otherwise
+        weights = tl.where(k[None, :] == j, w[:, None], weights)
+        ids = tl.where(k[None, :] == j, best.to(tl.int64)[:, None], ids)
+        choice = tl.where(hit, float("-inf"), choice)
+    if NORMALIZE:
+        weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
+    out_mask = row_in[:, None] & (k[None, :] < K)
+    tl.store(WEIGHTS + rows[:, None] * K + k[None, :], weights * scale, mask=out_mask)
+    tl.store(IDS + rows[:, None] * K + k[None, :], ids, mask=out_mask)
+
+
+def route_experts(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    scoring: str,
+    method: str,
+    n_group: int = 1,
+    topk_group: int = 1,
+    correction_bias: torch.Tensor | None = None,
+    normalize: bool = False,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's router selection as one kernel: router_logits [T, E] fp32 -> (weights [T, K] fp32, ids
+    [T, K] int64), the math of `models.moe_routing.select_experts` (which documents the methods): scores by
+    softmax or sigmoid; V2's groups kept by their best score, V3's by the sum of their best two biased
+    scores; the top-k; V3's weights the unbiased scores; renormalised over the k when `normalize`; times
+    `scale`. The ids come best first (the reference's order is unspecified).
+
+    Why: as torch ops the selection is ~5 kernels a MoE layer (V2-Lite) to ~20 (V3's groups), each a
+    launch's worth of time in a decode step. Rounding: the softmax's sum is reduced in another order (an
+    ulp of fp32), which can swap two experts whose scores are that close; a tie between two experts (or
+    groups) goes to the lower index."""
+    triton_utils.check_device(router_logits.device, "the Triton MoE router", "the torch forward")
+    if router_logits.dim() != 2 or router_logits.dtype != torch.float32:
+        raise ValueError(f"route_experts: want fp32 router logits [T, E], got {tuple(router_logits.shape)} "
+                         f"{router_logits.dtype}")
+    t, e = router_logits.shape
+    if scoring not in ("softmax", "sigmoid") or method not in ROUTING_METHODS:
+        raise ValueError(f"route_experts: scoring {scoring!r} / method {method!r} unknown (softmax or sigmoid; "
+                         f"{', '.join(ROUTING_METHODS)})")
+    grouped = method != "greedy" and n_group > 1
+    if (not 0 < top_k <= e or n_group < 1 or e % n_group or not 0 < topk_group <= n_group
+            or (grouped and top_k > topk_group * (e // n_group))):
+        raise ValueError(f"route_experts: top_k={top_k} does not fit {e} experts in {n_group} groups, "
+                         f"{topk_group} kept")
+    if correction_bias is not None and correction_bias.shape != (e,):
+        raise ValueError(f"route_experts: correction bias {tuple(correction_bias.shape)} for {e} experts")
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=router_logits.device)
+    if t == 0:
+        return weights, ids
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    block_e = triton.next_power_of_2(e)
+    block_t = max(1, min(triton.next_power_of_2(t), (1 << 14) // block_e)) if INTERPRETED else 1
+    _route_kernel[(triton.cdiv(t, block_t),)](
+        logits, correction_bias if correction_bias is not None else logits, weights, ids, t, e, logits.stride(0),
+        float(scale), K=top_k, SIGMOID=scoring == "sigmoid", METHOD=ROUTING_METHODS[method],
+        HAS_BIAS=correction_bias is not None, NORMALIZE=normalize, N_GROUP=n_group if grouped else 1,
+        GROUP_SIZE=e // n_group, TOPK_GROUP=topk_group, BLOCK_T=block_t, BLOCK_E=block_e,
+        BLOCK_G=triton.next_power_of_2(n_group), BLOCK_K=triton.next_power_of_2(top_k),
+        num_warps=1 if block_e <= 128 else 2,
+    )
+    return weights, ids
+
+
 @triton.jit
 def _fused_moe_kernel(
     a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
@@ -207,18 +337,6 @@ def _fused_moe_kernel(
     offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ptrs = c_ptr + flat_idx[:, None] * stride_cm + offs_cn[None, :] * stride_cn
     tl.store(c_ptrs, cast_out(acc, c_ptr.dtype.element_ty, INTERPRET), mask=row_mask[:, None] & (offs_cn[None, :] < N))
-
-
-@triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_xm, stride_om, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
-    """out[m, :] = silu(x[m, :I]) * x[m, I:], in fp32, rounded once to out's dtype."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < I
-    gate = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_xm + I + cols, mask=mask, other=0.0).to(tl.float32)
-    y = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + row * stride_om + cols, cast_out(y, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -310,14 +428,11 @@ def fused_experts(
 
     gate_up = torch.empty(t * top_k, two_i, dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(hidden, w13, gate_up, None, align, top_k, cfg)
-    act = torch.empty(t * top_k, inter, dtype=hidden.dtype, device=hidden.device)
-    block = min(triton.next_power_of_2(inter), 1024)
-    _silu_and_mul_kernel[(t * top_k, triton.cdiv(inter, block))](
-        gate_up, act, inter, gate_up.stride(0), act.stride(0), BLOCK=block, INTERPRET=INTERPRETED
-    )
+    act = silu_mul(gate_up[:, :inter], gate_up[:, inter:])
     down = torch.empty(t * top_k, h, dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(act, w2, down, weights, align, 1, cfg)
     return torch.sum(down.view(t, top_k, h), dim=1, out=out)
 
 
-__all__ = ["BlockConfig", "INTERPRETED", "block_config", "check_device", "fused_experts", "moe_align_block_size"]
+__all__ = ["BlockConfig", "INTERPRETED", "ROUTING_METHODS", "block_config", "check_device", "fused_experts",
+           "moe_align_block_size", "route_experts"]

@@ -1,5 +1,5 @@
-"""Triton kernels for a decoder layer's small ops on the GPU: RMSNorm (after the residual add, or alone)
-and rotary position embeddings, one kernel each.
+"""Triton kernels for a decoder layer's small ops on the GPU: RMSNorm (after the residual add, or alone),
+rotary position embeddings and the gated MLP's SiLU(gate) * up, one kernel each.
 
 Why: run as torch ops, an RMSNorm is eight kernels (upcast, square, mean, + eps, rsqrt, scale, downcast,
 times the weight) and RoPE on q and k about eighteen (strided halves, four products, two sums, the stack,
@@ -168,4 +168,49 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, interl
     return out
 
 
-__all__ = ["rms_norm", "rotary"]
+@triton.jit
+def _silu_mul_kernel(G, U, OUT, T, N, stride_g, stride_u, stride_o,
+                     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    """OUT = silu(G) * U over a tile of BLOCK_T rows x BLOCK_N columns, in fp32, rounded once."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < T)[:, None] & (cols < N)[None, :]
+    rows = rows.to(tl.int64)
+    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(OUT + rows[:, None] * stride_o + cols[None, :], cast_out(y, OUT.dtype.element_ty, INTERPRET), mask=mask)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up for gate, up [..., N] of one shape and dtype (any row stride: the two halves of a
+    fused gate/up projection will do), computed in fp32 and rounded once to their dtype (torch's
+    `F.silu(gate) * up` rounds twice in a 16-bit type: a step of it apart now and then). `out`
+    ([rows, N] with unit column stride, rows = gate's rows), if given, gets the result; else a new
+    tensor of gate's shape."""
+    check_device(gate.device, "the Triton SiLU-and-multiply", "the torch forward")
+    if up.shape != gate.shape or up.dtype != gate.dtype:
+        raise ValueError(f"silu_mul: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} "
+                         "must have one shape and dtype")
+    n = gate.shape[-1]
+    g2, u2 = _rows(gate), _rows(up)
+    t = g2.shape[0]
+    if out is None:
+        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    elif (out.shape != (t, n) or out.dtype != gate.dtype or out.device != gate.device
+          or (n > 1 and out.stride(1) != 1)):
+        raise ValueError(f"silu_mul: out {tuple(out.shape)} {out.dtype} does not fit {t} rows of {n} {gate.dtype} "
+                         "(want [rows, N], unit column stride)")
+    o2 = out if out.dim() == 2 else out.view(-1, n)
+    if t == 0 or n == 0:
+        return out
+    block_n = min(triton.next_power_of_2(n), 2048 if INTERPRETED else 1024)
+    block_t = _rows_per_program(t, block_n)
+    _silu_mul_kernel[(triton.cdiv(t, block_t), triton.cdiv(n, block_n))](
+        g2, u2, o2, t, n, g2.stride(0), u2.stride(0), o2.stride(0),
+        BLOCK_T=block_t, BLOCK_N=block_n, INTERPRET=INTERPRETED, num_warps=_warps(block_n),
+    )
+    return out
+
+
+__all__ = ["rms_norm", "rotary", "silu_mul"]

@@ -63,12 +63,13 @@ class DecoderLayer(nn.Module):
         fused = batch.attn_backend.fused_layer_ops
         a = self.self_attn(positions, self.input_layernorm(x, fused), batch)
         h, x = self.post_attention_layernorm.forward_residual(a, x, fused)
-        return x + self.run_mlp(h)
+        return x + self.run_mlp(h, fused)
 
-    def run_mlp(self, h: torch.Tensor) -> torch.Tensor:
+    def run_mlp(self, h: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """The MLP (gated or MoE) on h; `fused`: its small ops as Triton kernels."""
         if self.tokens is None or getattr(self.mlp, "local_tokens", False):  # (all-to-all MoE: its own exchange)
-            return self.mlp(h)
-        return self.tokens.scatter(self.mlp(self.tokens.gather(h)))
+            return self.mlp(h, fused)
+        return self.tokens.scatter(self.mlp(self.tokens.gather(h), fused))
 
 
 class DecoderModel(nn.Module):
@@ -134,9 +135,11 @@ class CausalLM(nn.Module):
         return compute_logits(hidden, self.lm_weight(), indices)
 
     @torch.no_grad()
-    def forward_idle(self) -> None:
+    def forward_idle(self, fused: bool = False) -> None:
         """DP attention, on a rank with nothing to run this step: joins the other ranks' exchanges (the
-        token counts, then each layer's MLP on their tokens) with no tokens of its own."""
+        token counts, then each layer's MLP on their tokens) with no tokens of its own. `fused` as the
+        busy ranks' attention backend says (`fused_layer_ops`), so that every rank routes the gathered
+        tokens by the same kernels."""
         tokens = self.model.tokens
         if tokens is None:
             raise RuntimeError("forward_idle is for DP attention only")
@@ -144,7 +147,7 @@ class CausalLM(nn.Module):
         w = self.model.norm.weight
         empty = torch.empty(0, w.shape[0], dtype=w.dtype, device=w.device)
         for layer in self.model.layers:
-            layer.run_mlp(empty)
+            layer.run_mlp(empty, fused)
 
     def set_context_length(self, n: int) -> None:
         """Sizes the rotary tables to the context that will be served (positions [0, n), n at most the

@@ -51,15 +51,24 @@ class GatedMLP(nn.Module):
         self.up_proj = column_linear(hidden_size, intermediate_size, bias, what=what)
         self.down_proj = row_linear(intermediate_size, hidden_size, bias, what=what)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """`fused`: SiLU(gate) * up as one Triton kernel (kernels.triton_layer_ops; the triton attention
+        backend asks for it)."""
+        return self.down_proj(self._activation(x, fused))
 
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
+    def partial(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         """Under tensor parallelism, this rank's term of the output before the all-reduce (for a block
         that reduces several terms at once: a MoE layer's shared and routed experts)."""
-        h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        h = self._activation(x, fused)
         down = self.down_proj
         return down.partial(h) if isinstance(down, RowLinear) else down(h)
+
+    def _activation(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
+        if fused:
+            from kernels.triton_layer_ops import silu_mul
+
+            return silu_mul(self.gate_proj(x), self.up_proj(x))
+        return F.silu(self.gate_proj(x)) * self.up_proj(x)
 
 
 def compute_logits(hidden: torch.Tensor, lm_weight: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:

@@ -42,8 +42,9 @@ class Router(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight.float())
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return select_experts(self.logits(x), self.cfg, self.e_score_correction_bias)
+    def forward(self, x: torch.Tensor, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """`fused`: the selection as one Triton kernel (`select_experts`)."""
+        return select_experts(self.logits(x), self.cfg, self.e_score_correction_bias, fused)
 
 
 class DeepseekMoE(nn.Module):
@@ -72,16 +73,18 @@ class DeepseekMoE(nn.Module):
         """Runs on this rank's own tokens under DP attention (DecoderLayer does not gather for it)."""
         return self.dispatch
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """`fused`: the router's selection and the shared experts' activation as Triton kernels (the triton
+        attention backend asks for them)."""
         if self.dispatch:
-            return self._forward_dispatch(x)
-        topk_weights, topk_ids = self.gate(x)
+            return self._forward_dispatch(x, fused)
+        topk_weights, topk_ids = self.gate(x, fused)
         if self.layout.ep:
             topk_ids, topk_weights = self.expert_range.localize(topk_ids, topk_weights)
         self.experts.submit(x, topk_ids, topk_weights)
         shared = None
         if self.shared_experts is not None:
-            shared = self.shared_experts.partial(x) if self.layout.parallel else self.shared_experts(x)
+            shared = self.shared_experts.partial(x, fused) if self.layout.parallel else self.shared_experts(x, fused)
         routed = self.experts.sync()
         out = routed if shared is None else routed + shared
         if shared is None and self.layout.parallel:
@@ -89,14 +92,14 @@ class DeepseekMoE(nn.Module):
         # one all-reduce for the block: every rank's routed and shared terms
         return self.layout.all_reduce(out) if self.layout.parallel else out
 
-    def _forward_dispatch(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_dispatch(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
         """Routed experts over all-to-all: every (token, chosen expert) pair is sent to the rank holding
         that expert, computed there (weighted), sent back, and summed into its token; an idle rank
         takes part with no pairs."""
         import torch.distributed as dist
 
         lay, group = self.layout, self.layout.group
-        weights, ids = self.gate(x)
+        weights, ids = self.gate(x, fused)
         per_rank = self.expert_range.stop - self.expert_range.start
         t, k = ids.shape
         owner = (ids // per_rank).reshape(-1)
@@ -123,6 +126,6 @@ class DeepseekMoE(nn.Module):
         back = exchange(done, send, recv)
         out = torch.zeros_like(x).index_add_(0, token, back.to(x.dtype))
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            out = out + self.shared_experts(x, fused)
         return out
 

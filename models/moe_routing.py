@@ -7,6 +7,9 @@
 
 Then: optional renormalisation over the chosen k (`norm_topk_prob`), and multiplication by
 `routed_scaling_factor`. Everything in fp32, as the reference implementations do.
+
+These torch ops are the reference; `select_experts(..., fused=True)` runs the same selection as one Triton
+kernel (`kernels.fused_moe.route_experts`, the triton attention backend's choice on a GPU).
 """
 
 from __future__ import annotations
@@ -67,8 +70,17 @@ def select_experts(
     router_logits: torch.Tensor,
     cfg: MoEConfig,
     correction_bias: torch.Tensor | None = None,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] fp32 -> (topk_weights [T, K] fp32, topk_ids [T, K] int64)."""
+    """router_logits [T, E] fp32 -> (topk_weights [T, K] fp32, topk_ids [T, K] int64); `fused`: one Triton
+    kernel instead of the torch ops."""
+    if fused:
+        from kernels.fused_moe import route_experts
+
+        return route_experts(router_logits, cfg.top_k, scoring=cfg.scoring_func, method=cfg.topk_method,
+                             n_group=cfg.n_group, topk_group=cfg.topk_group,
+                             correction_bias=correction_bias if cfg.topk_method == "noaux_tc" else None,
+                             normalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
     scores, choice = choice_scores(router_logits, cfg, correction_bias)
     topk_weights, topk_ids = torch.topk(choice, k=cfg.top_k, dim=-1, sorted=False)
     if cfg.topk_method == "noaux_tc":

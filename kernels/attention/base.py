@@ -117,9 +117,10 @@ class AttentionBackend(ABC):
     #: Whether MLA's fresh prefill expands per-head K/V (`forward_mla_normal`) on a CPU too: there every
     #: forward absorbs unless a backend needs the per-head keys (models/mla.py says why).
     mla_normal_on_cpu: bool = False
-    #: Whether the model's layers run their RMSNorms (with the residual add) and RoPE as this backend's
-    #: fused kernels (kernels/triton_layer_ops.py: one kernel each instead of 8 and ~18 torch ops) rather
-    #: than as torch ops, the reference.
+    #: Whether the model's layers run their small ops as this backend's fused kernels rather than as torch
+    #: ops, the reference: RMSNorms (with the residual add), RoPE and the gated MLPs' SiLU * up
+    #: (kernels/triton_layer_ops.py: one kernel each instead of 8, ~18 and 2 torch ops), and the MoE
+    #: routers' selection (kernels.fused_moe.route_experts: one instead of 3 to ~16).
     fused_layer_ops: bool = False
 
     @abstractmethod

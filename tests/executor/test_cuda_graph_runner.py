@@ -493,7 +493,7 @@ def test_cpu_experts_as_host_tasks_with_stand_in_graph(tmp_path):
     batch = runner.build_batch([RequestSlice(r, n, [t]) for r, n, t in zip(rows, seq_lens, toks)])
     moe = next(m for m in loaded.model.modules() if isinstance(m, DeepseekMoE))
     route = moe.gate.forward
-    moe.gate.forward = lambda x: (lambda w, i: (w * float("nan"), i))(*route(x))
+    moe.gate.forward = lambda x, fused=False: (lambda w, i: (w * float("nan"), i))(*route(x, fused))
     with pytest.raises(RuntimeError, match="failed during a decode graph replay: .*not finite"):
         graphs.replay(batch)
     moe.gate.forward = route

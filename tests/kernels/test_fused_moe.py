@@ -164,6 +164,156 @@ def test_align_falls_back_to_torch_ops_where_the_kernel_does_not_build(monkeypat
     assert sum("alignment kernel does not build for 64 experts" in r.message for r in caplog.records) == 1
 
 
+# ------------------------------------------------------------------ router selection vs HF's routers
+
+ROUTERS = {  # name: (HF architecture, our MoEConfig fields): real routers' expert and group counts
+    "v2_lite_greedy": ("v2", dict(num_experts=64, top_k=6, scoring_func="softmax", topk_method="greedy",
+                                  n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0)),
+    "v2_group_limited": ("v2", dict(num_experts=160, top_k=6, scoring_func="softmax",
+                                    topk_method="group_limited_greedy", n_group=8, topk_group=3,
+                                    norm_topk_prob=False, routed_scaling_factor=16.0)),
+    "v3_noaux_tc": ("v3", dict(num_experts=256, top_k=8, scoring_func="sigmoid", topk_method="noaux_tc",
+                               n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5)),
+    "v3_one_group_unnormalised": ("v3", dict(num_experts=72, top_k=4, scoring_func="sigmoid", topk_method="noaux_tc",
+                                             n_group=1, topk_group=1, norm_topk_prob=False,
+                                             routed_scaling_factor=1.0)),
+    "v3_groups_of_nine": ("v3", dict(num_experts=36, top_k=3, scoring_func="sigmoid", topk_method="noaux_tc",
+                                     n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=1.5)),
+}
+
+
+def hf_router(arch: str, fields: dict, hidden: int, gen: torch.Generator):
+    """HF transformers' own router module (the oracle) with random weights and, for V3, a random correction
+    bias of the size that separates experts in real checkpoints."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    common = dict(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=fields["num_experts"], num_experts_per_tok=fields["top_k"],
+                  n_group=fields["n_group"], topk_group=fields["topk_group"],
+                  routed_scaling_factor=fields["routed_scaling_factor"])
+    if arch == "v2":
+        router = DeepseekV2TopkRouter(DeepseekV2Config(topk_method=fields["topk_method"], **common))
+    else:
+        router = DeepseekV3TopkRouter(DeepseekV3Config(norm_topk_prob=fields["norm_topk_prob"], **common))
+        router.e_score_correction_bias.copy_(torch.randn(fields["num_experts"], generator=gen) * 0.3)
+    router.weight.data.copy_(torch.randn(router.weight.shape, generator=gen) / hidden ** 0.5 * 2)
+    return router
+
+
+@pytest.mark.parametrize("name", list(ROUTERS))
+@pytest.mark.parametrize("t", [1, 5, 64])
+def test_router_kernel_matches_hf_routers(name: str, t: int) -> None:
+    """The fused selection (`Router(x, fused=True)`, `route_experts`) picks HF's experts with HF's weights,
+    as the torch selection does. Rows where HF's k-th and (k+1)-th choice lie within 1e-6 of each other (an
+    ulp's reordering could swap them) are left out, and there must be few of them."""
+    from models.config import MoEConfig
+    from models.moe import Router
+
+    arch, fields = ROUTERS[name]
+    hidden = 48
+    gen = torch.Generator().manual_seed(t * 100 + len(name))
+    ref = hf_router(arch, fields, hidden, gen)
+    cfg = MoEConfig(intermediate_size=8, num_shared_experts=1, first_k_dense_replace=0, moe_layer_freq=1, **fields)
+    ours = Router(cfg, hidden)
+    ours.weight.data.copy_(ref.weight.data)
+    if arch == "v3":
+        ours.e_score_correction_bias.data.copy_(ref.e_score_correction_bias)
+    x = torch.randn(t, hidden, generator=gen)
+    with torch.no_grad():
+        _, want_w, want_ids = ref(x)
+    ours = ours.to(DEVICE)
+    got_w, got_ids = ours(x.to(DEVICE), fused=True)
+    torch_w, torch_ids = ours(x.to(DEVICE))
+    assert got_w.dtype == torch.float32 and got_ids.dtype == torch.int64 and got_ids.shape == (t, fields["top_k"])
+    assert all(len(set(row)) == len(row) for row in got_ids.tolist()), "an expert chosen twice for one token"
+
+    from models.moe_routing import routing_margins
+
+    _, margin = routing_margins(ours.logits(x.to(DEVICE)), cfg, ours.e_score_correction_bias)
+    clear = (margin.cpu() > 1e-6).tolist()
+    assert sum(clear) >= t - max(1, t // 20)
+
+    def by_expert(w: torch.Tensor, ids: torch.Tensor) -> list[dict[int, float]]:
+        return [dict(zip(i, v)) for i, v in zip(ids.cpu().tolist(), w.cpu().tolist())]
+
+    want, got, via_torch = by_expert(want_w, want_ids), by_expert(got_w, got_ids), by_expert(torch_w, torch_ids)
+    for row in range(t):
+        if not clear[row]:
+            continue
+        assert set(got[row]) == set(want[row]) == set(via_torch[row]), f"row {row}"
+        for expert, w in want[row].items():
+            assert got[row][expert] == pytest.approx(w, rel=2e-6, abs=1e-7), f"row {row}, expert {expert}"
+    if arch == "v3":
+        ranked = (ours.logits(x.to(DEVICE)).sigmoid() + ours.e_score_correction_bias).gather(1, got_ids)
+    else:
+        ranked = got_w
+    assert bool((ranked[:, :-1] >= ranked[:, 1:]).all()), "the ids come best first (V3: by the biased score)"
+
+
+def test_router_kernel_groups_decide() -> None:
+    """The cases above would pass a kernel that ignored the groups unless the groups change the choice: here
+    every token's best experts (by score alone) are spread so that the groups do change it, and the kernel
+    follows the groups (V2: a group's best expert ranks it; V3: its best two biased scores)."""
+    from kernels.fused_moe import route_experts
+    from models.moe_routing import select_experts
+    from models.config import MoEConfig
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(32, 64, generator=gen) * 3
+    for method, scoring in (("group_limited_greedy", "softmax"), ("noaux_tc", "sigmoid")):
+        cfg = MoEConfig(num_experts=64, top_k=6, intermediate_size=8, num_shared_experts=0, scoring_func=scoring,
+                        topk_method=method, n_group=8, topk_group=2, norm_topk_prob=False, routed_scaling_factor=1.0,
+                        first_k_dense_replace=0, moe_layer_freq=1)
+        plain = route_experts(logits.to(DEVICE), 6, scoring=scoring, method="greedy")[1].sort(-1).values
+        got = select_experts(logits.to(DEVICE), cfg, fused=True)[1].sort(-1).values
+        want = select_experts(logits, cfg)[1].sort(-1).values
+        assert torch.equal(got.cpu(), want)
+        assert int((plain.cpu() != want).any(-1).sum()) >= 16  # the groups changed most tokens' choice
+        assert all(len({e // 8 for e in r}) <= 2 for r in got.tolist())
+
+
+def test_router_kernel_ties_bias_and_misfits() -> None:
+    """Equal scores give distinct experts, the lower index first; V3's bias moves the choice but not the
+    weights; a strided logits view reads right; no tokens give empty results; what does not fit is refused."""
+    from kernels.fused_moe import route_experts
+
+    tied = torch.zeros(3, 16, device=DEVICE)
+    w, ids = route_experts(tied, 4, scoring="softmax", method="greedy")
+    assert ids.tolist() == [[0, 1, 2, 3]] * 3 and torch.allclose(w, torch.full_like(w, 1 / 16))
+    w, ids = route_experts(tied, 4, scoring="sigmoid", method="noaux_tc", n_group=4, topk_group=2)
+    assert ids.tolist() == [[0, 1, 2, 3]] * 3  # groups tie too: the first two groups, then their first experts
+    bias = torch.zeros(16, device=DEVICE)
+    bias[[15, 9]] = 1.0
+    w, ids = route_experts(tied, 2, scoring="sigmoid", method="noaux_tc", correction_bias=bias, normalize=True)
+    assert ids.tolist() == [[9, 15]] * 3 and w.tolist() == [[0.5, 0.5]] * 3  # weights: the unbiased scores
+    bias = torch.full((16,), -1.0, device=DEVICE)
+    bias[13] = -0.9  # group 3 wins; every biased score is below 0, and the other groups' experts stay out
+    w, ids = route_experts(tied, 4, scoring="sigmoid", method="noaux_tc", n_group=4, topk_group=1,
+                           correction_bias=bias)
+    assert ids.tolist() == [[13, 12, 14, 15]] * 3
+
+    gen = torch.Generator().manual_seed(9)
+    wide = torch.randn(7, 40, generator=gen).to(DEVICE)
+    w, ids = route_experts(wide[:, 3:35], 5, scoring="softmax", method="greedy", normalize=True, scale=2.0)
+    want = wide[:, 3:35].softmax(-1).topk(5, -1)
+    assert torch.equal(ids, want.indices)
+    torch.testing.assert_close(w, want.values / want.values.sum(-1, keepdim=True) * 2.0)
+
+    w, ids = route_experts(torch.empty(0, 16, device=DEVICE), 4, scoring="softmax", method="greedy")
+    assert w.shape == ids.shape == (0, 4)
+    for bad, what in [(dict(top_k=17), "does not fit"), (dict(n_group=3, method="noaux_tc"), "does not fit"),
+                      (dict(n_group=4, topk_group=1, top_k=5, method="noaux_tc"), "does not fit"),
+                      (dict(method="topk"), "unknown"), (dict(scoring="relu"), "unknown")]:
+        args = dict(top_k=4, scoring="softmax", method="greedy") | bad
+        with pytest.raises(ValueError, match=what):
+            route_experts(tied, args.pop("top_k"), **args)
+    with pytest.raises(ValueError, match="fp32"):
+        route_experts(tied.half(), 4, scoring="softmax", method="greedy")
+    with pytest.raises(ValueError, match="bias"):
+        route_experts(tied, 4, scoring="sigmoid", method="noaux_tc", correction_bias=torch.zeros(8, device=DEVICE))
+
+
 # ------------------------------------------------------------------ fused_experts vs TorchExperts
 
 CASES = [  # t, k, e, h, i, load

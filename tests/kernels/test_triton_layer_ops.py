@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from kernels import triton_layer_ops  # noqa: E402
-from kernels.triton_layer_ops import rms_norm, rotary  # noqa: E402
+from kernels.triton_layer_ops import rms_norm, rotary, silu_mul  # noqa: E402
 from models.config import RopeConfig  # noqa: E402
 from models.layers import RMSNorm  # noqa: E402
 from models.rotary import RotaryEmbedding  # noqa: E402
@@ -158,10 +158,44 @@ def test_rotary_refuses_a_table_of_another_width() -> None:
         rotary(x[..., :32], torch.zeros(3, dtype=torch.long, device=DEVICE), emb.cos_sin_cache, False)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,n", [(1, 1408), (3, 33), (17, 2560), (64, 96)])
+def test_silu_mul_matches_torch(dtype: torch.dtype, t: int, n: int) -> None:
+    """silu(gate) * up on the two halves of one projection's rows (views with a row stride), against torch's
+    ops in fp32 rounded once (the kernel's math) and torch's ops in the dtype itself (a 16-bit type rounds
+    twice there: a step apart now and then)."""
+    gen = torch.Generator().manual_seed(t * 7 + n)
+    both = torch.randn(t, 2 * n + 3, generator=gen).mul(3).to(DEVICE, dtype)
+    gate, up = both[:, :n], both[:, n + 3:]
+    got = silu_mul(gate, up)
+    assert got.shape == (t, n) and got.dtype == dtype and got.is_contiguous()
+    assert_rounding_close(got, (torch.nn.functional.silu(gate.float()) * up.float()).to(dtype))
+    torch_ops = torch.nn.functional.silu(gate) * up
+    if dtype == torch.float32:
+        assert_rounding_close(got, torch_ops)
+    else:
+        diff = (got.float() - torch_ops.float()).abs()
+        assert bool((diff <= 2 ** -6 * torch_ops.float().abs() + 1e-6).all())
+    out = torch.empty(t, n, dtype=dtype, device=DEVICE)
+    assert silu_mul(gate, up, out=out) is out and torch.equal(out, got)
+
+
+def test_silu_mul_refuses_misfits() -> None:
+    x = torch.randn(4, 8, device=DEVICE)
+    assert silu_mul(x[:0], x[:0]).shape == (0, 8)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        silu_mul(x, x[:, :4])
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        silu_mul(x, x.half())
+    with pytest.raises(ValueError, match="does not fit"):
+        silu_mul(x, x, out=torch.empty(4, 9, device=DEVICE))
+
+
 @pytest.mark.parametrize("preset", ["tiny-deepseek-v2", "tiny-llama"])
 def test_the_triton_backend_runs_every_norm_and_rotation_through_the_kernels(preset: str, tmp_path, monkeypatch) -> None:
-    """A triton-backend forward calls the kernels for every RMSNorm (the residual adds in them) and every
-    layer's RoPE, and gives the torch backend's logits; a torch-backend forward calls none of them."""
+    """A triton-backend forward calls the kernels for every RMSNorm (the residual adds in them), every
+    layer's RoPE, every gated MLP's activation (dense layers, shared experts) and every MoE router's
+    selection, and gives the torch backend's logits; a torch-backend forward calls none of them."""
     from executor.model_runner import ModelRunner, RequestSlice
     from models.loader.load import load_model
     from models.synthetic import write_checkpoint
@@ -169,19 +203,32 @@ def test_the_triton_backend_runs_every_norm_and_rotation_through_the_kernels(pre
     loaded = load_model(write_checkpoint(tmp_path / preset, preset, seed=3), device=DEVICE, dtype="float32",
                         load_tokenizer=False, progress=False)
     model, cfg = loaded.model, loaded.config
-    calls = {"norm": 0, "residual": 0, "rotary": 0}
+    from kernels import fused_moe
+    from models.layers import GatedMLP
+    from models.moe import DeepseekMoE
+
+    calls = {"norm": 0, "residual": 0, "rotary": 0, "silu_mul": 0, "route": 0}
     real_norm, real_rotary = triton_layer_ops.rms_norm, triton_layer_ops.rotary
+    real_silu_mul, real_route = triton_layer_ops.silu_mul, fused_moe.route_experts
 
     def counted_norm(x, weight, eps, residual=None):
         calls["residual" if residual is not None else "norm"] += 1
         return real_norm(x, weight, eps, residual)
 
-    def counted_rotary(*args):
-        calls["rotary"] += 1
-        return real_rotary(*args)
+    def counted(name, real):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return call
 
     monkeypatch.setattr(triton_layer_ops, "rms_norm", counted_norm)
-    monkeypatch.setattr(triton_layer_ops, "rotary", counted_rotary)
+    monkeypatch.setattr(triton_layer_ops, "rotary", counted("rotary", real_rotary))
+    monkeypatch.setattr(triton_layer_ops, "silu_mul", counted("silu_mul", real_silu_mul))
+    monkeypatch.setattr(fused_moe, "route_experts", counted("route", real_route))
+    mlps = [layer.mlp for layer in model.model.layers]
+    routers = sum(isinstance(m, DeepseekMoE) for m in mlps)
+    activations = sum(isinstance(m, GatedMLP) or getattr(m, "shared_experts", None) is not None for m in mlps)
+    assert activations == len(mlps) and ("deepseek" not in preset or 0 < routers < len(mlps))
     prompt = torch.randint(3, cfg.vocab_size, (11,), generator=torch.Generator().manual_seed(4)).tolist()
     logits = {}
     for backend in ("torch", "triton"):
@@ -192,7 +239,8 @@ def test_the_triton_backend_runs_every_norm_and_rotation_through_the_kernels(pre
         logits[backend] = runner.forward(runner.build_batch([RequestSlice(row, 0, prompt)]))
         layers = cfg.num_hidden_layers
         latent_norms = layers * (1 + (getattr(cfg, "q_lora_rank", None) is not None)) if "deepseek" in preset else 0
-        expected = {"norm": layers + 1 + latent_norms, "residual": layers, "rotary": 2 * layers}
+        expected = {"norm": layers + 1 + latent_norms, "residual": layers, "rotary": 2 * layers,
+                    "silu_mul": activations, "route": routers}
         if backend == "torch":
             expected = {name: 0 for name in calls}
         assert {name: calls[name] - before[name] for name in calls} == expected
