@@ -314,6 +314,31 @@ def test_router_kernel_ties_bias_and_misfits() -> None:
         route_experts(tied, 4, scoring="sigmoid", method="noaux_tc", correction_bias=torch.zeros(8, device=DEVICE))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t,k,h", [(1, 6, 2048), (5, 1, 40), (17, 8, 7168), (64, 2, 33)])
+def test_moe_sum_matches_torch_sum(dtype: torch.dtype, t: int, k: int, h: int) -> None:
+    """The sum over the K slots against torch.sum (fp32 accumulation, one rounding): fp32 within an ulp or
+    two (another order of the adds), 16-bit values at most a step apart and rarely; x may be a view with
+    token and slot strides of its own."""
+    from kernels.fused_moe import moe_sum
+
+    gen = torch.Generator().manual_seed(t * 31 + k * 7 + h)
+    base = torch.randn(t, k + 1, h + 5, generator=gen).mul(4).to(DEVICE, dtype)
+    x = base[:, 1:, 3 : 3 + h]
+    out = torch.empty(t, h, dtype=dtype, device=DEVICE)
+    assert moe_sum(x, out) is out
+    want = torch.sum(x, dim=1)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-5)
+    else:
+        step = 2.0 ** -(7 if dtype == torch.bfloat16 else 10)
+        diff = (out.float() - want.float()).abs()
+        assert bool((diff <= step * want.float().abs() * 1.01 + 1e-3).all())
+        assert float((diff > 0).float().mean()) <= 0.02
+    with pytest.raises(ValueError, match="do not fit"):
+        moe_sum(x, torch.empty(t, h + 1, dtype=dtype, device=DEVICE))
+
+
 # ------------------------------------------------------------------ fused_experts vs TorchExperts
 
 CASES = [  # t, k, e, h, i, load
