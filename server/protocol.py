@@ -734,6 +734,33 @@ def rename_fields(renames: Sequence[tuple[re.Pattern[str], str]], message: str,
     return message, param
 
 
+def _model_names() -> frozenset[str]:
+    """Names of the request models, which pydantic puts in an error's `loc` as the union branch it tried."""
+    names, todo = set(), [BaseModel]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub.__module__.startswith("server.") and sub.__name__ not in names:
+                names.add(sub.__name__)
+                todo.append(sub)
+    return frozenset(names)
+
+
+def _object_branch_error(errors: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """The error to tell of a union field (`tool_choice`: a string or an object): for an object sent, the
+    first error inside the object branch (its missing `function`) rather than the string branch's "should be
+    'none', 'auto' or 'required'", which reads as if no object form existed."""
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    if not isinstance(first.get("input"), Mapping) or not loc or not isinstance(loc[-1], str) or "[" not in loc[-1]:
+        return first
+    models = _model_names()
+    for e in errors[1:]:
+        at = tuple(e.get("loc", ()))
+        if at[: len(loc) - 1] == loc[:-1] and len(at) > len(loc) and at[len(loc) - 1] in models:
+            return e
+    return first
+
+
 def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
     """(message, param) of the first pydantic/FastAPI validation error, OpenAI style.
 
@@ -756,12 +783,14 @@ def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str,
             return f"the request body must be a JSON object, not {what}: {SEND_JSON}", None
     if err.get("type") == "json_invalid":
         return f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}".rstrip(": "), None
+    err = _object_branch_error(errors)
+    models = _model_names()
     parts: list[str] = []
     loc = [*err.get("loc", ()), *(err.get("ctx") or {}).get("path", ())]  # ctx path: where inside the value
     for p in loc:
         if isinstance(p, int):
             parts.append(f"[{p}]")
-        elif p != "body" and not ("[" in p or p in ("str", "int", "float", "bool")):
+        elif p != "body" and not ("[" in p or p in ("str", "int", "float", "bool") or p in models):
             parts.append(str(p))
     param = ".".join(parts) or None
     msg = str(err.get("msg", "invalid value"))

@@ -282,16 +282,19 @@ class ChatSerializer(Serializer):
         answer text, found in the generated text after what was answered before; tokens before it (their
         text went to reasoning or a call) are dropped, tokens after it wait for the answer text they start.
         One delta may hold several tokens (a speculative step's), some of them reasoning or a call's markup.
-        With nothing answered, tokens whose text went elsewhere are dropped."""
+        With nothing answered, tokens whose text went elsewhere are dropped. A token released with no new
+        text, whose text starts inside the answer sent before, goes now: the last token before a stop string,
+        whose text the stop string cut (its first characters were sent with the token before it)."""
         if not self.body.logprobs:
             return []
         generated = self.texts[i] = self.texts.get(i, "") + raw  # (what `add` keeps when not streamed)
         pending = self.unplaced.setdefault(i, [])
         pending += lps
         if not text:
-            if elsewhere:
-                self.unplaced[i] = []
-            return []
+            sent = self.answered.get(i, 0)
+            inside = [s for s in pending if s.offset < sent]
+            self.unplaced[i] = [] if elsewhere else [s for s in pending if s.offset >= sent]
+            return inside
         at = generated.find(text, max(self.answered.get(i, 0), pending[0].offset if pending else 0))
         if at < 0:  # (an answer that is not the generated text as it is: each token with the text after it)
             self.unplaced[i] = []
@@ -438,6 +441,11 @@ class OutputItems:
     def text(self, text: str, logprobs: list[ChatTokenLogprob] | None = None) -> list[dict[str, Any]]:
         """Answer text and the logprobs of its tokens (kept on the part, told in the delta event)."""
         logprobs = logprobs or []
+        if not text and logprobs and isinstance(self.current, OutputMessage):
+            # a token whose text was sent before it (cut by a stop string): its logprobs in an empty delta
+            self.current.content[0].logprobs += logprobs  # type: ignore[union-attr]
+            return [self.event("response.output_text.delta", item_id=self.current.id, output_index=len(self.output) - 1,
+                               content_index=0, delta="", logprobs=_event_logprobs(logprobs))]
         out = self._append(text, OutputMessage, "msg", OutputText, "response.output_text.delta",
                            logprobs=_event_logprobs(logprobs))
         if out:

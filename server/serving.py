@@ -465,7 +465,7 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
     for i, (ids, _) in enumerate(prompts):
         limit = state.context_length - len(ids)
         if limit < 0 or (limit == 0 and params.max_tokens != 0) or (params.max_tokens is not None and params.max_tokens > limit):
-            asked = params.max_tokens or 1
+            asked = params.max_tokens if params.max_tokens is not None else 1
             raise ClientError(400, f"this model's maximum context length is {state.context_length} tokens; the "
                               f"request has {len(ids)} prompt tokens and asks for {asked} more",
                               prompt_param(body), "context_length_exceeded")

@@ -298,6 +298,15 @@ def test_logprobs_end_where_the_text_ends(server, client, tok):
     shown, cut_at = "".join(c.token for c in cut_chat.logprobs.content), len(cut_chat.message.content)
     assert shown.startswith(cut_chat.message.content) and reply.startswith(shown)
     assert len(shown) - len(cut_chat.logprobs.content[-1].token) < cut_at <= len(shown)  # the last one holds the cut
+    # streamed, the same tokens: the last one's text went out with the token before it, and its logprob
+    # comes when the stop string ends the choice (it was once lost there)
+    chunks = list(client.chat.completions.create(model=kw["model"], messages=MSG, max_tokens=16, temperature=0,
+                                                 logprobs=True, stop=[stop], stream=True,
+                                                 extra_body={"ignore_eos": True}))
+    streamed_tokens = [t.token for c in chunks for ch in c.choices if ch.logprobs and ch.logprobs.content
+                       for t in ch.logprobs.content]
+    assert streamed_tokens == [t.token for t in cut_chat.logprobs.content]
+    assert "".join(ch.delta.content or "" for c in chunks for ch in c.choices) == cut_chat.message.content
 
 
 def test_completion_logprobs_0_lists_the_chosen_token(server):
@@ -491,6 +500,9 @@ def test_the_eos_that_ends_a_reply_has_no_logprob(server, tok):
         ({"messages": MSG, "model": "not-this-one"}, 404, "model", "model_not_found"),
         ({"messages": MSG, "functions": [{"name": "f", "parameters": {"type": "object"}}]}, 400, "functions", None),
         ({"messages": MSG, "function_call": "auto"}, 400, "function_call", None),
+        # a named tool_choice without its function: the object form's missing field, not "should be 'none', ..."
+        ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function"}},
+         400, "tool_choice.function", None),
     ],
 )
 def test_bad_requests_get_openai_errors(server, body, status, param, code):

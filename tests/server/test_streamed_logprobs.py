@@ -51,3 +51,17 @@ def test_held_back_text_that_turns_out_answer_brings_its_tokens():
     assert [lp for lp, _ in ser.placed_logprobs(0, tokens(step), "".join(step), " a", elsewhere=False)] == [" a"]
     got = ser.placed_logprobs(0, tokens(["!"], 5), "!", " <b!", elsewhere=False)  # not a call after all
     assert [lp for lp, _ in got] == [" <", "b", "!"]
+
+
+def test_a_token_whose_text_a_stop_string_cut_comes_with_no_new_text():
+    """" is" with the stop string "is P": its space went out with " France"'s delta (the rest held back as a
+    possible stop), so it was released only when the stop string ended the choice, with no new text; its
+    logprob goes then (it was dropped). Tokens released with no text that start past the answer still wait."""
+    ser = serializer()
+    step = ["The", " capital", " of", " France"]
+    assert [lp for lp, _ in ser.placed_logprobs(0, tokens(step), "".join(step), "".join(step), elsewhere=False)] == step
+    assert ser.placed_logprobs(0, [], " ", " ", elsewhere=False) == []  # " is" not released yet
+    got = ser.placed_logprobs(0, tokens([" is"], len("The capital of France")), "", "", elsewhere=False)
+    assert [lp for lp, _ in got] == [" is"]
+    later = tokens(["!"], len("The capital of France "))
+    assert ser.placed_logprobs(0, later, "", "", elsewhere=False) == [] and ser.unplaced[0] == later
