@@ -28,6 +28,9 @@ The end of a client's input still ends the connection, as uvicorn has it: a clie
 (`shutdown(SHUT_WR)`) looks the same as one that closed, and closing is how a client that gave up
 stops its generation and frees its KV slots at once (nginx counts it as a client abort too).
 
+**Shutdown.** After the drain, a request still arriving (headers or body half sent) is answered 503
+`shutting_down` from here (`refuse_unfinished`), as the app answers every request after the signal.
+
 **Not HTTP.** What the parser refuses (a garbled request line, chunk size or header; a URL past its
 limit) gets a 400 in OpenAI's error shape, where uvicorn answers in text/plain.
 
@@ -95,6 +98,23 @@ class ServerHttpProtocol(HttpToolsProtocol):
             return
         self.transport.abort()  # not close(): that would wait for the buffer to drain, as the writes did
 
+    def refuse_unfinished(self) -> bool:
+        """At shutdown, after the drain: a request still arriving (its headers begun, or its body awaited by
+        a handler that has answered nothing) gets a 503 `shutting_down` and the connection closes, as an
+        idle one does. Left to uvicorn, the handler waiting on the body was cancelled after uvicorn's own
+        grace and the client got uvicorn's text/plain 500 (and the log a traceback). Whether it did."""
+        if self.transport.is_closing() or self._reading == WHOLE or self.pipeline:  # (another answer may be under way)
+            return False
+        if self._reading == HEAD and (not self._begun or self._answering()):
+            return False
+        if self._reading == BODY and (self.cycle is None or self.cycle.response_started):
+            return False
+        self._disarm()
+        self._write_error(b"503 Service Unavailable", "the server is shutting down; send the request to another "
+                          "replica or retry once it is back", "shutting_down", "service_unavailable", retry_after=5)
+        self.transport.close()
+        return True
+
     def drop_if_stalled(self) -> bool:
         """At shutdown, after the drain: aborts the connection if its client has stopped reading its answer
         (the write buffer is full), as --write-timeout would later. Whether it did."""
@@ -141,16 +161,17 @@ class ServerHttpProtocol(HttpToolsProtocol):
                           "chunked framing could not be parsed)", "invalid_http")
         self.transport.close()
 
-    def _write_error(self, status: bytes, message: str, code: str) -> None:
-        """An error answer of our own, written before any handler has run; the connection closes after it.
-        It has a request id and a log line, as every answer the app gives (no method or path: the request
-        line may not have come whole)."""
+    def _write_error(self, status: bytes, message: str, code: str, kind: str = "invalid_request_error",
+                     retry_after: int | None = None) -> None:
+        """An error answer of our own, written where no handler answers (none has run, or the one waiting
+        on the body has sent nothing); the connection closes after it. It has a request id and a log line,
+        as every answer the app gives (no method or path: the request line may not have come whole)."""
         rid = uuid.uuid4().hex
-        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                     "code": code}}).encode()
-        self.transport.write(b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+        retry = b"retry-after: %d\r\n" % retry_after if retry_after is not None else b""
+        self.transport.write(b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\n%s"
                              b"x-request-id: %s\r\ncontent-length: %d\r\n\r\n%s"
-                             % (status, rid.encode(), len(body), body))
+                             % (status, retry, rid.encode(), len(body), body))
         peer = self.transport.get_extra_info("peername")
         client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "-"
         logger.info("- - %s client=%s request_id=%s (%s)", status.decode().split()[0], client, rid, code)

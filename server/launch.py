@@ -135,6 +135,10 @@ class _DrainingServer(uvicorn.Server):
                 logger.warning("shutdown: dropped %d connection(s) whose clients did not read their answers",
                                dropped)
                 await self.wait_inflight(self.ABORT_FLUSH_S)
+        refused = sum(c.refuse_unfinished() for c in list(self.server_state.connections)
+                      if isinstance(c, ServerHttpProtocol))
+        if refused:
+            logger.info("shutdown: refused %d request(s) still arriving", refused)
         self.should_exit = True
 
     async def wait_inflight(self, seconds: float) -> None:

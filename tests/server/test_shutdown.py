@@ -292,6 +292,42 @@ def test_a_client_that_reads_nothing_is_dropped_after_the_drain_without_a_traceb
     assert "dropped 1 connection(s) whose clients did not read their answers" in log, log
 
 
+def test_requests_still_arriving_at_the_signal_get_a_503_without_a_traceback(model_dir, tmp_path):
+    """A body half sent (its handler waiting on the rest) and headers half sent when the signal comes: each
+    gets the drain's 503 `shutting_down` in OpenAI's shape with Retry-After, at once (every request that
+    arrives from then on gets one). Left to uvicorn, the handler waiting on the body was cancelled after
+    uvicorn's grace and the client got its text/plain 500, the log a traceback."""
+    import socket
+
+    srv = ServerProcess(str(model_dir), log=tmp_path / "log").wait_ready()
+    half_body, half_head = socket.create_connection(("127.0.0.1", srv.port)), socket.create_connection(("127.0.0.1", srv.port))
+    try:
+        half_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n{\"model\":")
+        half_head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-")
+        time.sleep(0.5)
+        signalled = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        for sock in (half_body, half_head):
+            sock.settimeout(60)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 503 "), answer
+            assert b"retry-after: 5" in head.lower() and b"connection: close" in head.lower(), answer
+            err = json.loads(body)["error"]
+            assert err["code"] == "shutting_down" and set(err) == {"message", "type", "param", "code"}, err
+        assert time.monotonic() - signalled < UVICORN_GRACE_S  # not after uvicorn's wait
+        assert srv.proc.wait(60) == 0, srv.log()
+    finally:
+        half_body.close()
+        half_head.close()
+    log = srv.log()
+    assert "Traceback" not in log and " ERROR " not in log, log
+    assert "refused 2 request(s) still arriving" in log, log
+
+
 def test_a_responses_stream_cut_by_the_drain_ends_with_response_failed(model_dir, tmp_path):
     """A Responses stream that fails ends as OpenAI's do: the `error` event, then `response.failed` with the
     response so far (status failed, its error); it ended with the `error` event alone."""
