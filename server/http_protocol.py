@@ -10,12 +10,13 @@ hundred of them exhaust the process's descriptors. `ServerHttpProtocol` gives ea
 `read_timeout` seconds in all, counted from the moment the server waits for that request, and its body
 at most `read_timeout` seconds between two reads (nginx's client_header_timeout and
 client_body_timeout). Past it the connection is closed: with a 408 in OpenAI's error shape when the
-request had begun but no handler has started (the headers were not complete); without a word when no
-byte of a request came (a fresh connection left unused, a kept-alive one idle between requests, as
-nginx and uvicorn's keep-alive timer close them: a 408 there is no answer to anything, and a client
-that sends its next request just then would read it as that request's); otherwise at once (the
-handler's next receive then says the client disconnected, and its answer goes nowhere). Requests that have arrived whole are
-never timed: generating their answer takes as long as it takes.
+request had begun (its headers not complete, or its body not: the handler waiting on it has answered
+nothing, and its next receive says the client disconnected, so its answer goes nowhere), as nginx
+answers both; without a word when no byte of a request came (a fresh connection left unused, a
+kept-alive one idle between requests, as nginx and uvicorn's keep-alive timer close them: a 408 there
+is no answer to anything, and a client that sends its next request just then would read it as that
+request's). Requests that have arrived whole are never timed: generating their answer takes as long
+as it takes.
 
 **Writing.** A client that stops reading its answer (a stuck consumer, a peer gone without a reset)
 fills the socket's buffer; uvicorn then holds the handler at its next write until the buffer drains,
@@ -63,11 +64,12 @@ class ServerHttpProtocol(HttpToolsProtocol):
     read, in time (module docstring)."""
 
     def __init__(self, *args: Any, read_timeout: float, write_timeout: float,
-                 on_timeout: Callable[[], None] | None = None, **kwargs: Any) -> None:
-        """`on_timeout`: called for each 408 sent (no handler sees it, so the error metrics are told here)."""
+                 on_error: Callable[[str, str], None] | None = None, **kwargs: Any) -> None:
+        """`on_error(code, status)`: called for each error this connection answers itself (a 408, a 400 for
+        what is not HTTP, the shutdown's 503): no handler's answer, so the error metrics are told here."""
         super().__init__(*args, **kwargs)
         self.read_timeout, self.write_timeout = read_timeout, write_timeout
-        self.on_timeout = on_timeout
+        self.on_error = on_error
         self._reading = HEAD
         self._begun = False  # a byte of the request being read has come (HEAD: its line or headers began)
         self._deadline: asyncio.TimerHandle | None = None
@@ -103,11 +105,7 @@ class ServerHttpProtocol(HttpToolsProtocol):
         a handler that has answered nothing) gets a 503 `shutting_down` and the connection closes, as an
         idle one does. Left to uvicorn, the handler waiting on the body was cancelled after uvicorn's own
         grace and the client got uvicorn's text/plain 500 (and the log a traceback). Whether it did."""
-        if self.transport.is_closing() or self._reading == WHOLE or self.pipeline:  # (another answer may be under way)
-            return False
-        if self._reading == HEAD and (not self._begun or self._answering()):
-            return False
-        if self._reading == BODY and (self.cycle is None or self.cycle.response_started):
+        if not self._unanswered():
             return False
         self._disarm()
         self._write_error(b"503 Service Unavailable", "the server is shutting down; send the request to another "
@@ -147,12 +145,20 @@ class ServerHttpProtocol(HttpToolsProtocol):
             return
         if self._reading == HEAD and not self._begun:  # nothing asked: nothing to answer
             logger.debug("closing a connection idle for %g s", self.read_timeout)
-        elif self._reading == HEAD:  # no handler runs for it: the client is told why
+        elif self._unanswered():  # the client is told why (a handler waiting on the body then sees the close)
             self._write_error(b"408 Request Timeout", f"the request did not arrive within {self.read_timeout:g} s; "
                               "send it whole, promptly", "request_timeout")
-            if self.on_timeout is not None:
-                self.on_timeout()
         self.transport.close()
+
+    def _unanswered(self) -> bool:
+        """A request has begun (headers or body under way) and nothing answers it yet: no handler runs for
+        it, or the one waiting on its body has sent nothing, and no earlier answer is still going out. An
+        error of ours may then be written on the connection, which closes after it."""
+        if self.transport.is_closing() or self._reading == WHOLE or self.pipeline:
+            return False
+        if self._reading == HEAD:
+            return self._begun and not self._answering()
+        return self.cycle is not None and not self.cycle.response_started
 
     def send_400_response(self, msg: str) -> None:
         """What the HTTP parser refuses (a bad request line, chunk size or header, a URL past its limit):
@@ -175,6 +181,8 @@ class ServerHttpProtocol(HttpToolsProtocol):
         peer = self.transport.get_extra_info("peername")
         client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "-"
         logger.info("- - %s client=%s request_id=%s (%s)", status.decode().split()[0], client, rid, code)
+        if self.on_error is not None:
+            self.on_error(code, status.decode().split()[0])
 
     # the connection and the parser's events, in the order they come
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]

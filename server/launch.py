@@ -254,8 +254,7 @@ async def serve_async(args: ServerArgs) -> int:
                             timeout_graceful_shutdown=5, access_log=False, lifespan="off",
                             http=functools.partial(ServerHttpProtocol, read_timeout=args.read_timeout,
                                                    write_timeout=args.write_timeout,
-                                                   on_timeout=lambda: state.metrics.count_error("request_timeout",
-                                                                                                "408")))
+                                                   on_error=state.metrics.count_error))
     server = _DrainingServer(config, state, args.shutdown_timeout, args.runtime_file)
     starter = asyncio.create_task(_start_engine(state, args, server))
     watcher = asyncio.create_task(_exit_when_the_engine_dies(state, server))

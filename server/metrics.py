@@ -54,9 +54,9 @@ are already counters that only need exposing. Everything lives in this object's 
 Errors (`mlaserve_request_errors_total{code, status}`) are counted in one place, an ASGI middleware
 just inside the request log, so that whatever refuses a request — auth (401), the body limit (413), validation (400),
 the routes (404 `model_not_found`, 400 `context_length_exceeded`), admission (503 `overloaded`),
-shutdown (503 `shutting_down`), the engine, a crash (500) — it is counted exactly once (the one answer no
-handler sees, a 408 `request_timeout` for headers that did not come in time, is counted by the HTTP
-protocol, `ServerHttpProtocol.on_timeout`):
+shutdown (503 `shutting_down`), the engine, a crash (500) — it is counted exactly once (the answers no
+handler gives: a 408 `request_timeout` for a request that did not come in time, a 400 `invalid_http`, the
+shutdown's 503 to a request still arriving, are counted by the HTTP protocol, `ServerHttpProtocol.on_error`):
 - a response with status >= 400 counts once: `code` is the OpenAI body's `error.code`, else its
   `error.type` (a parameter refused by validation has no code: `invalid_request_error`), else `other`;
   an error answered in Anthropic's shape counts under the code its route noted (`note_answer_code`),
