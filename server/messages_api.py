@@ -237,6 +237,8 @@ class MessagesRequest(_Body, NoStructuredExtensions):
     @field_validator("thinking")
     @classmethod
     def _budget(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") not in ("enabled", "disabled", "adaptive"):
+            raise _invalid(f"thinking.type must be 'enabled', 'disabled' or 'adaptive', not {value.get('type')!r}")
         if value is not None and value.get("type") == "enabled":
             budget = value.get("budget_tokens")
             if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
@@ -312,7 +314,8 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         for k, b in enumerate(blocks):
             if b.type not in _BLOCKS[m.role]:
                 raise ParamError(f"messages.[{i}].content.[{k}]",
-                                 f"a {m.role} message cannot hold a {b.type} block (messages[{i}].content[{k}])")
+                                 f"{'an' if m.role[0] in 'aeiou' else 'a'} {m.role} message cannot hold a {b.type} block "
+                                 f"(messages[{i}].content[{k}])")
         answered = {b.tool_use_id for b in blocks if isinstance(b, ToolResultBlock)}
         if missing := [u for u in unanswered if u not in answered]:  # as Anthropic's API refuses it
             raise ParamError(f"messages.[{i}]", f"tool_use ids were found without tool_result blocks immediately "

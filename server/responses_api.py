@@ -298,7 +298,8 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         messages.append({"role": "system", "content": req.instructions})
     if isinstance(req.input, str):
         messages.append({"role": "user", "content": req.input})
-    called: set[str] = set()
+    called: dict[str, int] = {}  # call_id -> the index of its function_call item
+    answered: set[str] = set()
     reasoning = ""  # a reasoning item's text, for the assistant turn that follows it
     for i, item in enumerate(input_items(req.input) if isinstance(req.input, list) else ()):
         if isinstance(item, ReasoningInputItem):
@@ -310,7 +311,10 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
             messages.append({"role": item.role, "content": item.text(), **(thought if item.role == "assistant" else {})})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
-            called.add(item.call_id)
+            if item.call_id in called:
+                raise ParamError(f"input.[{i}].call_id", f"input[{i}].call_id '{item.call_id}' is the call_id of "
+                                 f"input[{called[item.call_id]}] too: each function_call needs its own")
+            called[item.call_id] = i
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and not thought:  # one turn: its text and its calls
                 last["tool_calls"] = [*(last.get("tool_calls") or ()), call]
@@ -320,7 +324,16 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
             if item.call_id not in called:
                 raise ParamError(f"input.[{i}].call_id", f"input[{i}].call_id '{item.call_id}' matches no function_call "
                                  "item before it")
+            if item.call_id in answered:
+                raise ParamError(f"input.[{i}].call_id", f"input[{i}] answers function call '{item.call_id}' a second "
+                                 "time: send one function_call_output for each call")
+            answered.add(item.call_id)
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+    unanswered = [call_id for call_id in called if call_id not in answered]
+    if unanswered:  # as OpenAI's: a call in the conversation has its result in it too
+        at = called[unanswered[0]]
+        raise ParamError(f"input.[{at}].call_id", f"no function_call_output found for function call "
+                         f"'{unanswered[0]}' (input[{at}]): send each call's result as a function_call_output item")
     if not messages:
         raise ParamError("input", "input is required: a string, or a list with at least one message or function call")
     chat: dict[str, Any] = {"model": req.model, "messages": messages, "stream": bool(req.stream)}

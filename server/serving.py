@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -246,11 +247,50 @@ async def _json_body(raw: Request, model_for: Callable[[dict], type[BaseModel]])
         raise ClientError(400, "the body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise ClientError(400, "the body must be a JSON object")
+    model = model_for(data)
     try:
-        return model_for(data).model_validate(data)
+        body = model.model_validate(data)
     except ValidationError as e:
         message, param = describe_validation_error(e.errors())
         raise ClientError(400, message, param) from None
+    note_ignored_fields(model, data)
+    return body
+
+
+log = logging.getLogger("mlaserve.server")
+_IGNORED_SEEN: set[tuple[str, tuple[str, ...]]] = set()  # (model, field names) already warned of
+
+
+@functools.cache
+def _field_names(model: type[BaseModel]) -> frozenset[str]:
+    """The top-level keys `model` reads: its fields' names and aliases."""
+    names: set[str] = set()
+    for name, field in model.model_fields.items():
+        names.add(name)
+        for alias in (field.alias, field.validation_alias):
+            if isinstance(alias, str):
+                names.add(alias)
+            elif alias is not None and hasattr(alias, "choices"):  # AliasChoices
+                names.update(a for a in alias.choices if isinstance(a, str))
+    return frozenset(names)
+
+
+def note_ignored_fields(model: type[BaseModel], data: dict) -> None:
+    """Logs the top-level fields a request sent that this server does not know (they are ignored, as vLLM
+    ignores them, so that clients sending fields of newer API versions keep working), so that a typo
+    (`stop_sequence`, `max_tokens` on the Responses API) is seen: a warning the first time a route's model
+    gets that set of names, debug after. Names only, cut short: never values."""
+    ignored = [k for k in data if k not in _field_names(model)]
+    if not ignored:
+        return
+    names = tuple(sorted(k[:40] for k in ignored)[:10])
+    key = (model.__name__, names)
+    first = key not in _IGNORED_SEEN
+    if first and len(_IGNORED_SEEN) < 1024:
+        _IGNORED_SEEN.add(key)
+    log.log(logging.WARNING if first else logging.DEBUG,
+            "a request (%s) sent fields this server does not read, ignored: %s%s", model.__name__,
+            ", ".join(map(repr, names)), " ..." if len(ignored) > len(names) else "")
 
 
 async def counted(raw: Request, state: ServerState, body: Any, serializer_cls: Callable[..., Serializer]) -> Response:

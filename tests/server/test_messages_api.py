@@ -249,6 +249,7 @@ USER = [{"role": "user", "content": "hi"}]
                                                                   {"type": "text", "text": ""}]}]}, 400,
      "messages.0.content.1: text content blocks must be non-empty"),
     ({"max_tokens": 4, "messages": USER, "thinking": {"type": "enabled"}}, 400, "budget_tokens"),
+    ({"max_tokens": 4, "messages": USER, "thinking": {"type": "banana"}}, 400, "thinking.type must be"),
     ({"max_tokens": 5, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400,
      "must be less than max_tokens"),
     ({"max_tokens": 4, "messages": USER, "stop_sequences": [str(i) for i in range(20)]}, 400, "'stop_sequences'"),

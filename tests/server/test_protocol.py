@@ -473,3 +473,28 @@ def test_legacy_logprobs_keep_tokens_apart() -> None:
     assert names[3:] == [f"token_id:{size}", f"token_id:{size + 7}", "hello"]
     assert out.tokens == ["hello"] and out.token_logprobs == [values[-1]]
     assert out.top_logprobs == [{**dict(zip(names[:5], values[:5])), "hello": values[-1]}]
+
+
+def test_fields_a_server_does_not_read_are_named_in_the_log_once(caplog) -> None:
+    """Unknown top-level fields are ignored (as vLLM does), and logged so that a typo shows: a warning the
+    first time a route's model gets that set of names, debug after; names only (cut to 40 characters, ten
+    at most), never their values; aliases and known fields are not named."""
+    import logging
+
+    from server import serving
+    from server.messages_api import MessagesRequest
+    from server.responses_api import ResponsesRequest
+
+    serving._IGNORED_SEEN.clear()
+    with caplog.at_level(logging.DEBUG, logger="mlaserve.server"):
+        for _ in range(2):
+            serving.note_ignored_fields(ResponsesRequest, {"input": "hi", "max_tokens": 3, "temperature": 0})
+        serving.note_ignored_fields(MessagesRequest, {"messages": [], "max_tokens": 5, "stop_sequence": ["SECRET"]})
+        serving.note_ignored_fields(ChatCompletionRequest, {"messages": [], "max_tokens": 3, "stream": True})
+        serving.note_ignored_fields(ChatCompletionRequest, {f"x{'y' * 50}{i}": i for i in range(12)})
+    records = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert records[0] == (logging.WARNING, "a request (ResponsesRequest) sent fields this server does not read, "
+                                           "ignored: 'max_tokens'")
+    assert records[1][0] == logging.DEBUG and records[2][0] == logging.WARNING and "'stop_sequence'" in records[2][1]
+    assert "SECRET" not in caplog.text and len(records) == 4
+    assert records[3][1].endswith(" ...") and records[3][1].count("'x") == 10 and "y" * 41 not in records[3][1]
