@@ -34,6 +34,7 @@ its layers keep the released shapes. Llama presets use the built-in SmolLM2 toke
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import hashlib
 import json
@@ -365,20 +366,36 @@ def main(argv: list[str] | None = None, parser_class: type[argparse.ArgumentPars
     parser.add_argument("--gguf", action="store_true", help="also write OUT/model.gguf")
     parser.add_argument("--gguf-qtype", default="F32", type=str.upper, choices=list(QTYPES),
                         help=f"GGUF tensor type ({', '.join(QTYPES)}; other types: llama.cpp's llama-quantize)")
+    parser.add_argument("--force", action="store_true",
+                        help="write into an --out that already holds files (its config, weights and tokenizer are "
+                             "replaced)")
     args = parser.parse_args(argv)
     if args.gguf_qtype != "F32" and not args.gguf:
         parser.error("--gguf-qtype needs --gguf")
     if args.layers is not None and args.layers <= 0:
         parser.error(f"argument --layers: {args.layers} must be > 0")
-    try:  # an --out that is a file or cannot be written: one line and exit 2, as a bad flag
+    if args.out.is_file():
+        parser.error(f"cannot write --out {args.out}: it is a file, not a directory")
+    if args.out.is_dir() and not args.force and (held := sorted(p.name for p in args.out.iterdir())):
+        # a real model's directory given by mistake would lose its weights and config
+        parser.error(f"--out {args.out} is not empty (it holds {len(held)} file(s): {', '.join(held[:3])}"
+                     f"{', ...' if len(held) > 3 else ''}): name a new directory, or give --force to replace the "
+                     "checkpoint files in it")
+    from safetensors import SafetensorError
+
+    try:  # an --out that cannot be written (or a disk that fills): one line and exit 2, as a bad flag
         out = write_checkpoint(
             args.out, args.preset, seed=args.seed, dtype=args.dtype, gguf=args.gguf,
             gguf_qtype=args.gguf_qtype, num_layers=args.layers,
         )
     except CheckpointError as e:
         parser.error(str(e))
-    except OSError as e:
-        parser.error(f"cannot write --out {args.out}: {e.strerror or e} ({e.filename or args.out})")
+    except (OSError, SafetensorError) as e:
+        what = (e.strerror or str(e)) if isinstance(e, OSError) else str(e)
+        full = (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "requested and" in what or \
+            "No space left" in what
+        parser.error(f"cannot write --out {args.out}: {what}" + (" (is the disk full?)" if full and "No space" not in what
+                                                                  else "") + "; what was written is incomplete")
     n = num_parameters(args.preset, args.layers)
     print(f"wrote {args.preset} ({n:,} parameters, {args.dtype}) to {out}" + (" with model.gguf" if args.gguf else ""))
     return 0

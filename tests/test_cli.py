@@ -123,12 +123,33 @@ def test_make_checkpoint_refuses_bad_input_in_one_line(case: str, tmp_path: Path
     assert info.value.code == 2 and "Traceback" not in err, err
     line = one_line(err)
     expect = {"layers 0": "argument --layers: 0 must be > 0", "layers -2": "argument --layers: -2 must be > 0",
-              "out is a file": f"cannot write --out {a_file}: File exists",
+              "out is a file": f"cannot write --out {a_file}: it is a file, not a directory",
               "out under a file": f"cannot write --out {a_file / 'sub'}: Not a directory",
               "no preset": "the following arguments are required: --preset",
               "out empty": "argument --out: must name a directory"}[case]
     assert line.startswith("mlaserve make-checkpoint: error: ") and expect in line, line
     assert a_file.read_text() == "x"
+
+
+def test_make_checkpoint_refuses_a_directory_that_holds_files_unless_forced(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture) -> None:
+    """A real model's directory given as --out by mistake kept nothing: its shards were deleted and its
+    config and tokenizer replaced. Now a directory holding files is refused, one line, untouched; --force
+    writes into it."""
+    model = tmp_path / "realmodel"
+    model.mkdir()
+    for name in ("config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json"):
+        (model / name).write_text(name)
+    with pytest.raises(SystemExit) as info:
+        main(["make-checkpoint", "--preset", "tiny-llama", "--out", str(model)])
+    line = one_line(capsys.readouterr().err)
+    assert info.value.code == 2 and "is not empty (it holds 3 file(s): config.json, model-00001" in line, line
+    assert all((model / n).read_text() == n for n in ("config.json", "model.safetensors.index.json"))
+    assert main(["make-checkpoint", "--preset", "tiny-llama", "--out", str(model), "--force"]) == 0
+    assert not (model / "model-00001-of-00002.safetensors").exists() and (model / "model.safetensors").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["make-checkpoint", "--preset", "tiny-llama", "--out", str(empty)]) == 0  # an empty one is fine
 
 
 # --- a --model that is no model
