@@ -115,6 +115,11 @@ def device_name(value: str) -> str | None:
     return "must be cpu, cuda or cuda:N"
 
 
+#: The fewest KV slots the engine starts with: a cache cut below it (a tiny --max-total-tokens, a request
+#: table that took the memory) could not hold a chat template's prompt, and every request would be refused.
+MIN_CONTEXT = 32
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     model: str = flag(DEFAULT_MODEL, "built-in model name, HF directory or .gguf file", check=non_empty,

@@ -23,7 +23,7 @@ from models.config import DeepseekConfig, ModelConfig
 from models.loader.load import load_model, resolve_dtype
 from models.omnikv_config import OmniKVConfig
 from models.parallel import local_kv_heads
-from engine.args import EngineArgs
+from engine.args import MIN_CONTEXT, EngineArgs
 from engine.cgroups import memory_room
 from engine.ranks import DPAttentionRank, LeadRank, load_rank
 from engine.messages import (
@@ -197,8 +197,19 @@ class EngineCore:
         )
         num_slots = max(args.page_size, num_slots - num_slots % args.page_size)
         if num_slots < self.context_len:  # a request longer than the cache could never finish: say so up front
-            logger.warning("context length %d is cut to %d, the KV cache's slots (--max-total-tokens / "
-                           "--mem-fraction): a longer request could never run to its end", self.context_len, num_slots)
+            if args.max_total_tokens:
+                cause = f"--max-total-tokens {args.max_total_tokens}"
+            elif rows * 4 > device_per_token:  # the request table (4 bytes a request and position) took the memory
+                cause = (f"--max-running-requests {args.max_running_requests}: its request table takes "
+                         f"{rows * 4} bytes a position, the KV cache {device_per_token} a token")
+            else:
+                cause = f"--mem-fraction {args.mem_fraction:g} of {memory / 2**30:.2f} GiB available"
+            if num_slots < MIN_CONTEXT:
+                raise ValueError(f"the KV cache holds {num_slots} token(s) ({cause}), too few to serve any request "
+                                 f"(at least {MIN_CONTEXT} are needed): change that flag (without --max-total-tokens, "
+                                 "--mem-fraction sizes the cache)")
+            logger.warning("context length %d is cut to %d, the KV cache's slots (%s): a longer request could "
+                           "never run to its end", self.context_len, num_slots, cause)
             self.context_len = num_slots
         need = num_slots * (device_per_token + 8) + rows * self.context_len * 4  # (8: the slot allocator's list)
         if need > memory:  # the allocation would fail (a traceback), or succeed lazily and be killed when filled

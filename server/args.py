@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, NoReturn
 
-from engine.args import EngineArgs, FlagSpec, flag, internal, non_empty, non_negative, omnikv_file, positive
+from engine.args import MIN_CONTEXT, EngineArgs, FlagSpec, flag, internal, non_empty, non_negative, omnikv_file, positive
 from engine.cgroups import usable_cpus
 from server.chat_template import ChatTemplateError, load_chat_template
 from server.reasoning import REASONING_PARSERS
@@ -551,6 +551,12 @@ def combination_problem(parsed: Parsed, environ: Mapping[str, str]) -> str | Non
             and ns.device == "cpu"):
         return (f"{parsed.describe('cpu_weight_dtype')} holds every weight in fp32 for an exact forward, which "
                 f"{parsed.describe('dtype')} would round: drop --dtype (or use --cpu-weight-dtype bf16)")
+    if ns.max_total_tokens and ns.max_total_tokens < MIN_CONTEXT:
+        return (f"{parsed.describe('max_total_tokens')} leaves too few KV slots to serve any request (at least "
+                f"{MIN_CONTEXT}); leave it out for --mem-fraction to size the cache")
+    if ns.speculative_config is not None and ns.page_size > 1:
+        return (f"{parsed.describe('speculative_config')} needs page size 1, not {parsed.describe('page_size')}: a "
+                "draft's rejected tokens free their slots one by one, inside a page")
     if ns.max_total_tokens and ns.max_total_tokens < ns.page_size:
         return (f"{parsed.describe('page_size')} is larger than {parsed.describe('max_total_tokens')}: the KV cache "
                 "holds whole pages; lower --page-size or raise --max-total-tokens")

@@ -101,6 +101,11 @@ class HFCheckpoint:
         return {f: None for f in files}
 
     def _open(self, shard: Path):
+        try:  # the file's own error first (safetensors says "No such file or directory" for an unreadable one)
+            with open(shard, "rb"):
+                pass
+        except OSError as e:
+            raise CheckpointError(shard, f"cannot be read: {e.strerror or e}") from None
         try:
             return safe_open(str(shard), framework="pt", device="cpu")
         except Exception as e:  # safetensors raises its own error types for bad headers/offsets

@@ -104,6 +104,26 @@ def test_many_request_slots_leave_a_usable_cache(tmp_path, monkeypatch):
     assert slots > 32 * 2**20 // (per_token + 2001 * 4) - 2
 
 
+def test_a_cache_too_small_for_any_request_is_refused_naming_its_cause(tmp_path, monkeypatch, caplog):
+    """A cache cut below MIN_CONTEXT slots served every request a 400 after saying it was ready: now the
+    engine refuses to start, naming the flag that made it so (a tiny --max-total-tokens, a request table
+    that took the memory, a tiny --mem-fraction); a cut above it is a warning that names the cause too."""
+    import pytest
+
+    import engine.core
+
+    with pytest.raises(ValueError, match=r"holds 1 token\(s\) \(--max-total-tokens 1\), too few"):
+        _engine(tmp_path, max_total_tokens=1)
+    monkeypatch.setattr(engine.core, "available_memory", lambda device: 64 * 2**20)
+    with pytest.raises(ValueError, match=r"--max-running-requests 1000000: its request table takes"):
+        _engine(tmp_path, max_running_requests=10**6, mem_fraction=0.5)
+    with pytest.raises(ValueError, match=r"--mem-fraction 1e-06 of 0.06 GiB available"):
+        _engine(tmp_path, mem_fraction=1e-6)
+    with caplog.at_level("WARNING", logger="engine.core"):
+        core = _engine(tmp_path, max_total_tokens=64)
+    assert core.context_len == 64 and "cut to 64, the KV cache's slots (--max-total-tokens 64)" in caplog.text
+
+
 def test_cpu_quotas_v2_and_v1(tmp_path):
     """`docker run --cpus 1.5` writes cpu.max "150000 100000" (v2) or cfs_quota_us 150000 (v1); the tightest
     level counts; "max" and -1 are no quota."""

@@ -482,3 +482,24 @@ def test_rope_divisors_below_one_are_refused_not_ignored():
     assert llama3_from_rope_factors([1.0] * 32, 500000.0, 64) == {}
     assert llama3_from_rope_factors([0.5] * 32, 500000.0, 64) is None
     assert llama3_from_rope_factors([1.0] * 31 + [0.9], 500000.0, 64) is None
+
+
+def test_an_unreadable_shard_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard the server may not read was called corrupt and missing ("not a valid safetensors file
+    (truncated or corrupt?): No such file or directory": safetensors' own words for it); now the error is
+    the file's. (Simulated: the tests run as root, whom file modes do not stop.)"""
+    from models.loader import safetensors_loader
+    from models.synthetic import write_checkpoint
+
+    model = write_checkpoint(tmp_path / "m", "tiny-llama", seed=2)
+    shard = model / "model.safetensors"
+    real_open = open
+
+    def guarded(path, *args, **kwargs):
+        if Path(path) == shard:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors_loader, "open", guarded, raising=False)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*cannot be read: Permission denied"):
+        load_model(str(model), device="cpu", dtype="float32", load_tokenizer=False, progress=False)

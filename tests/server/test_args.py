@@ -335,6 +335,22 @@ def test_triton_backends_need_cuda(flags: list[str], capsys: pytest.CaptureFixtu
     assert parse_serve_args([*flags, "--device", "cuda:0"], environ={}).engine.device == "cuda:0"
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--max-total-tokens", "8"], "--max-total-tokens 8 leaves too few KV slots to serve any request (at least 32)"),
+    (["--speculative-config", '{"method": "ngram"}', "--page-size", "16"], "needs page size 1, not --page-size 16"),
+])
+def test_settings_no_request_could_use_are_refused(flags: list[str], message: str,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    """A cache too small for any request (the server said ready, then refused every request) and
+    speculative decoding with pages (it was turned off with a warning, the help saying it is not taken): one
+    line, exit 2, before the model loads."""
+    with pytest.raises(SystemExit) as info:
+        parse_serve_args(flags, environ={})
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1 and message in err[0], err
+    assert parse_serve_args(["--max-total-tokens", "32"], environ={}).engine.max_total_tokens == 32
+
+
 @pytest.mark.parametrize("flags,named,message", [
     (["--dp", "2", "--tp", "2", "--nnodes", "2", "--master-port", "29500"], ("--dp 2", "--nnodes 2"),
      "data-parallel replicas are one machine's"),
