@@ -237,8 +237,12 @@ class EngineCore:
             # every forward is one native call on the runner's pool: torch computes only the sampling, on
             # this thread, so its OpenMP workers never compete with the pool for the cores
             torch.set_num_threads(1)
-            logger.info("CPU forward: native (%s weights, %d threads)", args.cpu_weight_dtype,
-                        self.runner.expert_pool.workers.num_threads)
+            import cpp_experts
+
+            chosen = cpp_experts.info()["chosen"]
+            logger.info("CPU forward: native (%s weights, %d threads; kernels: %s for the quantized formats, %s for "
+                        "bf16)", args.cpu_weight_dtype, self.runner.expert_pool.workers.num_threads,
+                        chosen["q8_0"], chosen["bf16"])
         elif native:
             logger.warning("CPU forward: torch ops, because %s", self.runner.native_off_reason)
         use_cache = not args.disable_prefix_cache and args.page_size == 1
@@ -259,12 +263,13 @@ class EngineCore:
         self._finished_total: dict[str, int] = {}
         self.kv_bytes_per_token = per_token
         logger.info(
-            "KV cache: %d slots x %d bytes/token = %.2f GiB (%s); max_running_requests=%d, context_length=%d, "
-            "page size %d, prefix cache %s",
-            num_slots, per_token, num_slots * per_token / 2**30,
+            "KV cache: %d slots x %d bytes/token = %.2f GiB (%s, %s); max_running_requests=%d, context_length=%d, "
+            "page size %d, prefix cache %s, prefill chunks of %d tokens",
+            num_slots, per_token, num_slots * per_token / 2**30, str(kv_dtype).removeprefix("torch."),
             f"MLA latent {cfg.kv_cache_dim} values x {cfg.num_hidden_layers} layers"
             if isinstance(cfg, DeepseekConfig) else f"K+V {cfg.num_key_value_heads} heads x {cfg.head_dim}",
             args.max_running_requests, self.context_len, args.page_size, "on" if use_cache else "off",
+            args.prefill_chunk(),
         )
 
     @staticmethod
