@@ -450,7 +450,41 @@ class OneLineParser(argparse.ArgumentParser):
     (dozens of flags) would bury the message, and `--help` is one flag away."""
 
     def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments:"):
+            message += _peer_flag_hints(message.split(":", 1)[1].split(), self)
         refuse(self.prog, f"{message} (see {self.prog} --help)")
+
+
+_THREADS = ("(a thread per CPU this process may use, as taskset or a cgroup's quota allow; "
+            "MLASERVE_CPP_EXPERTS_THREADS=N sets it)")
+#: Flags of vLLM, SGLang and llama.cpp's server that users type from habit -> the flag that does the nearest
+#: thing here. Named in the error, not taken as aliases: their meanings differ in details (vLLM's
+#: --gpu-memory-utilization is a share of all the device's memory, --mem-fraction one of the free memory
+#: left for the KV cache).
+PEER_FLAGS = {"--max-model-len": "--context-length", "--ctx-size": "--context-length", "-c": "--context-length",
+              "--context-size": "--context-length", "-m": "--model", "--model-path": "--model",
+              "--gpu-memory-utilization": "--mem-fraction", "--mem-fraction-static": "--mem-fraction",
+              "--tensor-parallel-size": "--tp", "--tp-size": "--tp", "--data-parallel-size": "--dp",
+              "--dp-size": "--dp", "--max-num-seqs": "--max-running-requests", "-np": "--max-running-requests",
+              "--parallel": "--max-running-requests", "--max-num-batched-tokens": "--chunked-prefill-size",
+              "--kv-cache-dtype": "--kv-dtype", "--chat-template-file": "--chat-template",
+              "--enable-prefix-caching": "(on by default; --disable-prefix-cache turns it off)",
+              "--api-keys": "--api-key", "-t": _THREADS, "--threads": _THREADS}
+
+
+def _peer_flag_hints(unknown: list[str], parser: argparse.ArgumentParser) -> str:
+    """'; --max-model-len is --context-length here' for the peers' flags among `unknown` whose nearest flag this
+    parser has; a bare first word a model name (vLLM's `vllm serve MODEL`)."""
+    known = {opt for action in parser._actions for opt in action.option_strings}
+    hints = []
+    for word in unknown:
+        name = word.split("=", 1)[0]
+        ours = PEER_FLAGS.get(name)
+        if ours is not None and (ours.startswith("(") or ours in known):
+            hints.append(f"{name} {ours}" if ours.startswith("(") else f"{name} is {ours} here")
+    if unknown and not unknown[0].startswith("-") and "--model" in known and not hints:
+        hints.append(f"the model is given as --model {unknown[0]}")
+    return "; " + "; ".join(dict.fromkeys(hints)) if hints else ""
 
 
 @dataclass

@@ -586,3 +586,32 @@ def test_a_bad_worker_thread_count_is_refused(value: str, capsys: pytest.Capture
     assert info.value.code == 2 and err.startswith(f"mlaserve serve: error: MLASERVE_CPP_EXPERTS_THREADS={value!r} "
                                                    "must be a whole number"), err
     assert parse_serve_args([], environ={"MLASERVE_CPP_EXPERTS_THREADS": " 3 "}).engine is not None
+
+
+@pytest.mark.parametrize("argv,hint", [
+    (["--max-model-len", "4096"], "--max-model-len is --context-length here"),
+    (["--gpu-memory-utilization=0.9", "--tensor-parallel-size", "2"],
+     "--gpu-memory-utilization is --mem-fraction here; --tensor-parallel-size is --tp here"),
+    (["-np", "4"], "-np is --max-running-requests here"),
+    (["smollm2-135m-instruct"], "the model is given as --model smollm2-135m-instruct"),
+    (["-t", "4"], "MLASERVE_CPP_EXPERTS_THREADS=N sets it"),
+])
+def test_a_peer_servers_flag_names_ours(argv: list[str], hint: str, capsys: pytest.CaptureFixture) -> None:
+    """vLLM's, SGLang's and llama.cpp's flags typed from habit (and vLLM's positional model) are refused, as
+    unknown flags are, with the flag that does the nearest thing here named in the one line; an unknown
+    flag of no peer gets no hint."""
+    with pytest.raises(SystemExit) as info:
+        parse_serve_args(argv, environ={})
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1 and "unrecognized arguments" in err[0] and hint in err[0], err
+    with pytest.raises(SystemExit):
+        parse_serve_args(["--bogus", "1"], environ={})
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("unrecognized arguments: --bogus 1 (see mlaserve serve --help)"), err
+
+
+def test_every_peer_flag_names_a_flag_of_serve() -> None:
+    from server.args import PEER_FLAGS, SERVE_FLAGS
+
+    ours = {f"--{f.name}" for f in SERVE_FLAGS}
+    assert all(target.startswith("(") or target in ours for target in PEER_FLAGS.values()), PEER_FLAGS
