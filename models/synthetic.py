@@ -360,9 +360,9 @@ def main(argv: list[str] | None = None, parser_class: type[argparse.ArgumentPars
     parser = parser_class(prog="mlaserve make-checkpoint", description=(main.__doc__ or "").split("\n\n")[0])
     parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
     parser.add_argument("--out", required=True, type=_out_dir, help="output directory")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights' dtype (default: float32)")
+    parser.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (default: the preset's)")
     parser.add_argument("--gguf", action="store_true", help="also write OUT/model.gguf")
     parser.add_argument("--gguf-qtype", default="F32", type=str.upper, choices=list(QTYPES),
                         help=f"GGUF tensor type ({', '.join(QTYPES)}; other types: llama.cpp's llama-quantize)")
@@ -381,7 +381,24 @@ def main(argv: list[str] | None = None, parser_class: type[argparse.ArgumentPars
         parser.error(f"--out {args.out} is not empty (it holds {len(held)} file(s): {', '.join(held[:3])}"
                      f"{', ...' if len(held) > 3 else ''}): name a new directory, or give --force to replace the "
                      "checkpoint files in it")
+    from gguf import GGML_QUANT_SIZES
     from safetensors import SafetensorError
+
+    # a preset may be gigabytes (deepseek-v3: 3.0B parameters, 12 GB in float32): refused up front where the
+    # disk cannot hold it, rather than failing half written
+    params = num_parameters(args.preset, args.layers)
+    need = params * DTYPES[args.dtype].itemsize
+    if args.gguf:
+        block, size = GGML_QUANT_SIZES[QTYPES[args.gguf_qtype][0]]
+        need += params * size // block
+    where = next(p for p in (args.out, *args.out.absolute().parents) if p.exists())
+    free = shutil.disk_usage(where).free
+    if need > free:
+        def size(n: int) -> str:
+            return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+        parser.error(f"{args.preset} ({params:,} parameters) needs about {size(need)}, and {where} has {size(free)} "
+                     "free: free some space, or use --layers N or a smaller --dtype / --gguf-qtype")
 
     try:  # an --out that cannot be written (or a disk that fills): one line and exit 2, as a bad flag
         out = write_checkpoint(

@@ -198,7 +198,7 @@ async def _start_engine(state: ServerState, args: ServerArgs, server: _DrainingS
         if server.stop_requested:  # e.g. a group signal reached the engine before it could ignore it
             logger.info("the engine did not start: the server was asked to stop (%s)", e)
             return
-        logger.error("the engine failed to start: %s", e)
+        logger.error("the engine failed to start: %s", str(e).removeprefix("engine core failed to start: "))
         state.start_error = str(e)
         server.should_exit = True
 

@@ -447,3 +447,19 @@ def test_serve_with_weights_the_engine_refuses_says_so_once(checkpoint: Path, tm
     says = "missing tensor(s): model.layers.1.self_attn.q_proj.weight"
     assert done.stderr.count(says) == 1, done.stderr
     assert "the engine failed to start" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_make_checkpoint_refuses_what_the_disk_cannot_hold(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A preset larger than the free space (deepseek-v3 is 12 GB in float32) is refused up front, naming both
+    sizes, instead of failing half written; nothing is written."""
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**7, 0, 5 * 10**6))
+    with pytest.raises(SystemExit) as info:
+        main(["make-checkpoint", "--preset", "tiny-llama", "--out", str(tmp_path / "m"), "--gguf"])
+    line = one_line(capsys.readouterr().err)
+    assert info.value.code == 2 and "tiny-llama (3,219,776 parameters) needs about 25.8 MB" in line, line
+    assert "has 5.0 MB free" in line and not (tmp_path / "m").exists()
