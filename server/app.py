@@ -37,6 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from scheduler.sampling_params import ParamError
 from server.messages_api import model_info, model_info_list
+from server.http_protocol import SCOPE_ANSWERED, SCOPE_REQUEST_ID, log_path
 from server.metrics import CLIENT_CLOSED, Departure, ErrorCountingMiddleware
 from server.protocol import SEND_JSON, ModelCard, ModelList, VersionResponse, describe_validation_error
 from server.serving import anthropic_error, register_routes
@@ -218,16 +219,20 @@ class RequestLogMiddleware:
             await send(msg)
 
         departure = Departure(receive, lambda: status != 0)
+        scope[SCOPE_REQUEST_ID] = rid.decode()  # (the connection's own error answer carries it too)
         try:
             await self.app(scope, departure.receive, tagged)
         finally:
             path = scope.get("path", "")
             client = scope.get("client")
             # such a request is logged as nginx logs it, 499, not with the answer it never got (a 400 for
-            # the half body it left)
-            logger.log(logging.DEBUG if path in QUIET_PATHS else logging.INFO, "%s %s %s %.1f ms client=%s request_id=%s",
-                       scope.get("method"), path, CLIENT_CLOSED if departure.left else status or "-",
-                       (time.monotonic() - start) * 1e3, f"{client[0]}:{client[1]}" if client else "-", rid.decode())
+            # the half body it left); one the connection answered itself (a 408 for a body that stopped) was
+            # logged there, with this id
+            if not scope.get(SCOPE_ANSWERED):
+                logger.log(logging.DEBUG if path in QUIET_PATHS else logging.INFO,
+                           "%s %s %s %.1f ms client=%s request_id=%s", scope.get("method"), log_path(path),
+                           CLIENT_CLOSED if departure.left else status or "-", (time.monotonic() - start) * 1e3,
+                           f"{client[0]}:{client[1]}" if client else "-", rid.decode())
 
 
 class DrainMiddleware:

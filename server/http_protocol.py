@@ -56,7 +56,21 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 
 logger = logging.getLogger("mlaserve.server")  # the request log's lines, as server.app's
 
+#: Keys of a request's ASGI scope shared with the request log (server.app.RequestLogMiddleware): the id it gave
+#: the request, and that the connection answered it itself (an error written here: its one log line is this
+#: module's, with that id, and the handler's own answer goes nowhere).
+SCOPE_REQUEST_ID, SCOPE_ANSWERED = "mlaserve.request_id", "mlaserve.answered_by_connection"
+
 HEAD, BODY, WHOLE = "head", "body", "whole"  # what the connection is reading: a request's headers, its body, nothing
+
+
+def log_path(path: str, limit: int = 200) -> str:
+    """A request's path as the request log writes it: percent-quoted as uvicorn's access log quotes it (a
+    decoded newline or terminal escape in it would forge a log line or colour the terminal), cut at `limit`."""
+    from urllib.parse import quote
+
+    quoted = quote(path, safe="/:@!$&'()*+,;=-._~")
+    return quoted if len(quoted) <= limit else quoted[:limit] + "..."
 
 
 class ServerHttpProtocol(HttpToolsProtocol):
@@ -172,7 +186,11 @@ class ServerHttpProtocol(HttpToolsProtocol):
         """An error answer of our own, written where no handler answers (none has run, or the one waiting
         on the body has sent nothing); the connection closes after it. It has a request id and a log line,
         as every answer the app gives (no method or path: the request line may not have come whole)."""
-        rid = uuid.uuid4().hex
+        scope = self.cycle.scope if self.cycle is not None and self._reading == BODY else None  # a handler's request
+        rid = scope.get(SCOPE_REQUEST_ID) if scope is not None else None
+        rid = rid if isinstance(rid, str) else uuid.uuid4().hex
+        if scope is not None:
+            scope[SCOPE_ANSWERED] = True
         body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
         retry = b"retry-after: %d\r\n" % retry_after if retry_after is not None else b""
         self.transport.write(b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\n%s"
@@ -180,7 +198,8 @@ class ServerHttpProtocol(HttpToolsProtocol):
                              % (status, retry, rid.encode(), len(body), body))
         peer = self.transport.get_extra_info("peername")
         client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "-"
-        logger.info("- - %s client=%s request_id=%s (%s)", status.decode().split()[0], client, rid, code)
+        what = f"{scope.get('method')} {log_path(str(scope.get('path', '')))}" if scope is not None else "- -"
+        logger.info("%s %s client=%s request_id=%s (%s)", what, status.decode().split()[0], client, rid, code)
         if self.on_error is not None:
             self.on_error(code, status.decode().split()[0])
 

@@ -75,6 +75,41 @@ def test_a_client_that_leaves_in_the_middle_of_its_body_is_logged_499(server):
     assert re.search(r"POST /v1/completions 499 [0-9.]+ ms ", line_of(server, "left-midway"))
 
 
+def test_a_path_cannot_forge_a_log_line(server):
+    """A path whose escapes decode to a newline (a forged line after it) or a terminal escape is written
+    percent-quoted, as uvicorn's access log writes paths, and a long one cut; no key is needed to be logged."""
+    forged = "2026-12-05 00:00:00,000 INFO mlaserve.server: POST /v1/admin 200 1.0 ms client=10.0.0.1 request_id=forged"
+    path = "/v1/x%0A" + forged.replace(" ", "%20") + "%0A%1b[31m" + "y" * 500
+    r = httpx.get(server.url + path, headers={"X-Request-Id": "forger"}, timeout=10)
+    assert r.status_code in (401, 404)
+    line = line_of(server, "forger")
+    assert line.count("\n") == 0 and "\x1b" not in line and "/v1/x%0A2026-12-05%2000:00:00" in line, line
+    assert "%1B%5B31myyyy" in line and "y" * 300 not in line and "y... " in line
+    text = server.log_path.read_text(errors="replace")
+    assert not any(ln.startswith("2026-12-05 00:00:00,000") for ln in text.splitlines())
+
+
+def test_a_body_that_stops_is_one_line_with_the_id_the_client_got(tmp_path):
+    """--read-timeout past a body that stopped: the connection answers 408 and logs it with the request's
+    own id (the one its answer carries); the handler's 499 for the same request is not a second line."""
+    import socket
+
+    model = write_checkpoint(tmp_path / "m", "tiny-llama", seed=2)
+    srv = ServerProcess(str(model), "--read-timeout", "1.5", log=tmp_path / "server.log").wait_ready()
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=20) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-request-id: stalled-body\r\n"
+                      b"content-type: application/json\r\ncontent-length: 100\r\n\r\n{\"model\":")
+            raw = b""
+            while chunk := s.recv(65536):
+                raw += chunk
+        assert raw.startswith(b"HTTP/1.1 408") and b"x-request-id: stalled-body" in raw, raw
+        line = line_of(srv, "stalled-body")
+        assert "POST /v1/completions 408" in line and "(request_timeout)" in line, line
+    finally:
+        assert srv.stop() == 0
+
+
 def test_log_level_reaches_the_engine_process(server, tmp_path):
     """--log-level set the server's logging only: the engine process logged at INFO whatever it said (six
     lines at `--log-level error`). At info (the module's server) its lines show; at warning they do not."""
