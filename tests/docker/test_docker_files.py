@@ -30,6 +30,7 @@ DASHBOARD = DOCKER / "grafana" / "dashboards" / "mlaserve.json"
 PORT = "8000"
 # labels Prometheus adds to every series of a scrape target (the server never exports them)
 TARGET_LABELS = {"job", "instance"}
+PROMETHEUS_SERIES = {"up"}  # series Prometheus itself writes for each target
 DATASOURCE_VARIABLE = "datasource"
 DATASOURCE_REFS = {f"${{{DATASOURCE_VARIABLE}}}", f"${DATASOURCE_VARIABLE}"}
 
@@ -470,10 +471,13 @@ def test_alert_queries_exist_in_a_real_scrape(real_scrape: str):
     names, labels = exported_metric_names(real_scrape)
     exported, _ = exported_metric_names()
     rules = alert_rules()
-    assert {r["alert"] for r in rules} == {"MlaserveServerErrors", "MlaserveOverloaded", "MlaserveKVCacheFull"}
+    assert {r["alert"] for r in rules} == {"MlaserveDown", "MlaserveServerErrors", "MlaserveOverloaded",
+                                           "MlaserveKVCacheFull"}
     for rule in rules:
         used, used_labels = promql_names(rule["expr"])
-        assert used and used <= names & exported, f"{rule['alert']}: {sorted(used - names)} not in a real scrape"
+        used -= PROMETHEUS_SERIES  # Prometheus's own, per target
+        assert used or rule["alert"] == "MlaserveDown", rule
+        assert used <= names & exported, f"{rule['alert']}: {sorted(used - names)} not in a real scrape"
         assert used_labels <= labels | TARGET_LABELS, f"{rule['alert']}: {sorted(used_labels - labels)}"
         assert rule["labels"]["severity"] in {"critical", "warning"} and rule["annotations"]["summary"]
 
@@ -488,7 +492,7 @@ def _promtool() -> str:
 
 def test_promtool_checks_the_alerting_rules():
     result = subprocess.run([_promtool(), "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and "SUCCESS: 3 rules found" in result.stdout, result.stdout + result.stderr
+    assert result.returncode == 0 and "SUCCESS: 4 rules found" in result.stdout, result.stdout + result.stderr
 
 
 def _rule_test(tmp_path: Path, cases: list[dict]) -> subprocess.CompletedProcess:
@@ -506,6 +510,10 @@ def _rule_test(tmp_path: Path, cases: list[dict]) -> subprocess.CompletedProcess
         # d: the KV cache 99% used; e: half
         {"series": 'mlaserve_kv_cache_usage_ratio{instance="d"}', "values": "0.99x40"},
         {"series": 'mlaserve_kv_cache_usage_ratio{instance="e"}', "values": "0.5x40"},
+        # f: its scrapes fail from minute 5; g: scraped; h: another job's target, down
+        {"series": 'up{job="mlaserve",instance="f"}', "values": "1x4 0x36"},
+        {"series": 'up{job="mlaserve",instance="g"}', "values": "1x40"},
+        {"series": 'up{job="other",instance="h"}', "values": "0x40"},
     ]
     spec = {"rule_files": [str(ALERTS)], "evaluation_interval": "1m",
             "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": cases}]}
@@ -531,6 +539,10 @@ def test_alerts_fire_on_their_failures_only(tmp_path):
          "exp_alerts": _fires("MlaserveOverloaded", "c", "mlaserve on c refuses requests: its queue is full")},
         {"eval_time": "20m", "alertname": "MlaserveKVCacheFull",
          "exp_alerts": _fires("MlaserveKVCacheFull", "d", "mlaserve on d has its KV cache 99% full")},
+        {"eval_time": "5m", "alertname": "MlaserveDown", "exp_alerts": []},  # down, but not for 2 minutes yet
+        {"eval_time": "20m", "alertname": "MlaserveDown",
+         "exp_alerts": [{**_fires("MlaserveDown", "f", "mlaserve on f cannot be scraped")[0],
+                         "exp_labels": {"severity": "critical", "instance": "f", "job": "mlaserve"}}]},
     ]
     result = _rule_test(tmp_path, cases)
     assert result.returncode == 0 and "SUCCESS" in result.stdout, result.stdout + result.stderr
