@@ -59,14 +59,16 @@ class IncrementalDetokenizer:
     """Text deltas of one completion's token ids. Not thread-safe; one per completion."""
 
     def __init__(self, tokenizer: TokenizerBundle, skip_special_tokens: bool = True,
-                 prompt_ids: Sequence[int] = ()) -> None:
+                 prompt_ids: Sequence[int] = (), keep: frozenset[int] = frozenset()) -> None:
         """`prompt_ids`: give them to decode the first tokens as they read after the prompt (a
-        SentencePiece leading space is kept); without them the text is `decode(generated ids)`."""
+        SentencePiece leading space is kept); without them the text is `decode(generated ids)`. `keep`:
+        special tokens whose text shows even when skipping (a tool-call parser's markup)."""
         self._tok = tokenizer.tokenizer
-        self._skip = skip_special_tokens
         # left out of the window when skipped, as the decode leaves them out: a run of them would otherwise
         # start a window and strip the space of the SentencePiece word after it
-        self._skipped = tokenizer.special_ids if skip_special_tokens else frozenset()
+        self._skipped = tokenizer.special_ids - keep if skip_special_tokens else frozenset()
+        # with tokens to keep, the decode skips nothing: the others never enter the window
+        self._skip = skip_special_tokens and not (keep & tokenizer.special_ids)
         # lossy UTF-8 over the whole byte stream: a boundary after a replacement character can be sealed
         self._byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
         self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []

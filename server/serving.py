@@ -511,15 +511,18 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
                               prompt_param(body), "context_length_exceeded")
         p = params if params.max_tokens is not None else msgspec.structs.replace(params, max_tokens=limit)
         req = GenerateRequest(f"{base}-{i}", ids, p, time.time())
-        # a tool-call parser reads the markup, which may be special tokens (DeepSeek's): those are kept
-        # in the text, and EOS ids left out of it like stop ids
+        # a tool-call parser reads its markup, which may be special tokens (Llama's <|python_tag|>, Mistral's
+        # [TOOL_CALLS]): those are kept in the text (the other special tokens are skipped as ever), and EOS
+        # ids left out of it like stop ids
         parsing = tools.new_parser is not None
-        specials = parsing or body.skip_special_tokens is False  # special tokens' text shows
+        specials = body.skip_special_tokens is False  # special tokens' text shows
+        keep = frozenset(i for i in tok.special_ids if tok.tokenizer.id_to_token(i) in tools.markup) if parsing \
+            else frozenset()
         include = bool(body.include_stop_str_in_output)  # as vLLM: a stop id's text too
         stop_ids, eos = frozenset(p.stop_token_ids), frozenset(() if p.ignore_eos else tok.eos_token_ids)
         shown_eos = frozenset(tok.eos_token_ids) if specials else frozenset()  # (skipped anyway otherwise)
         hidden = (frozenset() if include else stop_ids | shown_eos) | (shown_eos if parsing else frozenset())
-        choices = [ChoiceText(IncrementalDetokenizer(tok, skip_special_tokens=not specials, prompt_ids=ids),
+        choices = [ChoiceText(IncrementalDetokenizer(tok, skip_special_tokens=not specials, prompt_ids=ids, keep=keep),
                               StopStringMatcher(body.stop_strings(), include), hidden, stop_ids,
                               0 if p.structured is not None else p.min_tokens, eos)
                    for _ in range(p.n)]

@@ -113,6 +113,10 @@ class JsonEnd:
 class ToolParser:
     """Streaming parser base: subclasses implement `_step`, one transition of their state machine."""
 
+    #: the markup strings the parser reads: where a model's tokenizer has them as special tokens, their text
+    #: is kept in what the parser is fed (`skip_special_tokens` still drops the other special tokens)
+    markup: tuple[str, ...] = ()
+
     def __init__(self, new_id: Callable[[], str] = default_call_id) -> None:
         self._new_id = new_id
         self._buf = ""  # text received, not yet decided on
@@ -231,6 +235,8 @@ def _deepseek_args(raw: str, done: bool) -> str:
 
 class DeepSeekV3ToolParser(ToolParser):
     """DeepSeek-V3/R1/V2.5: `function<｜tool▁sep｜>NAME` then the arguments in a ```json fence."""
+
+    markup = (_CALLS_BEGIN, _CALLS_END, _CALL_BEGIN, _CALL_END, _SEP)
 
     def __init__(self, new_id: Callable[[], str] = default_call_id) -> None:
         super().__init__(new_id)
@@ -364,6 +370,7 @@ class HermesToolParser(ToolParser):
     """Hermes / Qwen2.5: each `<tool_call>` block is held until `</tool_call>`, then sent whole."""
 
     _OPEN, _CLOSE = HERMES_OPEN, "</tool_call>"
+    markup = (_OPEN, _CLOSE)
 
     def __init__(self, new_id: Callable[[], str] = default_call_id) -> None:
         super().__init__(new_id)
@@ -451,6 +458,8 @@ class Llama3JsonToolParser(ToolParser):
     also follow some text) is held to the end and read as calls, then content (`_llama_calls`); other
     output is content, streamed as it comes."""
 
+    markup = (_PYTHON_TAG,)
+
     def __init__(self, new_id: Callable[[], str] = default_call_id) -> None:
         super().__init__(new_id)
         self._mode = ""  # "" undecided | content | json
@@ -516,6 +525,8 @@ class MistralToolParser(ToolParser):
     Devstral), `NAME[ARGS]{...}` per call, each after its own `[TOOL_CALLS]` (a `[CALL_ID]ID` before `[ARGS]`
     is dropped: ids are this server's). Those arguments stream as they are written, up to where their object
     closes; text after it is content. A marker followed by anything else (prose that names it) is content."""
+
+    markup = (_MISTRAL_CALLS, _MISTRAL_ARGS, _MISTRAL_CALL_ID)
 
     def __init__(self, new_id: Callable[[], str] = mistral_call_id) -> None:
         super().__init__(new_id)

@@ -66,6 +66,8 @@ class ToolPlan:
     new_parser: Callable[[], MergedDeltas | RequiredToolCalls] | None = None
     # a named tool_choice: OpenAI then ends the forced call with finish_reason "stop", not "tool_calls"
     named: bool = False
+    # the markup `new_parser` reads (`ToolParser.markup`): special tokens with this text stay in its input
+    markup: tuple[str, ...] = ()
 
 
 def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto") -> ToolPlan:
@@ -119,10 +121,11 @@ def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto")
         raise ParamError("tools", "this model's chat template uses a tool-call format mlaserve does not recognise; "
                          f"start the server with --tool-call-parser (one of {', '.join(sorted(TOOL_PARSERS))})")
     name = name or "hermes"
+    markup = TOOL_PARSERS[name].markup
     if listed is None:
-        return ToolPlan(rendered, None, None, _parser(name, body.parallel_tool_calls, new_id))
+        return ToolPlan(rendered, None, None, _parser(name, body.parallel_tool_calls, new_id), markup=markup)
     prompt = (_TOOL_PROMPT if name == "hermes" else _TOOL_LIST_PROMPT).format(tools=listed)
-    return ToolPlan(None, prompt, None, _parser(name, body.parallel_tool_calls, new_id))
+    return ToolPlan(None, prompt, None, _parser(name, body.parallel_tool_calls, new_id), markup=markup)
 
 
 def _text_of(content: Any) -> str:

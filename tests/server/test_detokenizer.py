@@ -447,3 +447,26 @@ def test_a_stop_string_inside_a_several_token_output_ends_the_choice_at_its_toke
         assert choice.finish_reason == "stop" and choice.stop_reason == stop, (seed, text, stop)
         assert choice.token_ids == ids[: completing + 1], (seed, text, stop)
         assert choice.completion_tokens == completing + 1, (seed, text, stop)
+
+
+def test_kept_special_tokens_show_and_the_others_are_skipped(byte_level: TokenizerBundle) -> None:
+    """`keep` (a tool-call parser's markup, where the tokenizer has it as special tokens): those special
+    tokens' text shows, every other special token is skipped as before; fed one by one or in chunks, with a
+    prompt before them, the text is the decode of the ids without the skipped ones."""
+    rng = random.Random(7)
+    specials = sorted(byte_level.special_ids)
+    kept, skipped = frozenset(specials[:1]), specials[1:]
+    assert skipped, "the tokenizer needs two special tokens"
+    words = byte_level.encode("Call it: \u4e16\u754c then 42.", add_special_tokens=False)
+    prompt = byte_level.encode("Question? ", add_special_tokens=False)
+    for _ in range(20):
+        ids = list(words)
+        for s in (*kept, *rng.sample(skipped, min(3, len(skipped)))):
+            ids.insert(rng.randrange(len(ids) + 1), s)
+        want = byte_level.decode([i for i in ids if i in kept or i not in byte_level.special_ids], False)
+        for chunks in (None, rng):
+            got = "".join(_stream(byte_level, ids, chunks, keep=kept, prompt_ids=prompt))
+            assert got == want, (ids, got, want)
+        assert byte_level.tokenizer.id_to_token(next(iter(kept))) in want
+    # keep changes nothing when nothing is skipped
+    assert "".join(_stream(byte_level, words, keep=kept, skip_special_tokens=False)) == byte_level.decode(words, False)
