@@ -318,11 +318,11 @@ def build_app(state: ServerState, max_request_bytes: int | None = None, allowed_
 
     version = VersionResponse(version=mlaserve_version()).model_dump()
 
-    @app.get("/version")
+    @app.api_route("/version", methods=["GET", "HEAD"])
     async def get_version() -> JSONResponse:
         return JSONResponse(version)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
         engine = state.engine
         if engine is not None:
@@ -338,7 +338,7 @@ def build_app(state: ServerState, max_request_bytes: int | None = None, allowed_
     # While the model loads, /v1/models answers the generation routes' 503 (as llama-server does):
     # clients that probe readiness with it would otherwise send requests that fail for seconds.
     # An Anthropic client (`from_anthropic_client`) gets Anthropic's shapes
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def list_models(raw: Request) -> Response:
         if state.engine is None:
             return shaped(raw.scope, state.unavailable())
@@ -350,7 +350,7 @@ def build_app(state: ServerState, max_request_bytes: int | None = None, allowed_
             return JSONResponse(page.model_dump())
         return JSONResponse(ModelList(data=[_model_card(state)]).model_dump())
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def get_model(raw: Request, model_id: str) -> Response:
         if state.engine is None:
             return shaped(raw.scope, state.unavailable())

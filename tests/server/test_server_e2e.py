@@ -67,6 +67,12 @@ MSG = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "
 def test_health_models_and_auth(server, client):
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.head(server.url + "/health").status_code == 200  # probes that send HEAD
+    for path in ("/metrics", "/version"):  # the other GET routes too, with no body (a 405 counted as an error)
+        head = httpx.head(server.url + path)
+        assert head.status_code == 200 and head.content == b"", (path, head)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.head(server.url + "/v1/models", headers=auth).status_code == 200
+    assert httpx.head(server.url + "/v1/models").status_code == 401  # (a key protects it, HEAD or GET)
     assert httpx.get(server.url + "/metrics").status_code == 200  # open without a key
     models = client.models.list()
     assert [m.id for m in models.data] == [server_model_id(server)]
