@@ -336,11 +336,12 @@ class ClosingStream(StreamingResponse):
 
 
 async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: Callable[..., Serializer]) -> Response:
+    arrived = time.time()  # the request's arrival for its latency metrics: its template and tokenizing count
     try:
-        # on a worker thread: a prompt of a megabyte takes about a second to encode (the tokenizer lets go of
-        # the GIL), which on the event loop would stall every stream and /health for that long
+        # on a worker thread: a prompt of a megabyte takes about half a second to encode (the tokenizer lets
+        # go of the GIL), which on the event loop would stall every stream and /health for that long
         prompts, tools = await asyncio.to_thread(build_prompts, state, body)
-        requests = start_requests(state, body, prompts, tools)
+        requests = start_requests(state, body, prompts, tools, arrived)
     except ClientError as e:
         return e.response()
     except ParamError as e:
@@ -474,7 +475,8 @@ def bad_words_ids(state: ServerState, words: list[str]) -> tuple[tuple[int, ...]
 
 
 def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int], str]],
-                   tools: ToolPlan) -> list[EngineRequest]:
+                   tools: ToolPlan, arrived: float | None = None) -> list[EngineRequest]:
+    """The engine requests of a request's prompts (`arrived`: when it came, time.time(); now if None)."""
     try:
         defaults = state.generation_defaults.values if state.generation_defaults is not None else {}
         params = checked_sampling_params(body, state.vocab_size, defaults)
@@ -510,7 +512,7 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
                               f"request has {len(ids)} prompt tokens and asks for {asked} more",
                               prompt_param(body), "context_length_exceeded")
         p = params if params.max_tokens is not None else msgspec.structs.replace(params, max_tokens=limit)
-        req = GenerateRequest(f"{base}-{i}", ids, p, time.time())
+        req = GenerateRequest(f"{base}-{i}", ids, p, time.time() if arrived is None else arrived)
         # a tool-call parser reads its markup, which may be special tokens (Llama's <|python_tag|>, Mistral's
         # [TOOL_CALLS]): those are kept in the text (the other special tokens are skipped as ever), and EOS
         # ids left out of it like stop ids

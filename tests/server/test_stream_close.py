@@ -57,3 +57,30 @@ def test_a_stream_is_closed_and_uncounted(client: str, monkeypatch: pytest.Monke
     bodies = [m.get("body") for m in sent if m["type"] == "http.response.body"]
     if client == "reads it all":
         assert ended == ["body", "engine"] and bodies[:2] == [b"data: 1\n\n", b"data: 2\n\n"]
+
+
+def test_a_requests_arrival_is_before_its_template_and_tokenizing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The latency metrics (TTFT, end to end, queue) count from the request's arrival: a prompt that takes
+    long to render and tokenize (a megabyte: ~0.4 s) counts in them; it was stamped after."""
+    import time
+
+    from server.tools import ToolPlan
+
+    state = ServerState(model_name="m", metrics=Metrics("m"))
+    seen: dict[str, float] = {}
+
+    def slow_build(_state, _body):
+        time.sleep(0.3)
+        seen["built"] = time.time()
+        return [([1, 2, 3], "abc")], ToolPlan()
+
+    def start(_state, _body, _prompts, _tools, arrived=None):
+        seen["arrived"] = arrived
+        raise serving.ClientError(400, "enough")
+
+    monkeypatch.setattr(serving, "build_prompts", slow_build)
+    monkeypatch.setattr(serving, "start_requests", start)
+    before = time.time()
+    resp = asyncio.run(serving.handle(None, state, None, None))
+    assert resp.status_code == 400
+    assert before <= seen["arrived"] <= seen["built"] - 0.25
