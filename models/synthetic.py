@@ -34,7 +34,6 @@ its layers keep the released shapes. Llama presets use the built-in SmolLM2 toke
 from __future__ import annotations
 
 import argparse
-import errno
 import functools
 import hashlib
 import json
@@ -389,8 +388,8 @@ def main(argv: list[str] | None = None, parser_class: type[argparse.ArgumentPars
     params = num_parameters(args.preset, args.layers)
     need = params * DTYPES[args.dtype].itemsize
     if args.gguf:
-        block, size = GGML_QUANT_SIZES[QTYPES[args.gguf_qtype][0]]
-        need += params * size // block
+        block, block_bytes = GGML_QUANT_SIZES[QTYPES[args.gguf_qtype][0]]
+        need += params * block_bytes // block
     where = next(p for p in (args.out, *args.out.absolute().parents) if p.exists())
     free = shutil.disk_usage(where).free
     if need > free:
@@ -409,12 +408,9 @@ def main(argv: list[str] | None = None, parser_class: type[argparse.ArgumentPars
         parser.error(str(e))
     except (OSError, SafetensorError) as e:
         what = (e.strerror or str(e)) if isinstance(e, OSError) else str(e)
-        full = (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "requested and" in what or \
-            "No space left" in what
-        parser.error(f"cannot write --out {args.out}: {what}" + (" (is the disk full?)" if full and "No space" not in what
-                                                                  else "") + "; what was written is incomplete")
-    n = num_parameters(args.preset, args.layers)
-    print(f"wrote {args.preset} ({n:,} parameters, {args.dtype}) to {out}" + (" with model.gguf" if args.gguf else ""))
+        full = " (is the disk full?)" if "requested and" in what else ""  # numpy's short write says no more
+        parser.error(f"cannot write --out {args.out}: {what}{full}; what was written is incomplete")
+    print(f"wrote {args.preset} ({params:,} parameters, {args.dtype}) to {out}" + (" with model.gguf" if args.gguf else ""))
     return 0
 
 

@@ -51,6 +51,7 @@ import sys
 import uuid
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import quote
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
@@ -67,8 +68,6 @@ HEAD, BODY, WHOLE = "head", "body", "whole"  # what the connection is reading: a
 def log_path(path: str, limit: int = 200) -> str:
     """A request's path as the request log writes it: percent-quoted as uvicorn's access log quotes it (a
     decoded newline or terminal escape in it would forge a log line or colour the terminal), cut at `limit`."""
-    from urllib.parse import quote
-
     quoted = quote(path, safe="/:@!$&'()*+,;=-._~")
     return quoted if len(quoted) <= limit else quoted[:limit] + "..."
 

@@ -21,6 +21,7 @@ choices (completions, where each prompt has its own). vLLM's utility routes have
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -734,6 +735,7 @@ def rename_fields(renames: Sequence[tuple[re.Pattern[str], str]], message: str,
     return message, param
 
 
+@functools.cache
 def _model_names() -> frozenset[str]:
     """Names of the request models, which pydantic puts in an error's `loc` as the union branch it tried."""
     names, todo = set(), [BaseModel]

@@ -504,6 +504,9 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
                           "--max-queued-requests); send fewer prompts per request", "prompt")
     requests = []
     base = uuid.uuid4().hex
+    # the special tokens that are the tool-call parser's markup: kept in the text it reads (see below)
+    markup_ids = (tok.tokenizer.token_to_id(m) for m in tools.markup) if tools.new_parser is not None else ()
+    keep = frozenset(t for t in markup_ids if t in tok.special_ids)
     for i, (ids, _) in enumerate(prompts):
         limit = state.context_length - len(ids)
         if limit < 0 or (limit == 0 and params.max_tokens != 0) or (params.max_tokens is not None and params.max_tokens > limit):
@@ -518,8 +521,6 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
         # ids left out of it like stop ids
         parsing = tools.new_parser is not None
         specials = body.skip_special_tokens is False  # special tokens' text shows
-        keep = frozenset(i for i in tok.special_ids if tok.tokenizer.id_to_token(i) in tools.markup) if parsing \
-            else frozenset()
         include = bool(body.include_stop_str_in_output)  # as vLLM: a stop id's text too
         stop_ids, eos = frozenset(p.stop_token_ids), frozenset(() if p.ignore_eos else tok.eos_token_ids)
         shown_eos = frozenset(tok.eos_token_ids) if specials else frozenset()  # (skipped anyway otherwise)
