@@ -5,12 +5,15 @@
 # (AVX-512 / AMX, which a development machine may lack). Steps run in the order STEPS names them; each
 # gets at most what is left of the budget, so a slow step cuts the later ones rather than the whole call.
 #
-#   OUT=/some/dir BUDGET=420 STEPS="gpu-tests native-tests omnikv mla model serve cpu-tests" bash bench/gpu_check.sh
+#   OUT=/some/dir BUDGET=420 STEPS="gpu-tests tune native-tests omnikv mla model serve cpu-tests" bash bench/gpu_check.sh
 #
 #   gpu-tests     Triton kernels, fused MoE, sampler (run while the native extension builds)
 #   native-tests  CUDA-graph runner and hybrid placement (routed experts on the CPU): need the extension
 #   cpu-tests     the C++ kernels on this host's ISA (after the timed steps: a graphed decode step still
 #                 needs the host each step, and these tests on 12 of 16 cores made one 2.6x slower)
+#   tune          bench/tune_decode_attention.py: the decode attention kernel's launch plans timed on this GPU
+#                 (TUNE_ARGS); the fastest are written to kernels/configs/decode_attention.json here, so the
+#                 later steps run them, and their report to $OUT (commit the plans from it)
 #   routing       bench/hybrid_routing_gpu.py: hybrid and all-GPU placements against the fp32 CPU oracle
 #                 position by position, with the router decisions that flipped
 #   omnikv, mla, model   bench/omnikv_gpu.py, bench/mla_decode_gpu.py, bench/model_decode_gpu.py
@@ -27,11 +30,12 @@
 set -u
 OUT=${OUT:-$(mktemp -d)}
 BUDGET=${BUDGET:-420}
-STEPS=${STEPS:-"gpu-tests native-tests omnikv mla model serve cpu-tests"}
+STEPS=${STEPS:-"gpu-tests tune native-tests omnikv mla model serve cpu-tests"}
 GPU_TESTS=${GPU_TESTS:-"tests/kernels/test_triton_attention.py tests/kernels/test_triton_omnikv.py tests/kernels/test_fused_moe.py tests/kernels/test_triton_layer_ops.py tests/executor/test_sampler.py"}
 NATIVE_TESTS=${NATIVE_TESTS:-"tests/executor/test_cuda_graph_runner.py tests/executor/test_context_bank.py tests/models/test_cpp_expert_backend.py tests/cpp_experts/test_host_task.py"}
 CPU_TESTS=${CPU_TESTS:-"tests/cpp_experts tests/models/test_cpp_expert_backend.py"}
 OMNIKV_ARGS=${OMNIKV_ARGS:-"--contexts 32768 131072 65536 --batch 1 8 16 --graphs on --bank off --rounds 2 --fill random"}
+TUNE_ARGS=${TUNE_ARGS:-"--budget 100"}
 MLA_ARGS=${MLA_ARGS:-"--batches 1 8 64 --contexts 4096 32768"}
 MODEL_ARGS=${MODEL_ARGS:-"--hybrid"}
 QL_ARGS=${QL_ARGS:-"--shapes wide_2048 --formats q8_0 q4_0 q4_k bf16 --ms 1 16 64 --threads 4 --rounds 3"}
@@ -87,6 +91,8 @@ for step in $STEPS; do
     cpu-tests) need_build
         run_step "cpu kernels on the host ISA" 240 "$OUT/tests.log" env MLASERVE_CPP_EXPERTS_THREADS=2 \
             python3 -m pytest -q -p no:cacheprovider -n 6 --timeout 200 $CPU_TESTS ;;
+    tune) run_step "tune_decode_attention" 130 "$OUT/bench.log" python3 bench/tune_decode_attention.py \
+            --out "$OUT/tune_decode_attention.json" $TUNE_ARGS ;;
     routing) need_build
         run_step "hybrid_routing_gpu" 90 "$OUT/bench.log" python3 bench/hybrid_routing_gpu.py --out "$OUT/routing.json" ;;
     omnikv) run_step "omnikv_gpu" "$OMNIKV_MAX" "$OUT/bench.log" python3 bench/omnikv_gpu.py --out "$OUT/omnikv_gpu.json" $OMNIKV_ARGS ;;

@@ -37,6 +37,8 @@ import torch
 from kernels.triton_utils import INTERPRETED, dot_precision
 
 MIN_SPLIT_LEN = 64  # fewest KV positions a split is given (below that, splitting costs more than it saves)
+COMBINE_BLOCK_S = 32  # splits the combine kernel loads at a time
+COMBINE_BLOCK_DV = 128  # output columns per combine program (MLA's 512: four programs per head)
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -111,10 +113,14 @@ def _decode_split_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+        # each tile's KV slots are loaded one tile ahead, so a tile's loads wait on no table read
+        slots = _kv_slots(TABLE, row, stride_t, start + tl.arange(0, BLOCK_N), start + tl.arange(0, BLOCK_N) < end,
+                          PAGE_SIZE)
         for start_n in range(start, end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
-            slots = _kv_slots(TABLE, row, stride_t, offs_n, mask_n, PAGE_SIZE)
+            next_n = offs_n + BLOCK_N
+            next_slots = _kv_slots(TABLE, row, stride_t, next_n, next_n < end, PAGE_SIZE)
             k = tl.load(K + slots[None, :] * stride_ks + kv_head * stride_kh + offs_dk[:, None],
                         mask=mask_n[None, :] & (offs_dk[:, None] < DK), other=0.0)  # [DK, N]
             k = k.to(q.dtype)  # a no-op unless the cache dtype differs (or the interpreter upcast q)
@@ -140,6 +146,7 @@ def _decode_split_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32, input_precision=DOT_PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
+            slots = next_slots
         o_ptr = PART_O + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_dv[None, :]
         tl.store(o_ptr, acc / l_i[:, None], mask=mask_h[:, None] & (offs_dv[None, :] < DV))
         tl.store(PART_LSE + b * stride_lb + heads * stride_lh + split, m_i + tl.log(l_i), mask=mask_h)
@@ -150,30 +157,39 @@ def _decode_combine_kernel(
     PART_O, PART_LSE, SEQ_LENS, OUT, LSE,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, stride_eb,
     max_splits,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, DUMP: tl.constexpr,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    MIN_SPLIT: tl.constexpr, DUMP: tl.constexpr,
 ):
+    """OUT[b, h, cols] from the used splits' partials of (b, h): the log-sum-exps' max first, then the
+    partial outputs weighted by exp(lse - max), BLOCK_S splits a load. No step waits on the one before
+    (a running rescale would chain every split's loads), and a program takes BLOCK_DV of the columns."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(SEQ_LENS + b).to(tl.int32)
     split_len = _split_len(seq_len, max_splits, BLOCK_N, MIN_SPLIT)
     n_used = tl.cdiv(seq_len, split_len)
-    offs = tl.arange(0, BLOCK_DV)
-    mask = offs < DV
-    m = float("-inf")
-    l = 0.0
+    offs_s = tl.arange(0, BLOCK_S)
+    cols = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    mask_c = cols < DV
+    lse_ptr = PART_LSE + b * stride_lb + h * stride_lh
+    m = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, n_used, BLOCK_S):
+        m = tl.maximum(m, tl.load(lse_ptr + s0 + offs_s, mask=s0 + offs_s < n_used, other=float("-inf")))
+    m_all = tl.max(m, 0)
+    l = tl.zeros([BLOCK_S], tl.float32)
     acc = tl.zeros([BLOCK_DV], tl.float32)
-    for s in range(0, n_used):
-        lse = tl.load(PART_LSE + b * stride_lb + h * stride_lh + s)
-        o = tl.load(PART_O + b * stride_pb + h * stride_ph + s * stride_ps + offs, mask=mask, other=0.0)
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp(m - m_new)
-        w = tl.exp(lse - m_new)
-        acc = acc * alpha + w * o
-        l = l * alpha + w
-        m = m_new
-    tl.store(OUT + b * stride_ob + h * stride_oh + offs, (acc / l).to(OUT.dtype.element_ty), mask=mask)
+    for s0 in range(0, n_used, BLOCK_S):
+        mask_s = s0 + offs_s < n_used
+        w = tl.exp(tl.load(lse_ptr + s0 + offs_s, mask=mask_s, other=float("-inf")) - m_all)
+        o = tl.load(PART_O + b * stride_pb + h * stride_ph + (s0 + offs_s)[:, None] * stride_ps + cols[None, :],
+                    mask=mask_s[:, None] & mask_c[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+        l += w
+    l_all = tl.sum(l, 0)
+    tl.store(OUT + b * stride_ob + h * stride_oh + cols, (acc / l_all).to(OUT.dtype.element_ty), mask=mask_c)
     if DUMP:  # the head's log-sum-exp over the whole context
-        tl.store(LSE + b * stride_eb + h, m + tl.log(l))
+        if tl.program_id(2) == 0:
+            tl.store(LSE + b * stride_eb + h, m_all + tl.log(l_all))
 
 
 def decode_partials_shape(batch: int, num_heads: int, max_splits: int, v_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -200,6 +216,8 @@ def decode_attention(
     block_n: int = 32,
     scores: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """One query token per request against its cached KV -> out [B, H, Dv].
 
@@ -214,6 +232,9 @@ def decode_attention(
     `scores` [B, H, >= max seq_len] and `lse` [B, H] (fp32, given together): also the scaled score of
     every position per head (positions past a request's length are not written) and each head's
     log-sum-exp, from which OmniKV's filter layers take their selection without scoring the keys again.
+
+    `block_h`, `block_n`, `num_warps`, `num_stages`: the launch shape (the backend takes them from its
+    `DecodePlan`); every shape computes the same numbers up to fp32 summation order.
     """
     q, q_rope, k, k_rope, v = (_unit(t) for t in (q, q_rope, k, k_rope, v))
     if out.stride(-1) != 1:
@@ -252,13 +273,14 @@ def decode_attention(
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DK=_pow2(dk), BLOCK_DR=_pow2(dr), BLOCK_DV=_pow2(dv),
         PAGE_SIZE=page_size, MIN_SPLIT=MIN_SPLIT_LEN, V_FROM_K=v_from_k,
         UPCAST=INTERPRETED, DOT_PRECISION=dot_precision(q.dtype), DUMP=dump,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
-    _decode_combine_kernel[(bsz, num_heads)](
+    combine_dv = min(_pow2(dv), COMBINE_BLOCK_DV)
+    _decode_combine_kernel[(bsz, num_heads, triton.cdiv(dv, combine_dv))](
         part_o, part_lse, seq_lens, out, e_buf,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), e_buf.stride(0), max_splits,
-        DV=dv, BLOCK_DV=_pow2(dv), BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_LEN, DUMP=dump,
+        DV=dv, BLOCK_DV=combine_dv, BLOCK_S=COMBINE_BLOCK_S, BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_LEN, DUMP=dump,
         num_warps=4,
     )
     return out

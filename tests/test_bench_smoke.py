@@ -17,6 +17,7 @@ catch a wrong backend and falls back to a sub-batch reference when torch would n
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -30,6 +31,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from kernels.attention.triton_backend import DecodePlan
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -69,6 +72,38 @@ def test_mla_decode_smoke(tmp_path: Path) -> None:
         assert row["ref_max_abs"] > 0.1 and row["max_abs_diff"] < 0.02 * row["ref_max_abs"] + 2e-3
         assert row["bytes_moved"] == row["batch"] * (row["context"] * 48 + row["heads"] * 48 + row["heads"] * 32) * 2
     assert r["all_correct"] and "targets" in r and r["skipped"] == []
+
+
+@gpu_smoke
+def test_tune_decode_attention_smoke(tmp_path: Path) -> None:
+    from kernels.attention.triton_backend import PLANS_FILE
+
+    before = PLANS_FILE.read_text() if PLANS_FILE.exists() else None
+    r = run_smoke("tune_decode_attention.py", tmp_path / "tune.json")
+    assert r["smoke"] and [(f["heads"], f["batch"]) for f in r["results"]] == [(4, 1), (4, 2)]
+    for found in r["results"]:
+        ok = [t for t in found["tried"] if "geomean_us" in t]
+        assert len(ok) >= 4 and found["tried"][0]["plan"] == dataclasses.asdict(DecodePlan())  # the default first
+        assert found["best"] == min(ok, key=lambda t: t["geomean_us"])["plan"]
+        assert found["speedup_vs_default"] == pytest.approx(
+            found["tried"][0]["geomean_us"] / min(t["geomean_us"] for t in ok), rel=1e-9)
+    assert (PLANS_FILE.read_text() if PLANS_FILE.exists() else None) == before  # a smoke run writes no plans
+
+
+def test_tune_decode_attention_merges_plans_per_device(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The plans file keeps other devices' plans and the batch sizes not measured again, and reads back."""
+    from kernels.attention.triton_backend import load_plans
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    tune = importlib.import_module("tune_decode_attention")
+    path = tmp_path / "plans.json"
+    fast = dataclasses.asdict(DecodePlan(block_h=64, block_n=16, num_warps=8))
+    tune.merge_plans(path, "GPU A", [{"heads": 128, "batch": 1, "best": fast},
+                                     {"heads": 16, "batch": 4, "best": dataclasses.asdict(DecodePlan())}])
+    tune.merge_plans(path, "GPU B", [{"heads": 16, "batch": 1, "best": dataclasses.asdict(DecodePlan(block_n=64))}])
+    tune.merge_plans(path, "GPU A", [{"heads": 16, "batch": 64, "best": dataclasses.asdict(DecodePlan(waves=2))}])
+    assert load_plans("GPU A", path) == {128: {1: DecodePlan(**fast)}, 16: {4: DecodePlan(), 64: DecodePlan(waves=2)}}
+    assert load_plans("GPU B", path) == {16: {1: DecodePlan(block_n=64)}}
 
 
 @gpu_smoke

@@ -43,7 +43,9 @@ Needs a CUDA device, or `TRITON_INTERPRET=1` (set before Triton is imported) for
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -52,8 +54,74 @@ from kernels.attention.omnikv import FILTER, SPARSE
 from kernels.graph_support import GraphSupport
 
 
-_MAX_SPLITS = 64
-_BLOCK_H = 16
+PLANS_FILE = Path(__file__).resolve().parent.parent / "configs" / "decode_attention.json"
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """How a decode attention call is launched: the kernel's tile shape and the split plan. The defaults
+    serve where no measured plan exists; `bench/tune_decode_attention.py` measures plans on a GPU and
+    writes the fastest per head group and batch size to PLANS_FILE, keyed by the device's name."""
+
+    block_h: int = 16  # query heads a program takes (they share each KV tile it reads)
+    block_n: int = 32  # KV positions a tile
+    num_warps: int = 4
+    num_stages: int = 2
+    waves: int = 4  # about waves x SMs programs a call ...
+    max_splits: int = 64  # ... in at most this many KV splits a request
+
+    def check(self, group: int) -> None:
+        """Raises ValueError unless the kernels can run this plan for `group` query heads per KV head."""
+        pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
+        if not (pow2(self.block_h) and 16 <= self.block_h <= max(16, 1 << (group - 1).bit_length())):
+            raise ValueError(f"block_h {self.block_h}: a power of two from 16 to the head group's ({group}) rounded up")
+        if not (pow2(self.block_n) and 16 <= self.block_n <= 256):
+            raise ValueError(f"block_n {self.block_n}: a power of two from 16 to 256")
+        if self.num_warps not in (1, 2, 4, 8, 16) or not 1 <= self.num_stages <= 8:
+            raise ValueError(f"num_warps {self.num_warps} (1-16, a power of two) or num_stages {self.num_stages} (1-8)")
+        if self.waves < 1 or self.max_splits < 1:
+            raise ValueError(f"waves {self.waves} and max_splits {self.max_splits} must be at least 1")
+
+
+PlanTable = dict[int, dict[int, DecodePlan]]  # head group -> batch size (a power of two) -> plan
+
+
+def parse_plans(raw: object, where: str) -> PlanTable:
+    """{"<group>": {"<batch>": {DecodePlan fields}}} -> PlanTable, each plan checked."""
+    table: PlanTable = {}
+    try:
+        for group, by_batch in raw.items():  # type: ignore[union-attr]
+            g = int(group)
+            table[g] = {}
+            for batch, fields in by_batch.items():
+                plan = DecodePlan(**fields)
+                plan.check(g)
+                table[g][int(batch)] = plan
+    except (AttributeError, TypeError, ValueError) as e:
+        raise ValueError(f"{where}: not a table of decode plans ({e})") from e
+    return table
+
+
+def load_plans(device_name: str, path: Path = PLANS_FILE) -> PlanTable:
+    """The measured plans of the device named so ({} where none were measured)."""
+    if not path.exists():
+        return {}
+    raw = json.loads(path.read_text())
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: not a JSON object keyed by device names")
+    return parse_plans(raw.get(device_name, {}), f"{path} [{device_name!r}]")
+
+
+def pick_plan(table: PlanTable, group: int, batch_size: int) -> DecodePlan:
+    """The plan measured for this head group at the largest batch size up to `batch_size` rounded up to
+    a power of two (the smallest measured above it else; the defaults for an unmeasured group). Padded
+    (graph) and unpadded (eager) batches round alike, so they run the same plan."""
+    by_batch = table.get(group)
+    if not by_batch:
+        return DecodePlan()
+    rounded = 1 << max(0, batch_size - 1).bit_length()
+    below = [b for b in by_batch if b <= rounded]
+    return by_batch[max(below) if below else min(by_batch)]
 
 
 @dataclass
@@ -89,12 +157,14 @@ class TritonAttentionBackend(AttentionBackend):
     omnikv_graphs = True  # decode batches of OmniKV rows only can be captured (see the module docstring)
     fused_layer_ops = True
 
-    def __init__(self, *, num_sms: int | None = None, **_: object) -> None:
-        """`num_sms` (streaming multiprocessors) sizes the split plan; read from the device when None."""
+    def __init__(self, *, num_sms: int | None = None, decode_plans: PlanTable | None = None, **_: object) -> None:
+        """`num_sms` (streaming multiprocessors) sizes the split plan; read from the device when None.
+        `decode_plans`: the decode launch plans to use (else those measured for the device, `load_plans`)."""
         from kernels import triton_attention  # imported here: Triton is needed only when this backend is chosen
 
         self._k = triton_attention
         self._num_sms = num_sms
+        self.decode_plans = decode_plans
         self.decode: _DecodeMeta | None = None
         self.extend: _ExtendMeta | None = None
         self._page_table: torch.Tensor | None = None  # CUDA graphs, paged: [max_bs, max_pages]
@@ -137,12 +207,18 @@ class TritonAttentionBackend(AttentionBackend):
             self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         return self._num_sms
 
-    def max_splits(self, batch_size: int, head_blocks: int, device: torch.device, cap: int = _MAX_SPLITS) -> int:
-        """KV splits per request at most: enough programs for ~4 waves over the SMs, the batch rounded up
-        to a power of two so that padded (graph) and unpadded (eager) batches plan alike."""
+    def max_splits(self, batch_size: int, head_blocks: int, device: torch.device,
+                   plan: DecodePlan = DecodePlan()) -> int:
+        """KV splits per request at most: enough programs for the plan's waves over the SMs, the batch
+        rounded up to a power of two so that padded (graph) and unpadded (eager) batches plan alike."""
         rounded = 1 << max(0, batch_size - 1).bit_length()
-        want = -(-4 * self._sms(device) // (rounded * head_blocks))
-        return max(1, min(cap, want))
+        want = -(-plan.waves * self._sms(device) // (rounded * head_blocks))
+        return max(1, min(plan.max_splits, want))
+
+    def decode_plan(self, group: int, batch_size: int, device: torch.device) -> DecodePlan:
+        if self.decode_plans is None:
+            self.decode_plans = load_plans(torch.cuda.get_device_name(device)) if device.type == "cuda" else {}
+        return pick_plan(self.decode_plans, group, batch_size)
 
     @staticmethod
     def _paged_table(req_to_token: torch.Tensor, rows: torch.Tensor, page: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -327,16 +403,17 @@ class TritonAttentionBackend(AttentionBackend):
                 table = batch.omnikv.bank_tables[batch.omnikv.source[layer.layer_id]]
         num_heads = q.shape[1]
         group = num_heads // k.shape[1]
-        block_h = min(_BLOCK_H, max(16, 1 << (group - 1).bit_length()))
-        head_blocks = k.shape[1] * -(-group // block_h)
-        splits = self.max_splits(m.batch_size, head_blocks, q.device)
+        plan = self.decode_plan(group, m.batch_size, q.device)
+        head_blocks = k.shape[1] * -(-group // plan.block_h)
+        splits = self.max_splits(m.batch_size, head_blocks, q.device, plan)
         o_shape, lse_shape = self._k.decode_partials_shape(m.batch_size, num_heads, splits, out.shape[-1])
         part_o = torch.empty(o_shape, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
         scores, lse = self._filter_score_buffers(layer, batch, num_heads, q.device)
         return self._k.decode_attention(
             q, q_rope, k, k_rope, v, out, table, rows, seq_lens, layer.scaling, splits,
-            part_o, part_lse, page_size=page, block_h=block_h, scores=scores, lse=lse,
+            part_o, part_lse, page_size=page, block_h=plan.block_h, block_n=plan.block_n, scores=scores, lse=lse,
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
         )
 
     def _filter_score_buffers(self, layer: AttentionLayer, batch: ForwardBatch, num_heads: int,

@@ -9,6 +9,7 @@ share a batch.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -20,6 +21,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from kernels.attention import AttentionLayer, create_attention_backend  # noqa: E402
+from kernels.attention.triton_backend import PLANS_FILE, DecodePlan, load_plans, pick_plan  # noqa: E402
 from kernels import triton_attention  # noqa: E402
 from executor.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from executor.memory_pool import (  # noqa: E402
@@ -198,6 +200,64 @@ def test_split_plan_same_for_padded_and_unpadded_batches() -> None:
     for bs, padded in ((3, 4), (5, 8), (20, 24), (33, 40), (70, 80)):
         for blocks in (1, 8):
             assert backend.max_splits(bs, blocks, DEV) == backend.max_splits(padded, blocks, DEV)
+
+
+@pytest.mark.parametrize("plan", [
+    DecodePlan(block_h=32, block_n=16, num_warps=8, num_stages=3, waves=2, max_splits=3),
+    DecodePlan(block_h=16, block_n=64, num_warps=4, num_stages=1, waves=8, max_splits=256),
+])
+@pytest.mark.parametrize("page", [1, 64])
+def test_mla_decode_under_other_launch_plans(plan: DecodePlan, page: int) -> None:
+    """A measured plan (other head blocks, tiles and split counts) gives the reference's output."""
+    setup = Setup("mla", page, torch.float32, seed=plan.block_n + page)
+    batch = setup.batch([(5, 1), (300, 1), (129, 1)])
+    plans = {20: {2: plan}}
+    assert create_attention_backend("triton", decode_plans=plans).decode_plan(20, 3, DEV) is plan
+    ref, out = _mla_absorb(setup, batch, 20, 32, 16, num_sms=8, decode_plans=plans)
+    torch.testing.assert_close(out, ref, **_tol(torch.float32))
+
+
+def test_mla_decode_wide_latent_combines_in_column_blocks() -> None:
+    """A latent wider than one combine program's columns (160: two blocks, the second part masked)."""
+    setup = Setup("mla", 1, torch.float32, dk=160, dr=16, seed=11)
+    batch = setup.batch([(70, 1), (200, 1)])
+    ref, out = _mla_absorb(setup, batch, 4, 160, 16, num_sms=8)
+    torch.testing.assert_close(out, ref, **_tol(torch.float32))
+
+
+def test_pick_plan_by_head_group_and_rounded_batch() -> None:
+    small, mid, big = DecodePlan(block_n=16), DecodePlan(block_n=64), DecodePlan(block_h=64, block_n=16)
+    table = {16: {2: small, 8: mid}, 128: {64: big}}
+    assert pick_plan(table, 16, 1) is small  # the smallest measured size above
+    assert pick_plan(table, 16, 5) is mid and pick_plan(table, 16, 8) is mid  # 5 rounds up to 8
+    assert pick_plan(table, 16, 4) is small and pick_plan(table, 16, 100) is mid
+    assert pick_plan(table, 128, 3) is big
+    assert pick_plan(table, 32, 8) == DecodePlan()  # a group nobody measured: the defaults
+    for bs, padded in ((3, 4), (5, 8), (20, 24), (33, 40)):
+        assert pick_plan(table, 16, bs) is pick_plan(table, 16, padded)
+
+
+def test_load_plans_checks_the_file(tmp_path) -> None:
+    path = tmp_path / "plans.json"
+    assert load_plans("GPU X", path) == {}  # nothing measured
+    path.write_text(json.dumps({"GPU X": {"128": {"4": {"block_h": 64, "block_n": 32, "num_warps": 8}}}}))
+    assert load_plans("GPU X", path) == {128: {4: DecodePlan(block_h=64, num_warps=8)}}
+    assert load_plans("GPU Y", path) == {}
+    for bad in ({"block_h": 48}, {"block_h": 64}, {"block_n": 8}, {"num_warps": 3}, {"waves": 0}, {"tile": 16}):
+        path.write_text(json.dumps({"GPU X": {"16": {"1": bad}}}))
+        with pytest.raises(ValueError, match="plans.json"):
+            load_plans("GPU X", path)
+    path.write_text("[]")
+    with pytest.raises(ValueError, match="device names"):
+        load_plans("GPU X", path)
+
+
+def test_committed_plans_are_valid() -> None:
+    """The measured plans shipped with the kernels parse for every device they name."""
+    if not PLANS_FILE.exists():
+        pytest.skip("no measured plans committed")
+    for device in json.loads(PLANS_FILE.read_text()):
+        assert load_plans(device)
 
 
 @pytest.mark.parametrize("page", [1, 64])
