@@ -21,7 +21,7 @@ import torch
 
 from models.config import DeepseekConfig, ModelConfig
 from models.loader.load import load_model, resolve_dtype
-from models.omnikv_config import OmniKVConfig
+from models.omnikv_config import OmniKVConfig, model_label
 from models.parallel import local_kv_heads
 from engine.args import MIN_CONTEXT, EngineArgs
 from engine.cgroups import memory_room
@@ -162,6 +162,15 @@ class EngineCore:
                     "sink %d, recent %d, auto from %d tokens; config: %s", args.omnikv, list(omnikv.filter_layers),
                     omnikv.budget_tokens or f"{omnikv.budget_ratio:.0%}", omnikv.window_size, omnikv.alpha,
                     omnikv.sink_tokens, omnikv.recent_tokens, omnikv.min_context, origin)
+        calibrated_on = (omnikv.calibration or {}).get("model")
+        if args.omnikv_config and calibrated_on and calibrated_on != model_label(args.model):
+            logger.warning("OmniKV: %s was calibrated on %s, not on %s: its filter layers may not suit this model "
+                           "(mlaserve calibrate-omnikv --model %s chooses them)", args.omnikv_config, calibrated_on,
+                           model_label(args.model), args.model)
+        if omnikv.budget_tokens is None and omnikv.budget_ratio >= 1:
+            logger.warning("OmniKV: a budget of %.0f%% of the context keeps every token, so no decode step is "
+                           "sparse and OmniKV changes nothing; give a budget_ratio below 1 or budget_tokens",
+                           omnikv.budget_ratio * 100)
         if not omnikv.plan(cfg.num_hidden_layers).has_sparse:
             logger.warning("OmniKV: filter layers %s leave no layer of the %d to decode sparsely, so OmniKV "
                            "changes nothing; choose earlier filter layers (mlaserve calibrate-omnikv)",

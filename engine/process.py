@@ -343,7 +343,8 @@ class _EngineLoop:
             if not self._send(Stats(stats)):
                 return EXIT_PARENT_GONE
         elif isinstance(msg, Shutdown):
-            logger.info("engine core shutting down (%d requests pending)", len(self.pending))
+            n = len(self.pending)
+            logger.info("engine core shutting down (%d request%s pending)", n, "" if n == 1 else "s")
             return EXIT_OK
         return None
 

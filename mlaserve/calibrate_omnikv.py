@@ -82,7 +82,9 @@ from kernels.attention.omnikv import select_positions
 from kernels.attention.torch_backend import TorchAttentionBackend
 from mlaserve.argtypes import float_in, positive_int
 from mlaserve.model_check import load_model_checked
-from models.omnikv_config import MAX_FILTER_LAYERS, SPARSE, OmniKVConfig, first_filter_default, unreadable_file
+from models.omnikv_config import (
+    MAX_FILTER_LAYERS, SPARSE, OmniKVConfig, first_filter_default, model_label, unreadable_file,
+)
 from server.args import BadSetting, OneLineParser
 from server.chat_template import user_turn_ids
 
@@ -500,17 +502,6 @@ def _device(text: str) -> str:
     if problem:
         raise argparse.ArgumentTypeError(f"{text!r} {problem}")
     return text
-
-
-def model_label(model: str) -> str:
-    """A built-in name as it is; a path by its last component (a .gguf without the suffix)."""
-    from models.builtin import builtin_names
-
-    if model in builtin_names():
-        return model
-    path = Path(model).expanduser()
-    name = path.resolve().name if path.name in ("", ".", "..") else path.name
-    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -269,3 +269,15 @@ class OmniKVConfig:
             if cfg.plan(num_layers).has_sparse:
                 return cfg
         return first  # one layer: nothing to decode sparsely (the engine says so)
+
+
+def model_label(model: str) -> str:
+    """A built-in name as it is; a path by its last component (a .gguf without the suffix): the name a
+    calibrated config records (`calibration.model`) and a server compares with the model it serves."""
+    from models.builtin import builtin_names
+
+    if model in builtin_names():
+        return model
+    path = Path(model).expanduser()
+    name = path.resolve().name if path.name in ("", ".", "..") else path.name
+    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name

@@ -387,7 +387,7 @@ def device_problem(device: str, dp: int, node_ranks: int) -> str | None:
         cpus = len(usable_cpus())
         if dp > cpus:
             return (f"--dp {dp} asks for more replicas than the {cpus} CPU(s) this server may use: each replica "
-                    f"needs one of its own (use --dp {cpus} or fewer)")
+                    f"needs one of its own (" + (f"use --dp {cpus} or fewer)" if cpus > 1 else "leave --dp out: one replica)"))
         return None
     code = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0, torch.__version__)"
     try:
@@ -597,6 +597,9 @@ def combination_problem(parsed: Parsed, environ: Mapping[str, str]) -> str | Non
     if ns.dp > 1 and ns.tp > 1 and ns.master_port != 0:
         return (f"{parsed.describe('dp')} with --tp needs --master-port 0, not {parsed.describe('master_port')}: each "
                 "replica's ranks meet on a free port of their own")
+    if (ns.tp > 1 or ns.dp_attention) and ns.node_rank == 0 and ns.master_port and ns.master_port == getattr(ns, "port", None):
+        return (f"{parsed.describe('master_port')} is the HTTP {parsed.describe('port')} too: the ranks' rendezvous "
+                "needs a port of its own (0: any free one, on one node)")
     return None
 
 

@@ -294,6 +294,14 @@ def serve(args: ServerArgs) -> int:
         print(f"mlaserve serve: error: cannot listen on {args.host} port {args.port}: {in_use}; pass another "
               "--port (or --host), or stop what holds it", file=sys.stderr)
         return 2
+    eng = args.engine
+    if (eng.tp > 1 or eng.dp_attention) and eng.node_rank == 0 and eng.master_port:  # rank 0 will listen there
+        in_use = port_in_use(eng.master_addr, eng.master_port)
+        if in_use:
+            print(f"mlaserve serve: error: cannot listen for the ranks' rendezvous on {eng.master_addr} port "
+                  f"{eng.master_port}: {in_use}; pass another --master-port (0: any free one, on one node), or stop "
+                  "what holds it", file=sys.stderr)
+            return 2
     return asyncio.run(serve_async(args))
 
 

@@ -242,6 +242,11 @@ def test_prefix_cache_queries_are_counted_with_the_hits(model_dir):
     assert after.prefix_cache_hit_tokens_total <= after.prefix_cache_query_tokens_total
     assert_no_leak(core)
 
+    off = make_engine(model_dir, disable_prefix_cache=True)  # nothing is looked up: no queries to count
+    alone(off, b, params)
+    assert off.stats().prefix_cache_query_tokens_total == off.stats().prefix_cache_hit_tokens_total == 0
+    assert_no_leak(off)
+
 
 def test_chunked_prefill_same_tokens_and_others_keep_decoding(model_dir):
     long_ids = prompt(150, 7)

@@ -223,3 +223,20 @@ def test_filter_layers_at_the_top_count_no_sparse_tokens(model_dir, tmp_path, ca
     assert stats.omnikv_sparse_tokens_total == stats.omnikv_selected_tokens_total == 0
     assert stats.omnikv_context_tokens_total == 0
     assert_no_leak(core)
+
+
+def test_a_config_of_another_model_or_a_whole_budget_is_warned_of(model_dir, tmp_path, caplog):
+    """A config calibrated on another model starts (its layers fit) but says so; a budget_ratio of 1 keeps every
+    token (no step is sparse), which the engine says too. A config calibrated on this model says neither."""
+    other = tmp_path / "other.json"
+    OmniKVConfig(filter_layers=(1, 3), budget_ratio=1.0, calibration={"model": "some-other-model"}).save(other)
+    mine = tmp_path / "mine.json"
+    OmniKVConfig(filter_layers=(1, 3), calibration={"model": model_dir.name}).save(mine)
+    with caplog.at_level("WARNING", logger="mlaserve.engine"):
+        make_engine(model_dir, str(other), "native", omnikv="on")
+    assert f"was calibrated on some-other-model, not on {model_dir.name}" in caplog.text
+    assert "keeps every token, so no decode step is sparse" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mlaserve.engine"):
+        make_engine(model_dir, str(mine), "native", omnikv="on")
+    assert "calibrated on" not in caplog.text and "keeps every token" not in caplog.text

@@ -168,6 +168,24 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(model_dir):
     assert line.startswith("mlaserve serve: error: cannot listen on 127.0.0.1 port") and "--port" in line, proc.stderr
 
 
+def test_a_rendezvous_port_in_use_or_shared_with_http_is_one_line(model_dir):
+    """--master-port taken (or --port itself) failed in rank 0 after uvicorn bound: two tracebacks, exit 1."""
+    import subprocess
+    import sys
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        for extra, want in ((["--master-port", str(taken)], "cannot listen for the ranks' rendezvous on 127.0.0.1 port"),
+                            (["--port", "8391", "--master-port", "8391"], "--master-port 8391 is the HTTP --port")):
+            proc = subprocess.run([sys.executable, "-m", "mlaserve", "serve", "--model", str(model_dir), "--tp", "2",
+                                   *extra], capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 2, proc.stderr
+            lines = proc.stderr.strip().splitlines()
+            assert len(lines) == 1 and want in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_a_host_that_is_not_this_machines_is_one_line_before_the_model_loads(model_dir):
     """An address of no interface here (TEST-NET-1): uvicorn's two lines and exit 3 after the model loaded."""
     import subprocess
