@@ -1,7 +1,7 @@
 """Batched sampling: one call per engine step turns the last-position logits of every request that
 needs a token into that token (and its logprobs, when asked).
 
-Per row, in this order (the vLLM/SGLang order):
+Per row, in this order (HF transformers' and SGLang's; vLLM's V1 engine applies min_p before top_k and top_p):
 
     raw logits [B, V] ──► grammar mask (constrained rows) ──► logit_bias, allowed ids, bad words ──► repetition / frequency / presence penalties ──► min_tokens mask
         ├─ greedy (temperature below 1e-5) ──► argmax

@@ -32,6 +32,7 @@ MAX_CONTEXT_LENGTH = 1 << 24
 # Every other integer of a config (a size, a count, a token id) is below 2^31 in any real model; a larger
 # one is a corrupt file, whose sizes' products would overflow torch's int64 shapes.
 MAX_CONFIG_INT = (1 << 31) - 1
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: a float setting past it is infinite in the kernels
 # Keys only the GGUF loader sets (no config.json has them: a leading underscore): llama.cpp's
 # rope.dimension_count, and that the dict is a GGUF's, whose keys llama.cpp honours as written
 GGUF_ROPE_DIM_KEY = "_gguf_rope_dimension_count"
@@ -221,10 +222,11 @@ class _Keys:
         if typ is float:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise CheckpointError(self.source, f"config key '{key}' must be a number, got {v!r}")
-            if isinstance(v, int) and not -MAX_CONFIG_INT <= v <= MAX_CONFIG_INT or not math.isfinite(v):
-                # (json.loads accepts NaN and Infinity; an integer past a float's range does not fit one)
-                raise CheckpointError(self.source, f"config key '{key}' must be a finite number in range, got "
-                                                   f"{str(v)[:40]}")
+            if isinstance(v, int) and not -MAX_CONFIG_INT <= v <= MAX_CONFIG_INT or not math.isfinite(v) or abs(v) > FLOAT32_MAX:
+                # (json.loads accepts NaN and Infinity; an integer past a float's range does not fit one; the
+                # kernels compute in float32, where 3.5e38 is already infinite)
+                raise CheckpointError(self.source, f"config key '{key}' must be a finite number within float32's "
+                                                   f"range, got {str(v)[:40]}")
             return float(v)
         if not isinstance(v, typ):
             raise CheckpointError(self.source, f"config key '{key}' must be {typ.__name__}, got {v!r}")
@@ -263,7 +265,10 @@ def _rope_from_dict(k: _Keys, dim: int, interleaved: bool) -> RopeConfig:
     """Reads RoPE settings from either `rope_parameters` (new) or `rope_theta` + `rope_scaling` (old)."""
     params = k.d.get("rope_parameters")
     if params is None:
-        params = dict(k.d.get("rope_scaling") or {})
+        scaling = k.d.get("rope_scaling") or {}
+        if not isinstance(scaling, dict):
+            raise CheckpointError(k.source, f"config key 'rope_scaling' must be an object, got {str(scaling)[:40]!r}")
+        params = dict(scaling)
         if k.d.get("rope_theta") is not None:
             params.setdefault("rope_theta", k.d["rope_theta"])
     if not isinstance(params, dict):

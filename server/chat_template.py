@@ -10,6 +10,7 @@ a prompt that differs by a space from the training format is a different prompt.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextvars import ContextVar
@@ -24,6 +25,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
+from jinja2.visitor import NodeTransformer
 from pydantic_core import from_json
 
 
@@ -185,6 +187,36 @@ class _RenderBudget:
 
 _BUDGET: ContextVar[_RenderBudget] = ContextVar("chat_template_render_budget")
 _LOOP_GUARD = "__mlaserve_loop_guard"  # the global every compiled `for` iterates through
+_SIZE_GUARD = "__mlaserve_size_guard"  # the global every compiled `~` passes its text through
+# the widths and precisions of a format's fields (printf-style, str.format's after the ':'): 10^9 builds a
+# gigabyte at once
+_FORMAT_SIZES = {"%": re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\d*)(?:\.(\d*))?"), "{": re.compile(r"\{[^{}:]*:[^{}\d]*(\d*)[^{}\d]*(\d*)")}
+
+
+def _size_guard(value: Any) -> Any:
+    """A text or list a template built (`~`, `+`): at most what a prompt may hold. Each step at most doubles
+    what was bounded before it, so a template that keeps doubling a text stops here, not out of memory."""
+    if isinstance(value, str) and len(value) > MAX_RENDERED_CHARS or isinstance(value, (list, tuple)) and len(value) > MAX_LOOP_ITEMS:
+        what = f"text of {len(value)} characters" if isinstance(value, str) else f"list of {len(value)} items"
+        raise SecurityError(f"the template built a {what}, more than a prompt may hold")
+    return value
+
+
+def _check_format(fmt: str, style: str) -> None:
+    """Refuses a format (`style` '%' or '{') whose field asks for a width or precision past MAX_FILTER_INT,
+    before it is applied."""
+    for match in _FORMAT_SIZES[style].finditer(fmt):
+        if any(len(n) > 6 or int(n) > MAX_FILTER_INT for n in match.groups() if n):
+            raise SecurityError(f"the template formats with a field {match.group(0)[:40]!r}, a width past the "
+                                f"{MAX_FILTER_INT} a template needs")
+
+
+class _GuardConcat(NodeTransformer):
+    """Every `a ~ b` of a compiled template through `_size_guard`."""
+
+    def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
+        node = self.generic_visit(node)
+        return nodes.Call(nodes.Name(_SIZE_GUARD, "load"), [node], [], None, None, lineno=node.lineno)
 
 
 def _loop_guard(iterable: Iterable[Any]) -> Iterator[Any]:
@@ -222,6 +254,12 @@ def _bounded_filter(name: str, f: Any) -> Any:
                                     "a template needs")
         if name == "wordwrap" and any(isinstance(a, str) and len(a) > MAX_WORDWRAP_CHARS for a in args):
             raise SecurityError(f"the template wraps a text longer than {MAX_WORDWRAP_CHARS} characters")
+        if name == "format" and args and isinstance(args[0], str):
+            _check_format(args[0], "%")
+        for a in args:  # (`join` of a million references to one long text)
+            if isinstance(a, (list, tuple)) and sum(len(x) for x in a if isinstance(x, str)) > MAX_RENDERED_CHARS:
+                raise SecurityError(f"the template passes texts of more than {MAX_RENDERED_CHARS} characters to "
+                                    f"the filter '{name}'")
         out = f(*args, **kwargs)
         if isinstance(out, str) and len(out) > MAX_RENDERED_CHARS:
             raise SecurityError(f"the filter '{name}' made a text longer than the {MAX_RENDERED_CHARS} characters "
@@ -238,11 +276,17 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     thing to spend minutes), the time at each call (a macro that recurses) and each filter's arguments
     and text (`_bounded_filter`)."""
 
-    intercepted_binops = frozenset({"*", "**"})
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # (Jinja's own signature)
         _check_time()  # every call a template makes, its macros' too
         return super().call(__context, __obj, *args, **kwargs)
+
+    def wrap_str_format(self, value: Any) -> Any:
+        wrapped = super().wrap_str_format(value)  # a template's `str.format` / `format_map`, as it is looked up
+        if wrapped is not None:
+            _check_format(value.__self__, "{")
+        return wrapped
 
     def _generate(self, source: nodes.Template, name: str | None, filename: str | None,
                   defer_init: bool = False) -> str:
@@ -250,7 +294,7 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         for loop in source.find_all(nodes.For):
             loop.iter = nodes.Call(nodes.Name(_LOOP_GUARD, "load"), [loop.iter], [], None, None,
                                    lineno=loop.iter.lineno)
-        return super()._generate(source, name, filename, defer_init=defer_init)
+        return super()._generate(_GuardConcat().visit(source), name, filename, defer_init=defer_init)
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         if operator == "*":
@@ -263,7 +307,10 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
               and right * abs(left).bit_length() > MAX_POWER_BITS):
             raise SecurityError(f"the template raises {left} to the power {right}, an integer past "
                                 f"{MAX_POWER_BITS} bits")
-        return super().call_binop(context, operator, left, right)
+        elif operator == "%" and isinstance(left, str):
+            _check_format(left, "%")
+        out = super().call_binop(context, operator, left, right)
+        return _size_guard(out) if operator == "+" else out
 
 
 @lru_cache(maxsize=1)
@@ -276,6 +323,7 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _Namespace
     env.globals[_LOOP_GUARD] = _loop_guard
+    env.globals[_SIZE_GUARD] = _size_guard
     return env
 
 

@@ -342,7 +342,7 @@ class _GenerationRequest(_Body):
         return value
     # vLLM's extension: false writes special tokens (<|im_start|>, ...) into the text (EOS still ends it unseen)
     skip_special_tokens: StrictBool | None = True
-    seed: StrictInt | None = None
+    seed: Annotated[StrictInt, Field(ge=-(1 << 63), le=(1 << 63) - 1)] | None = None  # int64, as vLLM takes it
     presence_penalty: StrictFloat | None = 0.0
     frequency_penalty: StrictFloat | None = 0.0
     repetition_penalty: StrictFloat | None = None

@@ -1,4 +1,5 @@
-"""Reading the small JSON files of a checkpoint (config, index, tokenizer config) with clear errors."""
+"""Reading the small JSON files of a checkpoint (config, index, tokenizer config) with clear errors, and the
+rule for where a model directory's files may link (`confined`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,33 @@ from pathlib import Path
 from typing import Any
 
 from models.loader.errors import CheckpointError
+
+
+def _hf_cache_blobs(path: Path) -> Path | None:
+    """The blobs/ folder of the Hugging Face cache repository whose snapshot holds `path`, if one does
+    (<cache>/models--org--name/snapshots/<revision>/... links each file to ../../blobs/<hash>)."""
+    for folder in path.absolute().parents:
+        if folder.parent.name == "snapshots":
+            return (folder.parent.parent / "blobs").resolve()
+    return None
+
+
+def confined(path: Path, root: Path) -> Path:
+    """`path` itself when, links followed, it is inside `root`, or is a blob of the Hugging Face cache
+    repository whose snapshot holds it; else a CheckpointError. For a model's text that reaches prompts (its
+    chat templates): one linked to /etc/passwd would be rendered into every prompt. Its weights, configs
+    and tokenizer may link anywhere, as transformers lets them (a folder of links to shared weights), since
+    what they hold never reaches a client as text."""
+    real = path.resolve()
+    inside = root.resolve()
+    if real == inside or inside in real.parents:
+        return path
+    blobs = _hf_cache_blobs(path)
+    if blobs is not None and real.parent == blobs:
+        return path
+    raise CheckpointError(path, f"links to {real}, outside the model directory: a chat template may link only "
+                                "within it (or, in a Hugging Face cache snapshot, to its repository's blobs/); "
+                                "copy the file in")
 
 
 def read_json(path: Path, *, required: bool = True, expect_object: bool = True) -> Any:

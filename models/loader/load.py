@@ -87,6 +87,22 @@ def open_checkpoint(path: Path):
     return GGUFCheckpoint(path)
 
 
+def check_tokenizer_fits(tokenizer: "TokenizerBundle", vocab_size: int, source: str) -> None:
+    """A tokenizer whose vocabulary has ids past the model's embedding rows belongs to another model: every
+    prompt would fail as a client's bad token (or decode another model's text). Refused; added tokens past
+    them (a pad token appended without resizing the embeddings) are only warned of, as they fail only if used."""
+    tok = tokenizer.tokenizer
+    top = max(tok.get_vocab(with_added_tokens=False).values(), default=-1)
+    if top >= vocab_size:
+        raise CheckpointError(source, f"the tokenizer has token ids up to {top}, past the model's vocab_size "
+                                      f"{vocab_size}: it is another model's tokenizer")
+    beyond = sorted(i for i in tok.get_added_tokens_decoder() if i >= vocab_size)
+    if beyond:
+        logger.warning("%s: added tokens %s have ids past the model's vocab_size %d: a prompt that holds them is "
+                    "refused", source, ", ".join(f"{tok.id_to_token(i)!r} ({i})" for i in beyond[:5])
+                    + (" ..." if len(beyond) > 5 else ""), vocab_size)
+
+
 def load_model(
     model: str | os.PathLike[str],
     *,
@@ -130,6 +146,12 @@ def load_model(
         ckpt.dequantize_dtype = torch.bfloat16  # an FP8 weight's nearest "file type": the kernels would keep fp32
     config_source = str(path / "config.json" if path.is_dir() else path)
     config = config_from_hf_dict(ckpt.hf_config(), config_source)
+    tokenizer = None
+    if load_tokenizer:  # before the weights: a tokenizer of another model fails in seconds, not after the load
+        from models.loader.tokenizer import load_hf_tokenizer
+
+        tokenizer = load_hf_tokenizer(path) if path.is_dir() else ckpt.tokenizer()
+        check_tokenizer_fits(tokenizer, config.vocab_size, str(path / "tokenizer.json" if path.is_dir() else path))
     # The config is checked against the tensors before anything is built at its sizes: a config that
     # does not belong to the weights (or a hostile one) fails here, not in a huge allocation or a
     # minutes-long build of layers that the file does not have. (A GGUF file was checked at open.)
@@ -172,11 +194,6 @@ def load_model(
         net.load_weights(_checked(tensors, bar, str(path)), str(path))
     bar.close()
     net.eval()
-    tokenizer = None
-    if load_tokenizer:
-        from models.loader.tokenizer import load_hf_tokenizer
-
-        tokenizer = load_hf_tokenizer(path) if path.is_dir() else ckpt.tokenizer()
     return LoadedModel(net, config, tokenizer, path, torch_dtype)
 
 

@@ -48,7 +48,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pro
 from models.builtin import resolve_model_path
 from models.loader.errors import CheckpointError
 from models.loader.gguf_file import read_gguf_metadata
-from models.loader.jsonfile import read_json
+from models.loader.jsonfile import confined, read_json
 from models.loader.pretokenizers import PRE_TOKENIZERS, byte_level_pre_tokenizer, detect_pre
 
 logger = logging.getLogger(__name__)
@@ -196,10 +196,10 @@ def _chat_templates(model_dir: Path, config: dict) -> tuple[str | None, dict[str
     named: dict[str, str] = {}
     extra_dir = model_dir / "additional_chat_templates"
     if extra_dir.is_dir():
-        named = {f.name.removesuffix(".jinja"): _read_template(f) for f in sorted(extra_dir.glob("*.jinja"))
+        named = {f.name.removesuffix(".jinja"): _read_template(f, model_dir) for f in sorted(extra_dir.glob("*.jinja"))
                  if f.is_file()}
     if (model_dir / "chat_template.jinja").is_file():
-        return _read_template(model_dir / "chat_template.jinja"), named
+        return _read_template(model_dir / "chat_template.jinja", model_dir), named
     path, template = model_dir / "tokenizer_config.json", config.get("chat_template")
     as_json = read_json(model_dir / "chat_template.json", required=False, expect_object=False)
     if as_json is not None:
@@ -214,7 +214,8 @@ def _chat_templates(model_dir: Path, config: dict) -> tuple[str | None, dict[str
     raise CheckpointError(path, "key 'chat_template': expected a string or a list of {name, template}")
 
 
-def _read_template(path: Path) -> str:
+def _read_template(path: Path, model_dir: Path) -> str:
+    confined(path, model_dir)
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

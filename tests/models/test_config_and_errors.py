@@ -123,6 +123,11 @@ def test_llama_gqa_and_rope_scaling():
         ({"hidden_act": "gelu"}, "'hidden_act' is 'gelu': only SiLU-gated MLPs"),
         ({"model_type": "deepseek_v3", "hidden_act": "relu"}, "'hidden_act' is 'relu'"),
         ({"mlp_bias": True}, "'mlp_bias' is true"),  # (it named the first bias tensor, at load)
+        # finite in Python, infinite in the kernels' float32: the first request's routing weights were inf
+        ({"routed_scaling_factor": 3.5e38}, "'routed_scaling_factor' must be a finite number within float32's range"),
+        ({"rope_scaling": dict(V2_OLD_STYLE["rope_scaling"], mscale=1e200)}, "'mscale' must be a finite number within"),
+        ({"rope_scaling": "linear"}, "'rope_scaling' must be an object"),  # (a ValueError from dict())
+        ({"rope_scaling": 5}, "'rope_scaling' must be an object"),
     ],
 )
 def test_bad_config_values_name_the_key(change, needle):
@@ -227,3 +232,91 @@ def test_malformed_config_json(tmp_path):
     (tmp_path / "config.json").write_text("{ nope")
     with pytest.raises(CheckpointError, match=r"config\.json: not valid JSON"):
         load(tmp_path)
+
+
+def _link_into_blobs(snap, name: str, blobs, data: bytes) -> None:
+    """A Hugging Face cache snapshot's file: the bytes in blobs/<hash>, the snapshot's name a relative link."""
+    blob = blobs / f"blob-{len(list(blobs.iterdir()))}"
+    blob.write_bytes(data)
+    (snap / name).symlink_to(f"../../blobs/{blob.name}")
+
+
+def test_a_hugging_face_cache_snapshot_and_a_folder_of_links_load(v2_dir, tmp_path):
+    """In the hub cache every file of snapshots/<rev>/ links to ../../blobs/<hash>: a sharded model there was
+    refused (its shards 'outside the model directory'). Weights and configs may link anywhere (a folder of
+    links to shared weights, as transformers allows); the index's names stay inside the folder."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snap, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    sd = load_file(v2_dir / "model.safetensors")
+    names = sorted(sd)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for shard, part in shards.items():
+        save_file({n: sd[n] for n in part}, tmp_path / "tmp.safetensors")
+        _link_into_blobs(snap, shard, blobs, (tmp_path / "tmp.safetensors").read_bytes())
+    index = {"weight_map": {n: shard for shard, part in shards.items() for n in part}}
+    _link_into_blobs(snap, "model.safetensors.index.json", blobs, json.dumps(index).encode())
+    _link_into_blobs(snap, "config.json", blobs, (v2_dir / "config.json").read_bytes())
+    assert load(snap).model is not None
+
+    farm = tmp_path / "farm"
+    farm.mkdir()
+    for f in v2_dir.iterdir():
+        (farm / f.name).symlink_to(f)
+    assert load(farm).model is not None
+    for bad in ("/etc/passwd", "../model.safetensors", "sub/../../x.safetensors", ""):
+        (snap / "model.safetensors.index.json").unlink()
+        _link_into_blobs(snap, "model.safetensors.index.json", blobs,
+                         json.dumps({"weight_map": dict(index["weight_map"], extra=bad)}).encode())
+        with pytest.raises(CheckpointError, match="points outside the model directory"):
+            load(snap)
+
+
+def test_chat_templates_may_not_link_out_of_the_model_directory(tmp_path):
+    """A chat template linked to /etc/passwd was rendered into every chat prompt."""
+    from tokenizers import Tokenizer, models as tok_models
+
+    from models.loader.tokenizer import load_hf_tokenizer
+
+    d = tmp_path / "m"
+    d.mkdir()
+    Tokenizer(tok_models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")).save(str(d / "tokenizer.json"))
+    secret = tmp_path / "secret.txt"
+    secret.write_text("{{ 'not the model''s template' }}")
+    (d / "chat_template.jinja").symlink_to(secret)
+    with pytest.raises(CheckpointError, match="chat_template.jinja: links to .*secret.txt, outside the model directory"):
+        load_hf_tokenizer(d)
+    (d / "chat_template.jinja").unlink()
+    (d / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    (d / "inner").mkdir()
+    (d / "inner" / "t.jinja").write_text("{{ 1 }}")
+    (d / "additional_chat_templates").symlink_to(d / "inner")  # a link within the directory is fine
+    bundle = load_hf_tokenizer(d)
+    assert bundle.chat_template == "{{ messages[0]['content'] }}"
+    (d / "additional_chat_templates").unlink()
+    (d / "additional_chat_templates").symlink_to(tmp_path)  # a folder linked out: its files are outside
+    (tmp_path / "x.jinja").symlink_to(secret)
+    with pytest.raises(CheckpointError, match="x.jinja: links to .*secret.txt, outside the model directory"):
+        load_hf_tokenizer(d)
+
+
+def test_a_tokenizer_past_the_models_vocabulary_is_refused_at_load(v2_dir, tmp_path, caplog):
+    """Another model's tokenizer (ids past vocab_size) made every chat request a client's 400 'token id
+    outside the vocabulary'; now the load says so. Added tokens past it are warned of (they fail if used)."""
+    from tokenizers import Tokenizer, models as tok_models
+    from tokenizers import AddedToken
+
+    d = copy_ckpt(v2_dir, tmp_path)
+    vocab_size = json.loads((d / "config.json").read_text())["vocab_size"]
+    big = Tokenizer(tok_models.WordLevel({f"t{i}": i for i in range(vocab_size + 3)}, unk_token="t0"))
+    big.save(str(d / "tokenizer.json"))
+    with pytest.raises(CheckpointError, match=f"token ids up to {vocab_size + 2}, past the model's vocab_size {vocab_size}"):
+        load_model(d, dtype="float32", progress=False)
+    fits = Tokenizer(tok_models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    fits.add_special_tokens([AddedToken("<pad>", special=True)])  # id vocab_size: appended without resizing
+    fits.save(str(d / "tokenizer.json"))
+    with caplog.at_level("WARNING"):
+        assert load_model(d, dtype="float32", progress=False).tokenizer is not None
+    assert f"added tokens '<pad>' ({vocab_size}) have ids past the model's vocab_size" in caplog.text

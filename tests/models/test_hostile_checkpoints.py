@@ -381,7 +381,7 @@ def test_gguf_string_not_utf8_is_a_checkpoint_error(tmp_path):
 @pytest.mark.parametrize("name, body, needle", [
     ("config.json", "[" * 100_000 + "]" * 100_000, "nested too deeply"),
     ("config.json", '{"vocab_size": ' + "9" * 5000 + "}", "not valid JSON"),  # past Python's digit limit
-    ("config.json", None, "'rms_norm_eps' must be a finite number in range"),  # an integer past a float's range
+    ("config.json", None, "'rms_norm_eps' must be a finite number within float32's range"),  # an integer past a float's range
 ])
 def test_hf_json_files_that_python_cannot_read_name_the_file(llama_dir, tmp_path, name, body, needle):
     d = _copy(llama_dir, tmp_path)

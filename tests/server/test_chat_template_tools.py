@@ -327,6 +327,17 @@ def test_sandbox_holds():
     ("{{ ('a ' * 8000000) | wordwrap(1) }}", "wraps a text longer than"),
     ("{% set l = [0] * 16000000 %}{{ l | sort | sum }}", "repeats a sequence 16000000 times"),
     ("{{ (['ab'] * 1000000) | join('x' * 1000) }}", "filter 'join' made a text longer than"),
+    # a text or list that doubles each time round: 2^40 characters after 40 joins (a template took 6.5 GB)
+    ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+     "built a text of 33554432 characters"),
+    ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", "built a text of"),
+    ("{% set ns = namespace(s=[1]) %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", "built a list of"),
+    ("{% set s = 'x' * 10000000 %}{{ ([s] * 1000) | join }}", "passes texts of more than 16777216 characters"),
+    # a format's width builds its text at once (a gigabyte before the size was looked at)
+    ("{{ '%0999999999d' | format(1) }}", "formats with a field '%0999999999'"),
+    ("{{ '%(a)0999999s' % {'a': 1} }}", "formats with a field"),
+    ("{{ '{:>999999999}'.format(1) }}", "formats with a field '{:>999999999'"),
+    ("{{ '{0:.9999999}'.format_map({}) }}", "formats with a field"),
 ])
 def test_sandbox_bounds_what_a_template_builds(template, words, monkeypatch):
     """A model file's template asking for a 10 GB string, a huge integer or a huge text is refused at once
@@ -339,14 +350,18 @@ def test_sandbox_bounds_what_a_template_builds(template, words, monkeypatch):
     assert time.monotonic() - start < 30
 
 
-def test_sandbox_bounds_leave_real_templates_alone():
+def test_sandbox_bounds_leave_real_templates_alone(monkeypatch):
     """What real templates do fits the bounds, and the loop budget is each rendering's own."""
+    monkeypatch.setattr(chat_template, "MAX_RENDER_SECONDS", 60.0)  # (900,000 iterations on a busy machine)
     ok = "{{ '-' * 3 }}{{ 2 ** 10 }}{{ messages[0].content * 2 }}"
     assert render_chat(ok, [{"role": "user", "content": "ab"}]) == "---1024abab"
     filters = "{{ messages[0].content | center(6) | trim | indent(2) }}{{ [3, 1] | sort | join(',') }}{{ [1,2] | slice(2) | list }}"
     assert render_chat(filters, [{"role": "user", "content": "ab"}]) == "ab1,3[[1], [2]]"
     values = "{{ max_len | default(131072) }} {{ '%d' | format(200000) }} {{ 1000000 | string }}"  # values, not sizes
     assert render_chat(values, [{"role": "user", "content": "ab"}]) == "131072 200000 1000000"
+    formats = ("{{ '%5.2f|%-3s|' % (3.14159, 'a') }}{{ '{0:>6.1f} {1}'.format(2.25, 'b') }}"
+               "{{ '{\"max\": 100000} %s' % 'c' }}{{ messages[0].content ~ '/' ~ messages[0].content + '!' }}")
+    assert render_chat(formats, [{"role": "user", "content": "ab"}]) == ' 3.14|a  |   2.2 b{"max": 100000} cab/ab!'
     loops = ("{% for m in messages %}{% for i in range(m.content | int) if i % 2 %}{% if loop.first or loop.last %}"
              "{{ loop.index }}/{{ loop.length }} {% endif %}{% else %}none{% endfor %}{% endfor %}")
     assert render_chat(loops, [{"role": "user", "content": "5"}, {"role": "user", "content": "0"}]) == "1/2 2/2 none"
