@@ -73,7 +73,7 @@ test: $(ORACLES)
 # The cpp_experts extension built with AddressSanitizer into a temp dir, and its tests run on it.
 asan: $(STAMP)
 	@tmp=$$(mktemp -d) && \
-	CFLAGS="-fsanitize=address -fno-omit-frame-pointer -O1 -g" CXXFLAGS="-fsanitize=address -fno-omit-frame-pointer -O1 -g" \
+	CFLAGS="-fsanitize=address -fno-omit-frame-pointer -O1 -g" CXXFLAGS="-fsanitize=address -fno-omit-frame-pointer -O1 -g -Wno-psabi" \
 		LDFLAGS="-fsanitize=address" \
 		$(PY) setup.py -q build_ext --build-lib $$tmp --build-temp $$tmp/obj && \
 	lib=$$(ls $$tmp/cpp_experts/_C*.so) && \

@@ -35,7 +35,7 @@ GPU_TESTS=${GPU_TESTS:-"tests/kernels/test_triton_attention.py tests/kernels/tes
 NATIVE_TESTS=${NATIVE_TESTS:-"tests/executor/test_cuda_graph_runner.py tests/executor/test_context_bank.py tests/models/test_cpp_expert_backend.py tests/cpp_experts/test_host_task.py"}
 CPU_TESTS=${CPU_TESTS:-"tests/cpp_experts tests/models/test_cpp_expert_backend.py"}
 OMNIKV_ARGS=${OMNIKV_ARGS:-"--contexts 32768 131072 65536 --batch 1 8 16 --graphs on --bank off --rounds 2 --fill random"}
-TUNE_ARGS=${TUNE_ARGS:-"--budget 100"}
+TUNE_ARGS=${TUNE_ARGS:-"--budget 150"}
 MLA_ARGS=${MLA_ARGS:-"--batches 1 8 64 --contexts 4096 32768"}
 MODEL_ARGS=${MODEL_ARGS:-"--hybrid"}
 QL_ARGS=${QL_ARGS:-"--shapes wide_2048 --formats q8_0 q4_0 q4_k bf16 --ms 1 16 64 --threads 4 --rounds 3"}
@@ -91,7 +91,7 @@ for step in $STEPS; do
     cpu-tests) need_build
         run_step "cpu kernels on the host ISA" 240 "$OUT/tests.log" env MLASERVE_CPP_EXPERTS_THREADS=2 \
             python3 -m pytest -q -p no:cacheprovider -n 6 --timeout 200 $CPU_TESTS ;;
-    tune) run_step "tune_decode_attention" 130 "$OUT/bench.log" python3 bench/tune_decode_attention.py \
+    tune) run_step "tune_decode_attention" 180 "$OUT/bench.log" python3 bench/tune_decode_attention.py \
             --out "$OUT/tune_decode_attention.json" $TUNE_ARGS ;;
     routing) need_build
         run_step "hybrid_routing_gpu" 90 "$OUT/bench.log" python3 bench/hybrid_routing_gpu.py --out "$OUT/routing.json" ;;

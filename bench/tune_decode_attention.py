@@ -3,16 +3,18 @@
 The kernel's tile shape (query heads a program, KV positions a tile, warps, pipeline stages) and its
 split plan (programs a call, splits a request) were set without a GPU to time them. This script times
 candidates on MLA decode batches (DeepSeek's latent 512 + 64, bf16, KV slots scattered as a server's
-allocator leaves them), for each head group (16: V2-Lite, 128: V2/V3) and batch size (1, 4, 16, 64),
+allocator leaves them), for each head group (16: V2-Lite, 128: V2/V3) and batch size (1 and 16 by default;
+a batch between measured sizes runs the plan of the largest measured size below it),
 over short and long contexts, and writes the plan with the lowest geometric-mean time per (group,
-batch) to kernels/configs/decode_attention.json under the device's name, where the triton attention
+batch) to kernels/configs/decode_attention.json under the device's name (the default plan unless another is
+MIN_GAIN faster; cells the time budget did not reach are not written), where the triton attention
 backend reads it (`DecodePlan`, `load_plans`). Every candidate's output is checked against the default
 plan's; a plan that does not compile (too much shared memory) or differs is left out and reported.
 
 Two stages, to fit a lent GPU's few minutes: the tile shapes at the default split plan, then split plans
 with the best shape. A time budget stops the search early and keeps what was measured.
 
-    python bench/tune_decode_attention.py [--heads 16 128] [--batches 1 4 16 64] [--contexts 4096 32768]
+    python bench/tune_decode_attention.py [--heads 16 128] [--batches 1 16] [--contexts 4096 32768]
         [--budget 240] [--out bench/results/tune_decode_attention_<device>.json] [--no-write]
     TRITON_INTERPRET=1 python bench/tune_decode_attention.py --smoke   # CPU, tiny shapes, writes nothing
 """
@@ -43,6 +45,7 @@ from kernels.attention.triton_backend import PLANS_FILE, DecodePlan  # noqa: E40
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SPLIT_PLANS = [(4, 64), (1, 64), (2, 128), (4, 256), (8, 512)]  # (waves, max_splits)
+MIN_GAIN = 1.03  # a plan replaces the default only when this much faster (medians of 10 calls move by a few %)
 
 
 def shapes_for(group: int, smoke: bool) -> list[DecodePlan]:
@@ -115,6 +118,8 @@ def tune_group(heads: int, batch: int, contexts: list[int], shapes: Any, device:
     ok = [t for t in tried if "geomean_us" in t]
     winner = min(ok, key=lambda t: t["geomean_us"])
     base = tried[0]  # the default plan
+    if "geomean_us" in base and winner["geomean_us"] * MIN_GAIN > base["geomean_us"]:
+        winner = base  # within the timings' noise of the default: keep it
     del cases, refs
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -154,7 +159,7 @@ def main() -> int:
     device = bench_device(args.smoke)
     base = SMOKE_SHAPES if args.smoke else FULL
     heads = args.heads or ([4] if args.smoke else [16, 128])
-    batches = args.batches or ([1, 2] if args.smoke else [1, 4, 16, 64])
+    batches = args.batches or ([1, 2] if args.smoke else [1, 16])
     contexts = args.contexts or ([37, 130] if args.smoke else [4096, 32768])
     if any(b & (b - 1) for b in batches):
         ap.error("--batches must be powers of two (the plans are looked up by the batch rounded up to one)")

@@ -163,7 +163,7 @@ class EngineCore:
                     omnikv.budget_tokens or f"{omnikv.budget_ratio:.0%}", omnikv.window_size, omnikv.alpha,
                     omnikv.sink_tokens, omnikv.recent_tokens, omnikv.min_context, origin)
         calibrated_on = (omnikv.calibration or {}).get("model")
-        if args.omnikv_config and calibrated_on and calibrated_on != model_label(args.model):
+        if args.omnikv_config and calibrated_on and str(calibrated_on).lower() != model_label(args.model).lower():
             logger.warning("OmniKV: %s was calibrated on %s, not on %s: its filter layers may not suit this model "
                            "(mlaserve calibrate-omnikv --model %s chooses them)", args.omnikv_config, calibrated_on,
                            model_label(args.model), args.model)

@@ -272,12 +272,16 @@ class OmniKVConfig:
 
 
 def model_label(model: str) -> str:
-    """A built-in name as it is; a path by its last component (a .gguf without the suffix): the name a
-    calibrated config records (`calibration.model`) and a server compares with the model it serves."""
+    """A built-in name as it is; a path by its last component (a .gguf without the suffix; a Hugging Face cache
+    snapshot by its repository's name): the name a calibrated config records (`calibration.model`) and a
+    server compares, ignoring case, with the model it serves."""
     from models.builtin import builtin_names
 
     if model in builtin_names():
         return model
     path = Path(model).expanduser()
-    name = path.resolve().name if path.name in ("", ".", "..") else path.name
-    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
+    if path.name in ("", ".", ".."):
+        path = path.resolve()
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.split("--")[-1]  # a Hugging Face cache snapshot: its repository's name
+    return path.name[: -len(".gguf")] if path.name.lower().endswith(".gguf") else path.name

@@ -177,6 +177,8 @@ MAX_FILTER_INT = 1 << 16
 _SIZING_FILTERS = frozenset({"center", "indent", "wordwrap", "slice", "batch", "truncate", "tojson"})
 # the text `wordwrap` takes (Python's textwrap: ~1 s per million characters)
 MAX_WORDWRAP_CHARS = 1 << 20
+# a format string (`%`, `format`, str.format): real ones are a line
+MAX_FORMAT_CHARS = 1 << 16
 
 
 @dataclass
@@ -189,26 +191,90 @@ _BUDGET: ContextVar[_RenderBudget] = ContextVar("chat_template_render_budget")
 _LOOP_GUARD = "__mlaserve_loop_guard"  # the global every compiled `for` iterates through
 _SIZE_GUARD = "__mlaserve_size_guard"  # the global every compiled `~` passes its text through
 # the widths and precisions of a format's fields (printf-style, str.format's after the ':'): 10^9 builds a
-# gigabyte at once
-_FORMAT_SIZES = {"%": re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\d*)(?:\.(\d*))?"), "{": re.compile(r"\{[^{}:]*:[^{}\d]*(\d*)[^{}\d]*(\d*)")}
+# gigabyte at once. Linear patterns (no field runs past the next '%' or brace); '%%' and '{{' are text.
+_FORMAT_SIZES = {"%": re.compile(r"%%|%(?:\([^)%]*\))?[-#0 +]*(\*|\d*)(?:\.(\*|\d*))?"),
+                 "{": re.compile(r"\{\{|\{[^{}:]*:([^{}]*)(\{)?")}
+
+
+def _text_size(value: Any, limit: int = MAX_RENDERED_CHARS) -> int:
+    """About how many characters `value` writes as text (its strings' lengths plus one per item), counted
+    until past `limit`: a list of a million references to one long text is small as a list, huge as text."""
+    size, stack = 0, [value]
+    while stack and size <= limit:
+        v = stack.pop()
+        if isinstance(v, str):
+            size += len(v)
+        elif isinstance(v, dict):
+            size += len(v)
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            size += len(v)
+            stack.extend(v)
+        else:
+            size += 1
+    return size
 
 
 def _size_guard(value: Any) -> Any:
-    """A text or list a template built (`~`, `+`): at most what a prompt may hold. Each step at most doubles
-    what was bounded before it, so a template that keeps doubling a text stops here, not out of memory."""
+    """A text or list a template built (`~`, `+`, a call, a filter): at most what a prompt may hold. Each
+    step at most doubles what was bounded before it, so a template that keeps doubling a text stops here,
+    not out of memory."""
     if isinstance(value, str) and len(value) > MAX_RENDERED_CHARS or isinstance(value, (list, tuple)) and len(value) > MAX_LOOP_ITEMS:
         what = f"text of {len(value)} characters" if isinstance(value, str) else f"list of {len(value)} items"
         raise SecurityError(f"the template built a {what}, more than a prompt may hold")
     return value
 
 
-def _check_format(fmt: str, style: str) -> None:
+def _finalize(value: Any) -> Any:
+    """What each `{{ ... }}` writes, before it becomes text: a container whose text would be past the bound
+    is refused before `str()` builds it."""
+    if isinstance(value, (list, tuple, dict, set, frozenset)) and _text_size(value) > MAX_RENDERED_CHARS:
+        raise SecurityError(f"the template writes a value of more than {MAX_RENDERED_CHARS} characters")
+    return value
+
+
+def _big_int(values: Iterable[Any]) -> int | None:
+    return next((v for v in values if isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_FILTER_INT), None)
+
+
+def _check_format(fmt: str, style: str, args: Iterable[Any] = ()) -> None:
     """Refuses a format (`style` '%' or '{') whose field asks for a width or precision past MAX_FILTER_INT,
-    before it is applied."""
+    before it is applied; where a width is an argument ('%*d', '{:{}}'), refuses an integer argument past it.
+    A format longer than MAX_FORMAT_CHARS is refused unread (scanning 16M characters would hold the GIL for
+    seconds, outside the rendering's time limit)."""
+    if len(fmt) > MAX_FORMAT_CHARS:
+        raise SecurityError(f"the template formats with a text of {len(fmt)} characters, past the "
+                            f"{MAX_FORMAT_CHARS} a format needs")
     for match in _FORMAT_SIZES[style].finditer(fmt):
-        if any(len(n) > 6 or int(n) > MAX_FILTER_INT for n in match.groups() if n):
+        groups = [g for g in match.groups() if g]
+        if any(g in ("*", "{") for g in groups):
+            big = _big_int(args)
+            if big is not None:
+                raise SecurityError(f"the template formats with a width from its arguments ({big}), past the "
+                                    f"{MAX_FILTER_INT} a template needs")
+        if any(len(n) > 6 or int(n) > MAX_FILTER_INT for g in groups for n in re.findall(r"\d+", g)):
             raise SecurityError(f"the template formats with a field {match.group(0)[:40]!r}, a width past the "
                                 f"{MAX_FILTER_INT} a template needs")
+
+
+# str methods whose result size a template chooses by an argument: checked before they run
+_WIDTH_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
+
+
+def _check_str_method(method: Any, args: tuple[Any, ...]) -> None:
+    s, name = method.__self__, method.__name__
+    if name in _WIDTH_METHODS and _big_int(args) is not None and (name != "expandtabs" or "\t" in s):
+        size = max(abs(_big_int(args) or 0) * (s.count("\t") if name == "expandtabs" else 1), 0)
+        if size > MAX_RENDERED_CHARS:
+            raise SecurityError(f"the template asks str.{name} for {size} characters, more than a prompt may hold")
+    elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        count = len(s) + 1 if not args[0] else s.count(args[0])
+        if len(s) + count * (len(args[1]) - len(args[0])) > MAX_RENDERED_CHARS:
+            raise SecurityError("the template's str.replace would build more than a prompt may hold")
+    elif name == "join" and args and isinstance(args[0], (list, tuple)):
+        if _text_size(args[0]) + len(s) * len(args[0]) > MAX_RENDERED_CHARS:
+            raise SecurityError("the template's str.join would build more than a prompt may hold")
 
 
 class _GuardConcat(NodeTransformer):
@@ -255,16 +321,23 @@ def _bounded_filter(name: str, f: Any) -> Any:
         if name == "wordwrap" and any(isinstance(a, str) and len(a) > MAX_WORDWRAP_CHARS for a in args):
             raise SecurityError(f"the template wraps a text longer than {MAX_WORDWRAP_CHARS} characters")
         if name == "format" and args and isinstance(args[0], str):
-            _check_format(args[0], "%")
-        for a in args:  # (`join` of a million references to one long text)
-            if isinstance(a, (list, tuple)) and sum(len(x) for x in a if isinstance(x, str)) > MAX_RENDERED_CHARS:
+            _check_format(args[0], "%", (*args[1:], *kwargs.values()))
+        if name == "join":  # a generator (`map(...)|join`) measured as the list it is
+            args = tuple(list(a) if isinstance(a, Iterator) else a for a in args)
+        if name == "indent" and args and isinstance(args[0], str):
+            width = next((a for a in (*args[1:2], kwargs.get("width")) if isinstance(a, int)), 4)
+            if args[0].count("\n") * abs(width) > MAX_RENDERED_CHARS:
+                raise SecurityError(f"the template indents {args[0].count(chr(10))} lines by {width}, more than a "
+                                    "prompt may hold")
+        for a in (*args, *kwargs.values()):  # (`join` of a million references to one long text, `string` of it)
+            if isinstance(a, (list, tuple, dict)) and _text_size(a) > MAX_RENDERED_CHARS:
                 raise SecurityError(f"the template passes texts of more than {MAX_RENDERED_CHARS} characters to "
                                     f"the filter '{name}'")
         out = f(*args, **kwargs)
         if isinstance(out, str) and len(out) > MAX_RENDERED_CHARS:
             raise SecurityError(f"the filter '{name}' made a text longer than the {MAX_RENDERED_CHARS} characters "
                                 "a prompt may have")
-        return out
+        return _size_guard(out)
     return bounded
 
 
@@ -280,13 +353,22 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # (Jinja's own signature)
         _check_time()  # every call a template makes, its macros' too
-        return super().call(__context, __obj, *args, **kwargs)
+        if isinstance(getattr(__obj, "__self__", None), str):
+            _check_str_method(__obj, args)
+        return _size_guard(super().call(__context, __obj, *args, **kwargs))  # (a macro doubling its output)
 
     def wrap_str_format(self, value: Any) -> Any:
         wrapped = super().wrap_str_format(value)  # a template's `str.format` / `format_map`, as it is looked up
-        if wrapped is not None:
-            _check_format(value.__self__, "{")
-        return wrapped
+        if wrapped is None:
+            return None
+        fmt = value.__self__
+        _check_format(fmt, "{")
+
+        def checked(*args: Any, **kwargs: Any) -> str:  # the widths its arguments give ('{:{}}')
+            mapped = args[0].values() if value.__name__ == "format_map" and args and isinstance(args[0], dict) else ()
+            _check_format(fmt, "{", (*args, *kwargs.values(), *mapped))
+            return _size_guard(wrapped(*args, **kwargs))
+        return checked
 
     def _generate(self, source: nodes.Template, name: str | None, filename: str | None,
                   defer_init: bool = False) -> str:
@@ -308,14 +390,15 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
             raise SecurityError(f"the template raises {left} to the power {right}, an integer past "
                                 f"{MAX_POWER_BITS} bits")
         elif operator == "%" and isinstance(left, str):
-            _check_format(left, "%")
+            _check_format(left, "%", right if isinstance(right, tuple) else right.values() if isinstance(right, dict) else (right,))
         out = super().call_binop(context, operator, left, right)
-        return _size_guard(out) if operator == "+" else out
+        return _size_guard(out)
 
 
 @lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, "jinja2.ext.loopcontrols"])
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, "jinja2.ext.loopcontrols"],
+                          finalize=_finalize)
     env.filters["tojson"] = _tojson
     env.filters.update({name: _bounded_filter(name, f) for name, f in env.filters.items()})
     env.globals["raise_exception"] = _raise_exception

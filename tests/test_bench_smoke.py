@@ -84,9 +84,11 @@ def test_tune_decode_attention_smoke(tmp_path: Path) -> None:
     for found in r["results"]:
         ok = [t for t in found["tried"] if "geomean_us" in t]
         assert len(ok) >= 4 and found["tried"][0]["plan"] == dataclasses.asdict(DecodePlan())  # the default first
-        assert found["best"] == min(ok, key=lambda t: t["geomean_us"])["plan"]
-        assert found["speedup_vs_default"] == pytest.approx(
-            found["tried"][0]["geomean_us"] / min(t["geomean_us"] for t in ok), rel=1e-9)
+        fastest, default = min(ok, key=lambda t: t["geomean_us"]), found["tried"][0]
+        # the fastest plan, unless within the noise margin of the default
+        want = fastest if fastest["geomean_us"] * 1.03 <= default["geomean_us"] else default
+        assert found["best"] == want["plan"]
+        assert found["speedup_vs_default"] == pytest.approx(default["geomean_us"] / want["geomean_us"], rel=1e-9)
     assert (PLANS_FILE.read_text() if PLANS_FILE.exists() else None) == before  # a smoke run writes no plans
 
 

@@ -341,3 +341,13 @@ def test_a_bad_model_is_one_line(text_file, tmp_path, capsys):
                              str(tmp_path / "o.json"))
     assert code == 2 and out == "" and "\n" not in err.strip()
     assert err.startswith(f"{PROG}: error: model '{tmp_path / 'nope'}' is neither a built-in name"), err
+
+
+def test_model_labels_name_what_a_config_was_calibrated_on() -> None:
+    """A config records the model by this label, and a server compares it, ignoring case: a Hugging Face
+    cache snapshot is its repository, not its revision hash."""
+    from models.omnikv_config import model_label
+
+    assert model_label("/hub/models--HuggingFaceTB--SmolLM2-135M-Instruct/snapshots/0123abc") == "SmolLM2-135M-Instruct"
+    assert model_label("/models/ds8.GGUF") == "ds8" and model_label("/models/llama8/") == "llama8"
+    assert model_label("smollm2-135m-instruct") == "smollm2-135m-instruct"

@@ -43,6 +43,7 @@ Needs a CUDA device, or `TRITON_INTERPRET=1` (set before Triton is imported) for
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,17 +72,25 @@ class DecodePlan:
     max_splits: int = 64  # ... in at most this many KV splits a request
 
     def check(self, group: int) -> None:
-        """Raises ValueError unless the kernels can run this plan for `group` query heads per KV head."""
+        """Raises ValueError unless every field is an integer in the range the kernels take for `group` query
+        heads per KV head (whether a tile fits the GPU's shared memory is the tuner's to find: it writes only
+        plans that ran)."""
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"{f.name} {v!r}: an integer")
         pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
         if not (pow2(self.block_h) and 16 <= self.block_h <= max(16, 1 << (group - 1).bit_length())):
             raise ValueError(f"block_h {self.block_h}: a power of two from 16 to the head group's ({group}) rounded up")
-        if not (pow2(self.block_n) and 16 <= self.block_n <= 256):
-            raise ValueError(f"block_n {self.block_n}: a power of two from 16 to 256")
-        if self.num_warps not in (1, 2, 4, 8, 16) or not 1 <= self.num_stages <= 8:
-            raise ValueError(f"num_warps {self.num_warps} (1-16, a power of two) or num_stages {self.num_stages} (1-8)")
-        if self.waves < 1 or self.max_splits < 1:
-            raise ValueError(f"waves {self.waves} and max_splits {self.max_splits} must be at least 1")
+        if not (pow2(self.block_n) and 16 <= self.block_n <= 128):
+            raise ValueError(f"block_n {self.block_n}: a power of two from 16 to 128")
+        if self.num_warps not in (1, 2, 4, 8, 16) or not 1 <= self.num_stages <= 6:
+            raise ValueError(f"num_warps {self.num_warps} (1-16, a power of two) or num_stages {self.num_stages} (1-6)")
+        if not (1 <= self.waves <= MAX_WAVES and 1 <= self.max_splits <= MAX_SPLITS):
+            raise ValueError(f"waves {self.waves} (1-{MAX_WAVES}) or max_splits {self.max_splits} (1-{MAX_SPLITS})")
 
+
+MAX_WAVES, MAX_SPLITS = 16, 1024  # a plan's bounds: ~16 x SMs programs of fp32 partials at most
 
 PlanTable = dict[int, dict[int, DecodePlan]]  # head group -> batch size (a power of two) -> plan
 

@@ -29,9 +29,11 @@ def confined(path: Path, root: Path) -> Path:
     inside = root.resolve()
     if real == inside or inside in real.parents:
         return path
-    blobs = _hf_cache_blobs(path)
-    if blobs is not None and real.parent == blobs:
-        return path
+    # (the snapshot found by the path as given, or by the model directory's own target: `./model` may be a
+    # link to a snapshot)
+    for blobs in (_hf_cache_blobs(path), _hf_cache_blobs(inside / path.absolute().relative_to(root.absolute()))):
+        if blobs is not None and real.parent == blobs:
+            return path
     raise CheckpointError(path, f"links to {real}, outside the model directory: a chat template may link only "
                                 "within it (or, in a Hugging Face cache snapshot, to its repository's blobs/); "
                                 "copy the file in")

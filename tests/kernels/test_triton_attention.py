@@ -217,6 +217,17 @@ def test_mla_decode_under_other_launch_plans(plan: DecodePlan, page: int) -> Non
     torch.testing.assert_close(out, ref, **_tol(torch.float32))
 
 
+def test_mla_decode_combines_more_splits_than_one_load() -> None:
+    """36 splits: the combine kernel's loop takes them in two loads of COMBINE_BLOCK_S (32)."""
+    setup = Setup("mla", 1, torch.float32, seed=36, context=4096)
+    batch = setup.batch([(2300, 1)])
+    plans = {4: {1: DecodePlan(waves=1, max_splits=64)}}
+    backend = create_attention_backend("triton", num_sms=64, decode_plans=plans)
+    assert backend.max_splits(1, 1, DEV, plans[4][1]) == 64 and -(-2301 // triton_attention.MIN_SPLIT_LEN) == 36 > 32
+    ref, out = _mla_absorb(setup, batch, 4, 32, 16, num_sms=64, decode_plans=plans)
+    torch.testing.assert_close(out, ref, **_tol(torch.float32))
+
+
 def test_mla_decode_wide_latent_combines_in_column_blocks() -> None:
     """A latent wider than one combine program's columns (160: two blocks, the second part masked)."""
     setup = Setup("mla", 1, torch.float32, dk=160, dr=16, seed=11)
@@ -243,7 +254,9 @@ def test_load_plans_checks_the_file(tmp_path) -> None:
     path.write_text(json.dumps({"GPU X": {"128": {"4": {"block_h": 64, "block_n": 32, "num_warps": 8}}}}))
     assert load_plans("GPU X", path) == {128: {4: DecodePlan(block_h=64, num_warps=8)}}
     assert load_plans("GPU Y", path) == {}
-    for bad in ({"block_h": 48}, {"block_h": 64}, {"block_n": 8}, {"num_warps": 3}, {"waves": 0}, {"tile": 16}):
+    for bad in ({"block_h": 48}, {"block_h": 64}, {"block_n": 8}, {"num_warps": 3}, {"waves": 0}, {"tile": 16},
+                {"max_splits": 64.0}, {"waves": 2.5}, {"waves": True}, {"waves": 1000000}, {"max_splits": 10**9},
+                {"block_n": 256}, {"num_stages": 8}):
         path.write_text(json.dumps({"GPU X": {"16": {"1": bad}}}))
         with pytest.raises(ValueError, match="plans.json"):
             load_plans("GPU X", path)

@@ -260,6 +260,12 @@ def test_a_hugging_face_cache_snapshot_and_a_folder_of_links_load(v2_dir, tmp_pa
     _link_into_blobs(snap, "model.safetensors.index.json", blobs, json.dumps(index).encode())
     _link_into_blobs(snap, "config.json", blobs, (v2_dir / "config.json").read_bytes())
     assert load(snap).model is not None
+    from models.loader.jsonfile import confined
+
+    _link_into_blobs(snap, "chat_template.jinja", blobs, b"{{ 1 }}")
+    (tmp_path / "model").symlink_to(snap)  # a friendly name for the snapshot
+    for root in (snap, tmp_path / "model"):
+        assert confined(root / "chat_template.jinja", root) == root / "chat_template.jinja"
 
     farm = tmp_path / "farm"
     farm.mkdir()

@@ -316,7 +316,9 @@ def test_sandbox_holds():
      "{% if loop.last %}{% endif %}{% endfor %}{% endfor %}{% endfor %}", "loops ran more than"),
     ("{% for j in range(100) recursive %}{% for k in range(100000) %}{% endfor %}{% endfor %}", "loops ran more than"),
     # few iterations, each filtering a long text: the time is bounded
-    ("{% set s = 'ab' * 4000000 %}{% for i in range(2000) %}{{ (s | list) | length }}{% endfor %}", "ran for more than 5 s"),
+    ("{% set s = 'ab' * 4000000 %}{% for i in range(2000) %}{{ (s | list) | length }}{% endfor %}",
+     "built a list of 8000000 items"),  # (each time round: the time limit stopped it later, before the list's bound)
+    ("{% set s = 'ab' * 400000 %}{% for i in range(20000) %}{{ (s | list) | length }}{% endfor %}", "ran for more than 5 s"),
     # no loop at all: a macro calling itself twice (2^40 calls), and single filters asked for gigabytes or
     # minutes (they hung the server's render threads, or took seconds and GBs each)
     ("{% macro f(n) %}{% if n > 0 %}{{ f(n-1) }}{{ f(n-1) }}{% endif %}{% endmacro %}{{ f(40) }}", "ran for more than 5 s"),
@@ -338,6 +340,23 @@ def test_sandbox_holds():
     ("{{ '%(a)0999999s' % {'a': 1} }}", "formats with a field"),
     ("{{ '{:>999999999}'.format(1) }}", "formats with a field '{:>999999999'"),
     ("{{ '{0:.9999999}'.format_map({}) }}", "formats with a field"),
+    # and what an adversarial review found past those: widths as arguments, str methods, macros that double
+    # their output, lists doubled by a filter, containers written as text, a format scanned for seconds
+    ("{{ ('%*d' % (1000000000, 1)) | length }}", "a width from its arguments .1000000000"),
+    ("{{ '{:{}}'.format('x', 200000000) }}", "a width from its arguments .200000000"),
+    ("{{ 'x'.center(1000000000) }}", "asks str.center for 1000000000 characters"),
+    ("{{ 'x'.zfill(1000000000) }}", "asks str.zfill"),
+    ("{% set s = 'x' * 10000000 %}{{ ''.join([s] * 20) }}", "str.join would build"),
+    ("{% set s = 'x' * 1000000 %}{{ s.replace('x', 'y' * 200000) }}", "str.replace would build"),
+    ("{% macro d(n) %}{% if n %}{% set x = d(n-1) %}{{x}}{{x}}{% else %}x{% endif %}{% endmacro %}{{ d(34) | length }}",
+     "built a text of"),
+    ("{% set ns = namespace(l=[1]) %}{% for i in range(30) %}{% set ns.l = [ns.l, ns.l] | sum(start=[]) %}{% endfor %}",
+     "built a list of"),
+    ("{{ ('x\n' * 1000000) | indent(65536) }}", "indents 1000000 lines by 65536"),
+    ("{% set s = 'x' * 10000000 %}{{ ([[s]] * 100) | map('first') | join }}", "passes texts of more than"),
+    ("{% set s = 'x' * 10000000 %}{{ [s] * 100 }}", "writes a value of more than"),
+    ("{% set s = 'x' * 10000000 %}{{ ([s] * 100) | string | length }}", "filter 'string'"),
+    ("{{ ('%(' * 8000000) % {} }}", "formats with a text of 16000000 characters"),
 ])
 def test_sandbox_bounds_what_a_template_builds(template, words, monkeypatch):
     """A model file's template asking for a 10 GB string, a huge integer or a huge text is refused at once
@@ -362,6 +381,8 @@ def test_sandbox_bounds_leave_real_templates_alone(monkeypatch):
     formats = ("{{ '%5.2f|%-3s|' % (3.14159, 'a') }}{{ '{0:>6.1f} {1}'.format(2.25, 'b') }}"
                "{{ '{\"max\": 100000} %s' % 'c' }}{{ messages[0].content ~ '/' ~ messages[0].content + '!' }}")
     assert render_chat(formats, [{"role": "user", "content": "ab"}]) == ' 3.14|a  |   2.2 b{"max": 100000} cab/ab!'
+    literal = "{{ '%d%% 1000000' % 5 }} {{ '{{\"max_tokens\": 1000000}} {}'.format('x') }} {{ 'ab'.center(6) }}"
+    assert render_chat(literal, [{"role": "user", "content": "ab"}]) == '5% 1000000 {"max_tokens": 1000000} x   ab  '
     loops = ("{% for m in messages %}{% for i in range(m.content | int) if i % 2 %}{% if loop.first or loop.last %}"
              "{{ loop.index }}/{{ loop.length }} {% endif %}{% else %}none{% endfor %}{% endfor %}")
     assert render_chat(loops, [{"role": "user", "content": "5"}, {"role": "user", "content": "0"}]) == "1/2 2/2 none"
