@@ -330,6 +330,20 @@ def _engine_schema(schema: Any, param: str) -> Any:
                                  f"{json.dumps(out['type'])}, so nothing satisfies it; change the schema")
             if "enum" in out:
                 out["enum"] = kept
+        if kinds is not None and "number" in kinds and _no_short_number(out):
+            raise ParamError(_top(param), f"{param}: the number range at {path or '/'} holds no number of at most "
+                             f"{NUMBER_DECIMALS} decimals, the finest constrained decoding writes (its grammar would be "
+                             "empty, and the reply cut short); widen the range")
+        min_keys = out.get("minProperties")
+        if isinstance(min_keys, int) and not isinstance(min_keys, bool) and min_keys >= 2:
+            declared = set(out.get("properties") or {})
+            open_keys = (out.get("additionalProperties", True) is not False or bool(out.get("patternProperties"))
+                         or "propertyNames" in out)
+            if open_keys and min_keys > len(declared & set(out.get("required") or ())):
+                raise ParamError(_top(param), f"{param}: minProperties {min_keys} at {path or '/'} may be met by keys "
+                                 "other than its required properties, which constrained decoding cannot keep distinct "
+                                 "(it could write one key twice, which a parser reads once); require the keys in "
+                                 "properties, or leave minProperties out")
         if kinds is not None and "integer" in kinds and "number" not in kinds:  # xgrammar takes whole bounds only
             for key, whole in (("minimum", math.ceil), ("maximum", math.floor),
                                ("exclusiveMinimum", math.floor), ("exclusiveMaximum", math.ceil)):
@@ -358,6 +372,21 @@ def _engine_schema(schema: Any, param: str) -> Any:
         return served
 
     return _map_schemas(schema, "", node)
+
+
+NUMBER_DECIMALS = 6  # xgrammar's number ranges are written to this many decimal places
+
+
+def _no_short_number(schema: dict) -> bool:
+    """Whether the schema's bounds leave no number of at most NUMBER_DECIMALS decimals (xgrammar then compiles
+    the range to an empty rule: '{"x": }' with finish_reason stop)."""
+    scale = 10**NUMBER_DECIMALS
+    bound = lambda k: v if isinstance(v := schema.get(k), (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None  # noqa: E731
+    lows = [math.ceil(v * scale) for v in [bound("minimum")] if v is not None]
+    lows += [math.floor(v * scale) + 1 for v in [bound("exclusiveMinimum")] if v is not None]
+    highs = [math.floor(v * scale) for v in [bound("maximum")] if v is not None]
+    highs += [math.ceil(v * scale) - 1 for v in [bound("exclusiveMaximum")] if v is not None]
+    return bool(lows and highs) and max(lows) > min(highs)
 
 
 def _object(out: dict, where: str, param: str) -> dict:

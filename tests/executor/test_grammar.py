@@ -380,11 +380,39 @@ def test_served_objects_keep_required_keys_and_write_no_key_twice(backend, schem
     ({"type": "object", "required": ["a"], "propertyNames": {"pattern": "^b"}}, "breaks propertyNames"),
     ({"type": "object", "properties": {"a": {}}, "minProperties": 2, "additionalProperties": False}, "minProperties 2"),
     ({"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a", "b"], "maxProperties": 1}, "maxProperties 1"),
+    # keys beyond the required ones counted towards minProperties: xgrammar wrote '{"n": 10, "n": 11, "n": 21}'
+    ({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 3}, "minProperties 3 at /"),
+    ({"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a"], "patternProperties": {"^x": {}},
+      "minProperties": 2}, "cannot keep distinct"),
+    ({"type": "object", "propertyNames": {"enum": ["p", "q"]}, "minProperties": 2}, "cannot keep distinct"),
 ])
 def test_objects_no_value_satisfies_or_xgrammar_cannot_keep_are_refused(schema, needle):
     with pytest.raises(ParamError, match=needle) as e:
         json_schema_output(schema, "response_format.json_schema.schema")
     assert e.value.param == "response_format"
+
+
+@pytest.mark.parametrize("bounds", [
+    {"minimum": 1e-10, "maximum": 3e-10}, {"minimum": 1e-8, "maximum": 2e-8},
+    {"exclusiveMinimum": 0.5, "exclusiveMaximum": 0.5000005}, {"exclusiveMinimum": 0.5, "maximum": 0.5000009},
+])
+def test_number_ranges_with_no_short_number_are_refused(bounds):
+    """xgrammar writes ranges to 6 decimals: a narrower one compiled to an empty rule ('{"x": }', "stop")."""
+    schema = {"type": "object", "properties": {"x": {"type": "number", **bounds}}, "required": ["x"]}
+    with pytest.raises(ParamError, match="the number range at /properties/x holds no number of at most 6 decimals"):
+        json_schema_output(schema, "response_format.json_schema.schema")
+
+
+def test_number_ranges_and_min_properties_that_can_be_kept_are_served(backend):
+    for schema, good, bad in [
+        ({"type": "number", "minimum": 0.5, "maximum": 0.500001}, "0.500001", "0.6"),
+        ({"type": "number", "exclusiveMinimum": 0.5, "maximum": 0.500001}, "0.500001", "0.5"),
+        ({"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a", "b"], "minProperties": 2},
+         '{"a": 1, "b": 2}', '{"a": 1}'),
+    ]:
+        out = json_schema_output(schema, "response_format.json_schema.schema")
+        g = backend.compile("json_schema", out.spec, "response_format")
+        assert accepts(backend, g, good) and not accepts(backend, g, bad), (schema, good, bad)
 
 
 def test_regex_grammar_and_json_object(backend):
