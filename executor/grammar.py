@@ -54,6 +54,7 @@ from executor.grammar_compiler import reason as _reason
 logger = logging.getLogger("mlaserve.grammar")
 
 _CACHE_BYTES = 256 << 20  # compiled grammars kept
+_REFUSED_KEPT = 256  # specs refused for themselves, remembered (one compile each, however often sent)
 _COMPILE_WORKERS = 8  # compiles at once: slow ones share the CPU instead of holding up the rest
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 _MAX_CRASHES = 2  # a spec under way when the compiler process died this often (by itself) is refused
@@ -268,6 +269,7 @@ class GrammarBackend:
         self._unavailable: str | None = None  # why no spec can be compiled for this tokenizer
         self._lock = threading.Lock()  # guards what follows; the compiler thread's own state is its own
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._refused: OrderedDict[tuple[str, str], str] = OrderedDict()  # spec -> why (the last _REFUSED_KEPT)
         self._cache_bytes = 0
         self._by_spec: dict[tuple[str, str], _Job] = {}  # compiling or queued
         self._queued: list[_Job] = []
@@ -292,6 +294,9 @@ class GrammarBackend:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 fut.set_result(self._cache[key])
+                return fut
+            if key in self._refused:
+                fut.set_exception(GrammarError(param, f"{param}: {self._refused[key]}"))
                 return fut
             if self._unavailable is not None:
                 fut.set_exception(GrammarError(param, f"{param}: {self._unavailable}"))
@@ -456,8 +461,16 @@ class GrammarBackend:
 
     def _finish(self, job: _Job, compiled: Any, message: str = "", error: Exception | None = None) -> None:
         """Ends a job: caches and hands out its grammar, or fails its waiters. (Cached before the job is
-        dropped, so that a `submit` of the same spec meanwhile finds one or the other.)"""
+        dropped, so that a `submit` of the same spec meanwhile finds one or the other.) A spec refused for
+        itself (`message`: it does not compile, or took past the time limit) is remembered as refused, so
+        that sending it again costs no second compile (a slow one: another --grammar-compile-timeout of a
+        core)."""
         if compiled is None:
+            if error is None and message:
+                with self._lock:
+                    self._refused[(job.kind, job.spec)] = message
+                    while len(self._refused) > _REFUSED_KEPT:
+                        self._refused.popitem(last=False)
             self._forget(job)
             job.fail(error, message)
             return

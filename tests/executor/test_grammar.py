@@ -478,7 +478,12 @@ def test_slow_compiles_hold_up_no_other_and_end_at_the_time_limit(limited):
             f.result(timeout=120)
         assert e.value.param == "response_format" and "took longer than 3 s to compile" in e.value.message
     assert accepts(limited, limited.compile("regex", "d+", "regex"), "ddd")
-    assert limited.compiler_pid not in (None, first)
+    second = limited.compiler_pid
+    assert second not in (None, first)
+    again = limited.submit("json_schema", slow_schema(26000), "tool_choice")  # refused once: not compiled again
+    assert again.done() and limited.compiler_pid == second
+    with pytest.raises(GrammarError, match="tool_choice: .*took longer than 3 s to compile"):
+        again.result(timeout=0)
 
 
 def test_a_compile_under_way_when_another_is_stopped_is_finished_by_the_next_process(limited):
