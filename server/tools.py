@@ -98,8 +98,10 @@ def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto")
             raise ParamError("tool_choice", f"tool_choice names the function '{choice.function.name}', which is not "
                              f"among tools ({', '.join(names)})")
         fn = tools[names.index(choice.function.name)].function
-        params = _parameters(fn.parameters, f"tools.[{names.index(fn.name)}].function.parameters")
-        return ToolPlan(rendered, forced_system, schema_output(params, "tool_choice"),
+        where = f"tools.[{names.index(fn.name)}].function.parameters"
+        # (what the engine refuses of it, a range xgrammar cannot compile say, is named by the tool's schema)
+        params = _parameters(fn.parameters, where)
+        return ToolPlan(rendered, forced_system, schema_output(params, where),
                         lambda: MergedDeltas(NamedToolCall(fn.name, new_id)), named=True)
     if choice == "required":
         # each tool's parameters under $defs, their own references rewritten to point there

@@ -359,6 +359,10 @@ BAD = [
     ({"messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", "nope"),
     ({"messages": ASK, "tool_choice": "required"}, "tool_choice", "needs tools"),
+    # refused where the engine compiles it: named by the tool's schema (it said tool_choice)
+    ({"messages": ASK, "tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}}}}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools.[1].function.parameters", "cannot be compiled"),
     ({"messages": ASK, "tools": [{"type": "function", "function": {"description": "no name"}}]},
      "tools.[0].function.name", None),
     ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "bad name!"}}]},
