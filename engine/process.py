@@ -91,7 +91,7 @@ ALIVE_S = 5.0  # the watchdog sends Alive when nothing else was sent for this lo
 PEER_EXIT_WAIT_S = 1.0  # after a collective lost a peer, how long the ranks' account may take (_EngineLoop._cause)
 # gloo's words for a peer's connection gone (a rank killed or its node down), in the error a collective raises
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed", "Read error",
-              "got 0 bytes")
+              "got 0 bytes", "stopped answering rank 0's broadcast")  # (the last: executor.distributed's own)
 
 
 class EngineCoreLike(Protocol):

@@ -795,6 +795,9 @@ def test_a_lost_peer_is_told_to_clients_by_the_ranks_account_not_gloo_text():
     assert cause(lost, [None, None, "rank 1 exited with code -9"]) == "rank 1 exited with code -9"
     short = cause(RuntimeError(GLOO_PEER_RESET), [])
     assert short.startswith("a peer rank is gone: its connection closed") and "gloo" not in short
+    # rank 0's own broadcast error (a --dp replica's ranks): the ranks' account too, not "RuntimeError: ..."
+    ours = RuntimeError("tensor parallelism: a rank stopped answering rank 0's broadcast (its process or ...)")
+    assert cause(ours, ["rank 1 exited with code -9"]) == "rank 1 exited with code -9"
 
 
 def test_a_broadcast_that_lost_a_rank_keeps_gloo_text_out_of_the_ranks_account(monkeypatch, caplog):
