@@ -258,6 +258,8 @@ def _check_format(fmt: str, style: str, args: Iterable[Any] = ()) -> None:
                                 f"{MAX_FILTER_INT} a template needs")
 
 
+# filters that write a container as text: its text's size is measured before they run
+_TEXT_FILTERS = frozenset({"join", "string", "tojson", "pprint", "xmlattr", "urlencode", "format"})
 # str methods whose result size a template chooses by an argument: checked before they run
 _WIDTH_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
 
@@ -329,7 +331,9 @@ def _bounded_filter(name: str, f: Any) -> Any:
             if args[0].count("\n") * abs(width) > MAX_RENDERED_CHARS:
                 raise SecurityError(f"the template indents {args[0].count(chr(10))} lines by {width}, more than a "
                                     "prompt may hold")
-        for a in (*args, *kwargs.values()):  # (`join` of a million references to one long text, `string` of it)
+        for a in (*args, *kwargs.values()) if name in _TEXT_FILTERS else ():  # (`join` of a million references
+            # to one long text, `string` of it; filters that count or pick, `length` in a loop over the
+            # messages say, are not walked: their results are bounded after)
             if isinstance(a, (list, tuple, dict)) and _text_size(a) > MAX_RENDERED_CHARS:
                 raise SecurityError(f"the template passes texts of more than {MAX_RENDERED_CHARS} characters to "
                                     f"the filter '{name}'")
