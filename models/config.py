@@ -222,9 +222,10 @@ class _Keys:
         if typ is float:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise CheckpointError(self.source, f"config key '{key}' must be a number, got {v!r}")
-            if isinstance(v, int) and not -MAX_CONFIG_INT <= v <= MAX_CONFIG_INT or not math.isfinite(v) or abs(v) > FLOAT32_MAX:
-                # (json.loads accepts NaN and Infinity; an integer past a float's range does not fit one; the
-                # kernels compute in float32, where 3.5e38 is already infinite)
+            # (json.loads accepts NaN and Infinity; an integer past a float's range does not fit one; the
+            # kernels compute in float32, where 3.5e38 is already infinite)
+            huge_int = isinstance(v, int) and not -MAX_CONFIG_INT <= v <= MAX_CONFIG_INT
+            if huge_int or not math.isfinite(v) or abs(v) > FLOAT32_MAX:
                 raise CheckpointError(self.source, f"config key '{key}' must be a finite number within float32's "
                                                    f"range, got {str(v)[:40]}")
             return float(v)

@@ -220,8 +220,9 @@ def _size_guard(value: Any) -> Any:
     """A text or list a template built (`~`, `+`, a call, a filter): at most what a prompt may hold. Each
     step at most doubles what was bounded before it, so a template that keeps doubling a text stops here,
     not out of memory."""
-    if isinstance(value, str) and len(value) > MAX_RENDERED_CHARS or isinstance(value, (list, tuple)) and len(value) > MAX_LOOP_ITEMS:
-        what = f"text of {len(value)} characters" if isinstance(value, str) else f"list of {len(value)} items"
+    text, items = isinstance(value, str), isinstance(value, (list, tuple))
+    if text and len(value) > MAX_RENDERED_CHARS or items and len(value) > MAX_LOOP_ITEMS:
+        what = f"text of {len(value)} characters" if text else f"list of {len(value)} items"
         raise SecurityError(f"the template built a {what}, more than a prompt may hold")
     return value
 
@@ -266,8 +267,9 @@ _WIDTH_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
 
 def _check_str_method(method: Any, args: tuple[Any, ...]) -> None:
     s, name = method.__self__, method.__name__
-    if name in _WIDTH_METHODS and _big_int(args) is not None and (name != "expandtabs" or "\t" in s):
-        size = max(abs(_big_int(args) or 0) * (s.count("\t") if name == "expandtabs" else 1), 0)
+    big = _big_int(args)
+    if name in _WIDTH_METHODS and big is not None:
+        size = abs(big) * (s.count("\t") if name == "expandtabs" else 1)
         if size > MAX_RENDERED_CHARS:
             raise SecurityError(f"the template asks str.{name} for {size} characters, more than a prompt may hold")
     elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):

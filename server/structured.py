@@ -381,11 +381,16 @@ def _no_short_number(schema: dict) -> bool:
     """Whether the schema's bounds leave no number of at most NUMBER_DECIMALS decimals (xgrammar then compiles
     the range to an empty rule: '{"x": }' with finish_reason stop)."""
     scale = 10**NUMBER_DECIMALS
-    bound = lambda k: v if isinstance(v := schema.get(k), (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None  # noqa: E731
-    lows = [math.ceil(v * scale) for v in [bound("minimum")] if v is not None]
-    lows += [math.floor(v * scale) + 1 for v in [bound("exclusiveMinimum")] if v is not None]
-    highs = [math.floor(v * scale) for v in [bound("maximum")] if v is not None]
-    highs += [math.ceil(v * scale) - 1 for v in [bound("exclusiveMaximum")] if v is not None]
+
+    def scaled(key: str, to_int: Callable[[float], int], step: int) -> int | None:
+        """The bound as a count of 10^-NUMBER_DECIMALS, stepped inside where it is exclusive (None: unset)."""
+        v = schema.get(key)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            return None
+        return to_int(v * scale) + step
+
+    lows = [b for b in (scaled("minimum", math.ceil, 0), scaled("exclusiveMinimum", math.floor, 1)) if b is not None]
+    highs = [b for b in (scaled("maximum", math.floor, 0), scaled("exclusiveMaximum", math.ceil, -1)) if b is not None]
     return bool(lows and highs) and max(lows) > min(highs)
 
 

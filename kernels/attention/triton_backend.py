@@ -121,6 +121,12 @@ def load_plans(device_name: str, path: Path = PLANS_FILE) -> PlanTable:
     return parse_plans(raw.get(device_name, {}), f"{path} [{device_name!r}]")
 
 
+def rounded_batch(batch_size: int) -> int:
+    """The batch size rounded up to a power of two: what the split plan and the plan's choice go by, so that
+    a padded (graph) batch and the unpadded (eager) one launch alike."""
+    return 1 << max(0, batch_size - 1).bit_length()
+
+
 def pick_plan(table: PlanTable, group: int, batch_size: int) -> DecodePlan:
     """The plan measured for this head group at the largest batch size up to `batch_size` rounded up to
     a power of two (the smallest measured above it else; the defaults for an unmeasured group). Padded
@@ -128,7 +134,7 @@ def pick_plan(table: PlanTable, group: int, batch_size: int) -> DecodePlan:
     by_batch = table.get(group)
     if not by_batch:
         return DecodePlan()
-    rounded = 1 << max(0, batch_size - 1).bit_length()
+    rounded = rounded_batch(batch_size)
     below = [b for b in by_batch if b <= rounded]
     return by_batch[max(below) if below else min(by_batch)]
 
@@ -220,8 +226,7 @@ class TritonAttentionBackend(AttentionBackend):
                    plan: DecodePlan = DecodePlan()) -> int:
         """KV splits per request at most: enough programs for the plan's waves over the SMs, the batch
         rounded up to a power of two so that padded (graph) and unpadded (eager) batches plan alike."""
-        rounded = 1 << max(0, batch_size - 1).bit_length()
-        want = -(-plan.waves * self._sms(device) // (rounded * head_blocks))
+        want = -(-plan.waves * self._sms(device) // (rounded_batch(batch_size) * head_blocks))
         return max(1, min(plan.max_splits, want))
 
     def decode_plan(self, group: int, batch_size: int, device: torch.device) -> DecodePlan:

@@ -11,9 +11,9 @@ from models.loader.errors import CheckpointError
 
 
 def _hf_cache_blobs(path: Path) -> Path | None:
-    """The blobs/ folder of the Hugging Face cache repository whose snapshot holds `path`, if one does
+    """(`path` absolute) The blobs/ folder of the Hugging Face cache repository whose snapshot holds `path`, if one does
     (<cache>/models--org--name/snapshots/<revision>/... links each file to ../../blobs/<hash>)."""
-    for folder in path.absolute().parents:
+    for folder in path.parents:
         if folder.parent.name == "snapshots":
             return (folder.parent.parent / "blobs").resolve()
     return None
@@ -29,11 +29,10 @@ def confined(path: Path, root: Path) -> Path:
     inside = root.resolve()
     if real == inside or inside in real.parents:
         return path
-    # (the snapshot found by the path as given, or by the model directory's own target: `./model` may be a
-    # link to a snapshot)
-    for blobs in (_hf_cache_blobs(path), _hf_cache_blobs(inside / path.absolute().relative_to(root.absolute()))):
-        if blobs is not None and real.parent == blobs:
-            return path
+    # (the snapshot found from the model directory's own target: `./model` may be a link to a snapshot)
+    blobs = _hf_cache_blobs(inside / path.absolute().relative_to(root.absolute()))
+    if blobs is not None and real.parent == blobs:
+        return path
     raise CheckpointError(path, f"links to {real}, outside the model directory: a chat template may link only "
                                 "within it (or, in a Hugging Face cache snapshot, to its repository's blobs/); "
                                 "copy the file in")

@@ -98,9 +98,9 @@ def check_tokenizer_fits(tokenizer: "TokenizerBundle", vocab_size: int, source: 
                                       f"{vocab_size}: it is another model's tokenizer")
     beyond = sorted(i for i in tok.get_added_tokens_decoder() if i >= vocab_size)
     if beyond:
+        named = ", ".join(f"{tok.id_to_token(i)!r} ({i})" for i in beyond[:5]) + (" ..." if len(beyond) > 5 else "")
         logger.warning("%s: added tokens %s have ids past the model's vocab_size %d: a prompt that holds them is "
-                    "refused", source, ", ".join(f"{tok.id_to_token(i)!r} ({i})" for i in beyond[:5])
-                    + (" ..." if len(beyond) > 5 else ""), vocab_size)
+                       "refused", source, named, vocab_size)
 
 
 def load_model(
