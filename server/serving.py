@@ -557,7 +557,11 @@ async def _events(state: ServerState, requests: list[EngineRequest], firsts: lis
                 # counted as the client is told: a stop string matched in the last token max_tokens allows is
                 # "stop" to the client, though the engine ended the completion as "length"
                 told = choice.finish_reason if choice.finish_reason not in (None, out.finish_reason) else None
-                state.metrics.on_output(msgspec.structs.replace(out, finish_reason=told) if told else out, time.time())
+                seen = out
+                if len(ids) < len(out.new_token_ids):  # a stop string inside a speculative step's tokens: those
+                    # after it are dropped from the choice's ids and usage, and are not counted as generated
+                    seen = msgspec.structs.replace(out, new_token_ids=ids, completion_tokens=choice.completion_tokens)
+                state.metrics.on_output(msgspec.structs.replace(seen, finish_reason=told) if told else seen, time.time())
                 if ended_here and not r.done and state.engine is not None:
                     # one of n choices: the engine stops generating it now (its siblings go on; once all
                     # have ended the stream closes, which ends the request as a whole)

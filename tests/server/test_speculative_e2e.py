@@ -1,6 +1,6 @@
 """`mlaserve serve --speculative-config`: the answers are those of a server without it, field for field
-(text, token ids, logprobs, finish reasons, stop strings, usage), streamed or not, and /metrics counts the
-drafts. The model: a tiny random Llama, whose greedy text falls into the loops n-gram lookup continues."""
+(text, token ids, logprobs, finish reasons, stop strings, usage), streamed or not, /metrics counts the
+generated tokens alike, and it counts the drafts. The model: a tiny random Llama, whose greedy text falls into the loops n-gram lookup continues."""
 
 from __future__ import annotations
 
@@ -80,10 +80,15 @@ def test_same_answers_as_without_speculation(servers):
         {**base, "temperature": 0.7, "seed": 8, "frequency_penalty": 0.5, "repetition_penalty": 1.2},
         {**base, "max_tokens": 37, "logprobs": None},
     ]
+    counted = ("mlaserve_generation_tokens_total", "mlaserve_inter_token_latency_seconds_count")
+    before = [(plain.metric(m), spec.metric(m)) for m in counted]
     for body in bodies:
         want = answer(plain, body)
         assert answer(spec, body) == want, body
         assert streamed(spec, body) == streamed(plain, body), body
+    # the tokens a stop string cut from a step's delta are not counted as generated (nor timed as tokens)
+    for m, (p0, s0) in zip(counted, before):
+        assert spec.metric(m) - s0 == plain.metric(m) - p0 > 0, m
     assert answer(spec, bodies[1])["choices"][0]["finish_reason"] == "stop"
     drafts, kept = spec.metric("mlaserve_spec_decode_draft_tokens_total"), \
         spec.metric("mlaserve_spec_decode_accepted_tokens_total")
