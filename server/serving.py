@@ -132,6 +132,8 @@ async def _responses(raw: Request, state: ServerState, body: ResponsesRequest) -
     try:
         check_model(state, body.model)
         chat = to_chat_request(body)
+        if body.truncation == "auto":
+            chat = _fitted(state, chat)
     except ClientError as e:
         return e.response()
     except ParamError as e:
@@ -143,6 +145,40 @@ async def _responses(raw: Request, state: ServerState, body: ResponsesRequest) -
     message, param = rename_error(str(error.get("message", "")), error.get("param"))
     return error_response(resp.status_code, message, str(error.get("type", "invalid_request_error")), param,
                           error.get("code"), headers)
+
+
+def _fitted(state: ServerState, chat: ChatCompletionRequest) -> ChatCompletionRequest:
+    """The Responses API's `truncation: "auto"`: a conversation longer than the context (with room for
+    `max_output_tokens`, or one token) loses its oldest turns, as OpenAI's drops items from its start, until
+    it fits. It is cut before a user message (a template may want the conversation to start with one, and a
+    cut there leaves no tool result without its call); leading system messages (`instructions`) stay. The
+    shortest cut that fits is found by bisection, a render each try; where none fits, the last user turn on
+    is kept and the chat path says the context is exceeded."""
+    tok = state.tokenizer
+    assert tok is not None
+    need = chat.max_completion_tokens if chat.max_completion_tokens is not None else chat.max_tokens
+    room = state.context_length - (1 if need is None else need)
+    messages = chat.messages
+    head = next((i for i, m in enumerate(messages) if m.role not in ("system", "developer")), len(messages))
+    cuts = [i for i in range(head + 1, len(messages)) if messages[i].role == "user"]
+
+    def cut(at: int) -> ChatCompletionRequest:
+        return chat.model_copy(update={"messages": messages[:head] + messages[at:]})
+
+    def fits(req: ChatCompletionRequest) -> bool:
+        text, _ = chat_prompt(state, req)
+        return len(tok.encode(text, add_special_tokens=False)) <= room
+
+    if not cuts or fits(chat):
+        return chat
+    lo, hi = 0, len(cuts) - 1  # the first cut that fits is in cuts[lo..hi], or none does (then the last)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(cut(cuts[mid])):
+            hi = mid
+        else:
+            lo = mid + 1
+    return cut(cuts[lo])
 
 
 async def _messages(raw: Request, state: ServerState) -> Response:

@@ -107,6 +107,35 @@ def client(dsv3):
     return openai.OpenAI(base_url=dsv3.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
+def test_truncation_auto_drops_the_oldest_turns(dsv3):
+    """`truncation: "auto"`: a conversation past the context loses its oldest turns until it fits (OpenAI's
+    rule), the instructions kept; the oracle is chat completions on the conversation from each user turn
+    on: the first that fits is what the response answered, prompt token for token. Without it: a 400."""
+    turns: list[dict] = []
+    for k in range(8):
+        turns += [{"role": "user", "content": f"question {k}: " + "sea " * 300}, {"role": "assistant", "content": f"answer {k}"}]
+    turns.append({"role": "user", "content": "and now?"})
+    body = {"input": turns, "instructions": "Be brief.", "max_output_tokens": 4, "temperature": 0}
+    refused = post(dsv3.url, body)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+    got = post(dsv3.url, {**body, "truncation": "auto"})
+    assert got.status_code == 200, got.text
+    for start in range(0, len(turns), 2):
+        chat = httpx.post(dsv3.url + "/v1/chat/completions", timeout=300, json={
+            "model": "m", "messages": [{"role": "system", "content": "Be brief."}, *turns[start:]], "max_tokens": 4,
+            "temperature": 0})
+        if chat.status_code == 200:
+            break
+        assert chat.json()["error"]["code"] == "context_length_exceeded"
+    assert 0 < start < len(turns) - 1
+    r = Response.model_validate(got.json())
+    assert r.truncation == "auto" and r.usage.input_tokens == chat.json()["usage"]["prompt_tokens"] <= 2048 - 4
+    assert r.output_text == chat.json()["choices"][0]["message"]["content"]
+    # one turn alone past the context: nothing to drop, the context is exceeded
+    alone = post(dsv3.url, {**body, "input": "sea " * 3000, "truncation": "auto"})
+    assert alone.status_code == 400 and alone.json()["error"]["code"] == "context_length_exceeded"
+
+
 def test_text_is_the_chat_answer_whole_and_streamed(client, dsv3):
     ask = "Tell me about the sea."
     chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": ask}], max_tokens=10,
