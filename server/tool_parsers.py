@@ -382,11 +382,19 @@ class HermesToolParser(ToolParser):
             return self._in_block
         end = self._buf.find(self._CLOSE)
         if end < 0:
-            if final:  # cut off before the block closed
-                self._emit(self._OPEN + self._buf)
-                self._buf, self._in_block = "", False
+            if final:  # cut off before the block closed: a whole call object is still a call (vLLM's
+                # `<tool_call>(.*)`: a stop string or max_tokens took only the close), else the text as written
+                body, self._buf, self._in_block = self._buf, "", False
+                if not self._call(body):
+                    self._emit(self._OPEN + body)
             return False
         body, self._buf, self._in_block = self._buf[:end], self._buf[end + len(self._CLOSE):], False
+        if not self._call(body):
+            self._emit(self._OPEN + body + self._CLOSE)
+        return True
+
+    def _call(self, body: str) -> bool:
+        """Sends `body` as a call if it is one call object (whitespace around it); False if not."""
         call = None
         try:
             members, stop = _scan_object(body, 0)
@@ -395,11 +403,10 @@ class HermesToolParser(ToolParser):
         except ValueError:
             pass
         if call is None:
-            self._emit(self._OPEN + body + self._CLOSE)
-        else:
-            self._open_call(call[0])
-            self._add_args(call[1])
-            self._skip_ws = True
+            return False
+        self._open_call(call[0])
+        self._add_args(call[1])
+        self._skip_ws = True
         return True
 
 

@@ -116,9 +116,11 @@ CASES = [
      '<tool_call>\n{"name": 5, "arguments": {}}\n</tool_call>', []),
     ("hermes", '<tool_call>\n{"name": "f", "arguments": {}} trailing\n</tool_call>',
      '<tool_call>\n{"name": "f", "arguments": {}} trailing\n</tool_call>', []),
-    # cut before the block closed: raw content
+    # cut before the block closed: raw content, unless its call object is whole (only the close was cut: vLLM's)
     ("hermes", hermes("f", "{}") + '\n<tool_call>\n{"name": "g", "argum', '<tool_call>\n{"name": "g", "argum',
      [("f", "{}")]),
+    ("hermes", 'Checking.\n<tool_call>\n{"name": "g", "arguments": ' + PARIS + "}\n", "Checking.\n", [("g", PARIS)]),
+    ("hermes", '<tool_call>\n{"name": "g", "arguments": {}} and', '<tool_call>\n{"name": "g", "arguments": {}} and', []),
     ("hermes", "Use <tools> or <tool_calls>, a < b, </tool_call.",
      "Use <tools> or <tool_calls>, a < b, </tool_call.", []),
     ("hermes", "Plain answer with no calls.", "Plain answer with no calls.", []),
