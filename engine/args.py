@@ -174,6 +174,10 @@ class EngineArgs:
                                    "running longer ends the engine, so that its requests fail with engine_error and "
                                    "/health reports it instead of hanging (a hung device, a deadlock); 0: no limit",
                                    check=non_negative, metavar="SECONDS")
+    startup_timeout: float = flag(600.0, "seconds the engine may take to start (load the model, on a GPU capture "
+                                  "its CUDA graphs, and report ready): a longer start, or an engine frozen while "
+                                  "loading, ends the server with an error; raise it for large models on slow "
+                                  "disks; 0: no limit", check=non_negative, metavar="SECONDS")
     grammar_compile_timeout: float = flag(30.0, "seconds one structured-output spec (JSON schema, regex, grammar) "
                                           "may take to compile: a longer compile is stopped and its request refused "
                                           "with a 400 (a few small specs take minutes); 0: no limit",

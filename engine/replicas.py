@@ -184,7 +184,7 @@ class EngineReplicas:
     # ---- life cycle ---------------------------------------------------------------------------
 
     @classmethod
-    async def start(cls, args: EngineArgs, replicas: int = 1, *, startup_timeout: float = 600,
+    async def start(cls, args: EngineArgs, replicas: int = 1, *, startup_timeout: float | None = None,
                     core_factory: CoreFactory | None = None) -> EngineReplicas:
         """Starts `replicas` engines at once and waits until all are ready. If one fails, the others are
         stopped and RuntimeError says which replica failed and why (one replica: its message as is)."""

@@ -499,6 +499,19 @@ def test_startup_failure_raises_with_the_childs_message(loop):
         start(loop, fail_start="no such model /nope/m.gguf")
 
 
+def test_a_start_past_the_startup_timeout_is_ended_with_the_flag_named(loop):
+    """--startup-timeout (EngineArgs.startup_timeout) bounds the model's load; the error names the flag. The
+    process it started is gone afterwards (no engine left loading in the background)."""
+    args = EngineArgs(model="fake-model", startup_timeout=0.5)
+    factory = functools.partial(FakeCore, start_delay=20)
+    children = set(mp.active_children())
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"did not start within 0\.5 s: raise --startup-timeout"):
+        run(loop, EngineClient.start(args, core_factory=factory), 15)
+    assert time.monotonic() - t < 10
+    assert not [p for p in mp.active_children() if p not in children]
+
+
 @pytest.mark.parametrize("error, traceback", [(ValueError, False), (FileNotFoundError, False), (RuntimeError, True)])
 def test_a_user_mistake_at_startup_is_left_to_the_starter_a_bug_logged_with_its_traceback(loop, capfd, error,
                                                                                           traceback):
