@@ -94,7 +94,7 @@ def _chosen_kernel(fmt: str, kernels: list[str], forced: str | None) -> str:
         if forced == "amx_emulated":
             return "amx_emulated+avx512_bf16"
         if "amx" in kernels and forced in (None, "amx"):
-            return "amx+avx512_bf16"  # AMX from 5 rows of x / tokens per expert
+            return "amx+avx512_bf16"  # AMX tiles for every row count where usable
         return "avx512_bf16" if "avx512_bf16" in kernels or forced in ("avx512", "amx") else avx2
     if forced == "avx2":
         return "avx2"
@@ -426,7 +426,7 @@ class QuantLinear:
     dot products (AVX-512 VNNI, else AVX2's vpmaddubsw) on activations quantised per 32 values to int8
     (Q8_0, fp32 scales), as llama.cpp computes them; AMX int8 tiles from 12 rows of x where the CPU has
     them. The product is accumulated in fp32. bf16 weights ("bf16", and GGUF F16/F32/BF16 tensors by
-    default) use bf16 products on x rounded to bf16 (AVX-512 BF16, AMX bf16 tiles from 5 rows of x,
+    default) use bf16 products on x rounded to bf16 (AMX bf16 tiles for any number of rows where usable, else AVX-512 BF16,
     else fp32 FMAs on AVX2). "f32" weights (`from_float(w, dtype=torch.float32)`, or GGUF float tensors
     with `float_dtype=torch.float32`) are kept exact and multiply fp32 x (bf16 x widened) with fp32
     FMAs: the fp32 matmul up to summation order, at 4 bytes per weight.

@@ -4,11 +4,14 @@
 //  bf16: the packed [N/16][K/2][16][2] layout's 64-byte line (one k-pair of 16 rows) is two ymm of
 //        8 32-bit lanes (rows 0..7, 8..15), each lane the row's (even k, odd k) bf16 pair: even k
 //        is `lane << 16`, odd k `lane & 0xffff0000` as fp32, each FMA'd against its x[k] broadcast
-//        (x's bf16 pair split the same way). Tiles: 2 rowblocks x 1 row of x with separate even and
-//        odd accumulators (8 chains), or 2 x 2, stream the weights at decode; above, 1 rowblock x 4
-//        rows of x (8 accumulators, the two halves' 4 unpacked weights and one row's x pair in 15
-//        ymm), so each unpacked line feeds 8 FMAs, the rowblock's lines reused from L1/L2 by every
-//        tile of rows.
+//        (x's bf16 pair split the same way). Tiles: 2 rowblocks x 1 or 2 rows of x stream the weights
+//        at decode; above, 1 rowblock x 4 rows of x (8 accumulators, the two halves' 4 unpacked
+//        weights and one row's x pair in 15 ymm), so each unpacked line feeds 8 FMAs, the rowblock's
+//        lines reused from L1/L2 by every tile of rows. Every tile sums an output the same way (one
+//        chain, even k then odd k, pair after pair), so that a row's result does not depend on the
+//        rows beside it (a request's logits on its batch). A 1-row tile used to keep odd k in chains
+//        of their own (twice the chains, a different sum): without them a 64 MiB weight at one row
+//        took 0-5% longer from a Xeon's L3 (this path forced there); from DRAM the read is the bound.
 #include "cpu.h"  // CPX_X86
 #if CPX_X86  // an x86 path: elsewhere this file compiles to nothing
 #include <immintrin.h>
@@ -39,16 +42,13 @@ CPX_AVX2 inline void split_line(const uint8_t* p, __m256& e, __m256& o) {
 // c[t][0 .. 16 R) for TT rows of x from R rowblocks (rbs bytes apart) over kp k-pairs.
 template <int R, int TT>
 CPX_AVX2 void mk_bf16(const uint8_t* w0, size_t rbs, int kp, const uint16_t* a, size_t lda, float* c, int ldc) {
-  constexpr bool kSplit = TT == 1;  // odd k into their own accumulators: twice the chains
-  __m256 acc[R][2][TT], odd[R][2];
+  __m256 acc[R][2][TT];
 #pragma GCC unroll 2
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      odd[r][h] = _mm256_setzero_ps();
+    for (int h = 0; h < 2; ++h)
 #pragma GCC unroll 4
       for (int t = 0; t < TT; ++t) acc[r][h][t] = _mm256_setzero_ps();
-    }
   for (int kk = 0; kk < kp; ++kk) {
     if constexpr (TT <= 2) {
 #pragma GCC unroll 2
@@ -68,10 +68,7 @@ CPX_AVX2 void mk_bf16(const uint8_t* w0, size_t rbs, int kp, const uint16_t* a, 
 #pragma GCC unroll 2
           for (int t = 0; t < TT; ++t) {
             acc[r][h][t] = _mm256_fmadd_ps(we, xe[t], acc[r][h][t]);
-            if constexpr (kSplit)
-              odd[r][h] = _mm256_fmadd_ps(wo, xo[t], odd[r][h]);
-            else
-              acc[r][h][t] = _mm256_fmadd_ps(wo, xo[t], acc[r][h][t]);
+            acc[r][h][t] = _mm256_fmadd_ps(wo, xo[t], acc[r][h][t]);
           }
         }
     } else {  // R == 1: both halves' weights split once, x one row at a time
@@ -85,10 +82,7 @@ CPX_AVX2 void mk_bf16(const uint8_t* w0, size_t rbs, int kp, const uint16_t* a, 
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
           acc[0][h][t] = _mm256_fmadd_ps(we[h], xe, acc[0][h][t]);
-          if constexpr (kSplit)
-            odd[0][h] = _mm256_fmadd_ps(wo[h], xo, odd[0][h]);
-          else
-            acc[0][h][t] = _mm256_fmadd_ps(wo[h], xo, acc[0][h][t]);
+          acc[0][h][t] = _mm256_fmadd_ps(wo[h], xo, acc[0][h][t]);
         }
       }
     }
@@ -99,8 +93,7 @@ CPX_AVX2 void mk_bf16(const uint8_t* w0, size_t rbs, int kp, const uint16_t* a, 
     for (int h = 0; h < 2; ++h)
 #pragma GCC unroll 4
       for (int t = 0; t < TT; ++t)
-        _mm256_storeu_ps(c + size_t(t) * ldc + 16 * r + 8 * h,
-                         kSplit ? _mm256_add_ps(acc[r][h][t], odd[r][h]) : acc[r][h][t]);
+        _mm256_storeu_ps(c + size_t(t) * ldc + 16 * r + 8 * h, acc[r][h][t]);
 }
 
 using MkBF16 = void (*)(const uint8_t*, size_t, int, const uint16_t*, size_t, float*, int);

@@ -14,7 +14,6 @@ namespace {
 
 constexpr int kTokChunk = 64;        // rows of x per task
 constexpr int kMaxTaskRowblocks = 16;
-constexpr int kAmxBf16MinRows = 5;   // as QuantLinear::forward: below this the AVX-512 bf16 kernel wins
 constexpr int kPrepChunk = 8;        // rows of x per input-preparation task
 
 float f16(const uint8_t* p) {
@@ -219,7 +218,7 @@ void QuantLinear::tile(const LinearInput& in, int rb0, int rb1, int t0, int nt, 
                    ldc);
   } else if (fmt_ == LinFormat::BF16) {
     const uint16_t* at = in.bf16_rows() + size_t(t0) * in.kp;
-    if (amx_bf16_ && nt >= kAmxBf16MinRows)
+    if (amx_bf16_)  // every row count (QuantLinear::forward's rule)
       amx_bf16_(bm_, rb0, rb1 - rb0, at, size_t(in.kp), nt, c, ldc);
     else
       bf16k_->gemm_bf16(bm_, rb0, rb1 - rb0, at, size_t(in.kp), nt, c, ldc);

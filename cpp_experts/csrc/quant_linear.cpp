@@ -15,7 +15,6 @@ namespace {
 
 constexpr int kTokChunk = 64;       // rows of x per task (bounds the per-thread output tile)
 constexpr int kMaxTaskRowblocks = 16;
-constexpr int kAmxMinTokens = 5;    // as the MoE operator: below this the AVX-512 bf16 kernel wins
 constexpr int kActChunk = 8;        // rows of x per activation-conversion task
 
 LinFormat parse_format(const std::string& f) {
@@ -179,7 +178,7 @@ QuantLinear::QuantLinear(const std::string& format, int out_features, int in_fea
                    " needs " + std::to_string(want) + " bytes, got " + std::to_string(nbytes));
 
   // Kernel choice. Quantised: AMX-INT8 (from kAmxInt8MinRows rows of x) + AVX-512 VNNI, else VNNI,
-  // else AVX2, else portable. bf16: AMX-BF16 (from kAmxMinTokens rows) + AVX-512 BF16, else AVX-512
+  // else AVX2, else portable. bf16: AMX-BF16 (every row count) + AVX-512 BF16, else AVX-512
   // BF16, else AVX2, else portable. f32: AVX2 (AVX-512 CPUs included), else portable. Forcing
   // 'avx512' / 'amx' keeps f32 on AVX2 once the forced feature is found.
   const CpuInfo& cpu = cpu_info();
@@ -499,7 +498,7 @@ void QuantLinear::forward(const void* x, bool bf16, int m, void* out) {
     const int ldc = rpt * 16;
     if (fmt_ == LinFormat::BF16) {
       const uint16_t* at = ab + size_t(t0) * Kp_;
-      if (amx_bf16_ && nt >= kAmxMinTokens)
+      if (amx_bf16_)
         amx_bf16_(bm_, rb0, rb1 - rb0, at, size_t(Kp_), nt, c, ldc);
       else
         bf16k_->gemm_bf16(bm_, rb0, rb1 - rb0, at, size_t(Kp_), nt, c, ldc);

@@ -260,7 +260,10 @@ class QuantLinear {
   // rounding of x; bf16k_ for the bf16 gemm
   const LinKernels* lin_;
   const Kernels* bf16k_;
-  GemmBF16 amx_bf16_ = nullptr;     // bf16 weights: AMX-BF16 tiles from kAmxMinTokens rows of x (or emulated)
+  GemmBF16 amx_bf16_ = nullptr;     // bf16 weights: AMX-BF16 tiles for any number of rows of x (or emulated): the
+                                    // tiles round sums unlike AVX-512 BF16's in-order pairs, so one kernel for every
+                                    // batch keeps a row's result independent of the rows beside it; at one row both
+                                    // read at the memory's pace, from two the tiles are faster (2-core Xeon VM)
   const LinGemm* amxq_ = nullptr;  // quantised weights: AMX-INT8 tiles from kAmxInt8MinRows rows of x (or emulated)
   WeightBuffer w_;
   Buffer bias_;

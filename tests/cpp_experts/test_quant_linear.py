@@ -457,6 +457,23 @@ def test_threads_do_not_change_the_result(fmt: str) -> None:
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "q4_1", "q8_0", "q4_k", "f32"])
+@pytest.mark.parametrize("path", path_params())
+def test_a_row_does_not_depend_on_the_rows_beside_it(path: str, fmt: str, pool: cpp_experts.WorkerPool) -> None:
+    """What makes a request's logits independent of its batch (README): a row of x gives the same bits
+    alone and among 2..64 rows, across every kernel switch a row count makes (AMX-INT8 from 12 rows, 48 for
+    Q8_0, its tiles scaled as the VNNI kernel's sums; bf16 takes AMX tiles for every row count, as their sums
+    round unlike AVX-512 BF16's in-order pairs)."""
+    if not has_path(path, fmt):
+        pytest.skip(f"this CPU has no {path} kernel for {fmt}")
+    k = K_BY_FORMAT.get(fmt, K_DEFAULT)
+    op = Weight(fmt, N, k, seed_of("rows", path, fmt)).build(pool, path)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(seed_of("rows-x", path, fmt))) * 3
+    alone = torch.cat([op(x[r : r + 1]) for r in range(64)])
+    for m in (2, 5, 12, 16, 20, 33, 48, 64):
+        assert torch.equal(op(x[:m]), alone[:m]), f"{path}/{fmt}: rows among {m} differ from the rows alone"
+
+
 def test_shapes_out_and_empty(pool: cpp_experts.WorkerPool) -> None:
     wt = Weight("q4_1", N, K_DEFAULT, seed=3)
     op = wt.build(pool, None)
