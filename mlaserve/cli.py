@@ -21,7 +21,8 @@ from mlaserve.argtypes import positive_int
 
 def _generate(argv: list[str]) -> int:
     from engine.args import EngineArgs
-    from server.args import BadSetting, flags_of, parse_flags, refuse
+    from server.args import SERVE_FLAGS, BadSetting, Parsed, combination_problem, flags_of, parse_settings, refuse
+    from server.args import worker_threads_problem
 
     def own(p: argparse.ArgumentParser) -> None:
         p.add_argument("--prompt", required=True, help="the text to continue ('-': read it from stdin)")
@@ -31,9 +32,17 @@ def _generate(argv: list[str]) -> int:
 
     # the engine's flags (and MLASERVE_* variables) are serve's: one definition in EngineArgs
     prog = "mlaserve generate"
-    args = parse_flags(prog, "Greedy generation from one prompt, with the model loaded and run as `serve` runs it.",
-                       flags_of(EngineArgs, ["model", "device", "dtype", "cpu_kernels", "cpu_weight_dtype",
-                                             "expert_backend"]), argv, extra=own)
+    parsed = parse_settings(prog, "Greedy generation from one prompt, with the model loaded and run as `serve` runs "
+                            "it.", flags_of(EngineArgs, ["model", "device", "dtype", "cpu_kernels", "cpu_weight_dtype",
+                                                         "expert_backend"]), argv, extra=own)
+    args = parsed.ns
+    # serve's checks between settings, the ones generate does not take at their defaults
+    whole = Parsed(argparse.Namespace(**{f.field: f.default for f in SERVE_FLAGS} | vars(args)), parsed.source,
+                   {f.field: f for f in SERVE_FLAGS})
+    problem = worker_threads_problem(os.environ) or combination_problem(whole, os.environ)
+    if problem:
+        refuse(prog, problem)
+    text = _prompt_text(prog, args.prompt)  # before the model loads: a bad prompt costs no load
 
     from engine.client import set_cpu_wait_policy
 
@@ -53,7 +62,6 @@ def _generate(argv: list[str]) -> int:
         refuse(prog, str(e))
     tok = loaded.tokenizer
     assert tok is not None
-    text = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:
         try:
             text = render_chat(tok.chat_template, [{"role": "user", "content": text}],
@@ -77,6 +85,26 @@ def _generate(argv: list[str]) -> int:
     print(tok.decode(out))
     print(f"[{len(ids)} prompt tokens, {len(out)} generated in {elapsed:.2f}s]", file=sys.stderr)
     return 0
+
+
+def _prompt_text(prog: str, prompt: str) -> str:
+    """--prompt's text ('-': standard input's), which must be UTF-8 (a stray byte reaches Python as a lone
+    surrogate, which no tokenizer takes); one line and exit 2 otherwise."""
+    from server.args import refuse
+
+    if prompt != "-":
+        raw = prompt.encode("utf-8", "surrogateescape")
+        where = "--prompt"
+    elif sys.stdin is None:
+        refuse(prog, "--prompt -: there is no standard input to read (it is closed); pipe the text in or give it")
+    else:
+        stream = getattr(sys.stdin, "buffer", None)  # (a text stream without one: a test's stand-in)
+        raw = stream.read() if stream is not None else sys.stdin.read().encode("utf-8", "surrogateescape")
+        where = "--prompt - (standard input)"
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        refuse(prog, f"{where} is not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r}): convert it to UTF-8")
 
 
 def _make_checkpoint(argv: list[str]) -> int:

@@ -92,6 +92,10 @@ def api_key_value(value: str | None) -> str | None:
         return ("the key has whitespace at its start or end (a trailing newline, from a file or Secret?), which "
                 "no HTTP header can carry, so no client could match it: remove it" if value.strip() else
                 "the key is only whitespace, which no client can send: give a key, or leave it empty for none")
+    if value and not all(" " <= c < "\x7f" for c in value):
+        # (httpx, and with it the OpenAI SDK, sends ASCII header values only; a stray byte broke every request)
+        return ("the key has a character that is not printable ASCII, which clients cannot send in a header: use "
+                "letters, digits and punctuation")
     return None
 
 

@@ -4,6 +4,7 @@ or binds (`server.args.model_problem`, `mlaserve.model_check.load_model_checked`
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -226,6 +227,35 @@ def test_generate_refuses_a_bad_model_in_one_line(case: str, checkpoint: Path, t
                         "JSON: Expecting property name enclosed in double quotes: line 1 column 3 (char 2)"), line
 
 
+@pytest.mark.parametrize(("argv", "stdin", "env", "says"), [
+    (["--prompt", "caf\udce9"], None, {}, "--prompt is not UTF-8 text (byte 3: b'\\xe9'): convert it to UTF-8"),
+    (["--prompt", "-"], io.BytesIO(b"\xff\xfeabc"), {}, "--prompt - (standard input) is not UTF-8 text (byte 0: "),
+    (["--prompt", "-"], "closed", {}, "--prompt -: there is no standard input to read (it is closed)"),
+    (["--prompt", "x", "--expert-backend", "triton"], None, {}, "--expert-backend triton needs --device cuda"),
+    (["--prompt", "x", "--cpu-weight-dtype", "float32", "--dtype", "bfloat16"], None, {},
+     "--cpu-weight-dtype float32 holds every weight in fp32"),
+    (["--prompt", "x"], None, {"MLASERVE_CPP_EXPERTS_THREADS": "abc"}, "MLASERVE_CPP_EXPERTS_THREADS='abc' must be"),
+])
+def test_generate_refuses_what_serve_refuses_before_loading(argv: list[str], stdin: object, env: dict[str, str],
+                                                            says: str, capsys: pytest.CaptureFixture,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt that is not UTF-8 (a stray byte in argv or stdin), a closed stdin, and the settings `serve`
+    refuses together: one line, exit 2, before the model loads. They were tracebacks after the load, or
+    ran."""
+    if stdin == "closed":
+        monkeypatch.setattr("sys.stdin", None)
+    elif stdin is not None:
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(stdin))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the tests' own: Triton on a CPU)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--model", "smollm2-135m-instruct", *argv])
+    out, err = capsys.readouterr()
+    assert info.value.code == 2 and out == "" and one_line(err).startswith("mlaserve generate: error: ")
+    assert says in one_line(err), err
+
+
 def test_generate_still_generates(checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["generate", "--model", str(checkpoint), "--prompt", "hello", "--max-tokens", "2"]) == 0
     assert "generated in" in capsys.readouterr().err
@@ -236,7 +266,6 @@ def test_generate_writes_what_the_engine_serves(capsys: pytest.CaptureFixture, m
     as stored): its text is the engine's greedy text. It was the torch reference's over dequantized weights,
     another text for the default model (8-bit activations move near-ties) and ~30x slower. `--prompt -`
     reads the prompt from stdin."""
-    import io
 
     from engine.args import EngineArgs
     from engine.core import EngineCore

@@ -33,7 +33,7 @@ BAD: dict[str, list[str]] = {
     "model": ["", " "],
     "host": [""],
     "port": ["http", "0", "65536", "80.5"],
-    "api-key": ["sekret\n", " sekret", "   "],
+    "api-key": ["sekret\n", " sekret", "   ", "cl\u00e9", "k\udcfe", "k\x01"],
     "allowed-origins": ["localhost:3000", "http://localhost:3000/", "https://a.example/app", "*, ftp//x"],
     "served-model-name": ["  ", "a\nb"],
     "max-request-bytes": ["1MiB", "0"],
