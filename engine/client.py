@@ -177,14 +177,14 @@ class EngineClient:
 
     @classmethod
     async def start(
-        cls, args: EngineArgs, *, startup_timeout: float | None = None, core_factory: CoreFactory | None = None,
+        cls, args: EngineArgs, *, core_factory: CoreFactory | None = None,
         cpus: Collection[int] | None = None, name: str = "mlaserve-engine-core",
     ) -> "EngineClient":
         """Spawns the engine core process and waits until its model is loaded.
 
         Raises RuntimeError carrying the child's message when the core cannot start (or does not
-        within `startup_timeout` seconds: `args.startup_timeout` when None, 0 for no limit). `core_factory`
-        (picklable) replaces the real core in tests.
+        within `args.startup_timeout` seconds; 0: no limit). `core_factory` (picklable) replaces the real
+        core in tests.
         `cpus`: the only CPUs the process may run on (Linux), so that replicas do not share cores.
         """
         ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads
@@ -198,7 +198,7 @@ class EngineClient:
         proc.start()
         child_conn.close()  # only the child holds its end now, so its death gives us EOF
         client = cls(proc, parent_conn, asyncio.get_running_loop())
-        limit = args.startup_timeout if startup_timeout is None else startup_timeout
+        limit = args.startup_timeout
         try:
             client._info = await asyncio.wait_for(asyncio.shield(client._ready), limit or None)
         except asyncio.TimeoutError:

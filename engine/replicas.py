@@ -184,7 +184,7 @@ class EngineReplicas:
     # ---- life cycle ---------------------------------------------------------------------------
 
     @classmethod
-    async def start(cls, args: EngineArgs, replicas: int = 1, *, startup_timeout: float | None = None,
+    async def start(cls, args: EngineArgs, replicas: int = 1, *,
                     core_factory: CoreFactory | None = None) -> EngineReplicas:
         """Starts `replicas` engines at once and waits until all are ready. If one fails, the others are
         stopped and RuntimeError says which replica failed and why (one replica: its message as is)."""
@@ -196,7 +196,7 @@ class EngineReplicas:
             r_args, r_cpus = replica_args(args, i, replicas, cpus)
             name = "mlaserve-engine-core" if replicas == 1 else f"mlaserve-engine-core-{i}"
             tasks.append(asyncio.ensure_future(EngineClient.start(
-                r_args, startup_timeout=startup_timeout, core_factory=core_factory, cpus=r_cpus, name=name)))
+                r_args, core_factory=core_factory, cpus=r_cpus, name=name)))
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             failed = next((i for i, t in enumerate(tasks) if t.done() and t.exception() is not None), None)

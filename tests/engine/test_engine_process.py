@@ -175,8 +175,8 @@ def run(loop: asyncio.AbstractEventLoop, coro, timeout: float = 15):
 
 def start(loop, args: EngineArgs | None = None, **fake_kwargs) -> EngineClient:
     factory = functools.partial(FakeCore, **fake_kwargs)
-    args = args or EngineArgs(model="fake-model")
-    return run(loop, EngineClient.start(args, startup_timeout=30, core_factory=factory), 40)
+    args = args or EngineArgs(model="fake-model", startup_timeout=30)
+    return run(loop, EngineClient.start(args, core_factory=factory), 40)
 
 
 @pytest.fixture(scope="module")

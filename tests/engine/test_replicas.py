@@ -183,7 +183,7 @@ def req(rid: str, prompt: list[int], *, n: int = 1, max_tokens: int = 8) -> Gene
 
 
 async def start(replicas: int = 2, **fake) -> EngineReplicas:
-    return await EngineReplicas.start(EngineArgs(model="fake-model"), replicas, startup_timeout=30,
+    return await EngineReplicas.start(EngineArgs(model="fake-model", startup_timeout=30), replicas,
                                       core_factory=functools.partial(FakeCore, **fake))
 
 
@@ -292,7 +292,7 @@ def test_dp_attention_replicas_end_together_with_the_first_reason() -> None:
     rng = random.Random(9)
 
     async def go() -> None:
-        engine = await EngineReplicas.start(EngineArgs(model="fake-model", dp_attention=True), 3, startup_timeout=30,
+        engine = await EngineReplicas.start(EngineArgs(model="fake-model", dp_attention=True, startup_timeout=30), 3,
                                             core_factory=functools.partial(FakeCore, step_delay=0.01))
         try:
             long = [req(f"long{i}", ids(rng, 10), max_tokens=100_000) for i in range(3)]
@@ -323,7 +323,7 @@ def test_dp_attention_replicas_end_together_with_the_first_reason() -> None:
 def test_a_replica_that_cannot_start_fails_the_start_and_stops_the_others(tmp_path: Path) -> None:
     async def go() -> None:
         with pytest.raises(RuntimeError, match=r"engine replica [01] of 2 failed to start: .*no weights here"):
-            await EngineReplicas.start(EngineArgs(model="fake-model"), 2, startup_timeout=30,
+            await EngineReplicas.start(EngineArgs(model="fake-model", startup_timeout=30), 2,
                                        core_factory=FailOnce(tmp_path / "marker"))
 
     before = set(_children())
