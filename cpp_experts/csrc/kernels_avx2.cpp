@@ -11,7 +11,8 @@
 //        chain, even k then odd k, pair after pair), so that a row's result does not depend on the
 //        rows beside it (a request's logits on its batch). A 1-row tile used to keep odd k in chains
 //        of their own (twice the chains, a different sum): without them a 64 MiB weight at one row
-//        took 0-5% longer from a Xeon's L3 (this path forced there); from DRAM the read is the bound.
+//        took a median 5% longer over four interleaved pairs (0-11%) from a Xeon's L3, this path forced
+//        there; not measured from DRAM on an AVX2-only CPU, where the read bounds it.
 #include "cpu.h"  // CPX_X86
 #if CPX_X86  // an x86 path: elsewhere this file compiles to nothing
 #include <immintrin.h>
