@@ -248,6 +248,44 @@ def test_prompt_ending_in_byte_tokens_keeps_its_text(spm: TokenizerBundle) -> No
     assert "".join(_stream(spm, ids, prompt_ids=prompt)) == " Hello"  # the context still keeps the space
 
 
+def test_a_prompt_cut_inside_a_character_gives_it_to_the_completion(any_tok: TokenizerBundle) -> None:
+    """A token-id prompt may end with the first bytes of a character whose last come with the completion:
+    the character is the completion's (as vLLM's detokenizer has it). It was lost: the prompt's U+FFFD had
+    counted as sent, and the finished character is no longer than it."""
+    byte_ids = _byte_token_ids(any_tok)
+    head = any_tok.encode("Emoji \u4e16", add_special_tokens=True)
+    for char in ("\u00e9", "\u754c", "\U0001F31F"):
+        data = char.encode()
+        for cut in range(1, len(data)):
+            prompt = head + [byte_ids[b] for b in data[:cut]]
+            for tail in ([], any_tok.encode(" ok \u754c", add_special_tokens=False)):
+                ids = [byte_ids[b] for b in data[cut:]] + tail
+                want = any_tok.decode(prompt + ids)[len(any_tok.decode(head)):]
+                assert want.startswith(char) and want.endswith("\u754c" if tail else char)
+                for rng in (None, random.Random(cut)):
+                    assert "".join(_stream(any_tok, ids, rng, prompt_ids=prompt)) == want, (char, cut, tail)
+            # bytes that do not finish it: the prompt's unfinished bytes come out as U+FFFD, with the rest
+            ids = any_tok.encode("ok", add_special_tokens=False)
+            want = any_tok.decode(prompt[len(head):] + ids)  # (a SentencePiece run decoded with the head's
+            assert want.startswith("\ufffd") and want.endswith("ok")  # bytes would turn those to U+FFFD too)
+            assert "".join(_stream(any_tok, ids, prompt_ids=prompt)) == want
+    # a prompt ending on a whole character keeps its text out of the completion
+    prompt = head + [byte_ids[b] for b in "\u00e9".encode()]
+    assert "".join(_stream(any_tok, [byte_ids[b] for b in "\u754c".encode()], prompt_ids=prompt)) == "\u754c"
+
+
+def test_a_prompt_cut_inside_a_real_token_keeps_its_whole_characters(byte_level: TokenizerBundle) -> None:
+    """Byte-level tokens may hold a whole character and the first bytes of the next (" \xe4"): at each cut of
+    real ids inside a character, the rest adds the characters whose last bytes it holds, and no other."""
+    ids = byte_level.encode("Emoji \u4e16\u754c \U0001F31F\U0001F600 caf\u00e9 \u00fcber", add_special_tokens=False)
+    cuts = [k for k in range(1, len(ids)) if byte_level.decode(ids[:k]).endswith("\ufffd")]
+    assert len(cuts) >= 2
+    for k in cuts:
+        want = byte_level.decode(ids)[len(byte_level.decode(ids[:k]).rstrip("\ufffd")):]
+        for rng in (None, random.Random(k)):
+            assert "".join(_stream(byte_level, ids[k:], rng, prompt_ids=ids[:k])) == want, (k, want)
+
+
 class _CountingTokenizer:
     """Wraps a `tokenizers.Tokenizer` and records how many ids each decode call gets."""
 
