@@ -292,7 +292,7 @@ def serve(args: ServerArgs) -> int:
     in_use = port_in_use(args.host, args.port)
     if in_use:  # before the model loads (uvicorn's own message comes after it, without the flags)
         print(f"mlaserve serve: error: cannot listen on {args.host} port {args.port}: {in_use}; pass another "
-              "--port (or --host), or stop what holds it", file=sys.stderr)
+              "--port (MLASERVE_PORT; or --host, MLASERVE_HOST), or stop what holds it", file=sys.stderr)
         return 2
     eng = args.engine
     if (eng.tp > 1 or eng.dp_attention) and eng.node_rank == 0 and eng.master_port:  # rank 0 will listen there
