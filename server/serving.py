@@ -384,22 +384,30 @@ async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: Ca
         return ClientError.bad_param(e).response()
     ser = serializer_cls(state, body, prompts, requests, tools)
     watch = asyncio.ensure_future(_wait_disconnect(raw))
+    pending: list[asyncio.Future] = []  # first outputs a stream goes on without (several prompts)
     try:
-        # wait for every prompt's first output: engine refusals arrive first and become HTTP errors
-        firsts = await _race(watch, asyncio.gather(*(anext(r.stream, None) for r in requests)))
+        # wait for the prompts' first outputs: engine refusals arrive first and become HTTP errors. A stream of
+        # several prompts starts with the first token of any: the others may wait their turn in the engine's
+        # queue behind the batch's earlier prompts, and the client reads each choice as it comes (a refusal
+        # coming later is an error event in the stream)
+        firsts = await _race(watch, _first_outputs(requests, pending, until_a_token=bool(body.stream)))
         if firsts is None:  # the client left before the first token
+            await _cancel_pending(pending)
             await _close_all(requests)
             for r in requests:
                 state.metrics.on_abort(r.rid, len(r.choices))
             return Response(status_code=499)
         for r, f in zip(requests, firsts):  # (what a stream's first event tells: Anthropic's message_start usage)
-            if f is not None and f.prompt_logprobs:
+            if not isinstance(f, RequestOutput):  # none, or still to come
+                continue
+            if f.prompt_logprobs:
                 r.prompt_logprobs = f.prompt_logprobs
-            if f is not None and f.index == 0 and f.cached_tokens:
+            if f.index == 0 and f.cached_tokens:
                 r.cached_tokens = f.cached_tokens
         replicas = _replica_header(state, requests)  # (read while every stream is open)
-        refused = next((f for f in firsts if f is not None and f.finish_reason == FINISH_ERROR), None)
+        refused = next((f for f in firsts if isinstance(f, RequestOutput) and f.finish_reason == FINISH_ERROR), None)
         if refused is not None:
+            await _cancel_pending(pending)
             await _close_all(requests)
             state.metrics.on_error(refused.error_code or "engine_error")
             resp = engine_error(refused, prompt_param(body)).response()
@@ -408,7 +416,8 @@ async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: Ca
         if body.stream:  # from here Starlette notices disconnects and cancels the stream
             watch.cancel()
             return ClosingStream(_sse(ser, _events(state, requests, firsts, prompt_param(body))),
-                                 [functools.partial(_close_all, requests)], media_type="text/event-stream",
+                                 [functools.partial(_cancel_pending, pending), functools.partial(_close_all, requests)],
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **replicas})
         result = await _race(watch, _collect(ser, _events(state, requests, firsts, prompt_param(body))))
         if result is None:
@@ -417,6 +426,38 @@ async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: Ca
         return result
     finally:
         watch.cancel()
+
+
+First = RequestOutput | None | asyncio.Future  # a prompt's first output; None: its stream ended; a future: to come
+
+
+async def _first_outputs(requests: list[EngineRequest], pending: list[asyncio.Future],
+                         until_a_token: bool) -> list[First]:
+    """Each request's first output, or (`until_a_token`, several requests) once one of them is a token or
+    a refusal, the futures of those still to come (also put in `pending`, which the caller cancels if it
+    gives up before handing them on)."""
+    if len(requests) == 1 or not until_a_token:
+        return list(await asyncio.gather(*(anext(r.stream, None) for r in requests)))
+    futures = [asyncio.ensure_future(anext(r.stream, None)) for r in requests]
+    pending.extend(futures)
+    try:
+        waiting = set(futures)
+        while waiting:
+            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if any(f.result() is not None for f in done):  # a token, or a refusal
+                break
+    except BaseException:
+        await _cancel_pending(pending)
+        raise
+    return [f.result() if f.done() else f for f in futures]
+
+
+async def _cancel_pending(pending: list[asyncio.Future]) -> None:
+    """Cancels the first outputs nobody will read, and lets them unwind before their streams are closed
+    (closing a stream whose next output is being awaited would fail)."""
+    for f in pending:
+        f.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
 
 
 def _replica_header(state: ServerState, requests: list[EngineRequest]) -> dict[str, str]:
@@ -569,7 +610,7 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
     return requests
 
 
-async def _events(state: ServerState, requests: list[EngineRequest], firsts: list[RequestOutput | None],
+async def _events(state: ServerState, requests: list[EngineRequest], firsts: list[First],
                   prompt_field: str):
     """Yields (engine request, choice index, text, ids, logprobs) as outputs arrive from all prompts.
 
@@ -629,16 +670,16 @@ async def _outputs_of_one(r: EngineRequest, first: RequestOutput | None) -> Asyn
 
 
 async def _outputs_merged(requests: list[EngineRequest],
-                          firsts: list[RequestOutput | None]) -> AsyncIterator[tuple[EngineRequest, RequestOutput]]:
+                          firsts: list[First]) -> AsyncIterator[tuple[EngineRequest, RequestOutput]]:
     """Several engine requests' outputs in arrival order: one pump task per request feeds a queue. A
     request whose choices have all ended (the consumer updates it before asking for more) has its pump
     cancelled, which releases it in the engine; closing this generator cancels every pump, and each
     pump closes its engine stream."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(r: EngineRequest, first: RequestOutput | None) -> None:
+    async def pump(r: EngineRequest, first: First) -> None:
         try:
-            out = first
+            out = await first if isinstance(first, asyncio.Future) else first
             while out is not None:
                 queue.put_nowait((r, out))
                 if out.finish_reason == FINISH_ERROR:

@@ -110,3 +110,41 @@ def test_a_context_longer_than_the_kv_cache_is_cut_to_it(model_dir, tmp_path):
     finally:
         assert srv.stop() == 0, srv.log()
     assert "is cut to 96, the KV cache's slots" in srv.log_path.read_text()
+
+
+def test_a_stream_of_several_prompts_starts_before_the_last_is_admitted(model_dir, tmp_path):
+    """Streamed prompts beyond --max-running-requests wait their turn: the stream starts with the first
+    prompt's tokens (it waited for every prompt's first token, so it said nothing until nearly all of the work
+    was done). A client gone early leaves nothing running or queued."""
+    srv = ServerProcess(str(model_dir), "--max-running-requests", "1", "--context-length", "4096",
+                        log=tmp_path / "log").wait_ready()
+    body = {"prompt": [f"prompt {i}" for i in range(4)], "max_tokens": 8, "stream": True, "ignore_eos": True,
+            "temperature": 0}
+    try:
+        events = []
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=120, json=body) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    events.extend(json.loads(line[6:])["choices"])
+        order = [(c["index"], c["finish_reason"]) for c in events]
+        # one prompt runs at a time: prompt 0 ends before prompt 3 says anything
+        assert order.index((0, "length")) < min(i for i, (index, _) in enumerate(order) if index == 3), order
+        whole = httpx.post(srv.url + "/v1/completions", timeout=120, json={**body, "stream": False}).json()
+        for choice in whole["choices"]:
+            assert "".join(c["text"] for c in events if c["index"] == choice["index"]) == choice["text"]
+        for cut_after in (0, 1):  # gone before any output, and after the first event
+            with httpx.stream("POST", srv.url + "/v1/completions", timeout=120,
+                              json={**body, "max_tokens": 3000}) as resp:
+                lines = resp.iter_lines()  # (kept: closing it closes the connection)
+                if cut_after:  # the first event came while the other prompts still waited for prompt 0
+                    assert next(lines).startswith("data: {")
+                    assert (srv.metric("mlaserve_num_requests_running"), srv.metric("mlaserve_num_requests_waiting")) == (1, 3)
+            deadline = time.monotonic() + 30
+            while (srv.metric("mlaserve_num_requests_running"), srv.metric("mlaserve_num_requests_waiting")) != (0, 0):
+                assert time.monotonic() < deadline, "requests left running after the client went away"
+                time.sleep(0.1)
+        assert httpx.post(srv.url + "/v1/completions", timeout=60, json={"prompt": "after", "max_tokens": 2}).status_code == 200
+    finally:
+        assert srv.stop() == 0, srv.log()
+    assert "Traceback" not in srv.log_path.read_text()
