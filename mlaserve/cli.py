@@ -49,6 +49,7 @@ def _generate(argv: list[str]) -> int:
     set_cpu_wait_policy(os.environ)  # before torch is imported below
     from executor.model_runner import ModelRunner
     from mlaserve.model_check import load_model_checked
+    from models.loader.tokenizer import TokenizerFailure
     from server.chat_template import ChatTemplateError, render_chat
 
     # as the engine loads it (engine.core): on a CPU with the native kernels, the weights packed for them, so
@@ -68,7 +69,15 @@ def _generate(argv: list[str]) -> int:
                                bos_token=tok.bos_token, eos_token=tok.eos_token)
         except ChatTemplateError as e:
             refuse(prog, f"--chat: {e}")
-    ids = tok.encode(text, add_special_tokens=not args.chat)
+    try:
+        ids = tok.encode(text, add_special_tokens=not args.chat)
+    except TokenizerFailure as e:
+        refuse(prog, str(e))
+    beyond = sorted({i for i in ids if i >= loaded.config.vocab_size})
+    if beyond:  # as serve refuses such a prompt (an added token the embeddings have no row for)
+        named = ", ".join(f"{tok.tokenizer.id_to_token(i)!r} ({i})" for i in beyond[:5])
+        refuse(prog, f"the prompt holds tokens {named} past the model's vocab_size {loaded.config.vocab_size}: "
+               "the model has no embedding for them; leave them out of the prompt")
     if not ids:  # as serve answers an empty prompt of a model without a BOS token: nothing to continue from
         refuse(prog, "--prompt encodes to no tokens: give some text to continue (or --chat)")
     context = loaded.config.max_position_embeddings

@@ -316,6 +316,35 @@ def test_generate_chat_with_a_failing_template_is_one_line(checkpoint: Path, tmp
     assert "this template takes no user turns" in line, line
 
 
+@pytest.mark.parametrize("case", ["past_vocab", "panics"])
+def test_generate_refuses_a_prompt_the_model_cannot_take_in_one_line(case: str, checkpoint: Path, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    """An added token with no embedding row (serve answers 400) and a tokenizer.json regex that panics on the
+    text (a BaseException from Rust) were tracebacks."""
+    import json
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(checkpoint, model)
+    spec = json.loads((model / "tokenizer.json").read_text())
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    if case == "past_vocab":
+        spec["added_tokens"].append({"id": vocab, "content": "<tool>", "single_word": False, "lstrip": False,
+                                     "rstrip": False, "normalized": False, "special": False})
+        prompt, want = "hi <tool>", f"the prompt holds tokens '<tool>' ({vocab}) past the model's vocab_size {vocab}"
+    else:
+        spec["pre_tokenizer"]["pretokenizers"].insert(
+            0, {"type": "Split", "pattern": {"Regex": "(a+)+b"}, "behavior": "Isolated", "invert": False})
+        prompt, want = "a" * 40, "the model's tokenizer failed on this text: Onig: Regex search error"
+    (model / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--model", str(model), "--prompt", prompt, "--max-tokens", "2"])
+    err = capsys.readouterr().err
+    line = [ln for ln in err.splitlines() if ln.startswith("mlaserve generate: error: ")]  # (Rust's panic report
+    assert info.value.code == 2 and len(line) == 1 and want in line[0], err              # goes to stderr too)
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("case", ["empty_dir", "gguf_dir"])
 def test_serve_refuses_a_directory_that_is_no_model_before_it_binds(case: str, tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture) -> None:

@@ -60,6 +60,10 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = (
 _SPACE = "\u2581"  # SentencePiece's visible space
 
 
+class TokenizerFailure(RuntimeError):
+    """The tokenizer itself failed (a Rust panic in `tokenizers`), not the text's sender."""
+
+
 @dataclass(frozen=True)
 class TokenizerBundle:
     """A `tokenizers.Tokenizer` plus what serving needs that tokenizer.json does not say."""
@@ -94,8 +98,15 @@ class TokenizerBundle:
 
         Through `encode_batch`, which releases the GIL while it tokenizes (`encode` holds it: a 1 MB prompt
         stopped the server's event loop, /health and every stream for ~0.45 s, the thread it ran on
-        notwithstanding); the ids are `encode`'s."""
-        ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        notwithstanding); the ids are `encode`'s. A panic in the tokenizer (a tokenizer.json regex that gives up
+        on this text) is a `TokenizerFailure`: as the `BaseException` pyo3 raises, no error handler saw it."""
+        try:
+            ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        except BaseException as e:
+            if type(e).__name__ != "PanicException":
+                raise
+            raise TokenizerFailure(f"the model's tokenizer failed on this text: {str(e).splitlines()[0][:300]} "
+                                   "(its tokenizer.json cannot handle it)") from None
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids.insert(0, bos)

@@ -48,3 +48,32 @@ def test_a_crash_in_the_messages_route_is_answered_in_anthropics_shape() -> None
 def test_a_crash_after_the_response_started_is_raised_on() -> None:
     with pytest.raises(KeyError):
         TestClient(app()).get("/late")
+
+
+def test_a_tokenizer_that_panics_is_answered_and_the_server_serves_on(tmp_path) -> None:
+    """A tokenizer.json regex that gives up on a text panics in Rust: pyo3 raises that as a BaseException,
+    which no `except Exception` saw, so the client got a plain-text 500 past every handler. It is a
+    `TokenizerFailure` now: OpenAI's 500 shape, and the server goes on."""
+    import json
+
+    import httpx
+
+    from models.synthetic import write_checkpoint
+    from tests.server.server_process import ServerProcess
+
+    model = write_checkpoint(tmp_path / "m", "tiny-llama", seed=3)
+    spec = json.loads((model / "tokenizer.json").read_text())
+    spec["pre_tokenizer"]["pretokenizers"].insert(
+        0, {"type": "Split", "pattern": {"Regex": "(a+)+b"}, "behavior": "Isolated", "invert": False})
+    (model / "tokenizer.json").write_text(json.dumps(spec))
+    srv = ServerProcess(str(model), log=tmp_path / "log").wait_ready()
+    try:
+        for path, body in (("/v1/completions", {"prompt": "a" * 40, "max_tokens": 2}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 40}], "max_tokens": 2})):
+            resp = httpx.post(srv.url + path, json=body, timeout=60)
+            assert resp.status_code == 500 and resp.json()["error"]["code"] == "internal_error", resp.text
+            assert resp.json()["error"]["message"] == "internal server error: TokenizerFailure"
+        assert httpx.post(srv.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 2}, timeout=60).status_code == 200
+    finally:
+        assert srv.stop() == 0, srv.log()
+    assert "the model's tokenizer failed on this text: Onig: Regex search error" in srv.log_path.read_text()
