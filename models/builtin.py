@@ -47,6 +47,27 @@ def builtin_model_path(name: str) -> Path:
     return path
 
 
+def builtin_name_of(model: str | os.PathLike[str]) -> str | None:
+    """The built-in name `model` is, or whose file it names (by path: the same model, so the same calibrated
+    configs and defaults); None for any other model."""
+    s = str(model)
+    if s in builtin_names():
+        return s
+    try:
+        path = Path(s).expanduser()
+        if not path.is_file():
+            return None
+        for name in builtin_names():
+            try:
+                if path.samefile(builtin_model_path(name)):
+                    return name
+            except (OSError, KeyError):  # (its package not installed)
+                continue
+    except (OSError, ValueError):  # (a name no file system takes)
+        return None
+    return None
+
+
 def resolve_model_path(model: str | os.PathLike[str]) -> Path:
     """A built-in name, a `.gguf` file or an HF directory -> its path (checked to exist)."""
     s = str(model)

@@ -244,13 +244,16 @@ class OmniKVConfig:
     @classmethod
     def for_model(cls, model: str, num_layers: int, path: str | None = None) -> tuple[OmniKVConfig, str]:
         """The config a server uses, and where it came from: `path` when given, else the calibrated one
-        shipped for a built-in model (configs/omnikv/<name>.json), else `default_for`."""
+        shipped for a built-in model (configs/omnikv/<name>.json; named, or its file by path), else `default_for`."""
+        from models.builtin import builtin_name_of
+
+        builtin = builtin_name_of(model)
         if path is not None:
             cfg, origin = cls.load(path), path
         else:
-            shipped = Path(configs.__file__).parent / "omnikv" / f"{model}.json"
-            if shipped.is_file():
-                cfg, origin = cls.load(shipped), f"calibrated for {model} (shipped)"
+            shipped = Path(configs.__file__).parent / "omnikv" / f"{builtin}.json" if builtin else None
+            if shipped is not None and shipped.is_file():
+                cfg, origin = cls.load(shipped), f"calibrated for {builtin} (shipped)"
             else:
                 cfg, origin = cls.default_for(num_layers), "uncalibrated default (run mlaserve calibrate-omnikv)"
         cfg.plan(num_layers)  # raises naming the problem when the layers do not fit this model
@@ -272,13 +275,14 @@ class OmniKVConfig:
 
 
 def model_label(model: str) -> str:
-    """A built-in name as it is; a path by its last component (a .gguf without the suffix; a Hugging Face cache
-    snapshot by its repository's name): the name a calibrated config records (`calibration.model`) and a
-    server compares, ignoring case, with the model it serves."""
-    from models.builtin import builtin_names
+    """A built-in name as it is (and a built-in model's file by path: the same model); a path by its last
+    component (a .gguf without the suffix; a Hugging Face cache snapshot by its repository's name): the name a
+    calibrated config records (`calibration.model`) and a server compares, ignoring case, with the model it serves."""
+    from models.builtin import builtin_name_of
 
-    if model in builtin_names():
-        return model
+    builtin = builtin_name_of(model)
+    if builtin is not None:
+        return builtin
     path = Path(model).expanduser()
     if path.name in ("", ".", ".."):
         path = path.resolve()

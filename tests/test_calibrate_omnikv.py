@@ -351,3 +351,6 @@ def test_model_labels_name_what_a_config_was_calibrated_on() -> None:
     assert model_label("/hub/models--HuggingFaceTB--SmolLM2-135M-Instruct/snapshots/0123abc") == "SmolLM2-135M-Instruct"
     assert model_label("/models/ds8.GGUF") == "ds8" and model_label("/models/llama8/") == "llama8"
     assert model_label("smollm2-135m-instruct") == "smollm2-135m-instruct"
+    from models.builtin import builtin_model_path  # the built-in model's file by path: the same model
+
+    assert model_label(str(builtin_model_path("smollm2-135m-instruct"))) == "smollm2-135m-instruct"

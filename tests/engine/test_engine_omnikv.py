@@ -4,10 +4,13 @@ batch, the prefix cache shares prompts, retraction recomputes, nothing leaks).""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import pytest
 import torch
 
+import configs
 from engine.args import EngineArgs
 from engine.core import EngineCore
 from engine.messages import GenerateRequest
@@ -202,9 +205,20 @@ def test_a_config_that_does_not_fit_is_refused_before_the_model_loads(model_dir,
     assert "outside the model's 6 layers" in r.stderr and str(path) in r.stderr, r.stderr
 
 
-def test_shipped_or_default_config_is_used_without_a_file(model_dir):
+def test_shipped_or_default_config_is_used_without_a_file(model_dir, tmp_path):
     cfg, origin = OmniKVConfig.for_model(str(model_dir), 6)
     assert cfg.filter_layers == (1, 3) and "uncalibrated" in origin
+    # the default model's shipped config, named or by its file's path (it was the uncalibrated default by path)
+    from models.builtin import builtin_model_path
+
+    shipped = OmniKVConfig.load(Path(configs.__file__).parent / "omnikv" / "smollm2-135m-instruct.json")
+    for model in ("smollm2-135m-instruct", str(builtin_model_path("smollm2-135m-instruct"))):
+        cfg, origin = OmniKVConfig.for_model(model, 30)
+        assert cfg == shipped and origin == "calibrated for smollm2-135m-instruct (shipped)", model
+    # a path is never looked up among the shipped configs (a model at /x/m took /x/m.json for one)
+    OmniKVConfig(filter_layers=(2,)).save(tmp_path / "m.json")
+    (tmp_path / "m").mkdir()
+    assert "uncalibrated" in OmniKVConfig.for_model(str(tmp_path / "m"), 6)[1]
 
 
 def test_filter_layers_at_the_top_count_no_sparse_tokens(model_dir, tmp_path, caplog):
