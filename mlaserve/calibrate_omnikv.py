@@ -428,6 +428,15 @@ def calibrate(loaded: LoadedModel, ids: Sequence[int], *, queries: int = DEFAULT
                         answer_tokens, device)  # before the prefill, with the probes' largest size
     say = progress or (lambda _: None)
     rule = OmniKVConfig(filter_layers=(0,), budget_ratio=budget_ratio)  # its sink/recent/budget: the defaults
+    prompts = probe_prompts(loaded.tokenizer, ids, probes, min(probe_tokens, room))
+    shortest = min(len(p) for p in prompts)
+    if not rule.is_sparse_for(shortest):  # every placement would keep every token: a tie at KL 0, chosen blindly
+        need = next(c for c in range(shortest, 1 << 24) if rule.is_sparse_for(c))
+        raise CalibrationError(
+            f"the retrieval probes are {shortest} tokens, and OmniKV keeps every token of a context that short (the "
+            f"{rule.sink_tokens} first, the {rule.recent_tokens} recent and {budget_ratio:g} of the context): no "
+            f"placement could lose anything; raise --probe-tokens so that a probe has more than {need - 1} tokens "
+            f"(about {need - shortest + min(probe_tokens, room, len(ids))})")
     runner = calibration_runner(loaded, len(ids), device)
     try:
         rec = record_prefill(runner, ids, queries)
@@ -437,7 +446,6 @@ def calibrate(loaded: LoadedModel, ids: Sequence[int], *, queries: int = DEFAULT
     capability = capabilities(cover, lookahead)
     own = [float(cover[i, i]) for i in range(layers)]
 
-    prompts = probe_prompts(loaded.tokenizer, ids, probes, min(probe_tokens, room))
     slots = sum(len(p) for p in prompts) + probes * answer_tokens
     longest = max(len(p) for p in prompts) + answer_tokens
     runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=slots + 1, max_running_requests=probes,
@@ -573,6 +581,21 @@ def read_text(path: str) -> str:
         raise CalibrationError(f"cannot read the text file {path}: {err.strerror or err}") from None
 
 
+def leading_ids(tokenizer: Any, text: str, count: int) -> list[int]:
+    """The first `count` token ids of `text` (all of them if it has fewer), tokenizing only a prefix of it,
+    grown until it holds `count` tokens and a margin (the cut may split the last word): tokenizing a 64 MiB
+    text took 9 GB, for a calibration that uses at most a few thousand tokens."""
+    chars = 8 * (count + MARGIN_TOKENS)
+    while True:
+        ids = tokenizer.encode(text[:chars])
+        if chars >= len(text) or len(ids) >= count + MARGIN_TOKENS:
+            return ids[:count]
+        chars *= 4
+
+
+MARGIN_TOKENS = 64  # tokens past those used, so that none of them comes from a word the prefix's end cut
+
+
 def fit_note(fit: int, wanted: int, first: int, layers: int) -> str:
     """Why fewer filter layers than --filters were chosen: the rule of `placements`."""
     return (f"only {fit} of {wanted} filter layers fit after layer {first} in {layers} layers (each at least "
@@ -638,15 +661,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     tok = loaded.tokenizer
     if tok is None:
         return _fail(f"the model {args.model} has no tokenizer")
-    ids = tok.encode(text)
-    if len(ids) < MIN_TOKENS:
-        return _fail(f"the text {args.text} has {len(ids)} tokens for this model; calibration needs at least "
-                     f"{MIN_TOKENS}: give a longer text")
     limit = min(args.max_tokens, loaded.config.max_position_embeddings)
     if limit < MIN_TOKENS:
         return _fail(f"--max-tokens {args.max_tokens} (the model's context: {loaded.config.max_position_embeddings}) "
                      f"leaves fewer than the {MIN_TOKENS} tokens calibration needs")
-    ids = ids[:limit]
+    ids = leading_ids(tok, text, limit)
+    if len(ids) < MIN_TOKENS:
+        return _fail(f"the text {args.text} has {len(ids)} tokens for this model; calibration needs at least "
+                     f"{MIN_TOKENS}: give a longer text")
     print(f"{PROG}: prefilling {len(ids)} tokens through {loaded.config.num_hidden_layers} layers", file=sys.stderr)
     try:
         result = calibrate(loaded, ids, queries=args.queries, lookahead=args.lookahead, filters=args.filters,

@@ -114,7 +114,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _check(self.max_tokens is None or self.max_tokens <= INT64_MAX, "max_tokens", "max_tokens must be below 2^63")
         _check(0 <= self.min_tokens <= INT64_MAX, "min_tokens", "min_tokens must be between 0 and 2^63 - 1")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-               "min_tokens must be <= max_tokens")
+               f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}; where the request sets "
+               "none, the tokens its context has room for)")
         for tok in self.stop_token_ids:
             _check(0 <= tok < vocab_size, "stop_token_ids",
                    f"stop_token_ids has token id {tok} outside the vocabulary (0..{vocab_size - 1})")

@@ -254,6 +254,47 @@ def test_probes_beyond_memory_exit_2_before_the_prefill(checkpoint, text_file, t
     assert not (tmp_path / "x.json").exists()
 
 
+def test_probes_too_short_to_drop_a_token_are_refused_before_the_prefill(checkpoint, text_file, tmp_path, capsys,
+                                                                        monkeypatch):
+    """A probe OmniKV keeps whole (sink + recent + budget cover it) ties every placement at KL 0: the choice was
+    blind and reported as lossless. One line naming --probe-tokens, before the prefill; a length it names runs."""
+    import mlaserve.calibrate_omnikv as cal
+
+    real = cal.record_prefill
+    monkeypatch.setattr(cal, "record_prefill", lambda *a: pytest.fail("the prefill ran"))
+    args = ("--model", str(checkpoint), "--text", str(text_file), "--output", str(tmp_path / "x.json"),
+            "--max-tokens", str(TOKENS), "--queries", str(QUERIES), "--probes", "1", "--answer-tokens", "2")
+    code, out, err = run_cli(capsys, *args, "--probe-tokens", "1")
+    line = err.strip().splitlines()[-1]
+    assert code == 2 and out == "" and "OmniKV keeps every token of a context that short" in line, err
+    need = int(line.split("(about ")[1].rstrip(")"))
+    assert f"raise --probe-tokens so that a probe has more than" in line and not (tmp_path / "x.json").exists()
+    monkeypatch.setattr(cal, "record_prefill", real)
+    code, out, err = run_cli(capsys, *args, "--probe-tokens", str(need))
+    assert code == 0, err
+
+
+def test_only_a_prefix_of_a_long_text_is_tokenized(checkpoint, text_file):
+    """The first tokens of a text, from a prefix of it: the whole text was tokenized (9 GB for 64 MiB)."""
+    from mlaserve.calibrate_omnikv import leading_ids
+
+    tok = load_model(checkpoint, dtype="float32", progress=False).tokenizer
+    text = text_file.read_text() * 40
+    seen = []
+    real_encode = tok.encode
+
+    class Counting:
+        def encode(self, t):
+            seen.append(len(t))
+            return real_encode(t)
+
+    whole = tok.encode(text)
+    for count in (300, 2000, len(whole) + 5):
+        seen.clear()
+        assert leading_ids(Counting(), text, count) == whole[:count]
+        assert (max(seen) < len(text) // 4) if count < len(whole) // 8 else max(seen) == len(text), (count, seen)
+
+
 def test_default_output_name(checkpoint, text_file, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, _, err = run_cli(capsys, "--model", str(checkpoint), "--text", str(text_file), "--max-tokens", "256",
