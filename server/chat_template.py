@@ -401,6 +401,12 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         return _size_guard(out)
 
 
+def template_globals() -> frozenset[str]:
+    """The names a chat template finds set by the environment (Jinja's own and the helpers given, such as
+    `raise_exception`): a request's `chat_template_kwargs` may not shadow them."""
+    return frozenset(name for name in _environment().globals if not name.startswith("_"))
+
+
 @lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
     env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, "jinja2.ext.loopcontrols"],
@@ -487,7 +493,12 @@ def _cut_at_continue_tag(rendered: str, final_text: str) -> str:
         raise ChatTemplateError("the chat template does not write the final message's text as sent, so it cannot "
                                 "be continued (continue_final_message / prefix); send the text the template keeps")
     at = rendered.rindex(tag)
-    return rendered[:at] if rendered.startswith(_CONTINUE_TAG, at) else rendered[:at].rstrip()
+    cut = rendered[:at]
+    if rendered.startswith(_CONTINUE_TAG, at):
+        return cut
+    # trimmed: the text's own trailing whitespace goes (what a whitespace-only text leaves is the template's)
+    trailing = len(final_text.lstrip()) - len(final_text.strip())
+    return cut[:len(cut) - trailing] if trailing and cut[len(cut) - trailing:].isspace() else cut
 
 
 def render_chat(
@@ -524,7 +535,7 @@ def render_chat(
         else:
             final_text = content
             content = f"{content}{_CONTINUE_TAG}"
-        if not isinstance(final_text, str) or not final_text.strip():
+        if not isinstance(final_text, str) or not final_text:
             raise ChatTemplateError("continuing the final message needs its text content")
         messages = [*messages[:-1], {**messages[-1], "content": content}]
     budget = _BUDGET.set(_RenderBudget(MAX_LOOP_ITEMS, time.monotonic() + MAX_RENDER_SECONDS))

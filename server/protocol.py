@@ -33,6 +33,7 @@ from pydantic import PrivateAttr, field_validator, model_serializer, model_valid
 from pydantic_core import PydanticCustomError, from_json
 
 from scheduler.sampling_params import TOP_K_ALL, ParamError, SamplingParams
+from server.chat_template import template_globals
 from server.generation_defaults import GENERATION_FIELDS, with_defaults
 from server.structured import EXTENSION_FIELDS, structured_output
 
@@ -404,6 +405,14 @@ _REQUEST_FIELDS_IN_TEMPLATE = frozenset({"messages", "tools", "documents", "add_
 _SERVER_TEMPLATE_VARIABLES = frozenset({"bos_token", "eos_token", "template"})
 
 
+def _check_continued(final: ChatMessage) -> None:
+    """A final message the model is to continue holds text (whitespace is text: a prefill of "\n" is
+    continued) and no tool calls."""
+    if final.tool_calls or not final.text():
+        raise _invalid("the final message to continue needs text content (and no tool_calls): the model "
+                       "continues that text")
+
+
 class ChatInput(_Body):
     """What a chat prompt is rendered from (the chat template's input): the chat completions request's
     and `/tokenize`'s with messages (`server.serving.chat_prompt` renders both)."""
@@ -451,6 +460,9 @@ class ChatInput(_Body):
             if key in _SERVER_TEMPLATE_VARIABLES:
                 raise _invalid(f"chat_template_kwargs.{key} is set by the server (the model's tokenizer and chat "
                                "template): leave it out")
+            if key in template_globals():  # (a string in place of `namespace` broke every template that uses it)
+                raise _invalid(f"chat_template_kwargs.{key} is a function the server gives chat templates: leave it "
+                               "out")
         return value
 
     @field_validator("chat_template")
@@ -469,6 +481,8 @@ class ChatInput(_Body):
             if m.prefix and (i != len(value) - 1 or m.role != "assistant"):
                 raise _invalid(f"message {i} has prefix true: only the final message, an assistant message, "
                                "may be a prefix for the model to continue")
+        if value and value[-1].prefix:  # (here, not below: the fault is this field's)
+            _check_continued(value[-1])
         return value
 
     @field_validator("continue_final_message")
@@ -480,10 +494,7 @@ class ChatInput(_Body):
         if info.data.get("add_generation_prompt"):
             raise _invalid("continuing the final message (continue_final_message, or prefix on it) leaves it "
                            "open, so add_generation_prompt cannot be true: leave it out or send false")
-        final = messages[-1]
-        if final.tool_calls or not final.text().strip():
-            raise _invalid("the final message to continue needs text content (and no tool_calls): the model "
-                           "continues that text")
+        _check_continued(messages[-1])
         return value
 
     def continued_text(self) -> str | None:

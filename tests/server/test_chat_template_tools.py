@@ -409,6 +409,21 @@ def test_continued_final_message_matches_transformers(hf_tokenizers, name, final
     assert ours.rstrip().endswith(final.strip()) and not ours.endswith(eos)
 
 
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_a_final_message_of_whitespace_is_continued(name):
+    """A prefill of whitespace ("\n", a common trick) is text to continue (it was a 400): rendered as the same
+    message with text before the whitespace, less that text, whether the template trims the text or not."""
+    template = _template(name)
+    _, bos, eos, _, _ = TEMPLATES[name]
+    for space in ("\n", "  ", " \n"):
+        ours = [render_chat(template, template_messages([{"role": "user", "content": "Weather?"},
+                                                         {"role": "assistant", "content": text}]),
+                            add_generation_prompt=False, continue_final_message=True, bos_token=bos, eos_token=eos,
+                            date_string=DATE) for text in ("Hi" + space, space)]
+        head, tail = ours[0].rsplit("Hi", 1)
+        assert ours[1] == head + tail and not ours[1].endswith(eos), (name, space, ours)
+
+
 def test_a_final_message_the_template_rewrites_cannot_be_continued():
     """DeepSeek-V3's template drops an assistant message's text up to `</think>`: that text cannot be found,
     so continuing it is refused rather than cut at the wrong place."""

@@ -920,8 +920,9 @@ def test_continue_final_message_prefills_the_reply(server, client, model_dir):
 
 @pytest.mark.parametrize("body, param", [
     ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
-    ({"continue_final_message": True, "messages": [*MSG, {"role": "assistant", "content": " \n"}]},
+    ({"continue_final_message": True, "messages": [*MSG, {"role": "assistant", "content": ""}]},
      "continue_final_message"),
+    ({"messages": [*MSG, {"role": "assistant", "content": "", "prefix": True}]}, "messages"),  # (not the flag unsent)
     ({"messages": [{**MSG[1], "prefix": True}]}, "messages"),
     ({"messages": [{"role": "assistant", "content": "Hi", "prefix": True}, MSG[1]]}, "messages"),
 ])
