@@ -48,6 +48,7 @@ set_cpu_wait_policy(os.environ)  # before torch starts its OpenMP threads, as fo
 
 import torch  # noqa: E402
 
+from mlaserve.argtypes import positive_int  # noqa: E402
 from bench.cpu_common import (StreamRead, machine_info, phase_profile, print_phase_profile, ratio, read_bandwidth,  # noqa: E402
                                versions, write_json)
 from engine.process import freeze_gc_heap  # noqa: E402
@@ -159,10 +160,10 @@ def summarize(samples: list[tuple[float, float]], prompt_len: int) -> dict[str, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct", help="a built-in model name or a GGUF path")
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--decode", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-len", type=positive_int, default=128)
+    ap.add_argument("--decode", type=positive_int, default=64)
+    ap.add_argument("--rounds", type=positive_int, default=5)
+    ap.add_argument("--threads", type=positive_int, default=2)
     ap.add_argument("--torch", action="store_true", help="also time the torch-op forward (fp32)")
     ap.add_argument("--general-batches", action="store_true",
                     help="also time the native forward with decode batches built the general way")
@@ -181,7 +182,10 @@ def main() -> None:
     torch.set_num_threads(1)  # as the engine sets it under the native forward (engine/core.py): torch
     # only picks the next token, and its OpenMP workers would otherwise spin beside the pool after each
     # argmax (GOMP_SPINCOUNT is set before torch is imported, as the engine process does)
-    path = str(resolve_model_path(args.model))
+    try:
+        path = str(resolve_model_path(args.model))
+    except FileNotFoundError as e:
+        ap.error(f"--model: {e}")
     prompt = torch.randint(10, 1000, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     pool = cpp_experts.WorkerPool(args.threads)
     stream = StreamRead(pool, 256 << 20)

@@ -34,6 +34,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 import cpu_common as cc  # noqa: E402
 import peers  # noqa: E402
 import serve_cpu  # noqa: E402
+from mlaserve.argtypes import positive_int  # noqa: E402
 
 POLICIES: dict[str, dict[str, str]] = {"mlaserve": {}, "mlaserve-spin": {"MLASERVE_CPP_EXPERTS_WAIT": "spin"}}
 PROMPT = "Write a long story about a lighthouse keeper."
@@ -79,8 +80,8 @@ def paired_cost(ratios: list[float], draws: int = 4000) -> dict[str, object]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=positive_int, default=64)
+    ap.add_argument("--rounds", type=positive_int, default=3)
     ap.add_argument("--quiet-pairs", type=int, default=60,
                     help="back-to-back quiet request pairs (shipped policy, spin) for the policy's cost (default 60)")
     ap.add_argument("--threads", type=int, default=None, help="llama-server -t (default: the usable cores)")

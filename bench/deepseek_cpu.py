@@ -185,6 +185,14 @@ def run_llama_bench(cmd: list[str], timeout: float) -> dict[str, Any]:
 # -------------------------------------------------------------------------------------------- ours
 
 
+def _engine_fields() -> list[str]:
+    import dataclasses
+
+    from engine.args import EngineArgs
+
+    return [f.name for f in dataclasses.fields(EngineArgs)]
+
+
 def engine_overrides(items: list[str]) -> dict[str, Any]:
     """`--engine-arg name=value` pairs -> EngineArgs keyword arguments (a value is JSON when it parses
     as JSON, else a string): settings this script does not know, e.g. a newer engine's CPU kernel flag."""
@@ -340,9 +348,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="default: bench/results/deepseek_cpu_<machine-tag>.json")
     args = ap.parse_args(argv)
     try:
-        engine_overrides(args.engine_arg)
+        unknown = set(engine_overrides(args.engine_arg)) - set(_engine_fields())
     except ValueError as e:
         ap.error(str(e))
+    if unknown:  # (it ran nothing, exit 0, with the TypeError in `skipped`)
+        ap.error(f"--engine-arg {', '.join(sorted(unknown))}: not an EngineArgs field (see engine/args.py)")
     for name in ("rounds", "prompt_tokens", "decode_prompt"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -396,7 +406,8 @@ def bench_file(qtype: str, path: Path, args: argparse.Namespace, threads: int, b
     bw_samples.append(cc.read_bandwidth(threads=threads))
     print(f"{qtype}: {path.name}, {traffic['bytes_per_token'] / 2**20:.1f} MiB of weights per decoded token, "
           f"read bandwidth {bw_samples[-1] / 1e9:.1f} GB/s", flush=True)
-    lb_cmd = (llama_bench_command(lb_binary, path, threads, args.prompt_tokens, args.decode_tokens, 1)
+    lb_cmd = (llama_bench_command(lb_binary, path, threads, 0 if args.skip_pp else args.prompt_tokens,  # (-p 0: none)
+                                  args.decode_tokens, 1)
               if lb_binary else None)
     peer_rounds: list[dict[str, Any]] = []
     want_peer = lb_cmd is not None and not args.ours_only
@@ -425,8 +436,8 @@ def bench_file(qtype: str, path: Path, args: argparse.Namespace, threads: int, b
                     assert lb_cmd is not None
                     peer_rounds.append(measured(args, lambda: read_after(run_llama_bench(lb_cmd, args.peer_timeout),
                                                                          threads), "llama-bench"))
-            print(f"  round {r + 1}: ours ({backend}) pp {pp[-1]['tok_s'] if pp else 0:.2f} tok/s, "
-                  f"tg {tg[-1]['tok_s']:.3f} tok/s (read after {tg[-1]['read_after_Bps'] / 1e9:.0f} GB/s)"
+            print(f"  round {r + 1}: ours ({backend}) " + (f"pp {pp[-1]['tok_s']:.2f} tok/s, " if pp else "")
+                  + f"tg {tg[-1]['tok_s']:.3f} tok/s (read after {tg[-1]['read_after_Bps'] / 1e9:.0f} GB/s)"
                   + (f"; llama-bench {_lb_line(peer_rounds[-1])}" if with_peer else ""),
                   flush=True)
         profile = None
@@ -457,10 +468,10 @@ def bench_file(qtype: str, path: Path, args: argparse.Namespace, threads: int, b
         peer_rounds.append(measured(args, lambda: read_after(run_llama_bench(lb_cmd, args.peer_timeout), threads),
                                     "llama-bench"))
         print(f"  round {len(peer_rounds)}: llama-bench {_lb_line(peer_rounds[-1])}", flush=True)
-    if lb_cmd is None:
-        entry["skipped"]["llama_bench"] = peers.absent_reason("llama-bench")
-    elif args.ours_only:
+    if args.ours_only:  # (before lb_cmd: --ours-only leaves it None, and was recorded as llama-bench missing)
         entry["skipped"]["llama_bench"] = "--ours-only"
+    elif lb_cmd is None:
+        entry["skipped"]["llama_bench"] = peers.absent_reason("llama-bench")
     elif peer_rounds:
         ok, undisturbed = cc.undisturbed([p for p in peer_rounds if "error" not in p], args.retry_busy)
         entry["llama_bench"] = {
@@ -477,7 +488,7 @@ def bench_file(qtype: str, path: Path, args: argparse.Namespace, threads: int, b
 def _lb_line(r: dict[str, Any]) -> str:
     if "error" in r:
         return "ERROR " + r["error"].splitlines()[0]
-    return (f"pp {r.get('pp', {}).get('avg_ts', 0):.2f} tok/s, tg {r.get('tg', {}).get('avg_ts', 0):.2f} tok/s"
+    return (("" if "pp" not in r else f"pp {r['pp']['avg_ts']:.2f} tok/s, ") + f"tg {r.get('tg', {}).get('avg_ts', 0):.2f} tok/s"
             f" (read after {r.get('read_after_Bps', 0) / 1e9:.0f} GB/s)")
 
 

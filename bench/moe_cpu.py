@@ -37,8 +37,9 @@ os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from cpu_common import read_bandwidth  # noqa: E402
+from mlaserve.argtypes import positive_int  # noqa: E402
 
 E, K, H, I = 64, 6, 2048, 1408
 TOKENS = (1, 4, 16, 64, 256, 1024)
@@ -95,9 +96,9 @@ def q8_blocks(rows: int, k: int, g: torch.Generator) -> torch.Tensor:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    ap.add_argument("--threads", type=positive_int, default=2)
+    ap.add_argument("--repeats", type=positive_int, default=5)
+    ap.add_argument("--tokens", type=positive_int, nargs="*", default=list(TOKENS))
     ap.add_argument("--out", default=None)
     ap.add_argument("--kt-python", default=os.environ.get("MLASERVE_KT_PYTHON", sys.executable))
     ap.add_argument("--kt-kernel-worker", action="store_true", help=argparse.SUPPRESS)

@@ -49,6 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cpu_common import machine_info, machine_tag, percentile, versions, write_json  # noqa: E402
+from mlaserve.argtypes import positive_int  # noqa: E402
 from engine.process import freeze_gc_heap  # noqa: E402
 from server.chat_template import user_turn_ids  # noqa: E402
 
@@ -443,6 +444,9 @@ def floor(model: str, budget: float, overrides: dict[str, Any], h32: Harness, id
     return result
 
 
+PARTS = ("speed", "fidelity", "needle", "divergence", "floor")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -458,14 +462,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="override the config's full_after_filter (off: the layer after each filter layer is "
                    "sparse too; on a GPU that layer hides the selected rows' transfer, on a CPU nothing moves)")
     p.add_argument("--contexts", default="1024,2048,4096,8000")
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--rounds", type=positive_int, default=4)
+    p.add_argument("--steps", type=positive_int, default=8)
     p.add_argument("--fidelity-contexts", default="8000")
-    p.add_argument("--fidelity-prompts", type=int, default=3)
-    p.add_argument("--fidelity-tokens", type=int, default=256)
+    p.add_argument("--fidelity-prompts", type=positive_int, default=3)
+    p.add_argument("--fidelity-tokens", type=positive_int, default=256)
     p.add_argument("--needle-lengths", default="1024,2048,4096,8000")
-    p.add_argument("--needle-depths", type=int, default=10)
-    p.add_argument("--needle-tokens", type=int, default=24, help="answer tokens generated (default 24)")
+    p.add_argument("--needle-depths", type=positive_int, default=10)
+    p.add_argument("--needle-tokens", type=positive_int, default=24, help="answer tokens generated (default 24)")
     p.add_argument("--needle-seed", type=int, default=7,
                    help="seeds the passcodes (default 7: the committed results' set)")
     p.add_argument("--divergence-seeds", default="7,8",
@@ -483,14 +487,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--merge", action="store_true", help="keep the other parts' results already in --out")
     a = p.parse_args(argv)
-    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     parts = set(a.parts.split(","))
+    if not parts or parts - set(PARTS):  # a typo ran nothing, and without --merge wrote an empty result over --out
+        p.error(f"--parts {a.parts}: the parts are {', '.join(PARTS)} (comma-separated)")
+    if not 0.0 < a.budget < 1.0:
+        p.error(f"--budget {a.budget}: a share of the context, above 0 and below 1")
+    for flag in ("contexts", "fidelity_contexts", "needle_lengths", "filter_layers"):
+        value = getattr(a, flag)
+        if value is not None and not re.fullmatch(r"\d+(,\d+)*", value):
+            p.error(f"--{flag.replace('_', '-')} {value}: comma-separated whole numbers, e.g. 1024,2048")
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     overrides = {k: v for k, v in {
         "alpha": a.alpha, "window": a.window, "sink_tokens": a.sink_tokens, "recent_tokens": a.recent_tokens,
         "filter_layers": tuple(ints(a.filter_layers)) if a.filter_layers else None,
         "full_after_filter": None if a.full_after_filter is None else a.full_after_filter == "on",
     }.items() if v is not None}  # the config's settings the command line overrides
-    h = Harness(a.model, a.budget, a.dtype, **overrides)
+    try:
+        h = Harness(a.model, a.budget, a.dtype, **overrides)
+    except ValueError as e:  # settings the model's layers do not fit (a filter layer past them, ...)
+        p.error(str(e))
     ids = h.tok.encode(doc_text(), add_special_tokens=False)
     freeze_gc_heap()  # as the engine process, once the model is loaded
     result: dict[str, Any] = {"bench": "omnikv_cpu", "model": a.model, "machine": machine_info(), "versions": versions(),

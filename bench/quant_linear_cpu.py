@@ -56,6 +56,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.peers`, as ggml_peer.py imports it
 
 import gguf  # noqa: E402
+from mlaserve.argtypes import positive_int  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -121,10 +122,10 @@ def time_pass(calls: list[Callable[[], object]]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=positive_int, default=2)
+    ap.add_argument("--rounds", type=positive_int, default=5)
     ap.add_argument("--footprint-mib", type=int, default=256)
-    ap.add_argument("--ms", type=int, nargs="*", default=list(MS))
+    ap.add_argument("--ms", type=positive_int, nargs="*", default=list(MS))
     ap.add_argument("--formats", nargs="*", default=list(FORMATS), choices=FORMATS)
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--kernel", default=None, choices=["auto", "amx", "avx512", "avx2", "neon_dotprod", "portable"],

@@ -43,9 +43,11 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -260,9 +262,23 @@ def slot_context(prompt_tokens: int, max_tokens: int) -> int:
     return -(-need // 256) * 256
 
 
+def _exit_on_term(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def stop_servers_on_term() -> None:
+    """SIGTERM (`timeout`, a job runner) ends the benchmark as an exception does, so the `finally` blocks
+    that stop its servers run: by default it killed the script alone, and its servers (in sessions of
+    their own) ran on, holding their ports and the CPU. Only from the main thread, and only where nobody
+    set a handler."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_term)
+
+
 def start_server(server: Server, log_dir: Path, timeout: float) -> None:
     import httpx
 
+    stop_servers_on_term()
     server.log = log_dir / f"{server.name}.log"
     with server.log.open("w") as log:
         server.proc = subprocess.Popen(server.command, cwd=server.cwd or cc.ROOT, stdout=log, stderr=subprocess.STDOUT,
@@ -338,6 +354,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("rounds", "streams", "max_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.reanalyze and not Path(args.reanalyze).is_file():
+        ap.error(f"--reanalyze {args.reanalyze}: no such file (a result JSON this script wrote)")
+    if args.model:
+        from models.builtin import resolve_model_path
+
+        try:
+            resolve_model_path(args.model)
+        except FileNotFoundError as e:
+            ap.error(f"--model: {e}")
+    for item in args.checkout:
+        label, sep, where = item.partition("=")
+        if not sep or not label or not (Path(where) / "mlaserve").is_dir():
+            ap.error(f"--checkout {item!r}: give LABEL=DIR, DIR a checkout of this repository")
     return args
 
 

@@ -119,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     from models.synthetic import write_checkpoint
 
+    if not all(x.isdigit() and int(x) > 0 for x in a.tp.split(",")):
+        ap.error(f"--tp {a.tp}: comma-separated rank counts above 0, e.g. 1,2")
+    if not set(a.formats.split(",")) <= {"safetensors", "gguf"}:
+        ap.error(f"--formats {a.formats}: safetensors, gguf or both (comma-separated)")
     sizes = [int(x) for x in a.tp.split(",")]
     result: dict[str, Any] = {"bench": "tp_cpu", "machine": machine_info(), "versions": versions(), "config": CONFIG,
                               "runs": {}}

@@ -16,7 +16,7 @@ with the best shape. A time budget stops the search early and keeps what was mea
 
     python bench/tune_decode_attention.py [--heads 16 128] [--batches 1 16] [--contexts 4096 32768]
         [--budget 240] [--out bench/results/tune_decode_attention_<device>.json] [--no-write]
-    TRITON_INTERPRET=1 python bench/tune_decode_attention.py --smoke   # CPU, tiny shapes, writes nothing
+    TRITON_INTERPRET=1 python bench/tune_decode_attention.py --smoke   # CPU, tiny shapes, no plans; its report in the temp dir
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -166,7 +167,9 @@ def main() -> int:
     args.repeats = args.repeats or (1 if args.smoke else 10)
     timer = Timer(device)
     name = device_name(device)
-    report_path = Path(args.out) if args.out else RESULTS / f"tune_decode_attention_{device_slug(device)}.json"
+    # a smoke run's report is no result: the temp dir, not bench/results (an untracked file there)
+    report_path = Path(args.out) if args.out else (Path(tempfile.gettempdir()) if args.smoke else RESULTS) / \
+        f"tune_decode_attention_{device_slug(device)}.json"
     report: dict[str, Any] = {"benchmark": "tune_decode_attention", "smoke": args.smoke, "machine": machine_info(device),
                               "kv_lora_rank": base.kv_lora_rank, "qk_rope_head_dim": base.rope_dim, "results": []}
     deadline = time.monotonic() + args.budget

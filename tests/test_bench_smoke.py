@@ -23,6 +23,7 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import subprocess
 import statistics
 import sys
@@ -1009,3 +1010,13 @@ def test_batch_decode_bench_compares_builds(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, str(BENCH / "batch_decode_cpu.py"), "--lib", "nothing"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "LABEL=PATH" in bad.stderr
+
+
+def test_a_terminated_server_benchmark_runs_its_cleanup() -> None:
+    """SIGTERM (`timeout`, a job runner) killed a server benchmark without its `finally` blocks, and the
+    servers it had started (in sessions of their own) ran on: it now ends the script as an exception does."""
+    code = ("import os, signal, sys, time; sys.path.insert(0, 'bench'); import serve_cpu\n"
+            "serve_cpu.stop_servers_on_term()\n"
+            "try:\n    os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)\nfinally:\n    print('stopped the servers')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 128 + signal.SIGTERM and r.stdout.strip() == "stopped the servers", (r.returncode, r.stdout, r.stderr)
