@@ -490,8 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = set(a.parts.split(","))
     if not parts or parts - set(PARTS):  # a typo ran nothing, and without --merge wrote an empty result over --out
         p.error(f"--parts {a.parts}: the parts are {', '.join(PARTS)} (comma-separated)")
-    if not 0.0 < a.budget < 1.0:
-        p.error(f"--budget {a.budget}: a share of the context, above 0 and below 1")
+    if not 0.0 < a.budget <= 1.0:
+        p.error(f"--budget {a.budget}: a share of the context, above 0 and at most 1")
     for flag in ("contexts", "fidelity_contexts", "needle_lengths", "filter_layers"):
         value = getattr(a, flag)
         if value is not None and not re.fullmatch(r"\d+(,\d+)*", value):
