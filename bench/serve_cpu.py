@@ -363,10 +363,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             resolve_model_path(args.model)
         except FileNotFoundError as e:
             ap.error(f"--model: {e}")
-    for item in args.checkout:
-        label, sep, where = item.partition("=")
-        if not sep or not label or not (Path(where) / "mlaserve").is_dir():
-            ap.error(f"--checkout {item!r}: give LABEL=DIR, DIR a checkout of this repository")
+    for item in args.checkout:  # (said after the model loaded, with exit 1)
+        try:
+            checkout(item)
+        except SystemExit as e:
+            ap.error(str(e))
     return args
 
 

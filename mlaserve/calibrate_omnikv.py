@@ -435,8 +435,8 @@ def calibrate(loaded: LoadedModel, ids: Sequence[int], *, queries: int = DEFAULT
         raise CalibrationError(
             f"the retrieval probes are {shortest} tokens, and OmniKV keeps every token of a context that short (the "
             f"{rule.sink_tokens} first, the {rule.recent_tokens} recent and {budget_ratio:g} of the context): no "
-            f"placement could lose anything; raise --probe-tokens so that a probe has more than {need - 1} tokens "
-            f"(about {need - shortest + min(probe_tokens, room, len(ids))})")
+            f"placement could lose anything; a probe needs more than {need - 1} tokens: --probe-tokens "
+            f"{need - shortest + min(probe_tokens, room, len(ids))} or more (and a text at least that long)")
     runner = calibration_runner(loaded, len(ids), device)
     try:
         rec = record_prefill(runner, ids, queries)
