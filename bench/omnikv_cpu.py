@@ -529,8 +529,10 @@ def main(argv: list[str] | None = None) -> int:
         right = [x for x in nd if x["full_correct"]]  # where full attention found the needle
         result["needle"]["same_answer_rate_where_full_correct"] = (
             round(sum(x["same"] for x in right) / len(right), 4) if right else None)
+        where_right = result["needle"]["same_answer_rate_where_full_correct"]
         print(f"needle: same answer {result['needle']['same_answer_rate']:.1%} "
-              f"({result['needle']['same_answer_rate_where_full_correct']} where full attention is right), full correct "
+              + ("(full attention right in no case)" if where_right is None else f"({where_right:.1%} where full attention is right)")
+              + f", full correct "
               f"{result['needle']['full_correct_rate']:.1%}, OmniKV correct {result['needle']['omnikv_correct_rate']:.1%}")
     if "divergence" in parts:
         dv = divergence(h, ids, ints(a.needle_lengths), a.needle_depths, a.divergence_tokens, ints(a.divergence_seeds))

@@ -223,7 +223,8 @@ def main() -> None:
     if ggml is not None:
         ggml.close()
     model = ("not measured: --no-model" if args.no_model else
-             model_decode(pool, args.threads, args.rounds, copy_samples, read_samples, stream_samples, kernel))
+             model_decode(pool, args.threads, args.rounds, copy_samples, read_samples, stream_samples, kernel,
+                          tuple(args.ms)))
     pool.close()
     machine = {
         "cpu": platform.processor() or platform.machine(), "cpu_model": cpu_model(), "node": platform.node(),
@@ -307,7 +308,8 @@ def smollm2_path() -> Path | None:
 
 
 def model_decode(pool: cpp_experts.WorkerPool, threads: int, rounds: int, copy_samples: list[float],
-                 read_samples: list[float], stream_samples: list[float], kernel: str | None) -> dict | str:
+                 read_samples: list[float], stream_samples: list[float], kernel: str | None,
+                 ms: tuple[int, ...] = MS) -> dict | str:
     """Every linear layer of the real SmolLM2-135M Q4_1 GGUF once, in the order a decode step runs them
     (the ~96 MB of weights stream from memory), ours vs torch bf16 and fp32 on the same weights
     dequantized.
@@ -337,7 +339,7 @@ def model_decode(pool: cpp_experts.WorkerPool, threads: int, rounds: int, copy_s
     variants = {name: [layer(names) for names in groups + head] for name, groups in (("plain", plain), ("fused", fused))}
     f32 = {name: [w.float() for _, w in layers] for name, layers in variants.items()}
     rows = []
-    for m in MS:
+    for m in ms:  # (--ms: it timed MS whatever was asked)
         x = {k: torch.randn(m, k).bfloat16() for k in (HIDDEN, INTER)}
         xf = {k: v.float() for k, v in x.items()}
         passes = {}
