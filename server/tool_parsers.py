@@ -366,6 +366,15 @@ def _as_call(text: str, members: dict[str, tuple[Any, int, int]], need_args: boo
 HERMES_OPEN = "<tool_call>"
 
 
+def _without_partial_close(body: str, close: str) -> str:
+    """`body` less a start of `close` it ends with ("</", "</tool_call"): a cut inside the closing tag."""
+    stripped = body.rstrip()
+    for n in range(min(len(close) - 1, len(stripped)), 0, -1):
+        if stripped.endswith(close[:n]):
+            return stripped[:-n]
+    return body
+
+
 class HermesToolParser(ToolParser):
     """Hermes / Qwen2.5: each `<tool_call>` block is held until `</tool_call>`, then sent whole."""
 
@@ -383,9 +392,10 @@ class HermesToolParser(ToolParser):
         end = self._buf.find(self._CLOSE)
         if end < 0:
             if final:  # cut off before the block closed: a whole call object is still a call (vLLM's
-                # `<tool_call>(.*)`: a stop string or max_tokens took only the close), else the text as written
+                # `<tool_call>(.*)`: a stop string or max_tokens took only the close, or part of it), else the
+                # text as written
                 body, self._buf, self._in_block = self._buf, "", False
-                if not self._call(body):
+                if not self._call(_without_partial_close(body, self._CLOSE)):
                     self._emit(self._OPEN + body)
             return False
         body, self._buf, self._in_block = self._buf[:end], self._buf[end + len(self._CLOSE):], False

@@ -120,6 +120,10 @@ CASES = [
     ("hermes", hermes("f", "{}") + '\n<tool_call>\n{"name": "g", "argum', '<tool_call>\n{"name": "g", "argum',
      [("f", "{}")]),
     ("hermes", 'Checking.\n<tool_call>\n{"name": "g", "arguments": ' + PARIS + "}\n", "Checking.\n", [("g", PARIS)]),
+    # ... or part of it: a cut inside `</tool_call>` (it was the raw markup, one token later a call again)
+    *(("hermes", '<tool_call>\n{"name": "g", "arguments": ' + PARIS + "}\n" + part, "", [("g", PARIS)])
+      for part in ("<", "</", "</tool", "</tool_call")),
+    ("hermes", '<tool_call>\n{"name": "g", "arguments": {}} </x', '<tool_call>\n{"name": "g", "arguments": {}} </x', []),
     ("hermes", '<tool_call>\n{"name": "g", "arguments": {}} and', '<tool_call>\n{"name": "g", "arguments": {}} and', []),
     ("hermes", "Use <tools> or <tool_calls>, a < b, </tool_call.",
      "Use <tools> or <tool_calls>, a < b, </tool_call.", []),
