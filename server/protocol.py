@@ -231,10 +231,21 @@ class JsonSchemaSpec(_Request):
 
 
 class ResponseFormat(_Request):
-    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema (also llama.cpp
+    server's `{"type": "json_object", "schema": {...}}`)."""
 
+    model_config = ConfigDict(populate_by_name=True)  # merged with _Request's
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaSpec | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+
+    @model_validator(mode="after")
+    def _schema_where_read(self) -> ResponseFormat:
+        if self.schema_ is not None and self.type != "json_object":  # (it would be silently unconstrained)
+            raise _invalid(f"response_format.schema goes with type 'json_object' (llama.cpp's form); with type "
+                           f"'{self.type}' send " + ("json_schema: {name, schema}" if self.type == "json_schema"
+                                                     else "type 'json_object' or 'json_schema'"))
+        return self
 
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:

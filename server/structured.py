@@ -103,7 +103,9 @@ def structured_output(body: Any) -> StructuredOutput | None:
     """The request's constraint, or None; ParamError naming the field for a bad or unsupported one."""
     found: list[StructuredOutput] = []
     rf = getattr(body, "response_format", None)
-    if rf is not None and rf.type == "json_object":
+    if rf is not None and rf.type == "json_object" and rf.schema_ is not None:  # llama.cpp server's form
+        found.append(json_schema_output(rf.schema_, "response_format.schema"))
+    elif rf is not None and rf.type == "json_object":
         found.append(StructuredOutput("json_object", "", "response_format"))
     elif rf is not None and rf.type == "json_schema":
         found.append(json_schema_output(rf.json_schema.schema_, "response_format.json_schema.schema"))

@@ -164,6 +164,13 @@ def test_json_object_regex_choice_and_grammar(client, server):
     assert resp.status_code == 200, resp.text
     if resp.json()["choices"][0]["finish_reason"] == "stop":
         assert set(json.loads(resp.json()["choices"][0]["message"]["content"])) == {"n"}
+    # and llama.cpp server's response_format of type json_object with a `schema` (it was left unconstrained)
+    seven = {"type": "object", "properties": {"zz": {"type": "integer", "minimum": 7, "maximum": 7}}, "required": ["zz"],
+             "additionalProperties": False}
+    resp = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": ASK, "max_tokens": 40, "temperature": 0,
+        "response_format": {"type": "json_object", "schema": seven}})
+    assert resp.status_code == 200 and json.loads(resp.json()["choices"][0]["message"]["content"]) == {"zz": 7}, resp.text
 
 
 def test_cut_short_by_max_tokens_is_length(client):
@@ -356,6 +363,10 @@ BAD = [
     ({"messages": ASK, "json_schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}, "json_schema", None),
     ({"messages": ASK, "grammar": 'root ::= "a"', "json_schema": {"type": "object"}}, None, "one structured output"),
     ({"messages": ASK, "regex": "a+", "response_format": {"type": "json_object"}}, None, "one structured output"),
+    ({"messages": ASK, "response_format": {"type": "text", "schema": {"type": "object"}}}, "response_format",
+     "goes with type 'json_object'"),
+    ({"messages": ASK, "response_format": {"type": "json_object", "schema": {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "(?<=x)y"}}}}}, "response_format", "response_format.schema: the pattern"),
     ({"messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", "nope"),
     ({"messages": ASK, "tool_choice": "required"}, "tool_choice", "needs tools"),
