@@ -401,6 +401,7 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         return _size_guard(out)
 
 
+@lru_cache(maxsize=1)
 def template_globals() -> frozenset[str]:
     """The names a chat template finds set by the environment (Jinja's own and the helpers given, such as
     `raise_exception`): a request's `chat_template_kwargs` may not shadow them."""

@@ -44,6 +44,7 @@ suffix.
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 
 from tokenizers import decoders
@@ -154,13 +155,10 @@ class IncrementalDetokenizer:
 def _unfinished_tail(run: list[int], tokenizer: TokenizerBundle) -> list[int]:
     """The last byte-fallback tokens of `run` that begin a character the run does not finish (none when
     the run ends on a whole character)."""
-    data = bytes(int(tokenizer.tokenizer.id_to_token(i)[3:5], 16) for i in run)
-    for n in range(1, min(3, len(run)) + 1):  # a character's first bytes: at most 3 of its 4
-        lead = data[-n]
-        width = 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4 if lead >> 3 == 0b11110 else 0
-        if width:
-            return run[-n:] if n < width and all(b >> 6 == 0b10 for b in data[len(data) - n + 1:]) else []
-    return []
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(bytes(int(tokenizer.tokenizer.id_to_token(i)[3:5], 16) for i in run))  # one byte a token
+    pending = len(decoder.getstate()[0])  # the bytes it holds for the rest of a character
+    return run[len(run) - pending:] if pending else []
 
 
 class StopStringMatcher:

@@ -369,10 +369,8 @@ HERMES_OPEN = "<tool_call>"
 def _without_partial_close(body: str, close: str) -> str:
     """`body` less a start of `close` it ends with ("</", "</tool_call"): a cut inside the closing tag."""
     stripped = body.rstrip()
-    for n in range(min(len(close) - 1, len(stripped)), 0, -1):
-        if stripped.endswith(close[:n]):
-            return stripped[:-n]
-    return body
+    n = partial_len(stripped, (close,))
+    return stripped[:-n] if n else body
 
 
 class HermesToolParser(ToolParser):
