@@ -26,7 +26,7 @@ from models.loader.tokenizer import (
 )
 from engine.messages import RequestOutput, TokenLogprob
 from server.choices import ChoiceText
-from server.detokenizer import MAX_HELD_TOKENS, IncrementalDetokenizer, StopStringMatcher
+from server.detokenizer import MAX_HELD_TOKENS, PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer, StopStringMatcher
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -264,14 +264,50 @@ def test_a_prompt_cut_inside_a_character_gives_it_to_the_completion(any_tok: Tok
                 assert want.startswith(char) and want.endswith("\u754c" if tail else char)
                 for rng in (None, random.Random(cut)):
                     assert "".join(_stream(any_tok, ids, rng, prompt_ids=prompt)) == want, (char, cut, tail)
-            # bytes that do not finish it: the prompt's unfinished bytes come out as U+FFFD, with the rest
+            # ids that do not finish it: the prompt's U+FFFD stay the prompt's (they were sent with it), and
+            # nothing at all adds no text (an echo with max_tokens 0 showed them twice)
             ids = any_tok.encode("ok", add_special_tokens=False)
-            want = any_tok.decode(prompt[len(head):] + ids)  # (a SentencePiece run decoded with the head's
-            assert want.startswith("\ufffd") and want.endswith("ok")  # bytes would turn those to U+FFFD too)
-            assert "".join(_stream(any_tok, ids, prompt_ids=prompt)) == want
+            assert "".join(_stream(any_tok, ids, prompt_ids=prompt)) == _added(any_tok, prompt, ids)
+            assert _added(any_tok, prompt, ids).strip() == "ok"
+            assert "".join(_stream(any_tok, [], prompt_ids=prompt)) == ""
     # a prompt ending on a whole character keeps its text out of the completion
     prompt = head + [byte_ids[b] for b in "\u00e9".encode()]
     assert "".join(_stream(any_tok, [byte_ids[b] for b in "\u754c".encode()], prompt_ids=prompt)) == "\u754c"
+
+
+def _added(tok: TokenizerBundle, prompt: Sequence[int], ids: Sequence[int]) -> str:
+    """The text `ids` add after `prompt`, by full decodes (vLLM's `DecodeStream` reading): what follows the
+    prompt's text, or, where the ids finish a character the prompt's text ends unfinished, that character on."""
+    before, after = tok.decode(list(prompt)), tok.decode([*prompt, *ids])
+    return after[len(before):] if after.startswith(before) else after[len(before.rstrip("\ufffd")):]
+
+
+def test_a_prompt_ending_in_bytes_that_begin_no_character_keeps_them(any_tok: TokenizerBundle) -> None:
+    """A prompt whose last bytes cannot be finished (continuation bytes with no lead byte: a vocabulary lacking
+    a lead byte drops it, as SmolLM2's does U+40000..U+BFFFF's) or are left unfinished keeps its U+FFFD out of
+    the completion, whatever the completion's ids (they came out at the start of its text)."""
+    byte_ids = _byte_token_ids(any_tok)
+    head = any_tok.encode("Emoji \u4e16 x", add_special_tokens=True)  # (a byte run of its own would join theirs)
+    rng = random.Random(5)
+    tails = [any_tok.encode(t, add_special_tokens=False) for t in ("\n\nThe", " ok \u754c", "\U0001F31F!")]
+    for data in (b"\x98\x8a\xa0", b"\x80", b"\xf0\x9f", b"\xe4", b"\xc3", b"\xf0\x9f\x8c"):
+        prompt = head + [byte_ids[b] for b in data if b in byte_ids]
+        for ids in [*tails, [byte_ids[0xbf], *tails[0]], [byte_ids[0xbf]]]:
+            want = _added(any_tok, prompt, ids)
+            assert ids[0] == byte_ids[0xbf] or "\ufffd" not in want, (data, ids, want)
+            for r in (None, rng):
+                assert "".join(_stream(any_tok, ids, r, prompt_ids=prompt)) == want, (data, ids, want)
+        assert "".join(_stream(any_tok, [], prompt_ids=prompt)) == ""
+
+
+def test_a_long_byte_run_ending_the_prompt_keeps_the_next_space(spm: TokenizerBundle) -> None:
+    """A prompt ending in more byte-fallback tokens than the context holds (two emoji: 8) left the context
+    empty, and the SentencePiece decode stripped the first generated word's space."""
+    ids = spm.encode("Hello", add_special_tokens=False)  # "▁Hello"
+    for text in ("I love \U0001F600\U0001F600", "Hi \U0001F44D\U0001F3FD", "x \u4e16\u754c\U0001F31F"):
+        prompt = spm.encode(text, add_special_tokens=True)
+        assert sum(map(spm.is_byte_fallback, prompt)) > PROMPT_CONTEXT_TOKENS
+        assert "".join(_stream(spm, ids, prompt_ids=prompt)) == _added(spm, prompt, ids) == " Hello"
 
 
 def test_a_prompt_cut_inside_a_real_token_keeps_its_whole_characters(byte_level: TokenizerBundle) -> None:
