@@ -32,6 +32,12 @@ stops its generation and frees its KV slots at once (nginx counts it as a client
 **Shutdown.** After the drain, a request still arriving (headers or body half sent) is answered 503
 `shutting_down` from here (`refuse_unfinished`), as the app answers every request after the signal.
 
+**Headers' size.** The parser keeps a request's line and headers in memory until they end, whatever their
+length, and only `read_timeout` bounds how long they may take: one client sending header lines as fast as it
+can held gigabytes before any handler (or `--api-key`) saw the request. A request whose line and headers
+pass `MAX_HEAD_BYTES` gets a 431 (a 414 when its URL does) in OpenAI's error shape and the connection closes
+(nginx allows 4 × 8 KiB, Node and uvicorn's h11 parser 16 KiB).
+
 **Not HTTP.** What the parser refuses (a garbled request line, chunk size or header; a URL past its
 limit) gets a 400 in OpenAI's error shape, where uvicorn answers in text/plain.
 
@@ -62,6 +68,9 @@ logger = logging.getLogger("mlaserve.server")  # the request log's lines, as ser
 #: module's, with that id, and the handler's own answer goes nowhere).
 SCOPE_REQUEST_ID, SCOPE_ANSWERED = "mlaserve.request_id", "mlaserve.answered_by_connection"
 
+MAX_HEAD_BYTES = 64 * 1024  # a request's line and headers, at most (module docstring)
+LINGER_S = 2.0  # after refusing a request the client may still be sending: how long its bytes are read and dropped
+
 HEAD, BODY, WHOLE = "head", "body", "whole"  # what the connection is reading: a request's headers, its body, nothing
 
 
@@ -88,6 +97,12 @@ class ServerHttpProtocol(HttpToolsProtocol):
         self._deadline: asyncio.TimerHandle | None = None
         self._write_stall: asyncio.TimerHandle | None = None  # armed while the socket's buffer is full
         self._stalled_bytes = 0  # the buffer's size when the write stall was (re)armed
+        # the request's line and headers: as parsed (a header counts once whole), and as received in reads
+        # that held nothing else (a header still arriving, which the parser buffers), each checked alone
+        self._head_parsed = self._head_read = 0
+        self._head_events = 0  # requests begun and heads completed: a read that saw none held only a head
+        self._lingering = False  # answered an unreadable request: dropping what still comes until the close
+        self._head_too_large: str | None = None  # what passed MAX_HEAD_BYTES: "url" or "headers"
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -174,11 +189,15 @@ class ServerHttpProtocol(HttpToolsProtocol):
         return self.cycle is not None and not self.cycle.response_started
 
     def send_400_response(self, msg: str) -> None:
-        """What the HTTP parser refuses (a bad request line, chunk size or header, a URL past its limit):
-        OpenAI's error shape, where uvicorn sends text/plain."""
+        """What the HTTP parser refuses (a bad request line, chunk size or header): OpenAI's error shape, where
+        uvicorn sends text/plain. A head past `MAX_HEAD_BYTES` stops the parser the same way, and is told as a
+        414 (its URL) or a 431."""
+        if self._head_too_large:
+            self._refuse_large_head()
+            return
         self._write_error(b"400 Bad Request", "the request is not valid HTTP/1.1 (its request line, headers or "
                           "chunked framing could not be parsed)", "invalid_http")
-        self.transport.close()
+        self._close_when_read()
 
     def _write_error(self, status: bytes, message: str, code: str, kind: str = "invalid_request_error",
                      retry_after: int | None = None) -> None:
@@ -202,19 +221,70 @@ class ServerHttpProtocol(HttpToolsProtocol):
         if self.on_error is not None:
             self.on_error(code, status.decode().split()[0])
 
+    def _refuse_large_head(self) -> None:
+        if not self.headers and self._head_too_large == "url":  # (uvicorn passes on each piece of a URL at once)
+            self._write_error(b"414 URI Too Long", f"the request's URL is over {MAX_HEAD_BYTES} bytes",
+                              "uri_too_long")
+        else:
+            self._write_error(b"431 Request Header Fields Too Large", f"the request line and headers are over "
+                              f"{MAX_HEAD_BYTES} bytes; send fewer or shorter headers",
+                              "request_header_fields_too_large")
+        self._close_when_read()
+
+    def _close_when_read(self) -> None:
+        """Ends a connection whose client may still be sending (the rest of a refused request): closing with
+        its bytes unread would reset the connection, and the client would lose the answer before reading it.
+        So, as nginx's lingering close, the answer goes out with a FIN, what still comes is read and dropped,
+        and the connection closes when the client closes it or after `LINGER_S`."""
+        self._lingering = True
+        self._disarm()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)
+
+    def _count_head(self, n: int, part: str) -> None:
+        """Counts `n` parsed bytes of the request's line and headers; past the limit the parser is stopped (the
+        error it raises is answered by `send_400_response`) before anything starts a handler."""
+        self._head_parsed += n
+        if self._head_parsed > MAX_HEAD_BYTES:
+            self._head_too_large = part
+            raise ValueError(f"request {part} too large")
+
     # the connection and the parser's events, in the order they come
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm()  # the first request's headers are due from now
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # the rest of a refused request (`_close_when_read`)
+        events = self._head_events
+        super().data_received(data)
+        if self._reading == HEAD and self._begun and events == self._head_events and not self.transport.is_closing():
+            self._head_read += len(data)  # all of it went to a head still arriving (one long line, say)
+            if self._head_read > MAX_HEAD_BYTES:
+                self._head_too_large = "headers"
+                self._refuse_large_head()
 
     def on_message_begin(self) -> None:
         if self._reading == WHOLE and self._deadline is None and not self._answering():
             self._arm()  # a request after a whole one, with no answer under way: due from its first byte
         self._reading = HEAD
         self._begun = True
+        self._head_parsed = self._head_read = 0
+        self._head_events += 1
         super().on_message_begin()
 
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url), "url")
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4, "headers")  # with ": " and CRLF
+        super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
+        self._head_events += 1
         answering = self._answering()  # an earlier request's: this one waits in uvicorn's pipeline
         self._reading = BODY
         if answering or (self.parser.should_upgrade() and self._should_upgrade()):  # a WebSocket is not timed
