@@ -344,7 +344,7 @@ def build_app(state: ServerState, max_request_bytes: int | None = None, allowed_
             return shaped(raw.scope, state.unavailable())
         if from_anthropic_client(raw.scope):
             try:
-                page = model_info_list(state.model_name, state.created, raw.query_params)
+                page = model_info_list(state.model_name, state.created, state.context_length, raw.query_params)
             except ParamError as e:
                 return shaped(raw.scope, error_response(400, e.message, param=e.param))
             return JSONResponse(page.model_dump())
@@ -358,7 +358,7 @@ def build_app(state: ServerState, max_request_bytes: int | None = None, allowed_
             return shaped(raw.scope, error_response(404, f"the model '{model_id}' does not exist", param="model",
                                                     code="model_not_found"))
         if from_anthropic_client(raw.scope):
-            return JSONResponse(model_info(state.model_name, state.created).model_dump())
+            return JSONResponse(model_info(state.model_name, state.created, state.context_length).model_dump())
         return JSONResponse(_model_card(state).model_dump())
 
     register_routes(app, state)

@@ -70,6 +70,28 @@ _RENAMES = (
 )
 
 
+# the context errors of the chat path and of the engine: their numbers, told as Anthropic's API tells them,
+# whose wording clients read back (a prompt too long to send again as it is; `max_tokens` to lower)
+_CONTEXT_ERRORS = (
+    re.compile(r"maximum context length is (?P<limit>\d+) tokens; the request has (?P<prompt>\d+) prompt tokens "
+               r"and asks for (?P<more>\d+) more"),
+    re.compile(r"maximum context length is (?P<limit>\d+) tokens; the request needs \d+ \((?P<prompt>\d+) in the "
+               r"prompt \+ (?P<more>\d+) to generate\)"),
+)
+
+
+def context_error(message: str) -> str | None:
+    """A context-length error's message as Anthropic's API words it, or None for another error."""
+    for pattern in _CONTEXT_ERRORS:
+        if m := pattern.search(message):
+            limit, prompt, more = int(m["limit"]), int(m["prompt"]), int(m["more"])
+            if prompt > limit:
+                return f"prompt is too long: {prompt} tokens > {limit} maximum"
+            return (f"input length and `max_tokens` exceed context limit: {prompt} + {more} > {limit}, decrease "
+                    "input length or `max_tokens` and try again")
+    return None
+
+
 def rename_error(message: str, param: str | None) -> tuple[str, str | None]:
     """An error of the chat path in this API's names (`response_format` is `output_config.format`, a
     tool's `function.parameters` its `input_schema`)."""
@@ -265,6 +287,9 @@ class ModelInfo(_Response):
     id: str
     display_name: str
     created_at: str  # RFC 3339
+    lifecycle: Literal["active"] = "active"  # served: open to use (the SDK's type requires the field)
+    max_input_tokens: int  # the context: the prompt and max_tokens together fit in it
+    max_tokens: int
 
 
 class ModelInfoList(_Response):
@@ -275,12 +300,13 @@ class ModelInfoList(_Response):
     last_id: str | None = None
 
 
-def model_info(model_id: str, created: int) -> ModelInfo:
+def model_info(model_id: str, created: int, context_length: int) -> ModelInfo:
     stamp = datetime.datetime.fromtimestamp(created, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return ModelInfo(id=model_id, display_name=model_id, created_at=stamp)
+    return ModelInfo(id=model_id, display_name=model_id, created_at=stamp, max_input_tokens=context_length,
+                     max_tokens=context_length)
 
 
-def model_info_list(model_id: str, created: int, query: Mapping[str, str]) -> ModelInfoList:
+def model_info_list(model_id: str, created: int, context_length: int, query: Mapping[str, str]) -> ModelInfoList:
     """The one-model page Anthropic's list would give for its cursor parameters (`after_id` / `before_id`:
     the page past that model, empty; `limit` 1 to 1000); ParamError naming a bad one."""
     limit = query.get("limit", "20")
@@ -291,7 +317,7 @@ def model_info_list(model_id: str, created: int, query: Mapping[str, str]) -> Mo
         raise ParamError(cursor[0], f"{cursor[0]} {cursor[1]!r:.80} names no model here (the model is '{model_id}')")
     if cursor is not None:  # the page past the only model
         return ModelInfoList(data=[], first_id=None, last_id=None)
-    return ModelInfoList(data=[model_info(model_id, created)], first_id=model_id, last_id=model_id)
+    return ModelInfoList(data=[model_info(model_id, created, context_length)], first_id=model_id, last_id=model_id)
 
 
 def _text(content: str | list[TextBlock] | None) -> str:

@@ -217,7 +217,9 @@ def anthropic_error(resp: Response) -> Response:
     error, headers = _error_of(resp)
     note_answer_code(str(error.get("code") or error.get("type") or "other"))
     message, param = messages_api.rename_error(str(error.get("message", "")), error.get("param"))
-    if param and param not in message:
+    if (anthropic_words := messages_api.context_error(message)) is not None:
+        message = anthropic_words
+    elif param and param not in message:
         message = f"{param}: {message}"
     status = 529 if error.get("code") == "overloaded" else resp.status_code  # Anthropic's overload status
     return JSONResponse(messages_api.error_body(resp.status_code, message, error.get("code")),

@@ -224,7 +224,11 @@ USER = [{"role": "user", "content": "hi"}]
      "server tools"),
     ({"max_tokens": 4, "messages": USER, "tools": [WEATHER], "tool_choice": {"type": "tool"}}, 400, "name"),
     ({"max_tokens": 4, "messages": USER, "model": "claude-sonnet-4-5"}, 404, "does not exist"),
-    ({"max_tokens": 100000, "messages": USER}, 400, "context length"),
+    # context errors in Anthropic's words, whose numbers clients read back
+    ({"max_tokens": 10**7, "messages": USER}, 400, "input length and `max_tokens` exceed context limit: "),
+    ({"max_tokens": 10**7, "messages": USER}, 400, " + 10000000 > "),
+    ({"max_tokens": 10**7, "messages": USER}, 400, ", decrease input length or `max_tokens` and try again"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi " * 200_000}]}, 400, "prompt is too long: "),
     # the chat path's checks, told in this API's field names
     ({"max_tokens": 0, "messages": USER}, 400, "max_tokens"),
     ({"max_tokens": 4, "messages": USER, "tools": [{**WEATHER, "input_schema": {"type": "object", "properties": 3}}]},
@@ -366,6 +370,10 @@ def test_the_anthropic_sdk_lists_and_retrieves_the_model(client, chat):
     assert info.type == "model" and info.id == "m" and info.display_name == "m"
     assert isinstance(info.created_at, datetime.datetime) and page.has_more is False and page.first_id == "m"
     assert client.models.retrieve("m").id == "m"
+    for raw in (client.models.with_raw_response.list().http_response.json()["data"][0],
+                client.models.with_raw_response.retrieve("m").http_response.json()):  # the SDK's type, strictly
+        got = anthropic.types.ModelInfo.model_validate_json(json.dumps(raw), strict=True)
+        assert got.lifecycle == "active" and got.max_input_tokens == got.max_tokens > 1000, raw
     # the cursor parameters: the page after (or before) the one model is empty, as Anthropic's list pages
     # (a loop that stops on an empty page never stopped); a bad limit or an unknown cursor is a 400
     assert client.models.list(after_id="m").data == [] and client.models.list(before_id="m", limit=5).data == []
