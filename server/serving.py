@@ -530,6 +530,10 @@ def _truncated(state: ServerState, body: Any, prompts: list[tuple[list[int], str
     k = getattr(body, "truncate_prompt_tokens", None)
     if k is None:
         return prompts
+    if k > state.context_length:  # (vLLM refuses it too: no prompt that long can be served)
+        raise ClientError(400, f"truncate_prompt_tokens ({k}) is larger than this model's context length "
+                          f"({state.context_length} tokens); send at most that, or -1 for the context length",
+                          "truncate_prompt_tokens")
     k = state.context_length if k == -1 else k
     tok = state.tokenizer
     assert tok is not None

@@ -400,6 +400,11 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(server, tok):
     assert whole["usage"]["prompt_tokens"] == len(ids)
     assert_error(post(server, "/v1/completions", {**body, "prompt": long, "truncate_prompt_tokens": 0}), 400,
                  "truncate_prompt_tokens", None)
+    context = post(server, "/tokenize", {"prompt": "x"}).json()["max_model_len"]
+    for k in (context + 1, 2**63 - 1):  # more than any servable prompt: refused as vLLM refuses it
+        assert_error(post(server, "/v1/completions", {**body, "prompt": long, "truncate_prompt_tokens": k}), 400,
+                     "truncate_prompt_tokens", None)
+    assert post(server, "/v1/completions", {**body, "prompt": long, "truncate_prompt_tokens": context}).status_code == 200
 
 
 def test_no_stop_string_ends_before_min_tokens(server, tok):
