@@ -770,19 +770,27 @@ def _model_names() -> frozenset[str]:
 
 
 def _object_branch_error(errors: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
-    """The error to tell of a union field (`tool_choice`: a string or an object): for an object sent, the
-    first error inside the object branch (its missing `function`) rather than the string branch's "should be
-    'none', 'auto' or 'required'", which reads as if no object form existed."""
+    """The error to tell of a union field (`tool_choice`: a string or an object; a message's `content`: a
+    string or a list of blocks): for a value of one branch's shape, the first error inside that branch (the
+    object's missing `function`, a block's bad `input`) rather than another branch's "should be a valid
+    string", which reads as if no other form existed."""
     first = errors[0]
     loc = tuple(first.get("loc", ()))
-    if not isinstance(first.get("input"), Mapping) or not loc or not isinstance(loc[-1], str) or "[" not in loc[-1]:
-        return first
     models = _model_names()
+
+    def branch(label: Any) -> bool:  # pydantic's name for a union's branch, in an error's loc
+        return isinstance(label, str) and (label in _SCALAR_BRANCHES or "[" in label or label in models)
+
+    if not loc or not branch(loc[-1]):
+        return first
     for e in errors[1:]:
         at = tuple(e.get("loc", ()))
-        if at[: len(loc) - 1] == loc[:-1] and len(at) > len(loc) and at[len(loc) - 1] in models:
-            return e
+        if at[: len(loc) - 1] == loc[:-1] and len(at) > len(loc) and branch(at[len(loc) - 1]):
+            return e  # the value passed that branch's own type check: the error is inside it
     return first
+
+
+_SCALAR_BRANCHES = ("str", "int", "float", "bool")
 
 
 def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
@@ -811,10 +819,13 @@ def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str,
     models = _model_names()
     parts: list[str] = []
     loc = [*err.get("loc", ()), *(err.get("ctx") or {}).get("path", ())]  # ctx path: where inside the value
-    for p in loc:
+    for i, p in enumerate(loc):
+        union = loc[i - 2] if i >= 2 and isinstance(loc[i - 1], int) else loc[i - 1] if i else None  # (of a list's item)
+        if isinstance(union, str) and "tagged-union[" in union and isinstance(p, str):
+            continue  # the tag's value (a block's "tool_use"), not a field
         if isinstance(p, int):
             parts.append(f"[{p}]")
-        elif p != "body" and not ("[" in p or p in ("str", "int", "float", "bool") or p in models):
+        elif p != "body" and not ("[" in p or p in _SCALAR_BRANCHES or p in models):
             parts.append(str(p))
     param = ".".join(parts) or None
     msg = str(err.get("msg", "invalid value"))

@@ -137,7 +137,7 @@ OUT_OF_RANGE = [
     ("completion", "max_tokens", -3, "max_tokens"),
     ("chat", "min_tokens", -1, "min_tokens"),
     ("chat", "stop", ["s"] * 17, "stop"),
-    ("chat", "stop", [1, 2], "stop"),
+    ("chat", "stop", [1, 2], "stop.[0]"),  # the list branch's item, not "should be a string"
     ("completion", "seed", 2**64, "seed"),
     ("chat", "seed", 2**63, "seed"),  # int64, as vLLM takes it (2^63 and -2^63 drew alike)
     ("completion", "seed", -(2**63) - 1, "seed"),
@@ -195,6 +195,21 @@ def test_out_of_range_fails_naming_the_field(kind: str, field: str, value: objec
     got, message = _param_of_error(cls, {**base, field: value})
     assert got == param, message
     assert param in message
+
+
+def test_a_union_value_is_told_by_the_branch_of_its_shape() -> None:
+    """A list sent for `str | list[...]` is told by its bad item, not by the string branch ("Input should be a
+    valid string", naming the whole field, read as if no list were allowed); a tagged block's tag is no field."""
+    from server.messages_api import MessagesRequest
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": "x"}]}]}
+    param, message = _param_of_error(MessagesRequest, body)
+    assert param == "messages.[1].content.[0].input" and "dictionary" in message, message
+    param, message = _param_of_error(ChatCompletionRequest, {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text"}]}]})
+    assert param == "messages.[0].content.[0].text" and "required" in message, message
+    # a value of no branch's shape is still told by the first branch
+    assert _param_of_error(ChatCompletionRequest, {**CHAT, "stop": 5})[0] == "stop"
 
 
 def test_cross_field_errors_name_the_field() -> None:
