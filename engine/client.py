@@ -151,6 +151,8 @@ class EngineClient:
         self._loop = loop
         self._streams: dict[str, _Stream] = {}
         self._stats_waiters: dict[int, asyncio.Future] = {}
+        # the engine's latest stats, whether asked for (on time or late) or pushed between long steps
+        self.latest_stats: EngineStats | None = None
         self._next_stats_id = 0
         self._info: EngineInfo | None = None
         self._ready: asyncio.Future = loop.create_future()  # -> the EngineInfo of EngineReady
@@ -386,6 +388,7 @@ class EngineClient:
                 if stream is not None:  # else: a late output of a request that was aborted
                     stream.queue.put_nowait(out)
         elif isinstance(msg, Stats):
+            self.latest_stats = msg.stats
             future = self._stats_waiters.pop(msg.stats.request_id, None)
             if future is not None and not future.done():
                 future.set_result(msg.stats)

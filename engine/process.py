@@ -4,7 +4,8 @@
         GenerateRequest | AbortRequest | StatsRequest | Shutdown   ──▶
         ◀──  EngineReady(EngineInfo) | StartupError               once, at start-up
         ◀──  Outputs([RequestOutput, ...])                         one message per loop iteration
-        ◀──  Stats(EngineStats)                                    answer to a StatsRequest
+        ◀──  Stats(EngineStats)                                    answer to a StatsRequest, or unasked
+                                                                   (request_id 0) each STATS_PUSH_S of steps
         ◀──  Fatal(reason)                                         last words after a crash
         ◀──  Alive                                                 when nothing else was sent for ALIVE_S
 
@@ -88,6 +89,9 @@ LOCKSTEP_POLL_S = 0.02  # the same under DP attention, where an idle replica hol
 STUCK_S = 2.0  # a step running this long while the core reports a failure is stuck: report and exit
 WATCH_S = 0.25  # how often the watchdog looks at the running step
 ALIVE_S = 5.0  # the watchdog sends Alive when nothing else was sent for this long
+# while steps run the stats go to the server unasked this often: a StatsRequest waits for the step to end (a
+# long prefill on a CPU: seconds), and a scrape that could not wait showed the previous scrape's late answer
+STATS_PUSH_S = 1.0
 PEER_EXIT_WAIT_S = 1.0  # after a collective lost a peer, how long the ranks' account may take (_EngineLoop._cause)
 # gloo's words for a peer's connection gone (a rank killed or its node down), in the error a collective raises
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed", "Read error",
@@ -221,6 +225,7 @@ class _EngineLoop:
         self.send_lock = threading.Lock()  # the loop and the watchdog both may send the last words
         self.fatal_sent = False
         self.last_sent = time.monotonic()  # when a message last went to the server (the watchdog's Alive)
+        self.stats_sent = time.monotonic()  # when the core's stats last went (asked for or pushed)
 
     def run(self, args: EngineArgs) -> int:
         try:
@@ -273,12 +278,13 @@ class _EngineLoop:
                     if together is None or code != EXIT_OK:
                         return code
                     stopping = True
+                stepped = together is not None or self.core.has_work()
                 if together is not None:
                     self.step_since = time.monotonic()
                     outs, stop = together(stopping)
                     self.step_since = None
                     self.outbox.extend(outs)
-                elif self.core.has_work():
+                elif stepped:
                     self.step_since = time.monotonic()
                     self.outbox.extend(self.core.step())
                     self.step_since = None
@@ -287,6 +293,8 @@ class _EngineLoop:
                     self._track(outs)
                     if not self._send(Outputs(outs)):
                         return EXIT_PARENT_GONE
+                if stepped and time.monotonic() - self.stats_sent >= STATS_PUSH_S and not self._send_stats(0):
+                    return EXIT_PARENT_GONE
                 if stop:
                     return EXIT_OK
         except Exception as exc:
@@ -339,14 +347,19 @@ class _EngineLoop:
             ended = {o.index for o in outs if o.rid == msg.rid and o.finished}
             self.outbox.extend(pending.final(msg.rid, i, FINISH_ABORT) for i in sorted(which - ended))
         elif isinstance(msg, StatsRequest):
-            stats = msgspec.structs.replace(core.stats(), request_id=msg.request_id)
-            if not self._send(Stats(stats)):
+            if not self._send_stats(msg.request_id):
                 return EXIT_PARENT_GONE
         elif isinstance(msg, Shutdown):
             n = len(self.pending)
             logger.info("engine core shutting down (%d request%s pending)", n, "" if n == 1 else "s")
             return EXIT_OK
         return None
+
+    def _send_stats(self, request_id: int) -> bool:
+        """The core's stats, answering StatsRequest `request_id` (0: unasked); False when the server is gone."""
+        assert self.core is not None
+        self.stats_sent = time.monotonic()
+        return self._send(Stats(msgspec.structs.replace(self.core.stats(), request_id=request_id)))
 
     def _track(self, outs: list[RequestOutput]) -> None:
         """Forgets completions that have ended, so a crash or an abort only ends what is still open."""

@@ -179,7 +179,6 @@ class EngineReplicas:
         self.router = router or PrefixRouter(len(clients))
         self.routed = [0] * len(clients)  # engine requests sent to each replica
         self._replica_of: dict[str, int] = {}  # rid -> replica, while its stream is open
-        self._last_stats: list[EngineStats] = [EngineStats() for _ in clients]
 
     # ---- life cycle ---------------------------------------------------------------------------
 
@@ -277,26 +276,21 @@ class EngineReplicas:
     async def stats(self, timeout: float | None = None) -> EngineStats:
         """The replicas' stats summed (a dead replica: its last totals). An engine answers between its
         steps, so one inside a long step (a big prefill on a CPU: seconds) that has not answered within
-        `timeout` counts with its last answer; its late reply still becomes the last answer. RuntimeError
-        when all are dead."""
+        `timeout` counts with the latest stats it sent: those it pushes unasked each second of steps
+        (`engine.process.STATS_PUSH_S`), or a late answer. RuntimeError when all are dead."""
         if not self.any_alive:
             raise RuntimeError(self.clients[0].dead_reason or "the engine is not running")
-        live = [i for i, c in enumerate(self.clients) if c.is_alive]
-        asks = {i: asyncio.ensure_future(self.clients[i].stats()) for i in live}
-        for i, ask in asks.items():
-            ask.add_done_callback(lambda done, i=i: self._keep_stats(i, done))
-        await asyncio.wait(asks.values(), timeout=timeout)
-        for ask in asks.values():
+        asks = [asyncio.ensure_future(c.stats()) for c in self.clients if c.is_alive]
+        for ask in asks:  # a late one's error (the engine died meanwhile) is looked at, not logged as lost
+            ask.add_done_callback(lambda done: done.cancelled() or done.exception())
+        await asyncio.wait(asks, timeout=timeout)
+        for ask in asks:
             if ask.done() and not ask.cancelled():
                 error = ask.exception()
                 if error is not None and not isinstance(error, RuntimeError):  # RuntimeError: died meanwhile
                     raise error
-        return sum_stats([s if c.is_alive else _as_counters(s) for c, s in zip(self.clients, self._last_stats)])
-
-    def _keep_stats(self, i: int, ask: asyncio.Future) -> None:
-        """Replica i's stats reply (on time or late) is its last answer; a failed ask leaves the last one."""
-        if not ask.cancelled() and ask.exception() is None:
-            self._last_stats[i] = ask.result()
+        latest = [c.latest_stats or EngineStats() for c in self.clients]
+        return sum_stats([s if c.is_alive else _as_counters(s) for c, s in zip(self.clients, latest)])
 
     # ---- state --------------------------------------------------------------------------------
 

@@ -48,7 +48,7 @@ logger = logging.getLogger("mlaserve.server")
 
 MIN_BODY_LIMIT = 1 << 20  # bytes: the derived limit never goes below this
 BODY_BYTES_PER_CONTEXT_TOKEN = 16  # a token is ~4 bytes of text, more as JSON-escaped text or as ids
-STATS_WAIT_S = 0.5  # /metrics waits this long for the engine's current stats, then takes its last ones
+STATS_WAIT_S = 0.5  # /metrics waits this long for the engine's current stats, then takes the latest it sent
 
 
 def from_anthropic_client(scope: Scope) -> bool:
@@ -328,7 +328,7 @@ def build_app(state: ServerState, max_request_bytes: int | None = None, allowed_
         if engine is not None:
             state.metrics.update_replicas(engine.alive, engine.routed)
             if engine.any_alive:
-                try:  # an engine inside a long step answers after it: its last answer meanwhile, no stall
+                try:  # an engine inside a long step answers after it: the latest stats it sent meanwhile, no stall
                     state.metrics.update_engine(await engine.stats(timeout=STATS_WAIT_S))
                 except Exception:  # a dying engine must not break the scrape
                     logger.warning("engine stats unavailable for /metrics")

@@ -294,8 +294,9 @@ def test_stats_round_trip_with_concurrent_calls(client, loop, rng):
 
     replies = run(loop, go())
     calls = [r.finished_total["stats_calls"] for r in replies]
-    # sent in this order over one pipe, so each caller must get the reply to its own request
-    assert calls == list(range(calls[0], calls[0] + 25))
+    # sent in this order over one pipe, so each caller must get the reply to its own request (the engine may
+    # push its stats unasked between them)
+    assert calls == sorted(set(calls)) and len(calls) == 25
     assert len({r.request_id for r in replies}) == 25
     assert all(isinstance(r, EngineStats) and 0 <= r.num_running <= 5 for r in replies)
 
