@@ -287,7 +287,8 @@ class MoE:
         """Checks that every expert is set."""
         self._op.finalize()
 
-    def _args(self, hidden, topk_ids, topk_weights, out, check_values: bool = True) -> tuple:
+    def _args(self, hidden, topk_ids, topk_weights, out, check_values: bool = True, any_k: bool = False) -> tuple:
+        """The checked arguments; `any_k`: each token may bring 1..top_k experts (an all-to-all's pairs: one)."""
         hidden = _check_tensor("hidden", hidden, 2)
         if hidden.dtype not in (torch.bfloat16, torch.float32):
             raise TypeError(f"hidden must be bfloat16 or float32, got {hidden.dtype}")
@@ -297,13 +298,14 @@ class MoE:
         topk_ids = _check_tensor("topk_ids", topk_ids, 2)
         if topk_ids.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-        if tuple(topk_ids.shape) != (T, self.top_k):
-            raise ValueError(f"topk_ids must be [{T}, {self.top_k}], got {tuple(topk_ids.shape)}")
+        k = topk_ids.shape[1] if any_k and 1 <= topk_ids.shape[1] <= self.top_k else self.top_k
+        if tuple(topk_ids.shape) != (T, k):
+            raise ValueError(f"topk_ids must be [{T}, {'1..' if any_k else ''}{self.top_k}], got {tuple(topk_ids.shape)}")
         topk_weights = _check_tensor("topk_weights", topk_weights, 2)
         if topk_weights.dtype != torch.float32:
             raise TypeError(f"topk_weights must be float32, got {topk_weights.dtype}")
-        if tuple(topk_weights.shape) != (T, self.top_k):
-            raise ValueError(f"topk_weights must be [{T}, {self.top_k}], got {tuple(topk_weights.shape)}")
+        if tuple(topk_weights.shape) != (T, k):
+            raise ValueError(f"topk_weights must be [{T}, {k}], got {tuple(topk_weights.shape)}")
         if topk_ids.dtype == torch.int64:
             if not check_values:
                 raise TypeError("topk_ids of a host task must be int32 (its contents change after binding)")
@@ -321,12 +323,13 @@ class MoE:
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """out[t] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]); [T, H] in hidden's dtype."""
+        """out[t] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]); [T, H] in hidden's dtype.
+        topk_ids and topk_weights are [T, k], k from 1 to top_k."""
         if self._pending is not None:
             raise RuntimeError("forward() called while a submit() is pending; call sync() first")
-        h, ids, w, out = self._args(hidden, topk_ids, topk_weights, out)
+        h, ids, w, out = self._args(hidden, topk_ids, topk_weights, out, any_k=True)
         bf = h.dtype == torch.bfloat16
-        self._op.forward(h.data_ptr(), bf, h.shape[0], ids.data_ptr(), w.data_ptr(), out.data_ptr(), bf)
+        self._op.forward(h.data_ptr(), bf, h.shape[0], ids.data_ptr(), w.data_ptr(), out.data_ptr(), bf, ids.shape[1])
         return out
 
     __call__ = forward
@@ -337,9 +340,9 @@ class MoE:
         The tensors must not be modified until sync() returns."""
         if self._pending is not None:
             raise RuntimeError("submit() called while a previous submit() is pending; call sync() first")
-        h, ids, w, out = self._args(hidden, topk_ids, topk_weights, out)
+        h, ids, w, out = self._args(hidden, topk_ids, topk_weights, out, any_k=True)
         bf = h.dtype == torch.bfloat16
-        self._op.submit(h.data_ptr(), bf, h.shape[0], ids.data_ptr(), w.data_ptr(), out.data_ptr(), bf)
+        self._op.submit(h.data_ptr(), bf, h.shape[0], ids.data_ptr(), w.data_ptr(), out.data_ptr(), bf, ids.shape[1])
         self._pending = (h, ids, w, out)  # keeps the buffers alive while the native side uses them
 
     def sync(self) -> torch.Tensor:

@@ -32,8 +32,9 @@ const T* ptr(uintptr_t p) {
 }
 
 cpx::Job make_job(uintptr_t hidden, bool hidden_bf16, int tokens, uintptr_t ids, uintptr_t weights,
-                  uintptr_t out, bool out_bf16) {
+                  uintptr_t out, bool out_bf16, int k = 0) {
   cpx::Job j;
+  j.k = k;
   j.hidden = reinterpret_cast<const void*>(hidden);
   j.hidden_bf16 = hidden_bf16;
   j.tokens = tokens;
@@ -157,15 +158,17 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("formats", &MoE::formats)
       .def_property_readonly("host_failures", &MoE::host_failures)
       .def("forward",
-           [](MoE& self, uintptr_t h, bool hb, int t, uintptr_t ids, uintptr_t w, uintptr_t out, bool ob) {
-             self.forward(make_job(h, hb, t, ids, w, out, ob));
+           [](MoE& self, uintptr_t h, bool hb, int t, uintptr_t ids, uintptr_t w, uintptr_t out, bool ob, int k) {
+             self.forward(make_job(h, hb, t, ids, w, out, ob, k));
            },
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("hidden"), py::arg("hidden_bf16"), py::arg("tokens"), py::arg("ids"), py::arg("weights"),
+           py::arg("out"), py::arg("out_bf16"), py::arg("k") = 0, py::call_guard<py::gil_scoped_release>())
       .def("submit",
-           [](MoE& self, uintptr_t h, bool hb, int t, uintptr_t ids, uintptr_t w, uintptr_t out, bool ob) {
-             self.submit(make_job(h, hb, t, ids, w, out, ob));
+           [](MoE& self, uintptr_t h, bool hb, int t, uintptr_t ids, uintptr_t w, uintptr_t out, bool ob, int k) {
+             self.submit(make_job(h, hb, t, ids, w, out, ob, k));
            },
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("hidden"), py::arg("hidden_bf16"), py::arg("tokens"), py::arg("ids"), py::arg("weights"),
+           py::arg("out"), py::arg("out_bf16"), py::arg("k") = 0, py::call_guard<py::gil_scoped_release>())
       .def("sync", &MoE::sync, py::call_guard<py::gil_scoped_release>());
   // A dense layer on GGUF blocks (quant_linear.h); packs its weights once, in the constructor.
   py::class_<QuantLinear, std::shared_ptr<QuantLinear>>(m, "QuantLinear")

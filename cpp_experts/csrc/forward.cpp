@@ -20,7 +20,8 @@ constexpr int kRowChunk = 8;  // rows per task of the activation copy (slots) an
 }  // namespace
 
 void MoE::compute(const Job& job) {
-  const int T = job.tokens, S = T * K_;
+  const int K = job.k ? job.k : K_;  // (validated)
+  const int T = job.tokens, S = T * K;
   if (T == 0) return;
   Pool& pool = *pool_;
 
@@ -35,7 +36,7 @@ void MoE::compute(const Job& job) {
     std::vector<int> fill(offset_.begin(), offset_.end() - 1);
     for (int s = 0; s < S; ++s) {
       const int slot = fill[size_t(job.ids[s])]++;
-      slot_tok_[size_t(slot)] = s / K_;
+      slot_tok_[size_t(slot)] = s / K;
       slot_w_[size_t(slot)] = job.weights[s];
     }
   }
@@ -45,7 +46,7 @@ void MoE::compute(const Job& job) {
     std::vector<int> filled(size_t(T), 0);
     for (int s = 0; s < S; ++s) {
       const int t = slot_tok_[size_t(s)];
-      tok_slots_[size_t(t) * K_ + size_t(filled[size_t(t)]++)] = s;
+      tok_slots_[size_t(t) * K + size_t(filled[size_t(t)]++)] = s;
     }
   }
 
@@ -98,8 +99,8 @@ void MoE::compute(const Job& job) {
     for (int t = task * kRowChunk; t < std::min(T, (task + 1) * kRowChunk); ++t) {
       float* dst = acc + size_t(t) * H_;
       std::fill(dst, dst + H_, 0.0f);
-      for (int k = 0; k < K_; ++k) {
-        const int s = tok_slots_[size_t(t) * K_ + size_t(k)];
+      for (int k = 0; k < K; ++k) {
+        const int s = tok_slots_[size_t(t) * K + size_t(k)];
         const float w = slot_w_[size_t(s)];
         const float* src = xs_.data() + size_t(s) * H_;
         for (int i = 0; i < H_; ++i) dst[i] += w * src[i];

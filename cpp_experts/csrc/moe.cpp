@@ -100,14 +100,17 @@ void MoE::validate(const Job& job) const {
   if (!finalized_) throw ArgError("finalize() must be called after loading the experts and before forward");
   if (!pool_) throw std::runtime_error("no worker pool is bound to this operator (bind one first)");
   if (pool_->closed()) throw std::runtime_error("the worker pool bound to this operator was closed");
-  const size_t n = size_t(job.tokens) * K_;
+  if (job.k < 0 || job.k > K_)
+    throw ArgError("k (" + std::to_string(job.k) + ") must be from 1 to top_k (" + std::to_string(K_) + ")");
+  const int K = job.k ? job.k : K_;
+  const size_t n = size_t(job.tokens) * K;
   for (size_t i = 0; i < n; ++i) {
     const int32_t id = job.ids[i];
     if (id < 0 || id >= E_)
-      throw ArgError("topk_ids[" + std::to_string(i / K_) + ", " + std::to_string(i % K_) + "] = " +
+      throw ArgError("topk_ids[" + std::to_string(i / K) + ", " + std::to_string(i % K) + "] = " +
                      std::to_string(id) + " is out of range [0, " + std::to_string(E_) + ")");
     if (!std::isfinite(job.weights[i]))
-      throw ArgError("topk_weights[" + std::to_string(i / K_) + ", " + std::to_string(i % K_) + "] is not finite");
+      throw ArgError("topk_weights[" + std::to_string(i / K) + ", " + std::to_string(i % K) + "] is not finite");
   }
 }
 

@@ -28,8 +28,9 @@ struct Job {
   const void* hidden = nullptr;
   bool hidden_bf16 = false;
   int tokens = 0;
-  const int32_t* ids = nullptr;  // [T][K]
-  const float* weights = nullptr;  // [T][K]
+  int k = 0;                      // experts a token: 1..top_k (0: top_k); an all-to-all sends one a row
+  const int32_t* ids = nullptr;  // [T][k]
+  const float* weights = nullptr;  // [T][k]
   void* out = nullptr;            // [T][H]
   bool out_bf16 = false;
 };

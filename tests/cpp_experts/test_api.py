@@ -90,7 +90,9 @@ def test_bad_inputs_raise(moe: cpp_experts.MoE) -> None:
         (TypeError, "bfloat16 or float32", (x.double(), ids, w)),
         (TypeError, "torch.Tensor", (x.numpy(), ids, w)),
         (ValueError, "contiguous", (torch.randn(H, 4).T, ids, w)),
-        (ValueError, "topk_ids must be \\[4, 6\\]", (x, ids[:, :5].contiguous(), w)),
+        (ValueError, "topk_ids must be \\[4, 1..6\\]", (x, torch.cat([ids, ids[:, :1]], 1), w)),  # k > top_k
+        (ValueError, "topk_ids must be \\[4, 1..6\\]", (x, ids[:0, :0], w)),  # no expert a token
+        (ValueError, "topk_weights must be \\[4, 5\\]", (x, ids[:, :5].contiguous(), w)),  # k = 5 but 6 weights
         (TypeError, "int32 or int64", (x, ids.float(), w)),
         (ValueError, "contiguous", (x, ids.T.contiguous().T, w)),
         (TypeError, "topk_weights must be float32", (x, ids, w.double())),
@@ -116,6 +118,26 @@ def test_bad_inputs_raise(moe: cpp_experts.MoE) -> None:
         moe.forward(x, ids, w, out=torch.empty(4, H, dtype=torch.bfloat16))
     # still works after all that
     assert torch.isfinite(moe.forward(x, ids, w)).all()
+
+
+def test_fewer_experts_a_token_than_top_k(ex: Experts, moe: cpp_experts.MoE) -> None:
+    """An all-to-all sends each (token, expert) pair as its own row (--dp-attention --ep): [T, k] routing with
+    k from 1 to top_k, as the reference computes it, and k = 1 over the pairs of [T, top_k] routing gives
+    each pair's term (they sum to the whole forward's output)."""
+    T = 24
+    hidden = torch.randn(T, H)
+    ids, w = routing(T, E, K, "uniform", seed=7)
+    for k in range(1, K + 1):
+        part_ids, part_w = ids[:, :k].contiguous(), w[:, :k].contiguous()
+        got = moe.forward(hidden, part_ids, part_w)
+        ref = reference(ex, hidden, part_ids, part_w, quant_acts=False)
+        assert ((got - ref).norm() / ref.norm()).item() < 8e-3, k
+    pairs = moe.forward(hidden.repeat_interleave(K, 0), ids.reshape(-1, 1), w.reshape(-1, 1))
+    whole = moe.forward(hidden, ids, w)
+    torch.testing.assert_close(pairs.reshape(T, K, H).sum(1), whole, rtol=1e-4, atol=1e-4)
+    moe.submit(hidden, ids[:, :1].contiguous(), w[:, :1].contiguous())
+    torch.testing.assert_close(moe.sync(), moe.forward(hidden, ids[:, :1].contiguous(), w[:, :1].contiguous()),
+                               rtol=0, atol=0)
 
 
 def test_bad_construction_and_loading() -> None:
