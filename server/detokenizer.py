@@ -46,6 +46,7 @@ suffix.
 from __future__ import annotations
 
 import codecs
+import os
 from collections.abc import Sequence
 
 from tokenizers import decoders
@@ -55,7 +56,7 @@ from models.loader.tokenizer import TokenizerBundle
 REPLACEMENT = "\ufffd"  # what decoders put where bytes are not (yet) a valid UTF-8 character
 MAX_HELD_TOKENS = 8  # held tokens before we look for a sealed boundary (a character is <= 4 bytes)
 PROMPT_CONTEXT_TOKENS = 5  # prompt ids kept as decoding context when `prompt_ids` is given
-MAX_PROMPT_BYTE_RUN = 256  # prompt byte-fallback tokens looked past for that context (a longer run: none)
+MAX_PROMPT_BYTE_RUN = 4096  # prompt byte-fallback tokens looked past for that context (a longer run: none)
 
 
 class IncrementalDetokenizer:
@@ -81,8 +82,10 @@ class IncrementalDetokenizer:
         end, lowest = len(prompt_ids), max(0, len(prompt_ids) - MAX_PROMPT_BYTE_RUN)
         while end > lowest and tokenizer.is_byte_fallback(prompt_ids[end - 1]):
             end -= 1
-        self._ids: list[int] = [*prompt_ids[max(0, end - PROMPT_CONTEXT_TOKENS):end],
-                                *_unfinished_tail(list(prompt_ids[end:]), tokenizer)]
+        before: Sequence[int] = ()
+        if end and not tokenizer.is_byte_fallback(prompt_ids[end - 1]):  # (a longer run: no context before it)
+            before = prompt_ids[max(0, end - PROMPT_CONTEXT_TOKENS):end]
+        self._ids: list[int] = [*before, *_unfinished_tail(list(prompt_ids[end:]), tokenizer)]
         self._prefix = 0  # window start: a sealed position; everything before it was sent
         self._read = len(self._ids)  # sealed; the window's text up to here was sent
         self._sent = len(self._decode(0, self._read))  # characters of the window's text already sent
@@ -90,12 +93,13 @@ class IncrementalDetokenizer:
         # with the completion's, as generated ones would be; a character the completion's bytes finish is the
         # completion's, while the prompt's U+FFFD stay the prompt's when they do not (`_settle`)
         self._unfinished: str | None = None  # the prompt's text, ending in its U+FFFD, until that is known
+        self._prompt_end = self._read  # where the completion's ids begin in the window
         context = self._decode(0)
         if context.endswith(REPLACEMENT):
-            for q in range(self._read - 1, max(-1, self._read - 4), -1):  # <= 3 bytes of a 4-byte character
-                if not self._decode(0, q).endswith(REPLACEMENT):
-                    self._read, self._sent, self._unfinished = q, len(context.rstrip(REPLACEMENT)), context
-                    break
+            q = _pending_start(self._ids, tokenizer)
+            if q is not None:
+                # nothing past the prompt's text is sent until `_settle` knows whose its U+FFFD are
+                self._read, self._sent, self._unfinished = q, len(context.rstrip(REPLACEMENT)), context
 
     def shows(self, token_id: int) -> bool:
         """Whether this id's own text can appear in the output (special tokens are skipped unless asked for)."""
@@ -112,7 +116,7 @@ class IncrementalDetokenizer:
         self._ids.extend(ids)
         text = self._decode(self._prefix)
         held = len(self._ids) - self._read
-        self._settle(text, final=held > MAX_HELD_TOKENS)  # a character is <= 4 bytes: held longer, it is not one
+        self._settle(final=False)
         if text.endswith(REPLACEMENT):  # the last character may be incomplete
             if held <= MAX_HELD_TOKENS:
                 return self._send_upto(text, len(text.rstrip(REPLACEMENT)))
@@ -123,21 +127,31 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Everything still held; call once when the completion ends."""
-        text = self._decode(self._prefix)
-        self._settle(text, final=True)
-        return self._send_and_move(text, len(self._ids))
+        self._settle(final=True)
+        return self._send_and_move(self._decode(self._prefix), len(self._ids))
 
-    def _settle(self, text: str, final: bool) -> None:
-        """Whose the U+FFFD of a prompt cut inside a character are, once the window's `text` tells: the
-        completion's bytes finished the character (the text no longer begins with the prompt's), or they did
-        not (text past them, or the completion ended) and they stay the prompt's, already sent with it: the
-        completion's text is the one its ids add after the prompt's, as a full decode of both has it."""
+    def _settle(self, final: bool) -> None:
+        """Whose the U+FFFD of a prompt cut inside a character are, once the completion's first ids tell (a
+        character has at most 3 bytes more, so at most 3 ids): its bytes finished the character (the text no
+        longer begins with the prompt's; the character and what follows are the completion's), or they did
+        not (text past the prompt's U+FFFD, 3 ids seen, or the completion ended) and the U+FFFD stay the
+        prompt's, already sent with it: the completion's text is then the one its ids add after the prompt's,
+        as a full decode of both has it. Only the first ids are decoded: later invalid bytes in a SentencePiece
+        run would turn the whole run, the finished character too, into U+FFFD."""
         if self._unfinished is None:
             return
-        if not text.startswith(self._unfinished):
-            self._unfinished = None
-        elif final or len(text.rstrip(REPLACEMENT)) > len(self._unfinished):
-            self._sent, self._unfinished = max(self._sent, len(self._unfinished)), None
+        came = len(self._ids) - self._prompt_end
+        for j in range(1, min(came, 3) + 1):
+            text = self._decode(0, self._prompt_end + j)
+            if not text.startswith(self._unfinished):  # finished: sent from where the two texts part
+                self._sent, self._unfinished = len(os.path.commonprefix([self._unfinished, text])), None
+                return
+            if len(text.rstrip(REPLACEMENT)) > len(self._unfinished):
+                break
+        else:
+            if came < 3 and not final:
+                return
+        self._sent, self._unfinished = max(self._sent, len(self._unfinished)), None
 
     def _send_upto(self, text: str, end: int) -> str:
         delta = text[self._sent:end]
@@ -178,6 +192,24 @@ def _unfinished_tail(run: list[int], tokenizer: TokenizerBundle) -> list[int]:
     decoder.decode(bytes(int(tokenizer.tokenizer.id_to_token(i)[3:5], 16) for i in run))  # one byte a token
     pending = len(decoder.getstate()[0])  # the bytes it holds for the rest of a character
     return run[len(run) - pending:] if pending else []
+
+
+def _pending_start(ids: list[int], tokenizer: TokenizerBundle) -> int | None:
+    """The token in which the character `ids` leave unfinished begins (the UTF-8 decoder's pending bytes; the
+    token may hold bytes before them), or None when none is pending or it began more than 3 tokens back (a cut
+    inside a character leaves at most 3 of its bytes)."""
+    data = [tokenizer.token_bytes(i) for i in ids]
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(b"".join(data))
+    pending = len(decoder.getstate()[0])
+    if not pending:
+        return None
+    q, seen = len(ids), sum(map(len, data))
+    begins = seen - pending  # its byte offset
+    while q > 0 and seen > begins:
+        q -= 1
+        seen -= len(data[q])
+    return q if len(ids) - q <= 3 else None
 
 
 class StopStringMatcher:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import os
 import random
 from collections.abc import Sequence
 
@@ -277,9 +278,10 @@ def test_a_prompt_cut_inside_a_character_gives_it_to_the_completion(any_tok: Tok
 
 def _added(tok: TokenizerBundle, prompt: Sequence[int], ids: Sequence[int]) -> str:
     """The text `ids` add after `prompt`, by full decodes (vLLM's `DecodeStream` reading): what follows the
-    prompt's text, or, where the ids finish a character the prompt's text ends unfinished, that character on."""
+    prompt's text where the two part, which is where it ends, or, where the ids finish a character the prompt
+    ends unfinished (its U+FFFD), where that character begins."""
     before, after = tok.decode(list(prompt)), tok.decode([*prompt, *ids])
-    return after[len(before):] if after.startswith(before) else after[len(before.rstrip("\ufffd")):]
+    return after[len(os.path.commonprefix([before, after])):]
 
 
 def test_a_prompt_ending_in_bytes_that_begin_no_character_keeps_them(any_tok: TokenizerBundle) -> None:
@@ -300,14 +302,58 @@ def test_a_prompt_ending_in_bytes_that_begin_no_character_keeps_them(any_tok: To
         assert "".join(_stream(any_tok, [], prompt_ids=prompt)) == ""
 
 
+def test_a_character_the_completion_finishes_is_found_past_invalid_bytes_and_a_cut_context(
+        byte_level: TokenizerBundle) -> None:
+    """The character a prompt leaves unfinished is found by its bytes: after a stray byte of the prompt (whose
+    U+FFFD is the prompt's: it came out again with the finished character), and when the few context ids
+    begin inside another character (no boundary without U+FFFD was found, and the character was lost)."""
+    byte_ids = _byte_token_ids(byte_level)
+    head = byte_level.encode("Hi", add_special_tokens=False)
+    smile = "\U0001F600".encode()
+    for before in (b"\xbf", b"\xf0", b"\xe4\xbf", "\U00010348".encode(), "\U00010348\u00e9".encode(), b""):
+        prompt = head + [byte_ids[b] for b in before + smile[:3]]
+        for ids in ([byte_ids[smile[3]]], [byte_ids[smile[3]], *byte_level.encode(" ok", add_special_tokens=False)],
+                    byte_level.encode("ok", add_special_tokens=False)):
+            want = _added(byte_level, prompt, ids)
+            assert want.startswith("\U0001F600" if ids[0] == byte_ids[smile[3]] else "ok"), (before, want)
+            for rng in (None, random.Random(len(before))):
+                assert "".join(_stream(byte_level, ids, rng, prompt_ids=prompt)) == want, (before, ids)
+    # real text cut at every token: the rest adds what a full decode of both adds
+    rng = random.Random(11)
+    chars = ["\U0001F31F", "\U0001F600", "\u4e16", "\u00e9", " ", "a", "\U0001F44D\U0001F3FD", "\u0436", "\U00010348"]
+    for _ in range(60):
+        ids = byte_level.encode("".join(rng.choice(chars) for _ in range(rng.randrange(2, 10))), add_special_tokens=False)
+        for k in range(1, len(ids)):
+            assert "".join(_stream(byte_level, ids[k:], rng, prompt_ids=ids[:k])) == _added(byte_level, ids[:k], ids[k:])
+
+
+def test_sentencepiece_chunks_keep_the_character_a_completion_finishes(spm: TokenizerBundle) -> None:
+    """Ids in chunks: a SentencePiece run holding the finished character and a later unfinished one decodes to
+    U+FFFD whole, which read as the character not finished once many ids were held (it was lost)."""
+    byte_ids = _byte_token_ids(spm)
+    prompt = spm.encode("Q:", add_special_tokens=True) + [byte_ids[0xC3]]
+    rest = [byte_ids[b] for b in "\u00e9\u0436\n\u4e16\u00e9\n".encode()[1:]]
+    want = _added(spm, prompt, rest)
+    assert want.startswith("\u00e9\u0436")
+    for chunks in ([5, 1, 2, 1, 5], [1] * len(rest), [len(rest)], [9, 5]):
+        det, got, i = IncrementalDetokenizer(spm, prompt_ids=prompt), [], 0
+        for n in chunks:
+            got.append(det.add(rest[i:i + n]))
+            i += n
+        assert "".join(got) + det.flush() == want, chunks
+
+
 def test_a_long_byte_run_ending_the_prompt_keeps_the_next_space(spm: TokenizerBundle) -> None:
     """A prompt ending in more byte-fallback tokens than the context holds (two emoji: 8) left the context
     empty, and the SentencePiece decode stripped the first generated word's space."""
     ids = spm.encode("Hello", add_special_tokens=False)  # "▁Hello"
-    for text in ("I love \U0001F600\U0001F600", "Hi \U0001F44D\U0001F3FD", "x \u4e16\u754c\U0001F31F"):
+    for text in ("I love \U0001F600\U0001F600", "Hi \U0001F44D\U0001F3FD", "x \u4e16\u754c\U0001F31F",
+                 "Hi " + "\u4e16" * 90):  # (270 bytes: past the old bound, whose context began inside the run)
         prompt = spm.encode(text, add_special_tokens=True)
         assert sum(map(spm.is_byte_fallback, prompt)) > PROMPT_CONTEXT_TOKENS
         assert "".join(_stream(spm, ids, prompt_ids=prompt)) == _added(spm, prompt, ids) == " Hello"
+        world = [_byte_token_ids(spm)[b] for b in "\u754c".encode()]  # its run: apart from the prompt's
+        assert "".join(_stream(spm, world, prompt_ids=prompt)) == "\u754c"
 
 
 def test_a_prompt_cut_inside_a_real_token_keeps_its_whole_characters(byte_level: TokenizerBundle) -> None:
