@@ -182,7 +182,7 @@ class ServerHttpProtocol(HttpToolsProtocol):
         """A request has begun (headers or body under way) and nothing answers it yet: no handler runs for
         it, or the one waiting on its body has sent nothing, and no earlier answer is still going out. An
         error of ours may then be written on the connection, which closes after it."""
-        if self.transport.is_closing() or self._reading == WHOLE or self.pipeline:
+        if self.transport.is_closing() or self._lingering or self._reading == WHOLE or self.pipeline:
             return False
         if self._reading == HEAD:
             return self._begun and not self._answering()
@@ -194,6 +194,9 @@ class ServerHttpProtocol(HttpToolsProtocol):
         414 (its URL) or a 431."""
         if self._head_too_large:
             self._refuse_large_head()
+            return
+        if self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete:
+            self._close_when_read()  # garbage after a request whose answer is going out: a 400 would land inside it
             return
         self._write_error(b"400 Bad Request", "the request is not valid HTTP/1.1 (its request line, headers or "
                           "chunked framing could not be parsed)", "invalid_http")
@@ -238,6 +241,10 @@ class ServerHttpProtocol(HttpToolsProtocol):
         and the connection closes when the client closes it or after `LINGER_S`."""
         self._lingering = True
         self._disarm()
+        self.pipeline.clear()  # requests read after this one are not answered: the connection ends
+        if self.cycle is not None and not self.cycle.response_complete:  # its handler's answer goes nowhere
+            self.cycle.disconnected = True  # (as after a close: its writes are dropped, its reads see the end)
+            self.cycle.message_event.set()
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self.loop.call_later(LINGER_S, self.transport.close)
@@ -285,6 +292,7 @@ class ServerHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._head_events += 1
+        self._head_parsed = 0  # (a chunked body's trailers are counted alone)
         answering = self._answering()  # an earlier request's: this one waits in uvicorn's pipeline
         self._reading = BODY
         if answering or (self.parser.should_upgrade() and self._should_upgrade()):  # a WebSocket is not timed

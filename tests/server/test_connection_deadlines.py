@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import re
 import select
 import socket
@@ -177,6 +178,34 @@ def test_a_request_head_past_its_limit_is_refused_before_it_is_held(port: int, r
         assert set(err) == {"message", "type", "param", "code"} and err["code"] == code, err
         assert str(MAX_HEAD_BYTES) in err["message"]
         assert (code, status.decode()) in ERRORS_SENT
+
+
+def test_a_refused_request_whose_handler_runs_is_answered_once_without_a_traceback(port: int) -> None:
+    """A chunked body that is not HTTP after headers that started a handler: the 400, then nothing (the
+    handler's own answer went to a connection half closed, and raised there); trailers past the limit alone
+    count against it, not with the headers."""
+    flood_ended["garbage"] = threading.Event()
+    errors: list[logging.LogRecord] = []
+    seen = logging.Handler(logging.ERROR)
+    seen.emit = errors.append  # type: ignore[method-assign]
+    logging.getLogger("uvicorn.error").addHandler(seen)
+    try:
+        with connect(port) as s:  # /flood answers at once, without reading the body
+            s.sendall(b"POST /flood?id=garbage&chunks=1 HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+                      b"ZZZ\r\n")
+            answer, _ = read_all(s)
+        assert flood_ended["garbage"].wait(10)  # its handler ended, its answer dropped
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(seen)
+    assert answer.startswith(b"HTTP/1.1 400") and b"\r\nHTTP/1.1 " not in answer and b"xxxx" not in answer, answer
+    assert not errors, [r.getMessage() for r in errors]  # "Exception in ASGI application": write after EOF
+    big = b"x-big: " + b"b" * 40_000
+    raw = (b"POST /x HTTP/1.1\r\nhost: x\r\n" + big + b"\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+           b"2\r\nhi\r\n0\r\n" + big.replace(b"x-big", b"x-trailer")[:30_000] + b"\r\n\r\n")
+    with connect(port) as s:
+        s.sendall(raw)
+        answer, _ = read_all(s)
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"got": 2}'), answer[:200]
 
 
 def test_a_head_just_under_the_limit_is_served(port: int) -> None:

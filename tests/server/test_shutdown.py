@@ -328,6 +328,29 @@ def test_requests_still_arriving_at_the_signal_get_a_503_without_a_traceback(mod
     assert "refused 2 request(s) still arriving" in log, log
 
 
+def test_a_refused_connection_still_lingering_at_the_signal_does_not_hold_the_exit(model_dir, tmp_path):
+    """A request the server refused (not HTTP: a TLS hello sent to the plain port; a head past its limit) keeps
+    its connection a moment to read what the client still sends. A signal then: the drain tried to answer it
+    503 on a connection already half closed, raised, and the server never exited (until a second signal)."""
+    import socket
+
+    srv = ServerProcess(str(model_dir), log=tmp_path / "log").wait_ready()
+    socks = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(2)]
+    try:
+        socks[0].sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + os.urandom(40))
+        socks[1].sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + b"x-big: " + b"b" * 70_000 + b"\r\n\r\n")
+        for sock, status in zip(socks, (b"400", b"431")):
+            sock.settimeout(30)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 " + status)
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(30) == 0, srv.log()
+    finally:
+        for sock in socks:
+            sock.close()
+    log = srv.log()
+    assert "Traceback" not in log and " ERROR " not in log, log
+
+
 def test_a_responses_stream_cut_by_the_drain_ends_with_response_failed(model_dir, tmp_path):
     """A Responses stream that fails ends as OpenAI's do: the `error` event, then `response.failed` with the
     response so far (status failed, its error); it ended with the `error` event alone."""
