@@ -289,7 +289,7 @@ class ModelInfo(_Response):
     created_at: str  # RFC 3339
     lifecycle: Literal["active"] = "active"  # served: open to use (the SDK's type requires the field)
     max_input_tokens: int  # the context: the prompt and max_tokens together fit in it
-    max_tokens: int
+    max_tokens: int  # the most max_tokens can be
 
 
 class ModelInfoList(_Response):
@@ -303,7 +303,7 @@ class ModelInfoList(_Response):
 def model_info(model_id: str, created: int, context_length: int) -> ModelInfo:
     stamp = datetime.datetime.fromtimestamp(created, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     return ModelInfo(id=model_id, display_name=model_id, created_at=stamp, max_input_tokens=context_length,
-                     max_tokens=context_length)
+                     max_tokens=max(1, context_length - 1))  # (a prompt takes a token at least)
 
 
 def model_info_list(model_id: str, created: int, context_length: int, query: Mapping[str, str]) -> ModelInfoList:
