@@ -278,13 +278,13 @@ class _EngineLoop:
                     if together is None or code != EXIT_OK:
                         return code
                     stopping = True
-                stepped = together is not None or self.core.has_work()
+                busy = self.core.has_work()  # (replicas stepping together step idle too: no stats for those)
                 if together is not None:
                     self.step_since = time.monotonic()
                     outs, stop = together(stopping)
                     self.step_since = None
                     self.outbox.extend(outs)
-                elif stepped:
+                elif busy:
                     self.step_since = time.monotonic()
                     self.outbox.extend(self.core.step())
                     self.step_since = None
@@ -293,7 +293,7 @@ class _EngineLoop:
                     self._track(outs)
                     if not self._send(Outputs(outs)):
                         return EXIT_PARENT_GONE
-                if stepped and time.monotonic() - self.stats_sent >= STATS_PUSH_S and not self._send_stats(0):
+                if busy and time.monotonic() - self.stats_sent >= STATS_PUSH_S and not self._send_stats(0):
                     return EXIT_PARENT_GONE
                 if stop:
                     return EXIT_OK
