@@ -55,7 +55,8 @@ Errors (`mlaserve_request_errors_total{code, status}`) are counted in one place,
 just inside the request log, so that whatever refuses a request — auth (401), the body limit (413), validation (400),
 the routes (404 `model_not_found`, 400 `context_length_exceeded`), admission (503 `overloaded`),
 shutdown (503 `shutting_down`), the engine, a crash (500) — it is counted exactly once (the answers no
-handler gives: a 408 `request_timeout` for a request that did not come in time, a 400 `invalid_http`, the
+handler gives: a 408 `request_timeout` for a request that did not come in time, a 400 `invalid_http`, a 431
+`request_header_fields_too_large` or 414 `uri_too_long`, the
 shutdown's 503 to a request still arriving, are counted by the HTTP protocol, `ServerHttpProtocol.on_error`):
 - a response with status >= 400 counts once: `code` is the OpenAI body's `error.code`, else its
   `error.type` (a parameter refused by validation has no code: `invalid_request_error`), else `other`;
