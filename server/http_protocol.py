@@ -38,6 +38,12 @@ can held gigabytes before any handler (or `--api-key`) saw the request. A reques
 pass `MAX_HEAD_BYTES` gets a 431 (a 414 when its URL does) in OpenAI's error shape and the connection closes
 (nginx allows 4 × 8 KiB, Node and uvicorn's h11 parser 16 KiB).
 
+**Connections.** Past `max_connections` open at once (the server sets it below its file-descriptor limit) a
+new connection is closed as it comes: at the limit itself, every accept failed, asyncio logged each failure
+(a hundred MB of log in half a minute) and spun, and nothing new was served until clients left. A client
+that pipelines more than `MAX_PIPELINED` requests behind the one being answered loses the connection: each
+waiting request is held parsed, and one that sent thousands while reading no answer held gigabytes.
+
 **Not HTTP.** What the parser refuses (a garbled request line, chunk size or header; a URL past its
 limit) gets a 400 in OpenAI's error shape, where uvicorn answers in text/plain.
 
@@ -54,6 +60,7 @@ import asyncio
 import json
 import logging
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -69,6 +76,7 @@ logger = logging.getLogger("mlaserve.server")  # the request log's lines, as ser
 SCOPE_REQUEST_ID, SCOPE_ANSWERED = "mlaserve.request_id", "mlaserve.answered_by_connection"
 
 MAX_HEAD_BYTES = 64 * 1024  # a request's line and headers, at most (module docstring)
+MAX_PIPELINED = 64  # requests a connection may have waiting behind the one being answered (module docstring)
 LINGER_S = 2.0  # after refusing a request the client may still be sending: how long its bytes are read and dropped
 
 HEAD, BODY, WHOLE = "head", "body", "whole"  # what the connection is reading: a request's headers, its body, nothing
@@ -86,11 +94,13 @@ class ServerHttpProtocol(HttpToolsProtocol):
     read, in time (module docstring)."""
 
     def __init__(self, *args: Any, read_timeout: float, write_timeout: float,
-                 on_error: Callable[[str, str], None] | None = None, **kwargs: Any) -> None:
+                 on_error: Callable[[str, str], None] | None = None, max_connections: int = 0, **kwargs: Any) -> None:
         """`on_error(code, status)`: called for each error this connection answers itself (a 408, a 400 for
         what is not HTTP, the shutdown's 503): no handler's answer, so the error metrics are told here."""
         super().__init__(*args, **kwargs)
         self.read_timeout, self.write_timeout = read_timeout, write_timeout
+        self.max_connections = max_connections  # 0: no limit
+        self._overflowed = False  # pipelined past MAX_PIPELINED: the connection is being closed
         self.on_error = on_error
         self._reading = HEAD
         self._begun = False  # a byte of the request being read has come (HEAD: its line or headers began)
@@ -192,6 +202,8 @@ class ServerHttpProtocol(HttpToolsProtocol):
         """What the HTTP parser refuses (a bad request line, chunk size or header): OpenAI's error shape, where
         uvicorn sends text/plain. A head past `MAX_HEAD_BYTES` stops the parser the same way, and is told as a
         414 (its URL) or a 431."""
+        if self._overflowed or self.transport.is_closing():
+            return
         if self._head_too_large:
             self._refuse_large_head()
             return
@@ -260,6 +272,11 @@ class ServerHttpProtocol(HttpToolsProtocol):
     # the connection and the parser's events, in the order they come
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self.max_connections and len(self.connections) > self.max_connections:
+            _warn_at_most_every(10.0, "closing new connections: %d are open, the most this server keeps "
+                                "(below its file-descriptor limit)", len(self.connections) - 1)
+            transport.close()
+            return
         self._arm()  # the first request's headers are due from now
 
     def data_received(self, data: bytes) -> None:
@@ -274,6 +291,8 @@ class ServerHttpProtocol(HttpToolsProtocol):
                 self._refuse_large_head()
 
     def on_message_begin(self) -> None:
+        if self._overflowed:
+            raise ValueError("too many pipelined requests")  # stops the parser (send_400_response: nothing sent)
         if self._reading == WHOLE and self._deadline is None and not self._answering():
             self._arm()  # a request after a whole one, with no answer under way: due from its first byte
         self._reading = HEAD
@@ -303,6 +322,11 @@ class ServerHttpProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         if self.cycle is not before and self.parser.get_http_version() == "1.0":
             close_delimited(self.cycle)
+        if len(self.pipeline) > MAX_PIPELINED:
+            _warn_at_most_every(10.0, "closing a connection with over %d pipelined requests waiting", MAX_PIPELINED)
+            self._overflowed = True
+            self.pipeline.clear()
+            self.transport.close()
 
     def on_body(self, body: bytes) -> None:
         if self._deadline is not None:
@@ -330,6 +354,17 @@ class ServerHttpProtocol(HttpToolsProtocol):
             self._write_stall.cancel()
             self._write_stall = None
         super().connection_lost(exc)
+
+
+_last_warning: dict[str, float] = {}
+
+
+def _warn_at_most_every(seconds: float, message: str, *args: Any) -> None:
+    """A warning about what a flood of connections does, logged once per `seconds`, not once per connection."""
+    now = time.monotonic()
+    if now - _last_warning.get(message, -seconds) >= seconds:
+        _last_warning[message] = now
+        logger.warning(message, *args)
 
 
 def close_delimited(cycle: RequestResponseCycle) -> None:

@@ -33,6 +33,7 @@ import functools
 import json
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
@@ -242,6 +243,25 @@ async def _exit_when_the_engine_dies(state: ServerState, server: _DrainingServer
         await asyncio.sleep(ENGINE_WATCH_S)
 
 
+FD_RESERVE = 256  # file descriptors kept from client connections: the engine's pipes, logs, files being read
+
+
+def connection_limit(target: int = 65536) -> int:
+    """Raises this process's soft limit on open files towards `target` (the hard limit allowing; the default
+    soft limit of 1024 let a thousand idle clients lock out every other), and returns how many client
+    connections to keep open at most: the limit less `FD_RESERVE`."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = target if hard == resource.RLIM_INFINITY else min(target, hard)
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+    except (ValueError, OSError) as e:  # not allowed: keep what there is
+        logger.info("could not raise the open-file limit: %s", e)
+        return 0
+    return max(64, (target if soft == resource.RLIM_INFINITY else soft) - FD_RESERVE)
+
+
 async def serve_async(args: ServerArgs) -> int:
     state = ServerState(model_name=args.served_model_name or default_model_name(args.engine.model),
                         metrics=None, api_key=args.api_key,  # type: ignore[arg-type]
@@ -254,7 +274,8 @@ async def serve_async(args: ServerArgs) -> int:
                             timeout_graceful_shutdown=5, access_log=False, lifespan="off",
                             http=functools.partial(ServerHttpProtocol, read_timeout=args.read_timeout,
                                                    write_timeout=args.write_timeout,
-                                                   on_error=state.metrics.count_error))
+                                                   on_error=state.metrics.count_error,
+                                                   max_connections=connection_limit()))
     server = _DrainingServer(config, state, args.shutdown_timeout, args.runtime_file)
     starter = asyncio.create_task(_start_engine(state, args, server))
     watcher = asyncio.create_task(_exit_when_the_engine_dies(state, server))

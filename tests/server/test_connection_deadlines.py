@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import pytest
 import uvicorn
 
-from server.http_protocol import MAX_HEAD_BYTES, ServerHttpProtocol
+from server.http_protocol import MAX_HEAD_BYTES, MAX_PIPELINED, ServerHttpProtocol
 
 TIMEOUT = 1.0
 
@@ -206,6 +206,55 @@ def test_a_refused_request_whose_handler_runs_is_answered_once_without_a_traceba
         s.sendall(raw)
         answer, _ = read_all(s)
     assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"got": 2}'), answer[:200]
+
+
+def test_a_client_pipelining_past_the_limit_loses_the_connection(port: int) -> None:
+    """Each request waiting behind the one being answered is held parsed: a client that sent thousands and read
+    no answer held gigabytes. Past MAX_PIPELINED waiting the connection closes; fewer are all answered."""
+    with connect(port) as s:
+        s.sendall(request("/slow", keep_alive=True) + request("/", keep_alive=True) * (MAX_PIPELINED + 10))
+        t0 = time.monotonic()
+        answer, closed = read_all(s)
+    assert closed - t0 < 2 * TIMEOUT and answer.count(b"HTTP/1.1 200") == 0, answer[:300]
+    with connect(port) as s:
+        s.sendall(request("/", keep_alive=True) * 20 + request("/"))
+        answer, _ = read_all(s)
+    assert answer.count(b"HTTP/1.1 200") == 21
+
+
+def test_connections_past_the_limit_are_closed_as_they_come() -> None:
+    """Past max_connections a new connection is closed at once (at the descriptor limit accepts failed, logged
+    each time, and nothing new was served); one is served again once another leaves."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    config = uvicorn.Config(app, host="127.0.0.1", port=free, lifespan="off", log_level="warning",
+                            http=functools.partial(ServerHttpProtocol, read_timeout=30, write_timeout=30,
+                                                   max_connections=3))
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    held = [connect(free) for _ in range(3)]
+    try:
+        time.sleep(0.2)
+        with connect(free) as extra:
+            t0 = time.monotonic()
+            answer, closed = read_all(extra)
+        assert answer == b"" and closed - t0 < 5  # closed at once, unanswered (not at the read timeout)
+        held.pop().close()
+        time.sleep(0.2)
+        with connect(free) as again:
+            again.sendall(request("/", b"ab"))
+            answer, _ = read_all(again)
+        assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"got": 2}'), answer
+    finally:
+        for c in held:
+            c.close()
+        server.should_exit = True
+        thread.join(10)
 
 
 def test_a_head_just_under_the_limit_is_served(port: int) -> None:
