@@ -583,8 +583,16 @@ def _content_names(template: str) -> tuple[nodes.Template, set[str]] | None:
         tree = _environment().parse(template)
     except TemplateError:
         return None
-    return tree, {a.target.name for a in tree.find_all(nodes.Assign)
-                  if isinstance(a.target, nodes.Name) and _reads_content(a.node, set())}
+    names = {a.target.name for a in tree.find_all(nodes.Assign)
+             if isinstance(a.target, nodes.Name) and _reads_content(a.node, set())}
+    # a macro's parameter given a content (Qwen3.5's `render_content(message.content)`) reads one too
+    macros = {m.name: [p.name for p in m.args] for m in tree.find_all(nodes.Macro)}
+    for call in tree.find_all(nodes.Call):
+        params = macros.get(call.node.name) if isinstance(call.node, nodes.Name) else None
+        if params:
+            names.update(p for p, arg in zip(params, call.args) if _reads_content(arg, names))
+            names.update(k.key for k in call.kwargs if k.key in params and _reads_content(k.value, names))
+    return tree, names
 
 
 @lru_cache(maxsize=16)

@@ -477,7 +477,17 @@ GEMMA_LIKE = (
     "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}")
 
 
-@pytest.mark.parametrize("template", [QWEN3_LIKE, GEMMA_LIKE], ids=["reasoning", "parts"])
+# Qwen3.5's way: the parts are walked in a macro the message's content is given to
+MACRO_LIKE = (
+    "{%- macro render_content(content, do_trim) %}{%- if content is string %}{{- content | trim if do_trim else content }}"
+    "{%- else %}{%- for item in content %}{%- if item.type == 'text' %}{{- item.text }}{%- endif %}{%- endfor %}"
+    "{%- endif %}{%- endmacro %}"
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\n' }}"
+    "{{- render_content(message.content, true) | trim }}{{- '<|im_end|>\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+
+
+@pytest.mark.parametrize("template", [QWEN3_LIKE, GEMMA_LIKE, MACRO_LIKE], ids=["reasoning", "parts", "macro-parts"])
 def test_history_reasoning_and_text_parts_render_as_transformers(hf_tokenizers, template):
     """An earlier reply's reasoning sent back (`reasoning_content`, or vLLM's `reasoning`) reaches the
     template; content sent as text parts reaches a template that walks the parts as parts (joined by
@@ -487,7 +497,7 @@ def test_history_reasoning_and_text_parts_render_as_transformers(hf_tokenizers, 
 
     for key in ("reasoning_content", "reasoning"):
         parts = [{"type": "text", "text": "Weather in Paris? "}, {"type": "text", "text": " Be brief."}]
-        messages = [{"role": "user", "content": parts if template is GEMMA_LIKE else "Weather in Paris?"},
+        messages = [{"role": "user", "content": parts if template is not QWEN3_LIKE else "Weather in Paris?"},
                     {"role": "assistant", "content": "It is sunny.", key: "\nI should look it up.\n"},
                     {"role": "user", "content": "And tomorrow?"}]
         body = ChatCompletionRequest.model_validate({"messages": messages})
@@ -499,9 +509,11 @@ def test_history_reasoning_and_text_parts_render_as_transformers(hf_tokenizers, 
         assert ours == theirs
         if template is QWEN3_LIKE:
             assert "<think>\nI should look it up.\n</think>" in ours
-        else:
+        elif template is GEMMA_LIKE:
             assert "Weather in Paris?Be brief." in ours
-    assert loops_over_content(GEMMA_LIKE) and not loops_over_content(QWEN3_LIKE)
+        else:  # (joined by newlines: "Paris? \n Be brief.")
+            assert "Weather in Paris?  Be brief." in ours
+    assert loops_over_content(GEMMA_LIKE) and loops_over_content(MACRO_LIKE) and not loops_over_content(QWEN3_LIKE)
 
 
 # ----------------------------------------------------------------------------- templates of llama.cpp's collection
