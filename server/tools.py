@@ -154,7 +154,8 @@ def with_call_markup(messages: list[dict[str, Any]], template: str | None) -> li
     that called tools as empty (or fail on its `content: null`), so the model would see results of
     calls it never made. The markup is the one our tool prompt asks for: `<tool_call>` blocks after
     the assistant's text, each `tool` message's content in a `<tool_response>` block, sent as a user turn
-    (as Hermes-format templates write results) where the template drops `tool` messages. A template that
+    (as Hermes-format templates write results: one turn for consecutive results) where the template drops
+    `tool` messages. A template that
     reads `tool_calls` gets the messages as they are (it writes calls in its own markup)."""
     if template is not None and "tool_calls" in template:
         return messages
@@ -177,9 +178,13 @@ def with_call_markup(messages: list[dict[str, Any]], template: str | None) -> li
             m = {k: v for k, v in m.items() if k != "tool_calls"}
             m["content"] = "\n".join([text, *blocks] if text else blocks)
         elif m.get("role") == "tool":
-            m = {**m, "role": result_role, "content": f"<tool_response>\n{_text_of(m.get('content'))}\n</tool_response>"}
+            block = f"<tool_response>\n{_text_of(m.get('content'))}\n</tool_response>"
+            if result_role == "user" and out and out[-1].get("_results"):  # one user turn for a call's results, as
+                out[-1]["content"] += "\n" + block  # Hermes templates write them (two in a row broke alternation)
+                continue
+            m = {**m, "role": result_role, "content": block, "_results": result_role == "user"}
         out.append(m)
-    return out
+    return [{k: v for k, v in m.items() if k != "_results"} for m in out]
 
 
 def _check_history(body: ChatInput) -> None:

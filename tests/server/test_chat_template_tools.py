@@ -630,6 +630,21 @@ def test_tools_reach_a_template_without_a_system_role(hf_tokenizers):
     assert "<start_of_turn>model\n" in text and "system" not in text.split("get_weather")[0]
 
 
+def test_parallel_tool_results_reach_an_alternating_template_as_one_turn():
+    """A template that writes no tool messages (Gemma 2's, which also demands alternating roles) gets the
+    results of parallel calls as one user turn, as Hermes templates write them (each its own user turn was a
+    400 'roles must alternate': parallel_tool_calls is on by default)."""
+    template = _fixture("gemma2.jinja")
+    text = _chat_prompt(template, {"messages": [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": [_call("c1", "get_weather", '{"city": "Paris"}'),
+                                                              _call("c2", "get_weather", '{"city": "Rome"}')]},
+        _tool("c1", "18C"), _tool("c2", "24C")], "tools": TOOLS})
+    turn = text.split("<start_of_turn>user\n")[-1]
+    assert "<tool_response>\n18C\n</tool_response>\n<tool_response>\n24C\n</tool_response>" in turn
+    assert text.count("<start_of_turn>user") == 2 and text.endswith("<start_of_turn>model\n")
+
+
 def test_a_system_message_of_text_parts_takes_the_tool_prompt():
     """A system message sent as parts gets the tool prompt in it, not a second system message first (Gemma 3
     then refused the conversation: roles must alternate)."""
