@@ -403,9 +403,9 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
 
 @lru_cache(maxsize=1)
 def template_globals() -> frozenset[str]:
-    """The names a chat template finds set by the environment (Jinja's own and the helpers given, such as
-    `raise_exception`): a request's `chat_template_kwargs` may not shadow them."""
-    return frozenset(name for name in _environment().globals if not name.startswith("_"))
+    """The names a chat template finds set by the environment (Jinja's own, the helpers given, such as
+    `raise_exception`, and the sandbox's guards): a request's `chat_template_kwargs` may not shadow them."""
+    return frozenset(_environment().globals)
 
 
 @lru_cache(maxsize=1)

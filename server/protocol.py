@@ -435,6 +435,9 @@ class ChatInput(_Body):
     parallel_tool_calls: StrictBool | None = True
     # variables for the chat template (vLLM/SGLang's extension), e.g. {"enable_thinking": false} for Qwen3
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: reaches the template as `reasoning_effort` (gpt-oss's reads it), unless chat_template_kwargs
+    # sets it; a template that reads none thinks as it always does
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     # vLLM's extension: documents for retrieval-augmented templates (Command-R's, Granite's read `documents`)
     documents: list[dict[str, Any]] | None = None
     # vLLM's extensions. add_generation_prompt: open the assistant's turn after the messages (left out:

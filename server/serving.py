@@ -489,8 +489,12 @@ def chat_prompt(state: ServerState, body: ChatInput) -> tuple[str, ToolPlan]:
     if plan.system:
         messages = with_system(messages, plan.system, template)
     extra: dict[str, Any] = dict(body.chat_template_kwargs or {})  # (none of the names set here: protocol)
+    if body.reasoning_effort is not None:
+        extra.setdefault("reasoning_effort", body.reasoning_effort)
     if plan.tools:
         extra["tools"] = plan.tools
+    elif body.tools == [] and body.tool_choice != "none":  # sent empty: [] as transformers and vLLM hand it
+        extra["tools"] = []
     if body.documents is not None:
         extra["documents"] = body.documents
     try:

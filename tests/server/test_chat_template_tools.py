@@ -645,6 +645,26 @@ def test_parallel_tool_results_reach_an_alternating_template_as_one_turn():
     assert text.count("<start_of_turn>user") == 2 and text.endswith("<start_of_turn>model\n")
 
 
+def test_reasoning_effort_and_an_empty_tool_list_reach_the_template():
+    """OpenAI's `reasoning_effort` reaches a template reading it (gpt-oss's; it was dropped: `Reasoning: medium`
+    whatever was asked), `chat_template_kwargs` winning; `tools: []` is [] to the template, as transformers
+    hands it (a tool_use template iterating `tools` failed on None)."""
+    template = ("{% if reasoning_effort is defined %}<effort {{ reasoning_effort }}>{% endif %}"
+                "{% if tools is not none %}<tools {{ tools | length }}>{% for t in tools %}{% endfor %}{% endif %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    user = [{"role": "user", "content": "hi"}]
+    assert _chat_prompt(template, {"messages": user}) == "<user>hi"
+    assert _chat_prompt(template, {"messages": user, "reasoning_effort": "high"}) == "<effort high><user>hi"
+    assert _chat_prompt(template, {"messages": user, "reasoning_effort": "high",
+                                   "chat_template_kwargs": {"reasoning_effort": "low"}}) == "<effort low><user>hi"
+    assert _chat_prompt(template, {"messages": user, "tools": []}) == "<tools 0><user>hi"
+    with pytest.raises(Exception, match="reasoning_effort"):
+        _chat_prompt(template, {"messages": user, "reasoning_effort": "extreme"})
+    for name in ("__mlaserve_loop_guard", "namespace"):  # the sandbox's own names, not template variables
+        with pytest.raises(Exception, match=name):
+            _chat_prompt(template, {"messages": user, "chat_template_kwargs": {name: "x"}})
+
+
 def test_a_system_message_of_text_parts_takes_the_tool_prompt():
     """A system message sent as parts gets the tool prompt in it, not a second system message first (Gemma 3
     then refused the conversation: roles must alternate)."""
