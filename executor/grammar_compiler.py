@@ -11,7 +11,8 @@ Schema `pattern` `^[a-z]{1,13000}$` took 9 s to compile on the 2-core developmen
 {1,26000} 99 s; the time grows with the cube of the bound). In the engine such a compile held a worker
 thread and a core for as long as it ran, whoever had asked for it. Here the engine kills this process
 when a compile outlives its time limit, fails that request, and sends the other compiles under way to a
-fresh one. A spec that blows up memory kills this process only.
+fresh one. A spec that blows up memory while compiling kills this process only (the grammar it compiles
+to is then loaded into the engine, which keeps the grammars it has compiled, up to 256 MiB).
 
 Each message is one `multiprocessing.connection` frame: a JSON header line, then the payload bytes. The
 process ignores SIGINT (a Ctrl-C to the server's process group is the engine's to handle), and exits when
