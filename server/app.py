@@ -159,8 +159,14 @@ class AuthMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         key = self.state.api_key
         path = scope.get("path", "")
-        if scope["type"] == "http" and key and (path.startswith("/v1") or path in KEYED_PATHS):
-            headers = dict(scope.get("headers") or [])
+        if scope["type"] == "http" and key and (path.startswith("/v1") or path.rstrip("/") in KEYED_PATHS):
+            raw = scope.get("headers") or []
+            names = [name.lower() for name, _ in raw]
+            if names.count(b"authorization") > 1 or names.count(b"x-api-key") > 1:  # which one a proxy checked?
+                resp = error_response(400, "send one Authorization header (and at most one x-api-key): a repeated "
+                                      "one is ambiguous", "invalid_request_error", code="invalid_api_key")
+                return await shaped(scope, resp)(scope, receive, send)
+            headers = dict(raw)
             scheme, _, bearer = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
             given = [bearer] if scheme.lower() == "bearer" else []
             given.append(headers.get(b"x-api-key", b"").decode("latin-1"))  # Anthropic's clients send this
@@ -232,7 +238,8 @@ class RequestLogMiddleware:
                 logger.log(logging.DEBUG if path in QUIET_PATHS else logging.INFO,
                            "%s %s %s %.1f ms client=%s request_id=%s", scope.get("method"), log_path(path),
                            CLIENT_CLOSED if departure.left else status or "-", (time.monotonic() - start) * 1e3,
-                           f"{client[0]}:{client[1]}" if client else "-", rid.decode())
+                           log_path(f"{client[0]}:{client[1]}", 64) if client else "-", rid.decode())  # (a
+                # forwarded-for header sets it: quoted as a path is, so that it cannot forge the line's fields)
 
 
 class DrainMiddleware:

@@ -89,6 +89,16 @@ def test_a_path_cannot_forge_a_log_line(server):
     assert not any(ln.startswith("2026-12-05 00:00:00,000") for ln in text.splitlines())
 
 
+def test_a_forwarded_for_header_cannot_forge_the_client_field(server):
+    """uvicorn takes the client's address from X-Forwarded-For (a local proxy's): written quoted and cut, so a
+    value with spaces cannot write the line's other fields (`client=9.9.9.9 401 0.1 ms request_id=forged`)."""
+    r = httpx.get(server.url + "/version", headers={"X-Request-Id": "forwarder", "X-Forwarded-For":
+                                                    "9.9.9.9 401 0.1 ms request_id=forged" + "z" * 500}, timeout=10)
+    assert r.status_code == 200
+    line = line_of(server, "forwarder")
+    assert "request_id=forged" not in line.replace("%20request_id=forged", "") and "z" * 100 not in line, line
+
+
 def test_a_body_that_stops_is_one_line_with_the_id_the_client_got(tmp_path):
     """--read-timeout past a body that stopped: the connection answers 408 and logs it with the request's
     own id (the one its answer carries); the handler's 499 for the same request is not a second line."""

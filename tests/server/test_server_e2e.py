@@ -83,6 +83,13 @@ def test_health_models_and_auth(server, client):
     wrong = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
     assert_error(wrong, 401, code="invalid_api_key")
     assert wrong.json()["error"]["type"] == "invalid_request_error"  # OpenAI's, for a wrong key
+    # two keys, whichever comes first: ambiguous (a proxy checking the first and the server the last disagree)
+    for first, second in (("wrong", KEY), (KEY, "wrong")):
+        twice = httpx.get(server.url + "/v1/models", headers=[("Authorization", f"Bearer {first}"),
+                                                              ("Authorization", f"Bearer {second}")])
+        assert_error(twice, 400, code="invalid_api_key")
+    # a keyed route with a trailing slash is keyed too (its redirect, built from the Host header, was not)
+    assert httpx.post(server.url + "/tokenize/", headers={"Host": "evil.example"}).status_code == 401
     err = assert_error(httpx.get(server.url + "/v1/nothing-here", headers={"Authorization": f"Bearer {KEY}"}), 404)
     assert err["message"] == "no such route: /v1/nothing-here"
     # an OpenAI endpoint this server does not offer says so (the SDK's embeddings call got "no such route")
