@@ -44,8 +44,10 @@ new connection is closed as it comes: at the limit itself, every accept failed, 
 that pipelines more than `MAX_PIPELINED` requests behind the one being answered loses the connection: each
 waiting request is held parsed, and one that sent thousands while reading no answer held gigabytes.
 
-**Not HTTP.** What the parser refuses (a garbled request line, chunk size or header; a URL past its
-limit) gets a 400 in OpenAI's error shape, where uvicorn answers in text/plain.
+**Not HTTP.** What the parser refuses (a garbled request line, chunk size or header) gets a 400 in OpenAI's
+error shape, where uvicorn answers in text/plain. A refused request's connection closes after a lingering
+read (`_close_when_read`): the client may still be sending it, and a close with its bytes unread resets
+the connection, losing the answer.
 
 **HTTP/1.0.** uvicorn frames every answer of unknown length (a stream) as chunked, whatever the request's
 version; an HTTP/1.0 client does not know chunked framing (RFC 9112 §6.1: a server must not send it one)
