@@ -206,11 +206,15 @@ class ServerHttpProtocol(HttpToolsProtocol):
         414 (its URL) or a 431."""
         if self._overflowed or self.transport.is_closing():
             return
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and not cycle.more_body:
+            self._end_after_answer()  # a later request's error: the earlier one, whole, is answered first
+            return
+        if cycle is not None and cycle.response_started and not cycle.response_complete:
+            self._close_when_read()  # its own body broke while its answer goes out: an error would land inside it
+            return
         if self._head_too_large:
             self._refuse_large_head()
-            return
-        if self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete:
-            self._close_when_read()  # garbage after a request whose answer is going out: a 400 would land inside it
             return
         self._write_error(b"400 Bad Request", "the request is not valid HTTP/1.1 (its request line, headers or "
                           "chunked framing could not be parsed)", "invalid_http")
@@ -247,6 +251,17 @@ class ServerHttpProtocol(HttpToolsProtocol):
                               f"{MAX_HEAD_BYTES} bytes; send fewer or shorter headers",
                               "request_header_fields_too_large")
         self._close_when_read()
+
+    def _end_after_answer(self) -> None:
+        """A request that cannot be read came after one whose answer is under way (pipelined): that answer goes
+        out whole, then the connection closes (uvicorn closes after an answer that does not keep it alive);
+        meanwhile what the client sends is dropped. Its error would have landed inside that answer, or in
+        place of it."""
+        assert self.cycle is not None
+        self._lingering = True
+        self._disarm()
+        self.pipeline.clear()
+        self.cycle.keep_alive = False
 
     def _close_when_read(self) -> None:
         """Ends a connection whose client may still be sending (the rest of a refused request): closing with
@@ -290,7 +305,7 @@ class ServerHttpProtocol(HttpToolsProtocol):
             self._head_read += len(data)  # all of it went to a head still arriving (one long line, say)
             if self._head_read > MAX_HEAD_BYTES:
                 self._head_too_large = "headers"
-                self._refuse_large_head()
+                self.send_400_response("request headers too large")
 
     def on_message_begin(self) -> None:
         if self._overflowed:

@@ -250,15 +250,14 @@ def connection_limit(target: int = 65536) -> int:
     """Raises this process's soft limit on open files towards `target` (the hard limit allowing; the default
     soft limit of 1024 let a thousand idle clients lock out every other), and returns how many client
     connections to keep open at most: the limit less `FD_RESERVE`."""
-    try:
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        want = target if hard == resource.RLIM_INFINITY else min(target, hard)
-        if soft != resource.RLIM_INFINITY and soft < want:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
             soft = want
-    except (ValueError, OSError) as e:  # not allowed: keep what there is
-        logger.info("could not raise the open-file limit: %s", e)
-        return 0
+        except (ValueError, OSError) as e:  # not allowed: the limit as it is
+            logger.info("could not raise the open-file limit from %d: %s", soft, e)
     return max(64, (target if soft == resource.RLIM_INFINITY else soft) - FD_RESERVE)
 
 

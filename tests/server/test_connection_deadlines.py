@@ -208,6 +208,28 @@ def test_a_refused_request_whose_handler_runs_is_answered_once_without_a_traceba
     assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"got": 2}'), answer[:200]
 
 
+@pytest.mark.parametrize("bad", [b"\x01garbage\r\n\r\n", b"GET / HTTP/1.1\r\nx-big: " + b"b" * 70_000 + b"\r\n\r\n"],
+                         ids=["garbage", "large head"])
+def test_an_unreadable_request_after_one_being_answered_ends_the_connection_after_that_answer(port: int,
+                                                                                            bad: bytes) -> None:
+    """A pipelined request the server cannot read, after one whose answer is under way (a stream going out, or
+    one still computing): that answer goes out whole and the connection closes; its error landed inside the
+    stream (a 431 in the chunked body) or in place of the earlier answer."""
+    for first in (b"GET /flood?id=piped&chunks=32 HTTP/1.1\r\nhost: x\r\n\r\n", request("/slow", b"ab", keep_alive=True)):
+        flood_ended["piped"] = threading.Event()
+        with connect(port) as s:
+            s.sendall(first)
+            time.sleep(0.2)
+            s.sendall(bad)
+            answer, _ = read_all(s)
+        assert answer.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 4" not in answer, answer[:300]
+        if b"flood" in first:
+            body = answer.partition(b"\r\n\r\n")[2]
+            assert body.endswith(b"0\r\n\r\n") and body.count(b"x") == 32 * FLOOD_CHUNK  # whole, chunked to its end
+        else:
+            assert answer.endswith(b'{"got": 2}')
+
+
 def test_a_client_pipelining_past_the_limit_loses_the_connection(port: int) -> None:
     """Each request waiting behind the one being answered is held parsed: a client that sent thousands and read
     no answer held gigabytes. Past MAX_PIPELINED waiting the connection closes; fewer are all answered."""
