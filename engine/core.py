@@ -28,6 +28,7 @@ from engine.cgroups import memory_room
 from engine.ranks import DPAttentionRank, LeadRank, load_rank
 from engine.messages import (
     ERR_CONTEXT,
+    context_message,
     ERR_ENGINE,
     FINISH_ABORT,
     ERR_INVALID,
@@ -391,10 +392,7 @@ class EngineCore:
             return ERR_INVALID, e.message, e.param
         want = len(ids) + (1 if p.max_tokens is None else p.max_tokens)
         if want > self.context_len:
-            return ERR_CONTEXT, (
-                f"this model's maximum context length is {self.context_len} tokens; the request needs {want} "
-                f"({len(ids)} in the prompt + {want - len(ids)} to generate)"
-            ), None
+            return ERR_CONTEXT, context_message(self.context_len, len(ids), want - len(ids)), None
         if len(ids) + (p.max_tokens != 0) > self.runner.allocator.num_slots:  # (max_tokens 0: scored only)
             return ERR_CONTEXT, f"the prompt ({len(ids)} tokens) does not fit in the KV cache ({self.runner.allocator.num_slots} slots)", None
         # Admission: up to max_running_requests completions run and max_queued_requests more wait; a

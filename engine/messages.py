@@ -15,6 +15,7 @@ is a `msgspec.ValidationError` / `DecodeError` on the reading side, never a sile
 
 from __future__ import annotations
 
+import re
 from typing import Union
 
 import msgspec
@@ -29,7 +30,7 @@ __all__ = [
     "GenerateRequest", "AbortRequest", "StatsRequest", "Shutdown", "ToEngine",
     "EngineInfo", "RequestOutput", "EngineStats",
     "EngineReady", "StartupError", "Outputs", "Stats", "Fatal", "Alive", "FromEngine",
-    "encode", "decode_to_engine", "decode_from_engine",
+    "encode", "decode_to_engine", "decode_from_engine", "context_message", "context_numbers",
 ]
 
 # finish_reason values are scheduler.request's FINISH_* (imported above); FINISH_ERROR is the engine's own
@@ -41,6 +42,23 @@ ERR_CONTEXT = "context_length_exceeded"  # prompt (+ max_tokens) longer than the
 ERR_INVALID = "invalid_request_error"  # a value the engine cannot honour (HTTP 400, no code: validation's label)
 ERR_ENGINE = "engine_error"  # the engine crashed or died (HTTP 500/503)
 ERR_SHUTDOWN = "shutting_down"  # the server is shutting down and ended it (HTTP 503)
+
+# ERR_CONTEXT's message, from the server's check and the engine's alike; its numbers are read back where
+# another API words the error its own way (Anthropic's: server.messages_api.context_error)
+_CONTEXT_MESSAGE = re.compile(r"maximum context length is (\d+) tokens; the request has (\d+) prompt tokens and "
+                              r"asks for (\d+) more")
+
+
+def context_message(limit: int, prompt: int, more: int) -> str:
+    """The message of a request whose `prompt` tokens and `more` to generate do not fit in `limit`."""
+    return f"this model's maximum context length is {limit} tokens; the request has {prompt} prompt tokens and " \
+           f"asks for {more} more"
+
+
+def context_numbers(message: str) -> tuple[int, int, int] | None:
+    """(limit, prompt, more) of a `context_message`, or None for another message."""
+    m = _CONTEXT_MESSAGE.search(message)
+    return (int(m[1]), int(m[2]), int(m[3])) if m else None
 
 
 class _Message(msgspec.Struct, tag=True, forbid_unknown_fields=True):

@@ -38,6 +38,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator
 
+from engine.messages import context_numbers
 from scheduler.sampling_params import ParamError
 from server.protocol import (
     _FUNCTION_NAME,
@@ -70,26 +71,18 @@ _RENAMES = (
 )
 
 
-# the context errors of the chat path and of the engine: their numbers, told as Anthropic's API tells them,
-# whose wording clients read back (a prompt too long to send again as it is; `max_tokens` to lower)
-_CONTEXT_ERRORS = (
-    re.compile(r"maximum context length is (?P<limit>\d+) tokens; the request has (?P<prompt>\d+) prompt tokens "
-               r"and asks for (?P<more>\d+) more"),
-    re.compile(r"maximum context length is (?P<limit>\d+) tokens; the request needs \d+ \((?P<prompt>\d+) in the "
-               r"prompt \+ (?P<more>\d+) to generate\)"),
-)
-
-
 def context_error(message: str) -> str | None:
-    """A context-length error's message as Anthropic's API words it, or None for another error."""
-    for pattern in _CONTEXT_ERRORS:
-        if m := pattern.search(message):
-            limit, prompt, more = int(m["limit"]), int(m["prompt"]), int(m["more"])
-            if prompt > limit:
-                return f"prompt is too long: {prompt} tokens > {limit} maximum"
-            return (f"input length and `max_tokens` exceed context limit: {prompt} + {more} > {limit}, decrease "
-                    "input length or `max_tokens` and try again")
-    return None
+    """A context-length error's message (`engine.messages.context_message`) as Anthropic's API words it, whose
+    wording clients read back (a prompt too long to send again as it is; `max_tokens` to lower); None for
+    another error."""
+    numbers = context_numbers(message)
+    if numbers is None:
+        return None
+    limit, prompt, more = numbers
+    if prompt > limit:
+        return f"prompt is too long: {prompt} tokens > {limit} maximum"
+    return (f"input length and `max_tokens` exceed context limit: {prompt} + {more} > {limit}, decrease "
+            "input length or `max_tokens` and try again")
 
 
 def rename_error(message: str, param: str | None) -> tuple[str, str | None]:

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ValidationError
 
 from engine.messages import (
     ERR_CONTEXT,
+    context_message,
     ERR_ENGINE,
     ERR_OVERLOADED,
     ERR_SHUTDOWN,
@@ -598,9 +599,8 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
         limit = state.context_length - len(ids)
         if limit < 0 or (limit == 0 and params.max_tokens != 0) or (params.max_tokens is not None and params.max_tokens > limit):
             asked = params.max_tokens if params.max_tokens is not None else 1
-            raise ClientError(400, f"this model's maximum context length is {state.context_length} tokens; the "
-                              f"request has {len(ids)} prompt tokens and asks for {asked} more",
-                              prompt_param(body), "context_length_exceeded")
+            raise ClientError(400, context_message(state.context_length, len(ids), asked), prompt_param(body),
+                              "context_length_exceeded")
         p = params if params.max_tokens is not None else msgspec.structs.replace(params, max_tokens=limit)
         req = GenerateRequest(f"{base}-{i}", ids, p, time.time() if arrived is None else arrived)
         # a tool-call parser reads its markup, which may be special tokens (Llama's <|python_tag|>, Mistral's

@@ -14,6 +14,7 @@ the whole answer."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -23,6 +24,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import uvicorn
@@ -84,14 +86,14 @@ async def app(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": out})
 
 
-@pytest.fixture(scope="module")
-def port() -> Iterator[int]:
+@contextlib.contextmanager
+def serving(**protocol: Any) -> Iterator[int]:
+    """`app` served by uvicorn in a thread with ServerHttpProtocol(**protocol); its port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
     config = uvicorn.Config(app, host="127.0.0.1", port=free, lifespan="off", log_level="warning",
-                            http=functools.partial(ServerHttpProtocol, read_timeout=TIMEOUT, write_timeout=TIMEOUT,
-                                                   on_error=lambda code, status: ERRORS_SENT.append((code, status))))
+                            http=functools.partial(ServerHttpProtocol, **protocol))
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -99,9 +101,18 @@ def port() -> Iterator[int]:
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.started
-    yield free
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield free
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    with serving(read_timeout=TIMEOUT, write_timeout=TIMEOUT,
+                 on_error=lambda code, status: ERRORS_SENT.append((code, status))) as free:
+        yield free
 
 
 def connect(port: int) -> socket.socket:
@@ -247,36 +258,23 @@ def test_a_client_pipelining_past_the_limit_loses_the_connection(port: int) -> N
 def test_connections_past_the_limit_are_closed_as_they_come() -> None:
     """Past max_connections a new connection is closed at once (at the descriptor limit accepts failed, logged
     each time, and nothing new was served); one is served again once another leaves."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        free = s.getsockname()[1]
-    config = uvicorn.Config(app, host="127.0.0.1", port=free, lifespan="off", log_level="warning",
-                            http=functools.partial(ServerHttpProtocol, read_timeout=30, write_timeout=30,
-                                                   max_connections=3))
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    held = [connect(free) for _ in range(3)]
-    try:
-        time.sleep(0.2)
-        with connect(free) as extra:
-            t0 = time.monotonic()
-            answer, closed = read_all(extra)
-        assert answer == b"" and closed - t0 < 5  # closed at once, unanswered (not at the read timeout)
-        held.pop().close()
-        time.sleep(0.2)
-        with connect(free) as again:
-            again.sendall(request("/", b"ab"))
-            answer, _ = read_all(again)
-        assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"got": 2}'), answer
-    finally:
-        for c in held:
-            c.close()
-        server.should_exit = True
-        thread.join(10)
+    with serving(read_timeout=30, write_timeout=30, max_connections=3) as free:
+        held = [connect(free) for _ in range(3)]
+        try:
+            time.sleep(0.2)
+            with connect(free) as extra:
+                t0 = time.monotonic()
+                answer, closed = read_all(extra)
+            assert answer == b"" and closed - t0 < 5  # closed at once, unanswered (not at the read timeout)
+            held.pop().close()
+            time.sleep(0.2)
+            with connect(free) as again:
+                again.sendall(request("/", b"ab"))
+                answer, _ = read_all(again)
+            assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"got": 2}'), answer
+        finally:
+            for c in held:
+                c.close()
 
 
 def test_a_head_just_under_the_limit_is_served(port: int) -> None:
