@@ -185,12 +185,17 @@ class IncrementalDetokenizer:
         return self._send_and_move(text, len(self._ids))  # the replacement characters are for good
 
 
+def _pending_bytes(data: bytes) -> int:
+    """How many of `data`'s last bytes begin a character it does not finish (the UTF-8 decoder holds them)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(data)
+    return len(decoder.getstate()[0])
+
+
 def _unfinished_tail(run: list[int], tokenizer: TokenizerBundle) -> list[int]:
     """The last byte-fallback tokens of `run` that begin a character the run does not finish (none when
     the run ends on a whole character)."""
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    decoder.decode(bytes(int(tokenizer.tokenizer.id_to_token(i)[3:5], 16) for i in run))  # one byte a token
-    pending = len(decoder.getstate()[0])  # the bytes it holds for the rest of a character
+    pending = _pending_bytes(b"".join(map(tokenizer.token_bytes, run)))  # one byte a token
     return run[len(run) - pending:] if pending else []
 
 
@@ -199,9 +204,7 @@ def _pending_start(ids: list[int], tokenizer: TokenizerBundle) -> int | None:
     token may hold bytes before them), or None when none is pending or it began more than 3 tokens back (a cut
     inside a character leaves at most 3 of its bytes)."""
     data = [tokenizer.token_bytes(i) for i in ids]
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    decoder.decode(b"".join(data))
-    pending = len(decoder.getstate()[0])
+    pending = _pending_bytes(b"".join(data))
     if not pending:
         return None
     q, seen = len(ids), sum(map(len, data))

@@ -243,7 +243,7 @@ class ServerHttpProtocol(HttpToolsProtocol):
             self.on_error(code, status.decode().split()[0])
 
     def _refuse_large_head(self) -> None:
-        if not self.headers and self._head_too_large == "url":  # (uvicorn passes on each piece of a URL at once)
+        if self._head_too_large == "url":  # (it comes before the headers, each piece of it passed on at once)
             self._write_error(b"414 URI Too Long", f"the request's URL is over {MAX_HEAD_BYTES} bytes",
                               "uri_too_long")
         else:

@@ -160,7 +160,8 @@ def with_call_markup(messages: list[dict[str, Any]], template: str | None) -> li
     if template is not None and "tool_calls" in template:
         return messages
     result_role = "tool" if template is None or writes_tool_messages(template) else "user"
-    out = []
+    out: list[dict[str, Any]] = []
+    results: dict[str, Any] | None = None  # the user turn the latest tool results went in
     for m in messages:
         calls = m.get("tool_calls")
         if m.get("role") == "assistant" and calls:
@@ -179,12 +180,13 @@ def with_call_markup(messages: list[dict[str, Any]], template: str | None) -> li
             m["content"] = "\n".join([text, *blocks] if text else blocks)
         elif m.get("role") == "tool":
             block = f"<tool_response>\n{_text_of(m.get('content'))}\n</tool_response>"
-            if result_role == "user" and out and out[-1].get("_results"):  # one user turn for a call's results, as
-                out[-1]["content"] += "\n" + block  # Hermes templates write them (two in a row broke alternation)
+            if results is not None and out[-1] is results:  # one user turn for a call's results, as Hermes
+                results["content"] += "\n" + block  # templates write them (two in a row broke alternation)
                 continue
-            m = {**m, "role": result_role, "content": block, "_results": result_role == "user"}
+            m = {**m, "role": result_role, "content": block}
+            results = m if result_role == "user" else None
         out.append(m)
-    return [{k: v for k, v in m.items() if k != "_results"} for m in out]
+    return out
 
 
 def _check_history(body: ChatInput) -> None:
