@@ -424,6 +424,10 @@ def _check_continued(final: ChatMessage) -> None:
                        "continues that text")
 
 
+# OpenAI's reasoning effort levels (chat's `reasoning_effort`, Responses' `reasoning.effort`)
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
 class ChatInput(_Body):
     """What a chat prompt is rendered from (the chat template's input): the chat completions request's
     and `/tokenize`'s with messages (`server.serving.chat_prompt` renders both)."""
@@ -437,7 +441,7 @@ class ChatInput(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's: reaches the template as `reasoning_effort` (gpt-oss's reads it), unless chat_template_kwargs
     # sets it; a template that reads none thinks as it always does
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     # vLLM's extension: documents for retrieval-augmented templates (Command-R's, Granite's read `documents`)
     documents: list[dict[str, Any]] | None = None
     # vLLM's extensions. add_generation_prompt: open the assistant's turn after the messages (left out:

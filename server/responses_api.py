@@ -24,8 +24,8 @@ Input items become chat messages:
 `instructions` comes first, as a system message. `tools` (flat function tools) become chat's nested
 ones, `tool_choice {"type": "function", "name"}` chat's named choice, `text.format` `response_format`,
 `max_output_tokens` `max_tokens`, `include: ["message.output_text.logprobs"]` with `top_logprobs` chat's
-`logprobs` / `top_logprobs` (as OpenAI's API, `top_logprobs` alone asks for nothing). `reasoning`
-(effort), OpenAI's other `include` values and `metadata` are accepted (`metadata` is echoed; an `include`
+`logprobs` / `top_logprobs` (as OpenAI's API, `top_logprobs` alone asks for nothing), `reasoning.effort`
+chat's `reasoning_effort`. OpenAI's other `include` values and `metadata` are accepted (`metadata` is echoed; an `include`
 value OpenAI's API does not know, or an `n` other than 1, is a 400); other fields this API does not know are
 ignored, as on chat completions. `truncation: "auto"` drops a too-long conversation's oldest turns
 (`server.serving._fitted`, where the prompt is rendered).
@@ -46,6 +46,7 @@ from server.protocol import (
     ChatCompletionRequest,
     ChatTokenLogprob,
     NoStructuredExtensions,
+    ReasoningEffort,
     _invalid,
     _Body,
     _Request,
@@ -110,9 +111,10 @@ class ResponsesText(_Request):
 
 
 class ResponsesReasoning(_Request):
-    """Accepted and echoed; the effort changes nothing (a model thinks as its chat template lets it)."""
+    """Echoed; the effort reaches the chat template as chat's `reasoning_effort` does (a template that reads
+    none thinks as it always does)."""
 
-    effort: str | None = None
+    effort: ReasoningEffort | None = None
     summary: str | None = None
     generate_summary: str | None = None
 
@@ -343,6 +345,8 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
             chat[field] = getattr(req, field)
     if req.max_output_tokens is not None:
         chat["max_tokens"] = req.max_output_tokens
+    if req.reasoning is not None and req.reasoning.effort is not None:
+        chat["reasoning_effort"] = req.reasoning.effort
     if INCLUDE_LOGPROBS in (req.include or ()):
         chat["logprobs"] = True
         chat["top_logprobs"] = req.top_logprobs or 0

@@ -333,6 +333,7 @@ BAD = [
     ({"input": "hi", "prompt": {"id": "pmpt_1"}}, 400, "prompt", "not supported"),
     ({"input": "hi", "include": ["reasoning.encrypted_content", "bogus"]}, 400, "include", "include.1: 'bogus'"),
     ({"input": "hi", "n": 2}, 400, "n", "one output"),
+    ({"input": "hi", "reasoning": {"effort": "extreme"}}, 400, "reasoning.effort", None),
     # the chat path's structured-output extensions: refused by name (they were ignored, the output free)
     ({"input": "hi", "structured_outputs": {"regex": "a+"}}, 400, "structured_outputs", "text.format"),
     ({"input": "hi", "regex": "a+"}, 400, "regex", "text.format"),
@@ -453,6 +454,16 @@ def test_reasoning_items_go_with_the_assistant_turn_after_them():
              {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "s"}]},
              think("stray"), {"role": "user", "content": "Thanks."}]
     chat = to_chat_request(ResponsesRequest.model_validate({"model": "m", "input": items}))
+    assert chat.reasoning_effort is None
     got = [(m.role, m.reasoning_content) for m in chat.messages]
     assert got == [("user", None), ("assistant", "Look it up."), ("tool", None), ("assistant", "Now answer."),
                    ("user", None)]
+
+
+def test_reasoning_effort_reaches_the_chat_request():
+    """`reasoning.effort` is chat's `reasoning_effort` (it reaches the template; it was accepted and dropped)."""
+    from server.responses_api import ResponsesRequest, to_chat_request
+
+    for effort in ("low", "high", "none"):
+        chat = to_chat_request(ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": effort}}))
+        assert chat.reasoning_effort == effort
