@@ -138,7 +138,14 @@ class ServerHttpProtocol(HttpToolsProtocol):
         if self.transport.get_write_buffer_size() < self._stalled_bytes:
             self._arm_write_stall()
             return
+        logger.info("dropping the connection of client=%s: its answer went unread for %g s (--write-timeout)",
+                    self._client(), self.write_timeout)
         self.transport.abort()  # not close(): that would wait for the buffer to drain, as the writes did
+
+    def _client(self) -> str:
+        """The peer's address as the request log writes it."""
+        peer = self.transport.get_extra_info("peername")
+        return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "-"
 
     def refuse_unfinished(self) -> bool:
         """At shutdown, after the drain: a request still arriving (its headers begun, or its body awaited by
@@ -235,8 +242,7 @@ class ServerHttpProtocol(HttpToolsProtocol):
         self.transport.write(b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\n%s"
                              b"x-request-id: %s\r\ncontent-length: %d\r\n\r\n%s"
                              % (status, retry, rid.encode(), len(body), body))
-        peer = self.transport.get_extra_info("peername")
-        client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "-"
+        client = self._client()
         what = f"{scope.get('method')} {log_path(str(scope.get('path', '')))}" if scope is not None else "- -"
         logger.info("%s %s client=%s request_id=%s (%s)", what, status.decode().split()[0], client, rid, code)
         if self.on_error is not None:

@@ -19,10 +19,12 @@ annotate (`title`, `contentMediaType`, `$anchor`, ...) are ignored, as validator
 enforced as `anyOf` (a value matching two branches is not excluded), and a `pattern` is matched as a
 whole (anchored) and written without the characters JSON escapes (`xgrammar_pattern`), which only
 narrows what is produced. `minLength` or `maxLength` beside a `pattern` or
-`format` is refused: xgrammar would drop the length.
+`format` is refused: xgrammar would drop the length. Keywords beside `$ref`, `anyOf`/`oneOf` and `allOf`,
+which xgrammar drops, are folded into them first, and a schema without `type` gets the kind its keywords
+constrain (server.schema_compose).
 
 The schema sent to the engine (`_engine_schema`) is still the client's, in the forms xgrammar keeps:
-annotations left out, strict patterns for the formats whose xgrammar rules admit invalid values, the
+compositions folded (above), annotations left out, `enum` values the keywords beside them refuse dropped, strict patterns for the formats whose xgrammar rules admit invalid values, the
 required keys an object does not list in `properties` listed there (xgrammar does not require them
 otherwise), and every object that lists its `properties` closed to other keys unless it says otherwise
 (`_object`): any output of the narrowed schema still matches the original, minus the keys a small model
@@ -36,11 +38,12 @@ import math
 import re
 import re._parser as _sre  # the stdlib's own regex parser (read by xgrammar_pattern)
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic_core import from_json
 
 from scheduler.sampling_params import ParamError, StructuredOutput
+from server.schema_compose import MISSING, composed, current_draft, name_ok, resolve, search
 
 # keywords the grammar engine enforces (checked one by one against xgrammar 0.2.x in the tests)
 ENFORCED = frozenset({
@@ -59,6 +62,8 @@ UNENFORCED = frozenset({
     "multipleOf", "contains", "minContains", "maxContains", "unevaluatedProperties", "unevaluatedItems",
     "$dynamicRef", "$recursiveRef",
 })
+# values of those keywords that constrain nothing: accepted (and left out of the schema compiled)
+NO_OPS: dict[str, Any] = {"uniqueItems": False, "dependentRequired": {}, "dependentSchemas": {}, "dependencies": {}}
 FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
                      "uri-reference", "uuid"})
 # formats JSON Schema defines that are not enforced: refused. Other formats (OpenAPI's `float`, `byte`,
@@ -178,25 +183,6 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-_MISSING = object()
-
-
-def _resolve(root: Any, ref: str) -> Any:
-    """The subschema a local `$ref` ("#", "#/$defs/a", JSON-pointer escapes) points at, or _MISSING."""
-    node = root
-    for part in ref[2:].split("/") if ref.startswith("#/") else ([] if ref == "#" else [None]):
-        if part is None:
-            return _MISSING
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return _MISSING
-    return node
-
-
 def _check_refs(schema: Any, param: str) -> None:
     """Every local `$ref` points at a subschema, and no chain of bare references comes back to where it
     started: such a schema matches no JSON value at all, and the grammar built from it would let the
@@ -209,8 +195,11 @@ def _check_refs(schema: Any, param: str) -> None:
             continue
         while True:
             r = target["$ref"]
-            target = _resolve(schema, r)
-            if target is _MISSING:
+            if r != "#" and not r.startswith("#/"):
+                raise ParamError(_top(param), f"{param}: the $ref '{r}' (at {path or '/'}) names an anchor, which is not "
+                                 "supported; refer to the subschema by its JSON pointer ('#/$defs/name')")
+            target = resolve(schema, r)
+            if target is MISSING:
                 raise ParamError(_top(param), f"{param}: the $ref '{r}' (at {path or '/'}) points at nothing in the schema")
             if id(target) in seen:
                 raise ParamError(_top(param), f"{param}: the $ref at {path or '/'} leads back to itself through "
@@ -224,32 +213,17 @@ def check_json_schema(schema: Any, param: str) -> Any:
     """ParamError(param) unless `schema` is a valid JSON Schema whose every constraint we enforce; else the
     schema xgrammar is to compile for it (`_engine_schema`)."""
     check_valid_schema(schema, param)
+    schema = current_draft(schema)
     for path, node in _schemas(schema, ""):
         where = path or "/"
-        shape, length = [k for k in ("pattern", "format") if k in node], [k for k in ("minLength", "maxLength") if k in node]
-        if node.get("format") not in FORMATS:
-            shape = [k for k in shape if k != "format"]  # an annotation or an integer size: not a string's shape
-        if shape and length:  # xgrammar drops the length then (with a log line), so the limit would not hold
-            raise ParamError(_top(param), f"{param}: {length[0]} together with {shape[0]} (at {where}) is not "
-                             f"supported by constrained decoding; put the length in the pattern (e.g. "
-                             "^[a-z]{1,8}$) or drop one of them")
-        if len(shape) == 2:  # one of them would be dropped
-            raise ParamError(_top(param), f"{param}: pattern together with format (at {where}) is not supported by "
-                             "constrained decoding; keep one of them")
         for key, value in node.items():
-            if key in UNENFORCED:
+            if key in UNENFORCED and not (key in NO_OPS and value == NO_OPS[key]):
                 raise ParamError(_top(param), f"{param}: the keyword '{key}' (at {where}) is not supported "
                                  "by constrained decoding; remove it or describe the rule in the prompt instead")
             if key == "format" and value in UNENFORCED_FORMATS:
                 raise ParamError(_top(param), f"{param}: format '{value}' (at {where}) is not supported; "
                                  f"supported formats: {', '.join(sorted(FORMATS | set(_INT_FORMATS)))} (others "
                                  "that JSON Schema does not define are taken as annotations)")
-            if key == "allOf" and len(value) > 1:
-                raise ParamError(_top(param), f"{param}: allOf with more than one schema (at {where}) is not "
-                                 "supported; merge them into one schema")
-            if key == "items" and isinstance(value, list):
-                raise ParamError(_top(param), f"{param}: items as a list (at {where}) is not supported; "
-                                 "use prefixItems")
             if key == "$ref" and not str(value).startswith("#"):
                 raise ParamError(_top(param), f"{param}: only local references ('#/...') are supported, got "
                                  f"'{value}' at {where}")
@@ -306,8 +280,14 @@ def _engine_schema(schema: Any, param: str) -> Any:
 
     types = jsonschema.Draft202012Validator.TYPE_CHECKER
 
+    def refuse(message: str) -> NoReturn:
+        raise ParamError(_top(param), f"{param}: {message}")
+
     def node(n: dict, path: str) -> dict:
         out = {k: v for k, v in n.items() if k in ENFORCED}
+        _check_shape(out, path or "/", param)
+        if isinstance(out.get("type"), list) and {"integer", "number"} <= set(out["type"]):
+            out["type"] = [t for t in out["type"] if t != "integer"]  # (numbers include the integers)
         fmt = out.get("format")
         if fmt in FORMAT_PATTERNS:
             out["pattern"] = FORMAT_PATTERNS[out.pop("format")]
@@ -332,6 +312,8 @@ def _engine_schema(schema: Any, param: str) -> Any:
                                  f"{json.dumps(out['type'])}, so nothing satisfies it; change the schema")
             if "enum" in out:
                 out["enum"] = kept
+        if "enum" in out or "const" in out:  # xgrammar writes these whatever the keywords beside them say
+            out = _admitted_values(out, n, path or "/", param)
         if kinds is not None and "number" in kinds and _no_short_number(out):
             raise ParamError(_top(param), f"{param}: the number range at {path or '/'} holds no number of at most "
                              f"{NUMBER_DECIMALS} decimals, the finest constrained decoding writes (its grammar would be "
@@ -373,7 +355,41 @@ def _engine_schema(schema: Any, param: str) -> Any:
                              "leave them out")
         return served
 
-    return _map_schemas(schema, "", node)
+    return _map_schemas(composed(current_draft(schema), refuse, FORMATS | set(FORMAT_PATTERNS)), "", node)
+
+
+def _check_shape(schema: dict, where: str, param: str) -> None:
+    """ParamError for a string's constraints xgrammar would not keep together: it drops a length beside a
+    pattern or format (with a log line), and one of a pattern and a format."""
+    shape = [k for k in ("pattern", "format") if k in schema and (k == "pattern" or schema[k] in FORMATS)]
+    length = [k for k in ("minLength", "maxLength") if k in schema]
+    if shape and length:
+        raise ParamError(_top(param), f"{param}: {length[0]} together with {shape[0]} (at {where}) is not "
+                         f"supported by constrained decoding; put the length in the pattern (e.g. "
+                         "^[a-z]{1,8}$) or drop one of them")
+    if len(shape) == 2:
+        raise ParamError(_top(param), f"{param}: pattern together with format (at {where}) is not supported by "
+                         "constrained decoding; keep one of them")
+
+
+def _admitted_values(out: dict, original: dict, where: str, param: str) -> dict:
+    """`out` with its enum (const) cut to the values the schema's other keywords admit: xgrammar writes the
+    listed values as they are (`{"enum": ["a", "bb"], "maxLength": 1}` wrote "bb"). Checked by jsonschema
+    against the client's keywords, formats included; a schema referring elsewhere is left as it is."""
+    import jsonschema
+
+    rest = {k: v for k, v in original.items() if k not in ("enum", "const")}
+    if not set(rest) & (ENFORCED - {"type"}) or "$ref" in json.dumps(rest):  # (the type was checked above)
+        return out
+    check = jsonschema.Draft202012Validator(rest, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    key = "const" if "const" in out else "enum"
+    values = [out["const"]] if key == "const" else out["enum"]
+    kept = [v for v in values if check.is_valid(v)]
+    if not kept:
+        raise ParamError(_top(param), f"{param}: no value of {key} (at {where}) satisfies the keywords beside it "
+                         f"({', '.join(sorted(k for k in rest if k in ENFORCED))}), so nothing satisfies the schema; "
+                         "change it")
+    return out if key == "const" else {**out, "enum": kept}
 
 
 NUMBER_DECIMALS = 6  # xgrammar's number ranges are written to this many decimal places
@@ -403,6 +419,11 @@ def _object(out: dict, where: str, param: str) -> dict:
 
     props = dict(out.get("properties") or {})
     required = list(out.get("required") or ())
+    forbidden = [key for key, sub in props.items() if sub is False]  # `"a": false`: no object has the key
+    for key in forbidden:
+        if key in required:
+            raise refuse(f"the required key '{key}' has the schema false, so no object satisfies it")
+        del props[key]
     patterns = out.get("patternProperties") or {}
     extra = out.get("additionalProperties", True)
     names = out.get("propertyNames")
@@ -410,7 +431,7 @@ def _object(out: dict, where: str, param: str) -> dict:
         for key in required:
             if key in props:
                 continue
-            match = [sub for p, sub in patterns.items() if _search(p, key)]
+            match = [sub for p, sub in patterns.items() if search(p, key)]
             if len(match) > 1:
                 raise refuse(f"the required key '{key}' is not in properties and matches several patternProperties, "
                              "which constrained decoding cannot enforce together")
@@ -421,7 +442,7 @@ def _object(out: dict, where: str, param: str) -> dict:
             props[key] = {} if sub is True else sub
         if names is not None:
             for key in list(props):
-                if not _name_ok(names, key):
+                if not name_ok(names, key):
                     if key in required:
                         raise refuse(f"the required key '{key}' breaks propertyNames, so no object satisfies it")
                     del props[key]  # a key no valid object has
@@ -440,7 +461,7 @@ def _object(out: dict, where: str, param: str) -> dict:
         out["patternProperties"] = patterns
     for key in props:
         for p in patterns:
-            if _search(p, key):
+            if search(p, key):
                 raise refuse(f"the key '{key}' is in properties (or required) and matches the patternProperties "
                              f"'{p}', which constrained decoding cannot keep from writing it twice; rename the key "
                              "or narrow the pattern")
@@ -452,6 +473,9 @@ def _object(out: dict, where: str, param: str) -> dict:
         out["properties"] = props
     if "properties" in out and not any(k in out for k in _OPEN_BY_DESIGN) and set(required) <= set(props):
         out["additionalProperties"] = False  # (the module docstring says why; `"properties": {}` too: only {})
+    if forbidden and (out.get("additionalProperties", True) is not False or patterns):
+        raise refuse(f"the key '{forbidden[0]}' is forbidden (false) while other keys are allowed, which constrained "
+                     "decoding cannot keep it from writing as one of them; set additionalProperties to false")
     return out
 
 
@@ -603,21 +627,6 @@ def _optional_groups(pattern: str) -> str:
         out.append(ch)
         i += 1
     return "".join(out)
-
-
-def _search(pattern: str, key: str) -> bool:
-    """Whether a JSON Schema pattern (unanchored, as patternProperties' are) matches `key`; a pattern
-    Python cannot read counts as matching (the cautious answer for the checks above)."""
-    try:
-        return re.search(pattern, key) is not None
-    except re.error:
-        return True
-
-
-def _name_ok(names: Any, key: str) -> bool:
-    import jsonschema
-
-    return jsonschema.Draft202012Validator(names).is_valid(key)
 
 
 def embedded(schema: Any, at: str) -> Any:

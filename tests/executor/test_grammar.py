@@ -308,6 +308,85 @@ def test_schemas_are_served_as_the_values_they_admit(backend, schema, good, bad)
         assert accepts(backend, compiled, doc) == (doc in good), doc
 
 
+# Keywords beside a composition, or without a `type`: xgrammar dropped them, and each `bad` document here was
+# one a model wrote, finish_reason "stop" (JSON Schema applies them together with the composition)
+COMPOSED_CASES = [
+    ({"$defs": {"n": {"type": "integer"}}, "type": "object", "required": ["x"], "additionalProperties": False,
+      "properties": {"x": {"$ref": "#/$defs/n", "minimum": 100, "maximum": 101}}}, ['{"x": 100}'], ['{"x": 3}']),
+    ({"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "format": "date"}, ['"2024-01-02"'], ['"hello"']),
+    ({"$defs": {"a": {"type": "array", "items": {"type": "integer"}}}, "$ref": "#/$defs/a", "maxItems": 1},
+     ["[1]"], ["[1, 2]", '["a"]']),
+    ({"$defs": {"tree": {"type": "object", "required": ["v"], "properties": {
+        "v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/tree"}}}}},
+      "$ref": "#/$defs/tree", "properties": {"v": {"maximum": 3}}},  # the root only: its children stay the tree
+     ['{"v": 1, "kids": [{"v": 9}]}'], ['{"v": 9}']),
+    ({"anyOf": [{"type": "integer"}, {"type": "null"}], "maximum": 5}, ["3", "null"], ["1902210703"]),
+    ({"type": "integer", "anyOf": [{"minimum": 100, "maximum": 101}, {"minimum": 200, "maximum": 201}]},
+     ["100", "201"], ['"hi"', "150"]),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+      "additionalProperties": False, "oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
+     ['{"a": 1}', '{"b": "x"}'], ['{"a": "To Summarize"}', "{}"]),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+      "allOf": [{"properties": {"a": {"maximum": 3}}}]}, ['{"a": 3}'], ['{"a": 70}', "{}"]),
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                {"properties": {"b": {"type": "string"}}, "required": ["b"]}]}, ['{"a": 1, "b": "x"}'], ['{"a": 1}']),
+    ({"type": "object", "properties": {"kind": {"type": "string"}}, "required": ["kind"],
+      "anyOf": [{"properties": {"kind": {"const": "a"}}}, {"properties": {"kind": {"const": "b"}}}]},
+     ['{"kind": "a"}', '{"kind": "b"}'], ['{"kind": "c"}', "{}"]),
+    ({"maxLength": 2}, ['"ab"'], ['"Hello World"']),  # a schema without type: the kind its keywords constrain
+    ({"pattern": "^z+$"}, ['"zz"'], ['"Hello"']),
+    ({"format": "date"}, ['"2024-02-29"'], ['"hi"']),
+    ({"type": "object", "required": ["a", "b"], "properties": {"a": {"maximum": 5}, "b": {"minLength": 3}}},
+     ['{"a": 5, "b": "abc"}'], ['{"a": 700, "b": "abc"}', '{"a": 1, "b": "ab"}']),
+    ({"type": "object", "required": ["a"], "properties": {"a": {"exclusiveMinimum": 1000}}}, ['{"a": 1001}'],
+     ['{"a": 7}']),
+    ({"minimum": 1, "maxLength": 1}, ["1", '"a"'], ["0", '"ab"']),  # two kinds: either, each constrained
+    ({"type": "string", "enum": ["a", "bb"], "maxLength": 1}, ['"a"'], ['"bb"']),  # enums were written whole
+    ({"type": ["integer", "number"], "minimum": 2.5, "maximum": 3.5}, ["3", "2.75"], ["4"]),  # was a 400
+    ({"type": "array", "uniqueItems": False, "items": {"type": "integer"}}, ["[1, 1]"], ['["a"]']),  # was a 400
+    ({"type": "object", "properties": {"a": False, "b": {"type": "integer"}}, "additionalProperties": False},
+     ['{"b": 1}'], ['{"a": 1}']),  # was a 400
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "array", "minItems": 2, "maxItems": 2,
+      "items": [{"type": "string"}, {"type": "integer"}]}, ['["a", 1]'], ['[1, "a"]']),  # zod's tuples; was a 400
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "array",
+      "items": [{"type": "string"}], "additionalItems": {"type": "integer"}}, ['["a", 1, 2]'], ['["a", "b"]']),
+    ({"$schema": "http://json-schema.org/draft-04/schema#", "type": "integer", "minimum": 0,
+      "exclusiveMinimum": True, "maximum": 3}, ["1", "3"], ["0"]),
+    ({"$defs": {"a b": {"type": "integer"}}, "$ref": "#/$defs/a%20b"}, ["1"], ['"x"']),  # an escaped pointer
+]
+
+
+@pytest.mark.parametrize("schema,good,bad", COMPOSED_CASES)
+def test_keywords_beside_compositions_and_without_a_type_are_enforced(backend, schema, good, bad):
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)(
+        schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    compiled = served(backend, schema)
+    for doc in good + bad:
+        assert validator.is_valid(json.loads(doc)) == (doc in good), doc  # the oracle
+        assert accepts(backend, compiled, doc) == (doc in good), doc
+
+
+@pytest.mark.parametrize("schema,needle", [
+    ({"$defs": {"n": {"type": "integer"}}, "$ref": "#/$defs/n", "type": "string"}, "no value has type"),
+    ({"anyOf": [{"type": "integer"}, {"type": "null"}], "type": "string"}, "no branch of anyOf"),
+    ({"allOf": [{"type": "string", "pattern": "^a"}, {"pattern": "b$"}]}, "'pattern' is set differently"),
+    ({"allOf": [{"const": 1}, {"const": 2}]}, "two different consts"),
+    ({"type": "object", "required": ["a"], "additionalProperties": False, "allOf": [{"properties": {"b": {}}}]},
+     "the required key 'a'"),
+    ({"$defs": {"a": {"$ref": "#/$defs/b", "minimum": 1}, "b": {"$ref": "#/$defs/a", "maximum": 5}},
+      "$ref": "#/$defs/a"}, "refers back to itself"),
+    ({"type": "string", "enum": ["ab", "cd"], "maxLength": 1}, "no value of enum"),
+    ({"type": "object", "properties": {"a": False}, "required": ["a"]}, "required key 'a' has the schema false"),
+    ({"type": "object", "properties": {"a": False}, "additionalProperties": True}, "forbidden \\(false\\)"),
+    ({"$defs": {"x": {"type": "integer"}}, "$ref": "#x"}, "anchor"),
+    ({"$defs": {"s": {"type": "string", "format": "date"}}, "$ref": "#/$defs/s", "maxLength": 4}, "maxLength together"),
+])
+def test_compositions_that_cannot_be_combined_are_refused(schema, needle):
+    with pytest.raises(ParamError, match=needle) as e:
+        json_schema_output(schema, "response_format.json_schema.schema")
+    assert e.value.param == "response_format"
+
+
 @pytest.mark.parametrize("schema", [{"type": "string", "const": 5}, {"type": "boolean", "enum": [0, "no"]}])
 def test_an_enum_or_const_none_of_whose_values_has_the_type_is_a_400(backend, schema):
     with pytest.raises(ParamError, match="has type"):
@@ -327,7 +406,8 @@ def test_annotations_and_unknown_keywords_are_ignored_integer_sizes_are_bounds(b
     assert not accepts(backend, compiled, '{"n": 2147483648, "big": 1, "f": 1}')
     assert not accepts(backend, compiled, '{"n": 1, "big": 9223372036854775808, "f": 1}')
     for keyword in ("uniqueItems", "not", "if", "multipleOf", "dependentRequired", "unevaluatedProperties"):
-        value = {"not": {}, "if": {}, "dependentRequired": {}, "unevaluatedProperties": False}.get(keyword, 2)
+        value = {"uniqueItems": True, "not": {}, "if": {}, "dependentRequired": {"a": ["b"]},
+                 "unevaluatedProperties": False}.get(keyword, 2)
         with pytest.raises(ParamError, match=keyword):
             json_schema_output({"type": "object", keyword: value}, "response_format.json_schema.schema")
     with pytest.raises(ParamError, match="uri-template"):

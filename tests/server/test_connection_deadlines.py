@@ -120,11 +120,13 @@ def connect(port: int) -> socket.socket:
 
 
 def read_all(s: socket.socket) -> tuple[bytes, float]:
-    """Everything until the server closes, and when it closed (monotonic)."""
-    out = b""
+    """Everything until the server closes, and when it closed (monotonic). Read into a bytearray: `bytes +=`
+    copied the whole answer at each read, and a 32 MiB stream then read so slowly on a loaded machine that
+    the server's 1 s write timeout dropped it (loopback's receive window opens in large steps)."""
+    out = bytearray()
     while chunk := s.recv(65536):
         out += chunk
-    return out, time.monotonic()
+    return bytes(out), time.monotonic()
 
 
 def request(path: str = "/", body: bytes = b"", keep_alive: bool = False) -> bytes:
@@ -406,7 +408,8 @@ def small_window() -> socket.socket:
     return s
 
 
-def test_a_client_that_stops_reading_is_dropped_and_its_handler_ends(port: int) -> None:
+def test_a_client_that_stops_reading_is_dropped_and_its_handler_ends(port: int, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="mlaserve.server")
     with small_window() as s:
         s.connect(("127.0.0.1", port))
         s.sendall(flood_request("stuck"))
@@ -420,6 +423,7 @@ def test_a_client_that_stops_reading_is_dropped_and_its_handler_ends(port: int) 
         except ConnectionResetError:
             pass
     assert waited >= TIMEOUT * 0.9
+    assert f"its answer went unread for {TIMEOUT:g} s (--write-timeout)" in caplog.text  # the operator sees why
 
 
 def test_a_slow_steady_reader_gets_the_whole_answer(port: int) -> None:

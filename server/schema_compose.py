@@ -1,0 +1,344 @@
+"""JSON Schema composition rewritten into the forms the grammar engine enforces.
+
+xgrammar compiles `$ref`, `anyOf`/`oneOf` and `allOf` by their subschemas alone: keywords beside them were
+dropped (`{"$ref": "#/$defs/n", "maximum": 5}` wrote 70, `{"type": "integer", "anyOf": [...]}` wrote a
+string), and so were string and number keywords in a schema without `type` (`{"maxLength": 2}` wrote any
+string). JSON Schema applies keywords beside a composition together with it, so `composed` folds them in:
+
+- `{"$ref": R, ...beside}` is R's schema intersected with the keywords beside it (R inlined one level:
+  its own references stay references, so recursive definitions stay finite);
+- `{"allOf": [A, B], ...beside}` is A ∩ B ∩ beside;
+- `{"anyOf": [A, B], ...beside}` is anyOf [A ∩ beside, B ∩ beside] (oneOf likewise, still enforced as
+  anyOf); branches nothing satisfies are dropped;
+- a schema without `type`, `enum`, `const` or composition whose keywords constrain one kind of value
+  (`pattern`, `minimum`, `properties`, `minItems`, ...) is that kind; several kinds, anyOf of them.
+
+`intersect` is exact for what it merges: bounds take the tighter value, `type`s and `enum`s their common
+values, `required` the union, `properties` each property's two schemas (a key one side forbids is
+dropped), subschemas recursively. What it cannot merge exactly (two different `pattern`s or `format`s,
+two `prefixItems`, `patternProperties` meeting another schema's keys) is refused, naming the keyword, as
+is a result nothing satisfies. Every output of the rewritten schema matches the client's.
+
+`current_draft` first spells older drafts' forms in 2020-12's (validated by their own metaschema, they
+would otherwise be read wrongly): `items` as a list is `prefixItems` (with `additionalItems` as `items`),
+draft-04's boolean `exclusiveMinimum`/`exclusiveMaximum` the numeric bound.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.parse
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+Refuse = Callable[[str], NoReturn]  # raises the request's 400 with this message
+
+MISSING = object()
+# the keywords that constrain each kind of value (`format` is a string's unless it is an integer size)
+KIND_KEYWORDS = {
+    "string": ("pattern", "minLength", "maxLength", "format"),
+    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
+    "object": ("properties", "required", "additionalProperties", "patternProperties", "propertyNames",
+               "minProperties", "maxProperties"),
+    "array": ("items", "prefixItems", "minItems", "maxItems"),
+}
+INTEGER_FORMATS = ("int32", "int64")
+_COMPOSITION = ("$ref", "allOf", "anyOf", "oneOf")
+_DEFS = ("$defs", "definitions")
+# constraints folded into a composition beside them (annotations are not constraints; $defs stay put)
+_CONSTRAINTS = frozenset({"type", "enum", "const", *(k for ks in KIND_KEYWORDS.values() for k in ks)})
+_LOWER = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties")  # the larger one holds
+_UPPER = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties")  # the smaller one holds
+MAX_NODES = 4096  # subschemas the rewrite may add (anyOf beside anyOf multiplies their branches)
+
+
+def resolve(root: Any, ref: str) -> Any:
+    """The subschema a local `$ref` ("#", "#/$defs/a", JSON-pointer and percent escapes) points at, or
+    MISSING."""
+    node = root
+    for part in ref[2:].split("/") if ref.startswith("#/") else ([] if ref == "#" else [None]):
+        if part is None:
+            return MISSING
+        part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return MISSING
+    return node
+
+
+def current_draft(node: Any) -> Any:
+    """A copy of `node` with older drafts' spellings in 2020-12's (module docstring); a 2020-12 schema
+    comes back equal (a list `items` or a boolean exclusive bound is invalid there)."""
+    if isinstance(node, list):
+        return [current_draft(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: current_draft(v) for k, v in node.items()}
+    if isinstance(out.get("items"), list):
+        out["prefixItems"] = out.pop("items")
+        if "additionalItems" in out:
+            out["items"] = out.pop("additionalItems")
+    else:
+        out.pop("additionalItems", None)  # ignored without a list `items`, by every draft
+    for key, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(out.get(key), bool):  # draft-04: a flag on the bound beside it
+            if out.pop(key) and bound in out:
+                out[key] = out.pop(bound)
+    return out
+
+
+def composed(root: Any, refuse: Refuse, string_formats: frozenset[str]) -> Any:
+    """`root` with every composition's sibling keywords folded into it, and kinds written out (module
+    docstring). `refuse` for what cannot be merged exactly, or is satisfied by nothing."""
+    inlining: list[str] = []  # the references being inlined, innermost last: one coming back is a loop
+    budget = [MAX_NODES + 4 * _count(root)]  # (a rewritten subtree is walked again)
+
+    def spend(where: str) -> None:
+        budget[0] -= 1
+        if budget[0] < 0:
+            refuse(f"the schema's compositions (anyOf beside anyOf, $ref with keywords beside it) expand it past "
+                   f"what constrained decoding is given to write out (at {where or '/'}); write the combinations "
+                   "out, or simplify them")
+
+    def walk(node: Any, where: str) -> Any:
+        if not isinstance(node, dict):
+            return node
+        spend(where)
+        out = dict(node)
+        for key in ("properties", "patternProperties", *_DEFS):
+            if isinstance(out.get(key), dict):
+                out[key] = {k: walk(v, f"{where}/{key}/{k}") for k, v in out[key].items()}
+        for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+            if isinstance(out.get(key), list):
+                out[key] = [walk(v, f"{where}/{key}/{i}") for i, v in enumerate(out[key])]
+        for key in ("items", "additionalProperties", "propertyNames"):
+            out[key] = walk(out[key], f"{where}/{key}") if key in out else MISSING
+            if out[key] is MISSING:
+                del out[key]
+        return fold(out, where)
+
+    def inlined(node: Any, where: str) -> Any:
+        """`node` with its top-level `$ref` replaced by what it points at, intersected with the rest."""
+        if not isinstance(node, dict) or not isinstance(node.get("$ref"), str):
+            return node
+        ref = node["$ref"]
+        if ref in inlining:
+            refuse(f"the $ref '{ref}' (at {where}) has keywords beside it and refers back to itself through them, "
+                   "so it cannot be written out; move the keywords into the referenced schema")
+        target = resolve(root, ref)
+        if target is MISSING:
+            refuse(f"the $ref '{ref}' (at {where}) points at nothing in the schema")
+        inlining.append(ref)
+        try:
+            target = inlined(walk(target, where), where)
+        finally:
+            inlining.pop()
+        rest = {k: v for k, v in node.items() if k != "$ref"}
+        if isinstance(target, dict):
+            target = {k: v for k, v in target.items() if k not in _DEFS}  # (they stay where they are)
+        return intersect(target, rest, where, refuse)
+
+    def fold(node: dict, where: str) -> Any:
+        beside = {k: v for k, v in node.items() if k in _CONSTRAINTS}
+        if isinstance(node.get("$ref"), str) and beside:
+            keep = {k: v for k, v in node.items() if k in _DEFS}
+            return walk(_with(inlined(node, where), keep), where)
+        if isinstance(node.get("allOf"), list):
+            keep = {k: v for k, v in node.items() if k in _DEFS}
+            merged: Any = {k: v for k, v in node.items() if k != "allOf" and k not in _DEFS}
+            for i, part in enumerate(node["allOf"]):
+                merged = intersect(merged, inlined(part, f"{where}/allOf/{i}"), where, refuse)
+            return walk(_with(merged, keep), where)
+        if isinstance(node.get("anyOf"), list) and isinstance(node.get("oneOf"), list):  # both must hold
+            node = {k: v for k, v in node.items() if k != "oneOf"}
+            node["anyOf"] = [intersect(a, b, where, refuse) for a in node["anyOf"] for b in node["oneOf"]]
+        for key in ("anyOf", "oneOf"):
+            if isinstance(node.get(key), list) and beside:
+                rest = {k: v for k, v in node.items() if k not in _CONSTRAINTS and k != key}
+                branches = []
+                for i, branch in enumerate(node[key]):
+                    spend(where)
+                    b = intersect(inlined(branch, f"{where}/{key}/{i}"), beside, f"{where}/{key}/{i}", refuse,
+                                  strict=False)
+                    if b is not False:
+                        branches.append(walk(b, f"{where}/{key}/{i}"))
+                if not branches:
+                    refuse(f"no branch of {key} (at {where}) can hold together with the keywords beside it "
+                           f"({', '.join(sorted(beside))}), so nothing satisfies the schema; change it")
+                return {**rest, key: branches}
+        if isinstance(node.get(key := "anyOf"), list) or isinstance(node.get(key := "oneOf"), list):
+            branches = [b for b in node[key] if b is not False]  # a branch nothing satisfies adds nothing
+            if not branches:
+                refuse(f"every branch of {key} (at {where}) is false, so nothing satisfies the schema")
+            return {**node, key: branches}
+        return _kinds(node, string_formats)
+
+    return walk(root, "") if isinstance(root, dict) else root
+
+
+def _count(node: Any) -> int:
+    """How many JSON objects `node` holds (itself included), without recursion."""
+    count, stack = 0, [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, dict):
+            count += 1
+            stack.extend(n.values())
+        elif isinstance(n, list):
+            stack.extend(n)
+    return count
+
+
+def _with(node: Any, defs: dict) -> Any:
+    return {**node, **defs} if isinstance(node, dict) and defs else node
+
+
+def _kinds(node: dict, string_formats: frozenset[str]) -> dict:
+    """A schema with no `type`, `enum`, `const` or composition: the kind its keywords constrain, written as
+    its `type` (keywords of several kinds: anyOf one schema for each). JSON Schema lets values of other
+    kinds through untouched, which xgrammar took as leave to write anything: a narrowing, as objects'."""
+    if any(k in node for k in ("type", "enum", "const", *_COMPOSITION)):
+        return node
+    fmt = node.get("format")
+
+    def constrains(kind: str, key: str) -> bool:
+        if key != "format":
+            return key in node
+        return fmt in string_formats if kind == "string" else kind == "number" and fmt in INTEGER_FORMATS
+
+    kinds = {kind: [k for k in keys if constrains(kind, k)] for kind, keys in KIND_KEYWORDS.items()}
+    kinds = {kind: keys for kind, keys in kinds.items() if keys}
+    if not kinds:
+        return node
+    if len(kinds) == 1:
+        kind = next(iter(kinds))
+        return {**node, "type": "integer" if kind == "number" and fmt in INTEGER_FORMATS else kind}
+    owned = {k for keys in kinds.values() for k in keys}
+    rest = {k: v for k, v in node.items() if k not in owned}
+    return {**rest, "anyOf": [_kinds({k: node[k] for k in keys}, string_formats) for keys in kinds.values()]}
+
+
+def _same(a: Any, b: Any) -> bool:
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)  # (1 is not true, as JSON says)
+
+
+def _type_set(t: Any) -> set[str]:
+    return set(t) if isinstance(t, list) else {t}
+
+
+def intersect(a: Any, b: Any, where: str, refuse: Refuse, *, strict: bool = True) -> Any:
+    """The schema of the values both `a` and `b` admit (module docstring), or False where none are (with
+    `strict`, a refusal instead: nothing satisfies the schema)."""
+    if a is True or a == {}:
+        return b
+    if b is True or b == {}:
+        return a
+    if a is False or b is False:
+        return _none(where, "a subschema is false", refuse, strict)
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return _none(where, "a subschema is not a schema", refuse, strict)
+    out: dict[str, Any] = {}
+    for key in [*a, *(k for k in b if k not in a)]:
+        if key not in b or key not in a or _same(a[key], b[key]):
+            out[key] = a[key] if key in a else b[key]
+        elif key == "type":
+            ta, tb = _type_set(a[key]), _type_set(b[key])
+            common = (ta & tb) | ({"integer"} if ("number" in ta and "integer" in tb)
+                                  or ("integer" in ta and "number" in tb) else set())
+            if not common:
+                return _none(where, f"no value has type {json.dumps(a[key])} and type {json.dumps(b[key])}",
+                             refuse, strict)
+            order = a[key] if isinstance(a[key], list) else [a[key]]
+            kept = [t for t in order if t in common] + sorted(common - set(order))
+            out[key] = kept[0] if len(kept) == 1 else kept
+        elif key in _LOWER:
+            out[key] = max(a[key], b[key])
+        elif key in _UPPER:
+            out[key] = min(a[key], b[key])
+        elif key == "required":
+            out[key] = [*a[key], *(k for k in b[key] if k not in a[key])]
+        elif key == "enum":
+            out[key] = [v for v in a[key] if any(_same(v, w) for w in b[key])]
+            if not out[key]:
+                return _none(where, "no value is in both enums", refuse, strict)
+        elif key == "const":
+            return _none(where, "two different consts must both hold", refuse, strict)
+        elif key in ("items", "additionalProperties", "propertyNames"):
+            out[key] = intersect(a[key], b[key], f"{where}/{key}", refuse)
+        elif key in _DEFS:
+            clash = [n for n in a[key] if n in b[key] and not _same(a[key][n], b[key][n])]
+            if clash:
+                refuse(f"two schemas composed at {where} define '{key}/{clash[0]}' differently; rename one")
+            out[key] = {**a[key], **b[key]}
+        elif key == "properties":
+            continue  # below, with the other side's rule for keys it does not list
+        elif key in _CONSTRAINTS or key in ("anyOf", "oneOf", "allOf", "$ref"):
+            refuse(f"'{key}' is set differently in schemas that must both hold (at {where}), which constrained "
+                   "decoding cannot combine; merge them into one schema")
+        else:
+            out[key] = a[key]  # an annotation: either will do (the compiled schema leaves them out)
+    if "enum" in out and "const" in out:
+        if not any(_same(out["const"], v) for v in out["enum"]):
+            return _none(where, "the const is not in the enum", refuse, strict)
+        del out["enum"]
+    if "properties" in a or "properties" in b:
+        props = _properties(a, b, where, refuse)
+        missing = [k for k in out.get("required", ()) if props.get(k, True) is False]
+        if missing:
+            return _none(where, f"the required key '{missing[0]}' is forbidden by one of the schemas", refuse, strict)
+        out["properties"] = {k: v for k, v in props.items() if v is not False}
+    for x, y in ((a, b), (b, a)):  # one side's prefixItems, the other's items: each item must hold both
+        if "prefixItems" in x and "prefixItems" not in y and "items" in y:
+            out["prefixItems"] = [intersect(p, y["items"], f"{where}/prefixItems/{i}", refuse)
+                                  for i, p in enumerate(x["prefixItems"])]
+            if "items" not in x:
+                out["items"] = y["items"]
+    return out
+
+
+def _properties(a: dict, b: dict, where: str, refuse: Refuse) -> dict[str, Any]:
+    """Each key either side lists: what each side lets that key be (its `properties` entry and the
+    `patternProperties` matching it, else its `additionalProperties`; False where `propertyNames` refuses
+    the name), intersected; False for a key one side forbids."""
+    def rule(side: dict, key: str) -> Any:
+        listed = side.get("properties") or {}
+        rules = [listed[key]] if key in listed else []
+        rules += [sub for p, sub in (side.get("patternProperties") or {}).items() if search(p, key)]
+        if not rules:
+            rules = [side.get("additionalProperties", True)]
+        if "propertyNames" in side and not name_ok(side["propertyNames"], key):
+            return False
+        out: Any = True
+        for sub in rules:
+            out = intersect(out, sub, f"{where}/properties/{key}", refuse, strict=False)
+        return out
+
+    pa, pb = a.get("properties") or {}, b.get("properties") or {}
+    return {k: intersect(rule(a, k), rule(b, k), f"{where}/properties/{k}", refuse, strict=False)
+            for k in [*pa, *(k for k in pb if k not in pa)]}
+
+
+def _none(where: str, why: str, refuse: Refuse, strict: bool) -> bool:
+    if strict:
+        refuse(f"{why} (at {where or '/'}), so nothing satisfies the schema; change it")
+    return False
+
+
+def search(pattern: str, key: str) -> bool:
+    """Whether a JSON Schema pattern (unanchored, as patternProperties' are) matches `key`; a pattern
+    Python cannot read counts as matching (the cautious answer for the checks that ask)."""
+    try:
+        return re.search(pattern, key) is not None
+    except re.error:
+        return True
+
+
+def name_ok(names: Any, key: str) -> bool:
+    """Whether `key` satisfies a `propertyNames` schema."""
+    import jsonschema
+
+    return jsonschema.Draft202012Validator(names).is_valid(key)
