@@ -18,10 +18,15 @@ from server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 class ShownLogprob(NamedTuple):
     """A token's logprob, released once its text is sent; `offset`: where that text starts in the choice's
-    generated text (for the completions API's `text_offset`)."""
+    generated text (for the completions API's `text_offset`), `end` where it ends (-1: where it starts)."""
 
     lp: TokenLogprob
     offset: int
+    end: int = -1
+
+    def overlaps(self, start: int, end: int) -> bool:
+        """Whether the token's text is in the span [start, end): it starts there, or runs into it."""
+        return start <= self.offset < end or self.offset < start < self.end
 
 
 class _Pending(NamedTuple):
@@ -127,9 +132,9 @@ class ChoiceText:
             # waits until the text after it goes
             while pending and (pending[0].end < self._sent or pending[0].start < pending[0].end == self._sent):
                 p = pending.popleft()
-                out.append(ShownLogprob(p.lp, p.start))
+                out.append(ShownLogprob(p.lp, p.start, p.end))
         else:  # the end: what the text shows goes; after a stop string's cut, nothing past it
-            out = [ShownLogprob(p.lp, p.start) for p in pending if not hit or p.start < self._sent]
+            out = [ShownLogprob(p.lp, p.start, p.end) for p in pending if not hit or p.start < self._sent]
             pending.clear()
         return out
 

@@ -99,10 +99,18 @@ class Serializer:
     def choice_index(self, r: EngineRequest, index: int) -> int:
         return r.prompt_index * self.n + index
 
-    def usage(self) -> UsageInfo:
-        prompt = sum(len(r.prompt_ids) for r in self.requests)
-        completion = sum(c.completion_tokens for r in self.requests for c in r.choices)
-        return UsageInfo.of(prompt, completion, sum(r.cached_tokens for r in self.requests))
+    def usage(self, k: int | None = None) -> UsageInfo:
+        """The usage so far: of the whole response, or of choice k alone (its prompt and its own tokens, what
+        each chunk of vLLM's `continuous_usage_stats` stream carries)."""
+        requests = self.requests if k is None else [r for r in self.requests if r.prompt_index == k // self.n]
+        prompt = sum(len(r.prompt_ids) for r in requests)
+        completion = sum(c.completion_tokens for r in requests for j, c in enumerate(r.choices)
+                         if k is None or self.choice_index(r, j) == k)
+        return UsageInfo.of(prompt, completion, sum(r.cached_tokens for r in requests))
+
+    def chunk_usage(self, choices: list[Any]) -> UsageInfo:
+        """A `continuous_usage_stats` chunk's usage: its choice's (the whole response's on a chunk of none)."""
+        return self.usage(choices[0].index if len(choices) == 1 else None)
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -193,6 +201,7 @@ class ChatSerializer(Serializer):
         # streamed, per choice: logprobs of tokens none of whose text has gone out yet as answer text
         self.unplaced: dict[int, list[ShownLogprob]] = {}
         self.answered: dict[int, int] = {}  # streamed: where in its generated text the answer sent so far ends
+        self.logprobs_sent: set[int] = set()  # streamed: choices that have sent a `logprobs` object
         if tok is not None and self.reasoning_kind != "none":
             self.tag_ids = single_token_tags(lambda t: tok.encode(t, add_special_tokens=False))
             self.call_id = single_token_call(lambda t: tok.encode(t, add_special_tokens=False))
@@ -215,12 +224,16 @@ class ChatSerializer(Serializer):
         """Choice i's new text split into reasoning and answer (all answer without a reasoning parser)."""
         if self.reasoning_kind == "none":
             return Split("", text)
+        return self.reasoner(i).feed(text, ids, final)
+
+    def reasoner(self, i: int) -> ChoiceReasoning:
+        """Choice i's reasoning parser, started where the prompt leaves it (made on first use)."""
         reasoner = self.reasoners.get(i)
         if reasoner is None:
             reasoner = self.reasoners[i] = ChoiceReasoning(
                 self.reasoning_kind, self.prompts[0][1] if self.prompts else "",
                 self.body.continued_text() if isinstance(self.body, ChatInput) else None, self.tag_ids, self.call_id)
-        return reasoner.feed(text, ids, final)
+        return reasoner
 
     def add(self, r: EngineRequest, index: int, text: str, ids: list[int], lps: list[ShownLogprob]) -> None:
         super().add(r, index, text, ids, lps)
@@ -230,14 +243,14 @@ class ChatSerializer(Serializer):
         whole.reasoning += part.reasoning
         whole.content += part.content
 
-    def usage(self) -> UsageInfo:
-        usage = super().usage()
+    def usage(self, k: int | None = None) -> UsageInfo:
+        usage = super().usage(k)
         if self.reasoning_kind == "none":
             return usage
         prompt, completion, cached = usage.prompt_tokens, usage.completion_tokens, None
         if usage.prompt_tokens_details is not None:
             cached = usage.prompt_tokens_details.cached_tokens
-        reasoning = sum(r.tokens.count for r in self.reasoners.values())
+        reasoning = sum(r.tokens.count for i, r in self.reasoners.items() if k is None or i == k)
         return UsageInfo.of(prompt, completion, cached, reasoning_tokens=reasoning)
 
     # a call forced by a named tool_choice ends with "stop", as OpenAI's (and vLLM's) do
@@ -258,7 +271,7 @@ class ChatSerializer(Serializer):
         return [ChatTokenLogprob(token=self.token_text(lp.token_id), logprob=lp.logprob, bytes=self.token_bytes(lp.token_id),
                                  top_logprobs=[TopLogprob(token=self.token_text(t), logprob=v, bytes=self.token_bytes(t))
                                                for t, v in lp.top])
-                for lp, _ in lps]
+                for lp, *_ in lps]
 
     def chat_logprobs(self, lps: list[ShownLogprob]) -> ChatChoiceLogprobs | None:
         return ChatChoiceLogprobs(content=self.token_logprobs(lps)) if self.body.logprobs else None
@@ -273,7 +286,7 @@ class ChatSerializer(Serializer):
         start, end = max(generated.rfind(split.content), 0), len(generated)
         if content != split.content and (at := generated.find(content, start)) >= 0:
             start, end = at, at + len(content)
-        return [s for s in lps if start <= s.offset < end]
+        return [s for s in lps if s.overlaps(start, end)]  # (" Answer" after `</think>`, its space stripped)
 
     def placed_logprobs(self, i: int, lps: list[ShownLogprob], raw: str, text: str,
                         elsewhere: bool) -> list[ShownLogprob]:
@@ -284,7 +297,9 @@ class ChatSerializer(Serializer):
         One delta may hold several tokens (a speculative step's), some of them reasoning or a call's markup.
         With nothing answered, tokens whose text went elsewhere are dropped. A token released with no new
         text, whose text starts inside the answer sent before, goes now: the last token before a stop string,
-        whose text the stop string cut (its first characters were sent with the token before it)."""
+        whose text the stop string cut (its first characters were sent with the token before it). A token
+        whose first characters went out before it was released (held back as a possible stop string) goes
+        with the delta that finishes its text."""
         if not self.body.logprobs:
             return []
         generated = self.texts[i] = self.texts.get(i, "") + raw  # (what `add` keeps when not streamed)
@@ -301,7 +316,7 @@ class ChatSerializer(Serializer):
             return pending
         end = self.answered[i] = at + len(text)
         self.unplaced[i] = [s for s in pending if s.offset >= end]
-        return [s for s in pending if at <= s.offset < end]
+        return [s for s in pending if s.overlaps(at, end)]
 
     def message(self, split: Split) -> tuple[ChatResponseMessage, Any]:
         """The whole message of a choice: its reasoning apart, its answer through a fresh tool-call parser
@@ -351,7 +366,7 @@ class ChatSerializer(Serializer):
 
     def chunk(self, choices: list[Any], **extra: Any) -> ChatCompletionChunk:
         if self.body.continuous_usage and "usage" not in extra:  # the usage so far on every chunk
-            extra["usage"] = self.usage()
+            extra["usage"] = self.chunk_usage(choices)
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.state.model_name, choices=choices,
                                    **extra).usage_null(self.body.include_usage)
 
@@ -387,28 +402,44 @@ class ChatSerializer(Serializer):
     def text_chunk(self, i: int, field: str, text: str) -> ChatCompletionChunk:
         return self.chunk([ChatCompletionChunkChoice(index=i, delta=DeltaMessage(**{field: text}))])
 
+    def placed_delta(self, r: EngineRequest, index: int, text: str, ids: list[int], lps: list[ShownLogprob]
+                     ) -> tuple[str, str, list[ToolCallDelta], Any, list[ShownLogprob]]:
+        """`parse_delta`, and the logprobs that go with the delta's answer text (`placed_logprobs`)."""
+        i = self.choice_index(r, index)
+        was_reasoning = self.reasoning_kind != "none" and self.reasoner(i).parser.in_reasoning
+        reasoning, answer, deltas, parser = self.parse_delta(r, index, text, ids)
+        ended = was_reasoning and not self.reasoners[i].parser.in_reasoning  # (its `</think>`'s text went nowhere)
+        return reasoning, answer, deltas, parser, self.placed_logprobs(i, lps, text, answer,
+                                                                       bool(reasoning or deltas or ended))
+
     def stream_delta(self, r, index, text, ids, lps):
         choice = r.choices[index]
         i = self.choice_index(r, index)
         out = []
-        raw = text
-        reasoning, text, deltas, parser = self.parse_delta(r, index, text, ids)
-        lps = self.placed_logprobs(i, lps, raw, text, bool(reasoning or deltas))
+        reasoning, text, deltas, parser, lps = self.placed_delta(r, index, text, ids, lps)
         reasoning = reasoning or None
         calls = [_delta_tool_call(d) for d in deltas] or None
+        ids_out = ids if self.body.return_token_ids else None
+        finished = choice.finish_reason is not None
+        # logprobs with no text of their own (a token the stop string cut) go with the finish, not in a chunk of
+        # empty content; a choice that never sent logprobs sends its empty list there, as the whole reply has
+        # `{"content": []}`
+        late = bool(self.body.logprobs) and finished and not (text or reasoning or calls or ids_out) and \
+            (bool(lps) or i not in self.logprobs_sent)
         plain = not (calls or self.body.return_token_ids or self.body.logprobs)  # then one field, nothing else
         if plain and bool(text) != bool(reasoning):
             out.append(self.text_event(i, "content", text) if text else self.text_event(i, "reasoning_content", reasoning))
-        elif text or reasoning or calls or (self.body.return_token_ids and ids) or (self.body.logprobs and lps):
+        elif not late and (text or reasoning or calls or ids_out or (self.body.logprobs and lps)):
             out.append(self.chunk([ChatCompletionChunkChoice(
                 index=i, delta=DeltaMessage(content=text if text or not (calls or reasoning) else None,
                                             reasoning_content=reasoning, tool_calls=calls),
-                logprobs=self.chat_logprobs(lps), token_ids=ids if self.body.return_token_ids else None,
+                logprobs=self.chat_logprobs(lps), token_ids=ids_out,
             )]))
-        if choice.finish_reason is not None:
+            self.logprobs_sent.add(i)
+        if finished:
             out.append(self.chunk([ChatCompletionChunkChoice(
                 index=i, delta=DeltaMessage(), finish_reason=self.finish_reason(choice.finish_reason, parser),
-                stop_reason=choice.stop_reason)]))
+                stop_reason=choice.stop_reason, logprobs=self.chat_logprobs(lps) if late else None)]))
         return out
 
 
@@ -620,9 +651,7 @@ class ResponsesSerializer(ChatSerializer):
         return self.token_logprobs(self.content_logprobs(0, self.requests[0].choices[0].logprobs, split, content))
 
     def stream_delta(self, r, index, text, ids, lps):
-        raw = text
-        reasoning, text, deltas, _ = self.parse_delta(r, index, text, ids)
-        shown = self.placed_logprobs(0, lps, raw, text, bool(reasoning or deltas))
+        reasoning, text, deltas, _, shown = self.placed_delta(r, index, text, ids, lps)
         out = self.items.reasoning(reasoning) + self.items.text(text, self.token_logprobs(shown))
         for d in deltas:
             out += self.items.call(d)
@@ -659,7 +688,7 @@ class CompletionSerializer(Serializer):
             for token, lp in zip(r.prompt_ids, r.prompt_logprobs):
                 self._append_logprob(out, token, lp, min(offset, base))
                 offset += len(text.decode(bytes(self.token_bytes(token))))
-        for lp, at in lps:
+        for lp, at, _ in lps:
             self._append_logprob(out, lp.token_id, lp, base + at)
         return out
 
@@ -714,7 +743,7 @@ class CompletionSerializer(Serializer):
 
     def chunk(self, choices: list[Any], **extra: Any) -> CompletionChunk:
         if self.body.continuous_usage and "usage" not in extra:  # the usage so far on every chunk
-            extra["usage"] = self.usage()
+            extra["usage"] = self.chunk_usage(choices)
         return CompletionChunk(id=self.id, created=self.created, model=self.state.model_name, choices=choices,
                                **extra).usage_null(self.body.include_usage)
 

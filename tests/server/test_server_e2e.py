@@ -322,6 +322,34 @@ def test_logprobs_end_where_the_text_ends(server, client, tok):
     assert "".join(ch.delta.content or "" for c in chunks for ch in c.choices) == cut_chat.message.content
 
 
+def test_streamed_chat_logprobs_join_to_the_whole_replys_whatever_stop_strings_hold_back(server, client):
+    """A token whose last character may begin a stop string has its text held back: its first characters
+    went out with one delta, the rest with the next, and its logprob was lost streamed (released with the
+    rest, it was taken for a token before the answer). Stop strings that never match hold back every token
+    here: the streamed logprobs are the whole reply's all the same. A reply cut before any content sends
+    `{"content": []}` as the whole reply has it (the stream sent none)."""
+    kw = dict(model=server_model_id(server), messages=MSG, max_tokens=24, temperature=0, logprobs=True,
+              top_logprobs=2, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw).choices[0]
+    tokens = [t.token for t in whole.logprobs.content]
+    assert "".join(tokens) == whole.message.content and len(tokens) == 24
+    stops = sorted({t[-1] + "\u2603" for t in tokens if t})[:4]  # (a snowman: they never match)
+    for stop in ([], stops):
+        chunks = list(client.chat.completions.create(**kw, stop=stop or None, stream=True))
+        got = [t for c in chunks for ch in c.choices if ch.logprobs and ch.logprobs.content for t in ch.logprobs.content]
+        assert [t.token for t in got] == tokens, stop
+        assert [t.logprob for t in got] == pytest.approx([t.logprob for t in whole.logprobs.content], abs=1e-4)
+        deltas = [ch.delta.content for c in chunks[1:] for ch in c.choices if ch.finish_reason is None]
+        assert "".join(deltas) == whole.message.content and "" not in deltas  # no chunk of empty content
+    cut = client.chat.completions.create(**{**kw, "stop": [whole.message.content[:2]]}).choices[0]
+    assert cut.message.content == "" and cut.logprobs.content == []
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60, headers={"Authorization": f"Bearer {KEY}"},
+                      json={**{k: v for k, v in kw.items() if k != "extra_body"}, "ignore_eos": True,
+                            "stop": [whole.message.content[:2]], "stream": True}) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    assert [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["finish_reason"]] == [{"content": []}]
+
+
 def test_completion_logprobs_0_lists_the_chosen_token(server):
     """The completions API's `logprobs: 0`: each generated token's entry in top_logprobs holds that token
     alone (as vLLM and OpenAI's legacy API), the echoed prompt's first token null (nothing predicts it)."""
@@ -965,6 +993,15 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server, path
         done = [u["completion_tokens"] for u in usages]
         assert done == sorted(done) and done[-1] == 6 and all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
                                                               for u in usages)
+    # n = 2: each chunk's usage is its own choice's, as vLLM's (the two choices' tokens were added up)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    with httpx.stream("POST", server.url + path, json={**body, "n": 2, "stream_options": options}, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
+    for k in (0, 1):
+        done = [c["usage"]["completion_tokens"] for c in chunks[:-1] if c["choices"][0]["index"] == k]
+        assert done == sorted(done) and done[-1] == 6, done
 
 
 def test_skip_special_tokens_false_writes_them(server, tok):

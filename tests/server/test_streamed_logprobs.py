@@ -22,7 +22,7 @@ def serializer() -> ChatSerializer:
 def tokens(pieces: list[str], start: int = 0) -> list[ShownLogprob]:
     out, at = [], start
     for p in pieces:
-        out.append(ShownLogprob(p, at))  # (the token's text stands for its logprob here)
+        out.append(ShownLogprob(p, at, at + len(p)))  # (the token's text stands for its logprob here)
         at += len(p)
     return out
 
@@ -33,14 +33,14 @@ def test_reasoning_and_its_end_in_the_answers_delta_are_left_out():
     assert ser.placed_logprobs(0, tokens(first), "".join(first), "", elsewhere=True) == []
     step = [" Alice", ".", "</", "think", ">", '{"', "name"]  # one speculative step: reasoning, its end, answer
     got = ser.placed_logprobs(0, tokens(step, len(" I read")), "".join(step), '{"name', elsewhere=True)
-    assert [lp for lp, _ in got] == ['{"', "name"]
+    assert [lp for lp, *_ in got] == ['{"', "name"]
 
 
 def test_a_calls_markup_after_the_answer_waits_and_is_dropped_with_the_call():
     ser = serializer()
     step = [" it", " now", ".", " <", "tool", "_", "call", ">"]  # the parser holds " <..." back
     got = ser.placed_logprobs(0, tokens(step), "".join(step), " it now.", elsewhere=False)
-    assert [lp for lp, _ in got] == [" it", " now", "."]
+    assert [lp for lp, *_ in got] == [" it", " now", "."]
     assert ser.placed_logprobs(0, [], "\n{", "", elsewhere=True) == []  # the call began: the markup goes
     assert ser.unplaced[0] == []
 
@@ -48,9 +48,9 @@ def test_a_calls_markup_after_the_answer_waits_and_is_dropped_with_the_call():
 def test_held_back_text_that_turns_out_answer_brings_its_tokens():
     ser = serializer()
     step = [" a", " <", "b"]
-    assert [lp for lp, _ in ser.placed_logprobs(0, tokens(step), "".join(step), " a", elsewhere=False)] == [" a"]
+    assert [lp for lp, *_ in ser.placed_logprobs(0, tokens(step), "".join(step), " a", elsewhere=False)] == [" a"]
     got = ser.placed_logprobs(0, tokens(["!"], 5), "!", " <b!", elsewhere=False)  # not a call after all
-    assert [lp for lp, _ in got] == [" <", "b", "!"]
+    assert [lp for lp, *_ in got] == [" <", "b", "!"]
 
 
 def test_a_token_whose_text_a_stop_string_cut_comes_with_no_new_text():
@@ -59,9 +59,45 @@ def test_a_token_whose_text_a_stop_string_cut_comes_with_no_new_text():
     logprob goes then (it was dropped). Tokens released with no text that start past the answer still wait."""
     ser = serializer()
     step = ["The", " capital", " of", " France"]
-    assert [lp for lp, _ in ser.placed_logprobs(0, tokens(step), "".join(step), "".join(step), elsewhere=False)] == step
+    assert [lp for lp, *_ in ser.placed_logprobs(0, tokens(step), "".join(step), "".join(step), elsewhere=False)] == step
     assert ser.placed_logprobs(0, [], " ", " ", elsewhere=False) == []  # " is" not released yet
     got = ser.placed_logprobs(0, tokens([" is"], len("The capital of France")), "", "", elsewhere=False)
-    assert [lp for lp, _ in got] == [" is"]
+    assert [lp for lp, *_ in got] == [" is"]
     later = tokens(["!"], len("The capital of France "))
     assert ser.placed_logprobs(0, later, "", "", elsewhere=False) == [] and ser.unplaced[0] == later
+
+
+def test_a_token_whose_first_characters_went_out_before_it_comes_with_the_rest():
+    """"The" with a stop string starting at its "e": "Th" went out, "e" was held back; the token was released
+    with the next delta ("e Roman") and, starting before that delta's text, was dropped (a probe found it)."""
+    ser = serializer()
+    assert ser.placed_logprobs(0, [], "Th", "Th", elsewhere=False) == []
+    got = ser.placed_logprobs(0, tokens(["The", " Roman"]), "e Roman", "e Roman", elsewhere=False)
+    assert [lp for lp, *_ in got] == ["The", " Roman"]
+
+
+def test_the_whole_replys_logprobs_keep_the_answers_first_token_whose_space_was_stripped():
+    """After `</think>` the reasoning parser strips the answer's leading space: " Instance"'s text starts one
+    character before the answer, and the whole reply left it out."""
+    from server.reasoning import Split
+
+    ser = serializer()
+    ser.texts = {0: "</think> Instance dt"}
+    got = ser.content_logprobs(0, tokens(["</think>", " Instance", " dt"]), Split("", "Instance dt"), "Instance dt")
+    assert [lp for lp, *_ in got] == [" Instance", " dt"]
+
+
+def test_an_end_of_reasoning_with_no_reasoning_is_left_out_of_the_answers_logprobs():
+    """`</think>` ending an empty reasoning went nowhere, but, with no reasoning text beside it, its logprob
+    waited and was sent with the answer's first token, each later one's shifted by one (a probe found it with
+    a repeated `</think>`)."""
+    ser = serializer()
+    ser.reasoning_kind, ser.reasoners, ser.n = "deepseek_r1", {}, 1
+    ser.prompts, ser.tag_ids, ser.call_id = [([], "<｜User｜>hi<｜Assistant｜><think>\n")], None, None
+    ser.tools = SimpleNamespace(new_parser=None)
+    r = SimpleNamespace(prompt_index=0, choices=[SimpleNamespace(finish_reason=None)])
+    sent = []
+    for k in range(3):
+        reasoning, answer, _, _, lps = ser.placed_delta(r, 0, "</think>", [7], tokens(["</think>"], 8 * k))
+        sent.append((answer, [off for _, off, _ in lps]))
+    assert sent == [("", []), ("</think>", [8]), ("</think>", [16])]
