@@ -158,6 +158,7 @@ class EngineClient:
         self._ready: asyncio.Future = loop.create_future()  # -> the EngineInfo of EngineReady
         self._exited = asyncio.Event()  # the process is gone and reaped
         self._dead_reason: str | None = None
+        self.label = ""  # what the log says before its reason for dying ("replica 1: ", where several run)
         self._shut_down = False
         self.on_dead: Callable[[str], None] | None = None  # called on the loop once, with the reason, when it dies
         self._load = 0  # completions sent and not ended (see the module docstring)
@@ -417,7 +418,7 @@ class EngineClient:
             self._silence_timer.cancel()
             self._silence_timer = None
         if not self._shut_down and self._ready.done():  # (before ready, whoever awaits start() reports it)
-            logger.error("%s", reason)
+            logger.error("%s%s", self.label, reason)
         self._outbox.put(_STOP)
         for stream in self._streams.values():
             stream.queue.put_nowait(self._error_output(stream.req))

@@ -214,6 +214,8 @@ class EngineReplicas:
         clients = [t.result() for t in tasks]
         if replicas > 1:
             logger.info("%d engine replicas ready (processes %s)", replicas, ", ".join(str(c.pid) for c in clients))
+            for i, c in enumerate(clients):
+                c.label = f"replica {i}: "  # (its death's log line says which)
         room = args.max_running_requests + args.max_queued_requests
         return cls(clients, PrefixRouter(replicas, room=room), bound=args.dp_attention)
 

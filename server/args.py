@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import sys
+import tempfile
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,15 +65,32 @@ def chat_template_value(value: str | None) -> str | None:
 
 
 def runtime_file_value(value: str | None) -> str | None:
-    """A --runtime-file that can be written: not a directory, under a directory (or one that can be made)."""
+    """A --runtime-file that can be written, found before anything loads: not a directory, not another kind
+    of file (the file is replaced, then removed at exit: a FIFO, a device such as /dev/stdout, or a file of
+    the user's was lost), in a directory that exists or can be made under one that takes a file (tried)."""
     if value is None or not value.strip():
         return None
     path = Path(value).absolute()
     if path.is_dir():
         return "is a directory (give a file path, e.g. /tmp/mlaserve/server.json)"
+    if path.exists() or path.is_symlink():
+        if not path.is_file():
+            return "exists and is not a regular file (it would be replaced, then removed at exit); give a new path"
+        try:
+            held = json.loads(path.read_text())
+        except (OSError, ValueError):
+            held = None
+        if not (isinstance(held, dict) and {"host", "port", "pid"} <= set(held)):
+            return "exists and is not a runtime file a server wrote (it would be replaced, then removed at exit); " \
+                   "remove it or give a new path"
     existing = next(p for p in path.parents if p.exists())  # "/" at worst
     if not existing.is_dir():
         return f"cannot be created: {existing} is not a directory"
+    try:  # (where its folders are still to be made, the folder they go in)
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=f".{path.name}."):
+            pass
+    except OSError as e:
+        return f"cannot be written in {existing} ({e.strerror or e})"
     return None
 
 
@@ -362,6 +381,9 @@ def _model_header(model: str) -> Callable[[str, str], Any] | None:
         return None
 
 
+MAX_PLANNED_LAYERS = 1 << 16  # layers a header may claim for the OmniKV check before the weights are read
+
+
 def omnikv_problem(model: str, config: str | None) -> str | None:
     """What makes the OmniKV config the server would use (--omnikv-config's, else the one shipped for a
     built-in model) not fit the model, read from its header before anything loads: the engine would find
@@ -370,7 +392,9 @@ def omnikv_problem(model: str, config: str | None) -> str | None:
 
     get = _model_header(model)
     layers = None if get is None else get("num_hidden_layers", "block_count")
-    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+    # a count no file holds is the loader's to refuse (against the tensors): the plan takes memory by layer, and a
+    # header's 2^31 took all of it before that check
+    if not isinstance(layers, int) or isinstance(layers, bool) or not 1 <= layers <= MAX_PLANNED_LAYERS:
         return None
     try:
         OmniKVConfig.for_model(model, layers, config)

@@ -289,6 +289,9 @@ def _logit_bias_id(key: str) -> int:
     return int(text)
 
 
+Seed = Annotated[StrictInt, Field(ge=-(1 << 63), le=(1 << 63) - 1)]  # int64, as vLLM takes it
+
+
 class _GenerationRequest(_Body):
     """Fields both APIs share: their JSON types and the rules of the API's shape. The ranges of the
     sampling values are not checked here but once, by `SamplingParams.validate` (a `ParamError`
@@ -354,7 +357,7 @@ class _GenerationRequest(_Body):
         return value
     # vLLM's extension: false writes special tokens (<|im_start|>, ...) into the text (EOS still ends it unseen)
     skip_special_tokens: StrictBool | None = True
-    seed: Annotated[StrictInt, Field(ge=-(1 << 63), le=(1 << 63) - 1)] | None = None  # int64, as vLLM takes it
+    seed: Seed | None = None
     presence_penalty: StrictFloat | None = 0.0
     frequency_penalty: StrictFloat | None = 0.0
     repetition_penalty: StrictFloat | None = None

@@ -47,6 +47,7 @@ from server.protocol import (
     ChatTokenLogprob,
     NoStructuredExtensions,
     ReasoningEffort,
+    Seed,
     _invalid,
     _Body,
     _Request,
@@ -149,6 +150,9 @@ class ResponsesRequest(_Body, NoStructuredExtensions):
     prompt: dict[str, Any] | None = None  # a stored prompt template: none are stored here
     # mlaserve extension, as on chat completions: OmniKV sparse attention for this request's decode
     omnikv: StrictBool | None = None
+    # extensions, as on chat completions (checked there): a seed makes a sampled response reproducible
+    seed: Seed | None = None
+    top_k: StrictInt | None = None
 
     @field_validator("include")
     @classmethod
@@ -340,7 +344,7 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     if not messages:
         raise ParamError("input", "input is required: a string, or a list with at least one message or function call")
     chat: dict[str, Any] = {"model": req.model, "messages": messages, "stream": bool(req.stream)}
-    for field in ("temperature", "top_p", "parallel_tool_calls", "user", "omnikv"):
+    for field in ("temperature", "top_p", "parallel_tool_calls", "user", "omnikv", "seed", "top_k"):
         if field in req.model_fields_set:
             chat[field] = getattr(req, field)
     if req.max_output_tokens is not None:

@@ -117,6 +117,11 @@ def parse_gguf(buf: mmap.mmap, path: Path) -> tuple[dict[str, Any], dict[str, Te
         raise CheckpointError(path, f"unsupported GGUF version {version}{hint} (supported: 2, 3)")
     num_tensors = cur.scalar(10, "tensor count")
     num_kv = cur.scalar(10, "metadata count")
+    # each entry takes some bytes at least (a key: its length, a type, a value; a tensor: its name's length, a
+    # dimension count, one dimension, a type, an offset): a count past what the file holds is said as such
+    if num_kv * 13 > cur.size - cur.pos:
+        raise CheckpointError(path, f"the header's metadata count {num_kv} is more than a file of {cur.size} bytes can "
+                              "hold: the file is corrupt")
     metadata: dict[str, Any] = {}
     for i in range(num_kv):
         key = cur.string(f"key of metadata entry {i}")
@@ -126,6 +131,9 @@ def parse_gguf(buf: mmap.mmap, path: Path) -> tuple[dict[str, Any], dict[str, Te
     alignment = metadata.get("general.alignment", 32)
     if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
         raise CheckpointError(path, f"metadata key 'general.alignment' must be a power of two, got {alignment!r}")
+    if num_tensors * 32 > cur.size - cur.pos:
+        raise CheckpointError(path, f"the header's tensor count {num_tensors} is more than a file of {cur.size} bytes "
+                              "can hold: the file is corrupt")
     raw_infos = []
     for i in range(num_tensors):
         name = cur.string(f"name of tensor {i}")

@@ -359,6 +359,17 @@ def test_gguf_tensor_count_one_short_is_refused(tmp_path):
     _fails(p, f"tensor count ({n - 1})")
 
 
+@pytest.mark.parametrize("at,what", [(8, "tensor count"), (16, "metadata count")])
+def test_gguf_counts_past_what_the_file_holds_are_said_as_such(tmp_path, at, what):
+    """A tensor or metadata count of 2^60 was reported as a truncated file ("name of tensor 272 needs ...
+    bytes"): the count is what is wrong."""
+    p = _small_gguf(tmp_path / "m.gguf")
+    data = bytearray(p.read_bytes())
+    struct.pack_into("<Q", data, at, 1 << 60)
+    p.write_bytes(bytes(data))
+    _fails(p, f"the header's {what} {1 << 60} is more than a file of {len(data)} bytes can hold")
+
+
 def test_gguf_data_past_the_last_tensor_is_refused(tmp_path):
     p = _small_gguf(tmp_path / "m.gguf")
     p.write_bytes(p.read_bytes() + bytes(4096))

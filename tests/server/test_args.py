@@ -41,7 +41,9 @@ BAD: dict[str, list[str]] = {
     "read-timeout": ["soon", "0", "-1", "nan"],
     "write-timeout": ["soon", "0", "-1", "nan"],
     "log-level": ["verbose", "INFO"],
-    "runtime-file": [str(TEMPLATES), f"{TEMPLATES}/qwen2_5.jinja/server.json"],
+    # a directory, under a file, a device (replaced, then removed at exit), a file not a server's, no folder to make
+    "runtime-file": [str(TEMPLATES), f"{TEMPLATES}/qwen2_5.jinja/server.json", "/dev/null",
+                     f"{TEMPLATES}/qwen2_5.jinja", "/proc/mlaserve-none/server.json"],
     "tool-call-parser": ["qwen", "HERMES", ""],
     "generation-config": ["vllm", "AUTO", "", "/models/m"],
     "chat-template": [f"{TEMPLATES}/missing.jinja", "template.j2", str(TEMPLATES), "{% if %}", "{{ messages"],
@@ -617,3 +619,28 @@ def test_every_peer_flag_names_a_flag_of_serve() -> None:
 
     ours = {f"--{f.name}" for f in SERVE_FLAGS}
     assert all(target.startswith("(") or target in ours for target in PEER_FLAGS.values()), PEER_FLAGS
+
+
+def test_a_runtime_file_a_server_left_may_be_replaced(tmp_path: Path) -> None:
+    """A runtime file a killed server left (JSON with host, port and pid) is replaced by the next one; a FIFO
+    at the path is refused (it was replaced by a file, then removed)."""
+    left = tmp_path / "server.json"
+    left.write_text('{"host": "127.0.0.1", "port": 8000, "pid": 1}')
+    assert parse_serve_args(["--runtime-file", str(left)], environ={}).runtime_file == str(left)
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(SystemExit):
+        parse_serve_args(["--runtime-file", str(tmp_path / "fifo")], environ={})
+
+
+def test_a_header_claiming_billions_of_layers_is_left_to_the_loader(tmp_path: Path) -> None:
+    """The OmniKV fit check planned the layers a header claimed before the weights were read: 2^31 - 1 of them
+    took all the memory there was (the OOM killer ended `serve`, nothing said). Run with 2 GB of address space."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 2147483647}')
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30)); "
+            "from server.args import omnikv_problem; "
+            f"assert omnikv_problem({str(model)!r}, None) is None; "
+            f"assert omnikv_problem({str(model)!r}, {str(FIXTURES / 'two_filters.json')!r}) is None; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -334,6 +334,8 @@ BAD = [
     ({"input": "hi", "include": ["reasoning.encrypted_content", "bogus"]}, 400, "include", "include.1: 'bogus'"),
     ({"input": "hi", "n": 2}, 400, "n", "one output"),
     ({"input": "hi", "reasoning": {"effort": "extreme"}}, 400, "reasoning.effort", None),
+    ({"input": "hi", "seed": "x"}, 400, "seed", None),
+    ({"input": "hi", "top_k": 1.5}, 400, "top_k", None),
     # the chat path's structured-output extensions: refused by name (they were ignored, the output free)
     ({"input": "hi", "structured_outputs": {"regex": "a+"}}, 400, "structured_outputs", "text.format"),
     ({"input": "hi", "regex": "a+"}, 400, "regex", "text.format"),
@@ -467,3 +469,11 @@ def test_reasoning_effort_reaches_the_chat_request():
     for effort in ("low", "high", "none"):
         chat = to_chat_request(ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": effort}}))
         assert chat.reasoning_effort == effort
+
+
+def test_seed_and_top_k_reach_the_chat_request():
+    """chat's `seed` and `top_k` extensions: a seeded response is reproducible (they were dropped unread)."""
+    from server.responses_api import ResponsesRequest, to_chat_request
+
+    chat = to_chat_request(ResponsesRequest.model_validate({"input": "hi", "seed": 3, "top_k": 5}))
+    assert (chat.seed, chat.top_k) == (3, 5)
