@@ -38,7 +38,7 @@ MISSING = object()
 # the keywords that constrain each kind of value (`format` is a string's unless it is an integer size)
 KIND_KEYWORDS = {
     "string": ("pattern", "minLength", "maxLength", "format"),
-    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
+    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "format"),
     "object": ("properties", "required", "additionalProperties", "patternProperties", "propertyNames",
                "minProperties", "maxProperties"),
     "array": ("items", "prefixItems", "minItems", "maxItems"),
@@ -51,6 +51,11 @@ _CONSTRAINTS = frozenset({"type", "enum", "const", *(k for ks in KIND_KEYWORDS.v
 _LOWER = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties")  # the larger one holds
 _UPPER = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties")  # the smaller one holds
 MAX_NODES = 4096  # subschemas the rewrite may add (anyOf beside anyOf multiplies their branches)
+# where a schema holds subschemas: name -> schema, [schema, ...], one schema
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_VALUES = ("items", "additionalProperties", "propertyNames", "not", "if", "then", "else", "contains")
+_ENTRY = re.compile(r"#/(\$defs|definitions)/[^/]+")  # a reference to a whole $defs entry
 
 
 def resolve(root: Any, ref: str) -> Any:
@@ -72,12 +77,20 @@ def resolve(root: Any, ref: str) -> Any:
 
 def current_draft(node: Any) -> Any:
     """A copy of `node` with older drafts' spellings in 2020-12's (module docstring); a 2020-12 schema
-    comes back equal (a list `items` or a boolean exclusive bound is invalid there)."""
-    if isinstance(node, list):
-        return [current_draft(v) for v in node]
+    comes back equal (a list `items` or a boolean exclusive bound is invalid there). Only subschemas are
+    read: a `const`, an `enum` value or a property named `items` is data, left as it is."""
     if not isinstance(node, dict):
         return node
-    out = {k: current_draft(v) for k, v in node.items()}
+    out = dict(node)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: current_draft(v) for k, v in out[key].items()}
+    for key in (*_SUBSCHEMA_LISTS, "items"):
+        if isinstance(out.get(key), list):
+            out[key] = [current_draft(v) for v in out[key]]
+    for key in (*_SUBSCHEMA_VALUES, "additionalItems"):
+        if isinstance(out.get(key), dict):
+            out[key] = current_draft(out[key])
     if isinstance(out.get("items"), list):
         out["prefixItems"] = out.pop("items")
         if "additionalItems" in out:
@@ -88,6 +101,57 @@ def current_draft(node: Any) -> Any:
         if isinstance(out.get(key), bool):  # draft-04: a flag on the bound beside it
             if out.pop(key) and bound in out:
                 out[key] = out.pop(bound)
+    return out
+
+
+def hoisted(root: Any) -> Any:
+    """`root` with every local `$ref` that points anywhere but `#` or a `$defs`/`definitions` entry (into a
+    property, an `anyOf` branch, OpenAPI's `components`) pointed at a copy of its target put under
+    `$defs`: the rewrites change the schema's shape (a branch dropped, `allOf` folded, annotations left
+    out), which such a pointer would not follow."""
+    if not isinstance(root, dict):
+        return root
+    names: dict[str, str] = {}  # ref -> the $defs entry it now names
+    added: dict[str, Any] = {}
+    taken = set(root.get("$defs") or {}) if isinstance(root.get("$defs"), dict) else set()
+
+    def entry(ref: str) -> str | None:
+        if ref in names:
+            return names[ref]
+        target = resolve(root, ref)
+        if target is MISSING:
+            return None  # (refused where the references are checked)
+        name = f"ref{len(names)}"
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        names[ref] = name
+        added[name] = rewrite(target)
+        return name
+
+    def rewrite(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        out = dict(node)
+        ref = out.get("$ref")
+        if isinstance(ref, str) and ref != "#" and not _ENTRY.fullmatch(ref) and ref.startswith("#"):
+            name = entry(ref)
+            if name is not None:
+                out["$ref"] = f"#/$defs/{name}"
+        for key in _SUBSCHEMA_MAPS:
+            if isinstance(out.get(key), dict):
+                out[key] = {k: rewrite(v) for k, v in out[key].items()}
+        for key in (*_SUBSCHEMA_LISTS, "items"):
+            if isinstance(out.get(key), list):
+                out[key] = [rewrite(v) for v in out[key]]
+        for key in (*_SUBSCHEMA_VALUES, "additionalItems"):
+            if isinstance(out.get(key), dict):
+                out[key] = rewrite(out[key])
+        return out
+
+    out = rewrite(root)
+    if added:
+        out["$defs"] = {**(out.get("$defs") if isinstance(out.get("$defs"), dict) else {}), **added}
     return out
 
 
@@ -127,11 +191,11 @@ def composed(root: Any, refuse: Refuse, string_formats: frozenset[str]) -> Any:
             return node
         ref = node["$ref"]
         if ref in inlining:
-            refuse(f"the $ref '{ref}' (at {where}) has keywords beside it and refers back to itself through them, "
+            refuse(f"the $ref '{ref}' (at {where or '/'}) has keywords beside it and refers back to itself through them, "
                    "so it cannot be written out; move the keywords into the referenced schema")
         target = resolve(root, ref)
         if target is MISSING:
-            refuse(f"the $ref '{ref}' (at {where}) points at nothing in the schema")
+            refuse(f"the $ref '{ref}' (at {where or '/'}) points at nothing in the schema")
         inlining.append(ref)
         try:
             target = inlined(walk(target, where), where)
@@ -144,7 +208,7 @@ def composed(root: Any, refuse: Refuse, string_formats: frozenset[str]) -> Any:
 
     def fold(node: dict, where: str) -> Any:
         beside = {k: v for k, v in node.items() if k in _CONSTRAINTS}
-        if isinstance(node.get("$ref"), str) and beside:
+        if isinstance(node.get("$ref"), str) and (beside or any(k in node for k in ("anyOf", "oneOf", "allOf"))):
             keep = {k: v for k, v in node.items() if k in _DEFS}
             return walk(_with(inlined(node, where), keep), where)
         if isinstance(node.get("allOf"), list):
@@ -154,8 +218,14 @@ def composed(root: Any, refuse: Refuse, string_formats: frozenset[str]) -> Any:
                 merged = intersect(merged, inlined(part, f"{where}/allOf/{i}"), where, refuse)
             return walk(_with(merged, keep), where)
         if isinstance(node.get("anyOf"), list) and isinstance(node.get("oneOf"), list):  # both must hold
+            pairs = [(a, b) for a in node["anyOf"] for b in node["oneOf"]]
             node = {k: v for k, v in node.items() if k != "oneOf"}
-            node["anyOf"] = [intersect(a, b, where, refuse) for a in node["anyOf"] for b in node["oneOf"]]
+            node["anyOf"] = [x for x in (intersect(inlined(a, where), inlined(b, where), where, refuse, strict=False)
+                                         for a, b in pairs) if x is not False]
+            if not node["anyOf"]:
+                refuse(f"no branch of anyOf (at {where or '/'}) holds together with one of oneOf, so nothing satisfies "
+                       "the schema; change it")
+            return walk(node, where)
         for key in ("anyOf", "oneOf"):
             if isinstance(node.get(key), list) and beside:
                 rest = {k: v for k, v in node.items() if k not in _CONSTRAINTS and k != key}
@@ -167,13 +237,13 @@ def composed(root: Any, refuse: Refuse, string_formats: frozenset[str]) -> Any:
                     if b is not False:
                         branches.append(walk(b, f"{where}/{key}/{i}"))
                 if not branches:
-                    refuse(f"no branch of {key} (at {where}) can hold together with the keywords beside it "
+                    refuse(f"no branch of {key} (at {where or '/'}) can hold together with the keywords beside it "
                            f"({', '.join(sorted(beside))}), so nothing satisfies the schema; change it")
                 return {**rest, key: branches}
         if isinstance(node.get(key := "anyOf"), list) or isinstance(node.get(key := "oneOf"), list):
             branches = [b for b in node[key] if b is not False]  # a branch nothing satisfies adds nothing
             if not branches:
-                refuse(f"every branch of {key} (at {where}) is false, so nothing satisfies the schema")
+                refuse(f"every branch of {key} (at {where or '/'}) is false, so nothing satisfies the schema")
             return {**node, key: branches}
         return _kinds(node, string_formats)
 
@@ -222,8 +292,17 @@ def _kinds(node: dict, string_formats: frozenset[str]) -> dict:
     return {**rest, "anyOf": [_kinds({k: node[k] for k in keys}, string_formats) for keys in kinds.values()]}
 
 
-def _same(a: Any, b: Any) -> bool:
-    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)  # (1 is not true, as JSON says)
+def json_equal(a: Any, b: Any) -> bool:
+    """JSON equality, as JSON Schema's `enum` and `const` compare: 1 is 1.0, and not true."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(json_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(json_equal(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
 
 
 def _type_set(t: Any) -> set[str]:
@@ -243,7 +322,7 @@ def intersect(a: Any, b: Any, where: str, refuse: Refuse, *, strict: bool = True
         return _none(where, "a subschema is not a schema", refuse, strict)
     out: dict[str, Any] = {}
     for key in [*a, *(k for k in b if k not in a)]:
-        if key not in b or key not in a or _same(a[key], b[key]):
+        if key not in b or key not in a or json_equal(a[key], b[key]):
             out[key] = a[key] if key in a else b[key]
         elif key == "type":
             ta, tb = _type_set(a[key]), _type_set(b[key])
@@ -262,35 +341,45 @@ def intersect(a: Any, b: Any, where: str, refuse: Refuse, *, strict: bool = True
         elif key == "required":
             out[key] = [*a[key], *(k for k in b[key] if k not in a[key])]
         elif key == "enum":
-            out[key] = [v for v in a[key] if any(_same(v, w) for w in b[key])]
+            out[key] = [v for v in a[key] if any(json_equal(v, w) for w in b[key])]
             if not out[key]:
                 return _none(where, "no value is in both enums", refuse, strict)
         elif key == "const":
             return _none(where, "two different consts must both hold", refuse, strict)
-        elif key in ("items", "additionalProperties", "propertyNames"):
-            out[key] = intersect(a[key], b[key], f"{where}/{key}", refuse)
+        elif key in ("items", "additionalProperties", "propertyNames"):  # (false is a schema here: none may be)
+            out[key] = intersect(a[key], b[key], f"{where}/{key}", refuse, strict=False)
         elif key in _DEFS:
-            clash = [n for n in a[key] if n in b[key] and not _same(a[key][n], b[key][n])]
+            clash = [n for n in a[key] if n in b[key] and not json_equal(a[key][n], b[key][n])]
             if clash:
                 refuse(f"two schemas composed at {where} define '{key}/{clash[0]}' differently; rename one")
             out[key] = {**a[key], **b[key]}
         elif key == "properties":
             continue  # below, with the other side's rule for keys it does not list
         elif key in _CONSTRAINTS or key in ("anyOf", "oneOf", "allOf", "$ref"):
-            refuse(f"'{key}' is set differently in schemas that must both hold (at {where}), which constrained "
+            refuse(f"'{key}' is set differently in schemas that must both hold (at {where or '/'}), which constrained "
                    "decoding cannot combine; merge them into one schema")
         else:
             out[key] = a[key]  # an annotation: either will do (the compiled schema leaves them out)
     if "enum" in out and "const" in out:
-        if not any(_same(out["const"], v) for v in out["enum"]):
+        if not any(json_equal(out["const"], v) for v in out["enum"]):
             return _none(where, "the const is not in the enum", refuse, strict)
         del out["enum"]
+    for x, y in ((a, b), (b, a)):  # keys one side governs by pattern, the other by a rule for all others
+        if x.get("patternProperties") and not y.get("patternProperties") and (
+                y.get("additionalProperties", True) is not True or "properties" in y):
+            refuse(f"patternProperties in one schema composed at {where} and properties or additionalProperties in "
+                   "another cannot be combined by constrained decoding; write them in one schema")
     if "properties" in a or "properties" in b:
         props = _properties(a, b, where, refuse)
         missing = [k for k in out.get("required", ()) if props.get(k, True) is False]
         if missing:
             return _none(where, f"the required key '{missing[0]}' is forbidden by one of the schemas", refuse, strict)
-        out["properties"] = {k: v for k, v in props.items() if v is not False}
+        out["properties"] = props  # (a key one side forbids stays, as false: the object must not let it through)
+    for low, high, kind in (("minLength", "maxLength", "string"), ("minItems", "maxItems", "array"),
+                            ("minProperties", "maxProperties", "object")):
+        if isinstance(out.get(low), int) and isinstance(out.get(high), int) and out[low] > out[high] \
+                and _type_set(out.get("type")) == {kind}:
+            return _none(where, f"{low} {out[low]} is more than {high} {out[high]}", refuse, strict)
     for x, y in ((a, b), (b, a)):  # one side's prefixItems, the other's items: each item must hold both
         if "prefixItems" in x and "prefixItems" not in y and "items" in y:
             out["prefixItems"] = [intersect(p, y["items"], f"{where}/prefixItems/{i}", refuse)
@@ -337,8 +426,13 @@ def search(pattern: str, key: str) -> bool:
         return True
 
 
-def name_ok(names: Any, key: str) -> bool:
-    """Whether `key` satisfies a `propertyNames` schema."""
+def name_ok(names: Any, key: str, defs: dict | None = None) -> bool:
+    """Whether `key` satisfies a `propertyNames` schema, its references read in the root's `defs`
+    (`{"$defs": ...}`); one that cannot be read so is taken as satisfied."""
     import jsonschema
 
-    return jsonschema.Draft202012Validator(names).is_valid(key)
+    try:
+        return jsonschema.Draft202012Validator({**defs, **names} if defs and isinstance(names, dict) else names
+                                               ).is_valid(key)
+    except Exception:  # noqa: BLE001 (jsonschema's reference errors are several classes of `referencing`)
+        return True

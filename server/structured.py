@@ -43,7 +43,7 @@ from typing import Any, NoReturn
 from pydantic_core import from_json
 
 from scheduler.sampling_params import ParamError, StructuredOutput
-from server.schema_compose import MISSING, composed, current_draft, name_ok, resolve, search
+from server.schema_compose import MISSING, composed, current_draft, hoisted, json_equal, name_ok, resolve, search
 
 # keywords the grammar engine enforces (checked one by one against xgrammar 0.2.x in the tests)
 ENFORCED = frozenset({
@@ -213,8 +213,7 @@ def check_json_schema(schema: Any, param: str) -> Any:
     """ParamError(param) unless `schema` is a valid JSON Schema whose every constraint we enforce; else the
     schema xgrammar is to compile for it (`_engine_schema`)."""
     check_valid_schema(schema, param)
-    schema = current_draft(schema)
-    for path, node in _schemas(schema, ""):
+    for path, node in _schemas(current_draft(schema), ""):
         where = path or "/"
         for key, value in node.items():
             if key in UNENFORCED and not (key in NO_OPS and value == NO_OPS[key]):
@@ -302,6 +301,11 @@ def _engine_schema(schema: Any, param: str) -> Any:
                     out["maximum"] = hi
         elif fmt is not None and fmt not in FORMATS:
             del out["format"]  # an annotation
+        if "const" in out and "enum" in out:  # xgrammar wrote the const whatever the enum said
+            if not any(json_equal(out["const"], v) for v in out["enum"]):
+                raise ParamError(_top(param), f"{param}: the const at {path or '/'} is not in the enum beside it, so "
+                                 "nothing satisfies the schema; change it")
+            del out["enum"]
         kinds = out.get("type") if isinstance(out.get("type"), list) else [out["type"]] if "type" in out else None
         if kinds is not None and ("enum" in out or "const" in out):  # xgrammar writes these whatever the type
             values = [out["const"]] if "const" in out else list(out["enum"])
@@ -313,7 +317,7 @@ def _engine_schema(schema: Any, param: str) -> Any:
             if "enum" in out:
                 out["enum"] = kept
         if "enum" in out or "const" in out:  # xgrammar writes these whatever the keywords beside them say
-            out = _admitted_values(out, n, path or "/", param)
+            out = _admitted_values(out, n, path or "/", param, defs)
         if kinds is not None and "number" in kinds and _no_short_number(out):
             raise ParamError(_top(param), f"{param}: the number range at {path or '/'} holds no number of at most "
                              f"{NUMBER_DECIMALS} decimals, the finest constrained decoding writes (its grammar would be "
@@ -333,8 +337,8 @@ def _engine_schema(schema: Any, param: str) -> Any:
                                ("exclusiveMinimum", math.floor), ("exclusiveMaximum", math.ceil)):
                 if isinstance(out.get(key), float) and math.isfinite(out[key]):
                     out[key] = whole(out[key])  # the same integers: x >= 0.5 is x >= 1, x > 0.5 is x > 0
-        if "properties" in out or "required" in out:
-            out = _object(out, path or "/", param)
+        if any(k in out for k in ("properties", "required", "patternProperties", "propertyNames")):
+            out = _object(out, path or "/", param, defs)
         if isinstance(out.get("pattern"), str):
             out["pattern"] = served_pattern(out["pattern"], path)
         if isinstance(out.get("patternProperties"), dict):
@@ -355,7 +359,9 @@ def _engine_schema(schema: Any, param: str) -> Any:
                              "leave them out")
         return served
 
-    return _map_schemas(composed(current_draft(schema), refuse, FORMATS | set(FORMAT_PATTERNS)), "", node)
+    schema = composed(current_draft(hoisted(schema)), refuse, FORMATS | set(FORMAT_PATTERNS))
+    defs = {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema, dict) and k in schema}
+    return _map_schemas(schema, "", node)
 
 
 def _check_shape(schema: dict, where: str, param: str) -> None:
@@ -372,16 +378,17 @@ def _check_shape(schema: dict, where: str, param: str) -> None:
                          "constrained decoding; keep one of them")
 
 
-def _admitted_values(out: dict, original: dict, where: str, param: str) -> dict:
+def _admitted_values(out: dict, original: dict, where: str, param: str, defs: dict) -> dict:
     """`out` with its enum (const) cut to the values the schema's other keywords admit: xgrammar writes the
     listed values as they are (`{"enum": ["a", "bb"], "maxLength": 1}` wrote "bb"). Checked by jsonschema
-    against the client's keywords, formats included; a schema referring elsewhere is left as it is."""
+    against the client's keywords, formats included, references read in the schema's `defs` (one to the
+    whole schema, `#`, is not followed: such an enum is left as it is)."""
     import jsonschema
 
     rest = {k: v for k, v in original.items() if k not in ("enum", "const")}
-    if not set(rest) & (ENFORCED - {"type"}) or "$ref" in json.dumps(rest):  # (the type was checked above)
+    if not set(rest) & (ENFORCED - {"type"}) or '"$ref": "#"' in json.dumps(rest):  # (the type was checked above)
         return out
-    check = jsonschema.Draft202012Validator(rest, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    check = jsonschema.Draft202012Validator({**defs, **rest}, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
     key = "const" if "const" in out else "enum"
     values = [out["const"]] if key == "const" else out["enum"]
     kept = [v for v in values if check.is_valid(v)]
@@ -412,7 +419,7 @@ def _no_short_number(schema: dict) -> bool:
     return bool(lows and highs) and max(lows) > min(highs)
 
 
-def _object(out: dict, where: str, param: str) -> dict:
+def _object(out: dict, where: str, param: str, defs: dict | None = None) -> dict:
     """An object schema's keys as xgrammar should see them (see _engine_schema)."""
     def refuse(why: str) -> ParamError:
         return ParamError(_top(param), f"{param}: {why} (the object at {where}); change the schema")
@@ -442,7 +449,7 @@ def _object(out: dict, where: str, param: str) -> dict:
             props[key] = {} if sub is True else sub
         if names is not None:
             for key in list(props):
-                if not name_ok(names, key):
+                if not name_ok(names, key, defs):
                     if key in required:
                         raise refuse(f"the required key '{key}' breaks propertyNames, so no object satisfies it")
                     del props[key]  # a key no valid object has
@@ -469,6 +476,11 @@ def _object(out: dict, where: str, param: str) -> dict:
             raise refuse(f"propertyNames beside properties (here '{key}') and other keys allowed is not supported by "
                          "constrained decoding, which could write a listed key twice; set additionalProperties to "
                          "false, or leave properties out")
+    if names is not None and extra is False and not patterns:  # only listed keys: those breaking it were left out
+        del out["propertyNames"]  # (beside none listed, xgrammar wrote keys other than them: only {} was valid)
+        out["properties"] = props
+    if patterns and "additionalProperties" not in out:  # xgrammar let a key matching a pattern through as another
+        out["additionalProperties"] = False  # key, of any value: other keys left out (a narrowing, as below)
     if props or "properties" in out:
         out["properties"] = props
     if "properties" in out and not any(k in out for k in _OPEN_BY_DESIGN) and set(required) <= set(props):

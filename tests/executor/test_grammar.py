@@ -353,6 +353,33 @@ COMPOSED_CASES = [
     ({"$schema": "http://json-schema.org/draft-04/schema#", "type": "integer", "minimum": 0,
       "exclusiveMinimum": True, "maximum": 3}, ["1", "3"], ["0"]),
     ({"$defs": {"a b": {"type": "integer"}}, "$ref": "#/$defs/a%20b"}, ["1"], ['"x"']),  # an escaped pointer
+    # a review's fuzzing of the rewrite: each was a 500, output breaking the schema, or a valid schema refused
+    ({"anyOf": [{"type": "integer"}], "oneOf": [{"minimum": 1}]}, ["1"], ["0"]),
+    ({"$defs": {"A": {"type": "integer"}}, "$ref": "#/$defs/A", "anyOf": [{"type": "string"}, {"minimum": 5}]},
+     ["5"], ["4", '"x"']),
+    ({"type": "object", "required": ["b"], "properties": {  # a pointer into a branch the rewrite drops around
+        "a": {"anyOf": [False, {"type": "string"}, {"type": "integer"}]}, "b": {"$ref": "#/properties/a/anyOf/1"}}},
+     ['{"b": "x"}'], ['{"b": 1}']),
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "required": ["u"], "properties": {
+        "t": {"type": "array", "items": [{"type": "string"}]}, "u": {"$ref": "#/properties/t/items/0"}}},
+     ['{"u": "x"}'], ['{"u": 1}']),
+    ({"components": {"schemas": {"Pet": {"type": "object", "properties": {"n": {"type": "string"}}, "required": ["n"]}}},
+      "$ref": "#/components/schemas/Pet"}, ['{"n": "x"}'], ["{}"]),  # OpenAPI's
+    ({"const": {"items": [1, 2]}}, ['{"items":[1,2]}'], ['{"prefixItems":[1,2]}']),  # data, not a draft-07 tuple
+    ({"type": "object", "properties": {"additionalItems": {"type": "integer"}}, "required": ["additionalItems"]},
+     ['{"additionalItems": 1}'], ['{"additionalItems": true}']),
+    ({"anyOf": [{"type": "string", "minLength": 5}, {"type": "integer"}], "maxLength": 3}, ["1"], ['"abcdef"']),
+    ({"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "integer"}], "items": {"type": "integer"}},
+     ["[]", "3"], ['["a"]', "[1]"]),
+    ({"enum": [1], "allOf": [{"enum": [1.0]}]}, ["1"], ["2"]),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "patternProperties": {"^z": {"type": "integer"}}},
+     ['{"a": 1}'], ['{"zz": "s"}']),  # (beside properties xgrammar writes no key by pattern: a narrowing)
+    ({"type": "object", "propertyNames": {"pattern": "^[ab]$"}, "additionalProperties": False}, ["{}"], ['{"a": 6}']),
+    ({"$defs": {"N": {"pattern": "^a"}}, "type": "object", "properties": {"a": {}, "b": {}},
+      "propertyNames": {"$ref": "#/$defs/N"}, "additionalProperties": False}, ['{"a": 1}'], ['{"b": 1}']),
+    ({"$defs": {"I": {"type": "integer"}}, "type": "object", "properties": {"x": {"$ref": "#/$defs/I"}},
+      "enum": [{"x": "str"}, {"x": 1}]}, ['{"x":1}'], ['{"x":"str"}']),
+    ({"format": "int32", "items": {"type": "integer"}}, ["12", "[1]"], ['["a"]']),
 ]
 
 
@@ -380,6 +407,14 @@ def test_keywords_beside_compositions_and_without_a_type_are_enforced(backend, s
     ({"type": "object", "properties": {"a": False}, "additionalProperties": True}, "forbidden \\(false\\)"),
     ({"$defs": {"x": {"type": "integer"}}, "$ref": "#x"}, "anchor"),
     ({"$defs": {"s": {"type": "string", "format": "date"}}, "$ref": "#/$defs/s", "maxLength": 4}, "maxLength together"),
+    ({"allOf": [{"type": "object", "additionalProperties": {"type": "string"}},
+                {"type": "object", "properties": {"y": {"type": "integer"}}}]}, "forbidden \\(false\\)"),
+    ({"allOf": [{"type": "object", "patternProperties": {"^x": {"type": "integer"}}},
+                {"type": "object", "properties": {"y": {"type": "integer"}}, "additionalProperties": False}]},
+     "cannot be combined"),
+    ({"enum": ["a", True, 2.5], "const": 1}, "not in the enum"),
+    ({"$defs": {"A": {"type": "integer"}}, "$ref": "#/$defs/A", "oneOf": [{"type": "string"}, {"type": "boolean"}]},
+     "no branch of oneOf"),
 ])
 def test_compositions_that_cannot_be_combined_are_refused(schema, needle):
     with pytest.raises(ParamError, match=needle) as e:
