@@ -73,11 +73,14 @@ def runtime_file_value(value: str | None) -> str | None:
     path = Path(value).absolute()
     if path.is_dir():
         return "is a directory (give a file path, e.g. /tmp/mlaserve/server.json)"
-    if path.exists() or path.is_symlink():
+    if path.is_symlink():
+        return "is a symbolic link (it would be replaced, then removed at exit); give the path of a file"
+    if path.exists():
         if not path.is_file():
             return "exists and is not a regular file (it would be replaced, then removed at exit); give a new path"
         try:
-            held = json.loads(path.read_text())
+            text = path.read_text()
+            held = json.loads(text) if text.strip() else {"host": 0, "port": 0, "pid": 0}  # (empty: `mktemp`'s)
         except (OSError, ValueError):
             held = None
         if not (isinstance(held, dict) and {"host", "port", "pid"} <= set(held)):

@@ -202,6 +202,7 @@ class ChatSerializer(Serializer):
         self.unplaced: dict[int, list[ShownLogprob]] = {}
         self.answered: dict[int, int] = {}  # streamed: where in its generated text the answer sent so far ends
         self.logprobs_sent: set[int] = set()  # streamed: choices that have sent a `logprobs` object
+        self.floor: dict[int, int] = {}  # streamed: where in its generated text the answer may start (past `</think>`)
         if tok is not None and self.reasoning_kind != "none":
             self.tag_ids = single_token_tags(lambda t: tok.encode(t, add_special_tokens=False))
             self.call_id = single_token_call(lambda t: tok.encode(t, add_special_tokens=False))
@@ -289,7 +290,7 @@ class ChatSerializer(Serializer):
         return [s for s in lps if s.overlaps(start, end)]  # (" Answer" after `</think>`, its space stripped)
 
     def placed_logprobs(self, i: int, lps: list[ShownLogprob], raw: str, text: str,
-                        elsewhere: bool) -> list[ShownLogprob]:
+                        elsewhere: bool, ended: bool = False) -> list[ShownLogprob]:
         """Streamed: the logprobs to send with choice i's new answer `text`, out of its generated text `raw`
         (this delta's). As the whole answer's `content_logprobs`: those of the tokens that start inside the
         answer text, found in the generated text after what was answered before; tokens before it (their
@@ -299,7 +300,9 @@ class ChatSerializer(Serializer):
         text, whose text starts inside the answer sent before, goes now: the last token before a stop string,
         whose text the stop string cut (its first characters were sent with the token before it). A token
         whose first characters went out before it was released (held back as a possible stop string) goes
-        with the delta that finishes its text."""
+        with the delta that finishes its text. Where the reasoning `ended` in this delta, its answer text is
+        after the end tag: the last place it is found (an answer starting like the tag was found in the tag),
+        and with no answer text yet, the answer starts past all generated so far."""
         if not self.body.logprobs:
             return []
         generated = self.texts[i] = self.texts.get(i, "") + raw  # (what `add` keeps when not streamed)
@@ -309,8 +312,11 @@ class ChatSerializer(Serializer):
             sent = self.answered.get(i, 0)
             inside = [s for s in pending if s.offset < sent]
             self.unplaced[i] = [] if elsewhere else [s for s in pending if s.offset >= sent]
+            if ended:
+                self.floor[i] = len(generated)
             return inside
-        at = generated.find(text, max(self.answered.get(i, 0), pending[0].offset if pending else 0))
+        lo = max(self.answered.get(i, 0), self.floor.get(i, 0), pending[0].offset if pending else 0)
+        at = generated.rfind(text, lo) if ended else generated.find(text, lo)
         if at < 0:  # (an answer that is not the generated text as it is: each token with the text after it)
             self.unplaced[i] = []
             return pending
@@ -410,7 +416,7 @@ class ChatSerializer(Serializer):
         reasoning, answer, deltas, parser = self.parse_delta(r, index, text, ids)
         ended = was_reasoning and not self.reasoners[i].parser.in_reasoning  # (its `</think>`'s text went nowhere)
         return reasoning, answer, deltas, parser, self.placed_logprobs(i, lps, text, answer,
-                                                                       bool(reasoning or deltas or ended))
+                                                                       bool(reasoning or deltas or ended), ended)
 
     def stream_delta(self, r, index, text, ids, lps):
         choice = r.choices[index]

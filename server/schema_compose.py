@@ -157,8 +157,14 @@ def hoisted(root: Any) -> Any:
 
 def composed(root: Any, refuse: Refuse, string_formats: frozenset[str]) -> Any:
     """`root` with every composition's sibling keywords folded into it, and kinds written out (module
-    docstring). `refuse` for what cannot be merged exactly, or is satisfied by nothing."""
-    inlining: list[str] = []  # the references being inlined, innermost last: one coming back is a loop
+    docstring). `refuse` for what cannot be merged exactly, or is satisfied by nothing. A `$ref` with
+    keywords beside it becomes a reference to a new `$defs` entry, its target intersected with them, one
+    for each (target, keywords) pair: a recursive definition that meets the same keywords again refers to
+    the entry being made, so the rewrite stays finite."""
+    expanded: dict[str, str] = {}  # (ref, keywords beside it) -> the $defs entry made for them
+    made: dict[str, Any] = {}  # those entries
+    taken = set(root.get("$defs") or {}) if isinstance(root, dict) and isinstance(root.get("$defs"), dict) else set()
+    following: list[str] = []  # bare references being followed, innermost last (no cycle: _check_refs)
     budget = [MAX_NODES + 4 * _count(root)]  # (a rewritten subtree is walked again)
 
     def spend(where: str) -> None:
@@ -185,46 +191,60 @@ def composed(root: Any, refuse: Refuse, string_formats: frozenset[str]) -> Any:
                 del out[key]
         return fold(out, where)
 
-    def inlined(node: Any, where: str) -> Any:
-        """`node` with its top-level `$ref` replaced by what it points at, intersected with the rest."""
+    def target(ref: str, where: str) -> Any:
+        found = resolve(root, ref)
+        if found is MISSING:
+            refuse(f"the $ref '{ref}' (at {where or '/'}) points at nothing in the schema")
+        return {k: v for k, v in found.items() if k not in _DEFS} if isinstance(found, dict) else found
+
+    def plain(node: Any, where: str) -> Any:
+        """`node` with a top-level `$ref` replaced by what it points at (one level: references inside stay),
+        intersected with the rest; else `node`."""
         if not isinstance(node, dict) or not isinstance(node.get("$ref"), str):
             return node
         ref = node["$ref"]
-        if ref in inlining:
-            refuse(f"the $ref '{ref}' (at {where or '/'}) has keywords beside it and refers back to itself through them, "
-                   "so it cannot be written out; move the keywords into the referenced schema")
-        target = resolve(root, ref)
-        if target is MISSING:
-            refuse(f"the $ref '{ref}' (at {where or '/'}) points at nothing in the schema")
-        inlining.append(ref)
+        if ref in following:  # (a loop of bare references: refused where references are checked)
+            refuse(f"the $ref '{ref}' (at {where or '/'}) leads back to itself through references alone")
+        following.append(ref)
         try:
-            target = inlined(walk(target, where), where)
+            body = plain(walk(target(ref, where), where), where)
         finally:
-            inlining.pop()
-        rest = {k: v for k, v in node.items() if k != "$ref"}
-        if isinstance(target, dict):
-            target = {k: v for k, v in target.items() if k not in _DEFS}  # (they stay where they are)
-        return intersect(target, rest, where, refuse)
+            following.pop()
+        return intersect(body, {k: v for k, v in node.items() if k != "$ref"}, where, refuse)
+
+    def expand(node: dict, where: str) -> Any:
+        """A `$ref` with keywords beside it: a reference to the $defs entry of its target and them."""
+        ref, rest = node["$ref"], {k: v for k, v in node.items() if k != "$ref" and k not in _DEFS}
+        key = json.dumps([ref, rest], sort_keys=True)
+        if key not in expanded:
+            name = f"composed{len(expanded)}"
+            while name in taken:
+                name += "_"
+            taken.add(name)
+            expanded[key] = name
+            made[name] = walk(intersect(target(ref, where), rest, where, refuse), where)
+        if made.get(expanded[key]) is False:  # nothing satisfies it (a branch around it is dropped)
+            return False
+        return {**{k: v for k, v in node.items() if k in _DEFS}, "$ref": f"#/$defs/{expanded[key]}"}
 
     def fold(node: dict, where: str) -> Any:
         beside = {k: v for k, v in node.items() if k in _CONSTRAINTS}
         if isinstance(node.get("$ref"), str) and (beside or any(k in node for k in ("anyOf", "oneOf", "allOf"))):
-            keep = {k: v for k, v in node.items() if k in _DEFS}
-            return walk(_with(inlined(node, where), keep), where)
+            return expand(node, where)
         if isinstance(node.get("allOf"), list):
             keep = {k: v for k, v in node.items() if k in _DEFS}
             merged: Any = {k: v for k, v in node.items() if k != "allOf" and k not in _DEFS}
             for i, part in enumerate(node["allOf"]):
-                merged = intersect(merged, inlined(part, f"{where}/allOf/{i}"), where, refuse)
+                merged = intersect(merged, plain(part, f"{where}/allOf/{i}"), where, refuse)
             return walk(_with(merged, keep), where)
         if isinstance(node.get("anyOf"), list) and isinstance(node.get("oneOf"), list):  # both must hold
             pairs = [(a, b) for a in node["anyOf"] for b in node["oneOf"]]
             node = {k: v for k, v in node.items() if k != "oneOf"}
-            node["anyOf"] = [x for x in (intersect(inlined(a, where), inlined(b, where), where, refuse, strict=False)
+            node["anyOf"] = [x for x in (intersect(plain(a, where), plain(b, where), where, refuse, strict=False)
                                          for a, b in pairs) if x is not False]
             if not node["anyOf"]:
-                refuse(f"no branch of anyOf (at {where or '/'}) holds together with one of oneOf, so nothing satisfies "
-                       "the schema; change it")
+                refuse(f"no branch of anyOf (at {where or '/'}) holds together with one of oneOf, so nothing "
+                       "satisfies the schema; change it")
             return walk(node, where)
         for key in ("anyOf", "oneOf"):
             if isinstance(node.get(key), list) and beside:
@@ -232,22 +252,28 @@ def composed(root: Any, refuse: Refuse, string_formats: frozenset[str]) -> Any:
                 branches = []
                 for i, branch in enumerate(node[key]):
                     spend(where)
-                    b = intersect(inlined(branch, f"{where}/{key}/{i}"), beside, f"{where}/{key}/{i}", refuse,
-                                  strict=False)
-                    if b is not False:
-                        branches.append(walk(b, f"{where}/{key}/{i}"))
-                if not branches:
-                    refuse(f"no branch of {key} (at {where or '/'}) can hold together with the keywords beside it "
-                           f"({', '.join(sorted(beside))}), so nothing satisfies the schema; change it")
-                return {**rest, key: branches}
+                    at = f"{where}/{key}/{i}"
+                    ref = branch.get("$ref") if isinstance(branch, dict) else None
+                    b = intersect({k: v for k, v in branch.items() if k != "$ref"} if ref else branch, beside, at,
+                                  refuse, strict=False)
+                    if b is not False:  # (a reference keeps its keywords beside it: `expand` folds them in)
+                        branches.append(walk({**b, "$ref": ref} if ref else b, at))
+                return {**rest, key: branches} if branches else False  # (nothing satisfies it: a branch of an
+                # anyOf around it is dropped, a property left out; elsewhere refused below or by the compiler)
         if isinstance(node.get(key := "anyOf"), list) or isinstance(node.get(key := "oneOf"), list):
             branches = [b for b in node[key] if b is not False]  # a branch nothing satisfies adds nothing
-            if not branches:
-                refuse(f"every branch of {key} (at {where or '/'}) is false, so nothing satisfies the schema")
-            return {**node, key: branches}
+            return {**node, key: branches} if branches else False
         return _kinds(node, string_formats)
 
-    return walk(root, "") if isinstance(root, dict) else root
+    if not isinstance(root, dict):
+        return root
+    out = walk(root, "")
+    if out is False:
+        refuse("no branch of its anyOf/oneOf holds together with the keywords beside it, so nothing satisfies "
+               "the schema; change it")
+    if made:
+        out = {**out, "$defs": {**(out.get("$defs") if isinstance(out.get("$defs"), dict) else {}), **made}}
+    return out
 
 
 def _count(node: Any) -> int:
@@ -375,18 +401,39 @@ def intersect(a: Any, b: Any, where: str, refuse: Refuse, *, strict: bool = True
         if missing:
             return _none(where, f"the required key '{missing[0]}' is forbidden by one of the schemas", refuse, strict)
         out["properties"] = props  # (a key one side forbids stays, as false: the object must not let it through)
-    for low, high, kind in (("minLength", "maxLength", "string"), ("minItems", "maxItems", "array"),
-                            ("minProperties", "maxProperties", "object")):
-        if isinstance(out.get(low), int) and isinstance(out.get(high), int) and out[low] > out[high] \
-                and _type_set(out.get("type")) == {kind}:
-            return _none(where, f"{low} {out[low]} is more than {high} {out[high]}", refuse, strict)
     for x, y in ((a, b), (b, a)):  # one side's prefixItems, the other's items: each item must hold both
         if "prefixItems" in x and "prefixItems" not in y and "items" in y:
             out["prefixItems"] = [intersect(p, y["items"], f"{where}/prefixItems/{i}", refuse)
                                   for i, p in enumerate(x["prefixItems"])]
             if "items" not in x:
                 out["items"] = y["items"]
-    return out
+    why = _impossible(out)
+    return out if why is None else _none(where, why, refuse, strict)
+
+
+def _impossible(schema: dict) -> str | None:
+    """Why nothing satisfies a merged schema, where its keywords say so alone (bounds past each other for its
+    only kind, no `enum` value or `const` of its types); else None."""
+    import jsonschema
+
+    kinds = _type_set(schema["type"]) if "type" in schema else None
+    if kinds is not None:
+        types = jsonschema.Draft202012Validator.TYPE_CHECKER
+        values = [schema["const"]] if "const" in schema else schema.get("enum")
+        if values is not None and not any(types.is_type(v, k) for v in values for k in kinds):
+            return f"no value of {'const' if 'const' in schema else 'enum'} has type {json.dumps(schema['type'])}"
+    numbers = {"number", "integer"}
+    for low, high, kind in (("minLength", "maxLength", {"string"}), ("minItems", "maxItems", {"array"}),
+                            ("minProperties", "maxProperties", {"object"}), ("minimum", "maximum", numbers),
+                            ("exclusiveMinimum", "maximum", numbers), ("minimum", "exclusiveMaximum", numbers),
+                            ("exclusiveMinimum", "exclusiveMaximum", numbers)):
+        lo, hi = schema.get(low), schema.get(high)
+        if kinds is None or not kinds <= kind or not all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) for b in (lo, hi)):
+            continue
+        if lo > hi or (lo == hi and (low.startswith("exclusive") or high.startswith("exclusive"))):
+            return f"{low} {lo} is past {high} {hi}"
+    return None
 
 
 def _properties(a: dict, b: dict, where: str, refuse: Refuse) -> dict[str, Any]:

@@ -360,6 +360,7 @@ def _engine_schema(schema: Any, param: str) -> Any:
         return served
 
     schema = composed(current_draft(hoisted(schema)), refuse, FORMATS | set(FORMAT_PATTERNS))
+    _check_refs(schema, param)  # (references with keywords beside them that led back to each other: made bare)
     defs = {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema, dict) and k in schema}
     return _map_schemas(schema, "", node)
 
@@ -479,8 +480,8 @@ def _object(out: dict, where: str, param: str, defs: dict | None = None) -> dict
     if names is not None and extra is False and not patterns:  # only listed keys: those breaking it were left out
         del out["propertyNames"]  # (beside none listed, xgrammar wrote keys other than them: only {} was valid)
         out["properties"] = props
-    if patterns and "additionalProperties" not in out:  # xgrammar let a key matching a pattern through as another
-        out["additionalProperties"] = False  # key, of any value: other keys left out (a narrowing, as below)
+    if patterns and out.get("additionalProperties") is not False:  # xgrammar let a key matching a pattern through
+        out["additionalProperties"] = False  # as another key, of that schema's value: other keys left out (a narrowing)
     if props or "properties" in out:
         out["properties"] = props
     if "properties" in out and not any(k in out for k in _OPEN_BY_DESIGN) and set(required) <= set(props):

@@ -627,6 +627,11 @@ def test_a_runtime_file_a_server_left_may_be_replaced(tmp_path: Path) -> None:
     left = tmp_path / "server.json"
     left.write_text('{"host": "127.0.0.1", "port": 8000, "pid": 1}')
     assert parse_serve_args(["--runtime-file", str(left)], environ={}).runtime_file == str(left)
+    (tmp_path / "empty").touch()  # `--runtime-file "$(mktemp)"`
+    assert parse_serve_args(["--runtime-file", str(tmp_path / "empty")], environ={}).runtime_file
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(SystemExit):
+        parse_serve_args(["--runtime-file", str(tmp_path / "link")], environ={})
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(SystemExit):
         parse_serve_args(["--runtime-file", str(tmp_path / "fifo")], environ={})

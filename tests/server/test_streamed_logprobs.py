@@ -15,7 +15,7 @@ from server.responses import ChatSerializer
 def serializer() -> ChatSerializer:
     ser = object.__new__(ChatSerializer)  # (only the streamed-logprob state: no server behind it)
     ser.body = SimpleNamespace(logprobs=True)
-    ser.unplaced, ser.texts, ser.answered = {}, {}, {}
+    ser.unplaced, ser.texts, ser.answered, ser.floor = {}, {}, {}, {}
     return ser
 
 
@@ -101,3 +101,15 @@ def test_an_end_of_reasoning_with_no_reasoning_is_left_out_of_the_answers_logpro
         reasoning, answer, _, _, lps = ser.placed_delta(r, 0, "</think>", [7], tokens(["</think>"], 8 * k))
         sent.append((answer, [off for _, off, _ in lps]))
     assert sent == [("", []), ("</think>", [8]), ("</think>", [16])]
+
+
+def test_an_answer_that_starts_like_the_end_tag_is_found_after_it():
+    """A stop string held back the `>` of the `</think>` that ended the reasoning: the delta that ended it held
+    `>` and the answer `</think` (the model wrote the tag again), and the answer was found inside the tag, its
+    logprobs one token early from there on (a review found it)."""
+    ser = serializer()
+    assert ser.placed_logprobs(0, tokens(["Hm"]), "Hm</think", "", elsewhere=True) == []
+    # the first tag's text is whole now: released, and dropped (the answer starts after it)
+    assert ser.placed_logprobs(0, tokens(["</think>"], 2), "></think", "</think", elsewhere=True, ended=True) == []
+    got = ser.placed_logprobs(0, tokens(["</think>"], 10), ">", ">", elsewhere=False)  # the second, whole
+    assert [off for _, off, _ in got] == [10]
