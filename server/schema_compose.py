@@ -5,8 +5,8 @@ dropped (`{"$ref": "#/$defs/n", "maximum": 5}` wrote 70, `{"type": "integer", "a
 string), and so were string and number keywords in a schema without `type` (`{"maxLength": 2}` wrote any
 string). JSON Schema applies keywords beside a composition together with it, so `composed` folds them in:
 
-- `{"$ref": R, ...beside}` is R's schema intersected with the keywords beside it (R inlined one level:
-  its own references stay references, so recursive definitions stay finite);
+- `{"$ref": R, ...beside}` is a reference to a new `$defs` entry: R's schema intersected with the keywords
+  beside it (one entry per R and keywords, so a recursive definition meeting them again refers to it);
 - `{"allOf": [A, B], ...beside}` is A ∩ B ∩ beside;
 - `{"anyOf": [A, B], ...beside}` is anyOf [A ∩ beside, B ∩ beside] (oneOf likewise, still enforced as
   anyOf); branches nothing satisfies are dropped;
@@ -15,13 +15,16 @@ string). JSON Schema applies keywords beside a composition together with it, so 
 
 `intersect` is exact for what it merges: bounds take the tighter value, `type`s and `enum`s their common
 values, `required` the union, `properties` each property's two schemas (a key one side forbids is
-dropped), subschemas recursively. What it cannot merge exactly (two different `pattern`s or `format`s,
+false), subschemas recursively. What it cannot merge exactly (two different `pattern`s or `format`s,
 two `prefixItems`, `patternProperties` meeting another schema's keys) is refused, naming the keyword, as
-is a result nothing satisfies. Every output of the rewritten schema matches the client's.
+is a result nothing satisfies (inside an anyOf branch: the branch is dropped). Every output of the
+rewritten schema matches the client's.
 
-`current_draft` first spells older drafts' forms in 2020-12's (validated by their own metaschema, they
-would otherwise be read wrongly): `items` as a list is `prefixItems` (with `additionalItems` as `items`),
-draft-04's boolean `exclusiveMinimum`/`exclusiveMaximum` the numeric bound.
+First, `hoisted` points references into places the rewrite reshapes (a property, a branch, OpenAPI's
+`components`) at copies under `$defs`, and `current_draft` spells older drafts' forms in 2020-12's
+(validated by their own metaschema, they would otherwise be read wrongly): `items` as a list is
+`prefixItems` (with `additionalItems` as `items`), draft-04's boolean `exclusiveMinimum`/`exclusiveMaximum`
+the numeric bound.
 """
 
 from __future__ import annotations
