@@ -84,16 +84,7 @@ def current_draft(node: Any) -> Any:
     read: a `const`, an `enum` value or a property named `items` is data, left as it is."""
     if not isinstance(node, dict):
         return node
-    out = dict(node)
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {k: current_draft(v) for k, v in out[key].items()}
-    for key in (*_SUBSCHEMA_LISTS, "items"):
-        if isinstance(out.get(key), list):
-            out[key] = [current_draft(v) for v in out[key]]
-    for key in (*_SUBSCHEMA_VALUES, "additionalItems"):
-        if isinstance(out.get(key), dict):
-            out[key] = current_draft(out[key])
+    out = _subschemas_mapped(node, current_draft)
     if isinstance(out.get("items"), list):
         out["prefixItems"] = out.pop("items")
         if "additionalItems" in out:
@@ -104,6 +95,22 @@ def current_draft(node: Any) -> Any:
         if isinstance(out.get(key), bool):  # draft-04: a flag on the bound beside it
             if out.pop(key) and bound in out:
                 out[key] = out.pop(bound)
+    return out
+
+
+def _subschemas_mapped(node: dict, fn: Callable[[Any], Any]) -> dict:
+    """A copy of `node` with `fn` applied to each of its own subschemas (in every draft's places for them;
+    `const`, `enum` and the names in `properties` are data, not read)."""
+    out = dict(node)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: fn(v) for k, v in out[key].items()}
+    for key in (*_SUBSCHEMA_LISTS, "items"):
+        if isinstance(out.get(key), list):
+            out[key] = [fn(v) for v in out[key]]
+    for key in (*_SUBSCHEMA_VALUES, "additionalItems"):
+        if isinstance(out.get(key), dict):
+            out[key] = fn(out[key])
     return out
 
 
@@ -135,21 +142,12 @@ def hoisted(root: Any) -> Any:
     def rewrite(node: Any) -> Any:
         if not isinstance(node, dict):
             return node
-        out = dict(node)
+        out = _subschemas_mapped(node, rewrite)
         ref = out.get("$ref")
         if isinstance(ref, str) and ref != "#" and not _ENTRY.fullmatch(ref) and ref.startswith("#"):
             name = entry(ref)
             if name is not None:
                 out["$ref"] = f"#/$defs/{name}"
-        for key in _SUBSCHEMA_MAPS:
-            if isinstance(out.get(key), dict):
-                out[key] = {k: rewrite(v) for k, v in out[key].items()}
-        for key in (*_SUBSCHEMA_LISTS, "items"):
-            if isinstance(out.get(key), list):
-                out[key] = [rewrite(v) for v in out[key]]
-        for key in (*_SUBSCHEMA_VALUES, "additionalItems"):
-            if isinstance(out.get(key), dict):
-                out[key] = rewrite(out[key])
         return out
 
     out = rewrite(root)
