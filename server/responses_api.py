@@ -25,7 +25,7 @@ Input items become chat messages:
 ones, `tool_choice {"type": "function", "name"}` chat's named choice, `text.format` `response_format`,
 `max_output_tokens` `max_tokens`, `include: ["message.output_text.logprobs"]` with `top_logprobs` chat's
 `logprobs` / `top_logprobs` (as OpenAI's API, `top_logprobs` alone asks for nothing), `reasoning.effort`
-chat's `reasoning_effort`. OpenAI's other `include` values and `metadata` are accepted (`metadata` is echoed; an `include`
+chat's `reasoning_effort`; chat's extensions `seed` and `top_k` pass as they are. OpenAI's other `include` values and `metadata` are accepted (`metadata` is echoed; an `include`
 value OpenAI's API does not know, or an `n` other than 1, is a 400); other fields this API does not know are
 ignored, as on chat completions. `truncation: "auto"` drops a too-long conversation's oldest turns
 (`server.serving._fitted`, where the prompt is rendered).
