@@ -24,7 +24,7 @@ First, `hoisted` points references into places the rewrite reshapes (a property,
 `components`) at copies under `$defs`, and `current_draft` spells older drafts' forms in 2020-12's
 (validated by their own metaschema, they would otherwise be read wrongly): `items` as a list is
 `prefixItems` (with `additionalItems` as `items`), draft-04's boolean `exclusiveMinimum`/`exclusiveMaximum`
-the numeric bound.
+the numeric bound, and up to draft-07 the keywords beside a `$ref` are left out, as those drafts ignore them.
 """
 
 from __future__ import annotations
@@ -78,13 +78,20 @@ def resolve(root: Any, ref: str) -> Any:
     return node
 
 
-def current_draft(node: Any) -> Any:
+_OLD_DRAFTS = re.compile(r"json-schema\.org/draft-0[3-7]/")  # drafts in which `$ref` ignores the keywords beside it
+
+
+def current_draft(node: Any, refs_alone: bool | None = None) -> Any:
     """A copy of `node` with older drafts' spellings in 2020-12's (module docstring); a 2020-12 schema
     comes back equal (a list `items` or a boolean exclusive bound is invalid there). Only subschemas are
     read: a `const`, an `enum` value or a property named `items` is data, left as it is."""
     if not isinstance(node, dict):
         return node
-    out = _subschemas_mapped(node, current_draft)
+    if refs_alone is None:  # (the root says which draft)
+        refs_alone = bool(_OLD_DRAFTS.search(str(node.get("$schema", ""))))
+    out = _subschemas_mapped(node, lambda sub: current_draft(sub, refs_alone))
+    if refs_alone and isinstance(out.get("$ref"), str):  # draft-07 and older: the keywords beside it do not apply
+        out = {k: v for k, v in out.items() if k == "$ref" or k in _DEFS}
     if isinstance(out.get("items"), list):
         out["prefixItems"] = out.pop("items")
         if "additionalItems" in out:
@@ -193,7 +200,11 @@ def composed(root: Any, refuse: Refuse, string_formats: frozenset[str]) -> Any:
         return fold(out, where)
 
     def target(ref: str, where: str) -> Any:
-        found = resolve(root, ref)
+        name = ref[len("#/$defs/"):] if ref.startswith("#/$defs/") else None
+        if name in expanded.values() and name not in made:  # (being made: it leads back to itself)
+            refuse(f"a $ref with keywords beside it (at {where or '/'}) leads back to itself through allOf or a "
+                   "composed anyOf, which cannot be written out; move the keywords into the referenced schema")
+        found = made[name] if name in made else resolve(root, ref)  # (an entry made here is read as made)
         if found is MISSING:
             refuse(f"the $ref '{ref}' (at {where or '/'}) points at nothing in the schema")
         return {k: v for k, v in found.items() if k not in _DEFS} if isinstance(found, dict) else found

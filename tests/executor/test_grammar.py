@@ -388,6 +388,17 @@ COMPOSED_CASES = [
         "v": {"type": "integer"}, "next": {"$ref": "#/$defs/N", "maxProperties": 1}}}}, "$ref": "#/$defs/N"},
      ['{"v": 1, "next": {"v": 2}}'], ['{"v": 1, "next": {"v": 2, "next": {"v": 3}}}']),
     ({"enum": ["a", "b"], "anyOf": [{"type": "string"}, {"type": "integer"}]}, ['"a"'], ['"c"']),
+    # a reference with keywords beside it inside allOf or a composed anyOf: its entry was looked for in the
+    # client's schema ("the $ref '#/$defs/composed0' points at nothing")
+    ({"$defs": {"P": {"type": "object"}}, "allOf": [{"$ref": "#/$defs/P", "required": ["x"]}]},
+     ['{"x": 1}'], ["{}"]),
+    ({"$defs": {"A": {"type": "object", "properties": {"k": {"const": "a"}}}}, "type": "object",
+      "oneOf": [{"$ref": "#/$defs/A", "required": ["k"]},
+                {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]}]},
+     ['{"k": "a"}', '{"k": "b"}'], ["{}", '{"k": "c"}']),
+    # up to draft-07 a $ref ignores the keywords beside it (zod declares draft-07)
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "definitions": {"n": {"type": "integer"}},
+      "$ref": "#/definitions/n", "maximum": 3}, ["3", "9"], ['"x"']),
     ({"anyOf": [{"type": "string"}, {"type": "integer", "minimum": 5}], "maximum": 3}, ['"x"'], ["5"]),
     ({"anyOf": [{"oneOf": [{"type": "boolean"}], "const": None}, {"type": "boolean"}]}, ["true"], ["null"]),
     ({"type": "object", "additionalProperties": {"type": "integer"}, "patternProperties": {"^z": {"type": "string"}}},
