@@ -79,11 +79,11 @@ def runtime_file_value(value: str | None) -> str | None:
         if not path.is_file():
             return "exists and is not a regular file (it would be replaced, then removed at exit); give a new path"
         try:
-            text = path.read_text()
-            held = json.loads(text) if text.strip() else {"host": 0, "port": 0, "pid": 0}  # (empty: `mktemp`'s)
+            text = path.read_text().strip()  # (empty: `mktemp`'s, taken as it is)
+            held = json.loads(text) if text else {}
         except (OSError, ValueError):
-            held = None
-        if not (isinstance(held, dict) and {"host", "port", "pid"} <= set(held)):
+            text, held = "?", None
+        if text and not (isinstance(held, dict) and {"host", "port", "pid"} <= held.keys()):
             return "exists and is not a runtime file a server wrote (it would be replaced, then removed at exit); " \
                    "remove it or give a new path"
     existing = next(p for p in path.parents if p.exists())  # "/" at worst

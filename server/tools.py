@@ -37,7 +37,7 @@ from pydantic_core import from_json
 from scheduler.sampling_params import ParamError, StructuredOutput
 from server.chat_template import accepts_system, writes_tool_messages
 from server.protocol import ChatInput, NamedToolChoice
-from server.structured import check_json_schema, check_valid_schema, embedded, schema_output
+from server.structured import check_json_schema, check_valid_schema, embedded, json_schema_output, schema_output
 from server.tool_parsers import (TOOL_PARSERS, JsonEnd, ToolCall, ToolCallDelta, ToolParser, call_id_maker,
                                  default_call_id, detect_tool_parser)
 
@@ -100,8 +100,8 @@ def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto")
         fn = tools[names.index(choice.function.name)].function
         where = f"tools.[{names.index(fn.name)}].function.parameters"
         # (what the engine refuses of it, a range xgrammar cannot compile say, is named by the tool's schema)
-        params = _parameters(fn.parameters, where)
-        return ToolPlan(rendered, forced_system, schema_output(params, where),
+        params = fn.parameters if fn.parameters is not None else _EMPTY_PARAMETERS
+        return ToolPlan(rendered, forced_system, json_schema_output(params, where),  # (checked and rewritten once)
                         lambda: MergedDeltas(NamedToolCall(fn.name, new_id)), named=True)
     if choice == "required":
         # each tool's parameters under $defs, their own references rewritten to point there
