@@ -69,7 +69,7 @@ from server.responses_api import ResponsesRequest, rename_error, to_chat_request
 from server.state import ClientError, ServerState, error_response
 from server.reasoning import THINK_CLOSE, parser_kind, starts_in_reasoning
 from server.tools import ToolPlan, plan_tools, with_call_markup, with_system
-from scheduler.sampling_params import ParamError, validate_prompt_ids, validate_token_ids
+from scheduler.sampling_params import ParamError, SamplingParams, validate_prompt_ids, validate_token_ids
 
 
 REPLICA_HEADER = "x-mlaserve-replica"
@@ -379,8 +379,8 @@ async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: Ca
     try:
         # on a worker thread: a prompt of a megabyte takes about half a second to encode (the tokenizer lets
         # go of the GIL), which on the event loop would stall every stream and /health for that long
-        prompts, tools = await asyncio.to_thread(build_prompts, state, body)
-        requests = start_requests(state, body, prompts, tools, arrived)
+        prompts, tools, params = await asyncio.to_thread(_prepared, state, body)
+        requests = start_requests(state, body, prompts, tools, params, arrived)
     except ClientError as e:
         return e.response()
     except ParamError as e:
@@ -562,9 +562,18 @@ def bad_words_ids(state: ServerState, words: list[str]) -> tuple[tuple[int, ...]
     return tuple(out)
 
 
-def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int], str]],
-                   tools: ToolPlan, arrived: float | None = None) -> list[EngineRequest]:
-    """The engine requests of a request's prompts (`arrived`: when it came, time.time(); now if None)."""
+def _prepared(state: ServerState, body: Any) -> tuple[list[tuple[list[int], str]], ToolPlan, SamplingParams]:
+    """The prompts, tool plan and sampling parameters of a request: run on a worker thread, as encoding a long
+    prompt and checking and rewriting a large schema (seconds for hundreds of kilobytes of `anyOf`) would stall
+    every stream and /health on the event loop."""
+    prompts, tools = build_prompts(state, body)
+    return prompts, tools, request_params(state, body, prompts, tools)
+
+
+def request_params(state: ServerState, body: Any, prompts: list[tuple[list[int], str]],
+                   tools: ToolPlan) -> SamplingParams:
+    """The checked sampling parameters of a request's prompts, its structured output rewritten for the
+    engine; ClientError otherwise."""
     try:
         defaults = state.generation_defaults.values if state.generation_defaults is not None else {}
         params = checked_sampling_params(body, state.vocab_size, defaults)
@@ -577,14 +586,22 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
             params = msgspec.structs.replace(params, structured=tools.structured)
     except ParamError as e:
         raise ClientError.bad_param(e) from None
-    engine, tok = state.engine, state.tokenizer
-    assert engine is not None and tok is not None
+    tok = state.tokenizer
+    assert tok is not None
     if params.structured is not None and isinstance(body, ChatCompletionRequest) and \
             starts_in_reasoning(parser_kind(state.reasoning_parser, tok.chat_template), prompts[0][1],
                                 body.continued_text()):
         # the answer is constrained, not the reasoning: the grammar starts after </think>
         after = tuple(tok.encode(THINK_CLOSE, add_special_tokens=False))
         params = msgspec.structs.replace(params, structured=msgspec.structs.replace(params.structured, after=after))
+    return params
+
+
+def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int], str]], tools: ToolPlan,
+                   params: SamplingParams, arrived: float | None = None) -> list[EngineRequest]:
+    """The engine requests of a request's prompts (`arrived`: when it came, time.time(); now if None)."""
+    engine, tok = state.engine, state.tokenizer
+    assert engine is not None and tok is not None
     completions, capacity = len(prompts) * params.n, state.admission_capacity
     if capacity and len(prompts) > 1 and completions > capacity:  # one prompt: the engine says so (its param "n")
         raise ClientError(400, f"{len(prompts)} prompts x n={params.n} = {completions} completions can never be "

@@ -74,13 +74,42 @@ def test_a_requests_arrival_is_before_its_template_and_tokenizing(monkeypatch: p
         seen["built"] = time.time()
         return [([1, 2, 3], "abc")], ToolPlan()
 
-    def start(_state, _body, _prompts, _tools, arrived=None):
+    def start(_state, _body, _prompts, _tools, _params, arrived=None):
         seen["arrived"] = arrived
         raise serving.ClientError(400, "enough")
 
     monkeypatch.setattr(serving, "build_prompts", slow_build)
+    monkeypatch.setattr(serving, "request_params", lambda *_: None)
     monkeypatch.setattr(serving, "start_requests", start)
     before = time.time()
     resp = asyncio.run(serving.handle(None, state, None, None))
     assert resp.status_code == 400
     assert before <= seen["arrived"] <= seen["built"] - 0.25
+
+
+def test_a_requests_sampling_parameters_are_checked_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checking the sampling parameters rewrites a structured output's schema (seconds for hundreds of
+    kilobytes of `anyOf`): on the event loop every stream and /health would stall meanwhile. It ran there."""
+    import threading
+
+    from scheduler.sampling_params import ParamError
+    from server.tools import ToolPlan
+
+    state = ServerState(model_name="m", metrics=Metrics("m"))
+    threads: list[threading.Thread] = []
+
+    def checked(*_args, **_kw):
+        threads.append(threading.current_thread())
+        raise ParamError("bad schema", "response_format")
+
+    monkeypatch.setattr(serving, "build_prompts", lambda *_: ([([1, 2, 3], "abc")], ToolPlan()))
+    monkeypatch.setattr(serving, "checked_sampling_params", checked)
+    loop_thread: list[threading.Thread] = []
+
+    async def run():
+        loop_thread.append(threading.current_thread())
+        return await serving.handle(None, state, types.SimpleNamespace(bad_words=None), None)
+
+    resp = asyncio.run(run())
+    assert resp.status_code == 400 and b"bad schema" in resp.body
+    assert threads and threads[0] is not loop_thread[0]
