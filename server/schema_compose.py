@@ -495,3 +495,126 @@ def name_ok(names: Any, key: str, defs: dict | None = None) -> bool:
                                                ).is_valid(key)
     except Exception:  # noqa: BLE001 (jsonschema's reference errors are several classes of `referencing`)
         return True
+
+
+
+def finite(root: Any, refuse: Refuse) -> Any:
+    """`root` without the ways into a recursion that never ends: an `anyOf`/`oneOf` branch, an optional
+    property, `additionalProperties` or array items that no finite JSON value satisfies (every way through
+    them refers back into themselves: a required property, an item `minItems` asks for or every branch)
+    are left out (a property is false, an array's length stops before them). The grammar built from them
+    let the model start such a value and never finish it (the reply cut at max_tokens, not JSON). `refuse`
+    when nothing finite satisfies `root` itself. References are local (checked before)."""
+    if not isinstance(root, dict):
+        return root
+    refs = {n["$ref"] for n in _nodes(root) if isinstance(n.get("$ref"), str)}
+    seen = _Finite(set())
+    grew = True
+    while grew:  # the least fixed point: a reference is good once its target is, given the good ones so far
+        seen = _Finite(seen.good)
+        grew = False
+        for ref in refs - seen.good:
+            if seen(resolve(root, ref)):
+                seen.good.add(ref)
+                grew = True
+    seen = _Finite(seen.good)  # (answers given before the last references were found good are stale)
+    seen.unended = _Finite(refs)  # (a part that nothing satisfies, recursion or not: the checks after say why)
+    if not seen(root) and seen.unended(root):
+        refuse("no finite JSON value matches the schema: every way through it refers back into itself (through "
+               "a required property, an item minItems asks for, or every branch of an anyOf); give the recursion "
+               "a way to end, such as an optional property or a branch without it")
+    return _finite_parts(root, seen)
+
+
+def _nodes(node: Any) -> list[dict]:
+    """Every subschema of `node` that is an object, `node` included."""
+    out, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, dict):
+            out.append(n)
+            for key in _SUBSCHEMA_MAPS:
+                stack.extend(n[key].values() if isinstance(n.get(key), dict) else ())
+            for key in _SUBSCHEMA_LISTS:
+                stack.extend(n[key] if isinstance(n.get(key), list) else ())
+            stack.extend(n.get(key) for key in _SUBSCHEMA_VALUES)
+    return out
+
+
+class _Finite:
+    """Whether some finite JSON value satisfies a subschema, the references in `good` taken as satisfiable
+    and the others as not; remembered per subschema. Over-approximated wherever unsure (True), so that only
+    what surely never ends is left out."""
+
+    def __init__(self, good: set[str]) -> None:
+        self.good = good
+        self._known: dict[int, bool] = {}
+        self.unended: _Finite | None = None  # the same with every reference good: what fails only by recursion
+
+    def ends(self, node: Any) -> bool:
+        """False for a subschema that only a value recursing forever would satisfy."""
+        return self(node) or self.unended is None or not self.unended(node)
+
+    def kind_ends(self, node: dict, kind: Any) -> bool:
+        """False where only a value recursing forever would be of `kind` and satisfy `node`."""
+        return self.kind(node, kind) or self.unended is None or not self.unended.kind(node, kind)
+
+    def __call__(self, node: Any) -> bool:
+        if not isinstance(node, dict):
+            return node is not False
+        known = self._known.get(id(node))
+        if known is None:
+            known = self._known[id(node)] = self._of(node)
+        return known
+
+    def _of(self, node: dict) -> bool:
+        if isinstance(node.get("$ref"), str) and node["$ref"] not in self.good:
+            return False
+        if isinstance(node.get("allOf"), list) and not all(map(self, node["allOf"])):
+            return False
+        if any(isinstance(node.get(k), list) and not any(map(self, node[k])) for k in ("anyOf", "oneOf")):
+            return False
+        if "enum" in node or "const" in node:
+            return True  # (its values are finite)
+        kinds = node.get("type", "any")
+        return any(self.kind(node, kind) for kind in (kinds if isinstance(kinds, list) else [kinds]))
+
+    def kind(self, node: dict, kind: Any) -> bool:
+        """Whether some finite value of `kind` satisfies `node`'s object or array keywords."""
+        if kind == "object":
+            props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+            required = node.get("required") if isinstance(node.get("required"), list) else []
+            return all(self(props[k]) for k in required if k in props)
+        if kind == "array":
+            need = node.get("minItems", 0) if isinstance(node.get("minItems"), int) else 0
+            prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+            return all(map(self, prefix[:need])) and (need <= len(prefix) or self(node.get("items", True)))
+        return True
+
+
+def _finite_parts(node: Any, seen: _Finite) -> Any:
+    """`node` with its optional parts that no finite value satisfies left out (see `finite`)."""
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
+    if isinstance(out.get("type"), list) and "enum" not in out and "const" not in out:
+        kinds = [k for k in out["type"] if seen.kind_ends(node, k)]  # `["object", "null"]`: null if objects never end
+        out["type"] = kinds or out["type"]
+    for key in ("anyOf", "oneOf"):
+        if isinstance(out.get(key), list) and any(map(seen, out[key])):
+            out[key] = [s for s in out[key] if seen.ends(s)]
+    if isinstance(out.get("properties"), dict):
+        required = out.get("required") if isinstance(out.get("required"), list) else []
+        out["properties"] = {k: s if k in required or seen.ends(s) else False for k, s in out["properties"].items()}
+    if isinstance(out.get("additionalProperties"), dict) and not seen.ends(out["additionalProperties"]):
+        out["additionalProperties"] = False
+    prefix = out.get("prefixItems") if isinstance(out.get("prefixItems"), list) else []
+    stop = next((i for i, s in enumerate(prefix) if not seen(s)), None)  # (`false` too: the compiler refused it)
+    if stop is None and not seen(out.get("items", True)):
+        stop = len(prefix)
+    if stop is not None:  # no items from there on (minItems is at most `stop` where an array is satisfiable)
+        out["prefixItems"] = prefix[:stop]
+        if not out["prefixItems"]:
+            del out["prefixItems"]
+        out["maxItems"] = min(stop, out["maxItems"]) if isinstance(out.get("maxItems"), int) else stop
+    return _subschemas_mapped(out, lambda sub: _finite_parts(sub, seen))

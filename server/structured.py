@@ -43,7 +43,7 @@ from typing import Any, NoReturn
 from pydantic_core import from_json
 
 from scheduler.sampling_params import ParamError, StructuredOutput
-from server.schema_compose import MISSING, composed, current_draft, hoisted, json_equal, name_ok, resolve, search
+from server.schema_compose import MISSING, composed, current_draft, finite, hoisted, json_equal, name_ok, resolve, search
 
 # keywords the grammar engine enforces (checked one by one against xgrammar 0.2.x in the tests)
 ENFORCED = frozenset({
@@ -361,6 +361,7 @@ def _engine_schema(schema: Any, param: str) -> Any:
 
     schema = composed(current_draft(hoisted(schema)), refuse, FORMATS | set(FORMAT_PATTERNS))
     _check_refs(schema, param)  # (references with keywords beside them that led back to each other: made bare)
+    schema = finite(schema, refuse)
     defs = {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema, dict) and k in schema}
     return _map_schemas(schema, "", node)
 
@@ -463,8 +464,10 @@ def _object(out: dict, where: str, param: str, defs: dict | None = None) -> dict
     # or the same one over and over) as a key that matches patternProperties or, beside other keys
     # allowed, propertyNames. A pattern that names one declared key only, with nothing to add to its
     # schema, is left out.
+    had_patterns = bool(patterns)
     patterns = {p: sub for p, sub in patterns.items()
-                if _literal(p) not in props or sub not in (True, {}, props[_literal(p)])}
+                if (_literal(p) not in props or sub not in (True, {}, props[_literal(p)]))
+                and not (sub is False and not any(search(p, key) for key in props))}  # (other keys are shut out: below)
     if "patternProperties" in out:
         out["patternProperties"] = patterns
     for key in props:
@@ -480,7 +483,7 @@ def _object(out: dict, where: str, param: str, defs: dict | None = None) -> dict
     if names is not None and extra is False and not patterns:  # only listed keys: those breaking it were left out
         del out["propertyNames"]  # (beside none listed, xgrammar wrote keys other than them: only {} was valid)
         out["properties"] = props
-    if patterns and out.get("additionalProperties") is not False:  # xgrammar let a key matching a pattern through
+    if had_patterns and out.get("additionalProperties") is not False:  # xgrammar let a key matching a pattern through
         out["additionalProperties"] = False  # as another key, of that schema's value: other keys left out (a narrowing)
     if props or "properties" in out:
         out["properties"] = props

@@ -6,6 +6,7 @@ tests check the claims the server makes about it (every keyword it lets through 
 from __future__ import annotations
 
 import json
+import random
 import threading
 
 import jsonschema
@@ -149,7 +150,6 @@ def test_every_served_format_writes_only_values_its_checker_accepts(backend, fmt
     format-nongpl extra: rfc3339-validator, fqdn, rfc3986-validator, isoduration, ...). xgrammar's own
     rules wrote 2023-11-31, 23:59:60, 01.2.3.4 and 70-character host labels; those formats are served as
     patterns (server.structured.FORMAT_PATTERNS)."""
-    import random
 
     if fmt not in CHECKER.checkers:
         pytest.skip(f"jsonschema has no checker for {fmt} here (its format-nongpl extra is missing)")
@@ -193,7 +193,6 @@ def test_served_patterns_match_exactly_what_python_re_matches(backend):
     every string of up to four characters of a, b and '.'. Before the rewrite 10 of 150 such patterns
     differed (an optional group with a repetition inside: `^x(ab+)?Z$` took "xbZ")."""
     import itertools
-    import random
     import re
 
     rng = random.Random(1)
@@ -244,7 +243,6 @@ def test_patterns_with_characters_json_escapes_write_valid_json(ascii_backend):
     `re` matches it and it has none of them, and a pattern that leaves nothing is a 400 naming it.
     Sampled documents of patterns with `.`, classes and negations parse and match."""
     import itertools
-    import random
     import re
 
     rng = random.Random(7)
@@ -403,6 +401,12 @@ COMPOSED_CASES = [
     ({"anyOf": [{"oneOf": [{"type": "boolean"}], "const": None}, {"type": "boolean"}]}, ["true"], ["null"]),
     ({"type": "object", "additionalProperties": {"type": "integer"}, "patternProperties": {"^z": {"type": "string"}}},
      ['{"z": "s"}'], ['{"z": 1}']),  # (keys matching no pattern are not written: a narrowing)
+    # an item nothing satisfies ends the array before it (the compiler refused `false` in prefixItems)
+    ({"type": "array", "prefixItems": [{"type": "integer"}, False], "items": {"type": "string"}},
+     ["[]", "[1]"], ['[1, "a"]', '["a"]', "[1, 2]"]),
+    # a pattern whose keys are forbidden (the compiler refused `false` there); other keys too (a narrowing)
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "patternProperties": {"^z": False},
+      "additionalProperties": {"type": "integer"}}, ["{}", '{"a": 1}'], ['{"z": 1}', '{"a": "x"}']),
 ]
 
 
@@ -441,6 +445,46 @@ def test_keywords_beside_compositions_and_without_a_type_are_enforced(backend, s
 ])
 def test_compositions_that_cannot_be_combined_are_refused(schema, needle):
     with pytest.raises(ParamError, match=needle) as e:
+        json_schema_output(schema, "response_format.json_schema.schema")
+    assert e.value.param == "response_format"
+
+
+_LOOP = {"type": "object", "properties": {"n": {"$ref": "#/$defs/L"}}, "required": ["n"]}  # no finite value
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"a": {"type": "integer"}, "next": {"$ref": "#/$defs/L"}}, "required": ["a"]},
+    {"type": "array", "items": {"$ref": "#/$defs/L"}},
+    {"type": "array", "prefixItems": [{"type": "integer"}, {"$ref": "#/$defs/L"}], "minItems": 1},
+    {"type": ["object", "null"], "properties": {"n": {"$ref": "#/$defs/L"}}, "required": ["n"]},
+    {"anyOf": [{"$ref": "#/$defs/L"}, {"type": "integer"}]},
+    {"type": "object", "additionalProperties": {"$ref": "#/$defs/L"}},
+    {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1},
+                                    "x": {"$ref": "#/$defs/L"}},
+     "required": ["kids"]},
+])
+def test_recursions_that_never_end_are_left_out_of_what_the_model_may_start(backend, schema):
+    """The grammar of a part no finite value satisfies (a required property leading back into itself) let
+    the model start writing it and never finish: the reply was cut at max_tokens, not JSON. Every document
+    of the served grammar now ends, and satisfies the schema."""
+    schema = {**schema, "$defs": {"L": _LOOP}}
+    validator = jsonschema.Draft202012Validator(schema)
+    compiled = served(backend, schema)
+    rng = random.Random(7)
+    for _ in range(30):
+        doc = sample(backend, compiled, rng, max_chars=400)
+        assert doc is not None, "a document that did not end"
+        assert validator.is_valid(json.loads(doc)), doc
+
+
+@pytest.mark.parametrize("schema", [
+    {"anyOf": [{"$ref": "#"}]},
+    {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]},
+    {"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
+                                    "b": {"type": "array", "items": {"$ref": "#/$defs/a"}, "minItems": 1}}},
+])
+def test_a_schema_only_an_endless_value_satisfies_is_a_400(schema):
+    with pytest.raises(ParamError, match="no finite JSON value matches") as e:
         json_schema_output(schema, "response_format.json_schema.schema")
     assert e.value.param == "response_format"
 
