@@ -51,11 +51,18 @@ BODY_BYTES_PER_CONTEXT_TOKEN = 16  # a token is ~4 bytes of text, more as JSON-e
 STATS_WAIT_S = 0.5  # /metrics waits this long for the engine's current stats, then takes the latest it sent
 
 
+# routes whose answers are OpenAI's (or vLLM's) whoever asks: a proxy or shared client that sends
+# `anthropic-version` on every call still reads their errors in their own shape and field names
+OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize", "/detokenize")
+
+
 def from_anthropic_client(scope: Scope) -> bool:
     """A request on the Messages routes, or one with an `anthropic-version` header (the Anthropic SDK sends it
-    on every call, `models.list()` too): its answers take Anthropic's shapes."""
-    return (str(scope.get("path", "")).startswith("/v1/messages")
-            or any(name == b"anthropic-version" for name, _ in scope.get("headers", ())))
+    on every call, `models.list()` too) on a route both APIs share: its answers take Anthropic's shapes."""
+    path = str(scope.get("path", ""))
+    return path.startswith("/v1/messages") or (
+        not path.startswith(OPENAI_ROUTES)
+        and any(name == b"anthropic-version" for name, _ in scope.get("headers", ())))
 
 
 def shaped(scope: Scope, resp: Response) -> Response:

@@ -62,7 +62,8 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 # the chat path's field names as this API's (requests are served as chat requests)
 _RENAMES = (
     (re.compile(r"\bresponse_format\.json_schema\.schema\b"), "output_config.format.schema"),
-    (re.compile(r"\bresponse_format(\.json_schema)?\b"), "output_config.format"),
+    # (not where a request sending chat's own field is told it is not taken here)
+    (re.compile(r"\bresponse_format(\.json_schema)?\b(?! is not taken here)"), "output_config.format"),
     (re.compile(r"\btools\.\[(\d+)\]\.function\.parameters\b"), r"tools.[\1].input_schema"),
     (re.compile(r"\btools\.\[(\d+)\]\.function\."), r"tools.[\1]."),
     (re.compile(r"\bmax_completion_tokens\b"), "max_tokens"),
@@ -239,6 +240,13 @@ class MessagesRequest(_Body, NoStructuredExtensions):
             for j, block in enumerate(m.content if isinstance(m.content, list) else ()):
                 if isinstance(block, TextBlock) and not block.text:  # Anthropic's rule too
                     raise _invalid(f"messages.{i}.content.{j}: text content blocks must be non-empty")
+        last = value[-1]
+        tail = last.content if isinstance(last.content, str) else (
+            last.content[-1].text if last.content and isinstance(last.content[-1], TextBlock) else "")
+        if last.role == "assistant" and tail != tail.rstrip():  # Anthropic's rule: the prefill's last token
+            # would be a lone space, which a model's tokenizer puts before words: what follows went astray
+            raise _invalid("messages: final assistant content cannot end with trailing whitespace; leave the "
+                           "whitespace out of the prefill")
         return value
 
     @field_validator("mcp_servers", "container")

@@ -87,6 +87,7 @@ class NoStructuredExtensions(_Request):
     constrain the output: declared so that a request sending one is refused by name (`refuse_extensions`)
     rather than served unconstrained, as an unknown field would be."""
 
+    response_format: Any = None  # (chat's own field: also not this API's way)
     structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -97,10 +98,9 @@ class NoStructuredExtensions(_Request):
     json_schema: Any = None
     grammar: Any = None
 
-    def refuse_extensions(self, api: str, native: str, also: tuple[str, ...] = ()) -> None:
-        """ParamError naming the first extension field sent (or of the fields `also` names): `native` is this
-        API's own way."""
-        field = next((f for f in (*also, *EXTENSION_FIELDS) if getattr(self, f) is not None), None)
+    def refuse_extensions(self, api: str, native: str) -> None:
+        """ParamError naming the first of chat's structured-output fields sent: `native` is this API's own way."""
+        field = next((f for f in ("response_format", *EXTENSION_FIELDS) if getattr(self, f) is not None), None)
         if field is not None:
             raise ParamError(field, f"{field} is not taken here (it is a field of /v1/chat/completions): {api} "
                                     f"constrains its output with {native}")

@@ -133,7 +133,6 @@ class ResponsesRequest(_Body, NoStructuredExtensions):
     tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoiceFunction | None = None
     parallel_tool_calls: StrictBool | None = True
     text: ResponsesText | None = None
-    response_format: Any = None  # chat's: refused (to_chat_request), the way here being text.format
     reasoning: ResponsesReasoning | None = None
     stream: StrictBool | None = False
     store: StrictBool | None = True  # accepted; nothing is ever stored
@@ -299,7 +298,7 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         if given:
             raise ParamError(field, f"{field} is not supported: this server is stateless and stores no responses; "
                              "send the whole conversation as input items instead")
-    req.refuse_extensions("/v1/responses", "text.format", also=("response_format",))
+    req.refuse_extensions("/v1/responses", "text.format")
     messages: list[dict[str, Any]] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})

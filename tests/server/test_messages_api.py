@@ -266,6 +266,13 @@ USER = [{"role": "user", "content": "hi"}]
     # the chat path's structured-output extensions: refused by name (they were ignored, the output free)
     ({"max_tokens": 4, "messages": USER, "structured_outputs": {"regex": "a+"}}, 400, "output_config.format"),
     ({"max_tokens": 4, "messages": USER, "guided_json": {"type": "object"}}, 400, "guided_json is not taken here"),
+    ({"max_tokens": 4, "messages": USER, "response_format": {"type": "json_object"}}, 400,
+     "response_format is not taken here"),
+    # a prefill ending in whitespace, as Anthropic's API refuses it (the model went astray after a lone space)
+    ({"max_tokens": 4, "messages": [*USER, {"role": "assistant", "content": "The answer is "}]}, 400,
+     "cannot end with trailing whitespace"),
+    ({"max_tokens": 4, "messages": [*USER, {"role": "assistant", "content": [{"type": "text", "text": "So\n"}]}]}, 400,
+     "cannot end with trailing whitespace"),
     # the middlewares' answers, before any route: in this API's shape too
     ({"max_tokens": 4, "messages": USER, "__key": "wrong"}, 401, "API key"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x" * 3_000_000}]}, 413, "larger than the limit"),
@@ -280,7 +287,7 @@ def test_bad_requests_get_anthropic_errors(server, body, status, needle):
                                     413: "request_too_large"}[status]
     assert needle in err["error"]["message"], err
     for chat_name in ("function.parameters", "response_format", "echo with logprobs", "completions API"):
-        assert chat_name not in err["error"]["message"], err
+        assert chat_name in needle or chat_name not in err["error"]["message"], err
 
 
 def test_a_wrong_method_is_an_invalid_request(server):
@@ -397,3 +404,20 @@ def test_the_anthropic_sdk_lists_and_retrieves_the_model(client, chat):
     assert e.value.body["error"]["type"] == "not_found_error"
     (card,) = chat.models.list().data
     assert card.id == "m" and card.object == "model" and card.owned_by == "mlaserve"
+
+
+def test_openai_routes_answer_in_openai_shapes_whatever_headers_come(chat):
+    """A proxy or shared client may send `anthropic-version` on every call: the OpenAI routes' errors kept
+    Anthropic's shape then, with the Messages API's field names (`stop` refused as 'stop_sequences', no
+    param or code for the SDK to read)."""
+    tagged = chat.with_options(default_headers={"anthropic-version": "2023-06-01"})
+    with pytest.raises(openai.BadRequestError) as e:
+        tagged.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                       stop=["x"] * 17)
+    assert e.value.param == "stop" and "stop_sequences" not in str(e.value.body), e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        tagged.completions.create(model="m", prompt="hi", max_tokens=3, extra_body={"max_tokens": "3"})
+    assert e.value.param == "max_tokens" and e.value.body["type"] == "invalid_request_error", e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        tagged.responses.create(model="m", input="hi", extra_body={"max_output_tokens": "x"})
+    assert e.value.param == "max_output_tokens", e.value.body
