@@ -499,12 +499,14 @@ def name_ok(names: Any, key: str, defs: dict | None = None) -> bool:
 
 
 def finite(root: Any, refuse: Refuse) -> Any:
-    """`root` without the ways into a recursion that never ends: an `anyOf`/`oneOf` branch, an optional
-    property, `additionalProperties` or array items that no finite JSON value satisfies (every way through
-    them refers back into themselves: a required property, an item `minItems` asks for or every branch)
-    are left out (a property is false, an array's length stops before them). The grammar built from them
-    let the model start such a value and never finish it (the reply cut at max_tokens, not JSON). `refuse`
-    when nothing finite satisfies `root` itself. References are local (checked before)."""
+    """`root` without the ways into a recursion that never ends: an optional property or
+    `additionalProperties` that no finite JSON value satisfies (every way through them refers back into
+    themselves: a required property, an item `minItems` asks for or every branch) is false. The grammar
+    built from them let the model start such a value and never finish it (the reply cut at max_tokens, not
+    JSON). Likewise, for whatever reason nothing satisfies them (`false` too, which the compiler refused
+    there), `anyOf`/`oneOf` branches are left out and an array's length stops before such an item
+    (`_array_bounded`). `refuse` when nothing finite satisfies `root` itself but recursion is why (else
+    the checks after say what). References are local (checked before)."""
     if not isinstance(root, dict):
         return root
     refs = {n["$ref"] for n in _nodes(root) if isinstance(n.get("$ref"), str)}
@@ -600,21 +602,36 @@ def _finite_parts(node: Any, seen: _Finite) -> Any:
     if isinstance(out.get("type"), list) and "enum" not in out and "const" not in out:
         kinds = [k for k in out["type"] if seen.kind_ends(node, k)]  # `["object", "null"]`: null if objects never end
         out["type"] = kinds or out["type"]
-    for key in ("anyOf", "oneOf"):
+    for key in ("anyOf", "oneOf"):  # (a branch nothing satisfies adds nothing: the compiler refused `false`)
         if isinstance(out.get(key), list) and any(map(seen, out[key])):
-            out[key] = [s for s in out[key] if seen.ends(s)]
+            out[key] = [s for s in out[key] if seen(s)]
     if isinstance(out.get("properties"), dict):
         required = out.get("required") if isinstance(out.get("required"), list) else []
         out["properties"] = {k: s if k in required or seen.ends(s) else False for k, s in out["properties"].items()}
     if isinstance(out.get("additionalProperties"), dict) and not seen.ends(out["additionalProperties"]):
         out["additionalProperties"] = False
-    prefix = out.get("prefixItems") if isinstance(out.get("prefixItems"), list) else []
-    stop = next((i for i, s in enumerate(prefix) if not seen(s)), None)  # (`false` too: the compiler refused it)
+    if any(k in out for k in ("prefixItems", "items", "maxItems")):
+        _array_bounded(out, seen)
+    return _subschemas_mapped(out, lambda sub: _finite_parts(sub, seen))
+
+
+def _array_bounded(out: dict, seen: _Finite) -> None:
+    """An array's items from the first one nothing satisfies on left out (its length stops before it), and
+    `prefixItems` past `maxItems` too, with `true` ones as `{}`: the compiler refused `false` and `true`
+    there and more prefixItems than maxItems, whatever the arrays they allow."""
+    prefix = list(out["prefixItems"]) if isinstance(out.get("prefixItems"), list) else []
+    limit = out.get("maxItems") if isinstance(out.get("maxItems"), int) else None
+    stop = next((i for i, s in enumerate(prefix) if not seen(s)), None)
     if stop is None and not seen(out.get("items", True)):
         stop = len(prefix)
-    if stop is not None:  # no items from there on (minItems is at most `stop` where an array is satisfiable)
-        out["prefixItems"] = prefix[:stop]
-        if not out["prefixItems"]:
+    if stop is not None:  # (minItems is at most `stop` where an array is satisfiable)
+        limit = stop if limit is None else min(limit, stop)
+        out["maxItems"] = limit
+    if limit == 0:
+        out.pop("items", None)  # (no item: the compiler read its schema all the same)
+    if "prefixItems" in out and isinstance(out["prefixItems"], list):
+        prefix = [{} if s is True else s for s in prefix[:limit]]
+        if prefix:
+            out["prefixItems"] = prefix
+        else:
             del out["prefixItems"]
-        out["maxItems"] = min(stop, out["maxItems"]) if isinstance(out.get("maxItems"), int) else stop
-    return _subschemas_mapped(out, lambda sub: _finite_parts(sub, seen))

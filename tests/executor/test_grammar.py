@@ -404,6 +404,11 @@ COMPOSED_CASES = [
     # an item nothing satisfies ends the array before it (the compiler refused `false` in prefixItems)
     ({"type": "array", "prefixItems": [{"type": "integer"}, False], "items": {"type": "string"}},
      ["[]", "[1]"], ['[1, "a"]', '["a"]', "[1, 2]"]),
+    ({"type": "array", "prefixItems": [True, {"type": "null"}], "maxItems": 1}, ["[]", "[1]", '["a"]'], ["[1, null]"]),
+    ({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "maxItems": 1},
+     ["[]", "[1]"], ['[1, "a"]', '["a"]']),
+    ({"anyOf": [{"oneOf": [False]}, {"type": "integer"}]}, ["1"], ['"a"']),  # (the compiler refused the false)
+    ({"$defs": {"D0": False}, "type": "array", "items": {"$ref": "#/$defs/D0"}}, ["[]"], ["[1]", "[null]"]),
     # a pattern whose keys are forbidden (the compiler refused `false` there); other keys too (a narrowing)
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "patternProperties": {"^z": False},
       "additionalProperties": {"type": "integer"}}, ["{}", '{"a": 1}'], ['{"z": 1}', '{"a": "x"}']),
