@@ -95,6 +95,7 @@ class _Compiling:
 
     reqs: list[Req]
     future: Future
+    report_admission: bool = False
 
 
 def _refusal(rid: str, prompt_tokens: int, arrival_time: float, message: str, code: str,
@@ -102,6 +103,12 @@ def _refusal(rid: str, prompt_tokens: int, arrival_time: float, message: str, co
     """The one output of a request the core will not run: the server turns `code` into its HTTP error."""
     return RequestOutput(rid, 0, [], finish_reason=FINISH_ERROR, prompt_tokens=prompt_tokens, error=message,
                          error_code=code, error_param=param, arrival_time=arrival_time)
+
+
+def _admitted(req: Req) -> RequestOutput:
+    """The output telling the server that request `req.rid` passed every check and waits to run."""
+    return RequestOutput(req.rid, 0, [], prompt_tokens=len(req.prompt_ids), arrival_time=req.arrival_time,
+                         admitted=True)
 
 
 def _mix_seed(seed: int, index: int) -> int:
@@ -350,12 +357,12 @@ class EngineCore:
                 for i in range(p.n)]
         if p.structured is None:
             self.scheduler.add(reqs)
-            return []
+            return [_admitted(reqs[0])] if req.report_admission else []
         s = p.structured
         if self.grammars is None:
             return [_refusal(req.rid, len(req.input_ids), req.arrival_time, f"{s.param}: this model has no "
                              "tokenizer, so its output cannot be constrained", ERR_INVALID, s.param)]
-        self._compiling.append(_Compiling(reqs, self.grammars.submit(s.kind, s.spec, s.param)))
+        self._compiling.append(_Compiling(reqs, self.grammars.submit(s.kind, s.spec, s.param), req.report_admission))
         return []
 
     def _compiled(self) -> list[RequestOutput]:
@@ -380,6 +387,8 @@ class EngineCore:
             for r in c.reqs:
                 r.grammar = self.grammars.grammar(compiled, r.params.structured.after if r.params.structured else ())
             self.scheduler.add(c.reqs)
+            if c.report_admission:
+                out.append(_admitted(first))
         return out
 
     def _check(self, req: GenerateRequest) -> tuple[str, str, str | None] | None:

@@ -73,6 +73,9 @@ class GenerateRequest(_Message, frozen=True):
     input_ids: list[int]  # prompt token ids
     params: SamplingParams
     arrival_time: float = 0.0  # time.time() when the server received it
+    # answer an `admitted` output once the request has passed the core's checks (its grammar compiled) and
+    # waits to run: a stream's headers go then, not after a long prefill or queue, with refusals still errors
+    report_admission: bool = False
 
 
 class AbortRequest(_Message, frozen=True):
@@ -122,6 +125,7 @@ class RequestOutput(msgspec.Struct, forbid_unknown_fields=True):
     error: str | None = None  # human-readable, when finish_reason == "error"
     error_code: str | None = None  # one of ERR_*
     error_param: str | None = None  # the request parameter at fault (ERR_INVALID), for the 400's `param`
+    admitted: bool = False  # no tokens: the request will run (asked by GenerateRequest.report_admission)
     # timings (seconds since the epoch), for metrics
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None

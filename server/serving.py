@@ -389,11 +389,12 @@ async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: Ca
     watch = asyncio.ensure_future(_wait_disconnect(raw))
     pending: list[asyncio.Future] = []  # first outputs a stream goes on without (several prompts)
     try:
-        # wait for the prompts' first outputs: engine refusals arrive first and become HTTP errors. A stream of
-        # several prompts starts with the first token of any: the others may wait their turn in the engine's
-        # queue behind the batch's earlier prompts, and the client reads each choice as it comes (a refusal
-        # coming later is an error event in the stream)
-        firsts = await _race(watch, _first_outputs(requests, pending, until_a_token=bool(body.stream)))
+        # wait for the prompts' first outputs: engine refusals arrive first and become HTTP errors. A stream's
+        # first output is its admission (the engine's checks passed, its grammar compiled): its headers go
+        # then, not after a long prefill or a queue, where a client or proxy waiting for the first bytes
+        # would give up. A stream of several prompts starts once any is admitted: the others may wait their
+        # turn behind the batch's earlier prompts (a refusal coming later is an error event in the stream)
+        firsts = await _race(watch, _first_outputs(requests, pending, until_one=bool(body.stream)))
         if firsts is None:  # the client left before the first token
             await _cancel_pending(pending)
             await _close_all(requests)
@@ -435,11 +436,11 @@ First = RequestOutput | None | asyncio.Future  # a prompt's first output; None: 
 
 
 async def _first_outputs(requests: list[EngineRequest], pending: list[asyncio.Future],
-                         until_a_token: bool) -> list[First]:
-    """Each request's first output, or (`until_a_token`, several requests) once one of them is a token or
-    a refusal, the futures of those still to come (also put in `pending`, which the caller cancels if it
-    gives up before handing them on)."""
-    if len(requests) == 1 or not until_a_token:
+                         until_one: bool) -> list[First]:
+    """Each request's first output, or (`until_one`, several requests) once one of them is an output (an
+    admission, a token or a refusal), the futures of those still to come (also put in `pending`, which
+    the caller cancels if it gives up before handing them on)."""
+    if len(requests) == 1 or not until_one:
         return list(await asyncio.gather(*(anext(r.stream, None) for r in requests)))
     futures = [asyncio.ensure_future(anext(r.stream, None)) for r in requests]
     pending.extend(futures)
@@ -447,7 +448,7 @@ async def _first_outputs(requests: list[EngineRequest], pending: list[asyncio.Fu
         waiting = set(futures)
         while waiting:
             done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            if any(f.result() is not None for f in done):  # a token, or a refusal
+            if any(f.result() is not None for f in done):  # an admission, a token, or a refusal
                 break
     except BaseException:
         await _cancel_pending(pending)
@@ -619,7 +620,8 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
             raise ClientError(400, context_message(state.context_length, len(ids), asked), prompt_param(body),
                               "context_length_exceeded")
         p = params if params.max_tokens is not None else msgspec.structs.replace(params, max_tokens=limit)
-        req = GenerateRequest(f"{base}-{i}", ids, p, time.time() if arrived is None else arrived)
+        req = GenerateRequest(f"{base}-{i}", ids, p, time.time() if arrived is None else arrived,
+                              report_admission=bool(body.stream))
         # a tool-call parser reads its markup, which may be special tokens (Llama's <|python_tag|>, Mistral's
         # [TOOL_CALLS]): those are kept in the text (the other special tokens are skipped as ever), and EOS
         # ids left out of it like stop ids
@@ -646,6 +648,8 @@ async def _events(state: ServerState, requests: list[EngineRequest], firsts: lis
     failed = False
     try:
         async for r, out in outputs:
+            if out.admitted:  # (what let a stream's headers go)
+                continue
             if out.finish_reason == FINISH_ERROR:
                 state.metrics.on_error(out.error_code or "engine_error")
                 failed = True
@@ -747,17 +751,33 @@ async def _collect(ser: Serializer, events) -> JSONResponse:
 
 
 async def _sse(ser: Serializer, events) -> AsyncIterator[str]:
+    """The stream's events. Its opening ones (Anthropic's `message_start` with the prompt's cached tokens,
+    Responses' `response.created`) wait for the first output after the admission the headers went with:
+    what they tell is known from then."""
+    started = False
+
+    def start() -> list[str]:
+        nonlocal started
+        if started:
+            return []
+        started = True
+        return [ser.sse(chunk) for chunk in ser.stream_start()]
+
     try:
-        for chunk in ser.stream_start():
-            yield ser.sse(chunk)
         async for r, index, text, ids, lps in events:
+            for line in start():
+                yield line
             for chunk in ser.stream_delta(r, index, text, ids, lps):
                 yield ser.sse(chunk)
+        for line in start():
+            yield line
         for chunk in ser.stream_end():
             yield ser.sse(chunk)
         if ser.stream_close:
             yield ser.stream_close
     except ClientError as e:
+        for line in start():
+            yield line
         for chunk in ser.stream_error(e):
             yield ser.sse(chunk)
         if ser.stream_close:

@@ -23,15 +23,21 @@ def model_dir(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("tinyllama"), "tiny-llama", seed=12)
 
 
-def long_stream(url: str, key: int, out: dict, release: threading.Event) -> None:
-    """A long streamed completion: records its status (200 once it runs, 503 when refused) and holds the
-    connection until `release` (closing it aborts the request in the engine)."""
+def long_stream(url: str, key: int, out: dict, release: threading.Event, tokens: set | None = None) -> None:
+    """A long streamed completion: records its status (200 once admitted, 503 when refused), then in
+    `tokens` its key once its first event came (it runs), and holds the connection until `release`
+    (closing it aborts the request in the engine)."""
     try:
         with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
                 "prompt": f"request {key}", "max_tokens": 3000, "stream": True, "ignore_eos": True}) as resp:
             out[key] = (resp.status_code, resp.headers.get("retry-after"),
                         resp.read().decode() if resp.status_code != 200 else "")
             if resp.status_code == 200:
+                if tokens is not None:
+                    lines = resp.iter_lines()  # (kept until released: closing it closes the connection)
+                    while not next(lines).startswith("data: "):
+                        pass
+                    tokens.add(key)
                 release.wait(120)
     except httpx.HTTPError as e:
         out[key] = (None, None, repr(e))
@@ -43,23 +49,25 @@ def test_exactly_running_plus_queued_are_admitted(model_dir, tmp_path, running, 
                         "--context-length", "4096", log=tmp_path / "log").wait_ready()
     total = running + queued + EXTRA
     out: dict = {}
+    tokens: set = set()
     release = threading.Event()
-    threads = [threading.Thread(target=long_stream, args=(srv.url, i, out, release), daemon=True) for i in range(total)]
+    threads = [threading.Thread(target=long_stream, args=(srv.url, i, out, release, tokens), daemon=True)
+               for i in range(total)]
     try:
         for t in threads:
             t.start()
-        # refusals answer at once and the running requests start streaming; the queued ones wait for a slot
+        # every request is answered at once: refusals, and the admitted streams' headers (the running ones
+        # stream, the queued ones wait for a slot)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            answered = [v for v in list(out.values()) if v[0] in (200, 503)]
-            if len(answered) >= total - queued:
+            if len(out) >= total and len(tokens) >= running:
                 break
             time.sleep(0.05)
-        time.sleep(0.5)  # nothing else may answer while the admitted ones still run
+        time.sleep(0.5)  # no queued request may get a token while the running ones still run
         refused = [k for k, v in list(out.items()) if v[0] == 503]
         streaming = [k for k, v in list(out.items()) if v[0] == 200]
-        assert len(streaming) == running and len(refused) == total - running - queued, (out, srv.log())
-        assert len(out) == running + len(refused), "a queued request was answered while nothing finished"
+        assert len(streaming) == running + queued and len(refused) == total - running - queued, (out, srv.log())
+        assert len(tokens) == running, "a queued request got tokens while nothing finished"
         assert (srv.metric("mlaserve_num_requests_running"), srv.metric("mlaserve_num_requests_waiting")) == (
             running, queued)
         for k in refused:
@@ -148,3 +156,43 @@ def test_a_stream_of_several_prompts_starts_before_the_last_is_admitted(model_di
     finally:
         assert srv.stop() == 0, srv.log()
     assert "Traceback" not in srv.log_path.read_text()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/messages"])
+def test_a_queued_stream_gets_its_headers_once_admitted(model_dir, tmp_path, path):
+    """A stream's status and headers go once the engine has admitted it, not with its first token: behind a
+    long prefill or a queue the client (or a proxy waiting for the first bytes) heard nothing at all. A
+    refusal still comes as an HTTP error, and what the first events tell (the prompt's cached tokens in
+    Anthropic's message_start) is as before."""
+    srv = ServerProcess(str(model_dir), "--max-running-requests", "1", "--context-length", "4096",
+                        log=tmp_path / "log").wait_ready()
+    out: dict = {}
+    tokens: set = set()
+    release = threading.Event()
+    busy = threading.Thread(target=long_stream, args=(srv.url, 0, out, release, tokens), daemon=True)
+    model = httpx.get(srv.url + "/v1/models", timeout=60).json()["data"][0]["id"]
+    body = {"model": model, "max_tokens": 4, "stream": True, "temperature": 0}
+    body |= {"prompt": "queued"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "queued"}]}
+    try:
+        busy.start()
+        deadline = time.monotonic() + 60
+        while 0 not in tokens:
+            assert time.monotonic() < deadline, out
+            time.sleep(0.05)
+        with httpx.stream("POST", srv.url + path, timeout=httpx.Timeout(120, read=15), json=body) as resp:
+            assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+            assert resp.headers.get("x-request-id")
+            assert (srv.metric("mlaserve_num_requests_running"), srv.metric("mlaserve_num_requests_waiting")) == (1, 1)
+            release.set()  # the busy stream ends: the queued one runs
+            lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+        events = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+        if path == "/v1/messages":
+            assert [e["type"] for e in events][0] == "message_start" and events[-1]["type"] == "message_stop"
+        else:
+            assert lines[-1] == "data: [DONE]" and any(c.get("finish_reason") for e in events for c in e["choices"])
+        refused = httpx.post(srv.url + path, timeout=60, json={**body, "max_tokens": 5000})  # past the context
+        assert refused.status_code == 400, refused.text
+    finally:
+        release.set()
+        busy.join(60)
+        assert srv.stop() == 0, srv.log()
