@@ -283,7 +283,7 @@ def composed(root: Any, refuse: Refuse, string_formats: frozenset[str]) -> Any:
     if out is False:
         refuse("no branch of its anyOf/oneOf holds together with the keywords beside it, so nothing satisfies "
                "the schema; change it")
-    if made:
+    if made and isinstance(out, dict):  # (a root folded to `true` refers to none of them)
         out = {**out, "$defs": {**(out.get("$defs") if isinstance(out.get("$defs"), dict) else {}), **made}}
     return out
 
@@ -499,63 +499,68 @@ def name_ok(names: Any, key: str, defs: dict | None = None) -> bool:
 
 
 def finite(root: Any, refuse: Refuse) -> Any:
-    """`root` without the ways into a recursion that never ends: an optional property or
-    `additionalProperties` that no finite JSON value satisfies (every way through them refers back into
-    themselves: a required property, an item `minItems` asks for or every branch) is false. The grammar
-    built from them let the model start such a value and never finish it (the reply cut at max_tokens, not
-    JSON). Likewise, for whatever reason nothing satisfies them (`false` too, which the compiler refused
-    there), `anyOf`/`oneOf` branches are left out and an array's length stops before such an item
-    (`_array_bounded`). `refuse` when nothing finite satisfies `root` itself but recursion is why (else
-    the checks after say what). References are local (checked before)."""
+    """`root` without the ways into a recursion that never ends: an optional property,
+    `additionalProperties` or `patternProperties` schema that no finite JSON value satisfies (every way
+    through them refers back into themselves: a required key, the keys minProperties asks for, an item
+    minItems asks for or every branch) is false. The grammar built from them let the model start such a
+    value and never finish it (the reply cut at max_tokens, not JSON). The same goes for what nothing
+    satisfies for other reasons (`false`, bounds past each other, which the compiler refused), and
+    `anyOf`/`oneOf` branches nothing satisfies are left out, an array's length stops before such an item
+    (`_array_bounded`). `refuse` when nothing finite satisfies `root` itself and recursion is why (else the
+    checks after say what). References are local (checked before)."""
     if not isinstance(root, dict):
         return root
-    refs = {n["$ref"] for n in _nodes(root) if isinstance(n.get("$ref"), str)}
-    seen = _Finite(set())
-    grew = True
-    while grew:  # the least fixed point: a reference is good once its target is, given the good ones so far
-        seen = _Finite(seen.good)
-        grew = False
-        for ref in refs - seen.good:
-            if seen(resolve(root, ref)):
-                seen.good.add(ref)
-                grew = True
-    seen = _Finite(seen.good)  # (answers given before the last references were found good are stale)
-    seen.unended = _Finite(refs)  # (a part that nothing satisfies, recursion or not: the checks after say why)
+    targets = {n["$ref"]: resolve(root, n["$ref"]) for n in _nodes(root) if isinstance(n.get("$ref"), str)}
+    users: dict[str, set[str]] = {ref: set() for ref in targets}  # ref -> the refs whose targets mention it
+    for ref, target in targets.items():
+        for mentioned in _mentions(target):
+            users[mentioned].add(ref)
+    good: set[str] = set()
+    work = list(targets)
+    while work:  # the least fixed point: a reference is good once its target is, given the good ones so far;
+        ref = work.pop()  # a target is looked at again only when a reference it mentions turns good
+        if ref not in good and _Finite(good)(targets[ref]):
+            good.add(ref)
+            work.extend(users[ref] - good)
+    seen = _Finite(good)
+    seen.unended = _Finite(set(targets))  # (a part that nothing satisfies, recursion or not: the checks after say why)
     if not seen(root) and seen.unended(root):
         refuse("no finite JSON value matches the schema: every way through it refers back into itself (through "
-               "a required property, an item minItems asks for, or every branch of an anyOf); give the recursion "
-               "a way to end, such as an optional property or a branch without it")
+               "a required key, the keys minProperties asks for, an item minItems asks for, or every branch of an "
+               "anyOf); give the recursion a way to end, such as an optional property or a branch without it")
     return _finite_parts(root, seen)
 
 
-def _nodes(node: Any) -> list[dict]:
-    """Every subschema of `node` that is an object, `node` included."""
+def _nodes(node: Any, defs: bool = True) -> list[dict]:
+    """Every subschema of `node` that is an object, `node` included (`defs`: those under `$defs` too)."""
     out, stack = [], [node]
     while stack:
         n = stack.pop()
         if isinstance(n, dict):
             out.append(n)
             for key in _SUBSCHEMA_MAPS:
-                stack.extend(n[key].values() if isinstance(n.get(key), dict) else ())
+                if defs or key not in _DEFS:
+                    stack.extend(n[key].values() if isinstance(n.get(key), dict) else ())
             for key in _SUBSCHEMA_LISTS:
                 stack.extend(n[key] if isinstance(n.get(key), list) else ())
             stack.extend(n.get(key) for key in _SUBSCHEMA_VALUES)
     return out
 
 
+def _mentions(node: Any) -> set[str]:
+    """The references in the value constraints of `node` (not in definitions it holds)."""
+    return {n["$ref"] for n in _nodes(node, defs=False) if isinstance(n.get("$ref"), str)}
+
+
 class _Finite:
     """Whether some finite JSON value satisfies a subschema, the references in `good` taken as satisfiable
     and the others as not; remembered per subschema. Over-approximated wherever unsure (True), so that only
-    what surely never ends is left out."""
+    what surely never ends, or is satisfied by nothing, is left out."""
 
     def __init__(self, good: set[str]) -> None:
         self.good = good
         self._known: dict[int, bool] = {}
         self.unended: _Finite | None = None  # the same with every reference good: what fails only by recursion
-
-    def ends(self, node: Any) -> bool:
-        """False for a subschema that only a value recursing forever would satisfy."""
-        return self(node) or self.unended is None or not self.unended(node)
 
     def kind_ends(self, node: dict, kind: Any) -> bool:
         """False where only a value recursing forever would be of `kind` and satisfy `node`."""
@@ -576,6 +581,8 @@ class _Finite:
             return False
         if any(isinstance(node.get(k), list) and not any(map(self, node[k])) for k in ("anyOf", "oneOf")):
             return False
+        if _impossible(node):
+            return False
         if "enum" in node or "const" in node:
             return True  # (its values are finite)
         kinds = node.get("type", "any")
@@ -585,8 +592,20 @@ class _Finite:
         """Whether some finite value of `kind` satisfies `node`'s object or array keywords."""
         if kind == "object":
             props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+            patterns = node.get("patternProperties") if isinstance(node.get("patternProperties"), dict) else {}
+            extra = node.get("additionalProperties", True)
             required = node.get("required") if isinstance(node.get("required"), list) else []
-            return all(self(props[k]) for k in required if k in props)
+
+            def value(key: str) -> Any:  # the schema of a key's value
+                if key in props:
+                    return props[key]
+                return next((sub for p, sub in patterns.items() if search(p, key)), extra)
+
+            if not all(self(value(k)) for k in required):
+                return False
+            least = node.get("minProperties", 0) if isinstance(node.get("minProperties"), int) else 0
+            free = self(extra) or any(map(self, patterns.values()))  # keys of any name (over-approximated)
+            return free or least <= sum(map(self, props.values()))
         if kind == "array":
             need = node.get("minItems", 0) if isinstance(node.get("minItems"), int) else 0
             prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
@@ -595,8 +614,10 @@ class _Finite:
 
 
 def _finite_parts(node: Any, seen: _Finite) -> Any:
-    """`node` with its optional parts that no finite value satisfies left out (see `finite`)."""
-    if not isinstance(node, dict):
+    """`node` with its optional parts that no finite value satisfies left out (see `finite`). A node nothing
+    finite satisfies is left as it is: nothing refers to it any more but definitions like it, which the
+    checks after read as they were written."""
+    if not isinstance(node, dict) or not seen(node):
         return node
     out = dict(node)
     if isinstance(out.get("type"), list) and "enum" not in out and "const" not in out:
@@ -605,10 +626,12 @@ def _finite_parts(node: Any, seen: _Finite) -> Any:
     for key in ("anyOf", "oneOf"):  # (a branch nothing satisfies adds nothing: the compiler refused `false`)
         if isinstance(out.get(key), list) and any(map(seen, out[key])):
             out[key] = [s for s in out[key] if seen(s)]
-    if isinstance(out.get("properties"), dict):
+    if isinstance(out.get("properties"), dict):  # (a required one, nothing satisfies: the checks after say so)
         required = out.get("required") if isinstance(out.get("required"), list) else []
-        out["properties"] = {k: s if k in required or seen.ends(s) else False for k, s in out["properties"].items()}
-    if isinstance(out.get("additionalProperties"), dict) and not seen.ends(out["additionalProperties"]):
+        out["properties"] = {k: s if k in required or seen(s) else False for k, s in out["properties"].items()}
+    if isinstance(out.get("patternProperties"), dict):
+        out["patternProperties"] = {p: s if seen(s) else False for p, s in out["patternProperties"].items()}
+    if isinstance(out.get("additionalProperties"), dict) and not seen(out["additionalProperties"]):
         out["additionalProperties"] = False
     if any(k in out for k in ("prefixItems", "items", "maxItems")):
         _array_bounded(out, seen)

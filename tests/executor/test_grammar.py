@@ -409,6 +409,15 @@ COMPOSED_CASES = [
      ["[]", "[1]"], ['[1, "a"]', '["a"]']),
     ({"anyOf": [{"oneOf": [False]}, {"type": "integer"}]}, ["1"], ['"a"']),  # (the compiler refused the false)
     ({"$defs": {"D0": False}, "type": "array", "items": {"$ref": "#/$defs/D0"}}, ["[]"], ["[1]", "[null]"]),
+    # parts whose bounds pass each other: left out as nothing satisfies them (the compiler refused them)
+    ({"anyOf": [{"type": "string", "minLength": 3, "maxLength": 1}, {"type": "integer"}]}, ["5"], ['"abc"']),
+    ({"type": "array", "items": {"type": "string", "minLength": 3, "maxLength": 1}}, ["[]"], ['["a"]', '["abc"]']),
+    ({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "integer", "minimum": 5, "maximum": 1}]},
+     ["[]", "[1]"], ["[1, 1]", "[1, 5]"]),
+    ({"type": "object", "properties": {"a": {"type": "array", "minItems": 3, "maxItems": 1}}}, ["{}"], ['{"a": []}']),
+    ({"type": "object", "additionalProperties": {"type": "integer", "minimum": 5, "maximum": 1}}, ["{}"], ['{"a": 1}']),
+    # a root folded to true beside definitions made for references with keywords (a 500)
+    ({"$defs": {"D0": {"$ref": "#", "maxItems": 1}}, "allOf": [True]}, ["1", '"a"', "[1, 2]"], []),
     # a pattern whose keys are forbidden (the compiler refused `false` there); other keys too (a narrowing)
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "patternProperties": {"^z": False},
       "additionalProperties": {"type": "integer"}}, ["{}", '{"a": 1}'], ['{"z": 1}', '{"a": "x"}']),
@@ -467,12 +476,19 @@ _LOOP = {"type": "object", "properties": {"n": {"$ref": "#/$defs/L"}}, "required
     {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1},
                                     "x": {"$ref": "#/$defs/L"}},
      "required": ["kids"]},
+    # through a required key given by additionalProperties, the keys minProperties asks for, a pattern's keys
+    {"type": "object", "properties": {"p": {"$ref": "#/$defs/X"}},
+     "$defs": {"X": {"type": "object", "required": ["x"], "additionalProperties": {"$ref": "#/$defs/X"}}}},
+    {"type": "object", "properties": {"a": {"type": "integer"}, "n": {"$ref": "#/$defs/X"}},
+     "$defs": {"X": {"type": "object", "properties": {"a": {"$ref": "#/$defs/X"}}, "additionalProperties": False,
+                     "minProperties": 1}}},
+    {"type": "object", "patternProperties": {"^x": {"$ref": "#/$defs/L"}}, "additionalProperties": False},
 ])
 def test_recursions_that_never_end_are_left_out_of_what_the_model_may_start(backend, schema):
     """The grammar of a part no finite value satisfies (a required property leading back into itself) let
     the model start writing it and never finish: the reply was cut at max_tokens, not JSON. Every document
     of the served grammar now ends, and satisfies the schema."""
-    schema = {**schema, "$defs": {"L": _LOOP}}
+    schema = {**schema, "$defs": {"L": _LOOP, **schema.get("$defs", {})}}
     validator = jsonschema.Draft202012Validator(schema)
     compiled = served(backend, schema)
     rng = random.Random(7)
@@ -485,6 +501,8 @@ def test_recursions_that_never_end_are_left_out_of_what_the_model_may_start(back
 @pytest.mark.parametrize("schema", [
     {"anyOf": [{"$ref": "#"}]},
     {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]},
+    {"type": "object", "required": ["x"], "additionalProperties": {"$ref": "#"}},
+    {"type": "object", "properties": {"a": {"$ref": "#"}}, "additionalProperties": False, "minProperties": 1},
     {"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
                                     "b": {"type": "array", "items": {"$ref": "#/$defs/a"}, "minItems": 1}}},
 ])

@@ -372,7 +372,7 @@ BAD = [
     ({"messages": ASK, "tool_choice": "required"}, "tool_choice", "needs tools"),
     # refused where the engine compiles it: named by the tool's schema (it said tool_choice)
     ({"messages": ASK, "tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}}}}}],
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["a"]}}}],
       "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools.[1].function.parameters", "cannot be compiled"),
     ({"messages": ASK, "tools": [{"type": "function", "function": {"description": "no name"}}]},
      "tools.[0].function.name", None),
