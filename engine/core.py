@@ -433,8 +433,10 @@ class EngineCore:
         return self._outputs([r for c in compiling for r in c.reqs] + self.scheduler.abort(rid, index))
 
     def step(self) -> list[RequestOutput]:
-        refused = self._compiled() if self._compiling else []
-        return refused + self._outputs(self.scheduler.step() if self.scheduler.has_work() else [])
+        ready = self._compiled() if self._compiling else []
+        if any(o.admitted for o in ready):  # told before the step that runs them (its first prefill chunk may be
+            return ready  # long): a stream's headers go now; the loop steps again at once
+        return ready + self._outputs(self.scheduler.step() if self.scheduler.has_work() else [])
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._compiling)

@@ -278,6 +278,8 @@ class _EngineLoop:
                     if together is None or code != EXIT_OK:
                         return code
                     stopping = True
+                if self.outbox and not self._flush():  # (admissions and refusals: not after a long step)
+                    return EXIT_PARENT_GONE
                 busy = self.core.has_work()  # (replicas stepping together step idle too: no stats for those)
                 if together is not None:
                     self.step_since = time.monotonic()
@@ -288,17 +290,20 @@ class _EngineLoop:
                     self.step_since = time.monotonic()
                     self.outbox.extend(self.core.step())
                     self.step_since = None
-                if self.outbox:
-                    outs, self.outbox = self.outbox, []
-                    self._track(outs)
-                    if not self._send(Outputs(outs)):
-                        return EXIT_PARENT_GONE
+                if self.outbox and not self._flush():
+                    return EXIT_PARENT_GONE
                 if busy and time.monotonic() - self.stats_sent >= STATS_PUSH_S and not self._send_stats(0):
                     return EXIT_PARENT_GONE
                 if stop:
                     return EXIT_OK
         except Exception as exc:
             return self._crash(exc)
+
+    def _flush(self) -> bool:
+        """Sends the outbox as one message; False when the server is gone."""
+        outs, self.outbox = self.outbox, []
+        self._track(outs)
+        return self._send(Outputs(outs))
 
     def _take_messages(self, idle_poll: float = IDLE_POLL_S) -> int | None:
         """Applies every waiting message; blocks up to `idle_poll` seconds only when the core is idle.

@@ -677,6 +677,7 @@ class CompletionSerializer(Serializer):
         super().__init__(*a, **kw)
         body: CompletionRequest = self.body
         self.echo = bool(body.echo)
+        self._echoed: set[int] = set()  # the prompts (ids of their EngineRequests) whose echo a stream has sent
 
     def completion_logprobs(self, r: EngineRequest, lps: list[ShownLogprob], echoed: bool = False) -> CompletionLogprobs | None:
         """The legacy parallel lists: with `echoed`, the echoed prompt's tokens first (nothing predicts the
@@ -754,14 +755,24 @@ class CompletionSerializer(Serializer):
                                **extra).usage_null(self.body.include_usage)
 
     def stream_start(self) -> list[Any]:
-        if not self.echo and not self.body.return_token_ids:
+        return []  # (each prompt's echo goes with its first output: `_echo`)
+
+    def _echo(self, r: EngineRequest) -> list[Any]:
+        """Prompt r's echoed text (its logprobs, its ids) once, one chunk a choice, as OpenAI and vLLM stream
+        it (a client reading choices[0] lost the other echoes). Sent with the prompt's first output, which
+        brings its prompt logprobs: sent for every prompt at the stream's start, a prompt whose first output
+        came later had none."""
+        if (not self.echo and not self.body.return_token_ids) or id(r) in self._echoed:
             return []
-        # one chunk a choice, as OpenAI and vLLM stream (a client reading choices[0] lost the other echoes)
+        self._echoed.add(id(r))
         return [self.chunk([
             CompletionChoice(index=self.choice_index(r, k), text=self.prompt_text(r),
                              logprobs=self.completion_logprobs(r, [], echoed=True) if self.echo else None,
                              prompt_token_ids=r.prompt_ids if self.body.return_token_ids else None)])
-            for r in self.requests for k in range(self.n)]
+            for k in range(self.n)]
+
+    def stream_end(self) -> list[Any]:
+        return [chunk for r in self.requests for chunk in self._echo(r)] + super().stream_end()
 
     def text_chunk(self, i: int, field: str, text: str) -> CompletionChunk:
         return self.chunk([CompletionChoice(index=i, text=text)])
@@ -769,12 +780,13 @@ class CompletionSerializer(Serializer):
     def stream_delta(self, r, index, text, ids, lps):
         choice = r.choices[index]
         i = self.choice_index(r, index)
+        echo = self._echo(r)
         if not (text or choice.finish_reason or (self.body.return_token_ids and ids) or
                 (self.body.logprobs is not None and lps)):
-            return []
+            return echo
         if text and choice.finish_reason is None and self.body.logprobs is None and not self.body.return_token_ids:
-            return [self.text_event(i, "text", text)]
-        return [self.chunk([CompletionChoice(
+            return [*echo, self.text_event(i, "text", text)]
+        return [*echo, self.chunk([CompletionChoice(
             index=i, text=text, logprobs=self.completion_logprobs(r, lps), finish_reason=choice.finish_reason,
             stop_reason=choice.stop_reason, token_ids=ids if self.body.return_token_ids else None,
         )])]

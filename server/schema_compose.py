@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import re
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 Refuse = Callable[[str], NoReturn]  # raises the request's 400 with this message
@@ -58,6 +58,13 @@ MAX_NODES = 4096  # subschemas the rewrite may add (anyOf beside anyOf multiplie
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_VALUES = ("items", "additionalProperties", "propertyNames", "not", "if", "then", "else", "contains")
+# where the checks and the engine rewrite look for subschemas (what they refuse lives elsewhere: `not`, ...)
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")  # [schema, ...]
+SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames")  # one schema (or a boolean)
+# an object schema with one of these may take keys it does not list in `properties` (left open)
+OPEN_BY_DESIGN = ("additionalProperties", "patternProperties", "propertyNames", "minProperties", "maxProperties",
+                  "anyOf", "oneOf", "allOf", "$ref")
 _ENTRY = re.compile(r"#/(\$defs|definitions)/[^/]+")  # a reference to a whole $defs entry
 
 
@@ -496,8 +503,6 @@ def name_ok(names: Any, key: str, defs: dict | None = None) -> bool:
     except Exception:  # noqa: BLE001 (jsonschema's reference errors are several classes of `referencing`)
         return True
 
-
-
 def finite(root: Any, refuse: Refuse) -> Any:
     """`root` without the ways into a recursion that never ends: an optional property,
     `additionalProperties` or `patternProperties` schema that no finite JSON value satisfies (every way
@@ -510,7 +515,7 @@ def finite(root: Any, refuse: Refuse) -> Any:
     checks after say what). References are local (checked before)."""
     if not isinstance(root, dict):
         return root
-    targets = {n["$ref"]: resolve(root, n["$ref"]) for n in _nodes(root) if isinstance(n.get("$ref"), str)}
+    targets = {n["$ref"]: resolve(root, n["$ref"]) for _, n in schemas(root) if isinstance(n.get("$ref"), str)}
     users: dict[str, set[str]] = {ref: set() for ref in targets}  # ref -> the refs whose targets mention it
     for ref, target in targets.items():
         for mentioned in _mentions(target):
@@ -531,25 +536,26 @@ def finite(root: Any, refuse: Refuse) -> Any:
     return _finite_parts(root, seen)
 
 
-def _nodes(node: Any, defs: bool = True) -> list[dict]:
-    """Every subschema of `node` that is an object, `node` included (`defs`: those under `$defs` too)."""
-    out, stack = [], [node]
-    while stack:
-        n = stack.pop()
-        if isinstance(n, dict):
-            out.append(n)
-            for key in _SUBSCHEMA_MAPS:
-                if defs or key not in _DEFS:
-                    stack.extend(n[key].values() if isinstance(n.get(key), dict) else ())
-            for key in _SUBSCHEMA_LISTS:
-                stack.extend(n[key] if isinstance(n.get(key), list) else ())
-            stack.extend(n.get(key) for key in _SUBSCHEMA_VALUES)
-    return out
+def schemas(node: Any, path: str = "", defs: bool = True) -> Iterator[tuple[str, dict]]:
+    """Every subschema of `node` that is an object, with its JSON pointer (`defs`: those under `$defs`
+    too)."""
+    if not isinstance(node, dict):
+        return
+    yield path, node
+    for key in SCHEMA_MAPS:
+        if isinstance(node.get(key), dict) and (defs or key not in _DEFS):
+            for name, sub in node[key].items():
+                yield from schemas(sub, f"{path}/{key}/{name}", defs)
+    for key in SCHEMA_LISTS:
+        for i, sub in enumerate(node[key]) if isinstance(node.get(key), list) else ():
+            yield from schemas(sub, f"{path}/{key}/{i}", defs)
+    for key in SCHEMA_VALUES:
+        yield from schemas(node.get(key), f"{path}/{key}", defs)
 
 
 def _mentions(node: Any) -> set[str]:
     """The references in the value constraints of `node` (not in definitions it holds)."""
-    return {n["$ref"] for n in _nodes(node, defs=False) if isinstance(n.get("$ref"), str)}
+    return {n["$ref"] for _, n in schemas(node, defs=False) if isinstance(n.get("$ref"), str)}
 
 
 class _Finite:
@@ -626,7 +632,11 @@ def _finite_parts(node: Any, seen: _Finite) -> Any:
     for key in ("anyOf", "oneOf"):  # (a branch nothing satisfies adds nothing: the compiler refused `false`)
         if isinstance(out.get(key), list) and any(map(seen, out[key])):
             out[key] = [s for s in out[key] if seen(s)]
-    if isinstance(out.get("properties"), dict):  # (a required one, nothing satisfies: the checks after say so)
+    # an optional property nothing finite satisfies is false where the object takes no other keys (in an open
+    # one the grammar could write it as another key, so a false property there is refused: it is left as it
+    # was); a required one is refused by the checks after
+    closed = out.get("additionalProperties", True) is False or not any(k in out for k in OPEN_BY_DESIGN)
+    if isinstance(out.get("properties"), dict) and closed:
         required = out.get("required") if isinstance(out.get("required"), list) else []
         out["properties"] = {k: s if k in required or seen(s) else False for k, s in out["properties"].items()}
     if isinstance(out.get("patternProperties"), dict):

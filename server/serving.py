@@ -387,31 +387,27 @@ async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: Ca
         return ClientError.bad_param(e).response()
     ser = serializer_cls(state, body, prompts, requests, tools)
     watch = asyncio.ensure_future(_wait_disconnect(raw))
-    pending: list[asyncio.Future] = []  # first outputs a stream goes on without (several prompts)
     try:
         # wait for the prompts' first outputs: engine refusals arrive first and become HTTP errors. A stream's
-        # first output is its admission (the engine's checks passed, its grammar compiled): its headers go
-        # then, not after a long prefill or a queue, where a client or proxy waiting for the first bytes
-        # would give up. A stream of several prompts starts once any is admitted: the others may wait their
-        # turn behind the batch's earlier prompts (a refusal coming later is an error event in the stream)
-        firsts = await _race(watch, _first_outputs(requests, pending, until_one=bool(body.stream)))
-        if firsts is None:  # the client left before the first token
-            await _cancel_pending(pending)
+        # first output is its admission (the engine's checks passed, its grammar compiled), which comes at
+        # once for every prompt, queued or not: its headers go then, not after a long prefill or a queue,
+        # where a client or proxy waiting for the first bytes would give up
+        firsts = await _race(watch, asyncio.gather(*(anext(r.stream, None) for r in requests)))
+        if firsts is None:  # the client left before the first output
             await _close_all(requests)
             for r in requests:
                 state.metrics.on_abort(r.rid, len(r.choices))
             return Response(status_code=499)
         for r, f in zip(requests, firsts):  # (what a stream's first event tells: Anthropic's message_start usage)
-            if not isinstance(f, RequestOutput):  # none, or still to come
+            if f is None:
                 continue
             if f.prompt_logprobs:
                 r.prompt_logprobs = f.prompt_logprobs
             if f.index == 0 and f.cached_tokens:
                 r.cached_tokens = f.cached_tokens
         replicas = _replica_header(state, requests)  # (read while every stream is open)
-        refused = next((f for f in firsts if isinstance(f, RequestOutput) and f.finish_reason == FINISH_ERROR), None)
+        refused = next((f for f in firsts if f is not None and f.finish_reason == FINISH_ERROR), None)
         if refused is not None:
-            await _cancel_pending(pending)
             await _close_all(requests)
             state.metrics.on_error(refused.error_code or "engine_error")
             resp = engine_error(refused, prompt_param(body)).response()
@@ -420,7 +416,7 @@ async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: Ca
         if body.stream:  # from here Starlette notices disconnects and cancels the stream
             watch.cancel()
             return ClosingStream(_sse(ser, _events(state, requests, firsts, prompt_param(body))),
-                                 [functools.partial(_cancel_pending, pending), functools.partial(_close_all, requests)],
+                                 [functools.partial(_close_all, requests)],
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **replicas})
         result = await _race(watch, _collect(ser, _events(state, requests, firsts, prompt_param(body))))
@@ -432,36 +428,7 @@ async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: Ca
         watch.cancel()
 
 
-First = RequestOutput | None | asyncio.Future  # a prompt's first output; None: its stream ended; a future: to come
-
-
-async def _first_outputs(requests: list[EngineRequest], pending: list[asyncio.Future],
-                         until_one: bool) -> list[First]:
-    """Each request's first output, or (`until_one`, several requests) once one of them is an output (an
-    admission, a token or a refusal), the futures of those still to come (also put in `pending`, which
-    the caller cancels if it gives up before handing them on)."""
-    if len(requests) == 1 or not until_one:
-        return list(await asyncio.gather(*(anext(r.stream, None) for r in requests)))
-    futures = [asyncio.ensure_future(anext(r.stream, None)) for r in requests]
-    pending.extend(futures)
-    try:
-        waiting = set(futures)
-        while waiting:
-            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            if any(f.result() is not None for f in done):  # an admission, a token, or a refusal
-                break
-    except BaseException:
-        await _cancel_pending(pending)
-        raise
-    return [f.result() if f.done() else f for f in futures]
-
-
-async def _cancel_pending(pending: list[asyncio.Future]) -> None:
-    """Cancels the first outputs nobody will read, and lets them unwind before their streams are closed
-    (closing a stream whose next output is being awaited would fail)."""
-    for f in pending:
-        f.cancel()
-    await asyncio.gather(*pending, return_exceptions=True)
+First = RequestOutput | None  # a prompt's first output; None: its stream ended
 
 
 def _replica_header(state: ServerState, requests: list[EngineRequest]) -> dict[str, str]:
@@ -710,7 +677,7 @@ async def _outputs_merged(requests: list[EngineRequest],
 
     async def pump(r: EngineRequest, first: First) -> None:
         try:
-            out = await first if isinstance(first, asyncio.Future) else first
+            out = first
             while out is not None:
                 queue.put_nowait((r, out))
                 if out.finish_reason == FINISH_ERROR:

@@ -37,13 +37,28 @@ import json
 import math
 import re
 import re._parser as _sre  # the stdlib's own regex parser (read by xgrammar_pattern)
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from pydantic_core import from_json
 
 from scheduler.sampling_params import ParamError, StructuredOutput
-from server.schema_compose import MISSING, composed, current_draft, finite, hoisted, json_equal, name_ok, resolve, search
+from server.schema_compose import (
+    MISSING,
+    OPEN_BY_DESIGN,
+    SCHEMA_LISTS,
+    SCHEMA_MAPS,
+    SCHEMA_VALUES,
+    composed,
+    current_draft,
+    finite,
+    hoisted,
+    json_equal,
+    name_ok,
+    resolve,
+    schemas,
+    search,
+)
 
 # keywords the grammar engine enforces (checked one by one against xgrammar 0.2.x in the tests)
 ENFORCED = frozenset({
@@ -88,9 +103,6 @@ FORMAT_PATTERNS = {
     "ipv4": f"^({_OCTET}\\.){{3}}{_OCTET}$",
     "hostname": f"^({_LABEL63}\\.){{0,3}}{_LABEL61}$",  # at most 253 characters
 }
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")  # [schema, ...]
-_SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames")  # one schema (or a boolean)
 # JSON containers a schema may nest (a `properties` map and the schema in it are two). The checks below
 # and the metaschema validation recurse: a few KB of deeper nesting would exhaust Python's stack and
 # answer 500. OpenAI allows 10 levels of object nesting in a schema; this is several times that.
@@ -189,7 +201,7 @@ def _check_refs(schema: Any, param: str) -> None:
     model say nothing (an empty reply reported as finished)."""
     bare = lambda n: isinstance(n, dict) and isinstance(n.get("$ref"), str) and not (  # noqa: E731
         (set(n) & (ENFORCED | UNENFORCED)) - {"$ref", "$defs", "definitions"})
-    for path, node in _schemas(schema, ""):
+    for path, node in schemas(schema):
         ref, seen, target = node.get("$ref"), {id(node)}, node
         if not isinstance(ref, str) or not ref.startswith("#"):
             continue
@@ -213,7 +225,7 @@ def check_json_schema(schema: Any, param: str) -> Any:
     """ParamError(param) unless `schema` is a valid JSON Schema whose every constraint we enforce; else the
     schema xgrammar is to compile for it (`_engine_schema`)."""
     check_valid_schema(schema, param)
-    for path, node in _schemas(current_draft(schema), ""):
+    for path, node in schemas(current_draft(schema)):
         where = path or "/"
         for key, value in node.items():
             if key in UNENFORCED and not (key in NO_OPS and value == NO_OPS[key]):
@@ -229,23 +241,6 @@ def check_json_schema(schema: Any, param: str) -> Any:
     return _engine_schema(schema, param)  # (the rewrite refuses what only it finds: an object no value satisfies, ...)
 
 
-def _schemas(node: Any, path: str) -> Iterator[tuple[str, dict]]:
-    """Every subschema of `node` that is an object, with its JSON pointer."""
-    if not isinstance(node, dict):
-        return
-    yield path, node
-    for key in _SCHEMA_MAPS:
-        for name, sub in (node.get(key) or {}).items() if isinstance(node.get(key), dict) else ():
-            yield from _schemas(sub, f"{path}/{key}/{name}")
-    for key in _SCHEMA_LISTS:
-        for i, sub in enumerate(node.get(key) or ()) if isinstance(node.get(key), list) else ():
-            yield from _schemas(sub, f"{path}/{key}/{i}")
-    for key in _SCHEMA_VALUES:
-        yield from _schemas(node.get(key), f"{path}/{key}")
-
-
-_OPEN_BY_DESIGN = ("additionalProperties", "patternProperties", "propertyNames", "minProperties", "maxProperties",
-                   "anyOf", "oneOf", "allOf", "$ref")
 _COMPOSED = ("anyOf", "oneOf", "allOf", "$ref")  # an object's keys may be declared elsewhere then
 
 
@@ -255,13 +250,13 @@ def _map_schemas(node: Any, path: str, fn: Callable[[dict, str], dict]) -> Any:
     if not isinstance(node, dict):
         return node
     out = dict(node)
-    for key in _SCHEMA_MAPS:
+    for key in SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {k: _map_schemas(v, f"{path}/{key}/{k}", fn) for k, v in out[key].items()}
-    for key in _SCHEMA_LISTS:
+    for key in SCHEMA_LISTS:
         if isinstance(out.get(key), list):
             out[key] = [_map_schemas(v, f"{path}/{key}/{i}", fn) for i, v in enumerate(out[key])]
-    for key in _SCHEMA_VALUES:
+    for key in SCHEMA_VALUES:
         if isinstance(out.get(key), dict):
             out[key] = _map_schemas(out[key], f"{path}/{key}", fn)
     return fn(out, path)
@@ -464,10 +459,12 @@ def _object(out: dict, where: str, param: str, defs: dict | None = None) -> dict
     # or the same one over and over) as a key that matches patternProperties or, beside other keys
     # allowed, propertyNames. A pattern that names one declared key only, with nothing to add to its
     # schema, is left out.
-    had_patterns = bool(patterns)
+    # a pattern whose keys are forbidden adds nothing to an object closed to other keys (below): left out,
+    # as the compiler refused `false` there
+    forbidden_patterns = any(sub is False and not any(search(p, key) for key in props) for p, sub in patterns.items())
     patterns = {p: sub for p, sub in patterns.items()
                 if (_literal(p) not in props or sub not in (True, {}, props[_literal(p)]))
-                and not (sub is False and not any(search(p, key) for key in props))}  # (other keys are shut out: below)
+                and not (sub is False and not any(search(p, key) for key in props))}
     if "patternProperties" in out:
         out["patternProperties"] = patterns
     for key in props:
@@ -483,11 +480,11 @@ def _object(out: dict, where: str, param: str, defs: dict | None = None) -> dict
     if names is not None and extra is False and not patterns:  # only listed keys: those breaking it were left out
         del out["propertyNames"]  # (beside none listed, xgrammar wrote keys other than them: only {} was valid)
         out["properties"] = props
-    if had_patterns and out.get("additionalProperties") is not False:  # xgrammar let a key matching a pattern through
+    if (patterns or forbidden_patterns) and out.get("additionalProperties") is not False:  # xgrammar let a key matching a pattern through
         out["additionalProperties"] = False  # as another key, of that schema's value: other keys left out (a narrowing)
     if props or "properties" in out:
         out["properties"] = props
-    if "properties" in out and not any(k in out for k in _OPEN_BY_DESIGN) and set(required) <= set(props):
+    if "properties" in out and not any(k in out for k in OPEN_BY_DESIGN) and set(required) <= set(props):
         out["additionalProperties"] = False  # (the module docstring says why; `"properties": {}` too: only {})
     if forbidden and (out.get("additionalProperties", True) is not False or patterns):
         raise refuse(f"the key '{forbidden[0]}' is forbidden (false) while other keys are allowed, which constrained "

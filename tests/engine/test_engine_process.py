@@ -85,7 +85,7 @@ class FakeCore:
             return [RequestOutput(req.rid, 0, [], finish_reason=FINISH_ERROR, error="queue full",
                                   error_code=ERR_OVERLOADED)]
         self.reqs[req.rid] = (req, [0] * req.params.n)
-        return []
+        return [RequestOutput(req.rid, 0, [], admitted=True)] if req.report_admission else []
 
     def abort(self, rid: str, index: int | None = None) -> list[RequestOutput]:
         entry = self.reqs.pop(rid, None) if index is None else self.reqs.get(rid)
@@ -832,3 +832,25 @@ def test_a_broadcast_that_lost_a_rank_keeps_gloo_text_out_of_the_ranks_account(m
     why = leader.failure()
     assert why is not None and why.startswith("a rank stopped answering") and "gloo" not in why and "pair.cc" not in why
     assert "gloo" not in str(e.value) and GLOO_PEER_RESET in caplog.text
+
+
+def test_an_admission_is_sent_before_the_step_that_runs_the_request(loop, rng):
+    """The core's answer to a new request (a stream's admission: its headers go then) is sent at once, not
+    with the outputs of the step after it, which may be a long prefill (a 5000-token prompt in one chunk held
+    a stream's headers 15 s)."""
+    client = start(loop, step_delay=3.0)
+    try:
+        async def first_two() -> tuple[list[RequestOutput], list[float]]:
+            req = GenerateRequest(f"r{rng.randrange(10**9)}", [5, 6, 7], SamplingParams(max_tokens=1),
+                                  report_admission=True)
+            outs, times, t0 = [], [], time.monotonic()
+            async for out in client.generate(req):
+                outs.append(out)
+                times.append(time.monotonic() - t0)
+            return outs, times
+
+        outs, times = run(loop, first_two(), 30)
+        assert outs[0].admitted and not outs[0].new_token_ids and outs[-1].finish_reason == FINISH_LENGTH
+        assert times[0] < 1.5 <= times[-1], times  # (the step takes 3 s)
+    finally:
+        run(loop, client.shutdown())

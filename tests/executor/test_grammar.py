@@ -416,6 +416,14 @@ COMPOSED_CASES = [
      ["[]", "[1]"], ["[1, 1]", "[1, 5]"]),
     ({"type": "object", "properties": {"a": {"type": "array", "minItems": 3, "maxItems": 1}}}, ["{}"], ['{"a": []}']),
     ({"type": "object", "additionalProperties": {"type": "integer", "minimum": 5, "maximum": 1}}, ["{}"], ['{"a": 1}']),
+    # a pattern that only restates a declared key leaves the object as open as it was
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "patternProperties": {"^a$": {}},
+      "additionalProperties": {"type": "string"}}, ['{"a": 1}', '{"b": "x"}'], ['{"b": 1}', '{"a": "x"}']),
+    # an optional property only an endless value satisfies, in an object open to other keys: served as it was
+    # (false there would be refused: the grammar could write it as another key)
+    ({"type": "object", "properties": {"child": {"$ref": "#/$defs/inf"}, "v": {"type": "integer"}},
+      "additionalProperties": True, "$defs": {"inf": {"type": "object", "properties": {"n": {"$ref": "#/$defs/inf"}},
+                                                        "required": ["n"]}}}, ['{"v": 1}', '{"w": true}'], ['{"v": "x"}']),
     # a root folded to true beside definitions made for references with keywords (a 500)
     ({"$defs": {"D0": {"$ref": "#", "maxItems": 1}}, "allOf": [True]}, ["1", '"a"', "[1, 2]"], []),
     # a pattern whose keys are forbidden (the compiler refused `false` there); other keys too (a narrowing)

@@ -120,10 +120,11 @@ def test_a_context_longer_than_the_kv_cache_is_cut_to_it(model_dir, tmp_path):
     assert "is cut to 96, the KV cache's slots" in srv.log_path.read_text()
 
 
-def test_a_stream_of_several_prompts_starts_before_the_last_is_admitted(model_dir, tmp_path):
-    """Streamed prompts beyond --max-running-requests wait their turn: the stream starts with the first
-    prompt's tokens (it waited for every prompt's first token, so it said nothing until nearly all of the work
-    was done). A client gone early leaves nothing running or queued."""
+def test_a_stream_of_several_prompts_starts_before_the_last_runs(model_dir, tmp_path):
+    """Streamed prompts beyond --max-running-requests wait their turn: the stream starts once every prompt
+    is admitted, and the first prompt's tokens come before the last prompt runs (it waited for every prompt's
+    first token, so it said nothing until nearly all of the work was done). A client gone early leaves
+    nothing running or queued."""
     srv = ServerProcess(str(model_dir), "--max-running-requests", "1", "--context-length", "4096",
                         log=tmp_path / "log").wait_ready()
     body = {"prompt": [f"prompt {i}" for i in range(4)], "max_tokens": 8, "stream": True, "ignore_eos": True,

@@ -232,3 +232,30 @@ def test_sigterm_drains_both_replicas_and_exits_0(model_dir, tmp_path) -> None:
         assert out[key][-1] == "data: [DONE]" and finish_reason(out[key]) == "length", out[key][-3:]
     assert server.proc.wait(60) == 0, server.log()
     assert all_gone(engines), "an engine replica outlived the server"
+
+
+def test_a_stream_one_of_whose_prompts_a_full_replica_refuses_is_an_http_error(model_dir, tmp_path) -> None:
+    """A request's prompts may go to different replicas, which answer apart: a stream one of whose prompts a
+    full replica refused began (200, the refusal an error event, no Retry-After) whenever the other
+    replica's answer came first, about half the time. Its client needs the 503 to retry."""
+    server = serve(model_dir, tmp_path / "full.log", "--dp", "2", "--max-running-requests", "1",
+                   "--max-queued-requests", "1", "--max-total-tokens", "8192", "--shutdown-timeout", "1")
+    out: dict = {}
+    events = [threading.Event(), threading.Event()]
+    # one replica full: a running and a queued stream, the same prompt (its home replica takes both)
+    threads = [threading.Thread(target=stream, args=(server.url, "Once upon a time", 8000, out, k, e), daemon=True)
+               for k, e in (("a", events[0]), ("b", events[1]))]
+    try:
+        for t in threads:
+            t.start()
+            time.sleep(0.3)
+        assert events[0].wait(120), (out, server.log())
+        for _ in range(6):  # one prompt goes to the free replica, the other is refused by a full one
+            r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+                "model": "m", "prompt": ["a", "b"], "n": 2, "max_tokens": 3, "stream": True})
+            assert r.status_code == 503 and r.headers.get("retry-after"), r.text
+            assert r.json()["error"]["code"] == "overloaded", r.text
+    finally:
+        assert server.stop() == 0, server.log()
+        for t in threads:
+            t.join(60)

@@ -849,6 +849,18 @@ def test_echo_with_logprobs_scores_the_prompt(server, client, tok):
                                               stream=True, temperature=0, extra_body={"ignore_eos": True}))
     first = streamed[0].choices[0]
     assert first.text == tok.decode(ids, skip_special_tokens=False) and len(first.logprobs.tokens) == len(ids)
+    # several prompts: each prompt's echo carries its logprobs, streamed as whole (the later prompts' echoes,
+    # sent at the stream's start, had none: their prompt logprobs came with their own first outputs)
+    body = {"prompt": ["Hello world", "The sky is blue and"], "max_tokens": 2, "temperature": 0, "echo": True,
+            "logprobs": 1, "n": 2}
+    whole = post(server, "/v1/completions", body).json()["choices"]
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, headers={"Authorization": f"Bearer {KEY}"},
+                      json={**body, "stream": True}) as resp:
+        chunks = [c for line in resp.iter_lines() if line.startswith("data: {") for c in json.loads(line[6:])["choices"]]
+    for choice in whole:
+        echo = next(c for c in chunks if c["index"] == choice["index"])
+        assert echo["logprobs"]["tokens"] and choice["text"].startswith(echo["text"]), (echo, choice)
+        assert echo["logprobs"]["token_logprobs"] == choice["logprobs"]["token_logprobs"][:len(echo["logprobs"]["tokens"])]
     assert_error(post(server, "/v1/completions", {"prompt": "x", "max_tokens": 0}), 400)
     # echo alone with max_tokens 0: the prompt comes back, as OpenAI's legacy API does
     echoed = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 0, "echo": True}).json()
