@@ -66,6 +66,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
 import os
 import random
 import sys
@@ -431,7 +432,10 @@ def calibrate(loaded: LoadedModel, ids: Sequence[int], *, queries: int = DEFAULT
     prompts = probe_prompts(loaded.tokenizer, ids, probes, min(probe_tokens, room))
     shortest = min(len(p) for p in prompts)
     if not rule.is_sparse_for(shortest):  # every placement would keep every token: a tie at KL 0, chosen blindly
-        need = next(c for c in range(shortest, 1 << 24) if rule.is_sparse_for(c))
+        need = next((c for c in range(shortest, 1 << 24) if rule.is_sparse_for(c)), None)
+        if need is None:
+            raise CalibrationError(f"--budget-ratio {budget_ratio:g} keeps every token of any context OmniKV serves: "
+                                   "no placement could lose anything; lower it (0.1 by default)")
         raise CalibrationError(
             f"the retrieval probes are {shortest} tokens, and OmniKV keeps every token of a context that short (the "
             f"{rule.sink_tokens} first, the {rule.recent_tokens} recent and {budget_ratio:g} of the context): no "
@@ -536,8 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{MIN_GAP} apart whatever n is")
     p.add_argument("--filters", type=int, choices=range(1, MAX_FILTER_LAYERS + 1), default=MAX_FILTER_LAYERS,
                    metavar="m", help=f"filter layers to choose, 1 to {MAX_FILTER_LAYERS} (default: {MAX_FILTER_LAYERS})")
-    p.add_argument("--budget-ratio", type=float_in(0.0, 1.0, low_open=True), default=0.1, metavar="R",
-                   help="share of the context selected by importance, in (0, 1] (default: 0.1); written to the config")
+    p.add_argument("--budget-ratio", type=float_in(0.0, 1.0, low_open=True, high_open=True), default=0.1, metavar="R",
+                   help="share of the context selected by importance, in (0, 1) (default: 0.1; 1 would keep every "
+                        "token, with nothing to choose); written to the config")
     p.add_argument("--first-filter", type=positive_int, default=None, metavar="LAYER",
                    help="the first filter layer: every layer before it attends fully, so it sets the decode cost "
                         "(default: a fifth of the depth); the others are chosen by decoding")
@@ -616,6 +621,8 @@ def output_problem(output: Path, given: bool = True) -> str | None:
         return f"{shown}: {parent} is not a directory; pass --output a path in a directory"
     if output.exists() and not os.access(output, os.W_OK):
         return f"{shown} is not writable (permission denied); pass --output a writable path"
+    if output.is_file() and output.stat().st_size and not _is_config(output):  # (the --text file itself, say)
+        return f"{shown} holds a file that is not an OmniKV config, which writing would replace; pass another path"
     if not output.exists() and not os.access(parent, os.W_OK | os.X_OK):
         return f"{shown}: cannot create a file in {parent} (permission denied); pass --output a writable path"
     try:  # what access() cannot tell: root passes it where the file system still refuses (/proc, read-only mounts)
@@ -631,6 +638,16 @@ def output_problem(output: Path, given: bool = True) -> str | None:
     return None
 
 
+def _is_config(path: Path) -> bool:
+    """Whether `path` holds an OmniKV config (a JSON object with `filter_layers`): one a run may replace."""
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "filter_layers" in data
+
+
 def _fail(message: str) -> int:
     print(f"{PROG}: error: {message}", file=sys.stderr)  # as argparse and the other commands say it
     return 2
@@ -638,6 +655,9 @@ def _fail(message: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    for flag, value in (("--text", args.text), ("--output", args.output)):
+        if value == "":
+            return _fail(f"{flag} is empty: give a file path")
     try:
         text = read_text(args.text)
     except CalibrationError as err:

@@ -361,11 +361,34 @@ def test_an_output_the_file_system_refuses_is_refused_before_the_model_loads(tex
 
 def test_an_existing_output_is_not_truncated_by_the_check(text_file, tmp_path, capsys):
     output = tmp_path / "kept.json"
-    output.write_text("old config")
+    output.write_text('{"filter_layers": [1]}')
     code, _, err = run_cli(capsys, "--model", str(tmp_path / "no-such-model"), "--text", str(text_file),
                            "--output", str(output))
-    assert code == 2 and "neither a built-in name" in err and output.read_text() == "old config"
+    assert code == 2 and "neither a built-in name" in err and output.read_text() == '{"filter_layers": [1]}'
     assert not list(tmp_path.glob("kept.json?*"))
+
+
+def test_an_output_that_is_not_a_config_is_not_replaced(checkpoint, text_file, tmp_path, capsys):
+    """--output naming the --text file (or any file but a config) replaced it with the config: the sample
+    text was gone. Refused in one line before the model loads; so are empty paths, and a budget ratio of 1,
+    which keeps every token (a traceback)."""
+    before = text_file.read_bytes()
+    for output in (text_file, ""):
+        code, out, err = run_cli(capsys, "--model", str(checkpoint), "--text", str(text_file), "--output", str(output))
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "not an OmniKV config" in run_cli(capsys, "--model", str(checkpoint), "--text", str(text_file),
+                                             "--output", str(text_file))[2]
+    assert text_file.read_bytes() == before
+    with pytest.raises(SystemExit) as e:
+        run_cli(capsys, "--model", str(checkpoint), "--text", str(text_file), "--budget-ratio", "1")
+    assert e.value.code == 2 and "must be in (0, 1)" in capsys.readouterr().err
+
+
+def test_a_config_with_a_token_budget_may_leave_the_ratio_null():
+    """A config written by calibrate-omnikv has `"budget_tokens": null`; switched to a token budget, its
+    `"budget_ratio": null` was refused ("must be a number")."""
+    cfg = OmniKVConfig.from_dict({"filter_layers": [1], "budget_ratio": None, "budget_tokens": 100})
+    assert cfg.budget_tokens == 100
 
 
 def test_an_unwritable_default_output_is_refused_naming_it(text_file, tmp_path, capsys, monkeypatch):
