@@ -568,10 +568,6 @@ class _Finite:
         self._known: dict[int, bool] = {}
         self.unended: _Finite | None = None  # the same with every reference good: what fails only by recursion
 
-    def kind_ends(self, node: dict, kind: Any) -> bool:
-        """False where only a value recursing forever would be of `kind` and satisfy `node`."""
-        return self.kind(node, kind) or self.unended is None or not self.unended.kind(node, kind)
-
     def __call__(self, node: Any) -> bool:
         if not isinstance(node, dict):
             return node is not False
@@ -595,7 +591,10 @@ class _Finite:
         return any(self.kind(node, kind) for kind in (kinds if isinstance(kinds, list) else [kinds]))
 
     def kind(self, node: dict, kind: Any) -> bool:
-        """Whether some finite value of `kind` satisfies `node`'s object or array keywords."""
+        """Whether some finite value of `kind` satisfies `node`'s keywords for it (its bounds, its object or array
+        keywords)."""
+        if isinstance(kind, str) and kind != "any" and _impossible({**node, "type": kind}):
+            return False
         if kind == "object":
             props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
             patterns = node.get("patternProperties") if isinstance(node.get("patternProperties"), dict) else {}
@@ -627,7 +626,7 @@ def _finite_parts(node: Any, seen: _Finite) -> Any:
         return node
     out = dict(node)
     if isinstance(out.get("type"), list) and "enum" not in out and "const" not in out:
-        kinds = [k for k in out["type"] if seen.kind_ends(node, k)]  # `["object", "null"]`: null if objects never end
+        kinds = [k for k in out["type"] if seen.kind(node, k)]  # `["object", "null"]`: null if no object ends
         out["type"] = kinds or out["type"]
     for key in ("anyOf", "oneOf"):  # (a branch nothing satisfies adds nothing: the compiler refused `false`)
         if isinstance(out.get(key), list) and any(map(seen, out[key])):
@@ -660,8 +659,8 @@ def _array_bounded(out: dict, seen: _Finite) -> None:
     if stop is not None:  # (minItems is at most `stop` where an array is satisfiable)
         limit = stop if limit is None else min(limit, stop)
         out["maxItems"] = limit
-    if limit == 0:
-        out.pop("items", None)  # (no item: the compiler read its schema all the same)
+    if limit is not None and limit <= len(prefix):
+        out.pop("items", None)  # (no item past prefixItems: the compiler read its schema all the same)
     if "prefixItems" in out and isinstance(out["prefixItems"], list):
         prefix = [{} if s is True else s for s in prefix[:limit]]
         if prefix:

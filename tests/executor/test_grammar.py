@@ -416,6 +416,12 @@ COMPOSED_CASES = [
      ["[]", "[1]"], ["[1, 1]", "[1, 5]"]),
     ({"type": "object", "properties": {"a": {"type": "array", "minItems": 3, "maxItems": 1}}}, ["{}"], ['{"a": []}']),
     ({"type": "object", "additionalProperties": {"type": "integer", "minimum": 5, "maximum": 1}}, ["{}"], ['{"a": 1}']),
+    # a kind of a type list nothing of that kind satisfies is left out; so are items past prefixItems none can be
+    ({"type": ["object", "null"], "properties": {"c": {"type": "array", "minItems": 3, "maxItems": 1}}, "required": ["c"]},
+     ["null"], ['{"c": []}', "{}"]),
+    ({"type": ["array", "null"], "minItems": 2, "maxItems": 1}, ["null"], ["[]", "[1, 2]"]),
+    ({"type": "array", "prefixItems": [{"type": "integer"}], "items": {"type": "array", "minItems": 3, "maxItems": 1}},
+     ["[]", "[1]"], ["[1, []]", '["a"]']),
     # a pattern that only restates a declared key leaves the object as open as it was
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "patternProperties": {"^a$": {}},
       "additionalProperties": {"type": "string"}}, ['{"a": 1}', '{"b": "x"}'], ['{"b": 1}', '{"a": "x"}']),
