@@ -219,7 +219,7 @@ class _EngineLoop:
         self.core: EngineCoreLike | None = None
         self.parent_pid = os.getppid()
         self.pending: dict[str, _Pending] = {}
-        self.outbox: list[RequestOutput] = []  # outputs of the current iteration, sent at its end
+        self.outbox: list[RequestOutput] = []  # outputs not sent yet: the messages' before the step, the step's after
         # the watchdog's view of the loop: when the running step began (None: not in a step)
         self.step_since: float | None = None
         self.send_lock = threading.Lock()  # the loop and the watchdog both may send the last words

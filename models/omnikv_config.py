@@ -207,7 +207,8 @@ class OmniKVConfig:
             raise ValueError(f"{source}: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
         if "filter_layers" not in data:
             raise ValueError(f"{source}: filter_layers is required (run mlaserve calibrate-omnikv to choose them)")
-        if data.get("budget_ratio", 0) is None:  # unset, as a written config's unused budget_tokens is null
+        if data.get("budget_ratio", 0) is None and data.get("budget_tokens") is not None:  # unset, as a written
+            # config's unused budget_tokens is null
             data = {k: v for k, v in data.items() if k != "budget_ratio"}
         try:
             return cls(**data)

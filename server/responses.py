@@ -771,9 +771,6 @@ class CompletionSerializer(Serializer):
                              prompt_token_ids=r.prompt_ids if self.body.return_token_ids else None)])
             for k in range(self.n)]
 
-    def stream_end(self) -> list[Any]:
-        return [chunk for r in self.requests for chunk in self._echo(r)] + super().stream_end()
-
     def text_chunk(self, i: int, field: str, text: str) -> CompletionChunk:
         return self.chunk([CompletionChoice(index=i, text=text)])
 

@@ -54,11 +54,12 @@ _CONSTRAINTS = frozenset({"type", "enum", "const", *(k for ks in KIND_KEYWORDS.v
 _LOWER = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties")  # the larger one holds
 _UPPER = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties")  # the smaller one holds
 MAX_NODES = 4096  # subschemas the rewrite may add (anyOf beside anyOf multiplies their branches)
-# where a schema holds subschemas: name -> schema, [schema, ...], one schema
+# where any draft's schema holds subschemas (name -> schema, [schema, ...], one schema): what the drafts'
+# rewrites map over, `not` and `if` included
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_VALUES = ("items", "additionalProperties", "propertyNames", "not", "if", "then", "else", "contains")
-# where the checks and the engine rewrite look for subschemas (what they refuse lives elsewhere: `not`, ...)
+# of those, where the checks and the engine's rewrite look (the keywords only they hold, `not`, ..., are refused)
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
 SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")  # [schema, ...]
 SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames")  # one schema (or a boolean)

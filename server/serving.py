@@ -392,12 +392,16 @@ async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: Ca
         # first output is its admission (the engine's checks passed, its grammar compiled), which comes at
         # once for every prompt, queued or not: its headers go then, not after a long prefill or a queue,
         # where a client or proxy waiting for the first bytes would give up
-        firsts = await _race(watch, asyncio.gather(*(anext(r.stream, None) for r in requests)))
+        firsts = await _race(watch, asyncio.gather(*(anext(r.stream, None) for r in requests), return_exceptions=True))
         if firsts is None:  # the client left before the first output
             await _close_all(requests)
             for r in requests:
                 state.metrics.on_abort(r.rid, len(r.choices))
             return Response(status_code=499)
+        failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failed is not None:  # (every first output awaited: the streams can be closed)
+            await _close_all(requests)
+            raise failed
         for r, f in zip(requests, firsts):  # (what a stream's first event tells: Anthropic's message_start usage)
             if f is None:
                 continue
@@ -651,12 +655,11 @@ async def _events(state: ServerState, requests: list[EngineRequest], firsts: lis
             state.metrics.on_request_end(r.rid)
 
 
-async def _outputs_of_one(r: EngineRequest, first: RequestOutput | None) -> AsyncIterator[tuple[EngineRequest, RequestOutput]]:
+async def _outputs_of_one(r: EngineRequest, out: First) -> AsyncIterator[tuple[EngineRequest, RequestOutput]]:
     """One engine request's outputs, read on the caller's task (a stream's tokens then take one task
     switch each, not two). Stops once every choice has ended (some maybe on stop strings: the consumer
     updates `r` before asking for more), and closing it closes the engine stream."""
     try:
-        out = first
         while out is not None:
             yield r, out
             if r.done:
@@ -675,9 +678,8 @@ async def _outputs_merged(requests: list[EngineRequest],
     pump closes its engine stream."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(r: EngineRequest, first: First) -> None:
+    async def pump(r: EngineRequest, out: First) -> None:
         try:
-            out = first
             while out is not None:
                 queue.put_nowait((r, out))
                 if out.finish_reason == FINISH_ERROR:

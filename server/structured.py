@@ -486,9 +486,12 @@ def _object(out: dict, where: str, param: str, defs: dict | None = None) -> dict
         out["properties"] = props
     if "properties" in out and not any(k in out for k in OPEN_BY_DESIGN) and set(required) <= set(props):
         out["additionalProperties"] = False  # (the module docstring says why; `"properties": {}` too: only {})
-    if forbidden and (out.get("additionalProperties", True) is not False or patterns):
+    if forbidden and out.get("additionalProperties", True) is not False:
         raise refuse(f"the key '{forbidden[0]}' is forbidden (false) while other keys are allowed, which constrained "
                      "decoding cannot keep it from writing as one of them; set additionalProperties to false")
+    for key, p in ((key, p) for key in forbidden for p in patterns if search(p, key)):
+        raise refuse(f"the key '{key}' is forbidden (false) and matches the patternProperties '{p}', which constrained "
+                     "decoding cannot keep it from writing as such a key; narrow the pattern")
     return out
 
 

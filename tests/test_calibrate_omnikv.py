@@ -389,6 +389,9 @@ def test_a_config_with_a_token_budget_may_leave_the_ratio_null():
     `"budget_ratio": null` was refused ("must be a number")."""
     cfg = OmniKVConfig.from_dict({"filter_layers": [1], "budget_ratio": None, "budget_tokens": 100})
     assert cfg.budget_tokens == 100
+    for no_budget in ({"budget_ratio": None}, {"budget_ratio": None, "budget_tokens": None}):  # no budget at all
+        with pytest.raises(ValueError, match="budget_ratio must be a number"):
+            OmniKVConfig.from_dict({"filter_layers": [1], **no_budget})
 
 
 def test_an_unwritable_default_output_is_refused_naming_it(text_file, tmp_path, capsys, monkeypatch):

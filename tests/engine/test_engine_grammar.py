@@ -169,3 +169,24 @@ def test_a_grammar_that_allowed_token_ids_cannot_start_ends_without_a_token(core
     for i in range(2):
         assert tokens(outs[("never", i)]) == [] and outs[("never", i)][-1].finish_reason == "stop"
     assert_no_leak(core)
+
+
+def test_an_admission_comes_before_the_step_that_runs_the_request(core):
+    """A stream's headers go with its admission: the core reports it alone, from the step that finds the
+    grammar compiled, before the step that runs the request's first prefill chunk (which may be long);
+    a plain request's comes from add_request. Neither holds tokens, and the request then runs as ever."""
+    structured = SamplingParams(temperature=0.0, max_tokens=40, structured=StructuredOutput("regex", REGEX, "regex"))
+    assert core.add_request(GenerateRequest("told", prompt(9, 5), structured, report_admission=True)) == []
+    forwards = core.runner.forward_count
+    outs = []
+    while not outs:
+        outs = core.step()
+    assert [(o.rid, o.admitted, o.new_token_ids) for o in outs] == [("told", True, [])]
+    assert core.runner.forward_count == forwards  # nothing of the request ran yet
+    plain = SamplingParams(temperature=0.0, max_tokens=3)
+    (admitted,) = core.add_request(GenerateRequest("plain", prompt(7, 6), plain, report_admission=True))
+    assert admitted.admitted and admitted.rid == "plain" and not admitted.new_token_ids
+    done = run_to_end(core)
+    assert re.fullmatch(REGEX, text_of(core, tokens(done[("told", 0)])))
+    assert len(tokens(done[("plain", 0)])) == 3 and not any(o.admitted for outs in done.values() for o in outs)
+    assert_no_leak(core)

@@ -422,6 +422,10 @@ COMPOSED_CASES = [
     ({"type": ["array", "null"], "minItems": 2, "maxItems": 1}, ["null"], ["[]", "[1, 2]"]),
     ({"type": "array", "prefixItems": [{"type": "integer"}], "items": {"type": "array", "minItems": 3, "maxItems": 1}},
      ["[]", "[1]"], ["[1, []]", '["a"]']),
+    # an optional property nothing satisfies beside patterns, in an object closed to other keys (a 400 said it was open)
+    ({"type": "object", "properties": {"a": {"type": "string", "minLength": 3, "maxLength": 1}, "v": {"type": "integer"}},
+      "patternProperties": {"^b": {"type": "integer"}}, "additionalProperties": False},
+     ['{"v": 1}', "{}"], ['{"a": "x"}', '{"v": "x"}']),  # (a key by pattern is not written beside properties)
     # a pattern that only restates a declared key leaves the object as open as it was
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "patternProperties": {"^a$": {}},
       "additionalProperties": {"type": "string"}}, ['{"a": 1}', '{"b": "x"}'], ['{"b": 1}', '{"a": "x"}']),
