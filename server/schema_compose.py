@@ -504,6 +504,7 @@ def name_ok(names: Any, key: str, defs: dict | None = None) -> bool:
     except Exception:  # noqa: BLE001 (jsonschema's reference errors are several classes of `referencing`)
         return True
 
+
 def finite(root: Any, refuse: Refuse) -> Any:
     """`root` without the ways into a recursion that never ends: an optional property,
     `additionalProperties` or `patternProperties` schema that no finite JSON value satisfies (every way

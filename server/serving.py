@@ -392,7 +392,8 @@ async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: Ca
         # first output is its admission (the engine's checks passed, its grammar compiled), which comes at
         # once for every prompt, queued or not: its headers go then, not after a long prefill or a queue,
         # where a client or proxy waiting for the first bytes would give up
-        firsts = await _race(watch, asyncio.gather(*(anext(r.stream, None) for r in requests), return_exceptions=True))
+        firsts = await _race(watch, asyncio.gather(*(anext(r.stream, None) for r in requests),
+                                                   return_exceptions=True))
         if firsts is None:  # the client left before the first output
             await _close_all(requests)
             for r in requests:
