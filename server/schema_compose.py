@@ -530,8 +530,8 @@ def finite(root: Any, refuse: Refuse) -> Any:
             good.add(ref)
             work.extend(users[ref] - good)
     seen = _Finite(good)
-    seen.unended = _Finite(set(targets))  # (a part that nothing satisfies, recursion or not: the checks after say why)
-    if not seen(root) and seen.unended(root):
+    # (a root nothing satisfies with every reference good fails for another reason: the checks after say why)
+    if not seen(root) and _Finite(set(targets))(root):
         refuse("no finite JSON value matches the schema: every way through it refers back into itself (through "
                "a required key, the keys minProperties asks for, an item minItems asks for, or every branch of an "
                "anyOf); give the recursion a way to end, such as an optional property or a branch without it")
@@ -568,7 +568,6 @@ class _Finite:
     def __init__(self, good: set[str]) -> None:
         self.good = good
         self._known: dict[int, bool] = {}
-        self.unended: _Finite | None = None  # the same with every reference good: what fails only by recursion
 
     def __call__(self, node: Any) -> bool:
         if not isinstance(node, dict):
@@ -585,10 +584,8 @@ class _Finite:
             return False
         if any(isinstance(node.get(k), list) and not any(map(self, node[k])) for k in ("anyOf", "oneOf")):
             return False
-        if _impossible(node):
-            return False
         if "enum" in node or "const" in node:
-            return True  # (its values are finite)
+            return not _impossible(node)  # (its values are finite; bounds are checked per kind below)
         kinds = node.get("type", "any")
         return any(self.kind(node, kind) for kind in (kinds if isinstance(kinds, list) else [kinds]))
 
@@ -612,7 +609,7 @@ class _Finite:
                 return False
             least = node.get("minProperties", 0) if isinstance(node.get("minProperties"), int) else 0
             free = self(extra) or any(map(self, patterns.values()))  # keys of any name (over-approximated)
-            return free or least <= sum(map(self, props.values()))
+            return least == 0 or free or least <= sum(map(self, props.values()))
         if kind == "array":
             need = node.get("minItems", 0) if isinstance(node.get("minItems"), int) else 0
             prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []

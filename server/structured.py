@@ -461,10 +461,9 @@ def _object(out: dict, where: str, param: str, defs: dict | None = None) -> dict
     # schema, is left out.
     # a pattern whose keys are forbidden adds nothing to an object closed to other keys (below): left out,
     # as the compiler refused `false` there
-    forbidden_patterns = any(sub is False and not any(search(p, key) for key in props) for p, sub in patterns.items())
-    patterns = {p: sub for p, sub in patterns.items()
-                if (_literal(p) not in props or sub not in (True, {}, props[_literal(p)]))
-                and not (sub is False and not any(search(p, key) for key in props))}
+    forbidden_patterns = {p for p, sub in patterns.items() if sub is False and not any(search(p, k) for k in props)}
+    patterns = {p: sub for p, sub in patterns.items() if p not in forbidden_patterns
+                and (_literal(p) not in props or sub not in (True, {}, props[_literal(p)]))}
     if "patternProperties" in out:
         out["patternProperties"] = patterns
     for key in props:
