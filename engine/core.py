@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import random
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -179,10 +179,20 @@ class EngineCore:
             logger.warning("OmniKV: a budget of %.0f%% of the context keeps every token, so no decode step is "
                            "sparse and OmniKV changes nothing; give a budget_ratio below 1 or budget_tokens",
                            omnikv.budget_ratio * 100)
+        elif omnikv.budget_tokens is not None and not omnikv.is_sparse_for(self.context_len):
+            logger.warning("OmniKV: budget_tokens %d with %d sink and %d recent tokens keeps every token of the "
+                           "longest context (%d), so no decode step is sparse and OmniKV changes nothing; give "
+                           "budget_tokens of at most %d or a budget_ratio", omnikv.budget_tokens, omnikv.sink_tokens,
+                           omnikv.recent_tokens, self.context_len,
+                           max(1, self.context_len - omnikv.sink_tokens - omnikv.recent_tokens - 1))
         if not omnikv.plan(cfg.num_hidden_layers).has_sparse:
+            # the earliest plan (a filter at layer 0) has sparse layers unless the model is too shallow
+            advice = ("choose earlier filter layers (mlaserve calibrate-omnikv)"
+                      if replace(omnikv, filter_layers=(0,)).plan(cfg.num_hidden_layers).has_sparse else
+                      "a model needs a filter layer, %sthen a layer to decode sparsely"
+                      % ("the full layer after it (full_after_filter), " if omnikv.full_after_filter else ""))
             logger.warning("OmniKV: filter layers %s leave no layer of the %d to decode sparsely, so OmniKV "
-                           "changes nothing; choose earlier filter layers (mlaserve calibrate-omnikv)",
-                           list(omnikv.filter_layers), cfg.num_hidden_layers)
+                           "changes nothing; %s", list(omnikv.filter_layers), cfg.num_hidden_layers, advice)
         # the context bank moves the sparse layers' share of every token's KV to host memory
         bank = args.omnikv_bank
         if bank and native:

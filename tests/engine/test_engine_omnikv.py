@@ -254,3 +254,40 @@ def test_a_config_of_another_model_or_a_whole_budget_is_warned_of(model_dir, tmp
     with caplog.at_level("WARNING", logger="mlaserve.engine"):
         make_engine(model_dir, str(mine), "native", omnikv="on")
     assert "calibrated on" not in caplog.text and "keeps every token" not in caplog.text
+
+
+def test_a_model_too_shallow_for_a_sparse_layer_gets_advice_it_can_follow(model_dir, tmp_path, caplog, request):
+    """On a 2-layer model no filter layer leaves a layer to decode sparsely while the layer after a filter runs
+    full: the warning says what a model needs rather than to choose earlier filter layers (there are none);
+    with full_after_filter off, a filter at 0 leaves layer 1 sparse and the warning is gone."""
+    shallow = write_checkpoint(tmp_path / "shallow", request.node.callspec.params["model_dir"], seed=5, num_layers=2)
+    path = tmp_path / "shallow.json"
+    OmniKVConfig(filter_layers=(0,), budget_tokens=8, sink_tokens=2, recent_tokens=4).save(path)
+    with caplog.at_level("WARNING", logger="mlaserve.engine"):
+        make_engine(shallow, str(path), "native", omnikv="on")
+    assert "leave no layer of the 2 to decode sparsely" in caplog.text
+    assert "a model needs a filter layer, the full layer after it (full_after_filter), then a layer" in caplog.text
+    assert "choose earlier filter layers" not in caplog.text
+    caplog.clear()
+    OmniKVConfig(filter_layers=(0,), budget_tokens=8, sink_tokens=2, recent_tokens=4,
+                 full_after_filter=False).save(path)
+    with caplog.at_level("WARNING", logger="mlaserve.engine"):
+        make_engine(shallow, str(path), "native", omnikv="on")
+    assert "decode sparsely" not in caplog.text
+
+
+def test_a_budget_count_past_the_context_is_warned_of(model_dir, tmp_path, caplog):
+    """budget_tokens with the sink and recent tokens covering the longest context keeps every token at every
+    step: the engine says so at start, with the count that would be sparse; one just under it says nothing."""
+    path = tmp_path / "big.json"
+    OmniKVConfig(filter_layers=(1, 3), budget_tokens=500, sink_tokens=4, recent_tokens=8).save(path)
+    with caplog.at_level("WARNING", logger="mlaserve.engine"):
+        make_engine(model_dir, str(path), "native", omnikv="on", context_length=512)
+    assert "budget_tokens 500 with 4 sink and 8 recent tokens keeps every token of the longest context (512)" \
+        in caplog.text
+    assert "give budget_tokens of at most 499" in caplog.text
+    caplog.clear()
+    OmniKVConfig(filter_layers=(1, 3), budget_tokens=499, sink_tokens=4, recent_tokens=8).save(path)
+    with caplog.at_level("WARNING", logger="mlaserve.engine"):
+        make_engine(model_dir, str(path), "native", omnikv="on", context_length=512)
+    assert "keeps every token" not in caplog.text
