@@ -76,6 +76,20 @@ def _unpaired_surrogate(value: Any, path: tuple[str | int, ...] = ()) -> tuple[s
     return None
 
 
+@functools.cache
+def _field_names(model: type[BaseModel]) -> frozenset[str]:
+    """The top-level keys `model` reads: its fields' names and aliases."""
+    names: set[str] = set()
+    for name, field in model.model_fields.items():
+        names.add(name)
+        for alias in (field.alias, field.validation_alias):
+            if isinstance(alias, str):
+                names.add(alias)
+            elif alias is not None and hasattr(alias, "choices"):  # AliasChoices
+                names.update(a for a in alias.choices if isinstance(a, str))
+    return frozenset(names)
+
+
 class _Request(BaseModel):
     """Request objects ignore fields they do not know (clients send OpenAI fields we do not implement)."""
 
@@ -108,7 +122,25 @@ class NoStructuredExtensions(_Request):
 
 class _Body(_Request):
     """A whole request body: its text must be Unicode, checked once here for every field (a lone
-    surrogate would otherwise reach the tokenizer and fail there as a server error)."""
+    surrogate would otherwise reach the tokenizer and fail there as a server error). It keeps the names of
+    the top-level fields it ignored (`unread_fields`), so that the route can name them in the log
+    (`server.serving.note_ignored_fields`) however the body was validated."""
+
+    _unread: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_unread(cls, data: Any, handler: Any) -> Any:
+        body = handler(data)
+        if isinstance(data, dict) and isinstance(body, _Body):
+            known = _field_names(type(body))
+            body._unread = tuple(k for k in data if k not in known)
+        return body
+
+    @property
+    def unread_fields(self) -> tuple[str, ...]:
+        """The top-level keys the body sent that no field reads (ignored, not refused)."""
+        return self._unread
 
     @model_validator(mode="before")
     @classmethod

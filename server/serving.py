@@ -100,14 +100,17 @@ def engine_error(out: RequestOutput, prompt_field: str) -> ClientError:
 def register_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat(raw: Request, body: ChatCompletionRequest) -> Response:
+        note_ignored_fields(body)
         return await counted(raw, state, body, ChatSerializer)
 
     @app.post("/v1/completions")
     async def completions(raw: Request, body: CompletionRequest) -> Response:
+        note_ignored_fields(body)
         return await counted(raw, state, body, CompletionSerializer)
 
     @app.post("/v1/responses")
     async def responses(raw: Request, body: ResponsesRequest) -> Response:
+        note_ignored_fields(body)
         return state.unavailable() or await _responses(raw, state, body)
 
     @app.post("/v1/messages")
@@ -124,6 +127,7 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Response:
+        note_ignored_fields(body)
         return state.unavailable() or await _answer(lambda: _detokenize(state, body))
 
 
@@ -292,7 +296,7 @@ async def _json_body(raw: Request, model_for: Callable[[dict], type[BaseModel]])
     except ValidationError as e:
         message, param = describe_validation_error(e.errors())
         raise ClientError(400, message, param) from None
-    note_ignored_fields(model, data)
+    note_ignored_fields(body)
     return body
 
 
@@ -300,28 +304,15 @@ log = logging.getLogger("mlaserve.server")
 _IGNORED_SEEN: set[tuple[str, tuple[str, ...]]] = set()  # (model, field names) already warned of
 
 
-@functools.cache
-def _field_names(model: type[BaseModel]) -> frozenset[str]:
-    """The top-level keys `model` reads: its fields' names and aliases."""
-    names: set[str] = set()
-    for name, field in model.model_fields.items():
-        names.add(name)
-        for alias in (field.alias, field.validation_alias):
-            if isinstance(alias, str):
-                names.add(alias)
-            elif alias is not None and hasattr(alias, "choices"):  # AliasChoices
-                names.update(a for a in alias.choices if isinstance(a, str))
-    return frozenset(names)
-
-
-def note_ignored_fields(model: type[BaseModel], data: dict) -> None:
-    """Logs the top-level fields a request sent that this server does not know (they are ignored, as vLLM
-    ignores them, so that clients sending fields of newer API versions keep working), so that a typo
+def note_ignored_fields(body: BaseModel) -> None:
+    """Logs the top-level fields a request body sent that this server does not know (they are ignored, as
+    vLLM ignores them, so that clients sending fields of newer API versions keep working), so that a typo
     (`stop_sequence`, `max_tokens` on the Responses API) is seen: a warning the first time a route's model
     gets that set of names, debug after. Names only, cut short: never values."""
-    ignored = [k for k in data if k not in _field_names(model)]
+    ignored = getattr(body, "unread_fields", ())
     if not ignored:
         return
+    model = type(body)
     names = tuple(sorted(k[:40] for k in ignored)[:10])
     key = (model.__name__, names)
     first = key not in _IGNORED_SEEN

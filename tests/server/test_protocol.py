@@ -508,10 +508,15 @@ def test_fields_a_server_does_not_read_are_named_in_the_log_once(caplog) -> None
     serving._IGNORED_SEEN.clear()
     with caplog.at_level(logging.DEBUG, logger="mlaserve.server"):
         for _ in range(2):
-            serving.note_ignored_fields(ResponsesRequest, {"input": "hi", "max_tokens": 3, "temperature": 0})
-        serving.note_ignored_fields(MessagesRequest, {"messages": [], "max_tokens": 5, "stop_sequence": ["SECRET"]})
-        serving.note_ignored_fields(ChatCompletionRequest, {"messages": [], "max_tokens": 3, "stream": True})
-        serving.note_ignored_fields(ChatCompletionRequest, {f"x{'y' * 50}{i}": i for i in range(12)})
+            serving.note_ignored_fields(ResponsesRequest.model_validate({"input": "hi", "max_tokens": 3,
+                                                                         "temperature": 0}))
+        serving.note_ignored_fields(MessagesRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+             "stop_sequence": ["SECRET"]}))
+        serving.note_ignored_fields(ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}))
+        serving.note_ignored_fields(ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "hi"}], **{f"x{'y' * 50}{i}": i for i in range(12)}}))
     records = [(r.levelno, r.getMessage()) for r in caplog.records]
     assert records[0] == (logging.WARNING, "a request (ResponsesRequest) sent fields this server does not read, "
                                            "ignored: 'max_tokens'")

@@ -63,6 +63,37 @@ def test_each_request_is_logged_once_with_its_id(server):
     assert SECRET not in text
 
 
+def test_fields_the_server_does_not_read_are_named_on_every_route(server):
+    """A typo such as `stop_sequence` is ignored (a newer API's field must not break a client) but named in a
+    warning, on every route: the routes whose body FastAPI validated (chat, completions, responses,
+    detokenize) used to name none, only those that read their own body."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    user = [{"role": "user", "content": "hi"}]
+    model = httpx.get(server.url + "/v1/models", headers=auth, timeout=10).json()["data"][0]["id"]
+    routes = {"/v1/chat/completions": {"messages": user, "max_tokens": 2, "stop_sequence": ["x"]},
+              "/v1/completions": {"prompt": "hi", "max_tokens": 2, "zzz_typo_completions": 1},
+              "/v1/responses": {"input": "hi", "max_tokens": 2},
+              "/detokenize": {"tokens": [1, 2], "zzz_typo_detokenize": True},
+              "/v1/messages": {"model": model, "messages": user, "max_tokens": 2, "stop_sequence": ["x"]},
+              "/tokenize": {"prompt": "hi", "zzz_typo_tokenize": 0}}
+    for path, body in routes.items():
+        r = httpx.post(server.url + path, json=body, headers=auth, timeout=60)
+        assert r.status_code == 200, (path, r.text)
+    wanted = {"ChatCompletionRequest": "'stop_sequence'", "CompletionRequest": "'zzz_typo_completions'",
+              "ResponsesRequest": "'max_tokens'", "DetokenizeRequest": "'zzz_typo_detokenize'",
+              "MessagesRequest": "'stop_sequence'", "TokenizeCompletionRequest": "'zzz_typo_tokenize'"}
+    deadline = time.monotonic() + 10
+    while True:
+        lines = [ln for ln in server.log_path.read_text(errors="replace").splitlines()
+                 if "sent fields this server does not read" in ln]
+        missing = {m: f for m, f in wanted.items() if not any(f"({m})" in ln and ln.endswith(f) for ln in lines)}
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not missing, (missing, lines)
+    assert " WARNING " in lines[0]
+
+
 def test_a_client_that_leaves_in_the_middle_of_its_body_is_logged_499(server):
     """Its half body would answer 400, which never reaches it: the line says 499 (nginx's client closed)."""
     import socket
