@@ -476,7 +476,7 @@ def test_alert_queries_exist_in_a_real_scrape(real_scrape: str):
     exported, _ = exported_metric_names()
     rules = alert_rules()
     assert {r["alert"] for r in rules} == {"MlaserveDown", "MlaserveServerErrors", "MlaserveOverloaded",
-                                           "MlaserveKVCacheFull"}
+                                           "MlaserveKVCacheFull", "MlaserveReplicaDown"}
     for rule in rules:
         used, used_labels = promql_names(rule["expr"])
         used -= PROMETHEUS_SERIES  # Prometheus's own, per target
@@ -496,7 +496,7 @@ def _promtool() -> str:
 
 def test_promtool_checks_the_alerting_rules():
     result = subprocess.run([_promtool(), "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and "SUCCESS: 4 rules found" in result.stdout, result.stdout + result.stderr
+    assert result.returncode == 0 and "SUCCESS: 5 rules found" in result.stdout, result.stdout + result.stderr
 
 
 def _rule_test(tmp_path: Path, cases: list[dict]) -> subprocess.CompletedProcess:
@@ -518,6 +518,15 @@ def _rule_test(tmp_path: Path, cases: list[dict]) -> subprocess.CompletedProcess
         {"series": 'up{job="mlaserve",instance="f"}', "values": "1x4 0x36"},
         {"series": 'up{job="mlaserve",instance="g"}', "values": "1x40"},
         {"series": 'up{job="other",instance="h"}', "values": "0x40"},
+        # i: --dp 2, replica 1 dead from minute 5 (its counter stays); j: --dp 2, both alive; k: one engine
+        {"series": 'mlaserve_dp_replica_requests_total{replica="0",instance="i"}', "values": "0+5x40"},
+        {"series": 'mlaserve_dp_replica_requests_total{replica="1",instance="i"}', "values": "0+5x4 20x36"},
+        {"series": 'mlaserve_dp_replicas{instance="i"}', "values": "2x4 1x36"},
+        {"series": 'mlaserve_dp_replica_requests_total{replica="0",instance="j"}', "values": "0+5x40"},
+        {"series": 'mlaserve_dp_replica_requests_total{replica="1",instance="j"}', "values": "0+5x40"},
+        {"series": 'mlaserve_dp_replicas{instance="j"}', "values": "2x40"},
+        {"series": 'mlaserve_dp_replica_requests_total{replica="0",instance="k"}', "values": "0+5x40"},
+        {"series": 'mlaserve_dp_replicas{instance="k"}', "values": "1x40"},
     ]
     spec = {"rule_files": [str(ALERTS)], "evaluation_interval": "1m",
             "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": cases}]}
@@ -543,6 +552,9 @@ def test_alerts_fire_on_their_failures_only(tmp_path):
          "exp_alerts": _fires("MlaserveOverloaded", "c", "mlaserve on c refuses requests: its queue is full")},
         {"eval_time": "20m", "alertname": "MlaserveKVCacheFull",
          "exp_alerts": _fires("MlaserveKVCacheFull", "d", "mlaserve on d has its KV cache 99% full")},
+        {"eval_time": "4m", "alertname": "MlaserveReplicaDown", "exp_alerts": []},
+        {"eval_time": "20m", "alertname": "MlaserveReplicaDown",
+         "exp_alerts": _fires("MlaserveReplicaDown", "i", "mlaserve on i has 1 engine replica(s) down")},
         {"eval_time": "5m", "alertname": "MlaserveDown", "exp_alerts": []},  # down, but not for 2 minutes yet
         {"eval_time": "20m", "alertname": "MlaserveDown",
          "exp_alerts": [{**_fires("MlaserveDown", "f", "mlaserve on f cannot be scraped")[0],
