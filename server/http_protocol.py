@@ -91,6 +91,17 @@ def log_path(path: str, limit: int = 200) -> str:
     return quoted if len(quoted) <= limit else quoted[:limit] + "..."
 
 
+class _OneLinePerRequest(logging.Filter):
+    """Drops uvicorn's warning for a request its parser refuses: `send_400_response` answers it and writes its
+    own log line (status, client, request id), and a second, unformatted line would break one line per request."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != "Invalid HTTP request received."
+
+
+_ONE_LINE = _OneLinePerRequest()
+
+
 class ServerHttpProtocol(HttpToolsProtocol):
     """HttpToolsProtocol that drops a connection whose request does not arrive, or whose answer is not
     read, in time (module docstring)."""
@@ -100,6 +111,7 @@ class ServerHttpProtocol(HttpToolsProtocol):
         """`on_error(code, status)`: called for each error this connection answers itself (a 408, a 400 for
         what is not HTTP, the shutdown's 503): no handler's answer, so the error metrics are told here."""
         super().__init__(*args, **kwargs)
+        self.logger.addFilter(_ONE_LINE)  # uvicorn's error logger (added once: the filter is one object)
         self.read_timeout, self.write_timeout = read_timeout, write_timeout
         self.max_connections = max_connections  # 0: no limit
         self._overflowed = False  # pipelined past MAX_PIPELINED: the connection is being closed

@@ -106,6 +106,24 @@ def test_a_client_that_leaves_in_the_middle_of_its_body_is_logged_499(server):
     assert re.search(r"POST /v1/completions 499 [0-9.]+ ms ", line_of(server, "left-midway"))
 
 
+def test_a_request_that_is_not_http_is_one_line(server):
+    """What the HTTP parser refuses is answered 400 `invalid_http` with one line of the server's own format (its
+    id and client); uvicorn's own unformatted warning for it was a second line."""
+    import socket
+
+    before = server.log_path.read_text(errors="replace").count("Invalid HTTP request received")
+    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=10) as s:
+        s.sendall(b"GET / HTTP/1.1\r\nhost: x\r\nbad header\r\n\r\n")
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    assert raw.startswith(b"HTTP/1.1 400") and b'"invalid_http"' in raw, raw
+    rid = re.search(rb"x-request-id: ([0-9a-f]{32})", raw).group(1).decode()
+    assert "400" in line_of(server, rid) and "(invalid_http)" in line_of(server, rid)
+    time.sleep(0.3)
+    assert server.log_path.read_text(errors="replace").count("Invalid HTTP request received") == before
+
+
 def test_a_path_cannot_forge_a_log_line(server):
     """A path whose escapes decode to a newline (a forged line after it) or a terminal escape is written
     percent-quoted, as uvicorn's access log writes paths, and a long one cut; no key is needed to be logged."""
