@@ -140,6 +140,15 @@ class _Stream:
     queue: asyncio.Queue  # of RequestOutput, filled by the loop callback
 
 
+class EngineStartupError(RuntimeError):
+    """The engine core reported why it could not start. `settings_fault`: the model, a config or a setting
+    the user gave is at fault (the server exits 2 for it, as for a bad flag, not 1 for "restart me")."""
+
+    def __init__(self, message: str, *, settings_fault: bool = False) -> None:
+        super().__init__(message)
+        self.settings_fault = settings_fault
+
+
 class EngineClient:
     """Talks to one engine core process. Build it with `await EngineClient.start(args)`."""
 
@@ -185,8 +194,8 @@ class EngineClient:
     ) -> "EngineClient":
         """Spawns the engine core process and waits until its model is loaded.
 
-        Raises RuntimeError carrying the child's message when the core cannot start (or does not
-        within `args.startup_timeout` seconds; 0: no limit). `core_factory` (picklable) replaces the real
+        Raises RuntimeError carrying the child's message when the core cannot start (an EngineStartupError
+        where the child said why) or does not within `args.startup_timeout` seconds (0: no limit). `core_factory` (picklable) replaces the real
         core in tests.
         `cpus`: the only CPUs the process may run on (Linux), so that replicas do not share cores.
         """
@@ -398,7 +407,8 @@ class EngineClient:
                 self._ready.set_result(msg.info)
                 self._silence_timer = self._loop.call_later(SILENCE_CHECK_S, self._check_silence)
         elif isinstance(msg, StartupError):
-            self._mark_dead(f"engine core failed to start: {msg.message}")
+            reason = f"engine core failed to start: {msg.message}"
+            self._mark_dead(reason, EngineStartupError(reason, settings_fault=msg.settings_fault))
         elif isinstance(msg, Fatal):
             self._mark_dead(msg.reason)
 
@@ -409,8 +419,9 @@ class EngineClient:
             self._exited.set()
         self._mark_dead(reason)
 
-    def _mark_dead(self, reason: str) -> None:
-        """Ends everything waiting on the engine with `reason`; the first reason is kept."""
+    def _mark_dead(self, reason: str, error: RuntimeError | None = None) -> None:
+        """Ends everything waiting on the engine with `reason` (a start still awaited: with `error`, if
+        given); the first reason is kept."""
         if self._dead_reason is not None:
             return
         self._dead_reason = reason
@@ -426,7 +437,7 @@ class EngineClient:
             if not future.done():
                 future.set_exception(RuntimeError(reason))
         if not self._ready.done():
-            self._ready.set_exception(RuntimeError(reason))
+            self._ready.set_exception(error or RuntimeError(reason))
         if self.on_dead is not None and not self._shut_down:
             self.on_dead(reason)
 

@@ -177,6 +177,9 @@ class EngineReady(_Message, frozen=True):
 
 class StartupError(_Message, frozen=True):
     message: str
+    # the model, a config or a setting the user gave is at fault (a ValueError or OSError: the message says
+    # which), not the process or the machine: starting again cannot help
+    settings_fault: bool = False
 
 
 class Outputs(_Message, frozen=True):

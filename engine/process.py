@@ -232,7 +232,8 @@ class _EngineLoop:
             self.core = self.core_factory(args)
             info = msgspec.structs.replace(self.core.describe(), pid=os.getpid())
         except Exception as exc:
-            told = self._send(StartupError(f"{type(exc).__name__}: {exc}"))
+            told = self._send(StartupError(f"{type(exc).__name__}: {exc}",
+                                           settings_fault=isinstance(exc, (ValueError, OSError))))
             if isinstance(exc, (ValueError, OSError)):
                 # a setting, a config or a file the user named is wrong, and the message says which: the
                 # server prints that one line (here, only where it could not be told; the traceback at debug

@@ -44,7 +44,7 @@ import msgspec
 
 from engine.args import EngineArgs, free_port
 from engine.cgroups import usable_cpus
-from engine.client import EngineClient
+from engine.client import EngineClient, EngineStartupError
 from engine.messages import EngineInfo, EngineStats, GenerateRequest, RequestOutput
 from engine.process import CoreFactory
 
@@ -203,7 +203,8 @@ class EngineReplicas:
                 error = tasks[failed].exception()
                 if replicas == 1:
                     raise error  # type: ignore[misc]
-                raise RuntimeError(f"engine replica {failed} of {replicas} failed to start: {error}") from error
+                raise EngineStartupError(f"engine replica {failed} of {replicas} failed to start: {error}",
+                                         settings_fault=getattr(error, "settings_fault", False)) from error
         except BaseException:  # a failure, or start() itself cancelled: stop every replica started or starting
             for t in tasks:
                 t.cancel()  # EngineClient.start kills its half-started process

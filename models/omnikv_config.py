@@ -279,8 +279,9 @@ class OmniKVConfig:
 
 def model_label(model: str) -> str:
     """A built-in name as it is (and a built-in model's file by path: the same model); a path by its last
-    component (a .gguf without the suffix; a Hugging Face cache snapshot by its repository's name): the name a
-    calibrated config records (`calibration.model`) and a server compares, ignoring case, with the model it serves."""
+    component (a .gguf without the suffix, a split model's first file without its part number; a Hugging Face
+    cache snapshot by its repository's name): the name a calibrated config records (`calibration.model`), which
+    a server compares, ignoring case, with the model it serves, and the name a server serves by default."""
     from models.builtin import builtin_name_of
 
     builtin = builtin_name_of(model)
@@ -291,4 +292,6 @@ def model_label(model: str) -> str:
         path = path.resolve()
     if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
         return path.parent.parent.name.split("--")[-1]  # a Hugging Face cache snapshot: its repository's name
-    return path.name[: -len(".gguf")] if path.name.lower().endswith(".gguf") else path.name
+    from models.loader.gguf_file import gguf_stem
+
+    return gguf_stem(path.name)

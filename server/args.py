@@ -342,23 +342,39 @@ def model_problem(model: str) -> str | None:
     if magic != b"GGUF":
         return (f"{model} is not a GGUF file (it does not start with 'GGUF'): pass --model a .gguf file, an HF "
                 "model directory or a built-in name")
+    return _gguf_problem(model, path)
+
+
+def _gguf_problem(model: str, path: Path) -> str | None:
+    """A GGUF whose header, metadata or tensor table the loader would refuse (every file of a split model,
+    or another part than the first given), said before anything starts: only the headers are read."""
+    from models.loader.errors import CheckpointError
+    from models.loader.gguf_file import open_gguf
+
+    try:
+        open_gguf(path).close()
+    except CheckpointError as e:
+        return f"cannot load the model {model}: {str(e).removeprefix(f'{path}: ')}"  # (named once)
     return None
 
 
 def _config_problem(model: str, config_json: Path) -> str | None:
-    """A config.json the loader would refuse (not JSON, an architecture or a setting not served), said
-    before anything starts: the engine would fail the same way after the server had bound its port."""
+    """A config.json the loader would refuse (not JSON, an architecture or a setting not served), or no weight
+    files beside it, said before anything starts: the engine would fail the same way after the server had
+    bound its port."""
     from models.config import config_from_hf_dict
     from models.loader import fp8
     from models.loader.errors import CheckpointError
     from models.loader.jsonfile import read_json
+    from models.loader.weight_files import find_shards
 
     try:
         config = read_json(config_json)
         config_from_hf_dict(config, str(config_json))  # as the loader reads it
         fp8.from_config(config, config_json)  # a quantization method not read
+        find_shards(config_json.parent)  # weight files there (safetensors; a shard index's files all present)
     except (OSError, CheckpointError) as e:
-        return f"cannot load the model {model}: {e}"
+        return f"cannot load the model {model}: {str(e).removeprefix(f'{config_json.parent}: ')}"  # (named once)
     return None
 
 

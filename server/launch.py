@@ -44,7 +44,7 @@ from types import FrameType
 
 import uvicorn
 
-from models.builtin import builtin_names
+from models.omnikv_config import model_label
 from models.loader.tokenizer import load_tokenizer
 from engine.args import use_log_level
 from engine.process import freeze_gc_heap
@@ -168,11 +168,9 @@ def remove_runtime_file(path: str | None) -> None:
 
 
 def default_model_name(model: str) -> str:
-    """A built-in name as it is; a file's stem (`model.gguf` -> `model`); a directory's name."""
-    if model in builtin_names():
-        return model
-    path = Path(model)
-    return path.stem if path.suffix == ".gguf" else path.resolve().name
+    """The served name without --served-model-name (`models.omnikv_config.model_label`): a built-in name as it
+    is; a file's stem (`model.gguf` -> `model`, `model-00001-of-00003.gguf` -> `model`); a directory's name."""
+    return model_label(model)
 
 
 async def _start_engine(state: ServerState, args: ServerArgs, server: _DrainingServer) -> None:
@@ -201,6 +199,10 @@ async def _start_engine(state: ServerState, args: ServerArgs, server: _DrainingS
             return
         logger.error("the engine failed to start: %s", str(e).removeprefix("engine core failed to start: "))
         state.start_error = str(e)
+        # the model's files or a setting (the tokenizer's, read here; the engine's, as it says): exit 2, as a
+        # bad flag does, so that a supervisor does not take it for "restart me" (exit 1)
+        if isinstance(e, (ValueError, OSError)) or getattr(e, "settings_fault", False):
+            state.start_exit = 2
         server.should_exit = True
 
 
@@ -290,7 +292,7 @@ async def serve_async(args: ServerArgs) -> int:
                 if server.forced:  # what still runs gets a shutting_down error, not "the engine died"
                     state.engine.abort_all("the server is shutting down: stopped at once by a second signal")
                 await state.engine.shutdown(timeout=2 if server.forced else 10)
-    return 1 if state.start_error or state.engine_lost else 0
+    return state.start_exit if state.start_error else 1 if state.engine_lost else 0
 
 
 def serve(args: ServerArgs) -> int:

@@ -174,7 +174,8 @@ def test_model_problem_says_what_the_path_is(checkpoint: Path, tmp_path: Path) -
     assert "GGUF file in it" not in said
     gguf_dir = _gguf_dir(tmp_path)
     assert model_problem(str(gguf_dir)).endswith(f"to use the GGUF file in it, pass --model {gguf_dir / 'model.gguf'}")
-    assert model_problem(str(gguf_dir / "model.gguf")) is None  # the file itself: its contents are checked at load
+    # the file itself: its header is read (here, all zeros after the magic: version 0)
+    assert "unsupported GGUF version 0" in model_problem(str(gguf_dir / "model.gguf"))
     (gguf_dir / "b.GGUF").write_bytes(b"GGUF")
     assert f"one of its 2 GGUF files, pass it as --model (e.g. --model {gguf_dir / 'b.GGUF'})" in model_problem(
         str(gguf_dir))
@@ -383,6 +384,31 @@ def test_serve_refuses_a_config_the_loader_refuses_before_it_binds(case: str, ch
     assert says in line, line
 
 
+@pytest.mark.parametrize("case", ["no_weights", "truncated_gguf"])
+def test_serve_refuses_model_files_the_loader_refuses_before_it_binds(case: str, checkpoint: Path, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    """A directory without weight files (a pickle checkpoint named) and a GGUF cut short: one line and exit 2
+    before the server binds (they failed after the bind, exit 1). The second file of a split model is refused
+    the same way (tests/models/test_gguf_files.py)."""
+    from models.builtin import DEFAULT_MODEL, builtin_model_path
+
+    if case == "no_weights":
+        model = tmp_path / "ck"
+        model.mkdir()
+        for f in checkpoint.iterdir():
+            if f.suffix != ".safetensors":
+                (model / f.name).write_bytes(f.read_bytes())
+        (model / "pytorch_model.bin").write_bytes(b"x")
+        says = f"cannot load the model {model}: no *.safetensors weight files (found pytorch_model.bin"
+    else:
+        model = tmp_path / "cut.gguf"
+        model.write_bytes(builtin_model_path(DEFAULT_MODEL).read_bytes()[:100_000])
+        says = f"cannot load the model {model}: file is truncated"
+    assert main(["serve", "--model", str(model), "--port", str(free_port())]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"mlaserve serve: error: {says}"), line
+
+
 def test_calibrate_refuses_a_gguf_directory_the_same_way(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     text = tmp_path / "text.txt"
     text.write_text("word " * 100)
@@ -488,8 +514,9 @@ def test_ctrl_c_before_a_command_handles_it_is_one_line(monkeypatch, capsys, com
 
 def test_serve_with_weights_the_engine_refuses_says_so_once(checkpoint: Path, tmp_path: Path) -> None:
     """A checkpoint whose config passes the checks before the bind but whose weights the engine process refuses
-    (a tensor missing): exit 1 and the loader's message once on stderr (the engine process, its client and the
-    server each logged it: three times)."""
+    (a tensor missing): the loader's message once on stderr (the engine process, its client and the server each
+    logged it: three times), and exit 2, as for a bad flag: the model is at fault, and a supervisor restarting
+    the server on exit 1 would fail the same way forever."""
     from safetensors.torch import load_file, save_file
 
     model = tmp_path / "no_q_proj"
@@ -501,7 +528,7 @@ def test_serve_with_weights_the_engine_refuses_says_so_once(checkpoint: Path, tm
     save_file(weights, str(model / "model.safetensors"))
     done = subprocess.run([sys.executable, "-m", "mlaserve.cli", "serve", "--model", str(model), "--port",
                            str(free_port())], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 1, done.stderr
+    assert done.returncode == 2, done.stderr
     says = "missing tensor(s): model.layers.1.self_attn.q_proj.weight"
     assert done.stderr.count(says) == 1, done.stderr
     assert "the engine failed to start" in done.stderr and "Traceback" not in done.stderr, done.stderr

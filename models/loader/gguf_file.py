@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import math
 import mmap
+import re
 import struct
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,7 @@ class TensorInfo:
     shape: tuple[int, ...]  # numpy order: ggml ne reversed
     offset: int  # absolute byte offset of the data in the file
     nbytes: int
+    part: int = 0  # which file of a split model holds the data (`split_paths`; 0: the first, or the only one)
 
 
 class _Cursor:
@@ -186,6 +189,45 @@ def parse_gguf(buf: mmap.mmap, path: Path) -> tuple[dict[str, Any], dict[str, Te
     return metadata, infos
 
 
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
+_MAX_SPLITS = 9999  # llama.cpp's names hold five digits; nobody splits a model into more files than this
+_SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
+
+
+def gguf_stem(name: str) -> str:
+    """A GGUF file's name without `.gguf`, and without the part a split model's files add
+    (`model-00001-of-00003.gguf` -> `model`): the name of the model the file holds."""
+    m = _SPLIT_NAME.match(name)
+    if m is not None:
+        return m["prefix"]
+    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
+
+
+def split_paths(path: Path, metadata: dict[str, Any]) -> list[Path]:
+    """The files of a model split by llama.cpp (`llama-gguf-split`, `convert_hf_to_gguf.py --split-max-*`):
+    [path] for a whole file. The first file holds the metadata and names the count; the others are found
+    beside it by llama.cpp's names, `<prefix>-00002-of-00005.gguf`. CheckpointError for another file of
+    the set than the first (naming the first), a count or name that does not match, or a missing file."""
+    count, no = metadata.get(SPLIT_COUNT), metadata.get(SPLIT_NO, 0)
+    if count is None:
+        return [path]
+    for key, value in ((SPLIT_COUNT, count), (SPLIT_NO, no)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= _MAX_SPLITS:
+            raise CheckpointError(path, f"metadata key '{key}' must be an integer in [0, {_MAX_SPLITS}], got {value!r}")
+    if count <= 1:
+        return [path]
+    m = _SPLIT_NAME.match(path.name)
+    if m is None or int(m["count"]) != count or int(m["no"]) != no + 1:
+        raise CheckpointError(path, f"the file is part {no + 1} of a model split into {count} files, whose names "
+                              f"llama.cpp gives as <name>-{no + 1:05d}-of-{count:05d}.gguf: rename the files so, or "
+                              "merge them (llama-gguf-split --merge)")
+    first = path.with_name(f"{m['prefix']}-{1:05d}-of-{count:05d}.gguf")
+    if no != 0:
+        raise CheckpointError(path, f"the file is part {no + 1} of a model split into {count} files: give the "
+                              f"first, {first.name}, which holds the model's metadata")
+    return [path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
 def _check_disjoint(infos: dict[str, TensorInfo], path: Path) -> None:
     """No two tensors' data share a byte (llama.cpp lays them out one after the other, each padded to
     the alignment; one pointing into another's bytes is a corrupt or forged file). Gaps are allowed."""
@@ -217,14 +259,71 @@ def map_gguf(path: Path) -> mmap.mmap:
         raise CheckpointError(path, f"cannot open: {e.strerror or e}") from None
 
 
+@dataclass
+class GGUFFiles:
+    """A model's GGUF file, or every file of a split one, mapped and validated: `infos` holds every file's
+    tensors, each naming its file (`TensorInfo.part`, an index into `paths` and `bufs`); `metadata` is the
+    first file's, which holds the model's."""
+
+    paths: list[Path]
+    bufs: list[mmap.mmap]
+    metadata: dict[str, Any]
+    infos: dict[str, TensorInfo]
+
+    def close(self) -> None:
+        for buf in self.bufs:
+            _unmap(buf)
+
+
+def open_gguf(path: Path) -> GGUFFiles:
+    """The file at `path` and, for a split model's first file, the other files beside it, each validated
+    as a whole file is (its own header, offsets and lengths) and the set checked against the first file's
+    count. CheckpointError naming the file at fault; nothing stays mapped then."""
+    bufs = [map_gguf(path)]
+    try:
+        metadata, infos = parse_gguf(bufs[0], path)
+        paths = split_paths(path, metadata)
+        count = len(paths)
+        for i, part in enumerate(paths[1:], 1):
+            if not part.exists():
+                raise CheckpointError(part, f"missing: it is part {i + 1} of the {count} files of the model split "
+                                      f"from {path.name}; put every part in the same folder")
+            bufs.append(map_gguf(part))
+            meta, more = parse_gguf(bufs[-1], part)
+            if (meta.get(SPLIT_NO), meta.get(SPLIT_COUNT)) != (i, count):
+                raise CheckpointError(part, f"its metadata says it is part {meta.get(SPLIT_NO)!r} (from 0) of "
+                                      f"{meta.get(SPLIT_COUNT)!r} files, not part {i} of {count} as its name: the "
+                                      "files come from different splits")
+            for name, info in more.items():
+                if name in infos:
+                    raise CheckpointError(part, f"tensor '{name}' is also in {paths[infos[name].part].name}")
+                infos[name] = dataclasses.replace(info, part=i)
+        total = metadata.get(SPLIT_TENSORS)
+        if count > 1 and total != len(infos):
+            raise CheckpointError(path, f"metadata key '{SPLIT_TENSORS}' is {total!r}, but the {count} files hold "
+                                  f"{len(infos)} tensors: a part is from another split or corrupt")
+    except BaseException:
+        for buf in bufs:
+            _unmap(buf)
+        raise
+    return GGUFFiles(paths, bufs, metadata, infos)
+
+
+def _unmap(buf: mmap.mmap) -> None:
+    try:
+        buf.close()
+    except BufferError:  # a view of it still held by the error under way: unmapped when that goes
+        pass
+
+
 def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """Only the metadata of a GGUF file (validated as `parse_gguf` does); the mapping is closed after."""
+    """Only the metadata of a GGUF file (validated as `parse_gguf` does; of a split model, the first file,
+    which holds the model's: another part is refused, naming the first); the mapping is closed after."""
     path = Path(path)
     buf = map_gguf(path)
     try:
-        return parse_gguf(buf, path)[0]
+        metadata = parse_gguf(buf, path)[0]
+        split_paths(path, metadata)
+        return metadata
     finally:
-        try:
-            buf.close()
-        except BufferError:  # a view of it still held by the error under way: unmapped when that goes
-            pass
+        _unmap(buf)

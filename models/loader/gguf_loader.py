@@ -37,7 +37,7 @@ from models.config import (
 )
 from models.loader import gguf_names as gn
 from models.loader.errors import CheckpointError
-from models.loader.gguf_file import TensorInfo, f32_round, map_gguf, parse_gguf
+from models.loader.gguf_file import TensorInfo, f32_round, open_gguf
 from models.loader.gguf_quants import dequantize
 from models.loader.raw_blocks import RawBlocks
 from models.loader.shard import SKIP, Shard, ShardFn, resolve
@@ -54,8 +54,9 @@ class GGUFCheckpoint:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._buf = map_gguf(self.path)
-        self.metadata, self._infos = parse_gguf(self._buf, self.path)
+        files = open_gguf(self.path)
+        # one mapping per file of a split model (`TensorInfo.part`)
+        self.paths, self._bufs, self.metadata, self._infos = files.paths, files.bufs, files.metadata, files.infos
         arch = self.metadata.get("general.architecture")
         if not isinstance(arch, str):
             raise CheckpointError(self.path, f"metadata key 'general.architecture' is missing or not a string: {arch!r}")
@@ -152,18 +153,23 @@ class GGUFCheckpoint:
 
     # -------------------------------------------------------------------------------- internals
 
+    def _where(self, info: TensorInfo) -> str:
+        """The file that holds the tensor's data, for messages."""
+        return str(self.paths[info.part])
+
     def _read(self, info: TensorInfo) -> torch.Tensor:
-        raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
-        return dequantize(raw, info.qtype, info.shape, str(self.path), info.name)
+        raw = np.frombuffer(self._bufs[info.part], dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        return dequantize(raw, info.qtype, info.shape, self._where(info), info.name)
 
     def _raw(self, info: TensorInfo) -> RawBlocks:
-        return RawBlocks.from_buffer(self._buf, info.offset, info.qtype, info.shape, str(self.path), info.name)
+        return RawBlocks.from_buffer(self._bufs[info.part], info.offset, info.qtype, info.shape, self._where(info),
+                                     info.name)
 
     def _blocks(self, info: TensorInfo) -> np.ndarray:
         """The tensor's bytes as a read-only view [*shape[:-1], row_bytes] of the mapping (nothing copied;
         offset, size and row length were checked against the file at open)."""
         block, type_size = GGML_QUANT_SIZES[info.qtype]
-        data = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        data = np.frombuffer(self._bufs[info.part], dtype=np.uint8, count=info.nbytes, offset=info.offset)
         return data.reshape(*info.shape[:-1], info.shape[-1] // block * type_size)
 
     def _select(self, info: TensorInfo, region: Sequence[Ranges | None], raw: bool, hf: str) -> torch.Tensor | RawBlocks:
@@ -198,8 +204,8 @@ class GGUFCheckpoint:
             byte_ranges = tuple((a // block * type_size, b // block * type_size) for a, b in wide)
             data, shape[-1] = _take(data, data.ndim - 1, byte_ranges), sum(b - a for a, b in wide)
         if raw:
-            return RawBlocks(info.qtype, tuple(shape), data, str(self.path), info.name + _describe(region))
-        t = dequantize(data, info.qtype, shape, str(self.path), info.name)
+            return RawBlocks(info.qtype, tuple(shape), data, self._where(info), info.name + _describe(region))
+        t = dequantize(data, info.qtype, shape, self._where(info), info.name)
         return t if cut is None else _cat([t[..., a:b] for a, b in cut], -1)
 
     def _part(self, info: TensorInfo, part: Shard | None, hf: str, raw: bool) -> torch.Tensor | RawBlocks:

@@ -21,10 +21,10 @@ from safetensors import safe_open
 from models.loader import fp8
 from models.loader.errors import CheckpointError
 from models.loader.jsonfile import read_json
+from models.loader.weight_files import INDEX_FILE, find_shards
 from models.loader.shard import SKIP, Shard, ShardFn, resolve, shard_shape
 
 logger = logging.getLogger(__name__)
-INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtypes a weight may be stored in (F8_E4M3 too, with its scales, in an FP8 checkpoint)
 FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
 _LAYER_RE = re.compile(r"^model\.layers\.(0|[1-9][0-9]*)\.")
@@ -60,7 +60,7 @@ class HFCheckpoint:
         # what an FP8 weight is dequantized to: fp32 is exact (the model's parameters round it to --dtype
         # as they take it); `load_model` asks for bf16 where the CPU kernels would keep an fp32 weight fp32
         self.dequantize_dtype = torch.float32
-        self._shards = self._find_shards()
+        self._shards = find_shards(self.path)
         self._handles: dict[Path, Any] = {}
         self._where: dict[str, Path] | None = None
         self._scales: dict[str, tuple[str, Path]] = {}  # weight name -> its scales' name and shard
@@ -69,35 +69,6 @@ class HFCheckpoint:
     def hf_config(self) -> dict[str, Any]:
         return dict(self._config)
 
-    def _find_shards(self) -> dict[Path, list[str] | None]:
-        """Shard file -> tensor names the index promises in it (None: no index, take what is there)."""
-        index_path = self.path / INDEX_FILE
-        if index_path.exists():
-            weight_map = read_json(index_path).get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise CheckpointError(index_path, "key 'weight_map' must be a non-empty object of tensor -> file")
-            shards: dict[Path, list[str] | None] = {}
-            for name, file in weight_map.items():
-                if not isinstance(file, str):
-                    raise CheckpointError(index_path, f"weight_map['{name}'] must be a file name, got {file!r}")
-                if not file or Path(file).is_absolute() or ".." in Path(file).parts:
-                    raise CheckpointError(index_path, f"weight_map['{name}'] points outside the model directory: {file!r}")
-                shard = self.path / file  # (may link anywhere: a Hugging Face cache's shards link to its blobs/)
-                if not shard.is_file():
-                    raise CheckpointError(index_path, f"weight_map['{name}'] names shard '{file}', which is missing")
-                names = shards.setdefault(shard, [])
-                assert names is not None
-                names.append(name)
-            return shards
-        files = sorted(self.path.glob("*.safetensors"))
-        for f in files:
-            if not f.is_file():  # a FIFO or device would block the reader forever
-                raise CheckpointError(f, "is not a regular file")
-        if not files:
-            pickled = sorted(p.name for p in self.path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
-            hint = f" (found {', '.join(pickled)}: pickle checkpoints are not loaded; convert them to safetensors)" if pickled else ""
-            raise CheckpointError(self.path, f"no *.safetensors weight files{hint}")
-        return {f: None for f in files}
 
     def _open(self, shard: Path):
         try:  # the file's own error first (safetensors says "No such file or directory" for an unreadable one)

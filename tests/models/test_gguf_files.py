@@ -18,6 +18,7 @@ factors fitted to match; end-of-generation ids beyond eos/eot/eom are dropped.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import struct
@@ -228,11 +229,13 @@ def test_fused_hf_v5_experts_give_the_same_file_contents(hf_dirs: dict[str, Path
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _rewrite(src: Path, dst: Path, kv: dict, tensors: dict[str, np.ndarray | None]) -> Path:
+def _rewrite(src: Path, dst: Path, kv: dict, tensors: dict[str, np.ndarray | None], split_max_tensors: int = 0) -> Path:
     """Copies GGUF `src` to `dst` with `gguf`'s reader and writer: `kv` overrides metadata (None
-    drops a key), `tensors` replaces or adds tensors (None drops one)."""
+    drops a key), `tensors` replaces or adds tensors (None drops one). `split_max_tensors`: the writer
+    splits the model into files of that many tensors as llama.cpp's converter does (`dst` then names the
+    set: `<stem>-00001-of-0000N.gguf` and on)."""
     r = gguf.GGUFReader(src)
-    w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents())
+    w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents(), split_max_tensors=split_max_tensors)
     for key, f in r.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
@@ -243,8 +246,8 @@ def _rewrite(src: Path, dst: Path, kv: dict, tensors: dict[str, np.ndarray | Non
         if key not in r.fields and value is not None:
             w.add_uint32(key, value)
     for t in r.tensors:
-        if t.name not in tensors:
-            w.add_tensor(t.name, np.array(t.data))
+        if t.name not in tensors:  # (quantized: the blocks as bytes, their shape and type given)
+            w.add_tensor(t.name, np.array(t.data), raw_shape=t.data.shape, raw_dtype=t.tensor_type)
     for name, data in tensors.items():
         if data is not None:
             w.add_tensor(name, data)
@@ -277,6 +280,81 @@ def test_reads_legacy_kv_b_and_fused_gate_up_forms(hf_dirs: dict[str, Path], tmp
     assert all(torch.equal(got[k], want[k]) for k in want)
     hf_cfg = config_from_hf_dict(json.loads((d / "config.json").read_text()))
     assert _comparable(config_from_hf_dict(ck.hf_config())) == _comparable(hf_cfg)
+
+
+def _split(hf_dir: Path, tmp_path: Path, per_file: int, qtype: str = "Q8_0") -> tuple[Path, list[Path]]:
+    """A model written whole, and the same split by the `gguf` package's writer into files of `per_file`
+    tensors (llama.cpp's converter's `--split-max-tensors`): (the whole file, the split files in order)."""
+    whole = write_gguf(hf_dir, tmp_path / "whole.gguf", qtype)
+    (tmp_path / "split").mkdir()
+    _rewrite(whole, tmp_path / "split" / "m.gguf", {}, {}, split_max_tensors=per_file)
+    return whole, sorted((tmp_path / "split").glob("m-*-of-*.gguf"))
+
+
+def test_a_split_model_reads_as_the_whole_file(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A model split into several files (as large GGUFs come: each file its own header and tensors, the first
+    the metadata) is read from its first file with the same config and the same tensors, decoded or as raw
+    expert blocks, as the whole file; llama.cpp reads both alike too (skipped where it is absent)."""
+    whole, parts = _split(hf_dirs["v3"], tmp_path, per_file=9)
+    assert len(parts) >= 3
+    a, b = GGUFCheckpoint(whole), GGUFCheckpoint(parts[0])
+    assert b.paths == parts and a.hf_config() == b.hf_config() and a.num_tensors() == b.num_tensors()
+    for raw in (False, True):
+        want = dict(a.tensors(raw_experts=raw))
+        got = dict(b.tensors(raw_experts=raw))
+        assert sorted(got) == sorted(want)
+        for name, t in got.items():
+            if isinstance(t, torch.Tensor):
+                assert torch.equal(t, want[name]), name
+            else:
+                assert t.shape == want[name].shape and np.array_equal(np.asarray(t.data), np.asarray(want[name].data))
+    from models.omnikv_config import model_label
+
+    assert model_label(str(parts[0])) == "m" and model_label(str(whole)) == "whole"
+    if importlib.util.find_spec("llama_cpp") is not None:
+        ids = [0, 5, 17, 44, 100, 250, 33, 7]
+        scores = []
+        for path in (whole, parts[0]):
+            llm = open_llama(path, n_ctx=32, logits_all=True, verbose=False, n_threads=2)
+            llm.eval(ids)
+            scores.append(np.array(llm.scores[: len(ids)]))
+        assert np.array_equal(scores[0], scores[1])
+
+
+def test_a_split_model_given_or_kept_wrong_says_which_file(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Another part than the first names the first; a missing part, a part of another split and a count of
+    tensors that does not add up are refused naming the file at fault (the checks before the server binds
+    read the same)."""
+    from server.args import model_problem
+
+    _, parts = _split(hf_dirs["llama"], tmp_path, per_file=6, qtype="F32")
+    n = len(parts)
+    msg = _fails(parts[1], f"the file is part 2 of a model split into {n} files: give the first, {parts[0].name}")
+    assert model_problem(str(parts[1])) == f"cannot load the model {parts[1]}: " + msg.removeprefix(f"{parts[1]}: ")
+    moved = parts[-1].rename(tmp_path / "elsewhere.gguf")
+    with pytest.raises(CheckpointError, match=f"missing: it is part {n} of the {n} files of the model split from"):
+        GGUFCheckpoint(parts[0])
+    assert "missing: it is part" in model_problem(str(parts[0]))
+    # a part of another split of the same model, renamed into the set
+    (tmp_path / "o").mkdir()
+    _, other_parts = _split(hf_dirs["llama"], tmp_path / "o", per_file=5, qtype="F32")
+    assert len(other_parts) != n
+    other_parts[-1].rename(parts[-1])
+    with pytest.raises(CheckpointError) as e:
+        GGUFCheckpoint(parts[0])
+    assert str(parts[-1]) in str(e.value) and "come from different splits" in str(e.value)
+    moved.rename(parts[-1])
+    GGUFCheckpoint(parts[0])  # whole again
+    first = tmp_path / "miscounted"
+    first.mkdir()
+    for p in parts:
+        (first / p.name).write_bytes(p.read_bytes())
+    _rewrite(parts[0], first / parts[0].name, {"split.tensors.count": 99}, {})
+    _fails(first / parts[0].name, "metadata key 'split.tensors.count' is 99, but the", "files hold")
+    renamed = tmp_path / "renamed.gguf"
+    parts[0].rename(renamed)
+    _fails(renamed, f"the file is part 1 of a model split into {n} files, whose names llama.cpp gives as "
+                    f"<name>-00001-of-{n:05d}.gguf")
 
 
 def _hf_copy(src: Path, dst: Path, change: dict[str, torch.Tensor | None]) -> Path:
