@@ -78,6 +78,9 @@ from engine.messages import (
 logger = logging.getLogger(__name__)
 
 SILENCE_CHECK_S = 1.0  # how often the loop looks at the silence
+# a check this late finds the server itself held up (the process or the machine paused: `docker pause`, a
+# cgroup freezer, a VM paused or migrated), and the engine with it: the silence counts from then
+HELD_UP_S = 5.0
 
 
 def set_cpu_wait_policy(environ: Any) -> None:
@@ -181,6 +184,7 @@ class EngineClient:
         self._reading = True
         self._pipe_timer: asyncio.TimerHandle | None = None
         self._last_heard = time.monotonic()  # when the pipe last gave anything
+        self._silence_due = 0.0  # when the next silence check should run (`_check_silence`)
         self._silence_timer: asyncio.TimerHandle | None = None
         loop.add_reader(self._sock.fileno(), self._read_pipe)
         loop.add_reader(proc.sentinel, self._process_ended)
@@ -405,7 +409,7 @@ class EngineClient:
         elif isinstance(msg, EngineReady):
             if not self._ready.done():
                 self._ready.set_result(msg.info)
-                self._silence_timer = self._loop.call_later(SILENCE_CHECK_S, self._check_silence)
+                self._arm_silence_check()
         elif isinstance(msg, StartupError):
             reason = f"engine core failed to start: {msg.message}"
             self._mark_dead(reason, EngineStartupError(reason, settings_fault=msg.settings_fault))
@@ -488,20 +492,31 @@ class EngineClient:
             self._dispatch(msg)
         return True
 
+    def _arm_silence_check(self) -> None:
+        self._silence_due = time.monotonic() + SILENCE_CHECK_S
+        self._silence_timer = self._loop.call_later(SILENCE_CHECK_S, self._check_silence)
+
     def _check_silence(self) -> None:
         """On the loop, every SILENCE_CHECK_S once ready: an engine silent for `silent_s` is failed and killed.
-        What the pipe holds is taken first, so a loop that was itself held up blames nobody."""
+        What the pipe holds is taken first, so a loop that was itself held up blames nobody; a check that
+        comes HELD_UP_S late finds this process held up (paused with the engine, say, which then had no
+        time to speak on resuming): the silence counts from now."""
         self._silence_timer = None
         if self._dead_reason is not None or self._shut_down:
             return
         while self._reading and self._read_pipe():
             pass
-        quiet = time.monotonic() - self._last_heard
+        now = time.monotonic()
+        if now - self._silence_due >= HELD_UP_S:
+            logger.info("%sthe server was held up for %.0f s (paused?): the engine's silence counts from now",
+                        self.label, now - self._silence_due + SILENCE_CHECK_S)
+            self._last_heard = max(self._last_heard, now)
+        quiet = now - self._last_heard
         if self._dead_reason is None and quiet >= self.silent_s:
             self.fail(f"engine core stopped answering: nothing from its process for {quiet:.0f} s; it is stopped "
                       "or frozen, and was killed")
         elif self._dead_reason is None:
-            self._silence_timer = self._loop.call_later(SILENCE_CHECK_S, self._check_silence)
+            self._arm_silence_check()
 
     def _pipe_closed(self) -> None:
         """EOF: the engine is on its way out. Its exit (the sentinel) says how; if that does not come

@@ -88,6 +88,7 @@ IDLE_POLL_S = 0.5  # while idle, how often to look whether the parent is still t
 LOCKSTEP_POLL_S = 0.02  # the same under DP attention, where an idle replica holds the others' next step
 STUCK_S = 2.0  # a step running this long while the core reports a failure is stuck: report and exit
 WATCH_S = 0.25  # how often the watchdog looks at the running step
+HELD_UP_S = 5.0  # a watchdog this late was held up with the whole process (paused): that time is no step's
 ALIVE_S = 5.0  # the watchdog sends Alive when nothing else was sent for this long
 # while steps run the stats go to the server unasked this often: a StatsRequest waits for the step to end (a
 # long prefill on a CPU: seconds), and a scrape that could not wait showed the previous scrape's late answer
@@ -422,13 +423,20 @@ class _EngineLoop:
         or for good), so it reports the failure as the crash (the server fails every pending request on
         `Fatal`) and ends the process; the node's other ranks die with it (engine.ranks). A step past
         `limit` (--watchdog-timeout; 0: none) is ended so, whatever holds it."""
+        woke, step, held = time.monotonic(), None, 0.0
         while not done.wait(WATCH_S):
-            if time.monotonic() - self.last_sent >= ALIVE_S and not self._send(Alive()):
+            now = time.monotonic()
+            late, woke = now - woke - WATCH_S, now
+            if now - self.last_sent >= ALIVE_S and not self._send(Alive()):
                 return  # the server is gone; the loop sees it too
             since = self.step_since
+            if since != step:  # a new step (or none): no time held up in it yet
+                step, held = since, 0.0
             if since is None:
                 continue
-            ran = time.monotonic() - since
+            if late >= HELD_UP_S:  # the process was held up (paused with the machine, say): not the step's time
+                held += late
+            ran = now - since - held
             reason = failure() if failure is not None and ran >= STUCK_S else None
             if reason is not None:
                 reason = f"engine core crashed: {reason} (the step stayed blocked for {ran:.1f} s)"

@@ -495,6 +495,79 @@ def test_a_quiet_engine_is_not_taken_for_a_frozen_one(loop, rng):
     assert outs[-1].finish_reason == FINISH_LENGTH and client.exitcode == EXIT_OK
 
 
+def test_a_pause_of_the_server_and_the_engine_together_is_no_frozen_engine(loop, rng):
+    """`docker pause`, a cgroup freezer or a paused VM stop both processes: on resuming, the client's late
+    silence check found the pipe empty (the engine had had no time to speak) and killed a healthy engine. A
+    check that comes late finds the server held up too, and the silence counts from then."""
+    client = start(loop)
+    client.silent_s = ALIVE_S + 3.0
+    req = make_req(rng, "after-pause", max_tokens=3)
+
+    async def go():
+        await asyncio.sleep(0.5)
+        os.kill(client.pid, signal.SIGSTOP)
+        time.sleep(client.silent_s + 2.0)  # this process (the server's loop) held up as long
+        await asyncio.sleep(0.1)  # the loop resumes first: its overdue check runs before the engine can speak
+        os.kill(client.pid, signal.SIGCONT)
+        outs = await collect(client, req)
+        await client.shutdown()
+        return outs
+
+    outs = run(loop, go(), timeout=60)
+    assert tokens_by_index(outs) == {0: [expected_token(req, 0, k) for k in range(3)]}
+    assert outs[-1].finish_reason == FINISH_LENGTH and client.exitcode == EXIT_OK
+
+
+@pytest.mark.parametrize("pause", [0.0, 10.0], ids=["no-pause", "paused"])
+def test_the_watchdog_does_not_take_a_pause_of_its_process_for_the_step(monkeypatch, pause: float):
+    """The watchdog ends a step past --watchdog-timeout (4 s here). A pause of the whole engine process inside
+    a step (SIGSTOP, `docker pause`) stopped the watchdog too, and the watchdog, resuming late, took the pause
+    for the step's own time and ended a healthy engine. On a made-up clock: a step that has run 3 s besides a
+    10 s pause is left to run; without the pause, a step of over 4 s is still ended."""
+    from engine import process
+
+    clock = [1000.0]
+    monkeypatch.setattr(process.time, "monotonic", lambda: clock[0])
+
+    class Ended(Exception):
+        pass
+
+    def leave(code: int, hooks: bool = True) -> None:
+        raise Ended(code)
+
+    monkeypatch.setattr(process, "_leave", leave)
+
+    class Done:  # the watchdog's done.wait(WATCH_S): the clock moves by it, and by the pause once
+        def __init__(self, waits: int) -> None:
+            self.waits, self.calls = waits, 0
+
+        def wait(self, timeout: float) -> bool:
+            self.calls += 1
+            clock[0] += timeout + (pause if self.calls == 3 else 0.0)
+            return self.calls > self.waits
+
+        def is_set(self) -> bool:
+            return False
+
+    class Conn:
+        def __init__(self) -> None:
+            self.sent: list[bytes] = []
+
+        def send_bytes(self, data: bytes) -> None:
+            self.sent.append(data)
+
+    loop = process._EngineLoop(Conn(), FakeCore)
+    loop.step_since = clock[0]
+    steps = 12 if pause else 20  # 3 s of the step's own, or 5 s
+    if pause:
+        loop._watch(None, 4.0, Done(steps))
+        assert not loop.fatal_sent
+    else:
+        with pytest.raises(Ended):
+            loop._watch(None, 4.0, Done(steps))
+        assert loop.fatal_sent and b"past --watchdog-timeout" in loop.conn.sent[-1]
+
+
 def test_startup_failure_raises_with_the_childs_message(loop):
     with pytest.raises(RuntimeError, match=r"failed to start: FileNotFoundError: no such model /nope/m\.gguf"):
         start(loop, fail_start="no such model /nope/m.gguf")
