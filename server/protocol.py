@@ -469,6 +469,9 @@ class ChatInput(_Body):
 
     model: str | None = None  # None: the served model
     messages: list[ChatMessage] = Field(min_length=1)
+    # vLLM's: the tokenizer's special tokens (BOS) added to the rendered prompt; off, as the template writes its
+    # own (a template that writes BOS would get two)
+    add_special_tokens: StrictBool = False
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
     parallel_tool_calls: StrictBool | None = True
@@ -642,6 +645,7 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(_GenerationRequest):
     prompt: Prompt
+    add_special_tokens: StrictBool = True  # vLLM's: BOS before a text prompt where the model wants one
     max_tokens: StrictInt | None = COMPLETIONS_MAX_TOKENS  # 0: score the prompt only
     echo: StrictBool | None = False
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
@@ -696,7 +700,6 @@ class TokenizeChatRequest(ChatInput):
     """`POST /tokenize` with messages (vLLM's shape): the ids of the chat template's rendering, as the chat
     completions API renders it (the template writes the special tokens itself)."""
 
-    add_special_tokens: StrictBool = False
     return_token_strs: StrictBool = False
 
 

@@ -479,11 +479,11 @@ def build_prompts(state: ServerState, body: Any) -> tuple[list[tuple[list[int], 
     assert tok is not None
     if isinstance(body, ChatCompletionRequest):
         text, plan = chat_prompt(state, body)
-        return _truncated(state, body, [(tok.encode(text, add_special_tokens=False), text)]), plan
+        return _truncated(state, body, [(tok.encode(text, add_special_tokens=body.add_special_tokens), text)]), plan
     out = []
     for p in body.prompts():
         if isinstance(p, str):
-            out.append((tok.encode(p), p))
+            out.append((tok.encode(p, add_special_tokens=body.add_special_tokens), p))
         else:
             try:
                 validate_prompt_ids(p, state.vocab_size, "prompt")
