@@ -78,7 +78,7 @@ def template_messages(messages: list[dict[str, Any]], no_text: str | None = None
             m.pop("tool_calls", None)  # [] means no calls; Llama 3.1 would count it as a bad one
         reasoning = next((m[k] for k in ("reasoning_content", "thinking", "reasoning") if k in m), None)
         if reasoning is not None:
-            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+            m = {"thinking": reasoning, "reasoning": reasoning, **m, "reasoning_content": reasoning}
         out.append(m)
     return out
 

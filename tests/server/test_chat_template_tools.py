@@ -268,7 +268,8 @@ def test_template_messages_normalises_like_transformers():
     assert [type(a) for a in calls] == [str, str, ToolArguments] and calls[:2] == ["not json {", "[1, 2]"]
     assert out[2] == {"role": "assistant", "content": "plain"}
     assert out[3] == {"role": "assistant", "content": "empty list"}
-    assert out[4]["thinking"] == out[4]["reasoning_content"] == "because"
+    # under every name templates read it: vLLM's `reasoning` too (a template reading only it lost it)
+    assert out[4]["thinking"] == out[4]["reasoning_content"] == out[4]["reasoning"] == "because"
     args = out[5]["tool_calls"][0]["function"]["arguments"]
     assert out[5]["content"] is None and out[5]["tool_calls"][0]["type"] == "function"
     assert isinstance(args, ToolArguments) and str(args) == '{"k": 1}'
