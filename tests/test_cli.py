@@ -346,6 +346,31 @@ def test_generate_refuses_a_prompt_the_model_cannot_take_in_one_line(case: str, 
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("case", ["generate", "serve"])
+def test_a_tokenizer_that_cannot_encode_text_is_refused_at_load(case: str, checkpoint: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    """A tokenizer.json that loads but cannot encode anything (a WordLevel model whose unknown token is not in
+    its vocabulary): `generate` was a traceback, and `serve` started and answered every request with a 500."""
+    import json
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(checkpoint, model)
+    spec = json.loads((model / "tokenizer.json").read_text())
+    spec["model"] = {"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "b"}
+    (model / "tokenizer.json").write_text(json.dumps(spec))
+    if case == "generate":
+        with pytest.raises(SystemExit) as info:
+            main(["generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "2"])
+        code, err = info.value.code, capsys.readouterr().err
+    else:  # read after the bind (the log's line), and exit 2 as for the other files of the model
+        done = subprocess.run([sys.executable, "-m", "mlaserve.cli", "serve", "--model", str(model), "--port",
+                               str(free_port())], cwd=REPO, capture_output=True, text=True, timeout=300)
+        code, err = done.returncode, done.stderr
+    assert code == 2 and "the tokenizer cannot encode plain text (WordLevel error: Missing [UNK] token" in err, err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("case", ["empty_dir", "gguf_dir"])
 def test_serve_refuses_a_directory_that_is_no_model_before_it_binds(case: str, tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture) -> None:

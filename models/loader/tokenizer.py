@@ -99,11 +99,12 @@ class TokenizerBundle:
         Through `encode_batch`, which releases the GIL while it tokenizes (`encode` holds it: a 1 MB prompt
         stopped the server's event loop, /health and every stream for ~0.45 s, the thread it ran on
         notwithstanding); the ids are `encode`'s. A panic in the tokenizer (a tokenizer.json regex that gives up
-        on this text) is a `TokenizerFailure`: as the `BaseException` pyo3 raises, no error handler saw it."""
+        on this text), or the plain Exception it raises for text it cannot encode, is a `TokenizerFailure`: as the
+        `BaseException` pyo3 raises, no error handler saw the panic."""
         try:
             ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
-        except BaseException as e:
-            if type(e).__name__ != "PanicException":
+        except BaseException as e:  # pyo3's PanicException (a BaseException), or the plain Exception tokenizers raises
+            if type(e).__name__ != "PanicException" and type(e) is not Exception:
                 raise
             raise TokenizerFailure(f"the model's tokenizer failed on this text: {str(e).splitlines()[0][:300]} "
                                    "(its tokenizer.json cannot handle it)") from None
@@ -251,6 +252,21 @@ def _suffix_added_by_post_processor(tok: Tokenizer) -> int | None:
     return None
 
 
+_PROBE_TEXT = "Hello, world! 123 \u00e9\n"
+
+
+def _check_encodes(tok: Tokenizer, source: str | Path) -> None:
+    """A tokenizer that loads but cannot encode plain text (a WordLevel model whose unknown-token is not in its
+    vocabulary, an empty Unigram) is refused at load: served, every request failed as a server error."""
+    try:
+        tok.encode(_PROBE_TEXT, add_special_tokens=True)
+    except BaseException as e:  # plain Exception, or pyo3's PanicException (a BaseException)
+        if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+            raise
+        raise CheckpointError(source, f"the tokenizer cannot encode plain text ({str(e).splitlines()[0][:200]}): it "
+                              "is broken") from None
+
+
 def load_hf_tokenizer(model_dir: str | Path) -> TokenizerBundle:
     """Tokenizer of an HF model directory; tokenizer.json is required, the rest is optional."""
     model_dir = Path(model_dir)
@@ -261,6 +277,7 @@ def load_hf_tokenizer(model_dir: str | Path) -> TokenizerBundle:
         tok = Tokenizer.from_file(str(tok_path))
     except Exception as e:  # tokenizers raises plain Exception, for broken JSON and unknown schemas alike
         raise CheckpointError(tok_path, f"is not a valid tokenizer.json: {e}") from None
+    _check_encodes(tok, tok_path)
     config = read_json(cfg_path, required=False) or {}
     if not isinstance(config, dict):
         raise CheckpointError(cfg_path, "expected a JSON object")
@@ -473,6 +490,7 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> Tokeni
         single = " ".join([*(f"{t}:0" for t, _ in first), "$A:0", *(f"{t}:0" for t, _ in last)])
         with contextlib.suppress(ValueError):
             tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=first + last)
+    _check_encodes(tok, source)
     return TokenizerBundle(
         tokenizer=tok,
         bos_token_id=bos_id,
