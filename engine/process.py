@@ -55,6 +55,7 @@ import msgspec
 
 from engine.args import EngineArgs, engine_log_level
 from engine.cgroups import quota_threads
+from models.loader.errors import out_of_memory
 from engine.messages import (
     ERR_ENGINE,
     FINISH_ABORT,
@@ -233,14 +234,15 @@ class _EngineLoop:
             self.core = self.core_factory(args)
             info = msgspec.structs.replace(self.core.describe(), pid=os.getpid())
         except Exception as exc:
-            told = self._send(StartupError(f"{type(exc).__name__}: {exc}",
-                                           settings_fault=isinstance(exc, (ValueError, OSError))))
-            if isinstance(exc, (ValueError, OSError)):
-                # a setting, a config or a file the user named is wrong, and the message says which: the
-                # server prints that one line (here, only where it could not be told; the traceback at debug
-                # level, for a bug that raises these too)
+            oom = out_of_memory(exc)
+            said = oom or f"{type(exc).__name__}: {exc}"
+            told = self._send(StartupError(said, settings_fault=isinstance(exc, (ValueError, OSError))))
+            if isinstance(exc, (ValueError, OSError)) or oom:
+                # a setting, a config or a file the user named is wrong, or the memory is short, and the message
+                # says which: the server prints that one line (here, only where it could not be told; the
+                # traceback at debug level, for a bug that raises these too)
                 if not told:
-                    logger.error("engine core failed to start: %s: %s", type(exc).__name__, exc)
+                    logger.error("engine core failed to start: %s", said)
                 logger.debug("engine core startup traceback", exc_info=True)
             else:
                 logger.exception("engine core failed to start")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from models.builtin import resolve_model_path
+from models.loader.errors import out_of_memory
 from models.loader.load import LoadedModel, load_model
 from server.args import BadSetting, model_problem
 
@@ -31,6 +32,11 @@ def load_model_checked(model: str, **kwargs: Any) -> LoadedModel:
                              if count else "this machine (or this torch build) has no CUDA device; use --device cpu"))
     try:
         return load_model(model, **kwargs)
+    except (MemoryError, RuntimeError) as e:
+        oom = out_of_memory(e)
+        if oom is None:
+            raise
+        raise BadSetting(oom) from None
     except MODEL_ERRORS as e:
         detail = str(e.args[0] if isinstance(e, KeyError) and e.args else e)  # str(KeyError) quotes its message
         detail = detail.removeprefix(f"{resolve_model_path(model)}: ")  # a CheckpointError names the file: once

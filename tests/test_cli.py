@@ -346,6 +346,30 @@ def test_generate_refuses_a_prompt_the_model_cannot_take_in_one_line(case: str, 
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("error", [MemoryError("std::bad_alloc"), RuntimeError(
+    "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+    "738197504 bytes. Error code 12 (Cannot allocate memory)")], ids=["bad_alloc", "torch"])
+def test_a_model_the_memory_cannot_hold_is_one_line(error: BaseException, checkpoint: Path,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    """An allocation that fails while the weights load (the native loader's bad_alloc, torch's allocator) was a
+    traceback of 35-44 lines; it is one line saying what to do. Another RuntimeError stays a bug's traceback."""
+    from mlaserve import model_check
+
+    def load(*a, **kw):
+        raise error
+
+    monkeypatch.setattr(model_check, "load_model", load)
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--model", str(checkpoint), "--prompt", "hi", "--max-tokens", "2"])
+    line = one_line(capsys.readouterr().err)
+    assert info.value.code == 2 and line.startswith("mlaserve generate: error: not enough memory to load the model ("), line
+    assert "use a smaller quantization" in line
+    monkeypatch.setattr(model_check, "load_model", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["generate", "--model", str(checkpoint), "--prompt", "hi", "--max-tokens", "2"])
+
+
 @pytest.mark.parametrize("case", ["generate", "serve"])
 def test_a_tokenizer_that_cannot_encode_text_is_refused_at_load(case: str, checkpoint: Path, tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture) -> None:
