@@ -47,6 +47,16 @@ def builtin_model_path(name: str) -> Path:
     return path
 
 
+def user_path(value: str | os.PathLike[str]) -> Path:
+    """A path the user gave, `~` and `~user` expanded where there is such a home; `~nouser/...` stays as
+    written, as a shell leaves it (Path.expanduser raises RuntimeError, a traceback where a clear 'no such
+    file' was due)."""
+    try:
+        return Path(value).expanduser()
+    except RuntimeError:
+        return Path(value)
+
+
 def builtin_name_of(model: str | os.PathLike[str]) -> str | None:
     """The built-in name `model` is, or whose file it names (by path: the same model, so the same calibrated
     configs and defaults); None for any other model."""
@@ -54,7 +64,7 @@ def builtin_name_of(model: str | os.PathLike[str]) -> str | None:
     if s in builtin_names():
         return s
     try:
-        path = Path(s).expanduser()
+        path = user_path(s)
         if not path.is_file():
             return None
         for name in builtin_names():
@@ -73,7 +83,7 @@ def resolve_model_path(model: str | os.PathLike[str]) -> Path:
     s = str(model)
     if s in builtin_names():
         return builtin_model_path(s)
-    path = Path(s).expanduser()
+    path = user_path(s)
     if path.is_dir() or path.is_file():
         return path
     raise FileNotFoundError(

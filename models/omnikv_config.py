@@ -282,12 +282,12 @@ def model_label(model: str) -> str:
     component (a .gguf without the suffix, a split model's first file without its part number; a Hugging Face
     cache snapshot by its repository's name): the name a calibrated config records (`calibration.model`), which
     a server compares, ignoring case, with the model it serves, and the name a server serves by default."""
-    from models.builtin import builtin_name_of
+    from models.builtin import builtin_name_of, user_path
 
     builtin = builtin_name_of(model)
     if builtin is not None:
         return builtin
-    path = Path(model).expanduser()
+    path = user_path(model)
     if path.name in ("", ".", ".."):
         path = path.resolve()
     if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):

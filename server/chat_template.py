@@ -28,6 +28,8 @@ from jinja2.utils import Namespace
 from jinja2.visitor import NodeTransformer
 from pydantic_core import from_json
 
+from models.builtin import user_path
+
 
 class ChatTemplateError(ValueError):
     """The template is missing, invalid, or refused the messages (its own `raise_exception`)."""
@@ -443,7 +445,7 @@ def load_chat_template(value: str) -> str:
     one line, for a path that names no file, a file that cannot be read, an empty template, or one that
     does not compile."""
     try:
-        path = Path(value).expanduser()
+        path = user_path(value)
         is_file, exists = path.is_file(), path.exists()
     except (OSError, ValueError):  # a name too long, a NUL byte: not a path
         is_file = exists = False

@@ -370,6 +370,26 @@ def test_a_model_the_memory_cannot_hold_is_one_line(error: BaseException, checkp
         main(["generate", "--model", str(checkpoint), "--prompt", "hi", "--max-tokens", "2"])
 
 
+@pytest.mark.parametrize("argv,says", [
+    (["generate", "--model", "~no-such-user-mlaserve/m.gguf", "--prompt", "hi"], "model '~no-such-user-mlaserve/m.gguf' is "
+     "neither a built-in name"),
+    (["serve", "--model", "~no-such-user-mlaserve/m.gguf"], "model '~no-such-user-mlaserve/m.gguf' is neither"),
+    (["serve", "--chat-template", "~no-such-user-mlaserve/t.jinja"], "'~no-such-user-mlaserve/t.jinja' names no file"),
+    (["calibrate-omnikv", "--model", "~no-such-user-mlaserve/m.gguf", "--text", "/dev/null"],
+     "model '~no-such-user-mlaserve/m.gguf' is neither"),
+])
+def test_a_home_of_no_user_is_a_path_that_does_not_exist(argv: list[str], says: str,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    """`~name/...` of no user on this machine (a shell leaves it as written): Path.expanduser's RuntimeError
+    was a traceback of 27-55 lines; it is the path that names nothing, in one line."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    line = one_line(capsys.readouterr().err)
+    assert code == 2 and says in line, line
+
+
 @pytest.mark.parametrize("case", ["generate", "serve"])
 def test_a_tokenizer_that_cannot_encode_text_is_refused_at_load(case: str, checkpoint: Path, tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture) -> None:
