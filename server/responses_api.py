@@ -26,8 +26,11 @@ ones, `tool_choice {"type": "function", "name"}` chat's named choice, `text.form
 `max_output_tokens` `max_tokens`, `include: ["message.output_text.logprobs"]` with `top_logprobs` chat's
 `logprobs` / `top_logprobs` (as OpenAI's API, `top_logprobs` alone asks for nothing), `reasoning.effort`
 chat's `reasoning_effort`; chat's extensions `seed` and `top_k` pass as they are. OpenAI's other `include` values and `metadata` are accepted (`metadata` is echoed; an `include`
-value OpenAI's API does not know, or an `n` other than 1, is a 400); other fields this API does not know are
-ignored, as on chat completions. `truncation: "auto"` drops a too-long conversation's oldest turns
+value OpenAI's API does not know, or an `n` other than 1, is a 400; `metadata` past OpenAI's limits too);
+`max_tool_calls` is echoed (it caps built-in tools' calls, and there are none here). Chat's `max_tokens`,
+`max_completion_tokens` and `stop` are 400s naming them, as OpenAI's API answers them (ignored, a request
+meant to stop early ran to the context's end); other fields this API does not know are ignored, as on chat
+completions. `truncation: "auto"` drops a too-long conversation's oldest turns
 (`server.serving._fitted`, where the prompt is rendered).
 """
 
@@ -38,7 +41,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator
-from pydantic import model_validator
+from pydantic import ValidationInfo, model_validator
 
 from scheduler.sampling_params import ParamError
 from server.protocol import (
@@ -140,6 +143,12 @@ class ResponsesRequest(_Body, NoStructuredExtensions):
     user: str | None = None
     include: list[str] | None = None
     n: Any = None  # chat's, refused unless 1: a response has one output
+    # chat's length and stop fields: refused by name (the Responses API has max_output_tokens and no stop),
+    # as OpenAI refuses them: ignored, a client moving from chat got an answer run to the context's end
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
+    stop: Any = None
+    max_tool_calls: StrictInt | None = Field(None, ge=1)  # echoed; it caps built-in tools' calls, none here
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # counts with INCLUDE_LOGPROBS only
     truncation: Literal["disabled", "auto"] | None = None
     # stateful features, refused by to_chat_request
@@ -167,6 +176,29 @@ class ResponsesRequest(_Body, NoStructuredExtensions):
         if value is not None and (isinstance(value, bool) or value != 1):
             raise _invalid(f"n {value!r} is not supported: a response has one output (for several, send several "
                            "requests or use chat completions' n)")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        """OpenAI's limits: 16 pairs, keys of 64 characters at most, values of 512."""
+        if value is not None:
+            if len(value) > 16:
+                raise _invalid(f"metadata has {len(value)} keys: at most 16")
+            for key, item in value.items():
+                if len(key) > 64:
+                    raise _invalid(f"metadata key {key[:64]!r}... is {len(key)} characters long: at most 64")
+                if len(item) > 512:
+                    raise _invalid(f"metadata.{key[:64]} is {len(item)} characters long: at most 512")
+        return value
+
+    @field_validator("max_tokens", "max_completion_tokens", "stop", mode="before")
+    @classmethod
+    def _chat_fields(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            what = ("give max_output_tokens" if info.field_name != "stop" else
+                    "it has no stop sequences (chat completions has `stop`)")
+            raise _invalid(f"{info.field_name} is a field of /v1/chat/completions, not of the Responses API: {what}")
         return value
 
     @field_validator("tool_choice", mode="before")
@@ -455,6 +487,12 @@ class ResponseUsage(_Response):
     total_tokens: int
 
 
+class InputTokens(_Response):
+    """`POST /v1/responses/input_tokens`: the prompt tokens the same request to `/v1/responses` would have."""
+    object: Literal["response.input_tokens"] = "response.input_tokens"
+    input_tokens: int
+
+
 class IncompleteDetails(_Response):
     reason: Literal["max_output_tokens"] = "max_output_tokens"
 
@@ -466,8 +504,9 @@ class ResponseError(_Response):
 
 
 class ResponseObject(_Response):
-    keep_null = frozenset({"error", "incomplete_details", "instructions", "max_output_tokens", "previous_response_id",
-                           "reasoning", "temperature", "top_p", "usage", "user", "completed_at"})
+    keep_null = frozenset({"error", "incomplete_details", "instructions", "max_output_tokens", "max_tool_calls",
+                           "previous_response_id", "reasoning", "temperature", "top_p", "usage", "user",
+                           "completed_at"})
     id: str
     object: Literal["response"] = "response"
     created_at: int
@@ -477,6 +516,7 @@ class ResponseObject(_Response):
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
     model: str
     output: list[OutputItem] = Field(default_factory=list)
     parallel_tool_calls: bool = True
@@ -508,6 +548,7 @@ def echoed(req: ResponsesRequest) -> dict[str, Any]:
         choice = req.tool_choice
     tools = [{"parameters": None, "strict": None, **t.model_dump(exclude_none=True)} for t in req.tools or ()]
     return {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "max_tool_calls": req.max_tool_calls,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "reasoning": req.reasoning.model_dump() if req.reasoning is not None else None,
             "text": text, "tool_choice": choice, "tools": tools, "top_logprobs": req.top_logprobs or 0,

@@ -65,7 +65,7 @@ from server import messages_api
 from server.messages_api import MessagesRequest
 from server.metrics import note_answer_code
 from server.responses import ChatSerializer, CompletionSerializer, MessagesSerializer, ResponsesSerializer, Serializer
-from server.responses_api import ResponsesRequest, rename_error, to_chat_request
+from server.responses_api import InputTokens, ResponsesRequest, rename_error, to_chat_request
 from server.state import ClientError, ServerState, error_response
 from server.reasoning import THINK_CLOSE, parser_kind, starts_in_reasoning
 from server.tools import ToolPlan, plan_tools, with_call_markup, with_system
@@ -113,6 +113,20 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
         note_ignored_fields(body)
         return state.unavailable() or await _responses(raw, state, body)
 
+    @app.post("/v1/responses/input_tokens")
+    async def responses_input_tokens(body: ResponsesRequest) -> Response:
+        note_ignored_fields(body)
+        return state.unavailable() or await _answer(lambda: _input_tokens(state, body))
+
+    # the routes of stored responses: nothing is stored here, which the answer says (a bare 404 read as a wrong URL)
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    async def stored_response(response_id: str) -> Response:
+        return _not_stored(response_id)
+
+    @app.api_route("/v1/responses/{response_id}/{action}", methods=["GET", "POST"])
+    async def stored_response_action(response_id: str, action: str) -> Response:
+        return _not_stored(response_id)
+
     @app.post("/v1/messages")
     async def messages(raw: Request) -> Response:
         return anthropic_error(state.unavailable() or await _messages(raw, state))
@@ -150,6 +164,23 @@ async def _responses(raw: Request, state: ServerState, body: ResponsesRequest) -
     message, param = rename_error(str(error.get("message", "")), error.get("param"))
     return error_response(resp.status_code, message, str(error.get("type", "invalid_request_error")), param,
                           error.get("code"), headers)
+
+
+def _not_stored(response_id: str) -> Response:
+    return error_response(404, f"no response {response_id[:80]!r} is stored: this server stores no responses (each "
+                          "says store: false), so they cannot be retrieved, listed, cancelled or deleted; send the "
+                          "whole conversation as input instead", "invalid_request_error", None, "not_found")
+
+
+async def _input_tokens(state: ServerState, body: ResponsesRequest) -> InputTokens:
+    """OpenAI's input token count: the prompt tokens of the same request to `/v1/responses` (after
+    `truncation: "auto"` where it asks for it)."""
+    check_model(state, body.model)
+    chat = to_chat_request(body)
+    if body.truncation == "auto":
+        chat = await asyncio.to_thread(_fitted, state, chat)
+    prompts, _ = await asyncio.to_thread(build_prompts, state, chat)
+    return InputTokens(input_tokens=len(prompts[0][0]))
 
 
 def _fitted(state: ServerState, chat: ChatCompletionRequest) -> ChatCompletionRequest:
@@ -307,7 +338,7 @@ _IGNORED_SEEN: set[tuple[str, tuple[str, ...]]] = set()  # (model, field names) 
 def note_ignored_fields(body: BaseModel) -> None:
     """Logs the top-level fields a request body sent that this server does not know (they are ignored, as
     vLLM ignores them, so that clients sending fields of newer API versions keep working), so that a typo
-    (`stop_sequence`, `max_tokens` on the Responses API) is seen: a warning the first time a route's model
+    (`stop_sequence`, chat's `frequency_penalty` on the Responses API) is seen: a warning the first time a route's model
     gets that set of names, debug after. Names only, cut short: never values."""
     ignored = getattr(body, "unread_fields", ())
     if not ignored:

@@ -508,7 +508,7 @@ def test_fields_a_server_does_not_read_are_named_in_the_log_once(caplog) -> None
     serving._IGNORED_SEEN.clear()
     with caplog.at_level(logging.DEBUG, logger="mlaserve.server"):
         for _ in range(2):
-            serving.note_ignored_fields(ResponsesRequest.model_validate({"input": "hi", "max_tokens": 3,
+            serving.note_ignored_fields(ResponsesRequest.model_validate({"input": "hi", "frequency_penalty": 1,
                                                                          "temperature": 0}))
         serving.note_ignored_fields(MessagesRequest.model_validate(
             {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
@@ -519,7 +519,7 @@ def test_fields_a_server_does_not_read_are_named_in_the_log_once(caplog) -> None
             {"messages": [{"role": "user", "content": "hi"}], **{f"x{'y' * 50}{i}": i for i in range(12)}}))
     records = [(r.levelno, r.getMessage()) for r in caplog.records]
     assert records[0] == (logging.WARNING, "a request (ResponsesRequest) sent fields this server does not read, "
-                                           "ignored: 'max_tokens'")
+                                           "ignored: 'frequency_penalty'")
     assert records[1][0] == logging.DEBUG and records[2][0] == logging.WARNING and "'stop_sequence'" in records[2][1]
     assert "SECRET" not in caplog.text and len(records) == 4
     assert records[3][1].endswith(" ...") and records[3][1].count("'x") == 10 and "y" * 41 not in records[3][1]

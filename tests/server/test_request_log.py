@@ -72,7 +72,7 @@ def test_fields_the_server_does_not_read_are_named_on_every_route(server):
     model = httpx.get(server.url + "/v1/models", headers=auth, timeout=10).json()["data"][0]["id"]
     routes = {"/v1/chat/completions": {"messages": user, "max_tokens": 2, "stop_sequence": ["x"]},
               "/v1/completions": {"prompt": "hi", "max_tokens": 2, "zzz_typo_completions": 1},
-              "/v1/responses": {"input": "hi", "max_tokens": 2},
+              "/v1/responses": {"input": "hi", "max_output_tokens": 2, "frequency_penalty": 1},
               "/detokenize": {"tokens": [1, 2], "zzz_typo_detokenize": True},
               "/v1/messages": {"model": model, "messages": user, "max_tokens": 2, "stop_sequence": ["x"]},
               "/tokenize": {"prompt": "hi", "zzz_typo_tokenize": 0}}
@@ -80,7 +80,7 @@ def test_fields_the_server_does_not_read_are_named_on_every_route(server):
         r = httpx.post(server.url + path, json=body, headers=auth, timeout=60)
         assert r.status_code == 200, (path, r.text)
     wanted = {"ChatCompletionRequest": "'stop_sequence'", "CompletionRequest": "'zzz_typo_completions'",
-              "ResponsesRequest": "'max_tokens'", "DetokenizeRequest": "'zzz_typo_detokenize'",
+              "ResponsesRequest": "'frequency_penalty'", "DetokenizeRequest": "'zzz_typo_detokenize'",
               "MessagesRequest": "'stop_sequence'", "TokenizeCompletionRequest": "'zzz_typo_tokenize'"}
     deadline = time.monotonic() + 10
     while True:

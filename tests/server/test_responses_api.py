@@ -340,6 +340,15 @@ BAD = [
     ({"input": "hi", "structured_outputs": {"regex": "a+"}}, 400, "structured_outputs", "text.format"),
     ({"input": "hi", "regex": "a+"}, 400, "regex", "text.format"),
     ({"input": "hi", "response_format": {"type": "json_object"}}, 400, "response_format", "text.format"),
+    # chat's length and stop fields, as OpenAI's API refuses them (ignored, the answer ran to the context's end)
+    ({"input": "hi", "max_tokens": 5}, 400, "max_tokens", "give max_output_tokens"),
+    ({"input": "hi", "max_completion_tokens": 5}, 400, "max_completion_tokens", "give max_output_tokens"),
+    ({"input": "hi", "stop": ["\n"]}, 400, "stop", "no stop sequences"),
+    ({"input": "hi", "max_tool_calls": 0}, 400, "max_tool_calls", None),
+    # OpenAI's metadata limits
+    ({"input": "hi", "metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata", "at most 16"),
+    ({"input": "hi", "metadata": {"k" * 65: "v"}}, 400, "metadata", "at most 64"),
+    ({"input": "hi", "metadata": {"k": "v" * 513}}, 400, "metadata", "at most 512"),
 ]
 
 
@@ -358,6 +367,29 @@ def test_sdk_errors(client):
     assert e.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="other", input="hi")
+
+
+def test_input_tokens_and_the_routes_of_stored_responses(dsv3, client):
+    """`POST /v1/responses/input_tokens` counts the prompt tokens the same request has (usage.input_tokens);
+    the SDK's retrieve / delete / cancel / input_items calls get a 404 that says nothing is stored (a bare
+    'no such route' read as a wrong URL)."""
+    body = {"input": [{"role": "user", "content": "What is the weather in Paris?"}], "instructions": "Be brief.",
+            "tools": [WEATHER]}
+    counted = client.responses.input_tokens.count(model="m", **body)
+    assert counted.object == "response.input_tokens"
+    done = client.responses.create(model="m", max_output_tokens=2, temperature=0, **body)
+    assert counted.input_tokens == done.usage.input_tokens > 0
+    r = httpx.post(dsv3.url + "/v1/responses/input_tokens", json={"model": "m", "input": "hi", "max_tokens": 3},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    ids = done.id
+    for call in (lambda: client.responses.retrieve(ids), lambda: client.responses.delete(ids),
+                 lambda: client.responses.cancel(ids), lambda: list(client.responses.input_items.list(ids))):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert e.value.body["code"] == "not_found" and "this server stores no responses" in e.value.body["message"]
+    assert done.max_tool_calls is None
+    assert client.responses.create(model="m", input="hi", max_output_tokens=1, max_tool_calls=2).max_tool_calls == 2
 
 
 # ---------------------------------------------------------------- a reasoning model
