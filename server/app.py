@@ -318,8 +318,10 @@ def build_app(state: ServerState, max_request_bytes: int | None = None, allowed_
     async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 404:
             resp = error_response(404, _no_route(str(request.scope.get("path", ""))), code="not_found")
-        elif exc.status_code == 405:
-            resp = error_response(405, "method not allowed for this route", code="method_not_allowed")
+        elif exc.status_code == 405:  # with Starlette's Allow header, which RFC 9110 requires of a 405
+            allow = (exc.headers or {}).get("Allow")
+            resp = error_response(405, "method not allowed for this route" + (f": use {allow}" if allow else ""),
+                                  code="method_not_allowed", headers={"Allow": allow} if allow else None)
         elif exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's words
             resp = error_response(400, f"the request body could not be read as JSON: {SEND_JSON}")
         else:

@@ -292,8 +292,11 @@ def test_bad_requests_get_anthropic_errors(server, body, status, needle):
 
 def test_a_wrong_method_is_an_invalid_request(server):
     resp = httpx.get(server.url + "/v1/messages", headers={"x-api-key": KEY}, timeout=60)
-    assert resp.status_code == 405
+    assert resp.status_code == 405 and resp.headers["allow"] == "POST"  # RFC 9110: a 405 names the methods
     assert resp.json()["error"]["type"] == "invalid_request_error", resp.text
+    models = httpx.delete(server.url + "/v1/models", headers={"x-api-key": KEY}, timeout=60)
+    assert models.status_code == 405 and models.headers["allow"] == "GET, HEAD", models.headers
+    assert models.json()["error"]["code"] == "method_not_allowed" and "use GET, HEAD" in models.json()["error"]["message"]
 
 
 def test_errors_are_counted_by_their_openai_code(server):
