@@ -226,7 +226,11 @@ class Flag:
         return f"{self.spec.help} [{self.env}] (default: {default})".replace("%", "%%")
 
     def parse(self, text: str) -> Any:
-        """The value of `text`, or ValueError saying what is wrong with it (flags and variables alike)."""
+        """The value of `text`, or ValueError saying what is wrong with it (flags and variables alike). An empty
+        value of a flag that is unset by default (`--omnikv-config ''`) leaves it unset, as a template that
+        fills in an empty value means."""
+        if text == "" and self.default is None:
+            return None
         try:
             value = (self.spec.parse or (parse_bool if self.kind is bool else self.kind))(text)
         except ValueError as e:
@@ -280,7 +284,7 @@ def environment_values(flags: Iterable[Flag], environ: Mapping[str, str],
     out, warnings = {}, []
     for f in flags:
         text = environ.get(f.env)
-        if text is None:
+        if not text:  # unset, or set empty (compose's ${X:-}, a template's empty value): the flag's default
             continue
         try:
             value = f.parse(text)
