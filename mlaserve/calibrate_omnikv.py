@@ -67,6 +67,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import math
 import os
 import random
 import sys
@@ -407,6 +408,15 @@ def _check_probe_memory(loaded: LoadedModel, slots: int, probes: int, answer_tok
                                "--answer-tokens")
 
 
+def _check_finite(what: str, values: Sequence[float]) -> None:
+    """A model whose activations overflow gives NaN coverages and KLs, from which nothing can be chosen (the
+    config written held a bare NaN, which strict JSON parsers refuse): refused, saying so."""
+    if not all(math.isfinite(v) for v in values):
+        raise CalibrationError(f"the model's {what} on this text are not finite numbers (NaN or infinity): its weights "
+                               "or activations overflow, so no filter layer can be chosen; check the model's output "
+                               "with `mlaserve generate`")
+
+
 def calibrate(loaded: LoadedModel, ids: Sequence[int], *, queries: int = DEFAULT_QUERIES,
               lookahead: int = DEFAULT_LOOKAHEAD, filters: int = MAX_FILTER_LAYERS, budget_ratio: float = 0.1,
               first_filter: int | None = None, probes: int = DEFAULT_PROBES, probe_tokens: int = DEFAULT_PROBE_TOKENS,
@@ -449,6 +459,7 @@ def calibrate(loaded: LoadedModel, ids: Sequence[int], *, queries: int = DEFAULT
     cover = coverage_matrix(torch.stack(rec.max_head), torch.stack(rec.head_mean), rec.positions, rule)
     capability = capabilities(cover, lookahead)
     own = [float(cover[i, i]) for i in range(layers)]
+    _check_finite("attention", [x for x in (*capability, *own) if x is not None])
 
     slots = sum(len(p) for p in prompts) + probes * answer_tokens
     longest = max(len(p) for p in prompts) + answer_tokens
@@ -470,6 +481,7 @@ def calibrate(loaded: LoadedModel, ids: Sequence[int], *, queries: int = DEFAULT
         chosen, scores = search_filter_layers(score, layers, first, filters, max_candidates)
     finally:
         runner.close()
+    _check_finite("answers' log-probabilities", list(scores.values()))
     kept = sparse_mass(cover, OmniKVConfig(filter_layers=chosen))
     ranked = sorted(scores, key=lambda c: (scores[c], c))
     calibration = {

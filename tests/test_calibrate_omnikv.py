@@ -421,3 +421,21 @@ def test_model_labels_name_what_a_config_was_calibrated_on() -> None:
     from models.builtin import builtin_model_path  # the built-in model's file by path: the same model
 
     assert model_label(str(builtin_model_path("smollm2-135m-instruct"))) == "smollm2-135m-instruct"
+
+
+def test_a_model_whose_attention_overflows_is_refused(text_file, tmp_path, capsys):
+    """Weights so large that attention overflows (finite, 3e38) gave NaN coverages and KLs: the command chose
+    blindly, printed `nan%` and 100% agreement, and wrote a config holding a bare NaN (not JSON). Refused."""
+    from safetensors.torch import load_file, save_file
+
+    model = write_checkpoint(tmp_path / "big", "tiny-llama", seed=17, num_layers=4)
+    weights = load_file(str(model / "model.safetensors"))
+    for name in weights:
+        if "q_proj" in name or "k_proj" in name:
+            weights[name] = torch.full_like(weights[name], 3e38)
+    save_file(weights, str(model / "model.safetensors"))
+    output = tmp_path / "omnikv.json"
+    code, out, err = run_cli(capsys, "--model", str(model), "--text", str(text_file), "--output", str(output),
+                             "--max-tokens", str(TOKENS), "--queries", str(QUERIES), "--probes", "2")
+    assert code == 2 and "are not finite numbers (NaN or infinity)" in err.strip().splitlines()[-1], err
+    assert not output.exists()
