@@ -436,6 +436,15 @@ def _compile(template: str):
         raise ChatTemplateError("chat template does not compile: it is nested too deeply") from None
 
 
+def template_problem(template: str) -> str | None:
+    """Why `template` cannot render anything (it does not compile), or None."""
+    try:
+        _compile(template)
+    except ChatTemplateError as e:
+        return "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    return None
+
+
 JINJA_CHARS = "{}\n"  # a --chat-template value with one of these is a template, else a path (vLLM's rule)
 
 

@@ -52,7 +52,7 @@ from engine.replicas import EngineReplicas
 from server.app import ServerState, build_app
 from server.args import ServerArgs, device_problem, model_problem, omnikv_problem, parallel_problem
 from server.http_protocol import ServerHttpProtocol
-from server.chat_template import load_chat_template
+from server.chat_template import load_chat_template, template_problem
 from server.generation_defaults import load_generation_defaults
 from server.metrics import Metrics
 
@@ -180,6 +180,9 @@ async def _start_engine(state: ServerState, args: ServerArgs, server: _DrainingS
             tokenizer = dataclasses.replace(tokenizer, chat_template=load_chat_template(args.chat_template),
                                             named_chat_templates={})
             logger.info("chat template: --chat-template's, not the model's")
+        elif tokenizer.chat_template and (problem := template_problem(tokenizer.chat_template)) is not None:
+            logger.warning("the model's %s: every chat request (and /v1/responses, /v1/messages) will get a 400; pass "
+                           "--chat-template a template that compiles", problem)
         state.tokenizer = tokenizer
         state.generation_defaults = await asyncio.to_thread(load_generation_defaults, args.engine.model,
                                                             args.generation_config)
