@@ -600,8 +600,11 @@ class ResponsesSerializer(ChatSerializer):
         return named_sse(payload)
 
     def stream_error(self, e: ClientError) -> list[Any]:
-        """The `error` event, then `response.failed` with the response so far (OpenAI's streams end so; the
-        SDK's `get_final_response()` wants a terminal response event)."""
+        """The `error` event, then `response.failed` with the response so far, the item cut short `incomplete`
+        (OpenAI's streams end so; a client reads what came from it, though the SDK's `get_final_response()`
+        raises for any end but `response.completed`)."""
+        if self.items.current is not None:
+            self.items.current.status = "incomplete"  # (its .done events are not sent: the stream failed)
         message, param = rename_error(e.message, e.param)
         failed = self.response_object("failed", self.response_usage(), error=ResponseError(message=message))
         return [self.event("error", code=e.code or e.type, message=message, param=param),

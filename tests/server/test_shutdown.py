@@ -377,3 +377,4 @@ def test_a_responses_stream_cut_by_the_drain_ends_with_response_failed(model_dir
     assert error["code"] == "shutting_down" and failed["status"] == "failed"
     assert failed["error"] == {"code": "server_error", "message": error["message"]}
     assert failed["output"] and failed["output"][0]["content"][0]["text"]  # the text streamed before the cut
+    assert failed["output"][-1]["status"] == "incomplete"  # cut short (it said in_progress)
