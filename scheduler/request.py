@@ -39,6 +39,9 @@ class Req:
     kv_len: int = 0
     cache_len: int = 0
     node: object = None
+    # where the KV written by OmniKV's sparse decode steps begins (None: all of it from full attention): a
+    # full-attention forward would not reproduce those rows, so the prefix cache takes none of them
+    sparse_kv_from: int | None = None
     grammar: Grammar | None = None  # structured output: the completion's matcher (its own, even for n > 1)
     cached_tokens: int = 0  # prompt tokens that came from the prefix cache at first admission
     waits_for_sibling: bool = False  # n > 1: siblings wait until completion 0 has prefilled the prompt

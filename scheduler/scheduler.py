@@ -181,6 +181,8 @@ class Scheduler:
                 self._make_room(need)
         for r in decoding:  # (a prompt's last token, left alone by its chunks, is prefill: full attention)
             sparse = r.kv_len >= len(r.prompt_ids) and self._omnikv(r)
+            if sparse and r.sparse_kv_from is None:
+                r.sparse_kv_from = r.kv_len
             slices.append(RequestSlice(r.row, r.kv_len, r.ids(r.kv_len) + r.draft, omnikv=sparse))
             reqs.append(r)
 
@@ -472,17 +474,23 @@ class Scheduler:
 
     def _insert_into_cache(self, r: Req, finished: bool) -> None:
         """Hands r's own KV to the prefix cache. Duplicates of what the cache already held are freed;
-        unless `finished`, r re-locks the now-longer cached prefix and keeps going."""
+        unless `finished`, r re-locks the now-longer cached prefix and keeps going. KV that OmniKV's sparse
+        decode steps wrote is not shared (a later prompt holding those tokens, a chat's next turn, would take
+        rows a full-attention prefill computes otherwise): it is freed with the request."""
         assert r.row is not None
         pool = self.runner.req_to_token_pool
+        end = r.kv_len if r.sparse_kv_from is None else max(r.cache_len, min(r.sparse_kv_from, r.kv_len))
+        assert finished or end == r.kv_len  # (sparse rows come from decode steps, which insert when they end)
         slots = pool.req_to_token[r.row, : r.kv_len].to(torch.int64)
-        already = self.cache.insert(r.all_ids[: r.kv_len], slots)
+        already = self.cache.insert(r.all_ids[:end], slots[:end])
         if not self.cache.shares:  # caching off: it keeps nothing, everything we own stays ours
             if finished:
                 self.runner.allocator.free(slots[r.cache_len :])
             return
         if already > r.cache_len:
             self.runner.allocator.free(slots[r.cache_len : already])
+        if end < r.kv_len:
+            self.runner.allocator.free(slots[end:])
         self.cache.unlock(r.node)
         r.node = None
         if not finished:
@@ -511,7 +519,7 @@ class Scheduler:
         if r.node is not None:
             self.cache.unlock(r.node)
         self.runner.req_to_token_pool.free(r.row)
-        r.row, r.node, r.cache_len, r.kv_len = None, None, 0, 0
+        r.row, r.node, r.cache_len, r.kv_len, r.sparse_kv_from = None, None, 0, 0, None
 
     def _retract(self, r: Req) -> None:
         self._release(r, cache=False)
