@@ -161,8 +161,8 @@ class ServerArgs:
                                          metavar="BYTES",
                                          default_text="16 bytes per token of the context length, at least 1 MiB")
     read_timeout: float = flag(60.0, "seconds a client has to send a request's headers, and at most between two reads "
-                               "of its body; past them the connection is closed (a 408 when the headers did not "
-                               "come), so stalled or slowloris clients cannot hold connections open",
+                               "of its body; past them the connection is closed (a 408 when the headers or body did "
+                               "not come whole), so stalled or slowloris clients cannot hold connections open",
                                check=positive, metavar="SECONDS")
     write_timeout: float = flag(60.0, "seconds an answer may wait on a client that does not read it, counted once "
                                 "the buffers are full (the client's window, the kernel's send buffer, the server's "
