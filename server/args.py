@@ -284,7 +284,7 @@ def environment_values(flags: Iterable[Flag], environ: Mapping[str, str],
     out, warnings = {}, []
     for f in flags:
         text = environ.get(f.env)
-        if not text:  # unset, or set empty (compose's ${X:-}, a template's empty value): the flag's default
+        if text is None:  # (set empty, it means what the flag given empty means: Flag.parse)
             continue
         try:
             value = f.parse(text)

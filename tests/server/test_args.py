@@ -152,8 +152,7 @@ ROW_ENV = {"ep": {"MLASERVE_TP": "4"}, "dp-attention": {"MLASERVE_DP": "2"}, "nn
 BASE_ENV = {"MLASERVE_DEVICE": "cuda"}
 
 CASES = [(BY_NAME[name], v) for name, values in BAD.items() if name in BY_NAME for v in values]
-# an empty variable is unset, and so is an empty value of a flag unset by default (test_empty_values_are_unset)
-ENV_CASES = [(f, v) for f, v in CASES if v != ""]
+# an empty value of a flag unset by default leaves it unset (test_empty_values_are_unset_where_...)
 FLAG_CASES = [(f, v) for f, v in CASES if not (v == "" and f.default is None)]
 
 
@@ -192,21 +191,23 @@ def test_the_tables_cover_every_flag() -> None:
         assert env_value != BY_NAME[name].default and flag_value != env_value, name
 
 
-def test_empty_values_are_unset() -> None:
+def test_empty_values_are_unset_where_the_flag_is_unset_by_default() -> None:
     """Deployment templates write empty values for what they leave unset (compose's `${X:-}`, Helm's `| quote`):
-    every empty MLASERVE_* variable gives the flag's default (`MLASERVE_PORT=` was refused, and an empty
-    `MLASERVE_OMNIKV_CONFIG` read the current directory as the config), and so does an empty value of a flag
-    that is unset by default (`--omnikv-config ''`, `--speculative-config ''`); a flag with a value by
-    default keeps refusing an empty one (`--port ''`)."""
+    an empty value of a flag unset by default, as a variable or on the command line, leaves it unset (an empty
+    `MLASERVE_OMNIKV_CONFIG` read the current directory as the config, `--speculative-config ''` was not JSON).
+    An empty value keeps its meaning where it has one (`MLASERVE_ALLOWED_ORIGINS=`: no CORS, not the default
+    `*`), and is refused where it has none (`MLASERVE_PORT=`, `MLASERVE_DEVICE=` on a CUDA image's
+    environment would otherwise run on the CPU), never quietly replaced by the default."""
     base = parse_serve_args([], environ={})
     unset_by_default = [f for f in SERVE_FLAGS if f.default is None]
     assert {"omnikv-config", "speculative-config", "context-length"} <= {f.name for f in unset_by_default}
-    for f in SERVE_FLAGS:
-        assert value_of(parse_serve_args([], environ={f.env: ""}), f) == value_of(base, f), f.env
     for f in unset_by_default:
+        assert value_of(parse_serve_args([], environ={f.env: ""}), f) == value_of(base, f), f.env
         assert value_of(parse_serve_args([f"--{f.name}", ""], environ={}), f) == value_of(base, f), f.name
-    with pytest.raises(SystemExit):
-        parse_serve_args(["--port", ""], environ={})
+    assert parse_serve_args([], environ={"MLASERVE_ALLOWED_ORIGINS": ""}).allowed_origins == ""
+    for env in ("MLASERVE_PORT", "MLASERVE_DEVICE", "MLASERVE_HOST"):
+        with pytest.raises(SystemExit):
+            parse_serve_args([], environ={env: ""})
 
 
 @pytest.mark.parametrize(("flag", "value"), FLAG_CASES, ids=[f"{f.name}={v!r}" for f, v in FLAG_CASES])
@@ -219,7 +220,7 @@ def test_bad_flag_value_exits_2_naming_the_flag(flag: Flag, value: str, capsys: 
     assert len(err.strip().splitlines()) == 1 and "--help" in err, err  # one line, not the whole usage
 
 
-@pytest.mark.parametrize(("flag", "value"), ENV_CASES, ids=[f"{f.env}={v!r}" for f, v in ENV_CASES])
+@pytest.mark.parametrize(("flag", "value"), FLAG_CASES, ids=[f"{f.env}={v!r}" for f, v in FLAG_CASES])
 def test_bad_environment_value_exits_2_naming_the_variable(flag: Flag, value: str,
                                                            capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as info:
