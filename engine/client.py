@@ -60,6 +60,7 @@ from engine.messages import (
     AbortRequest,
     EngineInfo,
     EngineReady,
+    EngineStartupError,
     EngineStats,
     Fatal,
     FromEngine,
@@ -141,15 +142,6 @@ class _Frames:
 class _Stream:
     req: GenerateRequest
     queue: asyncio.Queue  # of RequestOutput, filled by the loop callback
-
-
-class EngineStartupError(RuntimeError):
-    """The engine core reported why it could not start. `settings_fault`: the model, a config or a setting
-    the user gave is at fault (the server exits 2 for it, as for a bad flag, not 1 for "restart me")."""
-
-    def __init__(self, message: str, *, settings_fault: bool = False) -> None:
-        super().__init__(message)
-        self.settings_fault = settings_fault
 
 
 class EngineClient:

@@ -175,6 +175,27 @@ class EngineReady(_Message, frozen=True):
     info: EngineInfo
 
 
+# what a start-up failure raises where the model, a config or a setting the user gave is at fault (the message
+# says which), not the process or the machine: starting again cannot help (the server exits 2 for it)
+SETTINGS_FAULTS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError,
+                                                    NotADirectoryError)
+
+
+def is_settings_fault(exc: BaseException) -> bool:
+    """Whether a start-up failure is the model's or the settings' (`SETTINGS_FAULTS`, or an
+    `EngineStartupError` that says so)."""
+    return isinstance(exc, SETTINGS_FAULTS) or bool(getattr(exc, "settings_fault", False))
+
+
+class EngineStartupError(RuntimeError):
+    """The engine could not start, and why (from its process, or from the ranks or replicas that load it
+    together). `settings_fault`: the model or a setting is at fault (`is_settings_fault`)."""
+
+    def __init__(self, message: str, *, settings_fault: bool = False) -> None:
+        super().__init__(message)
+        self.settings_fault = settings_fault
+
+
 class StartupError(_Message, frozen=True):
     message: str
     # the model, a config or a setting the user gave is at fault (a ValueError or OSError: the message says

@@ -64,6 +64,7 @@ from engine.messages import (
     Alive,
     EngineInfo,
     EngineReady,
+    EngineStartupError,
     EngineStats,
     Fatal,
     GenerateRequest,
@@ -75,6 +76,7 @@ from engine.messages import (
     StatsRequest,
     decode_to_engine,
     encode,
+    is_settings_fault,
 )
 
 logger = logging.getLogger(__name__)
@@ -236,8 +238,8 @@ class _EngineLoop:
         except Exception as exc:
             oom = out_of_memory(exc)
             said = oom or f"{type(exc).__name__}: {exc}"
-            told = self._send(StartupError(said, settings_fault=isinstance(exc, (ValueError, OSError))))
-            if isinstance(exc, (ValueError, OSError)) or oom:
+            told = self._send(StartupError(said, settings_fault=is_settings_fault(exc)))
+            if is_settings_fault(exc) or oom or isinstance(exc, EngineStartupError):
                 # a setting, a config or a file the user named is wrong, or the memory is short, and the message
                 # says which: the server prints that one line (here, only where it could not be told; the
                 # traceback at debug level, for a bug that raises these too)

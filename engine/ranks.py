@@ -42,6 +42,7 @@ import torch
 
 from engine.args import EngineArgs, engine_log_level
 from engine.cgroups import usable_cpus
+from engine.messages import EngineStartupError, is_settings_fault
 from executor.distributed import Leader, Setup, broadcast_message, follow, gather_status
 from executor.model_runner import ModelRunner
 from models.loader.load import DTYPES, load_model
@@ -293,7 +294,7 @@ def load_rank(args: EngineArgs, group: LeadRank | DPAttentionRank) -> Any:
     try:
         loaded = load_part(args, group.device, tokenizer=True)
     except Exception as exc:
-        group.loaded(f"{type(exc).__name__}: {exc}", None)
+        group.loaded(f"{type(exc).__name__}: {exc}", _failed(exc))
         raise
     group.loaded(None, rank_settings(args, loaded))
     return loaded
@@ -321,10 +322,19 @@ def rank_settings(args: EngineArgs, loaded: Any) -> dict[str, str]:
     }
 
 
+_SETTINGS_FAULT = "settings fault"  # in a failed rank's status: its failure is the model's or a setting's
+
+
+def _failed(exc: BaseException) -> dict[str, str]:
+    """A failed rank's status beside its reason: whether the model or a setting is at fault."""
+    return {_SETTINGS_FAULT: "yes"} if is_settings_fault(exc) else {}
+
+
 def _check(statuses: list[tuple[str | None, dict[str, str] | None]], what: str = "rank") -> None:
     problems = [error for error, _ in statuses if error is not None]
-    if problems:
-        raise RuntimeError("; ".join(problems))
+    if problems:  # the model or a setting at fault where every failed rank says so: exit 2, not "restart me"
+        raise EngineStartupError("; ".join(problems), settings_fault=all(
+            (settings or {}).get(_SETTINGS_FAULT) == "yes" for error, settings in statuses if error is not None))
     lead = statuses[0][1] or {}
     for r, (_, settings) in enumerate(statuses[1:], start=1):
         settings = settings or {}
@@ -359,14 +369,17 @@ def _follow(args: EngineArgs, plan: RankPlan, rank: int, device: torch.device, c
     """`follower_main`'s work while its heartbeat runs."""
     import torch.distributed as dist
 
-    loaded, error = None, None
+    loaded, error, failed = None, None, {}
     try:
         loaded = load_part(args, device, tokenizer=False)
     except Exception as exc:
-        error = f"rank {rank}: {type(exc).__name__}: {exc}"
-        logger.exception("rank %d could not load the model", rank)
+        error, failed = f"rank {rank}: {type(exc).__name__}: {exc}", _failed(exc)
+        if failed:  # the model or a setting: its message says what (a traceback would bury it)
+            logger.error("rank %d could not load the model: %s: %s", rank, type(exc).__name__, exc)
+        else:
+            logger.exception("rank %d could not load the model", rank)
     try:
-        _check(gather_status(error, ctl, None if loaded is None else rank_settings(args, loaded)))
+        _check(gather_status(error, ctl, failed if loaded is None else rank_settings(args, loaded)))
     except RuntimeError as exc:
         if error is None:  # this rank's own failure is logged above; the group's is said here, on this node too
             logger.error("rank %d: %s", rank, exc)

@@ -44,8 +44,8 @@ import msgspec
 
 from engine.args import EngineArgs, free_port
 from engine.cgroups import usable_cpus
-from engine.client import EngineClient, EngineStartupError
-from engine.messages import EngineInfo, EngineStats, GenerateRequest, RequestOutput
+from engine.client import EngineClient
+from engine.messages import EngineInfo, EngineStartupError, EngineStats, GenerateRequest, RequestOutput
 from engine.process import CoreFactory
 
 logger = logging.getLogger(__name__)

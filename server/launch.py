@@ -49,6 +49,7 @@ from models.loader.tokenizer import load_tokenizer
 from engine.args import use_log_level
 from engine.process import freeze_gc_heap
 from engine.replicas import EngineReplicas
+from engine.messages import is_settings_fault
 from server.app import ServerState, build_app
 from server.args import ServerArgs, device_problem, model_problem, omnikv_problem, parallel_problem
 from server.http_protocol import ServerHttpProtocol
@@ -204,7 +205,7 @@ async def _start_engine(state: ServerState, args: ServerArgs, server: _DrainingS
         state.start_error = str(e)
         # the model's files or a setting (the tokenizer's, read here; the engine's, as it says): exit 2, as a
         # bad flag does, so that a supervisor does not take it for "restart me" (exit 1)
-        if isinstance(e, (ValueError, OSError)) or getattr(e, "settings_fault", False):
+        if is_settings_fault(e):
             state.start_exit = 2
         server.should_exit = True
 

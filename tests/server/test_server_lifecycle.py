@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from models.synthetic import write_checkpoint
-from tests.server.server_process import ServerProcess
+from tests.server.server_process import ServerProcess, free_port
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +197,28 @@ def test_a_host_that_is_not_this_machines_is_one_line_before_the_model_loads(mod
     line = proc.stderr.strip().splitlines()[-1]
     assert len(proc.stderr.strip().splitlines()) == 1 and line.startswith(
         "mlaserve serve: error: cannot listen on 192.0.2.1 port 8000") and "no interface" in line, proc.stderr
+
+
+@pytest.mark.parametrize("parallel", [[], ["--dp", "2"], ["--tp", "2"]], ids=["one", "dp", "tp"])
+def test_a_model_refused_as_it_loads_exits_2_in_one_line(model_dir, tmp_path, parallel):
+    """Weights the loader refuses only as it reads them (a tensor of the wrong shape, past the checks before the
+    bind) stop the server with exit 2, as a bad flag: the model is at fault, and exit 1 ("restart me") would
+    have a supervisor restart a broken file forever. Under --tp the ranks' failure was a RuntimeError, exit 1,
+    with a traceback."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "cut"
+    model.mkdir()
+    for f in model_dir.iterdir():
+        (model / f.name).write_bytes(f.read_bytes())
+    weights = load_file(str(model / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.weight"
+    weights[name] = weights[name][:, :-1].contiguous()
+    save_file(weights, str(model / "model.safetensors"))
+    proc = subprocess.run([sys.executable, "-m", "mlaserve", "serve", "--model", str(model), "--port",
+                           str(free_port()), *parallel], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert name in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
