@@ -46,7 +46,7 @@ from gguf.vocab import bytes_to_unicode
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
 
 from models.builtin import resolve_model_path
-from models.loader.errors import CheckpointError
+from models.loader.errors import CheckpointError, printable
 from models.loader.gguf_file import read_gguf_metadata
 from models.loader.jsonfile import confined, read_json
 from models.loader.pretokenizers import PRE_TOKENIZERS, byte_level_pre_tokenizer, detect_pre
@@ -256,15 +256,16 @@ _PROBE_TEXT = "Hello, world! 123 \u00e9\n"
 
 
 def _check_encodes(tok: Tokenizer, source: str | Path) -> None:
-    """A tokenizer that loads but cannot encode plain text (a WordLevel model whose unknown-token is not in its
-    vocabulary, an empty Unigram) is refused at load: served, every request failed as a server error."""
+    """A tokenizer that loads but cannot encode plain English text (a WordLevel model whose unknown token is
+    not in its vocabulary) is warned of at load: each request with such text then fails (`TokenizerFailure`).
+    Not refused: a closed vocabulary (a DNA model's `ACGT`) is a tokenizer that works on its own texts."""
     try:
         tok.encode(_PROBE_TEXT, add_special_tokens=True)
     except BaseException as e:  # plain Exception, or pyo3's PanicException (a BaseException)
         if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
             raise
-        raise CheckpointError(source, f"the tokenizer cannot encode plain text ({str(e).splitlines()[0][:200]}): it "
-                              "is broken") from None
+        logger.warning("%s: the tokenizer cannot encode %r (%s): a prompt with text outside its vocabulary will fail",
+                       printable(str(source)), _PROBE_TEXT, str(e).splitlines()[0][:200])
 
 
 def load_hf_tokenizer(model_dir: str | Path) -> TokenizerBundle:
