@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Collection
 
 from engine.args import EngineArgs
-from engine.process import CoreFactory, run_engine_process
+from engine.process import HELD_UP_S, CoreFactory, run_engine_process
 from engine.messages import (
     ERR_ENGINE,
     ERR_INVALID,
@@ -79,9 +79,6 @@ from engine.messages import (
 logger = logging.getLogger(__name__)
 
 SILENCE_CHECK_S = 1.0  # how often the loop looks at the silence
-# a check this late finds the server itself held up (the process or the machine paused: `docker pause`, a
-# cgroup freezer, a VM paused or migrated), and the engine with it: the silence counts from then
-HELD_UP_S = 5.0
 
 
 def set_cpu_wait_policy(environ: Any) -> None:

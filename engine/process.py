@@ -91,7 +91,10 @@ IDLE_POLL_S = 0.5  # while idle, how often to look whether the parent is still t
 LOCKSTEP_POLL_S = 0.02  # the same under DP attention, where an idle replica holds the others' next step
 STUCK_S = 2.0  # a step running this long while the core reports a failure is stuck: report and exit
 WATCH_S = 0.25  # how often the watchdog looks at the running step
-HELD_UP_S = 5.0  # a watchdog this late was held up with the whole process (paused): that time is no step's
+# a check this late (the watchdog here, the server's silence check) was held up with its whole process (the process
+# or the machine paused: `docker pause`, a cgroup freezer, a VM paused or migrated): that time is no step's, nor
+# a silence of the other side
+HELD_UP_S = 5.0
 ALIVE_S = 5.0  # the watchdog sends Alive when nothing else was sent for this long
 # while steps run the stats go to the server unasked this often: a StatsRequest waits for the step to end (a
 # long prefill on a CPU: seconds), and a scrape that could not wait showed the previous scrape's late answer

@@ -313,15 +313,21 @@ class ModelRunner:
         if self.native_forward is not None:
             self.native_forward.set_omnikv(config, plan, self.query_history)
 
+    def omnikv_cuts(self, context: int) -> bool:
+        """Whether a decode row asking for OmniKV over `context` tokens attends to less than all of them (a plan
+        with sparse layers, a budget that leaves something out): else it computes exactly full attention."""
+        cfg, plan = self.omnikv, self.omnikv_plan
+        # (filter layers at the top: nothing to cut)
+        return cfg is not None and plan is not None and plan.has_sparse and cfg.is_sparse_for(context)
+
     def _omnikv_batch(self, slices: Sequence[RequestSlice], n_new: list[int]) -> OmniKVBatch | None:
         """OmniKV's state for the decode rows that ask for it and whose context a selection can cut."""
-        cfg, plan = self.omnikv, self.omnikv_plan
-        if cfg is None or plan is None or not plan.has_sparse:  # (filter layers at the top: nothing to cut)
-            return None
+        cfg = self.omnikv
         rows = [i for i, (s, n) in enumerate(zip(slices, n_new))
-                if s.omnikv and n == 1 and s.prefix_len > 0 and cfg.is_sparse_for(s.prefix_len + 1)]
+                if s.omnikv and n == 1 and s.prefix_len > 0 and self.omnikv_cuts(s.prefix_len + 1)]
         if not rows:
             return None
+        assert cfg is not None
         return self.omnikv_rows(rows, [slices[i].req_pool_idx for i in rows], [slices[i].prefix_len for i in rows],
                                 [cfg.budget_for(slices[i].prefix_len + 1) for i in rows])
 

@@ -181,8 +181,8 @@ class Scheduler:
                 self._make_room(need)
         for r in decoding:  # (a prompt's last token, left alone by its chunks, is prefill: full attention)
             sparse = r.kv_len >= len(r.prompt_ids) and self._omnikv(r)
-            if sparse and r.sparse_kv_from is None:
-                r.sparse_kv_from = r.kv_len
+            if sparse and r.sparse_kv_from is None and self.runner.omnikv_cuts(r.kv_len + 1):
+                r.sparse_kv_from = r.kv_len  # (a step that cuts nothing computes full attention's KV)
             slices.append(RequestSlice(r.row, r.kv_len, r.ids(r.kv_len) + r.draft, omnikv=sparse))
             reqs.append(r)
 

@@ -363,7 +363,7 @@ def test_a_model_the_memory_cannot_hold_is_one_line(error: BaseException, checkp
     with pytest.raises(SystemExit) as info:
         main(["generate", "--model", str(checkpoint), "--prompt", "hi", "--max-tokens", "2"])
     line = one_line(capsys.readouterr().err)
-    assert info.value.code == 2 and line.startswith("mlaserve generate: error: not enough memory to load the model ("), line
+    assert info.value.code == 2 and line.startswith("mlaserve generate: error: not enough memory to start the model ("), line
     assert "use a smaller quantization" in line
     monkeypatch.setattr(model_check, "load_model", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match="a bug"):

@@ -221,11 +221,12 @@ def split_paths(path: Path, metadata: dict[str, Any]) -> list[Path]:
         raise CheckpointError(path, f"the file is part {no + 1} of a model split into {count} files, whose names "
                               f"llama.cpp gives as <name>-{no + 1:05d}-of-{count:05d}.gguf: rename the files so, or "
                               "merge them (llama-gguf-split --merge)")
-    first = path.with_name(f"{m['prefix']}-{1:05d}-of-{count:05d}.gguf")
+    suffix = path.name[-len(".gguf"):]  # the parts' names as the first's is written (`.GGUF` too)
+    first = path.with_name(f"{m['prefix']}-{1:05d}-of-{count:05d}{suffix}")
     if no != 0:
         raise CheckpointError(path, f"the file is part {no + 1} of a model split into {count} files: give the "
                               f"first, {first.name}, which holds the model's metadata")
-    return [path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    return [path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}{suffix}") for i in range(1, count + 1)]
 
 
 def _check_disjoint(infos: dict[str, TensorInfo], path: Path) -> None:

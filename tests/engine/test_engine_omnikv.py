@@ -319,3 +319,17 @@ def test_kv_of_sparse_decode_steps_is_not_shared_by_the_prefix_cache(model_dir, 
     tolerance = 0.0 if cpu_kernels == "native" else 1e-5
     assert all(abs(a - b) <= tolerance for (_, a), (_, b) in zip(after, fresh)), (after, fresh)
     assert_no_leak(core)
+
+
+def test_a_reply_omnikv_cut_nothing_from_is_shared(model_dir, tmp_path):
+    """A config whose plan leaves no layer sparse (a filter at 4 of 6 layers and the full layer after it)
+    decodes with full attention: its reply's KV is shared by the prefix cache as any other's."""
+    path = tmp_path / "top.json"
+    OmniKVConfig(filter_layers=(4,), budget_tokens=8, sink_tokens=2, recent_tokens=4, min_context=40).save(path)
+    core = make_engine(model_dir, str(path), "native", omnikv="on")
+    ids = prompt(60, 14)
+    reply = generate(core, [("a", ids, msgspec.structs.replace(GREEDY, max_tokens=6))])["a"]
+    assert core.add_request(GenerateRequest("b", ids + reply[:4], msgspec.structs.replace(GREEDY, max_tokens=1))) == []
+    outs = run_to_end(core)[("b", 0)]
+    assert outs[0].cached_tokens == len(ids) + 4 - 1  # all but the last token, which is computed for its logits
+    assert_no_leak(core)
