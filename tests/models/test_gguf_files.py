@@ -311,6 +311,11 @@ def test_a_split_model_reads_as_the_whole_file(hf_dirs: dict[str, Path], tmp_pat
     from models.omnikv_config import model_label
 
     assert model_label(str(parts[0])) == "m" and model_label(str(whole)) == "whole"
+    upper = tmp_path / "upper"  # the parts named as written, in capitals too
+    upper.mkdir()
+    for p in parts:
+        (upper / p.name.replace(".gguf", ".GGUF")).symlink_to(p)
+    assert len(GGUFCheckpoint(upper / parts[0].name.replace(".gguf", ".GGUF")).paths) == len(parts)
     if importlib.util.find_spec("llama_cpp") is not None:
         ids = [0, 5, 17, 44, 100, 250, 33, 7]
         scores = []
