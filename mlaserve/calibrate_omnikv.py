@@ -84,6 +84,7 @@ from kernels.attention.omnikv import select_positions
 from kernels.attention.torch_backend import TorchAttentionBackend
 from mlaserve.argtypes import float_in, positive_int
 from mlaserve.model_check import load_model_checked
+from models.builtin import user_path
 from models.omnikv_config import (
     MAX_FILTER_LAYERS, SPARSE, OmniKVConfig, first_filter_default, model_label, unreadable_file,
 )
@@ -585,10 +586,10 @@ MAX_TEXT_BYTES = 64 << 20  # calibration reads a sample; far more than it tokeni
 
 def read_text(path: str) -> str:
     try:
-        problem = unreadable_file(path, MAX_TEXT_BYTES)
+        problem = unreadable_file(user_path(path), MAX_TEXT_BYTES)
         if problem:
             raise CalibrationError(f"the text file {path} {problem}; pass --text a UTF-8 text file (a sample will do)")
-        return Path(path).read_text(encoding="utf-8")
+        return user_path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise CalibrationError(f"the text file {path} does not exist; pass --text a UTF-8 text file") from None
     except UnicodeDecodeError as err:
@@ -675,7 +676,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CalibrationError as err:
         return _fail(str(err))
     name = model_label(args.model)
-    output = Path(args.output) if args.output else Path(f"omnikv-{name}.json")
+    output = user_path(args.output) if args.output else Path(f"omnikv-{name}.json")
     problem = output_problem(output, given=bool(args.output))  # now, not after the run
     if problem:
         return _fail(problem)

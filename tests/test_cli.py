@@ -616,3 +616,18 @@ def test_make_checkpoint_refuses_what_the_disk_cannot_hold(tmp_path: Path, capsy
     line = one_line(capsys.readouterr().err)
     assert info.value.code == 2 and "tiny-llama (3,219,776 parameters) needs about 25.8 MB" in line, line
     assert "has 5.0 MB free" in line and not (tmp_path / "m").exists()
+
+
+def test_a_home_path_is_expanded_in_every_file_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--omnikv-config=~/c.json` (bash leaves `~` after `=` as written) and calibrate's `--text ~/t.txt` and
+    `--output` read the home's file, as `--model` and `--chat-template` do; they said the file did not exist."""
+    from mlaserve.calibrate_omnikv import read_text
+    from models.omnikv_config import OmniKVConfig
+    from server.args import parse_serve_args
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    OmniKVConfig(filter_layers=(1,)).save(tmp_path / "c.json")
+    (tmp_path / "t.txt").write_text("some text")
+    assert parse_serve_args(["--omnikv-config", "~/c.json"], environ={}).engine.omnikv_config == "~/c.json"
+    assert OmniKVConfig.load("~/c.json").filter_layers == (1,)
+    assert read_text("~/t.txt") == "some text"
