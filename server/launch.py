@@ -44,6 +44,7 @@ from types import FrameType
 
 import uvicorn
 
+from models.builtin import user_path
 from models.omnikv_config import model_label
 from models.loader.tokenizer import load_tokenizer
 from engine.args import use_log_level
@@ -170,8 +171,11 @@ def remove_runtime_file(path: str | None) -> None:
 
 def default_model_name(model: str) -> str:
     """The served name without --served-model-name (`models.omnikv_config.model_label`): a built-in name as it
-    is; a file's stem (`model.gguf` -> `model`, `model-00001-of-00003.gguf` -> `model`); a directory's name."""
-    return model_label(model)
+    is; a file's stem (`model.gguf` -> `model`, `model-00001-of-00003.gguf` -> `model`); a directory's own
+    name, a link to it followed (`/models/current` -> the model it points to), a Hugging Face cache snapshot's
+    its repository's."""
+    path = user_path(model)
+    return model_label(str(path.resolve()) if path.is_dir() else model)
 
 
 async def _start_engine(state: ServerState, args: ServerArgs, server: _DrainingServer) -> None:

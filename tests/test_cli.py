@@ -631,3 +631,15 @@ def test_a_home_path_is_expanded_in_every_file_flag(tmp_path: Path, monkeypatch:
     assert parse_serve_args(["--omnikv-config", "~/c.json"], environ={}).engine.omnikv_config == "~/c.json"
     assert OmniKVConfig.load("~/c.json").filter_layers == (1,)
     assert read_text("~/t.txt") == "some text"
+
+
+def test_the_default_served_name(tmp_path: Path) -> None:
+    """A link to a model directory serves the model's name (as it did before the name was shared with OmniKV's
+    calibration label), a split GGUF its name without the part, a built-in model its name."""
+    from server.launch import default_model_name
+
+    (tmp_path / "llama-3-8b").mkdir()
+    (tmp_path / "current").symlink_to(tmp_path / "llama-3-8b")
+    assert default_model_name(str(tmp_path / "current")) == "llama-3-8b"
+    assert default_model_name(str(tmp_path / "m-00001-of-00002.gguf")) == "m"
+    assert default_model_name("smollm2-135m-instruct") == "smollm2-135m-instruct"
