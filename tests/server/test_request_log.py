@@ -184,23 +184,29 @@ def test_log_level_reaches_the_engine_process(server, tmp_path):
     assert not engine_info.search(text) and " INFO " not in text, text
 
 
-def test_a_model_chat_template_that_does_not_compile_is_warned_of_at_start(tmp_path):
+@pytest.mark.parametrize("broken", ["default", "tool_use"])
+def test_a_model_chat_template_that_does_not_compile_is_warned_of_at_start(tmp_path, broken):
     """The model's own template broken (`{% if %}`): the server starts (completions work), and its log says at
-    start that chat requests will get a 400, instead of the first chat request being the first sign."""
+    start that chat requests will get a 400, instead of the first chat request being the first sign; so for
+    a named `tool_use` template, which renders the requests with tools."""
     import json
 
     model = write_checkpoint(tmp_path / "m", "tiny-llama", seed=2, num_layers=1)
     cfg = json.loads((model / "tokenizer_config.json").read_text())
-    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": "{% if %}"}))
+    templates = "{% if %}" if broken == "default" else [
+        {"name": "default", "template": "{{ messages[0]['content'] }}"}, {"name": "tool_use", "template": "{% if %}"}]
+    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": templates}))
     for name in ("chat_template.jinja", "chat_template.json"):
         (model / name).unlink(missing_ok=True)
     srv = ServerProcess(str(model), log=tmp_path / "server.log").wait_ready()
     try:
         assert httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).is_success
+        tools = [] if broken == "default" else [{"type": "function", "function": {"name": "f", "parameters": {}}}]
         chat = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                                  "max_tokens": 2}, timeout=60)
+                                                                  "max_tokens": 2, "tools": tools or None}, timeout=60)
         assert chat.status_code == 400 and "does not compile" in chat.json()["error"]["message"], chat.text
     finally:
         assert srv.stop() == 0
     warning = next((ln for ln in srv.log_path.read_text().splitlines() if "WARNING" in ln and "chat template" in ln), "")
-    assert "the model's chat template does not compile" in warning and "--chat-template" in warning, srv.log()
+    named = "" if broken == "default" else "'tool_use' "
+    assert f"the model's {named}chat template does not compile" in warning and "--chat-template" in warning, srv.log()
