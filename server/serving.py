@@ -121,10 +121,17 @@ def register_routes(app: FastAPI, state: ServerState) -> None:
     # the routes of stored responses: nothing is stored here, which the answer says (a bare 404 read as a wrong URL)
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
     async def stored_response(response_id: str) -> Response:
+        if response_id == "input_tokens":  # (the counting route's path, with another method)
+            return error_response(405, "method not allowed for this route: use POST", code="method_not_allowed",
+                                  headers={"Allow": "POST"})
         return _not_stored(response_id)
 
-    @app.api_route("/v1/responses/{response_id}/{action}", methods=["GET", "POST"])
-    async def stored_response_action(response_id: str, action: str) -> Response:
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        return _not_stored(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str) -> Response:
         return _not_stored(response_id)
 
     @app.post("/v1/messages")

@@ -388,6 +388,9 @@ def test_input_tokens_and_the_routes_of_stored_responses(dsv3, client):
         with pytest.raises(openai.NotFoundError) as e:
             call()
         assert e.value.body["code"] == "not_found" and "this server stores no responses" in e.value.body["message"]
+    for method, path, status in (("GET", "input_tokens", 405), ("POST", f"{ids}/nothing", 404)):
+        r = httpx.request(method, f"{dsv3.url}/v1/responses/{path}", timeout=60)
+        assert r.status_code == status and "stores no" not in r.text, r.text
     assert done.max_tool_calls is None
     assert client.responses.create(model="m", input="hi", max_output_tokens=1, max_tool_calls=2).max_tool_calls == 2
 
