@@ -224,14 +224,15 @@ class ServerHttpProtocol(HttpToolsProtocol):
         uvicorn sends text/plain. A head past `MAX_HEAD_BYTES` stops the parser the same way, and is told as a
         414 (its URL) or a 431."""
         if self._overflowed or self.transport.is_closing():
-            return
+            return self._unanswered_line("its connection was closing")
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete and not cycle.more_body:
             self._end_after_answer()  # a later request's error: the earlier one, whole, is answered first
-            return
+            return self._unanswered_line("it came pipelined behind a request still being answered; the connection "
+                                         "closes after that answer")
         if cycle is not None and cycle.response_started and not cycle.response_complete:
             self._close_when_read()  # its own body broke while its answer goes out: an error would land inside it
-            return
+            return self._unanswered_line("its body broke while its answer went out; the connection closes")
         if self._head_too_large:
             self._refuse_large_head()
             return
@@ -259,6 +260,11 @@ class ServerHttpProtocol(HttpToolsProtocol):
         logger.info("%s %s client=%s request_id=%s (%s)", what, status.decode().split()[0], client, rid, code)
         if self.on_error is not None:
             self.on_error(code, status.decode().split()[0])
+
+    def _unanswered_line(self, why: str) -> None:
+        """The log's line for a request the parser refused and no answer can tell (uvicorn's own warning for it
+        is filtered out: `_OneLinePerRequest`)."""
+        logger.info("- - - client=%s (invalid_http, not answered: %s)", self._client(), why)
 
     def _refuse_large_head(self) -> None:
         if self._head_too_large == "url":  # (it comes before the headers, each piece of it passed on at once)

@@ -122,6 +122,19 @@ def test_a_request_that_is_not_http_is_one_line(server):
     assert "400" in line_of(server, rid) and "(invalid_http)" in line_of(server, rid)
     time.sleep(0.3)
     assert server.log_path.read_text(errors="replace").count("Invalid HTTP request received") == before
+    # behind a request on the same connection, it cannot be answered: still one line, saying so
+    before = server.log_path.read_text(errors="replace").count("(invalid_http, not answered")
+    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=10) as s:
+        s.sendall(b"GET /version HTTP/1.1\r\nhost: x\r\n\r\nGARBAGE GARBAGE\r\n\r\n")
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    assert raw.startswith(b"HTTP/1.1 200"), raw
+    deadline = time.monotonic() + 10
+    while server.log_path.read_text(errors="replace").count("(invalid_http, not answered") == before:
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.1)
+    assert "pipelined behind a request still being answered" in server.log_path.read_text(errors="replace")
 
 
 def test_a_path_cannot_forge_a_log_line(server):
