@@ -188,8 +188,8 @@ class EngineClient:
         """Spawns the engine core process and waits until its model is loaded.
 
         Raises RuntimeError carrying the child's message when the core cannot start (an EngineStartupError
-        where the child said why) or does not within `args.startup_timeout` seconds (0: no limit). `core_factory` (picklable) replaces the real
-        core in tests.
+        where the child said why) or does not within `args.startup_timeout` seconds (0: no limit).
+        `core_factory` (picklable) replaces the real core in tests.
         `cpus`: the only CPUs the process may run on (Linux), so that replicas do not share cores.
         """
         ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads

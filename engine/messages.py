@@ -198,9 +198,7 @@ class EngineStartupError(RuntimeError):
 
 class StartupError(_Message, frozen=True):
     message: str
-    # the model, a config or a setting the user gave is at fault (a ValueError or OSError: the message says
-    # which), not the process or the machine: starting again cannot help
-    settings_fault: bool = False
+    settings_fault: bool = False  # the model or a setting is at fault (`is_settings_fault`)
 
 
 class Outputs(_Message, frozen=True):

@@ -55,7 +55,6 @@ import msgspec
 
 from engine.args import EngineArgs, engine_log_level
 from engine.cgroups import quota_threads
-from models.loader.errors import out_of_memory
 from engine.messages import (
     ERR_ENGINE,
     FINISH_ABORT,
@@ -78,6 +77,7 @@ from engine.messages import (
     encode,
     is_settings_fault,
 )
+from models.loader.errors import out_of_memory
 
 logger = logging.getLogger(__name__)
 

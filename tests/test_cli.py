@@ -363,7 +363,8 @@ def test_a_model_the_memory_cannot_hold_is_one_line(error: BaseException, checkp
     with pytest.raises(SystemExit) as info:
         main(["generate", "--model", str(checkpoint), "--prompt", "hi", "--max-tokens", "2"])
     line = one_line(capsys.readouterr().err)
-    assert info.value.code == 2 and line.startswith("mlaserve generate: error: not enough memory to start the model ("), line
+    assert info.value.code == 2, line
+    assert line.startswith("mlaserve generate: error: not enough memory to start the model ("), line
     assert "use a smaller quantization" in line
     monkeypatch.setattr(model_check, "load_model", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match="a bug"):
@@ -371,8 +372,8 @@ def test_a_model_the_memory_cannot_hold_is_one_line(error: BaseException, checkp
 
 
 @pytest.mark.parametrize("argv,says", [
-    (["generate", "--model", "~no-such-user-mlaserve/m.gguf", "--prompt", "hi"], "model '~no-such-user-mlaserve/m.gguf' is "
-     "neither a built-in name"),
+    (["generate", "--model", "~no-such-user-mlaserve/m.gguf", "--prompt", "hi"],
+     "model '~no-such-user-mlaserve/m.gguf' is neither a built-in name"),
     (["serve", "--model", "~no-such-user-mlaserve/m.gguf"], "model '~no-such-user-mlaserve/m.gguf' is neither"),
     (["serve", "--chat-template", "~no-such-user-mlaserve/t.jinja"], "'~no-such-user-mlaserve/t.jinja' names no file"),
     (["calibrate-omnikv", "--model", "~no-such-user-mlaserve/m.gguf", "--text", __file__],

@@ -36,9 +36,9 @@ _OOM_TEXTS = ("can't allocate memory", "std::bad_alloc", "out of memory")
 
 
 def out_of_memory(exc: BaseException) -> str | None:
-    """What to tell for an allocation that failed while a model loaded or its engine started (Python's MemoryError, torch's
-    allocator's RuntimeError, a C++ `bad_alloc` from the extension, CUDA's out-of-memory), else None: a
-    line that says so, rather than the allocator's traceback."""
+    """What to tell for an allocation that failed while a model loaded or its engine started (Python's
+    MemoryError, torch's allocator's RuntimeError, a C++ `bad_alloc` from the extension, CUDA's out-of-memory),
+    else None: a line that says so, rather than the allocator's traceback."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if not isinstance(exc, MemoryError) and not (isinstance(exc, RuntimeError)
                                                  and any(t in str(exc) for t in _OOM_TEXTS)):

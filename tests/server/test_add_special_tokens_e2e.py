@@ -28,7 +28,8 @@ def _with_bos(model: Path) -> Path:
     bos = {"SpecialToken": {"id": BOS, "type_id": 0}}
     spec["post_processor"] = {"type": "TemplateProcessing",
                               "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
-                              "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                              "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}},
+                                       {"Sequence": {"id": "B", "type_id": 1}}],
                               "special_tokens": {BOS: {"id": BOS, "ids": [0], "tokens": [BOS]}}}
     (model / "tokenizer.json").write_text(json.dumps(spec))
     return model

@@ -296,7 +296,8 @@ def test_a_wrong_method_is_an_invalid_request(server):
     assert resp.json()["error"]["type"] == "invalid_request_error", resp.text
     models = httpx.delete(server.url + "/v1/models", headers={"x-api-key": KEY}, timeout=60)
     assert models.status_code == 405 and models.headers["allow"] == "GET, HEAD", models.headers
-    assert models.json()["error"]["code"] == "method_not_allowed" and "use GET, HEAD" in models.json()["error"]["message"]
+    error = models.json()["error"]
+    assert error["code"] == "method_not_allowed" and "use GET, HEAD" in error["message"]
 
 
 def test_errors_are_counted_by_their_openai_code(server):
