@@ -320,6 +320,8 @@ def build_app(state: ServerState, max_request_bytes: int | None = None, allowed_
             resp = error_response(404, _no_route(str(request.scope.get("path", ""))), code="not_found")
         elif exc.status_code == 405:  # with Starlette's Allow header, which RFC 9110 requires of a 405
             allow = (exc.headers or {}).get("Allow")
+            if allow:  # (Starlette's order is a set's: the same every time here)
+                allow = ", ".join(sorted(m.strip() for m in allow.split(",")))
             resp = error_response(405, "method not allowed for this route" + (f": use {allow}" if allow else ""),
                                   code="method_not_allowed", headers={"Allow": allow} if allow else None)
         elif exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's words
