@@ -120,6 +120,11 @@ def device_name(value: str) -> str | None:
 MIN_CONTEXT = 32
 
 
+def context_length_value(value: int | None) -> str | None:
+    """--context-length: at least MIN_CONTEXT (a context of 1 was taken, and no chat prompt fit in it)."""
+    return None if value is None or value >= MIN_CONTEXT else f"must be at least {MIN_CONTEXT}"
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     model: str = flag(DEFAULT_MODEL, "built-in model name, HF directory or .gguf file", check=non_empty,
@@ -143,7 +148,7 @@ class EngineArgs:
                                  "activations never rounded to int8) or float32 (every weight fp32, routed experts "
                                  "and norms too, with --dtype auto meaning float32: exact)",
                                  choices=CPU_WEIGHT_DTYPES)
-    context_length: int | None = flag(None, "maximum prompt + completion tokens", check=positive,
+    context_length: int | None = flag(None, "maximum prompt + completion tokens", check=context_length_value,
                                       default_text="the model's")
     max_running_requests: int = flag(64, "requests decoded together at most", check=positive)
     max_queued_requests: int = flag(1024, "waiting requests beyond which new ones get 503 overloaded (0: refuse "

@@ -55,7 +55,7 @@ BAD: dict[str, list[str]] = {
     "expert-backend": ["bogus"],
     "cpu-kernels": ["native-ish", "NATIVE"],
     "cpu-weight-dtype": ["q8_0", "fp32"],
-    "context-length": ["4k", "0", "-1"],
+    "context-length": ["4k", "0", "-1", "31"],
     "max-running-requests": ["many", "0"],
     "max-queued-requests": ["lots", "-1"],
     "max-total-tokens": ["1.5", "0", str(2**64)],
