@@ -109,14 +109,13 @@ def test_a_client_that_leaves_in_the_middle_of_its_body_is_logged_499(server):
 def test_a_request_that_is_not_http_is_one_line(server):
     """What the HTTP parser refuses is answered 400 `invalid_http` with one line of the server's own format (its
     id and client); uvicorn's own unformatted warning for it was a second line."""
-    import socket
+    from tests.server.test_connection_deadlines import connect, read_all
 
+    port = int(server.url.rsplit(":", 1)[1])
     before = server.log_path.read_text(errors="replace").count("Invalid HTTP request received")
-    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=10) as s:
+    with connect(port) as s:
         s.sendall(b"GET / HTTP/1.1\r\nhost: x\r\nbad header\r\n\r\n")
-        raw = b""
-        while chunk := s.recv(65536):
-            raw += chunk
+        raw, _ = read_all(s)
     assert raw.startswith(b"HTTP/1.1 400") and b'"invalid_http"' in raw, raw
     rid = re.search(rb"x-request-id: ([0-9a-f]{32})", raw).group(1).decode()
     assert "400" in line_of(server, rid) and "(invalid_http)" in line_of(server, rid)
@@ -124,11 +123,9 @@ def test_a_request_that_is_not_http_is_one_line(server):
     assert server.log_path.read_text(errors="replace").count("Invalid HTTP request received") == before
     # behind a request on the same connection, it cannot be answered: still one line, saying so
     before = server.log_path.read_text(errors="replace").count("(invalid_http, not answered")
-    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=10) as s:
+    with connect(port) as s:
         s.sendall(b"GET /version HTTP/1.1\r\nhost: x\r\n\r\nGARBAGE GARBAGE\r\n\r\n")
-        raw = b""
-        while chunk := s.recv(65536):
-            raw += chunk
+        raw, _ = read_all(s)
     assert raw.startswith(b"HTTP/1.1 200"), raw
     deadline = time.monotonic() + 10
     while server.log_path.read_text(errors="replace").count("(invalid_http, not answered") == before:
