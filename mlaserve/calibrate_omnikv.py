@@ -586,10 +586,11 @@ MAX_TEXT_BYTES = 64 << 20  # calibration reads a sample; far more than it tokeni
 
 def read_text(path: str) -> str:
     try:
-        problem = unreadable_file(user_path(path), MAX_TEXT_BYTES)
+        file = user_path(path)
+        problem = unreadable_file(file, MAX_TEXT_BYTES)
         if problem:
             raise CalibrationError(f"the text file {path} {problem}; pass --text a UTF-8 text file (a sample will do)")
-        return user_path(path).read_text(encoding="utf-8")
+        return file.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise CalibrationError(f"the text file {path} does not exist; pass --text a UTF-8 text file") from None
     except UnicodeDecodeError as err:

@@ -219,11 +219,12 @@ class OmniKVConfig:
     def load(cls, path: str | Path) -> OmniKVConfig:
         from models.builtin import user_path
 
+        file = user_path(path)
         try:
-            problem = unreadable_file(user_path(path), _MAX_CONFIG_BYTES)
+            problem = unreadable_file(file, _MAX_CONFIG_BYTES)
             if problem:
                 raise ValueError(f"the OmniKV config {path} {problem}: not an OmniKV config")
-            text = user_path(path).read_text(encoding="utf-8-sig")  # (an editor's byte-order mark is not an error)
+            text = file.read_text(encoding="utf-8-sig")  # (an editor's byte-order mark is not an error)
         except OSError as err:
             raise ValueError(f"cannot read the OmniKV config {path}: {err.strerror}") from None
         except UnicodeDecodeError as err:

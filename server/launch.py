@@ -188,10 +188,9 @@ async def _start_engine(state: ServerState, args: ServerArgs, server: _DrainingS
         else:
             for name, template in (("", tokenizer.chat_template), *tokenizer.named_chat_templates.items()):
                 if template and (problem := template_problem(template)) is not None:
-                    logger.warning("the model's %s%s: every chat request%s (and /v1/responses, /v1/messages) will "
-                                   "get a 400; pass --chat-template a template that compiles",
-                                   f"'{name}' " if name else "", problem, " with tools" if name == "tool_use" else
-                                   "" if not name else f" rendered with '{name}'")
+                    logger.warning("the model's %s%s: the chat requests it renders (on /v1/responses and "
+                                   "/v1/messages too) will get a 400; pass --chat-template a template that compiles",
+                                   f"'{name}' " if name else "", problem)
         state.tokenizer = tokenizer
         state.generation_defaults = await asyncio.to_thread(load_generation_defaults, args.engine.model,
                                                             args.generation_config)

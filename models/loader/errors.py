@@ -39,10 +39,10 @@ def out_of_memory(exc: BaseException) -> str | None:
     """What to tell for an allocation that failed while a model loaded or its engine started (Python's
     MemoryError, torch's allocator's RuntimeError, a C++ `bad_alloc` from the extension, CUDA's out-of-memory),
     else None: a line that says so, rather than the allocator's traceback."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if not isinstance(exc, MemoryError) and not (isinstance(exc, RuntimeError)
-                                                 and any(t in str(exc) for t in _OOM_TEXTS)):
+    said = str(exc).strip()
+    if not isinstance(exc, MemoryError) and not (isinstance(exc, RuntimeError) and any(t in said for t in _OOM_TEXTS)):
         return None
+    text = said.splitlines()[0] if said else type(exc).__name__
     return (f"not enough memory to start the model ({printable(text, 200)}): use a smaller quantization of it (a "
             "GGUF such as Q4_K_M) or a machine or container with more memory; serving, a smaller KV cache "
             "(--max-total-tokens, --mem-fraction) or fewer --dp replicas (each loads the whole model)")

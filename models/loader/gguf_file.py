@@ -16,8 +16,7 @@ import math
 import mmap
 import re
 import struct
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -298,7 +297,7 @@ def open_gguf(path: Path) -> GGUFFiles:
             for name, info in more.items():
                 if name in infos:
                     raise CheckpointError(part, f"tensor '{name}' is also in {paths[infos[name].part].name}")
-                infos[name] = dataclasses.replace(info, part=i)
+                infos[name] = replace(info, part=i)
         total = metadata.get(SPLIT_TENSORS)
         if count > 1 and total != len(infos):
             raise CheckpointError(path, f"metadata key '{SPLIT_TENSORS}' is {total!r}, but the {count} files hold "

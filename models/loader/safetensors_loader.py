@@ -69,7 +69,6 @@ class HFCheckpoint:
     def hf_config(self) -> dict[str, Any]:
         return dict(self._config)
 
-
     def _open(self, shard: Path):
         try:  # the file's own error first (safetensors says "No such file or directory" for an unreadable one)
             with open(shard, "rb"):

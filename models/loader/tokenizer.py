@@ -103,8 +103,8 @@ class TokenizerBundle:
         `BaseException` pyo3 raises, no error handler saw the panic."""
         try:
             ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
-        except BaseException as e:  # pyo3's PanicException (a BaseException), or the plain Exception tokenizers raises
-            if type(e).__name__ != "PanicException" and type(e) is not Exception:
+        except BaseException as e:
+            if not _tokenizer_failed(e):
                 raise
             raise TokenizerFailure(f"the model's tokenizer failed on this text: {str(e).splitlines()[0][:300]} "
                                    "(its tokenizer.json cannot handle it)") from None
@@ -252,6 +252,12 @@ def _suffix_added_by_post_processor(tok: Tokenizer) -> int | None:
     return None
 
 
+def _tokenizer_failed(e: BaseException) -> bool:
+    """Whether `tokenizers` itself failed on a text: pyo3's PanicException (a BaseException) or the plain
+    Exception it raises for text it cannot encode, not an error of ours or an interrupt."""
+    return type(e) is Exception or type(e).__name__ == "PanicException"
+
+
 _PROBE_TEXT = "Hello, world! 123 \u00e9\n"
 
 
@@ -261,8 +267,8 @@ def _check_encodes(tok: Tokenizer, source: str | Path) -> None:
     Not refused: a closed vocabulary (a DNA model's `ACGT`) is a tokenizer that works on its own texts."""
     try:
         tok.encode(_PROBE_TEXT, add_special_tokens=True)
-    except BaseException as e:  # plain Exception, or pyo3's PanicException (a BaseException)
-        if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+    except BaseException as e:
+        if not _tokenizer_failed(e):
             raise
         logger.warning("%s: the tokenizer cannot encode %r (%s): a prompt with text outside its vocabulary will fail",
                        printable(str(source)), _PROBE_TEXT, str(e).splitlines()[0][:200])
