@@ -66,7 +66,7 @@ def _generate(argv: list[str]) -> int:
     if args.chat:
         try:
             text = render_chat(tok.chat_template, [{"role": "user", "content": text}],
-                               bos_token=tok.bos_token, eos_token=tok.eos_token)
+                               **tok.template_tokens())
         except ChatTemplateError as e:
             refuse(prog, f"--chat: {e}")
     try:

@@ -660,6 +660,6 @@ def user_turn_ids(tokenizer: Any, content_ids: Sequence[int], question: str) -> 
         return bos + list(content_ids) + encode(f"\n\nQuestion: {question}\nAnswer:")
     marker = "\x00MLASERVE-CONTENT\x00"
     text = render_chat(tokenizer.chat_template, [{"role": "user", "content": marker + "\n\n" + question}],
-                       bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+                       **tokenizer.template_tokens())
     before, after = text.split(marker)
     return encode(before) + list(content_ids) + encode(after)

@@ -32,6 +32,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, S
 from pydantic import PrivateAttr, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError, from_json
 
+from models.loader.tokenizer import OTHER_SPECIAL_TOKENS
 from scheduler.sampling_params import TOP_K_ALL, ParamError, SamplingParams
 from server.chat_template import template_globals
 from server.generation_defaults import GENERATION_FIELDS, with_defaults
@@ -448,7 +449,7 @@ class _GenerationRequest(_Body):
 # it, and what the server sets (a collision was a 500)
 _REQUEST_FIELDS_IN_TEMPLATE = frozenset({"messages", "tools", "documents", "add_generation_prompt",
                                          "continue_final_message", "chat_template"})
-_SERVER_TEMPLATE_VARIABLES = frozenset({"bos_token", "eos_token", "template"})
+_SERVER_TEMPLATE_VARIABLES = frozenset({"bos_token", "eos_token", *OTHER_SPECIAL_TOKENS, "template"})
 
 
 def _check_continued(final: ChatMessage) -> None:

@@ -503,7 +503,7 @@ def chat_prompt(state: ServerState, body: ChatInput) -> tuple[str, ToolPlan]:
     try:
         text = render_messages(template, messages, add_generation_prompt=body.generation_prompt(),
                                continue_final_message=body.continued_text() is not None,
-                               bos_token=tok.bos_token, eos_token=tok.eos_token, **extra)
+                               **tok.template_tokens(), **extra)
     except ChatTemplateError as e:
         raise ClientError(400, str(e), "messages") from None
     return text, plan

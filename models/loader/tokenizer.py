@@ -60,6 +60,11 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = (
 _SPACE = "\u2581"  # SentencePiece's visible space
 
 
+# special tokens a chat template sees by name besides bos_token and eos_token (transformers'
+# SPECIAL_TOKENS_ATTRIBUTES)
+OTHER_SPECIAL_TOKENS = ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
 class TokenizerFailure(RuntimeError):
     """The tokenizer itself failed (a Rust panic in `tokenizers`), not the text's sender."""
 
@@ -80,6 +85,15 @@ class TokenizerBundle:
     # the model's other templates by name (Hermes-2-Pro's, Command-R's `tool_use`): as transformers does, a
     # request with tools is rendered by `tool_use` where there is one
     named_chat_templates: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # the other named special tokens (`unk_token`, `sep_token`, `pad_token`, `cls_token`, `mask_token`) the
+    # tokenizer's files name: chat templates see them, as transformers hands a template its special_tokens_map
+    other_special_tokens: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def template_tokens(self) -> dict[str, str]:
+        """The special tokens a chat template sees by name (transformers' `special_tokens_map`): those the
+        model has; a template testing `pad_token is defined` finds the others undefined, as there."""
+        named = {"bos_token": self.bos_token, "eos_token": self.eos_token, **self.other_special_tokens}
+        return {k: v for k, v in named.items() if v is not None}
 
     def chat_template_for(self, tools: bool) -> str | None:
         """The template a chat renders with: `tool_use` when tools are shown and the model has one."""
@@ -291,6 +305,12 @@ def load_hf_tokenizer(model_dir: str | Path) -> TokenizerBundle:
     bos_token, bos_id = _special_token(tok, config, "bos_token", cfg_path)
     eos_token, eos_id = _special_token(tok, config, "eos_token", cfg_path)
     _, pad_id = _special_token(tok, config, "pad_token", cfg_path, strict=False)
+    others = {}  # as transformers reads them, for templates: the text, in the vocabulary or not
+    for key in OTHER_SPECIAL_TOKENS:
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            others[key] = value
 
     pp_prefix = _prefix_added_by_post_processor(tok)
     if bos_id is None and pp_prefix is not None:  # the post-processor names the BOS config does not
@@ -329,6 +349,7 @@ def load_hf_tokenizer(model_dir: str | Path) -> TokenizerBundle:
         chat_template=chat_template,
         add_eos_token=add_eos,
         named_chat_templates=named_templates,
+        other_special_tokens=others,
     )
 
 
@@ -351,6 +372,7 @@ def save_hf_tokenizer(bundle: TokenizerBundle, out_dir: str | Path) -> None:
         "pad_token": tok.id_to_token(bundle.pad_token_id) if bundle.pad_token_id is not None else None,
         "clean_up_tokenization_spaces": False,
     }
+    config.update(bundle.other_special_tokens)
     if getattr(tok.model, "unk_token", None) is not None:
         config["unk_token"] = tok.model.unk_token
     if (templates := bundle.chat_templates_to_save()) is not None:
@@ -397,6 +419,11 @@ class _Meta:
         if value is not None and not 0 <= value < n_tokens:
             raise self.fail(key, f"token id {value} is out of range (vocabulary has {n_tokens} tokens)")
         return value
+
+
+# the other special tokens a GGUF names by id (GGUF has no CLS key of its own: its converter writes BOS)
+_GGUF_SPECIAL_KEYS = {"unk_token": gguf.Keys.Tokenizer.UNK_ID, "sep_token": gguf.Keys.Tokenizer.SEP_ID,
+                      "mask_token": gguf.Keys.Tokenizer.MASK_ID}
 
 
 # Tokens that end generation by their text in a GGUF, as llama.cpp's vocabulary loader decides
@@ -491,6 +518,8 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> Tokeni
         raise m.fail("tokenizer.ggml.add_eos_token", "is true, but 'tokenizer.ggml.eos_token_id' is not set")
     ends = (eos_id, ids["eot"], ids["eom"], *(ids[name] for name in _FIM_ENDS), *_ends_by_text(vocab))
     eos_ids = tuple(dict.fromkeys(i for i in ends if i is not None))
+    specials = {key: m.token_id(gguf_key, n) for key, gguf_key in _GGUF_SPECIAL_KEYS.items()}
+    specials["pad_token"] = ids["pad"]
     if add_bos or add_eos:  # so the bare `tokenizers.Tokenizer` agrees with the bundle, if its template syntax
         first = [(tokens[bos_id], bos_id)] if add_bos else []  # allows: a token with a space or ':' in it
         last = [(tokens[eos_id], eos_id)] if add_eos else []  # cannot be named in one
@@ -509,6 +538,7 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> Tokeni
         chat_template=m.get("tokenizer.chat_template", str),
         add_eos_token=add_eos,
         named_chat_templates=_gguf_named_templates(m),
+        other_special_tokens={key: tokens[i] for key, i in specials.items() if i is not None},
     )
 
 
@@ -633,6 +663,10 @@ def write_tokenizer_gguf(writer: gguf.GGUFWriter, bundle: TokenizerBundle) -> No
         add(i)
     if bundle.pad_token_id is not None:
         writer.add_pad_token_id(bundle.pad_token_id)
+    for key, gguf_key in _GGUF_SPECIAL_KEYS.items():
+        token_id = tok.token_to_id(bundle.other_special_tokens.get(key, ""))
+        if token_id is not None:
+            writer.add_uint32(gguf_key, token_id)
     writer.add_add_bos_token(bundle.add_bos_token)
     if bundle.add_eos_token:
         writer.add_add_eos_token(True)

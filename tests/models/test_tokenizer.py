@@ -353,6 +353,42 @@ def test_named_chat_templates_where_transformers_keeps_them(smol_dir: Path, tmp_
     assert dict(tokenizer_from_gguf_metadata(meta, "t.gguf").named_chat_templates) == {
         "tool_use": "T{{ tools | length }}"}  # malformed optional metadata is left out, not a load failure
 
+def test_templates_see_the_special_tokens_transformers_hands_them(smol_dir: Path, tmp_path: Path) -> None:
+    """A template sees `unk_token`, `sep_token`, `pad_token`, `cls_token` and `mask_token` as transformers
+    hands them (its special_tokens_map, an AddedToken object's content or plain text, in the vocabulary or not);
+    one the files do not name is undefined, as there. A GGUF keeps those it has a key for."""
+    from server.chat_template import render_chat
+
+    # (bos_token and eos_token are always defined, "" where the model has none, as llama.cpp hands them: a
+    # template adding text to one renders)
+    template = "{{ bos_token }}|{{ eos_token }}|" + "".join(
+        f"{{{{ {k} }}}}|{{{{ {k} is defined }}}}|" for k in ("unk_token", "sep_token", "pad_token", "cls_token",
+                                                             "mask_token"))
+    messages = [{"role": "user", "content": "hi"}]
+    shutil.copy(smol_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    configs = [
+        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": {"__type": "AddedToken", "content": "<|endoftext|>", "special": True},
+         "sep_token": "<repo_name>", "pad_token": "<file_sep>", "cls_token": "<|im_start|>", "mask_token": "[M]"},
+        {"eos_token": "<|im_end|>", "pad_token": None},
+    ]
+    for config in configs:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+        bundle = load_hf_tokenizer(tmp_path)
+        hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+        ours = render_chat(template, messages, **bundle.template_tokens())
+        assert ours == hf.apply_chat_template(messages, chat_template=template, tokenize=False)
+    named = configs[0]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(named))
+    bundle = load_hf_tokenizer(tmp_path)
+    assert bundle.template_tokens()["mask_token"] == "[M]"
+    save_hf_tokenizer(bundle, tmp_path / "saved")
+    assert load_hf_tokenizer(tmp_path / "saved").template_tokens() == bundle.template_tokens()
+
+    _, meta = _writer_meta(bundle, tmp_path / "t.gguf")
+    back = tokenizer_from_gguf_metadata(meta, "t.gguf")
+    want = {k: v for k, v in bundle.template_tokens().items() if k not in ("cls_token", "mask_token")}
+    assert back.template_tokens() == want  # no CLS key in GGUF; "[M]" is no token, so no id to write
+
 
 def test_hf_add_bos_from_post_processor(smol: TokenizerBundle, tmp_path: Path) -> None:
     """A post-processor that adds BOS means add_bos_token when the config is silent, and never twice."""

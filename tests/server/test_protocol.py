@@ -177,6 +177,7 @@ OUT_OF_RANGE = [
     ("chat", "chat_template_kwargs", {"template": "x"}, "chat_template_kwargs"),
     ("chat", "chat_template_kwargs", {"add_generation_prompt": False}, "chat_template_kwargs"),
     ("chat", "chat_template_kwargs", {"enable_thinking": False, "bos_token": "<s>"}, "chat_template_kwargs"),
+    ("chat", "chat_template_kwargs", {"pad_token": "<pad>"}, "chat_template_kwargs"),  # the tokenizer's too
     # the functions templates are given: a string for `namespace` broke every template using it (a 400 on messages)
     ("chat", "chat_template_kwargs", {"namespace": "x"}, "chat_template_kwargs"),
     ("chat", "chat_template_kwargs", {"raise_exception": 1}, "chat_template_kwargs"),
