@@ -248,10 +248,24 @@ def _read_template(path: Path, model_dir: Path) -> str:
         raise CheckpointError(path, f"not UTF-8 text: {e}") from None
 
 
+def _post_processed(tok: Tokenizer) -> tuple[list[int], list[int]]:
+    """The ids of a short text without and with the post-processor's special tokens.
+
+    A tokenizer that cannot encode "a" (no unknown token, "a" not in its vocabulary) is probed through a copy
+    whose model knows every word: the post-processor names its special tokens by id, whatever the model."""
+    try:
+        return tok.encode("a", add_special_tokens=False).ids, tok.encode("a", add_special_tokens=True).ids
+    except BaseException as e:
+        if not _tokenizer_failed(e):
+            raise
+    probe = Tokenizer.from_str(tok.to_str())
+    probe.model = models.WordLevel({"a": 0}, unk_token="a")
+    return probe.encode("a", add_special_tokens=False).ids, probe.encode("a", add_special_tokens=True).ids
+
+
 def _prefix_added_by_post_processor(tok: Tokenizer) -> int | None:
     """The id the post-processor puts before the text (a BOS), if it puts exactly one there."""
-    plain = tok.encode("a", add_special_tokens=False).ids
-    full = tok.encode("a", add_special_tokens=True).ids
+    plain, full = _post_processed(tok)
     if len(full) > len(plain) and full[1 : 1 + len(plain)] == plain:
         return full[0]
     return None
@@ -259,8 +273,7 @@ def _prefix_added_by_post_processor(tok: Tokenizer) -> int | None:
 
 def _suffix_added_by_post_processor(tok: Tokenizer) -> int | None:
     """The id the post-processor puts after the text (an EOS), if any."""
-    plain = tok.encode("a", add_special_tokens=False).ids
-    full = tok.encode("a", add_special_tokens=True).ids
+    plain, full = _post_processed(tok)
     if len(full) > len(plain) and full[len(full) - 1 - len(plain) : -1] == plain:
         return full[-1]
     return None

@@ -690,3 +690,33 @@ def test_a_hostile_sentencepiece_vocabulary_is_bounded(spm_meta: dict) -> None:
     nested = [c * n for c in "aeiost" for n in range(2, 129) if c * n not in have]  # ~49K merges, ~1.8K tokens
     with pytest.raises(CheckpointError, match="merges a token"):
         tokenizer_from_gguf_metadata(meta(nested), "nested.gguf")
+
+
+def test_a_closed_vocabulary_keeps_its_post_processors_bos(tmp_path: Path) -> None:
+    """A tokenizer that cannot encode "a" (a DNA model's closed WordLevel vocabulary, no unknown token) still has
+    its post-processor's BOS found, as transformers adds it; one that can encode nothing at all (an empty Unigram
+    vocabulary) loads with a warning, and its encode is a TokenizerFailure. Both were tracebacks at load."""
+    from tokenizers import models as tok_models
+
+    from models.loader.tokenizer import TokenizerFailure
+
+    rng = random.Random()
+    bases = ["A", "C", "G", "T"]
+    dna = Tokenizer(tok_models.WordLevel({"<s>": 0, **{b: i + 1 for i, b in enumerate(bases)}}))
+    dna.pre_tokenizer = pre_tokenizers.Whitespace()
+    dna.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    dna.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    ours = load_hf_tokenizer(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    text = " ".join(rng.choice(bases) for _ in range(rng.randint(1, 20)))
+    assert ours.bos_token_id == 0 and ours.add_bos_token
+    assert ours.encode(text) == hf.encode(text) and ours.encode(text)[0] == 0, text
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    Tokenizer(tok_models.Unigram([])).save(str(empty / "tokenizer.json"))
+    bundle = load_hf_tokenizer(empty)
+    assert bundle.bos_token_id is None
+    with pytest.raises(TokenizerFailure, match="failed on this text"):
+        bundle.encode("hello")
