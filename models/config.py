@@ -263,6 +263,25 @@ class _Keys:
 
 
 def _rope_from_dict(k: _Keys, dim: int, interleaved: bool) -> RopeConfig:
+    """The rope config, its magnitude corrections checked: YaRN's mscales are finite numbers whose corrections
+    (0.1·mscale·ln(factor) + 1, squared into the softmax scale, divided into the cos/sin factor) could still be
+    0, infinite in float32 or a division by 0: every score would be NaN or the same."""
+    rope = _rope_kinds(k, dim, interleaved)
+    corrections = {}
+    if rope.mscale_all_dim:
+        corrections["mscale_all_dim"] = yarn_get_mscale(rope.factor, rope.mscale_all_dim)
+    if rope.scaling_type == "yarn" and rope.attention_factor is None and rope.mscale and rope.mscale_all_dim:
+        corrections["mscale"] = yarn_get_mscale(rope.factor, rope.mscale)
+    for key, m in corrections.items():
+        if m == 0 or not abs(m) ** 2 <= FLOAT32_MAX or (key == "mscale" and not abs(
+                m / corrections["mscale_all_dim"]) ** 2 <= FLOAT32_MAX):
+            raise CheckpointError(k.source, f"config key '{key}' = {getattr(rope, key)}: its YaRN correction "
+                                            f"0.1*{key}*ln(factor {rope.factor}) + 1 = {m:.4g} would make attention "
+                                            "scores zero or infinite; the file is corrupt")
+    return rope
+
+
+def _rope_kinds(k: _Keys, dim: int, interleaved: bool) -> RopeConfig:
     """Reads RoPE settings from either `rope_parameters` (new) or `rope_theta` + `rope_scaling` (old)."""
     params = k.d.get("rope_parameters")
     if params is None:

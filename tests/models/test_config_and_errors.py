@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -126,6 +127,10 @@ def test_llama_gqa_and_rope_scaling():
         # finite in Python, infinite in the kernels' float32: the first request's routing weights were inf
         ({"routed_scaling_factor": 3.5e38}, "'routed_scaling_factor' must be a finite number within float32's range"),
         ({"rope_scaling": dict(V2_OLD_STYLE["rope_scaling"], mscale=1e200)}, "'mscale' must be a finite number within"),
+        # finite, but its correction squared is not in float32 (every score NaN)
+        ({"rope_scaling": dict(V2_OLD_STYLE["rope_scaling"], mscale_all_dim=-1e30)}, "'mscale_all_dim' = -1e.30"),
+        ({"rope_scaling": dict(V2_OLD_STYLE["rope_scaling"], mscale=3e20)}, "'mscale' = 3e.20: its YaRN correction"),
+        ({"rope_scaling": dict(V2_OLD_STYLE["rope_scaling"], factor=math.e, mscale_all_dim=-10)}, r"\+ 1 = 0 would make"),
         ({"rope_scaling": "linear"}, "'rope_scaling' must be an object"),  # (a ValueError from dict())
         ({"rope_scaling": 5}, "'rope_scaling' must be an object"),
     ],
