@@ -637,14 +637,12 @@ class ResponsesSerializer(ChatSerializer):
         choice = self.requests[0].choices[0]
         return "incomplete" if choice.finish_reason == "length" else "completed"
 
+    def add(self, r: EngineRequest, index: int, text: str, ids: list[int], lps: list[ShownLogprob]) -> None:
+        """A whole response's output is built as a stream's is, its events unsent: its items in the order the
+        model wrote them (text after a call is a message after the call), the same as the stream's."""
+        self.stream_delta(r, index, text, ids, lps)
+
     def response(self) -> dict:
-        self.finish_splits()
-        split = self.split.get(0, Split())
-        message, _ = self.message(split)
-        self.items.reasoning(split.reasoning)
-        self.items.text(message.content or "", self.message_logprobs(split, message.content or ""))
-        for k, c in enumerate(message.tool_calls or ()):
-            self.items.call(ToolCallDelta(k, c.id, c.function.name, c.function.arguments))
         status = self.status()
         self.items.finish(status == "incomplete")
         return self.response_object(status, self.response_usage()).model_dump()
@@ -652,12 +650,6 @@ class ResponsesSerializer(ChatSerializer):
     def stream_start(self) -> list[Any]:
         started = self.response_object("in_progress").model_dump()
         return [self.event("response.created", response=started), self.event("response.in_progress", response=started)]
-
-    def message_logprobs(self, split: Split, content: str) -> list[ChatTokenLogprob]:
-        """The logprobs of the tokens whose text is the message's (`content_logprobs`)."""
-        if not self.body.logprobs or not content:
-            return []
-        return self.token_logprobs(self.content_logprobs(0, self.requests[0].choices[0].logprobs, split, content))
 
     def stream_delta(self, r, index, text, ids, lps):
         reasoning, text, deltas, _, shown = self.placed_delta(r, index, text, ids, lps)
@@ -809,6 +801,7 @@ class MessagesSerializer(ChatSerializer):
         self.id = f"msg_{uuid.uuid4().hex}"
         self.block: tuple[int, str] | None = None  # the open block's index and type, while streaming
         self.blocks = 0
+        self.events: list[dict[str, Any]] = []  # a whole message's events, unsent (`add`)
 
     def sse(self, payload: Any) -> str:
         return named_sse(payload)
@@ -834,20 +827,14 @@ class MessagesSerializer(ChatSerializer):
                 "content": content, "stop_reason": reason, "stop_sequence": sequence,
                 "usage": self.anthropic_usage(final)}
 
+    def add(self, r: EngineRequest, index: int, text: str, ids: list[int], lps: list[ShownLogprob]) -> None:
+        """A whole message is the stream's events, unsent, added up (`_blocks`): its blocks in the order the
+        model wrote them (text after a tool call is a text block after the tool_use), as the SDK's
+        `get_final_message()` reads the stream."""
+        self.events += self.stream_delta(r, index, text, ids, lps)
+
     def response(self) -> dict:
-        self.finish_splits()
-        message, parser = self.message(self.split.get(0, Split()))
-        if parser is not None:
-            self.parsers[0] = parser
-        content: list[dict[str, Any]] = []
-        if message.reasoning_content:
-            content.append({"type": "thinking", "thinking": message.reasoning_content, "signature": ""})
-        if message.content:
-            content.append({"type": "text", "text": message.content})
-        for c in message.tool_calls or ():
-            content.append({"type": "tool_use", "id": _tool_use_id(c.id), "name": c.function.name,
-                            "input": _tool_input(c.function.arguments)})
-        return self.message_object(content, final=True)
+        return self.message_object(_blocks(self.events + self._close()), final=True)
 
     def stream_start(self) -> list[Any]:
         return [{"type": "message_start", "message": self.message_object([], final=False)}]
@@ -896,6 +883,26 @@ def _whole_json(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _blocks(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The content blocks a Messages stream's events add up to: each block as it started, its deltas joined
+    (a tool_use's JSON text becoming its `input`)."""
+    blocks: list[dict[str, Any]] = []
+    arguments: dict[int, str] = {}
+    for e in events:
+        if e["type"] == "content_block_start":
+            blocks.append(dict(e["content_block"]))
+        elif e["type"] == "content_block_delta":
+            block, delta = blocks[e["index"]], e["delta"]
+            if delta["type"] == "input_json_delta":
+                arguments[e["index"]] = arguments.get(e["index"], "") + delta["partial_json"]
+            else:
+                field = {"text_delta": "text", "thinking_delta": "thinking"}[delta["type"]]
+                block[field] += delta[field]
+    for i, text in arguments.items():
+        blocks[i]["input"] = _tool_input(text)
+    return blocks
 
 
 def _tool_input(arguments: str) -> dict[str, Any]:

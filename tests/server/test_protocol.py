@@ -6,9 +6,12 @@ Oracle for the shapes: the official `openai` SDK, both its pydantic types and it
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
+from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -524,3 +527,85 @@ def test_fields_a_server_does_not_read_are_named_in_the_log_once(caplog) -> None
     assert records[1][0] == logging.DEBUG and records[2][0] == logging.WARNING and "'stop_sequence'" in records[2][1]
     assert "SECRET" not in caplog.text and len(records) == 4
     assert records[3][1].endswith(" ...") and records[3][1].count("'x") == 10 and "y" * 41 not in records[3][1]
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_a_whole_answer_keeps_the_order_the_model_wrote(api: str) -> None:
+    """Text the model writes after a tool call comes after the call in a whole (unstreamed) Responses output
+    and Messages content, as the stream tells it; the whole answer is what the stream's events add up to (the
+    Anthropic SDK's own accumulator reads them), for random splits of the same text into deltas. It put all
+    text first, before the calls."""
+    import types
+
+    from anthropic.lib.streaming._messages import accumulate_event
+    from anthropic.types import RawMessageStreamEvent
+    from pydantic import TypeAdapter
+
+    from server import messages_api, responses_api
+    from server.metrics import Metrics
+    from server.responses import MessagesSerializer, ResponsesSerializer
+    from server.state import ServerState
+    from server.tools import plan_tools
+
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
+    template = (fixtures / "deepseek_v3.jinja").read_text()
+    b, e, sep, cb, ce = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁sep｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
+    rng = random.Random()
+    city = rng.choice(["Paris", "Lyon", "Nîmes"])
+    text = (f"Checking {city}. {b}{cb}function{sep}get_weather\n```json\n{{\"city\": \"{city}\"}}\n```{ce}{e}"
+            f" Then I answer, {rng.randrange(100)}.")
+    # (a cut where the calls end, as that marker is a token of its own; within one delta of several tokens, a
+    # speculative step's, text after the call still goes before it)
+    cuts = sorted({*rng.sample(range(1, len(text)), rng.randint(1, 12)), text.index(e) + len(e)})
+    pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+    weather = {"type": "object", "properties": {"city": {"type": "string"}}}
+    state = ServerState(model_name="m", metrics=Metrics("m"))
+
+    def serve(stream: bool) -> tuple[Any, list[Any]]:
+        if api == "responses":
+            req = responses_api.ResponsesRequest.model_validate({
+                "model": "m", "input": "weather?", "stream": stream,
+                "tools": [{"type": "function", "name": "get_weather", "parameters": weather}]})
+            chat = responses_api.to_chat_request(req)
+            make: Any = functools.partial(ResponsesSerializer, request=req)
+        else:
+            chat = messages_api.to_chat_request(messages_api.MessagesRequest.model_validate({
+                "model": "m", "max_tokens": 50, "stream": stream, "messages": [{"role": "user", "content": "weather?"}],
+                "tools": [{"name": "get_weather", "input_schema": weather}]}))
+            make = MessagesSerializer
+        choice = types.SimpleNamespace(finish_reason=None, stop_reason=None, logprobs=[], completion_tokens=0,
+                                       stops=types.SimpleNamespace(matched=None))
+        r = types.SimpleNamespace(prompt_index=0, prompt_ids=[1, 2, 3], choices=[choice], cached_tokens=0)
+        ser = make(state, chat, [([1, 2, 3], "weather?")], [r], plan_tools(chat, template))
+        events = ser.stream_start() if stream else []
+        for k, piece in enumerate(pieces):
+            choice.completion_tokens += 1
+            if k == len(pieces) - 1:
+                choice.finish_reason = "stop"
+            if stream:
+                events += ser.stream_delta(r, 0, piece, [k], [])
+            else:
+                ser.add(r, 0, piece, [k], [])
+        return (ser.stream_end() if stream else ser.response()), events
+
+    whole, _ = serve(stream=False)
+    end, events = serve(stream=True)
+    if api == "responses":
+        streamed = end[-1]["response"]["output"]
+        kinds = [(i["type"], i.get("content", [{}])[0].get("text") or i.get("arguments")) for i in whole["output"]]
+        assert kinds == [("message", f"Checking {city}. "), ("function_call", f'{{"city": "{city}"}}'),
+                         ("message", text[text.index(e) + len(e):].lstrip())]  # (the parser drops the space)
+        strip = lambda items: [{k: v for k, v in i.items() if k not in ("id", "call_id")} for i in items]  # noqa: E731
+        assert strip(whole["output"]) == strip(streamed)
+    else:
+        assert [b["type"] for b in whole["content"]] == ["text", "tool_use", "text"]
+        assert whole["content"][1]["input"] == {"city": city} and whole["stop_reason"] == "tool_use"
+        assert whole["content"][2]["text"] == text[text.index(e) + len(e):].lstrip()
+        message, bufs = None, {}
+        for event in [*events, *end]:
+            message = accumulate_event(event=TypeAdapter(RawMessageStreamEvent).validate_python(event),
+                                       current_snapshot=message, json_bufs=bufs)
+        assert message is not None
+        sdk = message.model_dump(exclude_none=True)
+        assert [{k: v for k, v in b.items() if k != "id"} for b in sdk["content"]] == \
+            [{k: v for k, v in b.items() if k != "id"} for b in whole["content"]]
