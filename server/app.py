@@ -386,7 +386,7 @@ def build_app(state: ServerState, max_request_bytes: int | None = None, allowed_
     origins = [o.strip() for o in allowed_origins.split(",") if o.strip()]
     if origins:  # outside auth: a preflight carries no key
         app.add_middleware(_CORS, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
-                           expose_headers=["Retry-After", "x-mlaserve-replica", "x-request-id"], max_age=600)
+                           expose_headers=["Retry-After", "x-mlaserve-replica", "x-request-id", "request-id"], max_age=600)
     # counts every error answer once, the 401s and 413s above included
     app.add_middleware(ErrorCountingMiddleware, metrics=lambda: state.metrics)
     app.add_middleware(DrainMiddleware, state=state)

@@ -17,7 +17,8 @@ chat completions request (same prompt tokens) and is parsed by the same reasonin
   `any`, `tool` (by `name`) and `none` chat's `auto`, `required`, a named function and `none`;
   `disable_parallel_tool_use` is `parallel_tool_calls: false`. Anthropic's server tools (a `type` such as
   `web_search_20250305`), `mcp_servers` and `container` are a 400: this server runs none.
-- `max_tokens` (required), `stop_sequences`, `temperature`, `top_p`, `top_k` and `stream` map one to one
+- `max_tokens` (required), `stop_sequences` (each with some non-whitespace text), `temperature`, `top_p`,
+  `top_k` (0 or more) and `stream` map one to one
   (Anthropic's newer SDKs send the sampling fields only through `extra_body`); `output_config.format`
   (`{"type": "json_schema", "schema"}`, structured outputs; the beta's `output_format` too) is chat's
   `response_format`; `temperature` keeps Anthropic's range (0 to 1); `thinking`
@@ -213,7 +214,7 @@ class MessagesRequest(_Body, NoStructuredExtensions):
     stop_sequences: list[str] | None = None
     temperature: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] | None = None  # Anthropic's range
     top_p: StrictFloat | None = None
-    top_k: StrictInt | None = None
+    top_k: Annotated[StrictInt, Field(ge=0)] | None = None  # Anthropic's range (chat's -1, "all", is not one)
     stream: StrictBool | None = False
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoiceParam | None = None
@@ -247,6 +248,14 @@ class MessagesRequest(_Body, NoStructuredExtensions):
             # would be a lone space, which a model's tokenizer puts before words: what follows went astray
             raise _invalid("messages: final assistant content cannot end with trailing whitespace; leave the "
                            "whitespace out of the prefill")
+        return value
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _visible_stops(cls, value: list[str] | None) -> list[str] | None:
+        for i, stop in enumerate(value or ()):
+            if not stop.strip():  # Anthropic's rule: a stop of spaces or nothing would end any reply at once
+                raise _invalid(f"stop_sequences.{i}: each stop sequence must contain non-whitespace")
         return value
 
     @field_validator("mcp_servers", "container")
@@ -327,6 +336,29 @@ def _text(content: str | list[TextBlock] | None) -> str:
     return content or ""
 
 
+def _turns(messages: list[MessageParam]) -> list[tuple[int, str, list[Block], list[str]]]:
+    """The conversation's turns as Anthropic's API reads them: consecutive messages of one role are one turn
+    (their blocks in order: tool_result blocks sent one message each answer the calls together; a prefill
+    split over two messages is one), and an empty final assistant message is no prefill. Each turn with the
+    index of its first message, its blocks and where each came from (`messages.[i].content.[k]`); ParamError
+    for a block its role cannot hold."""
+    turns: list[tuple[int, str, list[Block], list[str]]] = []
+    for i, m in enumerate(messages):
+        blocks: list[Block] = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+        for k, b in enumerate(blocks):
+            if b.type not in _BLOCKS[m.role]:
+                raise ParamError(f"messages.[{i}].content.[{k}]",
+                                 f"{'an' if m.role[0] in 'aeiou' else 'a'} {m.role} message cannot hold a {b.type} block "
+                                 f"(messages[{i}].content[{k}])")
+        if m.content in ("", []):  # (only the final assistant message may be empty: the request checked it)
+            continue
+        if not turns or turns[-1][1] != m.role:
+            turns.append((i, m.role, [], []))
+        turns[-1][2].extend(blocks)
+        turns[-1][3].extend(f"messages.[{i}].content.[{k}]" for k in range(len(blocks)))
+    return turns
+
+
 def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
     """The chat completions request this Messages request is; ParamError naming the Messages field for
     what cannot be converted."""
@@ -336,13 +368,7 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         messages.append({"role": "system", "content": _text(req.system)})
     called: set[str] = set()
     unanswered: list[str] = []  # the previous assistant message's tool_use ids: the next message answers each
-    for i, m in enumerate(req.messages):
-        blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
-        for k, b in enumerate(blocks):
-            if b.type not in _BLOCKS[m.role]:
-                raise ParamError(f"messages.[{i}].content.[{k}]",
-                                 f"{'an' if m.role[0] in 'aeiou' else 'a'} {m.role} message cannot hold a {b.type} block "
-                                 f"(messages[{i}].content[{k}])")
+    for i, role, blocks, origins in _turns(req.messages):
         answered = {b.tool_use_id for b in blocks if isinstance(b, ToolResultBlock)}
         if missing := [u for u in unanswered if u not in answered]:  # as Anthropic's API refuses it
             raise ParamError(f"messages.[{i}]", f"tool_use ids were found without tool_result blocks immediately "
@@ -350,11 +376,11 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
                              f"next message (messages[{i}])")
         unanswered = []
         texts = [b.text for b in blocks if isinstance(b, TextBlock)]
-        if m.role == "user":
+        if role == "user":
             for k, b in enumerate(blocks):
                 if isinstance(b, ToolResultBlock):
                     if b.tool_use_id not in called:
-                        raise ParamError(f"messages.[{i}].content.[{k}].tool_use_id",
+                        raise ParamError(f"{origins[k]}.tool_use_id",
                                          f"tool_use_id '{b.tool_use_id}' matches no tool_use block before it")
                     text = b.text()
                     messages.append({"role": "tool", "tool_call_id": b.tool_use_id,
@@ -371,6 +397,8 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         messages.append({"role": "assistant", "content": "\n".join(texts) if texts else None,
                          **({"tool_calls": calls} if calls else {}),
                          **({"reasoning_content": "\n".join(thoughts)} if thoughts else {})})
+    if not messages or messages[-1]["role"] == "system":
+        raise ParamError("messages", "messages holds no content to answer: send a user message")
     final = messages[-1]
     prefill = final["role"] == "assistant"
     if prefill and (final.get("tool_calls") or not (final["content"] or "").strip()):

@@ -42,6 +42,9 @@ async def test_any_origin(anyio_backend) -> None:
         ok = await c.get("/v1/models", headers={"Origin": PAGE, "Authorization": "Bearer k"})
         assert ok.status_code == 503 and ok.headers["access-control-allow-origin"] == "*"
         assert ok.json()["error"]["code"] == "loading" and ok.headers["retry-after"]
+        # the ids the SDKs read (OpenAI's x-request-id, Anthropic's request-id) and Retry-After reach the page
+        exposed = {h.strip().lower() for h in ok.headers["access-control-expose-headers"].split(",")}
+        assert {"retry-after", "x-request-id", "request-id", "x-mlaserve-replica"} <= exposed
 
 
 @pytest.mark.anyio

@@ -11,6 +11,7 @@ schemas come from the grammar engine), behind an API key, which Anthropic's SDK 
 from __future__ import annotations
 
 import json
+import random
 
 import httpx
 import jsonschema
@@ -257,6 +258,9 @@ USER = [{"role": "user", "content": "hi"}]
     ({"max_tokens": 5, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400,
      "must be less than max_tokens"),
     ({"max_tokens": 4, "messages": USER, "stop_sequences": [str(i) for i in range(20)]}, 400, "'stop_sequences'"),
+    ({"max_tokens": 4, "messages": USER, "stop_sequences": ["x", " \n"]}, 400,
+     "stop_sequences.1: each stop sequence must contain non-whitespace"),
+    ({"max_tokens": 4, "messages": USER, "top_k": -1}, 400, "top_k"),
     ({"max_tokens": 4, "messages": USER, "output_format": {"type": "json_schema", "schema": {"type": "object"}},
       "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, 400, "both given"),
     # a tool_use the next message does not answer with its tool_result, as Anthropic's API refuses it
@@ -369,6 +373,46 @@ def test_thinking_blocks_are_the_turns_reasoning():
     chat = to_chat_request(MessagesRequest.model_validate(body))
     assert [(m.role, m.reasoning_content) for m in chat.messages] == [
         ("user", None), ("assistant", "Look it up."), ("user", None)]
+
+
+def test_consecutive_messages_of_one_role_are_one_turn(server, client):
+    """As Anthropic's API: consecutive user (or assistant) messages are combined into one turn, their blocks in
+    order. Tool results sent one user message each answer the calls together (a 400 before), a prefill split
+    over two assistant messages is one prefill, and an empty final assistant message is no prefill (a 400
+    before); the prompt is the one the combined request renders."""
+    from server.messages_api import MessagesRequest, to_chat_request
+
+    def count(messages: list) -> int:
+        return client.messages.count_tokens(model="m", messages=messages).input_tokens
+
+    def chat_of(messages: list) -> list:
+        chat = to_chat_request(MessagesRequest.model_validate({"model": "m", "max_tokens": 4, "messages": messages}))
+        return [m.model_dump(exclude_none=True, exclude={"reasoning_content"}) for m in chat.messages]
+
+    rng = random.Random()
+    a, b = rng.choice(["hi", "hello", "hey"]), rng.choice(["there", "you", "friend"])
+    split = [{"role": "user", "content": a}, {"role": "user", "content": [{"type": "text", "text": b}]}]
+    whole = [{"role": "user", "content": [{"type": "text", "text": a}, {"type": "text", "text": b}]}]
+    assert chat_of(split) == chat_of(whole) and count(split) == count(whole)
+    calls = {"role": "assistant", "content": [{"type": "tool_use", "id": f"toolu_{k}", "name": "get_weather",
+                                               "input": {"city": c}} for k, c in enumerate(["Paris", "Lyon"])]}
+    results = [{"type": "tool_result", "tool_use_id": f"toolu_{k}", "content": t} for k, t in enumerate(["9C", "12C"])]
+    one_each = [*USER, calls, *({"role": "user", "content": [r]} for r in results)]
+    together = [*USER, calls, {"role": "user", "content": results}]
+    assert chat_of(one_each) == chat_of(together)
+    assert count(one_each) == count(together)
+    prefill = [*USER, {"role": "assistant", "content": "The"}, {"role": "assistant", "content": [{"type": "text",
+                                                                                                 "text": "sea"}]}]
+    assert chat_of(prefill) == chat_of([*USER, {"role": "assistant", "content": [
+        {"type": "text", "text": "The"}, {"type": "text", "text": "sea"}]}])
+    for empty in ("", []):
+        m = client.messages.create(model="m", max_tokens=3, messages=[*USER, {"role": "assistant", "content": empty}],
+                                   extra_body=GREEDY)
+        assert m.content == client.messages.create(model="m", max_tokens=3, messages=USER, extra_body=GREEDY).content
+        assert count([*USER, {"role": "assistant", "content": empty}]) == count(USER)
+    alone = httpx.post(server.url + "/v1/messages", headers={"x-api-key": KEY}, timeout=60, json={
+        "model": "m", "max_tokens": 4, "messages": [{"role": "assistant", "content": ""}]})
+    assert alone.status_code == 400 and "no content to answer" in alone.json()["error"]["message"], alone.text
 
 
 def test_the_anthropic_sdk_lists_and_retrieves_the_model(client, chat):
