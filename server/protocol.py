@@ -654,12 +654,21 @@ class CompletionRequest(_GenerationRequest):
     # OpenAI's legacy field this server does not implement: refused rather than ignored, since
     # ignoring it would silently answer a different question
     suffix: str | None = None
+    # vLLM's input as embeddings (behind its --enable-prompt-embeds): refused, as the text would answer another input
+    prompt_embeds: Any = None
 
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
         if value:
             raise _invalid("suffix (fill-in-the-middle insertion) is not supported; put the text in the prompt")
+        return value
+
+    @field_validator("prompt_embeds")
+    @classmethod
+    def _no_embeds(cls, value: Any) -> Any:
+        if value is not None:
+            raise _invalid("prompt_embeds is not supported: send the prompt as text or token ids")
         return value
 
     @field_validator("prompt", mode="before")

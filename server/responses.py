@@ -112,6 +112,17 @@ class Serializer:
         """A `continuous_usage_stats` chunk's usage: its choice's (the whole response's on a chunk of none)."""
         return self.usage(choices[0].index if len(choices) == 1 else None)
 
+    def opening_usage(self, k: int) -> dict[str, UsageInfo]:
+        """`chunk`'s usage for choice k's opening chunks (the role, an echo), which carry no generated token:
+        its prompt and no completion tokens, as vLLM counts them (they are sent with the first output, whose
+        token the choice's usage already counts)."""
+        if not self.body.continuous_usage:
+            return {}
+        u = self.usage(k)
+        cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details is not None else None
+        reasoning = 0 if u.completion_tokens_details is not None else None
+        return {"usage": UsageInfo.of(u.prompt_tokens, 0, cached, reasoning_tokens=reasoning)}
+
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
@@ -383,8 +394,9 @@ class ChatSerializer(Serializer):
         out = []
         for i in range(len(self.requests) * self.n):  # one chunk a choice, as OpenAI and vLLM stream
             first = ChatCompletionChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=content))
-            out.append(self.chunk([first], prompt_token_ids=ids if i == 0 else None))
-            out += [self.text_chunk(i, field, text)
+            out.append(self.chunk([first], prompt_token_ids=ids if i == 0 else None, **self.opening_usage(i)))
+            out += [self.chunk([ChatCompletionChunkChoice(index=i, delta=DeltaMessage(**{field: text}))],
+                               **self.opening_usage(i))
                     for field, text in (("reasoning_content", self.echo.reasoning), ("content", self.echo.content)) if text]
         return out
 
@@ -763,7 +775,8 @@ class CompletionSerializer(Serializer):
         return [self.chunk([
             CompletionChoice(index=self.choice_index(r, k), text=self.prompt_text(r),
                              logprobs=self.completion_logprobs(r, [], echoed=True) if self.echo else None,
-                             prompt_token_ids=r.prompt_ids if self.body.return_token_ids else None)])
+                             prompt_token_ids=r.prompt_ids if self.body.return_token_ids else None)],
+            **self.opening_usage(self.choice_index(r, k)))
             for k in range(self.n)]
 
     def text_chunk(self, i: int, field: str, text: str) -> CompletionChunk:

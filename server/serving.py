@@ -483,7 +483,7 @@ def chat_prompt(state: ServerState, body: ChatInput) -> tuple[str, ToolPlan]:
     """The prompt text of chat messages (the chat template's rendering, with the tools as the tool plan
     puts them; cut after the final message's text where it is continued) and the plan: what chat
     completions and `/tokenize` both render. ParamError for tools that cannot work; a 400 naming
-    `messages` for a template that refuses them."""
+    `messages` for a template that refuses them (`chat_template_kwargs` where they made it fail)."""
     tok = state.tokenizer
     assert tok is not None
     template = tok.chat_template_for(tools=bool(body.tools) and body.tool_choice != "none")
@@ -500,13 +500,25 @@ def chat_prompt(state: ServerState, body: ChatInput) -> tuple[str, ToolPlan]:
         extra["tools"] = []
     if body.documents is not None:
         extra["documents"] = body.documents
+    render = functools.partial(render_messages, template, messages, add_generation_prompt=body.generation_prompt(),
+                               continue_final_message=body.continued_text() is not None, **tok.template_tokens())
     try:
-        text = render_messages(template, messages, add_generation_prompt=body.generation_prompt(),
-                               continue_final_message=body.continued_text() is not None,
-                               **tok.template_tokens(), **extra)
+        text = render(**extra)
     except ChatTemplateError as e:
-        raise ClientError(400, str(e), "messages") from None
+        raise ClientError(400, str(e), _template_fault(render, extra, body.chat_template_kwargs)) from None
     return text, plan
+
+
+def _template_fault(render: Callable[..., str], extra: dict[str, Any], kwargs: dict[str, Any] | None) -> str:
+    """The field a template that failed to render blames: `chat_template_kwargs` where it renders without
+    them (a variable of the wrong type, say), else `messages`."""
+    if kwargs:
+        try:
+            render(**{k: v for k, v in extra.items() if k not in kwargs})
+        except ChatTemplateError:
+            return "messages"
+        return "chat_template_kwargs"
+    return "messages"
 
 
 def build_prompts(state: ServerState, body: Any) -> tuple[list[tuple[list[int], str]], ToolPlan]:

@@ -186,6 +186,7 @@ OUT_OF_RANGE = [
     ("chat", "chat_template_kwargs", {"raise_exception": 1}, "chat_template_kwargs"),
     ("chat", "chat_template_kwargs", {"range": 1}, "chat_template_kwargs"),
     ("chat", "documents", [{"text": "x"}, "y"], "documents.[1]"),
+    ("completion", "prompt_embeds", "AAAA", "prompt_embeds"),  # vLLM's, refused: the prompt alone was answered
     ("chat", "use_beam_search", True, "use_beam_search"),  # vLLM's, not implemented: refused, not ignored
     ("completion", "prompt_logprobs", 2, "prompt_logprobs"),
     ("chat", "logits_processors", ["x"], "logits_processors"),
@@ -609,3 +610,38 @@ def test_a_whole_answer_keeps_the_order_the_model_wrote(api: str) -> None:
         sdk = message.model_dump(exclude_none=True)
         assert [{k: v for k, v in b.items() if k != "id"} for b in sdk["content"]] == \
             [{k: v for k, v in b.items() if k != "id"} for b in whole["content"]]
+
+
+def test_a_template_failing_on_chat_template_kwargs_blames_them() -> None:
+    """A template that fails on a variable chat_template_kwargs gave it (a number where it adds text) is a 400
+    naming `chat_template_kwargs`; one that fails on the messages still names `messages`."""
+    import dataclasses
+
+    from models.loader.tokenizer import load_tokenizer
+    from server.metrics import Metrics
+    from server.protocol import ChatCompletionRequest
+    from server.serving import ClientError, chat_prompt
+    from server.state import ServerState
+
+    state = ServerState(model_name="m", metrics=Metrics("m"))
+    template = ("{{ 'Today: ' + (date_string or 'now') }}{% for m in messages %}{{ m.content + '.' }}"
+                "{% if m.content == 'boom' %}{{ raise_exception('no boom') }}{% endif %}{% endfor %}"
+                "{% if strict is defined and strict %}{{ raise_exception('strict') }}{% endif %}")
+    state.tokenizer = dataclasses.replace(load_tokenizer("smollm2-135m-instruct"), chat_template=template)
+    rng = random.Random()
+    day = str(rng.randrange(1, 29))
+
+    def param(kwargs: dict | None, content: Any = "hi") -> str | None:
+        body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": content}],
+                                                     **({"chat_template_kwargs": kwargs} if kwargs else {})})
+        try:
+            chat_prompt(state, body)
+        except ClientError as e:
+            assert e.status == 400
+            return e.param
+        return None
+
+    assert param({"date_string": day}) is None
+    assert param({"date_string": int(day)}) == "chat_template_kwargs"
+    assert param({"strict": True}) == "chat_template_kwargs"
+    assert param({"date_string": day}, "boom") == param(None, "boom") == "messages"

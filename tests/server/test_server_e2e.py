@@ -1005,15 +1005,22 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server, path
         done = [u["completion_tokens"] for u in usages]
         assert done == sorted(done) and done[-1] == 6 and all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
                                                               for u in usages)
-    # n = 2: each chunk's usage is its own choice's, as vLLM's (the two choices' tokens were added up)
+    # n = 2: each chunk's usage is its own choice's, as vLLM's (the two choices' tokens were added up); a chunk
+    # that carries no generated token (the role's, an echo's) counts none, and each token's chunk one more
+    # (the first choice's role chunk, sent with its first token, counted that token too)
     options = {"include_usage": True, "continuous_usage_stats": True}
-    with httpx.stream("POST", server.url + path, json={**body, "n": 2, "stream_options": options}, timeout=60,
+    echo = {"echo": True} if "chat" not in path else {}
+    with httpx.stream("POST", server.url + path, json={**body, **echo, "n": 2, "stream_options": options}, timeout=60,
                       headers={"Authorization": f"Bearer {KEY}"}) as resp:
         chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
     assert chunks[-1]["usage"]["completion_tokens"] == 12
     for k in (0, 1):
-        done = [c["usage"]["completion_tokens"] for c in chunks[:-1] if c["choices"][0]["index"] == k]
-        assert done == sorted(done) and done[-1] == 6, done
+        mine = [c for c in chunks[:-1] if c["choices"][0]["index"] == k]
+        done = [c["usage"]["completion_tokens"] for c in mine]
+        assert done == sorted(done) and done[0] == 0 and done[-1] == 6, done
+        generated = [c["usage"]["completion_tokens"] for c in mine if c is not mine[0]
+                     and (c["choices"][0].get("text") or (c["choices"][0].get("delta") or {}).get("content"))]
+        assert generated == list(range(1, 7)), (k, done)
 
 
 def test_skip_special_tokens_false_writes_them(server, tok):
