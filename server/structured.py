@@ -18,7 +18,7 @@ and where it is. Keywords JSON Schema's vocabularies do not define (`x-order`, .
 annotate (`title`, `contentMediaType`, `$anchor`, ...) are ignored, as validators ignore them. `oneOf` is
 enforced as `anyOf` (a value matching two branches is not excluded), and a `pattern` is matched as a
 whole (anchored) and written without the characters JSON escapes (`xgrammar_pattern`), which only
-narrows what is produced. `minLength` or `maxLength` beside a `pattern` or
+narrows what is produced, its repetition counts above 128 split into pieces xgrammar keeps. `minLength` or `maxLength` beside a `pattern` or
 `format` is refused: xgrammar would drop the length. Keywords beside `$ref`, `anyOf`/`oneOf` and `allOf`,
 which xgrammar drops, are folded into them first, and a schema without `type` gets the kind its keywords
 constrain (server.schema_compose).
@@ -605,9 +605,10 @@ def _json_pattern(items: list, depth: int = 0) -> str | None:
             if not body:
                 continue
             if hi != _sre.MAXREPEAT:
-                out.append(f"(?:{body}){{{lo},{hi}}}")
+                out.append(_repeat(body, lo, hi))
             else:  # not `{lo,}`: xgrammar 0.2.9 let `(?:b){0,}` inside a group take what `b*` does not
-                out.append((f"(?:{body}){{{lo - 1}}}" if lo > 1 else "") + f"(?:{body})" + ("+" if lo else "*"))
+                head = f"(?:{body}){{{lo - 1}}}" if lo - 1 <= _MAX_COUNT else _repeat(body, lo - 1, lo - 1)
+                out.append((head if lo > 1 else "") + f"(?:{body})" + ("+" if lo else "*"))
         elif name in ("ASSERT", "ASSERT_NOT"):
             raise _Lookaround
         elif name == "AT" and str(av) in ("AT_BEGINNING", "AT_BEGINNING_STRING"):
@@ -617,6 +618,22 @@ def _json_pattern(items: list, depth: int = 0) -> str | None:
         else:
             raise _Unsupported
     return "".join(out)
+
+
+_MAX_COUNT = 128  # the largest repetition count xgrammar 0.2.9 keeps in a JSON Schema pattern (see `_repeat`)
+
+
+def _repeat(body: str, lo: int, hi: int) -> str:
+    """`(?:body){lo,hi}` with no count above 128: the same language in pieces (b{128} b{2} b{0,128} b{0,42}
+    for b{130,300}). xgrammar 0.2.9 lost a larger count after a repetition in a JSON Schema pattern:
+    `^[ae]*x{1,129}$` wrote "xa"."""
+    full, rest = divmod(lo, _MAX_COUNT)
+    optional, tail = divmod(hi - lo, _MAX_COUNT)
+    if not full and not optional:
+        return f"(?:{body}){{{lo},{hi}}}"
+    pieces = [f"(?:{body}){{{_MAX_COUNT}}}"] * full + ([f"(?:{body}){{{rest}}}"] if rest else [])
+    pieces += [f"(?:{body}){{0,{_MAX_COUNT}}}"] * optional + ([f"(?:{body}){{0,{tail}}}"] if tail else [])
+    return "".join(pieces)
 
 
 def _optional_groups(pattern: str) -> str:

@@ -205,6 +205,28 @@ def test_served_patterns_match_exactly_what_python_re_matches(backend):
             assert accepts(backend, compiled, json.dumps(text)) == bool(re.fullmatch(p, text)), (p, text)
 
 
+def test_repetition_counts_above_128_are_kept(backend):
+    """xgrammar 0.2.9 lost a repetition count above 128 after another repetition in a JSON Schema pattern
+    (`^[ae]*x{1,129}$` wrote "xa", with finish_reason stop: a helper found it); the served pattern splits it
+    into counts of 128 at most. Checked against `re.fullmatch` around each bound, the rest drawn at random."""
+    import re
+
+    rng = random.Random()
+    lo = rng.randint(129, 140)
+    cases = [("[ae]*x{1,129}", 1, 129), (f"[ae]+x{{{lo},{lo + 170}}}", lo, lo + 170), ("e?(ax){0,200}", 0, 200),
+             (f"[ae]*x{{{lo},}}", lo, lo + 60), ("a*x{129}", 129, 129)]
+    for p, low, high in cases:
+        compiled = served(backend, {"type": "string", "pattern": f"^{p}$"})
+        counts = {0, 1, low - 1, low, low + 1, high - 1, high, high + 1, 128, 129, rng.randint(low, high)}
+        texts = []
+        for m in (c for c in counts if c >= 0):
+            for head in ("", "a", "ea"):
+                unit = "ax" if "(ax)" in p else "x"
+                texts += [head + unit * m, head + unit * m + "a", head + unit * (m // 2) + "a" + unit * (m - m // 2)]
+        for text in texts:
+            assert accepts(backend, compiled, json.dumps(text)) == bool(re.fullmatch(p, text)), (p, len(text), text[:8])
+
+
 ASCII = [chr(c) for c in range(1, 128)]  # control characters, '"' and '\\' too: what a JSON string must escape
 
 
