@@ -488,7 +488,8 @@ def chat_prompt(state: ServerState, body: ChatInput) -> tuple[str, ToolPlan]:
     assert tok is not None
     template = tok.chat_template_for(tools=bool(body.tools) and body.tool_choice != "none")
     plan = plan_tools(body, template, state.tool_call_parser)
-    messages = with_call_markup(body.openai_messages(parts=bool(template) and loops_over_content(template)), template)
+    messages = with_call_markup(body.openai_messages(parts=bool(template) and loops_over_content(template)), template,
+                                state.tool_call_parser)
     if plan.system:
         messages = with_system(messages, plan.system, template)
     extra: dict[str, Any] = dict(body.chat_template_kwargs or {})  # (none of the names set here: protocol)

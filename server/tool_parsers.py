@@ -40,6 +40,11 @@ from json.decoder import scanstring
 from typing import Any
 
 
+def _json(value: Any) -> str:
+    """A value as the models' templates write it (`tojson`'s separators, characters as they are)."""
+    return json.dumps(value, ensure_ascii=False)
+
+
 @dataclass
 class ToolCallDelta:
     """One streamed piece of tool call `index`: `id` and `name` come only on the call's first piece."""
@@ -126,6 +131,13 @@ class ToolParser:
         self._skip_ws = False  # whitespace right after a call is layout between calls, not content
         self._state = "content"  # where a parser with states is
         self._raw = ""  # markup consumed that may yet make no call (then content: `_reject`)
+
+    @classmethod
+    def written(cls, text: str, calls: list[tuple[str, Any]]) -> str:
+        """An assistant turn's `text` and its `calls` ((name, arguments as a JSON value) each) as the model
+        writes them in this parser's markup: what a chat template that does not render calls is given as
+        that turn's text, and what this parser reads back as those calls."""
+        raise NotImplementedError
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         """Takes newly generated text; returns the content to show now and the tool-call deltas now."""
@@ -242,6 +254,17 @@ class DeepSeekV3ToolParser(ToolParser):
         super().__init__(new_id)
         self._state = "content"  # content | section (between calls) | header | args
 
+    @classmethod
+    def written(cls, text: str, calls: list[tuple[str, Any]]) -> str:
+        return text + _CALLS_BEGIN + "".join(_CALL_BEGIN + cls._written_head(name) + _json(args) + cls._written_tail
+                                             + _CALL_END for name, args in calls) + _CALLS_END
+
+    _written_tail = "\n```"  # (what `written` puts after a call's arguments)
+
+    @staticmethod
+    def _written_head(name: str) -> str:
+        return f"function{_SEP}{name}\n```json\n"
+
     def _split_header(self, head: str, closed: bool) -> tuple[str, int] | None:
         """(name, where the arguments start) in `head`, the text after `<｜tool▁call▁begin｜>` up to any
         end marker (`closed` if one was seen); None while the name may still be incomplete."""
@@ -306,6 +329,12 @@ class DeepSeekV3ToolParser(ToolParser):
 
 class DeepSeekV31ToolParser(DeepSeekV3ToolParser):
     """DeepSeek-V3.1: `NAME<｜tool▁sep｜>ARGS`, no type and no fence."""
+
+    _written_tail = ""
+
+    @staticmethod
+    def _written_head(name: str) -> str:
+        return f"{name}{_SEP}"
 
     def _split_header(self, head: str, closed: bool) -> tuple[str, int] | None:
         sep = head.find(_SEP)
@@ -378,6 +407,11 @@ class HermesToolParser(ToolParser):
 
     _OPEN, _CLOSE = HERMES_OPEN, "</tool_call>"
     markup = (_OPEN, _CLOSE)
+
+    @classmethod
+    def written(cls, text: str, calls: list[tuple[str, Any]]) -> str:
+        blocks = [f"{cls._OPEN}\n{_json({'name': name, 'arguments': args})}\n{cls._CLOSE}" for name, args in calls]
+        return "\n".join([text, *blocks] if text else blocks)
 
     def __init__(self, new_id: Callable[[], str] = default_call_id) -> None:
         super().__init__(new_id)
@@ -475,6 +509,11 @@ class Llama3JsonToolParser(ToolParser):
 
     markup = (_PYTHON_TAG,)
 
+    @classmethod
+    def written(cls, text: str, calls: list[tuple[str, Any]]) -> str:
+        objects = "; ".join(_json({"name": name, "parameters": args}) for name, args in calls)
+        return f"{text}{_PYTHON_TAG}{objects}" if text else objects  # (after text, the tag says calls follow)
+
     def __init__(self, new_id: Callable[[], str] = default_call_id) -> None:
         super().__init__(new_id)
         self._mode = ""  # "" undecided | content | json
@@ -542,6 +581,10 @@ class MistralToolParser(ToolParser):
     closes; text after it is content. A marker followed by anything else (prose that names it) is content."""
 
     markup = (_MISTRAL_CALLS, _MISTRAL_ARGS, _MISTRAL_CALL_ID)
+
+    @classmethod
+    def written(cls, text: str, calls: list[tuple[str, Any]]) -> str:
+        return text + _MISTRAL_CALLS + _json([{"name": name, "arguments": args} for name, args in calls])
 
     def __init__(self, new_id: Callable[[], str] = mistral_call_id) -> None:
         super().__init__(new_id)

@@ -118,7 +118,7 @@ def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto")
         return ToolPlan(rendered, forced_system, schema_output(schema, "tool_choice"),
                         lambda: RequiredToolCalls(new_id))
     # auto: the parser the template implies (or the flag's); Hermes where nothing says otherwise
-    name = detect_tool_parser(template) if parser_name == "auto" else parser_name
+    name = reply_parser(template, parser_name)
     if name is None and renders_tools:
         raise ParamError("tools", "this model's chat template uses a tool-call format mlaserve does not recognise; "
                          f"start the server with --tool-call-parser (one of {', '.join(sorted(TOOL_PARSERS))})")
@@ -128,6 +128,12 @@ def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto")
         return ToolPlan(rendered, None, None, _parser(name, body.parallel_tool_calls, new_id), markup=markup)
     prompt = (_TOOL_PROMPT if name == "hermes" else _TOOL_LIST_PROMPT).format(tools=listed)
     return ToolPlan(None, prompt, None, _parser(name, body.parallel_tool_calls, new_id), markup=markup)
+
+
+def reply_parser(template: str | None, parser_name: str) -> str | None:
+    """The tool parser that reads a reply: the flag's (`--tool-call-parser`), else the one the template
+    implies (None where it implies none)."""
+    return detect_tool_parser(template) if parser_name == "auto" else parser_name
 
 
 def _text_of(content: Any) -> str:
@@ -148,24 +154,27 @@ def with_system(messages: list[dict[str, Any]], text: str, template: str | None)
     return [{"role": "system", "content": text}, *messages]
 
 
-def with_call_markup(messages: list[dict[str, Any]], template: str | None) -> list[dict[str, Any]]:
-    """Past tool calls and results written into the messages' text in Hermes markup, for a chat template
-    that does not read `tool_calls` (the default SmolLM2 model's): it would render an assistant turn
-    that called tools as empty (or fail on its `content: null`), so the model would see results of
-    calls it never made. The markup is the one our tool prompt asks for: `<tool_call>` blocks after
-    the assistant's text, each `tool` message's content in a `<tool_response>` block, sent as a user turn
-    (as Hermes-format templates write results: one turn for consecutive results) where the template drops
-    `tool` messages. A template that
-    reads `tool_calls` gets the messages as they are (it writes calls in its own markup)."""
+def with_call_markup(messages: list[dict[str, Any]], template: str | None,
+                     parser_name: str = "auto") -> list[dict[str, Any]]:
+    """Past tool calls and results written into the messages' text, for a chat template that does not read
+    `tool_calls` (the default SmolLM2 model's): it would render an assistant turn that called tools as empty
+    (or fail on its `content: null`), so the model would see results of calls it never made. The calls are
+    written in the markup of the parser that reads the reply (`parser_name` as `plan_tools` takes it; Hermes
+    `<tool_call>` blocks, which our tool prompt asks for, where nothing names another), so a model that
+    copies them is read back; each `tool` message's content in a `<tool_response>` block, sent as a user
+    turn (as Hermes-format templates write results: one turn for consecutive results) where the template
+    drops `tool` messages. A template that reads `tool_calls` gets the messages as they are (it writes
+    calls in its own markup)."""
     if template is not None and "tool_calls" in template:
         return messages
+    written = TOOL_PARSERS[reply_parser(template, parser_name) or "hermes"].written
     result_role = "tool" if template is None or writes_tool_messages(template) else "user"
     out: list[dict[str, Any]] = []
     results: dict[str, Any] | None = None  # the user turn the latest tool results went in
     for m in messages:
         calls = m.get("tool_calls")
         if m.get("role") == "assistant" and calls:
-            blocks = []
+            written_calls = []
             for c in calls:
                 fn = c.get("function") or {}
                 args = fn.get("arguments")
@@ -173,11 +182,10 @@ def with_call_markup(messages: list[dict[str, Any]], template: str | None) -> li
                     parsed = from_json(args) if isinstance(args, str) else args
                 except ValueError:
                     parsed = args  # not JSON: written as the text it is
-                call = {"name": fn.get("name"), "arguments": parsed if parsed is not None else {}}
-                blocks.append(f"<tool_call>\n{json.dumps(call, ensure_ascii=False)}\n</tool_call>")
+                written_calls.append((fn.get("name"), parsed if parsed is not None else {}))
             text = _text_of(m.get("content"))
             m = {k: v for k, v in m.items() if k != "tool_calls"}
-            m["content"] = "\n".join([text, *blocks] if text else blocks)
+            m["content"] = written(text, written_calls)
         elif m.get("role") == "tool":
             block = f"<tool_response>\n{_text_of(m.get('content'))}\n</tool_response>"
             if results is not None and out[-1] is results:  # one user turn for a call's results, as Hermes

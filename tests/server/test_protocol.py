@@ -645,3 +645,28 @@ def test_a_template_failing_on_chat_template_kwargs_blames_them() -> None:
     assert param({"date_string": int(day)}) == "chat_template_kwargs"
     assert param({"strict": True}) == "chat_template_kwargs"
     assert param({"date_string": day}, "boom") == param(None, "boom") == "messages"
+
+
+@pytest.mark.parametrize("parser, marker", [("auto", "<tool_call>"), ("deepseek_v3", "<｜tool▁calls▁begin｜>"),
+                                            ("mistral", "[TOOL_CALLS]")])
+def test_past_calls_are_written_in_the_markup_the_reply_is_read_in(parser: str, marker: str) -> None:
+    """For a template that does not render tool calls (SmolLM2's), a past call is written into the assistant's
+    text in the markup of the parser `--tool-call-parser` names (Hermes when it names none)."""
+    from models.loader.tokenizer import load_tokenizer
+    from server.metrics import Metrics
+    from server.protocol import ChatCompletionRequest
+    from server.serving import chat_prompt
+    from server.state import ServerState
+
+    state = ServerState(model_name="m", metrics=Metrics("m"))
+    state.tokenizer = load_tokenizer("smollm2-135m-instruct")
+    state.tool_call_parser = parser
+    city = random.choice(["Paris", "Lyon"])
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": city})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]})
+    text, _ = chat_prompt(state, body)
+    assert marker in text and city in text and "<tool_response>\nsunny\n</tool_response>" in text, text
+    assert ("<tool_call>" in text) == (parser == "auto")

@@ -376,3 +376,20 @@ def test_a_named_call_begins_with_its_first_character():
     named.feed("1}")
     assert [(d.name, d.arguments) for d in deltas] == [("f", '{"a": ')] and named.finish() == ("", [])
     assert [(c.name, c.arguments) for c in named.tool_calls] == [("f", '{"a": 1}')]
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+def test_history_written_in_a_parsers_markup_reads_back_as_its_calls(name):
+    """A past assistant turn's calls, written for a template that does not render them, are in the markup of
+    the parser in force (`ToolParser.written`): a model that copies them is read back, the same calls and the
+    same text. They were always Hermes blocks, which `--tool-call-parser deepseek_v3` read as plain text (a
+    helper found it)."""
+    rng = random.Random()
+    cities = ["Paris", "Lyon", "Zürich", 'O"Brien']
+    calls = [(rng.choice(["get_weather", "get_time"]), {"city": rng.choice(cities), "days": rng.randrange(9)})
+             for _ in range(rng.randint(1, 3))]
+    for text in ("", "Let me check."):
+        written = TOOL_PARSERS[name].written(text, calls)
+        content, got = parse_tool_calls(name, written, new_id=_ids())
+        assert content.strip() == text, (name, written)
+        assert [(c.name, json.loads(c.arguments)) for c in got] == calls, (name, written)
