@@ -118,6 +118,23 @@ def _mix_seed(seed: int, index: int) -> int:
     return mix64(mix64(seed) + index) & ((1 << 63) - 1)
 
 
+
+def _warn_if_never_sparse(omnikv: OmniKVConfig, context_len: int, mode: str) -> None:
+    """Warns of an OmniKV config under which no decode step of this server can be sparse: a budget that keeps
+    every token of its longest context, or (`--omnikv auto`) a min_context past that context."""
+    if omnikv.budget_tokens is None and omnikv.budget_ratio >= 1:
+        logger.warning("OmniKV: a budget of %.0f%% of the context keeps every token, so no decode step is "
+                       "sparse and OmniKV changes nothing; give a budget_ratio below 1 or budget_tokens",
+                       omnikv.budget_ratio * 100)
+    elif omnikv.budget_tokens is not None and not omnikv.is_sparse_for(context_len):
+        logger.warning("OmniKV: budget_tokens %d with %d sink and %d recent tokens keeps every token of the "
+                       "longest context (%d), so no decode step is sparse and OmniKV changes nothing; give "
+                       "budget_tokens of at most %d or a budget_ratio", omnikv.budget_tokens, omnikv.sink_tokens,
+                       omnikv.recent_tokens, context_len, max(1, context_len - omnikv.sink_tokens - omnikv.recent_tokens - 1))
+    elif mode == "auto" and omnikv.min_context > context_len:
+        logger.warning("OmniKV: --omnikv auto turns it on from %d tokens, past the longest context (%d): it never "
+                       "turns on; give a smaller min_context, or --omnikv on", omnikv.min_context, context_len)
+
 class EngineCore:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
@@ -175,16 +192,6 @@ class EngineCore:
             logger.warning("OmniKV: %s was calibrated on %s, not on %s: its filter layers may not suit this model "
                            "(mlaserve calibrate-omnikv --model %s chooses them)", args.omnikv_config, calibrated_on,
                            model_label(args.model), args.model)
-        if omnikv.budget_tokens is None and omnikv.budget_ratio >= 1:
-            logger.warning("OmniKV: a budget of %.0f%% of the context keeps every token, so no decode step is "
-                           "sparse and OmniKV changes nothing; give a budget_ratio below 1 or budget_tokens",
-                           omnikv.budget_ratio * 100)
-        elif omnikv.budget_tokens is not None and not omnikv.is_sparse_for(self.context_len):
-            logger.warning("OmniKV: budget_tokens %d with %d sink and %d recent tokens keeps every token of the "
-                           "longest context (%d), so no decode step is sparse and OmniKV changes nothing; give "
-                           "budget_tokens of at most %d or a budget_ratio", omnikv.budget_tokens, omnikv.sink_tokens,
-                           omnikv.recent_tokens, self.context_len,
-                           max(1, self.context_len - omnikv.sink_tokens - omnikv.recent_tokens - 1))
         if not omnikv.plan(cfg.num_hidden_layers).has_sparse:
             # the earliest plan (a filter at layer 0) has sparse layers unless the model is too shallow
             advice = ("choose earlier filter layers (mlaserve calibrate-omnikv)"
@@ -238,6 +245,7 @@ class EngineCore:
             logger.warning("context length %d is cut to %d, the KV cache's slots (%s): a longer request could "
                            "never run to its end", self.context_len, num_slots, cause)
             self.context_len = num_slots
+        _warn_if_never_sparse(omnikv, self.context_len, args.omnikv)  # (the context as the cache leaves it)
         need = num_slots * (device_per_token + 8) + rows * self.context_len * 4  # (8: the slot allocator's list)
         if need > memory:  # the allocation would fail (a traceback), or succeed lazily and be killed when filled
             raise ValueError(

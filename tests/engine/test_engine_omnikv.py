@@ -278,7 +278,8 @@ def test_a_model_too_shallow_for_a_sparse_layer_gets_advice_it_can_follow(model_
 
 def test_a_budget_count_past_the_context_is_warned_of(model_dir, tmp_path, caplog):
     """budget_tokens with the sink and recent tokens covering the longest context keeps every token at every
-    step: the engine says so at start, with the count that would be sparse; one just under it says nothing."""
+    step: the engine says so at start, with the count that would be sparse; one just under it says nothing.
+    So does an auto mode whose min_context is past the context."""
     path = tmp_path / "big.json"
     OmniKVConfig(filter_layers=(1, 3), budget_tokens=500, sink_tokens=4, recent_tokens=8).save(path)
     with caplog.at_level("WARNING", logger="mlaserve.engine"):
@@ -291,6 +292,22 @@ def test_a_budget_count_past_the_context_is_warned_of(model_dir, tmp_path, caplo
     with caplog.at_level("WARNING", logger="mlaserve.engine"):
         make_engine(model_dir, str(path), "native", omnikv="on", context_length=512)
     assert "keeps every token" not in caplog.text
+    # the context the KV cache leaves (--max-total-tokens below it) is the one checked: it was the longer one,
+    # and a budget past the shorter context went unwarned (a helper found it)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mlaserve.engine"):
+        make_engine(model_dir, str(path), "native", omnikv="on", context_length=512, max_total_tokens=480)
+    assert "context length 512 is cut to 480" in caplog.text
+    assert "keeps every token of the longest context (480)" in caplog.text and "at most 467" in caplog.text
+    # --omnikv auto from past the longest context never turns on
+    caplog.clear()
+    OmniKVConfig(filter_layers=(1, 3), budget_tokens=64, min_context=600).save(path)
+    for mode, warned in (("auto", True), ("on", False)):
+        with caplog.at_level("WARNING", logger="mlaserve.engine"):
+            make_engine(model_dir, str(path), "native", omnikv=mode, context_length=512)
+        assert ("turns it on from 600 tokens, past the longest context (512): it never turns on" in caplog.text) \
+            == warned, mode
+        caplog.clear()
 
 
 @pytest.mark.parametrize("cpu_kernels", KERNELS)
