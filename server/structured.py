@@ -18,7 +18,7 @@ and where it is. Keywords JSON Schema's vocabularies do not define (`x-order`, .
 annotate (`title`, `contentMediaType`, `$anchor`, ...) are ignored, as validators ignore them. `oneOf` is
 enforced as `anyOf` (a value matching two branches is not excluded), and a `pattern` is matched as a
 whole (anchored) and written without the characters JSON escapes (`xgrammar_pattern`), which only
-narrows what is produced, its repetition counts above 128 split into pieces xgrammar keeps. `minLength` or `maxLength` beside a `pattern` or
+narrows what is produced, a count range past 128 written in the form xgrammar keeps (`_repeat`). `minLength` or `maxLength` beside a `pattern` or
 `format` is refused: xgrammar would drop the length. Keywords beside `$ref`, `anyOf`/`oneOf` and `allOf`,
 which xgrammar drops, are folded into them first, and a schema without `type` gets the kind its keywords
 constrain (server.schema_compose).
@@ -620,20 +620,19 @@ def _json_pattern(items: list, depth: int = 0) -> str | None:
     return "".join(out)
 
 
-_MAX_COUNT = 128  # the largest repetition count xgrammar 0.2.9 keeps in a JSON Schema pattern (see `_repeat`)
+_MAX_COUNT = 128  # the largest count range xgrammar 0.2.9 keeps right after an unbounded repetition (`_repeat`)
 
 
 def _repeat(body: str, lo: int, hi: int) -> str:
-    """`(?:body){lo,hi}` with no count above 128: the same language in pieces (b{128} b{2} b{0,128} b{0,42}
-    for b{130,300}). xgrammar 0.2.9 lost a larger count after a repetition in a JSON Schema pattern:
-    `^[ae]*x{1,129}$` wrote "xa"."""
-    full, rest = divmod(lo, _MAX_COUNT)
-    optional, tail = divmod(hi - lo, _MAX_COUNT)
-    if not full and not optional:
+    """`(?:body){lo,hi}`, one item of it first where the count is past 128:
+    b{1,129} as b{1,1}b{0,128}, b{200} as b{1,1}b{199,199}, the same language. xgrammar 0.2.9 lost such a
+    count right after an unbounded repetition in a JSON Schema pattern (`^[ae]*x{1,129}$` wrote "xa"); after
+    a bounded item it keeps it, and compiles it as fast as before (a split into pieces of 128 took a
+    `{1,1000}` past the 30 s compile limit)."""
+    if hi <= _MAX_COUNT:
         return f"(?:{body}){{{lo},{hi}}}"
-    pieces = [f"(?:{body}){{{_MAX_COUNT}}}"] * full + ([f"(?:{body}){{{rest}}}"] if rest else [])
-    pieces += [f"(?:{body}){{0,{_MAX_COUNT}}}"] * optional + ([f"(?:{body}){{0,{tail}}}"] if tail else [])
-    return "".join(pieces)
+    first = min(lo, 1)
+    return f"(?:{body}){{{first},1}}(?:{body}){{{lo - first},{hi - 1}}}"
 
 
 def _optional_groups(pattern: str) -> str:

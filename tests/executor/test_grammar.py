@@ -207,14 +207,15 @@ def test_served_patterns_match_exactly_what_python_re_matches(backend):
 
 def test_repetition_counts_above_128_are_kept(backend):
     """xgrammar 0.2.9 lost a repetition count above 128 after another repetition in a JSON Schema pattern
-    (`^[ae]*x{1,129}$` wrote "xa", with finish_reason stop: a helper found it); the served pattern splits it
-    into counts of 128 at most. Checked against `re.fullmatch` around each bound, the rest drawn at random."""
+    (`^[ae]*x{1,129}$` wrote "xa", with finish_reason stop: a helper found it); the served pattern writes one
+    item of it first. Checked against `re.fullmatch` around each bound, the rest drawn at random."""
     import re
 
     rng = random.Random()
     lo = rng.randint(129, 140)
     cases = [("[ae]*x{1,129}", 1, 129), (f"[ae]+x{{{lo},{lo + 170}}}", lo, lo + 170), ("e?(ax){0,200}", 0, 200),
-             (f"[ae]*x{{{lo},}}", lo, lo + 60), ("a*x{129}", 129, 129)]
+             (f"[ae]*x{{{lo},}}", lo, lo + 60), ("a*x{129}", 129, 129), ("[ae]*x{200}", 200, 200),
+             ("e?x{1,1000}", 1, 1000)]  # (pieces of 128 each took a {1,1000} past the compile limit: a reviewer)
     for p, low, high in cases:
         compiled = served(backend, {"type": "string", "pattern": f"^{p}$"})
         counts = {0, 1, low - 1, low, low + 1, high - 1, high, high + 1, 128, 129, rng.randint(low, high)}
