@@ -215,10 +215,10 @@ class HFCheckpoint:
         assert self._fp8 is not None
         scale_name, path = self._scales[name]
         scale = self._handle(path).get_tensor(scale_name)
-        bad = int((~(scale.to(torch.float32) > 0) | ~torch.isfinite(scale.to(torch.float32))).sum())
-        if bad:  # (a quantizer writes max|block| / 448 > 0: a zero or a negative one is a corrupt file)
-            raise CheckpointError(path, f"tensor '{scale_name}' holds {bad} scale(s) that are not positive finite "
-                                        "numbers: the checkpoint is corrupt")
+        bad = int((~(scale.to(torch.float32) >= 0) | ~torch.isfinite(scale.to(torch.float32))).sum())
+        if bad:  # (a quantizer writes max|block| / 448: 0 for a block of zeros, never below; NaN is caught too)
+            raise CheckpointError(path, f"tensor '{scale_name}' holds {bad} scale(s) that are negative or not "
+                                        "finite: the checkpoint is corrupt")
         full = self._checked_layout()[name]
         block = self._fp8.block_of((full[0], full[1]), scale.numel())
         return dequantize_fp8(q, scale, block, (full[0], full[1]), at, self.dequantize_dtype)

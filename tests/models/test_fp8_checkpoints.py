@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import shutil
 from pathlib import Path
 
@@ -248,10 +249,10 @@ def _set(name, value):
     (_pop(KEY + "_scale_inv"), [f"FP8 tensor '{KEY}' has no scales beside it", "incomplete"]),
     (_set(KEY + "_scale_inv", torch.ones(3, 3)), [f"'{KEY}_scale_inv' is F32 [3, 3]", "must be [4, 4]"]),
     (_set(KEY + "_scale_inv", torch.ones(4, 4, dtype=torch.int32)), ["is I32 [4, 4]", "F8_E8M0"]),
-    # a scale that is no positive number (a zero one gave a block of zeros, a negative one flipped its sign)
+    # a scale that is negative (it flipped its block's sign) or not finite (a block of zero scale is one of zeros)
     (_set(KEY + "_scale_inv", torch.full((4, 4), float("nan"))), [f"'{KEY}_scale_inv' holds 16 scale(s) that"]),
-    (_set(KEY + "_scale_inv", torch.rand(4, 4).index_put_((torch.tensor([1]), torch.tensor([2])), torch.tensor(0.0))),
-     [f"'{KEY}_scale_inv' holds 1 scale(s) that are not positive finite numbers"]),
+    (_set(KEY + "_scale_inv", torch.rand(4, 4).index_put_((torch.tensor([1]), torch.tensor([2])), torch.tensor(-1.0))),
+     [f"'{KEY}_scale_inv' holds 1 scale(s) that are negative or not finite"]),
     (_set(KEY + "_scale_inv", -torch.rand(4, 4) - 0.1), [f"'{KEY}_scale_inv' holds 16 scale(s)", "corrupt"]),
     # (load_model's check of every tensor names the weight its scales made non-finite)
     (_set(KEY + "_scale_inv", torch.full((4, 4), 3e38)), [f"'{KEY}' holds", "non-finite value(s)"]),
@@ -261,10 +262,23 @@ def _set(name, value):
     (_set(KEY + "_scale_inv_scale_inv", torch.ones(1)), [f"unexpected tensor '{KEY}_scale_inv_scale_inv'"]),
     (_set(KEY, torch.ones(2, 64, 64).to(torch.float8_e4m3fn)), [f"FP8 tensor '{KEY}' has shape [2, 64, 64]"]),
     (_set(KEY, torch.ones(64, 64).to(torch.float8_e5m2)), [f"tensor '{KEY}' is stored as F8_E5M2"]),
-], ids=["no-scale", "scale-grid", "scale-int", "scale-nan", "scale-zero", "scale-negative", "scale-overflow", "orphan-scale", "two-scales",
+], ids=["no-scale", "scale-grid", "scale-int", "scale-nan", "scale-one-negative", "scale-negative", "scale-overflow", "orphan-scale", "two-scales",
         "scale-of-scale", "3d", "e5m2"])
 def test_broken_fp8_tensors_name_what_is_wrong(fp8_dir, tmp_path, edit, needles):
     _fails(_broken(fp8_dir, tmp_path, edit), *needles)
+
+
+def test_a_zero_scale_is_a_block_of_zeros(fp8_dir, tmp_path):
+    """A scale of 0 (what max|block| / 448 gives a block of zeros) is read, not refused: its block is zeros, the
+    others as the format defines them."""
+    rng = random.Random()
+    r, c = rng.randrange(4), rng.randrange(4)
+    d = _broken(fp8_dir, tmp_path, lambda sd: sd[KEY + "_scale_inv"].__setitem__((r, c), 0.0))
+    written = load_file(d / "model.safetensors")
+    got = HFCheckpoint(d).get(KEY)
+    assert torch.equal(got, dequantized(written[KEY], written[KEY + "_scale_inv"], BLOCK_PARTIAL))
+    b0, b1 = BLOCK_PARTIAL
+    assert not got[r * b0:(r + 1) * b0, c * b1:(c + 1) * b1].any() and got.any()
 
 
 @pytest.mark.parametrize("quant, needles", [
