@@ -25,7 +25,7 @@ $(PY):
 
 # Installs the pinned CPU torch first unless a CUDA torch is already present (GPU hosts keep theirs),
 # so that the project's plain `torch` requirement never pulls the multi-GB CUDA wheels.
-$(STAMP): $(PY) pyproject.toml setup.py $(wildcard cpp_experts/csrc/*)
+$(STAMP): $(PY) Makefile pyproject.toml setup.py $(wildcard cpp_experts/csrc/*)
 	@echo "setting up $(VENV): PyTorch, the dependencies and a build of the C++ extension (a few minutes the first time)"
 	@if $(PY) -c "import torch,sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then \
 		echo "keeping the installed CUDA torch"; \
