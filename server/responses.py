@@ -288,10 +288,20 @@ class ChatSerializer(Serializer):
     def chat_logprobs(self, lps: list[ShownLogprob]) -> ChatChoiceLogprobs | None:
         return ChatChoiceLogprobs(content=self.token_logprobs(lps)) if self.body.logprobs else None
 
+    def unshown(self, lps: list[ShownLogprob]) -> list[ShownLogprob]:
+        """`lps` without the special tokens the reply's text leaves out (`skip_special_tokens`): their text is
+        no part of the content the logprobs join to (one between words was listed, one at the end not)."""
+        tok = self.state.tokenizer
+        if tok is None or not self.body.skip_special_tokens:
+            return lps
+        special = tok.special_ids
+        return [s for s in lps if not (s.lp.token_id in special and s.end <= s.offset)]
+
     def content_logprobs(self, i: int, lps: list[ShownLogprob], split: Split, content: str) -> list[ShownLogprob]:
         """Of choice i's logprobs, those of the tokens whose text is its answer `content` (as OpenAI's
         `logprobs.content` joins to the content): those starting inside the answer's span of the generated
         text (after the reasoning; within the text the tool-call parser left, when it took calls out of it)."""
+        lps = self.unshown(lps)
         if not content:
             return []
         generated = self.texts.get(i, "")
@@ -318,7 +328,7 @@ class ChatSerializer(Serializer):
             return []
         generated = self.texts[i] = self.texts.get(i, "") + raw  # (what `add` keeps when not streamed)
         pending = self.unplaced.setdefault(i, [])
-        pending += lps
+        pending += self.unshown(lps)
         if not text:
             sent = self.answered.get(i, 0)
             inside = [s for s in pending if s.offset < sent]

@@ -1023,6 +1023,33 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server, path
         assert generated == list(range(1, 7)), (k, done)
 
 
+def test_chat_logprobs_join_to_the_content_special_tokens_left_out(server, tok):
+    """A special token the reply's text leaves out (skip_special_tokens) has no entry in chat's
+    `logprobs.content`, wherever it falls: one between words was listed (its text not in the content), one at
+    the end was not (a helper found it). With skip_special_tokens false its text is in both. Streamed alike."""
+    start = tok.tokenizer.token_to_id("<|im_start|>")
+    words = [tok.encode(w, add_special_tokens=False)[0] for w in (" sea", " blue")]
+    between = 0  # replies with the special token between words (the case that was listed)
+    for skip, seed in [(True, random.randrange(1000) + k) for k in range(4)] + [(False, random.randrange(1000))]:
+        body = {"model": server_model_id(server), "messages": MSG, "max_tokens": 12, "temperature": 1.5,
+                "seed": seed, "ignore_eos": True, "allowed_token_ids": [start, *words],
+                "logit_bias": {str(start): 4},  # (about as likely as the words on this model)
+                "logprobs": True, "return_token_ids": True, "skip_special_tokens": skip}
+        choice = post(server, "/v1/chat/completions", body).json()["choices"][0]
+        ids = choice["token_ids"]
+        between += skip and start in ids and any(i != start for i in ids[ids.index(start):])
+        content, entries = choice["message"]["content"] or "", choice["logprobs"]["content"]
+        assert "".join(e["token"] for e in entries) == content, (skip, choice["token_ids"], entries)
+        shown = [i for i in choice["token_ids"] if i != start or not skip]
+        assert len(entries) == len(shown), (skip, choice["token_ids"])
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"}) as resp:
+            chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+        streamed = [e for c in chunks for ch in c["choices"] for e in ((ch.get("logprobs") or {}).get("content") or [])]
+        assert streamed == entries, skip
+    assert between, "no reply put the special token between words: the check above checked nothing"
+
+
 def test_skip_special_tokens_false_writes_them(server, tok):
     """vLLM's `skip_special_tokens: false`: special tokens' text is written (a forced <|im_start|> here);
     by default it is skipped. EOS still ends the text unseen."""
