@@ -259,7 +259,8 @@ def _post_processed(tok: Tokenizer) -> tuple[list[int], list[int]]:
         if not _tokenizer_failed(e):
             raise
     probe = Tokenizer.from_str(tok.to_str())
-    free = tok.get_vocab_size(with_added_tokens=True)  # an id no token has, so no special token is taken for it
+    free = max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1  # an id no token has (ids may
+    # have holes: the count can be a token's id), so no special token is taken for the probe's word
     probe.model = models.WordLevel({"a": free}, unk_token="a")
     return probe.encode("a", add_special_tokens=False).ids, probe.encode("a", add_special_tokens=True).ids
 

@@ -757,7 +757,9 @@ def test_loop_batches_outputs_per_step_and_exits_when_parent_goes(rng):
     messages = []
     while sum(o.finished for m in messages for o in m.items) < 3:
         assert ours.poll(5)
-        messages.append(decode_from_engine(ours.recv_bytes()))
+        msg = decode_from_engine(ours.recv_bytes())
+        if not isinstance(msg, Stats):  # (pushed after each STATS_PUSH_S of busy steps: a loaded machine's
+            messages.append(msg)         # five steps took that long, and CI failed on one)
     assert all(isinstance(m, Outputs) for m in messages)
     assert len(messages) == 5 and all(len(m.items) == 3 for m in messages), "one message per step"
     ours.close()  # the server goes away
