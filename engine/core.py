@@ -118,7 +118,6 @@ def _mix_seed(seed: int, index: int) -> int:
     return mix64(mix64(seed) + index) & ((1 << 63) - 1)
 
 
-
 def _warn_if_never_sparse(omnikv: OmniKVConfig, context_len: int, mode: str) -> None:
     """Warns of an OmniKV config under which no decode step of this server can be sparse: a budget that keeps
     every token of its longest context, or (`--omnikv auto`) a min_context past that context."""
@@ -134,6 +133,7 @@ def _warn_if_never_sparse(omnikv: OmniKVConfig, context_len: int, mode: str) -> 
     elif mode == "auto" and omnikv.min_context > context_len:
         logger.warning("OmniKV: --omnikv auto turns it on from %d tokens, past the longest context (%d): it never "
                        "turns on; give a smaller min_context, or --omnikv on", omnikv.min_context, context_len)
+
 
 class EngineCore:
     def __init__(self, args: EngineArgs) -> None:

@@ -18,10 +18,10 @@ and where it is. Keywords JSON Schema's vocabularies do not define (`x-order`, .
 annotate (`title`, `contentMediaType`, `$anchor`, ...) are ignored, as validators ignore them. `oneOf` is
 enforced as `anyOf` (a value matching two branches is not excluded), and a `pattern` is matched as a
 whole (anchored) and written without the characters JSON escapes (`xgrammar_pattern`), which only
-narrows what is produced, a count range past 128 written in the form xgrammar keeps (`_repeat`). `minLength` or `maxLength` beside a `pattern` or
-`format` is refused: xgrammar would drop the length. Keywords beside `$ref`, `anyOf`/`oneOf` and `allOf`,
-which xgrammar drops, are folded into them first, and a schema without `type` gets the kind its keywords
-constrain (server.schema_compose).
+narrows what is produced, a count past 128 written in the form xgrammar keeps (`_repeat`). `minLength` or
+`maxLength` beside a `pattern` or `format` is refused: xgrammar would drop the length. Keywords beside
+`$ref`, `anyOf`/`oneOf` and `allOf`, which xgrammar drops, are folded into them first, and a schema without
+`type` gets the kind its keywords constrain (server.schema_compose).
 
 The schema sent to the engine (`_engine_schema`) is still the client's, in the forms xgrammar keeps:
 compositions folded (above), annotations left out, `enum` values the keywords beside them refuse dropped, strict patterns for the formats whose xgrammar rules admit invalid values, the
@@ -607,8 +607,7 @@ def _json_pattern(items: list, depth: int = 0) -> str | None:
             if hi != _sre.MAXREPEAT:
                 out.append(_repeat(body, lo, hi))
             else:  # not `{lo,}`: xgrammar 0.2.9 let `(?:b){0,}` inside a group take what `b*` does not
-                head = f"(?:{body}){{{lo - 1}}}" if lo - 1 <= _MAX_COUNT else _repeat(body, lo - 1, lo - 1)
-                out.append((head if lo > 1 else "") + f"(?:{body})" + ("+" if lo else "*"))
+                out.append((_repeat(body, lo - 1, lo - 1) if lo > 1 else "") + f"(?:{body})" + ("+" if lo else "*"))
         elif name in ("ASSERT", "ASSERT_NOT"):
             raise _Lookaround
         elif name == "AT" and str(av) in ("AT_BEGINNING", "AT_BEGINNING_STRING"):

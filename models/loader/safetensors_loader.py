@@ -215,7 +215,8 @@ class HFCheckpoint:
         assert self._fp8 is not None
         scale_name, path = self._scales[name]
         scale = self._handle(path).get_tensor(scale_name)
-        bad = int((~(scale.to(torch.float32) >= 0) | ~torch.isfinite(scale.to(torch.float32))).sum())
+        values = scale.to(torch.float32)
+        bad = int((~((values >= 0) & torch.isfinite(values))).sum())  # (NaN is not >= 0)
         if bad:  # (a quantizer writes max|block| / 448: 0 for a block of zeros, never below; NaN is caught too)
             raise CheckpointError(path, f"tensor '{scale_name}' holds {bad} scale(s) that are negative or not "
                                         "finite: the checkpoint is corrupt")
