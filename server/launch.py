@@ -277,7 +277,8 @@ def connection_limit(target: int = 65536) -> int:
 async def serve_async(args: ServerArgs) -> int:
     state = ServerState(model_name=args.served_model_name or default_model_name(args.engine.model),
                         metrics=None, api_key=args.api_key,  # type: ignore[arg-type]
-                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                        stream_keepalive=args.stream_keepalive)
     state.metrics = Metrics(state.model_name)
     app = build_app(state, args.max_request_bytes, args.allowed_origins)
     # lifespan off: the app has no startup/shutdown hooks, and uvicorn's lifespan task, left pending by a

@@ -24,6 +24,7 @@ import asyncio
 import functools
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -389,9 +390,49 @@ class ClosingStream(StreamingResponse):
     a generator never started runs no `finally`: the engine work it would abort ran on (until the
     garbage collector closed its streams) and the request stayed counted in flight."""
 
-    def __init__(self, content: AsyncIterator[str], cleanups: list[Callable[[], Awaitable[None]]], **kw: Any) -> None:
+    def __init__(self, content: AsyncIterator[str], cleanups: list[Callable[[], Awaitable[None]]],
+                 keepalive: tuple[float, str] = (0.0, ""), **kw: Any) -> None:
         super().__init__(content, **kw)
         self.cleanups = cleanups
+        self.keepalive = keepalive  # (seconds, event): sent after that long without a send; 0 s: never
+
+    async def stream_response(self, send: Any) -> None:
+        """Starlette's, with a keep-alive event after each `keepalive` seconds in which nothing was sent: a
+        queued stream or one in a long prefill sends nothing for a while, and proxies (nginx's 60 s
+        proxy_read_timeout) and clients with read timeouts would cut it. The event goes from a timer task, so
+        the stream's own events pay a lock, not a timer each."""
+        seconds, event = self.keepalive
+        if not 0 < seconds < math.inf:
+            return await super().stream_response(send)
+        loop = asyncio.get_running_loop()
+        lock = asyncio.Lock()
+        last, ended = loop.time(), False
+        body = {"type": "http.response.body", "body": event.encode(), "more_body": True}
+
+        async def sending(message: Any) -> None:
+            nonlocal last, ended
+            async with lock:
+                await send(message)
+                last, ended = loop.time(), message.get("more_body") is False
+
+        async def keep_alive() -> None:
+            nonlocal last
+            while True:
+                await asyncio.sleep(max(last + seconds - loop.time(), 0.0))
+                async with lock:
+                    if ended:
+                        return
+                    if loop.time() - last >= seconds:
+                        await send(body)
+                        last = loop.time()
+
+        ticker = asyncio.ensure_future(keep_alive())
+        try:
+            await super().stream_response(sending)
+        finally:
+            ticker.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(ticker, return_exceptions=True)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -450,7 +491,7 @@ async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: Ca
         if body.stream:  # from here Starlette notices disconnects and cancels the stream
             watch.cancel()
             return ClosingStream(_sse(ser, _events(state, requests, firsts, prompt_param(body))),
-                                 [functools.partial(_close_all, requests)],
+                                 [functools.partial(_close_all, requests)], (state.stream_keepalive, ser.keepalive),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **replicas})
         result = await _race(watch, _collect(ser, _events(state, requests, firsts, prompt_param(body))))

@@ -26,6 +26,7 @@ class ServerState:
     api_key: str | None = None
     tool_call_parser: str = "auto"  # "auto": the one the chat template implies
     reasoning_parser: str = "auto"  # "auto": the one the chat template implies (server.reasoning.parser_kind)
+    stream_keepalive: float = 15.0  # seconds a stream may send nothing before a keep-alive (0: never)
     # set once the engine is up (None while loading): its --dp replicas, one by default
     engine: EngineReplicas | None = None
     tokenizer: TokenizerBundle | None = None  # its chat_template is --chat-template's when given
