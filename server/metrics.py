@@ -37,8 +37,9 @@ Exported (names are what dashboards and `promtool check metrics` see):
                                                       prompt only scored, max_tokens 0, too)
     mlaserve_generation_tokens_total         counter  tokens generated
     mlaserve_request_success_total           counter  completions finished, label finished_reason (stop, length)
-    mlaserve_requests_aborted_total          counter  completions aborted unfinished (client gone, shutdown), in
-                                                      the unit of the success counter
+    mlaserve_requests_aborted_total          counter  completions aborted unfinished because the client went away,
+                                                      in the unit of the success counter (those a shutdown cuts
+                                                      off are errors, code shutting_down)
     mlaserve_time_to_first_token_seconds     histogram  arrival -> first token (a scored prompt: its prefill's
                                                       end), per completion
     mlaserve_inter_token_latency_seconds     histogram  between successive tokens of a completion
@@ -381,8 +382,8 @@ class Metrics(Collector):
         yield _counter("mlaserve_generation_tokens", "Tokens generated.", m, self._generation_tokens)
         yield _counter("mlaserve_request_success", "Completions finished, by finish reason.", m,
                        extra_label="finished_reason", by_value=self._success)
-        yield _counter("mlaserve_requests_aborted", "Completions aborted unfinished by the server (client gone, "
-                       "shutdown).",
+        yield _counter("mlaserve_requests_aborted", "Completions aborted unfinished because the client went away "
+                       "(a shutdown's are errors, code shutting_down).",
                        m, self._aborted)
         fam = CounterMetricFamily("mlaserve_request_errors", "Requests answered with an error, by OpenAI error code "
                                   "(else type) and HTTP status (200: a stream that failed after it started).",
