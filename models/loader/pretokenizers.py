@@ -28,6 +28,17 @@ _CASED_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _TEKKEN = _NOT_LN + _UP + "*" + _LOW + "+|" + _NOT_LN + _UP + "+" + _LOW + r"*|\p{N}" + _CASED_TAIL
 _GPT4O = (_NOT_LN + _UP + "*" + _LOW + "+" + _CONTRACTIONS + "?|" + _NOT_LN + _UP + "+" + _LOW + "*"
           + _CONTRACTIONS + r"?|\p{N}{1,3}" + _CASED_TAIL)
+# Kimi-K2's tiktoken pattern (tokenization_kimi.py): Han runs alone, and gpt-4o's cased words without Han
+# (its `[...&&[^\p{Han}]]` classes written as a lookahead, which the `tokenizers` regex engine has)
+_NO_HAN_UP, _NO_HAN_LOW = r"(?:(?!\p{Han})" + _UP + ")", r"(?:(?!\p{Han})" + _LOW + ")"
+_KIMI_K2 = (r"\p{Han}+|" + _NOT_LN + _NO_HAN_UP + "*" + _NO_HAN_LOW + "+" + _CONTRACTIONS + "?|" + _NOT_LN
+            + _NO_HAN_UP + "+" + _NO_HAN_LOW + "*" + _CONTRACTIONS + r"?|\p{N}{1,3}|" + _TAIL)
+_SEED_CODER = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+"
+_YOUTU = ("[\uac00-\ud7a3\u3131-\u318e]+|[\uff01\u2026\u201c\u201d\u2018\u2019\u2014\uff1a\uff1b\uff0c\u3001-\u303f"
+          "\ufe30-\ufe4f]+|[\u3105-\u312f]+|[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+          _NOT_LN + _UP + "*" + _LOW + "+" + _CONTRACTIONS + "?|" + _NOT_LN + _UP + "+" + _LOW + "*" + _CONTRACTIONS
+          + r"?|\p{N}" + _CASED_TAIL)
+_UFAKZEKA = r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|" + _TAIL  # Qwen2's without the contractions
 _DEEPSEEK3 = (
     r"\p{N}{1,3}",
     "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
@@ -85,6 +96,11 @@ _PRE_FAMILIES: list[tuple[tuple[str, ...], _Pre]] = [
     (("tekken",), _Pre((_TEKKEN,), True, True)),
     (("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _Pre((_GPT4O,), False, False)),
     (("bloom", "poro-chat", "gpt3-finnish"), _Pre((_BLOOM,), False, False)),
+    (("viking",), _Pre((_BLOOM, r"\p{N}"), False, False)),
+    (("kimi-k2",), _Pre((_KIMI_K2,), False, False)),
+    (("seed-coder",), _Pre((_SEED_CODER,), False, False)),
+    (("youtu",), _Pre(_YOUTU, True, False)),
+    (("ufakzeka",), _Pre((_UFAKZEKA,), False, False)),
 ]
 PRE_TOKENIZERS: dict[str, _Pre] = {name: pre for names, pre in _PRE_FAMILIES for name in names}
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import gguf
 import pytest
-from tokenizers import SentencePieceBPETokenizer, Tokenizer, pre_tokenizers, processors
+from tokenizers import Regex, SentencePieceBPETokenizer, Tokenizer, pre_tokenizers, processors
 
 from models.builtin import builtin_model_path
 from models.loader.errors import CheckpointError
@@ -520,10 +520,15 @@ def test_gguf_control_looking_tokens_are_control_as_in_llama_cpp(smol_meta: dict
 
 # one name of each family of pre-tokenizers sharing llama.cpp's regexes (pretokenizers._PRE_FAMILIES)
 _PRE_NAMES = ["deepseek-v3", "llama-bpe", "dbrx", "smollm", "gpt-2", "qwen2", "qwen35", "deepseek-llm",
-              "deepseek-coder", "default", "falcon", "tekken", "gpt-4o", "bloom"]
+              "deepseek-coder", "default", "falcon", "tekken", "gpt-4o", "bloom", "viking", "kimi-k2", "seed-coder",
+              "youtu", "ufakzeka"]
 # where llama.cpp's regexes depart from the tokenizer.json originals they stand for (ours follows those, as
-# transformers): combining marks inside words, Unicode spaces caught by a CJK range
-_DEPART = {"tekken": "\u0300-\u036f\u0900-\u0dff\u0e31-\u0e4e", "gpt-4o": "\u0300-\u036f\u0900-\u0dff\u0e31-\u0e4e",
+# transformers): combining marks inside words, Unicode spaces caught by a CJK range; and where its Kimi-K2
+# code and its Youtu regex (whose \p{Lu} and \p{Ll} its regex engine does not tell apart) depart from the
+# patterns they stand for: a word is every letter in a row there, where the patterns split a cased word
+# before an upper-case letter that follows a lower-case one ("ImportError")
+_CASE_CHANGE = ("kimi-k2", "youtu")
+_DEPART = {"kimi-k2": "\u0300-\u036f\u0900-\u0dff\u0e31-\u0e4e", "youtu": "\u0300-\u036f\u0900-\u0dff\u0e31-\u0e4e","tekken": "\u0300-\u036f\u0900-\u0dff\u0e31-\u0e4e", "gpt-4o": "\u0300-\u036f\u0900-\u0dff\u0e31-\u0e4e",
            "deepseek-llm": "\u1680\u2000-\u200a\u2028\u2029\u202f\u205f",
            "deepseek-coder": "\u1680\u2000-\u200a\u2028\u2029\u202f\u205f"}
 
@@ -553,9 +558,54 @@ def test_every_pre_tokenizer_family_splits_as_llama_cpp(vocab: str, request: pyt
         for text in corpus:
             if depart is not None and depart.search(text):
                 continue
+            if name in _CASE_CHANGE and any(a.islower() and (b.isupper() or b.istitle()) for a, b in zip(text, text[1:])):
+                continue
             want = llm.tokenize(text.encode(), add_bos=False, special=True) if text else []
             assert bundle.encode(text, add_special_tokens=False) == want, (name, text)
         del llm
+
+
+# the patterns the Kimi-K2 and Youtu families stand for, in the `regex` module's syntax (V1: `--` is set
+# difference): Kimi-K2's from its tokenization_kimi.py (tiktoken), Youtu's as llama.cpp lists its two
+_CASED = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}%s]*[\p{Ll}\p{Lm}\p{Lo}\p{M}%s]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}%s]+[\p{Ll}\p{Lm}\p{Lo}\p{M}%s]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?")
+_ORIGINALS = {
+    "kimi-k2": (r"[\p{Han}]+|" + _CASED % ((r"--\p{Han}",) * 4)
+                + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
+    "youtu": ("[\uac00-\ud7a3\u3131-\u318e]+|[\uff01\u2026\u201c\u201d\u2018\u2019\u2014\uff1a\uff1b\uff0c"
+              "\u3001-\u303f\ufe30-\ufe4f]+|[\u3105-\u312f]+|[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+              _CASED % (("",) * 4) + r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ORIGINALS))
+def test_cased_families_split_as_their_original_patterns(name: str, texts: list[str]) -> None:
+    """Where llama.cpp departs from them (_CASE_CHANGE), the Kimi-K2 and Youtu families split as the patterns
+    they stand for, run by the `regex` module (each regex splitting the pieces the one before left, as
+    llama.cpp applies its lists), on camel-cased, Han and marked words among fresh random texts."""
+    regex = pytest.importorskip("regex")
+    from models.loader.pretokenizers import PRE_TOKENIZERS
+
+    patterns = [regex.compile(p, regex.V1) for p in _ORIGINALS[name]]
+    ours = pre_tokenizers.Sequence([pre_tokenizers.Split(r, behavior="isolated")
+                                    for r in map(Regex, PRE_TOKENIZERS[name].regexes)])
+    rng = random.Random(random.randrange(2**32))
+    pieces = _PIECES + ["camelCase", "ImportError", "IT'S", "Ǆa", "ǅa", "ʰa", "x\u0301y", "\u6211\u60f3\u5728apple",
+                        "\uff0c", "\u2014", "\u3105"]
+    for text in texts + ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 12))) for _ in range(400)]:
+        want = [text]
+        for p in patterns:
+            want = [part for piece in want for part in _isolated(p, piece)]
+        assert [w for w, _ in ours.pre_tokenize_str(text)] == want, (name, text)
+
+
+def _isolated(pattern, text: str) -> list[str]:
+    """`text` cut at `pattern`'s matches, the matches and the text between them each a piece."""
+    out, at = [], 0
+    for m in pattern.finditer(text):
+        out += [text[at:m.start()], m.group()] if m.start() > at else [m.group()]
+        at = m.end()
+    return out + ([text[at:]] if at < len(text) else [])
 
 
 def test_spm_space_prefix_follows_llama_cpp(spm_meta: dict) -> None:
