@@ -282,19 +282,24 @@ def _rope_from_dict(k: _Keys, dim: int, interleaved: bool) -> RopeConfig:
 
 
 def _rope_kinds(k: _Keys, dim: int, interleaved: bool) -> RopeConfig:
-    """Reads RoPE settings from either `rope_parameters` (new) or `rope_theta` + `rope_scaling` (old)."""
-    params = k.d.get("rope_parameters")
+    """Reads RoPE settings from `rope_parameters` (new) or `rope_scaling` (old), with a top-level `rope_theta`
+    where they hold none. Where a config has both (a transformers 5 file given a `rope_scaling` by hand, as
+    model cards say to extend the context), `rope_scaling` wins, as transformers reads it
+    (`convert_rope_params_to_dict`: `rope_scaling or rope_parameters`)."""
+    scaling = k.d.get("rope_scaling")
+    if scaling and not isinstance(scaling, dict):
+        raise CheckpointError(k.source, f"config key 'rope_scaling' must be an object, got {str(scaling)[:40]!r}")
+    key = "rope_scaling" if scaling else "rope_parameters"
+    params = scaling or k.d.get("rope_parameters")
     if params is None:
-        scaling = k.d.get("rope_scaling") or {}
-        if not isinstance(scaling, dict):
-            raise CheckpointError(k.source, f"config key 'rope_scaling' must be an object, got {str(scaling)[:40]!r}")
-        params = dict(scaling)
-        if k.d.get("rope_theta") is not None:
-            params.setdefault("rope_theta", k.d["rope_theta"])
+        params = {}
     if not isinstance(params, dict):
-        raise CheckpointError(k.source, f"config key 'rope_parameters' must be an object, got {params!r}")
+        raise CheckpointError(k.source, f"config key '{key}' must be an object, got {str(params)[:40]!r}")
     if "full_attention" in params and isinstance(params["full_attention"], dict):
         params = params["full_attention"]  # per-layer-type form; one type here
+    params = dict(params)
+    if k.d.get("rope_theta") is not None:
+        params.setdefault("rope_theta", k.d["rope_theta"])
     p = _Keys(params, k.source)
     rtype = params.get("rope_type") or params.get("type") or "default"
     # theta > 1: its log divides YaRN's correction range; at 1 every pair would turn at the same speed
@@ -408,18 +413,26 @@ def _deepseek_from_dict(k: _Keys, arch: Literal["deepseek_v2", "deepseek_v3"]) -
             raise CheckpointError(
                 k.source, f"config key 'topk_method' must be greedy, group_limited_greedy or noaux_tc, got {method!r}"
             )
+        if method == "noaux_tc" and not is_v3:  # (transformers' V2 router has no such branch, nor DeepSeek's code)
+            raise CheckpointError(k.source, "config key 'topk_method' noaux_tc is DeepSeek-V3's routing (with its "
+                                            "e_score_correction_bias): a deepseek_v2 model routes with greedy or "
+                                            "group_limited_greedy; for a V3 checkpoint set model_type deepseek_v3")
         # an absent key takes transformers' default for the architecture (DeepseekV3Config: 8 groups, 4 kept,
         # normalized top-k weights scaled by 2.5, 1 shared expert, 3 dense layers first; DeepseekV2Config: no
         # groups, unnormalized, 1.0, 2 shared experts, no dense layers first)
         n_group = k.at_least("n_group", 8 if is_v3 else 1, 0) or 1  # 0 or null: no groups
         topk_group = k.at_least("topk_group", 4 if is_v3 else 1, 0) or 1
         top_k = k.positive("num_experts_per_tok")
-        if num_experts % n_group or topk_group > n_group or top_k > num_experts:
+        # V3 picks its experts among the kept groups' only: more than they hold would take experts masked to
+        # -inf in whatever order a top-k breaks ties, with real weights (V2's masked ones weigh 0)
+        short = method == "noaux_tc" and top_k > topk_group * (num_experts // n_group)
+        if num_experts % n_group or topk_group > n_group or top_k > num_experts or short:
             raise CheckpointError(
                 k.source,
                 f"MoE routing is inconsistent: n_routed_experts={num_experts}, n_group={n_group}, "
                 f"topk_group={topk_group}, num_experts_per_tok={top_k} (experts must split evenly into groups, "
-                "topk_group <= n_group, num_experts_per_tok <= n_routed_experts)",
+                "topk_group <= n_group, num_experts_per_tok <= n_routed_experts, and for V3 at most the experts "
+                "of topk_group groups)",
             )
         moe = MoEConfig(
             num_experts=num_experts,

@@ -117,6 +117,10 @@ def test_llama_gqa_and_rope_scaling():
         ({"kv_lora_rank": None}, "'kv_lora_rank' is missing"),
         ({"hidden_size": "big"}, "'hidden_size' must be an integer"),
         ({"n_group": 3}, "MoE routing is inconsistent"),
+        # V3 taking more experts than its kept groups hold: some masked at -inf, by a top-k's tie order
+        ({"model_type": "deepseek_v3", "scoring_func": "sigmoid", "n_group": 8, "topk_group": 1, "num_experts_per_tok": 9},
+         "at most the experts of topk_group groups"),
+        ({"topk_method": "noaux_tc"}, "'topk_method' noaux_tc is DeepSeek-V3's routing"),
         ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "rope scaling type 'longrope'"),
         # what would be computed otherwise than transformers and DeepSeek's code compute it
         ({"scoring_func": "sigmoid"}, "'scoring_func' must be 'softmax' for deepseek_v2"),

@@ -226,6 +226,16 @@ CONFIG_VARIANTS = {
                                {"rope_scaling": {"type": "yarn", "factor": 4.0}, "rope_theta": 10000.0}),
     # dynamic NTK: the default rotary up to max_position_embeddings
     "llama dynamic": ("llama_gqa_tied", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), (), {}),
+    # a transformers 5 file (rope_parameters) given a rope_scaling by hand, as model cards say to extend the
+    # context: rope_scaling wins, and a top-level rope_theta fills in its theta (rope_parameters' was read)
+    "llama rope_scaling beside rope_parameters": ("llama_gqa_tied", {}, (), {
+        "rope_scaling": {"rope_type": "linear", "factor": 4.0}, "rope_theta": 1000.0}),
+    "v3 yarn rope_scaling beside rope_parameters": ("v3_noaux_yarn", {}, (), {
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 1.0,
+                         "mscale_all_dim": 1.0}}),
+    # rope_parameters without a theta, and a top-level one: the top-level theta (10000 was read)
+    "llama top-level rope_theta": ("llama_gqa_tied", {}, (), {
+        "rope_parameters": {"rope_type": "default"}, "rope_theta": 500000.0}),
     # a top-level partial_rotary_factor: transformers' Llama rotates whole heads (with the default rotary;
     # with llama3 scaling its forward fails on the shapes)
     "llama partial_rotary_factor": ("llama_gqa_tied", {}, (), {"partial_rotary_factor": 0.5}),
