@@ -46,6 +46,7 @@ from engine.messages import (
     GenerateRequest,
     RequestOutput,
 )
+from models.loader.tokenizer import TokenizerBundle
 from server.chat_template import ChatTemplateError, loops_over_content, render_messages
 from server.choices import ChoiceText, EngineRequest
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -573,16 +574,45 @@ def build_prompts(state: ServerState, body: Any) -> tuple[list[tuple[list[int], 
         text, plan = chat_prompt(state, body)
         return _truncated(state, body, [(tok.encode(text, add_special_tokens=body.add_special_tokens), text)]), plan
     out = []
+    fim = fim_suffix(tok, body.suffix)
     for p in body.prompts():
         if isinstance(p, str):
-            out.append((tok.encode(p, add_special_tokens=body.add_special_tokens), p))
+            ids = tok.encode(p, add_special_tokens=body.add_special_tokens and fim is None)
         else:
             try:
                 validate_prompt_ids(p, state.vocab_size, "prompt")
             except ParamError as e:
                 raise ClientError.bad_param(e) from None
-            out.append((list(p), tok.decode(p, skip_special_tokens=False)))
+            ids = list(p)
+        if fim is not None:
+            ids = fim_prompt(tok, ids, fim, bos=isinstance(p, str) and body.add_special_tokens)
+            out.append((ids, tok.decode(ids, skip_special_tokens=False)))
+        else:
+            out.append((ids, p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False)))
     return _truncated(state, body, out), ToolPlan()
+
+
+def fim_suffix(tok: TokenizerBundle, suffix: str | None) -> list[int] | None:
+    """The ids of a completions `suffix` where the prompt is to be written for fill-in-the-middle, else None
+    (no suffix, or an empty one on a model without FIM tokens, which asks for nothing). A 400 for a suffix the
+    model cannot fill in before."""
+    if suffix is None or not suffix and tok.fim_ids is None:
+        return None
+    if tok.fim_ids is None:
+        raise ClientError(400, "suffix (fill-in-the-middle) needs a model with fill-in-the-middle tokens (a prefix, "
+                          "suffix and middle token, as code models have); this model's tokenizer has none: put the "
+                          "text in the prompt instead", "suffix")
+    return tok.encode(suffix, add_special_tokens=False)
+
+
+def fim_prompt(tok: TokenizerBundle, prefix: list[int], suffix: list[int], bos: bool) -> list[int]:
+    """The prefix-suffix-middle prompt llama.cpp's /infill writes (without its repository context): BOS where
+    the model wants one (`bos`: a text prompt, not ids), the FIM prefix token, the prompt's ids, the FIM suffix
+    token, the suffix's ids, the FIM middle token; what the model writes next is the middle."""
+    assert tok.fim_ids is not None
+    pre, suf, mid = tok.fim_ids
+    first = [tok.bos_token_id] if bos and tok.add_bos_token and tok.bos_token_id is not None else []
+    return [*first, pre, *prefix, suf, *suffix, mid]
 
 
 def _truncated(state: ServerState, body: Any, prompts: list[tuple[list[int], str]]) -> list[tuple[list[int], str]]:

@@ -88,6 +88,9 @@ class TokenizerBundle:
     # the other named special tokens (`unk_token`, `sep_token`, `pad_token`, `cls_token`, `mask_token`) the
     # tokenizer's files name: chat templates see them, as transformers hands a template its special_tokens_map
     other_special_tokens: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # fill-in-the-middle: the prefix, suffix and middle tokens, where the model has all three (a GGUF's ids, or
+    # the tokens of their texts, as llama.cpp finds them); a completions `suffix` is written with them
+    fim_ids: tuple[int, int, int] | None = None
 
     def template_tokens(self) -> dict[str, str]:
         """The special tokens a chat template sees by name (transformers' `special_tokens_map`): those the
@@ -365,6 +368,7 @@ def load_hf_tokenizer(model_dir: str | Path) -> TokenizerBundle:
         add_eos_token=add_eos,
         named_chat_templates=named_templates,
         other_special_tokens=others,
+        fim_ids=_fim_ids({name: _fim_by_text(tok.get_vocab(with_added_tokens=True), name) for name in _FIM_TRIPLE}),
     )
 
 
@@ -466,6 +470,17 @@ _FIM_TEXTS = {
     "fim_sep": ("<|file_sep|>",),
 }
 _FIM_ENDS = ("fim_pad", "fim_rep", "fim_sep")
+_FIM_TRIPLE = ("fim_pre", "fim_suf", "fim_mid")
+
+
+def _fim_by_text(vocab: Mapping[str, int], name: str) -> int | None:
+    """The id of the lowest token whose text is one of `name`'s in `_FIM_TEXTS`, as llama.cpp takes it."""
+    return min((vocab[t] for t in _FIM_TEXTS[name] if t in vocab), default=None)
+
+
+def _fim_ids(ids: Mapping[str, int | None]) -> tuple[int, int, int] | None:
+    pre, suf, mid = (ids[name] for name in _FIM_TRIPLE)
+    return (pre, suf, mid) if pre is not None and suf is not None and mid is not None else None
 
 
 def _ends_by_text(vocab: Mapping[str, int]) -> list[int]:
@@ -497,10 +512,10 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> Tokeni
         if vocab.setdefault(token, i) != i:
             raise m.fail("tokenizer.ggml.tokens", f"token {token!r} appears twice (ids {vocab[token]} and {i})")
     by_text: dict[str, int] = {}
-    for name, texts in _FIM_TEXTS.items():  # a FIM id the file does not give: the token of that text
-        found = [vocab[t] for t in texts if t in vocab]
-        if found and m.get(f"tokenizer.ggml.{name}_token_id", int) is None:
-            by_text[name] = min(found)
+    for name in _FIM_TEXTS:  # a FIM id the file does not give: the token of that text
+        found = _fim_by_text(vocab, name)
+        if found is not None and m.get(f"tokenizer.ggml.{name}_token_id", int) is None:
+            by_text[name] = found
     # Tokens llama.cpp finds by their text (ends of generation, FIM) are control tokens whatever the file
     # types them ("control-looking token ... its type will be overridden"): special in text and decodes.
     for i in [*by_text.values(), *(vocab[t] for t in END_OF_GENERATION_TEXTS & vocab.keys())]:
@@ -554,6 +569,7 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> Tokeni
         add_eos_token=add_eos,
         named_chat_templates=_gguf_named_templates(m),
         other_special_tokens={key: tokens[i] for key, i in specials.items() if i is not None},
+        fim_ids=_fim_ids(ids),
     )
 
 

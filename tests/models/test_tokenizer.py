@@ -249,6 +249,21 @@ def test_deepseek_gguf_read_by_llama_cpp(ds: TokenizerBundle, tmp_path: Path, te
     for text in texts + ["a<\uff5cfim\u2581hole\uff5c>b<\uff5cend\u2581of\u2581sentence\uff5c>"]:
         want = llm.tokenize(text.encode(), add_bos=False, special=True) if text else []
         assert ds.encode(text, add_special_tokens=False) == want, repr(text)
+    # fill-in-the-middle's prefix, suffix and middle tokens: llama.cpp's, read from the HF files and the GGUF
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    fim = (llama_cpp.llama_vocab_fim_pre(vocab), llama_cpp.llama_vocab_fim_suf(vocab), llama_cpp.llama_vocab_fim_mid(vocab))
+    assert ds.fim_ids == fim and min(fim) >= 0
+    assert tokenizer_from_gguf_metadata(_gguf_tokenizer_meta(tmp_path / "ds.gguf"), "ds.gguf").fim_ids == fim
+
+
+def test_a_vocabulary_without_fim_tokens_has_no_fim_ids(smol: TokenizerBundle, smol_path: Path) -> None:
+    """SmolLM2's vocabulary has StarCoder's <reponame> and <file_sep> but no prefix, suffix or middle token:
+    llama.cpp finds none either, so a completions `suffix` is refused there."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from tests.llama_cpp_oracle import open_llama
+
+    vocab = llama_cpp.llama_model_get_vocab(open_llama(smol_path, vocab_only=True, verbose=False).model)
+    assert llama_cpp.llama_vocab_fim_pre(vocab) == -1 and smol.fim_ids is None
 
 
 # ---------------------------------------------------------------- a token's own bytes (logprobs' `bytes`)
