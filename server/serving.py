@@ -585,11 +585,27 @@ def build_prompts(state: ServerState, body: Any) -> tuple[list[tuple[list[int], 
                 raise ClientError.bad_param(e) from None
             ids = list(p)
         if fim is not None:
-            ids = fim_prompt(tok, ids, fim, bos=isinstance(p, str) and body.add_special_tokens)
+            bos = isinstance(p, str) and body.add_special_tokens
+            ids = fim_prompt(tok, _fim_prefix(state, body, ids, len(fim_prompt(tok, [], fim, bos))), fim, bos)
             out.append((ids, tok.decode(ids, skip_special_tokens=False)))
         else:
             out.append((ids, p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False)))
-    return _truncated(state, body, out), ToolPlan()
+    return (out if fim is not None else _truncated(state, body, out)), ToolPlan()
+
+
+def _fim_prefix(state: ServerState, body: Any, prefix: list[int], rest: int) -> list[int]:
+    """The prefix's ids under `truncate_prompt_tokens`: its last ones, so that with the `rest` of the FIM prompt
+    (its tokens and the suffix) it fits, as llama.cpp's /infill cuts the prefix (the whole prompt's last
+    tokens would cut the FIM tokens off its start). A 400 where the rest alone does not fit."""
+    k = getattr(body, "truncate_prompt_tokens", None)
+    if k is None:
+        return prefix
+    k = _truncation(state, k)
+    if rest > k:
+        raise ClientError(400, f"truncate_prompt_tokens ({k}) leaves no room for the suffix: the fill-in-the-middle "
+                          f"prompt holds {rest} tokens without the prompt; send a shorter suffix or a larger value",
+                          "truncate_prompt_tokens")
+    return prefix[len(prefix) - (k - rest):] if len(prefix) + rest > k else prefix
 
 
 def fim_suffix(tok: TokenizerBundle, suffix: str | None) -> list[int] | None:
@@ -621,15 +637,20 @@ def _truncated(state: ServerState, body: Any, prompts: list[tuple[list[int], str
     k = getattr(body, "truncate_prompt_tokens", None)
     if k is None:
         return prompts
-    if k > state.context_length:  # (vLLM refuses it too: no prompt that long can be served)
-        raise ClientError(400, f"truncate_prompt_tokens ({k}) is larger than this model's context length "
-                          f"({state.context_length} tokens); send at most that, or -1 for the context length",
-                          "truncate_prompt_tokens")
-    k = state.context_length if k == -1 else k
+    k = _truncation(state, k)
     tok = state.tokenizer
     assert tok is not None
     return [(ids, text) if len(ids) <= k else (ids[-k:], tok.decode(ids[-k:], skip_special_tokens=False))
             for ids, text in prompts]
+
+
+def _truncation(state: ServerState, k: int) -> int:
+    """The tokens `truncate_prompt_tokens` keeps (-1: the context length); a 400 past the context length."""
+    if k > state.context_length:  # (vLLM refuses it too: no prompt that long can be served)
+        raise ClientError(400, f"truncate_prompt_tokens ({k}) is larger than this model's context length "
+                          f"({state.context_length} tokens); send at most that, or -1 for the context length",
+                          "truncate_prompt_tokens")
+    return state.context_length if k == -1 else k
 
 
 def bad_words_ids(state: ServerState, words: list[str]) -> tuple[tuple[int, ...], ...]:

@@ -96,3 +96,21 @@ def test_bos_goes_first_where_the_model_wants_one_and_the_prefix_is_text(model_d
     assert fim_prompt(with_bos, [11, 12], [13], bos=True) == [tok.bos_token_id, pre, 11, 12, suf, 13, mid]
     assert fim_prompt(with_bos, [11, 12], [13], bos=False) == [pre, 11, 12, suf, 13, mid]  # ids as sent
     assert fim_prompt(dataclasses.replace(tok, add_bos_token=False), [11], [], bos=True) == [pre, 11, suf, mid]
+
+
+def test_truncation_cuts_the_prefix_not_the_fim_tokens(server, model_dir) -> None:
+    """`truncate_prompt_tokens` keeps the prefix's last tokens, as llama.cpp's /infill cuts it: the whole
+    prompt's last ones would drop the FIM prefix token."""
+    want = _fim_ids(model_dir, PREFIX, SUFFIX)
+    rest = len(_fim_ids(model_dir, "", SUFFIX))
+    hf = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    prefix = hf.encode(PREFIX, add_special_tokens=False)
+    got = _complete(server, prompt=PREFIX, suffix=SUFFIX, truncate_prompt_tokens=rest + 2)
+    cut = _fim_ids(model_dir, prefix[-2:], SUFFIX)
+    bos = [hf.bos_token_id] if hf.add_bos_token else []
+    assert got["choices"][0]["prompt_token_ids"] == bos + cut and len(bos + cut) == rest + 2
+    assert _complete(server, prompt=PREFIX, suffix=SUFFIX, truncate_prompt_tokens=len(want) + 5)["choices"][0][
+        "prompt_token_ids"] == want  # room for all of it: nothing cut
+    resp = httpx.post(server.url + "/v1/completions", json={"prompt": PREFIX, "suffix": SUFFIX,
+                                                             "truncate_prompt_tokens": rest - 1})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "truncate_prompt_tokens"
