@@ -33,6 +33,7 @@ import atexit
 import logging
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -189,8 +190,12 @@ class _CompilerProcess:
         to_r, to_w = os.pipe()
         frm_r, frm_w = os.pipe()
         try:
+            # in a process group of its own: a SIGTERM or SIGINT to the server's group (systemd, a terminal's
+            # Ctrl-C, `kill -- -PGID`) is the server's to drain by, and killed it mid-shutdown, which read as a
+            # crash (an ERROR, and a new compiler started while the engine stopped). It still dies with the
+            # engine (PR_SET_PDEATHSIG) and takes a SIGTERM sent to it alone.
             self.proc = subprocess.Popen([sys.executable, "-m", "executor.grammar_compiler", str(to_r), str(frm_w)],
-                                         pass_fds=(to_r, frm_w), stdin=subprocess.DEVNULL)
+                                         pass_fds=(to_r, frm_w), stdin=subprocess.DEVNULL, start_new_session=True)
         except BaseException:
             for fd in (to_r, to_w, frm_r, frm_w):
                 os.close(fd)
@@ -542,6 +547,8 @@ class GrammarBackend:
         if killed:
             logger.warning("a grammar compile outlived --grammar-compile-timeout (%g s): compiler process restarted",
                            self.timeout_s)
+        elif code in (-signal.SIGTERM, -signal.SIGINT):  # stopped on purpose, by someone: not a crash
+            logger.warning("the grammar compiler process was stopped (%s); restarting it", how)
         else:
             logger.error("the grammar compiler process ended (exit code %s); restarting it", code)
         if resend:
