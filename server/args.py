@@ -169,9 +169,8 @@ class ServerArgs:
                                 "64 KB); past them the connection is dropped and the request aborted",
                                 check=positive, metavar="SECONDS")
     stream_keepalive: float = flag(15.0, "seconds a stream may go without sending anything (queued, or in a long "
-                                   "prefill) before it sends a keep-alive (an SSE comment; a `ping` event on "
-                                   "/v1/messages), so that proxies and clients with read timeouts do not cut it; 0: "
-                                   "never", check=non_negative, metavar="SECONDS")
+                                   "prefill) before it sends a keep-alive (an SSE comment, which event parsers "
+                                   "skip), so that proxies and clients with read timeouts do not cut it; 0: never", check=non_negative, metavar="SECONDS")
     shutdown_timeout: float = flag(30.0, "seconds running requests get to finish after SIGTERM/SIGINT before they "
                                    "are ended with an error", check=non_negative, metavar="SECONDS")
     log_level: str = flag("info", "logging level", choices=LOG_LEVELS)

@@ -80,9 +80,10 @@ Rules the server follows for the rest (each event has exactly one source, so not
   settles it (a stop string found by the server: pass the delta with `finish_reason="stop"`). A reply the
   tool parser turns into calls counts as `stop` (the client sees `tool_calls`), as in vLLM's metric. Deltas that end
   with `abort` or `error` only free state here; those are counted by `on_abort` / the middleware.
-- `on_abort(rid, completions)` once when the server aborts a request it had submitted (disconnect, shutdown),
-  with its completions not yet finished; not when it aborts the engine's copy itself after a stop string,
-  nor when an engine error ended the answer (the middleware counts that request as an error).
+- `on_abort(rid, completions)` once when the server aborts a request it had submitted because its client went
+  away, with its completions not yet finished; not when it aborts the engine's copy itself after a stop
+  string, nor when an error ended the answer (an engine error, or the shutdown's: the middleware counts that
+  request as an error).
 - `on_request_end(rid)` in a `finally`: forgets per-request state, a no-op when already gone.
 A request with n > 1 yields n completions: each is timed and counted by finish reason on its own,
 its prompt tokens count once (completion 0). Methods are thread-safe (one lock).

@@ -652,18 +652,11 @@ class CompletionRequest(_GenerationRequest):
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     min_tokens: StrictInt | None = 0
     # OpenAI's legacy fill-in-the-middle: the completion is the text between the prompt and `suffix`, written
-    # with the model's FIM tokens (server.serving.fim_prompt); a model without them refuses a non-empty one
+    # with the model's FIM tokens (server.serving.fim_prompt); a model without them refuses a non-empty one,
+    # and `echo` with one is refused (server.serving.fim_suffix), as OpenAI refuses the pair
     suffix: str | None = None
     # vLLM's input as embeddings (behind its --enable-prompt-embeds): refused, as the text would answer another input
     prompt_embeds: Any = None
-
-    @field_validator("suffix")
-    @classmethod
-    def _suffix_without_echo(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if value is not None and info.data.get("echo"):  # (OpenAI refuses the pair too)
-            raise _invalid("echo is not supported with suffix: the prompt is written around the insertion with "
-                           "fill-in-the-middle tokens; leave one of them out")
-        return value
 
     @field_validator("prompt_embeds")
     @classmethod

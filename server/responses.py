@@ -176,7 +176,6 @@ class Serializer:
 
     # ---- SSE framing: `data: <json>` per chunk, an error as the body of an error response, `[DONE]` last
     stream_close = SSE_DONE
-    keepalive = ": keep-alive\n\n"  # an SSE comment: event parsers (the OpenAI SDK's too) skip it
 
     def sse(self, payload: Any) -> str:
         """A chunk's event; an event already made (`text_event`) goes as it is."""
@@ -818,7 +817,6 @@ class MessagesSerializer(ChatSerializer):
     the prefix cache did not hold, `cache_read_input_tokens` those it did, as Anthropic counts them."""
 
     stream_close = ""
-    keepalive = named_sse({"type": "ping"})  # Anthropic's keep-alive, which its SDK skips
     named_call_stops = False  # Anthropic's API stops a forced named call with tool_use
 
     def __init__(self, *a: Any, **kw: Any) -> None:

@@ -385,6 +385,11 @@ async def counted(raw: Request, state: ServerState, body: Any, serializer_cls: C
             state.inflight -= 1
 
 
+# an SSE comment: every event parser skips it (the OpenAI and Anthropic SDKs' too), on every API's stream; an
+# Anthropic `ping` event would come before `message_start` on a stream still queued, where Anthropic's never does
+KEEPALIVE = b": keep-alive\n\n"
+
+
 class ClosingStream(StreamingResponse):
     """A stream whose `cleanups` run once Starlette is done with it, however that ended. A client gone
     before the first part is sent has Starlette cancel the sending task before it starts the body, and
@@ -392,23 +397,23 @@ class ClosingStream(StreamingResponse):
     garbage collector closed its streams) and the request stayed counted in flight."""
 
     def __init__(self, content: AsyncIterator[str], cleanups: list[Callable[[], Awaitable[None]]],
-                 keepalive: tuple[float, str] = (0.0, ""), **kw: Any) -> None:
+                 keepalive: float = 0.0, **kw: Any) -> None:
         super().__init__(content, **kw)
         self.cleanups = cleanups
-        self.keepalive = keepalive  # (seconds, event): sent after that long without a send; 0 s: never
+        self.keepalive = keepalive  # seconds without a send after which KEEPALIVE goes; 0: never
 
     async def stream_response(self, send: Any) -> None:
         """Starlette's, with a keep-alive event after each `keepalive` seconds in which nothing was sent: a
         queued stream or one in a long prefill sends nothing for a while, and proxies (nginx's 60 s
         proxy_read_timeout) and clients with read timeouts would cut it. The event goes from a timer task, so
         the stream's own events pay a lock, not a timer each."""
-        seconds, event = self.keepalive
+        seconds = self.keepalive
         if not 0 < seconds < math.inf:
             return await super().stream_response(send)
         loop = asyncio.get_running_loop()
         lock = asyncio.Lock()
         last, ended = loop.time(), False
-        body = {"type": "http.response.body", "body": event.encode(), "more_body": True}
+        body = {"type": "http.response.body", "body": KEEPALIVE, "more_body": True}
 
         async def sending(message: Any) -> None:
             nonlocal last, ended
@@ -492,7 +497,7 @@ async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: Ca
         if body.stream:  # from here Starlette notices disconnects and cancels the stream
             watch.cancel()
             return ClosingStream(_sse(ser, _events(state, requests, firsts, prompt_param(body))),
-                                 [functools.partial(_close_all, requests)], (state.stream_keepalive, ser.keepalive),
+                                 [functools.partial(_close_all, requests)], state.stream_keepalive,
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **replicas})
         result = await _race(watch, _collect(ser, _events(state, requests, firsts, prompt_param(body))))
@@ -574,7 +579,7 @@ def build_prompts(state: ServerState, body: Any) -> tuple[list[tuple[list[int], 
         text, plan = chat_prompt(state, body)
         return _truncated(state, body, [(tok.encode(text, add_special_tokens=body.add_special_tokens), text)]), plan
     out = []
-    fim = fim_suffix(tok, body.suffix)
+    fim = fim_suffix(tok, body.suffix, bool(body.echo))
     for p in body.prompts():
         if isinstance(p, str):
             ids = tok.encode(p, add_special_tokens=body.add_special_tokens and fim is None)
@@ -608,16 +613,19 @@ def _fim_prefix(state: ServerState, body: Any, prefix: list[int], rest: int) -> 
     return prefix[len(prefix) - (k - rest):] if len(prefix) + rest > k else prefix
 
 
-def fim_suffix(tok: TokenizerBundle, suffix: str | None) -> list[int] | None:
+def fim_suffix(tok: TokenizerBundle, suffix: str | None, echo: bool = False) -> list[int] | None:
     """The ids of a completions `suffix` where the prompt is to be written for fill-in-the-middle, else None
     (no suffix, or an empty one on a model without FIM tokens, which asks for nothing). A 400 for a suffix the
-    model cannot fill in before."""
+    model cannot fill in before, and for one with `echo` (OpenAI refuses the pair)."""
     if suffix is None or not suffix and tok.fim_ids is None:
         return None
     if tok.fim_ids is None:
         raise ClientError(400, "suffix (fill-in-the-middle) needs a model with fill-in-the-middle tokens (a prefix, "
                           "suffix and middle token, as code models have); this model's tokenizer has none: put the "
                           "text in the prompt instead", "suffix")
+    if echo:
+        raise ClientError(400, "echo is not supported with suffix: the prompt is written around the insertion with "
+                          "fill-in-the-middle tokens; leave one of them out", "suffix")
     return tok.encode(suffix, add_special_tokens=False)
 
 
@@ -628,6 +636,8 @@ def fim_prompt(tok: TokenizerBundle, prefix: list[int], suffix: list[int], bos: 
     assert tok.fim_ids is not None
     pre, suf, mid = tok.fim_ids
     first = [tok.bos_token_id] if bos and tok.add_bos_token and tok.bos_token_id is not None else []
+    if first and prefix[:1] == first:  # a BOS the text begins with is the one that goes first (never two)
+        prefix = prefix[1:]
     return [*first, pre, *prefix, suf, *suffix, mid]
 
 

@@ -87,6 +87,7 @@ def test_a_model_without_fim_tokens_refuses_a_suffix(tmp_path) -> None:
         fim_suffix(tok, SUFFIX)
     assert info.value.status == 400 and info.value.param == "suffix" and "fill-in-the-middle" in info.value.message
     assert fim_suffix(tok, "") is None and fim_suffix(tok, None) is None  # nothing asked of it: a plain prompt
+    assert fim_suffix(tok, "", echo=True) is None  # (so echo stands)
 
 
 def test_bos_goes_first_where_the_model_wants_one_and_the_prefix_is_text(model_dir) -> None:
@@ -96,6 +97,8 @@ def test_bos_goes_first_where_the_model_wants_one_and_the_prefix_is_text(model_d
     assert fim_prompt(with_bos, [11, 12], [13], bos=True) == [tok.bos_token_id, pre, 11, 12, suf, 13, mid]
     assert fim_prompt(with_bos, [11, 12], [13], bos=False) == [pre, 11, 12, suf, 13, mid]  # ids as sent
     assert fim_prompt(dataclasses.replace(tok, add_bos_token=False), [11], [], bos=True) == [pre, 11, suf, mid]
+    # a BOS the text begins with is the one that goes first, never two
+    assert fim_prompt(with_bos, [tok.bos_token_id, 11], [13], bos=True) == [tok.bos_token_id, pre, 11, suf, 13, mid]
 
 
 def test_truncation_cuts_the_prefix_not_the_fim_tokens(server, model_dir) -> None:

@@ -1,6 +1,6 @@
 """A stream that has nothing to send for --stream-keepalive seconds (queued behind a full batch, or in a
-long prefill) sends a keep-alive: an SSE comment, or Anthropic's `ping` event on /v1/messages, which the
-OpenAI and Anthropic SDKs skip. Without it a proxy's read timeout (nginx's proxy_read_timeout, 60 s) cuts a
+long prefill) sends a keep-alive: an SSE comment, which every event parser skips (the OpenAI and Anthropic
+SDKs' too), on /v1/messages as well (a `ping` event there would come before `message_start`). Without it a proxy's read timeout (nginx's proxy_read_timeout, 60 s) cuts a
 stream queued that long. A stream that sends keeps sending no keep-alives, and none follows its end."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from models.synthetic import write_checkpoint
 from server import serving
 from tests.server.server_process import ServerProcess
 
-KEEP = ": k\n\n"
+KEEP = serving.KEEPALIVE.decode()
 
 
 def _sent(body_gaps: list[float], keepalive: float) -> list[tuple[float, dict]]:
@@ -32,7 +32,7 @@ def _sent(body_gaps: list[float], keepalive: float) -> list[tuple[float, dict]]:
     sent: list[tuple[float, dict]] = []
 
     async def run() -> None:
-        resp = serving.ClosingStream(body(), [], (keepalive, KEEP), media_type="text/event-stream")
+        resp = serving.ClosingStream(body(), [], keepalive, media_type="text/event-stream")
 
         async def receive() -> dict:
             await asyncio.sleep(3600)
@@ -130,13 +130,14 @@ def test_a_queued_chat_stream_gets_comments_first_and_the_sdk_reads_it(server) -
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_a_queued_messages_stream_gets_pings_and_the_sdk_reads_it(server) -> None:
+def test_a_queued_messages_stream_gets_comments_before_message_start_and_the_sdk_reads_it(server) -> None:
     model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
     raw = _queued_raw(server.url, "/v1/messages", body)
     events = [e for e in raw.split("\n\n") if e]
-    assert events[0] == 'event: ping\ndata: {"type":"ping"}', events[:3]
-    assert ": keep-alive" not in raw and any(e.startswith("event: message_start") for e in events)
+    first = next(i for i, e in enumerate(events) if not e.startswith(":"))
+    assert first >= 2 and set(events[:first]) == {": keep-alive"}, events[:3]
+    assert events[first].startswith("event: message_start"), events[first]
     client = anthropic.Anthropic(base_url=server.url, api_key="none")
     with _Hog(server.url) as hog:
         threading.Timer(1.0, hog.release.set).start()
