@@ -581,8 +581,8 @@ def build_prompts(state: ServerState, body: Any) -> tuple[list[tuple[list[int], 
     out = []
     fim = fim_suffix(tok, body.suffix, bool(body.echo))
     for p in body.prompts():
-        if isinstance(p, str):
-            ids = tok.encode(p, add_special_tokens=body.add_special_tokens and fim is None)
+        if isinstance(p, str):  # (a FIM prompt's text is text: llama.cpp's /infill parses no special tokens)
+            ids = tok.encode(p, add_special_tokens=body.add_special_tokens and fim is None, parse_special=fim is None)
         else:
             try:
                 validate_prompt_ids(p, state.vocab_size, "prompt")
@@ -626,7 +626,7 @@ def fim_suffix(tok: TokenizerBundle, suffix: str | None, echo: bool = False) -> 
     if echo:
         raise ClientError(400, "echo is not supported with suffix: the prompt is written around the insertion with "
                           "fill-in-the-middle tokens; leave one of them out", "suffix")
-    return tok.encode(suffix, add_special_tokens=False)
+    return tok.encode(suffix, add_special_tokens=False, parse_special=False)
 
 
 def fim_prompt(tok: TokenizerBundle, prefix: list[int], suffix: list[int], bos: bool) -> list[int]:
@@ -636,8 +636,6 @@ def fim_prompt(tok: TokenizerBundle, prefix: list[int], suffix: list[int], bos: 
     assert tok.fim_ids is not None
     pre, suf, mid = tok.fim_ids
     first = [tok.bos_token_id] if bos and tok.add_bos_token and tok.bos_token_id is not None else []
-    if first and prefix[:1] == first:  # a BOS the text begins with is the one that goes first (never two)
-        prefix = prefix[1:]
     return [*first, pre, *prefix, suf, *suffix, mid]
 
 

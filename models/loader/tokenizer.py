@@ -110,8 +110,10 @@ class TokenizerBundle:
         default = [{"name": "default", "template": self.chat_template}] if self.chat_template is not None else []
         return [*default, *({"name": n, "template": t} for n, t in self.named_chat_templates.items())]
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; with `add_special_tokens`, BOS first if the model wants it (once).
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`; with `add_special_tokens`, BOS first if the model wants it (once). Without
+        `parse_special`, a special token's text in `text` is text, as llama.cpp's `parse_special=false` reads it
+        (the parts of a fill-in-the-middle prompt: code that names `<|fim_prefix|>` must not split the prompt).
 
         Through `encode_batch`, which releases the GIL while it tokenizes (`encode` holds it: a 1 MB prompt
         stopped the server's event loop, /health and every stream for ~0.45 s, the thread it ran on
@@ -119,7 +121,8 @@ class TokenizerBundle:
         on this text), or the plain Exception it raises for text it cannot encode, is a `TokenizerFailure`: as the
         `BaseException` pyo3 raises, no error handler saw the panic."""
         try:
-            ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+            tok = self.tokenizer if parse_special else self._literal
+            ids = tok.encode_batch([text], add_special_tokens=False)[0].ids
         except BaseException as e:
             if not _tokenizer_failed(e):
                 raise
@@ -131,6 +134,14 @@ class TokenizerBundle:
         if add_special_tokens and self.add_eos_token:
             ids.append(self.tokenizer.token_to_id(self.eos_token))
         return ids
+
+    @functools.cached_property
+    def _literal(self) -> Tokenizer:
+        """A copy of the tokenizer that reads special tokens' text as text (`encode_special_tokens`: a flag of
+        the tokenizer object, which other threads encode with meanwhile, so not set on the shared one)."""
+        tok = Tokenizer.from_str(self.tokenizer.to_str())
+        tok.encode_special_tokens = True
+        return tok
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -132,6 +132,11 @@ def test_smollm_against_llama_cpp(smol: TokenizerBundle, smol_path: Path, texts:
     for text in texts + ["<|im_start|>user\nhi<|im_end|>"]:
         want = llm.tokenize(text.encode(), add_bos=False, special=True) if text else []
         assert smol.encode(text, add_special_tokens=False) == want, repr(text)
+    # special tokens' text read as text (llama.cpp's parse_special=false: a fill-in-the-middle prompt's parts)
+    for text in ["<|im_start|>user\nhi<|im_end|>", "a<|endoftext|>b", "x = '<fim_prefix>'", *texts[:10]]:
+        want = llm.tokenize(text.encode(), add_bos=False, special=False) if text else []
+        assert smol.encode(text, add_special_tokens=False, parse_special=False) == want, repr(text)
+    assert smol.encode("<|im_end|>", add_special_tokens=False) != smol.encode("<|im_end|>", False, parse_special=False)
 
 
 def _llama_cpp_eog(path: Path) -> set[int]:

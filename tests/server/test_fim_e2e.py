@@ -40,8 +40,8 @@ def _fim_ids(model_dir, prefix: str | list[int], suffix: str) -> list[int]:
     begin, hole, end = hf.convert_tokens_to_ids(["<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>",
                                                  "<\uff5cfim\u2581end\uff5c>"])
     bos = [hf.bos_token_id] if hf.add_bos_token and isinstance(prefix, str) else []
-    ids = hf.encode(prefix, add_special_tokens=False) if isinstance(prefix, str) else prefix
-    return [*bos, begin, *ids, hole, *hf.encode(suffix, add_special_tokens=False), end]
+    ids = hf.encode(prefix, add_special_tokens=False, split_special_tokens=True) if isinstance(prefix, str) else prefix
+    return [*bos, begin, *ids, hole, *hf.encode(suffix, add_special_tokens=False, split_special_tokens=True), end]
 
 
 def _complete(srv: ServerProcess, **body) -> dict:
@@ -65,6 +65,13 @@ def test_a_suffix_is_filled_in_before_with_the_models_fim_prompt(server, model_d
     assert [c["prompt_token_ids"] for c in got["choices"]] == [_fim_ids(model_dir, p, SUFFIX) for p in (ids, ids[::-1])]
     empty = _complete(server, prompt=PREFIX, suffix="")
     assert empty["choices"][0]["prompt_token_ids"] == _fim_ids(model_dir, PREFIX, "")
+    # special tokens' text is text in both parts (llama.cpp's /infill parses none: code naming them must not
+    # end the prompt early), where a plain completions prompt reads it as the tokens
+    eos, bos = "<\uff5cend\u2581of\u2581sentence\uff5c>", "<\uff5cbegin\u2581of\u2581sentence\uff5c>"
+    named = _complete(server, prompt=bos + "x = '" + eos + "'", suffix="y = '" + eos + "'")
+    assert named["choices"][0]["prompt_token_ids"] == _fim_ids(model_dir, bos + "x = '" + eos + "'", "y = '" + eos + "'")
+    hf = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    assert hf.eos_token_id not in named["choices"][0]["prompt_token_ids"][1:-1]
 
 
 def test_a_streamed_middle_is_the_whole_one(server) -> None:
@@ -97,8 +104,6 @@ def test_bos_goes_first_where_the_model_wants_one_and_the_prefix_is_text(model_d
     assert fim_prompt(with_bos, [11, 12], [13], bos=True) == [tok.bos_token_id, pre, 11, 12, suf, 13, mid]
     assert fim_prompt(with_bos, [11, 12], [13], bos=False) == [pre, 11, 12, suf, 13, mid]  # ids as sent
     assert fim_prompt(dataclasses.replace(tok, add_bos_token=False), [11], [], bos=True) == [pre, 11, suf, mid]
-    # a BOS the text begins with is the one that goes first, never two
-    assert fim_prompt(with_bos, [tok.bos_token_id, 11], [13], bos=True) == [tok.bos_token_id, pre, 11, suf, 13, mid]
 
 
 def test_truncation_cuts_the_prefix_not_the_fim_tokens(server, model_dir) -> None:
