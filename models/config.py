@@ -304,6 +304,13 @@ def _rope_kinds(k: _Keys, dim: int, interleaved: bool) -> RopeConfig:
     rtype = params.get("rope_type") or params.get("type") or "default"
     # theta > 1: its log divides YaRN's correction range; at 1 every pair would turn at the same speed
     theta = p.above("rope_theta", p.opt("rope_theta", 10000.0, float), 1.0)
+    other = k.d.get("rope_parameters")
+    if scaling and isinstance(other, dict) and other and other != scaling:
+        lost = other.get("rope_theta")
+        logger.warning("%s: has both rope_scaling and rope_parameters; rope_scaling is used, as "
+                       "transformers reads it (rope type %s, theta %g)%s", k.source, rtype, theta,
+                       f": rope_parameters' theta {lost:g} is not (give rope_scaling a rope_theta to keep it)"
+                       if isinstance(lost, (int, float)) and lost != theta else "")
     if rtype in ("default", None):
         return RopeConfig(dim=dim, theta=theta, interleaved=interleaved)
     if rtype == "linear":

@@ -335,3 +335,18 @@ def test_a_tokenizer_past_the_models_vocabulary_is_refused_at_load(v2_dir, tmp_p
     with caplog.at_level("WARNING"):
         assert load_model(d, dtype="float32", progress=False).tokenizer is not None
     assert f"added tokens '<pad>' ({vocab_size}) have ids past the model's vocab_size" in caplog.text
+
+
+def test_rope_scaling_beside_rope_parameters_wins_and_says_what_it_drops(caplog):
+    """As transformers reads it (rope_scaling or rope_parameters); a theta only rope_parameters held is dropped
+    there too, so the log says so (tests/models/test_hf_parity.py compares the numbers with transformers')."""
+    cfg = {k: v for k, v in V2_OLD_STYLE.items() if k not in ("rope_scaling", "rope_theta")}
+    cfg.update(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rope_scaling={"type": "linear", "factor": 2.0})
+    with caplog.at_level("WARNING", logger="models.config"):
+        rope = config_from_hf_dict(cfg, "x/config.json").rope
+    assert (rope.scaling_type, rope.theta) == ("linear", 10000.0)
+    assert "rope_scaling is used" in caplog.text and "theta 1e+06 is not" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="models.config"):
+        config_from_hf_dict(dict(cfg, rope_scaling=None), "x/config.json")  # null beside it: rope_parameters, quietly
+    assert "rope_scaling" not in caplog.text
