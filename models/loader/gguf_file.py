@@ -28,6 +28,14 @@ from models.loader.errors import CheckpointError
 # ggml's types (ggml.h) newer than the `gguf` package's list: named when a file holds one
 _NEWER_GGML_TYPES = {42: "Q2_0"}
 
+# the block types this server reads (models.loader.gguf_quants decodes each, and checks it has them all): a
+# file holding another is refused at its header, not when the load reaches that tensor (the late layers of a
+# mixed-quant file came after most of a long load)
+READ_TYPES: frozenset[GGMLQuantizationType] = frozenset(GGMLQuantizationType[name] for name in (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+    "IQ4_XS"))
+_REQUANTIZE = "requantize the model (llama.cpp's llama-quantize) to a type such as Q8_0 or Q4_K_M"
+
 _MAGIC = b"GGUF"
 _SUPPORTED_VERSIONS = (2, 3)
 _MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -154,6 +162,7 @@ def parse_gguf(buf: mmap.mmap, path: Path) -> tuple[dict[str, Any], dict[str, Te
                               f"{cur.pos} are not zeros: the tensor count ({num_tensors}) is wrong or the file is "
                               "corrupt")
     infos: dict[str, TensorInfo] = {}
+    unread: dict[str, list[str]] = {}  # type -> the tensors of it no decoder here reads
     for name, ne, type_code, offset in raw_infos:
         if name in infos:
             raise CheckpointError(path, f"tensor '{name}' appears twice")
@@ -162,8 +171,9 @@ def parse_gguf(buf: mmap.mmap, path: Path) -> tuple[dict[str, Any], dict[str, Te
         except ValueError:
             known = f"type {_NEWER_GGML_TYPES[type_code]} (ggml type {type_code})" if type_code in _NEWER_GGML_TYPES \
                 else f"unknown ggml type {type_code}"
-            raise CheckpointError(path, f"tensor '{name}': {known} is not supported; requantize the model "
-                                  "(llama.cpp's llama-quantize) to a type such as Q8_0 or Q4_K_M") from None
+            raise CheckpointError(path, f"tensor '{name}': {known} is not supported; {_REQUANTIZE}") from None
+        if qtype not in READ_TYPES:
+            unread.setdefault(qtype.name, []).append(name)
         block, type_size = GGML_QUANT_SIZES[qtype]
         if ne[0] % block:
             raise CheckpointError(
@@ -180,6 +190,14 @@ def parse_gguf(buf: mmap.mmap, path: Path) -> tuple[dict[str, Any], dict[str, Te
                 f"(offset {start} + {nbytes} bytes > file size {cur.size})",
             )
         infos[name] = TensorInfo(name, qtype, tuple(reversed(ne)), start, nbytes)
+    if unread:
+        (kind, names), *others = unread.items()
+        more = len(names) - 1 + sum(len(n) for _, n in others)
+        also = f" ({more} more tensor(s) of {', '.join([kind] * (len(names) > 1) + [k for k, _ in others])} too)" \
+            if more else ""
+        supported = ", ".join(t.name for t in sorted(READ_TYPES))
+        raise CheckpointError(path, f"tensor '{names[0]}': type {kind} is not supported (supported: {supported})"
+                              f"{also}; {_REQUANTIZE}")
     _check_disjoint(infos, path)
     end = max((info.offset + info.nbytes for info in infos.values()), default=cur.size)
     if cur.size - end >= alignment:  # writers end the file at the last tensor's padding

@@ -70,6 +70,7 @@ import numpy as np
 import torch
 
 from models.loader.errors import CheckpointError
+from models.loader.gguf_file import READ_TYPES
 
 T = gguf.GGMLQuantizationType
 QK_K = 256
@@ -262,6 +263,7 @@ _DECODERS: dict[gguf.GGMLQuantizationType, Callable[[torch.Tensor, torch.Tensor]
 }
 
 SUPPORTED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset(_DECODERS)
+assert SUPPORTED_TYPES == READ_TYPES, "gguf_file.READ_TYPES (a file's header check) must list every decoder here"
 
 
 def _as_bytes(raw: np.ndarray | memoryview | bytes) -> np.ndarray:

@@ -332,6 +332,28 @@ def test_gguf_tensor_of_a_type_not_read_here_is_one_clear_error(tmp_path, native
     assert "decoded to bf16" not in caplog.text
 
 
+def test_gguf_types_not_read_here_are_refused_at_the_header(tmp_path):
+    """Tensors of types no decoder here reads, late in the file (a mixed-quant file's last layers): refused when
+    the header is read, naming the first and counting the rest, not when the load reaches them."""
+    from models.loader.gguf_file import open_gguf
+    from models.synthetic import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "llama", "tiny-llama", seed=5, gguf=True, gguf_qtype="Q8_0") / "model.gguf"
+    data = bytearray(path.read_bytes())
+    r = gguf.GGUFReader(path)
+    q8 = [t.name for t in r.tensors if t.tensor_type == gguf.GGMLQuantizationType.Q8_0]
+    last = max(int(n.split(".")[1]) for n in q8 if n.startswith("blk."))
+    late = [n for n in q8 if n.startswith(f"blk.{last}.")][:2]
+    for name in late:  # (MXFP4's blocks are half Q8_0's size: each stays inside its own bytes)
+        struct.pack_into("<I", data, _offset_field(data, r, name) - 4, int(gguf.GGMLQuantizationType.MXFP4))
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as e:
+        open_gguf(path)
+    msg = str(e.value)
+    assert f"tensor '{late[0]}': type MXFP4 is not supported (supported: " in msg, msg
+    assert "(1 more tensor(s) of MXFP4 too)" in msg and "llama-quantize" in msg, msg
+
+
 def test_gguf_gap_between_tensors_is_legit(tmp_path):
     """Only overlap is refused: the last tensor moved further out (a gap, aligned) still opens."""
     p = _small_gguf(tmp_path / "m.gguf")
