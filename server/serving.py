@@ -591,21 +591,23 @@ def build_prompts(state: ServerState, body: Any) -> tuple[list[tuple[list[int], 
             ids = list(p)
         if fim is not None:
             bos = isinstance(p, str) and body.add_special_tokens
-            ids = fim_prompt(tok, _fim_prefix(state, body, ids, len(fim_prompt(tok, [], fim, bos))), fim, bos)
+            ids = fim_prompt(tok, _fim_prefix(state, body, ids, fim, bos), fim, bos)
             out.append((ids, tok.decode(ids, skip_special_tokens=False)))
         else:
             out.append((ids, p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False)))
     return (out if fim is not None else _truncated(state, body, out)), ToolPlan()
 
 
-def _fim_prefix(state: ServerState, body: Any, prefix: list[int], rest: int) -> list[int]:
-    """The prefix's ids under `truncate_prompt_tokens`: its last ones, so that with the `rest` of the FIM prompt
+def _fim_prefix(state: ServerState, body: Any, prefix: list[int], suffix: list[int], bos: bool) -> list[int]:
+    """The prefix's ids under `truncate_prompt_tokens`: its last ones, so that with the rest of the FIM prompt
     (its tokens and the suffix) it fits, as llama.cpp's /infill cuts the prefix (the whole prompt's last
     tokens would cut the FIM tokens off its start). A 400 where the rest alone does not fit."""
     k = getattr(body, "truncate_prompt_tokens", None)
     if k is None:
         return prefix
     k = _truncation(state, k)
+    assert state.tokenizer is not None
+    rest = len(fim_prompt(state.tokenizer, [], suffix, bos))
     if rest > k:
         raise ClientError(400, f"truncate_prompt_tokens ({k}) leaves no room for the suffix: the fill-in-the-middle "
                           f"prompt holds {rest} tokens without the prompt; send a shorter suffix or a larger value",

@@ -367,6 +367,7 @@ def load_hf_tokenizer(model_dir: str | Path) -> TokenizerBundle:
     if eos_token is None and eos_ids:
         eos_token = tok.id_to_token(eos_ids[0])
     chat_template, named_templates = _chat_templates(model_dir, config)
+    vocab = tok.get_vocab(with_added_tokens=True)
     return TokenizerBundle(
         tokenizer=tok,
         bos_token_id=bos_id,
@@ -379,7 +380,7 @@ def load_hf_tokenizer(model_dir: str | Path) -> TokenizerBundle:
         add_eos_token=add_eos,
         named_chat_templates=named_templates,
         other_special_tokens=others,
-        fim_ids=_fim_ids({name: _fim_by_text(tok.get_vocab(with_added_tokens=True), name) for name in _FIM_TRIPLE}),
+        fim_ids=_fim_ids({name: _fim_by_text(vocab, name) for name in _FIM_TRIPLE}),
     )
 
 
