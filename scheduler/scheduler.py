@@ -320,7 +320,8 @@ class Scheduler:
         if r.first_scheduled_time is None:
             r.cached_tokens = cached
             self.counters.prefix_cache_hit_tokens += cached
-            if self.cache.shares:  # with caching off nothing is looked up (the hit rate is no hit rate)
+            # with caching off, or for a prompt scored whole, nothing is looked up: no query to count
+            if self.cache.shares and not r.scores_prompt:
                 self.counters.prefix_cache_query_tokens += r.seq_len
         r.row, r.node, r.cache_len, r.kv_len = row, match.node, cached, cached
         return n

@@ -240,6 +240,11 @@ def test_prefix_cache_queries_are_counted_with_the_hits(model_dir):
     assert after.prefix_cache_query_tokens_total - before.prefix_cache_query_tokens_total == len(b)
     assert len(shared) <= hits < len(b)
     assert after.prefix_cache_hit_tokens_total <= after.prefix_cache_query_tokens_total
+    # a prompt scored (prompt_logprobs: echo with logprobs) is computed whole, nothing looked up: no query
+    scored = msgspec.structs.replace(params, prompt_logprobs=0)
+    alone(core, b + prompt(3, 103), scored)
+    assert core.stats().prefix_cache_query_tokens_total == after.prefix_cache_query_tokens_total
+    assert core.stats().prefix_cache_hit_tokens_total == after.prefix_cache_hit_tokens_total
     assert_no_leak(core)
 
     off = make_engine(model_dir, disable_prefix_cache=True)  # nothing is looked up: no queries to count
