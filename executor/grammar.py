@@ -462,6 +462,11 @@ class GrammarBackend:
         except Exception as e:
             self._finish(job, None, "", RuntimeError(f"a compiled grammar could not be read: {type(e).__name__}: {e}"))
             return
+        if _accepts_nothing(compiled, self.vocab_size):
+            self._finish(job, None, f"the {_kind(job)} accepts no text at all (no token, not even the end, can "
+                                    "start it: a rule that only refers to itself, for instance); give it a rule "
+                                    "that matches something")
+            return
         self._finish(job, compiled)
 
     def _finish(self, job: _Job, compiled: Any, message: str = "", error: Exception | None = None) -> None:
@@ -565,6 +570,16 @@ class GrammarBackend:
             self._queued.clear()
         for job in jobs:
             job.fail(error)
+
+
+def _accepts_nothing(compiled: Any, vocab_size: int) -> bool:
+    """Whether a compiled grammar allows no first token, its end included (`root ::= root`): xgrammar
+    compiles such a grammar, and a request under it would have nothing to sample from its first step."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+    return not bool(bitmask.any())
 
 
 def _kind(job: _Job) -> str:

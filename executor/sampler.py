@@ -178,6 +178,14 @@ def apply_logit_processors(logits: torch.Tensor, rows: Sequence[SamplingRow]) ->
     return out
 
 
+def _none_left(x: torch.Tensor, narrow: list[int]) -> tuple[int, ...]:
+    """Those of the rows `narrow` whose logits in `x` are all -inf: nothing the request allows may come."""
+    if not narrow:
+        return ()
+    empty = torch.isneginf(_take(x, narrow).amax(dim=-1)).tolist()
+    return tuple(i for i, none_left in zip(narrow, empty) if none_left)
+
+
 class Sampler:
     """Chooses the next token of every row of a batch; stateless apart from cached generators."""
 
@@ -215,18 +223,15 @@ class Sampler:
             apply_grammar_masks(raw, [row.grammar for row in rows])
         if plain:  # the common decode: argmax alone
             tokens = argmax_rows(raw)
-            return SampleResult(token_ids=tokens, logprobs=_logprobs(raw, rows, tokens))
+            return SampleResult(token_ids=tokens, logprobs=_logprobs(raw, rows, tokens),
+                                no_choice=_none_left(raw, [i for i, row in enumerate(rows) if row.grammar is not None]))
         # the processors work on a copy; with none to apply, the draw reads the logits where they are
         unprocessed = raw.dtype == torch.float32 and not any(_processed(row) for row in rows)
         x = raw if unprocessed else apply_logit_processors(raw, rows)
         # Only a row whose candidates are few can be left with none (allowed_token_ids a bad word or the
-        # grammar forbids now, bad words over a grammar's few ids): argmax would pick id 0 there
-        narrow = [i for i, row in enumerate(rows)
-                  if row.params.allowed_token_ids or (row.grammar is not None and row.params.bad_words_ids)]
-        no_choice: tuple[int, ...] = ()
-        if narrow:
-            empty = torch.isneginf(_take(x, narrow).amax(dim=-1)).tolist()
-            no_choice = tuple(i for i, none_left in zip(narrow, empty) if none_left)
+        # grammar forbids now, bad words over a grammar's few ids, a grammar with a dead end): argmax would
+        # pick id 0 there
+        no_choice = _none_left(x, [i for i, row in enumerate(rows) if row.params.allowed_token_ids or row.grammar is not None])
         tokens = [0] * len(rows)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         random = [i for i, row in enumerate(rows) if not row.params.greedy]

@@ -262,7 +262,9 @@ FD_RESERVE = 256  # file descriptors kept from client connections: the engine's 
 def connection_limit(target: int = 65536) -> int:
     """Raises this process's soft limit on open files towards `target` (the hard limit allowing; the default
     soft limit of 1024 let a thousand idle clients lock out every other), and returns how many client
-    connections to keep open at most: the limit less `FD_RESERVE`."""
+    connections to keep open at most: the limit less `FD_RESERVE`, or less half of it where the limit is
+    that low (a container's `ulimit -n 100`: a floor above the limit itself let accepts fail in a loop that
+    logged without end, which is what the cap is for)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = target if hard == resource.RLIM_INFINITY else min(target, hard)
     if soft != resource.RLIM_INFINITY and soft < want:
@@ -271,7 +273,8 @@ def connection_limit(target: int = 65536) -> int:
             soft = want
         except (ValueError, OSError) as e:  # not allowed: the limit as it is
             logger.info("could not raise the open-file limit from %d: %s", soft, e)
-    return max(64, (target if soft == resource.RLIM_INFINITY else soft) - FD_RESERVE)
+    limit = target if soft == resource.RLIM_INFINITY else soft
+    return max(1, limit - min(FD_RESERVE, limit // 2))
 
 
 async def serve_async(args: ServerArgs) -> int:

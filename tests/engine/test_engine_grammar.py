@@ -171,6 +171,21 @@ def test_a_grammar_that_allowed_token_ids_cannot_start_ends_without_a_token(core
     assert_no_leak(core)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_with_a_dead_end_ends_there_without_a_token(core, temperature, caplog):
+    """A grammar that allows nothing after its first word (its other rule only refers to itself): the
+    completion ends there with `stop` and that word. Greedy, the masked argmax of all -inf was id 0, which
+    the grammar refused: it was kept as the output's last token and an ERROR logged."""
+    p = SamplingParams(temperature=temperature, seed=5, max_tokens=12,
+                       structured=StructuredOutput("grammar", 'root ::= "alpha" x\nx ::= x', "guided_grammar"))
+    assert core.add_request(GenerateRequest("dead", prompt(6, 10), p)) == []
+    with caplog.at_level("WARNING"):
+        outs = run_to_end(core)
+    assert text_of(core, tokens(outs[("dead", 0)])) == "alpha" and outs[("dead", 0)][-1].finish_reason == "stop"
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    assert_no_leak(core)
+
+
 def test_an_admission_comes_before_the_step_that_runs_the_request(core):
     """A stream's headers go with its admission: the core reports it alone, from the step that finds the
     grammar compiled, before the step that runs the request's first prefill chunk (which may be long);

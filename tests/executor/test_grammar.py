@@ -678,6 +678,19 @@ def test_bad_specs_raise_grammar_error_naming_the_param(backend, kind, spec):
     assert e.value.param == "response_format" and "response_format" in e.value.message and "[" not in e.value.message[:1]
 
 
+@pytest.mark.parametrize("spec", ["root ::= root", 'root ::= a\na ::= a "x"', 'root ::= x | y\nx ::= y\ny ::= x'])
+def test_a_grammar_that_accepts_no_text_is_refused(backend, spec):
+    """xgrammar compiles a grammar whose rules only refer to themselves; a request under it had no token to
+    start with, and ended at once as a normal stop, with an ERROR logged (a helper found it)."""
+    with pytest.raises(GrammarError) as e:
+        backend.compile("grammar", spec, "guided_grammar")
+    assert e.value.param == "guided_grammar" and "accepts no text" in e.value.message
+    with pytest.raises(GrammarError):  # refused again from what it remembers
+        backend.compile("grammar", spec, "guided_grammar")
+    ok = backend.compile("grammar", 'root ::= "x" | root "y"', "guided_grammar")  # left recursion that ends
+    assert accepts(backend, ok, "xyy") and not accepts(backend, ok, "y")
+
+
 def test_compile_runs_off_the_calling_thread(backend):
     fut = backend.submit("regex", "[a-c]{3}", "regex")
     assert accepts(backend, fut.result(timeout=30), "abc")

@@ -443,3 +443,20 @@ def test_a_slow_steady_reader_gets_the_whole_answer(port: int) -> None:
             got += len(chunk)
     assert got > chunks * FLOOD_CHUNK  # the whole answer (and its headers)
     assert flood_ended["steady"].wait(5)
+
+
+@pytest.mark.parametrize("hard,cap", [(72, 36), (300, 150), (1024, 768), (4096, 3840)])
+def test_the_connection_cap_stays_under_the_open_file_limit(hard: int, cap: int) -> None:
+    """The cap is the limit less 256 descriptors, or less half the limit where it is that low: under a hard
+    limit of 72 it was a floor of 64, above what the process had left, and accepts failed in a loop that
+    logged ~450k lines in 15 s (a helper found it)."""
+    import subprocess
+    import sys
+
+    code = ("import resource, os; resource.setrlimit(resource.RLIMIT_NOFILE, (%d, %d)); "
+            "from server.launch import connection_limit; print(connection_limit(), len(os.listdir('/proc/self/fd')))"
+            % (hard, hard))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got, open_now = map(int, r.stdout.split())
+    assert got == cap and got + open_now < hard
