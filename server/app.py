@@ -83,7 +83,11 @@ class BodyLimitMiddleware:
     """Refuses request bodies over the limit with 413, whether Content-Length says so or not. The limit
     is read per request: derived, it follows the context length the engine reports once loaded. Until
     then (context length 0) the derived limit is not known: a body over the 1 MiB floor gets the 503 of
-    a loading server rather than a 413 that would wrongly tell the client its request can never fit."""
+    a loading server rather than a 413 that would wrongly tell the client its request can never fit.
+
+    Also refused before any route reads them: a compressed body (415: a gzip body was read as broken JSON,
+    and a plain one that claimed to be gzip was taken as it came), and a body in UTF-16 or UTF-32, which
+    Python's JSON reader would take (RFC 8259: JSON between systems is UTF-8)."""
 
     def __init__(self, app: ASGIApp, state: ServerState, fixed: int | None) -> None:
         self.app = app
@@ -94,32 +98,46 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         limit = body_limit(self.fixed, self.state.context_length)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return await self._refuse(scope, receive, send, limit)
+        coding = headers.get(b"content-encoding", b"").strip().lower()
+        if coding not in (b"", b"identity"):
+            resp = error_response(415, f"request bodies are read as they come: Content-Encoding "
+                                  f"{coding.decode('latin-1')[:40]!r} is not supported; {SEND_JSON}, uncompressed",
+                                  code="unsupported_media_type")
+            return await shaped(scope, resp)(scope, receive, send)
         seen = 0
-        too_large = False
+        too_large = not_utf8 = False
 
         async def limited() -> Message:
-            nonlocal seen, too_large
+            nonlocal seen, too_large, not_utf8
             msg = await receive()
             if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
+                chunk = msg.get("body", b"")
+                if seen < 4 and chunk and _wide_unicode(chunk):  # (its first bytes: one chunk holds them)
+                    not_utf8 = True
+                    raise _BodyRefused()
+                seen += len(chunk)
                 if seen > limit:
                     too_large = True
-                    raise _BodyTooLarge()
+                    raise _BodyRefused()
             return msg
 
         async def guarded_send(msg: Message) -> None:
-            if not too_large:  # the app's reply to a cut-off body is replaced by the 413
+            if not (too_large or not_utf8):  # the app's reply to a refused body is replaced by the refusal
                 await send(msg)
 
         try:
             await self.app(scope, limited, guarded_send)
-        except _BodyTooLarge:
+        except _BodyRefused:
             pass
         if too_large:
             await self._refuse(scope, receive, send, limit)
+        elif not_utf8:
+            resp = error_response(400, f"the body is UTF-16 or UTF-32 text: {SEND_JSON}")
+            await shaped(scope, resp)(scope, receive, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
         """413 naming the flag and the limit; 503 while the derived limit is not known yet."""
@@ -137,8 +155,14 @@ class BodyLimitMiddleware:
         await shaped(scope, resp)(scope, receive, send)
 
 
-class _BodyTooLarge(Exception):
+class _BodyRefused(Exception):
     pass
+
+
+def _wide_unicode(head: bytes) -> bool:
+    """Whether a body starts as UTF-16 or UTF-32 text does: a byte-order mark of theirs, or a NUL among
+    its first four bytes (which UTF-8 JSON never has; the test `json.detect_encoding` makes)."""
+    return head.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in head[:4]
 
 
 KEYED_PATHS = ("/tokenize", "/detokenize")  # beside /v1/*: what a key protects

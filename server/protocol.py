@@ -39,6 +39,8 @@ from server.generation_defaults import GENERATION_FIELDS, with_defaults
 from server.structured import EXTENSION_FIELDS, structured_output
 
 SEND_JSON = "send one JSON object, UTF-8, with the header Content-Type: application/json"
+NOT_READ_AS_JSON = ("the request body is JSON but was not read as such: send it with the header "
+                    "Content-Type: application/json (curl: -H 'Content-Type: application/json')")
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; a local server can afford more
 # completions API `logprobs`: OpenAI's limit is 5; vLLM's 20, which harnesses written for it ask for
 MAX_COMPLETION_LOGPROBS = 20
@@ -857,8 +859,7 @@ def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str,
         if err.get("type") in ("model_attributes_type", "dict_type", "model_type"):
             got = err.get("input")
             if isinstance(got, (str, bytes)) and _is_json(got):  # curl -d's form type, or no type at all
-                return ("the request body is JSON but was not read as such: send it with the header "
-                        "Content-Type: application/json (curl: -H 'Content-Type: application/json')"), None
+                return NOT_READ_AS_JSON, None
             # raw bytes: a body not sent as JSON; anything else is what the JSON body held
             what = "text that is not JSON" if isinstance(got, bytes) else _JSON_KINDS.get(type(got), "another JSON value")
             return f"the request body must be a JSON object, not {what}: {SEND_JSON}", None

@@ -56,6 +56,7 @@ from server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    NOT_READ_AS_JSON,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
@@ -160,8 +161,8 @@ async def _responses(raw: Request, state: ServerState, body: ResponsesRequest) -
     try:
         check_model(state, body.model)
         chat = to_chat_request(body)
-        if body.truncation == "auto":
-            chat = _fitted(state, chat)
+        if body.truncation == "auto":  # (renders the conversation a few times: off the event loop)
+            chat = await asyncio.to_thread(_fitted, state, chat)
     except ClientError as e:
         return e.response()
     except ParamError as e:
@@ -317,9 +318,21 @@ async def _detokenize(state: ServerState, body: DetokenizeRequest) -> Detokenize
     return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens, skip_special_tokens=False))
 
 
+def _sent_as_json(content_type: str | None) -> bool:
+    """FastAPI's rule for a JSON body (its strict_content_type, on by default): application/json or
+    application/*+json; a body with no Content-Type is not read either."""
+    if not content_type:
+        return False
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
 async def _json_body(raw: Request, model_for: Callable[[dict], type[BaseModel]]) -> Any:
     """The body as the request model `model_for` picks for its JSON object; ClientError (400, naming the
     field as every route's validation errors do) otherwise."""
+    # a body of another declared type is not read, as the routes FastAPI reads refuse it (`_sent_as_json`)
+    if not _sent_as_json(raw.headers.get("content-type")):
+        raise ClientError(400, NOT_READ_AS_JSON)
     # the stdlib's parser, not pydantic's from_json, which refuses a lone surrogate before validation can
     # name its field; the stdlib's recurses per nesting level
     try:

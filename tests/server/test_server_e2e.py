@@ -655,6 +655,47 @@ def test_a_body_that_is_not_a_json_object_says_what_to_send(server, content, cty
     assert says in message and "Content-Type: application/json" in message, message
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 1}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+    ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/tokenize", {"prompt": "hi"}),
+    ("/detokenize", {"tokens": [1, 2]}),
+])
+def test_every_route_reads_a_body_only_as_utf8_json_uncompressed(server, path, body):
+    """Every route answers the same to a body sent as another type (the Messages and tokenize routes took it),
+    compressed (a gzip body was a 'not valid JSON' 400, a plain one labelled gzip was taken: now 415), or in
+    UTF-16 (taken: JSON between systems is UTF-8); the same body sent right is answered (a helper found all
+    three)."""
+    import gzip
+
+    base = {"Authorization": f"Bearer {KEY}"}
+    data = json.dumps({"model": server_model_id(server), **body})
+    if not path.startswith("/v1/messages"):  # (Anthropic's routes answer in their own shape)
+        def says(resp, status, needle):
+            assert_error(resp, status)
+            assert needle in resp.json()["error"]["message"], resp.json()
+    else:
+        def says(resp, status, needle):
+            assert resp.status_code == status and resp.json()["type"] == "error", resp.text
+            assert needle in resp.json()["error"]["message"], resp.json()
+    with httpx.Client(base_url=server.url, headers=base, timeout=60) as client:
+        says(client.post(path, content=data.encode(), headers={"content-type": "text/plain"}), 400,
+             "is JSON but was not read as such")
+        for coded, coding in ((gzip.compress(data.encode()), "gzip"), (data.encode(), "gzip"), (data.encode(), "br")):
+            says(client.post(path, content=coded, headers={"content-type": "application/json", "content-encoding": coding}),
+                 415, f"Content-Encoding '{coding}' is not supported")
+        for wide in ("utf-16", "utf-16-le", "utf-32", "utf-32-be"):
+            says(client.post(path, content=data.encode(wide), headers={"content-type": "application/json"}), 400,
+                 "UTF-16 or UTF-32")
+        ok = client.post(path, content=data.encode(), headers={"content-type": "application/json; charset=utf-8",
+                                                               "content-encoding": "identity"})
+        assert ok.status_code == 200, ok.text
+        says(client.post(path, content=data.encode()), 400, "is JSON but was not read as such")  # no type at all
+
+
 def test_32_concurrent_streams(server):
     async def one(i: int, client: openai.AsyncOpenAI):
         stream = await client.chat.completions.create(
