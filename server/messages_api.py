@@ -37,7 +37,7 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator, model_validator
 
 from engine.messages import context_numbers
 from scheduler.sampling_params import ParamError
@@ -178,7 +178,7 @@ class MessageParam(_Request):
 class ToolParam(_Request):
     name: str = Field(pattern=_FUNCTION_NAME)
     description: str | None = None
-    input_schema: dict[str, Any] | None = None
+    input_schema: dict[str, Any] | None = None  # required of a client tool, as Anthropic's API requires it
     type: str | None = None  # "custom" or absent; Anthropic's server tools name their kind here
 
     @field_validator("type")
@@ -188,6 +188,13 @@ class ToolParam(_Request):
             raise _invalid(f"tool type {value!r} is one of Anthropic's server tools, which this server does not "
                            "run: describe a client tool with name, description and input_schema")
         return value
+
+    @model_validator(mode="after")
+    def _has_input_schema(self) -> "ToolParam":
+        if self.input_schema is None:  # (after the type: a server tool has none, and is told so first)
+            raise _invalid(f"tool {self.name!r} has no input_schema: a client tool needs one, the JSON Schema of "
+                           "its input ({\"type\": \"object\", \"properties\": {...}})")
+        return self
 
 
 class ToolChoiceParam(_Request):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -901,11 +902,25 @@ class MessagesSerializer(ChatSerializer):
 
 
 def _whole_json(text: str) -> bool:
+    """Whether `text` is one whole JSON value as RFC 8259 writes them: NaN, Infinity and a number past a
+    double's range (which JavaScript's JSON.parse refuses, or reads as no number) are not; a lone surrogate's
+    escape is (the grammar allows every \\uXXXX, and JSON.parse reads it)."""
     try:
-        from_json(text)
-    except ValueError:
+        json.loads(text, parse_constant=_not_json, parse_float=_finite)
+    except (ValueError, RecursionError):
         return False
     return True
+
+
+def _not_json(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:20]} is past a double's range")
+    return value
 
 
 def _blocks(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

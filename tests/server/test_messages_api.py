@@ -234,6 +234,8 @@ USER = [{"role": "user", "content": "hi"}]
     ({"max_tokens": 0, "messages": USER}, 400, "max_tokens"),
     ({"max_tokens": 4, "messages": USER, "tools": [{**WEATHER, "input_schema": {"type": "object", "properties": 3}}]},
      400, "tools.[0].input_schema"),
+    ({"max_tokens": 4, "messages": USER, "tools": [{"name": "get_time", "description": "the time"}]},  # required
+     400, "tool 'get_time' has no input_schema"),
     ({"max_tokens": 4, "messages": USER, "output_config": {"format": {"type": "json_schema", "schema": {
         "type": "object", "properties": {"a": {"type": "string", "not": {}}}}}}}, 400, "output_config.format"),
     # blocks that hold text only, told by what is wrong with them

@@ -670,3 +670,18 @@ def test_past_calls_are_written_in_the_markup_the_reply_is_read_in(parser: str, 
     text, _ = chat_prompt(state, body)
     assert marker in text and city in text and "<tool_response>\nsunny\n</tool_response>" in text, text
     assert ("<tool_call>" in text) == (parser == "auto")
+
+
+@pytest.mark.parametrize("arguments,whole", [
+    ('{"a": 1.5e300, "b": [1, "x"]}', True), ("{}", True),
+    ('{"a": "\\ud800"}', True),  # a lone surrogate's escape is JSON (JSON.parse reads it); it was taken for cut
+    ('{"a": NaN}', False), ('{"a": -Infinity}', False), ('{"a": 1e999}', False),  # they were taken for whole
+    ('{"a": 1', False), ('{"a": 1}}', False),
+])
+def test_a_tool_calls_arguments_are_whole_json_as_rfc_8259_writes_it(arguments, whole):
+    """What decides finish_reason "tool_calls" (a call whose arguments are not one whole JSON value leaves
+    "stop"): Python's and pydantic's readers take NaN, Infinity or 1e999, which JSON.parse refuses (a helper
+    found it)."""
+    from server.responses import _whole_json
+
+    assert _whole_json(arguments) is whole
