@@ -11,6 +11,9 @@ server maps to an HTTP status, never an exception in the loop.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import json
 import logging
 import random
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -133,6 +136,34 @@ def _warn_if_never_sparse(omnikv: OmniKVConfig, context_len: int, mode: str) -> 
     elif mode == "auto" and omnikv.min_context > context_len:
         logger.warning("OmniKV: --omnikv auto turns it on from %d tokens, past the longest context (%d): it never "
                        "turns on; give a smaller min_context, or --omnikv on", omnikv.min_context, context_len)
+
+
+def _fingerprint(args: EngineArgs, source: Path, dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device,
+                 runner: ModelRunner, omnikv: OmniKVConfig) -> str:
+    """OpenAI's `system_fingerprint`: "fp_" and 10 hex digits of a hash of what the logits depend on besides
+    the request: this build, the weight files (name, size, modification time), the dtypes, which forward
+    and kernels run, the parallel layout and OmniKV's settings. A client that pins `seed` sees it change when
+    such a change may change its tokens (another build, file, flag or machine's kernels)."""
+    files = [source] if source.is_file() else sorted(
+        f for f in source.iterdir() if f.is_file() and f.suffix in (".gguf", ".safetensors", ".json", ".bin"))
+    weights = [(f.name, (st := f.stat()).st_size, st.st_mtime_ns) for f in files]
+    kernels: object = None
+    if runner.native_forward is not None:
+        import cpp_experts
+
+        kernels = cpp_experts.info()["chosen"]
+    elif device.type == "cuda":
+        kernels = torch.cuda.get_device_name(device)
+    try:
+        version = importlib.metadata.version("mlaserve")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    what = {"build": version, "torch": torch.__version__, "weights": weights, "dtype": str(dtype),
+            "kv_dtype": str(kv_dtype), "device": device.type,
+            "forward": "torch" if runner.native_forward is None else "native", "kernels": kernels,
+            "cpu_weight_dtype": args.cpu_weight_dtype, "backends": [args.attention_backend, args.expert_backend],
+            "parallel": [args.tp, args.ep, args.dp_attention], "omnikv": [args.omnikv, repr(omnikv)]}
+    return "fp_" + hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 
 class EngineCore:
@@ -292,6 +323,7 @@ class EngineCore:
             omnikv_mode=args.omnikv, omnikv_min_context=omnikv.min_context, speculative=self._speculative(args),
         )
         self._rng = random.Random(args.seed)
+        self.fingerprint = _fingerprint(args, loaded.source, loaded.dtype, kv_dtype, device, self.runner, omnikv)
         self.grammars = (GrammarBackend(tok.tokenizer, cfg.vocab_size, sorted(eos), timeout_s=args.grammar_compile_timeout)
                          if tok else None)
         self._compiling: list[_Compiling] = []
@@ -360,6 +392,7 @@ class EngineCore:
             model=self.model_name, arch=self.config.arch, vocab_size=self.config.vocab_size,
             context_length=self.context_len, kv_slots=self.runner.allocator.num_slots,
             kv_bytes_per_token=self.kv_bytes_per_token, eos_token_ids=[int(t) for t in self.scheduler.eos_token_ids],
+            fingerprint=self.fingerprint,
         )
 
     # ------------------------------------------------------------------ the four calls

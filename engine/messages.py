@@ -107,6 +107,7 @@ class EngineInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_slots: int  # tokens the KV pool holds
     kv_bytes_per_token: int
     eos_token_ids: list[int]
+    fingerprint: str = ""  # OpenAI's system_fingerprint: what the logits depend on besides the request (a hash)
     pid: int = 0  # the engine process (set by the process loop, not the core)
 
 

@@ -199,6 +199,7 @@ async def _start_engine(state: ServerState, args: ServerArgs, server: _DrainingS
         state.context_length = engine.info.context_length
         state.admission_capacity = (args.engine.max_running_requests + args.engine.max_queued_requests) * args.dp
         state.vocab_size = engine.info.vocab_size
+        state.system_fingerprint = engine.info.fingerprint or None
         state.engine = engine
         freeze_gc_heap()  # the tokenizer, the app and the libraries live as long as the server
         logger.info("ready: serving %s as '%s' on http://%s:%d%s", args.engine.model, state.model_name,

@@ -388,14 +388,16 @@ class ChatSerializer(Serializer):
                     token_ids=c.token_ids if ids else None,
                 ))
         return ChatCompletionResponse(
-            id=self.id, created=self.created, model=self.state.model_name, choices=choices, usage=self.usage(),
+            id=self.id, created=self.created, model=self.state.model_name,
+            system_fingerprint=self.state.system_fingerprint, choices=choices, usage=self.usage(),
             prompt_token_ids=self.requests[0].prompt_ids if ids else None,
         ).model_dump()
 
     def chunk(self, choices: list[Any], **extra: Any) -> ChatCompletionChunk:
         if self.body.continuous_usage and "usage" not in extra:  # the usage so far on every chunk
             extra["usage"] = self.chunk_usage(choices)
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.state.model_name, choices=choices,
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.state.model_name,
+                                   system_fingerprint=self.state.system_fingerprint, choices=choices,
                                    **extra).usage_null(self.body.include_usage)
 
     def stream_start(self) -> list[Any]:
@@ -762,14 +764,16 @@ class CompletionSerializer(Serializer):
                     token_ids=c.token_ids if ids else None, prompt_token_ids=r.prompt_ids if ids else None,
                 ))
         return CompletionResponse(
-            id=self.id, created=self.created, model=self.state.model_name, choices=choices, usage=self.usage(),
+            id=self.id, created=self.created, model=self.state.model_name,
+            system_fingerprint=self.state.system_fingerprint, choices=choices, usage=self.usage(),
             prompt_token_ids=self.requests[0].prompt_ids if ids and len(self.requests) == 1 else None,
         ).model_dump()
 
     def chunk(self, choices: list[Any], **extra: Any) -> CompletionChunk:
         if self.body.continuous_usage and "usage" not in extra:  # the usage so far on every chunk
             extra["usage"] = self.chunk_usage(choices)
-        return CompletionChunk(id=self.id, created=self.created, model=self.state.model_name, choices=choices,
+        return CompletionChunk(id=self.id, created=self.created, model=self.state.model_name,
+                               system_fingerprint=self.state.system_fingerprint, choices=choices,
                                **extra).usage_null(self.body.include_usage)
 
     def stream_start(self) -> list[Any]:

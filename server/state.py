@@ -36,6 +36,7 @@ class ServerState:
     # --max-queued-requests, times --dp); 0: unknown, not checked
     admission_capacity: int = 0
     vocab_size: int = 0
+    system_fingerprint: str | None = None  # the engine's (EngineInfo.fingerprint): chat and completions answers carry it
     start_error: str | None = None
     start_exit: int = 1  # the exit code for start_error: 2 where the model or a setting is at fault
     engine_lost: str | None = None  # why the engine (every replica) died after it was ready: the server exits 1

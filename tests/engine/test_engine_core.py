@@ -3,8 +3,9 @@ retraction under memory pressure, aborts, n > 1, seeds, and its refusals."""
 
 from __future__ import annotations
 
-import msgspec
+import os
 
+import msgspec
 import pytest
 import torch
 
@@ -340,6 +341,25 @@ def test_abort_frees_everything(model_dir, stage):
     assert (target, 0) not in rest or not tokens(rest[(target, 0)])
     assert core.stats().aborted_total == 1
     assert_no_leak(core)
+
+
+def test_the_system_fingerprint_follows_what_the_logits_depend_on(model_dir):
+    """OpenAI's system_fingerprint: the same for the same files and settings, another for another KV dtype,
+    forward or weight file."""
+    import re
+
+    first = make_engine(model_dir).describe().fingerprint
+    assert re.fullmatch(r"fp_[0-9a-f]{10}", first)
+    assert make_engine(model_dir, max_running_requests=8).describe().fingerprint == first  # (no bearing on logits)
+    assert make_engine(model_dir, kv_dtype="bfloat16").describe().fingerprint != first
+    assert make_engine(model_dir, cpu_kernels="torch").describe().fingerprint != first
+    weights = next(f for f in sorted(model_dir.iterdir()) if f.suffix in (".safetensors", ".gguf"))
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file written again
+    try:
+        assert make_engine(model_dir).describe().fingerprint != first
+    finally:
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 def test_n_completions_share_the_prompt(model_dir):

@@ -696,6 +696,22 @@ def test_every_route_reads_a_body_only_as_utf8_json_uncompressed(server, path, b
         says(client.post(path, content=data.encode()), 400, "is JSON but was not read as such")  # no type at all
 
 
+def test_chat_and_completions_carry_the_engines_system_fingerprint(server, client):
+    """OpenAI's system_fingerprint on every answer and chunk of both APIs: one value, the engine's hash of its
+    weights and settings (it was never sent)."""
+    import re
+
+    model = server_model_id(server)
+    chat = dict(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    seen = {client.chat.completions.create(**chat).system_fingerprint,
+            client.completions.create(model=model, prompt="hi", max_tokens=2).system_fingerprint}
+    seen |= {c.system_fingerprint for c in client.chat.completions.create(**chat, stream=True)}
+    seen |= {c.system_fingerprint for c in client.completions.create(model=model, prompt="hi", max_tokens=2, stream=True,
+                                                                     stream_options={"include_usage": True})}
+    (fingerprint,) = seen
+    assert re.fullmatch(r"fp_[0-9a-f]{10}", fingerprint)
+
+
 def test_32_concurrent_streams(server):
     async def one(i: int, client: openai.AsyncOpenAI):
         stream = await client.chat.completions.create(
