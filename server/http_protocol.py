@@ -39,8 +39,11 @@ pass `MAX_HEAD_BYTES` gets a 431 (a 414 when its URL does) in OpenAI's error sha
 (nginx allows 4 × 8 KiB, Node and uvicorn's h11 parser 16 KiB).
 
 **Connections.** Past `max_connections` open at once (the server sets it below its file-descriptor limit) a
-new connection is closed as it comes: at the limit itself, every accept failed, asyncio logged each failure
-(a hundred MB of log in half a minute) and spun, and nothing new was served until clients left. A client
+new connection takes the place of an idle one (no request under way: between requests, or never sent a
+byte), which is closed; where none is idle, the new one is closed as it comes. At the limit itself every
+accept failed, asyncio logged each failure (a hundred MB of log in half a minute) and spun, and nothing new
+was served until clients left; and idle connections up to the cap locked out every new client until the
+read timeout closed them. A client
 that pipelines more than `MAX_PIPELINED` requests behind the one being answered loses the connection: each
 waiting request is held parsed, and one that sent thousands while reading no answer held gigabytes.
 
@@ -209,6 +212,14 @@ class ServerHttpProtocol(HttpToolsProtocol):
                               "send it whole, promptly", "request_timeout")
         self.transport.close()
 
+    def _idle(self) -> bool:
+        """Nothing under way: no request begun, none answered or waiting behind one (a client between its
+        requests, or one that never sent a byte). Past max_connections such a connection gives its place to a
+        new one: idle connections by the thousand had locked out every new client, /health too, until the
+        read timeout closed them."""
+        return not (self.transport is None or self.transport.is_closing() or self._lingering or self._begun
+                    or self._reading != HEAD or self._answering() or self.pipeline)
+
     def _unanswered(self) -> bool:
         """A request has begun (headers or body under way) and nothing answers it yet: no handler runs for
         it, or the one waiting on its body has sent nothing, and no earlier answer is still going out. An
@@ -314,10 +325,14 @@ class ServerHttpProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if self.max_connections and len(self.connections) > self.max_connections:
-            _warn_at_most_every(10.0, "closing new connections: %d are open, the most this server keeps "
-                                "(below its file-descriptor limit)", len(self.connections) - 1)
-            transport.close()
-            return
+            idle = next((c for c in self.connections if c is not self and isinstance(c, ServerHttpProtocol)
+                         and c._idle()), None)
+            if idle is None:
+                _warn_at_most_every(10.0, "closing new connections: %d are open, the most this server keeps "
+                                    "(below its file-descriptor limit), each in a request", len(self.connections) - 1)
+                transport.close()
+                return
+            idle.transport.close()  # (a client between requests, or one that never sent a byte, makes room)
         self._arm()  # the first request's headers are due from now
 
     def data_received(self, data: bytes) -> None:

@@ -258,11 +258,14 @@ def test_a_client_pipelining_past_the_limit_loses_the_connection(port: int) -> N
 
 
 def test_connections_past_the_limit_are_closed_as_they_come() -> None:
-    """Past max_connections a new connection is closed at once (at the descriptor limit accepts failed, logged
-    each time, and nothing new was served); one is served again once another leaves."""
+    """Past max_connections, each open one in a request, a new connection is closed at once (at the descriptor
+    limit accepts failed, logged each time, and nothing new was served); one is served again once another
+    leaves."""
     with serving(read_timeout=30, write_timeout=30, max_connections=3) as free:
         held = [connect(free) for _ in range(3)]
         try:
+            for c in held:  # each in a request: its headers begun
+                c.sendall(b"POST / HTTP/1.1\r\nHost: x\r\n")
             time.sleep(0.2)
             with connect(free) as extra:
                 t0 = time.monotonic()
@@ -443,6 +446,39 @@ def test_a_slow_steady_reader_gets_the_whole_answer(port: int) -> None:
             got += len(chunk)
     assert got > chunks * FLOOD_CHUNK  # the whole answer (and its headers)
     assert flood_ended["steady"].wait(5)
+
+
+def test_past_the_limit_a_new_connection_takes_the_place_of_an_idle_one() -> None:
+    """Connections that never sent a byte, and one between its requests, held up to max_connections: a new
+    client is served, one idle one closed to make room (they had locked every new client out until the read
+    timeout: a helper found it with 19,800); one in a request is never the one closed."""
+    with serving(read_timeout=30, write_timeout=30, max_connections=3) as free:
+        busy, silent, between = connect(free), connect(free), connect(free)
+        try:
+            busy.sendall(b"POST / HTTP/1.1\r\nHost: x\r\n")  # in a request: its headers begun
+            between.sendall(request("/", b"ab", keep_alive=True))
+            assert between.recv(65536).startswith(b"HTTP/1.1 200")  # answered, kept alive
+            time.sleep(0.2)
+            with connect(free) as new:  # a new client takes the place of an idle one
+                new.sendall(request("/", b"abc"))
+                answer, _ = read_all(new)
+            assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"got": 3}'), answer
+            time.sleep(0.2)
+            closed = []
+            for idle in (silent, between):
+                idle.setblocking(False)
+                try:
+                    closed.append(idle.recv(65536) == b"")  # closed, unanswered
+                except BlockingIOError:
+                    closed.append(False)  # still open
+                idle.setblocking(True)
+            assert sorted(closed) == [False, True], closed  # one of the two idle ones, and only one
+            busy.sendall(b"Connection: close\r\nContent-Length: 1\r\n\r\nx")  # the one in a request is answered
+            answer, _ = read_all(busy)
+            assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"got": 1}'), answer
+        finally:
+            for c in (busy, silent, between):
+                c.close()
 
 
 @pytest.mark.parametrize("hard,cap", [(72, 36), (300, 150), (1024, 768), (4096, 3840)])
