@@ -167,14 +167,11 @@ class EngineReplicas:
     Same threading rules as `EngineClient`: async methods on the loop that started it; `is_alive`,
     `any_alive`, `info`, `load`s and `kill` are plain reads (kill: from a signal handler too)."""
 
-    def __init__(self, clients: list[EngineClient], router: PrefixRouter | None = None, *, bound: bool = False,
-                 limits: tuple[int, int] | None = None) -> None:
+    def __init__(self, clients: list[EngineClient], router: PrefixRouter | None = None, *, bound: bool = False) -> None:
         """`bound`: the replicas are the ranks of one model (--dp-attention), so none works without the
         others: when one dies, the rest are ended with its reason (a replica left waiting for a dead
-        or frozen peer would hold its requests until the group's timeout). `limits`: each replica's
-        --max-running-requests and --max-queued-requests, for `overloaded`."""
+        or frozen peer would hold its requests until the group's timeout)."""
         self.clients = clients
-        self.limits = limits
         self._broken = False
         if bound:
             for i, c in enumerate(clients):
@@ -221,25 +218,7 @@ class EngineReplicas:
             for i, c in enumerate(clients):
                 c.label = f"replica {i}: "  # (its death's log line says which)
         room = args.max_running_requests + args.max_queued_requests
-        return cls(clients, PrefixRouter(replicas, room=room), bound=args.dp_attention,
-                   limits=(args.max_running_requests, args.max_queued_requests))
-
-    def overloaded(self, asked: int) -> str | None:
-        """The engine's overload refusal of a request for `asked` completions when every live replica already
-        holds as many as it admits, else None: the server then answers 503 before it renders and tokenizes
-        the request (in a burst past the limits the refusals had waited their turn behind that work, ~4 s at
-        the median for 600 requests, and under a retry storm that work took the admitted requests' CPU). A
-        request for more than a replica ever admits is left to the engine's 400."""
-        if self.limits is None:
-            return None
-        running, queued = self.limits
-        live = [c.load for c in self.clients if c.is_alive]
-        if not live or min(live) < running + queued or asked > running + queued:
-            return None
-        # (the loads count requests sent to be refused too: the engine holds its limit, no more)
-        return (f"the server is overloaded: it holds {running + queued} completions, running or waiting, of at most "
-                f"{running + queued} (--max-running-requests {running} + --max-queued-requests {queued}); "
-                "retry later")
+        return cls(clients, PrefixRouter(replicas, room=room), bound=args.dp_attention)
 
     def _group_broken(self, index: int, reason: str) -> None:
         """Replica `index` died (on the loop): the others are ended with its reason, once."""

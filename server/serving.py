@@ -376,22 +376,11 @@ def note_ignored_fields(body: BaseModel) -> None:
             ", ".join(map(repr, names)), " ..." if len(ignored) > len(names) else "")
 
 
-def _completions_asked(body: Any) -> int:
-    """The completions a request asks for, read off its body: n for each prompt of a completions batch."""
-    prompt = getattr(body, "prompt", None)
-    prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
-    return (getattr(body, "n", None) or 1) * prompts
-
-
 async def counted(raw: Request, state: ServerState, body: Any, serializer_cls: Callable[..., Serializer]) -> Response:
     """`handle`, counted in `state.inflight` until the answer is complete (for streams: sent)."""
     unavailable = state.unavailable()
     if unavailable is not None:
         return unavailable
-    full = state.engine.overloaded(_completions_asked(body)) if state.engine is not None else None
-    if full is not None:  # the engine would refuse it: said before the request is rendered and tokenized
-        return engine_error(RequestOutput(rid="", index=0, new_token_ids=[], error=full, error_code=ERR_OVERLOADED),
-                            "").response()
     state.inflight += 1
     streaming = False
     try:

@@ -17,7 +17,7 @@ from server.state import ServerState
 @pytest.mark.parametrize("client", ["gone before the first part", "reads it all"])
 def test_a_stream_is_closed_and_uncounted(client: str, monkeypatch: pytest.MonkeyPatch) -> None:
     state = ServerState(model_name="m", metrics=Metrics("m"))
-    state.engine = types.SimpleNamespace(any_alive=True, overloaded=lambda asked: None)
+    state.engine = types.SimpleNamespace(any_alive=True)
     ended: list[str] = []
 
     async def body():
