@@ -138,15 +138,29 @@ def _warn_if_never_sparse(omnikv: OmniKVConfig, context_len: int, mode: str) -> 
                        "turns on; give a smaller min_context, or --omnikv on", omnikv.min_context, context_len)
 
 
+def _ends_digest(path: Path, span: int = 1 << 20) -> str:
+    """A hash of a file's first and last `span` bytes (the whole of a smaller one): a model file's header
+    (its tensors, shapes and metadata) and its last tensor's end, read in a moment however large the file."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        h.update(f.read(span))
+        size = f.seek(0, 2)
+        if size > span:
+            f.seek(max(span, size - span))
+            h.update(f.read(span))
+    return h.hexdigest()
+
+
 def _fingerprint(args: EngineArgs, source: Path, dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device,
                  runner: ModelRunner, omnikv: OmniKVConfig) -> str:
     """OpenAI's `system_fingerprint`: "fp_" and 10 hex digits of a hash of what the logits depend on besides
-    the request: this build, the weight files (name, size, modification time), the dtypes, which forward
-    and kernels run, the parallel layout and OmniKV's settings. A client that pins `seed` sees it change when
-    such a change may change its tokens (another build, file, flag or machine's kernels)."""
+    the request: this build, the model's files (each one's name, size, and its first and last MiB: the same
+    files copied to other hosts give the same value), the dtypes, which forward and kernels run, the
+    parallel layout and OmniKV's settings. A client that pins `seed` sees it change when such a change may
+    change its tokens (another build, file, flag or machine's kernels)."""
     files = [source] if source.is_file() else sorted(
-        f for f in source.iterdir() if f.is_file() and f.suffix in (".gguf", ".safetensors", ".json", ".bin"))
-    weights = [(f.name, (st := f.stat()).st_size, st.st_mtime_ns) for f in files]
+        f for f in source.iterdir() if f.is_file() and f.suffix in (".gguf", ".safetensors", ".json"))
+    weights = [(f.name, f.stat().st_size, _ends_digest(f)) for f in files]
     kernels: object = None
     if runner.native_forward is not None:
         import cpp_experts

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hmac
 import importlib.metadata
+import json
 import logging
 import re
 import time
@@ -102,10 +103,10 @@ class BodyLimitMiddleware:
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return await self._refuse(scope, receive, send, limit)
-        coding = headers.get(b"content-encoding", b"").strip().lower()
-        if coding not in (b"", b"identity"):
+        coding = _content_coding(scope, headers)
+        if coding is not None:
             resp = error_response(415, f"request bodies are read as they come: Content-Encoding "
-                                  f"{coding.decode('latin-1')[:40]!r} is not supported; {SEND_JSON}, uncompressed",
+                                  f"{coding[:40]!r} is not supported; {SEND_JSON}, uncompressed",
                                   code="unsupported_media_type")
             return await shaped(scope, resp)(scope, receive, send)
         seen = 0
@@ -160,9 +161,22 @@ class _BodyRefused(Exception):
 
 
 def _wide_unicode(head: bytes) -> bool:
-    """Whether a body starts as UTF-16 or UTF-32 text does: a byte-order mark of theirs, or a NUL among
-    its first four bytes (which UTF-8 JSON never has; the test `json.detect_encoding` makes)."""
-    return head.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in head[:4]
+    """Whether a body starts as UTF-16 or UTF-32 text does, as Python's JSON reader tells them (a byte-order
+    mark, or the NULs of an ASCII first character in them): that reader would take them, where the body
+    must be UTF-8. (A gzip body, say, is not taken for one: it fails as JSON, as any other binary.)"""
+    return json.detect_encoding(head[:4]) not in ("utf-8", "utf-8-sig")
+
+
+def _content_coding(scope: Scope, headers: dict[bytes, bytes]) -> str | None:
+    """The coding a request's body says it is in where it is not the body as it is (every Content-Encoding
+    header's every coding counts), for a request that has a body; else None."""
+    if b"content-length" not in headers and b"transfer-encoding" not in headers:
+        return None  # no body (GET /health): its headers are not read
+    if headers.get(b"content-length", b"").strip() == b"0":
+        return None
+    codings = [c.strip().lower() for name, value in scope.get("headers") or () if name == b"content-encoding"
+               for c in value.decode("latin-1").split(",")]
+    return next((c for c in codings if c and c != "identity"), None)
 
 
 KEYED_PATHS = ("/tokenize", "/detokenize")  # beside /v1/*: what a key protects

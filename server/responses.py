@@ -910,7 +910,7 @@ def _whole_json(text: str) -> bool:
     double's range (which JavaScript's JSON.parse refuses, or reads as no number) are not; a lone surrogate's
     escape is (the grammar allows every \\uXXXX, and JSON.parse reads it)."""
     try:
-        json.loads(text, parse_constant=_not_json, parse_float=_finite)
+        json.loads(text, parse_constant=_not_json, parse_float=_finite, parse_int=_finite_int)
     except (ValueError, RecursionError):
         return False
     return True
@@ -918,6 +918,12 @@ def _whole_json(text: str) -> bool:
 
 def _not_json(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
+
+
+def _finite_int(text: str) -> int:
+    if len(text.lstrip("-")) > 308 and not math.isfinite(float(text)):  # (JSON.parse reads it as Infinity)
+        raise ValueError(f"{text[:20]}... is past a double's range")
+    return int(text)
 
 
 def _finite(text: str) -> float:

@@ -57,6 +57,7 @@ from server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     NOT_READ_AS_JSON,
+    SEND_JSON,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
@@ -330,13 +331,16 @@ def _sent_as_json(content_type: str | None) -> bool:
 async def _json_body(raw: Request, model_for: Callable[[dict], type[BaseModel]]) -> Any:
     """The body as the request model `model_for` picks for its JSON object; ClientError (400, naming the
     field as every route's validation errors do) otherwise."""
+    content = await raw.body()
+    if not content:  # (as the routes FastAPI reads say it)
+        raise ClientError(400, f"the request body is empty: {SEND_JSON}")
     # a body of another declared type is not read, as the routes FastAPI reads refuse it (`_sent_as_json`)
     if not _sent_as_json(raw.headers.get("content-type")):
         raise ClientError(400, NOT_READ_AS_JSON)
     # the stdlib's parser, not pydantic's from_json, which refuses a lone surrogate before validation can
     # name its field; the stdlib's recurses per nesting level
     try:
-        data = json.loads(await raw.body())
+        data = json.loads(content)
     except ValueError as e:
         raise ClientError(400, f"the body is not valid JSON: {e}") from None
     except RecursionError:

@@ -3,7 +3,9 @@ retraction under memory pressure, aborts, n > 1, seeds, and its refusals."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import msgspec
 import pytest
@@ -343,9 +345,9 @@ def test_abort_frees_everything(model_dir, stage):
     assert_no_leak(core)
 
 
-def test_the_system_fingerprint_follows_what_the_logits_depend_on(model_dir):
+def test_the_system_fingerprint_follows_what_the_logits_depend_on(model_dir, tmp_path):
     """OpenAI's system_fingerprint: the same for the same files and settings, another for another KV dtype,
-    forward or weight file."""
+    forward or model file; the same for the same files copied elsewhere."""
     import re
 
     first = make_engine(model_dir).describe().fingerprint
@@ -353,13 +355,12 @@ def test_the_system_fingerprint_follows_what_the_logits_depend_on(model_dir):
     assert make_engine(model_dir, max_running_requests=8).describe().fingerprint == first  # (no bearing on logits)
     assert make_engine(model_dir, kv_dtype="bfloat16").describe().fingerprint != first
     assert make_engine(model_dir, cpu_kernels="torch").describe().fingerprint != first
-    weights = next(f for f in sorted(model_dir.iterdir()) if f.suffix in (".safetensors", ".gguf"))
-    st = weights.stat()
-    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file written again
-    try:
-        assert make_engine(model_dir).describe().fingerprint != first
-    finally:
-        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    copy = shutil.copytree(model_dir, tmp_path / "copy")  # the same files elsewhere (another host): the same value
+    os.utime(next(copy.glob("*.safetensors")), ns=(1, 1))
+    assert make_engine(copy).describe().fingerprint == first
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "rms_norm_eps": config["rms_norm_eps"] * 2}))
+    assert make_engine(copy).describe().fingerprint != first  # another file
 
 
 def test_n_completions_share_the_prompt(model_dir):

@@ -676,6 +676,7 @@ def test_past_calls_are_written_in_the_markup_the_reply_is_read_in(parser: str, 
     ('{"a": 1.5e300, "b": [1, "x"]}', True), ("{}", True),
     ('{"a": "\\ud800"}', True),  # a lone surrogate's escape is JSON (JSON.parse reads it); it was taken for cut
     ('{"a": NaN}', False), ('{"a": -Infinity}', False), ('{"a": 1e999}', False),  # they were taken for whole
+    ('{"a": 1' + "0" * 400 + "}", False), ('{"a": -1' + "0" * 300 + "}", True), ("[1E400]", False),
     ('{"a": 1', False), ('{"a": 1}}', False),
 ])
 def test_a_tool_calls_arguments_are_whole_json_as_rfc_8259_writes_it(arguments, whole):

@@ -694,6 +694,13 @@ def test_every_route_reads_a_body_only_as_utf8_json_uncompressed(server, path, b
                                                                "content-encoding": "identity"})
         assert ok.status_code == 200, ok.text
         says(client.post(path, content=data.encode()), 400, "is JSON but was not read as such")  # no type at all
+        says(client.post(path, content=b""), 400, "the request body is empty")
+        says(client.post(path, content=data.encode(), headers=[("content-type", "application/json"),  # every header
+                                                               ("content-encoding", "gzip"), ("content-encoding", "identity")]),
+             415, "Content-Encoding 'gzip' is not supported")
+        gz = client.post(path, content=gzip.compress(data.encode()), headers={"content-type": "application/json"})
+        assert gz.status_code == 400 and "UTF-16" not in gz.text, gz.text  # (unlabelled: not JSON, not UTF-16)
+    assert httpx.get(server.url + "/health", headers={"content-encoding": "gzip"}).status_code == 200  # no body
 
 
 def test_chat_and_completions_carry_the_engines_system_fingerprint(server, client):
