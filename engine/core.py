@@ -12,7 +12,6 @@ server maps to an HTTP status, never an exception in the loop.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import logging
 import random
@@ -41,6 +40,7 @@ from engine.messages import (
     EngineStats,
     GenerateRequest,
     RequestOutput,
+    mlaserve_version,
 )
 from scheduler.sampling_params import ParamError, validate_prompt_ids
 from executor.cpu_forward import auto_kv_dtype
@@ -168,11 +168,7 @@ def _fingerprint(args: EngineArgs, source: Path, dtype: torch.dtype, kv_dtype: t
         kernels = cpp_experts.info()["chosen"]
     elif device.type == "cuda":
         kernels = torch.cuda.get_device_name(device)
-    try:
-        version = importlib.metadata.version("mlaserve")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
-    what = {"build": version, "torch": torch.__version__, "weights": weights, "dtype": str(dtype),
+    what = {"build": mlaserve_version(), "torch": torch.__version__, "weights": weights, "dtype": str(dtype),
             "kv_dtype": str(kv_dtype), "device": device.type,
             "forward": "torch" if runner.native_forward is None else "native", "kernels": kernels,
             "cpu_weight_dtype": args.cpu_weight_dtype, "backends": [args.attention_backend, args.expert_backend],

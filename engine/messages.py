@@ -15,6 +15,7 @@ is a `msgspec.ValidationError` / `DecodeError` on the reading side, never a sile
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 from typing import Union
 
@@ -95,6 +96,15 @@ ToEngine = Union[GenerateRequest, AbortRequest, StatsRequest, Shutdown]
 
 
 # ---- engine -> server ----------------------------------------------------------------------------
+
+
+def mlaserve_version() -> str:
+    """The installed package's version ("unknown" when run from a tree that was never installed): `/version`'s,
+    and part of the engine's `EngineInfo.fingerprint`."""
+    try:
+        return importlib.metadata.version("mlaserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 class EngineInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

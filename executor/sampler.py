@@ -223,8 +223,8 @@ class Sampler:
             apply_grammar_masks(raw, [row.grammar for row in rows])
         if plain:  # the common decode: argmax alone
             tokens = argmax_rows(raw)
-            return SampleResult(token_ids=tokens, logprobs=_logprobs(raw, rows, tokens),
-                                no_choice=_none_left(raw, [i for i, row in enumerate(rows) if row.grammar is not None]))
+            grammared = [i for i, row in enumerate(rows) if row.grammar is not None] if masked else []
+            return SampleResult(token_ids=tokens, logprobs=_logprobs(raw, rows, tokens), no_choice=_none_left(raw, grammared))
         # the processors work on a copy; with none to apply, the draw reads the logits where they are
         unprocessed = raw.dtype == torch.float32 and not any(_processed(row) for row in rows)
         x = raw if unprocessed else apply_logit_processors(raw, rows)

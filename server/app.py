@@ -21,7 +21,6 @@ HTTP concerns:
 from __future__ import annotations
 
 import hmac
-import importlib.metadata
 import json
 import logging
 import re
@@ -37,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from scheduler.sampling_params import ParamError
+from engine.messages import mlaserve_version
 from server.messages_api import model_info, model_info_list
 from server.http_protocol import SCOPE_ANSWERED, SCOPE_REQUEST_ID, log_path
 from server.metrics import CLIENT_CLOSED, Departure, ErrorCountingMiddleware
@@ -180,14 +180,6 @@ def _content_coding(scope: Scope, headers: dict[bytes, bytes]) -> str | None:
 
 
 KEYED_PATHS = ("/tokenize", "/detokenize")  # beside /v1/*: what a key protects
-
-
-def mlaserve_version() -> str:
-    """The installed package's version ("unknown" when run from a tree that was never installed)."""
-    try:
-        return importlib.metadata.version("mlaserve")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 class AuthMiddleware:
