@@ -19,10 +19,12 @@ Formats (the markup of the models' own chat templates):
   mistral (v0.3):                TEXT [TOOL_CALLS] [{"name": NAME, "arguments": ARGS}, ...]
   mistral (tokenizer v11+):      TEXT [TOOL_CALLS]NAME[ARGS]{...}[TOOL_CALLS]NAME[ARGS]{...} [TEXT]
 
-DeepSeek arguments stream as they are written, after a first delta carrying id and name. A Hermes
-block is held until `</tool_call>` and then sent whole. Llama output that begins a JSON object or
+DeepSeek and Hermes arguments stream as they are written, after a first delta carrying id and name (a
+Hermes block whose head is not `{"name": NAME, "arguments": {` is held until `</tool_call>` and read
+whole). Llama output that begins a JSON object or
 array is held to the end: its calls are known only once their JSON is whole. Markup that yields no call (a
-malformed block, a call cut off before its name was complete) is shown as content, raw.
+malformed block, a call cut off before its name was complete) is shown as content, raw; a call cut
+off in its arguments keeps the arguments sent.
 
 Feed the text detokenized WITH the markers: DeepSeek's and Qwen's are added (non-special) tokens
 and survive `skip_special_tokens`. Llama's `<|python_tag|>` is special and optional here.
@@ -89,13 +91,19 @@ def partial_len(text: str, markers: Sequence[str]) -> int:
 
 class JsonEnd:
     """Where a JSON object or array that text begins with closes, the text coming in pieces: its nesting is
-    followed across them, strings and their escapes included (a bracket or a marker inside a string is text)."""
+    followed across them, strings and their escapes included (a bracket or a marker inside a string is text).
+    `depth` starts it inside that many brackets (the rest of an object whose first members were read). A
+    `stop` marker seen outside a string ends the value unclosed (`stopped`); the caller keeps back a tail of
+    each piece that may still become the marker (`partial_len`), so the marker never spans two pieces."""
 
-    def __init__(self) -> None:
-        self._depth, self._in_string, self._escaped = 0, False, False
+    def __init__(self, depth: int = 0, stop: str | None = None) -> None:
+        self._depth, self._in_string, self._escaped = depth, False, False
+        self._stop = stop
+        self.stopped = False
 
     def end(self, text: str) -> int | None:
-        """The index after the closing bracket in this piece, or None if the value does not close in it."""
+        """The index after the closing bracket in this piece (at the stop marker if `stopped`), or None if
+        the value does not close in it."""
         for i, ch in enumerate(text):
             if self._in_string:
                 if self._escaped:
@@ -112,6 +120,9 @@ class JsonEnd:
                 self._depth -= 1
                 if self._depth == 0:
                     return i + 1
+            elif self._stop is not None and ch == self._stop[0] and text.startswith(self._stop, i):
+                self.stopped = True
+                return i
         return None
 
 
@@ -393,6 +404,8 @@ def _as_call(text: str, members: dict[str, tuple[Any, int, int]], need_args: boo
 
 
 HERMES_OPEN = "<tool_call>"
+_HERMES_CLOSE = "</tool_call>"
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)  # a JSON string's extent (its escapes checked when read)
 
 
 def _without_partial_close(body: str, close: str) -> str:
@@ -402,10 +415,47 @@ def _without_partial_close(body: str, close: str) -> str:
     return stripped[:-n] if n else body
 
 
-class HermesToolParser(ToolParser):
-    """Hermes / Qwen2.5: each `<tool_call>` block is held until `</tool_call>`, then sent whole."""
+def _hermes_head(text: str) -> tuple[str, int] | bool:
+    """A Hermes call object's head, `{"name": "NAME", "arguments": {` (or `"parameters"`), at the start of
+    `text` (JSON whitespace anywhere between): (NAME, the index of the arguments' `{`); True while `text` may
+    still grow into one; False if it cannot (another order of keys, arguments that are not an object: such
+    a block is read whole once it closes)."""
+    pos, name = 0, ""
+    for step in ("{", '"name"', ":", None, ",", ('"arguments"', '"parameters"'), ":", "{"):
+        pos = _JSON_WS.match(text, pos).end()
+        if pos == len(text):
+            return True
+        if step is None:  # the name: a whole JSON string
+            string = _STRING.match(text, pos)
+            if string is None:
+                return text[pos] == '"'  # (unterminated: may go on)
+            try:
+                name = json.loads(string.group())
+            except ValueError:
+                return False
+            pos = string.end()
+            continue
+        for literal in (step,) if isinstance(step, str) else step:
+            if text.startswith(literal, pos):
+                pos += len(literal)
+                break
+        else:
+            rest = text[pos:]
+            return any(literal.startswith(rest) for literal in ((step,) if isinstance(step, str) else step))
+    return name, pos - 1
 
-    _OPEN, _CLOSE = HERMES_OPEN, "</tool_call>"
+
+class HermesToolParser(ToolParser):
+    """Hermes / Qwen2.5: `<tool_call>` then a `{"name", "arguments"}` object, then `</tool_call>`.
+
+    Once the head `{"name": "NAME", "arguments": {` is whole, the call opens and its arguments stream as
+    they are written, up to where their object closes (or the block does: a call cut off keeps the
+    arguments sent, as DeepSeek's and OpenAI's do). The rest of the object and the closing tag are markup:
+    other members after the arguments are dropped, text after the object inside the block is content. A
+    block whose head is otherwise (keys in another order, arguments written as a string) is held until
+    `</tool_call>` and read whole: a call if it is one call object, else content as written."""
+
+    _OPEN, _CLOSE = HERMES_OPEN, _HERMES_CLOSE
     markup = (_OPEN, _CLOSE)
 
     @classmethod
@@ -415,22 +465,115 @@ class HermesToolParser(ToolParser):
 
     def __init__(self, new_id: Callable[[], str] = default_call_id) -> None:
         super().__init__(new_id)
-        self._in_block = False
+        # content | head (after <tool_call>) | block (held whole) | args | rest (after the arguments) |
+        # members (more members after them) | after (the object closed, before </tool_call>) | tail (text
+        # after the object, before </tool_call>: content)
+        self._state = "content"
+        self._nesting = JsonEnd()
 
     def _step(self, final: bool) -> bool:
-        if not self._in_block:
-            self._in_block = self._scan_content((self._OPEN,), final) is not None
-            return self._in_block
+        if self._state == "content":
+            if self._scan_content((self._OPEN,), final) is None:
+                return False
+            self._state = "head"
+            return True
+        return {"head": self._head, "block": self._block, "args": self._args, "rest": self._rest,
+                "members": self._members, "after": self._after, "tail": self._tail}[self._state](final)
+
+    def _head(self, final: bool) -> bool:
+        close = self._buf.find(self._CLOSE)
+        head = _hermes_head(self._buf if close < 0 else self._buf[:close])
+        if head is True and close < 0 and not final:
+            return False
+        if not isinstance(head, tuple):
+            self._state = "block"
+            return True
+        name, start = head
+        self._open_call(name)
+        self._buf, self._state = self._buf[start:], "args"
+        self._nesting = JsonEnd(stop=self._CLOSE)
+        return True
+
+    def _sendable(self) -> str:
+        """`_buf` less a tail that may still become `</tool_call>` (at the end, a cut inside the tag)."""
+        return self._buf[: len(self._buf) - partial_len(self._buf, (self._CLOSE,))]
+
+    def _args(self, final: bool) -> bool:
+        text = self._sendable().rstrip()  # trailing whitespace waits: the closing bracket or more text decides
+        end = self._nesting.end(text)
+        if end is None:  # at `final` too: a call cut short keeps the arguments sent so far
+            self._add_args(text)
+            self._buf = "" if final else self._buf[len(text):]
+            return False
+        self._add_args(text[:end].rstrip())
+        if self._nesting.stopped:  # the block closed inside the arguments: a call cut short
+            self._buf, self._state, self._skip_ws = self._buf[end + len(self._CLOSE):], "content", True
+        else:
+            self._buf, self._state = self._buf[end:], "rest"
+        return True
+
+    def _rest(self, final: bool) -> bool:
+        rest = self._buf.lstrip()
+        if rest.startswith(self._CLOSE):  # the object's `}` left out: the block still closes the call
+            self._buf, self._state, self._skip_ws = rest[len(self._CLOSE):], "content", True
+        elif rest.startswith("}"):
+            self._buf, self._state = rest[1:], "after"
+        elif rest.startswith(","):
+            self._buf, self._state = rest[1:], "members"
+            self._nesting = JsonEnd(depth=1, stop=self._CLOSE)
+        elif not final and self._CLOSE.startswith(rest):
+            return False
+        else:
+            self._end_block(final)
+        return True
+
+    def _members(self, final: bool) -> bool:
+        text = self._sendable()
+        end = self._nesting.end(text)
+        if end is None:  # (members cut off at the end are markup of the call: dropped)
+            self._buf = "" if final else self._buf[len(text):]
+            return False
+        if self._nesting.stopped:
+            self._buf, self._state, self._skip_ws = self._buf[end + len(self._CLOSE):], "content", True
+        else:
+            self._buf, self._state = self._buf[end:], "after"
+        return True
+
+    def _after(self, final: bool) -> bool:
+        rest = self._buf.lstrip()
+        if rest.startswith(self._CLOSE):
+            self._buf, self._state, self._skip_ws = rest[len(self._CLOSE):], "content", True
+            return True
+        if not final and self._CLOSE.startswith(rest):
+            return False
+        self._end_block(final)
+        return True
+
+    def _end_block(self, final: bool) -> None:
+        """Text other than the closing tag after the call: content, up to the tag (consumed) if it comes."""
+        if final and self._CLOSE.startswith(self._buf.strip()):  # a cut inside the tag
+            self._buf = ""
+        self._state, self._skip_ws = "tail", True
+
+    def _tail(self, final: bool) -> bool:
+        if self._scan_content((self._CLOSE,), final) is None:
+            if final:
+                self._state = "content"
+            return False
+        self._state, self._skip_ws = "content", True
+        return True
+
+    def _block(self, final: bool) -> bool:
         end = self._buf.find(self._CLOSE)
         if end < 0:
             if final:  # cut off before the block closed: a whole call object is still a call (vLLM's
                 # `<tool_call>(.*)`: a stop string or max_tokens took only the close, or part of it), else the
                 # text as written
-                body, self._buf, self._in_block = self._buf, "", False
+                body, self._buf, self._state = self._buf, "", "content"
                 if not self._call(_without_partial_close(body, self._CLOSE)):
                     self._emit(self._OPEN + body)
             return False
-        body, self._buf, self._in_block = self._buf[:end], self._buf[end + len(self._CLOSE):], False
+        body, self._buf, self._state = self._buf[:end], self._buf[end + len(self._CLOSE):], "content"
         if not self._call(body):
             self._emit(self._OPEN + body + self._CLOSE)
         return True

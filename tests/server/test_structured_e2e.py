@@ -501,6 +501,35 @@ def test_auto_tool_calls_are_parsed_from_the_models_markup(client):
     assert [(v["name"], v["arguments"]) for v in s["calls"].values()] == [("get_weather", call.function.arguments)]
 
 
+def test_auto_tool_call_arguments_stream_as_written_and_a_cut_off_call_stays_a_call(client):
+    """A Hermes call opens once `{"name": ..., "arguments": {` is written, and its arguments stream in
+    pieces as the model writes them (the block was held to `</tool_call>` and sent as one delta). Cut off
+    by max_tokens inside its arguments, the reply is the call begun, its arguments partial, with
+    finish_reason "length", whole and streamed alike (it was the markup, as content)."""
+    rx = (r'Let me check\.\n<tool_call>\n\{"name": "write_note", "arguments": \{"text": "[a-z ]{60,80}"\}\}\n'
+          r'</tool_call>')
+    note = {"type": "function", "function": {"name": "write_note", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+    kw = dict(model=MODEL, messages=ASK, tools=[note], seed=4, extra_body={"structured_outputs": {"regex": rx}})
+    whole = client.chat.completions.create(max_tokens=200, **kw).choices[0]
+    assert whole.finish_reason == "tool_calls", whole
+    (call,) = whole.message.tool_calls
+    args = json.loads(call.function.arguments)["text"]
+    assert 60 <= len(args) <= 80
+    pieces = [d.function.arguments for chunk in client.chat.completions.create(max_tokens=200, stream=True, **kw)
+              for ch in chunk.choices for d in ch.delta.tool_calls or () if d.function.arguments]
+    assert "".join(pieces) == call.function.arguments and len(pieces) > 3, pieces
+    n = client.chat.completions.create(max_tokens=200, **kw).usage.completion_tokens
+    cut = client.chat.completions.create(max_tokens=n - 8, **kw).choices[0]  # inside the note's text
+    assert cut.finish_reason == "length" and cut.message.content.strip() == "Let me check.", cut
+    (partial,) = cut.message.tool_calls
+    assert partial.function.name == "write_note" and partial.function.arguments.startswith('{"text": "'), partial
+    assert call.function.arguments.startswith(partial.function.arguments)
+    s = streamed(client, max_tokens=n - 8, **kw)[0]
+    assert (s["content"], s["finish"]) == (cut.message.content, "length")
+    assert [(v["name"], v["arguments"]) for v in s["calls"].values()] == [("write_note", partial.function.arguments)]
+
+
 def test_chat_logprobs_join_to_the_content_not_the_call_markup(client):
     """`logprobs.content` holds the tokens of the content (OpenAI's shape): a call's markup and a forced
     call's JSON carry none, whole or streamed (they listed every generated token: the Hermes markup, or the

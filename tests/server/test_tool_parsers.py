@@ -109,22 +109,38 @@ CASES = [
     ("hermes", hermes("write_file", PRETTY) + "\nThat should do it.", "That should do it.",
      [("write_file", PRETTY)]),
     ("hermes", '<tool_call>\n{"name": "get_time"}\n</tool_call>', "", [("get_time", "{}")]),
-    # malformed blocks stay content, raw; a good block after them still parses
+    # the object's `}` left out: the block's close still ends the call; a good block after it parses
     ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": 1}\n</tool_call>\n' + hermes("g", PARIS),
-     '<tool_call>\n{"name": "f", "arguments": {"a": 1}\n</tool_call>\n', [("g", PARIS)]),
+     "", [("f", '{"a": 1}'), ("g", PARIS)]),
+    # a block whose head is not a call's stays content, raw
     ("hermes", '<tool_call>\n{"name": 5, "arguments": {}}\n</tool_call>',
      '<tool_call>\n{"name": 5, "arguments": {}}\n</tool_call>', []),
-    ("hermes", '<tool_call>\n{"name": "f", "arguments": {}} trailing\n</tool_call>',
-     '<tool_call>\n{"name": "f", "arguments": {}} trailing\n</tool_call>', []),
-    # cut before the block closed: raw content, unless its call object is whole (only the close was cut: vLLM's)
+    ("hermes", '<tool_call>\n{"arguments": {}, "name": "f"}\n</tool_call>', "", [("f", "{}")]),  # read whole
+    ("hermes", '<tool_call>\n{"arguments": {}, "name": "f"} x\n</tool_call>',
+     '<tool_call>\n{"arguments": {}, "name": "f"} x\n</tool_call>', []),
+    # text after the call object: content (the closing tag is markup); other members after the arguments: dropped
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {}} trailing\n</tool_call> after', "trailing\nafter",
+     [("f", "{}")]),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": [1, "}"]}, "id": "x}</tool_call>", "n": {}}\n</tool_call>',
+     "", [("f", '{"a": [1, "}"]}')]),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"code": "print(\'</tool_call>\')"}}</tool_call>', "",
+     [("f", '{"code": "print(\'</tool_call>\')"}')]),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {}}\nNow I wait.', "Now I wait.", [("f", "{}")]),
+    # cut before the head was whole: raw content, unless its call object is whole (only the close was cut:
+    # vLLM's); cut inside the arguments: the call, its arguments partial (as DeepSeek's, as OpenAI's)
     ("hermes", hermes("f", "{}") + '\n<tool_call>\n{"name": "g", "argum', '<tool_call>\n{"name": "g", "argum',
      [("f", "{}")]),
+    ("hermes", '<tool_call>\n{"name": "g", "arguments": {"text": "hel', "", [("g", '{"text": "hel')]),
+    ("hermes", '<tool_call>\n{"name": "g", "arguments": {"text": "hel  \n', "", [("g", '{"text": "hel')]),
+    ("hermes", '<tool_call>\n{"name": "g", "arguments": {"a",</tool_call>\nDone.', "Done.", [("g", '{"a",')]),
+    ("hermes", '<tool_call>\n{"name": "g", "arguments": {"text": "hel</tool_call', "", [("g", '{"text": "hel')]),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": 1}, "id": "x', "", [("f", '{"a": 1}')]),
     ("hermes", 'Checking.\n<tool_call>\n{"name": "g", "arguments": ' + PARIS + "}\n", "Checking.\n", [("g", PARIS)]),
-    # ... or part of it: a cut inside `</tool_call>` (it was the raw markup, one token later a call again)
+    # ... or part of the closing tag
     *(("hermes", '<tool_call>\n{"name": "g", "arguments": ' + PARIS + "}\n" + part, "", [("g", PARIS)])
       for part in ("<", "</", "</tool", "</tool_call")),
-    ("hermes", '<tool_call>\n{"name": "g", "arguments": {}} </x', '<tool_call>\n{"name": "g", "arguments": {}} </x', []),
-    ("hermes", '<tool_call>\n{"name": "g", "arguments": {}} and', '<tool_call>\n{"name": "g", "arguments": {}} and', []),
+    ("hermes", '<tool_call>\n{"name": "g", "arguments": {}} </x', "</x", [("g", "{}")]),
+    ("hermes", '<tool_call>\n{"name": "g", "arguments": {}} and', "and", [("g", "{}")]),
     ("hermes", "Use <tools> or <tool_calls>, a < b, </tool_call.",
      "Use <tools> or <tool_calls>, a < b, </tool_call.", []),
     ("hermes", "Plain answer with no calls.", "Plain answer with no calls.", []),
@@ -269,10 +285,21 @@ def test_deepseek_streams_arguments_incrementally():
     assert [(c.name, c.arguments) for c in p.tool_calls] == [("get_weather", '{"location": "Tokyo"}')]
 
 
-def test_hermes_sends_a_block_once_closed():
+def test_hermes_streams_arguments_incrementally():
+    """The call opens once its head is whole; arguments follow as written, trailing whitespace and a tail
+    that may begin `</tool_call>` held back. A block with another head is sent whole when it closes."""
     p = TOOL_PARSERS["hermes"](_ids())
     assert p.feed("Ok <tool") == ("Ok ", [])
-    assert p.feed('_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_') == ("", [])
+    assert p.feed('_call>\n{"name": "f", "argu') == ("", [])
+    assert p.feed('ments": {') == ("", [ToolCallDelta(0, "call_0", "f"), ToolCallDelta(0, arguments="{")])
+    assert p.feed('"x": 1, ') == ("", [ToolCallDelta(0, arguments='"x": 1,')])
+    assert p.feed('"s": "a</tool') == ("", [ToolCallDelta(0, arguments=' "s": "a')])
+    assert p.feed('_call>"}') == ("", [ToolCallDelta(0, arguments='</tool_call>"}')])
+    assert p.feed("}\n</tool_") == ("", [])
+    assert p.feed("call> Done") == ("Done", [])
+    assert [(c.name, c.arguments) for c in p.tool_calls] == [("f", '{"x": 1, "s": "a</tool_call>"}')]
+    p = TOOL_PARSERS["hermes"](_ids())
+    assert p.feed('<tool_call>{"arguments": {"x": 1}, "name": "f"}\n</tool_') == ("", [])
     assert p.feed("call>") == ("", [ToolCallDelta(0, "call_0", "f"), ToolCallDelta(0, arguments='{"x": 1}')])
 
 
