@@ -7,7 +7,7 @@ Threads and ownership (which calls are safe from where):
 - Every `async` method, and `start`, must run on ONE event loop: the loop that awaited `start()`.
   The per-request queues, stats futures and the stream table belong to that loop and are touched
   only by it; there are no locks.
-- `is_alive`, `info`, `pid`, `exitcode` and `load` are plain reads, safe from any thread; `kill` is
+- `is_alive`, `info`, `pid`, `exitcode` and `held` are plain reads, safe from any thread; `kill` is
   one `os.kill`, safe from a signal handler.
 - The pipe is read on the event loop itself (`add_reader`), never blocking: each time it is readable
   the loop takes what is there and dispatches every whole message, in the order the engine sent them.
@@ -23,9 +23,10 @@ Request life: `generate(req)` registers a queue, sends the request, and yields `
 deltas until every completion (0..n-1) has its final output. An error output (`finish_reason ==
 "error"`, e.g. refused as overloaded, or `ERR_ENGINE`) ends the whole request. A consumer that
 stops early (`aclose()`, cancellation, or dropping the iterator) aborts the request in the engine.
-`load` counts the completions sent and not yet ended (+n at the send, -1 at each final output, the
-rest when the stream ends): what a router of several engines (`engine.replicas`) balances on, known
-without asking the engine.
+`held` counts the completions the engine still holds (+n at the send, -1 at each final output as it
+arrives from the engine, whether or not its consumer has taken it yet, the rest when the stream ends):
+what the engine counts against its --max-running-requests + --max-queued-requests, known without asking
+it, which a router of several engines (`engine.replicas`) balances on.
 
 Death: EOF on the pipe, the process sentinel, the engine's own `Fatal`, or a message that does not
 decode as a `FromEngine` (the protocol is broken: the process is killed) marks the client dead: every pending request gets an `ERR_ENGINE` error output (nothing hangs), later
@@ -139,6 +140,7 @@ class _Frames:
 class _Stream:
     req: GenerateRequest
     queue: asyncio.Queue  # of RequestOutput, filled by the loop callback
+    held: set[int]  # the completions the engine has not ended yet (as far as the outputs received tell)
 
 
 class EngineClient:
@@ -162,7 +164,7 @@ class EngineClient:
         self.label = ""  # what the log says before its reason for dying ("replica 1: ", where several run)
         self._shut_down = False
         self.on_dead: Callable[[str], None] | None = None  # called on the loop once, with the reason, when it dies
-        self._load = 0  # completions sent and not ended (see the module docstring)
+        self._held = 0  # completions sent whose final output has not come from the engine (module docstring)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._writer_main, name="engine-client-writer", daemon=True)
         self._writer.start()
@@ -266,25 +268,24 @@ class EngineClient:
         rid = req.rid
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already running")
-        stream = _Stream(req, asyncio.Queue())
+        stream = _Stream(req, asyncio.Queue(), set(range(req.params.n)))
         self._streams[rid] = stream
         unfinished = set(range(req.params.n))
-        self._load += len(unfinished)
+        self._held += len(stream.held)
         try:
             try:
                 self._send(req)
             except (OverflowError, TypeError, ValueError) as e:  # a value no message can carry (an int past 64 bits)
                 unfinished.clear()
-                self._load -= req.params.n
+                self._release(stream)
                 yield RequestOutput(rid=rid, index=0, new_token_ids=[], finish_reason=FINISH_ERROR,
                                     prompt_tokens=len(req.input_ids), arrival_time=req.arrival_time,
                                     error=f"the request holds a value out of range: {e}", error_code=ERR_INVALID)
                 return
             while True:
                 out = await stream.queue.get()
-                if out.finished and out.index in unfinished:
+                if out.finished:
                     unfinished.discard(out.index)
-                    self._load -= 1
                 last = not unfinished or out.finish_reason == FINISH_ERROR
                 if last:  # end now, not when the consumer next asks: frees the rid and the engine
                     self._end_stream(rid, unfinished)
@@ -296,8 +297,7 @@ class EngineClient:
                 self._end_stream(rid, unfinished)
 
     def _end_stream(self, rid: str, unfinished: set[int]) -> None:
-        del self._streams[rid]
-        self._load -= len(unfinished)
+        self._release(self._streams.pop(rid))  # (what is left is aborted below: the engine frees it)
         if unfinished and self._dead_reason is None:
             self._send(AbortRequest(rid))
 
@@ -348,9 +348,10 @@ class EngineClient:
         return self._info
 
     @property
-    def load(self) -> int:
-        """Completions sent to this engine and not ended yet (running or queued there)."""
-        return self._load
+    def held(self) -> int:
+        """Completions sent to this engine that it has not ended (running or queued there), as the outputs
+        received tell, whether or not their consumers have taken them: what its admission limit counts."""
+        return self._held
 
     @property
     def dead_reason(self) -> str | None:
@@ -384,11 +385,19 @@ class EngineClient:
 
     # ---- on the event loop: messages from the engine ------------------------------------------
 
+    def _release(self, stream: _Stream, index: int | None = None) -> None:
+        """The engine no longer holds completion `index` of `stream` (every one, if None)."""
+        ended = stream.held if index is None else stream.held & {index}
+        self._held -= len(ended)
+        stream.held -= ended
+
     def _dispatch(self, msg: FromEngine) -> None:
         if isinstance(msg, Outputs):
             for out in msg.items:
                 stream = self._streams.get(out.rid)
                 if stream is not None:  # else: a late output of a request that was aborted
+                    if out.finished:  # (an error ends every completion of the request)
+                        self._release(stream, None if out.finish_reason == FINISH_ERROR else out.index)
                     stream.queue.put_nowait(out)
         elif isinstance(msg, Stats):
             self.latest_stats = msg.stats
@@ -425,6 +434,7 @@ class EngineClient:
             logger.error("%s%s", self.label, reason)
         self._outbox.put(_STOP)
         for stream in self._streams.values():
+            self._release(stream)
             stream.queue.put_nowait(self._error_output(stream.req))
         for future in self._stats_waiters.values():
             if not future.done():

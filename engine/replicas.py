@@ -10,7 +10,8 @@ Routing (`PrefixRouter`, per engine request; the `n` completions of a request st
   one key, itself). A bounded LRU map remembers which replica last took each key. The longest key
   of the prompt that is known names its home, used when that prefix covers at least half of the
   prompt's hashed blocks: the home's prefix cache then likely holds it;
-- load: each replica's in-flight completions, counted here (`EngineClient.load`). The home is
+- load: each replica's completions its engine has not ended, counted here (`EngineClient.held`: not
+  those ended whose outputs a slow client has yet to read). The home is
   skipped when it has more than `max(SLACK, least // 2)` completions over the least busy replica,
   or when it is full (as many completions as its admission limits take: `--max-running-requests` +
   `--max-queued-requests`, each replica's own) while another is not; a prompt with no home, or a
@@ -82,7 +83,7 @@ class PrefixRouter:
         self._turn = 0  # where the next tie among the least busy starts
 
     def choose(self, ids: Sequence[int], loads: Sequence[int | None]) -> int:
-        """The replica for prompt `ids`; `loads[i]`: replica i's in-flight completions, None if it is dead.
+        """The replica for prompt `ids`; `loads[i]`: replica i's completions its engine holds, None if it is dead.
         Records the choice as the home of the prompt's keys. ValueError when every replica is dead."""
         live = [i for i, load in enumerate(loads) if load is not None]
         if not live:
@@ -165,13 +166,16 @@ class EngineReplicas:
     """N engine clients behind the one interface the server uses. Build it with `await EngineReplicas.start(...)`.
 
     Same threading rules as `EngineClient`: async methods on the loop that started it; `is_alive`,
-    `any_alive`, `info`, `load`s and `kill` are plain reads (kill: from a signal handler too)."""
+    `any_alive`, `info`, `held` counts and `kill` are plain reads (kill: from a signal handler too)."""
 
-    def __init__(self, clients: list[EngineClient], router: PrefixRouter | None = None, *, bound: bool = False) -> None:
+    def __init__(self, clients: list[EngineClient], router: PrefixRouter | None = None, *, bound: bool = False,
+                 limits: tuple[int, int] | None = None) -> None:
         """`bound`: the replicas are the ranks of one model (--dp-attention), so none works without the
         others: when one dies, the rest are ended with its reason (a replica left waiting for a dead
-        or frozen peer would hold its requests until the group's timeout)."""
+        or frozen peer would hold its requests until the group's timeout). `limits`: each replica's
+        --max-running-requests and --max-queued-requests, for `overloaded`."""
         self.clients = clients
+        self.limits = limits
         self._broken = False
         if bound:
             for i, c in enumerate(clients):
@@ -218,7 +222,25 @@ class EngineReplicas:
             for i, c in enumerate(clients):
                 c.label = f"replica {i}: "  # (its death's log line says which)
         room = args.max_running_requests + args.max_queued_requests
-        return cls(clients, PrefixRouter(replicas, room=room), bound=args.dp_attention)
+        return cls(clients, PrefixRouter(replicas, room=room), bound=args.dp_attention,
+                   limits=(args.max_running_requests, args.max_queued_requests))
+
+    def overloaded(self, asked: int) -> str | None:
+        """The engine's overload refusal of a request for `asked` completions when every live replica holds
+        as many as it admits, else None. The server answers it before it renders and tokenizes the request:
+        past the limits the refusals had waited their turn behind that work (seconds under a retry storm,
+        whose work also took the admitted requests' CPU). What a replica holds is what its engine has not
+        ended (`EngineClient.held`), not what its clients have not read. A request for more than a replica
+        ever admits is left to the engine's 400."""
+        if self.limits is None:
+            return None
+        running, queued = self.limits
+        live = [c.held for c in self.clients if c.is_alive]
+        if not live or min(live) < running + queued or asked > running + queued:
+            return None
+        return (f"the server is overloaded: it holds {running + queued} completions, running or waiting, of at most "
+                f"{running + queued} (--max-running-requests {running} + --max-queued-requests {queued}); "
+                "retry later")
 
     def _group_broken(self, index: int, reason: str) -> None:
         """Replica `index` died (on the loop): the others are ended with its reason, once."""
@@ -249,7 +271,7 @@ class EngineReplicas:
 
     async def _routed(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if self.any_alive:
-            index = self.router.choose(req.input_ids, [c.load if c.is_alive else None for c in self.clients])
+            index = self.router.choose(req.input_ids, [c.held if c.is_alive else None for c in self.clients])
             self.routed[index] += 1
         else:  # the client answers with the engine's error at once
             index = 0

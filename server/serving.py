@@ -27,7 +27,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import anyio
@@ -700,8 +700,33 @@ def _prepared(state: ServerState, body: Any) -> tuple[list[tuple[list[int], str]
     """The prompts, tool plan and sampling parameters of a request: run on a worker thread, as encoding a long
     prompt and checking and rewriting a large schema (seconds for hundreds of kilobytes of `anyOf`) would stall
     every stream and /health on the event loop."""
+    _refuse_if_full(state, body)
     prompts, tools = build_prompts(state, body)
     return prompts, tools, request_params(state, body, prompts, tools)
+
+
+def _refuse_if_full(state: ServerState, body: Any) -> None:
+    """The engine's 503 `overloaded`, raised before the request is rendered and tokenized, when every replica
+    holds as many completions as it admits (`EngineReplicas.overloaded`). Under a retry storm the refusals had
+    waited their turn behind that work, seconds at the median, and the work took the admitted requests' CPU.
+    A wrong model or sampling parameter still gets its 404 or 400 first: retrying would not mend it."""
+    engine = state.engine
+    if engine is None:
+        return
+    full = engine.overloaded(len(body.prompts()) * (body.n or 1) if isinstance(body, CompletionRequest) else (body.n or 1))
+    if full is None:
+        return
+    check_model(state, body.model)
+    try:
+        checked_sampling_params(body, state.vocab_size, _generation_defaults(state))
+    except ParamError as e:
+        raise ClientError.bad_param(e) from None
+    raise engine_error(RequestOutput(rid="", index=0, new_token_ids=[], error=full, error_code=ERR_OVERLOADED), "")
+
+
+def _generation_defaults(state: ServerState) -> Mapping[str, Any]:
+    """The model's generation_config.json sampling defaults (none without one)."""
+    return state.generation_defaults.values if state.generation_defaults is not None else {}
 
 
 def request_params(state: ServerState, body: Any, prompts: list[tuple[list[int], str]],
@@ -709,8 +734,7 @@ def request_params(state: ServerState, body: Any, prompts: list[tuple[list[int],
     """The checked sampling parameters of a request's prompts, its structured output rewritten for the
     engine; ClientError otherwise."""
     try:
-        defaults = state.generation_defaults.values if state.generation_defaults is not None else {}
-        params = checked_sampling_params(body, state.vocab_size, defaults)
+        params = checked_sampling_params(body, state.vocab_size, _generation_defaults(state))
         if getattr(body, "bad_words", None):
             # (their ids come from the tokenizer; the engine's SamplingParams.validate checks them again)
             params = msgspec.structs.replace(params, bad_words_ids=bad_words_ids(state, body.bad_words))

@@ -256,6 +256,28 @@ def test_abort_of_one_completion_ends_it_alone(client, loop, rng):
     assert len(got[0]) == len(got[2]) == 40 and len(got[1]) < 40
 
 
+def test_held_counts_what_the_engine_has_not_ended_not_what_is_unread(client, loop, rng):
+    """`held` drops as each completion's final output arrives from the engine, before its consumer takes it
+    (a slow reader holds no place in the engine), and to 0 when a stream is dropped with completions left."""
+    async def go():
+        assert client.held == 0
+        short = client.generate(make_req(rng, "held-short", n=2, max_tokens=5))
+        first = await anext(short)  # then not read: the rest waits in its queue
+        long = client.generate(make_req(rng, "held-long", n=3, max_tokens=100_000))
+        await anext(long)
+        assert first.rid == "held-short" and 3 <= client.held <= 5  # (the short one may have ended already)
+        deadline = time.monotonic() + 10
+        while client.held != 3:  # the short request's two ended in the engine, unread
+            assert time.monotonic() < deadline, client.held
+            await asyncio.sleep(0.01)
+        rest = [out async for out in short]
+        assert sum(o.finished for o in rest) == 2 and client.held == 3
+        await long.aclose()  # dropped with its three running: aborted, no longer held
+        assert client.held == 0
+
+    run(loop, go())
+
+
 def test_closing_or_cancelling_the_consumer_aborts(client, loop, rng):
     async def go():
         base = (await client.stats()).aborted_total
@@ -314,7 +336,7 @@ def test_a_request_no_message_can_carry_fails_alone(client, loop, rng):
     bad = msgspec.structs.replace(bad, params=msgspec.structs.replace(bad.params, top_k=2**70))
     outs = run(loop, collect(client, bad))
     assert len(outs) == 1 and outs[0].finish_reason == FINISH_ERROR and outs[0].error_code == ERR_INVALID, outs
-    assert client.load == 0
+    assert client.held == 0
     good = make_req(rng, "after-huge", max_tokens=4)
     assert tokens_by_index(run(loop, collect(client, good))) == {0: [expected_token(good, 0, k) for k in range(4)]}
 

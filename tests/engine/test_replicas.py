@@ -201,7 +201,7 @@ def test_two_replicas_serve_count_load_and_keep_n_together() -> None:
             firsts = [await anext(s) for s in streams]
             served = [engine.replica_of(r.rid) for r in long]
             assert sorted(served) == [0, 1], served  # both idle: taken in turn
-            assert [c.load for c in engine.clients] == [3, 3]
+            assert [c.held for c in engine.clients] == [3, 3]
             assert all(f.rid == r.rid for f, r in zip(firsts, long))
             # n > 1: every completion of a request from the one replica, as one engine would give them
             reqs = [req(f"r{i}", ids(rng, rng.randrange(1, 80)), n=rng.choice([1, 2, 3]),
@@ -210,14 +210,14 @@ def test_two_replicas_serve_count_load_and_keep_n_together() -> None:
             for r, outs in zip(reqs, results):
                 want = {i: [expected_token(r, i, k) for k in range(r.params.max_tokens)] for i in range(r.params.n)}
                 assert tokens_by_index(outs) == want
-            assert [c.load for c in engine.clients] == [3, 3]  # the short ones came and went
+            assert [c.held for c in engine.clients] == [3, 3]  # the short ones came and went
             stats = await engine.stats()
             assert stats.num_running == 2 and stats.finished_total[FINISH_LENGTH] == len(reqs)
             assert stats.finished_total["stats_calls"] == sum(  # each replica's own, added up
                 c.latest_stats.finished_total["stats_calls"] for c in engine.clients)  # type: ignore[union-attr]
             for s in streams:
                 await s.aclose()  # stops early: aborts in its engine, its load goes back to 0
-            assert [c.load for c in engine.clients] == [0, 0]
+            assert [c.held for c in engine.clients] == [0, 0]
             assert engine.replica_of("long0") is None
             assert sum(engine.routed) == 2 + len(reqs)
         finally:
@@ -349,7 +349,7 @@ def test_one_replica_is_the_client_itself() -> None:
             assert stream.__qualname__.startswith("EngineClient.generate")  # type: ignore[attr-defined]
             outs = [o async for o in stream]
             assert tokens_by_index(outs) == {i: [expected_token(r, i, k) for k in range(4)] for i in range(2)}
-            assert engine.routed == [1] and engine.clients[0].load == 0
+            assert engine.routed == [1] and engine.clients[0].held == 0
         finally:
             await engine.shutdown()
 

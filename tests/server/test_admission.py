@@ -1,11 +1,14 @@
 """Admission through the real server: with --max-running-requests R and --max-queued-requests Q, of
 many concurrent requests exactly R + Q are admitted (R run, Q wait) and the rest get 503 `overloaded`
-with Retry-After, at once; a request for more completions (n, or prompts x n) than R + Q is refused
-with 400 naming `n` (or `prompt`)."""
+with Retry-After, at once (once full, before the request is rendered and tokenized, but after its model
+and sampling parameters are checked); a request for more completions (n, or prompts x n) than R + Q is
+refused with 400 naming `n` (or `prompt`). What counts is what the engine holds, not what clients have
+yet to read."""
 
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -77,6 +80,26 @@ def test_exactly_running_plus_queued_are_admitted(model_dir, tmp_path, running, 
             assert retry_after and error["code"] == "overloaded", (retry_after, error)
             assert f"--max-queued-requests {queued}" in error["message"], error
             assert f"it holds {running + queued} completions" in error["message"], error
+        # full, the server refuses before it tokenizes: a prompt past the context is not even read (it had
+        # waited behind the rendering and tokenizing of every request before it, refused in the engine) ...
+        resp = httpx.post(srv.url + "/v1/completions", timeout=60, json={"prompt": "word " * 5000, "max_tokens": 2})
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "overloaded", resp.text
+        assert f"it holds {running + queued} completions" in resp.json()["error"]["message"], resp.text
+        assert resp.headers.get("retry-after"), resp.headers
+        model = httpx.get(srv.url + "/v1/models", timeout=60).json()["data"][0]["id"]
+        resp = httpx.post(srv.url + "/v1/messages", timeout=60, json={"model": model, "max_tokens": 2, "messages": [
+            {"role": "user", "content": "hi"}]})
+        assert resp.status_code == 529 and resp.json()["error"]["type"] == "overloaded_error", resp.text
+        # ... but a request retrying would not mend still gets its own error: a wrong model, a bad parameter
+        resp = httpx.post(srv.url + "/v1/completions", timeout=60, json={"prompt": "x", "model": "nope"})
+        assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found", resp.text
+        resp = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "x"}], "temperature": -1})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "temperature", resp.text
+        resp = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "x"}], "response_format": {
+                "type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nonsense"}}}})
+        assert resp.status_code == 400 and "response_format" in resp.json()["error"]["param"], resp.text
         # more completions than the server ever holds: the client's mistake (400 naming n), not a retryable 503
         resp = httpx.post(srv.url + "/v1/completions", timeout=60,
                           json={"prompt": "too many", "max_tokens": 2, "n": running + queued + 1})
@@ -196,4 +219,39 @@ def test_a_queued_stream_gets_its_headers_once_admitted(model_dir, tmp_path, pat
     finally:
         release.set()
         busy.join(60)
+        assert srv.stop() == 0, srv.log()
+
+
+def test_a_slow_reader_does_not_hold_the_server_full(model_dir, tmp_path):
+    """A client that stops reading a long stream holds its answer's events in the server, not a place in the
+    engine: once the engine has ended that request, the next one is admitted (the front end's refusal, when
+    it counted completions until their outputs were read, answered 503 with the engine idle, up to
+    --write-timeout)."""
+    srv = ServerProcess(str(model_dir), "--max-running-requests", "1", "--max-queued-requests", "0",
+                        "--context-length", "4096", "--write-timeout", "120", log=tmp_path / "log").wait_ready()
+    body = json.dumps({"messages": [{"role": "user", "content": "a long answer"}], "max_tokens": 3500,
+                       "ignore_eos": True, "stream": True, "logprobs": True, "top_logprobs": 20}).encode()
+    host, port = srv.url.removeprefix("http://").split(":")
+    slow = socket.socket()
+    try:
+        # a small receive buffer, read no further than the headers: the answer's ~1.5 KB events fill it and
+        # the server's send buffer (4 MiB at most here) long before the engine ends
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.connect((host, int(port)))
+        slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert slow.recv(1024).startswith(b"HTTP/1.1 200")
+        deadline = time.monotonic() + 120
+        while srv.metric("mlaserve_num_requests_running") != 0:
+            assert time.monotonic() < deadline, "the engine did not end the request"
+            time.sleep(0.1)
+        resp = httpx.post(srv.url + "/v1/completions", timeout=60, json={"prompt": "next", "max_tokens": 2})
+        assert resp.status_code == 200, resp.text
+        received = bytearray()
+        slow.settimeout(60)
+        while chunk := slow.recv(1 << 20):  # (to the end: the server closes the connection after it)
+            received += chunk
+        assert b"data: [DONE]" in received[-100:] and b'"finish_reason":"length"' in received  # its whole answer
+    finally:
+        slow.close()
         assert srv.stop() == 0, srv.log()
