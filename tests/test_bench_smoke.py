@@ -961,6 +961,22 @@ def test_serve_stall_bench_against_a_real_server(cpu_bench, tmp_path: Path) -> N
     assert set(r["ratios_ours_over"]) == {"mlaserve --chunked-prefill-size 64"}
 
 
+def test_overload_bench_against_real_servers(cpu_bench, tmp_path: Path) -> None:
+    """bench/serve_overload_cpu.py end to end on the default model, tiny: 12 clients against limits of 1 + 1,
+    this checkout beside itself given as a --checkout; admissions and refusals come from real answers."""
+    overload = importlib.import_module("serve_overload_cpu")
+    out = tmp_path / "overload.json"
+    assert overload.main(["--rounds", "1", "--clients", "12", "--seconds", "3", "--max-tokens", "4", "--running", "1",
+                          "--queued", "1", "--checkout", f"same={ROOT}", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert set(r["medians"]) == {"mlaserve", "same"} and r["checkouts"] == {"same": str(ROOT)}
+    for rounds in r["rounds"].values():
+        (got,) = rounds
+        assert got["admitted_per_s"] > 0 and got["refused_per_s"] > 0 and got["failed"] == 0, got
+        assert 0 < got["refused_p50_s"] < 10 and 0 < got["admitted_p50_s"] <= got["admitted_p99_s"] < 60, got
+    assert set(r["ratios_ours_over"]) == {"same"}
+
+
 def test_quant_linear_bench_times_llama_cpps_mul_mat_beside_ours(tmp_path: Path) -> None:
     """The kernel benchmark's rows, with llama.cpp's ggml mul_mat on the same blocks where
     llama-cpp-python is installed (its ratio per row), on two small shapes."""
