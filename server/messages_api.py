@@ -16,7 +16,9 @@ chat completions request (same prompt tokens) and is parsed by the same reasonin
 - `tools` (`name`, `description`, `input_schema`) become chat's function tools; `tool_choice` `auto`,
   `any`, `tool` (by `name`) and `none` chat's `auto`, `required`, a named function and `none`;
   `disable_parallel_tool_use` is `parallel_tool_calls: false`. Anthropic's server tools (a `type` such as
-  `web_search_20250305`), `mcp_servers` and `container` are a 400: this server runs none.
+  `web_search_20250305`), `mcp_servers` and `container` are a 400: this server runs none. So is `thread`
+  (the message-threads beta: the server would hold the conversation), with the `details.error_code` on
+  which Anthropic's SDK resends the turn with the whole history and no thread.
 - `max_tokens` (required), `stop_sequences` (each with some non-whitespace text), `temperature`, `top_p`,
   `top_k` (0 or more) and `stream` map one to one
   (Anthropic's newer SDKs send the sampling fields only through `extra_body`); `output_config.format`
@@ -100,9 +102,21 @@ def error_type(status: int, code: str | None) -> str:
     return _ERROR_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
 
 
+# the code of the refusal of `thread`: Anthropic's SDK then resends the turn with the whole history and no
+# `thread` (its threads' `continue_unthreaded`, the default of `beta.messages.tool_runner`), so that its flows
+# work against a server that holds no conversations
+THREAD_UNSUPPORTED = "thread_unsupported_request"
+
+
 def error_body(status: int, message: str, code: str | None = None) -> dict[str, Any]:
     """An error as Anthropic's API writes it (the body of a 4xx/5xx, and a stream's `error` event)."""
-    return {"type": "error", "error": {"type": error_type(status, code), "message": message}}
+    error: dict[str, Any] = {"type": error_type(status, code), "message": message}
+    if code == THREAD_UNSUPPORTED:
+        error["details"] = {"error_code": code, "unsupported": ["thread"]}
+    return {"type": "error", "error": error}
+
+THREAD_MESSAGE = ("thread is not supported: this server is stateless and holds no conversation; send the whole "
+                  "history in messages, without thread")
 
 
 # ---------------------------------------------------------------- requests
@@ -232,6 +246,7 @@ class MessagesRequest(_Body, NoStructuredExtensions):
     # Anthropic's server-side features: refused rather than ignored (the reply would not have used them)
     mcp_servers: Any = None
     container: Any = None
+    thread: Any = None  # server-held conversation state: refused by the route with THREAD_UNSUPPORTED
 
     @field_validator("system", mode="before")
     @classmethod

@@ -234,6 +234,7 @@ async def _messages(raw: Request, state: ServerState) -> Response:
     try:
         body = await _json_body(raw, lambda _: MessagesRequest)
         check_model(state, body.model)
+        _no_thread(body)
         chat = messages_api.to_chat_request(body)
     except ClientError as e:
         return e.response()
@@ -246,12 +247,20 @@ async def _count_tokens(state: ServerState, raw: Request) -> messages_api.TokenC
     """Anthropic's token count: the prompt tokens the same request to `/v1/messages` would have."""
     body = await _json_body(raw, lambda _: messages_api.CountTokensRequest)
     check_model(state, body.model)
+    _no_thread(body)
     try:
         chat = messages_api.to_chat_request(body)
         prompts, _ = await asyncio.to_thread(build_prompts, state, chat)
     except ParamError as e:
         raise ClientError.bad_param(e) from None
     return messages_api.TokenCount(input_tokens=len(prompts[0][0]))
+
+
+def _no_thread(body: MessagesRequest) -> None:
+    """A request continuing or starting a server-held thread is refused: its messages alone are not the
+    conversation (a continue sends only the new turn), which answered without it."""
+    if body.thread is not None:
+        raise ClientError(400, messages_api.THREAD_MESSAGE, "thread", messages_api.THREAD_UNSUPPORTED)
 
 
 def anthropic_error(resp: Response) -> Response:

@@ -506,16 +506,25 @@ class HermesToolParser(ToolParser):
             self._buf = "" if final else self._buf[len(text):]
             return False
         self._add_args(text[:end].rstrip())
-        if self._nesting.stopped:  # the block closed inside the arguments: a call cut short
-            self._buf, self._state, self._skip_ws = self._buf[end + len(self._CLOSE):], "content", True
-        else:
-            self._buf, self._state = self._buf[end:], "rest"
+        self._past(end, "rest")  # (stopped: the block closed inside the arguments, a call cut short)
         return True
+
+    def _past(self, end: int, then: str) -> None:
+        """On past a JSON value that ended at `end` in `_buf`: to state `then`, or out of the block where the
+        value was cut by `</tool_call>`."""
+        if self._nesting.stopped:
+            self._close(self._buf[end + len(self._CLOSE):])
+        else:
+            self._buf, self._state = self._buf[end:], then
+
+    def _close(self, after: str) -> None:
+        """The block is closed; `after`: the text past its `</tool_call>`."""
+        self._buf, self._state, self._skip_ws = after, "content", True
 
     def _rest(self, final: bool) -> bool:
         rest = self._buf.lstrip()
         if rest.startswith(self._CLOSE):  # the object's `}` left out: the block still closes the call
-            self._buf, self._state, self._skip_ws = rest[len(self._CLOSE):], "content", True
+            self._close(rest[len(self._CLOSE):])
         elif rest.startswith("}"):
             self._buf, self._state = rest[1:], "after"
         elif rest.startswith(","):
@@ -533,16 +542,13 @@ class HermesToolParser(ToolParser):
         if end is None:  # (members cut off at the end are markup of the call: dropped)
             self._buf = "" if final else self._buf[len(text):]
             return False
-        if self._nesting.stopped:
-            self._buf, self._state, self._skip_ws = self._buf[end + len(self._CLOSE):], "content", True
-        else:
-            self._buf, self._state = self._buf[end:], "after"
+        self._past(end, "after")
         return True
 
     def _after(self, final: bool) -> bool:
         rest = self._buf.lstrip()
         if rest.startswith(self._CLOSE):
-            self._buf, self._state, self._skip_ws = rest[len(self._CLOSE):], "content", True
+            self._close(rest[len(self._CLOSE):])
             return True
         if not final and self._CLOSE.startswith(rest):
             return False
@@ -560,7 +566,7 @@ class HermesToolParser(ToolParser):
             if final:
                 self._state = "content"
             return False
-        self._state, self._skip_ws = "content", True
+        self._close(self._buf)
         return True
 
     def _block(self, final: bool) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Literal
 
 import httpx
 import jsonschema
@@ -191,6 +192,38 @@ def test_forced_tool_call_and_its_result_round_trip(server, client, chat):
                                             "parameters": WEATHER["input_schema"]}}], **GREEDY)
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == want.usage.prompt_tokens
     assert "".join(b.text for b in m.content if b.type == "text") == (want.choices[0].message.content or "")
+
+
+def test_a_thread_is_refused_so_that_the_sdk_sends_the_whole_history(server, client):
+    """Anthropic's message-threads beta asks the server to hold the conversation (a `continue` sends only the
+    new turn): refused with the error code on which the SDK resends the turn whole and without `thread`. It
+    was ignored: a continue was answered without the conversation, and the SDK's default tool runner got a
+    400 about a tool_result that answered nothing."""
+    for thread in ({"type": "create"}, {"type": "continue", "previous_message_id": "msg_1"}):
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            resp = httpx.post(server.url + path, headers={"x-api-key": KEY}, timeout=60, json={
+                "model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "thread": thread})
+            assert resp.status_code == 400, resp.text
+            error = resp.json()["error"]
+            assert error["type"] == "invalid_request_error" and "stateless" in error["message"], error
+            assert error["details"] == {"error_code": "thread_unsupported_request", "unsupported": ["thread"]}
+    if not hasattr(client.beta.messages, "tool_runner"):
+        return
+    from anthropic.lib.tools import beta_tool
+
+    @beta_tool
+    def get_weather(city: Literal["Paris", "Lyon"]) -> str:  # (a few choices: the random model's call ends)
+        """Current weather in a city."""
+        return "18 C, sunny"
+
+    # the SDK's tool runner threads by default: its second turn sends the call's tool_result, which answers a
+    # call of the first turn only if the whole history goes with it
+    runner = client.beta.messages.tool_runner(model="m", max_tokens=120, tools=[get_weather],
+                                              tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                              messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                              extra_body=GREEDY, max_iterations=2)
+    replies = list(runner)
+    assert len(replies) == 2 and replies[0].stop_reason == "tool_use", replies
 
 
 def test_a_final_assistant_message_is_a_prefill(client, chat):
