@@ -43,10 +43,13 @@ def compile_spec(compiler: Any, kind: str, spec: str) -> Any:
     small model cannot spend its tokens on an endless run of newlines inside a document; and as it is
     (`strict_mode=False`): xgrammar's strict mode closes *every* object to extra keys, which makes
     `patternProperties` or `minProperties` without `properties` impossible to satisfy. Which objects to
-    close is the server's choice (`server.structured`)."""
+    close is the server's choice (`server.structured`). A structural tag's JSON Schema contents are compiled
+    the same way (`_schemas_as_grammars`)."""
     try:
         if kind == "json_schema":
             return compiler.compile_json_schema(spec, any_whitespace=False, strict_mode=False)
+        if kind == "structural_tag":
+            return compiler.compile_structural_tag(json.dumps(_schemas_as_grammars(json.loads(spec))))
         if kind == "json_object":
             return compiler.compile_json_schema(json.dumps({"type": "object"}), any_whitespace=False, strict_mode=False)
         if kind == "regex":
@@ -56,6 +59,23 @@ def compile_spec(compiler: Any, kind: str, spec: str) -> Any:
     except Exception as e:  # xgrammar raises RuntimeError/ValueError with its C++ location first
         raise SpecError(reason(e)) from None
     raise SpecError(f"unknown structured output kind {kind!r}")
+
+
+def _schemas_as_grammars(node: Any) -> Any:
+    """A structural tag with each `json_schema` format replaced by the grammar xgrammar compiles that schema to
+    with the settings of `compile_spec` (its structural tags' own JSON would allow free whitespace, and close
+    every object to other keys)."""
+    import xgrammar as xgr
+
+    if isinstance(node, list):
+        return [_schemas_as_grammars(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and "json_schema" in node:
+        schema = node["json_schema"]
+        grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=False)
+        return {"type": "grammar", "grammar": str(grammar)}
+    return {key: _schemas_as_grammars(value) for key, value in node.items()}
 
 
 def reason(e: Exception) -> str:

@@ -39,7 +39,9 @@ class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A constraint on the completion's text, compiled by the engine's grammar backend into a token mask.
 
     `kind` says how to read `spec`: "json_schema" (a JSON Schema as JSON text), "json_object" (any JSON
-    object; `spec` is empty), "regex", or "grammar" (EBNF in GBNF's syntax, root rule `root`). `param`
+    object; `spec` is empty), "regex", "grammar" (EBNF in GBNF's syntax, root rule `root`), or
+    "structural_tag" (xgrammar's structural tag as JSON text: free text in which each trigger begins a
+    tag whose content is constrained, as tool calls under tool_choice "auto" with strict tools). `param`
     is the request parameter it came from ("response_format", "tool_choice", ...): a spec the engine
     cannot compile is refused with a 400 naming it."""
 
@@ -51,7 +53,7 @@ class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     after: tuple[int, ...] = ()
 
 
-STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar")
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "structural_tag")
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

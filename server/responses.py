@@ -360,7 +360,7 @@ class ChatSerializer(Serializer):
         content = self.echo.content + content + parser.finish()[0]
         calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
                  for c in parser.tool_calls]
-        forced = self.tools.structured is not None  # a forced call's reply has no content, even cut before it began
+        forced = self.tools.forced  # a forced call's reply has no content, even cut before it began
         return ChatResponseMessage(content=content or (None if calls or forced else empty), reasoning_content=reasoning,
                                    tool_calls=calls or None), parser
 
@@ -402,7 +402,7 @@ class ChatSerializer(Serializer):
 
     def stream_start(self) -> list[Any]:
         # a forced tool call's reply has no content (null, as the whole answer says), else it starts as ""
-        content = None if self.tools.structured is not None else ""
+        content = None if self.tools.forced else ""
         ids = self.requests[0].prompt_ids if self.body.return_token_ids else None
         out = []
         for i in range(len(self.requests) * self.n):  # one chunk a choice, as OpenAI and vLLM stream

@@ -747,9 +747,10 @@ def request_params(state: ServerState, body: Any, prompts: list[tuple[list[int],
         if getattr(body, "bad_words", None):
             # (their ids come from the tokenizer; the engine's SamplingParams.validate checks them again)
             params = msgspec.structs.replace(params, bad_words_ids=bad_words_ids(state, body.bad_words))
-        if tools.structured is not None:
+        if tools.forced or (tools.structured is not None and params.structured is None):
             # a forced call is this turn's output; a response format (checked above all the same) is for the
-            # turn that answers in text, as OpenAI takes both (the Agents SDK sends both)
+            # turn that answers in text, as OpenAI takes both (the Agents SDK sends both). Under "auto" the
+            # text may be the answer: a response format is kept, and strict tools' calls are not held then
             params = msgspec.structs.replace(params, structured=tools.structured)
     except ParamError as e:
         raise ClientError.bad_param(e) from None

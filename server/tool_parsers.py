@@ -92,18 +92,13 @@ def partial_len(text: str, markers: Sequence[str]) -> int:
 class JsonEnd:
     """Where a JSON object or array that text begins with closes, the text coming in pieces: its nesting is
     followed across them, strings and their escapes included (a bracket or a marker inside a string is text).
-    `depth` starts it inside that many brackets (the rest of an object whose first members were read). A
-    `stop` marker seen outside a string ends the value unclosed (`stopped`); the caller keeps back a tail of
-    each piece that may still become the marker (`partial_len`), so the marker never spans two pieces."""
+    `depth` starts it inside that many brackets (the rest of an object whose first members were read)."""
 
-    def __init__(self, depth: int = 0, stop: str | None = None) -> None:
+    def __init__(self, depth: int = 0) -> None:
         self._depth, self._in_string, self._escaped = depth, False, False
-        self._stop = stop
-        self.stopped = False
 
     def end(self, text: str) -> int | None:
-        """The index after the closing bracket in this piece (at the stop marker if `stopped`), or None if
-        the value does not close in it."""
+        """The index after the closing bracket in this piece, or None if the value does not close in it."""
         for i, ch in enumerate(text):
             if self._in_string:
                 if self._escaped:
@@ -120,9 +115,6 @@ class JsonEnd:
                 self._depth -= 1
                 if self._depth == 0:
                     return i + 1
-            elif self._stop is not None and ch == self._stop[0] and text.startswith(self._stop, i):
-                self.stopped = True
-                return i
         return None
 
 
@@ -149,6 +141,14 @@ class ToolParser:
         writes them in this parser's markup: what a chat template that does not render calls is given as
         that turn's text, and what this parser reads back as those calls."""
         raise NotImplementedError
+
+    @classmethod
+    def call_tag(cls, name: str) -> tuple[str, str, str] | None:
+        """(trigger, begin, end) of a call to `name` in this markup, around its arguments object: the text
+        that starts a call in free text, everything the call writes up to its arguments, and after them.
+        What a grammar holds calls to under tool_choice "auto" with strict tools; None where this markup
+        has no such fixed frame (the calls are then read as they come, not constrained)."""
+        return None
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         """Takes newly generated text; returns the content to show now and the tool-call deltas now."""
@@ -276,6 +276,10 @@ class DeepSeekV3ToolParser(ToolParser):
     def _written_head(name: str) -> str:
         return f"function{_SEP}{name}\n```json\n"
 
+    @classmethod
+    def call_tag(cls, name: str) -> tuple[str, str, str] | None:
+        return _CALL_BEGIN, _CALL_BEGIN + cls._written_head(name), cls._written_tail + _CALL_END
+
     def _split_header(self, head: str, closed: bool) -> tuple[str, int] | None:
         """(name, where the arguments start) in `head`, the text after `<｜tool▁call▁begin｜>` up to any
         end marker (`closed` if one was seen); None while the name may still be incomplete."""
@@ -392,7 +396,7 @@ def _as_call(text: str, members: dict[str, tuple[Any, int, int]], need_args: boo
     """(name, raw arguments) of `{"name": ..., "arguments"|"parameters": ...}`, or None if not a call."""
     name = members.get("name", (None,))[0]
     args = members.get("arguments") or members.get("parameters")
-    if not isinstance(name, str) or (need_args and args is None):
+    if not isinstance(name, str) or not name or (need_args and args is None):  # (OpenAI's names: 1 to 64 characters)
         return None
     if args and isinstance(args[0], str):  # the arguments written as a JSON string of an object: that object's
         try:                               # text (function.arguments is an object's JSON, not a string's)
@@ -433,6 +437,8 @@ def _hermes_head(text: str) -> tuple[str, int] | bool:
                 name = json.loads(string.group())
             except ValueError:
                 return False
+            if not name:  # (no function has an empty name)
+                return False
             pos = string.end()
             continue
         for literal in (step,) if isinstance(step, str) else step:
@@ -449,13 +455,17 @@ class HermesToolParser(ToolParser):
     """Hermes / Qwen2.5: `<tool_call>` then a `{"name", "arguments"}` object, then `</tool_call>`.
 
     Once the head `{"name": "NAME", "arguments": {` is whole, the call opens and its arguments stream as
-    they are written, up to where their object closes (or the block does: a call cut off keeps the
-    arguments sent, as DeepSeek's and OpenAI's do). The rest of the object and the closing tag are markup:
-    other members after the arguments are dropped, text after the object inside the block is content. A
-    block whose head is otherwise (keys in another order, arguments written as a string) is held until
-    `</tool_call>` and read whole: a call if it is one call object, else content as written."""
+    they are written, up to where their object closes, or where the block does (a call cut off keeps the
+    arguments sent, as DeepSeek's and OpenAI's do). The first `</tool_call>` closes the block wherever it
+    is, inside a string too, as vLLM reads blocks: a stray quote must not take the rest of the reply into a
+    call. The rest of the object and the closing tag are markup: other members after the arguments are
+    dropped; text after the object inside the block is content; a second object there is another call, and a
+    `<tool_call>` there another block (its predecessor's close left out). A block whose head is otherwise
+    (keys in another order, arguments written as a string) is held until `</tool_call>` and read whole: a
+    call if it is one call object, else content as written."""
 
     _OPEN, _CLOSE = HERMES_OPEN, _HERMES_CLOSE
+    _HEAD_MAX = 512  # characters a head may take (a name is at most 64): past them the block is read whole
     markup = (_OPEN, _CLOSE)
 
     @classmethod
@@ -463,26 +473,34 @@ class HermesToolParser(ToolParser):
         blocks = [f"{cls._OPEN}\n{_json({'name': name, 'arguments': args})}\n{cls._CLOSE}" for name, args in calls]
         return "\n".join([text, *blocks] if text else blocks)
 
+    @classmethod
+    def call_tag(cls, name: str) -> tuple[str, str, str] | None:
+        return cls._OPEN, f'{cls._OPEN}\n{{"name": {_json(name)}, "arguments": ', f"}}\n{cls._CLOSE}"
+
     def __init__(self, new_id: Callable[[], str] = default_call_id) -> None:
         super().__init__(new_id)
-        # content | head (after <tool_call>) | block (held whole) | args | rest (after the arguments) |
-        # members (more members after them) | after (the object closed, before </tool_call>) | tail (text
-        # after the object, before </tool_call>: content)
+        # content | head (an object's start in a block) | block (held whole) | args | rest (after the
+        # arguments) | members (more members after them) | after (the object closed) | tail (text after the
+        # object: content, up to </tool_call>)
         self._state = "content"
         self._nesting = JsonEnd()
+        self._lead = ""  # the markup before a held block's body, shown with it if it makes no call
 
     def _step(self, final: bool) -> bool:
         if self._state == "content":
             if self._scan_content((self._OPEN,), final) is None:
                 return False
-            self._state = "head"
+            self._state, self._lead = "head", self._OPEN
             return True
         return {"head": self._head, "block": self._block, "args": self._args, "rest": self._rest,
                 "members": self._members, "after": self._after, "tail": self._tail}[self._state](final)
 
     def _head(self, final: bool) -> bool:
         close = self._buf.find(self._CLOSE)
-        head = _hermes_head(self._buf if close < 0 else self._buf[:close])
+        text = self._buf if close < 0 else self._buf[:close]
+        head = _hermes_head(text[: self._HEAD_MAX])
+        if head is True and len(text) > self._HEAD_MAX:
+            head = False
         if head is True and close < 0 and not final:
             return False
         if not isinstance(head, tuple):
@@ -490,32 +508,31 @@ class HermesToolParser(ToolParser):
             return True
         name, start = head
         self._open_call(name)
-        self._buf, self._state = self._buf[start:], "args"
-        self._nesting = JsonEnd(stop=self._CLOSE)
+        self._buf, self._state, self._nesting = self._buf[start:], "args", JsonEnd()
         return True
 
-    def _sendable(self) -> str:
-        """`_buf` less a tail that may still become `</tool_call>` (at the end, a cut inside the tag)."""
-        return self._buf[: len(self._buf) - partial_len(self._buf, (self._CLOSE,))]
+    def _upto_close(self) -> tuple[str, int]:
+        """The text before `</tool_call>` (and before a tail that may still become it), and where the tag is
+        in `_buf` (-1: not there yet)."""
+        close = self._buf.find(self._CLOSE)
+        if close >= 0:
+            return self._buf[:close], close
+        return self._buf[: len(self._buf) - partial_len(self._buf, (self._CLOSE,))], -1
 
     def _args(self, final: bool) -> bool:
-        text = self._sendable().rstrip()  # trailing whitespace waits: the closing bracket or more text decides
+        text, close = self._upto_close()
+        text = text.rstrip()  # trailing whitespace waits: the closing bracket or more text decides
         end = self._nesting.end(text)
-        if end is None:  # at `final` too: a call cut short keeps the arguments sent so far
-            self._add_args(text)
-            self._buf = "" if final else self._buf[len(text):]
-            return False
-        self._add_args(text[:end].rstrip())
-        self._past(end, "rest")  # (stopped: the block closed inside the arguments, a call cut short)
-        return True
-
-    def _past(self, end: int, then: str) -> None:
-        """On past a JSON value that ended at `end` in `_buf`: to state `then`, or out of the block where the
-        value was cut by `</tool_call>`."""
-        if self._nesting.stopped:
-            self._close(self._buf[end + len(self._CLOSE):])
-        else:
-            self._buf, self._state = self._buf[end:], then
+        if end is not None:
+            self._add_args(text[:end])
+            self._buf, self._state = self._buf[end:], "rest"
+            return True
+        self._add_args(text)  # at the block's close or the end too: a call cut short keeps what was sent
+        if close >= 0:
+            self._close(self._buf[close + len(self._CLOSE):])
+            return True
+        self._buf = "" if final else self._buf[len(text):]
+        return False
 
     def _close(self, after: str) -> None:
         """The block is closed; `after`: the text past its `</tool_call>`."""
@@ -528,8 +545,13 @@ class HermesToolParser(ToolParser):
         elif rest.startswith("}"):
             self._buf, self._state = rest[1:], "after"
         elif rest.startswith(","):
-            self._buf, self._state = rest[1:], "members"
-            self._nesting = JsonEnd(depth=1, stop=self._CLOSE)
+            member = rest[1:].lstrip()
+            if not member and not final:
+                return False
+            if member.startswith('"'):  # another member: markup of the call
+                self._buf, self._state, self._nesting = rest[1:], "members", JsonEnd(depth=1)
+            else:
+                self._end_block(final)
         elif not final and self._CLOSE.startswith(rest):
             return False
         else:
@@ -537,22 +559,27 @@ class HermesToolParser(ToolParser):
         return True
 
     def _members(self, final: bool) -> bool:
-        text = self._sendable()
+        text, close = self._upto_close()
         end = self._nesting.end(text)
-        if end is None:  # (members cut off at the end are markup of the call: dropped)
+        if end is not None:
+            self._buf, self._state = self._buf[end:], "after"
+        elif close >= 0:
+            self._close(self._buf[close + len(self._CLOSE):])
+        else:  # (members cut off at the end are markup of the call: dropped)
             self._buf = "" if final else self._buf[len(text):]
             return False
-        self._past(end, "after")
         return True
 
     def _after(self, final: bool) -> bool:
         rest = self._buf.lstrip()
         if rest.startswith(self._CLOSE):
             self._close(rest[len(self._CLOSE):])
-            return True
-        if not final and self._CLOSE.startswith(rest):
+        elif rest.startswith("{"):  # another object in the block
+            self._buf, self._state, self._lead = rest, "head", ""
+        elif not final and self._CLOSE.startswith(rest):
             return False
-        self._end_block(final)
+        else:
+            self._end_block(final)
         return True
 
     def _end_block(self, final: bool) -> None:
@@ -562,11 +589,17 @@ class HermesToolParser(ToolParser):
         self._state, self._skip_ws = "tail", True
 
     def _tail(self, final: bool) -> bool:
-        if self._scan_content((self._CLOSE,), final) is None:
+        if final and find_first(self._buf, (self._CLOSE, self._OPEN))[0] < 0:  # a cut inside the tag: markup
+            self._buf = _without_partial_close(self._buf, self._CLOSE)
+        marker = self._scan_content((self._CLOSE, self._OPEN), final)
+        if marker is None:
             if final:
                 self._state = "content"
             return False
-        self._close(self._buf)
+        if marker == self._OPEN:  # a new block, the last one's close left out
+            self._state, self._lead = "head", self._OPEN
+        else:
+            self._close(self._buf)
         return True
 
     def _block(self, final: bool) -> bool:
@@ -577,11 +610,11 @@ class HermesToolParser(ToolParser):
                 # text as written
                 body, self._buf, self._state = self._buf, "", "content"
                 if not self._call(_without_partial_close(body, self._CLOSE)):
-                    self._emit(self._OPEN + body)
+                    self._emit(self._lead + body)
             return False
         body, self._buf, self._state = self._buf[:end], self._buf[end + len(self._CLOSE):], "content"
         if not self._call(body):
-            self._emit(self._OPEN + body + self._CLOSE)
+            self._emit(self._lead + body + self._CLOSE)
         return True
 
     def _call(self, body: str) -> bool:

@@ -5,7 +5,8 @@ sampling and the parsing of its output.
         .tools       rendered by the model's chat template (HF's `tools` variable)
         .system      our own tool prompt, for a template that ignores `tools` (the list; for "auto" and no
                      format the template implies, Hermes markup to call in)
-        .structured  a grammar for forced calls ("required" or a named function)
+        .structured  a grammar for forced calls ("required" or a named function), or under "auto" one of
+                     free text whose calls are held to the tools (strict tools' arguments to their schemas)
         .new_parser  one parser per choice: model text -> content + tool calls (server.tool_parsers)
 
 `tool_choice`:
@@ -68,6 +69,14 @@ class ToolPlan:
     named: bool = False
     # the markup `new_parser` reads (`ToolParser.markup`): special tokens with this text stay in its input
     markup: tuple[str, ...] = ()
+    # tool_choice "auto": the model may answer in text; `structured` (strict tools' calls, if any) then gives
+    # way to a response format the request also asks for (that text's constraint)
+    free: bool = False
+
+    @property
+    def forced(self) -> bool:
+        """A call is this turn's whole output ("required" or a named function)."""
+        return self.structured is not None and not self.free
 
 
 def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto") -> ToolPlan:
@@ -124,10 +133,35 @@ def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto")
                          f"start the server with --tool-call-parser (one of {', '.join(sorted(TOOL_PARSERS))})")
     name = name or "hermes"
     markup = TOOL_PARSERS[name].markup
+    strict = _strict_calls(name, tools, body.parallel_tool_calls)
     if listed is None:
-        return ToolPlan(rendered, None, None, _parser(name, body.parallel_tool_calls, new_id), markup=markup)
+        return ToolPlan(rendered, None, strict, _parser(name, body.parallel_tool_calls, new_id), markup=markup,
+                        free=True)
     prompt = (_TOOL_PROMPT if name == "hermes" else _TOOL_LIST_PROMPT).format(tools=listed)
-    return ToolPlan(None, prompt, None, _parser(name, body.parallel_tool_calls, new_id), markup=markup)
+    return ToolPlan(None, prompt, strict, _parser(name, body.parallel_tool_calls, new_id), markup=markup, free=True)
+
+
+def _strict_calls(parser: str, tools: list[Any], parallel: bool | None) -> StructuredOutput | None:
+    """Under tool_choice "auto", where a tool asks for `strict` and the parser's markup frames a call's
+    arguments (`ToolParser.call_tag`): a grammar of free text in which every call is a call to one of the
+    tools, a strict tool's arguments held to its parameters schema (checked as a forced call's: a keyword
+    the grammar engine cannot enforce is a 400) and another's to any JSON object; one call at most without
+    `parallel_tool_calls`. OpenAI's strict mode guarantees the arguments match; elsewhere strict is taken and
+    the calls are read as the model writes them."""
+    cls = TOOL_PARSERS[parser]
+    if not any(t.function.strict for t in tools) or cls.call_tag(tools[0].function.name) is None:
+        return None
+    tags, triggers = [], []
+    for i, t in enumerate(tools):
+        trigger, begin, end = cls.call_tag(t.function.name)  # type: ignore[misc]
+        schema = check_json_schema(t.function.parameters if t.function.parameters is not None else _EMPTY_PARAMETERS,
+                                   f"tools.[{i}].function.parameters") if t.function.strict else {"type": "object"}
+        tags.append({"type": "tag", "begin": begin, "content": {"type": "json_schema", "json_schema": schema},
+                     "end": end})
+        triggers += [trigger] if trigger not in triggers else []
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags,
+                                                "at_least_one": False, "stop_after_first": parallel is False}}
+    return StructuredOutput("structural_tag", json.dumps(tag, ensure_ascii=False), "tools")
 
 
 def reply_parser(template: str | None, parser_name: str) -> str | None:

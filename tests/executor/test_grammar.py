@@ -1072,3 +1072,50 @@ def test_a_draft_is_cut_where_the_grammar_refuses_it_and_each_position_gets_its_
     for t in lead + ids("ab12;"):
         assert g.accept(t)
     assert g.accept(STOP) and g.terminated  # the stop id the draft left out is what the verification samples
+
+
+def test_strict_tools_under_auto_hold_calls_and_leave_text_free(ascii_backend):
+    """tool_choice "auto" with a strict tool (server.tools): a structural tag of free text in which each Hermes
+    block is a call to one of the tools, the strict one's arguments held to its schema as a forced call's
+    are (the same compact JSON), another's to any object; with parallel_tool_calls false, one call and the end."""
+    from server.protocol import ChatCompletionRequest
+    from server.tools import plan_tools
+
+    weather = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                         "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"]}}}
+    other = {"type": "function", "function": {"name": "note", "parameters": {"type": "object"}}}
+
+    def plan(**kw):
+        body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **kw})
+        return plan_tools(body, None)
+
+    p = plan(tools=[weather, other])
+    assert p.free and not p.forced and p.structured.kind == "structural_tag" and p.structured.param == "tools"
+    g = ascii_backend.compile(p.structured.kind, p.structured.spec, "tools")
+
+    def call(name: str, args: str) -> str:
+        return f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
+
+    good = '{"city": "Paris", "unit": "c"}'
+    for text in ("Plain text, no call.", "Let me check.\n" + call("get_weather", good) + "\nDone.",
+                 call("note", '{"any": [1, {"x": null}]}') + call("get_weather", good), "a < b <tool", ""):
+        assert ascii_accepts(ascii_backend, g, text), text
+    for text in (call("get_time", "{}"), call("get_weather", '{"city": "Montpellier", "unit": "c"}'),
+                 call("get_weather", '{"city": "Paris", "unit": "k"}'), call("get_weather", '{"city": "Paris"}'),
+                 call("note", "[1]"), '<tool_call>\n{"arguments": {}, "name": "note"}\n</tool_call>'):
+        assert not ascii_accepts(ascii_backend, g, text), text
+    # the arguments exactly as the same schema compiled for a forced call takes them
+    forced = ascii_backend.compile(*(lambda s: (s.kind, s.spec))(plan(tools=[weather], tool_choice={
+        "type": "function", "function": {"name": "get_weather"}}).structured), "tool_choice")
+    for args in (good, '{"city":"Paris","unit":"c"}', '{ "city": "Paris", "unit": "c" }', '{"unit": "c", "city": "x"}',
+                 '{"city": "Paris", "unit": "c", "x": 1}'):
+        assert ascii_accepts(ascii_backend, g, call("get_weather", args)) == ascii_accepts(ascii_backend, forced, args)
+    one = plan(tools=[weather, other], parallel_tool_calls=False)
+    g1 = ascii_backend.compile(one.structured.kind, one.structured.spec, "tools")
+    assert ascii_accepts(ascii_backend, g1, "Ok.\n" + call("get_weather", good))
+    assert not ascii_accepts(ascii_backend, g1, call("get_weather", good) + call("note", "{}"))
+    # no strict tool, or a markup with no fixed frame around the arguments: nothing is held
+    assert plan(tools=[other]).structured is None
+    assert plan_tools(ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                            "tools": [weather]}), None, "llama3_json").structured is None

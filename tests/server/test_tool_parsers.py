@@ -121,10 +121,29 @@ CASES = [
     # text after the call object: content (the closing tag is markup); other members after the arguments: dropped
     ("hermes", '<tool_call>\n{"name": "f", "arguments": {}} trailing\n</tool_call> after', "trailing\nafter",
      [("f", "{}")]),
-    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": [1, "}"]}, "id": "x}</tool_call>", "n": {}}\n</tool_call>',
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": [1, "}"]}, "id": "x}", "n": {}}\n</tool_call>',
      "", [("f", '{"a": [1, "}"]}')]),
-    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"code": "print(\'</tool_call>\')"}}</tool_call>', "",
-     [("f", '{"code": "print(\'</tool_call>\')"}')]),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": 1}, I am not sure}</tool_call> Ok',
+     ", I am not sure}Ok", [("f", '{"a": 1}')]),
+    # the first </tool_call> closes the block wherever it is, as vLLM reads blocks: a stray quote does not take
+    # the rest of the reply (a later call included) into the call; a tag inside a string cuts it there
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"city": "Paris"}, "note": "5" tall"}\n</tool_call>\n'
+     "It is sunny.\n" + hermes("g", PARIS), "It is sunny.\n", [("f", '{"city": "Paris"}'), ("g", PARIS)]),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"q": "5" tall"}}\n</tool_call>\nIt is sunny.', "It is sunny.",
+     [("f", '{"q": "5" tall"}}')]),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"code": "print(\'</tool_call>\')"}}</tool_call>',
+     "')\"}}</tool_call>", [("f", '{"code": "print(\'')]),
+    # two objects in one block, a block whose close was left out: calls all the same
+    ("hermes", '<tool_call>\n{"name": "a", "arguments": {}}\n{"name": "b", "arguments": {"x": 1}}\n</tool_call>', "",
+     [("a", "{}"), ("b", '{"x": 1}')]),
+    ("hermes", '<tool_call>\n{"name": "a", "arguments": {}}\n' + hermes("b", PARIS), "", [("a", "{}"), ("b", PARIS)]),
+    ("hermes", '<tool_call>\n{"name": "a", "arguments": {}} and <tool_call>{"name": "b", "arguments": {}}</tool_call>',
+     "and ", [("a", "{}"), ("b", "{}")]),
+    ("hermes", '<tool_call>\n{"name": "a", "arguments": {}}\n{"name": 1}\n</tool_call>', '{"name": 1}\n</tool_call>',
+     [("a", "{}")]),
+    # no function has an empty name; a head past any name's length is read whole
+    ("hermes", '<tool_call>\n{"name": "", "arguments": {}}\n</tool_call>', '<tool_call>\n{"name": "", "arguments": {}}\n</tool_call>', []),
+    ("hermes", '<tool_call>{"name": "' + "n" * 600 + '", "arguments": {"a": 1}}</tool_call>', "", [("n" * 600, '{"a": 1}')]),
     ("hermes", '<tool_call>\n{"name": "f", "arguments": {}}\nNow I wait.', "Now I wait.", [("f", "{}")]),
     # cut before the head was whole: raw content, unless its call object is whole (only the close was cut:
     # vLLM's); cut inside the arguments: the call, its arguments partial (as DeepSeek's, as OpenAI's)
@@ -140,6 +159,7 @@ CASES = [
     *(("hermes", '<tool_call>\n{"name": "g", "arguments": ' + PARIS + "}\n" + part, "", [("g", PARIS)])
       for part in ("<", "</", "</tool", "</tool_call")),
     ("hermes", '<tool_call>\n{"name": "g", "arguments": {}} </x', "</x", [("g", "{}")]),
+    ("hermes", '<tool_call>{"name": "g", "arguments": {}} trailing </tool_c', "trailing ", [("g", "{}")]),
     ("hermes", '<tool_call>\n{"name": "g", "arguments": {}} and', "and", [("g", "{}")]),
     ("hermes", "Use <tools> or <tool_calls>, a < b, </tool_call.",
      "Use <tools> or <tool_calls>, a < b, </tool_call.", []),
@@ -255,7 +275,7 @@ def test_non_streamed(parser, text, content, calls):
     assert [(c.name, c.arguments) for c in got_calls] == calls
     assert [c.id for c in got_calls] == [f"call_{i}" for i in range(len(calls))]
     for _, args in calls:
-        if not args.endswith(("hel", '"a",')):  # the cut-off ones
+        if not args.endswith(("hel", '"a",', 'tall"}}', "print('")):  # the cut-off and malformed ones
             json.loads(args)
 
 
@@ -287,17 +307,18 @@ def test_deepseek_streams_arguments_incrementally():
 
 def test_hermes_streams_arguments_incrementally():
     """The call opens once its head is whole; arguments follow as written, trailing whitespace and a tail
-    that may begin `</tool_call>` held back. A block with another head is sent whole when it closes."""
+    that may begin `</tool_call>` held back (a brace in a string is text). A block with another head is
+    sent whole when it closes."""
     p = TOOL_PARSERS["hermes"](_ids())
     assert p.feed("Ok <tool") == ("Ok ", [])
     assert p.feed('_call>\n{"name": "f", "argu') == ("", [])
     assert p.feed('ments": {') == ("", [ToolCallDelta(0, "call_0", "f"), ToolCallDelta(0, arguments="{")])
     assert p.feed('"x": 1, ') == ("", [ToolCallDelta(0, arguments='"x": 1,')])
-    assert p.feed('"s": "a</tool') == ("", [ToolCallDelta(0, arguments=' "s": "a')])
-    assert p.feed('_call>"}') == ("", [ToolCallDelta(0, arguments='</tool_call>"}')])
+    assert p.feed('"s": "a}</to') == ("", [ToolCallDelta(0, arguments=' "s": "a}')])
+    assert p.feed('o"}') == ("", [ToolCallDelta(0, arguments='</too"}')])
     assert p.feed("}\n</tool_") == ("", [])
     assert p.feed("call> Done") == ("Done", [])
-    assert [(c.name, c.arguments) for c in p.tool_calls] == [("f", '{"x": 1, "s": "a</tool_call>"}')]
+    assert [(c.name, c.arguments) for c in p.tool_calls] == [("f", '{"x": 1, "s": "a}</too"}')]
     p = TOOL_PARSERS["hermes"](_ids())
     assert p.feed('<tool_call>{"arguments": {"x": 1}, "name": "f"}\n</tool_') == ("", [])
     assert p.feed("call>") == ("", [ToolCallDelta(0, "call_0", "f"), ToolCallDelta(0, arguments='{"x": 1}')])

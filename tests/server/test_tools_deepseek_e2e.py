@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -68,3 +69,39 @@ def test_deepseek_markup_becomes_tool_calls(client):
     history += [{"role": "tool", "tool_call_id": t.id, "content": "21C"} for t in c.message.tool_calls]
     r2 = client.chat.completions.create(model=model, messages=history, tools=[WEATHER], max_tokens=4)
     assert r2.usage.prompt_tokens > r.usage.prompt_tokens
+
+
+def test_strict_tools_hold_the_calls_made_under_auto(client, server):
+    """tool_choice "auto" with a strict tool: the text is free, but a call the model begins is held to the
+    tools, its arguments to the strict tool's schema (OpenAI's strict mode). A bias makes the random model
+    begin a call at once (the call marker is one token of DeepSeek's vocabulary); without strict it writes
+    whatever it likes after it, with strict a call whose arguments validate."""
+    import jsonschema
+
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": CB, "add_special_tokens": False}, timeout=60).json()
+    (begin,) = ids["tokens"]
+    model = client.models.list().data[0].id
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    kw = dict(model=model, messages=ask, max_tokens=120, temperature=0, logit_bias={str(begin): 100},
+              parallel_tool_calls=False)
+    loose = client.chat.completions.create(tools=[WEATHER], **kw).choices[0]
+    assert not (loose.message.tool_calls and all(
+        json.loads(t.function.arguments) for t in loose.message.tool_calls)), loose  # (free: no valid call)
+    held = client.chat.completions.create(tools=[strict], **kw).choices[0]
+    assert held.finish_reason == "tool_calls", held
+    (call,) = held.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    s = streamed(client, tools=[strict], **kw)[0]
+    assert [(v["name"], v["arguments"]) for v in s["calls"].values()] == [("get_weather", call.function.arguments)]
+    # a strict tool's schema the grammar engine cannot enforce is the client's 400, as for a forced call
+    bad = {**strict, "function": {**strict["function"], "parameters": {
+        "type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}}}
+    resp = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": ask, "tools": [bad], "max_tokens": 4})
+    assert resp.status_code == 400 and "uniqueItems" in resp.json()["error"]["message"], resp.text
+    assert resp.json()["error"]["param"] == "tools.[0].function.parameters", resp.text
+    unchecked = {**bad, "function": {**bad["function"], "strict": False}}  # shown to the model only: taken
+    assert httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": ask, "tools": [unchecked], "max_tokens": 4}).status_code == 200
