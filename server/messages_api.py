@@ -13,7 +13,7 @@ chat completions request (same prompt tokens) and is parsed by the same reasonin
   blocks are dropped, as chat messages carry no reasoning into the prompt. Images and documents are a 400.
 - A final assistant message is a prefill, as Anthropic's API has it: the model continues its text
   (`continue_final_message`) and the reply holds only what it adds.
-- `tools` (`name`, `description`, `input_schema`) become chat's function tools; `tool_choice` `auto`,
+- `tools` (`name`, `description`, `input_schema`, `strict`) become chat's function tools; `tool_choice` `auto`,
   `any`, `tool` (by `name`) and `none` chat's `auto`, `required`, a named function and `none`;
   `disable_parallel_tool_use` is `parallel_tool_calls: false`. Anthropic's server tools (a `type` such as
   `web_search_20250305`), `mcp_servers` and `container` are a 400: this server runs none. So is `thread`
@@ -194,6 +194,7 @@ class ToolParam(_Request):
     description: str | None = None
     input_schema: dict[str, Any] | None = None  # required of a client tool, as Anthropic's API requires it
     type: str | None = None  # "custom" or absent; Anthropic's server tools name their kind here
+    strict: StrictBool | None = None  # strict tool use: the calls' inputs held to the schema (chat's `strict`)
 
     @field_validator("type")
     @classmethod
@@ -436,6 +437,7 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
     if req.tools is not None:
         chat["tools"] = [{"type": "function", "function": {
             "name": t.name, **({"description": t.description} if t.description else {}),
+            **({"strict": t.strict} if t.strict is not None else {}),
             "parameters": t.input_schema or {"type": "object", "properties": {}}}} for t in req.tools]
     mode = (req.thinking or {}).get("type")
     budget = (req.thinking or {}).get("budget_tokens")

@@ -71,6 +71,7 @@ from server.metrics import note_answer_code
 from server.responses import ChatSerializer, CompletionSerializer, MessagesSerializer, ResponsesSerializer, Serializer
 from server.responses_api import InputTokens, ResponsesRequest, rename_error, to_chat_request
 from server.state import ClientError, ServerState, error_response
+from server.structured import EXTENSION_FIELDS
 from server.reasoning import THINK_CLOSE, parser_kind, starts_in_reasoning
 from server.tools import ToolPlan, plan_tools, with_call_markup, with_system
 from scheduler.sampling_params import ParamError, SamplingParams, validate_prompt_ids, validate_token_ids
@@ -479,6 +480,8 @@ class ClosingStream(StreamingResponse):
 async def handle(raw: Request, state: ServerState, body: Any, serializer_cls: Callable[..., Serializer]) -> Response:
     arrived = time.time()  # the request's arrival for its latency metrics: its template and tokenizing count
     try:
+        if not _asks_structured(body):  # (its checks are cheap: a full server's refusal waits for no thread)
+            _refuse_if_full(state, body)
         # on a worker thread: a prompt of a megabyte takes about half a second to encode (the tokenizer lets
         # go of the GIL), which on the event loop would stall every stream and /health for that long
         prompts, tools, params = await asyncio.to_thread(_prepared, state, body)
@@ -714,11 +717,18 @@ def _prepared(state: ServerState, body: Any) -> tuple[list[tuple[list[int], str]
     return prompts, tools, request_params(state, body, prompts, tools)
 
 
+def _asks_structured(body: Any) -> bool:
+    """Whether a request asks for a structured output, whose schema may take long to check (on a thread)."""
+    return any(getattr(body, f, None) is not None for f in ("response_format", *EXTENSION_FIELDS))
+
+
 def _refuse_if_full(state: ServerState, body: Any) -> None:
     """The engine's 503 `overloaded`, raised before the request is rendered and tokenized, when every replica
     holds as many completions as it admits (`EngineReplicas.overloaded`). Under a retry storm the refusals had
     waited their turn behind that work, seconds at the median, and the work took the admitted requests' CPU.
-    A wrong model or sampling parameter still gets its 404 or 400 first: retrying would not mend it."""
+    A wrong model or sampling parameter still gets its 404 or 400 first: retrying would not mend it. Called
+    on the event loop before the request's worker-thread turn (but for a structured output, whose checks
+    may take long), and on that thread again (the server may have filled meanwhile)."""
     engine = state.engine
     if engine is None:
         return

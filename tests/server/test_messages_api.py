@@ -410,6 +410,19 @@ def test_thinking_blocks_are_the_turns_reasoning():
         ("user", None), ("assistant", "Look it up."), ("user", None)]
 
 
+def test_a_strict_tool_is_a_strict_function():
+    """Anthropic's strict tool use is chat's `strict` (under auto, the calls are then held to the schema)."""
+    from server.messages_api import MessagesRequest, to_chat_request
+    from server.tools import plan_tools
+
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "Weather?"}],
+            "tools": [{**WEATHER, "strict": True}, {**WEATHER, "name": "other"}]}
+    chat = to_chat_request(MessagesRequest.model_validate(body))
+    assert [t.function.strict for t in chat.tools] == [True, None]
+    plan = plan_tools(chat, DSV3_TEMPLATE.read_text())
+    assert plan.free and plan.structured.kind == "structural_tag" and '"maxLength": 16' in plan.structured.spec
+
+
 def test_consecutive_messages_of_one_role_are_one_turn(server, client):
     """As Anthropic's API: consecutive user (or assistant) messages are combined into one turn, their blocks in
     order. Tool results sent one user message each answer the calls together (a 400 before), a prefill split
