@@ -31,6 +31,7 @@ from engine.ranks import DPAttentionRank, LeadRank, load_rank
 from engine.messages import (
     ERR_CONTEXT,
     context_message,
+    overloaded_message,
     ERR_ENGINE,
     FINISH_ABORT,
     ERR_INVALID,
@@ -446,7 +447,9 @@ class EngineCore:
                                     f"the grammar engine failed: {type(e).__name__}: {e}", ERR_ENGINE))
                 continue
             for r in c.reqs:
-                r.grammar = self.grammars.grammar(compiled, r.params.structured.after if r.params.structured else ())
+                structured = r.params.structured
+                r.grammar = self.grammars.grammar(compiled, structured.after if structured else (),
+                                                  structured is not None and structured.free)
             self.scheduler.add(c.reqs)
             if c.report_admission:
                 out.append(_admitted(first))
@@ -476,10 +479,8 @@ class EngineCore:
                 f"(--max-running-requests {self.args.max_running_requests} + --max-queued-requests "
                 f"{self.args.max_queued_requests}); ask for n <= {capacity}, or send several requests"), "n"
         if admitted + p.n > capacity:
-            return ERR_OVERLOADED, (
-                f"the server is overloaded: it holds {admitted} completions, running or waiting, of at most "
-                f"{capacity} (--max-running-requests {self.args.max_running_requests} + --max-queued-requests "
-                f"{self.args.max_queued_requests}); retry later"), None
+            return ERR_OVERLOADED, overloaded_message(admitted, self.args.max_running_requests,
+                                                      self.args.max_queued_requests, p.n), None
         return None
 
     def abort(self, rid: str, index: int | None = None) -> list[RequestOutput]:

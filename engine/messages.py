@@ -56,6 +56,14 @@ def context_message(limit: int, prompt: int, more: int) -> str:
            f"asks for {more} more"
 
 
+def overloaded_message(held: int, running: int, queued: int, asked: int) -> str:
+    """The message of a refusal by an engine that holds `held` completions, its limits `running` + `queued`,
+    of a request for `asked` more."""
+    return (f"the server is overloaded: it holds {held} completions, running or waiting, of at most "
+            f"{running + queued} (--max-running-requests {running} + --max-queued-requests {queued}), and the "
+            f"request asks for {asked}; retry later")
+
+
 def context_numbers(message: str) -> tuple[int, int, int] | None:
     """(limit, prompt, more) of a `context_message`, or None for another message."""
     m = _CONTEXT_MESSAGE.search(message)

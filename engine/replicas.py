@@ -46,7 +46,8 @@ import msgspec
 from engine.args import EngineArgs, free_port
 from engine.cgroups import usable_cpus
 from engine.client import EngineClient
-from engine.messages import EngineInfo, EngineStartupError, EngineStats, GenerateRequest, RequestOutput
+from engine.messages import (EngineInfo, EngineStartupError, EngineStats, GenerateRequest, RequestOutput,
+                             overloaded_message)
 from engine.process import CoreFactory
 
 logger = logging.getLogger(__name__)
@@ -238,9 +239,8 @@ class EngineReplicas:
         live = [c.held for c in self.clients if c.is_alive]
         if not live or min(live) < running + queued or asked > running + queued:
             return None
-        return (f"the server is overloaded: it holds {running + queued} completions, running or waiting, of at most "
-                f"{running + queued} (--max-running-requests {running} + --max-queued-requests {queued}); "
-                "retry later")
+        # (a client's count also holds requests sent that its engine is refusing: the engine holds its limit)
+        return overloaded_message(running + queued, running, queued, asked)
 
     def _group_broken(self, index: int, reason: str) -> None:
         """Replica `index` died (on the loop): the others are ended with its reason, once."""

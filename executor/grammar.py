@@ -79,12 +79,14 @@ class GrammarError(ValueError):
 class Grammar:
     """One completion's position in its grammar (an xgrammar `GrammarMatcher`). With `after` (a
     reasoning model's `</think>` ids) the grammar sleeps until the output has produced them: until then
-    every token is allowed and accepted, and the document starts right after them."""
+    every token is allowed and accepted, and the document starts right after them. `free`: the text may end
+    wherever the grammar allows outside its tags (a structural tag), so min_tokens still holds its end off."""
 
-    def __init__(self, matcher: Any, after: Sequence[int] = ()) -> None:
+    def __init__(self, matcher: Any, after: Sequence[int] = (), free: bool = False) -> None:
         self._matcher = matcher
         self._after = list(after)
         self._tail: list[int] = []  # the last len(after) tokens while asleep
+        self.free = free
 
     @property
     def awake(self) -> bool:
@@ -139,15 +141,16 @@ class Grammar:
             if stepped:
                 self._matcher.rollback(stepped)
             self._after, self._tail = saved
-        return list(draft[:kept]), [DraftMask(bitmask[j]) for j in range(kept + 1)]
+        return list(draft[:kept]), [DraftMask(bitmask[j], self.free) for j in range(kept + 1)]
 
 
 class DraftMask:
     """What a grammar allowed at one position of a speculative draft (`Grammar.along`), filled before the
     verification; the sampler reads it as it reads a grammar."""
 
-    def __init__(self, words: torch.Tensor) -> None:
+    def __init__(self, words: torch.Tensor, free: bool = False) -> None:
         self.words = words  # one row of xgrammar's bitmask: bit t of the int32 words is token t
+        self.free = free  # its grammar's (`Grammar.free`)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         bitmask[row].copy_(self.words)
@@ -323,10 +326,10 @@ class GrammarBackend:
         """`submit`, waited for."""
         return self.submit(kind, spec, param).result()
 
-    def grammar(self, compiled: Any, after: Sequence[int] = ()) -> Grammar:
+    def grammar(self, compiled: Any, after: Sequence[int] = (), free: bool = False) -> Grammar:
         import xgrammar as xgr
 
-        return Grammar(xgr.GrammarMatcher(compiled), after)
+        return Grammar(xgr.GrammarMatcher(compiled), after, free)
 
     @property
     def compiler_pid(self) -> int | None:

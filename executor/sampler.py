@@ -380,8 +380,9 @@ def _mask_until_min_tokens(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None
     row_idx: list[int] = []
     tok_idx: list[int] = []
     for i, row in enumerate(rows):
-        # a grammar decides where EOS may come (masking it could leave a row with nothing allowed)
-        if len(row.output_ids) < row.params.min_tokens and row.grammar is None:
+        # a document's grammar decides where EOS may come (masking it could leave a row with nothing allowed);
+        # free text under a structural tag may end anywhere outside its tags, as text without one
+        if len(row.output_ids) < row.params.min_tokens and (row.grammar is None or row.grammar.free):
             banned = set(row.eos_token_ids) | set(row.params.stop_token_ids)
             row_idx.extend([i] * len(banned))
             tok_idx.extend(banned)

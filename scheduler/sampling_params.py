@@ -52,6 +52,12 @@ class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # them, the reasoning before them is free; empty: from the first token
     after: tuple[int, ...] = ()
 
+    @property
+    def free(self) -> bool:
+        """The text may end anywhere but inside a tag (a structural tag): min_tokens still holds off its
+        end, where a document's grammar alone decides where it may end."""
+        return self.kind == "structural_tag"
+
 
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "structural_tag")
 
@@ -132,7 +138,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             banned = {w[0] for w in self.bad_words_ids if len(w) == 1}
             possible = set(self.allowed_token_ids) - banned
             _check(bool(possible), "bad_words", "bad_words bans every id of allowed_token_ids: nothing could be generated")
-            if self.min_tokens > 0 and self.structured is None:  # (a grammar decides where EOS may come instead)
+            if self.min_tokens > 0 and (self.structured is None or self.structured.free):  # (else the grammar decides)
                 _check(bool(possible - set(eos_token_ids) - set(self.stop_token_ids)), "min_tokens",
                        f"min_tokens {self.min_tokens} needs tokens that do not end the completion, and "
                        "allowed_token_ids leaves only end-of-sequence or stop_token_ids ids")

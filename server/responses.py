@@ -647,9 +647,8 @@ class ResponsesSerializer(ChatSerializer):
     def response_object(self, status: str, usage: ResponseUsage | None = None,
                         error: ResponseError | None = None) -> ResponseObject:
         # the sampling values in force: the request's, else the model's defaults (as to_sampling_params takes them)
-        defaults = self.state.generation_defaults.values if self.state.generation_defaults is not None else {}
         sampling = with_defaults({k: getattr(self.body, k) for k in GENERATION_FIELDS if k in self.body.model_fields_set},
-                                 defaults)
+                                 self.state.sampling_defaults)
         return ResponseObject(
             id=self.id, created_at=self.created, status=status, model=self.state.model_name,
             completed_at=int(time.time()) if status == "completed" else None,

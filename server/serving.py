@@ -27,7 +27,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -73,7 +73,7 @@ from server.responses_api import InputTokens, ResponsesRequest, rename_error, to
 from server.state import ClientError, ServerState, error_response
 from server.structured import EXTENSION_FIELDS
 from server.reasoning import THINK_CLOSE, parser_kind, starts_in_reasoning
-from server.tools import ToolPlan, plan_tools, with_call_markup, with_system
+from server.tools import ToolPlan, check_tool_request, plan_tools, with_call_markup, with_system
 from scheduler.sampling_params import ParamError, SamplingParams, validate_prompt_ids, validate_token_ids
 
 
@@ -718,15 +718,18 @@ def _prepared(state: ServerState, body: Any) -> tuple[list[tuple[list[int], str]
 
 
 def _asks_structured(body: Any) -> bool:
-    """Whether a request asks for a structured output, whose schema may take long to check (on a thread)."""
-    return any(getattr(body, f, None) is not None for f in ("response_format", *EXTENSION_FIELDS))
+    """Whether a request asks for a structured output or sends tools, whose schemas may take long to check
+    (on a thread)."""
+    return any(getattr(body, f, None) is not None for f in ("response_format", "tools", *EXTENSION_FIELDS))
 
 
 def _refuse_if_full(state: ServerState, body: Any) -> None:
     """The engine's 503 `overloaded`, raised before the request is rendered and tokenized, when every replica
     holds as many completions as it admits (`EngineReplicas.overloaded`). Under a retry storm the refusals had
     waited their turn behind that work, seconds at the median, and the work took the admitted requests' CPU.
-    A wrong model or sampling parameter still gets its 404 or 400 first: retrying would not mend it. Called
+    A mistake retrying would not mend still gets its 404 or 400 first: a wrong model, a sampling parameter,
+    max_tokens past the context, token ids outside the vocabulary, tools, a tool_choice or a history of calls
+    that cannot work; only a prompt too long for the context, which takes tokenizing to know, waits. Called
     on the event loop before the request's worker-thread turn (but for a structured output, whose checks
     may take long), and on that thread again (the server may have filled meanwhile)."""
     engine = state.engine
@@ -737,15 +740,29 @@ def _refuse_if_full(state: ServerState, body: Any) -> None:
         return
     check_model(state, body.model)
     try:
-        checked_sampling_params(body, state.vocab_size, _generation_defaults(state))
+        params = checked_sampling_params(body, state.vocab_size, state.sampling_defaults)
+        if isinstance(body, ChatCompletionRequest) and body.tools and state.tokenizer is not None:
+            tok = state.tokenizer  # (the plan checks every tool's schema, a strict one's as it will hold it)
+            plan_tools(body, tok.chat_template_for(tools=body.tool_choice != "none"), state.tool_call_parser)
+        elif isinstance(body, ChatCompletionRequest):
+            check_tool_request(body)
+        else:
+            for p in body.prompts():
+                if not isinstance(p, str):
+                    validate_prompt_ids(p, state.vocab_size, "prompt")
     except ParamError as e:
         raise ClientError.bad_param(e) from None
+    if params.max_tokens is not None and params.max_tokens >= state.context_length:  # no prompt fits beside it
+        raise ClientError(400, f"this model's maximum context length is {state.context_length} tokens; max_tokens "
+                          f"{params.max_tokens} leaves no room for a prompt", prompt_param(body), "context_length_exceeded")
     raise engine_error(RequestOutput(rid="", index=0, new_token_ids=[], error=full, error_code=ERR_OVERLOADED), "")
 
 
-def _generation_defaults(state: ServerState) -> Mapping[str, Any]:
-    """The model's generation_config.json sampling defaults (none without one)."""
-    return state.generation_defaults.values if state.generation_defaults is not None else {}
+def _special_markup(state: ServerState, markup: tuple[str, ...]) -> bool:
+    """Whether a tool-call markup string is a special token of the model's tokenizer."""
+    tok = state.tokenizer
+    assert tok is not None
+    return any(tok.tokenizer.token_to_id(m) in tok.special_ids for m in markup)
 
 
 def request_params(state: ServerState, body: Any, prompts: list[tuple[list[int], str]],
@@ -753,14 +770,16 @@ def request_params(state: ServerState, body: Any, prompts: list[tuple[list[int],
     """The checked sampling parameters of a request's prompts, its structured output rewritten for the
     engine; ClientError otherwise."""
     try:
-        params = checked_sampling_params(body, state.vocab_size, _generation_defaults(state))
+        params = checked_sampling_params(body, state.vocab_size, state.sampling_defaults)
         if getattr(body, "bad_words", None):
             # (their ids come from the tokenizer; the engine's SamplingParams.validate checks them again)
             params = msgspec.structs.replace(params, bad_words_ids=bad_words_ids(state, body.bad_words))
-        if tools.forced or (tools.structured is not None and params.structured is None):
-            # a forced call is this turn's output; a response format (checked above all the same) is for the
-            # turn that answers in text, as OpenAI takes both (the Agents SDK sends both). Under "auto" the
-            # text may be the answer: a response format is kept, and strict tools' calls are not held then
+        # a forced call is this turn's output; a response format (checked above all the same) is for the
+        # turn that answers in text, as OpenAI takes both (the Agents SDK sends both). Under "auto" the text
+        # may be the answer: a response format is kept, and strict tools' calls are not held then; nor where
+        # the markup is special tokens, which a grammar never lets through (the model could not call at all)
+        if tools.forced or (tools.structured is not None and params.structured is None and
+                            not _special_markup(state, tools.markup)):
             params = msgspec.structs.replace(params, structured=tools.structured)
     except ParamError as e:
         raise ClientError.bad_param(e) from None
@@ -810,7 +829,7 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
         hidden = (frozenset() if include else stop_ids | shown_eos) | (shown_eos if parsing else frozenset())
         choices = [ChoiceText(IncrementalDetokenizer(tok, skip_special_tokens=not specials, prompt_ids=ids, keep=keep),
                               StopStringMatcher(body.stop_strings(), include), hidden, stop_ids,
-                              0 if p.structured is not None else p.min_tokens, eos)
+                              0 if p.structured is not None and not p.structured.free else p.min_tokens, eos)
                    for _ in range(p.n)]
         requests.append(EngineRequest(req.rid, i, ids, choices, engine.generate(req)))
     return requests

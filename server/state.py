@@ -7,7 +7,9 @@ without importing the application that registers them.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi.responses import JSONResponse
 
@@ -43,6 +45,11 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     shutting_down: bool = False
     inflight: int = 0  # generation requests not yet answered in full (the drain waits for them)
+
+    @property
+    def sampling_defaults(self) -> Mapping[str, Any]:
+        """The model's sampling defaults (`generation_defaults.values`; none before it is known)."""
+        return self.generation_defaults.values if self.generation_defaults is not None else {}
 
     def unavailable(self, health: bool = False) -> JSONResponse | None:
         """The 503 to answer with when requests cannot be served now, else None. `health`: the 503 of

@@ -584,8 +584,8 @@ class HermesToolParser(ToolParser):
 
     def _end_block(self, final: bool) -> None:
         """Text other than the closing tag after the call: content, up to the tag (consumed) if it comes."""
-        if final and self._CLOSE.startswith(self._buf.strip()):  # a cut inside the tag
-            self._buf = ""
+        if final:  # a cut inside the tag
+            self._buf = _without_partial_close(self._buf, self._CLOSE)
         self._state, self._skip_ws = "tail", True
 
     def _tail(self, final: bool) -> bool:
@@ -613,8 +613,8 @@ class HermesToolParser(ToolParser):
                     self._emit(self._lead + body)
             return False
         body, self._buf, self._state = self._buf[:end], self._buf[end + len(self._CLOSE):], "content"
-        if not self._call(body):
-            self._emit(self._lead + body + self._CLOSE)
+        if not self._call(body):  # as written: the tags with a block's body, not a later object's close
+            self._emit(self._lead + body + (self._CLOSE if self._lead else ""))
         return True
 
     def _call(self, body: str) -> bool:

@@ -90,7 +90,8 @@ def test_exactly_running_plus_queued_are_admitted(model_dir, tmp_path, running, 
         resp = httpx.post(srv.url + "/v1/messages", timeout=60, json={"model": model, "max_tokens": 2, "messages": [
             {"role": "user", "content": "hi"}]})
         assert resp.status_code == 529 and resp.json()["error"]["type"] == "overloaded_error", resp.text
-        # ... but a request retrying would not mend still gets its own error: a wrong model, a bad parameter
+        # ... but a request retrying would not mend still gets its own error: a wrong model, a bad parameter,
+        # max_tokens past the context, ids outside the vocabulary, a tool_choice or history that cannot work
         resp = httpx.post(srv.url + "/v1/completions", timeout=60, json={"prompt": "x", "model": "nope"})
         assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found", resp.text
         resp = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
@@ -100,6 +101,22 @@ def test_exactly_running_plus_queued_are_admitted(model_dir, tmp_path, running, 
             "messages": [{"role": "user", "content": "x"}], "response_format": {
                 "type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nonsense"}}}})
         assert resp.status_code == 400 and "response_format" in resp.json()["error"]["param"], resp.text
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        for body, param in (({"prompt": "x", "max_tokens": 4096}, "prompt"), ({"prompt": [10 ** 9]}, "prompt"),
+                            ({"messages": [{"role": "user", "content": "x"}], "tools": [tool],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+                            ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "1"}]},
+                             "messages"),
+                            ({"messages": [{"role": "user", "content": "x"}], "tools": [
+                                {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+                             "tools.[0].function.parameters"),
+                            ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+                                "name": "f", "strict": True, "parameters": {"type": "object", "properties": {
+                                    "tags": {"type": "array", "uniqueItems": True}}}}}]},
+                             "tools.[0].function.parameters")):
+            path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+            resp = httpx.post(srv.url + path, timeout=60, json=body)
+            assert resp.status_code == 400 and resp.json()["error"]["param"].startswith(param), (body, resp.text)
         # more completions than the server ever holds: the client's mistake (400 naming n), not a retryable 503
         resp = httpx.post(srv.url + "/v1/completions", timeout=60,
                           json={"prompt": "too many", "max_tokens": 2, "n": running + queued + 1})

@@ -530,6 +530,19 @@ def test_auto_tool_call_arguments_stream_as_written_and_a_cut_off_call_stays_a_c
     assert [(v["name"], v["arguments"]) for v in s["calls"].values()] == [("write_note", partial.function.arguments)]
 
 
+def test_min_tokens_holds_with_strict_tools_under_auto(client):
+    """Strict tools under auto put a grammar on free text, which may end anywhere outside a call: min_tokens
+    still holds its end off (it was dropped, as for a forced call's grammar, which alone decides the end)."""
+    strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=300,
+              temperature=0)
+    free = client.chat.completions.create(tools=[strict], **kw)
+    n = free.usage.completion_tokens
+    assert free.choices[0].finish_reason != "length" and n < 280, free  # (it ends by itself)
+    held = client.chat.completions.create(tools=[strict], extra_body={"min_tokens": n + 20}, **kw)
+    assert held.usage.completion_tokens >= n + 20, held
+
+
 def test_chat_logprobs_join_to_the_content_not_the_call_markup(client):
     """`logprobs.content` holds the tokens of the content (OpenAI's shape): a call's markup and a forced
     call's JSON carry none, whole or streamed (they listed every generated token: the Hermes markup, or the

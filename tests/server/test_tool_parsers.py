@@ -139,7 +139,7 @@ CASES = [
     ("hermes", '<tool_call>\n{"name": "a", "arguments": {}}\n' + hermes("b", PARIS), "", [("a", "{}"), ("b", PARIS)]),
     ("hermes", '<tool_call>\n{"name": "a", "arguments": {}} and <tool_call>{"name": "b", "arguments": {}}</tool_call>',
      "and ", [("a", "{}"), ("b", "{}")]),
-    ("hermes", '<tool_call>\n{"name": "a", "arguments": {}}\n{"name": 1}\n</tool_call>', '{"name": 1}\n</tool_call>',
+    ("hermes", '<tool_call>\n{"name": "a", "arguments": {}}\n{"name": 1}\n</tool_call>', '{"name": 1}\n',
      [("a", "{}")]),
     # no function has an empty name; a head past any name's length is read whole
     ("hermes", '<tool_call>\n{"name": "", "arguments": {}}\n</tool_call>', '<tool_call>\n{"name": "", "arguments": {}}\n</tool_call>', []),
@@ -441,3 +441,26 @@ def test_history_written_in_a_parsers_markup_reads_back_as_its_calls(name):
         content, got = parse_tool_calls(name, written, new_id=_ids())
         assert content.strip() == text, (name, written)
         assert [(c.name, json.loads(c.arguments)) for c in got] == calls, (name, written)
+
+
+def test_strict_calls_are_not_held_where_the_markup_is_a_special_token():
+    """A grammar never lets a special token through: where the markup's tags are special tokens, a grammar
+    holding strict calls would leave the model no way to call at all, so it is not applied."""
+    import types
+
+    from server.metrics import Metrics
+    from server.protocol import ChatCompletionRequest
+    from server.serving import request_params
+    from server.state import ServerState
+    from server.tools import plan_tools
+
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "object"}}}]})
+    tools = plan_tools(body, None)
+    assert tools.structured is not None and tools.markup == HERMES_MARKERS
+    for special, held in ((frozenset(), True), (frozenset({7}), False)):
+        tok = types.SimpleNamespace(special_ids=special, chat_template=None,
+                                    tokenizer=types.SimpleNamespace(token_to_id=lambda t: 7 if t == "<tool_call>" else None))
+        state = ServerState(model_name="m", metrics=Metrics("m"), tokenizer=tok, vocab_size=100, context_length=64)
+        params = request_params(state, body, [([1, 2], "x")], tools)
+        assert (params.structured == tools.structured) is held
