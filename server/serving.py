@@ -720,16 +720,19 @@ def _prepared(state: ServerState, body: Any) -> tuple[list[tuple[list[int], str]
 def _asks_structured(body: Any) -> bool:
     """Whether a request asks for a structured output or sends tools, whose schemas may take long to check
     (on a thread)."""
-    return any(getattr(body, f, None) is not None for f in ("response_format", "tools", *EXTENSION_FIELDS))
+    rf = getattr(body, "response_format", None)
+    return (rf is not None and rf.type != "text") or any(getattr(body, f, None) is not None
+                                                         for f in ("tools", *EXTENSION_FIELDS))
 
 
 def _refuse_if_full(state: ServerState, body: Any) -> None:
     """The engine's 503 `overloaded`, raised before the request is rendered and tokenized, when every replica
     holds as many completions as it admits (`EngineReplicas.overloaded`). Under a retry storm the refusals had
     waited their turn behind that work, seconds at the median, and the work took the admitted requests' CPU.
-    A mistake retrying would not mend still gets its 404 or 400 first: a wrong model, a sampling parameter,
-    max_tokens past the context, token ids outside the vocabulary, tools, a tool_choice or a history of calls
-    that cannot work; only a prompt too long for the context, which takes tokenizing to know, waits. Called
+    A mistake retrying would not mend still gets its 404 or 400 first where it is known without rendering,
+    tokenizing or compiling: a wrong model, a sampling parameter, token ids outside the vocabulary, tools, a
+    tool_choice or a history of calls that cannot work. The others (a prompt or max_tokens past the context,
+    whose message gives the prompt's length, a grammar that does not compile, ...) wait for room. Called
     on the event loop before the request's worker-thread turn (but for a structured output, whose checks
     may take long), and on that thread again (the server may have filled meanwhile)."""
     engine = state.engine
@@ -752,9 +755,6 @@ def _refuse_if_full(state: ServerState, body: Any) -> None:
                     validate_prompt_ids(p, state.vocab_size, "prompt")
     except ParamError as e:
         raise ClientError.bad_param(e) from None
-    if params.max_tokens is not None and params.max_tokens >= state.context_length:  # no prompt fits beside it
-        raise ClientError(400, f"this model's maximum context length is {state.context_length} tokens; max_tokens "
-                          f"{params.max_tokens} leaves no room for a prompt", prompt_param(body), "context_length_exceeded")
     raise engine_error(RequestOutput(rid="", index=0, new_token_ids=[], error=full, error_code=ERR_OVERLOADED), "")
 
 

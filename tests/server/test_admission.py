@@ -91,7 +91,7 @@ def test_exactly_running_plus_queued_are_admitted(model_dir, tmp_path, running, 
             {"role": "user", "content": "hi"}]})
         assert resp.status_code == 529 and resp.json()["error"]["type"] == "overloaded_error", resp.text
         # ... but a request retrying would not mend still gets its own error: a wrong model, a bad parameter,
-        # max_tokens past the context, ids outside the vocabulary, a tool_choice or history that cannot work
+        # ids outside the vocabulary, tools, a tool_choice or a history that cannot work
         resp = httpx.post(srv.url + "/v1/completions", timeout=60, json={"prompt": "x", "model": "nope"})
         assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found", resp.text
         resp = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
@@ -102,7 +102,7 @@ def test_exactly_running_plus_queued_are_admitted(model_dir, tmp_path, running, 
                 "type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nonsense"}}}})
         assert resp.status_code == 400 and "response_format" in resp.json()["error"]["param"], resp.text
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-        for body, param in (({"prompt": "x", "max_tokens": 4096}, "prompt"), ({"prompt": [10 ** 9]}, "prompt"),
+        for body, param in (({"prompt": [10 ** 9]}, "prompt"),
                             ({"messages": [{"role": "user", "content": "x"}], "tools": [tool],
                               "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
                             ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "1"}]},
