@@ -73,7 +73,7 @@ from server.responses_api import InputTokens, ResponsesRequest, rename_error, to
 from server.state import ClientError, ServerState, error_response
 from server.structured import EXTENSION_FIELDS
 from server.reasoning import THINK_CLOSE, parser_kind, starts_in_reasoning
-from server.tools import ToolPlan, check_tool_request, plan_tools, with_call_markup, with_system
+from server.tools import ToolPlan, plan_tools, with_call_markup, with_system
 from scheduler.sampling_params import ParamError, SamplingParams, validate_prompt_ids, validate_token_ids
 
 
@@ -563,7 +563,7 @@ def chat_prompt(state: ServerState, body: ChatInput) -> tuple[str, ToolPlan]:
     tok = state.tokenizer
     assert tok is not None
     template = tok.chat_template_for(tools=bool(body.tools) and body.tool_choice != "none")
-    plan = plan_tools(body, template, state.tool_call_parser)
+    plan = tool_plan(state, body, template)
     messages = with_call_markup(body.openai_messages(parts=bool(template) and loops_over_content(template)), template,
                                 state.tool_call_parser)
     if plan.system:
@@ -584,6 +584,16 @@ def chat_prompt(state: ServerState, body: ChatInput) -> tuple[str, ToolPlan]:
     except ChatTemplateError as e:
         raise ClientError(400, str(e), _template_fault(render, extra, body.chat_template_kwargs)) from None
     return text, plan
+
+
+def tool_plan(state: ServerState, body: ChatInput, template: str | None = None) -> ToolPlan:
+    """The request's tool plan under the template its prompt is rendered with (`template`, or the one the
+    tokenizer picks for it): ParamError for tools, a tool_choice or a history of calls that cannot work."""
+    if template is None:
+        tok = state.tokenizer
+        assert tok is not None
+        template = tok.chat_template_for(tools=bool(body.tools) and body.tool_choice != "none")
+    return plan_tools(body, template, state.tool_call_parser)
 
 
 def _template_fault(render: Callable[..., str], extra: dict[str, Any], kwargs: dict[str, Any] | None) -> str:
@@ -744,11 +754,8 @@ def _refuse_if_full(state: ServerState, body: Any) -> None:
     check_model(state, body.model)
     try:
         params = checked_sampling_params(body, state.vocab_size, state.sampling_defaults)
-        if isinstance(body, ChatCompletionRequest) and body.tools and state.tokenizer is not None:
-            tok = state.tokenizer  # (the plan checks every tool's schema, a strict one's as it will hold it)
-            plan_tools(body, tok.chat_template_for(tools=body.tool_choice != "none"), state.tool_call_parser)
-        elif isinstance(body, ChatCompletionRequest):
-            check_tool_request(body)
+        if isinstance(body, ChatCompletionRequest):
+            tool_plan(state, body)  # (every tool's schema, a strict one's as it will hold it, and the history)
         else:
             for p in body.prompts():
                 if not isinstance(p, str):
@@ -758,11 +765,11 @@ def _refuse_if_full(state: ServerState, body: Any) -> None:
     raise engine_error(RequestOutput(rid="", index=0, new_token_ids=[], error=full, error_code=ERR_OVERLOADED), "")
 
 
-def _special_markup(state: ServerState, markup: tuple[str, ...]) -> bool:
-    """Whether a tool-call markup string is a special token of the model's tokenizer."""
+def _special_markup(state: ServerState, markup: tuple[str, ...]) -> frozenset[int]:
+    """The ids of the tool-call markup strings that are special tokens of the model's tokenizer."""
     tok = state.tokenizer
     assert tok is not None
-    return any(tok.tokenizer.token_to_id(m) in tok.special_ids for m in markup)
+    return frozenset(t for t in map(tok.tokenizer.token_to_id, markup) if t in tok.special_ids)
 
 
 def request_params(state: ServerState, body: Any, prompts: list[tuple[list[int], str]],
@@ -807,8 +814,7 @@ def start_requests(state: ServerState, body: Any, prompts: list[tuple[list[int],
     requests = []
     base = uuid.uuid4().hex
     # the special tokens that are the tool-call parser's markup: kept in the text it reads (see below)
-    markup_ids = (tok.tokenizer.token_to_id(m) for m in tools.markup) if tools.new_parser is not None else ()
-    keep = frozenset(t for t in markup_ids if t in tok.special_ids)
+    keep = _special_markup(state, tools.markup) if tools.new_parser is not None else frozenset()
     for i, (ids, _) in enumerate(prompts):
         limit = state.context_length - len(ids)
         if limit < 0 or (limit == 0 and params.max_tokens != 0) or (params.max_tokens is not None and params.max_tokens > limit):

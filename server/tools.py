@@ -79,9 +79,8 @@ class ToolPlan:
         return self.structured is not None and not self.free
 
 
-def check_tool_request(body: ChatInput) -> None:
-    """ParamError naming the field for tools, a tool_choice or a history of calls that cannot work (what
-    `plan_tools` checks before it plans; no template needed)."""
+def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto") -> ToolPlan:
+    """The request's tool plan; ParamError naming the field for tools or choices that cannot work."""
     _check_history(body)
     tools = body.tools or []
     choice = body.tool_choice
@@ -93,17 +92,6 @@ def check_tool_request(body: ChatInput) -> None:
         raise ParamError("tools", f"the function name '{dup}' is given twice in tools")
     for i, t in enumerate(tools):  # shown to the model whatever the choice: a broken one is the client's mistake
         _check_parameters(t.function.parameters, f"tools.[{i}].function.parameters")
-    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-        raise ParamError("tool_choice", f"tool_choice names the function '{choice.function.name}', which is not "
-                         f"among tools ({', '.join(names)})")
-
-
-def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto") -> ToolPlan:
-    """The request's tool plan; ParamError naming the field for tools or choices that cannot work."""
-    check_tool_request(body)
-    tools = body.tools or []
-    choice = body.tool_choice
-    names = [t.function.name for t in tools]
     if not tools or choice == "none":
         return ToolPlan()
     rendered = [t.model_dump(exclude_none=True) for t in tools]
@@ -115,6 +103,9 @@ def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto")
     # prompt when the template does not render them
     forced_system = None if listed is None else _TOOL_LIST_PROMPT.format(tools=listed)
     if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise ParamError("tool_choice", f"tool_choice names the function '{choice.function.name}', which is not "
+                             f"among tools ({', '.join(names)})")
         fn = tools[names.index(choice.function.name)].function
         where = f"tools.[{names.index(fn.name)}].function.parameters"
         # (what the engine refuses of it, a range xgrammar cannot compile say, is named by the tool's schema)
