@@ -164,7 +164,8 @@ class EngineArgs:
                                             "tokens", check=positive, default_text="512 on a CPU, 2048 on a GPU")
     max_prefill_tokens: int | None = internal("the token budget of one step's prefill work (None: `prefill_budget`)",
                                               default=None)
-    page_size: int = flag(1, "KV slots per page (64 for paged attention kernels; the prefix cache needs 1)",
+    page_size: int = flag(1, "KV slots per page (64 for paged attention kernels; the prefix cache then "
+                          "shares whole pages)",
                           check=positive)
     cuda_graph_max_bs: int = flag(64, "largest decode batch run through a captured CUDA graph (CUDA, triton "
                                   "attention and, for MoE models, triton or cpp experts); larger ones run eagerly",
@@ -231,7 +232,7 @@ class EngineArgs:
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": B} (n-gram lookup in the "
         "completion's own prompt and output proposes tokens, one forward verifies them; the tokens are those "
         "decoding without it gives, at any temperature; under a structured output a draft is cut where the grammar "
-        "refuses it). Not with --page-size > 1 or OmniKV (those decode one token a step)", check=speculative_json, metavar="JSON", default_text="off")
+        "refuses it). Not with OmniKV (it decodes one token a step)", check=speculative_json, metavar="JSON", default_text="off")
 
     def prefill_chunk(self) -> int:
         """The prefill chunk: --chunked-prefill-size, else CPU_PREFILL_CHUNK on a CPU and GPU_PREFILL_CHUNK on a GPU."""

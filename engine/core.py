@@ -322,9 +322,7 @@ class EngineCore:
                         chosen["q8_0"], chosen["bf16"])
         elif native:
             logger.warning("CPU forward: torch ops, because %s", self.runner.native_off_reason)
-        use_cache = not args.disable_prefix_cache and args.page_size == 1
-        if not args.disable_prefix_cache and not use_cache:
-            logger.warning("the prefix cache works with page size 1 only: off for page size %d", args.page_size)
+        use_cache = not args.disable_prefix_cache
         self.cache = create_prefix_cache(use_cache, self.runner.allocator)
         self.shares_prompts = use_cache
         self.scheduler = Scheduler(
@@ -354,9 +352,6 @@ class EngineCore:
     def _speculative(args: EngineArgs) -> SpeculativeConfig | None:
         """--speculative-config's settings, or None (off)."""
         if args.speculative_config is None:
-            return None
-        if args.page_size > 1:  # a draft's rejected tokens free their slots one by one, inside a page
-            logger.warning("speculative decoding works with page size 1 only: off for page size %d", args.page_size)
             return None
         spec = SpeculativeConfig.parse(args.speculative_config)
         logger.info("speculative decoding: %s", spec.describe())

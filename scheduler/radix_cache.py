@@ -2,8 +2,13 @@
 
 `RadixCache` is a radix tree over token ids. Each edge (a `_Node`) holds a run of token ids (`key`)
 and the KV slot of each of them (`value`, int64, same length); children are keyed by the first
-token of their run, so a lookup reads each token once. Page size is 1: any token may end a match.
-`NoPrefixCache` is the do-nothing stand-in used when caching is off.
+token of their run, so a lookup reads each token once. With the allocator's page size P > 1 (the paged
+kernels' layout) the tree holds whole pages only, as SGLang's paged radix cache does: a match is cut down
+to a multiple of P, children are keyed by their first page, an edge splits only between pages, and what
+a caller inserts is a whole number of pages (a request's part-filled last page stays its own, freed with
+it). Positions and slots then agree modulo P on every edge, so a matched prefix is a run of whole pages
+that a page table reads as the request's own. `NoPrefixCache` is the do-nothing stand-in used when
+caching is off.
 
 Who owns a KV slot (read this before touching the scheduler; this is where leaks come from)
 -------------------------------------------------------------------------------------------
@@ -15,7 +20,8 @@ While nothing runs:  allocator.available_size() + cache.total_size() == allocato
    (before anything may call `evict`); the slots stay valid only while it is locked. The request
    writes them into its req_to_token row but never frees them.
 2. The request allocates slots for tokens P.. itself: those are its own.
-3. `n = insert(ids, kv)` with kv[:P] the matched slots and kv[P:] its own. The locked path keeps
+3. `n = insert(ids, kv)` with kv[:P] the matched slots and kv[P:] its own (len(ids) a multiple of the
+   page size: the caller keeps its part-filled last page out of the cache). The locked path keeps
    the first P tokens cached, so n >= P. Then:
      kv[P:n]  duplicates: another request cached these tokens after our match. The cache keeps
               its own slots; ours are still ours and the caller must free them.
@@ -64,12 +70,13 @@ class PrefixCache(ABC):
 
     shares = True  # whether what is inserted can be matched by other requests (False: caching off)
 
-    def __init__(self) -> None:
+    def __init__(self, page_size: int = 1) -> None:
+        self.page_size = page_size  # matches and inserts are whole multiples of it
         self.hit_tokens_total = 0  # sum of matched lengths over all match_prefix calls (not reset)
 
     @abstractmethod
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
-        """Longest cached prefix of `token_ids`. Refreshes its LRU stamp; may split an edge."""
+        """Longest cached prefix of `token_ids` (whole pages). Refreshes its LRU stamp; may split an edge."""
 
     @abstractmethod
     def lock(self, node: object) -> None:
@@ -81,8 +88,8 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> int:
-        """Caches the KV of `token_ids` (kv_indices[i] holds token i) and returns n, how many leading
-        tokens were already cached. With P the length the caller got from `match_prefix` (and still
+        """Caches the KV of `token_ids` (kv_indices[i] holds token i; whole pages) and returns n, how many
+        leading tokens were already cached. With P the length the caller got from `match_prefix` (and still
         holds locked): the caller frees kv_indices[P:n] (duplicates); kv_indices[n:] now belong to
         the cache. Frees nothing itself."""
 
@@ -124,15 +131,15 @@ def _check_insert_args(key: tuple[int, ...], kv_indices: torch.Tensor) -> None:
         raise ValueError(f"kv_indices must be an integer tensor, got {kv_indices.dtype}")
 
 
-def _common_len(edge: tuple[int, ...], key: tuple[int, ...], start: int) -> int:
-    """Length of the common prefix of `edge` and key[start:]."""
+def _common_len(edge: tuple[int, ...], key: tuple[int, ...], start: int, page_size: int) -> int:
+    """Length of the common prefix of `edge` and key[start:], in whole pages."""
     m = min(len(edge), len(key) - start)
     if edge[:m] == key[start : start + m]:  # the usual case, compared in C
         return m
     i = 0
     while edge[i] == key[start + i]:
         i += 1
-    return i
+    return i - i % page_size
 
 
 class _Node:
@@ -141,7 +148,8 @@ class _Node:
     def __init__(self, key: tuple[int, ...], value: torch.Tensor, parent: _Node | None, tick: int, seq: int) -> None:
         self.key = key  # token ids of this edge
         self.value = value  # [len(key)] int64 KV slots of those tokens
-        self.children: dict[int, _Node] = {}  # first token of the child's key -> child
+        # first token (page size 1) or first page's tokens (a tuple) of the child's key -> child
+        self.children: dict[int | tuple[int, ...], _Node] = {}
         self.parent = parent  # None for the root and for evicted (detached) nodes
         self.lock_ref = 0  # locks held on this node or a descendant
         self.last_access = tick
@@ -149,10 +157,11 @@ class _Node:
 
 
 class RadixCache(PrefixCache):
-    """Token-granular radix tree over token ids, LRU eviction of unlocked leaves."""
+    """Radix tree over token ids in the allocator's pages (a token each at page size 1), LRU eviction of
+    unlocked leaves."""
 
     def __init__(self, allocator: TokenSlotAllocator) -> None:
-        super().__init__()
+        super().__init__(allocator.page_size)
         self.allocator = allocator
         self._empty = torch.empty(0, dtype=torch.int64, device=allocator.device)
         self._clock = 0
@@ -163,7 +172,8 @@ class RadixCache(PrefixCache):
 
     # ------------------------------------------------------------------ lookup and insert
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
-        node, matched_len, values = self._walk(_as_key(token_ids))
+        key = _as_key(token_ids)
+        node, matched_len, values = self._walk(key[: len(key) - len(key) % self.page_size])
         self.hit_tokens_total += matched_len
         kv = torch.cat(values) if values else self._empty.clone()
         return PrefixMatch(kv_indices=kv, node=node)
@@ -171,11 +181,14 @@ class RadixCache(PrefixCache):
     def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> int:
         key = _as_key(token_ids)
         _check_insert_args(key, kv_indices)
+        if len(key) % self.page_size:
+            raise ValueError(f"{len(key)} tokens to cache: a whole number of pages of {self.page_size} is cached, "
+                             "the part-filled last page stays the request's")
         node, matched_len, _ = self._walk(key)
         if matched_len < len(key):
             value = kv_indices[matched_len:].to(torch.int64).clone()  # never alias the caller's tensor
             leaf = self._new_node(key[matched_len:], value, node)
-            node.children[key[matched_len]] = leaf
+            node.children[self._first(leaf.key, 0)] = leaf
             self._evictable += len(leaf.key)
         return matched_len
 
@@ -185,10 +198,10 @@ class RadixCache(PrefixCache):
         self._clock += 1
         node, pos, values = self._root, 0, []
         while pos < len(key):
-            child = node.children.get(key[pos])
+            child = node.children.get(self._first(key, pos))
             if child is None:
                 break
-            n = _common_len(child.key, key, pos)  # >= 1: children are keyed by their first token
+            n = _common_len(child.key, key, pos, self.page_size)  # >= a page: children are keyed by their first one
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = self._clock
@@ -206,9 +219,13 @@ class RadixCache(PrefixCache):
         upper.last_access = node.last_access
         node.key, node.value = node.key[n:], node.value[n:].clone()
         node.parent = upper
-        upper.children[node.key[0]] = node
-        parent.children[upper.key[0]] = upper
+        upper.children[self._first(node.key, 0)] = node
+        parent.children[self._first(upper.key, 0)] = upper
         return upper
+
+    def _first(self, key: tuple[int, ...], pos: int) -> int | tuple[int, ...]:
+        """The child key of the edge that starts at key[pos]: its token, or its page's tokens."""
+        return key[pos] if self.page_size == 1 else key[pos : pos + self.page_size]
 
     def _new_node(self, key: tuple[int, ...], value: torch.Tensor, parent: _Node | None) -> _Node:
         self._num_nodes += 1
@@ -258,7 +275,7 @@ class RadixCache(PrefixCache):
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             assert parent is not None
-            del parent.children[node.key[0]]
+            del parent.children[self._first(node.key, 0)]
             node.parent = None
             freed.append(node.value)
             num_freed += len(node.key)
@@ -306,7 +323,7 @@ class RadixCache(PrefixCache):
         for node in self._nodes():
             locked_below = 0
             for first, child in node.children.items():
-                if child.parent is not node or not child.key or child.key[0] != first:
+                if child.parent is not node or not child.key or self._first(child.key, 0) != first:
                     raise RuntimeError(f"radix tree: child keyed {first} is misplaced")
                 if child.last_access > node.last_access and node is not self._root:
                     raise RuntimeError("radix tree: a child was used more recently than its parent")
@@ -315,6 +332,11 @@ class RadixCache(PrefixCache):
                 continue
             if node.value.shape != (len(node.key),):
                 raise RuntimeError(f"radix tree: {len(node.key)} tokens but value of shape {tuple(node.value.shape)}")
+            p = self.page_size
+            if p > 1:  # whole pages, each a run of slots from its page's first
+                runs = node.value.view(-1, p) if len(node.key) % p == 0 else None
+                if runs is None or (runs[:, :1] % p).any() or (runs - runs[:, :1] != torch.arange(p)).any():
+                    raise RuntimeError(f"radix tree: an edge of {len(node.key)} tokens is not whole pages of {p}")
             if node.lock_ref < locked_below:
                 raise RuntimeError("radix tree: a node holds fewer locks than its children together")
             if node.lock_ref:

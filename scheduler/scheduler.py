@@ -175,10 +175,14 @@ class Scheduler:
             # drafts take only room nothing else wants: free or evictable slots past the decodes' and this
             # step's prefill budget, so a draft never costs a retraction nor holds a prompt back
             spare = alloc.available_size() + self.cache.evictable_size() - need
-            drafted = self._propose(decoding, spare - (self.max_prefill_tokens if prefilling or self.waiting else 0))
-            if drafted:
-                need += drafted  # (page size 1: a slot a draft token)
-                self._make_room(need)
+            if self._propose(decoding, spare - (self.max_prefill_tokens if prefilling or self.waiting else 0)):
+                # (page size 1: a slot a draft token; paged, a draft may open pages the spare room did not count)
+                with_drafts = sum(alloc.slots_needed(r.kv_len, 1 + len(r.draft)) for r in decoding)
+                if self._make_room(with_drafts):
+                    need = with_drafts
+                else:
+                    for r in decoding:
+                        r.draft, r.draft_masks = [], []
         for r in decoding:  # (a prompt's last token, left alone by its chunks, is prefill: full attention)
             sparse = r.kv_len >= len(r.prompt_ids) and self._omnikv(r)
             if sparse and r.sparse_kv_from is None and self.runner.omnikv_cuts(r.kv_len + 1):
@@ -482,6 +486,7 @@ class Scheduler:
         pool = self.runner.req_to_token_pool
         end = r.kv_len if r.sparse_kv_from is None else max(r.cache_len, min(r.sparse_kv_from, r.kv_len))
         assert finished or end == r.kv_len  # (sparse rows come from decode steps, which insert when they end)
+        end -= end % self.cache.page_size  # whole pages: a part-filled last page stays r's (freed with it)
         slots = pool.req_to_token[r.row, : r.kv_len].to(torch.int64)
         already = self.cache.insert(r.all_ids[:end], slots[:end])
         if not self.cache.shares:  # caching off: it keeps nothing, everything we own stays ours
@@ -490,7 +495,7 @@ class Scheduler:
             return
         if already > r.cache_len:
             self.runner.allocator.free(slots[r.cache_len : already])
-        if end < r.kv_len:
+        if end < r.kv_len and finished:
             self.runner.allocator.free(slots[end:])
         self.cache.unlock(r.node)
         r.node = None
@@ -501,10 +506,13 @@ class Scheduler:
             r.node, r.cache_len = match.node, int(match.kv_indices.numel())
 
     def _drop_kv_after(self, r: Req, kv_len: int) -> None:
-        """Frees r's own KV slots from position `kv_len` on (a draft's tokens not kept)."""
+        """Frees r's own KV slots from position `kv_len` on (a draft's tokens not kept). Paged: the pages
+        wholly past it; the slots left in its last page are written again by the next tokens."""
         if kv_len < r.kv_len:
             assert r.row is not None and kv_len > r.cache_len
-            self.runner.allocator.free(self.runner.req_to_token_pool.req_to_token[r.row, kv_len : r.kv_len].to(torch.int64))
+            start = kv_len + (-kv_len) % self.runner.allocator.page_size
+            if start < r.kv_len:
+                self.runner.allocator.free(self.runner.req_to_token_pool.req_to_token[r.row, start : r.kv_len].to(torch.int64))
             r.kv_len = kv_len
 
     def _release(self, r: Req, cache: bool) -> None:

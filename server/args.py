@@ -642,9 +642,6 @@ def combination_problem(parsed: Parsed, environ: Mapping[str, str]) -> str | Non
     if ns.max_total_tokens and ns.max_total_tokens < MIN_CONTEXT:
         return (f"{parsed.describe('max_total_tokens')} leaves too few KV slots to serve any request (at least "
                 f"{MIN_CONTEXT}); leave it out for --mem-fraction to size the cache")
-    if ns.speculative_config is not None and ns.page_size > 1:
-        return (f"{parsed.describe('speculative_config')} needs page size 1, not {parsed.describe('page_size')}: a "
-                "draft's rejected tokens free their slots one by one, inside a page")
     if ns.max_total_tokens and ns.max_total_tokens < ns.page_size:
         return (f"{parsed.describe('page_size')} is larger than {parsed.describe('max_total_tokens')}: the KV cache "
                 "holds whole pages; lower --page-size or raise --max-total-tokens")

@@ -107,6 +107,50 @@ def test_paged_kv_gives_the_same_tokens(model_dir):
     assert_no_leak(paged)
 
 
+def test_paged_prefix_cache_shares_whole_pages(model_dir):
+    """Page size 16 with the prefix cache on: a prompt sharing 50 tokens with an earlier one finds its first
+    three pages (48 tokens) cached and reads them as its own pages; prompts sharing prefixes of every length
+    with one another in a pool of 20 pages (chunked prefill, n = 2, evictions, retractions, an abort) get the
+    tokens they get with token-granular slots and no cache, and nothing leaks."""
+    shared = prompt(50, 110)
+    a, b = shared + prompt(5, 111), shared + prompt(7, 112)
+    params = msgspec.structs.replace(GREEDY, max_tokens=12)
+    flat = make_engine(model_dir, disable_prefix_cache=True)
+    want_b = alone(flat, b, params)
+    core = make_engine(model_dir, page_size=16, max_total_tokens=16 * 20, chunked_prefill_size=24)
+    alone(core, a, params)
+    hits_before = core.stats().prefix_cache_hit_tokens_total
+    core.add_request(GenerateRequest("b", b, params))
+    outs = run_to_end(core)[("b", 0)]
+    assert tokens(outs) == want_b
+    assert outs[-1].cached_tokens == 48 and core.stats().prefix_cache_hit_tokens_total - hits_before == 48
+    assert_no_leak(core)
+
+    base = prompt(90, 120)
+    sampled = SamplingParams(temperature=1.0, seed=9, n=2, ignore_eos=True, max_tokens=18)
+    reqs = [(f"s{i}", base[:k] + prompt(3 + k % 7, 130 + i), msgspec.structs.replace(GREEDY, max_tokens=20 + k % 5))
+            for i, k in enumerate((0, 17, 32, 47, 64, 80, 90, 90))] + [("n2", base[:40] + prompt(9, 140), sampled)]
+    expected = {}
+    for rid, ids, p in reqs:
+        flat.add_request(GenerateRequest(rid, ids, p))
+        expected.update({key: tokens(v) for key, v in run_to_end(flat).items()})
+    for rid, ids, p in reqs:
+        core.add_request(GenerateRequest(rid, ids, p))
+    core.add_request(GenerateRequest("gone", base[:70] + prompt(4, 150), params))
+    got: dict = {}
+    for _ in range(3):
+        for o in core.step():
+            got.setdefault((o.rid, o.index), []).append(o)
+    core.abort("gone")
+    for key, v in run_to_end(core).items():
+        got.setdefault(key, []).extend(v)
+    got.pop(("gone", 0), None)
+    assert {key: tokens(v) for key, v in got.items()} == expected
+    assert core.stats().retractions_total > 0 and core.stats().prefix_cache_hit_tokens_total > hits_before + 48
+    core.cache.check_integrity()
+    assert_no_leak(core)
+
+
 def test_prefix_cache_reuses_slots_and_keeps_tokens(model_dir):
     shared = prompt(48, 100)
     a, b = shared + prompt(5, 101), shared + prompt(7, 102)

@@ -152,6 +152,23 @@ def test_kv_pressure_retracts_and_drafts_take_what_is_left(model_dir, monkeypatc
     assert core.stats().retractions_total > 0 and core.stats().spec_decode_drafts_total > 0
 
 
+@pytest.mark.parametrize("kind", ["greedy_logprobs", "n2"])
+def test_paged_drafts_change_no_token_nor_logprob(model_dir, monkeypatch, kind):
+    """Page size 8 with drafts, the prefix cache on and a pool of 24 pages: a draft that opens a page takes
+    it, a rejected draft gives back the pages wholly past what is kept (its last page keeps the stale slots
+    the next tokens overwrite); the tokens, logprobs and retractions go as without drafts, nothing leaks."""
+    p = PARAMS[kind]
+    reqs = [(f"r{i}", prompt(6 + 5 * i, 40 + i), p) for i in range(4)]
+    plain = reference(model_dir, ("plain", kind), reqs)
+    free = reference(model_dir, ("free", kind),
+                     [(rid, ids, msgspec.structs.replace(p, max_tokens=60)) for rid, ids, _ in reqs])
+    with_oracle(monkeypatch, [ids + free[(rid, i)][0] for rid, ids, _ in reqs for i in range(p.n)], 0.3)
+    core = make_engine(model_dir, speculative_config=SPEC, page_size=8, max_total_tokens=8 * 24)
+    assert outputs(core, reqs) == plain
+    s = core.stats()
+    assert 0 < s.spec_decode_accepted_tokens_total < s.spec_decode_draft_tokens_total and s.retractions_total > 0
+
+
 def test_ngram_lookup_on_a_looping_model(tmp_path):
     """The real proposer: a tiny random Llama falls into loops that n-gram lookup continues; same tokens
     and logprobs in fewer forwards."""

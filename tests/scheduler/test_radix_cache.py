@@ -225,31 +225,39 @@ def test_no_prefix_cache_keeps_nothing() -> None:
 
 # ---------------------------------------------------------------------------------------- fuzz
 class _Oracle:
-    """Brute force: every cached prefix (a tuple) -> the slot of its last token, and its LRU stamp."""
+    """Brute force: every cached prefix of whole pages (a tuple) -> the slots of its last page, and its LRU
+    stamp (page size 1: a prefix per token)."""
 
-    def __init__(self) -> None:
-        self.slot: dict[tuple[int, ...], int] = {}
+    def __init__(self, page: int = 1) -> None:
+        self.page = page
+        self.slot: dict[tuple[int, ...], list[int]] = {}
         self.stamp: dict[tuple[int, ...], int] = {}
         self.clock = 0
 
     def _touch(self, ids: tuple[int, ...], n: int) -> None:
-        for i in range(1, n + 1):
+        for i in range(self.page, n + 1, self.page):
             self.stamp[ids[:i]] = self.clock
 
     def match(self, ids: tuple[int, ...]) -> list[int]:
         self.clock += 1
-        n = 0
-        while n < len(ids) and ids[: n + 1] in self.slot:
-            n += 1
+        n, p = 0, self.page
+        while n + p <= len(ids) and ids[: n + p] in self.slot:
+            n += p
         self._touch(ids, n)
-        return [self.slot[ids[:i]] for i in range(1, n + 1)]
+        return [s for i in range(p, n + 1, p) for s in self.slot[ids[:i]]]
 
     def insert(self, ids: tuple[int, ...], kv: list[int]) -> int:
         already = len(self.match(ids))
-        for i in range(already + 1, len(ids) + 1):
-            self.slot[ids[:i]] = kv[i - 1]
+        for i in range(already + self.page, len(ids) + 1, self.page):
+            self.slot[ids[:i]] = kv[i - self.page : i]
         self._touch(ids, len(ids))
         return already
+
+    def tokens(self) -> int:
+        return len(self.slot) * self.page
+
+    def slots(self) -> list[int]:
+        return [s for page in self.slot.values() for s in page]
 
 
 class _Req:
@@ -266,20 +274,21 @@ class _Req:
 
 class _Driver:
     """Runs the scheduler's sequence of calls on the cache and the oracle and checks them against
-    each other after every call."""
+    each other after every call (paged: as `Scheduler._insert_into_cache` hands whole pages over)."""
 
-    def __init__(self, seed: int, num_slots: int) -> None:
+    def __init__(self, seed: int, num_slots: int, page: int = 1) -> None:
         self.rng = random.Random(seed)
-        self.allocator = TokenSlotAllocator(num_slots)
+        self.page = page
+        self.allocator = TokenSlotAllocator(num_slots, page)
         self.cache: PrefixCache = RadixCache(self.allocator)
-        self.oracle = _Oracle()
+        self.oracle = _Oracle(page)
         self.reqs: list[_Req] = []
         self.prompts: list[tuple[int, ...]] = []
         self.num_duplicates = self.num_evicted = 0
 
     def random_ids(self) -> tuple[int, ...]:
         rng = self.rng
-        tail = tuple(rng.randrange(3) for _ in range(rng.randrange(1, 9)))
+        tail = tuple(rng.randrange(3) for _ in range(rng.randrange(1, 9 * self.page)))
         if self.prompts and rng.random() < 0.7:
             base = rng.choice(self.prompts)
             return base[: rng.randrange(len(base) + 1)] + tail
@@ -299,8 +308,8 @@ class _Driver:
         total, evictable, available = cache.total_size(), cache.evictable_size(), self.allocator.available_size()
         freed = cache.evict(num_tokens)
         remaining = set(cache.cached_kv_indices().tolist())
-        evicted = {p for p, s in oracle.slot.items() if s not in remaining}
-        assert freed == len(evicted) == total - cache.total_size()
+        evicted = {p for p, s in oracle.slot.items() if s[0] not in remaining}
+        assert freed == len(evicted) * self.page == total - cache.total_size()
         assert self.allocator.available_size() == available + freed
         assert freed >= min(max(num_tokens, 0), evictable)
         assert freed >= num_tokens or cache.evictable_size() == 0
@@ -309,22 +318,24 @@ class _Driver:
         stamps = [oracle.stamp[p] for p in evicted]
         for p in evicted:
             del oracle.slot[p], oracle.stamp[p]
-        parents = {p[:-1] for p in oracle.slot}
+        parents = {p[: -self.page] for p in oracle.slot}
         assert parents <= set(oracle.slot) | {()}  # only leaves went: still closed under prefixes
         leaves = [oracle.stamp[p] for p in oracle.slot if p not in parents and p not in locked]
         if stamps and leaves:
             assert max(stamps) <= min(leaves)  # least recently used first
         self.num_evicted += freed
 
-    def alloc(self, n: int) -> list[int] | None:
-        short = n - self.allocator.available_size()
+    def alloc(self, r: _Req, n: int) -> list[int] | None:
+        need = self.allocator.slots_needed(r.kv_len, n)
+        short = need - self.allocator.available_size()
         if short > 0:
             self.evict(short)
-        out = self.allocator.alloc(n)
+        last = (r.prefix + r.own)[-1] if r.kv_len else -1
+        out = self.allocator.alloc_extend([(last, n)])
         return None if out is None else out.tolist()
 
     def locked_prefixes(self) -> set[tuple[int, ...]]:
-        return {r.target[:i] for r in self.reqs for i in range(1, len(r.prefix) + 1)}
+        return {r.target[:i] for r in self.reqs for i in range(self.page, len(r.prefix) + 1, self.page)}
 
     # ---- the scheduler's moves
     def admit(self) -> None:
@@ -335,23 +346,25 @@ class _Driver:
         self.reqs.append(r)
 
     def advance(self, r: _Req) -> None:
-        n = min(self.rng.randrange(1, 5), len(r.target) - r.kv_len)
-        slots = self.alloc(n) if n else None
+        n = min(self.rng.randrange(1, 5 * self.page), len(r.target) - r.kv_len)
+        slots = self.alloc(r, n) if n else None
         if slots is not None:
             r.own += slots
 
     def hand_over(self, r: _Req, finished: bool) -> None:
-        ids, kv = r.target[: r.kv_len], r.prefix + r.own
-        already = self.cache.insert(list(ids), torch.tensor(kv, dtype=torch.int64))
-        assert already == self.oracle.insert(ids, kv) and already >= len(r.prefix)
+        end = r.kv_len - r.kv_len % self.page  # whole pages; the part-filled last one stays the request's
+        ids, kv = r.target[:end], r.prefix + r.own
+        already = self.cache.insert(list(ids), torch.tensor(kv[:end], dtype=torch.int64))
+        assert already == self.oracle.insert(ids, kv[:end]) and already >= len(r.prefix)
         self.num_duplicates += already - len(r.prefix)
         self.allocator.free(torch.tensor(kv[len(r.prefix) : already], dtype=torch.int64))
         self.cache.unlock(r.node)
-        r.prefix, r.own, r.node = [], [], None
+        r.prefix, r.own, r.node = [], kv[end:], None
         if finished:
+            self.allocator.free(torch.tensor(r.own, dtype=torch.int64))
             self.reqs.remove(r)
             return
-        m = self.match(ids)  # chunked prefill goes on from the longer cached prefix
+        m = self.match(r.target[: end + len(r.own)])  # chunked prefill goes on from the longer cached prefix
         self.cache.lock(m.node)
         r.prefix, r.node = m.kv_indices.tolist(), m.node
         assert len(r.prefix) == len(ids)
@@ -374,31 +387,33 @@ class _Driver:
         elif x < 0.8:
             self.abort(rng.choice(self.reqs))
         elif x < 0.9:
-            self.evict(rng.randrange(-1, 12))
+            self.evict(rng.randrange(-1, 12 * self.page))
         else:
             self.match(self.random_ids())
         self.check()
 
     def check(self) -> None:
-        cache, oracle = self.cache, self.oracle
+        cache, oracle, p = self.cache, self.oracle, self.page
         cache.check_integrity()
-        assert cache.total_size() == len(oracle.slot)
-        assert cache.protected_size() == len(self.locked_prefixes())
+        assert cache.total_size() == oracle.tokens()
+        assert cache.protected_size() == len(self.locked_prefixes()) * p
         assert cache.evictable_size() == cache.total_size() - cache.protected_size()
         cached = cache.cached_kv_indices().tolist()
-        assert sorted(cached) == sorted(oracle.slot.values())
+        assert sorted(cached) == sorted(oracle.slots())
         owned = [s for r in self.reqs for s in r.own]
         free = _free_slots(self.allocator)
-        everything = cached + owned + free
-        assert len(set(everything)) == len(everything)  # no slot in two places, none twice
-        usable = range(self.allocator.page_size, self.allocator.num_slots + self.allocator.page_size)
-        assert sorted(everything) == list(usable)  # and none lost
+        # every page in one place: cached whole, a request's own (its last one part-filled), or free
+        pages = [s // p for s in cached if s % p == 0] + sorted({s // p for s in owned}) + [s // p for s in free if s % p == 0]
+        assert len(set(pages)) == len(pages)  # no page in two places, none twice
+        assert sorted(pages) == list(range(1, self.allocator.num_slots // p + 1))  # and none lost
+        assert len(set(owned)) == len(owned) and not set(owned) & set(cached)
 
 
+@pytest.mark.parametrize("page", [1, 4])
 @pytest.mark.parametrize("seed", range(6))
-def test_fuzz_against_prefix_dict_oracle(seed: int) -> None:
-    d = _Driver(seed, num_slots=40)
-    for _ in range(400):
+def test_fuzz_against_prefix_dict_oracle(seed: int, page: int) -> None:
+    d = _Driver(seed, num_slots=40 * page, page=page)
+    for _ in range(400 * page):
         d.step()
     for r in list(d.reqs):
         if seed % 2:

@@ -364,7 +364,6 @@ def test_triton_backends_need_cuda(flags: list[str], capsys: pytest.CaptureFixtu
 
 @pytest.mark.parametrize("flags,message", [
     (["--max-total-tokens", "8"], "--max-total-tokens 8 leaves too few KV slots to serve any request (at least 32)"),
-    (["--speculative-config", '{"method": "ngram"}', "--page-size", "16"], "needs page size 1, not --page-size 16"),
 ])
 def test_settings_no_request_could_use_are_refused(flags: list[str], message: str,
                                                    capsys: pytest.CaptureFixture) -> None:
