@@ -175,7 +175,9 @@ class EngineArgs:
                                   "(the CPU work as host nodes of one graph) or split (graph pieces with the CPU "
                                   "work run between them)", choices=HYBRID_GRAPH_MODES)
     disable_prefix_cache: bool = flag(False, "turn the radix prefix cache off")
-    seed: int = flag(0, "base seed of the requests that bring none")
+    seed: int | None = flag(None, "base seed of the requests that bring none: by default drawn at each start "
+                            "(and logged), so that their draws differ across restarts as OpenAI's, llama.cpp's and "
+                            "SGLang's do; give one to repeat them", default_text="random")
     watchdog_timeout: float = flag(300.0, "seconds one engine step (a batch's forward and sampling) may run: a step "
                                    "running longer ends the engine, so that its requests fail with engine_error and "
                                    "/health reports it instead of hanging (a hung device, a deadlock); 0: no limit",

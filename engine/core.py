@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import random
+import secrets
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -331,7 +332,10 @@ class EngineCore:
             chunked_prefill_size=args.prefill_chunk(), max_prefill_tokens=args.prefill_budget(),
             omnikv_mode=args.omnikv, omnikv_min_context=omnikv.min_context, speculative=self._speculative(args),
         )
-        self._rng = random.Random(args.seed)
+        seed = args.seed if args.seed is not None else secrets.randbits(63)
+        logger.info("requests that bring no seed draw theirs from base seed %d%s", seed,
+                    "" if args.seed is not None else " (drawn at start; --seed %d repeats them)" % seed)
+        self._rng = random.Random(seed)
         self.fingerprint = _fingerprint(args, loaded.source, loaded.dtype, kv_dtype, device, self.runner, omnikv)
         self.grammars = (GrammarBackend(tok.tokenizer, cfg.vocab_size, sorted(eos), timeout_s=args.grammar_compile_timeout)
                          if tok else None)

@@ -26,7 +26,7 @@ last values in `stats()`, so summed totals never go down.
 Per-replica settings (`replica_args`): replica i gets the CPUs of its share of this process's
 affinity mask, its own GPU(s) on CUDA (`cuda:<base + i * tp>`, each replica's ranks on its own
 devices, as SGLang and vLLM place data-parallel replicas), and base seed `--seed + i` (two replicas
-must not draw the same seeds for requests that bring none). On a CPU the replicas share the host's
+must not draw the same seeds for requests that bring none; without --seed each draws its own). On a CPU the replicas share the host's
 memory: each sizes its KV cache by `--mem-fraction / N` of it (N caches of the whole fraction each
 promised more than the host had, the pages touched only as tokens came, and were killed when full).
 """
@@ -123,7 +123,7 @@ def replica_args(args: EngineArgs, index: int, replicas: int,
     """Replica `index`'s settings and CPUs (see the module docstring); one replica: `args` as given."""
     if replicas == 1:
         return args, None
-    changes: dict[str, Any] = {"seed": args.seed + index, "host_peers": replicas}
+    changes: dict[str, Any] = {"seed": None if args.seed is None else args.seed + index, "host_peers": replicas}
     if args.dp_attention:  # the replicas are the ranks of one model (engine.ranks.DPAttentionRank)
         changes.update(dp_rank=index, dp_size=replicas)
     if args.device.startswith("cuda"):

@@ -151,6 +151,14 @@ def test_paged_prefix_cache_shares_whole_pages(model_dir):
     assert_no_leak(core)
 
 
+def test_unseeded_draws_differ_across_starts_unless_a_seed_is_given(model_dir):
+    """A request without a seed samples differently after a restart (OpenAI's, llama.cpp's and SGLang's
+    unseeded requests are random), unless the server was given --seed: then it repeats."""
+    ids, p = prompt(9, 160), SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    runs = {seed: [alone(make_engine(model_dir, seed=seed), ids, p) for _ in range(2)] for seed in (None, 5)}
+    assert runs[None][0] != runs[None][1] and runs[5][0] == runs[5][1]
+
+
 def test_prefix_cache_reuses_slots_and_keeps_tokens(model_dir):
     shared = prompt(48, 100)
     a, b = shared + prompt(5, 101), shared + prompt(7, 102)
