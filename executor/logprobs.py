@@ -14,3 +14,4 @@ class TokenLogprob(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     token_id: int
     logprob: float  # log_softmax of the model's logits (before any sampling transform); may be -inf
     top: list[tuple[int, float]] = []  # top_logprobs alternatives, best first (msgspec copies the default)
+    rank: int | None = None  # a prompt token's: how many tokens the model rates at least as likely (vLLM's rank)

@@ -580,6 +580,18 @@ def token_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], top
     return out  # type: ignore[return-value]
 
 
+def token_ranks(logits: torch.Tensor, rows: list[int], tokens: list[int]) -> list[int | None]:
+    """vLLM's rank of each token in its row of `logits`: how many of the row's logits are at least the
+    token's (1: the model's first choice; a tie ranks the token behind the tokens it ties). None for a row
+    with a NaN at the token. The prompt's logprobs' ranks (`prompt_logprobs`)."""
+    if not rows:
+        return []
+    x = _take(logits, rows)
+    at = x.gather(1, torch.tensor(tokens, dtype=torch.long, device=x.device)[:, None])
+    counts = (x >= at).sum(dim=-1).tolist()
+    return [c if c > 0 else None for c in counts]
+
+
 # ---- small tensor helpers ------------------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ import msgspec
 
 # Sentinel for "no limit" on top_k, as in vLLM/SGLang.
 TOP_K_ALL = -1
+MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs list (vLLM's default max_logprobs)
 INT64_MAX = 2**63 - 1  # the largest integer the engine messages carry signed
 # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 GREEDY_BELOW = 1e-5
@@ -131,8 +132,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for word in self.bad_words_ids:
             _check(len(word) > 0, "bad_words", "a bad word has no tokens")
             validate_token_ids(word, vocab_size, "bad_words")
-        _check(0 <= self.top_logprobs <= 20, "top_logprobs", "top_logprobs must be in [0, 20]")
-        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "logprobs", "logprobs must be in [0, 20]")
+        top = MAX_TOP_LOGPROBS
+        _check(0 <= self.top_logprobs <= top, "top_logprobs", f"top_logprobs must be in [0, {top}]")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= top, "logprobs", f"logprobs must be in [0, {top}]")
         _check(self.seed is None or -(2**63) <= self.seed < 2**64, "seed", "seed must fit in 64 bits")
         if self.allowed_token_ids:  # only what is knowable now; the sampler ends a completion left with no choice later
             banned = {w[0] for w in self.bad_words_ids if len(w) == 1}

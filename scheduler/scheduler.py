@@ -45,6 +45,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from executor.logprobs import TokenLogprob
@@ -52,7 +53,7 @@ from executor.model_runner import ModelRunner, RequestSlice
 from scheduler.radix_cache import PrefixCache
 from scheduler.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Req
 from scheduler.speculative import NgramProposer, SpeculativeConfig
-from executor.sampler import Sampler, SamplingRow, token_logprobs
+from executor.sampler import Sampler, SamplingRow, token_logprobs, token_ranks
 
 logger = logging.getLogger("mlaserve.scheduler")
 
@@ -451,7 +452,9 @@ class Scheduler:
         rows = [j for j in range(logits.shape[0])
                 if len(r.prompt_logprobs) <= r.kv_len + j + 1 < len(r.prompt_ids)]  # not scored before a retraction
         tokens = [r.prompt_ids[r.kv_len + j + 1] for j in rows]
-        r.prompt_logprobs.extend(token_logprobs(logits, rows, tokens, [k] * len(rows)))
+        ranks = token_ranks(logits, rows, tokens)
+        r.prompt_logprobs.extend(msgspec.structs.replace(lp, rank=rank)
+                                 for lp, rank in zip(token_logprobs(logits, rows, tokens, [k] * len(rows)), ranks))
 
     def _stop_reason(self, r: Req, tok: int) -> str | None:
         p = r.params

@@ -33,7 +33,7 @@ from pydantic import PrivateAttr, field_validator, model_serializer, model_valid
 from pydantic_core import PydanticCustomError, from_json
 
 from models.loader.tokenizer import OTHER_SPECIAL_TOKENS
-from scheduler.sampling_params import TOP_K_ALL, ParamError, SamplingParams
+from scheduler.sampling_params import MAX_TOP_LOGPROBS, TOP_K_ALL, ParamError, SamplingParams
 from server.chat_template import template_globals
 from server.generation_defaults import GENERATION_FIELDS, with_defaults
 from server.structured import EXTENSION_FIELDS, structured_output
@@ -357,15 +357,13 @@ class _GenerationRequest(_Body):
 
     # vLLM's extensions this server does not implement: refused when asked for, rather than ignored
     use_beam_search: StrictBool | None = None
-    prompt_logprobs: Any = None
     logits_processors: Any = None
 
-    @field_validator("use_beam_search", "prompt_logprobs", "logits_processors")
+    @field_validator("use_beam_search", "logits_processors")
     @classmethod
     def _not_implemented(cls, value: Any, info: ValidationInfo) -> Any:
         if not (value is None or value is False or value == []):  # (0 asks for prompt logprobs too)
             why = {"use_beam_search": "beam search is not implemented; sample n completions instead",
-                   "prompt_logprobs": "prompt logprobs come from the completions API's echo with logprobs here",
                    "logits_processors": "a logits processor is code the server would run; use logit_bias, "
                                         "allowed_token_ids or bad_words"}[info.field_name]
             raise _invalid(f"{info.field_name} is not supported: {why}")
@@ -399,6 +397,8 @@ class _GenerationRequest(_Body):
     logit_bias: Annotated[dict[str, StrictFloat] | None, AfterValidator(_check_logit_bias)] = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
+    # vLLM's extension: each prompt token's logprob, rank and this many alternatives (not when streaming, as vLLM)
+    prompt_logprobs: StrictInt | None = None
     # structured outputs: OpenAI's field, vLLM's (`structured_outputs`, older `guided_*`), SGLang's
     # (`regex`, `ebnf`, `json_schema` as text) and llama.cpp server's (`grammar`, `json_schema` as an
     # object); at most one of them (server/structured.py)
@@ -430,6 +430,16 @@ class _GenerationRequest(_Body):
     def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
         if value is not None and not info.data.get("stream"):
             raise _invalid("stream_options is only allowed when stream is true")
+        return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            whole = " (vLLM's -1, the whole vocabulary, is more than this server lists)" if value == -1 else ""
+            raise _invalid(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {value}{whole}")
+        if value and info.data.get("stream"):
+            raise _invalid("prompt_logprobs are not available when stream is true (as vLLM): ask without streaming")
         return value
 
     def stop_strings(self) -> list[str]:
@@ -735,7 +745,7 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest,
     if sent.get("top_k") in (0, -1):
         sent["top_k"] = TOP_K_ALL  # the request's own "no limit"
     sampling = with_defaults(sent, defaults or {})
-    prompt_logprobs = None
+    prompt_logprobs = None if req.stream else req.prompt_logprobs  # (0 when streaming: ignored, as vLLM)
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs, top_logprobs = req.logprobs, req.top_logprobs or 0
@@ -745,7 +755,7 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest,
         if req.echo and (req.logprobs is not None or max_tokens == 0):
             # echo with max_tokens 0 and no logprobs: the prompt alone comes back (OpenAI's legacy API); it
             # still runs through the engine, scored, so that it is checked and counted like any other
-            prompt_logprobs = req.logprobs or 0
+            prompt_logprobs = max(req.logprobs or 0, prompt_logprobs or 0)
     return SamplingParams(  # a field sent as null means its default, as in OpenAI's API
         **sampling,
         presence_penalty=_or(req.presence_penalty, 0.0),
@@ -1023,6 +1033,19 @@ class ChatCompletionChoice(_Response):
     token_ids: list[int] | None = None
 
 
+class PromptLogprob(_Response):
+    """An entry of vLLM's `prompt_logprobs`: a token's logprob, its rank in the vocabulary (1: the model's
+    first choice) and its text."""
+
+    keep_null = frozenset({"rank"})
+    logprob: Logprob
+    rank: int | None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # per prompt token (the first null), keyed by token id
+
+
 class ChatCompletionResponse(_Response):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -1032,6 +1055,7 @@ class ChatCompletionResponse(_Response):
     usage: UsageInfo
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, with the request's prompt_logprobs
 
 
 class DeltaMessage(_Response):
@@ -1071,6 +1095,7 @@ class CompletionChoice(_Response):
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, with the request's prompt_logprobs
 
 
 class CompletionResponse(_Response):

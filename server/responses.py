@@ -43,6 +43,8 @@ from server.protocol import (
     DeltaMessage,
     DeltaToolCall,
     FunctionCallOut,
+    PromptLogprob,
+    PromptLogprobs,
     ToolCallOut,
     TopLogprob,
     UsageInfo,
@@ -139,6 +141,24 @@ class Serializer:
             tok = self.state.tokenizer
             assert tok is not None
             out = self._token_bytes[token_id] = list(tok.token_bytes(token_id))
+        return out
+
+    def prompt_logprobs(self, r: EngineRequest) -> PromptLogprobs | None:
+        """vLLM's `prompt_logprobs` of r's prompt, with the request's: null for the first token (nothing
+        predicts it), then each token's entry and its best alternatives', keyed by token id, the token's first
+        (an alternative that is the token itself is not listed twice)."""
+        k = getattr(self.body, "prompt_logprobs", None)
+        if k is None or self.body.stream or not r.prompt_logprobs:
+            return None
+        out: PromptLogprobs = []
+        for token, lp in zip(r.prompt_ids, r.prompt_logprobs):
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(token): PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=self.token_text(token))}
+            for rank, (t, v) in enumerate(lp.top[:k], 1):
+                entry.setdefault(str(t), PromptLogprob(logprob=v, rank=rank, decoded_token=self.token_text(t)))
+            out.append(entry)
         return out
 
     def add(self, r: EngineRequest, index: int, text: str, ids: list[int], lps: list[ShownLogprob]) -> None:
@@ -391,6 +411,7 @@ class ChatSerializer(Serializer):
             id=self.id, created=self.created, model=self.state.model_name,
             system_fingerprint=self.state.system_fingerprint, choices=choices, usage=self.usage(),
             prompt_token_ids=self.requests[0].prompt_ids if ids else None,
+            prompt_logprobs=self.prompt_logprobs(self.requests[0]),
         ).model_dump()
 
     def chunk(self, choices: list[Any], **extra: Any) -> ChatCompletionChunk:
@@ -739,7 +760,9 @@ class CompletionSerializer(Serializer):
         top = None
         if lp is not None:  # logprobs 0 included: the chosen token alone
             top = {}
-            for t, v in lp.top:  # best first: where two ids show the same text, the better one's value
+            # best first (as many as `logprobs` asks: vLLM's prompt_logprobs may have asked for more); where two
+            # ids show the same text, the better one's value
+            for t, v in lp.top[: self.body.logprobs or 0]:
                 top.setdefault(self.legacy_token(t), finite_logprob(v))
             top[text] = finite_logprob(lp.logprob)  # the chosen token is always listed, as OpenAI and vLLM do
         out.tokens.append(text)
@@ -761,6 +784,7 @@ class CompletionSerializer(Serializer):
                     logprobs=self.completion_logprobs(r, c.logprobs, echoed=True),
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                     token_ids=c.token_ids if ids else None, prompt_token_ids=r.prompt_ids if ids else None,
+                    prompt_logprobs=self.prompt_logprobs(r),
                 ))
         return CompletionResponse(
             id=self.id, created=self.created, model=self.state.model_name,

@@ -203,6 +203,31 @@ def test_hit_tokens_total_counts_matched_tokens() -> None:
     assert cache.hit_tokens_total - before == 5
 
 
+def test_pages_are_matched_and_split_whole() -> None:
+    """Page size 4: a match is cut to whole pages, an edge splits only between pages, a part page is never
+    cached, and the integrity check catches slots that are not whole pages' runs."""
+    allocator = TokenSlotAllocator(64, page_size=4)
+    cache = RadixCache(allocator)
+    a = [5, 1, 2, 3, 4, 6, 7, 8]
+    kv_a = allocator.alloc_extend([(-1, 8)])
+    assert kv_a is not None and cache.insert(a, kv_a) == 0
+    assert cache.match_prefix(a[:7]).kv_indices.tolist() == kv_a[:4].tolist()  # 7 shared tokens: one page
+    assert cache.match_prefix(a[:3] + [9]).kv_indices.numel() == 0  # inside the first page: nothing
+    b = a[:6] + [0, 0]  # shares one page and a half: the edge splits after the first page
+    kv_b = allocator.alloc_extend([(-1, 8)])
+    assert kv_b is not None and cache.insert(b, kv_b) == 4
+    allocator.free(kv_b[:4])
+    assert cache.match_prefix(b).kv_indices.tolist() == kv_a[:4].tolist() + kv_b[4:].tolist()
+    assert cache.total_size() == 12
+    cache.check_integrity()
+    with pytest.raises(ValueError, match="whole number of pages"):
+        cache.insert(a + [1, 2], torch.cat([kv_a, kv_a[:2]]))
+    with pytest.raises(RuntimeError, match="not whole pages"):
+        c = [9, 9, 9, 9]
+        cache.insert(c, kv_a[4:].flip(0))  # a page whose slots run backwards
+        cache.check_integrity()
+
+
 def test_no_prefix_cache_keeps_nothing() -> None:
     allocator = TokenSlotAllocator(64)
     cache = create_prefix_cache(False, allocator)

@@ -188,7 +188,8 @@ OUT_OF_RANGE = [
     ("chat", "documents", [{"text": "x"}, "y"], "documents.[1]"),
     ("completion", "prompt_embeds", "AAAA", "prompt_embeds"),  # vLLM's, refused: the prompt alone was answered
     ("chat", "use_beam_search", True, "use_beam_search"),  # vLLM's, not implemented: refused, not ignored
-    ("completion", "prompt_logprobs", 2, "prompt_logprobs"),
+    ("completion", "prompt_logprobs", 21, "prompt_logprobs"),
+    ("chat", "prompt_logprobs", -1, "prompt_logprobs"),
     ("chat", "logits_processors", ["x"], "logits_processors"),
 ]
 

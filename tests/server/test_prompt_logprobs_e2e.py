@@ -1,0 +1,118 @@
+"""vLLM's `prompt_logprobs` extension on /v1/completions and /v1/chat/completions, against HF transformers'
+forward of the same tiny checkpoint in fp32 (the server holds its weights in fp32 too): each prompt token's
+logprob, rank in the vocabulary and best alternatives, in vLLM's shape."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import torch
+
+from models.loader.tokenizer import load_tokenizer
+from models.synthetic import write_checkpoint
+from tests.server.server_process import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("tinyllama"), "tiny-llama", seed=7)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    srv = ServerProcess(str(model_dir), "--cpu-weight-dtype", "float32", "--max-total-tokens", "4096",
+                        log=tmp_path_factory.mktemp("log") / "server.log")
+    srv.wait_ready()
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def hf_logprobs(model_dir):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+    def logprobs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return logprobs
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=120)
+
+
+def check_against_hf(got: list, ids: list[int], lp: torch.Tensor, k: int, tok) -> None:
+    assert len(got) == len(ids) and got[0] is None
+    for i in range(1, len(ids)):
+        row, token, entry = lp[i - 1], ids[i], got[i]
+        keys = list(entry)
+        assert keys[0] == str(token), "the prompt token's entry comes first"
+        mine = entry[str(token)]
+        assert abs(mine["logprob"] - row[token].item()) < 1e-4
+        assert abs(mine["rank"] - int((row >= row[token]).sum())) <= 2  # (logits within float noise may swap)
+        assert mine["decoded_token"] == tok.decode([token], skip_special_tokens=False)
+        values, best = row.topk(k)
+        alternatives = [int(t) for t in keys if int(t) != token or entry[t]["rank"] <= k]
+        assert len(alternatives) == k
+        for rank, (v, t) in enumerate(zip(values.tolist(), best.tolist()), 1):
+            assert abs(entry[str(t)]["logprob"] - v) < 1e-4 and (entry[str(t)]["rank"] == rank or t == token)
+
+
+def test_completions_prompt_logprobs_are_hfs(server, hf_logprobs, model_dir):
+    tok = load_tokenizer(str(model_dir))
+    ids = tok.encode("The sea is deep and the sky is wide, said the old sailor")
+    body = {"prompt": ids, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 4, "n": 2, "seed": 1}
+    choices = post(server, "/v1/completions", body).json()["choices"]
+    lp = hf_logprobs(ids)
+    check_against_hf(choices[0]["prompt_logprobs"], ids, lp, 4, tok)
+    assert choices[1]["prompt_logprobs"] == choices[0]["prompt_logprobs"]  # the prompt's, for every choice
+    # beside echo + logprobs: the legacy lists keep their own count (1 alternative and the token)
+    echoed = post(server, "/v1/completions", {**body, "n": 1, "echo": True, "logprobs": 1}).json()["choices"][0]
+    assert echoed["prompt_logprobs"] == choices[0]["prompt_logprobs"]
+    assert all(len(top) <= 2 for top in echoed["logprobs"]["top_logprobs"][1:])
+    # several prompts: each choice its own prompt's; 0 lists the prompt tokens alone
+    other = tok.encode("Hello there")
+    both = post(server, "/v1/completions", {"prompt": [ids, other], "max_tokens": 1, "prompt_logprobs": 0}).json()
+    firsts = [c["prompt_logprobs"] for c in sorted(both["choices"], key=lambda c: c["index"])]
+    assert [len(p) for p in firsts] == [len(ids), len(other)] and all(len(e) == 1 for p in firsts for e in p[1:])
+
+
+def test_chat_prompt_logprobs_cover_the_rendered_prompt(server, hf_logprobs, model_dir):
+    tok = load_tokenizer(str(model_dir))
+    body = {"messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 0,
+            "prompt_logprobs": 2, "return_token_ids": True}
+    r = post(server, "/v1/chat/completions", body).json()
+    ids = r["prompt_token_ids"]
+    assert r["usage"]["prompt_tokens"] == len(ids) and r["usage"]["completion_tokens"] == 0
+    check_against_hf(r["prompt_logprobs"], ids, hf_logprobs(ids), 2, tok)
+    # the OpenAI SDK sends it as an extra field and reads it back as one
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    sdk = client.chat.completions.create(model=r["model"], messages=body["messages"], max_tokens=1,
+                                         extra_body={"prompt_logprobs": 2})
+    assert sdk.model_extra["prompt_logprobs"] == r["prompt_logprobs"]
+    plain = post(server, "/v1/chat/completions", {**body, "prompt_logprobs": None}).json()
+    assert "prompt_logprobs" not in plain
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("value,stream,says", [
+    (-1, False, "must be in [0, 20], got -1 (vLLM's -1"),
+    (21, False, "must be in [0, 20], got 21"),
+    (2, True, "not available when stream is true"),
+    ("3", False, "integer"),
+])
+def test_prompt_logprobs_refusals(server, path, value, stream, says):
+    prompt = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    resp = post(server, path, {**prompt, "max_tokens": 1, "prompt_logprobs": value, "stream": stream})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "prompt_logprobs" and says in err["message"], err
+
+
+def test_prompt_logprobs_0_while_streaming_is_taken_and_ignored_as_vllm(server):
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"prompt": "x", "max_tokens": 2, "prompt_logprobs": 0, "stream": True}) as resp:
+        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert resp.status_code == 200 and lines[-1] == "data: [DONE]" and "prompt_logprobs" not in "".join(lines)
