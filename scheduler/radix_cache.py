@@ -10,6 +10,10 @@ it). Positions and slots then agree modulo P on every edge, so a matched prefix 
 that a page table reads as the request's own. `NoPrefixCache` is the do-nothing stand-in used when
 caching is off.
 
+A request's `cache_salt` (vLLM's, for tenants that must not learn each other's prompts from how fast they
+come back) is folded into the first token of the keys it matches and inserts, so requests share cached
+KV only with requests that bring the same salt (or, both, none).
+
 Who owns a KV slot (read this before touching the scheduler; this is where leaks come from)
 -------------------------------------------------------------------------------------------
 Every usable slot is at any moment in exactly one place: the allocator's free list, the cache
@@ -53,6 +57,7 @@ import heapq
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -75,8 +80,9 @@ class PrefixCache(ABC):
         self.hit_tokens_total = 0  # sum of matched lengths over all match_prefix calls (not reset)
 
     @abstractmethod
-    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
-        """Longest cached prefix of `token_ids` (whole pages). Refreshes its LRU stamp; may split an edge."""
+    def match_prefix(self, token_ids: Sequence[int], salt: str | None = None) -> PrefixMatch:
+        """Longest cached prefix of `token_ids` (whole pages) inserted with the same `salt`. Refreshes its
+        LRU stamp; may split an edge."""
 
     @abstractmethod
     def lock(self, node: object) -> None:
@@ -87,7 +93,7 @@ class PrefixCache(ABC):
         """Undoes one `lock(node)`."""
 
     @abstractmethod
-    def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> int:
+    def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor, salt: str | None = None) -> int:
         """Caches the KV of `token_ids` (kv_indices[i] holds token i; whole pages) and returns n, how many
         leading tokens were already cached. With P the length the caller got from `match_prefix` (and still
         holds locked): the caller frees kv_indices[P:n] (duplicates); kv_indices[n:] now belong to
@@ -117,13 +123,20 @@ class PrefixCache(ABC):
         """Raises RuntimeError if the internal bookkeeping is inconsistent (tests, debugging)."""
 
 
-def _as_key(token_ids: Sequence[int]) -> tuple[int, ...]:
+Key = tuple[Any, ...]  # token ids; a salted key's first item is (salt, id)
+
+
+def _as_key(token_ids: Sequence[int], salt: str | None = None) -> Key:
+    """The tree's key of `token_ids`: their ints, the first paired with `salt` where there is one (no key of
+    another salt, or of none, then has a first token in common with it)."""
     if isinstance(token_ids, torch.Tensor):
-        return tuple(token_ids.tolist())
-    return tuple(int(t) for t in token_ids)
+        key = tuple(token_ids.tolist())
+    else:
+        key = tuple(int(t) for t in token_ids)
+    return key if salt is None or not key else ((salt, key[0]), *key[1:])
 
 
-def _check_insert_args(key: tuple[int, ...], kv_indices: torch.Tensor) -> None:
+def _check_insert_args(key: Key, kv_indices: torch.Tensor) -> None:
     if kv_indices.dim() != 1 or kv_indices.numel() != len(key):
         shape = tuple(kv_indices.shape)
         raise ValueError(f"kv_indices has shape {shape}, expected [{len(key)}]: one slot per token")
@@ -131,7 +144,7 @@ def _check_insert_args(key: tuple[int, ...], kv_indices: torch.Tensor) -> None:
         raise ValueError(f"kv_indices must be an integer tensor, got {kv_indices.dtype}")
 
 
-def _common_len(edge: tuple[int, ...], key: tuple[int, ...], start: int, page_size: int) -> int:
+def _common_len(edge: Key, key: Key, start: int, page_size: int) -> int:
     """Length of the common prefix of `edge` and key[start:], in whole pages."""
     m = min(len(edge), len(key) - start)
     if edge[:m] == key[start : start + m]:  # the usual case, compared in C
@@ -145,11 +158,11 @@ def _common_len(edge: tuple[int, ...], key: tuple[int, ...], start: int, page_si
 class _Node:
     __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "seq")
 
-    def __init__(self, key: tuple[int, ...], value: torch.Tensor, parent: _Node | None, tick: int, seq: int) -> None:
+    def __init__(self, key: Key, value: torch.Tensor, parent: _Node | None, tick: int, seq: int) -> None:
         self.key = key  # token ids of this edge
         self.value = value  # [len(key)] int64 KV slots of those tokens
         # first token (page size 1) or first page's tokens (a tuple) of the child's key -> child
-        self.children: dict[int | tuple[int, ...], _Node] = {}
+        self.children: dict[Any, _Node] = {}
         self.parent = parent  # None for the root and for evicted (detached) nodes
         self.lock_ref = 0  # locks held on this node or a descendant
         self.last_access = tick
@@ -171,15 +184,15 @@ class RadixCache(PrefixCache):
         self._protected = 0
 
     # ------------------------------------------------------------------ lookup and insert
-    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
-        key = _as_key(token_ids)
+    def match_prefix(self, token_ids: Sequence[int], salt: str | None = None) -> PrefixMatch:
+        key = _as_key(token_ids, salt)
         node, matched_len, values = self._walk(key[: len(key) - len(key) % self.page_size])
         self.hit_tokens_total += matched_len
         kv = torch.cat(values) if values else self._empty.clone()
         return PrefixMatch(kv_indices=kv, node=node)
 
-    def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> int:
-        key = _as_key(token_ids)
+    def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor, salt: str | None = None) -> int:
+        key = _as_key(token_ids, salt)
         _check_insert_args(key, kv_indices)
         if len(key) % self.page_size:
             raise ValueError(f"{len(key)} tokens to cache: a whole number of pages of {self.page_size} is cached, "
@@ -192,7 +205,7 @@ class RadixCache(PrefixCache):
             self._evictable += len(leaf.key)
         return matched_len
 
-    def _walk(self, key: tuple[int, ...]) -> tuple[_Node, int, list[torch.Tensor]]:
+    def _walk(self, key: Key) -> tuple[_Node, int, list[torch.Tensor]]:
         """Follows `key` down the tree, splitting the edge where it stops inside one, and stamps
         the path. Returns the deepest node reached, the matched length and the path's values."""
         self._clock += 1
@@ -223,11 +236,11 @@ class RadixCache(PrefixCache):
         parent.children[self._first(upper.key, 0)] = upper
         return upper
 
-    def _first(self, key: tuple[int, ...], pos: int) -> int | tuple[int, ...]:
+    def _first(self, key: Key, pos: int) -> Any:
         """The child key of the edge that starts at key[pos]: its token, or its page's tokens."""
         return key[pos] if self.page_size == 1 else key[pos : pos + self.page_size]
 
-    def _new_node(self, key: tuple[int, ...], value: torch.Tensor, parent: _Node | None) -> _Node:
+    def _new_node(self, key: Key, value: torch.Tensor, parent: _Node | None) -> _Node:
         self._num_nodes += 1
         return _Node(key, value, parent, self._clock, self._num_nodes)
 
@@ -362,7 +375,7 @@ class NoPrefixCache(PrefixCache):
         super().__init__()
         self._empty = torch.empty(0, dtype=torch.int64, device=device)
 
-    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
+    def match_prefix(self, token_ids: Sequence[int], salt: str | None = None) -> PrefixMatch:
         return PrefixMatch(kv_indices=self._empty.clone(), node=None)
 
     def lock(self, node: object) -> None:
@@ -371,7 +384,7 @@ class NoPrefixCache(PrefixCache):
     def unlock(self, node: object) -> None:
         pass
 
-    def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> int:
+    def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor, salt: str | None = None) -> int:
         """Keeps nothing and returns 0: every slot in kv_indices stays the caller's."""
         _check_insert_args(_as_key(token_ids), kv_indices)
         return 0

@@ -91,6 +91,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # not sampling but how the tokens are computed: decode with OmniKV's sparse attention (True), with
     # full attention (False), or as the server's --omnikv decides (None)
     omnikv: bool | None = None
+    # vLLM's: the prefix cache shares this request's KV only with requests that bring the same salt
+    cache_salt: str | None = None
 
     @property
     def greedy(self) -> bool:

@@ -249,7 +249,8 @@ class Scheduler:
         for other in self.running:
             # (siblings: waits_for_sibling; a prompt scored computes from 0 whatever is cached, so how far it
             # is says nothing of what r would find cached: a stream of them would hold r for good)
-            if other.is_decoding or other.rid == r.rid or other.scores_prompt:
+            if (other.is_decoding or other.rid == r.rid or other.scores_prompt
+                    or other.params.cache_salt != r.params.cache_salt):  # (another salt's KV is never r's)
                 continue
             end = other.kv_len + SHARED_PREFIX_WAIT
             if end < r.seq_len and end <= other.seq_len \
@@ -309,7 +310,7 @@ class Scheduler:
         """Gives `r` a request slot and its cached prefix; returns how many tokens it prefills now,
         or None when there is no room (`need` slots are already promised to this step's slices)."""
         # keep >= 1 token to compute; a prompt to score is computed whole (cached positions have no logits)
-        match = self.cache.match_prefix([] if r.scores_prompt else r.all_ids[: r.seq_len - 1])
+        match = self.cache.match_prefix([] if r.scores_prompt else r.all_ids[: r.seq_len - 1], r.params.cache_salt)
         self.cache.lock(match.node)
         cached = int(match.kv_indices.numel())
         n = min(r.seq_len - cached, self.chunk, budget)
@@ -491,7 +492,7 @@ class Scheduler:
         assert finished or end == r.kv_len  # (sparse rows come from decode steps, which insert when they end)
         end -= end % self.cache.page_size  # whole pages: a part-filled last page stays r's (freed with it)
         slots = pool.req_to_token[r.row, : r.kv_len].to(torch.int64)
-        already = self.cache.insert(r.all_ids[:end], slots[:end])
+        already = self.cache.insert(r.all_ids[:end], slots[:end], r.params.cache_salt)
         if not self.cache.shares:  # caching off: it keeps nothing, everything we own stays ours
             if finished:
                 self.runner.allocator.free(slots[r.cache_len :])
@@ -503,7 +504,7 @@ class Scheduler:
         self.cache.unlock(r.node)
         r.node = None
         if not finished:
-            match = self.cache.match_prefix(r.all_ids[: r.kv_len])
+            match = self.cache.match_prefix(r.all_ids[: r.kv_len], r.params.cache_salt)
             self.cache.lock(match.node)
             pool.write(r.row, 0, match.kv_indices)
             r.node, r.cache_len = match.node, int(match.kv_indices.numel())

@@ -415,6 +415,8 @@ class _GenerationRequest(_Body):
     ignore_eos: StrictBool | None = False
     # mlaserve extension: OmniKV sparse attention for this request's decode (null: the server's --omnikv)
     omnikv: StrictBool | None = None
+    # vLLM's extension: the prefix cache shares this request's KV only with requests sending the same salt
+    cache_salt: str | None = None
     user: str | None = None
     return_token_ids: StrictBool | None = False
 
@@ -440,6 +442,14 @@ class _GenerationRequest(_Body):
             raise _invalid(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {value}{whole}")
         if value and info.data.get("stream"):
             raise _invalid("prompt_logprobs are not available when stream is true (as vLLM): ask without streaming")
+        return value
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, value: str | None) -> str | None:
+        if value == "":
+            raise _invalid("cache_salt must be a non-empty string if provided (as vLLM: a long random one, "
+                           "kept from other tenants)")
         return value
 
     def stop_strings(self) -> list[str]:
@@ -773,6 +783,7 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest,
         prompt_logprobs=prompt_logprobs,
         structured=structured_output(req),
         omnikv=req.omnikv,
+        cache_salt=req.cache_salt,
     )
 
 

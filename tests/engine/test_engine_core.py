@@ -159,6 +159,21 @@ def test_unseeded_draws_differ_across_starts_unless_a_seed_is_given(model_dir):
     assert runs[None][0] != runs[None][1] and runs[5][0] == runs[5][1]
 
 
+def test_a_cache_salt_shares_kv_only_with_its_own(model_dir):
+    """vLLM's cache_salt: a prompt cached under one salt is a hit for that salt only; no salt shares with no
+    salt alone; the tokens are the same either way."""
+    ids, core = prompt(40, 170), make_engine(model_dir)
+    params = msgspec.structs.replace(GREEDY, max_tokens=4)
+    cached = {}
+    for rid, salt in (("none", None), ("a", "tenant-a"), ("b", "tenant-b"), ("a2", "tenant-a"), ("none2", None)):
+        core.add_request(GenerateRequest(rid, ids, msgspec.structs.replace(params, cache_salt=salt)))
+        outs = run_to_end(core)[(rid, 0)]
+        cached[rid] = (outs[-1].cached_tokens, tokens(outs))
+    assert [cached[r][0] for r in ("none", "a", "b", "a2", "none2")] == [0, 0, 0, 39, 39]
+    assert len({tuple(t) for _, t in cached.values()}) == 1
+    assert_no_leak(core)
+
+
 def test_prefix_cache_reuses_slots_and_keeps_tokens(model_dir):
     shared = prompt(48, 100)
     a, b = shared + prompt(5, 101), shared + prompt(7, 102)

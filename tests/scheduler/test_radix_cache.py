@@ -228,6 +228,22 @@ def test_pages_are_matched_and_split_whole() -> None:
         cache.check_integrity()
 
 
+def test_a_salted_key_shares_only_with_its_salt() -> None:
+    """vLLM's cache_salt: the same tokens under another salt, or none, match nothing of each other."""
+    allocator, cache = _fresh()
+    ids = [5, 1, 2, 3]
+    kv = {salt: _alloc(allocator, 4) for salt in (None, "a", "b")}
+    for salt, slots in kv.items():
+        assert cache.insert(ids, slots, salt) == 0  # nothing shared: each keeps its own slots
+    for salt, slots in kv.items():
+        assert cache.match_prefix(ids + [9], salt).kv_indices.tolist() == slots.tolist()
+    assert cache.match_prefix(ids, "c").kv_indices.numel() == 0
+    assert cache.insert(ids[:2] + [7], _alloc(allocator, 3), "a") == 2
+    assert cache.total_size() == 13
+    cache.check_integrity()
+    assert cache.evict(100) == 13 and allocator.available_size() == allocator.num_slots - 2  # (the 2 duplicates)
+
+
 def test_no_prefix_cache_keeps_nothing() -> None:
     allocator = TokenSlotAllocator(64)
     cache = create_prefix_cache(False, allocator)

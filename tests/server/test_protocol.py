@@ -252,19 +252,20 @@ def test_to_sampling_params_maps_every_field() -> None:
         "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {"11": 5.0, " 7": -100},
         "seed": 1234, "n": 3, "max_tokens": 999, "max_completion_tokens": 50, "min_tokens": 2,
         "ignore_eos": True, "logprobs": True, "top_logprobs": 4, "stop": "x", "user": "u", "stop_token_ids": [2, 7],
-        "response_format": {"type": "json_object"}, "omnikv": True, "allowed_token_ids": [5, 9]})
+        "response_format": {"type": "json_object"}, "omnikv": True, "allowed_token_ids": [5, 9],
+        "prompt_logprobs": 2, "cache_salt": "s"})
     sp = to_sampling_params(chat)
     default = SamplingParams()
     for name in SamplingParams.__struct_fields__:
-        # prompt_logprobs: completions only (echo + logprobs), checked below; bad_words_ids: tokenized by the
-        # server (server.serving.bad_words_ids, tested end to end)
-        if name not in ("prompt_logprobs", "bad_words_ids"):
+        # bad_words_ids: tokenized by the server (server.serving.bad_words_ids, tested end to end)
+        if name != "bad_words_ids":
             assert getattr(sp, name) != getattr(default, name), name
     assert sp == SamplingParams(temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
                                 presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={11: 5.0, 7: -100.0},
                                 seed=1234, n=3, max_tokens=50, min_tokens=2, stop_token_ids=(2, 7), ignore_eos=True,
                                 allowed_token_ids=(5, 9),
-                                logprobs=True, top_logprobs=4, structured=StructuredOutput("json_object"), omnikv=True)
+                                logprobs=True, top_logprobs=4, structured=StructuredOutput("json_object"), omnikv=True,
+                                prompt_logprobs=2, cache_salt="s")
     sp.validate(vocab_size=100)  # the engine's own check accepts what validation let through
     assert to_sampling_params(ChatCompletionRequest.model_validate({**CHAT, "max_tokens": 9})).max_tokens == 9
     assert to_sampling_params(ChatCompletionRequest.model_validate({**CHAT, "top_k": 0})).top_k == -1
@@ -273,6 +274,9 @@ def test_to_sampling_params_maps_every_field() -> None:
     comp = CompletionRequest.model_validate({**COMPLETION, "logprobs": 3, "max_tokens": 7, "seed": -1, "echo": True})
     sp = to_sampling_params(comp)
     assert (sp.logprobs, sp.top_logprobs, sp.max_tokens, sp.seed, sp.prompt_logprobs) == (True, 3, 7, -1, 3)
+    # echo's logprobs and vLLM's prompt_logprobs: the prompt is scored with the larger count; streamed, only echo's
+    for body, want in (({"prompt_logprobs": 5}, 5), ({"prompt_logprobs": 1}, 3), ({"stream": True, "prompt_logprobs": 0}, 3)):
+        assert to_sampling_params(comp.model_validate({**comp.model_dump(exclude_unset=True), **body})).prompt_logprobs == want
     sp = to_sampling_params(CompletionRequest.model_validate({**COMPLETION, "logprobs": 0}))
     assert (sp.logprobs, sp.top_logprobs) == (True, 0)
     assert to_sampling_params(CompletionRequest.model_validate(COMPLETION)).logprobs is False

@@ -1,6 +1,6 @@
-"""vLLM's `prompt_logprobs` extension on /v1/completions and /v1/chat/completions, against HF transformers'
-forward of the same tiny checkpoint in fp32 (the server holds its weights in fp32 too): each prompt token's
-logprob, rank in the vocabulary and best alternatives, in vLLM's shape."""
+"""vLLM's extensions on /v1/completions and /v1/chat/completions: `prompt_logprobs` against HF transformers'
+forward of the same tiny checkpoint in fp32 (the server holds its weights in fp32 too: each prompt token's
+logprob, rank in the vocabulary and best alternatives, in vLLM's shape), and `cache_salt`."""
 
 from __future__ import annotations
 
@@ -116,3 +116,25 @@ def test_prompt_logprobs_0_while_streaming_is_taken_and_ignored_as_vllm(server):
                       json={"prompt": "x", "max_tokens": 2, "prompt_logprobs": 0, "stream": True}) as resp:
         lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
     assert resp.status_code == 200 and lines[-1] == "data: [DONE]" and "prompt_logprobs" not in "".join(lines)
+
+
+def test_cache_salt_keeps_tenants_prefix_caches_apart(server):
+    """vLLM's cache_salt on both APIs: a prompt is a prefix-cache hit only for a request bringing the salt it
+    was cached under (`cached_tokens`); an empty salt is refused as vLLM refuses it."""
+    text = "A tenant's long system prompt, which another tenant must not be able to time. " * 4
+
+    def body(path: str, text: str) -> dict:
+        return {"prompt": text} if path == "/v1/completions" else {"messages": [{"role": "user", "content": text}]}
+
+    def cached(path: str, salt: str | None) -> int:
+        r = post(server, path, {**body(path, text), "max_tokens": 1, **({"cache_salt": salt} if salt is not None else {})})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        first = cached(path, f"salt-a{path}")
+        assert first == 0 and cached(path, f"salt-b{path}") == 0  # not even the chat template's opening
+        again = cached(path, f"salt-a{path}")
+        assert again > 60 and cached(path, None) < again // 2  # (unsalted: the template's opening at most)
+        err = post(server, path, {**body(path, "x"), "cache_salt": ""}).json()["error"]
+        assert err["param"] == "cache_salt" and "non-empty" in err["message"], err
