@@ -419,6 +419,8 @@ class _GenerationRequest(_Body):
     cache_salt: str | None = None
     user: str | None = None
     return_token_ids: StrictBool | None = False
+    # vLLM's extension: logprobs name each token `token_id:N`, not by its text (what RL trainers read back)
+    return_tokens_as_token_ids: StrictBool | None = False
 
     @field_validator("stop")
     @classmethod

@@ -301,10 +301,17 @@ class ChatSerializer(Serializer):
     def token_logprobs(self, lps: list[ShownLogprob]) -> list[ChatTokenLogprob]:
         """Each token's text, bytes and logprob, and its alternatives' (chat's shape; the Responses API's
         output_text part has the same)."""
-        return [ChatTokenLogprob(token=self.token_text(lp.token_id), logprob=lp.logprob, bytes=self.token_bytes(lp.token_id),
-                                 top_logprobs=[TopLogprob(token=self.token_text(t), logprob=v, bytes=self.token_bytes(t))
-                                               for t, v in lp.top])
+        return [ChatTokenLogprob(**self.named(lp.token_id), logprob=lp.logprob,
+                                 top_logprobs=[TopLogprob(**self.named(t), logprob=v) for t, v in lp.top])
                 for lp, *_ in lps]
+
+    def named(self, token_id: int) -> dict[str, Any]:
+        """A logprob's `token` and `bytes`: the token's text and own bytes, or with vLLM's
+        return_tokens_as_token_ids `token_id:N` and that name's bytes, as vLLM writes them."""
+        if getattr(self.body, "return_tokens_as_token_ids", False):
+            name = f"token_id:{token_id}"
+            return {"token": name, "bytes": list(name.encode())}
+        return {"token": self.token_text(token_id), "bytes": self.token_bytes(token_id)}
 
     def chat_logprobs(self, lps: list[ShownLogprob]) -> ChatChoiceLogprobs | None:
         return ChatChoiceLogprobs(content=self.token_logprobs(lps)) if self.body.logprobs else None
@@ -745,7 +752,7 @@ class CompletionSerializer(Serializer):
         `top_logprobs` keys would collide); an id past the tokenizer's (an LM head padded wider) has no
         text or bytes: vLLM's `token_id:N`."""
         text = self.token_text(token_id)
-        if not text and not self.token_bytes(token_id):
+        if (not text and not self.token_bytes(token_id)) or self.body.return_tokens_as_token_ids:
             return f"token_id:{token_id}"
         if "\ufffd" in text:
             raw = bytes(self.token_bytes(token_id))

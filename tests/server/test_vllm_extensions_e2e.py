@@ -1,8 +1,11 @@
 """vLLM's extensions on /v1/completions and /v1/chat/completions: `prompt_logprobs` against HF transformers'
 forward of the same tiny checkpoint in fp32 (the server holds its weights in fp32 too: each prompt token's
-logprob, rank in the vocabulary and best alternatives, in vLLM's shape), and `cache_salt`."""
+logprob, rank in the vocabulary and best alternatives, in vLLM's shape), `cache_salt` and
+`return_tokens_as_token_ids`."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import openai
@@ -138,3 +141,28 @@ def test_cache_salt_keeps_tenants_prefix_caches_apart(server):
         assert again > 60 and cached(path, None) < again // 2  # (unsalted: the template's opening at most)
         err = post(server, path, {**body(path, "x"), "cache_salt": ""}).json()["error"]
         assert err["param"] == "cache_salt" and "non-empty" in err["message"], err
+
+
+def test_return_tokens_as_token_ids_names_logprobs_by_id(server, model_dir):
+    """vLLM's return_tokens_as_token_ids: every logprob's token (and alternative) is `token_id:N`, N the id
+    the text's token was (the ids `return_token_ids` lists), its bytes that name's; the values do not move."""
+    tok = load_tokenizer(str(model_dir))
+    comp = {"prompt": "The sea is", "max_tokens": 6, "temperature": 0, "logprobs": 2, "ignore_eos": True,
+            "return_token_ids": True}
+    plain = post(server, "/v1/completions", comp).json()["choices"][0]
+    named = post(server, "/v1/completions", {**comp, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    assert named["logprobs"]["tokens"] == [f"token_id:{t}" for t in plain["token_ids"]]
+    assert named["logprobs"]["token_logprobs"] == plain["logprobs"]["token_logprobs"]
+    for names, texts in zip(named["logprobs"]["top_logprobs"], plain["logprobs"]["top_logprobs"]):
+        assert sorted(names.values()) == sorted(texts.values()) and all(k.startswith("token_id:") for k in names)
+        assert {tok.decode([int(k[9:])], skip_special_tokens=False) for k in names} == set(texts)
+    chat = {"messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 6, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2, "ignore_eos": True, "return_tokens_as_token_ids": True}
+    content = post(server, "/v1/chat/completions", chat).json()["choices"][0]["logprobs"]["content"]
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    streamed = [c for chunk in chunks for choice in chunk["choices"] for c in (choice.get("logprobs") or {}).get("content") or []]
+    assert streamed == content and content
+    for entry in content:
+        assert entry["token"].startswith("token_id:") and entry["bytes"] == list(entry["token"].encode())
+        assert all(alt["token"].startswith("token_id:") for alt in entry["top_logprobs"])
