@@ -628,6 +628,8 @@ class ChatCompletionRequest(ChatInput, _GenerationRequest):
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None
     min_tokens: StrictInt | None = 0
+    # vLLM's extension: false leaves the reasoning out of the reply (still parsed apart and counted)
+    include_reasoning: StrictBool | None = True
     # output modalities: text only; audio output refused rather than ignored (the reply would silently
     # lack what was asked for)
     modalities: list[str] | None = None

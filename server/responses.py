@@ -253,6 +253,12 @@ class ChatSerializer(Serializer):
         head, tail = parser.feed(text), parser.finish()
         return Split(head.reasoning + tail.reasoning, head.content + tail.content)
 
+    @property
+    def shows_reasoning(self) -> bool:
+        """Whether the reply carries its reasoning (vLLM's `include_reasoning: false` leaves it out; it is still
+        parsed apart from the answer and counted in `reasoning_tokens`)."""
+        return getattr(self.body, "include_reasoning", None) is not False
+
     def reason(self, i: int, text: str, ids: list[int], final: bool) -> Split:
         """Choice i's new text split into reasoning and answer (all answer without a reasoning parser)."""
         if self.reasoning_kind == "none":
@@ -379,6 +385,7 @@ class ChatSerializer(Serializer):
         reasoning = (self.echo.reasoning + split.reasoning) or None
         # a reply that is all reasoning (cut before `</think>`) has no answer: null, as vLLM's reasoning parsers say
         empty = None if reasoning is not None else ""
+        reasoning = reasoning if self.shows_reasoning else None
         if self.tools.new_parser is None:
             return ChatResponseMessage(content=(self.echo.content + split.content) or empty,
                                        reasoning_content=reasoning), None
@@ -438,7 +445,8 @@ class ChatSerializer(Serializer):
             out.append(self.chunk([first], prompt_token_ids=ids if i == 0 else None, **self.opening_usage(i)))
             out += [self.chunk([ChatCompletionChunkChoice(index=i, delta=DeltaMessage(**{field: text}))],
                                **self.opening_usage(i))
-                    for field, text in (("reasoning_content", self.echo.reasoning), ("content", self.echo.content)) if text]
+                    for field, text in (("reasoning_content", self.echo.reasoning if self.shows_reasoning else ""),
+                                        ("content", self.echo.content)) if text]
         return out
 
     def parse_delta(self, r: EngineRequest, index: int, text: str, ids: list[int]) -> tuple[str, str, list[ToolCallDelta], Any]:
@@ -476,7 +484,7 @@ class ChatSerializer(Serializer):
         i = self.choice_index(r, index)
         out = []
         reasoning, text, deltas, parser, lps = self.placed_delta(r, index, text, ids, lps)
-        reasoning = reasoning or None
+        reasoning = (reasoning or None) if self.shows_reasoning else None
         calls = [_delta_tool_call(d) for d in deltas] or None
         ids_out = ids if self.body.return_token_ids else None
         finished = choice.finish_reason is not None

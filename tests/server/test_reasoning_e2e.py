@@ -103,6 +103,15 @@ def test_r1_template_output_is_reasoning(model, tmp_path) -> None:
             echoed = c.post("/v1/chat/completions", json={**thinking, "echo": True}).json()["choices"][0]["message"]
             assert echoed["reasoning_content"] == "\nSo" + whole["choices"][0]["message"]["reasoning_content"]
             assert stream(c, {**answer, "echo": True})[:2] == ("", "Sure:" + msg["content"])
+            # vLLM's include_reasoning false: the reasoning is left out (echoed and generated, whole and streamed),
+            # still counted
+            hidden = c.post("/v1/chat/completions", json={**thinking, "echo": True, "include_reasoning": False}).json()
+            assert "reasoning_content" not in hidden["choices"][0]["message"], hidden
+            assert hidden["choices"][0]["message"]["content"] is None
+            assert hidden["usage"]["completion_tokens_details"]["reasoning_tokens"] == 12
+            assert stream(c, {**thinking, "echo": True, "include_reasoning": False})[:2] == ("", "")
+            shown = c.post("/v1/chat/completions", json={**answer, "include_reasoning": False}).json()
+            assert shown["choices"][0]["message"]["content"] == msg["content"]
             # Anthropic's Messages API: the reasoning is a thinking block, whole and streamed
             ask = {"model": "m", "max_tokens": 12, "messages": BODY["messages"], "temperature": 0}
             m = c.post("/v1/messages", json=ask).json()
