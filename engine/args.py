@@ -29,6 +29,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
 EXPERT_BACKENDS = ("torch", "cpp", "triton")
 HYBRID_GRAPH_MODES = ("host-nodes", "split")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # scheduler.Scheduler's `policy`
 CPU_KERNELS = ("native", "torch")
 CPU_WEIGHT_DTYPES = ("file", "bf16", "float32")
 
@@ -175,6 +176,10 @@ class EngineArgs:
                                   "(the CPU work as host nodes of one graph) or split (graph pieces with the CPU "
                                   "work run between them)", choices=HYBRID_GRAPH_MODES)
     disable_prefix_cache: bool = flag(False, "turn the radix prefix cache off")
+    scheduling_policy: str = flag("fcfs", "the order waiting requests are admitted in: fcfs (arrival), or priority "
+                                  "(a request's `priority`, lower first, then arrival, as vLLM's; when KV runs short "
+                                  "the lowest-priority running request gives its KV back first)",
+                                  choices=SCHEDULING_POLICIES)
     seed: int | None = flag(None, "base seed of the requests that bring none: by default drawn at each start "
                             "(and logged), so that their draws differ across restarts as OpenAI's, llama.cpp's and "
                             "SGLang's do; give one to repeat them", default_text="random")

@@ -331,6 +331,7 @@ class EngineCore:
             context_len=self.context_len, max_running_requests=args.max_running_requests,
             chunked_prefill_size=args.prefill_chunk(), max_prefill_tokens=args.prefill_budget(),
             omnikv_mode=args.omnikv, omnikv_min_context=omnikv.min_context, speculative=self._speculative(args),
+            policy=args.scheduling_policy,
         )
         seed = args.seed if args.seed is not None else secrets.randbits(63)
         logger.info("requests that bring no seed draw theirs from base seed %d%s", seed,
@@ -413,8 +414,11 @@ class EngineCore:
             return [_refusal(req.rid, len(req.input_ids), req.arrival_time, message, code, param)]
         p = req.params
         base = p.seed if p.seed is not None else self._rng.getrandbits(63)
+        # siblings wait for completion 0's prompt KV where the cache keeps some of it: a whole page (the last
+        # token is always computed)
+        shared = self.shares_prompts and len(req.input_ids) > self.args.page_size
         reqs = [Req(req.rid, i, list(req.input_ids), p, _mix_seed(base, i) if i else base,
-                    arrival_time=req.arrival_time or 0.0, waits_for_sibling=i > 0 and self.shares_prompts)
+                    arrival_time=req.arrival_time or 0.0, waits_for_sibling=i > 0 and shared)
                 for i in range(p.n)]
         if p.structured is None:
             self.scheduler.add(reqs)
@@ -462,6 +466,9 @@ class EngineCore:
             p.validate(self.config.vocab_size, self.scheduler.eos_token_ids)
         except ParamError as e:
             return ERR_INVALID, e.message, e.param
+        if p.priority and not self.scheduler.by_priority:
+            return ERR_INVALID, (f"priority {p.priority} needs a server started with --scheduling-policy priority "
+                                 "(this one admits requests in arrival order); leave priority out or at 0"), "priority"
         want = len(ids) + (1 if p.max_tokens is None else p.max_tokens)
         if want > self.context_len:
             return ERR_CONTEXT, context_message(self.context_len, len(ids), want - len(ids)), None

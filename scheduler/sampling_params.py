@@ -93,6 +93,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     omnikv: bool | None = None
     # vLLM's: the prefix cache shares this request's KV only with requests that bring the same salt
     cache_salt: str | None = None
+    # vLLM's: with the priority scheduling policy, lower values are admitted first (and retracted last)
+    priority: int = 0
 
     @property
     def greedy(self) -> bool:

@@ -29,6 +29,9 @@ update    Each prefill chunk's KV goes into the prefix cache as soon as it is co
 n > 1: completions 1..n-1 wait until completion 0 has prefilled the prompt (then in the prefix
 cache), so they start from the shared prompt KV.
 
+Priority (`policy="priority"`, vLLM's): the queue is kept in (priority, arrival) order, lower first, prompt
+chunks go best first, and the worst-priority request (of those, the latest) gives its KV back first.
+
 Speculative decoding (`speculative`, scheduler/speculative.py): a decoding completion whose tokens an
 n-gram lookup can continue feeds its last token and the draft as one slice with logits at every
 position; `_update` samples each position as its own decode step and keeps tokens while they equal
@@ -42,7 +45,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -93,6 +96,7 @@ class Scheduler:
         omnikv_mode: str = "off",
         omnikv_min_context: int = 0,
         speculative: SpeculativeConfig | None = None,
+        policy: str = "fcfs",
     ) -> None:
         self.runner = runner
         self.cache = cache
@@ -104,6 +108,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.omnikv_mode, self.omnikv_min_context = omnikv_mode, omnikv_min_context
         self.speculative = speculative
+        self.by_priority = policy == "priority"  # waiting in (priority, arrival) order, not arrival order
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.counters = SchedulerCounters()
@@ -112,7 +117,29 @@ class Scheduler:
     def add(self, reqs: Sequence[Req]) -> None:
         for r in reqs:
             self.counters.prompt_tokens += len(r.prompt_ids) if r.index == 0 else 0
-            self.waiting.append(r)
+            self._queue(r)
+
+    def _queue(self, r: Req, front: bool = False) -> None:
+        """Puts r in the waiting queue: at its end (`front`: a retracted request, at its head), or, by
+        priority, after every request of its priority or better that arrived before it (a retracted one
+        arrived before those admitted after it), so equal priorities keep arrival order."""
+        if not self.by_priority:
+            self.waiting.appendleft(r) if front else self.waiting.append(r)
+            return
+        key = self._rank(r)
+        at = next((i for i, w in enumerate(self.waiting) if self._rank(w) > key), len(self.waiting))
+        self.waiting.insert(at, r)
+
+    def _rank(self, r: Req) -> tuple[int, float]:
+        """Which of two requests goes first under the priority policy: the lower (priority, arrival)."""
+        return r.params.priority, r.arrival_time
+
+    def _last(self, reqs: list[Req], key: Callable[[Req], float]) -> Req:
+        """Of `reqs`, the one to give its KV back first: the latest by `key` (fcfs), or of the worst priority
+        the latest (priority)."""
+        if self.by_priority:
+            return max(reqs, key=lambda r: (r.params.priority, key(r)))
+        return max(reqs, key=key)
 
     def abort(self, rid: str, index: int | None = None) -> list[Req]:
         """Finishes every completion of `rid` (or completion `index` alone) with `abort`, freeing its KV now."""
@@ -160,11 +187,13 @@ class Scheduler:
         alloc = self.runner.allocator
         decoding = [r for r in self.running if r.is_decoding]
         prefilling = [r for r in self.running if not r.is_decoding]  # oldest first (admission order)
+        if self.by_priority:  # prefill chunks go best first, and the worst gives its KV back first
+            prefilling.sort(key=self._rank)
         while decoding and not self._make_room(sum(alloc.slots_needed(r.kv_len, 1) for r in decoding)):
             if prefilling:  # a prompt part-way in gives its KV back first: it is the least along
                 self._retract(prefilling.pop())
                 continue
-            victim = max(decoding, key=lambda r: r.first_scheduled_time or 0.0)
+            victim = self._last(decoding, key=lambda r: r.first_scheduled_time or 0.0)
             if len(decoding) == 1:  # alone and still no room: the pool cannot hold a longer sequence
                 self._finish(victim, FINISH_LENGTH)
                 finished.append(victim)
@@ -176,10 +205,12 @@ class Scheduler:
             # drafts take only room nothing else wants: free or evictable slots past the decodes' and this
             # step's prefill budget, so a draft never costs a retraction nor holds a prompt back
             spare = alloc.available_size() + self.cache.evictable_size() - need
-            if self._propose(decoding, spare - (self.max_prefill_tokens if prefilling or self.waiting else 0)):
-                # (page size 1: a slot a draft token; paged, a draft may open pages the spare room did not count)
+            room = spare - (self.max_prefill_tokens if prefilling or self.waiting else 0)
+            if self._propose(decoding, room):
+                # (page size 1: a slot a draft token; paged, drafts that open pages may cost more than the room,
+                # and then there are none this step)
                 with_drafts = sum(alloc.slots_needed(r.kv_len, 1 + len(r.draft)) for r in decoding)
-                if self._make_room(with_drafts):
+                if with_drafts - need <= room and self._make_room(with_drafts):
                     need = with_drafts
                 else:
                     for r in decoding:
@@ -252,7 +283,10 @@ class Scheduler:
             if (other.is_decoding or other.rid == r.rid or other.scores_prompt
                     or other.params.cache_salt != r.params.cache_salt):  # (another salt's KV is never r's)
                 continue
+            # (paged, the cache holds whole pages: r would find nothing more unless the shared part reaches the
+            # next page's end)
             end = other.kv_len + SHARED_PREFIX_WAIT
+            end += (-end) % self.cache.page_size
             if end < r.seq_len and end <= other.seq_len \
                     and other.ids(end - SHARED_PREFIX_WAIT, end) == r.ids(end - SHARED_PREFIX_WAIT, end) \
                     and other.ids(0, end) == r.ids(0, end):  # (the cheap test first: most prompts part early)
@@ -537,7 +571,7 @@ class Scheduler:
     def _retract(self, r: Req) -> None:
         self._release(r, cache=False)
         self.running.remove(r)
-        self.waiting.appendleft(r)
+        self._queue(r, front=True)
         self.counters.retractions += 1
 
     def kv_slots_used(self) -> int:

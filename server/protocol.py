@@ -417,6 +417,8 @@ class _GenerationRequest(_Body):
     omnikv: StrictBool | None = None
     # vLLM's extension: the prefix cache shares this request's KV only with requests sending the same salt
     cache_salt: str | None = None
+    # vLLM's extension: lower is admitted first, under --scheduling-policy priority (else only 0 is taken)
+    priority: Annotated[StrictInt, Field(ge=-(1 << 63), le=(1 << 63) - 1)] | None = None
     user: str | None = None
     return_token_ids: StrictBool | None = False
     # vLLM's extension: logprobs name each token `token_id:N`, not by its text (what RL trainers read back)
@@ -788,6 +790,7 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest,
         structured=structured_output(req),
         omnikv=req.omnikv,
         cache_salt=req.cache_salt,
+        priority=req.priority or 0,
     )
 
 

@@ -151,6 +151,28 @@ def test_paged_prefix_cache_shares_whole_pages(model_dir):
     assert_no_leak(core)
 
 
+def test_paged_waits_only_for_whole_pages(model_dir):
+    """Page size 64: a request sharing 50 tokens with a prompt being prefilled does not wait for them (the
+    cache would keep none of them: less than a page), nor do n = 3 completions of a 40-token prompt wait for
+    completion 0's (with page size 1 they wait, and reuse the prompt's KV)."""
+    shared, chunks = prompt(50, 190), dict(chunked_prefill_size=16, max_prefill_tokens=64)
+    p = msgspec.structs.replace(GREEDY, max_tokens=2)
+    a, b = GenerateRequest("a", shared + prompt(150, 191), p), GenerateRequest("b", shared + prompt(10, 192), p)
+
+    def steps(reqs: list[GenerateRequest], **kw) -> dict[str, int]:
+        core = make_engine(model_dir, **chunks, **kw)
+        first = first_token_steps(core, {0: reqs}, 100)
+        assert_no_leak(core)
+        return first
+    alone_b = steps([b], page_size=64)["b"]
+    assert steps([a, b], page_size=64)["b"] == alone_b
+    n3 = GenerateRequest("n", prompt(40, 193), msgspec.structs.replace(p, n=3, temperature=1.0, seed=2))
+    paged = steps([n3], page_size=64)
+    assert len(paged) == 3 and len(set(paged.values())) == 1, paged  # all three prefill together
+    flat = steps([n3])
+    assert flat["n/1"] > flat["n"], flat
+
+
 def test_unseeded_draws_differ_across_starts_unless_a_seed_is_given(model_dir):
     """A request without a seed samples differently after a restart (OpenAI's, llama.cpp's and SGLang's
     unseeded requests are random), unless the server was given --seed: then it repeats."""
@@ -233,14 +255,15 @@ def test_requests_arriving_together_compute_their_shared_prefix_once(model_dir):
 
 
 def first_token_steps(core: EngineCore, arrivals: dict[int, list[GenerateRequest]], steps: int) -> dict[str, int]:
-    """The step at which each request's first token came; `arrivals`: requests added before a step."""
+    """The step at which each completion's first token came (keyed by rid, and `rid/i` for completion i > 0);
+    `arrivals`: requests added before a step."""
     first: dict[str, int] = {}
     for step in range(steps):
         for req in arrivals.get(step, []):
             core.add_request(req)
         for o in core.step():
             if o.new_token_ids:
-                first.setdefault(o.rid, step)
+                first.setdefault(f"{o.rid}/{o.index}" if o.index else o.rid, step)
         if not core.has_work() and step > max(arrivals):
             break
     return first
@@ -390,6 +413,42 @@ def test_memory_pressure_retracts_and_completes(model_dir):
         assert tokens(outs[(rid, 0)]) == expected[rid], rid
     assert core.stats().retractions_total > 0
     assert_no_leak(core)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_the_priority_policy_admits_the_best_first_and_retracts_the_worst(model_dir, policy):
+    """vLLM's --scheduling-policy priority: of the waiting requests the lowest `priority` is admitted first
+    (equal ones in arrival order), and when KV runs short the worst-priority running request is retracted,
+    not the latest admitted; fcfs keeps arrival order and refuses a priority other than 0, naming it."""
+    p = msgspec.structs.replace(GREEDY, max_tokens=3)
+    core = make_engine(model_dir, scheduling_policy=policy, max_running_requests=1)
+    core.add_request(GenerateRequest("first", prompt(6, 180), p))
+    core.step()  # (it runs: the others queue behind it)
+    for rid, prio in (("low", 5), ("high", -2), ("low2", 5), ("mid", 0)):
+        out = core.add_request(GenerateRequest(rid, prompt(6, 181), msgspec.structs.replace(p, priority=prio)))
+        if policy == "fcfs" and prio:
+            assert out[0].error_code == ERR_INVALID and out[0].error_param == "priority", out
+            assert "--scheduling-policy priority" in out[0].error
+    finished = []
+    while core.has_work():
+        finished += [o.rid for o in core.step() if o.finish_reason is not None]
+    assert finished == (["first", "high", "mid", "low", "low2"] if policy == "priority" else ["first", "mid"])
+    assert_no_leak(core)
+    if policy == "fcfs":
+        return
+    # KV for both decodes runs out: the low-priority one gives its KV back though admitted first
+    small = make_engine(model_dir, scheduling_policy="priority", max_total_tokens=64, disable_prefix_cache=True)
+    retracted = []
+    retract = small.scheduler._retract
+    small.scheduler._retract = lambda r: (retracted.append(r.rid), retract(r))
+    long = msgspec.structs.replace(GREEDY, max_tokens=40)
+    small.add_request(GenerateRequest("low", prompt(10, 182), msgspec.structs.replace(long, priority=1)))
+    small.step()
+    small.add_request(GenerateRequest("high", prompt(10, 183), msgspec.structs.replace(long, priority=0)))
+    outs = run_to_end(small)
+    assert retracted and set(retracted) == {"low"}, retracted
+    assert tokens(outs[("high", 0)]) == alone(make_engine(model_dir), prompt(10, 183), long)
+    assert_no_leak(small)
 
 
 @pytest.mark.parametrize("stage", ["queued", "mid_prefill", "decoding"])

@@ -32,12 +32,22 @@ def test_triton_reads_cached_pages_as_the_requests_own(name, tmp_path):
     for rid, ids in (("a", a), ("b", b)):
         flat.add_request(GenerateRequest(rid, ids, params))
         want[rid] = tokens(run_to_end(flat)[(rid, 0)])
-    core = make_engine(model_dir, attention_backend="triton", page_size=16, max_total_tokens=16 * 16,
-                       chunked_prefill_size=20)
+    core = make_engine(model_dir, attention_backend="triton", cpu_kernels="torch", page_size=16,
+                       max_total_tokens=16 * 16, chunked_prefill_size=20)
+    backend = core.runner.attn_backend  # (the native CPU forward would never call it)
+    calls = {"extend": 0, "decode": 0}
+    for name in calls:
+        real = getattr(backend, f"_{name}")
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+        setattr(backend, f"_{name}", counted)
     got = {}
     for rid, ids in (("a", a), ("b", b)):
         core.add_request(GenerateRequest(rid, ids, params))
         outs = run_to_end(core)[(rid, 0)]
         got[rid] = tokens(outs)
     assert got == want and outs[-1].cached_tokens == 32
+    assert calls["extend"] > 0 and calls["decode"] > 0, calls
     assert_no_leak(core)

@@ -253,7 +253,7 @@ def test_to_sampling_params_maps_every_field() -> None:
         "seed": 1234, "n": 3, "max_tokens": 999, "max_completion_tokens": 50, "min_tokens": 2,
         "ignore_eos": True, "logprobs": True, "top_logprobs": 4, "stop": "x", "user": "u", "stop_token_ids": [2, 7],
         "response_format": {"type": "json_object"}, "omnikv": True, "allowed_token_ids": [5, 9],
-        "prompt_logprobs": 2, "cache_salt": "s"})
+        "prompt_logprobs": 2, "cache_salt": "s", "priority": -4})
     sp = to_sampling_params(chat)
     default = SamplingParams()
     for name in SamplingParams.__struct_fields__:
@@ -265,7 +265,7 @@ def test_to_sampling_params_maps_every_field() -> None:
                                 seed=1234, n=3, max_tokens=50, min_tokens=2, stop_token_ids=(2, 7), ignore_eos=True,
                                 allowed_token_ids=(5, 9),
                                 logprobs=True, top_logprobs=4, structured=StructuredOutput("json_object"), omnikv=True,
-                                prompt_logprobs=2, cache_salt="s")
+                                prompt_logprobs=2, cache_salt="s", priority=-4)
     sp.validate(vocab_size=100)  # the engine's own check accepts what validation let through
     assert to_sampling_params(ChatCompletionRequest.model_validate({**CHAT, "max_tokens": 9})).max_tokens == 9
     assert to_sampling_params(ChatCompletionRequest.model_validate({**CHAT, "top_k": 0})).top_k == -1

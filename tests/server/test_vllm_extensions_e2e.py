@@ -166,3 +166,15 @@ def test_return_tokens_as_token_ids_names_logprobs_by_id(server, model_dir):
     for entry in content:
         assert entry["token"].startswith("token_id:") and entry["bytes"] == list(entry["token"].encode())
         assert all(alt["token"].startswith("token_id:") for alt in entry["top_logprobs"])
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_priority_needs_the_priority_policy(server, path):
+    """vLLM's `priority`: this server admits in arrival order (--scheduling-policy fcfs, the default), so a
+    priority other than 0 is a 400 naming it and the flag, as vLLM refuses it; 0 is taken."""
+    body = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    assert post(server, path, {**body, "max_tokens": 1, "priority": 0}).status_code == 200
+    resp = post(server, path, {**body, "max_tokens": 1, "priority": -3})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "priority" and "--scheduling-policy priority" in err["message"], err
