@@ -21,7 +21,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from executor.sampler import Sampler, SamplingRow, _min_p, _top_k_top_p, apply_logit_processors, noise_seed
+from executor.sampler import (RANK_ROWS, Sampler, SamplingRow, _min_p, _top_k_top_p, apply_logit_processors, noise_seed,
+                              token_ranks)
 from scheduler.sampling_params import SamplingParams
 
 EOS = 3
@@ -669,3 +670,16 @@ def test_top_p_and_min_p_on_a_whole_vocabulary_keep_the_reference_set(temperatur
                 near |= np.abs(ratio - min_p) < 1e-6 * min_p
             assert np.array_equal(kept[i] & ~near, want & ~near), (temperature, top_p, min_p, i,
                                                                     int(kept[i].sum()), int(want.sum()))
+
+
+def test_token_ranks_count_the_tokens_rated_at_least_as_likely():
+    """vLLM's rank of a prompt token: 1 + how many tokens have a higher logit, ties counted against it, over
+    more rows than one block compares at once; a NaN row has none."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randint(-20, 20, (RANK_ROWS + 37, 50), generator=g).float()  # (many ties)
+    rows = list(range(3, logits.shape[0]))
+    tokens = torch.randint(0, 50, (len(rows),), generator=g).tolist()
+    logits[rows[-1]] = float("nan")
+    want = [int((logits[r] >= logits[r, t]).sum()) for r, t in zip(rows, tokens)]
+    assert token_ranks(logits, rows, tokens) == want[:-1] + [None]
+    assert token_ranks(logits, [], []) == []
