@@ -52,7 +52,7 @@ from scheduler.radix_cache import create_prefix_cache
 from scheduler.request import Req
 from executor.sampler import Sampler, mix64
 from scheduler.scheduler import Scheduler
-from scheduler.speculative import SpeculativeConfig
+from scheduler.speculative import PredictionProposer, SpeculativeConfig
 
 logger = logging.getLogger("mlaserve.engine")
 
@@ -538,10 +538,13 @@ class EngineCore:
             prompt_logprobs = None
             if r.prompt_logprobs is not None and not r.prompt_logprobs_sent and not r.scores_prompt:  # complete
                 prompt_logprobs, r.prompt_logprobs_sent = r.prompt_logprobs, True
+            predicted = r.proposer if isinstance(r.proposer, PredictionProposer) else None
             out.append(RequestOutput(
                 r.rid, r.index, r.pending_ids, logprobs=r.pending_logprobs or None, finish_reason=r.finish_reason,
                 prompt_logprobs=prompt_logprobs,
                 prompt_tokens=len(r.prompt_ids), completion_tokens=len(r.output_ids), cached_tokens=r.cached_tokens,
+                accepted_prediction_tokens=predicted.kept if predicted else 0,
+                rejected_prediction_tokens=predicted.rejected if predicted else 0,
                 arrival_time=r.arrival_time, first_scheduled_time=r.first_scheduled_time,
                 first_token_time=r.first_token_time,
             ))

@@ -141,6 +141,9 @@ class RequestOutput(msgspec.Struct, forbid_unknown_fields=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0  # total so far for this completion
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # OpenAI's predicted output: its draft tokens the completion kept, and those it did not (so far)
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
     error: str | None = None  # human-readable, when finish_reason == "error"
     error_code: str | None = None  # one of ERR_*
     error_param: str | None = None  # the request parameter at fault (ERR_INVALID), for the 400's `param`

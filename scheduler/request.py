@@ -17,7 +17,7 @@ from scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the server side reads FINISH_* here and must not load torch through the grammar module
     from executor.grammar import DraftMask, Grammar
-    from scheduler.speculative import NgramProposer
+    from scheduler.speculative import NgramProposer, PredictionProposer
 
 # finish_reason values the scheduler decides (the engine adds "error": engine.messages.FINISH_ERROR)
 FINISH_STOP = "stop"  # EOS or a stop token id (or a stop string found by the server)
@@ -47,7 +47,7 @@ class Req:
     waits_for_sibling: bool = False  # n > 1: siblings wait until completion 0 has prefilled the prompt
     # speculative decoding (scheduler.speculative): the completion's n-gram index, made at its first draft,
     # and the draft tokens this step verifies after its last token (empty: a plain decode step)
-    proposer: NgramProposer | None = None
+    proposer: NgramProposer | PredictionProposer | None = None
     draft: list[int] = field(default_factory=list)
     draft_masks: list[DraftMask] = field(default_factory=list)  # under a grammar: each draft position's mask
     # what the next RequestOutput carries

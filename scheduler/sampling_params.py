@@ -20,7 +20,9 @@ import msgspec
 
 # Sentinel for "no limit" on top_k, as in vLLM/SGLang.
 TOP_K_ALL = -1
-MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs list (vLLM's default max_logprobs)
+# the most alternatives a token's logprobs list (vLLM's default max_logprobs, which harnesses written for it ask for;
+# OpenAI's chat limit too, its completions' is 5)
+MAX_TOP_LOGPROBS = 20
 INT64_MAX = 2**63 - 1  # the largest integer the engine messages carry signed
 # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 GREEDY_BELOW = 1e-5
@@ -95,6 +97,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cache_salt: str | None = None
     # vLLM's: with the priority scheduling policy, lower values are admitted first (and retracted last)
     priority: int = 0
+    # OpenAI's predicted output, tokenized: drafts for speculative decoding (the tokens stay the model's)
+    prediction: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -133,6 +137,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _check(0 <= tok < vocab_size, "stop_token_ids",
                    f"stop_token_ids has token id {tok} outside the vocabulary (0..{vocab_size - 1})")
         validate_token_ids(self.allowed_token_ids, vocab_size, "allowed_token_ids")
+        validate_token_ids(self.prediction, vocab_size, "prediction", "predicted token id")
         for word in self.bad_words_ids:
             _check(len(word) > 0, "bad_words", "a bad word has no tokens")
             validate_token_ids(word, vocab_size, "bad_words")

@@ -30,7 +30,8 @@ n > 1: completions 1..n-1 wait until completion 0 has prefilled the prompt (then
 cache), so they start from the shared prompt KV.
 
 Priority (`policy="priority"`, vLLM's): the queue is kept in (priority, arrival) order, lower first, prompt
-chunks go best first, and the worst-priority request (of those, the latest) gives its KV back first.
+chunks go best first, and the worst (priority, arrival) of the running requests, prompts part-way in and
+decodes alike, gives its KV back first (as vLLM preempts).
 
 Speculative decoding (`speculative`, scheduler/speculative.py): a decoding completion whose tokens an
 n-gram lookup can continue feeds its last token and the draft as one slice with logits at every
@@ -45,7 +46,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -55,7 +56,7 @@ from executor.logprobs import TokenLogprob
 from executor.model_runner import ModelRunner, RequestSlice
 from scheduler.radix_cache import PrefixCache
 from scheduler.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Req
-from scheduler.speculative import NgramProposer, SpeculativeConfig
+from scheduler.speculative import NgramProposer, PredictionProposer, SpeculativeConfig
 from executor.sampler import Sampler, SamplingRow, token_logprobs, token_ranks
 
 logger = logging.getLogger("mlaserve.scheduler")
@@ -134,12 +135,14 @@ class Scheduler:
         """Which of two requests goes first under the priority policy: the lower (priority, arrival)."""
         return r.params.priority, r.arrival_time
 
-    def _last(self, reqs: list[Req], key: Callable[[Req], float]) -> Req:
-        """Of `reqs`, the one to give its KV back first: the latest by `key` (fcfs), or of the worst priority
-        the latest (priority)."""
+    def _victim(self, prefilling: list[Req], decoding: list[Req]) -> Req:
+        """The running request to give its KV back when the decodes need more: fcfs, a prompt part-way in (the
+        newest: it is the least along), else the latest admitted decode; priority, the worst (priority,
+        arrival) of them all, as vLLM preempts (the later listed of equals)."""
         if self.by_priority:
-            return max(reqs, key=lambda r: (r.params.priority, key(r)))
-        return max(reqs, key=key)
+            both = prefilling + decoding
+            return both[max(range(len(both)), key=lambda i: (*self._rank(both[i]), i))]
+        return prefilling[-1] if prefilling else max(decoding, key=lambda r: r.first_scheduled_time or 0.0)
 
     def abort(self, rid: str, index: int | None = None) -> list[Req]:
         """Finishes every completion of `rid` (or completion `index` alone) with `abort`, freeing its KV now."""
@@ -190,18 +193,19 @@ class Scheduler:
         if self.by_priority:  # prefill chunks go best first, and the worst gives its KV back first
             prefilling.sort(key=self._rank)
         while decoding and not self._make_room(sum(alloc.slots_needed(r.kv_len, 1) for r in decoding)):
-            if prefilling:  # a prompt part-way in gives its KV back first: it is the least along
-                self._retract(prefilling.pop())
+            victim = self._victim(prefilling, decoding)
+            if victim in prefilling:
+                prefilling.remove(victim)
+                self._retract(victim)
                 continue
-            victim = self._last(decoding, key=lambda r: r.first_scheduled_time or 0.0)
-            if len(decoding) == 1:  # alone and still no room: the pool cannot hold a longer sequence
+            if len(decoding) == 1 and not prefilling:  # alone and still no room: the pool cannot hold a longer sequence
                 self._finish(victim, FINISH_LENGTH)
                 finished.append(victim)
             else:
                 self._retract(victim)
             decoding.remove(victim)
         need = sum(alloc.slots_needed(r.kv_len, 1) for r in decoding)  # KV slots the slices so far take
-        if self.speculative is not None and decoding:
+        if decoding and (self.speculative is not None or any(r.params.prediction for r in decoding)):
             # drafts take only room nothing else wants: free or evictable slots past the decodes' and this
             # step's prefill budget, so a draft never costs a retraction nor holds a prompt back
             spare = alloc.available_size() + self.cache.evictable_size() - need
@@ -304,7 +308,7 @@ class Scheduler:
         max_tokens and the context leave room for (the verification may add one more token), `room` KV
         slots in all at most. Returns the draft tokens given."""
         spec = self.speculative
-        if spec is None or (spec.disable_by_batch_size is not None and len(decoding) > spec.disable_by_batch_size):
+        if spec is not None and spec.disable_by_batch_size is not None and len(decoding) > spec.disable_by_batch_size:
             return 0
         given = 0
         for r in decoding:
@@ -331,13 +335,19 @@ class Scheduler:
         """Whether r may decode with drafts: not with OmniKV (its sparse rows decode one token, and its query
         window counts decode steps). Under a grammar a draft is cut where the grammar refuses it, and each
         position is sampled with the mask after the draft's tokens before it (`Grammar.along`)."""
-        return self.speculative is not None and (
+        return (self.speculative is not None or bool(r.params.prediction)) and (
             r.params.omnikv is False or (r.params.omnikv is None and self.omnikv_mode == "off"))
 
-    def _proposer(self, r: Req) -> NgramProposer:
+    def _proposer(self, r: Req) -> NgramProposer | PredictionProposer:
+        """r's drafts: from its predicted output (OpenAI's `prediction`), the server's n-gram lookup behind
+        it; or the n-gram lookup alone."""
         if r.proposer is None:
-            assert self.speculative is not None
-            r.proposer = NgramProposer(self.speculative)
+            ngram = NgramProposer(self.speculative) if self.speculative is not None else None
+            if r.params.prediction:
+                r.proposer = PredictionProposer(r.params.prediction, len(r.prompt_ids), ngram)
+            else:
+                assert ngram is not None
+                r.proposer = ngram
         return r.proposer
 
     def _admit(self, r: Req, budget: int, need: int) -> int | None:

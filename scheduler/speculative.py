@@ -19,6 +19,7 @@ Settings, vLLM's `--speculative-config` keys: {"method": "ngram", "num_speculati
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -179,3 +180,63 @@ class NgramProposer:
                     draft.append(draft[len(draft) - period])
                 return draft
         return []
+
+
+# drafts from a predicted output (OpenAI's `prediction`) start this long and adapt as n-gram drafts do, up to
+# MAX_SPECULATIVE_TOKENS: a prediction is mostly the text itself, so long drafts pay
+PREDICTION_TOKENS = 8
+PREDICTION_LOOKUP = 4  # the longest tail of the output looked up in the prediction
+PREDICTION_NEAR = 16  # a single-token match counts only this close past where the output left the prediction
+
+
+class PredictionProposer:
+    """Drafts for a completion whose output the client predicted (OpenAI's Predicted Outputs: a file being
+    edited, sent back with a few changes): where the output has followed the prediction, the prediction's
+    next tokens. The output's last tokens (up to PREDICTION_LOOKUP, longest first) are found in the prediction
+    at or after the point it last followed (`cursor`), so after an edit the drafts pick the prediction up
+    again where the output rejoins it; where nothing matches, `fallback` (the server's n-gram drafts, if any)
+    proposes. Its drafts are verified as every draft is: the tokens are those the completion gets without."""
+
+    def __init__(self, prediction: Sequence[int], prompt_len: int, fallback: NgramProposer | None) -> None:
+        self.pred = list(prediction)
+        self.prompt_len = prompt_len
+        self.fallback = fallback
+        self.length = PREDICTION_TOKENS
+        self.cursor = 0  # the prediction's position the output is expected to go on from
+        self.from_prediction = False  # whether the last draft came from the prediction
+        self.kept = self.rejected = 0  # the prediction's draft tokens the output kept, and those it did not
+        self._ends: dict[tuple[int, ...], list[int]] = {}  # n-gram -> the positions it ends at, ascending
+        for n in range(1, PREDICTION_LOOKUP + 1):
+            for end in range(n - 1, len(self.pred)):
+                self._ends.setdefault(tuple(self.pred[end + 1 - n : end + 1]), []).append(end)
+
+    def verified(self, drafted: int, kept: int) -> None:
+        if not self.from_prediction:
+            if self.fallback is not None:
+                self.fallback.verified(drafted, kept)
+            return
+        self.kept += kept
+        self.rejected += drafted - kept
+        if drafted:
+            self.length = min(MAX_SPECULATIVE_TOKENS, self.length + 1 if kept == drafted else max(kept + 1, 2))
+
+    def index(self, ids: Callable[[int, int], Sequence[int]], upto: int) -> None:
+        if self.fallback is not None:
+            self.fallback.index(ids, upto)
+
+    def propose(self, ids: Callable[[int, int], Sequence[int]], seq_len: int, k: int) -> list[int]:
+        self.from_prediction = False
+        if k <= 0:
+            return []
+        tail = list(ids(max(self.prompt_len, seq_len - PREDICTION_LOOKUP), seq_len))  # the output's last tokens
+        for n in range(len(tail), 0, -1):
+            ends = self._ends.get(tuple(tail[len(tail) - n :]), ())
+            at = bisect.bisect_left(ends, self.cursor - 1)  # the first match not behind the cursor
+            if at < len(ends) and (n > 1 or ends[at] <= self.cursor + PREDICTION_NEAR):
+                self.cursor = ends[at] + 1
+                draft = self.pred[self.cursor : self.cursor + k]
+                if draft:
+                    self.from_prediction = True
+                    return draft
+                break
+        return self.fallback.propose(ids, seq_len, k) if self.fallback is not None else []

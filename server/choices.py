@@ -53,6 +53,7 @@ class ChoiceText:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[ShownLogprob] = dataclasses.field(default_factory=list)
     completion_tokens: int = 0
+    predicted: tuple[int, int] = (0, 0)  # OpenAI's prediction: its draft tokens kept and not kept so far
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended the choice
     _produced: int = 0  # characters out of the detokenizer so far
@@ -98,6 +99,7 @@ class ChoiceText:
         self._sent += len(text)
         self.token_ids += ids
         self.completion_tokens = out.completion_tokens
+        self.predicted = (out.accepted_prediction_tokens, out.rejected_prediction_tokens)
         if hit:
             self.finish_reason, self.stop_reason = "stop", self.stops.matched
         elif out.finish_reason is not None:

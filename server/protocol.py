@@ -42,8 +42,6 @@ SEND_JSON = "send one JSON object, UTF-8, with the header Content-Type: applicat
 NOT_READ_AS_JSON = ("the request body is JSON but was not read as such: send it with the header "
                     "Content-Type: application/json (curl: -H 'Content-Type: application/json')")
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; a local server can afford more
-# completions API `logprobs`: OpenAI's limit is 5; vLLM's 20, which harnesses written for it ask for
-MAX_COMPLETION_LOGPROBS = 20
 COMPLETIONS_MAX_TOKENS = 16  # the completions API's max_tokens when absent or null (OpenAI's default)
 UNLIKELY_LOGPROB = -9999.0  # what OpenAI sends for a logprob too small to represent
 
@@ -169,6 +167,16 @@ def check_part_types(content: Any, allowed: Collection[str], refusal: str) -> An
 class TextContentPart(_Request):
     type: Literal["text"]
     text: str
+
+
+class PredictionContent(_Request):
+    """OpenAI's `prediction`: text the reply is expected to repeat for the most part (a file being edited)."""
+
+    type: Literal["content"]
+    content: str | list[TextContentPart]
+
+    def text(self) -> str:
+        return "".join(p.text for p in self.content) if isinstance(self.content, list) else self.content
 
 
 class FunctionCallIn(_Request):
@@ -327,6 +335,16 @@ def _logit_bias_id(key: str) -> int:
 Seed = Annotated[StrictInt, Field(ge=-(1 << 63), le=(1 << 63) - 1)]  # int64, as vLLM takes it
 
 
+def _salt_not_empty(value: str) -> str:
+    if not value:
+        raise _invalid("cache_salt must be a non-empty string if provided (as vLLM: a long random one, kept from "
+                       "other tenants)")
+    return value
+
+
+CacheSalt = Annotated[str, AfterValidator(_salt_not_empty)]  # vLLM's cache_salt
+
+
 class _GenerationRequest(_Body):
     """Fields both APIs share: their JSON types and the rules of the API's shape. The ranges of the
     sampling values are not checked here but once, by `SamplingParams.validate` (a `ParamError`
@@ -416,9 +434,9 @@ class _GenerationRequest(_Body):
     # mlaserve extension: OmniKV sparse attention for this request's decode (null: the server's --omnikv)
     omnikv: StrictBool | None = None
     # vLLM's extension: the prefix cache shares this request's KV only with requests sending the same salt
-    cache_salt: str | None = None
+    cache_salt: CacheSalt | None = None
     # vLLM's extension: lower is admitted first, under --scheduling-policy priority (else only 0 is taken)
-    priority: Annotated[StrictInt, Field(ge=-(1 << 63), le=(1 << 63) - 1)] | None = None
+    priority: Seed | None = None  # (an int64 too)
     user: str | None = None
     return_token_ids: StrictBool | None = False
     # vLLM's extension: logprobs name each token `token_id:N`, not by its text (what RL trainers read back)
@@ -446,14 +464,6 @@ class _GenerationRequest(_Body):
             raise _invalid(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {value}{whole}")
         if value and info.data.get("stream"):
             raise _invalid("prompt_logprobs are not available when stream is true (as vLLM): ask without streaming")
-        return value
-
-    @field_validator("cache_salt")
-    @classmethod
-    def _salt_not_empty(cls, value: str | None) -> str | None:
-        if value == "":
-            raise _invalid("cache_salt must be a non-empty string if provided (as vLLM: a long random one, "
-                           "kept from other tenants)")
         return value
 
     def stop_strings(self) -> list[str]:
@@ -632,6 +642,8 @@ class ChatCompletionRequest(ChatInput, _GenerationRequest):
     min_tokens: StrictInt | None = 0
     # vLLM's extension: false leaves the reasoning out of the reply (still parsed apart and counted)
     include_reasoning: StrictBool | None = True
+    # OpenAI's Predicted Outputs: the prediction's tokens are speculative drafts (server.serving.request_params)
+    prediction: PredictionContent | None = None
     # output modalities: text only; audio output refused rather than ignored (the reply would silently
     # lack what was asked for)
     modalities: list[str] | None = None
@@ -677,7 +689,7 @@ class CompletionRequest(_GenerationRequest):
     add_special_tokens: StrictBool = True  # vLLM's: BOS before a text prompt where the model wants one
     max_tokens: StrictInt | None = COMPLETIONS_MAX_TOKENS  # 0: score the prompt only
     echo: StrictBool | None = False
-    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # (vLLM's 20: OpenAI stops at 5)
     min_tokens: StrictInt | None = 0
     # OpenAI's legacy fill-in-the-middle: the completion is the text between the prompt and `suffix`, written
     # with the model's FIM tokens (server.serving.fim_prompt); a model without them refuses a non-empty one,
@@ -957,7 +969,10 @@ class PromptTokensDetails(_Response):
 
 
 class CompletionTokensDetails(_Response):
-    reasoning_tokens: int = 0
+    reasoning_tokens: int | None = 0
+    # OpenAI's Predicted Outputs: the prediction's tokens the reply kept as drafts, and those it did not
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
 
 class UsageInfo(_Response):
@@ -969,12 +984,16 @@ class UsageInfo(_Response):
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
-           reasoning_tokens: int | None = None) -> UsageInfo:
+           reasoning_tokens: int | None = None, predicted: tuple[int, int] | None = None) -> UsageInfo:
         details = PromptTokensDetails(cached_tokens=cached_tokens) if cached_tokens is not None else None
-        reasoning = CompletionTokensDetails(reasoning_tokens=reasoning_tokens) if reasoning_tokens is not None else None
+        generated = None
+        if reasoning_tokens is not None or predicted is not None:
+            accepted, rejected = predicted if predicted is not None else (None, None)
+            generated = CompletionTokensDetails(reasoning_tokens=reasoning_tokens, accepted_prediction_tokens=accepted,
+                                                rejected_prediction_tokens=rejected)
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                    total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details,
-                   completion_tokens_details=reasoning)
+                   completion_tokens_details=generated)
 
 
 class TopLogprob(_Response):

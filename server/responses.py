@@ -239,6 +239,11 @@ class ChatSerializer(Serializer):
             self.tag_ids = single_token_tags(lambda t: tok.encode(t, add_special_tokens=False))
             self.call_id = single_token_call(lambda t: tok.encode(t, add_special_tokens=False))
         self.echo = self.echo_split()
+        # with the reasoning left out (include_reasoning false), neither token ids nor logprobs are sent, as
+        # vLLM does: the ids would spell the reasoning out
+        hidden = not self.shows_reasoning and self.reasoning_kind != "none"
+        self.wants_logprobs = bool(getattr(self.body, "logprobs", False)) and not hidden
+        self.wants_ids = bool(getattr(self.body, "return_token_ids", False)) and not hidden
 
     def echo_split(self) -> Split:
         """What vLLM's chat `echo` puts before every choice: the final message's text where it is the
@@ -284,13 +289,20 @@ class ChatSerializer(Serializer):
 
     def usage(self, k: int | None = None) -> UsageInfo:
         usage = super().usage(k)
-        if self.reasoning_kind == "none":
+        predicted = None
+        if getattr(self.body, "prediction", None) is not None:  # (its draft tokens kept and not, summed)
+            counts = [c.predicted for r in self.requests for j, c in enumerate(r.choices)
+                      if k is None or self.choice_index(r, j) == k]
+            predicted = (sum(a for a, _ in counts), sum(b for _, b in counts))
+        if self.reasoning_kind == "none" and predicted is None:
             return usage
         prompt, completion, cached = usage.prompt_tokens, usage.completion_tokens, None
         if usage.prompt_tokens_details is not None:
             cached = usage.prompt_tokens_details.cached_tokens
-        reasoning = sum(r.tokens.count for i, r in self.reasoners.items() if k is None or i == k)
-        return UsageInfo.of(prompt, completion, cached, reasoning_tokens=reasoning)
+        reasoning = None
+        if self.reasoning_kind != "none":
+            reasoning = sum(r.tokens.count for i, r in self.reasoners.items() if k is None or i == k)
+        return UsageInfo.of(prompt, completion, cached, reasoning_tokens=reasoning, predicted=predicted)
 
     # a call forced by a named tool_choice ends with "stop", as OpenAI's (and vLLM's) do
     named_call_stops = True
@@ -320,7 +332,7 @@ class ChatSerializer(Serializer):
         return {"token": self.token_text(token_id), "bytes": self.token_bytes(token_id)}
 
     def chat_logprobs(self, lps: list[ShownLogprob]) -> ChatChoiceLogprobs | None:
-        return ChatChoiceLogprobs(content=self.token_logprobs(lps)) if self.body.logprobs else None
+        return ChatChoiceLogprobs(content=self.token_logprobs(lps)) if self.wants_logprobs else None
 
     def unshown(self, lps: list[ShownLogprob]) -> list[ShownLogprob]:
         """`lps` without the special tokens the reply's text leaves out (`skip_special_tokens`): their text is
@@ -358,7 +370,7 @@ class ChatSerializer(Serializer):
         with the delta that finishes its text. Where the reasoning `ended` in this delta, its answer text is
         after the end tag: the last place it is found (an answer starting like the tag was found in the tag),
         and with no answer text yet, the answer starts past all generated so far."""
-        if not self.body.logprobs:
+        if not self.wants_logprobs:
             return []
         generated = self.texts[i] = self.texts.get(i, "") + raw  # (what `add` keeps when not streamed)
         pending = self.unplaced.setdefault(i, [])
@@ -406,7 +418,7 @@ class ChatSerializer(Serializer):
             whole.content += tail.content
 
     def response(self) -> dict:
-        ids = self.body.return_token_ids
+        ids = self.wants_ids
         self.finish_splits()
         choices = []
         for r in self.requests:
@@ -424,7 +436,7 @@ class ChatSerializer(Serializer):
         return ChatCompletionResponse(
             id=self.id, created=self.created, model=self.state.model_name,
             system_fingerprint=self.state.system_fingerprint, choices=choices, usage=self.usage(),
-            prompt_token_ids=self.requests[0].prompt_ids if ids else None,
+            prompt_token_ids=self.requests[0].prompt_ids if self.body.return_token_ids else None,
             prompt_logprobs=self.prompt_logprobs(self.requests[0]),
         ).model_dump()
 
@@ -486,17 +498,17 @@ class ChatSerializer(Serializer):
         reasoning, text, deltas, parser, lps = self.placed_delta(r, index, text, ids, lps)
         reasoning = (reasoning or None) if self.shows_reasoning else None
         calls = [_delta_tool_call(d) for d in deltas] or None
-        ids_out = ids if self.body.return_token_ids else None
+        ids_out = ids if self.wants_ids else None
         finished = choice.finish_reason is not None
         # logprobs with no text of their own (a token the stop string cut) go with the finish, not in a chunk of
         # empty content; a choice that never sent logprobs sends its empty list there, as the whole reply has
         # `{"content": []}`
-        late = bool(self.body.logprobs) and finished and not (text or reasoning or calls or ids_out) and \
+        late = self.wants_logprobs and finished and not (text or reasoning or calls or ids_out) and \
             (bool(lps) or i not in self.logprobs_sent)
-        plain = not (calls or self.body.return_token_ids or self.body.logprobs)  # then one field, nothing else
+        plain = not (calls or self.wants_ids or self.wants_logprobs)  # then one field, nothing else
         if plain and bool(text) != bool(reasoning):
             out.append(self.text_event(i, "content", text) if text else self.text_event(i, "reasoning_content", reasoning))
-        elif not late and (text or reasoning or calls or ids_out or (self.body.logprobs and lps)):
+        elif not late and (text or reasoning or calls or ids_out or (self.wants_logprobs and lps)):
             out.append(self.chunk([ChatCompletionChunkChoice(
                 index=i, delta=DeltaMessage(content=text if text or not (calls or reasoning) else None,
                                             reasoning_content=reasoning, tool_calls=calls),

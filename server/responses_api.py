@@ -43,9 +43,10 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator
 from pydantic import ValidationInfo, model_validator
 
-from scheduler.sampling_params import ParamError
+from scheduler.sampling_params import MAX_TOP_LOGPROBS, ParamError
 from server.protocol import (
     _FUNCTION_NAME,
+    CacheSalt,
     ChatCompletionRequest,
     ChatTokenLogprob,
     NoStructuredExtensions,
@@ -67,7 +68,6 @@ INCLUDE_LOGPROBS = "message.output_text.logprobs"
 INCLUDE_VALUES = (INCLUDE_LOGPROBS, "code_interpreter_call.outputs", "computer_call_output.output.image_url",
                   "file_search_call.results", "message.input_image.image_url", "reasoning.encrypted_content",
                   "web_search_call.action.sources", "web_search_call.results")
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit, as chat's
 
 # ---------------------------------------------------------------- requests
 
@@ -161,6 +161,9 @@ class ResponsesRequest(_Body, NoStructuredExtensions):
     # extensions, as on chat completions (checked there): a seed makes a sampled response reproducible
     seed: Seed | None = None
     top_k: StrictInt | None = None
+    # vLLM's, as on chat completions (checked there): the prefix cache's tenant salt, the scheduling priority
+    cache_salt: CacheSalt | None = None
+    priority: Seed | None = None
 
     @field_validator("include")
     @classmethod
@@ -375,7 +378,8 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     if not messages:
         raise ParamError("input", "input is required: a string, or a list with at least one message or function call")
     chat: dict[str, Any] = {"model": req.model, "messages": messages, "stream": bool(req.stream)}
-    for field in ("temperature", "top_p", "parallel_tool_calls", "user", "omnikv", "seed", "top_k"):
+    for field in ("temperature", "top_p", "parallel_tool_calls", "user", "omnikv", "seed", "top_k", "cache_salt",
+                  "priority"):
         if field in req.model_fields_set:
             chat[field] = getattr(req, field)
     if req.max_output_tokens is not None:

@@ -718,6 +718,14 @@ def bad_words_ids(state: ServerState, words: list[str]) -> tuple[tuple[int, ...]
     return tuple(out)
 
 
+def prediction_ids(state: ServerState, text: str) -> tuple[int, ...]:
+    """A predicted output's tokens, as the reply would write them (no special tokens added), at most the
+    context's length of them (a longer prediction could never be followed to its end)."""
+    tok = state.tokenizer
+    assert tok is not None
+    return tuple(tok.encode(text, add_special_tokens=False)[: state.context_length])
+
+
 def _prepared(state: ServerState, body: Any) -> tuple[list[tuple[list[int], str]], ToolPlan, SamplingParams]:
     """The prompts, tool plan and sampling parameters of a request: run on a worker thread, as encoding a long
     prompt and checking and rewriting a large schema (seconds for hundreds of kilobytes of `anyOf`) would stall
@@ -781,6 +789,8 @@ def request_params(state: ServerState, body: Any, prompts: list[tuple[list[int],
         if getattr(body, "bad_words", None):
             # (their ids come from the tokenizer; the engine's SamplingParams.validate checks them again)
             params = msgspec.structs.replace(params, bad_words_ids=bad_words_ids(state, body.bad_words))
+        if getattr(body, "prediction", None) is not None:
+            params = msgspec.structs.replace(params, prediction=prediction_ids(state, body.prediction.text()))
         # a forced call is this turn's output; a response format (checked above all the same) is for the
         # turn that answers in text, as OpenAI takes both (the Agents SDK sends both). Under "auto" the text
         # may be the answer: a response format is kept, and strict tools' calls are not held then; nor where

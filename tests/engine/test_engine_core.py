@@ -449,6 +449,22 @@ def test_the_priority_policy_admits_the_best_first_and_retracts_the_worst(model_
     assert retracted and set(retracted) == {"low"}, retracted
     assert tokens(outs[("high", 0)]) == alone(make_engine(model_dir), prompt(10, 183), long)
     assert_no_leak(small)
+    # a better prompt part-way through its prefill keeps its KV: the worse decode gives its back, as vLLM
+    # preempts the worst of all running requests (fcfs retracts the prompt part-way in first)
+    small = make_engine(model_dir, scheduling_policy="priority", max_total_tokens=64, disable_prefix_cache=True,
+                        chunked_prefill_size=4, max_prefill_tokens=4)
+    retracted.clear()
+    retract = small.scheduler._retract
+    small.scheduler._retract = lambda r: (retracted.append(r.rid), retract(r))
+    small.add_request(GenerateRequest("low", prompt(8, 182), msgspec.structs.replace(long, priority=5, max_tokens=45)))
+    for _ in range(4):
+        small.step()
+    small.add_request(GenerateRequest("high", prompt(48, 183), msgspec.structs.replace(long, priority=-5, max_tokens=10)))
+    finished = []
+    while small.has_work():
+        finished += [o.rid for o in small.step() if o.finish_reason is not None]
+    assert "high" not in retracted and "low" in retracted and finished == ["high", "low"], (retracted, finished)
+    assert_no_leak(small)
 
 
 @pytest.mark.parametrize("stage", ["queued", "mid_prefill", "decoding"])

@@ -169,6 +169,36 @@ def test_paged_drafts_change_no_token_nor_logprob(model_dir, monkeypatch, kind):
     assert 0 < s.spec_decode_accepted_tokens_total < s.spec_decode_draft_tokens_total and s.retractions_total > 0
 
 
+@pytest.mark.parametrize("kind", sorted(PARAMS))
+@pytest.mark.parametrize("spec", [None, SPEC])
+def test_a_predicted_output_drafts_and_changes_no_token_nor_logprob(model_dir, kind, spec):
+    """OpenAI's `prediction` (SamplingParams.prediction): its tokens draft, with or without the server's n-gram
+    drafts behind them, and the tokens and logprobs are those without; the completion's own output as its
+    prediction is kept in long drafts (few steps), an edited one is picked up again after the edit, a
+    prediction of other tokens drafts nothing kept; usage's counts add up."""
+    p = PARAMS[kind]
+    reqs = [(f"r{i}", prompt(6 + 5 * i, 40 + i), p) for i in range(4)]
+    plain = reference(model_dir, ("plain", kind), reqs)  # (test_drafts_change_no_token_nor_logprob's requests)
+    outs = plain[("r0", 0)][0]
+    for name, predicted in (("exact", outs), ("edited", outs[:10] + [7, 8, 9] + outs[14:]), ("other", prompt(40, 9))):
+        core = make_engine(model_dir, speculative_config=spec)
+        with_prediction = [(rid, ids, msgspec.structs.replace(p, prediction=tuple(predicted))) for rid, ids, _ in reqs]
+        for rid, ids, q in with_prediction:
+            assert core.add_request(GenerateRequest(rid, ids, q)) == []
+        got = run_to_end(core)
+        assert_no_leak(core)
+        assert {k: (tokens(v), [lp for o in v for lp in (o.logprobs or [])], v[-1].finish_reason) for k, v in got.items()} \
+            == {k: v[:3] for k, v in plain.items()}, name
+        last = got[("r0", 0)][-1]
+        kept, missed = last.accepted_prediction_tokens, last.rejected_prediction_tokens
+        if name == "exact":
+            assert kept >= len(outs) * 3 // 4 and missed <= 2 * p.n, (kept, missed)
+        elif name == "edited":
+            assert kept >= len(outs) // 2, (kept, missed)
+        else:
+            assert kept <= 2, (kept, missed)
+
+
 def test_ngram_lookup_on_a_looping_model(tmp_path):
     """The real proposer: a tiny random Llama falls into loops that n-gram lookup continues; same tokens
     and logprobs in fewer forwards."""

@@ -257,8 +257,9 @@ def test_to_sampling_params_maps_every_field() -> None:
     sp = to_sampling_params(chat)
     default = SamplingParams()
     for name in SamplingParams.__struct_fields__:
-        # bad_words_ids: tokenized by the server (server.serving.bad_words_ids, tested end to end)
-        if name != "bad_words_ids":
+        # bad_words_ids, prediction: tokenized by the server (server.serving.bad_words_ids, prediction_ids,
+        # tested end to end)
+        if name not in ("bad_words_ids", "prediction"):
             assert getattr(sp, name) != getattr(default, name), name
     assert sp == SamplingParams(temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
                                 presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={11: 5.0, 7: -100.0},

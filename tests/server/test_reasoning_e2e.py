@@ -110,6 +110,14 @@ def test_r1_template_output_is_reasoning(model, tmp_path) -> None:
             assert hidden["choices"][0]["message"]["content"] is None
             assert hidden["usage"]["completion_tokens_details"]["reasoning_tokens"] == 12
             assert stream(c, {**thinking, "echo": True, "include_reasoning": False})[:2] == ("", "")
+            # nor do its token ids or logprobs spell it out, as vLLM leaves them out then
+            meta = {**BODY, "include_reasoning": False, "return_token_ids": True, "logprobs": True}
+            choice = c.post("/v1/chat/completions", json=meta).json()["choices"][0]
+            assert "token_ids" not in choice and choice["logprobs"] is None, choice
+            with c.stream("POST", "/v1/chat/completions", json={**meta, "stream": True}) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            assert all("token_ids" not in ch and not ch.get("logprobs") for chunk in chunks for ch in chunk["choices"])
+            assert len(chunks) <= 3, chunks  # the role, the finish: no empty chunk a hidden token
             shown = c.post("/v1/chat/completions", json={**answer, "include_reasoning": False}).json()
             assert shown["choices"][0]["message"]["content"] == msg["content"]
             # Anthropic's Messages API: the reasoning is a thinking block, whole and streamed

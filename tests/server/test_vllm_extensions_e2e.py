@@ -127,14 +127,19 @@ def test_cache_salt_keeps_tenants_prefix_caches_apart(server):
     text = "A tenant's long system prompt, which another tenant must not be able to time. " * 4
 
     def body(path: str, text: str) -> dict:
-        return {"prompt": text} if path == "/v1/completions" else {"messages": [{"role": "user", "content": text}]}
+        if path == "/v1/responses":
+            return {"input": text, "max_output_tokens": 1}
+        return {"prompt" if path == "/v1/completions" else "messages": text if path == "/v1/completions" else
+                [{"role": "user", "content": text}], "max_tokens": 1}
 
     def cached(path: str, salt: str | None) -> int:
-        r = post(server, path, {**body(path, text), "max_tokens": 1, **({"cache_salt": salt} if salt is not None else {})})
+        r = post(server, path, {**body(path, path + text), **({"cache_salt": salt} if salt is not None else {})})
         assert r.status_code == 200, r.text
-        return r.json()["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        usage = r.json()["usage"]
+        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+        return details.get("cached_tokens", 0)
 
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         first = cached(path, f"salt-a{path}")
         assert first == 0 and cached(path, f"salt-b{path}") == 0  # not even the chat template's opening
         again = cached(path, f"salt-a{path}")
@@ -168,13 +173,46 @@ def test_return_tokens_as_token_ids_names_logprobs_by_id(server, model_dir):
         assert all(alt["token"].startswith("token_id:") for alt in entry["top_logprobs"])
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
 def test_priority_needs_the_priority_policy(server, path):
     """vLLM's `priority`: this server admits in arrival order (--scheduling-policy fcfs, the default), so a
     priority other than 0 is a 400 naming it and the flag, as vLLM refuses it; 0 is taken."""
-    body = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
-    assert post(server, path, {**body, "max_tokens": 1, "priority": 0}).status_code == 200
-    resp = post(server, path, {**body, "max_tokens": 1, "priority": -3})
+    body = {"prompt": "x", "max_tokens": 1} if path == "/v1/completions" else \
+        {"input": "x", "max_output_tokens": 1} if path == "/v1/responses" else \
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    assert post(server, path, {**body, "priority": 0}).status_code == 200
+    resp = post(server, path, {**body, "priority": -3})
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert err["param"] == "priority" and "--scheduling-policy priority" in err["message"], err
+
+
+def test_a_predicted_output_drafts_and_changes_no_token(server, model_dir):
+    """OpenAI's Predicted Outputs: the prediction's tokens are speculative drafts (with no --speculative-config),
+    so the reply is the one it is without a prediction, token for token, seeded sampling included; usage counts
+    the prediction's draft tokens kept and not kept. Sent through the OpenAI SDK's own `prediction`. (The
+    random model's text is tokenized back as it was written only so far: drafts are kept up to there.)"""
+    tok = load_tokenizer(str(model_dir))
+    messages = [{"role": "user", "content": "Rewrite the file."}]
+    ask = dict(model=post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}).json()["model"],
+               messages=messages, max_tokens=48, temperature=1.0, seed=11,
+               extra_body={"ignore_eos": True, "return_token_ids": True})
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    plain = client.chat.completions.create(**ask)
+    text = plain.choices[0].message.content
+    assert plain.usage.completion_tokens == 48 and len(text) > 20
+    exact = client.chat.completions.create(**ask, prediction={"type": "content", "content": text})
+    assert exact.choices[0].message.content == text
+    assert exact.choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"]
+    ids = plain.choices[0].model_extra["token_ids"]
+    same = next((m for m in range(len(ids), 0, -1) if tok.encode(tok.decode(ids[:m]), add_special_tokens=False) == ids[:m]), 0)
+    details = exact.usage.completion_tokens_details
+    assert same >= 10 and details.accepted_prediction_tokens >= same // 2, (same, details)
+    edited = text[: len(text) // 2] + " something else entirely " + text[len(text) // 2 :]
+    parts = [{"type": "text", "text": edited[:7]}, {"type": "text", "text": edited[7:]}]
+    again = client.chat.completions.create(**ask, prediction={"type": "content", "content": parts})
+    assert again.choices[0].message.content == text
+    assert again.usage.completion_tokens_details.accepted_prediction_tokens > 0
+    assert plain.usage.completion_tokens_details is None or plain.usage.completion_tokens_details.accepted_prediction_tokens is None
+    bad = post(server, "/v1/chat/completions", {"messages": messages, "prediction": {"type": "text", "content": "x"}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("prediction"), bad.text
