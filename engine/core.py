@@ -20,6 +20,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import msgspec
 import torch
 
 from models.config import DeepseekConfig, ModelConfig
@@ -417,7 +418,9 @@ class EngineCore:
         # siblings wait for completion 0's prompt KV where the cache keeps some of it: a whole page (the last
         # token is always computed)
         shared = self.shares_prompts and len(req.input_ids) > self.args.page_size
-        reqs = [Req(req.rid, i, list(req.input_ids), p, _mix_seed(base, i) if i else base,
+        # (completion 0 alone scores a prompt whose logprobs are asked: the others take its KV from the cache)
+        sibling = msgspec.structs.replace(p, prompt_logprobs=None) if p.n > 1 and p.prompt_logprobs is not None else p
+        reqs = [Req(req.rid, i, list(req.input_ids), p if i == 0 else sibling, _mix_seed(base, i) if i else base,
                     arrival_time=req.arrival_time or 0.0, waits_for_sibling=i > 0 and shared)
                 for i in range(p.n)]
         if p.structured is None:

@@ -26,7 +26,8 @@ last values in `stats()`, so summed totals never go down.
 Per-replica settings (`replica_args`): replica i gets the CPUs of its share of this process's
 affinity mask, its own GPU(s) on CUDA (`cuda:<base + i * tp>`, each replica's ranks on its own
 devices, as SGLang and vLLM place data-parallel replicas), and base seed `--seed + i` (two replicas
-must not draw the same seeds for requests that bring none; without --seed each draws its own). On a CPU the replicas share the host's
+must not draw the same seeds for requests that bring none; without --seed, one drawn at start and logged). On a CPU the
+replicas share the host's
 memory: each sizes its KV cache by `--mem-fraction / N` of it (N caches of the whole fraction each
 promised more than the host had, the pages touched only as tokens came, and were killed when full).
 """
@@ -37,6 +38,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import secrets
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, AsyncIterator
@@ -195,6 +197,10 @@ class EngineReplicas:
         cpus = usable_cpus()
         if args.dp_attention and args.master_port == 0:  # one rendezvous for all the replicas
             args = dataclasses.replace(args, master_port=free_port(args.master_addr))
+        if replicas > 1 and args.seed is None:  # one draw for all: replica i's base seed is it + i, as --seed's
+            args = dataclasses.replace(args, seed=secrets.randbits(63))
+            logger.info("requests that bring no seed draw from base seed %d + the replica's index (drawn at start; "
+                        "--seed %d repeats them)", args.seed, args.seed)
         tasks = []
         for i in range(replicas):
             r_args, r_cpus = replica_args(args, i, replicas, cpus)

@@ -319,16 +319,17 @@ class ChatSerializer(Serializer):
     def token_logprobs(self, lps: list[ShownLogprob]) -> list[ChatTokenLogprob]:
         """Each token's text, bytes and logprob, and its alternatives' (chat's shape; the Responses API's
         output_text part has the same)."""
-        return [ChatTokenLogprob(**self.named(lp.token_id), logprob=lp.logprob,
+        return [ChatTokenLogprob(**self.named(lp.token_id, chosen=True), logprob=lp.logprob,
                                  top_logprobs=[TopLogprob(**self.named(t), logprob=v) for t, v in lp.top])
                 for lp, *_ in lps]
 
-    def named(self, token_id: int) -> dict[str, Any]:
+    def named(self, token_id: int, chosen: bool = False) -> dict[str, Any]:
         """A logprob's `token` and `bytes`: the token's text and own bytes, or with vLLM's
-        return_tokens_as_token_ids `token_id:N` and that name's bytes, as vLLM writes them."""
+        return_tokens_as_token_ids `token_id:N`, and as vLLM writes them, the chosen token's own bytes and an
+        alternative's that name's."""
         if getattr(self.body, "return_tokens_as_token_ids", False):
             name = f"token_id:{token_id}"
-            return {"token": name, "bytes": list(name.encode())}
+            return {"token": name, "bytes": self.token_bytes(token_id) if chosen else list(name.encode())}
         return {"token": self.token_text(token_id), "bytes": self.token_bytes(token_id)}
 
     def chat_logprobs(self, lps: list[ShownLogprob]) -> ChatChoiceLogprobs | None:

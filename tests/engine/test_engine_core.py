@@ -173,6 +173,21 @@ def test_paged_waits_only_for_whole_pages(model_dir):
     assert flat["n/1"] > flat["n"], flat
 
 
+def test_n_completions_score_the_prompt_once(model_dir):
+    """prompt_logprobs with n = 3: completion 0 scores the prompt (computed whole), the others take its KV from
+    the prefix cache instead of waiting for it and computing and scoring it again; the tokens are the same."""
+    ids = prompt(60, 200)
+    p = SamplingParams(temperature=1.0, seed=4, n=3, max_tokens=3, ignore_eos=True, prompt_logprobs=1)
+    core = make_engine(model_dir)
+    core.add_request(GenerateRequest("s", ids, p))
+    outs = run_to_end(core)
+    assert [o.cached_tokens for o in (outs[("s", i)][-1] for i in range(3))] == [0, 59, 59]
+    assert [sum(bool(o.prompt_logprobs) for o in outs[("s", i)]) for i in range(3)] == [1, 0, 0]
+    plain = make_engine(model_dir)
+    plain.add_request(GenerateRequest("s", ids, msgspec.structs.replace(p, prompt_logprobs=None)))
+    assert {k: tokens(v) for k, v in run_to_end(plain).items()} == {k: tokens(v) for k, v in outs.items()}
+
+
 def test_unseeded_draws_differ_across_starts_unless_a_seed_is_given(model_dir):
     """A request without a seed samples differently after a restart (OpenAI's, llama.cpp's and SGLang's
     unseeded requests are random), unless the server was given --seed: then it repeats."""

@@ -150,7 +150,8 @@ def test_cache_salt_keeps_tenants_prefix_caches_apart(server):
 
 def test_return_tokens_as_token_ids_names_logprobs_by_id(server, model_dir):
     """vLLM's return_tokens_as_token_ids: every logprob's token (and alternative) is `token_id:N`, N the id
-    the text's token was (the ids `return_token_ids` lists), its bytes that name's; the values do not move."""
+    the text's token was (the ids `return_token_ids` lists); as vLLM's, a chat token's bytes are its own, an
+    alternative's that name's; the values do not move."""
     tok = load_tokenizer(str(model_dir))
     comp = {"prompt": "The sea is", "max_tokens": 6, "temperature": 0, "logprobs": 2, "ignore_eos": True,
             "return_token_ids": True}
@@ -164,13 +165,16 @@ def test_return_tokens_as_token_ids_names_logprobs_by_id(server, model_dir):
     chat = {"messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 6, "temperature": 0,
             "logprobs": True, "top_logprobs": 2, "ignore_eos": True, "return_tokens_as_token_ids": True}
     content = post(server, "/v1/chat/completions", chat).json()["choices"][0]["logprobs"]["content"]
+    texts = post(server, "/v1/chat/completions", {**chat, "return_tokens_as_token_ids": False}).json()["choices"][0]
+    assert [e["bytes"] for e in content] == [e["bytes"] for e in texts["logprobs"]["content"]]  # (vLLM's: the token's)
     with httpx.stream("POST", server.url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60) as resp:
         chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
     streamed = [c for chunk in chunks for choice in chunk["choices"] for c in (choice.get("logprobs") or {}).get("content") or []]
     assert streamed == content and content
     for entry in content:
-        assert entry["token"].startswith("token_id:") and entry["bytes"] == list(entry["token"].encode())
-        assert all(alt["token"].startswith("token_id:") for alt in entry["top_logprobs"])
+        assert entry["token"].startswith("token_id:")
+        assert all(alt["token"].startswith("token_id:") and alt["bytes"] == list(alt["token"].encode())
+                   for alt in entry["top_logprobs"])
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
