@@ -977,6 +977,20 @@ def test_overload_bench_against_real_servers(cpu_bench, tmp_path: Path) -> None:
     assert set(r["ratios_ours_over"]) == {"same"}
 
 
+def test_prediction_bench_against_a_real_server(cpu_bench, tmp_path: Path) -> None:
+    """bench/prediction_cpu.py end to end on the default model, tiny: one round, 24 tokens, our server with and
+    without the prediction; the check requests give the same text both ways and count the prediction's tokens."""
+    prediction = importlib.import_module("prediction_cpu")
+    out = tmp_path / "prediction.json"
+    assert prediction.main(["--rounds", "1", "--max-tokens", "24", "--ours-only", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert set(r["raw"]) == {"mlaserve-predicted", "mlaserve-plain"} and "--ours-only" in r["skipped"]["llama-server"]
+    for w in ("quote", "edit"):
+        got = r["summary"][w]
+        assert got["same_text"] is True and got["accepted_prediction_tokens"] + got["rejected_prediction_tokens"] > 0
+        assert got["tok_s"]["mlaserve-predicted"] > 0 and got["tok_s"]["mlaserve-plain"] > 0, got
+
+
 def test_quant_linear_bench_times_llama_cpps_mul_mat_beside_ours(tmp_path: Path) -> None:
     """The kernel benchmark's rows, with llama.cpp's ggml mul_mat on the same blocks where
     llama-cpp-python is installed (its ratio per row), on two small shapes."""
