@@ -22,7 +22,6 @@ each measurement waits for a quiet machine as bench/serve_cpu.py does.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import inspect
 import json
 import json as json_module
@@ -34,7 +33,7 @@ from typing import Any
 import serve_cpu as sc  # (puts the repository and bench/ on the path)
 import cpu_common as cc  # noqa: E402
 import peers  # noqa: E402
-from speculative_cpu import ChatState, spec_counters  # noqa: E402
+from speculative_cpu import measure  # noqa: E402
 
 
 def workloads() -> dict[str, tuple[str, str]]:
@@ -56,19 +55,6 @@ def body(text: str, number: int, max_tokens: int, prediction: str | None, stream
     if prediction is not None:
         out["prediction"] = {"type": "content", "content": prediction}
     return out
-
-
-def measure(server: sc.Server, bodies: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
-    quiet = cc.wait_for_quiet(args.quiet_threshold, args.quiet_wait)
-    before = spec_counters(server) if server.name != "llama-server" else {}
-    samples = asyncio.run(sc.run_streams(server.url, bodies, args.request_timeout, "/v1/chat/completions", ChatState))
-    after = spec_counters(server) if server.name != "llama-server" else {}
-    row = {**sc.summarize(samples), "quiet": quiet, "samples": samples,
-           "counters": {k: after[k] - before.get(k, 0) for k in after}}
-    errors = [s["error"] for s in samples if s.get("error")]
-    if errors:
-        row["errors"] = errors
-    return row
 
 
 def same_text(server: sc.Server, text: str, prediction: str, max_tokens: int, timeout: float) -> dict[str, Any]:
