@@ -19,7 +19,6 @@ Settings, vLLM's `--speculative-config` keys: {"method": "ngram", "num_speculati
 
 from __future__ import annotations
 
-import bisect
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -187,6 +186,7 @@ class NgramProposer:
 PREDICTION_TOKENS = 8
 PREDICTION_LOOKUP = 4  # the longest tail of the output looked up in the prediction
 PREDICTION_NEAR = 16  # a single-token match counts only this close past where the output left the prediction
+PREDICTION_WINDOW = 4096  # prediction tokens past the cursor searched before the rest
 
 
 class PredictionProposer:
@@ -195,20 +195,20 @@ class PredictionProposer:
     next tokens. The output's last tokens (up to PREDICTION_LOOKUP, longest first) are found in the prediction
     at or after the point it last followed (`cursor`), so after an edit the drafts pick the prediction up
     again where the output rejoins it; where nothing matches, `fallback` (the server's n-gram drafts, if any)
-    proposes. Its drafts are verified as every draft is: the tokens are those the completion gets without."""
+    proposes. Its drafts are verified as every draft is: the tokens are those the completion gets without.
+    The prediction is searched as an array (a few vector compares a step, nearest window first), not
+    indexed: a long one costs its request's steps nothing up front."""
 
     def __init__(self, prediction: Sequence[int], prompt_len: int, fallback: NgramProposer | None) -> None:
-        self.pred = list(prediction)
+        import numpy as np  # (this module is imported where only the settings are wanted)
+
+        self.pred = np.asarray(prediction, dtype=np.int64)
         self.prompt_len = prompt_len
         self.fallback = fallback
         self.length = PREDICTION_TOKENS
         self.cursor = 0  # the prediction's position the output is expected to go on from
         self.from_prediction = False  # whether the last draft came from the prediction
         self.kept = self.rejected = 0  # the prediction's draft tokens the output kept, and those it did not
-        self._ends: dict[tuple[int, ...], list[int]] = {}  # n-gram -> the positions it ends at, ascending
-        for n in range(1, PREDICTION_LOOKUP + 1):
-            for end in range(n - 1, len(self.pred)):
-                self._ends.setdefault(tuple(self.pred[end + 1 - n : end + 1]), []).append(end)
 
     def verified(self, drafted: int, kept: int) -> None:
         if not self.from_prediction:
@@ -224,17 +224,32 @@ class PredictionProposer:
         if self.fallback is not None:
             self.fallback.index(ids, upto)
 
+    def _find(self, key: Sequence[int], last: int) -> int | None:
+        """Where the first occurrence of `key` ending at or after the cursor's token (and at most `last`) ends."""
+        n, pred = len(key), self.pred
+        lo, top = max(0, self.cursor - n), min(len(pred), last + 1) - n + 1
+        for hi in (min(top, lo + PREDICTION_WINDOW), top):  # (the near window first: most matches are there)
+            if lo >= hi:
+                continue
+            ok = pred[lo:hi] == key[0]
+            for j in range(1, n):
+                ok &= pred[lo + j : hi + j] == key[j]
+            found = ok.nonzero()[0]
+            if found.size:
+                return lo + int(found[0]) + n - 1
+            lo = hi
+        return None
+
     def propose(self, ids: Callable[[int, int], Sequence[int]], seq_len: int, k: int) -> list[int]:
         self.from_prediction = False
         if k <= 0:
             return []
         tail = list(ids(max(self.prompt_len, seq_len - PREDICTION_LOOKUP), seq_len))  # the output's last tokens
         for n in range(len(tail), 0, -1):
-            ends = self._ends.get(tuple(tail[len(tail) - n :]), ())
-            at = bisect.bisect_left(ends, self.cursor - 1)  # the first match not behind the cursor
-            if at < len(ends) and (n > 1 or ends[at] <= self.cursor + PREDICTION_NEAR):
-                self.cursor = ends[at] + 1
-                draft = self.pred[self.cursor : self.cursor + k]
+            end = self._find(tail[len(tail) - n :], len(self.pred) if n > 1 else self.cursor + PREDICTION_NEAR)
+            if end is not None:
+                self.cursor = end + 1
+                draft = self.pred[self.cursor : self.cursor + k].tolist()
                 if draft:
                     self.from_prediction = True
                     return draft

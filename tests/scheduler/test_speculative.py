@@ -159,3 +159,47 @@ def test_a_long_prompt_is_indexed_along_its_chunks_not_in_one_call():
     behind = NgramProposer(cfg)
     got = [behind.propose(ids, n, 3) for _ in range(5)]
     assert got[0] == [] and got[-1] == want
+
+
+def prediction_brute_force(pred: list[int], out: list[int], cursor: int, k: int) -> tuple[list[int], int]:
+    """PredictionProposer's definition: the output's last n tokens (n from 4 down to 1), the first occurrence in
+    the prediction ending at or past cursor - 1 (a single token at most 16 past the cursor); the k tokens after
+    it, and the new cursor. ([], cursor) when nothing matches."""
+    for n in range(min(4, len(out)), 0, -1):
+        key = out[len(out) - n :]
+        for end in range(max(cursor - 1, n - 1), len(pred)):
+            if n == 1 and end > cursor + 16:
+                break
+            if pred[end - n + 1 : end + 1] == key:
+                return (pred[end + 1 : end + 1 + k], end + 1) if end + 1 < len(pred) else ([], end + 1)
+    return [], cursor
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prediction_drafts_equal_the_brute_force_search(seed):
+    """A completion that follows a prediction with edits (tokens changed, dropped, added): each draft is the
+    brute-force one, across windows of the search (a prediction longer than PREDICTION_WINDOW)."""
+    from scheduler.speculative import PREDICTION_WINDOW, PredictionProposer
+
+    rng = random.Random(seed)
+    pred = [rng.randrange(40) for _ in range(PREDICTION_WINDOW + 600)]
+    out: list[int] = []
+    i = 0
+    while i < len(pred) and len(out) < 3000:  # the output: the prediction, edited here and there
+        x = rng.random()
+        if x < 0.03:
+            out += [rng.randrange(40) for _ in range(rng.randrange(1, 6))]
+        elif x < 0.05:
+            i += rng.randrange(1, 30)
+        else:
+            out.append(pred[i])
+            i += 1
+    prompt = [99] * 5
+    p = PredictionProposer(pred, len(prompt), None)
+    seq = prompt + out
+    cursor = 0
+    for t in range(1, len(out), rng.randrange(1, 4)):
+        want, cursor_after = prediction_brute_force(pred, out[:t], cursor, 8)
+        got = p.propose(lambda a, b: seq[a:b], len(prompt) + t, 8)
+        assert got == want and p.from_prediction == bool(want) and p.cursor == cursor_after, t
+        cursor = cursor_after
