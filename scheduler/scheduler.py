@@ -304,7 +304,8 @@ class Scheduler:
         return self.omnikv_mode == "on" or (self.omnikv_mode == "auto" and r.seq_len >= self.omnikv_min_context)
 
     def _propose(self, decoding: list[Req], room: int) -> int:
-        """Sets each decoding completion's draft: the tokens its n-gram lookup proposes, as many as its
+        """Sets each decoding completion's draft: the tokens its proposer (n-gram lookup, or its predicted
+        output) proposes, as many as its
         max_tokens and the context leave room for (the verification may add one more token), `room` KV
         slots in all at most. Returns the draft tokens given."""
         spec = self.speculative
