@@ -208,15 +208,26 @@ class PredictionProposer:
         self.length = PREDICTION_TOKENS
         self.cursor = 0  # the prediction's position the output is expected to go on from
         self.from_prediction = False  # whether the last draft came from the prediction
-        self.kept = self.rejected = 0  # the prediction's draft tokens the output kept, and those it did not
+        self.missed_at: int | None = None  # the cursor of the last prediction draft whose first token was refused
+        self._kept = self._rejected = 0  # the prediction's draft tokens the output kept, and those it did not
+
+    @property
+    def kept(self) -> int:
+        return self._kept
+
+    @property
+    def rejected(self) -> int:
+        """The prediction's draft tokens not kept: at most the prediction's tokens not kept (OpenAI's bound)."""
+        return min(self._rejected, len(self.pred) - self._kept)
 
     def verified(self, drafted: int, kept: int) -> None:
         if not self.from_prediction:
             if self.fallback is not None:
                 self.fallback.verified(drafted, kept)
             return
-        self.kept += kept
-        self.rejected += drafted - kept
+        self._kept += kept
+        self._rejected += drafted - kept
+        self.missed_at = self.cursor if drafted and not kept else None
         if drafted:
             self.length = min(MAX_SPECULATIVE_TOKENS, self.length + 1 if kept == drafted else max(kept + 1, 2))
 
@@ -250,8 +261,10 @@ class PredictionProposer:
             if end is not None:
                 self.cursor = end + 1
                 draft = self.pred[self.cursor : self.cursor + k].tolist()
-                if draft:
-                    self.from_prediction = True
+                if draft and self.cursor != self.missed_at:  # (an output repeating a token would meet the
+                    self.from_prediction = True  # same refused draft at every step)
                     return draft
                 break
-        return self.fallback.propose(ids, seq_len, k) if self.fallback is not None else []
+        if self.fallback is None:
+            return []
+        return self.fallback.propose(ids, seq_len, min(k, self.fallback.length))  # (its own length, as without)

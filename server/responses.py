@@ -122,9 +122,11 @@ class Serializer:
         if not self.body.continuous_usage:
             return {}
         u = self.usage(k)
-        cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details is not None else None
-        reasoning = 0 if u.completion_tokens_details is not None else None
-        return {"usage": UsageInfo.of(u.prompt_tokens, 0, cached, reasoning_tokens=reasoning)}
+        details = u.completion_tokens_details  # (its counts at 0: the fields the later chunks carry)
+        zeros = None if details is None else details.model_copy(
+            update={name: 0 for name, value in details if value is not None})
+        return {"usage": u.model_copy(update={"completion_tokens": 0, "total_tokens": u.prompt_tokens,
+                                              "completion_tokens_details": zeros})}
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -291,8 +293,9 @@ class ChatSerializer(Serializer):
         usage = super().usage(k)
         predicted = None
         if getattr(self.body, "prediction", None) is not None:  # (its draft tokens kept and not, summed)
-            counts = [c.predicted for r in self.requests for j, c in enumerate(r.choices)
-                      if k is None or self.choice_index(r, j) == k]
+            # (tokens verified past a stop string were kept as drafts, then cut with the text: not in the reply)
+            counts = [(min(c.predicted[0], c.completion_tokens), c.predicted[1]) for r in self.requests
+                      for j, c in enumerate(r.choices) if k is None or self.choice_index(r, j) == k]
             predicted = (sum(a for a, _ in counts), sum(b for _, b in counts))
         if self.reasoning_kind == "none" and predicted is None:
             return usage

@@ -203,3 +203,23 @@ def test_prediction_drafts_equal_the_brute_force_search(seed):
         got = p.propose(lambda a, b: seq[a:b], len(prompt) + t, 8)
         assert got == want and p.from_prediction == bool(want) and p.cursor == cursor_after, t
         cursor = cursor_after
+
+
+def test_a_refused_prediction_draft_is_not_proposed_again_in_place():
+    """An output repeating one token meets a one-token match before the same refused draft at every step:
+    it is proposed once (rejected tokens stay within the prediction's); where the prediction has nothing, the
+    n-gram drafts behind it propose at their own length, not the prediction's."""
+    from scheduler.speculative import PredictionProposer
+
+    t, x = 5, 9
+    p = PredictionProposer([t, x], 2, None)
+    seq = [1, 2] + [t] * 20
+    assert p.propose(lambda a, b: seq[a:b], 3, 8) == [x]
+    p.verified(1, 0)
+    for n in range(4, 22):
+        assert p.propose(lambda a, b: seq[a:b], n, 8) == [], n
+    assert (p.kept, p.rejected) == (0, 1)
+    ngram = NgramProposer(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1))
+    p = PredictionProposer([7, 7, 7], 2, ngram)
+    loop = [1, 2, 3, 4, 3, 4, 3, 4, 3]
+    assert p.propose(lambda a, b: loop[a:b], len(loop), 8) == [4, 3] and not p.from_prediction

@@ -218,5 +218,18 @@ def test_a_predicted_output_drafts_and_changes_no_token(server, model_dir):
     assert again.choices[0].message.content == text
     assert again.usage.completion_tokens_details.accepted_prediction_tokens > 0
     assert plain.usage.completion_tokens_details is None or plain.usage.completion_tokens_details.accepted_prediction_tokens is None
+    # a stop string cuts the reply inside tokens kept as drafts: they are not counted as in the reply
+    stop = tok.decode(ids[9:11])  # (early in the second draft: its later tokens are kept as drafts past the cut)
+    assert same >= 15 and text.find(stop) >= len(tok.decode(ids[:8]))
+    cut = client.chat.completions.create(**ask, stop=[stop], prediction={"type": "content", "content": text})
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.usage.completion_tokens_details.accepted_prediction_tokens <= cut.usage.completion_tokens
+    # continuous usage: the opening chunk has the prediction's fields too, at 0
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60, json={
+            "messages": messages, "max_tokens": 8, "stream": True, "prediction": {"type": "content", "content": text},
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as resp:
+        usages = [json.loads(line[6:])["usage"] for line in resp.iter_lines() if line.startswith("data: {")]
+    assert usages[0]["completion_tokens_details"] == {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
+    assert set(usages[-1]["completion_tokens_details"]) == {"accepted_prediction_tokens", "rejected_prediction_tokens"}
     bad = post(server, "/v1/chat/completions", {"messages": messages, "prediction": {"type": "text", "content": "x"}})
     assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("prediction"), bad.text
