@@ -15,6 +15,7 @@ from server.responses import ChatSerializer
 def serializer() -> ChatSerializer:
     ser = object.__new__(ChatSerializer)  # (only the streamed-logprob state: no server behind it)
     ser.body = SimpleNamespace(logprobs=True)
+    ser.wants_logprobs = True  # (what __init__ reads off the body)
     ser.state = SimpleNamespace(tokenizer=None)
     ser.unplaced, ser.texts, ser.answered, ser.floor = {}, {}, {}, {}
     return ser
