@@ -209,23 +209,19 @@ class PredictionProposer:
         self.cursor = 0  # the prediction's position the output is expected to go on from
         self.from_prediction = False  # whether the last draft came from the prediction
         self.missed_at: int | None = None  # the cursor of the last prediction draft whose first token was refused
-        self._kept = self._rejected = 0  # the prediction's draft tokens the output kept, and those it did not
-
-    @property
-    def kept(self) -> int:
-        return self._kept
+        self.kept = self._rejected = 0  # the prediction's draft tokens the output kept, and those it did not
 
     @property
     def rejected(self) -> int:
         """The prediction's draft tokens not kept: at most the prediction's tokens not kept (OpenAI's bound)."""
-        return min(self._rejected, len(self.pred) - self._kept)
+        return min(self._rejected, len(self.pred) - self.kept)
 
     def verified(self, drafted: int, kept: int) -> None:
         if not self.from_prediction:
             if self.fallback is not None:
                 self.fallback.verified(drafted, kept)
             return
-        self._kept += kept
+        self.kept += kept
         self._rejected += drafted - kept
         self.missed_at = self.cursor if drafted and not kept else None
         if drafted:
