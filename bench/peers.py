@@ -321,10 +321,17 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"llama-cpp-python version (default: installed, else {DEFAULT_VERSION})")
     b.add_argument("--sdist", type=Path, default=None, help="use this sdist .tar.gz instead of pip download")
     b.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: cores)")
+    u = sub.add_parser("unpack", help="download (once) and unpack llama.cpp's sources only: its converter, "
+                                      "the oracle of the quantized-checkpoint tests")
+    u.add_argument("--version", default=None,
+                   help=f"llama-cpp-python version (default: installed, else {DEFAULT_VERSION})")
     sub.add_parser("status", help="print what is built, as JSON")
     args = ap.parse_args(argv)
     if args.cmd == "build":
         build(args.version, args.sdist, args.jobs)
+    elif args.cmd == "unpack":
+        version = args.version or llama_cpp_version()
+        print(f"llama.cpp {version}: sources in {unpack(fetch_sdist(version), version)}")
     else:
         print(json.dumps(status(), indent=2))
     return 0

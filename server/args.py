@@ -370,15 +370,15 @@ def _config_problem(model: str, config_json: Path) -> str | None:
     files beside it, said before anything starts: the engine would fail the same way after the server had
     bound its port."""
     from models.config import config_from_hf_dict
-    from models.loader import fp8
     from models.loader.errors import CheckpointError
     from models.loader.jsonfile import read_json
+    from models.loader.quantization import scheme_from_config
     from models.loader.weight_files import find_shards
 
     try:
         config = read_json(config_json)
         config_from_hf_dict(config, str(config_json))  # as the loader reads it
-        fp8.from_config(config, config_json)  # a quantization method not read
+        scheme_from_config(config, config_json)  # a quantization method not read
         find_shards(config_json.parent)  # weight files there (safetensors; a shard index's files all present)
     except (OSError, CheckpointError) as e:
         return f"cannot load the model {model}: {str(e).removeprefix(f'{config_json.parent}: ')}"  # (named once)

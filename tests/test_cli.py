@@ -443,10 +443,10 @@ def test_serve_refuses_a_config_the_loader_refuses_before_it_binds(case: str, ch
         for f in checkpoint.iterdir():
             (model / f.name).write_bytes(f.read_bytes())
         cfg = json.loads((model / "config.json").read_text())
-        change = {"hidden_act": "gelu"} if case == "gelu" else {"quantization_config": {"quant_method": "awq"}}
+        change = {"hidden_act": "gelu"} if case == "gelu" else {"quantization_config": {"quant_method": "bitsandbytes"}}
         (model / "config.json").write_text(json.dumps(dict(cfg, **change)))
         says = ("config key 'hidden_act' is 'gelu': only SiLU-gated MLPs are supported" if case == "gelu"
-                else "quant_method 'awq' is not supported")
+                else "quant_method 'bitsandbytes' is not supported")
     assert main(["serve", "--model", str(model), "--port", str(free_port())]) == 2
     line = one_line(capsys.readouterr().err)
     assert line.startswith(f"mlaserve serve: error: cannot load the model {model}: {model}/config.json: "), line

@@ -62,21 +62,9 @@ class BlockFP8:
         return full if scales == 1 else self.block or DEFAULT_BLOCK
 
 
-def from_config(config: dict[str, Any], source: Path) -> BlockFP8 | None:
-    """The checkpoint's FP8 scheme from config.json's `quantization_config` (None: not quantized). Any other
-    quantization method is refused here, before a tensor is read: its integer-packed weights would only fail
-    later, one tensor at a time, with no word of why."""
-    qc = config.get("quantization_config")
-    if qc is None:
-        return None
+def from_quant_config(qc: dict[str, Any], source: Path) -> BlockFP8:
+    """The FP8 scheme of a `quantization_config` whose quant_method is 'fp8'."""
     where = "config key 'quantization_config'"
-    if not isinstance(qc, dict):
-        raise CheckpointError(source, f"{where} must be an object, got {type(qc).__name__}")
-    method = qc.get("quant_method")
-    if method != "fp8":
-        raise CheckpointError(
-            source, f"{where}: quant_method {method!r} is not supported (only 'fp8', DeepSeek's block-scaled FP8, "
-                    "is read): use the model's unquantized (bf16) safetensors, or a GGUF of it")
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise CheckpointError(source, f"{where}: fmt {fmt!r} is not supported (only 'e4m3')")
@@ -93,4 +81,4 @@ def from_config(config: dict[str, Any], source: Path) -> BlockFP8 | None:
     return BlockFP8((block[0], block[1]))
 
 
-__all__ = ["BlockFP8", "grid", "SCALE_DTYPES", "SCALE_SUFFIXES", "UNREAD_SUFFIXES", "WEIGHT_DTYPE", "from_config", "weight_of"]
+__all__ = ["BlockFP8", "grid", "SCALE_DTYPES", "SCALE_SUFFIXES", "UNREAD_SUFFIXES", "WEIGHT_DTYPE", "from_quant_config", "weight_of"]

@@ -178,14 +178,14 @@ def load_model(
         if getattr(module, "keep_fp32", False):
             module.float()
     bar = tqdm(total=ckpt.num_tensors(), desc=f"Loading {path.name}", unit="tensor", disable=not progress, leave=False)
-    raw_experts = not path.is_dir() and cpu_weights in (None, "file") and any(
+    raw_experts = cpu_weights in (None, "file") and any(
         isinstance(m, ExpertBackend) and m.weight_input is WeightInput.GGUF_BLOCKS for m in net.modules())
     raw_names = frozenset(f"{n}.weight" for n, m in net.named_modules()
                           if isinstance(m, (NativeLinear, NativeEmbedding, NativeAbsorbed))
                           and m.weight_input is WeightInput.GGUF_BLOCKS)
     shard = net.shard_fn()  # under tensor parallelism: only this rank's parts are read
-    if path.is_dir():
-        tensors = ckpt.tensors(shard=shard)
+    if path.is_dir():  # (raw: an integer-quantized checkpoint's weights as ggml blocks, where blocks hold them)
+        tensors = ckpt.tensors(shard=shard, raw_names=raw_names, raw_experts=raw_experts)
     else:
         tensors = ckpt.tensors(raw_experts=raw_experts, raw_names=raw_names, shard=shard)
     if cpu_weights == "file" and dtype in ("float32", torch.float32):

@@ -3,7 +3,9 @@
 Never unpickles: `.bin`/`.pt` checkpoints are refused with a hint to convert them. The shard index
 is treated as untrusted: every file it names must sit inside the directory, and every tensor it maps
 must really be in that shard. Block-scaled FP8 weights (`models.loader.fp8`) are dequantized as they are
-read; DeepSeek's multi-token-prediction layers, which this engine does not run, are left out.
+read; integer-quantized ones (GPTQ, AWQ, compressed-tensors: `models.loader.int_quant`) are read as one
+logical `X.weight` each, dequantized, or as ggml blocks for the CPU's kernels (`tensors(raw_names=...)`).
+DeepSeek's multi-token-prediction layers, which this engine does not run, are left out.
 """
 
 from __future__ import annotations
@@ -18,15 +20,21 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from models.loader import fp8
+from models.loader import fp8, int_quant
 from models.loader.errors import CheckpointError
+from models.loader.int_quant import IntScheme
+from models.loader.int_weights import read_int_weight
 from models.loader.jsonfile import read_json
+from models.loader.quantization import scheme_from_config
+from models.loader.raw_blocks import RawBlocks
 from models.loader.weight_files import INDEX_FILE, find_shards
 from models.loader.shard import SKIP, Shard, ShardFn, resolve, shard_shape
 
 logger = logging.getLogger(__name__)
 # safetensors dtypes a weight may be stored in (F8_E4M3 too, with its scales, in an FP8 checkpoint)
 FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
+SCALE_DTYPES = frozenset({"F32", "F16", "BF16"})  # an integer-quantized weight's scales
+_EXPERT_RE = re.compile(r"\.experts\.(0|[1-9][0-9]*)\.(gate|up|down)_proj\.weight$")
 _LAYER_RE = re.compile(r"^model\.layers\.(0|[1-9][0-9]*)\.")
 
 
@@ -56,7 +64,9 @@ class HFCheckpoint:
         if not self.path.is_dir():
             raise CheckpointError(self.path, "not a directory (expected an HF model directory with config.json)")
         self._config = read_json(self.path / "config.json")
-        self._fp8 = fp8.from_config(self._config, self.path / "config.json")
+        quant = scheme_from_config(self._config, self.path / "config.json")
+        self._fp8 = quant if isinstance(quant, fp8.BlockFP8) else None
+        self._int = quant if isinstance(quant, IntScheme) else None
         # what an FP8 weight is dequantized to: fp32 is exact (the model's parameters round it to --dtype
         # as they take it); `load_model` asks for bf16 where the CPU kernels would keep an fp32 weight fp32
         self.dequantize_dtype = torch.float32
@@ -64,6 +74,8 @@ class HFCheckpoint:
         self._handles: dict[Path, Any] = {}
         self._where: dict[str, Path] | None = None
         self._scales: dict[str, tuple[str, Path]] = {}  # weight name -> its scales' name and shard
+        # an integer-quantized weight's name -> its parts by role (`IntScheme.parts`): tensor name and shard
+        self._int_parts: dict[str, dict[str, tuple[str, Path]]] = {}
         self._layout: dict[str, tuple[int, ...]] | None = None
 
     def hf_config(self) -> dict[str, Any]:
@@ -125,11 +137,49 @@ class HFCheckpoint:
                     raise CheckpointError(where[name], f"tensor '{weight}' has two scales ('{name}' and "
                                                        f"'{self._scales[weight][0]}')")
                 self._scales[weight] = (name, where.pop(name))
+        if self._int is not None:
+            self._int_weights(where)
         mtp = self._mtp_layers(where)
         for name in mtp:
             del where[name]
             self._scales.pop(name, None)
+            self._int_parts.pop(name, None)
         return where
+
+    def _int_weights(self, where: dict[str, Path]) -> None:
+        """Each integer-quantized weight's parts, found by its scales (`X.scales`, `X.weight_scale`), taken out
+        of `where` and kept in `_int_parts`; the weight itself is in `where` under its logical name `X.weight`,
+        at its codes' shard. A part that is missing is an error naming it; activation and KV-cache scales are
+        not read."""
+        scheme = self._int
+        assert scheme is not None
+        unread = [n for n in where if n.endswith(int_quant.UNREAD_SUFFIXES)]
+        parts = scheme.parts
+        scale_suffix = parts["scales"]
+        if scheme.symmetric:  # zero points a symmetric scheme does not use (all zero), where a file has them
+            unread += [n for n in where if n.endswith(".weight_zero_point")]
+        for name in unread:
+            del where[name]
+        if unread:
+            logger.info("%s: %d activation / KV-cache scales and unused zero points are not read (activations "
+                        "are not quantized)", self.path, len(unread))
+        for scale_name in [n for n in where if n.endswith(scale_suffix)]:
+            base = scale_name[: -len(scale_suffix)]
+            found: dict[str, tuple[str, Path]] = {}
+            for role, suffix in parts.items():
+                name = base + suffix
+                if name in where:
+                    found[role] = (name, where[name])
+                elif role not in int_quant.OPTIONAL_ROLES:
+                    raise CheckpointError(where[scale_name], f"tensor '{scale_name}' has no '{name}' beside it: the "
+                                                             f"{scheme.method} checkpoint is incomplete")
+            for name, _ in found.values():
+                del where[name]
+            logical = base + ".weight"
+            if logical in where:
+                raise CheckpointError(where[logical], f"tensor '{logical}' is stored both quantized and unquantized")
+            where[logical] = found["codes"][1]
+            self._int_parts[logical] = found
 
     def _mtp_layers(self, where: dict[str, Path]) -> list[str]:
         """The tensors of the multi-token-prediction layers, checked to be such layers (an `eh_proj` each)."""
@@ -156,6 +206,8 @@ class HFCheckpoint:
         return names
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._int_parts:
+            return self._checked_layout()[name]
         return tuple(self._handle(self.where()[name]).get_slice(name).get_shape())
 
     def layout(self) -> dict[str, tuple[int, ...]]:
@@ -167,8 +219,66 @@ class HFCheckpoint:
     def _checked_layout(self) -> dict[str, tuple[int, ...]]:
         """`layout`, built (every dtype checked) once and shared, not copied."""
         if self._layout is None:
-            self._layout = {name: tuple(self._float_view(name, shard).get_shape()) for name, shard in self.where().items()}
+            self._layout = {name: self._int_shape(name) if name in self._int_parts
+                            else tuple(self._float_view(name, shard).get_shape())
+                            for name, shard in self.where().items()}
         return self._layout
+
+    def _int_shape(self, name: str) -> tuple[int, int]:
+        """An integer-quantized weight's [out, in], from its parts' headers (and compressed-tensors' stored
+        shape), every part checked to be of the dtype and shape the scheme gives it: a file's sizes are
+        hostile, and a packed tensor read with the wrong ones would be garbage, not an error."""
+        scheme = self._int
+        assert scheme is not None
+        views = {role: self._handle(shard).get_slice(n) for role, (n, shard) in self._int_parts[name].items()}
+        shapes = {role: tuple(v.get_shape()) for role, v in views.items()}
+        dtypes = {role: v.get_dtype() for role, v in views.items()}
+        pack = scheme.pack
+        codes = shapes["codes"]
+        if len(codes) != 2:
+            return self._bad_part(name, "codes", f"a matrix, not shape {list(codes)}")
+        if scheme.layout == "gptq":
+            out, cols = codes[1], codes[0] * pack
+        elif scheme.layout == "awq":
+            out, cols = codes[1] * pack, codes[0]
+        elif scheme.layout == "ct-int8":
+            out, cols = codes
+        else:
+            stored = views["shape"]
+            if dtypes["shape"] not in ("I64", "I32") or shapes["shape"] != (2,):
+                return self._bad_part(name, "shape", "two integers (I64 or I32)")
+            out, cols = (int(v) for v in stored[:].tolist())
+            if out != codes[0] or cols <= 0 or -(-cols // pack) != codes[1]:
+                return self._bad_part(name, "shape", f"[{codes[0]}, in] with in packed as {codes[1]} words of "
+                                                     f"{pack} codes, not {[out, cols]}")
+        if out <= 0 or cols <= 0:
+            return self._bad_part(name, "codes", f"a non-empty matrix, not shape {list(codes)}")
+        groups = -(-cols // scheme.group_size) if scheme.group_size else 1
+        column_major = scheme.layout in ("gptq", "awq")
+        want = {"codes": ("I8" if scheme.layout == "ct-int8" else "I32", codes),
+                "scales": (SCALE_DTYPES, (groups, out) if column_major else (out, groups)),
+                "groups": (("I32", "I64"), (cols,))}
+        if "zeros" in shapes:
+            if column_major:
+                zeros = (groups, -(-out // pack))
+            elif scheme.layout == "ct-packed":
+                zeros = (-(-out // pack), groups)
+            else:
+                zeros = (out, groups)
+            want["zeros"] = ("I8" if scheme.layout == "ct-int8" else "I32", zeros)
+        for role, (dtype, shape) in want.items():
+            if role not in shapes:
+                continue
+            dtype_ok = dtypes[role] in dtype if isinstance(dtype, frozenset | tuple) else dtypes[role] == dtype
+            if not dtype_ok or shapes[role] != shape:
+                kinds = dtype if isinstance(dtype, str) else " or ".join(sorted(dtype))
+                self._bad_part(name, role, f"{kinds} {list(shape)}, not {dtypes[role]} {list(shapes[role])} "
+                                           f"({scheme.describe()}, weight [{out}, {cols}])")
+        return (out, cols)
+
+    def _bad_part(self, name: str, role: str, want: str) -> tuple[int, int]:
+        part, shard = self._int_parts[name][role]
+        raise CheckpointError(shard, f"tensor '{part}' (the {role} of '{name}') must be {want}")
 
     def num_values(self) -> int:
         """How many values the checkpoint's tensors hold, together."""
@@ -224,8 +334,33 @@ class HFCheckpoint:
         block = self._fp8.block_of((full[0], full[1]), scale.numel())
         return dequantize_fp8(q, scale, block, (full[0], full[1]), at, self.dequantize_dtype)
 
+    def _int_weight(self, name: str):
+        """Integer-quantized weight `name`, unpacked (`models.loader.int_weights.IntWeight`)."""
+        assert self._int is not None
+        found = self._int_parts[name]
+        parts = {}
+        for role, (part, shard) in found.items():
+            try:
+                parts[role] = self._handle(shard).get_tensor(part)
+            except Exception as e:
+                raise CheckpointError(shard, f"tensor '{part}' cannot be read: {e}") from None
+        shape = self._checked_layout()[name]
+        return read_int_weight(self._int, parts, (shape[0], shape[1]), str(found["scales"][1]),
+                               {role: part for role, (part, _) in found.items()})
+
+    def get_raw(self, name: str) -> torch.Tensor | RawBlocks:
+        """Weight `name` as ggml blocks where it is integer-quantized and a block type holds its values exactly
+        (`IntWeight.as_blocks`), else as `get` gives it."""
+        if name not in self._int_parts:
+            return self.get(name)
+        weight = self._int_weight(name)
+        blocks = weight.as_blocks(str(self.where()[name]), name)
+        return blocks if blocks is not None else weight.dequantize(self.dequantize_dtype)
+
     def get(self, name: str) -> torch.Tensor:
         self._checked_layout()  # every tensor's dtype, checked once for the checkpoint
+        if name in self._int_parts:
+            return self._int_weight(name).dequantize(self.dequantize_dtype)
         shard = self.where()[name]
         try:
             tensor = self._handle(shard).get_tensor(name)
@@ -239,6 +374,11 @@ class HFCheckpoint:
         mapping (as `get` is), any other cut is a copy of just the slice; several ranges are
         concatenated along `shard.dim`."""
         shard_shape(self.shape(name), shard, name)  # ValueError naming the tensor if it does not fit
+        if name in self._int_parts:  # packed whole: dequantized, then cut
+            full = self.get(name)
+            lead = (slice(None),) * shard.dim
+            parts = [full[(*lead, slice(a, b))] for a, b in shard.ranges]
+            return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=shard.dim)
         path = self.where()[name]
         try:
             view = self._handle(path).get_slice(name)
@@ -255,15 +395,23 @@ class HFCheckpoint:
     def num_tensors(self) -> int:
         return len(self.where())
 
-    def tensors(self, shard: ShardFn | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, shard: ShardFn | None = None, raw_names: frozenset[str] = frozenset(),
+                raw_experts: bool = False) -> Iterator[tuple[str, torch.Tensor | RawBlocks]]:
         """Every tensor, shard by shard, memory-mapped; shard handles are closed at the end.
 
         `shard` (tensor parallelism): called with each name and full shape; SKIP leaves the tensor out
-        unread, a `Shard` reads only that part (`get_shard`), None the whole tensor."""
+        unread, a `Shard` reads only that part (`get_shard`), None the whole tensor. `raw_names` (the CPU's
+        native operators' weights) and, with `raw_experts`, the routed experts' weights come as ggml blocks
+        where they are integer-quantized and blocks hold them (`get_raw`)."""
         shapes = self._checked_layout()  # every dtype checked before anything is read
         for name in self.where():
             part = resolve(shard, name, shapes[name]) if shard is not None else None
             if part is SKIP:
                 continue
-            yield name, self.get(name) if part is None else self.get_shard(name, part)
+            if part is not None:
+                yield name, self.get_shard(name, part)
+            elif name in raw_names or raw_experts and _EXPERT_RE.search(name):
+                yield name, self.get_raw(name)
+            else:
+                yield name, self.get(name)
         self._handles.clear()
