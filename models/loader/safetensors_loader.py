@@ -206,6 +206,7 @@ class HFCheckpoint:
         return names
 
     def shape(self, name: str) -> tuple[int, ...]:
+        self.where()  # (finds the integer-quantized weights)
         if name in self._int_parts:
             return self._checked_layout()[name]
         return tuple(self._handle(self.where()[name]).get_slice(name).get_shape())
@@ -351,6 +352,7 @@ class HFCheckpoint:
     def get_raw(self, name: str) -> torch.Tensor | RawBlocks:
         """Weight `name` as ggml blocks where it is integer-quantized and a block type holds its values exactly
         (`IntWeight.as_blocks`), else as `get` gives it."""
+        self._checked_layout()
         if name not in self._int_parts:
             return self.get(name)
         weight = self._int_weight(name)

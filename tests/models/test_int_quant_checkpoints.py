@@ -31,10 +31,12 @@ from safetensors.torch import load_file, save_file
 from bench import peers
 from models.experts import CppExperts
 from models.loader.errors import CheckpointError
+from models.loader.gguf_writer import write_gguf
 from models.loader.int_weights import AWQ_ORDER
 from models.loader.load import load_model
 from models.loader.raw_blocks import RawBlocks
 from models.loader.safetensors_loader import HFCheckpoint
+from models.loader.shard import Shard
 from models.native import NativeLinear
 from models.synthetic import write_checkpoint
 from tests.hf_models import build_hf_model
@@ -460,3 +462,42 @@ def test_compressed_tensors_schemes_not_read_are_refused(tmp_path):
     sd[f"{LAYER}.weight_shape"] = torch.tensor([64, 100])
     save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
     _fails(d, f"'{LAYER}.weight_shape' (the shape of '{LAYER}.weight') must be [64, in] with in packed as 16 words")
+
+
+# ----------------------------------------------------------------------------- other readers of the weights
+
+
+def test_tensor_parallel_parts_and_gguf_conversion(tmp_path):
+    """A rank's part of a quantized weight (rows, columns, several ranges) is that part of the whole; and
+    `write_gguf` converts the quantized directory (dequantized) to an F32 GGUF with the directory's logits."""
+    d = write_checkpoint(tmp_path / "awq", "tiny-llama", seed=48)
+    want = to_awq(d, 32)
+    ckpt = HFCheckpoint(d)
+    for name, w in want.items():
+        rows, cols = w.shape
+        for shard in (Shard(0, ((3, rows - 5),)), Shard(1, ((7, cols - 1),)), Shard(0, ((1, 9), (17, rows)))):
+            part = ckpt.get_shard(name, shard)
+            assert torch.equal(part, torch.cat([w[a:b] if shard.dim == 0 else w[:, a:b] for a, b in shard.ranges],
+                                               dim=shard.dim)), (name, shard)
+    gguf = write_gguf(d, tmp_path / "model.gguf", "F32")
+    ids = prompt(30, 1000, seed=11)
+    assert rel_err(prefill_logits(make_runner(gguf), ids), prefill_logits(make_runner(d), ids)) <= 1e-5
+
+
+def test_gptq_deepseek_is_served(tmp_path):
+    """`mlaserve serve` on a GPTQ DeepSeek-V3-shaped directory (its defaults: the native CPU forward, weights as
+    the file's blocks, routed experts in the C++ pool): greedy tokens equal the same model loaded here."""
+    d = write_checkpoint(tmp_path / "v3", "tiny-deepseek-v3", seed=49)
+    to_gptq(d, 4, 32, symmetric=True)
+    loaded = load_model(d, dtype="float32", progress=False)
+    ids = loaded.tokenizer.encode("The lighthouse keeper")
+    want = make_runner(d, cpu_weights="file").generate_greedy(ids, 8)
+    server = ServerProcess(str(d), "--served-model-name", "m", "--dtype", "float32", "--kv-dtype", "float32",
+                           "--max-total-tokens", "256", log=tmp_path / "server.log").wait_ready(300)
+    try:
+        r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+            "model": "m", "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == loaded.tokenizer.decode(want)
+    finally:
+        assert server.stop() == 0, server.log()
