@@ -1,15 +1,16 @@
 """GPTQ, AWQ and compressed-tensors checkpoints (integer weight-only quantization).
 
-The files are written here from fresh random tiny models, each linear weight rounded to a grid of its
-group's scale and zero point (any codes with any scales are a valid file: the quantizer is not under test).
-`expected` is the format's definition, `scale * (code - zero)`; the readers that check it are other people's:
+The files are written here from fresh random tiny models (`models.loader.int_quant_writer`: each linear weight
+rounded to a grid of its group's scale and zero point; any codes with any scales are a valid file, and the
+writer is not under test). Its `value` is the format's definition, `scale * (code - zero)`; the readers that
+check ours are other people's:
 
 - llama.cpp's converter (`conversion/base.py`'s `dequant_model`, in the sources `make test` unpacks) for GPTQ
   and compressed-tensors, run in a subprocess with its own `gguf` package;
 - AutoAWQ's `dequantize_gemm` (its `packing_utils.py`, fetched by `make test`) for AWQ;
 - compressed-tensors' own packer writes those files, and transformers (through compressed-tensors) reads
   them back into a model whose logits ours must match;
-- transformers' forward on `expected` for the model-level checks of every format.
+- transformers' forward on the defined values for the model-level checks of every format.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from bench import peers
 from models.experts import CppExperts
 from models.loader.errors import CheckpointError
 from models.loader.gguf_writer import write_gguf
-from models.loader.int_weights import AWQ_ORDER
+from models.loader.int_quant_writer import write_awq, write_compressed_tensors, write_gptq
 from models.loader.load import load_model
 from models.loader.raw_blocks import RawBlocks
 from models.loader.safetensors_loader import HFCheckpoint
@@ -47,166 +48,17 @@ ROOT = Path(__file__).resolve().parents[2]
 AUTOAWQ = next(iter(sorted((ROOT / ".venv" / "oracles").glob("autoawq-*/awq/utils/packing_utils.py"))), None)
 
 
-def _quantized(name: str, t: torch.Tensor) -> bool:
-    """The linear layers, as GPTQ / AWQ / llm-compressor quantize them: not the embeddings, the LM head,
-    the norms or the MoE router."""
-    return (t.dim() == 2 and name.endswith(".weight") and "norm" not in name and "embed" not in name
-            and "lm_head" not in name and not name.endswith("mlp.gate.weight"))
-
-
-def _int32(words: torch.Tensor) -> torch.Tensor:
-    """Unsigned 32-bit words (in int64) as the int32 the formats store."""
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def _pack(codes: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """Codes [rows, cols] packed along the columns, `32 // bits` a word, lowest bits first; word position k
-    holds column `order[k]` of its run (AWQ's interleave) or column k."""
-    pack = 32 // bits
-    order = order or tuple(range(pack))
-    c = codes.to(torch.int64).reshape(codes.shape[0], -1, pack)
-    words = sum(c[:, :, order[k]] << (bits * k) for k in range(pack))
-    return _int32(words)
-
-
-def round_to_grid(w: torch.Tensor, bits: int, group: int, symmetric: bool, columns: torch.Tensor | None = None,
-                  scale_dtype: torch.dtype = torch.float16):
-    """w [out, in] on a grid per (row, group): codes [out, in] in 0..2^bits-1, zeros [out, G] and scales [out, G]
-    (`scale_dtype`) with w ~ scale * (code - zero). `columns`: each column's group (act order)."""
-    out, cols = w.shape
-    group = group or cols
-    g = columns if columns is not None else torch.arange(cols) // group
-    count = int(g.max()) + 1
-    top = 2**bits - 1
-    lo = torch.full((out, count), math.inf).scatter_reduce(1, g.expand(out, -1), w, "amin")
-    hi = torch.full((out, count), -math.inf).scatter_reduce(1, g.expand(out, -1), w, "amax")
-    if symmetric:
-        scale = (torch.maximum(hi.abs(), lo.abs()) / (2 ** (bits - 1) - 1)).clamp(min=1e-4).to(scale_dtype)
-        zeros = torch.full((out, count), 2 ** (bits - 1))
-    else:
-        scale = ((hi - lo) / top).clamp(min=1e-4).to(scale_dtype)
-        zeros = (-lo / scale.float()).round().clamp(0, top).to(torch.int64)
-    codes = (w / scale.float()[:, g]).round().to(torch.int64) + zeros[:, g]
-    return codes.clamp(0, top), zeros, scale
-
-
-def expected(codes, zeros, scale, columns=None, group=0) -> torch.Tensor:
-    """The format's definition: scale * (code - zero), fp32."""
-    cols = codes.shape[1]
-    g = columns if columns is not None else torch.arange(cols) // (group or cols)
-    return scale.float()[:, g] * (codes - zeros[:, g]).float()
-
-
-# ----------------------------------------------------------------------------- writers
-
-def to_gptq(d: Path, bits: int = 4, group: int = 32, symmetric: bool = True, v2: bool = False,
-            act_order: bool = False) -> dict[str, torch.Tensor]:
-    """Rewrites HF directory `d` as a GPTQ checkpoint; returns each quantized weight's expected value."""
-    sd = load_file(d / "model.safetensors")
-    out, want = {}, {}
-    gen = torch.Generator().manual_seed(bits * 7 + group)
-    for name, w in sd.items():
-        if not _quantized(name, w):
-            out[name] = w
-            continue
-        rows, cols = w.shape
-        gs = group if group > 0 else cols
-        columns = None
-        if act_order:  # GPTQ's desc_act: groups of columns in the order the Hessian gave, stored per column
-            columns = torch.empty(cols, dtype=torch.int64)
-            columns[torch.randperm(cols, generator=gen)] = torch.arange(cols) // gs
-        codes, zeros, scale = round_to_grid(w.float(), bits, gs, symmetric, columns)
-        base = name[: -len(".weight")]
-        out[base + ".qweight"] = _pack(codes, bits).t().contiguous()  # packed along the input dim: [in / pack, out]
-        out[base + ".qzeros"] = _pack((zeros.t() - (0 if v2 else 1)).contiguous(), bits)
-        out[base + ".scales"] = scale.t().contiguous()
-        g = columns if columns is not None else torch.arange(cols) // gs
-        out[base + ".g_idx"] = g.to(torch.int32)
-        want[name] = expected(codes, zeros, scale, columns, gs)
-    save_file(out, d / "model.safetensors", metadata={"format": "pt"})
-    _edit_config(d, quantization_config={
-        "quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order, "sym": symmetric,
-        "checkpoint_format": "gptq_v2" if v2 else "gptq", "true_sequential": True, "static_groups": False})
-    return want
-
-
-def to_awq(d: Path, group: int = 32) -> dict[str, torch.Tensor]:
-    """Rewrites `d` as an AutoAWQ GEMM checkpoint (4-bit, zero points)."""
-    sd = load_file(d / "model.safetensors")
-    out, want = {}, {}
-    for name, w in sd.items():
-        if not _quantized(name, w):
-            out[name] = w
-            continue
-        codes, zeros, scale = round_to_grid(w.float(), 4, group, symmetric=False)
-        base = name[: -len(".weight")]
-        out[base + ".qweight"] = _pack(codes.t().contiguous(), 4, AWQ_ORDER)
-        out[base + ".qzeros"] = _pack(zeros.t().contiguous(), 4, AWQ_ORDER)
-        out[base + ".scales"] = scale.t().contiguous()
-        want[name] = expected(codes, zeros, scale, None, group)
-    save_file(out, d / "model.safetensors", metadata={"format": "pt"})
-    _edit_config(d, quantization_config={"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
-                                         "version": "gemm", "modules_to_not_convert": None})
-    return want
-
-
-def to_compressed_tensors(d: Path, bits: int = 4, group: int | None = 32, symmetric: bool = True,
-                          scale_dtype: torch.dtype = torch.bfloat16, fmt: str = "pack-quantized"
-                          ) -> dict[str, torch.Tensor]:
-    """Rewrites `d` as an llm-compressor checkpoint, packed by compressed-tensors' own packer."""
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-
-    sd = load_file(d / "model.safetensors")
-    out, want = {}, {}
-    offset = 2 ** (bits - 1)
-    for name, w in sd.items():
-        if not _quantized(name, w):
-            out[name] = w
-            continue
-        codes, zeros, scale = round_to_grid(w.float(), bits, group or 0, symmetric, scale_dtype=scale_dtype)
-        signed, zp = (codes - offset).to(torch.int8), (zeros - offset).to(torch.int8)
-        base = name  # compressed-tensors names the parts after the weight: X.weight_packed, X.weight_scale, ...
-        if fmt == "pack-quantized":
-            out[base + "_packed"] = pack_to_int32(signed, bits, packed_dim=1)
-            out[base + "_shape"] = torch.tensor(list(w.shape))
-            if not symmetric:
-                out[base + "_zero_point"] = pack_to_int32(zp, bits, packed_dim=0)
-        else:
-            out[base] = signed
-            if not symmetric:
-                out[base + "_zero_point"] = zp
-        out[base + "_scale"] = scale.contiguous()
-        want[name] = expected(codes, zeros, scale, None, group or 0)
-    save_file(out, d / "model.safetensors", metadata={"format": "pt"})
-    weights = {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": "group" if group else "channel",
-               "group_size": group, "dynamic": False, "actorder": None, "observer": "minmax"}
-    activations = None if fmt == "pack-quantized" else {  # W8A8: activations quantized per token (not read here)
-        "num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True, "observer": None}
-    _edit_config(d, quantization_config={
-        "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "format": fmt,
-                                      "input_activations": activations, "output_activations": None}},
-        "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}})
-    return want
-
-
-def _edit_config(d: Path, **changes) -> None:
-    cfg = json.loads((d / "config.json").read_text())
-    cfg.update(changes)
-    (d / "config.json").write_text(json.dumps(cfg))
-
-
 WRITERS = {
-    "gptq4_sym": lambda d: to_gptq(d, 4, 32, symmetric=True),
-    "gptq4_asym_v2": lambda d: to_gptq(d, 4, 32, symmetric=False, v2=True),
-    "gptq4_asym_v1": lambda d: to_gptq(d, 4, 64, symmetric=False),
-    "gptq8_sym_channel": lambda d: to_gptq(d, 8, -1, symmetric=True),
-    "gptq4_act_order": lambda d: to_gptq(d, 4, 32, symmetric=True, act_order=True),
-    "awq": lambda d: to_awq(d, 32),
-    "ct4_sym": lambda d: to_compressed_tensors(d, 4, 32, symmetric=True),
-    "ct4_asym": lambda d: to_compressed_tensors(d, 4, 32, symmetric=False),
-    "ct8_channel": lambda d: to_compressed_tensors(d, 8, None, symmetric=True),
-    "ct_int8": lambda d: to_compressed_tensors(d, 8, None, symmetric=True, fmt="int-quantized"),
+    "gptq4_sym": lambda d: write_gptq(d, 4, 32, symmetric=True),
+    "gptq4_asym_v2": lambda d: write_gptq(d, 4, 32, symmetric=False, v2=True),
+    "gptq4_asym_v1": lambda d: write_gptq(d, 4, 64, symmetric=False),
+    "gptq8_sym_channel": lambda d: write_gptq(d, 8, -1, symmetric=True),
+    "gptq4_act_order": lambda d: write_gptq(d, 4, 32, symmetric=True, act_order=True, seed=5),
+    "awq": lambda d: write_awq(d, 32),
+    "ct4_sym": lambda d: write_compressed_tensors(d, 4, 32, symmetric=True),
+    "ct4_asym": lambda d: write_compressed_tensors(d, 4, 32, symmetric=False),
+    "ct8_channel": lambda d: write_compressed_tensors(d, 8, None, symmetric=True),
+    "ct_int8": lambda d: write_compressed_tensors(d, 8, None, symmetric=True, fmt="int-quantized"),
 }
 # the block type the CPU kernels get for a 32-column-aligned weight (None: dequantized)
 BLOCKS = {"gptq4_sym": "Q4_0", "gptq4_asym_v2": "Q5_0", "gptq4_asym_v1": "Q5_0", "gptq8_sym_channel": "Q8_0",
@@ -302,7 +154,7 @@ def test_autoawq_reads_the_same_weights(tmp_path):
     """AutoAWQ's own unpacking (fp16, as its kernels compute) gives each weight our values, rounded to fp16."""
     dequantize_gemm = autoawq_dequantize()
     build_hf_model("llama_gqa_tied", seed=43).save_pretrained(tmp_path)
-    want = to_awq(tmp_path, 32)
+    want = write_awq(tmp_path, 32)
     stored = load_file(tmp_path / "model.safetensors")
     ckpt = HFCheckpoint(tmp_path)
     for name in want:
@@ -387,7 +239,7 @@ LAYER = "model.layers.1.mlp.down_proj"
 def gptq_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("gptq")
     build_hf_model("llama_gqa_tied", seed=46).save_pretrained(d)
-    to_gptq(d, 4, 32, symmetric=True)
+    write_gptq(d, 4, 32, symmetric=True)
     return d
 
 
@@ -443,7 +295,7 @@ def test_schemes_not_read_are_refused_before_the_weights(gptq_dir, tmp_path, con
 def test_compressed_tensors_schemes_not_read_are_refused(tmp_path):
     d = tmp_path / "ct"
     build_hf_model("llama_gqa_tied", seed=47).save_pretrained(d)
-    to_compressed_tensors(d, 4, 32)
+    write_compressed_tensors(d, 4, 32)
     cfg = json.loads((d / "config.json").read_text())
     qc = cfg["quantization_config"]
     group = qc["config_groups"]["group_0"]
@@ -471,7 +323,7 @@ def test_tensor_parallel_parts_and_gguf_conversion(tmp_path):
     """A rank's part of a quantized weight (rows, columns, several ranges) is that part of the whole; and
     `write_gguf` converts the quantized directory (dequantized) to an F32 GGUF with the directory's logits."""
     d = write_checkpoint(tmp_path / "awq", "tiny-llama", seed=48)
-    want = to_awq(d, 32)
+    want = write_awq(d, 32)
     ckpt = HFCheckpoint(d)
     for name, w in want.items():
         rows, cols = w.shape
@@ -488,7 +340,7 @@ def test_gptq_deepseek_is_served(tmp_path):
     """`mlaserve serve` on a GPTQ DeepSeek-V3-shaped directory (its defaults: the native CPU forward, weights as
     the file's blocks, routed experts in the C++ pool): greedy tokens equal the same model loaded here."""
     d = write_checkpoint(tmp_path / "v3", "tiny-deepseek-v3", seed=49)
-    to_gptq(d, 4, 32, symmetric=True)
+    write_gptq(d, 4, 32, symmetric=True)
     loaded = load_model(d, dtype="float32", progress=False)
     ids = loaded.tokenizer.encode("The lighthouse keeper")
     want = make_runner(d, cpu_weights="file").generate_greedy(ids, 8)
