@@ -1050,3 +1050,26 @@ def test_a_terminated_server_benchmark_runs_its_cleanup() -> None:
             "try:\n    os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)\nfinally:\n    print('stopped the servers')\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 128 + signal.SIGTERM and r.stdout.strip() == "stopped the servers", (r.returncode, r.stdout, r.stderr)
+
+
+def test_int_quant_bench_on_a_tiny_deepseek(cpu_bench, tmp_path: Path) -> None:
+    """bench/int_quant_cpu.py end to end on a tiny DeepSeek-V3 directory in place of the V2-Lite-shaped one:
+    the GPTQ and AWQ copies are written once (a second run reuses them), each is served from Q4_0 / Q5_0
+    blocks, and the 4-bit weights take less memory than the bf16 ones."""
+    from models.synthetic import write_checkpoint
+
+    bench = importlib.import_module("int_quant_cpu")
+    mk = importlib.import_module("make_deepseek_gguf")
+    hf = mk.model_dir(tmp_path, 4, 0) / "hf"
+    write_checkpoint(hf, "tiny-deepseek-v3", seed=3, dtype="bfloat16")
+    (hf / ".complete").write_text("{}")
+    args = ["--cache-dir", str(tmp_path), "--formats", "bf16", "gptq4", "awq4", "--rounds", "1", "--decode-tokens", "3",
+            "--quiet-wait", "0", "--retries", "0"]
+    for run in ("first", "again"):
+        out = tmp_path / f"{run}.json"
+        assert bench.main([*args, "--out", str(out)]) == 0
+        r = json.loads(out.read_text())
+    assert set(r["ours"]) == {"bf16", "gptq4", "awq4"} and r["written"]["gptq4"]["group_size"] == 128
+    assert "q4_0" in r["ours"]["gptq4"]["linear_formats"] and "q5_0" in r["ours"]["awq4"]["linear_formats"]
+    assert all(e["tg_tok_s"] > 0 and e["native_forward"] for e in r["ours"].values())
+    assert r["ours"]["gptq4"]["resident_weight_bytes"] < r["ours"]["bf16"]["resident_weight_bytes"]
