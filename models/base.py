@@ -11,6 +11,7 @@ backends whose `weight_input` is GGUF_BLOCKS may get GGUF `RawBlocks` for them i
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Callable, Iterable
@@ -39,6 +40,7 @@ from models.loader.raw_blocks import RawBlocks
 from models.experts import ExpertBackend
 
 
+logger = logging.getLogger(__name__)
 _EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj|gate_up_proj)(\.weight)?$")
 
 
@@ -94,6 +96,20 @@ class DecoderModel(nn.Module):
         for layer in self.layers:
             x = layer(batch.positions, x, batch)
         return self.norm(x, batch.attn_backend.fused_layer_ops)
+
+
+ROTARY_TABLES = (".rotary_emb.inv_freq", ".rotary_emb.cos_cached", ".rotary_emb.sin_cached")
+
+
+def _carries_nothing(name: str, tensor: torch.Tensor | RawBlocks) -> bool:
+    """A tensor with no parameter that the model computes the same without: a rotary table (older checkpoints
+    saved the buffers the model recomputes) or an all-zero bias (GPTQ-for-LLaMa and early AutoGPTQ wrote one
+    beside every quantized layer), as vLLM skips them. A bias that is not zero would change the output: it
+    stays an unexpected tensor."""
+    if name.endswith(ROTARY_TABLES):
+        return True
+    return (name.endswith(".bias") and isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
+            and not bool(tensor.any()))
 
 
 class CausalLM(nn.Module):
@@ -212,6 +228,7 @@ class CausalLM(nn.Module):
         ranges = {f"{n}.experts": m.expert_range for n, m in self.named_modules() if hasattr(m, "expert_range")}
         loaded: set[str] = set()
         expert_loaded: set[tuple[str, int, str]] = set()
+        ignored: list[str] = []
         for name, tensor in weights:
             if isinstance(tensor, torch.Tensor) and not _is_float_weight(tensor.dtype):
                 raise CheckpointError(
@@ -240,6 +257,9 @@ class CausalLM(nn.Module):
             param = params.get(name)
             if param is None and math.prod(tensor.shape) == 0:
                 continue  # carries nothing: transformers saves `n_shared_experts: 0`'s experts as [h, 0] weights
+            if param is None and _carries_nothing(name, tensor):
+                ignored.append(name)
+                continue
             if param is None or name in expert_params:
                 raise CheckpointError(source, f"unexpected tensor '{name}' (no such parameter in this architecture)")
             target = param.data
@@ -252,6 +272,10 @@ class CausalLM(nn.Module):
                 )
             target.copy_(tensor)
             loaded.add(name)
+        if ignored:
+            logger.info("%s: %d tensors that change nothing are not loaded (rotary tables, which are recomputed, and "
+                        "all-zero biases of layers without one, as older GPTQ files store them), e.g. '%s'", source,
+                        len(ignored), ignored[0])
         required_sinks = {n for n, m in sinks.items() if not getattr(m, "optional", False)}
         missing = sorted((set(params) | required_sinks) - loaded - expert_params)
         for prefix, backend in experts.items():

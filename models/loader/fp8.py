@@ -6,6 +6,9 @@ up, so a dimension that is not a multiple of the block (DeepSeek-V3's 576 rows o
 has a last, partial block. The weight is `fp8 value * scale`. Embeddings, norms and routers stay bf16.
 AutoFP8's checkpoints (Llama FP8s: the same `quant_method`) hold one `X.weight_scale` per weight instead,
 and the static activation scales that mlaserve does not read (activations are not quantized).
+llm-compressor's FP8 models (`quant_method: compressed-tensors`, format `float-quantized`: the "FP8-dynamic"
+and "FP8_BLOCK" ones) hold `X.weight_scale` per tensor, per row ([rows, 1], strategy `channel`) or per
+`block_structure` block (`from_compressed_tensors`).
 
 mlaserve has no FP8 matrix kernel: the weights are dequantized while they are read
 (`safetensors_loader.dequantize_fp8`), so a model holds them as an unquantized checkpoint would (in `--dtype`,
@@ -14,6 +17,7 @@ or as the CPU kernels' bf16). This module is torch-free: the server checks a con
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,14 +56,21 @@ class BlockFP8:
     block: tuple[int, int] | None
 
     def grids(self, shape: tuple[int, ...]) -> list[tuple[int, int]]:
-        """The scale tensor shapes a weight of `shape` (rows, columns) may have."""
+        """The scale tensor shapes a weight of `shape` (rows, columns) may have: its block grid, one a row
+        (compressed-tensors' per-channel FP8, vLLM's too), and with no block given one for the weight."""
         if self.block is not None:
-            return [grid(shape, self.block)]
-        return [(1, 1), grid(shape, DEFAULT_BLOCK)]
+            return [grid(shape, self.block), (shape[0], 1)]
+        return [(1, 1), grid(shape, DEFAULT_BLOCK), (shape[0], 1)]
 
-    def block_of(self, full: tuple[int, int], scales: int) -> tuple[int, int]:
-        """The (rows, columns) one of a weight's `scales` covers (the whole weight of shape `full` for one)."""
-        return full if scales == 1 else self.block or DEFAULT_BLOCK
+    def block_of(self, full: tuple[int, int], scales: tuple[int, ...]) -> tuple[int, int]:
+        """The (rows, columns) one scale of a scale tensor of shape `scales` covers: the whole weight of shape
+        `full` for one scale, a row for one a row (per channel), else the block."""
+        block = self.block or DEFAULT_BLOCK
+        if math.prod(scales) == 1:
+            return full
+        if tuple(scales) != grid(full, block) and tuple(scales) == (full[0], 1):
+            return (1, full[1])
+        return block
 
 
 def from_quant_config(qc: dict[str, Any], source: Path) -> BlockFP8:
@@ -81,4 +92,25 @@ def from_quant_config(qc: dict[str, Any], source: Path) -> BlockFP8:
     return BlockFP8((block[0], block[1]))
 
 
-__all__ = ["BlockFP8", "grid", "SCALE_DTYPES", "SCALE_SUFFIXES", "UNREAD_SUFFIXES", "WEIGHT_DTYPE", "from_quant_config", "weight_of"]
+def from_compressed_tensors(weights: dict[str, Any], source: Path) -> BlockFP8:
+    """The FP8 scheme of compressed-tensors' `float-quantized` format (llm-compressor's FP8 models): 8-bit
+    float weights with one scale per tensor, per row (`channel`) or per `block_structure` block."""
+    where = "config key 'quantization_config'"
+    if weights.get("type") != "float" or weights.get("num_bits") != 8:
+        raise CheckpointError(source, f"{where}: float-quantized weights must be 8-bit floats, got "
+                                      f"{weights.get('num_bits')!r:.20}-bit {weights.get('type')!r:.20}")
+    if weights.get("dynamic", False):
+        raise CheckpointError(source, f"{where}: dynamic weight quantization has no stored scales to read")
+    strategy = weights.get("strategy")
+    if strategy in ("tensor", "channel"):
+        return BlockFP8(None)
+    block = weights.get("block_structure")
+    if (strategy != "block" or not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= MAX_BLOCK for b in block)):
+        raise CheckpointError(source, f"{where}: FP8 weight strategy {strategy!r:.20} is not supported (only "
+                                      "'tensor', 'channel', and 'block' with a block_structure of two integers)")
+    return BlockFP8((block[0], block[1]))
+
+
+__all__ = ["BlockFP8", "grid", "SCALE_DTYPES", "SCALE_SUFFIXES", "UNREAD_SUFFIXES", "WEIGHT_DTYPE", "from_compressed_tensors",
+           "from_quant_config", "weight_of"]

@@ -46,7 +46,7 @@ CT_PACKED_PARTS = {"codes": ".weight_packed", "scales": ".weight_scale", "zeros"
                    "shape": ".weight_shape", "groups": ".weight_g_idx"}
 CT_INT8_PARTS = {"codes": ".weight", "scales": ".weight_scale", "zeros": ".weight_zero_point",
                  "groups": ".weight_g_idx"}
-OPTIONAL_ROLES = frozenset({"groups"})
+OPTIONAL_ROLES = frozenset({"groups"})  # (unless the scheme has an activation order)
 # compressed-tensors' scales of quantized activations and KV cache: not read (activations run unquantized)
 UNREAD_SUFFIXES = (".input_scale", ".input_zero_point", ".input_global_scale", ".output_scale",
                    ".output_zero_point", ".k_scale", ".v_scale", ".kv_scale")
@@ -65,6 +65,8 @@ class IntScheme:
     group_size: int
     zero_less_one: bool = False
     symmetric: bool = False
+    act_order: bool = False  # each column's group stored (`g_idx`): it must be there
+    per_tensor: bool = False  # one scale for the whole weight (compressed-tensors' `tensor` strategy)
 
     @property
     def pack(self) -> int:
@@ -78,6 +80,11 @@ class IntScheme:
             return {r: s for r, s in GPTQ_PARTS.items() if self.layout == "gptq" or r != "groups"}
         parts = CT_PACKED_PARTS if self.layout == "ct-packed" else CT_INT8_PARTS
         return {r: s for r, s in parts.items() if r != "zeros" or not self.symmetric}
+
+    @property
+    def optional_roles(self) -> frozenset[str]:
+        """Parts a weight may lack: the group index, unless the scheme has an activation order."""
+        return frozenset() if self.act_order else OPTIONAL_ROLES
 
     @property
     def anchor(self) -> str:
@@ -112,6 +119,8 @@ def _group(value: Any, where: str, source: Any) -> int:
 
 
 def _bits(value: Any, where: str, source: Any, allowed: tuple[int, ...] = BITS) -> int:
+    if value is None:
+        raise CheckpointError(source, f"{where}: bits is missing (how many bits each weight takes)")
     if value not in allowed or isinstance(value, bool):
         raise CheckpointError(source, f"{where}: {value!r:.40}-bit weights are not supported (only "
                                       f"{' and '.join(map(str, allowed))}-bit)")
@@ -123,12 +132,20 @@ def _gptq(qc: dict[str, Any], where: str, source: Any) -> IntScheme:
     if fmt not in ("gptq", "gptq_v2"):
         raise CheckpointError(source, f"{where}: checkpoint_format {fmt!r:.40} is not supported (only 'gptq' and "
                                       "'gptq_v2'; a Marlin- or BitBLAS-repacked file is one GPU kernel's layout)")
-    if qc.get("dynamic"):
-        raise CheckpointError(source, f"{where}: per-module overrides ('dynamic') are not supported: every "
-                                      "quantized layer must share bits and group_size")
+    if qc.get("is_marlin_format"):
+        raise CheckpointError(source, f"{where}: is_marlin_format is not supported (AutoGPTQ's Marlin-repacked "
+                                      "file is one GPU kernel's layout): use the model's plain GPTQ files")
+    dynamic = qc.get("dynamic") or {}
+    if not isinstance(dynamic, dict) or not all(isinstance(k, str) and k.startswith("-:") for k in dynamic):
+        raise CheckpointError(source, f"{where}: per-module overrides ('dynamic') other than modules left "
+                                      "unquantized ('-:' rules) are not supported: every quantized layer must share "
+                                      "bits and group_size")
     bits = _bits(_int(qc, ("bits",), where, source), where, source)
+    desc_act = qc.get("desc_act", False)
+    if not isinstance(desc_act, bool):
+        raise CheckpointError(source, f"{where}: desc_act must be true or false, got {desc_act!r:.40}")
     return IntScheme("gptq", "gptq", bits, _group(qc.get("group_size", 128), where, source),
-                     zero_less_one=fmt == "gptq")
+                     zero_less_one=fmt == "gptq", act_order=desc_act)
 
 
 def _awq(qc: dict[str, Any], where: str, source: Any) -> IntScheme:
@@ -137,19 +154,24 @@ def _awq(qc: dict[str, Any], where: str, source: Any) -> IntScheme:
         raise CheckpointError(source, f"{where}: AWQ version {qc.get('version')!r:.40} is not supported (only "
                                       "'gemm', AutoAWQ's default; GEMV files pack for one GPU kernel)")
     if qc.get("zero_point", True) is not True:
-        raise CheckpointError(source, f"{where}: AWQ without zero points (zero_point: false) is not supported")
+        raise CheckpointError(source, f"{where}: zero_point {qc.get('zero_point')!r:.40} is not supported (AWQ's "
+                                      "GEMM files have zero points: true)")
     bits = _bits(_int(qc, ("bits", "w_bit"), where, source), where, source, (4,))
     group = _int(qc, ("group_size", "q_group_size"), where, source, 128)
     return IntScheme("awq", "awq", bits, _group(group, where, source))
 
 
-def _compressed_tensors(qc: dict[str, Any], where: str, source: Any) -> IntScheme:
+def compressed_tensors_weights(qc: dict[str, Any], source: Any) -> tuple[str, dict[str, Any]]:
+    """A compressed-tensors config's one weight scheme and its format (each config group's own `format`, else
+    the config's): groups with different schemes, sparse or transformed weights are refused."""
+    where = "config key 'quantization_config'"
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise CheckpointError(source, f"{where}: config_groups must be a non-empty object")
     for key in ("sparsity_config", "transform_config"):
         sparsity = qc.get(key)
-        if sparsity and (key == "transform_config" or sparsity.get("format", "dense") != "dense"):
+        if sparsity and (key == "transform_config" or not isinstance(sparsity, dict)
+                         or sparsity.get("format", "dense") != "dense"):
             raise CheckpointError(source, f"{where}: {key} is not supported (sparse or transformed weights)")
     weights: list[dict[str, Any]] = []
     formats = set()
@@ -157,31 +179,47 @@ def _compressed_tensors(qc: dict[str, Any], where: str, source: Any) -> IntSchem
         if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
             raise CheckpointError(source, f"{where}: config group {name!r:.40} has no 'weights' object "
                                           "(activation-only quantization is not supported)")
+        fmt = group.get("format") or qc.get("format")
+        if not isinstance(fmt, str):
+            raise CheckpointError(source, f"{where}: config group {name!r:.40} has no format (a string), got "
+                                          f"{fmt!r:.40}")
         weights.append(group["weights"])
-        formats.add(group.get("format") or qc.get("format"))
+        formats.add(fmt)
     if len(formats) != 1 or any(w != weights[0] for w in weights):
         raise CheckpointError(source, f"{where}: config groups with different schemes are not supported "
                                       "(every quantized layer must share one)")
-    fmt, w = formats.pop(), weights[0]
+    return str(formats.pop()), weights[0]
+
+
+def _compressed_tensors(qc: dict[str, Any], where: str, source: Any) -> IntScheme:
+    fmt, w = compressed_tensors_weights(qc, source)
     if fmt not in PACKED_FORMATS + INT8_FORMATS:
         raise CheckpointError(source, f"{where}: compressed-tensors format {fmt!r:.40} is not supported (only "
-                                      f"{', '.join(PACKED_FORMATS + INT8_FORMATS)} integer weights)")
+                                      f"{', '.join(PACKED_FORMATS + INT8_FORMATS)} integer weights and "
+                                      "float-quantized FP8 ones)")
     if w.get("type", "int") != "int":
         raise CheckpointError(source, f"{where}: weights of type {w.get('type')!r:.40} are not supported in "
                                       f"format {fmt!r} (only 'int')")
     if w.get("dynamic", False):
         raise CheckpointError(source, f"{where}: dynamic weight quantization has no stored scales to read")
-    strategy = w.get("strategy")
-    if strategy not in ("group", "channel"):
-        raise CheckpointError(source, f"{where}: weight strategy {strategy!r:.40} is not supported (only "
-                                      "'group' and 'channel')")
     packed = fmt in PACKED_FORMATS
-    bits = _bits(w.get("num_bits"), where, source, BITS if packed else (8,))
+    strategy = w.get("strategy")
+    strategies = ("group", "channel") if packed else ("group", "channel", "tensor")
+    if strategy not in strategies:
+        raise CheckpointError(source, f"{where}: weight strategy {strategy!r:.40} is not supported in format "
+                                      f"{fmt!r} (only {', '.join(map(repr, strategies))})")
+    bits = _bits(w.get("num_bits"), where, source)
     group = _group(w.get("group_size"), where, source) if strategy == "group" else 0
     if strategy == "group" and not group:
         raise CheckpointError(source, f"{where}: strategy 'group' needs a group_size")
-    return IntScheme("compressed-tensors", "ct-packed" if packed else "ct-int8", bits, group,
-                     symmetric=bool(w.get("symmetric", True)))
+    symmetric = w.get("symmetric", True)
+    if not isinstance(symmetric, bool):
+        raise CheckpointError(source, f"{where}: symmetric must be true or false, got {symmetric!r:.40}")
+    actorder = w.get("actorder")  # "group" (or true): each column's group is stored; "weight", "static": runs
+    if actorder not in (None, False, True, "group", "weight", "static", "dynamic"):
+        raise CheckpointError(source, f"{where}: actorder {actorder!r:.40} is not supported")
+    return IntScheme("compressed-tensors", "ct-packed" if packed else "ct-int8", bits, group, symmetric=symmetric,
+                     act_order=actorder in (True, "group"), per_tensor=strategy == "tensor")
 
 
 def from_quant_config(qc: dict[str, Any], source: Any) -> IntScheme:
@@ -192,4 +230,5 @@ def from_quant_config(qc: dict[str, Any], source: Any) -> IntScheme:
     return parse(qc, where, source)
 
 
-__all__ = ["IntScheme", "METHODS", "OPTIONAL_ROLES", "UNREAD_SUFFIXES", "from_quant_config"]
+__all__ = ["IntScheme", "METHODS", "OPTIONAL_ROLES", "UNREAD_SUFFIXES", "compressed_tensors_weights",
+           "from_quant_config"]

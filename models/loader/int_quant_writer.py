@@ -47,10 +47,12 @@ def pack(codes: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -
 
 
 def round_to_grid(w: torch.Tensor, bits: int, group: int, symmetric: bool, columns: torch.Tensor | None = None,
-                  scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  scale_dtype: torch.dtype = torch.float16, lowest_zero: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [out, in] on a grid per (row, group of `group` columns, 0: the whole row): codes [out, in] in
     0..2^bits-1, zeros [out, groups] and scales [out, groups] (`scale_dtype`) with w ~ scale * (code - zero).
-    `columns`: each column's group, where groups are not runs (GPTQ's act order)."""
+    `columns`: each column's group, where groups are not runs (GPTQ's act order). `lowest_zero`: GPTQ's
+    original format stores a zero point less one, so it cannot store 0 (its quantizers' known flaw)."""
     out, cols = w.shape
     group = group or cols
     g = columns if columns is not None else torch.arange(cols) // group
@@ -64,7 +66,7 @@ def round_to_grid(w: torch.Tensor, bits: int, group: int, symmetric: bool, colum
         zeros = torch.full((out, count), 2 ** (bits - 1))
     else:
         scale = ((hi - lo) / top).clamp(min=1e-4).to(scale_dtype)
-        zeros = (-lo / scale.float()).round().clamp(0, top).to(torch.int64)
+        zeros = (-lo / scale.float()).round().clamp(lowest_zero, top).to(torch.int64)
     codes = (w / scale.float()[:, g]).round().to(torch.int64) + zeros[:, g]
     return codes.clamp(0, top), zeros, scale
 
@@ -117,7 +119,7 @@ def write_gptq(d: Path, bits: int = 4, group: int = 128, symmetric: bool = True,
         if act_order:
             columns = torch.empty(cols, dtype=torch.int64)
             columns[torch.randperm(cols, generator=gen)] = torch.arange(cols) // gs
-        codes, zeros, scale = round_to_grid(w, bits, gs, symmetric, columns)
+        codes, zeros, scale = round_to_grid(w, bits, gs, symmetric, columns, lowest_zero=0 if v2 else 1)
         base = name[: -len(".weight")]
         g = columns if columns is not None else torch.arange(cols) // gs
         return {base + ".qweight": pack(codes, bits).t().contiguous(),  # packed along the input dim

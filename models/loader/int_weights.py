@@ -67,20 +67,27 @@ class IntWeight:
         scale = self.scales.to(torch.float32).index_select(1, self.group_of_columns())
         return (scale * self.values.to(torch.float32)).to(dtype)
 
-    def as_blocks(self, source: str, name: str) -> RawBlocks | None:
-        """The weight as ggml blocks holding exactly its values, or None where no block type does."""
-        out, cols = self.values.shape
-        if cols % BLOCK or self.group_size % BLOCK or self.columns is not None:
-            return None
+    def block_type(self) -> tuple[GGMLQuantizationType | None, str]:
+        """The smallest block type holding these values exactly, or None and why none does."""
+        cols = self.values.shape[1]
+        if cols % BLOCK:
+            return None, f"rows of {cols} values are no whole {BLOCK}-value blocks"
+        if self.columns is not None:
+            return None, "act-order groups are not runs of columns"
+        if self.group_size % BLOCK:
+            return None, f"groups of {self.group_size} columns are no whole {BLOCK}-value blocks"
         d = self.scales.to(torch.float16)
         if not bool(torch.isfinite(d).all()) or not torch.equal(d.to(self.scales.dtype), self.scales):
-            return None
+            return None, f"{str(self.scales.dtype).removeprefix('torch.')} scales that fp16 cannot hold"
         lo, hi = int(self.values.min()), int(self.values.max())
         qtype = next((t for t, low, high in BLOCK_TYPES if low <= lo and hi <= high), None)
-        if qtype is None:
-            return None
+        return qtype, "" if qtype else f"codes less zero points from {lo} to {hi}"
+
+    def blocks(self, qtype: GGMLQuantizationType) -> np.ndarray:
+        """The values as `qtype` blocks (one `block_type` allows for them): uint8 [out, row bytes]."""
+        out, cols = self.values.shape
         nb = cols // BLOCK
-        d = d.index_select(1, torch.arange(nb) * BLOCK // self.group_size).contiguous()
+        d = self.scales.to(torch.float16).index_select(1, torch.arange(nb) * BLOCK // self.group_size).contiguous()
         parts = [d.view(torch.uint8).reshape(out, nb, 2)]
         v = self.values.reshape(out, nb, BLOCK)
         if qtype is GGMLQuantizationType.Q8_0:
@@ -92,8 +99,20 @@ class IntWeight:
                 parts.append(high.sum(-1, dtype=torch.uint8))
                 u = u & 15
             parts.append(u[..., :16] | (u[..., 16:] << 4))  # byte j: element j low, element j + 16 high
-        data = torch.cat(parts, dim=-1).reshape(out, nb * GGML_QUANT_SIZES[qtype][1])
-        return RawBlocks(qtype, (out, cols), np.ascontiguousarray(data.numpy()), source, name)
+        return torch.cat(parts, dim=-1).reshape(out, nb * GGML_QUANT_SIZES[qtype][1]).numpy()
+
+    def as_blocks(self, source: str, name: str) -> RawBlocks | None:
+        """The weight as ggml blocks holding exactly its values, or None where no block type does."""
+        qtype, _ = self.block_type()
+        if qtype is None:
+            return None
+        return RawBlocks(qtype, tuple(self.values.shape), self.blocks(qtype), source, name)
+
+
+def widest(types: list[GGMLQuantizationType]) -> GGMLQuantizationType:
+    """Of block types each holding a part of a weight, the one that holds every part."""
+    order = [t for t, _, _ in BLOCK_TYPES]
+    return max(types, key=order.index)
 
 
 def _groups(g_idx: torch.Tensor | None, count: int, groups: int, group_size: int, source: str, name: str
@@ -116,7 +135,7 @@ def read_int_weight(scheme: IntScheme, parts: dict[str, torch.Tensor], shape: tu
     the headers: `HFCheckpoint`)."""
     out, cols = shape
     group = scheme.group_size or cols
-    scales = parts["scales"]
+    scales = parts["scales"].reshape(1, 1).expand(out, 1) if scheme.per_tensor else parts["scales"]
     bad = int((~torch.isfinite(scales)).sum())
     if bad:
         raise CheckpointError(source, f"tensor '{names['scales']}' holds {bad} scale(s) that are not finite: the "
@@ -148,4 +167,4 @@ def read_int_weight(scheme: IntScheme, parts: dict[str, torch.Tensor], shape: tu
     return IntWeight(values, scales, group, columns)
 
 
-__all__ = ["AWQ_ORDER", "IntWeight", "awq_columns", "read_int_weight", "unpack"]
+__all__ = ["AWQ_ORDER", "IntWeight", "awq_columns", "read_int_weight", "unpack", "widest"]

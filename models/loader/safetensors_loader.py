@@ -17,13 +17,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from safetensors import safe_open
 
 from models.loader import fp8, int_quant
 from models.loader.errors import CheckpointError
 from models.loader.int_quant import IntScheme
-from models.loader.int_weights import read_int_weight
+from models.loader.int_weights import read_int_weight, widest
 from models.loader.jsonfile import read_json
 from models.loader.quantization import scheme_from_config
 from models.loader.raw_blocks import RawBlocks
@@ -34,6 +36,7 @@ logger = logging.getLogger(__name__)
 # safetensors dtypes a weight may be stored in (F8_E4M3 too, with its scales, in an FP8 checkpoint)
 FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
 SCALE_DTYPES = frozenset({"F32", "F16", "BF16"})  # an integer-quantized weight's scales
+INT_CHUNK_VALUES = 1 << 22  # an integer-quantized weight is unpacked this many values at a time
 _EXPERT_RE = re.compile(r"\.experts\.(0|[1-9][0-9]*)\.(gate|up|down)_proj\.weight$")
 _LAYER_RE = re.compile(r"^model\.layers\.(0|[1-9][0-9]*)\.")
 
@@ -76,6 +79,7 @@ class HFCheckpoint:
         self._scales: dict[str, tuple[str, Path]] = {}  # weight name -> its scales' name and shard
         # an integer-quantized weight's name -> its parts by role (`IntScheme.parts`): tensor name and shard
         self._int_parts: dict[str, dict[str, tuple[str, Path]]] = {}
+        self._int_fallbacks: dict[str, int] = {}  # why integer-quantized weights were held dequantized -> how many
         self._layout: dict[str, tuple[int, ...]] | None = None
 
     def hf_config(self) -> dict[str, Any]:
@@ -170,7 +174,7 @@ class HFCheckpoint:
                 name = base + suffix
                 if name in where:
                     found[role] = (name, where[name])
-                elif role not in int_quant.OPTIONAL_ROLES:
+                elif role not in scheme.optional_roles:
                     raise CheckpointError(where[scale_name], f"tensor '{scale_name}' has no '{name}' beside it: the "
                                                              f"{scheme.method} checkpoint is incomplete")
             for name, _ in found.values():
@@ -257,7 +261,7 @@ class HFCheckpoint:
         groups = -(-cols // scheme.group_size) if scheme.group_size else 1
         column_major = scheme.layout in ("gptq", "awq")
         want = {"codes": ("I8" if scheme.layout == "ct-int8" else "I32", codes),
-                "scales": (SCALE_DTYPES, (groups, out) if column_major else (out, groups)),
+                "scales": (SCALE_DTYPES, (groups, out) if column_major else (out, groups)),  # (per tensor: below)
                 "groups": (("I32", "I64"), (cols,))}
         if "zeros" in shapes:
             if column_major:
@@ -267,6 +271,8 @@ class HFCheckpoint:
             else:
                 zeros = (out, groups)
             want["zeros"] = ("I8" if scheme.layout == "ct-int8" else "I32", zeros)
+        if scheme.per_tensor and math.prod(shapes["scales"]) == 1:
+            want["scales"] = (SCALE_DTYPES, shapes["scales"])
         for role, (dtype, shape) in want.items():
             if role not in shapes:
                 continue
@@ -332,37 +338,76 @@ class HFCheckpoint:
             raise CheckpointError(path, f"tensor '{scale_name}' holds {bad} scale(s) that are negative or not "
                                         "finite: the checkpoint is corrupt")
         full = self._checked_layout()[name]
-        block = self._fp8.block_of((full[0], full[1]), scale.numel())
+        block = self._fp8.block_of((full[0], full[1]), tuple(scale.shape))
         return dequantize_fp8(q, scale, block, (full[0], full[1]), at, self.dequantize_dtype)
 
-    def _int_weight(self, name: str):
-        """Integer-quantized weight `name`, unpacked (`models.loader.int_weights.IntWeight`)."""
-        assert self._int is not None
+    def _int_weight(self, name: str, rows: tuple[int, int] | None = None):
+        """Integer-quantized weight `name`, or its output rows `rows` (a start that is a whole number of
+        packed words), unpacked (`models.loader.int_weights.IntWeight`): only those rows' parts are read."""
+        scheme = self._int
+        assert scheme is not None
         found = self._int_parts[name]
+        out, cols = self._checked_layout()[name]
+        a, b = rows or (0, out)
+        words = slice(a // scheme.pack, -(-b // scheme.pack))
+        column_major = scheme.layout in ("gptq", "awq")
+        cut = {"codes": ((slice(None), slice(a, b)) if scheme.layout == "gptq" else (slice(None), words)
+                         if scheme.layout == "awq" else (slice(a, b),)),
+               "zeros": (slice(None), words) if column_major else (words,) if scheme.layout == "ct-packed"
+               else (slice(a, b),),
+               "scales": (slice(None), slice(a, b)) if column_major else (slice(a, b),)}
         parts = {}
         for role, (part, shard) in found.items():
             try:
-                parts[role] = self._handle(shard).get_tensor(part)
+                view = self._handle(shard).get_slice(part)
+                whole = role not in cut or (role == "scales" and scheme.per_tensor) or rows is None
+                parts[role] = view[:] if whole else view[cut[role]]
             except Exception as e:
                 raise CheckpointError(shard, f"tensor '{part}' cannot be read: {e}") from None
-        shape = self._checked_layout()[name]
-        return read_int_weight(self._int, parts, (shape[0], shape[1]), str(found["scales"][1]),
+        return read_int_weight(scheme, parts, (b - a, cols), str(found["scales"][1]),
                                {role: part for role, (part, _) in found.items()})
+
+    def _int_row_chunks(self, name: str) -> list[tuple[int, int]]:
+        """Output-row ranges of about `INT_CHUNK_VALUES` values each, starting on whole packed words: a weight is
+        unpacked a part at a time (a 128K-row LM head whole would take ~9 bytes a value while converted)."""
+        out, cols = self._checked_layout()[name]
+        step = max(32, INT_CHUNK_VALUES // max(cols, 1) // 32 * 32)
+        return [(a, min(out, a + step)) for a in range(0, out, step)]
 
     def get_raw(self, name: str) -> torch.Tensor | RawBlocks:
         """Weight `name` as ggml blocks where it is integer-quantized and a block type holds its values exactly
-        (`IntWeight.as_blocks`), else as `get` gives it."""
+        (`IntWeight.block_type`: the widest any part needs), else as `get` gives it (said once per reason)."""
         self._checked_layout()
         if name not in self._int_parts:
             return self.get(name)
-        weight = self._int_weight(name)
-        blocks = weight.as_blocks(str(self.where()[name]), name)
-        return blocks if blocks is not None else weight.dequantize(self.dequantize_dtype)
+        chunks = self._int_row_chunks(name)
+        parts: list[tuple[GGMLQuantizationType, np.ndarray]] = []
+        for rows in chunks:
+            weight = self._int_weight(name, rows if len(chunks) > 1 else None)
+            qtype, why = weight.block_type()
+            if qtype is None:
+                if why not in self._int_fallbacks:
+                    logger.info("%s: integer-quantized weights held dequantized (%s), e.g. '%s'", self.path, why, name)
+                self._int_fallbacks[why] = self._int_fallbacks.get(why, 0) + 1
+                return self.get(name)
+            parts.append((qtype, weight.blocks(qtype)))
+        qtype = widest([t for t, _ in parts])
+        for i, rows in enumerate(chunks):  # a part whose values a narrower type held is written again in `qtype`
+            if parts[i][0] is not qtype:
+                parts[i] = (qtype, self._int_weight(name, rows).blocks(qtype))
+        data = parts[0][1] if len(parts) == 1 else np.concatenate([b for _, b in parts])
+        return RawBlocks(qtype, self._checked_layout()[name], data, str(self.where()[name]), name)
 
     def get(self, name: str) -> torch.Tensor:
         self._checked_layout()  # every tensor's dtype, checked once for the checkpoint
         if name in self._int_parts:
-            return self._int_weight(name).dequantize(self.dequantize_dtype)
+            chunks = self._int_row_chunks(name)
+            if len(chunks) == 1:
+                return self._int_weight(name).dequantize(self.dequantize_dtype)
+            whole = torch.empty(self._checked_layout()[name], dtype=self.dequantize_dtype)
+            for a, b in chunks:
+                whole[a:b] = self._int_weight(name, (a, b)).dequantize(self.dequantize_dtype)
+            return whole
         shard = self.where()[name]
         try:
             tensor = self._handle(shard).get_tensor(name)

@@ -282,14 +282,14 @@ def test_a_zero_scale_is_a_block_of_zeros(fp8_dir, tmp_path):
 
 
 @pytest.mark.parametrize("quant, needles", [
-    ({"quant_method": "awq"}, ["quant_method 'awq' is not supported", "unquantized (bf16)"]),
+    ({"quant_method": "bitsandbytes"}, ["quant_method 'bitsandbytes' is not supported", "unquantized (bf16)"]),
     ({"quant_method": None}, ["quant_method None is not supported"]),
     ({"fmt": "e5m2"}, ["fmt 'e5m2' is not supported"]),
     ({"activation_scheme": "fp4"}, ["activation_scheme 'fp4'"]),
     ({"weight_block_size": [0, 128]}, ["weight_block_size must be two integers", "[0, 128]"]),
     ({"weight_block_size": [128]}, ["weight_block_size must be two integers"]),
     ({"weight_block_size": [2**40, 128]}, ["weight_block_size must be two integers"]),
-], ids=["awq", "no-method", "e5m2", "bad-scheme", "zero-block", "one-dim", "huge-block"])
+], ids=["bitsandbytes", "no-method", "e5m2", "bad-scheme", "zero-block", "one-dim", "huge-block"])
 def test_unsupported_quantization_configs_are_refused_up_front(fp8_dir, tmp_path, quant, needles):
     msg = _fails(_broken(fp8_dir, tmp_path, quant=quant), "config key 'quantization_config'", *needles)
     assert "config.json" in msg
@@ -391,3 +391,64 @@ def test_fp8_checkpoint_with_an_mtp_layer_is_served(tmp_path):
         assert r.json()["choices"][0]["text"] == loaded.tokenizer.decode(want)
     finally:
         assert server.stop() == 0, server.log()
+
+
+# ----------------------------------------------------------------------------- compressed-tensors FP8
+
+
+def to_ct_fp8(d: Path, strategy: str, block: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """Rewrites `d` as llm-compressor's FP8 checkpoint (compressed-tensors `float-quantized`): a scale per
+    tensor, per row ([rows, 1]) or per block; returns each FP8 weight's value (fp8 * scale, fp32)."""
+    sd = load_file(d / "model.safetensors")
+    out, want = {}, {}
+    for name, w in sd.items():
+        if not _quantized(name, w):
+            out[name] = w
+            continue
+        rows, cols = w.shape
+        b0, b1 = {"tensor": (rows, cols), "channel": (1, cols)}.get(strategy) or block
+        grid = (math.ceil(rows / b0), math.ceil(cols / b1))
+        padded = torch.zeros(grid[0] * b0, grid[1] * b1)
+        padded[:rows, :cols] = w.float()
+        blocks = padded.view(grid[0], b0, grid[1], b1)
+        scale = (blocks.abs().amax(dim=(1, 3)).clamp(min=1e-8) / 448).to(torch.bfloat16)
+        q = (blocks / scale.float()[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        out[name] = q.view(padded.shape)[:rows, :cols].contiguous()
+        out[name + "_scale"] = scale.reshape(1) if strategy == "tensor" else scale.contiguous()
+        want[name] = (q.float() * scale.float()[:, None, :, None]).view(padded.shape)[:rows, :cols]
+    save_file(out, d / "model.safetensors", metadata={"format": "pt"})
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False,
+               "block_structure": block, "group_size": None, "observer": "minmax"}
+    activations = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
+    _edit_config(d, quantization_config={
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations,
+                                      "format": "float-quantized"}},
+        "ignore": ["lm_head"], "kv_cache_scheme": None})
+    return want
+
+
+@pytest.mark.parametrize("strategy, block", [("channel", None), ("tensor", None), ("block", BLOCK_PARTIAL)])
+def test_compressed_tensors_fp8(tmp_path, strategy, block):
+    """llm-compressor's FP8 files (per row, per tensor, per block with partial blocks): every weight read as
+    the format defines it, and as llama.cpp's converter reads it (channel and block: it reads no per-tensor
+    scale of this format); our forward matches transformers' on those values."""
+    from tests.models.test_int_quant_checkpoints import _hf_with, llama_cpp_dequantized
+
+    d, unquantized = tmp_path / "q", tmp_path / "ref"
+    build_hf_model("v2_lite_yarn_grouped", seed=50).save_pretrained(d)
+    shutil.copytree(d, unquantized)
+    want = to_ct_fp8(d, strategy, block)
+    ckpt = HFCheckpoint(d)
+    assert not any(n.endswith("_scale") for n in ckpt.layout())
+    for name, w in want.items():
+        assert torch.equal(ckpt.get(name), w), name
+    hf = _hf_with(unquantized, want)
+    ids = prompt(40, hf.config.vocab_size, seed=12)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    assert rel_err(prefill_logits(make_runner(d), ids), ref) <= 1e-4
+    if strategy != "tensor":
+        theirs = llama_cpp_dequantized(d, tmp_path)
+        for name, w in want.items():
+            assert torch.equal(theirs[name], w), name

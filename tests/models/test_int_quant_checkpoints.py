@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -39,6 +40,7 @@ from models.loader.safetensors_loader import HFCheckpoint
 from models.loader.shard import Shard
 from models.native import NativeLinear
 from models.synthetic import write_checkpoint
+from mlaserve.cli import main
 from tests.hf_models import build_hf_model
 from tests.models.test_hf_parity import make_runner, prefill_logits, prompt, rel_err
 from tests.server.server_process import ServerProcess
@@ -281,7 +283,9 @@ def test_damaged_files_are_refused_by_name(gptq_dir, tmp_path, edit, says):
 @pytest.mark.parametrize("config, says", [
     ({"bits": 3}, "3-bit weights are not supported (only 4 and 8-bit)"),
     ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin' is not supported"),
-    ({"dynamic": {"-:.*down_proj": {}}}, "per-module overrides ('dynamic') are not supported"),
+    ({"dynamic": {"+:.*down_proj": {"bits": 8}}}, "per-module overrides ('dynamic') other than modules left"),
+    ({"is_marlin_format": True}, "is_marlin_format is not supported"),
+    ({"bits": None}, "bits is missing"),
     ({"quant_method": "awq", "version": "gemv"}, "AWQ version 'gemv' is not supported"),
     ({"quant_method": "awq", "bits": 8}, "8-bit weights are not supported (only 4-bit)"),
     ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported (read: fp8, gptq, awq, "
@@ -301,7 +305,7 @@ def test_compressed_tensors_schemes_not_read_are_refused(tmp_path):
     for change, says in [
         ({"config_groups": {"a": group, "b": {**group, "weights": {**group["weights"], "num_bits": 8}}}},
          "config groups with different schemes are not supported"),
-        ({"config_groups": {"a": {**group, "format": "float-quantized"}}}, "format 'float-quantized' is not supported"),
+        ({"config_groups": {"a": {**group, "format": "marlin-24"}}}, "format 'marlin-24' is not supported"),
         ({"config_groups": {"a": {**group, "weights": {**group["weights"], "strategy": "tensor"}}}},
          "weight strategy 'tensor' is not supported"),
         ({"sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity_config is not supported"),
@@ -352,3 +356,149 @@ def test_gptq_deepseek_is_served(tmp_path):
         assert r.json()["choices"][0]["text"] == loaded.tokenizer.decode(want)
     finally:
         assert server.stop() == 0, server.log()
+
+
+@pytest.mark.parametrize("case", list(WRITERS))
+def test_weights_read_a_part_at_a_time_are_the_same(tmp_path, monkeypatch, case):
+    """A weight is unpacked a few output rows at a time (a large LM head whole would take gigabytes while
+    converted): with parts of 32 rows, every weight, dequantized or as blocks, is what it is read whole."""
+    import models.loader.safetensors_loader as loader
+
+    build_hf_model("llama_gqa_tied", seed=51).save_pretrained(tmp_path)
+    want = WRITERS[case](tmp_path)
+    whole = HFCheckpoint(tmp_path)
+    monkeypatch.setattr(loader, "INT_CHUNK_VALUES", 32 * 64)
+    parts = HFCheckpoint(tmp_path)
+    assert len(parts._int_row_chunks("model.layers.0.mlp.gate_proj.weight")) == 4  # 128 rows
+    for name, w in want.items():
+        assert torch.equal(parts.get(name), w), name
+        a, b = whole.get_raw(name), parts.get_raw(name)
+        assert type(a) is type(b), name
+        if isinstance(a, RawBlocks):
+            assert a.qtype == b.qtype and np.array_equal(a.data, b.data), name
+        else:
+            assert torch.equal(a, b), name
+
+
+def test_a_weight_needs_the_widest_block_type_of_its_parts(tmp_path, monkeypatch):
+    """Parts of one weight whose values need different block types (rows in [-8, 7], rows wider) take the
+    type that holds them all; a dequantized fallback says why in the log, once."""
+    import models.loader.safetensors_loader as loader
+
+    build_hf_model("llama_gqa_tied", seed=52).save_pretrained(tmp_path)
+    name = "model.layers.0.mlp.gate_proj.weight"
+    sd = load_file(tmp_path / "model.safetensors")
+    gen = torch.Generator().manual_seed(8)
+    steps = torch.randint(-8, 8, (128, 64), generator=gen)
+    steps[:64, ::32], steps[:64, 1::32] = -8, 7  # rows 0-63: every group from -8 to 7 steps, zero point 8
+    steps[64:] += 8
+    steps[64:, ::32], steps[64:, 1::32] = 0, 15  # rows 64-127: from 0 to 15 steps, zero point 0
+    sd[name] = steps.float() * 0.01
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    want = write_gptq(tmp_path, 4, 32, symmetric=False, v2=True)
+    monkeypatch.setattr(loader, "INT_CHUNK_VALUES", 64 * 64)
+    ckpt = HFCheckpoint(tmp_path)
+    assert [ckpt._int_weight(name, rows).block_type()[0].name for rows in ckpt._int_row_chunks(name)] == [
+        "Q4_0", "Q5_0"]
+    raw = ckpt.get_raw(name)
+    assert isinstance(raw, RawBlocks) and raw.qtype.name == "Q5_0" and torch.equal(raw.dequantize(), want[name])
+
+
+def test_dequantized_fallbacks_are_logged_once_per_reason(tmp_path, caplog):
+    build_hf_model("llama_gqa_tied", seed=53).save_pretrained(tmp_path)
+    write_gptq(tmp_path, 4, 32, act_order=True, seed=1)
+    ckpt = HFCheckpoint(tmp_path)
+    with caplog.at_level("INFO", logger="models.loader.safetensors_loader"):
+        for name in list(ckpt.layout()):
+            ckpt.get_raw(name)
+    said = [r.getMessage() for r in caplog.records if "held dequantized" in r.getMessage()]
+    assert len(said) == 1 and "act-order groups are not runs of columns" in said[0], said
+
+
+def test_older_gptq_files_load(gptq_dir, tmp_path):
+    """What GPTQ-for-LLaMa and early AutoGPTQ wrote: a zero bias beside every quantized layer, the rotary
+    tables, and the settings in quantize_config.json alone; compressed-tensors' older `compression_config`
+    key. The same model loads (vLLM reads them so); a bias that is not zero is still refused."""
+    ids = prompt(30, 320, seed=13)
+    want = prefill_logits(make_runner(gptq_dir), ids)
+
+    def older(sd):
+        for n in [n for n in sd if n.endswith(".qweight")]:
+            sd[n[: -len(".qweight")] + ".bias"] = torch.zeros(sd[n].shape[1], dtype=torch.float16)
+        sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.rand(8)
+
+    d = _broken(gptq_dir, tmp_path, older)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "quantize_config.json").write_text(json.dumps({k: v for k, v in cfg.pop("quantization_config").items()
+                                                        if k != "quant_method"}))
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert torch.equal(prefill_logits(make_runner(d), ids), want)
+    sd = load_file(d / "model.safetensors")
+    sd[f"{LAYER}.bias"] = torch.full_like(sd[f"{LAYER}.bias"], 0.5)
+    save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    _fails(d, f"unexpected tensor '{LAYER}.bias'")
+
+
+def test_compression_config_is_read(tmp_path):
+    d = tmp_path / "ct"
+    build_hf_model("llama_gqa_tied", seed=54).save_pretrained(d)
+    want = write_compressed_tensors(d, 4, 32)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["compression_config"] = cfg.pop("quantization_config")
+    (d / "config.json").write_text(json.dumps(cfg))
+    name = next(iter(want))
+    assert torch.equal(HFCheckpoint(d).get(name), want[name])
+
+
+def test_act_order_without_its_group_index_is_refused(tmp_path):
+    build_hf_model("llama_gqa_tied", seed=55).save_pretrained(tmp_path)
+    write_gptq(tmp_path, 4, 32, act_order=True)
+    sd = load_file(tmp_path / "model.safetensors")
+    del sd[f"{LAYER}.g_idx"]
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    _fails(tmp_path, f"'{LAYER}.scales' has no '{LAYER}.g_idx' beside it")
+
+
+def test_compressed_tensors_int8_per_tensor_scale(tmp_path):
+    """W8A8 int8 with one scale a tensor (strategy `tensor`): Q8_0 blocks of that one scale."""
+    build_hf_model("llama_gqa_tied", seed=56).save_pretrained(tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    for name in [n for n in sd if n.endswith("_proj.weight")]:
+        w = sd[name].float()
+        scale = (w.abs().max() / 127).to(torch.bfloat16)
+        sd[name] = (w / scale.float()).round().clamp(-128, 127).to(torch.int8)
+        sd[name + "_scale"] = scale.reshape(1)
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor", "dynamic": False}
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "int-quantized",
+                                  "config_groups": {"g": {"targets": ["Linear"], "weights": weights}}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ckpt = HFCheckpoint(tmp_path)
+    name = f"{LAYER}.weight"
+    want = sd[name].float() * sd[name + "_scale"].float()
+    raw = ckpt.get_raw(name)
+    assert torch.equal(ckpt.get(name), want) and raw.qtype.name == "Q8_0" and torch.equal(raw.dequantize(), want)
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"sparsity_config": "dense"}, "sparsity_config is not supported"),
+    ({"format": ["pack-quantized"]}, "has no format (a string)"),
+    ({"weights": {"symmetric": "false"}}, "symmetric must be true or false"),
+])
+def test_compressed_tensors_configs_of_the_wrong_types(tmp_path, change, says):
+    d = tmp_path / "ct"
+    build_hf_model("llama_gqa_tied", seed=57).save_pretrained(d)
+    write_compressed_tensors(d, 4, 32)
+    cfg = json.loads((d / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    group = qc["config_groups"]["group_0"]
+    if "weights" in change:
+        group["weights"] |= change["weights"]
+    elif "format" in change:
+        group["format"] = qc["format"] = change["format"]
+    else:
+        qc |= change
+    (d / "config.json").write_text(json.dumps(cfg))
+    _fails(d, says)
+    assert main(["serve", "--model", str(d), "--port", "1"]) == 2  # refused before it binds, not a traceback
