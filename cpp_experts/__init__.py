@@ -948,18 +948,25 @@ class CpuModel:
 
     def add_gqa(self, norm: torch.Tensor, eps: float, q: QuantLinear, k: QuantLinear, v: QuantLinear, o: QuantLinear,
                 *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, rope_table: torch.Tensor,
-                rope_dim: int, interleaved: bool, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """An attention block (GQA/MHA); `rope_table` [2, positions, rope_dim / 2] fp32 (cos, sin)."""
+                rope_dim: int, interleaved: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, qk_eps: float = 1e-6) -> None:
+        """An attention block (GQA/MHA); `rope_table` [2, positions, rope_dim / 2] fp32 (cos, sin); `q_norm`
+        and `k_norm` [head_dim] (Qwen3): each query and key head RMS-normalised before RoPE."""
         norm = _f32("norm", norm, self.hidden_size)
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("q_norm and k_norm come together")
+        qn = _f32("q_norm", q_norm, head_dim) if q_norm is not None else None
+        kn = _f32("k_norm", k_norm, head_dim) if k_norm is not None else None
         table = self._rope(rope_table, rope_dim)
         need = self.num_slots * num_kv_heads * head_dim
         bf16 = _cache_tensor("k_cache", k_cache, need)
         if _cache_tensor("v_cache", v_cache, need) != bf16:
             raise TypeError("k_cache and v_cache must have the same dtype")
-        self._keep += [norm, q, k, v, o, table, k_cache, v_cache]
+        self._keep += [norm, qn, kn, q, k, v, o, table, k_cache, v_cache]
         self._op.add_gqa(norm.data_ptr(), self.hidden_size, float(eps), q._op, k._op, v._op, o._op, num_heads,
                          num_kv_heads, head_dim, float(scale), table.data_ptr(), table.shape[1], rope_dim,
-                         bool(interleaved), k_cache.data_ptr(), v_cache.data_ptr(), bf16)
+                         bool(interleaved), k_cache.data_ptr(), v_cache.data_ptr(), bf16,
+                         qn.data_ptr() if qn is not None else 0, kn.data_ptr() if kn is not None else 0, float(qk_eps))
 
     def add_mla(self, norm: torch.Tensor, eps: float, *, q: QuantLinear | None, q_a: QuantLinear | None,
                 q_a_norm: torch.Tensor | None, q_a_eps: float, q_b: QuantLinear | None, kv_a: QuantLinear,

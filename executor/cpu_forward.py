@@ -148,7 +148,10 @@ class NativeForward:
                                   num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
                                   scale=attn.layer.scaling, rope_table=rotary.cos_sin_cache, rope_dim=rotary.cfg.dim,
                                   interleaved=rotary.cfg.interleaved, k_cache=kv_pool.k_buffer[i],
-                                  v_cache=kv_pool.v_buffer[i])
+                                  v_cache=kv_pool.v_buffer[i],
+                                  q_norm=attn.q_norm.weight if attn.q_norm is not None else None,
+                                  k_norm=attn.k_norm.weight if attn.k_norm is not None else None,
+                                  qk_eps=attn.q_norm.eps if attn.q_norm is not None else 1e-6)
             elif isinstance(attn, MLAAttention):
                 assert isinstance(kv_pool, MLATokenToKVPool) and isinstance(config, DeepseekConfig)
                 lora = not hasattr(attn, "q_proj")

@@ -158,11 +158,13 @@ class LlamaConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # q, k and v projections (and o, unless `o_bias` says otherwise)
     mlp_bias: bool
     rope: RopeConfig
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    o_bias: bool | None = None  # the output projection's bias: None as attention_bias (Qwen2: q, k, v only)
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head (weights [head_dim]) before RoPE
     # Mistral's sliding-window attention: not implemented, so max_position_embeddings is cut to the window
     # (within it every key is in reach, as full attention); None for full attention
     sliding_window: int | None = None
@@ -170,6 +172,10 @@ class LlamaConfig:
     @property
     def softmax_scale(self) -> float:
         return self.head_dim**-0.5
+
+    @property
+    def out_bias(self) -> bool:
+        return self.attention_bias if self.o_bias is None else self.o_bias
 
 
 ModelConfig = DeepseekConfig | LlamaConfig
@@ -180,6 +186,8 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "deepseek_v3": "deepseek_v3",
     "llama": "llama",
     "mistral": "llama",  # same graph when sliding_window is off
+    "qwen2": "llama",  # biases on q, k and v
+    "qwen3": "llama",  # RMSNorm on each query and key head
 }
 
 
@@ -493,7 +501,10 @@ def _norm_topk_prob(k: _Keys, is_v3: bool) -> bool:
     return norm
 
 
-def _llama_from_dict(k: _Keys) -> LlamaConfig:
+def _llama_from_dict(k: _Keys, model_type: str = "llama") -> LlamaConfig:
+    """Llama, and the models that are Llama with a difference transformers hard-codes: Qwen2 (q, k and v
+    projections with biases, o without, whatever `attention_bias` says) and Qwen3 (`attention_bias` for all
+    four, and q_norm / k_norm)."""
     _check_activation(k)
     hidden = k.positive("hidden_size")
     num_heads = k.positive("num_attention_heads")
@@ -527,11 +538,13 @@ def _llama_from_dict(k: _Keys) -> LlamaConfig:
         rms_norm_eps=k.above("rms_norm_eps", k.opt("rms_norm_eps", 1e-6, float), below=1.0),  # (models: 1e-6..1e-5)
         max_position_embeddings=k.context("max_position_embeddings", 2048),
         tie_word_embeddings=k.opt("tie_word_embeddings", False, bool),
-        attention_bias=k.opt("attention_bias", False, bool),
-        mlp_bias=k.opt("mlp_bias", False, bool),
+        attention_bias=True if model_type == "qwen2" else k.opt("attention_bias", False, bool),
+        mlp_bias=False if model_type.startswith("qwen") else k.opt("mlp_bias", False, bool),
         rope=_rope_from_dict(k, rope_dim, interleaved=False),
         bos_token_id=k.opt("bos_token_id", None),
         eos_token_ids=_eos_ids(k),
+        o_bias=False if model_type == "qwen2" else None,
+        qk_norm=model_type == "qwen3",
     )
 
 
@@ -551,8 +564,10 @@ def config_from_hf_dict(d: dict[str, Any], source: str = "config.json") -> Model
         )
     family = SUPPORTED_MODEL_TYPES[model_type]
     if family == "llama":
-        cfg = _llama_from_dict(k)
-        window = k.at_least("sliding_window", 0, 0) if model_type == "mistral" else 0  # 0 or null: none
+        cfg = _llama_from_dict(k, model_type)
+        # Qwen's windows apply only where use_sliding_window says so (its configs carry a window either way)
+        windowed = model_type == "mistral" or model_type.startswith("qwen") and k.opt("use_sliding_window", False, bool)
+        window = k.at_least("sliding_window", 0, 0) if windowed else 0  # 0 or null: none
         if window:  # attention within one window is exact: the context stops there (the engine says so)
             cfg = dataclasses.replace(cfg, sliding_window=window,
                                       max_position_embeddings=min(cfg.max_position_embeddings, window))

@@ -10,7 +10,7 @@ from kernels.attention.base import AttentionLayer, ForwardBatch
 from models.rotary import RotaryEmbedding
 from models.base import CausalLM, DecoderLayer, DecoderModel
 from models.config import LlamaConfig
-from models.layers import GatedMLP
+from models.layers import GatedMLP, RMSNorm
 from models.parallel import column_linear, kv_heads_held, replicated_under_dp_attention, row_linear, tp_split
 
 class LlamaAttention(nn.Module):
@@ -25,7 +25,10 @@ class LlamaAttention(nn.Module):
         self.q_proj = column_linear(cfg.hidden_size, cfg.num_attention_heads * d, bias)
         self.k_proj = column_linear(cfg.hidden_size, total_kv, bias, ranges=kv_rows)
         self.v_proj = column_linear(cfg.hidden_size, total_kv, bias, ranges=kv_rows)
-        self.o_proj = row_linear(cfg.num_attention_heads * d, cfg.hidden_size, bias)
+        self.o_proj = row_linear(cfg.num_attention_heads * d, cfg.hidden_size, cfg.out_bias)
+        # Qwen3: each query and key head RMS-normalised (one [head_dim] weight for all heads) before RoPE
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary_emb = rotary
         self.layer = AttentionLayer(
             layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim, cfg.softmax_scale
@@ -36,6 +39,8 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k, batch.attn_backend.fused_layer_ops)
         out = batch.attn_backend.forward(q, k, v, self.layer, batch)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))

@@ -61,6 +61,16 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_hd100_gqa4": ("llama", dict(
         num_attention_heads=4, num_key_value_heads=1, head_dim=100, intermediate_size=96, tie_word_embeddings=False,
     )),
+    # Qwen2 (Qwen2.5's): biases on q, k, v (not o), tied, theta 1e6, a window that use_sliding_window leaves off
+    "qwen2_tied": ("qwen2", dict(
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True,
+        rope_theta=1000000.0, use_sliding_window=False, sliding_window=64, max_window_layers=2,
+    )),
+    # Qwen3: q_norm / k_norm on every head, head_dim apart from hidden / heads, untied
+    "qwen3_gqa": ("qwen3", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=96, tie_word_embeddings=False,
+        attention_bias=False, rope_theta=1000000.0,
+    )),
 }
 
 
@@ -74,6 +84,8 @@ def build_hf_model(name: str, seed: int = 0, **overrides: Any):
         "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
         "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[model_type]
     torch.manual_seed(seed)
     config = cls_cfg(**kwargs)

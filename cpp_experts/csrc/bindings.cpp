@@ -279,9 +279,12 @@ PYBIND11_MODULE(_C, m) {
       .def("add_gqa",
            [](CpuModel& self, uintptr_t norm, int hidden, float eps, const QuantLinear& q, const QuantLinear& k,
               const QuantLinear& v, const QuantLinear& o, int H, int Hkv, int D, float scale, uintptr_t rope,
-              int64_t max_pos, int rope_dim, bool interleaved, uintptr_t k_cache, uintptr_t v_cache, bool bf16) {
+              int64_t max_pos, int rope_dim, bool interleaved, uintptr_t k_cache, uintptr_t v_cache, bool bf16,
+              uintptr_t q_norm, uintptr_t k_norm, float qk_eps) {
              cpx::GqaSpec s;
              s.norm = make_norm(norm, hidden, eps);
+             if (q_norm) s.q_norm = make_norm(q_norm, D, qk_eps);
+             if (k_norm) s.k_norm = make_norm(k_norm, D, qk_eps);
              s.q = &q;
              s.k = &k;
              s.v = &v;

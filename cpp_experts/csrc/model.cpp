@@ -76,6 +76,13 @@ void rope_apply(float* v, const Rope& r, int64_t p) {
   }
 }
 
+// One query or key head of D values: RMS-normalised first where `norm` has weights (Qwen3's q_norm / k_norm),
+// then rotated.
+void head_norm_rope(float* v, const Norm& norm, int D, const Rope& r, int64_t p) {
+  if (!norm.w.empty()) rmsnorm_row(v, norm.w.data(), norm.eps, D, v);
+  rope_apply(v, r, p);
+}
+
 // n values into a cache row (fp32, or bf16 rounded to nearest even as torch rounds).
 void put(void* cache, KvType type, int64_t at, const float* src, int n) {
   if (type == KvType::BF16) {
@@ -200,8 +207,8 @@ struct GqaBlock final : Block {
     {
       Timed ph = c.timed(Phase::RopeStore);
       for_rows(c.pool, T, [&](int t) {
-        for (int h = 0; h < s.H; ++h) rope_apply(q.data() + size_t(t) * qw + h * s.D, s.rope, c.pos[t]);
-        for (int h = 0; h < s.Hkv; ++h) rope_apply(k.data() + size_t(t) * kw + h * s.D, s.rope, c.pos[t]);
+        for (int h = 0; h < s.H; ++h) head_norm_rope(q.data() + size_t(t) * qw + h * s.D, s.q_norm, s.D, s.rope, c.pos[t]);
+        for (int h = 0; h < s.Hkv; ++h) head_norm_rope(k.data() + size_t(t) * kw + h * s.D, s.k_norm, s.D, s.rope, c.pos[t]);
         put(s.k_cache, s.kv_type, c.out_loc[t] * kw, k.data() + size_t(t) * kw, kw);
         put(s.v_cache, s.kv_type, c.out_loc[t] * kw, v.data() + size_t(t) * kw, kw);
       });
@@ -871,10 +878,10 @@ void CpuModel::build_program(int T, int N) {
     auto head = [gp, sp, lp](int call, int t, int h) {
       const int D = sp->D, qw2 = sp->H * D, kw2 = sp->Hkv * D;
       if (call == 0) {
-        rope_apply(lp->q.data() + size_t(t) * qw2 + size_t(h) * D, sp->rope, gp->pos[t]);
+        head_norm_rope(lp->q.data() + size_t(t) * qw2 + size_t(h) * D, sp->q_norm, D, sp->rope, gp->pos[t]);
       } else if (call == 1) {
         float* kh = lp->k.data() + size_t(t) * kw2 + size_t(h) * D;
-        rope_apply(kh, sp->rope, gp->pos[t]);
+        head_norm_rope(kh, sp->k_norm, D, sp->rope, gp->pos[t]);
         put(sp->k_cache, sp->kv_type, gp->out_loc[t] * kw2 + int64_t(h) * D, kh, D);
       } else {
         put(sp->v_cache, sp->kv_type, gp->out_loc[t] * kw2 + int64_t(h) * D, lp->v.data() + size_t(t) * kw2 + size_t(h) * D, D);

@@ -55,6 +55,7 @@ struct GqaSpec {
   int H = 0, Hkv = 0, D = 0;  // query heads, KV heads, head dim (of K and V)
   float scale = 1.0f;
   Rope rope;
+  Norm q_norm, k_norm;  // Qwen3: an RMSNorm over each query / key head before RoPE (weights [D]); empty: none
   void* k_cache = nullptr;  // [slots][Hkv][D]
   void* v_cache = nullptr;
   KvType kv_type = KvType::F32;
