@@ -68,6 +68,8 @@ _ARCHITECTURES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 
 # DeepSeek-V2-Chat's template (plain-text roles) and a DeepSeek-V3-style one (role tokens), tools left out.
@@ -180,7 +182,10 @@ def _llama_layer(c: LlamaConfig, i: int) -> Iterator[TensorSpec]:
     yield from _linear(a + "q_proj", c.num_attention_heads * hd, hidden, c.attention_bias)
     yield from _linear(a + "k_proj", c.num_key_value_heads * hd, hidden, c.attention_bias)
     yield from _linear(a + "v_proj", c.num_key_value_heads * hd, hidden, c.attention_bias)
-    yield from _linear(a + "o_proj", hidden, c.num_attention_heads * hd, c.attention_bias)
+    yield from _linear(a + "o_proj", hidden, c.num_attention_heads * hd, c.out_bias)
+    if c.qk_norm:
+        yield _norm(a + "q_norm", hd)
+        yield _norm(a + "k_norm", hd)
     yield _norm(p + "post_attention_layernorm", hidden)
     yield from _mlp(p + "mlp.", hidden, c.intermediate_size, c.mlp_bias)
 

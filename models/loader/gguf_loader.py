@@ -31,7 +31,6 @@ from models.config import (
     GGUF_ROPE_DIM_KEY,
     GGUF_SOURCE_KEY,
     MAX_CONTEXT_LENGTH,
-    LlamaConfig,
     ModelConfig,
     config_from_hf_dict,
 )
@@ -140,7 +139,7 @@ class GGUFCheckpoint:
                 raw = hf in raw_names or raw_experts and short in _EXPERT_TENSORS
                 if (part := resolve(shard, hf, info.shape)) is SKIP:
                     continue
-                if isinstance(cfg, LlamaConfig) and short.split(".")[0] in ("attn_q", "attn_k"):
+                if self.arch in gn.PERMUTED_QK_ARCHS and short.split(".")[0] in ("attn_q", "attn_k"):
                     heads = cfg.num_attention_heads if short.startswith("attn_q") else cfg.num_key_value_heads
                     yield hf, self._qk(info, heads, part, raw, hf)
                 else:
@@ -394,7 +393,7 @@ def _hf_config(
         "eos_token_id": k.get("tokenizer.ggml.eos_token_id", int, None),
     }
     theta = k.positive("rope.freq_base", float, 10000.0, above=1)  # its log divides YaRN's ramp
-    if arch == gn.ARCH_LLAMA:
+    if arch in gn.LLAMA_ARCHS:
         head_dim = k.positive("attention.key_length", int, hidden // heads)
         if head_dim <= 0:  # no key_length, and fewer embedding values than heads
             raise CheckpointError(path, f"metadata keys '{k.full('embedding_length')}' = {hidden} and "
@@ -407,8 +406,11 @@ def _hf_config(
                     path, f"tensor '{gn.ROPE_FREQS}' has shape {list(infos[gn.ROPE_FREQS].shape)}, expected [{rope_dim // 2}]"
                 )
             freqs = read(infos[gn.ROPE_FREQS]).tolist()
+        model_type = gn.LLAMA_ARCHS[arch]
         d.update(
-            model_type="llama", architectures=["LlamaForCausalLM"], head_dim=head_dim,
+            model_type=model_type, head_dim=head_dim,
+            architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
+                model_type]],
             num_key_value_heads=k.positive("attention.head_count_kv", int, heads),
             attention_bias="blk.0.attn_q.bias" in infos, mlp_bias="blk.0.ffn_gate.bias" in infos,
             rope_parameters=_rope(k, theta, ctx, freqs, rope_dim, mla=False),

@@ -34,8 +34,14 @@ from models.config import DeepseekConfig, LlamaConfig, ModelConfig
 from models.loader.gguf_file import f32_round
 
 ARCH_LLAMA = "llama"
+ARCH_QWEN2 = "qwen2"
+ARCH_QWEN3 = "qwen3"
 ARCH_DEEPSEEK2 = "deepseek2"
-SUPPORTED_ARCHS = (ARCH_LLAMA, ARCH_DEEPSEEK2)
+SUPPORTED_ARCHS = (ARCH_LLAMA, ARCH_QWEN2, ARCH_QWEN3, ARCH_DEEPSEEK2)
+# Llama-family architectures and the HF model_type each is read as; llama.cpp's converter permutes the
+# q and k rows of `llama` files only (its other ones rotate half-split, as HF does: rows as stored)
+LLAMA_ARCHS = {ARCH_LLAMA: "llama", ARCH_QWEN2: "qwen2", ARCH_QWEN3: "qwen3"}
+PERMUTED_QK_ARCHS = (ARCH_LLAMA,)
 
 # Tensors outside the layers: GGUF name -> HF name.
 GLOBAL_NAMES: dict[str, str] = {
@@ -90,7 +96,21 @@ KV_B_HF = "self_attn.kv_b_proj.weight"
 # attn_k_b / attn_v_b as stored, for the CPU's native weights (models.native.NativeAbsorbed), besides kv_b_proj
 K_B_BLOCKS_HF, V_B_BLOCKS_HF = "self_attn.w_kc_native.weight", "self_attn.w_vc_native.weight"
 
-LAYER_NAMES: dict[str, dict[str, str]] = {ARCH_LLAMA: LLAMA_LAYER_NAMES, ARCH_DEEPSEEK2: DEEPSEEK2_LAYER_NAMES}
+QWEN3_LAYER_NAMES: dict[str, str] = {
+    **LLAMA_LAYER_NAMES, "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+
+LAYER_NAMES: dict[str, dict[str, str]] = {ARCH_LLAMA: LLAMA_LAYER_NAMES, ARCH_QWEN2: LLAMA_LAYER_NAMES,
+                                          ARCH_QWEN3: QWEN3_LAYER_NAMES, ARCH_DEEPSEEK2: DEEPSEEK2_LAYER_NAMES}
+
+
+def llama_arch(cfg: LlamaConfig) -> str:
+    """The GGUF architecture a Llama-family config is written as (llama.cpp's converter's choice)."""
+    if cfg.qk_norm:
+        return ARCH_QWEN3
+    if cfg.attention_bias and not cfg.out_bias:
+        return ARCH_QWEN2
+    return ARCH_LLAMA
 
 
 def layer_name(layer_id: int, name: str) -> str:
@@ -228,8 +248,11 @@ def _llama_layer(cfg: LlamaConfig) -> tuple[dict[str, tuple[int, ...]], list[str
     for t, shape in mats.items():
         layer[f"{t}.weight"], layer[f"{t}.bias"] = shape, shape[:1]
         need.append(f"{t}.weight")
-        if cfg.attention_bias if t.startswith("attn") else cfg.mlp_bias:
+        if (cfg.out_bias if t == "attn_output" else cfg.attention_bias) if t.startswith("attn") else cfg.mlp_bias:
             need.append(f"{t}.bias")
+    if cfg.qk_norm:
+        layer["attn_q_norm.weight"] = layer["attn_k_norm.weight"] = (cfg.head_dim,)
+        need += ["attn_q_norm.weight", "attn_k_norm.weight"]
     return layer, need
 
 

@@ -215,14 +215,14 @@ def _producer(
         return None
     src.use(hf, shape)
     kind = short.split(".")[0]
-    if isinstance(cfg, LlamaConfig) and kind in ("attn_q", "attn_k"):
+    if isinstance(cfg, LlamaConfig) and _arch(cfg) in gn.PERMUTED_QK_ARCHS and kind in ("attn_q", "attn_k"):
         heads = cfg.num_attention_heads if kind == "attn_q" else cfg.num_key_value_heads
         return [hf], lambda: gn.permute_qk(src.get(hf), heads)
     return [hf], lambda: src.get(hf)
 
 
 def _arch(cfg: ModelConfig) -> str:
-    return gn.ARCH_LLAMA if isinstance(cfg, LlamaConfig) else gn.ARCH_DEEPSEEK2
+    return gn.llama_arch(cfg) if isinstance(cfg, LlamaConfig) else gn.ARCH_DEEPSEEK2
 
 
 def _experts(
