@@ -381,14 +381,21 @@ def test_fp8_checkpoint_with_an_mtp_layer_is_served(tmp_path):
     runner = make_runner(d)
     ids = loaded.tokenizer.encode("The lighthouse keeper")
     want = runner.generate_greedy(ids, 8)
-    server = ServerProcess(str(d), "--served-model-name", "m", "--dtype", "float32", "--cpu-kernels", "torch",
-                           "--max-total-tokens", "256", log=tmp_path / "server.log").wait_ready(300)
+    reply = served_greedy(d, tmp_path, ids, 8, "--cpu-kernels", "torch")
+    assert reply["usage"]["completion_tokens"] == 8
+    assert reply["choices"][0]["text"] == loaded.tokenizer.decode(want)
+
+
+def served_greedy(d: Path, tmp_path: Path, ids: list[int], n: int, *flags: str) -> dict:
+    """`mlaserve serve` on directory `d` (fp32, with `flags`): its /v1/completions reply to `ids`, greedy, `n`
+    tokens past any end of generation."""
+    server = ServerProcess(str(d), "--served-model-name", "m", "--dtype", "float32", "--max-total-tokens", "256",
+                           *flags, log=tmp_path / "server.log").wait_ready(300)
     try:
         r = httpx.post(server.url + "/v1/completions", timeout=120, json={
-            "model": "m", "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+            "model": "m", "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 8
-        assert r.json()["choices"][0]["text"] == loaded.tokenizer.decode(want)
+        return r.json()
     finally:
         assert server.stop() == 0, server.log()
 

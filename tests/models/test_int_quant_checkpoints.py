@@ -23,7 +23,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -42,8 +41,8 @@ from models.native import NativeLinear
 from models.synthetic import write_checkpoint
 from mlaserve.cli import main
 from tests.hf_models import build_hf_model
+from tests.models.test_fp8_checkpoints import _broken, _fails, served_greedy
 from tests.models.test_hf_parity import make_runner, prefill_logits, prompt, rel_err
-from tests.server.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 AUTOAWQ = next(iter(sorted((ROOT / ".venv" / "oracles").glob("autoawq-*/awq/utils/packing_utils.py"))), None)
@@ -244,28 +243,6 @@ def gptq_dir(tmp_path_factory) -> Path:
     return d
 
 
-def _broken(src: Path, tmp_path: Path, edit=None, **config) -> Path:
-    d = tmp_path / "broken"
-    shutil.copytree(src, d)
-    if edit is not None:
-        sd = load_file(d / "model.safetensors")
-        edit(sd)
-        save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
-    if config:
-        cfg = json.loads((d / "config.json").read_text())
-        cfg["quantization_config"] = {k: v for k, v in {**cfg["quantization_config"], **config}.items()
-                                      if v is not None}
-        (d / "config.json").write_text(json.dumps(cfg))
-    return d
-
-
-def _fails(d: Path, *says: str) -> None:
-    with pytest.raises(CheckpointError) as err:
-        load_model(d, dtype="float32", load_tokenizer=False, progress=False)
-    for s in says:
-        assert s in str(err.value), str(err.value)
-
-
 @pytest.mark.parametrize("edit, says", [
     (lambda sd: sd.pop(f"{LAYER}.qzeros"), [f"'{LAYER}.scales' has no '{LAYER}.qzeros' beside it"]),
     (lambda sd: sd.__setitem__(f"{LAYER}.scales", sd[f"{LAYER}.scales"][:, :-1].contiguous()),
@@ -292,16 +269,26 @@ def test_damaged_files_are_refused_by_name(gptq_dir, tmp_path, edit, says):
                                        "compressed-tensors)"),
 ])
 def test_schemes_not_read_are_refused_before_the_weights(gptq_dir, tmp_path, config, says):
-    _fails(_broken(gptq_dir, tmp_path, **config), says)
+    d = _broken(gptq_dir, tmp_path, quant=config)
+    if config.get("bits", 4) is None:  # (absent, not null)
+        cfg = json.loads((d / "config.json").read_text())
+        del cfg["quantization_config"]["bits"]
+        (d / "config.json").write_text(json.dumps(cfg))
+    _fails(d, says)
 
 
-def test_compressed_tensors_schemes_not_read_are_refused(tmp_path):
+def _ct_dir(tmp_path: Path, seed: int) -> tuple[Path, dict, dict, dict]:
+    """A compressed-tensors W4A16 directory, and its config, quantization_config and config group to edit."""
     d = tmp_path / "ct"
-    build_hf_model("llama_gqa_tied", seed=47).save_pretrained(d)
+    build_hf_model("llama_gqa_tied", seed=seed).save_pretrained(d)
     write_compressed_tensors(d, 4, 32)
     cfg = json.loads((d / "config.json").read_text())
     qc = cfg["quantization_config"]
-    group = qc["config_groups"]["group_0"]
+    return d, cfg, qc, qc["config_groups"]["group_0"]
+
+
+def test_compressed_tensors_schemes_not_read_are_refused(tmp_path):
+    d, cfg, qc, group = _ct_dir(tmp_path, 47)
     for change, says in [
         ({"config_groups": {"a": group, "b": {**group, "weights": {**group["weights"], "num_bits": 8}}}},
          "config groups with different schemes are not supported"),
@@ -347,15 +334,8 @@ def test_gptq_deepseek_is_served(tmp_path):
     loaded = load_model(d, dtype="float32", progress=False)
     ids = loaded.tokenizer.encode("The lighthouse keeper")
     want = make_runner(d, cpu_weights="file").generate_greedy(ids, 8)
-    server = ServerProcess(str(d), "--served-model-name", "m", "--dtype", "float32", "--kv-dtype", "float32",
-                           "--max-total-tokens", "256", log=tmp_path / "server.log").wait_ready(300)
-    try:
-        r = httpx.post(server.url + "/v1/completions", timeout=120, json={
-            "model": "m", "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == loaded.tokenizer.decode(want)
-    finally:
-        assert server.stop() == 0, server.log()
+    reply = served_greedy(d, tmp_path, ids, 8, "--kv-dtype", "float32")
+    assert reply["choices"][0]["text"] == loaded.tokenizer.decode(want)
 
 
 @pytest.mark.parametrize("case", list(WRITERS))
@@ -487,12 +467,7 @@ def test_compressed_tensors_int8_per_tensor_scale(tmp_path):
     ({"weights": {"symmetric": "false"}}, "symmetric must be true or false"),
 ])
 def test_compressed_tensors_configs_of_the_wrong_types(tmp_path, change, says):
-    d = tmp_path / "ct"
-    build_hf_model("llama_gqa_tied", seed=57).save_pretrained(d)
-    write_compressed_tensors(d, 4, 32)
-    cfg = json.loads((d / "config.json").read_text())
-    qc = cfg["quantization_config"]
-    group = qc["config_groups"]["group_0"]
+    d, cfg, qc, group = _ct_dir(tmp_path, 57)
     if "weights" in change:
         group["weights"] |= change["weights"]
     elif "format" in change:
