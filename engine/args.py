@@ -31,7 +31,7 @@ EXPERT_BACKENDS = ("torch", "cpp", "triton")
 HYBRID_GRAPH_MODES = ("host-nodes", "split")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # scheduler.Scheduler's `policy`
 CPU_KERNELS = ("native", "torch")
-CPU_WEIGHT_DTYPES = ("file", "bf16", "float32")
+CPU_WEIGHT_DTYPES = ("file", "bf16", "float32", "q8_0")
 
 Check = Callable[[Any], "str | None"]  # the problem with a parsed value ("must be > 0"), or None
 
@@ -146,8 +146,10 @@ class EngineArgs:
                             "dequantized to --dtype: the reference)", choices=CPU_KERNELS)
     cpu_weight_dtype: str = flag("file", "with --cpu-kernels native, how weights are held: file (GGUF blocks as "
                                  "stored, fp32/fp16 tensors as fp32, bf16 as bf16), bf16 (every weight bf16, "
-                                 "activations never rounded to int8) or float32 (every weight fp32, routed experts "
-                                 "and norms too, with --dtype auto meaning float32: exact)",
+                                 "activations never rounded to int8), float32 (every weight fp32, routed experts "
+                                 "and norms too, with --dtype auto meaning float32: exact) or q8_0 (float weights "
+                                 "quantized to Q8_0 as they load, as llama.cpp's Q8_0 files hold them: about half "
+                                 "a bf16 checkpoint's memory and read; quantized blocks as file keeps them)",
                                  choices=CPU_WEIGHT_DTYPES)
     context_length: int | None = flag(None, "maximum prompt + completion tokens", check=context_length_value,
                                       default_text="the model's")

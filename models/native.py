@@ -13,6 +13,8 @@ still apply) and they are packed once for the kernels. `mode` (`--cpu-weight-dty
   bf16, with one warning.
 - `bf16`: every weight decoded to bf16 (activations are then rounded to bf16, never to int8).
 - `float32`: every weight decoded to fp32 (exact; twice bf16's memory and bandwidth).
+- `q8_0`: float weights quantized to Q8_0 as they load (a bf16 checkpoint served in about half its memory, as
+  llama.cpp's Q8_0 file of it; not exact), a file's quantized blocks kept as `file` keeps them.
 
 MLA's `kv_b_proj` stays a float `nn.Linear` (its per-head halves become the absorbed matrices of the
 torch forward); with `file`, a GGUF's own per-head `attn_k_b` / `attn_v_b` blocks (llama.cpp's split
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.cpu_ops import CPU_WEIGHT_DTYPES, make_operator
+from models.cpu_ops import CPU_WEIGHT_DTYPES, keeps_blocks, make_operator
 from models.experts.base import WeightInput
 from models.loader.raw_blocks import RawBlocks
 
@@ -52,7 +54,7 @@ class NativeLinear(nn.Module):
 
     @property
     def weight_input(self) -> WeightInput:
-        return WeightInput.GGUF_BLOCKS if self.mode == "file" else WeightInput.DECODED
+        return WeightInput.GGUF_BLOCKS if keeps_blocks(self.mode) else WeightInput.DECODED
 
     @property
     def weight_shape(self) -> tuple[int, int]:

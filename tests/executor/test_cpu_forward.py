@@ -545,3 +545,25 @@ def test_amx_kernels_modelled_in_software_give_the_avx512_forward(checkpoints, g
         ref = checkpoints[kind][0](torch.tensor([ids])).logits[0].float()
     err = (got - ref).abs().max(-1).values / ref.abs().max()
     assert float(err.median()) <= 1e-2 and float((err <= 3e-2).float().mean()) >= 0.8, err
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-deepseek-v3"])
+def test_q8_0_on_load_holds_the_blocks_of_a_q8_0_file(tmp_path, preset):
+    """`--cpu-weight-dtype q8_0` quantizes an HF directory's float weights as they load: the same blocks, and so
+    the same logits to the bit, as the Q8_0 GGUF of that directory (written with the `gguf` package's quantizer,
+    llama.cpp's converter's) served with `file`; a file's own quantized blocks stay as they are. (DeepSeek's
+    GGUF differs beyond the blocks: its MLA matrices are Q8_0 per head there, bf16 from kv_b_proj here, and
+    rows of 48 are F16 there, fp32 here.)"""
+    d = write_checkpoint(tmp_path / "hf", preset, seed=8)
+    gguf = write_gguf(d, tmp_path / "model.gguf", "Q8_0")
+    on_load = native_runner(d, cpu_weights="q8_0")
+    formats = {m.op.weight_format for m in native_modules(on_load.model)}
+    assert "q8_0" in formats and formats <= {"q8_0", "f32"}, formats  # (V3's o_proj: 48 columns, no whole blocks)
+    ids = prompt(30, on_load.config.vocab_size, seed=9)
+    got, want = all_logits(on_load, ids), all_logits(native_runner(gguf, cpu_weights="file"), ids)
+    if preset == "tiny-llama":
+        assert torch.equal(got, want)
+    else:
+        assert float((got - want).abs().max() / want.abs().max()) <= 0.05
+    q4 = write_gguf(d, tmp_path / "q4.gguf", "Q4_0")
+    assert "q4_0" in {m.op.weight_format for m in native_modules(native_runner(q4, cpu_weights="q8_0").model)}
