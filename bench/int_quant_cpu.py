@@ -7,10 +7,13 @@ random weights; its bf16 GGUF too). This script writes, once, into the same cach
     the CPU kernels hold it as Q4_0 blocks, the file's exact values;
   * `awq4/`: AWQ 4-bit with zero points, group 128: held as Q5_0 blocks (4-bit codes less a zero point span 5
     bits);
-  * `model-q4_0.gguf`: llama.cpp's own Q4_0 (`llama-quantize` from the bf16 GGUF; built by `make peers`).
+  * `model-q4_0.gguf`: llama.cpp's own Q4_0 (`llama-quantize` from the bf16 GGUF; built by `make peers`), beside
+    make_deepseek_gguf.py's Q8_0.
+A `+q8_0` format is that file loaded with `--cpu-weight-dtype q8_0`: its float weights (all of bf16's; GPTQ's
+LM head and kv_b_proj) quantized to Q8_0 as they load.
 Each is loaded by the engine core as `mlaserve serve`'s engine process loads it (bench/deepseek_cpu.py's
 `Ours`: the native CPU forward, weights as the file's blocks, routed experts in the C++ pool); the GGUF also
-by `llama-bench -n <tokens>`. Decode tok/s of one request (a `--decode-prompt`-token prompt, then
+by `llama-bench -n <tokens>` (both GGUFs). Decode tok/s of one request (a `--decode-prompt`-token prompt, then
 `--decode-tokens` tokens, greedy), interleaved rounds whose order rotates, medians; the machine may be shared
 and noisy: measurements wait for a quiet machine and are redone when other processes ran (bench/cpu_common).
 `resident_weight_bytes` sums the parameters, buffers and the native operators' packed weights;
@@ -41,7 +44,9 @@ import deepseek_cpu as ds  # noqa: E402
 import make_deepseek_gguf as mk  # noqa: E402
 import peers  # noqa: E402
 
-FORMATS = ("bf16", "gptq4", "awq4", "q4_0")
+# a "+q8_0" format is the same file loaded with --cpu-weight-dtype q8_0 (its float weights quantized as they load)
+FORMATS = ("bf16", "bf16+q8_0", "gptq4", "gptq4+q8_0", "awq4", "q4_0", "q8_0")
+GGUFS = ("q4_0", "q8_0")  # llama.cpp's files, measured by ours and llama-bench alike
 
 
 def write_format(hf: Path, fmt: str, out: Path) -> dict[str, Any]:
@@ -64,12 +69,13 @@ def write_format(hf: Path, fmt: str, out: Path) -> dict[str, Any]:
     return info
 
 
-def q4_0_gguf(cache: Path, layers: int, seed: int, threads: int) -> Path | None:
-    out = mk.gguf_path(cache, "q4_0", layers, seed)
+def gguf_file(cache: Path, qtype: str, layers: int, seed: int, threads: int) -> Path | None:
+    """llama.cpp's `qtype` GGUF of the model: make_deepseek_gguf.py's, or `llama-quantize` from its bf16 one."""
+    out = mk.gguf_path(cache, qtype, layers, seed)
     src = mk.gguf_path(cache, "bf16", layers, seed)
     binary = peers.llama_cpp_bin("llama-quantize")
     if not out.is_file() and src.is_file() and binary is not None:
-        mk._run(mk.quantize_command(binary, src, out, "Q4_0", threads))
+        mk._run(mk.quantize_command(binary, src, out, qtype.upper(), threads))
     return out if out.is_file() else None
 
 
@@ -121,22 +127,24 @@ def main(argv: list[str] | None = None) -> int:
     written: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     for fmt in args.formats:
-        if fmt == "bf16":
+        base = fmt.removesuffix("+q8_0")
+        if base == "bf16":
             paths[fmt] = hf
-        elif fmt == "q4_0":
-            gguf = q4_0_gguf(cache, args.layers, args.seed, threads)
+        elif base in GGUFS:
+            gguf = gguf_file(cache, base, args.layers, args.seed, threads)
             if gguf is None:
-                skipped[fmt] = "no Q4_0 GGUF: needs the bf16 GGUF (make_deepseek_gguf.py) and llama-quantize (make peers)"
+                skipped[fmt] = f"no {base} GGUF: needs the bf16 GGUF (make_deepseek_gguf.py) and llama-quantize (make peers)"
             else:
                 paths[fmt] = gguf
         else:
-            out = mk.model_dir(cache, args.layers, args.seed) / fmt
-            written[fmt] = write_format(hf, fmt, out)
+            out = mk.model_dir(cache, args.layers, args.seed) / base
+            written[base] = write_format(hf, base, out)
             paths[fmt] = out
     ours: dict[str, Any] = {}
     loaded: dict[str, Any] = {}
     for fmt, path in paths.items():
-        o = ds.Ours(path, args, "cpp")
+        o = ds.Ours(path, argparse.Namespace(**{**vars(args), "engine_arg": (
+            ["cpu_weight_dtype=q8_0"] if fmt.endswith("+q8_0") else [])}), "cpp")
         o.request(o.prompt(8, 99), 4)  # warm-up
         nf = o.core.runner.native_forward
         modules = list(o.core.runner.model.modules())
@@ -151,18 +159,18 @@ def main(argv: list[str] | None = None) -> int:
               f"({ours[fmt]['decode_weight_bytes'] / 2**20:.0f} MiB read a token), linear {formats}, experts "
               f"{experts}", flush=True)
     lb = peers.llama_cpp_bin("llama-bench")
-    lb_cmd = (ds.llama_bench_command(lb, paths["q4_0"], threads, 0, args.decode_tokens, 1)
-              if lb is not None and "q4_0" in paths else None)
-    peer: list[dict[str, Any]] = []
-    who = [*loaded, *(["llama-bench"] if lb_cmd else [])]
+    lb_cmds = {f"llama-bench {g}": ds.llama_bench_command(lb, paths[g], threads, 0, args.decode_tokens, 1)
+               for g in GGUFS if lb is not None and g in paths}
+    peer: dict[str, list[dict[str, Any]]] = {w: [] for w in lb_cmds}
+    who = [*loaded, *lb_cmds]
     for r in range(args.rounds):
         order = who[r % len(who):] + who[: r % len(who)]
         line = []
         for w in order:
-            if w == "llama-bench":
-                peer.append(ds.measured(args, lambda: ds.read_after(ds.run_llama_bench(lb_cmd, 3600), threads),
-                                        "llama-bench"))
-                line.append(f"llama-bench {ds._lb_line(peer[-1])}")
+            if w in lb_cmds:
+                peer[w].append(ds.measured(args, lambda: ds.read_after(ds.run_llama_bench(lb_cmds[w], 3600), threads),
+                                           w))
+                line.append(f"{w} {ds._lb_line(peer[w][-1])}")
             else:
                 o = loaded[w]
                 ours[w]["tg"].append(ds.measured(args, lambda: ds.read_after(
@@ -173,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         ours[fmt]["tg_tok_s"] = ds.summarize_rounds(ours[fmt]["tg"], args.retry_busy)
         o.close()
     gc.collect()
-    ok = [p for p in peer if "error" not in p]
-    peer_tok_s = cc.median([p["tg"]["avg_ts"] for p in ok if "tg" in p])
+    peer_tok_s = {w: cc.median([p["tg"]["avg_ts"] for p in rounds if "error" not in p and "tg" in p])
+                  for w, rounds in peer.items()}
+    q4 = peer_tok_s.get("llama-bench q4_0")
     result = {
         "benchmark": "int_quant_cpu",
         "machine": {**cc.machine_info(), "threads": threads},
@@ -182,21 +191,21 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"hf": str(hf), **mk.config_summary(hf)},
         "workload": {"decode_prompt": args.decode_prompt, "decode_tokens": args.decode_tokens, "rounds": args.rounds},
         "written": written, "ours": ours, "skipped": skipped,
-        "llama_bench_q4_0": {"command": lb_cmd, "rounds": peer, "tg_tok_s": peer_tok_s} if lb_cmd else None,
-        "ratios": {f"{fmt}_over_llama_q4_0": cc.ratio(ours[fmt].get("tg_tok_s"), peer_tok_s) for fmt in ours},
+        "llama_bench": {w: {"command": lb_cmds[w], "rounds": peer[w], "tg_tok_s": peer_tok_s[w]} for w in lb_cmds},
+        "ratios": {f"{fmt}_over_llama_q4_0": cc.ratio(ours[fmt].get("tg_tok_s"), q4) for fmt in ours},
         "note": "medians over interleaved rounds (the order rotates); the machine may be shared and noisy",
     }
     out = args.out or cc.RESULTS / f"int_quant_cpu_{cc.machine_tag(result['machine'])}.json"
     cc.write_json(out, result)
-    print(f"{'format':8s} {'weights GiB':>12s} {'MiB/token':>10s} {'tg tok/s':>10s} {'GB/s read':>10s} "
+    print(f"{'format':11s} {'weights GiB':>12s} {'MiB/token':>10s} {'tg tok/s':>10s} {'GB/s read':>10s} "
           f"{'x llama Q4_0':>13s}")
     for fmt, e in ours.items():
         ratio = result["ratios"][f"{fmt}_over_llama_q4_0"]
         rate = e["tg_tok_s"] or 0
-        print(f"{fmt:8s} {e['resident_weight_bytes'] / 2**30:12.2f} {e['decode_weight_bytes'] / 2**20:10.0f} "
+        print(f"{fmt:11s} {e['resident_weight_bytes'] / 2**30:12.2f} {e['decode_weight_bytes'] / 2**20:10.0f} "
               f"{rate:10.2f} {rate * e['decode_weight_bytes'] / 1e9:10.1f} {'' if ratio is None else f'{ratio:.2f}x':>13s}")
-    if peer_tok_s:
-        print(f"llama-bench Q4_0: {peer_tok_s:.2f} tok/s")
+    for w, rate in peer_tok_s.items():
+        print(f"{w}: {rate:.2f} tok/s" if rate else f"{w}: no result")
     print(f"wrote {out}")
     return 0
 

@@ -1063,13 +1063,15 @@ def test_int_quant_bench_on_a_tiny_deepseek(cpu_bench, tmp_path: Path) -> None:
     hf = mk.model_dir(tmp_path, 4, 0) / "hf"
     write_checkpoint(hf, "tiny-deepseek-v3", seed=3, dtype="bfloat16")
     (hf / ".complete").write_text("{}")
-    args = ["--cache-dir", str(tmp_path), "--formats", "bf16", "gptq4", "awq4", "--rounds", "1", "--decode-tokens", "3",
+    args = ["--cache-dir", str(tmp_path), "--formats", "bf16", "bf16+q8_0", "gptq4", "awq4", "--rounds", "1",
+            "--decode-tokens", "3",
             "--quiet-wait", "0", "--retries", "0"]
     for run in ("first", "again"):
         out = tmp_path / f"{run}.json"
         assert bench.main([*args, "--out", str(out)]) == 0
         r = json.loads(out.read_text())
-    assert set(r["ours"]) == {"bf16", "gptq4", "awq4"} and r["written"]["gptq4"]["group_size"] == 128
+    assert set(r["ours"]) == {"bf16", "bf16+q8_0", "gptq4", "awq4"} and r["written"]["gptq4"]["group_size"] == 128
+    assert "q8_0" in r["ours"]["bf16+q8_0"]["linear_formats"] and r["ours"]["bf16"]["linear_formats"] == ["bf16"]
     assert "q4_0" in r["ours"]["gptq4"]["linear_formats"] and "q5_0" in r["ours"]["awq4"]["linear_formats"]
     assert all(e["tg_tok_s"] > 0 and e["native_forward"] for e in r["ours"].values())
     assert r["ours"]["gptq4"]["resident_weight_bytes"] < r["ours"]["bf16"]["resident_weight_bytes"]
