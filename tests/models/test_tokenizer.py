@@ -804,3 +804,37 @@ def test_a_closed_vocabulary_keeps_its_post_processors_bos(tmp_path: Path) -> No
     assert bundle.bos_token_id is None
     with pytest.raises(TokenizerFailure, match="failed on this text"):
         bundle.encode("hello")
+
+
+# ----------------------------------------------------------------------------- llama.cpp's tokenizer test vectors
+
+def _llama_cpp_vocabs() -> list[Path]:
+    from bench import peers
+
+    script = peers.convert_script()  # (the unpacked sources `make test` leaves)
+    return sorted((script.parent / "models").glob("ggml-vocab-*.gguf.inp")) if script else []
+
+
+@pytest.mark.parametrize("inp", _llama_cpp_vocabs() or [None], ids=lambda p: p.name.split(".")[0] if p else "absent")
+def test_gguf_tokenizers_pass_llama_cpps_own_test_vectors(inp: Path | None) -> None:
+    """llama.cpp's vocabulary-only GGUFs (`models/ggml-vocab-*.gguf`: Llama SPM and BPE, Qwen2, Qwen3.5,
+    DeepSeek LLM and Coder, GPT-2, Phi-3, Command-R, Falcon, MPT, StarCoder, Refact) with the texts and ids its
+    test-tokenizer-0 checks them against (made by the models' own HF tokenizers): every text tokenized here
+    gives those ids. A tokenizer model mlaserve does not read (BERT's WordPiece, Gemma 4's) is refused by name."""
+    if inp is None:
+        pytest.skip("llama.cpp's sources are not unpacked (`make test` does it: bench/peers.py unpack)")
+    from models.loader.gguf_file import read_gguf_metadata
+    from models.loader.tokenizer import tokenizer_from_gguf_metadata
+
+    path = inp.with_suffix("")
+    meta = read_gguf_metadata(path)
+    if meta["tokenizer.ggml.model"] not in ("llama", "gpt2"):
+        with pytest.raises(CheckpointError, match="unsupported tokenizer model"):
+            tokenizer_from_gguf_metadata(meta, str(path))
+        return
+    tok = tokenizer_from_gguf_metadata(meta, str(path)).tokenizer
+    texts = inp.read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    outs = path.with_name(path.name + ".out").read_text(encoding="utf-8").split("\n")
+    assert len(texts) > 40
+    for text, ids in zip(texts, outs):
+        assert tok.encode(text, add_special_tokens=False).ids == [int(i) for i in ids.split()], text
