@@ -213,8 +213,9 @@ class EngineCore:
         eos = end_ids(set(cfg.eos_token_ids) | set(tok.eos_token_ids if tok else ()), cfg.vocab_size)
         self.context_len = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
         if args.context_length and args.context_length > cfg.max_position_embeddings:
-            logger.warning("--context-length %d is cut to %d, the model's own (max_position_embeddings: its "
-                           "positions are not trained past it)", args.context_length, cfg.max_position_embeddings)
+            logger.warning("--context-length %d is cut to %d, the model's own (max_position_embeddings, or YaRN's "
+                           "reach: its positions are not trained past it)", args.context_length,
+                           cfg.max_position_embeddings)
         if getattr(cfg, "sliding_window", None):
             logger.warning("the model's attention slides over a window of %d tokens, which is not implemented: the "
                            "context is cut to %d (within one window, sliding attention is full attention)",

@@ -513,7 +513,7 @@ def _llama_from_dict(k: _Keys, model_type: str = "llama") -> LlamaConfig:
         raise CheckpointError(
             k.source, f"num_attention_heads={num_heads} must be a multiple of num_key_value_heads={num_kv_heads}"
         )
-    head_dim = k.opt("head_dim", None)
+    head_dim = k.opt("head_dim", 128 if model_type == "qwen3" else None)  # (transformers' Qwen3Config default)
     if head_dim is None:
         if hidden % num_heads:
             raise CheckpointError(k.source, f"hidden_size={hidden} is not divisible by num_attention_heads={num_heads}")
@@ -536,7 +536,7 @@ def _llama_from_dict(k: _Keys, model_type: str = "llama") -> LlamaConfig:
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=k.above("rms_norm_eps", k.opt("rms_norm_eps", 1e-6, float), below=1.0),  # (models: 1e-6..1e-5)
-        max_position_embeddings=k.context("max_position_embeddings", 2048),
+        max_position_embeddings=k.context("max_position_embeddings", 32768 if model_type.startswith("qwen") else 2048),
         tie_word_embeddings=k.opt("tie_word_embeddings", False, bool),
         attention_bias=True if model_type == "qwen2" else k.opt("attention_bias", False, bool),
         mlp_bias=False if model_type.startswith("qwen") else k.opt("mlp_bias", False, bool),
@@ -564,12 +564,37 @@ def config_from_hf_dict(d: dict[str, Any], source: str = "config.json") -> Model
         )
     family = SUPPORTED_MODEL_TYPES[model_type]
     if family == "llama":
-        cfg = _llama_from_dict(k, model_type)
-        # Qwen's windows apply only where use_sliding_window says so (its configs carry a window either way)
-        windowed = model_type == "mistral" or model_type.startswith("qwen") and k.opt("use_sliding_window", False, bool)
+        cfg = _yarn_positions(_llama_from_dict(k, model_type), k)
+        windowed = model_type == "mistral" or model_type.startswith("qwen") and _qwen_slides(k, cfg.num_hidden_layers)
         window = k.at_least("sliding_window", 0, 0) if windowed else 0  # 0 or null: none
         if window:  # attention within one window is exact: the context stops there (the engine says so)
             cfg = dataclasses.replace(cfg, sliding_window=window,
                                       max_position_embeddings=min(cfg.max_position_embeddings, window))
         return cfg
-    return _deepseek_from_dict(k, family)  # type: ignore[arg-type]
+    return _yarn_positions(_deepseek_from_dict(k, family), k)  # type: ignore[arg-type]
+
+
+def _qwen_slides(k: _Keys, layers: int) -> bool:
+    """Whether a Qwen2/Qwen3 config has any sliding-window layer, as transformers lays them out: its configs carry
+    a window either way, used only with `use_sliding_window`, and then by the layers from `max_window_layers` on
+    (or as `layer_types` lists them)."""
+    types = k.d.get("layer_types")
+    if isinstance(types, list):
+        return "sliding_attention" in types[:layers]
+    return k.opt("use_sliding_window", False, bool) and k.opt("max_window_layers", 28, int) < layers
+
+
+def _yarn_positions(cfg: ModelConfig, k: _Keys) -> ModelConfig:
+    """`cfg` serving YaRN's whole reach: the original context times the factor where that is past
+    max_position_embeddings. Qwen2.5 and Qwen3 configs keep the trained 32768 / 40960 there and say
+    `{"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}` for 131072, the context vLLM,
+    SGLang and llama.cpp serve them at (YaRN's frequencies depend on the original length alone)."""
+    r = cfg.rope
+    if r.scaling_type != "yarn" or r.original_max_position_embeddings is None:
+        return cfg
+    reach = min(int(r.original_max_position_embeddings * r.factor), MAX_CONTEXT_LENGTH)
+    if reach <= cfg.max_position_embeddings:
+        return cfg
+    logger.info("%s: YaRN (factor %g over %d positions) serves %d positions, past max_position_embeddings %d",
+                k.source, r.factor, r.original_max_position_embeddings, reach, cfg.max_position_embeddings)
+    return dataclasses.replace(cfg, max_position_embeddings=reach)

@@ -352,16 +352,29 @@ class ChatSerializer(Serializer):
         `logprobs.content` joins to the content): those starting inside the answer's span of the generated
         text (after the reasoning; within the text the tool-call parser left, when it took calls out of it)."""
         lps = self.unshown(lps)
-        if not content:
-            return []
         generated = self.texts.get(i, "")
+        if not content:  # tokens with no text at all (ids past the tokenizer's) are an empty answer's
+            return [] if generated else [s for s in lps if s.end <= s.offset]
         start, end = max(generated.rfind(split.content), 0), len(generated)
         if content != split.content and (at := generated.find(content, start)) >= 0:
             start, end = at, at + len(content)
-        return [s for s in lps if s.overlaps(start, end)]  # (" Answer" after `</think>`, its space stripped)
+        # (" Answer" after `</think>`, its space stripped); a token with no text of its own belongs where it
+        # stands, at the answer's end too (it was left out there: one entry short of the tokens)
+        return [s for s in lps if s.overlaps(start, end) or s.end <= s.offset and start <= s.offset <= end]
 
-    def placed_logprobs(self, i: int, lps: list[ShownLogprob], raw: str, text: str,
-                        elsewhere: bool, ended: bool = False) -> list[ShownLogprob]:
+    def placed_logprobs(self, i: int, lps: list[ShownLogprob], raw: str, text: str, elsewhere: bool,
+                        ended: bool = False, finished: bool = False) -> list[ShownLogprob]:
+        """`_placed_logprobs`, and where the choice `finished`, the tokens with no text of their own still
+        waiting at the answer's end (ids past the tokenizer: no answer text would ever release them)."""
+        out = self._placed_logprobs(i, lps, raw, text, elsewhere, ended)
+        waiting = self.unplaced.get(i, [])
+        if finished and (textless := [s for s in waiting if s.end <= s.offset]):
+            self.unplaced[i] = [s for s in waiting if s.end > s.offset]
+            out = out + textless
+        return out
+
+    def _placed_logprobs(self, i: int, lps: list[ShownLogprob], raw: str, text: str,
+                         elsewhere: bool, ended: bool = False) -> list[ShownLogprob]:
         """Streamed: the logprobs to send with choice i's new answer `text`, out of its generated text `raw`
         (this delta's). As the whole answer's `content_logprobs`: those of the tokens that start inside the
         answer text, found in the generated text after what was answered before; tokens before it (their
@@ -492,8 +505,10 @@ class ChatSerializer(Serializer):
         was_reasoning = self.reasoning_kind != "none" and self.reasoner(i).parser.in_reasoning
         reasoning, answer, deltas, parser = self.parse_delta(r, index, text, ids)
         ended = was_reasoning and not self.reasoners[i].parser.in_reasoning  # (its `</think>`'s text went nowhere)
+        finished = r.choices[index].finish_reason is not None
         return reasoning, answer, deltas, parser, self.placed_logprobs(i, lps, text, answer,
-                                                                       bool(reasoning or deltas or ended), ended)
+                                                                       bool(reasoning or deltas or ended), ended,
+                                                                       finished)
 
     def stream_delta(self, r, index, text, ids, lps):
         choice = r.choices[index]

@@ -350,3 +350,50 @@ def test_rope_scaling_beside_rope_parameters_wins_and_says_what_it_drops(caplog)
     with caplog.at_level("WARNING", logger="models.config"):
         config_from_hf_dict(dict(cfg, rope_scaling=None), "x/config.json")  # null beside it: rope_parameters, quietly
     assert "rope_scaling" not in caplog.text
+
+
+QWEN25 = dict(model_type="qwen2", vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0,
+              use_sliding_window=False, sliding_window=32768, max_window_layers=2)
+
+
+def test_yarn_serves_its_whole_reach():
+    """Qwen2.5's long-context config keeps the trained 32768 in max_position_embeddings and YaRN x4 over it: the
+    model serves 131072 positions (vLLM, SGLang and llama.cpp take it so); its frequencies are those of the
+    original 32768. DeepSeek's configs already give the reach (163840 = 4096 x 40); a reach past the largest
+    context is cut to it."""
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    cfg = config_from_hf_dict({**QWEN25, "rope_scaling": yarn})
+    assert cfg.max_position_embeddings == 131072 and cfg.rope.original_max_position_embeddings == 32768
+    assert config_from_hf_dict(QWEN25).max_position_embeddings == 32768
+    v2 = config_from_hf_dict({**V2_OLD_STYLE, "max_position_embeddings": 163840, "rope_scaling": {
+        "type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 0.707, "mscale_all_dim": 0.707}})
+    assert v2.max_position_embeddings == 163840
+    huge = config_from_hf_dict({**QWEN25, "rope_scaling": {**yarn, "factor": 1e6}})
+    from models.config import MAX_CONTEXT_LENGTH
+    assert huge.max_position_embeddings == MAX_CONTEXT_LENGTH
+
+
+def test_qwen_defaults_are_transformers():
+    """Keys a Qwen config leaves out take Qwen's defaults, not Llama's: Qwen3's head_dim 128 (not hidden /
+    heads), a context of 32768 (not 2048)."""
+    base = {k: v for k, v in QWEN25.items() if k not in ("max_position_embeddings",)}
+    assert config_from_hf_dict(base).max_position_embeddings == 32768
+    q3 = config_from_hf_dict({**base, "model_type": "qwen3"})
+    assert q3.head_dim == 128 and q3.qk_norm and not q3.attention_bias and q3.out_bias is False
+    q2 = config_from_hf_dict(base)
+    assert q2.head_dim == 16 and q2.attention_bias and q2.out_bias is False and not q2.qk_norm
+
+
+@pytest.mark.parametrize("keys, window", [
+    ({"use_sliding_window": False}, None),
+    ({"use_sliding_window": True, "max_window_layers": 2}, None),  # no layer from max_window_layers on: all full
+    ({"use_sliding_window": True, "max_window_layers": 1}, 4096),
+    ({"layer_types": ["full_attention", "full_attention"], "use_sliding_window": True, "max_window_layers": 0}, None),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, 4096),
+])
+def test_qwen_windows_only_where_transformers_slides(keys, window):
+    cfg = config_from_hf_dict({**QWEN25, "sliding_window": 4096, **keys})
+    assert cfg.sliding_window == window
+    assert cfg.max_position_embeddings == (window or 32768)

@@ -13,13 +13,18 @@ import pytest
 import torch
 
 from models.loader.tokenizer import load_tokenizer
-from models.synthetic import write_checkpoint
+from models.synthetic import load_preset, write_checkpoint
 from tests.server.server_process import ServerProcess
+
+
+SPARE_IDS = 64  # embedding rows past the tokenizer, as Qwen's (151936 rows, 151665 tokens) and many others'
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("tinyllama"), "tiny-llama", seed=7)
+    config = load_preset("tiny-llama")
+    return write_checkpoint(tmp_path_factory.mktemp("tinyllama"), {**config, "vocab_size": config["vocab_size"] + SPARE_IDS},
+                            seed=7)
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +238,26 @@ def test_a_predicted_output_drafts_and_changes_no_token(server, model_dir):
     assert set(usages[-1]["completion_tokens_details"]) == {"accepted_prediction_tokens", "rejected_prediction_tokens"}
     bad = post(server, "/v1/chat/completions", {"messages": messages, "prediction": {"type": "text", "content": "x"}})
     assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("prediction"), bad.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_list_tokens_with_no_text(server, stream):
+    """Ids past the tokenizer (an embedding padded beyond it) have no text: chat's `logprobs.content` still has
+    an entry for each, at the answer's end too (the last one was left out: 2 entries for 3 tokens), named
+    `token_id:N` with no bytes of their own, as the completions API names them."""
+    spare = load_preset("tiny-llama")["vocab_size"] + 5
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True,
+            "logit_bias": {str(spare): 100}, "stream": stream}
+    if not stream:
+        r = post(server, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        entries, tokens = r.json()["choices"][0]["logprobs"]["content"], r.json()["usage"]["completion_tokens"]
+    else:
+        entries, tokens = [], 3
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    entries += (choice.get("logprobs") or {}).get("content") or []
+    assert tokens == 3 and len(entries) == 3, entries
+    assert all(e["token"] == f"token_id:{spare}" or e["token"] == "" for e in entries), entries
