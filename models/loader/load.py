@@ -27,6 +27,7 @@ from models.builtin import resolve_model_path
 from models.config import ModelConfig, config_from_hf_dict
 from models.loader.errors import CheckpointError
 from models.experts import EXPERT_BACKENDS, CppExperts, ExpertBackend, WeightInput
+from models.cpu_ops import keeps_blocks
 from models.native import CPU_WEIGHT_DTYPES, NativeAbsorbed, NativeEmbedding, NativeLinear, use_native_weights
 from models.loader.raw_blocks import RawBlocks
 from models.parallel import current as current_layout
@@ -178,7 +179,7 @@ def load_model(
         if getattr(module, "keep_fp32", False):
             module.float()
     bar = tqdm(total=ckpt.num_tensors(), desc=f"Loading {path.name}", unit="tensor", disable=not progress, leave=False)
-    raw_experts = cpu_weights in (None, "file") and any(
+    raw_experts = (cpu_weights is None or keeps_blocks(cpu_weights)) and any(
         isinstance(m, ExpertBackend) and m.weight_input is WeightInput.GGUF_BLOCKS for m in net.modules())
     raw_names = frozenset(f"{n}.weight" for n, m in net.named_modules()
                           if isinstance(m, (NativeLinear, NativeEmbedding, NativeAbsorbed))

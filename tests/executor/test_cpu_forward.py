@@ -12,6 +12,7 @@ import torch
 import cpp_experts
 from executor.model_runner import ModelRunner, RequestSlice
 from models.loader.load import load_model
+from models.experts import CppExperts
 from models.native import native_modules
 from models.loader.gguf_writer import write_gguf
 from models.synthetic import load_preset, write_checkpoint
@@ -565,5 +566,7 @@ def test_q8_0_on_load_holds_the_blocks_of_a_q8_0_file(tmp_path, preset):
         assert torch.equal(got, want)
     else:
         assert float((got - want).abs().max() / want.abs().max()) <= 0.05
-    q4 = write_gguf(d, tmp_path / "q4.gguf", "Q4_0")
-    assert "q4_0" in {m.op.weight_format for m in native_modules(native_runner(q4, cpu_weights="q8_0").model)}
+    q4 = native_runner(write_gguf(d, tmp_path / "q4.gguf", "Q4_0"), cpu_weights="q8_0").model
+    assert "q4_0" in {m.op.weight_format for m in native_modules(q4)}
+    experts = {m.weight_format for m in q4.modules() if isinstance(m, CppExperts)}
+    assert experts == set() if preset == "tiny-llama" else experts == {"q4_0"}, experts  # (they were Q8_0)
