@@ -55,7 +55,7 @@ BAD: dict[str, list[str]] = {
     "attention-backend": ["flash"],
     "expert-backend": ["bogus"],
     "cpu-kernels": ["native-ish", "NATIVE"],
-    "cpu-weight-dtype": ["q8_0", "fp32"],
+    "cpu-weight-dtype": ["q4_k", "fp32"],
     "context-length": ["4k", "0", "-1", "31"],
     "max-running-requests": ["many", "0"],
     "max-queued-requests": ["lots", "-1"],
