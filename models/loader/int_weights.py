@@ -3,8 +3,8 @@ integers its scales multiply, then dequantized or written as ggml blocks for the
 
 `IntWeight.values` is `q - z` for every value: the code less its group's zero point, an integer of at most
 9 bits. The weight is `scale * values` (exact in fp32 for fp16 and bf16 scales, as llama.cpp's converter and
-compressed-tensors compute it). `as_blocks` writes it in the smallest ggml block type that holds it exactly:
-Q4_0 (`d * (q - 8)`) where every value lies in [-8, 7] (symmetric 4-bit schemes), Q5_0 (`d * (q - 16)`) in
+compressed-tensors compute it). `block_type` picks the smallest ggml block type that holds it exactly, and
+`blocks` writes it so: Q4_0 (`d * (q - 8)`) where every value lies in [-8, 7] (symmetric 4-bit schemes), Q5_0 (`d * (q - 16)`) in
 [-16, 15] (4-bit with zero points: AWQ, asymmetric GPTQ), Q8_0 (`d * q`) in [-128, 127], each block's `d` its
 group's scale, which must be an fp16 value. Anything else (groups that are not runs of whole 32-column
 blocks, act-order GPTQ's permuted groups, scales fp16 cannot hold) is dequantized instead.
@@ -20,7 +20,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from models.loader.errors import CheckpointError
 from models.loader.int_quant import IntScheme
-from models.loader.raw_blocks import RawBlocks
 
 BLOCK = 32
 # AWQ packs the 8 columns of a word in this order: nibble i holds column AWQ_ORDER[i] (its column j sits in
@@ -100,13 +99,6 @@ class IntWeight:
                 u = u & 15
             parts.append(u[..., :16] | (u[..., 16:] << 4))  # byte j: element j low, element j + 16 high
         return torch.cat(parts, dim=-1).reshape(out, nb * GGML_QUANT_SIZES[qtype][1]).numpy()
-
-    def as_blocks(self, source: str, name: str) -> RawBlocks | None:
-        """The weight as ggml blocks holding exactly its values, or None where no block type does."""
-        qtype, _ = self.block_type()
-        if qtype is None:
-            return None
-        return RawBlocks(qtype, tuple(self.values.shape), self.blocks(qtype), source, name)
 
 
 def widest(types: list[GGMLQuantizationType]) -> GGMLQuantizationType:
