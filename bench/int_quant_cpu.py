@@ -9,15 +9,15 @@ random weights; its bf16 GGUF too). This script writes, once, into the same cach
     bits);
   * `model-q4_0.gguf`: llama.cpp's own Q4_0 (`llama-quantize` from the bf16 GGUF; built by `make peers`), beside
     make_deepseek_gguf.py's Q8_0.
-A `+q8_0` format is that file loaded with `--cpu-weight-dtype q8_0`: its float weights (all of bf16's; GPTQ's
-LM head and kv_b_proj) quantized to Q8_0 as they load.
+A `+q8_0` format is that file loaded with `--cpu-weight-dtype q8_0`: its float linear weights (all of bf16's;
+GPTQ's LM head) quantized to Q8_0 as they load (MLA's kv_b_proj stays the absorbed attention's bf16).
 Each is loaded by the engine core as `mlaserve serve`'s engine process loads it (bench/deepseek_cpu.py's
 `Ours`: the native CPU forward, weights as the file's blocks, routed experts in the C++ pool); the GGUF also
 by `llama-bench -n <tokens>` (both GGUFs). Decode tok/s of one request (a `--decode-prompt`-token prompt, then
 `--decode-tokens` tokens, greedy), interleaved rounds whose order rotates, medians; the machine may be shared
 and noisy: measurements wait for a quiet machine and are redone when other processes ran (bench/cpu_common).
 `resident_weight_bytes` sums the parameters, buffers and the native operators' packed weights;
-`decode_weight_bytes` is what one decoded token reads of them (`decode_weight_bytes`): GPTQ and AWQ files keep
+`decode_weight_bytes` is what one decoded token reads of them: GPTQ and AWQ files keep
 the LM head unquantized (bf16 here), where llama.cpp's Q4_0 makes it Q6_K, and MLA's kv_b_proj is dequantized
 for the absorbed attention, so the 4-bit files read more a token than the Q4_0 GGUF.
 

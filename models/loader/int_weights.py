@@ -26,7 +26,7 @@ BLOCK = 32
 # nibble AWQ_NIBBLE[j])
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_NIBBLE = tuple(AWQ_ORDER.index(j) for j in range(8))
-# block types by the range of values they hold exactly: (type, lowest, highest, offset of the stored code)
+# block types by the range of values they hold exactly: (type, lowest, highest)
 BLOCK_TYPES = ((GGMLQuantizationType.Q4_0, -8, 7), (GGMLQuantizationType.Q5_0, -16, 15),
                (GGMLQuantizationType.Q8_0, -128, 127))
 
@@ -58,9 +58,7 @@ class IntWeight:
     columns: torch.Tensor | None = None  # int64 [in]
 
     def group_of_columns(self) -> torch.Tensor:
-        if self.columns is not None:
-            return self.columns
-        return torch.arange(self.values.shape[1]) // self.group_size
+        return column_groups(self.columns, self.values.shape[1], self.group_size)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         scale = self.scales.to(torch.float32).index_select(1, self.group_of_columns())
@@ -101,6 +99,11 @@ class IntWeight:
         return torch.cat(parts, dim=-1).reshape(out, nb * GGML_QUANT_SIZES[qtype][1]).numpy()
 
 
+def column_groups(columns: torch.Tensor | None, count: int, group_size: int) -> torch.Tensor:
+    """Each of `count` input columns' group: `columns` as stored (act order), else runs of `group_size`."""
+    return columns if columns is not None else torch.arange(count) // group_size
+
+
 def widest(types: list[GGMLQuantizationType]) -> GGMLQuantizationType:
     """Of block types each holding a part of a weight, the one that holds every part."""
     order = [t for t, _, _ in BLOCK_TYPES]
@@ -116,7 +119,7 @@ def _groups(g_idx: torch.Tensor | None, count: int, groups: int, group_size: int
     if bool(((g < 0) | (g >= groups)).any()):
         raise CheckpointError(source, f"tensor '{name}' names groups outside 0..{groups - 1}: the checkpoint is "
                                       "corrupt")
-    if torch.equal(g, torch.arange(count) // group_size):
+    if torch.equal(g, column_groups(None, count, group_size)):
         return None
     return g
 
@@ -143,8 +146,7 @@ def read_int_weight(scheme: IntScheme, parts: dict[str, torch.Tensor], shape: tu
         if scheme.zero_less_one:
             zeros = zeros + 1
         columns = _groups(parts.get("groups"), cols, scales.shape[1], group, source, names.get("groups", ""))
-        rows_group = columns if columns is not None else torch.arange(cols) // group
-        values = (codes - zeros.index_select(0, rows_group)).t().contiguous()
+        values = (codes - zeros.index_select(0, column_groups(columns, cols, group))).t().contiguous()
         return IntWeight(values, scales.contiguous(), group, columns)
     if scheme.layout == "ct-packed":
         codes = unpack(parts["codes"], scheme.bits, 1)[:, :cols]
@@ -154,8 +156,7 @@ def read_int_weight(scheme: IntScheme, parts: dict[str, torch.Tensor], shape: tu
         codes = parts["codes"].to(torch.int16)
         zeros = parts["zeros"].to(torch.int16) if "zeros" in parts else torch.zeros((out, 1), dtype=torch.int16)
     columns = _groups(parts.get("groups"), cols, scales.shape[1], group, source, names.get("groups", ""))
-    col_group = columns if columns is not None else torch.arange(cols) // group
-    values = codes - zeros.expand(out, scales.shape[1]).index_select(1, col_group)
+    values = codes - zeros.expand(out, scales.shape[1]).index_select(1, column_groups(columns, cols, group))
     return IntWeight(values, scales, group, columns)
 
 

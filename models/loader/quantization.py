@@ -45,8 +45,10 @@ def scheme_from_config(config: dict[str, Any], source: Path) -> BlockFP8 | IntSc
     method = qc.get("quant_method")
     if method == "fp8":
         return fp8.from_quant_config(qc, source)
-    if method == "compressed-tensors" and int_quant.compressed_tensors_weights(qc, source)[0] == "float-quantized":
-        return fp8.from_compressed_tensors(int_quant.compressed_tensors_weights(qc, source)[1], source)
+    if method == "compressed-tensors":
+        fmt, weights = int_quant.compressed_tensors_weights(qc, source)
+        if fmt == "float-quantized":
+            return fp8.from_compressed_tensors(weights, source)
     if method in int_quant.METHODS:
         return int_quant.from_quant_config(qc, source)
     raise CheckpointError(
