@@ -1,5 +1,5 @@
-"""Model-level CPU benchmark on DeepSeek-V2-Lite-shaped GGUFs (bench/make_deepseek_gguf.py): our engine
-against llama.cpp's `llama-bench`, on the same files, in one run.
+"""Model-level CPU benchmark on DeepSeek-V2-Lite-shaped GGUFs (bench/make_deepseek_gguf.py; Qwen3-30B-A3B-shaped
+ones with `--preset qwen3-30b-a3b`): our engine against llama.cpp's `llama-bench`, on the same files, in one run.
 
 Measured, for each file (bf16, q8_0, and q4_k_m when it exists):
   * decode tokens/s of one request: ours = (tokens - 1) / (time from the first generated token to the
@@ -17,7 +17,7 @@ routed experts in the C++ pool; `--engine-arg cpu_kernels=torch` measures the to
 
 Floor: a decoded token must read every weight it uses once: the bytes, in the file's own format, of
 all tensors except the token embedding (one row) and the routed experts (top-k of n: 6 of 64 per
-MoE layer); shared experts, router, attention, dense layers and the output head in full. floor
+MoE layer, Qwen3-30B-A3B's 8 of 128); shared experts, router, attention, dense layers and the output head in full. floor
 seconds/token = those bytes / the read bandwidth measured in the same run (a large float32 sum on
 `--threads` threads); reported as floor tokens/s and each side's fraction of it. The KV cache read is
 left out (a few hundred KB at these lengths).
@@ -321,6 +321,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--types", nargs="+", choices=mk.ALL_TYPES, default=list(mk.TYPES),
                     help="which GGUFs (missing ones are skipped and recorded)")
     ap.add_argument("--cache-dir", type=Path, default=None, help="where make_deepseek_gguf.py put them")
+    ap.add_argument("--preset", choices=mk.PRESETS, default=mk.PRESET, help="the files' model (make_deepseek_gguf.py)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=3)
@@ -529,18 +530,19 @@ def main(argv: list[str] | None = None) -> int:
     skipped: dict[str, str] = {}
     bw: list[float] = []
     for qtype in args.types:
-        path = mk.gguf_path(cache, qtype, args.layers, args.seed)
+        path = mk.gguf_path(cache, qtype, args.layers, args.seed, args.preset)
         if not path.is_file():
-            skipped[qtype] = f"{path} not found: run bench/make_deepseek_gguf.py"
+            skipped[qtype] = f"{path} not found: run bench/make_deepseek_gguf.py --preset {args.preset}"
             print(f"{qtype} skipped: {skipped[qtype]}")
             continue
         files[qtype] = bench_file(qtype, path, args, threads, bw, lb)
     read_bw = cc.median(bw)
     for entry in files.values():
         derive(entry, read_bw)
-    manifest = mk.model_dir(cache, args.layers, args.seed) / "manifest.json"
+    manifest = mk.model_dir(cache, args.layers, args.seed, args.preset) / "manifest.json"
     result = {
         "benchmark": "deepseek_cpu",
+        "preset": args.preset,
         "machine": {**machine, "threads": threads, "load_average_at_end": list(os.getloadavg()),
                     "read_bandwidth_GBps": None if read_bw is None else read_bw / 1e9,
                     "read_bandwidth_samples_GBps": [b / 1e9 for b in bw]},
@@ -556,7 +558,8 @@ def main(argv: list[str] | None = None) -> int:
         "note": "medians over interleaved rounds (order alternates); the machine may be shared and noisy; "
                 "floor = weight bytes per decoded token in the file's format / measured read bandwidth",
     }
-    out = args.out or cc.RESULTS / f"deepseek_cpu_{args.tag or cc.machine_tag(machine)}.json"
+    name = "deepseek_cpu" if args.preset == mk.PRESET else f"{args.preset.replace('-', '_')}_cpu"
+    out = args.out or cc.RESULTS / f"{name}_{args.tag or cc.machine_tag(machine)}.json"
     cc.write_json(out, result)
     print_report(result)
     print(f"wrote {out}")

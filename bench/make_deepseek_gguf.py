@@ -1,4 +1,5 @@
-"""DeepSeek-V2-Lite-shaped GGUF files for the CPU model benchmark (bench/deepseek_cpu.py), cached.
+"""DeepSeek-V2-Lite-shaped (or, with `--preset qwen3-30b-a3b`, Qwen3-30B-A3B-shaped) GGUF files for the CPU
+model benchmark (bench/deepseek_cpu.py), cached.
 
 What is written: a synthetic HF checkpoint (random weights, `models.synthetic.write_checkpoint`,
 preset `configs/presets/deepseek-v2-lite.json`) with the released layer shapes but `--layers` layers
@@ -50,11 +51,12 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 import peers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-PRESET = "deepseek-v2-lite"
+PRESET = "deepseek-v2-lite"  # the default model; `--preset qwen3-30b-a3b` makes Qwen3-30B-A3B-shaped files
+PRESETS = (PRESET, "qwen3-30b-a3b")
 TYPES = ("bf16", "q8_0", "q4_k_m")  # the default set
 CONVERTER_TYPES = {"bf16": "bf16", "q8_0": "q8_0"}  # made by convert_hf_to_gguf.py --outtype
 # made by llama-quantize from the bf16 file
-QUANTIZE_TYPES = {"q4_k_m": "Q4_K_M", "q3_k_m": "Q3_K_M", "q2_k": "Q2_K", "iq4_xs": "IQ4_XS"}
+QUANTIZE_TYPES = {"q4_k_m": "Q4_K_M", "q3_k_m": "Q3_K_M", "q2_k": "Q2_K", "iq4_xs": "IQ4_XS", "q4_0": "Q4_0"}
 ALL_TYPES = (*CONVERTER_TYPES, *QUANTIZE_TYPES)
 
 
@@ -62,12 +64,12 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("MLASERVE_BENCH_MODELS") or ROOT / ".venv" / "bench-models")
 
 
-def model_dir(cache_dir: Path, layers: int = 4, seed: int = 0) -> Path:
-    return Path(cache_dir) / f"{PRESET}-L{layers}-s{seed}"
+def model_dir(cache_dir: Path, layers: int = 4, seed: int = 0, preset: str = PRESET) -> Path:
+    return Path(cache_dir) / f"{preset}-L{layers}-s{seed}"
 
 
-def gguf_path(cache_dir: Path, qtype: str, layers: int = 4, seed: int = 0) -> Path:
-    return model_dir(cache_dir, layers, seed) / f"model-{qtype}.gguf"
+def gguf_path(cache_dir: Path, qtype: str, layers: int = 4, seed: int = 0, preset: str = PRESET) -> Path:
+    return model_dir(cache_dir, layers, seed, preset) / f"model-{qtype}.gguf"
 
 
 def converter_input(hf: Path) -> Path:
@@ -86,7 +88,7 @@ def converter_input(hf: Path) -> Path:
         if f.name not in ("config.json", ".complete"):
             (view / f.name).symlink_to(f.resolve())
     config = json.loads((hf / "config.json").read_text())
-    if config.get("q_lora_rank") is None:
+    if config["model_type"].startswith("deepseek") and config.get("q_lora_rank") is None:
         config["q_lora_rank"] = 0
     (view / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return view
@@ -110,7 +112,7 @@ def _run(cmd: list[str], env: dict[str, str] | None = None) -> float:
     return time.time() - t
 
 
-def make_hf(hf: Path, layers: int, seed: int, force: bool) -> dict[str, Any]:
+def make_hf(hf: Path, layers: int, seed: int, force: bool, preset: str = PRESET) -> dict[str, Any]:
     """The synthetic bf16 HF checkpoint (`.complete` marks a finished one)."""
     from models.synthetic import num_parameters, write_checkpoint
 
@@ -119,9 +121,9 @@ def make_hf(hf: Path, layers: int, seed: int, force: bool) -> dict[str, Any]:
         return json.loads(done.read_text())
     shutil.rmtree(hf, ignore_errors=True)
     t = time.time()
-    write_checkpoint(hf, PRESET, seed=seed, dtype="bfloat16", num_layers=layers)
-    info = {"preset": PRESET, "layers": layers, "seed": seed, "dtype": "bfloat16",
-            "parameters": num_parameters(PRESET, layers), "seconds": round(time.time() - t, 1)}
+    write_checkpoint(hf, preset, seed=seed, dtype="bfloat16", num_layers=layers)
+    info = {"preset": preset, "layers": layers, "seed": seed, "dtype": "bfloat16",
+            "parameters": num_parameters(preset, layers), "seconds": round(time.time() - t, 1)}
     done.write_text(json.dumps(info) + "\n")
     return info
 
@@ -131,32 +133,32 @@ def config_summary(hf: Path) -> dict[str, Any]:
     keys = ("num_hidden_layers", "first_k_dense_replace", "hidden_size", "num_attention_heads", "kv_lora_rank",
             "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size",
             "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "vocab_size",
-            "scoring_func")
+            "scoring_func", "model_type", "num_key_value_heads", "head_dim", "num_local_experts", "norm_topk_prob")
     return {k: c.get(k) for k in keys}
 
 
 def make(cache_dir: Path, layers: int = 4, seed: int = 0, types: tuple[str, ...] = TYPES, force: bool = False,
-         drop_hf: bool = False) -> dict[str, Any]:
+         drop_hf: bool = False, preset: str = PRESET) -> dict[str, Any]:
     """Makes what is missing; returns the manifest (also written as manifest.json)."""
-    d = model_dir(cache_dir, layers, seed)
+    d = model_dir(cache_dir, layers, seed, preset)
     d.mkdir(parents=True, exist_ok=True)
     manifest_path = d / "manifest.json"
     manifest: dict[str, Any] = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
     manifest.setdefault("files", {})
     manifest["skipped"] = {}
     hf = d / "hf"
-    wanted = [t for t in types if force or not gguf_path(cache_dir, t, layers, seed).is_file()]
+    wanted = [t for t in types if force or not gguf_path(cache_dir, t, layers, seed, preset).is_file()]
     needs_hf = any(t in CONVERTER_TYPES for t in wanted) or (
-        any(t in QUANTIZE_TYPES for t in wanted) and not gguf_path(cache_dir, "bf16", layers, seed).is_file())
+        any(t in QUANTIZE_TYPES for t in wanted) and not gguf_path(cache_dir, "bf16", layers, seed, preset).is_file())
     if needs_hf:
-        manifest["hf"] = make_hf(hf, layers, seed, force)
+        manifest["hf"] = make_hf(hf, layers, seed, force, preset)
         manifest["config"] = config_summary(hf)
     script = peers.convert_script()
     env = {**os.environ, "PYTHONPATH": ""}  # the converter imports its own gguf-py, not an installed one
     order = [t for t in ("bf16", "q8_0") if t in types or (t == "bf16" and any(q in types for q in QUANTIZE_TYPES))]
     order += [t for t in types if t in QUANTIZE_TYPES]
     for t in order:
-        out = gguf_path(cache_dir, t, layers, seed)
+        out = gguf_path(cache_dir, t, layers, seed, preset)
         if out.is_file() and not (force and t in types):  # a dependency (bf16 for q4_k_m) only when missing
             continue
         part = out.with_suffix(".gguf.part")
@@ -167,7 +169,7 @@ def make(cache_dir: Path, layers: int = 4, seed: int = 0, types: tuple[str, ...]
             cmd = converter_command(script, converter_input(hf), part, CONVERTER_TYPES[t])
             seconds = _run(cmd, env)
         else:
-            binary, src = peers.llama_cpp_bin("llama-quantize"), gguf_path(cache_dir, "bf16", layers, seed)
+            binary, src = peers.llama_cpp_bin("llama-quantize"), gguf_path(cache_dir, "bf16", layers, seed, preset)
             if binary is None:
                 manifest["skipped"][t] = peers.absent_reason("llama-quantize")
                 continue
@@ -187,7 +189,7 @@ def make(cache_dir: Path, layers: int = 4, seed: int = 0, types: tuple[str, ...]
     if drop_hf and hf.exists():
         shutil.rmtree(hf)
         manifest["hf_dropped"] = True
-    manifest.update(preset=PRESET, layers=layers, seed=seed,
+    manifest.update(preset=preset, layers=layers, seed=seed,
                     llama_cpp_python_version=peers.llama_cpp_version())
     manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
     for t, why in manifest["skipped"].items():
@@ -198,21 +200,24 @@ def make(cache_dir: Path, layers: int = 4, seed: int = 0, types: tuple[str, ...]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cache-dir", type=Path, default=None, help="default: .venv/bench-models ($MLASERVE_BENCH_MODELS)")
-    ap.add_argument("--layers", type=int, default=4, help="num_hidden_layers (the first is dense)")
+    ap.add_argument("--preset", choices=PRESETS, default=PRESET,
+                    help="the model's shapes (configs/presets/; default: %(default)s)")
+    ap.add_argument("--layers", type=int, default=4, help="num_hidden_layers (DeepSeek-V2-Lite's first is dense)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--types", nargs="+", choices=ALL_TYPES, default=list(TYPES))
     ap.add_argument("--force", action="store_true", help="remake files that exist")
     ap.add_argument("--drop-hf", action="store_true", help="delete the HF checkpoint once the GGUFs exist")
     args = ap.parse_args(argv)
-    if args.layers < 2:
-        ap.error("--layers must be >= 2 (one dense layer, then MoE layers)")
+    if args.layers < (2 if args.preset == PRESET else 1):
+        ap.error("--layers must be >= 2 (one dense layer, then MoE layers)" if args.preset == PRESET else
+                 "--layers must be >= 1")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     manifest = make(args.cache_dir or default_cache_dir(), args.layers, args.seed, tuple(args.types), args.force,
-                    args.drop_hf)
+                    args.drop_hf, args.preset)
     print(json.dumps({t: f["path"] for t, f in manifest["files"].items()}, indent=2))
     return 0
 

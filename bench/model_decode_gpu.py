@@ -63,7 +63,7 @@ from bench_common import bench_device, copy_bandwidth, device_slug, machine_info
 from models.base import CausalLM  # noqa: E402
 from models.config import DeepseekConfig, config_from_hf_dict  # noqa: E402
 from models.experts import ExpertBackend  # noqa: E402
-from models.moe import DeepseekMoE  # noqa: E402
+from models.moe import SparseMoE  # noqa: E402
 from models.registry import model_class  # noqa: E402
 from models.synthetic import load_preset, tensor_plan  # noqa: E402
 from executor.cuda_graph_runner import graph_off_reason  # noqa: E402
@@ -152,7 +152,7 @@ class ExpertHits:
 
     def __init__(self, model: CausalLM) -> None:
         self.per_layer: list[int] = []
-        moe = [m for m in model.modules() if isinstance(m, DeepseekMoE)]
+        moe = [m for m in model.modules() if isinstance(m, SparseMoE)]
         self._handles = [m.gate.register_forward_hook(self._hook) for m in moe]
 
     def _hook(self, _module: Any, _inputs: Any, output: tuple[torch.Tensor, torch.Tensor]) -> None:

@@ -37,7 +37,7 @@ from models.experts import CppExperts
 from models.layers import GatedMLP
 from models.llama import LlamaAttention
 from models.mla import MLAAttention
-from models.moe import DeepseekMoE
+from models.moe import SparseMoE
 from models.native import NativeEmbedding, NativeLinear, native_modules
 from models.omnikv_config import LayerPlan, OmniKVConfig
 from executor.forward_batch import ForwardBatch
@@ -53,7 +53,7 @@ def model_unsupported_reason(model: CausalLM) -> str | None:
         return f"{linears[0]} is a torch linear layer"
     for layer in model.model.layers:
         mlp = layer.mlp
-        if isinstance(mlp, DeepseekMoE) and not isinstance(mlp.experts, CppExperts):
+        if isinstance(mlp, SparseMoE) and not isinstance(mlp.experts, CppExperts):
             return f"the routed experts run on {type(mlp.experts).__name__}, not the cpp backend"
     return None
 
@@ -178,7 +178,7 @@ class NativeForward:
             mlp, norm = layer.mlp, layer.post_attention_layernorm
             if isinstance(mlp, GatedMLP):
                 self.plan.add_dense_mlp(norm.weight, norm.eps, mlp.gate_proj.op, mlp.up_proj.op, mlp.down_proj.op)
-            elif isinstance(mlp, DeepseekMoE):
+            elif isinstance(mlp, SparseMoE):
                 experts, gate, cfg = mlp.experts, mlp.gate, mlp.gate.cfg
                 assert isinstance(experts, CppExperts)
                 se = mlp.shared_experts

@@ -3,7 +3,7 @@
 One config class per architecture family:
 
 * `DeepseekConfig` — DeepSeek-V2 / V2-Lite / V3 (MLA attention, MoE with shared + routed experts).
-* `LlamaConfig`    — Llama-family dense models (GQA, half-split RoPE).
+* `LlamaConfig`    — Llama-family models (GQA, half-split RoPE): dense, or with routed experts (Qwen3-MoE).
 
 Both are built from an HF ``config.json`` dict by `config_from_hf_dict`, whichever transformers
 version wrote it: older files carry ``rope_theta`` + ``rope_scaling`` (with ``type`` or
@@ -69,7 +69,7 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Router and expert shapes of a DeepSeek MoE layer.
+    """Router and expert shapes of a MoE layer (DeepSeek's, or Qwen3-MoE's: softmax, greedy, no shared experts).
 
     `scoring_func` softmax (V2) or sigmoid (V3). `topk_method`: ``greedy`` (plain top-k),
     ``group_limited_greedy`` (V2: groups ranked by their max score) or ``noaux_tc`` (V3: scores plus
@@ -145,7 +145,8 @@ class DeepseekConfig:
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """Llama-family dense decoder with grouped-query attention."""
+    """Llama-family decoder with grouped-query attention: dense, or (Qwen3-MoE) with routed experts in the
+    layers `is_moe_layer` names."""
 
     arch: Literal["llama"]
     vocab_size: int
@@ -168,10 +169,15 @@ class LlamaConfig:
     # Mistral's sliding-window attention: not implemented, so max_position_embeddings is cut to the window
     # (within it every key is in reach, as full attention); None for full attention
     sliding_window: int | None = None
+    moe: MoEConfig | None = None  # Qwen3-MoE: the routed experts' shapes and routing; None: dense
+    dense_layers: frozenset[int] = frozenset()  # with `moe`: the layers that keep a dense MLP (`mlp_only_layers`)
 
     @property
     def softmax_scale(self) -> float:
         return self.head_dim**-0.5
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.moe is not None and layer_id not in self.dense_layers
 
     @property
     def out_bias(self) -> bool:
@@ -188,6 +194,7 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "mistral": "llama",  # same graph when sliding_window is off
     "qwen2": "llama",  # biases on q, k and v
     "qwen3": "llama",  # RMSNorm on each query and key head
+    "qwen3_moe": "llama",  # Qwen3's attention, routed experts (softmax top-k, no shared experts) in the MLPs
 }
 
 
@@ -503,8 +510,8 @@ def _norm_topk_prob(k: _Keys, is_v3: bool) -> bool:
 
 def _llama_from_dict(k: _Keys, model_type: str = "llama") -> LlamaConfig:
     """Llama, and the models that are Llama with a difference transformers hard-codes: Qwen2 (q, k and v
-    projections with biases, o without, whatever `attention_bias` says) and Qwen3 (`attention_bias` for all
-    four, and q_norm / k_norm)."""
+    projections with biases, o without, whatever `attention_bias` says), Qwen3 (`attention_bias` for all
+    four, and q_norm / k_norm) and Qwen3-MoE (Qwen3's attention, routed experts: `_qwen3_moe`)."""
     _check_activation(k)
     hidden = k.positive("hidden_size")
     num_heads = k.positive("num_attention_heads")
@@ -513,7 +520,8 @@ def _llama_from_dict(k: _Keys, model_type: str = "llama") -> LlamaConfig:
         raise CheckpointError(
             k.source, f"num_attention_heads={num_heads} must be a multiple of num_key_value_heads={num_kv_heads}"
         )
-    head_dim = k.opt("head_dim", 128 if model_type == "qwen3" else None)  # (transformers' Qwen3Config default)
+    head_dim = k.opt("head_dim", 128 if model_type == "qwen3" else None)  # (transformers' Qwen3Config default;
+    # Qwen3MoeConfig has none: hidden / heads)
     if head_dim is None:
         if hidden % num_heads:
             raise CheckpointError(k.source, f"hidden_size={hidden} is not divisible by num_attention_heads={num_heads}")
@@ -530,7 +538,7 @@ def _llama_from_dict(k: _Keys, model_type: str = "llama") -> LlamaConfig:
         arch="llama",
         vocab_size=k.positive("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=k.positive("intermediate_size"),
+        intermediate_size=k.positive("intermediate_size", 6144 if model_type == "qwen3_moe" else None),
         num_hidden_layers=k.positive("num_hidden_layers"),
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
@@ -544,8 +552,36 @@ def _llama_from_dict(k: _Keys, model_type: str = "llama") -> LlamaConfig:
         bos_token_id=k.opt("bos_token_id", None),
         eos_token_ids=_eos_ids(k),
         o_bias=False if model_type == "qwen2" else None,
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        **(_qwen3_moe(k) if model_type == "qwen3_moe" else {}),
     )
+
+
+def _qwen3_moe(k: _Keys) -> dict[str, Any]:
+    """Qwen3-MoE's experts as transformers builds them (Qwen3MoeConfig's defaults where a key is absent): softmax
+    over every expert's logit, the top `num_experts_per_tok`, renormalised when `norm_topk_prob`, no shared
+    experts; a layer is MoE unless `mlp_only_layers` lists it or (i + 1) is no multiple of `decoder_sparse_step`,
+    and `num_experts: 0` is a dense model."""
+    layers = k.positive("num_hidden_layers")
+    # (transformers 5 writes `num_local_experts`, the hub's files `num_experts`)
+    key = "num_experts" if k.d.get("num_experts") is not None else "num_local_experts"
+    experts = k.at_least(key, 128, 0)
+    if not experts:
+        return {}
+    top_k = k.positive("num_experts_per_tok", 8)
+    if top_k > experts:
+        raise CheckpointError(k.source, f"config key 'num_experts_per_tok' = {top_k} is more than the {experts} "
+                                        f"experts ('{key}')")
+    step = k.positive("decoder_sparse_step", 1)
+    only = k.opt("mlp_only_layers", [], list)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise CheckpointError(k.source, f"config key 'mlp_only_layers' must be a list of layer numbers, got {only!r}")
+    moe = MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=k.positive("moe_intermediate_size", 768),
+                    num_shared_experts=0, scoring_func="softmax", topk_method="greedy", n_group=1, topk_group=1,
+                    norm_topk_prob=k.opt("norm_topk_prob", False, bool), routed_scaling_factor=1.0,
+                    first_k_dense_replace=0, moe_layer_freq=1)
+    dense = frozenset(i for i in range(layers) if i in only or (i + 1) % step)
+    return {"moe": moe, "dense_layers": dense}
 
 
 def config_from_hf_dict(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -579,6 +615,8 @@ def _qwen_slides(k: _Keys, layers: int) -> bool:
     a window either way, used only with `use_sliding_window`, and then by the layers from `max_window_layers` on
     (or as `layer_types` lists them)."""
     types = k.d.get("layer_types")
+    if k.d.get("model_type") == "qwen3_moe":  # (every layer's attention, as Qwen3MoeAttention reads the window)
+        return k.opt("use_sliding_window", False, bool)
     if isinstance(types, list):
         return "sliding_attention" in types[:layers]
     return k.opt("use_sliding_window", False, bool) and k.opt("max_window_layers", 28, int) < layers

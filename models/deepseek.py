@@ -9,14 +9,14 @@ from models.base import CausalLM, DecoderLayer, DecoderModel
 from models.config import DeepseekConfig
 from models.layers import GatedMLP
 from models.mla import MLAAttention
-from models.moe import DeepseekMoE
+from models.moe import SparseMoE
 from models.parallel import replicated_under_dp_attention
 
 
 def deepseek_layer(cfg: DeepseekConfig, layer_id: int, rotary: RotaryEmbedding, expert_backend: str) -> DecoderLayer:
     if cfg.is_moe_layer(layer_id):
         assert cfg.moe is not None
-        mlp: nn.Module = DeepseekMoE(cfg.moe, cfg.hidden_size, expert_backend)
+        mlp: nn.Module = SparseMoE(cfg.moe, cfg.hidden_size, expert_backend)
     else:
         mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
     with replicated_under_dp_attention():

@@ -1,4 +1,5 @@
-"""Llama-family dense decoder (GQA attention through the attention backend, half-split RoPE)."""
+"""Llama-family decoder (GQA attention through the attention backend, half-split RoPE): dense MLPs, or
+routed experts (Qwen3-MoE) through the same MoE layer as DeepSeek's (`models.moe`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from models.rotary import RotaryEmbedding
 from models.base import CausalLM, DecoderLayer, DecoderModel
 from models.config import LlamaConfig
 from models.layers import GatedMLP, RMSNorm
+from models.moe import SparseMoE
 from models.parallel import column_linear, kv_heads_held, replicated_under_dp_attention, row_linear, tp_split
 
 class LlamaAttention(nn.Module):
@@ -46,8 +48,12 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
-def llama_layer(cfg: LlamaConfig, layer_id: int, rotary: RotaryEmbedding) -> DecoderLayer:
-    mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+def llama_layer(cfg: LlamaConfig, layer_id: int, rotary: RotaryEmbedding, expert_backend: str) -> DecoderLayer:
+    if cfg.is_moe_layer(layer_id):
+        assert cfg.moe is not None
+        mlp: nn.Module = SparseMoE(cfg.moe, cfg.hidden_size, expert_backend)
+    else:
+        mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
     with replicated_under_dp_attention():
         attn = LlamaAttention(cfg, layer_id, rotary)
     return DecoderLayer(cfg.hidden_size, cfg.rms_norm_eps, attn, mlp)
@@ -55,4 +61,4 @@ def llama_layer(cfg: LlamaConfig, layer_id: int, rotary: RotaryEmbedding) -> Dec
 
 class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: LlamaConfig, expert_backend: str = "torch") -> None:
-        super().__init__(cfg, DecoderModel(cfg, lambda i, rotary: llama_layer(cfg, i, rotary)))
+        super().__init__(cfg, DecoderModel(cfg, lambda i, rotary: llama_layer(cfg, i, rotary, expert_backend)))

@@ -1,5 +1,5 @@
-"""DeepSeek MoE layer: router + routed experts (through an expert backend, `models.experts`) +
-shared experts.
+"""The MoE layer of DeepSeek-V2/V3 and Qwen3-MoE: router + routed experts (through an expert backend,
+`models.experts`) + shared experts (DeepSeek's; Qwen3-MoE has none).
 
 The routed experts' `submit(...)` may return before the work is done (the `cpp` backend computes on
 CPU threads) and `sync()` returns the result. The layer submits routed work first, runs the shared
@@ -47,7 +47,9 @@ class Router(nn.Module):
         return select_experts(self.logits(x), self.cfg, self.e_score_correction_bias, fused)
 
 
-class DeepseekMoE(nn.Module):
+class SparseMoE(nn.Module):
+    """Router, routed experts and (where the config has them) shared experts, under every parallel layout."""
+
     def __init__(self, cfg: MoEConfig, hidden_size: int, expert_backend: str = "torch") -> None:
         super().__init__()
         self.gate = Router(cfg, hidden_size)

@@ -28,7 +28,9 @@ first three layers are dense, so it needs ``--layers 4`` for one MoE layer). Dee
 the real DeepSeek-V3 tokenizer (129,280 tokens, bos 0, eos 1) and set no MTP layers (none are
 written). ``deepseek-v2-lite`` uses that tokenizer's vocab of 129,280 instead of its released
 102,400 (whose tokenizer we cannot ship), so every id the tokenizer produces has an embedding row;
-its layers keep the released shapes. Llama presets use the built-in SmolLM2 tokenizer (49,152).
+its layers keep the released shapes. Llama-family presets use the built-in SmolLM2 tokenizer (49,152);
+``qwen3-30b-a3b`` keeps Qwen3-30B-A3B's 151,936 embedding rows (its layers' shapes: 128 experts top-8 of
+768, GQA 32/4 with heads of 128), the rows past the tokenizer's never produced.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ _ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 # DeepSeek-V2-Chat's template (plain-text roles) and a DeepSeek-V3-style one (role tokens), tools left out.
@@ -162,12 +165,18 @@ def _deepseek_layer(c: DeepseekConfig, i: int) -> Iterator[TensorSpec]:
     yield from _linear(a + "kv_b_proj", heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
     yield from _linear(a + "o_proj", hidden, heads * c.v_head_dim, c.attention_bias)
     yield _norm(p + "post_attention_layernorm", hidden)
-    m = c.moe
-    if m is None or not c.is_moe_layer(i):
+    if not c.is_moe_layer(i):
         yield from _mlp(p + "mlp.", hidden, c.intermediate_size)
         return
+    yield from _moe(c, p, c.arch == "deepseek_v3")
+
+
+def _moe(c: ModelConfig, p: str, correction_bias: bool) -> Iterator[TensorSpec]:
+    """A MoE layer's router (and V3's correction bias), its routed experts one by one, its shared experts."""
+    m, hidden = c.moe, c.hidden_size
+    assert m is not None
     yield TensorSpec(p + "mlp.gate.weight", (m.num_experts, hidden), std=hidden**-0.5)
-    if c.arch == "deepseek_v3":
+    if correction_bias:
         yield TensorSpec(p + "mlp.gate.e_score_correction_bias", (m.num_experts,), std=BIAS_STD, dtype=torch.float32)
     for e in range(m.num_experts):
         yield from _mlp(f"{p}mlp.experts.{e}.", hidden, m.intermediate_size)
@@ -187,7 +196,10 @@ def _llama_layer(c: LlamaConfig, i: int) -> Iterator[TensorSpec]:
         yield _norm(a + "q_norm", hd)
         yield _norm(a + "k_norm", hd)
     yield _norm(p + "post_attention_layernorm", hidden)
-    yield from _mlp(p + "mlp.", hidden, c.intermediate_size, c.mlp_bias)
+    if c.is_moe_layer(i):
+        yield from _moe(c, p, correction_bias=False)
+    else:
+        yield from _mlp(p + "mlp.", hidden, c.intermediate_size, c.mlp_bias)
 
 
 def tensor_plan(cfg: ModelConfig) -> list[TensorSpec]:

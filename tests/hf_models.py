@@ -71,6 +71,13 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=96, tie_word_embeddings=False,
         attention_bias=False, rope_theta=1000000.0,
     )),
+    # Qwen3-MoE (Qwen3-30B-A3B's layout, small): Qwen3's attention, 8 experts top-3 renormalised, no shared
+    # experts, layer 1 dense (`mlp_only_layers`), head_dim hidden / heads (Qwen3MoeConfig has no default)
+    "qwen3_moe": ("qwen3_moe", dict(
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, moe_intermediate_size=40, num_experts=8,
+        num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False,
+        rope_theta=1000000.0,
+    )),
 }
 
 
@@ -86,6 +93,7 @@ def build_hf_model(name: str, seed: int = 0, **overrides: Any):
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[model_type]
     torch.manual_seed(seed)
     config = cls_cfg(**kwargs)

@@ -1,4 +1,4 @@
-"""Routed-expert backends of a MoE layer (`models.moe.DeepseekMoE`), chosen once at start-up by
+"""Routed-expert backends of a MoE layer (`models.moe.SparseMoE`), chosen once at start-up by
 `--expert-backend` (`EXPERT_BACKENDS`):
 
 - `torch` (`stacked.TorchExperts`): the reference, on the model's device, in the model's dtype;

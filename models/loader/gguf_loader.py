@@ -61,7 +61,7 @@ class GGUFCheckpoint:
             raise CheckpointError(self.path, f"metadata key 'general.architecture' is missing or not a string: {arch!r}")
         if arch not in gn.SUPPORTED_ARCHS:
             raise CheckpointError(
-                self.path, f"unknown architecture '{arch}' in general.architecture (supported: llama, deepseek2)"
+                self.path, f"unknown architecture '{arch}' in general.architecture (supported: {', '.join(gn.SUPPORTED_ARCHS)})"
             )
         self.arch: str = arch
         self._hf_config = _hf_config(self.metadata, arch, self._infos, self._read, self.path)
@@ -383,7 +383,8 @@ def _hf_config(
         GGUF_SOURCE_KEY: True,
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": k.positive("feed_forward_length", int),
+        # (qwen3moe: read by llama.cpp only where expert_feed_forward_length is absent; every layer is MoE)
+        "intermediate_size": k.positive("feed_forward_length", int, *((1,) if arch == gn.ARCH_QWEN3MOE else ())),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "rms_norm_eps": k.positive("attention.layer_norm_rms_epsilon", float),
@@ -409,14 +410,20 @@ def _hf_config(
         model_type = gn.LLAMA_ARCHS[arch]
         d.update(
             model_type=model_type, head_dim=head_dim,
-            architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
-                model_type]],
+            architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                            "qwen3_moe": "Qwen3MoeForCausalLM"}[model_type]],
             num_key_value_heads=k.positive("attention.head_count_kv", int, heads),
             attention_bias="blk.0.attn_q.bias" in infos, mlp_bias="blk.0.ffn_gate.bias" in infos,
             rope_parameters=_rope(k, theta, ctx, freqs, rope_dim, mla=False),
         )
         if rope_dim != head_dim:
             d[GGUF_ROPE_DIM_KEY] = rope_dim
+        if arch == gn.ARCH_QWEN3MOE:
+            # as llama.cpp computes it: every layer MoE, the chosen experts' weights always renormalised
+            experts, used = k.positive("expert_count", int), k.positive("expert_used_count", int)
+            d.update(num_experts=experts, num_experts_per_tok=used, norm_topk_prob=True, decoder_sparse_step=1,
+                     mlp_only_layers=[], moe_intermediate_size=k.positive(
+                         "expert_feed_forward_length", int, d["intermediate_size"] // used))
         return d
     rope_dim = k.positive("rope.dimension_count", int)
     # Current files keep MLA's true head sizes in *_mla (key_length/value_length then describe the

@@ -36,11 +36,12 @@ from models.loader.gguf_file import f32_round
 ARCH_LLAMA = "llama"
 ARCH_QWEN2 = "qwen2"
 ARCH_QWEN3 = "qwen3"
+ARCH_QWEN3MOE = "qwen3moe"
 ARCH_DEEPSEEK2 = "deepseek2"
-SUPPORTED_ARCHS = (ARCH_LLAMA, ARCH_QWEN2, ARCH_QWEN3, ARCH_DEEPSEEK2)
+SUPPORTED_ARCHS = (ARCH_LLAMA, ARCH_QWEN2, ARCH_QWEN3, ARCH_QWEN3MOE, ARCH_DEEPSEEK2)
 # Llama-family architectures and the HF model_type each is read as; llama.cpp's converter permutes the
 # q and k rows of `llama` files only (its other ones rotate half-split, as HF does: rows as stored)
-LLAMA_ARCHS = {ARCH_LLAMA: "llama", ARCH_QWEN2: "qwen2", ARCH_QWEN3: "qwen3"}
+LLAMA_ARCHS = {ARCH_LLAMA: "llama", ARCH_QWEN2: "qwen2", ARCH_QWEN3: "qwen3", ARCH_QWEN3MOE: "qwen3_moe"}
 PERMUTED_QK_ARCHS = (ARCH_LLAMA,)
 
 # Tensors outside the layers: GGUF name -> HF name.
@@ -61,6 +62,13 @@ _ATTN_LLAMA = {
 }
 _FFN_DENSE = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _NORMS = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight"}
+# A MoE layer's router and routed experts (stacked [E, ...])
+_FFN_EXPERTS = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
+}
 
 # Per-layer tensors: GGUF name after "blk.N." -> HF name after "model.layers.N.".
 LLAMA_LAYER_NAMES: dict[str, str] = {
@@ -79,11 +87,8 @@ DEEPSEEK2_LAYER_NAMES: dict[str, str] = {
     "attn_kv_b.weight": "self_attn.kv_b_proj.weight",  # legacy files; current ones split it (below)
     "attn_output.weight": "self_attn.o_proj.weight",
     **{f"{g}.weight": f"{h}.weight" for g, h in _FFN_DENSE.items()},
-    "ffn_gate_inp.weight": "mlp.gate.weight",
+    **_FFN_EXPERTS,
     "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
-    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
-    "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
-    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
     "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
     "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
@@ -100,12 +105,17 @@ QWEN3_LAYER_NAMES: dict[str, str] = {
     **LLAMA_LAYER_NAMES, "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 
+QWEN3MOE_LAYER_NAMES: dict[str, str] = {**QWEN3_LAYER_NAMES, **_FFN_EXPERTS}
+
 LAYER_NAMES: dict[str, dict[str, str]] = {ARCH_LLAMA: LLAMA_LAYER_NAMES, ARCH_QWEN2: LLAMA_LAYER_NAMES,
-                                          ARCH_QWEN3: QWEN3_LAYER_NAMES, ARCH_DEEPSEEK2: DEEPSEEK2_LAYER_NAMES}
+                                          ARCH_QWEN3: QWEN3_LAYER_NAMES, ARCH_QWEN3MOE: QWEN3MOE_LAYER_NAMES,
+                                          ARCH_DEEPSEEK2: DEEPSEEK2_LAYER_NAMES}
 
 
 def llama_arch(cfg: LlamaConfig) -> str:
     """The GGUF architecture a Llama-family config is written as (llama.cpp's converter's choice)."""
+    if cfg.moe is not None:
+        return ARCH_QWEN3MOE
     if cfg.qk_norm:
         return ARCH_QWEN3
     if cfg.attention_bias and not cfg.out_bias:
@@ -229,7 +239,7 @@ def expected_tensors(
         allowed[ROPE_FREQS] = (cfg.rope.dim // 2,)
     for i in range(cfg.num_hidden_layers):
         if isinstance(cfg, LlamaConfig):
-            layer, need = _llama_layer(cfg)
+            layer, need = _llama_layer(cfg, i, i in fused_gate_up)
         else:
             layer, need = _deepseek_layer(cfg, i, split_kv_b, i in fused_gate_up)
         allowed.update({layer_name(i, k): s for k, s in layer.items()})
@@ -237,13 +247,17 @@ def expected_tensors(
     return allowed, required
 
 
-def _llama_layer(cfg: LlamaConfig) -> tuple[dict[str, tuple[int, ...]], list[str]]:
+def _llama_layer(cfg: LlamaConfig, i: int, fused_gate_up: bool) -> tuple[dict[str, tuple[int, ...]], list[str]]:
     h, ff = cfg.hidden_size, cfg.intermediate_size
     nq, nkv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     # name -> (rows, cols) of the HF Linear
-    mats = {"attn_q": (nq, h), "attn_k": (nkv, h), "attn_v": (nkv, h), "attn_output": (h, nq),
-            "ffn_gate": (ff, h), "ffn_up": (ff, h), "ffn_down": (h, ff)}
+    mats = {"attn_q": (nq, h), "attn_k": (nkv, h), "attn_v": (nkv, h), "attn_output": (h, nq)}
     layer: dict[str, tuple[int, ...]] = {"attn_norm.weight": (h,), "ffn_norm.weight": (h,)}
+    if cfg.is_moe_layer(i):
+        assert cfg.moe is not None
+        layer.update(_expert_tensors(h, cfg.moe.num_experts, cfg.moe.intermediate_size, fused_gate_up))
+    else:
+        mats.update({"ffn_gate": (ff, h), "ffn_up": (ff, h), "ffn_down": (h, ff)})
     need = list(layer)
     for t, shape in mats.items():
         layer[f"{t}.weight"], layer[f"{t}.bias"] = shape, shape[:1]
@@ -280,11 +294,7 @@ def _deepseek_layer(
     if cfg.is_moe_layer(i):
         assert cfg.moe is not None
         e, fi = cfg.moe.num_experts, cfg.moe.intermediate_size
-        layer.update({"ffn_gate_inp.weight": (e, h), "ffn_down_exps.weight": (e, h, fi)})
-        if fused_gate_up:
-            layer[GATE_UP_EXPS] = (e, 2 * fi, h)
-        else:
-            layer.update({"ffn_gate_exps.weight": (e, fi, h), "ffn_up_exps.weight": (e, fi, h)})
+        layer.update(_expert_tensors(h, e, fi, fused_gate_up))
         if cfg.moe.num_shared_experts:
             fs = fi * cfg.moe.num_shared_experts
             layer.update({"ffn_gate_shexp.weight": (fs, h), "ffn_up_shexp.weight": (fs, h), "ffn_down_shexp.weight": (h, fs)})
@@ -295,3 +305,13 @@ def _deepseek_layer(
         layer.update({"ffn_gate.weight": (ff, h), "ffn_up.weight": (ff, h), "ffn_down.weight": (h, ff)})
         need = list(layer)
     return layer, need
+
+
+def _expert_tensors(h: int, e: int, fi: int, fused_gate_up: bool) -> dict[str, tuple[int, ...]]:
+    """A MoE layer's router and stacked routed experts (gate and up, or llama.cpp's fused gate_up)."""
+    layer: dict[str, tuple[int, ...]] = {"ffn_gate_inp.weight": (e, h), "ffn_down_exps.weight": (e, h, fi)}
+    if fused_gate_up:
+        layer[GATE_UP_EXPS] = (e, 2 * fi, h)
+    else:
+        layer.update({"ffn_gate_exps.weight": (e, fi, h), "ffn_up_exps.weight": (e, fi, h)})
+    return layer

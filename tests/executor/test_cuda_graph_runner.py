@@ -472,7 +472,7 @@ def test_cpu_experts_as_host_tasks_with_stand_in_graph(tmp_path):
     padded size bound at capture and reused by every replay, replays equal to eager decode, and a
     failure in the host work raised by the replay of its own batch (the next one runs again)."""
     from models.experts.host_calls import HostNodeCalls
-    from models.moe import DeepseekMoE
+    from models.moe import SparseMoE
 
     path = write_checkpoint(tmp_path, "tiny-deepseek-v3", seed=5)
     loaded = load_model(path, dtype="float32", expert_backend="cpp", load_tokenizer=False, progress=False)
@@ -481,7 +481,7 @@ def test_cpu_experts_as_host_tasks_with_stand_in_graph(tmp_path):
     runner.attn_backend = HookedTorchBackend()
     graphs = CudaGraphRunner(runner, 4, HostNodeCapture(runner.attn_backend), GraphMode.HOST_NODES)
     graphs.capture()
-    moe_layers = sum(isinstance(m, DeepseekMoE) for m in loaded.model.modules())
+    moe_layers = sum(isinstance(m, SparseMoE) for m in loaded.model.modules())
     assert len(graphs.host_work) == moe_layers and all(isinstance(w, HostNodeCalls) for w in graphs.host_work)
     bound = [dict(w.tasks) for w in graphs.host_work]
     assert all(sorted(k[0] for k in b) == [1, 2, 4] for b in bound)
@@ -491,7 +491,7 @@ def test_cpu_experts_as_host_tasks_with_stand_in_graph(tmp_path):
 
     rows, seq_lens, toks = prefill(runner, [4, 5])
     batch = runner.build_batch([RequestSlice(r, n, [t]) for r, n, t in zip(rows, seq_lens, toks)])
-    moe = next(m for m in loaded.model.modules() if isinstance(m, DeepseekMoE))
+    moe = next(m for m in loaded.model.modules() if isinstance(m, SparseMoE))
     route = moe.gate.forward
     moe.gate.forward = lambda x, fused=False: (lambda w, i: (w * float("nan"), i))(*route(x, fused))
     with pytest.raises(RuntimeError, match="failed during a decode graph replay: .*not finite"):
@@ -535,7 +535,7 @@ def test_cpu_experts_split_around_with_stand_in_graph(tmp_path):
     over two host steps (submit, then sync) instead of binding host tasks, and replays equal eager
     decode. The pieces themselves need CUDA (the gpu test below)."""
     from models.experts.host_calls import SplitCalls
-    from models.moe import DeepseekMoE
+    from models.moe import SparseMoE
 
     path = write_checkpoint(tmp_path, "tiny-deepseek-v3", seed=5)
     loaded = load_model(path, dtype="float32", expert_backend="cpp", load_tokenizer=False, progress=False)
@@ -552,7 +552,7 @@ def test_cpu_experts_split_around_with_stand_in_graph(tmp_path):
         CudaGraphRunner(runner, 4, RerunCapture(hooked), GraphMode.SPLIT)
     graphs = CudaGraphRunner(runner, 4, capture, GraphMode.SPLIT)
     graphs.capture()
-    moe_layers = sum(isinstance(m, DeepseekMoE) for m in loaded.model.modules())
+    moe_layers = sum(isinstance(m, SparseMoE) for m in loaded.model.modules())
     assert len(graphs.host_work) == moe_layers and all(isinstance(w, SplitCalls) for w in graphs.host_work)
     assert moe_layers and capture.steps_per_run == [2 * moe_layers] * 3
     check_replays(runner, graphs, [3, 9, 6], [[0, 2, 1], [2], [1, 0]], tol=CPP_EXPERTS_TOL)

@@ -205,7 +205,7 @@ def test_the_triton_backend_runs_every_norm_and_rotation_through_the_kernels(pre
     model, cfg = loaded.model, loaded.config
     from kernels import fused_moe
     from models.layers import GatedMLP
-    from models.moe import DeepseekMoE
+    from models.moe import SparseMoE
 
     calls = {"norm": 0, "residual": 0, "rotary": 0, "silu_mul": 0, "route": 0}
     real_norm, real_rotary = triton_layer_ops.rms_norm, triton_layer_ops.rotary
@@ -226,7 +226,7 @@ def test_the_triton_backend_runs_every_norm_and_rotation_through_the_kernels(pre
     monkeypatch.setattr(triton_layer_ops, "silu_mul", counted("silu_mul", real_silu_mul))
     monkeypatch.setattr(fused_moe, "route_experts", counted("route", real_route))
     mlps = [layer.mlp for layer in model.model.layers]
-    routers = sum(isinstance(m, DeepseekMoE) for m in mlps)
+    routers = sum(isinstance(m, SparseMoE) for m in mlps)
     activations = sum(isinstance(m, GatedMLP) or getattr(m, "shared_experts", None) is not None for m in mlps)
     assert activations == len(mlps) and ("deepseek" not in preset or 0 < routers < len(mlps))
     prompt = torch.randint(3, cfg.vocab_size, (11,), generator=torch.Generator().manual_seed(4)).tolist()

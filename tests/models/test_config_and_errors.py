@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 
 import pytest
@@ -397,3 +398,39 @@ def test_qwen_windows_only_where_transformers_slides(keys, window):
     cfg = config_from_hf_dict({**QWEN25, "sliding_window": 4096, **keys})
     assert cfg.sliding_window == window
     assert cfg.max_position_embeddings == (window or 32768)
+
+
+QWEN3_MOE = dict(QWEN25, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                 num_hidden_layers=4)
+
+
+def test_qwen3_moe_reads_as_transformers_builds_it():
+    """Qwen3MoeConfig's defaults and layer rule: every layer MoE unless `mlp_only_layers` lists it or (i + 1) is no
+    multiple of `decoder_sparse_step`; no head_dim default (hidden / heads, unlike Qwen3's 128); softmax, greedy,
+    unnormalised unless `norm_topk_prob`; `num_experts: 0` a dense model; windows on every layer when switched on."""
+    cfg = config_from_hf_dict(QWEN3_MOE)
+    m = cfg.moe
+    assert (m.num_experts, m.top_k, m.intermediate_size, m.num_shared_experts) == (8, 2, 32, 0)
+    assert (m.scoring_func, m.topk_method, m.norm_topk_prob, m.routed_scaling_factor) == ("softmax", "greedy", False, 1.0)
+    assert cfg.qk_norm and cfg.head_dim == 16 and not cfg.attention_bias and cfg.out_bias is False
+    assert [cfg.is_moe_layer(i) for i in range(4)] == [True] * 4
+    cfg = config_from_hf_dict({**QWEN3_MOE, "decoder_sparse_step": 2, "mlp_only_layers": [3], "norm_topk_prob": True})
+    assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, False] and cfg.moe.norm_topk_prob
+    defaults = config_from_hf_dict({k: v for k, v in QWEN3_MOE.items()
+                                    if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")})
+    assert (defaults.moe.num_experts, defaults.moe.top_k, defaults.moe.intermediate_size) == (128, 8, 768)
+    assert config_from_hf_dict({**QWEN3_MOE, "num_experts": 0}).moe is None
+    windowed = config_from_hf_dict({**QWEN3_MOE, "use_sliding_window": True, "sliding_window": 4096})
+    assert windowed.sliding_window == 4096  # (max_window_layers, which Qwen3MoeAttention does not read, is 2 here)
+
+
+@pytest.mark.parametrize("keys, needle", [
+    ({"num_experts_per_tok": 9}, "'num_experts_per_tok' = 9 is more than the 8 experts ('num_experts')"),
+    ({"mlp_only_layers": ["1"]}, "'mlp_only_layers' must be a list of layer numbers"),
+    ({"mlp_only_layers": 1}, "'mlp_only_layers' must be list"),
+    ({"decoder_sparse_step": 0}, "'decoder_sparse_step' must be > 0"),
+    ({"num_experts": -1}, "'num_experts' must be >= 0"),
+])
+def test_qwen3_moe_bad_keys_are_named(keys, needle):
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
+        config_from_hf_dict({**QWEN3_MOE, **keys})

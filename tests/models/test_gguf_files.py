@@ -21,6 +21,8 @@ import dataclasses
 import importlib.util
 import json
 import math
+import re
+import shutil
 import struct
 from pathlib import Path
 
@@ -62,6 +64,8 @@ _CASES: dict[str, tuple[str, dict, dict]] = {
         "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}), {"max_shard_size": "60KB"}),
     "qwen2": ("Qwen2", dict(_LLAMA, tie_word_embeddings=True, rope_theta=1000000.0, use_sliding_window=False), {}),
     "qwen3": ("Qwen3", dict(_LLAMA, head_dim=24, rope_theta=1000000.0), {}),
+    "qwen3_moe": ("Qwen3Moe", dict(_LLAMA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   norm_topk_prob=True, rope_theta=1000000.0), {}),
     "v2_lite": ("DeepseekV2", dict(_DEEPSEEK, q_lora_rank=None, n_group=2, topk_group=1,
                                    topk_method="group_limited_greedy",
                                    rope_parameters=dict(_YARN, mscale=0.707, mscale_all_dim=0.707)), {}),
@@ -409,6 +413,29 @@ def test_writer_rejects_bad_hf_checkpoints(hf_dirs: dict[str, Path], tmp_path: P
         assert not list(d.glob("out.gguf*")), "no partial file may be left behind"
 
 
+@pytest.mark.parametrize("edit, needle", [
+    ({"mlp_only_layers": [1]}, "layers [1] keep a dense MLP"),
+    ({"norm_topk_prob": False}, "norm_topk_prob is false: llama.cpp's qwen3moe always renormalises"),
+])
+def test_qwen3_moe_llama_cpp_cannot_compute_is_refused(hf_dirs: dict[str, Path], tmp_path: Path, edit: dict,
+                                                       needle: str) -> None:
+    """llama.cpp's qwen3moe has experts in every layer and renormalises the chosen experts' weights: a model that
+    differs would compute otherwise from its GGUF file, so none is written (llama.cpp's converter writes one)."""
+    d = tmp_path / "hf"
+    shutil.copytree(hf_dirs["qwen3_moe"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, **edit}))
+    if "mlp_only_layers" in edit:  # layer 1's dense MLP in place of its experts, as transformers saves it
+        import transformers
+
+        model = transformers.Qwen3MoeForCausalLM(transformers.AutoConfig.from_pretrained(d))
+        _randomize(model, seed=3)
+        model.save_pretrained(d)
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
+        write_gguf(d, tmp_path / "out.gguf")
+    assert not list(tmp_path.glob("out.gguf*"))
+
+
 def _bound(x: torch.Tensor, qtype: T) -> torch.Tensor:
     """Largest error per element `qtype` may make: half a quantization step plus the rounding of the
     fp16 block scales, or the rounding of the values themselves for F16/BF16. (kv_b_proj mixes F16
@@ -456,7 +483,7 @@ def test_quantized_write_within_rounding(
         assert (err <= _bound(ref, tq)).all(), name
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "v3"])
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "qwen3_moe", "v3"])
 def test_llama_cpp_runs_written_file_like_hf(hf_dirs: dict[str, Path], tmp_path: Path, case: str) -> None:
     pytest.importorskip("llama_cpp")
     from transformers import AutoModelForCausalLM
@@ -619,7 +646,7 @@ def test_garbage_and_corruption_raise_only_checkpoint_errors(tmp_path: Path, see
 
 def test_unknown_architecture(tmp_path: Path) -> None:
     _fails(_small_gguf(tmp_path / "m.gguf", arch="xyz"),
-           "unknown architecture 'xyz' in general.architecture (supported: llama, deepseek2)")
+           "unknown architecture 'xyz' in general.architecture (supported: llama, qwen2, qwen3, qwen3moe, deepseek2)")
 
 
 def test_missing_tensor(tmp_path: Path) -> None:
@@ -641,7 +668,7 @@ def test_missing_or_mistyped_metadata_key(tmp_path: Path) -> None:
     _fails(_small_gguf(tmp_path / "b.gguf", kv={"block_count": "one"}), "'llama.block_count'", "must be int")
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_native_forward_on_q8_0_blocks_agrees_with_llama_cpp(hf_dirs: dict[str, Path], tmp_path: Path,
                                                              case: str) -> None:
     """Qwen2's q/k/v biases and Qwen3's per-head q/k norms through the native CPU forward on a Q8_0 file

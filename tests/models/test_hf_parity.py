@@ -239,6 +239,12 @@ CONFIG_VARIANTS = {
     # a top-level partial_rotary_factor: transformers' Llama rotates whole heads (with the default rotary;
     # with llama3 scaling its forward fails on the shapes)
     "llama partial_rotary_factor": ("llama_gqa_tied", {}, (), {"partial_rotary_factor": 0.5}),
+    # Qwen3-MoE: experts in every second layer (decoder_sparse_step), layer 1 dense by mlp_only_layers too
+    "qwen3_moe decoder_sparse_step": ("qwen3_moe", dict(decoder_sparse_step=2, num_hidden_layers=4), (), {}),
+    # the hub's files name the count `num_experts` (transformers 5 writes num_local_experts)
+    "qwen3_moe num_experts key": ("qwen3_moe", {}, ("num_local_experts",), {"num_experts": 8}),
+    # norm_topk_prob absent: Qwen3MoeConfig's False, the chosen experts' softmax weights as they are
+    "qwen3_moe norm_topk_prob absent": ("qwen3_moe", dict(norm_topk_prob=False), ("norm_topk_prob",), {}),
 }
 
 

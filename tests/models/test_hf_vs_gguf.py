@@ -9,7 +9,7 @@ from models.loader.load import load_model
 from models.synthetic import write_checkpoint
 from executor.model_runner import ModelRunner, RequestSlice
 
-PRESETS = ["tiny-deepseek-v2", "tiny-deepseek-v2-qlora", "tiny-deepseek-v3", "tiny-llama"]
+PRESETS = ["tiny-deepseek-v2", "tiny-deepseek-v2-qlora", "tiny-deepseek-v3", "tiny-llama", "tiny-qwen3-moe"]
 
 
 def logits_of(path, ids):
@@ -43,3 +43,28 @@ def test_q8_0_gguf_stays_close(tmp_path, preset):
     row_err = (quant - exact).abs().amax(-1) / exact.abs().amax(-1)
     assert float(row_err.median()) <= 3e-2
     assert not torch.equal(quant, exact)  # really quantized
+
+
+def test_llama_cpp_converters_qwen3_moe_file_loads_as_the_hf_directory(tmp_path):
+    """A Qwen3-MoE GGUF as llama.cpp users have it (llama.cpp's own convert_hf_to_gguf.py, F32): our reader maps
+    its names, stacked experts and keys to the HF directory's model, logits within 1e-5 and the same tokens."""
+    import os
+    import subprocess
+    import sys
+
+    from bench import peers
+
+    script = peers.convert_script()
+    if script is None:
+        pytest.skip("llama.cpp's sources are not unpacked (`make test` does it: bench/peers.py unpack)")
+    d = write_checkpoint(tmp_path / "hf", "tiny-qwen3-moe", seed=5)
+    out = tmp_path / "converted.gguf"
+    proc = subprocess.run([sys.executable, str(script), str(d), "--outtype", "f32", "--outfile", str(out)],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=""))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ids = list(range(7, 47))
+    hf_loaded, hf_runner, hf_logits = logits_of(d, ids)
+    gguf_loaded, gguf_runner, gguf_logits = logits_of(out, ids)
+    assert gguf_loaded.config.moe == hf_loaded.config.moe and gguf_loaded.config.qk_norm
+    assert float((gguf_logits - hf_logits).abs().max() / hf_logits.abs().max()) <= 1e-5
+    assert gguf_runner.generate_greedy(ids, 16) == hf_runner.generate_greedy(ids, 16)

@@ -10,12 +10,12 @@ import torch
 from safetensors import safe_open
 
 from models import synthetic
-from models.config import DeepseekConfig, LlamaConfig, config_from_hf_dict
+from models.config import SUPPORTED_MODEL_TYPES, DeepseekConfig, LlamaConfig, config_from_hf_dict
 from models.loader.errors import CheckpointError
 
 transformers = pytest.importorskip("transformers")
 
-TINY = ["tiny-deepseek-v2", "tiny-deepseek-v2-qlora", "tiny-deepseek-v3", "tiny-llama"]
+TINY = ["tiny-deepseek-v2", "tiny-deepseek-v2-qlora", "tiny-deepseek-v3", "tiny-llama", "tiny-qwen3-moe"]
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
@@ -83,7 +83,7 @@ def test_tokenizer_and_chat_template_work_in_transformers(tiny_dirs: dict[str, P
 def test_every_preset_parses_and_is_what_transformers_writes(name: str) -> None:
     d = synthetic.load_preset(name)
     cfg = config_from_hf_dict(d, name)
-    assert isinstance(cfg, LlamaConfig if d["model_type"] == "llama" else DeepseekConfig)
+    assert isinstance(cfg, LlamaConfig if SUPPORTED_MODEL_TYPES[d["model_type"]] == "llama" else DeepseekConfig)
     hf = json.loads(transformers.AutoConfig.for_model(**d).to_json_string())
     hf.pop("transformers_version")
     assert hf == d
@@ -106,6 +106,9 @@ def test_tiny_presets_are_small_but_not_degenerate() -> None:
     assert v3.moe.n_group > v3.moe.topk_group and v3.moe.routed_scaling_factor == 2.5
     llama = config_from_hf_dict(synthetic.load_preset("tiny-llama"))
     assert (llama.num_attention_heads, llama.num_key_value_heads, llama.tie_word_embeddings) == (4, 2, True)
+    qwen = config_from_hf_dict(synthetic.load_preset("tiny-qwen3-moe"))
+    assert qwen.qk_norm and qwen.moe is not None and (qwen.moe.num_experts, qwen.moe.top_k) == (8, 2)
+    assert all(qwen.is_moe_layer(i) for i in range(qwen.num_hidden_layers)) and qwen.moe.norm_topk_prob
 
 
 def test_true_shape_presets_match_released_models() -> None:
