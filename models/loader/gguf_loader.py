@@ -418,6 +418,11 @@ def _hf_config(
         )
         if rope_dim != head_dim:
             d[GGUF_ROPE_DIM_KEY] = rope_dim
+        if arch == gn.ARCH_LLAMA and k.get("expert_count", int, 0):
+            # Mixtral: llama.cpp's `llama` with experts of feed_forward_length in every layer, always renormalised
+            d.update(model_type="mixtral", architectures=["MixtralForCausalLM"], sliding_window=None,
+                     num_local_experts=k.positive("expert_count", int),
+                     num_experts_per_tok=k.positive("expert_used_count", int))
         if arch == gn.ARCH_QWEN3MOE:
             # as llama.cpp computes it: every layer MoE, the chosen experts' weights always renormalised
             experts, used = k.positive("expert_count", int), k.positive("expert_used_count", int)

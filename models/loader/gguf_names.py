@@ -70,10 +70,12 @@ _FFN_EXPERTS = {
     "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
 }
 
-# Per-layer tensors: GGUF name after "blk.N." -> HF name after "model.layers.N.".
+# Per-layer tensors: GGUF name after "blk.N." -> HF name after "model.layers.N.". (Which ones a layer has is
+# `expected_tensors`' business: the experts' only in a MoE layer, Mixtral's in a `llama` file.)
 LLAMA_LAYER_NAMES: dict[str, str] = {
     **_NORMS,
     **{f"{g}.{s}": f"{h}.{s}" for g, h in {**_ATTN_LLAMA, **_FFN_DENSE}.items() for s in ("weight", "bias")},
+    **_FFN_EXPERTS,
 }
 
 DEEPSEEK2_LAYER_NAMES: dict[str, str] = {
@@ -105,16 +107,15 @@ QWEN3_LAYER_NAMES: dict[str, str] = {
     **LLAMA_LAYER_NAMES, "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 
-QWEN3MOE_LAYER_NAMES: dict[str, str] = {**QWEN3_LAYER_NAMES, **_FFN_EXPERTS}
-
 LAYER_NAMES: dict[str, dict[str, str]] = {ARCH_LLAMA: LLAMA_LAYER_NAMES, ARCH_QWEN2: LLAMA_LAYER_NAMES,
-                                          ARCH_QWEN3: QWEN3_LAYER_NAMES, ARCH_QWEN3MOE: QWEN3MOE_LAYER_NAMES,
+                                          ARCH_QWEN3: QWEN3_LAYER_NAMES, ARCH_QWEN3MOE: QWEN3_LAYER_NAMES,
                                           ARCH_DEEPSEEK2: DEEPSEEK2_LAYER_NAMES}
 
 
 def llama_arch(cfg: LlamaConfig) -> str:
-    """The GGUF architecture a Llama-family config is written as (llama.cpp's converter's choice)."""
-    if cfg.moe is not None:
+    """The GGUF architecture a Llama-family config is written as (llama.cpp's converter's choice; Mixtral is
+    `llama` with experts)."""
+    if cfg.qk_norm and cfg.moe is not None:
         return ARCH_QWEN3MOE
     if cfg.qk_norm:
         return ARCH_QWEN3

@@ -267,7 +267,7 @@ def _write_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, raw: dict[str, Any], c
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
         if cfg.moe is not None:
-            _write_qwen3moe(w, cfg, cfg_path)
+            _write_experts(w, cfg, cfg_path)
         return
     if cfg.attention_bias:
         raise CheckpointError(cfg_path, "attention_bias=true has no deepseek2 GGUF form (llama.cpp has no MLA biases)")
@@ -307,21 +307,23 @@ def _write_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, raw: dict[str, Any], c
         w.add_expert_weights_norm(True)
 
 
-def _write_qwen3moe(w: gguf.GGUFWriter, cfg: LlamaConfig, cfg_path: Path) -> None:
-    """Qwen3-MoE's expert keys. llama.cpp's qwen3moe has experts in every layer and always renormalises the
-    chosen experts' weights: a model that differs would compute otherwise there, so it is refused."""
-    m = cfg.moe
+def _write_experts(w: gguf.GGUFWriter, cfg: LlamaConfig, cfg_path: Path) -> None:
+    """The expert keys of Qwen3-MoE (`qwen3moe`) and Mixtral (`llama`, whose experts are feed_forward_length
+    wide). llama.cpp has experts in every layer of both and always renormalises the chosen experts' weights: a
+    model that differs would compute otherwise there, so it is refused."""
+    m, arch = cfg.moe, gn.llama_arch(cfg)
     assert m is not None
     if cfg.dense_layers:
         raise CheckpointError(cfg_path, f"layers {sorted(cfg.dense_layers)} keep a dense MLP (mlp_only_layers or "
-                                        "decoder_sparse_step): llama.cpp's qwen3moe has experts in every layer, so no "
+                                        f"decoder_sparse_step): llama.cpp's {arch} has experts in every layer, so no "
                                         "GGUF file holds this model")
     if not m.norm_topk_prob:
-        raise CheckpointError(cfg_path, "norm_topk_prob is false: llama.cpp's qwen3moe always renormalises the chosen "
+        raise CheckpointError(cfg_path, f"norm_topk_prob is false: llama.cpp's {arch} always renormalises the chosen "
                                         "experts' weights, so a GGUF file of this model would compute otherwise")
     w.add_expert_count(m.num_experts)
     w.add_expert_used_count(m.top_k)
-    w.add_expert_feed_forward_length(m.intermediate_size)
+    if arch == gn.ARCH_QWEN3MOE:
+        w.add_expert_feed_forward_length(m.intermediate_size)
 
 
 def _write_rope_scaling(w: gguf.GGUFWriter, cfg: ModelConfig, cfg_path: Path) -> None:

@@ -27,9 +27,9 @@ Quantize = Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
 
 def quantized(name: str, t: torch.Tensor) -> bool:
     """The linear layers, as GPTQ / AWQ / llm-compressor quantize them: not the embeddings, the LM head, the
-    norms or the MoE router."""
+    norms or the MoE router (`mlp.gate`, Mixtral's `block_sparse_moe.gate`)."""
     return (t.dim() == 2 and name.endswith(".weight") and "norm" not in name and "embed" not in name
-            and "lm_head" not in name and not name.endswith("mlp.gate.weight"))
+            and "lm_head" not in name and not name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")))
 
 
 def _int32(words: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,17 @@ FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
 SCALE_DTYPES = frozenset({"F32", "F16", "BF16"})  # an integer-quantized weight's scales
 INT_CHUNK_VALUES = 1 << 22  # an integer-quantized weight is unpacked this many values at a time
 _EXPERT_RE = re.compile(r"\.experts\.(0|[1-9][0-9]*)\.(gate|up|down)_proj\.weight$")
+# Architectures whose files name tensors otherwise than the models here (transformers' own module names, which
+# its loading renames): HF model_type -> (pattern, replacement) rules applied to every stored name. Mixtral's
+# `block_sparse_moe.experts.N.w1/w3/w2` are the gate, up and down projections.
+CHECKPOINT_RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
+    "mixtral": (
+        (re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate."),
+        (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w1\."), r".mlp.experts.\1.gate_proj."),
+        (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w3\."), r".mlp.experts.\1.up_proj."),
+        (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj."),
+    ),
+}
 _LAYER_RE = re.compile(r"^model\.layers\.(0|[1-9][0-9]*)\.")
 
 
@@ -81,6 +92,7 @@ class HFCheckpoint:
         self._int_parts: dict[str, dict[str, tuple[str, Path]]] = {}
         self._int_fallbacks: dict[str, int] = {}  # why integer-quantized weights were held dequantized -> how many
         self._layout: dict[str, tuple[int, ...]] | None = None
+        self._stored: dict[str, str] = {}  # a renamed tensor's name here -> its name in the file (CHECKPOINT_RENAMES)
 
     def hf_config(self) -> dict[str, Any]:
         return dict(self._config)
@@ -148,7 +160,32 @@ class HFCheckpoint:
             del where[name]
             self._scales.pop(name, None)
             self._int_parts.pop(name, None)
-        return where
+        return self._renamed(where)
+
+    def _renamed(self, where: dict[str, Path]) -> dict[str, Path]:
+        """`where` under the names the models here give the tensors (`CHECKPOINT_RENAMES`), the file's own
+        remembered for reading (`_key`); the weights' scales and parts follow their weight."""
+        rules = CHECKPOINT_RENAMES.get(str(self._config.get("model_type")))
+        if not rules:
+            return where
+        out: dict[str, Path] = {}
+        for name, shard in where.items():
+            new = name
+            for pattern, replacement in rules:
+                new = pattern.sub(replacement, new)
+            if new in out:
+                raise CheckpointError(shard, f"tensor '{name}' and another tensor both hold '{new}'")
+            out[new] = shard
+            if new != name:
+                self._stored[new] = name
+                for table in (self._int_parts, self._scales):
+                    if name in table:
+                        table[new] = table.pop(name)  # type: ignore[arg-type]
+        return out
+
+    def _key(self, name: str) -> str:
+        """Tensor `name`'s name in its file."""
+        return self._stored.get(name, name)
 
     def _int_weights(self, where: dict[str, Path]) -> None:
         """Each integer-quantized weight's parts, found by its scales (`X.scales`, `X.weight_scale`), taken out
@@ -213,7 +250,7 @@ class HFCheckpoint:
         self.where()  # (finds the integer-quantized weights)
         if name in self._int_parts:
             return self._checked_layout()[name]
-        return tuple(self._handle(self.where()[name]).get_slice(name).get_shape())
+        return tuple(self._handle(self.where()[name]).get_slice(self._key(name)).get_shape())
 
     def layout(self) -> dict[str, tuple[int, ...]]:
         """Every tensor's shape, from the headers alone (nothing is read), after checking that every
@@ -292,7 +329,7 @@ class HFCheckpoint:
         return sum(math.prod(s) for s in self.layout().values())
 
     def _float_view(self, name: str, shard: Path):
-        view = self._handle(shard).get_slice(name)
+        view = self._handle(shard).get_slice(self._key(name))
         dtype = view.get_dtype()
         if dtype == fp8.WEIGHT_DTYPE and self._fp8 is not None:
             self._check_scales(name, shard, tuple(view.get_shape()))
@@ -410,7 +447,7 @@ class HFCheckpoint:
             return whole
         shard = self.where()[name]
         try:
-            tensor = self._handle(shard).get_tensor(name)
+            tensor = self._handle(shard).get_tensor(self._key(name))
         except Exception as e:
             raise CheckpointError(shard, f"tensor '{name}' cannot be read: {e}") from None
         return self._dequantized(name, tensor, (0, 0)) if tensor.dtype == torch.float8_e4m3fn else tensor
@@ -428,7 +465,7 @@ class HFCheckpoint:
             return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=shard.dim)
         path = self.where()[name]
         try:
-            view = self._handle(path).get_slice(name)
+            view = self._handle(path).get_slice(self._key(name))
             lead = (slice(None),) * shard.dim
             parts = [view[(*lead, slice(a, b))] for a, b in shard.ranges]
         except Exception as e:

@@ -434,3 +434,25 @@ def test_qwen3_moe_reads_as_transformers_builds_it():
 def test_qwen3_moe_bad_keys_are_named(keys, needle):
     with pytest.raises(CheckpointError, match=re.escape(needle)):
         config_from_hf_dict({**QWEN3_MOE, **keys})
+
+
+MIXTRAL = dict(model_type="mixtral", vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_mixtral_reads_as_transformers_builds_it():
+    """MixtralConfig's defaults: 8 experts of intermediate_size, top-2, always renormalised, in every layer; a
+    context of 4096 * 32 and no window where the keys are absent (Mistral's window is 4096 where its key is
+    absent, none where it is null)."""
+    cfg = config_from_hf_dict(MIXTRAL)
+    m = cfg.moe
+    assert (m.num_experts, m.top_k, m.intermediate_size, m.norm_topk_prob, m.num_shared_experts) == (8, 2, 96, True, 0)
+    assert all(cfg.is_moe_layer(i) for i in range(2)) and not cfg.qk_norm and cfg.head_dim == 16
+    assert cfg.max_position_embeddings == 131072 and cfg.sliding_window is None
+    windowed = config_from_hf_dict({**MIXTRAL, "sliding_window": 4096, "num_local_experts": 4})
+    assert windowed.sliding_window == 4096 and windowed.moe.num_experts == 4
+    mistral = {**MIXTRAL, "model_type": "mistral"}
+    assert config_from_hf_dict(mistral).sliding_window == 4096 and config_from_hf_dict(mistral).moe is None
+    assert config_from_hf_dict({**mistral, "sliding_window": None}).max_position_embeddings == 131072
+    with pytest.raises(CheckpointError, match=re.escape("'num_experts_per_tok' = 9 is more than the 8 experts")):
+        config_from_hf_dict({**MIXTRAL, "num_experts_per_tok": 9})

@@ -66,6 +66,7 @@ _CASES: dict[str, tuple[str, dict, dict]] = {
     "qwen3": ("Qwen3", dict(_LLAMA, head_dim=24, rope_theta=1000000.0), {}),
     "qwen3_moe": ("Qwen3Moe", dict(_LLAMA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                    norm_topk_prob=True, rope_theta=1000000.0), {}),
+    "mixtral": ("Mixtral", dict(_LLAMA, num_local_experts=4, num_experts_per_tok=2, sliding_window=None), {}),
     "v2_lite": ("DeepseekV2", dict(_DEEPSEEK, q_lora_rank=None, n_group=2, topk_group=1,
                                    topk_method="group_limited_greedy",
                                    rope_parameters=dict(_YARN, mscale=0.707, mscale_all_dim=0.707)), {}),
@@ -130,6 +131,11 @@ def _hf_tensors(d: Path) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for name, t in flat.items():
+        # Mixtral's files: transformers' conversion mapping reads block_sparse_moe.experts.N.w1 and w3 as the
+        # gate and up halves, w2 as down
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        for old, new in ((".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj.")):
+            name = name.replace(old, new) if ".mlp.experts." in name else name
         head, sep, tail = name.partition(".mlp.experts.")
         if sep:
             e, rest = tail.split(".", 1)
@@ -483,7 +489,7 @@ def test_quantized_write_within_rounding(
         assert (err <= _bound(ref, tq)).all(), name
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "qwen3_moe", "v3"])
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "v3"])
 def test_llama_cpp_runs_written_file_like_hf(hf_dirs: dict[str, Path], tmp_path: Path, case: str) -> None:
     pytest.importorskip("llama_cpp")
     from transformers import AutoModelForCausalLM
@@ -668,7 +674,7 @@ def test_missing_or_mistyped_metadata_key(tmp_path: Path) -> None:
     _fails(_small_gguf(tmp_path / "b.gguf", kv={"block_count": "one"}), "'llama.block_count'", "must be int")
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
 def test_native_forward_on_q8_0_blocks_agrees_with_llama_cpp(hf_dirs: dict[str, Path], tmp_path: Path,
                                                              case: str) -> None:
     """Qwen2's q/k/v biases and Qwen3's per-head q/k norms through the native CPU forward on a Q8_0 file

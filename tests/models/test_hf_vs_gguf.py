@@ -45,9 +45,24 @@ def test_q8_0_gguf_stays_close(tmp_path, preset):
     assert not torch.equal(quant, exact)  # really quantized
 
 
-def test_llama_cpp_converters_qwen3_moe_file_loads_as_the_hf_directory(tmp_path):
-    """A Qwen3-MoE GGUF as llama.cpp users have it (llama.cpp's own convert_hf_to_gguf.py, F32): our reader maps
-    its names, stacked experts and keys to the HF directory's model, logits within 1e-5 and the same tokens."""
+def _mixtral_dir(d):
+    """transformers' tiny Mixtral (block_sparse_moe.experts.N.w1/w2/w3 in its file) with the default model's
+    tokenizer, which llama.cpp's converter knows."""
+    from models.builtin import DEFAULT_MODEL, builtin_model_path
+    from models.loader.gguf_loader import GGUFCheckpoint
+    from models.loader.tokenizer import save_hf_tokenizer
+    from tests.hf_models import build_hf_model
+
+    build_hf_model("mixtral", seed=5, vocab_size=49152).save_pretrained(d)
+    save_hf_tokenizer(GGUFCheckpoint(builtin_model_path(DEFAULT_MODEL)).tokenizer(), d)
+    return d
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "mixtral"])
+def test_llama_cpp_converters_moe_file_loads_as_the_hf_directory(tmp_path, model):
+    """A Qwen3-MoE or Mixtral GGUF as llama.cpp users have it (llama.cpp's own convert_hf_to_gguf.py, F32): our
+    reader maps its names (Mixtral's q/k rows permuted), stacked experts and keys to the HF directory's model,
+    logits within 1e-5 and the same tokens."""
     import os
     import subprocess
     import sys
@@ -57,7 +72,11 @@ def test_llama_cpp_converters_qwen3_moe_file_loads_as_the_hf_directory(tmp_path)
     script = peers.convert_script()
     if script is None:
         pytest.skip("llama.cpp's sources are not unpacked (`make test` does it: bench/peers.py unpack)")
-    d = write_checkpoint(tmp_path / "hf", "tiny-qwen3-moe", seed=5)
+    if model == "mixtral":
+        pytest.importorskip("sentencepiece", reason="llama.cpp's Llama converter imports it (`make test` installs it)")
+        d = _mixtral_dir(tmp_path / "hf")
+    else:
+        d = write_checkpoint(tmp_path / "hf", model, seed=5)
     out = tmp_path / "converted.gguf"
     proc = subprocess.run([sys.executable, str(script), str(d), "--outtype", "f32", "--outfile", str(out)],
                           capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=""))
@@ -65,6 +84,7 @@ def test_llama_cpp_converters_qwen3_moe_file_loads_as_the_hf_directory(tmp_path)
     ids = list(range(7, 47))
     hf_loaded, hf_runner, hf_logits = logits_of(d, ids)
     gguf_loaded, gguf_runner, gguf_logits = logits_of(out, ids)
-    assert gguf_loaded.config.moe == hf_loaded.config.moe and gguf_loaded.config.qk_norm
+    assert gguf_loaded.config.moe == hf_loaded.config.moe
+    assert gguf_loaded.config.qk_norm == hf_loaded.config.qk_norm == (model != "mixtral")
     assert float((gguf_logits - hf_logits).abs().max() / hf_logits.abs().max()) <= 1e-5
     assert gguf_runner.generate_greedy(ids, 16) == hf_runner.generate_greedy(ids, 16)

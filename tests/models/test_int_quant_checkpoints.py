@@ -179,7 +179,8 @@ def _hf_with(d: Path, weights: dict[str, torch.Tensor]):
 
 @pytest.mark.parametrize("case, name", [("gptq4_sym", "llama_gqa_tied"), ("awq", "llama_rope3_untied"),
                                         ("ct4_asym", "llama_gqa_tied"), ("gptq4_act_order", "llama_gqa_tied"),
-                                        ("gptq4_sym", "v2_lite_yarn_grouped"), ("ct_int8", "v3_noaux_yarn")])
+                                        ("gptq4_sym", "v2_lite_yarn_grouped"), ("ct_int8", "v3_noaux_yarn"),
+                                        ("gptq4_sym", "mixtral")])
 def test_quantized_model_matches_transformers(tmp_path, case, name):
     """Our forward on the quantized directory against transformers' on the weights it defines: the torch
     model and the native CPU forward in fp32 match it; the native forward on the file's own blocks
@@ -203,7 +204,8 @@ def test_quantized_model_matches_transformers(tmp_path, case, name):
     assert held and all(f == (BLOCKS[case].lower() if blocked[n] else "f32") for n, f in held.items()), held
     assert any(blocked.values()) or BLOCKS[case] is None
     experts = {m.weight_format for m in blocks.model.modules() if isinstance(m, CppExperts)}
-    if name.startswith("v"):  # routed experts: [i, 64] gate/up as blocks, [64, 40] down decoded (40 columns)
+    if name.startswith("v") or name == "mixtral":  # routed experts: [i, 64] gate/up as blocks, [64, 40] down
+        # decoded (40 columns); Mixtral's file names them block_sparse_moe.experts.N.w1/w3/w2
         assert experts == ({f"f32/{BLOCKS[case].lower()}"} if BLOCKS[case] else {"f32"}), experts
     got = prefill_logits(blocks, ids)
     if name.startswith("llama"):
