@@ -32,7 +32,9 @@ and survive `skip_special_tokens`. Llama's `<|python_tag|>` is special and optio
 
 from __future__ import annotations
 
+import ast
 import json
+import math
 import re
 import secrets
 import string
@@ -141,6 +143,11 @@ class ToolParser:
         writes them in this parser's markup: what a chat template that does not render calls is given as
         that turn's text, and what this parser reads back as those calls."""
         raise NotImplementedError
+
+    @classmethod
+    def for_tools(cls, new_id: Callable[[], str], tools: Sequence[Any]) -> ToolParser:
+        """A parser for a request with `tools` (a markup whose values are text reads their types from them)."""
+        return cls(new_id)
 
     @classmethod
     def call_tag(cls, name: str) -> tuple[str, str, str] | None:
@@ -841,6 +848,257 @@ class MistralToolParser(ToolParser):
 
 
 
+_FN_OPEN, _FN_CLOSE = "<function=", "</function>"
+_PARAM_OPEN, _PARAM_CLOSE = "<parameter=", "</parameter>"
+_VALUE_ENDS = (_PARAM_CLOSE, _PARAM_OPEN, _FN_CLOSE, _HERMES_CLOSE)
+_INT_TYPES = ("int", "uint", "long", "short", "unsigned")
+_TEXT_TYPES = ("string", "str", "text", "varchar", "char", "enum")
+
+
+def _param_type(schema: Any) -> str | None:
+    """A parameter schema's type, lowercased (the first besides "null" of a list of types); None: untyped."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), None)
+    return kind.strip().lower() if isinstance(kind, str) else None
+
+
+def _json_value(text: str) -> tuple[bool, Any]:
+    """(True, the value) where `text` is one JSON value that round-trips (finite numbers), else (False, None)."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return False, None
+    if isinstance(value, float) and not math.isfinite(value):
+        return False, None
+    return True, value
+
+
+def _typed_param(text: str, schema: Any) -> Any:
+    """A parameter's text as the value its schema's type asks for, as vLLM's qwen3_coder parser reads it: null is
+    None; a string type keeps the text; an integer, number or boolean type parses it (an integral number an
+    int); an object or array type reads it as JSON, or as a Python literal (a model may write True or
+    single quotes). A text that does not parse as its type stays the text (vLLM drops the call). A parameter the
+    tool does not declare, or declares with no type, is JSON where it parses as a non-string JSON value, else
+    the text (vLLM keeps every such value a string)."""
+    if text.strip().lower() == "null":
+        return None
+    kind = _param_type(schema)
+    if kind is not None and kind in _TEXT_TYPES:
+        return text
+    stripped = text.strip()
+    if kind is not None and kind.startswith(_INT_TYPES):
+        return int(stripped) if re.fullmatch(r"[+-]?\d+", stripped) else text
+    if kind is not None and kind.startswith(("num", "float", "double")):
+        ok, value = _json_value(stripped)
+        if ok and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return int(value) if float(value).is_integer() and abs(value) < 2**53 else value
+        return text
+    if kind in ("boolean", "bool", "binary"):
+        return {"true": True, "false": False}.get(stripped.lower(), text)
+    ok, value = _json_value(stripped)
+    if ok and (kind is not None or not isinstance(value, str)):
+        return value
+    if kind in ("object", "array", "arr") or kind is not None and kind.startswith(("dict", "list")):
+        if len(stripped) <= 100_000:  # (literal_eval parses what it is given: a bound on the work)
+            try:
+                value = ast.literal_eval(stripped)
+            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                return text
+            ok, _ = _json_value(_json(value)) if isinstance(value, (dict, list)) else (False, None)
+            return value if ok else text
+    return text
+
+
+def _properties(parameters: Any) -> dict[str, Any]:
+    """A function's parameter schemas by name (its `properties`), or none."""
+    props = parameters.get("properties") if isinstance(parameters, dict) else None
+    return props if isinstance(props, dict) else {}
+
+
+class QwenXmlToolParser(ToolParser):
+    """Qwen3-Coder, Qwen3.5 and Nemotron 3: `<tool_call>` blocks of XML-like calls, each parameter's value as
+    text between its tags, typed by the tool's schema (`_typed_param`):
+
+        <tool_call>
+        <function=NAME>
+        <parameter=KEY>
+        VALUE
+        </parameter>
+        </function>
+        </tool_call>
+
+    A call opens once `<function=NAME>` is whole; its arguments object streams a member at a time, each once its
+    parameter closes (its type is known only then), and closes at `</function>`. A value is the text up to
+    `</parameter>`, or to the next `<parameter=`, `</function>` or `</tool_call>` where the model left the close
+    out (so a value cannot hold those tags), less one newline at each end. Several functions in one block are
+    several calls; text in a block that is no markup is content. A block that does not begin with a function is
+    content as written, and so is a call cut off before its name was whole; a call cut off in a value keeps the
+    value written so far and its object is closed."""
+
+    _OPEN, _CLOSE = HERMES_OPEN, _HERMES_CLOSE
+    _NAME_MAX = 256  # characters a function or parameter name may take: past them the markup is no call
+    markup = (_OPEN, _CLOSE)
+
+    @classmethod
+    def written(cls, text: str, calls: list[tuple[str, Any]]) -> str:
+        def value(v: Any) -> str:
+            return v if isinstance(v, str) else _json(v)
+
+        blocks = []
+        for name, args in calls:
+            params = "".join(f"{_PARAM_OPEN}{k}>\n{value(v)}\n{_PARAM_CLOSE}\n"
+                             for k, v in (args.items() if isinstance(args, dict) else ()))
+            blocks.append(f"{cls._OPEN}\n{_FN_OPEN}{name}>\n{params}{_FN_CLOSE}\n{cls._CLOSE}")
+        return "\n".join([text, *blocks] if text else blocks)
+
+    @classmethod
+    def for_tools(cls, new_id: Callable[[], str], tools: Sequence[Any]) -> ToolParser:
+        return cls(new_id, {t.function.name: _properties(t.function.parameters) for t in tools})
+
+    def __init__(self, new_id: Callable[[], str] = default_call_id,
+                 params: dict[str, dict[str, Any]] | None = None) -> None:
+        super().__init__(new_id)
+        # content | block (in a block, before a function) | name | params (between parameters) | key | value |
+        # after (a function closed) | tail (text in the block after a call: content, up to </tool_call>)
+        self._state = "content"
+        self._params = params or {}  # function name -> its parameters' schemas
+        self._schemas: dict[str, Any] = {}  # the open call's
+        self._members = 0  # parameters written into the open call's arguments
+        self._key = ""
+
+    def _step(self, final: bool) -> bool:
+        if self._state == "content":
+            if self._scan_content((self._OPEN,), final) is None:
+                return False
+            self._state, self._raw = "block", self._OPEN
+            return True
+        return {"block": self._block, "name": self._name, "params": self._between, "key": self._param_key,
+                "value": self._value, "after": self._after, "tail": self._tail}[self._state](final)
+
+    def _markup(self, markers: Sequence[str], final: bool) -> str | None:
+        """The marker `_buf` begins with after whitespace (consumed, whitespace and all); "" where it may still
+        begin one (only whitespace, or a marker's start: wait); None where it begins none."""
+        rest = self._buf.lstrip()
+        for marker in markers:
+            if rest.startswith(marker):
+                self._raw += self._buf[: len(self._buf) - len(rest) + len(marker)]
+                self._buf = rest[len(marker):]
+                return marker
+        if not final and (not rest or any(m.startswith(rest) for m in markers)):
+            return ""
+        return None
+
+    def _block(self, final: bool) -> bool:
+        marker = self._markup((_FN_OPEN, self._CLOSE), final)
+        if marker == "":
+            return False
+        if marker == _FN_OPEN:
+            self._state = "name"
+        else:  # an empty block, or one that is no call: content as written
+            self._reject(0)
+        return True
+
+    def _tag_name(self, final: bool) -> str | None:
+        """The name up to `>` (consumed); "" while it may still come; None where no valid name can."""
+        end = self._buf.find(">")
+        text = self._buf if end < 0 else self._buf[:end]
+        if "\n" in text or "<" in text or len(text) > self._NAME_MAX or end == 0:
+            return None
+        if end < 0:
+            return None if final else ""
+        self._buf = self._buf[end + 1:]
+        return text.strip()
+
+    def _name(self, final: bool) -> bool:
+        name = self._tag_name(final)
+        if name == "":
+            return False
+        if not name:  # no call: the markup is content, as written
+            self._reject(0)
+            return True
+        self._open_call(name)
+        self._raw, self._schemas, self._members, self._state = "", self._params.get(name, {}), 0, "params"
+        return True
+
+    def _close_args(self) -> None:
+        self._add_args("}" if self._members else "{}")
+
+    def _between(self, final: bool) -> bool:
+        marker = self._markup((_PARAM_OPEN, _FN_CLOSE, self._CLOSE), final)
+        self._raw = ""
+        if marker == "":
+            return False
+        if marker == _PARAM_OPEN:
+            self._state = "key"
+            return True
+        self._close_args()
+        if marker == _FN_CLOSE:
+            self._state = "after"
+        elif marker == self._CLOSE:  # (the function's close left out)
+            self._state, self._skip_ws = "content", True
+        else:  # other text inside the function: the call ends, the text is content
+            self._state, self._skip_ws = "tail", True
+        return True
+
+    def _param_key(self, final: bool) -> bool:
+        key = self._tag_name(final)
+        if key == "":
+            return False
+        if not key:  # the call ends there: a key cut off is dropped, a malformed one's text is content
+            self._close_args()
+            cut = final and ">" not in self._buf and "\n" not in self._buf and "<" not in self._buf
+            self._buf, self._state = ("", "content") if cut else (self._buf, "tail")
+            return True
+        self._key, self._state = key, "value"
+        return True
+
+    def _value(self, final: bool) -> bool:
+        i, marker = find_first(self._buf, _VALUE_ENDS)
+        if i < 0 and not final:
+            return False
+        text = self._buf[:i] if i >= 0 else self._buf[: len(self._buf) - partial_len(self._buf, _VALUE_ENDS)]
+        self._buf = "" if i < 0 else self._buf[i + (len(marker) if marker == _PARAM_CLOSE else 0):]
+        text = text[1:] if text.startswith("\n") else text
+        text = text[:-1] if text.endswith("\n") else text
+        value = _typed_param(text, self._schemas.get(self._key))
+        self._add_args(("{" if not self._members else ", ") + f"{_json(self._key)}: {_json(value)}")
+        self._members += 1
+        self._state = "params"
+        if i < 0:  # cut off in the value: the call keeps it, its object closed
+            self._close_args()
+            self._state = "content"
+            return False
+        return True
+
+    def _after(self, final: bool) -> bool:
+        marker = self._markup((self._CLOSE, _FN_OPEN), final)
+        self._raw = ""
+        if marker == "":
+            return False
+        if marker == _FN_OPEN:  # another call in the same block
+            self._state = "name"
+        elif marker == self._CLOSE:
+            self._state, self._skip_ws = "content", True
+        else:
+            self._state, self._skip_ws = "tail", True
+        return True
+
+    def _tail(self, final: bool) -> bool:
+        if final and find_first(self._buf, (self._CLOSE, self._OPEN))[0] < 0:  # a cut inside the tag: markup
+            self._buf = _without_partial_close(self._buf, self._CLOSE)
+        marker = self._scan_content((self._CLOSE, self._OPEN), final)
+        if marker is None:
+            if final:
+                self._state = "content"
+            return False
+        if marker == self._OPEN:
+            self._state, self._raw = "block", self._OPEN
+        else:
+            self._state, self._skip_ws = "content", True
+        return True
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "deepseek_v3": DeepSeekV3ToolParser,
     "deepseek_v31": DeepSeekV31ToolParser,
@@ -848,6 +1106,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
+    "qwen3_coder": QwenXmlToolParser,  # also Qwen3.5's and Nemotron 3's markup
 }
 
 
@@ -858,9 +1117,11 @@ def detect_tool_parser(chat_template: str | None) -> str | None:
     if _CALLS_BEGIN in chat_template:
         return "deepseek_v3" if "```json" in chat_template else "deepseek_v31"
     if "<tool_call>" in chat_template:
-        # Hermes (Qwen2.5, Qwen3) writes {"name", "arguments"} JSON between the tags; GLM-4.5+ (<arg_key>) and
-        # Qwen3-Coder (<function=...>) write XML-like calls there, which the hermes parser cannot read
-        xml_args = "<arg_key>" in chat_template or "<function=" in chat_template
+        # Hermes (Qwen2.5, Qwen3) writes {"name", "arguments"} JSON between the tags; Qwen3-Coder, Qwen3.5 and
+        # Nemotron 3 write <function=NAME> with <parameter=KEY> values; GLM-4.5+'s <arg_key> pairs none reads
+        if _FN_OPEN in chat_template and _PARAM_OPEN in chat_template:
+            return "qwen3_coder"
+        xml_args = "<arg_key>" in chat_template or _FN_OPEN in chat_template
         return "hermes" if '"arguments' in chat_template and not xml_args else None
     if _PYTHON_TAG in chat_template or ('"parameters"' in chat_template and "<|start_header_id|>" in chat_template):
         return "llama3_json"
@@ -875,9 +1136,10 @@ def call_id_maker(chat_template: str | None) -> Callable[[], str]:
     return mistral_call_id if chat_template and _MISTRAL_CALLS in chat_template else default_call_id
 
 
-def parse_tool_calls(parser: str, text: str, new_id: Callable[[], str] = default_call_id) -> tuple[str, list[ToolCall]]:
+def parse_tool_calls(parser: str, text: str, new_id: Callable[[], str] = default_call_id,
+                     tools: Sequence[Any] = ()) -> tuple[str, list[ToolCall]]:
     """Non-streamed: the content and calls in a whole output, by the streaming parser fed it at once."""
-    p = TOOL_PARSERS[parser](new_id)
+    p = TOOL_PARSERS[parser].for_tools(new_id, tools)
     content, _ = p.feed(text)
     rest, _ = p.finish()
     return content + rest, p.tool_calls

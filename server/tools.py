@@ -135,10 +135,10 @@ def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto")
     markup = TOOL_PARSERS[name].markup
     strict = _strict_calls(name, tools, body.parallel_tool_calls)
     if listed is None:
-        return ToolPlan(rendered, None, strict, _parser(name, body.parallel_tool_calls, new_id), markup=markup,
+        return ToolPlan(rendered, None, strict, _parser(name, body.parallel_tool_calls, new_id, tools), markup=markup,
                         free=True)
     prompt = (_TOOL_PROMPT if name == "hermes" else _TOOL_LIST_PROMPT).format(tools=listed)
-    return ToolPlan(None, prompt, strict, _parser(name, body.parallel_tool_calls, new_id), markup=markup, free=True)
+    return ToolPlan(None, prompt, strict, _parser(name, body.parallel_tool_calls, new_id, tools), markup=markup, free=True)
 
 
 def _strict_calls(parser: str, tools: list[Any], parallel: bool | None) -> StructuredOutput | None:
@@ -264,11 +264,11 @@ def _parameters(schema: dict[str, Any] | None, param: str) -> dict[str, Any]:
     return schema
 
 
-def _parser(name: str, parallel: bool | None, new_id: Callable[[], str]) -> Callable[[], MergedDeltas]:
+def _parser(name: str, parallel: bool | None, new_id: Callable[[], str], tools: list[Any]) -> Callable[[], MergedDeltas]:
     cls = TOOL_PARSERS[name]
     if parallel is False:
-        return lambda: MergedDeltas(FirstCallOnly(cls(new_id)))
-    return lambda: MergedDeltas(cls(new_id))
+        return lambda: MergedDeltas(FirstCallOnly(cls.for_tools(new_id, tools)))
+    return lambda: MergedDeltas(cls.for_tools(new_id, tools))
 
 
 class NamedToolCall:

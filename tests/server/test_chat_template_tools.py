@@ -37,6 +37,7 @@ TEMPLATES = {
     "deepseek_v3": ("deepseek_v3.jinja", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", True, True),
     "qwen2_5": ("qwen2_5.jinja", None, "<|im_end|>", False, True),
     "llama3_1": ("llama3_1.jinja", "<|begin_of_text|>", "<|eot_id|>", False, False),
+    "qwen3_coder": ("qwen3_coder.jinja", None, "<|im_end|>", False, True),
 }
 
 TOOLS = [
@@ -203,7 +204,11 @@ def test_tool_conversation_matches_transformers(hf_tokenizers, name, conversatio
     assert ours == theirs
     if messages is ONE_CALL and name == "deepseek_v3":  # the text as sent, not a re-serialised dict
         assert WEATHER_ARGS in ours
-    if messages is ONE_CALL and name != "deepseek_v3":
+    if messages is ONE_CALL and name == "qwen3_coder":  # a parameter at a time, objects as JSON
+        assert "<parameter=unit>\ncelsius\n</parameter>" in ours
+        location = json.loads(WEATHER_ARGS)["location"]
+        assert f"<parameter=location>\n{json.dumps(location, ensure_ascii=False)}\n</parameter>" in ours
+    elif messages is ONE_CALL and name != "deepseek_v3":
         assert json.dumps(json.loads(WEATHER_ARGS), ensure_ascii=False) in ours
 
 

@@ -42,6 +42,12 @@ def v31(name: str, args: str) -> str:
     return f"{CALL_B}{name}{SEP}{args}{CALL_E}"
 
 
+def xml(name: str, params: list[tuple[str, str]]) -> str:
+    """A call as Qwen3-Coder's template writes one."""
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params)
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
 def hermes(name: str, args: str) -> str:
     return f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
 
@@ -214,17 +220,48 @@ CASES = [
     ("mistral", MISTRAL + 'f[ARGS]{"a": 1}\n\nDone.', "Done.", [("f", '{"a": 1}')]),
     ("mistral", MISTRAL + 'f[ARGS]{"q": "a [TOOL_CALLS]b[ARGS]{c}"}', "", [("f", '{"q": "a [TOOL_CALLS]b[ARGS]{c}"}')]),
     ("mistral", MISTRAL + "get_time[ARGS]", "", [("get_time", "{}")]),  # no arguments: {}, as OpenAI's
+    # --- Qwen3-Coder / Qwen3.5 / Nemotron 3 (XML-like calls; these without tools: values JSON where they parse as
+    # a non-string JSON value, else text) ---
+    ("qwen3_coder", xml("get_weather", [("location", "Tokyo"), ("unit", "celsius")]), "", [("get_weather", WEATHER)]),
+    ("qwen3_coder", "Let me check.\n\n" + xml("get_weather", [("location", "Paris")]) + "\n"
+     + xml("forecast", [("days", "3"), ("metric", "true"), ("ratio", "2.5"), ("opts", '{"a": [1, null]}')]),
+     "Let me check.\n\n", [("get_weather", PARIS), ("forecast", '{"days": 3, "metric": true, "ratio": 2.5, '
+                                                               '"opts": {"a": [1, null]}}')]),
+    # a value spans lines and holds < and > and quotes: text, its one newline at each end dropped
+    ("qwen3_coder", xml("write_file", [("path", "/tmp/a b.txt"), ("content", 'def f(x):\n    return x < 2 > "y"\n')]),
+     "", [("write_file", '{"path": "/tmp/a b.txt", "content": "def f(x):\\n    return x < 2 > \\"y\\"\\n"}')]),
+    # no parameters; two functions in one block; text after the block
+    ("qwen3_coder", "<tool_call>\n<function=list_files>\n</function>\n<function=get_time>\n</function>\n</tool_call>\n"
+     "Done.", "Done.", [("list_files", "{}"), ("get_time", "{}")]),
+    # closes left out: a value ends at the next parameter, and the function at the block's close
+    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\nx\n<parameter=b>\n7\n</tool_call>", "",
+     [("f", '{"a": "x", "b": 7}')]),
+    # cut off in a value: the call keeps it, closed; cut off in a key or its close: the parameters written
+    ("qwen3_coder", "Sure. " + "<tool_call>\n<function=search>\n<parameter=q>\nhel", "Sure. ",
+     [("search", '{"q": "hel"}')]),
+    ("qwen3_coder", "<tool_call>\n<function=search>\n<parameter=q>\nhello\n</param", "", [("search", '{"q": "hello"}')]),
+    ("qwen3_coder", "<tool_call>\n<function=search>\n<parameter=q>\nhi\n</parameter>\n<parameter=li", "",
+     [("search", '{"q": "hi"}')]),
+    # cut before the name was whole, or a block with no function: content as written
+    ("qwen3_coder", "Sure <tool_call>\n<function=get_wea", "Sure <tool_call>\n<function=get_wea", []),
+    ("qwen3_coder", "<tool_call>\nhello\n</tool_call> ok", "<tool_call>\nhello\n</tool_call> ok", []),
+    ("qwen3_coder", "<tool_call>\n<function=>\n</function>\n</tool_call>", "<tool_call>\n<function=>\n</function>\n"
+     "</tool_call>", []),
+    # prose naming the tags outside a block stays content
+    ("qwen3_coder", "Write <function=x> and <parameter=y> in XML.", "Write <function=x> and <parameter=y> in XML.", []),
 ]
 CASE_IDS = [f"{i}-{case[0]}" for i, case in enumerate(CASES)]
 
 
 def _markers(parser: str) -> tuple[str, ...]:
-    return {"hermes": HERMES_MARKERS, "llama3_json": (PYTHON_TAG,), "mistral": (MISTRAL,)}.get(parser, DEEPSEEK_MARKERS)
+    return {"hermes": HERMES_MARKERS, "qwen3_coder": HERMES_MARKERS, "llama3_json": (PYTHON_TAG,),
+            "mistral": (MISTRAL,)}.get(parser, DEEPSEEK_MARKERS)
 
 
 def _start_markers(parser: str) -> tuple[str, ...]:
     """The markers that open a call, whose first characters content must never end on mid-stream."""
-    return {"hermes": HERMES_MARKERS[:1], "llama3_json": (), "mistral": (MISTRAL,)}.get(parser, (CALLS_B, CALL_B))
+    return {"hermes": HERMES_MARKERS[:1], "qwen3_coder": HERMES_MARKERS[:1], "llama3_json": (),
+            "mistral": (MISTRAL,)}.get(parser, (CALLS_B, CALL_B))
 
 
 def _ids():
@@ -326,7 +363,8 @@ def test_hermes_streams_arguments_incrementally():
 
 def test_registry_and_ids():
     assert TOOL_PARSERS["deepseek_v25"] is TOOL_PARSERS["deepseek_v3"]
-    assert set(TOOL_PARSERS) == {"deepseek_v3", "deepseek_v31", "deepseek_v25", "hermes", "llama3_json", "mistral"}
+    assert set(TOOL_PARSERS) == {"deepseek_v3", "deepseek_v31", "deepseek_v25", "hermes", "llama3_json", "mistral",
+                                 "qwen3_coder"}
     ids = {default_call_id() for _ in range(100)}
     assert len(ids) == 100 and all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids)
     ids = {mistral_call_id() for _ in range(100)}  # what Mistral's templates accept back
@@ -361,9 +399,11 @@ MINISTRAL3 = (FIXTURES / "ministral3.jinja").read_text()
     (LLAMA31_TEMPLATE, "llama3_json"),
     (LLAMA32_TEMPLATE, "llama3_json"),
     (CHATML_TEMPLATE, None),
-    # <tool_call> tags around calls the hermes parser cannot read: GLM's <arg_key> pairs, Qwen3-Coder's XML
+    # <tool_call> tags around calls the hermes parser cannot read: GLM's <arg_key> pairs (none reads them), and
+    # Qwen3-Coder's XML (its own parser)
     ((FIXTURES / "glm_4_6.jinja").read_text(), None),
-    (QWEN3_CODER_TEMPLATE, None),
+    (QWEN3_CODER_TEMPLATE, "qwen3_coder"),
+    ((FIXTURES / "qwen3_coder.jinja").read_text(), "qwen3_coder"),
     ((FIXTURES / "qwen2_5.jinja").read_text(), "hermes"),
     ((FIXTURES / "ministral3.jinja").read_text(), "mistral"),
     ("{{- '[TOOL_CALLS] [' }}{%- for tool_call in message.tool_calls %}", "mistral"),  # v0.3's
@@ -464,3 +504,40 @@ def test_strict_calls_are_not_held_where_the_markup_is_a_special_token():
         state = ServerState(model_name="m", metrics=Metrics("m"), tokenizer=tok, vocab_size=100, context_length=64)
         params = request_params(state, body, [([1, 2], "x")], tools)
         assert (params.structured == tools.structured) is held
+
+
+QWEN3_CODER_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "s": {"type": "string"}, "i": {"type": "integer"}, "n": {"type": "number"}, "b": {"type": "boolean"},
+    "o": {"type": "object"}, "a": {"type": "array"}, "maybe": {"type": ["integer", "null"]},
+    "u": {"description": "untyped"}}}}}
+
+
+def test_qwen3_coder_values_take_their_schema_types():
+    """Each parameter's text is read as its schema's type, as vLLM's qwen3_coder parser reads it (a request's
+    tools reach the parser through `plan_tools`): a string stays text ("123" too), integers and numbers parse
+    (an integral number an int), booleans in any case, objects and arrays as JSON or Python literals, null is
+    None; an untyped or undeclared parameter is JSON where it parses as a non-string value. A text that does not
+    parse as its type stays the text (vLLM drops the whole call)."""
+    from server.protocol import ChatCompletionRequest
+    from server.tools import plan_tools
+
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                 "tools": [QWEN3_CODER_TOOL]})
+    plan = plan_tools(body, (FIXTURES / "qwen3_coder.jinja").read_text())
+    assert plan.markup == HERMES_MARKERS
+
+    def args(params: list[tuple[str, str]]) -> dict:
+        parser = plan.new_parser()
+        parser.feed(xml("f", params))
+        parser.finish()
+        (call,) = parser.tool_calls
+        return json.loads(call.arguments)
+
+    assert args([("s", "123"), ("i", "42"), ("n", "5.0"), ("b", "True"), ("o", "{'k': True, 'v': None}"),
+                 ("a", '[1, "x"]'), ("maybe", "null"), ("u", "7"), ("extra", "[1]"), ("word", "yes")]) == {
+        "s": "123", "i": 42, "n": 5, "b": True, "o": {"k": True, "v": None}, "a": [1, "x"], "maybe": None, "u": 7,
+        "extra": [1], "word": "yes"}
+    assert args([("i", "forty"), ("n", "1e999"), ("b", "yes"), ("o", "{not json"), ("maybe", "2")]) == {
+        "i": "forty", "n": "1e999", "b": "yes", "o": "{not json", "maybe": 2}
+    # the template's newline off each end, no more: a value's own spaces and newlines are kept
+    assert args([("s", "  two spaces\n\n")]) == {"s": "  two spaces\n\n"}
