@@ -458,7 +458,47 @@ def _hermes_head(text: str) -> tuple[str, int] | bool:
     return name, pos - 1
 
 
-class HermesToolParser(ToolParser):
+class _TagBlockParser(ToolParser):
+    """Calls in `<tool_call>` ... `</tool_call>` blocks (Hermes' JSON, Qwen3-Coder's XML): content up to a block's
+    tag, each state `S` of the machine a method `_S`, and the text a block holds after its calls (`tail`)."""
+
+    _OPEN, _CLOSE = HERMES_OPEN, _HERMES_CLOSE
+    markup = (_OPEN, _CLOSE)
+
+    def _open_block(self) -> None:
+        """A block's opening tag was read (consumed): the state that reads what it holds."""
+        raise NotImplementedError
+
+    def _step(self, final: bool) -> bool:
+        if self._state == "content":
+            if self._scan_content((self._OPEN,), final) is None:
+                return False
+            self._open_block()
+            return True
+        return getattr(self, "_" + self._state)(final)
+
+    def _close(self, after: str) -> None:
+        """The block is closed; `after`: the text past its `</tool_call>`."""
+        self._buf, self._state, self._skip_ws = after, "content", True
+
+    def _tail(self, final: bool) -> bool:
+        """Text in a block after its calls: content, up to `</tool_call>` (consumed) or a new block's tag (its
+        predecessor's close left out)."""
+        if final and find_first(self._buf, (self._CLOSE, self._OPEN))[0] < 0:  # a cut inside the tag: markup
+            self._buf = _without_partial_close(self._buf, self._CLOSE)
+        marker = self._scan_content((self._CLOSE, self._OPEN), final)
+        if marker is None:
+            if final:
+                self._state = "content"
+            return False
+        if marker == self._OPEN:
+            self._open_block()
+        else:
+            self._close(self._buf)
+        return True
+
+
+class HermesToolParser(_TagBlockParser):
     """Hermes / Qwen2.5: `<tool_call>` then a `{"name", "arguments"}` object, then `</tool_call>`.
 
     Once the head `{"name": "NAME", "arguments": {` is whole, the call opens and its arguments stream as
@@ -471,9 +511,7 @@ class HermesToolParser(ToolParser):
     (keys in another order, arguments written as a string) is held until `</tool_call>` and read whole: a
     call if it is one call object, else content as written."""
 
-    _OPEN, _CLOSE = HERMES_OPEN, _HERMES_CLOSE
     _HEAD_MAX = 512  # characters a head may take (a name is at most 64): past them the block is read whole
-    markup = (_OPEN, _CLOSE)
 
     @classmethod
     def written(cls, text: str, calls: list[tuple[str, Any]]) -> str:
@@ -493,14 +531,8 @@ class HermesToolParser(ToolParser):
         self._nesting = JsonEnd()
         self._lead = ""  # the markup before a held block's body, shown with it if it makes no call
 
-    def _step(self, final: bool) -> bool:
-        if self._state == "content":
-            if self._scan_content((self._OPEN,), final) is None:
-                return False
-            self._state, self._lead = "head", self._OPEN
-            return True
-        return {"head": self._head, "block": self._block, "args": self._args, "rest": self._rest,
-                "members": self._members, "after": self._after, "tail": self._tail}[self._state](final)
+    def _open_block(self) -> None:
+        self._state, self._lead = "head", self._OPEN
 
     def _head(self, final: bool) -> bool:
         close = self._buf.find(self._CLOSE)
@@ -540,10 +572,6 @@ class HermesToolParser(ToolParser):
             return True
         self._buf = "" if final else self._buf[len(text):]
         return False
-
-    def _close(self, after: str) -> None:
-        """The block is closed; `after`: the text past its `</tool_call>`."""
-        self._buf, self._state, self._skip_ws = after, "content", True
 
     def _rest(self, final: bool) -> bool:
         rest = self._buf.lstrip()
@@ -594,20 +622,6 @@ class HermesToolParser(ToolParser):
         if final:  # a cut inside the tag
             self._buf = _without_partial_close(self._buf, self._CLOSE)
         self._state, self._skip_ws = "tail", True
-
-    def _tail(self, final: bool) -> bool:
-        if final and find_first(self._buf, (self._CLOSE, self._OPEN))[0] < 0:  # a cut inside the tag: markup
-            self._buf = _without_partial_close(self._buf, self._CLOSE)
-        marker = self._scan_content((self._CLOSE, self._OPEN), final)
-        if marker is None:
-            if final:
-                self._state = "content"
-            return False
-        if marker == self._OPEN:  # a new block, the last one's close left out
-            self._state, self._lead = "head", self._OPEN
-        else:
-            self._close(self._buf)
-        return True
 
     def _block(self, final: bool) -> bool:
         end = self._buf.find(self._CLOSE)
@@ -916,7 +930,7 @@ def _properties(parameters: Any) -> dict[str, Any]:
     return props if isinstance(props, dict) else {}
 
 
-class QwenXmlToolParser(ToolParser):
+class QwenXmlToolParser(_TagBlockParser):
     """Qwen3-Coder, Qwen3.5 and Nemotron 3: `<tool_call>` blocks of XML-like calls, each parameter's value as
     text between its tags, typed by the tool's schema (`_typed_param`):
 
@@ -936,9 +950,7 @@ class QwenXmlToolParser(ToolParser):
     content as written, and so is a call cut off before its name was whole; a call cut off in a value keeps the
     value written so far and its object is closed."""
 
-    _OPEN, _CLOSE = HERMES_OPEN, _HERMES_CLOSE
     _NAME_MAX = 256  # characters a function or parameter name may take: past them the markup is no call
-    markup = (_OPEN, _CLOSE)
 
     @classmethod
     def written(cls, text: str, calls: list[tuple[str, Any]]) -> str:
@@ -962,19 +974,13 @@ class QwenXmlToolParser(ToolParser):
         # content | block (in a block, before a function) | name | params (between parameters) | key | value |
         # after (a function closed) | tail (text in the block after a call: content, up to </tool_call>)
         self._state = "content"
-        self._params = params or {}  # function name -> its parameters' schemas
+        self._tool_params = params or {}  # function name -> its parameters' schemas
         self._schemas: dict[str, Any] = {}  # the open call's
         self._members = 0  # parameters written into the open call's arguments
-        self._key = ""
+        self._param = ""  # the parameter whose value is being read
 
-    def _step(self, final: bool) -> bool:
-        if self._state == "content":
-            if self._scan_content((self._OPEN,), final) is None:
-                return False
-            self._state, self._raw = "block", self._OPEN
-            return True
-        return {"block": self._block, "name": self._name, "params": self._between, "key": self._param_key,
-                "value": self._value, "after": self._after, "tail": self._tail}[self._state](final)
+    def _open_block(self) -> None:
+        self._state, self._raw = "block", self._OPEN
 
     def _markup(self, markers: Sequence[str], final: bool) -> str | None:
         """The marker `_buf` begins with after whitespace (consumed, whitespace and all); "" where it may still
@@ -1018,13 +1024,13 @@ class QwenXmlToolParser(ToolParser):
             self._reject(0)
             return True
         self._open_call(name)
-        self._raw, self._schemas, self._members, self._state = "", self._params.get(name, {}), 0, "params"
+        self._raw, self._schemas, self._members, self._state = "", self._tool_params.get(name, {}), 0, "params"
         return True
 
     def _close_args(self) -> None:
         self._add_args("}" if self._members else "{}")
 
-    def _between(self, final: bool) -> bool:
+    def _params(self, final: bool) -> bool:
         marker = self._markup((_PARAM_OPEN, _FN_CLOSE, self._CLOSE), final)
         self._raw = ""
         if marker == "":
@@ -1036,12 +1042,12 @@ class QwenXmlToolParser(ToolParser):
         if marker == _FN_CLOSE:
             self._state = "after"
         elif marker == self._CLOSE:  # (the function's close left out)
-            self._state, self._skip_ws = "content", True
+            self._close(self._buf)
         else:  # other text inside the function: the call ends, the text is content
             self._state, self._skip_ws = "tail", True
         return True
 
-    def _param_key(self, final: bool) -> bool:
+    def _key(self, final: bool) -> bool:
         key = self._tag_name(final)
         if key == "":
             return False
@@ -1050,7 +1056,7 @@ class QwenXmlToolParser(ToolParser):
             cut = final and ">" not in self._buf and "\n" not in self._buf and "<" not in self._buf
             self._buf, self._state = ("", "content") if cut else (self._buf, "tail")
             return True
-        self._key, self._state = key, "value"
+        self._param, self._state = key, "value"
         return True
 
     def _value(self, final: bool) -> bool:
@@ -1061,8 +1067,8 @@ class QwenXmlToolParser(ToolParser):
         self._buf = "" if i < 0 else self._buf[i + (len(marker) if marker == _PARAM_CLOSE else 0):]
         text = text[1:] if text.startswith("\n") else text
         text = text[:-1] if text.endswith("\n") else text
-        value = _typed_param(text, self._schemas.get(self._key))
-        self._add_args(("{" if not self._members else ", ") + f"{_json(self._key)}: {_json(value)}")
+        value = _typed_param(text, self._schemas.get(self._param))
+        self._add_args(("{" if not self._members else ", ") + f"{_json(self._param)}: {_json(value)}")
         self._members += 1
         self._state = "params"
         if i < 0:  # cut off in the value: the call keeps it, its object closed
@@ -1079,23 +1085,9 @@ class QwenXmlToolParser(ToolParser):
         if marker == _FN_OPEN:  # another call in the same block
             self._state = "name"
         elif marker == self._CLOSE:
-            self._state, self._skip_ws = "content", True
+            self._close(self._buf)
         else:
             self._state, self._skip_ws = "tail", True
-        return True
-
-    def _tail(self, final: bool) -> bool:
-        if final and find_first(self._buf, (self._CLOSE, self._OPEN))[0] < 0:  # a cut inside the tag: markup
-            self._buf = _without_partial_close(self._buf, self._CLOSE)
-        marker = self._scan_content((self._CLOSE, self._OPEN), final)
-        if marker is None:
-            if final:
-                self._state = "content"
-            return False
-        if marker == self._OPEN:
-            self._state, self._raw = "block", self._OPEN
-        else:
-            self._state, self._skip_ws = "content", True
         return True
 
 

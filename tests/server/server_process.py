@@ -144,3 +144,23 @@ def seconds_per_token(srv: ServerProcess, requests: int, tokens: int = 64, **fie
     for t in threads:
         t.join(120)
     return (time.monotonic() - t0) / tokens
+
+
+def serve_preset(tmp_path_factory, preset: str, chat_template: Path | None = None, seed: int = 3):
+    """A module fixture's body (`yield from serve_preset(...)`): a synthetic `preset` checkpoint served, its
+    tokenizer's chat template replaced by the file `chat_template` where one is given, stopped cleanly after."""
+    import json
+
+    from models.synthetic import write_checkpoint
+
+    model = write_checkpoint(tmp_path_factory.mktemp(preset), preset, seed=seed)
+    if chat_template is not None:
+        cfg_path = model / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["chat_template"] = chat_template.read_text()
+        cfg_path.write_text(json.dumps(cfg))
+    srv = ServerProcess(str(model), "--max-total-tokens", "8192", "--context-length", "2048",
+                        log=tmp_path_factory.mktemp("log") / "server.log")
+    srv.wait_ready()
+    yield srv
+    assert srv.stop() == 0

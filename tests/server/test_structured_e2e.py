@@ -96,6 +96,21 @@ def streamed(client, **kw) -> dict[int, dict]:
     return out
 
 
+def calls_stream_and_continue(client, kw: dict, r) -> None:
+    """Response `r` to `kw` made tool calls: streamed, the same content, calls and finish reason; and the
+    conversation goes on, the calls and their results rendered back by the template (a longer prompt)."""
+    c = r.choices[0]
+    s = streamed(client, **kw)[0]
+    assert s["content"] == c.message.content and s["finish"] == "tool_calls"
+    assert [(v["name"], v["arguments"]) for v in s["calls"].values()] == \
+        [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+    history = kw["messages"] + [{"role": "assistant", "content": None,
+                                 "tool_calls": [t.model_dump() for t in c.message.tool_calls]}]
+    history += [{"role": "tool", "tool_call_id": t.id, "content": "21C"} for t in c.message.tool_calls]
+    r2 = client.chat.completions.create(model=kw["model"], messages=history, tools=kw["tools"], max_tokens=4)
+    assert r2.usage.prompt_tokens > r.usage.prompt_tokens
+
+
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_every_output_matches_its_schema(client, name):
     schema = SCHEMAS[name]

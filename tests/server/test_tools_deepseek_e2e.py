@@ -12,9 +12,8 @@ import httpx
 import openai
 import pytest
 
-from models.synthetic import write_checkpoint
-from tests.server.server_process import ServerProcess
-from tests.server.test_structured_e2e import WEATHER, streamed
+from tests.server.server_process import serve_preset
+from tests.server.test_structured_e2e import WEATHER, calls_stream_and_continue, streamed
 
 pytestmark = pytest.mark.slow
 
@@ -24,16 +23,7 @@ B, E, SEP, CB, CE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = write_checkpoint(tmp_path_factory.mktemp("tinydsv3"), "tiny-deepseek-v3", seed=3)
-    cfg_path = model / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = TEMPLATE.read_text()
-    cfg_path.write_text(json.dumps(cfg))
-    srv = ServerProcess(str(model), "--max-total-tokens", "8192", "--context-length", "2048",
-                        log=tmp_path_factory.mktemp("log") / "server.log")
-    srv.wait_ready()
-    yield srv
-    assert srv.stop() == 0
+    yield from serve_preset(tmp_path_factory, "tiny-deepseek-v3", TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -60,15 +50,7 @@ def test_deepseek_markup_becomes_tool_calls(client):
     assert [t.function.name for t in c.message.tool_calls] == ["get_weather", "get_weather"]
     for t in c.message.tool_calls:
         assert json.loads(t.function.arguments)["city"] in ("Paris", "Lyon")
-    s = streamed(client, **kw)[0]
-    assert s["content"] == c.message.content and s["finish"] == "tool_calls"
-    assert [(v["name"], v["arguments"]) for v in s["calls"].values()] == \
-        [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
-    # the conversation goes on: the calls and their results rendered back by the template
-    history = ask + [{"role": "assistant", "content": None, "tool_calls": [t.model_dump() for t in c.message.tool_calls]}]
-    history += [{"role": "tool", "tool_call_id": t.id, "content": "21C"} for t in c.message.tool_calls]
-    r2 = client.chat.completions.create(model=model, messages=history, tools=[WEATHER], max_tokens=4)
-    assert r2.usage.prompt_tokens > r.usage.prompt_tokens
+    calls_stream_and_continue(client, kw, r)
 
 
 def test_strict_tools_hold_the_calls_made_under_auto(client, server):

@@ -11,9 +11,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from models.synthetic import write_checkpoint
-from tests.server.server_process import ServerProcess
-from tests.server.test_structured_e2e import streamed
+from tests.server.server_process import serve_preset
+from tests.server.test_structured_e2e import calls_stream_and_continue
 
 pytestmark = pytest.mark.slow
 
@@ -26,16 +25,8 @@ FORECAST = {"type": "function", "function": {"name": "forecast", "description": 
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    model = write_checkpoint(tmp_path_factory.mktemp("tinyqwen3moe"), "tiny-qwen3-moe", seed=3)
-    cfg_path = model / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = TEMPLATE.read_text()
-    cfg_path.write_text(json.dumps(cfg))
-    srv = ServerProcess(str(model), "--max-total-tokens", "8192", "--context-length", "2048",
-                        log=tmp_path_factory.mktemp("log") / "server.log")
-    srv.wait_ready()
-    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    assert srv.stop() == 0
+    for srv in serve_preset(tmp_path_factory, "tiny-qwen3-moe", TEMPLATE):
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def test_qwen3_coder_markup_becomes_typed_tool_calls(client):
@@ -55,15 +46,7 @@ def test_qwen3_coder_markup_becomes_typed_tool_calls(client):
         args = json.loads(t.function.arguments)
         assert list(args) == ["city", "days", "hourly"] and args["city"] in ("Paris", "Lyon")
         assert isinstance(args["days"], int) and 1 <= args["days"] <= 7 and isinstance(args["hourly"], bool)
-    s = streamed(client, **kw)[0]
-    assert s["content"] == c.message.content and s["finish"] == "tool_calls"
-    assert [(v["name"], v["arguments"]) for v in s["calls"].values()] == \
-        [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
-    # the conversation goes on: the calls and their results rendered back by the template
-    history = ask + [{"role": "assistant", "content": None, "tool_calls": [t.model_dump() for t in c.message.tool_calls]}]
-    history += [{"role": "tool", "tool_call_id": t.id, "content": "21C"} for t in c.message.tool_calls]
-    r2 = client.chat.completions.create(model=model, messages=history, tools=[FORECAST], max_tokens=4)
-    assert r2.usage.prompt_tokens > r.usage.prompt_tokens
+    calls_stream_and_continue(client, kw, r)
     # parallel_tool_calls false: the first call alone
     one = client.chat.completions.create(**kw, parallel_tool_calls=False)
     assert len(one.choices[0].message.tool_calls) == 1
