@@ -71,7 +71,7 @@ from server.responses_api import (
     echoed,
     rename_error,
 )
-from server.tool_parsers import ToolCallDelta
+from server.tool_parsers import ToolCallDelta, whole_json
 from server.tools import ToolPlan
 
 if TYPE_CHECKING:
@@ -316,7 +316,7 @@ class ChatSerializer(Serializer):
         "stop", as max_tokens leaves "length", so that a cut call is never reported as made."""
         called = reason == "stop" and parser is not None and parser.tool_calls and \
             not (self.tools.named and self.named_call_stops) and \
-            all(_whole_json(c.arguments) for c in parser.tool_calls)
+            all(whole_json(c.arguments) for c in parser.tool_calls)
         return "tool_calls" if called else reason
 
     def token_logprobs(self, lps: list[ShownLogprob]) -> list[ChatTokenLogprob]:
@@ -972,34 +972,6 @@ class MessagesSerializer(ChatSerializer):
         usage = self.anthropic_usage()
         return [*self._close(), {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                  "usage": usage}, {"type": "message_stop"}]
-
-
-def _whole_json(text: str) -> bool:
-    """Whether `text` is one whole JSON value as RFC 8259 writes them: NaN, Infinity and a number past a
-    double's range (which JavaScript's JSON.parse refuses, or reads as no number) are not; a lone surrogate's
-    escape is (the grammar allows every \\uXXXX, and JSON.parse reads it)."""
-    try:
-        json.loads(text, parse_constant=_not_json, parse_float=_finite, parse_int=_finite_int)
-    except (ValueError, RecursionError):
-        return False
-    return True
-
-
-def _not_json(name: str) -> None:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite_int(text: str) -> int:
-    if len(text.lstrip("-")) > 308 and not math.isfinite(float(text)):  # (JSON.parse reads it as Infinity)
-        raise ValueError(f"{text[:20]}... is past a double's range")
-    return int(text)
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text[:20]} is past a double's range")
-    return value
 
 
 def _blocks(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -866,61 +866,104 @@ _FN_OPEN, _FN_CLOSE = "<function=", "</function>"
 _PARAM_OPEN, _PARAM_CLOSE = "<parameter=", "</parameter>"
 _VALUE_ENDS = (_PARAM_CLOSE, _PARAM_OPEN, _FN_CLOSE, _HERMES_CLOSE)
 _INT_TYPES = ("int", "uint", "long", "short", "unsigned")
-_TEXT_TYPES = ("string", "str", "text", "varchar", "char", "enum")
+_NUMBER_TYPES = ("num", "float", "double")
+_TEXT_TYPES = ("string", "str", "text", "varchar", "char")
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
 
-def _param_type(schema: Any) -> str | None:
-    """A parameter schema's type, lowercased (the first besides "null" of a list of types); None: untyped."""
-    kind = schema.get("type") if isinstance(schema, dict) else None
-    if isinstance(kind, list):
-        kind = next((k for k in kind if k != "null"), None)
-    return kind.strip().lower() if isinstance(kind, str) else None
-
-
-def _json_value(text: str) -> tuple[bool, Any]:
-    """(True, the value) where `text` is one JSON value that round-trips (finite numbers), else (False, None)."""
+def whole_json(text: str) -> bool:
+    """Whether `text` is one whole JSON value as RFC 8259 writes them: NaN, Infinity and a number past a
+    double's range (which JavaScript's JSON.parse refuses, or reads as no number) are not; a lone surrogate's
+    escape is (the grammar allows every \\uXXXX, and JSON.parse reads it)."""
     try:
-        value = json.loads(text)
+        json.loads(text, parse_constant=_not_json, parse_float=_finite, parse_int=_finite_int)
     except (ValueError, RecursionError):
-        return False, None
-    if isinstance(value, float) and not math.isfinite(value):
-        return False, None
-    return True, value
+        return False
+    return True
+
+
+def _not_json(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_int(text: str) -> int:
+    if len(text.lstrip("-")) > 308 and not math.isfinite(float(text)):  # (JSON.parse reads it as Infinity)
+        raise ValueError(f"{text[:20]}... is past a double's range")
+    return int(text)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:20]} is past a double's range")
+    return value
+
+
+def _param_types(schema: Any) -> set[str]:
+    """The types a parameter schema allows, lowercased: its `type` (one or a list), its `anyOf` / `oneOf`
+    alternatives' types, or "string" for an `enum` of strings alone; empty where it names none."""
+    if not isinstance(schema, dict):
+        return set()
+    kind = schema.get("type")
+    kinds = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else []
+    types = {k.strip().lower() for k in kinds if isinstance(k, str)}
+    for key in ("anyOf", "oneOf"):
+        alternatives = schema.get(key)
+        if isinstance(alternatives, list):
+            types |= {t for a in alternatives for t in _param_types(a)}
+    enum = schema.get("enum")
+    if not types and isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        types.add("string")
+    return types
+
+
+def _as_kind(text: str, kind: str) -> tuple[bool, Any]:
+    """(True, the value) where `text` reads as a value of schema type `kind`, else (False, None)."""
+    stripped = text.strip()
+    if kind.startswith(_INT_TYPES):
+        return (True, int(stripped)) if _INTEGER.fullmatch(stripped) and len(stripped) <= 300 else (False, None)
+    if kind.startswith(_NUMBER_TYPES):
+        if not _DECIMAL.fullmatch(stripped) or len(stripped) > 300:
+            return False, None
+        value = float(stripped)
+        return (True, int(value) if value.is_integer() and abs(value) < 2**53 else value)
+    if kind in ("boolean", "bool", "binary"):
+        flag = {"true": True, "false": False}.get(stripped.lower())
+        return (flag is not None, flag)
+    if kind == "null":
+        return (stripped.lower() == "null", None)
+    if kind.startswith(_TEXT_TYPES) or kind == "enum":
+        return True, text
+    if whole_json(stripped):  # object, array, or a type this reading does not know: JSON
+        return True, json.loads(stripped)
+    if (kind in ("object", "array", "arr") or kind.startswith(("dict", "list"))) and len(stripped) <= 100_000:
+        value = ast.literal_eval(stripped)  # (a model may write True, None or single quotes; bounded work)
+        return (isinstance(value, (dict, list)), value)
+    return False, None
 
 
 def _typed_param(text: str, schema: Any) -> Any:
-    """A parameter's text as the value its schema's type asks for, as vLLM's qwen3_coder parser reads it: null is
-    None; a string type keeps the text; an integer, number or boolean type parses it (an integral number an
-    int); an object or array type reads it as JSON, or as a Python literal (a model may write True or
-    single quotes). A text that does not parse as its type stays the text (vLLM drops the call). A parameter the
-    tool does not declare, or declares with no type, is JSON where it parses as a non-string JSON value, else
-    the text (vLLM keeps every such value a string)."""
+    """A parameter's text as the value its schema's types ask for, as vLLM's qwen3_coder parser reads it: null
+    is None; a string type keeps the text; an integer, number or boolean type parses it (an integral number an
+    int); an object or array type reads it as JSON or as a Python literal (a model may write True or single
+    quotes); a schema of several types (a list, `anyOf`, `oneOf`) takes the first its text reads as, strings
+    last. A text that reads as none of its types stays the text, and so does every value that would not be
+    whole JSON (NaN, Infinity, a number past a double's range). A parameter the tool does not declare, or
+    declares with no type, is JSON where it parses as a non-string JSON value, else the text."""
     if text.strip().lower() == "null":
         return None
-    kind = _param_type(schema)
-    if kind is not None and kind in _TEXT_TYPES:
-        return text
-    stripped = text.strip()
-    if kind is not None and kind.startswith(_INT_TYPES):
-        return int(stripped) if re.fullmatch(r"[+-]?\d+", stripped) else text
-    if kind is not None and kind.startswith(("num", "float", "double")):
-        ok, value = _json_value(stripped)
-        if ok and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return int(value) if float(value).is_integer() and abs(value) < 2**53 else value
-        return text
-    if kind in ("boolean", "bool", "binary"):
-        return {"true": True, "false": False}.get(stripped.lower(), text)
-    ok, value = _json_value(stripped)
-    if ok and (kind is not None or not isinstance(value, str)):
-        return value
-    if kind in ("object", "array", "arr") or kind is not None and kind.startswith(("dict", "list")):
-        if len(stripped) <= 100_000:  # (literal_eval parses what it is given: a bound on the work)
-            try:
-                value = ast.literal_eval(stripped)
-            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-                return text
-            ok, _ = _json_value(_json(value)) if isinstance(value, (dict, list)) else (False, None)
-            return value if ok else text
+    types = _param_types(schema)
+    if not types:
+        return json.loads(text.strip()) if whole_json(text.strip()) and not text.strip().startswith('"') else text
+    texts = [k for k in types if k.startswith(_TEXT_TYPES) or k == "enum"]
+    for kind in sorted(types - {"null", *texts}) + texts:
+        try:
+            ok, value = _as_kind(text, kind)
+            if ok and whole_json(_json(value)):
+                return value
+        except (ValueError, TypeError, SyntaxError, OverflowError, MemoryError, RecursionError):
+            continue
     return text
 
 
@@ -943,12 +986,15 @@ class QwenXmlToolParser(_TagBlockParser):
         </tool_call>
 
     A call opens once `<function=NAME>` is whole; its arguments object streams a member at a time, each once its
-    parameter closes (its type is known only then), and closes at `</function>`. A value is the text up to
-    `</parameter>`, or to the next `<parameter=`, `</function>` or `</tool_call>` where the model left the close
-    out (so a value cannot hold those tags), less one newline at each end. Several functions in one block are
-    several calls; text in a block that is no markup is content. A block that does not begin with a function is
-    content as written, and so is a call cut off before its name was whole; a call cut off in a value keeps the
-    value written so far and its object is closed."""
+    parameter closes (its type is known only then), and closes at `</function>` (or `</tool_call>`). A value is
+    the text up to `</parameter>`, or to the next `<parameter=`, `</function>` or `</tool_call>` where the model
+    left the close out (so a value cannot hold those tags), less one newline at each end. A parameter given twice
+    keeps its first value; text inside a function outside its parameters, and a parameter with no name, are
+    skipped. Several functions in one block are several calls; text in a block after a call is content. A block
+    that does not begin with a function is content as written, and so is a call cut off before its name was
+    whole; a call cut off after it (max_tokens, a stop string) keeps the members it wrote, the one being written
+    too, and its object is left open, as other parsers leave a cut call's arguments: the reply is not reported
+    as having made its calls (`finish_reason` stays "length" or "stop"). A tag cut off after a call is dropped."""
 
     _NAME_MAX = 256  # characters a function or parameter name may take: past them the markup is no call
 
@@ -976,40 +1022,39 @@ class QwenXmlToolParser(_TagBlockParser):
         self._state = "content"
         self._tool_params = params or {}  # function name -> its parameters' schemas
         self._schemas: dict[str, Any] = {}  # the open call's
-        self._members = 0  # parameters written into the open call's arguments
+        self._written: set[str] = set()  # the open call's parameters written into its arguments
         self._param = ""  # the parameter whose value is being read
 
     def _open_block(self) -> None:
         self._state, self._raw = "block", self._OPEN
 
-    def _markup(self, markers: Sequence[str], final: bool) -> str | None:
-        """The marker `_buf` begins with after whitespace (consumed, whitespace and all); "" where it may still
-        begin one (only whitespace, or a marker's start: wait); None where it begins none."""
+    def _markup(self, markers: Sequence[str]) -> str | None:
+        """The marker `_buf` begins with after whitespace (consumed, whitespace and all, into `_raw`); "" where
+        it may still begin one (only whitespace, or a marker's start: more text decides, or at the end a tag
+        cut off); None where it begins none."""
         rest = self._buf.lstrip()
         for marker in markers:
             if rest.startswith(marker):
                 self._raw += self._buf[: len(self._buf) - len(rest) + len(marker)]
                 self._buf = rest[len(marker):]
                 return marker
-        if not final and (not rest or any(m.startswith(rest) for m in markers)):
-            return ""
-        return None
+        return "" if not rest or any(m.startswith(rest) for m in markers) else None
 
     def _block(self, final: bool) -> bool:
-        marker = self._markup((_FN_OPEN, self._CLOSE), final)
-        if marker == "":
+        marker = self._markup((_FN_OPEN, self._CLOSE))
+        if marker == "" and not final:
             return False
         if marker == _FN_OPEN:
             self._state = "name"
-        else:  # an empty block, or one that is no call: content as written
-            self._reject(0)
+        else:  # an empty block, one that is no call, or cut off before its function: content as written
+            self._reject(len(self._buf) if final else 0)
         return True
 
     def _tag_name(self, final: bool) -> str | None:
         """The name up to `>` (consumed); "" while it may still come; None where no valid name can."""
         end = self._buf.find(">")
         text = self._buf if end < 0 else self._buf[:end]
-        if "\n" in text or "<" in text or len(text) > self._NAME_MAX or end == 0:
+        if "\n" in text or "<" in text or len(text) > self._NAME_MAX or end >= 0 and not text.strip():
             return None
         if end < 0:
             return None if final else ""
@@ -1020,42 +1065,44 @@ class QwenXmlToolParser(_TagBlockParser):
         name = self._tag_name(final)
         if name == "":
             return False
-        if not name:  # no call: the markup is content, as written
-            self._reject(0)
+        if name is None:  # no call: the markup is content, as written
+            self._reject(len(self._buf) if final else 0)
             return True
         self._open_call(name)
-        self._raw, self._schemas, self._members, self._state = "", self._tool_params.get(name, {}), 0, "params"
+        self._raw, self._schemas, self._written, self._state = "", self._tool_params.get(name, {}), set(), "params"
         return True
 
     def _close_args(self) -> None:
-        self._add_args("}" if self._members else "{}")
+        self._add_args("}" if self._written else "{}")
 
     def _params(self, final: bool) -> bool:
-        marker = self._markup((_PARAM_OPEN, _FN_CLOSE, self._CLOSE), final)
+        marker = self._markup((_PARAM_OPEN, _FN_CLOSE, self._CLOSE))
         self._raw = ""
-        if marker == "":
+        if marker == "":  # (at the end: cut off, its object left open)
             return False
+        if marker is None:  # text outside the parameters: skipped up to the next tag
+            i, _ = find_first(self._buf, (_PARAM_OPEN, _FN_CLOSE, self._CLOSE))
+            keep = i if i >= 0 else partial_len(self._buf, (_PARAM_OPEN, _FN_CLOSE, self._CLOSE))
+            self._buf = self._buf[i:] if i >= 0 else self._buf[len(self._buf) - keep:]
+            return i >= 0
         if marker == _PARAM_OPEN:
             self._state = "key"
             return True
         self._close_args()
         if marker == _FN_CLOSE:
             self._state = "after"
-        elif marker == self._CLOSE:  # (the function's close left out)
+        else:  # (the function's close left out)
             self._close(self._buf)
-        else:  # other text inside the function: the call ends, the text is content
-            self._state, self._skip_ws = "tail", True
         return True
 
     def _key(self, final: bool) -> bool:
         key = self._tag_name(final)
         if key == "":
             return False
-        if not key:  # the call ends there: a key cut off is dropped, a malformed one's text is content
-            self._close_args()
-            cut = final and ">" not in self._buf and "\n" not in self._buf and "<" not in self._buf
-            self._buf, self._state = ("", "content") if cut else (self._buf, "tail")
-            return True
+        if key is None:  # no name: the parameter is skipped (cut off at the end: so is the rest)
+            self._buf = "" if final else self._buf
+            self._state = "params"
+            return not final
         self._param, self._state = key, "value"
         return True
 
@@ -1067,20 +1114,18 @@ class QwenXmlToolParser(_TagBlockParser):
         self._buf = "" if i < 0 else self._buf[i + (len(marker) if marker == _PARAM_CLOSE else 0):]
         text = text[1:] if text.startswith("\n") else text
         text = text[:-1] if text.endswith("\n") else text
-        value = _typed_param(text, self._schemas.get(self._param))
-        self._add_args(("{" if not self._members else ", ") + f"{_json(self._param)}: {_json(value)}")
-        self._members += 1
+        if self._param not in self._written:
+            value = _typed_param(text, self._schemas.get(self._param))
+            self._add_args(("{" if not self._written else ", ") + f"{_json(self._param)}: {_json(value)}")
+            self._written.add(self._param)
         self._state = "params"
-        if i < 0:  # cut off in the value: the call keeps it, its object closed
-            self._close_args()
-            self._state = "content"
-            return False
-        return True
+        return i >= 0  # (cut off in the value: the call keeps it, its object left open)
 
     def _after(self, final: bool) -> bool:
-        marker = self._markup((self._CLOSE, _FN_OPEN), final)
-        self._raw = ""
-        if marker == "":
+        marker = self._markup((self._CLOSE, _FN_OPEN))
+        if marker != _FN_OPEN:
+            self._raw = ""
+        if marker == "":  # (at the end: a tag cut off after the call, dropped)
             return False
         if marker == _FN_OPEN:  # another call in the same block
             self._state = "name"

@@ -236,12 +236,30 @@ CASES = [
     # closes left out: a value ends at the next parameter, and the function at the block's close
     ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\nx\n<parameter=b>\n7\n</tool_call>", "",
      [("f", '{"a": "x", "b": 7}')]),
-    # cut off in a value: the call keeps it, closed; cut off in a key or its close: the parameters written
+    # cut off (max_tokens, a stop string) in a value: the call keeps it, its object left open as other parsers
+    # leave a cut call's (the reply is not reported as having made it); cut in a key or a tag: the members written
     ("qwen3_coder", "Sure. " + "<tool_call>\n<function=search>\n<parameter=q>\nhel", "Sure. ",
-     [("search", '{"q": "hel"}')]),
-    ("qwen3_coder", "<tool_call>\n<function=search>\n<parameter=q>\nhello\n</param", "", [("search", '{"q": "hello"}')]),
+     [("search", '{"q": "hel"')]),
+    ("qwen3_coder", "<tool_call>\n<function=search>\n<parameter=q>\nhello\n</param", "", [("search", '{"q": "hello"')]),
     ("qwen3_coder", "<tool_call>\n<function=search>\n<parameter=q>\nhi\n</parameter>\n<parameter=li", "",
-     [("search", '{"q": "hi"}')]),
+     [("search", '{"q": "hi"')]),
+    ("qwen3_coder", "Hi.\n<tool_call>\n<function=f>\n<parameter=s>\na\n</parameter>\n<para", "Hi.\n",
+     [("f", '{"s": "a"')]),
+    ("qwen3_coder", "Hi.\n<tool_call>\n<function=f>\n</function>\n<functi", "Hi.\n", [("f", "{}")]),
+    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=s>\na\n</parameter>\n</functio", "", [("f", '{"s": "a"')]),
+    # the next function's name cut off: its markup is content, whole
+    ("qwen3_coder", "Hi.\n<tool_call>\n<function=f>\n</function>\n<function=g", "Hi.\n\n<function=g",
+     [("f", "{}")]),
+    # text inside a function outside its parameters, and a parameter with no name, are skipped; a parameter
+    # given twice keeps its first value
+    ("qwen3_coder", "<tool_call>\n<function=f>\nhello\n<parameter=i>\n2\n</parameter>\n<parameter= >\nx\n"
+     "</parameter>\n<parameter=i>\n3\n</parameter>\n</function>\n</tool_call>", "", [("f", '{"i": 2}')]),
+    # no newlines at all, spaces between tags
+    ("qwen3_coder", "<tool_call><function=f><parameter=a>1</parameter> <parameter=b>x y</parameter></function>"
+     "</tool_call>", "", [("f", '{"a": 1, "b": "x y"}')]),
+    # NaN, Infinity and numbers past a double's range are no JSON: the text stays text
+    ("qwen3_coder", xml("f", [("a", "[NaN]"), ("o", '{"x": Infinity}'), ("n", "9" * 400)]), "",
+     [("f", '{"a": "[NaN]", "o": "{\\"x\\": Infinity}", "n": "' + "9" * 400 + '"}')]),
     # cut before the name was whole, or a block with no function: content as written
     ("qwen3_coder", "Sure <tool_call>\n<function=get_wea", "Sure <tool_call>\n<function=get_wea", []),
     ("qwen3_coder", "<tool_call>\nhello\n</tool_call> ok", "<tool_call>\nhello\n</tool_call> ok", []),
@@ -312,7 +330,8 @@ def test_non_streamed(parser, text, content, calls):
     assert [(c.name, c.arguments) for c in got_calls] == calls
     assert [c.id for c in got_calls] == [f"call_{i}" for i in range(len(calls))]
     for _, args in calls:
-        if not args.endswith(("hel", '"a",', 'tall"}}', "print('")):  # the cut-off and malformed ones
+        cut = parser == "qwen3_coder" and not args.endswith("}")  # (its cut calls' objects are left open)
+        if not args.endswith(("hel", '"a",', 'tall"}}', "print('")) and not cut:  # the cut-off and malformed ones
             json.loads(args)
 
 
@@ -509,7 +528,8 @@ def test_strict_calls_are_not_held_where_the_markup_is_a_special_token():
 QWEN3_CODER_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
     "s": {"type": "string"}, "i": {"type": "integer"}, "n": {"type": "number"}, "b": {"type": "boolean"},
     "o": {"type": "object"}, "a": {"type": "array"}, "maybe": {"type": ["integer", "null"]},
-    "u": {"description": "untyped"}}}}}
+    "u": {"description": "untyped"}, "any": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+    "choice": {"enum": ["1", "2"]}, "mixed": {"type": ["integer", "string"]}}}}}
 
 
 def test_qwen3_coder_values_take_their_schema_types():
@@ -539,5 +559,13 @@ def test_qwen3_coder_values_take_their_schema_types():
         "extra": [1], "word": "yes"}
     assert args([("i", "forty"), ("n", "1e999"), ("b", "yes"), ("o", "{not json"), ("maybe", "2")]) == {
         "i": "forty", "n": "1e999", "b": "yes", "o": "{not json", "maybe": 2}
+    # a schema of strings alone (anyOf, an enum of strings) keeps the text; several types take the first that reads
+    assert args([("any", "123"), ("choice", "1"), ("mixed", "12"), ("n", "007"), ("i", "+5")]) == {
+        "any": "123", "choice": "1", "mixed": 12, "n": 7, "i": 5}
+    assert args([("mixed", "twelve"), ("n", ".5"), ("i", "١٢٣")]) == {"mixed": "twelve", "n": 0.5, "i": "١٢٣"}
+    # what would be no JSON, or fails to read, stays the text (a 500 before: OverflowError, TypeError)
+    huge = "9" * 400
+    assert args([("n", huge), ("i", huge), ("a", "[b'x']"), ("o", "{'c': 1j}"), ("a2", "[NaN]"), ("i2", "1" * 5000)]) \
+        == {"n": huge, "i": huge, "a": "[b'x']", "o": "{'c': 1j}", "a2": "[NaN]", "i2": "1" * 5000}
     # the template's newline off each end, no more: a value's own spaces and newlines are kept
     assert args([("s", "  two spaces\n\n")]) == {"s": "  two spaces\n\n"}

@@ -50,3 +50,7 @@ def test_qwen3_coder_markup_becomes_typed_tool_calls(client):
     # parallel_tool_calls false: the first call alone
     one = client.chat.completions.create(**kw, parallel_tool_calls=False)
     assert len(one.choices[0].message.tool_calls) == 1
+    # a stop string that cuts a call: not reported as made ("stop"), its arguments left open
+    cut = client.chat.completions.create(**kw, stop=["</parameter>"]).choices[0]
+    assert cut.finish_reason == "stop" and cut.message.tool_calls[0].function.arguments.startswith('{"city": "')
+    assert not cut.message.tool_calls[0].function.arguments.endswith("}")
