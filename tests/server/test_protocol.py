@@ -689,6 +689,6 @@ def test_a_tool_calls_arguments_are_whole_json_as_rfc_8259_writes_it(arguments, 
     """What decides finish_reason "tool_calls" (a call whose arguments are not one whole JSON value leaves
     "stop"): Python's and pydantic's readers take NaN, Infinity or 1e999, which JSON.parse refuses (a helper
     found it)."""
-    from server.responses import _whole_json
+    from server.tool_parsers import whole_json
 
-    assert _whole_json(arguments) is whole
+    assert whole_json(arguments) is whole
