@@ -997,10 +997,11 @@ class CpuModel:
 
     def add_moe(self, norm: torch.Tensor, eps: float, *, router: torch.Tensor, correction_bias: torch.Tensor | None,
                 top_k: int, scoring: str, topk_method: str, n_group: int, topk_group: int, norm_topk_prob: bool,
-                routed_scaling_factor: float, experts: MoE, shared: tuple[QuantLinear, QuantLinear, QuantLinear] | None
-                ) -> None:
+                routed_scaling_factor: float, experts: MoE, shared: tuple[QuantLinear, QuantLinear, QuantLinear] | None,
+                shared_gate: torch.Tensor | None = None) -> None:
         """A MoE block: the router [E, hidden] and its top-k as models/moe_routing.py, routed `experts`
-        (bound to this model's pool), shared experts (gate, up, down) or None."""
+        (bound to this model's pool), shared experts (gate, up, down) or None, and Qwen2-MoE's gate on their
+        output ([hidden] or [1, hidden]: the output times sigmoid(x·w)) or None."""
         if scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"scoring must be softmax or sigmoid, got {scoring!r}")
         if topk_method not in self.TOPK_METHODS:
@@ -1016,12 +1017,14 @@ class CpuModel:
         router = _f32("router", router, E * self.hidden_size)
         bias = _f32("correction_bias", correction_bias, E) if correction_bias is not None else None
         g, u, d = shared if shared is not None else (None, None, None)
-        self._keep += [norm, router, bias, experts, g, u, d]
+        scale = _f32("shared_gate", shared_gate, self.hidden_size) if shared_gate is not None else None
+        self._keep += [norm, router, bias, experts, g, u, d, scale]
         op = lambda m: m._op if m is not None else None  # noqa: E731
         self._op.add_moe(norm.data_ptr(), self.hidden_size, float(eps), router.data_ptr(),
                          bias.data_ptr() if bias is not None else 0, E, top_k, scoring == "sigmoid",
                          self.TOPK_METHODS.index(topk_method), n_group, topk_group, bool(norm_topk_prob),
-                         float(routed_scaling_factor), experts._op, op(g), op(u), op(d))
+                         float(routed_scaling_factor), experts._op, op(g), op(u), op(d),
+                         scale.data_ptr() if scale is not None else 0)
 
     @staticmethod
     def _rope(table: torch.Tensor, rope_dim: int) -> torch.Tensor:

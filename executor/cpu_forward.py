@@ -187,7 +187,8 @@ class NativeForward:
                     top_k=cfg.top_k, scoring=cfg.scoring_func, topk_method=cfg.topk_method, n_group=cfg.n_group,
                     topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
                     routed_scaling_factor=cfg.routed_scaling_factor, experts=experts.weights.op,
-                    shared=None if se is None else (se.gate_proj.op, se.up_proj.op, se.down_proj.op))
+                    shared=None if se is None else (se.gate_proj.op, se.up_proj.op, se.down_proj.op),
+                    shared_gate=None if mlp.shared_expert_gate is None else mlp.shared_expert_gate.weight)
             else:
                 raise ValueError(f"layer {i}: no native MLP for {type(mlp).__name__}")
 

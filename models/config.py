@@ -69,7 +69,9 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Router and expert shapes of a MoE layer (DeepSeek's, or Qwen3-MoE's: softmax, greedy, no shared experts).
+    """Router and expert shapes of a MoE layer: DeepSeek's, Qwen3-MoE's and Mixtral's (softmax, greedy, no shared
+    experts), or Qwen2-MoE's (softmax, greedy, one shared expert of its own size, its output gated by
+    sigmoid(x·w): `shared_gate`).
 
     `scoring_func` softmax (V2) or sigmoid (V3). `topk_method`: ``greedy`` (plain top-k),
     ``group_limited_greedy`` (V2: groups ranked by their max score) or ``noaux_tc`` (V3: scores plus
@@ -88,6 +90,13 @@ class MoEConfig:
     routed_scaling_factor: float
     first_k_dense_replace: int
     moe_layer_freq: int
+    shared_intermediate_size: int = 0  # the shared experts' width where it is not intermediate_size x their count
+    shared_gate: bool = False  # Qwen2-MoE: the shared expert's output times sigmoid(x·shared_expert_gate)
+
+    @property
+    def shared_size(self) -> int:
+        """The intermediate width of the shared experts (one gated MLP; 0: none)."""
+        return self.shared_intermediate_size or self.intermediate_size * self.num_shared_experts
 
 
 @dataclass(frozen=True)
@@ -194,6 +203,7 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "mistral": "llama",  # same graph when sliding_window is off
     "qwen2": "llama",  # biases on q, k and v
     "qwen3": "llama",  # RMSNorm on each query and key head
+    "qwen2_moe": "llama",  # Qwen2's attention, routed experts and a gated shared expert in the MLPs
     "qwen3_moe": "llama",  # Qwen3's attention, routed experts (softmax top-k, no shared experts) in the MLPs
     "mixtral": "llama",  # Mistral's attention, routed experts in every layer (softmax top-k, renormalised)
 }
@@ -319,7 +329,7 @@ def _rope_kinds(k: _Keys, dim: int, interleaved: bool) -> RopeConfig:
     p = _Keys(params, k.source)
     rtype = params.get("rope_type") or params.get("type") or "default"
     # theta > 1: its log divides YaRN's correction range; at 1 every pair would turn at the same speed
-    theta = p.above("rope_theta", p.opt("rope_theta", 10000.0, float), 1.0)
+    theta = p.above("rope_theta", p.opt("rope_theta", _DEFAULT_THETA.get(k.d.get("model_type"), 10000.0), float), 1.0)
     other = k.d.get("rope_parameters")
     if scaling and isinstance(other, dict) and other and other != scaling:
         lost = other.get("rope_theta")
@@ -512,11 +522,12 @@ def _norm_topk_prob(k: _Keys, is_v3: bool) -> bool:
 def _llama_from_dict(k: _Keys, model_type: str = "llama") -> LlamaConfig:
     """Llama, and the models that are Llama with a difference transformers hard-codes: Qwen2 (q, k and v
     projections with biases, o without, whatever `attention_bias` says), Qwen3 (`attention_bias` for all
-    four, and q_norm / k_norm) and Qwen3-MoE (Qwen3's attention, routed experts: `_qwen3_moe`)."""
+    four, and q_norm / k_norm), Qwen2-MoE and Qwen3-MoE (their attention, routed experts: `_qwen_moe`) and
+    Mixtral (`_mixtral`)."""
     _check_activation(k)
     hidden = k.positive("hidden_size")
     num_heads = k.positive("num_attention_heads")
-    num_kv_heads = k.opt("num_key_value_heads", num_heads)
+    num_kv_heads = k.opt("num_key_value_heads", _DEFAULT_KV_HEADS.get(model_type, num_heads))
     if num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise CheckpointError(
             k.source, f"num_attention_heads={num_heads} must be a multiple of num_key_value_heads={num_kv_heads}"
@@ -539,25 +550,34 @@ def _llama_from_dict(k: _Keys, model_type: str = "llama") -> LlamaConfig:
         arch="llama",
         vocab_size=k.positive("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=k.positive("intermediate_size", 6144 if model_type == "qwen3_moe" else None),
+        intermediate_size=k.positive("intermediate_size", {"qwen3_moe": 6144, "qwen2_moe": 5632}.get(model_type)),
         num_hidden_layers=k.positive("num_hidden_layers"),
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=k.above("rms_norm_eps", k.opt("rms_norm_eps", 1e-6, float), below=1.0),  # (models: 1e-6..1e-5)
+        rms_norm_eps=k.above("rms_norm_eps", k.opt("rms_norm_eps", 1e-5 if model_type == "mixtral" else 1e-6, float),
+                             below=1.0),  # (models: 1e-6..1e-5)
         max_position_embeddings=k.context("max_position_embeddings", _DEFAULT_CONTEXT.get(model_type[:4], 2048)),
         tie_word_embeddings=k.opt("tie_word_embeddings", False, bool),
-        attention_bias=True if model_type == "qwen2" else k.opt("attention_bias", False, bool),
+        attention_bias={"qwen2": True, "qwen2_moe": k.opt("qkv_bias", True, bool)}.get(
+            model_type, k.opt("attention_bias", False, bool)),
         mlp_bias=False if model_type.startswith("qwen") else k.opt("mlp_bias", False, bool),
         rope=_rope_from_dict(k, rope_dim, interleaved=False),
-        bos_token_id=k.opt("bos_token_id", None),
-        eos_token_ids=_eos_ids(k),
-        o_bias=False if model_type == "qwen2" else None,
+        # (MixtralConfig's 1 and 2 where the keys are absent)
+        bos_token_id=k.opt("bos_token_id", 1) if model_type == "mixtral" and "bos_token_id" not in k.d
+        else k.opt("bos_token_id", None),
+        eos_token_ids=(2,) if model_type == "mixtral" and "eos_token_id" not in k.d else _eos_ids(k),
+        o_bias=False if model_type in ("qwen2", "qwen2_moe") else None,
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
-        **(_qwen3_moe(k) if model_type == "qwen3_moe" else _mixtral(k) if model_type == "mixtral" else {}),
+        **(_qwen_moe(k, model_type) if model_type in ("qwen2_moe", "qwen3_moe")
+           else _mixtral(k) if model_type == "mixtral" else {}),
     )
 
 
+# transformers' defaults that differ by model type: rope theta (MixtralConfig.default_theta), KV heads where a
+# config names none (Llama's: as many as the query heads)
+_DEFAULT_THETA = {"mixtral": 1e6}
+_DEFAULT_KV_HEADS = {"qwen3_moe": 4, "mistral": 8, "mixtral": 8}
 # transformers' max_position_embeddings where a config has none, by model_type's first four letters (Llama's 2048
 # otherwise): Qwen2/Qwen3 configs' 32768, MistralConfig's and MixtralConfig's 4096 * 32
 _DEFAULT_CONTEXT = {"qwen": 32768, "mist": 131072, "mixt": 131072}
@@ -578,18 +598,25 @@ def _mixtral(k: _Keys) -> dict[str, Any]:
                              moe_layer_freq=1)}
 
 
-def _qwen3_moe(k: _Keys) -> dict[str, Any]:
-    """Qwen3-MoE's experts as transformers builds them (Qwen3MoeConfig's defaults where a key is absent): softmax
-    over every expert's logit, the top `num_experts_per_tok`, renormalised when `norm_topk_prob`, no shared
-    experts; a layer is MoE unless `mlp_only_layers` lists it or (i + 1) is no multiple of `decoder_sparse_step`,
+# Qwen2MoeConfig's and Qwen3MoeConfig's defaults: experts, top-k, their width
+_QWEN_MOE_DEFAULTS = {"qwen2_moe": (60, 4, 1408), "qwen3_moe": (128, 8, 768)}
+
+
+def _qwen_moe(k: _Keys, model_type: str) -> dict[str, Any]:
+    """Qwen2-MoE's and Qwen3-MoE's experts as transformers builds them (their configs' defaults where a key is
+    absent): softmax over every expert's logit, the top `num_experts_per_tok`, renormalised when `norm_topk_prob`;
+    Qwen2-MoE adds one shared expert of `shared_expert_intermediate_size` gated by sigmoid(x·w), Qwen3-MoE has
+    none; a layer is MoE unless `mlp_only_layers` lists it or (i + 1) is no multiple of `decoder_sparse_step`,
     and `num_experts: 0` is a dense model."""
     layers = k.positive("num_hidden_layers")
-    # (transformers 5 writes `num_local_experts`, the hub's files `num_experts`)
-    key = "num_experts" if k.d.get("num_experts") is not None else "num_local_experts"
-    experts = k.at_least(key, 128, 0)
+    n_experts, n_top, width = _QWEN_MOE_DEFAULTS[model_type]
+    # (transformers 5 writes `num_local_experts`, the hub's files `num_experts`; transformers reads the former where
+    # both are given)
+    key = "num_local_experts" if k.d.get("num_local_experts") is not None else "num_experts"
+    experts = k.at_least(key, n_experts, 0)
     if not experts:
         return {}
-    top_k = k.positive("num_experts_per_tok", 8)
+    top_k = k.positive("num_experts_per_tok", n_top)
     if top_k > experts:
         raise CheckpointError(k.source, f"config key 'num_experts_per_tok' = {top_k} is more than the {experts} "
                                         f"experts ('{key}')")
@@ -597,10 +624,12 @@ def _qwen3_moe(k: _Keys) -> dict[str, Any]:
     only = k.opt("mlp_only_layers", [], list)
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
         raise CheckpointError(k.source, f"config key 'mlp_only_layers' must be a list of layer numbers, got {only!r}")
-    moe = MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=k.positive("moe_intermediate_size", 768),
-                    num_shared_experts=0, scoring_func="softmax", topk_method="greedy", n_group=1, topk_group=1,
-                    norm_topk_prob=k.opt("norm_topk_prob", False, bool), routed_scaling_factor=1.0,
-                    first_k_dense_replace=0, moe_layer_freq=1)
+    shared = k.at_least("shared_expert_intermediate_size", 5632, 0) if model_type == "qwen2_moe" else 0
+    moe = MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=k.positive("moe_intermediate_size", width),
+                    num_shared_experts=1 if shared else 0, scoring_func="softmax", topk_method="greedy", n_group=1,
+                    topk_group=1, norm_topk_prob=k.opt("norm_topk_prob", False, bool), routed_scaling_factor=1.0,
+                    first_k_dense_replace=0, moe_layer_freq=1, shared_intermediate_size=shared,
+                    shared_gate=bool(shared))
     dense = frozenset(i for i in range(layers) if i in only or (i + 1) % step)
     return {"moe": moe, "dense_layers": dense}
 
@@ -625,6 +654,8 @@ def config_from_hf_dict(d: dict[str, Any], source: str = "config.json") -> Model
         windowed = model_type in ("mistral", "mixtral") or model_type.startswith("qwen") and _qwen_slides(
             k, cfg.num_hidden_layers)
         window = k.at_least("sliding_window", 0, 0) if windowed else 0  # 0 or null: none
+        if windowed and model_type.startswith("qwen") and "sliding_window" not in k.d:
+            window = 4096  # (the Qwen configs' default, used where use_sliding_window turns windows on)
         if model_type == "mistral" and "sliding_window" not in k.d:
             window = 4096  # (MistralConfig's default; a null is none)
         if window:  # attention within one window is exact: the context stops there (the engine says so)
@@ -643,6 +674,8 @@ def _qwen_slides(k: _Keys, layers: int) -> bool:
         return k.opt("use_sliding_window", False, bool)
     if isinstance(types, list):
         return "sliding_attention" in types[:layers]
+    if k.d.get("model_type") == "qwen2_moe":  # (Qwen2MoeConfig: every other layer below max_window_layers)
+        return k.opt("use_sliding_window", False, bool) and k.opt("max_window_layers", 28, int) > 0
     return k.opt("use_sliding_window", False, bool) and k.opt("max_window_layers", 28, int) < layers
 
 

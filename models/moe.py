@@ -47,6 +47,20 @@ class Router(nn.Module):
         return select_experts(self.logits(x), self.cfg, self.e_score_correction_bias, fused)
 
 
+class SharedExpertGate(nn.Module):
+    """Qwen2-MoE's `shared_expert_gate`: the shared expert's output is scaled by sigmoid(x·w), one weight [1, hidden]
+    kept fp32 as the router's."""
+
+    keep_fp32 = True
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(F.linear(x.float(), self.weight.float())).to(x.dtype)
+
+
 class SparseMoE(nn.Module):
     """Router, routed experts and (where the config has them) shared experts, under every parallel layout."""
 
@@ -66,9 +80,8 @@ class SparseMoE(nn.Module):
         # the shared experts are then every rank's, whole
         self.dispatch = lay.dp_attention and lay.ep
         with replicated_under_dp_attention() if self.dispatch else nullcontext():
-            self.shared_experts = (
-                GatedMLP(hidden_size, cfg.intermediate_size * cfg.num_shared_experts) if cfg.num_shared_experts else None
-            )
+            self.shared_experts = GatedMLP(hidden_size, cfg.shared_size) if cfg.shared_size else None
+            self.shared_expert_gate = SharedExpertGate(hidden_size) if cfg.shared_gate else None
 
     @property
     def local_tokens(self) -> bool:
@@ -86,7 +99,7 @@ class SparseMoE(nn.Module):
         self.experts.submit(x, topk_ids, topk_weights)
         shared = None
         if self.shared_experts is not None:
-            shared = self.shared_experts.partial(x, fused) if self.layout.parallel else self.shared_experts(x, fused)
+            shared = self._shared(x, fused, partial=self.layout.parallel)
         routed = self.experts.sync()
         out = routed if shared is None else routed + shared
         if shared is None and self.layout.parallel:
@@ -128,6 +141,13 @@ class SparseMoE(nn.Module):
         back = exchange(done, send, recv)
         out = torch.zeros_like(x).index_add_(0, token, back.to(x.dtype))
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x, fused)
+            out = out + self._shared(x, fused, partial=False)
         return out
+
+    def _shared(self, x: torch.Tensor, fused: bool, partial: bool) -> torch.Tensor:
+        """The shared experts' output (`partial`: this rank's part of its sum, under tensor parallelism), gated
+        where the model gates it (each token's gate scales every rank's part alike)."""
+        assert self.shared_experts is not None
+        out = self.shared_experts.partial(x, fused) if partial else self.shared_experts(x, fused)
+        return out if self.shared_expert_gate is None else out * self.shared_expert_gate(x)
 

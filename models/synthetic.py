@@ -72,6 +72,7 @@ _ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
@@ -180,8 +181,11 @@ def _moe(c: ModelConfig, p: str, correction_bias: bool) -> Iterator[TensorSpec]:
         yield TensorSpec(p + "mlp.gate.e_score_correction_bias", (m.num_experts,), std=BIAS_STD, dtype=torch.float32)
     for e in range(m.num_experts):
         yield from _mlp(f"{p}mlp.experts.{e}.", hidden, m.intermediate_size)
-    if m.num_shared_experts:
-        yield from _mlp(p + "mlp.shared_experts.", hidden, m.intermediate_size * m.num_shared_experts)
+    if m.shared_gate:  # Qwen2-MoE's one gated shared expert, under its HF names
+        yield from _mlp(p + "mlp.shared_expert.", hidden, m.shared_size)
+        yield TensorSpec(p + "mlp.shared_expert_gate.weight", (1, hidden), std=hidden**-0.5)
+    elif m.shared_size:
+        yield from _mlp(p + "mlp.shared_experts.", hidden, m.shared_size)
 
 
 def _llama_layer(c: LlamaConfig, i: int) -> Iterator[TensorSpec]:

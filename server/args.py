@@ -461,31 +461,69 @@ def device_problem(device: str, dp: int, node_ranks: int) -> str | None:
     return None
 
 
+def _split_sizes(model: str) -> dict[str, int] | None:
+    """What a split divides, read before anything loads: attention heads, routed experts, and the intermediate
+    sizes of the dense MLPs (0: every layer is MoE), of each routed expert and of the shared experts. An HF
+    directory's through its typed config (its keys and defaults as the loader reads them: DeepSeek's
+    `n_routed_experts`, the Qwen MoEs' `num_experts`, Mixtral's `num_local_experts`), a GGUF's from its header.
+    None where the model cannot be read here (`model_problem` and the loader report that)."""
+    from models.builtin import resolve_model_path
+    from models.config import config_from_hf_dict
+    from models.loader.errors import CheckpointError
+    from models.loader.gguf_file import read_gguf_metadata
+
+    try:
+        path = resolve_model_path(model)
+        if path.is_dir():
+            cfg = config_from_hf_dict(json.loads((path / "config.json").read_text()))
+            moe = cfg.moe
+            dense = moe is None or any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+            return {"heads": cfg.num_attention_heads, "experts": moe.num_experts if moe else 0,
+                    "dense": cfg.intermediate_size if dense else 0, "expert": moe.intermediate_size if moe else 0,
+                    "shared": moe.shared_size if moe else 0}
+        meta = read_gguf_metadata(path)
+    except (OSError, ValueError, RecursionError, CheckpointError, TypeError, AttributeError):
+        return None
+    arch = meta.get("general.architecture")
+
+    def get(key: str) -> int:
+        v = meta.get(f"{arch}.{key}")
+        return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+    experts, ff = get("expert_count"), get("feed_forward_length")
+    expert_ff = get("expert_feed_forward_length") or ff  # (Mixtral's `llama` files: the experts are ff wide)
+    # DeepSeek's lead of dense layers; the other MoE architectures have experts in every layer
+    dense = ff if not experts or get("leading_dense_block_count") else 0
+    shared = get("expert_shared_feed_forward_length") or get("expert_shared_count") * expert_ff
+    return {"heads": get("attention.head_count"), "experts": experts, "dense": dense,
+            "expert": expert_ff if experts else 0, "shared": shared if experts else 0}
+
+
 def parallel_problem(model: str, ranks: int, *, heads_split: bool, ep: bool) -> str | None:
     """What the model's sizes forbid of a split over `ranks` processes (--tp, or --dp with
-    --dp-attention), read from its config.json or GGUF header before any process starts: attention heads
-    (`heads_split`: --tp), the dense MLPs' intermediate size, and per MoE either each routed expert's
-    intermediate size or, with `ep`, the number of routed experts. None when it divides (or when the
-    model cannot be read here: `model_problem` and the loader report that)."""
+    --dp-attention), read before any process starts (`_split_sizes`): attention heads (`heads_split`: --tp),
+    the dense MLPs' intermediate size, and per MoE either each routed expert's intermediate size or, with `ep`,
+    the number of routed experts, and the shared experts' size (whole on every rank with --dp-attention and
+    --ep). None when it divides (or when the model cannot be read here)."""
     if ranks <= 1:
         return None
-    get = _model_header(model)
-    if get is None:
+    got = _split_sizes(model)
+    if got is None:
         return None
-    experts = get("n_routed_experts", "expert_count") or 0
-    if ep and not experts:
+    if ep and not got["experts"]:
         return "--ep partitions routed experts, and this model has none (a dense model): leave --ep at 1"
-    dense = not experts or (get("first_k_dense_replace", "leading_dense_block_count") or 0) > 0
     sizes = []
     if heads_split:
-        sizes.append((get("num_attention_heads", "attention.head_count"), "number of attention heads"))
-    if dense:
-        sizes.append((get("intermediate_size", "feed_forward_length"), "dense MLPs' intermediate size"))
-    if experts:
-        sizes.append((experts, "number of routed experts") if ep else
-                     (get("moe_intermediate_size", "expert_feed_forward_length"), "routed experts' intermediate size"))
+        sizes.append((got["heads"], "number of attention heads"))
+    if got["dense"]:
+        sizes.append((got["dense"], "dense MLPs' intermediate size"))
+    if got["experts"]:
+        sizes.append((got["experts"], "number of routed experts") if ep else
+                     (got["expert"], "routed experts' intermediate size"))
+    if got["shared"] and (heads_split or not ep):
+        sizes.append((got["shared"], "shared experts' intermediate size"))
     for size, what in sizes:
-        if isinstance(size, int) and size % ranks:
+        if size and size % ranks:
             how = "choose a --tp that divides it" if heads_split else "choose a --dp that divides it"
             if heads_split and what == "number of attention heads":
                 how += "; --dp with --dp-attention keeps attention whole"

@@ -78,6 +78,13 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False,
         rope_theta=1000000.0,
     )),
+    # Qwen2-MoE (Qwen1.5-MoE's layout): Qwen2's attention biases, 6 experts top-2 unnormalised and one shared
+    # expert of its own width whose output a sigmoid gate scales; every second layer MoE (decoder_sparse_step)
+    "qwen2_moe": ("qwen2_moe", dict(
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, moe_intermediate_size=40, num_experts=6,
+        num_experts_per_tok=2, shared_expert_intermediate_size=72, norm_topk_prob=False, decoder_sparse_step=1,
+        mlp_only_layers=[2], tie_word_embeddings=False, rope_theta=1000000.0,
+    )),
     # Mixtral: every layer's MLP 6 experts of intermediate_size, top-2 renormalised; files name them
     # block_sparse_moe.experts.N.w1/w3/w2
     "mixtral": ("mixtral", dict(
@@ -99,6 +106,7 @@ def build_hf_model(name: str, seed: int = 0, **overrides: Any):
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[model_type]

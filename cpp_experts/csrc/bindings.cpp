@@ -335,7 +335,7 @@ PYBIND11_MODULE(_C, m) {
       .def("add_moe",
            [](CpuModel& self, uintptr_t norm, int hidden, float eps, uintptr_t router, uintptr_t bias, int E, int K,
               bool sigmoid, int method, int n_group, int topk_group, bool norm_topk, float scaling, MoE& experts,
-              const QuantLinear* sg, const QuantLinear* su, const QuantLinear* sd) {
+              const QuantLinear* sg, const QuantLinear* su, const QuantLinear* sd, uintptr_t shared_scale) {
              cpx::MoeSpec s;
              s.norm = make_norm(norm, hidden, eps);
              s.router.assign(ptr<float>(router), ptr<float>(router) + size_t(E) * size_t(hidden));
@@ -353,6 +353,8 @@ PYBIND11_MODULE(_C, m) {
              s.shared_gate = sg;
              s.shared_up = su;
              s.shared_down = sd;
+             if (shared_scale)
+               s.shared_scale.assign(ptr<float>(shared_scale), ptr<float>(shared_scale) + size_t(hidden));
              self.add_moe(std::move(s));
            })
       .def("set_omnikv",

@@ -432,6 +432,12 @@ struct MoeBlock final : Block {
       prepare_input(c.pool, c.in, c.xn, Hd, T, Hd, {s.shared_gate, s.shared_up});
       h.resize(size_t(T) * I);
       run_linears(c.pool, {{s.shared_gate, &c.in, h.data(), I, Epilogue::SiluMul, s.shared_up}}, T);
+      if (!s.shared_scale.empty())  // the gate scales each token's activations: down(g·h) = g·down(h)
+        for_rows(c.pool, T, [&](int t) {
+          const float g = 1.0f / (1.0f + std::exp(-dot_f32(c.xn + size_t(t) * Hd, s.shared_scale.data(), Hd)));
+          float* hr = h.data() + size_t(t) * I;
+          for (int i = 0; i < I; ++i) hr[i] *= g;
+        });
       prepare_input(c.pool, c.in, h.data(), I, T, I, {s.shared_down});
       run_linears(c.pool, {{s.shared_down, &c.in, c.x, Hd, Epilogue::Add}}, T);
       ph.reset();
@@ -540,6 +546,9 @@ void CpuModel::add_moe(MoeSpec s) {
     check_linear(s.shared_gate, I, hidden_, "shared gate_proj");
     check_linear(s.shared_up, I, hidden_, "shared up_proj");
     check_linear(s.shared_down, hidden_, I, "shared down_proj");
+  }
+  if (!s.shared_scale.empty() && (!s.shared_gate || int64_t(s.shared_scale.size()) != hidden_)) {
+    throw ArgError("the shared experts' gate needs shared experts and one weight per hidden value");
   }
   if (blocks_.size() % 2 == 0) throw ArgError("an MLP block must follow an attention block");
   auto b = std::make_unique<MoeBlock>();

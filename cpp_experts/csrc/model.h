@@ -98,6 +98,7 @@ struct MoeSpec {
   float scaling = 1.0f;
   MoE* experts = nullptr;
   const QuantLinear *shared_gate = nullptr, *shared_up = nullptr, *shared_down = nullptr;  // null: none
+  std::vector<float> shared_scale;  // [hidden]: Qwen2-MoE's gate, the shared output times sigmoid(x·w); empty: none
 };
 
 // Where a forward's time goes, phase by phase, measured on the calling thread when asked

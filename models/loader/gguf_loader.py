@@ -383,8 +383,9 @@ def _hf_config(
         GGUF_SOURCE_KEY: True,
         "vocab_size": vocab,
         "hidden_size": hidden,
-        # (qwen3moe: read by llama.cpp only where expert_feed_forward_length is absent; every layer is MoE)
-        "intermediate_size": k.positive("feed_forward_length", int, *((1,) if arch == gn.ARCH_QWEN3MOE else ())),
+        # (qwen2moe, qwen3moe: read by llama.cpp only where the experts' keys are absent; every layer is MoE)
+        "intermediate_size": k.positive("feed_forward_length", int,
+                                        *((1,) if arch in (gn.ARCH_QWEN2MOE, gn.ARCH_QWEN3MOE) else ())),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "rms_norm_eps": k.positive("attention.layer_norm_rms_epsilon", float),
@@ -411,7 +412,7 @@ def _hf_config(
         d.update(
             model_type=model_type, head_dim=head_dim,
             architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                            "qwen3_moe": "Qwen3MoeForCausalLM"}[model_type]],
+                            "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[model_type]],
             num_key_value_heads=k.positive("attention.head_count_kv", int, heads),
             attention_bias="blk.0.attn_q.bias" in infos, mlp_bias="blk.0.ffn_gate.bias" in infos,
             rope_parameters=_rope(k, theta, ctx, freqs, rope_dim, mla=False),
@@ -423,12 +424,16 @@ def _hf_config(
             d.update(model_type="mixtral", architectures=["MixtralForCausalLM"], sliding_window=None,
                      num_local_experts=k.positive("expert_count", int),
                      num_experts_per_tok=k.positive("expert_used_count", int))
-        if arch == gn.ARCH_QWEN3MOE:
-            # as llama.cpp computes it: every layer MoE, the chosen experts' weights always renormalised
+        if arch in (gn.ARCH_QWEN2MOE, gn.ARCH_QWEN3MOE):
+            # as llama.cpp computes them: every layer MoE, the chosen experts' weights always renormalised
+            # (qwen3moe) or never (qwen2moe), whose shared expert is feed_forward_length wide where no key says
             experts, used = k.positive("expert_count", int), k.positive("expert_used_count", int)
-            d.update(num_experts=experts, num_experts_per_tok=used, norm_topk_prob=True, decoder_sparse_step=1,
-                     mlp_only_layers=[], moe_intermediate_size=k.positive(
+            d.update(num_experts=experts, num_experts_per_tok=used, norm_topk_prob=arch == gn.ARCH_QWEN3MOE,
+                     decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=k.positive(
                          "expert_feed_forward_length", int, d["intermediate_size"] // used))
+            if arch == gn.ARCH_QWEN2MOE:
+                d.update(qkv_bias="blk.0.attn_q.bias" in infos, shared_expert_intermediate_size=k.positive(
+                    "expert_shared_feed_forward_length", int, d["intermediate_size"]))
         return d
     rope_dim = k.positive("rope.dimension_count", int)
     # Current files keep MLA's true head sizes in *_mla (key_length/value_length then describe the

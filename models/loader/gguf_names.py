@@ -36,12 +36,14 @@ from models.loader.gguf_file import f32_round
 ARCH_LLAMA = "llama"
 ARCH_QWEN2 = "qwen2"
 ARCH_QWEN3 = "qwen3"
+ARCH_QWEN2MOE = "qwen2moe"
 ARCH_QWEN3MOE = "qwen3moe"
 ARCH_DEEPSEEK2 = "deepseek2"
-SUPPORTED_ARCHS = (ARCH_LLAMA, ARCH_QWEN2, ARCH_QWEN3, ARCH_QWEN3MOE, ARCH_DEEPSEEK2)
+SUPPORTED_ARCHS = (ARCH_LLAMA, ARCH_QWEN2, ARCH_QWEN3, ARCH_QWEN2MOE, ARCH_QWEN3MOE, ARCH_DEEPSEEK2)
 # Llama-family architectures and the HF model_type each is read as; llama.cpp's converter permutes the
 # q and k rows of `llama` files only (its other ones rotate half-split, as HF does: rows as stored)
-LLAMA_ARCHS = {ARCH_LLAMA: "llama", ARCH_QWEN2: "qwen2", ARCH_QWEN3: "qwen3", ARCH_QWEN3MOE: "qwen3_moe"}
+LLAMA_ARCHS = {ARCH_LLAMA: "llama", ARCH_QWEN2: "qwen2", ARCH_QWEN3: "qwen3", ARCH_QWEN2MOE: "qwen2_moe",
+               ARCH_QWEN3MOE: "qwen3_moe"}
 PERMUTED_QK_ARCHS = (ARCH_LLAMA,)
 
 # Tensors outside the layers: GGUF name -> HF name.
@@ -69,6 +71,13 @@ _FFN_EXPERTS = {
     "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
     "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
 }
+# Shared experts (DeepSeek's, Qwen2-MoE's one) and Qwen2-MoE's gate on their output
+_FFN_SHARED = {
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+}
+SHARED_GATE = "ffn_gate_inp_shexp.weight"
 
 # Per-layer tensors: GGUF name after "blk.N." -> HF name after "model.layers.N.". (Which ones a layer has is
 # `expected_tensors`' business: the experts' only in a MoE layer, Mixtral's in a `llama` file.)
@@ -91,9 +100,7 @@ DEEPSEEK2_LAYER_NAMES: dict[str, str] = {
     **{f"{g}.weight": f"{h}.weight" for g, h in _FFN_DENSE.items()},
     **_FFN_EXPERTS,
     "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
-    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
-    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
-    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    **_FFN_SHARED,
 }
 
 # DeepSeek tensors that do not map one-to-one (handled by the functions below).
@@ -107,9 +114,11 @@ QWEN3_LAYER_NAMES: dict[str, str] = {
     **LLAMA_LAYER_NAMES, "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 
+QWEN2MOE_LAYER_NAMES: dict[str, str] = {**LLAMA_LAYER_NAMES, **_FFN_SHARED, SHARED_GATE: "mlp.shared_expert_gate.weight"}
+
 LAYER_NAMES: dict[str, dict[str, str]] = {ARCH_LLAMA: LLAMA_LAYER_NAMES, ARCH_QWEN2: LLAMA_LAYER_NAMES,
-                                          ARCH_QWEN3: QWEN3_LAYER_NAMES, ARCH_QWEN3MOE: QWEN3_LAYER_NAMES,
-                                          ARCH_DEEPSEEK2: DEEPSEEK2_LAYER_NAMES}
+                                          ARCH_QWEN3: QWEN3_LAYER_NAMES, ARCH_QWEN2MOE: QWEN2MOE_LAYER_NAMES,
+                                          ARCH_QWEN3MOE: QWEN3_LAYER_NAMES, ARCH_DEEPSEEK2: DEEPSEEK2_LAYER_NAMES}
 
 
 def llama_arch(cfg: LlamaConfig) -> str:
@@ -117,6 +126,8 @@ def llama_arch(cfg: LlamaConfig) -> str:
     `llama` with experts)."""
     if cfg.qk_norm and cfg.moe is not None:
         return ARCH_QWEN3MOE
+    if cfg.moe is not None and cfg.moe.shared_gate:
+        return ARCH_QWEN2MOE
     if cfg.qk_norm:
         return ARCH_QWEN3
     if cfg.attention_bias and not cfg.out_bias:
@@ -255,8 +266,12 @@ def _llama_layer(cfg: LlamaConfig, i: int, fused_gate_up: bool) -> tuple[dict[st
     mats = {"attn_q": (nq, h), "attn_k": (nkv, h), "attn_v": (nkv, h), "attn_output": (h, nq)}
     layer: dict[str, tuple[int, ...]] = {"attn_norm.weight": (h,), "ffn_norm.weight": (h,)}
     if cfg.is_moe_layer(i):
-        assert cfg.moe is not None
-        layer.update(_expert_tensors(h, cfg.moe.num_experts, cfg.moe.intermediate_size, fused_gate_up))
+        m = cfg.moe
+        assert m is not None
+        layer.update(_expert_tensors(h, m.num_experts, m.intermediate_size, fused_gate_up))
+        if m.shared_size:  # Qwen2-MoE's gated shared expert ([1, hidden] gate: the converter writes HF's shape)
+            layer.update(_shared_tensors(h, m.shared_size))
+            layer[SHARED_GATE] = (1, h)
     else:
         mats.update({"ffn_gate": (ff, h), "ffn_up": (ff, h), "ffn_down": (h, ff)})
     need = list(layer)
@@ -296,9 +311,8 @@ def _deepseek_layer(
         assert cfg.moe is not None
         e, fi = cfg.moe.num_experts, cfg.moe.intermediate_size
         layer.update(_expert_tensors(h, e, fi, fused_gate_up))
-        if cfg.moe.num_shared_experts:
-            fs = fi * cfg.moe.num_shared_experts
-            layer.update({"ffn_gate_shexp.weight": (fs, h), "ffn_up_shexp.weight": (fs, h), "ffn_down_shexp.weight": (h, fs)})
+        if cfg.moe.shared_size:
+            layer.update(_shared_tensors(h, cfg.moe.shared_size))
         need = list(layer)
         layer["exp_probs_b.bias"] = (e,)  # optional: V3's routing bias
     else:
@@ -316,3 +330,8 @@ def _expert_tensors(h: int, e: int, fi: int, fused_gate_up: bool) -> dict[str, t
     else:
         layer.update({"ffn_gate_exps.weight": (e, fi, h), "ffn_up_exps.weight": (e, fi, h)})
     return layer
+
+
+def _shared_tensors(h: int, fs: int) -> dict[str, tuple[int, ...]]:
+    """A MoE layer's shared experts: one gated MLP of width `fs`."""
+    return {"ffn_gate_shexp.weight": (fs, h), "ffn_up_shexp.weight": (fs, h), "ffn_down_shexp.weight": (h, fs)}

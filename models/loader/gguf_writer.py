@@ -308,22 +308,26 @@ def _write_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, raw: dict[str, Any], c
 
 
 def _write_experts(w: gguf.GGUFWriter, cfg: LlamaConfig, cfg_path: Path) -> None:
-    """The expert keys of Qwen3-MoE (`qwen3moe`) and Mixtral (`llama`, whose experts are feed_forward_length
-    wide). llama.cpp has experts in every layer of both and always renormalises the chosen experts' weights: a
-    model that differs would compute otherwise there, so it is refused."""
+    """The expert keys of Qwen2-MoE (`qwen2moe`), Qwen3-MoE (`qwen3moe`) and Mixtral (`llama`, whose experts are
+    feed_forward_length wide). llama.cpp has experts in every layer of each and renormalises the chosen experts'
+    weights always (never for qwen2moe): a model that differs would compute otherwise there, so it is refused."""
     m, arch = cfg.moe, gn.llama_arch(cfg)
     assert m is not None
     if cfg.dense_layers:
         raise CheckpointError(cfg_path, f"layers {sorted(cfg.dense_layers)} keep a dense MLP (mlp_only_layers or "
                                         f"decoder_sparse_step): llama.cpp's {arch} has experts in every layer, so no "
                                         "GGUF file holds this model")
-    if not m.norm_topk_prob:
-        raise CheckpointError(cfg_path, f"norm_topk_prob is false: llama.cpp's {arch} always renormalises the chosen "
-                                        "experts' weights, so a GGUF file of this model would compute otherwise")
+    renormalised = arch != gn.ARCH_QWEN2MOE  # (llama.cpp's qwen2moe never renormalises, the others always)
+    if m.norm_topk_prob != renormalised:
+        raise CheckpointError(cfg_path, f"norm_topk_prob is {str(m.norm_topk_prob).lower()}: llama.cpp's {arch} "
+                                        f"{'always' if renormalised else 'never'} renormalises the chosen experts' "
+                                        "weights, so a GGUF file of this model would compute otherwise")
     w.add_expert_count(m.num_experts)
     w.add_expert_used_count(m.top_k)
-    if arch == gn.ARCH_QWEN3MOE:
+    if arch != gn.ARCH_LLAMA:  # (Mixtral's experts are feed_forward_length wide)
         w.add_expert_feed_forward_length(m.intermediate_size)
+    if m.shared_gate:
+        w.add_expert_shared_feed_forward_length(m.shared_size)
 
 
 def _write_rope_scaling(w: gguf.GGUFWriter, cfg: ModelConfig, cfg_path: Path) -> None:

@@ -40,7 +40,8 @@ INT_CHUNK_VALUES = 1 << 22  # an integer-quantized weight is unpacked this many 
 _EXPERT_RE = re.compile(r"\.experts\.(0|[1-9][0-9]*)\.(gate|up|down)_proj\.weight$")
 # Architectures whose files name tensors otherwise than the models here (transformers' own module names, which
 # its loading renames): HF model_type -> (pattern, replacement) rules applied to every stored name. Mixtral's
-# `block_sparse_moe.experts.N.w1/w3/w2` are the gate, up and down projections.
+# `block_sparse_moe.experts.N.w1/w3/w2` are the gate, up and down projections; Qwen2-MoE's one `shared_expert` is
+# the shared experts' MLP.
 CHECKPOINT_RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
     "mixtral": (
         (re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate."),
@@ -48,6 +49,7 @@ CHECKPOINT_RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
         (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w3\."), r".mlp.experts.\1.up_proj."),
         (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj."),
     ),
+    "qwen2_moe": ((re.compile(r"\.mlp\.shared_expert\."), ".mlp.shared_experts."),),
 }
 _LAYER_RE = re.compile(r"^model\.layers\.(0|[1-9][0-9]*)\.")
 
@@ -174,7 +176,9 @@ class HFCheckpoint:
             for pattern, replacement in rules:
                 new = pattern.sub(replacement, new)
             if new in out:
-                raise CheckpointError(shard, f"tensor '{name}' and another tensor both hold '{new}'")
+                other = self._stored.get(new, new)
+                raise CheckpointError(shard, f"tensors '{other}' and '{name}' are the same weight ('{new}'): the "
+                                             "checkpoint holds it twice")
             out[new] = shard
             if new != name:
                 self._stored[new] = name

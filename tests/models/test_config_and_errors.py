@@ -456,3 +456,37 @@ def test_mixtral_reads_as_transformers_builds_it():
     assert config_from_hf_dict({**mistral, "sliding_window": None}).max_position_embeddings == 131072
     with pytest.raises(CheckpointError, match=re.escape("'num_experts_per_tok' = 9 is more than the 8 experts")):
         config_from_hf_dict({**MIXTRAL, "num_experts_per_tok": 9})
+
+
+def test_qwen2_moe_reads_as_transformers_builds_it():
+    """Qwen2MoeConfig's defaults: 60 experts of 1408, top-4, unnormalised, one shared expert of 5632 whose output a
+    sigmoid gate scales, q/k/v biases (qkv_bias) and none on o."""
+    cfg = config_from_hf_dict({k: v for k, v in QWEN3_MOE.items() if k not in ("num_experts", "num_experts_per_tok",
+                                                                                 "moe_intermediate_size")}
+                              | {"model_type": "qwen2_moe"})
+    m = cfg.moe
+    assert (m.num_experts, m.top_k, m.intermediate_size, m.shared_size, m.shared_gate) == (60, 4, 1408, 5632, True)
+    assert not m.norm_topk_prob and cfg.attention_bias and cfg.out_bias is False and not cfg.qk_norm
+    assert not config_from_hf_dict({**QWEN3_MOE, "model_type": "qwen2_moe", "qkv_bias": False}).attention_bias
+    no_shared = config_from_hf_dict({**QWEN3_MOE, "model_type": "qwen2_moe", "shared_expert_intermediate_size": 0})
+    assert no_shared.moe.shared_size == 0 and not no_shared.moe.shared_gate
+
+
+def test_absent_keys_take_each_model_types_transformers_default():
+    """Keys a config leaves out are read as transformers' config class for the model type fills them (a helper
+    found ours read them as Llama's): Mixtral's theta 1e6, eps 1e-5, 8 KV heads, bos 1 / eos 2; Qwen3-MoE's and
+    Mistral's KV heads (4, 8); a Qwen window of 4096 where use_sliding_window turns one on without a size; and
+    num_local_experts over num_experts where a Qwen3-MoE config has both (transformers maps the latter to it)."""
+    base = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=16)
+    mixtral = config_from_hf_dict({**base, "model_type": "mixtral"})
+    assert (mixtral.rope.theta, mixtral.rms_norm_eps, mixtral.num_key_value_heads) == (1e6, 1e-5, 8)
+    assert (mixtral.bos_token_id, mixtral.eos_token_ids) == (1, (2,))
+    assert config_from_hf_dict({**base, "model_type": "mixtral", "eos_token_id": None}).eos_token_ids == ()
+    assert config_from_hf_dict({**base, "model_type": "qwen3_moe", "head_dim": 16}).num_key_value_heads == 4
+    assert config_from_hf_dict({**base, "model_type": "mistral", "sliding_window": None}).num_key_value_heads == 8
+    assert config_from_hf_dict({**base, "model_type": "llama"}).num_key_value_heads == 16
+    windowed = config_from_hf_dict({**base, "model_type": "qwen3_moe", "head_dim": 16, "use_sliding_window": True})
+    assert windowed.sliding_window == 4096
+    both = config_from_hf_dict({**base, "model_type": "qwen3_moe", "head_dim": 16, "num_experts": 8,
+                                "num_local_experts": 4, "num_experts_per_tok": 2})
+    assert both.moe.num_experts == 4

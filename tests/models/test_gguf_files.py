@@ -67,6 +67,8 @@ _CASES: dict[str, tuple[str, dict, dict]] = {
     "qwen3_moe": ("Qwen3Moe", dict(_LLAMA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                    norm_topk_prob=True, rope_theta=1000000.0), {}),
     "mixtral": ("Mixtral", dict(_LLAMA, num_local_experts=4, num_experts_per_tok=2, sliding_window=None), {}),
+    "qwen2_moe": ("Qwen2Moe", dict(_LLAMA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=48, norm_topk_prob=False), {}),
     "v2_lite": ("DeepseekV2", dict(_DEEPSEEK, q_lora_rank=None, n_group=2, topk_group=1,
                                    topk_method="group_limited_greedy",
                                    rope_parameters=dict(_YARN, mscale=0.707, mscale_all_dim=0.707)), {}),
@@ -132,8 +134,8 @@ def _hf_tensors(d: Path) -> dict[str, torch.Tensor]:
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for name, t in flat.items():
         # Mixtral's files: transformers' conversion mapping reads block_sparse_moe.experts.N.w1 and w3 as the
-        # gate and up halves, w2 as down
-        name = name.replace(".block_sparse_moe.", ".mlp.")
+        # gate and up halves, w2 as down; Qwen2-MoE's one shared_expert is the shared experts' MLP
+        name = name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.shared_expert.", ".mlp.shared_experts.")
         for old, new in ((".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj.")):
             name = name.replace(old, new) if ".mlp.experts." in name else name
         head, sep, tail = name.partition(".mlp.experts.")
@@ -489,7 +491,7 @@ def test_quantized_write_within_rounding(
         assert (err <= _bound(ref, tq)).all(), name
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "v3"])
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "v3"])
 def test_llama_cpp_runs_written_file_like_hf(hf_dirs: dict[str, Path], tmp_path: Path, case: str) -> None:
     pytest.importorskip("llama_cpp")
     from transformers import AutoModelForCausalLM
@@ -652,7 +654,7 @@ def test_garbage_and_corruption_raise_only_checkpoint_errors(tmp_path: Path, see
 
 def test_unknown_architecture(tmp_path: Path) -> None:
     _fails(_small_gguf(tmp_path / "m.gguf", arch="xyz"),
-           "unknown architecture 'xyz' in general.architecture (supported: llama, qwen2, qwen3, qwen3moe, deepseek2)")
+           "unknown architecture 'xyz' in general.architecture (supported: llama, qwen2, qwen3, qwen2moe, qwen3moe, deepseek2)")
 
 
 def test_missing_tensor(tmp_path: Path) -> None:
@@ -674,7 +676,7 @@ def test_missing_or_mistyped_metadata_key(tmp_path: Path) -> None:
     _fails(_small_gguf(tmp_path / "b.gguf", kv={"block_count": "one"}), "'llama.block_count'", "must be int")
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe"])
 def test_native_forward_on_q8_0_blocks_agrees_with_llama_cpp(hf_dirs: dict[str, Path], tmp_path: Path,
                                                              case: str) -> None:
     """Qwen2's q/k/v biases and Qwen3's per-head q/k norms through the native CPU forward on a Q8_0 file

@@ -245,6 +245,13 @@ CONFIG_VARIANTS = {
     "qwen3_moe num_experts key": ("qwen3_moe", {}, ("num_local_experts",), {"num_experts": 8}),
     # norm_topk_prob absent: Qwen3MoeConfig's False, the chosen experts' softmax weights as they are
     "qwen3_moe norm_topk_prob absent": ("qwen3_moe", dict(norm_topk_prob=False), ("norm_topk_prob",), {}),
+    # Qwen2-MoE: q/k/v without biases (qkv_bias false), the shared expert's width absent (Qwen2MoeConfig's 5632),
+    # renormalised routing
+    # Mixtral without rope keys or eps: MixtralConfig's theta 1e6 and eps 1e-5 (Llama's 10000 and 1e-6 were read)
+    "mixtral theta and eps absent": ("mixtral", {}, ("rope_parameters", "rms_norm_eps"), {}),
+    "qwen2_moe qkv_bias false": ("qwen2_moe", dict(qkv_bias=False, norm_topk_prob=True), (), {}),
+    "qwen2_moe shared width absent": ("qwen2_moe", dict(shared_expert_intermediate_size=5632),
+                                      ("shared_expert_intermediate_size",), {}),
 }
 
 

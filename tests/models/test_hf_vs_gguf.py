@@ -45,22 +45,24 @@ def test_q8_0_gguf_stays_close(tmp_path, preset):
     assert not torch.equal(quant, exact)  # really quantized
 
 
-def _mixtral_dir(d):
-    """transformers' tiny Mixtral (block_sparse_moe.experts.N.w1/w2/w3 in its file) with the default model's
-    tokenizer, which llama.cpp's converter knows."""
+def _hf_dir(name, d):
+    """transformers' tiny `name` model (Mixtral's file names its experts block_sparse_moe.experts.N.w1/w2/w3,
+    Qwen2-MoE's its shared_expert) with the default model's tokenizer, which llama.cpp's converter knows."""
     from models.builtin import DEFAULT_MODEL, builtin_model_path
     from models.loader.gguf_loader import GGUFCheckpoint
     from models.loader.tokenizer import save_hf_tokenizer
     from tests.hf_models import build_hf_model
 
-    build_hf_model("mixtral", seed=5, vocab_size=49152).save_pretrained(d)
+    # (every layer MoE: llama.cpp's qwen2moe has no dense layers, and its converter refuses them)
+    build_hf_model(name, seed=5, vocab_size=49152, **({"mlp_only_layers": []} if name == "qwen2_moe" else {})
+                   ).save_pretrained(d)
     save_hf_tokenizer(GGUFCheckpoint(builtin_model_path(DEFAULT_MODEL)).tokenizer(), d)
     return d
 
 
-@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "mixtral", "qwen2_moe"])
 def test_llama_cpp_converters_moe_file_loads_as_the_hf_directory(tmp_path, model):
-    """A Qwen3-MoE or Mixtral GGUF as llama.cpp users have it (llama.cpp's own convert_hf_to_gguf.py, F32): our
+    """A Qwen3-MoE, Mixtral or Qwen2-MoE GGUF as llama.cpp users have it (llama.cpp's own convert_hf_to_gguf.py, F32): our
     reader maps its names (Mixtral's q/k rows permuted), stacked experts and keys to the HF directory's model,
     logits within 1e-5 and the same tokens."""
     import os
@@ -74,7 +76,8 @@ def test_llama_cpp_converters_moe_file_loads_as_the_hf_directory(tmp_path, model
         pytest.skip("llama.cpp's sources are not unpacked (`make test` does it: bench/peers.py unpack)")
     if model == "mixtral":
         pytest.importorskip("sentencepiece", reason="llama.cpp's Llama converter imports it (`make test` installs it)")
-        d = _mixtral_dir(tmp_path / "hf")
+    if not model.startswith("tiny-"):
+        d = _hf_dir(model, tmp_path / "hf")
     else:
         d = write_checkpoint(tmp_path / "hf", model, seed=5)
     out = tmp_path / "converted.gguf"
@@ -85,6 +88,6 @@ def test_llama_cpp_converters_moe_file_loads_as_the_hf_directory(tmp_path, model
     hf_loaded, hf_runner, hf_logits = logits_of(d, ids)
     gguf_loaded, gguf_runner, gguf_logits = logits_of(out, ids)
     assert gguf_loaded.config.moe == hf_loaded.config.moe
-    assert gguf_loaded.config.qk_norm == hf_loaded.config.qk_norm == (model != "mixtral")
+    assert gguf_loaded.config.qk_norm == hf_loaded.config.qk_norm == (model == "tiny-qwen3-moe")
     assert float((gguf_logits - hf_logits).abs().max() / hf_logits.abs().max()) <= 1e-5
     assert gguf_runner.generate_greedy(ids, 16) == hf_runner.generate_greedy(ids, 16)

@@ -15,7 +15,8 @@ from models.loader.errors import CheckpointError
 
 transformers = pytest.importorskip("transformers")
 
-TINY = ["tiny-deepseek-v2", "tiny-deepseek-v2-qlora", "tiny-deepseek-v3", "tiny-llama", "tiny-qwen3-moe"]
+TINY = ["tiny-deepseek-v2", "tiny-deepseek-v2-qlora", "tiny-deepseek-v3", "tiny-llama", "tiny-qwen2-moe",
+        "tiny-qwen3-moe"]
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
@@ -109,6 +110,8 @@ def test_tiny_presets_are_small_but_not_degenerate() -> None:
     qwen = config_from_hf_dict(synthetic.load_preset("tiny-qwen3-moe"))
     assert qwen.qk_norm and qwen.moe is not None and (qwen.moe.num_experts, qwen.moe.top_k) == (8, 2)
     assert all(qwen.is_moe_layer(i) for i in range(qwen.num_hidden_layers)) and qwen.moe.norm_topk_prob
+    qwen2 = config_from_hf_dict(synthetic.load_preset("tiny-qwen2-moe"))
+    assert qwen2.moe.shared_gate and qwen2.moe.shared_size == 48 and qwen2.attention_bias and not qwen2.out_bias
 
 
 def test_true_shape_presets_match_released_models() -> None:

@@ -548,22 +548,36 @@ def test_a_split_the_models_sizes_do_not_divide_is_named_before_anything_starts(
 
     from server.args import parallel_problem
 
-    llama = tmp_path / "llama"
-    llama.mkdir()
-    (llama / "config.json").write_text(json.dumps({"num_attention_heads": 4, "intermediate_size": 128}))
+    def hf(name: str, **config) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"vocab_size": 320, "hidden_size": 96, "num_hidden_layers": 2,
+                                                   **config}))
+        return d
+
+    llama = hf("llama", model_type="llama", num_attention_heads=4, intermediate_size=128)
     assert parallel_problem(str(llama), 2, heads_split=True, ep=False) is None
     heads = parallel_problem(str(llama), 3, heads_split=True, ep=False)
     assert "number of attention heads (4)" in heads and "--dp-attention keeps attention whole" in heads
     mlp = parallel_problem(str(llama), 3, heads_split=False, ep=False)  # dp attention: the MLPs are split
     assert "intermediate size (128)" in mlp and "choose a --dp that divides it" in mlp and "--tp" not in mlp
     assert "has none (a dense model)" in parallel_problem(str(llama), 2, heads_split=True, ep=True)
-    moe = tmp_path / "moe"
-    moe.mkdir()
-    (moe / "config.json").write_text(json.dumps({"num_attention_heads": 6, "intermediate_size": 96, "n_routed_experts": 8,
-                                                 "moe_intermediate_size": 48, "first_k_dense_replace": 0}))
-    assert parallel_problem(str(moe), 3, heads_split=True, ep=False) is None  # no dense layer: 96 is not split
+    # each MoE family's own keys for its experts (DeepSeek's n_routed_experts, the Qwen MoEs' num_experts,
+    # Mixtral's num_local_experts, absent: 8): --ep was refused for the latter as a dense model
+    moe = hf("moe", model_type="qwen3_moe", num_attention_heads=6, num_key_value_heads=2, intermediate_size=100,
+             num_experts=8, moe_intermediate_size=48)
+    assert parallel_problem(str(moe), 3, heads_split=True, ep=False) is None  # no dense layer: 100 is not split
     assert "number of routed experts (8)" in parallel_problem(str(moe), 3, heads_split=True, ep=True)
     assert parallel_problem(str(moe), 1, heads_split=True, ep=True) is None
+    assert parallel_problem(str(moe), 2, heads_split=True, ep=True) is None
+    assert "routed experts' intermediate size (48)" in parallel_problem(str(moe), 5, heads_split=False, ep=False)
+    mixtral = hf("mixtral", model_type="mixtral", num_attention_heads=6, num_key_value_heads=2, intermediate_size=40)
+    assert parallel_problem(str(mixtral), 2, heads_split=True, ep=True) is None
+    assert "number of routed experts (8)" in parallel_problem(str(mixtral), 3, heads_split=False, ep=True)
+    qwen2 = hf("qwen2moe", model_type="qwen2_moe", num_attention_heads=6, num_key_value_heads=2, num_experts=6,
+               moe_intermediate_size=48, shared_expert_intermediate_size=40, mlp_only_layers=[1], intermediate_size=60)
+    assert "shared experts' intermediate size (40)" in parallel_problem(str(qwen2), 3, heads_split=True, ep=True)
+    assert "dense MLPs' intermediate size (60)" in parallel_problem(str(qwen2), 8, heads_split=False, ep=True)
     path = tmp_path / "m.gguf"
     writer = gguf.GGUFWriter(str(path), "deepseek2")
     writer.add_head_count(4)
