@@ -419,6 +419,10 @@ def _hf_config(
         )
         if rope_dim != head_dim:
             d[GGUF_ROPE_DIM_KEY] = rope_dim
+        if k.get("expert_count", int, 0) and k.get("expert_used_count", int, 0) > k.get("expert_count", int):
+            raise CheckpointError(path, f"metadata key '{k.full('expert_used_count')}' = "
+                                        f"{k.get('expert_used_count', int)} is more than the "
+                                        f"{k.get('expert_count', int)} experts of '{k.full('expert_count')}'")
         if arch == gn.ARCH_LLAMA and k.get("expert_count", int, 0):
             # Mixtral: llama.cpp's `llama` with experts of feed_forward_length in every layer, always renormalised
             d.update(model_type="mixtral", architectures=["MixtralForCausalLM"], sliding_window=None,

@@ -700,3 +700,11 @@ def test_native_forward_on_q8_0_blocks_agrees_with_llama_cpp(hf_dirs: dict[str, 
     theirs = torch.tensor(np.array(llm.scores[: len(ids)]))
     err = (ours - theirs).abs().max(-1).values / theirs.abs().max(-1).values
     assert float(err.max()) <= 0.05, err
+
+
+@pytest.mark.parametrize("case, arch", [("qwen3_moe", "qwen3moe"), ("mixtral", "llama"), ("qwen2_moe", "qwen2moe")])
+def test_more_experts_used_than_there_are_is_named_by_its_gguf_key(hf_dirs: dict[str, Path], tmp_path: Path,
+                                                                   case: str, arch: str) -> None:
+    src = write_gguf(hf_dirs[case], tmp_path / "m.gguf")
+    bad = _rewrite(src, tmp_path / "bad.gguf", {f"{arch}.expert_used_count": 9}, {})
+    _fails(bad, f"'{arch}.expert_used_count' = 9 is more than the 4 experts of '{arch}.expert_count'")
