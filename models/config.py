@@ -3,7 +3,8 @@
 One config class per architecture family:
 
 * `DeepseekConfig` — DeepSeek-V2 / V2-Lite / V3 (MLA attention, MoE with shared + routed experts).
-* `LlamaConfig`    — Llama-family models (GQA, half-split RoPE): dense, or with routed experts (Qwen3-MoE).
+* `LlamaConfig`    — Llama-family models (GQA, half-split RoPE): dense, or with routed experts (Qwen2-MoE,
+                     Qwen3-MoE, Mixtral).
 
 Both are built from an HF ``config.json`` dict by `config_from_hf_dict`, whichever transformers
 version wrote it: older files carry ``rope_theta`` + ``rope_scaling`` (with ``type`` or
@@ -154,8 +155,8 @@ class DeepseekConfig:
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """Llama-family decoder with grouped-query attention: dense, or (Qwen3-MoE) with routed experts in the
-    layers `is_moe_layer` names."""
+    """Llama-family decoder with grouped-query attention: dense, or (Qwen2-MoE, Qwen3-MoE, Mixtral) with routed
+    experts in the layers `is_moe_layer` names."""
 
     arch: Literal["llama"]
     vocab_size: int
@@ -178,7 +179,7 @@ class LlamaConfig:
     # Mistral's sliding-window attention: not implemented, so max_position_embeddings is cut to the window
     # (within it every key is in reach, as full attention); None for full attention
     sliding_window: int | None = None
-    moe: MoEConfig | None = None  # Qwen3-MoE: the routed experts' shapes and routing; None: dense
+    moe: MoEConfig | None = None  # the routed experts' shapes and routing; None: dense
     dense_layers: frozenset[int] = frozenset()  # with `moe`: the layers that keep a dense MLP (`mlp_only_layers`)
 
     @property

@@ -1,5 +1,5 @@
 """Llama-family decoder (GQA attention through the attention backend, half-split RoPE): dense MLPs, or
-routed experts (Qwen3-MoE) through the same MoE layer as DeepSeek's (`models.moe`)."""
+routed experts (Qwen2-MoE, Qwen3-MoE, Mixtral) through the same MoE layer as DeepSeek's (`models.moe`)."""
 
 from __future__ import annotations
 

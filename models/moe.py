@@ -1,5 +1,5 @@
-"""The MoE layer of DeepSeek-V2/V3 and Qwen3-MoE: router + routed experts (through an expert backend,
-`models.experts`) + shared experts (DeepSeek's; Qwen3-MoE has none).
+"""The MoE layer of DeepSeek-V2/V3, Qwen2-MoE, Qwen3-MoE and Mixtral: router + routed experts (through an
+expert backend, `models.experts`) + shared experts (DeepSeek's; Qwen2-MoE's one, gated; none in the others).
 
 The routed experts' `submit(...)` may return before the work is done (the `cpp` backend computes on
 CPU threads) and `sync()` returns the result. The layer submits routed work first, runs the shared
