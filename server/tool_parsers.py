@@ -876,11 +876,15 @@ def whole_json(text: str) -> bool:
     """Whether `text` is one whole JSON value as RFC 8259 writes them: NaN, Infinity and a number past a
     double's range (which JavaScript's JSON.parse refuses, or reads as no number) are not; a lone surrogate's
     escape is (the grammar allows every \\uXXXX, and JSON.parse reads it)."""
+    return _strict_json(text)[0]
+
+
+def _strict_json(text: str) -> tuple[bool, Any]:
+    """(True, the value) where `text` is one whole JSON value (`whole_json`), else (False, None): read once."""
     try:
-        json.loads(text, parse_constant=_not_json, parse_float=_finite, parse_int=_finite_int)
+        return True, json.loads(text, parse_constant=_not_json, parse_float=_finite, parse_int=_finite_int)
     except (ValueError, RecursionError):
-        return False
-    return True
+        return False, None
 
 
 def _not_json(name: str) -> None:
@@ -927,6 +931,8 @@ def _as_kind(text: str, kind: str) -> tuple[bool, Any]:
         if not _DECIMAL.fullmatch(stripped) or len(stripped) > 300:
             return False, None
         value = float(stripped)
+        if not math.isfinite(value):
+            return False, None
         return (True, int(value) if value.is_integer() and abs(value) < 2**53 else value)
     if kind in ("boolean", "bool", "binary"):
         flag = {"true": True, "false": False}.get(stripped.lower())
@@ -935,11 +941,13 @@ def _as_kind(text: str, kind: str) -> tuple[bool, Any]:
         return (stripped.lower() == "null", None)
     if kind.startswith(_TEXT_TYPES) or kind == "enum":
         return True, text
-    if whole_json(stripped):  # object, array, or a type this reading does not know: JSON
-        return True, json.loads(stripped)
+    ok, value = _strict_json(stripped)  # object, array, or a type this reading does not know: JSON
+    if ok:
+        return True, value
     if (kind in ("object", "array", "arr") or kind.startswith(("dict", "list"))) and len(stripped) <= 100_000:
         value = ast.literal_eval(stripped)  # (a model may write True, None or single quotes; bounded work)
-        return (isinstance(value, (dict, list)), value)
+        # (a literal may hold what JSON cannot: bytes, complex numbers, inf)
+        return isinstance(value, (dict, list)) and whole_json(_json(value)), value
     return False, None
 
 
@@ -955,15 +963,16 @@ def _typed_param(text: str, schema: Any) -> Any:
         return None
     types = _param_types(schema)
     if not types:
-        return json.loads(text.strip()) if whole_json(text.strip()) and not text.strip().startswith('"') else text
+        ok, value = _strict_json(text.strip())
+        return value if ok and not isinstance(value, str) else text
     texts = [k for k in types if k.startswith(_TEXT_TYPES) or k == "enum"]
     for kind in sorted(types - {"null", *texts}) + texts:
         try:
             ok, value = _as_kind(text, kind)
-            if ok and whole_json(_json(value)):
-                return value
         except (ValueError, TypeError, SyntaxError, OverflowError, MemoryError, RecursionError):
             continue
+        if ok:
+            return value
     return text
 
 
@@ -1080,10 +1089,10 @@ class QwenXmlToolParser(_TagBlockParser):
         self._raw = ""
         if marker == "":  # (at the end: cut off, its object left open)
             return False
-        if marker is None:  # text outside the parameters: skipped up to the next tag
-            i, _ = find_first(self._buf, (_PARAM_OPEN, _FN_CLOSE, self._CLOSE))
-            keep = i if i >= 0 else partial_len(self._buf, (_PARAM_OPEN, _FN_CLOSE, self._CLOSE))
-            self._buf = self._buf[i:] if i >= 0 else self._buf[len(self._buf) - keep:]
+        if marker is None:  # text outside the parameters: skipped up to the next tag (or a tail that may begin one)
+            tags = (_PARAM_OPEN, _FN_CLOSE, self._CLOSE)
+            i, _ = find_first(self._buf, tags)
+            self._buf = self._buf[i:] if i >= 0 else self._buf[len(self._buf) - partial_len(self._buf, tags):]
             return i >= 0
         if marker == _PARAM_OPEN:
             self._state = "key"

@@ -269,8 +269,9 @@ def _llama_layer(cfg: LlamaConfig, i: int, fused_gate_up: bool) -> tuple[dict[st
         m = cfg.moe
         assert m is not None
         layer.update(_expert_tensors(h, m.num_experts, m.intermediate_size, fused_gate_up))
-        if m.shared_size:  # Qwen2-MoE's gated shared expert ([1, hidden] gate: the converter writes HF's shape)
+        if m.shared_size:
             layer.update(_shared_tensors(h, m.shared_size))
+        if m.shared_gate:  # Qwen2-MoE's gate on its shared expert ([1, hidden]: the converter writes HF's shape)
             layer[SHARED_GATE] = (1, h)
     else:
         mats.update({"ffn_gate": (ff, h), "ffn_up": (ff, h), "ffn_down": (h, ff)})
