@@ -207,6 +207,10 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "qwen2_moe": "llama",  # Qwen2's attention, routed experts and a gated shared expert in the MLPs
     "qwen3_moe": "llama",  # Qwen3's attention, routed experts (softmax top-k, no shared experts) in the MLPs
     "mixtral": "llama",  # Mistral's attention, routed experts in every layer (softmax top-k, renormalised)
+    # GLM-4.5/4.6 (-Air): GQA with half the head rotated, q/k/v biases, optional q/k norms, and DeepSeek-V3's
+    # routing (sigmoid + correction bias, shared experts, dense layers first) in the MLPs
+    "glm4_moe": "llama",
+    "glm4_moe_lite": "deepseek_v3",  # GLM-4.7-Flash: DeepSeek-V3's MLA and MoE, GLM's defaults
 }
 
 
@@ -308,11 +312,8 @@ def _rope_from_dict(k: _Keys, dim: int, interleaved: bool) -> RopeConfig:
     return rope
 
 
-def _rope_kinds(k: _Keys, dim: int, interleaved: bool) -> RopeConfig:
-    """Reads RoPE settings from `rope_parameters` (new) or `rope_scaling` (old), with a top-level `rope_theta`
-    where they hold none. Where a config has both (a transformers 5 file given a `rope_scaling` by hand, as
-    model cards say to extend the context), `rope_scaling` wins, as transformers reads it
-    (`convert_rope_params_to_dict`: `rope_scaling or rope_parameters`)."""
+def _rope_params(k: _Keys) -> dict[str, Any]:
+    """The rope settings a config gives (a copy): `rope_scaling` where it has one, else `rope_parameters`."""
     scaling = k.d.get("rope_scaling")
     if scaling and not isinstance(scaling, dict):
         raise CheckpointError(k.source, f"config key 'rope_scaling' must be an object, got {str(scaling)[:40]!r}")
@@ -324,7 +325,25 @@ def _rope_kinds(k: _Keys, dim: int, interleaved: bool) -> RopeConfig:
         raise CheckpointError(k.source, f"config key '{key}' must be an object, got {str(params)[:40]!r}")
     if "full_attention" in params and isinstance(params["full_attention"], dict):
         params = params["full_attention"]  # per-layer-type form; one type here
-    params = dict(params)
+    return dict(params)
+
+
+def _partial_rotary(k: _Keys, default: float) -> float:
+    """The fraction of a head rotated: `rope_parameters`' `partial_rotary_factor`, else the top-level key, else the
+    model type's `default` (transformers' `convert_rope_params_to_dict` order)."""
+    v = _rope_params(k).get("partial_rotary_factor")
+    v = k.opt("partial_rotary_factor", default, float) if v is None else _Keys({"partial_rotary_factor": v},
+                                                                              k.source).req("partial_rotary_factor", float)
+    return k.above("partial_rotary_factor", v, 0.0, 1.0 + 1e-9)
+
+
+def _rope_kinds(k: _Keys, dim: int, interleaved: bool) -> RopeConfig:
+    """Reads RoPE settings from `rope_parameters` (new) or `rope_scaling` (old), with a top-level `rope_theta`
+    where they hold none. Where a config has both (a transformers 5 file given a `rope_scaling` by hand, as
+    model cards say to extend the context), `rope_scaling` wins, as transformers reads it
+    (`convert_rope_params_to_dict`: `rope_scaling or rope_parameters`)."""
+    scaling = k.d.get("rope_scaling")
+    params = _rope_params(k)
     if k.d.get("rope_theta") is not None:
         params.setdefault("rope_theta", k.d["rope_theta"])
     p = _Keys(params, k.source)
@@ -422,67 +441,18 @@ def _deepseek_from_dict(k: _Keys, arch: Literal["deepseek_v2", "deepseek_v3"]) -
     rope_dim = k.positive("qk_rope_head_dim")
     if rope_dim % 2:
         raise CheckpointError(k.source, f"config key 'qk_rope_head_dim' must be even, got {rope_dim}")
-    # transformers' defaults where a key is absent (DeepseekV2Config / DeepseekV3Config); `q_lora_rank: null`
-    # is a plain q_proj (V2-Lite), an absent one transformers' 1536
-    q_lora_rank = k.opt("q_lora_rank", None) if "q_lora_rank" in k.d else 1536
+    # transformers' defaults where a key is absent (DeepseekV2Config / DeepseekV3Config / Glm4MoeLiteConfig);
+    # `q_lora_rank: null` is a plain q_proj (V2-Lite), an absent one transformers' 1536 (GLM-4.7-Flash's 768)
+    q_lora_rank = k.opt("q_lora_rank", None) if "q_lora_rank" in k.d else 768 if \
+        k.d.get("model_type") == "glm4_moe_lite" else 1536
     if q_lora_rank is not None and q_lora_rank <= 0:
         raise CheckpointError(k.source, f"config key 'q_lora_rank' must be > 0 or null, got {q_lora_rank}")
-    moe = None
+    model_type = k.d.get("model_type")
+    glm = model_type == "glm4_moe_lite"
     is_v3 = arch == "deepseek_v3"
-    num_experts = k.opt("n_routed_experts", None)
-    if num_experts is None:
-        num_experts = k.opt("num_local_experts", 256 if is_v3 else 64)  # (0: a dense model, as a GGUF says)
-    if num_experts:
-        native = "sigmoid" if is_v3 else "softmax"
-        scoring = k.opt("scoring_func", native, str)
-        # transformers ignores a config.json's key and DeepSeek's own code refuses the other function; a GGUF's
-        # expert_gating_func is what llama.cpp computes with
-        if scoring not in ("softmax", "sigmoid") or scoring != native and not k.d.get(GGUF_SOURCE_KEY):
-            raise CheckpointError(k.source, f"config key 'scoring_func' must be {native!r} for {arch} (its router "
-                                            f"scores with {native}), got {scoring!r}")
-        method = k.opt("topk_method", "noaux_tc" if is_v3 else "greedy", str)
-        if is_v3:
-            method = "noaux_tc"  # V3 always routes with the correction bias and top-2 group scores
-        if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
-            raise CheckpointError(
-                k.source, f"config key 'topk_method' must be greedy, group_limited_greedy or noaux_tc, got {method!r}"
-            )
-        if method == "noaux_tc" and not is_v3:  # (transformers' V2 router has no such branch, nor DeepSeek's code)
-            raise CheckpointError(k.source, "config key 'topk_method' noaux_tc is DeepSeek-V3's routing (with its "
-                                            "e_score_correction_bias): a deepseek_v2 model routes with greedy or "
-                                            "group_limited_greedy; for a V3 checkpoint set model_type deepseek_v3")
-        # an absent key takes transformers' default for the architecture (DeepseekV3Config: 8 groups, 4 kept,
-        # normalized top-k weights scaled by 2.5, 1 shared expert, 3 dense layers first; DeepseekV2Config: no
-        # groups, unnormalized, 1.0, 2 shared experts, no dense layers first)
-        n_group = k.at_least("n_group", 8 if is_v3 else 1, 0) or 1  # 0 or null: no groups
-        topk_group = k.at_least("topk_group", 4 if is_v3 else 1, 0) or 1
-        top_k = k.positive("num_experts_per_tok")
-        # V3 picks its experts among the kept groups' only: more than they hold would take experts masked to
-        # -inf in whatever order a top-k breaks ties, with real weights (V2's masked ones weigh 0)
-        short = method == "noaux_tc" and top_k > topk_group * (num_experts // n_group)
-        if num_experts % n_group or topk_group > n_group or top_k > num_experts or short:
-            raise CheckpointError(
-                k.source,
-                f"MoE routing is inconsistent: n_routed_experts={num_experts}, n_group={n_group}, "
-                f"topk_group={topk_group}, num_experts_per_tok={top_k} (experts must split evenly into groups, "
-                "topk_group <= n_group, num_experts_per_tok <= n_routed_experts, and for V3 at most the experts "
-                "of topk_group groups)",
-            )
-        moe = MoEConfig(
-            num_experts=num_experts,
-            top_k=top_k,
-            intermediate_size=k.positive("moe_intermediate_size"),
-            num_shared_experts=k.at_least("n_shared_experts", 1 if is_v3 else 2, 0),
-            scoring_func=scoring,
-            topk_method=method,
-            n_group=n_group,
-            topk_group=topk_group,
-            norm_topk_prob=_norm_topk_prob(k, is_v3),
-            routed_scaling_factor=k.above("routed_scaling_factor",
-                                          k.opt("routed_scaling_factor", 2.5 if is_v3 else 1.0, float)),
-            first_k_dense_replace=k.at_least("first_k_dense_replace", 3 if is_v3 else 0, 0),
-            moe_layer_freq=k.at_least("moe_layer_freq", 1, 0) or 1,
-        )
+    if glm and _partial_rotary(k, 1.0) != 1.0:
+        raise CheckpointError(k.source, "config key 'partial_rotary_factor' must be 1.0 for glm4_moe_lite: MLA rotates "
+                                        "the whole qk_rope_head_dim (transformers' cos/sin would not fit otherwise)")
     return DeepseekConfig(
         arch=arch,
         vocab_size=k.positive("vocab_size"),
@@ -495,16 +465,109 @@ def _deepseek_from_dict(k: _Keys, arch: Literal["deepseek_v2", "deepseek_v3"]) -
         qk_nope_head_dim=k.positive("qk_nope_head_dim"),
         qk_rope_head_dim=rope_dim,
         v_head_dim=k.positive("v_head_dim"),
-        rms_norm_eps=k.above("rms_norm_eps", k.opt("rms_norm_eps", 1e-6, float), below=1.0),  # (models: 1e-6..1e-5)
-        max_position_embeddings=k.context("max_position_embeddings", 4096 if is_v3 else 2048),  # transformers'
+        # (models: 1e-6..1e-5; Glm4MoeLiteConfig's default 1e-5)
+        rms_norm_eps=k.above("rms_norm_eps", k.opt("rms_norm_eps", 1e-5 if glm else 1e-6, float), below=1.0),
+        max_position_embeddings=k.context("max_position_embeddings",  # transformers'
+                                          202752 if glm else 4096 if is_v3 else 2048),
         tie_word_embeddings=k.opt("tie_word_embeddings", False, bool),
         attention_bias=k.opt("attention_bias", False, bool),
         # V2's rotary is always interleaved (transformers and DeepSeek's code read no key); V3 may say otherwise
         rope=_rope_from_dict(k, rope_dim, interleaved=k.opt("rope_interleave", True, bool) if is_v3 else True),
-        moe=moe,
+        moe=_router_moe(k, model_type if glm else arch, is_v3),
         bos_token_id=k.opt("bos_token_id", None),
         eos_token_ids=_eos_ids(k),
     )
+
+
+# transformers' defaults of a DeepSeek-style router where a key is absent, by model type: routed experts, groups,
+# groups kept, shared experts, the weights' scale, dense layers first, experts per token and their width (None:
+# the key is required)
+_ROUTER_DEFAULTS: dict[str, tuple[int, int, int, int, float, int, int | None, int | None]] = {
+    "deepseek_v2": (64, 1, 1, 2, 1.0, 0, None, None),
+    "deepseek_v3": (256, 8, 4, 1, 2.5, 3, None, None),
+    "glm4_moe_lite": (64, 1, 1, 1, 1.8, 1, 4, 1536),
+    "glm4_moe": (128, 1, 1, 1, 1.0, 1, 8, 1408),
+}
+
+
+def _router_moe(k: _Keys, model_type: str, is_v3: bool) -> MoEConfig | None:
+    """DeepSeek's MoE as a config describes it (DeepSeek-V2/V3, and GLM's, which route as V3 does): None where it
+    has no routed experts. `is_v3`: sigmoid scores with the correction bias, groups ranked by their top-2 sum."""
+    experts_default, groups, kept, shared, scale, dense, top_k_default, width = _ROUTER_DEFAULTS[model_type]
+    num_experts = k.opt("n_routed_experts", None)
+    if num_experts is None:
+        num_experts = k.opt("num_local_experts", experts_default)  # (0: a dense model, as a GGUF says)
+    if not num_experts:
+        return None
+    native = "sigmoid" if is_v3 else "softmax"
+    scoring = k.opt("scoring_func", native, str)
+    # transformers ignores a config.json's key and DeepSeek's own code refuses the other function; a GGUF's
+    # expert_gating_func is what llama.cpp computes with
+    if scoring not in ("softmax", "sigmoid") or scoring != native and not k.d.get(GGUF_SOURCE_KEY):
+        raise CheckpointError(k.source, f"config key 'scoring_func' must be {native!r} for {model_type} (its router "
+                                        f"scores with {native}), got {scoring!r}")
+    method = k.opt("topk_method", "noaux_tc" if is_v3 else "greedy", str)
+    if is_v3:
+        method = "noaux_tc"  # V3 always routes with the correction bias and top-2 group scores
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise CheckpointError(
+            k.source, f"config key 'topk_method' must be greedy, group_limited_greedy or noaux_tc, got {method!r}"
+        )
+    if method == "noaux_tc" and not is_v3:  # (transformers' V2 router has no such branch, nor DeepSeek's code)
+        raise CheckpointError(k.source, "config key 'topk_method' noaux_tc is DeepSeek-V3's routing (with its "
+                                        "e_score_correction_bias): a deepseek_v2 model routes with greedy or "
+                                        "group_limited_greedy; for a V3 checkpoint set model_type deepseek_v3")
+    n_group = k.at_least("n_group", groups, 0) or 1  # 0 or null: no groups
+    topk_group = k.at_least("topk_group", kept, 0) or 1
+    top_k = k.positive("num_experts_per_tok", top_k_default)
+    # V3 picks its experts among the kept groups' only: more than they hold would take experts masked to
+    # -inf in whatever order a top-k breaks ties, with real weights (V2's masked ones weigh 0)
+    short = method == "noaux_tc" and top_k > topk_group * (num_experts // n_group)
+    if num_experts % n_group or topk_group > n_group or top_k > num_experts or short:
+        raise CheckpointError(
+            k.source,
+            f"MoE routing is inconsistent: n_routed_experts={num_experts}, n_group={n_group}, "
+            f"topk_group={topk_group}, num_experts_per_tok={top_k} (experts must split evenly into groups, "
+            "topk_group <= n_group, num_experts_per_tok <= n_routed_experts, and for V3 at most the experts "
+            "of topk_group groups)",
+        )
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=k.positive("moe_intermediate_size", width),
+        num_shared_experts=k.at_least("n_shared_experts", shared, 0),
+        scoring_func=scoring,
+        topk_method=method,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=_norm_topk_prob(k, is_v3),
+        routed_scaling_factor=k.above("routed_scaling_factor", k.opt("routed_scaling_factor", scale, float)),
+        first_k_dense_replace=_mlp_layer_types(k) if model_type == "glm4_moe_lite"
+        else k.at_least("first_k_dense_replace", dense, 0),
+        moe_layer_freq=k.at_least("moe_layer_freq", 1, 0) or 1,
+    )
+
+
+def _mlp_layer_types(k: _Keys) -> int:
+    """GLM-4.7-Flash's dense layers first: transformers reads `mlp_layer_types` (default: the first layer dense,
+    the rest sparse) and ignores `first_k_dense_replace`, which vLLM and llama.cpp read; the released config has
+    the latter alone, and both say one. Only a leading run of dense layers is supported (every GLM model's)."""
+    layers = k.positive("num_hidden_layers")
+    types = k.opt("mlp_layer_types", None, list)
+    if types is None:
+        return k.at_least("first_k_dense_replace", 1, 0)
+    if len(types) < layers or any(t not in ("dense", "sparse") for t in types):
+        raise CheckpointError(k.source, f"config key 'mlp_layer_types' must list 'dense' or 'sparse' for each of the "
+                                        f"{layers} layers, got {str(types)[:80]}")
+    lead = next((i for i, t in enumerate(types[:layers]) if t == "sparse"), layers)
+    if "dense" in types[lead:layers]:
+        raise CheckpointError(k.source, f"config key 'mlp_layer_types' has dense layers after sparse ones "
+                                        f"({str(types[:layers])[:80]}): only dense layers first are supported")
+    given = k.d.get("first_k_dense_replace")
+    if given is not None and given != lead:
+        logger.warning("%s: mlp_layer_types makes %d dense layers first, first_k_dense_replace says %s: "
+                       "mlp_layer_types is used, as transformers reads it", k.source, lead, given)
+    return lead
 
 
 def _norm_topk_prob(k: _Keys, is_v3: bool) -> bool:
@@ -543,7 +606,9 @@ def _llama_from_dict(k: _Keys, model_type: str = "llama") -> LlamaConfig:
         raise CheckpointError(k.source, f"config key 'head_dim' must be a positive even number, got {head_dim}")
     # transformers' Llama rotates whole heads whatever a config.json's partial_rotary_factor says; a GGUF's
     # rope.dimension_count may rotate fewer dims (llama.cpp honours it): the GGUF loader passes it by this key
-    rope_dim = k.positive(GGUF_ROPE_DIM_KEY, head_dim)
+    glm = model_type == "glm4_moe"
+    # (GLM-4.5 rotates half of each head, `partial_rotary_factor` 0.5 where the config names none)
+    rope_dim = k.positive(GGUF_ROPE_DIM_KEY, int(head_dim * _partial_rotary(k, 0.5)) if glm else head_dim)
     if rope_dim > head_dim or rope_dim % 2:
         raise CheckpointError(k.source, f"the rotary dimension count {rope_dim} must be even and at most the head "
                                         f"dimension {head_dim}")
@@ -551,13 +616,14 @@ def _llama_from_dict(k: _Keys, model_type: str = "llama") -> LlamaConfig:
         arch="llama",
         vocab_size=k.positive("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=k.positive("intermediate_size", {"qwen3_moe": 6144, "qwen2_moe": 5632}.get(model_type)),
+        intermediate_size=k.positive("intermediate_size",
+                                     {"qwen3_moe": 6144, "qwen2_moe": 5632, "glm4_moe": 10944}.get(model_type)),
         num_hidden_layers=k.positive("num_hidden_layers"),
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=k.above("rms_norm_eps", k.opt("rms_norm_eps", 1e-5 if model_type == "mixtral" else 1e-6, float),
-                             below=1.0),  # (models: 1e-6..1e-5)
+        rms_norm_eps=k.above("rms_norm_eps", k.opt("rms_norm_eps", 1e-5 if model_type in ("mixtral", "glm4_moe")
+                                                   else 1e-6, float), below=1.0),  # (models: 1e-6..1e-5)
         max_position_embeddings=k.context("max_position_embeddings", _DEFAULT_CONTEXT.get(model_type[:4], 2048)),
         tie_word_embeddings=k.opt("tie_word_embeddings", False, bool),
         attention_bias={"qwen2": True, "qwen2_moe": k.opt("qkv_bias", True, bool)}.get(
@@ -568,20 +634,20 @@ def _llama_from_dict(k: _Keys, model_type: str = "llama") -> LlamaConfig:
         bos_token_id=k.opt("bos_token_id", 1) if model_type == "mixtral" and "bos_token_id" not in k.d
         else k.opt("bos_token_id", None),
         eos_token_ids=(2,) if model_type == "mixtral" and "eos_token_id" not in k.d else _eos_ids(k),
-        o_bias=False if model_type in ("qwen2", "qwen2_moe") else None,
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        o_bias=False if model_type in ("qwen2", "qwen2_moe", "glm4_moe") else None,
+        qk_norm=model_type in ("qwen3", "qwen3_moe") or glm and k.opt("use_qk_norm", False, bool),
         **(_qwen_moe(k, model_type) if model_type in ("qwen2_moe", "qwen3_moe")
-           else _mixtral(k) if model_type == "mixtral" else {}),
+           else _mixtral(k) if model_type == "mixtral" else _glm_moe(k) if glm else {}),
     )
 
 
 # transformers' defaults that differ by model type: rope theta (MixtralConfig.default_theta), KV heads where a
 # config names none (Llama's: as many as the query heads)
 _DEFAULT_THETA = {"mixtral": 1e6}
-_DEFAULT_KV_HEADS = {"qwen3_moe": 4, "mistral": 8, "mixtral": 8}
+_DEFAULT_KV_HEADS = {"qwen3_moe": 4, "mistral": 8, "mixtral": 8, "glm4_moe": 8}
 # transformers' max_position_embeddings where a config has none, by model_type's first four letters (Llama's 2048
-# otherwise): Qwen2/Qwen3 configs' 32768, MistralConfig's and MixtralConfig's 4096 * 32
-_DEFAULT_CONTEXT = {"qwen": 32768, "mist": 131072, "mixt": 131072}
+# otherwise): Qwen2/Qwen3 configs' 32768, MistralConfig's and MixtralConfig's 4096 * 32, Glm4MoeConfig's 131072
+_DEFAULT_CONTEXT = {"qwen": 32768, "mist": 131072, "mixt": 131072, "glm4": 131072}
 
 
 def _mixtral(k: _Keys) -> dict[str, Any]:
@@ -597,6 +663,17 @@ def _mixtral(k: _Keys) -> dict[str, Any]:
                              num_shared_experts=0, scoring_func="softmax", topk_method="greedy", n_group=1,
                              topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0, first_k_dense_replace=0,
                              moe_layer_freq=1)}
+
+
+def _glm_moe(k: _Keys) -> dict[str, Any]:
+    """GLM-4.5's MLPs as transformers builds them (Glm4MoeConfig's defaults where a key is absent): DeepSeek-V3's
+    MoE (sigmoid scores plus the correction bias choosing, shared experts) from layer `first_k_dense_replace` on,
+    `moe_layer_freq` unread (every later layer is MoE)."""
+    moe = _router_moe(k, "glm4_moe", is_v3=True)
+    if moe is None:
+        return {}
+    moe = dataclasses.replace(moe, moe_layer_freq=1)
+    return {"moe": moe, "dense_layers": frozenset(range(min(moe.first_k_dense_replace, k.positive("num_hidden_layers"))))}
 
 
 # Qwen2MoeConfig's and Qwen3MoeConfig's defaults: experts, top-k, their width

@@ -74,6 +74,8 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
 }
 
 # DeepSeek-V2-Chat's template (plain-text roles) and a DeepSeek-V3-style one (role tokens), tools left out.
@@ -200,8 +202,8 @@ def _llama_layer(c: LlamaConfig, i: int) -> Iterator[TensorSpec]:
         yield _norm(a + "q_norm", hd)
         yield _norm(a + "k_norm", hd)
     yield _norm(p + "post_attention_layernorm", hidden)
-    if c.is_moe_layer(i):
-        yield from _moe(c, p, correction_bias=False)
+    if c.is_moe_layer(i):  # (GLM-4.5 routes as DeepSeek-V3, with its correction bias)
+        yield from _moe(c, p, correction_bias=c.moe is not None and c.moe.topk_method == "noaux_tc")
     else:
         yield from _mlp(p + "mlp.", hidden, c.intermediate_size, c.mlp_bias)
 

@@ -91,6 +91,20 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         num_attention_heads=4, num_key_value_heads=2, intermediate_size=40, num_local_experts=6,
         num_experts_per_tok=2, tie_word_embeddings=False, sliding_window=None,
     )),
+    # GLM-4.7-Flash (glm4_moe_lite): DeepSeek-V3's MLA (v_head_dim apart from qk_nope) and routing, GLM's
+    # defaults: one dense layer first (mlp_layer_types), no groups, weights renormalised and scaled
+    "glm4_moe_lite": ("glm4_moe_lite", dict(
+        DEEPSEEK_MLA, q_lora_rank=24, n_routed_experts=8, num_experts_per_tok=3, n_group=1, topk_group=1,
+        norm_topk_prob=True, routed_scaling_factor=1.8, tie_word_embeddings=False, rope_theta=1000000.0,
+    )),
+    # GLM-4.5 (glm4_moe): GQA 4/2 with half of each head rotated, q/k/v biases (o none), q/k norms, V3's routing
+    # over 8 experts in 2 groups with a shared expert, one dense layer first
+    "glm4_moe": ("glm4_moe", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=96, moe_intermediate_size=40,
+        n_routed_experts=8, num_experts_per_tok=3, n_group=2, topk_group=1, n_shared_experts=1,
+        routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True, attention_bias=True,
+        use_qk_norm=True, partial_rotary_factor=0.5, rope_theta=1000000.0, tie_word_embeddings=False,
+    )),
 }
 
 
@@ -109,6 +123,8 @@ def build_hf_model(name: str, seed: int = 0, **overrides: Any):
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
+        "glm4_moe_lite": (transformers.Glm4MoeLiteConfig, transformers.Glm4MoeLiteForCausalLM),
     }[model_type]
     torch.manual_seed(seed)
     config = cls_cfg(**kwargs)

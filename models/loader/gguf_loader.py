@@ -106,6 +106,8 @@ class GGUFCheckpoint:
                     yield hf, self._part(info, part, hf, hf in raw_names)
                 continue
             layer_id, short = gn.parse_layer_name(name)  # type: ignore[misc]  # checked at open
+            if layer_id >= cfg.num_hidden_layers:
+                continue  # a multi-token-prediction block (`nextn_predict_layers`), not read
             if short == gn.V_B:
                 continue  # merged into kv_b_proj with attn_k_b
             if short == gn.K_B:
@@ -255,13 +257,16 @@ class GGUFCheckpoint:
         fused = frozenset(p[0] for p in map(gn.parse_layer_name, self._infos) if p and p[1] == gn.GATE_UP_EXPS)
         expected, required = gn.expected_tensors(self._config, split_kv_b, fused)
         count = 0
+        blocks = self._config.num_hidden_layers + self._hf_config["num_nextn_predict_layers"]
         for name, info in self._infos.items():
             parsed = gn.parse_layer_name(name)
+            if parsed is not None and self._config.num_hidden_layers <= parsed[0] < blocks:
+                continue  # a multi-token-prediction block's: never read
             if parsed is not None and parsed[0] >= self._config.num_hidden_layers:
                 raise CheckpointError(
                     self.path,
                     f"tensor '{name}': layer {parsed[0]} is out of range "
-                    f"({self.arch}.block_count = {self._config.num_hidden_layers})",
+                    f"({self.arch}.block_count = {blocks})",
                 )
             if name not in expected:
                 raise CheckpointError(self.path, f"unknown tensor '{name}' for architecture {self.arch}")
@@ -379,6 +384,12 @@ def _hf_config(
     layers = k.positive("block_count", int)
     if layers > len(infos):  # each layer has tensors: stops a hostile count before any loop over it
         raise CheckpointError(path, f"metadata key '{k.full('block_count')}' = {layers} but the file has {len(infos)} tensors")
+    # multi-token-prediction blocks (GLM's) follow the model's layers, counted in block_count: not read here
+    nextn = k.get("nextn_predict_layers", int, 0)
+    if not 0 <= nextn < layers:
+        raise CheckpointError(path, f"metadata key '{k.full('nextn_predict_layers')}' = {nextn} must be at least 0 and "
+                                    f"less than '{k.full('block_count')}' = {layers}")
+    layers -= nextn
     d: dict[str, Any] = {
         GGUF_SOURCE_KEY: True,
         "vocab_size": vocab,
@@ -387,6 +398,7 @@ def _hf_config(
         "intermediate_size": k.positive("feed_forward_length", int,
                                         *((1,) if arch in (gn.ARCH_QWEN2MOE, gn.ARCH_QWEN3MOE) else ())),
         "num_hidden_layers": layers,
+        "num_nextn_predict_layers": nextn,
         "num_attention_heads": heads,
         "rms_norm_eps": k.positive("attention.layer_norm_rms_epsilon", float),
         "max_position_embeddings": ctx,
@@ -412,12 +424,13 @@ def _hf_config(
         d.update(
             model_type=model_type, head_dim=head_dim,
             architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                            "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[model_type]],
+                            "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                            "glm4_moe": "Glm4MoeForCausalLM"}[model_type]],
             num_key_value_heads=k.positive("attention.head_count_kv", int, heads),
             attention_bias="blk.0.attn_q.bias" in infos, mlp_bias="blk.0.ffn_gate.bias" in infos,
             rope_parameters=_rope(k, theta, ctx, freqs, rope_dim, mla=False),
         )
-        if rope_dim != head_dim:
+        if rope_dim != head_dim or arch == gn.ARCH_GLM4MOE:  # (a glm4_moe config without it rotates half)
             d[GGUF_ROPE_DIM_KEY] = rope_dim
         if k.get("expert_count", int, 0) and k.get("expert_used_count", int, 0) > k.get("expert_count", int):
             raise CheckpointError(path, f"metadata key '{k.full('expert_used_count')}' = "
@@ -438,6 +451,12 @@ def _hf_config(
             if arch == gn.ARCH_QWEN2MOE:
                 d.update(qkv_bias="blk.0.attn_q.bias" in infos, shared_expert_intermediate_size=k.positive(
                     "expert_shared_feed_forward_length", int, d["intermediate_size"]))
+        if arch == gn.ARCH_GLM4MOE:
+            if k.get("expert_gating_func", int, 2) != 2:  # (llama.cpp's default for glm4moe: sigmoid)
+                raise CheckpointError(path, f"metadata key '{k.full('expert_gating_func')}' = "
+                                            f"{k.get('expert_gating_func', int)}: only sigmoid (2) routing is supported "
+                                            "for glm4moe (DeepSeek-V3's, with the routing bias)")
+            d.update(use_qk_norm="blk.0.attn_q_norm.weight" in infos, **_router_keys(k, sigmoid=True))
         return d
     rope_dim = k.positive("rope.dimension_count", int)
     # Current files keep MLA's true head sizes in *_mla (key_length/value_length then describe the
@@ -469,24 +488,29 @@ def _hf_config(
         rope_parameters=_rope(k, theta, ctx, None, rope_dim, mla=True),
     )
     if k.get("expert_count", int, 0):
-        n_group = k.get("expert_group_count", int, 1) or 1
-        d.update(
-            n_routed_experts=k.get("expert_count", int),
-            num_experts_per_tok=k.get("expert_used_count", int),
-            n_shared_experts=k.get("expert_shared_count", int, 0),
-            moe_intermediate_size=k.get("expert_feed_forward_length", int),
-            first_k_dense_replace=k.get("leading_dense_block_count", int, 0),
-            routed_scaling_factor=k.get("expert_weights_scale", float, 1.0),
-            norm_topk_prob=k.get("expert_weights_norm", bool, False),
-            n_group=n_group,
-            topk_group=k.get("expert_group_used_count", int, 1) or 1,
-            scoring_func="sigmoid" if sigmoid else "softmax",
-            topk_method="noaux_tc" if is_v3 else "group_limited_greedy" if n_group > 1 else "greedy",
-            moe_layer_freq=1,  # llama.cpp has no key for it: every layer after the dense lead is MoE
-        )
+        d.update(_router_keys(k, sigmoid, is_v3))
     else:
         d.update(n_routed_experts=0)  # no experts: dense (an absent key would be transformers' 64)
     return d
+
+
+def _router_keys(k: _Keys, sigmoid: bool, is_v3: bool = True) -> dict[str, Any]:
+    """The config keys of DeepSeek's MoE (deepseek2's, glm4moe's) from llama.cpp's expert keys."""
+    n_group = k.get("expert_group_count", int, 1) or 1
+    return dict(
+        n_routed_experts=k.get("expert_count", int),
+        num_experts_per_tok=k.get("expert_used_count", int),
+        n_shared_experts=k.get("expert_shared_count", int, 0),
+        moe_intermediate_size=k.get("expert_feed_forward_length", int),
+        first_k_dense_replace=k.get("leading_dense_block_count", int, 0),
+        routed_scaling_factor=k.get("expert_weights_scale", float, 1.0),
+        norm_topk_prob=k.get("expert_weights_norm", bool, False),
+        n_group=n_group,
+        topk_group=k.get("expert_group_used_count", int, 1) or 1,
+        scoring_func="sigmoid" if sigmoid else "softmax",
+        topk_method="noaux_tc" if is_v3 else "group_limited_greedy" if n_group > 1 else "greedy",
+        moe_layer_freq=1,  # llama.cpp has no key for it: every layer after the dense lead is MoE
+    )
 
 
 def _rope(k: _Keys, theta: float, ctx: int, freqs: list[float] | None, dim: int, mla: bool) -> dict[str, Any]:

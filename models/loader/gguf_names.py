@@ -38,12 +38,13 @@ ARCH_QWEN2 = "qwen2"
 ARCH_QWEN3 = "qwen3"
 ARCH_QWEN2MOE = "qwen2moe"
 ARCH_QWEN3MOE = "qwen3moe"
+ARCH_GLM4MOE = "glm4moe"
 ARCH_DEEPSEEK2 = "deepseek2"
-SUPPORTED_ARCHS = (ARCH_LLAMA, ARCH_QWEN2, ARCH_QWEN3, ARCH_QWEN2MOE, ARCH_QWEN3MOE, ARCH_DEEPSEEK2)
+SUPPORTED_ARCHS = (ARCH_LLAMA, ARCH_QWEN2, ARCH_QWEN3, ARCH_QWEN2MOE, ARCH_QWEN3MOE, ARCH_GLM4MOE, ARCH_DEEPSEEK2)
 # Llama-family architectures and the HF model_type each is read as; llama.cpp's converter permutes the
 # q and k rows of `llama` files only (its other ones rotate half-split, as HF does: rows as stored)
 LLAMA_ARCHS = {ARCH_LLAMA: "llama", ARCH_QWEN2: "qwen2", ARCH_QWEN3: "qwen3", ARCH_QWEN2MOE: "qwen2_moe",
-               ARCH_QWEN3MOE: "qwen3_moe"}
+               ARCH_QWEN3MOE: "qwen3_moe", ARCH_GLM4MOE: "glm4_moe"}
 PERMUTED_QK_ARCHS = (ARCH_LLAMA,)
 
 # Tensors outside the layers: GGUF name -> HF name.
@@ -116,14 +117,27 @@ QWEN3_LAYER_NAMES: dict[str, str] = {
 
 QWEN2MOE_LAYER_NAMES: dict[str, str] = {**LLAMA_LAYER_NAMES, **_FFN_SHARED, SHARED_GATE: "mlp.shared_expert_gate.weight"}
 
+# GLM-4.5: Qwen3's names, the norm before the MLP stored as `post_attention_norm` (llama.cpp's glm4moe has no ffn_norm),
+# DeepSeek-V3's routing bias and shared experts
+POST_NORM = "post_attention_norm.weight"
+GLM4MOE_LAYER_NAMES: dict[str, str] = {
+    **{k: v for k, v in QWEN3_LAYER_NAMES.items() if k != "ffn_norm.weight"},
+    POST_NORM: "post_attention_layernorm.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    **_FFN_SHARED,
+}
+
 LAYER_NAMES: dict[str, dict[str, str]] = {ARCH_LLAMA: LLAMA_LAYER_NAMES, ARCH_QWEN2: LLAMA_LAYER_NAMES,
                                           ARCH_QWEN3: QWEN3_LAYER_NAMES, ARCH_QWEN2MOE: QWEN2MOE_LAYER_NAMES,
-                                          ARCH_QWEN3MOE: QWEN3_LAYER_NAMES, ARCH_DEEPSEEK2: DEEPSEEK2_LAYER_NAMES}
+                                          ARCH_QWEN3MOE: QWEN3_LAYER_NAMES, ARCH_GLM4MOE: GLM4MOE_LAYER_NAMES,
+                                          ARCH_DEEPSEEK2: DEEPSEEK2_LAYER_NAMES}
 
 
 def llama_arch(cfg: LlamaConfig) -> str:
     """The GGUF architecture a Llama-family config is written as (llama.cpp's converter's choice; Mixtral is
-    `llama` with experts)."""
+    `llama` with experts; GLM-4.5's routing, DeepSeek-V3's, is glm4moe's alone)."""
+    if cfg.moe is not None and cfg.moe.topk_method == "noaux_tc":
+        return ARCH_GLM4MOE
     if cfg.qk_norm and cfg.moe is not None:
         return ARCH_QWEN3MOE
     if cfg.moe is not None and cfg.moe.shared_gate:
@@ -264,7 +278,8 @@ def _llama_layer(cfg: LlamaConfig, i: int, fused_gate_up: bool) -> tuple[dict[st
     nq, nkv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     # name -> (rows, cols) of the HF Linear
     mats = {"attn_q": (nq, h), "attn_k": (nkv, h), "attn_v": (nkv, h), "attn_output": (h, nq)}
-    layer: dict[str, tuple[int, ...]] = {"attn_norm.weight": (h,), "ffn_norm.weight": (h,)}
+    glm = llama_arch(cfg) == ARCH_GLM4MOE
+    layer: dict[str, tuple[int, ...]] = {"attn_norm.weight": (h,), POST_NORM if glm else "ffn_norm.weight": (h,)}
     if cfg.is_moe_layer(i):
         m = cfg.moe
         assert m is not None
@@ -273,6 +288,8 @@ def _llama_layer(cfg: LlamaConfig, i: int, fused_gate_up: bool) -> tuple[dict[st
             layer.update(_shared_tensors(h, m.shared_size))
         if m.shared_gate:  # Qwen2-MoE's gate on its shared expert ([1, hidden]: the converter writes HF's shape)
             layer[SHARED_GATE] = (1, h)
+        if glm:  # (required there, as llama.cpp's glm4moe requires it)
+            layer["exp_probs_b.bias"] = (m.num_experts,)
     else:
         mats.update({"ffn_gate": (ff, h), "ffn_up": (ff, h), "ffn_down": (h, ff)})
     need = list(layer)

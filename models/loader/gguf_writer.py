@@ -37,7 +37,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from tqdm import tqdm
 
-from models.config import DeepseekConfig, LlamaConfig, ModelConfig, config_from_hf_dict
+from models.config import DeepseekConfig, LlamaConfig, ModelConfig, MoEConfig, config_from_hf_dict
 from models.loader import gguf_names as gn
 from models.loader.errors import CheckpointError
 from models.loader.generation_config import gguf_sampling_metadata
@@ -267,7 +267,7 @@ def _write_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, raw: dict[str, Any], c
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
         if cfg.moe is not None:
-            _write_experts(w, cfg, cfg_path)
+            _write_experts(w, cfg, raw, cfg_path)
         return
     if cfg.attention_bias:
         raise CheckpointError(cfg_path, "attention_bias=true has no deepseek2 GGUF form (llama.cpp has no MLA biases)")
@@ -287,6 +287,11 @@ def _write_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, raw: dict[str, Any], c
         w.add_expert_feed_forward_length(cfg.intermediate_size)
         w.add_expert_shared_count(0)
         return
+    _write_router(w, m, raw, cfg_path)
+
+
+def _write_router(w: gguf.GGUFWriter, m: MoEConfig, raw: dict[str, Any], cfg_path: Path) -> None:
+    """The expert keys of DeepSeek's MoE (deepseek2, and GLM-4.5's glm4moe, which routes as DeepSeek-V3)."""
     if m.moe_layer_freq != 1:
         raise CheckpointError(cfg_path, f"moe_layer_freq={m.moe_layer_freq} has no GGUF key (llama.cpp assumes 1)")
     w.add_leading_dense_block_count(m.first_k_dense_replace)
@@ -307,12 +312,15 @@ def _write_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, raw: dict[str, Any], c
         w.add_expert_weights_norm(True)
 
 
-def _write_experts(w: gguf.GGUFWriter, cfg: LlamaConfig, cfg_path: Path) -> None:
-    """The expert keys of Qwen2-MoE (`qwen2moe`), Qwen3-MoE (`qwen3moe`) and Mixtral (`llama`, whose experts are
-    feed_forward_length wide). llama.cpp has experts in every layer of each and renormalises the chosen experts'
+def _write_experts(w: gguf.GGUFWriter, cfg: LlamaConfig, raw: dict[str, Any], cfg_path: Path) -> None:
+    """The expert keys of Qwen2-MoE (`qwen2moe`), Qwen3-MoE (`qwen3moe`), Mixtral (`llama`, whose experts are
+    feed_forward_length wide) and GLM-4.5 (`glm4moe`: DeepSeek's keys). llama.cpp has experts in every layer of each and renormalises the chosen experts'
     weights always (never for qwen2moe): a model that differs would compute otherwise there, so it is refused."""
     m, arch = cfg.moe, gn.llama_arch(cfg)
     assert m is not None
+    if arch == gn.ARCH_GLM4MOE:  # (its dense layers are the leading ones, as the config reads them)
+        _write_router(w, m, raw, cfg_path)
+        return
     if cfg.dense_layers:
         raise CheckpointError(cfg_path, f"layers {sorted(cfg.dense_layers)} keep a dense MLP (mlp_only_layers or "
                                         f"decoder_sparse_step): llama.cpp's {arch} has experts in every layer, so no "

@@ -81,7 +81,8 @@ _PRE_FAMILIES: list[tuple[tuple[str, ...], _Pre]] = [
     (("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"), _Pre(_DEEPSEEK3, False, False)),
     (("llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"),
      _Pre((_LLAMA3,), True, True)),
-    (("dbrx", "smaug-bpe"), _Pre((_LLAMA3,), False, False)),
+    (("dbrx", "smaug-bpe", "chatglm-bpe"), _Pre((_LLAMA3,), False, False)),
+    (("glm4", "glm5"), _Pre((_LLAMA3,), True, False)),  # (GLM-4.5+: Llama 3's regex, no BOS, words kept whole)
     (("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"),
      _Pre((r"\p{N}", _GPT2), False, False)),
     (("gpt-2", "gpt2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum",

@@ -121,7 +121,8 @@ def run_parallel(model_dir: Path, world: int, ep: bool = False, omnikv: dict | N
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp")
     out = {name: write_checkpoint(root / name, name, seed=31) for name in
-           ("tiny-llama", "tiny-deepseek-v2", "tiny-deepseek-v3", "tiny-qwen2-moe", "tiny-qwen3-moe")}
+           ("tiny-llama", "tiny-deepseek-v2", "tiny-deepseek-v3", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-glm4-moe",
+            "tiny-glm4-moe-lite")}
     for name in ("tiny-llama", "tiny-deepseek-v2"):  # 4 layers, for OmniKV: a filter layer, then sparse layers
         out[f"{name}-4"] = write_checkpoint(root / f"{name}-4", name, seed=33, num_layers=4)
     for name in ("tiny-llama", "tiny-deepseek-v2"):  # GGUF (Q8_0 blocks: read per rank, then decoded)
@@ -134,7 +135,8 @@ CASES = [("tiny-llama", 2, False), ("tiny-llama", 4, False), ("tiny-deepseek-v2"
          ("tiny-deepseek-v2", 2, True), ("tiny-deepseek-v3", 4, True), ("tiny-deepseek-v3", 2, False),
          ("tiny-llama.gguf", 2, False), ("tiny-deepseek-v2.gguf", 2, False), ("tiny-deepseek-v2.gguf", 2, True),
          ("tiny-qwen3-moe", 2, False), ("tiny-qwen3-moe", 2, True), ("tiny-qwen2-moe", 2, False),
-         ("tiny-qwen2-moe", 2, True)]
+         ("tiny-qwen2-moe", 2, True), ("tiny-glm4-moe", 2, False), ("tiny-glm4-moe", 2, True),
+         ("tiny-glm4-moe-lite", 2, True)]
 
 
 @pytest.mark.parametrize("name,world,ep", CASES, ids=[f"{n}-tp{w}{'-ep' if e else ''}" for n, w, e in CASES])
@@ -228,7 +230,8 @@ def _dp_requests(model_dir: str, prompt: list[int], idle_step: int | None) -> tu
 
 
 DP_CASES = [("tiny-deepseek-v2", 2, False), ("tiny-deepseek-v3", 2, True), ("tiny-llama", 2, False),
-            ("tiny-deepseek-v2.gguf", 4, True), ("tiny-qwen3-moe", 2, True), ("tiny-qwen2-moe", 2, True)]
+            ("tiny-deepseek-v2.gguf", 4, True), ("tiny-qwen3-moe", 2, True), ("tiny-qwen2-moe", 2, True),
+            ("tiny-glm4-moe", 2, True)]
 
 
 @pytest.mark.parametrize("name,world,ep", DP_CASES, ids=[f"{n}-dp{w}{'-ep' if e else ''}" for n, w, e in DP_CASES])

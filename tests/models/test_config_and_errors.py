@@ -490,3 +490,69 @@ def test_absent_keys_take_each_model_types_transformers_default():
     both = config_from_hf_dict({**base, "model_type": "qwen3_moe", "head_dim": 16, "num_experts": 8,
                                 "num_local_experts": 4, "num_experts_per_tok": 2})
     assert both.moe.num_experts == 4
+
+
+# GLM-4.7-Flash's released config.json (its shapes; 3 layers here)
+GLM47_FLASH = dict(
+    model_type="glm4_moe_lite", vocab_size=154880, hidden_size=2048, intermediate_size=10240, moe_intermediate_size=1536,
+    num_hidden_layers=3, num_attention_heads=20, num_key_value_heads=20, max_position_embeddings=202752,
+    rope_theta=1000000.0, rope_scaling=None, partial_rotary_factor=1.0, q_lora_rank=768, kv_lora_rank=512,
+    qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, n_routed_experts=64, n_shared_experts=1,
+    num_experts_per_tok=4, norm_topk_prob=True, routed_scaling_factor=1.8, n_group=1, topk_group=1,
+    topk_method="noaux_tc", first_k_dense_replace=1, num_nextn_predict_layers=1, rms_norm_eps=1e-5,
+    eos_token_id=[154820, 154827, 154829], tie_word_embeddings=False)
+
+
+def test_glm47_flash_reads_as_deepseek_v3_mla():
+    """GLM-4.7-Flash is DeepSeek-V3's MLA (576 latent values a token) and routing with GLM's sizes: v_head_dim 256
+    beside qk_nope 192, one dense layer first, x1.8 weights renormalised, no groups."""
+    cfg = config_from_hf_dict(GLM47_FLASH)
+    assert cfg.arch == "deepseek_v3" and cfg.kv_cache_dim == 576 and (cfg.qk_head_dim, cfg.v_head_dim) == (256, 256)
+    m = cfg.moe
+    assert (m.num_experts, m.top_k, m.num_shared_experts, m.n_group, m.topk_group) == (64, 4, 1, 1, 1)
+    assert (m.scoring_func, m.topk_method, m.norm_topk_prob, m.routed_scaling_factor) == ("sigmoid", "noaux_tc", True, 1.8)
+    assert [cfg.is_moe_layer(i) for i in range(3)] == [False, True, True]
+    assert cfg.rope.interleaved and cfg.rope.dim == 64 and cfg.eos_token_ids == (154820, 154827, 154829)
+    bare = config_from_hf_dict({k: v for k, v in GLM47_FLASH.items() if k not in (
+        "q_lora_rank", "max_position_embeddings", "rms_norm_eps", "first_k_dense_replace", "n_routed_experts")})
+    assert (bare.q_lora_rank, bare.max_position_embeddings, bare.rms_norm_eps) == (768, 202752, 1e-5)
+    assert bare.moe.num_experts == 64 and [bare.is_moe_layer(i) for i in range(3)] == [False, True, True]
+
+
+@pytest.mark.parametrize("keys, needle", [
+    ({"mlp_layer_types": ["dense", "sparse", "dense"]}, "dense layers after sparse ones"),
+    ({"mlp_layer_types": ["dense", "sparse"]}, "must list 'dense' or 'sparse' for each of the 3 layers"),
+    ({"mlp_layer_types": ["dense", "moe", "sparse"]}, "must list 'dense' or 'sparse'"),
+    ({"partial_rotary_factor": 0.5}, "'partial_rotary_factor' must be 1.0 for glm4_moe_lite"),
+    ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor": None},
+     "'partial_rotary_factor' must be 1.0"),
+    ({"num_experts_per_tok": 65}, "MoE routing is inconsistent"),
+])
+def test_glm47_flash_bad_keys_are_named(keys, needle):
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
+        config_from_hf_dict({**GLM47_FLASH, **keys})
+
+
+GLM45_AIR = dict(
+    model_type="glm4_moe", vocab_size=151552, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
+    num_hidden_layers=4, num_attention_heads=96, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+    rope_theta=1000000, partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=False, n_routed_experts=128,
+    n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+    first_k_dense_replace=1, norm_topk_prob=True, num_nextn_predict_layers=1, rms_norm_eps=1e-5,
+    eos_token_id=[151329, 151336, 151338], tie_word_embeddings=False)
+
+
+def test_glm45_air_reads_as_gqa_with_deepseek_v3_routing():
+    """GLM-4.5-Air: GQA 96/8 over heads of 128 with the first 64 dims rotated half-split, q/k/v biases and no o
+    bias, DeepSeek-V3's routing (sigmoid, correction bias) with one shared expert, one dense layer first."""
+    cfg = config_from_hf_dict(GLM45_AIR)
+    assert cfg.arch == "llama" and (cfg.num_key_value_heads, cfg.head_dim, cfg.rope.dim) == (8, 128, 64)
+    assert not cfg.rope.interleaved and cfg.attention_bias and cfg.out_bias is False and not cfg.qk_norm
+    m = cfg.moe
+    assert (m.num_experts, m.top_k, m.num_shared_experts, m.shared_size) == (128, 8, 1, 1408)
+    assert (m.scoring_func, m.topk_method, m.norm_topk_prob, m.routed_scaling_factor) == ("sigmoid", "noaux_tc", True, 1.0)
+    assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
+    assert config_from_hf_dict({**GLM45_AIR, "use_qk_norm": True}).qk_norm  # (GLM-4.5's, not -Air's)
+    bare = config_from_hf_dict({k: v for k, v in GLM45_AIR.items() if k not in (
+        "partial_rotary_factor", "num_key_value_heads", "first_k_dense_replace", "rms_norm_eps")})
+    assert (bare.rope.dim, bare.num_key_value_heads, bare.rms_norm_eps, bare.dense_layers) == (64, 8, 1e-5, {0})

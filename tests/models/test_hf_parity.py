@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from models.config import SUPPORTED_MODEL_TYPES
 from models.loader.load import load_model
 from models.mla import MLAAttention
 from executor.model_runner import ModelRunner, RequestSlice
 from tests.hf_models import CONFIGS, build_hf_model, hf_greedy
 
 NAMES = sorted(CONFIGS)
-DEEPSEEK = [n for n in NAMES if CONFIGS[n][0].startswith("deepseek")]
+DEEPSEEK = [n for n in NAMES if SUPPORTED_MODEL_TYPES[CONFIGS[n][0]].startswith("deepseek")]  # (MLA: GLM-4.7-Flash too)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -249,6 +250,22 @@ CONFIG_VARIANTS = {
     # renormalised routing
     # Mixtral without rope keys or eps: MixtralConfig's theta 1e6 and eps 1e-5 (Llama's 10000 and 1e-6 were read)
     "mixtral theta and eps absent": ("mixtral", {}, ("rope_parameters", "rms_norm_eps"), {}),
+    # GLM-4.5: no partial_rotary_factor anywhere (Glm4MoeConfig's 0.5; the whole head was rotated), a rope_parameters
+    # factor beside a top-level one (rope_parameters' wins), no q/k norms and no biases, the router's defaults
+    "glm4_moe partial_rotary_factor absent": ("glm4_moe", {}, ("rope_parameters",), {"rope_theta": 1000000.0}),
+    "glm4_moe rope_parameters factor wins": ("glm4_moe", dict(partial_rotary_factor=0.25), (),
+                                             {"partial_rotary_factor": 0.75}),
+    "glm4_moe plain attention": ("glm4_moe", dict(use_qk_norm=False, attention_bias=False), (), {}),
+    "glm4_moe router defaults": ("glm4_moe", dict(n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                                                  first_k_dense_replace=1, norm_topk_prob=True, use_qk_norm=False),
+                                 ("n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace",
+                                  "norm_topk_prob", "use_qk_norm"), {}),
+    # GLM-4.7-Flash: the released file's first_k_dense_replace without mlp_layer_types, two dense layers by
+    # mlp_layer_types, and Glm4MoeLiteConfig's router defaults (x1.8, no groups)
+    "glm4_moe_lite first_k_dense_replace": ("glm4_moe_lite", {}, ("mlp_layer_types",), {"first_k_dense_replace": 1}),
+    "glm4_moe_lite two dense layers": ("glm4_moe_lite", dict(mlp_layer_types=["dense", "dense", "sparse"]), (), {}),
+    "glm4_moe_lite router defaults": ("glm4_moe_lite", {}, ("n_group", "topk_group", "routed_scaling_factor",
+                                                             "norm_topk_prob", "mlp_layer_types"), {}),
     "qwen2_moe qkv_bias false": ("qwen2_moe", dict(qkv_bias=False, norm_topk_prob=True), (), {}),
     "qwen2_moe shared width absent": ("qwen2_moe", dict(shared_expert_intermediate_size=5632),
                                       ("shared_expert_intermediate_size",), {}),

@@ -91,3 +91,76 @@ def test_llama_cpp_converters_moe_file_loads_as_the_hf_directory(tmp_path, model
     assert gguf_loaded.config.qk_norm == hf_loaded.config.qk_norm == (model == "tiny-qwen3-moe")
     assert float((gguf_logits - hf_logits).abs().max() / hf_logits.abs().max()) <= 1e-5
     assert gguf_runner.generate_greedy(ids, 16) == hf_runner.generate_greedy(ids, 16)
+
+
+def _glm_dir(name: str, d):
+    """transformers' tiny GLM model as zai-org's files hold it: the default model's tokenizer with GLM's special
+    tokens added (llama.cpp's GLM converter names them) and one multi-token-prediction block after the layers
+    (`num_nextn_predict_layers`: a decoder layer plus eh_proj, enorm, hnorm and shared_head.norm), which
+    transformers does not build and llama.cpp's converter writes as block_count's last block."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from models.builtin import DEFAULT_MODEL, builtin_model_path
+    from models.loader.gguf_loader import GGUFCheckpoint
+    from models.loader.tokenizer import save_hf_tokenizer
+    from tests.hf_models import build_hf_model
+
+    model = build_hf_model(name, seed=5, vocab_size=49216)
+    model.save_pretrained(d)
+    bundle = GGUFCheckpoint(builtin_model_path(DEFAULT_MODEL)).tokenizer()
+    bundle.tokenizer.add_special_tokens(["[gMASK]", "<sop>", "<|user|>", "<|observation|>"])
+    save_hf_tokenizer(bundle, d)
+    cfg = json.loads((d / "config.json").read_text())
+    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    tensors = load_file(d / "model.safetensors")
+    g = torch.Generator().manual_seed(9)
+    for key in [k for k in tensors if k.startswith(f"model.layers.{n - 1}.")]:
+        tensors[key.replace(f"model.layers.{n - 1}.", f"model.layers.{n}.")] = torch.randn(
+            tensors[key].shape, generator=g)
+    tensors.update({f"model.layers.{n}.{k}": torch.randn(s, generator=g) for k, s in (
+        ("eh_proj.weight", (h, 2 * h)), ("enorm.weight", (h,)), ("hnorm.weight", (h,)),
+        ("shared_head.norm.weight", (h,)))})
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    # (zai-org's config.json names the dense lead `first_k_dense_replace`, which llama.cpp's converter reads; the
+    # `mlp_layer_types` transformers saves it ignores, writing no dense layer)
+    cfg.pop("mlp_layer_types", None)
+    (d / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1, "first_k_dense_replace": 1}))
+    return d
+
+
+@pytest.mark.parametrize("model", ["glm4_moe_lite", "glm4_moe"])
+def test_llama_cpp_converters_glm_file_loads_as_the_hf_directory(tmp_path, model):
+    """GLM-4.7-Flash (deepseek2) and GLM-4.5 (glm4moe) GGUFs as llama.cpp's own converter writes them, with the
+    multi-token-prediction block it keeps (block_count one more than the layers, `nextn_predict_layers` 1): read as
+    the HF directory's model, logits within 1e-5 and the same tokens, the block not read. (The block's tensors
+    were refused as out of range; glm4moe files were refused as an unknown architecture.)"""
+    import os
+    import subprocess
+    import sys
+
+    from bench import peers
+    from models.loader.gguf_loader import GGUFCheckpoint
+
+    script = peers.convert_script()
+    if script is None:
+        pytest.skip("llama.cpp's sources are not unpacked (`make test` does it: bench/peers.py unpack)")
+    d = _glm_dir(model, tmp_path / "hf")
+    out = tmp_path / "converted.gguf"
+    proc = subprocess.run([sys.executable, str(script), str(d), "--outtype", "f32", "--outfile", str(out)],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=""))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ck = GGUFCheckpoint(out)
+    arch = ck.arch
+    assert arch == {"glm4_moe_lite": "deepseek2", "glm4_moe": "glm4moe"}[model]
+    assert ck.metadata[f"{arch}.block_count"] == 4 and ck.metadata[f"{arch}.nextn_predict_layers"] == 1
+    assert any(name.startswith("blk.3.nextn.") for name in ck._infos)
+    assert ck.metadata["tokenizer.ggml.pre"] != "glm4"  # (the default model's pre-tokenizer)
+    ids = list(range(7, 47))
+    hf_loaded, hf_runner, hf_logits = logits_of(d, ids)
+    gguf_loaded, gguf_runner, gguf_logits = logits_of(out, ids)
+    assert gguf_loaded.config.num_hidden_layers == hf_loaded.config.num_hidden_layers == 3
+    assert gguf_loaded.config.moe == hf_loaded.config.moe
+    assert float((gguf_logits - hf_logits).abs().max() / hf_logits.abs().max()) <= 1e-5
+    assert gguf_runner.generate_greedy(ids, 16) == hf_runner.generate_greedy(ids, 16)

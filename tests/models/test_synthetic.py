@@ -16,7 +16,7 @@ from models.loader.errors import CheckpointError
 transformers = pytest.importorskip("transformers")
 
 TINY = ["tiny-deepseek-v2", "tiny-deepseek-v2-qlora", "tiny-deepseek-v3", "tiny-llama", "tiny-qwen2-moe",
-        "tiny-qwen3-moe"]
+        "tiny-qwen3-moe", "tiny-glm4-moe", "tiny-glm4-moe-lite"]
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
@@ -112,9 +112,19 @@ def test_tiny_presets_are_small_but_not_degenerate() -> None:
     assert all(qwen.is_moe_layer(i) for i in range(qwen.num_hidden_layers)) and qwen.moe.norm_topk_prob
     qwen2 = config_from_hf_dict(synthetic.load_preset("tiny-qwen2-moe"))
     assert qwen2.moe.shared_gate and qwen2.moe.shared_size == 48 and qwen2.attention_bias and not qwen2.out_bias
+    glm = config_from_hf_dict(synthetic.load_preset("tiny-glm4-moe"))  # GQA, half the head rotated, V3's routing
+    assert (glm.head_dim, glm.rope.dim, glm.moe.topk_method, glm.moe.n_group) == (32, 16, "noaux_tc", 2)
+    assert glm.qk_norm and glm.attention_bias and not glm.out_bias and not glm.is_moe_layer(0) and glm.is_moe_layer(1)
+    flash = config_from_hf_dict(synthetic.load_preset("tiny-glm4-moe-lite"))  # MLA, v_head_dim past qk_nope
+    assert flash.arch == "deepseek_v3" and flash.v_head_dim > flash.qk_nope_head_dim and flash.moe.n_group == 1
 
 
 def test_true_shape_presets_match_released_models() -> None:
+    flash = config_from_hf_dict(synthetic.load_preset("glm-4.7-flash"))
+    assert (flash.hidden_size, flash.num_attention_heads, flash.q_lora_rank, flash.kv_cache_dim) == (2048, 20, 768, 576)
+    assert (flash.qk_head_dim, flash.v_head_dim, flash.num_hidden_layers, flash.vocab_size) == (256, 256, 47, 154880)
+    assert (flash.moe.num_experts, flash.moe.top_k, flash.moe.num_shared_experts, flash.moe.intermediate_size,
+            flash.moe.routed_scaling_factor) == (64, 4, 1, 1536, 1.8)
     lite = config_from_hf_dict(synthetic.load_preset("deepseek-v2-lite"))
     assert (lite.hidden_size, lite.num_attention_heads, lite.q_lora_rank, lite.kv_cache_dim) == (2048, 16, None, 576)
     assert (lite.moe.num_experts, lite.moe.top_k, lite.moe.num_shared_experts, lite.moe.intermediate_size) == (

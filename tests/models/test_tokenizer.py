@@ -541,7 +541,7 @@ def test_gguf_control_looking_tokens_are_control_as_in_llama_cpp(smol_meta: dict
 # one name of each family of pre-tokenizers sharing llama.cpp's regexes (pretokenizers._PRE_FAMILIES)
 _PRE_NAMES = ["deepseek-v3", "llama-bpe", "dbrx", "smollm", "gpt-2", "qwen2", "qwen35", "deepseek-llm",
               "deepseek-coder", "default", "falcon", "tekken", "gpt-4o", "bloom", "viking", "kimi-k2", "seed-coder",
-              "youtu", "ufakzeka"]
+              "youtu", "ufakzeka", "glm4"]
 # where llama.cpp's regexes depart from the tokenizer.json originals they stand for (ours follows those, as
 # transformers): combining marks inside words, Unicode spaces caught by a CJK range; and where its Kimi-K2
 # code and its Youtu regex (whose \p{Lu} and \p{Ll} its regex engine does not tell apart) depart from the
