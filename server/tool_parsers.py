@@ -18,6 +18,10 @@ Formats (the markup of the models' own chat templates):
                                  array of such objects
   mistral (v0.3):                TEXT [TOOL_CALLS] [{"name": NAME, "arguments": ARGS}, ...]
   mistral (tokenizer v11+):      TEXT [TOOL_CALLS]NAME[ARGS]{...}[TOOL_CALLS]NAME[ARGS]{...} [TEXT]
+  qwen3_coder (also Qwen3.5, Nemotron 3):
+    <tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call> ...
+  glm45 / glm47 (GLM-4.5, 4.6, 4.7; GLM-4.7 without the newlines):
+    <tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n</tool_call> ...
 
 DeepSeek and Hermes arguments stream as they are written, after a first delta carrying id and name (a
 Hermes block whose head is not `{"name": NAME, "arguments": {` is held until `</tool_call>` and read
@@ -864,7 +868,6 @@ class MistralToolParser(ToolParser):
 
 _FN_OPEN, _FN_CLOSE = "<function=", "</function>"
 _PARAM_OPEN, _PARAM_CLOSE = "<parameter=", "</parameter>"
-_VALUE_ENDS = (_PARAM_CLOSE, _PARAM_OPEN, _FN_CLOSE, _HERMES_CLOSE)
 _INT_TYPES = ("int", "uint", "long", "short", "unsigned")
 _NUMBER_TYPES = ("num", "float", "double")
 _TEXT_TYPES = ("string", "str", "text", "varchar", "char")
@@ -976,6 +979,11 @@ def _typed_param(text: str, schema: Any) -> Any:
     return text
 
 
+def _written_value(value: Any) -> str:
+    """A parameter's value as the XML-like templates write it: a string as it is, anything else as JSON."""
+    return value if isinstance(value, str) else _json(value)
+
+
 def _properties(parameters: Any) -> dict[str, Any]:
     """A function's parameter schemas by name (its `properties`), or none."""
     props = parameters.get("properties") if isinstance(parameters, dict) else None
@@ -1007,14 +1015,15 @@ class QwenXmlToolParser(_TagBlockParser):
 
     _NAME_MAX = 256  # characters a function or parameter name may take: past them the markup is no call
 
+    # the tags that end the text between parameters (the first opens one), and a value's (the first closes it)
+    _PARAM_TAGS: tuple[str, ...] = (_PARAM_OPEN, _FN_CLOSE, _HERMES_CLOSE)
+    _VALUE_ENDS: tuple[str, ...] = (_PARAM_CLOSE, _PARAM_OPEN, _FN_CLOSE, _HERMES_CLOSE)
+
     @classmethod
     def written(cls, text: str, calls: list[tuple[str, Any]]) -> str:
-        def value(v: Any) -> str:
-            return v if isinstance(v, str) else _json(v)
-
         blocks = []
         for name, args in calls:
-            params = "".join(f"{_PARAM_OPEN}{k}>\n{value(v)}\n{_PARAM_CLOSE}\n"
+            params = "".join(f"{_PARAM_OPEN}{k}>\n{_written_value(v)}\n{_PARAM_CLOSE}\n"
                              for k, v in (args.items() if isinstance(args, dict) else ()))
             blocks.append(f"{cls._OPEN}\n{_FN_OPEN}{name}>\n{params}{_FN_CLOSE}\n{cls._CLOSE}")
         return "\n".join([text, *blocks] if text else blocks)
@@ -1077,24 +1086,28 @@ class QwenXmlToolParser(_TagBlockParser):
         if name is None:  # no call: the markup is content, as written
             self._reject(len(self._buf) if final else 0)
             return True
+        self._begin_call(name)
+        return True
+
+    def _begin_call(self, name: str) -> None:
+        """A call's name is whole: the call opens, its parameters read by its tool's schemas."""
         self._open_call(name)
         self._raw, self._schemas, self._written, self._state = "", self._tool_params.get(name, {}), set(), "params"
-        return True
 
     def _close_args(self) -> None:
         self._add_args("}" if self._written else "{}")
 
     def _params(self, final: bool) -> bool:
-        marker = self._markup((_PARAM_OPEN, _FN_CLOSE, self._CLOSE))
+        tags = self._PARAM_TAGS
+        marker = self._markup(tags)
         self._raw = ""
         if marker == "":  # (at the end: cut off, its object left open)
             return False
         if marker is None:  # text outside the parameters: skipped up to the next tag (or a tail that may begin one)
-            tags = (_PARAM_OPEN, _FN_CLOSE, self._CLOSE)
             i, _ = find_first(self._buf, tags)
             self._buf = self._buf[i:] if i >= 0 else self._buf[len(self._buf) - partial_len(self._buf, tags):]
             return i >= 0
-        if marker == _PARAM_OPEN:
+        if marker == tags[0]:
             self._state = "key"
             return True
         self._close_args()
@@ -1115,14 +1128,20 @@ class QwenXmlToolParser(_TagBlockParser):
         self._param, self._state = key, "value"
         return True
 
+    @staticmethod
+    def _value_text(text: str) -> str:
+        """A value as written between its tags, less the layout the template puts around it."""
+        text = text[1:] if text.startswith("\n") else text
+        return text[:-1] if text.endswith("\n") else text
+
     def _value(self, final: bool) -> bool:
-        i, marker = find_first(self._buf, _VALUE_ENDS)
+        ends = self._VALUE_ENDS
+        i, marker = find_first(self._buf, ends)
         if i < 0 and not final:
             return False
-        text = self._buf[:i] if i >= 0 else self._buf[: len(self._buf) - partial_len(self._buf, _VALUE_ENDS)]
-        self._buf = "" if i < 0 else self._buf[i + (len(marker) if marker == _PARAM_CLOSE else 0):]
-        text = text[1:] if text.startswith("\n") else text
-        text = text[:-1] if text.endswith("\n") else text
+        text = self._buf[:i] if i >= 0 else self._buf[: len(self._buf) - partial_len(self._buf, ends)]
+        self._buf = "" if i < 0 else self._buf[i + (len(marker) if marker == ends[0] else 0):]
+        text = self._value_text(text)
         if self._param not in self._written:
             value = _typed_param(text, self._schemas.get(self._param))
             self._add_args(("{" if not self._written else ", ") + f"{_json(self._param)}: {_json(value)}")
@@ -1145,6 +1164,89 @@ class QwenXmlToolParser(_TagBlockParser):
         return True
 
 
+_ARG_KEY, _ARG_KEY_END = "<arg_key>", "</arg_key>"
+_ARG_VALUE, _ARG_VALUE_END = "<arg_value>", "</arg_value>"
+
+
+class GlmToolParser(QwenXmlToolParser):
+    """GLM-4.5, GLM-4.6 and GLM-4.7 (GLM-4.7-Flash too): a `<tool_call>` block per call, the function's name, then
+    each argument as a key and a value between tags, the value's text typed by the tool's schema as Qwen3-Coder's
+    are (`_typed_param`):
+
+        <tool_call>NAME
+        <arg_key>KEY</arg_key>
+        <arg_value>VALUE</arg_value>
+        </tool_call>
+
+    GLM-4.7's templates write the same with no newlines (`<tool_call>NAME<arg_key>KEY</arg_key><arg_value>...`),
+    and a call without arguments is `<tool_call>NAME</tool_call>`. The templates write a string value as it is
+    and any other as JSON, with nothing around it: a value is the text between its tags, exactly. The name ends
+    at a newline, `<arg_key>` or `</tool_call>` (whitespace before it is layout); the call opens then, and its
+    arguments object streams a member at a time, each once its value closes, as Qwen3-Coder's do, and closes at
+    `</tool_call>`. A value whose close was left out ends at the next `<arg_key>` or `</tool_call>`; a key with
+    no `<arg_value>` after it, text between the pairs, and an empty key are skipped; a key given twice keeps
+    its first value. A block whose name is empty, holds whitespace or a tag other than those, or was cut off
+    before it was whole, is content as written; so is text around the blocks. A call cut off after its name
+    keeps the members it wrote, the one being written too, and its object is left open (Qwen3-Coder's)."""
+
+    markup = (HERMES_OPEN, _HERMES_CLOSE, _ARG_KEY, _ARG_KEY_END, _ARG_VALUE, _ARG_VALUE_END)
+    _PARAM_TAGS = (_ARG_KEY, _HERMES_CLOSE)
+    _VALUE_ENDS = (_ARG_VALUE_END, _ARG_KEY, _HERMES_CLOSE)
+    _NAME_TAGS = (_ARG_KEY, _HERMES_CLOSE)  # the tags that may end a name
+
+    @classmethod
+    def written(cls, text: str, calls: list[tuple[str, Any]]) -> str:
+        blocks = []
+        for name, args in calls:
+            pairs = "".join(f"{_ARG_KEY}{k}{_ARG_KEY_END}\n{_ARG_VALUE}{_written_value(v)}{_ARG_VALUE_END}\n"
+                            for k, v in (args.items() if isinstance(args, dict) else ()))
+            blocks.append(f"{cls._OPEN}{name}\n{pairs}{cls._CLOSE}")
+        return "\n".join([text, *blocks] if text else blocks)
+
+    def _open_block(self) -> None:
+        self._state, self._raw = "name", self._OPEN
+
+    @staticmethod
+    def _value_text(text: str) -> str:
+        return text
+
+    def _name(self, final: bool) -> bool:
+        body = self._buf.lstrip()
+        end = min((i for i in (body.find("\n"), body.find("<")) if i >= 0), default=-1)
+        name = (body if end < 0 else body[:end]).rstrip()
+        rest = "" if end < 0 else body[end:]
+        whole = end >= 0 and (rest[0] == "\n" or rest.startswith(self._NAME_TAGS))
+        if not whole and not final and len(name) <= self._NAME_MAX and len(name.split()) <= 1 \
+                and (end < 0 or any(tag.startswith(rest) for tag in self._NAME_TAGS)):
+            return False  # the name, or the tag after it, may go on
+        if not whole or not name or len(name) > self._NAME_MAX or len(name.split()) > 1:
+            self._reject(len(self._buf) if final else 0)  # no call: the markup is content, as written
+            return True
+        self._buf = rest
+        self._begin_call(name)
+        return True
+
+    def _key(self, final: bool) -> bool:
+        end = self._buf.find(_ARG_KEY_END)
+        text = self._buf[:end] if end >= 0 else self._buf[: len(self._buf) - partial_len(self._buf, (_ARG_KEY_END,))]
+        if end < 0 and not final and "<" not in text and len(text) <= self._NAME_MAX:
+            return False
+        if end < 0 or "<" in text or not text.strip() or len(text) > self._NAME_MAX:
+            # no key: the pair is skipped (cut off at the end: so is the rest)
+            self._buf, self._state = "" if final else self._buf, "params"
+            return not final
+        self._param, self._buf, self._state = text.strip(), self._buf[end + len(_ARG_KEY_END):], "value_open"
+        return True
+
+    def _value_open(self, final: bool) -> bool:
+        marker = self._markup((_ARG_VALUE,))
+        self._raw = ""
+        if marker == "":  # (at the end: cut off, its object left open)
+            return False
+        self._state = "value" if marker else "params"  # (a key without a value: skipped)
+        return True
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "deepseek_v3": DeepSeekV3ToolParser,
     "deepseek_v31": DeepSeekV31ToolParser,
@@ -1153,6 +1255,8 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
     "qwen3_coder": QwenXmlToolParser,  # also Qwen3.5's and Nemotron 3's markup
+    "glm45": GlmToolParser,  # GLM-4.5 and 4.6
+    "glm47": GlmToolParser,  # GLM-4.7 (vLLM's name for its reading of the same markup without newlines)
 }
 
 
@@ -1164,10 +1268,13 @@ def detect_tool_parser(chat_template: str | None) -> str | None:
         return "deepseek_v3" if "```json" in chat_template else "deepseek_v31"
     if "<tool_call>" in chat_template:
         # Hermes (Qwen2.5, Qwen3) writes {"name", "arguments"} JSON between the tags; Qwen3-Coder, Qwen3.5 and
-        # Nemotron 3 write <function=NAME> with <parameter=KEY> values; GLM-4.5+'s <arg_key> pairs none reads
+        # Nemotron 3 write <function=NAME> with <parameter=KEY> values; GLM-4.5 to 4.7 the name, then <arg_key>
+        # and <arg_value> pairs
         if _FN_OPEN in chat_template and _PARAM_OPEN in chat_template:
             return "qwen3_coder"
-        xml_args = "<arg_key>" in chat_template or _FN_OPEN in chat_template
+        if _ARG_KEY in chat_template and _ARG_VALUE in chat_template:
+            return "glm45"
+        xml_args = _ARG_KEY in chat_template or _FN_OPEN in chat_template
         return "hermes" if '"arguments' in chat_template and not xml_args else None
     if _PYTHON_TAG in chat_template or ('"parameters"' in chat_template and "<|start_header_id|>" in chat_template):
         return "llama3_json"

@@ -26,6 +26,7 @@ from server.chat_template import (  # noqa: E402
     ChatTemplateError,
     ToolArguments,
     render_chat,
+    render_messages,
     template_messages,
 )
 
@@ -38,6 +39,8 @@ TEMPLATES = {
     "qwen2_5": ("qwen2_5.jinja", None, "<|im_end|>", False, True),
     "llama3_1": ("llama3_1.jinja", "<|begin_of_text|>", "<|eot_id|>", False, False),
     "qwen3_coder": ("qwen3_coder.jinja", None, "<|im_end|>", False, True),
+    "glm_4_6": ("glm_4_6.jinja", None, "<|endoftext|>", False, True),
+    "glm_4_7_flash": ("glm_4_7_flash.jinja", None, "<|endoftext|>", False, True),
 }
 
 TOOLS = [
@@ -169,14 +172,14 @@ def _template(name: str) -> str:
 def _hf_messages(messages: list[dict], args_as_text: bool) -> list[dict]:
     """What a transformers user hands each template: arguments as JSON text (DeepSeek) or as a dict.
 
-    transformers drops `content: None`, which DeepSeek-V3's template then fails on; its user
-    passes "" there, which the template renders as it renders None."""
+    transformers drops `content: None`, which DeepSeek-V3's template then fails on, and which GLM's write as
+    "None"; their users pass "" there (vLLM does), which DeepSeek's template renders as it renders None."""
     out = copy.deepcopy(messages)
     for m in out:
         for call in m.get("tool_calls", []):
             if not args_as_text:
                 call["function"]["arguments"] = json.loads(call["function"]["arguments"])
-        if args_as_text and m.get("tool_calls") and m.get("content") is None:
+        if m.get("tool_calls") and m.get("content") is None:
             m["content"] = ""
     return out
 
@@ -185,8 +188,8 @@ def _both(name: str, tok, messages: list[dict], add_generation_prompt: bool, too
     template = _template(name)
     _, bos, eos, args_as_text, _ = TEMPLATES[name]
     extra = {"tools": tools} if tools is not None else {}
-    ours = render_chat(template, template_messages(messages), add_generation_prompt=add_generation_prompt,
-                       bos_token=bos, eos_token=eos, date_string=DATE, **extra)
+    ours = render_messages(template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
+                           eos_token=eos, date_string=DATE, **extra)  # (as the server renders a request's)
     theirs = tok.apply_chat_template(_hf_messages(messages, args_as_text), chat_template=template, tokenize=False,
                                      add_generation_prompt=add_generation_prompt, date_string=DATE, **extra)
     return ours, theirs
@@ -208,6 +211,11 @@ def test_tool_conversation_matches_transformers(hf_tokenizers, name, conversatio
         assert "<parameter=unit>\ncelsius\n</parameter>" in ours
         location = json.loads(WEATHER_ARGS)["location"]
         assert f"<parameter=location>\n{json.dumps(location, ensure_ascii=False)}\n</parameter>" in ours
+    elif messages is ONE_CALL and name.startswith("glm"):  # key and value pairs, a string as is, objects as JSON
+        sep = "\n" if name == "glm_4_6" else ""
+        location = json.dumps(json.loads(WEATHER_ARGS)["location"], ensure_ascii=False)
+        assert (f"<tool_call>get_weather{sep}<arg_key>location</arg_key>{sep}<arg_value>{location}</arg_value>{sep}"
+                f"<arg_key>unit</arg_key>{sep}<arg_value>celsius</arg_value>{sep}") in ours
     elif messages is ONE_CALL and name != "deepseek_v3":
         assert json.dumps(json.loads(WEATHER_ARGS), ensure_ascii=False) in ours
 

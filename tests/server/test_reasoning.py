@@ -206,3 +206,42 @@ def test_reasoning_tokens_do_not_depend_on_how_the_tokens_arrive() -> None:
     assert len(smol.encode("</think>", add_special_tokens=False)) > 1
     assert _reasoning_tokens("qwen3", smol, "<|im_start|>assistant\n", ids, len(ids)) == len(ids)  # one delta
     assert 0 < _reasoning_tokens("qwen3", smol, "<|im_start|>assistant\n", ids, 1) < len(ids)
+
+
+GLM_CALL = "<tool_call>special_function<arg_key>arg1</arg_key><arg_value>1</arg_value></tool_call>"
+
+
+@pytest.mark.parametrize("file, thinking, output, reasoning, content", [
+    # GLM-4.7-Flash's generation prompt opens the block (`<|assistant|><think>`) unless thinking is off (then it
+    # closes it): llama.cpp's test-chat.cpp reads these outputs of its template so ("forced-open" thinking)
+    ("glm_4_7_flash.jinja", None, "I'm\nthinking</think>Hello, world!\nWhat's up?", "I'm\nthinking",
+     "Hello, world!\nWhat's up?"),
+    ("glm_4_7_flash.jinja", None, "I'm\nthinking</think>" + GLM_CALL, "I'm\nthinking", GLM_CALL),
+    ("glm_4_7_flash.jinja", False, "Hello, world!\nWhat's up?", "", "Hello, world!\nWhat's up?"),
+    ("glm_4_7_flash.jinja", False, GLM_CALL, "", GLM_CALL),
+    # GLM-4.5/4.6's leaves `<think>` to the model (its history turns are `<|assistant|>\n<think>...</think>\n...`),
+    # or closes the block in the prompt (`<think></think>`) where thinking is off
+    ("glm_4_6.jinja", None, "\n<think>I'm\nthinking</think>\nHello, world!", "I'm\nthinking", "Hello, world!"),
+    ("glm_4_6.jinja", None, "\n<think></think>\n" + GLM_CALL, "", GLM_CALL),
+    ("glm_4_6.jinja", False, "\nHello, world!", "", "Hello, world!"),
+])
+def test_glm_templates_choose_where_the_reasoning_is(file, thinking, output, reasoning, content) -> None:
+    """`auto` reads GLM-4.5 to 4.7's templates as Qwen3's kind (the model opens the block, `enable_thinking`
+    switches it), and the rendered prompt's last tag says where the output starts: inside the block after
+    GLM-4.7's `<think>`, in the answer after either template's `</think>`. The answer's calls are then GLM's."""
+    from pathlib import Path
+
+    from server.chat_template import render_chat, template_messages
+    from server.tool_parsers import parse_tool_calls
+
+    template = (Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates" / file).read_text()
+    kind = parser_kind("auto", template)
+    assert kind == "qwen3"
+    extra = {} if thinking is None else {"enable_thinking": thinking}
+    prompt = render_chat(template, template_messages([{"role": "user", "content": "Hi"}]), **extra)
+    assert starts_in_reasoning(kind, prompt) is (file == "glm_4_7_flash.jinja" and thinking is None)
+    for pieces in ([output], list(output), [output[:len(output) // 2], output[len(output) // 2:]]):
+        assert run(kind, pieces, prompt=prompt) == Split(reasoning, content)
+    calls = parse_tool_calls("glm45", content)[1]
+    assert [(c.name, c.arguments) for c in calls] == ([("special_function", '{"arg1": 1}')] if GLM_CALL in content
+                                                     else [])

@@ -30,6 +30,7 @@ CALLS_B, CALLS_E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_B, CALL_E, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 DEEPSEEK_MARKERS = (CALLS_B, CALLS_E, CALL_B, CALL_E, SEP)
 HERMES_MARKERS = ("<tool_call>", "</tool_call>")
+GLM_MARKERS = (*HERMES_MARKERS, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL = "[TOOL_CALLS]"
 
@@ -46,6 +47,12 @@ def xml(name: str, params: list[tuple[str, str]]) -> str:
     """A call as Qwen3-Coder's template writes one."""
     body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params)
     return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def glm(name: str, pairs: list[tuple[str, str]], sep: str = "\n") -> str:
+    """A call as GLM-4.5/4.6's template writes one (`sep` ""; as GLM-4.7's writes it)."""
+    body = "".join(f"<arg_key>{k}</arg_key>{sep}<arg_value>{v}</arg_value>{sep}" for k, v in pairs)
+    return f"<tool_call>{name}{sep}{body}</tool_call>"
 
 
 def hermes(name: str, args: str) -> str:
@@ -267,18 +274,60 @@ CASES = [
      "</tool_call>", []),
     # prose naming the tags outside a block stays content
     ("qwen3_coder", "Write <function=x> and <parameter=y> in XML.", "Write <function=x> and <parameter=y> in XML.", []),
+    # --- GLM-4.5 / 4.6 / 4.7 (these without tools: values JSON where they parse as a non-string JSON value, else
+    # text; the name, then <arg_key>/<arg_value> pairs; GLM-4.7 writes them with no newlines) ---
+    ("glm45", glm("get_weather", [("location", "Tokyo"), ("unit", "celsius")]), "", [("get_weather", WEATHER)]),
+    ("glm45", "Let me check.\n" + glm("get_weather", [("location", "Paris")], sep="")
+     + glm("forecast", [("days", "3"), ("metric", "true"), ("ratio", "2.5"), ("opts", '{"a": [1, null]}')], sep="")
+     + "\nDone.", "Let me check.\nDone.",
+     [("get_weather", PARIS), ("forecast", '{"days": 3, "metric": true, "ratio": 2.5, "opts": {"a": [1, null]}}')]),
+    # a value is exactly the text between its tags: newlines at its ends, <, > and quotes kept
+    ("glm45", glm("write_file", [("path", "/tmp/a b.txt"), ("content", '\ndef f(x):\n    return x < 2 > "y"\n')]),
+     "", [("write_file", '{"path": "/tmp/a b.txt", "content": "\\ndef f(x):\\n    return x < 2 > \\"y\\"\\n"}')]),
+    # calls without arguments, in both forms; layout between the blocks is no content
+    ("glm45", "<tool_call>list_files</tool_call>\n<tool_call>get_time\n</tool_call>\n", "",
+     [("list_files", "{}"), ("get_time", "{}")]),
+    # a value's close left out: it ends at the next key, or at the block's close
+    ("glm45", "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>x<arg_key>b</arg_key><arg_value>7</tool_call>", "",
+     [("f", '{"a": "x", "b": 7}')]),
+    # cut off (max_tokens, a stop string) in a value, a close tag, a key, between a key and its value, or in the
+    # block's close: the members written, the one being written too, the object left open
+    ("glm45", "Sure. <tool_call>search\n<arg_key>q</arg_key>\n<arg_value>hel", "Sure. ", [("search", '{"q": "hel"')]),
+    ("glm45", "<tool_call>search<arg_key>q</arg_key><arg_value>hello</arg_val", "", [("search", '{"q": "hello"')]),
+    ("glm45", "<tool_call>search\n<arg_key>q</arg_key>\n<arg_value>hi</arg_value>\n<arg_key>li", "",
+     [("search", '{"q": "hi"')]),
+    ("glm45", "<tool_call>search\n<arg_key>q</arg_key>\n<arg_value>hi</arg_value>\n<arg_key>n</arg_key>\n<arg_va",
+     "", [("search", '{"q": "hi"')]),
+    ("glm45", "Hi.\n<tool_call>f<arg_key>s</arg_key><arg_value>a</arg_value></tool_ca", "Hi.\n", [("f", '{"s": "a"')]),
+    # text between the pairs, a key with no value and an empty key are skipped; a key given twice keeps its first
+    ("glm45", "<tool_call>f\nhello\n<arg_key>i</arg_key>\n<arg_value>2</arg_value>\n<arg_key> </arg_key><arg_value>x"
+     "</arg_value><arg_key>j</arg_key>oops<arg_key>i</arg_key><arg_value>3</arg_value></tool_call>", "",
+     [("f", '{"i": 2}')]),
+    # NaN, Infinity and numbers past a double's range are no JSON: the text stays text
+    ("glm45", glm("f", [("a", "[NaN]"), ("o", '{"x": Infinity}'), ("n", "9" * 400)], sep=""), "",
+     [("f", '{"a": "[NaN]", "o": "{\\"x\\": Infinity}", "n": "' + "9" * 400 + '"}')]),
+    # a name cut off before it was whole, empty, with spaces or another tag after it: content as written
+    ("glm45", "Sure <tool_call>get_wea", "Sure <tool_call>get_wea", []),
+    ("glm45", "<tool_call>get_time</tool_ca", "<tool_call>get_time</tool_ca", []),
+    ("glm45", "<tool_call>\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call> ok",
+     "<tool_call>\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call> ok", []),
+    ("glm45", "Wrap calls in <tool_call> tags, keys in <arg_key>.",
+     "Wrap calls in <tool_call> tags, keys in <arg_key>.", []),
+    ("glm45", "<tool_call>f<b>x</b></tool_call>", "<tool_call>f<b>x</b></tool_call>", []),
 ]
 CASE_IDS = [f"{i}-{case[0]}" for i, case in enumerate(CASES)]
 
 
 def _markers(parser: str) -> tuple[str, ...]:
-    return {"hermes": HERMES_MARKERS, "qwen3_coder": HERMES_MARKERS, "llama3_json": (PYTHON_TAG,),
+    return {"hermes": HERMES_MARKERS, "qwen3_coder": HERMES_MARKERS, "glm45": GLM_MARKERS,
+            "llama3_json": (PYTHON_TAG,),
             "mistral": (MISTRAL,)}.get(parser, DEEPSEEK_MARKERS)
 
 
 def _start_markers(parser: str) -> tuple[str, ...]:
     """The markers that open a call, whose first characters content must never end on mid-stream."""
-    return {"hermes": HERMES_MARKERS[:1], "qwen3_coder": HERMES_MARKERS[:1], "llama3_json": (),
+    return {"hermes": HERMES_MARKERS[:1], "qwen3_coder": HERMES_MARKERS[:1], "glm45": HERMES_MARKERS[:1],
+            "llama3_json": (),
             "mistral": (MISTRAL,)}.get(parser, (CALLS_B, CALL_B))
 
 
@@ -330,7 +379,7 @@ def test_non_streamed(parser, text, content, calls):
     assert [(c.name, c.arguments) for c in got_calls] == calls
     assert [c.id for c in got_calls] == [f"call_{i}" for i in range(len(calls))]
     for _, args in calls:
-        cut = parser == "qwen3_coder" and not args.endswith("}")  # (its cut calls' objects are left open)
+        cut = parser in ("qwen3_coder", "glm45") and not args.endswith("}")  # (their cut calls' objects are left open)
         if not args.endswith(("hel", '"a",', 'tall"}}', "print('")) and not cut:  # the cut-off and malformed ones
             json.loads(args)
 
@@ -382,8 +431,9 @@ def test_hermes_streams_arguments_incrementally():
 
 def test_registry_and_ids():
     assert TOOL_PARSERS["deepseek_v25"] is TOOL_PARSERS["deepseek_v3"]
+    assert TOOL_PARSERS["glm47"] is TOOL_PARSERS["glm45"]  # (vLLM's two names; one reading takes both forms)
     assert set(TOOL_PARSERS) == {"deepseek_v3", "deepseek_v31", "deepseek_v25", "hermes", "llama3_json", "mistral",
-                                 "qwen3_coder"}
+                                 "qwen3_coder", "glm45", "glm47"}
     ids = {default_call_id() for _ in range(100)}
     assert len(ids) == 100 and all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids)
     ids = {mistral_call_id() for _ in range(100)}  # what Mistral's templates accept back
@@ -418,9 +468,11 @@ MINISTRAL3 = (FIXTURES / "ministral3.jinja").read_text()
     (LLAMA31_TEMPLATE, "llama3_json"),
     (LLAMA32_TEMPLATE, "llama3_json"),
     (CHATML_TEMPLATE, None),
-    # <tool_call> tags around calls the hermes parser cannot read: GLM's <arg_key> pairs (none reads them), and
-    # Qwen3-Coder's XML (its own parser)
-    ((FIXTURES / "glm_4_6.jinja").read_text(), None),
+    # <tool_call> tags around calls the hermes parser cannot read: GLM's <arg_key> pairs and Qwen3-Coder's XML
+    # (each its own parser); <arg_key> alone, without GLM's <arg_value>, is no markup a parser knows
+    ((FIXTURES / "glm_4_6.jinja").read_text(), "glm45"),
+    ((FIXTURES / "glm_4_7_flash.jinja").read_text(), "glm45"),
+    ("{{ '<tool_call>' + name }}{{ '<arg_key>' + k + '</arg_key>' }}", None),
     (QWEN3_CODER_TEMPLATE, "qwen3_coder"),
     ((FIXTURES / "qwen3_coder.jinja").read_text(), "qwen3_coder"),
     ((FIXTURES / "qwen2_5.jinja").read_text(), "hermes"),
@@ -569,3 +621,83 @@ def test_qwen3_coder_values_take_their_schema_types():
         == {"n": huge, "i": huge, "a": "[b'x']", "o": "{'c': 1j}", "a2": "[NaN]", "i2": "1" * 5000}
     # the template's newline off each end, no more: a value's own spaces and newlines are kept
     assert args([("s", "  two spaces\n\n")]) == {"s": "  two spaces\n\n"}
+
+
+def test_glm_call_opens_at_its_name_and_streams_a_member_at_a_time():
+    """A GLM call opens once its name is whole (a newline, `<arg_key>` or `</tool_call>` after it); each member
+    goes out once its value closes (its type is known only then), the object's close with `</tool_call>`."""
+    p = TOOL_PARSERS["glm45"](_ids())
+    assert p.feed("Ok <tool") == ("Ok ", [])
+    assert p.feed("_call>get_wea") == ("", [])
+    assert p.feed("ther<arg") == ("", [])  # (`<arg` may still be another tag: no call yet)
+    assert p.feed("_key>ci") == ("", [ToolCallDelta(0, "call_0", "get_weather")])
+    assert p.feed("ty</arg_key><arg_value>Par") == ("", [])
+    assert p.feed("is</arg_value><arg_key>days</arg_key><arg_value>3") == \
+        ("", [ToolCallDelta(0, arguments='{"city": "Paris"')])
+    assert p.feed("</arg_value></tool_") == ("", [ToolCallDelta(0, arguments=', "days": 3')])
+    assert p.feed("call> Done") == ("Done", [ToolCallDelta(0, arguments="}")])
+    assert p.feed("<tool_call>get_time\n") == ("", [ToolCallDelta(1, "call_1", "get_time")])  # GLM-4.6's newline
+    assert p.feed("</tool_call>") == ("", [ToolCallDelta(1, arguments="{}")])
+    assert p.finish() == ("", [])
+    assert [(c.name, c.arguments) for c in p.tool_calls] == [("get_weather", '{"city": "Paris", "days": 3}'),
+                                                            ("get_time", "{}")]
+
+
+@pytest.mark.parametrize("template", ["glm_4_6.jinja", "glm_4_7_flash.jinja"])
+def test_glm_values_take_their_schema_types(template):
+    """GLM's values are typed as Qwen3-Coder's (`_typed_param`, one reading for both): vLLM's glm45 parser keeps a
+    string-typed value's text as it is and reads other values as JSON (or a Python literal); here each schema type
+    reads as it does for qwen3_coder, and a value's text is exactly what is between its tags (GLM's templates write
+    nothing around it: no newline is taken off)."""
+    from server.protocol import ChatCompletionRequest
+    from server.tools import plan_tools
+
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                 "tools": [QWEN3_CODER_TOOL]})
+    plan = plan_tools(body, (FIXTURES / template).read_text())
+    assert plan.markup == GLM_MARKERS
+
+    def args(params: list[tuple[str, str]], sep: str) -> dict:
+        parser = plan.new_parser()
+        parser.feed(glm("f", params, sep))
+        parser.finish()
+        (call,) = parser.tool_calls
+        return json.loads(call.arguments)
+
+    for sep in ("\n", ""):
+        assert args([("s", "123"), ("i", "42"), ("n", "5.0"), ("b", "True"), ("o", "{'k': True, 'v': None}"),
+                     ("a", '[1, "x"]'), ("maybe", "null"), ("u", "7"), ("extra", "[1]"), ("word", "yes")], sep) == {
+            "s": "123", "i": 42, "n": 5, "b": True, "o": {"k": True, "v": None}, "a": [1, "x"], "maybe": None,
+            "u": 7, "extra": [1], "word": "yes"}
+        assert args([("i", "forty"), ("b", "yes"), ("any", "123"), ("mixed", "12"), ("i2", " 5 ")], sep) == {
+            "i": "forty", "b": "yes", "any": "123", "mixed": 12, "i2": 5}
+        assert args([("s", "\n  two spaces\n\n"), ("s2", '"quoted"')], sep) == {"s": "\n  two spaces\n\n",
+                                                                              "s2": '"quoted"'}
+
+
+@pytest.mark.parametrize("template", ["glm_4_6.jinja", "glm_4_7_flash.jinja"])
+def test_glm_reads_back_the_calls_its_template_writes(template):
+    """The oracle is GLM's own template: the calls of a past assistant turn, as the template renders them (the
+    markup the model is taught), read back by the parser as the same calls, typed by the tools' schemas: strings,
+    numbers, booleans, null, objects and arrays, a string that looks like a number, and a call with no arguments."""
+    from server.chat_template import render_messages
+    from server.protocol import ChatCompletionRequest
+    from server.tools import plan_tools
+
+    text = (FIXTURES / template).read_text()
+    calls = [("f", {"s": "Zürich <b>", "i": 3, "n": 2.5, "b": False, "o": {"k": [1, None]}, "a": ["x", 2],
+                    "maybe": None, "choice": "2", "mixed": "twelve"}), ("f", {}), ("f", {"s": "12", "u": True})]
+    history = [{"role": "user", "content": "x"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": f"c{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+                   for i, (name, args) in enumerate(calls)]}]
+    rendered = render_messages(text, history, add_generation_prompt=False, tools=[QWEN3_CODER_TOOL])
+    turn = rendered[rendered.rindex("<|assistant|>") + len("<|assistant|>"):]
+    assert turn.count("<tool_call>") == 3 and "<arg_key>" in turn
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                 "tools": [QWEN3_CODER_TOOL]})
+    parser = plan_tools(body, text).new_parser()
+    content, _ = parser.feed(turn)
+    rest, _ = parser.finish()
+    assert (content + rest).strip() in ("<think></think>", "</think>")  # (the turn's empty reasoning, not a call's)
+    assert [(c.name, json.loads(c.arguments)) for c in parser.tool_calls] == calls
