@@ -1,5 +1,5 @@
-"""DeepSeek-V2-Lite-shaped (or, with `--preset qwen3-30b-a3b`, Qwen3-30B-A3B-shaped) GGUF files for the CPU
-model benchmark (bench/deepseek_cpu.py), cached.
+"""DeepSeek-V2-Lite-shaped (or, with `--preset qwen3-30b-a3b` / `glm-4.7-flash`, Qwen3-30B-A3B- or
+GLM-4.7-Flash-shaped) GGUF files for the CPU model benchmark (bench/deepseek_cpu.py), cached.
 
 What is written: a synthetic HF checkpoint (random weights, `models.synthetic.write_checkpoint`,
 preset `configs/presets/deepseek-v2-lite.json`) with the released layer shapes but `--layers` layers
@@ -52,7 +52,7 @@ import peers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = "deepseek-v2-lite"  # the default model; `--preset qwen3-30b-a3b` makes Qwen3-30B-A3B-shaped files
-PRESETS = (PRESET, "qwen3-30b-a3b")
+PRESETS = (PRESET, "qwen3-30b-a3b", "glm-4.7-flash")
 TYPES = ("bf16", "q8_0", "q4_k_m")  # the default set
 CONVERTER_TYPES = {"bf16": "bf16", "q8_0": "q8_0"}  # made by convert_hf_to_gguf.py --outtype
 # made by llama-quantize from the bf16 file
@@ -90,6 +90,12 @@ def converter_input(hf: Path) -> Path:
     config = json.loads((hf / "config.json").read_text())
     if config["model_type"].startswith("deepseek") and config.get("q_lora_rank") is None:
         config["q_lora_rank"] = 0
+    if config["model_type"] == "glm4_moe_lite":
+        # llama.cpp's GLM-4.7-Flash converter reads GLM's tokenizer (it names GLM's special tokens); the synthetic
+        # checkpoint has DeepSeek-V3's, so the view names the DeepSeek-V3 converter, whose deepseek2 file is the
+        # same but for the vocabulary. Its scoring_func makes the converter write the sigmoid gating: without
+        # it llama.cpp routes by softmax unless the file has GLM-4.7-Flash's released 47 layers and vocabulary.
+        config.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], scoring_func="sigmoid")
     (view / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return view
 
@@ -208,9 +214,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--force", action="store_true", help="remake files that exist")
     ap.add_argument("--drop-hf", action="store_true", help="delete the HF checkpoint once the GGUFs exist")
     args = ap.parse_args(argv)
-    if args.layers < (2 if args.preset == PRESET else 1):
-        ap.error("--layers must be >= 2 (one dense layer, then MoE layers)" if args.preset == PRESET else
-                 "--layers must be >= 1")
+    dense_first = args.preset in (PRESET, "glm-4.7-flash")
+    if args.layers < (2 if dense_first else 1):
+        ap.error("--layers must be >= 2 (one dense layer, then MoE layers)" if dense_first else "--layers must be >= 1")
     return args
 
 

@@ -335,9 +335,7 @@ def write_checkpoint(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     source = f"preset '{config}'" if isinstance(config, str) else "config dict"
-    d = load_preset(config) if isinstance(config, str) else json.loads(json.dumps(config))
-    if num_layers is not None:
-        d["num_hidden_layers"] = num_layers
+    d = _with_layers(load_preset(config) if isinstance(config, str) else json.loads(json.dumps(config)), num_layers)
     d.pop("torch_dtype", None)
     d["dtype"] = dtype
     if d.get("model_type") in _ARCHITECTURES:
@@ -360,10 +358,20 @@ def write_checkpoint(
 
 def num_parameters(config: dict[str, Any] | str, num_layers: int | None = None) -> int:
     """Parameter count of the checkpoint `write_checkpoint` would write (nothing is generated)."""
-    d = load_preset(config) if isinstance(config, str) else dict(config)
-    if num_layers is not None:
-        d["num_hidden_layers"] = num_layers
+    d = _with_layers(load_preset(config) if isinstance(config, str) else dict(config), num_layers)
     return sum(s.numel for s in tensor_plan(config_from_hf_dict(d, "config")))
+
+
+def _with_layers(d: dict[str, Any], num_layers: int | None) -> dict[str, Any]:
+    """`d` with `num_layers` layers (None: as it is); a per-layer list (GLM-4.7-Flash's `mlp_layer_types`) is cut
+    to them or extended with its last entry, as transformers would have written it for that many."""
+    if num_layers is None:
+        return d
+    d = {**d, "num_hidden_layers": num_layers}
+    types = d.get("mlp_layer_types")
+    if isinstance(types, list) and types:
+        d["mlp_layer_types"] = (types + types[-1:] * num_layers)[:num_layers]
+    return d
 
 
 def _out_dir(text: str) -> Path:

@@ -680,6 +680,47 @@ def test_make_deepseek_gguf_commands_and_cache(cpu_bench, tmp_path: Path, monkey
     assert "make peers" in m["skipped"]["q4_k_m"] and set(m["files"]) <= {"q8_0"}
 
 
+def test_glm_flash_bench_file_routes_as_transformers_in_both_engines(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench's GLM-4.7-Flash files: llama.cpp's converter on `converter_input`'s view of a synthetic checkpoint
+    (DeepSeek-V3's converter, DeepSeek's tokenizer, a sigmoid gating function written) gives a deepseek2 file that
+    llama.cpp and we both compute as transformers' Glm4MoeLiteForCausalLM computes the checkpoint. (Without the
+    written gating function llama.cpp would route by softmax at these layer counts: only GLM-4.7-Flash's released
+    47 or 48 layers with its vocabulary make it assume sigmoid.)"""
+    import subprocess
+    import sys
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models.synthetic import write_checkpoint
+    from tests.llama_cpp_oracle import open_llama
+    from tests.models.test_hf_parity import make_runner, prefill_logits
+
+    pytest.importorskip("llama_cpp")
+    monkeypatch.syspath_prepend(str(BENCH))  # (the sources `make test` unpacked, unlike cpu_bench's)
+    script = importlib.import_module("peers").convert_script()
+    if script is None:
+        pytest.skip("llama.cpp's sources are not unpacked (`make test` does it: bench/peers.py unpack)")
+    mk = importlib.import_module("make_deepseek_gguf")
+    hf = write_checkpoint(tmp_path / "hf", "tiny-glm4-moe-lite", seed=3)
+    out = tmp_path / "m.gguf"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(mk.converter_command(script, mk.converter_input(hf), out, "f32"), capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ids = [0, 5, 17, 44, 100, 250, 33, 7]
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)(torch.tensor([ids])).logits[0]
+    llm = open_llama(out, n_ctx=32, logits_all=True, verbose=False, n_threads=2, type_k=0, type_v=0)
+    llm.eval(ids)
+    theirs = torch.tensor(np.array(llm.scores[: len(ids)]))
+    ours = prefill_logits(make_runner(out), ids)
+    for got in (theirs, ours):
+        assert float((got - want).abs().max() / want.abs().max()) < 2e-4
+
+
 def test_serve_medians_leave_out_disturbed_rounds(cpu_bench, tmp_path: Path) -> None:
     sc = cpu_bench.serve_cpu
 
