@@ -28,7 +28,10 @@ from dataclasses import dataclass
 from server.tool_parsers import HERMES_OPEN, find_first, partial_len
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-REASONING_PARSERS = ("auto", "deepseek_r1", "qwen3", "none")
+# vLLM's names of the same readings, accepted so that its command lines serve as they are (GLM-4.5 to 4.7 open the
+# block themselves, or their prompt does: Qwen3's reading, which looks at the prompt)
+REASONING_ALIASES = {"glm45": "qwen3"}
+REASONING_PARSERS = ("auto", "deepseek_r1", "qwen3", "none", *REASONING_ALIASES)
 
 
 @dataclass
@@ -219,7 +222,7 @@ def parser_kind(choice: str, chat_template: str | None) -> str:
     template that writes `<think>` into the assistant's turn: deepseek_r1 when the generation prompt
     ends inside the block, qwen3 when the model opens it; none without one)."""
     if choice != "auto":
-        return choice
+        return REASONING_ALIASES.get(choice, choice)
     t = chat_template or ""
     if THINK_OPEN not in t:
         return "none"

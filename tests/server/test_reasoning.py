@@ -80,6 +80,7 @@ def test_nothing_is_shown_before_it_is_decided() -> None:
     ("auto", None, "none"),
     ("qwen3", "{{ messages[0].content }}", "qwen3"),
     ("none", "<think>", "none"),
+    ("glm45", "{{ messages[0].content }}", "qwen3"),  # (vLLM's name for GLM-4.5 to 4.7: Qwen3's reading)
 ])
 def test_auto_reads_the_chat_template(choice: str, template: str | None, kind: str) -> None:
     assert parser_kind(choice, template) == kind
