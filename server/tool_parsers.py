@@ -1011,9 +1011,14 @@ class QwenXmlToolParser(_TagBlockParser):
     that does not begin with a function is content as written, and so is a call cut off before its name was
     whole; a call cut off after it (max_tokens, a stop string) keeps the members it wrote, the one being written
     too, and its object is left open, as other parsers leave a cut call's arguments: the reply is not reported
-    as having made its calls (`finish_reason` stays "length" or "stop"). A tag cut off after a call is dropped."""
+    as having made its calls (`finish_reason` stays "length" or "stop"). A tag cut off after a call is dropped.
+
+    Qwen3-Coder sometimes leaves `<tool_call>` out: a whole `<function=NAME>` of a tool the request gives, outside
+    a block, opens a call too (as llama.cpp reads it), which its `</function>` ends; the same of any other name is
+    content, as prose about XML would be."""
 
     _NAME_MAX = 256  # characters a function or parameter name may take: past them the markup is no call
+    _BARE_CALLS = True  # a known tool's `<function=NAME>` opens a call without `<tool_call>` (not GLM's markup)
 
     # the tags that end the text between parameters (the first opens one), and a value's (the first closes it)
     _PARAM_TAGS: tuple[str, ...] = (_PARAM_OPEN, _FN_CLOSE, _HERMES_CLOSE)
@@ -1039,12 +1044,32 @@ class QwenXmlToolParser(_TagBlockParser):
         # after (a function closed) | tail (text in the block after a call: content, up to </tool_call>)
         self._state = "content"
         self._tool_params = params or {}  # function name -> its parameters' schemas
+        # the openers of calls written without `<tool_call>`: the request's tools' whole `<function=NAME>`
+        self._bare_openers = tuple(f"{_FN_OPEN}{n}>" for n in self._tool_params) if self._BARE_CALLS else ()
+        self._bare = False  # the open call was opened by one of them (its `</function>` ends it)
         self._schemas: dict[str, Any] = {}  # the open call's
         self._written: set[str] = set()  # the open call's parameters written into its arguments
         self._param = ""  # the parameter whose value is being read
 
     def _open_block(self) -> None:
         self._state, self._raw = "block", self._OPEN
+
+    def _step(self, final: bool) -> bool:
+        if self._state != "content" or not self._bare_openers:
+            return super()._step(final)
+        marker = self._scan_content((self._OPEN, *self._bare_openers), final)
+        if marker is None:
+            return False
+        if marker == self._OPEN:
+            self._open_block()
+        else:
+            self._begin_call(marker[len(_FN_OPEN):-1])
+            self._bare = True
+        return True
+
+    def _close(self, after: str) -> None:
+        super()._close(after)
+        self._bare = False
 
     def _markup(self, markers: Sequence[str]) -> str | None:
         """The marker `_buf` begins with after whitespace (consumed, whitespace and all, into `_raw`); "" where
@@ -1111,9 +1136,9 @@ class QwenXmlToolParser(_TagBlockParser):
             self._state = "key"
             return True
         self._close_args()
-        if marker == _FN_CLOSE:
+        if marker == _FN_CLOSE and not self._bare:
             self._state = "after"
-        else:  # (the function's close left out)
+        else:  # (the function's close left out, or a call without `<tool_call>` ended)
             self._close(self._buf)
         return True
 
@@ -1190,6 +1215,7 @@ class GlmToolParser(QwenXmlToolParser):
     keeps the members it wrote, the one being written too, and its object is left open (Qwen3-Coder's)."""
 
     markup = (HERMES_OPEN, _HERMES_CLOSE, _ARG_KEY, _ARG_KEY_END, _ARG_VALUE, _ARG_VALUE_END)
+    _BARE_CALLS = False
     _PARAM_TAGS = (_ARG_KEY, _HERMES_CLOSE)
     _VALUE_ENDS = (_ARG_VALUE_END, _ARG_KEY, _HERMES_CLOSE)
     _NAME_TAGS = (_ARG_KEY, _HERMES_CLOSE)  # the tags that may end a name

@@ -701,3 +701,31 @@ def test_glm_reads_back_the_calls_its_template_writes(template):
     rest, _ = parser.finish()
     assert (content + rest).strip() in ("<think></think>", "</think>")  # (the turn's empty reasoning, not a call's)
     assert [(c.name, json.loads(c.arguments)) for c in parser.tool_calls] == calls
+
+
+_BARE_TOOLS = {"get_weather": {"location": {"type": "string"}, "days": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    # Qwen3-Coder leaving <tool_call> out: a known tool's whole <function=NAME> opens a call, its </function> ends it
+    ("Checking.\n<function=get_weather>\n<parameter=location>\nParis\n</parameter>\n<parameter=days>\n3\n"
+     "</parameter>\n</function>\nDone.", "Checking.\nDone.", [("get_weather", '{"location": "Paris", "days": 3}')]),
+    ("A <function=get_weather>\n</function><tool_call>\n<function=get_weather>\n</function>\n</tool_call> B", "A B",
+     [("get_weather", "{}"), ("get_weather", "{}")]),
+    # cut off in a value: kept, its object left open
+    ("<function=get_weather>\n<parameter=location>\nPa", "", [("get_weather", '{"location": "Pa"')]),
+    # another name, or prose and code that merely begin like one: content
+    ("Use <function=other> here.", "Use <function=other> here.", []),
+    ("#include <functional>\nint x = f<function=get_weathe", "#include <functional>\nint x = f<function=get_weathe", []),
+])
+def test_qwen3_coder_calls_without_tool_call_tags(text: str, content: str, calls: list[tuple[str, str]]) -> None:
+    """As llama.cpp reads Qwen3-Coder's output: `<function=NAME>` of a tool the request gives, outside a
+    `<tool_call>` block, is a call (they were content, markup and all); every split of the text alike."""
+    from server.tool_parsers import GlmToolParser, QwenXmlToolParser
+
+    for i in range(len(text) + 1):
+        p = QwenXmlToolParser(_ids(), _BARE_TOOLS)
+        got = p.feed(text[:i])[0] + p.feed(text[i:])[0] + p.finish()[0]
+        assert (got, [(c.name, c.arguments) for c in p.tool_calls]) == (content, calls), i
+    g = GlmToolParser(_ids(), _BARE_TOOLS)  # (GLM's markup has no <function=: its text stays content)
+    assert g.feed(text)[0] + g.finish()[0] == text and not g.tool_calls
