@@ -334,7 +334,9 @@ def _partial_rotary(k: _Keys, default: float) -> float:
     v = _rope_params(k).get("partial_rotary_factor")
     v = k.opt("partial_rotary_factor", default, float) if v is None else _Keys({"partial_rotary_factor": v},
                                                                               k.source).req("partial_rotary_factor", float)
-    return k.above("partial_rotary_factor", v, 0.0, 1.0 + 1e-9)
+    if not 0 < v <= 1:
+        raise CheckpointError(k.source, f"config key 'partial_rotary_factor' must be > 0 and at most 1, got {v!r}")
+    return v
 
 
 def _rope_kinds(k: _Keys, dim: int, interleaved: bool) -> RopeConfig:

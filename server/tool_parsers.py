@@ -1208,7 +1208,8 @@ class GlmToolParser(QwenXmlToolParser):
     and any other as JSON, with nothing around it: a value is the text between its tags, exactly. The name ends
     at a newline, `<arg_key>` or `</tool_call>` (whitespace before it is layout); the call opens then, and its
     arguments object streams a member at a time, each once its value closes, as Qwen3-Coder's do, and closes at
-    `</tool_call>`. A value whose close was left out ends at the next `<arg_key>` or `</tool_call>`; a key with
+    `</tool_call>`. A value ends at its `</arg_value>` (so it may hold `<arg_key>`, as vLLM reads it), or at
+    `</tool_call>` where the model left its close out; a key with
     no `<arg_value>` after it, text between the pairs, and an empty key are skipped; a key given twice keeps
     its first value. A block whose name is empty, holds whitespace or a tag other than those, or was cut off
     before it was whole, is content as written; so is text around the blocks. A call cut off after its name
@@ -1217,7 +1218,7 @@ class GlmToolParser(QwenXmlToolParser):
     markup = (HERMES_OPEN, _HERMES_CLOSE, _ARG_KEY, _ARG_KEY_END, _ARG_VALUE, _ARG_VALUE_END)
     _BARE_CALLS = False
     _PARAM_TAGS = (_ARG_KEY, _HERMES_CLOSE)
-    _VALUE_ENDS = (_ARG_VALUE_END, _ARG_KEY, _HERMES_CLOSE)
+    _VALUE_ENDS = (_ARG_VALUE_END, _HERMES_CLOSE)  # (a value may hold `<arg_key>`: code about GLM's markup)
     _NAME_TAGS = (_ARG_KEY, _HERMES_CLOSE)  # the tags that may end a name
 
     @classmethod

@@ -46,6 +46,7 @@ SUPPORTED_ARCHS = (ARCH_LLAMA, ARCH_QWEN2, ARCH_QWEN3, ARCH_QWEN2MOE, ARCH_QWEN3
 LLAMA_ARCHS = {ARCH_LLAMA: "llama", ARCH_QWEN2: "qwen2", ARCH_QWEN3: "qwen3", ARCH_QWEN2MOE: "qwen2_moe",
                ARCH_QWEN3MOE: "qwen3_moe", ARCH_GLM4MOE: "glm4_moe"}
 PERMUTED_QK_ARCHS = (ARCH_LLAMA,)
+ROPE_FREQS_ARCHS = (ARCH_LLAMA,)  # the Llama-family architectures whose llama.cpp graph applies `rope_freqs.weight`
 
 # Tensors outside the layers: GGUF name -> HF name.
 GLOBAL_NAMES: dict[str, str] = {
@@ -181,6 +182,20 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Inverse of `permute_qk`: llama.cpp interleaved rows -> HF half-split rows."""
     rows = w.shape[0]
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def interleave_mla_rope_rows(w: torch.Tensor, cfg: DeepseekConfig, kv_a: bool) -> torch.Tensor:
+    """A half-split (`rope_interleave: false`) MLA projection's rotary rows in llama.cpp's interleaved order (its
+    deepseek2 rotates adjacent pairs), as `permute_qk` orders Llama's: q_proj / q_b_proj [H*(nope+rope), in] per
+    head, kv_a_proj_with_mqa [r+rope, in] in its last rows. The scores are unchanged (q's and k's rotary dims move
+    alike); the file then reads as interleaved, as llama.cpp and our reader take every deepseek2 file."""
+    rope = cfg.qk_rope_head_dim
+    if kv_a:
+        return torch.cat([w[:-rope], permute_qk(w[-rope:], 1)])
+    heads = w.reshape(cfg.num_attention_heads, cfg.qk_head_dim, *w.shape[1:])
+    nope, pe = heads[:, :-rope], heads[:, -rope:]
+    pe = permute_qk(pe.reshape(-1, *w.shape[1:]), cfg.num_attention_heads).reshape(pe.shape)
+    return torch.cat([nope, pe], dim=1).reshape(w.shape)
 
 
 def split_kv_b(kv_b: torch.Tensor, num_heads: int, nope_dim: int, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

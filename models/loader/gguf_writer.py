@@ -37,7 +37,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from tqdm import tqdm
 
-from models.config import DeepseekConfig, LlamaConfig, ModelConfig, MoEConfig, config_from_hf_dict
+from models.config import DeepseekConfig, LlamaConfig, ModelConfig, MoEConfig, config_from_hf_dict, yarn_get_mscale
 from models.loader import gguf_names as gn
 from models.loader.errors import CheckpointError
 from models.loader.generation_config import gguf_sampling_metadata
@@ -218,6 +218,8 @@ def _producer(
     if isinstance(cfg, LlamaConfig) and _arch(cfg) in gn.PERMUTED_QK_ARCHS and kind in ("attn_q", "attn_k"):
         heads = cfg.num_attention_heads if kind == "attn_q" else cfg.num_key_value_heads
         return [hf], lambda: gn.permute_qk(src.get(hf), heads)
+    if isinstance(cfg, DeepseekConfig) and not cfg.rope.interleaved and kind in ("attn_q", "attn_q_b", "attn_kv_a_mqa"):
+        return [hf], lambda: gn.interleave_mla_rope_rows(src.get(hf), cfg, kind == "attn_kv_a_mqa")
     return [hf], lambda: src.get(hf)
 
 
@@ -246,6 +248,8 @@ def _check_unused(cfg: ModelConfig, src: _Safetensors) -> None:
         if m and int(m.group(1)) >= cfg.num_hidden_layers:
             continue  # DeepSeek multi-token-prediction layers (skipped like llama.cpp's converter)
         if name.endswith("rotary_emb.inv_freq") or name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if 0 in src.ckpt.shape(name):  # (transformers saves `n_shared_experts: 0` as empty [h, 0] weights)
             continue
         raise CheckpointError(src.where[name], f"unexpected tensor '{name}' (no GGUF counterpart for this config)")
 
@@ -292,6 +296,9 @@ def _write_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, raw: dict[str, Any], c
 
 def _write_router(w: gguf.GGUFWriter, m: MoEConfig, raw: dict[str, Any], cfg_path: Path) -> None:
     """The expert keys of DeepSeek's MoE (deepseek2, and GLM-4.5's glm4moe, which routes as DeepSeek-V3)."""
+    if not m.shared_size:  # (llama.cpp's deepseek2 refuses the file; its glm4moe computes with absent weights)
+        raise CheckpointError(cfg_path, "n_shared_experts is 0: llama.cpp's deepseek2 and glm4moe always compute "
+                                        "shared experts, so no GGUF file holds this model")
     if m.moe_layer_freq != 1:
         raise CheckpointError(cfg_path, f"moe_layer_freq={m.moe_layer_freq} has no GGUF key (llama.cpp assumes 1)")
     w.add_leading_dense_block_count(m.first_k_dense_replace)
@@ -339,8 +346,14 @@ def _write_experts(w: gguf.GGUFWriter, cfg: LlamaConfig, raw: dict[str, Any], cf
 
 
 def _write_rope_scaling(w: gguf.GGUFWriter, cfg: ModelConfig, cfg_path: Path) -> None:
+    """The rope scaling keys, as llama.cpp computes them; a scaling it would compute otherwise is refused."""
     r = cfg.rope
+    mla = isinstance(cfg, DeepseekConfig)
     if r.scaling_type == "linear":
+        if mla:  # llama.cpp's deepseek2 scales every score by (1 + 0.1 ln factor)^2 under linear scaling
+            raise CheckpointError(cfg_path, "linear rope scaling has no deepseek2 GGUF form: llama.cpp's deepseek2 "
+                                            "scales attention by (1 + 0.1 ln factor)^2 under it, which transformers "
+                                            "does not (only by mscale_all_dim's), so the file would compute otherwise")
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(r.factor)
     elif r.scaling_type == "yarn":
@@ -350,7 +363,13 @@ def _write_rope_scaling(w: gguf.GGUFWriter, cfg: ModelConfig, cfg_path: Path) ->
         w.add_rope_scaling_yarn_beta_fast(r.beta_fast)
         w.add_rope_scaling_yarn_beta_slow(r.beta_slow)
         if r.attention_factor is not None:
+            if mla:  # (its factor also enters deepseek2's score scale there, unlike transformers')
+                raise CheckpointError(cfg_path, "a YaRN attention_factor has no deepseek2 GGUF form llama.cpp "
+                                                "computes as transformers does (llama.cpp folds it into the score scale)")
+            # transformers multiplies cos and sin by it; llama.cpp (its YaRN context) ignores yarn_attn_factor,
+            # which our reader takes for it, and multiplies them by 0.1 ln(factor) + 1 times `rope.scaling.attn_factor`
             w.add_rope_scaling_yarn_attn_factor(r.attention_factor)
+            w.add_rope_scaling_attn_factors(r.attention_factor / yarn_get_mscale(r.factor))
         if isinstance(cfg, DeepseekConfig) and r.mscale_all_dim is not None:
             if r.mscale is not None and r.mscale != r.mscale_all_dim:
                 logger.warning("rope mscale %s != mscale_all_dim %s: GGUF keeps only the latter", r.mscale, r.mscale_all_dim)
@@ -358,4 +377,8 @@ def _write_rope_scaling(w: gguf.GGUFWriter, cfg: ModelConfig, cfg_path: Path) ->
             w.add_rope_scaling_yarn_log_mul(0.1 * r.mscale_all_dim)
     elif r.scaling_type == "llama3" and isinstance(cfg, DeepseekConfig):
         raise CheckpointError(cfg_path, "llama3 RoPE scaling is not supported for deepseek2 GGUF files")
+    elif r.scaling_type == "llama3" and gn.llama_arch(cfg) not in gn.ROPE_FREQS_ARCHS:
+        raise CheckpointError(cfg_path, f"llama3 rope scaling has no {gn.llama_arch(cfg)} GGUF form: llama.cpp's "
+                                        f"{gn.llama_arch(cfg)} applies no rope_freqs factors, so the file would compute "
+                                        "otherwise")
     # llama3 for Llama: the rope_freqs.weight tensor (see _plan), as llama.cpp does.

@@ -556,3 +556,10 @@ def test_glm45_air_reads_as_gqa_with_deepseek_v3_routing():
     bare = config_from_hf_dict({k: v for k, v in GLM45_AIR.items() if k not in (
         "partial_rotary_factor", "num_key_value_heads", "first_k_dense_replace", "rms_norm_eps")})
     assert (bare.rope.dim, bare.num_key_value_heads, bare.rms_norm_eps, bare.dense_layers) == (64, 8, 1e-5, {0})
+
+
+@pytest.mark.parametrize("factor", [0.0, 1.5, -0.5])
+def test_glm45_partial_rotary_factor_out_of_range_is_named(factor):
+    with pytest.raises(CheckpointError, match=re.escape(f"'partial_rotary_factor' must be > 0 and at most 1, got {factor}")):
+        config_from_hf_dict({**GLM45_AIR, "partial_rotary_factor": factor})
+    assert config_from_hf_dict({**GLM45_AIR, "partial_rotary_factor": 1.0}).rope.dim == 128  # (the whole head)

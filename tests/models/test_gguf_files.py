@@ -25,6 +25,7 @@ import re
 import shutil
 import struct
 from pathlib import Path
+from typing import Any
 
 import gguf
 import gguf.quants
@@ -733,3 +734,67 @@ def test_nextn_blocks_are_counted_from_block_count(hf_dirs: dict[str, Path], tmp
     _fails(_rewrite(src, tmp_path / "bad.gguf", kv, drop), needle)
     if nextn == 1:  # whole, layer 1 is skipped as the block: a model of the first layer
         assert GGUFCheckpoint(_rewrite(src, tmp_path / "ok.gguf", kv, {})).hf_config()["num_hidden_layers"] == 1
+
+
+def _hf_variant(d: Path, name: str, **overrides: Any) -> Path:
+    """tests.hf_models' tiny `name` model with config `overrides`, saved with a tokenizer the writer takes."""
+    from tests.hf_models import build_hf_model
+
+    d.mkdir()
+    bos, eos = _write_tokenizer(d)
+    build_hf_model(name, seed=13, bos_token_id=bos, eos_token_id=eos, **overrides).save_pretrained(d)
+    return d
+
+
+_YARN_08 = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "rope_theta": 10000.0,
+            "attention_factor": 0.8}
+
+
+@pytest.mark.parametrize("name, overrides", [
+    # MLA rotating half-split pairs: its rotary rows are written in llama.cpp's interleaved order (they were
+    # written as they are: llama.cpp and our reader were 0.59 off)
+    ("glm4_moe_lite", dict(rope_interleave=False)),
+    ("v3_tied_halfsplit", {}),
+    # a YaRN attention_factor: llama.cpp ignores yarn_attn_factor there and multiplies cos and sin by
+    # 0.1 ln(factor) + 1 times rope.scaling.attn_factor, now written to give the factor (it was 0.56 off)
+    ("glm4_moe", dict(rope_parameters={**_YARN_08, "partial_rotary_factor": 0.5})),
+    ("qwen3_gqa", dict(rope_parameters=_YARN_08)),
+])
+def test_written_rope_layouts_compute_as_hf_in_llama_cpp(tmp_path: Path, name: str, overrides: dict) -> None:
+    pytest.importorskip("llama_cpp")
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.test_hf_parity import make_runner, prefill_logits
+
+    d = _hf_variant(tmp_path / "hf", name, **overrides)
+    path = write_gguf(d, tmp_path / "m.gguf")
+    ids = [0, 5, 17, 44, 100, 250, 33, 7, 9, 120]
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)(torch.tensor([ids])).logits[0]
+    llm = open_llama(path, n_ctx=32, logits_all=True, verbose=False, n_threads=2, type_k=0, type_v=0)
+    llm.eval(ids)
+    for got in (torch.tensor(np.array(llm.scores[: len(ids)])), prefill_logits(make_runner(path), ids)):
+        assert float((got - want).abs().max() / want.abs().max()) < 2e-4
+
+
+@pytest.mark.parametrize("name, overrides, needle", [
+    # llama.cpp's glm4moe (and qwen2/qwen3) apply no rope_freqs: the file would load (llama.cpp refused the
+    # extra tensor) and compute unscaled
+    ("glm4_moe", dict(max_position_embeddings=65536, rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192, "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+     "llama3 rope scaling has no glm4moe GGUF form"),
+    # llama.cpp's deepseek2 scales the scores by (1 + 0.1 ln factor)^2 under linear scaling (it was 0.50 off)
+    ("glm4_moe_lite", dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}),
+     "linear rope scaling has no deepseek2 GGUF form"),
+    ("v3_noaux_yarn", dict(rope_scaling={**_YARN_08, "mscale": 1.0, "mscale_all_dim": 1.0}),
+     "a YaRN attention_factor has no deepseek2 GGUF form"),
+    # llama.cpp computes shared experts always: its deepseek2 refused the file, its glm4moe was 0.62 off
+    ("glm4_moe", dict(n_shared_experts=0), "n_shared_experts is 0"),
+    ("glm4_moe_lite", dict(n_shared_experts=0), "n_shared_experts is 0"),
+])
+def test_what_llama_cpp_would_compute_otherwise_is_refused(tmp_path: Path, name: str, overrides: dict,
+                                                            needle: str) -> None:
+    d = _hf_variant(tmp_path / "hf", name, **overrides)
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
+        write_gguf(d, tmp_path / "m.gguf")

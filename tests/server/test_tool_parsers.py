@@ -287,9 +287,10 @@ CASES = [
     # calls without arguments, in both forms; layout between the blocks is no content
     ("glm45", "<tool_call>list_files</tool_call>\n<tool_call>get_time\n</tool_call>\n", "",
      [("list_files", "{}"), ("get_time", "{}")]),
-    # a value's close left out: it ends at the next key, or at the block's close
-    ("glm45", "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>x<arg_key>b</arg_key><arg_value>7</tool_call>", "",
-     [("f", '{"a": "x", "b": 7}')]),
+    # a value ends at its close, whatever it holds (vLLM's reading: a coding agent's text about the markup); a
+    # close left out ends it at the block's close
+    ("glm45", "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>Use <arg_key>K</arg_key> tags</arg_value>\n"
+     "<arg_key>b</arg_key><arg_value>7</tool_call>", "", [("f", '{"a": "Use <arg_key>K</arg_key> tags", "b": 7}')]),
     # cut off (max_tokens, a stop string) in a value, a close tag, a key, between a key and its value, or in the
     # block's close: the members written, the one being written too, the object left open
     ("glm45", "Sure. <tool_call>search\n<arg_key>q</arg_key>\n<arg_value>hel", "Sure. ", [("search", '{"q": "hel"')]),
