@@ -22,6 +22,8 @@ AUTOAWQ := autoawq==0.2.9
 # llama.cpp's converter imports sentencepiece before it looks for a tokenizer.model (its Llama/Mixtral class):
 # the converted-file checks need it installed
 SENTENCEPIECE := sentencepiece==0.2.3
+# tiktoken: the oracle of Kimi-K2's tiktoken.model tokenizer, read without it
+TIKTOKEN := tiktoken==0.14.0
 STAMP  := $(VENV)/.installed
 ORACLES := $(VENV)/.oracles
 
@@ -59,8 +61,8 @@ $(ORACLES): $(STAMP)
 		|| echo "llama-cpp-python could not be installed: the llama.cpp oracle tests will be skipped"
 	$(PY) bench/peers.py unpack >/dev/null \
 		|| echo "llama.cpp's sources could not be unpacked: the converter's dequantization checks will be skipped"
-	$(PIP) install --quiet $(COMPRESSED_TENSORS) $(SENTENCEPIECE) \
-		|| echo "compressed-tensors or sentencepiece could not be installed: their checks will be skipped"
+	$(PIP) install --quiet $(COMPRESSED_TENSORS) $(SENTENCEPIECE) $(TIKTOKEN) \
+		|| echo "compressed-tensors, sentencepiece or tiktoken could not be installed: their checks will be skipped"
 	@mkdir -p $(VENV)/oracles && $(PIP) download --quiet --no-deps --no-binary :all: $(AUTOAWQ) -d $(VENV)/oracles \
 		&& tar -xzf $(VENV)/oracles/autoawq-*.tar.gz -C $(VENV)/oracles --wildcards '*/awq/utils/packing_utils.py' \
 		|| echo "AutoAWQ's sources could not be fetched: the AWQ dequantization check will be skipped"

@@ -211,6 +211,9 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     # routing (sigmoid + correction bias, shared experts, dense layers first) in the MLPs
     "glm4_moe": "llama",
     "glm4_moe_lite": "deepseek_v3",  # GLM-4.7-Flash: DeepSeek-V3's MLA and MoE, GLM's defaults
+    # Kimi-K2 (Moonshot): DeepSeek-V3 itself (its config names DeepseekV3ForCausalLM and DeepSeek's DeepseekV3Config;
+    # the type only tells engines apart, and Moonshot's notes say to serve it as deepseek_v3)
+    "kimi_k2": "deepseek_v3",
 }
 
 

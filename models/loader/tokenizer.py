@@ -28,7 +28,9 @@ The hard parts:
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -36,7 +38,6 @@ import logging
 import numbers
 import os
 from collections.abc import Mapping, Sequence
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -317,20 +318,98 @@ def _check_encodes(tok: Tokenizer, source: str | Path) -> None:
                        printable(str(source)), _PROBE_TEXT, str(e).splitlines()[0][:200])
 
 
+TIKTOKEN_FILE = "tiktoken.model"
+_TIKTOKEN_SPECIALS = 258  # Kimi's tokenization_kimi.py: num_reserved_special_tokens (256) + 2 ids after the ranks
+_TIKTOKEN_MERGE_MAX_BYTES = 1024  # longer tokens (none in real vocabularies) make no merges: matched whole only
+
+
+def _tiktoken_tokenizer(model_dir: Path, config: dict) -> Tokenizer:
+    """Kimi-K2's tokenizer (Moonshot ships `tiktoken.model` and `tokenization_kimi.py`, no tokenizer.json) as a
+    `tokenizers` byte-level BPE that encodes as tiktoken does: the ranks' tokens by rank, every split of a token
+    into two tokens a merge ranked by the token it makes, a word that is a token kept whole (tiktoken looks it up
+    first), Kimi's pre-tokenizer pattern; then the 258 special ids after the ranks, named by tokenizer_config.json's
+    `added_tokens_decoder` or `<|reserved_token_ID|>` as tokenization_kimi.py names the rest. Only Kimi's is known:
+    another tiktoken model's pattern is in its code."""
+    path = model_dir / TIKTOKEN_FILE
+    if not (model_dir / "tokenization_kimi.py").is_file() and "tokenization_kimi" not in json.dumps(
+            config.get("auto_map", "")):
+        raise CheckpointError(path, "a tiktoken tokenizer other than Kimi's (tokenization_kimi.py) is not supported: "
+                                    "its pre-tokenizer is in its code; give the model a tokenizer.json")
+    ranks = _tiktoken_ranks(path)
+    to_text = bytes_to_unicode()
+
+    def text(b: bytes) -> str:
+        return "".join(to_text[x] for x in b)
+
+    merges: list[tuple[str, str]] = []
+    for token in sorted(ranks, key=ranks.__getitem__):
+        if 1 < len(token) <= _TIKTOKEN_MERGE_MAX_BYTES:
+            pairs = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
+            merges += [(text(a), text(b)) for a, b in sorted(pairs, key=lambda p: (ranks[p[0]], ranks[p[1]]))]
+    vocab = {text(b): r for b, r in ranks.items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
+    tok.pre_tokenizer = byte_level_pre_tokenizer(PRE_TOKENIZERS["kimi-k2"].regexes)
+    tok.decoder = decoders.ByteLevel()
+    named = config.get("added_tokens_decoder") or {}
+    if not isinstance(named, dict):
+        raise CheckpointError(model_dir / "tokenizer_config.json", "key 'added_tokens_decoder': expected an object")
+    n = len(ranks)
+    specials = []
+    for i in range(n, n + _TIKTOKEN_SPECIALS):
+        entry = named.get(str(i))
+        content = entry.get("content") if isinstance(entry, dict) else None
+        specials.append(AddedToken(content if isinstance(content, str) and content else f"<|reserved_token_{i}|>",
+                                   special=True, normalized=False))
+    if len({t.content for t in specials}) < len(specials) or any(t.content in vocab for t in specials):
+        raise CheckpointError(model_dir / "tokenizer_config.json", "key 'added_tokens_decoder' names one special "
+                                                                   "token twice, or a token of the ranks")
+    tok.add_special_tokens(specials)
+    return tok
+
+
+def _tiktoken_ranks(path: Path) -> dict[bytes, int]:
+    """A tiktoken BPE file's `base64-token rank` lines: the ranks must be 0 to n - 1, each token once."""
+    ranks: dict[bytes, int] = {}
+    with open(path, "rb") as f:
+        for line_no, line in enumerate(f, 1):
+            parts = line.split()
+            if not parts:
+                continue
+            try:
+                if len(parts) != 2:
+                    raise ValueError("expected a base64 token and a rank")
+                token, rank = base64.b64decode(parts[0], validate=True), int(parts[1])
+            except ValueError as e:  # (binascii.Error is a ValueError)
+                raise CheckpointError(path, f"line {line_no}: {e}") from None
+            if not token or rank != len(ranks) or token in ranks:
+                raise CheckpointError(path, f"line {line_no}: rank {rank} of a token seen before, empty or out of "
+                                            f"order (the ranks must count up from 0)")
+            ranks[token] = rank
+    if len(ranks) < 256 or any(bytes([b]) not in ranks for b in range(256)):
+        raise CheckpointError(path, "every one of the 256 bytes must be a token of its own (byte-level BPE)")
+    return ranks
+
+
 def load_hf_tokenizer(model_dir: str | Path) -> TokenizerBundle:
-    """Tokenizer of an HF model directory; tokenizer.json is required, the rest is optional."""
+    """Tokenizer of an HF model directory: tokenizer.json, or Kimi's tiktoken.model (`_tiktoken_tokenizer`); the
+    rest is optional."""
     model_dir = Path(model_dir)
     tok_path, cfg_path = model_dir / "tokenizer.json", model_dir / "tokenizer_config.json"
-    if not tok_path.is_file():
-        raise CheckpointError(tok_path, "file is missing (an HF tokenizer needs tokenizer.json)")
-    try:
-        tok = Tokenizer.from_file(str(tok_path))
-    except Exception as e:  # tokenizers raises plain Exception, for broken JSON and unknown schemas alike
-        raise CheckpointError(tok_path, f"is not a valid tokenizer.json: {e}") from None
-    _check_encodes(tok, tok_path)
     config = read_json(cfg_path, required=False) or {}
     if not isinstance(config, dict):
         raise CheckpointError(cfg_path, "expected a JSON object")
+    if not tok_path.is_file() and (model_dir / TIKTOKEN_FILE).is_file():
+        tok_path = model_dir / TIKTOKEN_FILE
+        tok = _tiktoken_tokenizer(model_dir, config)
+    elif not tok_path.is_file():
+        raise CheckpointError(tok_path, "file is missing (an HF tokenizer needs tokenizer.json, or Kimi's "
+                                        f"{TIKTOKEN_FILE})")
+    else:
+        try:
+            tok = Tokenizer.from_file(str(tok_path))
+        except Exception as e:  # tokenizers raises plain Exception, for broken JSON and unknown schemas alike
+            raise CheckpointError(tok_path, f"is not a valid tokenizer.json: {e}") from None
+    _check_encodes(tok, tok_path)
     bos_token, bos_id = _special_token(tok, config, "bos_token", cfg_path)
     eos_token, eos_id = _special_token(tok, config, "eos_token", cfg_path)
     _, pad_id = _special_token(tok, config, "pad_token", cfg_path, strict=False)

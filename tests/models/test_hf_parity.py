@@ -334,3 +334,20 @@ def test_a_bf16_gguf_with_dtype_float32_computes_as_decoded_to_float32(tmp_path)
     ids = prompt(50, 256, seed=9)
     logits = {mode: prefill_logits(make_runner(gguf, cpu_weights=mode), ids) for mode in ("file", "float32")}
     assert rel_err(logits["file"], logits["float32"]) <= 1e-5
+
+
+def test_kimi_k2_directory_computes_as_deepseek_v3(tmp_path):
+    """Kimi-K2's config.json names model_type `kimi_k2` with DeepseekV3ForCausalLM and DeepSeek's config class
+    (Moonshot: serve it as deepseek_v3): read as DeepSeek-V3, it computes as transformers' DeepseekV3ForCausalLM on
+    the same weights (it was refused as an unknown architecture). Its released config's router keys (one group,
+    x2.827) are given, as there."""
+    hf = build_hf_model("v3_noaux_yarn", seed=21, n_group=1, topk_group=1, routed_scaling_factor=2.827)
+    hf.save_pretrained(tmp_path)
+    _edit_config(tmp_path, model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"])
+    ids = prompt(60, hf.config.vocab_size, seed=8)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    for cpu_weights in (None, "float32"):
+        runner = make_runner(tmp_path, cpu_weights=cpu_weights)
+        assert runner.config.arch == "deepseek_v3" and runner.config.moe.routed_scaling_factor == 2.827
+        assert rel_err(prefill_logits(runner, ids), ref) <= 1e-4, cpu_weights

@@ -838,3 +838,88 @@ def test_gguf_tokenizers_pass_llama_cpps_own_test_vectors(inp: Path | None) -> N
     assert len(texts) > 40
     for text, ids in zip(texts, outs):
         assert tok.encode(text, add_special_tokens=False).ids == [int(i) for i in ids.split()], text
+
+
+# Kimi-K2's tiktoken pattern as tokenization_kimi.py gives it to tiktoken (`&&`: set intersection)
+_KIMI_PAT = "|".join([
+    r"[\p{Han}]+",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+"])
+_KIMI_SPECIALS = {"[BOS]": 0, "[EOS]": 1, "<|im_end|>": 7, "<|im_user|>": 8, "<|im_assistant|>": 9,
+                  "<|im_system|>": 12, "<|im_middle|>": 13, "<|tool_calls_section_begin|>": 40}
+
+
+@pytest.fixture(scope="module")
+def kimi_dir(ds_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[bytes, int]]:
+    """A Kimi-K2-style tokenizer directory (tiktoken.model, tokenizer_config.json, tokenization_kimi.py) on a real
+    vocabulary: DeepSeek-V3's 127k merges as tiktoken ranks (the 256 bytes, then each merge's token in merge order),
+    Kimi's special ids after them."""
+    import base64
+
+    cfg = json.loads((ds_dir / "tokenizer.json").read_text())
+    bpe = cfg["model"]
+    byte_of = {ch: b for b, ch in gguf.vocab.bytes_to_unicode().items()}
+    ranks = {bytes([b]): b for b in range(256)}
+    for merge in bpe["merges"]:
+        a, b = merge.split(" ", 1) if isinstance(merge, str) else merge
+        token = bytes(byte_of[c] for c in a + b)
+        ranks.setdefault(token, len(ranks))
+    d = tmp_path_factory.mktemp("kimi")
+    (d / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    n = len(ranks)
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "[BOS]", "eos_token": "[EOS]", "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer",
+                                                                                     None]},
+        "added_tokens_decoder": {str(n + i): {"content": t, "special": True} for t, i in _KIMI_SPECIALS.items()},
+        "chat_template": "{% for m in messages %}<|im_user|>{{ m.content }}<|im_end|>{% endfor %}"}))
+    (d / "tokenization_kimi.py").write_text("# Moonshot's TikTokenTokenizer lives here; it is not run\n")
+    return d, ranks
+
+
+def test_kimi_tiktoken_tokenizer_encodes_as_tiktoken(kimi_dir: tuple[Path, dict[bytes, int]], texts: list[str]) -> None:
+    """Kimi-K2's HF directory has no tokenizer.json: its tiktoken.model is read as a byte-level BPE that gives
+    tiktoken's ids (the oracle: tiktoken itself, with Kimi's pattern and special tokens, as tokenization_kimi.py
+    builds it) on the fixed and random texts and source code, special tokens in the text included; the 258
+    special ids after the ranks are named as tokenization_kimi.py names them. (Such a directory was refused:
+    tokenizer.json missing.)"""
+    tiktoken = pytest.importorskip("tiktoken")
+    d, ranks = kimi_dir
+    n = len(ranks)
+    specials = {f"<|reserved_token_{i}|>": i for i in range(n, n + 258)}
+    specials = {**{k: v for k, v in specials.items() if v - n not in _KIMI_SPECIALS.values()},
+                **{t: n + i for t, i in _KIMI_SPECIALS.items()}}
+    oracle = tiktoken.Encoding("kimi", pat_str=_KIMI_PAT, mergeable_ranks=ranks, special_tokens=specials)
+    bundle = load_hf_tokenizer(d)
+    assert (bundle.bos_token_id, bundle.eos_token_ids, bundle.add_bos_token) == (n, (n + 1,), False)
+    assert bundle.tokenizer.get_vocab_size(with_added_tokens=True) == n + 258
+    source = inspect.getsource(json.decoder).splitlines() + inspect.getsource(re).splitlines()[:200]
+    corpus = texts + ["\n".join(source[i:i + 7]) for i in range(0, len(source), 7)] + [
+        "<|im_user|>hi<|im_end|><|im_assistant|>ImportError: 你好 <|reserved_token_%d|>x" % (n + 100)]
+    for text in corpus:
+        ids = bundle.encode(text, add_special_tokens=False)
+        assert ids == oracle.encode(text, allowed_special="all"), text
+        assert bundle.decode(ids, skip_special_tokens=False) == oracle.decode(ids), text
+
+
+def test_tiktoken_files_are_checked(tmp_path: Path, kimi_dir: tuple[Path, dict[bytes, int]]) -> None:
+    d, _ = kimi_dir
+    for name, lines, needle in [
+        ("gap", "AA== 0\nAQ== 2\n", "line 2: rank 2"),
+        ("b64", "AA== 0\n!!!! 1\n", "line 2:"),
+        ("bytes", "AA== 0\nAQ== 1\n", "every one of the 256 bytes"),
+    ]:
+        bad = tmp_path / name
+        shutil.copytree(d, bad)
+        (bad / "tiktoken.model").write_text(lines)
+        with pytest.raises(CheckpointError, match=re.escape(needle)):
+            load_hf_tokenizer(bad)
+    other = tmp_path / "other"
+    shutil.copytree(d, other)
+    (other / "tokenization_kimi.py").unlink()
+    cfg = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**cfg, "auto_map": {}}))
+    with pytest.raises(CheckpointError, match="other than Kimi's"):
+        load_hf_tokenizer(other)
