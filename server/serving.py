@@ -572,7 +572,7 @@ def chat_prompt(state: ServerState, body: ChatInput) -> tuple[str, ToolPlan]:
     if body.reasoning_effort is not None:
         extra.setdefault("reasoning_effort", body.reasoning_effort)
     if plan.tools:
-        extra["tools"] = plan.tools
+        extra["tools"] = _deep_sorted(plan.tools) if tok.sorted_tools else plan.tools
     elif body.tools == [] and body.tool_choice != "none":  # sent empty: [] as transformers and vLLM hand it
         extra["tools"] = []
     if body.documents is not None:
@@ -584,6 +584,13 @@ def chat_prompt(state: ServerState, body: ChatInput) -> tuple[str, ToolPlan]:
     except ChatTemplateError as e:
         raise ClientError(400, str(e), _template_fault(render, extra, body.chat_template_kwargs)) from None
     return text, plan
+
+
+def _deep_sorted(value: Any) -> Any:
+    """`value` with every object's keys in order, as Kimi-K2's tokenizer hands its template the tools."""
+    if isinstance(value, dict):
+        return {k: _deep_sorted(v) for k, v in sorted(value.items())}
+    return [_deep_sorted(v) for v in value] if isinstance(value, list) else value
 
 
 def tool_plan(state: ServerState, body: ChatInput, template: str | None = None) -> ToolPlan:

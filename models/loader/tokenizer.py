@@ -92,6 +92,9 @@ class TokenizerBundle:
     # fill-in-the-middle: the prefix, suffix and middle tokens, where the model has all three (a GGUF's ids, or
     # the tokens of their texts, as llama.cpp finds them); a completions `suffix` is written with them
     fim_ids: tuple[int, int, int] | None = None
+    # Kimi-K2's tokenizer (tokenization_kimi.py) sorts the keys of every tool, deeply, before its template writes
+    # them: the prompts its model was made with
+    sorted_tools: bool = False
 
     def template_tokens(self) -> dict[str, str]:
         """The special tokens a chat template sees by name (transformers' `special_tokens_map`): those the
@@ -460,6 +463,7 @@ def load_hf_tokenizer(model_dir: str | Path) -> TokenizerBundle:
         named_chat_templates=named_templates,
         other_special_tokens=others,
         fim_ids=_fim_ids({name: _fim_by_text(vocab, name) for name in _FIM_TRIPLE}),
+        sorted_tools=tok_path.name == TIKTOKEN_FILE,
     )
 
 
@@ -661,6 +665,7 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str) -> Tokeni
         named_chat_templates=_gguf_named_templates(m),
         other_special_tokens={key: tokens[i] for key, i in specials.items() if i is not None},
         fim_ids=_fim_ids(ids),
+        sorted_tools=kind == "gpt2" and m.get("tokenizer.ggml.pre", str, None) == "kimi-k2",
     )
 
 

@@ -895,6 +895,7 @@ def test_kimi_tiktoken_tokenizer_encodes_as_tiktoken(kimi_dir: tuple[Path, dict[
     bundle = load_hf_tokenizer(d)
     assert (bundle.bos_token_id, bundle.eos_token_ids, bundle.add_bos_token) == (n, (n + 1,), False)
     assert bundle.tokenizer.get_vocab_size(with_added_tokens=True) == n + 258
+    assert bundle.sorted_tools  # (tokenization_kimi.py sorts the tools' keys for its template)
     source = inspect.getsource(json.decoder).splitlines() + inspect.getsource(re).splitlines()[:200]
     corpus = texts + ["\n".join(source[i:i + 7]) for i in range(0, len(source), 7)] + [
         "<|im_user|>hi<|im_end|><|im_assistant|>ImportError: 你好 <|reserved_token_%d|>x" % (n + 100)]
@@ -923,3 +924,10 @@ def test_tiktoken_files_are_checked(tmp_path: Path, kimi_dir: tuple[Path, dict[b
     (other / "tokenizer_config.json").write_text(json.dumps({**cfg, "auto_map": {}}))
     with pytest.raises(CheckpointError, match="other than Kimi's"):
         load_hf_tokenizer(other)
+
+
+def test_kimi_gguf_tokenizer_sorts_tools_as_kimi_does(smol_meta: dict) -> None:
+    """A GGUF of Kimi's tokenizer (pre-tokenizer `kimi-k2`) hands its template the tools with sorted keys, as
+    Moonshot's tokenizer does; other tokenizers as the request gives them."""
+    assert tokenizer_from_gguf_metadata({**smol_meta, "tokenizer.ggml.pre": "kimi-k2"}, "kimi.gguf").sorted_tools
+    assert not tokenizer_from_gguf_metadata(smol_meta, "smol.gguf").sorted_tools
