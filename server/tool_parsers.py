@@ -1026,12 +1026,14 @@ class QwenXmlToolParser(_TagBlockParser):
 
     @classmethod
     def written(cls, text: str, calls: list[tuple[str, Any]]) -> str:
-        blocks = []
-        for name, args in calls:
-            params = "".join(f"{_PARAM_OPEN}{k}>\n{_written_value(v)}\n{_PARAM_CLOSE}\n"
-                             for k, v in (args.items() if isinstance(args, dict) else ()))
-            blocks.append(f"{cls._OPEN}\n{_FN_OPEN}{name}>\n{params}{_FN_CLOSE}\n{cls._CLOSE}")
+        blocks = [cls._written_call(name, args if isinstance(args, dict) else {}) for name, args in calls]
         return "\n".join([text, *blocks] if text else blocks)
+
+    @classmethod
+    def _written_call(cls, name: str, args: dict[str, Any]) -> str:
+        """One call's block as the template writes it."""
+        params = "".join(f"{_PARAM_OPEN}{k}>\n{_written_value(v)}\n{_PARAM_CLOSE}\n" for k, v in args.items())
+        return f"{cls._OPEN}\n{_FN_OPEN}{name}>\n{params}{_FN_CLOSE}\n{cls._CLOSE}"
 
     @classmethod
     def for_tools(cls, new_id: Callable[[], str], tools: Sequence[Any]) -> ToolParser:
@@ -1222,13 +1224,10 @@ class GlmToolParser(QwenXmlToolParser):
     _NAME_TAGS = (_ARG_KEY, _HERMES_CLOSE)  # the tags that may end a name
 
     @classmethod
-    def written(cls, text: str, calls: list[tuple[str, Any]]) -> str:
-        blocks = []
-        for name, args in calls:
-            pairs = "".join(f"{_ARG_KEY}{k}{_ARG_KEY_END}\n{_ARG_VALUE}{_written_value(v)}{_ARG_VALUE_END}\n"
-                            for k, v in (args.items() if isinstance(args, dict) else ()))
-            blocks.append(f"{cls._OPEN}{name}\n{pairs}{cls._CLOSE}")
-        return "\n".join([text, *blocks] if text else blocks)
+    def _written_call(cls, name: str, args: dict[str, Any]) -> str:
+        pairs = "".join(f"{_ARG_KEY}{k}{_ARG_KEY_END}\n{_ARG_VALUE}{_written_value(v)}{_ARG_VALUE_END}\n"
+                        for k, v in args.items())
+        return f"{cls._OPEN}{name}\n{pairs}{cls._CLOSE}"
 
     def _open_block(self) -> None:
         self._state, self._raw = "name", self._OPEN
