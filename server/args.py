@@ -181,7 +181,7 @@ class ServerArgs:
     tool_call_parser: str = flag("auto", "how tool calls are read from the model's output ('auto': the format "
                                  "its chat template uses)", choices=("auto", *sorted(TOOL_PARSERS)))
     reasoning_parser: str = flag("auto", "how a chat answer's reasoning (<think>...</think>) is split into "
-                                 "message.reasoning_content: deepseek_r1, qwen3, none, or auto (what the chat "
+                                 "message.reasoning_content: deepseek_r1, qwen3, kimi_k2, none, or auto (what the chat "
                                  "template writes); glm45 is vLLM's name for qwen3's reading", choices=REASONING_PARSERS)
     generation_config: str = flag("auto", "sampling defaults of requests that leave temperature, top_p, top_k, "
                                   "min_p or repetition_penalty out: auto (the model's: generation_config.json, a GGUF's "

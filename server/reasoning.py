@@ -12,6 +12,10 @@ same text the same way. Kinds:
   it (after whitespace); otherwise, and with thinking switched off, all of it is the answer. An
   unclosed block is reasoning, up to a `<tool_call>`: Qwen3 models open a call without closing the
   block, and the call is the answer's (SGLang reads it so; read as reasoning, the call was lost).
+- `kimi_k2` (vLLM's name): Kimi-K2-Thinking. R1's reading (the output starts inside the reasoning, a
+  `<think>` the model writes itself is removed), except that a tool call opened inside the block ends it
+  (`<|tool_calls_section_begin|>`, or `<|tool_call_begin|>` without it: Kimi calls tools at the end of its
+  reasoning without closing it, as vLLM's and llama.cpp's readings of it say); the call is the answer's.
 - `none`: everything is the answer.
 Whatever the kind, a rendered prompt that itself ends with `<think>` or `</think>` (DeepSeek-V3.1's
 template writes one or the other as its `thinking` variable says) decides where the output starts
@@ -25,13 +29,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from server.tool_parsers import HERMES_OPEN, find_first, partial_len
+from server.tool_parsers import HERMES_OPEN, KIMI_CALL_BEGIN, KIMI_CALLS_BEGIN, find_first, partial_len
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # vLLM's names of the same readings, accepted so that its command lines serve as they are (GLM-4.5 to 4.7 open the
 # block themselves, or their prompt does: Qwen3's reading, which looks at the prompt)
 REASONING_ALIASES = {"glm45": "qwen3"}
-REASONING_PARSERS = ("auto", "deepseek_r1", "qwen3", "none", *REASONING_ALIASES)
+REASONING_PARSERS = ("auto", "deepseek_r1", "qwen3", "kimi_k2", "none", *REASONING_ALIASES)
+# per kind, the markup that opens a tool call and so ends an unclosed block (its first: the one counted by id)
+CALL_OPENERS = {"qwen3": (HERMES_OPEN,), "kimi_k2": (KIMI_CALLS_BEGIN, KIMI_CALL_BEGIN)}
 
 
 @dataclass
@@ -46,19 +52,19 @@ class ReasoningParser:
     """Splits one choice's text into reasoning and answer, incrementally (see the module docstring)."""
 
     def __init__(self, kind: str) -> None:
-        if kind not in ("deepseek_r1", "qwen3"):
+        if kind not in ("deepseek_r1", "qwen3", "kimi_k2"):
             raise ValueError(f"unknown reasoning parser {kind!r}")
         self.kind = kind
         # "start": before the first non-space text (deciding whether a <think> opens); "think": inside
         # the reasoning; "answer": after it (or without one)
         self.state = "start"
-        self._opened = kind == "deepseek_r1"  # "start" leads into the reasoning (the prompt opened the block)
+        self._opened = kind != "qwen3"  # "start" leads into the reasoning (the prompt opened the block)
         self._buf = ""
         self._strip = False  # drop the answer's leading whitespace (right after </think>)
         self.reasoning_text = ""  # all reasoning so far (for token accounting)
         self.opened_by_output = False  # the output's own <think> (after any whitespace) opened the block
-        # what ends the block: for qwen3 also a tool call opened inside it (`ended_by_call`)
-        self._ends = (THINK_CLOSE, HERMES_OPEN) if kind == "qwen3" else (THINK_CLOSE,)
+        # what ends the block: for qwen3 and kimi_k2 also a tool call opened inside it (`ended_by_call`)
+        self._ends = (THINK_CLOSE, *CALL_OPENERS.get(kind, ()))
         self.ended_by_call = False
 
     @property
@@ -177,9 +183,12 @@ def single_token_tags(encode: Callable[[str], list[int]]) -> tuple[int, int] | N
     return (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else None
 
 
-def single_token_call(encode: Callable[[str], list[int]]) -> int | None:
-    """The id of `<tool_call>` where the tokenizer (`encode`) makes it one token."""
-    ids = encode(HERMES_OPEN)
+def single_token_call(encode: Callable[[str], list[int]], kind: str = "qwen3") -> int | None:
+    """The id of the markup that opens a call inside `kind`'s block (`<tool_call>` for qwen3, Kimi's
+    `<|tool_calls_section_begin|>`) where the tokenizer (`encode`) makes it one token; None for other kinds."""
+    if kind not in CALL_OPENERS:
+        return None
+    ids = encode(CALL_OPENERS[kind][0])
     return ids[0] if len(ids) == 1 else None
 
 
@@ -192,7 +201,7 @@ class ChoiceReasoning:
         """`tag_ids` (`single_token_tags`) and `call_id` (`single_token_call`): what counts by id."""
         self.parser = ReasoningParser(kind)
         self.parser.after_prompt(prompt, continued)
-        self.tokens = ReasoningTokens(tag_ids, self.parser.in_reasoning, call_id if kind == "qwen3" else None)
+        self.tokens = ReasoningTokens(tag_ids, self.parser.in_reasoning, call_id if kind in CALL_OPENERS else None)
 
     def feed(self, text: str, ids: list[int], final: bool) -> Split:
         was_reasoning, had_opened = self.parser.in_reasoning, self.parser.opened_by_output
@@ -220,12 +229,15 @@ def starts_in_reasoning(kind: str, prompt: str, continued: str | None = None) ->
 def parser_kind(choice: str, chat_template: str | None) -> str:
     """The parser a server uses: `choice` itself, or for `auto` what the chat template shows (a
     template that writes `<think>` into the assistant's turn: deepseek_r1 when the generation prompt
-    ends inside the block, qwen3 when the model opens it; none without one)."""
+    ends inside the block, qwen3 when the model opens it, kimi_k2 for Kimi-K2's call markup; none without
+    one)."""
     if choice != "auto":
         return REASONING_ALIASES.get(choice, choice)
     t = chat_template or ""
     if THINK_OPEN not in t:
         return "none"
+    if KIMI_CALLS_BEGIN in t:  # Kimi-K2-Thinking: R1's reading, a call ending the block
+        return "kimi_k2"
     if "enable_thinking" in t:  # Qwen3's switch: the model opens the block itself
         return "qwen3"
     return "deepseek_r1"

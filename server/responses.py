@@ -231,7 +231,7 @@ class ChatSerializer(Serializer):
         self.reasoners: dict[int, ChoiceReasoning] = {}
         self.split: dict[int, Split] = {}
         self.tag_ids = None  # <think>, </think> ids where each is one token (for the count), only when parsing
-        self.call_id = None  # and <tool_call>'s, which ends qwen3's block
+        self.call_id = None  # and <tool_call>'s, which ends qwen3's block (Kimi's section marker, kimi_k2's)
         # streamed, per choice: logprobs of tokens none of whose text has gone out yet as answer text
         self.unplaced: dict[int, list[ShownLogprob]] = {}
         self.answered: dict[int, int] = {}  # streamed: where in its generated text the answer sent so far ends
@@ -239,7 +239,7 @@ class ChatSerializer(Serializer):
         self.floor: dict[int, int] = {}  # streamed: where in its generated text the answer may start (past `</think>`)
         if tok is not None and self.reasoning_kind != "none":
             self.tag_ids = single_token_tags(lambda t: tok.encode(t, add_special_tokens=False))
-            self.call_id = single_token_call(lambda t: tok.encode(t, add_special_tokens=False))
+            self.call_id = single_token_call(lambda t: tok.encode(t, add_special_tokens=False), self.reasoning_kind)
         self.echo = self.echo_split()
         # with the reasoning left out (include_reasoning false), neither token ids nor logprobs are sent, as
         # vLLM does: the ids would spell the reasoning out

@@ -20,10 +20,13 @@ Formats (the markup of the models' own chat templates):
   mistral (tokenizer v11+):      TEXT [TOOL_CALLS]NAME[ARGS]{...}[TOOL_CALLS]NAME[ARGS]{...} [TEXT]
   qwen3_coder (also Qwen3.5, Nemotron 3):
     <tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call> ...
+  kimi_k2 (Kimi-K2 Instruct and Thinking; the call's id is its header, `functions.NAME:INDEX`):
+    <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>ARGS<|tool_call_end|>
+    ... <|tool_calls_section_end|>
   glm45 / glm47 (GLM-4.5, 4.6, 4.7; GLM-4.7 without the newlines):
     <tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n</tool_call> ...
 
-DeepSeek and Hermes arguments stream as they are written, after a first delta carrying id and name (a
+DeepSeek, Kimi-K2 and Hermes arguments stream as they are written, after a first delta carrying id and name (a
 Hermes block whose head is not `{"name": NAME, "arguments": {` is held until `</tool_call>` and read
 whole). Llama output that begins a JSON object or
 array is held to the end: its calls are known only once their JSON is whole. Markup that yields no call (a
@@ -31,7 +34,8 @@ malformed block, a call cut off before its name was complete) is shown as conten
 off in its arguments keeps the arguments sent.
 
 Feed the text detokenized WITH the markers: DeepSeek's and Qwen's are added (non-special) tokens
-and survive `skip_special_tokens`. Llama's `<|python_tag|>` is special and optional here.
+and survive `skip_special_tokens`; Kimi-K2's are special tokens, kept because they are the parser's `markup`.
+Llama's `<|python_tag|>` is special and optional here.
 """
 
 from __future__ import annotations
@@ -72,7 +76,12 @@ class ToolCall:
     arguments: str
 
 
-def default_call_id() -> str:
+#: how a call's id is made: from its function's name and its place among the output's calls (most makers
+#: ignore both; Kimi-K2's ids spell them out)
+NewId = Callable[[str, int], str]
+
+
+def default_call_id(name: str = "", index: int = 0) -> str:
     """An OpenAI-style call id; ids only need to be unique within a conversation."""
     return "call_" + secrets.token_hex(12)
 
@@ -131,7 +140,7 @@ class ToolParser:
     #: is kept in what the parser is fed (`skip_special_tokens` still drops the other special tokens)
     markup: tuple[str, ...] = ()
 
-    def __init__(self, new_id: Callable[[], str] = default_call_id) -> None:
+    def __init__(self, new_id: NewId = default_call_id) -> None:
         self._new_id = new_id
         self._buf = ""  # text received, not yet decided on
         self._calls: list[ToolCall] = []
@@ -149,7 +158,7 @@ class ToolParser:
         raise NotImplementedError
 
     @classmethod
-    def for_tools(cls, new_id: Callable[[], str], tools: Sequence[Any]) -> ToolParser:
+    def for_tools(cls, new_id: NewId, tools: Sequence[Any]) -> ToolParser:
         """A parser for a request with `tools` (a markup whose values are text reads their types from them)."""
         return cls(new_id)
 
@@ -215,8 +224,9 @@ class ToolParser:
             self._add_args(args)
         self._emit(rest)
 
-    def _open_call(self, name: str) -> None:
-        self._calls.append(ToolCall(self._new_id(), name, ""))
+    def _open_call(self, name: str, call_id: str | None = None) -> None:
+        """A call opens: its first delta, its id (`call_id`, or a new one) and name."""
+        self._calls.append(ToolCall(call_id or self._new_id(name, len(self._calls)), name, ""))
         self._deltas.append(ToolCallDelta(len(self._calls) - 1, self._calls[-1].id, name))
 
     def _add_args(self, text: str) -> None:
@@ -243,11 +253,11 @@ _FENCE = "```"
 _FENCE_TAG = re.compile(r"[A-Za-z][\w+-]*")  # the fence's language tag: ```json
 
 
-def _deepseek_args(raw: str, done: bool) -> str:
-    """The arguments in `raw`, the text from a call's name to its end marker (or so far, unless
-    `done`): without the ```json fence and the whitespace around it (the JSON may begin on the fence's
-    line), `{}` for none. While not `done`, a tail that may still become the fence's tag, the closing
-    fence or an end marker is left out, so what is sent stands."""
+def _deepseek_args(raw: str, done: bool, ends: Sequence[str]) -> str:
+    """The arguments in `raw`, the text from a call's name to its end marker (one of `ends`; or so far,
+    unless `done`): without the ```json fence and the whitespace around it (the JSON may begin on the
+    fence's line), `{}` for none. While not `done`, a tail that may still become the fence's tag, the
+    closing fence or an end marker is left out, so what is sent stands."""
     text = raw.lstrip()
     if text.startswith(_FENCE):
         text = text[len(_FENCE):]
@@ -258,7 +268,7 @@ def _deepseek_args(raw: str, done: bool) -> str:
     elif not done and _FENCE.startswith(text):
         return ""
     if not done:
-        text = text[: len(text) - partial_len(text, _ENDS)]
+        text = text[: len(text) - partial_len(text, ends)]
     text = text.rstrip()
     ticks = len(text) - len(text.rstrip("`"))
     if ticks >= 3 or not done:
@@ -268,18 +278,25 @@ def _deepseek_args(raw: str, done: bool) -> str:
 
 
 class DeepSeekV3ToolParser(ToolParser):
-    """DeepSeek-V3/R1/V2.5: `function<｜tool▁sep｜>NAME` then the arguments in a ```json fence."""
+    """DeepSeek-V3/R1/V2.5: `function<｜tool▁sep｜>NAME` then the arguments in a ```json fence.
 
+    The machine reads any markup of this shape: a section's begin marker, calls each between a begin and an
+    end marker whose header (up to a separator) names the function, arguments as written up to the call's
+    end, then the section's end marker. Its subclasses change the markers (class attributes) and how a header
+    is read (`_split_header`, `_call_name`)."""
+
+    _calls_begin, _calls_end, _call_begin, _call_end, _sep = _CALLS_BEGIN, _CALLS_END, _CALL_BEGIN, _CALL_END, _SEP
     markup = (_CALLS_BEGIN, _CALLS_END, _CALL_BEGIN, _CALL_END, _SEP)
 
-    def __init__(self, new_id: Callable[[], str] = default_call_id) -> None:
+    def __init__(self, new_id: NewId = default_call_id) -> None:
         super().__init__(new_id)
         self._state = "content"  # content | section (between calls) | header | args
 
     @classmethod
     def written(cls, text: str, calls: list[tuple[str, Any]]) -> str:
-        return text + _CALLS_BEGIN + "".join(_CALL_BEGIN + cls._written_head(name) + _json(args) + cls._written_tail
-                                             + _CALL_END for name, args in calls) + _CALLS_END
+        return text + cls._calls_begin + "".join(cls._call_begin + cls._written_head(name) + _json(args)
+                                                 + cls._written_tail + cls._call_end for name, args in calls) \
+            + cls._calls_end
 
     _written_tail = "\n```"  # (what `written` puts after a call's arguments)
 
@@ -289,15 +306,15 @@ class DeepSeekV3ToolParser(ToolParser):
 
     @classmethod
     def call_tag(cls, name: str) -> tuple[str, str, str] | None:
-        return _CALL_BEGIN, _CALL_BEGIN + cls._written_head(name), cls._written_tail + _CALL_END
+        return cls._call_begin, cls._call_begin + cls._written_head(name), cls._written_tail + cls._call_end
 
     def _split_header(self, head: str, closed: bool) -> tuple[str, int] | None:
         """(name, where the arguments start) in `head`, the text after `<｜tool▁call▁begin｜>` up to any
         end marker (`closed` if one was seen); None while the name may still be incomplete."""
-        sep = head.find(_SEP)
+        sep = head.find(self._sep)
         if sep < 0:
             return None
-        start = sep + len(_SEP)
+        start = sep + len(self._sep)
         stops = [i for i in (head.find("\n", start), head.find(_FENCE, start)) if i >= 0]
         if closed:
             stops.append(len(head))
@@ -305,49 +322,63 @@ class DeepSeekV3ToolParser(ToolParser):
 
     def _step(self, final: bool) -> bool:
         if self._state == "content":
-            marker = self._scan_content((_CALLS_BEGIN, _CALL_BEGIN), final)
+            marker = self._scan_content((self._calls_begin, self._call_begin), final)
             if marker:
                 self._raw = marker
-                self._state = "section" if marker == _CALLS_BEGIN else "header"
+                self._state = "section" if marker == self._calls_begin else "header"
             return marker is not None
         return {"section": self._section, "header": self._header, "args": self._args}[self._state](final)
 
     def _section(self, final: bool) -> bool:
         rest = self._buf.lstrip()
-        for marker in (_CALL_BEGIN, _CALLS_END):
+        for marker in (self._call_begin, self._calls_end):
             if rest.startswith(marker):
                 self._raw += self._buf[: len(self._buf) - len(rest) + len(marker)]
                 self._buf = rest[len(marker):]
-                self._state = "header" if marker == _CALL_BEGIN else "content"
+                self._state = "header" if marker == self._call_begin else "content"
                 return True
-        if not final and (_CALL_BEGIN.startswith(rest) or _CALLS_END.startswith(rest)):
+        cut = self._call_begin.startswith(rest) or self._calls_end.startswith(rest)
+        if not final and cut:
+            return False
+        if cut and rest and not self._raw:  # a marker cut off at the end, after the section's calls: dropped
+            self._buf = ""
             return False
         self._reject(0)  # anything else ends the section
         return True
 
+    @property
+    def _ends(self) -> tuple[str, str]:
+        return self._call_end, self._calls_end
+
+    def _call_name(self, header: str) -> tuple[str, str | None] | None:
+        """(name, the call's id: None for a new one) of a call whose header (`_split_header`'s) is `header`;
+        None where it names no function (the markup is then content)."""
+        return (header, None) if header else None
+
     def _header(self, final: bool) -> bool:
-        end = find_first(self._buf, _ENDS)[0]
+        end = find_first(self._buf, self._ends)[0]
         head = self._buf if end < 0 else self._buf[:end]
         split = self._split_header(head, closed=end >= 0)
         if split is None and end < 0 and not final:
             return False
-        if split is None or not split[0]:  # no name: content up to where every chunking agrees
+        named = None if split is None else self._call_name(split[0])
+        if named is None:  # no name: content up to where every chunking agrees
             self._reject(len(head) if split is None else split[1])
             return True
-        name, start = split
-        self._open_call(name)
-        self._raw, self._buf, self._state = "", self._buf[start:], "args"
+        assert split is not None
+        self._open_call(*named)
+        self._raw, self._buf, self._state = "", self._buf[split[1]:], "args"
         return True
 
     def _args(self, final: bool) -> bool:
-        end, marker = find_first(self._buf, _ENDS)
+        end, marker = find_first(self._buf, self._ends)
         sent = len(self._calls[-1].arguments)
         if end < 0:  # at `final` too: a call cut short keeps the arguments sent so far
-            self._add_args(_deepseek_args(self._buf, done=False)[sent:])
+            self._add_args(_deepseek_args(self._buf, False, self._ends)[sent:])
             return False
-        self._add_args(_deepseek_args(self._buf[:end], done=True)[sent:])
+        self._add_args(_deepseek_args(self._buf[:end], True, self._ends)[sent:])
         self._buf = self._buf[end + len(marker):]
-        self._state = "section" if marker == _CALL_END else "content"
+        self._state = "section" if marker == self._call_end else "content"
         self._skip_ws = True
         return True
 
@@ -358,13 +389,81 @@ class DeepSeekV31ToolParser(DeepSeekV3ToolParser):
 
     _written_tail = ""
 
-    @staticmethod
-    def _written_head(name: str) -> str:
-        return f"{name}{_SEP}"
+    @classmethod
+    def _written_head(cls, name: str) -> str:
+        return f"{name}{cls._sep}"
 
     def _split_header(self, head: str, closed: bool) -> tuple[str, int] | None:
-        sep = head.find(_SEP)
-        return None if sep < 0 else (head[:sep].strip(), sep + len(_SEP))
+        sep = head.find(self._sep)
+        return None if sep < 0 else (head[:sep].strip(), sep + len(self._sep))
+
+
+_KIMI_PREFIX = "functions."
+
+
+def kimi_call_id(name: str, index: int) -> str:
+    """Kimi-K2's call id, as its templates write one: `functions.NAME:INDEX`."""
+    return f"{_KIMI_PREFIX}{name}:{index}"
+
+
+# Kimi-K2's markers (special tokens of its tokenizer)
+KIMI_CALLS_BEGIN, _KIMI_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL_BEGIN, _KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_end|>"
+_KIMI_ARGS = "<|tool_call_argument_begin|>"
+_DIGITS = re.compile(r"[0-9]+")
+
+
+class KimiK2ToolParser(DeepSeekV31ToolParser):
+    """Kimi-K2 (Instruct and Thinking; DeepSeek-V3's architecture): DeepSeek-V3.1's machine with Moonshot's markers,
+    each call's header its id, `functions.NAME:INDEX` (INDEX numbers the calls), then its JSON
+    arguments as written:
+
+        <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}<|tool_call_end|>
+        ...<|tool_calls_section_end|>
+
+    The name is what lies between `functions.` and the header's last `:`; the call opens when the header is
+    whole (at `<|tool_call_argument_begin|>`). Ids: a header in the templates' form, `functions.NAME:DIGITS`, is
+    the call's id, as vLLM returns it (the templates write their own ids for past calls, and Moonshot's first
+    template renders a result as `## Return of {tool_call_id}`: the model gets back the id it wrote); a header
+    without the prefix or without a `:DIGITS` index still names the call (`get_weather:0`, `functions.f`), and
+    such a call, or one repeating an id an earlier call of the same output has (ids must be unique for a client
+    to match results to calls), gets a new id (`new_id`: by default `kimi_call_id`, the id the template writes
+    for it, `functions.NAME:I`, I its place among this output's calls; where that is taken too, `call_...`).
+    A header whose name is empty or holds whitespace is no call: the markup is content, as written, as
+    DeepSeek's are. A bare `<|tool_call_begin|>` (no section marker) opens a call too, as llama.cpp reads
+    Kimi-K2's output. No strict-tool grammar (`call_tag`): a call's index is not fixed text."""
+
+    _calls_begin, _calls_end, _call_begin, _call_end = KIMI_CALLS_BEGIN, _KIMI_CALLS_END, KIMI_CALL_BEGIN, _KIMI_CALL_END
+    _sep = _KIMI_ARGS
+    markup = (KIMI_CALLS_BEGIN, _KIMI_CALLS_END, KIMI_CALL_BEGIN, _KIMI_CALL_END, _KIMI_ARGS)
+
+    def __init__(self, new_id: NewId = kimi_call_id) -> None:
+        super().__init__(new_id)
+
+    @classmethod
+    def written(cls, text: str, calls: list[tuple[str, Any]]) -> str:
+        # (the templates count calls across the conversation; this turn's alone here)
+        return text + cls._calls_begin + "".join(
+            f"{cls._call_begin}{kimi_call_id(name, i)}{cls._sep}{_json(args)}{cls._call_end}"
+            for i, (name, args) in enumerate(calls)) + cls._calls_end
+
+    @classmethod
+    def call_tag(cls, name: str) -> tuple[str, str, str] | None:
+        return None
+
+    def _call_name(self, header: str) -> tuple[str, str | None] | None:
+        prefixed = header.startswith(_KIMI_PREFIX)
+        body = header[len(_KIMI_PREFIX):] if prefixed else header
+        name, colon, index = body.rpartition(":")
+        indexed = bool(colon) and _DIGITS.fullmatch(index) is not None
+        name = name if indexed else body
+        if not name or any(ch.isspace() for ch in name):
+            return None
+        taken = {c.id for c in self._calls}
+        if prefixed and indexed and header not in taken:
+            return name, header
+        made = self._new_id(name, len(self._calls))
+        return name, made if made not in taken else default_call_id()
 
 
 _JSON_WS = re.compile(r"[ \t\n\r]*")
@@ -526,7 +625,7 @@ class HermesToolParser(_TagBlockParser):
     def call_tag(cls, name: str) -> tuple[str, str, str] | None:
         return cls._OPEN, f'{cls._OPEN}\n{{"name": {_json(name)}, "arguments": ', f"}}\n{cls._CLOSE}"
 
-    def __init__(self, new_id: Callable[[], str] = default_call_id) -> None:
+    def __init__(self, new_id: NewId = default_call_id) -> None:
         super().__init__(new_id)
         # content | head (an object's start in a block) | block (held whole) | args | rest (after the
         # arguments) | members (more members after them) | after (the object closed) | tail (text after the
@@ -721,7 +820,7 @@ class Llama3JsonToolParser(ToolParser):
         objects = "; ".join(_json({"name": name, "parameters": args}) for name, args in calls)
         return f"{text}{_PYTHON_TAG}{objects}" if text else objects  # (after text, the tag says calls follow)
 
-    def __init__(self, new_id: Callable[[], str] = default_call_id) -> None:
+    def __init__(self, new_id: NewId = default_call_id) -> None:
         super().__init__(new_id)
         self._mode = ""  # "" undecided | content | json
 
@@ -768,7 +867,7 @@ _MISTRAL_CALL_ID = "[CALL_ID]"
 _MISTRAL_ID_CHARS = string.ascii_letters + string.digits
 
 
-def mistral_call_id() -> str:
+def mistral_call_id(name: str = "", index: int = 0) -> str:
     """Mistral's call id: 9 letters and digits, which its chat templates check when the call comes back
     (v0.3's refuses any other: "Tool call IDs should be alphanumeric strings with length 9!")."""
     return "".join(secrets.choice(_MISTRAL_ID_CHARS) for _ in range(9))
@@ -793,7 +892,7 @@ class MistralToolParser(ToolParser):
     def written(cls, text: str, calls: list[tuple[str, Any]]) -> str:
         return text + _MISTRAL_CALLS + _json([{"name": name, "arguments": args} for name, args in calls])
 
-    def __init__(self, new_id: Callable[[], str] = mistral_call_id) -> None:
+    def __init__(self, new_id: NewId = mistral_call_id) -> None:
         super().__init__(new_id)
         self._state = "content"  # content | decide (after the marker) | array | header | args_start | args
         self._name = ""  # the function a v11 head named, opened when its arguments begin
@@ -1036,10 +1135,10 @@ class QwenXmlToolParser(_TagBlockParser):
         return f"{cls._OPEN}\n{_FN_OPEN}{name}>\n{params}{_FN_CLOSE}\n{cls._CLOSE}"
 
     @classmethod
-    def for_tools(cls, new_id: Callable[[], str], tools: Sequence[Any]) -> ToolParser:
+    def for_tools(cls, new_id: NewId, tools: Sequence[Any]) -> ToolParser:
         return cls(new_id, {t.function.name: _properties(t.function.parameters) for t in tools})
 
-    def __init__(self, new_id: Callable[[], str] = default_call_id,
+    def __init__(self, new_id: NewId = default_call_id,
                  params: dict[str, dict[str, Any]] | None = None) -> None:
         super().__init__(new_id)
         # content | block (in a block, before a function) | name | params (between parameters) | key | value |
@@ -1283,6 +1382,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "qwen3_coder": QwenXmlToolParser,  # also Qwen3.5's and Nemotron 3's markup
     "glm45": GlmToolParser,  # GLM-4.5 and 4.6
     "glm47": GlmToolParser,  # GLM-4.7 (vLLM's name for its reading of the same markup without newlines)
+    "kimi_k2": KimiK2ToolParser,  # Kimi-K2 Instruct and Thinking
 }
 
 
@@ -1290,6 +1390,8 @@ def detect_tool_parser(chat_template: str | None) -> str | None:
     """The parser for the tool-call markup a chat template teaches, or None if none is recognised."""
     if not chat_template:
         return None
+    if KIMI_CALLS_BEGIN in chat_template:
+        return "kimi_k2"
     if _CALLS_BEGIN in chat_template:
         return "deepseek_v3" if "```json" in chat_template else "deepseek_v31"
     if "<tool_call>" in chat_template:
@@ -1309,13 +1411,17 @@ def detect_tool_parser(chat_template: str | None) -> str | None:
     return None
 
 
-def call_id_maker(chat_template: str | None) -> Callable[[], str]:
+def call_id_maker(chat_template: str | None) -> NewId:
     """How call ids are made for a model: Mistral's 9 characters where its template writes `[TOOL_CALLS]`
-    (it checks them when the calls come back), else OpenAI's `call_...`."""
-    return mistral_call_id if chat_template and _MISTRAL_CALLS in chat_template else default_call_id
+    (it checks them when the calls come back), Kimi-K2's `functions.NAME:INDEX` where its template writes
+    Kimi's calls (the form the model writes and reads back, forced calls' too, as vLLM makes them), else
+    OpenAI's `call_...`."""
+    if chat_template and _MISTRAL_CALLS in chat_template:
+        return mistral_call_id
+    return kimi_call_id if chat_template and KIMI_CALLS_BEGIN in chat_template else default_call_id
 
 
-def parse_tool_calls(parser: str, text: str, new_id: Callable[[], str] = default_call_id,
+def parse_tool_calls(parser: str, text: str, new_id: NewId = default_call_id,
                      tools: Sequence[Any] = ()) -> tuple[str, list[ToolCall]]:
     """Non-streamed: the content and calls in a whole output, by the streaming parser fed it at once."""
     p = TOOL_PARSERS[parser].for_tools(new_id, tools)

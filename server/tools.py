@@ -39,7 +39,7 @@ from scheduler.sampling_params import ParamError, StructuredOutput
 from server.chat_template import accepts_system, writes_tool_messages
 from server.protocol import ChatInput, NamedToolChoice
 from server.structured import check_json_schema, check_valid_schema, embedded, json_schema_output, schema_output
-from server.tool_parsers import (TOOL_PARSERS, JsonEnd, ToolCall, ToolCallDelta, ToolParser, call_id_maker,
+from server.tool_parsers import (TOOL_PARSERS, JsonEnd, NewId, ToolCall, ToolCallDelta, ToolParser, call_id_maker,
                                  default_call_id, detect_tool_parser)
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -264,7 +264,7 @@ def _parameters(schema: dict[str, Any] | None, param: str) -> dict[str, Any]:
     return schema
 
 
-def _parser(name: str, parallel: bool | None, new_id: Callable[[], str], tools: list[Any]) -> Callable[[], MergedDeltas]:
+def _parser(name: str, parallel: bool | None, new_id: NewId, tools: list[Any]) -> Callable[[], MergedDeltas]:
     cls = TOOL_PARSERS[name]
     if parallel is False:
         return lambda: MergedDeltas(FirstCallOnly(cls.for_tools(new_id, tools)))
@@ -275,8 +275,8 @@ class NamedToolCall:
     """tool_choice names a function: the whole (grammar-constrained) output is its arguments, streamed
     as they come."""
 
-    def __init__(self, name: str, new_id: Callable[[], str] = default_call_id) -> None:
-        self.call = ToolCall(new_id(), name, "")
+    def __init__(self, name: str, new_id: NewId = default_call_id) -> None:
+        self.call = ToolCall(new_id(name, 0), name, "")
         self._started = False
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
@@ -310,7 +310,7 @@ class RequiredToolCalls:
     _NAME = re.compile(r'\s*\}?\s*[\[,]\s*\{\s*"name"\s*:\s*"([^"\\]*)"')  # a call's start, up to its name
     _PARAMETERS = re.compile(r'\s*,\s*"parameters"\s*:\s*')  # then its arguments' key
 
-    def __init__(self, new_id: Callable[[], str] = default_call_id) -> None:
+    def __init__(self, new_id: NewId = default_call_id) -> None:
         self._new_id = new_id
         self._pending = ""  # text not consumed yet: a call's head still incomplete, or the array's tail
         self._state = "name"  # what the text goes on with: "name" (a call's start), "parameters", "args"
@@ -325,7 +325,7 @@ class RequiredToolCalls:
                 head = self._NAME.match(self._pending)
                 if head is None:  # wait for more (or the array's closing "}]", which is dropped)
                     break
-                self.calls.append(ToolCall(self._new_id(), head.group(1), ""))
+                self.calls.append(ToolCall(self._new_id(head.group(1), len(self.calls)), head.group(1), ""))
                 out.append(ToolCallDelta(len(self.calls) - 1, self.calls[-1].id, head.group(1), ""))
                 self._pending = self._pending[head.end():]
                 self._state = "parameters"

@@ -41,6 +41,7 @@ TEMPLATES = {
     "qwen3_coder": ("qwen3_coder.jinja", None, "<|im_end|>", False, True),
     "glm_4_6": ("glm_4_6.jinja", None, "<|endoftext|>", False, True),
     "glm_4_7_flash": ("glm_4_7_flash.jinja", None, "<|endoftext|>", False, True),
+    "kimi_k2": ("kimi_k2.jinja", "[BOS]", "[EOS]", False, True),
 }
 
 TOOLS = [
@@ -218,6 +219,10 @@ def test_tool_conversation_matches_transformers(hf_tokenizers, name, conversatio
                 f"<arg_key>unit</arg_key>{sep}<arg_value>celsius</arg_value>{sep}") in ours
     elif messages is ONE_CALL and name != "deepseek_v3":
         assert json.dumps(json.loads(WEATHER_ARGS), ensure_ascii=False) in ours
+    if messages is ONE_CALL and name == "kimi_k2":  # the template writes its own id for the call, the client's
+        # for the result (and a backslash and an `n` between it and the result: the template's text, as it is)
+        assert "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{" in ours
+        assert "<|im_system|>tool<|im_middle|>## Return of call_1\\n{" in ours
 
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
@@ -747,3 +752,25 @@ def test_mistral_tools_render_parse_and_come_back():
         {"role": "tool", "tool_call_id": ids[0], "content": "21 C"}]
     text = _chat_prompt(template, {"messages": history, "tools": TOOLS})
     assert '[TOOL_CALLS]get_weather[ARGS]{"location": {"city": "Paris"}}' in text and "[TOOL_RESULTS]21 C" in text
+
+
+def test_kimi_k2_calls_come_back_with_the_ids_the_model_wrote(hf_tokenizers):
+    """Kimi-K2's template writes a past call as `functions.NAME:I` (I its place in the turn) and its result as
+    `## Return of {tool_call_id}`: the ids the `kimi_k2` parser gives the calls (the model's own) are what the
+    client sends back, so each result names its call as the call is written, here and in transformers."""
+    from server.tool_parsers import KimiK2ToolParser, parse_tool_calls
+
+    output = "Checking." + KimiK2ToolParser.written("", [("get_weather", json.loads(WEATHER_ARGS_2)),
+                                                          ("search_flights", json.loads(FLIGHT_ARGS))])
+    content, calls = parse_tool_calls("kimi_k2", output)
+    assert content == "Checking." and [c.id for c in calls] == ["functions.get_weather:0", "functions.search_flights:1"]
+    messages = [SYSTEM, TWO_CALLS[1], {"role": "assistant", "content": content,
+                                       "tool_calls": [_call(c.id, c.name, c.arguments) for c in calls]},
+                _tool(calls[0].id, "rain"), _tool(calls[1].id, "LX160")]
+    ours, theirs = _both("kimi_k2", hf_tokenizers["kimi_k2"], messages, True, TOOLS)
+    assert ours == theirs
+    for call, result in zip(calls, ("rain", "LX160")):
+        assert f"<|tool_call_begin|>{call.id}<|tool_call_argument_begin|>" in ours
+        assert f"<|im_middle|>## Return of {call.id}\\n{result}<|im_end|>" in ours
+    assert ours.startswith("<|im_system|>tool_declare<|im_middle|>[{")
+    assert ours.endswith("<|im_assistant|>assistant<|im_middle|>")

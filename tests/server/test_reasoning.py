@@ -4,6 +4,8 @@ and whole, always the same reasoning and answer; blocks that never close; templa
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from server.reasoning import ReasoningParser, Split, parser_kind, starts_in_reasoning
@@ -15,6 +17,10 @@ R1_CUT_OFF = "Let me think about this step by step. First, the integral of x^2 i
 QWEN3 = "<think>\nThe user greets me. I should answer briefly.\n</think>\n\nHello! How can I help you today?"
 QWEN3_NO_THINK = "Hello! How can I help you today? I never write <think> here, only mention it."
 QWEN3_CUT_OFF = "<think>\nHmm, a long proof. Suppose n is even, then n = 2k and"
+
+KIMI_SECTION = "<|tool_calls_section_begin|>"
+KIMI_CALL = (KIMI_SECTION + "<|tool_call_begin|>functions.special_function:0<|tool_call_argument_begin|>{\"arg1\": 1}"
+             "<|tool_call_end|><|tool_calls_section_end|>")
 
 CASES = [
     ("deepseek_r1", R1, R1.split("</think>")[0], "17 × 23 = **391**."),
@@ -28,6 +34,15 @@ CASES = [
     ("qwen3", '<think>I should look up the weather. <tool_call>\n{"name": "w", "arguments": {}}\n</tool_call>',
      "I should look up the weather. ", '<tool_call>\n{"name": "w", "arguments": {}}\n</tool_call>'),
     ("deepseek_r1", "thinking <tool_call> still thinking", "thinking <tool_call> still thinking", ""),
+    # Kimi-K2-Thinking: R1's reading, and its call section (or a bare call) ends an unclosed block, as vLLM's
+    # kimi_k2 reasoning parser and llama.cpp's reading of its template end it; R1's kind keeps the call reasoning
+    ("kimi_k2", "<think>I'm thinking about this</think>" + KIMI_CALL, "I'm thinking about this", KIMI_CALL),
+    ("kimi_k2", "<think>I need the weather. " + KIMI_CALL, "I need the weather. ", KIMI_CALL),
+    ("kimi_k2", "No tag, thinking. " + KIMI_CALL[len(KIMI_SECTION):], "No tag, thinking. ",
+     KIMI_CALL[len(KIMI_SECTION):]),
+    ("kimi_k2", "<think>a</think>\n\nHello <|tool_calls_sec", "a", "Hello <|tool_calls_sec"),
+    ("kimi_k2", "<think>cut off while thinking about <|tool_call", "cut off while thinking about <|tool_call", ""),
+    ("deepseek_r1", "thinking " + KIMI_CALL, "thinking " + KIMI_CALL, ""),
 ]
 
 
@@ -81,6 +96,12 @@ def test_nothing_is_shown_before_it_is_decided() -> None:
     ("qwen3", "{{ messages[0].content }}", "qwen3"),
     ("none", "<think>", "none"),
     ("glm45", "{{ messages[0].content }}", "qwen3"),  # (vLLM's name for GLM-4.5 to 4.7: Qwen3's reading)
+    # Kimi-K2-Thinking's template (its assistant turns and calls); Kimi-K2-Instruct's writes no <think>
+    ("auto", "<|im_assistant|>assistant<|im_middle|><think>{{rc}}</think>{{render_content(message)}}"
+             "{{ '<|tool_calls_section_begin|>' }}", "kimi_k2"),
+    ("auto", (Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates" / "kimi_k2.jinja").read_text(),
+     "none"),
+    ("kimi_k2", "{{ messages[0].content }}", "kimi_k2"),
 ])
 def test_auto_reads_the_chat_template(choice: str, template: str | None, kind: str) -> None:
     assert parser_kind(choice, template) == kind
@@ -246,3 +267,20 @@ def test_glm_templates_choose_where_the_reasoning_is(file, thinking, output, rea
     calls = parse_tool_calls("glm45", content)[1]
     assert [(c.name, c.arguments) for c in calls] == ([("special_function", '{"arg1": 1}')] if GLM_CALL in content
                                                      else [])
+
+
+def test_kimi_k2_counts_its_reasoning_tokens_up_to_the_call():
+    """Where Kimi's call section marker is one token (its tokenizer's), kimi_k2's count stops at its id, exactly,
+    however the ids arrive grouped, as qwen3's stops at `<tool_call>`'s; the kinds without such a marker have none."""
+    from server.reasoning import ChoiceReasoning, single_token_call
+
+    encode = {"<think>": [1], "</think>": [2], KIMI_SECTION: [7], "<tool_call>": [3, 4]}.__getitem__
+    assert single_token_call(encode, "kimi_k2") == 7 and single_token_call(encode, "deepseek_r1") is None
+    assert single_token_call(encode, "qwen3") is None  # (several tokens)
+    text, ids = ["<think>", "a", "b", KIMI_SECTION, "<|tool_call_begin|>"], [1, 5, 6, 7, 8]
+    for group in (1, 2, 5):
+        choice = ChoiceReasoning("kimi_k2", "<|im_assistant|>assistant<|im_middle|>", None, (1, 2), 7)
+        for at in range(0, len(ids), group):
+            last = at + group >= len(ids)
+            choice.feed("".join(text[at:at + group]), ids[at:at + group], last)
+        assert choice.tokens.count == 3, group  # <think>, a, b

@@ -19,9 +19,11 @@ from server.tool_parsers import (
     TOOL_PARSERS,
     DeepSeekV3ToolParser,
     ToolCallDelta,
+    KimiK2ToolParser,
     call_id_maker,
     default_call_id,
     detect_tool_parser,
+    kimi_call_id,
     mistral_call_id,
     parse_tool_calls,
 )
@@ -31,6 +33,9 @@ CALL_B, CALL_E, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
 DEEPSEEK_MARKERS = (CALLS_B, CALLS_E, CALL_B, CALL_E, SEP)
 HERMES_MARKERS = ("<tool_call>", "</tool_call>")
 GLM_MARKERS = (*HERMES_MARKERS, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+KS_B, KS_E = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+K_B, K_E, K_ARGS = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
+KIMI_MARKERS = (KS_B, KS_E, K_B, K_E, K_ARGS)
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL = "[TOOL_CALLS]"
 
@@ -53,6 +58,11 @@ def glm(name: str, pairs: list[tuple[str, str]], sep: str = "\n") -> str:
     """A call as GLM-4.5/4.6's template writes one (`sep` ""; as GLM-4.7's writes it)."""
     body = "".join(f"<arg_key>{k}</arg_key>{sep}<arg_value>{v}</arg_value>{sep}" for k, v in pairs)
     return f"<tool_call>{name}{sep}{body}</tool_call>"
+
+
+def kimi(name: str, index: int, args: str) -> str:
+    """A call as Kimi-K2's templates write one (`index`: the call's number in the conversation)."""
+    return f"{K_B}functions.{name}:{index}{K_ARGS}{args}{K_E}"
 
 
 def hermes(name: str, args: str) -> str:
@@ -79,6 +89,8 @@ CASES = [
     # cut by max_tokens inside the arguments: the call keeps what was written
     ("deepseek_v3", "Sure. " + CALLS_B + v3("get_weather", WEATHER) + "\n" + CALL_B + 'function' + SEP
      + 'search\n```json\n{"q": "hel', "Sure. ", [("get_weather", WEATHER), ("search", '{"q": "hel')]),
+    # cut inside the section's end marker, after a whole call: dropped (it was content)
+    ("deepseek_v3", CALLS_B + v3("f", "{}") + CALLS_E[:-2], "", [("f", "{}")]),
     # cut inside the closing fence
     ("deepseek_v3", CALLS_B + CALL_B + "function" + SEP + 'f\n```json\n{"a": 1}\n``', "", [("f", '{"a": 1}')]),
     # cut before the name was complete: the markup is content
@@ -315,30 +327,83 @@ CASES = [
     ("glm45", "Wrap calls in <tool_call> tags, keys in <arg_key>.",
      "Wrap calls in <tool_call> tags, keys in <arg_key>.", []),
     ("glm45", "<tool_call>f<b>x</b></tool_call>", "<tool_call>f<b>x</b></tool_call>", []),
+    # --- Kimi-K2: the expected calls are (name, arguments, id); the id is the model's where well-formed ---
+    ("kimi_k2", KS_B + kimi("get_weather", 0, WEATHER) + KS_E, "", [("get_weather", WEATHER, "functions.get_weather:0")]),
+    ("kimi_k2", "Let me check both.\n" + KS_B + kimi("get_weather", 3, WEATHER) + kimi("now", 4, "{}") + KS_E,
+     "Let me check both.\n", [("get_weather", WEATHER, "functions.get_weather:3"), ("now", "{}", "functions.now:4")]),
+    ("kimi_k2", KS_B + kimi("search", 0, NESTED) + kimi("write_file", 1, PRETTY) + KS_E + "\n\nDone.", "Done.",
+     [("search", NESTED, "functions.search:0"), ("write_file", PRETTY, "functions.write_file:1")]),
+    # newlines and spaces around the markers (the templates write none; models at times do)
+    ("kimi_k2", "好的。\n" + KS_B + "\n" + K_B + " functions.get_weather:0 " + K_ARGS + "\n" + PARIS + "\n" + K_E
+     + "\n" + K_B + "functions.f:1" + K_ARGS + " {} " + K_E + "\n" + KS_E, "好的。\n",
+     [("get_weather", PARIS, "functions.get_weather:0"), ("f", "{}", "functions.f:1")]),
+    # a dotted (MCP-style) name, a name holding `:`: the name is all between `functions.` and the last `:`
+    ("kimi_k2", KS_B + kimi("mcp.fs.read", 0, PARIS) + kimi("a:b", 1, "{}") + KS_E, "",
+     [("mcp.fs.read", PARIS, "functions.mcp.fs.read:0"), ("a:b", "{}", "functions.a:b:1")]),
+    # no section marker: a bare call begin opens a call (llama.cpp's reading)
+    ("kimi_k2", "Ok " + kimi("f", 0, PARIS), "Ok ", [("f", PARIS, "functions.f:0")]),
+    # no arguments at all: "{}"
+    ("kimi_k2", KS_B + K_B + "functions.now:0" + K_ARGS + K_E + KS_E, "", [("now", "{}", "functions.now:0")]),
+    # ids not in the templates' form still name the call, which gets a new id (here `_ids()`'s; by default the
+    # one the template writes: test_kimi_k2_ids); so does a repeated id
+    ("kimi_k2", KS_B + K_B + "get_weather:0" + K_ARGS + PARIS + K_E + K_B + "functions.now" + K_ARGS + "{}" + K_E
+     + K_B + "functions.f:x" + K_ARGS + "{}" + K_E + KS_E, "",
+     [("get_weather", PARIS, "call_0"), ("now", "{}", "call_1"), ("f:x", "{}", "call_2")]),
+    ("kimi_k2", KS_B + kimi("f", 1, "{}") + kimi("f", 1, PARIS) + kimi("f", 0, "{}") + KS_E, "",
+     [("f", "{}", "functions.f:1"), ("f", PARIS, "call_0"), ("f", "{}", "functions.f:0")]),
+    # malformed JSON: passed on as written (arguments are the model's text; the client decides)
+    ("kimi_k2", KS_B + kimi("f", 0, '{"a": tall"}}') + KS_E, "", [("f", '{"a": tall"}}', "functions.f:0")]),
+    # cut by max_tokens (or a stop string) inside the arguments: the call keeps what was written
+    ("kimi_k2", "Sure. " + KS_B + kimi("get_weather", 0, WEATHER) + K_B + 'functions.search:1' + K_ARGS + '{"q": "hel',
+     "Sure. ", [("get_weather", WEATHER, "functions.get_weather:0"), ("search", '{"q": "hel', "functions.search:1")]),
+    ("kimi_k2", KS_B + K_B + "functions.f:0" + K_ARGS + '{"a": 1}' + K_E[:-3], "", [("f", '{"a": 1}', "functions.f:0")]),
+    # cut inside a marker after a whole call (where the markers are several tokens): dropped, not content
+    ("kimi_k2", KS_B + kimi("f", 0, "{}") + KS_E[:-3], "", [("f", "{}", "functions.f:0")]),
+    ("kimi_k2", KS_B + kimi("f", 0, "{}") + "\n" + K_B[:9], "", [("f", "{}", "functions.f:0")]),
+    # cut before the header was whole: the markup is content
+    ("kimi_k2", "Sure." + KS_B + K_B + "functions.sea", "Sure." + KS_B + K_B + "functions.sea", []),
+    ("kimi_k2", "Sure." + KS_B + K_B + "functions.search:0" + K_ARGS[:-4],
+     "Sure." + KS_B + K_B + "functions.search:0" + K_ARGS[:-4], []),
+    # an empty name, whitespace in it, or no argument marker: no call, shown raw; the next call still parses
+    ("kimi_k2", KS_B + K_B + "functions.:0" + K_ARGS + "{}" + K_E + kimi("g", 1, PARIS) + KS_E,
+     KS_B + K_B + "functions.:0" + K_ARGS + "{}" + K_E, [("g", PARIS, "functions.g:1")]),
+    ("kimi_k2", KS_B + K_B + "functions.get weather:0" + K_ARGS + "{}" + K_E + KS_B + kimi("g", 1, "{}") + KS_E,
+     KS_B + K_B + "functions.get weather:0" + K_ARGS + "{}" + K_E, [("g", "{}", "functions.g:1")]),
+    ("kimi_k2", KS_B + K_B + "oops" + K_E + kimi("g", 0, "{}") + KS_E, KS_B + K_B + "oops" + K_E,
+     [("g", "{}", "functions.g:0")]),
+    # another model's markers, or text that only begins like Kimi's, are content
+    ("kimi_k2", "Plain <|tool_calls_sec or <|tool_call_b, " + CALLS_B + "and <|im_end",
+     "Plain <|tool_calls_sec or <|tool_call_b, " + CALLS_B + "and <|im_end", []),
 ]
 CASE_IDS = [f"{i}-{case[0]}" for i, case in enumerate(CASES)]
 
 
 def _markers(parser: str) -> tuple[str, ...]:
     return {"hermes": HERMES_MARKERS, "qwen3_coder": HERMES_MARKERS, "glm45": GLM_MARKERS,
-            "llama3_json": (PYTHON_TAG,),
+            "llama3_json": (PYTHON_TAG,), "kimi_k2": KIMI_MARKERS,
             "mistral": (MISTRAL,)}.get(parser, DEEPSEEK_MARKERS)
 
 
 def _start_markers(parser: str) -> tuple[str, ...]:
     """The markers that open a call, whose first characters content must never end on mid-stream."""
     return {"hermes": HERMES_MARKERS[:1], "qwen3_coder": HERMES_MARKERS[:1], "glm45": HERMES_MARKERS[:1],
-            "llama3_json": (),
+            "llama3_json": (), "kimi_k2": (KS_B, K_B),
             "mistral": (MISTRAL,)}.get(parser, (CALLS_B, CALL_B))
 
 
 def _ids():
     counter = itertools.count()
-    return lambda: f"call_{next(counter)}"
+    return lambda *_: f"call_{next(counter)}"
 
 
-def _stream(parser: str, chunks: list[str]) -> tuple[str, list[tuple[str, str]]]:
-    """Feeds `chunks`, checks the delta protocol and content pieces, returns the assembled result."""
+def _expected(calls: list[tuple]) -> tuple[list[tuple[str, str]], list[str]]:
+    """A case's (name, arguments) pairs and ids: its own where it gives them (Kimi-K2's), else `_ids()`'s."""
+    return [(c[0], c[1]) for c in calls], [c[2] if len(c) > 2 else f"call_{i}" for i, c in enumerate(calls)]
+
+
+def _stream(parser: str, chunks: list[str], ids: list[str] | None = None) -> tuple[str, list[tuple[str, str]]]:
+    """Feeds `chunks`, checks the delta protocol (a call's first delta has id `ids[index]`, default
+    `call_{index}`) and content pieces, returns the assembled result."""
     p = TOOL_PARSERS[parser](_ids())
     pieces: list[tuple[str, bool]] = []
     deltas: list[ToolCallDelta] = []
@@ -353,7 +418,7 @@ def _stream(parser: str, chunks: list[str]) -> tuple[str, list[tuple[str, str]]]
     calls: list[dict] = []
     for d in deltas:
         if d.index == len(calls):  # a call's first delta: id and name, no arguments yet
-            assert d.id == f"call_{d.index}" and d.name and d.arguments == ""
+            assert d.id == (ids[d.index] if ids else f"call_{d.index}") and d.name and d.arguments == ""
             calls.append({"name": d.name, "arguments": ""})
         else:
             assert d.index == len(calls) - 1, "deltas of an earlier call after a later one opened"
@@ -361,6 +426,7 @@ def _stream(parser: str, chunks: list[str]) -> tuple[str, list[tuple[str, str]]]
             calls[d.index]["arguments"] += d.arguments
     assembled = [(c["name"], c["arguments"]) for c in calls]
     assert assembled == [(c.name, c.arguments) for c in p.tool_calls]
+    assert [d.id for d in deltas if d.id is not None] == [c.id for c in p.tool_calls]
     full = "".join(text for text, _ in pieces)
 
     markers = _markers(parser)
@@ -375,10 +441,11 @@ def _stream(parser: str, chunks: list[str]) -> tuple[str, list[tuple[str, str]]]
 
 @pytest.mark.parametrize("parser, text, content, calls", CASES, ids=CASE_IDS)
 def test_non_streamed(parser, text, content, calls):
+    calls, ids = _expected(calls)
     got_content, got_calls = parse_tool_calls(parser, text, new_id=_ids())
     assert got_content == content
     assert [(c.name, c.arguments) for c in got_calls] == calls
-    assert [c.id for c in got_calls] == [f"call_{i}" for i in range(len(calls))]
+    assert [c.id for c in got_calls] == ids
     for _, args in calls:
         cut = parser in ("qwen3_coder", "glm45") and not args.endswith("}")  # (their cut calls' objects are left open)
         if not args.endswith(("hel", '"a",', 'tall"}}', "print('")) and not cut:  # the cut-off and malformed ones
@@ -387,14 +454,15 @@ def test_non_streamed(parser, text, content, calls):
 
 @pytest.mark.parametrize("parser, text, content, calls", CASES, ids=CASE_IDS)
 def test_streamed_matches_non_streamed(parser, text, content, calls):
+    calls, ids = _expected(calls)
     expected = (content, calls)
     for i in range(len(text) + 1):
-        assert _stream(parser, [text[:i], text[i:]]) == expected, f"split at {i}"
-    assert _stream(parser, list(text)) == expected
+        assert _stream(parser, [text[:i], text[i:]], ids) == expected, f"split at {i}"
+    assert _stream(parser, list(text), ids) == expected
     rng = random.Random(1234)
     for _ in range(30):
         a, b = sorted(rng.sample(range(len(text) + 1), 2))
-        assert _stream(parser, [text[:a], text[a:b], text[b:]]) == expected, (a, b)
+        assert _stream(parser, [text[:a], text[a:b], text[b:]], ids) == expected, (a, b)
 
 
 def test_deepseek_streams_arguments_incrementally():
@@ -434,7 +502,7 @@ def test_registry_and_ids():
     assert TOOL_PARSERS["deepseek_v25"] is TOOL_PARSERS["deepseek_v3"]
     assert TOOL_PARSERS["glm47"] is TOOL_PARSERS["glm45"]  # (vLLM's two names; one reading takes both forms)
     assert set(TOOL_PARSERS) == {"deepseek_v3", "deepseek_v31", "deepseek_v25", "hermes", "llama3_json", "mistral",
-                                 "qwen3_coder", "glm45", "glm47"}
+                                 "qwen3_coder", "glm45", "glm47", "kimi_k2"}
     ids = {default_call_id() for _ in range(100)}
     assert len(ids) == 100 and all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids)
     ids = {mistral_call_id() for _ in range(100)}  # what Mistral's templates accept back
@@ -460,6 +528,7 @@ QWEN3_CODER_TEMPLATE = ("{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n
                         "tool_call.arguments|items %}{{- '<parameter=' + k + '>\\n' }}")
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 MINISTRAL3 = (FIXTURES / "ministral3.jinja").read_text()
+KIMI_TEMPLATE = (FIXTURES / "kimi_k2.jinja").read_text()
 
 
 @pytest.mark.parametrize("template, expected", [
@@ -478,6 +547,8 @@ MINISTRAL3 = (FIXTURES / "ministral3.jinja").read_text()
     ((FIXTURES / "qwen3_coder.jinja").read_text(), "qwen3_coder"),
     ((FIXTURES / "qwen2_5.jinja").read_text(), "hermes"),
     ((FIXTURES / "ministral3.jinja").read_text(), "mistral"),
+    ((FIXTURES / "kimi_k2.jinja").read_text(), "kimi_k2"),
+    ("{{ '<|tool_calls_section_begin|>' }}{{ '<|tool_call_begin|>' + formatted_id }}", "kimi_k2"),
     ("{{- '[TOOL_CALLS] [' }}{%- for tool_call in message.tool_calls %}", "mistral"),  # v0.3's
     ("", None),
     (None, None),
@@ -536,6 +607,48 @@ def test_a_named_call_begins_with_its_first_character():
     named.feed("1}")
     assert [(d.name, d.arguments) for d in deltas] == [("f", '{"a": ')] and named.finish() == ("", [])
     assert [(c.name, c.arguments) for c in named.tool_calls] == [("f", '{"a": 1}')]
+
+
+def test_kimi_k2_opens_a_call_at_its_header_and_streams_its_arguments():
+    """The call opens (id and name) once `<|tool_call_argument_begin|>` ends its header; arguments follow as
+    written, a tail that may begin `<|tool_call_end|>` held back; the id is the model's."""
+    p = TOOL_PARSERS["kimi_k2"](_ids())
+    assert p.feed("Hi" + KS_B[:7]) == ("Hi", [])
+    assert p.feed(KS_B[7:] + K_B + "functions.get_") == ("", [])
+    assert p.feed("weather:12" + K_ARGS[:5]) == ("", [])
+    assert p.feed(K_ARGS[5:]) == ("", [ToolCallDelta(0, "functions.get_weather:12", "get_weather")])
+    assert p.feed('{"city": ') == ("", [ToolCallDelta(0, arguments='{"city":')])
+    assert p.feed('"Paris"}' + K_E[:4]) == ("", [ToolCallDelta(0, arguments=' "Paris"}')])
+    assert p.feed(K_E[4:] + K_B + "functions.now:13" + K_ARGS) == ("", [ToolCallDelta(1, "functions.now:13", "now")])
+    assert p.feed("{}" + K_E + KS_E + " Done") == ("Done", [ToolCallDelta(1, arguments="{}")])
+    assert p.finish() == ("", [])
+    assert [(c.id, c.name, c.arguments) for c in p.tool_calls] == [
+        ("functions.get_weather:12", "get_weather", '{"city": "Paris"}'), ("functions.now:13", "now", "{}")]
+
+
+def test_kimi_k2_ids():
+    """By default (and where the chat template writes Kimi's calls) a call whose header is not in the templates'
+    form, or repeats an id, gets the id the template writes for it, `functions.NAME:I` (I its place in the
+    output), unless that one is taken too; a forced call's id (tool_choice named or "required") has the same form."""
+    from server.tools import MergedDeltas, NamedToolCall, RequiredToolCalls
+
+    text = (KS_B + K_B + "get_weather:0" + K_ARGS + PARIS + K_E + kimi("f", 1, "{}") + kimi("f", 1, "{}")
+            + kimi("g", 4, "{}") + kimi("g", 4, "{}") + KS_E)
+    for p in (KimiK2ToolParser(), KimiK2ToolParser(call_id_maker(KIMI_TEMPLATE))):
+        p.feed(text)
+        p.finish()
+        ids = [c.id for c in p.tool_calls]
+        assert ids[:4] == ["functions.get_weather:0", "functions.f:1", "functions.f:2", "functions.g:4"], ids
+        assert re.fullmatch(r"call_[0-9a-f]{24}", ids[4]), ids  # (its place's id, functions.g:4, is taken)
+    assert call_id_maker(KIMI_TEMPLATE) is kimi_call_id and kimi_call_id("a.b", 2) == "functions.a.b:2"
+    named = MergedDeltas(NamedToolCall("get_weather", call_id_maker(KIMI_TEMPLATE)))
+    named.feed('{"city": "Paris"}')
+    named.finish()
+    assert [c.id for c in named.tool_calls] == ["functions.get_weather:0"]
+    required = RequiredToolCalls(call_id_maker(KIMI_TEMPLATE))
+    required.feed('[{"name": "a", "parameters": {}}, {"name": "b", "parameters": {"x": 1}}]')
+    required.finish()
+    assert [c.id for c in required.calls] == ["functions.a:0", "functions.b:1"]
 
 
 @pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
