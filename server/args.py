@@ -338,7 +338,7 @@ def model_problem(model: str) -> str | None:
                         else f"to use the GGUF file in it, pass --model {ggufs[0]}" if len(ggufs) == 1 else
                         f"to use one of its {len(ggufs)} GGUF files, pass it as --model (e.g. --model {ggufs[0]})")
                 return f"{model} is a directory without config.json, so not an HF model directory: {hint}"
-            if not (path / "tokenizer.json").is_file():
+            if not (path / "tokenizer.json").is_file() and not (path / "tiktoken.model").is_file():  # (Kimi's)
                 return (f"the HF model directory {model} has no tokenizer.json: copy the model's tokenizer.json "
                         "beside its config.json")
             return _config_problem(model, path / "config.json")

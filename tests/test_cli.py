@@ -184,6 +184,8 @@ def test_model_problem_says_what_the_path_is(checkpoint: Path, tmp_path: Path) -
     (no_tok / "config.json").write_text((checkpoint / "config.json").read_text())
     assert model_problem(str(no_tok)) == (f"the HF model directory {no_tok} has no tokenizer.json: copy the model's "
                                           "tokenizer.json beside its config.json")
+    (no_tok / "tiktoken.model").write_text("")  # Kimi-K2's tokenizer instead (checked as it loads): the weights next
+    assert model_problem(str(no_tok)).endswith("no *.safetensors weight files")
     text = tmp_path / "notes.txt"
     text.write_text("hello")
     assert model_problem(str(text)).startswith(f"{text} is not a GGUF file")
