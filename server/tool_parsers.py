@@ -347,7 +347,7 @@ class DeepSeekV3ToolParser(ToolParser):
         return True
 
     @property
-    def _ends(self) -> tuple[str, str]:
+    def _ends(self) -> tuple[str, ...]:
         return self._call_end, self._calls_end
 
     def _call_name(self, header: str) -> tuple[str, str | None] | None:
@@ -378,6 +378,9 @@ class DeepSeekV3ToolParser(ToolParser):
             return False
         self._add_args(_deepseek_args(self._buf[:end], True, self._ends)[sent:])
         self._buf = self._buf[end + len(marker):]
+        if marker == self._call_begin:  # (its end marker left out: the next call begins; `_ends` says where)
+            self._raw, self._state = marker, "header"
+            return True
         self._state = "section" if marker == self._call_end else "content"
         self._skip_ws = True
         return True
@@ -439,6 +442,12 @@ class KimiK2ToolParser(DeepSeekV31ToolParser):
 
     def __init__(self, new_id: NewId = kimi_call_id) -> None:
         super().__init__(new_id)
+
+    @property
+    def _ends(self) -> tuple[str, ...]:
+        # a call whose `<|tool_call_end|>` the model left out ends where the next one begins, as llama.cpp reads
+        # Kimi's output (its end marker is optional there); its arguments never take in the next call's markup
+        return self._call_end, self._calls_end, self._call_begin
 
     @classmethod
     def written(cls, text: str, calls: list[tuple[str, Any]]) -> str:
@@ -1411,14 +1420,16 @@ def detect_tool_parser(chat_template: str | None) -> str | None:
     return None
 
 
-def call_id_maker(chat_template: str | None) -> NewId:
+def call_id_maker(chat_template: str | None, earlier_calls: int = 0) -> NewId:
     """How call ids are made for a model: Mistral's 9 characters where its template writes `[TOOL_CALLS]`
     (it checks them when the calls come back), Kimi-K2's `functions.NAME:INDEX` where its template writes
-    Kimi's calls (the form the model writes and reads back, forced calls' too, as vLLM makes them), else
-    OpenAI's `call_...`."""
+    Kimi's calls (the form the model writes and reads back, forced calls' too, as vLLM makes them: INDEX counts
+    the conversation's calls, `earlier_calls` of them in its history), else OpenAI's `call_...`."""
     if chat_template and _MISTRAL_CALLS in chat_template:
         return mistral_call_id
-    return kimi_call_id if chat_template and KIMI_CALLS_BEGIN in chat_template else default_call_id
+    if chat_template and KIMI_CALLS_BEGIN in chat_template:
+        return lambda name, index: kimi_call_id(name, earlier_calls + index)
+    return default_call_id
 
 
 def parse_tool_calls(parser: str, text: str, new_id: NewId = default_call_id,

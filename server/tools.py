@@ -95,7 +95,8 @@ def plan_tools(body: ChatInput, template: str | None, parser_name: str = "auto")
     if not tools or choice == "none":
         return ToolPlan()
     rendered = [t.model_dump(exclude_none=True) for t in tools]
-    new_id = call_id_maker(template)  # ids the template accepts when the calls come back
+    # ids the template accepts when the calls come back (Kimi's count the history's calls)
+    new_id = call_id_maker(template, sum(len(m.tool_calls or ()) for m in body.messages if m.role == "assistant"))
     renders_tools = template is not None and "tools" in template
     listed = None if renders_tools else "\n".join(json.dumps(t, ensure_ascii=False) for t in rendered)
     # a forced call (named or required) is written as the constrained JSON, not in any markup, but the

@@ -323,7 +323,10 @@ def _check_encodes(tok: Tokenizer, source: str | Path) -> None:
 
 TIKTOKEN_FILE = "tiktoken.model"
 _TIKTOKEN_SPECIALS = 258  # Kimi's tokenization_kimi.py: num_reserved_special_tokens (256) + 2 ids after the ranks
-_TIKTOKEN_MERGE_MAX_BYTES = 1024  # longer tokens (none in real vocabularies) make no merges: matched whole only
+_TIKTOKEN_MERGE_MAX_BYTES = 256  # longer tokens (Kimi's longest: 128 bytes) make no merges: matched whole only
+# merges a token may make on average: trained vocabularies make about two (DeepSeek-V3's 127k tokens 239k, at most
+# 51 for one); a file past this is corrupt or hostile (a chain a, aa, aaa, ... makes them by the square)
+_TIKTOKEN_MERGES_PER_TOKEN = 32
 
 
 def _tiktoken_tokenizer(model_dir: Path, config: dict) -> Tokenizer:
@@ -345,10 +348,14 @@ def _tiktoken_tokenizer(model_dir: Path, config: dict) -> Tokenizer:
         return "".join(to_text[x] for x in b)
 
     merges: list[tuple[str, str]] = []
+    budget = _TIKTOKEN_MERGES_PER_TOKEN * len(ranks)
     for token in sorted(ranks, key=ranks.__getitem__):
         if 1 < len(token) <= _TIKTOKEN_MERGE_MAX_BYTES:
             pairs = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
             merges += [(text(a), text(b)) for a, b in sorted(pairs, key=lambda p: (ranks[p[0]], ranks[p[1]]))]
+            if len(merges) > budget:
+                raise CheckpointError(path, f"its {len(ranks)} tokens split into more than {budget} pairs of tokens, "
+                                            "far more than a trained BPE's (about two a token): the file is corrupt")
     vocab = {text(b): r for b, r in ranks.items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
     tok.pre_tokenizer = byte_level_pre_tokenizer(PRE_TOKENIZERS["kimi-k2"].regexes)

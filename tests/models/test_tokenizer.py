@@ -931,3 +931,22 @@ def test_kimi_gguf_tokenizer_sorts_tools_as_kimi_does(smol_meta: dict) -> None:
     Moonshot's tokenizer does; other tokenizers as the request gives them."""
     assert tokenizer_from_gguf_metadata({**smol_meta, "tokenizer.ggml.pre": "kimi-k2"}, "kimi.gguf").sorted_tools
     assert not tokenizer_from_gguf_metadata(smol_meta, "smol.gguf").sorted_tools
+
+
+def test_a_tiktoken_chain_is_refused_quickly(tmp_path: Path, kimi_dir: tuple[Path, dict[bytes, int]]) -> None:
+    """A hostile rank file whose tokens split into pairs by the square (chains a, aa, aaa, ... of 12 letters up
+    to 255 bytes: 390k merges for 3,300 tokens, a trained BPE's are about two a token) is refused by the count,
+    without building them all. (A chain of one letter to 1,029 bytes took 17 s and 0.9 GB to load: tokens past 256
+    bytes make no merges now, as none in real vocabularies.)"""
+    import base64
+    import time
+
+    d, _ = kimi_dir
+    bad = tmp_path / "chain"
+    shutil.copytree(d, bad)
+    tokens = [bytes([b]) for b in range(256)] + [bytes([c]) * k for c in b"abcdefghijkl" for k in range(2, 256)]
+    (bad / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(tokens)))
+    t = time.perf_counter()
+    with pytest.raises(CheckpointError, match="split into more than"):
+        load_hf_tokenizer(bad)
+    assert time.perf_counter() - t < 10  # (generous: the machine is shared)

@@ -357,6 +357,10 @@ CASES = [
     ("kimi_k2", "Sure. " + KS_B + kimi("get_weather", 0, WEATHER) + K_B + 'functions.search:1' + K_ARGS + '{"q": "hel',
      "Sure. ", [("get_weather", WEATHER, "functions.get_weather:0"), ("search", '{"q": "hel', "functions.search:1")]),
     ("kimi_k2", KS_B + K_B + "functions.f:0" + K_ARGS + '{"a": 1}' + K_E[:-3], "", [("f", '{"a": 1}', "functions.f:0")]),
+    # a call's end marker left out: it ends where the next call begins (llama.cpp's reading); its arguments took
+    # the next call in
+    ("kimi_k2", KS_B + K_B + "functions.a:0" + K_ARGS + '{"x": 1}' + kimi("b", 1, '{"y": 2}') + KS_E, "",
+     [("a", '{"x": 1}', "functions.a:0"), ("b", '{"y": 2}', "functions.b:1")]),
     # cut inside a marker after a whole call (where the markers are several tokens): dropped, not content
     ("kimi_k2", KS_B + kimi("f", 0, "{}") + KS_E[:-3], "", [("f", "{}", "functions.f:0")]),
     ("kimi_k2", KS_B + kimi("f", 0, "{}") + "\n" + K_B[:9], "", [("f", "{}", "functions.f:0")]),
@@ -640,7 +644,7 @@ def test_kimi_k2_ids():
         ids = [c.id for c in p.tool_calls]
         assert ids[:4] == ["functions.get_weather:0", "functions.f:1", "functions.f:2", "functions.g:4"], ids
         assert re.fullmatch(r"call_[0-9a-f]{24}", ids[4]), ids  # (its place's id, functions.g:4, is taken)
-    assert call_id_maker(KIMI_TEMPLATE) is kimi_call_id and kimi_call_id("a.b", 2) == "functions.a.b:2"
+    assert call_id_maker(KIMI_TEMPLATE)("a.b", 2) == kimi_call_id("a.b", 2) == "functions.a.b:2"
     named = MergedDeltas(NamedToolCall("get_weather", call_id_maker(KIMI_TEMPLATE)))
     named.feed('{"city": "Paris"}')
     named.finish()
@@ -649,6 +653,12 @@ def test_kimi_k2_ids():
     required.feed('[{"name": "a", "parameters": {}}, {"name": "b", "parameters": {"x": 1}}]')
     required.finish()
     assert [c.id for c in required.calls] == ["functions.a:0", "functions.b:1"]
+    # the conversation's calls are counted, as vLLM counts the history's (3 earlier: these are the 4th and 5th);
+    # a forced call reused an id the history had
+    later = RequiredToolCalls(call_id_maker(KIMI_TEMPLATE, earlier_calls=3))
+    later.feed('[{"name": "a", "parameters": {}}, {"name": "b", "parameters": {"x": 1}}]')
+    later.finish()
+    assert [c.id for c in later.calls] == ["functions.a:3", "functions.b:4"]
 
 
 @pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
@@ -843,3 +853,27 @@ def test_qwen3_coder_calls_without_tool_call_tags(text: str, content: str, calls
         assert (got, [(c.name, c.arguments) for c in p.tool_calls]) == (content, calls), i
     g = GlmToolParser(_ids(), _BARE_TOOLS)  # (GLM's markup has no <function=: its text stays content)
     assert g.feed(text)[0] + g.finish()[0] == text and not g.tool_calls
+
+
+def test_kimi_k2_ids_count_the_conversations_calls():
+    """A forced call's id, and one made for a header not in the templates' form, count the calls of the history
+    (as vLLM does: Kimi's templates number a conversation's calls): after one earlier call it is
+    `functions.NAME:1` (it was `:0` again, the earlier call's id)."""
+    from server.protocol import ChatCompletionRequest
+    from server.tools import plan_tools
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    history = [{"role": "user", "content": "Paris?"},
+               {"role": "assistant", "tool_calls": [{"id": "functions.get_weather:0", "type": "function", "function": {
+                   "name": "get_weather", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"},
+               {"role": "user", "content": "And Lyon?"}]
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required", "auto"):
+        body = ChatCompletionRequest.model_validate({"messages": history, "tools": [weather], "tool_choice": choice})
+        parser = plan_tools(body, KIMI_TEMPLATE).new_parser()
+        out = ('{"city": "Lyon"}' if isinstance(choice, dict) else '[{"name": "get_weather", "parameters": {}}]'
+               if choice == "required" else KS_B + K_B + "get_weather" + K_ARGS + "{}" + K_E + KS_E)
+        parser.feed(out)
+        parser.finish()
+        calls = parser.tool_calls if hasattr(parser, "tool_calls") else parser.calls
+        assert [c.id for c in calls] == ["functions.get_weather:1"], choice
