@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -164,3 +165,16 @@ def serve_preset(tmp_path_factory, preset: str, chat_template: Path | None = Non
     srv.wait_ready()
     yield srv
     assert srv.stop() == 0
+
+
+def openai_client(srv: ServerProcess) -> Any:
+    """The OpenAI SDK's client of a served test model (no retries: a failure is the server's answer)."""
+    import openai
+
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def regex_literal(text: str) -> str:
+    """`text` as a regex of itself for `structured_outputs.regex` (the characters xgrammar's regexes treat as
+    syntax escaped)."""
+    return "".join("\\" + c if c in ".^$*+?()[]{}|\\/" else c for c in text)

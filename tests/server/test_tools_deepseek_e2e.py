@@ -9,10 +9,9 @@ import json
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
-from tests.server.server_process import serve_preset
+from tests.server.server_process import openai_client, regex_literal, serve_preset
 from tests.server.test_structured_e2e import WEATHER, calls_stream_and_continue, streamed
 
 pytestmark = pytest.mark.slow
@@ -28,19 +27,15 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-def _rx(text: str) -> str:
-    return "".join("\\" + c if c in ".^$*+?()[]{}|\\/" else c for c in text)
+    return openai_client(server)
 
 
 def test_deepseek_markup_becomes_tool_calls(client):
     model = client.models.list().data[0].id
     ask = [{"role": "user", "content": "Weather in Paris and in Lyon?"}]
     plain = client.chat.completions.create(model=model, messages=ask, max_tokens=1)
-    rx = ("Checking\\. " + _rx(B) + "(" + _rx(CB + "function" + SEP + "get_weather\n```json\n") +
-          '\\{"city": "(Paris|Lyon)", "unit": "celsius"\\}' + _rx("\n```" + CE) + "){2}" + _rx(E))
+    rx = ("Checking\\. " + regex_literal(B) + "(" + regex_literal(CB + "function" + SEP + "get_weather\n```json\n") +
+          '\\{"city": "(Paris|Lyon)", "unit": "celsius"\\}' + regex_literal("\n```" + CE) + "){2}" + regex_literal(E))
     kw = dict(model=model, messages=ask, tools=[WEATHER], max_tokens=200, seed=1,
               extra_body={"structured_outputs": {"regex": rx}})
     r = client.chat.completions.create(**kw)

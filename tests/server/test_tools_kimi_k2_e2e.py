@@ -14,10 +14,9 @@ import json
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
-from tests.server.server_process import serve_preset
+from tests.server.server_process import openai_client, regex_literal, serve_preset
 from tests.server.test_structured_e2e import WEATHER, calls_stream_and_continue, streamed
 
 pytestmark = pytest.mark.slow
@@ -36,15 +35,11 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai_client(server)
 
 
-def _rx(text: str) -> str:
-    return "".join("\\" + c if c in ".^$*+?()[]{}|\\/" else c for c in text)
-
-
-CALLS_RX = ("Checking\\. " + _rx(KS_B + K_B + "functions.get_weather:0" + K_ARGS) +
-            '\\{"city": "(Paris|Lyon)", "unit": "celsius"\\}' + _rx(K_E + K_B + "functions.now:1" + K_ARGS + "{}" + K_E
+CALLS_RX = ("Checking\\. " + regex_literal(KS_B + K_B + "functions.get_weather:0" + K_ARGS) +
+            '\\{"city": "(Paris|Lyon)", "unit": "celsius"\\}' + regex_literal(K_E + K_B + "functions.now:1" + K_ARGS + "{}" + K_E
                                                                   + KS_E))
 
 
