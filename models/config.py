@@ -448,12 +448,11 @@ def _deepseek_from_dict(k: _Keys, arch: Literal["deepseek_v2", "deepseek_v3"]) -
         raise CheckpointError(k.source, f"config key 'qk_rope_head_dim' must be even, got {rope_dim}")
     # transformers' defaults where a key is absent (DeepseekV2Config / DeepseekV3Config / Glm4MoeLiteConfig);
     # `q_lora_rank: null` is a plain q_proj (V2-Lite), an absent one transformers' 1536 (GLM-4.7-Flash's 768)
-    q_lora_rank = k.opt("q_lora_rank", None) if "q_lora_rank" in k.d else 768 if \
-        k.d.get("model_type") == "glm4_moe_lite" else 1536
-    if q_lora_rank is not None and q_lora_rank <= 0:
-        raise CheckpointError(k.source, f"config key 'q_lora_rank' must be > 0 or null, got {q_lora_rank}")
     model_type = k.d.get("model_type")
     glm = model_type == "glm4_moe_lite"
+    q_lora_rank = k.opt("q_lora_rank", None) if "q_lora_rank" in k.d else 768 if glm else 1536
+    if q_lora_rank is not None and q_lora_rank <= 0:
+        raise CheckpointError(k.source, f"config key 'q_lora_rank' must be > 0 or null, got {q_lora_rank}")
     is_v3 = arch == "deepseek_v3"
     if glm and _partial_rotary(k, 1.0) != 1.0:
         raise CheckpointError(k.source, "config key 'partial_rotary_factor' must be 1.0 for glm4_moe_lite: MLA rotates "

@@ -430,8 +430,7 @@ def _hf_config(
             attention_bias="blk.0.attn_q.bias" in infos, mlp_bias="blk.0.ffn_gate.bias" in infos,
             rope_parameters=_rope(k, theta, ctx, freqs, rope_dim, mla=False),
         )
-        if rope_dim != head_dim or arch == gn.ARCH_GLM4MOE:  # (a glm4_moe config without it rotates half)
-            d[GGUF_ROPE_DIM_KEY] = rope_dim
+        d[GGUF_ROPE_DIM_KEY] = rope_dim  # (as llama.cpp rotates: no model type's default, glm4_moe's half included)
         if k.get("expert_count", int, 0) and k.get("expert_used_count", int, 0) > k.get("expert_count", int):
             raise CheckpointError(path, f"metadata key '{k.full('expert_used_count')}' = "
                                         f"{k.get('expert_used_count', int)} is more than the "
