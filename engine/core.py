@@ -24,7 +24,7 @@ import msgspec
 import torch
 
 from models.config import DeepseekConfig, ModelConfig
-from models.loader.load import load_model, resolve_dtype
+from models.loader.load import load_model
 from models.omnikv_config import OmniKVConfig, model_label
 from models.parallel import local_kv_heads
 from engine.args import MIN_CONTEXT, EngineArgs
@@ -46,7 +46,7 @@ from engine.messages import (
     mlaserve_version,
 )
 from scheduler.sampling_params import ParamError, validate_prompt_ids
-from executor.cpu_forward import auto_kv_dtype
+from executor.cpu_forward import kv_dtype_setting
 from executor.grammar import GrammarBackend, GrammarError
 from executor.model_runner import ModelRunner, bank_layers
 from scheduler.radix_cache import create_prefix_cache
@@ -221,8 +221,7 @@ class EngineCore:
                            "context is cut to %d (within one window, sliding attention is full attention)",
                            cfg.sliding_window, cfg.max_position_embeddings)
         # auto: the model's; bf16 for GGUF blocks on the native CPU forward (executor.cpu_forward)
-        kv_dtype = auto_kv_dtype(loaded.model, loaded.dtype) if args.kv_dtype == "auto" else resolve_dtype(
-            args.kv_dtype, device)
+        kv_dtype = kv_dtype_setting(args.kv_dtype, loaded.model, loaded.dtype, device)
         per_token = kv_bytes_per_token(cfg, kv_dtype)
         # OmniKV: always planned, so that a request may ask for it whatever the server's default (under --tp
         # every rank plans alike: rank 0 sends its config, and the ranks take the selection's max over the

@@ -85,6 +85,14 @@ def auto_kv_dtype(model: CausalLM, dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if quantized else dtype
 
 
+def kv_dtype_setting(setting: str, model: CausalLM, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """`--kv-dtype` as the engine and `mlaserve generate` both resolve it: `auto` by `auto_kv_dtype`, any
+    other name as `--dtype` names are read."""
+    from models.loader.load import resolve_dtype
+
+    return auto_kv_dtype(model, dtype) if setting == "auto" else resolve_dtype(setting, device)
+
+
 def _head_linears(ext: Any, weights: torch.Tensor, dtype: torch.dtype) -> list[Any]:
     """One QuantLinear per head of `weights` [H, out, in]."""
     return [ext.QuantLinear.from_float(w, dtype=dtype) for w in weights]

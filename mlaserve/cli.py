@@ -34,7 +34,7 @@ def _generate(argv: list[str]) -> int:
     prog = "mlaserve generate"
     parsed = parse_settings(prog, "Greedy generation from one prompt, with the model loaded and run as `serve` runs "
                             "it.", flags_of(EngineArgs, ["model", "device", "dtype", "cpu_kernels", "cpu_weight_dtype",
-                                                         "expert_backend"]), argv, extra=own)
+                                                         "expert_backend", "kv_dtype"]), argv, extra=own)
     args = parsed.ns
     # serve's checks between settings, the ones generate does not take at their defaults
     whole = Parsed(argparse.Namespace(**{f.field: f.default for f in SERVE_FLAGS} | vars(args)), parsed.source,
@@ -47,6 +47,9 @@ def _generate(argv: list[str]) -> int:
     from engine.client import set_cpu_wait_policy
 
     set_cpu_wait_policy(os.environ)  # before torch is imported below
+    import torch
+
+    from executor.cpu_forward import kv_dtype_setting
     from executor.model_runner import ModelRunner
     from mlaserve.model_check import load_model_checked
     from models.loader.tokenizer import TokenizerFailure
@@ -85,9 +88,13 @@ def _generate(argv: list[str]) -> int:
         refuse(prog, f"the prompt ({len(ids)} tokens) and --max-tokens {args.max_tokens} exceed the model's context "
                f"of {context} tokens: " + (f"lower --max-tokens to at most {context - len(ids)}" if len(ids) < context
                                            else "shorten the prompt"))
+    # the KV cache's dtype as the engine resolves --kv-dtype: auto is bf16 for GGUF blocks on the
+    # native forward whatever the activations' dtype (on a CPU without bf16 math those are fp32, and a cache
+    # of the model's dtype was another forward than serve's, whose near-ties went another way)
+    kv_dtype = kv_dtype_setting(args.kv_dtype, loaded.model, loaded.dtype, torch.device(args.device))
     runner = ModelRunner(loaded.model, loaded.config, max_total_tokens=len(ids) + args.max_tokens + 1,
                          max_running_requests=1, max_context_len=len(ids) + args.max_tokens + 1, device=args.device,
-                         native_forward=native)
+                         kv_dtype=kv_dtype, native_forward=native)
     start = time.perf_counter()
     out = runner.generate_greedy(ids, args.max_tokens, stop_ids=tok.eos_token_ids)
     elapsed = time.perf_counter() - start

@@ -1023,7 +1023,8 @@ def test_prediction_bench_against_a_real_server(cpu_bench, tmp_path: Path) -> No
     without the prediction; the check requests give the same text both ways and count the prediction's tokens."""
     prediction = importlib.import_module("prediction_cpu")
     out = tmp_path / "prediction.json"
-    assert prediction.main(["--rounds", "1", "--max-tokens", "24", "--ours-only", "--out", str(out)]) == 0
+    assert prediction.main(["--rounds", "1", "--max-tokens", "24", "--ours-only", "--quiet-wait", "0",
+                            "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert set(r["raw"]) == {"mlaserve-predicted", "mlaserve-plain"} and "--ours-only" in r["skipped"]["llama-server"]
     for w in ("quote", "edit"):

@@ -292,6 +292,37 @@ def test_generate_writes_what_the_engine_serves(capsys: pytest.CaptureFixture, m
     assert got == tok.decode(ids) + "\n"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_generate_keeps_the_kv_cache_serve_keeps(dtype: str, capsys: pytest.CaptureFixture,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--kv-dtype auto` is the engine's: bf16 for GGUF blocks on the native forward whatever --dtype. generate
+    kept the model's dtype, fp32 where the CPU has no bf16 math (auto) or with --dtype float32: another forward
+    than serve's, whose greedy text differed at a near-tie (SmolLM2-135M, AVX2: the 33rd token, 0.02 apart)."""
+    import torch
+
+    from engine.args import EngineArgs
+    from engine.core import EngineCore
+    from executor.model_runner import ModelRunner
+
+    kept = []
+    init = ModelRunner.__init__
+
+    def recording(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        kept.append(self.kv_pool.dtype)
+
+    monkeypatch.setattr(ModelRunner, "__init__", recording)
+    assert main(["generate", "--model", "smollm2-135m-instruct", "--dtype", dtype, "--prompt", "hi",
+                 "--max-tokens", "1"]) == 0
+    core = EngineCore(EngineArgs(model="smollm2-135m-instruct", dtype=dtype, max_total_tokens=64,
+                                 max_running_requests=1))
+    core.close()
+    assert kept == [torch.bfloat16, torch.bfloat16]
+    assert main(["generate", "--model", "smollm2-135m-instruct", "--dtype", dtype, "--kv-dtype", "float32",
+                 "--prompt", "hi", "--max-tokens", "1"]) == 0
+    assert kept[2] == torch.float32
+
+
 def test_generate_refuses_more_than_the_context_in_one_line(checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
     """Prompt + --max-tokens past the model's context: one line naming the bound (it used to be an
     IndexError from the rotary table, after the prompt had run)."""

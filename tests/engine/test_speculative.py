@@ -8,6 +8,7 @@ and every way a step ends (a mismatch, a stop id, max_tokens, the context end) i
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 
@@ -24,9 +25,24 @@ from tests.engine.test_engine_core import assert_no_leak, make_engine, prompt, r
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-deepseek-v3", "tiny-deepseek-v2"])
+MODELS = ["tiny-llama", "tiny-deepseek-v3", "tiny-deepseek-v2"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
 def model_dir(request, tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=11)
+
+
+def on_models(names: str, *axes: list) -> pytest.MarkDecorator:
+    """Parametrizes `model_dir` and `names` over the axes' product: every combination on tiny-llama (the
+    cheapest), and each on one of the two MLA models, in a checkerboard (the parity of the combination's
+    indices), so that each MLA model meets every value of every axis at half the cost of the full product."""
+    cases = []
+    for model in MODELS:
+        for index in itertools.product(*(range(len(a)) for a in axes)):
+            if model == MODELS[0] or MODELS[1 + sum(index) % 2] == model:
+                cases.append((model, *(a[i] for a, i in zip(axes, index))))
+    return pytest.mark.parametrize(f"model_dir,{names}", cases, indirect=["model_dir"])
 
 
 _REFERENCE: dict[tuple, dict] = {}  # (model, case) -> outputs without drafts, shared by the `wrong` cases
@@ -95,8 +111,7 @@ PARAMS = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(PARAMS))
-@pytest.mark.parametrize("wrong", [0.0, 0.3])
+@on_models("wrong,kind", [0.0, 0.3], sorted(PARAMS))
 def test_drafts_change_no_token_nor_logprob(model_dir, monkeypatch, kind, wrong):
     p = PARAMS[kind]
     reqs = [(f"r{i}", prompt(6 + 5 * i, 40 + i), p) for i in range(4)]
@@ -169,8 +184,7 @@ def test_paged_drafts_change_no_token_nor_logprob(model_dir, monkeypatch, kind):
     assert 0 < s.spec_decode_accepted_tokens_total < s.spec_decode_draft_tokens_total and s.retractions_total > 0
 
 
-@pytest.mark.parametrize("kind", sorted(PARAMS))
-@pytest.mark.parametrize("spec", [None, SPEC])
+@on_models("spec,kind", [None, SPEC], sorted(PARAMS))
 def test_a_predicted_output_drafts_and_changes_no_token_nor_logprob(model_dir, kind, spec):
     """OpenAI's `prediction` (SamplingParams.prediction): its tokens draft, with or without the server's n-gram
     drafts behind them, and the tokens and logprobs are those without; the completion's own output as its
@@ -294,8 +308,7 @@ GRAMMARS = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(GRAMMARS))
-@pytest.mark.parametrize("wrong", [0.0, 0.3])
+@on_models("wrong,kind", [0.0, 0.3], sorted(GRAMMARS))
 def test_drafts_under_a_grammar_change_no_token(model_dir, monkeypatch, kind, wrong):
     """Structured outputs take drafts too (Grammar.along): a draft stops where the grammar refuses a token or
     before the stop id that completes the document, and position j of its verification is sampled with the

@@ -160,7 +160,7 @@ def test_bank_with_everything_selected_is_hf(checkpoints, name, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernels interpreted on CPU tensors; on a GPU host "
                     "test_gpu_bank_holds_sparse_layers_on_the_host runs the Triton bank on the device")
-@pytest.mark.parametrize("name", ["llama_gqa_tied", "v2_lite_yarn_grouped"])
+@pytest.mark.parametrize("name", ["v2_lite_yarn_grouped"])  # (GQA's Triton bank: test_cuda_graph_runner's OmniKV case)
 def test_triton_bank_matches_triton_without(checkpoints, name):
     """The Triton backend's bank (gather_rows over each row's length, the decode kernel over the bank's
     table): the same tokens as without a bank, logits within the kernels' float tolerance."""

@@ -131,11 +131,13 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-CASES = [("tiny-llama", 2, False), ("tiny-llama", 4, False), ("tiny-deepseek-v2", 2, False),
+# (four ranks: DeepSeek-V3's case and the end-to-end tests'; the Qwen2-MoE and GLM-4.5 layers split by heads
+# and by experts in their -ep cases, whose dense parts split as without --ep)
+CASES = [("tiny-llama", 2, False), ("tiny-deepseek-v2", 2, False),
          ("tiny-deepseek-v2", 2, True), ("tiny-deepseek-v3", 4, True), ("tiny-deepseek-v3", 2, False),
          ("tiny-llama.gguf", 2, False), ("tiny-deepseek-v2.gguf", 2, False), ("tiny-deepseek-v2.gguf", 2, True),
-         ("tiny-qwen3-moe", 2, False), ("tiny-qwen3-moe", 2, True), ("tiny-qwen2-moe", 2, False),
-         ("tiny-qwen2-moe", 2, True), ("tiny-glm4-moe", 2, False), ("tiny-glm4-moe", 2, True),
+         ("tiny-qwen3-moe", 2, False), ("tiny-qwen3-moe", 2, True),
+         ("tiny-qwen2-moe", 2, True), ("tiny-glm4-moe", 2, True),
          ("tiny-glm4-moe-lite", 2, True)]
 
 
@@ -159,9 +161,9 @@ def test_parallel_logits_equal_one_process(checkpoints, name: str, world: int, e
 # newest): the first request's context (12..20) loses tokens, the second's (6..14) too from its 4th step
 OMNIKV = dict(filter_layers=(1,), budget_tokens=3, sink_tokens=1, recent_tokens=2, min_context=1,
               full_after_filter=False)
+# (one triton case: its kernels run under Triton's interpreter, ~1 min a case; the reduction is the backends')
 OMNIKV_CASES = [("tiny-llama-4", 2, "torch", "last_token"), ("tiny-deepseek-v2-4", 2, "torch", "exponential"),
-                ("tiny-llama-4", 2, "triton", "exponential"), ("tiny-deepseek-v2-4", 2, "triton", "last_token"),
-                ("tiny-llama-4", 4, "torch", "uniform")]
+                ("tiny-deepseek-v2-4", 2, "triton", "last_token"), ("tiny-llama-4", 4, "torch", "uniform")]
 
 
 @pytest.mark.parametrize("name,world,backend,alpha", OMNIKV_CASES,
