@@ -6,6 +6,8 @@ llama.cpp does, so the logits differ by that rounding). Batches mix prefill chun
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -56,6 +58,41 @@ def all_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     return logits
 
 
+@torch.no_grad()
+def hf_bf16_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """The logits of a copy of HF's model that rounds as the native bf16 path does: the linears', the
+    routed experts' and the embedding's weights to bf16, and every linear's and expert's input to bf16
+    (the bf16 kernels multiply bf16 activations: cpp_experts/csrc/linear_calls.cpp, fill_input_cols),
+    all else in fp32 (norms, router, attention; the bf16 cache not modelled)."""
+    model = copy.deepcopy(hf)
+    to_bf16 = lambda mod, args: (args[0].bfloat16().float(), *args[1:])  # noqa: E731
+    for mod in model.modules():
+        linear = isinstance(mod, torch.nn.Linear) or type(mod).__name__.endswith("Experts")
+        if linear or isinstance(mod, torch.nn.Embedding):
+            for p in mod.parameters(recurse=False):
+                p.copy_(p.bfloat16().float())
+        if linear:
+            mod.register_forward_pre_hook(to_bf16)
+    return model(torch.tensor([ids])).logits[0].float()
+
+
+@torch.no_grad()
+def bf16_err(hf: torch.nn.Module, logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """Each position's largest logit error against HF's fp32 forward, over HF's largest logit."""
+    ref = hf(torch.tensor([ids])).logits[0].float()
+    return (logits.float() - ref).abs().max(-1).values / ref.abs().max()
+
+
+def within_hf_bf16_error(err: torch.Tensor, hf_err: torch.Tensor) -> None:
+    """DeepSeek-V3's bf16 error (router flips, moving later positions) is the checkpoint's: the native
+    forward's median is held to 1.5x that of HF's forward with the same rounding (13 checkpoints measured
+    0.95-1.13x, medians 0.0055-0.0122), its share of positions within 3e-2 to HF's less 0.1; HF's own
+    median must stay bf16-sized (measured <= 0.012), so that the reference cannot drift away unseen."""
+    assert float(hf_err.median()) <= 3e-2, hf_err
+    assert float(err.median()) <= 1.5 * float(hf_err.median()), (err, hf_err)
+    assert float((err <= 3e-2).float().mean()) >= float((hf_err <= 3e-2).float().mean()) - 0.1, (err, hf_err)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_fp32_weights_match_hf(checkpoints, name):
     hf, path = checkpoints[name]
@@ -72,18 +109,17 @@ def test_fp32_weights_match_hf(checkpoints, name):
 @pytest.mark.parametrize("name", ["llama_gqa_tied", "v3_noaux_yarn"])
 def test_bf16_weights_and_cache_within_bf16_rounding(checkpoints, name):
     """bf16 weights and a bf16 cache: within bf16 rounding of HF's fp32 logits, at every position for
-    Llama; for DeepSeek-V3 at most positions, since its router separates experts by margins bf16 can
-    flip (the torch forward on bf16 weights flips the same way)."""
+    Llama; for DeepSeek-V3 as far as HF's own forward with the kernels' rounding (`hf_bf16_logits`),
+    since its router separates experts by margins that bf16 can flip, and a flip at one position moves
+    the positions after it (through the cache), so the error is the checkpoint's, not a fixed bound."""
     hf, path = checkpoints[name]
     runner = native_runner(path, cpu_weights="bf16", kv_dtype=torch.bfloat16)
     ids = prompt(40, hf.config.vocab_size, seed=3)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].float()
-    err = (all_logits(runner, ids) - ref).abs().max(-1).values / ref.abs().max()
+    err = bf16_err(hf, all_logits(runner, ids), ids)
     if name.startswith("llama"):
         assert float(err.max()) <= 1e-2
     else:
-        assert float(err.median()) <= 1e-2 and float((err <= 3e-2).float().mean()) >= 0.8
+        within_hf_bf16_error(err, bf16_err(hf, hf_bf16_logits(hf, ids), ids))
 
 
 @pytest.mark.parametrize("name", ["llama_rope3_untied", "v2_lite_yarn_grouped"])
@@ -542,10 +578,8 @@ def test_amx_kernels_modelled_in_software_give_the_avx512_forward(checkpoints, g
     if kind != "v3_noaux_yarn":
         assert float((got - want).abs().max() / want.abs().max()) <= 1e-6
         return
-    with torch.no_grad():
-        ref = checkpoints[kind][0](torch.tensor([ids])).logits[0].float()
-    err = (got - ref).abs().max(-1).values / ref.abs().max()
-    assert float(err.median()) <= 1e-2 and float((err <= 3e-2).float().mean()) >= 0.8, err
+    hf = checkpoints[kind][0]
+    within_hf_bf16_error(bf16_err(hf, got, ids), bf16_err(hf, hf_bf16_logits(hf, ids), ids))
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-deepseek-v3"])
