@@ -52,12 +52,13 @@ serve: $(STAMP)
 	$(VENV)/bin/mlaserve serve
 
 # llama.cpp (through llama-cpp-python, built from source: a few minutes once, then cached by pip) is
-# the oracle for GGUF models. Best effort: where it cannot build, its tests skip and say so.
+# the oracle for GGUF models. Best effort: where it cannot build, its tests skip and say so. Built without
+# its multimodal library (LLAVA_BUILD=OFF: mtmd, loaded only for image chats, which no test asks of it).
 # promtool (from Debian's prometheus package, unpacked into .venv/bin, not installed system-wide)
 # checks the /metrics text. Best effort too. In CI (CI set), Debian's aarch64 cross compiler too, for the
 # check that the extension compiles and links for aarch64 (tests/cpp_experts/test_non_x86_build.py).
 $(ORACLES): $(STAMP)
-	$(PIP) install --quiet llama-cpp-python \
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF $$CMAKE_ARGS" $(PIP) install --quiet llama-cpp-python \
 		|| echo "llama-cpp-python could not be installed: the llama.cpp oracle tests will be skipped"
 	$(PY) bench/peers.py unpack >/dev/null \
 		|| echo "llama.cpp's sources could not be unpacked: the converter's dequantization checks will be skipped"
