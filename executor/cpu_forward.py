@@ -35,6 +35,7 @@ from models.base import CausalLM
 from models.config import DeepseekConfig, LlamaConfig, ModelConfig
 from models.experts import CppExperts
 from models.layers import GatedMLP
+from models.loader.load import resolve_dtype
 from models.llama import LlamaAttention
 from models.mla import MLAAttention
 from models.moe import SparseMoE
@@ -88,8 +89,6 @@ def auto_kv_dtype(model: CausalLM, dtype: torch.dtype) -> torch.dtype:
 def kv_dtype_setting(setting: str, model: CausalLM, dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """`--kv-dtype` as the engine and `mlaserve generate` both resolve it: `auto` by `auto_kv_dtype`, any
     other name as `--dtype` names are read."""
-    from models.loader.load import resolve_dtype
-
     return auto_kv_dtype(model, dtype) if setting == "auto" else resolve_dtype(setting, device)
 
 

@@ -76,10 +76,8 @@ def hf_bf16_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0].float()
 
 
-@torch.no_grad()
-def bf16_err(hf: torch.nn.Module, logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
-    """Each position's largest logit error against HF's fp32 forward, over HF's largest logit."""
-    ref = hf(torch.tensor([ids])).logits[0].float()
+def position_err(logits: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Each position's largest logit error against `ref` (HF's fp32 logits), over ref's largest logit."""
     return (logits.float() - ref).abs().max(-1).values / ref.abs().max()
 
 
@@ -115,11 +113,13 @@ def test_bf16_weights_and_cache_within_bf16_rounding(checkpoints, name):
     hf, path = checkpoints[name]
     runner = native_runner(path, cpu_weights="bf16", kv_dtype=torch.bfloat16)
     ids = prompt(40, hf.config.vocab_size, seed=3)
-    err = bf16_err(hf, all_logits(runner, ids), ids)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    err = position_err(all_logits(runner, ids), ref)
     if name.startswith("llama"):
         assert float(err.max()) <= 1e-2
     else:
-        within_hf_bf16_error(err, bf16_err(hf, hf_bf16_logits(hf, ids), ids))
+        within_hf_bf16_error(err, position_err(hf_bf16_logits(hf, ids), ref))
 
 
 @pytest.mark.parametrize("name", ["llama_rope3_untied", "v2_lite_yarn_grouped"])
@@ -579,7 +579,9 @@ def test_amx_kernels_modelled_in_software_give_the_avx512_forward(checkpoints, g
         assert float((got - want).abs().max() / want.abs().max()) <= 1e-6
         return
     hf = checkpoints[kind][0]
-    within_hf_bf16_error(bf16_err(hf, got, ids), bf16_err(hf, hf_bf16_logits(hf, ids), ids))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    within_hf_bf16_error(position_err(got, ref), position_err(hf_bf16_logits(hf, ids), ref))
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-deepseek-v3"])
