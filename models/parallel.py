@@ -260,8 +260,12 @@ def row_linear(in_features: int, out_features: int, bias: bool = False, *, what:
 
 
 def embedding(vocab: int, dim: int) -> nn.Module:
-    """nn.Embedding on one rank; the vocabulary-split embedding otherwise."""
-    return VocabEmbedding(vocab, dim) if current().parallel else nn.Embedding(vocab, dim)
+    """nn.Embedding on one rank; the vocabulary-split embedding otherwise. The weight starts empty: the
+    checkpoint fills it, and nn.Embedding's random init on the meta device goes through torch's Python
+    reference of normal_, whose first call imports torch._dynamo (about 4 s of every engine start)."""
+    if current().parallel:
+        return VocabEmbedding(vocab, dim)
+    return nn.Embedding(vocab, dim, _weight=torch.empty(vocab, dim))
 
 
 class VocabHead(nn.Module):

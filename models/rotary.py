@@ -102,8 +102,17 @@ class RotaryEmbedding(torch.nn.Module):
         self.cfg = cfg
         self.max_positions = max_positions
         self.table_positions = min(max_positions, TABLE_POSITIONS)
-        inv_freq, self.attention_factor = rope_inv_freq(cfg)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        with torch.device("cpu"):  # (a few values)
+            inv_freq, self.attention_factor = rope_inv_freq(cfg)
+        if torch.get_default_device().type == "meta":
+            # shapes only (the loader builds models on the meta device; process_weights_after_loading builds
+            # the tables): computed there, the ops would run torch's Python references, whose first call
+            # imports torch._dynamo, seconds of every engine start
+            self.register_buffer("inv_freq", torch.empty(inv_freq.shape), persistent=False)
+            self.register_buffer("cos_sin_cache", torch.empty(2, self.table_positions, inv_freq.shape[0]),
+                                 persistent=False)
+            return
+        self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()), persistent=False)
         self.register_buffer("cos_sin_cache", self._table(self.table_positions), persistent=False)
 
     def process_weights_after_loading(self) -> None:

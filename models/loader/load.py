@@ -174,7 +174,9 @@ def load_model(
                                              "real model's; fix the config") from e
     check_model_fits_checkpoint(net, shapes, ckpt.num_values(), str(path), config_source,
                                 sharded=current_layout().parallel)
-    net = net.to_empty(device=device).to(torch_dtype)
+    # allocated once, in the final dtype (cast while still on the meta device); not Module.to_empty, whose
+    # empty_like of a meta tensor runs torch's Python reference and imports sympy (most of a second per start)
+    net = net.to(torch_dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     for module in net.modules():
         if getattr(module, "keep_fp32", False):
             module.float()

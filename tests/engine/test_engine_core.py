@@ -783,3 +783,31 @@ def test_end_ids_outside_the_vocabulary_are_ignored(tmp_path, caplog):
     outs = run_to_end(core)[("r", 0)]
     assert outs[-1].finish_reason != FINISH_ERROR and len(tokens(outs)) >= 3
     assert_no_leak(core)
+
+
+@pytest.mark.parametrize("preset", ["tiny-deepseek-v2", "tiny-llama"])
+def test_building_the_engine_imports_neither_dynamo_nor_sympy(preset, tmp_path):
+    """The loader builds the model on the meta device, where torch runs some ops (nn.Embedding's init,
+    arange, empty_like) through its Python references, whose first call imports torch._dynamo (and sympy):
+    4 s of every engine, rank and `mlaserve generate` start on a 2-core machine, for tensors that the
+    checkpoint overwrites. A fresh process builds an engine and serves a request without them."""
+    import subprocess
+    import sys
+
+    model = write_checkpoint(tmp_path / preset, preset, seed=5)
+    code = f"""
+import sys
+from engine.args import EngineArgs
+from engine.core import EngineCore
+from engine.messages import GenerateRequest
+from scheduler.sampling_params import SamplingParams
+core = EngineCore(EngineArgs(model={str(model)!r}, max_total_tokens=1024))
+core.add_request(GenerateRequest("a", list(range(5, 40)), SamplingParams(max_tokens=4)))
+while core.has_work():
+    core.step()
+print(sorted(m for m in ("torch._dynamo", "sympy") if m in sys.modules))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
