@@ -87,8 +87,11 @@ def _rank(rank: int, world: int, port: int, model_dir: str, ep: bool, dp_attenti
 
 def spawn_ranks(model_dir: Path, world: int, ep: bool = False, dp_attention: bool = False,
                 omnikv: dict | None = None, backend: str = "torch") -> list[tuple[list[torch.Tensor], int]]:
-    """Each rank's (logits, parameter bytes held), ranks as processes on gloo."""
-    ctx = mp.get_context("spawn")
+    """Each rank's (logits, parameter bytes held), ranks as processes on gloo. They are forked from a
+    forkserver that has imported torch and this module once (single-threaded, as spawn's children start),
+    not spawned: each spawned rank imported torch again, seconds of a 2-core machine per rank."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", __name__])
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, str(model_dir), ep, dp_attention, results, omnikv,
