@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -791,9 +794,6 @@ def test_building_the_engine_imports_neither_dynamo_nor_sympy(preset, tmp_path):
     arange, empty_like) through its Python references, whose first call imports torch._dynamo (and sympy):
     4 s of every engine, rank and `mlaserve generate` start on a 2-core machine, for tensors that the
     checkpoint overwrites. A fresh process builds an engine and serves a request without them."""
-    import subprocess
-    import sys
-
     model = write_checkpoint(tmp_path / preset, preset, seed=5)
     code = f"""
 import sys
@@ -808,6 +808,6 @@ while core.has_work():
 print(sorted(m for m in ("torch._dynamo", "sympy") if m in sys.modules))
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+                       cwd=Path(__file__).resolve().parents[2])
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
