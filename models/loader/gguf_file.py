@@ -47,6 +47,7 @@ _MAX_LIST_ARRAY = 1 << 16
 _SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _SCALAR_NP = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY, _FLOAT32, _BOOL = 8, 9, 6, 7
+_U64 = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,28 @@ class _Cursor:
                 pass
         raise self.fail(f"{what} is not valid UTF-8")
 
+    def strings(self, count: int, what: str) -> list[str]:
+        """`count` strings in a row, read as `string` reads each (the same checks and errors), in one loop:
+        a vocabulary's tokens and merges are 100k+ strings, read by the server and the engine at every start."""
+        buf, pos, size, out = self.buf, self.pos, self.size, []
+        unpack = _U64.unpack_from
+        for i in range(count):
+            if pos + 8 > size:
+                self.pos = pos
+                self.take(8, f"length of {what}[{i}]")  # raises: the file is truncated
+            (n,) = unpack(buf, pos)
+            if pos + 8 + n > size:
+                self.pos = pos + 8
+                self.take(n, f"{what}[{i}]")  # raises
+            try:
+                out.append(str(buf[pos + 8:pos + 8 + n], "utf-8"))
+            except UnicodeDecodeError:
+                self.pos = pos + 8 + n
+                raise self.fail(f"{what}[{i}] is not valid UTF-8") from None
+            pos += 8 + n
+        self.pos = pos
+        return out
+
     def value(self, vtype: int, what: str, depth: int = 0) -> Any:
         if vtype == _STRING:
             return self.string(what)
@@ -113,6 +136,8 @@ class _Cursor:
             raise self.fail(f"{what} has unknown GGUF array element type {etype}")
         if count * 8 > self.size - self.pos:  # every string or array element takes at least 8 bytes
             raise self.fail(f"file is truncated: {what} claims {count} elements, more than the file can hold")
+        if etype == _STRING:
+            return self.strings(count, what)
         return [self.value(etype, f"{what}[{i}]", depth + 1) for i in range(count)]
 
 

@@ -99,3 +99,44 @@ def test_a_tensor_type_newer_than_the_reader_is_named(tmp_path, code, named):
     with pytest.raises(CheckpointError) as e:
         parse_gguf(map_gguf(path), path)
     assert "blk.0.attn_k.weight" in str(e.value) and named in str(e.value) and "requantize" in str(e.value)
+
+
+def test_a_string_array_reads_as_the_gguf_package_reads_it_and_each_string_is_checked(tmp_path):
+    """A vocabulary's strings are read in one loop (100k+ of them at each start): fresh random strings, UTF-8
+    of 1-4 bytes a character, read as the gguf package reads them; a string that is not UTF-8, a string cut
+    short and a length cut short each fail naming that string, its byte count and offset."""
+    import struct
+
+    import gguf
+
+    rng = random.Random()
+    seed = rng.randrange(2**32)
+    rng.seed(seed)
+    alphabet = "abcXYZ019 _.\n" + "éßж" + "中文字" + "\U0001F600\U00010348"
+    words = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12))) for _ in range(300)]
+    key = b"tokenizer.ggml.tokens"
+    head = struct.pack("<4sIQQ", b"GGUF", 3, 0, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 8, len(words))
+    starts, body = [], bytearray(head)
+    for w in words:
+        starts.append(len(body))
+        raw = w.encode()
+        body += struct.pack("<Q", len(raw)) + raw
+    path = tmp_path / "strings.gguf"
+    path.write_bytes(bytes(body) + b"\0" * (-len(body) % 32))
+    meta, _ = parse_gguf(map_gguf(path), path)
+    theirs = gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"]
+    assert meta["tokenizer.ggml.tokens"] == words == [theirs.contents(i) for i in range(len(words))], seed
+
+    i = next(j for j in range(250, 300) if words[j])  # late enough that the count check passes a cut file
+    n = len(words[i].encode())
+    bad = bytearray(body)
+    bad[starts[i] + 8] = 0xFF  # no UTF-8 byte
+    what = "metadata key 'tokenizer.ggml.tokens'"
+    files = {f"{what}[{i}] is not valid UTF-8": bytes(bad),
+             f"file is truncated: {what}[{i}] needs {n} bytes at offset {starts[i] + 8}": bytes(body[:starts[i] + 7 + n]),
+             f"file is truncated: length of {what}[{i}] needs 8 bytes at offset {starts[i]}": bytes(body[:starts[i] + 5])}
+    for message, data in files.items():
+        (tmp_path / "damaged.gguf").write_bytes(data)
+        with pytest.raises(CheckpointError) as info:
+            parse_gguf(map_gguf(tmp_path / "damaged.gguf"), tmp_path / "damaged.gguf")
+        assert message in str(info.value), (seed, str(info.value))
