@@ -59,6 +59,12 @@ def all_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
+def hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """HF's fp32 logits [len(ids), vocab] of one prompt."""
+    return hf(torch.tensor([ids])).logits[0].float()
+
+
+@torch.no_grad()
 def hf_bf16_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     """The logits of a copy of HF's model that rounds as the native bf16 path does: the linears', the
     routed experts' and the embedding's weights to bf16, and every linear's and expert's input to bf16
@@ -73,7 +79,7 @@ def hf_bf16_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
                 p.copy_(p.bfloat16().float())
         if linear:
             mod.register_forward_pre_hook(to_bf16)
-    return model(torch.tensor([ids])).logits[0].float()
+    return hf_logits(model, ids)
 
 
 def position_err(logits: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -96,8 +102,7 @@ def test_fp32_weights_match_hf(checkpoints, name):
     hf, path = checkpoints[name]
     runner = native_runner(path)
     ids = prompt(40, hf.config.vocab_size, seed=1)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].float()
+    ref = hf_logits(hf, ids)
     assert rel_err(all_logits(runner, ids), ref) <= 1e-4
     ids = prompt(12, hf.config.vocab_size, seed=2)
     assert runner.generate_greedy(ids, 24) == hf_greedy(hf, ids, 24)
@@ -113,8 +118,7 @@ def test_bf16_weights_and_cache_within_bf16_rounding(checkpoints, name):
     hf, path = checkpoints[name]
     runner = native_runner(path, cpu_weights="bf16", kv_dtype=torch.bfloat16)
     ids = prompt(40, hf.config.vocab_size, seed=3)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].float()
+    ref = hf_logits(hf, ids)
     err = position_err(all_logits(runner, ids), ref)
     if name.startswith("llama"):
         assert float(err.max()) <= 1e-2
@@ -579,8 +583,7 @@ def test_amx_kernels_modelled_in_software_give_the_avx512_forward(checkpoints, g
         assert float((got - want).abs().max() / want.abs().max()) <= 1e-6
         return
     hf = checkpoints[kind][0]
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].float()
+    ref = hf_logits(hf, ids)
     within_hf_bf16_error(position_err(got, ref), position_err(hf_bf16_logits(hf, ids), ref))
 
 
