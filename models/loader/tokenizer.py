@@ -456,7 +456,8 @@ def load_hf_tokenizer(model_dir: str | Path) -> TokenizerBundle:
     if eos_token is None and eos_ids:
         eos_token = tok.id_to_token(eos_ids[0])
     chat_template, named_templates = _chat_templates(model_dir, config)
-    vocab = tok.get_vocab(with_added_tokens=True)
+    # the FIM texts looked up one by one: the vocabulary as a dict took 0.2 s for 128k tokens, at every start
+    vocab = {t: i for name in _FIM_TRIPLE for t in _FIM_TEXTS[name] if (i := tok.token_to_id(t)) is not None}
     return TokenizerBundle(
         tokenizer=tok,
         bos_token_id=bos_id,

@@ -13,6 +13,8 @@ import json
 import random
 import re
 import shutil
+import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -495,6 +497,30 @@ def _write_vocab_gguf(meta: dict, path: Path) -> Path:
     return path
 
 
+def _vocab_gguf_named(base: dict, path: Path) -> Callable[[str, Path], Path]:
+    """`_write_vocab_gguf` of `base` under any `tokenizer.ggml.pre` name: the Python writer runs once (it takes
+    seconds for a 128k vocabulary), with a stand-in name in the last key; each file is that one's bytes with
+    the last key's string replaced, and the zeros that pad it to the file's alignment (no tensors follow)."""
+    stand_in = "stand-in-pre-tokenizer-name"
+    meta = {k: v for k, v in base.items() if k != "tokenizer.ggml.pre"} | {"tokenizer.ggml.pre": stand_in}
+    data = _write_vocab_gguf(meta, path).read_bytes()
+
+    def kv(name: str) -> bytes:
+        key, value = b"tokenizer.ggml.pre", name.encode()
+        return struct.pack("<Q", len(key)) + key + struct.pack("<IQ", gguf.GGUFValueType.STRING, len(value)) + value
+
+    start = data.rfind(kv(stand_in))
+    head, tail = data[:start], data[start + len(kv(stand_in)):]
+    assert start > 0 and len(tail) < gguf.GGUF_DEFAULT_ALIGNMENT and not tail.strip(b"\0"), "not the last key"
+
+    def write(name: str, out: Path) -> Path:
+        body = head + kv(name)
+        out.write_bytes(body + bytes(-len(body) % gguf.GGUF_DEFAULT_ALIGNMENT))
+        return out
+
+    return write
+
+
 @pytest.mark.parametrize("vocab", ["bpe", "spm"])
 def test_gguf_add_eos_token_as_llama_cpp(vocab: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """`tokenizer.ggml.add_eos_token` appends the EOS to an encoded prompt, as llama.cpp does (it was never read)."""
@@ -570,10 +596,11 @@ def test_every_pre_tokenizer_family_splits_as_llama_cpp(vocab: str, request: pyt
         base = _writer_meta(request.getfixturevalue("ds"), tmp_path / "unused.gguf")[1]
     source = inspect.getsource(json.decoder).splitlines() + inspect.getsource(re).splitlines()[:200]
     corpus = texts + ["\n".join(source[i:i + 7]) for i in range(0, len(source), 7)]
+    named = _vocab_gguf_named(base, tmp_path / "base.gguf")
     for name in _PRE_NAMES:
         meta = {**base, "tokenizer.ggml.pre": name}
         bundle = tokenizer_from_gguf_metadata(meta, f"{name}.gguf")
-        llm = open_llama(_write_vocab_gguf(meta, tmp_path / f"{name}.gguf"), vocab_only=True, verbose=False)
+        llm = open_llama(named(name, tmp_path / f"{name}.gguf"), vocab_only=True, verbose=False)
         depart = re.compile(f"[{_DEPART[name]}]") if name in _DEPART else None
         for text in corpus:
             if depart is not None and depart.search(text):
