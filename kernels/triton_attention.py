@@ -13,7 +13,9 @@ Split-KV (FlashMLA / flash-decoding): the grid is fixed at (batch, head blocks, 
 graph can hold it; how many splits a request really uses is computed inside the kernel from its
 seq_len on the device: ceil(seq_len / MIN_SPLIT_LEN) capped at max_splits, each split a multiple of
 BLOCK_N tokens; programs past the last used split return at once. Each split writes its normalised
-partial output and log-sum-exp in fp32; the combine kernel merges them per (request, head).
+partial output and log-sum-exp in fp32; the combine kernel merges them per (request, head). A request
+that uses one split (a context of up to MIN_SPLIT_LEN positions) has its output written by the split
+kernel, and the combine returns at once for it.
 
 KV slots come from `req_to_token` rows (page size 1) or from a page table of P-token pages (slot =
 page * P + pos % P), chosen by the PAGE_SIZE constexpr.
@@ -72,10 +74,11 @@ def _split_len(seq_len, max_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constex
 
 @triton.jit
 def _decode_split_kernel(
-    Q, QR, K, KR, V, TABLE, ROWS, SEQ_LENS, PART_O, PART_LSE, SCORES,
+    Q, QR, K, KR, V, TABLE, ROWS, SEQ_LENS, PART_O, PART_LSE, SCORES, OUT, LSE,
     stride_qb, stride_qh, stride_qrb, stride_qrh,
     stride_ks, stride_kh, stride_krs, stride_krh, stride_vs, stride_vh,
     stride_t, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_sb, stride_sh,
+    stride_ob, stride_oh, stride_eb,
     sm_scale, max_splits,
     KV_GROUP: tl.constexpr, HEAD_BLOCKS_PER_KV: tl.constexpr,
     DK: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
@@ -147,9 +150,16 @@ def _decode_split_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
             slots = next_slots
-        o_ptr = PART_O + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_dv[None, :]
-        tl.store(o_ptr, acc / l_i[:, None], mask=mask_h[:, None] & (offs_dv[None, :] < DV))
-        tl.store(PART_LSE + b * stride_lb + heads * stride_lh + split, m_i + tl.log(l_i), mask=mask_h)
+        mask_o = mask_h[:, None] & (offs_dv[None, :] < DV)
+        if split_len >= seq_len:  # the request's one split: its output is final (the combine skips it)
+            tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
+                     (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=mask_o)
+            if DUMP:
+                tl.store(LSE + b * stride_eb + heads, m_i + tl.log(l_i), mask=mask_h)
+        else:
+            o_ptr = PART_O + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_dv[None, :]
+            tl.store(o_ptr, acc / l_i[:, None], mask=mask_o)
+            tl.store(PART_LSE + b * stride_lb + heads * stride_lh + split, m_i + tl.log(l_i), mask=mask_h)
 
 
 @triton.jit
@@ -168,6 +178,8 @@ def _decode_combine_kernel(
     seq_len = tl.load(SEQ_LENS + b).to(tl.int32)
     split_len = _split_len(seq_len, max_splits, BLOCK_N, MIN_SPLIT)
     n_used = tl.cdiv(seq_len, split_len)
+    if n_used == 1:  # the split kernel wrote this request's output itself
+        return
     offs_s = tl.arange(0, BLOCK_S)
     cols = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     mask_c = cols < DV
@@ -218,6 +230,7 @@ def decode_attention(
     lse: torch.Tensor | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    combine_block_dv: int | None = None,
 ) -> torch.Tensor:
     """One query token per request against its cached KV -> out [B, H, Dv].
 
@@ -234,7 +247,8 @@ def decode_attention(
     log-sum-exp, from which OmniKV's filter layers take their selection without scoring the keys again.
 
     `block_h`, `block_n`, `num_warps`, `num_stages`: the launch shape (the backend takes them from its
-    `DecodePlan`); every shape computes the same numbers up to fp32 summation order.
+    `DecodePlan`); every shape computes the same numbers up to fp32 summation order. `combine_block_dv`: the
+    output columns of a combine program (None: COMBINE_BLOCK_DV compiled, the whole row interpreted).
     """
     q, q_rope, k, k_rope, v = (_unit(t) for t in (q, q_rope, k, k_rope, v))
     if out.stride(-1) != 1:
@@ -263,11 +277,11 @@ def decode_attention(
     s_buf, e_buf = (scores, lse) if dump else (part_lse, part_lse)  # (never written without DUMP)
     grid = (bsz, num_kv_heads * blocks_per_kv, max_splits)
     _decode_split_kernel[grid](
-        q, qr, k, kr, vv, table, rows, seq_lens, part_o, part_lse, s_buf,
+        q, qr, k, kr, vv, table, rows, seq_lens, part_o, part_lse, s_buf, out, e_buf,
         q.stride(0), q.stride(1), qr.stride(0), qr.stride(1),
         k.stride(0), k.stride(1), kr.stride(0), kr.stride(1), vv.stride(0), vv.stride(1),
         table.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-        s_buf.stride(0), s_buf.stride(1),
+        s_buf.stride(0), s_buf.stride(1), out.stride(0), out.stride(1), e_buf.stride(0),
         sm_scale, max_splits,
         KV_GROUP=group, HEAD_BLOCKS_PER_KV=blocks_per_kv, DK=dk, DR=dr, DV=dv,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DK=_pow2(dk), BLOCK_DR=_pow2(dr), BLOCK_DV=_pow2(dv),
@@ -275,7 +289,9 @@ def decode_attention(
         UPCAST=INTERPRETED, DOT_PRECISION=dot_precision(q.dtype), DUMP=dump,
         num_warps=num_warps, num_stages=num_stages,
     )
-    combine_dv = min(_pow2(dv), COMBINE_BLOCK_DV)
+    if combine_block_dv is None:  # interpreted, one program per (request, head): a program costs far more
+        combine_block_dv = _pow2(dv) if INTERPRETED else COMBINE_BLOCK_DV  # than its arithmetic there
+    combine_dv = min(_pow2(dv), combine_block_dv)
     _decode_combine_kernel[(bsz, num_heads, triton.cdiv(dv, combine_dv))](
         part_o, part_lse, seq_lens, out, e_buf,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),

@@ -9,6 +9,7 @@ share a batch.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -228,8 +229,12 @@ def test_mla_decode_combines_more_splits_than_one_load() -> None:
     torch.testing.assert_close(out, ref, **_tol(torch.float32))
 
 
-def test_mla_decode_wide_latent_combines_in_column_blocks() -> None:
-    """A latent wider than one combine program's columns (160: two blocks, the second part masked)."""
+def test_mla_decode_wide_latent_combines_in_column_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A latent wider than one combine program's columns (160: two blocks of the compiled kernels' 128, the
+    second part masked; interpreted, a combine program takes the whole row unless told otherwise)."""
+    monkeypatch.setattr(triton_attention, "decode_attention",
+                        functools.partial(triton_attention.decode_attention,
+                                          combine_block_dv=triton_attention.COMBINE_BLOCK_DV))
     setup = Setup("mla", 1, torch.float32, dk=160, dr=16, seed=11)
     batch = setup.batch([(70, 1), (200, 1)])
     ref, out = _mla_absorb(setup, batch, 4, 160, 16, num_sms=8)
