@@ -83,9 +83,13 @@ $(ORACLES): $(STAMP)
 # The suite runs in TEST_WORKERS processes (pytest-xdist), each test file in one of them (its module
 # fixtures built once); most tests wait on processes they start, so two workers on two cores take about
 # two thirds of the time of one. TEST_WORKERS=0 runs it in this process.
+# The sources are compiled to bytecode first: where PYTHONDONTWRITEBYTECODE is set (CI images often set it),
+# every process the suite starts (servers, engines, ranks, the CLI) compiled the modules it imports from
+# source again, 0.3-0.4 s a server process (profiled); cached bytecode is still read there.
 TEST_WORKERS ?= 2
 test: $(ORACLES)
 	$(VENV)/bin/lint-imports
+	$(PY) -m compileall -q -j 0 mlaserve server engine scheduler executor models kernels cpp_experts configs tests bench
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 # The cpp_experts extension built with AddressSanitizer into a temp dir, and its tests run on it.
