@@ -75,7 +75,7 @@ def _interpret_device_calls_in_place() -> None:
 
     def patch_once(fn):
         wanted = names(fn)
-        if not wanted <= for_good:
+        if not wanted or not wanted <= for_good:  # (none: Triton's own check says what is wrong)
             patch_lang(fn)  # (its scope dropped: never restored)
             for_good.update(wanted)
         return scope_class()  # nothing to restore
