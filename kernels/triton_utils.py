@@ -3,8 +3,6 @@ the dot precision, and the rounding of an fp32 result to a 16-bit type."""
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import triton
 import triton.language as tl
@@ -14,67 +12,31 @@ import triton.language as tl
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 
 
-def _interpret_device_calls_in_place() -> None:
-    """Triton's interpreter patches `triton.language` for a kernel's launch, but it also patches it again at
-    every call of a `@triton.jit` function inside the kernel (ours, and the language's own such as
-    `tl.zeros`): four scans of the language's modules per call, about a third of an interpreted decode's
-    time. A call whose function sees only language modules already patched in this launch runs it
-    directly; the first call that sees another one patches as Triton does. Left as it is when this
-    Triton's interpreter has another shape."""
+def _patch_the_language_once() -> None:
+    """Triton's interpreter patches `triton.language` for each launch and restores it after, and patches it
+    again at every call of a `@triton.jit` function inside a kernel (ours, and the language's own such as
+    `tl.zeros`): four scans of the language's modules each time, more than a third of an interpreted
+    decode's time. In a process whose kernels are all interpreted nothing needs the language unpatched, so
+    each language module is patched the first time a function that names it runs, and stays so. Left as it
+    is when this Triton's interpreter has another shape."""
     import inspect
 
     from triton.runtime import interpreter as ti
 
-    grid_call = getattr(ti.GridExecutor, "__call__", None)
-    fn_call = getattr(ti.InterpretedFunction, "__call__", None)
-    error = getattr(ti, "InterpreterError", None)
+    patch_lang = getattr(ti, "_patch_lang", None)
+    scope_class = getattr(ti, "_LangPatchScope", None)
     lang = getattr(ti, "tl", None)
-    if None in (grid_call, fn_call, error, lang) or not hasattr(ti.InterpretedFunction, "rewrite"):
+    if None in (patch_lang, scope_class, lang):
         return
     languages = (lang, lang.core)
     seen: dict[object, frozenset[int]] = {}  # a function -> the language modules its globals name
-    launches = threading.local()  # the modules patched in the launch running on this thread
-
-    def names(fn) -> frozenset[int]:
-        if fn not in seen:
-            seen[fn] = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in languages)
-        return seen[fn]
-
-    def launch(self, *args, **kwargs):
-        outer = getattr(launches, "patched", None)
-        launches.patched = set(names(self.fn))
-        try:
-            return grid_call(self, *args, **kwargs)
-        finally:
-            launches.patched = outer
-
-    def device_call(self, *args, **kwargs):
-        patched = getattr(launches, "patched", None)
-        wanted = names(self.fn)
-        if patched is None or not wanted <= patched:
-            if patched is not None:
-                patched |= wanted
-            return fn_call(self, *args, **kwargs)
-        fn = self.rewrite()
-        try:
-            return fn(*args, **kwargs)
-        except Exception as e:
-            raise error(repr(e)) from e
-
-    ti.GridExecutor.__call__ = launch
-    ti.InterpretedFunction.__call__ = device_call
-
-    # A launch patches the language and restores it after: four scans of the language's modules, 6 % of an
-    # interpreted decode's time. In a process whose kernels are all interpreted nothing needs the language
-    # unpatched, so each module is patched at its first launch and stays so.
-    patch_lang = getattr(ti, "_patch_lang", None)
-    scope_class = getattr(ti, "_LangPatchScope", None)
-    if patch_lang is None or scope_class is None:
-        return
     for_good: set[int] = set()  # the language modules patched for good
 
     def patch_once(fn):
-        wanted = names(fn)
+        wanted = seen.get(fn)
+        if wanted is None:
+            wanted = seen[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                          if inspect.ismodule(v) and v in languages)
         if not wanted or not wanted <= for_good:  # (none: Triton's own check says what is wrong)
             patch_lang(fn)  # (its scope dropped: never restored)
             for_good.update(wanted)
@@ -108,7 +70,7 @@ def _cache_interpreted_np_dtypes() -> None:
 
 
 if INTERPRETED:
-    _interpret_device_calls_in_place()
+    _patch_the_language_once()
     _cache_interpreted_np_dtypes()
 
 

@@ -509,8 +509,9 @@ def _vocab_gguf_named(base: dict, path: Path) -> Callable[[str, Path], Path]:
         key, value = b"tokenizer.ggml.pre", name.encode()
         return struct.pack("<Q", len(key)) + key + struct.pack("<IQ", gguf.GGUFValueType.STRING, len(value)) + value
 
-    start = data.rfind(kv(stand_in))
-    head, tail = data[:start], data[start + len(kv(stand_in)):]
+    last = kv(stand_in)
+    start = data.rfind(last)
+    head, tail = data[:start], data[start + len(last):]
     assert start > 0 and len(tail) < gguf.GGUF_DEFAULT_ALIGNMENT and not tail.strip(b"\0"), "not the last key"
 
     def write(name: str, out: Path) -> Path:
